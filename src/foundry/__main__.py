@@ -1,0 +1,7 @@
+"""`python -m foundry` is `foundry`."""
+
+import sys
+
+from foundry.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The gRPC gateway: one door for operators and client programs."""

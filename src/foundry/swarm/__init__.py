@@ -1,0 +1,1 @@
+"""Swarm training: the coordinator (parameter server) and its workers over FDTC."""

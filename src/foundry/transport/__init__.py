@@ -1,0 +1,1 @@
+"""Drivers that move wire bytes over sockets and shared memory."""

@@ -1,0 +1,1 @@
+"""Wire formats as sans-IO codecs: bytes in, messages out, and back; no sockets here."""
