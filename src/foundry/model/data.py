@@ -1,0 +1,334 @@
+"""Byte-level tokenizer, the training corpus and the one global order of training samples.
+
+Tokenizer
+---------
+Token ``b + 3`` is the byte ``b`` of the UTF-8 text; 0, 1, 2 are ``<unk>``, ``<s>`` (BOS) and
+``</s>`` (EOS), the same vocabulary the GGUF file declares (``<0x00>`` ... ``<0xFF>``).
+:func:`decode` drops the specials and decodes the bytes with ``errors="replace"``;
+:class:`StreamDecoder` does the same piece by piece for streaming generation, holding back the
+bytes of a character until it is complete.
+
+Corpus
+------
+:func:`load_corpus` reads the documents (by default the documentation bundled with every
+CPython, ``pydoc_data.topics``; otherwise a text file or a folder of text files) and encodes them
+into one int32 token stream, each document starting with one BOS. Its :class:`Fingerprint`
+(token count and sha256 of the little-endian int32 tokens) lets a coordinator check that every
+worker trains on the same data.
+
+Global sample order
+-------------------
+For a sequence length ``S`` the last ``max(5 %, S + 1)`` tokens are held out for validation.
+The rest, the training stream, is cut into ``n = (n_train - 1) // S`` sequences: sequence ``j``
+is ``train[j*S : j*S + S + 1]`` (input ``[:-1]``, target ``[1:]``). Global sample ``i`` (0, 1,
+2, ... without end) is sequence ``perm_e[i mod n]`` of epoch ``e = i // n``, where ``perm_e``
+sorts the sequence indices by a splitmix64 hash of ``(seed, e, j)``. The permutation is pure
+integer arithmetic, so every machine, whatever its numpy version or CPU, agrees on it: the same
+global sample index is the same sequence everywhere. A training position is therefore one
+integer (the next global sample index), and a round's global batch ``[P, P + G)`` is divided
+among workers with :func:`shard_range`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.config import BOS_ID, EOS_ID, N_SPECIAL_TOKENS, VOCAB_SIZE
+
+TokenArray = npt.NDArray[np.int32]
+
+# File kinds read from a corpus folder: prose and code, the text a small model learns from.
+CORPUS_SUFFIXES = (".txt", ".md", ".rst", ".py")
+# Share of the tokens held out for validation (at least one sequence is always held out).
+VAL_FRACTION = 0.05
+# Permutations kept in memory: a window of global samples spans at most two epochs, the
+# validation reader and a second sequence length (evaluation) may add one more each.
+_PERM_CACHE_SIZE = 4
+
+_U64 = np.uint64
+_MASK64 = (1 << 64) - 1
+
+
+class DataError(ValueError):
+    """Text or a corpus that cannot be used; the message says what to pass instead."""
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+
+def encode(text: str, bos: bool = True, eos: bool = False) -> TokenArray:
+    """UTF-8 bytes of ``text`` as tokens ``byte + 3``, optionally framed by BOS / EOS."""
+    raw = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+    first = int(bos)
+    out = np.empty(first + len(raw) + int(eos), dtype=np.int32)
+    out[first : first + len(raw)] = raw.astype(np.int32) + N_SPECIAL_TOKENS
+    if bos:
+        out[0] = BOS_ID
+    if eos:
+        out[-1] = EOS_ID
+    return out
+
+
+def _token_bytes(tokens: npt.ArrayLike) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    bad = (arr < 0) | (arr >= VOCAB_SIZE)
+    if bad.any():
+        raise DataError(
+            f"token {int(arr[bad][0])} is outside the byte vocabulary [0, {VOCAB_SIZE})"
+        )
+    return (arr[arr >= N_SPECIAL_TOKENS] - N_SPECIAL_TOKENS).astype(np.uint8).tobytes()
+
+
+def decode(tokens: npt.ArrayLike) -> str:
+    """Text of a token sequence: specials dropped, bytes decoded with ``errors="replace"``."""
+    return _token_bytes(tokens).decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Turns tokens into text pieces without ever splitting a multi-byte UTF-8 character.
+
+    ``"".join(d.feed(t) for t in tokens) + d.flush() == decode(tokens)`` for any tokens.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        """Text completed by this token ("" while a character is still incomplete)."""
+        return self.feed_many([token])
+
+    def feed_many(self, tokens: npt.ArrayLike) -> str:
+        return self._decoder.decode(_token_bytes(tokens), final=False)
+
+    def flush(self) -> str:
+        """End of stream: any incomplete character left over becomes U+FFFD."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+
+# -- corpus ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of a token stream: workers and coordinator compare it before training."""
+
+    n_tokens: int
+    sha256: str  # hex digest of the tokens as little-endian int32
+
+
+def fingerprint(tokens: TokenArray) -> Fingerprint:
+    data = np.ascontiguousarray(tokens, dtype="<i4").reshape(-1).view(np.uint8).data
+    return Fingerprint(n_tokens=len(tokens), sha256=hashlib.sha256(data).hexdigest())
+
+
+def shard_range(
+    global_start: int, global_count: int, shard: int, total_shards: int
+) -> tuple[int, int]:
+    """Part ``shard`` of the samples ``[global_start, global_start + global_count)``.
+
+    The block is cut into ``total_shards`` contiguous parts in order; when it does not divide
+    evenly the first parts get one sample more. Returns ``(start, count)``.
+    """
+    if total_shards < 1:
+        raise DataError(f"total_shards must be >= 1, got {total_shards}")
+    if not 0 <= shard < total_shards:
+        raise DataError(f"shard {shard} is outside [0, {total_shards})")
+    if global_start < 0 or global_count < 0:
+        raise DataError(
+            f"global_start and global_count must be >= 0, got {global_start}, {global_count}"
+        )
+    base, extra = divmod(global_count, total_shards)
+    return global_start + shard * base + min(shard, extra), base + (1 if shard < extra else 0)
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    # Vigna's splitmix64 finaliser; uint64 array arithmetic wraps modulo 2**64 by definition.
+    x = x + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+    """The order of sequences ``0..n-1`` in ``epoch``: a pure function of its arguments."""
+    key = np.array([(seed * 0x2545F4914F6CDD1D + epoch) & _MASK64], dtype=np.uint64)
+    salt = _splitmix64(_splitmix64(key))
+    hashes = _splitmix64(np.arange(n, dtype=np.uint64) ^ salt)
+    return np.argsort(hashes, kind="stable").astype(np.int64)
+
+
+class Corpus:
+    """A token stream with its fingerprint, validation split and global sample order."""
+
+    def __init__(self, tokens: TokenArray, source: str, n_documents: int) -> None:
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise DataError(f"corpus from {source} has no tokens")
+        self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.tokens.setflags(write=False)
+        self.source = source
+        self.n_documents = n_documents
+        self.fingerprint = fingerprint(self.tokens)
+        self._perms: dict[tuple[int, int, int], npt.NDArray[np.int64]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"Corpus(source={self.source!r}, n_documents={self.n_documents}, "
+            f"n_tokens={len(self.tokens)})"
+        )
+
+    def val_start(self, seq_len: int) -> int:
+        """Index of the first held-out token for sequences of ``seq_len``."""
+        _check_seq_len(seq_len)
+        n = len(self.tokens)
+        n_val = max(round(n * VAL_FRACTION), seq_len + 1)
+        if n - n_val < seq_len + 1:
+            raise DataError(
+                f"corpus {self.source} has {n} tokens, too few for seq_len {seq_len}: training "
+                f"and validation need {seq_len + 1} each; pass more text or a smaller seq_len"
+            )
+        return n - n_val
+
+    def split(self, seq_len: int) -> tuple[TokenArray, TokenArray]:
+        """(training stream, validation stream) for sequences of ``seq_len``: disjoint."""
+        cut = self.val_start(seq_len)
+        return self.tokens[:cut], self.tokens[cut:]
+
+    def n_sequences(self, seq_len: int) -> int:
+        """Training sequences per epoch."""
+        return (self.val_start(seq_len) - 1) // seq_len
+
+    def _permutation(self, n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        key = (n, seed, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) >= _PERM_CACHE_SIZE:
+                self._perms.pop(next(iter(self._perms)), None)
+            perm = self._perms[key] = epoch_permutation(n, seed, epoch)
+        return perm
+
+    def sequence_indices(
+        self, start: int, count: int, seq_len: int, seed: int = 0
+    ) -> npt.NDArray[np.int64]:
+        """Training sequence index of each global sample in ``[start, start + count)``."""
+        if start < 0 or count < 0:
+            raise DataError(f"start and count must be >= 0, got {start}, {count}")
+        n = self.n_sequences(seq_len)
+        out = np.empty(count, dtype=np.int64)
+        i = start
+        while i < start + count:
+            epoch, offset = divmod(i, n)
+            take = min(n - offset, start + count - i)
+            out[i - start : i - start + take] = self._permutation(n, seed, epoch)[
+                offset : offset + take
+            ]
+            i += take
+        return out
+
+    def sample_batch(
+        self, start: int, count: int, seq_len: int, seed: int = 0
+    ) -> tuple[TokenArray, TokenArray]:
+        """Inputs and targets, each (count, seq_len), of global samples [start, start+count)."""
+        train, _ = self.split(seq_len)
+        seqs = self.sequence_indices(start, count, seq_len, seed)
+        window = seqs[:, None] * seq_len + np.arange(seq_len + 1)  # (count, seq_len + 1)
+        chunk = train[window]
+        return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+
+    def validation_batches(
+        self, seq_len: int, max_batches: int, batch_size: int
+    ) -> Iterator[tuple[TokenArray, TokenArray]]:
+        """The fixed validation batches, in order: same on every call and every machine.
+
+        The held-out stream is cut like the training stream; batches hold ``batch_size``
+        sequences (the last may hold fewer) and stop after ``max_batches``.
+        """
+        if max_batches < 0 or batch_size < 1:
+            raise DataError(
+                f"max_batches must be >= 0 and batch_size >= 1, got {max_batches}, {batch_size}"
+            )
+        _, val = self.split(seq_len)
+        n_val = (len(val) - 1) // seq_len
+        for b in range(min(max_batches, -(-n_val // batch_size))):
+            seqs = np.arange(b * batch_size, min((b + 1) * batch_size, n_val))
+            chunk = val[seqs[:, None] * seq_len + np.arange(seq_len + 1)]
+            yield np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len}")
+
+
+def corpus_from_documents(documents: Iterable[str], source: str) -> Corpus:
+    """Encode documents into one stream, each starting with BOS."""
+    parts = [encode(doc, bos=True) for doc in documents if doc]
+    if not parts:
+        raise DataError(f"{source} holds no text")
+    return Corpus(np.concatenate(parts), source=source, n_documents=len(parts))
+
+
+def _default_documents() -> list[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise DataError(
+            f"this Python ({sys.executable}) was installed without pydoc_data, the default "
+            "training text; pass a text file or a folder of .txt/.md/.rst/.py files instead"
+        ) from None
+    # Each help topic is a document; a blank line closes it, as in the rendered help.
+    return [topics[key].rstrip("\n") + "\n\n" for key in sorted(topics)]
+
+
+def _folder_files(folder: Path) -> Sequence[Path]:
+    # Hidden entries (.git, .venv, .tox) hold tooling, not the user's text.
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix.lower() in CORPUS_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and p.is_file()
+    )
+
+
+def load_corpus(path: str | Path | None = None) -> Corpus:
+    """The training text: ``None`` for CPython's bundled docs, else a text file or a folder.
+
+    A folder contributes every ``*.txt``, ``*.md``, ``*.rst`` and ``*.py`` file below it
+    (hidden files and folders skipped), in sorted path order, each file one document.
+    """
+    if path is None:
+        return corpus_from_documents(_default_documents(), source="pydoc_data.topics")
+    p = Path(path)
+    hint = (
+        "pass a UTF-8 text file, a folder holding .txt/.md/.rst/.py files, or nothing for the "
+        "bundled Python documentation"
+    )
+    if p.is_file():
+        files: Sequence[Path] = [p]
+    elif p.is_dir():
+        files = _folder_files(p)
+        if not files:
+            raise DataError(f"corpus folder {p} holds no .txt/.md/.rst/.py files; {hint}")
+    else:
+        raise DataError(f"corpus path {p} does not exist; {hint}")
+    try:
+        documents = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    except OSError as exc:
+        raise DataError(f"cannot read corpus {p}: {exc}; {hint}") from exc
+    if not any(documents):
+        raise DataError(f"corpus {p} is empty; {hint}")
+    return corpus_from_documents(documents, source=str(p))
+

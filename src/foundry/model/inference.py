@@ -1,0 +1,275 @@
+"""KV-cache inference over independent sessions, one code path for one process and TP ranks.
+
+An ``Engine`` evaluates a list of *parts*, each a ``tp_split.RankWeights``:
+
+- a tensor-parallel rank (world 2) holds one part, its own half;
+- a single process (world 1) holds both halves of the two-rank split (or, when the model cannot
+  be split in two, one part with everything) and evaluates them one after the other.
+
+Per layer each part yields an (n_rows, n_embd) partial for the ATTN gate (its heads' output
+projection) and for the FFN gate (its routed experts plus its slice of the shared expert). The
+parts' partials are added in rank order (``p0 + p1``); a rank hands its partial to the
+``GateExchange`` instead, which returns the sum over ranks. Because float addition of two
+numbers is commutative and each part runs the same operations on the same data whichever
+process holds it, the TP pair's logits are bit-identical to the single process's (with the BLAS
+thread count fixed, as BLAS sums depend on how the work is split).
+
+``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
+projection, norm, router and expert works on all rows stacked; attention runs per session
+against that session's cache. Caches are written during the pass, but positions advance only
+when the whole pass succeeded, so a failed exchange leaves every session as it was (the rows
+written past its position are overwritten by its next block).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model import layers as L
+from foundry.model.config import ModelConfig
+from foundry.model.tp_split import RankWeights, SplitError, check_splittable, rank_weights
+from foundry.wire.tp import Gate
+
+F32 = npt.NDArray[np.float32]
+
+
+GateExchange = Callable[[int, Gate, F32], F32]
+"""(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
+
+_session_ids = itertools.count(1)
+_engine_ids = itertools.count(1)
+
+
+class Session:
+    """One sequence being decoded: the K/V caches of the engine's kv heads, position, history.
+
+    Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
+    (ctx_size, kv heads of the part, head_dim), position p in row p.
+    """
+
+    def __init__(self, engine_id: int, ctx_size: int, kv_heads: Sequence[int], cfg: ModelConfig):
+        self.id = next(_session_ids)
+        self.engine_id = engine_id
+        self.ctx_size = ctx_size
+        self.pos = 0
+        self.tokens: list[int] = []
+        shape = [(ctx_size, h, cfg.head_dim) for h in kv_heads]
+        self.k: list[list[F32]] = [
+            [np.zeros(s, np.float32) for s in shape] for _ in range(cfg.n_layer)
+        ]
+        self.v: list[list[F32]] = [
+            [np.zeros(s, np.float32) for s in shape] for _ in range(cfg.n_layer)
+        ]
+
+    @property
+    def free(self) -> int:
+        """Positions left before the context is full."""
+        return self.ctx_size - self.pos
+
+    def rewind(self, pos: int) -> None:
+        """Forget every position >= pos: the next token is evaluated at position pos."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot rewind to {pos}: the session holds positions [0, {self.pos})")
+        self.pos = pos
+        del self.tokens[pos:]
+
+
+class Engine:
+    """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
+
+    ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
+    an already cut ``RankWeights`` of the same rank and world.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, F32] | RankWeights,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        self.id = next(_engine_ids)
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        if isinstance(weights, RankWeights):
+            if (weights.cfg, weights.rank, weights.world) != (cfg, rank, world):
+                raise ValueError(
+                    f"weights are for rank {weights.rank} of {weights.world} of "
+                    f"{weights.cfg}, engine is rank {rank} of {world} of {cfg}"
+                )
+            self.parts: tuple[RankWeights, ...] = (weights,)
+        elif world == 1 and _splits_in_two(cfg):
+            self.parts = (rank_weights(cfg, weights, 0, 2), rank_weights(cfg, weights, 1, 2))
+        else:
+            self.parts = (rank_weights(cfg, weights, rank, world),)
+        self.replicated = self.parts[0].params  # embeddings, norms and routers
+        self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
+        self._cos, self._sin = L.rope_tables(cfg.n_ctx, cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def n_vocab_out(self) -> int:
+        """Width of the logits forward_rows returns (the engine's vocabulary block)."""
+        return self.vocab[1] - self.vocab[0]
+
+    def new_session(self, ctx_size: int | None = None) -> Session:
+        ctx = self.cfg.n_ctx if ctx_size is None else ctx_size
+        if ctx <= 0:
+            raise ValueError(f"ctx_size must be positive, got {ctx}")
+        if ctx > self._cos.shape[0]:
+            self._cos, self._sin = L.rope_tables(ctx, self.cfg.head_dim, self.cfg.rope_theta)
+        kv_heads = [p.layout.kv_heads[1] - p.layout.kv_heads[0] for p in self.parts]
+        return Session(self.id, ctx, kv_heads, self.cfg)
+
+    def decode(
+        self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None
+    ) -> F32:
+        """Run tokens (a block, or one) for one session: logits (len(tokens), n_vocab_out)."""
+        return self.forward_rows([(session, tokens)], exchange)
+
+    def forward_rows(
+        self,
+        rows: Sequence[tuple[Session, Sequence[int]]],
+        exchange: GateExchange | None = None,
+    ) -> F32:
+        """One pass over a block of tokens for each listed session (each at most once).
+
+        Returns logits (total tokens, n_vocab_out), the sessions' blocks in the listed order.
+        ``exchange`` is required for world > 1; a world-1 engine needs none (if given, it is
+        called with the complete sums and its result used in their place).
+        """
+        cfg, rp = self.cfg, self.replicated
+        if self.world > 1 and exchange is None:
+            raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
+        ids, pos, spans = self._check_rows(rows)
+        cos, sin = self._cos[pos], self._sin[pos]  # (n, Dh/2) each
+        x = rp["token_embd.weight"][ids]  # (n, D)
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            h, _ = L.rmsnorm_forward(x, rp[p + "attn_norm.weight"], cfg.norm_eps)  # (n, D)
+            partial = _sum(
+                [self._attention(i, j, h, rows, spans, cos, sin) for j in range(len(self.parts))]
+            )
+            x += self._exchange(exchange, i, Gate.ATTN, partial)
+            h, _ = L.rmsnorm_forward(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
+            weights, top, _ = L.router_forward(h, rp[p + "ffn_gate_inp.weight"],
+                                               cfg.n_expert_used)  # (n, K) each
+            partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
+            x += self._exchange(exchange, i, Gate.FFN, partial)
+        hf, _ = L.rmsnorm_forward(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
+        head = [hf @ part.params["output.weight"].T for part in self.parts]  # (n, V_part) each
+        logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
+        for session, tokens in rows:
+            session.tokens.extend(int(t) for t in tokens)
+            session.pos += len(tokens)
+        return logits
+
+    def _check_rows(
+        self, rows: Sequence[tuple[Session, Sequence[int]]]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, int]]]:
+        if not rows:
+            raise ValueError("forward_rows needs at least one (session, tokens) row")
+        seen: set[int] = set()
+        spans: list[tuple[int, int]] = []
+        start = 0
+        for session, tokens in rows:
+            if session.engine_id != self.id:
+                raise ValueError(f"session {session.id} belongs to another engine")
+            if session.id in seen:
+                raise ValueError(f"session {session.id} is listed twice in one pass")
+            seen.add(session.id)
+            if len(tokens) == 0:
+                raise ValueError(f"session {session.id} has an empty block")
+            if len(tokens) > session.free:
+                raise ValueError(
+                    f"session {session.id} is full: {len(tokens)} tokens at position "
+                    f"{session.pos} exceed its context of {session.ctx_size}; rewind it or "
+                    f"start a new session"
+                )
+            spans.append((start, start + len(tokens)))
+            start += len(tokens)
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in rows])  # (n,)
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.n_vocab})")
+        pos = np.concatenate([np.arange(s.pos, s.pos + len(t)) for s, t in rows])  # (n,)
+        return ids, pos, spans
+
+    def _attention(
+        self,
+        layer: int,
+        j: int,
+        h: F32,
+        rows: Sequence[tuple[Session, Sequence[int]]],
+        spans: list[tuple[int, int]],
+        cos: F32,
+        sin: F32,
+    ) -> F32:
+        """Part j's ATTN partial (n, D): its heads' attention through its attn_output columns."""
+        w = self.parts[j].params
+        p = f"blk.{layer}."
+        n, dh = h.shape[0], self.cfg.head_dim
+        q = (h @ w[p + "attn_q.weight"].T).reshape(n, -1, dh)  # (n, H_part, Dh)
+        k = (h @ w[p + "attn_k.weight"].T).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        q = L.rope_forward(q, cos, sin)
+        k = L.rope_forward(k, cos, sin)
+        o = np.empty_like(q)  # (n, H_part, Dh)
+        for (session, _), (a, b) in zip(rows, spans, strict=True):
+            kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
+            end = session.pos + b - a
+            kc[session.pos:end] = k[a:b]
+            vc[session.pos:end] = v[a:b]
+            out, _ = L.attention_forward(q[None, a:b], kc[None, :end], vc[None, :end],
+                                         offset=session.pos)  # (1, b-a, H_part, Dh)
+            o[a:b] = out[0]
+        return o.reshape(n, -1) @ w[p + "attn_output.weight"].T  # (n, D)
+
+    def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
+             top: npt.NDArray[np.int64]) -> F32:
+        """Part's FFN partial (n, D): its routed experts plus its slice of the shared expert."""
+        w = part.params
+        p = f"blk.{layer}."
+        y, _ = L.experts_forward(
+            h, weights, top,
+            w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"],
+            w[p + "ffn_down_exps.weight"],
+            first_expert=part.layout.experts[0],
+        )  # (n, D)
+        if self.cfg.n_ff_shared:
+            ys, _ = L.swiglu_forward(h, w[p + "ffn_gate_shexp.weight"],
+                                     w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+            y += ys
+        return y
+
+    def _exchange(
+        self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32
+    ) -> F32:
+        if exchange is None:
+            return partial
+        total = np.asarray(exchange(layer, gate, np.ascontiguousarray(partial)))
+        if total.shape != partial.shape or total.dtype != np.float32:
+            raise ValueError(
+                f"gate exchange of layer {layer} {gate.name} returned {total.dtype}{total.shape}, "
+                f"expected float32{partial.shape}"
+            )
+        return total
+
+
+def _splits_in_two(cfg: ModelConfig) -> bool:
+    try:
+        check_splittable(cfg, 2)
+    except SplitError:
+        return False
+    return True
+
+
+def _sum(partials: list[F32]) -> F32:
+    """Partials added in rank order, as the ranks' exchange adds them."""
+    total = partials[0]
+    for p in partials[1:]:
+        total = total + p
+    return total

@@ -1,0 +1,232 @@
+"""Tensor-parallel slicing as data: which part of each parameter rank r of w holds (DESIGN §6).
+
+Every parameter name matches one rule of ``SPLIT_TABLE``: a split kind (which axis is cut)
+and the unit it counts (query heads, kv heads, experts, shared-expert intermediate rows,
+vocabulary rows). Rank r owns the r-th contiguous block of units; blocks differ by at most one
+unit, the earlier ranks taking the larger ones (rank 0 of 2 gets the first ceil(V/2) rows of the
+output head).
+
+What each rank computes with its slice, per layer:
+
+- ATTN gate: the output projection of its heads' attention (its columns of ``attn_output``
+  times its heads' outputs, from its rows of Q/K/V): an (n_rows, n_embd) partial.
+- FFN gate: the outputs of its routed experts (the router is replicated, so every rank computes
+  the same full routing and skips assignments to experts it does not hold) plus its slice of
+  the shared expert's intermediate rows: an (n_rows, n_embd) partial.
+- The partials of all ranks are summed and added to the residual stream on every rank.
+- The output head gives each rank its vocabulary block of the logits; the blocks, joined in
+  rank order, are the full logits.
+
+Embeddings and norms are replicated. Query head h reads kv head h // (n_head / n_head_kv), so a
+rank owning a contiguous block of whole kv heads owns exactly the query heads reading them: the
+split needs n_head_kv divisible by the world size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.config import ConfigError, ModelConfig
+
+F32 = npt.NDArray[np.float32]
+
+
+class SplitKind(Enum):
+    REPLICATED = "replicated"  # every rank holds the whole tensor
+    ROW = "row"  # axis 0 of an (out, in) matrix: the rank computes part of the outputs
+    COLUMN = "column"  # axis 1: the rank reads part of the inputs, outputs are partial sums
+    EXPERT = "expert"  # axis 0 of a merged (E, ., .) expert tensor
+    VOCAB = "vocab"  # rows of the output head: the rank computes a block of the logits
+
+
+class Unit(Enum):
+    """What a split counts; each unit spans ``unit_size`` elements of the cut axis."""
+
+    HEAD = "head"  # a query head: head_dim rows of Q, head_dim columns of attn_output
+    KV_HEAD = "kv_head"  # a kv head: head_dim rows of K and V
+    EXPERT = "expert"
+    SHARED_FF = "shared_ff"  # one intermediate row of the shared expert
+    VOCAB = "vocab"  # one token's row of the output head
+
+
+AXIS = {SplitKind.ROW: 0, SplitKind.COLUMN: 1, SplitKind.EXPERT: 0, SplitKind.VOCAB: 0}
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    pattern: str  # fnmatch pattern over parameter names
+    kind: SplitKind
+    unit: Unit | None  # None for REPLICATED
+
+
+SPLIT_TABLE: tuple[SplitRule, ...] = (
+    SplitRule("token_embd.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.attn_norm.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.attn_q.weight", SplitKind.ROW, Unit.HEAD),
+    SplitRule("blk.*.attn_k.weight", SplitKind.ROW, Unit.KV_HEAD),
+    SplitRule("blk.*.attn_v.weight", SplitKind.ROW, Unit.KV_HEAD),
+    SplitRule("blk.*.attn_output.weight", SplitKind.COLUMN, Unit.HEAD),
+    SplitRule("blk.*.ffn_norm.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.ffn_gate_inp.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.ffn_gate_exps.weight", SplitKind.EXPERT, Unit.EXPERT),
+    SplitRule("blk.*.ffn_up_exps.weight", SplitKind.EXPERT, Unit.EXPERT),
+    SplitRule("blk.*.ffn_down_exps.weight", SplitKind.EXPERT, Unit.EXPERT),
+    SplitRule("blk.*.ffn_gate_shexp.weight", SplitKind.ROW, Unit.SHARED_FF),
+    SplitRule("blk.*.ffn_up_shexp.weight", SplitKind.ROW, Unit.SHARED_FF),
+    SplitRule("blk.*.ffn_down_shexp.weight", SplitKind.COLUMN, Unit.SHARED_FF),
+    SplitRule("output_norm.weight", SplitKind.REPLICATED, None),
+    SplitRule("output.weight", SplitKind.VOCAB, Unit.VOCAB),
+)
+
+
+class SplitError(ConfigError):
+    """A model that cannot be cut for the requested world size (names the field and value)."""
+
+
+def rule_for(name: str) -> SplitRule:
+    for rule in SPLIT_TABLE:
+        if fnmatch.fnmatchcase(name, rule.pattern):
+            return rule
+    raise KeyError(f"no tensor-parallel split rule for parameter {name!r}")
+
+
+def block_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's contiguous block [start, stop) of n units; the first n % world ranks get one more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def check_splittable(cfg: ModelConfig, world: int) -> None:
+    if world < 1:
+        raise SplitError(f"world size must be >= 1, got {world}")
+    if cfg.n_head_kv % world:
+        raise SplitError(
+            f"cannot split attention over {world} ranks: n_head_kv={cfg.n_head_kv} is not "
+            f"divisible by {world} (each rank must own whole kv heads with the query heads that "
+            f"read them); use a model whose n_head_kv is a multiple of {world}"
+        )
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The unit blocks [start, stop) that rank ``rank`` of ``world`` owns."""
+
+    rank: int
+    world: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    experts: tuple[int, int]
+    shared_ff: tuple[int, int]
+    vocab: tuple[int, int]
+    head_dim: int
+
+    def units(self, unit: Unit) -> tuple[int, int]:
+        return {
+            Unit.HEAD: self.heads,
+            Unit.KV_HEAD: self.kv_heads,
+            Unit.EXPERT: self.experts,
+            Unit.SHARED_FF: self.shared_ff,
+            Unit.VOCAB: self.vocab,
+        }[unit]
+
+    def elements(self, unit: Unit) -> tuple[int, int]:
+        """The block as indices along the cut axis."""
+        start, stop = self.units(unit)
+        size = self.head_dim if unit in (Unit.HEAD, Unit.KV_HEAD) else 1
+        return start * size, stop * size
+
+
+def rank_layout(cfg: ModelConfig, rank: int, world: int) -> RankLayout:
+    check_splittable(cfg, world)
+    if not 0 <= rank < world:
+        raise SplitError(f"rank must lie in [0, {world}), got {rank}")
+    return RankLayout(
+        rank=rank,
+        world=world,
+        heads=block_range(cfg.n_head, rank, world),
+        kv_heads=block_range(cfg.n_head_kv, rank, world),
+        experts=block_range(cfg.n_expert, rank, world),
+        shared_ff=block_range(cfg.n_ff_shared, rank, world),
+        vocab=block_range(cfg.n_vocab, rank, world),
+        head_dim=cfg.head_dim,
+    )
+
+
+def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
+    """The index of rank's part of parameter ``name`` (of ``ndim`` axes)."""
+    rule = rule_for(name)
+    index = [slice(None)] * ndim
+    if rule.kind is not SplitKind.REPLICATED:
+        assert rule.unit is not None
+        start, stop = layout.elements(rule.unit)
+        index[AXIS[rule.kind]] = slice(start, stop)
+    return tuple(index)
+
+
+def shard_shapes(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
+    layout = rank_layout(cfg, rank, world)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in cfg.param_shapes().items():
+        index = shard_slice(name, len(shape), layout)
+        shapes[name] = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+    return shapes
+
+
+def shard_params(
+    cfg: ModelConfig, params: Mapping[str, F32], rank: int, world: int
+) -> dict[str, F32]:
+    """Rank's part of every parameter, C-contiguous float32: a view where the cut allows it
+    (rows, experts, replicated), a copy for column cuts."""
+    layout = rank_layout(cfg, rank, world)
+    out: dict[str, F32] = {}
+    for name, shape in cfg.param_shapes().items():
+        value = params[name]
+        if value.shape != shape:
+            raise ValueError(f"parameter {name} has shape {value.shape}, expected {shape}")
+        part = value[shard_slice(name, len(shape), layout)]
+        out[name] = np.ascontiguousarray(part, dtype=np.float32)
+    return out
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """The parameters one rank holds (world 1: everything), with the blocks they cover."""
+
+    cfg: ModelConfig
+    layout: RankLayout
+    params: dict[str, F32]
+
+    def __post_init__(self) -> None:
+        expected = shard_shapes(self.cfg, self.layout.rank, self.layout.world)
+        for name, shape in expected.items():
+            value = self.params.get(name)
+            if value is None:
+                raise ValueError(f"rank {self.rank} of {self.world} lacks parameter {name}")
+            if value.shape != shape or value.dtype != np.float32:
+                raise ValueError(
+                    f"rank {self.rank} of {self.world}: {name} is {value.dtype}{value.shape}, "
+                    f"expected float32{shape}"
+                )
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+
+def rank_weights(
+    cfg: ModelConfig, params: Mapping[str, F32], rank: int, world: int
+) -> RankWeights:
+    """Cut the full ``params`` for rank ``rank`` of ``world``."""
+    return RankWeights(cfg, rank_layout(cfg, rank, world), shard_params(cfg, params, rank, world))

@@ -1,0 +1,155 @@
+"""One training step, split where the swarm splits it.
+
+``compute_gradients`` is what a worker runs on its slice of the global batch; ``Trainer.apply``
+is what the coordinator runs on the averaged gradient. Single-process ``foundry train`` runs
+both back to back, so the swarm and one process share every line of the maths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.config import ModelConfig
+from foundry.model.data import Corpus
+from foundry.model.layers import cross_entropy
+from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.transformer import forward, loss_and_grads
+
+Params = dict[str, npt.NDArray[np.float32]]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Hyper-parameters of the optimisation; the coordinator owns them, workers get a copy."""
+
+    global_batch: int = 16  # samples per step, whatever the number of workers
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 1000  # the cosine schedule's length
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.01
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "seq_len", "total_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+@dataclass
+class GradientResult:
+    grads: Params  # mean over the samples, canonical order
+    n_samples: int
+    loss: float  # mean cross-entropy over the samples
+    aux_loss: float
+
+
+def compute_gradients(
+    params: Params,
+    cfg: ModelConfig,
+    corpus: Corpus,
+    start: int,
+    count: int,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    aux_loss_coef: float,
+    data_seed: int = 0,
+) -> GradientResult:
+    """Mean gradient over global samples ``[start, start + count)``, ``micro_batch`` at a time.
+
+    Micro-batch gradients are averaged weighted by their sizes, so the result does not depend
+    on ``micro_batch`` beyond float rounding (gradient accumulation).
+    """
+    if count <= 0:
+        raise ValueError(f"count must be positive, got {count}")
+    micro_batch = max(1, micro_batch)
+    total: Params | None = None
+    loss_sum = 0.0
+    aux_sum = 0.0
+    for off in range(0, count, micro_batch):
+        n = min(micro_batch, count - off)
+        tokens, targets = corpus.sample_batch(start + off, n, seq_len, seed=data_seed)
+        _, stats, grads = loss_and_grads(
+            params, cfg, tokens, targets, aux_loss_coef=aux_loss_coef
+        )
+        w = np.float32(n / count)
+        if total is None:
+            total = {k: w * g for k, g in grads.items()}
+        else:
+            for k, g in grads.items():
+                total[k] += w * g
+        loss_sum += float(stats["ce_loss"]) * n
+        aux_sum += float(stats["aux_loss"]) * n
+    assert total is not None
+    return GradientResult(total, count, loss_sum / count, aux_sum / count)
+
+
+@dataclass
+class Trainer:
+    """Weights, optimizer state, global step and data position: the state a checkpoint holds."""
+
+    cfg: ModelConfig
+    settings: TrainSettings
+    params: Params
+    optimizer: AdamW = field(init=False)
+    step: int = 0
+    position: int = 0  # next global sample index
+
+    def __post_init__(self) -> None:
+        self.optimizer = AdamW(self.params, weight_decay=self.settings.weight_decay)
+
+    def learning_rate(self) -> float:
+        s = self.settings
+        return lr_schedule(self.step, s.lr, s.warmup_steps, s.total_steps, s.min_lr_ratio)
+
+    def apply(self, grads: Params) -> float:
+        """Clip, take one AdamW step at the schedule's rate, advance step and data position.
+
+        Returns the gradient norm before clipping.
+        """
+        norm = clip_grad_norm(grads, self.settings.grad_clip)
+        self.optimizer.step(self.params, grads, lr=self.learning_rate())
+        self.step += 1
+        self.position += self.settings.global_batch
+        return norm
+
+    def train_step(self, corpus: Corpus, micro_batch: int | None = None) -> GradientResult:
+        """Single-process step over the same global batch the swarm would use."""
+        s = self.settings
+        result = compute_gradients(
+            self.params,
+            self.cfg,
+            corpus,
+            self.position,
+            s.global_batch,
+            seq_len=s.seq_len,
+            micro_batch=micro_batch or s.global_batch,
+            aux_loss_coef=s.aux_loss_coef,
+            data_seed=s.data_seed,
+        )
+        self.apply(result.grads)
+        return result
+
+
+def evaluate_loss(
+    params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int, max_batches: int,
+    batch_size: int = 8,
+) -> float:
+    """Mean cross-entropy on the corpus's held-out split (the same batches every call)."""
+    total, n = 0.0, 0
+    for tokens, targets in corpus.validation_batches(seq_len, max_batches, batch_size):
+        logits, _ = forward(params, cfg, tokens)  # (B, T, V)
+        b, t, v = logits.shape
+        loss, _ = cross_entropy(logits.reshape(b * t, v), targets.astype(np.int64).ravel())
+        total += loss * b
+        n += b
+    return total / n if n else float("nan")

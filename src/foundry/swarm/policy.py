@@ -1,0 +1,186 @@
+"""Round policy of the swarm as pure functions of state and time (no sockets, no clocks).
+
+Theory of operation
+-------------------
+Training is synchronous data parallelism on a parameter server. Step ``s`` trains on the
+global samples ``[P, P + G)`` where ``P`` is the data position and ``G`` the global batch:
+the same samples whatever the number of workers, so adding or losing a machine changes the
+speed of training, not its maths.
+
+At the start of a round the coordinator splits ``G`` among the active workers in proportion
+to their measured throughput (samples/s), so a Raspberry Pi and a desktop finish together
+(:func:`allocate_samples`). The round closes when every assigned worker reported, or at an
+adaptive deadline (:func:`round_deadline`) if the reported samples reach the quorum; below
+quorum at the deadline the round is abandoned and re-run on whoever is left
+(:func:`round_decision`). Gradients are averaged weighted by the samples each worker actually
+processed (:func:`weighted_mean`), which for equal-length sequences is exactly the mean over
+the global batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+# A measured rate moves this far towards each new measurement: fast enough to follow a
+# machine that got busy, slow enough that one noisy round does not swing the split.
+RATE_EMA_ALPHA = 0.5
+# The deadline waits this many times the slowest expected finish: round times on shared
+# machines jitter by tens of percent, a straggler twice as slow as measured is a real stall.
+DEADLINE_FACTOR = 2.5
+# Never close a round earlier than this after it began (loopback jitter, GC pauses).
+DEADLINE_FLOOR_S = 2.0
+# Before any worker was measured there is nothing to adapt from: allow a first compile-free
+# numpy round on a Raspberry Pi 3.
+INITIAL_DEADLINE_S = 120.0
+# A round closes at its deadline only with at least this share of the assigned samples.
+DEFAULT_QUORUM = 0.5
+
+
+def allocate_samples(global_batch: int, rates: Mapping[str, float]) -> dict[str, int]:
+    """Split ``global_batch`` samples among workers in proportion to their samples/s.
+
+    Largest-remainder rounding, so the shares sum exactly to ``global_batch``; every worker
+    gets at least one sample while there are enough to go round (an idle worker would never be
+    measured again). Ties are broken by worker id, so the split is deterministic.
+    """
+    if global_batch < 0:
+        raise ValueError(f"global_batch must be >= 0, got {global_batch}")
+    ids = sorted(rates)
+    if not ids:
+        return {}
+    weights = [max(float(rates[i]), 0.0) for i in ids]
+    total = sum(weights)
+    if total <= 0.0 or not math.isfinite(total):
+        weights = [1.0] * len(ids)
+        total = float(len(ids))
+    floor_each = 1 if global_batch >= len(ids) else 0
+    spare = global_batch - floor_each * len(ids)
+    exact = [spare * w / total for w in weights]
+    shares = [floor_each + math.floor(x) for x in exact]
+    left = global_batch - sum(shares)
+    by_remainder = sorted(range(len(ids)), key=lambda k: (-(exact[k] - math.floor(exact[k])), k))
+    for k in by_remainder[:left]:
+        shares[k] += 1
+    return dict(zip(ids, shares, strict=True))
+
+
+def contiguous_offsets(start: int, shares: Mapping[str, int]) -> dict[str, int]:
+    """Give each worker a contiguous slice of ``[start, start + sum(shares))``, in id order."""
+    offsets: dict[str, int] = {}
+    pos = start
+    for worker_id in sorted(shares):
+        offsets[worker_id] = pos
+        pos += shares[worker_id]
+    return offsets
+
+
+def update_rate(previous: float | None, measured: float, alpha: float = RATE_EMA_ALPHA) -> float:
+    """Exponential moving average of samples/s; the first measurement is taken as is."""
+    if not math.isfinite(measured) or measured <= 0.0:
+        return previous if previous is not None else 0.0
+    if previous is None or previous <= 0.0:
+        return measured
+    return (1.0 - alpha) * previous + alpha * measured
+
+
+def round_deadline(
+    started_at: float,
+    shares: Mapping[str, int],
+    rates: Mapping[str, float],
+    *,
+    factor: float = DEADLINE_FACTOR,
+    floor_s: float = DEADLINE_FLOOR_S,
+    initial_s: float = INITIAL_DEADLINE_S,
+) -> float:
+    """When the round stops waiting: ``factor`` times the slowest expected finish.
+
+    A worker without a measured rate yet makes the deadline the generous ``initial_s``.
+    """
+    expected = 0.0
+    for worker_id, n in shares.items():
+        rate = rates.get(worker_id, 0.0)
+        if rate <= 0.0:
+            return started_at + initial_s
+        expected = max(expected, n / rate)
+    return started_at + max(floor_s, factor * expected)
+
+
+class RoundDecision(enum.Enum):
+    WAIT = "wait"  # keep collecting gradients
+    CLOSE = "close"  # aggregate what arrived and step
+    ABANDON = "abandon"  # below quorum at the deadline: re-run the step on who is left
+
+
+def round_decision(
+    *,
+    now: float,
+    deadline: float,
+    assigned: Mapping[str, int],
+    reported: Mapping[str, int],
+    quorum: float = DEFAULT_QUORUM,
+) -> RoundDecision:
+    """Close when everyone assigned reported; at the deadline close with quorum, else abandon.
+
+    ``assigned`` holds the workers still alive (a dropped worker is removed by the caller), so
+    a round never waits on the dead; ``reported`` maps each reporter to its sample count.
+    """
+    pending = [w for w in assigned if w not in reported]
+    if not pending and reported:
+        return RoundDecision.CLOSE
+    if not assigned and not reported:
+        return RoundDecision.ABANDON
+    if now < deadline:
+        return RoundDecision.WAIT
+    total_assigned = sum(assigned.values()) + sum(
+        n for w, n in reported.items() if w not in assigned
+    )
+    got = sum(reported.values())
+    if got > 0 and got >= quorum * total_assigned:
+        return RoundDecision.CLOSE
+    return RoundDecision.ABANDON
+
+
+def weighted_mean(
+    grads: Sequence[tuple[int, Sequence[npt.NDArray[np.float32]]]],
+) -> list[npt.NDArray[np.float32]]:
+    """Average per-worker mean gradients weighted by the samples each one processed.
+
+    ``grads`` is ``[(n_samples, [tensor, ...]), ...]``, tensors in the canonical order.
+    The result is accumulated in a fixed order (as given), so it is reproducible.
+    """
+    if not grads:
+        raise ValueError("no gradients to average")
+    total = sum(n for n, _ in grads)
+    if total <= 0:
+        raise ValueError("gradients cover no samples")
+    out = [np.zeros_like(t, dtype=np.float32) for t in grads[0][1]]
+    for n, tensors in grads:
+        if len(tensors) != len(out):
+            raise ValueError(f"expected {len(out)} tensors, got {len(tensors)}")
+        w = np.float32(n / total)
+        for acc, t in zip(out, tensors, strict=True):
+            acc += w * t
+    return out
+
+
+def is_dead(now: float, last_seen: float, timeout_s: float) -> bool:
+    """A worker silent for longer than ``timeout_s`` (no heartbeat, no message) is dropped."""
+    return now - last_seen > timeout_s
+
+
+def backoff_delay(
+    attempt: int, *, base_s: float = 0.25, cap_s: float = 10.0, rng: random.Random | None = None
+) -> float:
+    """Capped exponential backoff with "equal jitter": a delay in [ceiling/2, ceiling].
+
+    Jitter keeps a swarm of workers from reconnecting in lock step after a coordinator restart.
+    """
+    ceiling = min(cap_s, base_s * (2.0 ** max(attempt, 0)))
+    r = rng if rng is not None else random.Random()
+    return ceiling * (0.5 + 0.5 * r.random())

@@ -1,0 +1,1130 @@
+"""The two-rank tensor-parallel protocol (seed: ``ds4_tp.h``) as a sans-IO codec.
+
+Three byte formats live here, none of them touching a socket:
+
+- the **hello** (168 bytes), the first thing each rank sends on the control socket: protocol
+  version, role, the engine :class:`Identity` and the shared-memory offer;
+- the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
+  header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``;
+- the **gate header** (20 bytes) that tags every partial on the data plane, and the layout of
+  the shared-memory slab that carries the partials when both ranks share a host.
+
+Theory of operation
+-------------------
+Each rank sends its hello, then reads the peer's. A :class:`TpDecoder` made with
+``expect_hello=True`` accepts exactly one hello as the first record and checks the peer's
+version from its first 8 bytes, before trusting any other field; :func:`check_hello` then
+compares roles and identities and raises with the field name and both values. After the hello
+the control socket carries control frames only. The decoder validates each frame header (magic,
+type, flags, length against ``max_payload`` and against the type's legal sizes) as soon as its
+28 bytes are in, before waiting for the payload. Short input means "feed me more" (``None``);
+bad input raises :class:`TpProtocolError` and leaves the decoder failed for good: the caller
+closes the connection and re-handshakes.
+
+Every layout is little-endian and packed (``struct`` formats start with ``<``); every struct's
+size is asserted in ``tests/test_tp_wire.py``. ``docs/protocol_tp.md`` documents every byte.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar, Self
+
+import numpy as np
+
+from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+# -- constants ---------------------------------------------------------------------------------
+
+TP_PROTOCOL_VERSION = 1
+# On the wire the magics read as ASCII: "DTPH" (hello), "DTP4" (control frame), "DTPS" (slab).
+TP_HELLO_MAGIC = int.from_bytes(b"DTPH", "little")
+TP_FRAME_MAGIC = int.from_bytes(b"DTP4", "little")
+TP_SLAB_MAGIC = int.from_bytes(b"DTPS", "little")
+
+# ds4_tp_identity.gate_slot_mask is DS4_TP_GATE_MASK_WORDS u64 words: one bit per gate slot in
+# firing order, 256 slots, enough for 128 layers that each fire ATTN and FFN.
+DS4_TP_GATE_MASK_WORDS = 4
+# Rows of one verify block (the seed row plus the drafted tokens): DS4_TP_BATCH_MAX_ROWS.
+DS4_TP_BATCH_MAX_ROWS = 8
+# VERIFY flag bits, as in the seed (DS4_TP_VERIFY_FLAGS is their union).
+DS4_TP_VERIFY_HEAD_SPLIT = 1
+DS4_TP_VERIFY_DSPARK_TP = 2
+DS4_TP_VERIFY_DSPARK_SEED = 4
+DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_TP_VERIFY_DSPARK_SEED
+
+# Hello flag bits.
+HELLO_SHM_OFFERED = 1
+HELLO_FLAGS = HELLO_SHM_OFFERED
+HOST_ID_BYTES = 16
+SHM_NAME_BYTES = 64
+# A slab name is a bare file name (it is opened under the shared-memory directory), at most 63
+# bytes so that the C char[64] field always ends in a NUL.
+SHM_NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,62}")
+
+# Sessions in one EVAL_BATCH / MIXED_BATCH step: far more than a two-rank pair decodes at once,
+# and it bounds those frames at 16 KiB of items.
+TP_MAX_BATCH_ITEMS = 1024
+# Default bound on a control payload when the model is not known yet. The largest legal frames
+# are a SYNC of ctx_size tokens and a LOGITS half of n_vocab/2 floats (see max_payload_for): a
+# 1M-token context is 4 MiB, a 2M-entry vocabulary half 4 MiB. 16 MiB covers both with room, and
+# a corrupt length field can never make a rank buffer more than that.
+TP_MAX_PAYLOAD = 16 * 1024 * 1024
+
+_U8, _U16, _U32, _U64 = (1 << 8) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+class TpProtocolError(RemoteProtocolError):
+    """The peer's tensor-parallel bytes break the protocol (raised on the receive path only).
+
+    Where it sits in the tree of ``foundry.wire.errors``::
+
+        ProtocolError
+        ├── LocalProtocolError           we built a frame whose value does not fit its field
+        └── RemoteProtocolError
+            └── TpProtocolError          bad TP bytes from the peer: close and re-handshake
+                ├── VersionMismatch      the peer speaks another TP protocol version
+                └── IdentityMismatch     the peer's hello describes another model or role
+    """
+
+
+class VersionMismatch(TpProtocolError):
+    """The two ranks run different protocol versions; names both."""
+
+
+class IdentityMismatch(TpProtocolError):
+    """The two ranks loaded different models (or both claim one role); names field and values."""
+
+
+def _check_range(owner: str, name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise LocalProtocolError(
+            f"{owner}.{name} must be an integer in [{lo}, {hi}], got {value!r}"
+        )
+
+
+def _check_tokens(owner: str, name: str, tokens: tuple[int, ...]) -> None:
+    if tokens and (min(tokens) < _I32_MIN or max(tokens) > _I32_MAX):
+        raise LocalProtocolError(f"{owner}.{name} holds a token outside int32")
+
+
+# -- identity and hello ------------------------------------------------------------------------
+
+
+class Role(enum.IntEnum):
+    LEADER = 0
+    WORKER = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """``ds4_tp_identity``: what both ranks must agree on before any inference runs.
+
+    The gate schedule (``gate_slot_*``, ``gates_per_token``) is carried as the seed defines it:
+    a nonempty mask lists the slots in firing order, otherwise
+    ``slot(seq) = start + ((seq - 1) % per_token) * step``, per_token 0 meaning every slot.
+    """
+
+    gguf_bytes: int
+    model_id: int
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    quant_bits: int
+    ctx_size: int
+    gate_slot_start: int = 0
+    gate_slot_step: int = 1
+    gates_per_token: int = 0
+    gate_slot_mask: tuple[int, ...] = (0,) * DS4_TP_GATE_MASK_WORDS
+
+    def __post_init__(self) -> None:
+        _check_range("Identity", "gguf_bytes", self.gguf_bytes, 0, _U64)
+        for f in fields(self)[1:-1]:
+            _check_range("Identity", f.name, getattr(self, f.name), 0, _U32)
+        if len(self.gate_slot_mask) != DS4_TP_GATE_MASK_WORDS:
+            raise LocalProtocolError(
+                f"Identity.gate_slot_mask must have {DS4_TP_GATE_MASK_WORDS} words, "
+                f"got {len(self.gate_slot_mask)}"
+            )
+        for word in self.gate_slot_mask:
+            _check_range("Identity", "gate_slot_mask", word, 0, _U64)
+
+
+# magic u32, version u16, hello_size u16: the part of a hello that no version will ever move,
+# so a peer of another version is told so instead of being misparsed.
+HELLO_PREFIX = struct.Struct("<IHH")
+# role u8, flags u8, reserved u16
+_HELLO_ROLE = struct.Struct("<BBH")
+# gguf_bytes u64, model_id .. gates_per_token 9 x u32, gate_slot_mask 4 x u64 (packed: the C
+# struct in memory has 4 bytes of padding before the mask, the wire does not).
+IDENTITY = struct.Struct(f"<Q9I{DS4_TP_GATE_MASK_WORDS}Q")
+HELLO = struct.Struct(
+    f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s"
+)
+HELLO_SIZE = HELLO.size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello:
+    """The first record on the control socket, from each rank.
+
+    ``shm_offered`` says this rank can use a shared-memory slab; the leader also names the slab
+    it created (``shm_name``). ``host_id`` identifies the machine (and container): the slab is
+    used only when both ranks offered it and their host ids are equal (see
+    :func:`negotiate_gate_transport`).
+    """
+
+    role: Role
+    identity: Identity
+    host_id: bytes = bytes(HOST_ID_BYTES)
+    shm_offered: bool = False
+    shm_name: str = ""
+    version: int = TP_PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        _check_range("Hello", "version", self.version, 0, _U16)
+        if not isinstance(self.role, Role):
+            raise LocalProtocolError(f"Hello.role must be a Role, got {self.role!r}")
+        if len(self.host_id) != HOST_ID_BYTES:
+            raise LocalProtocolError(
+                f"Hello.host_id must be {HOST_ID_BYTES} bytes, got {len(self.host_id)}"
+            )
+        if self.shm_name and not self.shm_offered:
+            raise LocalProtocolError("Hello.shm_name is set but shm_offered is False")
+        if self.shm_name and not SHM_NAME_PATTERN.fullmatch(self.shm_name):
+            raise LocalProtocolError(
+                f"Hello.shm_name {self.shm_name!r} is not a bare file name of at most 63 "
+                "characters from [A-Za-z0-9._-]"
+            )
+
+
+class GateTransport(enum.Enum):
+    TCP = "tcp"
+    SHM = "shm"
+
+
+def negotiate_gate_transport(a: Hello, b: Hello) -> GateTransport:
+    """The data plane both ranks will use, from the two hellos (in either order).
+
+    Shared memory when both ranks offered it, their host ids are equal (and not all zero, which
+    means "unknown") and the leader named a slab; TCP otherwise. Both ranks compute the same
+    answer from the same two hellos, so no further message is needed.
+    """
+    leader = a if a.role is Role.LEADER else b
+    same_host = a.host_id == b.host_id and any(a.host_id)
+    if a.shm_offered and b.shm_offered and same_host and leader.shm_name:
+        return GateTransport.SHM
+    return GateTransport.TCP
+
+
+_IDENTITY_HINTS = {
+    "ctx_size": "start both ranks with the same context size",
+    "gate_slot_start": "both ranks must load the same GGUF file with the same foundry release",
+    "gate_slot_step": "both ranks must load the same GGUF file with the same foundry release",
+    "gates_per_token": "both ranks must load the same GGUF file with the same foundry release",
+    "gate_slot_mask": "both ranks must load the same GGUF file with the same foundry release",
+}
+_SAME_GGUF = "both ranks must load the same GGUF file"
+
+
+def _show(value: object) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f"{word:#x}" for word in value) + "]"
+    return str(value)
+
+
+def check_identity(mine: Identity, peer: Identity, *, mine_role: Role = Role.LEADER) -> None:
+    """Raise :class:`IdentityMismatch` naming the first differing field and both values."""
+    leader, worker = (mine, peer) if mine_role is Role.LEADER else (peer, mine)
+    for f in fields(Identity):
+        lv, wv = getattr(leader, f.name), getattr(worker, f.name)
+        if lv != wv:
+            raise IdentityMismatch(
+                f"identity mismatch on {f.name}: leader has {_show(lv)}, worker has {_show(wv)}; "
+                f"{_IDENTITY_HINTS.get(f.name, _SAME_GGUF)}"
+            )
+
+
+def check_hello(mine: Hello, peer: Hello) -> None:
+    """Everything both ranks must agree on before any inference: version, roles, identity."""
+    if mine.version != peer.version:
+        raise VersionMismatch(_version_message(mine.version, peer.version))
+    if mine.role is peer.role:
+        other = Role.WORKER if mine.role is Role.LEADER else Role.LEADER
+        raise IdentityMismatch(
+            f"role mismatch: both ranks say they are the {mine.role.name.lower()}; "
+            f"start exactly one rank as the {other.name.lower()}"
+        )
+    check_identity(mine.identity, peer.identity, mine_role=mine.role)
+
+
+def _version_message(mine: int, peer: int) -> str:
+    return (
+        f"TP protocol version mismatch: this rank speaks version {mine}, the peer speaks "
+        f"version {peer}; run the same foundry release on both ranks"
+    )
+
+
+def _encode_hello(h: Hello) -> bytes:
+    i = h.identity
+    flags = HELLO_SHM_OFFERED if h.shm_offered else 0
+    return HELLO.pack(
+        TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, 0,
+        i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
+        i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
+        h.host_id, h.shm_name.encode(),
+    )  # fmt: skip
+
+
+def _decode_hello(buf: bytes | bytearray, offset: int) -> Hello:
+    v = HELLO.unpack_from(buf, offset)
+    version, role, flags, reserved = v[1], v[3], v[4], v[5]
+    if role not in (Role.LEADER, Role.WORKER):
+        raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
+    if flags & ~HELLO_FLAGS or reserved:
+        raise TpProtocolError(f"hello: unknown flags {flags:#x} or nonzero reserved {reserved}")
+    raw_name = v[-1].rstrip(b"\0")
+    try:
+        name = raw_name.decode()
+    except UnicodeDecodeError:
+        raise TpProtocolError(f"hello: shm name {raw_name!r} is not UTF-8") from None
+    try:
+        identity = Identity(
+            gguf_bytes=v[6], model_id=v[7], n_layer=v[8], n_embd=v[9], n_vocab=v[10],
+            quant_bits=v[11], ctx_size=v[12], gate_slot_start=v[13], gate_slot_step=v[14],
+            gates_per_token=v[15], gate_slot_mask=tuple(v[16:-2]),
+        )  # fmt: skip
+        return Hello(
+            role=Role(role),
+            identity=identity,
+            host_id=v[-2],
+            shm_offered=bool(flags & HELLO_SHM_OFFERED),
+            shm_name=name,
+            version=version,
+        )
+    except LocalProtocolError as exc:
+        raise TpProtocolError(f"hello: {exc}") from None
+
+
+# -- control frames ----------------------------------------------------------------------------
+
+
+class FrameType(enum.IntEnum):
+    """``ds4_tp_frame_type``, the same numbers (DS4_TP_FRAME_ERROR = -1 is a C return code,
+    never a wire value). Types in :data:`UNSUPPORTED_FRAME_TYPES` are reserved: receiving one is
+    a protocol error."""
+
+    SYNC = 1
+    EVAL = 2
+    REWIND = 3
+    INVALIDATE = 4
+    STOP = 5
+    HASH = 6
+    RDMA_INFO = 7
+    SYNC_ACK = 8
+    RDMA_READY = 9
+    LOGITS = 10
+    VERIFY = 11
+    VERIFY_COMMIT = 12
+    SESSION_CREATE = 13
+    SESSION_DESTROY = 14
+    EVAL_BATCH = 15
+    MIXED_BATCH = 16
+    COMMAND_ACK = 17
+    SYNC_MULTIMODAL = 18
+    RDMA_WARM = 19
+    RDMA_POSTED = 20
+    GLM_MTP = 21
+    SYNC_CHECKPOINT = 22
+    DSPARK_DRAFT = 23
+    SPEC_RESTORE = 24
+
+
+_NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
+UNSUPPORTED_FRAME_TYPES: dict[FrameType, str] = {
+    FrameType.RDMA_INFO: _NO_RDMA,
+    FrameType.SYNC_ACK: "a seed acknowledgement this implementation replaces by COMMAND_ACK",
+    FrameType.RDMA_READY: _NO_RDMA,
+    FrameType.SYNC_MULTIMODAL: "multimodal prefill; the model has no vision input",
+    FrameType.RDMA_WARM: _NO_RDMA,
+    FrameType.RDMA_POSTED: _NO_RDMA,
+    FrameType.GLM_MTP: "GLM multi-token prediction; not part of this model",
+    FrameType.DSPARK_DRAFT: "the DSpark drafter; not part of this model",
+    FrameType.SPEC_RESTORE: "state-only restore; rollback goes through VERIFY_COMMIT",
+}
+
+
+class VerifyCommitMode(enum.IntEnum):
+    """``ds4_tp_verify_commit_mode``."""
+
+    ROLLBACK_REPLAY = 0
+    COMMIT_FULL = 1
+    COMMIT_PREFIX = 2
+
+
+# magic u32, type u8, flags u8, reserved u16, session_id u64, seq u64, length u32
+FRAME_HEADER = struct.Struct("<IBBHQQI")
+FRAME_HEADER_SIZE = FRAME_HEADER.size
+# ds4_tp_batch_item: session_id u64, token i32, reserved u32
+BATCH_ITEM = struct.Struct("<QiI")
+_I32 = struct.Struct("<i")
+_U32S = struct.Struct("<I")
+_U64S = struct.Struct("<Q")
+_I32X2 = struct.Struct("<ii")
+_U32X2 = struct.Struct("<II")
+# point u32, current i32, total i32, requested u8
+_CHECKPOINT = struct.Struct("<IiiB")
+
+
+def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def _unpack_tokens(buf: bytes | bytearray, offset: int, count: int) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{count}i", buf, offset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Frame:
+    """Fields every control frame carries in its header.
+
+    ``session_id`` names the inference session a command applies to (0 where none does);
+    ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH).
+    Payload sizes: every legal payload length is ``PAYLOAD_BASE + k * PAYLOAD_UNIT``.
+    """
+
+    TYPE: ClassVar[FrameType]
+    PAYLOAD_BASE: ClassVar[int] = 0
+    PAYLOAD_UNIT: ClassVar[int] = 0
+
+    session_id: int = 0
+    seq: int = 0
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_range(owner, "session_id", self.session_id, 0, _U64)
+        _check_range(owner, "seq", self.seq, 0, _U64)
+
+    def _payload(self) -> bytes:
+        return b""
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(**header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sync(_Frame):
+    """Prefill: bring the session's context to exactly ``tokens`` (int32 array)."""
+
+    TYPE = FrameType.SYNC
+    PAYLOAD_UNIT = 4
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        _check_tokens("Sync", "tokens", self.tokens)
+
+    def _payload(self) -> bytes:
+        return _pack_tokens(self.tokens)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(tokens=_unpack_tokens(buf, offset, length // 4), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval(_Frame):
+    """Decode one token (the header's ``seq`` numbers the step)."""
+
+    TYPE = FrameType.EVAL
+    PAYLOAD_BASE = 4
+    token: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("Eval", "token", self.token, _I32_MIN, _I32_MAX)
+
+    def _payload(self) -> bytes:
+        return _I32.pack(self.token)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(token=_I32.unpack_from(buf, offset)[0], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rewind(_Frame):
+    """Truncate the session's context to ``pos`` tokens."""
+
+    TYPE = FrameType.REWIND
+    PAYLOAD_BASE = 4
+    pos: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("Rewind", "pos", self.pos, _I32_MIN, _I32_MAX)
+
+    def _payload(self) -> bytes:
+        return _I32.pack(self.pos)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(pos=_I32.unpack_from(buf, offset)[0], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Invalidate(_Frame):
+    """Drop the session's cached context (the next SYNC starts from scratch)."""
+
+    TYPE = FrameType.INVALIDATE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(_Frame):
+    """The leader is shutting the pair down; the worker leaves its loop."""
+
+    TYPE = FrameType.STOP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hash(_Frame):
+    """Debug lockstep check: a rank's hidden-state hash for step ``seq``."""
+
+    TYPE = FrameType.HASH
+    PAYLOAD_BASE = 8
+    value: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("Hash", "value", self.value, 0, _U64)
+
+    def _payload(self) -> bytes:
+        return _U64S.pack(self.value)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(value=_U64S.unpack_from(buf, offset)[0], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Logits(_Frame):
+    """The worker's half of the vocabulary logits: count u32, then count float32.
+
+    ``values`` holds the raw little-endian float32 bytes (immutable, hashable); :meth:`array`
+    views them as numpy without a copy.
+    """
+
+    TYPE = FrameType.LOGITS
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = 4
+    values: bytes = b""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.values) % 4:
+            raise LocalProtocolError(
+                f"Logits.values must be whole float32s, got {len(self.values)} bytes"
+            )
+
+    @classmethod
+    def from_array(cls, half: np.ndarray, *, session_id: int = 0, seq: int = 0) -> Logits:
+        return cls(
+            values=np.ascontiguousarray(half, dtype="<f4").tobytes(),
+            session_id=session_id,
+            seq=seq,
+        )
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.values, dtype="<f4")
+
+    def _payload(self) -> bytes:
+        return _U32S.pack(len(self.values) // 4) + self.values
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        (count,) = _U32S.unpack_from(buf, offset)
+        if 4 + 4 * count != length:
+            raise TpProtocolError(
+                f"LOGITS says {count} floats but its payload is {length} bytes "
+                f"(expected {4 + 4 * count})"
+            )
+        return cls(values=bytes(buf[offset + 4 : offset + length]), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verify(_Frame):
+    """Speculative decoding: verify the block ``drafts`` (1..8 rows) with ``flags``."""
+
+    TYPE = FrameType.VERIFY
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = 4
+    drafts: tuple[int, ...] = ()
+    flags: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "drafts", tuple(self.drafts))
+        if not 1 <= len(self.drafts) <= DS4_TP_BATCH_MAX_ROWS:
+            raise LocalProtocolError(
+                f"Verify.drafts must hold 1..{DS4_TP_BATCH_MAX_ROWS} rows, got {len(self.drafts)}"
+            )
+        _check_tokens("Verify", "drafts", self.drafts)
+        _check_range("Verify", "flags", self.flags, 0, _U32)
+        if self.flags & ~DS4_TP_VERIFY_FLAGS:
+            raise LocalProtocolError(
+                f"Verify.flags has unknown bits {self.flags & ~DS4_TP_VERIFY_FLAGS:#x}"
+            )
+
+    def _payload(self) -> bytes:
+        return _U32S.pack(self.flags) + _pack_tokens(self.drafts)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        (flags,) = _U32S.unpack_from(buf, offset)
+        return cls(flags=flags, drafts=_unpack_tokens(buf, offset + 4, length // 4 - 1), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyCommit(_Frame):
+    """How the verified block ends: full commit, prefix commit, or rollback then replay."""
+
+    TYPE = FrameType.VERIFY_COMMIT
+    PAYLOAD_BASE = 8
+    mode: VerifyCommitMode
+    token_count: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.mode, VerifyCommitMode):
+            raise LocalProtocolError(
+                f"VerifyCommit.mode must be a VerifyCommitMode, got {self.mode!r}"
+            )
+        _check_range("VerifyCommit", "token_count", self.token_count, _I32_MIN, _I32_MAX)
+
+    def _payload(self) -> bytes:
+        return _I32X2.pack(self.mode, self.token_count)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        mode, count = _I32X2.unpack_from(buf, offset)
+        if mode not in VerifyCommitMode.__members__.values():
+            raise TpProtocolError(f"VERIFY_COMMIT: unknown mode {mode} (0, 1 or 2)")
+        return cls(mode=VerifyCommitMode(mode), token_count=count, **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionCreate(_Frame):
+    """Open session ``session_id`` with a context of ``ctx_size`` tokens."""
+
+    TYPE = FrameType.SESSION_CREATE
+    PAYLOAD_BASE = 4
+    ctx_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("SessionCreate", "ctx_size", self.ctx_size, 0, _U32)
+
+    def _payload(self) -> bytes:
+        return _U32S.pack(self.ctx_size)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(ctx_size=_U32S.unpack_from(buf, offset)[0], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionDestroy(_Frame):
+    """Close session ``session_id`` and free its KV cache."""
+
+    TYPE = FrameType.SESSION_DESTROY
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """``ds4_tp_batch_item`` without its reserved word (always 0 on the wire)."""
+
+    session_id: int
+    token: int
+
+    def __post_init__(self) -> None:
+        _check_range("BatchItem", "session_id", self.session_id, 0, _U64)
+        _check_range("BatchItem", "token", self.token, _I32_MIN, _I32_MAX)
+
+
+def _check_items(owner: str, items: tuple[BatchItem, ...]) -> None:
+    if len(items) > TP_MAX_BATCH_ITEMS:
+        raise LocalProtocolError(f"{owner}.items holds {len(items)} > {TP_MAX_BATCH_ITEMS} items")
+    for item in items:
+        if not isinstance(item, BatchItem):
+            raise LocalProtocolError(f"{owner}.items must hold BatchItem, got {item!r}")
+
+
+def _pack_items(items: tuple[BatchItem, ...]) -> bytes:
+    return b"".join(BATCH_ITEM.pack(it.session_id, it.token, 0) for it in items)
+
+
+def _unpack_items(buf: bytes | bytearray, offset: int, count: int) -> tuple[BatchItem, ...]:
+    items = []
+    for sid, token, reserved in BATCH_ITEM.iter_unpack(buf[offset : offset + 16 * count]):
+        if reserved:
+            raise TpProtocolError(f"batch item for session {sid}: nonzero reserved word")
+        items.append(BatchItem(sid, token))
+    return tuple(items)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalBatch(_Frame):
+    """One decode step for several sessions: one token each (``ds4_tp_batch_item`` array)."""
+
+    TYPE = FrameType.EVAL_BATCH
+    PAYLOAD_UNIT = BATCH_ITEM.size
+    items: tuple[BatchItem, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "items", tuple(self.items))
+        _check_items("EvalBatch", self.items)
+
+    def _payload(self) -> bytes:
+        return _pack_items(self.items)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(items=_unpack_items(buf, offset, length // BATCH_ITEM.size), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedBatch(_Frame):
+    """A prefill of ``prompt`` for session ``session_id`` fused with one decode step for
+    ``items``. Payload: prompt_count u32, item_count u32, the prompt (int32), the items."""
+
+    TYPE = FrameType.MIXED_BATCH
+    PAYLOAD_BASE = 8
+    PAYLOAD_UNIT = 4
+    prompt: tuple[int, ...] = ()
+    items: tuple[BatchItem, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+        object.__setattr__(self, "items", tuple(self.items))
+        _check_tokens("MixedBatch", "prompt", self.prompt)
+        _check_items("MixedBatch", self.items)
+
+    def _payload(self) -> bytes:
+        counts = _U32X2.pack(len(self.prompt), len(self.items))
+        return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        n_prompt, n_items = _U32X2.unpack_from(buf, offset)
+        if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
+            raise TpProtocolError(
+                f"MIXED_BATCH says {n_prompt} prompt tokens and {n_items} items, which is "
+                f"{8 + 4 * n_prompt + BATCH_ITEM.size * n_items} bytes, but its payload is "
+                f"{length} bytes"
+            )
+        prompt = _unpack_tokens(buf, offset + 8, n_prompt)
+        items = _unpack_items(buf, offset + 8 + 4 * n_prompt, n_items)
+        return cls(prompt=prompt, items=items, **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandAck(_Frame):
+    """The worker's answer to a mirrored command: ``status`` 0 ok, nonzero failed."""
+
+    TYPE = FrameType.COMMAND_ACK
+    PAYLOAD_BASE = 4
+    status: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("CommandAck", "status", self.status, _I32_MIN, _I32_MAX)
+
+    def _payload(self) -> bytes:
+        return _I32.pack(self.status)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        return cls(status=_I32.unpack_from(buf, offset)[0], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCheckpoint(_Frame):
+    """Agreed cancellation at a prefill boundary: each rank says whether it wants to stop;
+    the prefill is cancelled when either does."""
+
+    TYPE = FrameType.SYNC_CHECKPOINT
+    PAYLOAD_BASE = _CHECKPOINT.size
+    point: int
+    current: int
+    total: int
+    requested: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_range("SyncCheckpoint", "point", self.point, 0, _U32)
+        _check_range("SyncCheckpoint", "current", self.current, _I32_MIN, _I32_MAX)
+        _check_range("SyncCheckpoint", "total", self.total, _I32_MIN, _I32_MAX)
+        if not isinstance(self.requested, bool):
+            raise LocalProtocolError(
+                f"SyncCheckpoint.requested must be a bool, got {self.requested!r}"
+            )
+
+    def _payload(self) -> bytes:
+        return _CHECKPOINT.pack(self.point, self.current, self.total, self.requested)
+
+    @classmethod
+    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+        point, current, total, requested = _CHECKPOINT.unpack_from(buf, offset)
+        if requested > 1:
+            raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
+        return cls(point=point, current=current, total=total, requested=bool(requested), **header)
+
+
+ControlFrame = (
+    Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
+    | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
+)  # fmt: skip
+Frame = Hello | ControlFrame
+
+FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
+    cls.TYPE: cls
+    for cls in (
+        Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
+        SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
+    )
+}  # fmt: skip
+# Every seed frame type is either implemented or explicitly reserved, never both.
+assert set(FRAME_CLASSES).isdisjoint(UNSUPPORTED_FRAME_TYPES)
+assert set(FRAME_CLASSES) | set(UNSUPPORTED_FRAME_TYPES) == set(FrameType)
+
+
+def encode(frame: Frame) -> bytes:
+    """The bytes of a hello or a control frame."""
+    if isinstance(frame, Hello):
+        return _encode_hello(frame)
+    payload = frame._payload()
+    header = FRAME_HEADER.pack(
+        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, len(payload)
+    )
+    return header + payload
+
+
+def max_payload_for(identity: Identity) -> int:
+    """The largest legal control payload for this model: the bound a rank's decoder uses."""
+    return max(
+        4 * identity.ctx_size,  # SYNC of a full context
+        4 + 4 * ((identity.n_vocab + 1) // 2),  # LOGITS: the larger vocabulary half
+        8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
+        4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
+        _CHECKPOINT.size,
+    )
+
+
+class _State(enum.Enum):
+    HELLO = "awaiting the hello"
+    FRAMES = "reading control frames"
+    FAILED = "failed"
+
+
+class TpDecoder:
+    """Incremental decoder: ``feed`` bytes as they arrive, take records with ``next_frame``.
+
+    ``next_frame`` returns the next complete hello or control frame, or ``None`` when more
+    bytes are needed. Buffering is linear: one bytearray plus a read offset, compacted once
+    half of it is consumed. After a :class:`TpProtocolError` the decoder is failed for good.
+    """
+
+    def __init__(self, max_payload: int = TP_MAX_PAYLOAD, *, expect_hello: bool = False) -> None:
+        if max_payload < 0:
+            raise ValueError(f"max_payload must be >= 0, got {max_payload}")
+        self.max_payload = max_payload
+        self._buf = bytearray()
+        self._pos = 0
+        self._state = _State.HELLO if expect_hello else _State.FRAMES
+        self._error: TpProtocolError | None = None
+        # (type, session_id, seq, length) of a header already validated, awaiting its payload.
+        self._header: tuple[FrameType, int, int, int] | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed but not yet returned as records."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._check_usable()
+        self._buf += data
+
+    def feed_eof(self) -> None:
+        """The peer closed the stream: an error if it stopped in the middle of a record."""
+        self._check_usable()
+        if self.buffered:
+            self._fail(
+                f"connection closed in the middle of a record ({self.buffered} bytes buffered, "
+                f"{self._state.value})"
+            )
+
+    def next_frame(self) -> Frame | None:
+        self._check_usable()
+        try:
+            if self._state is _State.HELLO:
+                return self._next_hello()
+            return self._next_control()
+        except TpProtocolError as exc:
+            self._state = _State.FAILED
+            self._error = exc
+            raise
+
+    def _check_usable(self) -> None:
+        if self._state is _State.FAILED:
+            raise TpProtocolError(f"decoder already failed: {self._error}")
+
+    def _fail(self, message: str) -> None:
+        self._state = _State.FAILED
+        self._error = TpProtocolError(message)
+        raise self._error
+
+    def _consume(self, n: int) -> None:
+        self._pos += n
+        if self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif self._pos > 4096 and 2 * self._pos > len(self._buf):
+            del self._buf[: self._pos]
+            self._pos = 0
+
+    def _next_hello(self) -> Hello | None:
+        if self.buffered < HELLO_PREFIX.size:
+            return None
+        magic, version, size = HELLO_PREFIX.unpack_from(self._buf, self._pos)
+        if magic == TP_FRAME_MAGIC:
+            raise TpProtocolError("expected the peer's hello first, got a control frame")
+        if magic != TP_HELLO_MAGIC:
+            raise TpProtocolError(
+                f"bad hello magic {magic:#010x} (expected {TP_HELLO_MAGIC:#010x}, 'DTPH'): "
+                "the peer does not speak the TP protocol"
+            )
+        if version != TP_PROTOCOL_VERSION:
+            raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
+        if size != HELLO_SIZE:
+            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes, "
+                                  f"the peer says {size}")
+        if self.buffered < HELLO_SIZE:
+            return None
+        hello = _decode_hello(self._buf, self._pos)
+        self._consume(HELLO_SIZE)
+        self._state = _State.FRAMES
+        return hello
+
+    def _next_control(self) -> ControlFrame | None:
+        if self._header is None:
+            if self.buffered < FRAME_HEADER_SIZE:
+                return None
+            self._header = self._parse_header()
+            self._consume(FRAME_HEADER_SIZE)
+        ftype, session_id, seq, length = self._header
+        if self.buffered < length:
+            return None
+        cls = FRAME_CLASSES[ftype]
+        try:
+            frame = cls._parse(self._buf, self._pos, length, session_id=session_id, seq=seq)
+        except LocalProtocolError as exc:
+            raise TpProtocolError(f"{ftype.name}: {exc}") from None
+        self._consume(length)
+        self._header = None
+        return frame  # type: ignore[return-value]
+
+    def _parse_header(self) -> tuple[FrameType, int, int, int]:
+        magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack_from(
+            self._buf, self._pos
+        )
+        if magic == TP_HELLO_MAGIC:
+            raise TpProtocolError("unexpected hello after the handshake")
+        if magic != TP_FRAME_MAGIC:
+            raise TpProtocolError(
+                f"bad frame magic {magic:#010x} (expected {TP_FRAME_MAGIC:#010x}, 'DTP4'): "
+                "the stream is out of step or the peer does not speak the TP protocol"
+            )
+        if code not in FrameType.__members__.values():
+            raise TpProtocolError(f"unknown frame type {code}")
+        ftype = FrameType(code)
+        if ftype in UNSUPPORTED_FRAME_TYPES:
+            raise TpProtocolError(
+                f"frame type {ftype.name} ({code}) is not supported: "
+                f"{UNSUPPORTED_FRAME_TYPES[ftype]}"
+            )
+        if flags or reserved:
+            raise TpProtocolError(
+                f"{ftype.name}: header flags {flags:#x} / reserved {reserved} must be 0 "
+                f"in protocol version {TP_PROTOCOL_VERSION}"
+            )
+        if length > self.max_payload:
+            raise TpProtocolError(
+                f"{ftype.name} payload of {length} bytes exceeds the limit of "
+                f"{self.max_payload} bytes"
+            )
+        cls = FRAME_CLASSES[ftype]
+        base, unit = cls.PAYLOAD_BASE, cls.PAYLOAD_UNIT
+        legal = length >= base and (length - base) % unit == 0 if unit else length == base
+        if not legal:
+            rule = f"{base} + a multiple of {unit}" if unit else f"exactly {base}"
+            raise TpProtocolError(f"{ftype.name} payload must be {rule} bytes, got {length}")
+        return ftype, session_id, seq, length
+
+
+# -- the data plane ----------------------------------------------------------------------------
+
+
+class Gate(enum.IntEnum):
+    """Which sync point of a layer a partial belongs to (DS4_TP_GATE_ATTN / _FFN)."""
+
+    ATTN = 0
+    FFN = 1
+
+
+# layer u16, gate u8, flags u8, seq u64, rows u32, n_embd u32; the payload that follows is
+# rows * n_embd float32 (little-endian), row-major.
+GATE_HEADER = struct.Struct("<HBBQII")
+GATE_HEADER_SIZE = GATE_HEADER.size
+
+
+@dataclass(frozen=True)
+class GateHeader:
+    """The tag of one partial on the data plane; both ranks send the same tag for one gate."""
+
+    layer: int
+    gate: Gate
+    seq: int
+    rows: int
+    n_embd: int
+
+    def __post_init__(self) -> None:
+        _check_range("GateHeader", "layer", self.layer, 0, _U16)
+        if not isinstance(self.gate, Gate):
+            raise LocalProtocolError(f"GateHeader.gate must be a Gate, got {self.gate!r}")
+        _check_range("GateHeader", "seq", self.seq, 0, _U64)
+        _check_range("GateHeader", "rows", self.rows, 0, _U32)
+        _check_range("GateHeader", "n_embd", self.n_embd, 0, _U32)
+
+    @property
+    def payload_bytes(self) -> int:
+        return 4 * self.rows * self.n_embd
+
+    def encode(self) -> bytes:
+        return GATE_HEADER.pack(self.layer, self.gate, 0, self.seq, self.rows, self.n_embd)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> GateHeader:
+        layer, gate, flags, seq, rows, n_embd = GATE_HEADER.unpack_from(data)
+        if gate not in (Gate.ATTN, Gate.FFN) or flags:
+            raise TpProtocolError(
+                f"bad gate header: gate {gate} (0 ATTN, 1 FFN), flags {flags:#x} (must be 0)"
+            )
+        return cls(layer, Gate(gate), seq, rows, n_embd)
+
+    def describe(self) -> str:
+        return (
+            f"layer {self.layer} gate {self.gate.name} seq {self.seq} "
+            f"({self.rows} x {self.n_embd})"
+        )
+
+
+# Shared-memory slab. Header: magic u32, version u16, flags u16, n_embd u32, slot_rows u32,
+# slot_stride u64, total bytes u64, state u32 per rank (0 absent, 1 attached, 2 closed), padded
+# to 64 bytes. Then four slots: rank 0 parity 0, rank 0 parity 1, rank 1 parity 0, rank 1 parity 1.
+SLAB_HEADER = struct.Struct("<IHHIIQQII24x")
+SLAB_STATE_OFFSET = 32  # the two u32 state words
+SLAB_ABSENT, SLAB_ATTACHED, SLAB_CLOSED = 0, 1, 2
+# Slab flag: writers fill each slot's crc32 and readers check it (needed where stores may become
+# visible out of order, see transport/gates.py).
+SLAB_FLAG_CHECKSUM = 1
+# Slot header: seq_begin u64, pub u64, gate header (20), crc32 u32, padded to 64 bytes. The
+# data follows at +64; seq_end u64 sits in the 64 bytes after the data area.
+SLOT_HEADER = struct.Struct(f"<QQ{GATE_HEADER_SIZE}sI24x")
+SLOT_CRC_START = 8  # the checksum covers pub, the gate header, then the data
+SLOT_CRC_END = 8 + 8 + GATE_HEADER_SIZE
+SLAB_ALIGN = 64
+# One slab round moves at most this many bytes per rank: large enough that a prefill partial is
+# a few rounds, small enough that the slab of a big model stays a few MiB.
+SLAB_ROUND_BYTES = 1024 * 1024
+
+
+def _align(n: int) -> int:
+    return -(-n // SLAB_ALIGN) * SLAB_ALIGN
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    """Offsets of the shared-memory slab for a model of width ``n_embd`` (see the docs).
+
+    Each rank owns two slots and publishes round ``pub`` in slot ``pub % 2``: a rank can only
+    reach round ``pub + 2`` after reading the peer's ``pub + 1``, which the peer publishes after
+    it has finished reading our ``pub``, so a slot is never rewritten while being read.
+    """
+
+    n_embd: int
+
+    def __post_init__(self) -> None:
+        _check_range("SlabLayout", "n_embd", self.n_embd, 1, _U32)
+
+    @property
+    def slot_rows(self) -> int:
+        return max(DS4_TP_BATCH_MAX_ROWS, SLAB_ROUND_BYTES // (4 * self.n_embd))
+
+    @property
+    def data_capacity(self) -> int:
+        return _align(4 * self.slot_rows * self.n_embd)
+
+    @property
+    def slot_stride(self) -> int:
+        return SLOT_HEADER.size + self.data_capacity + SLAB_ALIGN
+
+    @property
+    def total_bytes(self) -> int:
+        return SLAB_HEADER.size + 4 * self.slot_stride
+
+    def slot_offset(self, rank: int, parity: int) -> int:
+        return SLAB_HEADER.size + (2 * rank + parity) * self.slot_stride
+
+    def data_offset(self, rank: int, parity: int) -> int:
+        return self.slot_offset(rank, parity) + SLOT_HEADER.size
+
+    def seq_end_offset(self, rank: int, parity: int) -> int:
+        return self.data_offset(rank, parity) + self.data_capacity
+
+    def header_bytes(self, *, checksum: bool) -> bytes:
+        flags = SLAB_FLAG_CHECKSUM if checksum else 0
+        return SLAB_HEADER.pack(
+            TP_SLAB_MAGIC, TP_PROTOCOL_VERSION, flags, self.n_embd, self.slot_rows,
+            self.slot_stride, self.total_bytes, SLAB_ABSENT, SLAB_ABSENT,
+        )  # fmt: skip
+
+    def check_header(self, data: Buffer) -> bool:
+        """Raise :class:`TpProtocolError` unless ``data`` starts with this layout's header;
+        return whether the slab's rounds carry checksums."""
+        got = SLAB_HEADER.unpack_from(data)
+        want = SLAB_HEADER.unpack(self.header_bytes(checksum=bool(got[2] & SLAB_FLAG_CHECKSUM)))
+        names = ("magic", "version", "flags", "n_embd", "slot_rows", "slot_stride", "bytes")
+        for name, g, w in zip(names, got[:7], want[:7], strict=True):
+            if g != w:
+                raise TpProtocolError(
+                    f"shared-memory slab {name} is {g}, expected {w}: the slab was made by "
+                    "another foundry release or for another model"
+                )
+        return bool(got[2] & SLAB_FLAG_CHECKSUM)
+
+
+def slab_bytes(n_embd: int) -> int:
+    """Size of the shared-memory slab for a model of width ``n_embd``."""
+    return SlabLayout(n_embd).total_bytes
+

@@ -1,0 +1,273 @@
+"""Training checkpoints: exact round trip, atomic writes, damage detection, retention."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from foundry.model import checkpoint as ckpt
+from foundry.model.checkpoint import (
+    CheckpointError,
+    CheckpointState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from foundry.model.config import ModelConfig
+
+CFG = ModelConfig(n_ctx=32, n_embd=16, n_layer=1, n_head=2, n_head_kv=1, n_ff=24, n_expert=3)
+Params = dict[str, npt.NDArray[np.float32]]
+
+
+def random_tensors(cfg: ModelConfig, seed: int) -> Params:
+    rng = np.random.default_rng(seed)
+    return {
+        n: rng.standard_normal(s).astype(np.float32) for n, s in cfg.param_shapes().items()
+    }
+
+
+def make_state(step: int = 123, seed: int = 0, cfg: ModelConfig = CFG) -> CheckpointState:
+    return CheckpointState(
+        config=cfg,
+        step=step,
+        params=random_tensors(cfg, seed),
+        optimizer={
+            "m": random_tensors(cfg, seed + 1),
+            "v": {k: np.abs(a) for k, a in random_tensors(cfg, seed + 2).items()},
+            "step": step,
+        },
+        data_position=step * 16 + 5,
+        extra={"compression": "topk", "lr": 3e-3, "schedule": {"warmup": 20}},
+    )
+
+
+def assert_same(a: CheckpointState, b: CheckpointState) -> None:
+    assert a.config == b.config
+    assert (a.step, a.data_position, a.extra) == (b.step, b.data_position, b.extra)
+    assert a.optimizer["step"] == b.optimizer["step"]
+    assert list(a.params) == list(b.params)
+    for name in a.params:
+        assert a.params[name].tobytes() == b.params[name].tobytes()
+    for group in ("m", "v"):
+        assert list(a.optimizer[group]) == list(b.optimizer[group])
+        for name, arr in a.optimizer[group].items():
+            assert arr.tobytes() == b.optimizer[group][name].tobytes()
+
+
+def flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_round_trip_is_exact(tmp_path: Path) -> None:
+    state = make_state()
+    path = save_checkpoint(tmp_path, state)
+    assert path == tmp_path / "step-000123.ckpt"
+    assert os.listdir(tmp_path) == ["step-000123.ckpt"]
+    loaded = load_checkpoint(path)
+    assert_same(state, loaded)
+    for arr in loaded.params.values():
+        assert arr.dtype == np.float32
+        assert arr.flags.writeable  # the optimizer updates loaded weights in place
+
+
+def test_round_trip_with_shared_expert_and_fresh_optimizer(tmp_path: Path) -> None:
+    cfg = ModelConfig(n_embd=16, n_layer=2, n_head=2, n_head_kv=2, n_ff=8, n_ff_shared=12)
+    state = CheckpointState(
+        config=cfg, step=0, params=random_tensors(cfg, 5),
+        optimizer={"m": {}, "v": {}, "step": 0}, data_position=0,
+    )
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "new" / "dir", state))
+    assert_same(state, loaded)
+    assert loaded.extra == {}
+
+
+def test_layout_is_the_documented_one(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_state())
+    data = path.read_bytes()
+    magic, version, reserved, meta_len = ckpt.HEADER.unpack_from(data)
+    assert (magic, version, reserved) == (b"FDRYCKPT", 1, 0)
+    assert ckpt.HEADER.size == 24
+    assert hashlib.sha256(data[:-32]).digest() == data[-32:]
+    meta = json.loads(data[24 : 24 + meta_len])
+    data_start = 24 + meta_len + (-(24 + meta_len) % 64)
+    first = meta["tensors"][0]
+    assert (first["group"], first["name"]) == ("params", "token_embd.weight")
+    raw = np.frombuffer(data, "<f4", count=first["nbytes"] // 4, offset=data_start)
+    assert first["offset"] == 0
+    np.testing.assert_array_equal(raw.reshape(first["shape"]), make_state().params[first["name"]])
+    assert all(t["offset"] % 64 == 0 for t in meta["tensors"])
+    assert [t["group"] for t in meta["tensors"]].count("m") == len(CFG.param_shapes())
+
+
+def test_full_disk_at_fsync_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good = save_checkpoint(tmp_path, make_state(step=10))
+    before = good.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointError, match=r"step-000011\.ckpt.*No space left on device"):
+        save_checkpoint(tmp_path, make_state(step=11, seed=9))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["step-000010.ckpt"]  # no temp file, no partial file
+    assert good.read_bytes() == before
+    assert latest_checkpoint(tmp_path) == good
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE semantics are Linux's")
+def test_real_write_failure_leaves_no_partial_file(tmp_path: Path) -> None:
+    good = save_checkpoint(tmp_path, make_state(step=1))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (good.stat().st_size // 2, hard))
+    try:
+        with pytest.raises(CheckpointError, match="could not write checkpoint"):
+            save_checkpoint(tmp_path, make_state(step=2))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert os.listdir(tmp_path) == ["step-000001.ckpt"]
+    assert_same(load_checkpoint(good), make_state(step=1))
+
+
+def test_interrupted_write_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(src: object, dst: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, make_state())
+    assert os.listdir(tmp_path) == []
+
+
+def test_corrupt_byte_is_detected(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, make_state())
+    flip_byte(path, path.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 20, 30, -1], ids=["empty", "magic", "header", "meta", "-1"])
+def test_truncated_file_is_detected(tmp_path: Path, keep: int) -> None:
+    path = save_checkpoint(tmp_path, make_state())
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="truncated"):
+        verify_checkpoint(path)
+
+
+def test_foreign_files_are_refused(tmp_path: Path) -> None:
+    other = tmp_path / "model.gguf"
+    other.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(CheckpointError, match="not a Foundry checkpoint"):
+        load_checkpoint(other)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(tmp_path / "absent.ckpt")
+    path = save_checkpoint(tmp_path, make_state())
+    data = bytearray(path.read_bytes())
+    data[8] = 2  # a future format version
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="format version 2; this Foundry reads version 1"):
+        load_checkpoint(path)
+
+
+def test_latest_skips_a_corrupt_newest_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in (5, 10, 20):
+        save_checkpoint(tmp_path, make_state(step=step, seed=step))
+    newest = tmp_path / "step-000020.ckpt"
+    flip_byte(newest, 200)
+    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        found = latest_checkpoint(tmp_path)
+    assert found == tmp_path / "step-000010.ckpt"
+    assert "skipping checkpoint of step 20" in caplog.text
+    assert load_checkpoint(found).step == 10
+
+
+def test_latest_checkpoint_orders_by_step_not_name(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, make_state(step=999_999))
+    save_checkpoint(tmp_path, make_state(step=1_000_000))
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1000000.ckpt"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [999_999, 1_000_000]
+
+
+def test_keep_last_k(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, make_state(step=step), keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-000004.ckpt", "step-000005.ckpt"]
+    with pytest.raises(CheckpointError, match="keep_last"):
+        save_checkpoint(tmp_path, make_state(step=6), keep_last=0)
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, make_state(step=3, seed=1))
+    save_checkpoint(tmp_path, make_state(step=3, seed=2))
+    assert_same(load_checkpoint(tmp_path / "step-000003.ckpt"), make_state(step=3, seed=2))
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    dead = tmp_path / ".step-000007.ckpt.999999999.tmp"  # above any pid_max
+    dead.write_bytes(b"half a checkpoint")
+    alive = tmp_path / f".step-000007.ckpt.{os.getppid()}.tmp"
+    alive.write_bytes(b"being written")
+    save_checkpoint(tmp_path, make_state(step=8))
+    assert not dead.exists()
+    assert alive.exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000008.ckpt"
+
+
+def test_states_that_do_not_fit_are_refused(tmp_path: Path) -> None:
+    state = make_state()
+    del state.params["output.weight"]
+    with pytest.raises(CheckpointError, match=r"missing \['output\.weight'\]"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.params["output.weight"] = state.params["output.weight"].astype(np.float64)
+    with pytest.raises(CheckpointError, match=r"params output\.weight: expected float32"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.optimizer["m"]["blk.0.attn_q.weight"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(CheckpointError, match=r"m blk\.0\.attn_q\.weight: expected float32"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    cast(dict[str, Any], state.optimizer).pop("v")
+    with pytest.raises(CheckpointError, match="lacks 'v'"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.extra["when"] = {1, 2}
+    with pytest.raises(CheckpointError, match="not plain JSON"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.extra["loss"] = float("nan")
+    with pytest.raises(CheckpointError, match="not plain JSON"):
+        save_checkpoint(tmp_path, state)
+    assert os.listdir(tmp_path) == []

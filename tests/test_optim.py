@@ -1,0 +1,135 @@
+"""AdamW, clipping and the schedule against torch and against their definitions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+from foundry.model.optim import AdamW, clip_grad_norm, decays, lr_schedule
+
+F32 = npt.NDArray[np.float32]
+
+
+def make_params(seed: int = 0) -> dict[str, F32]:
+    rng = np.random.default_rng(seed)
+    return {
+        "token_embd.weight": rng.standard_normal((11, 6), dtype=np.float32),
+        "blk.0.attn_norm.weight": np.ones(6, np.float32) + rng.standard_normal(6, np.float32),
+        "blk.0.ffn_gate_exps.weight": rng.standard_normal((3, 4, 6), dtype=np.float32),
+        "output.weight": rng.standard_normal((11, 6), dtype=np.float32),
+    }
+
+
+def test_decay_applies_to_matrices_only() -> None:
+    params = make_params()
+    assert [decays(p) for p in params.values()] == [True, False, True, True]
+
+
+def test_adamw_matches_torch_with_decay_on_matrices_only() -> None:
+    params = make_params()
+    ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in params.items()}
+    wd, betas, eps = 0.1, (0.9, 0.95), 1e-8
+    opt = AdamW(params, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd)
+    ref_opt = torch.optim.AdamW(
+        [
+            {"params": [t for k, t in ref.items() if params[k].ndim >= 2], "weight_decay": wd},
+            {"params": [t for k, t in ref.items() if params[k].ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1.0, betas=betas, eps=eps, foreach=False,
+    )
+    rng = np.random.default_rng(1)
+    for step in range(12):
+        lr = lr_schedule(step, 3e-2, 3, 12)
+        grads = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in params.items()}
+        opt.step(params, grads, lr=lr)
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        for k, t in ref.items():
+            t.grad = torch.tensor(grads[k])
+        ref_opt.step()
+        for k, p in params.items():
+            assert p.dtype == np.float32
+            np.testing.assert_allclose(p, ref[k].detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{k} step {step}")
+    assert opt.state_dict()["step"] == 12
+
+
+def test_zero_gradient_decays_matrices_but_not_norms() -> None:
+    params = make_params()
+    before = {k: v.copy() for k, v in params.items()}
+    opt = AdamW(params, weight_decay=0.5)
+    opt.step(params, {k: np.zeros_like(v) for k, v in params.items()}, lr=0.1)
+    norm = "blk.0.attn_norm.weight"
+    np.testing.assert_array_equal(params[norm], before[norm])
+    np.testing.assert_allclose(params["output.weight"], before["output.weight"] * 0.95, rtol=1e-6)
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    rng = np.random.default_rng(2)
+    grads = [{k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in make_params().items()}
+             for _ in range(6)]
+    a = make_params()
+    opt_a = AdamW(a)
+    for g in grads:
+        opt_a.step(a, g, lr=1e-2)
+
+    b = make_params()
+    opt_b = AdamW(b)
+    for g in grads[:3]:
+        opt_b.step(b, g, lr=1e-2)
+    saved = opt_b.state_dict()
+    resumed = AdamW(b)
+    resumed.load_state_dict({
+        "step": saved["step"],
+        "m": {k: v.copy() for k, v in saved["m"].items()},
+        "v": {k: v.copy() for k, v in saved["v"].items()},
+    })
+    for g in grads[3:]:
+        resumed.step(b, g, lr=1e-2)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+    with pytest.raises(KeyError):
+        resumed.load_state_dict({"step": 1, "m": {}, "v": {}})
+    with pytest.raises(KeyError):
+        resumed.step(b, {"output.weight": grads[0]["output.weight"]}, lr=1e-2)
+
+
+def test_clip_grad_norm_matches_torch() -> None:
+    rng = np.random.default_rng(3)
+    grads = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in make_params().items()}
+    tensors = [torch.tensor(g.copy(), requires_grad=True) for g in grads.values()]
+    for t, g in zip(tensors, grads.values(), strict=True):
+        t.grad = torch.tensor(g.copy())
+    ref_norm = torch.nn.utils.clip_grad_norm_(tensors, max_norm=1.5)
+    norm = clip_grad_norm(grads, 1.5)
+    assert norm == pytest.approx(float(ref_norm), rel=1e-6)
+    for g, t in zip(grads.values(), tensors, strict=True):
+        assert t.grad is not None
+        np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-6)
+    total = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads.values()))
+    assert total == pytest.approx(1.5, rel=1e-5)
+    # Below the limit nothing changes.
+    before = {k: v.copy() for k, v in grads.items()}
+    assert clip_grad_norm(grads, 100.0) == pytest.approx(total, rel=1e-6)
+    for k in grads:
+        np.testing.assert_array_equal(grads[k], before[k])
+
+
+def test_lr_schedule_values() -> None:
+    base, warm, total = 1e-3, 10, 110
+    assert lr_schedule(0, base, warm, total) == pytest.approx(1e-4)
+    assert lr_schedule(4, base, warm, total) == pytest.approx(5e-4)
+    assert lr_schedule(9, base, warm, total) == pytest.approx(base)
+    assert lr_schedule(10, base, warm, total) == pytest.approx(base)  # cosine starts at the top
+    assert lr_schedule(60, base, warm, total) == pytest.approx(0.55e-3)  # halfway: (1 + 0.1) / 2
+    assert lr_schedule(110, base, warm, total) == pytest.approx(1e-4)  # min_lr_ratio 0.1
+    assert lr_schedule(500, base, warm, total) == pytest.approx(1e-4)
+    decay = [lr_schedule(s, base, warm, total) for s in range(warm, total + 1)]
+    assert all(a >= b for a, b in itertools.pairwise(decay))
+    assert lr_schedule(0, base, 0, 10, min_lr_ratio=0.0) == pytest.approx(base)

@@ -1,0 +1,131 @@
+"""Greedy, temperature and nucleus sampling: exact sets, distributions and determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from foundry.model.sampling import SamplingError, make_rng, probabilities, sample
+
+logit_vectors = arrays(
+    np.float32,
+    st.integers(1, 40),
+    elements=st.floats(-30, 30, width=32),
+)
+
+
+def test_greedy_takes_the_first_maximum() -> None:
+    assert sample(np.array([0.1, 2.0, -1.0, 2.0]), temperature=0.0) == 1
+    assert sample(np.array([5.0]), temperature=0.0) == 0
+    assert sample(np.array([-np.inf, -3.0, -np.inf]), temperature=0.0) == 1
+
+
+def test_greedy_draws_nothing_from_the_rng() -> None:
+    rng = make_rng(1)
+    sample(np.array([1.0, 2.0]), temperature=0.0, rng=rng)
+    assert rng.random() == make_rng(1).random()
+
+
+def test_probabilities_are_a_stable_softmax() -> None:
+    p = probabilities(np.array([1000.0, 1000.0, -np.inf]), temperature=1.0)
+    np.testing.assert_allclose(p, [0.5, 0.5, 0.0])
+    p = probabilities(np.array([0.0, np.log(3.0)]), temperature=1.0)
+    np.testing.assert_allclose(p, [0.25, 0.75])
+    p = probabilities(np.array([0.0, np.log(3.0)]), temperature=2.0)
+    np.testing.assert_allclose(p, [1 / (1 + np.sqrt(3)), np.sqrt(3) / (1 + np.sqrt(3))])
+    assert p.dtype == np.float64
+
+
+def test_tiny_temperature_is_greedy_without_warnings() -> None:
+    rng = make_rng(0)
+    logits = np.array([1.0, 1.5, 0.5])
+    assert {sample(logits, 1e-300, rng=rng) for _ in range(20)} == {1}
+
+
+@settings(max_examples=50, deadline=None)
+@given(logit_vectors, st.floats(0.05, 1.0), st.floats(0.1, 3.0), st.integers(0, 2**32))
+def test_top_p_keeps_the_smallest_sufficient_set(
+    logits: np.ndarray, top_p: float, temperature: float, seed: int
+) -> None:
+    p = probabilities(logits, temperature)
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    reached = np.nonzero(cum >= top_p)[0]
+    k = len(order) if top_p >= 1.0 or len(reached) == 0 else int(reached[0]) + 1
+    allowed = set(order[:k].tolist())
+    rng = make_rng(seed)
+    for _ in range(5):
+        tok = sample(logits, temperature, top_p, rng)
+        assert tok in allowed
+        assert p[tok] > 0
+
+
+def test_top_p_small_is_greedy() -> None:
+    rng = make_rng(3)
+    logits = np.array([0.0, 3.0, 2.9, -1.0])
+    assert {sample(logits, 1.0, top_p=0.01, rng=rng) for _ in range(50)} == {1}
+
+
+def test_top_p_cuts_the_tail_exactly() -> None:
+    # probabilities 0.5, 0.3, 0.2: any top_p in (0.5, 0.8] keeps exactly the first two.
+    logits = np.log(np.array([0.2, 0.5, 0.3]))
+    rng = make_rng(4)
+    seen = {sample(logits, 1.0, top_p=0.79, rng=rng) for _ in range(300)}
+    assert seen == {1, 2}
+    seen = {sample(logits, 1.0, top_p=0.81, rng=rng) for _ in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = np.array([0.1, 0.6, 0.3])
+    rng = make_rng(5)
+    n = 6000
+    counts = np.bincount([sample(np.log(probs), 1.0, 1.0, rng) for _ in range(n)], minlength=3)
+    # Three standard deviations of a binomial count.
+    assert np.all(np.abs(counts - n * probs) < 3 * np.sqrt(n * probs * (1 - probs)))
+
+
+def test_same_seed_same_tokens() -> None:
+    logits = np.random.default_rng(0).standard_normal(259)
+    a = [sample(logits, 0.8, 0.9, make_rng(42)) for _ in range(3)]
+    rng1, rng2 = make_rng(7), make_rng(7)
+    s1 = [sample(logits, 0.8, 0.95, rng1) for _ in range(50)]
+    s2 = [sample(logits, 0.8, 0.95, rng2) for _ in range(50)]
+    assert s1 == s2
+    assert len(set(a)) == 1
+    assert len(set(s1)) > 1
+
+
+def test_zero_probability_tokens_are_never_drawn() -> None:
+    logits = np.array([-np.inf, 0.0, -np.inf, 0.0])
+    rng = make_rng(9)
+    assert {sample(logits, 1.0, 1.0, rng) for _ in range(200)} == {1, 3}
+
+
+@pytest.mark.parametrize(
+    ("logits", "temperature", "top_p", "match"),
+    [
+        (np.array([1.0, np.nan]), 1.0, 1.0, "NaN"),
+        (np.array([1.0, np.inf]), 1.0, 1.0, r"\+inf"),
+        (np.array([-np.inf, -np.inf]), 1.0, 1.0, "every logit is -inf"),
+        (np.array([]), 1.0, 1.0, "non-empty"),
+        (np.zeros((2, 3)), 1.0, 1.0, "vector"),
+        (np.zeros(3), -0.5, 1.0, "temperature"),
+        (np.zeros(3), float("nan"), 1.0, "temperature"),
+        (np.zeros(3), 1.0, 0.0, "top_p"),
+        (np.zeros(3), 1.0, 1.5, "top_p"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    logits: np.ndarray, temperature: float, top_p: float, match: str
+) -> None:
+    with pytest.raises(SamplingError, match=match):
+        sample(logits, temperature, top_p, make_rng(0))
+
+
+def test_sampling_needs_an_rng() -> None:
+    with pytest.raises(SamplingError, match="rng"):
+        sample(np.zeros(3), 1.0)

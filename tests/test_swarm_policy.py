@@ -1,0 +1,117 @@
+"""Round policy: allocation, deadlines, quorum, aggregation, backoff (pure functions)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from foundry.swarm.policy import (
+    RoundDecision,
+    allocate_samples,
+    backoff_delay,
+    contiguous_offsets,
+    is_dead,
+    round_deadline,
+    round_decision,
+    update_rate,
+    weighted_mean,
+)
+
+rates_st = st.dictionaries(
+    st.text(alphabet="abcdefgh", min_size=1, max_size=4),
+    st.floats(min_value=0.0, max_value=1e4, allow_nan=False),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(st.integers(min_value=0, max_value=10_000), rates_st)
+def test_allocation_sums_exactly_and_feeds_everyone(
+    global_batch: int, rates: dict[str, float]
+) -> None:
+    shares = allocate_samples(global_batch, rates)
+    assert sum(shares.values()) == global_batch
+    assert set(shares) == set(rates)
+    if global_batch >= len(rates):
+        assert min(shares.values()) >= 1
+
+
+def test_allocation_follows_throughput() -> None:
+    # A desktop three times as fast as a Pi gets three times the samples.
+    shares = allocate_samples(64, {"pi": 10.0, "desktop": 30.0})
+    assert shares == {"desktop": 48, "pi": 16}
+
+
+def test_allocation_without_measurements_is_equal() -> None:
+    assert allocate_samples(9, {"a": 0.0, "b": 0.0, "c": 0.0}) == {"a": 3, "b": 3, "c": 3}
+
+
+def test_offsets_are_contiguous_and_disjoint() -> None:
+    shares = {"b": 5, "a": 3, "c": 2}
+    offsets = contiguous_offsets(100, shares)
+    assert offsets == {"a": 100, "b": 103, "c": 108}
+
+
+def test_rate_ema() -> None:
+    assert update_rate(None, 10.0) == 10.0
+    assert update_rate(10.0, 20.0, alpha=0.5) == 15.0
+    assert update_rate(10.0, float("nan")) == 10.0
+    assert update_rate(None, 0.0) == 0.0
+
+
+def test_deadline_adapts_to_the_slowest_expected_finish() -> None:
+    shares = {"pi": 10, "desktop": 30}
+    rates = {"pi": 5.0, "desktop": 30.0}  # pi expects 2 s, desktop 1 s
+    assert round_deadline(100.0, shares, rates, factor=2.5, floor_s=1.0) == 105.0
+    assert round_deadline(100.0, shares, rates, factor=0.1, floor_s=1.0) == 101.0
+    # an unmeasured worker gets the initial allowance
+    assert round_deadline(0.0, {"new": 4}, {}, initial_s=60.0) == 60.0
+
+
+def test_round_closes_when_all_reported() -> None:
+    d = round_decision(now=0.0, deadline=10.0, assigned={"a": 4, "b": 4}, reported={"a": 4, "b": 4})
+    assert d is RoundDecision.CLOSE
+
+
+def test_round_waits_before_deadline_then_closes_with_quorum() -> None:
+    kw = {"assigned": {"a": 4, "b": 4}, "reported": {"a": 4}, "quorum": 0.5}
+    assert round_decision(now=5.0, deadline=10.0, **kw) is RoundDecision.WAIT  # type: ignore[arg-type]
+    assert round_decision(now=10.0, deadline=10.0, **kw) is RoundDecision.CLOSE  # type: ignore[arg-type]
+
+
+def test_round_below_quorum_at_deadline_is_abandoned() -> None:
+    d = round_decision(
+        now=11.0, deadline=10.0, assigned={"a": 1, "b": 7}, reported={"a": 1}, quorum=0.5
+    )
+    assert d is RoundDecision.ABANDON
+
+
+def test_dead_worker_removed_from_assigned_closes_round_at_once() -> None:
+    # "b" died (the caller removed it); "a" reported: nobody is pending.
+    d = round_decision(now=0.0, deadline=10.0, assigned={"a": 4}, reported={"a": 4})
+    assert d is RoundDecision.CLOSE
+
+
+def test_weighted_mean_equals_global_mean() -> None:
+    rng = np.random.default_rng(0)
+    per_sample = rng.standard_normal((10, 7)).astype(np.float32)
+    parts = [(3, [per_sample[:3].mean(0)]), (7, [per_sample[3:].mean(0)])]
+    (got,) = weighted_mean(parts)
+    np.testing.assert_allclose(got, per_sample.mean(0), rtol=0, atol=1e-6)
+    assert got.dtype == np.float32
+
+
+def test_heartbeat_timeout() -> None:
+    assert not is_dead(10.0, 8.0, 3.0)
+    assert is_dead(11.5, 8.0, 3.0)
+
+
+def test_backoff_is_capped_and_grows() -> None:
+    rng = random.Random(1)
+    delays = [backoff_delay(a, base_s=0.5, cap_s=8.0, rng=rng) for a in range(10)]
+    assert all(0.25 <= d <= 8.0 for d in delays)
+    assert delays[-1] >= 4.0  # at the cap, equal jitter keeps at least half
+    assert backoff_delay(0, base_s=0.5, cap_s=8.0, rng=rng) <= 0.5
