@@ -115,3 +115,14 @@ def test_backoff_is_capped_and_grows() -> None:
     assert all(0.25 <= d <= 8.0 for d in delays)
     assert delays[-1] >= 4.0  # at the cap, equal jitter keeps at least half
     assert backoff_delay(0, base_s=0.5, cap_s=8.0, rng=rng) <= 0.5
+
+
+def test_round_without_assignments_waits_for_its_deadline() -> None:
+    # only seed-only peers: nobody is assigned, their gradients may still arrive
+    assert round_decision(now=1.0, deadline=2.0, assigned={}, reported={}) is RoundDecision.WAIT
+    assert round_decision(now=1.0, deadline=2.0, assigned={}, reported={"c": 4}) is (
+        RoundDecision.CLOSE
+    )
+    assert round_decision(now=2.0, deadline=2.0, assigned={}, reported={}) is (
+        RoundDecision.ABANDON
+    )

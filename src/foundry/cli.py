@@ -1,7 +1,7 @@
 """`foundry`: one command, many subcommands.
 
-Subcommands live in ``foundry.commands.<name>``; each module has ``register(subparsers)``.
-Adding a command means adding its module name to ``COMMAND_MODULES``.
+Subcommands live in ``foundry.commands.<name>``; each such module has ``register(subparsers)``
+and is found by itself: adding a command means adding its module.
 """
 
 from __future__ import annotations
@@ -9,12 +9,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import pkgutil
 import sys
 from collections.abc import Sequence
 
 from foundry import __version__
 
-COMMAND_MODULES: tuple[str, ...] = ()
+# Every module of foundry.commands with a ``register`` function is a subcommand, in this order
+# in ``--help`` (the workflow order: model, train, serve, operate); any others come after.
+COMMAND_ORDER = ("model", "swarm", "tp", "gateway", "ctl", "up", "profile")
+
+
+def command_modules() -> list[str]:
+    import foundry.commands as package
+
+    found = {m.name for m in pkgutil.iter_modules(package.__path__)}
+    ordered = [n for n in COMMAND_ORDER if n in found]
+    ordered += sorted(found - set(ordered))
+    return [f"foundry.commands.{n}" for n in ordered]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity (default: INFO)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    for name in command_modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "register"):
+            module.register(sub)
     return parser
 
 
@@ -45,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The gguf package narrates every file it writes at INFO; our own log line says it once.
+    logging.getLogger("gguf").setLevel(logging.WARNING)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -133,10 +133,8 @@ def round_decision(
     pending = [w for w in assigned if w not in reported]
     if not pending and reported:
         return RoundDecision.CLOSE
-    if not assigned and not reported:
-        return RoundDecision.ABANDON
     if now < deadline:
-        return RoundDecision.WAIT
+        return RoundDecision.WAIT  # (a round nobody was assigned waits for seed-only peers)
     total_assigned = sum(assigned.values()) + sum(
         n for w, n in reported.items() if w not in assigned
     )

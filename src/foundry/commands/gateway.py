@@ -1,0 +1,104 @@
+"""`foundry gateway`: the gRPC front door to the coordinator and the tensor-parallel pair."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    g = sub.add_parser(
+        "gateway",
+        help="run the gRPC gateway (training control, status, generation)",
+        description="Serve the foundry.v1 gRPC API, standard health checking and reflection. "
+        "Training calls go to the coordinator's admin link, inference calls to the TP "
+        "leader's frontend link. Port 0 picks a free port; the bound port is printed.",
+    )
+    g.add_argument("--listen", type=host_port, default=("0.0.0.0", 50051), metavar="HOST:PORT",
+                   help="where gRPC clients connect (default 0.0.0.0:50051)")
+    g.add_argument("--coordinator-admin", type=host_port, default=("127.0.0.1", 7071),
+                   metavar="HOST:PORT",
+                   help="the coordinator's --admin-listen address (default 127.0.0.1:7071)")
+    g.add_argument("--tp-frontend", type=host_port, default=("127.0.0.1", 7091),
+                   metavar="HOST:PORT",
+                   help="the TP leader's --frontend-listen address (default 127.0.0.1:7091)")
+    g.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
+                   help="serve TLS with this PEM certificate (chain); needs --tls-key")
+    g.add_argument("--tls-key", type=Path, default=None, metavar="FILE",
+                   help="the PEM private key of --tls-cert")
+    g.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                   help="require 'authorization: Bearer <token>' on every call but health and "
+                   "reflection; the token is this file's one line")
+    g.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="seconds calls in flight get to finish on shutdown (default 5)")
+    add_metrics_flag(g)
+    g.set_defaults(func=run_gateway)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from foundry.gateway.auth import TokenError, read_token
+    from foundry.gateway.server import Gateway, GatewayOptions
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            print(f"error: {path} is not a file", file=sys.stderr)
+            return 2
+    token = None
+    if args.token_file is not None:
+        try:
+            token = read_token(args.token_file)
+        except TokenError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    options = GatewayOptions(
+        listen_host=args.listen[0],
+        listen_port=args.listen[1],
+        coordinator_host=args.coordinator_admin[0],
+        coordinator_port=args.coordinator_admin[1],
+        frontend_host=args.tp_frontend[0],
+        frontend_port=args.tp_frontend[1],
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token=token,
+        grace_s=args.grace,
+    )
+
+    async def main() -> int:
+        gateway = Gateway(options)
+        try:
+            port = await gateway.start()
+        except OSError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            await gateway.stop()
+            return 1
+        metrics = start_metrics(args, gateway.metrics.registry)
+        print(
+            f"gateway listening: grpc {options.listen_host}:{port}"
+            + (" (tls)" if options.tls_cert else "")
+            + (", token required" if token else "")
+            + f", coordinator admin {gateway.admin.address}"
+            + f", tp frontend {gateway.frontend.address}"
+            + (f", metrics :{metrics.port}" if metrics else ""),
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await gateway.stop()
+            if metrics:
+                metrics.close()
+        return 0
+
+    return asyncio.run(main())

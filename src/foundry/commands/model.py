@@ -1,0 +1,195 @@
+"""`foundry model init`, `foundry train` and `foundry generate`: the model in one process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from foundry.model.config import PRESETS
+
+log = logging.getLogger("foundry.train")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    m = sub.add_parser("model", help="create model files", description="Create model files.")
+    msub = m.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    init = msub.add_parser(
+        "init",
+        help="write a randomly initialised model as GGUF",
+        description="Write a randomly initialised model of a preset size as a GGUF file.",
+    )
+    init.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
+    init.add_argument("--out", type=Path, required=True, help="GGUF file to write")
+    init.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
+    init.add_argument("--dtype", default="f32", choices=["f32", "f16"], help="tensor type")
+    init.set_defaults(func=run_init)
+
+    t = sub.add_parser(
+        "train",
+        help="train in this one process (no swarm)",
+        description="Train the model in one process on the bundled corpus (or --data), with "
+        "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
+    )
+    t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
+    t.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    t.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
+    t.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per forward pass (default: the whole batch)")
+    t.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    t.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up (default 20)")
+    t.add_argument("--data", type=Path, default=None,
+                   help="text file or folder (default: Python's bundled documentation)")
+    t.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="write checkpoints here and resume from the newest one")
+    t.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    t.add_argument("--eval-every", type=int, default=50, help="steps between validation runs")
+    t.add_argument("--out", type=Path, default=None, help="write the trained model as GGUF")
+    t.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+    t.set_defaults(func=run_train)
+
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a GGUF model in this one process",
+        description="Generate text after a prompt. Prints only the generated text, streamed "
+        "as it comes, then a newline. --temperature 0 is greedy (deterministic).",
+    )
+    g.add_argument("--model", type=Path, required=True, help="GGUF model file")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.set_defaults(func=run_generate)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from foundry.model.config import preset
+    from foundry.model.gguf_io import save_gguf
+    from foundry.model.transformer import init_params
+
+    cfg = preset(args.preset)
+    save_gguf(args.out, cfg, init_params(cfg, args.seed), dtype=args.dtype)
+    print(f"wrote {args.out} ({args.preset}: {cfg.n_params():,} parameters, {args.dtype})")
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from foundry.model.checkpoint import (
+        CheckpointState,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from foundry.model.config import preset
+    from foundry.model.data import DataError, load_corpus
+    from foundry.model.gguf_io import save_gguf
+    from foundry.model.training import Trainer, TrainSettings, evaluate_loss
+    from foundry.model.transformer import init_params, retain_freed_memory
+
+    if args.steps <= 0 or args.global_batch <= 0:
+        print("error: --steps and --global-batch must be positive", file=sys.stderr)
+        return 2
+    try:
+        corpus = load_corpus(args.data)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    retain_freed_memory()
+    cfg = preset(args.preset)
+    settings = TrainSettings(
+        global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
+        warmup_steps=args.warmup_steps, total_steps=args.steps,
+    )
+    trainer = Trainer(cfg, settings, init_params(cfg, args.seed))
+    if args.checkpoint_dir is not None:
+        found = latest_checkpoint(args.checkpoint_dir)
+        if found is not None:
+            state = load_checkpoint(found)
+            if state.config != cfg:
+                print(f"error: {found} holds another model; use another --checkpoint-dir",
+                      file=sys.stderr)
+                return 2
+            trainer.params = state.params
+            trainer.optimizer.load_state_dict(state.optimizer)
+            trainer.step, trainer.position = state.step, state.data_position
+            print(f"resuming from {found} at step {trainer.step}")
+
+    def checkpoint() -> None:
+        if args.checkpoint_dir is None:
+            return
+        path = save_checkpoint(args.checkpoint_dir, CheckpointState(
+            config=cfg, step=trainer.step, params=trainer.params,
+            optimizer=trainer.optimizer.state_dict(), data_position=trainer.position,
+        ))
+        log.info("checkpoint %s", path)
+
+    print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
+          f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}")
+    val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, 4)
+    print(f"step {trainer.step}: validation loss {val:.4f}")
+    bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
+               dynamic_ncols=True)
+    t0 = time.perf_counter()
+    samples = 0
+    try:
+        while trainer.step < args.steps:
+            result = trainer.train_step(corpus, args.micro_batch)
+            samples += result.n_samples
+            rate = samples / (time.perf_counter() - t0)
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}",
+                            samples_s=f"{rate:.1f}")
+            if args.no_progress and trainer.step % 10 == 0:
+                print(f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
+                      flush=True)
+            if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
+                val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, 4)
+                bar.write(f"step {trainer.step}: loss {result.loss:.4f}, "
+                          f"validation loss {val:.4f}")
+            if trainer.step % args.checkpoint_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        bar.close()
+        checkpoint()
+        print(f"interrupted at step {trainer.step}")
+        return 130
+    bar.close()
+    checkpoint()
+    if args.out is not None:
+        save_gguf(args.out, cfg, trainer.params)
+        print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from foundry.model.data import StreamDecoder
+    from foundry.model.generate import generate_tokens
+    from foundry.model.gguf_io import GGUFError, load_gguf
+    from foundry.model.inference import Engine
+    from foundry.model.sampling import SamplingError
+
+    try:
+        loaded = load_gguf(args.model)
+    except (GGUFError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = Engine(loaded.cfg, loaded.params)
+    text = StreamDecoder()
+    try:
+        for token in generate_tokens(engine, args.prompt, args.max_tokens,
+                                     temperature=args.temperature, top_p=args.top_p,
+                                     seed=args.seed):
+            sys.stdout.write(text.feed(token))
+            sys.stdout.flush()
+    except (ValueError, SamplingError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text.flush() + "\n")
+    return 0

@@ -1,0 +1,206 @@
+"""`foundry coordinator`, `foundry worker` and `foundry export`: the swarm's commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+from foundry.model.config import PRESETS, preset
+from foundry.model.training import TrainSettings
+from foundry.wire.fdtc import Compression
+
+log = logging.getLogger("foundry")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser(
+        "coordinator",
+        help="run the training coordinator (parameter server)",
+        description="Run the swarm's parameter server: workers connect to --listen, the "
+        "gateway to --admin-listen. Port 0 picks a free port; the bound ports are printed.",
+    )
+    c.add_argument("--listen", type=host_port, default=("0.0.0.0", 7070), metavar="HOST:PORT",
+                   help="where workers connect (default 0.0.0.0:7070)")
+    c.add_argument("--admin-listen", type=host_port, default=("127.0.0.1", 7071),
+                   metavar="HOST:PORT", help="admin link for the gateway (default 127.0.0.1:7071)")
+    c.add_argument("--checkpoint-dir", type=Path, default=Path("runs/checkpoints"),
+                   help="checkpoints are written and resumed from here (default runs/checkpoints)")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
+    c.add_argument("--compression", default="none", choices=[c.name.lower() for c in Compression],
+                   help="gradient compression on the wire (default none)")
+    c.add_argument("--topk-ratio", type=float, default=0.01,
+                   help="share of gradient entries top-k sends (default 0.01)")
+    c.add_argument("--data", type=Path, default=None,
+                   help="text file or folder to train on (default: Python's bundled docs)")
+    c.add_argument("--init", type=Path, default=None, metavar="FILE.gguf",
+                   help="start from these weights instead of a random init")
+    c.add_argument("--max-steps", type=int, default=300, help="steps to train (default 300)")
+    c.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
+    c.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    c.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    c.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up (default 20)")
+    c.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    c.add_argument("--min-workers", type=int, default=1,
+                   help="rounds start once this many workers registered (default 1)")
+    c.add_argument("--wait-for-start", action="store_true",
+                   help="wait for START on the admin link instead of training at once")
+    c.add_argument("--no-rebalance", action="store_true",
+                   help="split every round equally instead of by measured throughput")
+    c.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    add_metrics_flag(c)
+    c.set_defaults(func=run_coordinator)
+
+    w = sub.add_parser(
+        "worker",
+        help="run a training worker",
+        description="Join a swarm: register with the coordinator, train on its assignments, "
+        "reconnect by itself when the coordinator goes away.",
+    )
+    w.add_argument("--coordinator", type=host_port, default=("127.0.0.1", 7070),
+                   metavar="HOST:PORT", help="the coordinator's worker port")
+    w.add_argument("--worker-id", default=None, help="stable name (default HOSTNAME-PID)")
+    w.add_argument("--profile", default=None,
+                   help="force a hardware profile (default: detected; see `foundry profile`)")
+    w.add_argument("--data", type=Path, default=None,
+                   help="this machine's copy of the training data (default: bundled docs)")
+    w.add_argument("--slowdown", type=float, default=1.0, help=argparse.SUPPRESS)
+    add_metrics_flag(w)
+    w.set_defaults(func=run_worker)
+
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint's weights as a GGUF model file",
+        description="Export a training checkpoint (a file, or the newest valid one in a "
+        "folder) to GGUF, which `foundry tp-leader` and llama.cpp load.",
+    )
+    e.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file or folder")
+    e.add_argument("--out", type=Path, required=True, help="GGUF file to write")
+    e.add_argument("--dtype", default="f32", choices=["f32", "f16"], help="tensor type")
+    e.set_defaults(func=run_export)
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    from foundry.model.data import DataError, load_corpus
+    from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+
+    if args.max_steps <= 0 or args.global_batch <= 0:
+        print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
+        return 2
+    try:
+        corpus = load_corpus(args.data)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = TrainSettings(
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.max_steps,
+    )
+    options = CoordinatorOptions(
+        host=args.listen[0],
+        port=args.listen[1],
+        admin_host=args.admin_listen[0],
+        admin_port=args.admin_listen[1],
+        checkpoint_dir=args.checkpoint_dir,
+        cfg=preset(args.preset),
+        settings=settings,
+        compression=Compression[args.compression.upper()],
+        topk_ratio=args.topk_ratio,
+        max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every,
+        min_workers=args.min_workers,
+        autostart=not args.wait_for_start,
+        init_gguf=args.init,
+        seed=args.seed,
+        rebalance=not args.no_rebalance,
+    )
+
+    async def main() -> int:
+        coordinator = Coordinator(options, corpus)
+        await coordinator.start()
+        metrics = start_metrics(args, coordinator.metrics.registry)
+        print(
+            f"coordinator listening: workers {options.host}:{coordinator.bound_port}, "
+            f"admin {options.admin_host}:{coordinator.bound_admin_port}"
+            + (f", metrics :{metrics.port}" if metrics else ""),
+            flush=True,
+        )
+        _stop_on_signals(coordinator.request_stop)
+        try:
+            await coordinator.wait_stopped()
+        finally:
+            await coordinator.close()
+            if metrics:
+                metrics.close()
+        return 0
+
+    return asyncio.run(main())
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from foundry.model.data import DataError, load_corpus
+    from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
+
+    try:
+        hardware = hardware_for(args.profile)
+        corpus = load_corpus(args.data)
+    except (ValueError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    options = WorkerOptions(
+        host=args.coordinator[0],
+        port=args.coordinator[1],
+        worker_id=args.worker_id or default_worker_id(),
+        hardware=hardware,
+        slowdown=args.slowdown,
+    )
+
+    async def main() -> int:
+        worker = Worker(options, corpus)
+        metrics = start_metrics(args, worker.metrics.registry)
+        if metrics:
+            print(f"worker {options.worker_id}: metrics :{metrics.port}", flush=True)
+        task = asyncio.ensure_future(worker.run())
+        _stop_on_signals(task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return 0
+        finally:
+            if metrics:
+                metrics.close()
+
+    return asyncio.run(main())
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from foundry.model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from foundry.model.gguf_io import save_gguf
+
+    path: Path | None = args.checkpoint
+    if path is not None and path.is_dir():
+        path = latest_checkpoint(path)
+        if path is None:
+            print(f"error: no valid checkpoint in {args.checkpoint}", file=sys.stderr)
+            return 2
+    try:
+        state = load_checkpoint(path)  # type: ignore[arg-type]
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    save_gguf(args.out, state.config, state.params, dtype=args.dtype)
+    print(f"exported step {state.step} from {path} to {args.out}")
+    return 0
+
+
+def _stop_on_signals(stop: object) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)  # type: ignore[arg-type]

@@ -1,0 +1,344 @@
+"""Client of the tensor-parallel leader's frontend link: one connection, many generations.
+
+Theory of operation
+-------------------
+One TCP connection to the leader carries every request of the gateway (``foundry.wire.frontend``
+frames). A reader task decodes the frames and routes each by ``request_id`` to the queue of its
+generation. GENERATE ids are allocated here (1 .. 2**32 - 1, skipping ids in use). Status
+requests use id 0 and are matched to their answers in order: the leader answers STATUS_REQ as
+it reads it, so a first-in first-out list of waiters pairs each STATUS with its request.
+
+The connection is opened on first use, and again on the first use after it broke. When it
+breaks, every pending request fails with UNAVAILABLE: a generation cannot continue on a new
+connection, because its session on the pair belonged to the old one.
+
+Leaving a ``Generation`` before its DONE (the gRPC call was cancelled, or its deadline passed)
+sends CANCEL, so the pair stops decoding at the next token. The write is synchronous (no
+``await``), so it happens even while the leaving task is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import ssl as ssl_lib
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import grpc
+
+from foundry.gateway.errors import (
+    BackendFailed,
+    BackendTimeout,
+    BackendUnavailable,
+    GatewayError,
+    InvalidRequest,
+)
+from foundry.wire.errors import ProtocolError
+from foundry.wire.frontend import (
+    Cancel,
+    Done,
+    Error,
+    ErrorCode,
+    Frame,
+    FrontendDecoder,
+    Generate,
+    Status,
+    StatusReq,
+    Token,
+    encode,
+)
+
+log = logging.getLogger("foundry.gateway.frontend")
+
+# Bytes asked of the socket per read: many token frames (about 20 bytes each) per wake-up.
+READ_CHUNK = 64 * 1024
+MAX_REQUEST_ID = 0xFFFFFFFF
+STATUS_REQUEST_ID = 0
+
+# The leader's ERROR codes as gRPC status codes; an unknown code is the leader's fault.
+ERROR_STATUS: dict[int, grpc.StatusCode] = {
+    ErrorCode.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_HINTS: dict[int, str] = {
+    ErrorCode.UNAVAILABLE: "; retry in a few seconds",
+    ErrorCode.OVERLOADED: "; retry later or lower the number of concurrent generations",
+    ErrorCode.INTERNAL: "; see the tp-leader log",
+}
+
+
+def error_from_frame(frame: Error, address: str) -> GatewayError:
+    """The leader's ERROR frame as the gateway error to answer the call with."""
+    code = ERROR_STATUS.get(frame.code, grpc.StatusCode.INTERNAL)
+    hint = _HINTS.get(frame.code, "")
+    if frame.code == ErrorCode.BAD_REQUEST:
+        return InvalidRequest(f"the TP leader refused the request: {frame.message}")
+    return BackendFailed(f"TP leader at {address}: {frame.message}{hint}", code)
+
+
+@dataclass
+class _Link:
+    """One open connection and the requests waiting on it."""
+
+    writer: asyncio.StreamWriter
+    pending: dict[int, asyncio.Queue[Frame | GatewayError]] = field(default_factory=dict)
+    status_waiters: collections.deque[asyncio.Future[Status]] = field(
+        default_factory=collections.deque
+    )
+    broken: GatewayError | None = None
+    reader_task: asyncio.Task[None] | None = None
+
+    def fail(self, error: GatewayError) -> None:
+        """Mark the link dead and fail everything waiting on it (idempotent)."""
+        if self.broken is not None:
+            return
+        self.broken = error
+        for queue in self.pending.values():
+            queue.put_nowait(error)
+        self.pending.clear()
+        while self.status_waiters:
+            fut = self.status_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error)
+        self.writer.close()
+
+
+class Generation:
+    """One generation in flight: ``async with`` it, then ``async for`` its Token frames and
+    the final Done. An ERROR from the leader or a broken link is raised as a GatewayError."""
+
+    def __init__(self, client: FrontendClient, request: Generate) -> None:
+        self._client = client
+        self._request = request
+        self._link: _Link | None = None
+        self._queue: asyncio.Queue[Frame | GatewayError] = asyncio.Queue()
+        self.request_id = 0
+        self.finished = False
+
+    async def __aenter__(self) -> Generation:
+        link = await self._client._connected()
+        self.request_id = self._client._allocate_id(link)
+        link.pending[self.request_id] = self._queue
+        self._link = link
+        frame = Generate(
+            self.request_id, self._request.prompt, self._request.max_tokens,
+            self._request.temperature, self._request.top_p, self._request.seed,
+            self._request.stop,
+        )
+        try:
+            await self._client._write(link, encode(frame))
+        except BaseException:
+            self.close()  # cancelled mid-write: the leader may have the request already
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; CANCEL on the link if the generation has not ended."""
+        link = self._link
+        if link is None or self.finished:
+            return
+        self.finished = True
+        link.pending.pop(self.request_id, None)
+        if link.broken is None and not link.writer.is_closing():
+            link.writer.write(encode(Cancel(self.request_id)))
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Token | Done:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Token):
+            return item
+        self.finished = True
+        if isinstance(item, Done):
+            return item
+        if isinstance(item, GatewayError):
+            raise item
+        if isinstance(item, Error):
+            raise error_from_frame(item, self._client.address)
+        raise BackendFailed(
+            f"the TP leader at {self._client.address} answered a generation with "
+            f"{type(item).__name__}; are the gateway and the leader the same foundry version?"
+        )
+
+
+class FrontendClient:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout_s: float = 5.0,
+        ssl: ssl_lib.SSLContext | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout_s = connect_timeout_s
+        self._ssl = ssl
+        self._link: _Link | None = None
+        self._connect_lock = asyncio.Lock()
+        self._next_id = 1
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: tuple[str, ...] = (),
+    ) -> Generation:
+        try:
+            request = Generate(0, prompt, max_tokens, temperature, top_p, seed, stop)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return Generation(self, request)
+
+    async def status(self, timeout_s: float) -> Status:
+        async def ask() -> Status:
+            link = await self._connected()
+            fut: asyncio.Future[Status] = asyncio.get_running_loop().create_future()
+            link.status_waiters.append(fut)
+            await self._write(link, encode(StatusReq(STATUS_REQUEST_ID)))
+            return await fut
+
+        try:
+            return await asyncio.wait_for(ask(), timeout_s)
+        except TimeoutError:
+            raise BackendTimeout(
+                f"the TP leader at {self.address} did not answer a status request within "
+                f"{timeout_s:.3g} s"
+            ) from None
+
+    async def close(self) -> None:
+        link, self._link = self._link, None
+        if link is None:
+            return
+        link.fail(BackendUnavailable("the gateway is shutting down"))
+        if link.reader_task is not None:
+            link.reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await link.reader_task
+
+    # ------------------------------------------------------------------ internals
+
+    async def _connected(self) -> _Link:
+        link = self._link
+        if link is not None and link.broken is None:
+            return link
+        async with self._connect_lock:
+            link = self._link
+            if link is not None and link.broken is None:
+                return link
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port, ssl=self._ssl),
+                    self.connect_timeout_s,
+                )
+            except (OSError, TimeoutError) as exc:
+                raise BackendUnavailable(
+                    f"TP leader frontend link {self.address} unreachable: "
+                    f"{exc or type(exc).__name__}; is `foundry tp-leader` running with "
+                    f"--frontend-listen {self.address}?"
+                ) from None
+            link = _Link(writer)
+            link.reader_task = asyncio.create_task(self._read_loop(link, reader))
+            self._link = link
+            log.info("frontend link to %s open", self.address)
+            return link
+
+    def _allocate_id(self, link: _Link) -> int:
+        for _ in range(len(link.pending) + 1):
+            rid = self._next_id
+            self._next_id = rid % MAX_REQUEST_ID + 1
+            if rid not in link.pending:
+                return rid
+        raise AssertionError("unreachable: one of len(pending) + 1 ids is free")
+
+    async def _write(self, link: _Link, data: bytes) -> None:
+        if link.broken is not None:
+            raise link.broken
+        link.writer.write(data)
+        try:
+            await link.writer.drain()
+        except (OSError, ConnectionError) as exc:
+            error = self._broken(exc)
+            link.fail(error)
+            raise error from None
+
+    def _broken(self, exc: BaseException) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"the frontend link to the TP leader at {self.address} broke: "
+            f"{exc or type(exc).__name__}; retry once the leader is back"
+        )
+
+    async def _read_loop(self, link: _Link, reader: asyncio.StreamReader) -> None:
+        decoder = FrontendDecoder()
+        try:
+            while True:
+                data = await reader.read(READ_CHUNK)
+                if not data:
+                    raise ConnectionResetError("the leader closed the connection")
+                decoder.feed(data)
+                while (frame := decoder.next_frame()) is not None:
+                    self._dispatch(link, frame)
+        except (OSError, ConnectionError) as exc:
+            log.warning("frontend link to %s lost: %s", self.address, exc)
+            link.fail(self._broken(exc))
+        except ProtocolError as exc:
+            log.error("frontend link to %s: bad bytes from the leader: %s", self.address, exc)
+            link.fail(
+                BackendFailed(
+                    f"the TP leader at {self.address} sent bytes that break the frontend "
+                    f"protocol ({exc}); are the gateway and the leader the same foundry version?"
+                )
+            )
+
+    def _dispatch(self, link: _Link, frame: Frame) -> None:
+        if isinstance(frame, Status):
+            self._answer_status(link, frame)
+            return
+        if isinstance(frame, Token | Done | Error):
+            queue = link.pending.get(frame.request_id)
+            if queue is not None:
+                queue.put_nowait(frame)
+                if not isinstance(frame, Token):
+                    del link.pending[frame.request_id]
+                return
+            if isinstance(frame, Error) and link.status_waiters:
+                fut = link.status_waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(error_from_frame(frame, self.address))
+                return
+            # Frames of a generation this side already left (cancelled): expected, dropped.
+            log.debug("frontend frame for finished request %d dropped", frame.request_id)
+            return
+        raise ProtocolError(f"the leader sent {type(frame).__name__}, which only clients send")
+
+    def _answer_status(self, link: _Link, frame: Status) -> None:
+        # The oldest request owns this answer, even if its caller gave up waiting for it.
+        if not link.status_waiters:
+            log.debug("unrequested STATUS from %s dropped", self.address)
+            return
+        fut = link.status_waiters.popleft()
+        if not fut.done():
+            fut.set_result(frame)

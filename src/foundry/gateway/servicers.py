@@ -1,0 +1,276 @@
+"""The foundry.v1 servicers: each call translated to the native link of its backend.
+
+Training and model calls become FDTC requests on the coordinator's admin link
+(``AdminClient``); inference calls become frames on the tensor-parallel leader's frontend link
+(``FrontendClient``). Failures are raised as ``GatewayError`` and turned into the call's status
+by ``calls.CallInterceptor``. Every backend wait is bounded by the call's deadline, and by a
+limit of the gateway's own when the call has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+
+from foundry.api.v1 import inference_pb2, model_pb2, training_pb2
+from foundry.gateway.admin_client import AdminClient
+from foundry.gateway.errors import InvalidRequest
+from foundry.gateway.frontend_client import FrontendClient
+from foundry.obs.metrics import GatewayMetrics
+from foundry.wire import fdtc, frontend
+from foundry.wire.errors import LocalProtocolError
+
+# Without a deadline from the caller: a status answer is immediate on a live coordinator; a
+# checkpoint or an export writes the whole model (seconds on a Pi, more on a slow disk).
+STATUS_LIMIT_S = 10.0
+CONTROL_LIMIT_S = 300.0
+# WatchTrainingStatus update interval: the default, and the bounds of what a caller may ask.
+WATCH_DEFAULT_S = 1.0
+WATCH_MIN_S = 0.1
+WATCH_MAX_S = 60.0
+# GenerateRequest.temperature above this is noise; the leader would accept it, but a caller
+# asking for it has most likely mixed up a unit.
+MAX_TEMPERATURE = 100.0
+
+
+def budget(context: grpc.aio.ServicerContext, limit_s: float) -> float:
+    """Seconds a backend wait may take: the call's time left, at most ``limit_s``."""
+    left = context.time_remaining()
+    return limit_s if left is None else max(0.0, min(limit_s, left))
+
+
+# ---------------------------------------------------------------------------- conversions
+
+
+def worker_pb(row: fdtc.SwarmStatusRow) -> training_pb2.Worker:
+    return training_pb2.Worker(
+        worker_id=row.worker_id,
+        profile=fdtc.profile_name(row.profile).lower(),
+        state=_worker_state(row.state),
+        batch_size=row.batch_size,
+        accumulation_steps=row.accumulation_steps,
+        samples_per_second=row.samples_per_sec,
+        loss=row.loss,
+        local_step=row.local_step,
+        seconds_since_heartbeat=row.seconds_since_heartbeat,
+    )
+
+
+def training_status_pb(status: fdtc.SwarmStatus) -> training_pb2.TrainingStatus:
+    return training_pb2.TrainingStatus(
+        global_step=status.global_step,
+        max_steps=status.max_steps,
+        state=_training_state(status.state),
+        train_loss=status.train_loss,
+        validation_loss=status.val_loss,
+        samples_per_second=status.samples_per_sec,
+        learning_rate=status.learning_rate,
+        samples_total=status.samples_total,
+        workers=[worker_pb(row) for row in status.rows],
+    )
+
+
+# The API's enums name the wire's values, so the mapping is by name; a value the API lacks
+# (a newer coordinator) reads as UNSPECIFIED instead of failing the call.
+def _worker_state(state: fdtc.WorkerState) -> training_pb2.WorkerState:
+    try:
+        value: training_pb2.WorkerState = training_pb2.WorkerState.Value(
+            f"WORKER_STATE_{state.name}"
+        )
+    except ValueError:
+        return training_pb2.WORKER_STATE_UNSPECIFIED
+    return value
+
+
+def _training_state(state: fdtc.SwarmState) -> training_pb2.TrainingState:
+    try:
+        value: training_pb2.TrainingState = training_pb2.TrainingState.Value(
+            f"TRAINING_STATE_{state.name}"
+        )
+    except ValueError:
+        return training_pb2.TRAINING_STATE_UNSPECIFIED
+    return value
+
+
+def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusResponse:
+    return inference_pb2.GetPairStatusResponse(
+        worker_connected=status.worker_connected,
+        shared_memory=status.shared_memory,
+        active_sessions=status.active_sessions,
+        tokens_generated=status.tokens_generated,
+        requests_served=status.requests_served,
+        spec_acceptance=status.spec_acceptance,
+        n_layer=status.n_layer,
+        n_embd=status.n_embd,
+        n_vocab=status.n_vocab,
+        ctx_size=status.ctx_size,
+        model_bytes=status.model_bytes,
+        model_id=status.model_id,
+    )
+
+
+_FINISH = {
+    frontend.DoneReason.MAX_TOKENS: inference_pb2.FINISH_REASON_MAX_TOKENS,
+    frontend.DoneReason.EOS: inference_pb2.FINISH_REASON_EOS,
+    frontend.DoneReason.STOP_STRING: inference_pb2.FINISH_REASON_STOP_STRING,
+    frontend.DoneReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+    frontend.DoneReason.CONTEXT_FULL: inference_pb2.FINISH_REASON_CONTEXT_FULL,
+}
+assert set(_FINISH) == set(frontend.DoneReason), "every DONE reason needs a FinishReason"
+
+
+def generate_settings(
+    request: inference_pb2.GenerateRequest,
+) -> tuple[int, float, float, tuple[str, ...]]:
+    """(max_tokens, temperature, top_p, stop) of a request, or InvalidRequest saying what to fix."""
+    if request.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1")
+    temperature = request.temperature
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}"
+        )
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"top_p must be in (0, 1] (leave it unset for 1), got {top_p}")
+    stop = tuple(request.stop)
+    if len(stop) > frontend.MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"at most {frontend.MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}"
+        )
+    if any(not s for s in stop):
+        raise InvalidRequest("stop strings must not be empty")
+    return request.max_tokens, temperature, top_p, stop
+
+
+# ---------------------------------------------------------------------------- servicers
+
+
+class TrainingServicer:
+    def __init__(self, admin: AdminClient) -> None:
+        self.admin = admin
+
+    async def _control(
+        self, msg: fdtc.Message, context: grpc.aio.ServicerContext
+    ) -> fdtc.ControlAck:
+        return await self.admin.control(msg, budget(context, CONTROL_LIMIT_S))
+
+    async def StartTraining(
+        self, request: training_pb2.StartTrainingRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.StartTrainingResponse:
+        ack = await self._control(fdtc.Start(), context)
+        return training_pb2.StartTrainingResponse(global_step=ack.global_step, message=ack.message)
+
+    async def PauseTraining(
+        self, request: training_pb2.PauseTrainingRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.PauseTrainingResponse:
+        ack = await self._control(fdtc.Pause(), context)
+        return training_pb2.PauseTrainingResponse(global_step=ack.global_step, message=ack.message)
+
+    async def ResumeTraining(
+        self, request: training_pb2.ResumeTrainingRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ResumeTrainingResponse:
+        ack = await self._control(fdtc.Resume(), context)
+        return training_pb2.ResumeTrainingResponse(
+            global_step=ack.global_step, message=ack.message
+        )
+
+    async def CreateCheckpoint(
+        self, request: training_pb2.CreateCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.CreateCheckpointResponse:
+        ack = await self._control(fdtc.Checkpoint(), context)
+        return training_pb2.CreateCheckpointResponse(global_step=ack.global_step, path=ack.message)
+
+    async def ShutdownTraining(
+        self, request: training_pb2.ShutdownTrainingRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ShutdownTrainingResponse:
+        ack = await self._control(fdtc.Shutdown(), context)
+        return training_pb2.ShutdownTrainingResponse(
+            global_step=ack.global_step, message=ack.message
+        )
+
+    async def GetTrainingStatus(
+        self, request: training_pb2.GetTrainingStatusRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.GetTrainingStatusResponse:
+        status = await self.admin.status(budget(context, STATUS_LIMIT_S))
+        return training_pb2.GetTrainingStatusResponse(status=training_status_pb(status))
+
+    async def ListWorkers(
+        self, request: training_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ListWorkersResponse:
+        status = await self.admin.status(budget(context, STATUS_LIMIT_S))
+        return training_pb2.ListWorkersResponse(workers=[worker_pb(r) for r in status.rows])
+
+    async def WatchTrainingStatus(
+        self, request: training_pb2.WatchTrainingStatusRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[training_pb2.WatchTrainingStatusResponse]:
+        interval = request.interval_seconds or WATCH_DEFAULT_S
+        if not (math.isfinite(interval) and WATCH_MIN_S <= interval <= WATCH_MAX_S):
+            raise InvalidRequest(
+                f"interval_seconds must be in [{WATCH_MIN_S:g}, {WATCH_MAX_S:g}] "
+                f"(0 for {WATCH_DEFAULT_S:g}), got {request.interval_seconds}"
+            )
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            status = await self.admin.status(budget(context, STATUS_LIMIT_S))
+            yield training_pb2.WatchTrainingStatusResponse(status=training_status_pb(status))
+            if status.state is fdtc.SwarmState.DONE:
+                return
+            await asyncio.sleep(max(0.0, interval - (loop.time() - asked)))
+
+
+class ModelServicer:
+    def __init__(self, admin: AdminClient) -> None:
+        self.admin = admin
+
+    async def ExportModel(
+        self, request: model_pb2.ExportModelRequest, context: grpc.aio.ServicerContext
+    ) -> model_pb2.ExportModelResponse:
+        try:
+            export = fdtc.Export(request.path)
+        except LocalProtocolError as exc:
+            raise InvalidRequest(f"the export path does not fit the admin link: {exc}") from None
+        ack = await self.admin.control(export, budget(context, CONTROL_LIMIT_S))
+        return model_pb2.ExportModelResponse(path=ack.message, global_step=ack.global_step)
+
+
+class InferenceServicer:
+    def __init__(self, client: FrontendClient, metrics: GatewayMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        max_tokens, temperature, top_p, stop = generate_settings(request)
+        generation = self.client.generate(
+            request.prompt, max_tokens, temperature, top_p, request.seed, stop
+        )
+        # Leaving this block early (the call cancelled or past its deadline) sends CANCEL.
+        async with generation:
+            async for event in generation:
+                if isinstance(event, frontend.Token):
+                    self.metrics.generated_tokens.inc()
+                    yield inference_pb2.GenerateResponse(
+                        token=inference_pb2.GeneratedToken(
+                            id=event.token, position=event.position, text=event.text
+                        )
+                    )
+                else:
+                    yield inference_pb2.GenerateResponse(
+                        done=inference_pb2.GenerationDone(
+                            reason=_FINISH[event.reason],
+                            prompt_tokens=event.prompt_tokens,
+                            generated_tokens=event.generated_tokens,
+                            seconds=event.seconds,
+                        )
+                    )
+
+    async def GetPairStatus(
+        self, request: inference_pb2.GetPairStatusRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetPairStatusResponse:
+        return pair_status_pb(await self.client.status(budget(context, STATUS_LIMIT_S)))

@@ -1,0 +1,44 @@
+"""Single-process text generation: the reference the tensor-parallel pair must reproduce."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from foundry.model.config import EOS_ID
+from foundry.model.data import encode
+from foundry.model.inference import Engine
+from foundry.model.sampling import make_rng, sample
+
+
+def generate_tokens(
+    engine: Engine,
+    prompt: str,
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> Iterator[int]:
+    """Yield up to ``max_tokens`` new tokens after ``prompt`` (BOS first); stops at EOS.
+
+    Temperature 0 is greedy. The prompt is evaluated as one block, then one token per step.
+    Stops early, without error, when the context is full.
+    """
+    if engine.world != 1:
+        raise ValueError("generate_tokens runs a whole model; use the TP leader for a pair")
+    session = engine.new_session()
+    rng = make_rng(seed)
+    tokens = [int(t) for t in encode(prompt, bos=True)]
+    if len(tokens) > session.ctx_size:
+        raise ValueError(
+            f"the prompt is {len(tokens)} tokens, the model's context is {session.ctx_size}"
+        )
+    logits = engine.decode(session, tokens)[-1]  # (V,)
+    for _ in range(max_tokens):
+        token = sample(logits, temperature, top_p, rng)
+        if token == EOS_ID:
+            return
+        yield token
+        if session.free == 0:
+            return
+        logits = engine.decode(session, [token])[-1]

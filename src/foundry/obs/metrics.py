@@ -1,0 +1,275 @@
+"""Prometheus metrics of every service, defined in one place.
+
+Names follow ``foundry_<subsystem>_<name>_<unit>``; counters end in ``_total``; units are base
+units (seconds, bytes). Labels range over small bounded sets only (states, directions,
+compressions, phases; worker ids are bounded by the size of the swarm). Each service builds its
+own ``CollectorRegistry`` so several services can share a process in tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Round and step times from a fast desktop (tens of ms) to a Pi 3 (a minute).
+ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Gate exchanges and per-token times: tens of microseconds to a second.
+FAST_BUCKETS = (
+    2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+
+
+class MetricsServer:
+    """The ``/metrics`` HTTP endpoint of one registry (a daemon thread)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        self._server: WSGIServer = server
+        self._thread: threading.Thread = thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class SwarmMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.workers = Gauge(
+            "foundry_swarm_workers", "Workers by state.", ["state"], registry=r
+        )
+        self.global_step = Gauge("foundry_swarm_global_step", "Global training step.", registry=r)
+        self.train_loss = Gauge(
+            "foundry_swarm_train_loss", "Mean cross-entropy of the last round.", registry=r
+        )
+        self.validation_loss = Gauge(
+            "foundry_swarm_validation_loss", "Cross-entropy on the held-out split.", registry=r
+        )
+        self.learning_rate = Gauge(
+            "foundry_swarm_learning_rate", "Learning rate of the last step.", registry=r
+        )
+        self.samples = Counter(
+            "foundry_swarm_samples_total", "Training samples aggregated.", registry=r
+        )
+        self.worker_samples_per_second = Gauge(
+            "foundry_swarm_worker_samples_per_second",
+            "Measured compute throughput per worker.",
+            ["worker"],
+            registry=r,
+        )
+        self.gradient_bytes = Counter(
+            "foundry_swarm_gradient_bytes_total",
+            "Gradient bytes on the wire.",
+            ["direction", "compression"],
+            registry=r,
+        )
+        self.weight_bytes = Counter(
+            "foundry_swarm_weight_bytes_total",
+            "Weight bytes on the wire.",
+            ["direction"],
+            registry=r,
+        )
+        self.round_duration = Histogram(
+            "foundry_swarm_round_duration_seconds",
+            "From assignment to step applied.",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.straggler_wait = Histogram(
+            "foundry_swarm_straggler_wait_seconds",
+            "Time a round waited after its first report for the last one.",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.apply_duration = Histogram(
+            "foundry_swarm_apply_duration_seconds",
+            "Coordinator time to aggregate and apply one step.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.rounds = Counter(
+            "foundry_swarm_rounds_total", "Rounds by outcome.", ["outcome"], registry=r
+        )
+        self.workers_dropped = Counter(
+            "foundry_swarm_workers_dropped_total",
+            "Workers dropped, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.checkpoints = Counter(
+            "foundry_swarm_checkpoints_total", "Checkpoints written.", registry=r
+        )
+        self.checkpoint_duration = Histogram(
+            "foundry_swarm_checkpoint_duration_seconds",
+            "Time to write one checkpoint.",
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.protocol_errors = Counter(
+            "foundry_swarm_protocol_errors_total",
+            "Connections closed for bad input, by link.",
+            ["link"],
+            registry=r,
+        )
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.phase_duration = Histogram(
+            "foundry_worker_phase_duration_seconds",
+            "Time per round in each phase.",
+            ["phase"],
+            buckets=ROUND_BUCKETS,
+            registry=r,
+        )
+        self.samples = Counter(
+            "foundry_worker_samples_total", "Samples this worker processed.", registry=r
+        )
+        self.samples_per_second = Gauge(
+            "foundry_worker_samples_per_second",
+            "Compute throughput of the last round.",
+            registry=r,
+        )
+        self.loss = Gauge(
+            "foundry_worker_loss", "Mean cross-entropy of the last round.", registry=r
+        )
+        self.reconnects = Counter(
+            "foundry_worker_reconnects_total", "Connections to the coordinator opened.", registry=r
+        )
+        self.gradient_bytes = Counter(
+            "foundry_worker_gradient_bytes_total", "Gradient bytes sent.", registry=r
+        )
+
+
+# A gateway call: a status read (a millisecond) to a long generation or export (minutes).
+CALL_BUCKETS = (
+    5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "foundry_gateway_requests_total",
+            "gRPC calls by method and status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "foundry_gateway_request_duration_seconds",
+            "From a call's start to its end (a stream's whole life).",
+            ["method"],
+            buckets=CALL_BUCKETS,
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "foundry_gateway_backend_up",
+            "1 while the health probe reaches the backend, else 0.",
+            ["backend"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "foundry_gateway_generated_tokens_total",
+            "Tokens streamed to Generate callers.",
+            registry=r,
+        )
+
+
+# Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.
+TP_OUTCOMES = (
+    "max_tokens", "eos", "stop_string", "cancelled", "context_full",
+    "bad_request", "unavailable", "overloaded", "internal",
+)  # fmt: skip
+
+
+class TpMetrics:
+    """Both ranks of a tensor-parallel pair (each process has its own registry)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.tokens = Counter(
+            "foundry_tp_tokens_total",
+            "Tokens evaluated by the pair, by phase (prefill: prompt tokens; decode: generated).",
+            ["phase"],
+            registry=r,
+        )
+        self.token_duration = Histogram(
+            "foundry_tp_token_duration_seconds",
+            "Time per generated token: the decode step's time over the tokens it produced.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.gate_duration = Histogram(
+            "foundry_tp_gate_exchange_duration_seconds",
+            "One gate exchange: send this rank's partial, receive the peer's, sum.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.gate_bytes = Counter(
+            "foundry_tp_gate_bytes_total",
+            "Bytes on the gate link (tags and partials), by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.control_bytes = Counter(
+            "foundry_tp_control_bytes_total",
+            "Bytes on the control link (frames, logits halves), by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.active_sessions = Gauge(
+            "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
+        )
+        self.spec_drafted = Counter(
+            "foundry_tp_spec_drafted_tokens_total",
+            "Draft tokens proposed for verification.",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "foundry_tp_spec_accepted_tokens_total",
+            "Draft tokens the model agreed with.",
+            registry=r,
+        )
+        self.spec_commits = Counter(
+            "foundry_tp_spec_commits_total",
+            "Verified blocks, by how they ended (commit_full, commit_prefix, rollback_replay).",
+            ["mode"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "foundry_tp_failures_total",
+            "Pair failures and refused bring-ups, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "foundry_tp_requests_total",
+            "Generations finished, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.worker_connected = Gauge(
+            "foundry_tp_worker_connected",
+            "1 while the pair is formed (the worker rank connected and agreed), else 0.",
+            registry=r,
+        )
+        self.hash_checks = Counter(
+            "foundry_tp_hash_checks_total",
+            "Debug lockstep hash comparisons, by result (match, mismatch).",
+            ["result"],
+            registry=r,
+        )
+        for direction in ("sent", "received"):
+            self.gate_bytes.labels(direction)
+            self.control_bytes.labels(direction)
+        for phase in ("prefill", "decode"):
+            self.tokens.labels(phase)
+        for outcome in TP_OUTCOMES:
+            self.requests.labels(outcome)

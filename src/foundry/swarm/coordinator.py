@@ -1,0 +1,767 @@
+"""The coordinator: parameter server of the swarm.
+
+It owns the weights, the optimizer state, membership, rounds and checkpoints, and listens on
+two FDTC ports: workers on ``listen``, the gateway (or ``foundry ctl``) on ``admin_listen``.
+
+Theory of operation
+-------------------
+Each worker connection is one asyncio task that decodes messages and updates the shared state;
+a single round task runs the rounds (``_round_loop``): it waits until training is on and
+enough workers are registered, splits the global batch among them by measured throughput
+(``policy.allocate_samples``), sends each one the current weights (if it lacks them) and its
+ASSIGN, then waits until the round closes (``policy.round_decision``): all reported, or the
+deadline with quorum. It then averages the gradients weighted by samples, applies AdamW and
+moves on. A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was
+in, so nothing waits on the dead. Bad input from one peer closes that peer only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.checkpoint import (
+    CheckpointState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from foundry.model.config import ModelConfig
+from foundry.model.data import Corpus
+from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
+from foundry.model.transformer import init_params
+from foundry.obs.metrics import SwarmMetrics
+from foundry.swarm import policy
+from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout, StreamClosed
+from foundry.wire import fdtc
+from foundry.wire.compression import deserialize_tensors
+from foundry.wire.errors import ProtocolError
+from foundry.wire.fdtc import Compression, ErrorCode
+
+log = logging.getLogger("foundry.coordinator")
+
+# Heartbeats are sent every 0.5 s; a worker silent this long is dropped (DESIGN: within 3 s).
+HEARTBEAT_TIMEOUT_S = 2.5
+# How often the reaper looks for silent workers.
+REAPER_INTERVAL_S = 0.25
+# A connection must say who it is (REGISTER or DATASET) within this time.
+REGISTER_TIMEOUT_S = 10.0
+# Validation loss every this many steps (a few forward passes; cheap next to a round).
+VALIDATE_EVERY = 25
+VALIDATION_BATCHES = 4
+
+
+class SwarmState(enum.IntEnum):
+    WAITING = 0
+    TRAINING = 1
+    PAUSED = 2
+    DONE = 3
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    host: str
+    port: int
+    admin_host: str
+    admin_port: int
+    checkpoint_dir: Path
+    cfg: ModelConfig
+    settings: TrainSettings
+    compression: Compression = Compression.NONE
+    topk_ratio: float = 0.01
+    max_steps: int = 1000
+    checkpoint_every: int = 50
+    min_workers: int = 1
+    autostart: bool = True
+    quorum: float = policy.DEFAULT_QUORUM
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    init_gguf: Path | None = None
+    seed: int = 0
+    rebalance: bool = True
+    export_path: Path | None = None
+
+
+@dataclass
+class Member:
+    """One registered worker connection."""
+
+    worker_id: str
+    stream: FdtcStream
+    profile: fdtc.HardwareProfile
+    cores: int
+    memory_mb: int
+    micro_batch: int
+    accumulation_steps: int
+    extended: bool  # announced itself with DATASET: speaks our extensions
+    joined_at: float
+    last_seen: float
+    rate: float = 0.0  # samples/s, EMA of what the worker measured
+    loss: float = float("nan")
+    local_step: int = 0
+    weights_step: int = -1  # global step of the weights it holds
+    busy: bool = False  # has an assignment in the current round
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class Round:
+    step: int
+    shares: dict[str, int]  # worker -> samples; only workers still alive
+    started: float
+    deadline: float
+    reported: dict[str, int] = field(default_factory=dict)
+    grads: list[tuple[str, int, list[npt.NDArray[np.float32]], float]] = field(
+        default_factory=list
+    )
+    first_report_at: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Coordinator:
+    def __init__(self, options: CoordinatorOptions, corpus: Corpus) -> None:
+        self.opt = options
+        self.corpus = corpus
+        self.metrics = SwarmMetrics()
+        self.members: dict[str, Member] = {}
+        self.state = SwarmState.WAITING
+        self.round: Round | None = None
+        self.train_loss = float("nan")
+        self.val_loss = float("nan")
+        self.samples_total = 0
+        self.last_rate = 0.0
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._servers: list[asyncio.base_events.Server] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.trainer = self._initial_trainer()
+        self._shapes = list(self.opt.cfg.param_shapes().items())
+        self._numels = [int(np.prod(s)) for _, s in self._shapes]
+        self._weights_cache: tuple[int, fdtc.WeightsMeta, fdtc.Weights] | None = None
+        self.bound_port = 0
+        self.bound_admin_port = 0
+        self._validated_step = -1
+        self._checkpoint_step = self.step  # a resumed run already has this one on disk
+
+    # ------------------------------------------------------------------ state
+
+    def _initial_trainer(self) -> Trainer:
+        ckpt = latest_checkpoint(self.opt.checkpoint_dir)
+        if ckpt is not None:
+            state = load_checkpoint(ckpt)
+            if state.config != self.opt.cfg:
+                raise SystemExit(
+                    f"checkpoint {ckpt} holds a different model ({state.config}) than "
+                    f"--preset asks for ({self.opt.cfg}); use another --checkpoint-dir"
+                )
+            trainer = Trainer(self.opt.cfg, self.opt.settings, state.params)
+            trainer.optimizer.load_state_dict(state.optimizer)
+            trainer.step = state.step
+            trainer.position = state.data_position
+            log.info("resumed from %s at step %d", ckpt, trainer.step)
+            return trainer
+        if self.opt.init_gguf is not None:
+            loaded = load_gguf(self.opt.init_gguf)
+            if loaded.cfg != self.opt.cfg:
+                raise SystemExit(
+                    f"{self.opt.init_gguf} holds {loaded.cfg}, not the --preset model "
+                    f"{self.opt.cfg}; pass the matching --preset"
+                )
+            log.info("initialised weights from %s", self.opt.init_gguf)
+            return Trainer(self.opt.cfg, self.opt.settings, loaded.params)
+        return Trainer(self.opt.cfg, self.opt.settings, init_params(self.opt.cfg, self.opt.seed))
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def _set_state(self, state: SwarmState) -> None:
+        if state != self.state:
+            log.info("swarm %s -> %s at step %d", self.state.name, state.name, self.step)
+        self.state = state
+        self._wake.set()
+
+    def _update_member_gauges(self) -> None:
+        counts = {"training": 0, "idle": 0}
+        for m in self.members.values():
+            counts["training" if m.busy else "idle"] += 1
+        for k, v in counts.items():
+            self.metrics.workers.labels(state=k).set(v)
+
+    # ------------------------------------------------------------------ serving
+
+    async def start(self) -> None:
+        """Bind both listeners; ``bound_port`` / ``bound_admin_port`` give the real ports."""
+        worker_srv = await asyncio.start_server(self._serve_worker, self.opt.host, self.opt.port)
+        admin_srv = await asyncio.start_server(
+            self._serve_admin, self.opt.admin_host, self.opt.admin_port
+        )
+        self._servers = [worker_srv, admin_srv]
+        self.bound_port = worker_srv.sockets[0].getsockname()[1]
+        self.bound_admin_port = admin_srv.sockets[0].getsockname()[1]
+        self.metrics.global_step.set(self.step)
+        if self.step >= self.opt.max_steps:
+            self.state = SwarmState.DONE
+        elif self.opt.autostart:
+            self.state = SwarmState.TRAINING
+        self._spawn(self._round_loop())
+        self._spawn(self._reaper())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("internal task failed", exc_info=task.exception())
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    async def close(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        for m in list(self.members.values()):
+            await m.stream.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for srv in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(srv.wait_closed(), 2.0)
+
+    # ------------------------------------------------------------------ worker link
+
+    async def _serve_worker(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        stream = FdtcStream(reader, writer)
+        member: Member | None = None
+        try:
+            member = await self._handshake(stream)
+            if member is None:
+                return
+            while True:
+                msg = await stream.recv()
+                member.last_seen = time.monotonic()
+                if not await self._on_worker_message(member, msg):
+                    return
+        except ProtocolError as exc:
+            self.metrics.protocol_errors.labels(link="worker").inc()
+            log.warning("closing %s: %s", stream.peer, exc)
+            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+        except FrameTimeout as exc:
+            log.warning("closing %s: %s", stream.peer, exc)
+        except (StreamClosed, ConnectionError, TimeoutError) as exc:
+            if member is not None:
+                log.info("worker %s disconnected: %s", member.worker_id, exc)
+        finally:
+            if member is not None and self.members.get(member.worker_id) is member:
+                self._drop(member, "disconnected")
+            await stream.close()
+
+    async def _send_error(self, stream: FdtcStream, code: ErrorCode, message: str) -> None:
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(message))), 1.0)
+
+    async def _handshake(self, stream: FdtcStream) -> Member | None:
+        """DATASET (optional) then REGISTER; answer REGISTER_ACK, and extensions if spoken."""
+        extended = False
+        msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
+        if isinstance(msg, fdtc.Dataset):
+            extended = True
+            mine = self.corpus.fingerprint
+            if (msg.n_tokens, msg.sha256.hex()) != (mine.n_tokens, mine.sha256):
+                reason = (
+                    f"worker data ({msg.n_tokens} tokens, sha256 {msg.sha256.hex()[:12]}) "
+                    f"differs from the swarm's ({mine.n_tokens} tokens, sha256 "
+                    f"{mine.sha256[:12]}); start the worker with the coordinator's --data"
+                )
+                await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+                return None
+            msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
+        if not isinstance(msg, fdtc.Register):
+            reason = f"expected REGISTER first, got {fdtc.msg_type_name(msg.TYPE)}"
+            await self._refuse(stream, ErrorCode.NOT_REGISTERED, reason)
+            return None
+        if msg.protocol_version != fdtc.PROTOCOL_VERSION:
+            reason = (
+                f"protocol version {msg.protocol_version} is not supported; this coordinator "
+                f"speaks version {fdtc.PROTOCOL_VERSION}: upgrade the worker"
+            )
+            await self._refuse(stream, ErrorCode.VERSION_MISMATCH, reason)
+            return None
+        if not msg.worker_id:
+            await self._refuse(stream, ErrorCode.REJECTED, "empty worker_id")
+            return None
+        old = self.members.get(msg.worker_id)
+        if old is not None:
+            log.info("worker %s reconnected; closing its old connection", msg.worker_id)
+            self._drop(old, "replaced")
+            await old.stream.close()
+        profile = msg.profile
+        micro = max(1, msg.suggested_batch_size or fdtc.profile_batch_size(profile))
+        now = time.monotonic()
+        member = Member(
+            worker_id=msg.worker_id,
+            stream=stream,
+            profile=profile,
+            cores=msg.num_cores,
+            memory_mb=msg.memory_mb,
+            micro_batch=micro,
+            accumulation_steps=fdtc.profile_accumulation_steps(profile),
+            extended=extended,
+            joined_at=now,
+            last_seen=now,
+        )
+        self.members[member.worker_id] = member
+        shard, total = self._shard_of(member.worker_id)
+        ack = fdtc.RegisterAck(
+            accepted=True,
+            assigned_shard=shard,
+            total_shards=total,
+            batch_size=member.micro_batch,
+            accumulation_steps=member.accumulation_steps,
+            compression=self.opt.compression,
+            topk_ratio=self.opt.topk_ratio,
+            global_step=self.step,
+        )
+        msgs: list[fdtc.Message] = [ack]
+        if extended:
+            msgs.append(
+                fdtc.ModelConfigMsg.from_config(self.opt.cfg, self.opt.settings.aux_loss_coef)
+            )
+        await stream.send(*msgs)
+        log.info(
+            "worker %s registered from %s (%s, %d cores, %d MB, micro-batch %d)%s",
+            member.worker_id, stream.peer, fdtc.profile_name(profile), member.cores,
+            member.memory_mb, member.micro_batch, "" if extended else " [seed protocol only]",
+        )
+        self._update_member_gauges()
+        self._wake.set()
+        return member
+
+    async def _refuse(self, stream: FdtcStream, code: ErrorCode, reason: str) -> None:
+        log.warning("refusing %s: %s", stream.peer, reason)
+        refuse = fdtc.RegisterAck(
+            accepted=False, assigned_shard=0, total_shards=0, batch_size=0,
+            accumulation_steps=0, compression=self.opt.compression, topk_ratio=0.0,
+            global_step=self.step,
+        )
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            await stream.send(refuse, fdtc.Error(int(code), clip(reason)))
+
+    def _shard_of(self, worker_id: str) -> tuple[int, int]:
+        ids = sorted(self.members)
+        return ids.index(worker_id), len(ids)
+
+    async def _on_worker_message(self, m: Member, msg: fdtc.Message) -> bool:
+        """Handle one message; False closes the connection."""
+        if isinstance(msg, fdtc.Heartbeat):
+            m.local_step = msg.local_step
+            if np.isfinite(msg.current_loss):
+                m.loss = msg.current_loss
+            if msg.samples_per_sec > 0:
+                m.rate = policy.update_rate(m.rate or None, msg.samples_per_sec)
+                self.metrics.worker_samples_per_second.labels(worker=m.worker_id).set(m.rate)
+            await self._send_to(m, fdtc.HeartbeatAck(self.step))
+        elif isinstance(msg, fdtc.WeightsReq):
+            await self._send_weights(m)
+        elif isinstance(msg, fdtc.Gradients):
+            await self._on_gradients(m, msg)
+        elif isinstance(msg, fdtc.Status):
+            m.local_step = msg.local_step
+            if np.isfinite(msg.current_loss):
+                m.loss = msg.current_loss
+        elif isinstance(msg, fdtc.Deregister):
+            log.info("worker %s left (DEREGISTER)", m.worker_id)
+            self._drop(m, "deregistered")
+            return False
+        elif isinstance(msg, fdtc.Error):
+            log.warning("worker %s reports error %d: %s", m.worker_id, msg.error_code, msg.message)
+        else:
+            raise fdtc.FdtcProtocolError(
+                f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
+            )
+        return True
+
+    async def _send_to(self, m: Member, *msgs: fdtc.Message) -> None:
+        async with m.send_lock:
+            await m.stream.send(*msgs)
+
+    def _weights_messages(self) -> tuple[fdtc.WeightsMeta, fdtc.Weights]:
+        if self._weights_cache is None or self._weights_cache[0] != self.step:
+            metas = tuple(
+                fdtc.TensorMeta(name=name, shape=tuple(shape), dtype=fdtc.DType.F32)
+                for name, shape in self._shapes
+            )
+            meta = fdtc.WeightsMeta(
+                global_step=self.step,
+                learning_rate=self.trainer.learning_rate(),
+                tensors=metas,
+            )
+            blob = b"".join(
+                np.ascontiguousarray(self.trainer.params[name], dtype="<f4").tobytes()
+                for name, _ in self._shapes
+            )
+            self._weights_cache = (self.step, meta, fdtc.Weights(blob))
+        return self._weights_cache[1], self._weights_cache[2]
+
+    async def _send_weights(self, m: Member) -> None:
+        meta, weights = self._weights_messages()
+        await self._send_to(m, meta, weights)
+        m.weights_step = meta.global_step
+        self.metrics.weight_bytes.labels(direction="sent").inc(len(weights.data))
+
+    async def _on_gradients(self, m: Member, msg: fdtc.Gradients) -> None:
+        comp_label = Compression(msg.compression).name.lower()
+        self.metrics.gradient_bytes.labels(direction="received", compression=comp_label).inc(
+            len(msg.data)
+        )
+        rnd = self.round
+        fresh = rnd is not None and msg.local_step == rnd.step and m.worker_id not in rnd.reported
+        if fresh and rnd is not None and m.extended and m.worker_id not in rnd.shares:
+            fresh = False  # an extended worker only reports what it was assigned
+        if msg.num_tensors != len(self._numels):
+            raise fdtc.FdtcProtocolError(
+                f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
+            )
+        if not fresh or rnd is None:
+            log.info(
+                "stale gradient from %s for step %d (now at %d); dropped",
+                m.worker_id, msg.local_step, self.step,
+            )
+            await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
+            return
+        try:
+            tensors = deserialize_tensors(msg.data, self._numels, Compression(msg.compression))
+        except (ValueError, ProtocolError) as exc:
+            raise fdtc.FdtcProtocolError(f"undecodable gradient data: {exc}") from exc
+        if not all(np.isfinite(t).all() for t in tensors):
+            log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
+            await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
+            return
+        n = rnd.shares.get(m.worker_id, m.micro_batch * m.accumulation_steps)
+        rnd.reported[m.worker_id] = n
+        rnd.grads.append((m.worker_id, n, tensors, m.loss))
+        if rnd.first_report_at is None:
+            rnd.first_report_at = time.monotonic()
+        m.busy = False
+        rnd.changed.set()
+        await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
+
+    def _drop(self, m: Member, reason: str) -> None:
+        if self.members.get(m.worker_id) is not m:
+            return
+        del self.members[m.worker_id]
+        self.metrics.workers_dropped.labels(reason=reason).inc()
+        with contextlib.suppress(KeyError):
+            self.metrics.worker_samples_per_second.remove(m.worker_id)
+        if self.round is not None and m.worker_id in self.round.shares and (
+            m.worker_id not in self.round.reported
+        ):
+            del self.round.shares[m.worker_id]
+            self.round.changed.set()
+        if reason not in ("deregistered", "replaced"):
+            log.warning("dropped worker %s (%s)", m.worker_id, reason)
+        self._update_member_gauges()
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(REAPER_INTERVAL_S)
+            now = time.monotonic()
+            for m in list(self.members.values()):
+                if policy.is_dead(now, m.last_seen, self.opt.heartbeat_timeout_s):
+                    self._drop(m, "heartbeat timeout")
+                    await m.stream.close()
+
+    # ------------------------------------------------------------------ rounds
+
+    def _active_for_round(self) -> list[Member]:
+        return [m for m in self.members.values() if m.extended]
+
+    async def _round_loop(self) -> None:
+        while not self._stopping.is_set():
+            if self.state is not SwarmState.TRAINING or (
+                len(self._active_for_round()) < self.opt.min_workers
+            ):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self.step >= self.opt.max_steps:
+                await self._finish()
+                continue
+            await self._run_round()
+
+    async def _run_round(self) -> None:
+        members = self._active_for_round()
+        rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in members}
+        if self.opt.rebalance and any(r <= 0 for r in rates.values()):
+            # Unmeasured workers: start from the profile's batch size as a relative speed.
+            rates = {m.worker_id: float(m.rate or m.micro_batch) for m in members}
+        shares = policy.allocate_samples(self.opt.settings.global_batch, rates)
+        shares = {w: n for w, n in shares.items() if n > 0}
+        offsets = policy.contiguous_offsets(self.trainer.position, shares)
+        now = time.monotonic()
+        rnd = Round(
+            step=self.step,
+            shares=dict(shares),
+            started=now,
+            deadline=policy.round_deadline(now, shares, {m.worker_id: m.rate for m in members}),
+        )
+        self.round = rnd
+        ids = sorted(shares)
+        sends = []
+        for m in members:
+            if m.worker_id not in shares:
+                continue
+            m.busy = True
+            assign = fdtc.Assign(
+                global_step=self.step,
+                sample_offset=offsets[m.worker_id],
+                n_samples=shares[m.worker_id],
+                batch_size=m.micro_batch,
+                accumulation_steps=-(-shares[m.worker_id] // m.micro_batch),
+                assigned_shard=ids.index(m.worker_id),
+                total_shards=len(ids),
+                seq_len=self.opt.settings.seq_len,
+            )
+            sends.append(self._assign(m, assign))
+        self._update_member_gauges()
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                log.info("could not send an assignment: %s", res)
+        while True:
+            decision = policy.round_decision(
+                now=time.monotonic(),
+                deadline=rnd.deadline,
+                assigned=rnd.shares,
+                reported=rnd.reported,
+                quorum=self.opt.quorum,
+            )
+            if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
+                break
+            rnd.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    rnd.changed.wait(), max(0.0, rnd.deadline - time.monotonic())
+                )
+        self.round = None
+        for m in self.members.values():
+            m.busy = False
+        late = [w for w in rnd.shares if w not in rnd.reported]
+        if decision is policy.RoundDecision.CLOSE:
+            if late:
+                log.warning(
+                    "step %d closed at its deadline without %s", rnd.step, ", ".join(late)
+                )
+            await self._close_round(rnd)
+            self.metrics.rounds.labels(outcome="closed").inc()
+        else:
+            self.metrics.rounds.labels(outcome="abandoned").inc()
+            log.warning(
+                "step %d abandoned: %d of %d samples reported by the deadline; re-running",
+                rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
+            )
+
+    async def _assign(self, m: Member, assign: fdtc.Assign) -> None:
+        if m.weights_step != self.step:
+            await self._send_weights(m)
+        await self._send_to(m, assign)
+
+    async def _close_round(self, rnd: Round) -> None:
+        t0 = time.monotonic()
+        if rnd.first_report_at is not None:
+            self.metrics.straggler_wait.observe(t0 - rnd.first_report_at)
+        parts = [(n, tensors) for _, n, tensors, _ in sorted(rnd.grads, key=lambda g: g[0])]
+        mean = policy.weighted_mean(parts)
+        grads: Params = {name: t.reshape(shape) for (name, shape), t in zip(
+            self._shapes, mean, strict=True
+        )}
+        n_samples = sum(n for n, _ in parts)
+        losses = [(n, loss) for _, n, _, loss in rnd.grads if np.isfinite(loss)]
+        lr = self.trainer.learning_rate()
+        await asyncio.to_thread(self.trainer.apply, grads)
+        self.samples_total += n_samples
+        if losses:
+            self.train_loss = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
+            self.metrics.train_loss.set(self.train_loss)
+        elapsed = time.monotonic() - rnd.started
+        self.last_rate = n_samples / elapsed if elapsed > 0 else 0.0
+        self.metrics.samples.inc(n_samples)
+        self.metrics.global_step.set(self.step)
+        self.metrics.learning_rate.set(lr)
+        self.metrics.apply_duration.observe(time.monotonic() - t0)
+        self.metrics.round_duration.observe(time.monotonic() - rnd.started)
+        log.info(
+            "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
+            self.step, self.train_loss, n_samples, len(parts), elapsed, self.last_rate,
+        )
+        if self.step % VALIDATE_EVERY == 0 or self.step >= self.opt.max_steps:
+            await self._validate()
+        if self.step % self.opt.checkpoint_every == 0:
+            await self.checkpoint()
+
+    async def _validate(self) -> None:
+        params = {k: v.copy() for k, v in self.trainer.params.items()}
+        self.val_loss = await asyncio.to_thread(
+            evaluate_loss, params, self.opt.cfg, self.corpus, self.opt.settings.seq_len,
+            VALIDATION_BATCHES,
+        )
+        self.metrics.validation_loss.set(self.val_loss)
+        self._validated_step = self.step
+        log.info("step %d: validation loss %.4f", self.step, self.val_loss)
+
+    async def checkpoint(self) -> Path:
+        t0 = time.monotonic()
+        state = CheckpointState(
+            config=self.opt.cfg,
+            step=self.step,
+            params={k: v.copy() for k, v in self.trainer.params.items()},
+            optimizer=self.trainer.optimizer.state_dict(),
+            data_position=self.trainer.position,
+            extra={"compression": Compression(self.opt.compression).name.lower()},
+        )
+        path = await asyncio.to_thread(save_checkpoint, self.opt.checkpoint_dir, state)
+        self.metrics.checkpoints.inc()
+        self._checkpoint_step = state.step
+        self.metrics.checkpoint_duration.observe(time.monotonic() - t0)
+        log.info("checkpoint %s written at step %d", path, self.step)
+        return path
+
+    async def _finish(self) -> None:
+        if self.state is SwarmState.DONE:
+            return
+        if self._validated_step != self.step:
+            await self._validate()
+        if self._checkpoint_step != self.step:
+            await self.checkpoint()
+        self._set_state(SwarmState.DONE)
+        log.info("training done at step %d; telling the workers", self.step)
+        for m in list(self.members.values()):
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                await self._send_to(m, fdtc.Shutdown())
+
+    async def export(self, path: Path | None) -> Path:
+        target = path or self.opt.export_path or (self.opt.checkpoint_dir / "model.gguf")
+        params = {k: v.copy() for k, v in self.trainer.params.items()}
+        await asyncio.to_thread(save_gguf, target, self.opt.cfg, params)
+        log.info("exported step %d to %s", self.step, target)
+        return target
+
+    # ------------------------------------------------------------------ admin link
+
+    async def _serve_admin(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        stream = FdtcStream(reader, writer)
+        try:
+            while True:
+                msg = await stream.recv()
+                await stream.send(await self._on_admin_message(msg))
+        except ProtocolError as exc:
+            self.metrics.protocol_errors.labels(link="admin").inc()
+            log.warning("closing admin peer %s: %s", stream.peer, exc)
+            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+        except (StreamClosed, FrameTimeout, ConnectionError, TimeoutError):
+            pass
+        finally:
+            await stream.close()
+
+    async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:
+        if isinstance(msg, fdtc.StatusReq):
+            return self.swarm_status()
+        if isinstance(msg, fdtc.Export):
+            try:
+                path = await self.export(Path(msg.path) if msg.path else None)
+            except OSError as exc:
+                return self._ack(msg, False, f"export failed: {exc}")
+            return self._ack(msg, True, str(path))
+        if isinstance(msg, fdtc.Checkpoint):
+            try:
+                path = await self.checkpoint()
+            except OSError as exc:
+                return self._ack(msg, False, f"checkpoint failed: {exc}; free disk space")
+            return self._ack(msg, True, str(path))
+        if isinstance(msg, fdtc.Start | fdtc.Resume):
+            if self.state is SwarmState.DONE:
+                return self._ack(msg, False, "training is done; nothing to start")
+            self._set_state(SwarmState.TRAINING)
+            await self._broadcast(fdtc.Resume() if isinstance(msg, fdtc.Resume) else fdtc.Start())
+            return self._ack(msg, True, "training")
+        if isinstance(msg, fdtc.Pause):
+            if self.state is SwarmState.DONE:
+                return self._ack(msg, False, "training is done; nothing to pause")
+            self._set_state(SwarmState.PAUSED)
+            await self._broadcast(fdtc.Pause())
+            return self._ack(msg, True, "paused after the current round")
+        if isinstance(msg, fdtc.Shutdown):
+            await self._finish()
+            asyncio.get_running_loop().call_later(0.2, self.request_stop)
+            return self._ack(msg, True, f"shut down at step {self.step}")
+        raise fdtc.FdtcProtocolError(
+            f"{fdtc.msg_type_name(msg.TYPE)} is not an admin request"
+        )
+
+    def _ack(self, msg: fdtc.Message, ok: bool, text: str) -> fdtc.ControlAck:
+        return fdtc.ControlAck(
+            acked_type=msg.TYPE, ok=ok, global_step=self.step, message=clip(text)
+        )
+
+    async def _broadcast(self, msg: fdtc.Message) -> None:
+        for m in list(self.members.values()):
+            if m.extended:
+                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                    await self._send_to(m, msg)
+
+    def swarm_status(self) -> fdtc.SwarmStatus:
+        now = time.monotonic()
+        rows = tuple(
+            fdtc.SwarmStatusRow(
+                worker_id=m.worker_id,
+                profile=m.profile,
+                state=fdtc.WorkerState.TRAINING if m.busy else fdtc.WorkerState.IDLE,
+                batch_size=m.micro_batch,
+                accumulation_steps=m.accumulation_steps,
+                samples_per_sec=m.rate,
+                loss=m.loss,
+                local_step=m.local_step,
+                seconds_since_heartbeat=now - m.last_seen,
+            )
+            for m in sorted(self.members.values(), key=lambda m: m.worker_id)
+        )
+        return fdtc.SwarmStatus(
+            global_step=self.step,
+            max_steps=self.opt.max_steps,
+            state=fdtc.SwarmState(int(self.state)),
+            train_loss=self.train_loss,
+            val_loss=self.val_loss,
+            samples_per_sec=self.last_rate,
+            learning_rate=self.trainer.learning_rate(),
+            samples_total=self.samples_total,
+            rows=rows,
+        )
+
+
+def clip(text: str, limit: int = fdtc.MAX_PATH - 1) -> str:
+    """``text`` cut to fit a NUL-terminated char[256] field without splitting a character."""
+    return text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")

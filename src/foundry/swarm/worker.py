@@ -1,0 +1,363 @@
+"""The worker: registers, pulls weights, computes gradients on its slices, uploads them.
+
+Theory of operation
+-------------------
+``Worker.run`` keeps one connection to the coordinator alive, reconnecting with capped
+exponential backoff whenever it goes away (the coordinator restarting is routine, not fatal).
+On each connection: DATASET (our extension: the fingerprint of the local data), REGISTER,
+REGISTER_ACK, MODEL_CONFIG, WEIGHTS_REQ. Then the coordinator drives: WEIGHTS_META + WEIGHTS
+replace the local weights, ASSIGN starts a gradient over global samples
+``[offset, offset + n)`` computed in a thread (so heartbeats keep flowing), compressed with
+error feedback and sent as GRADIENTS. SHUTDOWN ends the process with success; a refusal that
+retrying cannot fix (different data, version) ends it with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from foundry.hardware import HardwareInfo, detect_profile
+from foundry.model.config import ModelConfig
+from foundry.model.data import Corpus
+from foundry.model.training import GradientResult, Params, compute_gradients
+from foundry.obs.metrics import WorkerMetrics
+from foundry.swarm import policy
+from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
+from foundry.wire import fdtc
+from foundry.wire.compression import ErrorFeedback, get_codec
+from foundry.wire.errors import ProtocolError
+from foundry.wire.fdtc import Compression, ErrorCode
+
+log = logging.getLogger("foundry.worker")
+
+HEARTBEAT_INTERVAL_S = 0.5
+# Refusals that a retry cannot fix: the operator must change something first.
+PERMANENT_REFUSALS = {ErrorCode.DATA_MISMATCH, ErrorCode.VERSION_MISMATCH, ErrorCode.MODEL_MISMATCH}
+
+
+class Refused(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    host: str
+    port: int
+    worker_id: str
+    hardware: HardwareInfo
+    slowdown: float = 1.0  # >1 makes this worker that many times slower (benchmarks, tests)
+    backoff_cap_s: float = 10.0
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    max_attempts: int = 0  # 0 = reconnect forever
+
+
+class Worker:
+    def __init__(self, options: WorkerOptions, corpus: Corpus) -> None:
+        self.opt = options
+        self.corpus = corpus
+        self.metrics = WorkerMetrics()
+        self.cfg: ModelConfig | None = None
+        self.aux_loss_coef = 0.0
+        self.params: Params | None = None
+        self.global_step = 0
+        self.compression = Compression.NONE
+        self.topk_ratio = 0.01
+        self.feedback: ErrorFeedback | None = None
+        self.last_loss = float("nan")
+        self.rate = 0.0
+        self.samples_done = 0
+        self.paused = False
+        self._compute: asyncio.Task[None] | None = None
+        self._rng = random.Random(hash(options.worker_id))
+
+    async def run(self) -> int:
+        """Serve until SHUTDOWN (0), a permanent refusal (2) or ``max_attempts`` failures (1)."""
+        attempt = 0
+        while True:
+            try:
+                stream = await FdtcStream.connect(self.opt.host, self.opt.port)
+            except (OSError, TimeoutError) as exc:
+                attempt += 1
+                if self.opt.max_attempts and attempt >= self.opt.max_attempts:
+                    log.error(
+                        "coordinator %s:%d unreachable: %s", self.opt.host, self.opt.port, exc
+                    )
+                    return 1
+                delay = policy.backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
+                log.info(
+                    "coordinator %s:%d unreachable (%s); retrying in %.1fs",
+                    self.opt.host, self.opt.port, exc, delay,
+                )
+                await asyncio.sleep(delay)
+                continue
+            attempt = 0
+            self.metrics.reconnects.inc()
+            try:
+                done = await self._session(stream)
+            except Refused as exc:
+                log.error("coordinator refused this worker: %s", exc)
+                if exc.code in PERMANENT_REFUSALS:
+                    return 2
+                done = False
+            except (StreamClosed, ConnectionError, TimeoutError) as exc:
+                log.warning("lost the coordinator: %s; reconnecting", exc)
+                done = False
+            except ProtocolError as exc:
+                log.warning("bad bytes from the coordinator: %s; reconnecting", exc)
+                done = False
+            finally:
+                await self._stop_compute()
+                await stream.close()
+            if done:
+                return 0
+            await asyncio.sleep(policy.backoff_delay(0, rng=self._rng))
+
+    async def _stop_compute(self) -> None:
+        if self._compute is not None:
+            self._compute.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._compute
+            self._compute = None
+
+    async def _session(self, stream: FdtcStream) -> bool:
+        hw = self.opt.hardware
+        fp = self.corpus.fingerprint
+        await stream.send(
+            fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+            fdtc.Register(
+                worker_id=self.opt.worker_id,
+                protocol_version=fdtc.PROTOCOL_VERSION,
+                profile=hw.profile,
+                num_cores=hw.cores,
+                memory_mb=hw.memory_mb,
+                suggested_batch_size=fdtc.profile_batch_size(hw.profile),
+            ),
+        )
+        ack = await stream.recv(idle_timeout_s=30.0)
+        if not isinstance(ack, fdtc.RegisterAck):
+            raise fdtc.FdtcProtocolError(
+                f"expected REGISTER_ACK, got {fdtc.msg_type_name(ack.TYPE)}"
+            )
+        if not ack.accepted:
+            reason = "no reason given"
+            code = int(ErrorCode.REJECTED)
+            with contextlib.suppress(Exception):
+                err = await stream.recv(idle_timeout_s=2.0)
+                if isinstance(err, fdtc.Error):
+                    reason, code = err.message, err.error_code
+            raise Refused(code, reason)
+        self.global_step = ack.global_step
+        if self.compression != ack.compression or self.feedback is None:
+            self.compression = Compression(ack.compression)
+            self.topk_ratio = ack.topk_ratio
+            self.feedback = self._make_feedback()
+        cfg_msg = await stream.recv(idle_timeout_s=30.0)
+        if not isinstance(cfg_msg, fdtc.ModelConfigMsg):
+            raise fdtc.FdtcProtocolError(
+                f"expected MODEL_CONFIG, got {fdtc.msg_type_name(cfg_msg.TYPE)}"
+            )
+        self.cfg = cfg_msg.to_config()
+        self.aux_loss_coef = cfg_msg.aux_loss_coef
+        log.info(
+            "registered as %s (shard %d/%d, micro-batch %d, %s) at step %d",
+            self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
+            self.compression.name.lower(), ack.global_step,
+        )
+        await stream.send(fdtc.WeightsReq())
+        heartbeat = asyncio.ensure_future(self._heartbeats(stream))
+        try:
+            return await self._message_loop(stream)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await heartbeat
+
+    def _make_feedback(self) -> ErrorFeedback | None:
+        if self.compression in (Compression.TOPK, Compression.QSGD):
+            seed = self._rng.randrange(2**31)
+            codec = get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
+            return ErrorFeedback(codec)
+        return None
+
+    async def _heartbeats(self, stream: FdtcStream) -> None:
+        while True:
+            await stream.send(
+                fdtc.Heartbeat(
+                    worker_id=self.opt.worker_id,
+                    local_step=self.global_step,
+                    current_loss=self.last_loss,
+                    samples_per_sec=self.rate,
+                )
+            )
+            await asyncio.sleep(self.opt.heartbeat_interval_s)
+
+    async def _message_loop(self, stream: FdtcStream) -> bool:
+        meta: fdtc.WeightsMeta | None = None
+        while True:
+            msg = await stream.recv()
+            if isinstance(msg, fdtc.WeightsMeta):
+                meta = msg
+            elif isinstance(msg, fdtc.Weights):
+                if meta is None:
+                    raise fdtc.FdtcProtocolError("WEIGHTS without WEIGHTS_META")
+                self._load_weights(meta, msg)
+                meta = None
+            elif isinstance(msg, fdtc.Assign):
+                if self._compute is not None and not self._compute.done():
+                    await self._stop_compute()
+                self._compute = asyncio.ensure_future(self._compute_and_send(stream, msg))
+            elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
+                self.global_step = max(self.global_step, msg.global_step)
+            elif isinstance(msg, fdtc.StatusReq):
+                await stream.send(self._status())
+            elif isinstance(msg, fdtc.Pause):
+                self.paused = True
+                log.info("paused by the coordinator")
+            elif isinstance(msg, fdtc.Resume | fdtc.Start):
+                self.paused = False
+            elif isinstance(msg, fdtc.Shutdown):
+                log.info("training done at step %d; exiting", self.global_step)
+                with contextlib.suppress(ConnectionError, OSError):
+                    await stream.send(fdtc.Deregister())
+                return True
+            elif isinstance(msg, fdtc.Error):
+                log.warning("coordinator error %d: %s", msg.error_code, msg.message)
+            elif isinstance(msg, fdtc.Sync | fdtc.Checkpoint):
+                pass  # informational for workers: nothing to do locally
+            else:
+                raise fdtc.FdtcProtocolError(
+                    f"{fdtc.msg_type_name(msg.TYPE)} is not a message a coordinator sends"
+                )
+
+    def _load_weights(self, meta: fdtc.WeightsMeta, weights: fdtc.Weights) -> None:
+        assert self.cfg is not None
+        shapes = self.cfg.param_shapes()
+        names = [t.name for t in meta.tensors]
+        if names != list(shapes):
+            raise Refused(
+                int(ErrorCode.MODEL_MISMATCH),
+                "WEIGHTS_META names tensors this worker's model does not have",
+            )
+        flat = np.frombuffer(weights.data, dtype="<f4")
+        expected = sum(int(np.prod(s)) for s in shapes.values())
+        if flat.size != expected:
+            raise fdtc.FdtcProtocolError(
+                f"WEIGHTS holds {flat.size} floats, WEIGHTS_META announced {expected}"
+            )
+        params: Params = {}
+        pos = 0
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            params[name] = flat[pos : pos + n].reshape(shape).astype(np.float32, copy=True)
+            pos += n
+        self.params = params
+        self.global_step = meta.global_step
+
+    async def _compute_and_send(self, stream: FdtcStream, assign: fdtc.Assign) -> None:
+        if self.params is None or self.cfg is None:
+            log.warning("assignment before weights; asking for them")
+            await stream.send(fdtc.WeightsReq())
+            return
+        t0 = time.monotonic()
+        result: GradientResult = await asyncio.to_thread(
+            compute_gradients,
+            self.params,
+            self.cfg,
+            self.corpus,
+            assign.sample_offset,
+            assign.n_samples,
+            seq_len=assign.seq_len,
+            micro_batch=assign.batch_size,
+            aux_loss_coef=self.aux_loss_coef,
+        )
+        compute_s = time.monotonic() - t0
+        if self.opt.slowdown > 1.0:
+            await asyncio.sleep(compute_s * (self.opt.slowdown - 1.0))
+            compute_s *= self.opt.slowdown
+        self.metrics.phase_duration.labels(phase="compute").observe(compute_s)
+        t1 = time.monotonic()
+        data = await asyncio.to_thread(self._encode, result.grads)
+        self.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
+        self.last_loss = result.loss
+        self.rate = assign.n_samples / compute_s if compute_s > 0 else 0.0
+        self.samples_done += assign.n_samples
+        self.metrics.samples.inc(assign.n_samples)
+        self.metrics.samples_per_second.set(self.rate)
+        self.metrics.loss.set(result.loss)
+        t2 = time.monotonic()
+        await stream.send(
+            fdtc.Gradients(
+                worker_id=self.opt.worker_id,
+                local_step=assign.global_step,
+                num_tensors=len(result.grads),
+                compression=self.compression,
+                uncompressed_size=sum(g.size * 4 for g in result.grads.values()),
+                data=data,
+            ),
+            fdtc.Heartbeat(
+                worker_id=self.opt.worker_id,
+                local_step=assign.global_step,
+                current_loss=self.last_loss,
+                samples_per_sec=self.rate,
+            ),
+        )
+        self.metrics.phase_duration.labels(phase="send").observe(time.monotonic() - t2)
+        self.metrics.gradient_bytes.inc(len(data))
+
+    def _encode(self, grads: Params) -> bytes:
+        if self.feedback is not None:
+            return b"".join(self.feedback.compress(k, g.reshape(-1)) for k, g in grads.items())
+        codec = get_codec(self.compression, topk_ratio=self.topk_ratio)
+        return b"".join(codec.encode(g.reshape(-1)) for g in grads.values())
+
+    def _status(self) -> fdtc.Status:
+        return fdtc.Status(
+            worker_id=self.opt.worker_id,
+            local_step=self.global_step,
+            samples_processed=self.samples_done & 0xFFFFFFFF,
+            current_loss=self.last_loss,
+            avg_loss=self.last_loss,
+            samples_per_sec=self.rate,
+            memory_used_mb=_rss_mb(),
+            is_training=not self.paused,
+        )
+
+
+def _rss_mb() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") // (1024 * 1024)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def hardware_for(profile_name: str | None) -> HardwareInfo:
+    """The detected hardware, or a named profile forced with ``--profile``."""
+    detected = detect_profile()
+    if profile_name is None:
+        return detected
+    for p in fdtc.HardwareProfile:
+        if profile_name.lower() in (fdtc.profile_name(p).lower(), p.name.lower()):
+            return HardwareInfo(
+                profile=p, cores=detected.cores, memory_mb=detected.memory_mb,
+                description=f"forced profile {fdtc.profile_name(p)}",
+            )
+    names = ", ".join(p.name.lower() for p in fdtc.HardwareProfile)
+    raise ValueError(f"unknown profile {profile_name!r}; choose one of: {names}")
+

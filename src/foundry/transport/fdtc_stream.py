@@ -1,0 +1,116 @@
+"""The asyncio driver of the FDTC codec: bytes from a stream in, messages out, and back.
+
+The codec (``foundry.wire.fdtc``) does all the parsing; this module only moves bytes and
+enforces time: once a frame has begun, the rest of it must arrive within ``frame_deadline_s``
+(a slow sender cannot pin a socket and a buffer forever), and an idle peer may be given up on
+with ``idle_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from foundry.wire.fdtc import FdtcDecoder, Message, encode
+
+log = logging.getLogger(__name__)
+
+# Bytes asked of the socket per read: large enough that a 1 MB weights message is a handful
+# of reads, small enough not to over-allocate per connection.
+READ_CHUNK = 256 * 1024
+# A frame once begun must be complete within this time by default: at 1 MB/s (a Pi on a busy
+# Wi-Fi) a 64 MB weights message needs about a minute.
+DEFAULT_FRAME_DEADLINE_S = 120.0
+
+
+class StreamClosed(ConnectionError):
+    """The peer closed the connection (cleanly, or half-way through a frame)."""
+
+
+class FrameTimeout(TimeoutError):
+    """A frame begun by the peer was not completed within the frame deadline."""
+
+
+class FdtcStream:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        max_payload: int | None = None,
+        frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FdtcDecoder() if max_payload is None else FdtcDecoder(max_payload)
+        self.frame_deadline_s = frame_deadline_s
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, *, ssl: object = None, timeout_s: float = 5.0, **kw: object
+    ) -> FdtcStream:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=ssl, limit=READ_CHUNK), timeout_s
+        )
+        return cls(reader, writer, **kw)  # type: ignore[arg-type]
+
+    async def recv(self, idle_timeout_s: float | None = None) -> Message:
+        """The next whole message. Raises StreamClosed, FrameTimeout, TimeoutError (idle), or
+        the codec's protocol error for bad bytes."""
+        loop = asyncio.get_running_loop()
+        frame_started: float | None = None
+        while True:
+            msg = self.decoder.next_message()
+            if msg is not None:
+                return msg
+            partial = self.decoder.buffered > 0
+            if partial and frame_started is None:
+                frame_started = loop.time()
+            if partial:
+                assert frame_started is not None
+                timeout: float | None = self.frame_deadline_s - (loop.time() - frame_started)
+                if timeout is not None and timeout <= 0:
+                    raise FrameTimeout(
+                        f"{self.peer} began a frame and did not finish it within "
+                        f"{self.frame_deadline_s:g} s"
+                    )
+            else:
+                timeout = idle_timeout_s
+            try:
+                data = await asyncio.wait_for(self.reader.read(READ_CHUNK), timeout)
+            except TimeoutError:
+                if partial:
+                    raise FrameTimeout(
+                        f"{self.peer} began a frame and did not finish it within "
+                        f"{self.frame_deadline_s:g} s"
+                    ) from None
+                raise
+            if not data:
+                if partial:
+                    raise StreamClosed(f"{self.peer} closed the connection in mid-frame")
+                raise StreamClosed(f"{self.peer} closed the connection")
+            self.bytes_in += len(data)
+            self.decoder.feed(data)
+
+    async def send(self, *messages: Message) -> int:
+        """Encode and write the messages, then wait until the kernel took them."""
+        n = 0
+        for msg in messages:
+            data = encode(msg)
+            self.writer.write(data)
+            n += len(data)
+        self.bytes_out += n
+        await self.writer.drain()
+        return n
+
+    async def close(self) -> None:
+        if self.writer.is_closing():
+            return
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            await asyncio.wait_for(self.writer.wait_closed(), 1.0)

@@ -1,0 +1,1364 @@
+"""FDTC, the swarm training protocol (coordinator <-> workers, coordinator <-> admin), sans-IO.
+
+Byte-compatible with ``foundry_swarm_protocol.h`` compiled on a little-endian machine: every
+C struct is ``__attribute__((packed))``, so each one is a single ``struct.Struct('<...')``
+here with no padding; C enums are 4-byte little-endian integers; ``bool`` is one byte, 0 or 1;
+``char[N]`` is NUL-padded UTF-8. ``docs/protocol.md`` has every byte of every message.
+
+Frame: a 9-byte header (``magic u32 = 0x46445443``, ``type u8``, ``length u32``) then
+``length`` bytes of payload. The decoder checks magic, type, the length limit and the
+per-type payload size as soon as the 9 header bytes are in, before it keeps a payload byte.
+
+Decisions the header leaves open, taken here once:
+
+- ``char[N]`` fields carry at most N-1 bytes of UTF-8 and always end in NUL, so a C peer can
+  ``strlen``/``printf`` them safely; a string that does not fit is our error at construction
+  (``LocalProtocolError``), and an unterminated field from a peer is theirs.
+- ``float`` fields are normalised to the value the wire carries, written as the shortest
+  decimal that round-trips through f32 (``Heartbeat(current_loss=0.1).current_loss == 0.1``,
+  and decode(encode(m)) == m). NaN and infinities pass through (a diverged loss is news).
+- Enum fields must hold a known value: an unknown profile or compression code is refused
+  rather than carried, since nothing downstream could act on it.
+- Messages 0x60..0x6F are project extensions (ASSIGN, MODEL_CONFIG, DATASET, SWARM_STATUS,
+  CONTROL_ACK, EXPORT); HEARTBEAT_ACK and GRADIENTS_ACK carry a small payload of ours and
+  also accept the empty payload a seed-only peer sends.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import struct
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from types import MappingProxyType
+from typing import Any, ClassVar, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.config import ConfigError, ModelConfig
+from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_DIMS",
+    "MAX_PATH",
+    "MAX_PAYLOAD",
+    "MAX_WORKER_ID",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "Assign",
+    "Checkpoint",
+    "Compression",
+    "ControlAck",
+    "DType",
+    "Dataset",
+    "Deregister",
+    "Error",
+    "ErrorCode",
+    "Export",
+    "FdtcDecoder",
+    "FdtcProtocolError",
+    "Gradients",
+    "GradientsAck",
+    "HardwareProfile",
+    "Heartbeat",
+    "HeartbeatAck",
+    "Message",
+    "ModelConfigMsg",
+    "MsgType",
+    "Pause",
+    "Register",
+    "RegisterAck",
+    "Resume",
+    "Shutdown",
+    "Start",
+    "Status",
+    "StatusReq",
+    "SwarmState",
+    "SwarmStatus",
+    "SwarmStatusRow",
+    "Sync",
+    "TensorMeta",
+    "Weights",
+    "WeightsMeta",
+    "WeightsReq",
+    "WorkerState",
+    "decode",
+    "encode",
+    "encode_parts",
+    "msg_type_name",
+    "profile_accumulation_steps",
+    "profile_batch_size",
+    "profile_name",
+    "weights_messages",
+    "weights_tensors",
+]
+
+MAGIC = 0x46445443  # "FDTC"; on the wire 43 54 44 46
+PROTOCOL_VERSION = 1
+# SW_MAX_MESSAGE_SIZE: the largest payload a header may announce. A decoder refuses a bigger
+# length before it buffers anything, so a hostile header cannot make us allocate.
+MAX_PAYLOAD = 256 * 1024 * 1024
+MAX_WORKER_ID = 64  # SW_MAX_WORKER_ID: size of char worker_id[64]
+MAX_PATH = 256  # SW_MAX_PATH: size of the path and message char arrays
+MAX_DIMS = 8  # uint64_t shape[8] in sw_tensor_meta
+MAX_NAME = 64  # char name[64] in sw_tensor_meta
+
+HEADER = struct.Struct("<IBI")  # sw_msg_header: magic, type, length
+HEADER_SIZE = HEADER.size  # 9
+
+_U8_MAX = 0xFF
+_U32_MAX = 0xFFFF_FFFF
+_U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+_F32 = struct.Struct("<f")
+
+
+# ---------------------------------------------------------------------------- enums
+
+
+class MsgType(IntEnum):
+    """sw_msg_type, plus the project's extensions in 0x60..0x6F."""
+
+    REGISTER = 0x01
+    REGISTER_ACK = 0x02
+    DEREGISTER = 0x03
+    HEARTBEAT = 0x10
+    HEARTBEAT_ACK = 0x11
+    WEIGHTS_REQ = 0x20
+    WEIGHTS = 0x21
+    WEIGHTS_META = 0x22
+    GRADIENTS = 0x30
+    GRADIENTS_ACK = 0x31
+    START = 0x40
+    SYNC = 0x45
+    CHECKPOINT = 0x46
+    SHUTDOWN = 0x47
+    PAUSE = 0x48
+    RESUME = 0x49
+    STATUS_REQ = 0x50
+    STATUS = 0x51
+    # Extensions (ours): 0x60..0x6F.
+    ASSIGN = 0x60
+    MODEL_CONFIG = 0x61
+    DATASET = 0x62
+    SWARM_STATUS = 0x63
+    CONTROL_ACK = 0x64
+    EXPORT = 0x65
+    ERROR = 0xFF
+
+
+class HardwareProfile(IntEnum):
+    """sw_hardware_profile (a 4-byte enum on the wire)."""
+
+    RPI3 = 0
+    RPI4_2G = 1
+    RPI4_4G = 2
+    RPI4_8G = 3
+    LAPTOP_LIGHT = 4
+    LAPTOP_MID = 5
+    DESKTOP_MID = 6
+    DESKTOP_HEAVY = 7
+    SERVER = 8
+    UNKNOWN = 9
+
+
+class Compression(IntEnum):
+    """sw_compress_type (a 4-byte enum on the wire)."""
+
+    NONE = 0
+    FP16 = 1
+    TOPK = 2
+    QSGD = 3
+
+
+class DType(IntEnum):
+    """tm_dtype of sw_tensor_meta (ours to define). Codes 2..255 are free for later types."""
+
+    F32 = 0
+    F16 = 1
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.F32 else 2
+
+    @property
+    def numpy(self) -> str:
+        return "<f4" if self is DType.F32 else "<f2"
+
+
+class ErrorCode(IntEnum):
+    """ERROR error_code values (ours; the header defines none). 0 is never sent."""
+
+    BAD_FRAME = 1  # malformed bytes: bad magic, unknown type, wrong size, bad field value
+    VERSION_MISMATCH = 2  # REGISTER protocol_version we do not speak
+    REJECTED = 3  # registration refused by policy (empty id, swarm full of that id, ...)
+    DATA_MISMATCH = 4  # the worker's DATASET fingerprint differs from the coordinator's
+    MODEL_MISMATCH = 5  # tensors or model config do not match
+    STALE = 6  # work for a step that is already closed
+    NOT_REGISTERED = 7  # a worker message before REGISTER
+    BUSY = 8  # a limit was reached (workers, connections, payload size)
+    INTERNAL = 9  # the sender failed; not the receiver's fault
+    UNEXPECTED = 10  # a known message the link's current state does not allow
+
+
+class SwarmState(IntEnum):
+    """SWARM_STATUS state (u8)."""
+
+    WAITING = 0
+    TRAINING = 1
+    PAUSED = 2
+    DONE = 3
+
+
+class WorkerState(IntEnum):
+    """SWARM_STATUS row state (u8)."""
+
+    REGISTERED = 0
+    TRAINING = 1
+    IDLE = 2
+    DROPPED = 3
+
+
+def msg_type_name(code: int) -> str:
+    """sw_msg_type_name: ``"REGISTER"``, ..., ``"UNKNOWN"`` for a code that is not a type."""
+    try:
+        return MsgType(code).name
+    except ValueError:
+        return "UNKNOWN"
+
+
+# sw_profile_batch_size / sw_profile_accumulation_steps. Samples per round grow with the
+# machine's expected compute (a Pi 4 ~ 2x a Pi 3, each class above ~ 2x the one below); the
+# micro-batch is what memory allows, and accumulation makes up the rest, so small devices run
+# small batches and accumulate more. The coordinator re-balances by measured samples/s later.
+# profile: (micro-batch, accumulation steps), and samples per round in the comment.
+_PROFILE_TABLE: Mapping[HardwareProfile, tuple[int, int]] = MappingProxyType({
+    HardwareProfile.RPI3: (1, 8),  # 8
+    HardwareProfile.RPI4_2G: (2, 8),  # 16
+    HardwareProfile.RPI4_4G: (4, 4),  # 16
+    HardwareProfile.RPI4_8G: (8, 2),  # 16
+    HardwareProfile.LAPTOP_LIGHT: (8, 4),  # 32
+    HardwareProfile.LAPTOP_MID: (16, 4),  # 64
+    HardwareProfile.DESKTOP_MID: (32, 4),  # 128
+    HardwareProfile.DESKTOP_HEAVY: (64, 4),  # 256
+    HardwareProfile.SERVER: (128, 4),  # 512
+    HardwareProfile.UNKNOWN: (2, 4),  # 8: as careful as a Pi 3 until measured
+})
+
+
+def _profile(profile: int) -> HardwareProfile:
+    try:
+        return HardwareProfile(profile)
+    except ValueError:
+        return HardwareProfile.UNKNOWN
+
+
+def profile_name(profile: int) -> str:
+    """sw_profile_name: the enum name (``"RPI4_4G"``); ``"UNKNOWN"`` for unknown codes."""
+    return _profile(profile).name
+
+
+def profile_batch_size(profile: int) -> int:
+    """sw_profile_batch_size: the micro-batch a machine of this profile starts with."""
+    return _PROFILE_TABLE[_profile(profile)][0]
+
+
+def profile_accumulation_steps(profile: int) -> int:
+    """sw_profile_accumulation_steps: micro-batches accumulated per round at the start."""
+    return _PROFILE_TABLE[_profile(profile)][1]
+
+
+# ---------------------------------------------------------------------------- field kinds
+#
+# A C struct is a list of (field name, kind). A kind knows its struct format, how to validate
+# and normalise a Python value (raising LocalProtocolError: the caller's mistake) and how to
+# turn raw struct values into Python values (raising FdtcProtocolError: the peer's mistake).
+
+
+class _Kind(ABC):
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt  # struct format of the field, e.g. "I" or "64s"
+
+    @abstractmethod
+    def check(self, name: str, value: Any) -> Any: ...
+
+    def to_wire(self, value: Any) -> Any:
+        return value
+
+    def from_wire(self, name: str, raw: Any) -> Any:
+        return raw
+
+
+class _UInt(_Kind):
+    def __init__(self, fmt: str, maximum: int) -> None:
+        super().__init__(fmt)
+        self.maximum = maximum
+
+    def check(self, name: str, value: Any) -> int:
+        try:
+            number = operator.index(value)  # int, numpy integer, IntEnum; not float or str
+        except TypeError:
+            raise LocalProtocolError(f"{name} must be an integer, got {value!r}") from None
+        if not 0 <= number <= self.maximum:
+            raise LocalProtocolError(f"{name} {number} is outside 0..{self.maximum}")
+        return int(number)
+
+
+class _Float32(_Kind):
+    def __init__(self) -> None:
+        super().__init__("f")
+
+    def check(self, name: str, value: Any) -> float:
+        if not isinstance(value, int | float | np.floating | np.integer):
+            raise LocalProtocolError(f"{name} must be a number, got {value!r}")
+        try:
+            packed = _F32.pack(float(value))
+        except OverflowError:
+            raise LocalProtocolError(f"{name} {value!r} does not fit a 32-bit float") from None
+        exact: float = _F32.unpack(packed)[0]
+        if not math.isfinite(exact):
+            return exact
+        # The shortest decimal that names this f32 (0.1, not 0.10000000149011612): the same
+        # wire bits, and a value that compares equal to what the caller most likely wrote.
+        short = float(str(np.float32(exact)))
+        return short if _F32.pack(short) == packed else exact
+
+
+class _Bool(_Kind):
+    def __init__(self) -> None:
+        super().__init__("B")
+
+    def check(self, name: str, value: Any) -> bool:
+        if isinstance(value, bool | np.bool_) or value in (0, 1):
+            return bool(value)
+        raise LocalProtocolError(f"{name} must be a bool (0 or 1), got {value!r}")
+
+    def to_wire(self, value: Any) -> int:
+        return int(value)
+
+
+class _Enum(_Kind):
+    def __init__(self, fmt: str, enum: type[IntEnum]) -> None:
+        super().__init__(fmt)
+        self.enum = enum
+
+    def check(self, name: str, value: Any) -> IntEnum:
+        try:
+            return self.enum(value)
+        except ValueError:
+            known = ", ".join(f"{m.value} {m.name}" for m in self.enum)
+            raise LocalProtocolError(
+                f"{name} {value!r} is not a {self.enum.__name__} ({known})"
+            ) from None
+
+    def to_wire(self, value: Any) -> int:
+        return int(value)
+
+
+class _Str(_Kind):
+    """char[size]: at most size-1 bytes of UTF-8, NUL-terminated and NUL-padded."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size}s")
+        self.size = size
+
+    def check(self, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise LocalProtocolError(f"{name} must be a str, got {value!r}")
+        try:
+            raw = value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalProtocolError(f"{name} is not encodable as UTF-8: {exc}") from None
+        if b"\0" in raw:
+            raise LocalProtocolError(f"{name} contains a NUL character, which ends a C string")
+        if len(raw) >= self.size:
+            raise LocalProtocolError(
+                f"{name} is {len(raw)} bytes of UTF-8; char[{self.size}] holds at most "
+                f"{self.size - 1} plus the terminating NUL"
+            )
+        return value
+
+    def to_wire(self, value: Any) -> bytes:
+        return str(value).encode("utf-8")  # struct pads with NULs to the field size
+
+    def from_wire(self, name: str, raw: Any) -> str:
+        end = bytes(raw).find(b"\0")
+        if end < 0:
+            raise FdtcProtocolError(f"{name} (char[{self.size}]) is not NUL-terminated")
+        try:
+            return bytes(raw[:end]).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FdtcProtocolError(f"{name} is not valid UTF-8: {exc}") from None
+
+
+class _Bytes(_Kind):
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size}s")
+        self.size = size
+
+    def check(self, name: str, value: Any) -> bytes:
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise LocalProtocolError(f"{name} must be bytes, got {value!r}")
+        raw = bytes(value)
+        if len(raw) != self.size:
+            raise LocalProtocolError(f"{name} must be exactly {self.size} bytes, got {value!r}")
+        return raw
+
+
+U8 = _UInt("B", _U8_MAX)
+U32 = _UInt("I", _U32_MAX)
+U64 = _UInt("Q", _U64_MAX)
+F32 = _Float32()
+BOOL = _Bool()
+
+
+class _Layout:
+    """One packed C struct: its fields in order and the precompiled little-endian Struct."""
+
+    def __init__(self, *spec: tuple[str, _Kind]) -> None:
+        self.names = tuple(name for name, _ in spec)
+        self.kinds = tuple(kind for _, kind in spec)
+        # '<': little-endian, standard sizes, no alignment padding, as __attribute__((packed)).
+        self.struct = struct.Struct("<" + "".join(kind.fmt for kind in self.kinds))
+
+    @property
+    def size(self) -> int:
+        return self.struct.size
+
+    def normalise(self, obj: object, skip: tuple[str, ...] = ()) -> None:
+        """Validate every field of the frozen dataclass ``obj`` and store its normal form."""
+        for name, kind in zip(self.names, self.kinds, strict=True):
+            if name not in skip:
+                object.__setattr__(obj, name, kind.check(name, getattr(obj, name)))
+
+    def pack(self, values: Iterable[Any]) -> bytes:
+        return self.struct.pack(
+            *(kind.to_wire(v) for kind, v in zip(self.kinds, values, strict=True))
+        )
+
+    def pack_obj(self, obj: object, **override: Any) -> bytes:
+        return self.pack(override[n] if n in override else getattr(obj, n) for n in self.names)
+
+    def unpack(self, buf: memoryview, offset: int = 0) -> dict[str, Any]:
+        raw = self.struct.unpack_from(buf, offset)
+        return {
+            name: kind.from_wire(name, value)
+            for name, kind, value in zip(self.names, self.kinds, raw, strict=True)
+        }
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every FDTC message: a frozen dataclass that validates itself when built.
+
+    ``LAYOUT`` is the payload's C struct; a message whose payload is not one fixed struct
+    overrides ``payload_parts``, ``from_payload`` and ``check_length``.
+    """
+
+    TYPE: ClassVar[MsgType]
+    LAYOUT: ClassVar[_Layout] = _Layout()
+
+    def __post_init__(self) -> None:
+        self.LAYOUT.normalise(self)
+
+    def payload(self) -> bytes:
+        """The payload bytes (a copy for the large messages; see ``payload_parts``)."""
+        return b"".join(self.payload_parts())
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        """The payload as pieces to write in order, without copying large tensor data."""
+        return (self.LAYOUT.pack_obj(self),)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        """Refuse a header's payload length that this type can never have."""
+        if length != cls.LAYOUT.size:
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload must be {cls.LAYOUT.size} bytes, header says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        """Decode a payload whose length ``check_length`` accepted."""
+        return cls(**cls.LAYOUT.unpack(payload))
+
+
+@dataclass(frozen=True)
+class _OptionalPayload(Message):
+    """A message of ours whose seed form is empty: an empty payload decodes to the defaults."""
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length not in (0, cls.LAYOUT.size):
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload must be 0 or {cls.LAYOUT.size} bytes, header says "
+                f"{length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        return cls() if len(payload) == 0 else super().from_payload(payload)
+
+
+# --- registration
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """REGISTER (worker -> coordinator), sw_register_payload, 85 bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_id", _Str(MAX_WORKER_ID)),
+        ("protocol_version", U8),
+        ("profile", _Enum("I", HardwareProfile)),
+        ("num_cores", U32),
+        ("memory_mb", U64),
+        ("suggested_batch_size", U32),
+    )
+    worker_id: str
+    protocol_version: int
+    profile: HardwareProfile
+    num_cores: int
+    memory_mb: int
+    suggested_batch_size: int
+
+
+@dataclass(frozen=True)
+class RegisterAck(Message):
+    """REGISTER_ACK (coordinator -> worker), sw_register_ack_payload, 29 bytes.
+
+    A refusal (``accepted=False``) is followed by an ERROR that says why.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.REGISTER_ACK
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("accepted", BOOL),
+        ("assigned_shard", U32),
+        ("total_shards", U32),
+        ("batch_size", U32),
+        ("accumulation_steps", U32),
+        ("compression", _Enum("I", Compression)),
+        ("topk_ratio", F32),
+        ("global_step", U32),
+    )
+    accepted: bool
+    assigned_shard: int
+    total_shards: int
+    batch_size: int
+    accumulation_steps: int
+    compression: Compression
+    topk_ratio: float
+    global_step: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Meaningful only for TOPK, but a fraction in any case (a refusal may send 0).
+        if not 0.0 <= self.topk_ratio <= 1.0:
+            raise LocalProtocolError(f"topk_ratio {self.topk_ratio} is outside 0..1")
+
+
+@dataclass(frozen=True)
+class Deregister(Message):
+    """DEREGISTER (worker -> coordinator): a clean exit. Empty payload."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DEREGISTER
+
+
+# --- health
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """HEARTBEAT (worker -> coordinator), sw_heartbeat_payload, 76 bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_id", _Str(MAX_WORKER_ID)),
+        ("local_step", U32),
+        ("current_loss", F32),
+        ("samples_per_sec", F32),
+    )
+    worker_id: str
+    local_step: int
+    current_loss: float
+    samples_per_sec: float
+
+
+@dataclass(frozen=True)
+class HeartbeatAck(_OptionalPayload):
+    """HEARTBEAT_ACK (coordinator -> worker): ours, u32 global_step (4 bytes) or empty."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT_ACK
+    LAYOUT: ClassVar[_Layout] = _Layout(("global_step", U32))
+    global_step: int = 0  # what an empty (seed) payload decodes to: "not reported"
+
+
+# --- weights
+
+
+@dataclass(frozen=True)
+class WeightsReq(Message):
+    """WEIGHTS_REQ (worker -> coordinator): send me the current weights. Empty payload."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WEIGHTS_REQ
+
+
+_TENSOR_META = struct.Struct(f"<{MAX_NAME}sI{MAX_DIMS}QQB")  # sw_tensor_meta, 141 bytes
+_NAME = _Str(MAX_NAME)
+_DTYPE = _Enum("B", DType)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """sw_tensor_meta (141 bytes): name, ndim, shape[8] (unused dims 0), numel, dtype.
+
+    ``numel`` is derived from the shape here; a peer's numel must equal the product of its
+    first ``ndim`` dimensions.
+    """
+
+    STRUCT: ClassVar[struct.Struct] = _TENSOR_META
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType = DType.F32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", _NAME.check("name", self.name))
+        if not isinstance(self.shape, tuple | list):
+            raise LocalProtocolError(f"shape of {self.name!r} must be a tuple, got {self.shape!r}")
+        if len(self.shape) > MAX_DIMS:
+            raise LocalProtocolError(
+                f"{self.name!r} has {len(self.shape)} dimensions; sw_tensor_meta holds {MAX_DIMS}"
+            )
+        shape = tuple(U64.check(f"shape of {self.name!r}", d) for d in self.shape)
+        object.__setattr__(self, "shape", shape)
+        if math.prod(shape) > _U64_MAX:
+            raise LocalProtocolError(f"{self.name!r} has more than 2**64-1 elements")
+        object.__setattr__(self, "dtype", _DTYPE.check("dtype", self.dtype))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def pack(self) -> bytes:
+        dims = self.shape + (0,) * (MAX_DIMS - len(self.shape))
+        return _TENSOR_META.pack(
+            _NAME.to_wire(self.name), len(self.shape), *dims, self.numel, int(self.dtype)
+        )
+
+    @classmethod
+    def unpack(cls, buf: memoryview, offset: int) -> TensorMeta:
+        raw_name, ndim, *rest = _TENSOR_META.unpack_from(buf, offset)
+        dims, numel, dtype = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
+        name = _NAME.from_wire("tensor name", raw_name)
+        if ndim > MAX_DIMS:
+            raise FdtcProtocolError(f"tensor {name!r} has ndim {ndim}; at most {MAX_DIMS}")
+        shape = tuple(dims[:ndim])
+        if math.prod(shape) != numel:
+            raise FdtcProtocolError(
+                f"tensor {name!r}: numel {numel} is not the product of shape {shape}"
+            )
+        return cls(name=name, shape=shape, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class WeightsMeta(Message):
+    """WEIGHTS_META (coordinator -> worker): 12-byte sw_weights_meta_payload + 141 per tensor.
+
+    Always followed by WEIGHTS, whose payload holds every tensor's data in this order.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.WEIGHTS_META
+    HEAD: ClassVar[_Layout] = _Layout(
+        ("num_tensors", U32), ("global_step", U32), ("learning_rate", F32)
+    )
+    global_step: int
+    learning_rate: float
+    tensors: tuple[TensorMeta, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.HEAD.normalise(self, skip=("num_tensors",))
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        for t in self.tensors:
+            if not isinstance(t, TensorMeta):
+                raise LocalProtocolError(f"tensors must hold TensorMeta, got {t!r}")
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the WEIGHTS payload that must follow."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        head = self.HEAD.pack_obj(self, num_tensors=self.num_tensors)
+        return (head, *(t.pack() for t in self.tensors))
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length < cls.HEAD.size or (length - cls.HEAD.size) % _TENSOR_META.size:
+            raise FdtcProtocolError(
+                f"WEIGHTS_META payload must be {cls.HEAD.size} + {_TENSOR_META.size} * "
+                f"num_tensors bytes, header says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        head = cls.HEAD.unpack(payload)
+        count = (len(payload) - cls.HEAD.size) // _TENSOR_META.size
+        if head["num_tensors"] != count:
+            raise FdtcProtocolError(
+                f"WEIGHTS_META says num_tensors {head['num_tensors']} but carries {count}"
+            )
+        tensors = tuple(
+            TensorMeta.unpack(payload, cls.HEAD.size + i * _TENSOR_META.size)
+            for i in range(count)
+        )
+        return cls(
+            global_step=head["global_step"], learning_rate=head["learning_rate"],
+            tensors=tensors,
+        )
+
+
+def _as_buffer(name: str, data: Any) -> bytes | memoryview:
+    """Bytes as given, or a flat read-only byte view of any other contiguous buffer."""
+    if isinstance(data, bytes):
+        return data
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise LocalProtocolError(f"{name} must be a bytes-like object, got {data!r}") from None
+    if not view.c_contiguous:
+        raise LocalProtocolError(f"{name} must be a contiguous buffer")
+    return view.cast("B").toreadonly()
+
+
+@dataclass(frozen=True)
+class Weights(Message):
+    """WEIGHTS (coordinator -> worker): every tensor of the preceding WEIGHTS_META, in order,
+    each in its tm_dtype (F32: little-endian f32, 4 bytes per element), no separators.
+
+    ``data`` is bytes or a read-only memoryview (the decoder hands out a view of the buffer
+    it received into, without copying); ``weights_tensors`` splits it into arrays.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.WEIGHTS
+    data: bytes | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.data,)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        return  # any size up to the limit; its match with WEIGHTS_META is the reader's check
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        return cls(payload)
+
+
+# --- gradients
+
+
+@dataclass(frozen=True)
+class Gradients(Message):
+    """GRADIENTS (worker -> coordinator): the 80-byte sw_gradients_payload header, then
+    ``num_tensors`` tensors in WEIGHTS_META order, each serialised by the ``compression``
+    codec (``foundry.wire.compression``). ``uncompressed_size`` is 4 * total elements.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.GRADIENTS
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_id", _Str(MAX_WORKER_ID)),
+        ("local_step", U32),
+        ("num_tensors", U32),
+        ("compression", _Enum("I", Compression)),
+        ("uncompressed_size", U32),
+    )
+    worker_id: str
+    local_step: int
+    num_tensors: int
+    compression: Compression
+    uncompressed_size: int
+    data: bytes | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.LAYOUT.pack_obj(self), self.data)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length < cls.LAYOUT.size:
+            raise FdtcProtocolError(
+                f"GRADIENTS payload must be at least {cls.LAYOUT.size} bytes, header says "
+                f"{length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size :])
+
+
+@dataclass(frozen=True)
+class GradientsAck(_OptionalPayload):
+    """GRADIENTS_ACK (coordinator -> worker): ours, u32 global_step + u8 accepted (5 bytes),
+    or empty from a seed-only peer. ``accepted=False``: stale or refused, not aggregated."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GRADIENTS_ACK
+    LAYOUT: ClassVar[_Layout] = _Layout(("global_step", U32), ("accepted", BOOL))
+    global_step: int = 0
+    accepted: bool = True  # a seed ack means "got them"
+
+
+# --- control (empty payloads)
+
+
+@dataclass(frozen=True)
+class Start(Message):
+    """START: training on. Coordinator -> worker, and admin -> coordinator."""
+
+    TYPE: ClassVar[MsgType] = MsgType.START
+
+
+@dataclass(frozen=True)
+class Sync(Message):
+    """SYNC: a sync point (informational for workers)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SYNC
+
+
+@dataclass(frozen=True)
+class Checkpoint(Message):
+    """CHECKPOINT: checkpoint now. Coordinator -> worker, and admin -> coordinator."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CHECKPOINT
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """SHUTDOWN: training is done. Coordinator -> worker, and admin -> coordinator."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
+
+
+@dataclass(frozen=True)
+class Pause(Message):
+    """PAUSE. Coordinator -> worker, and admin -> coordinator."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PAUSE
+
+
+@dataclass(frozen=True)
+class Resume(Message):
+    """RESUME. Coordinator -> worker, and admin -> coordinator."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RESUME
+
+
+# --- status
+
+
+@dataclass(frozen=True)
+class StatusReq(Message):
+    """STATUS_REQ: coordinator -> worker (answered by STATUS), admin -> coordinator
+    (answered by SWARM_STATUS)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATUS_REQ
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """STATUS (worker -> coordinator), sw_status_payload, 93 bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_id", _Str(MAX_WORKER_ID)),
+        ("local_step", U32),
+        ("samples_processed", U32),
+        ("current_loss", F32),
+        ("avg_loss", F32),
+        ("samples_per_sec", F32),
+        ("memory_used_mb", U64),
+        ("is_training", BOOL),
+    )
+    worker_id: str
+    local_step: int
+    samples_processed: int
+    current_loss: float
+    avg_loss: float
+    samples_per_sec: float
+    memory_used_mb: int
+    is_training: bool
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """ERROR (either direction), sw_error_payload, 260 bytes: u32 error_code, char[256].
+
+    ``error_code`` is any u32 (a peer may send codes we do not know); ours are ``ErrorCode``.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    LAYOUT: ClassVar[_Layout] = _Layout(("error_code", U32), ("message", _Str(MAX_PATH)))
+    error_code: int
+    message: str
+
+
+# --- extensions (0x60..0x6F)
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """ASSIGN (coordinator -> worker), ours, 36 bytes: the work of one round.
+
+    The worker computes the mean gradient over global samples
+    ``[sample_offset, sample_offset + n_samples)`` in micro-batches of ``batch_size``
+    (``accumulation_steps`` of them, the last one possibly short) and reports it as
+    GRADIENTS with ``local_step = global_step``.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ASSIGN
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("global_step", U32),
+        ("sample_offset", U64),
+        ("batch_size", U32),
+        ("accumulation_steps", U32),
+        ("assigned_shard", U32),
+        ("total_shards", U32),
+        ("seq_len", U32),
+        ("n_samples", U32),
+    )
+    global_step: int
+    sample_offset: int
+    batch_size: int
+    accumulation_steps: int
+    assigned_shard: int
+    total_shards: int
+    seq_len: int
+    n_samples: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_samples > self.batch_size * self.accumulation_steps:
+            raise LocalProtocolError(
+                f"n_samples {self.n_samples} exceeds batch_size {self.batch_size} x "
+                f"accumulation_steps {self.accumulation_steps}"
+            )
+
+
+_MODEL_INTS = (
+    "n_vocab", "n_ctx", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert",
+    "n_expert_used", "n_ff_shared",
+)
+_MODEL_FLOATS = ("rope_theta", "norm_eps")
+
+
+@dataclass(frozen=True)
+class ModelConfigMsg(Message):
+    """MODEL_CONFIG (coordinator -> worker), ours, 52 bytes: the model to build.
+
+    Ten u32 (the ``ModelConfig`` integers), then f32 rope_theta, norm_eps, aux_loss_coef.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.MODEL_CONFIG
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        *((name, U32) for name in _MODEL_INTS),
+        *((name, F32) for name in _MODEL_FLOATS),
+        ("aux_loss_coef", F32),
+    )
+    n_vocab: int
+    n_ctx: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_shared: int
+    rope_theta: float
+    norm_eps: float
+    aux_loss_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, aux_loss_coef: float = 0.0) -> ModelConfigMsg:
+        values = {name: getattr(cfg, name) for name in _MODEL_INTS + _MODEL_FLOATS}
+        return cls(**values, aux_loss_coef=aux_loss_coef)
+
+    def to_config(self) -> ModelConfig:
+        """The ``ModelConfig`` this message describes; a peer's impossible model is a
+        protocol error (MODEL_MISMATCH), not a crash."""
+        known = {f.name for f in fields(ModelConfig)}
+        values = {n: getattr(self, n) for n in _MODEL_INTS + _MODEL_FLOATS if n in known}
+        try:
+            return ModelConfig(**values)
+        except ConfigError as exc:
+            raise FdtcProtocolError(
+                f"MODEL_CONFIG describes no valid model: {exc}", ErrorCode.MODEL_MISMATCH
+            ) from None
+
+
+@dataclass(frozen=True)
+class Dataset(Message):
+    """DATASET (worker -> coordinator, optional, before REGISTER), ours, 40 bytes:
+    u64 n_tokens and the sha256 of the token stream, so a worker with other data is refused
+    before it trains on it. Sending it also tells the coordinator the worker speaks our
+    extensions."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DATASET
+    LAYOUT: ClassVar[_Layout] = _Layout(("n_tokens", U64), ("sha256", _Bytes(32)))
+    n_tokens: int
+    sha256: bytes
+
+
+@dataclass(frozen=True)
+class SwarmStatusRow:
+    """One worker in SWARM_STATUS, 93 bytes."""
+
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_id", _Str(MAX_WORKER_ID)),
+        ("profile", _Enum("I", HardwareProfile)),
+        ("state", _Enum("B", WorkerState)),
+        ("batch_size", U32),
+        ("accumulation_steps", U32),
+        ("samples_per_sec", F32),
+        ("loss", F32),
+        ("local_step", U32),
+        ("seconds_since_heartbeat", F32),
+    )
+    worker_id: str
+    profile: HardwareProfile
+    state: WorkerState
+    batch_size: int
+    accumulation_steps: int
+    samples_per_sec: float
+    loss: float
+    local_step: int
+    seconds_since_heartbeat: float
+
+    def __post_init__(self) -> None:
+        self.LAYOUT.normalise(self)
+
+
+@dataclass(frozen=True)
+class SwarmStatus(Message):
+    """SWARM_STATUS (coordinator -> admin), ours: a 37-byte header, then ``n_rows`` rows of
+    93 bytes (``SwarmStatusRow``). The payload is exactly 37 + 93 * n_rows bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SWARM_STATUS
+    HEAD: ClassVar[_Layout] = _Layout(
+        ("global_step", U32),
+        ("max_steps", U32),
+        ("state", _Enum("B", SwarmState)),
+        ("train_loss", F32),
+        ("val_loss", F32),
+        ("samples_per_sec", F32),
+        ("learning_rate", F32),
+        ("samples_total", U64),
+        ("n_rows", U32),
+    )
+    global_step: int
+    max_steps: int
+    state: SwarmState
+    train_loss: float
+    val_loss: float
+    samples_per_sec: float
+    learning_rate: float
+    samples_total: int
+    rows: tuple[SwarmStatusRow, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.HEAD.normalise(self, skip=("n_rows",))
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, SwarmStatusRow):
+                raise LocalProtocolError(f"rows must hold SwarmStatusRow, got {row!r}")
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        head = self.HEAD.pack_obj(self, n_rows=self.n_rows)
+        return (head, *(row.LAYOUT.pack_obj(row) for row in self.rows))
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        row = SwarmStatusRow.LAYOUT.size
+        if length < cls.HEAD.size or (length - cls.HEAD.size) % row:
+            raise FdtcProtocolError(
+                f"SWARM_STATUS payload must be {cls.HEAD.size} + {row} * n_rows bytes, header "
+                f"says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        head = cls.HEAD.unpack(payload)
+        row_size = SwarmStatusRow.LAYOUT.size
+        count = (len(payload) - cls.HEAD.size) // row_size
+        n_rows = head.pop("n_rows")
+        if n_rows != count:
+            raise FdtcProtocolError(f"SWARM_STATUS says n_rows {n_rows} but carries {count}")
+        rows = tuple(
+            SwarmStatusRow(**SwarmStatusRow.LAYOUT.unpack(payload, cls.HEAD.size + i * row_size))
+            for i in range(count)
+        )
+        return cls(**head, rows=rows)
+
+
+@dataclass(frozen=True)
+class ControlAck(Message):
+    """CONTROL_ACK (coordinator -> admin), ours, 262 bytes: the answer to START, PAUSE,
+    RESUME, CHECKPOINT, SHUTDOWN or EXPORT."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CONTROL_ACK
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("acked_type", _Enum("B", MsgType)),
+        ("ok", BOOL),
+        ("global_step", U32),
+        ("message", _Str(MAX_PATH)),
+    )
+    acked_type: MsgType
+    ok: bool
+    global_step: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Export(Message):
+    """EXPORT (admin -> coordinator), ours, 256 bytes: write the weights as GGUF to ``path``
+    (empty: the coordinator's default). Answered by CONTROL_ACK with the path written."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT
+    LAYOUT: ClassVar[_Layout] = _Layout(("path", _Str(MAX_PATH)))
+    path: str = ""
+
+
+# ---------------------------------------------------------------------------- registry
+
+_CLASSES: tuple[type[Message], ...] = (
+    Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
+    WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
+    StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export, Error,
+)
+MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
+    {cls.TYPE: cls for cls in _CLASSES}
+)
+
+
+def _check_registry() -> None:
+    """Every MsgType has exactly one class, and every fixed layout names the class's fields."""
+    missing = sorted(t.name for t in MsgType if t not in MESSAGE_TYPES)
+    if missing or len(MESSAGE_TYPES) != len(_CLASSES):
+        raise RuntimeError(f"FDTC registry is incomplete or has duplicates; missing {missing}")
+    for cls in _CLASSES:
+        if "from_payload" not in vars(cls):  # decoded generically from LAYOUT alone
+            names = tuple(f.name for f in fields(cls))
+            if names != cls.LAYOUT.names:
+                raise RuntimeError(f"{cls.__name__} fields {names} != layout {cls.LAYOUT.names}")
+
+
+_check_registry()
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def encode_parts(msg: Message) -> list[bytes | memoryview]:
+    """Header and payload pieces of ``msg``, to write in order (``writelines``) without
+    copying tensor data. Raises LocalProtocolError if the payload exceeds MAX_PAYLOAD."""
+    parts = msg.payload_parts()
+    length = sum(len(p) for p in parts)  # every part is bytes or a flat byte view
+    if length > MAX_PAYLOAD:
+        raise LocalProtocolError(
+            f"{msg.TYPE.name} payload of {length} bytes exceeds SW_MAX_MESSAGE_SIZE "
+            f"({MAX_PAYLOAD} bytes); send fewer or smaller tensors"
+        )
+    return [HEADER.pack(MAGIC, msg.TYPE, length), *parts]
+
+
+def encode(msg: Message) -> bytes:
+    """The whole frame of ``msg``: 9-byte header + payload."""
+    return b"".join(encode_parts(msg))
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Exactly one whole frame to its message (tests, tools). Incomplete or trailing input
+    is an FdtcProtocolError."""
+    decoder = FdtcDecoder()
+    decoder.feed(data)
+    msg = decoder.next_message()
+    if msg is None:
+        raise FdtcProtocolError(f"incomplete frame: {len(bytes(data))} bytes")
+    if decoder.buffered or decoder.next_message() is not None:
+        raise FdtcProtocolError("trailing bytes after the first frame")
+    return msg
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+class FdtcDecoder:
+    """Incremental FDTC decoder: ``feed`` bytes as they arrive, take ``next_message``.
+
+    ``feed`` parses eagerly: the header is checked (magic, type, ``length <= max_payload``,
+    the type's size rule) the moment its 9th byte arrives, before any payload byte is kept,
+    and complete messages queue up. So ``buffered`` (the partial frame held) never exceeds
+    9 + ``max_payload``. Each payload is received into its own buffer exactly once, which is
+    linear in the input and lets WEIGHTS / GRADIENTS data be handed out as a view of it.
+
+    Errors keep stream order: messages completed before the bad bytes come out of
+    ``next_message`` first, then it raises FdtcProtocolError, and keeps raising. The decoder
+    is then closed: ``feed`` raises too (a framing error loses the frame boundaries).
+    """
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
+        if not 0 <= max_payload <= MAX_PAYLOAD:
+            raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
+        self._max_payload = max_payload
+        self._head = bytearray()
+        self._cls: type[Message] | None = None  # set while a payload is being received
+        self._length = 0
+        self._payload = bytearray()
+        self._ready: deque[Message] = deque()
+        self._error: FdtcProtocolError | None = None
+
+    @property
+    def max_payload(self) -> int:
+        return self._max_payload
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of a frame begun and not yet complete, header included (0 between frames)."""
+        if self._cls is None:
+            return len(self._head)
+        return HEADER_SIZE + len(self._payload)
+
+    @property
+    def closed(self) -> bool:
+        """True after bad input: nothing more will be decoded."""
+        return self._error is not None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise FdtcProtocolError(f"decoder closed after an earlier error: {self._error}")
+        view = memoryview(data).cast("B")
+        pos, end = 0, len(view)
+        try:
+            while pos < end:
+                if self._cls is None:
+                    take = min(HEADER_SIZE - len(self._head), end - pos)
+                    self._head += view[pos : pos + take]
+                    pos += take
+                    if len(self._head) == HEADER_SIZE:
+                        self._start_frame()
+                else:
+                    take = min(self._length - len(self._payload), end - pos)
+                    self._payload += view[pos : pos + take]
+                    pos += take
+                if self._cls is not None and len(self._payload) == self._length:
+                    self._finish_frame()
+        except FdtcProtocolError as exc:
+            self._error = exc
+            self._head = bytearray()
+            self._payload = bytearray()
+            self._cls = None
+
+    def _start_frame(self) -> None:
+        magic, code, length = HEADER.unpack(self._head)
+        if magic != MAGIC:
+            raise FdtcProtocolError(f"bad magic 0x{magic:08x}, expected 0x{MAGIC:08x} (FDTC)")
+        try:
+            cls = MESSAGE_TYPES[MsgType(code)]
+        except ValueError:
+            raise FdtcProtocolError(f"unknown message type 0x{code:02x}") from None
+        if length > self._max_payload:
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload of {length} bytes exceeds the limit of "
+                f"{self._max_payload} bytes",
+                ErrorCode.BUSY if length <= MAX_PAYLOAD else ErrorCode.BAD_FRAME,
+            )
+        cls.check_length(length)
+        self._head = bytearray()
+        self._cls, self._length = cls, length
+
+    def _finish_frame(self) -> None:
+        cls, payload = self._cls, self._payload
+        assert cls is not None
+        self._cls, self._payload = None, bytearray()
+        try:
+            msg = cls.from_payload(memoryview(payload).toreadonly())
+        except LocalProtocolError as exc:  # a field value the dataclass refuses
+            raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}") from None
+        except FdtcProtocolError as exc:
+            raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}", exc.error_code) from None
+        self._ready.append(msg)
+
+    def next_message(self) -> Message | None:
+        """The next complete message, None if more bytes are needed; raises FdtcProtocolError
+        (every time) once the messages before bad input are consumed."""
+        if self._ready:
+            return self._ready.popleft()
+        if self._error is not None:
+            raise FdtcProtocolError(str(self._error), self._error.error_code)
+        return None
+
+    def messages(self) -> Iterator[Message]:
+        """Every complete message buffered now."""
+        while (msg := self.next_message()) is not None:
+            yield msg
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def weights_messages(
+    tensors: Mapping[str, npt.ArrayLike], global_step: int, learning_rate: float
+) -> tuple[WeightsMeta, Weights]:
+    """WEIGHTS_META + WEIGHTS for named tensors, sent as f32 in the mapping's order."""
+    arrays = {name: np.ascontiguousarray(t, dtype="<f4") for name, t in tensors.items()}
+    meta = WeightsMeta(
+        global_step=global_step,
+        learning_rate=learning_rate,
+        tensors=tuple(TensorMeta(name, a.shape, DType.F32) for name, a in arrays.items()),
+    )
+    return meta, Weights(b"".join(a.tobytes() for a in arrays.values()))
+
+
+def weights_tensors(meta: WeightsMeta, weights: Weights) -> dict[str, npt.NDArray[Any]]:
+    """Split WEIGHTS by its WEIGHTS_META into read-only arrays (views, no copy) of the
+    announced shapes and dtypes. A size mismatch is the peer's error."""
+    if len(weights.data) != meta.nbytes:
+        raise FdtcProtocolError(
+            f"WEIGHTS holds {len(weights.data)} bytes, WEIGHTS_META announced {meta.nbytes}",
+            ErrorCode.MODEL_MISMATCH,
+        )
+    out: dict[str, npt.NDArray[Any]] = {}
+    offset = 0
+    for t in meta.tensors:
+        array = np.frombuffer(weights.data, dtype=t.dtype.numpy, count=t.numel, offset=offset)
+        out[t.name] = array.reshape(t.shape)
+        offset += t.nbytes
+    return out

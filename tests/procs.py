@@ -1,0 +1,94 @@
+"""Real service processes for integration tests: start, read their announced ports, stop by pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class Service:
+    """A ``foundry`` subcommand in its own process, its output in a log file."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args = args
+        self.log = log
+        self._out = log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "foundry", *args],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+        self.pid = self.proc.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, within_s: float = 60.0, after: int = 0) -> re.Match[str]:
+        """The first match of ``pattern`` in the log past offset ``after``; fail on timeout/exit."""
+        deadline = time.monotonic() + within_s
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            m = rx.search(self.text(), after)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"{self.args[0]} exited {self.proc.returncode} before /{pattern}/:\n"
+                    + self.text()[-3000:]
+                )
+            time.sleep(0.05)
+        raise AssertionError(f"no /{pattern}/ within {within_s}s:\n" + self.text()[-3000:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or a pulled power cord would."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._out.close()
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._out.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def coordinator(tmp: Path, *extra: str, name: str = "coordinator") -> tuple[Service, int, int]:
+    """Start a coordinator on free ports; returns (service, worker port, admin port)."""
+    svc = Service(
+        [
+            "coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+            "--checkpoint-dir", str(tmp / "ckpt"), *extra,
+        ],
+        tmp / f"{name}.log",
+    )
+    m = svc.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+)")
+    return svc, int(m.group(1)), int(m.group(2))
+
+
+def worker(tmp: Path, port: int, worker_id: str, *extra: str) -> Service:
+    return Service(
+        ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", worker_id, *extra],
+        tmp / f"{worker_id}.log",
+    )

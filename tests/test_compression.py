@@ -1,0 +1,407 @@
+"""Gradient codecs against their error budgets, their exact sizes and bad peer bytes."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from foundry.wire.compression import (
+    CODECS,
+    Codec,
+    ErrorFeedback,
+    Fp16Codec,
+    NoneCodec,
+    QsgdCodec,
+    TopKCodec,
+    deserialize_tensors,
+    estimate_compressed_size,
+    fp16_to_fp32,
+    fp32_to_fp16,
+    get_codec,
+    serialize_tensors,
+    topk_compress,
+    topk_decompress,
+)
+from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
+from foundry.wire.fdtc import Compression
+
+F32 = npt.NDArray[np.float32]
+
+
+def codecs_under_test() -> list[Codec]:
+    return [
+        NoneCodec(),
+        Fp16Codec(),
+        *(TopKCodec(r) for r in (0.001, 0.01, 0.3, 1.0)),
+        *(QsgdCodec(s, d, seed=1) for s in (1, 3, 7, 15, 127) for d in (1, 7, 512)),
+    ]
+
+
+def test_registry_covers_every_wire_value() -> None:
+    assert set(CODECS) == set(Compression)
+    assert isinstance(get_codec(Compression.NONE), NoneCodec)
+    assert isinstance(get_codec(1), Fp16Codec)
+    topk = get_codec(Compression.TOPK, topk_ratio=0.05)
+    assert isinstance(topk, TopKCodec) and topk.ratio == 0.05
+    qsgd = get_codec(Compression.QSGD, qsgd_levels=15, qsgd_bucket=128, seed=3)
+    assert isinstance(qsgd, QsgdCodec) and (qsgd.levels, qsgd.bucket, qsgd.bits) == (15, 128, 5)
+    with pytest.raises(LocalProtocolError, match="unknown compression"):
+        get_codec(9)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(LocalProtocolError):
+            TopKCodec(bad)
+    for levels, bucket in ((0, 8), (128, 8), (7, 0)):
+        with pytest.raises(LocalProtocolError):
+            QsgdCodec(levels, bucket)
+
+
+# ---------------------------------------------------------------------------- sizes
+
+_SIZES = [0, 1, 2, 7, 8, 9, 511, 512, 513, 65535, 65536, 65537, 131075]
+
+
+@pytest.mark.parametrize("codec", codecs_under_test(), ids=repr)
+def test_estimated_size_is_the_actual_size(codec: Codec) -> None:
+    rng = np.random.default_rng(0)
+    for n in _SIZES:
+        x = rng.standard_normal(n).astype(np.float32)
+        data = codec.encode(x)
+        assert len(data) == codec.encoded_size(n), n
+        # The decoder takes exactly its bytes from a longer buffer.
+        out, used = codec.decode(bytes(data) + b"\xff" * 5, n)
+        assert used == len(data) and out.shape == (n,) and out.dtype == np.float32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 5000), st.sampled_from(codecs_under_test()))
+def test_estimated_size_property(n: int, codec: Codec) -> None:
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    data = codec.encode(x)
+    assert len(data) == codec.encoded_size(n)
+    assert codec.decode(data, n)[1] == len(data)
+
+
+def test_estimate_compressed_size_matches_the_seed_formulae() -> None:
+    n = 10_000_000
+    assert estimate_compressed_size(n, Compression.NONE) == 4 * n
+    assert estimate_compressed_size(n, Compression.FP16) == 2 * n
+    # TOPK: u32 k, u32 per 65536-block count, 6 bytes per kept element.
+    topk = estimate_compressed_size(n, Compression.TOPK, topk_ratio=0.01)
+    assert topk == 4 + 4 * 153 + 6 * 100_000
+    # QSGD: 8-byte header, f32 norm per bucket, (1 + bit_length(s)) bits per element.
+    assert estimate_compressed_size(100, Compression.QSGD, qsgd_levels=15, qsgd_bucket=64) == (
+        8 + 4 * 2 + math.ceil(100 * 5 / 8)
+    )
+
+
+# ---------------------------------------------------------------------------- FP16
+
+
+def _reference_fp16_bits(x: F32) -> npt.NDArray[np.uint16]:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(np.float16).view(np.uint16)  # numpy: IEEE round to nearest even
+
+
+def test_fp16_is_round_to_nearest_even_bit_for_bit() -> None:
+    bits = np.arange(0x7C00, dtype=np.uint16)  # every finite non-negative f16
+    finite16 = bits.view(np.float16).astype(np.float32)
+    upper = (bits[:-1] + 1).view(np.float16).astype(np.float32)  # the next f16 up
+    mids = (finite16[:-1].astype(np.float64) + upper) / 2  # exact ties, representable in f32
+    ties = mids.astype(np.float32)
+    assert np.array_equal(ties.astype(np.float64), mids)
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 2**32, 500_000, dtype=np.uint64).astype(np.uint32).view(
+        np.float32
+    )
+    x = np.concatenate([
+        finite16, ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(1e9)),
+        random_bits,
+    ])
+    x = np.concatenate([x, -x])
+    x = x[np.isfinite(x) & (np.abs(x) < 65520)]  # beyond: we saturate, numpy overflows
+    np.testing.assert_array_equal(fp32_to_fp16(x), _reference_fp16_bits(x))
+
+
+def test_fp16_saturates_finite_overflow_and_keeps_inf_and_nan() -> None:
+    x = np.array(
+        [65504, 65519.996, 65520, 1e6, 3e38, -1e6, np.inf, -np.inf, np.nan, -np.nan],
+        np.float32,
+    )
+    data = Fp16Codec().encode(x)
+    out, _ = Fp16Codec().decode(data, x.size)
+    np.testing.assert_array_equal(
+        out[:8], [65504, 65504, 65504, 65504, 65504, -65504, np.inf, -np.inf]
+    )
+    assert np.isnan(out[8:]).all()
+    bits = fp32_to_fp16(x)
+    assert list(bits[5:8]) == [0xFBFF, 0x7C00, 0xFC00]
+
+
+def test_fp16_error_budget() -> None:
+    rng = np.random.default_rng(1)
+    # Normal f16 range: relative error at most 2**-11 (half an ulp of an 11-bit significand).
+    normal = np.exp2(rng.uniform(-14, 15.99, 200_000)).astype(np.float32)
+    normal *= rng.choice(np.array([-1, 1], np.float32), normal.size)
+    out, _ = Fp16Codec().decode(Fp16Codec().encode(normal), normal.size)
+    rel = np.abs(out.astype(np.float64) - normal) / np.abs(normal)
+    assert rel.max() <= 2.0**-11
+    # Subnormal range: absolute error at most half the step 2**-24.
+    tiny = rng.uniform(-(2.0**-14), 2.0**-14, 100_000).astype(np.float32)
+    out, _ = Fp16Codec().decode(Fp16Codec().encode(tiny), tiny.size)
+    assert np.abs(out.astype(np.float64) - tiny).max() <= 2.0**-25
+
+
+def test_fp16_decode_is_exact_for_every_pattern() -> None:
+    every = np.arange(65536, dtype=np.uint16)
+    ours = fp16_to_fp32(every)
+    ref = every.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))  # NaN payloads too
+
+
+# ---------------------------------------------------------------------------- TOPK
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    hnp.arrays(
+        np.float32, st.integers(1, 300),
+        elements=st.one_of(st.sampled_from([0.0, 1.0, -1.0, 2.5]),
+                           st.floats(-1e6, 1e6, width=32)),
+    ),
+    st.floats(0.001, 1.0),
+)
+def test_topk_keeps_exactly_the_k_largest(x: F32, ratio: float) -> None:
+    codec = TopKCodec(ratio)
+    k = max(1, math.ceil(ratio * x.size))
+    idx, vals = topk_compress(x, k)
+    assert idx.size == k and np.all(np.diff(idx.astype(np.int64)) > 0)
+    np.testing.assert_array_equal(np.sort(np.abs(vals)), np.sort(np.abs(x))[x.size - k :])
+    np.testing.assert_array_equal(vals, x[idx])
+    out, _ = codec.decode(codec.encode(x), x.size)
+    expected = np.zeros_like(x)
+    expected[idx] = x[idx]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_topk_ties_go_to_the_lowest_index() -> None:
+    assert topk_compress(np.ones(4, np.float32), 2)[0].tolist() == [0, 1]
+    idx, vals = topk_compress(np.array([3, -1, 1, 2, -1], np.float32), 3)
+    assert idx.tolist() == [0, 1, 3] and vals.tolist() == [3, -1, 2]
+    assert topk_compress(np.zeros(5, np.float32), 2)[0].tolist() == [0, 1]
+
+
+def test_topk_functions_edges() -> None:
+    x = np.array([0.5, -4.0, 2.0], np.float32)
+    idx, vals = topk_compress(x, 0)
+    assert idx.size == vals.size == 0
+    assert topk_compress(x, 3)[0].tolist() == [0, 1, 2]
+    np.testing.assert_array_equal(topk_decompress([1, 2], [-4.0, 2.0], 3), [0, -4, 2])
+    with pytest.raises(LocalProtocolError):
+        topk_compress(x, 4)
+    with pytest.raises(LocalProtocolError):
+        topk_decompress([3], [1.0], 3)
+    with pytest.raises(LocalProtocolError):
+        topk_decompress([0, 1], [1.0], 3)
+    with pytest.raises(LocalProtocolError, match="NaN or inf"):
+        TopKCodec(0.5).encode(np.array([1, np.nan], np.float32))
+
+
+def test_topk_sends_60x_fewer_bytes_at_one_percent() -> None:
+    n = 10_000_000
+    assert 60 * TopKCodec(0.01).encoded_size(n) <= NoneCodec().encoded_size(n)
+    x = np.random.default_rng(2).standard_normal(1_000_000).astype(np.float32)
+    assert 60 * len(TopKCodec(0.01).encode(x)) <= 4 * x.size
+
+
+def _topk_frame(n: int, k: int, counts: list[int], vals: list[float], low: list[int]) -> bytes:
+    return (struct.pack("<I", k) + struct.pack(f"<{len(counts)}I", *counts)
+            + struct.pack(f"<{len(vals)}f", *vals) + struct.pack(f"<{len(low)}H", *low))
+
+
+def test_topk_decode_layout_and_bad_bytes() -> None:
+    n = 65536 + 3
+    good = _topk_frame(n, 3, [1, 2], [1.0, 2.0, 3.0], [5, 0, 2])
+    out, used = TopKCodec().decode(good, n)
+    assert used == len(good) == 4 + 8 + 12 + 6
+    assert out[5] == 1 and out[65536] == 2 and out[65538] == 3 and np.count_nonzero(out) == 3
+    bad = {
+        "keeps 9 of": _topk_frame(3, 9, [9], [0.0] * 9, [0] * 9),
+        "add up to 2, not k=3": _topk_frame(n, 3, [1, 1], [1.0, 2.0, 3.0], [5, 0, 2]),
+        "not strictly ascending": _topk_frame(n, 3, [1, 2], [1.0, 2.0, 3.0], [5, 2, 2]),
+        "out of range": _topk_frame(n, 3, [1, 2], [1.0, 2.0, 3.0], [5, 0, 3]),
+        "needs 30 bytes": good[:-1],
+        "header needs 4": b"\x01",
+    }
+    for problem, data in bad.items():
+        with pytest.raises(FdtcProtocolError, match=problem):
+            TopKCodec().decode(data, n if problem != "keeps 9 of" else 3)
+
+
+# ---------------------------------------------------------------------------- QSGD
+
+
+def _qsgd_exact_variance(v: F32, s: int, d: int) -> tuple[npt.NDArray[np.float64], float]:
+    """Per-element variance of one QSGD decoding, and the Alistarh bound summed over buckets."""
+    var = np.zeros(v.size)
+    bound = 0.0
+    for b in range(0, v.size, d):
+        vb = v[b : b + d].astype(np.float64)
+        norm = float(np.linalg.norm(vb))
+        if norm == 0:
+            continue
+        r = s * np.abs(vb) / norm
+        p = r - np.floor(r)
+        var[b : b + d] = (norm / s) ** 2 * p * (1 - p)
+        bound += min(vb.size / s**2, math.sqrt(vb.size) / s) * norm**2
+    return var, bound
+
+
+@pytest.mark.parametrize(("levels", "bucket"), [(1, 64), (4, 64), (15, 50), (127, 64)])
+def test_qsgd_is_unbiased_with_bounded_variance(levels: int, bucket: int) -> None:
+    """N = 3000 independent decodings of a fixed vector of n = 200 elements (buckets of
+    ``bucket``, the last one partial) at s = ``levels``:
+
+    - every decoded value is sign(v_i) * ||v_bucket|| * l / s with an integer l in 0..s;
+    - the empirical mean of each element is within 5 standard errors (sqrt(Var_i / N), Var_i
+      from the exact two-point distribution) of v_i: unbiased;
+    - Var_i summed over a bucket is at most min(d / s^2, sqrt(d) / s) * ||v||^2 (Alistarh et
+      al., Lemma 3.1), and the empirical total squared error is within 10 % of that variance.
+    """
+    n_samples, n = 3000, 200
+    rng = np.random.default_rng(7)
+    v = (rng.standard_normal(n) * rng.uniform(0.1, 3, n)).astype(np.float32)
+    codec = QsgdCodec(levels, bucket, seed=11)
+    decoded = np.stack([codec.decode(codec.encode(v), n)[0] for _ in range(n_samples)])
+    # Levels: integers in 0..s of the bucket's unit norm/s, with v's sign.
+    for b in range(0, n, bucket):
+        unit = np.linalg.norm(v[b : b + bucket].astype(np.float64)) / levels
+        lv = decoded[:, b : b + bucket] / unit
+        assert np.allclose(lv, np.round(lv), atol=1e-4)
+        assert np.abs(lv).max() <= levels + 1e-4
+        assert np.all(decoded[:, b : b + bucket] * v[b : b + bucket] >= 0)
+    var, bound = _qsgd_exact_variance(v, levels, bucket)
+    assert var.sum() <= bound
+    stderr = np.sqrt(var / n_samples)
+    bias = np.abs(decoded.mean(axis=0, dtype=np.float64) - v)
+    assert np.all(bias <= 5 * stderr + 1e-6 * np.abs(v).max())
+    empirical = ((decoded - v) ** 2).sum(axis=1).mean()
+    assert abs(empirical - var.sum()) <= 0.1 * var.sum()
+
+
+def test_qsgd_special_inputs() -> None:
+    codec = QsgdCodec(7, 4, seed=0)
+    zeros, _ = codec.decode(codec.encode(np.zeros(10, np.float32)), 10)
+    np.testing.assert_array_equal(zeros, 0)
+    one_hot = np.array([0, 0, -3, 0], np.float32)  # a single element is its bucket's norm
+    np.testing.assert_array_equal(codec.decode(codec.encode(one_hot), 4)[0], one_hot)
+    for bad in (np.nan, np.inf, 1e30):
+        with pytest.raises(LocalProtocolError, match="NaN, inf"):
+            codec.encode(np.array([1, bad], np.float32))
+    a, b = QsgdCodec(seed=5), QsgdCodec(seed=5)
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert a.encode(x) == b.encode(x)  # seeded: reproducible
+
+
+def _qsgd_frame(bucket: int, levels: int, norms: list[float], stream: bytes) -> bytes:
+    return struct.pack("<II", bucket, levels) + struct.pack(f"<{len(norms)}f", *norms) + stream
+
+
+def test_qsgd_decode_layout_and_bad_bytes() -> None:
+    # s = 5 -> 4-bit codes (level << 1 | sign), element i in bits [4i, 4i + 4): LSB first.
+    # Codes: +5 (0xA), -1 (0x3), 0 (0x0) -> bytes 0x3A, 0x00.
+    good = _qsgd_frame(4, 5, [10.0], bytes([0x3A, 0x00]))
+    out, used = QsgdCodec().decode(good, 3)
+    assert used == len(good) == 8 + 4 + 2
+    np.testing.assert_allclose(out, [10.0, -2.0, 0.0])
+    bad = {
+        "bucket 0": _qsgd_frame(0, 5, [], b""),
+        "levels 128": _qsgd_frame(4, 128, [1.0], bytes(3)),
+        "finite and non-negative": _qsgd_frame(4, 5, [-1.0], bytes(2)),
+        "level above s=5": _qsgd_frame(4, 5, [1.0], bytes([0x0C, 0x00])),  # level 6
+        "needs 14 bytes": good[:-1],
+        "header needs 8": b"\x01\x02",
+    }
+    for problem, data in bad.items():
+        with pytest.raises(FdtcProtocolError, match=problem):
+            QsgdCodec().decode(data, 3)
+    nan_norm = _qsgd_frame(4, 5, [float("nan")], bytes(2))
+    with pytest.raises(FdtcProtocolError, match="finite"):
+        QsgdCodec().decode(nan_norm, 3)
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_serialize_deserialize_a_data_section(compression: Compression) -> None:
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((3, 4), (70000,), (1,), (0,))]
+    numels = [a.size for a in arrays]
+    data = serialize_tensors(arrays, compression, topk_ratio=1.0, seed=0)
+    assert len(data) == sum(
+        estimate_compressed_size(n, compression, topk_ratio=1.0) for n in numels
+    )
+    out = deserialize_tensors(data, numels, compression)
+    assert [o.size for o in out] == numels
+    if compression in (Compression.NONE, Compression.TOPK):  # TOPK at ratio 1 keeps all
+        for a, o in zip(arrays, out, strict=True):
+            np.testing.assert_array_equal(o, a.reshape(-1))
+    with pytest.raises(FdtcProtocolError, match="1 bytes left over"):
+        deserialize_tensors(data + b"\0", numels, compression)
+    with pytest.raises(FdtcProtocolError, match="tensor 1 of 4"):
+        deserialize_tensors(data[: len(data) // 2], numels, compression)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 100), st.sampled_from(list(Compression)))
+def test_decoders_on_any_bytes_give_a_tensor_or_a_clean_error(
+    data: bytes, numel: int, compression: Compression
+) -> None:
+    try:
+        out, used = get_codec(compression).decode(data, numel)
+    except FdtcProtocolError:
+        return
+    assert out.shape == (numel,) and used <= len(data)
+
+
+# ---------------------------------------------------------------------------- error feedback
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [NoneCodec(), Fp16Codec(), TopKCodec(0.05), QsgdCodec(3, 16, seed=2)],
+    ids=repr,
+)
+def test_error_feedback_loses_nothing(codec: Codec) -> None:
+    """sum over steps of what was sent (decoded) + the residual == sum of the gradients."""
+    rng = np.random.default_rng(4)
+    shapes = {"blk.0.attn_q.weight": (16, 16), "output_norm.weight": (40,)}
+    feedback = ErrorFeedback(codec)
+    inputs = {k: np.zeros(s, np.float64).reshape(-1) for k, s in shapes.items()}
+    sent = {k: np.zeros(s, np.float64).reshape(-1) for k, s in shapes.items()}
+    for _ in range(12):
+        for name, shape in shapes.items():
+            g = rng.standard_normal(shape).astype(np.float32)
+            data = feedback.compress(name, g)
+            inputs[name] += g.reshape(-1)
+            sent[name] += codec.decode(data, g.size)[0]
+    for name in shapes:
+        residual = feedback.residual(name)
+        assert residual is not None
+        np.testing.assert_allclose(sent[name] + residual, inputs[name], rtol=0, atol=1e-4)
+        if not codec.lossy:
+            assert not residual.any()
+    with pytest.raises(LocalProtocolError, match="call reset"):
+        feedback.compress("output_norm.weight", np.zeros(41, np.float32))
+    feedback.reset("output_norm.weight")
+    assert feedback.residual("output_norm.weight") is None
+    feedback.compress("output_norm.weight", np.zeros(41, np.float32))
+    feedback.reset()
+    assert feedback.residual("blk.0.attn_q.weight") is None

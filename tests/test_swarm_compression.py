@@ -1,0 +1,88 @@
+"""Gradient compression end to end: the same rounds with each codec, real processes on loopback.
+
+Measured here (100 rounds, 2 workers, tiny preset, validation loss): none 2.070, fp16 2.072,
+qsgd 2.087, topk 1% 2.951. FP16 and QSGD stay within 2% of uncompressed training. TOPK at 1%
+with error feedback does not: under AdamW a coordinate's residual arrives as a rare burst that
+the per-coordinate normalisation shrinks to about one step's worth (docs/architecture.md,
+"Compression"); it still learns, and sends 66x fewer gradient bytes.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+from procs import coordinator, worker
+
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.config import preset
+from foundry.model.data import load_corpus
+from foundry.model.training import evaluate_loss
+from foundry.model.transformer import init_params
+
+ROUNDS = 100
+
+
+def train(tmp: Path, compression: str) -> tuple[float, float]:
+    """Validation loss after ROUNDS rounds and the gradient bytes the coordinator received."""
+    run = tmp / compression
+    run.mkdir()
+    coord, port, _ = coordinator(
+        run, "--max-steps", str(ROUNDS), "--compression", compression, "--min-workers", "2",
+        "--checkpoint-every", "1000", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+    )
+    metrics_port = int(coord.wait_for(r"metrics :(\d+)").group(1))
+    workers = [worker(run, port, f"w{i}") for i in range(2)]
+    try:
+        coord.wait_for(rf"training done at step {ROUNDS}", within_s=240)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+            text = r.read().decode()
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+    grad_bytes = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("foundry_swarm_gradient_bytes_total{")
+        and f'compression="{compression}"' in line
+    )
+    state = load_checkpoint(latest_checkpoint(run / "ckpt"))  # type: ignore[arg-type]
+    assert state.step == ROUNDS
+    return evaluate_loss(state.params, state.config, load_corpus(None), 64, 8), grad_bytes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[float, float]]:
+    tmp = tmp_path_factory.mktemp("compression")
+    return {c: train(tmp, c) for c in ("none", "fp16", "topk", "qsgd")}
+
+
+@pytest.mark.parametrize("compression", ["fp16", "qsgd"])
+def test_lossy_codecs_train_within_two_percent_of_none(
+    runs: dict[str, tuple[float, float]], compression: str
+) -> None:
+    base, _ = runs["none"]
+    loss, _ = runs[compression]
+    assert loss <= base * 1.02, f"{compression} {loss:.4f} vs none {base:.4f}"
+
+
+def test_topk_sends_sixty_times_fewer_bytes_and_still_learns(
+    runs: dict[str, tuple[float, float]],
+) -> None:
+    base_loss, base_bytes = runs["none"]
+    loss, sent = runs["topk"]
+    assert base_bytes / sent >= 60, f"only {base_bytes / sent:.1f}x fewer gradient bytes"
+    cfg = preset("tiny")
+    untrained = evaluate_loss(init_params(cfg, 0), cfg, load_corpus(None), 64, 8)
+    # It learns: at least two thirds of the way from the untrained loss to uncompressed training.
+    assert loss <= untrained - (2 / 3) * (untrained - base_loss), (
+        f"topk {loss:.3f}, untrained {untrained:.3f}, none {base_loss:.3f}"
+    )
+
+
+def test_fp16_halves_and_qsgd_quarters_the_bytes(runs: dict[str, tuple[float, float]]) -> None:
+    _, base = runs["none"]
+    assert runs["fp16"][1] == pytest.approx(base / 2, rel=0.01)
+    assert base / runs["qsgd"][1] >= 3.9

@@ -1,0 +1,204 @@
+"""The swarm with real processes on loopback: exactness, faults, refusals, bad bytes."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import Service, coordinator, worker
+
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.config import preset
+from foundry.model.data import load_corpus
+from foundry.model.training import Trainer, TrainSettings
+from foundry.model.transformer import init_params
+from foundry.wire import fdtc
+
+
+def admin(port: int, msg: fdtc.Message, timeout_s: float = 10.0) -> fdtc.Message:
+    """One request on the admin link, answered by one message."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        s.sendall(fdtc.encode(msg))
+        dec = fdtc.FdtcDecoder()
+        while True:
+            data = s.recv(65536)
+            assert data, "admin link closed without an answer"
+            dec.feed(data)
+            got = dec.next_message()
+            if got is not None:
+                return got
+
+
+def status(port: int) -> fdtc.SwarmStatus:
+    got = admin(port, fdtc.StatusReq())
+    assert isinstance(got, fdtc.SwarmStatus)
+    return got
+
+
+def wait_step(port: int, step: int, within_s: float) -> fdtc.SwarmStatus:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        st = status(port)
+        if st.global_step >= step:
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {within_s}s: {status(port)}")
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_n_workers_give_the_weights_of_one_process(tmp_path: Path, n_workers: int) -> None:
+    steps, batch = 20, 12
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", str(steps), "--global-batch", str(batch),
+        "--checkpoint-every", "100", "--min-workers", str(n_workers),
+    )
+    workers = [worker(tmp_path, port, f"w{i}") for i in range(n_workers)]
+    try:
+        coord.wait_for(r"training done at step 20", within_s=120)
+        # every round used all the workers: the global batch really was split
+        assert "from 1 workers" not in coord.text()
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    assert ckpt is not None
+    swarm = load_checkpoint(ckpt)
+    assert swarm.step == steps
+
+    cfg = preset("tiny")
+    settings = TrainSettings(global_batch=batch, total_steps=steps)
+    single = Trainer(cfg, settings, init_params(cfg, 0))
+    corpus = load_corpus(None)
+    for _ in range(steps):
+        single.train_step(corpus)
+    assert swarm.data_position == single.position
+    worst = max(
+        float(np.max(np.abs(swarm.params[k] - single.params[k]))) for k in single.params
+    )
+    assert worst <= 1e-6, f"max abs weight difference {worst:.3g} after {steps} steps"
+
+
+def test_killed_worker_is_dropped_and_training_goes_on(tmp_path: Path) -> None:
+    coord, port, admin_port = coordinator(
+        tmp_path, "--max-steps", "100000", "--global-batch", "8", "--min-workers", "1"
+    )
+    a = worker(tmp_path, port, "alive")
+    b = worker(tmp_path, port, "doomed")
+    try:
+        wait_step(admin_port, 3, 60)
+        deadline = time.monotonic() + 30
+        while len(status(admin_port).rows) < 2:
+            assert time.monotonic() < deadline, "second worker never registered"
+            time.sleep(0.1)
+        before = status(admin_port).global_step
+        t_kill = time.monotonic()
+        b.kill()
+        # EOF drops it at once; the swarm keeps stepping with the other worker
+        st = wait_step(admin_port, before + 5, 30)
+        assert [r.worker_id for r in st.rows] == ["alive"]
+        assert time.monotonic() - t_kill < 20
+        steps = [status(admin_port).global_step for _ in range(5)]
+        assert steps == sorted(steps), "the global step went back"
+        assert a.alive() and coord.alive(), "no other process may restart or die"
+        assert a.pid == a.proc.pid
+    finally:
+        a.stop()
+        coord.stop()
+
+
+def test_coordinator_restart_resumes_and_workers_reconnect(tmp_path: Path) -> None:
+    args = ("--max-steps", "100000", "--global-batch", "8", "--checkpoint-every", "5")
+    coord, port, admin_port = coordinator(tmp_path, *args)
+    w = worker(tmp_path, port, "w0")
+    try:
+        wait_step(admin_port, 11, 60)
+        coord.kill()
+        saved = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        assert saved.step >= 10
+        # same ports again, so the worker finds it by itself
+        coord = Service(
+            ["coordinator", "--listen", f"127.0.0.1:{port}", "--admin-listen",
+             f"127.0.0.1:{admin_port}", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
+            tmp_path / "coordinator2.log",
+        )
+        coord.wait_for(rf"resumed from .* at step {saved.step}")
+        first = wait_step(admin_port, saved.step, 30)
+        assert first.global_step >= saved.step, "the step went back after the restart"
+        wait_step(admin_port, saved.step + 3, 60)
+        assert w.alive(), "the worker must survive the coordinator's restart"
+        assert "reconnecting" in w.text() or "unreachable" in w.text()
+    finally:
+        w.stop()
+        coord.stop()
+
+
+def test_worker_with_other_data_is_refused_with_the_reason(tmp_path: Path) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text("not the swarm's corpus " * 200)
+    coord, port, _ = coordinator(tmp_path, "--max-steps", "5")
+    try:
+        with worker(tmp_path, port, "stranger", "--data", str(other)) as w:
+            assert w.proc.wait(timeout=60) == 2
+            assert "differs from the swarm's" in w.text()
+            assert "--data" in w.text()
+        assert coord.alive()
+    finally:
+        coord.stop()
+
+
+def test_silent_worker_is_dropped_within_three_seconds(tmp_path: Path) -> None:
+    coord, port, admin_port = coordinator(tmp_path, "--max-steps", "100000", "--wait-for-start")
+    try:
+        corpus = load_corpus(None)
+        fp = corpus.fingerprint
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(
+                fdtc.encode(fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)))
+                + fdtc.encode(fdtc.Register("mute", fdtc.PROTOCOL_VERSION,
+                                            fdtc.HardwareProfile.LAPTOP_MID, 4, 8000, 8))
+            )
+            t0 = time.monotonic()
+            while not status(admin_port).rows:
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.05)
+            while status(admin_port).rows:
+                assert time.monotonic() - t0 < 3.5, "silent worker still listed"
+                time.sleep(0.05)
+        assert "heartbeat timeout" in coord.text()
+    finally:
+        coord.stop()
+
+
+def test_bad_bytes_on_both_ports_never_stop_the_service(tmp_path: Path) -> None:
+    coord, port, admin_port = coordinator(tmp_path, "--max-steps", "100000")
+    w = worker(tmp_path, port, "good")
+    rng = np.random.default_rng(7)
+    garbage = [
+        b"GARBAGE!" * 4,
+        bytes.fromhex("43544446") + b"\x01" + (85).to_bytes(4, "little") + b"\x00" * 10,
+        bytes.fromhex("43544446") + b"\x01" + (2**31).to_bytes(4, "little"),
+        bytes.fromhex("43544446") + b"\x77" + bytes(4),
+        bytes.fromhex("43544446") + b"\x01" + (3).to_bytes(4, "little") + b"abc",
+        *[rng.bytes(int(rng.integers(1, 300))) for _ in range(40)],
+    ]
+    try:
+        wait_step(admin_port, 2, 60)
+        for target in (port, admin_port):
+            for blob in garbage:
+                with socket.create_connection(("127.0.0.1", target), timeout=5) as s:
+                    s.sendall(blob)
+                    s.shutdown(socket.SHUT_WR)
+                    s.settimeout(5)
+                    while s.recv(4096):
+                        pass  # the service answers (ERROR) and closes, or just closes
+        before = status(admin_port).global_step
+        wait_step(admin_port, before + 3, 30)  # the good worker is still being served
+        assert coord.alive() and w.alive()
+        assert [r.worker_id for r in status(admin_port).rows] == ["good"]
+    finally:
+        w.stop()
+        coord.stop()
