@@ -12,6 +12,7 @@ from pathlib import Path
 from foundry.commands.common import add_metrics_flag, host_port, start_metrics
 from foundry.model.config import PRESETS, preset
 from foundry.model.training import TrainSettings
+from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.wire.fdtc import Compression
 
 log = logging.getLogger("foundry")
@@ -52,6 +53,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--no-rebalance", action="store_true",
                    help="split every round equally instead of by measured throughput")
     c.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    c.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
+                   help="write a Chrome trace of every round (wait, apply, checkpoint); join "
+                   "it with the workers' ones with `foundry timeline merge`")
     add_metrics_flag(c)
     c.set_defaults(func=run_coordinator)
 
@@ -69,6 +73,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--data", type=Path, default=None,
                    help="this machine's copy of the training data (default: bundled docs)")
     w.add_argument("--slowdown", type=float, default=1.0, help=argparse.SUPPRESS)
+    w.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
+                   help="write a Chrome trace of this worker's rounds (compute, compress, send, "
+                   "wait)")
     add_metrics_flag(w)
     w.set_defaults(func=run_worker)
 
@@ -123,7 +130,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     )
 
     async def main() -> int:
-        coordinator = Coordinator(options, corpus)
+        coordinator = Coordinator(options, corpus, timeline)
         await coordinator.start()
         metrics = start_metrics(args, coordinator.metrics.registry)
         print(
@@ -141,7 +148,15 @@ def run_coordinator(args: argparse.Namespace) -> int:
                 metrics.close()
         return 0
 
-    return asyncio.run(main())
+    try:
+        timeline = Timeline(args.timeline, "coordinator", tid=ROUNDS_TID, thread="rounds")
+    except OSError as exc:
+        print(f"error: cannot write --timeline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(main())
+    finally:
+        timeline.close()
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -163,7 +178,7 @@ def run_worker(args: argparse.Namespace) -> int:
     )
 
     async def main() -> int:
-        worker = Worker(options, corpus)
+        worker = Worker(options, corpus, timeline)
         metrics = start_metrics(args, worker.metrics.registry)
         if metrics:
             print(f"worker {options.worker_id}: metrics :{metrics.port}", flush=True)
@@ -177,7 +192,15 @@ def run_worker(args: argparse.Namespace) -> int:
             if metrics:
                 metrics.close()
 
-    return asyncio.run(main())
+    try:
+        timeline = Timeline(args.timeline, "worker", thread=options.worker_id)
+    except OSError as exc:
+        print(f"error: cannot write --timeline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(main())
+    finally:
+        timeline.close()
 
 
 def run_export(args: argparse.Namespace) -> int:

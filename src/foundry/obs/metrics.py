@@ -36,6 +36,10 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+# Why the coordinator drops a worker (``Coordinator._drop``).
+SWARM_DROP_REASONS = ("disconnected", "heartbeat timeout", "replaced", "deregistered")
+
+
 class SwarmMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -115,6 +119,14 @@ class SwarmMetrics:
             ["link"],
             registry=r,
         )
+        # Every label value exists from the start, so "none yet" reads 0 on a dashboard, not
+        # "no data".
+        for reason in SWARM_DROP_REASONS:
+            self.workers_dropped.labels(reason)
+        for outcome in ("closed", "abandoned"):
+            self.rounds.labels(outcome)
+        for link in ("worker", "admin"):
+            self.protocol_errors.labels(link)
 
 
 class WorkerMetrics:
@@ -144,6 +156,15 @@ class WorkerMetrics:
         self.gradient_bytes = Counter(
             "foundry_worker_gradient_bytes_total", "Gradient bytes sent.", registry=r
         )
+        self.info = Gauge(
+            "foundry_worker_info",
+            "Always 1; its labels name the worker, so dashboards can join its other series "
+            "(which carry only the scrape target) to the worker id.",
+            ["worker", "profile"],
+            registry=r,
+        )
+        for phase in ("compute", "compress", "send"):
+            self.phase_duration.labels(phase)
 
 
 # A gateway call: a status read (a millisecond) to a long generation or export (minutes).
@@ -186,6 +207,13 @@ class GatewayMetrics:
 TP_OUTCOMES = (
     "max_tokens", "eos", "stop_string", "cancelled", "context_full",
     "bad_request", "unavailable", "overloaded", "internal",
+)  # fmt: skip
+
+
+# Pair failures (``foundry.tp``): a refused bring-up (handshake, identity, busy) or a pair lost
+# (hangup, hash, gate, protocol, lockstep, control).
+TP_FAILURE_KINDS = (
+    "handshake", "identity", "busy", "hangup", "hash", "gate", "protocol", "lockstep", "control",
 )  # fmt: skip
 
 
@@ -273,3 +301,9 @@ class TpMetrics:
             self.tokens.labels(phase)
         for outcome in TP_OUTCOMES:
             self.requests.labels(outcome)
+        for result in ("match", "mismatch"):
+            self.hash_checks.labels(result)
+        for mode in ("commit_full", "commit_prefix", "rollback_replay"):
+            self.spec_commits.labels(mode)
+        for kind in TP_FAILURE_KINDS:
+            self.failures.labels(kind)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import statistics
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from foundry.model.gguf_io import load_gguf, save_gguf
 from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
+from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
 from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout, StreamClosed
 from foundry.wire import fdtc
@@ -60,6 +62,11 @@ REGISTER_TIMEOUT_S = 10.0
 # Validation loss every this many steps (a few forward passes; cheap next to a round).
 VALIDATE_EVERY = 25
 VALIDATION_BATCHES = 4
+# Shares are balanced so that reports arrive together: a round still waiting this many times the
+# median report time is waiting on stragglers, and the log names them ...
+LATE_FACTOR = 1.5
+# ... once it has waited at least this long after the first report (less is scheduling jitter).
+LATE_MIN_WAIT_S = 0.05
 
 
 class SwarmState(enum.IntEnum):
@@ -126,13 +133,22 @@ class Round:
     )
     first_report_at: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    report_at: dict[str, float] = field(default_factory=dict)  # worker -> monotonic time
+    started_us: int = field(default_factory=now_us)  # wall clock, for the timeline
+
+    def wall_us(self, t: float) -> int:
+        """The wall-clock microseconds of monotonic time ``t`` (timeline timestamps)."""
+        return self.started_us + round((t - self.started) * 1e6)
 
 
 class Coordinator:
-    def __init__(self, options: CoordinatorOptions, corpus: Corpus) -> None:
+    def __init__(
+        self, options: CoordinatorOptions, corpus: Corpus, timeline: Timeline | None = None
+    ) -> None:
         self.opt = options
         self.corpus = corpus
         self.metrics = SwarmMetrics()
+        self.timeline = timeline or Timeline(None, "coordinator")
         self.members: dict[str, Member] = {}
         self.state = SwarmState.WAITING
         self.round: Round | None = None
@@ -462,8 +478,9 @@ class Coordinator:
         n = rnd.shares.get(m.worker_id, m.micro_batch * m.accumulation_steps)
         rnd.reported[m.worker_id] = n
         rnd.grads.append((m.worker_id, n, tensors, m.loss))
+        rnd.report_at[m.worker_id] = time.monotonic()
         if rnd.first_report_at is None:
-            rnd.first_report_at = time.monotonic()
+            rnd.first_report_at = rnd.report_at[m.worker_id]
         m.busy = False
         rnd.changed.set()
         await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
@@ -500,9 +517,9 @@ class Coordinator:
 
     async def _round_loop(self) -> None:
         while not self._stopping.is_set():
-            if self.state is not SwarmState.TRAINING or (
-                len(self._active_for_round()) < self.opt.min_workers
-            ):
+            # Seed-only workers count for membership: their gradients join whichever round
+            # is open when they arrive, even if no worker of ours is there to be assigned.
+            if self.state is not SwarmState.TRAINING or len(self.members) < self.opt.min_workers:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -550,6 +567,7 @@ class Coordinator:
         for res in results:
             if isinstance(res, BaseException):
                 log.info("could not send an assignment: %s", res)
+        warned = False
         while True:
             decision = policy.round_decision(
                 now=time.monotonic(),
@@ -560,12 +578,24 @@ class Coordinator:
             )
             if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
                 break
+            wake = rnd.deadline
+            late_at = late_after(rnd.started, list(rnd.report_at.values()))
+            if late_at is not None and not warned:
+                if time.monotonic() >= late_at:
+                    self._warn_late(rnd)
+                    warned = True
+                else:
+                    wake = min(wake, late_at)
             rnd.changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    rnd.changed.wait(), max(0.0, rnd.deadline - time.monotonic())
-                )
+                await asyncio.wait_for(rnd.changed.wait(), max(0.0, wake - time.monotonic()))
         self.round = None
+        if rnd.first_report_at is not None:
+            self.timeline.span(
+                "wait", rnd.wall_us(rnd.first_report_at), step=rnd.step,
+                last=max(rnd.report_at, key=rnd.report_at.__getitem__),
+                missing=sorted(w for w in rnd.shares if w not in rnd.reported),
+            )
         for m in self.members.values():
             m.busy = False
         late = [w for w in rnd.shares if w not in rnd.reported]
@@ -582,6 +612,20 @@ class Coordinator:
                 "step %d abandoned: %d of %d samples reported by the deadline; re-running",
                 rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
             )
+        self.timeline.span(
+            "round", rnd.started_us, step=rnd.step, outcome=decision.name.lower(),
+            workers=len(rnd.reported),
+        )
+
+    def _warn_late(self, rnd: Round) -> None:
+        assert rnd.first_report_at is not None
+        median = statistics.median(t - rnd.started for t in rnd.report_at.values())
+        log.warning(
+            "step %d is waiting for %s: %.2fs after the first report; the median report "
+            "came %.2fs into the round",
+            rnd.step, ", ".join(sorted(w for w in rnd.shares if w not in rnd.reported)),
+            time.monotonic() - rnd.first_report_at, median,
+        )
 
     async def _assign(self, m: Member, assign: fdtc.Assign) -> None:
         if m.weights_step != self.step:
@@ -612,6 +656,7 @@ class Coordinator:
         self.metrics.learning_rate.set(lr)
         self.metrics.apply_duration.observe(time.monotonic() - t0)
         self.metrics.round_duration.observe(time.monotonic() - rnd.started)
+        self.timeline.span("apply", rnd.wall_us(t0), step=rnd.step, samples=n_samples)
         log.info(
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
             self.step, self.train_loss, n_samples, len(parts), elapsed, self.last_rate,
@@ -633,6 +678,7 @@ class Coordinator:
 
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
+        start_us = now_us()
         state = CheckpointState(
             config=self.opt.cfg,
             step=self.step,
@@ -645,6 +691,7 @@ class Coordinator:
         self.metrics.checkpoints.inc()
         self._checkpoint_step = state.step
         self.metrics.checkpoint_duration.observe(time.monotonic() - t0)
+        self.timeline.span("checkpoint", start_us, step=state.step)
         log.info("checkpoint %s written at step %d", path, self.step)
         return path
 
@@ -760,6 +807,18 @@ class Coordinator:
             samples_total=self.samples_total,
             rows=rows,
         )
+
+
+def late_after(started: float, report_times: list[float]) -> float | None:
+    """When a round that started at ``started`` is waiting on stragglers; None before a report.
+
+    ``LATE_FACTOR`` times the median report time so far, and no sooner than ``LATE_MIN_WAIT_S``
+    after the first report.
+    """
+    if not report_times:
+        return None
+    median = statistics.median(t - started for t in report_times)
+    return max(started + LATE_FACTOR * median, min(report_times) + LATE_MIN_WAIT_S)
 
 
 def clip(text: str, limit: int = fdtc.MAX_PATH - 1) -> str:

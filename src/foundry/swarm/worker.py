@@ -30,6 +30,7 @@ from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
 from foundry.model.training import GradientResult, Params, compute_gradients
 from foundry.obs.metrics import WorkerMetrics
+from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
 from foundry.wire import fdtc
@@ -67,10 +68,18 @@ class WorkerOptions:
 
 
 class Worker:
-    def __init__(self, options: WorkerOptions, corpus: Corpus) -> None:
+    def __init__(
+        self, options: WorkerOptions, corpus: Corpus, timeline: Timeline | None = None
+    ) -> None:
         self.opt = options
         self.corpus = corpus
         self.metrics = WorkerMetrics()
+        self.metrics.info.labels(
+            worker=options.worker_id,
+            profile=fdtc.profile_name(options.hardware.profile).lower(),
+        ).set(1)
+        self.timeline = timeline or Timeline(None, "worker")
+        self._idle_since_us: int | None = None  # end of the last send: the "wait" span starts
         self.cfg: ModelConfig | None = None
         self.aux_loss_coef = 0.0
         self.params: Params | None = None
@@ -218,6 +227,9 @@ class Worker:
                 self._load_weights(meta, msg)
                 meta = None
             elif isinstance(msg, fdtc.Assign):
+                if self._idle_since_us is not None:
+                    self.timeline.span("wait", self._idle_since_us, step=msg.global_step)
+                    self._idle_since_us = None
                 if self._compute is not None and not self._compute.done():
                     await self._stop_compute()
                 self._compute = asyncio.ensure_future(self._compute_and_send(stream, msg))
@@ -274,6 +286,7 @@ class Worker:
             await stream.send(fdtc.WeightsReq())
             return
         t0 = time.monotonic()
+        start_us = now_us()
         result: GradientResult = await asyncio.to_thread(
             compute_gradients,
             self.params,
@@ -290,9 +303,13 @@ class Worker:
             await asyncio.sleep(compute_s * (self.opt.slowdown - 1.0))
             compute_s *= self.opt.slowdown
         self.metrics.phase_duration.labels(phase="compute").observe(compute_s)
+        step = assign.global_step
+        self.timeline.span("compute", start_us, step=step, samples=assign.n_samples)
         t1 = time.monotonic()
+        start_us = now_us()
         data = await asyncio.to_thread(self._encode, result.grads)
         self.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
+        self.timeline.span("compress", start_us, step=step, bytes=len(data))
         self.last_loss = result.loss
         self.rate = assign.n_samples / compute_s if compute_s > 0 else 0.0
         self.samples_done += assign.n_samples
@@ -300,6 +317,7 @@ class Worker:
         self.metrics.samples_per_second.set(self.rate)
         self.metrics.loss.set(result.loss)
         t2 = time.monotonic()
+        start_us = now_us()
         await stream.send(
             fdtc.Gradients(
                 worker_id=self.opt.worker_id,
@@ -317,6 +335,8 @@ class Worker:
             ),
         )
         self.metrics.phase_duration.labels(phase="send").observe(time.monotonic() - t2)
+        self._idle_since_us = now_us()
+        self.timeline.span("send", start_us, self._idle_since_us, step=step, bytes=len(data))
         self.metrics.gradient_bytes.inc(len(data))
 
     def _encode(self, grads: Params) -> bytes:

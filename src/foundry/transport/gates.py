@@ -79,9 +79,11 @@ DEFAULT_GATE_TIMEOUT_S = 1.0
 # Shared-memory waits spin this many polls (tens of microseconds) before yielding the CPU:
 # a decode gate's peer usually arrives within that.
 SHM_SPIN_POLLS = 200
-# Then sleep, doubling from the first to the last value: a stalled peer costs little CPU.
+# Then sleep, doubling from the first to the last value. The peer computes on another core, so
+# a nap is pure added latency per gate: 1 ms naps made the slab slower than TCP inside the
+# pair (bench/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
 SHM_SLEEP_FIRST_S = 20e-6
-SHM_SLEEP_MAX_S = 1e-3
+SHM_SLEEP_MAX_S = 100e-6
 
 # TCP waits retry the socket for this long before sleeping in poll(): the peer's partial of a
 # decode gate is usually tens of microseconds away, and a core that goes idle (a halted vCPU

@@ -1,0 +1,231 @@
+"""Swarm training throughput against single-process training, measured in one run.
+
+Prints, on loopback:
+
+1. samples/s of single-process training (the baseline), then of the swarm with 1 and with N
+   workers (default 2), as ratios to the baseline, and the coordinator's share of a round
+   (aggregate + AdamW + weights out) — targets: N=2 workers >= 1.6x one process on a 2-core
+   machine, coordinator time <= 10% of a round;
+2. heterogeneity: one worker slowed 3x (``--slowdown``), the cluster's samples/s over the sum
+   of each worker's standalone samples/s, with throughput re-balancing and with equal splits —
+   target >= 0.85 with re-balancing;
+3. gradient and weight bytes per round for each compression, from the coordinator's counters.
+
+Every process gets one BLAS thread. ``--workers 8`` is the scale run for a many-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from foundry.model.config import preset
+from foundry.model.data import load_corpus
+from foundry.model.training import Trainer, TrainSettings
+from foundry.model.transformer import init_params, retain_freed_memory
+from foundry.wire import fdtc
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self.out = log.open("wb")
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "foundry", *args], stdout=self.out, stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+
+    def wait_for(self, pattern: str, within_s: float = 60) -> re.Match[str]:
+        end = time.monotonic() + within_s
+        while time.monotonic() < end:
+            m = re.search(pattern, self.log.read_text(errors="replace"))
+            if m:
+                return m
+            if self.p.poll() is not None:
+                raise SystemExit(f"process exited: {self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+        raise SystemExit(f"timed out waiting for /{pattern}/ in {self.log}")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.out.close()
+
+
+def admin_status(port: int) -> fdtc.SwarmStatus:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(fdtc.encode(fdtc.StatusReq()))
+        dec = fdtc.FdtcDecoder()
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                raise SystemExit("admin link closed")
+            dec.feed(data)
+            msg = dec.next_message()
+            if msg is not None:
+                assert isinstance(msg, fdtc.SwarmStatus)
+                return msg
+
+
+def metric(port: int, name: str, label: str = "") -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not label or label in line):
+            head = line.split(" ")[0]
+            if head == name or head.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_swarm(
+    work: Path, args: argparse.Namespace, slowdowns: list[float], *, rebalance: bool = True,
+    compression: str = "none", steps: int | None = None,
+) -> dict[str, float]:
+    """Start a coordinator and len(slowdowns) workers; measure steady-state rounds."""
+    work.mkdir(parents=True)
+    n_steps = steps or args.steps
+    total = args.warmup + n_steps
+    coord = Proc(
+        ["coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+         "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+         "--checkpoint-dir", str(work / "ckpt"), "--preset", args.preset,
+         "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
+         "--max-steps", str(total + 1000), "--checkpoint-every", "100000",
+         "--min-workers", str(len(slowdowns)), "--compression", compression,
+         *([] if rebalance else ["--no-rebalance"])],
+        work / "coordinator.log",
+    )
+    m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+), metrics :(\d+)")
+    port, admin, mport = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    workers = [
+        Proc(["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", f"w{i}",
+              "--slowdown", str(s)], work / f"w{i}.log")
+        for i, s in enumerate(slowdowns)
+    ]
+    try:
+        def wait_step(step: int) -> tuple[float, fdtc.SwarmStatus]:
+            end = time.monotonic() + 600
+            while time.monotonic() < end:
+                st = admin_status(admin)
+                if st.global_step >= step:
+                    return time.monotonic(), st
+                time.sleep(0.02)
+            raise SystemExit(f"step {step} not reached; see {work}")
+
+        t0, s0 = wait_step(args.warmup)
+        apply0 = metric(mport, "foundry_swarm_apply_duration_seconds_sum")
+        round0 = metric(mport, "foundry_swarm_round_duration_seconds_sum")
+        grad0 = metric(mport, "foundry_swarm_gradient_bytes_total")
+        weight0 = metric(mport, "foundry_swarm_weight_bytes_total")
+        t1, s1 = wait_step(args.warmup + n_steps)
+        rounds = s1.global_step - s0.global_step
+        return {
+            "samples_per_s": (s1.samples_total - s0.samples_total) / (t1 - t0),
+            "coordinator_share": (metric(mport, "foundry_swarm_apply_duration_seconds_sum")
+                                  - apply0)
+            / max(1e-9, metric(mport, "foundry_swarm_round_duration_seconds_sum") - round0),
+            "grad_bytes_per_round": (metric(mport, "foundry_swarm_gradient_bytes_total") - grad0)
+            / rounds,
+            "weight_bytes_per_round": (metric(mport, "foundry_swarm_weight_bytes_total")
+                                       - weight0) / rounds,
+        }
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+
+
+def single_process(args: argparse.Namespace) -> float:
+    retain_freed_memory()
+    cfg = preset(args.preset)
+    settings = TrainSettings(global_batch=args.global_batch, seq_len=args.seq_len,
+                             total_steps=args.warmup + args.steps)
+    trainer = Trainer(cfg, settings, init_params(cfg, 0))
+    corpus = load_corpus(None)
+    for _ in range(args.warmup):
+        trainer.train_step(corpus, micro_batch=8)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.train_step(corpus, micro_batch=8)
+    return args.steps * args.global_batch / (time.perf_counter() - t0)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12, help="measured rounds per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="rounds before measuring")
+    ap.add_argument("--workers", type=int, default=2, help="workers of the scale run")
+    ap.add_argument("--skip-bytes", action="store_true", help="skip the compression table")
+    args = ap.parse_args()
+    cores = os.cpu_count() or 1
+    print(f"# swarm bench: preset {args.preset}, global batch {args.global_batch}x{args.seq_len},"
+          f" {args.steps} measured rounds, {cores} cores", flush=True)
+    with tempfile.TemporaryDirectory(prefix="foundry-bench-") as tmp:
+        work = Path(tmp)
+        base = single_process(args)
+        print(f"single process           {base:8.1f} samples/s  (baseline)", flush=True)
+        one = run_swarm(work / "one", args, [1.0])
+        print(f"swarm, 1 worker          {one['samples_per_s']:8.1f} samples/s  "
+              f"{one['samples_per_s'] / base:5.2f}x  coordinator "
+              f"{100 * one['coordinator_share']:4.1f}% of a round", flush=True)
+        many = run_swarm(work / "many", args, [1.0] * args.workers)
+        ratio = many["samples_per_s"] / base
+        target = 1.6 if args.workers == 2 else 0.8 * min(args.workers, cores - 1)
+        print(f"swarm, {args.workers} workers         {many['samples_per_s']:8.1f} samples/s  "
+              f"{ratio:5.2f}x  coordinator {100 * many['coordinator_share']:4.1f}% of a round"
+              f"   [{verdict(ratio >= target)} >= {target:.1f}x; "
+              f"{verdict(many['coordinator_share'] <= 0.10)} coordinator <= 10%]", flush=True)
+
+        slow = run_swarm(work / "slow-alone", args, [3.0])
+        fast = one["samples_per_s"]
+        standalone = fast + slow["samples_per_s"]
+        balanced = run_swarm(work / "hetero", args, [1.0, 3.0])
+        equal = run_swarm(work / "hetero-equal", args, [1.0, 3.0], rebalance=False)
+        eff = balanced["samples_per_s"] / standalone
+        print(f"heterogeneous (one worker 3x slower): standalone {fast:.1f} + "
+              f"{slow['samples_per_s']:.1f} = {standalone:.1f} samples/s", flush=True)
+        print(f"  re-balanced by throughput {balanced['samples_per_s']:8.1f} samples/s  "
+              f"{eff:5.2f} of the sum   [{verdict(eff >= 0.85)} >= 0.85]", flush=True)
+        print(f"  equal splits              {equal['samples_per_s']:8.1f} samples/s  "
+              f"{equal['samples_per_s'] / standalone:5.2f} of the sum", flush=True)
+
+        if not args.skip_bytes:
+            print("bytes per round, 2 workers (gradients up, weights down):", flush=True)
+            for comp in ("none", "fp16", "topk", "qsgd"):
+                r = run_swarm(work / f"bytes-{comp}", args, [1.0, 1.0], compression=comp,
+                              steps=4)
+                print(f"  {comp:5s} gradients {r['grad_bytes_per_round']:12,.0f}  "
+                      f"weights {r['weight_bytes_per_round']:12,.0f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

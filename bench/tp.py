@@ -1,0 +1,400 @@
+"""The tensor-parallel pair against one process, measured in one run.
+
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp.py [--preset bench|small] [--tokens 64]
+
+1. Decode tokens/s of one process (a world-1 ``Engine``, one BLAS thread, pinned to core A)
+   against the pair (leader in this process pinned to core A, worker a process pinned to core
+   B, one BLAS thread each), greedy, speculative decoding off. Target: the pair at least 1.6x.
+   The pair's tokens must equal the single process's.
+2. Gate exchange p50/p99 inside the pair (every gate of the decode run, over shared memory and
+   over TCP) against a raw ping-pong of the same bytes (tag + one row of n_embd float32) over
+   plain blocking sockets between the same two cores. Target: the TCP gate's p50 at most 2x
+   the raw p50. A gate inside the pair also waits for the slower rank to reach it, so the ATTN
+   gates (equal work on both ranks) are shown apart from the FFN gates (the router may send
+   both of a token's experts to one rank).
+3. Bytes per decoded token on the wire, per rank and direction, against the formula: 2 gates x
+   n_layer x (20-byte tag + 4 n_embd bytes), plus the control frames (EVAL from the leader, the
+   worker's LOGITS half: 28-byte header + 4 + 4 n_vocab/2 bytes).
+4. Speculative decoding's speed-up on repetitive text (full-prefix mode against off, same
+   prompt, twice as many tokens, identical output required).
+
+The ``bench`` preset (~1.7 GB of float32 weights: decode is bound by memory bandwidth) is
+built in memory from a seeded normal * 0.02 and written to /tmp once (reused afterwards);
+``--preset small`` is a quick run. Prints PASS/FAIL per target; exit status 1 on a FAIL.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from tp_gates import cores, pin, raw_exchange
+
+from foundry.model.config import PRESETS, ModelConfig
+from foundry.model.data import encode
+from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.inference import Engine
+from foundry.model.sampling import sample
+from foundry.tp.blas import limit_blas_threads
+from foundry.tp.leader import Leader, LeaderOptions
+from foundry.tp.policy import SpecMode
+from foundry.tp.worker import Worker, WorkerOptions
+from foundry.wire import frontend as fw
+from foundry.wire.tp import GATE_HEADER_SIZE, Gate
+
+SPEEDUP_TARGET = 1.6
+GATE_TARGET = 2.0
+PROMPT = "Tensor parallel decoding splits every layer in two halves. "
+REPETITIVE = "for i in range(10):\n    print(i)\n" * 6
+STARTUP_S = 120.0
+RAW_ITERS, RAW_WARMUP = 3000, 300
+WORKER_STOP_S = 30.0
+
+
+def build_model(cfg: ModelConfig, path: Path, seed: int) -> float:
+    """Write a random model (seeded normal * 0.02, norms 1) unless the file is already there."""
+    if path.exists():
+        try:
+            if load_gguf(path, select=lambda n, v: None).cfg == cfg:
+                return 0.0
+        except ValueError:
+            pass
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in cfg.param_shapes().items():
+        if name.endswith("norm.weight"):
+            params[name] = np.ones(shape, np.float32)
+        else:
+            w = rng.standard_normal(shape, dtype=np.float32)
+            w *= np.float32(0.02)
+            params[name] = w
+    save_gguf(path, cfg, params)
+    return time.perf_counter() - t0
+
+
+def single_process(model: Path, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decode in one process: the tokens and the decode tokens/s (after the prompt)."""
+    m = load_gguf(model)
+    engine = Engine(m.cfg, m.params)
+    s = engine.new_session()
+    logits = engine.decode(s, prompt)[-1]
+    out = [sample(logits, 0.0)]
+    t0 = time.perf_counter()
+    while len(out) < n:
+        out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
+    return out, (n - 1) / (time.perf_counter() - t0)
+
+
+class InProcessLeader:
+    def __init__(self, options: LeaderOptions) -> None:
+        self.leader = Leader(options)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(STARTUP_S):
+            raise SystemExit("the leader did not start")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            await self.leader.start()
+            self._ready.set()
+            try:
+                await self.leader.wait_stopped()
+            finally:
+                await self.leader.close()
+
+        asyncio.run(main())
+
+    def stop(self) -> None:
+        self.leader.request_stop()
+        self._thread.join(30)
+
+
+def worker_main(model: str, port: int, core: int | None, shm: bool, trace: str) -> None:
+    """The worker rank (a spawned process): pinned, one BLAS thread; on SIGTERM it stops and
+    saves its gate times (gate, seconds) to ``trace``, in the pair's gate order."""
+    pin(core)
+    limit_blas_threads(1)
+    times: list[tuple[int, float]] = []
+    worker = Worker(WorkerOptions(model=Path(model), leader_port=port, shm=shm, retry_max_s=0.2))
+    record = worker._on_gate
+
+    def on_gate(gate: Gate, seconds: float, nbytes: int) -> None:
+        times.append((int(gate), seconds))
+        record(gate, seconds, nbytes)
+
+    worker._on_gate = on_gate  # type: ignore[method-assign]
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    worker.run()
+    np.save(trace, np.asarray(times, dtype=np.float64).reshape(-1, 2))
+
+
+class WorkerProc:
+    def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path) -> None:
+        self.trace = trace
+        self.proc = mp.get_context("spawn").Process(
+            target=worker_main, args=(str(model), port, core, shm, str(trace))
+        )
+        self.proc.start()
+
+    def stop(self) -> list[tuple[Gate, float]]:
+        """Stop the worker; its gate times."""
+        self.proc.terminate()
+        self.proc.join(WORKER_STOP_S)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+            return []
+        return [(Gate(int(g)), float(t)) for g, t in np.load(self.trace)]
+
+
+def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
+    """Greedy generation over the frontend link: tokens and their arrival times."""
+    with socket.create_connection(("127.0.0.1", port), timeout=STARTUP_S) as s:
+        s.sendall(fw.encode(fw.Generate(1, prompt, n)))
+        decoder = fw.FrontendDecoder()
+        tokens: list[int] = []
+        times: list[float] = []
+        while True:
+            data = s.recv(65536)
+            if not data:
+                raise SystemExit("the leader closed the frontend link")
+            now = time.perf_counter()
+            decoder.feed(data)
+            while (frame := decoder.next_frame()) is not None:
+                if isinstance(frame, fw.Token):
+                    tokens.append(frame.token)
+                    times.append(now)
+                elif isinstance(frame, fw.Error):
+                    raise SystemExit(f"generation failed: {frame.message}")
+                elif isinstance(frame, fw.Done):
+                    return tokens, times
+
+
+def wait_paired(leader: Leader, shm: bool) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while not (leader.worker_connected and (leader.status().shared_memory == shm)):
+        if time.monotonic() > deadline:
+            raise SystemExit("the worker did not pair")
+        time.sleep(0.05)
+
+
+def rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def counters(leader: Leader) -> dict[str, float]:
+    m = leader.metrics
+    return {
+        "gate_sent": m.gate_bytes.labels("sent")._value.get(),
+        "gate_received": m.gate_bytes.labels("received")._value.get(),
+        "control_sent": m.control_bytes.labels("sent")._value.get(),
+        "control_received": m.control_bytes.labels("received")._value.get(),
+    }
+
+
+def percentiles_us(values: list[float]) -> tuple[float, float]:
+    arr = np.asarray(values) * 1e6
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def raw_child(port: int, nbytes: int, core: int | None, iters: int) -> None:
+    pin(core)
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out, into = memoryview(bytes(nbytes)), memoryview(bytearray(nbytes))
+    for _ in range(iters):
+        raw_exchange(sock, out, into)
+    sock.close()
+
+
+def raw_pingpong(nbytes: int, core: int | None) -> list[float]:
+    """Seconds of a symmetric exchange of nbytes over plain blocking sockets, per iteration."""
+    ctx = mp.get_context("spawn")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        child = ctx.Process(target=raw_child,
+                            args=(server.getsockname()[1], nbytes, core, RAW_ITERS + RAW_WARMUP))
+        child.start()
+        sock, _ = server.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out, into = memoryview(bytes(nbytes)), memoryview(bytearray(nbytes))
+    times = []
+    for i in range(RAW_ITERS + RAW_WARMUP):
+        t0 = time.perf_counter()
+        raw_exchange(sock, out, into)
+        if i >= RAW_WARMUP:
+            times.append(time.perf_counter() - t0)
+    sock.close()
+    child.join(30)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench", choices=["bench", "small"])
+    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
+    parser.add_argument("--model", type=Path, default=None, help="use this GGUF instead")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    started = time.monotonic()
+    limit_blas_threads(1)
+    pair_cores = cores()
+    core_a, core_b = (pair_cores[0], pair_cores[1]) if pair_cores else (None, None)
+    pin(core_a)
+    cfg = PRESETS[args.preset]
+    model = args.model or Path(f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}.gguf")
+    built = build_model(cfg, model, args.seed) if args.model is None else 0.0
+    print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
+          f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
+    prompt_ids = [int(t) for t in encode(PROMPT, bos=True)]
+
+    one_tokens, one_rate = single_process(model, prompt_ids, args.tokens)
+    print(f"one process: {one_rate:.2f} tokens/s")
+
+    leader = InProcessLeader(LeaderOptions(model=model, host="127.0.0.1", port=0,
+                                           frontend_port=0, spec_mode=SpecMode.OFF))
+    lead = leader.leader
+    results: dict[str, object] = {"preset": args.preset, "one_process_tokens_per_s": one_rate}
+    ok = True
+    tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
+    worker = WorkerProc(model, lead.port, core_b, True, tmp / "shm.npy")
+    try:
+        wait_paired(lead, shm=True)
+        start_shm = len(lead.gate_latencies())  # the worker's first gate is this one
+        generate(lead.frontend_port, PROMPT, 4)  # warm-up
+        before, n_trace = counters(lead), len(lead.gate_latencies())
+        pair_tokens, times = generate(lead.frontend_port, PROMPT, args.tokens)
+        after = counters(lead)
+        shm_gates = lead.gate_latencies()[n_trace:]
+        pair_rate = rate(times)
+        speedup = pair_rate / one_rate
+        same = pair_tokens == one_tokens
+        passed = speedup >= SPEEDUP_TARGET and same
+        ok = ok and passed
+        print(f"pair, shared-memory gates: {pair_rate:.2f} tokens/s  speed-up {speedup:.2f}x "
+              f"(target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
+              f"{'' if same else '  (tokens differ from one process!)'}")
+        results.update(pair_tokens_per_s=pair_rate, speedup=speedup, same_tokens=same)
+
+        # Bytes per decoded token (the prefill's are excluded: one SYNC, then args.tokens - 1
+        # EVALs for args.tokens tokens; count the EVAL steps).
+        steps = args.tokens - 1
+        decode_gates = 2 * cfg.n_layer * steps
+        per = {k: (after[k] - before[k]) for k in after}
+        prefill_gate_bytes = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd * len(prompt_ids))
+        gate_per_token = (per["gate_sent"] - prefill_gate_bytes) / steps
+        formula_gate = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd)
+        v1 = cfg.n_vocab - (cfg.n_vocab + 1) // 2
+        formula_logits = 28 + 4 + 4 * v1
+        formula_eval = 28 + 4
+        print(f"bytes per decoded token, each rank sends: gates {gate_per_token:.0f} "
+              f"(formula 2 x {cfg.n_layer} x (20 + 4 x {cfg.n_embd}) = {formula_gate}); "
+              f"leader control sent {per['control_sent'] / args.tokens:.0f} per token "
+              f"(EVAL {formula_eval}, plus the SYNC, its checkpoint and SESSION_* once); "
+              f"worker LOGITS {per['control_received'] / args.tokens:.0f} per token "
+              f"(formula {formula_logits})")
+        bytes_ok = abs(gate_per_token - formula_gate) <= 0.01 * formula_gate
+        ok = ok and bytes_ok
+        print(f"  gate bytes match the formula: {'PASS' if bytes_ok else 'FAIL'}; "
+              f"{len(shm_gates)} gates timed ({decode_gates} decode gates + the prefill's)")
+        results.update(gate_bytes_per_token=gate_per_token, formula_gate_bytes=formula_gate,
+                       logits_bytes_per_token=per["control_received"] / args.tokens)
+
+        # Speculative decoding on repetitive text.
+        n_spec = 2 * args.tokens  # loops take a while to form in a random model's output
+        plain_tokens, plain_times = generate(lead.frontend_port, REPETITIVE, n_spec)
+        lead.spec_mode = SpecMode.FULL_PREFIX
+        drafted0, accepted0 = lead.drafted, lead.accepted
+        spec_tokens, spec_times = generate(lead.frontend_port, REPETITIVE, n_spec)
+        lead.spec_mode = SpecMode.OFF
+        spec_speedup = rate(spec_times) / rate(plain_times)
+        drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
+        spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
+        ok = ok and spec_ok
+        print(f"speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} against "
+              f"{rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
+              f"{accepted} of {drafted} drafts accepted, same tokens: "
+              f"{spec_tokens == plain_tokens} {'PASS' if spec_ok else 'FAIL'}")
+        results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
+    finally:
+        shm_worker = worker.stop()
+    shm_pairs = list(zip(lead.gate_latencies()[start_shm:], shm_worker, strict=False))
+    shm_pairs = shm_pairs[n_trace - start_shm : n_trace - start_shm + len(shm_gates)]
+
+    # The same pair over TCP gates.
+    worker = WorkerProc(model, lead.port, core_b, False, tmp / "tcp.npy")
+    try:
+        wait_paired(lead, shm=False)
+        start_tcp = len(lead.gate_latencies())
+        generate(lead.frontend_port, PROMPT, 4)  # warm-up
+        n_trace = len(lead.gate_latencies())
+        tcp_tokens, times = generate(lead.frontend_port, PROMPT, args.tokens)
+        tcp_gates = lead.gate_latencies()[n_trace:]
+        tcp_rate = rate(times)
+        print(f"pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up {tcp_rate / one_rate:.2f}x"
+              f"{'' if tcp_tokens == one_tokens else '  (tokens differ from one process!)'}")
+        results.update(pair_tcp_tokens_per_s=tcp_rate, speedup_tcp=tcp_rate / one_rate)
+    finally:
+        tcp_worker = worker.stop()
+        leader.stop()
+    tcp_pairs = list(zip(lead.gate_latencies()[start_tcp:], tcp_worker, strict=False))
+    tcp_pairs = tcp_pairs[n_trace - start_tcp : n_trace - start_tcp + len(tcp_gates)]
+
+    raw = raw_pingpong(GATE_HEADER_SIZE + 4 * cfg.n_embd, core_b)
+    raw50, raw99 = percentiles_us(raw)
+    n_decode = 2 * cfg.n_layer * (args.tokens - 1)  # the decode steps' gates, the last ones
+    print(f"gate exchange of {GATE_HEADER_SIZE + 4 * cfg.n_embd} bytes, us: p50, p99, p50 "
+          f"against raw. 'leader' is the leader's time in the gate, waiting for the slower rank "
+          f"included; 'exchange' is the shorter of the two ranks' times for the same gate: the "
+          f"rank that arrived last waits for nobody, so that is the exchange itself.")
+    print(f"  raw socket ping-pong       {raw50:8.1f} {raw99:8.1f}")
+    for name, pairs in (("shm", shm_pairs), ("tcp", tcp_pairs)):
+        decode = pairs[-n_decode:]
+        for label, pick in (("all", None), ("ATTN", Gate.ATTN), ("FFN", Gate.FFN)):
+            if any(g is not wg for (g, _), (wg, _) in decode):
+                raise SystemExit("the ranks' gate traces are not aligned")
+            rows = [(lt, wt) for (g, lt), (_, wt) in decode if pick is None or g is pick]
+            lead50, lead99 = percentiles_us([lt for lt, _ in rows])
+            ex50, ex99 = percentiles_us([min(lt, wt) for lt, wt in rows])
+            verdict = ""
+            if label == "all" and name == "tcp":
+                passed = ex50 / raw50 <= GATE_TARGET
+                ok = ok and passed
+                verdict = f"  {'PASS' if passed else 'FAIL'} (target: exchange <= {GATE_TARGET:g}x)"
+            print(f"  pair {name} {label:<4} leader   {lead50:8.1f} {lead99:8.1f} "
+                  f"{lead50 / raw50:6.2f}x")
+            print(f"  pair {name} {label:<4} exchange {ex50:8.1f} {ex99:8.1f} "
+                  f"{ex50 / raw50:6.2f}x{verdict}")
+            key = f"gate_{name}_{label.lower()}"
+            results.update({f"{key}_leader_p50_us": lead50, f"{key}_leader_p99_us": lead99,
+                            f"{key}_exchange_p50_us": ex50, f"{key}_exchange_p99_us": ex99})
+    results.update(raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok,
+                   seconds=time.monotonic() - started)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"took {time.monotonic() - started:.0f} s; overall {'PASS' if ok else 'FAIL'}")
+    line = json.dumps({"bench": "tp", **results})
+    print(line)
+    if args.json:
+        args.json.write_text(line + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""`foundry tp-leader` and `foundry tp-worker`: the two ranks of a tensor-parallel pair."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+from foundry.tp.policy import MAX_DRAFT, SpecMode
+
+log = logging.getLogger("foundry")
+
+
+def _add_rank_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
+                   help="the model; both ranks must load the same file")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="positions per session (default: the model's context length); "
+                   "both ranks must agree")
+    p.add_argument("--no-shm", action="store_true",
+                   help="never use the shared-memory gate slab, even on one host (gates go "
+                   "over TCP)")
+    p.add_argument("--gate-timeout", type=float, default=1.0, metavar="S",
+                   help="a peer silent this long in a gate or a command is lost (default 1)")
+    p.add_argument("--blas-threads", type=int, default=1, metavar="N",
+                   help="BLAS threads of this rank (default 1: one core per rank, and the "
+                   "pair's logits stay bit-identical to one process)")
+    add_metrics_flag(p)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    lead = sub.add_parser(
+        "tp-leader",
+        help="serve a model as rank 0 of a tensor-parallel pair",
+        description="Load rank 0's half of the model, wait for the worker rank on --listen, "
+        "and serve generations on --frontend-listen (the gateway's TP frontend). Port 0 picks "
+        "a free port; the bound ports are printed on one line.",
+    )
+    _add_rank_flags(lead)
+    lead.add_argument("--listen", type=host_port, default=("0.0.0.0", 7090),
+                      metavar="HOST:PORT", help="where the worker connects (default 0.0.0.0:7090)")
+    lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
+                      metavar="HOST:PORT",
+                      help="the frontend link for the gateway (default 127.0.0.1:7091)")
+    lead.add_argument("--max-sessions", type=int, default=16,
+                      help="generations decoded at once (default 16)")
+    lead.add_argument("--queue", type=int, default=64,
+                      help="generations waiting beyond those; more are OVERLOADED (default 64)")
+    lead.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
+                      help="prompt tokens per prefill step; cancellation is checked between "
+                      "chunks (default 64)")
+    lead.add_argument("--spec-mode", default=SpecMode.FULL_PREFIX.value,
+                      choices=[m.value for m in SpecMode],
+                      help="speculative decoding of greedy requests: off, full-prefix (keep the "
+                      "accepted prefix) or rollback (rewind and replay it); default full-prefix")
+    lead.add_argument("--max-draft", type=int, default=MAX_DRAFT,
+                      help=f"draft tokens per verify block (default {MAX_DRAFT})")
+    lead.add_argument("--hash-check", action="store_true",
+                      help="debug: after every step both ranks compare a hash of their state")
+    lead.set_defaults(func=run_leader)
+
+    work = sub.add_parser(
+        "tp-worker",
+        help="run rank 1 of a tensor-parallel pair",
+        description="Load rank 1's half of the model and dial the leader (with backoff, again "
+        "after any failure). Exits 0 when the leader stops the pair, 2 when the two ranks "
+        "disagree on the model.",
+    )
+    _add_rank_flags(work)
+    work.add_argument("--leader", type=host_port, default=("127.0.0.1", 7090),
+                      metavar="HOST:PORT", help="the leader's --listen address")
+    work.add_argument("--retry-max", type=float, default=2.0, metavar="S",
+                      help="longest pause between dial attempts (default 2)")
+    work.set_defaults(func=run_worker)
+
+
+def _limit_threads(n: int) -> int | None:
+    from foundry.tp.blas import limit_blas_threads
+
+    if n < 1:
+        raise SystemExit("error: --blas-threads must be >= 1")
+    return limit_blas_threads(n)
+
+
+def run_leader(args: argparse.Namespace) -> int:
+    from foundry.model.gguf_io import GGUFError
+    from foundry.model.tp_split import SplitError
+    from foundry.tp.leader import Leader, LeaderOptions
+
+    _limit_threads(args.blas_threads)
+    try:
+        options = LeaderOptions(
+            model=args.model,
+            host=args.listen[0],
+            port=args.listen[1],
+            frontend_host=args.frontend_listen[0],
+            frontend_port=args.frontend_listen[1],
+            ctx_size=args.ctx_size,
+            max_sessions=args.max_sessions,
+            queue_size=args.queue,
+            prefill_chunk=args.prefill_chunk,
+            spec_mode=SpecMode(args.spec_mode),
+            max_draft=args.max_draft,
+            hash_check=args.hash_check,
+            shm=not args.no_shm,
+            gate_timeout_s=args.gate_timeout,
+            control_timeout_s=args.gate_timeout,
+        )
+        leader = Leader(options)
+    except (GGUFError, SplitError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> int:
+        await leader.start()
+        metrics = start_metrics(args, leader.metrics.registry)
+        print(
+            f"tp-leader listening: workers {options.host}:{leader.port}, "
+            f"frontend {options.frontend_host}:{leader.frontend_port}"
+            + (f", metrics :{metrics.port}" if metrics else ""),
+            flush=True,
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, leader.request_stop)
+        try:
+            await leader.wait_stopped()
+        finally:
+            await leader.close()
+            if metrics:
+                metrics.close()
+        return 1 if leader.crashed else 0
+
+    return asyncio.run(main())
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from foundry.model.gguf_io import GGUFError
+    from foundry.model.tp_split import SplitError
+    from foundry.tp.worker import Worker, WorkerOptions
+
+    _limit_threads(args.blas_threads)
+    options = WorkerOptions(
+        model=args.model,
+        leader_host=args.leader[0],
+        leader_port=args.leader[1],
+        ctx_size=args.ctx_size,
+        shm=not args.no_shm,
+        gate_timeout_s=args.gate_timeout,
+        control_timeout_s=args.gate_timeout,
+        retry_max_s=args.retry_max,
+    )
+    try:
+        worker = Worker(options)
+    except (GGUFError, SplitError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metrics = start_metrics(args, worker.metrics.registry)
+    print(
+        f"tp-worker ready: rank 1 of {args.model}, leader {options.leader_host}:"
+        f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else ""),
+        flush=True,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: worker.request_stop())
+    try:
+        return worker.run()
+    finally:
+        if metrics:
+            metrics.close()

@@ -1,0 +1,80 @@
+"""`foundry up`: the whole system as local processes, from one command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from foundry.model.config import PRESETS
+from foundry.stack import StackError, StackOptions, run_stack
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = StackOptions()
+    u = sub.add_parser(
+        "up",
+        help="run everything locally: train, export, serve (Ctrl+C stops it all)",
+        description="Start a coordinator, workers, the gateway (and Prometheus when installed) "
+        "as local processes, train on the bundled corpus with a live view, export the model, "
+        "serve it on a tensor-parallel pair, print a sample, then keep serving for "
+        "`foundry ctl` until Ctrl+C or SIGTERM, which stops every process. Services' logs go "
+        "to RUN_DIR/logs; checkpoints in RUN_DIR/checkpoints are resumed from.",
+    )
+    u.add_argument("--steps", type=int, default=d.steps, metavar="N",
+                   help=f"training steps (default {d.steps})")
+    u.add_argument("--workers", type=int, default=d.workers, metavar="N",
+                   help=f"training workers (default {d.workers})")
+    u.add_argument("--preset", default=d.preset, choices=sorted(PRESETS),
+                   help=f"model size (default {d.preset})")
+    u.add_argument("--global-batch", type=int, default=d.global_batch, metavar="N",
+                   help=f"samples per step (default {d.global_batch})")
+    u.add_argument("--base-port", type=int, default=d.base_port, metavar="P",
+                   help=f"coordinator P, its admin link P+1, TP leader P+20, its frontend P+21 "
+                   f"(default {d.base_port})")
+    u.add_argument("--gateway-port", type=int, default=d.gateway_port, metavar="P",
+                   help=f"the gRPC gateway (default {d.gateway_port}, `foundry ctl`'s default)")
+    u.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="M",
+                   help=f"metrics: coordinator M, TP leader M+2, gateway M+3, TP worker M+4, "
+                   f"worker i M+10+i (default {d.metrics_port})")
+    u.add_argument("--prometheus-port", type=int, default=d.prometheus_port, metavar="P",
+                   help=f"Prometheus web UI (default {d.prometheus_port})")
+    u.add_argument("--no-prometheus", action="store_true",
+                   help="do not start Prometheus even if it is installed")
+    u.add_argument("--host", default=d.host,
+                   help="interface for the coordinator's worker port, the gateway and metrics "
+                   f"(default {d.host}; any other value makes the gateway require a token, "
+                   "written to RUN_DIR/token)")
+    u.add_argument("--run-dir", type=Path, default=d.run_dir,
+                   help=f"logs, checkpoints, model, pids (default {d.run_dir})")
+    u.add_argument("--fresh", action="store_true",
+                   help="delete RUN_DIR/checkpoints first instead of resuming from them")
+    u.add_argument("--prompt", default=d.prompt,
+                   help=f"prompt of the sample printed once serving (default {d.prompt!r})")
+    u.add_argument("--sample-tokens", type=int, default=d.sample_tokens, metavar="N",
+                   help=f"tokens of that sample (default {d.sample_tokens})")
+    u.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    try:
+        options = StackOptions(
+            steps=args.steps,
+            workers=args.workers,
+            preset=args.preset,
+            global_batch=args.global_batch,
+            base_port=args.base_port,
+            gateway_port=args.gateway_port,
+            metrics_port=args.metrics_port,
+            prometheus_port=args.prometheus_port,
+            prometheus=not args.no_prometheus,
+            host=args.host,
+            run_dir=args.run_dir,
+            fresh=args.fresh,
+            prompt=args.prompt,
+            sample_tokens=args.sample_tokens,
+        )
+        return run_stack(options)
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,109 @@
+"""What both ranks do before any inference: load their half, state their identity, agree.
+
+Bring-up of a pair (``docs/tp.md`` has the sequence with every frame):
+
+1. The worker dials the leader's ``--listen`` port: the **control connection**. Each rank sends
+   its hello (version, role, :class:`~foundry.wire.tp.Identity`, shared-memory offer) and reads
+   the peer's; both run :func:`~foundry.wire.tp.check_hello` on the same two hellos, so both
+   log the same mismatch (field and both values) and close. A worker stops dialing then: a
+   restart with the same files cannot fix it.
+2. The leader answers COMMAND_ACK: status :data:`ACK_ACCEPTED` with a random 64-bit pairing
+   token in ``seq``, or :data:`ACK_BUSY` when another worker holds the pair.
+3. The data plane both ranks negotiated from the hellos: shared memory (the worker attaches to
+   the slab the leader named) or TCP: the worker opens a **second connection** to the same
+   port whose first bytes are a COMMAND_ACK carrying the token; the token pairs it with its
+   control connection and nothing else can take its place.
+4. The worker sends COMMAND_ACK :data:`ACK_ACCEPTED` on the control connection when its data
+   plane is up (:data:`ACK_SHM_FAILED` if the slab could not be mapped; it then dials again
+   without offering shared memory). The pair is formed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy.typing as npt
+
+from foundry.model.config import ModelConfig
+from foundry.model.gguf_io import load_gguf, model_id
+from foundry.model.tp_split import RankWeights, rank_layout, shard_slice
+from foundry.tp.link import ControlLink, LinkError
+from foundry.wire.tp import Hello, Identity, check_hello, max_payload_for
+
+# COMMAND_ACK status values of the bring-up (session 0).
+ACK_ACCEPTED = 0
+ACK_BUSY = 1  # leader -> worker: another worker holds the pair; dial again later
+ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials again over TCP
+WORLD = 2
+
+# general.file_type of a GGUF file -> the bits of its weights (DESIGN: f32 and f16 files).
+_FILE_TYPE_BITS = {0: 32, 1: 16}
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """One rank's half of a model file, with the identity its hello states."""
+
+    cfg: ModelConfig
+    weights: RankWeights
+    identity: Identity
+
+
+def quant_bits(metadata: dict[str, Any]) -> int:
+    file_type = int(metadata.get("general.file_type", 0))
+    try:
+        return _FILE_TYPE_BITS[file_type]
+    except KeyError:
+        raise ValueError(f"general.file_type {file_type} is neither f32 (0) nor f16 (1)") from None
+
+
+def identity_for(path: Path, cfg: ModelConfig, metadata: dict[str, Any], ctx_size: int) -> Identity:
+    """The hello identity of a model file: its size and hash, shape, weight bits, context, and
+    the gate schedule (every layer fires ATTN then FFN: 2 gates per layer and token)."""
+    return Identity(
+        gguf_bytes=os.path.getsize(path),
+        model_id=model_id(path),
+        n_layer=cfg.n_layer,
+        n_embd=cfg.n_embd,
+        n_vocab=cfg.n_vocab,
+        quant_bits=quant_bits(metadata),
+        ctx_size=ctx_size,
+        gate_slot_start=0,
+        gate_slot_step=1,
+        gates_per_token=2 * cfg.n_layer,
+    )
+
+
+def load_rank(path: Path, rank: int, ctx_size: int | None = None) -> RankModel:
+    """Read rank ``rank``'s half of the GGUF file: only its slices are read from disk."""
+    header = load_gguf(path, select=lambda name, view: None)
+    cfg = header.cfg
+    layout = rank_layout(cfg, rank, WORLD)
+
+    def select(name: str, view: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return view[shard_slice(name, view.ndim, layout)]
+
+    loaded = load_gguf(path, select=select)
+    ctx = cfg.n_ctx if ctx_size is None else ctx_size
+    if ctx <= 0:
+        raise ValueError(f"ctx_size must be positive, got {ctx}")
+    return RankModel(
+        cfg=cfg,
+        weights=RankWeights(cfg, layout, loaded.params),
+        identity=identity_for(path, cfg, header.metadata, ctx),
+    )
+
+
+def exchange_hellos(link: ControlLink, mine: Hello) -> Hello:
+    """Send our hello, read the peer's, check both (IdentityMismatch / VersionMismatch name the
+    field and both values). Afterwards the link's decoder accepts this model's largest frames."""
+    link.send(mine)
+    peer = link.recv("the peer's hello")
+    if not isinstance(peer, Hello):
+        raise LinkError(f"expected the peer's hello, got {type(peer).__name__}")
+    check_hello(mine, peer)
+    link.decoder.max_payload = max_payload_for(mine.identity)
+    return peer

@@ -1,0 +1,278 @@
+"""The session commands both ranks execute: one code path for the leader and the worker.
+
+Lockstep by construction: the leader sends a command frame to the worker, then runs the very
+same :class:`RankState` method on its own half; the worker runs it on receipt. Both ranks
+therefore make the same engine calls with the same rows in the same order, meet at the same
+gates, and end with the same session table (ids, positions, token histories).
+
+Commands (the ``ds4_tp_frame_type`` they mirror) and what each returns, the logits rows the
+leader needs to sample (each rank returns its vocabulary half; the worker ships it in LOGITS):
+
+=================  ==========================================  ==============================
+SESSION_CREATE     open a session of ``ctx`` positions         -
+SESSION_DESTROY    close it                                    -
+SYNC               bring the context to exactly ``tokens``:    the last row, or None when
+                   keep the common prefix, evaluate the rest   cancelled at a checkpoint
+                   in chunks with a checkpoint before each
+EVAL / EVAL_BATCH  one token for each listed session           one row per session
+MIXED_BATCH        a prefill chunk for one session, appended,  the chunk's last row, then
+                   plus one token for each listed session      one row per session
+VERIFY             a block: seed token + drafts                one row per block row
+VERIFY_COMMIT      how the block ends (full, prefix, replay)   -
+REWIND             forget positions >= pos                     -
+INVALIDATE         forget everything (rewind to 0)             -
+=================  ==========================================  ==============================
+
+Every command is checked before any gate runs (unknown session, full context, a session listed
+twice, a verify left uncommitted ...) and raises :class:`LockstepError`: on the leader that is a
+bug caught before sending, on the worker it means the ranks are out of step.
+
+Sync checkpoints. Before each prefill chunk both ranks call ``checkpoint(current, total)``,
+which exchanges SYNC_CHECKPOINT frames and returns where the chunk ends, or None when either
+rank asked to stop. Both stop at the same position because the decision is made once, from
+both frames, while neither rank is inside a gate.
+
+``state_hash`` (debug lockstep, HASH frames): a 64-bit hash of the step number, every
+session's position, and the last gate sum the step produced. The gate sums are the residual
+stream's updates, identical on both ranks bit for bit, so equal hashes mean both ranks hold the
+same hidden state and the same session table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.inference import Engine, Session
+from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, GATE_HEADER_SIZE, Gate, VerifyCommitMode
+
+F32 = npt.NDArray[np.float32]
+# (current position, total) -> the position the next chunk ends at, or None: stop here.
+Checkpoint = Callable[[int, int], int | None]
+
+_STEP = struct.Struct("<Q")
+_POS = struct.Struct("<Qq")
+
+
+class LockstepError(ValueError):
+    """A command the session table cannot carry out; names the session and the reason."""
+
+
+class Transport(Protocol):
+    """What a gate transport offers (``foundry.transport.gates.GateExchange``)."""
+
+    def exchange(self, layer: int, gate: int, partial: np.ndarray) -> F32: ...
+
+
+class TracingExchange:
+    """The engine's gate callback over a transport: times each gate, counts its bytes and
+    keeps the last sum (for ``state_hash``). ``on_gate(gate, seconds, bytes_each_way)`` is
+    called after every gate."""
+
+    def __init__(self, transport: Transport, on_gate: Callable[[Gate, float, int], None]) -> None:
+        self.transport = transport
+        self.on_gate = on_gate
+        self.last_sum: F32 | None = None
+
+    def __call__(self, layer: int, gate: Gate, partial: F32) -> F32:
+        t0 = time.perf_counter()
+        total = self.transport.exchange(layer, gate, partial)
+        self.on_gate(gate, time.perf_counter() - t0, GATE_HEADER_SIZE + partial.nbytes)
+        self.last_sum = total
+        return total
+
+
+class RankState:
+    """One rank's sessions (by the leader's u64 session id) over its engine half."""
+
+    def __init__(self, engine: Engine, ctx_size: int) -> None:
+        self.engine = engine
+        self.ctx_size = ctx_size
+        self.sessions: dict[int, Session] = {}
+        self.exchange: TracingExchange | None = None
+        # Commands that ran (or may have run) the model since the pair formed: both ranks
+        # count the same commands, so the LOGITS and HASH of a step carry the same number.
+        self.step = 0
+        # Positions kept in sessions, by phase: prompt chunks are prefill, decoded tokens
+        # (including accepted drafts) decode. Cumulative; the services export the deltas.
+        self.kept = {"prefill": 0, "decode": 0}
+        self._verifying: dict[int, tuple[int, int]] = {}  # session -> (pos before, rows)
+
+    # -- the session table ---------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every session (a new pair starts from an empty table)."""
+        self.sessions.clear()
+        self._verifying.clear()
+        self.step = 0
+
+    def create(self, sid: int, ctx: int) -> None:
+        if sid == 0 or sid in self.sessions:
+            raise LockstepError(f"session {sid}: cannot create (id 0 or already open)")
+        if not 0 < ctx <= self.ctx_size:
+            raise LockstepError(f"session {sid}: context {ctx} outside [1, {self.ctx_size}]")
+        self.sessions[sid] = self.engine.new_session(ctx)
+
+    def destroy(self, sid: int) -> None:
+        self._session(sid)
+        del self.sessions[sid]
+        self._verifying.pop(sid, None)
+
+    def rewind(self, sid: int, pos: int) -> None:
+        s = self._idle_session(sid)
+        if not 0 <= pos <= s.pos:
+            raise LockstepError(f"session {sid}: cannot rewind to {pos}, it holds {s.pos}")
+        s.rewind(pos)
+
+    def invalidate(self, sid: int) -> None:
+        self._idle_session(sid).rewind(0)
+
+    # -- commands that run the model -----------------------------------------------------
+
+    def sync(self, sid: int, tokens: Sequence[int], checkpoint: Checkpoint) -> F32 | None:
+        s = self._idle_session(sid)
+        total = len(tokens)
+        if not 0 < total <= s.ctx_size:
+            raise LockstepError(f"session {sid}: SYNC of {total} tokens, context {s.ctx_size}")
+        self._check_tokens(sid, tokens)
+        self.step += 1
+        common = 0
+        for mine, theirs in zip(s.tokens, tokens, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        # Keep the common prefix, but always evaluate at least the last token: its logits
+        # are the point of a sync.
+        s.rewind(min(common, total - 1))
+        last: F32 | None = None
+        while s.pos < total:
+            end = checkpoint(s.pos, total)
+            if end is None:
+                return None
+            if not s.pos < end <= total:
+                raise LockstepError(
+                    f"session {sid}: checkpoint chunk [{s.pos}, {end}) outside the sync of "
+                    f"{total} tokens"
+                )
+            chunk = end - s.pos
+            last = self._forward([(s, tokens[s.pos : end])])[-1:]
+            self.kept["prefill"] += chunk
+        assert last is not None
+        return last
+
+    def eval_batch(self, items: Sequence[tuple[int, int]]) -> F32:
+        if not items:
+            raise LockstepError("EVAL_BATCH with no items")
+        rows = self._decode_rows(items, exclude=None)
+        self.step += 1
+        logits = self._forward(rows)
+        self.kept["decode"] += len(rows)
+        return logits
+
+    def mixed(self, sid: int, prompt: Sequence[int], items: Sequence[tuple[int, int]]) -> F32:
+        s = self._idle_session(sid)
+        if not prompt or len(prompt) > s.free:
+            raise LockstepError(
+                f"session {sid}: MIXED_BATCH prefill of {len(prompt)} tokens with "
+                f"{s.free} positions free"
+            )
+        self._check_tokens(sid, prompt)
+        rows = [(s, prompt), *self._decode_rows(items, exclude=sid)]
+        self.step += 1
+        logits = self._forward(rows)  # (len(prompt) + n, V)
+        self.kept["prefill"] += len(prompt)
+        self.kept["decode"] += len(rows) - 1
+        return logits[len(prompt) - 1 :]  # the chunk's last row, then one row per item
+
+    def verify(self, sid: int, block: Sequence[int]) -> F32:
+        s = self._idle_session(sid)
+        if not 1 <= len(block) <= min(DS4_TP_BATCH_MAX_ROWS, s.free):
+            raise LockstepError(
+                f"session {sid}: VERIFY of {len(block)} rows ({s.free} positions free, at "
+                f"most {DS4_TP_BATCH_MAX_ROWS})"
+            )
+        self._check_tokens(sid, block)
+        self.step += 1
+        self._verifying[sid] = (s.pos, len(block))
+        try:
+            return self._forward([(s, block)])
+        except BaseException:
+            del self._verifying[sid]
+            raise
+
+    def commit(self, sid: int, mode: VerifyCommitMode, token_count: int) -> None:
+        s = self._session(sid)
+        if sid not in self._verifying:
+            raise LockstepError(f"session {sid}: VERIFY_COMMIT without a VERIFY")
+        pos0, rows = self._verifying.pop(sid)
+        if not 1 <= token_count <= rows or (
+            mode is VerifyCommitMode.COMMIT_FULL and token_count != rows
+        ):
+            raise LockstepError(
+                f"session {sid}: {mode.name} of {token_count} rows of a {rows}-row block"
+            )
+        self.step += 1
+        self.kept["decode"] += token_count
+        if mode is VerifyCommitMode.COMMIT_PREFIX:
+            s.rewind(pos0 + token_count)
+        elif mode is VerifyCommitMode.ROLLBACK_REPLAY:
+            kept = s.tokens[pos0 : pos0 + token_count]
+            s.rewind(pos0)
+            self._forward([(s, kept)])
+
+    # -- debug lockstep ------------------------------------------------------------------
+
+    def state_hash(self) -> int:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(_STEP.pack(self.step))
+        for sid in sorted(self.sessions):
+            h.update(_POS.pack(sid, self.sessions[sid].pos))
+        last = self.exchange.last_sum if self.exchange is not None else None
+        if last is not None:
+            h.update(np.ascontiguousarray(last).data)
+        return int.from_bytes(h.digest(), "little")
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _session(self, sid: int) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise LockstepError(f"session {sid} is not open")
+        return s
+
+    def _idle_session(self, sid: int) -> Session:
+        if sid in self._verifying:
+            raise LockstepError(f"session {sid} has a verify block awaiting its commit")
+        return self._session(sid)
+
+    def _check_tokens(self, sid: int, tokens: Sequence[int]) -> None:
+        n_vocab = self.engine.cfg.n_vocab
+        if any(not 0 <= t < n_vocab for t in tokens):
+            raise LockstepError(f"session {sid}: a token id outside [0, {n_vocab})")
+
+    def _decode_rows(
+        self, items: Sequence[tuple[int, int]], exclude: int | None
+    ) -> list[tuple[Session, list[int]]]:
+        rows: list[tuple[Session, list[int]]] = []
+        seen: set[int] = set() if exclude is None else {exclude}
+        for sid, token in items:
+            if sid in seen:
+                raise LockstepError(f"session {sid} listed twice in one batch")
+            seen.add(sid)
+            s = self._idle_session(sid)
+            if s.free < 1:
+                raise LockstepError(f"session {sid} is full ({s.pos} of {s.ctx_size})")
+            self._check_tokens(sid, [token])
+            rows.append((s, [token]))
+        return rows
+
+    def _forward(self, rows: Sequence[tuple[Session, Sequence[int]]]) -> F32:
+        if self.exchange is None:
+            raise LockstepError("no pair: the gate exchange is not connected")
+        return self.engine.forward_rows(rows, self.exchange)

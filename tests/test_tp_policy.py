@@ -1,0 +1,122 @@
+"""The leader's pure decisions: n-gram drafting, greedy acceptance, commit plans, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from foundry.model.data import decode, encode
+from foundry.tp.policy import (
+    MAX_DRAFT,
+    SpecMode,
+    TextStream,
+    accepted_drafts,
+    commit_plan,
+    propose_drafts,
+)
+from foundry.wire.tp import VerifyCommitMode
+
+
+def test_drafts_follow_the_most_recent_match_of_the_longest_suffix() -> None:
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
+    # Suffix (8, 5, 6)? no. (5, 6) occurs at 0 and 4: the most recent (4) is followed by 8, 2.
+    assert propose_drafts(history, 3) == [8, 2, 5]
+    assert propose_drafts(history, 1) == [8]
+    # A trigram match wins over a more recent bigram match.
+    history = [1, 2, 3, 9, 9, 7, 2, 3, 4, 4, 1, 2, 3]
+    assert propose_drafts(history, 2) == [9, 9]
+    # Only a unigram matches.
+    assert propose_drafts([4, 8, 1, 2, 4], 5) == [8, 1, 2, 4, 8]  # the loop continues
+
+
+def test_no_drafts_without_a_match_or_room() -> None:
+    assert propose_drafts([1, 2, 3, 4], 7) == []
+    assert propose_drafts([1], 7) == []
+    assert propose_drafts([1, 1, 1], 0) == []
+    assert len(propose_drafts([3] * 40, MAX_DRAFT)) == MAX_DRAFT
+
+
+def test_acceptance_counts_the_agreeing_prefix() -> None:
+    assert accepted_drafts([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_drafts([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_drafts([4, 5, 6], [1, 5, 6, 7]) == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "accepted", "mode"),
+    [
+        (SpecMode.FULL_PREFIX, 3, VerifyCommitMode.COMMIT_FULL),
+        (SpecMode.ROLLBACK, 3, VerifyCommitMode.COMMIT_FULL),
+        (SpecMode.FULL_PREFIX, 1, VerifyCommitMode.COMMIT_PREFIX),
+        (SpecMode.ROLLBACK, 1, VerifyCommitMode.ROLLBACK_REPLAY),
+        (SpecMode.ROLLBACK, 0, VerifyCommitMode.ROLLBACK_REPLAY),
+    ],
+)
+def test_commit_plans(spec: SpecMode, accepted: int, mode: VerifyCommitMode) -> None:
+    plan = commit_plan(spec, 3, accepted)
+    assert plan.mode is mode and plan.token_count == 1 + accepted
+
+
+def test_commit_plan_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="off"):
+        commit_plan(SpecMode.OFF, 3, 1)
+    with pytest.raises(ValueError, match="accepted 4"):
+        commit_plan(SpecMode.ROLLBACK, 3, 4)
+
+
+def stream_all(text: str, stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    ids = [int(t) for t in encode(text, bos=False)]
+    s = TextStream(stop)
+    pieces = []
+    for i, t in enumerate(ids):
+        piece, hit = s.push(t, final=i == len(ids) - 1)
+        pieces.append(piece)
+        if hit:
+            return pieces, True
+    return pieces, False
+
+
+def test_stop_string_is_cut_and_never_sent() -> None:
+    pieces, hit = stream_all("Hello world. Bye", ("world",))
+    assert hit and "".join(pieces) == "Hello "
+    # Held back while it could still become the stop string, then released.
+    pieces, hit = stream_all("wor wonder", ("world",))
+    assert not hit and "".join(pieces) == "wor wonder"
+    assert pieces[:3] == ["", "", ""]  # "w", "wo", "wor" may begin "world"
+    # The earliest of several stop strings wins.
+    pieces, hit = stream_all("abc END xyz STOP", ("STOP", "END"))
+    assert hit and "".join(pieces) == "abc "
+
+
+def test_multibyte_characters_stay_whole() -> None:
+    pieces, hit = stream_all("naïve café ☕ done", ("☕",))
+    assert hit and "".join(pieces) == "naïve café "
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abcé☕ .", max_size=40),
+    stop=st.lists(st.text(alphabet="abcé☕ .", min_size=1, max_size=4), max_size=3),
+)
+def test_stream_equals_cutting_the_whole_text(text: str, stop: list[str]) -> None:
+    """Sent text == the whole text up to the first stop string to appear (or all of it)."""
+    ids = [int(t) for t in encode(text, bos=False)]
+    s = TextStream(tuple(stop))
+    sent, hit = "", False
+    for i, t in enumerate(ids):
+        piece, hit = s.push(t, final=i == len(ids) - 1)
+        sent += piece
+        if hit:
+            break
+    whole = decode(ids)
+    # Oracle: characters arrive one at a time; the first time any stop string is present,
+    # the text is cut where the earliest present one begins.
+    expected, stopped = whole, False
+    for k in range(1, len(whole) + 1):
+        found = [whole[:k].find(x) for x in stop if x in whole[:k]]
+        if found:
+            expected, stopped = whole[: min(found)], True
+            break
+    assert (hit, sent) == (stopped, expected)

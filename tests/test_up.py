@@ -1,0 +1,237 @@
+"""`foundry up`: the local stack as a real process, and the pure parts of its plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from foundry.stack import (
+    StackError,
+    StackOptions,
+    StackPorts,
+    check_ports_free,
+    printable,
+    prometheus_config,
+    serving_services,
+    training_services,
+)
+
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def test_default_ports_meet_the_other_commands_defaults() -> None:
+    ports = StackPorts.of(StackOptions())
+    # foundry worker --coordinator, foundry ctl --gateway, tp-worker --leader defaults.
+    assert (ports.coordinator, ports.gateway, ports.tp_leader) == (7070, 50051, 7090)
+    assert (ports.admin, ports.tp_frontend) == (7071, 7091)
+    # The metrics port plan of services/prometheus/prometheus.yml.
+    assert (ports.coordinator_metrics, ports.tp_leader_metrics, ports.gateway_metrics,
+            ports.tp_worker_metrics) == (9100, 9102, 9103, 9104)
+    assert ports.worker_metrics == (9110, 9111)
+    assert ports.prometheus == 9090
+
+
+def test_every_port_is_distinct_and_checked() -> None:
+    ports = StackPorts.of(StackOptions(workers=5, prometheus=False))
+    numbers = [p for _, p in ports.named()]
+    assert len(numbers) == len(set(numbers)) == 9 + 5
+
+
+def test_a_taken_port_is_named_before_anything_starts() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        ports = StackPorts.of(StackOptions(gateway_port=taken, prometheus=False))
+        with pytest.raises(StackError, match=rf"port {taken} \(gateway\).*is taken"):
+            check_ports_free(ports, "127.0.0.1")
+
+
+def test_overlapping_bases_are_refused() -> None:
+    ports = StackPorts.of(StackOptions(base_port=9080))  # TP leader 9100 = coordinator metrics
+    with pytest.raises(StackError, match="port 9100 is both"):
+        check_ports_free(ports, "127.0.0.1")
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(StackError, match="--steps"):
+        StackOptions(steps=0)
+    with pytest.raises(StackError, match="--workers"):
+        StackOptions(workers=0)
+
+
+def test_command_lines_wire_the_services_together(tmp_path: Path) -> None:
+    opt = StackOptions(steps=12, workers=2, run_dir=tmp_path)
+    ports = StackPorts.of(opt)
+    coordinator, gateway, *workers = training_services(opt, ports, None)
+    assert "--max-steps" in coordinator.argv and "12" in coordinator.argv
+    assert coordinator.argv[coordinator.argv.index("--min-workers") + 1] == "2"
+    assert "--token-file" not in gateway.argv
+    assert gateway.argv[gateway.argv.index("--coordinator-admin") + 1] == "127.0.0.1:7071"
+    assert gateway.argv[gateway.argv.index("--tp-frontend") + 1] == "127.0.0.1:7091"
+    assert [w.name for w in workers] == ["worker-0", "worker-1"]
+    assert not any(w.critical for w in workers)
+    leader, rank1 = serving_services(opt, ports, tmp_path / "m.gguf")
+    assert leader.argv[leader.argv.index("--frontend-listen") + 1] == "127.0.0.1:7091"
+    assert rank1.argv[rank1.argv.index("--leader") + 1] == "127.0.0.1:7090"
+    token_gateway = training_services(opt, ports, tmp_path / "token")[1]
+    assert "--token-file" in token_gateway.argv
+
+
+def test_prometheus_config_scrapes_every_service() -> None:
+    text = prometheus_config(StackPorts.of(StackOptions(workers=2)), "0.0.0.0")
+    for job in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
+        assert f'job_name: "{job}"' in text
+    assert '"127.0.0.1:9110", "127.0.0.1:9111"' in text
+
+
+def test_printable_escapes_control_characters() -> None:
+    assert printable("a\x1b[2Jb\nc\x07") == "a\\x1b[2Jb\nc\\x07"
+
+
+# ---------------------------------------------------------------------------- the real thing
+
+
+def free_layout(workers: int) -> list[str]:
+    """Port flags for a layout whose every port is free now, below Linux's ephemeral range
+    (32768+), so no client connection of the run itself can take one meanwhile."""
+    rng = random.Random()
+    for _ in range(50):
+        base, gateway, metrics = (rng.randrange(20000, 32000, 100) for _ in range(3))
+        opt = StackOptions(workers=workers, base_port=base, gateway_port=gateway,
+                           metrics_port=metrics, prometheus=False)
+        try:
+            check_ports_free(StackPorts.of(opt), "127.0.0.1")
+        except StackError:
+            continue
+        return ["--base-port", str(base), "--gateway-port", str(gateway),
+                "--metrics-port", str(metrics)]
+    raise AssertionError("no free port layout found")
+
+
+class Up:
+    """`foundry up` in its own session, its terminal output in a file."""
+
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.run_dir = tmp / "run"
+        self.out = tmp / "up.out"
+        self._file = self.out.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "foundry", "up", "--run-dir", str(self.run_dir),
+             "--no-prometheus", *args],
+            stdout=self._file, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
+        )
+
+    def text(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, within_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                raise AssertionError(f"foundry up exited {self.proc.returncode}:\n{self.text()}")
+            time.sleep(0.1)
+        raise AssertionError(f"no /{pattern}/ within {within_s} s:\n{self.text()}")
+
+    def children(self) -> dict[str, int]:
+        state = json.loads((self.run_dir / "stack.json").read_text())
+        assert state["pid"] == self.proc.pid
+        children: dict[str, int] = state["children"]
+        return children
+
+    def cleanup(self) -> None:
+        """Whatever a failed test left: the whole session, then every recorded child."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        if (self.run_dir / "stack.json").exists():
+            for pid in self.children().values():
+                if running(pid):
+                    os.killpg(pid, signal.SIGKILL)
+        self._file.close()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def wait_gone(pids: dict[str, int], within_s: float) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = [name for name, pid in pids.items() if running(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.slow
+def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
+    ports = free_layout(workers=2)
+    gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
+    up = Up(tmp_path, "--steps", "30", "--workers", "2", *ports)
+    try:
+        done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+)", 90)
+        assert float(done.group(2)) < float(done.group(1)), "loss did not go down"
+        sample = up.wait_for(r"sample \(greedy, 64 tokens\): '(.*)'", 60)
+        assert sample.group(1).startswith("The ")
+        up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} status`", 10)
+
+        status = subprocess.run(
+            [sys.executable, "-m", "foundry", "ctl", "--gateway", gateway, "status"],
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )
+        assert status.returncode == 0, status.stderr
+        assert "training: DONE  step 30/30" in status.stdout
+        assert "worker rank connected" in status.stdout
+
+        children = up.children()
+        assert set(children) == {
+            "coordinator", "gateway", "worker-0", "worker-1", "tp-leader", "tp-worker"
+        }
+        assert all(running(children[n]) for n in ("coordinator", "gateway", "tp-leader"))
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=30) == 0, up.text()
+        assert wait_gone(children, 1.0) == []
+        assert "stopped 6 processes" in up.text()
+        assert "had to be killed" not in up.text()
+        assert (up.run_dir / "model.gguf").is_file()
+        assert (up.run_dir / "logs" / "coordinator.log").is_file()
+    finally:
+        up.cleanup()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_up_killed_while_training_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    up = Up(tmp_path, "--steps", "100000", "--workers", "1", *free_layout(workers=1))
+    try:
+        up.wait_for(r"training tiny for 100000 steps", 60)
+        children = up.children()
+        assert len(children) == 3
+        os.kill(up.proc.pid, sig)
+        up.proc.wait(timeout=30)
+        # After SIGKILL the kernel's parent-death signal (SIGKILL) ends them.
+        assert wait_gone(children, 15.0) == [], up.text()
+    finally:
+        up.cleanup()
