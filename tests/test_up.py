@@ -167,6 +167,23 @@ class Up:
         self._file.close()
 
 
+def start_up(tmp: Path, workers: int, *args: str) -> tuple[Up, list[str]]:
+    """`foundry up` on a free port layout; a port taken by someone else between our check and
+    its own (another program on this machine) means another layout, not a failure."""
+    for attempt in range(3):
+        ports = free_layout(workers)
+        run_tmp = tmp / f"attempt-{attempt}"
+        run_tmp.mkdir()
+        up = Up(run_tmp, "--workers", str(workers), *args, *ports)
+        while up.proc.poll() is None and "foundry up: run dir" not in up.text():
+            time.sleep(0.05)
+        if up.proc.poll() == 2 and "is taken" in up.text():
+            up.cleanup()
+            continue
+        return up, ports
+    raise AssertionError("three port layouts were taken before foundry up could start")
+
+
 def running(pid: int) -> bool:
     """Alive and not a zombie."""
     try:
@@ -188,9 +205,8 @@ def wait_gone(pids: dict[str, int], within_s: float) -> list[str]:
 
 @pytest.mark.slow
 def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
-    ports = free_layout(workers=2)
+    up, ports = start_up(tmp_path, 2, "--steps", "30")
     gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
-    up = Up(tmp_path, "--steps", "30", "--workers", "2", *ports)
     try:
         done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+)", 90)
         assert float(done.group(2)) < float(done.group(1)), "loss did not go down"
@@ -224,7 +240,7 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_up_killed_while_training_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
-    up = Up(tmp_path, "--steps", "100000", "--workers", "1", *free_layout(workers=1))
+    up, _ = start_up(tmp_path, 1, "--steps", "100000")
     try:
         up.wait_for(r"training tiny for 100000 steps", 60)
         children = up.children()

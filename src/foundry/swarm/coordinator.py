@@ -46,6 +46,7 @@ from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
 from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout, StreamClosed
+from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.compression import deserialize_tensors
 from foundry.wire.errors import ProtocolError
@@ -160,6 +161,7 @@ class Coordinator:
         self._stopping = asyncio.Event()
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._admin_streams: set[FdtcStream] = set()
         self.trainer = self._initial_trainer()
         self._shapes = list(self.opt.cfg.param_shapes().items())
         self._numels = [int(np.prod(s)) for _, s in self._shapes]
@@ -255,11 +257,10 @@ class Coordinator:
             srv.close()
         for m in list(self.members.values()):
             await m.stream.close()
+        for admin in list(self._admin_streams):
+            await admin.close()
         for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 2.0)
@@ -721,6 +722,7 @@ class Coordinator:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         stream = FdtcStream(reader, writer)
+        self._admin_streams.add(stream)
         try:
             while True:
                 msg = await stream.recv()
@@ -732,6 +734,7 @@ class Coordinator:
         except (StreamClosed, FrameTimeout, ConnectionError, TimeoutError):
             pass
         finally:
+            self._admin_streams.discard(stream)
             await stream.close()
 
     async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:

@@ -33,6 +33,7 @@ from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
+from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.compression import ErrorFeedback, get_codec
 from foundry.wire.errors import ProtocolError
@@ -137,11 +138,8 @@ class Worker:
             await asyncio.sleep(policy.backoff_delay(0, rng=self._rng))
 
     async def _stop_compute(self) -> None:
-        if self._compute is not None:
-            self._compute.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._compute
-            self._compute = None
+        await cancel_and_wait(self._compute)
+        self._compute = None
 
     async def _session(self, stream: FdtcStream) -> bool:
         hw = self.opt.hardware
@@ -192,9 +190,7 @@ class Worker:
         try:
             return await self._message_loop(stream)
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await heartbeat
+            await cancel_and_wait(heartbeat)
 
     def _make_feedback(self) -> ErrorFeedback | None:
         if self.compression in (Compression.TOPK, Compression.QSGD):
@@ -318,7 +314,15 @@ class Worker:
         self.metrics.loss.set(result.loss)
         t2 = time.monotonic()
         start_us = now_us()
+        # The heartbeat goes first: it carries this round's loss, which the coordinator
+        # records with the gradient that follows.
         await stream.send(
+            fdtc.Heartbeat(
+                worker_id=self.opt.worker_id,
+                local_step=assign.global_step,
+                current_loss=self.last_loss,
+                samples_per_sec=self.rate,
+            ),
             fdtc.Gradients(
                 worker_id=self.opt.worker_id,
                 local_step=assign.global_step,
@@ -326,12 +330,6 @@ class Worker:
                 compression=self.compression,
                 uncompressed_size=sum(g.size * 4 for g in result.grads.values()),
                 data=data,
-            ),
-            fdtc.Heartbeat(
-                worker_id=self.opt.worker_id,
-                local_step=assign.global_step,
-                current_loss=self.last_loss,
-                samples_per_sec=self.rate,
             ),
         )
         self.metrics.phase_duration.labels(phase="send").observe(time.monotonic() - t2)

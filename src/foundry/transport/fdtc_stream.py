@@ -112,5 +112,6 @@ class FdtcStream:
         if self.writer.is_closing():
             return
         self.writer.close()
-        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+        # Not CancelledError: a stop that arrives while closing must reach the caller.
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
             await asyncio.wait_for(self.writer.wait_closed(), 1.0)
