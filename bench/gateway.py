@@ -1,16 +1,26 @@
 """What the gateway costs, measured in one run against real backends.
 
-It starts, as processes and through their CLI, a tensor-parallel pair on a tiny model
-(`foundry model init`, `foundry tp-leader`, `foundry tp-worker`), a coordinator waiting for
-START (`foundry coordinator --wait-for-start`) and `foundry gateway` in front of both, then:
+It starts, as processes and through their CLI, a tensor-parallel pair (`foundry tp-leader`,
+`foundry tp-worker`, default flags), a coordinator waiting for START (`foundry coordinator
+--wait-for-start`) and `foundry gateway` in front of both, then:
 
-1. generation throughput: greedy generations of ``--tokens`` tokens, alternately over the
-   frontend link directly (the gateway's own client, in this process) and through the gateway
-   (a gRPC stream), ``--rounds`` of each; tokens/s is all tokens over all wall time of each
-   path. Target: through the gateway at least 0.95x the direct rate.
-2. status latency under load: ``--callers`` concurrent callers (50) each make ``--calls``
-   GetTrainingStatus calls back to back through the gateway; p50 and p99 of the per-call
-   latency are reported (no target: the number to watch across changes).
+1. generation throughput: greedy generations of ``--tokens`` tokens, over the frontend link
+   directly (the gateway's own client, in this process) and through the gateway (a gRPC
+   stream), ``--rounds`` rounds of one generation per path, the paths taking turns to go
+   first. Tokens/s of a path is all its tokens over all its wall time; the ratio is the median
+   over rounds of the gateway's rate over the direct rate of the same round, so that load from
+   other processes, which drifts over seconds, weighs on both sides of each ratio alike.
+   Target: a ratio of at least 0.95. Every generation must run to ``--tokens`` (an early EOS
+   would time the call's setup instead of the stream). Also reported: CPU milliseconds per
+   token of each process (pair, gateway, this client), which the scheduling noise of a small
+   machine moves far less than the wall-clock rates.
+2. status latency under load: ``--callers`` concurrent callers (50) each make ``--calls`` calls
+   back to back through the gateway, first GetTrainingStatus (the coordinator's admin link),
+   then GetPairStatus (the leader's frontend link); p50 and p99 of the per-call latency are
+   reported (no target: the numbers to watch across changes).
+
+The default model is the tiny preset with its initial weights perturbed by a seeded normal
+(0.1): the bare initial weights end a greedy generation of the default prompt after two tokens.
 
 Prints a summary and one JSON line (``--json FILE`` also writes it); exit status 1 when the
 throughput target is missed.
@@ -26,33 +36,48 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.errors import GatewayError
 from foundry.gateway.frontend_client import FrontendClient
+from foundry.model.config import preset
+from foundry.model.gguf_io import save_gguf
+from foundry.model.transformer import init_params
 from foundry.wire import frontend
 
 TARGET_RATIO = 0.95
 PROMPT = "The gateway forwards every token"
+LEADER_LINE = re.compile(r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+)")
 GATEWAY_LINE = re.compile(r"gateway listening: grpc (\S+):(\d+)")
 COORDINATOR_LINE = re.compile(r"coordinator listening: workers (\S+):(\d+), admin (\S+):(\d+)")
 STARTUP_S = 120.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def write_model(path: Path, seed: int = 0) -> None:
+    """The tiny preset, its initial weights perturbed so that greedy text varies per token."""
+    cfg = preset("tiny")
+    rng = np.random.default_rng(seed + 100)
+    params = init_params(cfg, seed=seed)
+    for p in params.values():
+        p += np.float32(0.1) * rng.standard_normal(p.shape, dtype=np.float32)
+    save_gguf(path, cfg, params)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class Services:
@@ -60,7 +85,7 @@ class Services:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: dict[str, subprocess.Popen[str]] = {}
 
     def spawn(self, name: str, *args: str, read_stdout: bool = False) -> subprocess.Popen[str]:
         """``foundry ARGS``; stderr (and stdout unless read here) go to WORKDIR/NAME.log."""
@@ -70,7 +95,7 @@ class Services:
             [sys.executable, "-m", "foundry", *args],
             stdout=subprocess.PIPE if read_stdout else log, stderr=log, text=True, env=env,
         )
-        self.procs.append(proc)
+        self.procs[name] = proc
         return proc
 
     def wait_line(self, proc: subprocess.Popen[str], pattern: re.Pattern[str]) -> re.Match[str]:
@@ -85,15 +110,34 @@ class Services:
         raise SystemExit(f"{proc.args} printed no {pattern.pattern!r} line in {STARTUP_S:g} s")
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
+        for proc in reversed(self.procs.values()):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
+        for proc in reversed(self.procs.values()):
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+class CpuMeter:
+    """CPU seconds of the pair, the gateway and this process, summed over measured spans."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.spent = {name: 0.0 for name in [*pids, "client"]}
+
+    def snapshot(self) -> dict[str, float]:
+        now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        now["client"] = time.process_time()
+        return now
+
+    def add(self, before: dict[str, float]) -> None:
+        for name, value in self.snapshot().items():
+            self.spent[name] += value - before[name]
 
 
 async def wait_pair(client: FrontendClient) -> None:
@@ -108,12 +152,21 @@ async def wait_pair(client: FrontendClient) -> None:
     raise SystemExit(f"the TP pair at {client.address} did not come up in {STARTUP_S:g} s")
 
 
+def check_length(n: int, tokens: int) -> int:
+    if n != tokens:
+        raise SystemExit(
+            f"a generation ended after {n} of {tokens} tokens (EOS or a full context), so it "
+            "would time the call's setup; use a smaller --tokens or another --model"
+        )
+    return n
+
+
 async def direct_tokens(client: FrontendClient, tokens: int) -> int:
     n = 0
     async with client.generate(PROMPT, tokens) as generation:
         async for event in generation:
             n += isinstance(event, frontend.Token)
-    return n
+    return check_length(n, tokens)
 
 
 async def gateway_tokens(stub: inference_pb2_grpc.InferenceServiceStub, tokens: int) -> int:
@@ -121,23 +174,21 @@ async def gateway_tokens(stub: inference_pb2_grpc.InferenceServiceStub, tokens: 
     request = inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=tokens, temperature=0.0)
     async for event in stub.Generate(request, timeout=600):
         n += event.HasField("token")
-    return n
+    return check_length(n, tokens)
 
 
-async def status_latencies(channel: grpc.aio.Channel, callers: int, calls: int) -> list[float]:
-    stub = training_pb2_grpc.TrainingServiceStub(channel)
-    request = training_pb2.GetTrainingStatusRequest()
-    latencies: list[float] = []
+async def latencies(call: Callable[[], Awaitable[object]], callers: int, calls: int) -> list[float]:
+    measured: list[float] = []
 
     async def caller() -> None:
         for _ in range(calls):
             t0 = time.perf_counter()
-            await stub.GetTrainingStatus(request, timeout=30)
-            latencies.append(time.perf_counter() - t0)
+            await call()
+            measured.append(time.perf_counter() - t0)
 
-    await stub.GetTrainingStatus(request, timeout=30)  # connection and pool warm
+    await call()  # connection and pool warm
     await asyncio.gather(*(caller() for _ in range(callers)))
-    return latencies
+    return measured
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,46 +196,93 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def measure(args: argparse.Namespace, frontend_port: int, gateway: str) -> dict[str, float]:
+async def measure(
+    args: argparse.Namespace, frontend_port: int, gateway: str, pids: dict[str, int]
+) -> dict[str, float]:
     client = FrontendClient("127.0.0.1", frontend_port)
     await wait_pair(client)
     channel = grpc.aio.insecure_channel(gateway)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    paths: dict[str, Callable[[], Awaitable[int]]] = {
+        "direct": lambda: direct_tokens(client, args.tokens),
+        "gateway": lambda: gateway_tokens(stub, args.tokens),
+    }
+    seconds = {name: 0.0 for name in paths}
+    tokens = {name: 0 for name in paths}
+    meters = {name: CpuMeter(pids) for name in paths}
+    ratios = []
     try:
-        await direct_tokens(client, 8)  # warm both paths
-        await gateway_tokens(stub, 8)
-        direct_s = gateway_s = 0.0
-        direct_n = gateway_n = 0
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            direct_n += await direct_tokens(client, args.tokens)
-            direct_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            gateway_n += await gateway_tokens(stub, args.tokens)
-            gateway_s += time.perf_counter() - t0
-        latencies = await status_latencies(channel, args.callers, args.calls)
+        for run in paths.values():  # warm both paths
+            await run()
+        for i in range(args.rounds):
+            rate = {}
+            for name in sorted(paths, reverse=i % 2 == 1):
+                before = meters[name].snapshot()
+                t0 = time.perf_counter()
+                n = await paths[name]()
+                spent = time.perf_counter() - t0
+                meters[name].add(before)
+                tokens[name] += n
+                seconds[name] += spent
+                rate[name] = n / spent
+            ratios.append(rate["gateway"] / rate["direct"])
+        training = training_pb2_grpc.TrainingServiceStub(channel)
+        training_status = await latencies(
+            lambda: training.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(),
+                                               timeout=30),
+            args.callers, args.calls,
+        )
+        pair_status = await latencies(
+            lambda: stub.GetPairStatus(inference_pb2.GetPairStatusRequest(), timeout=30),
+            args.callers, args.calls,
+        )
     finally:
         await channel.close()
         await client.close()
-    direct_rate, gateway_rate = direct_n / direct_s, gateway_n / gateway_s
-    return {
-        "direct_tokens_per_s": direct_rate,
-        "gateway_tokens_per_s": gateway_rate,
-        "ratio": gateway_rate / direct_rate,
-        "status_p50_ms": 1e3 * statistics.median(latencies),
-        "status_p99_ms": 1e3 * percentile(latencies, 0.99),
-        "status_calls": float(len(latencies)),
+    results = {
+        "direct_tokens_per_s": tokens["direct"] / seconds["direct"],
+        "gateway_tokens_per_s": tokens["gateway"] / seconds["gateway"],
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
     }
+    for name, meter in meters.items():
+        for process, spent in meter.spent.items():
+            results[f"{name}_cpu_ms_per_token_{process}"] = 1e3 * spent / tokens[name]
+    for name, values in (("training_status", training_status), ("pair_status", pair_status)):
+        results[f"{name}_p50_ms"] = 1e3 * statistics.median(values)
+        results[f"{name}_p99_ms"] = 1e3 * percentile(values, 0.99)
+        results[f"{name}_calls"] = float(len(values))
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, float], ok: bool) -> None:
+    print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy:")
+    print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
+    print(f"  through the gateway   {results['gateway_tokens_per_s']:8.1f} tokens/s")
+    print(f"  ratio, median of {args.rounds} rounds {results['ratio']:6.3f}  "
+          f"(target >= {TARGET_RATIO}) {'PASS' if ok else 'FAIL'}; rounds "
+          f"{results['ratio_min']:.2f} to {results['ratio_max']:.2f}")
+    print("  CPU ms per token       leader  worker  gateway  client")
+    for name in ("direct", "gateway"):
+        cells = "".join(f"{results[f'{name}_cpu_ms_per_token_{p}']:8.3f}"
+                        for p in ("tp-leader", "tp-worker", "gateway", "client"))
+        print(f"    {name:<20}{cells}")
+    print(f"{args.callers} concurrent callers x {args.calls} calls each:")
+    for name, label in (("training_status", "GetTrainingStatus"),
+                        ("pair_status", "GetPairStatus")):
+        print(f"  {label:<18} p50 {results[f'{name}_p50_ms']:7.2f} ms   "
+              f"p99 {results[f'{name}_p99_ms']:7.2f} ms")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per generation")
-    parser.add_argument("--rounds", type=int, default=5, help="generations per path")
+    parser.add_argument("--rounds", type=int, default=10, help="generations per path")
     parser.add_argument("--callers", type=int, default=50, help="concurrent status callers")
     parser.add_argument("--calls", type=int, default=20, help="status calls per caller")
     parser.add_argument("--model", type=Path, default=None,
-                        help="GGUF to serve (default: a fresh `foundry model init --preset tiny`)")
+                        help="GGUF to serve (default: the perturbed tiny preset, see above)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -192,19 +290,17 @@ def main() -> int:
         workdir = Path(tmp)
         model = args.model or workdir / "model.gguf"
         if args.model is None:
-            subprocess.run(
-                [sys.executable, "-m", "foundry", "model", "init", "--preset", "tiny",
-                 "--out", str(model)],
-                check=True, timeout=STARTUP_S,
-            )
+            write_model(model)
         services = Services(workdir)
         try:
-            tp_port, frontend_port = free_port(), free_port()
-            services.spawn("tp-leader", "tp-leader", "--model", str(model),
-                           "--listen", f"127.0.0.1:{tp_port}",
-                           "--frontend-listen", f"127.0.0.1:{frontend_port}")
+            leader = services.spawn(
+                "tp-leader", "tp-leader", "--model", str(model), "--listen", "127.0.0.1:0",
+                "--frontend-listen", "127.0.0.1:0", read_stdout=True,
+            )
+            bound = services.wait_line(leader, LEADER_LINE)
+            frontend_port = int(bound.group(4))
             services.spawn("tp-worker", "tp-worker", "--model", str(model),
-                           "--leader", f"127.0.0.1:{tp_port}")
+                           "--leader", f"127.0.0.1:{bound.group(2)}")
             coordinator = services.spawn(
                 "coordinator", "coordinator", "--listen", "127.0.0.1:0",
                 "--admin-listen", "127.0.0.1:0", "--checkpoint-dir", str(workdir / "ckpt"),
@@ -216,21 +312,17 @@ def main() -> int:
                 "--coordinator-admin", f"127.0.0.1:{admin.group(4)}",
                 "--tp-frontend", f"127.0.0.1:{frontend_port}", read_stdout=True,
             )
-            bound = services.wait_line(gateway, GATEWAY_LINE)
+            listening = services.wait_line(gateway, GATEWAY_LINE)
+            pids = {name: services.procs[name].pid for name in ("tp-leader", "tp-worker",
+                                                                 "gateway")}
             results = asyncio.run(
-                measure(args, frontend_port, f"127.0.0.1:{bound.group(2)}")
+                measure(args, frontend_port, f"127.0.0.1:{listening.group(2)}", pids)
             )
         finally:
             services.stop()
 
     ok = results["ratio"] >= TARGET_RATIO
-    print(f"generate, {args.rounds} x {args.tokens} tokens, greedy:")
-    print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
-    print(f"  through the gateway   {results['gateway_tokens_per_s']:8.1f} tokens/s")
-    print(f"  ratio                 {results['ratio']:8.3f}  (target >= {TARGET_RATIO}) "
-          f"{'PASS' if ok else 'FAIL'}")
-    print(f"GetTrainingStatus, {args.callers} concurrent callers x {args.calls} calls:")
-    print(f"  p50 {results['status_p50_ms']:.2f} ms   p99 {results['status_p99_ms']:.2f} ms")
+    report(args, results, ok)
     line = json.dumps({"bench": "gateway", **results, "pass": ok})
     print(line)
     if args.json:

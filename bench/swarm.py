@@ -178,7 +178,9 @@ def verdict(ok: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--global-batch", type=int, default=64,
+                    help="samples per round; per-round costs (weights out, gradients in,\n"
+                    "AdamW) are fixed, so small batches measure overhead, not training")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12, help="measured rounds per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="rounds before measuring")

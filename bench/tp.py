@@ -1,17 +1,24 @@
-"""The tensor-parallel pair against one process, measured in one run.
+"""The tensor-parallel pair against one process, measured in one run, for each expert split.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp.py [--preset bench|small] [--tokens 64]
+        [--expert-split both|experts|intermediate]
 
-1. Decode tokens/s of one process (a world-1 ``Engine``, one BLAS thread, pinned to core A)
-   against the pair (leader in this process pinned to core A, worker a process pinned to core
-   B, one BLAS thread each), greedy, speculative decoding off. Target: the pair at least 1.6x.
-   The pair's tokens must equal the single process's.
+For each expert split (``experts``: each rank holds half of the experts whole; ``intermediate``:
+each rank holds half of every expert's intermediate size), one after the other:
+
+1. Decode tokens/s of one process (a world-1 ``Engine`` in that split, one BLAS thread, pinned
+   to core A) against the pair (leader in this process pinned to core A, worker a process
+   pinned to core B, one BLAS thread each), greedy, speculative decoding off. Target: the pair
+   at least 1.6x. The pair's tokens must equal the single process's. The one process also
+   times each half's share of every gate: the **balance bound** is the one process's time over
+   the time of a pair whose every gate costs the slower half's work (no exchange, no waiting
+   on memory bandwidth): the most this split lets a pair gain, whatever the machine.
 2. Gate exchange p50/p99 inside the pair (every gate of the decode run, over shared memory and
    over TCP) against a raw ping-pong of the same bytes (tag + one row of n_embd float32) over
    plain blocking sockets between the same two cores. Target: the TCP gate's p50 at most 2x
    the raw p50. A gate inside the pair also waits for the slower rank to reach it, so the ATTN
-   gates (equal work on both ranks) are shown apart from the FFN gates (the router may send
-   both of a token's experts to one rank).
+   gates (equal work on both ranks) are shown apart from the FFN gates (with ``experts`` the
+   router may send both of a token's experts to one rank).
 3. Bytes per decoded token on the wire, per rank and direction, against the formula: 2 gates x
    n_layer x (20-byte tag + 4 n_embd bytes), plus the control frames (EVAL from the leader, the
    worker's LOGITS half: 28-byte header + 4 + 4 n_vocab/2 bytes).
@@ -20,7 +27,8 @@
 
 The ``bench`` preset (~1.7 GB of float32 weights: decode is bound by memory bandwidth) is
 built in memory from a seeded normal * 0.02 and written to /tmp once (reused afterwards);
-``--preset small`` is a quick run. Prints PASS/FAIL per target; exit status 1 on a FAIL.
+``--preset small`` is a quick run. Prints PASS/FAIL per target and a table of both splits;
+exit status 1 on a FAIL.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tp_gates import cores, pin, raw_exchange
@@ -50,6 +60,7 @@ from foundry.model.data import encode
 from foundry.model.gguf_io import load_gguf, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
+from foundry.model.tp_split import ExpertSplit
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.policy import SpecMode
@@ -88,17 +99,82 @@ def build_model(cfg: ModelConfig, path: Path, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-def single_process(model: Path, prompt: list[int], n: int) -> tuple[list[int], float]:
-    """Greedy decode in one process: the tokens and the decode tokens/s (after the prompt)."""
+def single_process(
+    model: Path, prompt: list[int], n: int, mode: ExpertSplit
+) -> tuple[list[int], float, dict[str, float]]:
+    """Greedy decode in one process: the tokens, the decode tokens/s (after the prompt), and
+    the balance of the two halves it evaluates (see ``Balance``)."""
     m = load_gguf(model)
-    engine = Engine(m.cfg, m.params)
+    engine = Engine(m.cfg, m.params, expert_split=mode)
+    del m
     s = engine.new_session()
     logits = engine.decode(s, prompt)[-1]
     out = [sample(logits, 0.0)]
+    balance = Balance(engine)
+    steps: list[float] = []
     t0 = time.perf_counter()
     while len(out) < n:
+        t1 = time.perf_counter()
         out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
-    return out, (n - 1) / (time.perf_counter() - t0)
+        steps.append(time.perf_counter() - t1)
+    elapsed = time.perf_counter() - t0
+    return out, (n - 1) / elapsed, balance.summary(steps)
+
+
+class Balance:
+    """Times each half's share of every gate inside a world-1 engine (same routing, same work
+    as the two ranks): how far apart the halves are, on one core, with no exchange at all.
+
+    ``bound`` is the one process's time over the time a pair would take if each gate cost the
+    slower half's work and nothing else (the replicated work, norms, router and head, counted
+    once): the most a pair can gain from this split, whatever the machine and the transport.
+    Each figure is the median over the decoded tokens, so a token slowed down by another
+    process on the machine does not count.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.gates: list[list[float]] = []  # per gate: seconds of part 0, part 1
+        self.parts = engine.parts
+        self.n_layer = engine.cfg.n_layer
+        attention, ffn = engine._attention, engine._ffn
+
+        def timed_attention(layer: int, j: int, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = attention(layer, j, *args)
+            self._record(j, time.perf_counter() - t0)
+            return out
+
+        def timed_ffn(layer: int, part: Any, *args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = ffn(layer, part, *args)
+            self._record(next(j for j, p in enumerate(self.parts) if p is part),
+                         time.perf_counter() - t0)
+            return out
+
+        engine._attention = timed_attention  # type: ignore[method-assign,assignment]
+        engine._ffn = timed_ffn  # type: ignore[method-assign,assignment]
+
+    def _record(self, j: int, seconds: float) -> None:
+        if j == 0:
+            self.gates.append([])
+        self.gates[-1].append(seconds)
+
+    def summary(self, steps: list[float]) -> dict[str, float]:
+        """Medians over the decode steps (each ``steps[i]`` seconds, one token)."""
+        per_gate = np.asarray(self.gates[-len(steps) * 2 * self.n_layer:])  # (gates, parts)
+        per_token = per_gate.reshape(len(steps), -1, per_gate.shape[1])  # (tokens, gates, parts)
+        elapsed = np.asarray(steps)  # (tokens,)
+        split = per_token.sum(axis=(1, 2))  # (tokens,)
+        rest = elapsed - split
+        slowest = per_token.max(axis=2).sum(axis=1)  # (tokens,)
+        halves = per_token.sum(axis=1)  # (tokens, parts)
+        return {
+            "bound": float(np.median(elapsed / (rest + slowest))),
+            "half0_tokens_per_s": float(1 / np.median(rest + halves[:, 0])),
+            "half1_tokens_per_s": float(1 / np.median(rest + halves[:, -1])),
+            # the share of the split work a rank spends waiting for the other at the gates
+            "idle_share": float(np.median(1 - split / (halves.shape[1] * slowest))),
+        }
 
 
 class InProcessLeader:
@@ -126,13 +202,16 @@ class InProcessLeader:
         self._thread.join(30)
 
 
-def worker_main(model: str, port: int, core: int | None, shm: bool, trace: str) -> None:
+def worker_main(
+    model: str, port: int, core: int | None, shm: bool, trace: str, mode: str
+) -> None:
     """The worker rank (a spawned process): pinned, one BLAS thread; on SIGTERM it stops and
     saves its gate times (gate, seconds) to ``trace``, in the pair's gate order."""
     pin(core)
     limit_blas_threads(1)
     times: list[tuple[int, float]] = []
-    worker = Worker(WorkerOptions(model=Path(model), leader_port=port, shm=shm, retry_max_s=0.2))
+    worker = Worker(WorkerOptions(model=Path(model), leader_port=port, shm=shm, retry_max_s=0.2,
+                                  expert_split=ExpertSplit(mode)))
     record = worker._on_gate
 
     def on_gate(gate: Gate, seconds: float, nbytes: int) -> None:
@@ -146,10 +225,11 @@ def worker_main(model: str, port: int, core: int | None, shm: bool, trace: str) 
 
 
 class WorkerProc:
-    def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path) -> None:
+    def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path,
+                 mode: ExpertSplit) -> None:
         self.trace = trace
         self.proc = mp.get_context("spawn").Process(
-            target=worker_main, args=(str(model), port, core, shm, str(trace))
+            target=worker_main, args=(str(model), port, core, shm, str(trace), mode.value)
         )
         self.proc.start()
 
@@ -245,42 +325,45 @@ def raw_pingpong(nbytes: int, core: int | None) -> list[float]:
     return times
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="bench", choices=["bench", "small"])
-    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
-    parser.add_argument("--model", type=Path, default=None, help="use this GGUF instead")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args()
-    started = time.monotonic()
-    limit_blas_threads(1)
-    pair_cores = cores()
-    core_a, core_b = (pair_cores[0], pair_cores[1]) if pair_cores else (None, None)
-    pin(core_a)
-    cfg = PRESETS[args.preset]
-    model = args.model or Path(f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}.gguf")
-    built = build_model(cfg, model, args.seed) if args.model is None else 0.0
-    print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
-          f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
-    prompt_ids = [int(t) for t in encode(PROMPT, bos=True)]
+GatePairs = list[tuple[tuple[Gate, float], tuple[Gate, float]]]
 
-    one_tokens, one_rate = single_process(model, prompt_ids, args.tokens)
-    print(f"one process: {one_rate:.2f} tokens/s")
 
-    leader = InProcessLeader(LeaderOptions(model=model, host="127.0.0.1", port=0,
-                                           frontend_port=0, spec_mode=SpecMode.OFF))
-    lead = leader.leader
-    results: dict[str, object] = {"preset": args.preset, "one_process_tokens_per_s": one_rate}
+@dataclass
+class ModeRun:
+    """What one expert split measured: results, PASS/FAIL, and the two ranks' gate times of
+    the decode runs (leader's, worker's), over shared memory and over TCP."""
+
+    mode: ExpertSplit
+    results: dict[str, object]
+    ok: bool
+    shm: GatePairs
+    tcp: GatePairs
+
+
+def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: list[int],
+               tokens: int, core_b: int | None, tmp: Path) -> ModeRun:
+    """One process, then the pair over shared memory (bytes, speculative decoding), then over
+    TCP, all with the experts cut by ``mode``."""
+    tag = f"[{mode.value}]"
+    one_tokens, one_rate, bal = single_process(model, prompt_ids, tokens, mode)
+    print(f"{tag} one process: {one_rate:.2f} tokens/s; each half's work alone "
+          f"{bal['half0_tokens_per_s']:.2f} / {bal['half1_tokens_per_s']:.2f} tokens/s, "
+          f"balance bound {bal['bound']:.2f}x (the faster half waits "
+          f"{bal['idle_share']:.0%} of the split work)")
+    results: dict[str, object] = {"one_process_tokens_per_s": one_rate,
+                                  **{f"balance_{k}": v for k, v in bal.items()}}
     ok = True
-    tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
-    worker = WorkerProc(model, lead.port, core_b, True, tmp / "shm.npy")
+    leader = InProcessLeader(LeaderOptions(model=model, host="127.0.0.1", port=0,
+                                           frontend_port=0, spec_mode=SpecMode.OFF,
+                                           expert_split=mode))
+    lead = leader.leader
+    worker = WorkerProc(model, lead.port, core_b, True, tmp / f"shm-{mode.value}.npy", mode)
     try:
         wait_paired(lead, shm=True)
         start_shm = len(lead.gate_latencies())  # the worker's first gate is this one
         generate(lead.frontend_port, PROMPT, 4)  # warm-up
         before, n_trace = counters(lead), len(lead.gate_latencies())
-        pair_tokens, times = generate(lead.frontend_port, PROMPT, args.tokens)
+        pair_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
         after = counters(lead)
         shm_gates = lead.gate_latencies()[n_trace:]
         pair_rate = rate(times)
@@ -288,14 +371,14 @@ def main() -> int:
         same = pair_tokens == one_tokens
         passed = speedup >= SPEEDUP_TARGET and same
         ok = ok and passed
-        print(f"pair, shared-memory gates: {pair_rate:.2f} tokens/s  speed-up {speedup:.2f}x "
-              f"(target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
+        print(f"{tag} pair, shared-memory gates: {pair_rate:.2f} tokens/s  speed-up "
+              f"{speedup:.2f}x (target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
               f"{'' if same else '  (tokens differ from one process!)'}")
         results.update(pair_tokens_per_s=pair_rate, speedup=speedup, same_tokens=same)
 
-        # Bytes per decoded token (the prefill's are excluded: one SYNC, then args.tokens - 1
-        # EVALs for args.tokens tokens; count the EVAL steps).
-        steps = args.tokens - 1
+        # Bytes per decoded token (the prefill's are excluded: one SYNC, then tokens - 1
+        # EVALs for tokens tokens; count the EVAL steps).
+        steps = tokens - 1
         decode_gates = 2 * cfg.n_layer * steps
         per = {k: (after[k] - before[k]) for k in after}
         prefill_gate_bytes = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd * len(prompt_ids))
@@ -304,21 +387,21 @@ def main() -> int:
         v1 = cfg.n_vocab - (cfg.n_vocab + 1) // 2
         formula_logits = 28 + 4 + 4 * v1
         formula_eval = 28 + 4
-        print(f"bytes per decoded token, each rank sends: gates {gate_per_token:.0f} "
+        print(f"{tag} bytes per decoded token, each rank sends: gates {gate_per_token:.0f} "
               f"(formula 2 x {cfg.n_layer} x (20 + 4 x {cfg.n_embd}) = {formula_gate}); "
-              f"leader control sent {per['control_sent'] / args.tokens:.0f} per token "
+              f"leader control sent {per['control_sent'] / tokens:.0f} per token "
               f"(EVAL {formula_eval}, plus the SYNC, its checkpoint and SESSION_* once); "
-              f"worker LOGITS {per['control_received'] / args.tokens:.0f} per token "
+              f"worker LOGITS {per['control_received'] / tokens:.0f} per token "
               f"(formula {formula_logits})")
         bytes_ok = abs(gate_per_token - formula_gate) <= 0.01 * formula_gate
         ok = ok and bytes_ok
-        print(f"  gate bytes match the formula: {'PASS' if bytes_ok else 'FAIL'}; "
+        print(f"{tag}   gate bytes match the formula: {'PASS' if bytes_ok else 'FAIL'}; "
               f"{len(shm_gates)} gates timed ({decode_gates} decode gates + the prefill's)")
         results.update(gate_bytes_per_token=gate_per_token, formula_gate_bytes=formula_gate,
-                       logits_bytes_per_token=per["control_received"] / args.tokens)
+                       logits_bytes_per_token=per["control_received"] / tokens)
 
         # Speculative decoding on repetitive text.
-        n_spec = 2 * args.tokens  # loops take a while to form in a random model's output
+        n_spec = 2 * tokens  # loops take a while to form in a random model's output
         plain_tokens, plain_times = generate(lead.frontend_port, REPETITIVE, n_spec)
         lead.spec_mode = SpecMode.FULL_PREFIX
         drafted0, accepted0 = lead.drafted, lead.accepted
@@ -328,8 +411,8 @@ def main() -> int:
         drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
         spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
         ok = ok and spec_ok
-        print(f"speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} against "
-              f"{rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
+        print(f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
+              f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
               f"{accepted} of {drafted} drafts accepted, same tokens: "
               f"{spec_tokens == plain_tokens} {'PASS' if spec_ok else 'FAIL'}")
         results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
@@ -339,23 +422,57 @@ def main() -> int:
     shm_pairs = shm_pairs[n_trace - start_shm : n_trace - start_shm + len(shm_gates)]
 
     # The same pair over TCP gates.
-    worker = WorkerProc(model, lead.port, core_b, False, tmp / "tcp.npy")
+    worker = WorkerProc(model, lead.port, core_b, False, tmp / f"tcp-{mode.value}.npy", mode)
     try:
         wait_paired(lead, shm=False)
         start_tcp = len(lead.gate_latencies())
         generate(lead.frontend_port, PROMPT, 4)  # warm-up
         n_trace = len(lead.gate_latencies())
-        tcp_tokens, times = generate(lead.frontend_port, PROMPT, args.tokens)
+        tcp_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
         tcp_gates = lead.gate_latencies()[n_trace:]
         tcp_rate = rate(times)
-        print(f"pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up {tcp_rate / one_rate:.2f}x"
+        print(f"{tag} pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up "
+              f"{tcp_rate / one_rate:.2f}x"
               f"{'' if tcp_tokens == one_tokens else '  (tokens differ from one process!)'}")
-        results.update(pair_tcp_tokens_per_s=tcp_rate, speedup_tcp=tcp_rate / one_rate)
+        results.update(pair_tcp_tokens_per_s=tcp_rate, speedup_tcp=tcp_rate / one_rate,
+                       same_tokens_tcp=tcp_tokens == one_tokens)
     finally:
         tcp_worker = worker.stop()
         leader.stop()
     tcp_pairs = list(zip(lead.gate_latencies()[start_tcp:], tcp_worker, strict=False))
     tcp_pairs = tcp_pairs[n_trace - start_tcp : n_trace - start_tcp + len(tcp_gates)]
+    return ModeRun(mode, results, ok, shm_pairs, tcp_pairs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench", choices=["bench", "small"])
+    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
+    parser.add_argument("--model", type=Path, default=None, help="use this GGUF instead")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expert-split", default="both",
+                        choices=["both", *(m.value for m in ExpertSplit)],
+                        help="the expert split(s) to measure, one after the other (default both)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    started = time.monotonic()
+    limit_blas_threads(1)
+    pair_cores = cores()
+    core_a, core_b = (pair_cores[0], pair_cores[1]) if pair_cores else (None, None)
+    pin(core_a)
+    model = args.model or Path(f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}.gguf")
+    built = build_model(PRESETS[args.preset], model, args.seed) if args.model is None else 0.0
+    cfg = load_gguf(model, select=lambda n, v: None).cfg
+    print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
+          f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
+    prompt_ids = [int(t) for t in encode(PROMPT, bos=True)]
+    modes = list(ExpertSplit) if args.expert_split == "both" else [ExpertSplit(args.expert_split)]
+
+    tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
+    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp) for mode in modes]
+    ok = all(run.ok for run in runs)
+    results: dict[str, object] = {"preset": args.preset,
+                                  **{run.mode.value: run.results for run in runs}}
 
     raw = raw_pingpong(GATE_HEADER_SIZE + 4 * cfg.n_embd, core_b)
     raw50, raw99 = percentiles_us(raw)
@@ -364,30 +481,42 @@ def main() -> int:
           f"against raw. 'leader' is the leader's time in the gate, waiting for the slower rank "
           f"included; 'exchange' is the shorter of the two ranks' times for the same gate: the "
           f"rank that arrived last waits for nobody, so that is the exchange itself.")
-    print(f"  raw socket ping-pong       {raw50:8.1f} {raw99:8.1f}")
-    for name, pairs in (("shm", shm_pairs), ("tcp", tcp_pairs)):
-        decode = pairs[-n_decode:]
-        for label, pick in (("all", None), ("ATTN", Gate.ATTN), ("FFN", Gate.FFN)):
-            if any(g is not wg for (g, _), (wg, _) in decode):
-                raise SystemExit("the ranks' gate traces are not aligned")
-            rows = [(lt, wt) for (g, lt), (_, wt) in decode if pick is None or g is pick]
-            lead50, lead99 = percentiles_us([lt for lt, _ in rows])
-            ex50, ex99 = percentiles_us([min(lt, wt) for lt, wt in rows])
-            verdict = ""
-            if label == "all" and name == "tcp":
-                passed = ex50 / raw50 <= GATE_TARGET
-                ok = ok and passed
-                verdict = f"  {'PASS' if passed else 'FAIL'} (target: exchange <= {GATE_TARGET:g}x)"
-            print(f"  pair {name} {label:<4} leader   {lead50:8.1f} {lead99:8.1f} "
-                  f"{lead50 / raw50:6.2f}x")
-            print(f"  pair {name} {label:<4} exchange {ex50:8.1f} {ex99:8.1f} "
-                  f"{ex50 / raw50:6.2f}x{verdict}")
-            key = f"gate_{name}_{label.lower()}"
-            results.update({f"{key}_leader_p50_us": lead50, f"{key}_leader_p99_us": lead99,
-                            f"{key}_exchange_p50_us": ex50, f"{key}_exchange_p99_us": ex99})
+    print(f"  raw socket ping-pong                    {raw50:8.1f} {raw99:8.1f}")
+    for run in runs:
+        for name, pairs in (("shm", run.shm), ("tcp", run.tcp)):
+            decode = pairs[-n_decode:]
+            for label, pick in (("all", None), ("ATTN", Gate.ATTN), ("FFN", Gate.FFN)):
+                if any(g is not wg for (g, _), (wg, _) in decode):
+                    raise SystemExit("the ranks' gate traces are not aligned")
+                rows = [(lt, wt) for (g, lt), (_, wt) in decode if pick is None or g is pick]
+                lead50, lead99 = percentiles_us([lt for lt, _ in rows])
+                ex50, ex99 = percentiles_us([min(lt, wt) for lt, wt in rows])
+                verdict = ""
+                if label == "all" and name == "tcp":
+                    passed = ex50 / raw50 <= GATE_TARGET
+                    ok = ok and passed
+                    verdict = (f"  {'PASS' if passed else 'FAIL'} "
+                               f"(target: exchange <= {GATE_TARGET:g}x)")
+                where = f"{run.mode.value:<12} {name} {label:<4}"
+                print(f"  {where} leader   {lead50:8.1f} {lead99:8.1f} {lead50 / raw50:6.2f}x")
+                print(f"  {where} exchange {ex50:8.1f} {ex99:8.1f} {ex50 / raw50:6.2f}x{verdict}")
+                key = f"gate_{name}_{label.lower()}"
+                run.results.update({
+                    f"{key}_leader_p50_us": lead50, f"{key}_leader_p99_us": lead99,
+                    f"{key}_exchange_p50_us": ex50, f"{key}_exchange_p99_us": ex99,
+                })  # fmt: skip
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    print("decode tokens/s, greedy, speculative decoding off:")
+    print(f"  {'expert split':<14}{'one process':>12}{'pair shm':>10}{'pair tcp':>10}"
+          f"{'speed-up':>10}{'bound':>8}")
+    for run in runs:
+        r = {k: v for k, v in run.results.items() if isinstance(v, float)}
+        print(f"  {run.mode.value:<14}{r['one_process_tokens_per_s']:>12.2f}"
+              f"{r['pair_tokens_per_s']:>10.2f}{r['pair_tcp_tokens_per_s']:>10.2f}"
+              f"{max(r['speedup'], r['speedup_tcp']):>9.2f}x{r['balance_bound']:>7.2f}x")
     results.update(raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok,
                    seconds=time.monotonic() - started)
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"took {time.monotonic() - started:.0f} s; overall {'PASS' if ok else 'FAIL'}")
     line = json.dumps({"bench": "tp", **results})
     print(line)

@@ -16,7 +16,7 @@ ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 class Service:
     """A ``foundry`` subcommand in its own process, its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log = log
         self._out = log.open("ab")
@@ -24,7 +24,7 @@ class Service:
             [sys.executable, "-m", "foundry", *args],
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            env=ENV,
+            env={**ENV, **(env or {})},
         )
         self.pid = self.proc.pid
 

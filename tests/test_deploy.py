@@ -8,6 +8,7 @@ failure, never a skip (.ci/run installs them).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -70,6 +71,22 @@ def test_compose_check_fails_on_a_broken_file(tmp_path: Path) -> None:
     got = compose_config(tmp_path)
     assert got.returncode != 0
     assert "condition" in got.stderr
+
+
+def test_compose_tls_override_gives_every_service_its_certificate() -> None:
+    """docker-compose.tls.yml: each Foundry service mounts the certificates and names the
+    files `foundry certs` writes for its role in FOUNDRY_TLS_* (docs/operations.md, TLS)."""
+    got = run(tool("docker-compose"), "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
+              "config", "--format", "json")
+    assert got.returncode == 0, got.stderr
+    services = json.loads(got.stdout)["services"]
+    for name in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
+        env = services[name]["environment"]
+        assert env["FOUNDRY_TLS_CERT"] == f"/certs/{name}.pem", name
+        assert env["FOUNDRY_TLS_KEY"] == f"/certs/{name}-key.pem", name
+        assert env["FOUNDRY_TLS_CA"] == "/certs/ca.pem", name
+        mounts = {v["target"]: v for v in services[name]["volumes"]}
+        assert mounts["/certs"]["read_only"], name
 
 
 def compose_services() -> dict[str, Any]:

@@ -1,8 +1,13 @@
-"""The gateway over real gRPC channels on loopback: auth, TLS, reflection, health, generation
-(streaming, cancel, deadlines), status codes, metrics, and `foundry ctl` against it.
+"""The gateway over real gRPC channels on loopback, in front of a real tensor-parallel pair:
+auth, TLS, reflection, health, generation (streaming, cancel, deadlines), status codes,
+GetPairStatus, metrics, and `foundry ctl`, down to the check of project issue 6: `foundry ctl
+generate` through gateway and pair prints the bytes single-process `foundry generate` prints.
 
-The inference backend is ``StandInLeader`` (see tests/test_gateway_frontend.py); the
-training backend is left unreachable here, and is the real coordinator in
+The pair is `foundry tp-leader` + `foundry tp-worker` as processes (``Pair``, from
+tests/test_gateway_frontend.py); tests here kill, stall (SIGSTOP) and restart its ranks. The
+gateway runs in this process, except in the `foundry ctl generate` check, where every piece is
+a process. ``StandInLeader`` serves only the one test of INTERNAL, which a real leader does not
+produce on demand. The training backend is left unreachable here; it is a real coordinator in
 tests/test_gateway_coordinator.py.
 """
 
@@ -10,12 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +27,19 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_gateway_frontend import REPLY, StandInLeader, free_port, run
+from procs import ENV, Service
+from test_gateway_frontend import (
+    LONG,
+    MODEL_CFG,
+    PROMPT,
+    REPLY,
+    Pair,
+    StandInLeader,
+    free_port,
+    run,
+    running_pair,
+)
+from tp_harness import Result, make_model
 
 from foundry.api.v1 import (
     inference_pb2,
@@ -33,18 +49,31 @@ from foundry.api.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
-from foundry.gateway.server import API_SERVICES, Gateway, GatewayOptions
+from foundry.gateway.server import API_SERVICES, INFERENCE_SERVICE, Gateway, GatewayOptions
+from foundry.wire import frontend as fw
 
 TOKEN = "s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+GATEWAY_LINE = r"gateway listening: grpc 127\.0\.0\.1:(\d+)"
+GENERATE = "foundry.v1.InferenceService/Generate"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "model.gguf", MODEL_CFG)
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    with running_pair(model, tmp_path_factory.mktemp("pair")) as p:
+        yield p
 
 
 @dataclass
 class Stack:
     gateway: Gateway
-    leader: StandInLeader
     channel: grpc.aio.Channel
     coordinator_port: int
 
@@ -61,16 +90,18 @@ class Stack:
     def health(self) -> health_pb2_grpc.HealthStub:
         return health_pb2_grpc.HealthStub(self.channel)
 
+    def count(self, metric: str, **labels: str) -> float:
+        return self.gateway.metrics.registry.get_sample_value(metric, labels) or 0.0
+
 
 @contextlib.asynccontextmanager
 async def stack(
-    leader: StandInLeader | None = None,
+    frontend_port: int,
     token: str | None = TOKEN,
     tls: tuple[Path, Path] | None = None,
     channel_credentials: grpc.ChannelCredentials | None = None,
 ) -> AsyncIterator[Stack]:
-    leader = leader or StandInLeader()
-    leader_port = await leader.start()
+    """A gateway in this process in front of the leader at ``frontend_port``."""
     coordinator_port = free_port()  # nothing listens there
     options = GatewayOptions(
         listen_host="127.0.0.1",
@@ -78,7 +109,7 @@ async def stack(
         coordinator_host="127.0.0.1",
         coordinator_port=coordinator_port,
         frontend_host="127.0.0.1",
-        frontend_port=leader_port,
+        frontend_port=frontend_port,
         tls_cert=tls[0] if tls else None,
         tls_key=tls[1] if tls else None,
         token=token,
@@ -95,11 +126,10 @@ async def stack(
     else:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Stack(gateway, leader, channel, coordinator_port)
+        yield Stack(gateway, channel, coordinator_port)
     finally:
         await channel.close()
         await gateway.stop()
-        await leader.stop()
 
 
 async def status_of(s: Stack, service: str) -> int:
@@ -115,35 +145,62 @@ async def wait_health(s: Stack, service: str, want: int, within_s: float = 5.0) 
         await asyncio.sleep(0.05)
 
 
-async def generate_text(s: Stack, request: inference_pb2.GenerateRequest, **kw: object) -> tuple[
-    str, inference_pb2.GenerationDone
-]:
-    text = ""
+async def generate(
+    s: Stack, request: inference_pb2.GenerateRequest, **kw: object
+) -> tuple[list[inference_pb2.GeneratedToken], inference_pb2.GenerationDone]:
+    tokens = []
     done = None
     async for event in s.inference().Generate(request, metadata=AUTH, **kw):
         if event.HasField("token"):
-            text += event.token.text
+            tokens.append(event.token)
         else:
             done = event.done
     assert done is not None
-    return text, done
+    return tokens, done
+
+
+def assert_same(
+    tokens: list[inference_pb2.GeneratedToken], done: inference_pb2.GenerationDone, direct: Result
+) -> None:
+    """What the gateway streamed is what the leader sends on a direct frontend connection."""
+    assert [(t.id, t.position) for t in tokens] == list(
+        zip(direct.tokens, direct.positions, strict=True)
+    )
+    assert "".join(t.text for t in tokens) == direct.text
+    assert isinstance(direct.end, fw.Done)
+    reason = inference_pb2.FinishReason.Name(done.reason)
+    assert reason == f"FINISH_REASON_{direct.end.reason.name}"
+    assert (done.prompt_tokens, done.generated_tokens) == (
+        direct.end.prompt_tokens, direct.end.generated_tokens
+    )
+
+
+async def expect_code(awaitable: object, code: grpc.StatusCode, wording: str = "") -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await awaitable  # type: ignore[misc]
+    assert exc.value.code() == code, exc.value.details()
+    details = exc.value.details() or ""
+    assert wording in details, details
+    return details
 
 
 # ---------------------------------------------------------------------------- auth
 
 
-def test_every_call_but_health_and_reflection_needs_the_token() -> None:
+def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> None:
+    served_before = pair.status().requests_served
+
     async def main() -> None:
-        async with stack() as s:
+        async with stack(pair.frontend) as s:
             for metadata, wording in [((), "requires a bearer token"),
                                       ((("authorization", "Bearer nope"),), "not accepted"),
                                       ((("authorization", f"Basic {TOKEN}"),), "requires")]:
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await s.inference().GetPairStatus(
+                await expect_code(
+                    s.inference().GetPairStatus(
                         inference_pb2.GetPairStatusRequest(), metadata=metadata, timeout=5
-                    )
-                assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                assert wording in (exc.value.details() or "")
+                    ),
+                    grpc.StatusCode.UNAUTHENTICATED, wording,
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     async for _ in s.inference().Generate(
                         inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
@@ -151,48 +208,44 @@ def test_every_call_but_health_and_reflection_needs_the_token() -> None:
                     ):
                         pass
                 assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await s.training().ShutdownTraining(
+                await expect_code(
+                    s.training().ShutdownTraining(
                         training_pb2.ShutdownTrainingRequest(), metadata=metadata, timeout=5
-                    )
-                assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert s.leader.requests == [], "a refused call reached the backend"
-
-            pair = await s.inference().GetPairStatus(
+                    ),
+                    grpc.StatusCode.UNAUTHENTICATED,
+                )
+            tokens, _ = await generate(
+                s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=2), timeout=10
+            )
+            assert len(tokens) == 2
+            pair_status = await s.inference().GetPairStatus(
                 inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
             )
-            assert pair.worker_connected and pair.model_id == 0xC0FFEE
+            # One generation reached the pair: the authorised one.
+            assert pair_status.requests_served == served_before + 1
+            assert pair_status.worker_connected
             assert await status_of(s, "") == SERVING  # no token
 
-            metrics = s.gateway.metrics.registry
-            refused = metrics.get_sample_value(
-                "foundry_gateway_requests_total",
-                {"method": "foundry.v1.InferenceService/GetPairStatus", "code": "UNAUTHENTICATED"},
-            )
-            ok = metrics.get_sample_value(
-                "foundry_gateway_requests_total",
-                {"method": "foundry.v1.InferenceService/GetPairStatus", "code": "OK"},
-            )
+            pair_method = "foundry.v1.InferenceService/GetPairStatus"
+            refused = s.count("foundry_gateway_requests_total", method=pair_method,
+                              code="UNAUTHENTICATED")
+            ok = s.count("foundry_gateway_requests_total", method=pair_method, code="OK")
             assert (refused, ok) == (3, 1)
-            assert metrics.get_sample_value(
-                "foundry_gateway_request_duration_seconds_count",
-                {"method": "foundry.v1.InferenceService/GetPairStatus"},
-            ) == 4
+            assert s.count("foundry_gateway_request_duration_seconds_count",
+                           method=pair_method) == 4
 
     run(main)
 
 
-def test_reflection_lists_the_services_without_a_token() -> None:
+def test_reflection_lists_the_services_without_a_token(pair: Pair) -> None:
     async def main() -> None:
-        async with stack() as s:
+        async with stack(pair.frontend) as s:
             stub = reflection_pb2_grpc.ServerReflectionStub(s.channel)
             call = stub.ServerReflectionInfo(timeout=5)
             await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
             listed = await call.read()
             await call.write(
-                reflection_pb2.ServerReflectionRequest(
-                    file_containing_symbol="foundry.v1.InferenceService"
-                )
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=INFERENCE_SERVICE)
             )
             described = await call.read()
             await call.done_writing()
@@ -220,17 +273,18 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def test_tls_with_the_ca_works_and_plaintext_does_not(tmp_path: Path) -> None:
+def test_tls_with_the_ca_works_and_plaintext_does_not(pair: Pair, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    direct = pair.generate("hi", 5)
 
     async def main() -> None:
-        async with stack(tls=(cert, key), channel_credentials=creds) as s:
+        async with stack(pair.frontend, tls=(cert, key), channel_credentials=creds) as s:
             assert await status_of(s, "") == SERVING
-            text, _ = await generate_text(
-                s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=5), timeout=5
+            tokens, done = await generate(
+                s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=5), timeout=10
             )
-            assert text == REPLY[:5]
+            assert_same(tokens, done, direct)
             async with grpc.aio.insecure_channel(s.target) as plain:
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     await health_pb2_grpc.HealthStub(plain).Check(
@@ -243,43 +297,71 @@ def test_tls_with_the_ca_works_and_plaintext_does_not(tmp_path: Path) -> None:
     run(main)
 
 
-# ---------------------------------------------------------------------------- generation
+# ---------------------------------------------------------------------------- the pair
 
 
-def test_generate_streams_through_the_gateway() -> None:
+def test_get_pair_status_is_the_leaders_status(model: Path, pair: Pair) -> None:
     async def main() -> None:
-        async with stack() as s:
-            text, done = await generate_text(
-                s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=9, seed=3), timeout=5
+        async with stack(pair.frontend) as s:
+            before = await s.inference().GetPairStatus(
+                inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
             )
-            assert text == REPLY[:9]
-            assert done.reason == inference_pb2.FINISH_REASON_MAX_TOKENS
-            assert done.generated_tokens == 9 and done.prompt_tokens == 2
-            text, done = await generate_text(
-                s,
-                inference_pb2.GenerateRequest(
-                    prompt="hi", max_tokens=100, temperature=0.7, top_p=0.9, stop=["brown"]
-                ),
-                timeout=5,
+            direct = await asyncio.to_thread(pair.status)
+            assert before.worker_connected and before.shared_memory
+            assert (before.n_layer, before.n_embd, before.n_vocab, before.ctx_size) == (
+                MODEL_CFG.n_layer, MODEL_CFG.n_embd, MODEL_CFG.n_vocab, MODEL_CFG.n_ctx
             )
-            assert text == "the quick brown"
-            assert done.reason == inference_pb2.FINISH_REASON_STOP_STRING
-            sent = s.leader.requests[-1]
-            assert (sent.max_tokens, sent.stop) == (100, ("brown",))
-            assert sent.temperature == pytest.approx(0.7) and sent.top_p == pytest.approx(0.9)
-            assert s.leader.requests[0].top_p == 1.0  # unset top_p means no filtering
-            assert s.gateway.metrics.registry.get_sample_value(
-                "foundry_gateway_generated_tokens_total"
-            ) == 9 + len("the quick brown")
+            assert before.model_bytes == model.stat().st_size
+            assert before.model_id == direct.model_id != 0
+            assert before.active_sessions == 0
+            await generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=7), timeout=10)
+            after = await s.inference().GetPairStatus(
+                inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
+            )
+            assert after.tokens_generated == before.tokens_generated + 7
+            assert after.requests_served == before.requests_served + 1
 
     run(main)
 
 
-def test_cancelling_generate_stops_decoding_on_the_pair() -> None:
+def test_generate_streams_what_the_pair_generates(pair: Pair) -> None:
+    greedy = pair.generate(PROMPT, 24)
+    stop = greedy.text[10:13]
+    stopped = pair.generate(PROMPT, 24, stop=(stop,))
+    sampled = pair.generate(PROMPT, 40, temperature=0.7, top_p=0.9, seed=3)
+    unset_top_p = pair.generate(PROMPT, 16, temperature=0.9, seed=4, top_p=1.0)
+    assert isinstance(stopped.end, fw.Done) and stopped.end.reason is fw.DoneReason.STOP_STRING
+    assert stopped.text == greedy.text[: greedy.text.find(stop)]
+
     async def main() -> None:
-        async with stack(StandInLeader(token_delay_s=0.01)) as s:
+        async with stack(pair.frontend) as s:
+            streamed = 0
+            for request, direct in [
+                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=24), greedy),
+                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=24, stop=[stop]),
+                 stopped),
+                # The sampled text depends on every field: each reached the leader.
+                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.7,
+                                               top_p=0.9, seed=3), sampled),
+                # An unset top_p is 1: no filtering.
+                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0.9,
+                                               seed=4), unset_top_p),
+            ]:
+                tokens, done = await generate(s, request, timeout=10)
+                assert_same(tokens, done, direct)
+                streamed += len(tokens)
+            assert s.count("foundry_gateway_generated_tokens_total") == streamed
+
+    run(main)
+
+
+def test_cancelling_generate_stops_decoding_on_the_pair(pair: Pair) -> None:
+    before, tokens_before = pair.requests("cancelled"), pair.status().tokens_generated
+
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
             call = s.inference().Generate(
-                inference_pb2.GenerateRequest(prompt="long", max_tokens=5000), metadata=AUTH
+                inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]), metadata=AUTH
             )
             got = 0
             async for _ in call:
@@ -287,32 +369,70 @@ def test_cancelling_generate_stops_decoding_on_the_pair() -> None:
                 if got == 3:
                     break
             call.cancel()
-            await asyncio.wait_for(s.leader.cancel_seen.wait(), 3.0)
-            assert s.leader.cancelled == [s.leader.requests[0].request_id]
+            status = await asyncio.to_thread(pair.wait_cancelled, before)
+            assert status.tokens_generated - tokens_before < LONG[1]
+            assert s.count("foundry_gateway_requests_total", method=GENERATE,
+                           code="CANCELLED") == 1
 
     run(main)
 
 
-def test_deadlines_are_honoured() -> None:
+def test_a_deadline_mid_stream_ends_the_generation_on_the_pair(pair: Pair) -> None:
+    before, tokens_before = pair.requests("cancelled"), pair.status().tokens_generated
+
     async def main() -> None:
-        async with stack(StandInLeader(status_delay_s=0.0)) as s:
-            await wait_health(s, "foundry.v1.InferenceService", SERVING)
-            s.leader.status_delay_s = 3.0
+        async with stack(pair.frontend) as s:
+            got = 0
             t0 = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await s.inference().GetPairStatus(
-                    inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=0.3
-                )
+                async for _ in s.inference().Generate(
+                    inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]),
+                    metadata=AUTH, timeout=0.3,
+                ):
+                    got += 1
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - t0 < 2.0
-            t0 = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await generate_text(
-                    s, inference_pb2.GenerateRequest(prompt="!mute", max_tokens=3), timeout=0.3
+            assert got > 0 and time.monotonic() - t0 < 2.0
+            status = await asyncio.to_thread(pair.wait_cancelled, before)
+            assert status.tokens_generated - tokens_before < LONG[1]
+            assert s.count("foundry_gateway_requests_total", method=GENERATE,
+                           code="DEADLINE_EXCEEDED") == 1
+
+    run(main)
+
+
+def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
+    """SIGSTOP on the leader: its sockets stay open and it answers nothing."""
+    before, tokens_before = pair.requests("cancelled"), pair.status().tokens_generated
+
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
+            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            pair.stall_leader()
+            try:
+                t0 = time.monotonic()
+                await expect_code(
+                    s.inference().GetPairStatus(
+                        inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=0.3
+                    ),
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
-            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - t0 < 2.0
-            await asyncio.wait_for(s.leader.cancel_seen.wait(), 3.0)
+                assert time.monotonic() - t0 < 2.0
+                t0 = time.monotonic()
+                await expect_code(
+                    generate(s, inference_pb2.GenerateRequest(prompt=LONG[0],
+                                                              max_tokens=LONG[1]), timeout=0.3),
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                assert time.monotonic() - t0 < 2.0
+                await wait_health(s, INFERENCE_SERVICE, NOT_SERVING)
+            finally:
+                pair.resume_leader()
+            # The leader reads the GENERATE and the CANCEL sent at the deadline together.
+            status = await asyncio.to_thread(pair.wait_cancelled, before)
+            # At most the token of the prefill, if its engine thread admitted the request
+            # between the two frames.
+            assert status.tokens_generated - tokens_before <= 1
+            await wait_health(s, INFERENCE_SERVICE, SERVING)
 
     run(main)
 
@@ -330,40 +450,71 @@ def test_deadlines_are_honoured() -> None:
         ({"max_tokens": 4, "top_p": 1.5}, "top_p"),
         ({"max_tokens": 4, "stop": ["x"] * 17}, "at most 16"),
         ({"max_tokens": 4, "stop": ["ok", ""]}, "empty"),
+        ({"max_tokens": 4, "stop": ["y" * 70000]}, "stop string of 70000 bytes"),
+        ({"max_tokens": 4, "prompt": "x" * fw.MAX_PAYLOAD}, "shorten the prompt"),
     ],
 )
 def test_bad_generate_requests_are_invalid_argument(
-    request_fields: dict[str, object], wording: str
+    pair: Pair, request_fields: dict[str, object], wording: str
 ) -> None:
+    refused_before = pair.requests("bad_request")
+
     async def main() -> None:
-        async with stack() as s:
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await generate_text(
-                    s, inference_pb2.GenerateRequest(prompt="x", **request_fields), timeout=5
+        async with stack(pair.frontend) as s:
+            request = inference_pb2.GenerateRequest(
+                **{"prompt": "x", **request_fields}  # type: ignore[arg-type]
+            )
+            await expect_code(
+                generate(s, request, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, wording
+            )
+
+    run(main)
+    assert pair.requests("bad_request") == refused_before, "the gateway let it through"
+
+
+def test_the_leaders_refusals_map_to_status_codes(pair: Pair) -> None:
+    refused_before = pair.requests("bad_request")
+    cancelled_before = pair.requests("cancelled")
+
+    async def stream(call: grpc.aio.UnaryStreamCall) -> None:
+        async for _ in call:
+            pass
+
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
+            details = await expect_code(
+                generate(s, inference_pb2.GenerateRequest(prompt="x" * 1100, max_tokens=4),
+                         timeout=10),
+                grpc.StatusCode.INVALID_ARGUMENT, "longer than the context of 1024",
+            )
+            assert "the TP leader refused the request" in details
+            assert await asyncio.to_thread(pair.requests, "bad_request") == refused_before + 1
+
+            # Four decode and four wait on this pair: one of nine at once is refused.
+            calls = [
+                s.inference().Generate(
+                    inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]),
+                    metadata=AUTH,
                 )
-            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert wording in (exc.value.details() or "")
-            assert s.leader.requests == []
+                for _ in range(9)
+            ]
+            tasks = [asyncio.create_task(stream(call)) for call in calls]
+            done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0.2)  # a second refusal would have come by now
+            refused = [t for t in tasks if t.done()]
+            assert len(done) == len(refused) == 1, refused
+            await expect_code(refused[0], grpc.StatusCode.RESOURCE_EXHAUSTED, "retry later")
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(pair.wait_cancelled, cancelled_before, 8)
 
     run(main)
 
 
-def test_backend_errors_map_to_status_codes() -> None:
+def test_an_unreachable_coordinator_is_unavailable_with_a_hint(pair: Pair) -> None:
     async def main() -> None:
-        async with stack() as s:
-            for prompt, code, wording in [
-                ("!bad", grpc.StatusCode.INVALID_ARGUMENT, "prompt too long"),
-                ("!busy", grpc.StatusCode.RESOURCE_EXHAUSTED, "retry later"),
-                ("!drop", grpc.StatusCode.UNAVAILABLE, "broke"),
-            ]:
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await generate_text(
-                        s, inference_pb2.GenerateRequest(prompt=prompt, max_tokens=4), timeout=5
-                    )
-                assert exc.value.code() == code, prompt
-                assert wording in (exc.value.details() or ""), exc.value.details()
-
-            # The coordinator is not running: every training and model call says where to look.
+        async with stack(pair.frontend) as s:
             training = s.training()
             for rpc, request in [
                 (training.GetTrainingStatus, training_pb2.GetTrainingStatusRequest()),
@@ -371,11 +522,10 @@ def test_backend_errors_map_to_status_codes() -> None:
                 (model_pb2_grpc.ModelServiceStub(s.channel).ExportModel,
                  model_pb2.ExportModelRequest()),
             ]:
-                with pytest.raises(grpc.aio.AioRpcError) as exc:
-                    await rpc(request, metadata=AUTH, timeout=5)
-                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-                details = exc.value.details() or ""
-                assert f"--admin-listen 127.0.0.1:{s.coordinator_port}" in details, details
+                await expect_code(
+                    rpc(request, metadata=AUTH, timeout=5),
+                    grpc.StatusCode.UNAVAILABLE, f"--admin-listen 127.0.0.1:{s.coordinator_port}",
+                )
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 async for _ in training.WatchTrainingStatus(
                     training_pb2.WatchTrainingStatusRequest(interval_seconds=0.01),
@@ -384,34 +534,129 @@ def test_backend_errors_map_to_status_codes() -> None:
                     pass
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-            await s.leader.stop()
-            await wait_health(s, "foundry.v1.InferenceService", NOT_SERVING)
-            with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await s.inference().GetPairStatus(
-                    inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
+    run(main)
+
+
+def test_faults_of_the_leader_itself_are_internal() -> None:
+    """ERROR INTERNAL and bytes that break the protocol: only the stand-in makes them."""
+
+    async def main() -> None:
+        leader = StandInLeader()
+        port = await leader.start()
+        try:
+            async with stack(port) as s:
+                for prompt, wording in [("!internal", "see the tp-leader log"),
+                                        ("!garbage", "same foundry version")]:
+                    await expect_code(
+                        generate(s, inference_pb2.GenerateRequest(prompt=prompt, max_tokens=4),
+                                 timeout=5),
+                        grpc.StatusCode.INTERNAL, wording,
+                    )
+                tokens, _ = await generate(
+                    s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=5
                 )
-            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "--frontend-listen" in (exc.value.details() or "")
-            await s.leader.start(s.leader.port)  # so the stack's teardown can stop it again
+                assert "".join(t.text for t in tokens) == REPLY[:4]
+        finally:
+            await leader.stop()
 
     run(main)
+
+
+# ---------------------------------------------------------------------------- a rank goes away
+
+
+def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair) -> None:
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
+            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            call = s.inference().Generate(
+                inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]), metadata=AUTH
+            )
+            got = 0
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in call:
+                    got += 1
+                    if got == 3:
+                        await asyncio.to_thread(pair.kill_worker)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "tensor-parallel worker lost" in (exc.value.details() or "")
+
+            await wait_health(s, INFERENCE_SERVICE, NOT_SERVING, 3)
+            assert s.count("foundry_gateway_backend_up", backend="tp_leader") == 0
+            t0 = time.monotonic()
+            await expect_code(
+                generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=10),
+                grpc.StatusCode.UNAVAILABLE, "not connected",
+            )
+            assert time.monotonic() - t0 < 1.0, "no fast failure"
+            status = await s.inference().GetPairStatus(
+                inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
+            )
+            assert not status.worker_connected
+
+            await asyncio.to_thread(pair.restart_worker)
+            await wait_health(s, INFERENCE_SERVICE, SERVING, 3)
+            direct = await asyncio.to_thread(pair.generate, PROMPT, 12)
+            tokens, done = await generate(
+                s, inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=12), timeout=10
+            )
+            assert_same(tokens, done, direct)
+
+    run(main, timeout_s=60)
+
+
+def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> None:
+    """The gateway needs no restart when the leader restarts."""
+
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
+            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            call = s.inference().Generate(
+                inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]), metadata=AUTH
+            )
+            got = 0
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in call:
+                    got += 1
+                    if got == 3:
+                        await asyncio.to_thread(pair.kill_leader)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "broke" in (exc.value.details() or "")
+
+            await wait_health(s, INFERENCE_SERVICE, NOT_SERVING, 3)
+            await expect_code(
+                s.inference().GetPairStatus(
+                    inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
+                ),
+                grpc.StatusCode.UNAVAILABLE, f"--frontend-listen 127.0.0.1:{pair.frontend}",
+            )
+            await expect_code(
+                generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=10),
+                grpc.StatusCode.UNAVAILABLE, "unreachable",
+            )
+
+            await asyncio.to_thread(pair.restart_leader)
+            await wait_health(s, INFERENCE_SERVICE, SERVING, 5)
+            direct = await asyncio.to_thread(pair.generate, PROMPT, 12)
+            tokens, done = await generate(
+                s, inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=12), timeout=10
+            )
+            assert_same(tokens, done, direct)
+
+    run(main, timeout_s=60)
 
 
 # ---------------------------------------------------------------------------- health
 
 
-def test_health_follows_the_pair_and_goes_first_on_shutdown() -> None:
+def test_health_follows_the_backends_and_goes_first_on_shutdown(pair: Pair) -> None:
     async def main() -> None:
-        async with stack() as s:
+        async with stack(pair.frontend) as s:
             assert await status_of(s, "") == SERVING
-            await wait_health(s, "foundry.v1.InferenceService", SERVING)
+            await wait_health(s, INFERENCE_SERVICE, SERVING)
             # The coordinator of this stack is unreachable.
             assert await status_of(s, "foundry.v1.TrainingService") == NOT_SERVING
             assert await status_of(s, "foundry.v1.ModelService") == NOT_SERVING
-            s.leader.worker_connected = False
-            await wait_health(s, "foundry.v1.InferenceService", NOT_SERVING)
-            s.leader.worker_connected = True
-            await wait_health(s, "foundry.v1.InferenceService", SERVING)
 
             watch = s.health().Watch(health_pb2.HealthCheckRequest(service=""))
             first = await watch.read()
@@ -427,44 +672,66 @@ def test_health_follows_the_pair_and_goes_first_on_shutdown() -> None:
 # ---------------------------------------------------------------------------- foundry ctl
 
 
-def _ctl(target: str, token_file: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "foundry", "ctl", "--gateway", target,
-            "--token-file", str(token_file), *args]
+def _ctl(target: str, token_file: Path | None, *args: str) -> list[str]:
+    auth = ["--token-file", str(token_file)] if token_file else []
+    return [sys.executable, "-m", "foundry", "ctl", "--gateway", target, *auth, *args]
 
 
 async def _run(cmd: list[str]) -> tuple[int, str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """A command run while this process's event loop (and so an in-process gateway) runs."""
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=ENV
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
 
-def test_ctl_generate_prints_only_the_text_and_status_shows_the_pair(tmp_path: Path) -> None:
+def test_ctl_status_shows_the_pair_and_needs_the_token(pair: Pair, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
 
     async def main() -> None:
-        async with stack() as s:
-            code, out, err = await _run(_ctl(
-                s.target, token_file, "generate", "--prompt", "hi", "--max-tokens", "11",
-                "--temperature", "0", "--stats",
-            ))
-            assert code == 0, err
-            assert out == REPLY[:11] + "\n"
-            assert "11 tokens" in err and "max_tokens" in err
-
+        async with stack(pair.frontend) as s:
             code, out, err = await _run(_ctl(s.target, token_file, "status"))
             assert code == 1, "the coordinator is down, so status reports a failure"
-            assert "pair: worker rank connected" in out
+            assert "pair: worker rank connected" in out, out + err
             assert "training: unavailable" in out and "--admin-listen" in out
-
-            code, out, err = await _run(
-                [sys.executable, "-m", "foundry", "ctl", "--gateway", s.target, "pause"]
-            )
+            code, out, err = await _run(_ctl(s.target, None, "pause"))
             assert code == 1
             assert "UNAUTHENTICATED" in err and "--token-file" in err
 
     run(main, timeout_s=60)
+
+
+def test_ctl_generate_through_gateway_and_pair_prints_what_foundry_generate_prints(
+    model: Path, tmp_path: Path
+) -> None:
+    """Project issue 6: every piece a process, the pair with its default flags (speculative
+    decoding on), greedy text compared byte for byte with one process. The model's text is
+    varied (random weights: bytes of every kind, invalid UTF-8 included, so the streamed
+    pieces must join exactly as the one process joins them); one prompt runs to EOS."""
+    with running_pair(model, tmp_path, flags=()) as p, Service(
+        ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin", f"127.0.0.1:{free_port()}",
+         "--tp-frontend", f"127.0.0.1:{p.frontend}"],
+        tmp_path / "gateway.log",
+    ) as gateway:
+        target = f"127.0.0.1:{gateway.wait_for(GATEWAY_LINE).group(1)}"
+        for prompt, n, finish in [("Hello from the gateway", 80, "max_tokens"),
+                                  ("abc", LONG[1], "eos")]:
+            settings = ["--prompt", prompt, "--max-tokens", str(n), "--temperature", "0"]
+            through = subprocess.Popen(_ctl(target, None, "generate", *settings, "--stats"),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+            one = subprocess.Popen(
+                [sys.executable, "-m", "foundry", "generate", "--model", str(model), *settings],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+            )
+            out, err = through.communicate(timeout=60)
+            want, one_err = one.communicate(timeout=60)
+            assert through.returncode == 0, err.decode()
+            assert one.returncode == 0, one_err.decode()
+            assert out == want
+            text = out.decode()
+            assert text.endswith("\n") and len(set(text)) > 10, text
+            assert f"finished: {finish}" in err.decode(), err.decode()
+        assert gateway.stop() == 0, gateway.text()

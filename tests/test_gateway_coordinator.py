@@ -1,13 +1,13 @@
 """The gateway in front of a real `foundry coordinator` process: every training and model call,
-health that follows the coordinator, and `foundry gateway` + `foundry ctl` as processes."""
+health that follows the coordinator, and `foundry gateway` + `foundry ctl` as processes.
+
+tests/procs.py starts the processes; its blocking waits run in a thread here, so that the
+gateway in this process keeps serving meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
-import signal
 import sys
 import time
 import urllib.request
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import procs
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_gateway_frontend import free_port, run
@@ -24,68 +25,25 @@ from foundry.gateway.server import Gateway, GatewayOptions
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LISTENING = re.compile(r"coordinator listening: workers (\S+):(\d+), admin (\S+):(\d+)")
-GATEWAY_LISTENING = re.compile(r"gateway listening: grpc (\S+):(\d+)")
+GATEWAY_LISTENING = r"gateway listening: grpc 127\.0\.0\.1:(\d+).*metrics :(\d+)"
 # A training run small enough to finish in a few seconds on one core.
 TINY_RUN = ("--preset", "tiny", "--max-steps", "3", "--global-batch", "2", "--seq-len", "16",
             "--checkpoint-every", "1000", "--warmup-steps", "1")
 
 
-class Process:
-    """A `foundry ...` subprocess: stdout read line by line, stderr kept in a file."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, log: Path) -> None:
-        self.proc = proc
-        self.log = log
-
-    @classmethod
-    async def start(cls, args: list[str], log: Path) -> Process:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
-        with log.open("wb") as err:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "foundry", *args,
-                stdout=asyncio.subprocess.PIPE, stderr=err, env=env,
-            )
-        return cls(proc, log)
-
-    async def wait_line(self, pattern: re.Pattern[str], within_s: float = 60.0) -> re.Match[str]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + within_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {pattern.pattern!r} line; log:\n{self.tail()}")
-            line = await asyncio.wait_for(self.proc.stdout.readline(), left)
-            if not line:
-                raise AssertionError(f"exited ({self.proc.returncode}); log:\n{self.tail()}")
-            match = pattern.search(line.decode())
-            if match:
-                return match
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    async def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(sig)
-        try:
-            return await asyncio.wait_for(self.proc.wait(), 20)
-        except TimeoutError:
-            self.proc.kill()
-            return await self.proc.wait()
-
-
-async def start_coordinator(
-    tmp: Path, admin_port: int = 0, *extra: str
-) -> tuple[Process, int, int]:
-    """A coordinator waiting for START; returns it, its worker port and its admin port."""
-    proc = await Process.start(
-        ["coordinator", "--listen", "127.0.0.1:0", "--admin-listen", f"127.0.0.1:{admin_port}",
-         "--checkpoint-dir", str(tmp / "checkpoints"), "--wait-for-start", *TINY_RUN, *extra],
-        tmp / f"coordinator-{time.monotonic_ns()}.log",
+async def start_coordinator(tmp: Path, admin_port: int = 0) -> tuple[procs.Service, int, int]:
+    """A coordinator waiting for START; returns it, its worker port and its admin port.
+    procs.coordinator asks for admin port 0; argparse keeps the last of a repeated flag."""
+    return await asyncio.to_thread(
+        procs.coordinator, tmp, "--admin-listen", f"127.0.0.1:{admin_port}", "--wait-for-start",
+        *TINY_RUN, name=f"coordinator-{time.monotonic_ns()}",
     )
-    m = await proc.wait_line(LISTENING)
-    return proc, int(m.group(2)), int(m.group(4))
+
+
+async def exit_code(service: procs.Service, within_s: float = 20.0) -> int:
+    """Wait for a process that ends by itself."""
+    code: int = await asyncio.to_thread(service.proc.wait, within_s)
+    return code
 
 
 @contextlib.asynccontextmanager
@@ -142,7 +100,7 @@ def test_health_follows_the_coordinator(tmp_path: Path) -> None:
                 await wait_health(channel, training, SERVING, 3)
                 await wait_health(channel, "foundry.v1.ModelService", SERVING, 1)
             finally:
-                await coordinator.stop(signal.SIGKILL)
+                await asyncio.to_thread(coordinator.kill)
             await wait_health(channel, training, NOT_SERVING, 3)
             stub = training_pb2_grpc.TrainingServiceStub(channel)
             await expect_code(
@@ -159,7 +117,7 @@ def test_health_follows_the_coordinator(tmp_path: Path) -> None:
                 )
                 assert got.status.state == training_pb2.TRAINING_STATE_WAITING
             finally:
-                await coordinator.stop()
+                await asyncio.to_thread(coordinator.stop)
 
     run(main, timeout_s=90)
 
@@ -167,7 +125,7 @@ def test_health_follows_the_coordinator(tmp_path: Path) -> None:
 def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path) -> None:
     async def main() -> None:
         coordinator, worker_port, admin_port = await start_coordinator(tmp_path)
-        worker: Process | None = None
+        joined: procs.Service | None = None
         try:
             async with gateway_for(admin_port) as (_, channel):
                 t = training_pb2_grpc.TrainingServiceStub(channel)
@@ -197,15 +155,12 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 assert got.status.state == training_pb2.TRAINING_STATE_PAUSED
 
                 # A worker joins the paused run, so it is listed before any round runs.
-                worker = await Process.start(
-                    ["worker", "--coordinator", f"127.0.0.1:{worker_port}", "--worker-id", "w1"],
-                    tmp_path / "worker.log",
-                )
+                joined = procs.worker(tmp_path, worker_port, "w1")
                 deadline = time.monotonic() + 60
                 while not (listed := list((await t.ListWorkers(
                     training_pb2.ListWorkersRequest(), timeout=5
                 )).workers)):
-                    assert time.monotonic() < deadline, worker.tail()
+                    assert time.monotonic() < deadline, joined.text()[-3000:]
                     await asyncio.sleep(0.1)
                 assert [w.worker_id for w in listed] == ["w1"]
                 assert listed[0].profile and listed[0].batch_size > 0
@@ -234,15 +189,15 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
 
                 bye = await t.ShutdownTraining(training_pb2.ShutdownTrainingRequest(), timeout=30)
                 assert bye.global_step == 3
-                assert await asyncio.wait_for(coordinator.proc.wait(), 20) == 0
+                assert await exit_code(coordinator) == 0
                 await expect_code(
                     t.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(), timeout=5),
                     grpc.StatusCode.UNAVAILABLE, "--admin-listen",
                 )
         finally:
-            if worker is not None:
-                await worker.stop()
-            await coordinator.stop()
+            if joined is not None:
+                await asyncio.to_thread(joined.stop)
+            await asyncio.to_thread(coordinator.stop)
 
     run(main, timeout_s=120)
 
@@ -264,15 +219,15 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
 
     async def main() -> None:
         coordinator, _, admin_port = await start_coordinator(tmp_path)
-        gateway = await Process.start(
+        gateway = procs.Service(
             ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin", f"127.0.0.1:{admin_port}",
              "--tp-frontend", f"127.0.0.1:{free_port()}", "--token-file", str(token),
              "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
             tmp_path / "gateway.log",
         )
         try:
-            m = await gateway.wait_line(GATEWAY_LISTENING, 30)
-            target = f"127.0.0.1:{m.group(2)}"
+            m = await asyncio.to_thread(gateway.wait_for, GATEWAY_LISTENING, 30)
+            target, metrics_port = f"127.0.0.1:{m.group(1)}", m.group(2)
             code, out, err = await _ctl(target, token, "status")
             assert code == 1 and "training: WAITING  step 0/3" in out, out + err
             assert "no workers registered" in out and "pair: unavailable" in out
@@ -286,9 +241,6 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
             code, out, err = await _ctl(target, token, "watch", "--count", "2", "--interval", "0.1")
             assert code == 0 and out.count("training: TRAINING") == 2, out + err
 
-            metrics = re.search(r"metrics :(\d+)", m.string)
-            assert metrics, m.string
-            metrics_port = metrics.group(1)
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
             assert ('foundry_gateway_requests_total{code="OK",'
@@ -296,11 +248,11 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
 
             code, out, err = await _ctl(target, token, "shutdown")
             assert code == 0 and "shut down at step 0" in out, out + err
-            assert await asyncio.wait_for(coordinator.proc.wait(), 20) == 0
+            assert await exit_code(coordinator) == 0
             code, out, err = await _ctl(target, token, "pause")
             assert code == 1 and "UNAVAILABLE" in err and "--admin-listen" in err, err
         finally:
-            assert await gateway.stop() == 0, gateway.tail()
-            await coordinator.stop()
+            assert await asyncio.to_thread(gateway.stop) == 0, gateway.text()[-3000:]
+            await asyncio.to_thread(coordinator.stop)
 
     run(main, timeout_s=120)

@@ -15,6 +15,7 @@ import pytest
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig
 from foundry.model.inference import Engine, Gate, Session
+from foundry.model.tp_split import ExpertSplit
 
 ATOL = 1e-5
 
@@ -44,13 +45,15 @@ def one_by_one(engine: Engine, session: Session, tokens: list[int]) -> npt.NDArr
     return np.concatenate([engine.decode(session, [t]) for t in tokens])
 
 
+@pytest.mark.parametrize("mode", list(ExpertSplit))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_decode_equals_training_forward(name: str) -> None:
+def test_decode_equals_training_forward(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
     tokens = prompt(40)
     ref, _ = T.forward(params, cfg, np.array([tokens]))  # (1, 40, V)
-    engine = Engine(cfg, params)
+    engine = Engine(cfg, params, expert_split=mode)
     assert len(engine.parts) == (2 if name == "tiny" else 1)
+    assert engine.expert_split is mode
     session = engine.new_session()
     got = one_by_one(engine, session, tokens)
     assert got.shape == (40, cfg.n_vocab) and got.dtype == np.float32
@@ -58,11 +61,12 @@ def test_decode_equals_training_forward(name: str) -> None:
     assert session.pos == 40 and session.tokens == tokens
 
 
+@pytest.mark.parametrize("mode", list(ExpertSplit))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_block_decode_equals_token_by_token(name: str) -> None:
+def test_block_decode_equals_token_by_token(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
     tokens = prompt(37, seed=1)
-    engine = Engine(cfg, params)
+    engine = Engine(cfg, params, expert_split=mode)
     single = one_by_one(engine, engine.new_session(), tokens)
     s = engine.new_session()
     blocks = np.concatenate(

@@ -27,6 +27,7 @@ from foundry.tp.handshake import exchange_hellos
 from foundry.tp.link import ControlLink
 from foundry.tp.lockstep import LockstepError, RankState, TracingExchange
 from foundry.wire.tp import (
+    DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
     Hello,
     Identity,
     IdentityMismatch,
@@ -247,6 +248,19 @@ def test_each_identity_field_mismatch_aborts_both_ranks_naming_it(name: str) -> 
         assert isinstance(exc, IdentityMismatch), exc
         assert f"identity mismatch on {name}: leader has" in str(exc)
     assert str(errors[0]) == str(errors[1])  # both ranks say the same, leader's value first
+
+
+def test_expert_split_mismatch_aborts_both_ranks_naming_it() -> None:
+    split = DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
+    errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
+                            Hello(role=Role.WORKER, identity=IDENTITY))
+    for exc in errors:
+        assert isinstance(exc, IdentityMismatch), exc
+        assert str(exc) == ("execution mode mismatch on expert_split: leader has intermediate, "
+                            "worker has experts; start both ranks with the same --expert-split")
+    assert handshake_both(Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
+                          Hello(role=Role.WORKER, identity=IDENTITY, execution_mode=split)) == (
+        None, None)
 
 
 def test_role_and_version_mismatches_abort() -> None:

@@ -32,8 +32,9 @@ from tp_harness import (
 from foundry.model.config import ModelConfig
 from foundry.model.data import decode
 from foundry.model.gguf_io import load_gguf
+from foundry.model.tp_split import ExpertSplit
 from foundry.tp.blas import limit_blas_threads
-from foundry.tp.handshake import identity_for
+from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.policy import SpecMode
 from foundry.wire import frontend as fw
@@ -173,6 +174,40 @@ def test_identity_mismatch_aborts_both_then_a_correct_worker_pairs(
         right.stop()
 
 
+def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exactly(
+    model: Path, tmp_path: Path
+) -> None:
+    """A leader in the non-default expert split: a default worker is refused (both name the
+    field and both values), a worker in the same split pairs and decodes the single process's
+    tokens in that split."""
+    other = next(m for m in ExpertSplit if m is not DEFAULT_EXPERT_SPLIT)
+    leader = start_leader(model, tmp_path / "leader.log", "--expert-split", other.value,
+                          "--prefill-chunk", str(CHUNK), "--hash-check")
+    right = None
+    try:
+        wrong = start_worker(model, leader.port, tmp_path / "wrong.log")
+        assert wrong.popen.wait(30) == 2  # no retry can fix it
+        expected = (f"execution mode mismatch on expert_split: leader has {other.value}, "
+                    f"worker has {DEFAULT_EXPERT_SPLIT.value}; start both ranks with the same "
+                    "--expert-split")
+        assert expected in wrong.text(), wrong.text()
+        time.sleep(0.2)
+        assert expected in leader.proc.text()  # the leader names the same field
+        right = start_worker(model, leader.port, tmp_path / "right.log",
+                             "--expert-split", other.value)
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            got = c.generate(PROMPT, 40)
+        assert got.tokens == reference_greedy(model, PROMPT, 40, CHUNK, other).tokens
+        assert leader.metrics is not None
+        assert metric(leader.metrics, 'foundry_tp_hash_checks_total{result="mismatch"}') == 0
+        assert metric(leader.metrics, 'foundry_tp_hash_checks_total{result="match"}') > 0
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
+        if right is not None:
+            assert right.exit_code() == 0, right.text()
+
+
 def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
     tmp_path: Path,
 ) -> None:
@@ -310,7 +345,8 @@ def test_a_worker_that_sends_garbage_after_the_hello_is_dropped(
     worker = None
     try:
         ctl = socket.create_connection(("127.0.0.1", leader.port), timeout=5)
-        ctl.sendall(encode(Hello(role=Role.WORKER, identity=identity)))
+        ctl.sendall(encode(Hello(role=Role.WORKER, identity=identity,
+                                 execution_mode=execution_mode(DEFAULT_EXPERT_SPLIT))))
         decoder = TpDecoder(expect_hello=True)
         frames: list[object] = []
         while len(frames) < 2:

@@ -4,7 +4,8 @@ Two rank engines run in two threads, joined by an in-memory gate exchange (both 
 partial, both read the sum), and must reproduce the single-process engine: a prefill and 64
 greedy tokens, logits halves joined. The single-process engine evaluates the same two halves
 and adds them in the same order, so the match is asserted bit for bit (and within 1e-5 of the
-training forward, which groups its sums differently).
+training forward, which groups its sums differently). Both expert splits (whole experts per
+rank, or every expert's intermediate dimension cut in two) are run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from foundry.model.config import ModelConfig
 from foundry.model.inference import Engine, Gate, GateExchange, Session
 from foundry.model.tp_split import (
     SPLIT_TABLE,
+    SPLIT_TABLES,
+    ExpertSplit,
     SplitError,
     SplitKind,
     block_range,
@@ -73,12 +76,17 @@ class PairExchange:
         return exchange
 
 
+MODES = list(ExpertSplit)
+
+
 class Pair:
     """Rank 0 on the calling thread, rank 1 on a helper thread, in lockstep."""
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, F32]) -> None:
-        self.ranks = [Engine(cfg, rank_weights(cfg, params, r, 2), rank=r, world=2)
+    def __init__(self, cfg: ModelConfig, params: dict[str, F32],
+                 mode: ExpertSplit = ExpertSplit.EXPERTS) -> None:
+        self.ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2)
                       for r in range(2)]
+        assert all(e.expert_split is mode for e in self.ranks)
         self.exchange = PairExchange()
         self.pool = ThreadPoolExecutor(1)
 
@@ -102,30 +110,58 @@ def test_split_table_covers_every_parameter() -> None:
     assert kinds["blk.1.ffn_down_exps.weight"] is SplitKind.EXPERT
     assert kinds["blk.1.ffn_gate_inp.weight"] is SplitKind.REPLICATED
     assert kinds["output.weight"] is SplitKind.VOCAB
-    assert {r.kind for r in SPLIT_TABLE} == set(SplitKind)
+    assert SPLIT_TABLES[ExpertSplit.EXPERTS] == SPLIT_TABLE
+    assert {r.kind for t in SPLIT_TABLES.values() for r in t} == set(SplitKind)
     with pytest.raises(KeyError, match="no tensor-parallel split rule"):
         rule_for("blk.0.mystery.weight")
+    # The mode selects the rules of the expert tensors only.
+    mid = ExpertSplit.INTERMEDIATE
+    assert rule_for("blk.1.ffn_gate_exps.weight", mid).kind is SplitKind.EXPERT_ROW
+    assert rule_for("blk.1.ffn_up_exps.weight", mid).kind is SplitKind.EXPERT_ROW
+    assert rule_for("blk.1.ffn_down_exps.weight", mid).kind is SplitKind.EXPERT_COLUMN
+    changed = [a.pattern for a, b in zip(SPLIT_TABLE, SPLIT_TABLES[mid], strict=True) if a != b]
+    assert changed == [f"blk.*.ffn_{w}_exps.weight" for w in ("gate", "up", "down")]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rank_parts_rebuild_the_whole(name: str) -> None:
+def test_rank_parts_rebuild_the_whole(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
-    parts = [shard_params(cfg, params, r, 2) for r in range(2)]
+    parts = [shard_params(cfg, params, r, 2, mode) for r in range(2)]
     for r in range(2):
-        assert {k: v.shape for k, v in parts[r].items()} == shard_shapes(cfg, r, 2)
+        assert {k: v.shape for k, v in parts[r].items()} == shard_shapes(cfg, r, 2, mode)
     for name_, full in params.items():
-        rule = rule_for(name_)
-        # Row-like cuts of a C-contiguous array are views; column cuts must be copied.
-        view = rule.kind is not SplitKind.COLUMN
+        rule = rule_for(name_, mode)
+        # Row-like cuts of a C-contiguous array are views; column cuts (and the cuts of every
+        # expert's intermediate block) must be copied.
+        view = rule.kind not in (SplitKind.COLUMN, SplitKind.EXPERT_ROW, SplitKind.EXPERT_COLUMN)
         assert all(np.shares_memory(p[name_], full) == view for p in parts), name_
+        assert all(p[name_].flags.c_contiguous for p in parts), name_
         if rule.kind is SplitKind.REPLICATED:
             assert all(np.array_equal(p[name_], full) for p in parts)
             continue
-        axis = 1 if rule.kind is SplitKind.COLUMN else 0
+        axis = {SplitKind.COLUMN: 1, SplitKind.EXPERT_ROW: 1, SplitKind.EXPERT_COLUMN: 2}.get(
+            rule.kind, 0
+        )
         np.testing.assert_array_equal(
             np.concatenate([parts[0][name_], parts[1][name_]], axis=axis), full
         )
-    lay0, lay1 = rank_layout(cfg, 0, 2), rank_layout(cfg, 1, 2)
+    lay0, lay1 = rank_layout(cfg, 0, 2, mode), rank_layout(cfg, 1, 2, mode)
+    if mode is ExpertSplit.INTERMEDIATE:
+        assert lay0.experts == lay1.experts == (0, cfg.n_expert)
+        assert (lay0.expert_ff, lay1.expert_ff) == ((0, cfg.n_ff // 2), (cfg.n_ff // 2, cfg.n_ff))
+    else:
+        assert lay0.expert_ff == lay1.expert_ff == (0, cfg.n_ff)
+        assert lay0.experts == (0, (cfg.n_expert + 1) // 2)
+    # Memory per rank is the same in both modes.
+    other = ExpertSplit.EXPERTS if mode is ExpertSplit.INTERMEDIATE else ExpertSplit.INTERMEDIATE
+    if cfg.n_expert % 2 == 0:
+        assert shard_shapes(cfg, 0, 2, mode) != shard_shapes(cfg, 0, 2, other)
+        assert all(
+            sum(int(np.prod(s)) for s in shard_shapes(cfg, r, 2, mode).values())
+            == sum(int(np.prod(s)) for s in shard_shapes(cfg, r, 2, other).values())
+            for r in range(2)
+        )
     assert lay0.vocab == (0, (cfg.n_vocab + 1) // 2)  # rank 0 takes the first ceil(V/2) rows
     assert lay1.vocab == ((cfg.n_vocab + 1) // 2, cfg.n_vocab)
     # Query heads of a rank read exactly the kv heads it holds.
@@ -148,6 +184,18 @@ def test_odd_kv_heads_are_refused_clearly() -> None:
         Engine(cfg, T.init_params(cfg), rank=1, world=2)
 
 
+def test_odd_intermediate_size_is_refused_for_the_intermediate_split() -> None:
+    cfg = ModelConfig(n_ff=45)
+    params = T.init_params(cfg)
+    with pytest.raises(SplitError, match=r"n_ff=45 is not divisible by 2.*--expert-split experts"):
+        rank_layout(cfg, 0, 2, ExpertSplit.INTERMEDIATE)
+    with pytest.raises(SplitError, match="n_ff=45"):
+        Engine(cfg, params, rank=0, world=2, expert_split=ExpertSplit.INTERMEDIATE)
+    assert rank_layout(cfg, 0, 2).expert_ff == (0, 45)  # whole experts need no even n_ff
+    # One process of a model no pair can run in this mode holds everything in one part.
+    assert len(Engine(cfg, params, expert_split=ExpertSplit.INTERMEDIATE).parts) == 1
+
+
 def test_rank_weights_check_shapes() -> None:
     cfg, params = make("tiny-odd-vocab")
     rw = rank_weights(cfg, params, 1, 2)
@@ -156,16 +204,21 @@ def test_rank_weights_check_shapes() -> None:
         type(rw)(cfg, rw.layout, wrong)
     with pytest.raises(ValueError, match="rank 1 of 2"):
         Engine(cfg, rw, rank=0, world=2)
+    with pytest.raises(ValueError, match=r"cut with expert split experts.*asked for intermediate"):
+        Engine(cfg, rw, rank=1, world=2, expert_split=ExpertSplit.INTERMEDIATE)
     rank1 = Engine(cfg, rw, rank=1, world=2)
+    assert rank1.expert_split is ExpertSplit.EXPERTS
     with pytest.raises(ValueError, match="GateExchange"):
         rank1.decode(rank1.new_session(), [1])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_pair_equals_single_process_prefill_and_greedy(name: str) -> None:
+def test_pair_equals_single_process_prefill_and_greedy(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
-    single = Engine(cfg, params)
-    pair = Pair(cfg, params)
+    single = Engine(cfg, params, expert_split=mode)
+    assert single.expert_split is mode and len(single.parts) == 2
+    pair = Pair(cfg, params, mode)
     s_ref = single.new_session()
     s_tp = pair.new_sessions()
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.n_vocab, 13)]
@@ -197,10 +250,11 @@ def test_pair_equals_single_process_prefill_and_greedy(name: str) -> None:
     np.testing.assert_allclose(ref[-1], full[0, -1], rtol=0, atol=1e-5)
 
 
-def test_pair_serves_several_sessions_in_one_pass() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_pair_serves_several_sessions_in_one_pass(mode: ExpertSplit) -> None:
     cfg, params = make("shared-odd-experts")
-    single = Engine(cfg, params)
-    pair = Pair(cfg, params)
+    single = Engine(cfg, params, expert_split=mode)
+    pair = Pair(cfg, params, mode)
     rng = np.random.default_rng(2)
     refs = [single.new_session() for _ in range(3)]
     tps = [pair.new_sessions() for _ in range(3)]

@@ -76,7 +76,7 @@ HELLO_GOLDEN = bytes.fromhex(
     "a800"  # hello size 168
     "00"  # role: leader
     "01"  # flags: shm offered
-    "0000"  # reserved
+    "0000"  # execution mode 0: contiguous halves of the experts
     "40420f0000000000"  # gguf_bytes 1000000
     "07000000"  # model_id 7
     "08000000"  # n_layer 8
@@ -204,6 +204,12 @@ def test_hello_golden_bytes_and_round_trip() -> None:
     assert encode(LEADER_HELLO) == HELLO_GOLDEN
     [hello] = decode_all(HELLO_GOLDEN, expect_hello=True)
     assert hello == LEADER_HELLO
+    # The execution mode is the u16 at offset 10 (DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT = 1).
+    assert tp.DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT == 1
+    split = dataclasses.replace(LEADER_HELLO, execution_mode=1)
+    golden = HELLO_GOLDEN[:10] + bytes.fromhex("0100") + HELLO_GOLDEN[12:]
+    assert encode(split) == golden
+    assert decode_all(golden, expect_hello=True) == [split]
 
 
 @pytest.mark.parametrize(("frame", "golden"), GOLDEN, ids=[f.TYPE.name for f in FRAMES])
@@ -338,6 +344,8 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
     [
         (8, b"\x02", "unknown role 2"),
         (9, b"\x02", "unknown flags"),
+        (10, b"\x02\x00", "execution mode 0x2 has bits this implementation does not run"),
+        (11, b"\x01", "execution mode 0x100 has bits"),
         (104, b"../etc/passwd", "not a bare file name"),
         (104, b"\xff\xfe", "not UTF-8"),
     ],
@@ -399,6 +407,24 @@ def test_check_hello_roles_versions_identity() -> None:
         )
 
 
+def test_execution_mode_mismatch_names_the_field_and_both_values() -> None:
+    worker = Hello(role=Role.WORKER, identity=IDENTITY, host_id=HOST, shm_offered=True,
+                   execution_mode=tp.DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT)
+    expected = ("execution mode mismatch on expert_split: leader has experts, worker has "
+                "intermediate; start both ranks with the same --expert-split")
+    for mine, peer in ((LEADER_HELLO, worker), (worker, LEADER_HELLO)):
+        with pytest.raises(IdentityMismatch) as info:
+            check_hello(mine, peer)
+        assert str(info.value) == expected  # both ranks say the same, leader first
+    both = dataclasses.replace(LEADER_HELLO, execution_mode=1)
+    check_hello(both, worker)
+    check_hello(worker, both)
+    # The identity is checked first: a rank with another model is told that.
+    other = dataclasses.replace(worker, identity=dataclasses.replace(IDENTITY, n_layer=6))
+    with pytest.raises(IdentityMismatch, match="identity mismatch on n_layer"):
+        check_hello(LEADER_HELLO, other)
+
+
 def test_negotiate_gate_transport() -> None:
     worker = Hello(role=Role.WORKER, identity=IDENTITY, host_id=HOST, shm_offered=True)
     assert negotiate_gate_transport(LEADER_HELLO, worker) is GateTransport.SHM
@@ -433,6 +459,8 @@ def test_negotiate_gate_transport() -> None:
         lambda: Identity(**{**dataclasses.asdict(IDENTITY), "gate_slot_mask": (0,)}),
         lambda: Hello(role=Role.LEADER, identity=IDENTITY, shm_name="x"),
         lambda: Hello(role=Role.LEADER, identity=IDENTITY, host_id=b"short"),
+        lambda: Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=2),
+        lambda: Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=-1),
         lambda: GateHeader(1 << 16, Gate.ATTN, 0, 1, 1),
     ],
 )

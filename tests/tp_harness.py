@@ -31,6 +31,8 @@ from foundry.model.data import encode
 from foundry.model.gguf_io import load_gguf, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
+from foundry.model.tp_split import ExpertSplit
+from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.leader import Leader, LeaderOptions, LogitsHook
 from foundry.wire import frontend as fw
 
@@ -64,9 +66,11 @@ class Reference:
     logits: list[F32]  # the rows sampled from: the prefill's last row, then one per token
 
 
-def reference_greedy(model: Path, prompt: str, n: int, chunk: int) -> Reference:
+def reference_greedy(
+    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
+) -> Reference:
     m = load_gguf(model)
-    engine = Engine(m.cfg, m.params)
+    engine = Engine(m.cfg, m.params, expert_split=expert_split)
     s = engine.new_session()
     ids = tokens_of(prompt)
     row: F32 | None = None

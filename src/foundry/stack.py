@@ -410,7 +410,10 @@ class Stack:
         self.run_dir = run_dir
         self.out = out
         self.children: list[Child] = []
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The native links of `foundry up` stay on loopback without TLS: FOUNDRY_TLS_* set in
+        # the shell for one service must not give every child that one certificate.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FOUNDRY_TLS_")}
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
         # One BLAS thread per service: several numpy processes share the machine's cores.
         self.env.setdefault("OPENBLAS_NUM_THREADS", "1")
         self.stop_requested = False

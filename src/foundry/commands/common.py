@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ssl
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from foundry.obs.metrics import MetricsServer
+from foundry.transport import tls
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -40,3 +43,81 @@ def start_metrics(args: argparse.Namespace, registry: CollectorRegistry) -> Metr
     if args.metrics_port is None:
         return None
     return MetricsServer(registry, args.metrics_host, args.metrics_port)
+
+
+def add_tls_flags(
+    parser: argparse.ArgumentParser, *, server: bool, prefix: str = "tls", links: str
+) -> None:
+    """``--PREFIX-cert/-key/-ca``, each falling back to ``FOUNDRY_TLS_CERT/KEY/CA``.
+
+    ``server``: the flags configure listeners (``links``); otherwise the dialer of ``links``.
+    """
+    group = parser.add_argument_group(
+        f"TLS of {links}",
+        "Off unless one of these is given (or its environment variable is set); "
+        "see docs/operations.md, TLS.",
+    )
+    flag = f"--{prefix}"
+    if server:
+        cert_help = f"serve TLS on {links} with this PEM certificate (chain)"
+        key_help = f"the PEM private key of {flag}-cert"
+        ca_help = ("require client certificates signed by this PEM CA: mutual TLS (without "
+                   "it clients are not authenticated)")
+    else:
+        cert_help = f"present this PEM client certificate on {links} (mutual TLS)"
+        key_help = f"the PEM private key of {flag}-cert"
+        ca_help = ("verify the server's certificate, and its name against the dialed host, "
+                   "with this PEM CA (default: the system's trust store)")
+    group.add_argument(f"{flag}-cert", type=Path, default=None, metavar="FILE",
+                       help=f"{cert_help} (env {tls.ENV_CERT})")
+    group.add_argument(f"{flag}-key", type=Path, default=None, metavar="FILE",
+                       help=f"{key_help} (env {tls.ENV_KEY})")
+    group.add_argument(f"{flag}-ca", type=Path, default=None, metavar="FILE",
+                       help=f"{ca_help} (env {tls.ENV_CA})")
+
+
+def tls_context(
+    args: argparse.Namespace, *, server: bool, prefix: str = "tls"
+) -> ssl.SSLContext | None:
+    """The context of the flags added by :func:`add_tls_flags` (None: TLS off).
+
+    Raises :class:`foundry.transport.tls.TlsConfigError` naming what to fix.
+    """
+    key = prefix.replace("-", "_")
+    files = tls.TlsFiles.resolve(
+        getattr(args, f"{key}_cert"), getattr(args, f"{key}_key"), getattr(args, f"{key}_ca")
+    )
+    return tls.server_context_for(files) if server else tls.client_context_for(files)
+
+
+def tls_note(ctx: ssl.SSLContext) -> str:
+    """How a listener's startup line says that it serves TLS."""
+    return " (mutual tls)" if ctx.verify_mode == ssl.CERT_REQUIRED else " (tls)"
+
+
+def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:
+    parser.add_argument(
+        "--frame-deadline", type=positive_seconds, default=default, metavar="S",
+        help=f"a peer on {links} that began a frame must finish it within S seconds, and take "
+        f"one we send within S seconds, or it is cut off (default {default:g})",
+    )
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value

@@ -8,7 +8,13 @@ import signal
 import sys
 from pathlib import Path
 
-from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+from foundry.commands.common import (
+    add_metrics_flag,
+    add_tls_flags,
+    host_port,
+    start_metrics,
+    tls_context,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +34,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    metavar="HOST:PORT",
                    help="the TP leader's --frontend-listen address (default 127.0.0.1:7091)")
     g.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
-                   help="serve TLS with this PEM certificate (chain); needs --tls-key")
+                   help="serve gRPC over TLS with this PEM certificate (chain); needs --tls-key. "
+                   "(The links to the backends have their own --backend-tls-* flags.)")
     g.add_argument("--tls-key", type=Path, default=None, metavar="FILE",
                    help="the PEM private key of --tls-cert")
     g.add_argument("--token-file", type=Path, default=None, metavar="FILE",
@@ -36,6 +43,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "reflection; the token is this file's one line")
     g.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds calls in flight get to finish on shutdown (default 5)")
+    add_tls_flags(g, server=False, prefix="backend-tls",
+                  links="the coordinator admin and TP frontend links")
     add_metrics_flag(g)
     g.set_defaults(func=run_gateway)
 
@@ -43,6 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     from foundry.gateway.auth import TokenError, read_token
     from foundry.gateway.server import Gateway, GatewayOptions
+    from foundry.transport.tls import TlsConfigError
 
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
@@ -51,6 +61,11 @@ def run_gateway(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             print(f"error: {path} is not a file", file=sys.stderr)
             return 2
+    try:
+        backend_tls = tls_context(args, server=False, prefix="backend-tls")
+    except TlsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     token = None
     if args.token_file is not None:
         try:
@@ -67,6 +82,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         frontend_port=args.tp_frontend[1],
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        backend_tls=backend_tls,
         token=token,
         grace_s=args.grace,
     )
@@ -86,6 +102,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             + (", token required" if token else "")
             + f", coordinator admin {gateway.admin.address}"
             + f", tp frontend {gateway.frontend.address}"
+            + (" (backend tls)" if backend_tls else "")
             + (f", metrics :{metrics.port}" if metrics else ""),
             flush=True,
         )

@@ -9,7 +9,16 @@ import signal
 import sys
 from pathlib import Path
 
-from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+from foundry.commands.common import (
+    add_frame_deadline_flag,
+    add_metrics_flag,
+    add_tls_flags,
+    host_port,
+    positive_int,
+    start_metrics,
+    tls_context,
+    tls_note,
+)
 from foundry.model.config import PRESETS, preset
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
@@ -56,6 +65,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of every round (wait, apply, checkpoint); join "
                    "it with the workers' ones with `foundry timeline merge`")
+    c.add_argument("--max-connections", type=positive_int, default=256, metavar="N",
+                   help="open connections on --listen at most; more are refused (default 256)")
+    c.add_argument("--admin-max-connections", type=positive_int, default=16, metavar="N",
+                   help="open connections on --admin-listen at most (default 16)")
+    add_frame_deadline_flag(c, 120.0, "both links")
+    add_tls_flags(c, server=True, links="the worker and admin links")
     add_metrics_flag(c)
     c.set_defaults(func=run_coordinator)
 
@@ -76,6 +91,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
+    add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)
     w.set_defaults(func=run_worker)
 
@@ -94,13 +110,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+    from foundry.transport.tls import TlsConfigError
 
     if args.max_steps <= 0 or args.global_batch <= 0:
         print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
         return 2
     try:
+        tls = tls_context(args, server=True)
         corpus = load_corpus(args.data)
-    except DataError as exc:
+    except (DataError, TlsConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = TrainSettings(
@@ -127,6 +145,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
         init_gguf=args.init,
         seed=args.seed,
         rebalance=not args.no_rebalance,
+        tls=tls,
+        max_connections=args.max_connections,
+        admin_max_connections=args.admin_max_connections,
+        frame_deadline_s=args.frame_deadline,
     )
 
     async def main() -> int:
@@ -136,7 +158,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         print(
             f"coordinator listening: workers {options.host}:{coordinator.bound_port}, "
             f"admin {options.admin_host}:{coordinator.bound_admin_port}"
-            + (f", metrics :{metrics.port}" if metrics else ""),
+            + (f", metrics :{metrics.port}" if metrics else "")
+            + (tls_note(tls) if tls else ""),
             flush=True,
         )
         _stop_on_signals(coordinator.request_stop)
@@ -166,6 +189,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         hardware = hardware_for(args.profile)
         corpus = load_corpus(args.data)
+        tls = tls_context(args, server=False)
     except (ValueError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -175,6 +199,7 @@ def run_worker(args: argparse.Namespace) -> int:
         worker_id=args.worker_id or default_worker_id(),
         hardware=hardware,
         slowdown=args.slowdown,
+        tls=tls,
     )
 
     async def main() -> int:

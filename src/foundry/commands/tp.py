@@ -9,13 +9,24 @@ import signal
 import sys
 from pathlib import Path
 
-from foundry.commands.common import add_metrics_flag, host_port, start_metrics
+from foundry.commands.common import (
+    add_frame_deadline_flag,
+    add_metrics_flag,
+    add_tls_flags,
+    host_port,
+    positive_int,
+    start_metrics,
+    tls_context,
+    tls_note,
+)
+from foundry.model.tp_split import ExpertSplit
+from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 
 log = logging.getLogger("foundry")
 
 
-def _add_rank_flags(p: argparse.ArgumentParser) -> None:
+def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
                    help="the model; both ranks must load the same file")
     p.add_argument("--ctx-size", type=int, default=None,
@@ -29,6 +40,14 @@ def _add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blas-threads", type=int, default=1, metavar="N",
                    help="BLAS threads of this rank (default 1: one core per rank, and the "
                    "pair's logits stay bit-identical to one process)")
+    p.add_argument("--expert-split", default=DEFAULT_EXPERT_SPLIT.value,
+                   choices=[m.value for m in ExpertSplit],
+                   help="how the routed experts are cut: 'experts' (each rank holds half of "
+                   "the experts whole) or 'intermediate' (each rank holds half of every "
+                   f"expert's intermediate size); both ranks must agree (default "
+                   f"{DEFAULT_EXPERT_SPLIT.value})")
+    add_frame_deadline_flag(p, 30.0, "the control link" + (" and the frontend link" if leader
+                                                            else ""))
     add_metrics_flag(p)
 
 
@@ -40,7 +59,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "and serve generations on --frontend-listen (the gateway's TP frontend). Port 0 picks "
         "a free port; the bound ports are printed on one line.",
     )
-    _add_rank_flags(lead)
+    _add_rank_flags(lead, leader=True)
     lead.add_argument("--listen", type=host_port, default=("0.0.0.0", 7090),
                       metavar="HOST:PORT", help="where the worker connects (default 0.0.0.0:7090)")
     lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
@@ -61,6 +80,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help=f"draft tokens per verify block (default {MAX_DRAFT})")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
+    lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
+                      help="open connections on --frontend-listen at most; more are refused "
+                      "(default 64). --listen takes one pair (and 4 connections in bring-up)")
+    add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
     lead.set_defaults(func=run_leader)
 
     work = sub.add_parser(
@@ -70,11 +93,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "after any failure). Exits 0 when the leader stops the pair, 2 when the two ranks "
         "disagree on the model.",
     )
-    _add_rank_flags(work)
+    _add_rank_flags(work, leader=False)
     work.add_argument("--leader", type=host_port, default=("127.0.0.1", 7090),
                       metavar="HOST:PORT", help="the leader's --listen address")
     work.add_argument("--retry-max", type=float, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
+    add_tls_flags(work, server=False, links="the connections to the leader")
     work.set_defaults(func=run_worker)
 
 
@@ -90,8 +114,14 @@ def run_leader(args: argparse.Namespace) -> int:
     from foundry.model.gguf_io import GGUFError
     from foundry.model.tp_split import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
+    from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    try:
+        tls = tls_context(args, server=True)
+    except TlsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         options = LeaderOptions(
             model=args.model,
@@ -109,6 +139,10 @@ def run_leader(args: argparse.Namespace) -> int:
             shm=not args.no_shm,
             gate_timeout_s=args.gate_timeout,
             control_timeout_s=args.gate_timeout,
+            expert_split=ExpertSplit(args.expert_split),
+            tls=tls,
+            frontend_max_connections=args.frontend_max_connections,
+            frame_deadline_s=args.frame_deadline,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:
@@ -121,7 +155,8 @@ def run_leader(args: argparse.Namespace) -> int:
         print(
             f"tp-leader listening: workers {options.host}:{leader.port}, "
             f"frontend {options.frontend_host}:{leader.frontend_port}"
-            + (f", metrics :{metrics.port}" if metrics else ""),
+            + (f", metrics :{metrics.port}" if metrics else "")
+            + (tls_note(tls) if tls else ""),
             flush=True,
         )
         loop = asyncio.get_running_loop()
@@ -142,8 +177,14 @@ def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.gguf_io import GGUFError
     from foundry.model.tp_split import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
+    from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    try:
+        tls = tls_context(args, server=False)
+    except TlsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     options = WorkerOptions(
         model=args.model,
         leader_host=args.leader[0],
@@ -153,6 +194,9 @@ def run_worker(args: argparse.Namespace) -> int:
         gate_timeout_s=args.gate_timeout,
         control_timeout_s=args.gate_timeout,
         retry_max_s=args.retry_max,
+        expert_split=ExpertSplit(args.expert_split),
+        tls=tls,
+        frame_deadline_s=args.frame_deadline,
     )
     try:
         worker = Worker(options)
@@ -162,7 +206,8 @@ def run_worker(args: argparse.Namespace) -> int:
     metrics = start_metrics(args, worker.metrics.registry)
     print(
         f"tp-worker ready: rank 1 of {args.model}, leader {options.leader_host}:"
-        f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else ""),
+        f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
+        + (" (tls)" if tls else ""),
         flush=True,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -63,14 +63,19 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return unary
 
     def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        # A coroutine that writes each response, not an async generator that yields it: grpc
+        # drops a response generator it cancels (the caller cancelled, or the deadline passed)
+        # without closing it, so the generator's cleanup, CANCEL to the pair included, would
+        # wait for the garbage collector, and then run as an unexpected GeneratorExit. Here the
+        # cancellation arrives as CancelledError in this coroutine and is handled at once.
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> None:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             result = behavior(request, context)
             try:
                 if inspect.isasyncgen(result):
                     async for item in result:
-                        yield item
+                        await context.write(item)
                 else:  # a handler that writes with context.write()
                     await result
             except BaseException as exc:
@@ -78,8 +83,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise
             finally:
                 if inspect.isasyncgen(result):
-                    # Cancelled while it waited at a yield: close it now (its cleanup, such as
-                    # CANCEL to the pair, runs here) instead of whenever it is collected.
+                    # Cancelled in context.write, outside the handler's generator: close it now
+                    # (its cleanup, such as CANCEL to the pair, runs here).
                     await result.aclose()
                 self._record(method, _final_code(context, code), started)
 

@@ -38,6 +38,7 @@ from foundry.gateway.errors import (
 )
 from foundry.wire.errors import ProtocolError
 from foundry.wire.frontend import (
+    MAX_PAYLOAD,
     Cancel,
     Done,
     Error,
@@ -56,6 +57,8 @@ log = logging.getLogger("foundry.gateway.frontend")
 # Bytes asked of the socket per read: many token frames (about 20 bytes each) per wake-up.
 READ_CHUNK = 64 * 1024
 MAX_REQUEST_ID = 0xFFFFFFFF
+# A stop string's length is a u16 on the frontend link.
+MAX_STOP_BYTES = 0xFFFF
 STATUS_REQUEST_ID = 0
 
 # The leader's ERROR codes as gRPC status codes; an unknown code is the leader's fault.
@@ -209,8 +212,19 @@ class FrontendClient:
     ) -> Generation:
         try:
             request = Generate(0, prompt, max_tokens, temperature, top_p, seed, stop)
-        except ValueError as exc:
+            longest = max((len(s.encode("utf-8")) for s in stop), default=0)
+            if longest > MAX_STOP_BYTES:
+                raise InvalidRequest(f"a stop string of {longest} bytes is longer than the "
+                                     f"{MAX_STOP_BYTES} the frontend link carries")
+            size = len(request.payload())
+        except ValueError as exc:  # UnicodeEncodeError included: a lone surrogate
             raise InvalidRequest(str(exc)) from None
+        if size > MAX_PAYLOAD:
+            raise InvalidRequest(
+                f"the prompt and stop strings take {size} bytes, more than the {MAX_PAYLOAD} "
+                f"a frontend frame carries; shorten the prompt (the model's context holds "
+                f"far fewer tokens)"
+            )
         return Generation(self, request)
 
     async def status(self, timeout_s: float) -> Status:

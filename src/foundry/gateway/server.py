@@ -11,6 +11,7 @@ those in flight ``grace_s`` to finish, then the backend links close.
 from __future__ import annotations
 
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class GatewayOptions:
     frontend_port: int
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # TLS of the gateway's own links to the coordinator and the leader (transport.tls); the
+    # two fields above are the gRPC server's.
+    backend_tls: ssl.SSLContext | None = None
     token: str | None = None
     probe_interval_s: float = 1.0
     grace_s: float = 5.0
@@ -67,8 +71,10 @@ class Gateway:
             raise ValueError("TLS needs both a certificate and its key")
         self.opt = options
         self.metrics = metrics or GatewayMetrics()
-        self.admin = AdminClient(options.coordinator_host, options.coordinator_port)
-        self.frontend = FrontendClient(options.frontend_host, options.frontend_port)
+        self.admin = AdminClient(options.coordinator_host, options.coordinator_port,
+                                 ssl=options.backend_tls)
+        self.frontend = FrontendClient(options.frontend_host, options.frontend_port,
+                                       ssl=options.backend_tls)
         self.health = health.aio.HealthServicer()
         self.probe = HealthProbe(
             self.health,

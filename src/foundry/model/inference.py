@@ -7,7 +7,11 @@ An ``Engine`` evaluates a list of *parts*, each a ``tp_split.RankWeights``:
   be split in two, one part with everything) and evaluates them one after the other.
 
 Per layer each part yields an (n_rows, n_embd) partial for the ATTN gate (its heads' output
-projection) and for the FFN gate (its routed experts plus its slice of the shared expert). The
+projection) and for the FFN gate (its routed experts plus its slice of the shared expert). Which
+part of the routed experts a part holds is the engine's ``expert_split`` (``tp_split``): whole
+experts (``EXPERTS``: a part evaluates only the assignments to its experts) or a block of every
+expert's intermediate dimension (``INTERMEDIATE``: a part evaluates every assignment on its
+block). A world-1 engine runs its two parts in the same mode as the pair it stands for. The
 parts' partials are added in rank order (``p0 + p1``); a rank hands its partial to the
 ``GateExchange`` instead, which returns the sum over ranks. Because float addition of two
 numbers is commutative and each part runs the same operations on the same data whichever
@@ -31,7 +35,13 @@ import numpy.typing as npt
 
 from foundry.model import layers as L
 from foundry.model.config import ModelConfig
-from foundry.model.tp_split import RankWeights, SplitError, check_splittable, rank_weights
+from foundry.model.tp_split import (
+    ExpertSplit,
+    RankWeights,
+    SplitError,
+    check_splittable,
+    rank_weights,
+)
 from foundry.wire.tp import Gate
 
 F32 = npt.NDArray[np.float32]
@@ -82,7 +92,8 @@ class Engine:
     """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
 
     ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
-    an already cut ``RankWeights`` of the same rank and world.
+    an already cut ``RankWeights`` of the same rank and world. ``expert_split`` is how the
+    routed experts are cut (default: the ``RankWeights``' own, else ``EXPERTS``).
     """
 
     def __init__(
@@ -91,6 +102,7 @@ class Engine:
         weights: Mapping[str, F32] | RankWeights,
         rank: int = 0,
         world: int = 1,
+        expert_split: ExpertSplit | None = None,
     ):
         self.id = next(_engine_ids)
         self.cfg = cfg
@@ -102,11 +114,19 @@ class Engine:
                     f"weights are for rank {weights.rank} of {weights.world} of "
                     f"{weights.cfg}, engine is rank {rank} of {world} of {cfg}"
                 )
+            if expert_split not in (None, weights.expert_split):
+                raise ValueError(
+                    f"weights are cut with expert split {weights.expert_split.value}, the "
+                    f"engine was asked for {expert_split.value}"
+                )
+            self.expert_split = weights.expert_split
             self.parts: tuple[RankWeights, ...] = (weights,)
-        elif world == 1 and _splits_in_two(cfg):
-            self.parts = (rank_weights(cfg, weights, 0, 2), rank_weights(cfg, weights, 1, 2))
         else:
-            self.parts = (rank_weights(cfg, weights, rank, world),)
+            mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
+            if world == 1 and _splits_in_two(cfg, mode):
+                self.parts = tuple(rank_weights(cfg, weights, r, 2, mode) for r in range(2))
+            else:
+                self.parts = (rank_weights(cfg, weights, rank, world, mode),)
         self.replicated = self.parts[0].params  # embeddings, norms and routers
         self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
         self._cos, self._sin = L.rope_tables(cfg.n_ctx, cfg.head_dim, cfg.rope_theta)
@@ -230,7 +250,11 @@ class Engine:
 
     def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
              top: npt.NDArray[np.int64]) -> F32:
-        """Part's FFN partial (n, D): its routed experts plus its slice of the shared expert."""
+        """Part's FFN partial (n, D): its routed experts plus its slice of the shared expert.
+
+        With ``EXPERTS`` the part holds experts ``layout.experts`` whole; with ``INTERMEDIATE``
+        it holds every expert (``experts`` is (0, E)), each cut to its intermediate block, and
+        ``experts_forward`` evaluates every assignment on that block."""
         w = part.params
         p = f"blk.{layer}."
         y, _ = L.experts_forward(
@@ -259,9 +283,9 @@ class Engine:
         return total
 
 
-def _splits_in_two(cfg: ModelConfig) -> bool:
+def _splits_in_two(cfg: ModelConfig, expert_split: ExpertSplit) -> bool:
     try:
-        check_splittable(cfg, 2)
+        check_splittable(cfg, 2, expert_split)
     except SplitError:
         return False
     return True

@@ -285,6 +285,9 @@ def experts_forward(
 
     The weights hold experts first_expert .. first_expert + E_local - 1; assignments to any
     other expert contribute zero (a tensor-parallel rank evaluates only its own experts).
+    The weights may also be a block of every expert's intermediate dimension (gate/up rows,
+    down columns; first_expert 0): SwiGLU is elementwise over F, so the result is that block's
+    share of the output, and the shares of all blocks sum to the whole.
     x (N, D), weights/top (N, K) -> (N, D), slots summed in top-K order.
     """
     n, k = top.shape

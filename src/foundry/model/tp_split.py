@@ -6,13 +6,24 @@ vocabulary rows). Rank r owns the r-th contiguous block of units; blocks differ 
 unit, the earlier ranks taking the larger ones (rank 0 of 2 gets the first ceil(V/2) rows of the
 output head).
 
+The routed experts are cut one of two ways, the :class:`ExpertSplit` (the execution mode both
+ranks of a pair must agree on): ``EXPERTS``, DESIGN's default, gives each rank a contiguous
+block of whole experts; ``INTERMEDIATE`` gives each rank every expert but only its block of each
+expert's intermediate dimension (gate/up rows along n_ff, down columns along n_ff). The mode
+selects the rules of the three expert tensors (:data:`SPLIT_TABLES`); every other rule is shared.
+
 What each rank computes with its slice, per layer:
 
 - ATTN gate: the output projection of its heads' attention (its columns of ``attn_output``
   times its heads' outputs, from its rows of Q/K/V): an (n_rows, n_embd) partial.
-- FFN gate: the outputs of its routed experts (the router is replicated, so every rank computes
-  the same full routing and skips assignments to experts it does not hold) plus its slice of
-  the shared expert's intermediate rows: an (n_rows, n_embd) partial.
+- FFN gate: the outputs of its routed experts plus its slice of the shared expert's
+  intermediate rows: an (n_rows, n_embd) partial. The router is replicated, so every rank
+  computes the same full routing. With ``EXPERTS`` a rank skips the assignments to experts it
+  does not hold (when both of a token's experts sit on one rank, the other idles at the gate);
+  with ``INTERMEDIATE`` it evaluates every assignment on its half of the expert:
+  ``w * down[:, half] @ (silu(gate[half] x) * up[half] x)``. SwiGLU is elementwise over the
+  intermediate dimension, so the two halves' sum is the whole expert, and both ranks do the
+  same work for every token.
 - The partials of all ranks are summed and added to the residual stream on every rank.
 - The output head gives each rank its vocabulary block of the logits; the blocks, joined in
   rank order, are the full logits.
@@ -42,7 +53,16 @@ class SplitKind(Enum):
     ROW = "row"  # axis 0 of an (out, in) matrix: the rank computes part of the outputs
     COLUMN = "column"  # axis 1: the rank reads part of the inputs, outputs are partial sums
     EXPERT = "expert"  # axis 0 of a merged (E, ., .) expert tensor
+    EXPERT_ROW = "expert_row"  # axis 1 of (E, F, D) gate/up: part of every expert's outputs
+    EXPERT_COLUMN = "expert_column"  # axis 2 of (E, D, F) down: partial sums of every expert
     VOCAB = "vocab"  # rows of the output head: the rank computes a block of the logits
+
+
+class ExpertSplit(Enum):
+    """How the routed experts are cut: the execution mode both ranks must agree on."""
+
+    EXPERTS = "experts"  # contiguous blocks of whole experts (DESIGN §6)
+    INTERMEDIATE = "intermediate"  # every expert, a block of its intermediate dimension
 
 
 class Unit(Enum):
@@ -51,11 +71,19 @@ class Unit(Enum):
     HEAD = "head"  # a query head: head_dim rows of Q, head_dim columns of attn_output
     KV_HEAD = "kv_head"  # a kv head: head_dim rows of K and V
     EXPERT = "expert"
+    EXPERT_FF = "expert_ff"  # one intermediate row of every routed expert
     SHARED_FF = "shared_ff"  # one intermediate row of the shared expert
     VOCAB = "vocab"  # one token's row of the output head
 
 
-AXIS = {SplitKind.ROW: 0, SplitKind.COLUMN: 1, SplitKind.EXPERT: 0, SplitKind.VOCAB: 0}
+AXIS = {
+    SplitKind.ROW: 0,
+    SplitKind.COLUMN: 1,
+    SplitKind.EXPERT: 0,
+    SplitKind.EXPERT_ROW: 1,
+    SplitKind.EXPERT_COLUMN: 2,
+    SplitKind.VOCAB: 0,
+}
 
 
 @dataclass(frozen=True)
@@ -83,14 +111,38 @@ SPLIT_TABLE: tuple[SplitRule, ...] = (
     SplitRule("output_norm.weight", SplitKind.REPLICATED, None),
     SplitRule("output.weight", SplitKind.VOCAB, Unit.VOCAB),
 )
+"""The default table (``ExpertSplit.EXPERTS``)."""
+
+# The rules of the expert tensors in each mode; SPLIT_TABLES puts them in SPLIT_TABLE's place.
+EXPERT_RULES: dict[ExpertSplit, tuple[SplitRule, ...]] = {
+    ExpertSplit.EXPERTS: tuple(r for r in SPLIT_TABLE if r.kind is SplitKind.EXPERT),
+    ExpertSplit.INTERMEDIATE: (
+        SplitRule("blk.*.ffn_gate_exps.weight", SplitKind.EXPERT_ROW, Unit.EXPERT_FF),
+        SplitRule("blk.*.ffn_up_exps.weight", SplitKind.EXPERT_ROW, Unit.EXPERT_FF),
+        SplitRule("blk.*.ffn_down_exps.weight", SplitKind.EXPERT_COLUMN, Unit.EXPERT_FF),
+    ),
+}
+
+
+def _with_expert_rules(rules: tuple[SplitRule, ...]) -> tuple[SplitRule, ...]:
+    by_pattern = {r.pattern: r for r in rules}
+    table = tuple(by_pattern.get(r.pattern, r) for r in SPLIT_TABLE)
+    assert set(by_pattern) <= {r.pattern for r in SPLIT_TABLE}
+    return table
+
+
+SPLIT_TABLES: dict[ExpertSplit, tuple[SplitRule, ...]] = {
+    mode: _with_expert_rules(rules) for mode, rules in EXPERT_RULES.items()
+}
+assert SPLIT_TABLES[ExpertSplit.EXPERTS] == SPLIT_TABLE
 
 
 class SplitError(ConfigError):
     """A model that cannot be cut for the requested world size (names the field and value)."""
 
 
-def rule_for(name: str) -> SplitRule:
-    for rule in SPLIT_TABLE:
+def rule_for(name: str, expert_split: ExpertSplit = ExpertSplit.EXPERTS) -> SplitRule:
+    for rule in SPLIT_TABLES[expert_split]:
         if fnmatch.fnmatchcase(name, rule.pattern):
             return rule
     raise KeyError(f"no tensor-parallel split rule for parameter {name!r}")
@@ -103,7 +155,9 @@ def block_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def check_splittable(cfg: ModelConfig, world: int) -> None:
+def check_splittable(
+    cfg: ModelConfig, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
+) -> None:
     if world < 1:
         raise SplitError(f"world size must be >= 1, got {world}")
     if cfg.n_head_kv % world:
@@ -112,11 +166,22 @@ def check_splittable(cfg: ModelConfig, world: int) -> None:
             f"divisible by {world} (each rank must own whole kv heads with the query heads that "
             f"read them); use a model whose n_head_kv is a multiple of {world}"
         )
+    if expert_split is ExpertSplit.INTERMEDIATE and cfg.n_ff % world:
+        raise SplitError(
+            f"cannot split the experts' intermediate dimension over {world} ranks: "
+            f"n_ff={cfg.n_ff} is not divisible by {world} (each rank must hold an equal block "
+            f"of every expert); use --expert-split experts or a model whose n_ff is a multiple "
+            f"of {world}"
+        )
 
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The unit blocks [start, stop) that rank ``rank`` of ``world`` owns."""
+    """The unit blocks [start, stop) that rank ``rank`` of ``world`` owns.
+
+    ``experts`` and ``expert_ff`` follow the expert split: ``EXPERTS`` gives a block of experts
+    and the whole intermediate dimension, ``INTERMEDIATE`` every expert and a block of it.
+    """
 
     rank: int
     world: int
@@ -126,12 +191,15 @@ class RankLayout:
     shared_ff: tuple[int, int]
     vocab: tuple[int, int]
     head_dim: int
+    expert_ff: tuple[int, int]
+    expert_split: ExpertSplit
 
     def units(self, unit: Unit) -> tuple[int, int]:
         return {
             Unit.HEAD: self.heads,
             Unit.KV_HEAD: self.kv_heads,
             Unit.EXPERT: self.experts,
+            Unit.EXPERT_FF: self.expert_ff,
             Unit.SHARED_FF: self.shared_ff,
             Unit.VOCAB: self.vocab,
         }[unit]
@@ -143,25 +211,31 @@ class RankLayout:
         return start * size, stop * size
 
 
-def rank_layout(cfg: ModelConfig, rank: int, world: int) -> RankLayout:
-    check_splittable(cfg, world)
+def rank_layout(
+    cfg: ModelConfig, rank: int, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
+) -> RankLayout:
+    check_splittable(cfg, world, expert_split)
     if not 0 <= rank < world:
         raise SplitError(f"rank must lie in [0, {world}), got {rank}")
+    by_ff = expert_split is ExpertSplit.INTERMEDIATE
     return RankLayout(
         rank=rank,
         world=world,
         heads=block_range(cfg.n_head, rank, world),
         kv_heads=block_range(cfg.n_head_kv, rank, world),
-        experts=block_range(cfg.n_expert, rank, world),
+        experts=(0, cfg.n_expert) if by_ff else block_range(cfg.n_expert, rank, world),
         shared_ff=block_range(cfg.n_ff_shared, rank, world),
         vocab=block_range(cfg.n_vocab, rank, world),
         head_dim=cfg.head_dim,
+        expert_ff=block_range(cfg.n_ff, rank, world) if by_ff else (0, cfg.n_ff),
+        expert_split=expert_split,
     )
 
 
 def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
-    """The index of rank's part of parameter ``name`` (of ``ndim`` axes)."""
-    rule = rule_for(name)
+    """The index of rank's part of parameter ``name`` (of ``ndim`` axes), by the rules of the
+    layout's expert split."""
+    rule = rule_for(name, layout.expert_split)
     index = [slice(None)] * ndim
     if rule.kind is not SplitKind.REPLICATED:
         assert rule.unit is not None
@@ -170,9 +244,11 @@ def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
     return tuple(index)
 
 
-def shard_shapes(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[int, ...]]:
+def shard_shapes(
+    cfg: ModelConfig, rank: int, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
+) -> dict[str, tuple[int, ...]]:
     """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
-    layout = rank_layout(cfg, rank, world)
+    layout = rank_layout(cfg, rank, world, expert_split)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in cfg.param_shapes().items():
         index = shard_slice(name, len(shape), layout)
@@ -181,11 +257,16 @@ def shard_shapes(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[int
 
 
 def shard_params(
-    cfg: ModelConfig, params: Mapping[str, F32], rank: int, world: int
+    cfg: ModelConfig,
+    params: Mapping[str, F32],
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
 ) -> dict[str, F32]:
     """Rank's part of every parameter, C-contiguous float32: a view where the cut allows it
-    (rows, experts, replicated), a copy for column cuts."""
-    layout = rank_layout(cfg, rank, world)
+    (rows, experts, replicated), a copy for column cuts and for the intermediate cuts of the
+    experts (a block of every expert is not one contiguous block)."""
+    layout = rank_layout(cfg, rank, world, expert_split)
     out: dict[str, F32] = {}
     for name, shape in cfg.param_shapes().items():
         value = params[name]
@@ -205,7 +286,9 @@ class RankWeights:
     params: dict[str, F32]
 
     def __post_init__(self) -> None:
-        expected = shard_shapes(self.cfg, self.layout.rank, self.layout.world)
+        expected = shard_shapes(
+            self.cfg, self.layout.rank, self.layout.world, self.layout.expert_split
+        )
         for name, shape in expected.items():
             value = self.params.get(name)
             if value is None:
@@ -224,9 +307,21 @@ class RankWeights:
     def world(self) -> int:
         return self.layout.world
 
+    @property
+    def expert_split(self) -> ExpertSplit:
+        return self.layout.expert_split
+
 
 def rank_weights(
-    cfg: ModelConfig, params: Mapping[str, F32], rank: int, world: int
+    cfg: ModelConfig,
+    params: Mapping[str, F32],
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
 ) -> RankWeights:
     """Cut the full ``params`` for rank ``rank`` of ``world``."""
-    return RankWeights(cfg, rank_layout(cfg, rank, world), shard_params(cfg, params, rank, world))
+    return RankWeights(
+        cfg,
+        rank_layout(cfg, rank, world, expert_split),
+        shard_params(cfg, params, rank, world, expert_split),
+    )

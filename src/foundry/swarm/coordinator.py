@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import ssl
 import statistics
 import time
 from collections.abc import Coroutine
@@ -45,7 +46,13 @@ from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
-from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout, StreamClosed
+from foundry.transport.fdtc_stream import (
+    DEFAULT_FRAME_DEADLINE_S,
+    FdtcStream,
+    FrameTimeout,
+    StreamClosed,
+)
+from foundry.transport.listener import Listener
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.compression import deserialize_tensors
@@ -60,6 +67,10 @@ HEARTBEAT_TIMEOUT_S = 2.5
 REAPER_INTERVAL_S = 0.25
 # A connection must say who it is (REGISTER or DATASET) within this time.
 REGISTER_TIMEOUT_S = 10.0
+# Open connections per listener by default: a swarm of a few hundred machines on the worker
+# link; the gateway's pool (4) and a few `foundry ctl`-like tools on the admin link.
+MAX_WORKER_CONNECTIONS = 256
+MAX_ADMIN_CONNECTIONS = 16
 # Validation loss every this many steps (a few forward passes; cheap next to a round).
 VALIDATE_EVERY = 25
 VALIDATION_BATCHES = 4
@@ -98,6 +109,11 @@ class CoordinatorOptions:
     seed: int = 0
     rebalance: bool = True
     export_path: Path | None = None
+    # Security and limits of both listeners (docs/operations.md, "TLS" and "Limits").
+    tls: ssl.SSLContext | None = None
+    max_connections: int = MAX_WORKER_CONNECTIONS
+    admin_max_connections: int = MAX_ADMIN_CONNECTIONS
+    frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
 
 @dataclass
@@ -220,10 +236,14 @@ class Coordinator:
 
     async def start(self) -> None:
         """Bind both listeners; ``bound_port`` / ``bound_admin_port`` give the real ports."""
-        worker_srv = await asyncio.start_server(self._serve_worker, self.opt.host, self.opt.port)
-        admin_srv = await asyncio.start_server(
-            self._serve_admin, self.opt.admin_host, self.opt.admin_port
-        )
+        o = self.opt
+        workers = Listener("worker link", self._serve_worker, log=log, tls=o.tls,
+                           max_connections=o.max_connections)
+        admin = Listener("admin link", self._serve_admin, log=log, tls=o.tls,
+                         max_connections=o.admin_max_connections,
+                         limit_flag="--admin-max-connections")
+        worker_srv = await workers.start(o.host, o.port)
+        admin_srv = await admin.start(o.admin_host, o.admin_port)
         self._servers = [worker_srv, admin_srv]
         self.bound_port = worker_srv.sockets[0].getsockname()[1]
         self.bound_admin_port = admin_srv.sockets[0].getsockname()[1]
@@ -270,7 +290,7 @@ class Coordinator:
     async def _serve_worker(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer)
+        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -283,10 +303,10 @@ class Coordinator:
                     return
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="worker").inc()
-            log.warning("closing %s: %s", stream.peer, exc)
+            log.warning("worker link: closing %s: %s", stream.peer, exc)
             await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
         except FrameTimeout as exc:
-            log.warning("closing %s: %s", stream.peer, exc)
+            log.warning("worker link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError) as exc:
             if member is not None:
                 log.info("worker %s disconnected: %s", member.worker_id, exc)
@@ -577,6 +597,14 @@ class Coordinator:
                 reported=rnd.reported,
                 quorum=self.opt.quorum,
             )
+            if decision is policy.RoundDecision.WAIT and shares and not rnd.shares \
+                    and not rnd.reported:
+                # Every worker of the round left before reporting: nothing more can arrive for
+                # it, and workers that joined since wait idle until the next round; re-run the
+                # step now rather than at the deadline (up to INITIAL_DEADLINE_S for a worker
+                # that never reported before).
+                log.info("step %d: every assigned worker left before reporting", rnd.step)
+                decision = policy.RoundDecision.ABANDON
             if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
                 break
             wake = rnd.deadline
@@ -721,7 +749,7 @@ class Coordinator:
     async def _serve_admin(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer)
+        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
         self._admin_streams.add(stream)
         try:
             while True:
@@ -729,9 +757,11 @@ class Coordinator:
                 await stream.send(await self._on_admin_message(msg))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
-            log.warning("closing admin peer %s: %s", stream.peer, exc)
+            log.warning("admin link: closing %s: %s", stream.peer, exc)
             await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
-        except (StreamClosed, FrameTimeout, ConnectionError, TimeoutError):
+        except FrameTimeout as exc:
+            log.warning("admin link: %s; closed", exc)
+        except (StreamClosed, ConnectionError, TimeoutError):
             pass
         finally:
             self._admin_streams.discard(stream)

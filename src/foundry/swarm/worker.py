@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class WorkerOptions:
     backoff_cap_s: float = 10.0
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     max_attempts: int = 0  # 0 = reconnect forever
+    tls: ssl.SSLContext | None = None  # dial the coordinator over TLS (transport.tls)
 
 
 class Worker:
@@ -100,7 +102,7 @@ class Worker:
         attempt = 0
         while True:
             try:
-                stream = await FdtcStream.connect(self.opt.host, self.opt.port)
+                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls)
             except (OSError, TimeoutError) as exc:
                 attempt += 1
                 if self.opt.max_attempts and attempt >= self.opt.max_attempts:
@@ -126,6 +128,11 @@ class Worker:
                 done = False
             except (StreamClosed, ConnectionError, TimeoutError) as exc:
                 log.warning("lost the coordinator: %s; reconnecting", exc)
+                done = False
+            except ssl.SSLError as exc:
+                # TLS 1.3: a coordinator that refuses our certificate says so after the
+                # handshake, on the first read.
+                log.warning("the coordinator ended TLS: %s; reconnecting", exc)
                 done = False
             except ProtocolError as exc:
                 log.warning("bad bytes from the coordinator: %s; reconnecting", exc)

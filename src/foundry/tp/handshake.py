@@ -3,10 +3,10 @@
 Bring-up of a pair (``docs/tp.md`` has the sequence with every frame):
 
 1. The worker dials the leader's ``--listen`` port: the **control connection**. Each rank sends
-   its hello (version, role, :class:`~foundry.wire.tp.Identity`, shared-memory offer) and reads
-   the peer's; both run :func:`~foundry.wire.tp.check_hello` on the same two hellos, so both
-   log the same mismatch (field and both values) and close. A worker stops dialing then: a
-   restart with the same files cannot fix it.
+   its hello (version, role, :class:`~foundry.wire.tp.Identity`, execution mode, shared-memory
+   offer) and reads the peer's; both run :func:`~foundry.wire.tp.check_hello` on the same two
+   hellos, so both log the same mismatch (field and both values) and close. A worker stops
+   dialing then: a restart with the same files (and flags) cannot fix it.
 2. The leader answers COMMAND_ACK: status :data:`ACK_ACCEPTED` with a random 64-bit pairing
    token in ``seq``, or :data:`ACK_BUSY` when another worker holds the pair.
 3. The data plane both ranks negotiated from the hellos: shared memory (the worker attaches to
@@ -29,15 +29,25 @@ import numpy.typing as npt
 
 from foundry.model.config import ModelConfig
 from foundry.model.gguf_io import load_gguf, model_id
-from foundry.model.tp_split import RankWeights, rank_layout, shard_slice
+from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_slice
 from foundry.tp.link import ControlLink, LinkError
-from foundry.wire.tp import Hello, Identity, check_hello, max_payload_for
+from foundry.wire.tp import (
+    DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
+    Hello,
+    Identity,
+    check_hello,
+    max_payload_for,
+)
 
 # COMMAND_ACK status values of the bring-up (session 0).
 ACK_ACCEPTED = 0
 ACK_BUSY = 1  # leader -> worker: another worker holds the pair; dial again later
 ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials again over TCP
 WORLD = 2
+# How the services cut the routed experts unless told otherwise: every expert by its intermediate
+# size, so both ranks do the same work for every token (docs/tp.md, "Expert split", has the
+# figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
+DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 # general.file_type of a GGUF file -> the bits of its weights (DESIGN: f32 and f16 files).
 _FILE_TYPE_BITS = {0: 32, 1: 16}
@@ -50,6 +60,18 @@ class RankModel:
     cfg: ModelConfig
     weights: RankWeights
     identity: Identity
+
+    @property
+    def execution_mode(self) -> int:
+        """The hello's execution mode bits for these weights."""
+        return execution_mode(self.weights.expert_split)
+
+
+def execution_mode(expert_split: ExpertSplit) -> int:
+    """``DS4_TP_MODE_*`` bits of an expert split (the seed's numbers)."""
+    if expert_split is ExpertSplit.INTERMEDIATE:
+        return DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
+    return 0
 
 
 def quant_bits(metadata: dict[str, Any]) -> int:
@@ -77,11 +99,17 @@ def identity_for(path: Path, cfg: ModelConfig, metadata: dict[str, Any], ctx_siz
     )
 
 
-def load_rank(path: Path, rank: int, ctx_size: int | None = None) -> RankModel:
-    """Read rank ``rank``'s half of the GGUF file: only its slices are read from disk."""
+def load_rank(
+    path: Path,
+    rank: int,
+    ctx_size: int | None = None,
+    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+) -> RankModel:
+    """Read rank ``rank``'s half of the GGUF file (its experts cut by ``expert_split``): only
+    its slices are read from disk."""
     header = load_gguf(path, select=lambda name, view: None)
     cfg = header.cfg
-    layout = rank_layout(cfg, rank, WORLD)
+    layout = rank_layout(cfg, rank, WORLD, expert_split)
 
     def select(name: str, view: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return view[shard_slice(name, view.ndim, layout)]

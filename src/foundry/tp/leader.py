@@ -11,7 +11,8 @@ Threads
   reach it through a queue; tokens go back with ``loop.call_soon_threadsafe`` (one call per
   step). It runs the scheduler below, blocking in numpy and in the gate exchange.
 - **acceptor thread** and short-lived **handshake threads**: accept connections on ``--listen``
-  and bring pairs up (``foundry.tp.handshake``); a formed pair is handed to the engine thread.
+  and bring pairs up (``foundry.tp.handshake``), after the TLS handshake when the leader has
+  a TLS context; a formed pair is handed to the engine thread.
 - **watcher thread**, one per pair: polls the control socket for hang-up, so a worker that dies
   fails the requests in flight at once, even while the engine thread waits inside a gate.
 
@@ -49,6 +50,7 @@ import queue
 import secrets
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -62,18 +64,19 @@ from foundry.model.config import EOS_ID
 from foundry.model.data import encode as encode_text
 from foundry.model.inference import Engine, Session
 from foundry.model.sampling import make_rng, sample
-from foundry.model.tp_split import rank_layout
+from foundry.model.tp_split import ExpertSplit, rank_layout
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
     ACK_SHM_FAILED,
+    DEFAULT_EXPERT_SPLIT,
     WORLD,
     RankModel,
     exchange_hellos,
     load_rank,
 )
-from foundry.tp.link import ControlLink, LinkError
+from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
 from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
 from foundry.tp.policy import (
     MAX_DRAFT,
@@ -83,6 +86,7 @@ from foundry.tp.policy import (
     commit_plan,
     propose_drafts,
 )
+from foundry.transport import tls as tls_mod
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
@@ -91,6 +95,7 @@ from foundry.transport.gates import (
     TcpGateExchange,
     local_host_id,
 )
+from foundry.transport.listener import Listener
 from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     BatchItem,
@@ -127,6 +132,13 @@ LogitsHook = Callable[[int, F32], None]
 
 # Connections in the middle of their first bytes / hello at once; more are closed at once.
 MAX_HANDSHAKES = 4
+# Open frontend connections by default: the gateway needs one; room for a few replicas and
+# tools.
+MAX_FRONTEND_CONNECTIONS = 64
+# Bytes queued for a frontend client that does not read them: past this its connection is
+# closed (and its generations cancelled) rather than buffered without end. A token frame is
+# about 25 bytes, so this is some 150 000 tokens behind.
+MAX_CLIENT_BACKLOG = 4 << 20
 # The engine thread's longest sleep while idle: the delay before it notices a stop.
 IDLE_WAIT_S = 0.05
 # Gate latencies kept for diagnostics (Leader.gate_latencies).
@@ -153,6 +165,13 @@ class LeaderOptions:
     gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S
     control_timeout_s: float = 1.0
     handshake_timeout_s: float = 5.0
+    # How the routed experts are cut (the worker must run the same: the hello checks it).
+    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
+    # Security and limits (docs/operations.md, "TLS" and "Limits"): TLS on both listeners,
+    # the frontend's connection limit, and the deadline of a frame begun on either link.
+    tls: ssl.SSLContext | None = None
+    frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
+    frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):
@@ -182,8 +201,16 @@ class _Conn:
     closed: bool = False
 
     def write(self, frame: fw.Frame) -> None:
-        if not self.closed and not self.writer.is_closing():
-            self.writer.write(fw.encode(frame))
+        if self.closed or self.writer.is_closing():
+            return
+        self.writer.write(fw.encode(frame))
+        backlog = self.writer.transport.get_write_buffer_size()
+        if backlog > MAX_CLIENT_BACKLOG:
+            log.warning("frontend link: closing %s: it does not read what it asked for (%d "
+                        "bytes wait to be sent, the limit is %d)", self.peer, backlog,
+                        MAX_CLIENT_BACKLOG)
+            self.closed = True
+            self.writer.transport.abort()
 
 
 class _Request:
@@ -257,7 +284,7 @@ class Leader:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 0, options.ctx_size)
+        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.cfg = self.model.cfg
         self.metrics = metrics or TpMetrics()
@@ -317,10 +344,11 @@ class Leader:
         listener.settimeout(0.25)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        self._frontend = await asyncio.start_server(
-            self._serve_frontend, o.frontend_host, o.frontend_port
-        )
-        self.frontend_port = self._frontend.sockets[0].getsockname()[1]
+        frontend = Listener("frontend link", self._serve_frontend, log=log, tls=o.tls,
+                            max_connections=o.frontend_max_connections,
+                            limit_flag="--frontend-max-connections")
+        self._frontend = await frontend.start(o.frontend_host, o.frontend_port)
+        self.frontend_port = frontend.port
         for target, name in ((self._accept_loop, "tp-acceptor"), (self._engine_main, "tp-engine")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -388,17 +416,35 @@ class Leader:
         conn = _Conn(writer, f"{peername[0]}:{peername[1]}" if peername else "?")
         self._conns.add(conn)
         decoder = fw.FrontendDecoder()
+        loop = asyncio.get_running_loop()
+        deadline = self.options.frame_deadline_s
+        begun: float | None = None  # when the frame now arriving began
         try:
-            while not conn.closed and (data := await reader.read(65536)):
+            while not conn.closed:
+                if decoder.buffered:
+                    begun = loop.time() if begun is None else begun
+                    try:
+                        data = await asyncio.wait_for(reader.read(65536),
+                                                      begun + deadline - loop.time())
+                    except TimeoutError:
+                        log.warning("frontend link: %s began a frame and did not finish it "
+                                    "within %g s (frame deadline); closed", conn.peer,
+                                    deadline)
+                        return
+                else:
+                    begun = None
+                    data = await reader.read(65536)
+                if not data:
+                    break
                 decoder.feed(data)
                 while (frame := decoder.next_frame()) is not None:
+                    begun = None
                     if not self._on_frame(conn, frame):
                         return
         except (fw.FrontendProtocolError, ValueError) as exc:
-            log.warning("frontend client %s sent bad bytes (%s); closing its connection",
-                        conn.peer, exc)
+            log.warning("frontend link: closing %s: it sent bad bytes (%s)", conn.peer, exc)
             conn.write(fw.Error(0, fw.ErrorCode.BAD_REQUEST, f"protocol error: {exc}"))
-        except ConnectionError:
+        except (ConnectionError, ssl.SSLError):
             pass
         finally:
             self._drop_conn(conn)
@@ -513,7 +559,9 @@ class Leader:
                     time.sleep(0.1)
                 continue
             if not self._handshake_slots.acquire(blocking=False):
-                log.warning("too many connections in their handshake; closed %s:%d", *addr[:2])
+                log.warning("worker port: refused %s:%d: %d connections are in their "
+                            "bring-up already, the limit (a pair needs two)", addr[0], addr[1],
+                            MAX_HANDSHAKES)
                 sock.close()
                 continue
             threading.Thread(target=self._greet, args=(sock, addr), name="tp-handshake",
@@ -521,13 +569,21 @@ class Leader:
 
     def _greet(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        o = self.options
         try:
-            sock.settimeout(self.options.handshake_timeout_s)
-            head = _recv_exact(sock, 4)
+            sock.settimeout(o.handshake_timeout_s)
+            if o.tls is not None:
+                secured = self._tls_handshake(sock, peer)
+                if secured is None:
+                    return
+                sock = secured
+            first = _recv_exact(sock, 1)
+            frame_deadline = time.monotonic() + o.frame_deadline_s
+            head = first + _recv_exact(sock, 3, frame_deadline, o.frame_deadline_s)
             if head == b"DTPH":
                 self._control_handshake(sock, head)
             elif head == b"DTP4":
-                self._gate_connection(sock, head, peer)
+                self._gate_connection(sock, head, peer, frame_deadline)
             else:
                 log.warning("connection from %s is not a TP worker (first bytes %s); closed",
                             peer, head.hex())
@@ -539,9 +595,26 @@ class Leader:
         finally:
             self._handshake_slots.release()
 
-    def _gate_connection(self, sock: socket.socket, head: bytes, peer: str) -> None:
+    def _tls_handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
+        """The TLS handshake of a new connection; None (logged, closed) if it fails."""
+        assert self.options.tls is not None
+        try:
+            return tls_mod.wrap_blocking(self.options.tls, sock, server_side=True,
+                                         timeout_s=self.options.handshake_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            if tls_mod.closed_early(exc):
+                log.debug("worker port: %s closed the connection in the TLS handshake", peer)
+            else:
+                log.warning("worker port: refused %s in the TLS handshake: %s", peer,
+                            tls_mod.refusal_reason(exc))
+                self.metrics.failures.labels("handshake").inc()
+            return None
+
+    def _gate_connection(
+        self, sock: socket.socket, head: bytes, peer: str, frame_deadline: float
+    ) -> None:
         decoder = TpDecoder()
-        decoder.feed(head + _recv_exact(sock, 28))
+        decoder.feed(head + _recv_exact(sock, 28, frame_deadline, self.options.frame_deadline_s))
         frame = decoder.next_frame()
         waiter = self._gate_waiters.get(frame.seq) if isinstance(frame, CommandAck) else None
         if waiter is None:
@@ -554,7 +627,7 @@ class Leader:
     def _control_handshake(self, sock: socket.socket, head: bytes) -> None:
         o = self.options
         link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
-                           initial=head)
+                           initial=head, frame_deadline_s=o.frame_deadline_s)
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
         slab: ShmGateExchange | None = None
         if o.shm:
@@ -564,7 +637,8 @@ class Leader:
             except OSError as exc:
                 log.warning("no shared-memory slab (%s); gates go over TCP", exc)
         hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
-                      shm_offered=slab is not None, shm_name=slab.name if slab else "")
+                      shm_offered=slab is not None, shm_name=slab.name if slab else "",
+                      execution_mode=self.model.execution_mode)
         gate: GateExchange | None = None
         claimed = formed = False
         token = secrets.randbits(64) or 1
@@ -1024,12 +1098,31 @@ class Leader:
         self._gate_trace.append((gate, seconds))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(
+    sock: socket.socket, n: int, deadline: float | None = None, deadline_s: float = 0.0
+) -> bytes:
+    """``n`` bytes; with ``deadline`` (a time.monotonic(), ``deadline_s`` after the frame's
+    first byte) all of them by then (LinkError)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
+
+    def late() -> LinkError:
+        return LinkError(f"the peer began a frame and did not finish it within {deadline_s:g} s "
+                         f"(frame deadline); {got} of {n} more bytes came; closed")
+
     while got < n:
-        k = sock.recv_into(view[got:])
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise late()
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise late() from None
         if k == 0:
             raise LinkError(f"the peer closed after {got} of the first {n} bytes")
         got += k

@@ -18,23 +18,26 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from foundry.model.inference import Engine
+from foundry.model.tp_split import ExpertSplit
 from foundry.obs.metrics import TpMetrics
 from foundry.swarm.policy import backoff_delay
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
     ACK_SHM_FAILED,
+    DEFAULT_EXPERT_SPLIT,
     RankModel,
     exchange_hellos,
     load_rank,
 )
-from foundry.tp.link import ControlLink, LinkError
+from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
 from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
@@ -44,6 +47,7 @@ from foundry.transport.gates import (
     TcpGateExchange,
     local_host_id,
 )
+from foundry.transport.tls import wrap_blocking
 from foundry.wire.tp import (
     CommandAck,
     Eval,
@@ -92,6 +96,9 @@ class WorkerOptions:
     control_timeout_s: float = 1.0
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
+    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
+    tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
+    frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
 
 class _Busy(Exception):
@@ -106,7 +113,7 @@ class Worker:
         metrics: TpMetrics | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 1, options.ctx_size)
+        self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.metrics = metrics or TpMetrics()
         engine = Engine(self.model.cfg, self.model.weights, rank=1, world=2)
@@ -157,13 +164,14 @@ class Worker:
 
     def _connect(self) -> tuple[ControlLink, GateExchange, GateTransport]:
         o = self.options
-        sock = socket.create_connection((o.leader_host, o.leader_port), o.handshake_timeout_s)
-        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True)
+        sock = self._dial()
+        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
+                           frame_deadline_s=o.frame_deadline_s)
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
         gate: GateExchange | None = None
         try:
             hello = Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
-                          shm_offered=self._offer_shm)
+                          shm_offered=self._offer_shm, execution_mode=self.model.execution_mode)
             peer = exchange_hellos(link, hello)
             transport = negotiate_gate_transport(hello, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")
@@ -183,8 +191,7 @@ class Worker:
                     self._offer_shm = False
                     raise
             else:
-                gsock = socket.create_connection((o.leader_host, o.leader_port),
-                                                 o.handshake_timeout_s)
+                gsock = self._dial()
                 try:
                     gsock.sendall(encode(CommandAck(status=ACK_ACCEPTED, seq=ack.seq)))
                 except OSError:
@@ -201,6 +208,15 @@ class Worker:
             link.close()
             raise
         return link, gate, transport
+
+    def _dial(self) -> socket.socket:
+        """A connection to the leader's port, TLS done when configured."""
+        o = self.options
+        sock = socket.create_connection((o.leader_host, o.leader_port), o.handshake_timeout_s)
+        if o.tls is None:
+            return sock
+        return wrap_blocking(o.tls, sock, server_side=False, server_hostname=o.leader_host,
+                             timeout_s=o.handshake_timeout_s)
 
     # -- one pair ------------------------------------------------------------------------
 

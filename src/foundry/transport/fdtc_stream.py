@@ -3,7 +3,14 @@
 The codec (``foundry.wire.fdtc``) does all the parsing; this module only moves bytes and
 enforces time: once a frame has begun, the rest of it must arrive within ``frame_deadline_s``
 (a slow sender cannot pin a socket and a buffer forever), and an idle peer may be given up on
-with ``idle_timeout_s``.
+with ``idle_timeout_s``. The same deadline bounds a send: a peer that does not take a frame's
+bytes within it is cut off, so a reader that stopped reading cannot make us buffer without
+end (``send`` waits for the write buffer to drain before it returns, so at most one frame per
+peer waits in memory).
+
+Every wait is bounded with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python 3.11
+``wait_for`` drops a cancellation that arrives in the same loop iteration as the awaited
+result, and a worker whose task is cancelled by SIGTERM would then go on training.
 """
 
 from __future__ import annotations
@@ -54,9 +61,8 @@ class FdtcStream:
     async def connect(
         cls, host: str, port: int, *, ssl: object = None, timeout_s: float = 5.0, **kw: object
     ) -> FdtcStream:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=ssl, limit=READ_CHUNK), timeout_s
-        )
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port, ssl=ssl, limit=READ_CHUNK)
         return cls(reader, writer, **kw)  # type: ignore[arg-type]
 
     async def recv(self, idle_timeout_s: float | None = None) -> Message:
@@ -77,17 +83,18 @@ class FdtcStream:
                 if timeout is not None and timeout <= 0:
                     raise FrameTimeout(
                         f"{self.peer} began a frame and did not finish it within "
-                        f"{self.frame_deadline_s:g} s"
+                        f"{self.frame_deadline_s:g} s (frame deadline)"
                     )
             else:
                 timeout = idle_timeout_s
             try:
-                data = await asyncio.wait_for(self.reader.read(READ_CHUNK), timeout)
+                async with asyncio.timeout(timeout):
+                    data = await self.reader.read(READ_CHUNK)
             except TimeoutError:
                 if partial:
                     raise FrameTimeout(
                         f"{self.peer} began a frame and did not finish it within "
-                        f"{self.frame_deadline_s:g} s"
+                        f"{self.frame_deadline_s:g} s (frame deadline)"
                     ) from None
                 raise
             if not data:
@@ -98,14 +105,24 @@ class FdtcStream:
             self.decoder.feed(data)
 
     async def send(self, *messages: Message) -> int:
-        """Encode and write the messages, then wait until the kernel took them."""
+        """Encode and write the messages, then wait until the kernel took them (FrameTimeout
+        after ``frame_deadline_s``; the connection is then aborted)."""
         n = 0
         for msg in messages:
             data = encode(msg)
             self.writer.write(data)
             n += len(data)
         self.bytes_out += n
-        await self.writer.drain()
+        try:
+            async with asyncio.timeout(self.frame_deadline_s):
+                await self.writer.drain()
+        except TimeoutError:
+            # Part of a frame may be on the wire: the connection cannot be used any more.
+            self.writer.transport.abort()
+            raise FrameTimeout(
+                f"{self.peer} did not take a frame of {n} bytes within "
+                f"{self.frame_deadline_s:g} s (it reads too slowly or not at all)"
+            ) from None
         return n
 
     async def close(self) -> None:

@@ -19,6 +19,9 @@ Two transports:
   send and receive, so a multi-MiB prefill partial cannot deadlock when the kernel clamps the
   socket buffers (a blocking "sendall, then recv" on both sides would). No copies: the partial
   is sent from its own buffer, the peer's lands through ``recvmsg_into`` in a reused array.
+  Over TLS (``foundry.transport.tls``; an ``ssl.SSLSocket``, which has no scatter/gather
+  calls) the same loop uses ``send`` and ``recv_into`` one buffer at a time; the bytes inside
+  TLS are the same.
 - :class:`ShmGateExchange`: a slab file in ``/dev/shm`` mapped by both ranks on one host (see
   ``SlabLayout`` for the layout and the seqlock rule). A plain file + ``mmap`` rather than
   ``multiprocessing.shared_memory``: before Python 3.13 the attaching process registers the
@@ -44,6 +47,7 @@ import platform
 import secrets
 import select
 import socket
+import ssl
 import struct
 import tempfile
 import time
@@ -89,6 +93,9 @@ SHM_SLEEP_MAX_S = 100e-6
 # decode gate is usually tens of microseconds away, and a core that goes idle (a halted vCPU
 # in a VM especially) takes about as long again to wake up.
 TCP_SPIN_S = 50e-6
+# Over TLS, bytes handed to one send: a multiple of the 16 KiB TLS record, and a retry after
+# "would block" must offer the same bytes again, so the slice must not depend on anything else.
+TLS_SEND_CHUNK = 256 * 1024
 # Machines whose stores become visible to other cores in program order (total store order):
 # there a slot's seq_end can never be seen before its data, and the checksum is not needed.
 TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
@@ -235,7 +242,7 @@ class TcpGateExchange(GateExchange):
 
     Per gate, header (20 bytes) + partial go out while the peer's come in, one poll loop
     driving both directions. Works over any connected stream socket (TCP_NODELAY is set where
-    it applies).
+    it applies), a TLS socket included.
     """
 
     def __init__(
@@ -254,6 +261,8 @@ class TcpGateExchange(GateExchange):
             # A gate is one small write; Nagle would hold it back waiting for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._poller = select.poll()
+        self._tls = sock if isinstance(sock, ssl.SSLSocket) else None
+        self._tls_wants_write = False  # TLS must write (a handshake message) before it reads
         self._tag_in = bytearray(GATE_HEADER_SIZE)
         self._peer = np.empty(0, dtype=_F32)  # grows to the largest gate seen, then reused
 
@@ -270,7 +279,7 @@ class TcpGateExchange(GateExchange):
         while sent < total or got < total:
             progress = False
             if sent < total:
-                n = self._io(self._sock.sendmsg, _tail(out, sent), tag, sent, got, total)
+                n = self._io(self._send, _tail(out, sent), tag, sent, got, total)
                 sent += n
                 progress = n > 0
             if got < total:
@@ -286,8 +295,26 @@ class TcpGateExchange(GateExchange):
                 self._wait(last_progress, tag, sent, got, total)
         return peer
 
+    def _send(self, views: list[memoryview]) -> int:
+        if self._tls is None:
+            return self._sock.sendmsg(views)
+        try:
+            return self._tls.send(views[0][:TLS_SEND_CHUNK])
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            raise BlockingIOError from None
+
     def _recv(self, views: list[memoryview]) -> int:
-        n = self._sock.recvmsg_into(views)[0]
+        if self._tls is None:
+            n = self._sock.recvmsg_into(views)[0]
+        else:
+            try:
+                n = self._tls.recv_into(views[0])
+            except ssl.SSLWantReadError:
+                raise BlockingIOError from None
+            except ssl.SSLWantWriteError:
+                self._tls_wants_write = True
+                raise BlockingIOError from None
+            self._tls_wants_write = False
         if n == 0:
             raise EOFError
         return n
@@ -323,7 +350,10 @@ class TcpGateExchange(GateExchange):
                 f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
                 f"(sent {sent} of {total} bytes, received {got} of {total})"
             )
-        events = (select.POLLOUT if sent < total else 0) | (select.POLLIN if got < total else 0)
+        if self._tls is not None and self._tls.pending():
+            return  # decrypted bytes wait inside TLS, not on the socket: read them first
+        out = sent < total or self._tls_wants_write
+        events = (select.POLLOUT if out else 0) | (select.POLLIN if got < total else 0)
         self._poller.register(self._sock, events)
         try:
             self._poller.poll(max(1, int(left * 1000) + 1))

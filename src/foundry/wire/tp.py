@@ -3,7 +3,7 @@
 Three byte formats live here, none of them touching a socket:
 
 - the **hello** (168 bytes), the first thing each rank sends on the control socket: protocol
-  version, role, the engine :class:`Identity` and the shared-memory offer;
+  version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``;
 - the **gate header** (20 bytes) that tags every partial on the data plane, and the layout of
@@ -14,7 +14,8 @@ Theory of operation
 Each rank sends its hello, then reads the peer's. A :class:`TpDecoder` made with
 ``expect_hello=True`` accepts exactly one hello as the first record and checks the peer's
 version from its first 8 bytes, before trusting any other field; :func:`check_hello` then
-compares roles and identities and raises with the field name and both values. After the hello
+compares roles, identities and execution modes and raises with the field name and both values.
+After the hello
 the control socket carries control frames only. The decoder validates each frame header (magic,
 type, flags, length against ``max_payload`` and against the type's legal sizes) as soon as its
 28 bytes are in, before waiting for the payload. Short input means "feed me more" (``None``);
@@ -22,7 +23,8 @@ bad input raises :class:`TpProtocolError` and leaves the decoder failed for good
 closes the connection and re-handshakes.
 
 Every layout is little-endian and packed (``struct`` formats start with ``<``); every struct's
-size is asserted in ``tests/test_tp_wire.py``. ``docs/protocol_tp.md`` documents every byte.
+size is asserted in ``tests/test_tp_wire.py``. ``docs/protocol.md`` (tensor-parallel part)
+documents every byte.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_T
 # Hello flag bits.
 HELLO_SHM_OFFERED = 1
 HELLO_FLAGS = HELLO_SHM_OFFERED
+# Execution mode bits (the hello's u16 at offset 10), the seed's numbers: the flags that
+# ds4_tp_agree_execution_mode compares. Both ranks must state the same mode.
+DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT = 1  # every routed expert cut by its intermediate size
+DS4_TP_MODE_V41_SHARED_OWNER = 2
+DS4_TP_MODE_V41_SHARED_BALANCE = 4
+DS4_TP_MODE_V41_DSPARK = 8
+# The bits this implementation runs; the seed's others are refused on receipt.
+EXECUTION_MODE_BITS = DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
 HOST_ID_BYTES = 16
 SHM_NAME_BYTES = 64
 # A slab name is a bare file name (it is opened under the shared-memory directory), at most 63
@@ -100,7 +110,8 @@ class VersionMismatch(TpProtocolError):
 
 
 class IdentityMismatch(TpProtocolError):
-    """The two ranks loaded different models (or both claim one role); names field and values."""
+    """The two ranks loaded different models (or both claim one role, or run different execution
+    modes); names field and values."""
 
 
 def _check_range(owner: str, name: str, value: int, lo: int, hi: int) -> None:
@@ -160,7 +171,7 @@ class Identity:
 # magic u32, version u16, hello_size u16: the part of a hello that no version will ever move,
 # so a peer of another version is told so instead of being misparsed.
 HELLO_PREFIX = struct.Struct("<IHH")
-# role u8, flags u8, reserved u16
+# role u8, flags u8, execution_mode u16
 _HELLO_ROLE = struct.Struct("<BBH")
 # gguf_bytes u64, model_id .. gates_per_token 9 x u32, gate_slot_mask 4 x u64 (packed: the C
 # struct in memory has 4 bytes of padding before the mask, the wire does not).
@@ -178,7 +189,8 @@ class Hello:
     ``shm_offered`` says this rank can use a shared-memory slab; the leader also names the slab
     it created (``shm_name``). ``host_id`` identifies the machine (and container): the slab is
     used only when both ranks offered it and their host ids are equal (see
-    :func:`negotiate_gate_transport`).
+    :func:`negotiate_gate_transport`). ``execution_mode`` holds the ``DS4_TP_MODE_*`` bits of
+    how this rank's weights are cut; both ranks must state the same.
     """
 
     role: Role
@@ -187,9 +199,16 @@ class Hello:
     shm_offered: bool = False
     shm_name: str = ""
     version: int = TP_PROTOCOL_VERSION
+    execution_mode: int = 0
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
+        _check_range("Hello", "execution_mode", self.execution_mode, 0, _U16)
+        if self.execution_mode & ~EXECUTION_MODE_BITS:
+            raise LocalProtocolError(
+                f"Hello.execution_mode {self.execution_mode:#x} has bits this implementation "
+                f"does not run (supported: {EXECUTION_MODE_BITS:#x})"
+            )
         if not isinstance(self.role, Role):
             raise LocalProtocolError(f"Hello.role must be a Role, got {self.role!r}")
         if len(self.host_id) != HOST_ID_BYTES:
@@ -252,8 +271,31 @@ def check_identity(mine: Identity, peer: Identity, *, mine_role: Role = Role.LEA
             )
 
 
+def expert_split_name(execution_mode: int) -> str:
+    """The ``--expert-split`` value an execution mode stands for."""
+    return "intermediate" if execution_mode & DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT else "experts"
+
+
+def check_execution_mode(mine: Hello, peer: Hello) -> None:
+    """Raise :class:`IdentityMismatch` unless both ranks cut their weights the same way
+    (``ds4_tp_agree_execution_mode``), naming the field and both values, leader first."""
+    leader, worker = (mine, peer) if mine.role is Role.LEADER else (peer, mine)
+    lv, wv = leader.execution_mode, worker.execution_mode
+    if (lv ^ wv) & DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT:
+        raise IdentityMismatch(
+            f"execution mode mismatch on expert_split: leader has {expert_split_name(lv)}, "
+            f"worker has {expert_split_name(wv)}; start both ranks with the same --expert-split"
+        )
+    if lv != wv:
+        raise IdentityMismatch(
+            f"execution mode mismatch: leader has {lv:#x}, worker has {wv:#x}; run the same "
+            "foundry release with the same flags on both ranks"
+        )
+
+
 def check_hello(mine: Hello, peer: Hello) -> None:
-    """Everything both ranks must agree on before any inference: version, roles, identity."""
+    """Everything both ranks must agree on before any inference: version, roles, identity,
+    execution mode."""
     if mine.version != peer.version:
         raise VersionMismatch(_version_message(mine.version, peer.version))
     if mine.role is peer.role:
@@ -263,6 +305,7 @@ def check_hello(mine: Hello, peer: Hello) -> None:
             f"start exactly one rank as the {other.name.lower()}"
         )
     check_identity(mine.identity, peer.identity, mine_role=mine.role)
+    check_execution_mode(mine, peer)
 
 
 def _version_message(mine: int, peer: int) -> str:
@@ -276,7 +319,7 @@ def _encode_hello(h: Hello) -> bytes:
     i = h.identity
     flags = HELLO_SHM_OFFERED if h.shm_offered else 0
     return HELLO.pack(
-        TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, 0,
+        TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
         h.host_id, h.shm_name.encode(),
@@ -285,11 +328,17 @@ def _encode_hello(h: Hello) -> bytes:
 
 def _decode_hello(buf: bytes | bytearray, offset: int) -> Hello:
     v = HELLO.unpack_from(buf, offset)
-    version, role, flags, reserved = v[1], v[3], v[4], v[5]
+    version, role, flags, mode = v[1], v[3], v[4], v[5]
     if role not in (Role.LEADER, Role.WORKER):
         raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
-    if flags & ~HELLO_FLAGS or reserved:
-        raise TpProtocolError(f"hello: unknown flags {flags:#x} or nonzero reserved {reserved}")
+    if flags & ~HELLO_FLAGS:
+        raise TpProtocolError(f"hello: unknown flags {flags:#x}")
+    if mode & ~EXECUTION_MODE_BITS:
+        raise TpProtocolError(
+            f"hello: execution mode {mode:#x} has bits this implementation does not run "
+            f"(supported: {EXECUTION_MODE_BITS:#x}: {DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT} = "
+            "experts cut by their intermediate size)"
+        )
     raw_name = v[-1].rstrip(b"\0")
     try:
         name = raw_name.decode()
@@ -308,6 +357,7 @@ def _decode_hello(buf: bytes | bytearray, offset: int) -> Hello:
             shm_offered=bool(flags & HELLO_SHM_OFFERED),
             shm_name=name,
             version=version,
+            execution_mode=mode,
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None
@@ -860,6 +910,11 @@ class TpDecoder:
     def buffered(self) -> int:
         """Bytes fed but not yet returned as records."""
         return len(self._buf) - self._pos
+
+    @property
+    def in_record(self) -> bool:
+        """A record has begun and is not complete yet (its header may be consumed already)."""
+        return self.buffered > 0 or self._header is not None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._check_usable()
