@@ -35,6 +35,7 @@ from test_gateway_frontend import (
     REPLY,
     Pair,
     StandInLeader,
+    expect_code,
     free_port,
     run,
     running_pair,
@@ -173,15 +174,6 @@ def assert_same(
     assert (done.prompt_tokens, done.generated_tokens) == (
         direct.end.prompt_tokens, direct.end.generated_tokens
     )
-
-
-async def expect_code(awaitable: object, code: grpc.StatusCode, wording: str = "") -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as exc:
-        await awaitable  # type: ignore[misc]
-    assert exc.value.code() == code, exc.value.details()
-    details = exc.value.details() or ""
-    assert wording in details, details
-    return details
 
 
 # ---------------------------------------------------------------------------- auth

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import grpc
 import procs
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_gateway_frontend import free_port, run
+from test_gateway_frontend import expect_code, free_port, run
 
 from foundry.api.v1 import model_pb2, model_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.server import Gateway, GatewayOptions
@@ -74,15 +73,6 @@ async def wait_health(channel: grpc.aio.Channel, service: str, want: int, within
             return
         assert time.monotonic() < deadline, f"{service} stayed {got.status}, wanted {want}"
         await asyncio.sleep(0.05)
-
-
-async def expect_code(awaitable: object, code: grpc.StatusCode, wording: str = "") -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as exc:
-        await awaitable  # type: ignore[misc]
-    assert exc.value.code() == code, exc.value.details()
-    details = exc.value.details() or ""
-    assert wording in details, details
-    return details
 
 
 # ---------------------------------------------------------------------------- tests

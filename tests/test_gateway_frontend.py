@@ -344,6 +344,16 @@ async def stream_until_cancelled(client: FrontendClient, started: asyncio.Event)
             started.set()
 
 
+async def expect_code(awaitable: object, code: grpc.StatusCode, wording: str = "") -> str:
+    """Await a gRPC call that must fail with ``code`` and say ``wording``; its details."""
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await awaitable  # type: ignore[misc]
+    assert exc.value.code() == code, exc.value.details()
+    details = exc.value.details() or ""
+    assert wording in details, details
+    return details
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
