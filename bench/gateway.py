@@ -13,19 +13,22 @@ It starts, as processes and through their CLI, a tensor-parallel pair (`foundry 
    Target: a ratio of at least 0.95. Every generation must run to ``--tokens`` (an early EOS
    would time the call's setup instead of the stream). Also reported: CPU milliseconds per
    token of each process (pair, gateway, this client), which the scheduling noise of a small
-   machine moves far less than the wall-clock rates.
+   machine moves far less than the wall-clock rates, and the mean tokens per gRPC message
+   (the gateway sends the tokens ready at once as one message: 1.0 while it keeps up with the
+   pair, more when it falls behind).
 2. status latency under load: ``--callers`` concurrent callers (50) each make ``--calls`` calls
    back to back through the gateway, first GetTrainingStatus (the coordinator's admin link),
    then GetPairStatus (the leader's frontend link); p50 and p99 of the per-call latency are
    reported (no target: the numbers to watch across changes).
 
-The default model is the tiny preset with its initial weights perturbed by a seeded normal
-(0.1): the bare initial weights end a greedy generation of the default prompt after two tokens.
+The default model is a preset (``--preset``, default tiny) with its initial weights perturbed
+by a seeded normal (0.1): the bare initial weights end a greedy generation of the default prompt
+after two tokens.
 
 Prints a summary and one JSON line (``--json FILE`` also writes it); exit status 1 when the
 throughput target is missed.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/gateway.py
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/gateway.py [--preset small]
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import numpy as np
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.errors import GatewayError
 from foundry.gateway.frontend_client import FrontendClient
-from foundry.model.config import preset
+from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import save_gguf
 from foundry.model.transformer import init_params
 from foundry.wire import frontend
@@ -64,9 +67,9 @@ STARTUP_S = 120.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def write_model(path: Path, seed: int = 0) -> None:
-    """The tiny preset, its initial weights perturbed so that greedy text varies per token."""
-    cfg = preset("tiny")
+def write_model(path: Path, preset_name: str, seed: int = 0) -> None:
+    """A preset, its initial weights perturbed so that greedy text varies per token."""
+    cfg = preset(preset_name)
     rng = np.random.default_rng(seed + 100)
     params = init_params(cfg, seed=seed)
     for p in params.values():
@@ -161,20 +164,25 @@ def check_length(n: int, tokens: int) -> int:
     return n
 
 
-async def direct_tokens(client: FrontendClient, tokens: int) -> int:
+async def direct_tokens(client: FrontendClient, tokens: int) -> tuple[int, int]:
+    """(tokens, messages) of one generation; the frontend link sends a frame per token."""
     n = 0
     async with client.generate(PROMPT, tokens) as generation:
         async for event in generation:
             n += isinstance(event, frontend.Token)
-    return check_length(n, tokens)
+    return check_length(n, tokens), n
 
 
-async def gateway_tokens(stub: inference_pb2_grpc.InferenceServiceStub, tokens: int) -> int:
-    n = 0
+async def gateway_tokens(
+    stub: inference_pb2_grpc.InferenceServiceStub, tokens: int
+) -> tuple[int, int]:
+    """(tokens, messages) of one generation through the gateway."""
+    n = messages = 0
     request = inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=tokens, temperature=0.0)
     async for event in stub.Generate(request, timeout=600):
-        n += event.HasField("token")
-    return check_length(n, tokens)
+        n += len(event.tokens)
+        messages += 1
+    return check_length(n, tokens), messages
 
 
 async def latencies(call: Callable[[], Awaitable[object]], callers: int, calls: int) -> list[float]:
@@ -203,12 +211,13 @@ async def measure(
     await wait_pair(client)
     channel = grpc.aio.insecure_channel(gateway)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
-    paths: dict[str, Callable[[], Awaitable[int]]] = {
+    paths: dict[str, Callable[[], Awaitable[tuple[int, int]]]] = {
         "direct": lambda: direct_tokens(client, args.tokens),
         "gateway": lambda: gateway_tokens(stub, args.tokens),
     }
     seconds = {name: 0.0 for name in paths}
     tokens = {name: 0 for name in paths}
+    messages = {name: 0 for name in paths}
     meters = {name: CpuMeter(pids) for name in paths}
     ratios = []
     try:
@@ -219,10 +228,11 @@ async def measure(
             for name in sorted(paths, reverse=i % 2 == 1):
                 before = meters[name].snapshot()
                 t0 = time.perf_counter()
-                n = await paths[name]()
+                n, sent = await paths[name]()
                 spent = time.perf_counter() - t0
                 meters[name].add(before)
                 tokens[name] += n
+                messages[name] += sent
                 seconds[name] += spent
                 rate[name] = n / spent
             ratios.append(rate["gateway"] / rate["direct"])
@@ -245,6 +255,7 @@ async def measure(
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "gateway_tokens_per_message": tokens["gateway"] / messages["gateway"],
     }
     for name, meter in meters.items():
         for process, spent in meter.spent.items():
@@ -256,13 +267,20 @@ async def measure(
     return results
 
 
+def model_label(args: argparse.Namespace) -> str:
+    return str(args.model) if args.model else f"perturbed {args.preset} preset"
+
+
 def report(args: argparse.Namespace, results: dict[str, float], ok: bool) -> None:
-    print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy:")
+    print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy, "
+          f"{model_label(args)}:")
     print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
     print(f"  through the gateway   {results['gateway_tokens_per_s']:8.1f} tokens/s")
     print(f"  ratio, median of {args.rounds} rounds {results['ratio']:6.3f}  "
           f"(target >= {TARGET_RATIO}) {'PASS' if ok else 'FAIL'}; rounds "
           f"{results['ratio_min']:.2f} to {results['ratio_max']:.2f}")
+    print(f"  tokens per gRPC message through the gateway, mean "
+          f"{results['gateway_tokens_per_message']:.2f}")
     print("  CPU ms per token       leader  worker  gateway  client")
     for name in ("direct", "gateway"):
         cells = "".join(f"{results[f'{name}_cpu_ms_per_token_{p}']:8.3f}"
@@ -281,8 +299,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="generations per path")
     parser.add_argument("--callers", type=int, default=50, help="concurrent status callers")
     parser.add_argument("--calls", type=int, default=20, help="status calls per caller")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                        help="model preset to perturb and serve, and the coordinator's "
+                             "(default tiny; see above)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="GGUF to serve (default: the perturbed tiny preset, see above)")
+                        help="GGUF to serve instead of the perturbed preset")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -290,7 +311,7 @@ def main() -> int:
         workdir = Path(tmp)
         model = args.model or workdir / "model.gguf"
         if args.model is None:
-            write_model(model)
+            write_model(model, args.preset)
         services = Services(workdir)
         try:
             leader = services.spawn(
@@ -304,7 +325,7 @@ def main() -> int:
             coordinator = services.spawn(
                 "coordinator", "coordinator", "--listen", "127.0.0.1:0",
                 "--admin-listen", "127.0.0.1:0", "--checkpoint-dir", str(workdir / "ckpt"),
-                "--preset", "tiny", "--wait-for-start", read_stdout=True,
+                "--preset", args.preset, "--wait-for-start", read_stdout=True,
             )
             admin = services.wait_line(coordinator, COORDINATOR_LINE)
             gateway = services.spawn(
@@ -323,7 +344,7 @@ def main() -> int:
 
     ok = results["ratio"] >= TARGET_RATIO
     report(args, results, ok)
-    line = json.dumps({"bench": "gateway", **results, "pass": ok})
+    line = json.dumps({"bench": "gateway", "model": model_label(args), **results, "pass": ok})
     print(line)
     if args.json:
         args.json.write_text(line + "\n")

@@ -31,6 +31,7 @@ from procs import ENV, Service
 from test_gateway_frontend import (
     LONG,
     MODEL_CFG,
+    PREFILL_CHUNK,
     PROMPT,
     REPLY,
     Pair,
@@ -40,7 +41,7 @@ from test_gateway_frontend import (
     run,
     running_pair,
 )
-from tp_harness import Result, make_model
+from tp_harness import Result, make_model, reference_greedy
 
 from foundry.api.v1 import (
     inference_pb2,
@@ -51,6 +52,7 @@ from foundry.api.v1 import (
     training_pb2_grpc,
 )
 from foundry.gateway.server import API_SERVICES, INFERENCE_SERVICE, Gateway, GatewayOptions
+from foundry.gateway.servicers import MAX_TOKENS_PER_RESPONSE
 from foundry.wire import frontend as fw
 
 TOKEN = "s3cret-token"
@@ -152,9 +154,10 @@ async def generate(
     tokens = []
     done = None
     async for event in s.inference().Generate(request, metadata=AUTH, **kw):
-        if event.HasField("token"):
-            tokens.append(event.token)
-        else:
+        assert done is None, "a response after the one carrying done"
+        assert event.tokens or event.HasField("done"), "an empty response"
+        tokens.extend(event.tokens)
+        if event.HasField("done"):
             done = event.done
     assert done is not None
     return tokens, done
@@ -343,6 +346,43 @@ def test_generate_streams_what_the_pair_generates(pair: Pair) -> None:
                 assert_same(tokens, done, direct)
                 streamed += len(tokens)
             assert s.count("foundry_gateway_generated_tokens_total") == streamed
+
+    run(main)
+
+
+def test_a_stream_that_falls_behind_sends_the_backlog_in_fewer_messages(
+    model: Path, pair: Pair
+) -> None:
+    """The gateway is starved here: the reader blocks this process (``time.sleep``, not an
+    await) after each of the first messages, so the gateway in it reads nothing while the pair
+    keeps decoding. The next message then carries every token that piled up, and none is lost.
+    (A reader that merely awaits between messages hardly ever gets a batch: HTTP/2 flow control
+    lets the gateway write a short generation's messages ahead of the reads.)"""
+    prompt, n, stalls = LONG[0], 200, 3
+    ref = reference_greedy(model, prompt, n, PREFILL_CHUNK)
+    direct = pair.generate(prompt, n)
+    assert direct.tokens == ref.tokens
+
+    async def main() -> None:
+        async with stack(pair.frontend) as s:
+            sizes: list[int] = []
+            tokens: list[inference_pb2.GeneratedToken] = []
+            done = None
+            request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=n)
+            async for event in s.inference().Generate(request, metadata=AUTH, timeout=10):
+                assert done is None, "a response after the one carrying done"
+                sizes.append(len(event.tokens))
+                tokens.extend(event.tokens)
+                if event.HasField("done"):
+                    done = event.done
+                if len(sizes) <= stalls:
+                    time.sleep(0.2)
+            assert done is not None
+            assert_same(tokens, done, direct)
+            assert max(sizes) > 1 and len(sizes) < n, sizes
+            assert max(sizes) <= MAX_TOKENS_PER_RESPONSE
+            assert s.count("foundry_gateway_generated_tokens_total") == n
+            assert s.count("foundry_gateway_generate_responses_total") == len(sizes)
 
     run(main)
 

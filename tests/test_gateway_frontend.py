@@ -538,6 +538,28 @@ def test_an_internal_error_and_bytes_that_break_the_protocol() -> None:
     run(main)
 
 
+def test_a_batch_takes_what_is_ready_and_an_error_waits_behind_its_tokens() -> None:
+    """The stand-in writes a whole answer at once; after a pause every frame of it is queued."""
+
+    async def main() -> None:
+        async with stand_in_and_client() as (_, client):
+            async with client.generate("hi", 5) as gen:
+                await asyncio.sleep(0.2)
+                first, rest = await gen.batch(3), await gen.batch(256)
+                assert await gen.batch(256) == []
+            assert [type(e) for e in first + rest] == [fw.Token] * 5 + [fw.Done]
+            assert "".join(e.text for e in first + rest if isinstance(e, fw.Token)) == REPLY[:5]
+            async with client.generate("!garbage", 4) as gen:
+                await asyncio.sleep(0.2)
+                # The two tokens before the bad bytes come first; the error with the next take.
+                tokens = await gen.batch(256)
+                assert "".join(e.text for e in tokens if isinstance(e, fw.Token)) == REPLY[:2]
+                with pytest.raises(BackendFailed, match="same foundry version"):
+                    await gen.batch(256)
+
+    run(main)
+
+
 def test_bad_generate_arguments_are_invalid_requests() -> None:
     client = FrontendClient("127.0.0.1", 1)
     with pytest.raises(InvalidRequest, match="stop"):

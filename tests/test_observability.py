@@ -375,7 +375,8 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
                 seed=i,
             )
             events = list(inference.Generate(request, timeout=60))
-            assert events[-1].WhichOneof("event") == "done", events[-1]
+            assert events[-1].HasField("done"), events[-1]
+            assert sum(len(e.tokens) for e in events) == events[-1].done.generated_tokens
         deadline = time.monotonic() + 60
         step = 0
         while step < STEPS and time.monotonic() < deadline:

@@ -13,6 +13,8 @@ from foundry.tp.policy import (
     TextStream,
     accepted_drafts,
     commit_plan,
+    common_prefix,
+    pick_kept_session,
     propose_drafts,
 )
 from foundry.wire.tp import VerifyCommitMode
@@ -120,3 +122,38 @@ def test_stream_equals_cutting_the_whole_text(text: str, stop: list[str]) -> Non
             expected, stopped = whole[: min(found)], True
             break
     assert (hit, sent) == (stopped, expected)
+
+
+def test_a_prompt_continues_the_kept_session_it_shares_most_with() -> None:
+    assert common_prefix([1, 5, 6, 7], [1, 5, 6, 8, 9]) == 3
+    assert common_prefix([], [1]) == common_prefix([2], [1]) == 0
+    kept = [(10, [1, 5, 6]), (11, [1, 5, 6, 7, 8]), (12, [1, 9])]
+    # Session 11 holds the longest shared prefix; all of it is reused.
+    assert pick_kept_session([1, 5, 6, 7, 8, 2, 3], kept) == (11, 5)
+    # The whole prompt is held: the last token is evaluated again for its logits.
+    assert pick_kept_session([1, 5, 6, 7], kept) == (11, 3)
+    # A tie goes to the most recently kept session (the last one).
+    assert pick_kept_session([1, 5, 6, 2], [(10, [1, 5, 6]), (11, [1, 5, 6, 7])]) == (11, 3)
+    # Only the beginning-of-sequence token in common: nothing worth reusing.
+    assert pick_kept_session([1, 4, 4], kept) is None
+    assert pick_kept_session([1, 5], []) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=5),
+)
+def test_the_kept_session_picked_holds_the_prompt_prefix_it_reuses(
+    prompt: list[int], histories: list[list[int]]
+) -> None:
+    kept = list(enumerate(histories, start=1))
+    pick = pick_kept_session(prompt, kept)
+    best = max((common_prefix(h, prompt) for h in histories), default=0)
+    if best <= 1:
+        assert pick is None
+        return
+    assert pick is not None
+    sid, reused = pick
+    assert reused == min(best, len(prompt) - 1) < len(prompt)
+    assert histories[sid - 1][:reused] == prompt[:reused]

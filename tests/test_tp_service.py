@@ -26,6 +26,7 @@ from tp_harness import (
     reference_greedy,
     start_leader,
     start_worker,
+    tokens_of,
     wait_paired,
 )
 
@@ -258,6 +259,78 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
         assert metric(leader.metrics, 'foundry_tp_requests_total{outcome="unavailable"}') >= 6
     finally:
         leader.proc.stop()
+        for w in workers:
+            w.stop(signal.SIGKILL)
+
+
+def test_a_prompt_that_continues_a_finished_generation_reuses_its_session(
+    model: Path, pair: LeaderProc
+) -> None:
+    """The next turn of a conversation: the kept session's tokens are not evaluated again, and
+    the text equals a single process evaluating the whole prompt."""
+    assert pair.metrics is not None
+    first = "Turn one of a conversation: "
+    with Client(pair.frontend) as c:
+        r1 = c.generate(first, 12, request_id=1)
+        assert isinstance(r1.end, fw.Done)
+        follow_up = first + r1.text + " and turn two."
+        before = metric(pair.metrics, "foundry_tp_prompt_tokens_reused_total")
+        r2 = c.generate(follow_up, 24, request_id=2)
+        st = c.status()
+    reused = metric(pair.metrics, "foundry_tp_prompt_tokens_reused_total") - before
+    assert r2.tokens == reference_greedy(model, follow_up, 24, CHUNK).tokens
+    # At least the first prompt was held; the new turn's text was evaluated.
+    assert len(tokens_of(first)) <= reused < len(tokens_of(follow_up)), reused
+    assert st.active_sessions == 0  # kept sessions are not running generations
+    assert metric(pair.metrics, "foundry_tp_kept_sessions") >= 1
+
+
+def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
+    tmp_path: Path,
+) -> None:
+    """A kept session and a generation cut off by kill -9 of the worker are re-synced on the
+    next pair; retrying the request and continuing the conversation then reuse them, exactly."""
+    model = make_model(tmp_path / "m.gguf", ModelConfig(n_ctx=1024))
+    leader = start_leader(model, tmp_path / "leader.log", "--hash-check", "--spec-mode", "off",
+                          "--prefill-chunk", str(CHUNK))
+    workers = [start_worker(model, leader.port, tmp_path / "first.log")]
+    kept = "A finished generation stays open: "
+    cut = "This generation is cut off when the worker dies: "
+    try:
+        assert leader.metrics is not None
+        m = leader.metrics
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            assert isinstance(c.generate(kept, 8, request_id=1).end, fw.Done)
+            c.send(fw.Generate(2, cut, 1000))
+            while len(c.results[2].tokens) < 5:
+                assert c.pump(time.monotonic() + 10)
+            workers[0].popen.send_signal(signal.SIGKILL)
+            (lost,) = c.wait([2], timeout=10)
+            assert isinstance(lost.end, fw.Error) and lost.end.code == fw.ErrorCode.UNAVAILABLE
+        wait_paired(leader.frontend, connected=False, timeout=5)
+        workers.append(start_worker(model, leader.port, tmp_path / "second.log"))
+        wait_paired(leader.frontend)
+        deadline = time.monotonic() + 30
+        while metric(m, "foundry_tp_sessions_resynced_total") < 2:
+            assert time.monotonic() < deadline, leader.proc.text()
+            time.sleep(0.05)
+        assert "re-syncing 2 sessions" in leader.proc.text()
+        before = metric(m, "foundry_tp_prompt_tokens_reused_total")
+        with Client(leader.frontend) as c:
+            retried = c.generate(cut, 20, request_id=3)
+            follow_up = c.generate(kept + "more", 20, request_id=4)
+        reused = metric(m, "foundry_tp_prompt_tokens_reused_total") - before
+        assert retried.tokens == reference_greedy(model, cut, 20, CHUNK).tokens
+        assert follow_up.tokens == reference_greedy(model, kept + "more", 20, CHUNK).tokens
+        # The retried prompt was held whole (its last token is evaluated again), the kept
+        # session's prompt too.
+        assert reused >= len(tokens_of(cut)) - 1 + len(tokens_of(kept)), reused
+        # Both ranks agreed on every session and position after the re-sync.
+        assert metric(m, 'foundry_tp_hash_checks_total{result="match"}') > 0
+        assert metric(m, 'foundry_tp_hash_checks_total{result="mismatch"}') == 0
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
         for w in workers:
             w.stop(signal.SIGKILL)
 

@@ -701,9 +701,9 @@ def generate(
             )
             try:
                 pieces = [
-                    event.token.text
+                    token.text
                     for event in stub.Generate(request, metadata=metadata, timeout=30.0)
-                    if event.HasField("token")
+                    for token in event.tokens
                 ]
                 return "".join(pieces)
             except grpc.RpcError as exc:

@@ -389,11 +389,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     done = None
     try:
         for event in call:
-            if event.HasField("token"):
-                if event.token.text:
-                    out.write(event.token.text)
-                    out.flush()
-            else:
+            text = "".join(token.text for token in event.tokens)
+            if text:
+                out.write(text)
+                out.flush()
+            if event.HasField("done"):
                 done = event.done
     finally:
         # Cancelling the call (Ctrl+C, or an error) makes the gateway stop the pair's decoding.

@@ -67,6 +67,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="the frontend link for the gateway (default 127.0.0.1:7091)")
     lead.add_argument("--max-sessions", type=int, default=16,
                       help="generations decoded at once (default 16)")
+    lead.add_argument("--keep-sessions", type=int, default=8, metavar="N",
+                      help="finished generations whose KV cache stays open for a prompt that "
+                      "continues them (the next turn of a conversation); also how many "
+                      "sessions are re-synced from their history when a worker pairs again "
+                      "(default 8; 0: none)")
     lead.add_argument("--queue", type=int, default=64,
                       help="generations waiting beyond those; more are OVERLOADED (default 64)")
     lead.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
@@ -132,6 +137,7 @@ def run_leader(args: argparse.Namespace) -> int:
             ctx_size=args.ctx_size,
             max_sessions=args.max_sessions,
             queue_size=args.queue,
+            keep_sessions=args.keep_sessions,
             prefill_chunk=args.prefill_chunk,
             spec_mode=SpecMode(args.spec_mode),
             max_draft=args.max_draft,

@@ -12,6 +12,13 @@ The connection is opened on first use, and again on the first use after it broke
 breaks, every pending request fails with UNAVAILABLE: a generation cannot continue on a new
 connection, because its session on the pair belonged to the old one.
 
+A reader of a generation takes its events one by one (``async for``) or as batches
+(``Generation.batch``): the next event, waiting for it, then the events already received, without
+waiting. The gateway sends each batch as one gRPC message, so a stream that falls behind the pair
+catches up in fewer, larger messages and one that keeps up sends one token per message; nothing
+waits to fill a batch. An error received behind tokens is raised only after those tokens have
+been taken.
+
 Leaving a ``Generation`` before its DONE (the gRPC call was cancelled, or its deadline passed)
 sends CANCEL, so the pair stops decoding at the next token. The write is synchronous (no
 ``await``), so it happens even while the leaving task is being cancelled.
@@ -113,13 +120,16 @@ class _Link:
 
 class Generation:
     """One generation in flight: ``async with`` it, then ``async for`` its Token frames and
-    the final Done. An ERROR from the leader or a broken link is raised as a GatewayError."""
+    the final Done, or take them in batches (``batch``). An ERROR from the leader or a broken
+    link is raised as a GatewayError."""
 
     def __init__(self, client: FrontendClient, request: Generate) -> None:
         self._client = client
         self._request = request
         self._link: _Link | None = None
         self._queue: asyncio.Queue[Frame | GatewayError] = asyncio.Queue()
+        # An error found behind the events of a batch: raised by the next take.
+        self._held: Frame | GatewayError | None = None
         self.request_id = 0
         self.finished = False
 
@@ -155,7 +165,8 @@ class Generation:
             return
         self.finished = True
         link.pending.pop(self.request_id, None)
-        if link.broken is None and not link.writer.is_closing():
+        # A held error has ended the request already, and the link has let its id go.
+        if self._held is None and link.broken is None and not link.writer.is_closing():
             link.writer.write(encode(Cancel(self.request_id)))
 
     def __aiter__(self) -> Generation:
@@ -164,7 +175,33 @@ class Generation:
     async def __anext__(self) -> Token | Done:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        return self._event(await self._next_item())
+
+    async def batch(self, limit: int) -> list[Token | Done]:
+        """The next event, waiting for it, then the events already received, without waiting:
+        at most ``limit`` in all, the Done last if it is among them; [] once the generation has
+        ended. An error behind the first event is kept for the next call, so that the tokens
+        before it are delivered first."""
+        if self.finished:
+            return []
+        events = [self._event(await self._next_item())]
+        while len(events) < limit and not self.finished:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if not isinstance(item, Token | Done):
+                self._held = item
+                break
+            events.append(self._event(item))
+        return events
+
+    async def _next_item(self) -> Frame | GatewayError:
+        item, self._held = self._held, None
+        return item if item is not None else await self._queue.get()
+
+    def _event(self, item: Frame | GatewayError) -> Token | Done:
+        """A received item as the event it is, or the error it carries raised."""
         if isinstance(item, Token):
             return item
         self.finished = True

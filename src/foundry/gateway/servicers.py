@@ -34,6 +34,10 @@ WATCH_MAX_S = 60.0
 # GenerateRequest.temperature above this is noise; the leader would accept it, but a caller
 # asking for it has most likely mixed up a unit.
 MAX_TEMPERATURE = 100.0
+# Tokens in one GenerateResponse at most. A backlog this long already makes gRPC's cost per
+# message negligible per token; the bound keeps a message a few KiB, far below gRPC's 4 MiB
+# default receive limit, and a caller's view of progress no coarser than this.
+MAX_TOKENS_PER_RESPONSE = 256
 
 
 def budget(context: grpc.aio.ServicerContext, limit_s: float) -> float:
@@ -120,6 +124,28 @@ _FINISH = {
     frontend.DoneReason.CONTEXT_FULL: inference_pb2.FINISH_REASON_CONTEXT_FULL,
 }
 assert set(_FINISH) == set(frontend.DoneReason), "every DONE reason needs a FinishReason"
+
+
+def generate_response_pb(
+    events: list[frontend.Token | frontend.Done],
+) -> inference_pb2.GenerateResponse:
+    """One response of the Generate stream: the tokens of ``events``, then their Done if it is
+    among them (it can only be the last)."""
+    tokens = [
+        inference_pb2.GeneratedToken(id=e.token, position=e.position, text=e.text)
+        for e in events
+        if isinstance(e, frontend.Token)
+    ]
+    end = events[-1]
+    if not isinstance(end, frontend.Done):
+        return inference_pb2.GenerateResponse(tokens=tokens)
+    done = inference_pb2.GenerationDone(
+        reason=_FINISH[end.reason],
+        prompt_tokens=end.prompt_tokens,
+        generated_tokens=end.generated_tokens,
+        seconds=end.seconds,
+    )
+    return inference_pb2.GenerateResponse(tokens=tokens, done=done)
 
 
 def generate_settings(
@@ -252,23 +278,13 @@ class InferenceServicer:
         )
         # Leaving this block early (the call cancelled or past its deadline) sends CANCEL.
         async with generation:
-            async for event in generation:
-                if isinstance(event, frontend.Token):
-                    self.metrics.generated_tokens.inc()
-                    yield inference_pb2.GenerateResponse(
-                        token=inference_pb2.GeneratedToken(
-                            id=event.token, position=event.position, text=event.text
-                        )
-                    )
-                else:
-                    yield inference_pb2.GenerateResponse(
-                        done=inference_pb2.GenerationDone(
-                            reason=_FINISH[event.reason],
-                            prompt_tokens=event.prompt_tokens,
-                            generated_tokens=event.generated_tokens,
-                            seconds=event.seconds,
-                        )
-                    )
+            # One message per batch: the tokens that piled up while the last message was being
+            # sent go out together (see inference.proto, GenerateResponse).
+            while events := await generation.batch(MAX_TOKENS_PER_RESPONSE):
+                response = generate_response_pb(events)
+                self.metrics.generated_tokens.inc(len(response.tokens))
+                self.metrics.generate_responses.inc()
+                yield response
 
     async def GetPairStatus(
         self, request: inference_pb2.GetPairStatusRequest, context: grpc.aio.ServicerContext

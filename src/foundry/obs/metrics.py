@@ -201,6 +201,11 @@ class GatewayMetrics:
             "Tokens streamed to Generate callers.",
             registry=r,
         )
+        self.generate_responses = Counter(
+            "foundry_gateway_generate_responses_total",
+            "Generate response messages sent; tokens over messages is the mean batch.",
+            registry=r,
+        )
 
 
 # Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.
@@ -254,6 +259,22 @@ class TpMetrics:
         )
         self.active_sessions = Gauge(
             "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
+        )
+        self.kept_sessions = Gauge(
+            "foundry_tp_kept_sessions",
+            "Sessions of finished generations kept open for prompts that continue them "
+            "(leader).",
+            registry=r,
+        )
+        self.prompt_tokens_reused = Counter(
+            "foundry_tp_prompt_tokens_reused_total",
+            "Prompt tokens not evaluated again because a kept session held them (leader).",
+            registry=r,
+        )
+        self.sessions_resynced = Counter(
+            "foundry_tp_sessions_resynced_total",
+            "Sessions opened again on a new pair from their token history (leader).",
+            registry=r,
         )
         self.spec_drafted = Counter(
             "foundry_tp_spec_drafted_tokens_total",

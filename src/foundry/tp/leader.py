@@ -19,8 +19,10 @@ Threads
 Scheduling (one step of the engine thread)
 ------------------------------------------
 1. Cancelled requests end (DONE CANCELLED), their sessions are destroyed on both ranks.
-2. Waiting requests are admitted up to ``max_sessions``: SESSION_CREATE, acknowledged by the
-   worker.
+2. Waiting requests are admitted up to ``max_sessions``. A request whose prompt begins with
+   what a kept session holds (below) continues that session: REWIND both ranks to the shared
+   prefix, and only the rest of the prompt is evaluated. Otherwise SESSION_CREATE, acknowledged
+   by the worker.
 3. One model pass:
    - a prefill with no session decoding: SYNC, in chunks of ``prefill_chunk`` tokens with a
      SYNC_CHECKPOINT before each, where a cancellation is agreed by both ranks;
@@ -33,10 +35,23 @@ Scheduling (one step of the engine thread)
    finishes on EOS, max tokens, a stop string or a full context (DONE, SESSION_DESTROY).
 5. With ``hash_check``, both ranks compare a hash of their state (HASH).
 
+Kept sessions
+-------------
+A finished generation's session stays open on both ranks, up to ``keep_sessions`` of them
+(least recently used evicted: SESSION_DESTROY), so that a later prompt that starts the same way
+(the next turn of a conversation: the whole conversation so far, then the new message) reuses
+their KV cache instead of evaluating it again. ``foundry_tp_prompt_tokens_reused_total`` counts
+what it saved.
+
 Failure: any gate error, control-link error, bad bytes or lockstep violation ends the pair.
 Every request in flight fails with UNAVAILABLE ("tensor-parallel worker lost: ...; the leader
-waits for it to reconnect"), every session is dropped, and the engine thread waits for the next
-pair. Sessions belong to generations, so none outlives its pair: a new pair starts empty.
+waits for it to reconnect"), and the engine thread waits for the next pair. The token history
+of every session (the kept ones, and the failed requests' prompts and tokens so far; at most
+``keep_sessions``, the most recently used) is remembered, and once a worker pairs again the
+leader re-syncs them from it: SESSION_CREATE and SYNC of the history on both ranks, one session
+at a time while no request waits (a request that arrives cancels the re-sync at its next sync
+checkpoint; it resumes when the pair is idle again). A client that retries its request, or sends
+the next turn of its conversation, then finds its context already evaluated.
 """
 
 from __future__ import annotations
@@ -84,6 +99,7 @@ from foundry.tp.policy import (
     TextStream,
     accepted_drafts,
     commit_plan,
+    pick_kept_session,
     propose_drafts,
 )
 from foundry.transport import tls as tls_mod
@@ -110,6 +126,7 @@ from foundry.wire.tp import (
     IdentityMismatch,
     Logits,
     MixedBatch,
+    Rewind,
     Role,
     SessionCreate,
     SessionDestroy,
@@ -157,6 +174,9 @@ class LeaderOptions:
     ctx_size: int | None = None
     max_sessions: int = 16
     queue_size: int = 64
+    # Finished generations whose sessions stay open for prompts that continue them, and the
+    # most token histories re-synced after a worker loss (see "Kept sessions"); 0: none.
+    keep_sessions: int = 8
     prefill_chunk: int = 64
     spec_mode: SpecMode = SpecMode.FULL_PREFIX
     max_draft: int = MAX_DRAFT
@@ -177,14 +197,27 @@ class LeaderOptions:
         for name in ("max_sessions", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.queue_size < 0:
-            raise ValueError(f"queue_size must be >= 0, got {self.queue_size}")
+        for name in ("queue_size", "keep_sessions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
 
 
 class PairLost(Exception):
     """The watcher saw the worker hang up."""
+
+
+class SessionRefused(Exception):
+    """A session could not be opened (no memory on a rank); the pair itself is fine."""
+
+
+@dataclass
+class _History:
+    """The tokens of a session to open again on a new pair; ``sid`` once it is open there."""
+
+    tokens: list[int]
+    sid: int = 0
 
 
 class HashMismatch(LockstepError):
@@ -302,6 +335,7 @@ class Leader:
         self.transport: GateTransport | None = None
         self.tokens_generated = 0
         self.requests_served = 0
+        self.running = 0  # generations admitted and not finished (the engine thread writes it)
         self.drafted = 0
         self.accepted = 0
         self.crashed = False  # the engine thread died of a bug; the leader stops
@@ -321,6 +355,10 @@ class Leader:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefills: collections.deque[_Request] = collections.deque()
         self._decoding: list[_Request] = []
+        # Kept sessions, least recently used first, and the histories to re-sync on a new pair,
+        # most recently used first (see the module docstring).
+        self._kept_sessions: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._resync: collections.deque[_History] = collections.deque()
         self._outbox: list[tuple[_Request, fw.Frame]] = []
         self._next_sid = 1
         self._kept = dict(self.state.kept)
@@ -388,7 +426,7 @@ class Leader:
             request_id,
             worker_connected=self.worker_connected,
             shared_memory=self.worker_connected and self.transport is GateTransport.SHM,
-            active_sessions=len(self.state.sessions),
+            active_sessions=self.running,
             tokens_generated=self.tokens_generated,
             n_layer=i.n_layer,
             n_embd=i.n_embd,
@@ -705,7 +743,11 @@ class Leader:
                     self._wait_for_pair()
                     continue
                 try:
-                    if self._has_work() or self._wait_for_work():
+                    if self._has_work():
+                        self._step()
+                    elif self._resync:
+                        self._resync_next()
+                    elif self._wait_for_work():
                         self._step()
                 except (*PAIR_FAILURES, PairLost) as exc:
                     self._lose_pair(exc)
@@ -723,6 +765,7 @@ class Leader:
             self._drop_stale_requests()
             return
         self.state.reset()
+        self._kept_sessions.clear()
         self.state.exchange = TracingExchange(pair.gate, self._on_gate)
         self._link_bytes = (0, 0)
         self._pair = pair
@@ -731,6 +774,9 @@ class Leader:
         self.metrics.worker_connected.set(1)
         pair.watch(self._worker_hung_up)
         log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
+        if self._resync:
+            log.info("re-syncing %d sessions (%d tokens) from their history while idle",
+                     len(self._resync), sum(len(h.tokens) for h in self._resync))
 
     def _drop_stale_requests(self) -> None:
         """While no pair exists, requests that reached the inbox were failed by the loop."""
@@ -755,15 +801,34 @@ class Leader:
         log.warning("pair lost (%s): %s", kind, exc)
         self._call_on_loop(self._fail_inflight, message)
         self._outbox.clear()
+        self._remember_sessions()
         self._drop_all()
         self._close_pair()
+
+    def _remember_sessions(self) -> None:
+        """The histories to re-sync on the next pair: running generations, then kept
+        sessions, then histories not re-synced yet; most recent first, no repeats."""
+        keep = self.options.keep_sessions
+        running = [r.session.tokens for r in [*self._decoding, *self._prefills] if r.session]
+        kept = [self.state.sessions[sid].tokens for sid in reversed(self._kept_sessions)]
+        seen: set[tuple[int, ...]] = set()
+        histories: list[_History] = []
+        for tokens in [*running, *kept, *(h.tokens for h in self._resync)]:
+            key = tuple(tokens)
+            if len(tokens) > 1 and key not in seen and len(histories) < keep:
+                seen.add(key)
+                histories.append(_History(list(tokens)))
+        self._resync = collections.deque(histories)
 
     def _drop_all(self) -> None:
         self._waiting.clear()
         self._prefills.clear()
         self._decoding.clear()
+        self._kept_sessions.clear()
+        self.running = 0
         self.state.reset()
         self.metrics.active_sessions.set(0)
+        self.metrics.kept_sessions.set(0)
         self._drop_stale_requests()
 
     def _close_pair(self) -> None:
@@ -857,34 +922,113 @@ class Leader:
             if req.gone:
                 self._post(req, self._done(req, fw.DoneReason.CANCELLED))
                 continue
-            sid = self._next_sid
-            self._next_sid += 1
-            ctx = self.identity.ctx_size
-            try:
-                self.state.create(sid, ctx)
-            except MemoryError:
-                self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL,
-                                         f"no memory for a session of {ctx} positions"))
-                continue
-            self._link.send(SessionCreate(session_id=sid, ctx_size=ctx))
-            ack = self._link.expect(FrameType.COMMAND_ACK, f"the worker's SESSION_CREATE {sid}")
-            assert isinstance(ack, CommandAck)
-            if ack.session_id != sid:
-                raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
-                                f"{sid}; the ranks are out of step")
-            if ack.status != ACK_ACCEPTED:
-                self.state.destroy(sid)
-                self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL,
-                                         f"the worker could not open a session (status "
-                                         f"{ack.status}); see its log"))
-                continue
+            sid = self._continue_kept(req.prompt)
+            if sid == 0:
+                try:
+                    sid = self._open_session()
+                except SessionRefused as exc:
+                    self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL,
+                                             str(exc)))
+                    continue
             req.sid, req.session = sid, self.state.sessions[sid]
             self._prefills.append(req)
+        self._count_sessions()
+
+    def _open_session(self) -> int:
+        """SESSION_CREATE on both ranks; the new session's id."""
+        sid = self._next_sid
+        self._next_sid += 1
+        ctx = self.identity.ctx_size
+        try:
+            self.state.create(sid, ctx)
+        except MemoryError:
+            raise SessionRefused(f"no memory for a session of {ctx} positions") from None
+        self._link.send(SessionCreate(session_id=sid, ctx_size=ctx))
+        ack = self._link.expect(FrameType.COMMAND_ACK, f"the worker's SESSION_CREATE {sid}")
+        assert isinstance(ack, CommandAck)
+        if ack.session_id != sid:
+            raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
+                            f"{sid}; the ranks are out of step")
+        if ack.status != ACK_ACCEPTED:
+            self.state.destroy(sid)
+            raise SessionRefused(f"the worker could not open a session (status {ack.status}); "
+                                 "see its log")
+        return sid
+
+    def _continue_kept(self, prompt: list[int]) -> int:
+        """The kept session ``prompt`` continues, rewound on both ranks to the prefix they
+        share (0: none does)."""
+        kept = [(sid, self.state.sessions[sid].tokens) for sid in self._kept_sessions]
+        pick = pick_kept_session(prompt, kept)
+        if pick is None:
+            return 0
+        sid, reused = pick
+        del self._kept_sessions[sid]
+        if reused < self.state.sessions[sid].pos:
+            self._link.send(Rewind(session_id=sid, pos=reused))
+            self.state.rewind(sid, reused)
+        self.metrics.prompt_tokens_reused.inc(reused)
+        return sid
+
+    def _keep_or_destroy(self, sid: int) -> None:
+        """A finished generation's session: kept for a later prompt (the least recently
+        used kept one goes when there are too many), or destroyed on both ranks."""
+        if self.state.sessions[sid].pos > 1 and self.options.keep_sessions > 0:
+            self._kept_sessions[sid] = None
+            while len(self._kept_sessions) > self.options.keep_sessions:
+                self._destroy(self._kept_sessions.popitem(last=False)[0])
+        else:
+            self._destroy(sid)
+
+    def _destroy(self, sid: int) -> None:
+        self._link.send(SessionDestroy(session_id=sid))
+        self.state.destroy(sid)
+
+    def _count_sessions(self) -> None:
+        self.running = len(self._prefills) + len(self._decoding)
         self.metrics.active_sessions.set(len(self.state.sessions))
+        self.metrics.kept_sessions.set(len(self._kept_sessions))
+
+    def _resync_next(self) -> None:
+        """Re-sync the next remembered history (the pair is idle): open its session on both
+        ranks and SYNC its tokens; then it is a kept session like any other. A request that
+        arrives meanwhile cancels the sync at its next checkpoint and goes first; the sync
+        resumes from where both ranks stopped."""
+        pair = self._pair
+        assert pair is not None
+        if pair.lost:
+            raise PairLost(pair.lost)
+        history = self._resync[0]
+        if history.sid == 0:
+            try:
+                history.sid = self._open_session()
+            except SessionRefused as exc:
+                log.warning("a remembered session of %d tokens was not re-synced: %s",
+                            len(history.tokens), exc)
+                self._resync.popleft()
+                return
+        sid, tokens = history.sid, history.tokens
+        self._link.send(Sync(session_id=sid, tokens=tuple(tokens)))
+        rows = self.state.sync(sid, tokens, self._checkpoint(sid, self._resync_yields))
+        if rows is None:
+            return
+        self._join(rows)
+        if self.options.hash_check:
+            self._hash_check()
+        self._resync.popleft()
+        self._keep_or_destroy(sid)
+        self._count_sessions()
+        self.metrics.sessions_resynced.inc()
+        log.info("session re-synced from its history: %d tokens (%d more to re-sync)",
+                 len(tokens), len(self._resync))
+
+    def _resync_yields(self) -> bool:
+        return self._stopping.is_set() or not self._inbox.empty()
 
     def _prefill_alone(self, req: _Request) -> None:
         self._link.send(Sync(session_id=req.sid, tokens=tuple(req.prompt)))
-        rows = self.state.sync(req.sid, req.prompt, self._checkpoint(req))
+        meet = self._checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
+        rows = self.state.sync(req.sid, req.prompt, meet)
         if rows is None:
             assert req.session is not None
             log.info("request %d: prefill cancelled at position %d of %d; both ranks stopped "
@@ -900,23 +1044,25 @@ class Leader:
         self._decoding.append(req)
         self._sample(req, full[0])
 
-    def _checkpoint(self, req: _Request) -> Checkpoint:
+    def _checkpoint(self, sid: int, cancelled: Callable[[], bool]) -> Checkpoint:
+        """A SYNC's checkpoints: before each chunk both ranks agree on it, or on stopping
+        there when ``cancelled()`` (or the worker asks to)."""
         chunk = self.options.prefill_chunk
 
         def meet(current: int, total: int) -> int | None:
             end = min(current + chunk, total)
-            requested = req.gone or self._stopping.is_set()
-            self._link.send(SyncCheckpoint(session_id=req.sid, point=end, current=current,
+            requested = cancelled()
+            self._link.send(SyncCheckpoint(session_id=sid, point=end, current=current,
                                            total=total, requested=requested))
             theirs = self._link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
             assert isinstance(theirs, SyncCheckpoint)
             if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
-                req.sid, end, current, total
+                sid, end, current, total
             ):
                 raise LinkError(
                     f"the worker met checkpoint {theirs.current}->{theirs.point}/{theirs.total} "
                     f"of session {theirs.session_id}, expected {current}->{end}/{total} of "
-                    f"session {req.sid}; the ranks are out of step"
+                    f"session {sid}; the ranks are out of step"
                 )
             return None if requested or theirs.requested else end
 
@@ -1047,9 +1193,8 @@ class Leader:
         if req in self._prefills:
             self._prefills.remove(req)
         if req.sid in self.state.sessions:
-            self._link.send(SessionDestroy(session_id=req.sid))
-            self.state.destroy(req.sid)
-        self.metrics.active_sessions.set(len(self.state.sessions))
+            self._keep_or_destroy(req.sid)
+        self._count_sessions()
 
     def _hash_check(self) -> None:
         mine = self.state.state_hash()

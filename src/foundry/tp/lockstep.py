@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.inference import Engine, Session
+from foundry.tp.policy import common_prefix
 from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, GATE_HEADER_SIZE, Gate, VerifyCommitMode
 
 F32 = npt.NDArray[np.float32]
@@ -142,11 +143,7 @@ class RankState:
             raise LockstepError(f"session {sid}: SYNC of {total} tokens, context {s.ctx_size}")
         self._check_tokens(sid, tokens)
         self.step += 1
-        common = 0
-        for mine, theirs in zip(s.tokens, tokens, strict=False):
-            if mine != theirs:
-                break
-            common += 1
+        common = common_prefix(s.tokens, tokens)
         # Keep the common prefix, but always evaluate at least the last token: its logits
         # are the point of a sync.
         s.rewind(min(common, total - 1))

@@ -10,12 +10,14 @@ No sockets, no engine: functions of token lists and text, unit-tested on their o
   block ends on both ranks (``VerifyCommitMode``).
 - :class:`TextStream`: generated tokens to the text pieces sent to the client, holding back any
   tail that could be the start of a stop string, so the stop string itself is never sent.
+- :func:`common_prefix` and :func:`pick_kept_session`: which kept session (the KV cache of an
+  earlier generation) a new prompt continues, and how much of it is reused.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,37 @@ class SpecMode(enum.Enum):
     OFF = "off"
     FULL_PREFIX = "full-prefix"
     ROLLBACK = "rollback"
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def pick_kept_session(
+    prompt: Sequence[int], kept: Iterable[tuple[int, Sequence[int]]]
+) -> tuple[int, int] | None:
+    """The kept session a new ``prompt`` should continue, as (session id, positions reused).
+
+    ``kept`` is (session id, the tokens it holds), oldest first. The session sharing the
+    longest prefix with the prompt wins (the most recent one on a tie); positions reused stop
+    one short of the whole prompt, because the prompt's last token must be evaluated for its
+    logits. None when no session shares more than the beginning-of-sequence token: reusing one
+    would save nothing and evict a cache that may serve a later prompt.
+    """
+    best: tuple[int, int] | None = None
+    for sid, tokens in kept:
+        n = common_prefix(tokens, prompt)
+        if n > 1 and (best is None or n >= best[1]):
+            best = (sid, n)
+    if best is None:
+        return None
+    return best[0], min(best[1], len(prompt) - 1)
 
 
 def propose_drafts(history: Sequence[int], limit: int, max_ngram: int = MAX_NGRAM) -> list[int]:

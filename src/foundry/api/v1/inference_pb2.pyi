@@ -61,12 +61,12 @@ class GenerationDone(_message.Message):
     def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token", "done")
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tokens", "done")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
-    token: GeneratedToken
+    tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
     done: GenerationDone
-    def __init__(self, token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...
 
 class GetPairStatusRequest(_message.Message):
     __slots__ = ()

@@ -56,7 +56,8 @@ class InferenceServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Streams the generated text token by token; the last message carries `done`.
+        """Streams the generated text as it is produced, the tokens ready at once in one message;
+        the last message carries `done`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
