@@ -5,7 +5,9 @@ Prints, on loopback:
 1. samples/s of single-process training (the baseline), then of the swarm with 1 and with N
    workers (default 2), as ratios to the baseline, and the coordinator's share of a round
    (aggregate + AdamW + weights out) — targets: N=2 workers >= 1.6x one process on a 2-core
-   machine, coordinator time <= 10% of a round;
+   machine, coordinator time <= 10% of a round; then, for context, N workers against one
+   process at a larger global batch (``--large-batch``): the per-round costs are fixed, so
+   the ratio shows how much of the gap is overhead rather than compute;
 2. heterogeneity: one worker slowed 3x (``--slowdown``), the cluster's samples/s over the sum
    of each worker's standalone samples/s, with throughput re-balancing and with equal splits —
    target >= 0.85 with re-balancing;
@@ -185,6 +187,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="measured rounds per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="rounds before measuring")
     ap.add_argument("--workers", type=int, default=2, help="workers of the scale run")
+    ap.add_argument("--large-batch", type=int, default=128,
+                    help="global batch of the context run (N workers against one process at\n"
+                    "this batch, no target); 0 skips it")
     ap.add_argument("--skip-bytes", action="store_true", help="skip the compression table")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -205,6 +210,15 @@ def main() -> int:
               f"{ratio:5.2f}x  coordinator {100 * many['coordinator_share']:4.1f}% of a round"
               f"   [{verdict(ratio >= target)} >= {target:.1f}x; "
               f"{verdict(many['coordinator_share'] <= 0.10)} coordinator <= 10%]", flush=True)
+        if args.large_batch:
+            large = argparse.Namespace(**{**vars(args), "global_batch": args.large_batch})
+            large_base = single_process(large)
+            large_many = run_swarm(work / "many-large", large, [1.0] * args.workers)
+            print(f"{args.workers} workers, global batch {args.large_batch}"
+                  f"  {large_many['samples_per_s']:8.1f} samples/s  "
+                  f"{large_many['samples_per_s'] / large_base:5.2f}x of one process at that "
+                  f"batch ({large_base:.1f} samples/s)  coordinator "
+                  f"{100 * large_many['coordinator_share']:4.1f}% of a round", flush=True)
 
         slow = run_swarm(work / "slow-alone", args, [3.0])
         fast = one["samples_per_s"]

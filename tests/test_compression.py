@@ -354,7 +354,7 @@ def test_serialize_deserialize_a_data_section(compression: Compression) -> None:
         for a, o in zip(arrays, out, strict=True):
             np.testing.assert_array_equal(o, a.reshape(-1))
     with pytest.raises(FdtcProtocolError, match="1 bytes left over"):
-        deserialize_tensors(data + b"\0", numels, compression)
+        deserialize_tensors(bytes(data) + b"\0", numels, compression)
     with pytest.raises(FdtcProtocolError, match="tensor 1 of 4"):
         deserialize_tensors(data[: len(data) // 2], numels, compression)
 

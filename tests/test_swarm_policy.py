@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -9,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from foundry.swarm.policy import (
+    GradientSum,
     RoundDecision,
     allocate_samples,
     backoff_delay,
@@ -102,6 +104,40 @@ def test_weighted_mean_equals_global_mean() -> None:
     (got,) = weighted_mean(parts)
     np.testing.assert_allclose(got, per_sample.mean(0), rtol=0, atol=1e-6)
     assert got.dtype == np.float32
+
+
+def _parts(shares: dict[str, int]) -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(len(shares))
+    return {
+        w: [rng.standard_normal(s).astype(np.float32) for s in ((5, 3), (7,))] for w in shares
+    }
+
+
+def test_gradient_sum_is_the_weighted_mean_in_id_order_whatever_the_arrival_order() -> None:
+    shares = {"a": 5, "b": 17, "c": 10}
+    parts = _parts(shares)
+    expected = weighted_mean([(shares[w], parts[w]) for w in sorted(shares)])
+    for arrival in itertools.permutations(shares):
+        total = GradientSum(shares)
+        for w in arrival:
+            total.add(w, shares[w], parts[w])
+        for got, want in zip(total.mean(), expected, strict=True):
+            assert np.array_equal(got, want), arrival  # bit for bit
+
+
+def test_gradient_sum_with_a_worker_missing_or_one_unplanned() -> None:
+    shares = {"a": 5, "b": 17, "c": 10}
+    parts = _parts({**shares, "seed": 8})
+    missing = GradientSum(shares)
+    for w in ("c", "a"):
+        missing.add(w, shares[w], parts[w])
+    want = weighted_mean([(5, parts["a"]), (10, parts["c"])])
+    assert all(np.array_equal(g, e) for g, e in zip(missing.mean(), want, strict=True))
+    extra = GradientSum(shares)
+    for w in ("a", "seed", "b", "c"):
+        extra.add(w, {**shares, "seed": 8}[w], parts[w])
+    want = weighted_mean([(5, parts["a"]), (17, parts["b"]), (10, parts["c"]), (8, parts["seed"])])
+    assert all(np.array_equal(g, e) for g, e in zip(extra.mean(), want, strict=True))
 
 
 def test_heartbeat_timeout() -> None:

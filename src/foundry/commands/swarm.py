@@ -109,6 +109,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
+    from foundry.model.transformer import retain_freed_memory
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -121,6 +122,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
     except (DataError, TlsConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Every round allocates and frees the same weight, gradient and optimizer buffers (13.7 MB
+    # each on the small preset): keep them mapped instead of page-faulting them back each time.
+    retain_freed_memory()
     settings = TrainSettings(
         global_batch=args.global_batch,
         seq_len=args.seq_len,
@@ -184,6 +188,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
+    from foundry.model.transformer import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
 
     try:
@@ -193,6 +198,7 @@ def run_worker(args: argparse.Namespace) -> int:
     except (ValueError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    retain_freed_memory()  # as `foundry train`: a step's activations are reused every round
     options = WorkerOptions(
         host=args.coordinator[0],
         port=args.coordinator[1],

@@ -67,20 +67,26 @@ class AdamW:
         bc2_sqrt = np.float32(math.sqrt(1.0 - self.beta2**t))
         shrink = np.float32(1.0 - lr * self.weight_decay)
         eps = np.float32(self.eps)
+        # Every intermediate goes to one scratch buffer: no temporary arrays per tensor.
+        scratch = np.empty(max((p.size for p in params.values()), default=0), np.float32)
         for name, p in params.items():
             g, m, v = grads[name], self.m[name], self.v[name]
+            tmp = scratch[: p.size].reshape(p.shape)
             if self.weight_decay and decays(p):
                 p *= shrink
             m *= b1  # m = b1 m + (1 - b1) g
-            m += (1 - b1) * g
+            np.multiply(g, 1 - b1, out=tmp)
+            m += tmp
             v *= b2  # v = b2 v + (1 - b2) g^2
-            v += (1 - b2) * (g * g)
-            denom = np.sqrt(v)  # sqrt(v_hat) + eps = sqrt(v) / sqrt(1 - b2^t) + eps
-            denom /= bc2_sqrt
-            denom += eps
-            np.divide(m, denom, out=denom)
-            denom *= step_size
-            p -= denom
+            np.multiply(g, g, out=tmp)
+            tmp *= 1 - b2
+            v += tmp
+            np.sqrt(v, out=tmp)  # sqrt(v_hat) + eps = sqrt(v) / sqrt(1 - b2^t) + eps
+            tmp /= bc2_sqrt
+            tmp += eps
+            np.divide(m, tmp, out=tmp)  # the step: lr m_hat / (sqrt(v_hat) + eps)
+            tmp *= step_size
+            p -= tmp
 
     def state_dict(self) -> AdamWState:
         """The state as plain arrays (the moments are the optimizer's own, not copies)."""

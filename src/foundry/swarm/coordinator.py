@@ -10,8 +10,9 @@ a single round task runs the rounds (``_round_loop``): it waits until training i
 enough workers are registered, splits the global batch among them by measured throughput
 (``policy.allocate_samples``), sends each one the current weights (if it lacks them) and its
 ASSIGN, then waits until the round closes (``policy.round_decision``): all reported, or the
-deadline with quorum. It then averages the gradients weighted by samples, applies AdamW and
-moves on. A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was
+deadline with quorum. Gradients are summed, weighted by samples, as they arrive
+(``policy.GradientSum``); at the close the coordinator applies AdamW to their mean and moves
+on. A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was
 in, so nothing waits on the dead. Bad input from one peer closes that peer only.
 """
 
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from foundry.model.checkpoint import (
     CheckpointState,
@@ -144,14 +144,16 @@ class Round:
     shares: dict[str, int]  # worker -> samples; only workers still alive
     started: float
     deadline: float
-    reported: dict[str, int] = field(default_factory=dict)
-    grads: list[tuple[str, int, list[npt.NDArray[np.float32]], float]] = field(
-        default_factory=list
-    )
+    reported: dict[str, int] = field(default_factory=dict)  # worker -> samples
+    losses: dict[str, float] = field(default_factory=dict)  # worker -> its loss this round
+    gradients: policy.GradientSum = field(init=False)  # summed as they arrive
     first_report_at: float | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     report_at: dict[str, float] = field(default_factory=dict)  # worker -> monotonic time
     started_us: int = field(default_factory=now_us)  # wall clock, for the timeline
+
+    def __post_init__(self) -> None:
+        self.gradients = policy.GradientSum(self.shares)
 
     def wall_us(self, t: float) -> int:
         """The wall-clock microseconds of monotonic time ``t`` (timeline timestamps)."""
@@ -455,11 +457,11 @@ class Coordinator:
                 learning_rate=self.trainer.learning_rate(),
                 tensors=metas,
             )
-            blob = b"".join(
-                np.ascontiguousarray(self.trainer.params[name], dtype="<f4").tobytes()
-                for name, _ in self._shapes
-            )
-            self._weights_cache = (self.step, meta, fdtc.Weights(blob))
+            # One copy of every tensor into the payload, which each worker's send then writes
+            # as it is (a view: no per-tensor bytes, no joined frame).
+            flat = np.concatenate([self.trainer.params[name].ravel() for name, _ in self._shapes])
+            weights = fdtc.Weights(flat.astype("<f4", copy=False).data)
+            self._weights_cache = (self.step, meta, weights)
         return self._weights_cache[1], self._weights_cache[2]
 
     async def _send_weights(self, m: Member) -> None:
@@ -498,7 +500,8 @@ class Coordinator:
             return
         n = rnd.shares.get(m.worker_id, m.micro_batch * m.accumulation_steps)
         rnd.reported[m.worker_id] = n
-        rnd.grads.append((m.worker_id, n, tensors, m.loss))
+        rnd.losses[m.worker_id] = m.loss
+        rnd.gradients.add(m.worker_id, n, tensors)
         rnd.report_at[m.worker_id] = time.monotonic()
         if rnd.first_report_at is None:
             rnd.first_report_at = rnd.report_at[m.worker_id]
@@ -665,13 +668,12 @@ class Coordinator:
         t0 = time.monotonic()
         if rnd.first_report_at is not None:
             self.metrics.straggler_wait.observe(t0 - rnd.first_report_at)
-        parts = [(n, tensors) for _, n, tensors, _ in sorted(rnd.grads, key=lambda g: g[0])]
-        mean = policy.weighted_mean(parts)
+        mean = rnd.gradients.mean()
         grads: Params = {name: t.reshape(shape) for (name, shape), t in zip(
             self._shapes, mean, strict=True
         )}
-        n_samples = sum(n for n, _ in parts)
-        losses = [(n, loss) for _, n, _, loss in rnd.grads if np.isfinite(loss)]
+        n_samples = sum(rnd.reported.values())
+        losses = [(rnd.reported[w], loss) for w, loss in rnd.losses.items() if np.isfinite(loss)]
         lr = self.trainer.learning_rate()
         await asyncio.to_thread(self.trainer.apply, grads)
         self.samples_total += n_samples
@@ -688,7 +690,7 @@ class Coordinator:
         self.timeline.span("apply", rnd.wall_us(t0), step=rnd.step, samples=n_samples)
         log.info(
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
-            self.step, self.train_loss, n_samples, len(parts), elapsed, self.last_rate,
+            self.step, self.train_loss, n_samples, len(rnd.reported), elapsed, self.last_rate,
         )
         if self.step % VALIDATE_EVERY == 0 or self.step >= self.opt.max_steps:
             await self._validate()

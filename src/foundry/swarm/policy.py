@@ -157,14 +157,62 @@ def weighted_mean(
     total = sum(n for n, _ in grads)
     if total <= 0:
         raise ValueError("gradients cover no samples")
-    out = [np.zeros_like(t, dtype=np.float32) for t in grads[0][1]]
+    out: list[npt.NDArray[np.float32]] | None = None
     for n, tensors in grads:
-        if len(tensors) != len(out):
-            raise ValueError(f"expected {len(out)} tensors, got {len(tensors)}")
-        w = np.float32(n / total)
-        for acc, t in zip(out, tensors, strict=True):
-            acc += w * t
+        out = _add_weighted(out, n / total, tensors)
+    assert out is not None
     return out
+
+
+def _add_weighted(
+    acc: list[npt.NDArray[np.float32]] | None, weight: float,
+    tensors: Sequence[npt.NDArray[np.float32]],
+) -> list[npt.NDArray[np.float32]]:
+    """``acc + weight * tensors`` in place (the first term when ``acc`` is None)."""
+    w = np.float32(weight)
+    if acc is None:
+        return [w * t for t in tensors]
+    if len(tensors) != len(acc):
+        raise ValueError(f"expected {len(acc)} tensors, got {len(tensors)}")
+    for a, t in zip(acc, tensors, strict=True):
+        a += w * t
+    return acc
+
+
+class GradientSum:
+    """The weighted mean of one round's gradients, summed while the round is still open.
+
+    ``mean()`` equals ``weighted_mean`` of the reported parts in worker-id order, bit for bit;
+    summing each part as it arrives leaves only the last one to the round's critical path.
+    A part is summed once every planned worker before it (in id order) reported, so the order
+    never depends on arrival. Planned parts are weighted by ``n / planned total``; a round that
+    closes with other samples (a worker left, or one that was not planned reported) is summed
+    again from its parts at ``mean()``.
+    """
+
+    def __init__(self, shares: Mapping[str, int]) -> None:
+        self._shares = dict(shares)
+        self._order = sorted(shares)
+        self._total = sum(shares.values())
+        self._parts: dict[str, tuple[int, Sequence[npt.NDArray[np.float32]]]] = {}
+        self._summed = 0  # _order[:_summed] are in _sum
+        self._sum: list[npt.NDArray[np.float32]] | None = None
+
+    def add(self, worker_id: str, n: int, tensors: Sequence[npt.NDArray[np.float32]]) -> None:
+        if worker_id in self._parts:
+            raise ValueError(f"{worker_id} reported twice")
+        self._parts[worker_id] = (n, tensors)
+        while self._summed < len(self._order) and self._order[self._summed] in self._parts:
+            n_k, tensors_k = self._parts[self._order[self._summed]]
+            if n_k != self._shares[self._order[self._summed]]:
+                break  # not the planned share: the weights are wrong, mean() sums again
+            self._sum = _add_weighted(self._sum, n_k / self._total, tensors_k)
+            self._summed += 1
+
+    def mean(self) -> list[npt.NDArray[np.float32]]:
+        if self._summed == len(self._order) == len(self._parts) and self._sum is not None:
+            return self._sum
+        return weighted_mean([self._parts[w] for w in sorted(self._parts)])
 
 
 def is_dead(now: float, last_seen: float, timeout_s: float) -> bool:

@@ -36,7 +36,7 @@ from foundry.swarm import policy
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
-from foundry.wire.compression import ErrorFeedback, get_codec
+from foundry.wire.compression import ErrorFeedback, get_codec, serialize_tensors
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
 
@@ -268,7 +268,9 @@ class Worker:
                 int(ErrorCode.MODEL_MISMATCH),
                 "WEIGHTS_META names tensors this worker's model does not have",
             )
-        flat = np.frombuffer(weights.data, dtype="<f4")
+        # Views of the received payload, not copies: the decoder gave this message a buffer of
+        # its own, and training only reads the weights (a big-endian host copies, to swap bytes).
+        flat = np.frombuffer(weights.data, dtype="<f4").astype(np.float32, copy=False)
         expected = sum(int(np.prod(s)) for s in shapes.values())
         if flat.size != expected:
             raise fdtc.FdtcProtocolError(
@@ -278,7 +280,7 @@ class Worker:
         pos = 0
         for name, shape in shapes.items():
             n = int(np.prod(shape))
-            params[name] = flat[pos : pos + n].reshape(shape).astype(np.float32, copy=True)
+            params[name] = flat[pos : pos + n].reshape(shape)
             pos += n
         self.params = params
         self.global_step = meta.global_step
@@ -344,11 +346,10 @@ class Worker:
         self.timeline.span("send", start_us, self._idle_since_us, step=step, bytes=len(data))
         self.metrics.gradient_bytes.inc(len(data))
 
-    def _encode(self, grads: Params) -> bytes:
+    def _encode(self, grads: Params) -> bytes | memoryview:
         if self.feedback is not None:
             return b"".join(self.feedback.compress(k, g.reshape(-1)) for k, g in grads.items())
-        codec = get_codec(self.compression, topk_ratio=self.topk_ratio)
-        return b"".join(codec.encode(g.reshape(-1)) for g in grads.values())
+        return serialize_tensors(grads.values(), self.compression, topk_ratio=self.topk_ratio)
 
     def _status(self) -> fdtc.Status:
         return fdtc.Status(

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 
-from foundry.wire.fdtc import FdtcDecoder, Message, encode
+from foundry.wire.fdtc import FdtcDecoder, Message, encode_parts
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ READ_CHUNK = 256 * 1024
 # A frame once begun must be complete within this time by default: at 1 MB/s (a Pi on a busy
 # Wi-Fi) a 64 MB weights message needs about a minute.
 DEFAULT_FRAME_DEADLINE_S = 120.0
+# Frame pieces this large (tensor data) are written as the views they are, not copied into a
+# joined frame first; smaller ones are joined, so a small message is one write, one segment.
+JOIN_BELOW = 64 * 1024
 
 
 class StreamClosed(ConnectionError):
@@ -107,11 +111,10 @@ class FdtcStream:
     async def send(self, *messages: Message) -> int:
         """Encode and write the messages, then wait until the kernel took them (FrameTimeout
         after ``frame_deadline_s``; the connection is then aborted)."""
-        n = 0
-        for msg in messages:
-            data = encode(msg)
-            self.writer.write(data)
-            n += len(data)
+        pieces = list(_pieces(messages))  # all encoded before any is written
+        for piece in pieces:
+            self.writer.write(piece)
+        n = sum(len(piece) for piece in pieces)
         self.bytes_out += n
         try:
             async with asyncio.timeout(self.frame_deadline_s):
@@ -132,3 +135,20 @@ class FdtcStream:
         # Not CancelledError: a stop that arrives while closing must reach the caller.
         with contextlib.suppress(ConnectionError, OSError, TimeoutError):
             await asyncio.wait_for(self.writer.wait_closed(), 1.0)
+
+
+def _pieces(messages: tuple[Message, ...]) -> Iterator[bytes | memoryview]:
+    """The frames of ``messages`` as pieces to write in order: runs of small pieces joined,
+    large ones (tensor data) as given, uncopied."""
+    small: list[bytes | memoryview] = []
+    for msg in messages:
+        for part in encode_parts(msg):
+            if len(part) < JOIN_BELOW:
+                small.append(part)
+                continue
+            if small:
+                yield b"".join(small)
+                small = []
+            yield part
+    if small:
+        yield b"".join(small)

@@ -118,6 +118,10 @@ class Codec(ABC):
         """The f32 tensor at the start of ``buf`` and the bytes it took. ``buf`` may hold
         more (the rest of a data section). The array may be a read-only view of ``buf``."""
 
+    def encode_section(self, arrays: Iterable[npt.ArrayLike]) -> bytes | memoryview:
+        """A data section: each array encoded, back to back."""
+        return b"".join(self.encode(a) for a in arrays)
+
 
 CODECS: dict[Compression, type[Codec]] = {}
 
@@ -138,6 +142,12 @@ class NoneCodec(Codec):
     def decode(self, buf: Buffer, numel: int) -> tuple[F32Array, int]:
         _need(buf, 4 * numel, f"NONE tensor of {numel} elements")
         return np.frombuffer(buf, dtype="<f4", count=numel), 4 * numel
+
+    def encode_section(self, arrays: Iterable[npt.ArrayLike]) -> memoryview:
+        # The values back to back: one copy into the section, no bytes object per tensor.
+        flat = [_flat_f32(a) for a in arrays]
+        section = np.concatenate(flat) if flat else np.empty(0, np.float32)
+        return section.astype("<f4", copy=False).data.cast("B")
 
 
 # ---------------------------------------------------------------------------- FP16
@@ -539,10 +549,9 @@ def estimate_compressed_size(numel: int, compression: Compression | int, **param
 
 def serialize_tensors(
     arrays: Iterable[npt.ArrayLike], compression: Compression | int, **params: Any
-) -> bytes:
+) -> bytes | memoryview:
     """sw_serialize_tensor for each tensor, back to back: a GRADIENTS data section."""
-    codec = get_codec(compression, **params)
-    return b"".join(codec.encode(a) for a in arrays)
+    return get_codec(compression, **params).encode_section(arrays)
 
 
 def deserialize_tensors(

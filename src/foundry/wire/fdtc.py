@@ -1241,7 +1241,8 @@ class FdtcDecoder:
         self._head = bytearray()
         self._cls: type[Message] | None = None  # set while a payload is being received
         self._length = 0
-        self._payload = bytearray()
+        self._payload = _NO_PAYLOAD  # the frame's payload buffer, its first _filled bytes in
+        self._filled = 0
         self._ready: deque[Message] = deque()
         self._error: FdtcProtocolError | None = None
 
@@ -1254,7 +1255,7 @@ class FdtcDecoder:
         """Bytes of a frame begun and not yet complete, header included (0 between frames)."""
         if self._cls is None:
             return len(self._head)
-        return HEADER_SIZE + len(self._payload)
+        return HEADER_SIZE + self._filled
 
     @property
     def closed(self) -> bool:
@@ -1275,15 +1276,16 @@ class FdtcDecoder:
                     if len(self._head) == HEADER_SIZE:
                         self._start_frame()
                 else:
-                    take = min(self._length - len(self._payload), end - pos)
-                    self._payload += view[pos : pos + take]
+                    take = min(self._length - self._filled, end - pos)
+                    self._payload[self._filled : self._filled + take] = view[pos : pos + take]
+                    self._filled += take
                     pos += take
-                if self._cls is not None and len(self._payload) == self._length:
+                if self._cls is not None and self._filled == self._length:
                     self._finish_frame()
         except FdtcProtocolError as exc:
             self._error = exc
             self._head = bytearray()
-            self._payload = bytearray()
+            self._payload, self._filled = _NO_PAYLOAD, 0
             self._cls = None
 
     def _start_frame(self) -> None:
@@ -1303,13 +1305,14 @@ class FdtcDecoder:
         cls.check_length(length)
         self._head = bytearray()
         self._cls, self._length = cls, length
+        self._payload, self._filled = _payload_buffer(length), 0
 
     def _finish_frame(self) -> None:
         cls, payload = self._cls, self._payload
         assert cls is not None
-        self._cls, self._payload = None, bytearray()
+        self._cls, self._payload, self._filled = None, _NO_PAYLOAD, 0
         try:
-            msg = cls.from_payload(memoryview(payload).toreadonly())
+            msg = cls.from_payload(payload.toreadonly())
         except LocalProtocolError as exc:  # a field value the dataclass refuses
             raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}") from None
         except FdtcProtocolError as exc:
@@ -1329,6 +1332,16 @@ class FdtcDecoder:
         """Every complete message buffered now."""
         while (msg := self.next_message()) is not None:
             yield msg
+
+
+_NO_PAYLOAD = memoryview(b"")
+
+
+def _payload_buffer(length: int) -> memoryview:
+    """A writable buffer for a payload of ``length`` bytes, allocated once (no regrowth) and
+    uninitialised (numpy's ``empty``): not zeroed first, its pages committed only as the peer's
+    bytes fill them, so a header announcing 256 MiB costs no memory until the bytes come."""
+    return np.empty(length, dtype=np.uint8).data
 
 
 # ---------------------------------------------------------------------------- weights
