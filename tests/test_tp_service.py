@@ -335,6 +335,42 @@ def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
             w.stop(signal.SIGKILL)
 
 
+def test_a_request_during_a_resync_goes_first_and_the_resync_resumes(tmp_path: Path) -> None:
+    """A long history re-syncs one token per checkpoint; a request sent meanwhile pauses it at
+    a checkpoint, is served, and the re-sync then finishes with both ranks in lockstep."""
+    model = make_model(tmp_path / "m.gguf", ModelConfig(n_ctx=1024))
+    leader = start_leader(model, tmp_path / "leader.log", "--hash-check", "--spec-mode", "off",
+                          "--prefill-chunk", "1")
+    workers = [start_worker(model, leader.port, tmp_path / "first.log")]
+    try:
+        assert leader.metrics is not None
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            long = c.generate("A long history: ", 700, request_id=1)
+            assert isinstance(long.end, fw.Done) and len(long.tokens) == 700, long.end
+        workers[0].stop(signal.SIGKILL)
+        wait_paired(leader.frontend, connected=False, timeout=5)
+        workers.append(start_worker(model, leader.port, tmp_path / "second.log"))
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            served = c.generate("hi", 5, request_id=2)
+        assert served.tokens == reference_greedy(model, "hi", 5, 1).tokens
+        deadline = time.monotonic() + 60
+        while metric(leader.metrics, "foundry_tp_sessions_resynced_total") < 1:
+            assert time.monotonic() < deadline, leader.proc.text()
+            time.sleep(0.05)
+        text = leader.proc.text()
+        paused = re.search(r"re-sync paused at position (\d+) of (\d+)", text)
+        assert paused is not None, text
+        assert 0 < int(paused.group(1)) < int(paused.group(2))
+        assert text.index("re-sync paused") < text.index("session re-synced from its history")
+        assert metric(leader.metrics, 'foundry_tp_hash_checks_total{result="mismatch"}') == 0
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
+        for w in workers:
+            w.stop(signal.SIGKILL)
+
+
 def test_cancel_at_a_sync_checkpoint_leaves_both_ranks_at_one_position(
     tmp_path: Path,
 ) -> None:

@@ -1011,6 +1011,8 @@ class Leader:
         self._link.send(Sync(session_id=sid, tokens=tuple(tokens)))
         rows = self.state.sync(sid, tokens, self._checkpoint(sid, self._resync_yields))
         if rows is None:
+            log.info("re-sync paused at position %d of %d: a request goes first",
+                     self.state.sessions[sid].pos, len(tokens))
             return
         self._join(rows)
         if self.options.hash_check:
