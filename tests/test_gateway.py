@@ -38,8 +38,10 @@ from test_gateway_frontend import (
     StandInLeader,
     expect_code,
     free_port,
+    health_of,
     run,
     running_pair,
+    wait_health,
 )
 from tp_harness import Result, make_model, reference_greedy
 
@@ -135,19 +137,6 @@ async def stack(
         await gateway.stop()
 
 
-async def status_of(s: Stack, service: str) -> int:
-    got = await s.health().Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-    code: int = got.status
-    return code
-
-
-async def wait_health(s: Stack, service: str, want: int, within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while (got := await status_of(s, service)) != want:
-        assert time.monotonic() < deadline, f"{service!r} stayed {got}, wanted {want}"
-        await asyncio.sleep(0.05)
-
-
 async def generate(
     s: Stack, request: inference_pb2.GenerateRequest, **kw: object
 ) -> tuple[list[inference_pb2.GeneratedToken], inference_pb2.GenerationDone]:
@@ -219,7 +208,7 @@ def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> Non
             # One generation reached the pair: the authorised one.
             assert pair_status.requests_served == served_before + 1
             assert pair_status.worker_connected
-            assert await status_of(s, "") == SERVING  # no token
+            assert await health_of(s.channel, "") == SERVING  # no token
 
             pair_method = "foundry.v1.InferenceService/GetPairStatus"
             refused = s.count("foundry_gateway_requests_total", method=pair_method,
@@ -275,7 +264,7 @@ def test_tls_with_the_ca_works_and_plaintext_does_not(pair: Pair, tmp_path: Path
 
     async def main() -> None:
         async with stack(pair.frontend, tls=(cert, key), channel_credentials=creds) as s:
-            assert await status_of(s, "") == SERVING
+            assert await health_of(s.channel, "") == SERVING
             tokens, done = await generate(
                 s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=5), timeout=10
             )
@@ -438,7 +427,7 @@ def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
 
     async def main() -> None:
         async with stack(pair.frontend) as s:
-            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
             pair.stall_leader()
             try:
                 t0 = time.monotonic()
@@ -456,7 +445,7 @@ def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
                 assert time.monotonic() - t0 < 2.0
-                await wait_health(s, INFERENCE_SERVICE, NOT_SERVING)
+                await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING)
             finally:
                 pair.resume_leader()
             # The leader reads the GENERATE and the CANCEL sent at the deadline together.
@@ -464,7 +453,7 @@ def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
             # At most the token of the prefill, if its engine thread admitted the request
             # between the two frames.
             assert status.tokens_generated - tokens_before <= 1
-            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
 
     run(main)
 
@@ -600,7 +589,7 @@ def test_faults_of_the_leader_itself_are_internal() -> None:
 def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair) -> None:
     async def main() -> None:
         async with stack(pair.frontend) as s:
-            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
             call = s.inference().Generate(
                 inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]), metadata=AUTH
             )
@@ -613,7 +602,7 @@ def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "tensor-parallel worker lost" in (exc.value.details() or "")
 
-            await wait_health(s, INFERENCE_SERVICE, NOT_SERVING, 3)
+            await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING, 3)
             assert s.count("foundry_gateway_backend_up", backend="tp_leader") == 0
             t0 = time.monotonic()
             await expect_code(
@@ -627,7 +616,7 @@ def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair
             assert not status.worker_connected
 
             await asyncio.to_thread(pair.restart_worker)
-            await wait_health(s, INFERENCE_SERVICE, SERVING, 3)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING, 3)
             direct = await asyncio.to_thread(pair.generate, PROMPT, 12)
             tokens, done = await generate(
                 s, inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=12), timeout=10
@@ -642,7 +631,7 @@ def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> No
 
     async def main() -> None:
         async with stack(pair.frontend) as s:
-            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
             call = s.inference().Generate(
                 inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]), metadata=AUTH
             )
@@ -655,7 +644,7 @@ def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> No
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "broke" in (exc.value.details() or "")
 
-            await wait_health(s, INFERENCE_SERVICE, NOT_SERVING, 3)
+            await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING, 3)
             await expect_code(
                 s.inference().GetPairStatus(
                     inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
@@ -668,7 +657,7 @@ def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> No
             )
 
             await asyncio.to_thread(pair.restart_leader)
-            await wait_health(s, INFERENCE_SERVICE, SERVING, 5)
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING, 5)
             direct = await asyncio.to_thread(pair.generate, PROMPT, 12)
             tokens, done = await generate(
                 s, inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=12), timeout=10
@@ -684,11 +673,11 @@ def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> No
 def test_health_follows_the_backends_and_goes_first_on_shutdown(pair: Pair) -> None:
     async def main() -> None:
         async with stack(pair.frontend) as s:
-            assert await status_of(s, "") == SERVING
-            await wait_health(s, INFERENCE_SERVICE, SERVING)
+            assert await health_of(s.channel, "") == SERVING
+            await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
             # The coordinator of this stack is unreachable.
-            assert await status_of(s, "foundry.v1.TrainingService") == NOT_SERVING
-            assert await status_of(s, "foundry.v1.ModelService") == NOT_SERVING
+            assert await health_of(s.channel, "foundry.v1.TrainingService") == NOT_SERVING
+            assert await health_of(s.channel, "foundry.v1.ModelService") == NOT_SERVING
 
             watch = s.health().Watch(health_pb2.HealthCheckRequest(service=""))
             first = await watch.read()

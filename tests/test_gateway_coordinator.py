@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 import procs
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_gateway_frontend import expect_code, free_port, run
+from grpc_health.v1 import health_pb2
+from test_gateway_frontend import expect_code, free_port, run, wait_health
 
 from foundry.api.v1 import model_pb2, model_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.server import Gateway, GatewayOptions
@@ -62,17 +62,6 @@ async def gateway_for(admin_port: int) -> AsyncIterator[tuple[Gateway, grpc.aio.
     finally:
         await channel.close()
         await gateway.stop()
-
-
-async def wait_health(channel: grpc.aio.Channel, service: str, want: int, within_s: float) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + within_s
-    while True:
-        got = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-        if got.status == want:
-            return
-        assert time.monotonic() < deadline, f"{service} stayed {got.status}, wanted {want}"
-        await asyncio.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------- tests

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tp_harness import (
     Client,
     LeaderProc,
@@ -352,6 +353,24 @@ async def expect_code(awaitable: object, code: grpc.StatusCode, wording: str = "
     details = exc.value.details() or ""
     assert wording in details, details
     return details
+
+
+async def health_of(channel: grpc.aio.Channel, service: str) -> int:
+    """The standard health check's status of ``service`` ("" is the server as a whole)."""
+    got = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=2
+    )
+    status: int = got.status
+    return status
+
+
+async def wait_health(
+    channel: grpc.aio.Channel, service: str, want: int, within_s: float = 5.0
+) -> None:
+    deadline = time.monotonic() + within_s
+    while (got := await health_of(channel, service)) != want:
+        assert time.monotonic() < deadline, f"{service!r} stayed {got}, wanted {want}"
+        await asyncio.sleep(0.05)
 
 
 def free_port() -> int:
