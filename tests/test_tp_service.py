@@ -285,6 +285,39 @@ def test_a_prompt_that_continues_a_finished_generation_reuses_its_session(
     assert metric(pair.metrics, "foundry_tp_kept_sessions") >= 1
 
 
+def test_kept_sessions_are_bounded_and_the_least_recently_used_goes(tmp_path: Path) -> None:
+    """--keep-sessions 2: a third finished generation evicts the first on both ranks (the
+    lockstep hash covers every session and position), and only kept sessions are reused."""
+    model = make_model(tmp_path / "m.gguf")
+    leader = start_leader(model, tmp_path / "leader.log", "--keep-sessions", "2",
+                          "--spec-mode", "off", "--hash-check")
+    worker = start_worker(model, leader.port, tmp_path / "worker.log")
+    first, second, third = "First conversation: ", "Second conversation: ", "Third one: "
+    try:
+        assert leader.metrics is not None
+        m = leader.metrics
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            for i, prompt in enumerate((first, second, third), start=1):
+                assert isinstance(c.generate(prompt, 4, request_id=i).end, fw.Done)
+            assert metric(m, "foundry_tp_kept_sessions") == 2
+            before = metric(m, "foundry_tp_prompt_tokens_reused_total")
+            evicted = c.generate(first + "again", 4, request_id=4)
+            after_evicted = metric(m, "foundry_tp_prompt_tokens_reused_total")
+            kept = c.generate(third + "again", 4, request_id=5)
+            after_kept = metric(m, "foundry_tp_prompt_tokens_reused_total")
+        assert after_evicted == before  # the first conversation's session was evicted
+        assert after_kept - after_evicted >= len(tokens_of(third))
+        for prompt, got in ((first + "again", evicted), (third + "again", kept)):
+            assert got.tokens == reference_greedy(model, prompt, 4, 64).tokens
+        assert metric(m, "foundry_tp_kept_sessions") == 2
+        assert metric(m, 'foundry_tp_hash_checks_total{result="match"}') > 0
+        assert metric(m, 'foundry_tp_hash_checks_total{result="mismatch"}') == 0
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
+        assert worker.exit_code() == 0, worker.text()
+
+
 def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
     tmp_path: Path,
 ) -> None:
