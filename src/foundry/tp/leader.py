@@ -101,6 +101,7 @@ from foundry.tp.policy import (
     commit_plan,
     pick_kept_session,
     propose_drafts,
+    worth_keeping,
 )
 from foundry.transport import tls as tls_mod
 from foundry.transport.gates import (
@@ -743,6 +744,8 @@ class Leader:
                     self._wait_for_pair()
                     continue
                 try:
+                    if self._pair.lost:  # the watcher saw the worker hang up
+                        raise PairLost(self._pair.lost)
                     if self._has_work():
                         self._step()
                     elif self._resync:
@@ -815,7 +818,7 @@ class Leader:
         histories: list[_History] = []
         for tokens in [*running, *kept, *(h.tokens for h in self._resync)]:
             key = tuple(tokens)
-            if len(tokens) > 1 and key not in seen and len(histories) < keep:
+            if worth_keeping(tokens) and key not in seen and len(histories) < keep:
                 seen.add(key)
                 histories.append(_History(list(tokens)))
         self._resync = collections.deque(histories)
@@ -825,10 +828,8 @@ class Leader:
         self._prefills.clear()
         self._decoding.clear()
         self._kept_sessions.clear()
-        self.running = 0
         self.state.reset()
-        self.metrics.active_sessions.set(0)
-        self.metrics.kept_sessions.set(0)
+        self._count_sessions()
         self._drop_stale_requests()
 
     def _close_pair(self) -> None:
@@ -858,9 +859,6 @@ class Leader:
         return bool(self._waiting or self._prefills or self._decoding or not self._inbox.empty())
 
     def _wait_for_work(self) -> bool:
-        pair = self._pair
-        if pair is not None and pair.lost:
-            raise PairLost(pair.lost)
         try:
             self._waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
         except queue.Empty:
@@ -873,10 +871,6 @@ class Leader:
         return self._pair.link
 
     def _step(self) -> None:
-        pair = self._pair
-        assert pair is not None
-        if pair.lost:
-            raise PairLost(pair.lost)
         while True:
             try:
                 self._waiting.append(self._inbox.get_nowait())
@@ -973,7 +967,7 @@ class Leader:
     def _keep_or_destroy(self, sid: int) -> None:
         """A finished generation's session: kept for a later prompt (the least recently
         used kept one goes when there are too many), or destroyed on both ranks."""
-        if self.state.sessions[sid].pos > 1 and self.options.keep_sessions > 0:
+        if worth_keeping(self.state.sessions[sid].tokens) and self.options.keep_sessions > 0:
             self._kept_sessions[sid] = None
             while len(self._kept_sessions) > self.options.keep_sessions:
                 self._destroy(self._kept_sessions.popitem(last=False)[0])
@@ -994,10 +988,6 @@ class Leader:
         ranks and SYNC its tokens; then it is a kept session like any other. A request that
         arrives meanwhile cancels the sync at its next checkpoint and goes first; the sync
         resumes from where both ranks stopped."""
-        pair = self._pair
-        assert pair is not None
-        if pair.lost:
-            raise PairLost(pair.lost)
         history = self._resync[0]
         if history.sid == 0:
             try:

@@ -56,6 +56,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def worth_keeping(tokens: Sequence[int]) -> bool:
+    """Whether a session holding ``tokens`` is worth keeping for a later prompt: it must hold
+    more than the beginning-of-sequence token every prompt starts with."""
+    return len(tokens) > 1
+
+
 def pick_kept_session(
     prompt: Sequence[int], kept: Iterable[tuple[int, Sequence[int]]]
 ) -> tuple[int, int] | None:
@@ -70,7 +76,7 @@ def pick_kept_session(
     best: tuple[int, int] | None = None
     for sid, tokens in kept:
         n = common_prefix(tokens, prompt)
-        if n > 1 and (best is None or n >= best[1]):
+        if worth_keeping(tokens[:n]) and (best is None or n >= best[1]):
             best = (sid, n)
     if best is None:
         return None
