@@ -13,6 +13,11 @@ times, per iteration:
 The three are interleaved in blocks so that drift of the machine hits them alike. Target: the
 TCP gate's p50 at most 2x the raw exchange's p50 (PASS/FAIL; exit status 1 on FAIL).
 
+``--arrive-last-us N``: rank 0 works (spins) N us before each exchange, so that rank 1 is always
+waiting when rank 0 arrives, as the rank that finishes its half of a layer last finds its peer
+inside a pair. Rank 0's times are then the cost of an exchange to the rank that arrives last:
+no waiting, only the exchange's own code and system calls.
+
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp_gates.py
 """
 
@@ -65,8 +70,10 @@ def run_rank(
     iters: int,
     warmup: int,
     blocks: int,
+    work_us: float = 0.0,
 ) -> dict[tuple[str, str], list[int]]:
-    """The shared loop of both ranks; returns rank-local timings in ns per (size, transport)."""
+    """The shared loop of both ranks; returns rank-local timings in ns per (size, transport).
+    ``work_us``: busy time before each exchange."""
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rng = np.random.default_rng(rank)
     times: dict[tuple[str, str], list[int]] = {}
@@ -77,6 +84,7 @@ def run_rank(
             into = memoryview(bytearray(partial.nbytes))
             samples = times.setdefault((size, "raw"), [])
             for i in range(warmup + iters):
+                spin(work_us)
                 t0 = time.perf_counter_ns()
                 raw_exchange(raw, out, into)
                 if i >= warmup:
@@ -84,11 +92,19 @@ def run_rank(
             for name, g in gates.items():
                 samples = times.setdefault((size, name), [])
                 for i in range(warmup + iters):
+                    spin(work_us)
                     t0 = time.perf_counter_ns()
                     g.exchange(i % 32, Gate(i % 2), partial)
                     if i >= warmup:
                         samples.append(time.perf_counter_ns() - t0)
     return times
+
+
+def spin(us: float) -> None:
+    """Stay busy for ``us`` microseconds (work, not sleep: the core stays awake)."""
+    end = time.perf_counter_ns() + int(us * 1000)
+    while time.perf_counter_ns() < end:
+        pass
 
 
 def rank1(
@@ -114,6 +130,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3000, help="timed exchanges per block")
     parser.add_argument("--warmup", type=int, default=300, help="untimed exchanges per block")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks")
+    parser.add_argument("--arrive-last-us", type=float, default=0.0, metavar="N",
+                        help="rank 0 works N us before each exchange, so it always arrives "
+                        "last (default 0: lockstep)")
     args = parser.parse_args()
 
     pair = cores()
@@ -143,7 +162,8 @@ def main() -> int:
         "shm": slab,
     }
     try:
-        times = run_rank(0, raw, gates, args.iters, args.warmup, args.blocks)
+        times = run_rank(0, raw, gates, args.iters, args.warmup, args.blocks,
+                         args.arrive_last_us)
     finally:
         raw.close()
         for g in gates.values():
@@ -155,6 +175,9 @@ def main() -> int:
 
     print(f"tp gate exchange, 2 processes on loopback ({where}), "
           f"{args.blocks} x {args.iters} timed exchanges per row, times in us")  # fmt: skip
+    if args.arrive_last_us:
+        print(f"rank 0 arrives last ({args.arrive_last_us:g} us of work before each exchange): "
+              "its times are an exchange's own cost, nothing waited for")
     print(f"{'gate':>7} {'transport':>9} {'p50':>8} {'p99':>8} {'p50/raw':>8}")
     ok = True
     for size in SIZES:
