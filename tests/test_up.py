@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from foundry.stack import (
+from foundry.up.plan import (
     StackError,
     StackOptions,
     StackPorts,
-    check_ports_free,
-    printable,
     prometheus_config,
     serving_services,
     training_services,
 )
+from foundry.up.supervisor import check_ports_free
+from foundry.up.view import printable
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

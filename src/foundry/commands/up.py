@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from foundry.model.config import PRESETS
-from foundry.stack import StackError, StackOptions, run_stack
+from foundry.up.pipeline import run_stack
+from foundry.up.plan import StackError, StackOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,103 @@
+"""The two clients `foundry up` uses: blocking FDTC requests on the coordinator's admin link,
+and a greedy generation through the gateway (gRPC), as `foundry ctl generate` would ask."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from foundry.up.plan import StackError, addr
+from foundry.wire import fdtc
+
+# The exported model and the TP pair must answer a generation within this time.
+SERVE_TIMEOUT_S = 60.0
+
+
+class AdminLink:
+    """Blocking FDTC requests on the coordinator's admin link, one answer per request."""
+
+    def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
+        self.address = (host, port)
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._decoder = fdtc.FdtcDecoder()
+
+    def request(self, msg: fdtc.Message, timeout_s: float | None = None) -> fdtc.Message:
+        try:
+            return self._exchange(msg, timeout_s or self.timeout_s)
+        except (OSError, fdtc.FdtcProtocolError) as exc:
+            self.close()
+            raise StackError(f"coordinator admin link {addr(*self.address)}: {exc}") from None
+
+    def _exchange(self, msg: fdtc.Message, timeout_s: float) -> fdtc.Message:
+        if self._sock is None:
+            self._sock = socket.create_connection(self.address, timeout=timeout_s)
+            self._decoder = fdtc.FdtcDecoder()
+        self._sock.settimeout(timeout_s)
+        self._sock.sendall(fdtc.encode(msg))
+        while True:
+            got = self._decoder.next_message()
+            if got is not None:
+                return got
+            data = self._sock.recv(65536)
+            if not data:
+                raise ConnectionError("the coordinator closed the admin link")
+            self._decoder.feed(data)
+
+    def status(self) -> fdtc.SwarmStatus:
+        got = self.request(fdtc.StatusReq())
+        if not isinstance(got, fdtc.SwarmStatus):
+            raise StackError(f"the coordinator answered STATUS_REQ with {got!r}")
+        return got
+
+    def export(self, path: Path) -> Path:
+        got = self.request(fdtc.Export(path=str(path)), timeout_s=300.0)
+        if not isinstance(got, fdtc.ControlAck) or not got.ok:
+            raise StackError(f"export failed: {getattr(got, 'message', got)!r}")
+        return Path(got.message)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def generate(
+    target: str,
+    prompt: str,
+    max_tokens: int,
+    token: str | None,
+    check_stop: Callable[[], None],
+    within_s: float = SERVE_TIMEOUT_S,
+) -> str:
+    """A greedy generation through the gateway; retried while the pair is still coming up."""
+    import grpc
+
+    from foundry.api.v1 import inference_pb2, inference_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    deadline = time.monotonic() + within_s
+    with grpc.insecure_channel(target) as channel:
+        stub_class: Callable[[grpc.Channel], Any] = inference_pb2_grpc.InferenceServiceStub
+        stub = stub_class(channel)
+        while True:
+            request = inference_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=max_tokens, temperature=0.0
+            )
+            try:
+                pieces = [
+                    token.text
+                    for event in stub.Generate(request, metadata=metadata, timeout=30.0)
+                    for token in event.tokens
+                ]
+                return "".join(pieces)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    details = exc.details() if hasattr(exc, "details") else str(exc)
+                    raise StackError(f"generation through the gateway failed: {details}") from None
+            check_stop()
+            time.sleep(0.3)

@@ -1,0 +1,159 @@
+"""`run_stack`: the pipeline of `foundry up` (see the package docstring), from the plan to a
+clean stop."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from foundry.up.clients import AdminLink, generate
+from foundry.up.plan import (
+    StackError,
+    StackOptions,
+    StackPorts,
+    addr,
+    local_host,
+    prometheus_config,
+    prometheus_service,
+    serving_services,
+    training_services,
+)
+from foundry.up.supervisor import Stack, StopRequested, check_ports_free
+from foundry.up.view import LiveView, TrainingSummary, num, printable
+from foundry.wire import fdtc
+
+# How often the live view asks the coordinator for its status.
+POLL_S = 0.5
+
+
+def watch_training(
+    stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary
+) -> fdtc.SwarmStatus:
+    t0 = time.monotonic()
+    while True:
+        stack.check_children()
+        st = admin.status()
+        summary.polls += 1
+        if not math.isnan(st.train_loss):
+            if math.isnan(summary.first_loss):
+                summary.first_loss = st.train_loss
+            summary.last_loss = st.train_loss
+        summary.val_loss = st.val_loss
+        summary.steps = st.global_step
+        view.update(st)
+        if st.state is fdtc.SwarmState.DONE:
+            summary.seconds = time.monotonic() - t0
+            return st
+        time.sleep(POLL_S)
+
+
+def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
+    """`foundry up`: 0 after a clean stop, 1 when the stack could not start or failed."""
+    ports = StackPorts.of(opt)
+    prometheus = shutil.which("prometheus") if opt.prometheus else None
+    if prometheus is None:
+        ports = StackPorts.of(dataclasses.replace(opt, prometheus=False))
+    check_ports_free(ports, opt.host)
+    run = opt.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    if opt.fresh:
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    token_file = None
+    token = None
+    if not opt.loopback:
+        # Off loopback the gateway is reachable from the network: require a token.
+        token_file = run / "token"
+        token = secrets.token_urlsafe(32)
+        token_file.unlink(missing_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+
+    stack = Stack(run, out)
+    tty = out.isatty()
+    view = LiveView(out, opt.steps, tty)
+    admin = AdminLink("127.0.0.1", ports.admin)
+    t_start = time.monotonic()
+    code = 0
+    with stack.signals():
+        try:
+            stack.say(f"foundry up: run dir {run}, logs in {run / 'logs'}")
+            first = [stack.start(s) for s in training_services(opt, ports, token_file)]
+            if prometheus is not None:
+                (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
+                first.append(stack.start(prometheus_service(opt, ports, prometheus)))
+            stack.wait_ready(first)
+            stack.say(
+                f"started coordinator {addr(opt.host, ports.coordinator)}, gateway "
+                f"{addr(opt.host, ports.gateway)}, {opt.workers} worker(s)"
+                + (f", prometheus http://{addr(local_host(opt.host), ports.prometheus or 0)}"
+                   if prometheus else ", no prometheus (not installed or --no-prometheus)")
+            )
+            stack.say(f"training {opt.preset} for {opt.steps} steps on the bundled corpus")
+            summary = TrainingSummary()
+            try:
+                watch_training(stack, admin, view, summary)
+            finally:
+                view.close()
+            if summary.polls == 1:
+                stack.say(
+                    f"training was already done at step {summary.steps} (checkpoints in "
+                    f"{run / 'checkpoints'}; --fresh trains again)"
+                )
+            else:
+                stack.say(
+                    f"training done at step {summary.steps}: loss "
+                    f"{num(summary.first_loss, '.4f')} -> {num(summary.last_loss, '.4f')}, "
+                    f"validation {num(summary.val_loss, '.4f')} ({summary.seconds:.0f} s)"
+                )
+            model = admin.export(_short_path(run / "model.gguf"))
+            admin.close()
+            stack.say(f"exported {model}")
+            pair = [stack.start(s) for s in serving_services(opt, ports, model)]
+            stack.wait_ready(pair)
+            target = addr("127.0.0.1", ports.gateway)
+            text = generate(target, opt.prompt, opt.sample_tokens, token, stack.check_stop)
+            stack.say(f"sample (greedy, {opt.sample_tokens} tokens): "
+                      f"{printable(opt.prompt + text)!r}")
+            ctl = f"foundry ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
+                f" --token-file {token_file}" if token_file else ""
+            )
+            stack.say(
+                f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} status`, "
+                f"`{ctl} generate --prompt TEXT`; Ctrl+C stops everything"
+            )
+            while True:
+                stack.check_children(fatal=False)
+                time.sleep(POLL_S)
+        except StopRequested:
+            stack.say("stopping (Ctrl+C again to kill at once)")
+        except StackError as exc:
+            stack.say(f"error: {exc}")
+            code = 1
+        finally:
+            admin.close()
+            killed = stack.stop_all()
+            stack.say(
+                f"stopped {len(stack.children)} processes"
+                + (f" ({', '.join(killed)} had to be killed)" if killed else "")
+            )
+    return code
+
+
+def _short_path(path: Path) -> Path:
+    """The relative or absolute spelling of ``path``, whichever fits the 255-byte FDTC field
+    (the coordinator runs in our working directory, so both name the same file)."""
+    absolute = path.resolve()
+    with contextlib.suppress(ValueError):
+        relative = absolute.relative_to(Path.cwd())
+        if len(str(relative).encode()) < len(str(absolute).encode()):
+            return relative
+    return absolute

@@ -1,0 +1,221 @@
+"""The plan of `foundry up`, pure: options, the port layout, every service's command line and
+the Prometheus config, all plain functions of the options, tested without starting anything."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# The services' own ``foundry`` entry point, run with this interpreter so a venv is honoured.
+FOUNDRY = (sys.executable, "-m", "foundry")
+
+
+class StackError(Exception):
+    """The stack cannot start or keep running; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    steps: int = 200
+    workers: int = 2
+    base_port: int = 7070
+    gateway_port: int = 50051
+    metrics_port: int = 9100
+    prometheus_port: int = 9090
+    host: str = "127.0.0.1"
+    run_dir: Path = Path("runs/up")
+    prometheus: bool = True
+    prompt: str = "The "
+    sample_tokens: int = 64
+    preset: str = "tiny"
+    global_batch: int = 16
+    fresh: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise StackError(f"--steps must be at least 1, got {self.steps}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise StackError(f"--workers must be 1 to {MAX_WORKERS}, got {self.workers}")
+        if self.sample_tokens < 1:
+            raise StackError(f"--sample-tokens must be at least 1, got {self.sample_tokens}")
+        for name, port in (
+            ("--base-port", self.base_port), ("--gateway-port", self.gateway_port),
+            ("--metrics-port", self.metrics_port), ("--prometheus-port", self.prometheus_port),
+        ):
+            if not 1 <= port <= 65535 - PORT_SPAN:
+                raise StackError(f"{name} {port} is out of range 1-{65535 - PORT_SPAN}")
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+
+# Workers get metrics ports metrics_port + 10 + i: room for this many.
+MAX_WORKERS = 64
+# Ports above a base that the layout may use (the workers' metrics ports reach furthest).
+PORT_SPAN = 10 + MAX_WORKERS
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    """Where everything listens. Fixed offsets from three bases, so the defaults of
+    `foundry ctl` (gateway 50051), `foundry worker` (coordinator 7070) and the TP commands
+    (7090/7091) reach the default stack, and the default metrics ports are the ones every
+    deployment uses (``foundry.obs.prometheus_config.METRICS_PORTS``); only the workers,
+    many on one machine here, get one port each from M+10 on."""
+
+    coordinator: int
+    admin: int
+    tp_leader: int
+    tp_frontend: int
+    gateway: int
+    coordinator_metrics: int
+    tp_leader_metrics: int
+    tp_worker_metrics: int
+    gateway_metrics: int
+    worker_metrics: tuple[int, ...]
+    prometheus: int | None
+
+    @classmethod
+    def of(cls, opt: StackOptions) -> StackPorts:
+        b, m = opt.base_port, opt.metrics_port
+        return cls(
+            coordinator=b, admin=b + 1, tp_leader=b + 20, tp_frontend=b + 21,
+            gateway=opt.gateway_port,
+            coordinator_metrics=m, tp_leader_metrics=m + 2, gateway_metrics=m + 3,
+            tp_worker_metrics=m + 4,
+            worker_metrics=tuple(m + 10 + i for i in range(opt.workers)),
+            prometheus=opt.prometheus_port if opt.prometheus else None,
+        )
+
+    def named(self) -> list[tuple[str, int]]:
+        """Every port with what it is for, in the order they are checked."""
+        out = [
+            ("coordinator workers", self.coordinator), ("coordinator admin", self.admin),
+            ("tp-leader", self.tp_leader), ("tp-leader frontend", self.tp_frontend),
+            ("gateway", self.gateway), ("coordinator metrics", self.coordinator_metrics),
+            ("tp-leader metrics", self.tp_leader_metrics),
+            ("gateway metrics", self.gateway_metrics),
+            ("tp-worker metrics", self.tp_worker_metrics),
+        ]
+        out += [(f"worker-{i} metrics", p) for i, p in enumerate(self.worker_metrics)]
+        if self.prometheus is not None:
+            out.append(("prometheus", self.prometheus))
+        return out
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One child: its name, its command line and the line that says it is up."""
+
+    name: str
+    argv: tuple[str, ...]
+    ready: str  # a regex its log shows once it serves
+    critical: bool = True  # its exit ends the stack (a worker's does not)
+    stop_stage: int = 0  # stopped after every child of a lower stage exited
+
+
+def addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def training_services(
+    opt: StackOptions, ports: StackPorts, token_file: Path | None
+) -> list[ServiceSpec]:
+    """Coordinator, gateway and workers, in start order."""
+    run = opt.run_dir
+    h = opt.host
+    metrics = ("--metrics-host", h)
+    coordinator = ServiceSpec(
+        "coordinator",
+        (*FOUNDRY, "coordinator", "--listen", addr(h, ports.coordinator),
+         "--admin-listen", addr("127.0.0.1", ports.admin),
+         "--checkpoint-dir", str(run / "checkpoints"), "--preset", opt.preset,
+         "--max-steps", str(opt.steps), "--min-workers", str(opt.workers),
+         "--global-batch", str(opt.global_batch),
+         "--checkpoint-every", str(max(10, opt.steps // 4)),
+         "--metrics-port", str(ports.coordinator_metrics), *metrics),
+        r"coordinator listening:",
+        stop_stage=1,
+    )
+    gateway = ServiceSpec(
+        "gateway",
+        (*FOUNDRY, "gateway", "--listen", addr(h, ports.gateway),
+         "--coordinator-admin", addr("127.0.0.1", ports.admin),
+         "--tp-frontend", addr("127.0.0.1", ports.tp_frontend),
+         *(("--token-file", str(token_file)) if token_file else ()),
+         "--metrics-port", str(ports.gateway_metrics), *metrics),
+        r"gateway listening:",
+    )
+    workers = [
+        ServiceSpec(
+            f"worker-{i}",
+            (*FOUNDRY, "worker", "--coordinator", addr("127.0.0.1", ports.coordinator),
+             "--worker-id", f"worker-{i}", "--metrics-port", str(port), *metrics),
+            r"metrics :\d+",
+            critical=False,
+        )
+        for i, port in enumerate(ports.worker_metrics)
+    ]
+    return [coordinator, gateway, *workers]
+
+
+def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[ServiceSpec]:
+    """The tensor-parallel pair on the exported model."""
+    metrics = ("--metrics-host", opt.host)
+    return [
+        ServiceSpec(
+            "tp-leader",
+            (*FOUNDRY, "tp-leader", "--model", str(model),
+             "--listen", addr("127.0.0.1", ports.tp_leader),
+             "--frontend-listen", addr("127.0.0.1", ports.tp_frontend),
+             "--metrics-port", str(ports.tp_leader_metrics), *metrics),
+            r"tp-leader listening:",
+        ),
+        ServiceSpec(
+            "tp-worker",
+            (*FOUNDRY, "tp-worker", "--model", str(model),
+             "--leader", addr("127.0.0.1", ports.tp_leader),
+             "--metrics-port", str(ports.tp_worker_metrics), *metrics),
+            r"tp-worker ready:",
+        ),
+    ]
+
+
+def prometheus_config(ports: StackPorts, host: str) -> str:
+    """Prometheus scrape config for the local stack: the jobs of Compose's
+    services/prometheus/prometheus.yml (so the dashboards in grafana/ work on it too), with
+    static targets on this machine."""
+    from foundry.obs.prometheus_config import render
+
+    target_host = local_host(host)
+
+    def at(*targets: int) -> list[str]:
+        return [addr(target_host, p) for p in targets]
+
+    return render({
+        "coordinator": at(ports.coordinator_metrics),
+        "worker": at(*ports.worker_metrics),
+        "tp-leader": at(ports.tp_leader_metrics),
+        "tp-worker": at(ports.tp_worker_metrics),
+        "gateway": at(ports.gateway_metrics),
+    })
+
+
+def prometheus_service(opt: StackOptions, ports: StackPorts, binary: str) -> ServiceSpec:
+    assert ports.prometheus is not None
+    run = opt.run_dir
+    return ServiceSpec(
+        "prometheus",
+        (binary, f"--config.file={run / 'prometheus.yml'}",
+         f"--storage.tsdb.path={run / 'prometheus'}",
+         f"--web.listen-address={addr(opt.host, ports.prometheus)}"),
+        r"Server is ready to receive web requests",
+        critical=False,
+    )
+
+
+def local_host(host: str) -> str:
+    """The address a client on this machine uses for a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

@@ -1,0 +1,94 @@
+"""What `foundry up` shows: the status lines and the live view (a tqdm bar with one line per
+worker on a terminal, a plain line every tenth of the run on a pipe)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from foundry.wire import fdtc
+
+
+def num(value: float, fmt: str) -> str:
+    return "-" if math.isnan(value) else format(value, fmt)
+
+
+def status_line(st: fdtc.SwarmStatus) -> str:
+    return (
+        f"{st.state.name.lower()} step {st.global_step}/{st.max_steps}  "
+        f"loss {num(st.train_loss, '.4f')}  val {num(st.val_loss, '.4f')}  "
+        f"{num(st.samples_per_sec, '.1f')} samples/s"
+    )
+
+
+def worker_line(row: fdtc.SwarmStatusRow) -> str:
+    return (
+        f"  {row.worker_id:<12} {row.profile.name.lower():<14} {row.state.name.lower():<10} "
+        f"batch {row.batch_size}x{row.accumulation_steps}  "
+        f"{num(row.samples_per_sec, '.1f')} samples/s  loss {num(row.loss, '.4f')}"
+    )
+
+
+def printable(text: str) -> str:
+    """Generated text for a terminal: control characters other than newline escaped, so a
+    half-trained model's bytes cannot move the cursor or ring the bell."""
+    return "".join(
+        c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
+@dataclass
+class TrainingSummary:
+    steps: int = 0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    val_loss: float = float("nan")
+    seconds: float = 0.0
+    polls: int = 0
+
+
+@dataclass
+class LiveView:
+    """A tqdm bar (step, loss, samples/s) with one line per worker on a terminal; on a pipe
+    a plain line every tenth of the run."""
+
+    out: TextIO
+    total: int
+    tty: bool
+    bars: list[Any] = field(default_factory=list)
+    _printed_at: int = -1
+
+    def update(self, st: fdtc.SwarmStatus) -> None:
+        if not self.tty:
+            every = max(1, st.max_steps // 10)
+            mark = st.global_step // every
+            if mark != self._printed_at and not math.isnan(st.train_loss):
+                self._printed_at = mark
+                print(f"  {status_line(st)}", file=self.out, flush=True)
+            return
+        from tqdm import tqdm
+
+        if not self.bars:
+            self.bars.append(tqdm(total=st.max_steps, unit="step", desc="training",
+                                  file=self.out, dynamic_ncols=True, leave=True))
+        bar = self.bars[0]
+        bar.n = st.global_step
+        bar.set_postfix_str(
+            f"loss {num(st.train_loss, '.4f')} val {num(st.val_loss, '.4f')} "
+            f"{num(st.samples_per_sec, '.1f')} samples/s",
+            refresh=False,
+        )
+        while len(self.bars) < 1 + len(st.rows):
+            self.bars.append(tqdm(total=0, position=len(self.bars), bar_format="{desc}",
+                                  file=self.out, leave=False))
+        for i, row_bar in enumerate(self.bars[1:]):
+            text = worker_line(st.rows[i]) if i < len(st.rows) else "  (worker gone)"
+            row_bar.set_description_str(text, refresh=True)
+        bar.refresh()
+
+    def close(self) -> None:
+        for bar in reversed(self.bars):
+            bar.close()
+        self.bars.clear()
