@@ -16,6 +16,7 @@ from foundry.swarm.policy import (
     backoff_delay,
     contiguous_offsets,
     is_dead,
+    liveness_timeout,
     round_deadline,
     round_decision,
     update_rate,
@@ -162,3 +163,18 @@ def test_round_without_assignments_waits_for_its_deadline() -> None:
     assert round_decision(now=2.0, deadline=2.0, assigned={}, reported={}) is (
         RoundDecision.ABANDON
     )
+
+
+def test_liveness_timeout_follows_a_seed_peers_own_cadence() -> None:
+    common = {"fast_s": 2.5, "seed_default_s": 30.0}
+    # Ours heartbeat every 0.5 s: the fast rule, whatever was observed.
+    assert liveness_timeout(extended=True, heartbeat_intervals=[10.0], **common) == 2.5
+    # A seed-only peer: the generous default until an interval was seen ...
+    assert liveness_timeout(extended=False, heartbeat_intervals=[], **common) == 30.0
+    # ... then four of its longest recent intervals, never below the fast rule.
+    assert liveness_timeout(
+        extended=False, heartbeat_intervals=[5.0, 4.8], **common
+    ) == 20.0
+    assert liveness_timeout(extended=False, heartbeat_intervals=[10.0], **common) == 40.0
+    assert liveness_timeout(extended=False, heartbeat_intervals=[0.1], **common) == 2.5
+    assert not is_dead(100.0, 81.0, 20.0) and is_dead(100.0, 79.0, 20.0)

@@ -15,6 +15,7 @@ from foundry.commands.common import (
     add_tls_flags,
     host_port,
     positive_int,
+    positive_seconds,
     start_metrics,
     tls_context,
     tls_note,
@@ -59,6 +60,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
                    help="wait for START on the admin link instead of training at once")
+    c.add_argument("--seed-heartbeat-timeout", type=positive_seconds, default=30.0,
+                   metavar="SECONDS",
+                   help="how long a seed-only worker (one that speaks the C header alone) may "
+                   "stay silent before two heartbeats showed its own cadence; after that it is "
+                   "dropped when silent for 4x its longest recent interval (default 30)")
     c.add_argument("--no-rebalance", action="store_true",
                    help="split every round equally instead of by measured throughput")
     c.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
@@ -145,6 +151,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
         min_workers=args.min_workers,
+        seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,
         autostart=not args.wait_for_start,
         init_gguf=args.init,
         seed=args.seed,

@@ -14,6 +14,12 @@ deadline with quorum. Gradients are summed, weighted by samples, as they arrive
 (``policy.GradientSum``); at the close the coordinator applies AdamW to their mean and moves
 on. A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was
 in, so nothing waits on the dead. Bad input from one peer closes that peer only.
+
+Every control message of the seed reaches every worker, seed-only peers included: START once
+training is on and the worker holds weights, SYNC after each step, CHECKPOINT after each
+checkpoint, PAUSE / RESUME from the admin link, SHUTDOWN at the end. A seed-only peer that was
+sent START is expected in each round with the samples its REGISTER_ACK gave it, and is judged
+live against its own heartbeat cadence (``policy.liveness_timeout``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import ssl
 import statistics
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +68,13 @@ from foundry.wire.fdtc import Compression, ErrorCode
 
 log = logging.getLogger("foundry.coordinator")
 
-# Heartbeats are sent every 0.5 s; a worker silent this long is dropped (DESIGN: within 3 s).
+# Our workers heartbeat every 0.5 s; one silent this long is dropped (DESIGN: within 3 s).
 HEARTBEAT_TIMEOUT_S = 2.5
+# The seed fixes no heartbeat interval: a seed-only peer is judged by its own cadence once two
+# heartbeats showed it (policy.liveness_timeout), and may stay silent this long before that.
+SEED_HEARTBEAT_TIMEOUT_S = 30.0
+# Heartbeat intervals remembered per seed-only peer to judge its cadence.
+HEARTBEAT_HISTORY = 8
 # How often the reaper looks for silent workers.
 REAPER_INTERVAL_S = 0.25
 # A connection must say who it is (REGISTER or DATASET) within this time.
@@ -105,6 +117,7 @@ class CoordinatorOptions:
     autostart: bool = True
     quorum: float = policy.DEFAULT_QUORUM
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    seed_heartbeat_timeout_s: float = SEED_HEARTBEAT_TIMEOUT_S
     init_gguf: Path | None = None
     seed: int = 0
     rebalance: bool = True
@@ -135,7 +148,22 @@ class Member:
     local_step: int = 0
     weights_step: int = -1  # global step of the weights it holds
     busy: bool = False  # has an assignment in the current round
+    started: bool = False  # was sent START: it knows training is on
+    last_heartbeat: float | None = None
+    heartbeat_intervals: deque[float] = field(
+        default_factory=lambda: deque(maxlen=HEARTBEAT_HISTORY)
+    )
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def seed_share(self) -> int:
+        """What a seed-only peer trains per round: REGISTER_ACK's batch x accumulation."""
+        return self.micro_batch * self.accumulation_steps
+
+    def heard_heartbeat(self, now: float) -> None:
+        if self.last_heartbeat is not None:
+            self.heartbeat_intervals.append(now - self.last_heartbeat)
+        self.last_heartbeat = now
 
 
 @dataclass
@@ -415,6 +443,7 @@ class Coordinator:
     async def _on_worker_message(self, m: Member, msg: fdtc.Message) -> bool:
         """Handle one message; False closes the connection."""
         if isinstance(msg, fdtc.Heartbeat):
+            m.heard_heartbeat(m.last_seen)
             m.local_step = msg.local_step
             if np.isfinite(msg.current_loss):
                 m.loss = msg.current_loss
@@ -469,6 +498,31 @@ class Coordinator:
         await self._send_to(m, meta, weights)
         m.weights_step = meta.global_step
         self.metrics.weight_bytes.labels(direction="sent").inc(len(weights.data))
+        # A worker holding weights learns at once where training stands (the seed's order:
+        # WEIGHTS_META + WEIGHTS, then START), so a peer that waits for START never waits on
+        # a swarm that is already training.
+        if self.state is SwarmState.DONE:
+            await self._send_to(m, fdtc.Shutdown())
+        elif self._training_on() and not m.started:
+            m.started = True
+            await self._send_to(m, fdtc.Start())
+            self._wake.set()
+
+    def _training_on(self) -> bool:
+        """Rounds run: training is on, enough workers are there, steps are left."""
+        return (
+            self.state is SwarmState.TRAINING
+            and len(self.members) >= self.opt.min_workers
+            and self.step < self.opt.max_steps
+        )
+
+    async def _announce_start(self) -> None:
+        """START to every worker that holds weights and was not told yet."""
+        for m in list(self.members.values()):
+            if m.weights_step >= 0 and not m.started:
+                m.started = True
+                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                    await self._send_to(m, fdtc.Start())
 
     async def _on_gradients(self, m: Member, msg: fdtc.Gradients) -> None:
         comp_label = Compression(msg.compression).name.lower()
@@ -498,8 +552,13 @@ class Coordinator:
             log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
             await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
             return
-        n = rnd.shares.get(m.worker_id, m.micro_batch * m.accumulation_steps)
+        n = rnd.shares.get(m.worker_id, m.seed_share)
         rnd.reported[m.worker_id] = n
+        if not m.extended:
+            # Its throughput as the round sees it (weights pull included), for the deadline.
+            elapsed = time.monotonic() - rnd.started
+            if elapsed > 0:
+                m.rate = policy.update_rate(m.rate or None, n / elapsed)
         rnd.losses[m.worker_id] = m.loss
         rnd.gradients.add(m.worker_id, n, tensors)
         rnd.report_at[m.worker_id] = time.monotonic()
@@ -530,48 +589,67 @@ class Coordinator:
             await asyncio.sleep(REAPER_INTERVAL_S)
             now = time.monotonic()
             for m in list(self.members.values()):
-                if policy.is_dead(now, m.last_seen, self.opt.heartbeat_timeout_s):
+                timeout = policy.liveness_timeout(
+                    extended=m.extended,
+                    heartbeat_intervals=m.heartbeat_intervals,
+                    fast_s=self.opt.heartbeat_timeout_s,
+                    seed_default_s=self.opt.seed_heartbeat_timeout_s,
+                )
+                if policy.is_dead(now, m.last_seen, timeout):
                     self._drop(m, "heartbeat timeout")
                     await m.stream.close()
 
     # ------------------------------------------------------------------ rounds
 
     def _active_for_round(self) -> list[Member]:
-        return [m for m in self.members.values() if m.extended]
+        """Workers a round can expect a gradient from: ours, and seed-only peers sent START."""
+        return [m for m in self.members.values() if m.extended or m.started]
 
     async def _round_loop(self) -> None:
         while not self._stopping.is_set():
-            # Seed-only workers count for membership: their gradients join whichever round
-            # is open when they arrive, even if no worker of ours is there to be assigned.
-            if self.state is not SwarmState.TRAINING or len(self.members) < self.opt.min_workers:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if self.step >= self.opt.max_steps:
+            if self.state is SwarmState.TRAINING and self.step >= self.opt.max_steps:
                 await self._finish()
                 continue
-            await self._run_round()
+            if self._training_on():
+                await self._announce_start()
+                if self._active_for_round():
+                    await self._run_round()
+                    continue
+            # Nothing to do (paused, too few workers, or nobody who could report): no round
+            # is opened until that changes, so no round waits on nobody.
+            self._wake.clear()
+            await self._wake.wait()
 
     async def _run_round(self) -> None:
         members = self._active_for_round()
-        rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in members}
+        ours = [m for m in members if m.extended]
+        rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in ours}
         if self.opt.rebalance and any(r <= 0 for r in rates.values()):
             # Unmeasured workers: start from the profile's batch size as a relative speed.
-            rates = {m.worker_id: float(m.rate or m.micro_batch) for m in members}
+            rates = {m.worker_id: float(m.rate or m.micro_batch) for m in ours}
         shares = policy.allocate_samples(self.opt.settings.global_batch, rates)
         shares = {w: n for w, n in shares.items() if n > 0}
         offsets = policy.contiguous_offsets(self.trainer.position, shares)
+        # A seed-only peer trains its own shard at the size its REGISTER_ACK gave it; the round
+        # expects that gradient too (on top of the global batch, weighted by its samples).
+        expected = dict(shares)
+        expected.update({m.worker_id: m.seed_share for m in members if not m.extended})
         now = time.monotonic()
         rnd = Round(
             step=self.step,
-            shares=dict(shares),
+            shares=expected,
             started=now,
-            deadline=policy.round_deadline(now, shares, {m.worker_id: m.rate for m in members}),
+            deadline=policy.round_deadline(
+                now, expected, {m.worker_id: m.rate for m in members}
+            ),
         )
         self.round = rnd
         ids = sorted(shares)
         sends = []
         for m in members:
+            if not m.extended:
+                m.busy = True
+                continue
             if m.worker_id not in shares:
                 continue
             m.busy = True
@@ -600,13 +678,17 @@ class Coordinator:
                 reported=rnd.reported,
                 quorum=self.opt.quorum,
             )
-            if decision is policy.RoundDecision.WAIT and shares and not rnd.shares \
+            if decision is policy.RoundDecision.WAIT and expected and not rnd.shares \
                     and not rnd.reported:
-                # Every worker of the round left before reporting: nothing more can arrive for
-                # it, and workers that joined since wait idle until the next round; re-run the
-                # step now rather than at the deadline (up to INITIAL_DEADLINE_S for a worker
-                # that never reported before).
-                log.info("step %d: every assigned worker left before reporting", rnd.step)
+                # Every worker of the round left (or, seed-only, was paused) before reporting:
+                # nothing more can arrive for it, and workers that joined since wait idle until
+                # the next round; re-run the step now rather than at the deadline (up to
+                # INITIAL_DEADLINE_S for a worker that never reported before).
+                log.info(
+                    "step %d: %s before reporting; it runs again%s", rnd.step,
+                    "paused" if self.state is SwarmState.PAUSED else "every assigned worker left",
+                    " after RESUME" if self.state is SwarmState.PAUSED else "",
+                )
                 decision = policy.RoundDecision.ABANDON
             if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
                 break
@@ -640,10 +722,11 @@ class Coordinator:
             self.metrics.rounds.labels(outcome="closed").inc()
         else:
             self.metrics.rounds.labels(outcome="abandoned").inc()
-            log.warning(
-                "step %d abandoned: %d of %d samples reported by the deadline; re-running",
-                rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
-            )
+            if rnd.shares or rnd.reported:
+                log.warning(
+                    "step %d abandoned: %d of %d samples reported by the deadline; re-running",
+                    rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
+                )
         self.timeline.span(
             "round", rnd.started_us, step=rnd.step, outcome=decision.name.lower(),
             workers=len(rnd.reported),
@@ -688,6 +771,9 @@ class Coordinator:
         self.metrics.apply_duration.observe(time.monotonic() - t0)
         self.metrics.round_duration.observe(time.monotonic() - rnd.started)
         self.timeline.span("apply", rnd.wall_us(t0), step=rnd.step, samples=n_samples)
+        # SYNC: the step advanced. A seed-only peer pulls the new weights (WEIGHTS_REQ) before
+        # its next gradient; ours get theirs with their next ASSIGN.
+        await self._broadcast(fdtc.Sync())
         log.info(
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
             self.step, self.train_loss, n_samples, len(rnd.reported), elapsed, self.last_rate,
@@ -724,6 +810,7 @@ class Coordinator:
         self.metrics.checkpoint_duration.observe(time.monotonic() - t0)
         self.timeline.span("checkpoint", start_us, step=state.step)
         log.info("checkpoint %s written at step %d", path, self.step)
+        await self._broadcast(fdtc.Checkpoint())
         return path
 
     async def _finish(self) -> None:
@@ -735,9 +822,7 @@ class Coordinator:
             await self.checkpoint()
         self._set_state(SwarmState.DONE)
         log.info("training done at step %d; telling the workers", self.step)
-        for m in list(self.members.values()):
-            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-                await self._send_to(m, fdtc.Shutdown())
+        await self._broadcast(fdtc.Shutdown())
 
     async def export(self, path: Path | None) -> Path:
         target = path or self.opt.export_path or (self.opt.checkpoint_dir / "model.gguf")
@@ -788,13 +873,19 @@ class Coordinator:
             if self.state is SwarmState.DONE:
                 return self._ack(msg, False, "training is done; nothing to start")
             self._set_state(SwarmState.TRAINING)
-            await self._broadcast(fdtc.Resume() if isinstance(msg, fdtc.Resume) else fdtc.Start())
+            # Workers already told START hear the request itself; the round loop sends START
+            # to the others (it holds them back while fewer than --min-workers are there).
+            await self._broadcast(
+                fdtc.Resume() if isinstance(msg, fdtc.Resume) else fdtc.Start(),
+                only_started=True,
+            )
             return self._ack(msg, True, "training")
         if isinstance(msg, fdtc.Pause):
             if self.state is SwarmState.DONE:
                 return self._ack(msg, False, "training is done; nothing to pause")
             self._set_state(SwarmState.PAUSED)
             await self._broadcast(fdtc.Pause())
+            self._release_paused_peers()
             return self._ack(msg, True, "paused after the current round")
         if isinstance(msg, fdtc.Shutdown):
             await self._finish()
@@ -804,16 +895,35 @@ class Coordinator:
             f"{fdtc.msg_type_name(msg.TYPE)} is not an admin request"
         )
 
+    def _release_paused_peers(self) -> None:
+        """The open round stops expecting seed-only peers that have not reported yet.
+
+        PAUSE tells them to stop training; ours finish the assignment they hold (the round
+        closes with their work), but nothing says a seed-only peer will, so the round does not
+        wait out its deadline for it. A gradient it still sends for the step is taken.
+        """
+        rnd = self.round
+        if rnd is None:
+            return
+        for worker_id in list(rnd.shares):
+            m = self.members.get(worker_id)
+            if m is not None and not m.extended and worker_id not in rnd.reported:
+                del rnd.shares[worker_id]
+                m.busy = False
+        rnd.changed.set()
+
     def _ack(self, msg: fdtc.Message, ok: bool, text: str) -> fdtc.ControlAck:
         return fdtc.ControlAck(
             acked_type=msg.TYPE, ok=ok, global_step=self.step, message=clip(text)
         )
 
-    async def _broadcast(self, msg: fdtc.Message) -> None:
+    async def _broadcast(self, msg: fdtc.Message, *, only_started: bool = False) -> None:
+        """``msg`` to every registered worker, seed-only peers included."""
         for m in list(self.members.values()):
-            if m.extended:
-                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-                    await self._send_to(m, msg)
+            if only_started and not m.started:
+                continue
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                await self._send_to(m, msg)
 
     def swarm_status(self) -> fdtc.SwarmStatus:
         now = time.monotonic()

@@ -38,6 +38,9 @@ DEADLINE_FLOOR_S = 2.0
 # Before any worker was measured there is nothing to adapt from: allow a first compile-free
 # numpy round on a Raspberry Pi 3.
 INITIAL_DEADLINE_S = 120.0
+# A seed-only peer is dropped after this many of its own longest recent heartbeat intervals
+# of silence: one late heartbeat is jitter, three missed in a row are not.
+SEED_CADENCE_FACTOR = 4.0
 # A round closes at its deadline only with at least this share of the assigned samples.
 DEFAULT_QUORUM = 0.5
 
@@ -134,7 +137,7 @@ def round_decision(
     if not pending and reported:
         return RoundDecision.CLOSE
     if now < deadline:
-        return RoundDecision.WAIT  # (a round nobody was assigned waits for seed-only peers)
+        return RoundDecision.WAIT
     total_assigned = sum(assigned.values()) + sum(
         n for w, n in reported.items() if w not in assigned
     )
@@ -218,6 +221,28 @@ class GradientSum:
 def is_dead(now: float, last_seen: float, timeout_s: float) -> bool:
     """A worker silent for longer than ``timeout_s`` (no heartbeat, no message) is dropped."""
     return now - last_seen > timeout_s
+
+
+def liveness_timeout(
+    *,
+    extended: bool,
+    heartbeat_intervals: Sequence[float],
+    fast_s: float,
+    seed_default_s: float,
+    cadence_factor: float = SEED_CADENCE_FACTOR,
+) -> float:
+    """How long a worker may stay silent before it is dropped.
+
+    Our workers heartbeat every 0.5 s, so they get the fast timeout ``fast_s``. The seed
+    header fixes no heartbeat interval, so a seed-only peer is judged against its own cadence:
+    ``cadence_factor`` times the longest of its recent intervals (never below ``fast_s``), and
+    ``seed_default_s`` until two heartbeats have shown what that cadence is.
+    """
+    if extended:
+        return fast_s
+    if not heartbeat_intervals:
+        return seed_default_s
+    return max(fast_s, cadence_factor * max(heartbeat_intervals))
 
 
 def backoff_delay(
