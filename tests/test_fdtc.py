@@ -74,9 +74,10 @@ from foundry.wire.fdtc import (
 from foundry.wire.fdtc_lifecycle import (
     ADMIN_REQUESTS,
     TRANSITIONS,
-    CoordinatorLink,
     Direction,
+    Lifecycle,
     LinkState,
+    Role,
 )
 
 
@@ -720,7 +721,7 @@ def test_any_bytes_give_messages_or_a_clean_error(data: bytes, cuts: list[int]) 
 
 
 def test_worker_lifecycle_happy_path() -> None:
-    link = CoordinatorLink()
+    link = Lifecycle(Role.COORDINATOR)
     assert link.receive(Dataset(1, bytes(32))) is LinkState.CONNECTED
     assert link.receive(MsgType.REGISTER) is LinkState.REGISTERED
     for t in (MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG):
@@ -743,7 +744,7 @@ def test_worker_lifecycle_happy_path() -> None:
 
 
 def test_seed_only_worker_lifecycle() -> None:
-    link = CoordinatorLink()
+    link = Lifecycle(Role.COORDINATOR)
     link.receive(MsgType.REGISTER)
     link.send(MsgType.REGISTER_ACK)
     link.receive(MsgType.WEIGHTS_REQ)
@@ -758,7 +759,7 @@ def test_seed_only_worker_lifecycle() -> None:
 
 
 def test_lifecycle_violations() -> None:
-    link = CoordinatorLink()
+    link = Lifecycle(Role.COORDINATOR)
     with pytest.raises(FdtcProtocolError, match="HEARTBEAT is not allowed on a connected") as exc:
         link.receive(MsgType.HEARTBEAT)
     assert exc.value.error_code == ErrorCode.NOT_REGISTERED
@@ -778,7 +779,7 @@ def test_lifecycle_violations() -> None:
 
 
 def test_admin_lifecycle() -> None:
-    link = CoordinatorLink()
+    link = Lifecycle(Role.COORDINATOR)
     assert link.receive(StatusReq()) is LinkState.ADMIN
     link.send(MsgType.SWARM_STATUS)
     for t in ADMIN_REQUESTS:

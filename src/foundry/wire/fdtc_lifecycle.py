@@ -1,16 +1,17 @@
-"""The FDTC link as the coordinator sees it: a table of which message may pass in which state.
+"""The FDTC link as each side sees it: tables of which message may pass in which state.
 
 Theory of operation
 -------------------
-The coordinator serves two kinds of peer over the same framing, and the first message says
-which: DATASET or REGISTER opens a **worker** link, an admin request (START, PAUSE, RESUME,
-CHECKPOINT, SHUTDOWN, STATUS_REQ, EXPORT) an **admin** link (the gateway, ``foundry ctl``).
+Three roles speak FDTC. The **coordinator** serves two kinds of peer over the same framing,
+and the first message says which: DATASET or REGISTER opens a **worker** link, an admin
+request (START, PAUSE, RESUME, CHECKPOINT, SHUTDOWN, STATUS_REQ, EXPORT) an **admin** link
+(the gateway, ``foundry ctl``). The **worker** and the **admin** client are the two peers.
 
 A worker link goes through these states::
 
-    CONNECTED --REGISTER--> REGISTERED --WEIGHTS sent--> READY --SHUTDOWN sent--> STOPPING
-        |  ^                    |                          |                          |
-        |  DATASET (optional,   +--------- DEREGISTER received, or close() ----------+--> CLOSED
+    CONNECTED --REGISTER--> REGISTERED --WEIGHTS--> READY --SHUTDOWN--> STOPPING
+        |  ^                    |                     |                     |
+        |  DATASET (optional,   +----------- DEREGISTER, or close() -------+--> CLOSED
         |  before REGISTER)
         +--admin request--> ADMIN
 
@@ -18,34 +19,64 @@ A worker link goes through these states::
   and then must REGISTER. A refusal (REGISTER_ACK accepted=0 + ERROR) may be sent from here.
 - REGISTERED: the coordinator answers REGISTER_ACK (and MODEL_CONFIG to a worker that
   spoke DATASET). The worker asks for weights; HEARTBEAT and STATUS may come at any time.
-- READY: WEIGHTS went out on this link, so the worker holds weights and GRADIENTS may
+- READY: WEIGHTS went over this link, so the worker holds weights and GRADIENTS may
   arrive (after START for a seed-only worker, after ASSIGN for one of ours).
-- STOPPING: SHUTDOWN went out. Messages the worker sent before it saw SHUTDOWN still arrive
-  and are legal; DEREGISTER or end of stream ends the link.
+- STOPPING: SHUTDOWN went over the link. Messages the worker sent before it saw SHUTDOWN
+  still arrive and are legal; DEREGISTER or end of stream ends the link.
 
-Each side acts on what it has seen, and the two directions cross on the wire. The table is
-therefore keyed by what the coordinator has *sent*, and admits everything a worker may
-legitimately send under any interleaving: PAUSE changes no state, since gradients computed
-before the worker read it still arrive (the coordinator acknowledges them as refused).
+START, PAUSE, RESUME, CHECKPOINT and SHUTDOWN may go to every registered worker, whether it
+speaks our extensions or only the seed protocol.
+
+Each side acts on what it has seen, and the two directions cross on the wire. Each table is
+therefore keyed by what its side has seen of the transitions *the other side* cannot know
+yet, and admits everything the peer may legitimately send under any interleaving:
+
+- the coordinator's table (``TRANSITIONS``) moves on what the coordinator has *sent*
+  (WEIGHTS, SHUTDOWN) and on what it has received (REGISTER, DEREGISTER); PAUSE changes no
+  state, since gradients computed before the worker read it still arrive (the coordinator
+  acknowledges them as refused);
+- the worker's table mirrors it: it moves when the worker sends REGISTER or DEREGISTER and
+  when it *receives* WEIGHTS or SHUTDOWN. The byte stream keeps order, so whatever the
+  coordinator may send in one of its states, the worker may receive in the same state;
+- the admin client's table has two states: CONNECTED, then ADMIN once a request went out.
+
 ERROR is legal in both directions in every open state; whether it ends the link is the
-service's choice, made with ``close()``.
+service's choice, made with ``close()``. Two orders inside a state are kept apart from the
+table: a WEIGHTS is legal only after a WEIGHTS_META announced it (the seed header's "sent
+before weights"); ``Lifecycle`` checks it on both the sending and the receiving side.
 
-A (state, direction, type) triple missing from ``TRANSITIONS`` is a protocol error: a
+A (state, direction, type) triple missing from the role's table is a protocol error: a
 received message raises FdtcProtocolError carrying the ERROR code to answer with
 (NOT_REGISTERED before REGISTER, UNEXPECTED otherwise); a message we are about to send
-raises LocalProtocolError, since it is our bug.
+raises LocalProtocolError, since it is our bug. ``FdtcConnection``
+(``foundry.wire.fdtc_connection``) runs one of these tables over the decoder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from enum import Enum
+from functools import partial
 from types import MappingProxyType
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import ErrorCode, Message, MsgType
 
-__all__ = ["ADMIN_REQUESTS", "TRANSITIONS", "CoordinatorLink", "Direction", "LinkState"]
+__all__ = [
+    "ADMIN_REQUESTS",
+    "TABLES",
+    "TRANSITIONS",
+    "Direction",
+    "Lifecycle",
+    "LinkState",
+    "Role",
+]
+
+
+class Role(Enum):
+    COORDINATOR = "coordinator"  # serves worker links and admin links
+    WORKER = "worker"
+    ADMIN = "admin"  # a client of the coordinator's admin link (gateway, ctl, foundry up)
 
 
 class LinkState(Enum):
@@ -59,7 +90,7 @@ class LinkState(Enum):
 
 class Direction(Enum):
     RECEIVED = "received"  # from the peer
-    SENT = "sent"  # by the coordinator
+    SENT = "sent"  # by the side that owns the table
 
 
 ADMIN_REQUESTS = frozenset({
@@ -67,23 +98,30 @@ ADMIN_REQUESTS = frozenset({
     MsgType.STATUS_REQ, MsgType.EXPORT,
 })
 
+_Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
 
-def _build() -> dict[tuple[LinkState, Direction, MsgType], LinkState]:
+# What a registered worker may send whatever happened since, and what the coordinator may
+# send it at any time. Neither changes the state.
+_WORKER_ANYTIME = (MsgType.HEARTBEAT, MsgType.STATUS, MsgType.WEIGHTS_REQ, MsgType.ERROR)
+_COORD_ANYTIME = (
+    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.HEARTBEAT_ACK, MsgType.STATUS_REQ,
+    MsgType.WEIGHTS_META, MsgType.START, MsgType.SYNC, MsgType.CHECKPOINT, MsgType.PAUSE,
+    MsgType.RESUME, MsgType.ERROR,
+)
+_COORD_STOPPING = (MsgType.GRADIENTS_ACK, MsgType.HEARTBEAT_ACK, MsgType.SHUTDOWN, MsgType.ERROR)
+_ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.ERROR)
+
+
+def _add(t: _Table, state: LinkState, direction: Direction, types: Iterable[MsgType],
+         to: LinkState | None = None) -> None:
+    for msg_type in types:
+        t[state, direction, msg_type] = state if to is None else to
+
+
+def _coordinator() -> _Table:
     S, Rx, Tx, M = LinkState, Direction.RECEIVED, Direction.SENT, MsgType  # table shorthand
-    t: dict[tuple[LinkState, Direction, MsgType], LinkState] = {}
-    # What a registered worker may send whatever happened since, and what the coordinator
-    # may send it at any time. Neither changes the state.
-    worker_anytime = (M.HEARTBEAT, M.STATUS, M.WEIGHTS_REQ, M.ERROR)
-    coord_anytime = (
-        M.REGISTER_ACK, M.MODEL_CONFIG, M.HEARTBEAT_ACK, M.STATUS_REQ, M.WEIGHTS_META,
-        M.START, M.SYNC, M.CHECKPOINT, M.PAUSE, M.RESUME, M.ERROR,
-    )
-
-    def add(state: LinkState, direction: Direction, types: Iterable[MsgType],
-            to: LinkState | None = None) -> None:
-        for msg_type in types:
-            t[state, direction, msg_type] = state if to is None else to
-
+    t: _Table = {}
+    add = partial(_add, t)
     # Before anything: who is this?
     add(S.CONNECTED, Rx, (M.DATASET, M.ERROR))
     add(S.CONNECTED, Rx, (M.REGISTER,), S.REGISTERED)
@@ -91,49 +129,96 @@ def _build() -> dict[tuple[LinkState, Direction, MsgType], LinkState]:
     add(S.CONNECTED, Rx, ADMIN_REQUESTS, S.ADMIN)
     add(S.CONNECTED, Tx, (M.REGISTER_ACK, M.ERROR))  # a refusal after DATASET
     # A registered worker without weights on this link.
-    add(S.REGISTERED, Rx, worker_anytime)
+    add(S.REGISTERED, Rx, _WORKER_ANYTIME)
     add(S.REGISTERED, Rx, (M.DEREGISTER,), S.CLOSED)
-    add(S.REGISTERED, Tx, coord_anytime)
+    add(S.REGISTERED, Tx, _COORD_ANYTIME)
     add(S.REGISTERED, Tx, (M.WEIGHTS,), S.READY)
     add(S.REGISTERED, Tx, (M.SHUTDOWN,), S.STOPPING)
     # Holding weights: rounds of ASSIGN / GRADIENTS / GRADIENTS_ACK and new weights.
-    add(S.READY, Rx, (*worker_anytime, M.GRADIENTS))
+    add(S.READY, Rx, (*_WORKER_ANYTIME, M.GRADIENTS))
     add(S.READY, Rx, (M.DEREGISTER,), S.CLOSED)
-    add(S.READY, Tx, (*coord_anytime, M.WEIGHTS, M.ASSIGN, M.GRADIENTS_ACK))
+    add(S.READY, Tx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.GRADIENTS_ACK))
     add(S.READY, Tx, (M.SHUTDOWN,), S.STOPPING)
     # Training is over; what was in flight still lands.
-    add(S.STOPPING, Rx, (*worker_anytime, M.GRADIENTS))
+    add(S.STOPPING, Rx, (*_WORKER_ANYTIME, M.GRADIENTS))
     add(S.STOPPING, Rx, (M.DEREGISTER,), S.CLOSED)
-    add(S.STOPPING, Tx, (M.GRADIENTS_ACK, M.HEARTBEAT_ACK, M.SHUTDOWN, M.ERROR))
+    add(S.STOPPING, Tx, _COORD_STOPPING)
     # Admin link: requests and answers, as many as it likes.
     add(S.ADMIN, Rx, (*ADMIN_REQUESTS, M.ERROR))
-    add(S.ADMIN, Tx, (M.CONTROL_ACK, M.SWARM_STATUS, M.ERROR))
+    add(S.ADMIN, Tx, _ADMIN_REPLIES)
     return t
 
 
-TRANSITIONS: Mapping[tuple[LinkState, Direction, MsgType], LinkState] = MappingProxyType(
-    _build()
+def _worker() -> _Table:
+    S, Rx, Tx, M = LinkState, Direction.RECEIVED, Direction.SENT, MsgType  # table shorthand
+    t: _Table = {}
+    add = partial(_add, t)
+    # Before REGISTER: our data first (optional), then who we are; a refusal may come back.
+    add(S.CONNECTED, Tx, (M.DATASET, M.ERROR))
+    add(S.CONNECTED, Tx, (M.REGISTER,), S.REGISTERED)
+    add(S.CONNECTED, Tx, (M.DEREGISTER,), S.CLOSED)
+    add(S.CONNECTED, Rx, (M.REGISTER_ACK, M.ERROR))
+    # Registered, no weights received yet.
+    add(S.REGISTERED, Tx, _WORKER_ANYTIME)
+    add(S.REGISTERED, Tx, (M.DEREGISTER,), S.CLOSED)
+    add(S.REGISTERED, Rx, _COORD_ANYTIME)
+    add(S.REGISTERED, Rx, (M.WEIGHTS,), S.READY)
+    add(S.REGISTERED, Rx, (M.SHUTDOWN,), S.STOPPING)
+    # Holding weights.
+    add(S.READY, Tx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.READY, Tx, (M.DEREGISTER,), S.CLOSED)
+    add(S.READY, Rx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.GRADIENTS_ACK))
+    add(S.READY, Rx, (M.SHUTDOWN,), S.STOPPING)
+    # SHUTDOWN received: what we had under way may still go out, then DEREGISTER.
+    add(S.STOPPING, Tx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.STOPPING, Tx, (M.DEREGISTER,), S.CLOSED)
+    add(S.STOPPING, Rx, _COORD_STOPPING)
+    return t
+
+
+def _admin() -> _Table:
+    S, Rx, Tx, M = LinkState, Direction.RECEIVED, Direction.SENT, MsgType  # table shorthand
+    t: _Table = {}
+    add = partial(_add, t)
+    add(S.CONNECTED, Tx, ADMIN_REQUESTS, S.ADMIN)
+    add(S.CONNECTED, Tx, (M.ERROR,))
+    add(S.CONNECTED, Rx, (M.ERROR,))
+    add(S.ADMIN, Tx, (*ADMIN_REQUESTS, M.ERROR))
+    add(S.ADMIN, Rx, _ADMIN_REPLIES)
+    return t
+
+
+TABLES: Mapping[Role, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] = (
+    MappingProxyType({
+        Role.COORDINATOR: MappingProxyType(_coordinator()),
+        Role.WORKER: MappingProxyType(_worker()),
+        Role.ADMIN: MappingProxyType(_admin()),
+    })
 )
+TRANSITIONS = TABLES[Role.COORDINATOR]
 
 
 def _type_of(msg: Message | MsgType) -> MsgType:
     return msg if isinstance(msg, MsgType) else msg.TYPE
 
 
-class CoordinatorLink:
-    """One peer's link state; call ``receive`` for every decoded message and ``send``
-    before writing each message."""
+class Lifecycle:
+    """One link's state as ``role`` sees it; call ``receive`` for every decoded message and
+    ``send`` before writing each message."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: Role) -> None:
+        self.role = role
         self.state = LinkState.CONNECTED
+        self._table = TABLES[role]
+        self._weights_announced = False  # a WEIGHTS_META passed and its WEIGHTS did not yet
 
     def allowed(self, direction: Direction) -> frozenset[MsgType]:
-        return frozenset(m for (s, d, m) in TRANSITIONS if s is self.state and d is direction)
+        return frozenset(m for (s, d, m) in self._table if s is self.state and d is direction)
 
     def receive(self, msg: Message | MsgType) -> LinkState:
         msg_type = _type_of(msg)
         try:
-            self.state = TRANSITIONS[self.state, Direction.RECEIVED, msg_type]
+            state = self._table[self.state, Direction.RECEIVED, msg_type]
         except KeyError:
             code = ErrorCode.NOT_REGISTERED if self.state is LinkState.CONNECTED else (
                 ErrorCode.UNEXPECTED
@@ -144,17 +229,33 @@ class CoordinatorLink:
                 f"(expected one of: {allowed or 'nothing'})",
                 code,
             ) from None
-        return self.state
+        if msg_type is MsgType.WEIGHTS and not self._weights_announced:
+            raise FdtcProtocolError(
+                "WEIGHTS without a WEIGHTS_META before it", ErrorCode.UNEXPECTED
+            )
+        self._announce(msg_type)
+        self.state = state
+        return state
 
     def send(self, msg: Message | MsgType) -> LinkState:
         msg_type = _type_of(msg)
         try:
-            self.state = TRANSITIONS[self.state, Direction.SENT, msg_type]
+            state = self._table[self.state, Direction.SENT, msg_type]
         except KeyError:
             raise LocalProtocolError(
                 f"cannot send {msg_type.name} on a {self.state.value} link"
             ) from None
-        return self.state
+        if msg_type is MsgType.WEIGHTS and not self._weights_announced:
+            raise LocalProtocolError("cannot send WEIGHTS without a WEIGHTS_META before it")
+        self._announce(msg_type)
+        self.state = state
+        return state
+
+    def _announce(self, msg_type: MsgType) -> None:
+        if msg_type is MsgType.WEIGHTS_META:
+            self._weights_announced = True
+        elif msg_type is MsgType.WEIGHTS:
+            self._weights_announced = False
 
     def close(self) -> None:
         self.state = LinkState.CLOSED

@@ -1,0 +1,118 @@
+"""One FDTC connection, sans-IO (h11-style): the decoder and the lifecycle table behind one object.
+
+::
+
+    conn = FdtcConnection(Role.WORKER)
+    sock.sendall(b"".join(conn.send(Dataset(...), Register(...))))
+    conn.receive_data(sock.recv(65536))      # b"" when the peer closed
+    while (event := conn.next_event()) is not None:
+        ...                                  # a Message, or ConnectionClosed (the last event)
+
+``send`` checks each message against the role's table (``foundry.wire.fdtc_lifecycle``),
+moves the state, and returns the frame pieces to write in order (tensor data as the views it
+came in, uncopied). ``next_event`` hands out each decoded message only after the table admitted
+it and moved the state; ``None`` means more bytes are needed. Which message may come when is
+therefore the connection's business: a service dispatches on the event's type and never
+re-checks the order.
+
+Errors (``foundry.wire.errors``):
+
+- the peer's bad bytes, or a message its state does not allow, raise FdtcProtocolError from
+  ``next_event`` (every call from then on), with the ERROR code to answer with. Receiving is
+  over; the only thing left to send is that ERROR, then ``close()``;
+- a message we may not send here raises LocalProtocolError from ``send``, and the
+  connection is closed: our side is out of step with the protocol.
+
+End of stream: ``receive_data(b"")``. Messages before it still come out; then
+``ConnectionClosed``, once and on every later call. End of stream in mid-frame is the peer's
+error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
+from foundry.wire.fdtc import MAX_PAYLOAD, FdtcDecoder, Message, MsgType, encode_parts
+from foundry.wire.fdtc_lifecycle import Lifecycle, LinkState, Role
+
+__all__ = ["ConnectionClosed", "FdtcConnection"]
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer ended the stream between two frames."""
+
+
+class FdtcConnection:
+    def __init__(self, role: Role, *, max_payload: int = MAX_PAYLOAD) -> None:
+        self.role = role
+        self._decoder = FdtcDecoder(max_payload)
+        self._lifecycle = Lifecycle(role)
+        self._eof = False
+        self._error: FdtcProtocolError | None = None  # the peer broke the protocol
+
+    @property
+    def state(self) -> LinkState:
+        return self._lifecycle.state
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of a frame begun and not yet complete (for a driver's frame deadline)."""
+        return self._decoder.buffered
+
+    @property
+    def their_error(self) -> FdtcProtocolError | None:
+        return self._error
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes from the peer; ``b""`` when it closed the stream."""
+        if self._eof:
+            raise LocalProtocolError("receive_data after the end of the stream")
+        if not data:
+            self._eof = True
+            return
+        if self._error is None:
+            self._decoder.feed(data)  # a framing error is kept there and raised in order
+
+    def next_event(self) -> Message | ConnectionClosed | None:
+        if self._error is not None:
+            raise FdtcProtocolError(str(self._error), self._error.error_code)
+        try:
+            msg = self._decoder.next_message()
+            if msg is not None:
+                self._lifecycle.receive(msg)
+                return msg
+            if self._eof and self._decoder.buffered:
+                raise FdtcProtocolError(
+                    f"the peer closed the connection in mid-frame "
+                    f"({self._decoder.buffered} bytes of a frame received)"
+                )
+        except FdtcProtocolError as exc:
+            self._error = exc
+            raise
+        if self._eof:
+            self._lifecycle.close()
+            return ConnectionClosed()
+        return None
+
+    def send(self, *messages: Message) -> list[bytes | memoryview]:
+        """The frame pieces of ``messages``, to write in order."""
+        pieces: list[bytes | memoryview] = []
+        for msg in messages:
+            if self._error is not None and msg.TYPE is not MsgType.ERROR:
+                raise LocalProtocolError(
+                    f"cannot send {msg.TYPE.name}: the peer broke the protocol "
+                    f"({self._error}); send ERROR and close"
+                )
+            try:
+                parts = encode_parts(msg)
+                self._lifecycle.send(msg)
+            except LocalProtocolError:
+                self._lifecycle.close()
+                raise
+            pieces += parts
+        return pieces
+
+    def close(self) -> None:
+        self._lifecycle.close()
