@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from foundry.model import layers as L
 from foundry.model.config import ModelConfig
-from foundry.model.quant import Param, dequantize, embed, linear
+from foundry.model.quant import Param, QTensor, dequantize, embed, linear
 from foundry.model.tp_split import (
     ExpertSplit,
     RankWeights,
@@ -131,6 +131,9 @@ class Engine:
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode)
+        fused = [_fuse(cfg, part) for part in self.parts]
+        self.parts = tuple(part for part, _ in fused)
+        self.fused: list[dict[str, QTensor]] = [f for _, f in fused]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
         # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
         self.dense: dict[str, F32] = {
@@ -240,9 +243,18 @@ class Engine:
         w = self.parts[j].params
         p = f"blk.{layer}."
         n, dh = h.shape[0], self.cfg.head_dim
-        q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
-        k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-        v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        qkv = self.fused[j].get(p + "qkv")
+        if qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
+            # is the same as alone)
+            nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
+            y = linear(h, qkv)  # (n, Q + K + V rows)
+            q = y[:, :nq].reshape(n, -1, dh)  # (n, H_part, Dh)
+            k = y[:, nq : nq + nk].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        else:
+            q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
+            k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         q = L.rope_forward(q, cos, sin)
         k = L.rope_forward(k, cos, sin)
         o = np.empty_like(q)  # (n, H_part, Dh)
@@ -267,13 +279,20 @@ class Engine:
         p = f"blk.{layer}."
         k = top.shape[1]
         w_gate, w_up, w_down = (w[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
-        n_local = w_gate.shape[0]
+        gate_up = self.fused[self.parts.index(part)].get(p + "gate_up")
+        n_local, f = w_gate.shape[0], w_gate.shape[1]
         order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
         xs = h[order // k]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
         for e in range(n_local):
             lo, hi = bounds[e], bounds[e + 1]
-            if lo < hi:
+            if lo == hi:
+                continue
+            if gate_up is not None:  # gate and up rows in one product
+                gu = linear(xs[lo:hi], gate_up[e])  # (M_e, 2F)
+                sg, _ = L.silu_and_sigmoid(gu[:, :f])  # (M_e, F)
+                ys[lo:hi] = linear(sg * gu[:, f:], w_down[e])  # (M_e, D)
+            else:
                 ys[lo:hi] = _swiglu(xs[lo:hi], w_gate[e], w_up[e], w_down[e])  # (M_e, D)
         y = L.combine_expert_outputs(ys, weights, order)  # (n, D)
         if self.cfg.n_ff_shared:
@@ -304,6 +323,40 @@ def _swiglu(x: F32, w_gate: Param, w_up: Param, w_down: Param) -> F32:
     or stored weights."""
     sg, _ = L.silu_and_sigmoid(linear(x, w_gate))  # (N, F)
     return linear(sg * linear(x, w_up), w_down)  # (N, D)
+
+
+def _fuse(cfg: ModelConfig, part: RankWeights) -> tuple[RankWeights, dict[str, QTensor]]:
+    """Stack the rows of the products that read the same input, where they are stored in one
+    type: Q, K and V (``blk.N.qkv``) and each expert's gate and up (``blk.N.gate_up``, (E, 2F,
+    D)). Fewer calls, the same bits (every output row is its own dot product). The part's own
+    tensors become views of the stacked ones, so memory does not grow."""
+    params, fused = dict(part.params), {}
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        q, k, v = (params[p + f"attn_{t}.weight"] for t in "qkv")
+        if _one_type(q, k, v):
+            assert isinstance(q, QTensor) and isinstance(k, QTensor) and isinstance(v, QTensor)
+            rows = np.concatenate([q.data, k.data, v.data])  # (Q + K + V, row bytes)
+            fused[p + "qkv"] = QTensor(q.qtype, (rows.shape[0], q.shape[1]), rows)
+            bounds = np.cumsum([0, q.shape[0], k.shape[0], v.shape[0]])
+            for t, x, a, b in zip("qkv", (q, k, v), bounds[:-1], bounds[1:], strict=True):
+                params[p + f"attn_{t}.weight"] = QTensor(x.qtype, x.shape, rows[a:b])
+        g, u = params[p + "ffn_gate_exps.weight"], params[p + "ffn_up_exps.weight"]
+        if _one_type(g, u):
+            assert isinstance(g, QTensor) and isinstance(u, QTensor)
+            rows = np.concatenate([g.data, u.data], axis=1)  # (E, 2F, row bytes)
+            e, f, d = g.shape
+            fused[p + "gate_up"] = QTensor(g.qtype, (e, 2 * f, d), rows)
+            params[p + "ffn_gate_exps.weight"] = QTensor(g.qtype, g.shape, rows[:, :f])
+            params[p + "ffn_up_exps.weight"] = QTensor(u.qtype, u.shape, rows[:, f:])
+    return RankWeights(part.cfg, part.layout, params), fused
+
+
+def _one_type(*ps: Param) -> bool:
+    first = ps[0]
+    return isinstance(first, QTensor) and all(
+        isinstance(p, QTensor) and p.qtype == first.qtype for p in ps
+    )
 
 
 def _cut(

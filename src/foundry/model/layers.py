@@ -114,7 +114,8 @@ def attention_forward(
     vt = v.transpose(0, 2, 1, 3)  # (B, Hkv, S, Dh)
     scores = np.matmul(qg, kt.transpose(0, 1, 3, 2))  # (B, Hkv, G*T, S)
     scores *= scale  # (B, Hkv, G*T, S)
-    scores[..., causal_mask(g, t, s, offset)] = -np.inf  # future keys get probability 0
+    if s > offset + 1:  # some query row has future keys (never for one token at the end)
+        scores[..., causal_mask(g, t, s, offset)] = -np.inf  # future keys get probability 0
     scores -= scores.max(axis=-1, keepdims=True)  # (B, Hkv, G*T, S)
     p = np.exp(scores, out=scores)  # (B, Hkv, G*T, S)
     p /= p.sum(axis=-1, keepdims=True)  # (B, Hkv, G*T, S)
