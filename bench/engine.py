@@ -201,7 +201,7 @@ def write_models(cfg: ModelConfig, types: list[str], folder: Path,
             how = "save_gguf"
         elif llama_cpp is not None:
             subprocess.run([str(llama_cpp / "llama-quantize"), str(paths["f32"]), str(path),
-                            t.upper(), "4"], check=True, capture_output=True)
+                            t.upper(), str(os.cpu_count() or 1)], check=True, capture_output=True)
             how = "llama-quantize"
         else:
             raise SystemExit(f"--types {t} needs --llama-cpp (Foundry does not write {t})")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -74,17 +73,6 @@ def int8_inputs(x: F32) -> npt.NDArray[np.float64]:
     return (np_roundf(b * inv) * d).reshape(x.shape).astype(np.float64)
 
 
-@pytest.fixture
-def portable() -> Iterator[None]:
-    """Run a test's kernels on the portable C path."""
-    assert quant._kernels is not None
-    quant._kernels.set_portable(True)
-    try:
-        yield
-    finally:
-        quant._kernels.set_portable(False)
-
-
 # -- the kernels ------------------------------------------------------------------------------
 
 
@@ -116,20 +104,25 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
     assert np.all(np.abs(got - want) <= bound + 1e-30)
 
 
+SIMD_PATHS = {"avx2+vnni": ["avx2"], "avx2": []}.get(quant.KERNELS, [])  # besides the best
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
 @pytest.mark.parametrize(("rows", "k"), [(1, 256), (7, 512), (9, 1024)])
-def test_simd_path_equals_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
+def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
     rng = np.random.default_rng(3)
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
     x = rng.standard_normal((4, k), dtype=np.float32)
-    simd = quant.linear(x, w)
     assert quant._kernels is not None
-    quant._kernels.set_portable(True)
+    results = [quant.linear(x, w)]
     try:
-        assert np.array_equal(quant.linear(x, w), simd)
+        for path in [*SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            results.append(quant.linear(x, w))
     finally:
-        quant._kernels.set_portable(False)
+        quant._kernels.use("best")
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
 
 
 @needs_kernels

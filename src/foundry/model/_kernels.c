@@ -12,10 +12,11 @@
  * an x86-64 rank and an arm64 rank give the same bits:
  *
  * - Q8_0 and Q4_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
- *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). Per block the
- *   integer dot product is exact (any SIMD grouping gives the same int32); the block adds
- *   (d_w * d_x) * sum into lane (block mod 4) of four float accumulators, finished as
- *   (a0 + a2) + (a1 + a3).
+ *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
+ *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
+ *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
+ *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
+ *   by halving like the float path.
  * - F16 and the other block types (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the weight row is turned
  *   into float32 (exact for F16; ggml's dequantization for blocks), then multiplied with x in
  *   float32: element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
@@ -50,7 +51,7 @@ enum {
 #define QK 32    /* values per block of the 32-blocks */
 #define QK_K 256 /* values per super-block of the K-quants */
 #define LANES_F 32
-#define LANES_Q 4
+#define LANES_Q 16 /* 2 block parities x 8 int32 lanes */
 
 /* ---- float16 ------------------------------------------------------------------------------ */
 
@@ -225,8 +226,8 @@ static void dequant_row(int type, const uint8_t *w, int k, float *y) {
 
 /* ---- the float32 dot product: 32 lanes, halved at the end --------------------------------- */
 
-static float finish_f(float *acc) {
-    for (int width = LANES_F / 2; width >= 1; width /= 2)
+static float finish(float *acc, int lanes) {
+    for (int width = lanes / 2; width >= 1; width /= 2)
         for (int j = 0; j < width; j++) acc[j] = acc[j] + acc[j + width];
     return acc[0];
 }
@@ -237,7 +238,7 @@ static float dot_f32_portable(const float *w, const float *x, int k) {
     for (; i + LANES_F <= k; i += LANES_F)
         for (int j = 0; j < LANES_F; j++) acc[j] = acc[j] + w[i + j] * x[i + j];
     for (; i < k; i++) acc[i % LANES_F] = acc[i % LANES_F] + w[i] * x[i];
-    return finish_f(acc);
+    return finish(acc, LANES_F);
 }
 
 /* ---- the int8 block dot product: exact per block, 4 float lanes across blocks -------------- */
@@ -253,30 +254,35 @@ static void quantize_input(const float *x, int k, int8_t *q, float *d) {
     }
 }
 
-static inline int32_t idot32(const int8_t *a, const int8_t *b) {
+/* The eight int32 lanes of one block's products: lane j = sum of a[i] b[i], i in 4j .. 4j+3. */
+static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 #if defined(__ARM_NEON)
-    const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);
-    const int8x16_t b0 = vld1q_s8(b), b1 = vld1q_s8(b + 16);
+    int32x4_t lo, hi;
 #if defined(__ARM_FEATURE_DOTPROD)
-    const int32x4_t s = vdotq_s32(vdotq_s32(vdupq_n_s32(0), a0, b0), a1, b1);
+    lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a), vld1q_s8(b));
+    hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a + 16), vld1q_s8(b + 16));
 #else
-    int16x8_t p0 = vmull_s8(vget_low_s8(a0), vget_low_s8(b0));
-    p0 = vmlal_s8(p0, vget_high_s8(a0), vget_high_s8(b0)); /* |pair| <= 2 * 128 * 127 */
-    int16x8_t p1 = vmull_s8(vget_low_s8(a1), vget_low_s8(b1));
-    p1 = vmlal_s8(p1, vget_high_s8(a1), vget_high_s8(b1));
-    const int32x4_t s = vaddq_s32(vpaddlq_s16(p0), vpaddlq_s16(p1));
-#endif
+    int32x4_t pairs[4];
+    for (int h = 0; h < 4; h++) /* products of 8 values, summed in pairs */
+        pairs[h] = vpaddlq_s16(vmull_s8(vld1_s8(a + 8 * h), vld1_s8(b + 8 * h)));
 #if defined(__aarch64__)
-    return vaddvq_s32(s);
+    lo = vpaddq_s32(pairs[0], pairs[1]);
+    hi = vpaddq_s32(pairs[2], pairs[3]);
 #else
-    int32x2_t t = vadd_s32(vget_low_s32(s), vget_high_s32(s));
-    t = vpadd_s32(t, t);
-    return vget_lane_s32(t, 0);
+    lo = vcombine_s32(vpadd_s32(vget_low_s32(pairs[0]), vget_high_s32(pairs[0])),
+                      vpadd_s32(vget_low_s32(pairs[1]), vget_high_s32(pairs[1])));
+    hi = vcombine_s32(vpadd_s32(vget_low_s32(pairs[2]), vget_high_s32(pairs[2])),
+                      vpadd_s32(vget_low_s32(pairs[3]), vget_high_s32(pairs[3])));
 #endif
+#endif
+    vst1q_s32(s, lo);
+    vst1q_s32(s + 4, hi);
 #else
-    int32_t s = 0;
-    for (int i = 0; i < QK; i++) s += (int32_t)a[i] * (int32_t)b[i];
-    return s;
+    for (int j = 0; j < 8; j++) {
+        int32_t t = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) t += (int32_t)a[i] * (int32_t)b[i];
+        s[j] = t;
+    }
 #endif
 }
 
@@ -293,18 +299,22 @@ static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     return f16(blk);
 }
 
-static float finish_q(const float *acc) { return (acc[0] + acc[2]) + (acc[1] + acc[3]); }
+static inline void add_block(float *acc, int b, float d, const int32_t *s) {
+    float *a = acc + 8 * (b & 1);
+    for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
+}
 
 static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
                             const float *xd, int nb) {
     float acc[LANES_Q] = {0};
     int8_t q[QK];
+    int32_t s[8];
     for (int b = 0; b < nb; b++) {
         const float dw = unpack_block(type, w + (size_t)b * bsize, q);
-        const float s = (float)idot32(q, xq + b * QK);
-        acc[b % LANES_Q] = acc[b % LANES_Q] + (dw * xd[b]) * s;
+        idot_lanes(q, xq + b * QK, s);
+        add_block(acc, b, dw * xd[b], s);
     }
-    return finish_q(acc);
+    return finish(acc, LANES_Q);
 }
 
 /* ---- AVX2 (x86-64 with AVX2 and F16C; chosen at import) ----------------------------------- */
@@ -321,41 +331,51 @@ AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
 }
 
-/* Eight int32 partial sums of one block's products (exact). */
-AVX2 static inline __m256i idot_avx2(__m256i wq, const int8_t *xq) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
+/* The int8 dot product, AVX2 (maddubs + madd) or AVX-512 VNNI (dpbusd): the same eight exact
+ * int32 lanes, so the same bits; two accumulators, one per block parity. */
+#define DOT_Q_X86(NAME, TARGET, LOAD, LANES8)                                                      \
+    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
+                             const float *xd, int nb) {                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
+        int b = 0;                                                                             \
+        for (; b + 2 <= nb; b += 2) {                                                          \
+            const uint8_t *p = w + (size_t)b * bsize;                                          \
+            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                     \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));             \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));       \
+            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));      \
+            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));      \
+            const __m256 d0 = _mm256_set1_ps(f16(p) * xd[b]);                                  \
+            const __m256 d1 = _mm256_set1_ps(f16(p + bsize) * xd[b + 1]);                      \
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));             \
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));             \
+        }                                                                                      \
+        float acc[LANES_Q];                                                                    \
+        _mm256_storeu_ps(acc, acc0);                                                           \
+        _mm256_storeu_ps(acc + 8, acc1);                                                       \
+        int8_t q[QK];                                                                          \
+        int32_t s[8];                                                                          \
+        for (; b < nb; b++) {                                                                  \
+            const float dw = unpack_block(type, w + (size_t)b * bsize, q);                     \
+            idot_lanes(q, xq + b * QK, s);                                                     \
+            add_block(acc, b, dw * xd[b], s);                                                  \
+        }                                                                                      \
+        return finish(acc, LANES_Q);                                                           \
+    }
 
-AVX2 static float dot_q_avx2(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                             const float *xd, int nb) {
-    __m128 acc = _mm_setzero_ps();
-    int b = 0;
-    for (; b + LANES_Q <= nb; b += LANES_Q) {
-        const uint8_t *p = w + (size_t)b * bsize;
-        const __m256i s0 = idot_avx2(load_block_avx2(type, p), xq + b * QK);
-        const __m256i s1 = idot_avx2(load_block_avx2(type, p + bsize), xq + (b + 1) * QK);
-        const __m256i s2 = idot_avx2(load_block_avx2(type, p + 2 * bsize), xq + (b + 2) * QK);
-        const __m256i s3 = idot_avx2(load_block_avx2(type, p + 3 * bsize), xq + (b + 3) * QK);
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
-        const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        const __m128i hw = _mm_set_epi16(0, 0, 0, 0, (short)rd16(p + 3 * bsize),
-                                         (short)rd16(p + 2 * bsize), (short)rd16(p + bsize),
-                                         (short)rd16(p));
-        const __m128 d = _mm_mul_ps(_mm_cvtph_ps(hw), _mm_loadu_ps(xd + b));
-        acc = _mm_add_ps(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(s)));
-    }
-    float lanes[LANES_Q];
-    _mm_storeu_ps(lanes, acc);
-    int8_t q[QK];
-    for (; b < nb; b++) {
-        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
-        const float s = (float)idot32(q, xq + b * QK);
-        lanes[b % LANES_Q] = lanes[b % LANES_Q] + (dw * xd[b]) * s;
-    }
-    return finish_q(lanes);
+AVX2 static inline __m256i lanes8_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
+DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
+
+#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
+VNNI static inline __m256i lanes8_vnni(__m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+}
+VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
+    return load_block_avx2(type, blk);
+}
+DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -372,7 +392,7 @@ AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
     _mm256_storeu_ps(acc + 16, a2);
     _mm256_storeu_ps(acc + 24, a3);
     for (; i < k; i++) acc[i % LANES_F] = acc[i % LANES_F] + w[i] * x[i];
-    return finish_f(acc);
+    return finish(acc, LANES_F);
 }
 
 /* F16 rows straight from their bytes: four rows at a time share each load of x. */
@@ -398,7 +418,7 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
         for (int a = 0; a < 4; a++) {
             float lanes[LANES_F];
             for (int c = 0; c < 4; c++) _mm256_storeu_ps(lanes + 8 * c, acc[a][c]);
-            y[(size_t)(r + a) * y_stride] = finish_f(lanes);
+            y[(size_t)(r + a) * y_stride] = finish(lanes, LANES_F);
         }
     }
     float *row = malloc((size_t)k * sizeof(float));
@@ -413,11 +433,12 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-static int use_avx2 = 0;
+static int use_avx2 = 0, use_vnni = 0;
 
 static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
                    int nb) {
 #if defined(FOUNDRY_X86)
+    if (use_vnni) return dot_q_vnni(type, w, bsize, xq, xd, nb);
     if (use_avx2) return dot_q_avx2(type, w, bsize, xq, xd, nb);
 #endif
     return dot_q_portable(type, w, bsize, xq, xd, nb);
@@ -557,11 +578,19 @@ done:
     return result;
 }
 
+#if defined(FOUNDRY_X86)
+static void detect_x86(int simd) {
+    use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    use_vnni = use_avx2 && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
 static PyObject *py_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
 #if defined(FOUNDRY_X86)
-    return PyUnicode_FromString(use_avx2 ? "avx2" : "portable");
+    return PyUnicode_FromString(use_vnni ? "avx2+vnni" : use_avx2 ? "avx2" : "portable");
 #elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
     return PyUnicode_FromString("neon-dotprod");
 #elif defined(__ARM_NEON)
@@ -571,12 +600,23 @@ static PyObject *py_isa(PyObject *self, PyObject *args) {
 #endif
 }
 
-static PyObject *py_set_portable(PyObject *self, PyObject *arg) {
+static PyObject *py_use(PyObject *self, PyObject *arg) {
     (void)self;
-    int portable = PyObject_IsTrue(arg);
-    if (portable < 0) return NULL;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
 #if defined(FOUNDRY_X86)
-    use_avx2 = !portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (strcmp(name, "portable") == 0) {
+        detect_x86(0);
+    } else if (strcmp(name, "avx2") == 0 || strcmp(name, "best") == 0) {
+        detect_x86(1);
+        if (!use_avx2) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX2 and F16C");
+        if (name[0] == 'a') use_vnni = 0;
+    } else {
+        return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
+    }
+#else
+    if (strcmp(name, "portable") != 0 && strcmp(name, "best") != 0)
+        return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
 #endif
     Py_RETURN_NONE;
 }
@@ -585,8 +625,8 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
-    {"set_portable", py_set_portable, METH_O,
-     "set_portable(flag): use the portable C path even where SIMD is available (tests)."},
+    {"use", py_use, METH_O,
+     "use(path): 'best' (the default), 'avx2' (without VNNI) or 'portable' C (tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -600,7 +640,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
 #if defined(FOUNDRY_X86)
     __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    detect_x86(1);
 #endif
     return PyModule_Create(&module);
 }

@@ -279,7 +279,8 @@ class Engine:
         p = f"blk.{layer}."
         k = top.shape[1]
         w_gate, w_up, w_down = (w[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
-        gate_up = self.fused[self.parts.index(part)].get(p + "gate_up")
+        j = next(i for i, held in enumerate(self.parts) if held is part)
+        gate_up = self.fused[j].get(p + "gate_up")
         n_local, f = w_gate.shape[0], w_gate.shape[1]
         order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
         xs = h[order // k]  # (M, D)
