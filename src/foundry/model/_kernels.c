@@ -377,6 +377,39 @@ VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
 }
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 
+/* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
+ * sixteen accumulators (8 (block mod 2) + j). Weights turn unsigned (w + 128, an exclusive or
+ * of the sign bit) for dpbusd, and 128 times the input's sums over each 4 values (``corr``,
+ * computed once per input row) come off again: the same exact lanes. */
+#define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                              const float *xd, const int32_t *corr, int nb) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *p = w + (size_t)b * bsize;
+        const __m512i wq = _mm512_inserti64x4(
+            _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize), 1);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, flip), xv);
+        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(corr + b * 8)));
+        const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(p) * xd[b]),
+                                              _mm512_set1_ps(f16(p + bsize) * xd[b + 1]));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+    }
+    float lanes[LANES_Q];
+    _mm512_storeu_ps(lanes, acc);
+    int8_t q[QK];
+    int32_t t[8];
+    for (; b < nb; b++) {
+        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
+        idot_lanes(q, xq + b * QK, t);
+        add_block(lanes, b, dw * xd[b], t);
+    }
+    return finish(lanes, LANES_Q);
+}
+
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
@@ -433,14 +466,16 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-static int use_avx2 = 0, use_vnni = 0;
+static int use_avx2 = 0, use_vnni = 0, use_512 = 0;
 
 static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
-                   int nb) {
+                   const int32_t *corr, int nb) {
 #if defined(FOUNDRY_X86)
+    if (use_512) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
     if (use_vnni) return dot_q_vnni(type, w, bsize, xq, xd, nb);
     if (use_avx2) return dot_q_avx2(type, w, bsize, xq, xd, nb);
 #endif
+    (void)corr;
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
@@ -459,18 +494,27 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         const int nb = k / QK;
         int8_t *xq = malloc((size_t)n * k);
         float *xd = malloc((size_t)n * nb * sizeof(float));
-        if (xq == NULL || xd == NULL) {
+        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 x sums of 4 */
+        if (xq == NULL || xd == NULL || corr == NULL) {
             free(xq);
             free(xd);
+            free(corr);
             return -1;
         }
-        for (int t = 0; t < n; t++) quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
+        for (int t = 0; t < n; t++) {
+            const int8_t *q = xq + (size_t)t * k;
+            quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
+            for (int g = 0; g < k / 4; g++)
+                corr[(size_t)t * (k / 4) + g] = 128 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+        }
         for (int r = 0; r < n_out; r++)
             for (int t = 0; t < n; t++)
                 y[(size_t)t * n_out + r] =
-                    dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb, nb);
+                    dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
+                          corr + (size_t)t * (k / 4), nb);
         free(xq);
         free(xd);
+        free(corr);
         return 0;
     }
 #if defined(FOUNDRY_X86)
@@ -583,6 +627,7 @@ static void detect_x86(int simd) {
     use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     use_vnni = use_avx2 && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
+    use_512 = use_vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 #endif
 
@@ -590,7 +635,10 @@ static PyObject *py_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
 #if defined(FOUNDRY_X86)
-    return PyUnicode_FromString(use_vnni ? "avx2+vnni" : use_avx2 ? "avx2" : "portable");
+    return PyUnicode_FromString(use_512    ? "avx512-vnni"
+                                : use_vnni ? "avx2+vnni"
+                                : use_avx2 ? "avx2"
+                                           : "portable");
 #elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
     return PyUnicode_FromString("neon-dotprod");
 #elif defined(__ARM_NEON)
@@ -610,7 +658,11 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
     } else if (strcmp(name, "avx2") == 0 || strcmp(name, "best") == 0) {
         detect_x86(1);
         if (!use_avx2) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX2 and F16C");
-        if (name[0] == 'a') use_vnni = 0;
+        if (strcmp(name, "avx2") == 0) use_vnni = use_512 = 0;
+    } else if (strcmp(name, "avx2+vnni") == 0) {
+        detect_x86(1);
+        if (!use_vnni) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX-512 VNNI");
+        use_512 = 0;
     } else {
         return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
     }
