@@ -236,6 +236,14 @@ def llama_bench(llama_cpp: Path, path: Path, depth: int, n: int) -> float:
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
+def judge(ratio: float, target: float | None) -> tuple[bool, str]:
+    """(passed, the words to print) of a ratio against its target, if it has one."""
+    if target is None:
+        return True, ""
+    passed = ratio >= target
+    return passed, f"target >= {target}x {'PASS' if passed else 'FAIL'}"
+
+
 def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: int,
                  folder: Path, llama_cpp: Path | None, rounds: int) -> bool:
     """Decode tokens/s of each stored type against f32 in the same run (tokens interleaved
@@ -278,11 +286,8 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         ratio = rate / base
         rss, peak = rss_of(paths[t])
         mb = (read[t] + kv) / 1e6
-        verdict = ""
-        if t in DECODE_TARGETS:
-            passed = ratio >= DECODE_TARGETS[t]
-            ok = ok and passed
-            verdict = f">= {DECODE_TARGETS[t]}x {'PASS' if passed else 'FAIL'}"
+        passed, verdict = judge(ratio, DECODE_TARGETS.get(t))
+        ok = ok and passed
         print(f"  {t:<8}{paths[t].stat().st_size / 1e9:>8.3f}{rss:>8.3f}{rate:>10.2f}"
               f"{1e3 / rate:>10.2f}{ratio:>6.2f}x{mb:>10.0f}{mb * rate / 1e3:>7.1f}   {verdict}")
         print(f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
@@ -294,13 +299,10 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         print("  against llama.cpp (llama-bench -t 1 on the same file, rounds interleaved):")
         for t, rates in theirs.items():
             ratio = statistics.median([a / b for a, b in zip(ours[t], rates, strict=True)])
-            verdict = ""
-            if t in LLAMA_TARGETS:
-                passed = ratio >= LLAMA_TARGETS[t]
-                ok = ok and passed
-                verdict = f"  target >= {LLAMA_TARGETS[t]}x {'PASS' if passed else 'FAIL'}"
+            passed, verdict = judge(ratio, LLAMA_TARGETS.get(t))
+            ok = ok and passed
             print(f"  {t:<8} llama.cpp {statistics.median(rates):8.2f} tokens/s, Foundry "
-                  f"{statistics.median(ours[t]):8.2f}: {ratio:.2f}x{verdict}")
+                  f"{statistics.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict}")
     return ok
 
 

@@ -3,10 +3,11 @@ against numpy's float32 product, one thread, one run.
 
     OPENBLAS_NUM_THREADS=1 python bench/kernels.py [--mb 256] [--k 1024] [--path best|avx2|portable]
 
-A (rows, k) weight matrix of about ``--mb`` MB in float32 (far beyond the caches), stored as each
-type, multiplied by one float32 row (decode) and by 8 rows (a prefill block), best of a few
-repetitions. Also the engine's overhead: ms per decoded token of the ``small`` preset, whose
-weights fit in cache, so what it measures is the Python and numpy work around the products.
+A (rows, k) weight matrix of about ``--mb`` MB in float32 (a large L3 holds a few hundred MB:
+give more to measure streaming from DRAM), stored as each type, multiplied by one float32 row
+(decode) and by 8 rows (a prefill block), best of a few repetitions. Also the engine's
+overhead: ms per decoded token of the ``small`` preset, whose weights fit in cache, so what it
+measures is the Python and numpy work around the products.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
+from codec import best_of
 
 from foundry.model import quant
 from foundry.model import transformer as T
@@ -29,16 +29,6 @@ from foundry.model.inference import Engine
 from foundry.model.quant import QType
 
 TYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q6_K)
-
-
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def stored(w: np.ndarray, qtype: QType) -> quant.QTensor:
@@ -67,11 +57,11 @@ def main() -> None:
           f"matrix {rows} x {args.k}, 1 thread, best of {args.reps}")
     for n in (1, 8):
         x = rng.standard_normal((n, args.k), dtype=np.float32)
-        base = best_of(lambda x=x, w=w: x @ w.T, args.reps)
+        base = best_of(args.reps, lambda x=x, w=w: x @ w.T)
         print(f"  {n} row(s): f32 numpy {w.nbytes / base / 1e9:6.1f} GB/s ({base * 1e3:.2f} ms)")
         for qtype in TYPES:
             q = stored(w, qtype)
-            t = best_of(lambda x=x, q=q: quant.linear(x, q), args.reps)
+            t = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
             print(f"  {n} row(s): {qtype.name:<5}     {q.nbytes / t / 1e9:6.1f} GB/s "
                   f"({t * 1e3:.2f} ms, {base / t:.2f}x f32's time)")
     del w
@@ -84,7 +74,7 @@ def main() -> None:
         engine = Engine(cfg, held)
         s = engine.new_session()
         engine.decode(s, list(range(3, 19)))
-        t = best_of(lambda e=engine, s=s: e.decode(s, [5]), 50)
+        t = best_of(50, lambda e=engine, s=s: e.decode(s, [5]))
         print(f"engine overhead: small preset ({cfg.n_layer} layers, {len(engine.parts)} parts) "
               f"{dtype}: {t * 1e3:.2f} ms per token")
 

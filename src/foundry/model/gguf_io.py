@@ -27,7 +27,7 @@ What a file holds
   fallback too) and the output head of ``q4_0``, which llama.cpp makes Q6_K and we make Q8_0
   (the ``gguf`` package writes no K-quants).
 
-Reading gives float32 arrays, or with ``keep_quantized`` every F16 and block-quantized tensor
+``load_gguf`` gives float32 arrays; ``load_gguf_stored`` keeps every F16 and block-quantized tensor
 as a :class:`~foundry.model.quant.QTensor` in its stored type (norms and routers always float32),
 so a model holds about its file size in memory. Any type of :data:`quant.SUPPORTED` is read,
 which covers files that ``llama-quantize`` wrote (Q8_0, Q4_0, and Q4_K_M's Q4_K/Q5_K/Q6_K with

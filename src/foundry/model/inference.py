@@ -18,7 +18,7 @@ numbers is commutative and each part runs the same operations on the same data w
 process holds it, the TP pair's logits are bit-identical to the single process's (with the BLAS
 thread count fixed, as BLAS sums depend on how the work is split).
 
-Weights are float32 numpy arrays or, loaded with ``keep_quantized``, ``quant.QTensor`` blocks
+Weights are float32 numpy arrays or, read by ``gguf_io.load_gguf_stored``, ``quant.QTensor`` blocks
 in the file's storage type (F16, Q8_0, Q4_0, the K-quants): every product goes through
 ``quant.linear``, which reads the blocks in place. The kernels' dot products are deterministic
 and independent of the batch, so the pair equals the single process bit for bit on quantized

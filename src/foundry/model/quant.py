@@ -8,7 +8,8 @@ activations with it block by block.
 The products come from ``foundry.model._kernels``, a small C extension built at install time
 (``setup.py``); each output is one row's dot product in one fixed order of operations, the same
 on x86-64 (AVX2), arm64 and armv7 (NEON) and in the portable C, so it does not depend on the
-thread count, the batch or the machine (``_kernels.c`` has the definition). Where the extension
+thread count, the batch or the machine (``_kernels.c`` has the definition; ``bench/cross_arch.py``
+checks x86-64 against arm64 and armv7). Where the extension
 is missing (no compiler at install), :func:`linear` dequantizes the weights with the ``gguf``
 package and multiplies in numpy: the same results to quantization accuracy, much slower
 (docs/quantization.md). ``KERNELS`` says which is in use.
@@ -40,7 +41,8 @@ except ImportError:  # built without a C compiler: the numpy fallback below
     _kernels = None
 
 KERNELS: str = _kernels.isa() if _kernels is not None else "numpy"
-"""The path products take here: "avx2", "neon", "neon-dotprod", "portable" (C) or "numpy"."""
+"""The path products take here: "avx512-vnni", "avx2+vnni", "avx2", "neon", "neon-dotprod",
+"portable" (C) or "numpy" (no extension)."""
 
 SUPPORTED: tuple[QType, ...] = (
     QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
