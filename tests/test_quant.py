@@ -330,3 +330,27 @@ def test_export_type_writes_a_quantized_file_generate_reads(tmp_path: Path) -> N
     )
     assert gen.returncode == 0, gen.stderr
     assert len(gen.stdout) > 1
+
+
+def test_a_rank_holds_its_stored_weights_once(tmp_path: Path) -> None:
+    """The engine's stacked Q/K/V and gate/up buffers replace the loaded tensors in the rank's
+    own params (views of the same bytes), so the loaded model is not held a second time."""
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype="q8_0")
+    half = load_rank(path, 0)
+    engine = Engine(CFG, half.weights, rank=0, world=2)
+    gate = half.weights.params["blk.1.ffn_gate_exps.weight"]
+    q = half.weights.params["blk.1.attn_q.weight"]
+    assert isinstance(gate, QTensor) and isinstance(q, QTensor)
+    assert np.shares_memory(gate.data, engine.fused[0]["blk.1.gate_up"].data)
+    assert np.shares_memory(q.data, engine.fused[0]["blk.1.qkv"].data)
+    held = {id(b): b.nbytes for b in (_base(p) for p in half.weights.params.values())}
+    stored_bytes = sum(p.nbytes for p in half.weights.params.values())
+    assert sum(held.values()) == stored_bytes
+
+
+def _base(p: quant.Param) -> np.ndarray:
+    a = p.data if isinstance(p, QTensor) else p
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a

@@ -99,8 +99,10 @@ class Engine:
     """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
 
     ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
-    an already cut ``RankWeights`` of the same rank and world. ``expert_split`` is how the
-    routed experts are cut (default: the ``RankWeights``' own, else ``EXPERTS``).
+    an already cut ``RankWeights`` of the same rank and world, held, not copied (its stored
+    Q/K/V and gate/up tensors become views of stacked buffers, see ``_fuse``).
+    ``expert_split`` is how the routed experts are cut (default: the ``RankWeights``' own,
+    else ``EXPERTS``).
     """
 
     def __init__(
@@ -131,9 +133,7 @@ class Engine:
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode)
-        fused = [_fuse(cfg, part) for part in self.parts]
-        self.parts = tuple(part for part, _ in fused)
-        self.fused: list[dict[str, QTensor]] = [f for _, f in fused]
+        self.fused: list[dict[str, QTensor]] = [_fuse(cfg, part) for part in self.parts]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
         # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
         self.dense: dict[str, F32] = {
@@ -326,12 +326,14 @@ def _swiglu(x: F32, w_gate: Param, w_up: Param, w_down: Param) -> F32:
     return linear(sg * linear(x, w_up), w_down)  # (N, D)
 
 
-def _fuse(cfg: ModelConfig, part: RankWeights) -> tuple[RankWeights, dict[str, QTensor]]:
+def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, QTensor]:
     """Stack the rows of the products that read the same input, where they are stored in one
     type: Q, K and V (``blk.N.qkv``) and each expert's gate and up (``blk.N.gate_up``, (E, 2F,
     D)). Fewer calls, the same bits (every output row is its own dot product). The part's own
-    tensors become views of the stacked ones, so memory does not grow."""
-    params, fused = dict(part.params), {}
+    tensors are replaced, in its params, by views of the stacked ones (the same values), so
+    whoever else holds the part (a TP rank's loaded model) does not keep a second copy."""
+    params: dict[str, Param] = part.params
+    fused: dict[str, QTensor] = {}
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
         q, k, v = (params[p + f"attn_{t}.weight"] for t in "qkv")
@@ -350,7 +352,7 @@ def _fuse(cfg: ModelConfig, part: RankWeights) -> tuple[RankWeights, dict[str, Q
             fused[p + "gate_up"] = QTensor(g.qtype, (e, 2 * f, d), rows)
             params[p + "ffn_gate_exps.weight"] = QTensor(g.qtype, g.shape, rows[:, :f])
             params[p + "ffn_up_exps.weight"] = QTensor(u.qtype, u.shape, rows[:, f:])
-    return RankWeights(part.cfg, part.layout, params), fused
+    return fused
 
 
 def _one_type(*ps: Param) -> bool:
