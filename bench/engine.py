@@ -1,6 +1,7 @@
 """Benchmark of the numpy model: training throughput against PyTorch eager, and decode speed.
 
-    OPENBLAS_NUM_THREADS=1 python bench/engine.py [--quick]
+    OPENBLAS_NUM_THREADS=1 python bench/engine.py [--quick] [--decode-only]
+        [--types f16,q8_0,q4_0[,q4_k_m]] [--llama-cpp LLAMA_CPP_BUILD/bin] [--cores 2]
 
 1. Training: samples/s of one full step (forward, backward, gradient clipping, AdamW) of
    ``foundry.model`` and of a PyTorch eager implementation of the same model (below: SDPA
@@ -8,9 +9,15 @@
    thread, measured alternately in the same run. Prints the ratio and PASS when numpy reaches
    at least TARGET_RATIO of torch.
 2. Decode: tokens/s of the single-process KV-cache engine on the ``bench`` preset (~1.7 GB of
-   float32 weights), and the memory bandwidth that implies: the bytes one token must read
-   (attention weights, router, the n_expert_used experts of every layer, output head, and the
-   KV cache up to its position) divided by the time per token.
+   float32 weights) stored as f32 and as each of ``--types`` (F16, Q8_0, Q4_0 exported by
+   Foundry; with ``--llama-cpp`` the quantized files come from llama.cpp's ``llama-quantize``,
+   which also makes ``q4_k_m``), one token of each type after the other, ``--rounds`` times,
+   so the ratios to f32 come from the same run. Prints the memory bandwidth each implies (the
+   stored bytes one token reads: attention, router, the n_expert_used experts of every layer,
+   the output head, one embedding row, and the KV cache), the resident memory of a process
+   that loads the file (against the file size), and PASS/FAIL for the targets: f16 >= 1.8x,
+   Q8_0 >= 2.5x, Q4_0 >= 3.5x f32. With ``--llama-cpp``, ``llama-bench -t 1`` decodes the same
+   files between the rounds (after as many tokens of context as ours); target Q8_0 >= 0.9x.
 
 Both run after ``transformer.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
@@ -24,20 +31,31 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from foundry.model import quant
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig, preset
+from foundry.model.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.optim import AdamW, clip_grad_norm
+from foundry.model.tp_split import SplitKind, rule_for
 
 TARGET_RATIO = 0.7
+# Decode tokens/s of each stored type over f32's, same run (issue 16's targets), and over
+# llama.cpp's on the same file.
+DECODE_TARGETS = {"f16": 1.8, "q8_0": 2.5, "q4_0": 3.5}
+LLAMA_TARGETS = {"q8_0": 0.9}
 AUX_COEF = 0.01
 LR = 1e-3
 
@@ -144,45 +162,148 @@ def bench_training(cfg: ModelConfig, batch: int, seq: int, reps: int) -> bool:
     return ratio >= TARGET_RATIO
 
 
-def bytes_per_token(cfg: ModelConfig, pos: int) -> int:
-    """Bytes one decode step at position pos reads: the weights it uses and the KV cache."""
-    d, kv = cfg.n_embd, cfg.n_embd_kv
-    per_layer = (
-        2 * d  # norms
-        + d * d + 2 * kv * d + d * d  # Q, K, V, output projection
-        + cfg.n_expert * d  # router
-        + cfg.n_expert_used * 3 * cfg.n_ff * d  # the experts this token is routed to
-        + 3 * cfg.n_ff_shared * d  # shared expert
-        + 2 * (pos + 1) * kv  # K and V cache up to this position
-    )
-    return 4 * (cfg.n_layer * per_layer + d + d + cfg.n_vocab * d)  # + embedding row, head
+def weight_bytes_per_token(engine: Engine) -> int:
+    """Weight bytes one decode step reads in the stored types: every tensor once, the routed
+    experts' n_expert_used / n_expert share, one row of the embedding."""
+    cfg, total = engine.cfg, 0
+    for j, part in enumerate(engine.parts):
+        for name, p in part.params.items():
+            if j and rule_for(name, engine.expert_split).kind is SplitKind.REPLICATED:
+                continue  # held once, read once
+            share = 1.0
+            if name.endswith("_exps.weight"):
+                share = cfg.n_expert_used / cfg.n_expert
+            elif name == "token_embd.weight":
+                share = 1 / cfg.n_vocab
+            total += int(p.nbytes * share)
+    return total
 
 
-def bench_decode(cfg: ModelConfig, prompt_len: int, n_tokens: int) -> None:
-    t0 = time.perf_counter()
-    params = T.init_params(cfg, seed=0)
-    init_s = time.perf_counter() - t0
-    engine = Engine(cfg, params)
-    session = engine.new_session()
-    prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.n_vocab, prompt_len)]
-    t0 = time.perf_counter()
-    logits = engine.decode(session, prompt)
-    prefill_s = time.perf_counter() - t0
-    times, read = [], 0
-    for _ in range(n_tokens):
-        token = int(np.argmax(logits[-1]))
-        read += bytes_per_token(cfg, session.pos)
+def kv_bytes(cfg: ModelConfig, pos: int) -> int:
+    return 4 * cfg.n_layer * 2 * (pos + 1) * cfg.n_embd_kv  # K and V up to this position
+
+
+def write_models(cfg: ModelConfig, types: list[str], folder: Path,
+                 llama_cpp: Path | None) -> dict[str, Path]:
+    """The f32 model (seeded init, written once) and each other type: exported by Foundry
+    (``save_gguf``), or by ``llama-quantize`` from llama.cpp's build folder when given (f16 is
+    always ours; ``q4_k_m`` needs llama.cpp)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {t: folder / f"foundry-bench-{cfg.n_embd}-{t}.gguf" for t in ["f32", *types]}
+    params = None
+    for t, path in paths.items():
+        if path.exists():
+            continue
         t0 = time.perf_counter()
-        logits = engine.decode(session, [token])
-        times.append(time.perf_counter() - t0)
-    total = sum(times)
-    weights_gb = sum(p.nbytes for p in params.values()) / 1e9
-    print(f"decode    {weights_gb:.2f} GB f32 weights (init {init_s:.1f} s), "
-          f"{len(engine.parts)} parts, 1 thread")
-    print(f"  prefill {prompt_len} tokens: {prompt_len / prefill_s:8.1f} tokens/s")
-    print(f"  decode  {n_tokens} tokens:  {n_tokens / total:8.1f} tokens/s "
-          f"({total / n_tokens * 1e3:.1f} ms/token, median {statistics.median(times) * 1e3:.1f})")
-    print(f"  reads {read / n_tokens / 1e6:.0f} MB/token -> {read / total / 1e9:.1f} GB/s")
+        if t == "f32" or (t in FILE_DTYPES and (llama_cpp is None or t == "f16")):
+            params = params if params is not None else T.init_params(cfg, seed=0)
+            save_gguf(path, cfg, params, dtype=t)  # type: ignore[arg-type]
+            how = "save_gguf"
+        elif llama_cpp is not None:
+            subprocess.run([str(llama_cpp / "llama-quantize"), str(paths["f32"]), str(path),
+                            t.upper(), str(os.cpu_count() or 1)], check=True, capture_output=True)
+            how = "llama-quantize"
+        else:
+            raise SystemExit(f"--types {t} needs --llama-cpp (Foundry does not write {t})")
+        print(f"  wrote {path.name} with {how} in {time.perf_counter() - t0:.1f} s")
+    return paths
+
+
+def rss_of(path: Path | None) -> tuple[float, float]:
+    """Resident and peak memory (GB) of a fresh process that loads ``path`` for the engine and
+    decodes one token (None: the imports alone), from /proc/self/status."""
+    code = (
+        "import sys; from foundry.model.gguf_io import load_gguf_stored;"
+        "from foundry.model.inference import Engine; p = sys.argv[1]\n"
+        "if p:\n m = load_gguf_stored(p); e = Engine(m.cfg, m.params); del m\n"
+        " e.decode(e.new_session(), [1])\n"
+        "f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+        "print(int(f['VmRSS'].split()[0]), int(f['VmHWM'].split()[0]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path or "")], check=True,
+                         capture_output=True, text=True).stdout.split()
+    return int(out[0]) * 1024 / 1e9, int(out[1]) * 1024 / 1e9
+
+
+def llama_bench(llama_cpp: Path, path: Path, depth: int, n: int) -> float:
+    """llama.cpp's decode tokens/s on one thread (``llama-bench -t 1``), after ``depth`` tokens
+    of context where this build supports ``-d``."""
+    exe = str(llama_cpp / "llama-bench")
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    depth_args = ["-d", str(depth)] if "--n-depth" in help_text else []
+    out = subprocess.run([exe, "-m", str(path), "-t", "1", "-p", "0", "-n", str(n), "-r", "1",
+                          *depth_args, "-o", "json"], check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def judge(ratio: float, target: float | None) -> tuple[bool, str]:
+    """(passed, the words to print) of a ratio against its target, if it has one."""
+    if target is None:
+        return True, ""
+    passed = ratio >= target
+    return passed, f"target >= {target}x {'PASS' if passed else 'FAIL'}"
+
+
+def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: int,
+                 folder: Path, llama_cpp: Path | None, rounds: int) -> bool:
+    """Decode tokens/s of each stored type against f32 in the same run (tokens interleaved
+    across the types, ``rounds`` times), with llama.cpp on the same files when given."""
+    print(f"decode    {cfg.n_params() / 1e6:.0f}M params, kernels: {quant.KERNELS}, 1 thread")
+    paths = write_models(cfg, types, folder, llama_cpp)
+    engines = {}
+    for t, path in paths.items():
+        m = load_gguf_stored(path)
+        engines[t] = Engine(m.cfg, m.params)
+        del m
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.n_vocab, prompt_len)]
+    times: dict[str, list[float]] = {t: [] for t in engines}
+    ours: dict[str, list[float]] = {t: [] for t in engines}
+    theirs: dict[str, list[float]] = {t: [] for t in engines if t != "f32" or llama_cpp}
+    read = {t: weight_bytes_per_token(e) for t, e in engines.items()}
+    for _ in range(rounds):
+        sessions = {t: e.new_session() for t, e in engines.items()}
+        last = {t: int(np.argmax(e.decode(sessions[t], prompt)[-1])) for t, e in engines.items()}
+        round_times: dict[str, list[float]] = {t: [] for t in engines}
+        for _ in range(n_tokens):
+            for t, e in engines.items():
+                t0 = time.perf_counter()
+                logits = e.decode(sessions[t], [last[t]])
+                round_times[t].append(time.perf_counter() - t0)
+                last[t] = int(np.argmax(logits[-1]))
+        for t in engines:
+            times[t] += round_times[t]
+            ours[t].append(n_tokens / sum(round_times[t]))
+        if llama_cpp is not None:
+            for t in theirs:
+                theirs[t].append(llama_bench(llama_cpp, paths[t], prompt_len, n_tokens))
+    base = statistics.median(ours["f32"])
+    ok = True
+    kv = kv_bytes(cfg, prompt_len + n_tokens // 2)
+    print(f"  {'type':<8}{'file GB':>8}{'RSS GB':>8}{'tokens/s':>10}{'ms/token':>10}"
+          f"{'x f32':>7}{'MB/token':>10}{'GB/s':>7}   target")
+    for t in engines:
+        rate = statistics.median(ours[t])
+        ratio = rate / base
+        rss, peak = rss_of(paths[t])
+        mb = (read[t] + kv) / 1e6
+        passed, verdict = judge(ratio, DECODE_TARGETS.get(t))
+        ok = ok and passed
+        print(f"  {t:<8}{paths[t].stat().st_size / 1e9:>8.3f}{rss:>8.3f}{rate:>10.2f}"
+              f"{1e3 / rate:>10.2f}{ratio:>6.2f}x{mb:>10.0f}{mb * rate / 1e3:>7.1f}   {verdict}")
+        print(f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
+              f"{statistics.median(times[t]) * 1e3:.2f} ms; per round: "
+              + ", ".join(f"{r:.2f}" for r in ours[t]) + ")")
+    base_rss, _ = rss_of(None)
+    print(f"  RSS of a process that only imports the engine: {base_rss:.3f} GB")
+    if llama_cpp is not None:
+        print("  against llama.cpp (llama-bench -t 1 on the same file, rounds interleaved):")
+        for t, rates in theirs.items():
+            ratio = statistics.median([a / b for a, b in zip(ours[t], rates, strict=True)])
+            passed, verdict = judge(ratio, LLAMA_TARGETS.get(t))
+            ok = ok and passed
+            print(f"  {t:<8} llama.cpp {statistics.median(rates):8.2f} tokens/s, Foundry "
+                  f"{statistics.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict}")
+    return ok
 
 
 def main() -> None:
@@ -190,16 +311,29 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave malloc as it is instead of T.retain_freed_memory()")
+    ap.add_argument("--decode-only", action="store_true", help="skip the training benchmark")
+    ap.add_argument("--types", default="f16,q8_0,q4_0",
+                    help="stored types to decode against f32 (q4_k_m needs --llama-cpp)")
+    ap.add_argument("--rounds", type=int, default=3, help="decode rounds per type (default 3)")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp"),
+                    help="where the model files are written once and reused (default /tmp)")
+    ap.add_argument("--llama-cpp", type=Path, default=None,
+                    help="llama.cpp build folder with llama-quantize and llama-bench: quantize "
+                         "with llama-quantize and measure llama.cpp on the same files")
+    ap.add_argument("--cores", default=None, help="pin to these cores (e.g. 2)")
     args = ap.parse_args()
     retained = not args.default_malloc and T.retain_freed_memory()
     print(f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
           f"(process-wide, applies to numpy and torch alike)")
-    if args.quick:
-        ok = bench_training(preset("tiny"), batch=4, seq=64, reps=5)
-        bench_decode(preset("small"), prompt_len=16, n_tokens=16)
-    else:
-        ok = bench_training(preset("small"), batch=8, seq=128, reps=15)
-        bench_decode(preset("bench"), prompt_len=64, n_tokens=64)
+    if args.cores:
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
+    ok = True
+    if not args.decode_only:
+        ok = (bench_training(preset("tiny"), batch=4, seq=64, reps=5) if args.quick
+              else bench_training(preset("small"), batch=8, seq=128, reps=15))
+    cfg, prompt, n = (preset("small"), 16, 16) if args.quick else (preset("bench"), 64, 64)
+    ok = bench_decode(cfg, args.types.split(","), prompt, n, args.model_dir, args.llama_cpp,
+                      args.rounds) and ok
     raise SystemExit(0 if ok else 1)
 
 

@@ -1002,7 +1002,7 @@ def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: flo
         fp = corpus.fingerprint
         frames = FdtcFrames(ModelConfig(), fp.n_tokens, bytes.fromhex(fp.sha256))
         header = load_gguf(stack.model, select=lambda name, view: None)
-        identity = identity_for(stack.model, header.cfg, header.metadata, header.cfg.n_ctx)
+        identity = identity_for(stack.model, header.cfg, header.cfg.n_ctx)
         targets: list[Target] = [
             WorkerPortTarget(stack.worker_port, frames),
             AdminPortTarget(stack.admin_port, frames),

@@ -1,7 +1,8 @@
 """The tensor-parallel pair against one process, measured in one run, for each expert split.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp.py [--preset bench|small] [--tokens 64]
-        [--expert-split both|experts|intermediate]
+        [--expert-split both|experts|intermediate] [--type f32|f16|q8_0|q4_0]
+        [--link 1gbit [--ip ip] [--tc tc]]
 
 For each expert split (``experts``: each rank holds half of the experts whole; ``intermediate``:
 each rank holds half of every expert's intermediate size), one after the other:
@@ -24,6 +25,14 @@ each rank holds half of every expert's intermediate size), one after the other:
    worker's LOGITS half: 28-byte header + 4 + 4 n_vocab/2 bytes).
 4. Speculative decoding's speed-up on repetitive text (full-prefix mode against off, same
    prompt, twice as many tokens, identical output required).
+5. With ``--link RATE`` (as root): the pair once more over TCP, each rank in a network
+   namespace of its own, joined by a veth pair shaped to RATE by ``tc tbf`` in both
+   directions (the leader's namespace holds this process's frontend client too). Target at
+   1gbit: the pair at least 1.4x the one process. The tokens must equal the one process's.
+
+``--type`` stores the model as f16, q8_0 or q4_0 (``foundry export --type``): both the one
+process and the ranks then hold it in that type and multiply with the block kernels, and the
+pair's tokens must still equal the one process's.
 
 The ``bench`` preset (~1.7 GB of float32 weights: decode is bound by memory bandwidth) is
 built in memory from a seeded normal * 0.02 and written to /tmp once (reused afterwards);
@@ -39,11 +48,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLA
 
 import argparse
 import asyncio
+import ctypes
 import json
 import multiprocessing as mp
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +68,7 @@ from tp_gates import cores, pin, raw_exchange
 
 from foundry.model.config import PRESETS, ModelConfig
 from foundry.model.data import encode
-from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.gguf_io import FILE_DTYPES, FileDType, load_gguf, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
 from foundry.model.tp_split import ExpertSplit
@@ -69,6 +80,9 @@ from foundry.wire import frontend as fw
 from foundry.wire.tp import GATE_HEADER_SIZE, Gate
 
 SPEEDUP_TARGET = 1.6
+LINK_TARGET = 1.4  # the pair over a 1 Gb/s shaped link, against the one process
+LINK_SUBNET = "10.77.0"
+CLONE_NEWNET = 0x40000000
 GATE_TARGET = 2.0
 PROMPT = "Tensor parallel decoding splits every layer in two halves. "
 REPETITIVE = "for i in range(10):\n    print(i)\n" * 6
@@ -77,8 +91,9 @@ RAW_ITERS, RAW_WARMUP = 3000, 300
 WORKER_STOP_S = 30.0
 
 
-def build_model(cfg: ModelConfig, path: Path, seed: int) -> float:
-    """Write a random model (seeded normal * 0.02, norms 1) unless the file is already there."""
+def build_model(cfg: ModelConfig, path: Path, seed: int, dtype: FileDType = "f32") -> float:
+    """Write a random model (seeded normal * 0.02, norms 1), stored as ``dtype``, unless the
+    file is already there."""
     if path.exists():
         try:
             if load_gguf(path, select=lambda n, v: None).cfg == cfg:
@@ -95,7 +110,7 @@ def build_model(cfg: ModelConfig, path: Path, seed: int) -> float:
             w = rng.standard_normal(shape, dtype=np.float32)
             w *= np.float32(0.02)
             params[name] = w
-    save_gguf(path, cfg, params)
+    save_gguf(path, cfg, params, dtype=dtype)
     return time.perf_counter() - t0
 
 
@@ -104,7 +119,7 @@ def single_process(
 ) -> tuple[list[int], float, dict[str, float]]:
     """Greedy decode in one process: the tokens, the decode tokens/s (after the prompt), and
     the balance of the two halves it evaluates (see ``Balance``)."""
-    m = load_gguf(model)
+    m = load_gguf_stored(model)
     engine = Engine(m.cfg, m.params, expert_split=mode)
     del m
     s = engine.new_session()
@@ -203,15 +218,19 @@ class InProcessLeader:
 
 
 def worker_main(
-    model: str, port: int, core: int | None, shm: bool, trace: str, mode: str
+    model: str, port: int, core: int | None, shm: bool, trace: str, mode: str,
+    netns: str | None = None, host: str = "127.0.0.1",
 ) -> None:
-    """The worker rank (a spawned process): pinned, one BLAS thread; on SIGTERM it stops and
-    saves its gate times (gate, seconds) to ``trace``, in the pair's gate order."""
+    """The worker rank (a spawned process): pinned, one BLAS thread, in network namespace
+    ``netns`` if given; on SIGTERM it stops and saves its gate times (gate, seconds) to
+    ``trace``, in the pair's gate order."""
     pin(core)
+    if netns is not None:
+        enter_netns(f"/var/run/netns/{netns}")
     limit_blas_threads(1)
     times: list[tuple[int, float]] = []
-    worker = Worker(WorkerOptions(model=Path(model), leader_port=port, shm=shm, retry_max_s=0.2,
-                                  expert_split=ExpertSplit(mode)))
+    worker = Worker(WorkerOptions(model=Path(model), leader_host=host, leader_port=port,
+                                  shm=shm, retry_max_s=0.2, expert_split=ExpertSplit(mode)))
     record = worker._on_gate
 
     def on_gate(gate: Gate, seconds: float, nbytes: int) -> None:
@@ -226,10 +245,11 @@ def worker_main(
 
 class WorkerProc:
     def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path,
-                 mode: ExpertSplit) -> None:
+                 mode: ExpertSplit, netns: str | None = None, host: str = "127.0.0.1") -> None:
         self.trace = trace
         self.proc = mp.get_context("spawn").Process(
-            target=worker_main, args=(str(model), port, core, shm, str(trace), mode.value)
+            target=worker_main,
+            args=(str(model), port, core, shm, str(trace), mode.value, netns, host),
         )
         self.proc.start()
 
@@ -242,6 +262,95 @@ class WorkerProc:
             self.proc.join()
             return []
         return [(Gate(int(g)), float(t)) for g, t in np.load(self.trace)]
+
+
+def enter_netns(path: str) -> None:
+    """Move the calling thread (and the threads and processes it starts later) into the network
+    namespace at ``path`` (a /var/run/netns entry, or /proc/self/ns/net to come back)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+class Link:
+    """Two network namespaces joined by a veth pair, each end shaped by ``tc tbf`` to the
+    rate (what each side sends), addresses LINK_SUBNET.1 (leader) and .2 (worker)."""
+
+    def __init__(self, rate: str, ip: str, tc: str) -> None:
+        self.rate, self.ip, self.tc = rate, ip, tc
+        self.names = (f"fq{os.getpid()}-leader", f"fq{os.getpid()}-worker")
+        self.made: list[str] = []
+
+    def _run(self, *argv: str) -> None:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    def up(self) -> None:
+        for name in self.names:
+            self._run(self.ip, "netns", "add", name)
+            self.made.append(name)
+            self._run(self.ip, "-n", name, "link", "set", "lo", "up")
+        lead, work = self.names
+        self._run(self.ip, "-n", lead, "link", "add", "eth0", "type", "veth", "peer", "name",
+                  "eth0", "netns", work)
+        bits = {"k": 10**3, "m": 10**6, "g": 10**9}[self.rate.rstrip("bit")[-1]]
+        rate_bps = int(self.rate.rstrip("bit")[:-1]) * bits
+        # Burst: 10 ms at the rate, and never below a 64 KiB GSO segment (veth sends those).
+        burst = max(rate_bps // 8 // 100, 96 * 1024)
+        for i, name in enumerate(self.names):
+            self._run(self.ip, "-n", name, "addr", "add", f"{LINK_SUBNET}.{i + 1}/24", "dev",
+                      "eth0")
+            self._run(self.ip, "-n", name, "link", "set", "eth0", "up")
+            self._run(self.tc, "-n", name, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                      self.rate, "burst", str(burst), "latency", "20ms")
+
+    def down(self) -> None:
+        for name in reversed(self.made):
+            subprocess.run([self.ip, "netns", "del", name], capture_output=True)
+        self.made.clear()
+
+
+def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tokens: list[int],
+               one_rate: float, core_b: int | None, tmp: Path, link: Link) -> dict[str, object]:
+    """The pair over TCP across the shaped link: this process (leader and frontend client) in
+    the leader's namespace, the worker in its own."""
+    tag = f"[{mode.value}]"
+    link.up()
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        enter_netns(f"/var/run/netns/{link.names[0]}")
+        leader = InProcessLeader(LeaderOptions(model=model, host=f"{LINK_SUBNET}.1", port=0,
+                                               frontend_port=0, spec_mode=SpecMode.OFF,
+                                               expert_split=mode))
+        lead = leader.leader
+        worker = WorkerProc(model, lead.port, core_b, False, tmp / f"link-{mode.value}.npy", mode,
+                            netns=link.names[1], host=f"{LINK_SUBNET}.1")
+        try:
+            wait_paired(lead, shm=False)
+            generate(lead.frontend_port, prompt, 4)  # warm-up
+            got, times = generate(lead.frontend_port, prompt, tokens)
+        finally:
+            worker.stop()
+            leader.stop()
+    finally:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.setns(home, CLONE_NEWNET)
+        os.close(home)
+        link.down()
+    link_rate = rate(times)
+    speedup = link_rate / one_rate
+    same = got == one_tokens
+    passed = speedup >= LINK_TARGET and same
+    print(f"{tag} pair, TCP over a {link.rate} tbf-shaped veth between two namespaces: "
+          f"{link_rate:.2f} tokens/s  speed-up {speedup:.2f}x (target >= {LINK_TARGET}x) "
+          f"{'PASS' if passed else 'FAIL'}{'' if same else '  (tokens differ from one process!)'}")
+    return {"pair_link_tokens_per_s": link_rate, "speedup_link": speedup,
+            "same_tokens_link": same, "link_pass": passed}
 
 
 def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
@@ -290,6 +399,8 @@ def counters(leader: Leader) -> dict[str, float]:
 
 
 def percentiles_us(values: list[float]) -> tuple[float, float]:
+    if not values:  # a rank whose gate trace was lost (it did not stop in time)
+        return float("nan"), float("nan")
     arr = np.asarray(values) * 1e6
     return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
 
@@ -341,7 +452,7 @@ class ModeRun:
 
 
 def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: list[int],
-               tokens: int, core_b: int | None, tmp: Path) -> ModeRun:
+               tokens: int, core_b: int | None, tmp: Path, link: Link | None) -> ModeRun:
     """One process, then the pair over shared memory (bytes, speculative decoding), then over
     TCP, all with the experts cut by ``mode``."""
     tag = f"[{mode.value}]"
@@ -441,6 +552,10 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         leader.stop()
     tcp_pairs = list(zip(lead.gate_latencies()[start_tcp:], tcp_worker, strict=False))
     tcp_pairs = tcp_pairs[n_trace - start_tcp : n_trace - start_tcp + len(tcp_gates)]
+    if link is not None:
+        shaped = bench_link(model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link)
+        ok = ok and bool(shaped["link_pass"])
+        results.update(shaped)
     return ModeRun(mode, results, ok, shm_pairs, tcp_pairs)
 
 
@@ -454,14 +569,24 @@ def main() -> int:
                         choices=["both", *(m.value for m in ExpertSplit)],
                         help="the expert split(s) to measure, one after the other (default both)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--type", default="f32", choices=FILE_DTYPES,
+                        help="store the built model as this type (default f32)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="also run the pair across two namespaces shaped to RATE, e.g. "
+                             "1gbit (needs root, ip and tc)")
+    parser.add_argument("--ip", default="ip", help="the ip command (iproute2)")
+    parser.add_argument("--tc", default="tc", help="the tc command (iproute2)")
     args = parser.parse_args()
     started = time.monotonic()
     limit_blas_threads(1)
     pair_cores = cores()
     core_a, core_b = (pair_cores[0], pair_cores[1]) if pair_cores else (None, None)
     pin(core_a)
-    model = args.model or Path(f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}.gguf")
-    built = build_model(PRESETS[args.preset], model, args.seed) if args.model is None else 0.0
+    model = args.model or Path(
+        f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}-{args.type}.gguf")
+    built = (build_model(PRESETS[args.preset], model, args.seed, args.type)
+             if args.model is None else 0.0)
+    link = Link(args.link, args.ip, args.tc) if args.link else None
     cfg = load_gguf(model, select=lambda n, v: None).cfg
     print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
           f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
@@ -469,9 +594,10 @@ def main() -> int:
     modes = list(ExpertSplit) if args.expert_split == "both" else [ExpertSplit(args.expert_split)]
 
     tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
-    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp) for mode in modes]
+    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp, link)
+            for mode in modes]
     ok = all(run.ok for run in runs)
-    results: dict[str, object] = {"preset": args.preset,
+    results: dict[str, object] = {"preset": args.preset, "type": args.type,
                                   **{run.mode.value: run.results for run in runs}}
 
     raw = raw_pingpong(GATE_HEADER_SIZE + 4 * cfg.n_embd, core_b)
@@ -509,12 +635,13 @@ def main() -> int:
 
     print("decode tokens/s, greedy, speculative decoding off:")
     print(f"  {'expert split':<14}{'one process':>12}{'pair shm':>10}{'pair tcp':>10}"
-          f"{'speed-up':>10}{'bound':>8}")
+          f"{'speed-up':>10}{'bound':>8}{f'tcp {args.link}' if link else '':>12}")
     for run in runs:
         r = {k: v for k, v in run.results.items() if isinstance(v, float)}
+        shaped = f"{r['pair_link_tokens_per_s']:>12.2f}" if link else ""
         print(f"  {run.mode.value:<14}{r['one_process_tokens_per_s']:>12.2f}"
               f"{r['pair_tokens_per_s']:>10.2f}{r['pair_tcp_tokens_per_s']:>10.2f}"
-              f"{max(r['speedup'], r['speedup_tcp']):>9.2f}x{r['balance_bound']:>7.2f}x")
+              f"{max(r['speedup'], r['speedup_tcp']):>9.2f}x{r['balance_bound']:>7.2f}x{shaped}")
     results.update(raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok,
                    seconds=time.monotonic() - started)
     print(f"took {time.monotonic() - started:.0f} s; overall {'PASS' if ok else 'FAIL'}")

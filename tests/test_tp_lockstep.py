@@ -22,6 +22,7 @@ import pytest
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig
 from foundry.model.inference import Engine
+from foundry.model.quant import Param, QType, quantize
 from foundry.model.tp_split import rank_weights
 from foundry.tp.handshake import exchange_hellos
 from foundry.tp.link import ControlLink
@@ -63,11 +64,16 @@ class Alone:
 
 
 class Pair:
-    def __init__(self) -> None:
+    def __init__(self, qtype: QType | None = None) -> None:
+        """Two ranks of a random model; with ``qtype`` its matrices stored in that type."""
         rng = np.random.default_rng(1)
-        self.params = T.init_params(CFG, seed=3)
-        for p in self.params.values():
+        f32 = T.init_params(CFG, seed=3)
+        for p in f32.values():
             p += np.float32(0.1) * rng.standard_normal(p.shape, dtype=np.float32)
+        self.params: dict[str, Param] = {
+            n: quantize(p, qtype) if qtype and p.ndim > 1 and "gate_inp" not in n else p
+            for n, p in f32.items()
+        }
         barrier = threading.Barrier(2, timeout=30)
         slots: list[Any] = [None, None]
         self.ranks = []
@@ -93,8 +99,9 @@ def chunks(size: int) -> Callable[[int, int], int | None]:
     return lambda current, total: min(current + size, total)
 
 
-def test_commands_match_one_process_bit_for_bit() -> None:
-    pair = Pair()
+@pytest.mark.parametrize("qtype", [None, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0])
+def test_commands_match_one_process_bit_for_bit(qtype: QType | None) -> None:
+    pair = Pair(qtype)
     ref = Engine(CFG, pair.params)
     a, b = ref.new_session(), ref.new_session()
     prompt_a, prompt_b = list(range(10, 31)), list(range(40, 49))

@@ -32,7 +32,7 @@ from tp_harness import (
 
 from foundry.model.config import ModelConfig
 from foundry.model.data import decode
-from foundry.model.gguf_io import load_gguf
+from foundry.model.gguf_io import FileDType, load_gguf
 from foundry.model.tp_split import ExpertSplit
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
@@ -72,8 +72,12 @@ def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lead
         assert worker.exit_code() == 0, worker.text()  # the leader's STOP ends the worker
 
 
-def test_pair_logits_equal_one_process(model: Path, tmp_path: Path) -> None:
-    """Prefill plus 80 greedy tokens: the leader's full logits rows against world 1."""
+@pytest.mark.parametrize("dtype", ["f32", "q8_0", "q4_0"])
+def test_pair_logits_equal_one_process(model: Path, tmp_path: Path, dtype: FileDType) -> None:
+    """Prefill plus 80 greedy tokens: the leader's full logits rows against world 1. On a
+    quantized file each rank holds its half in the stored blocks."""
+    if dtype != "f32":
+        model = make_model(tmp_path / f"model-{dtype}.gguf", dtype=dtype)
     limit_blas_threads(1)
     rows: list[np.ndarray] = []
     leader = InProcessLeader(
@@ -482,7 +486,7 @@ def test_a_worker_that_sends_garbage_after_the_hello_is_dropped(
     """A peer that passes the bring-up, then breaks the protocol: the leader drops it, fails
     the request in flight, and pairs with the next worker."""
     header = load_gguf(model, select=lambda name, view: None)
-    identity = identity_for(model, header.cfg, header.metadata, header.cfg.n_ctx)
+    identity = identity_for(model, header.cfg, header.cfg.n_ctx)
     leader = start_leader(model, tmp_path / "leader.log", "--no-shm")
     worker = None
     try:

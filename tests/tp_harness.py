@@ -28,7 +28,7 @@ import numpy.typing as npt
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig
 from foundry.model.data import encode
-from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.gguf_io import FileDType, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
 from foundry.model.tp_split import ExpertSplit
@@ -44,13 +44,16 @@ LEADER_LINE = re.compile(
 CFG = ModelConfig(n_ctx=256)  # the tiny preset: 2 layers, n_embd 64, 4 experts
 
 
-def make_model(path: Path, cfg: ModelConfig = CFG, seed: int = 0) -> Path:
-    """A random model, perturbed beyond its init so routing and attention vary per token."""
+def make_model(
+    path: Path, cfg: ModelConfig = CFG, seed: int = 0, dtype: FileDType = "f32"
+) -> Path:
+    """A random model, perturbed beyond its init so routing and attention vary per token,
+    stored as ``dtype``."""
     rng = np.random.default_rng(seed + 100)
     params = T.init_params(cfg, seed=seed)
     for p in params.values():
         p += np.float32(0.1) * rng.standard_normal(p.shape, dtype=np.float32)
-    save_gguf(path, cfg, params)
+    save_gguf(path, cfg, params, dtype=dtype)
     return path
 
 
@@ -69,7 +72,7 @@ class Reference:
 def reference_greedy(
     model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
 ) -> Reference:
-    m = load_gguf(model)
+    m = load_gguf_stored(model)
     engine = Engine(m.cfg, m.params, expert_split=expert_split)
     s = engine.new_session()
     ids = tokens_of(prompt)

@@ -16,6 +16,7 @@ from foundry.commands.common import (
     positive_int,
 )
 from foundry.model.config import PRESETS
+from foundry.model.gguf_io import FILE_DTYPES
 
 log = logging.getLogger("foundry.train")
 
@@ -31,7 +32,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     init.add_argument("--out", type=Path, required=True, help="GGUF file to write")
     init.add_argument("--seed", type=nonneg_int, default=0, help="init seed (default 0)")
-    init.add_argument("--dtype", default="f32", choices=["f32", "f16"], help="tensor type")
+    init.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
+                      help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
     init.set_defaults(func=run_init)
 
     t = sub.add_parser(
@@ -192,12 +194,12 @@ def _train(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from foundry.model.data import StreamDecoder
     from foundry.model.generate import generate_tokens
-    from foundry.model.gguf_io import GGUFError, load_gguf
+    from foundry.model.gguf_io import GGUFError, load_gguf_stored
     from foundry.model.inference import Engine
     from foundry.model.sampling import SamplingError
 
     try:
-        loaded = load_gguf(args.model)
+        loaded = load_gguf_stored(args.model)
     except (GGUFError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from foundry.commands.common import (
     tls_note,
 )
 from foundry.model.config import PRESETS, preset
+from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.wire.fdtc import Compression
@@ -118,7 +119,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     e.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file or folder")
     e.add_argument("--out", type=Path, required=True, help="GGUF file to write")
-    e.add_argument("--dtype", default="f32", choices=["f32", "f16"], help="tensor type")
+    e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
+                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
     e.set_defaults(func=run_export)
 
 

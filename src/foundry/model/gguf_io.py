@@ -3,7 +3,8 @@
 What a file holds
 -----------------
 - ``general.architecture = "llama"``, ``general.name``, ``general.file_type`` (0 all f32,
-  1 mostly f16).
+  1 mostly f16, 7 mostly Q8_0, 2 mostly Q4_0: llama.cpp's ``LlamaFileType``), and in a quantized
+  file ``general.quantization_version`` 2.
 - Hyper-parameters under ``llama.``: ``context_length`` (n_ctx), ``embedding_length``,
   ``block_count``, ``feed_forward_length`` (routed expert n_ff), ``attention.head_count``,
   ``attention.head_count_kv``, ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``,
@@ -18,9 +19,19 @@ What a file holds
   its own tokenization of a prompt differs from ours at spaces; give it token ids to compare.
 - One tensor per entry of :meth:`ModelConfig.param_shapes`, under the same name, in the same
   order. Arrays are numpy (out, in); gguf-py writes the reversed dims, so ggml sees
-  ``token_embd`` as ne = [n_embd, n_vocab]. In an f16 file the norm vectors and the router
-  (``ffn_gate_inp``) stay f32, as llama.cpp's converter keeps them: top-k routing is sensitive
-  to the router's rounding.
+  ``token_embd`` as ne = [n_embd, n_vocab]. In an f16 or quantized file the norm vectors and
+  the router (``ffn_gate_inp``) stay f32, as llama.cpp's converter and ``llama-quantize`` keep
+  them: top-k routing is sensitive to the router's rounding. A quantized file (``q8_0``,
+  ``q4_0``, quantized by the ``gguf`` package) stores every other tensor in that type, as
+  ``llama-quantize`` does, except where a row is not whole blocks of 32 (then f16, its last
+  fallback too) and the output head of ``q4_0``, which llama.cpp makes Q6_K and we make Q8_0
+  (the ``gguf`` package writes no K-quants).
+
+``load_gguf`` gives float32 arrays; ``load_gguf_stored`` keeps every F16 and block-quantized tensor
+as a :class:`~foundry.model.quant.QTensor` in its stored type (norms and routers always float32),
+so a model holds about its file size in memory. Any type of :data:`quant.SUPPORTED` is read,
+which covers files that ``llama-quantize`` wrote (Q8_0, Q4_0, and Q4_K_M's Q4_K/Q5_K/Q6_K with
+their Q5_0/Q5_1/Q8_0 fallbacks).
 
 Reading checks everything against the config rebuilt from the metadata and raises
 :class:`GGUFError` naming the key, tensor, shape or type that does not fit. Files are written
@@ -35,12 +46,13 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model import quant
 from foundry.model.config import (
     BOS_ID,
     EOS_ID,
@@ -57,10 +69,12 @@ GGUF_MAGIC_BYTES = b"GGUF"
 # small enough to stay out of the way of a Raspberry Pi's memory.
 _HASH_CHUNK = 1 << 20
 
-FileDType = Literal["f32", "f16"]
+FileDType = Literal["f32", "f16", "q8_0", "q4_0"]
+FILE_DTYPES: tuple[FileDType, ...] = ("f32", "f16", "q8_0", "q4_0")
 F32Array = npt.NDArray[np.float32]
-# (tensor name, read-only memory-mapped view in file dtype) -> the part to keep, or None.
-Selector = Callable[[str, npt.NDArray[Any]], npt.NDArray[Any] | None]
+# (tensor name, read-only memory-mapped tensor: float32 numpy for F32, else a QTensor over the
+# file's bytes) -> the part to keep, or None.
+Selector = Callable[[str, quant.Param], quant.Param | None]
 
 TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(N_BYTE_TOKENS)))
 _T = gguf.TokenType
@@ -86,21 +100,36 @@ _CONFIG_KEYS: dict[str, tuple[str, int | float | None]] = {
 _KEY_ROPE_DIM = f"{ARCH}.rope.dimension_count"
 _KEY_VOCAB = f"{ARCH}.vocab_size"
 
+_QT = gguf.GGMLQuantizationType
 _FILE_TYPES: dict[FileDType, int] = {
     "f32": int(gguf.LlamaFileType.ALL_F32),
     "f16": int(gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": int(gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": int(gguf.LlamaFileType.MOSTLY_Q4_0),
 }
-_READABLE = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+# The storage type of the big tensors of each file type, and of its output head.
+_STORE: dict[FileDType, tuple[gguf.GGMLQuantizationType, gguf.GGMLQuantizationType]] = {
+    "f32": (_QT.F32, _QT.F32),
+    "f16": (_QT.F16, _QT.F16),
+    "q8_0": (_QT.Q8_0, _QT.Q8_0),
+    "q4_0": (_QT.Q4_0, _QT.Q8_0),
+}
+_READABLE = {_QT.F32, *quant.SUPPORTED}
 
 
 class GGUFError(ValueError):
     """A GGUF file that is not a Foundry model: names the key, tensor or shape at fault."""
 
 
+P = TypeVar("P", F32Array, quant.Param)
+
+
 @dataclass(frozen=True)
-class LoadedModel:
+class LoadedModel(Generic[P]):
     cfg: ModelConfig
-    params: dict[str, F32Array]  # f32, in param order; only the selected ones when selecting
+    # In param order; only the selected ones when selecting. float32 (load_gguf), or QTensors
+    # for the tensors stored in another type (load_gguf_stored).
+    params: dict[str, P]
     metadata: dict[str, Any]  # every key-value pair of the file, plain Python values
 
 
@@ -108,7 +137,17 @@ def _keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
 
 
-def _check_params(cfg: ModelConfig, params: Mapping[str, npt.NDArray[Any]]) -> None:
+def storage_type(dtype: FileDType, name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
+    """The type a tensor gets in a file of type ``dtype`` (see the module docstring)."""
+    if _keeps_f32(name, shape):
+        return _QT.F32
+    qtype = _STORE[dtype][1 if name == "output.weight" else 0]
+    if shape[-1] % quant.block_values(qtype):
+        return _QT.F16
+    return qtype
+
+
+def _check_params(cfg: ModelConfig, params: Mapping[str, quant.Param]) -> None:
     shapes = cfg.param_shapes()
     missing = [n for n in shapes if n not in params]
     extra = [n for n in params if n not in shapes]
@@ -130,11 +169,14 @@ def _fsync_dir(directory: Path) -> None:
 def save_gguf(
     path: str | Path,
     cfg: ModelConfig,
-    params: Mapping[str, npt.NDArray[Any]],
+    params: Mapping[str, quant.Param],
     dtype: FileDType = "f32",
     name: str = "foundry",
 ) -> None:
-    """Write the model as a GGUF file llama.cpp can load (atomically: temp file + rename)."""
+    """Write the model as a GGUF file llama.cpp can load (atomically: temp file + rename).
+
+    float32 parameters are stored as ``dtype`` says (module docstring); a QTensor is written in
+    the type it already has (a file read with ``load_gguf_stored`` writes back unchanged)."""
     if dtype not in _FILE_TYPES:
         raise GGUFError(f"dtype must be one of {sorted(_FILE_TYPES)}, got {dtype!r}")
     if not name:
@@ -169,9 +211,21 @@ def save_gguf(
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
+    if dtype not in ("f32", "f16"):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for pname, shape in cfg.param_shapes().items():
-        store = np.float32 if dtype == "f32" or _keeps_f32(pname, shape) else np.float16
-        w.add_tensor(pname, np.ascontiguousarray(params[pname], dtype=store))
+        stored = params[pname]
+        if isinstance(stored, quant.QTensor):  # already in a storage type: written as it is
+            w.add_tensor(pname, stored.data, raw_dtype=stored.qtype)
+            continue
+        qtype = storage_type(dtype, pname, shape)
+        value = stored
+        if qtype == _QT.F32:
+            w.add_tensor(pname, np.ascontiguousarray(value, dtype=np.float32))
+        elif qtype == _QT.F16:
+            w.add_tensor(pname, np.ascontiguousarray(value, dtype=np.float16))
+        else:
+            w.add_tensor(pname, quant.quantize(value, qtype).data, raw_dtype=qtype)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -263,16 +317,34 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         ) from exc
 
 
-def load_gguf(path: str | Path, select: Selector | None = None) -> LoadedModel:
-    """Read and check a Foundry GGUF model; tensors come back as f32 numpy arrays.
+def load_gguf(path: str | Path, select: Selector | None = None) -> LoadedModel[F32Array]:
+    """Read and check a Foundry GGUF model; tensors come back as f32 numpy arrays (any stored
+    type dequantized: what training and the reference engine take).
 
     ``select`` lets a caller take only what it needs: it is called with each tensor's name and
-    a read-only view of the memory-mapped file (numpy shape, file dtype) and returns the part
-    to keep (a slice of the view, e.g. one rank's experts) or None to skip the tensor. Only
-    the returned part is read from disk and converted. Every tensor's presence, type and shape
-    is checked whatever is selected.
+    a read-only view of the memory-mapped file (numpy float32 for F32 tensors, a QTensor over
+    the file's bytes otherwise) and returns the part to keep (a slice of the view, e.g. one
+    rank's experts, or ``QTensor.take`` of whole blocks) or None to skip the tensor. Only the
+    returned part is read from disk and copied. Every tensor's presence, type and shape is
+    checked whatever is selected.
     """
-    path = Path(path)
+    cfg, params, meta = _load(Path(path), select, keep_quantized=False)
+    return LoadedModel(cfg, {n: quant.dequantize(p) for n, p in params.items()}, meta)
+
+
+def load_gguf_stored(
+    path: str | Path, select: Selector | None = None
+) -> LoadedModel[quant.Param]:
+    """As :func:`load_gguf`, but every tensor stored in another type than F32 stays in it (a
+    QTensor; norms and routers are always float32): a model in about its file's size of memory,
+    for the inference engine."""
+    cfg, params, meta = _load(Path(path), select, keep_quantized=True)
+    return LoadedModel(cfg, params, meta)
+
+
+def _load(
+    path: Path, select: Selector | None, keep_quantized: bool
+) -> tuple[ModelConfig, dict[str, quant.Param], dict[str, Any]]:
     reader = _open_reader(path)
     meta = _metadata(reader)
     cfg = config_from_metadata(meta, path)
@@ -281,23 +353,42 @@ def load_gguf(path: str | Path, select: Selector | None = None) -> LoadedModel:
     for tname in found:
         if tname not in shapes:
             raise GGUFError(f"{path}: unexpected tensor {tname!r} for this config")
-    params: dict[str, F32Array] = {}
+    params: dict[str, quant.Param] = {}
     for tname, shape in shapes.items():
         t = found.get(tname)
         if t is None:
             raise GGUFError(f"{path}: missing tensor {tname!r} (shape {shape})")
         if t.tensor_type not in _READABLE:
             raise GGUFError(
-                f"{path}: tensor {tname!r} has type {t.tensor_type.name}; "
-                "Foundry reads F32 and F16 tensors only"
+                f"{path}: tensor {tname!r} has type {t.tensor_type.name}; Foundry reads "
+                + ", ".join(q.name for q in sorted(_READABLE))
+                + " tensors (re-quantize the file to one of these, e.g. with llama-quantize)"
             )
         got = tuple(int(d) for d in reversed(t.shape.tolist()))
         if got != shape:
             raise GGUFError(f"{path}: tensor {tname!r} has shape {got}, expected {shape}")
-        view = t.data if select is None else select(tname, t.data)
+        stored = quant.from_stored(t.tensor_type, t.data)
+        view = stored if select is None else select(tname, stored)
         if view is not None:
-            params[tname] = np.array(view, dtype=np.float32, order="C")
-    return LoadedModel(cfg=cfg, params=params, metadata=meta)
+            params[tname] = _own_copy(view, keep_quantized and not _keeps_f32(tname, shape))
+    return cfg, params, meta
+
+
+def _own_copy(view: quant.Param, keep_quantized: bool) -> quant.Param:
+    """A tensor read off the memory-mapped file into memory of its own."""
+    if isinstance(view, np.ndarray):
+        return np.array(view, dtype=np.float32, order="C")
+    if not keep_quantized:
+        return view.dequantize()
+    return quant.QTensor(view.qtype, view.shape, np.array(view.data, order="C"))
+
+
+def values_by_type(path: str | Path) -> dict[gguf.GGMLQuantizationType, int]:
+    """How many weight values each storage type holds in a GGUF file (header only)."""
+    out: dict[gguf.GGMLQuantizationType, int] = {}
+    for t in _open_reader(Path(path)).tensors:
+        out[t.tensor_type] = out.get(t.tensor_type, 0) + int(t.n_elements)
+    return out
 
 
 def model_id(path: str | Path) -> int:

@@ -18,6 +18,12 @@ numbers is commutative and each part runs the same operations on the same data w
 process holds it, the TP pair's logits are bit-identical to the single process's (with the BLAS
 thread count fixed, as BLAS sums depend on how the work is split).
 
+Weights are float32 numpy arrays or, read by ``gguf_io.load_gguf_stored``, ``quant.QTensor`` blocks
+in the file's storage type (F16, Q8_0, Q4_0, the K-quants): every product goes through
+``quant.linear``, which reads the blocks in place. The kernels' dot products are deterministic
+and independent of the batch, so the pair equals the single process bit for bit on quantized
+files too.
+
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
 projection, norm, router and expert works on all rows stacked; attention runs per session
 against that session's cache. Caches are written during the pass, but positions advance only
@@ -35,6 +41,7 @@ import numpy.typing as npt
 
 from foundry.model import layers as L
 from foundry.model.config import ModelConfig
+from foundry.model.quant import Param, QTensor, dequantize, embed, linear
 from foundry.model.tp_split import (
     ExpertSplit,
     RankWeights,
@@ -92,14 +99,16 @@ class Engine:
     """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
 
     ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
-    an already cut ``RankWeights`` of the same rank and world. ``expert_split`` is how the
-    routed experts are cut (default: the ``RankWeights``' own, else ``EXPERTS``).
+    an already cut ``RankWeights`` of the same rank and world, held, not copied (its stored
+    Q/K/V and gate/up tensors become views of stacked buffers, see ``_fuse``).
+    ``expert_split`` is how the routed experts are cut (default: the ``RankWeights``' own,
+    else ``EXPERTS``).
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: Mapping[str, F32] | RankWeights,
+        weights: Mapping[str, Param] | RankWeights,
         rank: int = 0,
         world: int = 1,
         expert_split: ExpertSplit | None = None,
@@ -123,11 +132,13 @@ class Engine:
             self.parts: tuple[RankWeights, ...] = (weights,)
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
-            if world == 1 and _splits_in_two(cfg, mode):
-                self.parts = tuple(rank_weights(cfg, weights, r, 2, mode) for r in range(2))
-            else:
-                self.parts = (rank_weights(cfg, weights, rank, world, mode),)
+            self.parts = _cut(cfg, weights, rank, world, mode)
+        self.fused: list[dict[str, QTensor]] = [_fuse(cfg, part) for part in self.parts]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
+        # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
+        self.dense: dict[str, F32] = {
+            name: dequantize(p) for name, p in self.replicated.items() if _is_dense(name)
+        }
         self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
         self._cos, self._sin = L.rope_tables(cfg.n_ctx, cfg.head_dim, cfg.rope_theta)
 
@@ -162,12 +173,12 @@ class Engine:
         ``exchange`` is required for world > 1; a world-1 engine needs none (if given, it is
         called with the complete sums and its result used in their place).
         """
-        cfg, rp = self.cfg, self.replicated
+        cfg, rp = self.cfg, self.dense
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
         ids, pos, spans = self._check_rows(rows)
         cos, sin = self._cos[pos], self._sin[pos]  # (n, Dh/2) each
-        x = rp["token_embd.weight"][ids]  # (n, D)
+        x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             h, _ = L.rmsnorm_forward(x, rp[p + "attn_norm.weight"], cfg.norm_eps)  # (n, D)
@@ -181,7 +192,7 @@ class Engine:
             partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
             x += self._exchange(exchange, i, Gate.FFN, partial)
         hf, _ = L.rmsnorm_forward(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
-        head = [hf @ part.params["output.weight"].T for part in self.parts]  # (n, V_part) each
+        head = [linear(hf, part.params["output.weight"]) for part in self.parts]  # (n, V_part)
         logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)
@@ -232,9 +243,18 @@ class Engine:
         w = self.parts[j].params
         p = f"blk.{layer}."
         n, dh = h.shape[0], self.cfg.head_dim
-        q = (h @ w[p + "attn_q.weight"].T).reshape(n, -1, dh)  # (n, H_part, Dh)
-        k = (h @ w[p + "attn_k.weight"].T).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        qkv = self.fused[j].get(p + "qkv")
+        if qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
+            # is the same as alone)
+            nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
+            y = linear(h, qkv)  # (n, Q + K + V rows)
+            q = y[:, :nq].reshape(n, -1, dh)  # (n, H_part, Dh)
+            k = y[:, nq : nq + nk].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        else:
+            q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
+            k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         q = L.rope_forward(q, cos, sin)
         k = L.rope_forward(k, cos, sin)
         o = np.empty_like(q)  # (n, H_part, Dh)
@@ -246,7 +266,7 @@ class Engine:
             out, _ = L.attention_forward(q[None, a:b], kc[None, :end], vc[None, :end],
                                          offset=session.pos)  # (1, b-a, H_part, Dh)
             o[a:b] = out[0]
-        return o.reshape(n, -1) @ w[p + "attn_output.weight"].T  # (n, D)
+        return linear(o.reshape(n, -1), w[p + "attn_output.weight"])  # (n, D)
 
     def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
              top: npt.NDArray[np.int64]) -> F32:
@@ -257,16 +277,28 @@ class Engine:
         ``experts_forward`` evaluates every assignment on that block."""
         w = part.params
         p = f"blk.{layer}."
-        y, _ = L.experts_forward(
-            h, weights, top,
-            w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"],
-            w[p + "ffn_down_exps.weight"],
-            first_expert=part.layout.experts[0],
-        )  # (n, D)
+        k = top.shape[1]
+        w_gate, w_up, w_down = (w[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
+        j = next(i for i, held in enumerate(self.parts) if held is part)
+        gate_up = self.fused[j].get(p + "gate_up")
+        n_local, f = w_gate.shape[0], w_gate.shape[1]
+        order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
+        xs = h[order // k]  # (M, D)
+        ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
+        for e in range(n_local):
+            lo, hi = bounds[e], bounds[e + 1]
+            if lo == hi:
+                continue
+            if gate_up is not None:  # gate and up rows in one product
+                gu = linear(xs[lo:hi], gate_up[e])  # (M_e, 2F)
+                sg, _ = L.silu_and_sigmoid(gu[:, :f])  # (M_e, F)
+                ys[lo:hi] = linear(sg * gu[:, f:], w_down[e])  # (M_e, D)
+            else:
+                ys[lo:hi] = _swiglu(xs[lo:hi], w_gate[e], w_up[e], w_down[e])  # (M_e, D)
+        y = L.combine_expert_outputs(ys, weights, order)  # (n, D)
         if self.cfg.n_ff_shared:
-            ys, _ = L.swiglu_forward(h, w[p + "ffn_gate_shexp.weight"],
-                                     w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
-            y += ys
+            y += _swiglu(h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                         w[p + "ffn_down_shexp.weight"])  # (n, D)
         return y
 
     def _exchange(
@@ -283,12 +315,66 @@ class Engine:
         return total
 
 
-def _splits_in_two(cfg: ModelConfig, expert_split: ExpertSplit) -> bool:
-    try:
-        check_splittable(cfg, 2, expert_split)
-    except SplitError:
-        return False
-    return True
+def _is_dense(name: str) -> bool:
+    return name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight")
+
+
+def _swiglu(x: F32, w_gate: Param, w_up: Param, w_down: Param) -> F32:
+    """down(silu(gate x) * up x) for x (N, D): layers.swiglu_forward's operations, on float32
+    or stored weights."""
+    sg, _ = L.silu_and_sigmoid(linear(x, w_gate))  # (N, F)
+    return linear(sg * linear(x, w_up), w_down)  # (N, D)
+
+
+def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, QTensor]:
+    """Stack the rows of the products that read the same input, where they are stored in one
+    type: Q, K and V (``blk.N.qkv``) and each expert's gate and up (``blk.N.gate_up``, (E, 2F,
+    D)). Fewer calls, the same bits (every output row is its own dot product). The part's own
+    tensors are replaced, in its params, by views of the stacked ones (the same values), so
+    whoever else holds the part (a TP rank's loaded model) does not keep a second copy."""
+    params: dict[str, Param] = part.params
+    fused: dict[str, QTensor] = {}
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        q, k, v = (params[p + f"attn_{t}.weight"] for t in "qkv")
+        if _one_type(q, k, v):
+            assert isinstance(q, QTensor) and isinstance(k, QTensor) and isinstance(v, QTensor)
+            rows = np.concatenate([q.data, k.data, v.data])  # (Q + K + V, row bytes)
+            fused[p + "qkv"] = QTensor(q.qtype, (rows.shape[0], q.shape[1]), rows)
+            bounds = np.cumsum([0, q.shape[0], k.shape[0], v.shape[0]])
+            for t, x, a, b in zip("qkv", (q, k, v), bounds[:-1], bounds[1:], strict=True):
+                params[p + f"attn_{t}.weight"] = QTensor(x.qtype, x.shape, rows[a:b])
+        g, u = params[p + "ffn_gate_exps.weight"], params[p + "ffn_up_exps.weight"]
+        if _one_type(g, u):
+            assert isinstance(g, QTensor) and isinstance(u, QTensor)
+            rows = np.concatenate([g.data, u.data], axis=1)  # (E, 2F, row bytes)
+            e, f, d = g.shape
+            fused[p + "gate_up"] = QTensor(g.qtype, (e, 2 * f, d), rows)
+            params[p + "ffn_gate_exps.weight"] = QTensor(g.qtype, g.shape, rows[:, :f])
+            params[p + "ffn_up_exps.weight"] = QTensor(u.qtype, u.shape, rows[:, f:])
+    return fused
+
+
+def _one_type(*ps: Param) -> bool:
+    first = ps[0]
+    return isinstance(first, QTensor) and all(
+        isinstance(p, QTensor) and p.qtype == first.qtype for p in ps
+    )
+
+
+def _cut(
+    cfg: ModelConfig, weights: Mapping[str, Param], rank: int, world: int, mode: ExpertSplit
+) -> tuple[RankWeights, ...]:
+    """The parts an engine holds: rank's own, or for one process the two halves of the pair
+    it stands for (one part with everything when the model cannot be cut in two: a shape
+    check_splittable refuses, or stored blocks the cut would split)."""
+    if world == 1:
+        try:
+            check_splittable(cfg, 2, mode)
+            return tuple(rank_weights(cfg, weights, r, 2, mode) for r in range(2))
+        except SplitError:
+            pass
+    return (rank_weights(cfg, weights, rank, world, mode),)
 
 
 def _sum(partials: list[F32]) -> F32:

@@ -114,7 +114,8 @@ def attention_forward(
     vt = v.transpose(0, 2, 1, 3)  # (B, Hkv, S, Dh)
     scores = np.matmul(qg, kt.transpose(0, 1, 3, 2))  # (B, Hkv, G*T, S)
     scores *= scale  # (B, Hkv, G*T, S)
-    scores[..., causal_mask(g, t, s, offset)] = -np.inf  # future keys get probability 0
+    if s > offset + 1:  # some query row has future keys (never for one token at the end)
+        scores[..., causal_mask(g, t, s, offset)] = -np.inf  # future keys get probability 0
     scores -= scores.max(axis=-1, keepdims=True)  # (B, Hkv, G*T, S)
     p = np.exp(scores, out=scores)  # (B, Hkv, G*T, S)
     p /= p.sum(axis=-1, keepdims=True)  # (B, Hkv, G*T, S)
@@ -272,6 +273,31 @@ class ExpertsCache:
     w_down: F32  # (E_local, D, F)
 
 
+def expert_assignments(top: I64, first_expert: int, n_local: int) -> tuple[I64, I64]:
+    """The assignments (flat index n*K + j) to experts first_expert .. + n_local - 1, grouped
+    by expert: ``order`` (M,), and ``bounds`` (n_local + 1,) so that local expert e has
+    ``order[bounds[e]:bounds[e + 1]]``."""
+    local = top.ravel() - first_expert  # (N*K,) local expert id of each assignment
+    mine = np.flatnonzero((local >= 0) & (local < n_local))  # (M,)
+    order = mine[np.argsort(local[mine], kind="stable")]  # (M,) grouped by expert
+    counts = np.bincount(local[order], minlength=n_local)  # (E_local,)
+    bounds = np.concatenate(([0], np.cumsum(counts)))  # (E_local + 1,)
+    return order, bounds
+
+
+def combine_expert_outputs(ys: F32, weights: F32, order: I64) -> F32:
+    """sum_j weights[n, j] * (output of assignment n*K + j), slots summed in top-K order:
+    ys (M, D) unweighted outputs of the assignments ``order`` -> (N, D)."""
+    n, k = weights.shape
+    slots = np.zeros((n * k, ys.shape[1]), ys.dtype)  # (N*K, D)
+    slots[order] = ys * weights.ravel()[order][:, None]  # (M, D) weighted, into their slots
+    slots3 = slots.reshape(n, k, -1)  # (N, K, D)
+    y = slots3[:, 0].copy()  # (N, D)
+    for j in range(1, k):
+        y += slots3[:, j]  # (N, D)
+    return y
+
+
 def experts_forward(
     x: F32,
     weights: F32,
@@ -290,13 +316,9 @@ def experts_forward(
     share of the output, and the shares of all blocks sum to the whole.
     x (N, D), weights/top (N, K) -> (N, D), slots summed in top-K order.
     """
-    n, k = top.shape
+    k = top.shape[1]
     n_local = w_gate.shape[0]
-    local = top.ravel() - first_expert  # (N*K,) local expert id of each assignment
-    mine = np.flatnonzero((local >= 0) & (local < n_local))  # (M,)
-    order = mine[np.argsort(local[mine], kind="stable")]  # (M,) grouped by expert
-    counts = np.bincount(local[order], minlength=n_local)  # (E_local,)
-    bounds = np.concatenate(([0], np.cumsum(counts)))  # (E_local + 1,)
+    order, bounds = expert_assignments(top, first_expert, n_local)  # (M,), (E_local + 1,)
     xs = x[order // k]  # (M, D)
     m, f = order.shape[0], w_gate.shape[1]
     g = np.empty((m, f), x.dtype)  # (M, F)
@@ -313,12 +335,7 @@ def experts_forward(
         lo, hi = bounds[e], bounds[e + 1]
         if lo < hi:
             np.matmul(a[lo:hi], w_down[e].T, out=ys[lo:hi])  # (M_e, D)
-    slots = np.zeros((n * k, x.shape[1]), x.dtype)  # (N*K, D)
-    slots[order] = ys * weights.ravel()[order][:, None]  # (M, D) weighted, into their slots
-    slots3 = slots.reshape(n, k, -1)  # (N, K, D)
-    y = slots3[:, 0].copy()  # (N, D)
-    for j in range(1, k):
-        y += slots3[:, j]  # (N, D)
+    y = combine_expert_outputs(ys, weights, order)  # (N, D)
     cache = ExpertsCache(x, weights, order, bounds, xs, g, u, a, sig, ys, w_gate, w_up, w_down)
     return y, cache
 

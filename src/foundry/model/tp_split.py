@@ -31,6 +31,11 @@ What each rank computes with its slice, per layer:
 Embeddings and norms are replicated. Query head h reads kv head h // (n_head / n_head_kv), so a
 rank owning a contiguous block of whole kv heads owns exactly the query heads reading them: the
 split needs n_head_kv divisible by the world size.
+
+Weights kept in their stored type (``quant.QTensor``) are cut the same way, along whole blocks:
+a cut of the last axis (the COLUMN and EXPERT_COLUMN kinds, where the rank reads part of each
+row) must fall on a block boundary of the tensor's type, else :class:`SplitError` names the
+tensor and its block size. Cuts of the other axes take whole rows and never split a block.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.config import ConfigError, ModelConfig
+from foundry.model.quant import Param, QTensor
 
 F32 = npt.NDArray[np.float32]
 
@@ -256,24 +262,40 @@ def shard_shapes(
     return shapes
 
 
+def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
+    """The layout's part of one parameter, C-contiguous: a view where the cut allows it (rows,
+    experts, replicated), a copy for column cuts and for the intermediate cuts of the experts
+    (a block of every expert is not one contiguous block). float32 stays float32; stored blocks
+    stay blocks, cut only on block boundaries (SplitError otherwise)."""
+    index = shard_slice(name, len(value.shape), layout)
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value[index], dtype=np.float32)
+    cols = range(*index[-1].indices(value.shape[-1]))
+    if cols.start % value.block or cols.stop % value.block:
+        raise SplitError(
+            f"cannot split {name} ({value.qtype.name}, blocks of {value.block} values) for rank "
+            f"{layout.rank} of {layout.world}: its columns [{cols.start}, {cols.stop}) of "
+            f"{value.shape[-1]} do not start and end on a block boundary; use a model file whose "
+            f"split falls on whole blocks (another quantization type, or f16/f32)"
+        )
+    return value.take(index)
+
+
 def shard_params(
     cfg: ModelConfig,
-    params: Mapping[str, F32],
+    params: Mapping[str, Param],
     rank: int,
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
-) -> dict[str, F32]:
-    """Rank's part of every parameter, C-contiguous float32: a view where the cut allows it
-    (rows, experts, replicated), a copy for column cuts and for the intermediate cuts of the
-    experts (a block of every expert is not one contiguous block)."""
+) -> dict[str, Param]:
+    """Rank's part of every parameter (:func:`shard_part`)."""
     layout = rank_layout(cfg, rank, world, expert_split)
-    out: dict[str, F32] = {}
+    out: dict[str, Param] = {}
     for name, shape in cfg.param_shapes().items():
         value = params[name]
-        if value.shape != shape:
+        if tuple(value.shape) != shape:
             raise ValueError(f"parameter {name} has shape {value.shape}, expected {shape}")
-        part = value[shard_slice(name, len(shape), layout)]
-        out[name] = np.ascontiguousarray(part, dtype=np.float32)
+        out[name] = shard_part(name, value, layout)
     return out
 
 
@@ -283,7 +305,7 @@ class RankWeights:
 
     cfg: ModelConfig
     layout: RankLayout
-    params: dict[str, F32]
+    params: dict[str, Param]  # float32, or QTensor blocks in the file's type
 
     def __post_init__(self) -> None:
         expected = shard_shapes(
@@ -293,10 +315,12 @@ class RankWeights:
             value = self.params.get(name)
             if value is None:
                 raise ValueError(f"rank {self.rank} of {self.world} lacks parameter {name}")
-            if value.shape != shape or value.dtype != np.float32:
+            stored = isinstance(value, QTensor) or value.dtype == np.float32
+            if tuple(value.shape) != shape or not stored:
+                kind = value.qtype.name if isinstance(value, QTensor) else value.dtype
                 raise ValueError(
-                    f"rank {self.rank} of {self.world}: {name} is {value.dtype}{value.shape}, "
-                    f"expected float32{shape}"
+                    f"rank {self.rank} of {self.world}: {name} is {kind}{value.shape}, "
+                    f"expected float32 or stored blocks of shape {shape}"
                 )
 
     @property
@@ -314,7 +338,7 @@ class RankWeights:
 
 def rank_weights(
     cfg: ModelConfig,
-    params: Mapping[str, F32],
+    params: Mapping[str, Param],
     rank: int,
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,

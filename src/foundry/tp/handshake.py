@@ -21,15 +21,14 @@ Bring-up of a pair (``docs/tp.md`` has the sequence with every frame):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy.typing as npt
 
 from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import load_gguf, model_id
-from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_slice
+from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.quant import NOMINAL_BITS, Param, QType
+from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_part
 from foundry.tp.link import ControlLink, LinkError
 from foundry.wire.tp import (
     DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
@@ -49,8 +48,6 @@ WORLD = 2
 # figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
-# general.file_type of a GGUF file -> the bits of its weights (DESIGN: f32 and f16 files).
-_FILE_TYPE_BITS = {0: 32, 1: 16}
 
 
 @dataclass(frozen=True)
@@ -74,24 +71,26 @@ def execution_mode(expert_split: ExpertSplit) -> int:
     return 0
 
 
-def quant_bits(metadata: dict[str, Any]) -> int:
-    file_type = int(metadata.get("general.file_type", 0))
-    try:
-        return _FILE_TYPE_BITS[file_type]
-    except KeyError:
-        raise ValueError(f"general.file_type {file_type} is neither f32 (0) nor f16 (1)") from None
+def quant_bits(values_by_type: Mapping[QType, int]) -> int:
+    """The hello's weight bits: those of the type that stores most of the model's values (a
+    Q4_K_M file is mostly Q4_K: 4; Q8_0: 8; f16: 16)."""
+    if not values_by_type:
+        raise ValueError("a model without tensors has no weight type")
+    most = max(values_by_type, key=lambda t: (values_by_type[t], -int(t)))
+    return NOMINAL_BITS[most]
 
 
-def identity_for(path: Path, cfg: ModelConfig, metadata: dict[str, Any], ctx_size: int) -> Identity:
-    """The hello identity of a model file: its size and hash, shape, weight bits, context, and
-    the gate schedule (every layer fires ATTN then FFN: 2 gates per layer and token)."""
+def identity_for(path: Path, cfg: ModelConfig, ctx_size: int) -> Identity:
+    """The hello identity of a model file: its size and hash, shape, weight bits (see
+    :func:`quant_bits`), context, and the gate schedule (every layer fires ATTN then FFN: 2
+    gates per layer and token)."""
     return Identity(
         gguf_bytes=os.path.getsize(path),
         model_id=model_id(path),
         n_layer=cfg.n_layer,
         n_embd=cfg.n_embd,
         n_vocab=cfg.n_vocab,
-        quant_bits=quant_bits(metadata),
+        quant_bits=quant_bits(values_by_type(path)),
         ctx_size=ctx_size,
         gate_slot_start=0,
         gate_slot_step=1,
@@ -111,17 +110,17 @@ def load_rank(
     cfg = header.cfg
     layout = rank_layout(cfg, rank, WORLD, expert_split)
 
-    def select(name: str, view: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        return view[shard_slice(name, view.ndim, layout)]
+    def select(name: str, view: Param) -> Param:
+        return shard_part(name, view, layout)
 
-    loaded = load_gguf(path, select=select)
+    loaded = load_gguf_stored(path, select=select)
     ctx = cfg.n_ctx if ctx_size is None else ctx_size
     if ctx <= 0:
         raise ValueError(f"ctx_size must be positive, got {ctx}")
     return RankModel(
         cfg=cfg,
         weights=RankWeights(cfg, layout, loaded.params),
-        identity=identity_for(path, cfg, header.metadata, ctx),
+        identity=identity_for(path, cfg, ctx),
     )
 
 

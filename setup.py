@@ -1,0 +1,28 @@
+"""Build of the optional C kernels (everything else is in pyproject.toml).
+
+``foundry.model._kernels`` computes matrix-vector products over GGUF weight blocks in place.
+It is optional: where no C compiler is found the build goes on without it and
+``foundry.model.quant`` falls back to numpy (docs/quantization.md says what that costs).
+"""
+
+import platform
+
+from setuptools import Extension, setup
+
+# -ffp-contract=off: multiplications and additions stay separate roundings, the same on every
+# architecture, so the kernels give the same bits on x86-64, arm64 and armv7.
+FLAGS = ["-O3", "-ffp-contract=off"]
+if platform.machine().startswith("armv7"):
+    # 32-bit Raspberry Pi OS targets ARMv6 floating point by default; every armv7 Pi has NEON.
+    FLAGS += ["-mfpu=neon-vfpv4", "-mfloat-abi=hard"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "foundry.model._kernels",
+            ["src/foundry/model/_kernels.c"],
+            extra_compile_args=FLAGS,
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,698 @@
+/* Matrix-vector and small matrix-matrix products over GGUF weight blocks, read in place.
+ *
+ * Theory of operation (docs/quantization.md has the reasons and the figures):
+ *
+ * y[t, r] = sum_i W[r, i] x[t, i] for weights W (n_out rows of k values, stored as ggml blocks
+ * along each row) and float32 inputs x (n rows of k). Every output is one row's dot product, so
+ * a result does not depend on how many rows or inputs a call holds (batch invariance) nor on
+ * which process computes it (the tensor-parallel pair equals one process bit for bit).
+ *
+ * Each dot product has ONE definition, written out in the portable C below; the AVX2 and NEON
+ * paths compute exactly the same float operations in the same order, only several at a time, so
+ * an x86-64 rank and an arm64 rank give the same bits:
+ *
+ * - Q8_0 and Q4_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
+ *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
+ *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
+ *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
+ *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
+ *   by halving like the float path.
+ * - F16 and the other block types (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the weight row is turned
+ *   into float32 (exact for F16; ggml's dequantization for blocks), then multiplied with x in
+ *   float32: element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
+ *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
+ *
+ * Multiplications and additions are never fused (built with -ffp-contract=off; the SIMD paths
+ * use separate multiply and add instructions) since a fused multiply-add rounds once instead of
+ * twice and would make the paths differ.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FOUNDRY_X86 1
+#endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+/* ggml_type codes (gguf.GGMLQuantizationType). */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+};
+
+#define QK 32    /* values per block of the 32-blocks */
+#define QK_K 256 /* values per super-block of the K-quants */
+#define LANES_F 32
+#define LANES_Q 16 /* 2 block parities x 8 int32 lanes */
+
+/* ---- float16 ------------------------------------------------------------------------------ */
+
+static float f16_table[65536];
+
+static float f16_bits_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24); /* zero or subnormal: exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float f16(const uint8_t *p) { return f16_table[rd16(p)]; }
+
+/* ---- block layouts (bytes per block; values per block) ------------------------------------ */
+
+static int type_block(int type, int *values, int *bytes) {
+    switch (type) {
+    case T_F32: *values = 1; *bytes = 4; return 1;
+    case T_F16: *values = 1; *bytes = 2; return 1;
+    case T_Q4_0: *values = QK; *bytes = 18; return 1;
+    case T_Q4_1: *values = QK; *bytes = 20; return 1;
+    case T_Q5_0: *values = QK; *bytes = 22; return 1;
+    case T_Q5_1: *values = QK; *bytes = 24; return 1;
+    case T_Q8_0: *values = QK; *bytes = 34; return 1;
+    case T_Q4_K: *values = QK_K; *bytes = 144; return 1;
+    case T_Q5_K: *values = QK_K; *bytes = 176; return 1;
+    case T_Q6_K: *values = QK_K; *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* ---- dequantization of one row (ggml's formulas) ------------------------------------------ */
+
+static void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
+    }
+}
+
+static void dequant_row(int type, const uint8_t *w, int k, float *y) {
+    int nb;
+    switch (type) {
+    case T_F32:
+        memcpy(y, w, (size_t)k * 4);
+        return;
+    case T_F16:
+        for (int i = 0; i < k; i++) y[i] = f16(w + 2 * i);
+        return;
+    case T_Q8_0:
+        nb = k / QK;
+        for (int b = 0; b < nb; b++, w += 34, y += QK) {
+            const float d = f16(w);
+            for (int i = 0; i < QK; i++) y[i] = d * (float)(int8_t)w[2 + i];
+        }
+        return;
+    case T_Q4_0:
+        nb = k / QK;
+        for (int b = 0; b < nb; b++, w += 18, y += QK) {
+            const float d = f16(w);
+            for (int i = 0; i < QK / 2; i++) {
+                y[i] = d * (float)((w[2 + i] & 0xF) - 8);
+                y[i + QK / 2] = d * (float)((w[2 + i] >> 4) - 8);
+            }
+        }
+        return;
+    case T_Q4_1:
+        nb = k / QK;
+        for (int b = 0; b < nb; b++, w += 20, y += QK) {
+            const float d = f16(w), m = f16(w + 2);
+            for (int i = 0; i < QK / 2; i++) {
+                y[i] = (float)(w[4 + i] & 0xF) * d + m;
+                y[i + QK / 2] = (float)(w[4 + i] >> 4) * d + m;
+            }
+        }
+        return;
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int has_min = type == T_Q5_1, size = has_min ? 24 : 22;
+        nb = k / QK;
+        for (int b = 0; b < nb; b++, w += size, y += QK) {
+            const float d = f16(w), m = has_min ? f16(w + 2) : 0.0f;
+            uint32_t qh;
+            memcpy(&qh, w + (has_min ? 4 : 2), 4);
+            const uint8_t *qs = w + (has_min ? 8 : 6);
+            for (int i = 0; i < QK / 2; i++) {
+                const int h0 = (int)(((qh >> i) << 4) & 0x10);
+                const int h1 = (int)((qh >> (i + 12)) & 0x10);
+                const int x0 = (qs[i] & 0xF) | h0, x1 = (qs[i] >> 4) | h1;
+                if (has_min) {
+                    y[i] = (float)x0 * d + m;
+                    y[i + QK / 2] = (float)x1 * d + m;
+                } else {
+                    y[i] = (float)(x0 - 16) * d;
+                    y[i + QK / 2] = (float)(x1 - 16) * d;
+                }
+            }
+        }
+        return;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K, size = five ? 176 : 144;
+        nb = k / QK_K;
+        for (int b = 0; b < nb; b++, w += size) {
+            const float d = f16(w), dmin = f16(w + 2);
+            const uint8_t *scales = w + 4, *qh = w + 16, *ql = w + (five ? 48 : 16);
+            uint8_t u1 = 1, u2 = 2;
+            for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, ql += 32) {
+                uint8_t sc, m;
+                get_scale_min_k4(is, scales, &sc, &m);
+                const float d1 = d * sc, m1 = dmin * m;
+                get_scale_min_k4(is + 1, scales, &sc, &m);
+                const float d2 = d * sc, m2 = dmin * m;
+                for (int l = 0; l < 32; l++) {
+                    const int hi = five && (qh[l] & u1) ? 16 : 0;
+                    *y++ = d1 * (float)((ql[l] & 0xF) + hi) - m1;
+                }
+                for (int l = 0; l < 32; l++) {
+                    const int hi = five && (qh[l] & u2) ? 16 : 0;
+                    *y++ = d2 * (float)((ql[l] >> 4) + hi) - m2;
+                }
+                u1 <<= 2;
+                u2 <<= 2;
+            }
+        }
+        return;
+    }
+    case T_Q6_K:
+        nb = k / QK_K;
+        for (int b = 0; b < nb; b++, w += 210) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *sc = (const int8_t *)(w + 192);
+            const float d = f16(w + 208);
+            for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+                for (int l = 0; l < 32; l++) {
+                    const int is = l / 16;
+                    const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * (float)sc[is + 0] * (float)q1;
+                    y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                    y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                    y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+                }
+            }
+        }
+        return;
+    }
+}
+
+/* ---- the float32 dot product: 32 lanes, halved at the end --------------------------------- */
+
+static float finish(float *acc, int lanes) {
+    for (int width = lanes / 2; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) acc[j] = acc[j] + acc[j + width];
+    return acc[0];
+}
+
+static float dot_f32_portable(const float *w, const float *x, int k) {
+    float acc[LANES_F] = {0};
+    int i = 0;
+    for (; i + LANES_F <= k; i += LANES_F)
+        for (int j = 0; j < LANES_F; j++) acc[j] = acc[j] + w[i + j] * x[i + j];
+    for (; i < k; i++) acc[i % LANES_F] = acc[i % LANES_F] + w[i] * x[i];
+    return finish(acc, LANES_F);
+}
+
+/* ---- the int8 block dot product: exact per block, 4 float lanes across blocks -------------- */
+
+/* Inputs as int8 blocks of 32: q (k values), d (k / 32 scales). */
+static void quantize_input(const float *x, int k, int8_t *q, float *d) {
+    for (int b = 0; b < k / QK; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[b * QK + i]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)roundf(x[b * QK + i] * id);
+    }
+}
+
+/* The eight int32 lanes of one block's products: lane j = sum of a[i] b[i], i in 4j .. 4j+3. */
+static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
+#if defined(__ARM_NEON)
+    int32x4_t lo, hi;
+#if defined(__ARM_FEATURE_DOTPROD)
+    lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a), vld1q_s8(b));
+    hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a + 16), vld1q_s8(b + 16));
+#else
+    int32x4_t pairs[4];
+    for (int h = 0; h < 4; h++) /* products of 8 values, summed in pairs */
+        pairs[h] = vpaddlq_s16(vmull_s8(vld1_s8(a + 8 * h), vld1_s8(b + 8 * h)));
+#if defined(__aarch64__)
+    lo = vpaddq_s32(pairs[0], pairs[1]);
+    hi = vpaddq_s32(pairs[2], pairs[3]);
+#else
+    lo = vcombine_s32(vpadd_s32(vget_low_s32(pairs[0]), vget_high_s32(pairs[0])),
+                      vpadd_s32(vget_low_s32(pairs[1]), vget_high_s32(pairs[1])));
+    hi = vcombine_s32(vpadd_s32(vget_low_s32(pairs[2]), vget_high_s32(pairs[2])),
+                      vpadd_s32(vget_low_s32(pairs[3]), vget_high_s32(pairs[3])));
+#endif
+#endif
+    vst1q_s32(s, lo);
+    vst1q_s32(s + 4, hi);
+#else
+    for (int j = 0; j < 8; j++) {
+        int32_t t = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) t += (int32_t)a[i] * (int32_t)b[i];
+        s[j] = t;
+    }
+#endif
+}
+
+/* One block of weights as 32 int8 values and its float scale. */
+static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
+    if (type == T_Q8_0) {
+        memcpy(q, blk + 2, QK);
+    } else { /* Q4_0 */
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)((blk[2 + i] & 0xF) - 8);
+            q[i + QK / 2] = (int8_t)((blk[2 + i] >> 4) - 8);
+        }
+    }
+    return f16(blk);
+}
+
+static inline void add_block(float *acc, int b, float d, const int32_t *s) {
+    float *a = acc + 8 * (b & 1);
+    for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
+}
+
+static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                            const float *xd, int nb) {
+    float acc[LANES_Q] = {0};
+    int8_t q[QK];
+    int32_t s[8];
+    for (int b = 0; b < nb; b++) {
+        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
+        idot_lanes(q, xq + b * QK, s);
+        add_block(acc, b, dw * xd[b], s);
+    }
+    return finish(acc, LANES_Q);
+}
+
+/* ---- AVX2 (x86-64 with AVX2 and F16C; chosen at import) ----------------------------------- */
+
+#if defined(FOUNDRY_X86)
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_and_si128(raw, m4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* The int8 dot product, AVX2 (maddubs + madd) or AVX-512 VNNI (dpbusd): the same eight exact
+ * int32 lanes, so the same bits; two accumulators, one per block parity. */
+#define DOT_Q_X86(NAME, TARGET, LOAD, LANES8)                                                      \
+    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
+                             const float *xd, int nb) {                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
+        int b = 0;                                                                             \
+        for (; b + 2 <= nb; b += 2) {                                                          \
+            const uint8_t *p = w + (size_t)b * bsize;                                          \
+            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                     \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));             \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));       \
+            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));      \
+            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));      \
+            const __m256 d0 = _mm256_set1_ps(f16(p) * xd[b]);                                  \
+            const __m256 d1 = _mm256_set1_ps(f16(p + bsize) * xd[b + 1]);                      \
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));             \
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));             \
+        }                                                                                      \
+        float acc[LANES_Q];                                                                    \
+        _mm256_storeu_ps(acc, acc0);                                                           \
+        _mm256_storeu_ps(acc + 8, acc1);                                                       \
+        int8_t q[QK];                                                                          \
+        int32_t s[8];                                                                          \
+        for (; b < nb; b++) {                                                                  \
+            const float dw = unpack_block(type, w + (size_t)b * bsize, q);                     \
+            idot_lanes(q, xq + b * QK, s);                                                     \
+            add_block(acc, b, dw * xd[b], s);                                                  \
+        }                                                                                      \
+        return finish(acc, LANES_Q);                                                           \
+    }
+
+AVX2 static inline __m256i lanes8_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+}
+DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
+
+#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
+VNNI static inline __m256i lanes8_vnni(__m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+}
+VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
+    return load_block_avx2(type, blk);
+}
+DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
+
+/* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
+ * sixteen accumulators (8 (block mod 2) + j). Weights turn unsigned (w + 128, an exclusive or
+ * of the sign bit) for dpbusd, and 128 times the input's sums over each 4 values (``corr``,
+ * computed once per input row) come off again: the same exact lanes. */
+#define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                              const float *xd, const int32_t *corr, int nb) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *p = w + (size_t)b * bsize;
+        const __m512i wq = _mm512_inserti64x4(
+            _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize), 1);
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, flip), xv);
+        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(corr + b * 8)));
+        const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(p) * xd[b]),
+                                              _mm512_set1_ps(f16(p + bsize) * xd[b + 1]));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+    }
+    float lanes[LANES_Q];
+    _mm512_storeu_ps(lanes, acc);
+    int8_t q[QK];
+    int32_t t[8];
+    for (; b < nb; b++) {
+        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
+        idot_lanes(q, xq + b * QK, t);
+        add_block(lanes, b, dw * xd[b], t);
+    }
+    return finish(lanes, LANES_Q);
+}
+
+AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + LANES_F <= k; i += LANES_F) {
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24)));
+    }
+    float acc[LANES_F];
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+    _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3);
+    for (; i < k; i++) acc[i % LANES_F] = acc[i % LANES_F] + w[i] * x[i];
+    return finish(acc, LANES_F);
+}
+
+/* F16 rows straight from their bytes: four rows at a time share each load of x. */
+AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int k,
+                               const float *x, float *y, int y_stride) {
+    int r = 0;
+    for (; r + 4 <= rows && k % LANES_F == 0; r += 4) {
+        __m256 acc[4][4];
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < 4; c++) acc[a][c] = _mm256_setzero_ps();
+        for (int i = 0; i < k; i += LANES_F) {
+            __m256 xv[4];
+            for (int c = 0; c < 4; c++) xv[c] = _mm256_loadu_ps(x + i + 8 * c);
+            for (int a = 0; a < 4; a++) {
+                const uint8_t *wr = w + (size_t)(r + a) * row_bytes + 2 * (size_t)i;
+                for (int c = 0; c < 4; c++) {
+                    const __m256 wv =
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wr + 16 * c)));
+                    acc[a][c] = _mm256_add_ps(acc[a][c], _mm256_mul_ps(wv, xv[c]));
+                }
+            }
+        }
+        for (int a = 0; a < 4; a++) {
+            float lanes[LANES_F];
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(lanes + 8 * c, acc[a][c]);
+            y[(size_t)(r + a) * y_stride] = finish(lanes, LANES_F);
+        }
+    }
+    float *row = malloc((size_t)k * sizeof(float));
+    if (row == NULL) abort();
+    for (; r < rows; r++) {
+        dequant_row(T_F16, w + (size_t)r * row_bytes, k, row);
+        y[(size_t)r * y_stride] = dot_f32_avx2(row, x, k);
+    }
+    free(row);
+}
+#endif
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+static int use_avx2 = 0, use_vnni = 0, use_512 = 0;
+
+static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
+                   const int32_t *corr, int nb) {
+#if defined(FOUNDRY_X86)
+    if (use_512) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
+    if (use_vnni) return dot_q_vnni(type, w, bsize, xq, xd, nb);
+    if (use_avx2) return dot_q_avx2(type, w, bsize, xq, xd, nb);
+#endif
+    (void)corr;
+    return dot_q_portable(type, w, bsize, xq, xd, nb);
+}
+
+static float dot_f32(const float *w, const float *x, int k) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2) return dot_f32_avx2(w, x, k);
+#endif
+    return dot_f32_portable(w, x, k);
+}
+
+/* y (n, n_out) = x (n, k) . W (n_out, k)^T. Returns 0, or -1 when out of memory. */
+static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                  int n, float *y) {
+    if (type == T_Q8_0 || type == T_Q4_0) {
+        const int bytes = type == T_Q8_0 ? 34 : 18;
+        const int nb = k / QK;
+        int8_t *xq = malloc((size_t)n * k);
+        float *xd = malloc((size_t)n * nb * sizeof(float));
+        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 x sums of 4 */
+        if (xq == NULL || xd == NULL || corr == NULL) {
+            free(xq);
+            free(xd);
+            free(corr);
+            return -1;
+        }
+        for (int t = 0; t < n; t++) {
+            const int8_t *q = xq + (size_t)t * k;
+            quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
+            for (int g = 0; g < k / 4; g++)
+                corr[(size_t)t * (k / 4) + g] = 128 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+        }
+        for (int r = 0; r < n_out; r++)
+            for (int t = 0; t < n; t++)
+                y[(size_t)t * n_out + r] =
+                    dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
+                          corr + (size_t)t * (k / 4), nb);
+        free(xq);
+        free(xd);
+        free(corr);
+        return 0;
+    }
+#if defined(FOUNDRY_X86)
+    if (type == T_F16 && use_avx2) {
+        for (int t = 0; t < n; t++) rows_f16_avx2(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out, 1);
+        return 0;
+    }
+#endif
+    float *row = malloc((size_t)k * sizeof(float));
+    if (row == NULL) return -1;
+    for (int r = 0; r < n_out; r++) {
+        dequant_row(type, w + r * row_bytes, k, row);
+        for (int t = 0; t < n; t++) y[(size_t)t * n_out + r] = dot_f32(row, x + (size_t)t * k, k);
+    }
+    free(row);
+    return 0;
+}
+
+/* ---- Python interface ---------------------------------------------------------------------- */
+
+static int check_shape(int type, Py_ssize_t rows, Py_ssize_t k, Py_ssize_t have, size_t *row_bytes) {
+    int values, bytes;
+    if (!type_block(type, &values, &bytes)) {
+        PyErr_Format(PyExc_ValueError, "tensor type %d has no kernel", type);
+        return -1;
+    }
+    if (rows < 0 || k <= 0 || k % values || k > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "rows of %zd values are not whole blocks of %d", k, values);
+        return -1;
+    }
+    *row_bytes = (size_t)(k / values) * bytes;
+    if ((size_t)have != (size_t)rows * *row_bytes) {
+        PyErr_Format(PyExc_ValueError, "weights hold %zd bytes, %zd rows of %zd values need %zu",
+                     have, rows, k, (size_t)rows * *row_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(matmul_doc,
+             "matmul(type, w, n_out, k, x, n, y): y (n, n_out) = x (n, k) @ W.T, W n_out rows of "
+             "k values in ggml type `type`; x and y float32 buffers, y written.");
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int type;
+    Py_ssize_t n_out, k, n;
+    Py_buffer w, x, y;
+    size_t row_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*nny*nw*", &type, &w, &n_out, &k, &x, &n, &y)) return NULL;
+    PyObject *result = NULL;
+    if (check_shape(type, n_out, k, w.len, &row_bytes) < 0) goto done;
+    if (n < 0 || x.len != n * k * 4 || y.len != n * n_out * 4) {
+        PyErr_Format(PyExc_ValueError, "x holds %zd bytes and y %zd, expected %zd and %zd",
+                     x.len, y.len, n * k * 4, n * n_out * 4);
+        goto done;
+    }
+    if (n_out > INT32_MAX || n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "too many rows for one call");
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = matmul(type, w.buf, row_bytes, (int)n_out, (int)k, x.buf, (int)n, y.buf);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return result;
+}
+
+PyDoc_STRVAR(dequantize_doc,
+             "dequantize(type, w, rows, k, out): the float32 values of `rows` rows of k values of "
+             "ggml type `type`, written to `out`.");
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    int type;
+    Py_ssize_t rows, k;
+    Py_buffer w, out;
+    size_t row_bytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*nnw*", &type, &w, &rows, &k, &out)) return NULL;
+    PyObject *result = NULL;
+    if (check_shape(type, rows, k, w.len, &row_bytes) < 0) goto done;
+    if (out.len != rows * k * 4) {
+        PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd", out.len, rows * k * 4);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++)
+        dequant_row(type, (const uint8_t *)w.buf + r * row_bytes, (int)k, (float *)out.buf + r * k);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+#if defined(FOUNDRY_X86)
+static void detect_x86(int simd) {
+    use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    use_vnni = use_avx2 && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni");
+    use_512 = use_vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+#endif
+
+static PyObject *py_isa(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+#if defined(FOUNDRY_X86)
+    return PyUnicode_FromString(use_512    ? "avx512-vnni"
+                                : use_vnni ? "avx2+vnni"
+                                : use_avx2 ? "avx2"
+                                           : "portable");
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+    return PyUnicode_FromString("neon-dotprod");
+#elif defined(__ARM_NEON)
+    return PyUnicode_FromString("neon");
+#else
+    return PyUnicode_FromString("portable");
+#endif
+}
+
+static PyObject *py_use(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+#if defined(FOUNDRY_X86)
+    if (strcmp(name, "portable") == 0) {
+        detect_x86(0);
+    } else if (strcmp(name, "avx2") == 0 || strcmp(name, "best") == 0) {
+        detect_x86(1);
+        if (!use_avx2) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX2 and F16C");
+        if (strcmp(name, "avx2") == 0) use_vnni = use_512 = 0;
+    } else if (strcmp(name, "avx2+vnni") == 0) {
+        detect_x86(1);
+        if (!use_vnni) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX-512 VNNI");
+        use_512 = 0;
+    } else {
+        return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
+    }
+#else
+    if (strcmp(name, "portable") != 0 && strcmp(name, "best") != 0)
+        return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
+    {"use", py_use, METH_O,
+     "use(path): 'best' (the default), 'avx2' (without VNNI) or 'portable' C (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernels",
+    "Dot products over GGUF weight blocks (see foundry.model.quant).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
+#if defined(FOUNDRY_X86)
+    __builtin_cpu_init();
+    detect_x86(1);
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,218 @@
+"""Weights kept in their GGUF storage type, and the products that read them in place.
+
+A :class:`QTensor` is a weight matrix (or a stack of expert matrices) as the file stores it:
+ggml blocks along each row (the numpy last axis, ggml's ne0), ``data`` holding the raw bytes
+of each row. The model never expands one to float32; :func:`linear` multiplies float32
+activations with it block by block.
+
+The products come from ``foundry.model._kernels``, a small C extension built at install time
+(``setup.py``); each output is one row's dot product in one fixed order of operations, the same
+on x86-64 (AVX2), arm64 and armv7 (NEON) and in the portable C, so it does not depend on the
+thread count, the batch or the machine (``_kernels.c`` has the definition; ``bench/cross_arch.py``
+checks x86-64 against arm64 and armv7). Where the extension
+is missing (no compiler at install), :func:`linear` dequantizes the weights with the ``gguf``
+package and multiplies in numpy: the same results to quantization accuracy, much slower
+(docs/quantization.md). ``KERNELS`` says which is in use.
+
+Types: F16, Q8_0 and Q4_0 (what ``foundry export`` writes) and the others ``llama-quantize``'s
+Q4_K_M gives our shapes: Q4_K, Q5_K, Q6_K, and the 32-blocks Q4_1, Q5_0, Q5_1 it falls back to
+when a row is not a multiple of 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import gguf
+import gguf.quants
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+U8 = npt.NDArray[np.uint8]
+QType = gguf.GGMLQuantizationType
+
+_kernels: ModuleType | None
+try:
+    from foundry.model import _kernels  # type: ignore[attr-defined, no-redef]
+except ImportError:  # built without a C compiler: the numpy fallback below
+    _kernels = None
+
+KERNELS: str = _kernels.isa() if _kernels is not None else "numpy"
+"""The path products take here: "avx512-vnni", "avx2+vnni", "avx2", "neon", "neon-dotprod",
+"portable" (C) or "numpy" (no extension)."""
+
+SUPPORTED: tuple[QType, ...] = (
+    QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+    QType.Q4_K, QType.Q5_K, QType.Q6_K,
+)
+"""Storage types a QTensor may have (F32 tensors stay numpy arrays)."""
+
+NOMINAL_BITS: dict[QType, int] = {
+    QType.F32: 32, QType.F16: 16, QType.Q8_0: 8, QType.Q4_0: 4, QType.Q4_1: 4, QType.Q5_0: 5,
+    QType.Q5_1: 5, QType.Q4_K: 4, QType.Q5_K: 5, QType.Q6_K: 6,
+}
+"""The bits a type is named after (Q4_K: 4), what a TP hello's ``quant_bits`` states."""
+
+
+class QuantError(ValueError):
+    """A tensor that cannot be stored, cut or multiplied as asked (names the type and block)."""
+
+
+def block_values(qtype: QType) -> int:
+    """Values per block of a type (1 for F16 and F32)."""
+    return int(gguf.GGML_QUANT_SIZES[qtype][0])
+
+
+def row_bytes(qtype: QType, n: int) -> int:
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    if n % values:
+        raise QuantError(f"a row of {n} values is not whole {qtype.name} blocks of {values}")
+    return n // values * size
+
+
+@dataclass(frozen=True, eq=False)
+class QTensor:
+    """A weight in its storage type: logical numpy shape ``shape`` (..., rows, cols) and the
+    bytes of each row in ``data`` (..., rows, row_bytes), C-contiguous."""
+
+    qtype: QType
+    shape: tuple[int, ...]
+    data: U8
+
+    def __post_init__(self) -> None:
+        if self.qtype not in SUPPORTED:
+            raise QuantError(
+                f"tensor type {self.qtype.name} is not supported; Foundry reads F32, "
+                + ", ".join(t.name for t in SUPPORTED)
+            )
+        want = (*self.shape[:-1], row_bytes(self.qtype, self.shape[-1]))
+        if self.data.dtype != np.uint8 or self.data.shape != want:
+            raise QuantError(
+                f"{self.qtype.name}{self.shape} needs uint8 bytes of shape {want}, got "
+                f"{self.data.dtype}{self.data.shape}"
+            )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def block(self) -> int:
+        """Values per block along the last axis."""
+        return block_values(self.qtype)
+
+    def __getitem__(self, i: int) -> QTensor:
+        """Index the first axis (one expert of a merged expert tensor): a view."""
+        if self.ndim < 3:
+            raise QuantError("QTensor indexing takes one expert of a 3-d expert tensor")
+        return QTensor(self.qtype, self.shape[1:], self.data[i])
+
+    def take(self, index: tuple[slice, ...]) -> QTensor:
+        """The part ``index`` (one slice per axis, step 1) selects, as its own contiguous copy.
+
+        A slice of the last axis must start and stop on block boundaries."""
+        if len(index) != self.ndim:
+            raise QuantError(f"index of {len(index)} axes for a {self.ndim}-d tensor")
+        last = range(*index[-1].indices(self.shape[-1]))
+        if index[-1].step not in (None, 1) or any(s.step not in (None, 1) for s in index):
+            raise QuantError("QTensor slices take step 1 only")
+        start, stop = (last.start, last.stop) if len(last) else (0, 0)
+        if start % self.block or stop % self.block:
+            raise QuantError(
+                f"columns [{start}, {stop}) of a {self.qtype.name} tensor do not start and end on "
+                f"its blocks of {self.block} values"
+            )
+        size = gguf.GGML_QUANT_SIZES[self.qtype][1]
+        byte_slice = slice(start // self.block * size, stop // self.block * size)
+        data = np.ascontiguousarray(self.data[(*index[:-1], byte_slice)])
+        lead = zip(index[:-1], self.shape[:-1], strict=True)
+        shape = (*(len(range(*s.indices(n))) for s, n in lead), len(last))
+        return QTensor(self.qtype, shape, data)
+
+    def dequantize(self) -> F32:
+        """The float32 values (for checks and for the reference engine; never on the hot path)."""
+        return _dequantize_rows(self.qtype, self.data.reshape(-1, self.data.shape[-1]),
+                                self.shape[-1]).reshape(self.shape)
+
+    def rows(self, ids: npt.NDArray[np.int64]) -> F32:
+        """Rows ``ids`` of a 2-d tensor as float32 (the embedding lookup)."""
+        if self.ndim != 2:
+            raise QuantError("rows() reads a 2-d tensor")
+        return _dequantize_rows(self.qtype, np.ascontiguousarray(self.data[ids]), self.shape[-1])
+
+
+Param = F32 | QTensor
+"""One parameter as the engine holds it: float32 numpy, or stored blocks."""
+
+
+def storage_type(p: Param) -> QType:
+    return p.qtype if isinstance(p, QTensor) else QType.F32
+
+
+def from_stored(qtype: QType, view: npt.NDArray[Any]) -> Param:
+    """A tensor as ``gguf.GGUFReader`` maps it (F32/F16: numpy of the logical shape; blocks:
+    uint8 rows of bytes), without copying: F32 stays a numpy array."""
+    if qtype == QType.F32:
+        return view
+    if qtype == QType.F16:
+        return QTensor(qtype, tuple(view.shape), view.view(np.uint8))
+    if qtype not in SUPPORTED:
+        QTensor(qtype, (0,), np.empty((0,), np.uint8))  # raises the message naming the types
+    shape = tuple(int(d) for d in gguf.quants.quant_shape_from_byte_shape(view.shape, qtype))
+    return QTensor(qtype, shape, view)
+
+
+def quantize(a: npt.NDArray[Any], qtype: QType) -> QTensor:
+    """Store float values as ``qtype`` (F16, or the types the ``gguf`` package quantizes:
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if qtype == QType.F16:
+        return QTensor(qtype, a.shape, a.astype(np.float16).view(np.uint8))
+    try:
+        data = gguf.quants.quantize(a, qtype)
+    except NotImplementedError:
+        raise QuantError(f"the gguf package cannot quantize to {qtype.name}") from None
+    return QTensor(qtype, a.shape, np.ascontiguousarray(data))
+
+
+def dequantize(p: Param) -> F32:
+    return p if isinstance(p, np.ndarray) else p.dequantize()
+
+
+def _dequantize_rows(qtype: QType, data: U8, k: int) -> F32:
+    """(rows, row_bytes) -> (rows, k) float32."""
+    if _kernels is not None:
+        out = np.empty((data.shape[0], k), np.float32)
+        _kernels.dequantize(int(qtype), np.ascontiguousarray(data), data.shape[0], k, out)
+        return out
+    if qtype == QType.F16:
+        return data.view(np.float16).astype(np.float32)
+    return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+
+
+def linear(x: F32, w: Param) -> F32:
+    """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise."""
+    if isinstance(w, np.ndarray):
+        return x @ w.T  # (N, out)
+    if w.ndim != 2:
+        raise QuantError(f"linear takes a 2-d weight, got {w.qtype.name}{w.shape}")
+    n_out, k = w.shape
+    if _kernels is None:
+        return x @ w.dequantize().T  # (N, out)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty((x.shape[0], n_out), np.float32)  # (N, out)
+    _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
+    return y
+
+
+def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
+    """Rows ``ids`` of the embedding table (N, D), float32 whatever the storage."""
+    return w[ids] if isinstance(w, np.ndarray) else w.rows(ids)
+

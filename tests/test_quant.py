@@ -1,0 +1,356 @@
+"""Weights in their stored GGUF types: the kernels against the gguf package and float64, the
+engine on quantized files against the float32 reference, block-aligned tensor-parallel cuts,
+and the files ``foundry export --type`` writes.
+
+The C kernels have one definition per type (``_kernels.c``); the SIMD path must equal the
+portable C bit for bit, and every result must be independent of how many rows a call holds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import pytest
+from gguf.quants import np_roundf
+
+from foundry.model import quant
+from foundry.model import transformer as T
+from foundry.model.config import ModelConfig
+from foundry.model.gguf_io import (
+    load_gguf,
+    load_gguf_stored,
+    save_gguf,
+    storage_type,
+    values_by_type,
+)
+from foundry.model.inference import Engine
+from foundry.model.quant import QTensor, QType
+from foundry.model.tp_split import ExpertSplit, SplitError, rank_weights
+from foundry.tp.handshake import identity_for, load_rank
+
+F32 = npt.NDArray[np.float32]
+KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
+QUANTIZABLE = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
+INT8_PATH = (QType.Q8_0, QType.Q4_0)  # inputs quantized to int8 blocks (the fast path)
+CFG = ModelConfig(n_ctx=64)
+
+
+
+def random_blocks(qtype: QType, rows: int, k: int, seed: int = 0) -> QTensor:
+    """Random K-quant super-blocks with small finite scales (the gguf package cannot quantize
+    K-quants): whatever they dequantize to is the tensor's value."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, k // values, size), dtype=np.uint8)
+    scale = (rng.random((rows, k // values)) * 1e-3 + 1e-4).astype(np.float16)
+    scale_bytes = scale.view(np.uint8).reshape(rows, k // values, 2)
+    if qtype == QType.Q6_K:
+        data[..., 208:210] = scale_bytes  # d is the block's last field
+    else:
+        data[..., 0:2] = scale_bytes  # d, then dmin
+        data[..., 2:4] = scale_bytes
+    return QTensor(qtype, (rows, k), data.reshape(rows, -1))
+
+
+def stored(a: F32, qtype: QType) -> QTensor:
+    return random_blocks(qtype, *a.shape) if qtype in KQUANTS else quant.quantize(a, qtype)
+
+
+def int8_inputs(x: F32) -> npt.NDArray[np.float64]:
+    """x as the kernels see it on the int8 path: blocks of 32, d = max|x| / 127, round(x / d)."""
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    return (np_roundf(b * inv) * d).reshape(x.shape).astype(np.float64)
+
+
+# -- the kernels ------------------------------------------------------------------------------
+
+
+def test_the_kernels_were_built() -> None:
+    """``pip install`` builds them wherever a C compiler is (CI has one); the numpy fallback
+    is for machines without, and is tested on its own below."""
+    assert quant._kernels is not None, "foundry.model._kernels did not build; is gcc installed?"
+    assert quant.KERNELS != "numpy"
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
+def test_dequantize_equals_the_gguf_package(qtype: QType) -> None:
+    w = stored(np.random.default_rng(1).standard_normal((8, 512), dtype=np.float32), qtype)
+    want = (w.data.view(np.float16) if qtype == QType.F16
+            else gguf.quants.dequantize(w.data, qtype)).astype(np.float32)
+    np.testing.assert_array_equal(w.dequantize(), want)
+    np.testing.assert_array_equal(w.rows(np.array([5, 0, 5])), want[[5, 0, 5]])
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_products_against_float64(qtype: QType, n: int) -> None:
+    """Against float64 on the dequantized weights (and, on the int8 path, on the int8 inputs
+    the kernels multiply): only float32 rounding apart."""
+    rng = np.random.default_rng(2)
+    w = stored(rng.standard_normal((37, 512), dtype=np.float32), qtype)
+    x = rng.standard_normal((n, 512), dtype=np.float32)
+    xs = int8_inputs(x) if qtype in INT8_PATH else x.astype(np.float64)
+    wd = w.dequantize().astype(np.float64)
+    want = xs @ wd.T
+    got = quant.linear(x, w)
+    bound = 1e-5 * (np.abs(xs) @ np.abs(wd).T)  # relative to the sum of the terms' sizes
+    assert got.shape == (n, 37) and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= bound + 1e-30)
+
+
+# The x86 paths below the best one this CPU has (each is checked against the portable C).
+SIMD_PATHS = {"avx512-vnni": ["avx2+vnni", "avx2"], "avx2+vnni": ["avx2"]}.get(quant.KERNELS, [])
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
+@pytest.mark.parametrize(("rows", "k"), [(1, 256), (7, 512), (9, 1024)])
+def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
+    rng = np.random.default_rng(3)
+    w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
+    x = rng.standard_normal((4, k), dtype=np.float32)
+    assert quant._kernels is not None
+    results = [quant.linear(x, w)]
+    try:
+        for path in [*SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            results.append(quant.linear(x, w))
+    finally:
+        quant._kernels.use("best")
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+
+
+@pytest.mark.parametrize("k", [48, 70])
+def test_f16_rows_of_any_length(k: int) -> None:
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((6, k), dtype=np.float32), QType.F16)
+    x = rng.standard_normal((2, k), dtype=np.float32)
+    np.testing.assert_allclose(quant.linear(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [QType.F16, QType.Q8_0, QType.Q4_K])
+def test_a_row_does_not_depend_on_its_batch(qtype: QType) -> None:
+    rng = np.random.default_rng(5)
+    w = stored(rng.standard_normal((16, 256), dtype=np.float32), qtype)
+    x = rng.standard_normal((5, 256), dtype=np.float32)
+    together = quant.linear(x, w)
+    for i in range(5):
+        assert np.array_equal(quant.linear(x[i : i + 1], w), together[i : i + 1])
+
+
+def test_the_kernels_refuse_buffers_that_do_not_fit() -> None:
+    assert quant._kernels is not None
+    w = quant.quantize(np.ones((4, 64), np.float32), QType.Q8_0)
+    y = np.empty((1, 4), np.float32)
+    with pytest.raises(ValueError, match="weights hold"):
+        quant._kernels.matmul(int(QType.Q8_0), w.data, 5, 64, np.ones((1, 64), np.float32), 1, y)
+    with pytest.raises(ValueError, match="x holds"):
+        quant._kernels.matmul(int(QType.Q8_0), w.data, 4, 64, np.ones((2, 64), np.float32), 1, y)
+    with pytest.raises(ValueError, match="no kernel"):
+        quant._kernels.matmul(99, w.data, 4, 64, np.ones((1, 64), np.float32), 1, y)
+
+
+def test_numpy_fallback_matches_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the extension the products dequantize with the gguf package instead."""
+    rng = np.random.default_rng(6)
+    w = quant.quantize(rng.standard_normal((8, 128), dtype=np.float32), QType.Q4_0)
+    x = rng.standard_normal((2, 128), dtype=np.float32)
+    with_kernels = quant.linear(x, w)
+    monkeypatch.setattr(quant, "_kernels", None)
+    fallback = quant.linear(x, w)
+    np.testing.assert_allclose(fallback, x @ w.dequantize().T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(with_kernels, fallback, rtol=0, atol=0.02 * np.abs(fallback).max())
+
+
+# -- QTensor cuts -----------------------------------------------------------------------------
+
+
+def test_take_cuts_whole_blocks_only() -> None:
+    w = quant.quantize(np.arange(4 * 96, dtype=np.float32).reshape(4, 96), QType.Q8_0)
+    part = w.take((slice(1, 3), slice(32, 96)))
+    assert part.shape == (2, 64) and part.data.flags.c_contiguous
+    np.testing.assert_array_equal(part.dequantize(), w.dequantize()[1:3, 32:96])
+    with pytest.raises(quant.QuantError, match=r"columns \[16, 96\) .* blocks of 32"):
+        w.take((slice(None), slice(16, 96)))
+
+
+def test_unsupported_types_are_named() -> None:
+    with pytest.raises(quant.QuantError, match="IQ2_XXS is not supported"):
+        QTensor(QType.IQ2_XXS, (1, 256), np.zeros((1, 66), np.uint8))
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def perturbed(cfg: ModelConfig, seed: int = 0) -> dict[str, F32]:
+    rng = np.random.default_rng(seed + 100)
+    params = T.init_params(cfg, seed=seed)
+    for p in params.values():
+        p += np.float32(0.1) * rng.standard_normal(p.shape, dtype=np.float32)
+    return params
+
+
+@pytest.mark.parametrize(("dtype", "big", "head"), [
+    ("f16", QType.F16, QType.F16), ("q8_0", QType.Q8_0, QType.Q8_0),
+    ("q4_0", QType.Q4_0, QType.Q8_0),
+])
+def test_quantized_files_keep_their_type_in_memory(
+    tmp_path: Path, dtype: str, big: QType, head: QType
+) -> None:
+    path = tmp_path / f"m-{dtype}.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype=dtype)  # type: ignore[arg-type]
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == types["token_embd.weight"] == big
+    assert types["output.weight"] == head
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_norm.weight"] == QType.F32
+    m = load_gguf_stored(path)
+    held = sum(p.nbytes for p in m.params.values())
+    data = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert held == data and held > 0.95 * path.stat().st_size - 16384
+    w = m.params["blk.1.attn_q.weight"]
+    assert isinstance(w, QTensor) and w.qtype == big
+    assert isinstance(m.params["blk.1.ffn_norm.weight"], np.ndarray)
+    assert identity_for(path, m.cfg, 64).quant_bits == quant.NOMINAL_BITS[big]
+    # load_gguf still gives float32 (training, the reference engine), the same values.
+    f32 = load_gguf(path).params["blk.1.attn_q.weight"]
+    np.testing.assert_array_equal(f32, w.dequantize())
+
+
+def test_storage_type_falls_back_to_f16_where_rows_are_not_whole_blocks() -> None:
+    assert storage_type("q8_0", "blk.0.attn_q.weight", (48, 48)) == QType.F16
+    assert storage_type("q4_0", "output.weight", (259, 64)) == QType.Q8_0
+    assert storage_type("q4_0", "blk.0.ffn_gate_inp.weight", (4, 64)) == QType.F32
+
+
+def test_a_file_with_k_quants_loads_as_stored(tmp_path: Path) -> None:
+    """The types llama-quantize's Q4_K_M gives rows of 256 (Q4_K, Q5_K, Q6_K) beside Q8_0."""
+    cfg = ModelConfig(n_ctx=32, n_embd=256, n_layer=1, n_head=4, n_head_kv=2, n_ff=256,
+                      n_expert=2, n_expert_used=1)
+    params: dict[str, quant.Param] = dict(perturbed(cfg))
+    kinds = {"attn_q": QType.Q4_K, "attn_output": QType.Q5_K, "ffn_down_exps": QType.Q6_K,
+             "attn_v": QType.Q8_0}
+    for name, shape in cfg.param_shapes().items():
+        kind = next((q for key, q in kinds.items() if f".{key}." in name), None)
+        if kind in KQUANTS:
+            rows = int(np.prod(shape[:-1]))
+            blocks = random_blocks(kind, rows, shape[-1], seed=len(name))
+            params[name] = QTensor(kind, shape, blocks.data.reshape(*shape[:-1], -1))
+        elif kind is not None:
+            params[name] = quant.quantize(params[name], kind)  # type: ignore[arg-type]
+    path = tmp_path / "mixed.gguf"
+    save_gguf(path, cfg, params)
+    assert values_by_type(path)[QType.Q6_K] == 2 * 256 * 256
+    stored_model = load_gguf_stored(path)
+    reference = Engine(cfg, load_gguf(path).params)
+    engine = Engine(cfg, stored_model.params)
+    prompt = [5, 17, 200, 33]
+    got = engine.decode(engine.new_session(), prompt)
+    want = reference.decode(reference.new_session(), prompt)
+    # Q8_0 multiplies int8 inputs: about 1% of the largest logit; the K-quants add rounding.
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
+
+
+# -- the engine on stored weights -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [("f16", 1e-5), ("q8_0", 0.02), ("q4_0", 0.02)])
+def test_engine_on_a_quantized_file_tracks_the_f32_reference(
+    tmp_path: Path, dtype: str, atol: float
+) -> None:
+    """The same file through the f32 engine (dequantized at load) and the stored-type engine:
+    F16 differs by rounding only; Q8_0 and Q4_0 also by the int8 inputs (which can flip a
+    close routing decision: hence the median over positions)."""
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype=dtype)  # type: ignore[arg-type]
+    reference = Engine(CFG, load_gguf(path).params)
+    engine = Engine(CFG, load_gguf_stored(path).params)
+    prompt = list(range(10, 40))
+    want = reference.decode(reference.new_session(), prompt)
+    got = engine.decode(engine.new_session(), prompt)
+    relative = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)  # per position
+    assert np.median(relative) <= atol, relative
+    assert (np.argmax(got, axis=1) == np.argmax(want, axis=1)).mean() >= 0.9
+
+
+def test_a_cut_across_a_block_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """Three heads per rank of 16 values: attn_output's half is 48 columns, not whole blocks
+    of 32. The pair refuses the file; one process holds the model in one part instead."""
+    cfg = ModelConfig(n_ctx=32, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
+    path = tmp_path / "m.gguf"
+    save_gguf(path, cfg, perturbed(cfg), dtype="q8_0")
+    params = load_gguf_stored(path).params
+    with pytest.raises(SplitError, match=r"blk\.0\.attn_output\.weight \(Q8_0, blocks of 32"):
+        rank_weights(cfg, params, 0, 2)
+    with pytest.raises(SplitError, match=r"attn_output\.weight \(Q8_0, blocks of 32 values\)"):
+        load_rank(path, 1, expert_split=ExpertSplit.EXPERTS)
+    assert len(Engine(cfg, params).parts) == 1
+
+
+def test_intermediate_split_cuts_down_projections_on_blocks(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype="q4_0")
+    half = load_rank(path, 1, expert_split=ExpertSplit.INTERMEDIATE)
+    down = half.weights.params["blk.0.ffn_down_exps.weight"]
+    assert isinstance(down, QTensor) and down.shape == (CFG.n_expert, CFG.n_embd, CFG.n_ff // 2)
+    full = load_gguf_stored(path).params["blk.0.ffn_down_exps.weight"]
+    assert isinstance(full, QTensor)
+    np.testing.assert_array_equal(down.dequantize(), full.dequantize()[..., CFG.n_ff // 2 :])
+    assert half.identity.quant_bits == 4
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+
+def test_export_type_writes_a_quantized_file_generate_reads(tmp_path: Path) -> None:
+    from foundry.model.checkpoint import CheckpointState, save_checkpoint
+    from foundry.model.optim import AdamW
+
+    params = perturbed(CFG)
+    ckpt = save_checkpoint(tmp_path / "ckpt", CheckpointState(
+        config=CFG, step=3, params=params, optimizer=AdamW(params).state_dict(), data_position=0,
+    ))
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    out = tmp_path / "m-q8.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "foundry", "export", "--checkpoint", str(ckpt), "--out", str(out),
+         "--type", "q8_0"], capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
+    gen = subprocess.run(
+        [sys.executable, "-m", "foundry", "generate", "--model", str(out), "--prompt", "The ",
+         "--max-tokens", "8"], capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert len(gen.stdout) > 1
+
+
+def test_a_rank_holds_its_stored_weights_once(tmp_path: Path) -> None:
+    """The engine's stacked Q/K/V and gate/up buffers replace the loaded tensors in the rank's
+    own params (views of the same bytes), so the loaded model is not held a second time."""
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype="q8_0")
+    half = load_rank(path, 0)
+    engine = Engine(CFG, half.weights, rank=0, world=2)
+    gate = half.weights.params["blk.1.ffn_gate_exps.weight"]
+    q = half.weights.params["blk.1.attn_q.weight"]
+    assert isinstance(gate, QTensor) and isinstance(q, QTensor)
+    assert np.shares_memory(gate.data, engine.fused[0]["blk.1.gate_up"].data)
+    assert np.shares_memory(q.data, engine.fused[0]["blk.1.qkv"].data)
+    held = {id(b): b.nbytes for b in (_base(p) for p in half.weights.params.values())}
+    stored_bytes = sum(p.nbytes for p in half.weights.params.values())
+    assert sum(held.values()) == stored_bytes
+
+
+def _base(p: quant.Param) -> np.ndarray:
+    a = p.data if isinstance(p, QTensor) else p
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
