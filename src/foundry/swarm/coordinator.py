@@ -1012,6 +1012,11 @@ class Coordinator:
             await self.checkpoint()
         self._set_state(SwarmState.DONE)
         log.info("training done at step %d; telling the workers", self.step)
+        # The last step's UPDATE first, so every worker ends holding the final weights.
+        for m in list(self.members.values()):
+            if m.extended and m.weights_step >= 0:
+                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                    await self._bring_up_to_date(m)
         await self._broadcast(fdtc.Shutdown())
 
     async def export(self, path: Path | None) -> Path:
