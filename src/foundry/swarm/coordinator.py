@@ -198,24 +198,15 @@ class Member:
         self.last_heartbeat = now
 
 
-@dataclass
-class Round:
-    step: int
-    shares: dict[str, int]  # worker -> samples; only workers still alive
-    started: float
-    deadline: float
-    reported: dict[str, int] = field(default_factory=dict)  # worker -> samples
-    losses: dict[str, float] = field(default_factory=dict)  # worker -> its loss this round
-    gradients: policy.GradientSum = field(init=False)  # summed as they arrive
-    planned: dict[str, int] = field(init=False)
-    first_report_at: float | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    report_at: dict[str, float] = field(default_factory=dict)  # worker -> monotonic time
-    started_us: int = field(default_factory=now_us)  # wall clock, for the timeline
+class Round(policy.RoundTracker):
+    """The round's rules (``policy.RoundTracker``) and what the service adds: an event set on
+    every change, and the wall clock of its start for the timeline."""
 
-    def __post_init__(self) -> None:
-        self.gradients = policy.GradientSum(self.shares)
-        self.planned = dict(self.shares)  # as assigned, before anyone left
+    def __init__(self, step: int, shares: dict[str, int], *, started: float, deadline: float,
+                 quorum: float) -> None:
+        super().__init__(step, shares, started=started, deadline=deadline, quorum=quorum)
+        self.changed = asyncio.Event()
+        self.started_us = now_us()
 
     def wall_us(self, t: float) -> int:
         """The wall-clock microseconds of monotonic time ``t`` (timeline timestamps)."""
@@ -650,9 +641,9 @@ class Coordinator:
         m.bytes_up += len(msg.data)
         self._round_bytes[0] += len(msg.data)
         rnd = self.round
-        fresh = rnd is not None and msg.local_step == rnd.step and m.worker_id not in rnd.reported
-        if fresh and rnd is not None and m.extended and m.worker_id not in rnd.shares:
-            fresh = False  # an extended worker only reports what it was assigned
+        # An extended worker only reports what it was assigned.
+        fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
+                                                assigned_only=m.extended)
         if msg.num_tensors != len(self._numels):
             raise fdtc.FdtcProtocolError(
                 f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
@@ -672,18 +663,14 @@ class Coordinator:
             log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
             await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
             return
-        n = rnd.shares.get(m.worker_id, m.seed_share)
-        rnd.reported[m.worker_id] = n
+        now = time.monotonic()
+        rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
+                   now=now, assigned_only=m.extended)
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
-            elapsed = time.monotonic() - rnd.started
+            elapsed = now - rnd.started
             if elapsed > 0:
-                m.rate = policy.update_rate(m.rate or None, n / elapsed)
-        rnd.losses[m.worker_id] = m.loss
-        rnd.gradients.add(m.worker_id, n, tensors)
-        rnd.report_at[m.worker_id] = time.monotonic()
-        if rnd.first_report_at is None:
-            rnd.first_report_at = rnd.report_at[m.worker_id]
+                m.rate = policy.update_rate(m.rate or None, rnd.reported[m.worker_id] / elapsed)
         m.busy = False
         rnd.changed.set()
         await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
@@ -695,10 +682,7 @@ class Coordinator:
         self.metrics.workers_dropped.labels(reason=reason).inc()
         with contextlib.suppress(KeyError):
             self.metrics.worker_samples_per_second.remove(m.worker_id)
-        if self.round is not None and m.worker_id in self.round.shares and (
-            m.worker_id not in self.round.reported
-        ):
-            del self.round.shares[m.worker_id]
+        if self.round is not None and self.round.drop(m.worker_id):
             self.round.changed.set()
         if reason not in ("deregistered", "replaced"):
             log.warning("dropped worker %s (%s)", m.worker_id, reason)
@@ -777,9 +761,7 @@ class Coordinator:
         expected.update({m.worker_id: m.seed_share for m in members if not m.extended})
         now = time.monotonic()
         rnd = Round(
-            step=self.step,
-            shares=expected,
-            started=now,
+            self.step, expected, started=now, quorum=self.opt.quorum,
             deadline=policy.round_deadline(
                 now, expected, {m.worker_id: m.rate for m in members}
             ),
@@ -825,25 +807,16 @@ class Coordinator:
                 log.info("could not send an assignment: %s", res)
         warned = False
         while True:
-            decision = policy.round_decision(
-                now=time.monotonic(),
-                deadline=rnd.deadline,
-                assigned=rnd.shares,
-                reported=rnd.reported,
-                quorum=self.opt.quorum,
-            )
-            if decision is policy.RoundDecision.WAIT and expected and not rnd.shares \
-                    and not rnd.reported:
+            decision = rnd.decide(time.monotonic())
+            if decision is policy.RoundDecision.ABANDON and rnd.deserted():
                 # Every worker of the round left (or, seed-only, was paused) before reporting:
                 # nothing more can arrive for it, and workers that joined since wait idle until
-                # the next round; re-run the step now rather than at the deadline (up to
-                # INITIAL_DEADLINE_S for a worker that never reported before).
+                # the next round; it runs again now rather than at the deadline.
                 log.info(
                     "step %d: %s before reporting; it runs again%s", rnd.step,
                     "paused" if self.state is SwarmState.PAUSED else "every assigned worker left",
                     " after RESUME" if self.state is SwarmState.PAUSED else "",
                 )
-                decision = policy.RoundDecision.ABANDON
             if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
                 break
             wake = rnd.deadline
@@ -862,11 +835,11 @@ class Coordinator:
             self.timeline.span(
                 "wait", rnd.wall_us(rnd.first_report_at), step=rnd.step,
                 last=max(rnd.report_at, key=rnd.report_at.__getitem__),
-                missing=sorted(w for w in rnd.shares if w not in rnd.reported),
+                missing=rnd.missing(),
             )
         for m in self.members.values():
             m.busy = False
-        late = [w for w in rnd.shares if w not in rnd.reported]
+        late = rnd.missing()
         if decision is policy.RoundDecision.CLOSE:
             if late:
                 log.warning(
@@ -892,7 +865,7 @@ class Coordinator:
         log.warning(
             "step %d is waiting for %s: %.2fs after the first report; the median report "
             "came %.2fs into the round",
-            rnd.step, ", ".join(sorted(w for w in rnd.shares if w not in rnd.reported)),
+            rnd.step, ", ".join(rnd.missing()),
             time.monotonic() - rnd.first_report_at, median,
         )
 
@@ -1102,8 +1075,7 @@ class Coordinator:
             return
         for worker_id in list(rnd.shares):
             m = self.members.get(worker_id)
-            if m is not None and not m.extended and worker_id not in rnd.reported:
-                del rnd.shares[worker_id]
+            if m is not None and not m.extended and rnd.drop(worker_id):
                 m.busy = False
         rnd.changed.set()
 
