@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from foundry.wire.compression import Codec, get_codec
+from foundry.compression import Codec, get_codec
 from foundry.wire.fdtc import Compression
 
 MB = 1e6

@@ -292,6 +292,19 @@ class FdtcFrames:
             "CONTROL_ACK": lambda: fdtc.ControlAck(r.choice(list(fdtc.MsgType)),
                                                    r.random() < 0.5, step, _word(r)),
             "EXPORT": lambda: fdtc.Export(_word(r)),
+            "TRAIN_PLAN": lambda: fdtc.TrainPlan(
+                sync_every=r.randrange(1, 64), digest_every=r.randrange(16), down_compression=comp,
+                lr=_f32(r), warmup_steps=r.randrange(100), total_steps=r.randrange(1 << 20),
+                min_lr_ratio=_f32(r), weight_decay=_f32(r), grad_clip=_f32(r)),
+            "UPDATE": lambda: fdtc.Update(
+                global_step=step, base_step=r.randrange(1 << 32), compression=comp,
+                num_tensors=r.choice([self.n_tensors, r.randrange(64)]),
+                uncompressed_size=r.randrange(1 << 40), data=r.randbytes(r.randrange(0, 96))),
+            "WEIGHTS_DIGEST": lambda: fdtc.WeightsDigest(step, r.randbytes(32)),
+            "LOCAL_ASSIGN": lambda: fdtc.LocalAssign(
+                global_step=step, sample_offset=r.randrange(1 << 32),
+                samples_per_step=r.randrange(1, 64), inner_steps=r.randrange(1, 64),
+                micro_batch=8, seq_len=64),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), _word(r)),
         }
         return build[name]()

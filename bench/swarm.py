@@ -14,6 +14,8 @@ Prints, on loopback:
 3. gradient and weight bytes per round for each compression, from the coordinator's counters.
 
 Every process gets one BLAS thread. ``--workers 8`` is the scale run for a many-core machine.
+``--coordinator-args`` adds coordinator flags to every swarm run, e.g.
+``--coordinator-args="--sync-every 16 --compression fp16"`` measures local-step training.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -115,7 +118,7 @@ def run_swarm(
          "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
          "--max-steps", str(total + 1000), "--checkpoint-every", "100000",
          "--min-workers", str(len(slowdowns)), "--compression", compression,
-         *([] if rebalance else ["--no-rebalance"])],
+         *([] if rebalance else ["--no-rebalance"]), *shlex.split(args.coordinator_args)],
         work / "coordinator.log",
     )
     m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+), metrics :(\d+)")
@@ -191,6 +194,8 @@ def main() -> int:
                     help="global batch of the context run (N workers against one process at\n"
                     "this batch, no target); 0 skips it")
     ap.add_argument("--skip-bytes", action="store_true", help="skip the compression table")
+    ap.add_argument("--coordinator-args", default="",
+                    help="extra coordinator flags for every swarm run (after --compression)")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     print(f"# swarm bench: preset {args.preset}, global batch {args.global_batch}x{args.seq_len},"

@@ -26,12 +26,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
+from foundry.compression import ErrorFeedback, get_codec
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.optim import AdamW, clip_grad_norm
 from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
 from foundry.model.transformer import init_params
-from foundry.wire.compression import Compression, ErrorFeedback, get_codec
+from foundry.wire.fdtc import Compression
 
 WORKERS = 2
 TOPK_RATIO = 0.01

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from foundry.wire.compression import (
+from foundry.compression import (
     CODECS,
     Codec,
     ErrorFeedback,

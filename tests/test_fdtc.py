@@ -44,6 +44,7 @@ from foundry.wire.fdtc import (
     HardwareProfile,
     Heartbeat,
     HeartbeatAck,
+    LocalAssign,
     Message,
     ModelConfigMsg,
     MsgType,
@@ -60,7 +61,10 @@ from foundry.wire.fdtc import (
     SwarmStatusRow,
     Sync,
     TensorMeta,
+    TrainPlan,
+    Update,
     Weights,
+    WeightsDigest,
     WeightsMeta,
     WeightsReq,
     WorkerState,
@@ -247,6 +251,45 @@ GOLDEN: list[tuple[Message, bytes]] = [
     (
         Export(path="/tmp/m.gguf"),
         hexb("43544446 65 00010000", "2f746d702f6d2e67677566", z(245)),
+    ),
+    (
+        TrainPlan(
+            sync_every=16, digest_every=10, down_compression=Compression.FP16, lr=0.5,
+            warmup_steps=20, total_steps=100, min_lr_ratio=0.5, weight_decay=0.25,
+            grad_clip=1.0,
+        ),
+        hexb(
+            "43544446 66 28000000",  # TRAIN_PLAN, 40
+            "10000000", "0a000000", "01000000",  # sync_every 16, digest_every 10, FP16 (u32)
+            "0000003f", "14000000", "64000000",  # lr 0.5, warmup 20, total 100
+            "0000003f", "0000803e", "0000803f", "00000000",  # 0.5, 0.25, 1.0, flags 0
+        ),
+    ),
+    (
+        Update(global_step=5, base_step=4, compression=Compression.NONE, num_tensors=1,
+               uncompressed_size=8, data=hexb("0000803f", "000000c0")),
+        hexb(
+            "43544446 67 20000000",  # UPDATE, 24 + 8
+            "05000000", "04000000", "00000000", "01000000",  # step 5 from 4, NONE, 1 tensor
+            "0800000000000000",  # uncompressed_size u64
+            "0000803f", "000000c0",  # +1.0, -2.0
+        ),
+    ),
+    (
+        WeightsDigest(global_step=10, digest=bytes(range(32))),
+        hexb(
+            "43544446 68 24000000",  # WEIGHTS_DIGEST, 36
+            "0a000000", "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+        ),
+    ),
+    (
+        LocalAssign(global_step=32, sample_offset=2048, samples_per_step=8, inner_steps=16,
+                    micro_batch=8, seq_len=64),
+        hexb(
+            "43544446 69 1c000000",  # LOCAL_ASSIGN, 28
+            "20000000", "0008000000000000",  # step 32, offset 2048 (u64)
+            "08000000", "10000000", "08000000", "40000000",  # 8 per step, 16 steps, 8, 64
+        ),
     ),
     (
         Error(ErrorCode.STALE, "stale"),

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from foundry.swarm.policy import (
     GradientSum,
+    Report,
     RoundDecision,
+    RoundTracker,
     allocate_samples,
     backoff_delay,
     contiguous_offsets,
@@ -178,3 +180,38 @@ def test_liveness_timeout_follows_a_seed_peers_own_cadence() -> None:
     assert liveness_timeout(extended=False, heartbeat_intervals=[10.0], **common) == 40.0
     assert liveness_timeout(extended=False, heartbeat_intervals=[0.1], **common) == 2.5
     assert not is_dead(100.0, 81.0, 20.0) and is_dead(100.0, 79.0, 20.0)
+
+
+def test_round_tracker_counts_reports_and_refuses_stale_ones() -> None:
+    g = [np.ones(3, np.float32)]
+    t = RoundTracker(7, {"a": 6, "b": 2}, started=0.0, deadline=10.0, quorum=0.5)
+    assert t.decide(1.0) is RoundDecision.WAIT and t.first_report_at is None
+    assert t.report("a", 6, g, samples=1, loss=2.0, now=1.0) is Report.STALE  # other step
+    assert t.report("z", 7, g, samples=1, loss=2.0, now=1.0) is Report.STALE  # not assigned
+    assert t.report("a", 7, g, samples=99, loss=2.0, now=1.5) is Report.ACCEPTED
+    assert t.reported == {"a": 6}  # the planned share counts, not what the worker claims
+    assert t.report("a", 7, g, samples=6, loss=2.0, now=1.6) is Report.STALE  # twice
+    assert t.first_report_at == 1.5 and t.missing() == ["b"]
+    # a seed-only peer (assigned_only=False) counts for the samples it brings
+    assert t.report("seed", 7, g, samples=4, loss=1.0, now=2.0, assigned_only=False) \
+        is Report.ACCEPTED
+    assert t.reported["seed"] == 4
+    assert t.decide(5.0) is RoundDecision.WAIT  # b still owes its share
+    assert t.decide(10.0) is RoundDecision.CLOSE  # deadline, 10 of 12 samples >= quorum
+    assert t.report("b", 7, g, samples=2, loss=1.0, now=3.0) is Report.ACCEPTED
+    assert t.decide(3.0) is RoundDecision.CLOSE
+    np.testing.assert_allclose(t.gradients.mean()[0], np.ones(3))
+
+
+def test_round_tracker_drop_and_desertion() -> None:
+    t = RoundTracker(0, {"a": 4, "b": 4}, started=0.0, deadline=100.0)
+    assert t.drop("a") and not t.drop("a") and not t.drop("nobody")
+    assert t.decide(1.0) is RoundDecision.WAIT and not t.deserted()
+    assert t.drop("b") and t.deserted()
+    assert t.decide(1.0) is RoundDecision.ABANDON  # at once, not at the deadline
+    below = RoundTracker(0, {"a": 1, "b": 9}, started=0.0, deadline=5.0, quorum=0.5)
+    below.report("a", 0, [np.zeros(1, np.float32)], samples=1, loss=0.0, now=1.0)
+    assert below.decide(4.9) is RoundDecision.WAIT
+    assert below.decide(5.0) is RoundDecision.ABANDON  # 1 of 10 samples at the deadline
+    nobody = RoundTracker(0, {}, started=0.0, deadline=5.0)
+    assert not nobody.deserted() and nobody.decide(6.0) is RoundDecision.ABANDON

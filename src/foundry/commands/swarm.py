@@ -51,6 +51,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="gradient compression on the wire (default none)")
     c.add_argument("--topk-ratio", type=fraction, default=0.01,
                    help="share of gradient entries top-k sends (default 0.01)")
+    c.add_argument("--down-compression", default=None,
+                   choices=[c.name.lower() for c in Compression],
+                   help="compression of the weight updates sent to workers, with the error "
+                   "feedback held here (default: as --compression)")
+    c.add_argument("--sync-every", type=positive_int, default=1, metavar="H",
+                   help="inner steps per round: 1 trains synchronously (exact, the default); "
+                   "above 1 each worker runs H local AdamW steps and the coordinator applies "
+                   "an outer Nesterov step to the averaged pseudo-gradient (DiLoCo)")
+    c.add_argument("--sync-warmup", type=int, default=0, metavar="N",
+                   help="with --sync-every above 1, train the first N steps synchronously "
+                   "(default 0)")
+    c.add_argument("--outer-lr", type=float, default=0.7,
+                   help="outer Nesterov learning rate with --sync-every above 1 (default 0.7)")
+    c.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="outer Nesterov momentum with --sync-every above 1 (default 0.9)")
+    c.add_argument("--digest-every", type=int, default=10, metavar="K",
+                   help="workers report a digest of their weights every K steps; a mismatch "
+                   "gets full weights (default 10; 0: never)")
     c.add_argument("--data", type=Path, default=None,
                    help="text file or folder to train on (default: Python's bundled docs)")
     c.add_argument("--export-dir", type=Path, default=None, metavar="DIR",
@@ -63,9 +81,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="start from these weights instead of a random init")
     c.add_argument("--max-steps", type=positive_int, default=300,
                    help="steps to train (default 300)")
+    c.add_argument("--schedule-steps", type=positive_int, default=None, metavar="N",
+                   help="length of the learning-rate schedule (warm-up then cosine to its "
+                   "floor, which holds after it; default: --max-steps)")
     add_schedule_flags(c)
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
+    c.add_argument("--validate-every", type=positive_int, default=25, metavar="N",
+                   help="validation loss every N steps (default 25)")
     c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
@@ -147,7 +170,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
-        total_steps=args.max_steps,
+        total_steps=args.schedule_steps or args.max_steps,
     )
     options = CoordinatorOptions(
         host=args.listen[0],
@@ -173,6 +196,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         admin_max_connections=args.admin_max_connections,
         frame_deadline_s=args.frame_deadline,
+        validate_every=args.validate_every,
+        sync_every=args.sync_every,
+        down_compression=(None if args.down_compression is None
+                          else Compression[args.down_compression.upper()]),
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        digest_every=max(0, args.digest_every),
+        sync_warmup=max(0, args.sync_warmup),
     )
 
     async def main() -> int:

@@ -18,7 +18,9 @@ global sample index), ``optimizer_step``, ``extra`` (small JSON settings of the 
 compression and learning-rate schedule) and ``tensors``: a list of ``{group, name, shape,
 dtype, offset, nbytes}`` with ``group`` one of ``params`` / ``m`` / ``v`` and ``offset``
 relative to D. Parameters come in the canonical order of :meth:`ModelConfig.param_shapes`,
-then the AdamW first and second moments.
+then the AdamW first and second moments, then any further groups of parameter-shaped tensors
+the run keeps (``CheckpointState.tensors``, by group name in sorted order: e.g. the swarm's
+``shadow``, the weights every worker holds, and ``outer_m``, the outer optimizer's momentum).
 
 A checkpoint is written to a temporary file in the same directory, flushed, fsynced, renamed
 to ``step-NNNNNN.ckpt`` and the directory fsynced, so after a crash or a full disk the final
@@ -92,6 +94,8 @@ class CheckpointState:
     optimizer: OptimizerState
     data_position: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # Further parameter-shaped tensors by group name (neither "params", "m" nor "v").
+    tensors: dict[str, dict[str, F32Array]] = field(default_factory=dict)
 
 
 def checkpoint_name(step: int) -> str:
@@ -116,8 +120,12 @@ def _file_tensors(state: CheckpointState) -> list[tuple[str, str, F32Array]]:
     for key in ("m", "v", "step"):
         if key not in opt:
             raise CheckpointError(f"optimizer state lacks {key!r} (expected m, v, step)")
+    clash = [g for g in state.tensors if g in _GROUPS]
+    if clash:
+        raise CheckpointError(f"tensor groups {clash} are reserved")
     groups: list[tuple[str, Mapping[str, Any]]] = [
-        ("params", params), ("m", opt["m"]), ("v", opt["v"])
+        ("params", params), ("m", opt["m"]), ("v", opt["v"]),
+        *sorted(state.tensors.items()),
     ]
     out = []
     for group, tensors in groups:
@@ -341,7 +349,9 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
             if t["dtype"] != "<f4" or start + 4 * count > len(body):
                 raise ValueError(f"tensor {t['name']} lies outside the data or is not <f4")
             arr = np.frombuffer(buf, dtype="<f4", count=count, offset=start).reshape(shape)
-            groups[t["group"]][t["name"]] = arr.astype(np.float32, copy=False)
+            groups.setdefault(str(t["group"]), {})[t["name"]] = arr.astype(
+                np.float32, copy=False
+            )
         state = CheckpointState(
             config=cfg,
             step=int(meta["step"]),
@@ -349,6 +359,7 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
             optimizer={"m": groups["m"], "v": groups["v"], "step": int(meta["optimizer_step"])},
             data_position=int(meta["data_position"]),
             extra=dict(meta["extra"]),
+            tensors={g: ts for g, ts in groups.items() if g not in _GROUPS},
         )
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise CheckpointError(f"{p} has a hash that verifies but unusable metadata: {exc}") from exc

@@ -91,6 +91,35 @@ class SwarmMetrics:
             ["direction"],
             registry=r,
         )
+        self.update_bytes = Counter(
+            "foundry_swarm_update_bytes_total",
+            "Weight-update bytes sent to workers (UPDATE: the downlink after a join).",
+            ["compression"],
+            registry=r,
+        )
+        self.step_bytes = Gauge(
+            "foundry_swarm_step_bytes",
+            "Bytes through the coordinator's link in the last step, by direction (up: from "
+            "workers; down: to them), over all workers.",
+            ["direction"],
+            registry=r,
+        )
+        self.outer_step = Gauge(
+            "foundry_swarm_outer_step",
+            "Outer optimizer steps taken (rounds closed; --sync-every above 1).",
+            registry=r,
+        )
+        self.inner_steps = Histogram(
+            "foundry_swarm_inner_steps",
+            "Inner steps a worker was given per round (--sync-every above 1).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
+        self.digest_mismatches = Counter(
+            "foundry_swarm_digest_mismatches_total",
+            "Workers whose weights digest differed from the coordinator's (sent full weights).",
+            registry=r,
+        )
         self.round_duration = Histogram(
             "foundry_swarm_round_duration_seconds",
             "From assignment to step applied.",
@@ -146,6 +175,8 @@ class SwarmMetrics:
             self.rounds.labels(outcome)
         for link in ("worker", "admin"):
             self.protocol_errors.labels(link)
+        for direction in ("up", "down"):
+            self.step_bytes.labels(direction)
 
 
 class WorkerMetrics:
@@ -176,6 +207,17 @@ class WorkerMetrics:
         self.gradient_bytes = Counter(
             "foundry_worker_gradient_bytes_total", "Gradient bytes sent.", registry=r
         )
+        self.weight_bytes = Counter(
+            "foundry_worker_weight_bytes_total",
+            "Weight bytes received: full weights (joins, failed digests) or updates.",
+            ["kind"],
+            registry=r,
+        )
+        self.inner_steps = Counter(
+            "foundry_worker_inner_steps_total",
+            "Inner optimizer steps run in local-step rounds (--sync-every above 1).",
+            registry=r,
+        )
         self.info = Gauge(
             "foundry_worker_info",
             "Always 1; its labels name the worker, so dashboards can join its other series "
@@ -185,6 +227,8 @@ class WorkerMetrics:
         )
         for phase in ("compute", "compress", "send"):
             self.phase_duration.labels(phase)
+        for kind in ("full", "update"):
+            self.weight_bytes.labels(kind)
 
 
 # A gateway call: a status read (a millisecond) to a long generation or export (minutes).

@@ -8,12 +8,22 @@ Theory of operation
 Each worker connection is one asyncio task that decodes messages and updates the shared state;
 a single round task runs the rounds (``_round_loop``): it waits until training is on and
 enough workers are registered, splits the global batch among them by measured throughput
-(``policy.allocate_samples``), sends each one the current weights (if it lacks them) and its
-ASSIGN, then waits until the round closes (``policy.round_decision``): all reported, or the
-deadline with quorum. Gradients are summed, weighted by samples, as they arrive
-(``policy.GradientSum``); at the close the coordinator applies AdamW to their mean and moves
-on. A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was
-in, so nothing waits on the dead. Bad input from one peer closes that peer only.
+(``policy.allocate_samples``), brings each one's weights up to date (one UPDATE, or full
+weights to a worker that lacks the last step's: ``swarm.sync``), sends its ASSIGN, then waits
+until the round closes (``policy.round_decision``): all reported, or the deadline with quorum.
+Gradients are summed, weighted by samples, as they arrive (``policy.GradientSum``); at the
+close the coordinator applies AdamW to their mean, moves its copy of the workers' weights (the
+shadow) by the compressed update, and moves on.
+
+With ``--sync-every H > 1`` (local steps) a round is H inner steps of the fastest worker:
+each worker gets an equal share of the global batch per inner step and the inner steps its
+measured speed allows in that time (``sync.plan_local_round``), sent as LOCAL_ASSIGN; the
+reports are pseudo-gradients, averaged weighted by samples, to which the coordinator applies
+the outer Nesterov step (``sync.OuterNesterov``); the global step advances by H. Workers that
+speak only the seed protocol are refused in this mode (it has no message for local steps).
+
+A dropped worker (EOF, missed heartbeats, bad bytes) is removed from the round it was in, so
+nothing waits on the dead. Bad input from one peer closes that peer only.
 
 Every control message of the seed reaches every worker, seed-only peers included: START once
 training is on and the worker holds weights, SYNC after each step, CHECKPOINT after each
@@ -39,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from foundry.compression import Codec, deserialize_tensors, get_codec
 from foundry.model.checkpoint import (
     CheckpointError,
     CheckpointState,
@@ -53,7 +64,7 @@ from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
-from foundry.swarm import policy
+from foundry.swarm import policy, sync
 from foundry.transport.fdtc_stream import (
     DEFAULT_FRAME_DEADLINE_S,
     FdtcStream,
@@ -63,7 +74,6 @@ from foundry.transport.fdtc_stream import (
 from foundry.transport.listener import Listener
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
-from foundry.wire.compression import deserialize_tensors
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
 
@@ -134,6 +144,25 @@ class CoordinatorOptions:
     max_connections: int = MAX_WORKER_CONNECTIONS
     admin_max_connections: int = MAX_ADMIN_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
+    validate_every: int = VALIDATE_EVERY
+    # Local steps (DiLoCo): inner steps per round; 1 is synchronous training.
+    sync_every: int = 1
+    # Codec of the weight updates sent to workers; None: the same as ``compression``.
+    down_compression: Compression | None = None
+    outer_lr: float = sync.DEFAULT_OUTER_LR
+    outer_momentum: float = sync.DEFAULT_OUTER_MOMENTUM
+    digest_every: int = sync.DEFAULT_DIGEST_EVERY
+    # With sync_every > 1: steps trained synchronously before local steps begin (a warm start
+    # for the outer optimizer, as DiLoCo starts from a trained model).
+    sync_warmup: int = 0
+
+    def local_at(self, step: int) -> bool:
+        """Whether the round that starts at ``step`` runs local steps."""
+        return self.sync_every > 1 and step >= self.sync_warmup
+
+    @property
+    def downlink(self) -> Compression:
+        return self.compression if self.down_compression is None else self.down_compression
 
 
 @dataclass
@@ -160,6 +189,9 @@ class Member:
     heartbeat_intervals: deque[float] = field(
         default_factory=lambda: deque(maxlen=HEARTBEAT_HISTORY)
     )
+    bytes_up: int = 0  # gradient bytes received from it
+    bytes_down: int = 0  # weight and update bytes sent to it
+    inner_steps: int = 0  # inner steps assigned to it in local-step rounds
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -173,22 +205,15 @@ class Member:
         self.last_heartbeat = now
 
 
-@dataclass
-class Round:
-    step: int
-    shares: dict[str, int]  # worker -> samples; only workers still alive
-    started: float
-    deadline: float
-    reported: dict[str, int] = field(default_factory=dict)  # worker -> samples
-    losses: dict[str, float] = field(default_factory=dict)  # worker -> its loss this round
-    gradients: policy.GradientSum = field(init=False)  # summed as they arrive
-    first_report_at: float | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    report_at: dict[str, float] = field(default_factory=dict)  # worker -> monotonic time
-    started_us: int = field(default_factory=now_us)  # wall clock, for the timeline
+class Round(policy.RoundTracker):
+    """The round's rules (``policy.RoundTracker``) and what the service adds: an event set on
+    every change, and the wall clock of its start for the timeline."""
 
-    def __post_init__(self) -> None:
-        self.gradients = policy.GradientSum(self.shares)
+    def __init__(self, step: int, shares: dict[str, int], *, started: float, deadline: float,
+                 quorum: float) -> None:
+        super().__init__(step, shares, started=started, deadline=deadline, quorum=quorum)
+        self.changed = asyncio.Event()
+        self.started_us = now_us()
 
     def wall_us(self, t: float) -> int:
         """The wall-clock microseconds of monotonic time ``t`` (timeline timestamps)."""
@@ -227,10 +252,28 @@ class Coordinator:
         self._checkpoint_failed = False
         self._told_missing = 0
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
+        self._down_codec: Codec = get_codec(options.downlink, topk_ratio=options.topk_ratio,
+                                            seed=options.seed)
+        self._update: fdtc.Update | None = None  # the last step's UPDATE, for every worker
+        self._digests: dict[int, bytes] = {}  # step -> digest of the shadow, recent ones
+        self._round_bytes = [0, 0]  # up, down during the current round
 
     # ------------------------------------------------------------------ state
 
     def _initial_trainer(self) -> Trainer:
+        """The master weights and their optimizers, and the shadow of the workers' weights."""
+        trainer = self._load_or_init()
+        self.outer = sync.OuterNesterov(trainer.params, self.opt.outer_lr, self.opt.outer_momentum)
+        self.shadow = sync.Shadow(self._resumed.get("shadow", trainer.params))
+        if "outer_m" in self._resumed:
+            self.outer.load(self._resumed["outer_m"])
+        self.outer_steps = self._resumed_outer_steps
+        self._applying = False  # the round's optimizer step is running in a thread
+        return trainer
+
+    def _load_or_init(self) -> Trainer:
+        self._resumed: dict[str, dict[str, np.ndarray]] = {}
+        self._resumed_outer_steps = 0
         ckpt = latest_checkpoint(self.opt.checkpoint_dir)
         if ckpt is not None:
             state = load_checkpoint(ckpt)
@@ -239,10 +282,19 @@ class Coordinator:
                     f"checkpoint {ckpt} holds a different model ({state.config}) than "
                     f"--preset asks for ({self.opt.cfg}); use another --checkpoint-dir"
                 )
+            mode = int(state.extra.get("sync_every", 1))
+            if mode != self.opt.sync_every:
+                raise SystemExit(
+                    f"checkpoint {ckpt} was written with --sync-every {mode}, not "
+                    f"{self.opt.sync_every}; resume with --sync-every {mode} or use another "
+                    "--checkpoint-dir"
+                )
             trainer = Trainer(self.opt.cfg, self.opt.settings, state.params)
             trainer.optimizer.load_state_dict(state.optimizer)
             trainer.step = state.step
             trainer.position = state.data_position
+            self._resumed = state.tensors
+            self._resumed_outer_steps = int(state.extra.get("outer_steps", 0))
             log.info("resumed from %s at step %d", ckpt, trainer.step)
             return trainer
         if self.opt.init_gguf is not None:
@@ -410,6 +462,15 @@ class Coordinator:
         if not msg.worker_id:
             await self._refuse(stream, ErrorCode.REJECTED, "empty worker_id")
             return None
+        if not extended and self.opt.sync_every > 1:
+            reason = (
+                f"this swarm trains with local steps (--sync-every {self.opt.sync_every}), "
+                "which the seed protocol cannot carry (LOCAL_ASSIGN, UPDATE); join a "
+                "coordinator run with --sync-every 1, or use a worker that speaks the "
+                "extensions (docs/protocol.md)"
+            )
+            await self._refuse(stream, ErrorCode.REJECTED, reason)
+            return None
         old = self.members.get(msg.worker_id)
         if old is not None:
             log.info("worker %s reconnected; closing its old connection", msg.worker_id)
@@ -447,6 +508,7 @@ class Coordinator:
             msgs.append(
                 fdtc.ModelConfigMsg.from_config(self.opt.cfg, self.opt.settings.aux_loss_coef)
             )
+            msgs.append(self._train_plan())
         await stream.send(*msgs)
         log.info(
             "worker %s registered from %s (%s, %d cores, %d MB, micro-batch %d)%s",
@@ -456,6 +518,15 @@ class Coordinator:
         self._update_member_gauges()
         self._wake.set()
         return member
+
+    def _train_plan(self) -> fdtc.TrainPlan:
+        s = self.opt.settings
+        return fdtc.TrainPlan(
+            sync_every=self.opt.sync_every, digest_every=self.opt.digest_every,
+            down_compression=self.opt.downlink, lr=s.lr, warmup_steps=s.warmup_steps,
+            total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
+            weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+        )
 
     async def _refuse(self, stream: FdtcStream, code: ErrorCode, reason: str) -> None:
         log.warning("refusing %s: %s", stream.peer, reason)
@@ -481,11 +552,26 @@ class Coordinator:
             if msg.samples_per_sec > 0:
                 m.rate = policy.update_rate(m.rate or None, msg.samples_per_sec)
                 self.metrics.worker_samples_per_second.labels(worker=m.worker_id).set(m.rate)
-            await self._send_to(m, fdtc.HeartbeatAck(self.step))
+            if not m.send_lock.locked():
+                # Never wait here behind a large send (full weights on a slow link): this
+                # loop must keep reading, or the worker looks silent. The ack only informs.
+                await self._send_to(m, fdtc.HeartbeatAck(self.step))
         elif isinstance(msg, fdtc.WeightsReq):
-            await self._send_weights(m)
+            if self._applying:
+                m.weights_step = -1  # the weights are changing: its next assignment has them
+            else:
+                await self._send_weights(m)
         elif isinstance(msg, fdtc.Gradients):
             await self._on_gradients(m, msg)
+        elif isinstance(msg, fdtc.WeightsDigest):
+            expected = self._digests.get(msg.global_step)
+            if expected is not None and expected != msg.digest:
+                self.metrics.digest_mismatches.inc()
+                log.warning(
+                    "worker %s holds other weights than expected at step %d; it gets full "
+                    "weights with its next assignment", m.worker_id, msg.global_step,
+                )
+                m.weights_step = -1
         elif isinstance(msg, fdtc.Status):
             m.local_step = msg.local_step
             if np.isfinite(msg.current_loss):
@@ -523,7 +609,9 @@ class Coordinator:
             )
             # One copy of every tensor into the payload, which each worker's send then writes
             # as it is (a view: no per-tensor bytes, no joined frame).
-            flat = np.concatenate([self.trainer.params[name].ravel() for name, _ in self._shapes])
+            # The shadow, not the master: every worker holds the same bytes, whichever way
+            # they reached it (docs/architecture.md, "The downlink").
+            flat = np.concatenate([self.shadow.params[name].ravel() for name, _ in self._shapes])
             weights = fdtc.Weights(flat.astype("<f4", copy=False).data)
             self._weights_cache = (self.step, meta, weights)
         return self._weights_cache[1], self._weights_cache[2]
@@ -532,6 +620,7 @@ class Coordinator:
         meta, weights = self._weights_messages()
         await self._send_to(m, meta, weights)
         m.weights_step = meta.global_step
+        self._count_down(m, len(weights.data))
         self.metrics.weight_bytes.labels(direction="sent").inc(len(weights.data))
         # A worker holding weights learns at once where training stands (the seed's order:
         # WEIGHTS_META + WEIGHTS, then START), so a peer that waits for START never waits on
@@ -559,15 +648,37 @@ class Coordinator:
                 with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                     await self._send_to(m, fdtc.Start())
 
+    def _count_down(self, m: Member, n: int) -> None:
+        m.bytes_down += n
+        self._round_bytes[1] += n
+
+    async def _bring_up_to_date(self, m: Member) -> None:
+        """The last UPDATE to a worker that holds the step before; full weights otherwise."""
+        if m.weights_step == self.step:
+            return
+        update = self._update
+        if m.extended and update is not None and m.weights_step == update.base_step \
+                and update.global_step == self.step:
+            await self._send_to(m, update)
+            m.weights_step = update.global_step
+            self._count_down(m, len(update.data))
+            self.metrics.update_bytes.labels(
+                compression=Compression(update.compression).name.lower()
+            ).inc(len(update.data))
+        else:
+            await self._send_weights(m)
+
     async def _on_gradients(self, m: Member, msg: fdtc.Gradients) -> None:
         comp_label = Compression(msg.compression).name.lower()
         self.metrics.gradient_bytes.labels(direction="received", compression=comp_label).inc(
             len(msg.data)
         )
+        m.bytes_up += len(msg.data)
+        self._round_bytes[0] += len(msg.data)
         rnd = self.round
-        fresh = rnd is not None and msg.local_step == rnd.step and m.worker_id not in rnd.reported
-        if fresh and rnd is not None and m.extended and m.worker_id not in rnd.shares:
-            fresh = False  # an extended worker only reports what it was assigned
+        # An extended worker only reports what it was assigned.
+        fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
+                                                assigned_only=m.extended)
         if msg.num_tensors != len(self._numels):
             raise fdtc.FdtcProtocolError(
                 f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
@@ -587,18 +698,14 @@ class Coordinator:
             log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
             await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
             return
-        n = rnd.shares.get(m.worker_id, m.seed_share)
-        rnd.reported[m.worker_id] = n
+        now = time.monotonic()
+        rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
+                   now=now, assigned_only=m.extended)
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
-            elapsed = time.monotonic() - rnd.started
+            elapsed = now - rnd.started
             if elapsed > 0:
-                m.rate = policy.update_rate(m.rate or None, n / elapsed)
-        rnd.losses[m.worker_id] = m.loss
-        rnd.gradients.add(m.worker_id, n, tensors)
-        rnd.report_at[m.worker_id] = time.monotonic()
-        if rnd.first_report_at is None:
-            rnd.first_report_at = rnd.report_at[m.worker_id]
+                m.rate = policy.update_rate(m.rate or None, rnd.reported[m.worker_id] / elapsed)
         m.busy = False
         rnd.changed.set()
         await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
@@ -611,10 +718,7 @@ class Coordinator:
         self.metrics.workers_dropped.labels(reason=reason).inc()
         with contextlib.suppress(KeyError):
             self.metrics.worker_samples_per_second.remove(m.worker_id)
-        if self.round is not None and m.worker_id in self.round.shares and (
-            m.worker_id not in self.round.reported
-        ):
-            del self.round.shares[m.worker_id]
+        if self.round is not None and self.round.drop(m.worker_id):
             self.round.changed.set()
         if reason not in ("deregistered", "replaced"):
             log.warning("dropped worker %s (%s)", m.worker_id, reason.replace("_", " "))
@@ -631,7 +735,10 @@ class Coordinator:
                     fast_s=self.opt.heartbeat_timeout_s,
                     seed_default_s=self.opt.seed_heartbeat_timeout_s,
                 )
-                if policy.is_dead(now, m.last_seen, timeout):
+                # Bytes of a frame still arriving count as life: on a slow link a worker's
+                # heartbeat waits behind its own gradient.
+                last = max(m.last_seen, m.stream.last_rx)
+                if policy.is_dead(now, last, timeout):
                     self._drop(m, "heartbeat_timeout")
                     await m.stream.close()
 
@@ -661,15 +768,33 @@ class Coordinator:
             self._wake.clear()
             await self._wake.wait()
 
+    def _local_plan(self, members: list[Member]) -> tuple[dict[str, int], dict[str, int]]:
+        """Samples per inner step and inner steps of each worker, for a local-step round of
+        ``min(H, steps left)`` steps (the global step advances by that much)."""
+        ids = {m.worker_id: 1.0 for m in members}
+        per_step = policy.allocate_samples(self.opt.settings.global_batch, ids)
+        per_step = {w: n for w, n in per_step.items() if n > 0}
+        h = min(self.opt.sync_every, self.opt.max_steps - self.step)
+        rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in members}
+        return per_step, sync.plan_local_round(per_step, rates, h)
+
     async def _run_round(self) -> None:
         members = self._active_for_round()
         ours = [m for m in members if m.extended]
-        rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in ours}
-        if self.opt.rebalance and any(r <= 0 for r in rates.values()):
-            # Unmeasured workers: start from the profile's batch size as a relative speed.
-            rates = {m.worker_id: float(m.rate or m.micro_batch) for m in ours}
-        shares = policy.allocate_samples(self.opt.settings.global_batch, rates)
-        shares = {w: n for w, n in shares.items() if n > 0}
+        self._round_bytes = [0, 0]
+        local = self.opt.local_at(self.step)
+        per_step: dict[str, int] = {}
+        steps: dict[str, int] = {}
+        if local:
+            per_step, steps = self._local_plan(ours)
+            shares = {w: per_step[w] * steps[w] for w in per_step}
+        else:
+            rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in ours}
+            if self.opt.rebalance and any(r <= 0 for r in rates.values()):
+                # Unmeasured workers: start from the profile's batch size as a relative speed.
+                rates = {m.worker_id: float(m.rate or m.micro_batch) for m in ours}
+            shares = policy.allocate_samples(self.opt.settings.global_batch, rates)
+            shares = {w: n for w, n in shares.items() if n > 0}
         offsets = policy.contiguous_offsets(self.trainer.position, shares)
         # A seed-only peer trains its own shard at the size its REGISTER_ACK gave it; the round
         # expects that gradient too (on top of the global batch, weighted by its samples).
@@ -677,9 +802,7 @@ class Coordinator:
         expected.update({m.worker_id: m.seed_share for m in members if not m.extended})
         now = time.monotonic()
         rnd = Round(
-            step=self.step,
-            shares=expected,
-            started=now,
+            self.step, expected, started=now, quorum=self.opt.quorum,
             deadline=policy.round_deadline(
                 now, expected, {m.worker_id: m.rate for m in members}
             ),
@@ -694,16 +817,29 @@ class Coordinator:
             if m.worker_id not in shares:
                 continue
             m.busy = True
-            assign = fdtc.Assign(
-                global_step=self.step,
-                sample_offset=offsets[m.worker_id],
-                n_samples=shares[m.worker_id],
-                batch_size=m.micro_batch,
-                accumulation_steps=-(-shares[m.worker_id] // m.micro_batch),
-                assigned_shard=ids.index(m.worker_id),
-                total_shards=len(ids),
-                seq_len=self.opt.settings.seq_len,
-            )
+            assign: fdtc.Assign | fdtc.LocalAssign
+            if local:
+                assign = fdtc.LocalAssign(
+                    global_step=self.step,
+                    sample_offset=offsets[m.worker_id],
+                    samples_per_step=per_step[m.worker_id],
+                    inner_steps=steps[m.worker_id],
+                    micro_batch=m.micro_batch,
+                    seq_len=self.opt.settings.seq_len,
+                )
+                m.inner_steps += steps[m.worker_id]
+                self.metrics.inner_steps.observe(steps[m.worker_id])
+            else:
+                assign = fdtc.Assign(
+                    global_step=self.step,
+                    sample_offset=offsets[m.worker_id],
+                    n_samples=shares[m.worker_id],
+                    batch_size=m.micro_batch,
+                    accumulation_steps=-(-shares[m.worker_id] // m.micro_batch),
+                    assigned_shard=ids.index(m.worker_id),
+                    total_shards=len(ids),
+                    seq_len=self.opt.settings.seq_len,
+                )
             sends.append(self._assign(m, assign))
         self._update_member_gauges()
         results = await asyncio.gather(*sends, return_exceptions=True)
@@ -712,25 +848,16 @@ class Coordinator:
                 log.info("could not send an assignment: %s", res)
         warned = False
         while True:
-            decision = policy.round_decision(
-                now=time.monotonic(),
-                deadline=rnd.deadline,
-                assigned=rnd.shares,
-                reported=rnd.reported,
-                quorum=self.opt.quorum,
-            )
-            if decision is policy.RoundDecision.WAIT and expected and not rnd.shares \
-                    and not rnd.reported:
+            decision = rnd.decide(time.monotonic())
+            if decision is policy.RoundDecision.ABANDON and rnd.deserted():
                 # Every worker of the round left (or, seed-only, was paused) before reporting:
                 # nothing more can arrive for it, and workers that joined since wait idle until
-                # the next round; re-run the step now rather than at the deadline (up to
-                # INITIAL_DEADLINE_S for a worker that never reported before).
+                # the next round; it runs again now rather than at the deadline.
                 log.info(
                     "step %d: %s before reporting; it runs again%s", rnd.step,
                     "paused" if self.state is SwarmState.PAUSED else "every assigned worker left",
                     " after RESUME" if self.state is SwarmState.PAUSED else "",
                 )
-                decision = policy.RoundDecision.ABANDON
             if decision is not policy.RoundDecision.WAIT or self._stopping.is_set():
                 break
             wake = rnd.deadline
@@ -749,11 +876,11 @@ class Coordinator:
             self.timeline.span(
                 "wait", rnd.wall_us(rnd.first_report_at), step=rnd.step,
                 last=max(rnd.report_at, key=rnd.report_at.__getitem__),
-                missing=sorted(w for w in rnd.shares if w not in rnd.reported),
+                missing=rnd.missing(),
             )
         for m in self.members.values():
             m.busy = False
-        late = [w for w in rnd.shares if w not in rnd.reported]
+        late = rnd.missing()
         if decision is policy.RoundDecision.CLOSE:
             if late:
                 log.warning(
@@ -779,13 +906,12 @@ class Coordinator:
         log.warning(
             "step %d is waiting for %s: %.2fs after the first report; the median report "
             "came %.2fs into the round",
-            rnd.step, ", ".join(sorted(w for w in rnd.shares if w not in rnd.reported)),
+            rnd.step, ", ".join(rnd.missing()),
             time.monotonic() - rnd.first_report_at, median,
         )
 
-    async def _assign(self, m: Member, assign: fdtc.Assign) -> None:
-        if m.weights_step != self.step:
-            await self._send_weights(m)
+    async def _assign(self, m: Member, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
+        await self._bring_up_to_date(m)
         await self._send_to(m, assign)
 
     async def _close_round(self, rnd: Round) -> None:
@@ -799,7 +925,12 @@ class Coordinator:
         n_samples = sum(rnd.reported.values())
         losses = [(rnd.reported[w], loss) for w, loss in rnd.losses.items() if np.isfinite(loss)]
         lr = self.trainer.learning_rate()
-        await asyncio.to_thread(self.trainer.apply, grads)
+        before = self.step
+        self._applying = True
+        try:
+            await asyncio.to_thread(self._apply, grads, rnd)
+        finally:
+            self._applying = False
         self.samples_total += n_samples
         if losses:
             self.train_loss = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
@@ -819,10 +950,35 @@ class Coordinator:
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
             self.step, self.train_loss, n_samples, len(rnd.reported), elapsed, self.last_rate,
         )
-        if self.step % VALIDATE_EVERY == 0 or self.step >= self.opt.max_steps:
+        self.metrics.step_bytes.labels(direction="up").set(self._round_bytes[0])
+        self.metrics.step_bytes.labels(direction="down").set(self._round_bytes[1])
+        v, c = self.opt.validate_every, self.opt.checkpoint_every
+        if self.step // v > before // v or self.step >= self.opt.max_steps:
             await self._validate()
-        if self.step % self.opt.checkpoint_every == 0 or self._checkpoint_failed:
+        if self.step // c > before // c or self._checkpoint_failed:
             await self._checkpoint_or_warn()
+
+    def _apply(self, grads: Params, rnd: Round) -> None:
+        """The optimizer step on the master (AdamW on the mean gradient, or the outer Nesterov
+        step on the mean pseudo-gradient), then the UPDATE that moves the shadow after it."""
+        base = self.step
+        if self.opt.local_at(base):
+            self.outer.step(self.trainer.params, grads)
+            self.outer_steps += 1
+            self.metrics.outer_step.set(self.outer_steps)
+            self.trainer.step += min(self.opt.sync_every, self.opt.max_steps - base)  # as planned
+            self.trainer.position += sum(rnd.planned.values())
+        else:
+            self.trainer.apply(grads)
+        data = self.shadow.update(self.trainer.params, self._down_codec)
+        self._update = fdtc.Update(
+            global_step=self.step, base_step=base, compression=self.opt.downlink,
+            num_tensors=len(self._shapes), uncompressed_size=4 * sum(self._numels), data=data,
+        )
+        if self.opt.digest_every and self.step % self.opt.digest_every == 0:
+            self._digests[self.step] = self.shadow.digest()
+            for old in [s for s in self._digests if s < self.step - 4 * self.opt.digest_every]:
+                del self._digests[old]
 
     async def _validate(self) -> None:
         params = {k: v.copy() for k, v in self.trainer.params.items()}
@@ -857,7 +1013,14 @@ class Coordinator:
             params={k: v.copy() for k, v in self.trainer.params.items()},
             optimizer=self.trainer.optimizer.state_dict(),
             data_position=self.trainer.position,
-            extra={"compression": Compression(self.opt.compression).name.lower()},
+            extra={"compression": Compression(self.opt.compression).name.lower(),
+                   "down_compression": Compression(self.opt.downlink).name.lower(),
+                   "sync_every": self.opt.sync_every, "outer_steps": self.outer_steps},
+            tensors={
+                "shadow": {k: v.copy() for k, v in self.shadow.params.items()},
+                **({"outer_m": {k: v.copy() for k, v in self.outer.m.items()}}
+                   if self.opt.sync_every > 1 else {}),
+            },
         )
         path = await asyncio.to_thread(save_checkpoint, self.opt.checkpoint_dir, state)
         self.metrics.checkpoints.inc()
@@ -877,6 +1040,11 @@ class Coordinator:
             await self._checkpoint_or_warn()
         self._set_state(SwarmState.DONE)
         log.info("training done at step %d; telling the workers", self.step)
+        # The last step's UPDATE first, so every worker ends holding the final weights.
+        for m in list(self.members.values()):
+            if m.extended and m.weights_step >= 0:
+                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                    await self._bring_up_to_date(m)
         await self._broadcast(fdtc.Shutdown())
 
     def export_target(self, path: Path | None) -> Path:
@@ -989,8 +1157,7 @@ class Coordinator:
             return
         for worker_id in list(rnd.shares):
             m = self.members.get(worker_id)
-            if m is not None and not m.extended and worker_id not in rnd.reported:
-                del rnd.shares[worker_id]
+            if m is not None and not m.extended and rnd.drop(worker_id):
                 m.busy = False
         rnd.changed.set()
 

@@ -255,3 +255,82 @@ def backoff_delay(
     ceiling = min(cap_s, base_s * (2.0 ** max(attempt, 0)))
     r = rng if rng is not None else random.Random()
     return ceiling * (0.5 + 0.5 * r.random())
+
+
+class Report(enum.Enum):
+    ACCEPTED = "accepted"  # counted in the round
+    STALE = "stale"  # another step, a second report, or work the worker was not given
+
+
+class RoundTracker:
+    """The rules of one round as a pure object: who owes what, what arrived, whether it closes.
+
+    It reads no clock and touches no socket: every call that depends on time takes ``now``.
+    ``shares`` maps each worker expected to report to its samples; ``drop`` removes one that
+    left before reporting, so the round never waits on the dead. A report of the round's step
+    from a worker not in ``shares`` is taken only when ``assigned_only`` is False (a seed-only
+    peer trains whatever shard it likes), counted for the ``samples`` it brings.
+    """
+
+    def __init__(
+        self, step: int, shares: Mapping[str, int], *, started: float, deadline: float,
+        quorum: float = DEFAULT_QUORUM,
+    ) -> None:
+        self.step = step
+        self.shares = dict(shares)  # still expected: not dropped
+        self.planned = dict(shares)  # as the round began
+        self.started = started
+        self.deadline = deadline
+        self.quorum = quorum
+        self.reported: dict[str, int] = {}  # worker -> samples counted
+        self.losses: dict[str, float] = {}
+        self.report_at: dict[str, float] = {}
+        self.gradients = GradientSum(self.shares)
+
+    @property
+    def first_report_at(self) -> float | None:
+        return min(self.report_at.values()) if self.report_at else None
+
+    def accepts(self, worker_id: str, step: int, *, assigned_only: bool = True) -> bool:
+        """Whether a report would count (checked before decoding its payload)."""
+        if step != self.step or worker_id in self.reported:
+            return False
+        return not (assigned_only and worker_id not in self.shares)
+
+    def report(
+        self, worker_id: str, step: int, tensors: Sequence[npt.NDArray[np.float32]], *,
+        samples: int, loss: float, now: float, assigned_only: bool = True,
+    ) -> Report:
+        if not self.accepts(worker_id, step, assigned_only=assigned_only):
+            return Report.STALE
+        n = self.shares.get(worker_id, samples)
+        self.reported[worker_id] = n
+        self.losses[worker_id] = loss
+        self.gradients.add(worker_id, n, tensors)
+        self.report_at[worker_id] = now
+        return Report.ACCEPTED
+
+    def drop(self, worker_id: str) -> bool:
+        """Stop expecting a worker that has not reported; True if it was expected."""
+        if worker_id in self.shares and worker_id not in self.reported:
+            del self.shares[worker_id]
+            return True
+        return False
+
+    def missing(self) -> list[str]:
+        return sorted(w for w in self.shares if w not in self.reported)
+
+    def deserted(self) -> bool:
+        """Everyone the round began with left before reporting: nothing more can arrive."""
+        return bool(self.planned) and not self.shares and not self.reported
+
+    def decide(self, now: float) -> RoundDecision:
+        """``round_decision`` on what arrived; a deserted round is abandoned at once rather
+        than at its deadline (up to INITIAL_DEADLINE_S for workers never measured)."""
+        decision = round_decision(
+            now=now, deadline=self.deadline, assigned=self.shares, reported=self.reported,
+            quorum=self.quorum,
+        )
+        if decision is RoundDecision.WAIT and self.deserted():
+            return RoundDecision.ABANDON
+        return decision

@@ -5,11 +5,15 @@ Theory of operation
 ``Worker.run`` keeps one connection to the coordinator alive, reconnecting with capped
 exponential backoff whenever it goes away (the coordinator restarting is routine, not fatal).
 On each connection: DATASET (our extension: the fingerprint of the local data), REGISTER,
-REGISTER_ACK, MODEL_CONFIG, WEIGHTS_REQ. Then the coordinator drives: WEIGHTS_META + WEIGHTS
-replace the local weights, ASSIGN starts a gradient over global samples
-``[offset, offset + n)`` computed in a thread (so heartbeats keep flowing), compressed with
-error feedback and sent as GRADIENTS. SHUTDOWN ends the process with success; a refusal that
-retrying cannot fix (different data, version) ends it with an error.
+REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN, WEIGHTS_REQ. Then the coordinator drives:
+WEIGHTS_META + WEIGHTS replace the local weights, UPDATE adds to them (``swarm.sync``: the
+worker then holds bit for bit what the coordinator expects, and says so with WEIGHTS_DIGEST
+every few steps). ASSIGN (``--sync-every 1``) starts a gradient over global samples
+``[offset, offset + n)``; LOCAL_ASSIGN (above 1) starts inner AdamW steps from the held
+weights, after which the pseudo-gradient (held minus trained weights) is the upload. Both run
+in a thread (so heartbeats keep flowing) and go out as GRADIENTS through one ``Compressor``
+(error feedback for every lossy codec). SHUTDOWN ends the process with success; a refusal that
+retrying cannot fix (different data, version, mode) ends it with an error.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foundry.compression import Compressor, deserialize_tensors, get_codec
 from foundry.hardware import HardwareInfo, detect_profile
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus, DataError
+from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
 from foundry.model.training import GradientResult, Params, compute_gradients
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
-from foundry.swarm import policy
+from foundry.swarm import policy, sync
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
-from foundry.wire.compression import ErrorFeedback, get_codec, serialize_tensors
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
 
@@ -89,7 +94,11 @@ class Worker:
         self.global_step = 0
         self.compression = Compression.NONE
         self.topk_ratio = 0.01
-        self.feedback: ErrorFeedback | None = None
+        self.uplink: Compressor | None = None
+        self.plan: fdtc.TrainPlan | None = None
+        self.weights_step = -1  # global step of the weights held; -1: none
+        self.inner: AdamW | None = None  # inner optimizer of local-step rounds, kept across them
+        self.inner_steps_done = 0
         self.last_loss = float("nan")
         self.rate = 0.0
         self.samples_done = 0
@@ -184,10 +193,13 @@ class Worker:
                     reason, code = err.message, err.error_code
             raise Refused(code, reason)
         self.global_step = ack.global_step
-        if self.compression != ack.compression or self.feedback is None:
+        if self.compression != ack.compression or self.uplink is None:
             self.compression = Compression(ack.compression)
             self.topk_ratio = ack.topk_ratio
-            self.feedback = self._make_feedback()
+            seed = self._rng.randrange(2**31)
+            self.uplink = Compressor(
+                get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
+            )
         cfg_msg = await stream.recv(idle_timeout_s=30.0)
         if not isinstance(cfg_msg, fdtc.ModelConfigMsg):
             raise fdtc.FdtcProtocolError(
@@ -195,10 +207,19 @@ class Worker:
             )
         self.cfg = cfg_msg.to_config()
         self.aux_loss_coef = cfg_msg.aux_loss_coef
+        plan = await stream.recv(idle_timeout_s=30.0)
+        if not isinstance(plan, fdtc.TrainPlan):
+            raise fdtc.FdtcProtocolError(
+                f"expected TRAIN_PLAN, got {fdtc.msg_type_name(plan.TYPE)}"
+            )
+        self.plan = plan
+        self.weights_step = -1  # a new link: the coordinator sends full weights first
         log.info(
-            "registered as %s (shard %d/%d, micro-batch %d, %s) at step %d",
+            "registered as %s (shard %d/%d, micro-batch %d, %s up, %s down, sync every %d) "
+            "at step %d",
             self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
-            self.compression.name.lower(), ack.global_step,
+            self.compression.name.lower(), Compression(plan.down_compression).name.lower(),
+            plan.sync_every, ack.global_step,
         )
         await stream.send(fdtc.WeightsReq())
         heartbeat = asyncio.ensure_future(self._heartbeats(stream))
@@ -206,13 +227,6 @@ class Worker:
             return await self._message_loop(stream)
         finally:
             await cancel_and_wait(heartbeat)
-
-    def _make_feedback(self) -> ErrorFeedback | None:
-        if self.compression in (Compression.TOPK, Compression.QSGD):
-            seed = self._rng.randrange(2**31)
-            codec = get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
-            return ErrorFeedback(codec)
-        return None
 
     async def _heartbeats(self, stream: FdtcStream) -> None:
         while True:
@@ -228,6 +242,9 @@ class Worker:
 
     async def _message_loop(self, stream: FdtcStream) -> bool:
         meta: fdtc.WeightsMeta | None = None
+        # An assignment for weights not held yet (an UPDATE was refused and full weights are
+        # on their way) waits for them.
+        pending: fdtc.Assign | fdtc.LocalAssign | None = None
         while True:
             msg = await stream.recv()
             if isinstance(msg, fdtc.WeightsMeta):
@@ -237,13 +254,10 @@ class Worker:
                     raise fdtc.FdtcProtocolError("WEIGHTS without WEIGHTS_META")
                 self._load_weights(meta, msg)
                 meta = None
-            elif isinstance(msg, fdtc.Assign):
-                if self._idle_since_us is not None:
-                    self.timeline.span("wait", self._idle_since_us, step=msg.global_step)
-                    self._idle_since_us = None
-                if self._compute is not None and not self._compute.done():
-                    await self._stop_compute()
-                self._compute = asyncio.ensure_future(self._compute_and_send(stream, msg))
+            elif isinstance(msg, fdtc.Update):
+                await self._apply_update(stream, msg)
+            elif isinstance(msg, fdtc.Assign | fdtc.LocalAssign):
+                pending = msg
             elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
                 self.global_step = max(self.global_step, msg.global_step)
             elif isinstance(msg, fdtc.StatusReq):
@@ -266,18 +280,31 @@ class Worker:
                 raise fdtc.FdtcProtocolError(
                     f"{fdtc.msg_type_name(msg.TYPE)} is not a message a coordinator sends"
                 )
+            if pending is not None and pending.global_step == self.weights_step:
+                await self._start(stream, pending)
+                pending = None
+
+    async def _start(self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
+        if self._idle_since_us is not None:
+            self.timeline.span("wait", self._idle_since_us, step=assign.global_step)
+            self._idle_since_us = None
+        if self._compute is not None and not self._compute.done():
+            await self._stop_compute()
+        self._compute = asyncio.ensure_future(self._compute_and_send(stream, assign))
 
     def _load_weights(self, meta: fdtc.WeightsMeta, weights: fdtc.Weights) -> None:
         assert self.cfg is not None
         shapes = self.cfg.param_shapes()
         names = [t.name for t in meta.tensors]
-        if names != list(shapes):
+        got = [tuple(t.shape) for t in meta.tensors]
+        if names != list(shapes) or got != [tuple(s) for s in shapes.values()]:
             raise Refused(
                 int(ErrorCode.MODEL_MISMATCH),
-                "WEIGHTS_META names tensors this worker's model does not have",
+                "WEIGHTS_META names tensors or shapes this worker's model does not have",
             )
         # Views of the received payload, not copies: the decoder gave this message a buffer of
-        # its own, and training only reads the weights (a big-endian host copies, to swap bytes).
+        # its own, and an UPDATE makes new arrays rather than writing into these (a big-endian
+        # host copies, to swap bytes).
         flat = np.frombuffer(weights.data, dtype="<f4").astype(np.float32, copy=False)
         expected = sum(int(np.prod(s)) for s in shapes.values())
         if flat.size != expected:
@@ -292,45 +319,103 @@ class Worker:
             pos += n
         self.params = params
         self.global_step = meta.global_step
+        self.weights_step = meta.global_step
+        self.metrics.weight_bytes.labels(kind="full").inc(len(weights.data))
 
-    async def _compute_and_send(self, stream: FdtcStream, assign: fdtc.Assign) -> None:
+    async def _apply_update(self, stream: FdtcStream, update: fdtc.Update) -> None:
+        """Add an UPDATE to the held weights, as new arrays (a computation in a thread may
+        still read the old ones); out of step, ask for full weights instead."""
+        self.metrics.weight_bytes.labels(kind="update").inc(len(update.data))
+        if self.params is None or update.base_step != self.weights_step:
+            log.info("UPDATE for step %d while holding step %d; asking for full weights",
+                     update.base_step, self.weights_step)
+            self.weights_step = -1
+            await stream.send(fdtc.WeightsReq())
+            return
+        params = self.params
+        names = list(params)
+        tensors = deserialize_tensors(update.data, [params[k].size for k in names],
+                                      Compression(update.compression))
+        self.params = {k: params[k] + t.reshape(params[k].shape)
+                       for k, t in zip(names, tensors, strict=True)}
+        self.weights_step = self.global_step = update.global_step
+        every = self.plan.digest_every if self.plan is not None else 0
+        if every and update.global_step % every == 0:
+            digest = await asyncio.to_thread(sync.weights_digest, self.params, names)
+            await stream.send(fdtc.WeightsDigest(update.global_step, digest))
+
+    def _local_steps(self, start: Params, assign: fdtc.LocalAssign) -> GradientResult:
+        """``inner_steps`` AdamW steps from ``start``; the pseudo-gradient start - end."""
+        assert self.cfg is not None and self.plan is not None
+        plan = self.plan
+        local = {k: v.copy() for k, v in start.items()}
+        if self.inner is None:
+            self.inner = AdamW(local, weight_decay=plan.weight_decay)
+        loss = aux = 0.0
+        b = assign.samples_per_step
+        for k in range(assign.inner_steps):
+            res = compute_gradients(
+                local, self.cfg, self.corpus, assign.sample_offset + k * b, b,
+                seq_len=assign.seq_len, micro_batch=assign.micro_batch,
+                aux_loss_coef=self.aux_loss_coef,
+            )
+            clip_grad_norm(res.grads, plan.grad_clip)
+            lr = lr_schedule(assign.global_step + k, plan.lr, plan.warmup_steps,
+                             plan.total_steps, plan.min_lr_ratio)
+            self.inner.step(local, res.grads, lr)
+            loss += res.loss
+            aux += res.aux_loss
+        n = assign.inner_steps
+        pseudo = {k: np.subtract(start[k], local[k]) for k in start}
+        return GradientResult(pseudo, n * b, loss / n, aux / n)
+
+    async def _compute_and_send(
+        self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign
+    ) -> None:
         if self.params is None or self.cfg is None:
             log.warning("assignment before weights; asking for them")
             await stream.send(fdtc.WeightsReq())
             return
         t0 = time.monotonic()
         start_us = now_us()
+        result: GradientResult
         try:
-            result: GradientResult = await asyncio.to_thread(
-                compute_gradients,
-                self.params,
-                self.cfg,
-                self.corpus,
-                assign.sample_offset,
-                assign.n_samples,
-                seq_len=assign.seq_len,
-                micro_batch=assign.batch_size,
-                aux_loss_coef=self.aux_loss_coef,
-            )
+            if isinstance(assign, fdtc.LocalAssign):
+                result = await asyncio.to_thread(self._local_steps, self.params, assign)
+                self.inner_steps_done += assign.inner_steps
+                self.metrics.inner_steps.inc(assign.inner_steps)
+            else:
+                result = await asyncio.to_thread(
+                    compute_gradients,
+                    self.params,
+                    self.cfg,
+                    self.corpus,
+                    assign.sample_offset,
+                    assign.n_samples,
+                    seq_len=assign.seq_len,
+                    micro_batch=assign.batch_size,
+                    aux_loss_coef=self.aux_loss_coef,
+                )
         except DataError as exc:
             await self._cannot_train(stream, f"cannot train step {assign.global_step}: {exc}")
             return
+        n_samples = result.n_samples
         compute_s = time.monotonic() - t0
         if self.opt.slowdown > 1.0:
             await asyncio.sleep(compute_s * (self.opt.slowdown - 1.0))
             compute_s *= self.opt.slowdown
         self.metrics.phase_duration.labels(phase="compute").observe(compute_s)
         step = assign.global_step
-        self.timeline.span("compute", start_us, step=step, samples=assign.n_samples)
+        self.timeline.span("compute", start_us, step=step, samples=n_samples)
         t1 = time.monotonic()
         start_us = now_us()
         data = await asyncio.to_thread(self._encode, result.grads)
         self.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
         self.timeline.span("compress", start_us, step=step, bytes=len(data))
         self.last_loss = result.loss
-        self.rate = assign.n_samples / compute_s if compute_s > 0 else 0.0
-        self.samples_done += assign.n_samples
-        self.metrics.samples.inc(assign.n_samples)
+        self.rate = n_samples / compute_s if compute_s > 0 else 0.0
+        self.samples_done += n_samples
+        self.metrics.samples.inc(n_samples)
         self.metrics.samples_per_second.set(self.rate)
         self.metrics.loss.set(result.loss)
         t2 = time.monotonic()
@@ -369,9 +454,8 @@ class Worker:
         await stream.close()
 
     def _encode(self, grads: Params) -> bytes | memoryview:
-        if self.feedback is not None:
-            return b"".join(self.feedback.compress(k, g.reshape(-1)) for k, g in grads.items())
-        return serialize_tensors(grads.values(), self.compression, topk_ratio=self.topk_ratio)
+        assert self.uplink is not None
+        return self.uplink.encode(grads)[0]
 
     def _status(self) -> fdtc.Status:
         return fdtc.Status(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 
 from foundry.wire.fdtc import FdtcDecoder, Message, encode_parts
@@ -60,6 +61,9 @@ class FdtcStream:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.bytes_in = 0
         self.bytes_out = 0
+        # time.monotonic() of the last bytes received: a peer in the middle of a large frame
+        # (a gradient on a slow link) is alive although no whole message arrived for a while.
+        self.last_rx = time.monotonic()
 
     @classmethod
     async def connect(
@@ -106,6 +110,7 @@ class FdtcStream:
                     raise StreamClosed(f"{self.peer} closed the connection in mid-frame")
                 raise StreamClosed(f"{self.peer} closed the connection")
             self.bytes_in += len(data)
+            self.last_rx = time.monotonic()
             self.decoder.feed(data)
 
     async def send(self, *messages: Message) -> int:

@@ -70,6 +70,7 @@ __all__ = [
     "HardwareProfile",
     "Heartbeat",
     "HeartbeatAck",
+    "LocalAssign",
     "Message",
     "ModelConfigMsg",
     "MsgType",
@@ -86,7 +87,10 @@ __all__ = [
     "SwarmStatusRow",
     "Sync",
     "TensorMeta",
+    "TrainPlan",
+    "Update",
     "Weights",
+    "WeightsDigest",
     "WeightsMeta",
     "WeightsReq",
     "WorkerState",
@@ -151,6 +155,10 @@ class MsgType(IntEnum):
     SWARM_STATUS = 0x63
     CONTROL_ACK = 0x64
     EXPORT = 0x65
+    TRAIN_PLAN = 0x66
+    UPDATE = 0x67
+    WEIGHTS_DIGEST = 0x68
+    LOCAL_ASSIGN = 0x69
     ERROR = 0xFF
 
 
@@ -783,7 +791,7 @@ class Weights(Message):
 class Gradients(Message):
     """GRADIENTS (worker -> coordinator): the 80-byte sw_gradients_payload header, then
     ``num_tensors`` tensors in WEIGHTS_META order, each serialised by the ``compression``
-    codec (``foundry.wire.compression``). ``uncompressed_size`` is 4 * total elements.
+    codec (``foundry.compression``). ``uncompressed_size`` is 4 * total elements.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.GRADIENTS
@@ -1156,12 +1164,126 @@ class Export(Message):
     path: str = ""
 
 
+@dataclass(frozen=True)
+class TrainPlan(Message):
+    """TRAIN_PLAN (coordinator -> worker), ours, 40 bytes, after MODEL_CONFIG: how this swarm
+    trains. ``sync_every`` 1 is synchronous training (ASSIGN, GRADIENTS, UPDATE); above 1 the
+    worker runs inner AdamW steps (LOCAL_ASSIGN) with the schedule below and uploads
+    pseudo-gradients. Weights after the first come as UPDATE in ``down_compression``; the
+    worker reports WEIGHTS_DIGEST every ``digest_every`` steps (0: never)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TRAIN_PLAN
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("sync_every", U32),
+        ("digest_every", U32),
+        ("down_compression", _Enum("I", Compression)),
+        ("lr", F32),
+        ("warmup_steps", U32),
+        ("total_steps", U32),
+        ("min_lr_ratio", F32),
+        ("weight_decay", F32),
+        ("grad_clip", F32),
+        ("flags", U32),
+    )
+    sync_every: int
+    digest_every: int
+    down_compression: Compression
+    lr: float
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
+    flags: int = 0  # no flag is defined yet: 0
+
+
+@dataclass(frozen=True)
+class Update(Message):
+    """UPDATE (coordinator -> worker), ours: a 24-byte header, then ``num_tensors`` tensors in
+    WEIGHTS_META order encoded by ``compression`` (the GRADIENTS data layout). A worker that
+    holds the weights of ``base_step`` adds the decoded tensors to them and then holds
+    ``global_step``'s, bit for bit what the coordinator expects."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UPDATE
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("global_step", U32),
+        ("base_step", U32),
+        ("compression", _Enum("I", Compression)),
+        ("num_tensors", U32),
+        ("uncompressed_size", U64),
+    )
+    global_step: int
+    base_step: int
+    compression: Compression
+    num_tensors: int
+    uncompressed_size: int
+    data: bytes | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.LAYOUT.pack_obj(self), self.data)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length < cls.LAYOUT.size:
+            raise FdtcProtocolError(
+                f"UPDATE payload must be at least {cls.LAYOUT.size} bytes, header says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size :])
+
+
+@dataclass(frozen=True)
+class WeightsDigest(Message):
+    """WEIGHTS_DIGEST (worker -> coordinator), ours, 36 bytes: the BLAKE2b-256 digest of the
+    weights it holds at ``global_step`` (every tensor's little-endian f32 bytes, in
+    WEIGHTS_META order). A digest that differs from the coordinator's gets full weights."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WEIGHTS_DIGEST
+    LAYOUT: ClassVar[_Layout] = _Layout(("global_step", U32), ("digest", _Bytes(32)))
+    global_step: int
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class LocalAssign(Message):
+    """LOCAL_ASSIGN (coordinator -> worker), ours, 28 bytes: one round of local steps.
+
+    From the weights of ``global_step`` the worker runs ``inner_steps`` AdamW steps, step k on
+    global samples ``[sample_offset + k * samples_per_step, ...)`` in micro-batches of
+    ``micro_batch``, at the schedule's rate for step ``global_step + k``, then reports its
+    pseudo-gradient (start weights minus its weights) as GRADIENTS with
+    ``local_step = global_step``."""
+
+    TYPE: ClassVar[MsgType] = MsgType.LOCAL_ASSIGN
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("global_step", U32),
+        ("sample_offset", U64),
+        ("samples_per_step", U32),
+        ("inner_steps", U32),
+        ("micro_batch", U32),
+        ("seq_len", U32),
+    )
+    global_step: int
+    sample_offset: int
+    samples_per_step: int
+    inner_steps: int
+    micro_batch: int
+    seq_len: int
+
+
 # ---------------------------------------------------------------------------- registry
 
 _CLASSES: tuple[type[Message], ...] = (
     Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
     WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
-    StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export, Error,
+    StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
+    TrainPlan, Update, WeightsDigest, LocalAssign, Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}

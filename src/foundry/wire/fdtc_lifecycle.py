@@ -104,7 +104,8 @@ _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
 # send it at any time. Neither changes the state.
 _WORKER_ANYTIME = (MsgType.HEARTBEAT, MsgType.STATUS, MsgType.WEIGHTS_REQ, MsgType.ERROR)
 _COORD_ANYTIME = (
-    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.HEARTBEAT_ACK, MsgType.STATUS_REQ,
+    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.TRAIN_PLAN, MsgType.HEARTBEAT_ACK,
+    MsgType.STATUS_REQ,
     MsgType.WEIGHTS_META, MsgType.START, MsgType.SYNC, MsgType.CHECKPOINT, MsgType.PAUSE,
     MsgType.RESUME, MsgType.ERROR,
 )
@@ -135,12 +136,13 @@ def _coordinator() -> _Table:
     add(S.REGISTERED, Tx, (M.WEIGHTS,), S.READY)
     add(S.REGISTERED, Tx, (M.SHUTDOWN,), S.STOPPING)
     # Holding weights: rounds of ASSIGN / GRADIENTS / GRADIENTS_ACK and new weights.
-    add(S.READY, Rx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.READY, Rx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
     add(S.READY, Rx, (M.DEREGISTER,), S.CLOSED)
-    add(S.READY, Tx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.GRADIENTS_ACK))
+    add(S.READY, Tx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.LOCAL_ASSIGN, M.UPDATE,
+                      M.GRADIENTS_ACK))
     add(S.READY, Tx, (M.SHUTDOWN,), S.STOPPING)
     # Training is over; what was in flight still lands.
-    add(S.STOPPING, Rx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.STOPPING, Rx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
     add(S.STOPPING, Rx, (M.DEREGISTER,), S.CLOSED)
     add(S.STOPPING, Tx, _COORD_STOPPING)
     # Admin link: requests and answers, as many as it likes.
@@ -165,12 +167,13 @@ def _worker() -> _Table:
     add(S.REGISTERED, Rx, (M.WEIGHTS,), S.READY)
     add(S.REGISTERED, Rx, (M.SHUTDOWN,), S.STOPPING)
     # Holding weights.
-    add(S.READY, Tx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.READY, Tx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
     add(S.READY, Tx, (M.DEREGISTER,), S.CLOSED)
-    add(S.READY, Rx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.GRADIENTS_ACK))
+    add(S.READY, Rx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.LOCAL_ASSIGN, M.UPDATE,
+                      M.GRADIENTS_ACK))
     add(S.READY, Rx, (M.SHUTDOWN,), S.STOPPING)
     # SHUTDOWN received: what we had under way may still go out, then DEREGISTER.
-    add(S.STOPPING, Tx, (*_WORKER_ANYTIME, M.GRADIENTS))
+    add(S.STOPPING, Tx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
     add(S.STOPPING, Tx, (M.DEREGISTER,), S.CLOSED)
     add(S.STOPPING, Rx, _COORD_STOPPING)
     return t

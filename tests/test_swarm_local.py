@@ -1,0 +1,188 @@
+"""Local steps (--sync-every H), the update downlink and its integrity check, with real
+coordinator processes on loopback."""
+
+from __future__ import annotations
+
+import re
+import socket
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import coordinator, worker
+
+from foundry.compression import deserialize_tensors
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.config import preset
+from foundry.model.data import load_corpus
+from foundry.model.training import TrainSettings
+from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+from foundry.swarm.sync import weights_digest
+from foundry.wire import fdtc
+
+
+class Link:
+    """Our own FDTC messages over a plain socket: a worker driven by the test."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        self.dec = fdtc.FdtcDecoder()
+
+    def send(self, *msgs: fdtc.Message) -> None:
+        self.sock.sendall(b"".join(fdtc.encode(m) for m in msgs))
+
+    def recv(self) -> fdtc.Message:
+        while True:
+            msg = self.dec.next_message()
+            if msg is not None:
+                return msg
+            data = self.sock.recv(1 << 20)
+            assert data, "coordinator closed the connection"
+            self.dec.feed(data)
+
+    def recv_until(self, *types: type[fdtc.Message]) -> fdtc.Message:
+        while True:
+            msg = self.recv()
+            if isinstance(msg, types):
+                return msg
+
+
+def register(link: Link, worker_id: str) -> None:
+    fp = load_corpus(None).fingerprint
+    link.send(
+        fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+        fdtc.Register(worker_id=worker_id, protocol_version=fdtc.PROTOCOL_VERSION,
+                      profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2, memory_mb=4096,
+                      suggested_batch_size=4),
+    )
+
+
+def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> None:
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "16", "--global-batch", "8", "--sync-every", "4",
+        "--checkpoint-every", "8", "--min-workers", "2", "--compression", "fp16",
+        "--validate-every", "4",
+    )
+    workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
+    try:
+        coord.wait_for(r"training done at step 16", within_s=180)
+        log = coord.text()
+        # four rounds of four inner steps, each from both workers
+        assert log.count("samples from 2 workers") == 4, log[-3000:]
+        assert "step 4: loss" in log and "step 3: loss" not in log
+        for w in workers:
+            assert "sync every 4" in w.text()
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+    ckpt = latest_checkpoint(tmp_path / "ckpt")
+    assert ckpt is not None
+    state = load_checkpoint(ckpt)
+    # The data position moved by the samples the rounds planned: up to H x the global batch
+    # each (a slower worker is given fewer inner steps, DyLU).
+    planned = sum(int(n) for n in re.findall(r"(\d+) samples from 2 workers", log))
+    assert state.step == 16 and state.data_position == planned and 4 * 8 <= planned <= 16 * 8
+    assert state.extra["sync_every"] == 4 and state.extra["outer_steps"] == 4
+    assert set(state.tensors) == {"shadow", "outer_m"}
+    assert any(float(np.abs(m).max()) > 0 for m in state.tensors["outer_m"].values())
+
+    # A coordinator built on that directory holds exactly the saved outer momentum, shadow and
+    # position; one with another --sync-every refuses it with the reason.
+    cfg = preset("tiny")
+    opts = CoordinatorOptions(
+        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt", cfg=cfg,
+        settings=TrainSettings(global_batch=8, total_steps=16), max_steps=32, sync_every=4,
+    )
+    resumed = Coordinator(opts, load_corpus(None))
+    assert resumed.step == 16 and resumed.trainer.position == planned
+    assert resumed.outer_steps == 4
+    for name, m in state.tensors["outer_m"].items():
+        assert np.array_equal(resumed.outer.m[name], m)
+        assert np.array_equal(resumed.shadow.params[name], state.tensors["shadow"][name])
+    with pytest.raises(SystemExit, match="--sync-every 4"):
+        Coordinator(
+            CoordinatorOptions(**{**opts.__dict__, "sync_every": 1}), load_corpus(None)
+        )
+
+
+def test_seed_only_peer_is_refused_in_local_step_mode(tmp_path: Path) -> None:
+    coord, port, _ = coordinator(tmp_path, "--max-steps", "8", "--sync-every", "4")
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            register = b"c-worker".ljust(64, b"\0") + struct.pack("<BIIQI", 1, 4, 2, 4096, 4)
+            # REGISTER with no DATASET before it: a peer that speaks only the seed
+            s.sendall(b"\x43\x54\x44\x46" + struct.pack("<BI", 0x01, len(register)) + register)
+            link = Link.__new__(Link)
+            link.sock, link.dec = s, fdtc.FdtcDecoder()
+            ack = link.recv()
+            assert isinstance(ack, fdtc.RegisterAck) and not ack.accepted
+            err = link.recv()
+            assert isinstance(err, fdtc.Error) and err.error_code == fdtc.ErrorCode.REJECTED
+            assert "local steps (--sync-every 4)" in err.message
+            assert "--sync-every 1" in err.message
+    finally:
+        coord.stop()
+
+
+def test_updates_follow_the_weights_and_a_wrong_digest_gets_full_weights(
+    tmp_path: Path,
+) -> None:
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "100", "--global-batch", "4", "--digest-every", "2",
+    )
+    link = Link(port)
+    try:
+        register(link, "probe")
+        assert isinstance(link.recv_until(fdtc.RegisterAck), fdtc.RegisterAck)
+        assert isinstance(link.recv_until(fdtc.ModelConfigMsg), fdtc.ModelConfigMsg)
+        plan = link.recv_until(fdtc.TrainPlan)
+        assert isinstance(plan, fdtc.TrainPlan) and plan.sync_every == 1
+        assert plan.digest_every == 2 and plan.down_compression == fdtc.Compression.NONE
+        # No WEIGHTS_REQ: the first assignment brings full weights with it.
+        names: list[str] = []
+        numels: list[int] = []
+        held: dict[str, np.ndarray] = {}
+        held_step = -1
+        seen: list[str] = []
+        rounds = 0
+        while rounds < 6:
+            msg = link.recv()
+            if isinstance(msg, fdtc.WeightsMeta):
+                seen.append("full")
+                names = [t.name for t in msg.tensors]
+                numels = [int(np.prod(t.shape)) for t in msg.tensors]
+                w = link.recv_until(fdtc.Weights)
+                assert isinstance(w, fdtc.Weights)
+                flat = np.frombuffer(w.data, "<f4").copy()
+                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
+                held_step = msg.global_step
+            elif isinstance(msg, fdtc.Update):
+                seen.append("update")
+                assert msg.base_step == held_step
+                decoded = deserialize_tensors(msg.data, numels, msg.compression)
+                for name, t in zip(names, decoded, strict=True):
+                    held[name] = held[name] + t
+                held_step = msg.global_step
+                if held_step == 2:  # the right digest: updates go on
+                    link.send(fdtc.WeightsDigest(2, weights_digest(held, names)))
+                if held_step == 4:  # a wrong one: full weights next
+                    link.send(fdtc.WeightsDigest(4, bytes(32)))
+            elif isinstance(msg, fdtc.Assign):
+                assert msg.global_step == held_step
+                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
+                link.send(
+                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
+                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
+                                   uncompressed_size=len(data), data=data),
+                )
+                rounds += 1
+        # full weights for step 0, updates to 1, 2, 3 and 4, then the digest of 4 was wrong
+        assert seen == ["full", "update", "update", "update", "update", "full"], seen
+        coord.wait_for(r"worker probe holds other weights than expected at step 4", 10)
+        assert coord.text().count("holds other weights") == 1  # the right digest passed
+    finally:
+        link.sock.close()
+        coord.stop()

@@ -1,0 +1,83 @@
+"""The shared-weights rules (swarm/sync.py): shadow updates, outer Nesterov, DyLU planning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foundry.compression import deserialize_tensors, get_codec
+from foundry.swarm.sync import (
+    OuterNesterov,
+    Shadow,
+    add_update,
+    plan_local_round,
+    weights_digest,
+)
+from foundry.wire.fdtc import Compression
+
+
+def _params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"a": rng.standard_normal((4, 300)).astype(np.float32),
+            "b": rng.standard_normal(70).astype(np.float32)}
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_worker_applying_updates_holds_exactly_the_shadow(compression: Compression) -> None:
+    """A worker that adds every decoded UPDATE ends bit for bit equal to the shadow, and a
+    lossy downlink's loss is carried by master - shadow until it is sent."""
+    master = _params(0)
+    shadow = Shadow(master)
+    worker = {k: v.copy() for k, v in master.items()}
+    codec = get_codec(compression, topk_ratio=0.05, seed=1)
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        for v in master.values():
+            v -= np.float32(0.01) * rng.standard_normal(v.shape).astype(np.float32)
+        data = shadow.update(master, codec)
+        decoded = deserialize_tensors(data, [v.size for v in master.values()], compression)
+        add_update(worker, shadow.names, decoded)
+        assert weights_digest(worker, shadow.names) == shadow.digest()
+    if compression is Compression.NONE:
+        assert shadow.residual_norm(master) < 1e-5
+    else:
+        # Error feedback: the residual stays bounded instead of accumulating every step's loss.
+        drift = np.sqrt(sum(float(np.sum((master[k] - _params(0)[k]) ** 2)) for k in master))
+        assert shadow.residual_norm(master) < drift
+
+
+def test_digest_sees_one_changed_bit() -> None:
+    p = _params(1)
+    d = weights_digest(p, ["a", "b"])
+    p["b"].view(np.uint32)[3] ^= 1
+    assert weights_digest(p, ["a", "b"]) != d
+    assert weights_digest(p, ["b", "a"]) != weights_digest(p, ["a", "b"])
+
+
+def test_outer_nesterov_matches_the_formula() -> None:
+    p = {"w": np.array([1.0, -2.0], np.float32)}
+    opt = OuterNesterov(p, lr=0.5, momentum=0.9)
+    g1 = {"w": np.array([0.2, 0.4], np.float32)}
+    opt.step(p, g1)  # m = g; p -= lr (g + mu g)
+    np.testing.assert_allclose(p["w"], [1.0 - 0.5 * 0.2 * 1.9, -2.0 - 0.5 * 0.4 * 1.9], rtol=1e-6)
+    g2 = {"w": np.array([-0.1, 0.0], np.float32)}
+    before = p["w"].copy()
+    opt.step(p, g2)  # m = 0.9 g1 + g2
+    m = 0.9 * np.array([0.2, 0.4]) + np.array([-0.1, 0.0])
+    np.testing.assert_allclose(p["w"], before - 0.5 * (np.array([-0.1, 0.0]) + 0.9 * m),
+                               rtol=1e-6)
+    plain = {"w": np.array([1.0], np.float32)}
+    OuterNesterov(plain, lr=1.0, momentum=0.0).step(plain, {"w": np.array([0.25], np.float32)})
+    assert plain["w"][0] == 0.75  # lr 1, no momentum: the average of the workers' weights
+
+
+def test_local_round_is_a_time_budget() -> None:
+    batch = {"fast": 8, "slow": 8, "mid": 8}
+    assert plan_local_round(batch, {"fast": 0.0, "slow": 1.0, "mid": 2.0}, 16) == {
+        "fast": 16, "slow": 16, "mid": 16}  # not all measured: everyone runs H
+    plan = plan_local_round(batch, {"fast": 30.0, "slow": 10.0, "mid": 20.0}, 12)
+    assert plan == {"fast": 12, "slow": 4, "mid": 8}
+    assert plan_local_round({"a": 8, "b": 8}, {"a": 100.0, "b": 1.0}, 4) == {"a": 4, "b": 1}
+    assert plan_local_round({}, {}, 4) == {}
+    with pytest.raises(ValueError):
+        plan_local_round(batch, {}, 0)
