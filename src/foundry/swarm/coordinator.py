@@ -46,9 +46,16 @@ from foundry.model.checkpoint import (
     save_checkpoint,
 )
 from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
+from foundry.model.data import Corpus, compressor_bits_per_byte
 from foundry.model.gguf_io import load_gguf, save_gguf
-from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
+from foundry.model.training import (
+    Params,
+    Trainer,
+    TrainSettings,
+    against_compressors,
+    bits_per_byte,
+    evaluate_loss,
+)
 from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
@@ -83,9 +90,9 @@ REGISTER_TIMEOUT_S = 10.0
 # link; the gateway's pool (4) and a few `foundry ctl`-like tools on the admin link.
 MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
-# Validation loss every this many steps (a few forward passes; cheap next to a round).
+# Validation loss every this many steps (forward passes over at most data.VAL_MAX_TOKENS
+# held-out tokens: for the tiny preset about as much as 5 rounds of batch 16 x 64).
 VALIDATE_EVERY = 25
-VALIDATION_BATCHES = 4
 # Shares are balanced so that reports arrive together: a round still waiting this many times the
 # median report time is waiting on stragglers, and the log names them ...
 LATE_FACTOR = 1.5
@@ -215,6 +222,7 @@ class Coordinator:
         self.bound_port = 0
         self.bound_admin_port = 0
         self._validated_step = -1
+        self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
 
     # ------------------------------------------------------------------ state
@@ -785,13 +793,18 @@ class Coordinator:
 
     async def _validate(self) -> None:
         params = {k: v.copy() for k, v in self.trainer.params.items()}
+        seq_len = self.opt.settings.seq_len
         self.val_loss = await asyncio.to_thread(
-            evaluate_loss, params, self.opt.cfg, self.corpus, self.opt.settings.seq_len,
-            VALIDATION_BATCHES,
+            evaluate_loss, params, self.opt.cfg, self.corpus, seq_len
         )
+        if self._yardstick is None:
+            self._yardstick = await asyncio.to_thread(
+                compressor_bits_per_byte, self.corpus.held_out_bytes(seq_len)
+            )
         self.metrics.validation_loss.set(self.val_loss)
         self._validated_step = self.step
-        log.info("step %d: validation loss %.4f", self.step, self.val_loss)
+        log.info("step %d: validation loss %.4f, %s", self.step, self.val_loss,
+                 against_compressors(bits_per_byte(self.val_loss), self._yardstick))
 
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
