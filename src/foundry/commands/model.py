@@ -104,6 +104,7 @@ def run_train(args: argparse.Namespace) -> int:
         against_compressors,
         bits_per_byte,
         evaluate_loss,
+        held_out_line,
     )
     from foundry.model.transformer import init_params, retain_freed_memory
 
@@ -149,9 +150,7 @@ def run_train(args: argparse.Namespace) -> int:
     sample_every = args.eval_every if args.sample_every is None else args.sample_every
     print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
           f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}")
-    print(f"validation: {len(held_out):,} held-out bytes (every 20th block of the corpus); "
-          + ", ".join(f"{name} {bpb:.3f}" for name, bpb in yardstick.items())
-          + " bits/byte on them")
+    print(held_out_line(len(held_out), yardstick))
 
     def validation(val: float) -> str:
         return f"validation {bits_per_byte(val):.3f} bits/byte ({val:.4f} nats)"

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     c.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up (default 20)")
     c.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
+                   help="steps between validation runs on the held-out text (default 25; "
+                   "always after the last step)")
     c.add_argument("--min-workers", type=int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
@@ -116,7 +119,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
     from foundry.model.transformer import retain_freed_memory
-    from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+    from foundry.swarm.coordinator import VALIDATE_EVERY, Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
 
     if args.max_steps <= 0 or args.global_batch <= 0:
@@ -150,6 +153,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
+        validate_every=args.validate_every or VALIDATE_EVERY,
         min_workers=args.min_workers,
         seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,
         autostart=not args.wait_for_start,

@@ -30,6 +30,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"model size (default {d.preset})")
     u.add_argument("--global-batch", type=int, default=d.global_batch, metavar="N",
                    help=f"samples per step (default {d.global_batch})")
+    u.add_argument("--seq-len", type=int, default=d.seq_len, metavar="N",
+                   help=f"tokens (bytes) per sample (default {d.seq_len})")
+    u.add_argument("--lr", type=float, default=d.lr,
+                   help=f"peak learning rate (default {d.lr:g})")
+    u.add_argument("--sample-every", type=int, default=None, metavar="N",
+                   help="steps between the greedy samples shown while training (default: "
+                   "a tenth of --steps)")
     u.add_argument("--base-port", type=int, default=d.base_port, metavar="P",
                    help=f"coordinator P, its admin link P+1, TP leader P+20, its frontend P+21 "
                    f"(default {d.base_port})")
@@ -64,6 +71,9 @@ def run_up(args: argparse.Namespace) -> int:
             workers=args.workers,
             preset=args.preset,
             global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            sample_every=args.sample_every,
             base_port=args.base_port,
             gateway_port=args.gateway_port,
             metrics_port=args.metrics_port,

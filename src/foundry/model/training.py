@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
-from foundry.model.data import Corpus
+from foundry.model.data import HOLDOUT_EVERY, Corpus
 from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
 from foundry.model.transformer import forward, loss_and_grads
 
@@ -176,3 +176,12 @@ def against_compressors(bpb: float, yardstick: Mapping[str, float]) -> str:
         for name, ref in yardstick.items()
     ]
     return f"{bpb:.3f} bits/byte: " + ", ".join(parts)
+
+
+def held_out_line(n_bytes: int, yardstick: Mapping[str, float]) -> str:
+    """What validation scores and what the compressors make of the same bytes, in one line."""
+    return (
+        f"validation: {n_bytes:,} held-out bytes (every {HOLDOUT_EVERY}th block of the corpus); "
+        + ", ".join(f"{name} {bpb:.3f}" for name, bpb in yardstick.items())
+        + " bits/byte on them"
+    )

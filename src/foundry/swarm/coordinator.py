@@ -90,8 +90,9 @@ REGISTER_TIMEOUT_S = 10.0
 # link; the gateway's pool (4) and a few `foundry ctl`-like tools on the admin link.
 MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
-# Validation loss every this many steps (forward passes over at most data.VAL_MAX_TOKENS
-# held-out tokens: for the tiny preset about as much as 5 rounds of batch 16 x 64).
+# Validation loss every this many steps by default (forward passes over at most
+# data.VAL_MAX_TOKENS held-out tokens: for the tiny preset about as much as 5 rounds of batch
+# 16 x 64).
 VALIDATE_EVERY = 25
 # Shares are balanced so that reports arrive together: a round still waiting this many times the
 # median report time is waiting on stragglers, and the log names them ...
@@ -120,6 +121,7 @@ class CoordinatorOptions:
     topk_ratio: float = 0.01
     max_steps: int = 1000
     checkpoint_every: int = 50
+    validate_every: int = VALIDATE_EVERY
     min_workers: int = 1
     autostart: bool = True
     quorum: float = policy.DEFAULT_QUORUM
@@ -786,7 +788,7 @@ class Coordinator:
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
             self.step, self.train_loss, n_samples, len(rnd.reported), elapsed, self.last_rate,
         )
-        if self.step % VALIDATE_EVERY == 0 or self.step >= self.opt.max_steps:
+        if self.step % self.opt.validate_every == 0 or self.step >= self.opt.max_steps:
             await self._validate()
         if self.step % self.opt.checkpoint_every == 0:
             await self.checkpoint()
