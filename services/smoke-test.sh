@@ -25,15 +25,10 @@ PROJECT=foundry-smoke
 PY=${PYTHON:-python3}
 mkdir -p "$SMOKE_DIR"
 LOG=$SMOKE_DIR/smoke.log
-exec > >(tee "$LOG") 2>&1
-
-t0=$(date +%s)
-log() { printf '\n==> [%4ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
-fail() { printf '\nSMOKE TEST FAILED: %s\n' "$*"; exit 1; }
-# pip's notes about index locations configured on this machine but absent: noise here.
-quiet_pip() { grep -v '^WARNING: Location' || true; }
-
-[ "$(id -u)" = 0 ] || fail "run as root (apt-get, dockerd, debootstrap)"
+SMOKE_NAME="SMOKE TEST"
+# shellcheck source=services/lib.sh
+. services/lib.sh
+require_root "apt-get, dockerd, debootstrap"
 
 log "tools: docker.io and debootstrap from Debian"
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
@@ -97,14 +92,7 @@ fi
 log "wheels for the image, downloaded on the host (HTTPS inside a build fails here)"
 WHEELS=$SMOKE_DIR/wheels
 mkdir -p "$WHEELS"
-mapfile -t REQS < <("$PY" - "$REPO/pyproject.toml" <<'EOF'
-import sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))
-for line in project["build-system"]["requires"] + project["project"]["dependencies"]:
-    print(line)
-print("wheel")
-EOF
-)
+mapfile -t REQS < <(requirements)
 # The image's Python is Debian bookworm's 3.11 on this machine's architecture.
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.11 --implementation cp \
     -d "$WHEELS" "${REQS[@]}" 2>&1 | quiet_pip

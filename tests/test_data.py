@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,11 @@ from hypothesis import strategies as st
 
 from foundry.model.config import BOS_ID, EOS_ID, VOCAB_SIZE
 from foundry.model.data import (
+    VAL_MAX_TOKENS,
     Corpus,
     DataError,
     StreamDecoder,
+    compressor_bits_per_byte,
     corpus_from_documents,
     decode,
     encode,
@@ -161,6 +165,8 @@ def test_too_small_corpus_for_the_sequence_length() -> None:
     assert c.n_sequences(8) >= 1
     with pytest.raises(DataError, match="too few for seq_len 64"):
         c.sample_batch(0, 1, 64)
+    with pytest.raises(DataError, match="too few for seq_len 16"):
+        c.held_out_bytes(16)  # 31 tokens: one block of 17, none left for training
 
 
 # -- global sample order -----------------------------------------------------------------------
@@ -175,12 +181,16 @@ def test_sample_batch_shapes_and_shift(default_corpus: Corpus) -> None:
     assert empty_x.shape == empty_y.shape == (0, 32)
 
 
-def test_sample_is_a_fixed_window_of_the_training_stream(default_corpus: Corpus) -> None:
+def test_sample_is_a_fixed_window_of_the_training_blocks(default_corpus: Corpus) -> None:
     seq_len = 16
-    train, _ = default_corpus.split(seq_len)
-    x, y = default_corpus.sample_batch(0, 4, seq_len, seed=3)
-    for row, j in enumerate(default_corpus.sequence_indices(0, 4, seq_len, seed=3)):
-        window = train[j * seq_len : j * seq_len + seq_len + 1]
+    tokens = default_corpus.tokens
+    # Training sequence t is block t + t // 19 + 1: blocks 0, 20, 40, ... are held out.
+    training = [j for j in range(default_corpus.n_blocks(seq_len)) if j % 20]
+    assert len(training) == default_corpus.n_sequences(seq_len)
+    x, y = default_corpus.sample_batch(0, 40, seq_len, seed=3)
+    for row, t in enumerate(default_corpus.sequence_indices(0, 40, seq_len, seed=3)):
+        j = training[t]
+        window = tokens[j * seq_len : j * seq_len + seq_len + 1]
         np.testing.assert_array_equal(x[row], window[:-1])
         np.testing.assert_array_equal(y[row], window[1:])
 
@@ -273,37 +283,87 @@ def test_same_sample_index_same_sequence_however_split(
     np.testing.assert_array_equal(np.concatenate([p[1] for p in pieces]), whole_y)
 
 
-def test_validation_split_is_disjoint_from_training(default_corpus: Corpus) -> None:
+def test_held_out_blocks_are_every_twentieth_and_never_trained_on() -> None:
+    rng = np.random.default_rng(0)  # letters at random: every window of 9 tokens is unique
+    c = corpus_from_documents(
+        ["".join(rng.choice(list("abcdefghij"), 300)) for _ in range(20)], "docs"
+    )
+    seq_len = 8
+    m = c.n_blocks(seq_len)
+    assert m == (len(c) - 1) // seq_len
+    held_out = c.validation_blocks(seq_len).tolist()
+    assert held_out == list(range(0, m, 20))
+    # Every training sample of an epoch is a block not held out, and each such block once.
+    n = c.n_sequences(seq_len)
+    x, y = c.sample_batch(0, n, seq_len, seed=1)
+    starts = sorted(
+        next(j for j in range(m) if np.array_equal(c.tokens[j * seq_len : j * seq_len + 8], row)
+             and np.array_equal(c.tokens[j * seq_len + 1 : j * seq_len + 9], target))
+        for row, target in zip(x, y, strict=True)
+    )
+    assert starts == [j for j in range(m) if j % 20]
+    # No position that validation predicts is ever a training target.
+    trained = {j * seq_len + k for j in starts for k in range(1, seq_len + 1)}
+    scored = {j * seq_len + k for j in held_out for k in range(1, seq_len + 1)}
+    assert not trained & scored
+
+
+def test_held_out_text_is_spread_over_the_whole_corpus(default_corpus: Corpus) -> None:
     seq_len = 64
-    train, val = default_corpus.split(seq_len)
-    assert len(train) + len(val) == len(default_corpus)
-    assert len(val) >= max(seq_len + 1, len(default_corpus) // 25)  # about 5 %
-    cut = default_corpus.val_start(seq_len)
-    n = default_corpus.n_sequences(seq_len)
-    # The last training window ends inside the training stream.
-    assert (n - 1) * seq_len + seq_len + 1 <= cut
-    batches = list(default_corpus.validation_batches(seq_len, max_batches=1000, batch_size=16))
-    assert batches
-    vx = np.concatenate([b[0] for b in batches])
-    expected = (len(val) - 1) // seq_len
-    assert len(vx) == expected
-    np.testing.assert_array_equal(vx[0], val[:seq_len])
+    blocks = default_corpus.validation_blocks(seq_len)
+    m = default_corpus.n_blocks(seq_len)
+    assert blocks[0] == 0 and blocks[-1] >= m - 20
+    assert len(blocks) == -(-m // 20)  # the bundled corpus fits VAL_MAX_TOKENS: all of them
+    assert len(blocks) * seq_len <= VAL_MAX_TOKENS
+
+
+def test_validation_is_capped_by_an_even_stride() -> None:
+    c = corpus_from_documents(["lorem ipsum dolor sit amet " * 20_000], "big")
+    seq_len = 32
+    blocks = c.validation_blocks(seq_len)
+    assert len(blocks) * seq_len <= VAL_MAX_TOKENS < 2 * len(blocks) * seq_len
+    steps = np.diff(blocks)
+    assert (steps == steps[0]).all() and steps[0] % 20 == 0
+    assert blocks[-1] > c.n_blocks(seq_len) - steps[0] - 20  # reaches the end of the corpus
+
+
+def test_held_out_bytes_are_the_scored_targets(default_corpus: Corpus) -> None:
+    seq_len = 64
+    targets = np.concatenate(
+        [y.ravel() for _, y in default_corpus.validation_batches(seq_len, batch_size=16)]
+    )
+    data = default_corpus.held_out_bytes(seq_len)
+    assert data == (targets[targets >= 3] - 3).astype(np.uint8).tobytes()  # token b + 3
+    assert data.decode(errors="replace").startswith(decode(targets[:40]))
+    assert data == load_corpus(None).held_out_bytes(seq_len)
+
+
+def test_compressors_on_the_held_out_bytes(default_corpus: Corpus) -> None:
+    data = default_corpus.held_out_bytes(64)
+    got = compressor_bits_per_byte(data)
+    assert set(got) == {"gzip -9", "xz -9"}
+    assert got["gzip -9"] == len(gzip.compress(data, 9, mtime=0)) * 8 / len(data)
+    assert 2.0 < got["xz -9"] < got["gzip -9"] < 4.5  # text: well under 8 bits a byte
+    assert compressor_bits_per_byte(b"a" * 10_000)["gzip -9"] < 0.1
+    with pytest.raises(DataError):
+        compressor_bits_per_byte(b"")
+
+
+def test_compressors_match_the_command_line_tools(default_corpus: Corpus) -> None:
+    data = default_corpus.held_out_bytes(64)
+    got = compressor_bits_per_byte(data)
+    for name, argv in (("gzip -9", ["gzip", "-9", "-n", "-c"]), ("xz -9", ["xz", "-9", "-c"])):
+        out = subprocess.run(argv, input=data, capture_output=True, check=True).stdout
+        assert got[name] == len(out) * 8 / len(data), name
 
 
 def test_validation_batches_are_fixed_and_bounded(default_corpus: Corpus) -> None:
-    a = list(default_corpus.validation_batches(32, max_batches=3, batch_size=4))
-    b = list(load_corpus(None).validation_batches(32, max_batches=3, batch_size=4))
+    a = list(default_corpus.validation_batches(32, batch_size=4, max_batches=3))
+    b = list(load_corpus(None).validation_batches(32, batch_size=4, max_batches=3))
     assert len(a) == 3
     for (ax, ay), (bx, by) in zip(a, b, strict=True):
         assert ax.shape == ay.shape == (4, 32)
         np.testing.assert_array_equal(ax, bx)
         np.testing.assert_array_equal(ay, by)
-        np.testing.assert_array_equal(ax[:, 1:], ay[:, :-1])
-
-
-def test_validation_keeps_at_least_one_sequence() -> None:
-    c = corpus_from_documents(["0123456789" * 10], "short")  # 101 tokens: 5 % is 5
-    _, val = c.split(20)
-    assert len(val) == 21
-    batches = list(c.validation_batches(20, max_batches=5, batch_size=8))
-    assert [b[0].shape for b in batches] == [(1, 20)]
+    whole = list(default_corpus.validation_batches(32, batch_size=4))
+    assert sum(len(x) for x, _ in whole) == len(default_corpus.validation_blocks(32))

@@ -127,16 +127,19 @@ def test_compose_workers_scale_and_everything_waits_for_health() -> None:
 # ---------------------------------------------------------------------------- kubernetes
 
 
-def kustomize(overlay: Path) -> str:
-    """The overlay rendered by kustomize: a standalone `kustomize` if installed, else kubectl's
-    built-in one. The base reads services/prometheus and grafana/, outside its own tree."""
+def kustomize_argv(overlay: Path) -> list[str]:
+    """The plain command a user types, with kustomize's default load restrictor: a standalone
+    `kustomize build` if installed, else kubectl's built-in one (what `kubectl apply -k` runs)."""
     standalone = shutil.which("kustomize")
     if standalone:
-        argv = [standalone, "build", "--load-restrictor", "LoadRestrictionsNone", str(overlay)]
-    else:
-        argv = [tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
-                str(overlay)]
-    got = run(*argv)
+        return [standalone, "build", str(overlay)]
+    return [tool("kubectl"), "kustomize", str(overlay)]
+
+
+def kustomize(overlay: Path) -> str:
+    """The overlay rendered by kustomize; it fails on any file read from outside the folder of
+    the kustomization that names it."""
+    got = run(*kustomize_argv(overlay))
     assert got.returncode == 0, f"kustomize failed on {overlay}:\n{got.stderr}"
     return got.stdout
 
@@ -206,10 +209,24 @@ def test_validation_fails_on_a_kind_without_a_schema(k8s_copy: Path, tmp_path: P
 
 def test_kustomize_fails_on_a_missing_file(k8s_copy: Path) -> None:
     (k8s_copy / "grafana" / "dashboards" / "tp.json").unlink()
-    got = run(tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone",
-              str(k8s_copy / "k8s" / "overlays" / "dev"))
+    got = run(*kustomize_argv(k8s_copy / "k8s" / "overlays" / "dev"))
     assert got.returncode != 0
     assert "tp.json" in got.stderr
+
+
+def test_kustomize_refuses_a_file_outside_the_kustomization(k8s_copy: Path) -> None:
+    """What broke `kubectl apply -k` before: the base naming ../../services/prometheus's file
+    itself. The default load restrictor must still refuse that (so the plain commands are
+    checked with it on), and the files must stay in folders with their own kustomization."""
+    kustomization = k8s_copy / "k8s" / "base" / "kustomization.yaml"
+    kustomization.write_text(
+        kustomization.read_text()
+        + "configMapGenerator:\n  - name: prometheus-direct\n    files:\n"
+        "      - prometheus.yml=../../services/prometheus/prometheus.yml\n"
+    )
+    got = run(*kustomize_argv(k8s_copy / "k8s" / "overlays" / "dev"))
+    assert got.returncode != 0
+    assert "is not in or below" in got.stderr
 
 
 def rendered_objects(overlay: str) -> list[dict[str, Any]]:
@@ -222,15 +239,51 @@ def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str
             yield obj["metadata"]["name"], obj["spec"]["template"]["spec"]
 
 
+def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, str]:
+    """The data of the generated ConfigMap ``name`` (kustomize appends a content hash)."""
+    found = [
+        obj for obj in objects
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].startswith(name + "-")
+    ]
+    assert len(found) == 1, f"{len(found)} ConfigMaps named {name}-HASH"
+    data: dict[str, str] = found[0]["data"]
+    return data
+
+
 def test_every_grafana_dashboard_is_in_the_configmap() -> None:
-    dashboards = next(
-        obj for obj in rendered_objects("dev")
-        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].startswith("grafana-dashboards")
-    )
+    dashboards = config_map(rendered_objects("dev"), "grafana-dashboards")
     on_disk = sorted(p.name for p in (ROOT / "grafana" / "dashboards").glob("*.json"))
-    assert sorted(dashboards["data"]) == on_disk, (
-        "list every grafana/dashboards/*.json in k8s/base/kustomization.yaml"
+    assert sorted(dashboards) == on_disk, (
+        "list every grafana/dashboards/*.json in grafana/kustomization.yaml"
     )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_config_maps_hold_the_files_compose_mounts(overlay: str) -> None:
+    """One source: what Kubernetes mounts is byte for byte the file Compose mounts."""
+    compose_mounts = {
+        volume.split(":")[0]
+        for service in compose_services().values()
+        for volume in service.get("volumes", [])
+        if isinstance(volume, str)
+    }
+    objects = rendered_objects(overlay)
+    provisioning = "grafana/provisioning"
+    sources = {
+        ("prometheus-config", "prometheus.yml"): "services/prometheus/prometheus.yml",
+        ("grafana-datasources", "prometheus.yml"): f"{provisioning}/datasources/prometheus.yml",
+        ("grafana-dashboard-providers", "foundry.yml"): f"{provisioning}/dashboards/foundry.yml",
+        **{
+            ("grafana-dashboards", p.name): f"grafana/dashboards/{p.name}"
+            for p in (ROOT / "grafana" / "dashboards").glob("*.json")
+        },
+    }
+    for (name, key), source in sources.items():
+        assert config_map(objects, name)[key] == (ROOT / source).read_text(), (name, key)
+        assert any(
+            source == m.removeprefix("./") or source.startswith(m.removeprefix("./") + "/")
+            for m in compose_mounts
+        ), f"{source} is not what docker-compose.yml mounts ({sorted(compose_mounts)})"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

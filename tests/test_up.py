@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.generate import printable
 from foundry.up.plan import (
     RESTART_MAX_S,
     StackError,
@@ -28,7 +29,7 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import check_ports_free
-from foundry.up.view import printable, waiting_note
+from foundry.up.view import waiting_note
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -244,8 +245,11 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
     up, ports = start_up(tmp_path, 2, "--steps", "30")
     gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
     try:
-        done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+)", 90)
+        done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+), held-out "
+                           r"([\d.]+) bits/byte: \d+% (?:below|above) gzip -9", 90)
         assert float(done.group(2)) < float(done.group(1)), "loss did not go down"
+        # Samples while training, from the checkpoints (every tenth of the run).
+        assert re.search(r"^step 27: 'The ", up.text(), re.M), up.text()
         sample = up.wait_for(r"sample \(greedy, 64 tokens\): '(.*)'", 60)
         assert sample.group(1).startswith("The ")
         up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} status`", 10)

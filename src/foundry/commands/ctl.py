@@ -232,7 +232,9 @@ def format_training(status: Any) -> str:
     state = _enum_name(status.state, training_pb2.TrainingState, "TRAINING_STATE_")
     head = (
         f"training: {state}  step {status.global_step}/{status.max_steps}  "
-        f"loss {_num(status.train_loss, '.4f')}  val {_num(status.validation_loss, '.4f')}  "
+        f"loss {_num(status.train_loss, '.4f')}  val {_num(status.validation_loss, '.4f')} "
+        # validation_loss is in nats per held-out byte: over ln 2, bits per byte.
+        f"({_num(status.validation_loss / math.log(2), '.3f')} bits/byte)  "
         f"lr {status.learning_rate:.2e}  {_num(status.samples_per_second, '.1f')} samples/s  "
         f"{status.samples_total} samples"
     )

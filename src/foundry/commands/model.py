@@ -54,7 +54,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
     t.add_argument("--eval-every", type=positive_int, default=50,
-                   help="steps between validation runs")
+                   help="steps between validation runs (default 50)")
+    t.add_argument("--sample-every", type=nonneg_int, default=None, metavar="N",
+                   help="print a greedy sample of --prompt every N steps (default: at each "
+                   "validation run; 0: never)")
+    t.add_argument("--prompt", default="The ", help="prompt of those samples (default 'The ')")
+    t.add_argument("--sample-tokens", type=positive_int, default=48, metavar="N",
+                   help="tokens of each sample (default 48)")
     t.add_argument("--out", type=Path, default=None, help="write the trained model as GGUF")
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
@@ -111,9 +117,17 @@ def _train(args: argparse.Namespace) -> int:
         save_checkpoint,
     )
     from foundry.model.config import preset
-    from foundry.model.data import DataError, load_corpus
+    from foundry.model.data import DataError, compressor_bits_per_byte, load_corpus
+    from foundry.model.generate import greedy_text, printable
     from foundry.model.gguf_io import save_gguf
-    from foundry.model.training import Trainer, TrainSettings, evaluate_loss
+    from foundry.model.training import (
+        Trainer,
+        TrainSettings,
+        against_compressors,
+        bits_per_byte,
+        evaluate_loss,
+        held_out_line,
+    )
     from foundry.model.transformer import init_params, retain_freed_memory
 
     if args.steps <= 0 or args.global_batch <= 0:
@@ -153,10 +167,18 @@ def _train(args: argparse.Namespace) -> int:
         ))
         log.info("checkpoint %s", path)
 
+    held_out = corpus.held_out_bytes(args.seq_len)
+    yardstick = compressor_bits_per_byte(held_out)
+    sample_every = args.eval_every if args.sample_every is None else args.sample_every
     print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
           f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}")
-    val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, 4)
-    print(f"step {trainer.step}: validation loss {val:.4f}")
+    print(held_out_line(len(held_out), yardstick))
+
+    def validation(val: float) -> str:
+        return f"validation {bits_per_byte(val):.3f} bits/byte ({val:.4f} nats)"
+
+    val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len)
+    print(f"step {trainer.step}: {validation(val)}")
     bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
                dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -167,15 +189,18 @@ def _train(args: argparse.Namespace) -> int:
             samples += result.n_samples
             rate = samples / (time.perf_counter() - t0)
             bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}",
+            bar.set_postfix(loss=f"{result.loss:.3f}", val_bpb=f"{bits_per_byte(val):.3f}",
                             samples_s=f"{rate:.1f}")
             if args.no_progress and trainer.step % 10 == 0:
                 print(f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
                       flush=True)
-            if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
-                val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, 4)
-                bar.write(f"step {trainer.step}: loss {result.loss:.4f}, "
-                          f"validation loss {val:.4f}")
+            last = trainer.step == args.steps
+            if trainer.step % args.eval_every == 0 or last:
+                val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len)
+                bar.write(f"step {trainer.step}: loss {result.loss:.4f}, {validation(val)}")
+            if sample_every > 0 and (trainer.step % sample_every == 0 or last):
+                text = greedy_text(cfg, trainer.params, args.prompt, args.sample_tokens)
+                bar.write(f"step {trainer.step}: sample {printable(args.prompt + text)!r}")
             if trainer.step % args.checkpoint_every == 0:
                 checkpoint()
     except KeyboardInterrupt:
@@ -185,6 +210,7 @@ def _train(args: argparse.Namespace) -> int:
         return 130
     bar.close()
     checkpoint()
+    print(f"held-out: {against_compressors(bits_per_byte(val), yardstick)}")
     if args.out is not None:
         save_gguf(args.out, cfg, trainer.params)
         print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")

@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
     c.add_argument("--validate-every", type=positive_int, default=25, metavar="N",
-                   help="validation loss every N steps (default 25)")
+                   help="steps between validation runs on the held-out text (default 25; "
+                   "always after the last step)")
     c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
@@ -184,6 +185,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
+        validate_every=args.validate_every,
         min_workers=args.min_workers,
         seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,
         autostart=not args.wait_for_start,
@@ -196,7 +198,6 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         admin_max_connections=args.admin_max_connections,
         frame_deadline_s=args.frame_deadline,
-        validate_every=args.validate_every,
         sync_every=args.sync_every,
         down_compression=(None if args.down_compression is None
                           else Compression[args.down_compression.upper()]),

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from foundry.commands.common import port_number, positive_int
+from foundry.commands.common import port_number, positive_float, positive_int
 from foundry.model.config import PRESETS
 from foundry.up.pipeline import run_stack
 from foundry.up.plan import MAX_CHECKPOINT_EVERY, MIN_CHECKPOINT_EVERY, StackError, StackOptions
@@ -31,6 +31,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"model size (default {d.preset})")
     u.add_argument("--global-batch", type=positive_int, default=d.global_batch, metavar="N",
                    help=f"samples per step (default {d.global_batch})")
+    u.add_argument("--seq-len", type=positive_int, default=d.seq_len, metavar="N",
+                   help=f"tokens (bytes) per sample (default {d.seq_len})")
+    u.add_argument("--lr", type=positive_float, default=d.lr,
+                   help=f"peak learning rate (default {d.lr:g})")
+    u.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
+                   help="steps between the greedy samples shown while training (default: "
+                   "a tenth of --steps)")
     u.add_argument("--base-port", type=port_number, default=d.base_port, metavar="P",
                    help=f"coordinator P, its admin link P+1, TP leader P+20, its frontend P+21 "
                    f"(default {d.base_port})")
@@ -69,6 +76,9 @@ def run_up(args: argparse.Namespace) -> int:
             workers=args.workers,
             preset=args.preset,
             global_batch=args.global_batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            sample_every=args.sample_every,
             base_port=args.base_port,
             gateway_port=args.gateway_port,
             metrics_port=args.metrics_port,

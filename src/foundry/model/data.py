@@ -16,23 +16,38 @@ into one int32 token stream, each document starting with one BOS. Its :class:`Fi
 (token count and sha256 of the little-endian int32 tokens) lets a coordinator check that every
 worker trains on the same data.
 
-Global sample order
--------------------
-For a sequence length ``S`` the last ``max(5 %, S + 1)`` tokens are held out for validation.
-The rest, the training stream, is cut into ``n = (n_train - 1) // S`` sequences: sequence ``j``
-is ``train[j*S : j*S + S + 1]`` (input ``[:-1]``, target ``[1:]``). Global sample ``i`` (0, 1,
-2, ... without end) is sequence ``perm_e[i mod n]`` of epoch ``e = i // n``, where ``perm_e``
-sorts the sequence indices by a splitmix64 hash of ``(seed, e, j)``. The permutation is pure
-integer arithmetic, so every machine, whatever its numpy version or CPU, agrees on it: the same
-global sample index is the same sequence everywhere. A training position is therefore one
-integer (the next global sample index), and a round's global batch ``[P, P + G)`` is divided
-among workers with :func:`shard_range`.
+Held-out split and global sample order
+--------------------------------------
+For a sequence length ``S`` the stream is cut into ``m = (n_tokens - 1) // S`` blocks: block
+``j`` is ``tokens[j*S : j*S + S + 1]`` (input ``[:-1]``, target ``[1:]``; neighbours share one
+token). Every ``HOLDOUT_EVERY``-th block, ``j = 0, 20, 40, ...``, is held out for validation;
+the others are the training sequences, in order: training sequence ``t`` is block
+``t + t // 19 + 1``. The held-out text is thus drawn evenly from the whole corpus, the same
+kind of text as training, and no token that validation predicts is ever a training target (a
+held-out block's first token, which is only context, is its predecessor's last target). The
+split is integer arithmetic on the token stream: the same on every machine.
+
+Validation reads at most ``VAL_MAX_TOKENS`` held-out tokens: when there are more blocks than
+that, an even stride over them (:meth:`Corpus.validation_blocks`). Its score counts the byte
+targets only, so the validation loss in nats is per byte, and bits per byte is that over
+ln 2; :meth:`Corpus.held_out_bytes` are those same bytes, for a compressor's yardstick
+(:func:`compressor_bits_per_byte`: ``gzip -9`` and ``xz -9`` on them).
+
+Global sample ``i`` (0, 1, 2, ... without end) is training sequence ``perm_e[i mod n]`` of
+epoch ``e = i // n``, where ``n`` is the number of training sequences and ``perm_e`` sorts the
+sequence indices by a splitmix64 hash of ``(seed, e, t)``. The permutation is pure integer
+arithmetic, so every machine, whatever its numpy version or CPU, agrees on it: the same global
+sample index is the same sequence everywhere. A training position is therefore one integer
+(the next global sample index), and a round's global batch ``[P, P + G)`` is divided among
+workers with :func:`shard_range`.
 """
 
 from __future__ import annotations
 
 import codecs
+import gzip
 import hashlib
+import lzma
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,8 +62,11 @@ TokenArray = npt.NDArray[np.int32]
 
 # File kinds read from a corpus folder: prose and code, the text a small model learns from.
 CORPUS_SUFFIXES = (".txt", ".md", ".rst", ".py")
-# Share of the tokens held out for validation (at least one sequence is always held out).
-VAL_FRACTION = 0.05
+# One block in this many is held out for validation (5 %; block 0 always, so there is one).
+HOLDOUT_EVERY = 20
+# Validation reads at most this many held-out tokens (32 KiB of text for byte tokens: gzip's
+# whole window), so its cost stays bounded on a large corpus.
+VAL_MAX_TOKENS = 32 * 1024
 # Permutations kept in memory: a window of global samples spans at most two epochs, the
 # validation reader and a second sequence length (evaluation) may add one more each.
 _PERM_CACHE_SIZE = 4
@@ -189,26 +207,44 @@ class Corpus:
             f"n_tokens={len(self.tokens)})"
         )
 
-    def val_start(self, seq_len: int) -> int:
-        """Index of the first held-out token for sequences of ``seq_len``."""
+    def n_blocks(self, seq_len: int) -> int:
+        """Blocks of ``seq_len + 1`` tokens, every ``seq_len`` tokens: training and held out."""
         _check_seq_len(seq_len)
-        n = len(self.tokens)
-        n_val = max(round(n * VAL_FRACTION), seq_len + 1)
-        if n - n_val < seq_len + 1:
+        m = (len(self.tokens) - 1) // seq_len
+        if m < 2:
             raise DataError(
-                f"corpus {self.source} has {n} tokens, too few for seq_len {seq_len}: training "
-                f"and validation need {seq_len + 1} each; pass more text or a smaller seq_len"
+                f"corpus {self.source} has {len(self.tokens)} tokens, too few for seq_len "
+                f"{seq_len}: training and validation need {seq_len + 1} each; pass more text "
+                "or a smaller seq_len"
             )
-        return n - n_val
-
-    def split(self, seq_len: int) -> tuple[TokenArray, TokenArray]:
-        """(training stream, validation stream) for sequences of ``seq_len``: disjoint."""
-        cut = self.val_start(seq_len)
-        return self.tokens[:cut], self.tokens[cut:]
+        return m
 
     def n_sequences(self, seq_len: int) -> int:
-        """Training sequences per epoch."""
-        return (self.val_start(seq_len) - 1) // seq_len
+        """Training sequences per epoch: the blocks not held out."""
+        m = self.n_blocks(seq_len)
+        return m - -(-m // HOLDOUT_EVERY)
+
+    def training_blocks(self, sequences: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Block index of each training sequence index (the held-out blocks skipped)."""
+        return sequences + sequences // (HOLDOUT_EVERY - 1) + 1
+
+    def validation_blocks(self, seq_len: int) -> npt.NDArray[np.int64]:
+        """The held-out blocks validation reads, in order: all of them when they hold at most
+        ``VAL_MAX_TOKENS`` tokens, else an even stride over them."""
+        held_out = np.arange(0, self.n_blocks(seq_len), HOLDOUT_EVERY, dtype=np.int64)
+        stride = -(-len(held_out) * seq_len // VAL_MAX_TOKENS)
+        return held_out[::stride]
+
+    def _blocks(self, blocks: npt.NDArray[np.int64], seq_len: int) -> TokenArray:
+        window = blocks[:, None] * seq_len + np.arange(seq_len + 1)  # (count, seq_len + 1)
+        chunk: TokenArray = self.tokens[window]
+        return chunk
+
+    def held_out_bytes(self, seq_len: int) -> bytes:
+        """The text validation scores: the byte targets of :meth:`validation_blocks`, in
+        order (specials dropped), for a compressor to compete on."""
+        targets = self._blocks(self.validation_blocks(seq_len), seq_len)[:, 1:]
+        return _token_bytes(targets)
 
     def _permutation(self, n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         key = (n, seed, epoch)
@@ -241,35 +277,45 @@ class Corpus:
         self, start: int, count: int, seq_len: int, seed: int = 0
     ) -> tuple[TokenArray, TokenArray]:
         """Inputs and targets, each (count, seq_len), of global samples [start, start+count)."""
-        train, _ = self.split(seq_len)
         seqs = self.sequence_indices(start, count, seq_len, seed)
-        window = seqs[:, None] * seq_len + np.arange(seq_len + 1)  # (count, seq_len + 1)
-        chunk = train[window]
+        chunk = self._blocks(self.training_blocks(seqs), seq_len)  # (count, seq_len + 1)
         return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
 
     def validation_batches(
-        self, seq_len: int, max_batches: int, batch_size: int
+        self, seq_len: int, batch_size: int, max_batches: int | None = None
     ) -> Iterator[tuple[TokenArray, TokenArray]]:
-        """The fixed validation batches, in order: same on every call and every machine.
-
-        The held-out stream is cut like the training stream; batches hold ``batch_size``
-        sequences (the last may hold fewer) and stop after ``max_batches``.
-        """
-        if max_batches < 0 or batch_size < 1:
+        """The validation batches of :meth:`validation_blocks`, in order: the same on every
+        call and every machine. Each holds ``batch_size`` blocks (the last may hold fewer);
+        ``max_batches`` stops early."""
+        if batch_size < 1 or (max_batches is not None and max_batches < 0):
             raise DataError(
-                f"max_batches must be >= 0 and batch_size >= 1, got {max_batches}, {batch_size}"
+                f"batch_size must be >= 1 and max_batches >= 0, got {batch_size}, {max_batches}"
             )
-        _, val = self.split(seq_len)
-        n_val = (len(val) - 1) // seq_len
-        for b in range(min(max_batches, -(-n_val // batch_size))):
-            seqs = np.arange(b * batch_size, min((b + 1) * batch_size, n_val))
-            chunk = val[seqs[:, None] * seq_len + np.arange(seq_len + 1)]
+        blocks = self.validation_blocks(seq_len)
+        n_batches = -(-len(blocks) // batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
+        for b in range(n_batches):
+            chunk = self._blocks(blocks[b * batch_size : (b + 1) * batch_size], seq_len)
             yield np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
 
 
 def _check_seq_len(seq_len: int) -> None:
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len}")
+
+
+def compressor_bits_per_byte(data: bytes) -> dict[str, float]:
+    """What ``gzip -9`` and ``xz -9`` make of ``data``, in bits per byte of it: the yardstick
+    for a model's validation bits per byte on the same bytes. The same compressors as the
+    command-line tools at those levels (zlib's deflate in a gzip container without a file
+    name; an .xz stream, preset 9, CRC64), container headers included."""
+    if not data:
+        raise DataError("no bytes to compress")
+    return {
+        "gzip -9": len(gzip.compress(data, compresslevel=9, mtime=0)) * 8 / len(data),
+        "xz -9": len(lzma.compress(data, format=lzma.FORMAT_XZ, preset=9)) * 8 / len(data),
+    }
 
 
 def corpus_from_documents(documents: Iterable[str], source: str) -> Corpus:

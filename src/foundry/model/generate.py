@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
-from foundry.model.config import EOS_ID
-from foundry.model.data import encode
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.config import EOS_ID, ModelConfig
+from foundry.model.data import decode, encode
 from foundry.model.inference import Engine
 from foundry.model.sampling import make_rng, sample
+
+F32 = npt.NDArray[np.float32]
 
 
 def generate_tokens(
@@ -42,3 +47,18 @@ def generate_tokens(
         if session.free == 0:
             return
         logits = engine.decode(session, [token])[-1]
+
+
+def greedy_text(cfg: ModelConfig, params: Mapping[str, F32], prompt: str, max_tokens: int) -> str:
+    """The greedy continuation of ``prompt`` as text: what a training run shows as it goes
+    (``foundry train``, ``foundry up``), to watch the model learn."""
+    return decode(list(generate_tokens(Engine(cfg, params), prompt, max_tokens)))
+
+
+def printable(text: str) -> str:
+    """Generated text for a terminal: control characters other than newline escaped, so a
+    half-trained model's bytes cannot move the cursor or ring the bell."""
+    return "".join(
+        c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )

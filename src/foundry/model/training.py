@@ -7,14 +7,15 @@ both back to back, so the swarm and one process share every line of the maths.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
-from foundry.model.layers import cross_entropy
+from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
+from foundry.model.data import HOLDOUT_EVERY, Corpus
 from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
 from foundry.model.transformer import forward, loss_and_grads
 
@@ -141,15 +142,46 @@ class Trainer:
 
 
 def evaluate_loss(
-    params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int, max_batches: int,
-    batch_size: int = 8,
+    params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
+    max_batches: int | None = None, batch_size: int = 8,
 ) -> float:
-    """Mean cross-entropy on the corpus's held-out split (the same batches every call)."""
+    """Mean cross-entropy, in nats, of the byte targets of the held-out blocks (the same
+    batches every call; all of ``Corpus.validation_blocks`` unless ``max_batches`` stops
+    early). A byte token is one byte of text, so this is nats per byte: ``bits_per_byte``
+    turns it into what a compressor's output is measured in."""
     total, n = 0.0, 0
-    for tokens, targets in corpus.validation_batches(seq_len, max_batches, batch_size):
+    for tokens, targets in corpus.validation_batches(seq_len, batch_size, max_batches):
         logits, _ = forward(params, cfg, tokens)  # (B, T, V)
-        b, t, v = logits.shape
-        loss, _ = cross_entropy(logits.reshape(b * t, v), targets.astype(np.int64).ravel())
-        total += loss * b
-        n += b
+        z = logits - logits.max(axis=-1, keepdims=True)  # (B, T, V)
+        log_total = np.log(np.exp(z).sum(axis=-1))  # (B, T)
+        nll = log_total - np.take_along_axis(z, targets[..., None], axis=-1)[..., 0]  # (B, T)
+        is_byte = targets >= N_SPECIAL_TOKENS  # (B, T): BOS targets are no byte of text
+        total += float(nll[is_byte].sum(dtype=np.float64))
+        n += int(is_byte.sum())
     return total / n if n else float("nan")
+
+
+def bits_per_byte(nats_per_byte: float) -> float:
+    """A validation loss (nats per byte) in bits per byte."""
+    return nats_per_byte / math.log(2)
+
+
+def against_compressors(bpb: float, yardstick: Mapping[str, float]) -> str:
+    """``bpb`` next to what each compressor of ``yardstick`` (name -> bits per byte, from
+    ``data.compressor_bits_per_byte`` on the same held-out bytes) achieves:
+    ``"1.912 bits/byte: 41% below gzip -9 (3.252), 40% below xz -9 (3.162)"``."""
+    parts = [
+        f"{abs(100 * (1 - bpb / ref)):.0f}% {'below' if bpb < ref else 'above'} {name} "
+        f"({ref:.3f})"
+        for name, ref in yardstick.items()
+    ]
+    return f"{bpb:.3f} bits/byte: " + ", ".join(parts)
+
+
+def held_out_line(n_bytes: int, yardstick: Mapping[str, float]) -> str:
+    """What validation scores and what the compressors make of the same bytes, in one line."""
+    return (
+        f"validation: {n_bytes:,} held-out bytes (every {HOLDOUT_EVERY}th block of the corpus); "
+        + ", ".join(f"{name} {bpb:.3f}" for name, bpb in yardstick.items())
+        + " bits/byte on them"
+    )

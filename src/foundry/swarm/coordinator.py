@@ -58,9 +58,16 @@ from foundry.model.checkpoint import (
     save_checkpoint,
 )
 from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
+from foundry.model.data import Corpus, compressor_bits_per_byte
 from foundry.model.gguf_io import GGUF_MAGIC_BYTES, GGUFError, load_gguf, save_gguf
-from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
+from foundry.model.training import (
+    Params,
+    Trainer,
+    TrainSettings,
+    against_compressors,
+    bits_per_byte,
+    evaluate_loss,
+)
 from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
@@ -96,9 +103,10 @@ MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
 # On a stop, the step being applied is given this long to finish before the final checkpoint.
 STOP_ROUND_S = 30.0
-# Validation loss every this many steps (a few forward passes; cheap next to a round).
+# Validation loss every this many steps by default (forward passes over at most
+# data.VAL_MAX_TOKENS held-out tokens: for the tiny preset about as much as 5 rounds of batch
+# 16 x 64).
 VALIDATE_EVERY = 25
-VALIDATION_BATCHES = 4
 # Shares are balanced so that reports arrive together: a round still waiting this many times the
 # median report time is waiting on stragglers, and the log names them ...
 LATE_FACTOR = 1.5
@@ -126,6 +134,7 @@ class CoordinatorOptions:
     topk_ratio: float = 0.01
     max_steps: int = 1000
     checkpoint_every: int = 50
+    validate_every: int = VALIDATE_EVERY
     min_workers: int = 1
     autostart: bool = True
     quorum: float = policy.DEFAULT_QUORUM
@@ -144,7 +153,6 @@ class CoordinatorOptions:
     max_connections: int = MAX_WORKER_CONNECTIONS
     admin_max_connections: int = MAX_ADMIN_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
-    validate_every: int = VALIDATE_EVERY
     # Local steps (DiLoCo): inner steps per round; 1 is synchronous training.
     sync_every: int = 1
     # Codec of the weight updates sent to workers; None: the same as ``compression``.
@@ -251,6 +259,7 @@ class Coordinator:
         self._validated_step = -1
         self._checkpoint_failed = False
         self._told_missing = 0
+        self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
         self._down_codec: Codec = get_codec(options.downlink, topk_ratio=options.topk_ratio,
                                             seed=options.seed)
@@ -982,13 +991,18 @@ class Coordinator:
 
     async def _validate(self) -> None:
         params = {k: v.copy() for k, v in self.trainer.params.items()}
+        seq_len = self.opt.settings.seq_len
         self.val_loss = await asyncio.to_thread(
-            evaluate_loss, params, self.opt.cfg, self.corpus, self.opt.settings.seq_len,
-            VALIDATION_BATCHES,
+            evaluate_loss, params, self.opt.cfg, self.corpus, seq_len
         )
+        if self._yardstick is None:
+            self._yardstick = await asyncio.to_thread(
+                compressor_bits_per_byte, self.corpus.held_out_bytes(seq_len)
+            )
         self.metrics.validation_loss.set(self.val_loss)
         self._validated_step = self.step
-        log.info("step %d: validation loss %.4f", self.step, self.val_loss)
+        log.info("step %d: validation loss %.4f, %s", self.step, self.val_loss,
+                 against_compressors(bits_per_byte(self.val_loss), self._yardstick))
 
     async def _checkpoint_or_warn(self) -> None:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:

@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.data import compressor_bits_per_byte, load_corpus
+from foundry.model.generate import greedy_text, printable
+from foundry.model.training import against_compressors, bits_per_byte, held_out_line
 from foundry.up.clients import AdminLink, generate
 from foundry.up.plan import (
     StackError,
@@ -27,20 +31,50 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import RunDirLock, Stack, StopRequested, check_ports_free
-from foundry.up.view import LiveView, TrainingSummary, num, printable
+from foundry.up.view import LiveView, TrainingSummary, num
 from foundry.wire import fdtc
 
 # How often the live view asks the coordinator for its status.
 POLL_S = 0.5
+# Tokens of each sample shown while training.
+TRAINING_SAMPLE_TOKENS = 48
+
+
+class CheckpointSamples:
+    """Greedy samples of the prompt from the coordinator's checkpoints as they appear, so the
+    user watches the model learn: drawn here, from the file, costing the swarm nothing."""
+
+    def __init__(self, directory: Path, prompt: str, every: int) -> None:
+        self.directory = directory
+        self.prompt = prompt
+        self.every = every  # a sample from the first checkpoint at or after each multiple
+        self._seen: Path | None = None
+        self._due = every
+
+    def poll(self) -> str | None:
+        found = latest_checkpoint(self.directory)
+        if found is None or found == self._seen:
+            return None
+        self._seen = found
+        state = load_checkpoint(found)
+        if state.step < self._due:
+            return None
+        self._due = (state.step // self.every + 1) * self.every
+        text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
+        return f"step {state.step}: {printable(self.prompt + text)!r}"
 
 
 def watch_training(
-    stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary
+    stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary,
+    samples: CheckpointSamples,
 ) -> fdtc.SwarmStatus:
     t0 = time.monotonic()
     coordinator = stack.child("coordinator")
     while True:
         stack.supervise()
+        line = samples.poll()
+        if line is not None:
+            view.note(line)
         try:
             st = admin.status()
         except StackError:
@@ -121,10 +155,17 @@ def _run_locked(
                 + (f", prometheus http://{addr(local_host(opt.host), ports.prometheus or 0)}"
                    if prometheus else ", no prometheus (not installed or --no-prometheus)")
             )
-            stack.say(f"training {opt.preset} for {opt.steps} steps on the bundled corpus")
+            stack.say(f"training {opt.preset} for {opt.steps} steps of {opt.global_batch}x"
+                      f"{opt.seq_len} on the bundled corpus; a greedy sample every "
+                      f"{opt.sample_interval} steps")
+            held_out = load_corpus(None).held_out_bytes(opt.seq_len)
+            yardstick = compressor_bits_per_byte(held_out)
+            stack.say(held_out_line(len(held_out), yardstick))
             summary = TrainingSummary()
             try:
-                watch_training(stack, admin, view, summary)
+                watch_training(stack, admin, view, summary,
+                               CheckpointSamples(run / "checkpoints", opt.prompt,
+                                                 opt.sample_interval))
             finally:
                 view.close()
             if summary.polls == 1:
@@ -136,7 +177,9 @@ def _run_locked(
                 stack.say(
                     f"training done at step {summary.steps}: loss "
                     f"{num(summary.first_loss, '.4f')} -> {num(summary.last_loss, '.4f')}, "
-                    f"validation {num(summary.val_loss, '.4f')} ({summary.seconds:.0f} s)"
+                    "held-out "
+                    + against_compressors(bits_per_byte(summary.val_loss), yardstick)
+                    + f" ({summary.seconds:.0f} s)"
                 )
             model = admin.export(_short_path(run / "model.gguf"))
             admin.close()

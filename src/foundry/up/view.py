@@ -14,10 +14,15 @@ def num(value: float, fmt: str) -> str:
     return "-" if math.isnan(value) else format(value, fmt)
 
 
+def val_bpb(st: fdtc.SwarmStatus) -> str:
+    """The validation loss (nats per held-out byte) in bits per byte."""
+    return f"{num(st.val_loss / math.log(2), '.3f')} bits/byte"
+
+
 def status_line(st: fdtc.SwarmStatus) -> str:
     return (
         f"{st.state.name.lower()} step {st.global_step}/{st.max_steps}  "
-        f"loss {num(st.train_loss, '.4f')}  val {num(st.val_loss, '.4f')}  "
+        f"loss {num(st.train_loss, '.4f')}  val {val_bpb(st)}  "
         f"{num(st.samples_per_sec, '.1f')} samples/s"
     )
 
@@ -35,15 +40,6 @@ def worker_line(row: fdtc.SwarmStatusRow) -> str:
         f"  {row.worker_id:<12} {row.profile.name.lower():<14} {row.state.name.lower():<10} "
         f"batch {row.batch_size}x{row.accumulation_steps}  "
         f"{num(row.samples_per_sec, '.1f')} samples/s  loss {num(row.loss, '.4f')}"
-    )
-
-
-def printable(text: str) -> str:
-    """Generated text for a terminal: control characters other than newline escaped, so a
-    half-trained model's bytes cannot move the cursor or ring the bell."""
-    return "".join(
-        c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
-        for c in text
     )
 
 
@@ -91,7 +87,7 @@ class LiveView:
         bar.set_description_str(waiting or "training", refresh=False)
         bar.n = st.global_step
         bar.set_postfix_str(
-            f"loss {num(st.train_loss, '.4f')} val {num(st.val_loss, '.4f')} "
+            f"loss {num(st.train_loss, '.4f')} val {val_bpb(st)} "
             f"{num(st.samples_per_sec, '.1f')} samples/s",
             refresh=False,
         )
@@ -102,6 +98,13 @@ class LiveView:
             text = worker_line(st.rows[i]) if i < len(st.rows) else "  (worker gone)"
             row_bar.set_description_str(text, refresh=True)
         bar.refresh()
+
+    def note(self, line: str) -> None:
+        """A line above the bars (a terminal) or between the status lines (a pipe)."""
+        if self.bars:
+            self.bars[0].write(line, file=self.out)
+        else:
+            print(line, file=self.out, flush=True)
 
     def close(self) -> None:
         for bar in reversed(self.bars):
