@@ -12,7 +12,7 @@
    (attention weights, router, the n_expert_used experts of every layer, output head, and the
    KV cache up to its position) divided by the time per token.
 
-Both run after ``transformer.retain_freed_memory()`` (as a training process should), which
+Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
 ``--default-malloc`` measures without it.
 """
@@ -36,6 +36,7 @@ from foundry.model import transformer as T
 from foundry.model.config import ModelConfig, preset
 from foundry.model.inference import Engine
 from foundry.model.optim import AdamW, clip_grad_norm
+from foundry.runtime import retain_freed_memory
 
 TARGET_RATIO = 0.7
 AUX_COEF = 0.01
@@ -189,9 +190,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
     ap.add_argument("--default-malloc", action="store_true",
-                    help="leave malloc as it is instead of T.retain_freed_memory()")
+                    help="leave malloc as it is instead of retain_freed_memory()")
     args = ap.parse_args()
-    retained = not args.default_malloc and T.retain_freed_memory()
+    retained = not args.default_malloc and retain_freed_memory()
     print(f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
           f"(process-wide, applies to numpy and torch alike)")
     if args.quick:

@@ -75,6 +75,7 @@ import live
 from foundry.model.config import ModelConfig
 from foundry.model.data import load_corpus
 from foundry.model.gguf_io import load_gguf
+from foundry.swarm.model_config import model_config_msg
 from foundry.tp.handshake import identity_for
 from foundry.wire import fdtc, tp
 from foundry.wire import frontend as fw
@@ -281,7 +282,7 @@ class FdtcFrames:
                 global_step=step, sample_offset=r.randrange(1 << 32), batch_size=8,
                 accumulation_steps=8, assigned_shard=0, total_shards=1, seq_len=64,
                 n_samples=r.randrange(1, 64)),
-            "MODEL_CONFIG": lambda: fdtc.ModelConfigMsg.from_config(self.cfg, r.random()),
+            "MODEL_CONFIG": lambda: model_config_msg(self.cfg, r.random()),
             "DATASET": lambda: self.dataset if r.random() < 0.5 else fdtc.Dataset(
                 n_tokens=r.randrange(1 << 32), sha256=r.randbytes(32)),
             "SWARM_STATUS": lambda: fdtc.SwarmStatus(

@@ -36,7 +36,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.training import Trainer, TrainSettings
-from foundry.model.transformer import init_params, retain_freed_memory
+from foundry.model.transformer import init_params
+from foundry.runtime import retain_freed_memory
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}

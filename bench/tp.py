@@ -60,13 +60,13 @@ from foundry.model.data import encode
 from foundry.model.gguf_io import load_gguf, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.policy import SpecMode
 from foundry.tp.worker import Worker, WorkerOptions
 from foundry.wire import frontend as fw
-from foundry.wire.tp import GATE_HEADER_SIZE, Gate
+from foundry.wire.tp import GATE_HEADER_SIZE
 
 SPEEDUP_TARGET = 1.6
 GATE_TARGET = 2.0

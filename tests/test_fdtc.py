@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundry.model.config import PRESETS, ModelConfig
+from foundry.swarm.model_config import config_of, model_config_msg
 from foundry.wire.errors import (
     FdtcProtocolError,
     LocalProtocolError,
@@ -586,20 +587,20 @@ def test_buffers_are_normalised_to_flat_read_only_bytes() -> None:
 
 def test_model_config_round_trip_and_coverage() -> None:
     for cfg in PRESETS.values():
-        msg = ModelConfigMsg.from_config(cfg, aux_loss_coef=0.01)
+        msg = model_config_msg(cfg, aux_loss_coef=0.01)
         back = decode(encode(msg))
         assert isinstance(back, ModelConfigMsg)
-        assert back.to_config() == cfg  # norm_eps 1e-5 survives f32 exactly as written
+        assert config_of(back) == cfg  # norm_eps 1e-5 survives f32 exactly as written
         assert back.aux_loss_coef == 0.01
     carried = {f.name for f in fields(ModelConfigMsg)}
     assert {f.name for f in fields(ModelConfig)} <= carried, "MODEL_CONFIG must carry every field"
 
 
 def test_impossible_model_config_is_a_protocol_error() -> None:
-    good = ModelConfigMsg.from_config(ModelConfig())
+    good = model_config_msg(ModelConfig())
     bad = ModelConfigMsg(**{**{f.name: getattr(good, f.name) for f in fields(good)}, "n_head": 3})
     with pytest.raises(FdtcProtocolError, match="no valid model") as exc:
-        bad.to_config()
+        config_of(bad)
     assert exc.value.error_code == ErrorCode.MODEL_MISMATCH
 
 

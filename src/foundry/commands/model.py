@@ -91,7 +91,8 @@ def run_train(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
     from foundry.model.gguf_io import save_gguf
     from foundry.model.training import Trainer, TrainSettings, evaluate_loss
-    from foundry.model.transformer import init_params, retain_freed_memory
+    from foundry.model.transformer import init_params
+    from foundry.runtime import retain_freed_memory
 
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)

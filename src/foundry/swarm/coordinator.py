@@ -53,6 +53,7 @@ from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy
+from foundry.swarm.model_config import model_config_msg
 from foundry.transport.fdtc_stream import (
     DEFAULT_FRAME_DEADLINE_S,
     FdtcStream,
@@ -414,7 +415,7 @@ class Coordinator:
         msgs: list[fdtc.Message] = [ack]
         if extended:
             msgs.append(
-                fdtc.ModelConfigMsg.from_config(self.opt.cfg, self.opt.settings.aux_loss_coef)
+                model_config_msg(self.opt.cfg, self.opt.settings.aux_loss_coef)
             )
         await stream.send(*msgs)
         log.info(

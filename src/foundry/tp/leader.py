@@ -79,7 +79,7 @@ from foundry.model.config import EOS_ID
 from foundry.model.data import encode as encode_text
 from foundry.model.inference import Engine, Session
 from foundry.model.sampling import make_rng, sample
-from foundry.model.tp_split import ExpertSplit, rank_layout
+from foundry.model.tp_split import ExpertSplit, Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
@@ -120,7 +120,6 @@ from foundry.wire.tp import (
     Eval,
     EvalBatch,
     FrameType,
-    Gate,
     GateTransport,
     Hash,
     Hello,

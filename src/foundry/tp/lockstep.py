@@ -50,8 +50,9 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.inference import Engine, Session
+from foundry.model.tp_split import Gate
 from foundry.tp.policy import common_prefix
-from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, GATE_HEADER_SIZE, Gate, VerifyCommitMode
+from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, GATE_HEADER_SIZE, VerifyCommitMode
 
 F32 = npt.NDArray[np.float32]
 # (current position, total) -> the position the next chunk ends at, or None: stop here.

@@ -3,7 +3,7 @@
 One thread does everything: numpy and the gate exchange block it, and there is nothing else to
 do while they do. The loop:
 
-1. dial the leader with capped exponential backoff (``swarm.policy.backoff_delay``);
+1. dial the leader with capped exponential backoff (``transport.backoff``);
 2. bring the pair up (``foundry.tp.handshake``): an identity mismatch ends the process with
    :data:`EXIT_MISMATCH` (dialing again with the same files cannot help); a busy leader, a
    refused or broken connection mean "dial again";
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundry.model.inference import Engine
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.obs.metrics import TpMetrics
-from foundry.swarm.policy import backoff_delay
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
@@ -39,6 +38,7 @@ from foundry.tp.handshake import (
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
 from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
+from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
@@ -53,7 +53,6 @@ from foundry.wire.tp import (
     Eval,
     EvalBatch,
     FrameType,
-    Gate,
     GateTransport,
     Hash,
     Hello,

@@ -40,7 +40,6 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.config import ConfigError, ModelConfig
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 
 __all__ = [
@@ -980,6 +979,7 @@ class ModelConfigMsg(Message):
     """MODEL_CONFIG (coordinator -> worker), ours, 52 bytes: the model to build.
 
     Ten u32 (the ``ModelConfig`` integers), then f32 rope_theta, norm_eps, aux_loss_coef.
+    ``foundry.swarm.model_config`` converts it to and from a ``ModelConfig``.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.MODEL_CONFIG
@@ -1001,23 +1001,6 @@ class ModelConfigMsg(Message):
     rope_theta: float
     norm_eps: float
     aux_loss_coef: float = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, aux_loss_coef: float = 0.0) -> ModelConfigMsg:
-        values = {name: getattr(cfg, name) for name in _MODEL_INTS + _MODEL_FLOATS}
-        return cls(**values, aux_loss_coef=aux_loss_coef)
-
-    def to_config(self) -> ModelConfig:
-        """The ``ModelConfig`` this message describes; a peer's impossible model is a
-        protocol error (MODEL_MISMATCH), not a crash."""
-        known = {f.name for f in fields(ModelConfig)}
-        values = {n: getattr(self, n) for n in _MODEL_INTS + _MODEL_FLOATS if n in known}
-        try:
-            return ModelConfig(**values)
-        except ConfigError as exc:
-            raise FdtcProtocolError(
-                f"MODEL_CONFIG describes no valid model: {exc}", ErrorCode.MODEL_MISMATCH
-            ) from None
 
 
 @dataclass(frozen=True)

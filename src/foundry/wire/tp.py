@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 
+from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
 from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
@@ -1038,13 +1039,6 @@ class TpDecoder:
 
 
 # -- the data plane ----------------------------------------------------------------------------
-
-
-class Gate(enum.IntEnum):
-    """Which sync point of a layer a partial belongs to (DS4_TP_GATE_ATTN / _FFN)."""
-
-    ATTN = 0
-    FFN = 1
 
 
 # layer u16, gate u8, flags u8, seq u64, rows u32, n_embd u32; the payload that follows is
