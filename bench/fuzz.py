@@ -304,7 +304,7 @@ def fdtc_verdict(data: bytes) -> tuple[Ending, list[fdtc.Message]]:
     dec.feed(data)
     msgs: list[fdtc.Message] = []
     try:
-        while (m := dec.next_message()) is not None:
+        while (m := dec.next_event()) is not None:
             msgs.append(m)
     except fdtc.FdtcProtocolError:
         return Ending.CLOSE, msgs
@@ -354,7 +354,7 @@ class FdtcAnswers(Answers):
             return
         try:
             self.dec.feed(data)
-            while (m := self.dec.next_message()) is not None:
+            while (m := self.dec.next_event()) is not None:
                 if isinstance(m, fdtc.Error):
                     self.errors += 1
                 elif self.counts(m):
@@ -529,7 +529,7 @@ class FrontendAnswers(Answers):
             return
         try:
             self.dec.feed(data)
-            while (frame := self.dec.next_frame()) is not None:
+            while (frame := self.dec.next_event()) is not None:
                 if isinstance(frame, fw.Error) and frame.code == fw.ErrorCode.BAD_REQUEST:
                     self.errors += 1
                 elif isinstance(frame, fw.Status) and frame.request_id == PROBE_ID:
@@ -567,7 +567,7 @@ class FrontendTarget(Target):
         dec.feed(data)
         frames: list[fw.Frame] = []
         try:
-            while (f := dec.next_frame()) is not None:
+            while (f := dec.next_event()) is not None:
                 frames.append(f)
         except fw.FrontendProtocolError:
             return Ending.CLOSE, frames
@@ -666,7 +666,7 @@ class TpWorkerPortTarget(Target):
             dec = tp.TpDecoder(expect_hello=True)
             dec.feed(data)
             try:
-                hello = dec.next_frame()
+                hello = dec.next_event()
             except tp.TpProtocolError:
                 hello, ending = None, Ending.CLOSE
             else:

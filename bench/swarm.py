@@ -83,7 +83,7 @@ def admin_status(port: int) -> fdtc.SwarmStatus:
             if not data:
                 raise SystemExit("admin link closed")
             dec.feed(data)
-            msg = dec.next_message()
+            msg = dec.next_event()
             if msg is not None:
                 assert isinstance(msg, fdtc.SwarmStatus)
                 return msg

@@ -257,7 +257,7 @@ def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
                 raise SystemExit("the leader closed the frontend link")
             now = time.perf_counter()
             decoder.feed(data)
-            while (frame := decoder.next_frame()) is not None:
+            while (frame := decoder.next_event()) is not None:
                 if isinstance(frame, fw.Token):
                     tokens.append(frame.token)
                     times.append(now)

@@ -316,9 +316,9 @@ def test_msg_type_name() -> None:
 def test_decoder_whole_stream() -> None:
     d = FdtcDecoder()
     d.feed(STREAM)
-    assert list(d.messages()) == MESSAGES
+    assert list(d.events()) == MESSAGES
     assert d.buffered == 0
-    assert d.next_message() is None
+    assert d.next_event() is None
 
 
 def test_decoder_one_byte_at_a_time() -> None:
@@ -326,7 +326,7 @@ def test_decoder_one_byte_at_a_time() -> None:
     got: list[Message] = []
     for i in range(len(STREAM)):
         d.feed(STREAM[i : i + 1])
-        got.extend(d.messages())
+        got.extend(d.events())
         assert d.buffered <= 9 + MAX_PAYLOAD
     assert got == MESSAGES
     assert d.buffered == 0
@@ -338,7 +338,7 @@ def test_decoder_chunks(chunk: int) -> None:
     got: list[Message] = []
     for i in range(0, len(STREAM), chunk):
         d.feed(memoryview(STREAM)[i : i + chunk])
-        got.extend(d.messages())
+        got.extend(d.events())
     assert got == MESSAGES
 
 
@@ -346,11 +346,11 @@ def test_trailing_partial_frame_stays_buffered() -> None:
     heartbeat = GOLDEN[3][1]
     d = FdtcDecoder()
     d.feed(STREAM + heartbeat[:20])
-    assert list(d.messages()) == MESSAGES
-    assert d.next_message() is None
+    assert list(d.events()) == MESSAGES
+    assert d.next_event() is None
     assert d.buffered == 20
     d.feed(heartbeat[20:])
-    assert d.next_message() == GOLDEN[3][0]
+    assert d.next_event() == GOLDEN[3][0]
     assert d.buffered == 0
 
 
@@ -377,14 +377,14 @@ def test_bad_header_rejected_at_ninth_byte_before_buffering(header: str, problem
     d = FdtcDecoder()
     for i in range(8):
         d.feed(raw[i : i + 1])
-        assert d.next_message() is None
+        assert d.next_event() is None
     d.feed(raw[8:] + bytes(300))  # the payload bytes in the same chunk are never kept
     assert d.buffered == 0
     assert d.closed
     with pytest.raises(FdtcProtocolError, match=problem):
-        d.next_message()
+        d.next_event()
     with pytest.raises(FdtcProtocolError):  # terminal: keeps raising
-        d.next_message()
+        d.next_event()
     with pytest.raises(FdtcProtocolError, match="closed"):
         d.feed(b"more")
 
@@ -392,9 +392,9 @@ def test_bad_header_rejected_at_ninth_byte_before_buffering(header: str, problem
 def test_messages_before_bad_bytes_come_out_first() -> None:
     d = FdtcDecoder()
     d.feed(GOLDEN[3][1] + hexb("43544446 7f 00000000"))
-    assert d.next_message() == GOLDEN[3][0]
+    assert d.next_event() == GOLDEN[3][0]
     with pytest.raises(FdtcProtocolError) as exc:
-        d.next_message()
+        d.next_event()
     assert exc.value.error_code == ErrorCode.BAD_FRAME
     assert isinstance(exc.value, RemoteProtocolError)
     assert isinstance(exc.value, ProtocolError)
@@ -403,10 +403,10 @@ def test_messages_before_bad_bytes_come_out_first() -> None:
 def test_per_decoder_payload_limit() -> None:
     d = FdtcDecoder(max_payload=100)
     d.feed(hexb("43544446 21 64000000") + bytes(100))
-    assert d.next_message() == Weights(bytes(100))
+    assert d.next_event() == Weights(bytes(100))
     d.feed(hexb("43544446 21 65000000"))
     with pytest.raises(FdtcProtocolError, match="101 bytes exceeds the limit of 100") as exc:
-        d.next_message()
+        d.next_event()
     assert exc.value.error_code == ErrorCode.BUSY
     with pytest.raises(LocalProtocolError):
         FdtcDecoder(max_payload=MAX_PAYLOAD + 1)
@@ -450,7 +450,7 @@ def test_bad_payload_values_are_the_peers_error(frame: bytes, problem: str) -> N
     d = FdtcDecoder()
     d.feed(frame)
     with pytest.raises(FdtcProtocolError, match=problem):
-        d.next_message()
+        d.next_event()
     assert d.buffered == 0
 
 
@@ -463,7 +463,7 @@ def test_64mib_weights_in_64kib_chunks_is_linear_and_not_copied_out() -> None:
     for _ in range(n // len(chunk)):
         d.feed(chunk)
         assert d.buffered <= 9 + n
-    msg = d.next_message()
+    msg = d.next_event()
     elapsed = time.perf_counter() - t0
     assert isinstance(msg, Weights)
     assert len(msg.data) == n
@@ -711,7 +711,7 @@ def test_any_bytes_give_messages_or_a_clean_error(data: bytes, cuts: list[int]) 
         try:
             d.feed(piece)
             assert d.buffered <= 9 + _MAX
-            for msg in d.messages():
+            for msg in d.events():
                 assert isinstance(msg, Message)
         except FdtcProtocolError:
             assert d.closed and d.buffered == 0

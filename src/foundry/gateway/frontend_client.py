@@ -43,7 +43,7 @@ from foundry.gateway.errors import (
     GatewayError,
     InvalidRequest,
 )
-from foundry.wire.errors import ProtocolError
+from foundry.wire.errors import LocalProtocolError, ProtocolError
 from foundry.wire.frontend import (
     MAX_PAYLOAD,
     Cancel,
@@ -254,7 +254,7 @@ class FrontendClient:
                 raise InvalidRequest(f"a stop string of {longest} bytes is longer than the "
                                      f"{MAX_STOP_BYTES} the frontend link carries")
             size = len(request.payload())
-        except ValueError as exc:  # UnicodeEncodeError included: a lone surrogate
+        except (LocalProtocolError, ValueError) as exc:  # ValueError: a lone surrogate
             raise InvalidRequest(str(exc)) from None
         if size > MAX_PAYLOAD:
             raise InvalidRequest(
@@ -350,7 +350,7 @@ class FrontendClient:
                 if not data:
                     raise ConnectionResetError("the leader closed the connection")
                 decoder.feed(data)
-                while (frame := decoder.next_frame()) is not None:
+                while (frame := decoder.next_event()) is not None:
                     self._dispatch(link, frame)
         except (OSError, ConnectionError) as exc:
             log.warning("frontend link to %s lost: %s", self.address, exc)

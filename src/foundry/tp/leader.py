@@ -475,11 +475,11 @@ class Leader:
                 if not data:
                     break
                 decoder.feed(data)
-                while (frame := decoder.next_frame()) is not None:
+                while (frame := decoder.next_event()) is not None:
                     begun = None
                     if not self._on_frame(conn, frame):
                         return
-        except (fw.FrontendProtocolError, ValueError) as exc:
+        except fw.FrontendProtocolError as exc:
             log.warning("frontend link: closing %s: it sent bad bytes (%s)", conn.peer, exc)
             conn.write(fw.Error(0, fw.ErrorCode.BAD_REQUEST, f"protocol error: {exc}"))
         except (ConnectionError, ssl.SSLError):
@@ -653,7 +653,7 @@ class Leader:
     ) -> None:
         decoder = TpDecoder()
         decoder.feed(head + _recv_exact(sock, 28, frame_deadline, self.options.frame_deadline_s))
-        frame = decoder.next_frame()
+        frame = decoder.next_event()
         waiter = self._gate_waiters.get(frame.seq) if isinstance(frame, CommandAck) else None
         if waiter is None:
             log.warning("connection from %s opened a gate link with no pairing token of a "

@@ -96,12 +96,12 @@ class ControlLink:
         silence is fine as long as ``idle()`` returns True (False: LinkError, "stopped")."""
         begun: float | None = None  # when the frame now arriving began
         while True:
-            frame = self.decoder.next_frame()
+            frame = self.decoder.next_event()
             if frame is not None:
                 return frame
             timeout = self.timeout_s
             now = time.monotonic()
-            if self.decoder.in_record:
+            if self.decoder.buffered:
                 begun = now if begun is None else begun
                 left = begun + self.frame_deadline_s - now
                 if left <= 0:

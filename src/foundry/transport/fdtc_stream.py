@@ -75,7 +75,7 @@ class FdtcStream:
         loop = asyncio.get_running_loop()
         frame_started: float | None = None
         while True:
-            msg = self.decoder.next_message()
+            msg = self.decoder.next_event()
             if msg is not None:
                 return msg
             partial = self.decoder.buffered > 0

@@ -39,7 +39,7 @@ class AdminLink:
         self._sock.settimeout(timeout_s)
         self._sock.sendall(fdtc.encode(msg))
         while True:
-            got = self._decoder.next_message()
+            got = self._decoder.next_event()
             if got is not None:
                 return got
             data = self._sock.recv(65536)

@@ -39,11 +39,14 @@ import numpy as np
 
 from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
 from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.framing import FrameDecoder
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 # -- constants ---------------------------------------------------------------------------------
+
+Readable = bytes | bytearray | memoryview  # what a payload may be read from
 
 TP_PROTOCOL_VERSION = 1
 # On the wire the magics read as ASCII: "DTPH" (hello), "DTP4" (control frame), "DTPS" (slab).
@@ -327,7 +330,7 @@ def _encode_hello(h: Hello) -> bytes:
     )  # fmt: skip
 
 
-def _decode_hello(buf: bytes | bytearray, offset: int) -> Hello:
+def _decode_hello(buf: Readable, offset: int) -> Hello:
     v = HELLO.unpack_from(buf, offset)
     version, role, flags, mode = v[1], v[3], v[4], v[5]
     if role not in (Role.LEADER, Role.WORKER):
@@ -438,7 +441,7 @@ def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
     return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
-def _unpack_tokens(buf: bytes | bytearray, offset: int, count: int) -> tuple[int, ...]:
+def _unpack_tokens(buf: Readable, offset: int, count: int) -> tuple[int, ...]:
     return struct.unpack_from(f"<{count}i", buf, offset)
 
 
@@ -467,7 +470,7 @@ class _Frame:
         return b""
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(**header)
 
 
@@ -488,7 +491,7 @@ class Sync(_Frame):
         return _pack_tokens(self.tokens)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(tokens=_unpack_tokens(buf, offset, length // 4), **header)
 
 
@@ -508,7 +511,7 @@ class Eval(_Frame):
         return _I32.pack(self.token)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(token=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -528,7 +531,7 @@ class Rewind(_Frame):
         return _I32.pack(self.pos)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(pos=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -562,7 +565,7 @@ class Hash(_Frame):
         return _U64S.pack(self.value)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(value=_U64S.unpack_from(buf, offset)[0], **header)
 
 
@@ -601,7 +604,7 @@ class Logits(_Frame):
         return _U32S.pack(len(self.values) // 4) + self.values
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         (count,) = _U32S.unpack_from(buf, offset)
         if 4 + 4 * count != length:
             raise TpProtocolError(
@@ -639,7 +642,7 @@ class Verify(_Frame):
         return _U32S.pack(self.flags) + _pack_tokens(self.drafts)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         (flags,) = _U32S.unpack_from(buf, offset)
         return cls(flags=flags, drafts=_unpack_tokens(buf, offset + 4, length // 4 - 1), **header)
 
@@ -665,7 +668,7 @@ class VerifyCommit(_Frame):
         return _I32X2.pack(self.mode, self.token_count)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         mode, count = _I32X2.unpack_from(buf, offset)
         if mode not in VerifyCommitMode.__members__.values():
             raise TpProtocolError(f"VERIFY_COMMIT: unknown mode {mode} (0, 1 or 2)")
@@ -688,7 +691,7 @@ class SessionCreate(_Frame):
         return _U32S.pack(self.ctx_size)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(ctx_size=_U32S.unpack_from(buf, offset)[0], **header)
 
 
@@ -723,7 +726,7 @@ def _pack_items(items: tuple[BatchItem, ...]) -> bytes:
     return b"".join(BATCH_ITEM.pack(it.session_id, it.token, 0) for it in items)
 
 
-def _unpack_items(buf: bytes | bytearray, offset: int, count: int) -> tuple[BatchItem, ...]:
+def _unpack_items(buf: Readable, offset: int, count: int) -> tuple[BatchItem, ...]:
     items = []
     for sid, token, reserved in BATCH_ITEM.iter_unpack(buf[offset : offset + 16 * count]):
         if reserved:
@@ -749,7 +752,7 @@ class EvalBatch(_Frame):
         return _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(items=_unpack_items(buf, offset, length // BATCH_ITEM.size), **header)
 
 
@@ -776,7 +779,7 @@ class MixedBatch(_Frame):
         return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         n_prompt, n_items = _U32X2.unpack_from(buf, offset)
         if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
             raise TpProtocolError(
@@ -805,7 +808,7 @@ class CommandAck(_Frame):
         return _I32.pack(self.status)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(status=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -835,7 +838,7 @@ class SyncCheckpoint(_Frame):
         return _CHECKPOINT.pack(self.point, self.current, self.total, self.requested)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         point, current, total, requested = _CHECKPOINT.unpack_from(buf, offset)
         if requested > 1:
             raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
@@ -882,87 +885,56 @@ def max_payload_for(identity: Identity) -> int:
     )
 
 
-class _State(enum.Enum):
-    HELLO = "awaiting the hello"
-    FRAMES = "reading control frames"
-    FAILED = "failed"
+class TpDecoder(FrameDecoder[Frame]):
+    """Incremental decoder (``foundry.wire.framing``): ``feed`` bytes as they arrive, take the
+    hello (when ``expect_hello``) and then control frames with ``next_event``.
 
-
-class TpDecoder:
-    """Incremental decoder: ``feed`` bytes as they arrive, take records with ``next_frame``.
-
-    ``next_frame`` returns the next complete hello or control frame, or ``None`` when more
-    bytes are needed. Buffering is linear: one bytearray plus a read offset, compacted once
-    half of it is consumed. After a :class:`TpProtocolError` the decoder is failed for good.
+    The hello's 8-byte prefix is checked before the rest of it is kept, a control frame's
+    28-byte header before its payload. After a :class:`TpProtocolError` the decoder is failed
+    for good.
     """
 
     def __init__(self, max_payload: int = TP_MAX_PAYLOAD, *, expect_hello: bool = False) -> None:
         if max_payload < 0:
             raise ValueError(f"max_payload must be >= 0, got {max_payload}")
+        super().__init__()
         self.max_payload = max_payload
-        self._buf = bytearray()
-        self._pos = 0
-        self._state = _State.HELLO if expect_hello else _State.FRAMES
-        self._error: TpProtocolError | None = None
-        # (type, session_id, seq, length) of a header already validated, awaiting its payload.
-        self._header: tuple[FrameType, int, int, int] | None = None
+        self._hello_next = expect_hello
+        self._hello_prefix = b""
+        # (type, session_id, seq) of a header already validated, awaiting its payload.
+        self._header: tuple[FrameType, int, int] = (FrameType.STOP, 0, 0)
 
-    @property
-    def buffered(self) -> int:
-        """Bytes fed but not yet returned as records."""
-        return len(self._buf) - self._pos
+    def _header_size(self) -> int:
+        return HELLO_PREFIX.size if self._hello_next else FRAME_HEADER_SIZE
 
-    @property
-    def in_record(self) -> bool:
-        """A record has begun and is not complete yet (its header may be consumed already)."""
-        return self.buffered > 0 or self._header is not None
+    def _begin(self, header: bytes) -> int:
+        if self._hello_next:
+            self._check_hello_prefix(header)
+            self._hello_prefix = header
+            return HELLO_SIZE - HELLO_PREFIX.size
+        ftype, session_id, seq, length = self._parse_header(header)
+        self._header = (ftype, session_id, seq)
+        return length
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        self._check_usable()
-        self._buf += data
-
-    def feed_eof(self) -> None:
-        """The peer closed the stream: an error if it stopped in the middle of a record."""
-        self._check_usable()
-        if self.buffered:
-            self._fail(
-                f"connection closed in the middle of a record ({self.buffered} bytes buffered, "
-                f"{self._state.value})"
-            )
-
-    def next_frame(self) -> Frame | None:
-        self._check_usable()
+    def _finish(self, payload: memoryview) -> Frame:
+        if self._hello_next:
+            hello = _decode_hello(self._hello_prefix + bytes(payload), 0)
+            self._hello_next = False
+            return hello
+        ftype, session_id, seq = self._header
         try:
-            if self._state is _State.HELLO:
-                return self._next_hello()
-            return self._next_control()
-        except TpProtocolError as exc:
-            self._state = _State.FAILED
-            self._error = exc
-            raise
+            return FRAME_CLASSES[ftype]._parse(  # type: ignore[return-value]
+                payload, 0, len(payload), session_id=session_id, seq=seq
+            )
+        except LocalProtocolError as exc:
+            raise TpProtocolError(f"{ftype.name}: {exc}") from None
 
-    def _check_usable(self) -> None:
-        if self._state is _State.FAILED:
-            raise TpProtocolError(f"decoder already failed: {self._error}")
+    def _eof_error(self, message: str) -> TpProtocolError:
+        return TpProtocolError(message)
 
-    def _fail(self, message: str) -> None:
-        self._state = _State.FAILED
-        self._error = TpProtocolError(message)
-        raise self._error
-
-    def _consume(self, n: int) -> None:
-        self._pos += n
-        if self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        elif self._pos > 4096 and 2 * self._pos > len(self._buf):
-            del self._buf[: self._pos]
-            self._pos = 0
-
-    def _next_hello(self) -> Hello | None:
-        if self.buffered < HELLO_PREFIX.size:
-            return None
-        magic, version, size = HELLO_PREFIX.unpack_from(self._buf, self._pos)
+    @staticmethod
+    def _check_hello_prefix(prefix: bytes) -> None:
+        magic, version, size = HELLO_PREFIX.unpack(prefix)
         if magic == TP_FRAME_MAGIC:
             raise TpProtocolError("expected the peer's hello first, got a control frame")
         if magic != TP_HELLO_MAGIC:
@@ -975,35 +947,9 @@ class TpDecoder:
         if size != HELLO_SIZE:
             raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes, "
                                   f"the peer says {size}")
-        if self.buffered < HELLO_SIZE:
-            return None
-        hello = _decode_hello(self._buf, self._pos)
-        self._consume(HELLO_SIZE)
-        self._state = _State.FRAMES
-        return hello
 
-    def _next_control(self) -> ControlFrame | None:
-        if self._header is None:
-            if self.buffered < FRAME_HEADER_SIZE:
-                return None
-            self._header = self._parse_header()
-            self._consume(FRAME_HEADER_SIZE)
-        ftype, session_id, seq, length = self._header
-        if self.buffered < length:
-            return None
-        cls = FRAME_CLASSES[ftype]
-        try:
-            frame = cls._parse(self._buf, self._pos, length, session_id=session_id, seq=seq)
-        except LocalProtocolError as exc:
-            raise TpProtocolError(f"{ftype.name}: {exc}") from None
-        self._consume(length)
-        self._header = None
-        return frame  # type: ignore[return-value]
-
-    def _parse_header(self) -> tuple[FrameType, int, int, int]:
-        magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack_from(
-            self._buf, self._pos
-        )
+    def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:
+        magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack(header)
         if magic == TP_HELLO_MAGIC:
             raise TpProtocolError("unexpected hello after the handshake")
         if magic != TP_FRAME_MAGIC:
