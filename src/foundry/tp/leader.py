@@ -113,6 +113,7 @@ from foundry.transport.gates import (
     local_host_id,
 )
 from foundry.transport.listener import Listener
+from foundry.transport.stream import AsyncStream, FrameTimeout
 from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     BatchItem,
@@ -450,39 +451,22 @@ class Leader:
     async def _serve_frontend(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        peername = writer.get_extra_info("peername")
-        conn = _Conn(writer, f"{peername[0]}:{peername[1]}" if peername else "?")
+        stream: AsyncStream[fw.Frame] = AsyncStream(
+            reader, writer, fw.FrontendDecoder(), frame_deadline_s=self.options.frame_deadline_s,
+            read_chunk=65536,
+        )
+        conn = _Conn(writer, stream.peer)
         self._conns.add(conn)
-        decoder = fw.FrontendDecoder()
-        loop = asyncio.get_running_loop()
-        deadline = self.options.frame_deadline_s
-        begun: float | None = None  # when the frame now arriving began
         try:
             while not conn.closed:
-                if decoder.buffered:
-                    begun = loop.time() if begun is None else begun
-                    try:
-                        data = await asyncio.wait_for(reader.read(65536),
-                                                      begun + deadline - loop.time())
-                    except TimeoutError:
-                        log.warning("frontend link: %s began a frame and did not finish it "
-                                    "within %g s (frame deadline); closed", conn.peer,
-                                    deadline)
-                        return
-                else:
-                    begun = None
-                    data = await reader.read(65536)
-                if not data:
-                    break
-                decoder.feed(data)
-                while (frame := decoder.next_event()) is not None:
-                    begun = None
-                    if not self._on_frame(conn, frame):
-                        return
+                if not self._on_frame(conn, await stream.recv()):
+                    return
+        except FrameTimeout as exc:
+            log.warning("frontend link: %s; closed", exc)
         except fw.FrontendProtocolError as exc:
             log.warning("frontend link: closing %s: it sent bad bytes (%s)", conn.peer, exc)
             conn.write(fw.Error(0, fw.ErrorCode.BAD_REQUEST, f"protocol error: {exc}"))
-        except (ConnectionError, ssl.SSLError):
+        except (ConnectionError, ssl.SSLError):  # StreamClosed included: the client left
             pass
         finally:
             self._drop_conn(conn)

@@ -469,6 +469,9 @@ class _Frame:
     def _payload(self) -> bytes:
         return b""
 
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self._payload(),)
+
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(**header)
@@ -573,14 +576,17 @@ class Hash(_Frame):
 class Logits(_Frame):
     """The worker's half of the vocabulary logits: count u32, then count float32.
 
-    ``values`` holds the raw little-endian float32 bytes (immutable, hashable); :meth:`array`
-    views them as numpy without a copy.
+    ``values`` holds the raw little-endian float32 bytes, as a read-only view where it can:
+    of the sender's array (``from_array``: send the frame before that array changes) or of
+    the received payload's own buffer. :meth:`array` views them as numpy. No step of the way
+    from the worker's rows to the leader's array copies them: they are written from the
+    array and read into the buffer they are parsed from.
     """
 
     TYPE = FrameType.LOGITS
     PAYLOAD_BASE = 4
     PAYLOAD_UNIT = 4
-    values: bytes = b""
+    values: bytes | memoryview = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -591,17 +597,14 @@ class Logits(_Frame):
 
     @classmethod
     def from_array(cls, half: np.ndarray, *, session_id: int = 0, seq: int = 0) -> Logits:
-        return cls(
-            values=np.ascontiguousarray(half, dtype="<f4").tobytes(),
-            session_id=session_id,
-            seq=seq,
-        )
+        view = np.ascontiguousarray(half, dtype="<f4").data.cast("B").toreadonly()
+        return cls(values=view, session_id=session_id, seq=seq)
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.values, dtype="<f4")
 
-    def _payload(self) -> bytes:
-        return _U32S.pack(len(self.values) // 4) + self.values
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return _U32S.pack(len(self.values) // 4), self.values
 
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
@@ -611,7 +614,7 @@ class Logits(_Frame):
                 f"LOGITS says {count} floats but its payload is {length} bytes "
                 f"(expected {4 + 4 * count})"
             )
-        return cls(values=bytes(buf[offset + 4 : offset + length]), **header)
+        return cls(values=memoryview(buf)[offset + 4 : offset + length], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -863,15 +866,22 @@ assert set(FRAME_CLASSES).isdisjoint(UNSUPPORTED_FRAME_TYPES)
 assert set(FRAME_CLASSES) | set(UNSUPPORTED_FRAME_TYPES) == set(FrameType)
 
 
+def encode_parts(frame: Frame) -> list[bytes | memoryview]:
+    """The pieces of a hello or a control frame, to write in order (a LOGITS half as the view
+    it is, uncopied)."""
+    if isinstance(frame, Hello):
+        return [_encode_hello(frame)]
+    parts = frame._payload_parts()
+    length = sum(len(p) for p in parts)
+    header = FRAME_HEADER.pack(
+        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, length
+    )
+    return [header, *parts]
+
+
 def encode(frame: Frame) -> bytes:
     """The bytes of a hello or a control frame."""
-    if isinstance(frame, Hello):
-        return _encode_hello(frame)
-    payload = frame._payload()
-    header = FRAME_HEADER.pack(
-        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, len(payload)
-    )
-    return header + payload
+    return b"".join(encode_parts(frame))
 
 
 def max_payload_for(identity: Identity) -> int:
