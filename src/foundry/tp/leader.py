@@ -92,7 +92,14 @@ from foundry.tp.handshake import (
     load_rank,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
-from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
+from foundry.tp.lockstep import (
+    COMMANDS,
+    Checkpoint,
+    LockstepError,
+    RankState,
+    Reply,
+    TracingExchange,
+)
 from foundry.tp.policy import (
     MAX_DRAFT,
     SpecMode,
@@ -118,6 +125,7 @@ from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     BatchItem,
     CommandAck,
+    ControlFrame,
     Eval,
     EvalBatch,
     FrameType,
@@ -920,16 +928,11 @@ class Leader:
             self.state.create(sid, ctx)
         except MemoryError:
             raise SessionRefused(f"no memory for a session of {ctx} positions") from None
-        self._link.send(SessionCreate(session_id=sid, ctx_size=ctx))
-        ack = self._link.expect(FrameType.COMMAND_ACK, f"the worker's SESSION_CREATE {sid}")
-        assert isinstance(ack, CommandAck)
-        if ack.session_id != sid:
-            raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
-                            f"{sid}; the ranks are out of step")
-        if ack.status != ACK_ACCEPTED:
+        try:  # created here first: a session that does not fit is refused without the worker
+            self._command(SessionCreate(session_id=sid, ctx_size=ctx), here=False)
+        except SessionRefused:
             self.state.destroy(sid)
-            raise SessionRefused(f"the worker could not open a session (status {ack.status}); "
-                                 "see its log")
+            raise
         return sid
 
     def _continue_kept(self, prompt: list[int]) -> int:
@@ -942,8 +945,7 @@ class Leader:
         sid, reused = pick
         del self._kept_sessions[sid]
         if reused < self.state.sessions[sid].pos:
-            self._link.send(Rewind(session_id=sid, pos=reused))
-            self.state.rewind(sid, reused)
+            self._command(Rewind(session_id=sid, pos=reused))
         self.metrics.prompt_tokens_reused.inc(reused)
         return sid
 
@@ -958,8 +960,7 @@ class Leader:
             self._destroy(sid)
 
     def _destroy(self, sid: int) -> None:
-        self._link.send(SessionDestroy(session_id=sid))
-        self.state.destroy(sid)
+        self._command(SessionDestroy(session_id=sid))
 
     def _count_sessions(self) -> None:
         self.running = len(self._prefills) + len(self._decoding)
@@ -981,13 +982,12 @@ class Leader:
                 self._resync.popleft()
                 return
         sid, tokens = history.sid, history.tokens
-        self._link.send(Sync(session_id=sid, tokens=tuple(tokens)))
-        rows = self.state.sync(sid, tokens, self._checkpoint(sid, self._resync_yields))
+        rows = self._command(Sync(session_id=sid, tokens=tuple(tokens)),
+                             self._checkpoint(sid, self._resync_yields))
         if rows is None:
             log.info("re-sync paused at position %d of %d: a request goes first",
                      self.state.sessions[sid].pos, len(tokens))
             return
-        self._join(rows)
         if self.options.hash_check:
             self._hash_check()
         self._resync.popleft()
@@ -1001,10 +1001,9 @@ class Leader:
         return self._stopping.is_set() or not self._inbox.empty()
 
     def _prefill_alone(self, req: _Request) -> None:
-        self._link.send(Sync(session_id=req.sid, tokens=tuple(req.prompt)))
         meet = self._checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
-        rows = self.state.sync(req.sid, req.prompt, meet)
-        if rows is None:
+        full = self._command(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
+        if full is None:
             assert req.session is not None
             log.info("request %d: prefill cancelled at position %d of %d; both ranks stopped "
                      "at the same checkpoint", req.frame.request_id, req.session.pos,
@@ -1013,7 +1012,6 @@ class Leader:
                 self._hash_check()
             self._finish(req, fw.DoneReason.CANCELLED)
             return
-        full = self._join(rows)
         self._hook(req, full)
         self._prefills.popleft()
         self._decoding.append(req)
@@ -1048,11 +1046,8 @@ class Leader:
         assert s is not None
         end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
         chunk = prefill.prompt[s.pos : end]
-        items = [(r.sid, r.next_token) for r in decoding]
-        self._link.send(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
-                                   items=tuple(BatchItem(sid, t) for sid, t in items)))
-        rows = self.state.mixed(prefill.sid, chunk, items)
-        full = self._join(rows)
+        full = self._rows(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
+                                     items=tuple(BatchItem(r.sid, r.next_token) for r in decoding)))
         for i, req in enumerate(decoding, start=1):
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
@@ -1063,15 +1058,12 @@ class Leader:
             self._sample(prefill, full[0])
 
     def _eval(self, req: _Request) -> None:
-        self._link.send(Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token))
-        full = self._join(self.state.eval_batch([(req.sid, req.next_token)]))
+        full = self._rows(Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token))
         self._hook(req, full)
         self._sample(req, full[0])
 
     def _eval_batch(self, decoding: list[_Request]) -> None:
-        items = [(r.sid, r.next_token) for r in decoding]
-        self._link.send(EvalBatch(items=tuple(BatchItem(sid, t) for sid, t in items)))
-        full = self._join(self.state.eval_batch(items))
+        full = self._rows(EvalBatch(items=tuple(BatchItem(r.sid, r.next_token) for r in decoding)))
         for i, req in enumerate(decoding):
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
@@ -1089,15 +1081,13 @@ class Leader:
             return False
         block = [req.next_token, *drafts]
         pos0 = s.pos
-        self._link.send(Verify(session_id=req.sid, drafts=tuple(block)))
-        full = self._join(self.state.verify(req.sid, block))
+        full = self._rows(Verify(session_id=req.sid, drafts=tuple(block)))
         self._hook(req, full)
         verified = [sample(row, 0.0) for row in full]
         accepted = accepted_drafts(drafts, verified)
         plan = commit_plan(mode, len(drafts), accepted)
-        self._link.send(VerifyCommit(session_id=req.sid, mode=plan.mode,
-                                     token_count=plan.token_count))
-        self.state.commit(req.sid, plan.mode, plan.token_count)
+        self._command(VerifyCommit(session_id=req.sid, mode=plan.mode,
+                                   token_count=plan.token_count))
         self.drafted += len(drafts)
         self.accepted += accepted
         m = self.metrics
@@ -1109,6 +1099,34 @@ class Leader:
             if not self._accept(req, token, pos0 + 1 + i):
                 break
         return True
+
+    def _command(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
+                 here: bool = True) -> F32 | None:
+        """One command on both ranks (``lockstep.COMMANDS``): send it to the worker, run the
+        same RankState call here (unless done already, ``here=False``), collect the worker's
+        reply. The full logits rows when the command returned rows, else None."""
+        command = COMMANDS[frame.TYPE]
+        self._link.send(frame)
+        rows = command.run(self.state, frame, checkpoint) if here else None
+        if command.reply is Reply.COMMAND_ACK:
+            ack = self._link.expect(FrameType.COMMAND_ACK,
+                                    f"the worker's {frame.TYPE.name} {frame.session_id}")
+            assert isinstance(ack, CommandAck)
+            if ack.session_id != frame.session_id:
+                raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
+                                f"{frame.session_id}; the ranks are out of step")
+            if ack.status != ACK_ACCEPTED:
+                raise SessionRefused(f"the worker could not open a session (status "
+                                     f"{ack.status}); see its log")
+        if command.reply is Reply.LOGITS and rows is not None:
+            return self._join(rows)
+        return None
+
+    def _rows(self, frame: ControlFrame) -> F32:
+        """``_command`` of a command that always returns rows."""
+        rows = self._command(frame)
+        assert rows is not None
+        return rows
 
     def _join(self, mine: F32) -> F32:
         """Our logits rows joined with the worker's half of the same rows."""

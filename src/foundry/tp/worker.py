@@ -37,7 +37,14 @@ from foundry.tp.handshake import (
     load_rank,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
-from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
+from foundry.tp.lockstep import (
+    COMMANDS,
+    Checkpoint,
+    LockstepError,
+    RankState,
+    Reply,
+    TracingExchange,
+)
 from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
@@ -50,26 +57,18 @@ from foundry.transport.gates import (
 from foundry.transport.tls import wrap_blocking
 from foundry.wire.tp import (
     CommandAck,
-    Eval,
-    EvalBatch,
+    ControlFrame,
     FrameType,
     GateTransport,
     Hash,
     Hello,
     IdentityMismatch,
-    Invalidate,
     Logits,
-    MixedBatch,
-    Rewind,
     Role,
-    SessionCreate,
-    SessionDestroy,
     Stop,
     Sync,
     SyncCheckpoint,
     TpProtocolError,
-    Verify,
-    VerifyCommit,
     VersionMismatch,
     encode,
     negotiate_gate_transport,
@@ -251,49 +250,30 @@ class Worker:
             link.close()
 
     def _apply(self, link: ControlLink, frame: object) -> None:
+        """Run one command (``lockstep.COMMANDS``) and send the reply the table names."""
         st = self.state
-        if isinstance(frame, SessionCreate):
-            try:
-                st.create(frame.session_id, frame.ctx_size)
-                status = ACK_ACCEPTED
-            except MemoryError:
-                log.error("no memory for a session of %d positions", frame.ctx_size)
-                status = 1
-            link.send(CommandAck(session_id=frame.session_id, status=status))
-            self.metrics.active_sessions.set(len(st.sessions))
-        elif isinstance(frame, SessionDestroy):
-            st.destroy(frame.session_id)
-            self.metrics.active_sessions.set(len(st.sessions))
-        elif isinstance(frame, Sync):
-            rows = st.sync(frame.session_id, frame.tokens, self._checkpoint(link, frame))
-            if rows is not None:
-                link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, Eval):
-            if frame.seq != st.step + 1:
-                raise LockstepError(f"EVAL of step {frame.seq}, this rank is at step {st.step}")
-            rows = st.eval_batch([(frame.session_id, frame.token)])
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, EvalBatch):
-            rows = st.eval_batch([(i.session_id, i.token) for i in frame.items])
-            link.send(Logits.from_array(rows, seq=st.step))
-        elif isinstance(frame, MixedBatch):
-            items = [(i.session_id, i.token) for i in frame.items]
-            rows = st.mixed(frame.session_id, frame.prompt, items)
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, Verify):
-            rows = st.verify(frame.session_id, frame.drafts)
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, VerifyCommit):
-            st.commit(frame.session_id, frame.mode, frame.token_count)
-        elif isinstance(frame, Rewind):
-            st.rewind(frame.session_id, frame.pos)
-        elif isinstance(frame, Invalidate):
-            st.invalidate(frame.session_id)
-        elif isinstance(frame, Hash):
+        if isinstance(frame, Hash):
             self._hash_check(link, frame)
-        else:
+            return
+        command = COMMANDS.get(getattr(frame, "TYPE", None))  # type: ignore[arg-type]
+        if command is None:
             name = getattr(getattr(frame, "TYPE", None), "name", type(frame).__name__)
             raise LinkError(f"the leader sent {name}, which is not a command; out of step")
+        assert isinstance(frame, ControlFrame)
+        checkpoint = self._checkpoint(link, frame) if isinstance(frame, Sync) else None
+        status = ACK_ACCEPTED
+        try:
+            rows = command.run(st, frame, checkpoint)
+        except MemoryError:
+            if command.reply is not Reply.COMMAND_ACK:
+                raise
+            log.error("no memory for %s", frame)
+            rows, status = None, 1
+        if command.reply is Reply.COMMAND_ACK:
+            link.send(CommandAck(session_id=frame.session_id, status=status))
+        elif command.reply is Reply.LOGITS and rows is not None:
+            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
+        self.metrics.active_sessions.set(len(st.sessions))
 
     def _checkpoint(self, link: ControlLink, sync: Sync) -> Checkpoint:
         def meet(current: int, total: int) -> int | None:
