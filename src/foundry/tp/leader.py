@@ -23,7 +23,7 @@ Scheduling (one step of the engine thread)
    what a kept session holds (below) continues that session: REWIND both ranks to the shared
    prefix, and only the rest of the prompt is evaluated. Otherwise SESSION_CREATE, acknowledged
    by the worker.
-3. One model pass:
+3. One model pass (``policy.plan_pass``, a pure function of the queue lengths and the drafts):
    - a prefill with no session decoding: SYNC, in chunks of ``prefill_chunk`` tokens with a
      SYNC_CHECKPOINT before each, where a cancellation is agreed by both ranks;
    - a prefill while sessions decode: MIXED_BATCH, the next chunk of the prompt plus one token
@@ -102,11 +102,13 @@ from foundry.tp.lockstep import (
 )
 from foundry.tp.policy import (
     MAX_DRAFT,
+    Pass,
     SpecMode,
     TextStream,
     accepted_drafts,
     commit_plan,
     pick_kept_session,
+    plan_pass,
     propose_drafts,
     worth_keeping,
 )
@@ -881,22 +883,23 @@ class Leader:
             self._flush()
 
     def _run_pass(self) -> list[_Request]:
-        """One model pass (see the module docstring); the requests that got tokens."""
+        """One model pass (``policy.plan_pass``); the requests that got tokens."""
         decoding = list(self._decoding)
-        if self._prefills:
+        drafts = self._drafts(decoding[0]) if len(decoding) == 1 and not self._prefills else []
+        kind = plan_pass(len(self._prefills), len(decoding), len(drafts))
+        if kind is Pass.MIXED:
             prefill = self._prefills[0]
-            if decoding:
-                self._mixed(prefill, decoding)
-                return [*decoding, prefill]
+            self._mixed(prefill, decoding)
+            return [*decoding, prefill]
+        if kind is Pass.PREFILL:
+            prefill = self._prefills[0]
             self._prefill_alone(prefill)
             return [prefill]
-        if not decoding:
-            return []
-        if len(decoding) == 1 and self._speculate(decoding[0]):
-            return decoding
-        if len(decoding) == 1:
+        if kind is Pass.VERIFY:
+            self._verify(decoding[0], drafts)
+        elif kind is Pass.EVAL:
             self._eval(decoding[0])
-        else:
+        elif kind is Pass.EVAL_BATCH:
             self._eval_batch(decoding)
         return decoding
 
@@ -1068,17 +1071,20 @@ class Leader:
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
 
-    def _speculate(self, req: _Request) -> bool:
-        """Verify a drafted block for a greedy request; False when there is nothing to verify."""
+    def _drafts(self, req: _Request) -> list[int]:
+        """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
+        s = req.session
+        assert s is not None
+        if self.spec_mode is SpecMode.OFF or req.frame.temperature != 0.0:
+            return []
+        limit = min(self.options.max_draft, s.free - 1, req.frame.max_tokens - req.generated - 1)
+        return propose_drafts([*s.tokens, req.next_token], limit)
+
+    def _verify(self, req: _Request, drafts: list[int]) -> None:
+        """Verify a drafted block for a greedy request, commit what was accepted."""
         s = req.session
         assert s is not None
         mode = self.spec_mode
-        if mode is SpecMode.OFF or req.frame.temperature != 0.0:
-            return False
-        limit = min(self.options.max_draft, s.free - 1, req.frame.max_tokens - req.generated - 1)
-        drafts = propose_drafts([*s.tokens, req.next_token], limit)
-        if not drafts:
-            return False
         block = [req.next_token, *drafts]
         pos0 = s.pos
         full = self._rows(Verify(session_id=req.sid, drafts=tuple(block)))
@@ -1098,7 +1104,6 @@ class Leader:
         for i, token in enumerate(new):
             if not self._accept(req, token, pos0 + 1 + i):
                 break
-        return True
 
     def _command(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
                  here: bool = True) -> F32 | None:
