@@ -60,11 +60,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import queue
-import secrets
-import select
-import socket
 import ssl
 import threading
 import time
@@ -81,14 +77,12 @@ from foundry.model.inference import Engine, Session
 from foundry.model.sampling import make_rng, sample
 from foundry.model.tp_split import ExpertSplit, Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
+from foundry.tp.bringup import BringUp, Pair
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
-    ACK_BUSY,
-    ACK_SHM_FAILED,
     DEFAULT_EXPERT_SPLIT,
     WORLD,
     RankModel,
-    exchange_hellos,
     load_rank,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
@@ -112,14 +106,9 @@ from foundry.tp.policy import (
     propose_drafts,
     worth_keeping,
 )
-from foundry.transport import tls as tls_mod
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
-    GateExchange,
-    ShmGateExchange,
-    TcpGateExchange,
-    local_host_id,
 )
 from foundry.transport.listener import Listener
 from foundry.transport.stream import AsyncStream, FrameTimeout
@@ -133,23 +122,17 @@ from foundry.wire.tp import (
     FrameType,
     GateTransport,
     Hash,
-    Hello,
-    IdentityMismatch,
     Logits,
     MixedBatch,
     Rewind,
-    Role,
     SessionCreate,
     SessionDestroy,
     Stop,
     Sync,
     SyncCheckpoint,
-    TpDecoder,
     TpProtocolError,
     Verify,
     VerifyCommit,
-    VersionMismatch,
-    negotiate_gate_transport,
 )
 
 log = logging.getLogger("foundry.tp.leader")
@@ -158,8 +141,6 @@ F32 = npt.NDArray[np.float32]
 # (request id, the full logits rows the leader sampled from in one step): a debug hook.
 LogitsHook = Callable[[int, F32], None]
 
-# Connections in the middle of their first bytes / hello at once; more are closed at once.
-MAX_HANDSHAKES = 4
 # Open frontend connections by default: the gateway needs one; room for a few replicas and
 # tools.
 MAX_FRONTEND_CONNECTIONS = 64
@@ -281,42 +262,6 @@ class _Request:
         return self.cancelled or self.closed
 
 
-class _Pair:
-    """A formed pair: the control link, the gate exchange, and the watcher's wake-up pipe."""
-
-    def __init__(self, link: ControlLink, gate: GateExchange, transport: GateTransport) -> None:
-        self.link = link
-        self.gate = gate
-        self.transport = transport
-        self.lost: str | None = None  # set by the watcher: the worker hung up
-        self._wake_r, self._wake_w = os.pipe()
-        self.watcher: threading.Thread | None = None
-
-    def watch(self, on_hangup: Callable[[_Pair], None]) -> None:
-        def run() -> None:
-            poller = select.poll()
-            poller.register(self.link.sock.fileno(), select.POLLRDHUP | select.POLLHUP)
-            poller.register(self._wake_r, select.POLLIN)
-            while True:
-                for fd, _ in poller.poll():
-                    if fd == self._wake_r:
-                        return
-                    on_hangup(self)
-                    return
-
-        self.watcher = threading.Thread(target=run, name="tp-pair-watcher", daemon=True)
-        self.watcher.start()
-
-    def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        if self.watcher is not None and self.watcher is not threading.current_thread():
-            self.watcher.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self.gate.close()
-        self.link.close()
-
-
 class Leader:
     """Rank 0 of a pair; see the module docstring. ``start`` binds, ``close`` tears down."""
 
@@ -339,7 +284,7 @@ class Leader:
         self.state = RankState(engine, self.identity.ctx_size)
         v0, v1 = rank_layout(self.cfg, 1, WORLD).vocab
         self._worker_vocab = v1 - v0
-        self.port = 0
+        self.port = 0  # the worker port, once bound
         self.frontend_port = 0
         # Shared between threads (single attribute reads and writes).
         self.worker_connected = False
@@ -353,7 +298,6 @@ class Leader:
         self._stopping = threading.Event()
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener: socket.socket | None = None
         self._frontend: asyncio.Server | None = None
         self._threads: list[threading.Thread] = []
         # Loop side.
@@ -361,8 +305,8 @@ class Leader:
         self._inflight = 0
         # Engine thread side.
         self._inbox: queue.Queue[_Request] = queue.Queue()
-        self._new_pairs: queue.Queue[_Pair] = queue.Queue()
-        self._pair: _Pair | None = None
+        self._new_pairs: queue.Queue[Pair] = queue.Queue()
+        self._pair: Pair | None = None
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefills: collections.deque[_Request] = collections.deque()
         self._decoding: list[_Request] = []
@@ -377,11 +321,9 @@ class Leader:
         self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
             maxlen=GATE_TRACE
         )
-        # Handshake threads.
-        self._claim_lock = threading.Lock()
-        self._claimed = False
-        self._gate_waiters: dict[int, queue.Queue[socket.socket]] = {}
-        self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        # Acceptor and handshake threads.
+        self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
+                                self._stopping, self._new_pairs.put)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -389,16 +331,15 @@ class Leader:
         o = self.options
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        listener = socket.create_server((o.host, o.port), backlog=16)
-        listener.settimeout(0.25)
-        self._listener = listener
-        self.port = listener.getsockname()[1]
+        self._bringup.start()
+        self.port = self._bringup.port
         frontend = Listener("frontend link", self._serve_frontend, log=log, tls=o.tls,
                             max_connections=o.frontend_max_connections,
                             limit_flag="--frontend-max-connections")
         self._frontend = await frontend.start(o.frontend_host, o.frontend_port)
         self.frontend_port = frontend.port
-        for target, name in ((self._accept_loop, "tp-acceptor"), (self._engine_main, "tp-engine")):
+        for target, name in ((self._bringup.accept_loop, "tp-acceptor"),
+                             (self._engine_main, "tp-engine")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -424,8 +365,7 @@ class Leader:
             conn.writer.close()
         if self._frontend is not None:
             await self._frontend.wait_closed()
-        if self._listener is not None:
-            self._listener.close()
+        self._bringup.close()
 
     def gate_latencies(self) -> list[tuple[Gate, float]]:
         """The most recent gate exchanges (up to 65536), oldest first: gate and seconds."""
@@ -576,158 +516,6 @@ class Leader:
             req.cancelled = True
             self._end(req, None)
 
-    # -- bring-up (acceptor and handshake threads) ---------------------------------------
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if not self._stopping.is_set():
-                    log.warning("accepting on the worker port failed: %s", exc)
-                    time.sleep(0.1)
-                continue
-            if not self._handshake_slots.acquire(blocking=False):
-                log.warning("worker port: refused %s:%d: %d connections are in their "
-                            "bring-up already, the limit (a pair needs two)", addr[0], addr[1],
-                            MAX_HANDSHAKES)
-                sock.close()
-                continue
-            threading.Thread(target=self._greet, args=(sock, addr), name="tp-handshake",
-                             daemon=True).start()
-
-    def _greet(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        o = self.options
-        try:
-            sock.settimeout(o.handshake_timeout_s)
-            if o.tls is not None:
-                secured = self._tls_handshake(sock, peer)
-                if secured is None:
-                    return
-                sock = secured
-            first = _recv_exact(sock, 1)
-            frame_deadline = time.monotonic() + o.frame_deadline_s
-            head = first + _recv_exact(sock, 3, frame_deadline, o.frame_deadline_s)
-            if head == b"DTPH":
-                self._control_handshake(sock, head)
-            elif head == b"DTP4":
-                self._gate_connection(sock, head, peer, frame_deadline)
-            else:
-                log.warning("connection from %s is not a TP worker (first bytes %s); closed",
-                            peer, head.hex())
-                sock.close()
-        except (OSError, LinkError, TpProtocolError) as exc:
-            log.warning("bring-up with %s failed: %s", peer, exc)
-            self.metrics.failures.labels("handshake").inc()
-            sock.close()
-        finally:
-            self._handshake_slots.release()
-
-    def _tls_handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
-        """The TLS handshake of a new connection; None (logged, closed) if it fails."""
-        assert self.options.tls is not None
-        try:
-            return tls_mod.wrap_blocking(self.options.tls, sock, server_side=True,
-                                         timeout_s=self.options.handshake_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            if tls_mod.closed_early(exc):
-                log.debug("worker port: %s closed the connection in the TLS handshake", peer)
-            else:
-                log.warning("worker port: refused %s in the TLS handshake: %s", peer,
-                            tls_mod.refusal_reason(exc))
-                self.metrics.failures.labels("handshake").inc()
-            return None
-
-    def _gate_connection(
-        self, sock: socket.socket, head: bytes, peer: str, frame_deadline: float
-    ) -> None:
-        decoder = TpDecoder()
-        decoder.feed(head + _recv_exact(sock, 28, frame_deadline, self.options.frame_deadline_s))
-        frame = decoder.next_event()
-        waiter = self._gate_waiters.get(frame.seq) if isinstance(frame, CommandAck) else None
-        if waiter is None:
-            log.warning("connection from %s opened a gate link with no pairing token of a "
-                        "worker in bring-up; closed", peer)
-            sock.close()
-            return
-        waiter.put(sock)
-
-    def _control_handshake(self, sock: socket.socket, head: bytes) -> None:
-        o = self.options
-        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
-                           initial=head, frame_deadline_s=o.frame_deadline_s)
-        link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
-        slab: ShmGateExchange | None = None
-        if o.shm:
-            try:
-                slab = ShmGateExchange.create(n_embd=self.identity.n_embd, rank=0,
-                                              timeout_s=o.gate_timeout_s)
-            except OSError as exc:
-                log.warning("no shared-memory slab (%s); gates go over TCP", exc)
-        hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
-                      shm_offered=slab is not None, shm_name=slab.name if slab else "",
-                      execution_mode=self.model.execution_mode)
-        gate: GateExchange | None = None
-        claimed = formed = False
-        token = secrets.randbits(64) or 1
-        try:
-            try:
-                peer = exchange_hellos(link, hello)
-            except (IdentityMismatch, VersionMismatch) as exc:
-                log.error("worker %s refused: %s", link.peer, exc)
-                self.metrics.failures.labels("identity").inc()
-                return
-            transport = negotiate_gate_transport(hello, peer)
-            with self._claim_lock:
-                claimed = not self._claimed
-                self._claimed = True
-            if not claimed:
-                log.warning("worker %s refused: a worker is already connected", link.peer)
-                self.metrics.failures.labels("busy").inc()
-                link.send(CommandAck(status=ACK_BUSY))
-                return
-            waiter: queue.Queue[socket.socket] = queue.Queue()
-            self._gate_waiters[token] = waiter
-            link.send(CommandAck(status=ACK_ACCEPTED, seq=token))
-            if transport is GateTransport.SHM:
-                gate, slab = slab, None
-            else:
-                try:
-                    gsock = waiter.get(timeout=o.handshake_timeout_s)
-                except queue.Empty:
-                    raise LinkError(f"worker {link.peer} opened no gate connection within "
-                                    f"{o.handshake_timeout_s:g} s") from None
-                gate = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
-                                       timeout_s=o.gate_timeout_s)
-            ack = link.expect(FrameType.COMMAND_ACK, "the worker's data plane")
-            assert isinstance(ack, CommandAck)
-            if ack.status != ACK_ACCEPTED:
-                why = ("it could not map the shared-memory slab and dials again over TCP"
-                       if ack.status == ACK_SHM_FAILED else f"status {ack.status}")
-                raise LinkError(f"worker {link.peer} could not set up its gates: {why}")
-            link.deadline = None
-            link.set_timeout(o.control_timeout_s)
-            assert gate is not None
-            self._new_pairs.put(_Pair(link, gate, transport))
-            formed = True
-        finally:
-            left = self._gate_waiters.pop(token, None)
-            while left is not None and not left.empty():
-                left.get_nowait().close()
-            if slab is not None:
-                slab.close()
-            if not formed:
-                if claimed:
-                    with self._claim_lock:
-                        self._claimed = False
-                if gate is not None:
-                    gate.close()
-                link.close()
-
     # -- the engine thread ---------------------------------------------------------------
 
     def _engine_main(self) -> None:
@@ -782,7 +570,7 @@ class Leader:
             except queue.Empty:
                 return
 
-    def _worker_hung_up(self, pair: _Pair) -> None:
+    def _worker_hung_up(self, pair: Pair) -> None:
         """Watcher thread: fail the requests now; the engine thread tears the pair down."""
         pair.lost = "the worker closed the control connection"
         self.worker_connected = False
@@ -833,8 +621,7 @@ class Leader:
         self.state.exchange = None
         if pair is not None:
             pair.close()
-        with self._claim_lock:
-            self._claimed = False
+        self._bringup.release()
 
     def _shutdown_pair(self) -> None:
         if self._pair is not None:
@@ -1239,37 +1026,6 @@ class Leader:
         m.gate_bytes.labels("sent").inc(nbytes)
         m.gate_bytes.labels("received").inc(nbytes)
         self._gate_trace.append((gate, seconds))
-
-
-def _recv_exact(
-    sock: socket.socket, n: int, deadline: float | None = None, deadline_s: float = 0.0
-) -> bytes:
-    """``n`` bytes; with ``deadline`` (a time.monotonic(), ``deadline_s`` after the frame's
-    first byte) all of them by then (LinkError)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-
-    def late() -> LinkError:
-        return LinkError(f"the peer began a frame and did not finish it within {deadline_s:g} s "
-                         f"(frame deadline); {got} of {n} more bytes came; closed")
-
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise late()
-            sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:])
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise late() from None
-        if k == 0:
-            raise LinkError(f"the peer closed after {got} of the first {n} bytes")
-        got += k
-    return bytes(buf)
 
 
 def _failure_kind(exc: BaseException) -> str:
