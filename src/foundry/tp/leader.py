@@ -65,19 +65,19 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
 from foundry.model.config import EOS_ID
-from foundry.model.data import encode as encode_text
-from foundry.model.inference import Engine, Session
-from foundry.model.sampling import make_rng, sample
+from foundry.model.inference import Engine
+from foundry.model.sampling import sample
 from foundry.model.tp_split import ExpertSplit, Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp, Pair
+from foundry.tp.frontend_server import FrontendServer, Request
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     DEFAULT_EXPERT_SPLIT,
@@ -98,7 +98,6 @@ from foundry.tp.policy import (
     MAX_DRAFT,
     Pass,
     SpecMode,
-    TextStream,
     accepted_drafts,
     commit_plan,
     pick_kept_session,
@@ -111,7 +110,6 @@ from foundry.transport.gates import (
     GateError,
 )
 from foundry.transport.listener import Listener
-from foundry.transport.stream import AsyncStream, FrameTimeout
 from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     BatchItem,
@@ -144,10 +142,6 @@ LogitsHook = Callable[[int, F32], None]
 # Open frontend connections by default: the gateway needs one; room for a few replicas and
 # tools.
 MAX_FRONTEND_CONNECTIONS = 64
-# Bytes queued for a frontend client that does not read them: past this its connection is
-# closed (and its generations cancelled) rather than buffered without end. A token frame is
-# about 25 bytes, so this is some 150 000 tokens behind.
-MAX_CLIENT_BACKLOG = 4 << 20
 # The engine thread's longest sleep while idle: the delay before it notices a stop.
 IDLE_WAIT_S = 0.05
 # Gate latencies kept for diagnostics (Leader.gate_latencies).
@@ -216,52 +210,6 @@ class HashMismatch(LockstepError):
     """The debug lockstep check found the ranks' states different."""
 
 
-@dataclass(eq=False)
-class _Conn:
-    """One frontend connection (loop side)."""
-
-    writer: asyncio.StreamWriter
-    peer: str
-    requests: dict[int, _Request] = field(default_factory=dict)
-    closed: bool = False
-
-    def write(self, frame: fw.Frame) -> None:
-        if self.closed or self.writer.is_closing():
-            return
-        self.writer.write(fw.encode(frame))
-        backlog = self.writer.transport.get_write_buffer_size()
-        if backlog > MAX_CLIENT_BACKLOG:
-            log.warning("frontend link: closing %s: it does not read what it asked for (%d "
-                        "bytes wait to be sent, the limit is %d)", self.peer, backlog,
-                        MAX_CLIENT_BACKLOG)
-            self.closed = True
-            self.writer.transport.abort()
-
-
-class _Request:
-    """A generation. ``cancelled`` and ``closed`` are written by the loop and read by the
-    engine thread; everything below them belongs to the engine thread."""
-
-    def __init__(self, conn: _Conn, frame: fw.Generate, prompt: list[int]) -> None:
-        self.conn = conn
-        self.frame = frame
-        self.prompt = prompt
-        self.t0 = time.monotonic()
-        self.cancelled = False  # CANCEL arrived, or the client went away
-        self.closed = False  # DONE or ERROR delivered: nothing more goes to the client
-        self.sid = 0
-        self.session: Session | None = None
-        self.generated = 0
-        self.next_token = -1  # sampled, not yet evaluated
-        self.stream = TextStream(frame.stop)
-        self.rng = make_rng(frame.seed)
-        self.step_tokens = 0
-
-    @property
-    def gone(self) -> bool:
-        return self.cancelled or self.closed
-
-
 class Leader:
     """Rank 0 of a pair; see the module docstring. ``start`` binds, ``close`` tears down."""
 
@@ -290,7 +238,6 @@ class Leader:
         self.worker_connected = False
         self.transport: GateTransport | None = None
         self.tokens_generated = 0
-        self.requests_served = 0
         self.running = 0  # generations admitted and not finished (the engine thread writes it)
         self.drafted = 0
         self.accepted = 0
@@ -300,26 +247,28 @@ class Leader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frontend: asyncio.Server | None = None
         self._threads: list[threading.Thread] = []
-        # Loop side.
-        self._conns: set[_Conn] = set()
-        self._inflight = 0
         # Engine thread side.
-        self._inbox: queue.Queue[_Request] = queue.Queue()
+        self._inbox: queue.Queue[Request] = queue.Queue()
         self._new_pairs: queue.Queue[Pair] = queue.Queue()
         self._pair: Pair | None = None
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._prefills: collections.deque[_Request] = collections.deque()
-        self._decoding: list[_Request] = []
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefills: collections.deque[Request] = collections.deque()
+        self._decoding: list[Request] = []
         # Kept sessions, least recently used first, and the histories to re-sync on a new pair,
         # most recently used first (see the module docstring).
         self._kept_sessions: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._resync: collections.deque[_History] = collections.deque()
-        self._outbox: list[tuple[_Request, fw.Frame]] = []
+        self._outbox: list[tuple[Request, fw.Frame]] = []
         self._next_sid = 1
         self._kept = dict(self.state.kept)
         self._link_bytes = (0, 0)
         self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
             maxlen=GATE_TRACE
+        )
+        # Loop side: the frontend link.
+        self._frontend_server = FrontendServer(
+            options, self.identity.ctx_size, self.metrics, self._stopping,
+            lambda: self.worker_connected, self.status, self._inbox.put,
         )
         # Acceptor and handshake threads.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
@@ -333,7 +282,7 @@ class Leader:
         self._stopped = asyncio.Event()
         self._bringup.start()
         self.port = self._bringup.port
-        frontend = Listener("frontend link", self._serve_frontend, log=log, tls=o.tls,
+        frontend = Listener("frontend link", self._frontend_server.serve, log=log, tls=o.tls,
                             max_connections=o.frontend_max_connections,
                             limit_flag="--frontend-max-connections")
         self._frontend = await frontend.start(o.frontend_host, o.frontend_port)
@@ -359,10 +308,8 @@ class Leader:
             self._frontend.close()
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 10)
-        self._fail_inflight("the leader is shutting down")
-        for conn in list(self._conns):
-            conn.closed = True
-            conn.writer.close()
+        self._frontend_server.fail_inflight("the leader is shutting down")
+        self._frontend_server.close_all()
         if self._frontend is not None:
             await self._frontend.wait_closed()
         self._bringup.close()
@@ -386,7 +333,7 @@ class Leader:
             model_bytes=i.gguf_bytes,
             model_id=i.model_id,
             spec_acceptance=self.accepted / self.drafted if self.drafted else 0.0,
-            requests_served=self.requests_served,
+            requests_served=self._frontend_server.requests_served,
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:
@@ -395,126 +342,6 @@ class Leader:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
             loop.call_soon_threadsafe(fn, *args)
-
-    # -- the frontend (loop side) --------------------------------------------------------
-
-    async def _serve_frontend(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        stream: AsyncStream[fw.Frame] = AsyncStream(
-            reader, writer, fw.FrontendDecoder(), frame_deadline_s=self.options.frame_deadline_s,
-            read_chunk=65536,
-        )
-        conn = _Conn(writer, stream.peer)
-        self._conns.add(conn)
-        try:
-            while not conn.closed:
-                if not self._on_frame(conn, await stream.recv()):
-                    return
-        except FrameTimeout as exc:
-            log.warning("frontend link: %s; closed", exc)
-        except fw.FrontendProtocolError as exc:
-            log.warning("frontend link: closing %s: it sent bad bytes (%s)", conn.peer, exc)
-            conn.write(fw.Error(0, fw.ErrorCode.BAD_REQUEST, f"protocol error: {exc}"))
-        except (ConnectionError, ssl.SSLError):  # StreamClosed included: the client left
-            pass
-        finally:
-            self._drop_conn(conn)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    def _on_frame(self, conn: _Conn, frame: fw.Frame) -> bool:
-        """Handle one client frame; False closes the connection."""
-        if isinstance(frame, fw.Generate):
-            self._on_generate(conn, frame)
-        elif isinstance(frame, fw.Cancel):
-            req = conn.requests.get(frame.request_id)
-            if req is not None:
-                req.cancelled = True
-        elif isinstance(frame, fw.StatusReq):
-            conn.write(self.status(frame.request_id))
-        else:
-            log.warning("frontend client %s sent %s, which only the leader sends; closing",
-                        conn.peer, frame.TYPE.name)
-            conn.write(fw.Error(frame.request_id, fw.ErrorCode.BAD_REQUEST,
-                                f"unexpected {frame.TYPE.name} from a client"))
-            return False
-        return True
-
-    def _refuse(self, conn: _Conn, request_id: int, code: fw.ErrorCode, message: str) -> None:
-        self.metrics.requests.labels(code.name.lower()).inc()
-        conn.write(fw.Error(request_id, code, message))
-
-    def _on_generate(self, conn: _Conn, g: fw.Generate) -> None:
-        o = self.options
-        rid = g.request_id
-        bad = fw.ErrorCode.BAD_REQUEST
-        if rid in conn.requests:
-            return self._refuse(conn, rid, bad, f"request id {rid} is in use on this connection")
-        if g.max_tokens < 1:
-            return self._refuse(conn, rid, bad, f"max_tokens must be >= 1, got {g.max_tokens}")
-        if not 0.0 <= g.temperature <= 100.0:
-            return self._refuse(conn, rid, bad, f"temperature must be in [0, 100], got "
-                                                f"{g.temperature}")
-        if not 0.0 < g.top_p <= 1.0:
-            return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
-        prompt = [int(t) for t in encode_text(g.prompt, bos=True)]
-        if len(prompt) > self.identity.ctx_size:
-            return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
-                                                f"than the context of {self.identity.ctx_size}")
-        if self._stopping.is_set():
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the leader is shutting down")
-        if not self.worker_connected:
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the tensor-parallel worker is not connected; the leader waits "
-                                "for it to reconnect")
-        if self._inflight >= o.max_sessions + o.queue_size:
-            return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
-                                f"{self._inflight} generations in flight ({o.max_sessions} "
-                                f"running and {o.queue_size} waiting at most)")
-        req = _Request(conn, g, prompt)
-        conn.requests[rid] = req
-        self._inflight += 1
-        self._inbox.put(req)
-
-    def _deliver(self, batch: list[tuple[_Request, fw.Frame]]) -> None:
-        """Frames posted by the engine thread, in order (loop side)."""
-        for req, frame in batch:
-            if req.closed:
-                continue
-            if isinstance(frame, fw.Done | fw.Error):
-                self._end(req, frame)
-            req.conn.write(frame)
-
-    def _end(self, req: _Request, frame: fw.Done | fw.Error | None) -> None:
-        """The request is over for the client (loop side; exactly once per request)."""
-        req.closed = True
-        req.conn.requests.pop(req.frame.request_id, None)
-        self._inflight -= 1
-        if isinstance(frame, fw.Done):
-            self.requests_served += 1
-            self.metrics.requests.labels(frame.reason.name.lower()).inc()
-        elif isinstance(frame, fw.Error):
-            self.metrics.requests.labels(fw.ErrorCode(frame.code).name.lower()).inc()
-        else:
-            self.metrics.requests.labels("cancelled").inc()
-
-    def _fail_inflight(self, message: str) -> None:
-        """Every request in flight ends with UNAVAILABLE (loop side)."""
-        for conn in list(self._conns):
-            for req in list(conn.requests.values()):
-                frame = fw.Error(req.frame.request_id, fw.ErrorCode.UNAVAILABLE, message)
-                self._end(req, frame)
-                conn.write(frame)
-
-    def _drop_conn(self, conn: _Conn) -> None:
-        conn.closed = True
-        self._conns.discard(conn)
-        for req in list(conn.requests.values()):
-            req.cancelled = True
-            self._end(req, None)
 
     # -- the engine thread ---------------------------------------------------------------
 
@@ -575,7 +402,7 @@ class Leader:
         pair.lost = "the worker closed the control connection"
         self.worker_connected = False
         message = f"tensor-parallel worker lost: {pair.lost}; the leader waits for it to reconnect"
-        self._call_on_loop(self._fail_inflight, message)
+        self._call_on_loop(self._frontend_server.fail_inflight, message)
 
     def _lose_pair(self, exc: BaseException) -> None:
         kind = _failure_kind(exc)
@@ -583,7 +410,7 @@ class Leader:
         self.worker_connected = False
         message = f"tensor-parallel worker lost: {exc}; the leader waits for it to reconnect"
         log.warning("pair lost (%s): %s", kind, exc)
-        self._call_on_loop(self._fail_inflight, message)
+        self._call_on_loop(self._frontend_server.fail_inflight, message)
         self._outbox.clear()
         self._remember_sessions()
         self._drop_all()
@@ -669,7 +496,7 @@ class Leader:
         finally:
             self._flush()
 
-    def _run_pass(self) -> list[_Request]:
+    def _run_pass(self) -> list[Request]:
         """One model pass (``policy.plan_pass``); the requests that got tokens."""
         decoding = list(self._decoding)
         drafts = self._drafts(decoding[0]) if len(decoding) == 1 and not self._prefills else []
@@ -790,7 +617,7 @@ class Leader:
     def _resync_yields(self) -> bool:
         return self._stopping.is_set() or not self._inbox.empty()
 
-    def _prefill_alone(self, req: _Request) -> None:
+    def _prefill_alone(self, req: Request) -> None:
         meet = self._checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
         full = self._command(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
         if full is None:
@@ -831,7 +658,7 @@ class Leader:
 
         return meet
 
-    def _mixed(self, prefill: _Request, decoding: list[_Request]) -> None:
+    def _mixed(self, prefill: Request, decoding: list[Request]) -> None:
         s = prefill.session
         assert s is not None
         end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
@@ -847,18 +674,18 @@ class Leader:
             self._decoding.append(prefill)
             self._sample(prefill, full[0])
 
-    def _eval(self, req: _Request) -> None:
+    def _eval(self, req: Request) -> None:
         full = self._rows(Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token))
         self._hook(req, full)
         self._sample(req, full[0])
 
-    def _eval_batch(self, decoding: list[_Request]) -> None:
+    def _eval_batch(self, decoding: list[Request]) -> None:
         full = self._rows(EvalBatch(items=tuple(BatchItem(r.sid, r.next_token) for r in decoding)))
         for i, req in enumerate(decoding):
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
 
-    def _drafts(self, req: _Request) -> list[int]:
+    def _drafts(self, req: Request) -> list[int]:
         """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
         s = req.session
         assert s is not None
@@ -867,7 +694,7 @@ class Leader:
         limit = min(self.options.max_draft, s.free - 1, req.frame.max_tokens - req.generated - 1)
         return propose_drafts([*s.tokens, req.next_token], limit)
 
-    def _verify(self, req: _Request, drafts: list[int]) -> None:
+    def _verify(self, req: Request, drafts: list[int]) -> None:
         """Verify a drafted block for a greedy request, commit what was accepted."""
         s = req.session
         assert s is not None
@@ -934,17 +761,17 @@ class Leader:
                             f"{self._worker_vocab}")
         return np.concatenate([mine, half.reshape(rows, self._worker_vocab)], axis=1)
 
-    def _hook(self, req: _Request, rows: F32) -> None:
+    def _hook(self, req: Request, rows: F32) -> None:
         if self.logits_hook is not None:
             self.logits_hook(req.frame.request_id, rows)
 
-    def _sample(self, req: _Request, row: F32) -> None:
+    def _sample(self, req: Request, row: F32) -> None:
         g = req.frame
         assert req.session is not None
         token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None)
         self._accept(req, token, req.session.pos)
 
-    def _accept(self, req: _Request, token: int, pos: int) -> bool:
+    def _accept(self, req: Request, token: int, pos: int) -> bool:
         """Emit one generated token at position ``pos``; False when the request ended."""
         assert req.session is not None
         req.generated += 1
@@ -967,11 +794,11 @@ class Leader:
         req.next_token = token
         return True
 
-    def _done(self, req: _Request, reason: fw.DoneReason) -> fw.Done:
+    def _done(self, req: Request, reason: fw.DoneReason) -> fw.Done:
         return fw.Done(req.frame.request_id, reason, len(req.prompt), req.generated,
                        time.monotonic() - req.t0)
 
-    def _finish(self, req: _Request, reason: fw.DoneReason) -> None:
+    def _finish(self, req: Request, reason: fw.DoneReason) -> None:
         self._post(req, self._done(req, reason))
         if req in self._decoding:
             self._decoding.remove(req)
@@ -994,15 +821,15 @@ class Leader:
             )
         self.metrics.hash_checks.labels("match").inc()
 
-    def _post(self, req: _Request, frame: fw.Frame) -> None:
+    def _post(self, req: Request, frame: fw.Frame) -> None:
         self._outbox.append((req, frame))
 
     def _flush(self) -> None:
         if self._outbox:
             batch, self._outbox = self._outbox, []
-            self._call_on_loop(self._deliver, batch)
+            self._call_on_loop(self._frontend_server.deliver, batch)
 
-    def _account(self, touched: list[_Request], seconds: float) -> None:
+    def _account(self, touched: list[Request], seconds: float) -> None:
         m = self.metrics
         for req in touched:
             if req.step_tokens:
