@@ -40,6 +40,7 @@ from foundry.tp.lockstep import (
     RankState,
     Reply,
     TracingExchange,
+    failure_kind,
 )
 from foundry.tp.policy import (
     Pass,
@@ -702,10 +703,4 @@ def _failure_kind(exc: BaseException) -> str:
         return "hangup"
     if isinstance(exc, HashMismatch):
         return "hash"
-    if isinstance(exc, GateError):
-        return "gate"
-    if isinstance(exc, TpProtocolError):
-        return "protocol"
-    if isinstance(exc, LockstepError):
-        return "lockstep"
-    return "control"
+    return failure_kind(exc)

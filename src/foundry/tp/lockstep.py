@@ -58,6 +58,7 @@ import numpy.typing as npt
 from foundry.model.inference import Engine, Session
 from foundry.model.tp_split import Gate
 from foundry.tp.policy import common_prefix
+from foundry.transport.gates import GateError
 from foundry.wire.tp import (
     DS4_TP_BATCH_MAX_ROWS,
     GATE_HEADER_SIZE,
@@ -65,6 +66,7 @@ from foundry.wire.tp import (
     Eval,
     FrameType,
     Sync,
+    TpProtocolError,
     VerifyCommitMode,
 )
 
@@ -339,3 +341,14 @@ COMMANDS: Mapping[FrameType, Command] = MappingProxyType({
     FrameType.REWIND: Command(lambda st, f, _: st.rewind(f.session_id, f.pos), Reply.NONE),
     FrameType.INVALIDATE: Command(lambda st, f, _: st.invalidate(f.session_id), Reply.NONE),
 })  # fmt: skip
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The ``kind`` label of a pair failure in both ranks' failure metric."""
+    if isinstance(exc, GateError):
+        return "gate"
+    if isinstance(exc, TpProtocolError):
+        return "protocol"
+    if isinstance(exc, LockstepError):
+        return "lockstep"
+    return "control"

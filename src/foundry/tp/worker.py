@@ -44,6 +44,7 @@ from foundry.tp.lockstep import (
     RankState,
     Reply,
     TracingExchange,
+    failure_kind,
 )
 from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
@@ -237,7 +238,7 @@ class Worker:
                 sent, received = link.bytes_sent, link.bytes_received
         except PAIR_FAILURES as exc:
             if not self._stop.is_set():
-                kind = _failure_kind(exc)
+                kind = failure_kind(exc)
                 self.metrics.failures.labels(kind).inc()
                 log.warning("pair with the leader lost (%s): %s; dialing again", kind, exc)
             return False
@@ -321,14 +322,3 @@ class Worker:
             if n > self._kept[phase]:
                 m.tokens.labels(phase).inc(n - self._kept[phase])
         self._kept = dict(self.state.kept)
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, GateError):
-        return "gate"
-    if isinstance(exc, TpProtocolError):
-        return "protocol"
-    if isinstance(exc, LockstepError):
-        return "lockstep"
-    return "control"
-
