@@ -19,7 +19,7 @@
    Q8_0 >= 2.5x, Q4_0 >= 3.5x f32. With ``--llama-cpp``, ``llama-bench -t 1`` decodes the same
    files between the rounds (after as many tokens of context as ours); target Q8_0 >= 0.9x.
 
-Both run after ``transformer.retain_freed_memory()`` (as a training process should), which
+Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
 ``--default-malloc`` measures without it.
 """
@@ -50,6 +50,7 @@ from foundry.model.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.optim import AdamW, clip_grad_norm
 from foundry.model.tp_split import SplitKind, rule_for
+from foundry.runtime import retain_freed_memory
 
 TARGET_RATIO = 0.7
 # Decode tokens/s of each stored type over f32's, same run (issue 16's targets), and over
@@ -310,7 +311,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
     ap.add_argument("--default-malloc", action="store_true",
-                    help="leave malloc as it is instead of T.retain_freed_memory()")
+                    help="leave malloc as it is instead of retain_freed_memory()")
     ap.add_argument("--decode-only", action="store_true", help="skip the training benchmark")
     ap.add_argument("--types", default="f16,q8_0,q4_0",
                     help="stored types to decode against f32 (q4_k_m needs --llama-cpp)")
@@ -322,7 +323,7 @@ def main() -> None:
                          "with llama-quantize and measure llama.cpp on the same files")
     ap.add_argument("--cores", default=None, help="pin to these cores (e.g. 2)")
     args = ap.parse_args()
-    retained = not args.default_malloc and T.retain_freed_memory()
+    retained = not args.default_malloc and retain_freed_memory()
     print(f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
           f"(process-wide, applies to numpy and torch alike)")
     if args.cores:

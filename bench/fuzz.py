@@ -75,6 +75,7 @@ import live
 from foundry.model.config import ModelConfig
 from foundry.model.data import load_corpus
 from foundry.model.gguf_io import load_gguf
+from foundry.swarm.model_config import model_config_msg
 from foundry.tp.handshake import identity_for
 from foundry.wire import fdtc, tp
 from foundry.wire import frontend as fw
@@ -281,7 +282,7 @@ class FdtcFrames:
                 global_step=step, sample_offset=r.randrange(1 << 32), batch_size=8,
                 accumulation_steps=8, assigned_shard=0, total_shards=1, seq_len=64,
                 n_samples=r.randrange(1, 64)),
-            "MODEL_CONFIG": lambda: fdtc.ModelConfigMsg.from_config(self.cfg, r.random()),
+            "MODEL_CONFIG": lambda: model_config_msg(self.cfg, r.random()),
             "DATASET": lambda: self.dataset if r.random() < 0.5 else fdtc.Dataset(
                 n_tokens=r.randrange(1 << 32), sha256=r.randbytes(32)),
             "SWARM_STATUS": lambda: fdtc.SwarmStatus(
@@ -316,7 +317,7 @@ def fdtc_verdict(data: bytes) -> tuple[Ending, list[fdtc.Message]]:
     dec.feed(data)
     msgs: list[fdtc.Message] = []
     try:
-        while (m := dec.next_message()) is not None:
+        while (m := dec.next_event()) is not None:
             msgs.append(m)
     except fdtc.FdtcProtocolError:
         return Ending.CLOSE, msgs
@@ -366,7 +367,7 @@ class FdtcAnswers(Answers):
             return
         try:
             self.dec.feed(data)
-            while (m := self.dec.next_message()) is not None:
+            while (m := self.dec.next_event()) is not None:
                 if isinstance(m, fdtc.Error):
                     self.errors += 1
                 elif self.counts(m):
@@ -541,7 +542,7 @@ class FrontendAnswers(Answers):
             return
         try:
             self.dec.feed(data)
-            while (frame := self.dec.next_frame()) is not None:
+            while (frame := self.dec.next_event()) is not None:
                 if isinstance(frame, fw.Error) and frame.code == fw.ErrorCode.BAD_REQUEST:
                     self.errors += 1
                 elif isinstance(frame, fw.Status) and frame.request_id == PROBE_ID:
@@ -579,7 +580,7 @@ class FrontendTarget(Target):
         dec.feed(data)
         frames: list[fw.Frame] = []
         try:
-            while (f := dec.next_frame()) is not None:
+            while (f := dec.next_event()) is not None:
                 frames.append(f)
         except fw.FrontendProtocolError:
             return Ending.CLOSE, frames
@@ -678,7 +679,7 @@ class TpWorkerPortTarget(Target):
             dec = tp.TpDecoder(expect_hello=True)
             dec.feed(data)
             try:
-                hello = dec.next_frame()
+                hello = dec.next_event()
             except tp.TpProtocolError:
                 hello, ending = None, Ending.CLOSE
             else:

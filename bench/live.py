@@ -161,7 +161,7 @@ def admin_request(port: int, msg: fdtc.Message, timeout_s: float = 10.0) -> fdtc
             if not data:
                 break
             dec.feed(data)
-            got = dec.next_message()
+            got = dec.next_event()
             if got is not None:
                 return got
     raise ServiceError(f"admin link {HOST}:{port} closed or went silent without an answer")
@@ -219,7 +219,7 @@ class FrontendClient:
             return None
         self.decoder.feed(data)
         out = []
-        while (frame := self.decoder.next_frame()) is not None:
+        while (frame := self.decoder.next_event()) is not None:
             out.append(frame)
         return out
 

@@ -39,7 +39,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.training import Trainer, TrainSettings
-from foundry.model.transformer import init_params, retain_freed_memory
+from foundry.model.transformer import init_params
+from foundry.runtime import retain_freed_memory
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -85,7 +86,7 @@ def admin_status(port: int) -> fdtc.SwarmStatus:
             if not data:
                 raise SystemExit("admin link closed")
             dec.feed(data)
-            msg = dec.next_message()
+            msg = dec.next_event()
             if msg is not None:
                 assert isinstance(msg, fdtc.SwarmStatus)
                 return msg

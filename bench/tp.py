@@ -71,13 +71,13 @@ from foundry.model.data import encode
 from foundry.model.gguf_io import FILE_DTYPES, FileDType, load_gguf, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.policy import SpecMode
 from foundry.tp.worker import Worker, WorkerOptions
 from foundry.wire import frontend as fw
-from foundry.wire.tp import GATE_HEADER_SIZE, Gate
+from foundry.wire.tp import GATE_HEADER_SIZE
 
 SPEEDUP_TARGET = 1.6
 LINK_TARGET = 1.4  # the pair over a 1 Gb/s shaped link, against the one process
@@ -366,7 +366,7 @@ def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
                 raise SystemExit("the leader closed the frontend link")
             now = time.perf_counter()
             decoder.feed(data)
-            while (frame := decoder.next_frame()) is not None:
+            while (frame := decoder.next_event()) is not None:
                 if isinstance(frame, fw.Token):
                     tokens.append(frame.token)
                     times.append(now)

@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
+from foundry.model.tp_split import Gate
 from foundry.transport.gates import GateExchange, ShmGateExchange, TcpGateExchange
-from foundry.wire.tp import Gate
 
 N_EMBD = 1024
 SIZES = {"4 KiB": 1, "16 KiB": 4}  # rows of N_EMBD float32

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from foundry.model.config import PRESETS, ModelConfig
+from foundry.swarm.model_config import config_of, model_config_msg
 from foundry.wire.errors import (
     FdtcProtocolError,
     LocalProtocolError,
@@ -358,9 +359,9 @@ def test_msg_type_name() -> None:
 def test_decoder_whole_stream() -> None:
     d = FdtcDecoder()
     d.feed(STREAM)
-    assert list(d.messages()) == MESSAGES
+    assert list(d.events()) == MESSAGES
     assert d.buffered == 0
-    assert d.next_message() is None
+    assert d.next_event() is None
 
 
 def test_decoder_one_byte_at_a_time() -> None:
@@ -368,7 +369,7 @@ def test_decoder_one_byte_at_a_time() -> None:
     got: list[Message] = []
     for i in range(len(STREAM)):
         d.feed(STREAM[i : i + 1])
-        got.extend(d.messages())
+        got.extend(d.events())
         assert d.buffered <= 9 + MAX_PAYLOAD
     assert got == MESSAGES
     assert d.buffered == 0
@@ -380,7 +381,7 @@ def test_decoder_chunks(chunk: int) -> None:
     got: list[Message] = []
     for i in range(0, len(STREAM), chunk):
         d.feed(memoryview(STREAM)[i : i + chunk])
-        got.extend(d.messages())
+        got.extend(d.events())
     assert got == MESSAGES
 
 
@@ -388,11 +389,11 @@ def test_trailing_partial_frame_stays_buffered() -> None:
     heartbeat = GOLDEN[3][1]
     d = FdtcDecoder()
     d.feed(STREAM + heartbeat[:20])
-    assert list(d.messages()) == MESSAGES
-    assert d.next_message() is None
+    assert list(d.events()) == MESSAGES
+    assert d.next_event() is None
     assert d.buffered == 20
     d.feed(heartbeat[20:])
-    assert d.next_message() == GOLDEN[3][0]
+    assert d.next_event() == GOLDEN[3][0]
     assert d.buffered == 0
 
 
@@ -419,14 +420,14 @@ def test_bad_header_rejected_at_ninth_byte_before_buffering(header: str, problem
     d = FdtcDecoder()
     for i in range(8):
         d.feed(raw[i : i + 1])
-        assert d.next_message() is None
+        assert d.next_event() is None
     d.feed(raw[8:] + bytes(300))  # the payload bytes in the same chunk are never kept
     assert d.buffered == 0
     assert d.closed
     with pytest.raises(FdtcProtocolError, match=problem):
-        d.next_message()
+        d.next_event()
     with pytest.raises(FdtcProtocolError):  # terminal: keeps raising
-        d.next_message()
+        d.next_event()
     with pytest.raises(FdtcProtocolError, match="closed"):
         d.feed(b"more")
 
@@ -434,9 +435,9 @@ def test_bad_header_rejected_at_ninth_byte_before_buffering(header: str, problem
 def test_messages_before_bad_bytes_come_out_first() -> None:
     d = FdtcDecoder()
     d.feed(GOLDEN[3][1] + hexb("43544446 7f 00000000"))
-    assert d.next_message() == GOLDEN[3][0]
+    assert d.next_event() == GOLDEN[3][0]
     with pytest.raises(FdtcProtocolError) as exc:
-        d.next_message()
+        d.next_event()
     assert exc.value.error_code == ErrorCode.BAD_FRAME
     assert isinstance(exc.value, RemoteProtocolError)
     assert isinstance(exc.value, ProtocolError)
@@ -445,10 +446,10 @@ def test_messages_before_bad_bytes_come_out_first() -> None:
 def test_per_decoder_payload_limit() -> None:
     d = FdtcDecoder(max_payload=100)
     d.feed(hexb("43544446 21 64000000") + bytes(100))
-    assert d.next_message() == Weights(bytes(100))
+    assert d.next_event() == Weights(bytes(100))
     d.feed(hexb("43544446 21 65000000"))
     with pytest.raises(FdtcProtocolError, match="101 bytes exceeds the limit of 100") as exc:
-        d.next_message()
+        d.next_event()
     assert exc.value.error_code == ErrorCode.BUSY
     with pytest.raises(LocalProtocolError):
         FdtcDecoder(max_payload=MAX_PAYLOAD + 1)
@@ -492,7 +493,7 @@ def test_bad_payload_values_are_the_peers_error(frame: bytes, problem: str) -> N
     d = FdtcDecoder()
     d.feed(frame)
     with pytest.raises(FdtcProtocolError, match=problem):
-        d.next_message()
+        d.next_event()
     assert d.buffered == 0
 
 
@@ -505,7 +506,7 @@ def test_64mib_weights_in_64kib_chunks_is_linear_and_not_copied_out() -> None:
     for _ in range(n // len(chunk)):
         d.feed(chunk)
         assert d.buffered <= 9 + n
-    msg = d.next_message()
+    msg = d.next_event()
     elapsed = time.perf_counter() - t0
     assert isinstance(msg, Weights)
     assert len(msg.data) == n
@@ -629,20 +630,20 @@ def test_buffers_are_normalised_to_flat_read_only_bytes() -> None:
 
 def test_model_config_round_trip_and_coverage() -> None:
     for cfg in PRESETS.values():
-        msg = ModelConfigMsg.from_config(cfg, aux_loss_coef=0.01)
+        msg = model_config_msg(cfg, aux_loss_coef=0.01)
         back = decode(encode(msg))
         assert isinstance(back, ModelConfigMsg)
-        assert back.to_config() == cfg  # norm_eps 1e-5 survives f32 exactly as written
+        assert config_of(back) == cfg  # norm_eps 1e-5 survives f32 exactly as written
         assert back.aux_loss_coef == 0.01
     carried = {f.name for f in fields(ModelConfigMsg)}
     assert {f.name for f in fields(ModelConfig)} <= carried, "MODEL_CONFIG must carry every field"
 
 
 def test_impossible_model_config_is_a_protocol_error() -> None:
-    good = ModelConfigMsg.from_config(ModelConfig())
+    good = model_config_msg(ModelConfig())
     bad = ModelConfigMsg(**{**{f.name: getattr(good, f.name) for f in fields(good)}, "n_head": 3})
     with pytest.raises(FdtcProtocolError, match="no valid model") as exc:
-        bad.to_config()
+        config_of(bad)
     assert exc.value.error_code == ErrorCode.MODEL_MISMATCH
 
 
@@ -753,7 +754,7 @@ def test_any_bytes_give_messages_or_a_clean_error(data: bytes, cuts: list[int]) 
         try:
             d.feed(piece)
             assert d.buffered <= 9 + _MAX
-            for msg in d.messages():
+            for msg in d.events():
                 assert isinstance(msg, Message)
         except FdtcProtocolError:
             assert d.closed and d.buffered == 0

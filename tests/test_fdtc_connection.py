@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import (
     Assign,
+    Checkpoint,
     Compression,
     ControlAck,
     Dataset,
@@ -30,11 +31,14 @@ from foundry.wire.fdtc import (
     Pause,
     Register,
     RegisterAck,
+    Resume,
     Shutdown,
     Start,
+    Status,
     StatusReq,
     SwarmState,
     SwarmStatus,
+    Sync,
     TensorMeta,
     Weights,
     WeightsMeta,
@@ -252,3 +256,29 @@ def test_crossing_directions_never_break_the_tables(data: st.DataObject) -> None
     assert sides == {Role.COORDINATOR: [], Role.WORKER: []}
     assert conns[Role.WORKER].state is LinkState.CLOSED
     assert conns[Role.COORDINATOR].state is LinkState.CLOSED
+
+
+def test_the_seed_only_sequence_of_protocol_md() -> None:
+    """docs/protocol.md "A seed-only worker, from REGISTER to SHUTDOWN", through both ends."""
+    worker, coord = FdtcConnection(Role.WORKER), FdtcConnection(Role.COORDINATOR)
+    pass_bytes(worker.send(_register()), coord)
+    pass_bytes(coord.send(_ack()), worker)
+    pass_bytes(worker.send(WeightsReq()), coord)
+    pass_bytes(coord.send(_meta(), _weights(), Start()), worker)
+    for _ in range(2):
+        pass_bytes(worker.send(_gradients()), coord)
+        pass_bytes(coord.send(GradientsAck(1, True), Sync()), worker)
+        pass_bytes(worker.send(WeightsReq(), Heartbeat("w1", 1, 1.0, 0.0)), coord)
+        pass_bytes(coord.send(HeartbeatAck(1), _meta(), _weights()), worker)
+    pass_bytes(coord.send(Pause(), Resume(), Checkpoint(), StatusReq()), worker)
+    pass_bytes(worker.send(Status("w1", 1, 8, 1.0, 1.0, 1.0, 1, True)), coord)
+    pass_bytes(coord.send(Checkpoint(), Shutdown()), worker)
+    pass_bytes(worker.send(Deregister()), coord)
+    assert worker.state is LinkState.CLOSED and coord.state is LinkState.CLOSED
+    # A worker that registers after the end is told SHUTDOWN at once.
+    worker, coord = FdtcConnection(Role.WORKER), FdtcConnection(Role.COORDINATOR)
+    pass_bytes(worker.send(_register()), coord)
+    assert [type(m) for m in pass_bytes(coord.send(_ack(), Shutdown()), worker)] == [
+        RegisterAck, Shutdown,
+    ]
+    assert worker.state is LinkState.STOPPING

@@ -64,14 +64,14 @@ def test_round_trip_whole_and_byte_by_byte(frame: Frame) -> None:
     data = encode(frame)
     dec = FrontendDecoder()
     dec.feed(data + encode(Cancel(99))[:5])  # trailing partial frame stays buffered
-    assert dec.next_frame() == frame
-    assert dec.next_frame() is None
+    assert dec.next_event() == frame
+    assert dec.next_event() is None
     assert dec.buffered == 5
     one = FrontendDecoder()
     got = []
     for b in data:
         one.feed(bytes([b]))
-        f = one.next_frame()
+        f = one.next_event()
         if f is not None:
             got.append(f)
     assert got == [frame]
@@ -86,7 +86,7 @@ def test_bad_magic_type_and_length_fail_after_the_header() -> None:
         dec = FrontendDecoder()
         dec.feed(header)
         with pytest.raises(FrontendProtocolError, match=words):
-            dec.next_frame()
+            dec.next_event()
         with pytest.raises(FrontendProtocolError):
             dec.feed(b"more")  # terminal after an error
 
@@ -97,7 +97,7 @@ def test_malformed_payloads_are_protocol_errors() -> None:
     dec = FrontendDecoder()
     dec.feed(bad)
     with pytest.raises(FrontendProtocolError, match="prompt"):
-        dec.next_frame()
+        dec.next_event()
 
 
 @settings(max_examples=300, deadline=None)
@@ -106,7 +106,7 @@ def test_any_bytes_give_frames_or_a_protocol_error(data: bytes) -> None:
     dec = FrontendDecoder(max_payload=64)
     try:
         dec.feed(data)
-        while dec.next_frame() is not None:
+        while dec.next_event() is not None:
             pass
     except FrontendProtocolError:
         return

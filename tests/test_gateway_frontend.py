@@ -257,7 +257,7 @@ class StandInLeader:
         try:
             while data := await reader.read(65536):
                 decoder.feed(data)
-                while (frame := decoder.next_frame()) is not None:
+                while (frame := decoder.next_event()) is not None:
                     if isinstance(frame, fw.StatusReq):
                         asked.put_nowait(self.status_delay_s)
                     elif isinstance(frame, fw.Generate):

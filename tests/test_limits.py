@@ -159,7 +159,7 @@ def test_trickling_peers_are_cut_at_the_frame_deadline(
     # Still serving.
     decoder = fdtc.FdtcDecoder()
     decoder.feed(served(admin, fdtc.encode(fdtc.StatusReq())))
-    assert isinstance(decoder.next_message(), fdtc.SwarmStatus)
+    assert isinstance(decoder.next_event(), fdtc.SwarmStatus)
     with Client(lead.frontend) as c:
         assert not c.status().worker_connected
 

@@ -15,7 +15,6 @@ from foundry.swarm.policy import (
     RoundDecision,
     RoundTracker,
     allocate_samples,
-    backoff_delay,
     contiguous_offsets,
     is_dead,
     liveness_timeout,
@@ -24,6 +23,7 @@ from foundry.swarm.policy import (
     update_rate,
     weighted_mean,
 )
+from foundry.transport.backoff import backoff_delay
 
 rates_st = st.dictionaries(
     st.text(alphabet="abcdefgh", min_size=1, max_size=4),

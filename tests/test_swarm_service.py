@@ -27,7 +27,7 @@ def admin(port: int, msg: fdtc.Message, timeout_s: float = 10.0) -> fdtc.Message
             data = s.recv(65536)
             assert data, "admin link closed without an answer"
             dec.feed(data)
-            got = dec.next_message()
+            got = dec.next_event()
             if got is not None:
                 return got
 

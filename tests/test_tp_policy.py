@@ -9,12 +9,14 @@ from hypothesis import strategies as st
 from foundry.model.data import decode, encode
 from foundry.tp.policy import (
     MAX_DRAFT,
+    Pass,
     SpecMode,
     TextStream,
     accepted_drafts,
     commit_plan,
     common_prefix,
     pick_kept_session,
+    plan_pass,
     propose_drafts,
 )
 from foundry.wire.tp import VerifyCommitMode
@@ -157,3 +159,13 @@ def test_the_kept_session_picked_holds_the_prompt_prefix_it_reuses(
     sid, reused = pick
     assert reused == min(best, len(prompt) - 1) < len(prompt)
     assert histories[sid - 1][:reused] == prompt[:reused]
+
+
+def test_plan_pass() -> None:
+    assert plan_pass(0, 0, 0) is Pass.IDLE
+    assert plan_pass(1, 0, 0) is Pass.PREFILL
+    assert plan_pass(2, 3, 0) is Pass.MIXED  # decoding never stalls behind a prompt
+    assert plan_pass(0, 1, 0) is Pass.EVAL
+    assert plan_pass(0, 1, 4) is Pass.VERIFY
+    assert plan_pass(0, 2, 0) is Pass.EVAL_BATCH
+    assert plan_pass(1, 1, 4) is Pass.MIXED  # a waiting prompt goes before speculation

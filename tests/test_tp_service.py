@@ -497,7 +497,7 @@ def test_a_worker_that_sends_garbage_after_the_hello_is_dropped(
         frames: list[object] = []
         while len(frames) < 2:
             decoder.feed(ctl.recv(4096))
-            while (f := decoder.next_frame()) is not None:
+            while (f := decoder.next_event()) is not None:
                 frames.append(f)
         ack = frames[1]
         assert isinstance(ack, CommandAck) and ack.status == 0 and ack.seq != 0

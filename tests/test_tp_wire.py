@@ -170,7 +170,7 @@ def decode_all(data: bytes, **kw: int | bool) -> list[tp.Frame]:
     decoder = TpDecoder(**kw)  # type: ignore[arg-type]
     decoder.feed(data)
     out = []
-    while (frame := decoder.next_frame()) is not None:
+    while (frame := decoder.next_event()) is not None:
         out.append(frame)
     assert decoder.buffered == 0
     return out
@@ -227,15 +227,15 @@ def test_decoder_whole_then_byte_by_byte_then_trailing() -> None:
     got: list[tp.Frame] = []
     for i in range(len(stream)):
         decoder.feed(stream[i : i + 1])
-        while (frame := decoder.next_frame()) is not None:
+        while (frame := decoder.next_event()) is not None:
             got.append(frame)
     assert got == expected
 
     trailing = encode(Eval(token=1))[:10]
     decoder = TpDecoder()
     decoder.feed(encode(Stop()) + trailing)
-    assert decoder.next_frame() == Stop()
-    assert decoder.next_frame() is None
+    assert decoder.next_event() == Stop()
+    assert decoder.next_event() is None
     assert decoder.buffered == len(trailing)
     with pytest.raises(TpProtocolError, match="closed in the middle"):
         decoder.feed_eof()
@@ -268,9 +268,9 @@ def test_bad_header_rejected_before_payload(data: bytes, message: str) -> None:
     decoder = TpDecoder()
     decoder.feed(data)
     with pytest.raises(TpProtocolError, match=message):
-        decoder.next_frame()
+        decoder.next_event()
     with pytest.raises(TpProtocolError, match="already failed"):
-        decoder.next_frame()
+        decoder.next_event()
     with pytest.raises(TpProtocolError, match="already failed"):
         decoder.feed(b"more")
 
@@ -280,7 +280,7 @@ def test_reserved_seed_frame_types_are_errors(code: FrameType) -> None:
     decoder = TpDecoder()
     decoder.feed(header(code, 0))
     with pytest.raises(TpProtocolError, match=f"{code.name} \\({code.value}\\) is not supported"):
-        decoder.next_frame()
+        decoder.next_event()
 
 
 @pytest.mark.parametrize(
@@ -300,7 +300,7 @@ def test_bad_payload_rejected(data: bytes, message: str) -> None:
     decoder = TpDecoder()
     decoder.feed(data)
     with pytest.raises(TpProtocolError, match=message):
-        decoder.next_frame()
+        decoder.next_event()
 
 
 def test_max_payload_is_enforced_from_the_identity() -> None:
@@ -312,31 +312,31 @@ def test_max_payload_is_enforced_from_the_identity() -> None:
     decoder = TpDecoder(limit)
     decoder.feed(header(FrameType.SYNC, limit + 4))
     with pytest.raises(TpProtocolError, match="exceeds the limit"):
-        decoder.next_frame()
+        decoder.next_event()
 
 
 def test_hello_must_come_first_and_versions_must_match() -> None:
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(encode(Stop()))
     with pytest.raises(TpProtocolError, match="expected the peer's hello first"):
-        decoder.next_frame()
+        decoder.next_event()
 
     # only the 8-byte prefix of a future version: the mismatch is reported at once
     future = tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 400)
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(future)
     with pytest.raises(VersionMismatch, match="speaks version 1, the peer speaks version 2"):
-        decoder.next_frame()
+        decoder.next_event()
 
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 1, 100))
     with pytest.raises(TpProtocolError, match="must be 168 bytes"):
-        decoder.next_frame()
+        decoder.next_event()
 
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(b"GET / HTTP/1.1\r\n")
     with pytest.raises(TpProtocolError, match="bad hello magic"):
-        decoder.next_frame()
+        decoder.next_event()
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_bad_hello_fields(offset: int, value: bytes, message: str) -> None:
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(data)
     with pytest.raises(TpProtocolError, match=message):
-        decoder.next_frame()
+        decoder.next_event()
 
 
 IDENTITY_FIELDS = [f.name for f in dataclasses.fields(Identity)]
@@ -530,7 +530,7 @@ def test_round_trip_in_random_chunks(frames: list[tp.ControlFrame], chunk: int) 
     got: list[tp.Frame] = []
     for i in range(0, len(stream), chunk):
         decoder.feed(stream[i : i + chunk])
-        while (frame := decoder.next_frame()) is not None:
+        while (frame := decoder.next_event()) is not None:
             got.append(frame)
     assert got == frames
     assert decoder.buffered == 0
@@ -550,7 +550,7 @@ def test_random_bytes_give_frames_or_a_clean_error(
         for i in range(0, len(data), 7):
             decoder.feed(data[i : i + 7])
             for _ in range(len(data) + 1):  # bounded: each frame consumes at least a header
-                if decoder.next_frame() is None:
+                if decoder.next_event() is None:
                     break
             assert decoder.buffered < tp.HELLO_SIZE + tp.FRAME_HEADER_SIZE + max_payload + 7
     except TpProtocolError:

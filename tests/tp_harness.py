@@ -240,7 +240,7 @@ class Client:
             return False
         self.decoder.feed(data)
         now = time.monotonic()
-        while (frame := self.decoder.next_frame()) is not None:
+        while (frame := self.decoder.next_event()) is not None:
             if isinstance(frame, fw.Status):
                 self.statuses.append(frame)
                 continue

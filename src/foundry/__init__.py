@@ -9,6 +9,10 @@ Subpackages, each named after a capability:
 - ``tp``: the tensor-parallel leader and worker.
 - ``gateway``: the gRPC gateway; ``api``: code generated from ``proto/``.
 - ``obs``: metrics and timelines.
+- ``up``: ``foundry up``, every service as a local process; ``commands``: the subcommands.
+- ``runtime``: process-wide settings of the training processes.
+
+Imports point down the layers of docs/architecture.md ("Layers"); tests/test_layers.py checks.
 """
 
 __version__ = "0.1.0"

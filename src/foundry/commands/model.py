@@ -128,7 +128,8 @@ def _train(args: argparse.Namespace) -> int:
         evaluate_loss,
         held_out_line,
     )
-    from foundry.model.transformer import init_params, retain_freed_memory
+    from foundry.model.transformer import init_params
+    from foundry.runtime import retain_freed_memory
 
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)

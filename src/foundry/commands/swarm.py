@@ -150,7 +150,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
-    from foundry.model.transformer import retain_freed_memory
+    from foundry.runtime import retain_freed_memory
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -243,7 +243,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.data import DataError, load_corpus
-    from foundry.model.transformer import retain_freed_memory
+    from foundry.runtime import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
 
     try:

@@ -43,7 +43,8 @@ from foundry.gateway.errors import (
     GatewayError,
     InvalidRequest,
 )
-from foundry.wire.errors import ProtocolError
+from foundry.transport.stream import AsyncStream
+from foundry.wire.errors import LocalProtocolError, ProtocolError
 from foundry.wire.frontend import (
     MAX_PAYLOAD,
     Cancel,
@@ -63,6 +64,9 @@ log = logging.getLogger("foundry.gateway.frontend")
 
 # Bytes asked of the socket per read: many token frames (about 20 bytes each) per wake-up.
 READ_CHUNK = 64 * 1024
+# A frame of the leader's, once begun, must be complete within this (the leader's own default
+# frame deadline): a leader stopped in mid-frame fails its generations instead of hanging them.
+FRAME_DEADLINE_S = 30.0
 MAX_REQUEST_ID = 0xFFFFFFFF
 # A stop string's length is a u16 on the frontend link.
 MAX_STOP_BYTES = 0xFFFF
@@ -255,7 +259,7 @@ class FrontendClient:
                 raise InvalidRequest(f"a stop string of {longest} bytes is longer than the "
                                      f"{MAX_STOP_BYTES} the frontend link carries")
             size = len(request.payload())
-        except ValueError as exc:  # UnicodeEncodeError included: a lone surrogate
+        except (LocalProtocolError, ValueError) as exc:  # ValueError: a lone surrogate
             raise InvalidRequest(str(exc)) from None
         if size > MAX_PAYLOAD:
             raise InvalidRequest(
@@ -321,7 +325,10 @@ class FrontendClient:
                 ) from None
             self._ever_connected = True
             link = _Link(writer)
-            link.reader_task = asyncio.create_task(self._read_loop(link, reader))
+            stream: AsyncStream[Frame] = AsyncStream(reader, writer, FrontendDecoder(),
+                                                     frame_deadline_s=FRAME_DEADLINE_S,
+                                                     read_chunk=READ_CHUNK)
+            link.reader_task = asyncio.create_task(self._read_loop(link, stream))
             self._link = link
             log.info("frontend link to %s open", self.address)
             return link
@@ -351,17 +358,11 @@ class FrontendClient:
             f"{exc or type(exc).__name__}; retry once the leader is back"
         )
 
-    async def _read_loop(self, link: _Link, reader: asyncio.StreamReader) -> None:
-        decoder = FrontendDecoder()
+    async def _read_loop(self, link: _Link, stream: AsyncStream[Frame]) -> None:
         try:
             while True:
-                data = await reader.read(READ_CHUNK)
-                if not data:
-                    raise ConnectionResetError("the leader closed the connection")
-                decoder.feed(data)
-                while (frame := decoder.next_frame()) is not None:
-                    self._dispatch(link, frame)
-        except (OSError, ConnectionError) as exc:
+                self._dispatch(link, await stream.recv())
+        except (OSError, ConnectionError) as exc:  # StreamClosed and FrameTimeout included
             log.warning("frontend link to %s lost: %s", self.address, exc)
             link.fail(self._broken(exc))
         except ProtocolError as exc:

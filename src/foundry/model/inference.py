@@ -44,12 +44,12 @@ from foundry.model.config import ModelConfig
 from foundry.model.quant import Param, QTensor, dequantize, embed, linear
 from foundry.model.tp_split import (
     ExpertSplit,
+    Gate,
     RankWeights,
     SplitError,
     check_splittable,
     rank_weights,
 )
-from foundry.wire.tp import Gate
 
 F32 = npt.NDArray[np.float32]
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +52,14 @@ from foundry.model.config import ConfigError, ModelConfig
 from foundry.model.quant import Param, QTensor
 
 F32 = npt.NDArray[np.float32]
+
+
+class Gate(IntEnum):
+    """The two sync points of a layer, where the ranks' partials are summed
+    (DS4_TP_GATE_ATTN / _FFN); the TP gate header carries the value."""
+
+    ATTN = 0
+    FFN = 1
 
 
 class SplitKind(Enum):

@@ -16,8 +16,6 @@ The loss is the mean cross-entropy plus ``aux_loss_coef`` times the load-balanci
 
 from __future__ import annotations
 
-import ctypes
-import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,29 +31,6 @@ INIT_STD = 0.02  # every weight matrix: N(0, 0.02^2), as GPT-2 and nanoGPT
 # Projections that write into the residual stream are scaled down by 1/sqrt(2 * n_layer), so
 # the residual's variance does not grow with depth (GPT-2).
 RESIDUAL_PROJECTIONS = ("attn_output.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
-
-
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit systems
-_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: keep up to 2 GiB of free heap top
-
-
-def retain_freed_memory() -> bool:
-    """Keep memory freed by one training step mapped for the next (glibc only, process-wide).
-
-    A step allocates and frees the same activations every time. glibc returns large freed
-    blocks to the OS (munmap, heap trimming), so the next step takes a page fault for every
-    4 KiB to get them back: on the "small" preset that is a third of the step time. Raising
-    malloc's mmap and trim thresholds keeps those pages in the process (the resident size stays
-    at its peak). Call once at the start of a long-running training process; returns whether
-    the setting took (False on other C libraries).
-    """
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-    return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> Params:

@@ -72,6 +72,7 @@ from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy, sync
+from foundry.swarm.model_config import model_config_msg
 from foundry.transport.fdtc_stream import (
     DEFAULT_FRAME_DEADLINE_S,
     FdtcStream,
@@ -515,7 +516,7 @@ class Coordinator:
         msgs: list[fdtc.Message] = [ack]
         if extended:
             msgs.append(
-                fdtc.ModelConfigMsg.from_config(self.opt.cfg, self.opt.settings.aux_loss_coef)
+                model_config_msg(self.opt.cfg, self.opt.settings.aux_loss_coef)
             )
             msgs.append(self._train_plan())
         await stream.send(*msgs)

@@ -38,7 +38,9 @@ from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
 from foundry.model.training import GradientResult, Params, compute_gradients
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
-from foundry.swarm import policy, sync
+from foundry.swarm import sync
+from foundry.swarm.model_config import config_of
+from foundry.transport.backoff import backoff_delay
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
@@ -122,7 +124,7 @@ class Worker:
                         "coordinator %s:%d unreachable: %s", self.opt.host, self.opt.port, exc
                     )
                     return 1
-                delay = policy.backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
+                delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
                 log.info(
                     "coordinator %s:%d unreachable (%s); retrying in %.1fs",
                     self.opt.host, self.opt.port, exc, delay,
@@ -159,7 +161,7 @@ class Worker:
                 return 0
             if self.cannot_train is not None:
                 return 2
-            await asyncio.sleep(policy.backoff_delay(0, rng=self._rng))
+            await asyncio.sleep(backoff_delay(0, rng=self._rng))
 
     async def _stop_compute(self) -> None:
         await cancel_and_wait(self._compute)
@@ -205,7 +207,7 @@ class Worker:
             raise fdtc.FdtcProtocolError(
                 f"expected MODEL_CONFIG, got {fdtc.msg_type_name(cfg_msg.TYPE)}"
             )
-        self.cfg = cfg_msg.to_config()
+        self.cfg = config_of(cfg_msg)
         self.aux_loss_coef = cfg_msg.aux_loss_coef
         plan = await stream.recv(idle_timeout_s=30.0)
         if not isinstance(plan, fdtc.TrainPlan):

@@ -1,5 +1,10 @@
 """The leader rank (rank 0): serves generations and mirrors every session command to the worker.
 
+This module wires the leader's jobs together, each in its own module: the frontend server
+(``tp.frontend_server``), bring-up and pairing (``tp.bringup``), the engine loop
+(``tp.engine``) with its pure pass planner (``tp.policy.plan_pass``) and the command table
+both ranks share (``tp.lockstep.COMMANDS``).
+
 Threads
 -------
 - **asyncio loop** (the caller's): the frontend link (``foundry.wire.frontend``), many client
@@ -23,7 +28,7 @@ Scheduling (one step of the engine thread)
    what a kept session holds (below) continues that session: REWIND both ranks to the shared
    prefix, and only the rest of the prompt is evaluated. Otherwise SESSION_CREATE, acknowledged
    by the worker.
-3. One model pass:
+3. One model pass (``policy.plan_pass``, a pure function of the queue lengths and the drafts):
    - a prefill with no session decoding: SYNC, in chunks of ``prefill_chunk`` tokens with a
      SYNC_CHECKPOINT before each, where a cancellation is agreed by both ranks;
    - a prefill while sessions decode: MIXED_BATCH, the next chunk of the prompt plus one token
@@ -57,112 +62,34 @@ the next turn of its conversation, then finds its context already evaluated.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import os
-import queue
-import secrets
-import select
-import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import numpy.typing as npt
-
-from foundry.model.config import EOS_ID
-from foundry.model.data import encode as encode_text
-from foundry.model.inference import Engine, Session
-from foundry.model.sampling import make_rng, sample
-from foundry.model.tp_split import ExpertSplit, rank_layout
+from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.handshake import (
-    ACK_ACCEPTED,
-    ACK_BUSY,
-    ACK_SHM_FAILED,
-    DEFAULT_EXPERT_SPLIT,
-    WORLD,
-    RankModel,
-    exchange_hellos,
-    load_rank,
-)
-from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
-from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
-from foundry.tp.policy import (
-    MAX_DRAFT,
-    SpecMode,
-    TextStream,
-    accepted_drafts,
-    commit_plan,
-    pick_kept_session,
-    propose_drafts,
-    worth_keeping,
-)
-from foundry.transport import tls as tls_mod
-from foundry.transport.gates import (
-    DEFAULT_GATE_TIMEOUT_S,
-    GateError,
-    GateExchange,
-    ShmGateExchange,
-    TcpGateExchange,
-    local_host_id,
-)
+from foundry.tp.bringup import BringUp
+from foundry.tp.engine import LeaderEngine, LogitsHook
+from foundry.tp.frontend_server import FrontendServer
+from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, RankModel, load_rank
+from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
+from foundry.tp.policy import MAX_DRAFT, SpecMode
+from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
 from foundry.transport.listener import Listener
 from foundry.wire import frontend as fw
-from foundry.wire.tp import (
-    BatchItem,
-    CommandAck,
-    Eval,
-    EvalBatch,
-    FrameType,
-    Gate,
-    GateTransport,
-    Hash,
-    Hello,
-    IdentityMismatch,
-    Logits,
-    MixedBatch,
-    Rewind,
-    Role,
-    SessionCreate,
-    SessionDestroy,
-    Stop,
-    Sync,
-    SyncCheckpoint,
-    TpDecoder,
-    TpProtocolError,
-    Verify,
-    VerifyCommit,
-    VersionMismatch,
-    negotiate_gate_transport,
-)
+from foundry.wire.tp import GateTransport
+
+__all__ = ["Leader", "LeaderOptions", "LogitsHook"]
 
 log = logging.getLogger("foundry.tp.leader")
 
-F32 = npt.NDArray[np.float32]
-# (request id, the full logits rows the leader sampled from in one step): a debug hook.
-LogitsHook = Callable[[int, F32], None]
-
-# Connections in the middle of their first bytes / hello at once; more are closed at once.
-MAX_HANDSHAKES = 4
 # Open frontend connections by default: the gateway needs one; room for a few replicas and
 # tools.
 MAX_FRONTEND_CONNECTIONS = 64
-# Bytes queued for a frontend client that does not read them: past this its connection is
-# closed (and its generations cancelled) rather than buffered without end. A token frame is
-# about 25 bytes, so this is some 150 000 tokens behind.
-MAX_CLIENT_BACKLOG = 4 << 20
-# The engine thread's longest sleep while idle: the delay before it notices a stop.
-IDLE_WAIT_S = 0.05
-# Gate latencies kept for diagnostics (Leader.gate_latencies).
-GATE_TRACE = 1 << 16
-# Pair failures end one pair, never the leader.
-PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError)
 
 
 @dataclass(frozen=True)
@@ -205,108 +132,6 @@ class LeaderOptions:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
 
 
-class PairLost(Exception):
-    """The watcher saw the worker hang up."""
-
-
-class SessionRefused(Exception):
-    """A session could not be opened (no memory on a rank); the pair itself is fine."""
-
-
-@dataclass
-class _History:
-    """The tokens of a session to open again on a new pair; ``sid`` once it is open there."""
-
-    tokens: list[int]
-    sid: int = 0
-
-
-class HashMismatch(LockstepError):
-    """The debug lockstep check found the ranks' states different."""
-
-
-@dataclass(eq=False)
-class _Conn:
-    """One frontend connection (loop side)."""
-
-    writer: asyncio.StreamWriter
-    peer: str
-    requests: dict[int, _Request] = field(default_factory=dict)
-    closed: bool = False
-
-    def write(self, frame: fw.Frame) -> None:
-        if self.closed or self.writer.is_closing():
-            return
-        self.writer.write(fw.encode(frame))
-        backlog = self.writer.transport.get_write_buffer_size()
-        if backlog > MAX_CLIENT_BACKLOG:
-            log.warning("frontend link: closing %s: it does not read what it asked for (%d "
-                        "bytes wait to be sent, the limit is %d)", self.peer, backlog,
-                        MAX_CLIENT_BACKLOG)
-            self.closed = True
-            self.writer.transport.abort()
-
-
-class _Request:
-    """A generation. ``cancelled`` and ``closed`` are written by the loop and read by the
-    engine thread; everything below them belongs to the engine thread."""
-
-    def __init__(self, conn: _Conn, frame: fw.Generate, prompt: list[int]) -> None:
-        self.conn = conn
-        self.frame = frame
-        self.prompt = prompt
-        self.t0 = time.monotonic()
-        self.cancelled = False  # CANCEL arrived, or the client went away
-        self.closed = False  # DONE or ERROR delivered: nothing more goes to the client
-        self.sid = 0
-        self.session: Session | None = None
-        self.generated = 0
-        self.next_token = -1  # sampled, not yet evaluated
-        self.stream = TextStream(frame.stop)
-        self.rng = make_rng(frame.seed)
-        self.step_tokens = 0
-
-    @property
-    def gone(self) -> bool:
-        return self.cancelled or self.closed
-
-
-class _Pair:
-    """A formed pair: the control link, the gate exchange, and the watcher's wake-up pipe."""
-
-    def __init__(self, link: ControlLink, gate: GateExchange, transport: GateTransport) -> None:
-        self.link = link
-        self.gate = gate
-        self.transport = transport
-        self.lost: str | None = None  # set by the watcher: the worker hung up
-        self._wake_r, self._wake_w = os.pipe()
-        self.watcher: threading.Thread | None = None
-
-    def watch(self, on_hangup: Callable[[_Pair], None]) -> None:
-        def run() -> None:
-            poller = select.poll()
-            poller.register(self.link.sock.fileno(), select.POLLRDHUP | select.POLLHUP)
-            poller.register(self._wake_r, select.POLLIN)
-            while True:
-                for fd, _ in poller.poll():
-                    if fd == self._wake_r:
-                        return
-                    on_hangup(self)
-                    return
-
-        self.watcher = threading.Thread(target=run, name="tp-pair-watcher", daemon=True)
-        self.watcher.start()
-
-    def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        if self.watcher is not None and self.watcher is not threading.current_thread():
-            self.watcher.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self.gate.close()
-        self.link.close()
-
-
 class Leader:
     """Rank 0 of a pair; see the module docstring. ``start`` binds, ``close`` tears down."""
 
@@ -323,55 +148,30 @@ class Leader:
         self.cfg = self.model.cfg
         self.metrics = metrics or TpMetrics()
         self.logits_hook = logits_hook
-        # Read at every step: adjustable while serving (the speculative benchmark switches it).
-        self.spec_mode = options.spec_mode
-        engine = Engine(self.cfg, self.model.weights, rank=0, world=WORLD)
-        self.state = RankState(engine, self.identity.ctx_size)
-        v0, v1 = rank_layout(self.cfg, 1, WORLD).vocab
-        self._worker_vocab = v1 - v0
-        self.port = 0
+        self.port = 0  # the worker port, once bound
         self.frontend_port = 0
-        # Shared between threads (single attribute reads and writes).
-        self.worker_connected = False
-        self.transport: GateTransport | None = None
-        self.tokens_generated = 0
-        self.requests_served = 0
-        self.running = 0  # generations admitted and not finished (the engine thread writes it)
-        self.drafted = 0
-        self.accepted = 0
-        self.crashed = False  # the engine thread died of a bug; the leader stops
         self._stopping = threading.Event()
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener: socket.socket | None = None
         self._frontend: asyncio.Server | None = None
         self._threads: list[threading.Thread] = []
-        # Loop side.
-        self._conns: set[_Conn] = set()
-        self._inflight = 0
-        # Engine thread side.
-        self._inbox: queue.Queue[_Request] = queue.Queue()
-        self._new_pairs: queue.Queue[_Pair] = queue.Queue()
-        self._pair: _Pair | None = None
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._prefills: collections.deque[_Request] = collections.deque()
-        self._decoding: list[_Request] = []
-        # Kept sessions, least recently used first, and the histories to re-sync on a new pair,
-        # most recently used first (see the module docstring).
-        self._kept_sessions: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._resync: collections.deque[_History] = collections.deque()
-        self._outbox: list[tuple[_Request, fw.Frame]] = []
-        self._next_sid = 1
-        self._kept = dict(self.state.kept)
-        self._link_bytes = (0, 0)
-        self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
-            maxlen=GATE_TRACE
+        # The engine thread: scheduler, the pair's commands, sampling.
+        self.engine = LeaderEngine(
+            options, self.model, self.metrics, logits_hook, self._stopping,
+            deliver=lambda batch: self._call_on_loop(self._frontend_server.deliver, batch),
+            fail_inflight=lambda why: self._call_on_loop(self._frontend_server.fail_inflight,
+                                                         why),
+            release=lambda: self._bringup.release(),
+            on_crash=self.request_stop,
         )
-        # Handshake threads.
-        self._claim_lock = threading.Lock()
-        self._claimed = False
-        self._gate_waiters: dict[int, queue.Queue[socket.socket]] = {}
-        self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        # The asyncio loop: the frontend link.
+        self._frontend_server = FrontendServer(
+            options, self.identity.ctx_size, self.metrics, self._stopping,
+            lambda: self.engine.worker_connected, self.status, self.engine.submit,
+        )
+        # The acceptor and handshake threads: the worker port.
+        self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
+                                self._stopping, self.engine.new_pair)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -379,16 +179,15 @@ class Leader:
         o = self.options
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        listener = socket.create_server((o.host, o.port), backlog=16)
-        listener.settimeout(0.25)
-        self._listener = listener
-        self.port = listener.getsockname()[1]
-        frontend = Listener("frontend link", self._serve_frontend, log=log, tls=o.tls,
+        self._bringup.start()
+        self.port = self._bringup.port
+        frontend = Listener("frontend link", self._frontend_server.serve, log=log, tls=o.tls,
                             max_connections=o.frontend_max_connections,
                             limit_flag="--frontend-max-connections")
         self._frontend = await frontend.start(o.frontend_host, o.frontend_port)
         self.frontend_port = frontend.port
-        for target, name in ((self._accept_loop, "tp-acceptor"), (self._engine_main, "tp-engine")):
+        for target, name in ((self._bringup.accept_loop, "tp-acceptor"),
+                             (self.engine.run, "tp-engine")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -408,35 +207,61 @@ class Leader:
             self._frontend.close()
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 10)
-        self._fail_inflight("the leader is shutting down")
-        for conn in list(self._conns):
-            conn.closed = True
-            conn.writer.close()
+        self._frontend_server.fail_inflight("the leader is shutting down")
+        self._frontend_server.close_all()
         if self._frontend is not None:
             await self._frontend.wait_closed()
-        if self._listener is not None:
-            self._listener.close()
+        self._bringup.close()
+
+    # -- what the engine thread knows, read from outside -----------------------------------
+
+    @property
+    def spec_mode(self) -> SpecMode:
+        """Read at every step: adjustable while serving (the speculative benchmark switches
+        it)."""
+        return self.engine.spec_mode
+
+    @spec_mode.setter
+    def spec_mode(self, mode: SpecMode) -> None:
+        self.engine.spec_mode = mode
+
+    @property
+    def worker_connected(self) -> bool:
+        return self.engine.worker_connected
+
+    @property
+    def crashed(self) -> bool:
+        """The engine thread died of a bug; the leader stops."""
+        return self.engine.crashed
+
+    @property
+    def drafted(self) -> int:
+        return self.engine.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.engine.accepted
 
     def gate_latencies(self) -> list[tuple[Gate, float]]:
         """The most recent gate exchanges (up to 65536), oldest first: gate and seconds."""
-        return list(self._gate_trace)
+        return self.engine.gate_latencies()
 
     def status(self, request_id: int = 0) -> fw.Status:
-        i = self.identity
+        i, e = self.identity, self.engine
         return fw.Status(
             request_id,
-            worker_connected=self.worker_connected,
-            shared_memory=self.worker_connected and self.transport is GateTransport.SHM,
-            active_sessions=self.running,
-            tokens_generated=self.tokens_generated,
+            worker_connected=e.worker_connected,
+            shared_memory=e.worker_connected and e.transport is GateTransport.SHM,
+            active_sessions=e.running,
+            tokens_generated=e.tokens_generated,
             n_layer=i.n_layer,
             n_embd=i.n_embd,
             n_vocab=i.n_vocab,
             ctx_size=i.ctx_size,
             model_bytes=i.gguf_bytes,
             model_id=i.model_id,
-            spec_acceptance=self.accepted / self.drafted if self.drafted else 0.0,
-            requests_served=self.requests_served,
+            spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
+            requests_served=self._frontend_server.requests_served,
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:
@@ -445,836 +270,3 @@ class Leader:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
             loop.call_soon_threadsafe(fn, *args)
-
-    # -- the frontend (loop side) --------------------------------------------------------
-
-    async def _serve_frontend(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        peername = writer.get_extra_info("peername")
-        conn = _Conn(writer, f"{peername[0]}:{peername[1]}" if peername else "?")
-        self._conns.add(conn)
-        decoder = fw.FrontendDecoder()
-        loop = asyncio.get_running_loop()
-        deadline = self.options.frame_deadline_s
-        begun: float | None = None  # when the frame now arriving began
-        try:
-            while not conn.closed:
-                if decoder.buffered:
-                    begun = loop.time() if begun is None else begun
-                    try:
-                        data = await asyncio.wait_for(reader.read(65536),
-                                                      begun + deadline - loop.time())
-                    except TimeoutError:
-                        log.warning("frontend link: %s began a frame and did not finish it "
-                                    "within %g s (frame deadline); closed", conn.peer,
-                                    deadline)
-                        return
-                else:
-                    begun = None
-                    data = await reader.read(65536)
-                if not data:
-                    break
-                decoder.feed(data)
-                while (frame := decoder.next_frame()) is not None:
-                    begun = None
-                    if not self._on_frame(conn, frame):
-                        return
-        except (fw.FrontendProtocolError, ValueError) as exc:
-            log.warning("frontend link: closing %s: it sent bad bytes (%s)", conn.peer, exc)
-            conn.write(fw.Error(0, fw.ErrorCode.BAD_REQUEST, f"protocol error: {exc}"))
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            self._drop_conn(conn)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    def _on_frame(self, conn: _Conn, frame: fw.Frame) -> bool:
-        """Handle one client frame; False closes the connection."""
-        if isinstance(frame, fw.Generate):
-            self._on_generate(conn, frame)
-        elif isinstance(frame, fw.Cancel):
-            req = conn.requests.get(frame.request_id)
-            if req is not None:
-                req.cancelled = True
-        elif isinstance(frame, fw.StatusReq):
-            conn.write(self.status(frame.request_id))
-        else:
-            log.warning("frontend client %s sent %s, which only the leader sends; closing",
-                        conn.peer, frame.TYPE.name)
-            conn.write(fw.Error(frame.request_id, fw.ErrorCode.BAD_REQUEST,
-                                f"unexpected {frame.TYPE.name} from a client"))
-            return False
-        return True
-
-    def _refuse(self, conn: _Conn, request_id: int, code: fw.ErrorCode, message: str) -> None:
-        self.metrics.requests.labels(code.name.lower()).inc()
-        conn.write(fw.Error(request_id, code, message))
-
-    def _on_generate(self, conn: _Conn, g: fw.Generate) -> None:
-        o = self.options
-        rid = g.request_id
-        bad = fw.ErrorCode.BAD_REQUEST
-        if rid in conn.requests:
-            return self._refuse(conn, rid, bad, f"request id {rid} is in use on this connection")
-        if g.max_tokens < 1:
-            return self._refuse(conn, rid, bad, f"max_tokens must be >= 1, got {g.max_tokens}")
-        if not 0.0 <= g.temperature <= 100.0:
-            return self._refuse(conn, rid, bad, f"temperature must be in [0, 100], got "
-                                                f"{g.temperature}")
-        if not 0.0 < g.top_p <= 1.0:
-            return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
-        prompt = [int(t) for t in encode_text(g.prompt, bos=True)]
-        if len(prompt) > self.identity.ctx_size:
-            return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
-                                                f"than the context of {self.identity.ctx_size}")
-        if self._stopping.is_set():
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the leader is shutting down")
-        if not self.worker_connected:
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the tensor-parallel worker is not connected; the leader waits "
-                                "for it to reconnect")
-        if self._inflight >= o.max_sessions + o.queue_size:
-            return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
-                                f"{self._inflight} generations in flight ({o.max_sessions} "
-                                f"running and {o.queue_size} waiting at most)")
-        req = _Request(conn, g, prompt)
-        conn.requests[rid] = req
-        self._inflight += 1
-        self._inbox.put(req)
-
-    def _deliver(self, batch: list[tuple[_Request, fw.Frame]]) -> None:
-        """Frames posted by the engine thread, in order (loop side)."""
-        for req, frame in batch:
-            if req.closed:
-                continue
-            if isinstance(frame, fw.Done | fw.Error):
-                self._end(req, frame)
-            req.conn.write(frame)
-
-    def _end(self, req: _Request, frame: fw.Done | fw.Error | None) -> None:
-        """The request is over for the client (loop side; exactly once per request)."""
-        req.closed = True
-        req.conn.requests.pop(req.frame.request_id, None)
-        self._inflight -= 1
-        if isinstance(frame, fw.Done):
-            self.requests_served += 1
-            self.metrics.requests.labels(frame.reason.name.lower()).inc()
-        elif isinstance(frame, fw.Error):
-            self.metrics.requests.labels(fw.ErrorCode(frame.code).name.lower()).inc()
-        else:
-            self.metrics.requests.labels("cancelled").inc()
-
-    def _fail_inflight(self, message: str) -> None:
-        """Every request in flight ends with UNAVAILABLE (loop side)."""
-        for conn in list(self._conns):
-            for req in list(conn.requests.values()):
-                frame = fw.Error(req.frame.request_id, fw.ErrorCode.UNAVAILABLE, message)
-                self._end(req, frame)
-                conn.write(frame)
-
-    def _drop_conn(self, conn: _Conn) -> None:
-        conn.closed = True
-        self._conns.discard(conn)
-        for req in list(conn.requests.values()):
-            req.cancelled = True
-            self._end(req, None)
-
-    # -- bring-up (acceptor and handshake threads) ---------------------------------------
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                if not self._stopping.is_set():
-                    log.warning("accepting on the worker port failed: %s", exc)
-                    time.sleep(0.1)
-                continue
-            if not self._handshake_slots.acquire(blocking=False):
-                log.warning("worker port: refused %s:%d: %d connections are in their "
-                            "bring-up already, the limit (a pair needs two)", addr[0], addr[1],
-                            MAX_HANDSHAKES)
-                sock.close()
-                continue
-            threading.Thread(target=self._greet, args=(sock, addr), name="tp-handshake",
-                             daemon=True).start()
-
-    def _greet(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        o = self.options
-        try:
-            sock.settimeout(o.handshake_timeout_s)
-            if o.tls is not None:
-                secured = self._tls_handshake(sock, peer)
-                if secured is None:
-                    return
-                sock = secured
-            first = _recv_exact(sock, 1)
-            frame_deadline = time.monotonic() + o.frame_deadline_s
-            head = first + _recv_exact(sock, 3, frame_deadline, o.frame_deadline_s)
-            if head == b"DTPH":
-                self._control_handshake(sock, head)
-            elif head == b"DTP4":
-                self._gate_connection(sock, head, peer, frame_deadline)
-            else:
-                log.warning("connection from %s is not a TP worker (first bytes %s); closed",
-                            peer, head.hex())
-                sock.close()
-        except (OSError, LinkError, TpProtocolError) as exc:
-            log.warning("bring-up with %s failed: %s", peer, exc)
-            self.metrics.failures.labels("handshake").inc()
-            sock.close()
-        finally:
-            self._handshake_slots.release()
-
-    def _tls_handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
-        """The TLS handshake of a new connection; None (logged, closed) if it fails."""
-        assert self.options.tls is not None
-        try:
-            return tls_mod.wrap_blocking(self.options.tls, sock, server_side=True,
-                                         timeout_s=self.options.handshake_timeout_s)
-        except (OSError, TimeoutError) as exc:
-            if tls_mod.closed_early(exc):
-                log.debug("worker port: %s closed the connection in the TLS handshake", peer)
-            else:
-                log.warning("worker port: refused %s in the TLS handshake: %s", peer,
-                            tls_mod.refusal_reason(exc))
-                self.metrics.failures.labels("handshake").inc()
-            return None
-
-    def _gate_connection(
-        self, sock: socket.socket, head: bytes, peer: str, frame_deadline: float
-    ) -> None:
-        decoder = TpDecoder()
-        decoder.feed(head + _recv_exact(sock, 28, frame_deadline, self.options.frame_deadline_s))
-        frame = decoder.next_frame()
-        waiter = self._gate_waiters.get(frame.seq) if isinstance(frame, CommandAck) else None
-        if waiter is None:
-            log.warning("connection from %s opened a gate link with no pairing token of a "
-                        "worker in bring-up; closed", peer)
-            sock.close()
-            return
-        waiter.put(sock)
-
-    def _control_handshake(self, sock: socket.socket, head: bytes) -> None:
-        o = self.options
-        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
-                           initial=head, frame_deadline_s=o.frame_deadline_s)
-        link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
-        slab: ShmGateExchange | None = None
-        if o.shm:
-            try:
-                slab = ShmGateExchange.create(n_embd=self.identity.n_embd, rank=0,
-                                              timeout_s=o.gate_timeout_s)
-            except OSError as exc:
-                log.warning("no shared-memory slab (%s); gates go over TCP", exc)
-        hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
-                      shm_offered=slab is not None, shm_name=slab.name if slab else "",
-                      execution_mode=self.model.execution_mode)
-        gate: GateExchange | None = None
-        claimed = formed = False
-        token = secrets.randbits(64) or 1
-        try:
-            try:
-                peer = exchange_hellos(link, hello)
-            except (IdentityMismatch, VersionMismatch) as exc:
-                log.error("worker %s refused: %s", link.peer, exc)
-                self.metrics.failures.labels("identity").inc()
-                return
-            transport = negotiate_gate_transport(hello, peer)
-            with self._claim_lock:
-                claimed = not self._claimed
-                self._claimed = True
-            if not claimed:
-                log.warning("worker %s refused: a worker is already connected", link.peer)
-                self.metrics.failures.labels("busy").inc()
-                link.send(CommandAck(status=ACK_BUSY))
-                return
-            waiter: queue.Queue[socket.socket] = queue.Queue()
-            self._gate_waiters[token] = waiter
-            link.send(CommandAck(status=ACK_ACCEPTED, seq=token))
-            if transport is GateTransport.SHM:
-                gate, slab = slab, None
-            else:
-                try:
-                    gsock = waiter.get(timeout=o.handshake_timeout_s)
-                except queue.Empty:
-                    raise LinkError(f"worker {link.peer} opened no gate connection within "
-                                    f"{o.handshake_timeout_s:g} s") from None
-                gate = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
-                                       timeout_s=o.gate_timeout_s)
-            ack = link.expect(FrameType.COMMAND_ACK, "the worker's data plane")
-            assert isinstance(ack, CommandAck)
-            if ack.status != ACK_ACCEPTED:
-                why = ("it could not map the shared-memory slab and dials again over TCP"
-                       if ack.status == ACK_SHM_FAILED else f"status {ack.status}")
-                raise LinkError(f"worker {link.peer} could not set up its gates: {why}")
-            link.deadline = None
-            link.set_timeout(o.control_timeout_s)
-            assert gate is not None
-            self._new_pairs.put(_Pair(link, gate, transport))
-            formed = True
-        finally:
-            left = self._gate_waiters.pop(token, None)
-            while left is not None and not left.empty():
-                left.get_nowait().close()
-            if slab is not None:
-                slab.close()
-            if not formed:
-                if claimed:
-                    with self._claim_lock:
-                        self._claimed = False
-                if gate is not None:
-                    gate.close()
-                link.close()
-
-    # -- the engine thread ---------------------------------------------------------------
-
-    def _engine_main(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                if self._pair is None:
-                    self._wait_for_pair()
-                    continue
-                try:
-                    if self._pair.lost:  # the watcher saw the worker hang up
-                        raise PairLost(self._pair.lost)
-                    if self._has_work():
-                        self._step()
-                    elif self._resync:
-                        self._resync_next()
-                    elif self._wait_for_work():
-                        self._step()
-                except (*PAIR_FAILURES, PairLost) as exc:
-                    self._lose_pair(exc)
-        except Exception:
-            log.exception("the engine thread failed; the leader stops")
-            self.crashed = True
-            self.request_stop()
-        finally:
-            self._shutdown_pair()
-
-    def _wait_for_pair(self) -> None:
-        try:
-            pair = self._new_pairs.get(timeout=IDLE_WAIT_S)
-        except queue.Empty:
-            self._drop_stale_requests()
-            return
-        self.state.reset()
-        self._kept_sessions.clear()
-        self.state.exchange = TracingExchange(pair.gate, self._on_gate)
-        self._link_bytes = (0, 0)
-        self._pair = pair
-        self.transport = pair.transport
-        self.worker_connected = True
-        self.metrics.worker_connected.set(1)
-        pair.watch(self._worker_hung_up)
-        log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
-        if self._resync:
-            log.info("re-syncing %d sessions (%d tokens) from their history while idle",
-                     len(self._resync), sum(len(h.tokens) for h in self._resync))
-
-    def _drop_stale_requests(self) -> None:
-        """While no pair exists, requests that reached the inbox were failed by the loop."""
-        while True:
-            try:
-                self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _worker_hung_up(self, pair: _Pair) -> None:
-        """Watcher thread: fail the requests now; the engine thread tears the pair down."""
-        pair.lost = "the worker closed the control connection"
-        self.worker_connected = False
-        message = f"tensor-parallel worker lost: {pair.lost}; the leader waits for it to reconnect"
-        self._call_on_loop(self._fail_inflight, message)
-
-    def _lose_pair(self, exc: BaseException) -> None:
-        kind = _failure_kind(exc)
-        self.metrics.failures.labels(kind).inc()
-        self.worker_connected = False
-        message = f"tensor-parallel worker lost: {exc}; the leader waits for it to reconnect"
-        log.warning("pair lost (%s): %s", kind, exc)
-        self._call_on_loop(self._fail_inflight, message)
-        self._outbox.clear()
-        self._remember_sessions()
-        self._drop_all()
-        self._close_pair()
-
-    def _remember_sessions(self) -> None:
-        """The histories to re-sync on the next pair: running generations, then kept
-        sessions, then histories not re-synced yet; most recent first, no repeats."""
-        keep = self.options.keep_sessions
-        running = [r.session.tokens for r in [*self._decoding, *self._prefills] if r.session]
-        kept = [self.state.sessions[sid].tokens for sid in reversed(self._kept_sessions)]
-        seen: set[tuple[int, ...]] = set()
-        histories: list[_History] = []
-        for tokens in [*running, *kept, *(h.tokens for h in self._resync)]:
-            key = tuple(tokens)
-            if worth_keeping(tokens) and key not in seen and len(histories) < keep:
-                seen.add(key)
-                histories.append(_History(list(tokens)))
-        self._resync = collections.deque(histories)
-
-    def _drop_all(self) -> None:
-        self._waiting.clear()
-        self._prefills.clear()
-        self._decoding.clear()
-        self._kept_sessions.clear()
-        self.state.reset()
-        self._count_sessions()
-        self._drop_stale_requests()
-
-    def _close_pair(self) -> None:
-        pair, self._pair = self._pair, None
-        self.worker_connected = False
-        self.transport = None
-        self.metrics.worker_connected.set(0)
-        self.state.exchange = None
-        if pair is not None:
-            pair.close()
-        with self._claim_lock:
-            self._claimed = False
-
-    def _shutdown_pair(self) -> None:
-        if self._pair is not None:
-            with contextlib.suppress(LinkError):
-                self._pair.link.send(Stop())
-            self._drop_all()
-            self._close_pair()
-        while not self._new_pairs.empty():
-            pair = self._new_pairs.get_nowait()
-            with contextlib.suppress(LinkError):
-                pair.link.send(Stop())
-            pair.close()
-
-    def _has_work(self) -> bool:
-        return bool(self._waiting or self._prefills or self._decoding or not self._inbox.empty())
-
-    def _wait_for_work(self) -> bool:
-        try:
-            self._waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
-        except queue.Empty:
-            return False
-        return True
-
-    @property
-    def _link(self) -> ControlLink:
-        assert self._pair is not None
-        return self._pair.link
-
-    def _step(self) -> None:
-        while True:
-            try:
-                self._waiting.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        try:
-            for req in [*self._prefills, *self._decoding]:
-                if req.gone:
-                    self._finish(req, fw.DoneReason.CANCELLED)
-            self._admit()
-            t0 = time.perf_counter()
-            touched = self._run_pass()
-            if touched and self.options.hash_check:
-                self._hash_check()
-            self._account(touched, time.perf_counter() - t0)
-        finally:
-            self._flush()
-
-    def _run_pass(self) -> list[_Request]:
-        """One model pass (see the module docstring); the requests that got tokens."""
-        decoding = list(self._decoding)
-        if self._prefills:
-            prefill = self._prefills[0]
-            if decoding:
-                self._mixed(prefill, decoding)
-                return [*decoding, prefill]
-            self._prefill_alone(prefill)
-            return [prefill]
-        if not decoding:
-            return []
-        if len(decoding) == 1 and self._speculate(decoding[0]):
-            return decoding
-        if len(decoding) == 1:
-            self._eval(decoding[0])
-        else:
-            self._eval_batch(decoding)
-        return decoding
-
-    def _admit(self) -> None:
-        o = self.options
-        while self._waiting and len(self._prefills) + len(self._decoding) < o.max_sessions:
-            req = self._waiting.popleft()
-            if req.gone:
-                self._post(req, self._done(req, fw.DoneReason.CANCELLED))
-                continue
-            sid = self._continue_kept(req.prompt)
-            if sid == 0:
-                try:
-                    sid = self._open_session()
-                except SessionRefused as exc:
-                    self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL,
-                                             str(exc)))
-                    continue
-            req.sid, req.session = sid, self.state.sessions[sid]
-            self._prefills.append(req)
-        self._count_sessions()
-
-    def _open_session(self) -> int:
-        """SESSION_CREATE on both ranks; the new session's id."""
-        sid = self._next_sid
-        self._next_sid += 1
-        ctx = self.identity.ctx_size
-        try:
-            self.state.create(sid, ctx)
-        except MemoryError:
-            raise SessionRefused(f"no memory for a session of {ctx} positions") from None
-        self._link.send(SessionCreate(session_id=sid, ctx_size=ctx))
-        ack = self._link.expect(FrameType.COMMAND_ACK, f"the worker's SESSION_CREATE {sid}")
-        assert isinstance(ack, CommandAck)
-        if ack.session_id != sid:
-            raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
-                            f"{sid}; the ranks are out of step")
-        if ack.status != ACK_ACCEPTED:
-            self.state.destroy(sid)
-            raise SessionRefused(f"the worker could not open a session (status {ack.status}); "
-                                 "see its log")
-        return sid
-
-    def _continue_kept(self, prompt: list[int]) -> int:
-        """The kept session ``prompt`` continues, rewound on both ranks to the prefix they
-        share (0: none does)."""
-        kept = [(sid, self.state.sessions[sid].tokens) for sid in self._kept_sessions]
-        pick = pick_kept_session(prompt, kept)
-        if pick is None:
-            return 0
-        sid, reused = pick
-        del self._kept_sessions[sid]
-        if reused < self.state.sessions[sid].pos:
-            self._link.send(Rewind(session_id=sid, pos=reused))
-            self.state.rewind(sid, reused)
-        self.metrics.prompt_tokens_reused.inc(reused)
-        return sid
-
-    def _keep_or_destroy(self, sid: int) -> None:
-        """A finished generation's session: kept for a later prompt (the least recently
-        used kept one goes when there are too many), or destroyed on both ranks."""
-        if worth_keeping(self.state.sessions[sid].tokens) and self.options.keep_sessions > 0:
-            self._kept_sessions[sid] = None
-            while len(self._kept_sessions) > self.options.keep_sessions:
-                self._destroy(self._kept_sessions.popitem(last=False)[0])
-        else:
-            self._destroy(sid)
-
-    def _destroy(self, sid: int) -> None:
-        self._link.send(SessionDestroy(session_id=sid))
-        self.state.destroy(sid)
-
-    def _count_sessions(self) -> None:
-        self.running = len(self._prefills) + len(self._decoding)
-        self.metrics.active_sessions.set(len(self.state.sessions))
-        self.metrics.kept_sessions.set(len(self._kept_sessions))
-
-    def _resync_next(self) -> None:
-        """Re-sync the next remembered history (the pair is idle): open its session on both
-        ranks and SYNC its tokens; then it is a kept session like any other. A request that
-        arrives meanwhile cancels the sync at its next checkpoint and goes first; the sync
-        resumes from where both ranks stopped."""
-        history = self._resync[0]
-        if history.sid == 0:
-            try:
-                history.sid = self._open_session()
-            except SessionRefused as exc:
-                log.warning("a remembered session of %d tokens was not re-synced: %s",
-                            len(history.tokens), exc)
-                self._resync.popleft()
-                return
-        sid, tokens = history.sid, history.tokens
-        self._link.send(Sync(session_id=sid, tokens=tuple(tokens)))
-        rows = self.state.sync(sid, tokens, self._checkpoint(sid, self._resync_yields))
-        if rows is None:
-            log.info("re-sync paused at position %d of %d: a request goes first",
-                     self.state.sessions[sid].pos, len(tokens))
-            return
-        self._join(rows)
-        if self.options.hash_check:
-            self._hash_check()
-        self._resync.popleft()
-        self._keep_or_destroy(sid)
-        self._count_sessions()
-        self.metrics.sessions_resynced.inc()
-        log.info("session re-synced from its history: %d tokens (%d more to re-sync)",
-                 len(tokens), len(self._resync))
-
-    def _resync_yields(self) -> bool:
-        return self._stopping.is_set() or not self._inbox.empty()
-
-    def _prefill_alone(self, req: _Request) -> None:
-        self._link.send(Sync(session_id=req.sid, tokens=tuple(req.prompt)))
-        meet = self._checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
-        rows = self.state.sync(req.sid, req.prompt, meet)
-        if rows is None:
-            assert req.session is not None
-            log.info("request %d: prefill cancelled at position %d of %d; both ranks stopped "
-                     "at the same checkpoint", req.frame.request_id, req.session.pos,
-                     len(req.prompt))
-            if self.options.hash_check:  # compare the positions before the session goes
-                self._hash_check()
-            self._finish(req, fw.DoneReason.CANCELLED)
-            return
-        full = self._join(rows)
-        self._hook(req, full)
-        self._prefills.popleft()
-        self._decoding.append(req)
-        self._sample(req, full[0])
-
-    def _checkpoint(self, sid: int, cancelled: Callable[[], bool]) -> Checkpoint:
-        """A SYNC's checkpoints: before each chunk both ranks agree on it, or on stopping
-        there when ``cancelled()`` (or the worker asks to)."""
-        chunk = self.options.prefill_chunk
-
-        def meet(current: int, total: int) -> int | None:
-            end = min(current + chunk, total)
-            requested = cancelled()
-            self._link.send(SyncCheckpoint(session_id=sid, point=end, current=current,
-                                           total=total, requested=requested))
-            theirs = self._link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
-            assert isinstance(theirs, SyncCheckpoint)
-            if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
-                sid, end, current, total
-            ):
-                raise LinkError(
-                    f"the worker met checkpoint {theirs.current}->{theirs.point}/{theirs.total} "
-                    f"of session {theirs.session_id}, expected {current}->{end}/{total} of "
-                    f"session {sid}; the ranks are out of step"
-                )
-            return None if requested or theirs.requested else end
-
-        return meet
-
-    def _mixed(self, prefill: _Request, decoding: list[_Request]) -> None:
-        s = prefill.session
-        assert s is not None
-        end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
-        chunk = prefill.prompt[s.pos : end]
-        items = [(r.sid, r.next_token) for r in decoding]
-        self._link.send(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
-                                   items=tuple(BatchItem(sid, t) for sid, t in items)))
-        rows = self.state.mixed(prefill.sid, chunk, items)
-        full = self._join(rows)
-        for i, req in enumerate(decoding, start=1):
-            self._hook(req, full[i : i + 1])
-            self._sample(req, full[i])
-        if end == len(prefill.prompt):
-            self._hook(prefill, full[:1])
-            self._prefills.popleft()
-            self._decoding.append(prefill)
-            self._sample(prefill, full[0])
-
-    def _eval(self, req: _Request) -> None:
-        self._link.send(Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token))
-        full = self._join(self.state.eval_batch([(req.sid, req.next_token)]))
-        self._hook(req, full)
-        self._sample(req, full[0])
-
-    def _eval_batch(self, decoding: list[_Request]) -> None:
-        items = [(r.sid, r.next_token) for r in decoding]
-        self._link.send(EvalBatch(items=tuple(BatchItem(sid, t) for sid, t in items)))
-        full = self._join(self.state.eval_batch(items))
-        for i, req in enumerate(decoding):
-            self._hook(req, full[i : i + 1])
-            self._sample(req, full[i])
-
-    def _speculate(self, req: _Request) -> bool:
-        """Verify a drafted block for a greedy request; False when there is nothing to verify."""
-        s = req.session
-        assert s is not None
-        mode = self.spec_mode
-        if mode is SpecMode.OFF or req.frame.temperature != 0.0:
-            return False
-        limit = min(self.options.max_draft, s.free - 1, req.frame.max_tokens - req.generated - 1)
-        drafts = propose_drafts([*s.tokens, req.next_token], limit)
-        if not drafts:
-            return False
-        block = [req.next_token, *drafts]
-        pos0 = s.pos
-        self._link.send(Verify(session_id=req.sid, drafts=tuple(block)))
-        full = self._join(self.state.verify(req.sid, block))
-        self._hook(req, full)
-        verified = [sample(row, 0.0) for row in full]
-        accepted = accepted_drafts(drafts, verified)
-        plan = commit_plan(mode, len(drafts), accepted)
-        self._link.send(VerifyCommit(session_id=req.sid, mode=plan.mode,
-                                     token_count=plan.token_count))
-        self.state.commit(req.sid, plan.mode, plan.token_count)
-        self.drafted += len(drafts)
-        self.accepted += accepted
-        m = self.metrics
-        m.spec_drafted.inc(len(drafts))
-        m.spec_accepted.inc(accepted)
-        m.spec_commits.labels(plan.mode.name.lower()).inc()
-        new = [*drafts[:accepted], verified[accepted]]
-        for i, token in enumerate(new):
-            if not self._accept(req, token, pos0 + 1 + i):
-                break
-        return True
-
-    def _join(self, mine: F32) -> F32:
-        """Our logits rows joined with the worker's half of the same rows."""
-        rows = mine.shape[0]
-        frame = self._link.expect(FrameType.LOGITS, "the worker's half of the logits")
-        assert isinstance(frame, Logits)
-        if frame.seq != self.state.step:
-            raise LinkError(f"the worker sent the logits of step {frame.seq}, this rank is at "
-                            f"step {self.state.step}; the ranks are out of step")
-        half = frame.array()
-        if half.size != rows * self._worker_vocab:
-            raise LinkError(f"the worker sent {half.size} logits, expected {rows} rows of "
-                            f"{self._worker_vocab}")
-        return np.concatenate([mine, half.reshape(rows, self._worker_vocab)], axis=1)
-
-    def _hook(self, req: _Request, rows: F32) -> None:
-        if self.logits_hook is not None:
-            self.logits_hook(req.frame.request_id, rows)
-
-    def _sample(self, req: _Request, row: F32) -> None:
-        g = req.frame
-        assert req.session is not None
-        token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None)
-        self._accept(req, token, req.session.pos)
-
-    def _accept(self, req: _Request, token: int, pos: int) -> bool:
-        """Emit one generated token at position ``pos``; False when the request ended."""
-        assert req.session is not None
-        req.generated += 1
-        req.step_tokens += 1
-        self.tokens_generated += 1
-        reason: fw.DoneReason | None = None
-        if token == EOS_ID:
-            reason = fw.DoneReason.EOS
-        elif req.generated >= req.frame.max_tokens:
-            reason = fw.DoneReason.MAX_TOKENS
-        elif pos >= req.session.ctx_size:
-            reason = fw.DoneReason.CONTEXT_FULL
-        text, hit = req.stream.push(token, final=reason is not None)
-        if hit:
-            reason = fw.DoneReason.STOP_STRING
-        self._post(req, fw.Token(req.frame.request_id, token, pos, text))
-        if reason is not None:
-            self._finish(req, reason)
-            return False
-        req.next_token = token
-        return True
-
-    def _done(self, req: _Request, reason: fw.DoneReason) -> fw.Done:
-        return fw.Done(req.frame.request_id, reason, len(req.prompt), req.generated,
-                       time.monotonic() - req.t0)
-
-    def _finish(self, req: _Request, reason: fw.DoneReason) -> None:
-        self._post(req, self._done(req, reason))
-        if req in self._decoding:
-            self._decoding.remove(req)
-        if req in self._prefills:
-            self._prefills.remove(req)
-        if req.sid in self.state.sessions:
-            self._keep_or_destroy(req.sid)
-        self._count_sessions()
-
-    def _hash_check(self) -> None:
-        mine = self.state.state_hash()
-        self._link.send(Hash(seq=self.state.step, value=mine))
-        theirs = self._link.expect(FrameType.HASH, "the worker's state hash")
-        assert isinstance(theirs, Hash)
-        if (theirs.seq, theirs.value) != (self.state.step, mine):
-            self.metrics.hash_checks.labels("mismatch").inc()
-            raise HashMismatch(
-                f"lockstep hash mismatch: leader step {self.state.step} hash {mine:#018x}, "
-                f"worker step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
-            )
-        self.metrics.hash_checks.labels("match").inc()
-
-    def _post(self, req: _Request, frame: fw.Frame) -> None:
-        self._outbox.append((req, frame))
-
-    def _flush(self) -> None:
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
-            self._call_on_loop(self._deliver, batch)
-
-    def _account(self, touched: list[_Request], seconds: float) -> None:
-        m = self.metrics
-        for req in touched:
-            if req.step_tokens:
-                per = seconds / req.step_tokens
-                for _ in range(req.step_tokens):
-                    m.token_duration.observe(per)
-                req.step_tokens = 0
-        for phase, n in self.state.kept.items():
-            if n > self._kept[phase]:
-                m.tokens.labels(phase).inc(n - self._kept[phase])
-        self._kept = dict(self.state.kept)
-        link = self._link
-        sent, received = self._link_bytes
-        m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
-        m.control_bytes.labels("received").inc(link.bytes_received - received)
-        self._link_bytes = (link.bytes_sent, link.bytes_received)
-
-    def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
-        m = self.metrics
-        m.gate_duration.observe(seconds)
-        m.gate_bytes.labels("sent").inc(nbytes)
-        m.gate_bytes.labels("received").inc(nbytes)
-        self._gate_trace.append((gate, seconds))
-
-
-def _recv_exact(
-    sock: socket.socket, n: int, deadline: float | None = None, deadline_s: float = 0.0
-) -> bytes:
-    """``n`` bytes; with ``deadline`` (a time.monotonic(), ``deadline_s`` after the frame's
-    first byte) all of them by then (LinkError)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-
-    def late() -> LinkError:
-        return LinkError(f"the peer began a frame and did not finish it within {deadline_s:g} s "
-                         f"(frame deadline); {got} of {n} more bytes came; closed")
-
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise late()
-            sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:])
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise late() from None
-        if k == 0:
-            raise LinkError(f"the peer closed after {got} of the first {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, PairLost):
-        return "hangup"
-    if isinstance(exc, HashMismatch):
-        return "hash"
-    if isinstance(exc, GateError):
-        return "gate"
-    if isinstance(exc, TpProtocolError):
-        return "protocol"
-    if isinstance(exc, LockstepError):
-        return "lockstep"
-    return "control"

@@ -6,7 +6,10 @@ therefore make the same engine calls with the same rows in the same order, meet 
 gates, and end with the same session table (ids, positions, token histories).
 
 Commands (the ``ds4_tp_frame_type`` they mirror) and what each returns, the logits rows the
-leader needs to sample (each rank returns its vocabulary half; the worker ships it in LOGITS):
+leader needs to sample (each rank returns its vocabulary half; the worker ships it in LOGITS).
+``COMMANDS`` holds this table as data, frame type -> the RankState call and the kind of reply
+the worker sends (LOGITS when there are rows, COMMAND_ACK, or none): the worker dispatches
+with it, the leader sends, runs and collects with it, so each command is written once:
 
 =================  ==========================================  ==============================
 SESSION_CREATE     open a session of ``ctx`` positions         -
@@ -43,15 +46,29 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from foundry.model.inference import Engine, Session
+from foundry.model.tp_split import Gate
 from foundry.tp.policy import common_prefix
-from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, GATE_HEADER_SIZE, Gate, VerifyCommitMode
+from foundry.transport.gates import GateError
+from foundry.wire.tp import (
+    DS4_TP_BATCH_MAX_ROWS,
+    GATE_HEADER_SIZE,
+    BatchItem,
+    Eval,
+    FrameType,
+    Sync,
+    TpProtocolError,
+    VerifyCommitMode,
+)
 
 F32 = npt.NDArray[np.float32]
 # (current position, total) -> the position the next chunk ends at, or None: stop here.
@@ -273,3 +290,65 @@ class RankState:
         if self.exchange is None:
             raise LockstepError("no pair: the gate exchange is not connected")
         return self.engine.forward_rows(rows, self.exchange)
+
+
+# -- the command table -----------------------------------------------------------------------
+
+
+class Reply(Enum):
+    """What the worker answers a command with."""
+
+    NONE = "none"
+    LOGITS = "logits"  # its half of the rows, when the command returned rows
+    COMMAND_ACK = "command_ack"  # whether it could (a session's caches may not fit)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command: the RankState call both ranks make for its frame, and the reply."""
+
+    run: Callable[[RankState, Any, Checkpoint | None], F32 | None]
+    reply: Reply
+
+
+def _sync(st: RankState, f: Sync, checkpoint: Checkpoint | None) -> F32 | None:
+    assert checkpoint is not None, "SYNC meets the peer at checkpoints"
+    return st.sync(f.session_id, f.tokens, checkpoint)
+
+
+def _eval(st: RankState, f: Eval, _: Checkpoint | None) -> F32:
+    if f.seq != st.step + 1:
+        raise LockstepError(f"EVAL of step {f.seq}, this rank is at step {st.step}")
+    return st.eval_batch([(f.session_id, f.token)])
+
+
+def _items(items: Sequence[BatchItem]) -> list[tuple[int, int]]:
+    return [(i.session_id, i.token) for i in items]
+
+
+COMMANDS: Mapping[FrameType, Command] = MappingProxyType({
+    FrameType.SESSION_CREATE: Command(
+        lambda st, f, _: st.create(f.session_id, f.ctx_size), Reply.COMMAND_ACK),
+    FrameType.SESSION_DESTROY: Command(lambda st, f, _: st.destroy(f.session_id), Reply.NONE),
+    FrameType.SYNC: Command(_sync, Reply.LOGITS),
+    FrameType.EVAL: Command(_eval, Reply.LOGITS),
+    FrameType.EVAL_BATCH: Command(lambda st, f, _: st.eval_batch(_items(f.items)), Reply.LOGITS),
+    FrameType.MIXED_BATCH: Command(
+        lambda st, f, _: st.mixed(f.session_id, f.prompt, _items(f.items)), Reply.LOGITS),
+    FrameType.VERIFY: Command(lambda st, f, _: st.verify(f.session_id, f.drafts), Reply.LOGITS),
+    FrameType.VERIFY_COMMIT: Command(
+        lambda st, f, _: st.commit(f.session_id, f.mode, f.token_count), Reply.NONE),
+    FrameType.REWIND: Command(lambda st, f, _: st.rewind(f.session_id, f.pos), Reply.NONE),
+    FrameType.INVALIDATE: Command(lambda st, f, _: st.invalidate(f.session_id), Reply.NONE),
+})  # fmt: skip
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The ``kind`` label of a pair failure in both ranks' failure metric."""
+    if isinstance(exc, GateError):
+        return "gate"
+    if isinstance(exc, TpProtocolError):
+        return "protocol"
+    if isinstance(exc, LockstepError):
+        return "lockstep"
+    return "control"

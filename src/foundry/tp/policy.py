@@ -12,6 +12,7 @@ No sockets, no engine: functions of token lists and text, unit-tested on their o
   tail that could be the start of a stop string, so the stop string itself is never sent.
 - :func:`common_prefix` and :func:`pick_kept_session`: which kept session (the KV cache of an
   earlier generation) a new prompt continues, and how much of it is reused.
+- :func:`plan_pass`: which model pass the leader's engine runs next.
 """
 
 from __future__ import annotations
@@ -30,6 +31,31 @@ from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, VerifyCommitMode
 MAX_DRAFT = DS4_TP_BATCH_MAX_ROWS - 1
 # Longest suffix the drafter looks up; longer matches are rarer and predict little better.
 MAX_NGRAM = 3
+
+
+class Pass(enum.Enum):
+    """A model pass of the leader's engine (one step, see tp/leader.py "Scheduling")."""
+
+    IDLE = "idle"  # nothing to evaluate
+    PREFILL = "prefill"  # SYNC of the first waiting prompt, alone
+    MIXED = "mixed"  # MIXED_BATCH: its next chunk plus one token of every decoding session
+    VERIFY = "verify"  # VERIFY + VERIFY_COMMIT of the one decoding session's drafted block
+    EVAL = "eval"  # EVAL of the one decoding session
+    EVAL_BATCH = "eval_batch"  # EVAL_BATCH, one token of every decoding session
+
+
+def plan_pass(prefills: int, decoding: int, drafts: int) -> Pass:
+    """The next pass, for ``prefills`` prompts waiting to be evaluated and ``decoding``
+    sessions; ``drafts`` is how many tokens the drafter proposes for the one decoding session
+    (0 when there is more than one, it is not greedy, or speculation is off). A prompt never
+    waits for decoding to end and decoding never stalls behind a long prompt."""
+    if prefills:
+        return Pass.MIXED if decoding else Pass.PREFILL
+    if not decoding:
+        return Pass.IDLE
+    if decoding == 1:
+        return Pass.VERIFY if drafts else Pass.EVAL
+    return Pass.EVAL_BATCH
 
 
 class SpecMode(enum.Enum):

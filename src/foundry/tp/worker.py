@@ -3,7 +3,7 @@
 One thread does everything: numpy and the gate exchange block it, and there is nothing else to
 do while they do. The loop:
 
-1. dial the leader with capped exponential backoff (``swarm.policy.backoff_delay``);
+1. dial the leader with capped exponential backoff (``transport.backoff``);
 2. bring the pair up (``foundry.tp.handshake``): an identity mismatch ends the process with
    :data:`EXIT_MISMATCH` (dialing again with the same files cannot help); a busy leader, a
    refused or broken connection mean "dial again";
@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from foundry.model.inference import Engine
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.obs.metrics import TpMetrics
-from foundry.swarm.policy import backoff_delay
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
@@ -38,7 +37,16 @@ from foundry.tp.handshake import (
     load_rank,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
-from foundry.tp.lockstep import Checkpoint, LockstepError, RankState, TracingExchange
+from foundry.tp.lockstep import (
+    COMMANDS,
+    Checkpoint,
+    LockstepError,
+    RankState,
+    Reply,
+    TracingExchange,
+    failure_kind,
+)
+from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
@@ -50,27 +58,18 @@ from foundry.transport.gates import (
 from foundry.transport.tls import wrap_blocking
 from foundry.wire.tp import (
     CommandAck,
-    Eval,
-    EvalBatch,
+    ControlFrame,
     FrameType,
-    Gate,
     GateTransport,
     Hash,
     Hello,
     IdentityMismatch,
-    Invalidate,
     Logits,
-    MixedBatch,
-    Rewind,
     Role,
-    SessionCreate,
-    SessionDestroy,
     Stop,
     Sync,
     SyncCheckpoint,
     TpProtocolError,
-    Verify,
-    VerifyCommit,
     VersionMismatch,
     encode,
     negotiate_gate_transport,
@@ -239,7 +238,7 @@ class Worker:
                 sent, received = link.bytes_sent, link.bytes_received
         except PAIR_FAILURES as exc:
             if not self._stop.is_set():
-                kind = _failure_kind(exc)
+                kind = failure_kind(exc)
                 self.metrics.failures.labels(kind).inc()
                 log.warning("pair with the leader lost (%s): %s; dialing again", kind, exc)
             return False
@@ -252,49 +251,30 @@ class Worker:
             link.close()
 
     def _apply(self, link: ControlLink, frame: object) -> None:
+        """Run one command (``lockstep.COMMANDS``) and send the reply the table names."""
         st = self.state
-        if isinstance(frame, SessionCreate):
-            try:
-                st.create(frame.session_id, frame.ctx_size)
-                status = ACK_ACCEPTED
-            except MemoryError:
-                log.error("no memory for a session of %d positions", frame.ctx_size)
-                status = 1
-            link.send(CommandAck(session_id=frame.session_id, status=status))
-            self.metrics.active_sessions.set(len(st.sessions))
-        elif isinstance(frame, SessionDestroy):
-            st.destroy(frame.session_id)
-            self.metrics.active_sessions.set(len(st.sessions))
-        elif isinstance(frame, Sync):
-            rows = st.sync(frame.session_id, frame.tokens, self._checkpoint(link, frame))
-            if rows is not None:
-                link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, Eval):
-            if frame.seq != st.step + 1:
-                raise LockstepError(f"EVAL of step {frame.seq}, this rank is at step {st.step}")
-            rows = st.eval_batch([(frame.session_id, frame.token)])
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, EvalBatch):
-            rows = st.eval_batch([(i.session_id, i.token) for i in frame.items])
-            link.send(Logits.from_array(rows, seq=st.step))
-        elif isinstance(frame, MixedBatch):
-            items = [(i.session_id, i.token) for i in frame.items]
-            rows = st.mixed(frame.session_id, frame.prompt, items)
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, Verify):
-            rows = st.verify(frame.session_id, frame.drafts)
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        elif isinstance(frame, VerifyCommit):
-            st.commit(frame.session_id, frame.mode, frame.token_count)
-        elif isinstance(frame, Rewind):
-            st.rewind(frame.session_id, frame.pos)
-        elif isinstance(frame, Invalidate):
-            st.invalidate(frame.session_id)
-        elif isinstance(frame, Hash):
+        if isinstance(frame, Hash):
             self._hash_check(link, frame)
-        else:
+            return
+        command = COMMANDS.get(getattr(frame, "TYPE", None))  # type: ignore[arg-type]
+        if command is None:
             name = getattr(getattr(frame, "TYPE", None), "name", type(frame).__name__)
             raise LinkError(f"the leader sent {name}, which is not a command; out of step")
+        assert isinstance(frame, ControlFrame)
+        checkpoint = self._checkpoint(link, frame) if isinstance(frame, Sync) else None
+        status = ACK_ACCEPTED
+        try:
+            rows = command.run(st, frame, checkpoint)
+        except MemoryError:
+            if command.reply is not Reply.COMMAND_ACK:
+                raise
+            log.error("no memory for %s", frame)
+            rows, status = None, 1
+        if command.reply is Reply.COMMAND_ACK:
+            link.send(CommandAck(session_id=frame.session_id, status=status))
+        elif command.reply is Reply.LOGITS and rows is not None:
+            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
+        self.metrics.active_sessions.set(len(st.sessions))
 
     def _checkpoint(self, link: ControlLink, sync: Sync) -> Checkpoint:
         def meet(current: int, total: int) -> int | None:
@@ -342,14 +322,3 @@ class Worker:
             if n > self._kept[phase]:
                 m.tokens.labels(phase).inc(n - self._kept[phase])
         self._kept = dict(self.state.kept)
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, GateError):
-        return "gate"
-    if isinstance(exc, TpProtocolError):
-        return "protocol"
-    if isinstance(exc, LockstepError):
-        return "lockstep"
-    return "control"
-

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from foundry.transport.stream import BlockingStream
 from foundry.up.plan import StackError, addr
 from foundry.wire import fdtc
 
@@ -22,8 +23,7 @@ class AdminLink:
     def __init__(self, host: str, port: int, timeout_s: float = 10.0) -> None:
         self.address = (host, port)
         self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._decoder = fdtc.FdtcDecoder()
+        self._stream: BlockingStream[fdtc.Message] | None = None
 
     def request(self, msg: fdtc.Message, timeout_s: float | None = None) -> fdtc.Message:
         try:
@@ -33,19 +33,13 @@ class AdminLink:
             raise StackError(f"coordinator admin link {addr(*self.address)}: {exc}") from None
 
     def _exchange(self, msg: fdtc.Message, timeout_s: float) -> fdtc.Message:
-        if self._sock is None:
-            self._sock = socket.create_connection(self.address, timeout=timeout_s)
-            self._decoder = fdtc.FdtcDecoder()
-        self._sock.settimeout(timeout_s)
-        self._sock.sendall(fdtc.encode(msg))
-        while True:
-            got = self._decoder.next_message()
-            if got is not None:
-                return got
-            data = self._sock.recv(65536)
-            if not data:
-                raise ConnectionError("the coordinator closed the admin link")
-            self._decoder.feed(data)
+        if self._stream is None:
+            sock = socket.create_connection(self.address, timeout=timeout_s)
+            self._stream = BlockingStream(sock, fdtc.FdtcDecoder(), timeout_s=timeout_s,
+                                          frame_deadline_s=timeout_s, name="admin link")
+        self._stream.set_timeout(timeout_s)
+        self._stream.send_pieces(fdtc.encode_parts(msg))
+        return self._stream.recv(f"the answer to {msg.TYPE.name}")
 
     def status(self) -> fdtc.SwarmStatus:
         got = self.request(fdtc.StatusReq())
@@ -60,9 +54,9 @@ class AdminLink:
         return Path(got.message)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
 
 def generate(

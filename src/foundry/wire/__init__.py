@@ -1,1 +1,10 @@
-"""Wire formats as sans-IO codecs: bytes in, messages out, and back; no sockets here."""
+"""Wire formats as sans-IO codecs: bytes in, messages out, and back; no sockets here.
+
+- ``framing``: ``FrameDecoder``, the one frame buffer and decoder interface of every codec.
+- ``fdtc``: the swarm protocol's messages and codec; ``fdtc_lifecycle``: which message may
+  pass when, per role; ``fdtc_connection``: ``FdtcConnection``, the two together.
+- ``compression``: the GRADIENTS tensor codecs.
+- ``tp``: the tensor-parallel hello, control frames and gate header.
+- ``frontend``: the TP leader's frontend link (GENERATE / TOKEN / DONE ...).
+- ``errors``: the protocol exception tree.
+"""

@@ -30,8 +30,7 @@ import math
 import operator
 import struct
 from abc import ABC, abstractmethod
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from types import MappingProxyType
@@ -40,8 +39,8 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.config import ConfigError, ModelConfig
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
+from foundry.wire.framing import FrameDecoder
 
 __all__ = [
     "HEADER",
@@ -988,6 +987,7 @@ class ModelConfigMsg(Message):
     """MODEL_CONFIG (coordinator -> worker), ours, 52 bytes: the model to build.
 
     Ten u32 (the ``ModelConfig`` integers), then f32 rope_theta, norm_eps, aux_loss_coef.
+    ``foundry.swarm.model_config`` converts it to and from a ``ModelConfig``.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.MODEL_CONFIG
@@ -1009,23 +1009,6 @@ class ModelConfigMsg(Message):
     rope_theta: float
     norm_eps: float
     aux_loss_coef: float = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, aux_loss_coef: float = 0.0) -> ModelConfigMsg:
-        values = {name: getattr(cfg, name) for name in _MODEL_INTS + _MODEL_FLOATS}
-        return cls(**values, aux_loss_coef=aux_loss_coef)
-
-    def to_config(self) -> ModelConfig:
-        """The ``ModelConfig`` this message describes; a peer's impossible model is a
-        protocol error (MODEL_MISMATCH), not a crash."""
-        known = {f.name for f in fields(ModelConfig)}
-        values = {n: getattr(self, n) for n in _MODEL_INTS + _MODEL_FLOATS if n in known}
-        try:
-            return ModelConfig(**values)
-        except ConfigError as exc:
-            raise FdtcProtocolError(
-                f"MODEL_CONFIG describes no valid model: {exc}", ErrorCode.MODEL_MISMATCH
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -1331,10 +1314,10 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     is an FdtcProtocolError."""
     decoder = FdtcDecoder()
     decoder.feed(data)
-    msg = decoder.next_message()
+    msg = decoder.next_event()
     if msg is None:
         raise FdtcProtocolError(f"incomplete frame: {len(bytes(data))} bytes")
-    if decoder.buffered or decoder.next_message() is not None:
+    if decoder.buffered or decoder.next_event() is not None:
         raise FdtcProtocolError("trailing bytes after the first frame")
     return msg
 
@@ -1342,76 +1325,31 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 # ---------------------------------------------------------------------------- decoding
 
 
-class FdtcDecoder:
-    """Incremental FDTC decoder: ``feed`` bytes as they arrive, take ``next_message``.
+class FdtcDecoder(FrameDecoder[Message]):
+    """Incremental FDTC decoder (``foundry.wire.framing``): ``feed`` bytes, take ``next_event``.
 
-    ``feed`` parses eagerly: the header is checked (magic, type, ``length <= max_payload``,
-    the type's size rule) the moment its 9th byte arrives, before any payload byte is kept,
-    and complete messages queue up. So ``buffered`` (the partial frame held) never exceeds
-    9 + ``max_payload``. Each payload is received into its own buffer exactly once, which is
-    linear in the input and lets WEIGHTS / GRADIENTS data be handed out as a view of it.
-
-    Errors keep stream order: messages completed before the bad bytes come out of
-    ``next_message`` first, then it raises FdtcProtocolError, and keeps raising. The decoder
-    is then closed: ``feed`` raises too (a framing error loses the frame boundaries).
+    The header is checked (magic, type, ``length <= max_payload``, the type's size rule) the
+    moment its 9th byte arrives, before any payload byte is kept, so ``buffered`` never
+    exceeds 9 + ``max_payload``; WEIGHTS / GRADIENTS data is handed out as a view of the
+    payload's own buffer. Bad bytes raise FdtcProtocolError, in stream order.
     """
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         if not 0 <= max_payload <= MAX_PAYLOAD:
             raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
+        super().__init__()
         self._max_payload = max_payload
-        self._head = bytearray()
-        self._cls: type[Message] | None = None  # set while a payload is being received
-        self._length = 0
-        self._payload = _NO_PAYLOAD  # the frame's payload buffer, its first _filled bytes in
-        self._filled = 0
-        self._ready: deque[Message] = deque()
-        self._error: FdtcProtocolError | None = None
+        self._cls: type[Message] = Message
 
     @property
     def max_payload(self) -> int:
         return self._max_payload
 
-    @property
-    def buffered(self) -> int:
-        """Bytes of a frame begun and not yet complete, header included (0 between frames)."""
-        if self._cls is None:
-            return len(self._head)
-        return HEADER_SIZE + self._filled
+    def _header_size(self) -> int:
+        return HEADER_SIZE
 
-    @property
-    def closed(self) -> bool:
-        """True after bad input: nothing more will be decoded."""
-        return self._error is not None
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._error is not None:
-            raise FdtcProtocolError(f"decoder closed after an earlier error: {self._error}")
-        view = memoryview(data).cast("B")
-        pos, end = 0, len(view)
-        try:
-            while pos < end:
-                if self._cls is None:
-                    take = min(HEADER_SIZE - len(self._head), end - pos)
-                    self._head += view[pos : pos + take]
-                    pos += take
-                    if len(self._head) == HEADER_SIZE:
-                        self._start_frame()
-                else:
-                    take = min(self._length - self._filled, end - pos)
-                    self._payload[self._filled : self._filled + take] = view[pos : pos + take]
-                    self._filled += take
-                    pos += take
-                if self._cls is not None and self._filled == self._length:
-                    self._finish_frame()
-        except FdtcProtocolError as exc:
-            self._error = exc
-            self._head = bytearray()
-            self._payload, self._filled = _NO_PAYLOAD, 0
-            self._cls = None
-
-    def _start_frame(self) -> None:
-        magic, code, length = HEADER.unpack(self._head)
+    def _begin(self, header: bytes) -> int:
+        magic, code, length = HEADER.unpack(header)
         if magic != MAGIC:
             raise FdtcProtocolError(f"bad magic 0x{magic:08x}, expected 0x{MAGIC:08x} (FDTC)")
         try:
@@ -1425,45 +1363,20 @@ class FdtcDecoder:
                 ErrorCode.BUSY if length <= MAX_PAYLOAD else ErrorCode.BAD_FRAME,
             )
         cls.check_length(length)
-        self._head = bytearray()
-        self._cls, self._length = cls, length
-        self._payload, self._filled = _payload_buffer(length), 0
+        self._cls = cls
+        return int(length)
 
-    def _finish_frame(self) -> None:
-        cls, payload = self._cls, self._payload
-        assert cls is not None
-        self._cls, self._payload, self._filled = None, _NO_PAYLOAD, 0
+    def _finish(self, payload: memoryview) -> Message:
+        cls = self._cls
         try:
-            msg = cls.from_payload(payload.toreadonly())
+            return cls.from_payload(payload)
         except LocalProtocolError as exc:  # a field value the dataclass refuses
             raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}") from None
         except FdtcProtocolError as exc:
             raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}", exc.error_code) from None
-        self._ready.append(msg)
 
-    def next_message(self) -> Message | None:
-        """The next complete message, None if more bytes are needed; raises FdtcProtocolError
-        (every time) once the messages before bad input are consumed."""
-        if self._ready:
-            return self._ready.popleft()
-        if self._error is not None:
-            raise FdtcProtocolError(str(self._error), self._error.error_code)
-        return None
-
-    def messages(self) -> Iterator[Message]:
-        """Every complete message buffered now."""
-        while (msg := self.next_message()) is not None:
-            yield msg
-
-
-_NO_PAYLOAD = memoryview(b"")
-
-
-def _payload_buffer(length: int) -> memoryview:
-    """A writable buffer for a payload of ``length`` bytes, allocated once (no regrowth) and
-    uninitialised (numpy's ``empty``): not zeroed first, its pages committed only as the peer's
-    bytes fill them, so a header announcing 256 MiB costs no memory until the bytes come."""
-    return np.empty(length, dtype=np.uint8).data
+    def _eof_error(self, message: str) -> FdtcProtocolError:
+        return FdtcProtocolError(message)
 
 
 # ---------------------------------------------------------------------------- weights

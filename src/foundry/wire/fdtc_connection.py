@@ -79,7 +79,7 @@ class FdtcConnection:
         if self._error is not None:
             raise FdtcProtocolError(str(self._error), self._error.error_code)
         try:
-            msg = self._decoder.next_message()
+            msg = self._decoder.next_event()
             if msg is not None:
                 self._lifecycle.receive(msg)
                 return msg

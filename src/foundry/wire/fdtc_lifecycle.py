@@ -35,10 +35,12 @@ yet, and admits everything the peer may legitimately send under any interleaving
   (WEIGHTS, SHUTDOWN) and on what it has received (REGISTER, DEREGISTER); PAUSE changes no
   state, since gradients computed before the worker read it still arrive (the coordinator
   acknowledges them as refused);
-- the worker's table mirrors it: it moves when the worker sends REGISTER or DEREGISTER and
-  when it *receives* WEIGHTS or SHUTDOWN. The byte stream keeps order, so whatever the
-  coordinator may send in one of its states, the worker may receive in the same state;
-- the admin client's table has two states: CONNECTED, then ADMIN once a request went out.
+- the worker's table is the coordinator's with the directions swapped (``_mirror``): it
+  moves when the worker sends REGISTER or DEREGISTER and when it *receives* WEIGHTS or
+  SHUTDOWN. The byte stream keeps order, so whatever the coordinator may send in one of its
+  states, the worker may receive in the same state;
+- the admin client's table is the admin link's half of that mirror: CONNECTED, then ADMIN
+  once a request went out.
 
 ERROR is legal in both directions in every open state; whether it ends the link is the
 service's choice, made with ``close()``. Two orders inside a state are kept apart from the
@@ -151,51 +153,29 @@ def _coordinator() -> _Table:
     return t
 
 
-def _worker() -> _Table:
-    S, Rx, Tx, M = LinkState, Direction.RECEIVED, Direction.SENT, MsgType  # table shorthand
-    t: _Table = {}
-    add = partial(_add, t)
-    # Before REGISTER: our data first (optional), then who we are; a refusal may come back.
-    add(S.CONNECTED, Tx, (M.DATASET, M.ERROR))
-    add(S.CONNECTED, Tx, (M.REGISTER,), S.REGISTERED)
-    add(S.CONNECTED, Tx, (M.DEREGISTER,), S.CLOSED)
-    add(S.CONNECTED, Rx, (M.REGISTER_ACK, M.ERROR))
-    # Registered, no weights received yet.
-    add(S.REGISTERED, Tx, _WORKER_ANYTIME)
-    add(S.REGISTERED, Tx, (M.DEREGISTER,), S.CLOSED)
-    add(S.REGISTERED, Rx, _COORD_ANYTIME)
-    add(S.REGISTERED, Rx, (M.WEIGHTS,), S.READY)
-    add(S.REGISTERED, Rx, (M.SHUTDOWN,), S.STOPPING)
-    # Holding weights.
-    add(S.READY, Tx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
-    add(S.READY, Tx, (M.DEREGISTER,), S.CLOSED)
-    add(S.READY, Rx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.LOCAL_ASSIGN, M.UPDATE,
-                      M.GRADIENTS_ACK))
-    add(S.READY, Rx, (M.SHUTDOWN,), S.STOPPING)
-    # SHUTDOWN received: what we had under way may still go out, then DEREGISTER.
-    add(S.STOPPING, Tx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
-    add(S.STOPPING, Tx, (M.DEREGISTER,), S.CLOSED)
-    add(S.STOPPING, Rx, _COORD_STOPPING)
-    return t
+def _mirror(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
+            admin: bool) -> _Table:
+    """The peer's table: the coordinator's with the directions swapped. What one side may send
+    in a state the other may receive in it, since the byte stream keeps order; and a state is
+    entered on the same message on both sides (sent by one, received by the other). The
+    worker keeps the worker link's entries, the admin client the admin link's and the ERROR
+    either side may send before anything else was said."""
+    swap = {Direction.RECEIVED: Direction.SENT, Direction.SENT: Direction.RECEIVED}
+    out: _Table = {}
+    for (state, direction, msg_type), to in t.items():
+        admin_link = LinkState.ADMIN in (state, to)
+        if admin_link is admin or (admin and state is LinkState.CONNECTED and
+                                    msg_type is MsgType.ERROR):
+            out[state, swap[direction], msg_type] = to
+    return out
 
 
-def _admin() -> _Table:
-    S, Rx, Tx, M = LinkState, Direction.RECEIVED, Direction.SENT, MsgType  # table shorthand
-    t: _Table = {}
-    add = partial(_add, t)
-    add(S.CONNECTED, Tx, ADMIN_REQUESTS, S.ADMIN)
-    add(S.CONNECTED, Tx, (M.ERROR,))
-    add(S.CONNECTED, Rx, (M.ERROR,))
-    add(S.ADMIN, Tx, (*ADMIN_REQUESTS, M.ERROR))
-    add(S.ADMIN, Rx, _ADMIN_REPLIES)
-    return t
-
-
+_COORDINATOR = _coordinator()
 TABLES: Mapping[Role, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] = (
     MappingProxyType({
-        Role.COORDINATOR: MappingProxyType(_coordinator()),
-        Role.WORKER: MappingProxyType(_worker()),
-        Role.ADMIN: MappingProxyType(_admin()),
+        Role.COORDINATOR: MappingProxyType(_COORDINATOR),
+        Role.WORKER: MappingProxyType(_mirror(_COORDINATOR, admin=False)),
+        Role.ADMIN: MappingProxyType(_mirror(_COORDINATOR, admin=True)),
     })
 )
 TRANSITIONS = TABLES[Role.COORDINATOR]

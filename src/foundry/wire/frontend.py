@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from foundry.wire.errors import RemoteProtocolError
+from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.framing import FrameDecoder
 
 MAGIC = 0x45464446  # b"FDFE" little-endian
 HEADER = struct.Struct("<IBII")
@@ -86,9 +87,11 @@ class Generate:
 
     def __post_init__(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise LocalProtocolError(
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise LocalProtocolError("stop strings must not be empty")
 
     def payload(self) -> bytes:
         prompt = self.prompt.encode("utf-8")
@@ -276,62 +279,45 @@ def _expect_len(p: memoryview, n: int, what: str) -> None:
 def encode(frame: Frame) -> bytes:
     payload = frame.payload()
     if len(payload) > MAX_PAYLOAD:
-        raise ValueError(f"{frame.TYPE.name} payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+        raise LocalProtocolError(
+            f"{frame.TYPE.name} payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}"
+        )
     return HEADER.pack(MAGIC, frame.TYPE, frame.request_id, len(payload)) + payload
 
 
-class FrontendDecoder:
-    """Bytes in (``feed``), whole frames out (``next_frame``; None means "need more")."""
+class FrontendDecoder(FrameDecoder[Frame]):
+    """Bytes in (``feed``), whole frames out (``next_event``; None means "need more");
+    ``foundry.wire.framing`` does the buffering."""
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
+        super().__init__()
         self.max_payload = max_payload
-        self._buf = bytearray()
-        self._header: tuple[FrameType, int, int] | None = None
-        self._failed: FrontendProtocolError | None = None
+        self._header: tuple[FrameType, int] = (FrameType.CANCEL, 0)
 
-    @property
-    def buffered(self) -> int:
-        """Bytes of a frame begun but not complete (0 between frames)."""
-        return len(self._buf) + (HEADER_SIZE if self._header is not None else 0)
+    def _header_size(self) -> int:
+        return HEADER_SIZE
 
-    def feed(self, data: bytes) -> None:
-        if self._failed is not None:
-            raise self._failed
-        self._buf += data
-
-    def next_frame(self) -> Frame | None:
-        if self._failed is not None:
-            raise self._failed
+    def _begin(self, header: bytes) -> int:
+        magic, ftype, request_id, length = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise FrontendProtocolError(f"bad magic 0x{magic:08x}, expected 0x{MAGIC:08x} (FDFE)")
         try:
-            return self._next()
-        except FrontendProtocolError as exc:
-            self._failed = exc
-            self._buf.clear()
-            raise
+            kind = FrameType(ftype)
+        except ValueError:
+            raise FrontendProtocolError(f"unknown frame type 0x{ftype:02x}") from None
+        if length > self.max_payload:
+            raise FrontendProtocolError(
+                f"{kind.name} declares {length} payload bytes, the limit is {self.max_payload}"
+            )
+        self._header = (kind, request_id)
+        return int(length)
 
-    def _next(self) -> Frame | None:
-        if self._header is None:
-            if len(self._buf) < HEADER_SIZE:
-                return None
-            magic, ftype, request_id, length = HEADER.unpack_from(self._buf)
-            if magic != MAGIC:
-                raise FrontendProtocolError(
-                    f"bad magic 0x{magic:08x}, expected 0x{MAGIC:08x} (FDFE)"
-                )
-            try:
-                kind = FrameType(ftype)
-            except ValueError:
-                raise FrontendProtocolError(f"unknown frame type 0x{ftype:02x}") from None
-            if length > self.max_payload:
-                raise FrontendProtocolError(
-                    f"{kind.name} declares {length} payload bytes, the limit is {self.max_payload}"
-                )
-            self._header = (kind, request_id, length)
-            del self._buf[:HEADER_SIZE]
-        kind, request_id, length = self._header
-        if len(self._buf) < length:
-            return None
-        payload = memoryview(bytes(self._buf[:length]))
-        del self._buf[:length]
-        self._header = None
-        return _PARSERS[kind](request_id, payload)
+    def _finish(self, payload: memoryview) -> Frame:
+        kind, request_id = self._header
+        try:
+            return _PARSERS[kind](request_id, payload)
+        except LocalProtocolError as exc:  # a field value the dataclass refuses
+            raise FrontendProtocolError(f"{kind.name}: {exc}") from None
+
+    def _eof_error(self, message: str) -> FrontendProtocolError:
+        return FrontendProtocolError(message)

@@ -37,12 +37,16 @@ from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 
+from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
 from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.framing import FrameDecoder
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 # -- constants ---------------------------------------------------------------------------------
+
+Readable = bytes | bytearray | memoryview  # what a payload may be read from
 
 TP_PROTOCOL_VERSION = 1
 # On the wire the magics read as ASCII: "DTPH" (hello), "DTP4" (control frame), "DTPS" (slab).
@@ -326,7 +330,7 @@ def _encode_hello(h: Hello) -> bytes:
     )  # fmt: skip
 
 
-def _decode_hello(buf: bytes | bytearray, offset: int) -> Hello:
+def _decode_hello(buf: Readable, offset: int) -> Hello:
     v = HELLO.unpack_from(buf, offset)
     version, role, flags, mode = v[1], v[3], v[4], v[5]
     if role not in (Role.LEADER, Role.WORKER):
@@ -437,7 +441,7 @@ def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
     return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
-def _unpack_tokens(buf: bytes | bytearray, offset: int, count: int) -> tuple[int, ...]:
+def _unpack_tokens(buf: Readable, offset: int, count: int) -> tuple[int, ...]:
     return struct.unpack_from(f"<{count}i", buf, offset)
 
 
@@ -465,8 +469,11 @@ class _Frame:
     def _payload(self) -> bytes:
         return b""
 
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self._payload(),)
+
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(**header)
 
 
@@ -487,7 +494,7 @@ class Sync(_Frame):
         return _pack_tokens(self.tokens)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(tokens=_unpack_tokens(buf, offset, length // 4), **header)
 
 
@@ -507,7 +514,7 @@ class Eval(_Frame):
         return _I32.pack(self.token)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(token=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -527,7 +534,7 @@ class Rewind(_Frame):
         return _I32.pack(self.pos)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(pos=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -561,7 +568,7 @@ class Hash(_Frame):
         return _U64S.pack(self.value)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(value=_U64S.unpack_from(buf, offset)[0], **header)
 
 
@@ -569,14 +576,17 @@ class Hash(_Frame):
 class Logits(_Frame):
     """The worker's half of the vocabulary logits: count u32, then count float32.
 
-    ``values`` holds the raw little-endian float32 bytes (immutable, hashable); :meth:`array`
-    views them as numpy without a copy.
+    ``values`` holds the raw little-endian float32 bytes, as a read-only view where it can:
+    of the sender's array (``from_array``: send the frame before that array changes) or of
+    the received payload's own buffer. :meth:`array` views them as numpy. No step of the way
+    from the worker's rows to the leader's array copies them: they are written from the
+    array and read into the buffer they are parsed from.
     """
 
     TYPE = FrameType.LOGITS
     PAYLOAD_BASE = 4
     PAYLOAD_UNIT = 4
-    values: bytes = b""
+    values: bytes | memoryview = b""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -587,27 +597,24 @@ class Logits(_Frame):
 
     @classmethod
     def from_array(cls, half: np.ndarray, *, session_id: int = 0, seq: int = 0) -> Logits:
-        return cls(
-            values=np.ascontiguousarray(half, dtype="<f4").tobytes(),
-            session_id=session_id,
-            seq=seq,
-        )
+        view = np.ascontiguousarray(half, dtype="<f4").data.cast("B").toreadonly()
+        return cls(values=view, session_id=session_id, seq=seq)
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.values, dtype="<f4")
 
-    def _payload(self) -> bytes:
-        return _U32S.pack(len(self.values) // 4) + self.values
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return _U32S.pack(len(self.values) // 4), self.values
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         (count,) = _U32S.unpack_from(buf, offset)
         if 4 + 4 * count != length:
             raise TpProtocolError(
                 f"LOGITS says {count} floats but its payload is {length} bytes "
                 f"(expected {4 + 4 * count})"
             )
-        return cls(values=bytes(buf[offset + 4 : offset + length]), **header)
+        return cls(values=memoryview(buf)[offset + 4 : offset + length], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -638,7 +645,7 @@ class Verify(_Frame):
         return _U32S.pack(self.flags) + _pack_tokens(self.drafts)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         (flags,) = _U32S.unpack_from(buf, offset)
         return cls(flags=flags, drafts=_unpack_tokens(buf, offset + 4, length // 4 - 1), **header)
 
@@ -664,7 +671,7 @@ class VerifyCommit(_Frame):
         return _I32X2.pack(self.mode, self.token_count)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         mode, count = _I32X2.unpack_from(buf, offset)
         if mode not in VerifyCommitMode.__members__.values():
             raise TpProtocolError(f"VERIFY_COMMIT: unknown mode {mode} (0, 1 or 2)")
@@ -687,7 +694,7 @@ class SessionCreate(_Frame):
         return _U32S.pack(self.ctx_size)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(ctx_size=_U32S.unpack_from(buf, offset)[0], **header)
 
 
@@ -722,7 +729,7 @@ def _pack_items(items: tuple[BatchItem, ...]) -> bytes:
     return b"".join(BATCH_ITEM.pack(it.session_id, it.token, 0) for it in items)
 
 
-def _unpack_items(buf: bytes | bytearray, offset: int, count: int) -> tuple[BatchItem, ...]:
+def _unpack_items(buf: Readable, offset: int, count: int) -> tuple[BatchItem, ...]:
     items = []
     for sid, token, reserved in BATCH_ITEM.iter_unpack(buf[offset : offset + 16 * count]):
         if reserved:
@@ -748,7 +755,7 @@ class EvalBatch(_Frame):
         return _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(items=_unpack_items(buf, offset, length // BATCH_ITEM.size), **header)
 
 
@@ -775,7 +782,7 @@ class MixedBatch(_Frame):
         return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         n_prompt, n_items = _U32X2.unpack_from(buf, offset)
         if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
             raise TpProtocolError(
@@ -804,7 +811,7 @@ class CommandAck(_Frame):
         return _I32.pack(self.status)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         return cls(status=_I32.unpack_from(buf, offset)[0], **header)
 
 
@@ -834,7 +841,7 @@ class SyncCheckpoint(_Frame):
         return _CHECKPOINT.pack(self.point, self.current, self.total, self.requested)
 
     @classmethod
-    def _parse(cls, buf: bytes | bytearray, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
         point, current, total, requested = _CHECKPOINT.unpack_from(buf, offset)
         if requested > 1:
             raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
@@ -859,15 +866,22 @@ assert set(FRAME_CLASSES).isdisjoint(UNSUPPORTED_FRAME_TYPES)
 assert set(FRAME_CLASSES) | set(UNSUPPORTED_FRAME_TYPES) == set(FrameType)
 
 
+def encode_parts(frame: Frame) -> list[bytes | memoryview]:
+    """The pieces of a hello or a control frame, to write in order (a LOGITS half as the view
+    it is, uncopied)."""
+    if isinstance(frame, Hello):
+        return [_encode_hello(frame)]
+    parts = frame._payload_parts()
+    length = sum(len(p) for p in parts)
+    header = FRAME_HEADER.pack(
+        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, length
+    )
+    return [header, *parts]
+
+
 def encode(frame: Frame) -> bytes:
     """The bytes of a hello or a control frame."""
-    if isinstance(frame, Hello):
-        return _encode_hello(frame)
-    payload = frame._payload()
-    header = FRAME_HEADER.pack(
-        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, len(payload)
-    )
-    return header + payload
+    return b"".join(encode_parts(frame))
 
 
 def max_payload_for(identity: Identity) -> int:
@@ -881,87 +895,56 @@ def max_payload_for(identity: Identity) -> int:
     )
 
 
-class _State(enum.Enum):
-    HELLO = "awaiting the hello"
-    FRAMES = "reading control frames"
-    FAILED = "failed"
+class TpDecoder(FrameDecoder[Frame]):
+    """Incremental decoder (``foundry.wire.framing``): ``feed`` bytes as they arrive, take the
+    hello (when ``expect_hello``) and then control frames with ``next_event``.
 
-
-class TpDecoder:
-    """Incremental decoder: ``feed`` bytes as they arrive, take records with ``next_frame``.
-
-    ``next_frame`` returns the next complete hello or control frame, or ``None`` when more
-    bytes are needed. Buffering is linear: one bytearray plus a read offset, compacted once
-    half of it is consumed. After a :class:`TpProtocolError` the decoder is failed for good.
+    The hello's 8-byte prefix is checked before the rest of it is kept, a control frame's
+    28-byte header before its payload. After a :class:`TpProtocolError` the decoder is failed
+    for good.
     """
 
     def __init__(self, max_payload: int = TP_MAX_PAYLOAD, *, expect_hello: bool = False) -> None:
         if max_payload < 0:
             raise ValueError(f"max_payload must be >= 0, got {max_payload}")
+        super().__init__()
         self.max_payload = max_payload
-        self._buf = bytearray()
-        self._pos = 0
-        self._state = _State.HELLO if expect_hello else _State.FRAMES
-        self._error: TpProtocolError | None = None
-        # (type, session_id, seq, length) of a header already validated, awaiting its payload.
-        self._header: tuple[FrameType, int, int, int] | None = None
+        self._hello_next = expect_hello
+        self._hello_prefix = b""
+        # (type, session_id, seq) of a header already validated, awaiting its payload.
+        self._header: tuple[FrameType, int, int] = (FrameType.STOP, 0, 0)
 
-    @property
-    def buffered(self) -> int:
-        """Bytes fed but not yet returned as records."""
-        return len(self._buf) - self._pos
+    def _header_size(self) -> int:
+        return HELLO_PREFIX.size if self._hello_next else FRAME_HEADER_SIZE
 
-    @property
-    def in_record(self) -> bool:
-        """A record has begun and is not complete yet (its header may be consumed already)."""
-        return self.buffered > 0 or self._header is not None
+    def _begin(self, header: bytes) -> int:
+        if self._hello_next:
+            self._check_hello_prefix(header)
+            self._hello_prefix = header
+            return HELLO_SIZE - HELLO_PREFIX.size
+        ftype, session_id, seq, length = self._parse_header(header)
+        self._header = (ftype, session_id, seq)
+        return length
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        self._check_usable()
-        self._buf += data
-
-    def feed_eof(self) -> None:
-        """The peer closed the stream: an error if it stopped in the middle of a record."""
-        self._check_usable()
-        if self.buffered:
-            self._fail(
-                f"connection closed in the middle of a record ({self.buffered} bytes buffered, "
-                f"{self._state.value})"
-            )
-
-    def next_frame(self) -> Frame | None:
-        self._check_usable()
+    def _finish(self, payload: memoryview) -> Frame:
+        if self._hello_next:
+            hello = _decode_hello(self._hello_prefix + bytes(payload), 0)
+            self._hello_next = False
+            return hello
+        ftype, session_id, seq = self._header
         try:
-            if self._state is _State.HELLO:
-                return self._next_hello()
-            return self._next_control()
-        except TpProtocolError as exc:
-            self._state = _State.FAILED
-            self._error = exc
-            raise
+            return FRAME_CLASSES[ftype]._parse(  # type: ignore[return-value]
+                payload, 0, len(payload), session_id=session_id, seq=seq
+            )
+        except LocalProtocolError as exc:
+            raise TpProtocolError(f"{ftype.name}: {exc}") from None
 
-    def _check_usable(self) -> None:
-        if self._state is _State.FAILED:
-            raise TpProtocolError(f"decoder already failed: {self._error}")
+    def _eof_error(self, message: str) -> TpProtocolError:
+        return TpProtocolError(message)
 
-    def _fail(self, message: str) -> None:
-        self._state = _State.FAILED
-        self._error = TpProtocolError(message)
-        raise self._error
-
-    def _consume(self, n: int) -> None:
-        self._pos += n
-        if self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        elif self._pos > 4096 and 2 * self._pos > len(self._buf):
-            del self._buf[: self._pos]
-            self._pos = 0
-
-    def _next_hello(self) -> Hello | None:
-        if self.buffered < HELLO_PREFIX.size:
-            return None
-        magic, version, size = HELLO_PREFIX.unpack_from(self._buf, self._pos)
+    @staticmethod
+    def _check_hello_prefix(prefix: bytes) -> None:
+        magic, version, size = HELLO_PREFIX.unpack(prefix)
         if magic == TP_FRAME_MAGIC:
             raise TpProtocolError("expected the peer's hello first, got a control frame")
         if magic != TP_HELLO_MAGIC:
@@ -974,35 +957,9 @@ class TpDecoder:
         if size != HELLO_SIZE:
             raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes, "
                                   f"the peer says {size}")
-        if self.buffered < HELLO_SIZE:
-            return None
-        hello = _decode_hello(self._buf, self._pos)
-        self._consume(HELLO_SIZE)
-        self._state = _State.FRAMES
-        return hello
 
-    def _next_control(self) -> ControlFrame | None:
-        if self._header is None:
-            if self.buffered < FRAME_HEADER_SIZE:
-                return None
-            self._header = self._parse_header()
-            self._consume(FRAME_HEADER_SIZE)
-        ftype, session_id, seq, length = self._header
-        if self.buffered < length:
-            return None
-        cls = FRAME_CLASSES[ftype]
-        try:
-            frame = cls._parse(self._buf, self._pos, length, session_id=session_id, seq=seq)
-        except LocalProtocolError as exc:
-            raise TpProtocolError(f"{ftype.name}: {exc}") from None
-        self._consume(length)
-        self._header = None
-        return frame  # type: ignore[return-value]
-
-    def _parse_header(self) -> tuple[FrameType, int, int, int]:
-        magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack_from(
-            self._buf, self._pos
-        )
+    def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:
+        magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack(header)
         if magic == TP_HELLO_MAGIC:
             raise TpProtocolError("unexpected hello after the handshake")
         if magic != TP_FRAME_MAGIC:
@@ -1038,13 +995,6 @@ class TpDecoder:
 
 
 # -- the data plane ----------------------------------------------------------------------------
-
-
-class Gate(enum.IntEnum):
-    """Which sync point of a layer a partial belongs to (DS4_TP_GATE_ATTN / _FFN)."""
-
-    ATTN = 0
-    FFN = 1
 
 
 # layer u16, gate u8, flags u8, seq u64, rows u32, n_embd u32; the payload that follows is

@@ -1,0 +1,334 @@
+"""The framed-stream driver every link uses: bytes from a socket into a decoder, events out.
+
+The codecs (``foundry.wire``) do all the parsing behind one interface (``feed``,
+``next_event``, ``feed_eof``, ``buffered``: ``foundry.wire.framing``); this module only moves
+bytes and enforces time, once, for every link:
+
+- ``AsyncStream``, over an asyncio stream pair: the swarm's worker and admin links (through
+  ``FdtcStream``), the TP leader's frontend server and the gateway's frontend client;
+- ``BlockingStream``, over a blocking socket: the TP control link on both ranks and the
+  blocking FDTC admin client of ``foundry up``.
+
+The **frame deadline**: once a frame has begun, the rest of it must arrive within
+``frame_deadline_s``, so a slow or malicious sender cannot pin a socket and a buffer forever
+(``FrameTimeout``). Between frames a reader may wait without limit, or up to an idle timeout
+it names. A send is bounded by the same deadline: a peer that takes no bytes within it is cut
+off, so a reader that stopped reading cannot make us buffer without end.
+
+Every asyncio wait is bounded with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python
+3.11 ``wait_for`` drops a cancellation that arrives in the same loop iteration as the awaited
+result, and a worker whose task is cancelled by SIGTERM would then go on training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
+
+__all__ = [
+    "JOIN_BELOW",
+    "READ_CHUNK",
+    "AsyncStream",
+    "BlockingStream",
+    "Decoder",
+    "FrameTimeout",
+    "LinkError",
+    "StreamClosed",
+    "coalesce",
+    "peer_name",
+]
+
+E = TypeVar("E")
+E_co = TypeVar("E_co", covariant=True)
+
+# Bytes asked of the socket per read: large enough that a 1 MB weights message is a handful
+# of reads, small enough not to over-allocate per connection.
+READ_CHUNK = 256 * 1024
+# Frame pieces this large (tensor data, a LOGITS half) are written as the views they are, not
+# copied into a joined frame first; smaller ones are joined, so a small frame is one write.
+JOIN_BELOW = 64 * 1024
+
+
+class Decoder(Protocol[E_co]):
+    """What a driver needs of a codec (every ``foundry.wire`` decoder is one)."""
+
+    @property
+    def buffered(self) -> int: ...
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def feed_eof(self) -> None: ...
+
+    def next_event(self) -> E_co | None: ...
+
+
+class StreamClosed(ConnectionError):
+    """The peer closed the connection (cleanly, or half-way through a frame)."""
+
+
+class FrameTimeout(TimeoutError):
+    """A frame begun by the peer was not completed within the frame deadline (or the peer did
+    not take a frame of ours within it)."""
+
+
+class LinkError(ConnectionError):
+    """A blocking link failed: the peer closed it, went silent past the deadline, or the
+    socket broke. The link is unusable afterwards."""
+
+
+def peer_name(address: object) -> str:
+    """``host:port`` of a socket address (a path or ``?`` for anything else)."""
+    if isinstance(address, tuple):
+        return f"{address[0]}:{address[1]}"
+    return str(address or "?")
+
+
+def coalesce(pieces: Iterable[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``pieces`` to write in order: runs of small pieces joined, large ones as given."""
+    out: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for piece in pieces:
+        if len(piece) < JOIN_BELOW:
+            small.append(piece)
+            continue
+        if small:
+            out.append(small[0] if len(small) == 1 else b"".join(small))
+            small = []
+        out.append(piece)
+    if small:
+        out.append(small[0] if len(small) == 1 else b"".join(small))
+    return out
+
+
+def _late(peer: str, deadline_s: float) -> str:
+    return (f"{peer} began a frame and did not finish it within {deadline_s:g} s "
+            "(frame deadline)")
+
+
+class AsyncStream(Generic[E]):
+    """One asyncio connection: ``recv`` the next event, ``send_pieces`` of frames, ``close``."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        decoder: Decoder[E],
+        *,
+        frame_deadline_s: float,
+        read_chunk: int = READ_CHUNK,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = decoder
+        self.frame_deadline_s = frame_deadline_s
+        self.read_chunk = read_chunk
+        self.peer = peer_name(writer.get_extra_info("peername"))
+        self.bytes_in = 0
+        self.bytes_out = 0
+        # time.monotonic() of the last bytes received: a peer in the middle of a large frame
+        # (a gradient on a slow link) is alive although no whole message arrived for a while.
+        self.last_rx = time.monotonic()
+
+    async def recv(self, idle_timeout_s: float | None = None) -> E:
+        """The next whole event. Raises StreamClosed, FrameTimeout, TimeoutError (idle past
+        ``idle_timeout_s``), or the codec's protocol error for bad bytes."""
+        loop = asyncio.get_running_loop()
+        frame_started: float | None = None
+        while True:
+            event = self.decoder.next_event()
+            if event is not None:
+                return event
+            partial = self.decoder.buffered > 0
+            timeout = idle_timeout_s
+            if partial:
+                if frame_started is None:
+                    frame_started = loop.time()
+                timeout = self.frame_deadline_s - (loop.time() - frame_started)
+                if timeout <= 0:
+                    raise FrameTimeout(_late(self.peer, self.frame_deadline_s))
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await self.reader.read(self.read_chunk)
+            except TimeoutError:
+                if partial:
+                    raise FrameTimeout(_late(self.peer, self.frame_deadline_s)) from None
+                raise
+            if not data:
+                if partial:
+                    raise StreamClosed(f"{self.peer} closed the connection in mid-frame")
+                raise StreamClosed(f"{self.peer} closed the connection")
+            self.bytes_in += len(data)
+            self.last_rx = time.monotonic()
+            self.decoder.feed(data)
+
+    def write_pieces(self, pieces: Iterable[bytes | memoryview]) -> int:
+        """Queue pieces for writing without waiting (a write that must happen even while the
+        caller is being cancelled); ``drain`` bounds the wait for them."""
+        n = 0
+        for piece in pieces:
+            self.writer.write(piece)
+            n += len(piece)
+        self.bytes_out += n
+        return n
+
+    async def send_pieces(self, pieces: Sequence[bytes | memoryview]) -> int:
+        """Write the pieces, then wait until the kernel took them (FrameTimeout after
+        ``frame_deadline_s``; the connection is then aborted)."""
+        n = self.write_pieces(pieces)
+        await self.drain(n)
+        return n
+
+    async def drain(self, n: int = 0) -> None:
+        try:
+            async with asyncio.timeout(self.frame_deadline_s):
+                await self.writer.drain()
+        except TimeoutError:
+            # Part of a frame may be on the wire: the connection cannot be used any more.
+            self.writer.transport.abort()
+            raise FrameTimeout(
+                f"{self.peer} did not take a frame of {n} bytes within "
+                f"{self.frame_deadline_s:g} s (it reads too slowly or not at all)"
+            ) from None
+
+    async def close(self) -> None:
+        if self.writer.is_closing():
+            return
+        self.writer.close()
+        # Not CancelledError: a stop that arrives while closing must reach the caller.
+        with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.writer.wait_closed()
+
+
+class BlockingStream(Generic[E]):
+    """One blocking socket with deadlines (owns the socket).
+
+    Every wait is bounded: a peer that moves no byte for ``timeout_s`` raises LinkError, so a
+    stalled or dead peer never hangs us, and a frame once begun must be complete within
+    ``frame_deadline_s``. ``recv(idle=...)`` is the one unbounded wait between frames; it wakes
+    every ``timeout_s`` to ask ``idle`` whether to keep waiting. ``deadline`` (an absolute
+    ``time.monotonic()``, None for none) bounds every ``recv`` as a whole, so a peer dripping
+    bytes cannot hold a bring-up open. The socket may be a TLS socket.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        decoder: Decoder[E],
+        *,
+        timeout_s: float,
+        frame_deadline_s: float,
+        name: str,
+        initial: bytes = b"",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if frame_deadline_s <= 0:
+            raise ValueError(f"frame_deadline_s must be positive, got {frame_deadline_s}")
+        self.sock = sock
+        self.decoder = decoder
+        self.name = name
+        self.timeout_s = timeout_s
+        self.frame_deadline_s = frame_deadline_s
+        self.deadline: float | None = None
+        self.bytes_sent = 0
+        self.bytes_received = len(initial)
+        if initial:
+            decoder.feed(initial)
+        self._sock_timeout = timeout_s
+        sock.settimeout(timeout_s)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Requests are small writes that the peer waits for; never hold them back.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            address: object = sock.getpeername()
+        except OSError:
+            address = None
+        self.peer = peer_name(address)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._settimeout(timeout_s)
+
+    def _settimeout(self, timeout_s: float) -> None:
+        # Only on a change: each call is a system call, and recv runs per frame.
+        if timeout_s != self._sock_timeout:
+            self.sock.settimeout(timeout_s)
+            self._sock_timeout = timeout_s
+
+    def send_pieces(self, pieces: Sequence[bytes | memoryview]) -> int:
+        """Write the pieces in order (large ones as the views they are, uncopied)."""
+        self._settimeout(self.timeout_s)
+        n = sum(len(p) for p in pieces)
+        try:
+            for piece in coalesce(pieces):
+                self.sock.sendall(piece)
+        except TimeoutError:
+            raise LinkError(
+                f"{self.name} to {self.peer}: the peer took no bytes for {self.timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            raise LinkError(f"{self.name} to {self.peer} failed: {exc}") from None
+        self.bytes_sent += n
+        return n
+
+    def recv(self, waiting_for: str = "a frame", idle: Callable[[], bool] | None = None) -> E:
+        """The next event. Without ``idle``, LinkError after ``timeout_s`` of silence; with it,
+        silence is fine as long as ``idle()`` returns True (False: LinkError, "stopped")."""
+        begun: float | None = None  # when the frame now arriving began
+        while True:
+            event = self.decoder.next_event()
+            if event is not None:
+                return event
+            timeout = self.timeout_s
+            now = time.monotonic()
+            if self.decoder.buffered:
+                begun = now if begun is None else begun
+                left = begun + self.frame_deadline_s - now
+                if left <= 0:
+                    raise self._frame_late(waiting_for)
+                timeout = min(timeout, left)
+            if self.deadline is not None:
+                left = self.deadline - now
+                if left <= 0:
+                    raise LinkError(f"{self.name} to {self.peer}: {waiting_for} did not arrive "
+                                    "in time")
+                timeout = min(timeout, left)
+            self._settimeout(timeout)
+            try:
+                data = self.sock.recv(READ_CHUNK)
+            except TimeoutError:
+                if begun is not None and time.monotonic() - begun >= self.frame_deadline_s:
+                    raise self._frame_late(waiting_for) from None
+                if idle is not None and idle():
+                    continue
+                if idle is not None:
+                    raise LinkError("stopped while waiting for the peer") from None
+                raise LinkError(
+                    f"{self.name} to {self.peer}: no bytes for {self.timeout_s:g} s while "
+                    f"waiting for {waiting_for}; the peer stalled"
+                ) from None
+            except OSError as exc:
+                raise LinkError(f"{self.name} to {self.peer} failed: {exc}") from None
+            if not data:
+                self.decoder.feed_eof()
+                raise LinkError(
+                    f"the peer at {self.peer} closed the {self.name} "
+                    f"(while waiting for {waiting_for})"
+                )
+            self.bytes_received += len(data)
+            self.decoder.feed(data)
+
+    def _frame_late(self, waiting_for: str) -> LinkError:
+        return LinkError(
+            f"{self.name} to {self.peer}: the peer began a frame and did not finish it within "
+            f"{self.frame_deadline_s:g} s (frame deadline); closed while waiting for "
+            f"{waiting_for}"
+        )
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,165 @@
+"""The one frame buffer every wire codec decodes with: a fixed header, then a payload it sizes.
+
+Theory of operation
+-------------------
+Every link here frames the same way: a header of known size (FDTC 9 bytes, TP control 28, the
+TP hello's 8-byte prefix, frontend 13) that names the payload's length. ``FrameDecoder`` owns
+the buffering and the error discipline; a codec subclasses it with three hooks:
+
+- ``_header_size()``: how many bytes the next header has (it may change with the state, as
+  the TP hello comes before the frames);
+- ``_begin(header)``: check the header (magic, type, the length limit, the type's size rule)
+  and return the payload's length. It runs the moment the header's last byte arrives, so no
+  payload byte of a bad frame is ever kept;
+- ``_finish(payload)``: build the event from that payload.
+
+``feed`` parses eagerly and queues complete events; ``next_event`` hands them out (``None``:
+more bytes are needed). Each payload is received into a buffer of its own, sized once by the
+header and written exactly once, so decoding is linear in the input and an event may keep a
+view of its payload (tensor data, a LOGITS half) without a copy. ``buffered`` is the partial
+frame held, never more than the header plus the limit the codec enforces.
+
+Errors keep stream order: events completed before bad bytes come out first, then
+``next_event`` raises the codec's RemoteProtocolError, and keeps raising; ``feed`` raises too.
+The decoder is closed for good (after a framing error the frame boundaries are lost).
+``feed_eof`` says the peer closed the stream: an error if it stopped in the middle of a frame.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from foundry.wire.errors import RemoteProtocolError
+
+__all__ = ["FrameDecoder"]
+
+E = TypeVar("E")
+
+# Payloads this large get an uninitialised numpy buffer (pages committed only as the peer's
+# bytes fill them, so a header announcing 256 MiB costs no memory until the bytes come);
+# smaller ones a bytearray, cheaper to make for the many small frames of a busy link.
+_LARGE_PAYLOAD = 64 * 1024
+_NO_PAYLOAD = memoryview(b"")
+
+
+def _payload_buffer(length: int) -> memoryview:
+    if length >= _LARGE_PAYLOAD:
+        return np.empty(length, dtype=np.uint8).data
+    return memoryview(bytearray(length))
+
+
+class FrameDecoder(ABC, Generic[E]):
+    """Bytes in (``feed``), events out (``next_event``); see the module docstring."""
+
+    def __init__(self) -> None:
+        self._head = bytearray()
+        self._in_payload = False
+        self._length = 0
+        self._payload = _NO_PAYLOAD  # the frame's payload buffer, its first _filled bytes in
+        self._filled = 0
+        self._ready: deque[E] = deque()
+        self._error: RemoteProtocolError | None = None
+        self._reported = False  # next_event raised _error once already
+
+    # -- the codec's hooks
+
+    @abstractmethod
+    def _header_size(self) -> int: ...
+
+    @abstractmethod
+    def _begin(self, header: bytes) -> int:
+        """Check a whole header; the payload length it announces."""
+
+    @abstractmethod
+    def _finish(self, payload: memoryview) -> E:
+        """The event of the frame whose header ``_begin`` just accepted."""
+
+    # -- the interface every decoder shares
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of a frame begun and not yet complete, header included (0 between frames)."""
+        if not self._in_payload:
+            return len(self._head)
+        return len(self._head) + self._filled
+
+    @property
+    def closed(self) -> bool:
+        """True after bad input: nothing more will be decoded."""
+        return self._error is not None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise self._again()
+        view = memoryview(data).cast("B")
+        pos, end = 0, len(view)
+        try:
+            while pos < end:
+                if not self._in_payload:
+                    take = min(self._header_size() - len(self._head), end - pos)
+                    self._head += view[pos : pos + take]
+                    pos += take
+                    if len(self._head) == self._header_size():
+                        self._length = self._begin(bytes(self._head))
+                        self._in_payload = True
+                        self._payload, self._filled = _payload_buffer(self._length), 0
+                else:
+                    take = min(self._length - self._filled, end - pos)
+                    self._payload[self._filled : self._filled + take] = view[pos : pos + take]
+                    self._filled += take
+                    pos += take
+                if self._in_payload and self._filled == self._length:
+                    payload = self._payload.toreadonly()
+                    self._head, self._in_payload = bytearray(), False
+                    self._payload, self._filled = _NO_PAYLOAD, 0
+                    self._ready.append(self._finish(payload))
+        except RemoteProtocolError as exc:
+            self._error = exc
+            self._head, self._in_payload = bytearray(), False
+            self._payload, self._filled = _NO_PAYLOAD, 0
+
+    def feed_eof(self) -> None:
+        """The peer closed the stream; an error if it did so in the middle of a frame."""
+        if self._error is not None:
+            raise self._again()
+        if self.buffered:
+            self._error = self._eof_error(
+                f"connection closed in the middle of a frame ({self.buffered} bytes of it "
+                "received)"
+            )
+            self._reported = True
+            raise self._error
+
+    def next_event(self) -> E | None:
+        """The next complete event, None if more bytes are needed; raises the codec's
+        protocol error (every time) once the events before bad input are consumed."""
+        if self._ready:
+            return self._ready.popleft()
+        if self._error is not None:
+            if self._reported:
+                raise self._again()
+            self._reported = True
+            raise self._error
+        return None
+
+    def events(self) -> Iterator[E]:
+        """Every complete event buffered now."""
+        while (event := self.next_event()) is not None:
+            yield event
+
+    @abstractmethod
+    def _eof_error(self, message: str) -> RemoteProtocolError:
+        """The codec's protocol error for ``message``."""
+
+    def _again(self) -> RemoteProtocolError:
+        """The first error again, said to be old news (same type, same error code)."""
+        assert self._error is not None
+        again = copy.copy(self._error)
+        again.args = (f"decoder already failed and is closed: {self._error}",)
+        return again
