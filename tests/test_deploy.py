@@ -102,6 +102,17 @@ def test_compose_uses_the_metrics_port_plan() -> None:
         assert f"--metrics-port={port}" in services[name]["command"], name
 
 
+def test_compose_restarts_what_fails_and_not_what_ended_on_purpose() -> None:
+    """As `foundry up` does: a failed service comes back; a clean exit (a worker when
+    training is done, the coordinator after `foundry ctl shutdown`) is not undone."""
+    services = compose_services()
+    assert services["model-init"]["restart"] == "no"
+    for name in ("coordinator", "worker"):
+        assert services[name]["restart"] == "on-failure", name
+    for name in ("tp-leader", "tp-worker", "gateway", "prometheus", "grafana"):
+        assert services[name]["restart"] == "unless-stopped", name
+
+
 def test_compose_workers_scale_and_everything_waits_for_health() -> None:
     services = compose_services()
     assert "container_name" not in services["worker"], "a fixed name blocks --scale worker=N"

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from foundry.up.plan import (
+    RESTART_MAX_S,
     StackError,
     StackOptions,
     StackPorts,
+    default_checkpoint_every,
     prometheus_config,
+    restart_delay,
     serving_services,
     training_services,
 )
@@ -89,6 +92,21 @@ def test_command_lines_wire_the_services_together(tmp_path: Path) -> None:
     assert rank1.argv[rank1.argv.index("--leader") + 1] == "127.0.0.1:7090"
     token_gateway = training_services(opt, ports, tmp_path / "token")[1]
     assert "--token-file" in token_gateway.argv
+
+
+def test_checkpoint_interval_is_a_flag_with_a_bounded_default(tmp_path: Path) -> None:
+    # A quarter of the run, but never fewer than 10 nor more than 100 steps apart.
+    assert [default_checkpoint_every(n) for n in (8, 200, 20000)] == [10, 50, 100]
+    opt = StackOptions(steps=20000, checkpoint_every=7, run_dir=tmp_path)
+    coordinator = training_services(opt, StackPorts.of(opt), None)[0]
+    assert coordinator.argv[coordinator.argv.index("--checkpoint-every") + 1] == "7"
+    with pytest.raises(StackError, match="--checkpoint-every"):
+        StackOptions(checkpoint_every=0)
+
+
+def test_restart_backoff_doubles_up_to_a_cap() -> None:
+    assert [restart_delay(n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert restart_delay(50) == RESTART_MAX_S
 
 
 def test_prometheus_config_scrapes_every_service() -> None:
@@ -249,5 +267,58 @@ def test_up_killed_while_training_leaves_no_process(tmp_path: Path, sig: signal.
         up.proc.wait(timeout=30)
         # After SIGKILL the kernel's parent-death signal (SIGKILL) ends them.
         assert wait_gone(children, 15.0) == [], up.text()
+    finally:
+        up.cleanup()
+
+
+def test_one_stack_per_run_dir_and_dead_services_come_back(tmp_path: Path) -> None:
+    """A second `foundry up` in a running stack's run dir (on other ports, with --fresh) is
+    refused with the holder's pid and touches nothing; a worker and the coordinator killed
+    with SIGKILL are restarted, and training goes on from the last checkpoint."""
+    up, _ = start_up(tmp_path, 1, "--steps", "100000", "--checkpoint-every", "2")
+    try:
+        up.wait_for(r"training tiny for 100000 steps", 60)
+        ckpts = up.run_dir / "checkpoints"
+        deadline = time.monotonic() + 60
+        while not list(ckpts.glob("*.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(ckpts.glob("*.ckpt")), up.text()
+        sentinel = ckpts / "sentinel"
+        sentinel.write_text("the first stack's\n")
+
+        second = subprocess.run(
+            [sys.executable, "-m", "foundry", "up", "--run-dir", str(up.run_dir), "--fresh",
+             "--no-prometheus", *free_layout(1)],
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"in use by another `foundry up` (pid {up.proc.pid})" in second.stderr
+        assert "--run-dir" in second.stderr
+        assert sentinel.exists(), "--fresh deleted the running stack's checkpoints"
+        assert up.children()  # stack.json is still the first stack's
+
+        worker = up.children()["worker-0"]
+        os.kill(worker, signal.SIGKILL)
+        up.wait_for(r"restarted worker-0 \(exit -9\) after 1\.0 s", 30)
+        assert up.children()["worker-0"] != worker
+        assert "restarted worker-0 (exit -9)" in (up.run_dir / "logs/worker-0.log").read_text()
+
+        os.kill(up.children()["coordinator"], signal.SIGKILL)
+        up.wait_for(r"restarted coordinator \(exit -9\) after 1\.0 s", 30)
+        log = up.run_dir / "logs" / "coordinator.log"
+
+        def since_restart() -> str:
+            return log.read_text().rpartition("restarted coordinator (exit -9)")[2]
+
+        pattern = r"resumed from \S+ at step (\d+)(?s:.*)step (\d+): loss"
+        deadline = time.monotonic() + 60
+        while not re.search(pattern, since_restart()) and time.monotonic() < deadline:
+            assert up.proc.poll() is None, up.text()
+            time.sleep(0.2)
+        m = re.search(pattern, since_restart())
+        assert m is not None, since_restart()[-3000:]
+        assert int(m.group(2)) > int(m.group(1)), "training did not go on after the restart"
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=30) == 0, up.text()
     finally:
         up.cleanup()

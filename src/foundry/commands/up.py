@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from foundry.commands.common import positive_int
 from foundry.model.config import PRESETS
 from foundry.up.pipeline import run_stack
-from foundry.up.plan import StackError, StackOptions
+from foundry.up.plan import MAX_CHECKPOINT_EVERY, MIN_CHECKPOINT_EVERY, StackError, StackOptions
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,7 +50,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     u.add_argument("--run-dir", type=Path, default=d.run_dir,
                    help=f"logs, checkpoints, model, pids (default {d.run_dir})")
     u.add_argument("--fresh", action="store_true",
-                   help="delete RUN_DIR/checkpoints first instead of resuming from them")
+                   help="delete RUN_DIR/checkpoints first instead of resuming from them (refused "
+                   "while another `foundry up` holds RUN_DIR)")
+    u.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                   help="steps between checkpoints (default: a quarter of --steps, between "
+                   f"{MIN_CHECKPOINT_EVERY} and {MAX_CHECKPOINT_EVERY}); Ctrl+C writes one more")
     u.add_argument("--prompt", default=d.prompt,
                    help=f"prompt of the sample printed once serving (default {d.prompt!r})")
     u.add_argument("--sample-tokens", type=int, default=d.sample_tokens, metavar="N",
@@ -72,6 +77,7 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             run_dir=args.run_dir,
             fresh=args.fresh,
+            checkpoint_every=args.checkpoint_every,
             prompt=args.prompt,
             sample_tokens=args.sample_tokens,
         )

@@ -26,7 +26,7 @@ from foundry.up.plan import (
     serving_services,
     training_services,
 )
-from foundry.up.supervisor import Stack, StopRequested, check_ports_free
+from foundry.up.supervisor import RunDirLock, Stack, StopRequested, check_ports_free
 from foundry.up.view import LiveView, TrainingSummary, num, printable
 from foundry.wire import fdtc
 
@@ -38,9 +38,18 @@ def watch_training(
     stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary
 ) -> fdtc.SwarmStatus:
     t0 = time.monotonic()
+    coordinator = stack.child("coordinator")
     while True:
-        stack.check_children()
-        st = admin.status()
+        stack.supervise()
+        try:
+            st = admin.status()
+        except StackError:
+            # A coordinator that is being restarted cannot answer yet; it resumes from its
+            # last checkpoint and the workers find it again by themselves.
+            if coordinator is not None and coordinator.settling():
+                time.sleep(POLL_S)
+                continue
+            raise
         summary.polls += 1
         if not math.isnan(st.train_loss):
             if math.isnan(summary.first_loss):
@@ -61,9 +70,24 @@ def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
     prometheus = shutil.which("prometheus") if opt.prometheus else None
     if prometheus is None:
         ports = StackPorts.of(dataclasses.replace(opt, prometheus=False))
-    check_ports_free(ports, opt.host)
     run = opt.run_dir
-    run.mkdir(parents=True, exist_ok=True)
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StackError(f"cannot create --run-dir {run}: {exc.strerror}") from None
+    lock = RunDirLock(run)
+    lock.acquire()
+    try:
+        check_ports_free(ports, opt.host)
+        return _run_locked(opt, ports, prometheus, out)
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    opt: StackOptions, ports: StackPorts, prometheus: str | None, out: TextIO
+) -> int:
+    run = opt.run_dir
     if opt.fresh:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
     token_file = None
@@ -131,7 +155,7 @@ def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
                 f"`{ctl} generate --prompt TEXT`; Ctrl+C stops everything"
             )
             while True:
-                stack.check_children(fatal=False)
+                stack.supervise(training=False)
                 time.sleep(POLL_S)
         except StopRequested:
             stack.say("stopping (Ctrl+C again to kill at once)")

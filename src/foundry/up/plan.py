@@ -31,10 +31,15 @@ class StackOptions:
     preset: str = "tiny"
     global_batch: int = 16
     fresh: bool = False
+    checkpoint_every: int | None = None  # None: ``default_checkpoint_every(steps)``
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise StackError(f"--steps must be at least 1, got {self.steps}")
+        if self.global_batch < 1:
+            raise StackError(f"--global-batch must be at least 1, got {self.global_batch}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise StackError(f"--checkpoint-every must be at least 1, got {self.checkpoint_every}")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise StackError(f"--workers must be 1 to {MAX_WORKERS}, got {self.workers}")
         if self.sample_tokens < 1:
@@ -49,6 +54,36 @@ class StackOptions:
     @property
     def loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def checkpoint_interval(self) -> int:
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return default_checkpoint_every(self.steps)
+
+
+# Checkpoints of a default run: a quarter of the run, at least this often (a stop writes one
+# more, so at most this many steps are ever lost to a crash, not to a stop) ...
+MAX_CHECKPOINT_EVERY = 100
+# ... and not more often than this: a tiny run need not write one every few steps.
+MIN_CHECKPOINT_EVERY = 10
+
+
+def default_checkpoint_every(steps: int) -> int:
+    return max(MIN_CHECKPOINT_EVERY, min(MAX_CHECKPOINT_EVERY, steps // 4))
+
+
+# Supervision: a service that exits non-zero (or is killed) after it started is started again
+# after RESTART_FIRST_S, doubling each time up to RESTART_MAX_S; once it has stayed up for
+# RESTART_RESET_S the next failure counts as its first again.
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds to wait before the restart that follows failure number ``failures`` (1, 2...)."""
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2.0 ** max(0, failures - 1))
 
 
 # Workers get metrics ports metrics_port + 10 + i: room for this many.
@@ -134,7 +169,7 @@ def training_services(
          "--checkpoint-dir", str(run / "checkpoints"), "--preset", opt.preset,
          "--max-steps", str(opt.steps), "--min-workers", str(opt.workers),
          "--global-batch", str(opt.global_batch),
-         "--checkpoint-every", str(max(10, opt.steps // 4)),
+         "--checkpoint-every", str(opt.checkpoint_interval),
          "--metrics-port", str(ports.coordinator_metrics), *metrics),
         r"coordinator listening:",
         stop_stage=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import re
@@ -18,7 +19,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from foundry.up.plan import ServiceSpec, StackError, StackPorts
+from foundry.up.plan import (
+    RESTART_RESET_S,
+    ServiceSpec,
+    StackError,
+    StackPorts,
+    restart_delay,
+)
 
 # A child must print its startup line within this time (the TP ranks load a model first).
 START_TIMEOUT_S = 60.0
@@ -30,6 +37,39 @@ _PR_SET_PDEATHSIG = 1
 
 class StopRequested(Exception):
     """SIGINT or SIGTERM arrived (not an error: the operator asked to stop)."""
+
+
+class RunDirLock:
+    """One `foundry up` per run dir: an exclusive ``flock`` on ``RUN_DIR/up.lock``, which
+    holds the holder's pid. The kernel drops the lock when the holder exits, however it
+    exits, so a stale file never blocks; the children do not inherit it (``close_fds``)."""
+
+    NAME = "up.lock"
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StackError(
+                f"run dir {self.path.parent} is in use by another `foundry up` (pid {holder}); "
+                f"stop that one first (Ctrl+C there, or kill {holder}), or give this one its "
+                "own folder with --run-dir DIR"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def check_ports_free(ports: StackPorts, host: str) -> None:
@@ -79,26 +119,45 @@ def _parent_death_hook() -> Callable[[], None] | None:
 
 
 class Child:
-    """A service process in its own session, its output in a log file."""
+    """A service process in its own session, its output in a log file; started again by
+    ``restart`` with the same command line and log."""
 
     def __init__(self, spec: ServiceSpec, log: Path, env: dict[str, str]) -> None:
         self.spec = spec
         self.log = log
-        # Logs are appended to, run after run; this run's output starts here.
-        self._start = log.stat().st_size if log.exists() else 0
+        self.env = env
         self._out = log.open("ab")
+        self.reported = False  # its exit has been told once
+        self.restarts = 0
+        self.failures = 0  # exits in a row, each within RESTART_RESET_S of its start
+        self.restart_at: float | None = None  # a restart is due then
+        self.last_exit: int | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        # Logs are appended to, run after run; this run's output starts here.
+        self._out.flush()
+        self._start = self.log.stat().st_size if self.log.exists() else 0
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            spec.argv,
+            self.spec.argv,
             stdin=subprocess.DEVNULL,
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self.env,
             # Its own session: Ctrl+C reaches `foundry up` only, which stops the children in
             # order, and killpg reaches anything a child starts.
             start_new_session=True,
             preexec_fn=_parent_death_hook(),
         )
-        self.reported = False  # its exit has been told once
+
+    def restart(self, note: str) -> None:
+        """Start the service again, after a line in its log saying why."""
+        self._out.write(f"--- foundry up: {note} ---\n".encode())
+        self.restarts += 1
+        self.restart_at = None
+        self.reported = False
+        self._spawn()
 
     @property
     def pid(self) -> int:
@@ -106,6 +165,12 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def settling(self) -> bool:
+        """Down, due for a restart, or restarted so lately that it may not serve yet."""
+        if self.restart_at is not None or not self.alive():
+            return True
+        return self.restarts > 0 and time.monotonic() - self.started_at < START_TIMEOUT_S
 
     def text(self) -> str:
         """What this run of the service wrote."""
@@ -199,25 +264,46 @@ class Stack:
             if pending:
                 time.sleep(0.05)
 
-    def check_children(self, *, fatal: bool = True) -> None:
-        """Tell once about each child that exited; raise if a critical one did and ``fatal``
-        (while serving, an exit is reported only: `foundry ctl shutdown` ends the coordinator
-        on purpose, and the rest keeps serving)."""
+    def child(self, name: str) -> Child | None:
+        return next((c for c in self.children if c.spec.name == name), None)
+
+    def supervise(self, *, training: bool = True) -> None:
+        """Restart each child that exited non-zero (or was killed), after a capped backoff
+        (``restart_delay``), and tell the live view and the child's log. A clean exit (0) is
+        the service's own decision and is not undone: told once, and while ``training`` a
+        critical one ends the stack (the run can no longer finish); once serving it is
+        reported only (`foundry ctl shutdown` ends the coordinator on purpose)."""
         self.check_stop()
+        now = time.monotonic()
         for child in self.children:
+            name = child.spec.name
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    delay = restart_delay(child.failures)
+                    note = f"restarted {name} (exit {child.last_exit}) after {delay:.1f} s"
+                    child.restart(note)
+                    self._write_pids()
+                    self.say(note)
+                continue
             if child.alive() or child.reported:
                 continue
-            child.reported = True
             code = child.proc.returncode
-            if not fatal:
-                if code != 0 or child.spec.critical:
-                    self.say(f"{child.spec.name} exited {code}; see {child.log}")
-            elif child.spec.critical:
-                raise StackError(
-                    f"{child.spec.name} exited {code} (log {child.log}):\n{child.tail()}"
-                )
-            if code != 0:
-                self.say(f"warning: {child.spec.name} exited {code}; see {child.log}")
+            if code == 0:
+                child.reported = True
+                if training and child.spec.critical:
+                    raise StackError(
+                        f"{name} exited 0 before training was done (log {child.log}):\n"
+                        f"{child.tail()}"
+                    )
+                if child.spec.critical:
+                    self.say(f"{name} exited 0; see {child.log}")
+                continue
+            quick = now - child.started_at < RESTART_RESET_S
+            child.failures = child.failures + 1 if quick else 1
+            child.last_exit = code
+            delay = restart_delay(child.failures)
+            child.restart_at = now + delay
+            self.say(f"{name} exited {code} (log {child.log}); restarting it in {delay:.1f} s")
 
     def _write_pids(self) -> None:
         state = {
