@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -92,3 +94,34 @@ def worker(tmp: Path, port: int, worker_id: str, *extra: str) -> Service:
         ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", worker_id, *extra],
         tmp / f"{worker_id}.log",
     )
+
+
+# ---------------------------------------------------------------------------- disk faults
+
+NEEDS_ROOT = "mounts a tmpfs or a read-only bind mount: needs root (CI runs as root)"
+
+
+@contextlib.contextmanager
+def read_only_dir(path: Path) -> Iterator[Path]:
+    """``path`` (created) bind-mounted onto itself read-only for the block: writes fail with
+    EROFS, as on a read-only volume."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def full_dir(path: Path, size: str = "2m") -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``path`` for the block: a checkpoint bigger than that fails
+    with ENOSPC, as on a full disk."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)

@@ -54,7 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    for n, arg in enumerate(arguments, start=1):
+        # Bytes that are not UTF-8 reach Python as lone surrogates. Every text we take goes
+        # on a wire or into a file as UTF-8, so refuse it here, once, for every command.
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = arg.encode("utf-8", "surrogateescape")
+            parser.error(f"argument {n} ({raw!r}) is not valid UTF-8; foundry takes UTF-8 text")
+    args = parser.parse_args(arguments)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -74,6 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # /dev/null so the interpreter's final flush does not complain again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (OSError, ValueError) as exc:
+        # A file that cannot be read or written, a value no flag check caught: one line, and
+        # the traceback only on request.
+        logging.getLogger("foundry").debug("failed", exc_info=True)
+        print(f"error: {exc} (--log-level DEBUG shows where)", file=sys.stderr)
+        return 1
     return code
 
 

@@ -33,12 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from foundry.commands.common import positive_int
+
 if TYPE_CHECKING:
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
 
 DEFAULT_HOSTS = "localhost,127.0.0.1,::1"
 DEFAULT_NAMESPACES = ("foundry", "foundry-dev")  # the namespaces of k8s/overlays
+
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="Kubernetes namespace whose service DNS names (NAME.NS.svc, ...) go in "
                    f"the server certificates; repeat for more (default: "
                    f"{', '.join(DEFAULT_NAMESPACES)})")
-    p.add_argument("--days", type=int, default=365,
+    p.add_argument("--days", type=positive_int, default=365,
                    help="validity of the certificates in days (default 365; the CA gets 10x)")
     p.set_defaults(func=run)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import ssl
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def host_port(text: str) -> tuple[str, int]:
 def add_metrics_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         default=None,
         metavar="P",
         help="serve Prometheus metrics on this port (0 picks a free one; default: off)",
@@ -103,21 +104,64 @@ def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, lin
     )
 
 
-def positive_seconds(text: str) -> float:
+# Counts, steps, seeds and token budgets travel as u32 on our wires (FDTC, protobuf): a value
+# above this could not be sent, so it is refused where it is typed.
+MAX_U32 = 2**32 - 1
+
+
+def _number(text: str, kind: type[int] | type[float], what: str) -> float:
     try:
-        value = float(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = _number(text, float, "a number of seconds")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be > 0")
     return value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+def positive_float(text: str) -> float:
+    value = _number(text, float, "a number")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
     return value
+
+
+def nonneg_float(text: str) -> float:
+    value = _number(text, float, "a number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    value = _number(text, float, "a number")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
+def _whole_in(text: str, low: int, high: int) -> int:
+    value = int(_number(text, int, "a whole number"))
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text} is out of range {low}-{high}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_in(text, 1, MAX_U32)
+
+
+def nonneg_int(text: str) -> int:
+    return _whole_in(text, 0, MAX_U32)
+
+
+def port_number(text: str) -> int:
+    return _whole_in(text, 0, 65535)

@@ -17,7 +17,14 @@ from typing import Any, TextIO
 
 import grpc
 
-from foundry.commands.common import host_port
+from foundry.commands.common import (
+    fraction,
+    host_port,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    positive_seconds,
+)
 
 DEFAULT_GATEWAY = ("127.0.0.1", 50051)
 # Deadline of a unary call when --timeout is not given; streams (watch, generate) get none.
@@ -48,7 +55,7 @@ def _connection_flags(parser: argparse.ArgumentParser, *, on_action: bool) -> No
                        help="use TLS, trusting the PEM certificate(s) in FILE")
     group.add_argument("--tls-server-name", default=default(None), metavar="NAME",
                        help="the name the gateway's certificate is for, if not the --gateway host")
-    group.add_argument("--timeout", type=float, default=default(None), metavar="S",
+    group.add_argument("--timeout", type=positive_seconds, default=default(None), metavar="S",
                        help=f"deadline of the call (default {DEFAULT_TIMEOUT_S:g} s; none for "
                        "watch and generate)")
 
@@ -71,9 +78,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     action("status", "the training run, its workers and the inference pair", cmd_status)
     w = action("watch", "training progress, redrawn as it changes (Ctrl+C ends)", cmd_watch)
-    w.add_argument("--interval", type=float, default=1.0, metavar="S",
+    w.add_argument("--interval", type=positive_seconds, default=1.0, metavar="S",
                    help="seconds between updates (default 1)")
-    w.add_argument("--count", type=int, default=None, metavar="N",
+    w.add_argument("--count", type=positive_int, default=None, metavar="N",
                    help="stop after N updates (default: until training is done)")
     action("workers", "the registered workers", cmd_workers)
     action("start", "start training (a coordinator run with --wait-for-start)", cmd_start)
@@ -87,13 +94,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="file on the coordinator's machine (default CHECKPOINT_DIR/model.gguf)")
     g = action("generate", "generate text on the tensor-parallel pair, streamed", cmd_generate)
     g.add_argument("--prompt", required=True, help="the text to continue")
-    g.add_argument("--max-tokens", type=int, default=64, metavar="N",
+    g.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens to generate at most (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, metavar="T",
                    help="0 is greedy and deterministic (default 0)")
-    g.add_argument("--top-p", type=float, default=None, metavar="P",
+    g.add_argument("--top-p", type=fraction, default=None, metavar="P",
                    help="nucleus sampling threshold in (0, 1] (default: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    g.add_argument("--seed", type=nonneg_int, default=0, help="sampler seed (default 0)")
     g.add_argument("--stop", nargs="+", default=[], metavar="S",
                    help="stop once the text reaches any of these strings")
     g.add_argument("--stats", action="store_true",

@@ -12,6 +12,7 @@ from foundry.commands.common import (
     add_metrics_flag,
     add_tls_flags,
     host_port,
+    nonneg_float,
     start_metrics,
     tls_context,
 )
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--token-file", type=Path, default=None, metavar="FILE",
                    help="require 'authorization: Bearer <token>' on every call but health and "
                    "reflection; the token is this file's one line")
-    g.add_argument("--grace", type=float, default=5.0, metavar="S",
+    g.add_argument("--grace", type=nonneg_float, default=5.0, metavar="S",
                    help="seconds calls in flight get to finish on shutdown (default 5)")
     add_tls_flags(g, server=False, prefix="backend-tls",
                   links="the coordinator admin and TP frontend links")

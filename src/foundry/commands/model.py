@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from foundry.commands.common import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from foundry.model.config import PRESETS
 
 log = logging.getLogger("foundry.train")
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     init.add_argument("--out", type=Path, required=True, help="GGUF file to write")
-    init.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
+    init.add_argument("--seed", type=nonneg_int, default=0, help="init seed (default 0)")
     init.add_argument("--dtype", default="f32", choices=["f32", "f16"], help="tensor type")
     init.set_defaults(func=run_init)
 
@@ -34,21 +35,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
     )
     t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    t.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    t.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
-    t.add_argument("--micro-batch", type=int, default=None,
+    t.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    t.add_argument("--global-batch", type=positive_int, default=16,
+                   help="samples per step (default 16)")
+    t.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per forward pass (default: the whole batch)")
-    t.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    t.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up (default 20)")
+    t.add_argument("--seq-len", type=positive_int, default=64,
+                   help="tokens per sample (default 64)")
+    t.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="peak learning rate (default 3e-3)")
+    t.add_argument("--warmup-steps", type=nonneg_int, default=20,
+                   help="linear warm-up (default 20)")
     t.add_argument("--data", type=Path, default=None,
                    help="text file or folder (default: Python's bundled documentation)")
     t.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="write checkpoints here and resume from the newest one")
-    t.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    t.add_argument("--eval-every", type=int, default=50, help="steps between validation runs")
+    t.add_argument("--checkpoint-every", type=positive_int, default=50,
+                   help="steps between checkpoints")
+    t.add_argument("--eval-every", type=positive_int, default=50,
+                   help="steps between validation runs")
     t.add_argument("--out", type=Path, default=None, help="write the trained model as GGUF")
-    t.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     t.set_defaults(func=run_train)
 
@@ -60,10 +67,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--model", type=Path, required=True, help="GGUF model file")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--max-tokens", type=positive_int, default=64,
+                   help="tokens to generate (default 64)")
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
     g.set_defaults(func=run_generate)
 
 
@@ -79,6 +87,20 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from foundry.model.checkpoint import CheckpointError
+    from foundry.model.data import DataError
+
+    try:
+        return _train(args)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from foundry.model.checkpoint import (

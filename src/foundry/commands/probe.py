@@ -12,7 +12,7 @@ import argparse
 import socket
 import sys
 
-from foundry.commands.common import host_port
+from foundry.commands.common import host_port, positive_seconds
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--grpc", nargs="?", const="", default=None, metavar="SERVICE",
                    help="ask grpc.health.v1.Health/Check for SERVICE (e.g. "
                    "foundry.v1.InferenceService; empty: the server as a whole)")
-    p.add_argument("--timeout", type=float, default=3.0, metavar="S",
+    p.add_argument("--timeout", type=positive_seconds, default=3.0, metavar="S",
                    help="give up after this many seconds (default 3)")
     p.set_defaults(func=run)
 

@@ -13,7 +13,10 @@ from foundry.commands.common import (
     add_frame_deadline_flag,
     add_metrics_flag,
     add_tls_flags,
+    fraction,
     host_port,
+    nonneg_int,
+    positive_float,
     positive_int,
     positive_seconds,
     start_metrics,
@@ -44,19 +47,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     c.add_argument("--compression", default="none", choices=[c.name.lower() for c in Compression],
                    help="gradient compression on the wire (default none)")
-    c.add_argument("--topk-ratio", type=float, default=0.01,
+    c.add_argument("--topk-ratio", type=fraction, default=0.01,
                    help="share of gradient entries top-k sends (default 0.01)")
     c.add_argument("--data", type=Path, default=None,
                    help="text file or folder to train on (default: Python's bundled docs)")
     c.add_argument("--init", type=Path, default=None, metavar="FILE.gguf",
                    help="start from these weights instead of a random init")
-    c.add_argument("--max-steps", type=int, default=300, help="steps to train (default 300)")
-    c.add_argument("--global-batch", type=int, default=16, help="samples per step (default 16)")
-    c.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
-    c.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    c.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up (default 20)")
-    c.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    c.add_argument("--min-workers", type=int, default=1,
+    c.add_argument("--max-steps", type=positive_int, default=300,
+                   help="steps to train (default 300)")
+    c.add_argument("--global-batch", type=positive_int, default=16,
+                   help="samples per step (default 16)")
+    c.add_argument("--seq-len", type=positive_int, default=64,
+                   help="tokens per sample (default 64)")
+    c.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="peak learning rate (default 3e-3)")
+    c.add_argument("--warmup-steps", type=nonneg_int, default=20,
+                   help="linear warm-up (default 20)")
+    c.add_argument("--checkpoint-every", type=positive_int, default=50,
+                   help="steps between checkpoints")
+    c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
                    help="wait for START on the admin link instead of training at once")
@@ -67,7 +76,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "dropped when silent for 4x its longest recent interval (default 30)")
     c.add_argument("--no-rebalance", action="store_true",
                    help="split every round equally instead of by measured throughput")
-    c.add_argument("--seed", type=int, default=0, help="weight init seed (default 0)")
+    c.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     c.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of every round (wait, apply, checkpoint); join "
                    "it with the workers' ones with `foundry timeline merge`")
@@ -93,7 +102,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="force a hardware profile (default: detected; see `foundry profile`)")
     w.add_argument("--data", type=Path, default=None,
                    help="this machine's copy of the training data (default: bundled docs)")
-    w.add_argument("--slowdown", type=float, default=1.0, help=argparse.SUPPRESS)
+    w.add_argument("--slowdown", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")

@@ -14,7 +14,9 @@ from foundry.commands.common import (
     add_metrics_flag,
     add_tls_flags,
     host_port,
+    nonneg_int,
     positive_int,
+    positive_seconds,
     start_metrics,
     tls_context,
     tls_note,
@@ -29,15 +31,15 @@ log = logging.getLogger("foundry")
 def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
                    help="the model; both ranks must load the same file")
-    p.add_argument("--ctx-size", type=int, default=None,
+    p.add_argument("--ctx-size", type=positive_int, default=None,
                    help="positions per session (default: the model's context length); "
                    "both ranks must agree")
     p.add_argument("--no-shm", action="store_true",
                    help="never use the shared-memory gate slab, even on one host (gates go "
                    "over TCP)")
-    p.add_argument("--gate-timeout", type=float, default=1.0, metavar="S",
+    p.add_argument("--gate-timeout", type=positive_seconds, default=1.0, metavar="S",
                    help="a peer silent this long in a gate or a command is lost (default 1)")
-    p.add_argument("--blas-threads", type=int, default=1, metavar="N",
+    p.add_argument("--blas-threads", type=positive_int, default=1, metavar="N",
                    help="BLAS threads of this rank (default 1: one core per rank, and the "
                    "pair's logits stay bit-identical to one process)")
     p.add_argument("--expert-split", default=DEFAULT_EXPERT_SPLIT.value,
@@ -65,23 +67,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
                       metavar="HOST:PORT",
                       help="the frontend link for the gateway (default 127.0.0.1:7091)")
-    lead.add_argument("--max-sessions", type=int, default=16,
+    lead.add_argument("--max-sessions", type=positive_int, default=16,
                       help="generations decoded at once (default 16)")
-    lead.add_argument("--keep-sessions", type=int, default=8, metavar="N",
+    lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
                       help="finished generations whose KV cache stays open for a prompt that "
                       "continues them (the next turn of a conversation); also how many "
                       "sessions are re-synced from their history when a worker pairs again "
                       "(default 8; 0: none)")
-    lead.add_argument("--queue", type=int, default=64,
+    lead.add_argument("--queue", type=nonneg_int, default=64,
                       help="generations waiting beyond those; more are OVERLOADED (default 64)")
-    lead.add_argument("--prefill-chunk", type=int, default=64, metavar="TOKENS",
+    lead.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="TOKENS",
                       help="prompt tokens per prefill step; cancellation is checked between "
                       "chunks (default 64)")
     lead.add_argument("--spec-mode", default=SpecMode.FULL_PREFIX.value,
                       choices=[m.value for m in SpecMode],
                       help="speculative decoding of greedy requests: off, full-prefix (keep the "
                       "accepted prefix) or rollback (rewind and replay it); default full-prefix")
-    lead.add_argument("--max-draft", type=int, default=MAX_DRAFT,
+    lead.add_argument("--max-draft", type=nonneg_int, default=MAX_DRAFT,
                       help=f"draft tokens per verify block (default {MAX_DRAFT})")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
@@ -101,7 +103,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_rank_flags(work, leader=False)
     work.add_argument("--leader", type=host_port, default=("127.0.0.1", 7090),
                       metavar="HOST:PORT", help="the leader's --listen address")
-    work.add_argument("--retry-max", type=float, default=2.0, metavar="S",
+    work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
     add_tls_flags(work, server=False, links="the connections to the leader")
     work.set_defaults(func=run_worker)

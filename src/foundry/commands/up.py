@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from foundry.commands.common import positive_int
+from foundry.commands.common import port_number, positive_int
 from foundry.model.config import PRESETS
 from foundry.up.pipeline import run_stack
 from foundry.up.plan import MAX_CHECKPOINT_EVERY, MIN_CHECKPOINT_EVERY, StackError, StackOptions
@@ -23,23 +23,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "`foundry ctl` until Ctrl+C or SIGTERM, which stops every process. Services' logs go "
         "to RUN_DIR/logs; checkpoints in RUN_DIR/checkpoints are resumed from.",
     )
-    u.add_argument("--steps", type=int, default=d.steps, metavar="N",
+    u.add_argument("--steps", type=positive_int, default=d.steps, metavar="N",
                    help=f"training steps (default {d.steps})")
-    u.add_argument("--workers", type=int, default=d.workers, metavar="N",
+    u.add_argument("--workers", type=positive_int, default=d.workers, metavar="N",
                    help=f"training workers (default {d.workers})")
     u.add_argument("--preset", default=d.preset, choices=sorted(PRESETS),
                    help=f"model size (default {d.preset})")
-    u.add_argument("--global-batch", type=int, default=d.global_batch, metavar="N",
+    u.add_argument("--global-batch", type=positive_int, default=d.global_batch, metavar="N",
                    help=f"samples per step (default {d.global_batch})")
-    u.add_argument("--base-port", type=int, default=d.base_port, metavar="P",
+    u.add_argument("--base-port", type=port_number, default=d.base_port, metavar="P",
                    help=f"coordinator P, its admin link P+1, TP leader P+20, its frontend P+21 "
                    f"(default {d.base_port})")
-    u.add_argument("--gateway-port", type=int, default=d.gateway_port, metavar="P",
+    u.add_argument("--gateway-port", type=port_number, default=d.gateway_port, metavar="P",
                    help=f"the gRPC gateway (default {d.gateway_port}, `foundry ctl`'s default)")
-    u.add_argument("--metrics-port", type=int, default=d.metrics_port, metavar="M",
+    u.add_argument("--metrics-port", type=port_number, default=d.metrics_port, metavar="M",
                    help=f"metrics: coordinator M, TP leader M+2, gateway M+3, TP worker M+4, "
                    f"worker i M+10+i (default {d.metrics_port})")
-    u.add_argument("--prometheus-port", type=int, default=d.prometheus_port, metavar="P",
+    u.add_argument("--prometheus-port", type=port_number, default=d.prometheus_port, metavar="P",
                    help=f"Prometheus web UI (default {d.prometheus_port})")
     u.add_argument("--no-prometheus", action="store_true",
                    help="do not start Prometheus even if it is installed")
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    f"{MIN_CHECKPOINT_EVERY} and {MAX_CHECKPOINT_EVERY}); Ctrl+C writes one more")
     u.add_argument("--prompt", default=d.prompt,
                    help=f"prompt of the sample printed once serving (default {d.prompt!r})")
-    u.add_argument("--sample-tokens", type=int, default=d.sample_tokens, metavar="N",
+    u.add_argument("--sample-tokens", type=positive_int, default=d.sample_tokens, metavar="N",
                    help=f"tokens of that sample (default {d.sample_tokens})")
     u.set_defaults(func=run_up)
 

@@ -30,6 +30,7 @@ newest one that verifies. One process writes a directory at a time (the coordina
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -242,7 +243,10 @@ def save_checkpoint(
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        # On a read-only file system even removing the (absent) temp file fails: the error
+        # worth telling is the first one.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise CheckpointError(
             f"could not write checkpoint {final}: {exc}; the previous checkpoints are intact "
             "(free disk space or choose another checkpoint directory)"
