@@ -218,7 +218,8 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
             code, out, err = await _ctl(target, token, "export", "--path", str(tmp_path / "m.gguf"))
             assert code == 0 and f"exported step 0 to {tmp_path / 'm.gguf'}" in out, out + err
             code, out, err = await _ctl(target, token, "watch", "--count", "2", "--interval", "0.1")
-            assert code == 0 and out.count("training: TRAINING") == 2, out + err
+            # Started, but no worker: WAITING, not TRAINING without progress.
+            assert code == 0 and out.count("training: WAITING") == 2, out + err
 
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()

@@ -51,6 +51,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="share of gradient entries top-k sends (default 0.01)")
     c.add_argument("--data", type=Path, default=None,
                    help="text file or folder to train on (default: Python's bundled docs)")
+    c.add_argument("--export-dir", type=Path, default=None, metavar="DIR",
+                   help="EXPORT (`foundry ctl export --path`) writes only inside DIR (default: "
+                   "the folder that holds --checkpoint-dir), and never over a file that is "
+                   "not a GGUF")
+    c.add_argument("--export-anywhere", action="store_true",
+                   help="let EXPORT write anywhere this process may write")
     c.add_argument("--init", type=Path, default=None, metavar="FILE.gguf",
                    help="start from these weights instead of a random init")
     c.add_argument("--max-steps", type=positive_int, default=300,
@@ -163,6 +169,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,
         autostart=not args.wait_for_start,
         init_gguf=args.init,
+        export_dir=args.export_dir,
+        export_anywhere=args.export_anywhere,
         seed=args.seed,
         rebalance=not args.no_rebalance,
         tls=tls,
@@ -189,6 +197,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
             await coordinator.close()
             if metrics:
                 metrics.close()
+        if coordinator.failure is not None:
+            print(f"error: coordinator {coordinator.failure}", file=sys.stderr)
+            return 1
         return 0
 
     try:

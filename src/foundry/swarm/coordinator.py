@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from foundry.model.checkpoint import (
+    CheckpointError,
     CheckpointState,
     latest_checkpoint,
     load_checkpoint,
@@ -47,7 +48,7 @@ from foundry.model.checkpoint import (
 )
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
-from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.gguf_io import GGUF_MAGIC_BYTES, GGUFError, load_gguf, save_gguf
 from foundry.model.training import Params, Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.obs.metrics import SwarmMetrics
@@ -83,6 +84,8 @@ REGISTER_TIMEOUT_S = 10.0
 # link; the gateway's pool (4) and a few `foundry ctl`-like tools on the admin link.
 MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
+# On a stop, the step being applied is given this long to finish before the final checkpoint.
+STOP_ROUND_S = 30.0
 # Validation loss every this many steps (a few forward passes; cheap next to a round).
 VALIDATE_EVERY = 25
 VALIDATION_BATCHES = 4
@@ -122,6 +125,10 @@ class CoordinatorOptions:
     seed: int = 0
     rebalance: bool = True
     export_path: Path | None = None
+    # EXPORT writes only inside this folder (None: the folder that holds checkpoint_dir),
+    # unless export_anywhere; and never over a file that is not a GGUF.
+    export_dir: Path | None = None
+    export_anywhere: bool = False
     # Security and limits of both listeners (docs/operations.md, "TLS" and "Limits").
     tls: ssl.SSLContext | None = None
     max_connections: int = MAX_WORKER_CONNECTIONS
@@ -208,6 +215,8 @@ class Coordinator:
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._admin_streams: set[FdtcStream] = set()
+        self._round_task: asyncio.Task[None] | None = None
+        self.failure: str | None = None  # why an internal task ended the process
         self.trainer = self._initial_trainer()
         self._shapes = list(self.opt.cfg.param_shapes().items())
         self._numels = [int(np.prod(s)) for _, s in self._shapes]
@@ -215,6 +224,8 @@ class Coordinator:
         self.bound_port = 0
         self.bound_admin_port = 0
         self._validated_step = -1
+        self._checkpoint_failed = False
+        self._told_missing = 0
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
 
     # ------------------------------------------------------------------ state
@@ -282,18 +293,27 @@ class Coordinator:
             self.state = SwarmState.DONE
         elif self.opt.autostart:
             self.state = SwarmState.TRAINING
-        self._spawn(self._round_loop())
-        self._spawn(self._reaper())
+        self._round_task = self._spawn(self._round_loop(), "round loop")
+        self._spawn(self._reaper(), "reaper")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
+        task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("internal task failed", exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        # No half-alive service: a task that cannot go on ends the process (non-zero, one
+        # line), so a supervisor restarts it from the last checkpoint.
+        log.debug("internal task failed", exc_info=exc)
+        self.failure = f"{task.get_name()} failed: {type(exc).__name__}: {exc}"
+        log.error("%s; stopping", self.failure)
+        self.request_stop()
 
     async def wait_stopped(self) -> None:
         await self._stopping.wait()
@@ -301,10 +321,21 @@ class Coordinator:
     def request_stop(self) -> None:
         self._stopping.set()
         self._wake.set()
+        if self.round is not None:
+            self.round.changed.set()
 
     async def close(self) -> None:
+        """Stop serving; first let the round loop finish the step it is applying (the open
+        round is given up), then write a checkpoint of the last completed step if none is on
+        disk: a stop (SIGTERM, SIGINT, SHUTDOWN) never loses a step."""
         for srv in self._servers:
             srv.close()
+        if self._round_task is not None and self.failure is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._round_task), STOP_ROUND_S)
+            if self._checkpoint_step != self.step:
+                log.info("stopping at step %d: writing a final checkpoint", self.step)
+                await self._checkpoint_or_warn()
         for m in list(self.members.values()):
             await m.stream.close()
         for admin in list(self._admin_streams):
@@ -464,7 +495,11 @@ class Coordinator:
             self._drop(m, "deregistered")
             return False
         elif isinstance(msg, fdtc.Error):
+            # A worker that cannot train says so and leaves: no round waits on it.
             log.warning("worker %s reports error %d: %s", m.worker_id, msg.error_code, msg.message)
+            if msg.error_code == ErrorCode.INTERNAL:
+                self._drop(m, "error")
+                return False
         else:
             raise fdtc.FdtcProtocolError(
                 f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
@@ -569,6 +604,7 @@ class Coordinator:
         await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
 
     def _drop(self, m: Member, reason: str) -> None:
+        """``reason``: one of ``SWARM_DROP_REASONS`` (a metric label: no spaces)."""
         if self.members.get(m.worker_id) is not m:
             return
         del self.members[m.worker_id]
@@ -581,7 +617,7 @@ class Coordinator:
             del self.round.shares[m.worker_id]
             self.round.changed.set()
         if reason not in ("deregistered", "replaced"):
-            log.warning("dropped worker %s (%s)", m.worker_id, reason)
+            log.warning("dropped worker %s (%s)", m.worker_id, reason.replace("_", " "))
         self._update_member_gauges()
 
     async def _reaper(self) -> None:
@@ -596,7 +632,7 @@ class Coordinator:
                     seed_default_s=self.opt.seed_heartbeat_timeout_s,
                 )
                 if policy.is_dead(now, m.last_seen, timeout):
-                    self._drop(m, "heartbeat timeout")
+                    self._drop(m, "heartbeat_timeout")
                     await m.stream.close()
 
     # ------------------------------------------------------------------ rounds
@@ -617,6 +653,11 @@ class Coordinator:
                     continue
             # Nothing to do (paused, too few workers, or nobody who could report): no round
             # is opened until that changes, so no round waits on nobody.
+            missing = self.missing_workers() if self.state is SwarmState.TRAINING else 0
+            if missing and missing != self._told_missing:
+                log.info("waiting for %d more worker(s): %d registered, --min-workers %d",
+                         missing, len(self.members), self.opt.min_workers)
+            self._told_missing = missing
             self._wake.clear()
             await self._wake.wait()
 
@@ -780,8 +821,8 @@ class Coordinator:
         )
         if self.step % VALIDATE_EVERY == 0 or self.step >= self.opt.max_steps:
             await self._validate()
-        if self.step % self.opt.checkpoint_every == 0:
-            await self.checkpoint()
+        if self.step % self.opt.checkpoint_every == 0 or self._checkpoint_failed:
+            await self._checkpoint_or_warn()
 
     async def _validate(self) -> None:
         params = {k: v.copy() for k, v in self.trainer.params.items()}
@@ -792,6 +833,20 @@ class Coordinator:
         self.metrics.validation_loss.set(self.val_loss)
         self._validated_step = self.step
         log.info("step %d: validation loss %.4f", self.step, self.val_loss)
+
+    async def _checkpoint_or_warn(self) -> None:
+        """A periodic checkpoint that fails (full or read-only disk) does not stop training:
+        it is told, counted, and tried again after every following step until one succeeds;
+        the previous checkpoints stay intact."""
+        try:
+            await self.checkpoint()
+        except CheckpointError as exc:
+            self.metrics.checkpoint_failures.inc()
+            self._checkpoint_failed = True
+            log.warning("step %d: %s; training goes on, retrying after the next step",
+                        self.step, exc)
+        else:
+            self._checkpoint_failed = False
 
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
@@ -819,13 +874,37 @@ class Coordinator:
         if self._validated_step != self.step:
             await self._validate()
         if self._checkpoint_step != self.step:
-            await self.checkpoint()
+            await self._checkpoint_or_warn()
         self._set_state(SwarmState.DONE)
         log.info("training done at step %d; telling the workers", self.step)
         await self._broadcast(fdtc.Shutdown())
 
-    async def export(self, path: Path | None) -> Path:
+    def export_target(self, path: Path | None) -> Path:
+        """Where EXPORT may write, or ExportRefused saying why not and what to do."""
         target = path or self.opt.export_path or (self.opt.checkpoint_dir / "model.gguf")
+        allowed = (self.opt.export_dir or self.opt.checkpoint_dir.parent).resolve()
+        resolved = target.resolve()
+        if not self.opt.export_anywhere and not resolved.is_relative_to(allowed):
+            raise ExportRefused(
+                f"{target} is outside the export dir {allowed}; export there, or start the "
+                "coordinator with --export-dir DIR or --export-anywhere"
+            )
+        if resolved.is_dir():
+            raise ExportRefused(f"{target} is a folder; name a file in it (model.gguf)")
+        if resolved.exists():
+            with resolved.open("rb") as f:
+                head = f.read(len(GGUF_MAGIC_BYTES))
+            if head != GGUF_MAGIC_BYTES:
+                raise ExportRefused(
+                    f"{target} exists and is not a GGUF file; not overwriting it (remove it "
+                    "or choose another --path)"
+                )
+        if not resolved.parent.is_dir():
+            raise ExportRefused(f"folder {target.parent} does not exist; create it first")
+        return target
+
+    async def export(self, path: Path | None) -> Path:
+        target = self.export_target(path)
         params = {k: v.copy() for k, v in self.trainer.params.items()}
         await asyncio.to_thread(save_gguf, target, self.opt.cfg, params)
         log.info("exported step %d to %s", self.step, target)
@@ -860,14 +939,17 @@ class Coordinator:
         if isinstance(msg, fdtc.Export):
             try:
                 path = await self.export(Path(msg.path) if msg.path else None)
-            except OSError as exc:
+            except (ExportRefused, GGUFError, OSError) as exc:
+                log.warning("export refused or failed: %s", exc)
                 return self._ack(msg, False, f"export failed: {exc}")
             return self._ack(msg, True, str(path))
         if isinstance(msg, fdtc.Checkpoint):
             try:
                 path = await self.checkpoint()
-            except OSError as exc:
-                return self._ack(msg, False, f"checkpoint failed: {exc}; free disk space")
+            except CheckpointError as exc:
+                self.metrics.checkpoint_failures.inc()
+                log.warning("requested checkpoint failed: %s", exc)
+                return self._ack(msg, False, str(exc))
             return self._ack(msg, True, str(path))
         if isinstance(msg, fdtc.Start | fdtc.Resume):
             if self.state is SwarmState.DONE:
@@ -925,6 +1007,16 @@ class Coordinator:
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 await self._send_to(m, msg)
 
+    def reported_state(self) -> SwarmState:
+        """The state as status tells it: TRAINING only while rounds can run; with fewer than
+        --min-workers registered it is WAITING (``missing_workers`` says how many)."""
+        if self.state is SwarmState.TRAINING and self.missing_workers() > 0:
+            return SwarmState.WAITING
+        return self.state
+
+    def missing_workers(self) -> int:
+        return max(0, self.opt.min_workers - len(self.members))
+
     def swarm_status(self) -> fdtc.SwarmStatus:
         now = time.monotonic()
         rows = tuple(
@@ -944,7 +1036,7 @@ class Coordinator:
         return fdtc.SwarmStatus(
             global_step=self.step,
             max_steps=self.opt.max_steps,
-            state=fdtc.SwarmState(int(self.state)),
+            state=fdtc.SwarmState(int(self.reported_state())),
             train_loss=self.train_loss,
             val_loss=self.val_loss,
             samples_per_sec=self.last_rate,
@@ -952,6 +1044,10 @@ class Coordinator:
             samples_total=self.samples_total,
             rows=rows,
         )
+
+
+class ExportRefused(Exception):
+    """An EXPORT path the coordinator will not write; the message says what to do."""
 
 
 def late_after(started: float, report_times: list[float]) -> float | None:

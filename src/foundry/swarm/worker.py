@@ -28,7 +28,7 @@ import numpy as np
 
 from foundry.hardware import HardwareInfo, detect_profile
 from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
+from foundry.model.data import Corpus, DataError
 from foundry.model.training import GradientResult, Params, compute_gradients
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
@@ -94,12 +94,15 @@ class Worker:
         self.rate = 0.0
         self.samples_done = 0
         self.paused = False
+        self.cannot_train: str | None = None  # why an assignment could not be trained on
         self._compute: asyncio.Task[None] | None = None
         self._rng = random.Random(hash(options.worker_id))
 
     async def run(self) -> int:
-        """Serve until SHUTDOWN (0), a permanent refusal (2) or ``max_attempts`` failures (1)."""
+        """Serve until SHUTDOWN (0), a permanent refusal or an assignment it cannot train on
+        (2), or ``max_attempts`` failures (1)."""
         attempt = 0
+        connected_before = False  # the first connection is not a reconnect
         while True:
             try:
                 stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls)
@@ -118,7 +121,9 @@ class Worker:
                 await asyncio.sleep(delay)
                 continue
             attempt = 0
-            self.metrics.reconnects.inc()
+            if connected_before:
+                self.metrics.reconnects.inc()
+            connected_before = True
             try:
                 done = await self._session(stream)
             except Refused as exc:
@@ -127,7 +132,8 @@ class Worker:
                     return 2
                 done = False
             except (StreamClosed, ConnectionError, TimeoutError) as exc:
-                log.warning("lost the coordinator: %s; reconnecting", exc)
+                if self.cannot_train is None:
+                    log.warning("lost the coordinator: %s; reconnecting", exc)
                 done = False
             except ssl.SSLError as exc:
                 # TLS 1.3: a coordinator that refuses our certificate says so after the
@@ -142,6 +148,8 @@ class Worker:
                 await stream.close()
             if done:
                 return 0
+            if self.cannot_train is not None:
+                return 2
             await asyncio.sleep(policy.backoff_delay(0, rng=self._rng))
 
     async def _stop_compute(self) -> None:
@@ -292,17 +300,21 @@ class Worker:
             return
         t0 = time.monotonic()
         start_us = now_us()
-        result: GradientResult = await asyncio.to_thread(
-            compute_gradients,
-            self.params,
-            self.cfg,
-            self.corpus,
-            assign.sample_offset,
-            assign.n_samples,
-            seq_len=assign.seq_len,
-            micro_batch=assign.batch_size,
-            aux_loss_coef=self.aux_loss_coef,
-        )
+        try:
+            result: GradientResult = await asyncio.to_thread(
+                compute_gradients,
+                self.params,
+                self.cfg,
+                self.corpus,
+                assign.sample_offset,
+                assign.n_samples,
+                seq_len=assign.seq_len,
+                micro_batch=assign.batch_size,
+                aux_loss_coef=self.aux_loss_coef,
+            )
+        except DataError as exc:
+            await self._cannot_train(stream, f"cannot train step {assign.global_step}: {exc}")
+            return
         compute_s = time.monotonic() - t0
         if self.opt.slowdown > 1.0:
             await asyncio.sleep(compute_s * (self.opt.slowdown - 1.0))
@@ -345,6 +357,16 @@ class Worker:
         self._idle_since_us = now_us()
         self.timeline.span("send", start_us, self._idle_since_us, step=step, bytes=len(data))
         self.metrics.gradient_bytes.inc(len(data))
+
+    async def _cannot_train(self, stream: FdtcStream, reason: str) -> None:
+        """Say so to the coordinator (ERROR, which drops this worker from the round at once)
+        and end the session; ``run`` then exits non-zero instead of redialling."""
+        self.cannot_train = reason
+        log.error("%s", reason)
+        message = reason.encode()[: fdtc.MAX_PATH - 1].decode(errors="ignore")
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            await stream.send(fdtc.Error(int(ErrorCode.INTERNAL), message))
+        await stream.close()
 
     def _encode(self, grads: Params) -> bytes | memoryview:
         if self.feedback is not None:

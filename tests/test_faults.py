@@ -1,0 +1,134 @@
+"""Faults with real processes: a disk that cannot take a checkpoint, a stop mid-run, exports
+to places they must not go, a worker that cannot train. Each is a row of the fault table in
+docs/operations.md."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from procs import NEEDS_ROOT, coordinator, full_dir, read_only_dir, worker
+from test_swarm_service import admin, status, wait_step
+
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.wire import fdtc
+
+
+def scrape(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not exposed"
+    return float(m.group(1))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
+@pytest.mark.parametrize("disk", ["read-only", "full"])
+def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
+    tmp_path: Path, disk: str
+) -> None:
+    mount = read_only_dir if disk == "read-only" else full_dir
+    with mount(tmp_path / "ckpt"):
+        coord, port, admin_port = coordinator(
+            tmp_path, "--max-steps", "100000", "--checkpoint-every", "2",
+            "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+        )
+        w = worker(tmp_path, port, "w0")
+        try:
+            metrics_port = int(coord.wait_for(r"metrics :(\d+)").group(1))
+            coord.wait_for(r"step 2: could not write checkpoint", within_s=60)
+            # Training goes on past the failed checkpoint, and the next steps try again.
+            st = wait_step(admin_port, 6, within_s=60)
+            assert st.state is fdtc.SwarmState.TRAINING
+            assert scrape(metrics_port, "foundry_swarm_checkpoint_failures_total") >= 2
+            assert "retrying after the next step" in coord.text()
+            got = admin(admin_port, fdtc.Checkpoint())
+            assert isinstance(got, fdtc.ControlAck) and not got.ok
+            assert got.message.startswith("could not write checkpoint"), got.message
+            assert re.search(r"Read-only file system|No space left on device", got.message)
+            assert coord.alive() and "Traceback" not in coord.text()
+        finally:
+            w.stop()
+            coord.stop()
+    assert "internal task failed" not in coord.text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_writes_a_checkpoint_of_the_last_completed_step(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    coord, port, admin_port = coordinator(
+        tmp_path, "--max-steps", "100000", "--checkpoint-every", "100000",
+    )
+    w = worker(tmp_path, port, "w0")
+    try:
+        wait_step(admin_port, 3, within_s=60)
+        assert latest_checkpoint(tmp_path / "ckpt") is None
+        os.kill(coord.pid, sig)
+        assert coord.proc.wait(timeout=30) == 0, coord.text()[-2000:]
+    finally:
+        w.stop()
+        coord.stop()
+    last = max(int(s) for s in re.findall(r"step (\d+): loss", coord.text()))
+    found = latest_checkpoint(tmp_path / "ckpt")
+    assert found is not None, coord.text()[-2000:]
+    assert load_checkpoint(found).step == last >= 3
+    assert f"stopping at step {last}: writing a final checkpoint" in coord.text()
+
+
+def test_exports_never_overwrite_other_files_nor_leave_the_export_dir(tmp_path: Path) -> None:
+    coord, _, admin_port = coordinator(tmp_path, "--max-steps", "10", "--wait-for-start")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    outside = tmp_path.parent / f"outside-{os.getpid()}.gguf"
+    try:
+        def export(path: Path) -> fdtc.ControlAck:
+            got = admin(admin_port, fdtc.Export(path=str(path)), timeout_s=60)
+            assert isinstance(got, fdtc.ControlAck)
+            return got
+
+        got = export(notes)
+        assert not got.ok and "exists and is not a GGUF file; not overwriting it" in got.message
+        assert notes.read_text() == "my notes\n"
+        got = export(outside)
+        assert not got.ok and "is outside the export dir" in got.message
+        assert "--export-anywhere" in got.message and not outside.exists()
+        got = export(tmp_path / "missing" / "m.gguf")
+        assert not got.ok and "does not exist; create it first" in got.message
+        # Refusals are answers, not broken links: the same connection's next request works.
+        got = export(tmp_path / "m.gguf")
+        assert got.ok and got.message == str(tmp_path / "m.gguf")
+        got = export(tmp_path / "m.gguf")  # a GGUF is replaced by a newer one
+        assert got.ok, got.message
+        assert isinstance(status(admin_port), fdtc.SwarmStatus)
+        assert "Traceback" not in coord.text() and "Unhandled exception" not in coord.text()
+    finally:
+        coord.stop()
+        outside.unlink(missing_ok=True)
+
+
+def test_a_worker_that_cannot_train_says_so_and_no_round_waits_on_it(tmp_path: Path) -> None:
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("too short to train on\n")
+    coord, port, admin_port = coordinator(tmp_path, "--data", str(corpus), "--max-steps", "5")
+    w = worker(tmp_path, port, "w0", "--data", str(corpus))
+    try:
+        assert w.proc.wait(timeout=60) == 2, w.text()
+        assert re.search(r"cannot train step 0: corpus .* too few", w.text())
+        coord.wait_for(r"worker w0 reports error 9: cannot train step 0", within_s=10)
+        deadline = time.monotonic() + 10
+        while status(admin_port).rows and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = status(admin_port)
+        # Nobody left to train: WAITING (not TRAINING), and the log says how many are missing.
+        assert st.state is fdtc.SwarmState.WAITING and not st.rows
+        assert "waiting for 1 more worker(s)" in coord.text()
+        assert "Task exception was never retrieved" not in w.text() + coord.text()
+    finally:
+        w.stop()
+        coord.stop()
