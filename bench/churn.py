@@ -399,7 +399,11 @@ def check_rounds(rep: SwarmReport, work: Path, logs: list[live.Service],
                 rep.rounds_abandoned += 1
             else:
                 rep.rounds_at_deadline += 1
-        rep.rounds_emptied += sum(log_time(m[1]) <= until for m in EMPTIED_LINE.finditer(text))
+        # A round whose workers all left is abandoned at once, logged as that (INFO), not as an
+        # abandon at the deadline (WARNING): it counts as both.
+        emptied = sum(log_time(m[1]) <= until for m in EMPTIED_LINE.finditer(text))
+        rep.rounds_emptied += emptied
+        rep.rounds_abandoned += emptied
         rep.registrations += sum(log_time(m[1]) <= until for m in REGISTER_LINE.finditer(text))
         found = [(log_time(m[1]), m[2]) for m in DROP_LINE.finditer(text)]
         rep.drops += sum(t <= until for t, _ in found)

@@ -376,7 +376,8 @@ class FdtcAnswers(Answers):
             self.garbled = True
 
 
-WORKER_MESSAGES = (fdtc.Heartbeat, fdtc.WeightsReq, fdtc.Gradients, fdtc.Status, fdtc.Error)
+WORKER_MESSAGES = (fdtc.Heartbeat, fdtc.WeightsReq, fdtc.Gradients, fdtc.WeightsDigest, fdtc.Status,
+                   fdtc.Error)
 ADMIN_REQUESTS = (fdtc.Start, fdtc.Pause, fdtc.Resume, fdtc.Checkpoint, fdtc.Shutdown,
                   fdtc.StatusReq, fdtc.Export)
 

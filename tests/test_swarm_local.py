@@ -34,7 +34,7 @@ class Link:
 
     def recv(self) -> fdtc.Message:
         while True:
-            msg = self.dec.next_message()
+            msg = self.dec.next_event()
             if msg is not None:
                 return msg
             data = self.sock.recv(1 << 20)

@@ -282,7 +282,7 @@ def test_seed_worker_trains_beside_two_of_ours(tmp_path: Path) -> None:
         for svc in ours:
             svc.wait_for(r"training done at step 5; exiting", within_s=20)
             assert svc.proc.wait(timeout=20) == 0
-        assert math.isfinite(float(re.findall(r"validation loss (\S+)", coord.text())[-1]))
+        assert math.isfinite(float(re.findall(r"validation loss ([-+.\deE]+)", coord.text())[-1]))
     finally:
         w.close()
         for svc in ours:

@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "while another `foundry up` holds RUN_DIR)")
     u.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                    help="steps between checkpoints (default: a quarter of --steps, between "
-                   f"{MIN_CHECKPOINT_EVERY} and {MAX_CHECKPOINT_EVERY}); Ctrl+C writes one more")
+                   f"{MIN_CHECKPOINT_EVERY} and {MAX_CHECKPOINT_EVERY}, and at most "
+                   "--sample-every, whose samples come from checkpoints); Ctrl+C writes one more")
     u.add_argument("--prompt", default=d.prompt,
                    help=f"prompt of the sample printed once serving (default {d.prompt!r})")
     u.add_argument("--sample-tokens", type=positive_int, default=d.sample_tokens, metavar="N",

@@ -73,7 +73,7 @@ class StackOptions:
     @property
     def sample_interval(self) -> int:
         """Steps between the samples shown while training, each drawn from the first checkpoint
-        at or after its step (the default checkpoint interval divides the default one)."""
+        at or after its step."""
         return self.sample_every or max(1, self.steps // 10)
 
     @property
@@ -83,9 +83,11 @@ class StackOptions:
 
     @property
     def checkpoint_interval(self) -> int:
+        """``--checkpoint-every``, or the bounded default, never longer than the sample
+        interval (the samples shown while training are drawn from the checkpoints)."""
         if self.checkpoint_every is not None:
             return self.checkpoint_every
-        return default_checkpoint_every(self.steps)
+        return min(default_checkpoint_every(self.steps), self.sample_interval)
 
 
 # Checkpoints of a default run: a quarter of the run, at least this often (a stop writes one
