@@ -210,6 +210,7 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
             code, out, err = await _ctl(target, token, "status")
             assert code == 1 and "training: WAITING  step 0/3" in out, out + err
             assert "no workers registered" in out and "pair: unavailable" in out
+            assert "no tensor-parallel pair at" in out and "not reached since" in out
             for action, wording in [("start", "step 0: training"), ("pause", "paused"),
                                     ("resume", "training"), ("checkpoint", "checkpoint at step 0"),
                                     ("workers", "no workers registered")]:

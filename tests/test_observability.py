@@ -413,6 +413,17 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
                 lint = subprocess.run([promtool, "check", "metrics"], input=text,
                                       capture_output=True, text=True, timeout=30)
                 assert lint.returncode == 0, f"{job}: {lint.stdout}{lint.stderr}"
+                series = [line for line in text.splitlines() if not line.startswith("#")]
+                assert not [s for s in series if "_created" in s.partition(" ")[0]], job
+                # Label values are words: no spaces (a query or a legend splits on them).
+                spaced = [s for s in series if re.search(r'="[^"]* [^"]*"', s)]
+                assert not spaced, f"{job}: {spaced[:3]}"
+                if job.startswith("tp-"):
+                    rank = "0" if job == "tp-leader" else "1"
+                    tp = [s for s in series if s.startswith("foundry_tp_")]
+                    assert tp and all(f'rank="{rank}"' in s for s in tp), f"{job}: {tp[:3]}"
+        # The first connection of each worker is not a reconnect.
+        assert prometheus.query("sum(foundry_worker_reconnects_total)")[0]["value"][1] == "0"
     finally:
         if channel is not None:
             channel.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
 from foundry.up.plan import (
     RESTART_MAX_S,
     StackError,
@@ -27,7 +28,8 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import check_ports_free
-from foundry.up.view import printable
+from foundry.up.view import printable, waiting_note
+from foundry.wire import fdtc
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -114,6 +116,22 @@ def test_prometheus_config_scrapes_every_service() -> None:
     for job in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
         assert f'job_name: "{job}"' in text
     assert '"127.0.0.1:9110", "127.0.0.1:9111"' in text
+
+
+def test_a_waiting_run_says_how_many_workers_it_misses() -> None:
+    def st(state: fdtc.SwarmState, rows: int) -> fdtc.SwarmStatus:
+        row = fdtc.SwarmStatusRow(
+            worker_id="w", profile=fdtc.HardwareProfile.SERVER, state=fdtc.WorkerState.IDLE,
+            batch_size=1, accumulation_steps=1, samples_per_sec=0.0, loss=0.0, local_step=0,
+            seconds_since_heartbeat=0.0,
+        )
+        return fdtc.SwarmStatus(global_step=3, max_steps=9, state=state, train_loss=1.0,
+                                val_loss=1.0, samples_per_sec=0.0, learning_rate=0.0,
+                                samples_total=0, rows=(row,) * rows)
+
+    assert waiting_note(st(fdtc.SwarmState.WAITING, 1), 2) == "waiting for 1 of 2 worker(s)"
+    assert waiting_note(st(fdtc.SwarmState.TRAINING, 1), 2) is None
+    assert waiting_note(st(fdtc.SwarmState.WAITING, 2), 2) is None
 
 
 def test_printable_escapes_control_characters() -> None:
@@ -320,5 +338,9 @@ def test_one_stack_per_run_dir_and_dead_services_come_back(tmp_path: Path) -> No
         assert int(m.group(2)) > int(m.group(1)), "training did not go on after the restart"
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(timeout=30) == 0, up.text()
+        # Ctrl+C loses no step: the coordinator wrote its last completed one.
+        last = max(int(s) for s in re.findall(r"step (\d+): loss", since_restart()))
+        found = latest_checkpoint(ckpts)
+        assert found is not None and load_checkpoint(found).step == last, since_restart()[-2000:]
     finally:
         up.cleanup()

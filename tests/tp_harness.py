@@ -182,6 +182,8 @@ def metric(port: int, name: str) -> float:
         while chunk := s.recv(65536):
             data += chunk
     for line in data.decode().splitlines():
+        # Each rank labels its series with its rank; the name asked for leaves it out.
+        line = re.sub(r'\{rank="\d"\}|,rank="\d"|(?<=\{)rank="\d",', "", line)
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"metric {name} not exposed")

@@ -96,6 +96,18 @@ def tls_note(ctx: ssl.SSLContext) -> str:
     return " (mutual tls)" if ctx.verify_mode == ssl.CERT_REQUIRED else " (tls)"
 
 
+def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
+    """The batch and learning-rate schedule, the same for `foundry train` and the coordinator."""
+    parser.add_argument("--global-batch", type=positive_int, default=16,
+                        help="samples per step (default 16)")
+    parser.add_argument("--seq-len", type=positive_int, default=64,
+                        help="tokens per sample (default 64)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3,
+                        help="peak learning rate (default 3e-3)")
+    parser.add_argument("--warmup-steps", type=nonneg_int, default=20,
+                        help="linear warm-up (default 20)")
+
+
 def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:
     parser.add_argument(
         "--frame-deadline", type=positive_seconds, default=default, metavar="S",

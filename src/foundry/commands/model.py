@@ -8,7 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from foundry.commands.common import fraction, nonneg_float, nonneg_int, positive_float, positive_int
+from foundry.commands.common import (
+    add_schedule_flags,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+)
 from foundry.model.config import PRESETS
 
 log = logging.getLogger("foundry.train")
@@ -36,16 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     t.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
-    t.add_argument("--global-batch", type=positive_int, default=16,
-                   help="samples per step (default 16)")
+    add_schedule_flags(t)
     t.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per forward pass (default: the whole batch)")
-    t.add_argument("--seq-len", type=positive_int, default=64,
-                   help="tokens per sample (default 64)")
-    t.add_argument("--lr", type=positive_float, default=3e-3,
-                   help="peak learning rate (default 3e-3)")
-    t.add_argument("--warmup-steps", type=nonneg_int, default=20,
-                   help="linear warm-up (default 20)")
     t.add_argument("--data", type=Path, default=None,
                    help="text file or folder (default: Python's bundled documentation)")
     t.add_argument("--checkpoint-dir", type=Path, default=None,

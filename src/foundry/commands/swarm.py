@@ -12,6 +12,7 @@ from pathlib import Path
 from foundry.commands.common import (
     add_frame_deadline_flag,
     add_metrics_flag,
+    add_schedule_flags,
     add_tls_flags,
     fraction,
     host_port,
@@ -61,14 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="start from these weights instead of a random init")
     c.add_argument("--max-steps", type=positive_int, default=300,
                    help="steps to train (default 300)")
-    c.add_argument("--global-batch", type=positive_int, default=16,
-                   help="samples per step (default 16)")
-    c.add_argument("--seq-len", type=positive_int, default=64,
-                   help="tokens per sample (default 64)")
-    c.add_argument("--lr", type=positive_float, default=3e-3,
-                   help="peak learning rate (default 3e-3)")
-    c.add_argument("--warmup-steps", type=nonneg_int, default=20,
-                   help="linear warm-up (default 20)")
+    add_schedule_flags(c)
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
     c.add_argument("--min-workers", type=positive_int, default=1,

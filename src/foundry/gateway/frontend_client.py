@@ -232,6 +232,7 @@ class FrontendClient:
         self._ssl = ssl
         self._link: _Link | None = None
         self._connect_lock = asyncio.Lock()
+        self._ever_connected = False  # a refusal before the first link: not up yet
         self._next_id = 1
 
     @property
@@ -306,11 +307,19 @@ class FrontendClient:
                     self.connect_timeout_s,
                 )
             except (OSError, TimeoutError) as exc:
+                if not self._ever_connected:
+                    # Not down: not up yet (`foundry up` starts the pair after training).
+                    raise BackendUnavailable(
+                        f"no tensor-parallel pair at {self.address} yet (not reached since "
+                        "the gateway started; `foundry up` starts it once training is done, "
+                        f"by hand `foundry tp-leader --frontend-listen {self.address}`)"
+                    ) from None
                 raise BackendUnavailable(
                     f"TP leader frontend link {self.address} unreachable: "
                     f"{exc or type(exc).__name__}; is `foundry tp-leader` running with "
                     f"--frontend-listen {self.address}?"
                 ) from None
+            self._ever_connected = True
             link = _Link(writer)
             link.reader_task = asyncio.create_task(self._read_loop(link, reader))
             self._link = link

@@ -9,6 +9,7 @@ own ``CollectorRegistry`` so several services can share a process in tests.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -19,6 +20,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 # No ``_created`` twin for every counter and histogram: nothing here reads them, and they
 # double the series a scrape stores (the text format's ``_created`` is a start timestamp).
@@ -239,11 +242,32 @@ TP_FAILURE_KINDS = (
 )  # fmt: skip
 
 
-class TpMetrics:
-    """Both ranks of a tensor-parallel pair (each process has its own registry)."""
+class RankLabel(Collector):
+    """Another registry's metrics, each sample with a ``rank`` label added: the two ranks of
+    a pair export the same names, and a query must tell the leader's from the worker's (a
+    leader-only series is 0 on the worker, not a second reading of the same thing)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+    def __init__(self, source: CollectorRegistry, rank: int) -> None:
+        self.source = source
+        self.rank = str(rank)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, "rank": self.rank}, s.value, s.timestamp,
+                               s.exemplar)
+            yield out
+
+
+class TpMetrics:
+    """Both ranks of a tensor-parallel pair (each process has its own registry); every
+    series carries ``rank`` (0 the leader, 1 the worker)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self._own = CollectorRegistry()
+        self.registry.register(RankLabel(r, rank))
         self.tokens = Counter(
             "foundry_tp_tokens_total",
             "Tokens evaluated by the pair, by phase (prefill: prompt tokens; decode: generated).",

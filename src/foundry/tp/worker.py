@@ -115,7 +115,7 @@ class Worker:
         self.options = options
         self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
-        self.metrics = metrics or TpMetrics()
+        self.metrics = metrics or TpMetrics(rank=1)
         engine = Engine(self.model.cfg, self.model.weights, rank=1, world=2)
         self.state = RankState(engine, self.identity.ctx_size)
         self._offer_shm = options.shm

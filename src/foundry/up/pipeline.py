@@ -103,7 +103,7 @@ def _run_locked(
 
     stack = Stack(run, out)
     tty = out.isatty()
-    view = LiveView(out, opt.steps, tty)
+    view = LiveView(out, opt.steps, tty, workers=opt.workers)
     admin = AdminLink("127.0.0.1", ports.admin)
     t_start = time.monotonic()
     code = 0

@@ -22,6 +22,14 @@ def status_line(st: fdtc.SwarmStatus) -> str:
     )
 
 
+def waiting_note(st: fdtc.SwarmStatus, expected: int) -> str | None:
+    """What a WAITING run waits for: the workers that are missing (dead and being restarted,
+    or not registered yet); None while it trains."""
+    if st.state is not fdtc.SwarmState.WAITING or len(st.rows) >= expected:
+        return None
+    return f"waiting for {expected - len(st.rows)} of {expected} worker(s)"
+
+
 def worker_line(row: fdtc.SwarmStatusRow) -> str:
     return (
         f"  {row.worker_id:<12} {row.profile.name.lower():<14} {row.state.name.lower():<10} "
@@ -57,11 +65,17 @@ class LiveView:
     out: TextIO
     total: int
     tty: bool
+    workers: int = 0  # the run's --min-workers: fewer registered is told
     bars: list[Any] = field(default_factory=list)
     _printed_at: int = -1
+    _told_waiting: str | None = None
 
     def update(self, st: fdtc.SwarmStatus) -> None:
+        waiting = waiting_note(st, self.workers)
         if not self.tty:
+            if waiting is not None and waiting != self._told_waiting:
+                print(f"  {waiting}", file=self.out, flush=True)
+            self._told_waiting = waiting
             every = max(1, st.max_steps // 10)
             mark = st.global_step // every
             if mark != self._printed_at and not math.isnan(st.train_loss):
@@ -74,6 +88,7 @@ class LiveView:
             self.bars.append(tqdm(total=st.max_steps, unit="step", desc="training",
                                   file=self.out, dynamic_ncols=True, leave=True))
         bar = self.bars[0]
+        bar.set_description_str(waiting or "training", refresh=False)
         bar.n = st.global_step
         bar.set_postfix_str(
             f"loss {num(st.train_loss, '.4f')} val {num(st.val_loss, '.4f')} "
