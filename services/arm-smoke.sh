@@ -18,7 +18,8 @@
 #
 # Options: --cache DIR (roots, wheels and logs; default /var/cache/foundry-arm, reused on the
 # next run), --rounds N (swarm rounds, default 3), --arch LIST (default arm64,armhf),
-# --only roots|swarm|tp, --quick. Emulated work runs under `nice -n 10`.
+# --only roots|install|swarm|tp, --model FILE.gguf (the TP pair's model; default: the swarm
+# run's weights), --quick. Emulated work runs under `nice -n 10`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -28,14 +29,16 @@ ROUNDS=3
 ARCHES=arm64,armhf
 ONLY=""
 QUICK=0
+TP_MODEL=""
 while [ $# -gt 0 ]; do
     case $1 in
         --cache) CACHE=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --arch) ARCHES=$2; shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
+        --model) TP_MODEL=$(realpath "$2"); shift 2 ;;
         --quick) QUICK=1; ROUNDS=1; ARCHES=armhf; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -309,7 +312,9 @@ if { [ -z "$ONLY" ] || [ "$ONLY" = tp ]; } && [ "$QUICK" = 0 ] \
     && [[ " ${ARCH_LIST[*]} " == *" armhf "* ]]; then
     log "TP pair: x86 leader (rank 0), armv7 worker (rank 1, emulated), TCP gates"
     MODEL=$WORK/model.gguf
-    if [ -d "$WORK/x86/checkpoints" ]; then
+    if [ -n "$TP_MODEL" ]; then
+        cp "$TP_MODEL" "$MODEL"
+    elif [ -d "$WORK/x86/checkpoints" ]; then
         "$HOST_PY" -m foundry export --checkpoint "$WORK/x86/checkpoints" --out "$MODEL"
     else
         "$HOST_PY" -m foundry model init --preset tiny --out "$MODEL"
