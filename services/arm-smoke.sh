@@ -125,7 +125,7 @@ PLATFORMS_arm64=(manylinux2014_aarch64 manylinux_2_17_aarch64 manylinux_2_28_aar
 PLATFORMS_armhf=(linux_armv7l manylinux2014_armv7l manylinux_2_17_armv7l manylinux_2_31_armv7l)
 # Debian's packages in the armhf root, for what PyPI has no armv7 wheel of: numpy (1.24, what
 # 32-bit Raspberry Pi OS has), PyYAML and cffi (gguf's and cryptography's dependencies).
-DEBIAN_armhf=(python3-numpy python3-yaml python3-cffi-backend)
+DEBIAN_armhf=(python3-numpy python3-yaml python3-cffi)
 fetch_wheels() {  # ARCH: $CACHE/wheels-ARCH, cp311 wheels of every dependency
     local arch=$1 dir=$CACHE/wheels-$1 plat=() p
     local -n platforms=PLATFORMS_$1
