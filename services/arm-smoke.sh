@@ -163,8 +163,10 @@ done
 # a venv /opt/foundry (seeing Debian's numpy on armhf), `pip install --no-index`.
 install_project() {
     local arch=$1 root=$CACHE/root-$1 stamp src
-    stamp=$( (git -C "$REPO" ls-files -z --cached --others --exclude-standard \
-        | xargs -0 sha256sum 2>/dev/null; ls "$CACHE/wheels-$arch") | sha256sum | cut -c1-16)
+    # Reinstalled when what pip installs changes: the package's files or the wheels.
+    stamp=$( (cd "$REPO" && git ls-files -z --cached --others --exclude-standard -- \
+        pyproject.toml README.md src | xargs -0 sha256sum 2>/dev/null; ls "$CACHE/wheels-$arch") \
+        | sha256sum | cut -c1-16)
     if [ "$(cat "$root/opt/.foundry-installed" 2>/dev/null)" = "$stamp" ]; then
         echo "  $arch: installed (unchanged since the last run)"
         return
