@@ -16,6 +16,7 @@ from foundry.commands.common import (
     add_tls_flags,
     fraction,
     host_port,
+    nonneg_float,
     nonneg_int,
     positive_float,
     positive_int,
@@ -31,6 +32,14 @@ from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.wire.fdtc import Compression
 
 log = logging.getLogger("foundry")
+
+
+def momentum(text: str) -> float:
+    """A momentum coefficient in [0, 1)."""
+    value = nonneg_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be < 1")
+    return value
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,14 +68,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="inner steps per round: 1 trains synchronously (exact, the default); "
                    "above 1 each worker runs H local AdamW steps and the coordinator applies "
                    "an outer Nesterov step to the averaged pseudo-gradient (DiLoCo)")
-    c.add_argument("--sync-warmup", type=int, default=0, metavar="N",
+    c.add_argument("--sync-warmup", type=nonneg_int, default=0, metavar="N",
                    help="with --sync-every above 1, train the first N steps synchronously "
                    "(default 0)")
-    c.add_argument("--outer-lr", type=float, default=0.7,
+    c.add_argument("--outer-lr", type=positive_float, default=0.7,
                    help="outer Nesterov learning rate with --sync-every above 1 (default 0.7)")
-    c.add_argument("--outer-momentum", type=float, default=0.9,
+    c.add_argument("--outer-momentum", type=momentum, default=0.9,
                    help="outer Nesterov momentum with --sync-every above 1 (default 0.9)")
-    c.add_argument("--digest-every", type=int, default=10, metavar="K",
+    c.add_argument("--digest-every", type=nonneg_int, default=10, metavar="K",
                    help="workers report a digest of their weights every K steps; a mismatch "
                    "gets full weights (default 10; 0: never)")
     c.add_argument("--data", type=Path, default=None,
@@ -203,8 +212,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
                           else Compression[args.down_compression.upper()]),
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
-        digest_every=max(0, args.digest_every),
-        sync_warmup=max(0, args.sync_warmup),
+        digest_every=args.digest_every,
+        sync_warmup=args.sync_warmup,
     )
 
     async def main() -> int:

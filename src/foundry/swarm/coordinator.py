@@ -201,6 +201,7 @@ class Member:
     bytes_up: int = 0  # gradient bytes received from it
     bytes_down: int = 0  # weight and update bytes sent to it
     inner_steps: int = 0  # inner steps assigned to it in local-step rounds
+    ack_pending: bool = False  # a HEARTBEAT_ACK is waiting to be sent
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -562,10 +563,11 @@ class Coordinator:
             if msg.samples_per_sec > 0:
                 m.rate = policy.update_rate(m.rate or None, msg.samples_per_sec)
                 self.metrics.worker_samples_per_second.labels(worker=m.worker_id).set(m.rate)
-            if not m.send_lock.locked():
-                # Never wait here behind a large send (full weights on a slow link): this
-                # loop must keep reading, or the worker looks silent. The ack only informs.
-                await self._send_to(m, fdtc.HeartbeatAck(self.step))
+            if not m.ack_pending:
+                # Sent from a task of its own: behind a large send (full weights on a slow
+                # link) this loop must keep reading, or the worker looks silent.
+                m.ack_pending = True
+                self._spawn(self._heartbeat_ack(m), "heartbeat ack")
         elif isinstance(msg, fdtc.WeightsReq):
             if self._applying:
                 m.weights_step = -1  # the weights are changing: its next assignment has them
@@ -601,6 +603,14 @@ class Coordinator:
                 f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
             )
         return True
+
+    async def _heartbeat_ack(self, m: Member) -> None:
+        try:
+            await self._send_to(m, fdtc.HeartbeatAck(self.step))
+        except (ConnectionError, OSError, RuntimeError, TimeoutError):
+            pass  # the link is going away; its reader sees that
+        finally:
+            m.ack_pending = False
 
     async def _send_to(self, m: Member, *msgs: fdtc.Message) -> None:
         async with m.send_lock:
