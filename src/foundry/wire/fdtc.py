@@ -786,8 +786,38 @@ class Weights(Message):
 # --- gradients
 
 
+class _HeaderAndData(Message):
+    """A fixed header (``LAYOUT``) followed by a tensor data section that runs to the end of
+    the payload (``data``, kept as the view it arrived in). Not a dataclass itself: each
+    message declares ``data`` last, after its header fields."""
+
+    data: bytes | memoryview
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.LAYOUT.pack_obj(self), self.data)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length < cls.LAYOUT.size:
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload must be at least {cls.LAYOUT.size} bytes, header "
+                f"says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        header = cls.LAYOUT.unpack(payload)
+        # Each subclass is a dataclass whose fields are its header's then ``data``; this base
+        # is not one, so the checker sees no such constructor here.
+        return cls(**header, data=payload[cls.LAYOUT.size :])  # type: ignore[call-arg]
+
+
 @dataclass(frozen=True)
-class Gradients(Message):
+class Gradients(_HeaderAndData):
     """GRADIENTS (worker -> coordinator): the 80-byte sw_gradients_payload header, then
     ``num_tensors`` tensors in WEIGHTS_META order, each serialised by the ``compression``
     codec (``foundry.compression``). ``uncompressed_size`` is 4 * total elements.
@@ -807,25 +837,6 @@ class Gradients(Message):
     compression: Compression
     uncompressed_size: int
     data: bytes | memoryview = field(repr=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "data", _as_buffer("data", self.data))
-
-    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
-        return (self.LAYOUT.pack_obj(self), self.data)
-
-    @classmethod
-    def check_length(cls, length: int) -> None:
-        if length < cls.LAYOUT.size:
-            raise FdtcProtocolError(
-                f"GRADIENTS payload must be at least {cls.LAYOUT.size} bytes, header says "
-                f"{length}"
-            )
-
-    @classmethod
-    def from_payload(cls, payload: memoryview) -> Self:
-        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size :])
 
 
 @dataclass(frozen=True)
@@ -1181,7 +1192,7 @@ class TrainPlan(Message):
 
 
 @dataclass(frozen=True)
-class Update(Message):
+class Update(_HeaderAndData):
     """UPDATE (coordinator -> worker), ours: a 24-byte header, then ``num_tensors`` tensors in
     WEIGHTS_META order encoded by ``compression`` (the GRADIENTS data layout). A worker that
     holds the weights of ``base_step`` adds the decoded tensors to them and then holds
@@ -1201,24 +1212,6 @@ class Update(Message):
     num_tensors: int
     uncompressed_size: int
     data: bytes | memoryview = field(repr=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "data", _as_buffer("data", self.data))
-
-    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
-        return (self.LAYOUT.pack_obj(self), self.data)
-
-    @classmethod
-    def check_length(cls, length: int) -> None:
-        if length < cls.LAYOUT.size:
-            raise FdtcProtocolError(
-                f"UPDATE payload must be at least {cls.LAYOUT.size} bytes, header says {length}"
-            )
-
-    @classmethod
-    def from_payload(cls, payload: memoryview) -> Self:
-        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size :])
 
 
 @dataclass(frozen=True)
@@ -1279,7 +1272,8 @@ def _check_registry() -> None:
     if missing or len(MESSAGE_TYPES) != len(_CLASSES):
         raise RuntimeError(f"FDTC registry is incomplete or has duplicates; missing {missing}")
     for cls in _CLASSES:
-        if "from_payload" not in vars(cls):  # decoded generically from LAYOUT alone
+        own = any("from_payload" in vars(k) for k in cls.__mro__ if k is not Message)
+        if not own:  # decoded generically from LAYOUT alone
             names = tuple(f.name for f in fields(cls))
             if names != cls.LAYOUT.names:
                 raise RuntimeError(f"{cls.__name__} fields {names} != layout {cls.LAYOUT.names}")
