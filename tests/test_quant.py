@@ -279,6 +279,29 @@ def test_engine_on_a_quantized_file_tracks_the_f32_reference(
     assert (np.argmax(got, axis=1) == np.argmax(want, axis=1)).mean() >= 0.9
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("mode", list(ExpertSplit))
+def test_a_block_gives_the_bits_of_one_row_decoding(
+    tmp_path: Path, dtype: str, mode: ExpertSplit
+) -> None:
+    """Speculative decoding verifies drafts as one block and keeps a token only where the
+    block's logits choose it; greedy output is plain decoding's only if every row of a block
+    has the bits the one-row pass would give. The int8 inputs make that strict: a float32 part
+    (attention, router) off by one bit can round an input value the other way, a jump of
+    1/254 of its block's largest value, which later layers carry on."""
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype=dtype)  # type: ignore[arg-type]
+    engine = Engine(CFG, load_gguf_stored(path).params, expert_split=mode)
+    prompt, tokens = list(range(10, 30)), [int(t) for t in np.arange(40, 56) * 7 % CFG.n_vocab]
+    one = engine.new_session()
+    engine.decode(one, prompt)
+    rows = np.concatenate([engine.decode(one, [t]) for t in tokens])  # (16, V)
+    block = engine.new_session()
+    engine.decode(block, prompt)
+    blocks = np.concatenate([engine.decode(block, tokens[:5]), engine.decode(block, tokens[5:])])
+    np.testing.assert_array_equal(blocks, rows)
+
+
 def test_a_cut_across_a_block_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     """Three heads per rank of 16 values: attn_output's half is 48 columns, not whole blocks
     of 32. The pair refuses the file; one process holds the model in one part instead."""

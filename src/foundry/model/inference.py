@@ -25,10 +25,13 @@ and independent of the batch, so the pair equals the single process bit for bit 
 files too.
 
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
-projection, norm, router and expert works on all rows stacked; attention runs per session
-against that session's cache. Caches are written during the pass, but positions advance only
-when the whole pass succeeded, so a failed exchange leaves every session as it was (the rows
-written past its position are overwritten by its next block).
+projection, norm and expert works on all rows stacked; the router's product and attention run
+row by row (each row against its session's cache up to its own position), so that a row of a
+block gets the bits one-row decoding gives it, whatever the block (with the block kernels, which
+are batch-invariant too: speculative decoding's output is then plain greedy decoding's).
+Caches are written during the pass, but positions advance only when the whole pass succeeded,
+so a failed exchange leaves every session as it was (the rows written past its position are
+overwritten by its next block).
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ class Engine:
             x += self._exchange(exchange, i, Gate.ATTN, partial)
             h, _ = L.rmsnorm_forward(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
             weights, top, _ = L.router_forward(h, rp[p + "ffn_gate_inp.weight"],
-                                               cfg.n_expert_used)  # (n, K) each
+                                               cfg.n_expert_used, rowwise=True)  # (n, K) each
             partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
             x += self._exchange(exchange, i, Gate.FFN, partial)
         hf, _ = L.rmsnorm_forward(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
@@ -263,9 +266,11 @@ class Engine:
             end = session.pos + b - a
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
-            out, _ = L.attention_forward(q[None, a:b], kc[None, :end], vc[None, :end],
-                                         offset=session.pos)  # (1, b-a, H_part, Dh)
-            o[a:b] = out[0]
+            for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
+                at = session.pos + t - a
+                out, _ = L.attention_forward(q[None, t : t + 1], kc[None, : at + 1],
+                                             vc[None, : at + 1], offset=at)  # (1, 1, H_part, Dh)
+                o[t] = out[0, 0]
         return linear(o.reshape(n, -1), w[p + "attn_output.weight"])  # (n, D)
 
     def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
