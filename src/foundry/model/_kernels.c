@@ -462,6 +462,86 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
     }
     free(row);
 }
+/* Four rows at a time, each exactly dot_q_512's operations: the input's loads (int8 values,
+ * their sums, their scales) are shared by the four rows, and the weights of the next four rows
+ * are prefetched while these are read (one stream of memory, four rows ahead). */
+#define ROWS 4
+#ifndef PREFETCH
+#define PREFETCH ROWS /* rows ahead */
+#endif
+AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
+                              const int8_t *xq, const float *xd, const int32_t *corr, int nb,
+                              float *y) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const size_t off = (size_t)b * bsize;
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
+        /* dpbusd onto minus the correction: the same exact int32 lanes as subtracting it */
+        const __m512i ncv = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                             _mm512_loadu_si512((const void *)(corr + b * 8)));
+        const __m512 xdv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),
+                                                _mm512_set1_ps(xd[b + 1]));
+        for (int i = 0; i < ROWS; i++) {
+            const uint8_t *p = w + i * row_bytes + off;
+            _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+            const __m512i wq = _mm512_inserti64x4(
+                _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize),
+                1);
+            const __m512i sv = _mm512_dpbusd_epi32(ncv, _mm512_xor_si512(wq, flip), xv);
+            const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(p)),
+                                                   _mm512_set1_ps(f16(p + bsize)));
+            /* (d_w * d_x) * lane: the products of the scales, one rounding, as dot_q_512 */
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, xdv),
+                                                         _mm512_cvtepi32_ps(sv)));
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        float lanes[LANES_Q];
+        int8_t q[QK];
+        int32_t t[8];
+        _mm512_storeu_ps(lanes, acc[i]);
+        for (int c = b; c < nb; c++) {
+            const float dw = unpack_block(type, w + i * row_bytes + (size_t)c * bsize, q);
+            idot_lanes(q, xq + c * QK, t);
+            add_block(lanes, c, dw * xd[c], t);
+        }
+        y[i] = finish(lanes, LANES_Q);
+    }
+}
+
+/* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
+ * float accumulators are one register each (dot_f32_portable's order); next rows prefetched. */
+AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
+                                const float *x, float *y) {
+    int r = 0;
+    for (; r + ROWS <= rows && k % LANES_F == 0; r += ROWS) {
+        __m512 lo[ROWS], hi[ROWS];
+        for (int a = 0; a < ROWS; a++) lo[a] = hi[a] = _mm512_setzero_ps();
+        const uint8_t *base = w + (size_t)r * row_bytes;
+        for (int i = 0; i < k; i += LANES_F) {
+            const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+            for (int a = 0; a < ROWS; a++) {
+                const uint8_t *wr = base + a * row_bytes + 2 * (size_t)i;
+                _mm_prefetch((const char *)(wr + PREFETCH * row_bytes), _MM_HINT_T0);
+                const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wr));
+                const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wr + 32)));
+                lo[a] = _mm512_add_ps(lo[a], _mm512_mul_ps(w0, x0));
+                hi[a] = _mm512_add_ps(hi[a], _mm512_mul_ps(w1, x1));
+            }
+        }
+        for (int a = 0; a < ROWS; a++) {
+            float lanes[LANES_F];
+            _mm512_storeu_ps(lanes, lo[a]);
+            _mm512_storeu_ps(lanes + 16, hi[a]);
+            y[r + a] = finish(lanes, LANES_F);
+        }
+    }
+    if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
+}
+
 #endif
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
@@ -507,7 +587,19 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
             for (int g = 0; g < k / 4; g++)
                 corr[(size_t)t * (k / 4) + g] = 128 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
         }
-        for (int r = 0; r < n_out; r++)
+        int r = 0;
+#if defined(FOUNDRY_X86)
+        if (use_512) /* groups of four rows, kept in cache while the inputs pass over them */
+            for (; r + ROWS <= n_out; r += ROWS)
+                for (int t = 0; t < n; t++) {
+                    float out[ROWS];
+                    rows_q_512(type, w + (size_t)r * row_bytes, row_bytes, bytes,
+                               xq + (size_t)t * k, xd + (size_t)t * nb, corr + (size_t)t * (k / 4),
+                               nb, out);
+                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + r + i] = out[i];
+                }
+#endif
+        for (; r < n_out; r++)
             for (int t = 0; t < n; t++)
                 y[(size_t)t * n_out + r] =
                     dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
@@ -518,6 +610,10 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         return 0;
     }
 #if defined(FOUNDRY_X86)
+    if (type == T_F16 && use_512) {
+        for (int t = 0; t < n; t++) rows_f16_512(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out);
+        return 0;
+    }
     if (type == T_F16 && use_avx2) {
         for (int t = 0; t < n; t++) rows_f16_avx2(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out, 1);
         return 0;
