@@ -62,9 +62,10 @@ def stored(a: F32, qtype: QType) -> QTensor:
     return random_blocks(qtype, *a.shape) if qtype in KQUANTS else quant.quantize(a, qtype)
 
 
-def int8_inputs(x: F32) -> npt.NDArray[np.float64]:
-    """x as the kernels see it on the int8 path: blocks of 32, d = max|x| / 127, round(x / d)."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+def int8_inputs(x: F32, block: int = 32) -> npt.NDArray[np.float64]:
+    """x as the kernels see it on the int8 path: blocks of 32 (256 for the K-quants),
+    d = max|x| / 127, round(x / d)."""
+    b = x.reshape(x.shape[0], -1, block).astype(np.float32)
     d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return (np_roundf(b * inv) * d).reshape(x.shape).astype(np.float64)
@@ -97,7 +98,8 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(2)
     w = stored(rng.standard_normal((37, 512), dtype=np.float32), qtype)
     x = rng.standard_normal((n, 512), dtype=np.float32)
-    xs = int8_inputs(x) if qtype in INT8_PATH else x.astype(np.float64)
+    xs = (int8_inputs(x) if qtype in INT8_PATH
+          else int8_inputs(x, 256) if qtype in KQUANTS else x.astype(np.float64))
     wd = w.dequantize().astype(np.float64)
     want = xs @ wd.T
     got = quant.linear(x, w)
