@@ -137,6 +137,12 @@ class Engine:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode)
         self.fused: list[dict[str, QTensor]] = [_fuse(cfg, part) for part in self.parts]
+        # Each expert's matrices as views, made once (indexing a QTensor builds one).
+        self._experts: list[dict[str, list[Param]]] = [
+            {name: [t[e] for e in range(t.shape[0])]
+             for name, t in [*part.params.items(), *fused.items()] if t.ndim == 3}
+            for part, fused in zip(self.parts, self.fused, strict=True)
+        ]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
         # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
         self.dense: dict[str, F32] = {
@@ -283,10 +289,11 @@ class Engine:
         w = part.params
         p = f"blk.{layer}."
         k = top.shape[1]
-        w_gate, w_up, w_down = (w[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
         j = next(i for i, held in enumerate(self.parts) if held is part)
-        gate_up = self.fused[j].get(p + "gate_up")
-        n_local, f = w_gate.shape[0], w_gate.shape[1]
+        experts = self._experts[j]
+        w_gate, w_up, w_down = (experts[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
+        gate_up = experts.get(p + "gate_up")
+        n_local, f = len(w_gate), w_gate[0].shape[0]
         order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
         xs = h[order // k]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
