@@ -257,15 +257,16 @@ class Engine:
             # is the same as alone)
             nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
             y = linear(h, qkv)  # (n, Q + K + V rows)
-            q = y[:, :nq].reshape(n, -1, dh)  # (n, H_part, Dh)
-            k = y[:, nq : nq + nk].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            # Q and K turned in one call: the same elementwise operations on each value
+            qk = L.rope_forward(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
+            q, k = qk[:, : nq // dh], qk[:, nq // dh :]  # (n, H_part, Dh), (n, Hkv_part, Dh)
             v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         else:
             q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
             k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
             v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-        q = L.rope_forward(q, cos, sin)
-        k = L.rope_forward(k, cos, sin)
+            q = L.rope_forward(q, cos, sin)
+            k = L.rope_forward(k, cos, sin)
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
