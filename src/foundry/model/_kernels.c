@@ -7,9 +7,9 @@
  * a result does not depend on how many rows or inputs a call holds (batch invariance) nor on
  * which process computes it (the tensor-parallel pair equals one process bit for bit).
  *
- * Each dot product has ONE definition, written out in the portable C below; the AVX2 and NEON
- * paths compute exactly the same float operations in the same order, only several at a time, so
- * an x86-64 rank and an arm64 rank give the same bits:
+ * Each dot product has ONE definition, written out in the portable C below; the AVX2, AVX-512 and
+ * NEON paths compute exactly the same float operations in the same order, only several at a time
+ * (and several rows at a time), so an x86-64 rank and an arm64 rank give the same bits:
  *
  * - Q8_0 and Q4_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
  *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
@@ -17,9 +17,16 @@
  *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
  *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
  *   by halving like the float path.
- * - F16 and the other block types (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the weight row is turned
- *   into float32 (exact for F16; ggml's dequantization for blocks), then multiplied with x in
- *   float32: element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
+ * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one scale per
+ *   super-block, as ggml's Q8_K). Each 32 values of a super-block give the same eight exact
+ *   int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
+ *   integer scale, summed over the super-block in int32; the super-block adds (d * d_x) * lane_j
+ *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
+ *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
+ *   the halving (dot_k_portable).
+ * - F16 and the other block types (Q4_1, Q5_0, Q5_1): the weight row is turned into float32
+ *   (exact for F16; ggml's dequantization for blocks), then multiplied with x in float32:
+ *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
  *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
  *
  * Multiplications and additions are never fused (built with -ffp-contract=off; the SIMD paths
@@ -471,21 +478,36 @@ VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 
 /* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
- * sixteen accumulators (8 (block mod 2) + j). Weights turn unsigned (w + 128, an exclusive or
- * of the sign bit) for dpbusd, and 128 times the input's sums over each 4 values (``corr``,
- * computed once per input row) come off again: the same exact lanes. */
+ * sixteen accumulators (8 (block mod 2) + j). Weights are unsigned for dpbusd (Q8_0: w + 128,
+ * an exclusive or of the sign bit; Q4_0: its stored nibbles, 0..15, before the - 8), and 128
+ * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
+ * input row) come off again: the same exact lanes. */
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+AVX512 static inline __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
+    if (type == T_Q8_0) {
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+            _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2))),
+        _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1); /* the two blocks' 16 bytes */
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i lo = _mm256_and_si256(raw, m4);                        /* values 0-15 */
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);  /* values 16-31 */
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+}
+
 AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
                               const float *xd, const int32_t *corr, int nb) {
     __m512 acc = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *p = w + (size_t)b * bsize;
-        const __m512i wq = _mm512_inserti64x4(
-            _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize), 1);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, flip), xv);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_pair_512(type, p, bsize), xv);
         s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(corr + b * 8)));
         const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16c(p) * xd[b]),
                                               _mm512_set1_ps(f16c(p + bsize) * xd[b + 1]));
@@ -641,7 +663,6 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
                               const int8_t *xq, const float *xd, const int32_t *corr, int nb,
                               float *y) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     int b = 0;
@@ -656,10 +677,7 @@ AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int 
         for (int i = 0; i < ROWS; i++) {
             const uint8_t *p = w + i * row_bytes + off;
             _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
-            const __m512i wq = _mm512_inserti64x4(
-                _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize),
-                1);
-            const __m512i sv = _mm512_dpbusd_epi32(ncv, _mm512_xor_si512(wq, flip), xv);
+            const __m512i sv = _mm512_dpbusd_epi32(ncv, load_pair_512(type, p, bsize), xv);
             const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16c(p)),
                                                    _mm512_set1_ps(f16c(p + bsize)));
             /* (d_w * d_x) * lane: the products of the scales, one rounding, as dot_q_512 */
@@ -753,7 +771,7 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         const int nb = k / QK;
         int8_t *xq = malloc((size_t)n * k);
         float *xd = malloc((size_t)n * nb * sizeof(float));
-        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 x sums of 4 */
+        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0) or 8 (Q4_0) x sums of 4 */
         if (xq == NULL || xd == NULL || corr == NULL) {
             free(xq);
             free(xd);
@@ -764,7 +782,8 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
             const int8_t *q = xq + (size_t)t * k;
             quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
             for (int g = 0; g < k / 4; g++)
-                corr[(size_t)t * (k / 4) + g] = 128 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+                corr[(size_t)t * (k / 4) + g] =
+                    (type == T_Q8_0 ? 128 : 8) * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
         }
         int r = 0;
 #if defined(FOUNDRY_X86)
