@@ -663,6 +663,7 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
                               const int8_t *xq, const float *xd, const int32_t *corr, int nb,
                               float *y) {
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     int b = 0;
@@ -678,8 +679,9 @@ AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int 
             const uint8_t *p = w + i * row_bytes + off;
             _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
             const __m512i sv = _mm512_dpbusd_epi32(ncv, load_pair_512(type, p, bsize), xv);
-            const __m512 dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16c(p)),
-                                                   _mm512_set1_ps(f16c(p + bsize)));
+            /* both blocks' float16 scales converted by one vcvtph2ps, then spread 8 + 8 */
+            const __m128i h = _mm_cvtsi32_si128((int)(rd16(p) | (uint32_t)rd16(p + bsize) << 16));
+            const __m512 dw = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
             /* (d_w * d_x) * lane: the products of the scales, one rounding, as dot_q_512 */
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, xdv),
                                                          _mm512_cvtepi32_ps(sv)));
