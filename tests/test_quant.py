@@ -37,7 +37,7 @@ from foundry.tp.handshake import identity_for, load_rank
 F32 = npt.NDArray[np.float32]
 KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 QUANTIZABLE = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
-INT8_PATH = (QType.Q8_0, QType.Q4_0)  # inputs quantized to int8 blocks (the fast path)
+INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # inputs quantized to int8 blocks (the fast path)
 CFG = ModelConfig(n_ctx=64)
 
 

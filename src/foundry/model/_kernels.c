@@ -11,7 +11,7 @@
  * NEON paths compute exactly the same float operations in the same order, only several at a time
  * (and several rows at a time), so an x86-64 rank and an arm64 rank give the same bits:
  *
- * - Q8_0 and Q4_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
+ * - Q8_0, Q4_0 and Q5_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
  *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
  *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
  *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
@@ -24,7 +24,7 @@
  *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
  *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
  *   the halving (dot_k_portable).
- * - F16 and the other block types (Q4_1, Q5_0, Q5_1): the weight row is turned into float32
+ * - F16 and the other block types (Q4_1, Q5_1): the weight row is turned into float32
  *   (exact for F16; ggml's dequantization for blocks), then multiplied with x in float32:
  *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
  *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
@@ -297,6 +297,13 @@ static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     if (type == T_Q8_0) {
         memcpy(q, blk + 2, QK);
+    } else if (type == T_Q5_0) { /* value v's fifth bit is bit v of qh */
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)(((blk[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + QK / 2] = (int8_t)(((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
     } else { /* Q4_0 */
         for (int i = 0; i < QK / 2; i++) {
             q[i] = (int8_t)((blk[2 + i] & 0xF) - 8);
@@ -422,8 +429,27 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 AVX2 static inline float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
+/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
+ * high) and, as 16, bit v of the block's 32-bit qh for value v. */
+AVX2 static inline __m256i q5_unsigned_avx2(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                                         _mm_and_si128(raw, m4));
+    /* byte v takes byte v / 8 of qh, keeps its bit v mod 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
 AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (type == T_Q5_0) return _mm256_sub_epi8(q5_unsigned_avx2(blk), _mm256_set1_epi8(16));
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
     const __m128i m4 = _mm_set1_epi8(0xF);
     const __m128i lo = _mm_and_si128(raw, m4);
@@ -490,6 +516,9 @@ AVX512 static inline __m512i load_pair_512(int type, const uint8_t *p, int bsize
             _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
+    if (type == T_Q5_0)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)),
+                                  q5_unsigned_avx2(p + bsize), 1);
     const __m256i raw = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2))),
         _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1); /* the two blocks' 16 bytes */
@@ -768,12 +797,12 @@ static float dot_f32(const float *w, const float *x, int k) {
 /* y (n, n_out) = x (n, k) . W (n_out, k)^T. Returns 0, or -1 when out of memory. */
 static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
                   int n, float *y) {
-    if (type == T_Q8_0 || type == T_Q4_0) {
-        const int bytes = type == T_Q8_0 ? 34 : 18;
+    if (type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0) {
+        const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
         const int nb = k / QK;
         int8_t *xq = malloc((size_t)n * k);
         float *xd = malloc((size_t)n * nb * sizeof(float));
-        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0) or 8 (Q4_0) x sums of 4 */
+        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0), 16 (Q5_0), 8 (Q4_0) x sums of 4 */
         if (xq == NULL || xd == NULL || corr == NULL) {
             free(xq);
             free(xd);
@@ -785,7 +814,8 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
             quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
             for (int g = 0; g < k / 4; g++)
                 corr[(size_t)t * (k / 4) + g] =
-                    (type == T_Q8_0 ? 128 : 8) * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+                    (type == T_Q8_0 ? 128 : type == T_Q5_0 ? 16 : 8) *
+                    (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
         }
         int r = 0;
 #if defined(FOUNDRY_X86)
