@@ -250,14 +250,14 @@ static float dot_f32_portable(const float *w, const float *x, int k) {
 
 /* ---- the int8 block dot product: exact per block, 4 float lanes across blocks -------------- */
 
-/* Inputs as int8 blocks of 32: q (k values), d (k / 32 scales). */
-static void quantize_input(const float *x, int k, int8_t *q, float *d) {
-    for (int b = 0; b < k / QK; b++) {
+/* Inputs as int8 blocks of bs values (32; 256 for the K-quants): q (k values), d (k / bs scales). */
+static void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+    for (int b = 0; b < k / bs; b++) {
         float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[b * QK + i]));
+        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(x[b * bs + i]));
         const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
         d[b] = db;
-        for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)roundf(x[b * QK + i] * id);
+        for (int i = 0; i < bs; i++) q[b * bs + i] = (int8_t)roundf(x[b * bs + i] * id);
     }
 }
 
@@ -336,13 +336,7 @@ static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t 
 /* The inputs of a K-quant product: int8 values in blocks of 256 (one scale each, as ggml's
  * Q8_K), and their exact sums over each 4 (``s4``) and each 32 (``s32``) values. */
 static void quantize_input_k(const float *x, int k, int8_t *q, float *d, int32_t *s4, int32_t *s32) {
-    for (int b = 0; b < k / QK_K; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK_K; i++) amax = fmaxf(amax, fabsf(x[b * QK_K + i]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
-        for (int i = 0; i < QK_K; i++) q[b * QK_K + i] = (int8_t)roundf(x[b * QK_K + i] * id);
-    }
+    quantize_input(x, k, QK_K, q, d);
     for (int g = 0; g < k / 4; g++) s4[g] = q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3];
     for (int c = 0; c < k / QK; c++) {
         int32_t t = 0;
@@ -811,7 +805,7 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         }
         for (int t = 0; t < n; t++) {
             const int8_t *q = xq + (size_t)t * k;
-            quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
+            quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
             for (int g = 0; g < k / 4; g++)
                 corr[(size_t)t * (k / 4) + g] =
                     (type == T_Q8_0 ? 128 : type == T_Q5_0 ? 16 : 8) *
