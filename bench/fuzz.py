@@ -306,6 +306,12 @@ class FdtcFrames:
                 global_step=step, sample_offset=r.randrange(1 << 32),
                 samples_per_step=r.randrange(1, 64), inner_steps=r.randrange(1, 64),
                 micro_batch=8, seq_len=64),
+            "SWARM_DETAIL_REQ": fdtc.SwarmDetailReq,
+            "SWARM_DETAIL": lambda: fdtc.SwarmDetail(
+                min_workers=r.randrange(8), seconds_since_step=_f32(r),
+                failed=r.random() < 0.5, note=_word(r),
+                rows=(fdtc.SwarmDetailRow(step, r.randrange(1 << 40), r.randrange(1 << 40)),)
+                * r.randrange(3)),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), _word(r)),
         }
         return build[name]()
@@ -379,7 +385,7 @@ class FdtcAnswers(Answers):
 WORKER_MESSAGES = (fdtc.Heartbeat, fdtc.WeightsReq, fdtc.Gradients, fdtc.WeightsDigest, fdtc.Status,
                    fdtc.Error)
 ADMIN_REQUESTS = (fdtc.Start, fdtc.Pause, fdtc.Resume, fdtc.Checkpoint, fdtc.Shutdown,
-                  fdtc.StatusReq, fdtc.Export)
+                  fdtc.StatusReq, fdtc.Export, fdtc.SwarmDetailReq)
 
 
 class FdtcTarget(Target):
@@ -530,7 +536,9 @@ class AdminPortTarget(FdtcTarget):
         return len(msgs)  # every admin request is answered, in order
 
     def reader(self) -> Answers:
-        return FdtcAnswers(lambda m: True)
+        # SWARM_DETAIL_REQ is answered by SWARM_STATUS and SWARM_DETAIL: one answer, counted
+        # once.
+        return FdtcAnswers(lambda m: not isinstance(m, fdtc.SwarmDetail))
 
 
 class FrontendAnswers(Answers):

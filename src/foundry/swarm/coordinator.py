@@ -104,6 +104,9 @@ MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
 # On a stop, the step being applied is given this long to finish before the final checkpoint.
 STOP_ROUND_S = 30.0
+# After an internal failure the open admin links answer with it this long before the process
+# exits: `foundry up`, the gateway and `foundry ctl watch` learn why, not only that it went.
+FAILED_LINGER_S = 1.5
 # Validation loss every this many steps by default (forward passes over at most
 # data.VAL_MAX_TOKENS held-out tokens: for the tiny preset about as much as 5 rounds of batch
 # 16 x 64).
@@ -201,6 +204,8 @@ class Member:
     bytes_up: int = 0  # gradient bytes received from it
     bytes_down: int = 0  # weight and update bytes sent to it
     inner_steps: int = 0  # inner steps assigned to it in local-step rounds
+    assigned_steps: int = 1  # training steps of the assignment it holds
+    steps_done: int = 0  # training steps of its reports that rounds took (status)
     ack_pending: bool = False  # a HEARTBEAT_ACK is waiting to be sent
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -260,6 +265,8 @@ class Coordinator:
         self.bound_admin_port = 0
         self._validated_step = -1
         self._checkpoint_failed = False
+        self._checkpoint_warning = ""  # why checkpoints fail, while they do (status)
+        self._stepped_at = time.monotonic()  # when the global step last advanced (status)
         self._told_missing = 0
         self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
@@ -393,6 +400,8 @@ class Coordinator:
         disk: a stop (SIGTERM, SIGINT, SHUTDOWN) never loses a step."""
         for srv in self._servers:
             srv.close()
+        if self.failure is not None and self._admin_streams:
+            await asyncio.sleep(FAILED_LINGER_S)  # they answer every request with the failure
         if self._round_task is not None and self.failure is None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._round_task), STOP_ROUND_S)
@@ -721,6 +730,7 @@ class Coordinator:
         now = time.monotonic()
         rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
                    now=now, assigned_only=m.extended)
+        m.steps_done += m.assigned_steps if m.extended else 1
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
             elapsed = now - rnd.started
@@ -931,6 +941,7 @@ class Coordinator:
         )
 
     async def _assign(self, m: Member, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
+        m.assigned_steps = assign.inner_steps if isinstance(assign, fdtc.LocalAssign) else 1
         await self._bring_up_to_date(m)
         await self._send_to(m, assign)
 
@@ -959,6 +970,7 @@ class Coordinator:
         self.last_rate = n_samples / elapsed if elapsed > 0 else 0.0
         self.metrics.samples.inc(n_samples)
         self.metrics.global_step.set(self.step)
+        self._stepped_at = time.monotonic()
         self.metrics.learning_rate.set(lr)
         self.metrics.apply_duration.observe(time.monotonic() - t0)
         self.metrics.round_duration.observe(time.monotonic() - rnd.started)
@@ -1023,11 +1035,14 @@ class Coordinator:
             await self.checkpoint()
         except CheckpointError as exc:
             self.metrics.checkpoint_failures.inc()
+            if not self._checkpoint_failed:
+                self._checkpoint_warning = f"checkpoints failing since step {self.step}: {exc}"
             self._checkpoint_failed = True
             log.warning("step %d: %s; training goes on, retrying after the next step",
                         self.step, exc)
         else:
             self._checkpoint_failed = False
+            self._checkpoint_warning = ""
 
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
@@ -1113,7 +1128,7 @@ class Coordinator:
         try:
             while True:
                 msg = await stream.recv()
-                await stream.send(await self._on_admin_message(msg))
+                await stream.send(*await self._admin_answer(msg))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
             log.warning("admin link: closing %s: %s", stream.peer, exc)
@@ -1125,6 +1140,17 @@ class Coordinator:
         finally:
             self._admin_streams.discard(stream)
             await stream.close()
+
+    async def _admin_answer(self, msg: fdtc.Message) -> tuple[fdtc.Message, ...]:
+        """The answer to one admin request. A failed coordinator (on its way out) tells the
+        failure: in SWARM_DETAIL to a detail request, as an ERROR to any other request, so
+        no client reads TRAINING, or takes a checkpoint for written, from it."""
+        if isinstance(msg, fdtc.SwarmDetailReq):
+            return self.swarm_status(), self.swarm_detail()
+        if self.failure is not None:
+            text = f"the coordinator failed ({self.failure}) and is exiting with status 1"
+            return (fdtc.Error(int(ErrorCode.INTERNAL), clip(text)),)
+        return (await self._on_admin_message(msg),)
 
     async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:
         if isinstance(msg, fdtc.StatusReq):
@@ -1235,6 +1261,22 @@ class Coordinator:
             learning_rate=self.trainer.learning_rate(),
             samples_total=self.samples_total,
             rows=rows,
+        )
+
+    def swarm_detail(self) -> fdtc.SwarmDetail:
+        """What SWARM_STATUS does not carry, its rows in the same order."""
+        return fdtc.SwarmDetail(
+            min_workers=self.opt.min_workers,
+            seconds_since_step=time.monotonic() - self._stepped_at,
+            failed=self.failure is not None,
+            note=clip(self.failure or self._checkpoint_warning),
+            rows=tuple(
+                fdtc.SwarmDetailRow(
+                    inner_steps=min(m.steps_done, 0xFFFF_FFFF), bytes_up=m.bytes_up,
+                    bytes_down=m.bytes_down,
+                )
+                for m in sorted(self.members.values(), key=lambda m: m.worker_id)
+            ),
         )
 
 

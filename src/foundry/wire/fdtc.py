@@ -20,8 +20,8 @@ Decisions the header leaves open, taken here once:
 - Enum fields must hold a known value: an unknown profile or compression code is refused
   rather than carried, since nothing downstream could act on it.
 - Messages 0x60..0x6F are project extensions (ASSIGN, MODEL_CONFIG, DATASET, SWARM_STATUS,
-  CONTROL_ACK, EXPORT); HEARTBEAT_ACK and GRADIENTS_ACK carry a small payload of ours and
-  also accept the empty payload a seed-only peer sends.
+  CONTROL_ACK, EXPORT, ..., SWARM_DETAIL); HEARTBEAT_ACK and GRADIENTS_ACK carry a small
+  payload of ours and also accept the empty payload a seed-only peer sends.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ __all__ = [
     "Start",
     "Status",
     "StatusReq",
+    "SwarmDetail",
+    "SwarmDetailReq",
+    "SwarmDetailRow",
     "SwarmState",
     "SwarmStatus",
     "SwarmStatusRow",
@@ -158,6 +161,8 @@ class MsgType(IntEnum):
     UPDATE = 0x67
     WEIGHTS_DIGEST = 0x68
     LOCAL_ASSIGN = 0x69
+    SWARM_DETAIL_REQ = 0x6A
+    SWARM_DETAIL = 0x6B
     ERROR = 0xFF
 
 
@@ -1064,8 +1069,58 @@ class SwarmStatusRow:
         self.LAYOUT.normalise(self)
 
 
+class _HeadAndRows(Message):
+    """A fixed header (``HEAD``, ending in ``n_rows u32``) followed by ``n_rows`` fixed rows
+    (``ROW``): the payload is exactly ``HEAD.size + ROW.LAYOUT.size * n_rows`` bytes. Not a
+    dataclass itself: each message declares its header fields, then ``rows``."""
+
+    HEAD: ClassVar[_Layout]
+    ROW: ClassVar[type[Any]]
+    rows: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        self.HEAD.normalise(self, skip=("n_rows",))
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, self.ROW):
+                raise LocalProtocolError(f"rows must hold {self.ROW.__name__}, got {row!r}")
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        head = self.HEAD.pack_obj(self, n_rows=self.n_rows)
+        return (head, *(row.LAYOUT.pack_obj(row) for row in self.rows))
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        row = cls.ROW.LAYOUT.size
+        if length < cls.HEAD.size or (length - cls.HEAD.size) % row:
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload must be {cls.HEAD.size} + {row} * n_rows bytes, "
+                f"header says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        head = cls.HEAD.unpack(payload)
+        row_size = cls.ROW.LAYOUT.size
+        count = (len(payload) - cls.HEAD.size) // row_size
+        n_rows = head.pop("n_rows")
+        if n_rows != count:
+            raise FdtcProtocolError(f"{cls.TYPE.name} says n_rows {n_rows} but carries {count}")
+        rows = tuple(
+            cls.ROW(**cls.ROW.LAYOUT.unpack(payload, cls.HEAD.size + i * row_size))
+            for i in range(count)
+        )
+        # Each subclass is a dataclass whose fields are its header's then ``rows``; this base
+        # is not one, so the checker sees no such constructor here.
+        return cls(**head, rows=rows)  # type: ignore[call-arg]
+
+
 @dataclass(frozen=True)
-class SwarmStatus(Message):
+class SwarmStatus(_HeadAndRows):
     """SWARM_STATUS (coordinator -> admin), ours: a 37-byte header, then ``n_rows`` rows of
     93 bytes (``SwarmStatusRow``). The payload is exactly 37 + 93 * n_rows bytes."""
 
@@ -1081,6 +1136,7 @@ class SwarmStatus(Message):
         ("samples_total", U64),
         ("n_rows", U32),
     )
+    ROW: ClassVar[type[SwarmStatusRow]] = SwarmStatusRow
     global_step: int
     max_steps: int
     state: SwarmState
@@ -1090,44 +1146,6 @@ class SwarmStatus(Message):
     learning_rate: float
     samples_total: int
     rows: tuple[SwarmStatusRow, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.HEAD.normalise(self, skip=("n_rows",))
-        object.__setattr__(self, "rows", tuple(self.rows))
-        for row in self.rows:
-            if not isinstance(row, SwarmStatusRow):
-                raise LocalProtocolError(f"rows must hold SwarmStatusRow, got {row!r}")
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.rows)
-
-    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
-        head = self.HEAD.pack_obj(self, n_rows=self.n_rows)
-        return (head, *(row.LAYOUT.pack_obj(row) for row in self.rows))
-
-    @classmethod
-    def check_length(cls, length: int) -> None:
-        row = SwarmStatusRow.LAYOUT.size
-        if length < cls.HEAD.size or (length - cls.HEAD.size) % row:
-            raise FdtcProtocolError(
-                f"SWARM_STATUS payload must be {cls.HEAD.size} + {row} * n_rows bytes, header "
-                f"says {length}"
-            )
-
-    @classmethod
-    def from_payload(cls, payload: memoryview) -> Self:
-        head = cls.HEAD.unpack(payload)
-        row_size = SwarmStatusRow.LAYOUT.size
-        count = (len(payload) - cls.HEAD.size) // row_size
-        n_rows = head.pop("n_rows")
-        if n_rows != count:
-            raise FdtcProtocolError(f"SWARM_STATUS says n_rows {n_rows} but carries {count}")
-        rows = tuple(
-            SwarmStatusRow(**SwarmStatusRow.LAYOUT.unpack(payload, cls.HEAD.size + i * row_size))
-            for i in range(count)
-        )
-        return cls(**head, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -1253,13 +1271,61 @@ class LocalAssign(Message):
     seq_len: int
 
 
+@dataclass(frozen=True)
+class SwarmDetailReq(Message):
+    """SWARM_DETAIL_REQ (admin -> coordinator), ours, empty: answered by SWARM_STATUS and
+    then SWARM_DETAIL, both taken at the same moment (row i of one is row i of the other)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SWARM_DETAIL_REQ
+
+
+@dataclass(frozen=True)
+class SwarmDetailRow:
+    """One worker in SWARM_DETAIL, 20 bytes, in the order of SWARM_STATUS's rows."""
+
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("inner_steps", U32),
+        ("bytes_up", U64),
+        ("bytes_down", U64),
+    )
+    inner_steps: int  # training steps its taken reports held (inner steps with --sync-every)
+    bytes_up: int  # gradient bytes received from it
+    bytes_down: int  # weight and update bytes sent to it
+
+    def __post_init__(self) -> None:
+        self.LAYOUT.normalise(self)
+
+
+@dataclass(frozen=True)
+class SwarmDetail(_HeadAndRows):
+    """SWARM_DETAIL (coordinator -> admin), ours: what SWARM_STATUS does not say. A 269-byte
+    header, then ``n_rows`` rows of 20 bytes (``SwarmDetailRow``). ``failed``: an internal
+    task failed and the coordinator is exiting (status 1), ``note`` saying why; otherwise
+    ``note`` is a warning in effect (checkpoints failing) or empty."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SWARM_DETAIL
+    HEAD: ClassVar[_Layout] = _Layout(
+        ("min_workers", U32),
+        ("seconds_since_step", F32),
+        ("failed", BOOL),
+        ("note", _Str(MAX_PATH)),
+        ("n_rows", U32),
+    )
+    ROW: ClassVar[type[SwarmDetailRow]] = SwarmDetailRow
+    min_workers: int
+    seconds_since_step: float
+    failed: bool = False
+    note: str = ""
+    rows: tuple[SwarmDetailRow, ...] = ()
+
+
 # ---------------------------------------------------------------------------- registry
 
 _CLASSES: tuple[type[Message], ...] = (
     Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
     WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
     StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
-    TrainPlan, Update, WeightsDigest, LocalAssign, Error,
+    TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}

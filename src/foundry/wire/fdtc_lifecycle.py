@@ -97,7 +97,7 @@ class Direction(Enum):
 
 ADMIN_REQUESTS = frozenset({
     MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
-    MsgType.STATUS_REQ, MsgType.EXPORT,
+    MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
 })
 
 _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
@@ -112,7 +112,7 @@ _COORD_ANYTIME = (
     MsgType.RESUME, MsgType.ERROR,
 )
 _COORD_STOPPING = (MsgType.GRADIENTS_ACK, MsgType.HEARTBEAT_ACK, MsgType.SHUTDOWN, MsgType.ERROR)
-_ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.ERROR)
+_ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.SWARM_DETAIL, MsgType.ERROR)
 
 
 def _add(t: _Table, state: LinkState, direction: Direction, types: Iterable[MsgType],
