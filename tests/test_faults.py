@@ -50,6 +50,15 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
             assert st.state is fdtc.SwarmState.TRAINING
             assert scrape(metrics_port, "foundry_swarm_checkpoint_failures_total") >= 2
             assert "retrying after the next step" in coord.text()
+            # Status says so, with the step it began at, while the state stays TRAINING.
+            link = AdminLink("127.0.0.1", admin_port)
+            try:
+                st, detail = link.status()
+            finally:
+                link.close()
+            assert st.state is fdtc.SwarmState.TRAINING and not detail.failed
+            assert detail.note.startswith("checkpoints failing since step 2: could not write "
+                                          "checkpoint"), detail.note
             got = admin(admin_port, fdtc.Checkpoint())
             assert isinstance(got, fdtc.ControlAck) and not got.ok
             assert got.message.startswith("could not write checkpoint"), got.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from foundry.up.plan import (
     StackOptions,
     StackPorts,
     default_checkpoint_every,
+    gives_up,
     prometheus_config,
     restart_delay,
     serving_services,
@@ -110,6 +112,13 @@ def test_checkpoint_interval_is_a_flag_with_a_bounded_default(tmp_path: Path) ->
 def test_restart_backoff_doubles_up_to_a_cap() -> None:
     assert [restart_delay(n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
     assert restart_delay(50) == RESTART_MAX_S
+
+
+def test_five_failures_within_a_minute_leave_a_service_down() -> None:
+    assert not gives_up([0.0, 1.0, 3.0, 7.0], 7.5)
+    assert gives_up([0.0, 1.0, 3.0, 7.0, 15.0], 15.5)
+    # The first of five fell out of the minute: restarted again.
+    assert not gives_up([0.0, 30.0, 40.0, 50.0, 60.0], 60.5)
 
 
 def test_prometheus_config_scrapes_every_service() -> None:
@@ -347,4 +356,57 @@ def test_one_stack_per_run_dir_and_dead_services_come_back(tmp_path: Path) -> No
         found = latest_checkpoint(ckpts)
         assert found is not None and load_checkpoint(found).step == last, since_restart()[-2000:]
     finally:
+        up.cleanup()
+
+
+def test_a_service_that_keeps_failing_is_left_down_with_the_command_to_start_it(
+    tmp_path: Path,
+) -> None:
+    """worker-0 killed with SIGKILL five times within a minute: restarted after each of the
+    first four (1, 2, 4, 8 s of backoff), then left down; the live view and its log say so
+    and give the command that starts it by hand, and that command, run as printed, brings
+    it back into the run."""
+    up, _ = start_up(tmp_path, 1, "--steps", "100000")
+    by_hand: subprocess.Popen[bytes] | None = None
+    try:
+        up.wait_for(r"training tiny for 100000 steps", 60)
+        for kill in range(1, 6):
+            pid = up.children()["worker-0"]
+            os.kill(pid, signal.SIGKILL)
+            if kill < 5:
+                deadline = time.monotonic() + 30
+                while up.text().count("restarted worker-0 (exit -9)") < kill:
+                    assert time.monotonic() < deadline, up.text()
+                    time.sleep(0.05)
+                assert up.children()["worker-0"] != pid
+        m = up.wait_for(
+            r"worker-0 failed 5 times within 60 s \(last exit -9\); not restarting it "
+            r"\(log (\S+)\)\. To start it by hand: (.+)\n", 30)
+        log = Path(m.group(1))
+        assert log == up.run_dir / "logs" / "worker-0.log"
+        assert "worker-0 failed 5 times within 60 s" in log.read_text()
+        time.sleep(2.0)  # RESTART_MAX_S is far off: nothing restarts it meanwhile
+        assert "restarted worker-0 (exit -9)" not in up.text().rpartition("not restarting")[2]
+        assert not running(up.children()["worker-0"])
+        # The printed command, run as it is, starts the worker: it joins the run again.
+        before = len(log.read_text())
+        coordinator_log = up.run_dir / "logs" / "coordinator.log"
+
+        def registrations() -> int:
+            return coordinator_log.read_text().count("worker worker-0 registered")
+
+        registered = registrations()
+        by_hand = subprocess.Popen(["bash", "-c", m.group(2)], start_new_session=True)
+        deadline = time.monotonic() + 60
+        while registrations() == registered or \
+                not re.search(r"metrics :\d+", log.read_text()[before:]):
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=30) == 0, up.text()
+    finally:
+        if by_hand is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(by_hand.pid, signal.SIGKILL)
+            by_hand.wait(timeout=10)
         up.cleanup()
