@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -31,7 +32,7 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import check_ports_free
-from foundry.up.view import waiting_note
+from foundry.up.view import LiveView, waiting_note, worker_line
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -142,6 +143,26 @@ def test_a_waiting_run_says_how_many_workers_it_misses() -> None:
     assert waiting_note(st(fdtc.SwarmState.WAITING, 1), 2) == "waiting for 1 of 2 worker(s)"
     assert waiting_note(st(fdtc.SwarmState.TRAINING, 1), 2) is None
     assert waiting_note(st(fdtc.SwarmState.WAITING, 2), 2) is None
+
+
+def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
+    row = fdtc.SwarmStatusRow(
+        worker_id="w0", profile=fdtc.HardwareProfile.SERVER, state=fdtc.WorkerState.IDLE,
+        batch_size=4, accumulation_steps=2, samples_per_sec=10.0, loss=2.0, local_step=3,
+        seconds_since_heartbeat=0.1,
+    )
+    st = fdtc.SwarmStatus(global_step=3, max_steps=9, state=fdtc.SwarmState.TRAINING,
+                          train_loss=1.0, val_loss=1.0, samples_per_sec=0.0, learning_rate=0.0,
+                          samples_total=0, rows=(row,))
+    more = fdtc.SwarmDetailRow(inner_steps=3, bytes_up=2_500_000, bytes_down=7_000_000)
+    failed = fdtc.SwarmDetail(min_workers=1, seconds_since_step=0.5, failed=True,
+                              note="round loop failed: OSError: x", rows=(more,))
+    out = io.StringIO()
+    view = LiveView(out, 9, tty=False, workers=1)
+    view.update(st, failed)
+    view.update(st, failed)
+    assert out.getvalue().count("coordinator FAILED: round loop failed: OSError: x") == 1
+    assert worker_line(row, more).endswith("3 steps  up 2.5 MB down 7.0 MB")
 
 
 def test_printable_escapes_control_characters() -> None:
