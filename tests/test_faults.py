@@ -114,6 +114,10 @@ def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
             assert re.search(r"training: FAILED: round loop failed: OSError: \[Errno 16\] "
                              r"Device or resource busy", watch.text()), watch.text()[-2000:]
             assert coord.proc.wait(timeout=30) == 1
+            # Its health turned NOT_SERVING with the cause (probed every second, so at least
+            # once while it told the failure).
+            assert re.search(r"coordinator is not serving \(the coordinator failed: round loop "
+                             r"failed: OSError", gateway.text()), gateway.text()[-2000:]
             with Service(["ctl", "status", "--gateway", target], tmp_path / "status.log") as ctl:
                 assert ctl.proc.wait(timeout=30) == 1
             assert "training: unavailable (UNAVAILABLE: coordinator admin link" in ctl.text()
