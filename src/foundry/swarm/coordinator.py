@@ -211,6 +211,9 @@ class Member:
     steps_done: int = 0  # training steps of its reports that rounds took (status)
     ack_pending: bool = False  # a HEARTBEAT_ACK is waiting to be sent
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Sends under way: a worker taking our bytes is alive even while its own heartbeats wait
+    # unread behind them (its read loop may be the one sending); the frame deadline bounds it.
+    sending: int = 0
 
     @property
     def seed_share(self) -> int:
@@ -627,8 +630,12 @@ class Coordinator:
             m.ack_pending = False
 
     async def _send_to(self, m: Member, *msgs: fdtc.Message) -> None:
-        async with m.send_lock:
-            await m.stream.send(*msgs)
+        m.sending += 1
+        try:
+            async with m.send_lock:
+                await m.stream.send(*msgs)
+        finally:
+            m.sending -= 1
 
     def _weights_messages(self) -> tuple[fdtc.WeightsMeta, fdtc.Weights]:
         if self._weights_cache is None or self._weights_cache[0] != self.step:
@@ -773,7 +780,7 @@ class Coordinator:
                 # Bytes of a frame still arriving count as life: on a slow link a worker's
                 # heartbeat waits behind its own gradient.
                 last = max(m.last_seen, m.stream.last_rx)
-                if policy.is_dead(now, last, timeout):
+                if not m.sending and policy.is_dead(now, last, timeout):
                     self._drop(m, "heartbeat_timeout")
                     await m.stream.close()
 
