@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
 from foundry.model.generate import printable
 from foundry.up.plan import (
     RESTART_MAX_S,
+    ServiceSpec,
     StackError,
     StackOptions,
     StackPorts,
@@ -31,7 +33,7 @@ from foundry.up.plan import (
     serving_services,
     training_services,
 )
-from foundry.up.supervisor import check_ports_free
+from foundry.up.supervisor import Stack, check_ports_free
 from foundry.up.view import LiveView, waiting_note, worker_line
 from foundry.wire import fdtc
 
@@ -120,6 +122,30 @@ def test_five_failures_within_a_minute_leave_a_service_down() -> None:
     assert gives_up([0.0, 1.0, 3.0, 7.0, 15.0], 15.5)
     # The first of five fell out of the minute: restarted again.
     assert not gives_up([0.0, 30.0, 40.0, 50.0, 60.0], 60.5)
+
+
+def test_the_command_by_hand_carries_the_stacks_environment_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FOUNDRY_TLS_CERT", "/etc/cert.pem")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    stack = Stack(tmp_path / "run dir", io.StringIO())
+    spec = ServiceSpec("worker-0", (sys.executable, "-c", "print('a b')"), r"a b")
+    child = stack.start(spec)
+    try:
+        command = stack.by_hand(child)
+        assert command.startswith(
+            f"cd {shlex.quote(os.getcwd())} && env -u FOUNDRY_TLS_CERT OPENBLAS_NUM_THREADS=1 "
+            f"PYTHONUNBUFFERED=1 {shlex.quote(sys.executable)} -c "
+        ), command
+        assert command.endswith(f" >> {shlex.quote(str(child.log))} 2>&1"), command
+        child.proc.wait(timeout=30)
+        out = subprocess.run(["bash", "-c", command], env=dict(os.environ), timeout=30)
+        assert out.returncode == 0
+        assert child.log.read_text().count("a b") == 2  # the child's run, then by hand
+    finally:
+        stack.stop_all(grace_s=1.0)
 
 
 def test_prometheus_config_scrapes_every_service() -> None:
