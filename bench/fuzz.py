@@ -487,11 +487,17 @@ class WorkerPortTarget(FdtcTarget):
             return False
         if at < 0:
             return True
-        return all(
-            isinstance(m, WORKER_MESSAGES)
-            and not (isinstance(m, fdtc.Gradients) and m.num_tensors != self.frames.n_tensors)
-            for m in msgs[at:]
-        )
+        # GRADIENTS and WEIGHTS_DIGEST only on a link that got weights (docs/protocol.md,
+        # "Lifecycle"): the coordinator answers a WEIGHTS_REQ with them, unless a step is
+        # being applied just then (it closes the link then; a close counts, a hang would not).
+        weights_asked = False
+        for m in msgs[at:]:
+            weights_asked |= isinstance(m, fdtc.WeightsReq)
+            if not isinstance(m, WORKER_MESSAGES) or (
+                isinstance(m, fdtc.Gradients | fdtc.WeightsDigest) and not weights_asked
+            ) or (isinstance(m, fdtc.Gradients) and m.num_tensors != self.frames.n_tensors):
+                return False
+        return True
 
     def probe(self, msgs: list[fdtc.Message]) -> list[fdtc.Message]:
         rng = random.Random(len(msgs))

@@ -84,6 +84,7 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
+from foundry.wire.fdtc_lifecycle import Link, Role
 
 log = logging.getLogger("foundry.coordinator")
 
@@ -414,7 +415,8 @@ class Coordinator:
     async def _serve_worker(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -428,7 +430,7 @@ class Coordinator:
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="worker").inc()
             log.warning("worker link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await self._send_error(stream, exc)
         except FrameTimeout as exc:
             log.warning("worker link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError) as exc:
@@ -439,30 +441,38 @@ class Coordinator:
                 self._drop(member, "disconnected")
             await stream.close()
 
-    async def _send_error(self, stream: FdtcStream, code: ErrorCode, message: str) -> None:
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(message))), 1.0)
+    async def _send_error(self, stream: FdtcStream, exc: ProtocolError) -> None:
+        """The ERROR that answers ``exc``: the code the connection or the codec gave it
+        (NOT_REGISTERED, UNEXPECTED for a message out of order), BAD_FRAME for bad bytes."""
+        code = exc.error_code if isinstance(exc, fdtc.FdtcProtocolError) else ErrorCode.BAD_FRAME
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError, ProtocolError):
+            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(str(exc)))), 1.0)
 
     async def _handshake(self, stream: FdtcStream) -> Member | None:
-        """DATASET (optional) then REGISTER; answer REGISTER_ACK, and extensions if spoken."""
+        """DATASET (optional) then REGISTER, in the order the connection enforces; answer
+        REGISTER_ACK, and extensions if spoken."""
         extended = False
-        msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if isinstance(msg, fdtc.Dataset):
-            extended = True
-            mine = self.corpus.fingerprint
-            if (msg.n_tokens, msg.sha256.hex()) != (mine.n_tokens, mine.sha256):
-                reason = (
-                    f"worker data ({msg.n_tokens} tokens, sha256 {msg.sha256.hex()[:12]}) "
-                    f"differs from the swarm's ({mine.n_tokens} tokens, sha256 "
-                    f"{mine.sha256[:12]}); start the worker with the coordinator's --data"
-                )
-                await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+        msg: fdtc.Register | None = None
+        while msg is None:
+            event = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
+            if isinstance(event, fdtc.Register):
+                msg = event
+            elif isinstance(event, fdtc.Dataset):
+                extended = True
+                mine = self.corpus.fingerprint
+                if (event.n_tokens, event.sha256.hex()) != (mine.n_tokens, mine.sha256):
+                    reason = (
+                        f"worker data ({event.n_tokens} tokens, sha256 "
+                        f"{event.sha256.hex()[:12]}) differs from the swarm's ({mine.n_tokens} "
+                        f"tokens, sha256 {mine.sha256[:12]}); start the worker with the "
+                        "coordinator's --data"
+                    )
+                    await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+                    return None
+            else:  # ERROR or DEREGISTER: the peer leaves before it joined
+                log.info("%s left before registering (%s)", stream.peer,
+                         fdtc.msg_type_name(event.TYPE))
                 return None
-            msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if not isinstance(msg, fdtc.Register):
-            reason = f"expected REGISTER first, got {fdtc.msg_type_name(msg.TYPE)}"
-            await self._refuse(stream, ErrorCode.NOT_REGISTERED, reason)
-            return None
         if msg.protocol_version != fdtc.PROTOCOL_VERSION:
             reason = (
                 f"protocol version {msg.protocol_version} is not supported; this coordinator "
@@ -554,7 +564,7 @@ class Coordinator:
         return ids.index(worker_id), len(ids)
 
     async def _on_worker_message(self, m: Member, msg: fdtc.Message) -> bool:
-        """Handle one message; False closes the connection."""
+        """Handle one message the link's state allows; False closes the connection."""
         if isinstance(msg, fdtc.Heartbeat):
             m.heard_heartbeat(m.last_seen)
             m.local_step = msg.local_step
@@ -598,10 +608,7 @@ class Coordinator:
             if msg.error_code == ErrorCode.INTERNAL:
                 self._drop(m, "error")
                 return False
-        else:
-            raise fdtc.FdtcProtocolError(
-                f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
-            )
+        # Nothing else passes the worker link's table (``fdtc_lifecycle``).
         return True
 
     async def _heartbeat_ack(self, m: Member) -> None:
@@ -637,6 +644,8 @@ class Coordinator:
         return self._weights_cache[1], self._weights_cache[2]
 
     async def _send_weights(self, m: Member) -> None:
+        if not m.stream.may_send(fdtc.MsgType.WEIGHTS_META):
+            return  # told SHUTDOWN already: training is over for it
         meta, weights = self._weights_messages()
         await self._send_to(m, meta, weights)
         m.weights_step = meta.global_step
@@ -1108,16 +1117,21 @@ class Coordinator:
     async def _serve_admin(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.ADMIN,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         self._admin_streams.add(stream)
         try:
             while True:
                 msg = await stream.recv()
+                if isinstance(msg, fdtc.Error):  # the client gives up: nothing to answer
+                    log.info("admin link: %s reports error %d: %s; closed", stream.peer,
+                             msg.error_code, msg.message)
+                    return
                 await stream.send(await self._on_admin_message(msg))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
             log.warning("admin link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await self._send_error(stream, exc)
         except FrameTimeout as exc:
             log.warning("admin link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError):
@@ -1127,6 +1141,8 @@ class Coordinator:
             await stream.close()
 
     async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:
+        """The answer to one admin request (the only messages the admin link's table lets
+        through, besides ERROR)."""
         if isinstance(msg, fdtc.StatusReq):
             return self.swarm_status()
         if isinstance(msg, fdtc.Export):
@@ -1162,13 +1178,10 @@ class Coordinator:
             await self._broadcast(fdtc.Pause())
             self._release_paused_peers()
             return self._ack(msg, True, "paused after the current round")
-        if isinstance(msg, fdtc.Shutdown):
-            await self._finish()
-            asyncio.get_running_loop().call_later(0.2, self.request_stop)
-            return self._ack(msg, True, f"shut down at step {self.step}")
-        raise fdtc.FdtcProtocolError(
-            f"{fdtc.msg_type_name(msg.TYPE)} is not an admin request"
-        )
+        assert isinstance(msg, fdtc.Shutdown), msg
+        await self._finish()
+        asyncio.get_running_loop().call_later(0.2, self.request_stop)
+        return self._ack(msg, True, f"shut down at step {self.step}")
 
     def _release_paused_peers(self) -> None:
         """The open round stops expecting seed-only peers that have not reported yet.
@@ -1192,9 +1205,10 @@ class Coordinator:
         )
 
     async def _broadcast(self, msg: fdtc.Message, *, only_started: bool = False) -> None:
-        """``msg`` to every registered worker, seed-only peers included."""
+        """``msg`` to every registered worker, seed-only peers included, whose link takes it
+        now (after SHUTDOWN only the end of a round may still go)."""
         for m in list(self.members.values()):
-            if only_started and not m.started:
+            if (only_started and not m.started) or not m.stream.may_send(msg.TYPE):
                 continue
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 await self._send_to(m, msg)

@@ -46,6 +46,7 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
+from foundry.wire.fdtc_lifecycle import Role
 
 log = logging.getLogger("foundry.worker")
 
@@ -107,6 +108,9 @@ class Worker:
         self.paused = False
         self.cannot_train: str | None = None  # why an assignment could not be trained on
         self._compute: asyncio.Task[None] | None = None
+        # What the link delivered and the worker has not acted on yet.
+        self._meta: fdtc.WeightsMeta | None = None  # announces the WEIGHTS that follows
+        self._pending: fdtc.Assign | fdtc.LocalAssign | None = None  # waits for its weights
         self._rng = random.Random(hash(options.worker_id))
 
     async def run(self) -> int:
@@ -116,7 +120,8 @@ class Worker:
         connected_before = False  # the first connection is not a reconnect
         while True:
             try:
-                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls)
+                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls,
+                                                  role=Role.WORKER)
             except (OSError, TimeoutError) as exc:
                 attempt += 1
                 if self.opt.max_attempts and attempt >= self.opt.max_attempts:
@@ -153,6 +158,7 @@ class Worker:
                 done = False
             except ProtocolError as exc:
                 log.warning("bad bytes from the coordinator: %s; reconnecting", exc)
+                await self._answer(stream, exc)
                 done = False
             finally:
                 await self._stop_compute()
@@ -163,6 +169,17 @@ class Worker:
                 return 2
             await asyncio.sleep(backoff_delay(0, rng=self._rng))
 
+    @staticmethod
+    async def _answer(stream: FdtcStream, exc: ProtocolError) -> None:
+        """The ERROR that answers the coordinator's bad bytes or out-of-order message, with
+        the code the connection gave it; best effort, the link closes next."""
+        code = exc.error_code if isinstance(exc, fdtc.FdtcProtocolError) else ErrorCode.BAD_FRAME
+        message = str(exc).encode()[: fdtc.MAX_PATH - 1].decode(errors="ignore")
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError, TimeoutError,
+                                 ProtocolError):
+            async with asyncio.timeout(1.0):
+                await stream.send(fdtc.Error(int(code), message))
+
     async def _stop_compute(self) -> None:
         await cancel_and_wait(self._compute)
         self._compute = None
@@ -170,6 +187,8 @@ class Worker:
     async def _session(self, stream: FdtcStream) -> bool:
         hw = self.opt.hardware
         fp = self.corpus.fingerprint
+        self.weights_step = -1  # a new link: the coordinator sends full weights first
+        self._meta, self._pending = None, None
         await stream.send(
             fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
             fdtc.Register(
@@ -181,11 +200,40 @@ class Worker:
                 suggested_batch_size=fdtc.profile_batch_size(hw.profile),
             ),
         )
-        ack = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(ack, fdtc.RegisterAck):
-            raise fdtc.FdtcProtocolError(
-                f"expected REGISTER_ACK, got {fdtc.msg_type_name(ack.TYPE)}"
-            )
+        heartbeat: asyncio.Task[None] | None = None
+        try:
+            # The registration's answers: REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN. The link's
+            # table lets through only what the coordinator may send a registered worker, and
+            # until all three are in, the loop waits at most 30 s for each message.
+            joined: set[fdtc.MsgType] = set()
+            while len(joined) < 3:
+                msg = await stream.recv(idle_timeout_s=30.0)
+                if isinstance(msg, fdtc.RegisterAck):
+                    await self._on_register_ack(stream, msg)
+                elif isinstance(msg, fdtc.ModelConfigMsg):
+                    self.cfg = config_of(msg)
+                    self.aux_loss_coef = msg.aux_loss_coef
+                elif isinstance(msg, fdtc.TrainPlan):
+                    self.plan = msg
+                else:
+                    if await self._on_message(stream, msg):
+                        return True
+                    continue
+                joined.add(msg.TYPE)
+            assert self.plan is not None
+            log.info("training plan: %s up, %s down, sync every %d",
+                     self.compression.name.lower(),
+                     Compression(self.plan.down_compression).name.lower(),
+                     self.plan.sync_every)
+            await stream.send(fdtc.WeightsReq())
+            heartbeat = asyncio.ensure_future(self._heartbeats(stream))
+            while True:
+                if await self._on_message(stream, await stream.recv()):
+                    return True
+        finally:
+            await cancel_and_wait(heartbeat)
+
+    async def _on_register_ack(self, stream: FdtcStream, ack: fdtc.RegisterAck) -> None:
         if not ack.accepted:
             reason = "no reason given"
             code = int(ErrorCode.REJECTED)
@@ -202,33 +250,11 @@ class Worker:
             self.uplink = Compressor(
                 get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
             )
-        cfg_msg = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(cfg_msg, fdtc.ModelConfigMsg):
-            raise fdtc.FdtcProtocolError(
-                f"expected MODEL_CONFIG, got {fdtc.msg_type_name(cfg_msg.TYPE)}"
-            )
-        self.cfg = config_of(cfg_msg)
-        self.aux_loss_coef = cfg_msg.aux_loss_coef
-        plan = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(plan, fdtc.TrainPlan):
-            raise fdtc.FdtcProtocolError(
-                f"expected TRAIN_PLAN, got {fdtc.msg_type_name(plan.TYPE)}"
-            )
-        self.plan = plan
-        self.weights_step = -1  # a new link: the coordinator sends full weights first
         log.info(
-            "registered as %s (shard %d/%d, micro-batch %d, %s up, %s down, sync every %d) "
-            "at step %d",
+            "registered as %s (shard %d/%d, micro-batch %d) at step %d",
             self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
-            self.compression.name.lower(), Compression(plan.down_compression).name.lower(),
-            plan.sync_every, ack.global_step,
+            ack.global_step,
         )
-        await stream.send(fdtc.WeightsReq())
-        heartbeat = asyncio.ensure_future(self._heartbeats(stream))
-        try:
-            return await self._message_loop(stream)
-        finally:
-            await cancel_and_wait(heartbeat)
 
     async def _heartbeats(self, stream: FdtcStream) -> None:
         while True:
@@ -242,49 +268,45 @@ class Worker:
             )
             await asyncio.sleep(self.opt.heartbeat_interval_s)
 
-    async def _message_loop(self, stream: FdtcStream) -> bool:
-        meta: fdtc.WeightsMeta | None = None
+    async def _on_message(self, stream: FdtcStream, msg: fdtc.Message) -> bool:
+        """Act on one message the link's table admitted (``fdtc_lifecycle``: a WEIGHTS always
+        follows its WEIGHTS_META, an assignment or UPDATE comes only to a link that got
+        weights); True once training is over (SHUTDOWN)."""
+        if isinstance(msg, fdtc.WeightsMeta):
+            self._meta = msg
+        elif isinstance(msg, fdtc.Weights):
+            assert self._meta is not None  # the connection checked the order
+            self._load_weights(self._meta, msg)
+            self._meta = None
+        elif isinstance(msg, fdtc.Update):
+            await self._apply_update(stream, msg)
+        elif isinstance(msg, fdtc.Assign | fdtc.LocalAssign):
+            self._pending = msg
+        elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
+            self.global_step = max(self.global_step, msg.global_step)
+        elif isinstance(msg, fdtc.StatusReq):
+            await stream.send(self._status())
+        elif isinstance(msg, fdtc.Pause):
+            self.paused = True
+            log.info("paused by the coordinator")
+        elif isinstance(msg, fdtc.Resume | fdtc.Start):
+            self.paused = False
+        elif isinstance(msg, fdtc.Shutdown):
+            log.info("training done at step %d; exiting", self.global_step)
+            with contextlib.suppress(ConnectionError, OSError):
+                await stream.send(fdtc.Deregister())
+            return True
+        elif isinstance(msg, fdtc.Error):
+            log.warning("coordinator error %d: %s", msg.error_code, msg.message)
+        # SYNC and CHECKPOINT are informational for workers: nothing to do locally. A second
+        # REGISTER_ACK, MODEL_CONFIG or TRAIN_PLAN on a registered link changes nothing.
         # An assignment for weights not held yet (an UPDATE was refused and full weights are
         # on their way) waits for them.
-        pending: fdtc.Assign | fdtc.LocalAssign | None = None
-        while True:
-            msg = await stream.recv()
-            if isinstance(msg, fdtc.WeightsMeta):
-                meta = msg
-            elif isinstance(msg, fdtc.Weights):
-                if meta is None:
-                    raise fdtc.FdtcProtocolError("WEIGHTS without WEIGHTS_META")
-                self._load_weights(meta, msg)
-                meta = None
-            elif isinstance(msg, fdtc.Update):
-                await self._apply_update(stream, msg)
-            elif isinstance(msg, fdtc.Assign | fdtc.LocalAssign):
-                pending = msg
-            elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
-                self.global_step = max(self.global_step, msg.global_step)
-            elif isinstance(msg, fdtc.StatusReq):
-                await stream.send(self._status())
-            elif isinstance(msg, fdtc.Pause):
-                self.paused = True
-                log.info("paused by the coordinator")
-            elif isinstance(msg, fdtc.Resume | fdtc.Start):
-                self.paused = False
-            elif isinstance(msg, fdtc.Shutdown):
-                log.info("training done at step %d; exiting", self.global_step)
-                with contextlib.suppress(ConnectionError, OSError):
-                    await stream.send(fdtc.Deregister())
-                return True
-            elif isinstance(msg, fdtc.Error):
-                log.warning("coordinator error %d: %s", msg.error_code, msg.message)
-            elif isinstance(msg, fdtc.Sync | fdtc.Checkpoint):
-                pass  # informational for workers: nothing to do locally
-            else:
-                raise fdtc.FdtcProtocolError(
-                    f"{fdtc.msg_type_name(msg.TYPE)} is not a message a coordinator sends"
-                )
-            if pending is not None and pending.global_step == self.weights_step:
-                await self._start(stream, pending)
-                pending = None
+        pending = self._pending
+        if pending is not None and pending.global_step == self.weights_step:
+            self._pending = None
+            await self._start(stream, pending)
+        return False
 
     async def _start(self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
         if self._idle_since_us is not None:
