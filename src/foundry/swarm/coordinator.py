@@ -708,10 +708,7 @@ class Coordinator:
         # An extended worker only reports what it was assigned.
         fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
                                                 assigned_only=m.extended)
-        if msg.num_tensors != len(self._numels):
-            raise fdtc.FdtcProtocolError(
-                f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
-            )
+        msg.check_tensors(self._numels)
         if not fresh or rnd is None:
             log.info(
                 "stale gradient from %s for step %d (now at %d); dropped",

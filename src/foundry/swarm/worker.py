@@ -321,26 +321,21 @@ class Worker:
         shapes = self.cfg.param_shapes()
         names = [t.name for t in meta.tensors]
         got = [tuple(t.shape) for t in meta.tensors]
-        if names != list(shapes) or got != [tuple(s) for s in shapes.values()]:
+        if names != list(shapes) or got != [tuple(s) for s in shapes.values()] or any(
+            t.dtype is not fdtc.DType.F32 for t in meta.tensors
+        ):
             raise Refused(
                 int(ErrorCode.MODEL_MISMATCH),
-                "WEIGHTS_META names tensors or shapes this worker's model does not have",
+                "WEIGHTS_META names tensors, shapes or types this worker's model does not have",
             )
-        # Views of the received payload, not copies: the decoder gave this message a buffer of
-        # its own, and an UPDATE makes new arrays rather than writing into these (a big-endian
-        # host copies, to swap bytes).
-        flat = np.frombuffer(weights.data, dtype="<f4").astype(np.float32, copy=False)
-        expected = sum(int(np.prod(s)) for s in shapes.values())
-        if flat.size != expected:
-            raise fdtc.FdtcProtocolError(
-                f"WEIGHTS holds {flat.size} floats, WEIGHTS_META announced {expected}"
-            )
-        params: Params = {}
-        pos = 0
-        for name, shape in shapes.items():
-            n = int(np.prod(shape))
-            params[name] = flat[pos : pos + n].reshape(shape)
-            pos += n
+        # Views of the received payload, not copies (``weights_tensors`` checks its size
+        # against WEIGHTS_META): the decoder gave this message a buffer of its own, and an
+        # UPDATE makes new arrays rather than writing into these (a big-endian host copies,
+        # to swap bytes).
+        params: Params = {
+            name: t.astype(np.float32, copy=False)
+            for name, t in fdtc.weights_tensors(meta, weights).items()
+        }
         self.params = params
         self.global_step = meta.global_step
         self.weights_step = meta.global_step
@@ -350,6 +345,8 @@ class Worker:
         """Add an UPDATE to the held weights, as new arrays (a computation in a thread may
         still read the old ones); out of step, ask for full weights instead."""
         self.metrics.weight_bytes.labels(kind="update").inc(len(update.data))
+        if self.params is not None:  # its sizes, on receipt, whatever step it is for
+            update.check_tensors([t.size for t in self.params.values()])
         if self.params is None or update.base_step != self.weights_step:
             log.info("UPDATE for step %d while holding step %d; asking for full weights",
                      update.base_step, self.weights_step)

@@ -30,7 +30,7 @@ import math
 import operator
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from types import MappingProxyType
@@ -791,11 +791,33 @@ class _HeaderAndData(Message):
     the payload (``data``, kept as the view it arrived in). Not a dataclass itself: each
     message declares ``data`` last, after its header fields."""
 
+    num_tensors: int
+    uncompressed_size: int
     data: bytes | memoryview
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def check_tensors(self, numels: Sequence[int]) -> None:
+        """Raise the peer's error (MODEL_MISMATCH) unless the header describes tensors of
+        ``numels`` elements, the receiver's model in WEIGHTS_META order: ``num_tensors`` of
+        them, ``uncompressed_size`` = 4 x their elements (f32 once decoded). Checked on
+        receipt, before the data section is decoded."""
+        name = self.TYPE.name
+        if self.num_tensors != len(numels):
+            raise FdtcProtocolError(
+                f"{name} carries {self.num_tensors} tensors, the model has {len(numels)}",
+                ErrorCode.MODEL_MISMATCH,
+            )
+        expected = 4 * sum(numels)
+        if self.uncompressed_size != expected:
+            raise FdtcProtocolError(
+                f"{name} says uncompressed_size {self.uncompressed_size}, but the model's "
+                f"{len(numels)} tensors hold {sum(numels)} f32 values = {expected} bytes: "
+                "the peer has another model or a bad encoder",
+                ErrorCode.MODEL_MISMATCH,
+            )
 
     def payload_parts(self) -> tuple[bytes | memoryview, ...]:
         return (self.LAYOUT.pack_obj(self), self.data)
