@@ -13,6 +13,7 @@ the products; each build runs on the same random inputs for every supported type
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ BUILDS = {  # name: (compiler and flags, how to run)
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
     text = SOURCE.read_text().split("/* ---- Python interface")[0]
     kernels = tmp / "kernels.c"

@@ -54,7 +54,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.training import Trainer, TrainSettings, evaluate_loss
-from foundry.model.transformer import init_params, retain_freed_memory
+from foundry.model.transformer import init_params
+from foundry.runtime import retain_freed_memory
 
 # The coordinator validates on this many batches (coordinator.VALIDATION_BATCHES): the target
 # is measured the same way.
@@ -398,7 +399,8 @@ def main() -> int:
                     "(default 2 x --steps)")
     ap.add_argument("--validate-every", type=int, default=10)
     ap.add_argument("--slowdown", type=float, default=1.0,
-                    help="make worker 1 this many times slower (heterogeneity)")
+                    help="make worker 1 this many times slower (heterogeneity); the notes\n"
+                    "then give samples/s as a share of the summed standalone rates")
     ap.add_argument("--config", dest="configs", type=parse_config, action="append",
                     metavar="NAME=ARGS",
                     help="a configuration: extra coordinator arguments (repeatable), at every\n"
@@ -446,7 +448,7 @@ def main() -> int:
                         continue
                     work = Path(tmp) / rate / c.name
                     r = run_config(net, work, args, base, c.name, c.args)
-                    print_result(r, base)
+                    print_result(r, base, args)
                     if args.keep_logs:
                         shutil.copytree(work, args.keep_logs / f"{rate}-{c.name}",
                                         ignore=shutil.ignore_patterns("ckpt"),
@@ -459,7 +461,7 @@ def main() -> int:
     return 0
 
 
-def print_result(r: Result, base: Baseline) -> None:
+def print_result(r: Result, base: Baseline, args: argparse.Namespace) -> None:
     tt = "-" if r.seconds_to_target is None else f"{r.seconds_to_target:.1f}s"
     note = r.note or ("" if r.seconds_to_target is not None else
                       f"target not reached by step {r.steps}")
@@ -467,6 +469,12 @@ def print_result(r: Result, base: Baseline) -> None:
              f" = {r.val_at_steps / base.target:.3f}x the target")
     speed = ratio(r.samples_per_s, base.samples_per_s)
     sooner = ratio(r.seconds_to_target, base.seconds_to_target, True)
+    if args.slowdown > 1.0:
+        # What the machines would train each on its own, one process's rate apiece, worker 1
+        # at 1/slowdown of it: the most a perfectly balanced swarm could reach.
+        standalone = base.samples_per_s * (args.workers - 1 + 1.0 / args.slowdown)
+        note += (f"; {r.samples_per_s / standalone:.2f} of the summed standalone rates "
+                 f"({standalone:.1f} samples/s, worker 1 {args.slowdown:g}x slower)")
     curve = " ".join(f"{step}:{loss:.3f}" for step, _, loss in r.curve)
     print(f"{r.name:24s} {r.samples_per_s:9.1f} {speed} {tt:>9s} {sooner}"
           f" {mb(r.up_per_step):>10s} {mb(r.down_per_step):>9s}  {note}", flush=True)

@@ -186,3 +186,85 @@ def test_updates_follow_the_weights_and_a_wrong_digest_gets_full_weights(
     finally:
         link.sock.close()
         coord.stop()
+
+
+def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> None:
+    """--overlap: after a round closes, its worker gets the next LOCAL_ASSIGN first and the
+    round's UPDATE after it; the last round has no next one; the shadow stays exact."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "16", "--global-batch", "4", "--sync-every", "4",
+        "--overlap", "--digest-every", "4", "--compression", "none",
+    )
+    link = Link(port)
+    try:
+        register(link, "probe")
+        link.recv_until(fdtc.RegisterAck)
+        link.recv_until(fdtc.ModelConfigMsg)
+        plan = link.recv_until(fdtc.TrainPlan)
+        assert isinstance(plan, fdtc.TrainPlan) and plan.flags == fdtc.TRAIN_PLAN_OVERLAP
+        names: list[str] = []
+        numels: list[int] = []
+        held: dict[str, np.ndarray] = {}
+        held_step = -1
+        seen: list[str] = []
+        while "update 12->16" not in seen:
+            msg = link.recv()
+            if isinstance(msg, fdtc.WeightsMeta):
+                names = [t.name for t in msg.tensors]
+                numels = [int(np.prod(t.shape)) for t in msg.tensors]
+                w = link.recv_until(fdtc.Weights)
+                assert isinstance(w, fdtc.Weights)
+                flat = np.frombuffer(w.data, "<f4").copy()
+                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
+                held_step = msg.global_step
+                seen.append(f"full {held_step}")
+            elif isinstance(msg, fdtc.Update):
+                assert msg.base_step == held_step
+                decoded = deserialize_tensors(msg.data, numels, msg.compression)
+                for name, t in zip(names, decoded, strict=True):
+                    held[name] = held[name] + t
+                held_step = msg.global_step
+                seen.append(f"update {msg.base_step}->{held_step}")
+                if held_step % 4 == 0:
+                    link.send(fdtc.WeightsDigest(held_step, weights_digest(held, names)))
+            elif isinstance(msg, fdtc.LocalAssign):
+                seen.append(f"assign {msg.global_step}")
+                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
+                link.send(
+                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
+                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
+                                   uncompressed_size=len(data), data=data),
+                )
+        assert seen == [
+            "full 0", "assign 0",
+            "assign 4", "update 0->4",
+            "assign 8", "update 4->8",
+            "assign 12", "update 8->12",
+            "update 12->16",
+        ], seen
+        assert "holds other weights" not in coord.text()  # every digest matched
+    finally:
+        link.sock.close()
+        coord.stop()
+
+
+def test_overlapped_local_steps_train_with_real_workers(tmp_path: Path) -> None:
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "24", "--global-batch", "8", "--sync-every", "4",
+        "--overlap", "--min-workers", "2", "--compression", "qsgd", "--validate-every", "4",
+    )
+    workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
+    try:
+        coord.wait_for(r"training done at step 24", within_s=180)
+        log = coord.text()
+        assert log.count("samples from 2 workers") == 6, log[-3000:]
+        losses = [float(x) for x in re.findall(r"validation loss ([\d.]+)", log)]
+        assert len(losses) >= 6 and losses[-1] < losses[0], losses
+        for w in workers:
+            text = w.text()
+            assert "ahead of that round's UPDATE (--overlap)" in text, text[-2000:]
+            assert "asking for full weights" not in text
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()

@@ -71,6 +71,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--sync-warmup", type=nonneg_int, default=0, metavar="N",
                    help="with --sync-every above 1, train the first N steps synchronously "
                    "(default 0)")
+    c.add_argument("--overlap", action="store_true",
+                   help="with --sync-every above 1, send each round's assignments before the "
+                   "previous round's outer step, so workers train on from their own weights "
+                   "while it is computed and sent (one outer step of delay; default off)")
     c.add_argument("--outer-lr", type=positive_float, default=0.7,
                    help="outer Nesterov learning rate with --sync-every above 1 (default 0.7)")
     c.add_argument("--outer-momentum", type=momentum, default=0.9,
@@ -214,6 +218,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         outer_momentum=args.outer_momentum,
         digest_every=args.digest_every,
         sync_warmup=args.sync_warmup,
+        overlap=args.overlap,
     )
 
     async def main() -> int:

@@ -165,6 +165,9 @@ class CoordinatorOptions:
     # With sync_every > 1: steps trained synchronously before local steps begin (a warm start
     # for the outer optimizer, as DiLoCo starts from a trained model).
     sync_warmup: int = 0
+    # With sync_every > 1: open each round before the previous one's outer step, so workers
+    # train on while it is computed and sent (one outer step of delay).
+    overlap: bool = False
 
     def local_at(self, step: int) -> bool:
         """Whether the round that starts at ``step`` runs local steps."""
@@ -281,6 +284,7 @@ class Coordinator:
             self.outer.load(self._resumed["outer_m"])
         self.outer_steps = self._resumed_outer_steps
         self._applying = False  # the round's optimizer step is running in a thread
+        self._ahead: Round | None = None  # the next round, opened before this one's step
         return trainer
 
     def _load_or_init(self) -> Trainer:
@@ -547,6 +551,7 @@ class Coordinator:
             down_compression=self.opt.downlink, lr=s.lr, warmup_steps=s.warmup_steps,
             total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
             weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+            flags=fdtc.TRAIN_PLAN_OVERLAP if self.opt.overlap else 0,
         )
 
     async def _refuse(self, stream: FdtcStream, code: ErrorCode, reason: str) -> None:
@@ -794,25 +799,46 @@ class Coordinator:
             self._wake.clear()
             await self._wake.wait()
 
-    def _local_plan(self, members: list[Member]) -> tuple[dict[str, int], dict[str, int]]:
-        """Samples per inner step and inner steps of each worker, for a local-step round of
-        ``min(H, steps left)`` steps (the global step advances by that much)."""
+    def _advance(self, step: int) -> int:
+        """Global steps a local-step round that starts at ``step`` advances: ``min(H, left)``."""
+        return min(self.opt.sync_every, self.opt.max_steps - step)
+
+    def _local_plan(
+        self, members: list[Member], step: int
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Samples per inner step and inner steps of each worker, for a local-step round that
+        starts at ``step`` (the global step advances by ``_advance(step)``)."""
         ids = {m.worker_id: 1.0 for m in members}
         per_step = policy.allocate_samples(self.opt.settings.global_batch, ids)
         per_step = {w: n for w, n in per_step.items() if n > 0}
-        h = min(self.opt.sync_every, self.opt.max_steps - self.step)
+        h = self._advance(step)
         rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in members}
         return per_step, sync.plan_local_round(per_step, rates, h)
 
     async def _run_round(self) -> None:
+        # With --overlap the round may already be open: its assignments went out before the
+        # previous round's optimizer step (``_close_round``).
+        rnd = self._ahead or await self._open_round(self.step, self.trainer.position)
+        self._ahead = None
+        decision = await self._await_decision(rnd)
+        self._end_round(rnd, decision)
+        if decision is policy.RoundDecision.CLOSE:
+            await self._close_round(rnd)
+
+    async def _open_round(self, step: int, position: int) -> Round:
+        """Plan the round that starts at ``step`` on samples from ``position``, make it the
+        current round and send its assignments, each after what brings its worker up to
+        ``self.step``. Opened ahead (``--overlap``), ``step`` is past ``self.step``: a worker
+        that holds ``self.step`` gets only its assignment and starts from its own trained
+        weights; the previous round's UPDATE follows once it is made."""
         members = self._active_for_round()
         ours = [m for m in members if m.extended]
         self._round_bytes = [0, 0]
-        local = self.opt.local_at(self.step)
+        local = self.opt.local_at(step)
         per_step: dict[str, int] = {}
         steps: dict[str, int] = {}
         if local:
-            per_step, steps = self._local_plan(ours)
+            per_step, steps = self._local_plan(ours, step)
             shares = {w: per_step[w] * steps[w] for w in per_step}
         else:
             rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in ours}
@@ -821,14 +847,14 @@ class Coordinator:
                 rates = {m.worker_id: float(m.rate or m.micro_batch) for m in ours}
             shares = policy.allocate_samples(self.opt.settings.global_batch, rates)
             shares = {w: n for w, n in shares.items() if n > 0}
-        offsets = policy.contiguous_offsets(self.trainer.position, shares)
+        offsets = policy.contiguous_offsets(position, shares)
         # A seed-only peer trains its own shard at the size its REGISTER_ACK gave it; the round
         # expects that gradient too (on top of the global batch, weighted by its samples).
         expected = dict(shares)
         expected.update({m.worker_id: m.seed_share for m in members if not m.extended})
         now = time.monotonic()
         rnd = Round(
-            self.step, expected, started=now, quorum=self.opt.quorum,
+            step, expected, started=now, quorum=self.opt.quorum,
             deadline=policy.round_deadline(
                 now, expected, {m.worker_id: m.rate for m in members}
             ),
@@ -846,7 +872,7 @@ class Coordinator:
             assign: fdtc.Assign | fdtc.LocalAssign
             if local:
                 assign = fdtc.LocalAssign(
-                    global_step=self.step,
+                    global_step=step,
                     sample_offset=offsets[m.worker_id],
                     samples_per_step=per_step[m.worker_id],
                     inner_steps=steps[m.worker_id],
@@ -857,7 +883,7 @@ class Coordinator:
                 self.metrics.inner_steps.observe(steps[m.worker_id])
             else:
                 assign = fdtc.Assign(
-                    global_step=self.step,
+                    global_step=step,
                     sample_offset=offsets[m.worker_id],
                     n_samples=shares[m.worker_id],
                     batch_size=m.micro_batch,
@@ -872,6 +898,10 @@ class Coordinator:
         for res in results:
             if isinstance(res, BaseException):
                 log.info("could not send an assignment: %s", res)
+        return rnd
+
+    async def _await_decision(self, rnd: Round) -> policy.RoundDecision:
+        """Wait until the round closes or is abandoned (reports, deaths, its deadline)."""
         warned = False
         while True:
             decision = rnd.decide(time.monotonic())
@@ -897,6 +927,9 @@ class Coordinator:
             rnd.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.changed.wait(), max(0.0, wake - time.monotonic()))
+        return decision
+
+    def _end_round(self, rnd: Round, decision: policy.RoundDecision) -> None:
         self.round = None
         if rnd.first_report_at is not None:
             self.timeline.span(
@@ -912,7 +945,6 @@ class Coordinator:
                 log.warning(
                     "step %d closed at its deadline without %s", rnd.step, ", ".join(late)
                 )
-            await self._close_round(rnd)
             self.metrics.rounds.labels(outcome="closed").inc()
         else:
             self.metrics.rounds.labels(outcome="abandoned").inc()
@@ -940,10 +972,25 @@ class Coordinator:
         await self._bring_up_to_date(m)
         await self._send_to(m, assign)
 
+    def _overlaps(self, rnd: Round) -> bool:
+        """Whether the round after ``rnd`` opens before ``rnd``'s optimizer step (--overlap)."""
+        nxt = rnd.step + self._advance(rnd.step)
+        return (self.opt.overlap and self.opt.local_at(rnd.step) and self.opt.local_at(nxt)
+                and nxt < self.opt.max_steps and self._training_on()
+                and not self._stopping.is_set())
+
     async def _close_round(self, rnd: Round) -> None:
         t0 = time.monotonic()
+        round_bytes = list(self._round_bytes)
         if rnd.first_report_at is not None:
             self.metrics.straggler_wait.observe(t0 - rnd.first_report_at)
+        if self._overlaps(rnd):
+            # The next round's assignments go out now: each worker trains on from its own
+            # weights while this round's mean, outer step and UPDATE are computed and sent.
+            self._ahead = await self._open_round(
+                rnd.step + self._advance(rnd.step),
+                self.trainer.position + sum(rnd.planned.values()),
+            )
         mean = rnd.gradients.mean()
         grads: Params = {name: t.reshape(shape) for (name, shape), t in zip(
             self._shapes, mean, strict=True
@@ -957,6 +1004,14 @@ class Coordinator:
             await asyncio.to_thread(self._apply, grads, rnd)
         finally:
             self._applying = False
+        if self._ahead is not None:
+            # This round's UPDATE to every worker of the round already running.
+            ahead = [m for m in self.members.values() if m.worker_id in self._ahead.planned]
+            results = await asyncio.gather(*(self._bring_up_to_date(m) for m in ahead),
+                                           return_exceptions=True)
+            for res in results:
+                if isinstance(res, BaseException):
+                    log.info("could not send an update: %s", res)
         self.samples_total += n_samples
         if losses:
             self.train_loss = sum(n * loss for n, loss in losses) / sum(n for n, _ in losses)
@@ -976,8 +1031,8 @@ class Coordinator:
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
             self.step, self.train_loss, n_samples, len(rnd.reported), elapsed, self.last_rate,
         )
-        self.metrics.step_bytes.labels(direction="up").set(self._round_bytes[0])
-        self.metrics.step_bytes.labels(direction="down").set(self._round_bytes[1])
+        self.metrics.step_bytes.labels(direction="up").set(round_bytes[0])
+        self.metrics.step_bytes.labels(direction="down").set(round_bytes[1])
         v, c = self.opt.validate_every, self.opt.checkpoint_every
         if self.step // v > before // v or self.step >= self.opt.max_steps:
             await self._validate()

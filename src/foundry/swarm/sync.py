@@ -25,11 +25,16 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from foundry.compression import Codec, deserialize_tensors
+from foundry.model.config import ModelConfig
+from foundry.model.data import Corpus
+from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.training import GradientResult, Params, compute_gradients
 
 F32 = npt.NDArray[np.float32]
 
@@ -112,6 +117,47 @@ class OuterNesterov:
         if m.keys() != self.m.keys():
             raise KeyError("outer momentum holds other parameters than the model")
         self.m = {k: np.array(v, dtype=np.float32).reshape(self.m[k].shape) for k, v in m.items()}
+
+
+@dataclass(frozen=True)
+class InnerSchedule:
+    """What inner steps need of the plan: the learning-rate schedule and clipping."""
+
+    lr: float
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    grad_clip: float
+
+    def lr_at(self, step: int) -> float:
+        return lr_schedule(step, self.lr, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+
+def local_steps(
+    start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, schedule: InnerSchedule, *,
+    global_step: int, sample_offset: int, samples_per_step: int, steps: int, micro_batch: int,
+    seq_len: int, aux_loss_coef: float,
+) -> GradientResult:
+    """``steps`` inner AdamW steps from ``start`` (left unchanged) on consecutive global
+    samples; the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
+
+    Inner step ``k`` trains samples ``[offset + k b, offset + (k + 1) b)`` at the schedule's
+    rate for global step ``global_step + k``. ``inner`` keeps its moments across rounds.
+    """
+    local = {k: v.copy() for k, v in start.items()}
+    loss = aux = 0.0
+    b = samples_per_step
+    for k in range(steps):
+        res = compute_gradients(
+            local, cfg, corpus, sample_offset + k * b, b,
+            seq_len=seq_len, micro_batch=micro_batch, aux_loss_coef=aux_loss_coef,
+        )
+        clip_grad_norm(res.grads, schedule.grad_clip)
+        inner.step(local, res.grads, schedule.lr_at(global_step + k))
+        loss += res.loss
+        aux += res.aux_loss
+    pseudo = {k: np.subtract(start[k], local[k]) for k in start}
+    return GradientResult(pseudo, steps * b, loss / steps, aux / steps)
 
 
 def plan_local_round(

@@ -34,7 +34,7 @@ from foundry.compression import Compressor, deserialize_tensors, get_codec
 from foundry.hardware import HardwareInfo, detect_profile
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus, DataError
-from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.optim import AdamW
 from foundry.model.training import GradientResult, Params, compute_gradients
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
@@ -101,6 +101,11 @@ class Worker:
         self.plan: fdtc.TrainPlan | None = None
         self.weights_step = -1  # global step of the weights held; -1: none
         self.inner: AdamW | None = None  # inner optimizer of local-step rounds, kept across them
+        # This worker's last pseudo-gradient (exact) and the step its round started at, until
+        # an UPDATE from that step on shows it merged into the held weights. With --overlap the
+        # next LOCAL_ASSIGN comes first: it starts from the held weights minus this.
+        self.unmerged: tuple[int, Params] | None = None
+        self.trained_ahead = False  # logged once
         self.inner_steps_done = 0
         self.last_loss = float("nan")
         self.rate = 0.0
@@ -188,6 +193,7 @@ class Worker:
         hw = self.opt.hardware
         fp = self.corpus.fingerprint
         self.weights_step = -1  # a new link: the coordinator sends full weights first
+        self.unmerged = None
         self._meta, self._pending = None, None
         await stream.send(
             fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
@@ -303,10 +309,32 @@ class Worker:
         # An assignment for weights not held yet (an UPDATE was refused and full weights are
         # on their way) waits for them.
         pending = self._pending
-        if pending is not None and pending.global_step == self.weights_step:
+        if pending is not None and (pending.global_step == self.weights_step
+                                    or self._starts_ahead(pending)):
             self._pending = None
             await self._start(stream, pending)
         return False
+
+    def _starts_ahead(self, assign: fdtc.Assign | fdtc.LocalAssign) -> bool:
+        """A LOCAL_ASSIGN sent before the UPDATE of the round this worker just trained
+        (--overlap): it holds that round's start weights, and its own result is at hand."""
+        return (isinstance(assign, fdtc.LocalAssign) and self.unmerged is not None
+                and self.unmerged[0] == self.weights_step < assign.global_step)
+
+    def _round_start(self, assign: fdtc.LocalAssign) -> Params:
+        """The weights a local-step round starts from: the held ones, or ahead of the UPDATE
+        the held ones minus this worker's own last pseudo-gradient (its trained weights)."""
+        assert self.params is not None
+        if not self._starts_ahead(assign):
+            self.unmerged = None  # merged, or its round was abandoned
+            return self.params
+        assert self.unmerged is not None
+        if not self.trained_ahead:
+            log.info("step %d starts from this worker's own weights of step %d, ahead of "
+                     "that round's UPDATE (--overlap)", assign.global_step, self.unmerged[0])
+            self.trained_ahead = True
+        pseudo = self.unmerged[1]
+        return {k: np.subtract(p, pseudo[k]) for k, p in self.params.items()}
 
     async def _start(self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
         if self._idle_since_us is not None:
@@ -339,6 +367,8 @@ class Worker:
         self.params = params
         self.global_step = meta.global_step
         self.weights_step = meta.global_step
+        if self.unmerged is not None and meta.global_step > self.unmerged[0]:
+            self.unmerged = None
         self.metrics.weight_bytes.labels(kind="full").inc(len(weights.data))
 
     async def _apply_update(self, stream: FdtcStream, update: fdtc.Update) -> None:
@@ -360,6 +390,8 @@ class Worker:
         self.params = {k: params[k] + t.reshape(params[k].shape)
                        for k, t in zip(names, tensors, strict=True)}
         self.weights_step = self.global_step = update.global_step
+        if self.unmerged is not None and update.base_step >= self.unmerged[0]:
+            self.unmerged = None  # that round is in the weights now
         every = self.plan.digest_every if self.plan is not None else 0
         if every and update.global_step % every == 0:
             digest = await asyncio.to_thread(sync.weights_digest, self.params, names)
@@ -369,26 +401,17 @@ class Worker:
         """``inner_steps`` AdamW steps from ``start``; the pseudo-gradient start - end."""
         assert self.cfg is not None and self.plan is not None
         plan = self.plan
-        local = {k: v.copy() for k, v in start.items()}
         if self.inner is None:
-            self.inner = AdamW(local, weight_decay=plan.weight_decay)
-        loss = aux = 0.0
-        b = assign.samples_per_step
-        for k in range(assign.inner_steps):
-            res = compute_gradients(
-                local, self.cfg, self.corpus, assign.sample_offset + k * b, b,
-                seq_len=assign.seq_len, micro_batch=assign.micro_batch,
-                aux_loss_coef=self.aux_loss_coef,
-            )
-            clip_grad_norm(res.grads, plan.grad_clip)
-            lr = lr_schedule(assign.global_step + k, plan.lr, plan.warmup_steps,
-                             plan.total_steps, plan.min_lr_ratio)
-            self.inner.step(local, res.grads, lr)
-            loss += res.loss
-            aux += res.aux_loss
-        n = assign.inner_steps
-        pseudo = {k: np.subtract(start[k], local[k]) for k in start}
-        return GradientResult(pseudo, n * b, loss / n, aux / n)
+            self.inner = AdamW(start, weight_decay=plan.weight_decay)
+        schedule = sync.InnerSchedule(plan.lr, plan.warmup_steps, plan.total_steps,
+                                      plan.min_lr_ratio, plan.grad_clip)
+        return sync.local_steps(
+            start, self.inner, self.cfg, self.corpus, schedule,
+            global_step=assign.global_step, sample_offset=assign.sample_offset,
+            samples_per_step=assign.samples_per_step, steps=assign.inner_steps,
+            micro_batch=assign.micro_batch, seq_len=assign.seq_len,
+            aux_loss_coef=self.aux_loss_coef,
+        )
 
     async def _compute_and_send(
         self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign
@@ -402,7 +425,10 @@ class Worker:
         result: GradientResult
         try:
             if isinstance(assign, fdtc.LocalAssign):
-                result = await asyncio.to_thread(self._local_steps, self.params, assign)
+                start = self._round_start(assign)
+                result = await asyncio.to_thread(self._local_steps, start, assign)
+                # Before the upload: the next LOCAL_ASSIGN may follow its ack at once.
+                self.unmerged = (assign.global_step, result.grads)
                 self.inner_steps_done += assign.inner_steps
                 self.metrics.inner_steps.inc(assign.inner_steps)
             else:

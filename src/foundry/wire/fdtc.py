@@ -1040,7 +1040,12 @@ class TrainPlan(Message):
     min_lr_ratio: float
     weight_decay: float
     grad_clip: float
-    flags: int = 0  # no flag is defined yet: 0
+    flags: int = 0  # TRAIN_PLAN_OVERLAP; other bits 0
+
+
+# TRAIN_PLAN flag bit 0: LOCAL_ASSIGN may come before the previous round's UPDATE (--overlap);
+# the worker then starts from its own trained weights (swarm/worker.py).
+TRAIN_PLAN_OVERLAP = 0x1
 
 
 @dataclass(frozen=True)
