@@ -434,7 +434,7 @@ class Coordinator:
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="worker").inc()
             log.warning("worker link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, exc)
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("worker link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError) as exc:
@@ -444,13 +444,6 @@ class Coordinator:
             if member is not None and self.members.get(member.worker_id) is member:
                 self._drop(member, "disconnected")
             await stream.close()
-
-    async def _send_error(self, stream: FdtcStream, exc: ProtocolError) -> None:
-        """The ERROR that answers ``exc``: the code the connection or the codec gave it
-        (NOT_REGISTERED, UNEXPECTED for a message out of order), BAD_FRAME for bad bytes."""
-        code = exc.error_code if isinstance(exc, fdtc.FdtcProtocolError) else ErrorCode.BAD_FRAME
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError, ProtocolError):
-            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(str(exc)))), 1.0)
 
     async def _handshake(self, stream: FdtcStream) -> Member | None:
         """DATASET (optional) then REGISTER, in the order the connection enforces; answer
@@ -1183,7 +1176,7 @@ class Coordinator:
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
             log.warning("admin link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, exc)
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("admin link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError):

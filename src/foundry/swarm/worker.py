@@ -163,7 +163,7 @@ class Worker:
                 done = False
             except ProtocolError as exc:
                 log.warning("bad bytes from the coordinator: %s; reconnecting", exc)
-                await self._answer(stream, exc)
+                await stream.answer(exc)
                 done = False
             finally:
                 await self._stop_compute()
@@ -173,17 +173,6 @@ class Worker:
             if self.cannot_train is not None:
                 return 2
             await asyncio.sleep(backoff_delay(0, rng=self._rng))
-
-    @staticmethod
-    async def _answer(stream: FdtcStream, exc: ProtocolError) -> None:
-        """The ERROR that answers the coordinator's bad bytes or out-of-order message, with
-        the code the connection gave it; best effort, the link closes next."""
-        code = exc.error_code if isinstance(exc, fdtc.FdtcProtocolError) else ErrorCode.BAD_FRAME
-        message = str(exc).encode()[: fdtc.MAX_PATH - 1].decode(errors="ignore")
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError, TimeoutError,
-                                 ProtocolError):
-            async with asyncio.timeout(1.0):
-                await stream.send(fdtc.Error(int(code), message))
 
     async def _stop_compute(self) -> None:
         await cancel_and_wait(self._compute)

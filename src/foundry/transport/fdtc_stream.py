@@ -17,6 +17,7 @@ socket; a send that the link's state does not allow is our bug (LocalProtocolErr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from foundry.transport.stream import (
     READ_CHUNK,
@@ -25,7 +26,17 @@ from foundry.transport.stream import (
     StreamClosed,
     coalesce,
 )
-from foundry.wire.fdtc import MAX_PAYLOAD, FdtcDecoder, Message, MsgType, encode_parts
+from foundry.wire.errors import FdtcProtocolError, ProtocolError
+from foundry.wire.fdtc import (
+    MAX_PATH,
+    MAX_PAYLOAD,
+    Error,
+    ErrorCode,
+    FdtcDecoder,
+    Message,
+    MsgType,
+    encode_parts,
+)
 from foundry.wire.fdtc_connection import ConnectionClosed, FdtcConnection
 from foundry.wire.fdtc_lifecycle import Link, LinkState, Role
 
@@ -91,6 +102,17 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
                                    f"{conn.their_error or 'closed'}")
             pieces = conn.send(*messages)
         return await self.send_pieces(coalesce(pieces))
+
+    async def answer(self, exc: ProtocolError, timeout_s: float = 1.0) -> None:
+        """Best effort, before closing: the ERROR that answers ``exc``, with the code the
+        connection or the codec gave it (NOT_REGISTERED or UNEXPECTED for a message out of
+        order, MODEL_MISMATCH for sizes that do not fit), BAD_FRAME for anything else."""
+        code = exc.error_code if isinstance(exc, FdtcProtocolError) else ErrorCode.BAD_FRAME
+        text = str(exc).encode("utf-8")[: MAX_PATH - 1].decode("utf-8", errors="ignore")
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError, TimeoutError,
+                                 ProtocolError):
+            async with asyncio.timeout(timeout_s):
+                await self.send(Error(int(code), text))
 
     async def close(self) -> None:
         if self.connection is not None:
