@@ -11,8 +11,10 @@ Python values (``from_wire``: the codec's RemoteProtocolError, the peer's mistak
 class holds one Layout for its fixed part and adds its variable part (text, lists, tensor
 data) by hand, next to it.
 
-The FDTC codec (``foundry.wire.fdtc``) and the frontend codec (``foundry.wire.frontend``)
-declare their messages this way; each subclasses ``Layout`` to name its protocol error.
+The FDTC codec (``foundry.wire.fdtc``), the TP control frames (``foundry.wire.tp``) and the
+frontend codec (``foundry.wire.frontend``) declare their messages this way; each subclasses
+``Layout`` to name its protocol error. (The TP hello, identity and gate header are still
+``struct.Struct`` objects of their own in ``wire.tp``.)
 """
 
 from __future__ import annotations
