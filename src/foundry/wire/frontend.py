@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
-from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.errors import FrontendProtocolError as FrontendProtocolError
+from foundry.wire.errors import LocalProtocolError
 from foundry.wire.framing import FrameDecoder
 from foundry.wire.layout import BOOL, F32, I32, U16, U32, U64, Enum, Layout
 
@@ -32,10 +33,6 @@ HEADER_SIZE = HEADER.size  # 13
 # for long stop lists while keeping one bad header from reserving much memory.
 MAX_PAYLOAD = 1 << 20
 MAX_STOP_STRINGS = 16
-
-
-class FrontendProtocolError(RemoteProtocolError):
-    """Bad bytes on the frontend link (names the problem)."""
 
 
 class FrameType(enum.IntEnum):

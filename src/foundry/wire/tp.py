@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import numpy as np
 
 from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
-from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.errors import IdentityMismatch as IdentityMismatch
+from foundry.wire.errors import LocalProtocolError
+from foundry.wire.errors import TpProtocolError as TpProtocolError
+from foundry.wire.errors import VersionMismatch as VersionMismatch
 from foundry.wire.framing import FrameDecoder
 from foundry.wire.layout import BOOL, I32, U32, U64, Enum, Layout
 
@@ -96,29 +99,6 @@ TP_MAX_PAYLOAD = 16 * 1024 * 1024
 
 _U8, _U16, _U32, _U64 = (1 << 8) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-
-
-class TpProtocolError(RemoteProtocolError):
-    """The peer's tensor-parallel bytes break the protocol (raised on the receive path only).
-
-    Where it sits in the tree of ``foundry.wire.errors``::
-
-        ProtocolError
-        ├── LocalProtocolError           we built a frame whose value does not fit its field
-        └── RemoteProtocolError
-            └── TpProtocolError          bad TP bytes from the peer: close and re-handshake
-                ├── VersionMismatch      the peer speaks another TP protocol version
-                └── IdentityMismatch     the peer's hello describes another model or role
-    """
-
-
-class VersionMismatch(TpProtocolError):
-    """The two ranks run different protocol versions; names both."""
-
-
-class IdentityMismatch(TpProtocolError):
-    """The two ranks loaded different models (or both claim one role, or run different execution
-    modes); names field and values."""
 
 
 def _check_range(owner: str, name: str, value: int, lo: int, hi: int) -> None:
