@@ -5,7 +5,9 @@ two FDTC ports: workers on ``listen``, the gateway (or ``foundry ctl``) on ``adm
 
 Theory of operation
 -------------------
-Each worker connection is one asyncio task that decodes messages and updates the shared state;
+Each worker connection is one asyncio task that reads messages (through the link's
+``FdtcConnection``, which admits only what the worker link's table allows: a message out of
+order is answered with the connection's ERROR and the link closed) and updates the shared state;
 a single round task runs the rounds (``_round_loop``): it waits until training is on and
 enough workers are registered, splits the global batch among them by measured throughput
 (``policy.allocate_samples``), brings each one's weights up to date (one UPDATE, or full

@@ -5,7 +5,10 @@ Theory of operation
 ``Worker.run`` keeps one connection to the coordinator alive, reconnecting with capped
 exponential backoff whenever it goes away (the coordinator restarting is routine, not fatal).
 On each connection: DATASET (our extension: the fingerprint of the local data), REGISTER,
-REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN, WEIGHTS_REQ. Then the coordinator drives:
+REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN, WEIGHTS_REQ. The link's ``FdtcConnection`` (role
+WORKER) admits only what the coordinator may send in the link's state (a WEIGHTS after its
+WEIGHTS_META, an assignment or UPDATE only once weights came); anything else is answered with
+its ERROR and the worker reconnects. Then the coordinator drives:
 WEIGHTS_META + WEIGHTS replace the local weights, UPDATE adds to them (``swarm.sync``: the
 worker then holds bit for bit what the coordinator expects, and says so with WEIGHTS_DIGEST
 every few steps). ASSIGN (``--sync-every 1``) starts a gradient over global samples
