@@ -5,7 +5,9 @@ two FDTC ports: workers on ``listen``, the gateway (or ``foundry ctl``) on ``adm
 
 Theory of operation
 -------------------
-Each worker connection is one asyncio task that decodes messages and updates the shared state;
+Each worker connection is one asyncio task that reads messages (through the link's
+``FdtcConnection``, which admits only what the worker link's table allows: a message out of
+order is answered with the connection's ERROR and the link closed) and updates the shared state;
 a single round task runs the rounds (``_round_loop``): it waits until training is on and
 enough workers are registered, splits the global batch among them by measured throughput
 (``policy.allocate_samples``), brings each one's weights up to date (one UPDATE, or full
@@ -84,6 +86,7 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
+from foundry.wire.fdtc_lifecycle import Link, Role
 
 log = logging.getLogger("foundry.coordinator")
 
@@ -430,7 +433,8 @@ class Coordinator:
     async def _serve_worker(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -444,7 +448,7 @@ class Coordinator:
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="worker").inc()
             log.warning("worker link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("worker link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError) as exc:
@@ -455,30 +459,31 @@ class Coordinator:
                 self._drop(member, "disconnected")
             await stream.close()
 
-    async def _send_error(self, stream: FdtcStream, code: ErrorCode, message: str) -> None:
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(message))), 1.0)
-
     async def _handshake(self, stream: FdtcStream) -> Member | None:
-        """DATASET (optional) then REGISTER; answer REGISTER_ACK, and extensions if spoken."""
+        """DATASET (optional) then REGISTER, in the order the connection enforces; answer
+        REGISTER_ACK, and extensions if spoken."""
         extended = False
-        msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if isinstance(msg, fdtc.Dataset):
-            extended = True
-            mine = self.corpus.fingerprint
-            if (msg.n_tokens, msg.sha256.hex()) != (mine.n_tokens, mine.sha256):
-                reason = (
-                    f"worker data ({msg.n_tokens} tokens, sha256 {msg.sha256.hex()[:12]}) "
-                    f"differs from the swarm's ({mine.n_tokens} tokens, sha256 "
-                    f"{mine.sha256[:12]}); start the worker with the coordinator's --data"
-                )
-                await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+        msg: fdtc.Register | None = None
+        while msg is None:
+            event = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
+            if isinstance(event, fdtc.Register):
+                msg = event
+            elif isinstance(event, fdtc.Dataset):
+                extended = True
+                mine = self.corpus.fingerprint
+                if (event.n_tokens, event.sha256.hex()) != (mine.n_tokens, mine.sha256):
+                    reason = (
+                        f"worker data ({event.n_tokens} tokens, sha256 "
+                        f"{event.sha256.hex()[:12]}) differs from the swarm's ({mine.n_tokens} "
+                        f"tokens, sha256 {mine.sha256[:12]}); start the worker with the "
+                        "coordinator's --data"
+                    )
+                    await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+                    return None
+            else:  # ERROR or DEREGISTER: the peer leaves before it joined
+                log.info("%s left before registering (%s)", stream.peer,
+                         fdtc.msg_type_name(event.TYPE))
                 return None
-            msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if not isinstance(msg, fdtc.Register):
-            reason = f"expected REGISTER first, got {fdtc.msg_type_name(msg.TYPE)}"
-            await self._refuse(stream, ErrorCode.NOT_REGISTERED, reason)
-            return None
         if msg.protocol_version != fdtc.PROTOCOL_VERSION:
             reason = (
                 f"protocol version {msg.protocol_version} is not supported; this coordinator "
@@ -571,7 +576,7 @@ class Coordinator:
         return ids.index(worker_id), len(ids)
 
     async def _on_worker_message(self, m: Member, msg: fdtc.Message) -> bool:
-        """Handle one message; False closes the connection."""
+        """Handle one message the link's state allows; False closes the connection."""
         if isinstance(msg, fdtc.Heartbeat):
             m.heard_heartbeat(m.last_seen)
             m.local_step = msg.local_step
@@ -615,10 +620,7 @@ class Coordinator:
             if msg.error_code == ErrorCode.INTERNAL:
                 self._drop(m, "error")
                 return False
-        else:
-            raise fdtc.FdtcProtocolError(
-                f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
-            )
+        # Nothing else passes the worker link's table (``fdtc_lifecycle``).
         return True
 
     async def _heartbeat_ack(self, m: Member) -> None:
@@ -658,6 +660,8 @@ class Coordinator:
         return self._weights_cache[1], self._weights_cache[2]
 
     async def _send_weights(self, m: Member) -> None:
+        if not m.stream.may_send(fdtc.MsgType.WEIGHTS_META):
+            return  # told SHUTDOWN already: training is over for it
         meta, weights = self._weights_messages()
         await self._send_to(m, meta, weights)
         m.weights_step = meta.global_step
@@ -720,10 +724,7 @@ class Coordinator:
         # An extended worker only reports what it was assigned.
         fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
                                                 assigned_only=m.extended)
-        if msg.num_tensors != len(self._numels):
-            raise fdtc.FdtcProtocolError(
-                f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
-            )
+        msg.check_tensors(self._numels)
         if not fresh or rnd is None:
             log.info(
                 "stale gradient from %s for step %d (now at %d); dropped",
@@ -1185,16 +1186,21 @@ class Coordinator:
     async def _serve_admin(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.ADMIN,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         self._admin_streams.add(stream)
         try:
             while True:
                 msg = await stream.recv()
+                if isinstance(msg, fdtc.Error):  # the client gives up: nothing to answer
+                    log.info("admin link: %s reports error %d: %s; closed", stream.peer,
+                             msg.error_code, msg.message)
+                    return
                 await stream.send(*await self._admin_answer(msg))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
             log.warning("admin link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("admin link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError):
@@ -1215,6 +1221,8 @@ class Coordinator:
         return (await self._on_admin_message(msg),)
 
     async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:
+        """The answer to one admin request (the only messages the admin link's table lets
+        through, besides ERROR)."""
         if isinstance(msg, fdtc.StatusReq):
             return self.swarm_status()
         if isinstance(msg, fdtc.Export):
@@ -1250,13 +1258,10 @@ class Coordinator:
             await self._broadcast(fdtc.Pause())
             self._release_paused_peers()
             return self._ack(msg, True, "paused after the current round")
-        if isinstance(msg, fdtc.Shutdown):
-            await self._finish()
-            asyncio.get_running_loop().call_later(0.2, self.request_stop)
-            return self._ack(msg, True, f"shut down at step {self.step}")
-        raise fdtc.FdtcProtocolError(
-            f"{fdtc.msg_type_name(msg.TYPE)} is not an admin request"
-        )
+        assert isinstance(msg, fdtc.Shutdown), msg
+        await self._finish()
+        asyncio.get_running_loop().call_later(0.2, self.request_stop)
+        return self._ack(msg, True, f"shut down at step {self.step}")
 
     def _release_paused_peers(self) -> None:
         """The open round stops expecting seed-only peers that have not reported yet.
@@ -1280,9 +1285,10 @@ class Coordinator:
         )
 
     async def _broadcast(self, msg: fdtc.Message, *, only_started: bool = False) -> None:
-        """``msg`` to every registered worker, seed-only peers included."""
+        """``msg`` to every registered worker, seed-only peers included, whose link takes it
+        now (after SHUTDOWN only the end of a round may still go)."""
         for m in list(self.members.values()):
-            if only_started and not m.started:
+            if (only_started and not m.started) or not m.stream.may_send(msg.TYPE):
                 continue
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 await self._send_to(m, msg)
