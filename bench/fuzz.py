@@ -54,6 +54,7 @@ import argparse
 import asyncio
 import enum
 import json
+import math
 import os
 import random
 import re
@@ -231,6 +232,7 @@ class FdtcFrames:
     def __init__(self, cfg: ModelConfig, n_tokens: int, sha256: bytes) -> None:
         self.cfg = cfg
         self.n_tensors = len(cfg.param_shapes())
+        self.uncompressed_size = 4 * sum(math.prod(s) for s in cfg.param_shapes().values())
         self.dataset = fdtc.Dataset(n_tokens=n_tokens, sha256=sha256)
 
     def worker_id(self, rng: random.Random) -> str:
@@ -269,7 +271,8 @@ class FdtcFrames:
             # stale and never joins a round of the real worker.
             "GRADIENTS": lambda: fdtc.Gradients(
                 self.worker_id(r), (1 << 32) - 1 - r.randrange(1 << 20),
-                r.choice([self.n_tensors, r.randrange(64)]), comp, r.randrange(1 << 20),
+                r.choice([self.n_tensors, r.randrange(64)]), comp,
+                r.choice([self.uncompressed_size, r.randrange(1 << 20)]),
                 r.randbytes(r.randrange(0, 96))),
             "GRADIENTS_ACK": lambda: fdtc.GradientsAck(step, r.random() < 0.5),
             "START": fdtc.Start, "SYNC": fdtc.Sync, "CHECKPOINT": fdtc.Checkpoint,
@@ -306,6 +309,12 @@ class FdtcFrames:
                 global_step=step, sample_offset=r.randrange(1 << 32),
                 samples_per_step=r.randrange(1, 64), inner_steps=r.randrange(1, 64),
                 micro_batch=8, seq_len=64),
+            "SWARM_DETAIL_REQ": fdtc.SwarmDetailReq,
+            "SWARM_DETAIL": lambda: fdtc.SwarmDetail(
+                min_workers=r.randrange(8), seconds_since_step=_f32(r),
+                failed=r.random() < 0.5, note=_word(r),
+                rows=(fdtc.SwarmDetailRow(step, r.randrange(1 << 40), r.randrange(1 << 40)),)
+                * r.randrange(3)),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), _word(r)),
         }
         return build[name]()
@@ -379,7 +388,7 @@ class FdtcAnswers(Answers):
 WORKER_MESSAGES = (fdtc.Heartbeat, fdtc.WeightsReq, fdtc.Gradients, fdtc.WeightsDigest, fdtc.Status,
                    fdtc.Error)
 ADMIN_REQUESTS = (fdtc.Start, fdtc.Pause, fdtc.Resume, fdtc.Checkpoint, fdtc.Shutdown,
-                  fdtc.StatusReq, fdtc.Export)
+                  fdtc.StatusReq, fdtc.Export, fdtc.SwarmDetailReq)
 
 
 class FdtcTarget(Target):
@@ -487,11 +496,19 @@ class WorkerPortTarget(FdtcTarget):
             return False
         if at < 0:
             return True
-        return all(
-            isinstance(m, WORKER_MESSAGES)
-            and not (isinstance(m, fdtc.Gradients) and m.num_tensors != self.frames.n_tensors)
-            for m in msgs[at:]
-        )
+        # GRADIENTS and WEIGHTS_DIGEST only on a link that got weights (docs/protocol.md,
+        # "Lifecycle"): the coordinator answers a WEIGHTS_REQ with them, unless a step is
+        # being applied just then (it closes the link then; a close counts, a hang would not).
+        weights_asked = False
+        for m in msgs[at:]:
+            weights_asked |= isinstance(m, fdtc.WeightsReq)
+            if not isinstance(m, WORKER_MESSAGES) or (
+                isinstance(m, fdtc.Gradients | fdtc.WeightsDigest) and not weights_asked
+            ) or (isinstance(m, fdtc.Gradients) and (
+                m.num_tensors, m.uncompressed_size
+            ) != (self.frames.n_tensors, self.frames.uncompressed_size)):
+                return False
+        return True
 
     def probe(self, msgs: list[fdtc.Message]) -> list[fdtc.Message]:
         rng = random.Random(len(msgs))
@@ -530,7 +547,9 @@ class AdminPortTarget(FdtcTarget):
         return len(msgs)  # every admin request is answered, in order
 
     def reader(self) -> Answers:
-        return FdtcAnswers(lambda m: True)
+        # SWARM_DETAIL_REQ is answered by SWARM_STATUS and SWARM_DETAIL: one answer, counted
+        # once.
+        return FdtcAnswers(lambda m: not isinstance(m, fdtc.SwarmDetail))
 
 
 class FrontendAnswers(Answers):

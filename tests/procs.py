@@ -125,3 +125,18 @@ def full_dir(path: Path, size: str = "2m") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def pinned_file(path: Path) -> Iterator[Path]:
+    """``path`` (created) with a file bind-mounted onto it for the block: it reads as a file,
+    and removing it fails with EBUSY, as a file pinned by another mount or tool would."""
+    path.write_bytes(b"pinned\n")
+    source = path.with_name(f".{path.name}.pin")
+    source.write_bytes(b"pinned\n")
+    subprocess.run(["mount", "--bind", str(source), str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+        source.unlink()

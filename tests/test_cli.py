@@ -30,3 +30,23 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
             parser.parse_args([name, "--help"])
         assert exc.value.code == 0
         assert name in capsys.readouterr().out
+
+
+def test_ctl_says_why_a_run_waits_or_failed() -> None:
+    from foundry.api.v1 import training_pb2 as pb
+    from foundry.commands.ctl import format_state, format_training
+
+    one = [pb.Worker(worker_id="w0")]
+    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=2,
+                                          workers=one)) == "WAITING: 1 of 2 workers (min-workers 2)"
+    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=1,
+                                          workers=one)) == "WAITING for START (foundry ctl start)"
+    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_TRAINING,
+                                          seconds_since_step=2.5)) == \
+        "TRAINING (last step 2.5 s ago)"
+    failed = pb.TrainingStatus(state=pb.TRAINING_STATE_FAILED, note="round loop failed: X")
+    assert format_state(failed) == "FAILED: round loop failed: X"
+    assert "warning" not in format_training(failed)
+    warned = pb.TrainingStatus(state=pb.TRAINING_STATE_TRAINING, note="checkpoints failing")
+    assert "\nwarning: checkpoints failing\n" in format_training(warned)
+    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_PAUSED)) == "PAUSED"

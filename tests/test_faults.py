@@ -12,10 +12,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procs import NEEDS_ROOT, coordinator, full_dir, read_only_dir, worker
+from procs import NEEDS_ROOT, Service, coordinator, full_dir, pinned_file, read_only_dir, worker
+from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
 from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.up.clients import AdminLink
+from foundry.up.plan import StackError
 from foundry.wire import fdtc
 
 
@@ -47,6 +50,15 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
             assert st.state is fdtc.SwarmState.TRAINING
             assert scrape(metrics_port, "foundry_swarm_checkpoint_failures_total") >= 2
             assert "retrying after the next step" in coord.text()
+            # Status says so, with the step it began at, while the state stays TRAINING.
+            link = AdminLink("127.0.0.1", admin_port)
+            try:
+                st, detail = link.status()
+            finally:
+                link.close()
+            assert st.state is fdtc.SwarmState.TRAINING and not detail.failed
+            assert detail.note.startswith("checkpoints failing since step 2: could not write "
+                                          "checkpoint"), detail.note
             got = admin(admin_port, fdtc.Checkpoint())
             assert isinstance(got, fdtc.ControlAck) and not got.ok
             assert got.message.startswith("could not write checkpoint"), got.message
@@ -56,6 +68,76 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
             w.stop()
             coord.stop()
     assert "internal task failed" not in coord.text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
+def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint dir where an old checkpoint cannot be removed (bind-mounted: EBUSY): the
+    new checkpoint is written, pruning the oldest fails with an OSError that the checkpoint
+    retry does not cover, and the round loop dies. The process must not stay half alive: an
+    admin link open at that moment is told FAILED with the cause (SWARM_DETAIL) and ERROR for
+    any other request, `foundry ctl watch` through the gateway shows FAILED with the cause
+    and exits 1, the coordinator exits 1 with the cause as its last line, and `foundry ctl
+    status` then says it cannot be reached, what it last reported and what to do."""
+    (tmp_path / "ckpt").mkdir()
+    with pinned_file(tmp_path / "ckpt" / "step-000000.ckpt"):
+        coord, port, admin_port = coordinator(
+            tmp_path, "--max-steps", "100000", "--checkpoint-every", "1"
+        )
+        gateway = Service(
+            ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin",
+             f"127.0.0.1:{admin_port}", "--tp-frontend", f"127.0.0.1:{free_port()}"],
+            tmp_path / "gateway.log",
+        )
+        target = "127.0.0.1:" + gateway.wait_for(r"grpc 127\.0\.0\.1:(\d+)").group(1)
+        watch = Service(["ctl", "watch", "--gateway", target, "--interval", "0.1"],
+                        tmp_path / "watch.log")
+        link = AdminLink("127.0.0.1", admin_port)
+        w: Service | None = None
+        try:
+            watch.wait_for(r"training: WAITING: 0 of 1 workers", within_s=30)
+            w = worker(tmp_path, port, "w0")
+            deadline = time.monotonic() + 60
+            st, detail = link.status()
+            while not detail.failed:
+                assert time.monotonic() < deadline and coord.alive(), coord.text()[-3000:]
+                assert st.state in (fdtc.SwarmState.WAITING, fdtc.SwarmState.TRAINING)
+                time.sleep(0.05)
+                st, detail = link.status()
+            assert detail.note.startswith("round loop failed: OSError: [Errno 16]"), detail
+            assert "step-000000.ckpt" in detail.note
+            with pytest.raises(StackError, match=r"the coordinator failed \(round loop failed"):
+                link.request(fdtc.Checkpoint())
+            assert watch.proc.wait(timeout=30) == 1, watch.text()[-2000:]
+            assert re.search(r"training: FAILED: round loop failed: OSError: \[Errno 16\] "
+                             r"Device or resource busy", watch.text()), watch.text()[-2000:]
+            assert coord.proc.wait(timeout=30) == 1
+            # Its health turned NOT_SERVING with the cause (probed every second, so at least
+            # once while it told the failure).
+            assert re.search(r"coordinator is not serving \(the coordinator failed: round loop "
+                             r"failed: OSError", gateway.text()), gateway.text()[-2000:]
+            with Service(["ctl", "status", "--gateway", target], tmp_path / "status.log") as ctl:
+                assert ctl.proc.wait(timeout=30) == 1
+            assert "training: unavailable (UNAVAILABLE: coordinator admin link" in ctl.text()
+            assert "it last reported FAILED: round loop failed: OSError" in ctl.text()
+            assert "resumes from its last checkpoint" in ctl.text()
+        finally:
+            link.close()
+            watch.stop()
+            if w is not None:
+                w.stop()
+            gateway.stop()
+            coord.stop()
+    lines = coord.text().strip().splitlines()
+    assert re.fullmatch(
+        r"error: coordinator round loop failed: OSError: \[Errno 16\] Device or resource "
+        r"busy: '.*step-000000\.ckpt'", lines[-1]
+    ), lines[-5:]
+    # The checkpoint of the step was written before the prune failed: nothing is lost.
+    found = latest_checkpoint(tmp_path / "ckpt")
+    assert found is not None and load_checkpoint(found).step >= 3
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

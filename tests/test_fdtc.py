@@ -57,6 +57,9 @@ from foundry.wire.fdtc import (
     Start,
     Status,
     StatusReq,
+    SwarmDetail,
+    SwarmDetailReq,
+    SwarmDetailRow,
     SwarmState,
     SwarmStatus,
     SwarmStatusRow,
@@ -292,6 +295,20 @@ GOLDEN: list[tuple[Message, bytes]] = [
             "08000000", "10000000", "08000000", "40000000",  # 8 per step, 16 steps, 8, 64
         ),
     ),
+    (SwarmDetailReq(), hexb("43544446 6a 00000000")),
+    (
+        SwarmDetail(
+            min_workers=2, seconds_since_step=1.5, failed=True, note="ckpt",
+            rows=(SwarmDetailRow(inner_steps=16, bytes_up=1024, bytes_down=4096),),
+        ),
+        hexb(
+            "43544446 6b 21010000",  # SWARM_DETAIL, 269 + 20
+            "02000000", "0000c03f", "01",  # min_workers 2, seconds_since_step 1.5, failed
+            "636b7074", z(252),  # note "ckpt", char[256]
+            "01000000",  # n_rows 1
+            "10000000", "0004000000000000", "0010000000000000",  # 16 steps, 1024 up, 4096 down
+        ),
+    ),
     (
         Error(ErrorCode.STALE, "stale"),
         hexb("43544446 ff 04010000", "06000000", "7374616c65", z(251)),
@@ -320,6 +337,8 @@ def test_struct_sizes() -> None:
     assert SwarmStatusRow.LAYOUT.size == 93
     assert ControlAck.LAYOUT.size == 262
     assert Export.LAYOUT.size == 256
+    assert SwarmDetail.HEAD.size == 269
+    assert SwarmDetailRow.LAYOUT.size == 20
     for cls in (Deregister, WeightsReq, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
                 StatusReq):
         assert cls.LAYOUT.size == 0
@@ -407,6 +426,8 @@ BAD_HEADERS = [
     ("43544446 22 98000000", "WEIGHTS_META payload must be 12 \\+ 141"),  # 12 + 140
     ("43544446 30 4f000000", "GRADIENTS payload must be at least 80"),
     ("43544446 63 26000000", "SWARM_STATUS payload must be 37 \\+ 93"),  # 38
+    ("43544446 6b 0e010000", "SWARM_DETAIL payload must be 269 \\+ 20"),  # 270
+    ("43544446 6a 01000000", "SWARM_DETAIL_REQ payload must be 0 bytes"),
     ("43544446 11 03000000", "HEARTBEAT_ACK payload must be 0 or 4"),
     ("43544446 31 04000000", "GRADIENTS_ACK payload must be 0 or 5"),
     ("43544446 03 01000000", "DEREGISTER payload must be 0 bytes"),
@@ -483,6 +504,9 @@ BAD_PAYLOADS = [
     (_replace(_golden(MsgType.SWARM_STATUS), 33, b"\x02"), "n_rows 2 but carries 1"),
     (_replace(_golden(MsgType.SWARM_STATUS), 8, b"\x04"), "state 4 is not a SwarmState"),
     (_replace(_golden(MsgType.SWARM_STATUS), 37 + 68, b"\x04"), "state 4 is not a WorkerSt"),
+    (_replace(_golden(MsgType.SWARM_DETAIL), 8, b"\x02"), "failed must be a bool"),
+    (_replace(_golden(MsgType.SWARM_DETAIL), 9, b"c" * 256), "note .* not NUL-terminated"),
+    (_replace(_golden(MsgType.SWARM_DETAIL), 265, b"\x02"), "n_rows 2 but carries 1"),
     (_replace(_golden(MsgType.CONTROL_ACK), 0, b"\x99"), "acked_type 153 is not a MsgType"),
     (_replace(_golden(MsgType.EXPORT), 0, b"\xc3\x28"), "path is not valid UTF-8"),
 ]

@@ -46,7 +46,7 @@ from foundry.wire.fdtc import (
     encode,
 )
 from foundry.wire.fdtc_connection import ConnectionClosed, FdtcConnection
-from foundry.wire.fdtc_lifecycle import ADMIN_REQUESTS, TABLES, Direction, LinkState, Role
+from foundry.wire.fdtc_lifecycle import ADMIN_REQUESTS, TABLES, Direction, Link, LinkState, Role
 
 
 def _register() -> Register:
@@ -282,3 +282,67 @@ def test_the_seed_only_sequence_of_protocol_md() -> None:
         RegisterAck, Shutdown,
     ]
     assert worker.state is LinkState.STOPPING
+
+
+def test_each_port_of_the_coordinator_serves_one_kind_of_link() -> None:
+    """The worker port refuses an admin request as a message before REGISTER; the admin port
+    refuses REGISTER as a message no admin client sends."""
+    worker_port = FdtcConnection(Role.COORDINATOR, link=Link.WORKER)
+    worker_port.receive_data(encode(StatusReq()))
+    with pytest.raises(FdtcProtocolError, match="STATUS_REQ is not allowed") as exc:
+        worker_port.next_event()
+    assert exc.value.error_code == ErrorCode.NOT_REGISTERED
+    admin_port = FdtcConnection(Role.COORDINATOR, link=Link.ADMIN)
+    admin_port.receive_data(encode(_register()))
+    with pytest.raises(FdtcProtocolError, match="REGISTER is not allowed") as exc:
+        admin_port.next_event()
+    assert exc.value.error_code == ErrorCode.UNEXPECTED  # this link never waits for one
+    admin_port = FdtcConnection(Role.COORDINATOR, link=Link.ADMIN)
+    pass_bytes([encode(StatusReq()), encode(Start())], admin_port)
+    assert admin_port.state is LinkState.ADMIN
+    with pytest.raises(ValueError, match="only the coordinator"):
+        FdtcConnection(Role.WORKER, link=Link.WORKER)
+
+
+def test_dataset_comes_at_most_once() -> None:
+    coord = FdtcConnection(Role.COORDINATOR, link=Link.WORKER)
+    coord.receive_data(encode(Dataset(1, bytes(32))) * 2)
+    assert isinstance(coord.next_event(), Dataset)
+    with pytest.raises(FdtcProtocolError, match="a second DATASET") as exc:
+        coord.next_event()
+    assert exc.value.error_code == ErrorCode.NOT_REGISTERED
+    worker = FdtcConnection(Role.WORKER)
+    worker.send(Dataset(1, bytes(32)))
+    assert not worker.may_send(Dataset(1, bytes(32)))
+    with pytest.raises(LocalProtocolError, match="second DATASET"):
+        worker.send(Dataset(1, bytes(32)))
+
+
+def test_may_send_follows_the_table_and_the_end_of_the_link() -> None:
+    coord = FdtcConnection(Role.COORDINATOR, link=Link.WORKER)
+    pass_bytes([encode(_register())], coord)
+    assert coord.may_send(MsgType.WEIGHTS_META) and not coord.may_send(MsgType.WEIGHTS)
+    assert not coord.may_send(MsgType.ASSIGN)  # no weights on this link yet
+    coord.send(_meta(), _weights(), Shutdown())
+    assert coord.may_send(MsgType.GRADIENTS_ACK)
+    assert not coord.may_send(MsgType.CHECKPOINT)  # after SHUTDOWN, only a round's end
+    assert not coord.over
+    coord.receive_data(encode(_register()))
+    with pytest.raises(FdtcProtocolError):
+        coord.next_event()
+    assert coord.over and not coord.may_send(MsgType.HEARTBEAT_ACK)
+    closed = FdtcConnection(Role.COORDINATOR)
+    closed.close()
+    assert closed.over and not closed.may_send(MsgType.ERROR)
+
+
+def test_the_connection_is_a_decoder_of_the_framing_interface() -> None:
+    """feed / feed_eof / next_event / buffered: what the stream driver reads into."""
+    conn = FdtcConnection(Role.COORDINATOR)
+    frame = encode(_register())
+    conn.feed(frame[:10])
+    assert conn.buffered == 10 and conn.next_event() is None
+    conn.feed(frame[10:])
+    assert conn.next_event() == _register()
+    conn.feed_eof()
+    assert conn.next_event() == ConnectionClosed()

@@ -114,6 +114,7 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 assert got.status.state == training_pb2.TRAINING_STATE_WAITING
                 assert (got.status.global_step, got.status.max_steps) == (0, 3)
                 assert list(got.status.workers) == []
+                assert (got.status.min_workers, got.status.note) == (1, "")
                 assert list((await t.ListWorkers(training_pb2.ListWorkersRequest())).workers) == []
 
                 ck = await t.CreateCheckpoint(training_pb2.CreateCheckpointRequest(), timeout=30)
@@ -156,6 +157,14 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 assert updates[-1].state == training_pb2.TRAINING_STATE_DONE
                 assert updates[-1].global_step == 3 and updates[-1].samples_total == 6
                 assert [u.global_step for u in updates] == sorted(u.global_step for u in updates)
+                # Per worker: the steps its gradients went into, and the bytes each way.
+                seen = [(u.global_step, u.workers[0]) for u in updates if u.workers]
+                assert seen, updates
+                for step, w in seen:
+                    assert w.inner_steps <= step <= 3
+                    assert w.bytes_up > 0 or w.inner_steps == 0
+                    assert w.bytes_down > 0  # its weights, before any step
+                assert max(w.inner_steps for _, w in seen) >= 1
 
                 await expect_code(
                     t.PauseTraining(training_pb2.PauseTrainingRequest(), timeout=5),
@@ -208,7 +217,8 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
             m = await asyncio.to_thread(gateway.wait_for, GATEWAY_LISTENING, 30)
             target, metrics_port = f"127.0.0.1:{m.group(1)}", m.group(2)
             code, out, err = await _ctl(target, token, "status")
-            assert code == 1 and "training: WAITING  step 0/3" in out, out + err
+            assert code == 1, out + err
+            assert "training: WAITING: 0 of 1 workers (min-workers 1)  step 0/3" in out
             assert "no workers registered" in out and "pair: unavailable" in out
             assert "no tensor-parallel pair at" in out and "not reached since" in out
             for action, wording in [("start", "step 0: training"), ("pause", "paused"),

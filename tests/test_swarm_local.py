@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -268,3 +269,36 @@ def test_overlapped_local_steps_train_with_real_workers(tmp_path: Path) -> None:
         for w in workers:
             w.stop()
         coord.stop()
+
+
+def test_status_counts_each_workers_inner_steps_and_bytes(tmp_path: Path) -> None:
+    """Per worker, the inner steps its taken reports held and the bytes each way
+    (SWARM_DETAIL), in local-step mode."""
+    from foundry.up.clients import AdminLink
+
+    coord, port, admin_port = coordinator(
+        tmp_path, "--max-steps", "100000", "--global-batch", "8", "--sync-every", "4",
+        "--checkpoint-every", "100000",
+    )
+    w = worker(tmp_path, port, "w0")
+    link = AdminLink("127.0.0.1", admin_port)
+    try:
+        deadline = time.monotonic() + 120
+        st, detail = link.status()
+        while st.global_step < 8 or not st.rows:
+            assert time.monotonic() < deadline, coord.text()[-3000:]
+            time.sleep(0.1)
+            st, detail = link.status()
+    finally:
+        link.close()
+        w.stop()
+        coord.stop()
+    row = detail.rows[0]
+    # The only worker is the fastest: it runs all four inner steps of every round. A report
+    # is counted when it is taken, the step advances after the outer step: one round apart
+    # at most.
+    assert row.inner_steps in (st.global_step, st.global_step + 4), (row, st.global_step)
+    numel = sum(int(np.prod(s)) for s in preset("tiny").param_shapes().values())
+    assert row.bytes_up == row.inner_steps // 4 * 4 * numel  # f32 pseudo-gradients
+    assert row.bytes_down >= 4 * numel * (st.global_step // 4)  # weights, then updates
+    assert detail.min_workers == 1 and not detail.failed and detail.note == ""

@@ -186,7 +186,7 @@ def test_swarm_trains_over_mutual_tls_and_refuses_bad_peers(
     async def status() -> fdtc.SwarmStatus:
         client = AdminClient("127.0.0.1", admin, ssl=certs.client("gateway"))
         try:
-            return await client.status(10.0)
+            return (await client.status(10.0))[0]
         finally:
             await client.close()
 

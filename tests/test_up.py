@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,17 +22,19 @@ from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
 from foundry.model.generate import printable
 from foundry.up.plan import (
     RESTART_MAX_S,
+    ServiceSpec,
     StackError,
     StackOptions,
     StackPorts,
     default_checkpoint_every,
+    gives_up,
     prometheus_config,
     restart_delay,
     serving_services,
     training_services,
 )
-from foundry.up.supervisor import check_ports_free
-from foundry.up.view import waiting_note
+from foundry.up.supervisor import Stack, check_ports_free
+from foundry.up.view import LiveView, waiting_note, worker_line
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -112,6 +117,37 @@ def test_restart_backoff_doubles_up_to_a_cap() -> None:
     assert restart_delay(50) == RESTART_MAX_S
 
 
+def test_five_failures_within_a_minute_leave_a_service_down() -> None:
+    assert not gives_up([0.0, 1.0, 3.0, 7.0], 7.5)
+    assert gives_up([0.0, 1.0, 3.0, 7.0, 15.0], 15.5)
+    # The first of five fell out of the minute: restarted again.
+    assert not gives_up([0.0, 30.0, 40.0, 50.0, 60.0], 60.5)
+
+
+def test_the_command_by_hand_carries_the_stacks_environment_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FOUNDRY_TLS_CERT", "/etc/cert.pem")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    stack = Stack(tmp_path / "run dir", io.StringIO())
+    spec = ServiceSpec("worker-0", (sys.executable, "-c", "print('a b')"), r"a b")
+    child = stack.start(spec)
+    try:
+        command = stack.by_hand(child)
+        assert command.startswith(
+            f"cd {shlex.quote(os.getcwd())} && env -u FOUNDRY_TLS_CERT OPENBLAS_NUM_THREADS=1 "
+            f"PYTHONUNBUFFERED=1 {shlex.quote(sys.executable)} -c "
+        ), command
+        assert command.endswith(f" >> {shlex.quote(str(child.log))} 2>&1"), command
+        child.proc.wait(timeout=30)
+        out = subprocess.run(["bash", "-c", command], env=dict(os.environ), timeout=30)
+        assert out.returncode == 0
+        assert child.log.read_text().count("a b") == 2  # the child's run, then by hand
+    finally:
+        stack.stop_all(grace_s=1.0)
+
+
 def test_prometheus_config_scrapes_every_service() -> None:
     text = prometheus_config(StackPorts.of(StackOptions(workers=2)), "0.0.0.0")
     for job in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
@@ -133,6 +169,26 @@ def test_a_waiting_run_says_how_many_workers_it_misses() -> None:
     assert waiting_note(st(fdtc.SwarmState.WAITING, 1), 2) == "waiting for 1 of 2 worker(s)"
     assert waiting_note(st(fdtc.SwarmState.TRAINING, 1), 2) is None
     assert waiting_note(st(fdtc.SwarmState.WAITING, 2), 2) is None
+
+
+def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
+    row = fdtc.SwarmStatusRow(
+        worker_id="w0", profile=fdtc.HardwareProfile.SERVER, state=fdtc.WorkerState.IDLE,
+        batch_size=4, accumulation_steps=2, samples_per_sec=10.0, loss=2.0, local_step=3,
+        seconds_since_heartbeat=0.1,
+    )
+    st = fdtc.SwarmStatus(global_step=3, max_steps=9, state=fdtc.SwarmState.TRAINING,
+                          train_loss=1.0, val_loss=1.0, samples_per_sec=0.0, learning_rate=0.0,
+                          samples_total=0, rows=(row,))
+    more = fdtc.SwarmDetailRow(inner_steps=3, bytes_up=2_500_000, bytes_down=7_000_000)
+    failed = fdtc.SwarmDetail(min_workers=1, seconds_since_step=0.5, failed=True,
+                              note="round loop failed: OSError: x", rows=(more,))
+    out = io.StringIO()
+    view = LiveView(out, 9, tty=False, workers=1)
+    view.update(st, failed)
+    view.update(st, failed)
+    assert out.getvalue().count("coordinator FAILED: round loop failed: OSError: x") == 1
+    assert worker_line(row, more).endswith("3 steps  up 2.5 MB down 7.0 MB")
 
 
 def test_printable_escapes_control_characters() -> None:
@@ -347,4 +403,57 @@ def test_one_stack_per_run_dir_and_dead_services_come_back(tmp_path: Path) -> No
         found = latest_checkpoint(ckpts)
         assert found is not None and load_checkpoint(found).step == last, since_restart()[-2000:]
     finally:
+        up.cleanup()
+
+
+def test_a_service_that_keeps_failing_is_left_down_with_the_command_to_start_it(
+    tmp_path: Path,
+) -> None:
+    """worker-0 killed with SIGKILL five times within a minute: restarted after each of the
+    first four (1, 2, 4, 8 s of backoff), then left down; the live view and its log say so
+    and give the command that starts it by hand, and that command, run as printed, brings
+    it back into the run."""
+    up, _ = start_up(tmp_path, 1, "--steps", "100000")
+    by_hand: subprocess.Popen[bytes] | None = None
+    try:
+        up.wait_for(r"training tiny for 100000 steps", 60)
+        for kill in range(1, 6):
+            pid = up.children()["worker-0"]
+            os.kill(pid, signal.SIGKILL)
+            if kill < 5:
+                deadline = time.monotonic() + 30
+                while up.text().count("restarted worker-0 (exit -9)") < kill:
+                    assert time.monotonic() < deadline, up.text()
+                    time.sleep(0.05)
+                assert up.children()["worker-0"] != pid
+        m = up.wait_for(
+            r"worker-0 failed 5 times within 60 s \(last exit -9\); not restarting it "
+            r"\(log (\S+)\)\. To start it by hand: (.+)\n", 30)
+        log = Path(m.group(1))
+        assert log == up.run_dir / "logs" / "worker-0.log"
+        assert "worker-0 failed 5 times within 60 s" in log.read_text()
+        time.sleep(2.0)  # RESTART_MAX_S is far off: nothing restarts it meanwhile
+        assert "restarted worker-0 (exit -9)" not in up.text().rpartition("not restarting")[2]
+        assert not running(up.children()["worker-0"])
+        # The printed command, run as it is, starts the worker: it joins the run again.
+        before = len(log.read_text())
+        coordinator_log = up.run_dir / "logs" / "coordinator.log"
+
+        def registrations() -> int:
+            return coordinator_log.read_text().count("worker worker-0 registered")
+
+        registered = registrations()
+        by_hand = subprocess.Popen(["bash", "-c", m.group(2)], start_new_session=True)
+        deadline = time.monotonic() + 60
+        while registrations() == registered or \
+                not re.search(r"metrics :\d+", log.read_text()[before:]):
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=30) == 0, up.text()
+    finally:
+        if by_hand is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(by_hand.pid, signal.SIGKILL)
+            by_hand.wait(timeout=10)
         up.cleanup()

@@ -2,8 +2,8 @@
 
 Every action is one call (``watch`` and ``generate`` one stream). The connection flags
 (``--gateway``, ``--token-file``, ``--tls-ca``, ...) go before or after the action. Exit codes:
-0 done, 1 the call failed (the gRPC status and what to do are printed to stderr), 2 bad flags,
-130 interrupted.
+0 done, 1 the call failed (the gRPC status and what to do are printed to stderr) or the run
+it shows (``status``, ``watch``) is FAILED, 2 bad flags, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -202,13 +202,21 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     )
 
 
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def format_workers(workers: Sequence[Any]) -> str:
     from foundry.api.v1 import training_pb2
 
     if not workers:
         return "no workers registered"
     return table(
-        ["worker", "profile", "state", "batch", "accum", "samples/s", "loss", "step", "heartbeat"],
+        ["worker", "profile", "state", "batch", "accum", "samples/s", "loss", "step",
+         "inner steps", "bytes up", "bytes down", "heartbeat"],
         (
             [
                 w.worker_id,
@@ -219,6 +227,9 @@ def format_workers(workers: Sequence[Any]) -> str:
                 _num(w.samples_per_second, ".1f"),
                 _num(w.loss, ".4f"),
                 str(w.local_step),
+                str(w.inner_steps),
+                _bytes(w.bytes_up),
+                _bytes(w.bytes_down),
                 f"{w.seconds_since_heartbeat:.1f} s ago",
             ]
             for w in workers
@@ -226,18 +237,37 @@ def format_workers(workers: Sequence[Any]) -> str:
     )
 
 
-def format_training(status: Any) -> str:
+def format_state(status: Any) -> str:
+    """The run's state and why: FAILED with its cause, WAITING with the workers it lacks."""
     from foundry.api.v1 import training_pb2
 
     state = _enum_name(status.state, training_pb2.TrainingState, "TRAINING_STATE_")
+    if status.state == training_pb2.TRAINING_STATE_FAILED:
+        return f"FAILED: {status.note}"
+    if status.state == training_pb2.TRAINING_STATE_WAITING:
+        have = len(status.workers)
+        if have < status.min_workers:
+            return f"WAITING: {have} of {status.min_workers} workers (min-workers " \
+                f"{status.min_workers})"
+        return "WAITING for START (foundry ctl start)"
+    if status.state == training_pb2.TRAINING_STATE_TRAINING:
+        return f"TRAINING (last step {status.seconds_since_step:.1f} s ago)"
+    return state
+
+
+def format_training(status: Any) -> str:
+    from foundry.api.v1 import training_pb2
+
     head = (
-        f"training: {state}  step {status.global_step}/{status.max_steps}  "
+        f"training: {format_state(status)}  step {status.global_step}/{status.max_steps}  "
         f"loss {_num(status.train_loss, '.4f')}  val {_num(status.validation_loss, '.4f')} "
         # validation_loss is in nats per held-out byte: over ln 2, bits per byte.
         f"({_num(status.validation_loss / math.log(2), '.3f')} bits/byte)  "
         f"lr {status.learning_rate:.2e}  {_num(status.samples_per_second, '.1f')} samples/s  "
         f"{status.samples_total} samples"
     )
+    if status.note and status.state != training_pb2.TRAINING_STATE_FAILED:
+        head += f"\nwarning: {status.note}"
     return head + "\n\n" + format_workers(status.workers)
 
 
@@ -269,6 +299,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 metadata=conn.metadata, timeout=conn.unary_timeout(),
             )
             print(format_training(got.status))
+            failed = got.status.state == training_pb2.TRAINING_STATE_FAILED
         except grpc.RpcError as exc:
             failed = True
             print(f"training: unavailable ({describe_rpc_error(exc, args)})")
@@ -300,17 +331,19 @@ def cmd_watch(args: argparse.Namespace) -> int:
         training_pb2.WatchTrainingStatusRequest(interval_seconds=args.interval),
         metadata=conn.metadata, timeout=conn.timeout,
     )
+    failed = False
     try:
         for n, update in enumerate(call, start=1):
             text = format_training(update.status)
             out.write(f"{_REDRAW}{text}\n" if redraw else f"{text}\n\n")
             out.flush()
+            failed = update.status.state == training_pb2.TRAINING_STATE_FAILED
             if args.count is not None and n >= args.count:
                 break
     finally:
         call.cancel()
         conn.close()
-    return 0
+    return 1 if failed else 0
 
 
 def _control(args: argparse.Namespace, rpc: str, request_type: str) -> Any:

@@ -147,7 +147,9 @@ class Gateway:
             await self.admin.close()
 
     async def _probe_admin(self, timeout_s: float) -> str | None:
-        await self.admin.status(timeout_s)
+        _, detail = await self.admin.status(timeout_s)
+        if detail.failed:
+            return f"the coordinator failed: {detail.note}"
         return None
 
     async def _probe_frontend(self, timeout_s: float) -> str | None:

@@ -49,7 +49,7 @@ def budget(context: grpc.aio.ServicerContext, limit_s: float) -> float:
 # ---------------------------------------------------------------------------- conversions
 
 
-def worker_pb(row: fdtc.SwarmStatusRow) -> training_pb2.Worker:
+def worker_pb(row: fdtc.SwarmStatusRow, more: fdtc.SwarmDetailRow) -> training_pb2.Worker:
     return training_pb2.Worker(
         worker_id=row.worker_id,
         profile=fdtc.profile_name(row.profile).lower(),
@@ -60,20 +60,33 @@ def worker_pb(row: fdtc.SwarmStatusRow) -> training_pb2.Worker:
         loss=row.loss,
         local_step=row.local_step,
         seconds_since_heartbeat=row.seconds_since_heartbeat,
+        inner_steps=more.inner_steps,
+        bytes_up=more.bytes_up,
+        bytes_down=more.bytes_down,
     )
 
 
-def training_status_pb(status: fdtc.SwarmStatus) -> training_pb2.TrainingStatus:
+def workers_pb(status: fdtc.SwarmStatus, detail: fdtc.SwarmDetail) -> list[training_pb2.Worker]:
+    return [worker_pb(row, more) for row, more in zip(status.rows, detail.rows, strict=True)]
+
+
+def training_status_pb(
+    status: fdtc.SwarmStatus, detail: fdtc.SwarmDetail
+) -> training_pb2.TrainingStatus:
     return training_pb2.TrainingStatus(
         global_step=status.global_step,
         max_steps=status.max_steps,
-        state=_training_state(status.state),
+        state=(training_pb2.TRAINING_STATE_FAILED if detail.failed
+               else _training_state(status.state)),
         train_loss=status.train_loss,
         validation_loss=status.val_loss,
         samples_per_second=status.samples_per_sec,
         learning_rate=status.learning_rate,
         samples_total=status.samples_total,
-        workers=[worker_pb(row) for row in status.rows],
+        workers=workers_pb(status, detail),
+        note=detail.note,
+        min_workers=detail.min_workers,
+        seconds_since_step=detail.seconds_since_step,
     )
 
 
@@ -222,13 +235,13 @@ class TrainingServicer:
         self, request: training_pb2.GetTrainingStatusRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.GetTrainingStatusResponse:
         status = await self.admin.status(budget(context, STATUS_LIMIT_S))
-        return training_pb2.GetTrainingStatusResponse(status=training_status_pb(status))
+        return training_pb2.GetTrainingStatusResponse(status=training_status_pb(*status))
 
     async def ListWorkers(
         self, request: training_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.ListWorkersResponse:
         status = await self.admin.status(budget(context, STATUS_LIMIT_S))
-        return training_pb2.ListWorkersResponse(workers=[worker_pb(r) for r in status.rows])
+        return training_pb2.ListWorkersResponse(workers=workers_pb(*status))
 
     async def WatchTrainingStatus(
         self, request: training_pb2.WatchTrainingStatusRequest, context: grpc.aio.ServicerContext
@@ -242,9 +255,11 @@ class TrainingServicer:
         loop = asyncio.get_running_loop()
         while True:
             asked = loop.time()
-            status = await self.admin.status(budget(context, STATUS_LIMIT_S))
-            yield training_pb2.WatchTrainingStatusResponse(status=training_status_pb(status))
-            if status.state is fdtc.SwarmState.DONE:
+            status, detail = await self.admin.status(budget(context, STATUS_LIMIT_S))
+            yield training_pb2.WatchTrainingStatusResponse(
+                status=training_status_pb(status, detail)
+            )
+            if status.state is fdtc.SwarmState.DONE or detail.failed:
                 return
             await asyncio.sleep(max(0.0, interval - (loop.time() - asked)))
 

@@ -1,5 +1,8 @@
 """Swarm training: the coordinator (parameter server) and its workers over FDTC.
 
 - ``coordinator``, ``worker``: the two services; ``policy``: the round rules as pure functions.
+  Both drive every link through ``transport.fdtc_stream.FdtcStream`` over a
+  ``wire.FdtcConnection``, which owns the order of the messages: they dispatch on what it
+  admits and never re-check it.
 - ``model_config``: MODEL_CONFIG <-> ``ModelConfig``, the model the workers are told to build.
 """

@@ -5,7 +5,9 @@ two FDTC ports: workers on ``listen``, the gateway (or ``foundry ctl``) on ``adm
 
 Theory of operation
 -------------------
-Each worker connection is one asyncio task that decodes messages and updates the shared state;
+Each worker connection is one asyncio task that reads messages (through the link's
+``FdtcConnection``, which admits only what the worker link's table allows: a message out of
+order is answered with the connection's ERROR and the link closed) and updates the shared state;
 a single round task runs the rounds (``_round_loop``): it waits until training is on and
 enough workers are registered, splits the global batch among them by measured throughput
 (``policy.allocate_samples``), brings each one's weights up to date (one UPDATE, or full
@@ -84,6 +86,7 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
+from foundry.wire.fdtc_lifecycle import Link, Role
 
 log = logging.getLogger("foundry.coordinator")
 
@@ -104,6 +107,9 @@ MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
 # On a stop, the step being applied is given this long to finish before the final checkpoint.
 STOP_ROUND_S = 30.0
+# After an internal failure the open admin links answer with it this long before the process
+# exits: `foundry up`, the gateway and `foundry ctl watch` learn why, not only that it went.
+FAILED_LINGER_S = 1.5
 # Validation loss every this many steps by default (forward passes over at most
 # data.VAL_MAX_TOKENS held-out tokens: for the tiny preset about as much as 5 rounds of batch
 # 16 x 64).
@@ -204,8 +210,13 @@ class Member:
     bytes_up: int = 0  # gradient bytes received from it
     bytes_down: int = 0  # weight and update bytes sent to it
     inner_steps: int = 0  # inner steps assigned to it in local-step rounds
+    assigned_steps: int = 1  # training steps of the assignment it holds
+    steps_done: int = 0  # training steps of its reports that rounds took (status)
     ack_pending: bool = False  # a HEARTBEAT_ACK is waiting to be sent
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Sends under way: a worker taking our bytes is alive even while its own heartbeats wait
+    # unread behind them (its read loop may be the one sending); the frame deadline bounds it.
+    sending: int = 0
 
     @property
     def seed_share(self) -> int:
@@ -263,6 +274,8 @@ class Coordinator:
         self.bound_admin_port = 0
         self._validated_step = -1
         self._checkpoint_failed = False
+        self._checkpoint_warning = ""  # why checkpoints fail, while they do (status)
+        self._stepped_at = time.monotonic()  # when the global step last advanced (status)
         self._told_missing = 0
         self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
@@ -397,6 +410,8 @@ class Coordinator:
         disk: a stop (SIGTERM, SIGINT, SHUTDOWN) never loses a step."""
         for srv in self._servers:
             srv.close()
+        if self.failure is not None and self._admin_streams:
+            await asyncio.sleep(FAILED_LINGER_S)  # they answer every request with the failure
         if self._round_task is not None and self.failure is None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._round_task), STOP_ROUND_S)
@@ -418,7 +433,8 @@ class Coordinator:
     async def _serve_worker(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -432,7 +448,7 @@ class Coordinator:
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="worker").inc()
             log.warning("worker link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("worker link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError) as exc:
@@ -443,30 +459,31 @@ class Coordinator:
                 self._drop(member, "disconnected")
             await stream.close()
 
-    async def _send_error(self, stream: FdtcStream, code: ErrorCode, message: str) -> None:
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-            await asyncio.wait_for(stream.send(fdtc.Error(int(code), clip(message))), 1.0)
-
     async def _handshake(self, stream: FdtcStream) -> Member | None:
-        """DATASET (optional) then REGISTER; answer REGISTER_ACK, and extensions if spoken."""
+        """DATASET (optional) then REGISTER, in the order the connection enforces; answer
+        REGISTER_ACK, and extensions if spoken."""
         extended = False
-        msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if isinstance(msg, fdtc.Dataset):
-            extended = True
-            mine = self.corpus.fingerprint
-            if (msg.n_tokens, msg.sha256.hex()) != (mine.n_tokens, mine.sha256):
-                reason = (
-                    f"worker data ({msg.n_tokens} tokens, sha256 {msg.sha256.hex()[:12]}) "
-                    f"differs from the swarm's ({mine.n_tokens} tokens, sha256 "
-                    f"{mine.sha256[:12]}); start the worker with the coordinator's --data"
-                )
-                await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+        msg: fdtc.Register | None = None
+        while msg is None:
+            event = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
+            if isinstance(event, fdtc.Register):
+                msg = event
+            elif isinstance(event, fdtc.Dataset):
+                extended = True
+                mine = self.corpus.fingerprint
+                if (event.n_tokens, event.sha256.hex()) != (mine.n_tokens, mine.sha256):
+                    reason = (
+                        f"worker data ({event.n_tokens} tokens, sha256 "
+                        f"{event.sha256.hex()[:12]}) differs from the swarm's ({mine.n_tokens} "
+                        f"tokens, sha256 {mine.sha256[:12]}); start the worker with the "
+                        "coordinator's --data"
+                    )
+                    await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
+                    return None
+            else:  # ERROR or DEREGISTER: the peer leaves before it joined
+                log.info("%s left before registering (%s)", stream.peer,
+                         fdtc.msg_type_name(event.TYPE))
                 return None
-            msg = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
-        if not isinstance(msg, fdtc.Register):
-            reason = f"expected REGISTER first, got {fdtc.msg_type_name(msg.TYPE)}"
-            await self._refuse(stream, ErrorCode.NOT_REGISTERED, reason)
-            return None
         if msg.protocol_version != fdtc.PROTOCOL_VERSION:
             reason = (
                 f"protocol version {msg.protocol_version} is not supported; this coordinator "
@@ -559,7 +576,7 @@ class Coordinator:
         return ids.index(worker_id), len(ids)
 
     async def _on_worker_message(self, m: Member, msg: fdtc.Message) -> bool:
-        """Handle one message; False closes the connection."""
+        """Handle one message the link's state allows; False closes the connection."""
         if isinstance(msg, fdtc.Heartbeat):
             m.heard_heartbeat(m.last_seen)
             m.local_step = msg.local_step
@@ -603,10 +620,7 @@ class Coordinator:
             if msg.error_code == ErrorCode.INTERNAL:
                 self._drop(m, "error")
                 return False
-        else:
-            raise fdtc.FdtcProtocolError(
-                f"{fdtc.msg_type_name(msg.TYPE)} is not a message a worker sends"
-            )
+        # Nothing else passes the worker link's table (``fdtc_lifecycle``).
         return True
 
     async def _heartbeat_ack(self, m: Member) -> None:
@@ -618,8 +632,12 @@ class Coordinator:
             m.ack_pending = False
 
     async def _send_to(self, m: Member, *msgs: fdtc.Message) -> None:
-        async with m.send_lock:
-            await m.stream.send(*msgs)
+        m.sending += 1
+        try:
+            async with m.send_lock:
+                await m.stream.send(*msgs)
+        finally:
+            m.sending -= 1
 
     def _weights_messages(self) -> tuple[fdtc.WeightsMeta, fdtc.Weights]:
         if self._weights_cache is None or self._weights_cache[0] != self.step:
@@ -642,6 +660,8 @@ class Coordinator:
         return self._weights_cache[1], self._weights_cache[2]
 
     async def _send_weights(self, m: Member) -> None:
+        if not m.stream.may_send(fdtc.MsgType.WEIGHTS_META):
+            return  # told SHUTDOWN already: training is over for it
         meta, weights = self._weights_messages()
         await self._send_to(m, meta, weights)
         m.weights_step = meta.global_step
@@ -704,10 +724,7 @@ class Coordinator:
         # An extended worker only reports what it was assigned.
         fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
                                                 assigned_only=m.extended)
-        if msg.num_tensors != len(self._numels):
-            raise fdtc.FdtcProtocolError(
-                f"GRADIENTS carries {msg.num_tensors} tensors, the model has {len(self._numels)}"
-            )
+        msg.check_tensors(self._numels)
         if not fresh or rnd is None:
             log.info(
                 "stale gradient from %s for step %d (now at %d); dropped",
@@ -726,6 +743,7 @@ class Coordinator:
         now = time.monotonic()
         rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
                    now=now, assigned_only=m.extended)
+        m.steps_done += m.assigned_steps if m.extended else 1
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
             elapsed = now - rnd.started
@@ -763,7 +781,7 @@ class Coordinator:
                 # Bytes of a frame still arriving count as life: on a slow link a worker's
                 # heartbeat waits behind its own gradient.
                 last = max(m.last_seen, m.stream.last_rx)
-                if policy.is_dead(now, last, timeout):
+                if not m.sending and policy.is_dead(now, last, timeout):
                     self._drop(m, "heartbeat_timeout")
                     await m.stream.close()
 
@@ -963,6 +981,7 @@ class Coordinator:
         )
 
     async def _assign(self, m: Member, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
+        m.assigned_steps = assign.inner_steps if isinstance(assign, fdtc.LocalAssign) else 1
         await self._bring_up_to_date(m)
         await self._send_to(m, assign)
 
@@ -1014,6 +1033,7 @@ class Coordinator:
         self.last_rate = n_samples / elapsed if elapsed > 0 else 0.0
         self.metrics.samples.inc(n_samples)
         self.metrics.global_step.set(self.step)
+        self._stepped_at = time.monotonic()
         self.metrics.learning_rate.set(lr)
         self.metrics.apply_duration.observe(time.monotonic() - t0)
         self.metrics.round_duration.observe(time.monotonic() - rnd.started)
@@ -1078,11 +1098,14 @@ class Coordinator:
             await self.checkpoint()
         except CheckpointError as exc:
             self.metrics.checkpoint_failures.inc()
+            if not self._checkpoint_failed:
+                self._checkpoint_warning = f"checkpoints failing since step {self.step}: {exc}"
             self._checkpoint_failed = True
             log.warning("step %d: %s; training goes on, retrying after the next step",
                         self.step, exc)
         else:
             self._checkpoint_failed = False
+            self._checkpoint_warning = ""
 
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
@@ -1163,16 +1186,21 @@ class Coordinator:
     async def _serve_admin(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        stream = FdtcStream(reader, writer, frame_deadline_s=self.opt.frame_deadline_s)
+        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.ADMIN,
+                            frame_deadline_s=self.opt.frame_deadline_s)
         self._admin_streams.add(stream)
         try:
             while True:
                 msg = await stream.recv()
-                await stream.send(await self._on_admin_message(msg))
+                if isinstance(msg, fdtc.Error):  # the client gives up: nothing to answer
+                    log.info("admin link: %s reports error %d: %s; closed", stream.peer,
+                             msg.error_code, msg.message)
+                    return
+                await stream.send(*await self._admin_answer(msg))
         except ProtocolError as exc:
             self.metrics.protocol_errors.labels(link="admin").inc()
             log.warning("admin link: closing %s: %s", stream.peer, exc)
-            await self._send_error(stream, ErrorCode.BAD_FRAME, str(exc))
+            await stream.answer(exc)
         except FrameTimeout as exc:
             log.warning("admin link: %s; closed", exc)
         except (StreamClosed, ConnectionError, TimeoutError):
@@ -1181,7 +1209,20 @@ class Coordinator:
             self._admin_streams.discard(stream)
             await stream.close()
 
+    async def _admin_answer(self, msg: fdtc.Message) -> tuple[fdtc.Message, ...]:
+        """The answer to one admin request. A failed coordinator (on its way out) tells the
+        failure: in SWARM_DETAIL to a detail request, as an ERROR to any other request, so
+        no client reads TRAINING, or takes a checkpoint for written, from it."""
+        if isinstance(msg, fdtc.SwarmDetailReq):
+            return self.swarm_status(), self.swarm_detail()
+        if self.failure is not None:
+            text = f"the coordinator failed ({self.failure}) and is exiting with status 1"
+            return (fdtc.Error(int(ErrorCode.INTERNAL), clip(text)),)
+        return (await self._on_admin_message(msg),)
+
     async def _on_admin_message(self, msg: fdtc.Message) -> fdtc.Message:
+        """The answer to one admin request (the only messages the admin link's table lets
+        through, besides ERROR)."""
         if isinstance(msg, fdtc.StatusReq):
             return self.swarm_status()
         if isinstance(msg, fdtc.Export):
@@ -1217,13 +1258,10 @@ class Coordinator:
             await self._broadcast(fdtc.Pause())
             self._release_paused_peers()
             return self._ack(msg, True, "paused after the current round")
-        if isinstance(msg, fdtc.Shutdown):
-            await self._finish()
-            asyncio.get_running_loop().call_later(0.2, self.request_stop)
-            return self._ack(msg, True, f"shut down at step {self.step}")
-        raise fdtc.FdtcProtocolError(
-            f"{fdtc.msg_type_name(msg.TYPE)} is not an admin request"
-        )
+        assert isinstance(msg, fdtc.Shutdown), msg
+        await self._finish()
+        asyncio.get_running_loop().call_later(0.2, self.request_stop)
+        return self._ack(msg, True, f"shut down at step {self.step}")
 
     def _release_paused_peers(self) -> None:
         """The open round stops expecting seed-only peers that have not reported yet.
@@ -1247,9 +1285,10 @@ class Coordinator:
         )
 
     async def _broadcast(self, msg: fdtc.Message, *, only_started: bool = False) -> None:
-        """``msg`` to every registered worker, seed-only peers included."""
+        """``msg`` to every registered worker, seed-only peers included, whose link takes it
+        now (after SHUTDOWN only the end of a round may still go)."""
         for m in list(self.members.values()):
-            if only_started and not m.started:
+            if (only_started and not m.started) or not m.stream.may_send(msg.TYPE):
                 continue
             with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                 await self._send_to(m, msg)
@@ -1290,6 +1329,22 @@ class Coordinator:
             learning_rate=self.trainer.learning_rate(),
             samples_total=self.samples_total,
             rows=rows,
+        )
+
+    def swarm_detail(self) -> fdtc.SwarmDetail:
+        """What SWARM_STATUS does not carry, its rows in the same order."""
+        return fdtc.SwarmDetail(
+            min_workers=self.opt.min_workers,
+            seconds_since_step=time.monotonic() - self._stepped_at,
+            failed=self.failure is not None,
+            note=clip(self.failure or self._checkpoint_warning),
+            rows=tuple(
+                fdtc.SwarmDetailRow(
+                    inner_steps=min(m.steps_done, 0xFFFF_FFFF), bytes_up=m.bytes_up,
+                    bytes_down=m.bytes_down,
+                )
+                for m in sorted(self.members.values(), key=lambda m: m.worker_id)
+            ),
         )
 
 

@@ -5,7 +5,10 @@ Theory of operation
 ``Worker.run`` keeps one connection to the coordinator alive, reconnecting with capped
 exponential backoff whenever it goes away (the coordinator restarting is routine, not fatal).
 On each connection: DATASET (our extension: the fingerprint of the local data), REGISTER,
-REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN, WEIGHTS_REQ. Then the coordinator drives:
+REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN, WEIGHTS_REQ. The link's ``FdtcConnection`` (role
+WORKER) admits only what the coordinator may send in the link's state (a WEIGHTS after its
+WEIGHTS_META, an assignment or UPDATE only once weights came); anything else is answered with
+its ERROR and the worker reconnects. Then the coordinator drives:
 WEIGHTS_META + WEIGHTS replace the local weights, UPDATE adds to them (``swarm.sync``: the
 worker then holds bit for bit what the coordinator expects, and says so with WEIGHTS_DIGEST
 every few steps). ASSIGN (``--sync-every 1``) starts a gradient over global samples
@@ -46,6 +49,7 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
+from foundry.wire.fdtc_lifecycle import Role
 
 log = logging.getLogger("foundry.worker")
 
@@ -112,6 +116,9 @@ class Worker:
         self.paused = False
         self.cannot_train: str | None = None  # why an assignment could not be trained on
         self._compute: asyncio.Task[None] | None = None
+        # What the link delivered and the worker has not acted on yet.
+        self._meta: fdtc.WeightsMeta | None = None  # announces the WEIGHTS that follows
+        self._pending: fdtc.Assign | fdtc.LocalAssign | None = None  # waits for its weights
         self._rng = random.Random(hash(options.worker_id))
 
     async def run(self) -> int:
@@ -121,7 +128,8 @@ class Worker:
         connected_before = False  # the first connection is not a reconnect
         while True:
             try:
-                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls)
+                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls,
+                                                  role=Role.WORKER)
             except (OSError, TimeoutError) as exc:
                 attempt += 1
                 if self.opt.max_attempts and attempt >= self.opt.max_attempts:
@@ -158,6 +166,7 @@ class Worker:
                 done = False
             except ProtocolError as exc:
                 log.warning("bad bytes from the coordinator: %s; reconnecting", exc)
+                await stream.answer(exc)
                 done = False
             finally:
                 await self._stop_compute()
@@ -175,6 +184,9 @@ class Worker:
     async def _session(self, stream: FdtcStream) -> bool:
         hw = self.opt.hardware
         fp = self.corpus.fingerprint
+        self.weights_step = -1  # a new link: the coordinator sends full weights first
+        self.unmerged = None
+        self._meta, self._pending = None, None
         await stream.send(
             fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
             fdtc.Register(
@@ -186,11 +198,40 @@ class Worker:
                 suggested_batch_size=fdtc.profile_batch_size(hw.profile),
             ),
         )
-        ack = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(ack, fdtc.RegisterAck):
-            raise fdtc.FdtcProtocolError(
-                f"expected REGISTER_ACK, got {fdtc.msg_type_name(ack.TYPE)}"
-            )
+        heartbeat: asyncio.Task[None] | None = None
+        try:
+            # The registration's answers: REGISTER_ACK, MODEL_CONFIG, TRAIN_PLAN. The link's
+            # table lets through only what the coordinator may send a registered worker, and
+            # until all three are in, the loop waits at most 30 s for each message.
+            joined: set[fdtc.MsgType] = set()
+            while len(joined) < 3:
+                msg = await stream.recv(idle_timeout_s=30.0)
+                if isinstance(msg, fdtc.RegisterAck):
+                    await self._on_register_ack(stream, msg)
+                elif isinstance(msg, fdtc.ModelConfigMsg):
+                    self.cfg = config_of(msg)
+                    self.aux_loss_coef = msg.aux_loss_coef
+                elif isinstance(msg, fdtc.TrainPlan):
+                    self.plan = msg
+                else:
+                    if await self._on_message(stream, msg):
+                        return True
+                    continue
+                joined.add(msg.TYPE)
+            assert self.plan is not None
+            log.info("training plan: %s up, %s down, sync every %d",
+                     self.compression.name.lower(),
+                     Compression(self.plan.down_compression).name.lower(),
+                     self.plan.sync_every)
+            await stream.send(fdtc.WeightsReq())
+            heartbeat = asyncio.ensure_future(self._heartbeats(stream))
+            while True:
+                if await self._on_message(stream, await stream.recv()):
+                    return True
+        finally:
+            await cancel_and_wait(heartbeat)
+
+    async def _on_register_ack(self, stream: FdtcStream, ack: fdtc.RegisterAck) -> None:
         if not ack.accepted:
             reason = "no reason given"
             code = int(ErrorCode.REJECTED)
@@ -207,34 +248,11 @@ class Worker:
             self.uplink = Compressor(
                 get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
             )
-        cfg_msg = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(cfg_msg, fdtc.ModelConfigMsg):
-            raise fdtc.FdtcProtocolError(
-                f"expected MODEL_CONFIG, got {fdtc.msg_type_name(cfg_msg.TYPE)}"
-            )
-        self.cfg = config_of(cfg_msg)
-        self.aux_loss_coef = cfg_msg.aux_loss_coef
-        plan = await stream.recv(idle_timeout_s=30.0)
-        if not isinstance(plan, fdtc.TrainPlan):
-            raise fdtc.FdtcProtocolError(
-                f"expected TRAIN_PLAN, got {fdtc.msg_type_name(plan.TYPE)}"
-            )
-        self.plan = plan
-        self.weights_step = -1  # a new link: the coordinator sends full weights first
-        self.unmerged = None
         log.info(
-            "registered as %s (shard %d/%d, micro-batch %d, %s up, %s down, sync every %d) "
-            "at step %d",
+            "registered as %s (shard %d/%d, micro-batch %d) at step %d",
             self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
-            self.compression.name.lower(), Compression(plan.down_compression).name.lower(),
-            plan.sync_every, ack.global_step,
+            ack.global_step,
         )
-        await stream.send(fdtc.WeightsReq())
-        heartbeat = asyncio.ensure_future(self._heartbeats(stream))
-        try:
-            return await self._message_loop(stream)
-        finally:
-            await cancel_and_wait(heartbeat)
 
     async def _heartbeats(self, stream: FdtcStream) -> None:
         while True:
@@ -248,50 +266,46 @@ class Worker:
             )
             await asyncio.sleep(self.opt.heartbeat_interval_s)
 
-    async def _message_loop(self, stream: FdtcStream) -> bool:
-        meta: fdtc.WeightsMeta | None = None
+    async def _on_message(self, stream: FdtcStream, msg: fdtc.Message) -> bool:
+        """Act on one message the link's table admitted (``fdtc_lifecycle``: a WEIGHTS always
+        follows its WEIGHTS_META, an assignment or UPDATE comes only to a link that got
+        weights); True once training is over (SHUTDOWN)."""
+        if isinstance(msg, fdtc.WeightsMeta):
+            self._meta = msg
+        elif isinstance(msg, fdtc.Weights):
+            assert self._meta is not None  # the connection checked the order
+            self._load_weights(self._meta, msg)
+            self._meta = None
+        elif isinstance(msg, fdtc.Update):
+            await self._apply_update(stream, msg)
+        elif isinstance(msg, fdtc.Assign | fdtc.LocalAssign):
+            self._pending = msg
+        elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
+            self.global_step = max(self.global_step, msg.global_step)
+        elif isinstance(msg, fdtc.StatusReq):
+            await stream.send(self._status())
+        elif isinstance(msg, fdtc.Pause):
+            self.paused = True
+            log.info("paused by the coordinator")
+        elif isinstance(msg, fdtc.Resume | fdtc.Start):
+            self.paused = False
+        elif isinstance(msg, fdtc.Shutdown):
+            log.info("training done at step %d; exiting", self.global_step)
+            with contextlib.suppress(ConnectionError, OSError):
+                await stream.send(fdtc.Deregister())
+            return True
+        elif isinstance(msg, fdtc.Error):
+            log.warning("coordinator error %d: %s", msg.error_code, msg.message)
+        # SYNC and CHECKPOINT are informational for workers: nothing to do locally. A second
+        # REGISTER_ACK, MODEL_CONFIG or TRAIN_PLAN on a registered link changes nothing.
         # An assignment for weights not held yet (an UPDATE was refused and full weights are
         # on their way) waits for them.
-        pending: fdtc.Assign | fdtc.LocalAssign | None = None
-        while True:
-            msg = await stream.recv()
-            if isinstance(msg, fdtc.WeightsMeta):
-                meta = msg
-            elif isinstance(msg, fdtc.Weights):
-                if meta is None:
-                    raise fdtc.FdtcProtocolError("WEIGHTS without WEIGHTS_META")
-                self._load_weights(meta, msg)
-                meta = None
-            elif isinstance(msg, fdtc.Update):
-                await self._apply_update(stream, msg)
-            elif isinstance(msg, fdtc.Assign | fdtc.LocalAssign):
-                pending = msg
-            elif isinstance(msg, fdtc.GradientsAck | fdtc.HeartbeatAck):
-                self.global_step = max(self.global_step, msg.global_step)
-            elif isinstance(msg, fdtc.StatusReq):
-                await stream.send(self._status())
-            elif isinstance(msg, fdtc.Pause):
-                self.paused = True
-                log.info("paused by the coordinator")
-            elif isinstance(msg, fdtc.Resume | fdtc.Start):
-                self.paused = False
-            elif isinstance(msg, fdtc.Shutdown):
-                log.info("training done at step %d; exiting", self.global_step)
-                with contextlib.suppress(ConnectionError, OSError):
-                    await stream.send(fdtc.Deregister())
-                return True
-            elif isinstance(msg, fdtc.Error):
-                log.warning("coordinator error %d: %s", msg.error_code, msg.message)
-            elif isinstance(msg, fdtc.Sync | fdtc.Checkpoint):
-                pass  # informational for workers: nothing to do locally
-            else:
-                raise fdtc.FdtcProtocolError(
-                    f"{fdtc.msg_type_name(msg.TYPE)} is not a message a coordinator sends"
-                )
-            if pending is not None and (pending.global_step == self.weights_step
-                                        or self._starts_ahead(pending)):
-                await self._start(stream, pending)
-                pending = None
+        pending = self._pending
+        if pending is not None and (pending.global_step == self.weights_step
+                                    or self._starts_ahead(pending)):
+            self._pending = None
+            await self._start(stream, pending)
+        return False
 
     def _starts_ahead(self, assign: fdtc.Assign | fdtc.LocalAssign) -> bool:
         """A LOCAL_ASSIGN sent before the UPDATE of the round this worker just trained
@@ -327,26 +341,21 @@ class Worker:
         shapes = self.cfg.param_shapes()
         names = [t.name for t in meta.tensors]
         got = [tuple(t.shape) for t in meta.tensors]
-        if names != list(shapes) or got != [tuple(s) for s in shapes.values()]:
+        if names != list(shapes) or got != [tuple(s) for s in shapes.values()] or any(
+            t.dtype is not fdtc.DType.F32 for t in meta.tensors
+        ):
             raise Refused(
                 int(ErrorCode.MODEL_MISMATCH),
-                "WEIGHTS_META names tensors or shapes this worker's model does not have",
+                "WEIGHTS_META names tensors, shapes or types this worker's model does not have",
             )
-        # Views of the received payload, not copies: the decoder gave this message a buffer of
-        # its own, and an UPDATE makes new arrays rather than writing into these (a big-endian
-        # host copies, to swap bytes).
-        flat = np.frombuffer(weights.data, dtype="<f4").astype(np.float32, copy=False)
-        expected = sum(int(np.prod(s)) for s in shapes.values())
-        if flat.size != expected:
-            raise fdtc.FdtcProtocolError(
-                f"WEIGHTS holds {flat.size} floats, WEIGHTS_META announced {expected}"
-            )
-        params: Params = {}
-        pos = 0
-        for name, shape in shapes.items():
-            n = int(np.prod(shape))
-            params[name] = flat[pos : pos + n].reshape(shape)
-            pos += n
+        # Views of the received payload, not copies (``weights_tensors`` checks its size
+        # against WEIGHTS_META): the decoder gave this message a buffer of its own, and an
+        # UPDATE makes new arrays rather than writing into these (a big-endian host copies,
+        # to swap bytes).
+        params: Params = {
+            name: t.astype(np.float32, copy=False)
+            for name, t in fdtc.weights_tensors(meta, weights).items()
+        }
         self.params = params
         self.global_step = meta.global_step
         self.weights_step = meta.global_step
@@ -358,6 +367,8 @@ class Worker:
         """Add an UPDATE to the held weights, as new arrays (a computation in a thread may
         still read the old ones); out of step, ask for full weights instead."""
         self.metrics.weight_bytes.labels(kind="update").inc(len(update.data))
+        if self.params is not None:  # its sizes, on receipt, whatever step it is for
+            update.check_tensors([t.size for t in self.params.values()])
         if self.params is None or update.base_step != self.weights_step:
             log.info("UPDATE for step %d while holding step %d; asking for full weights",
                      update.base_step, self.weights_step)

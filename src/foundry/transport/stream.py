@@ -168,10 +168,17 @@ class AsyncStream(Generic[E]):
     def write_pieces(self, pieces: Iterable[bytes | memoryview]) -> int:
         """Queue pieces for writing without waiting (a write that must happen even while the
         caller is being cancelled); ``drain`` bounds the wait for them."""
+        if self.writer.is_closing():
+            raise StreamClosed(f"the connection to {self.peer} is closed")
         n = 0
-        for piece in pieces:
-            self.writer.write(piece)
-            n += len(piece)
+        try:
+            for piece in pieces:
+                self.writer.write(piece)
+                n += len(piece)
+        except AttributeError:
+            # asyncio's transport, closed under the write by the peer's reset, reports the
+            # send's error through a loop it no longer has (CPython 3.12).
+            raise StreamClosed(f"the connection to {self.peer} was reset") from None
         self.bytes_out += n
         return n
 

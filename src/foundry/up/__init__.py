@@ -7,8 +7,10 @@ Theory of operation. ``run_stack`` walks one pipeline:
 2. start the coordinator, the gateway, N workers and, when installed, Prometheus, each in its
    own session (process group) with its output in ``RUN_DIR/logs/NAME.log``; a child is
    started once its startup line is in its log;
-3. poll the coordinator's admin link (FDTC STATUS_REQ -> SWARM_STATUS) and draw the live view
-   until the run is DONE;
+3. poll the coordinator's admin link (FDTC SWARM_DETAIL_REQ -> SWARM_STATUS + SWARM_DETAIL)
+   and draw the live view until the run is DONE, restarting a service that dies (with capped
+   backoff; one that failed 5 times within a minute is left down, with the command that
+   starts it by hand);
 4. export the weights as GGUF (admin EXPORT), start the tensor-parallel pair on that file, and
    generate a greedy sample through the gateway, exactly as `foundry ctl generate` would;
 5. serve until SIGINT or SIGTERM, then stop every child: SIGTERM to its process group, SIGKILL

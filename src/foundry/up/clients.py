@@ -26,26 +26,42 @@ class AdminLink:
         self._stream: BlockingStream[fdtc.Message] | None = None
 
     def request(self, msg: fdtc.Message, timeout_s: float | None = None) -> fdtc.Message:
+        return self.requests(msg, 1, timeout_s)[0]
+
+    def requests(
+        self, msg: fdtc.Message, count: int, timeout_s: float | None = None
+    ) -> list[fdtc.Message]:
+        """The ``count`` answers to ``msg``; an ERROR in their place is a StackError."""
         try:
-            return self._exchange(msg, timeout_s or self.timeout_s)
+            got = self._exchange(msg, count, timeout_s or self.timeout_s)
         except (OSError, fdtc.FdtcProtocolError) as exc:
             self.close()
             raise StackError(f"coordinator admin link {addr(*self.address)}: {exc}") from None
+        if isinstance(got[-1], fdtc.Error):
+            raise StackError(f"the coordinator answered {msg.TYPE.name}: {got[-1].message}")
+        return got
 
-    def _exchange(self, msg: fdtc.Message, timeout_s: float) -> fdtc.Message:
+    def _exchange(self, msg: fdtc.Message, count: int, timeout_s: float) -> list[fdtc.Message]:
         if self._stream is None:
             sock = socket.create_connection(self.address, timeout=timeout_s)
             self._stream = BlockingStream(sock, fdtc.FdtcDecoder(), timeout_s=timeout_s,
                                           frame_deadline_s=timeout_s, name="admin link")
         self._stream.set_timeout(timeout_s)
         self._stream.send_pieces(fdtc.encode_parts(msg))
-        return self._stream.recv(f"the answer to {msg.TYPE.name}")
-
-    def status(self) -> fdtc.SwarmStatus:
-        got = self.request(fdtc.StatusReq())
-        if not isinstance(got, fdtc.SwarmStatus):
-            raise StackError(f"the coordinator answered STATUS_REQ with {got!r}")
+        got = [self._stream.recv(f"the answer to {msg.TYPE.name}")]
+        while len(got) < count and not isinstance(got[-1], fdtc.Error):
+            got.append(self._stream.recv(f"the answer to {msg.TYPE.name}"))
         return got
+
+    def status(self) -> tuple[fdtc.SwarmStatus, fdtc.SwarmDetail]:
+        """SWARM_STATUS and SWARM_DETAIL, taken together (SWARM_DETAIL_REQ)."""
+        status, detail = self.requests(fdtc.SwarmDetailReq(), 2)
+        if not isinstance(status, fdtc.SwarmStatus) or not isinstance(detail, fdtc.SwarmDetail) \
+                or detail.n_rows != status.n_rows:
+            raise StackError(
+                f"the coordinator answered SWARM_DETAIL_REQ with {status!r}, {detail!r}"
+            )
+        return status, detail
 
     def export(self, path: Path) -> Path:
         got = self.request(fdtc.Export(path=str(path)), timeout_s=300.0)

@@ -76,7 +76,7 @@ def watch_training(
         if line is not None:
             view.note(line)
         try:
-            st = admin.status()
+            st, detail = admin.status()
         except StackError:
             # A coordinator that is being restarted cannot answer yet; it resumes from its
             # last checkpoint and the workers find it again by themselves.
@@ -91,7 +91,7 @@ def watch_training(
             summary.last_loss = st.train_loss
         summary.val_loss = st.val_loss
         summary.steps = st.global_step
-        view.update(st)
+        view.update(st, detail)
         if st.state is fdtc.SwarmState.DONE:
             summary.seconds = time.monotonic() - t0
             return st

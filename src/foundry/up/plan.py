@@ -4,6 +4,7 @@ the Prometheus config, all plain functions of the options, tested without starti
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,11 +108,22 @@ def default_checkpoint_every(steps: int) -> int:
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0
+# ... but a service that failed RESTART_LIMIT times within RESTART_WINDOW_S is left down: it
+# fails for a reason a restart does not cure (its log says which), and restarting it forever
+# only hides that. The first five failures in a row come 1 + 2 + 4 + 8 s of backoff apart.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 60.0
 
 
 def restart_delay(failures: int) -> float:
     """Seconds to wait before the restart that follows failure number ``failures`` (1, 2...)."""
     return min(RESTART_MAX_S, RESTART_FIRST_S * 2.0 ** max(0, failures - 1))
+
+
+def gives_up(failed_at: Sequence[float], now: float) -> bool:
+    """Whether a service that failed at the (monotonic) times ``failed_at`` is left down:
+    RESTART_LIMIT failures within the last RESTART_WINDOW_S."""
+    return sum(1 for t in failed_at if now - t <= RESTART_WINDOW_S) >= RESTART_LIMIT
 
 
 # Workers get metrics ports metrics_port + 10 + i: room for this many.

@@ -9,21 +9,26 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 from foundry.up.plan import (
+    RESTART_LIMIT,
     RESTART_RESET_S,
+    RESTART_WINDOW_S,
     ServiceSpec,
     StackError,
     StackPorts,
+    gives_up,
     restart_delay,
 )
 
@@ -132,6 +137,8 @@ class Child:
         self.failures = 0  # exits in a row, each within RESTART_RESET_S of its start
         self.restart_at: float | None = None  # a restart is due then
         self.last_exit: int | None = None
+        self.failed_at: deque[float] = deque(maxlen=RESTART_LIMIT)  # its last failures
+        self.given_up = False  # failed too often: left down
         self._spawn()
 
     def _spawn(self) -> None:
@@ -151,9 +158,14 @@ class Child:
             preexec_fn=_parent_death_hook(),
         )
 
+    def note(self, text: str) -> None:
+        """A line of `foundry up` in the service's log."""
+        self._out.write(f"--- foundry up: {text} ---\n".encode())
+        self._out.flush()
+
     def restart(self, note: str) -> None:
         """Start the service again, after a line in its log saying why."""
-        self._out.write(f"--- foundry up: {note} ---\n".encode())
+        self.note(note)
         self.restarts += 1
         self.restart_at = None
         self.reported = False
@@ -269,7 +281,9 @@ class Stack:
 
     def supervise(self, *, training: bool = True) -> None:
         """Restart each child that exited non-zero (or was killed), after a capped backoff
-        (``restart_delay``), and tell the live view and the child's log. A clean exit (0) is
+        (``restart_delay``), and tell the live view and the child's log; one that failed
+        RESTART_LIMIT times within RESTART_WINDOW_S (``gives_up``) is left down, and both
+        say so with the command that starts it by hand (``by_hand``). A clean exit (0) is
         the service's own decision and is not undone: told once, and while ``training`` a
         critical one ends the stack (the run can no longer finish); once serving it is
         reported only (`foundry ctl shutdown` ends the coordinator on purpose)."""
@@ -301,9 +315,33 @@ class Stack:
             quick = now - child.started_at < RESTART_RESET_S
             child.failures = child.failures + 1 if quick else 1
             child.last_exit = code
+            child.failed_at.append(now)
+            if gives_up(child.failed_at, now):
+                child.reported = True
+                child.given_up = True
+                note = (
+                    f"{name} failed {RESTART_LIMIT} times within {RESTART_WINDOW_S:g} s (last "
+                    f"exit {code}); not restarting it (log {child.log}). To start it by hand: "
+                    f"{self.by_hand(child)}"
+                )
+                child.note(note)
+                self.say(note)
+                continue
             delay = restart_delay(child.failures)
             child.restart_at = now + delay
             self.say(f"{name} exited {code} (log {child.log}); restarting it in {delay:.1f} s")
+
+    def by_hand(self, child: Child) -> str:
+        """The shell command that starts ``child`` as this stack did: in the same folder, with
+        the same environment changes, command line and log."""
+        changes = [f"-u {k}" for k in sorted(os.environ) if k not in self.env]
+        changes += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())
+                    if os.environ.get(k) != v]
+        env = f"env {' '.join(changes)} " if changes else ""
+        return (
+            f"cd {shlex.quote(os.getcwd())} && {env}{shlex.join(child.spec.argv)} "
+            f">> {shlex.quote(str(child.log))} 2>&1"
+        )
 
     def _write_pids(self) -> None:
         state = {

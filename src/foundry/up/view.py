@@ -35,11 +35,17 @@ def waiting_note(st: fdtc.SwarmStatus, expected: int) -> str | None:
     return f"waiting for {expected - len(st.rows)} of {expected} worker(s)"
 
 
-def worker_line(row: fdtc.SwarmStatusRow) -> str:
+def megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def worker_line(row: fdtc.SwarmStatusRow, more: fdtc.SwarmDetailRow) -> str:
     return (
         f"  {row.worker_id:<12} {row.profile.name.lower():<14} {row.state.name.lower():<10} "
         f"batch {row.batch_size}x{row.accumulation_steps}  "
-        f"{num(row.samples_per_sec, '.1f')} samples/s  loss {num(row.loss, '.4f')}"
+        f"{num(row.samples_per_sec, '.1f')} samples/s  loss {num(row.loss, '.4f')}  "
+        f"{more.inner_steps} steps  up {megabytes(more.bytes_up)} "
+        f"down {megabytes(more.bytes_down)}"
     )
 
 
@@ -65,8 +71,13 @@ class LiveView:
     bars: list[Any] = field(default_factory=list)
     _printed_at: int = -1
     _told_waiting: str | None = None
+    _told_failure: str | None = None
 
-    def update(self, st: fdtc.SwarmStatus) -> None:
+    def update(self, st: fdtc.SwarmStatus, detail: fdtc.SwarmDetail) -> None:
+        failure = detail.note if detail.failed else None
+        if failure is not None and failure != self._told_failure:
+            self.note(f"coordinator FAILED: {failure}")
+        self._told_failure = failure
         waiting = waiting_note(st, self.workers)
         if not self.tty:
             if waiting is not None and waiting != self._told_waiting:
@@ -95,7 +106,8 @@ class LiveView:
             self.bars.append(tqdm(total=0, position=len(self.bars), bar_format="{desc}",
                                   file=self.out, leave=False))
         for i, row_bar in enumerate(self.bars[1:]):
-            text = worker_line(st.rows[i]) if i < len(st.rows) else "  (worker gone)"
+            text = (worker_line(st.rows[i], detail.rows[i]) if i < len(st.rows)
+                    else "  (worker gone)")
             row_bar.set_description_str(text, refresh=True)
         bar.refresh()
 

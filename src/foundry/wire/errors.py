@@ -10,9 +10,18 @@
     └── RemoteProtocolError        the peer's bytes break the protocol. Raised on the receive
         │                          path only; answer with an ERROR where possible and close
         │                          that connection (never the process).
-        └── FdtcProtocolError      ... on an FDTC link: bad magic, unknown type, a length over
-                                   the limit, a payload of the wrong size or with a bad value,
-                                   a message the link's state does not allow.
+        ├── FdtcProtocolError      ... on an FDTC link: bad magic, unknown type, a length over
+        │                          the limit, a payload of the wrong size or with a bad value,
+        │                          a message the link's state does not allow, tensor sizes
+        │                          that do not fit the model.
+        ├── TpProtocolError        ... on the TP control link: close and re-handshake
+        │   ├── VersionMismatch    the peer speaks another TP protocol version
+        │   └── IdentityMismatch   the peer's hello describes another model or role
+        └── FrontendProtocolError  ... on the TP leader's frontend link
+
+Every codec declares its messages the same way (``foundry.wire.layout``) and raises its
+branch of this one tree; a service catches ``ProtocolError`` (or ``RemoteProtocolError``)
+whatever the link.
 
 Either kind leaves the codec object that raised it in a terminal state: a decoder that saw bad
 bytes refuses further input, because after a framing error it can no longer find the next
@@ -49,3 +58,20 @@ class FdtcProtocolError(RemoteProtocolError):
     def __init__(self, message: str, error_code: int = _BAD_FRAME) -> None:
         super().__init__(message)
         self.error_code = error_code
+
+
+class TpProtocolError(RemoteProtocolError):
+    """The peer's tensor-parallel bytes break the protocol (raised on the receive path only)."""
+
+
+class VersionMismatch(TpProtocolError):
+    """The two ranks run different protocol versions; names both."""
+
+
+class IdentityMismatch(TpProtocolError):
+    """The two ranks loaded different models (or both claim one role, or run different execution
+    modes); names field and values."""
+
+
+class FrontendProtocolError(RemoteProtocolError):
+    """Bad bytes on the frontend link (names the problem)."""

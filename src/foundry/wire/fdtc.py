@@ -20,17 +20,15 @@ Decisions the header leaves open, taken here once:
 - Enum fields must hold a known value: an unknown profile or compression code is refused
   rather than carried, since nothing downstream could act on it.
 - Messages 0x60..0x6F are project extensions (ASSIGN, MODEL_CONFIG, DATASET, SWARM_STATUS,
-  CONTROL_ACK, EXPORT); HEARTBEAT_ACK and GRADIENTS_ACK carry a small payload of ours and
-  also accept the empty payload a seed-only peer sends.
+  CONTROL_ACK, EXPORT, ..., SWARM_DETAIL); HEARTBEAT_ACK and GRADIENTS_ACK carry a small
+  payload of ours and also accept the empty payload a seed-only peer sends.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import struct
-from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from types import MappingProxyType
@@ -41,6 +39,10 @@ import numpy.typing as npt
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.framing import FrameDecoder
+from foundry.wire.layout import BOOL, F32, U8, U32, U64, Layout
+from foundry.wire.layout import Bytes as _Bytes
+from foundry.wire.layout import Enum as _Enum
+from foundry.wire.layout import Str as _Str
 
 __all__ = [
     "HEADER",
@@ -81,6 +83,9 @@ __all__ = [
     "Start",
     "Status",
     "StatusReq",
+    "SwarmDetail",
+    "SwarmDetailReq",
+    "SwarmDetailRow",
     "SwarmState",
     "SwarmStatus",
     "SwarmStatusRow",
@@ -117,10 +122,7 @@ MAX_NAME = 64  # char name[64] in sw_tensor_meta
 HEADER = struct.Struct("<IBI")  # sw_msg_header: magic, type, length
 HEADER_SIZE = HEADER.size  # 9
 
-_U8_MAX = 0xFF
-_U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
-_F32 = struct.Struct("<f")
 
 
 # ---------------------------------------------------------------------------- enums
@@ -158,6 +160,8 @@ class MsgType(IntEnum):
     UPDATE = 0x67
     WEIGHTS_DIGEST = 0x68
     LOCAL_ASSIGN = 0x69
+    SWARM_DETAIL_REQ = 0x6A
+    SWARM_DETAIL = 0x6B
     ERROR = 0xFF
 
 
@@ -284,181 +288,12 @@ def profile_accumulation_steps(profile: int) -> int:
 
 # ---------------------------------------------------------------------------- field kinds
 #
-# A C struct is a list of (field name, kind). A kind knows its struct format, how to validate
-# and normalise a Python value (raising LocalProtocolError: the caller's mistake) and how to
-# turn raw struct values into Python values (raising FdtcProtocolError: the peer's mistake).
+# A C struct is a list of (field name, kind): ``foundry.wire.layout``, shared with the frontend
+# codec. Every FDTC layout raises FdtcProtocolError for a peer's bad field value.
 
 
-class _Kind(ABC):
-    def __init__(self, fmt: str) -> None:
-        self.fmt = fmt  # struct format of the field, e.g. "I" or "64s"
-
-    @abstractmethod
-    def check(self, name: str, value: Any) -> Any: ...
-
-    def to_wire(self, value: Any) -> Any:
-        return value
-
-    def from_wire(self, name: str, raw: Any) -> Any:
-        return raw
-
-
-class _UInt(_Kind):
-    def __init__(self, fmt: str, maximum: int) -> None:
-        super().__init__(fmt)
-        self.maximum = maximum
-
-    def check(self, name: str, value: Any) -> int:
-        try:
-            number = operator.index(value)  # int, numpy integer, IntEnum; not float or str
-        except TypeError:
-            raise LocalProtocolError(f"{name} must be an integer, got {value!r}") from None
-        if not 0 <= number <= self.maximum:
-            raise LocalProtocolError(f"{name} {number} is outside 0..{self.maximum}")
-        return int(number)
-
-
-class _Float32(_Kind):
-    def __init__(self) -> None:
-        super().__init__("f")
-
-    def check(self, name: str, value: Any) -> float:
-        if not isinstance(value, int | float | np.floating | np.integer):
-            raise LocalProtocolError(f"{name} must be a number, got {value!r}")
-        try:
-            packed = _F32.pack(float(value))
-        except OverflowError:
-            raise LocalProtocolError(f"{name} {value!r} does not fit a 32-bit float") from None
-        exact: float = _F32.unpack(packed)[0]
-        if not math.isfinite(exact):
-            return exact
-        # The shortest decimal that names this f32 (0.1, not 0.10000000149011612): the same
-        # wire bits, and a value that compares equal to what the caller most likely wrote.
-        short = float(str(np.float32(exact)))
-        return short if _F32.pack(short) == packed else exact
-
-
-class _Bool(_Kind):
-    def __init__(self) -> None:
-        super().__init__("B")
-
-    def check(self, name: str, value: Any) -> bool:
-        if isinstance(value, bool | np.bool_) or value in (0, 1):
-            return bool(value)
-        raise LocalProtocolError(f"{name} must be a bool (0 or 1), got {value!r}")
-
-    def to_wire(self, value: Any) -> int:
-        return int(value)
-
-
-class _Enum(_Kind):
-    def __init__(self, fmt: str, enum: type[IntEnum]) -> None:
-        super().__init__(fmt)
-        self.enum = enum
-
-    def check(self, name: str, value: Any) -> IntEnum:
-        try:
-            return self.enum(value)
-        except ValueError:
-            known = ", ".join(f"{m.value} {m.name}" for m in self.enum)
-            raise LocalProtocolError(
-                f"{name} {value!r} is not a {self.enum.__name__} ({known})"
-            ) from None
-
-    def to_wire(self, value: Any) -> int:
-        return int(value)
-
-
-class _Str(_Kind):
-    """char[size]: at most size-1 bytes of UTF-8, NUL-terminated and NUL-padded."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(f"{size}s")
-        self.size = size
-
-    def check(self, name: str, value: Any) -> str:
-        if not isinstance(value, str):
-            raise LocalProtocolError(f"{name} must be a str, got {value!r}")
-        try:
-            raw = value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise LocalProtocolError(f"{name} is not encodable as UTF-8: {exc}") from None
-        if b"\0" in raw:
-            raise LocalProtocolError(f"{name} contains a NUL character, which ends a C string")
-        if len(raw) >= self.size:
-            raise LocalProtocolError(
-                f"{name} is {len(raw)} bytes of UTF-8; char[{self.size}] holds at most "
-                f"{self.size - 1} plus the terminating NUL"
-            )
-        return value
-
-    def to_wire(self, value: Any) -> bytes:
-        return str(value).encode("utf-8")  # struct pads with NULs to the field size
-
-    def from_wire(self, name: str, raw: Any) -> str:
-        end = bytes(raw).find(b"\0")
-        if end < 0:
-            raise FdtcProtocolError(f"{name} (char[{self.size}]) is not NUL-terminated")
-        try:
-            return bytes(raw[:end]).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise FdtcProtocolError(f"{name} is not valid UTF-8: {exc}") from None
-
-
-class _Bytes(_Kind):
-    def __init__(self, size: int) -> None:
-        super().__init__(f"{size}s")
-        self.size = size
-
-    def check(self, name: str, value: Any) -> bytes:
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise LocalProtocolError(f"{name} must be bytes, got {value!r}")
-        raw = bytes(value)
-        if len(raw) != self.size:
-            raise LocalProtocolError(f"{name} must be exactly {self.size} bytes, got {value!r}")
-        return raw
-
-
-U8 = _UInt("B", _U8_MAX)
-U32 = _UInt("I", _U32_MAX)
-U64 = _UInt("Q", _U64_MAX)
-F32 = _Float32()
-BOOL = _Bool()
-
-
-class _Layout:
-    """One packed C struct: its fields in order and the precompiled little-endian Struct."""
-
-    def __init__(self, *spec: tuple[str, _Kind]) -> None:
-        self.names = tuple(name for name, _ in spec)
-        self.kinds = tuple(kind for _, kind in spec)
-        # '<': little-endian, standard sizes, no alignment padding, as __attribute__((packed)).
-        self.struct = struct.Struct("<" + "".join(kind.fmt for kind in self.kinds))
-
-    @property
-    def size(self) -> int:
-        return self.struct.size
-
-    def normalise(self, obj: object, skip: tuple[str, ...] = ()) -> None:
-        """Validate every field of the frozen dataclass ``obj`` and store its normal form."""
-        for name, kind in zip(self.names, self.kinds, strict=True):
-            if name not in skip:
-                object.__setattr__(obj, name, kind.check(name, getattr(obj, name)))
-
-    def pack(self, values: Iterable[Any]) -> bytes:
-        return self.struct.pack(
-            *(kind.to_wire(v) for kind, v in zip(self.kinds, values, strict=True))
-        )
-
-    def pack_obj(self, obj: object, **override: Any) -> bytes:
-        return self.pack(override[n] if n in override else getattr(obj, n) for n in self.names)
-
-    def unpack(self, buf: memoryview, offset: int = 0) -> dict[str, Any]:
-        raw = self.struct.unpack_from(buf, offset)
-        return {
-            name: kind.from_wire(name, value)
-            for name, kind, value in zip(self.names, self.kinds, raw, strict=True)
-        }
+class _Layout(Layout):
+    error = FdtcProtocolError
 
 
 # ---------------------------------------------------------------------------- messages
@@ -671,7 +506,7 @@ class TensorMeta:
     def unpack(cls, buf: memoryview, offset: int) -> TensorMeta:
         raw_name, ndim, *rest = _TENSOR_META.unpack_from(buf, offset)
         dims, numel, dtype = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
-        name = _NAME.from_wire("tensor name", raw_name)
+        name = _NAME.from_wire("tensor name", raw_name, FdtcProtocolError)
         if ndim > MAX_DIMS:
             raise FdtcProtocolError(f"tensor {name!r} has ndim {ndim}; at most {MAX_DIMS}")
         shape = tuple(dims[:ndim])
@@ -791,11 +626,33 @@ class _HeaderAndData(Message):
     the payload (``data``, kept as the view it arrived in). Not a dataclass itself: each
     message declares ``data`` last, after its header fields."""
 
+    num_tensors: int
+    uncompressed_size: int
     data: bytes | memoryview
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "data", _as_buffer("data", self.data))
+
+    def check_tensors(self, numels: Sequence[int]) -> None:
+        """Raise the peer's error (MODEL_MISMATCH) unless the header describes tensors of
+        ``numels`` elements, the receiver's model in WEIGHTS_META order: ``num_tensors`` of
+        them, ``uncompressed_size`` = 4 x their elements (f32 once decoded). Checked on
+        receipt, before the data section is decoded."""
+        name = self.TYPE.name
+        if self.num_tensors != len(numels):
+            raise FdtcProtocolError(
+                f"{name} carries {self.num_tensors} tensors, the model has {len(numels)}",
+                ErrorCode.MODEL_MISMATCH,
+            )
+        expected = 4 * sum(numels)
+        if self.uncompressed_size != expected:
+            raise FdtcProtocolError(
+                f"{name} says uncompressed_size {self.uncompressed_size}, but the model's "
+                f"{len(numels)} tensors hold {sum(numels)} f32 values = {expected} bytes: "
+                "the peer has another model or a bad encoder",
+                ErrorCode.MODEL_MISMATCH,
+            )
 
     def payload_parts(self) -> tuple[bytes | memoryview, ...]:
         return (self.LAYOUT.pack_obj(self), self.data)
@@ -1064,8 +921,58 @@ class SwarmStatusRow:
         self.LAYOUT.normalise(self)
 
 
+class _HeadAndRows(Message):
+    """A fixed header (``HEAD``, ending in ``n_rows u32``) followed by ``n_rows`` fixed rows
+    (``ROW``): the payload is exactly ``HEAD.size + ROW.LAYOUT.size * n_rows`` bytes. Not a
+    dataclass itself: each message declares its header fields, then ``rows``."""
+
+    HEAD: ClassVar[_Layout]
+    ROW: ClassVar[type[Any]]
+    rows: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        self.HEAD.normalise(self, skip=("n_rows",))
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, self.ROW):
+                raise LocalProtocolError(f"rows must hold {self.ROW.__name__}, got {row!r}")
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        head = self.HEAD.pack_obj(self, n_rows=self.n_rows)
+        return (head, *(row.LAYOUT.pack_obj(row) for row in self.rows))
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        row = cls.ROW.LAYOUT.size
+        if length < cls.HEAD.size or (length - cls.HEAD.size) % row:
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} payload must be {cls.HEAD.size} + {row} * n_rows bytes, "
+                f"header says {length}"
+            )
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        head = cls.HEAD.unpack(payload)
+        row_size = cls.ROW.LAYOUT.size
+        count = (len(payload) - cls.HEAD.size) // row_size
+        n_rows = head.pop("n_rows")
+        if n_rows != count:
+            raise FdtcProtocolError(f"{cls.TYPE.name} says n_rows {n_rows} but carries {count}")
+        rows = tuple(
+            cls.ROW(**cls.ROW.LAYOUT.unpack(payload, cls.HEAD.size + i * row_size))
+            for i in range(count)
+        )
+        # Each subclass is a dataclass whose fields are its header's then ``rows``; this base
+        # is not one, so the checker sees no such constructor here.
+        return cls(**head, rows=rows)  # type: ignore[call-arg]
+
+
 @dataclass(frozen=True)
-class SwarmStatus(Message):
+class SwarmStatus(_HeadAndRows):
     """SWARM_STATUS (coordinator -> admin), ours: a 37-byte header, then ``n_rows`` rows of
     93 bytes (``SwarmStatusRow``). The payload is exactly 37 + 93 * n_rows bytes."""
 
@@ -1081,6 +988,7 @@ class SwarmStatus(Message):
         ("samples_total", U64),
         ("n_rows", U32),
     )
+    ROW: ClassVar[type[SwarmStatusRow]] = SwarmStatusRow
     global_step: int
     max_steps: int
     state: SwarmState
@@ -1090,44 +998,6 @@ class SwarmStatus(Message):
     learning_rate: float
     samples_total: int
     rows: tuple[SwarmStatusRow, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.HEAD.normalise(self, skip=("n_rows",))
-        object.__setattr__(self, "rows", tuple(self.rows))
-        for row in self.rows:
-            if not isinstance(row, SwarmStatusRow):
-                raise LocalProtocolError(f"rows must hold SwarmStatusRow, got {row!r}")
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.rows)
-
-    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
-        head = self.HEAD.pack_obj(self, n_rows=self.n_rows)
-        return (head, *(row.LAYOUT.pack_obj(row) for row in self.rows))
-
-    @classmethod
-    def check_length(cls, length: int) -> None:
-        row = SwarmStatusRow.LAYOUT.size
-        if length < cls.HEAD.size or (length - cls.HEAD.size) % row:
-            raise FdtcProtocolError(
-                f"SWARM_STATUS payload must be {cls.HEAD.size} + {row} * n_rows bytes, header "
-                f"says {length}"
-            )
-
-    @classmethod
-    def from_payload(cls, payload: memoryview) -> Self:
-        head = cls.HEAD.unpack(payload)
-        row_size = SwarmStatusRow.LAYOUT.size
-        count = (len(payload) - cls.HEAD.size) // row_size
-        n_rows = head.pop("n_rows")
-        if n_rows != count:
-            raise FdtcProtocolError(f"SWARM_STATUS says n_rows {n_rows} but carries {count}")
-        rows = tuple(
-            SwarmStatusRow(**SwarmStatusRow.LAYOUT.unpack(payload, cls.HEAD.size + i * row_size))
-            for i in range(count)
-        )
-        return cls(**head, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -1258,13 +1128,61 @@ class LocalAssign(Message):
     seq_len: int
 
 
+@dataclass(frozen=True)
+class SwarmDetailReq(Message):
+    """SWARM_DETAIL_REQ (admin -> coordinator), ours, empty: answered by SWARM_STATUS and
+    then SWARM_DETAIL, both taken at the same moment (row i of one is row i of the other)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SWARM_DETAIL_REQ
+
+
+@dataclass(frozen=True)
+class SwarmDetailRow:
+    """One worker in SWARM_DETAIL, 20 bytes, in the order of SWARM_STATUS's rows."""
+
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("inner_steps", U32),
+        ("bytes_up", U64),
+        ("bytes_down", U64),
+    )
+    inner_steps: int  # training steps its taken reports held (inner steps with --sync-every)
+    bytes_up: int  # gradient bytes received from it
+    bytes_down: int  # weight and update bytes sent to it
+
+    def __post_init__(self) -> None:
+        self.LAYOUT.normalise(self)
+
+
+@dataclass(frozen=True)
+class SwarmDetail(_HeadAndRows):
+    """SWARM_DETAIL (coordinator -> admin), ours: what SWARM_STATUS does not say. A 269-byte
+    header, then ``n_rows`` rows of 20 bytes (``SwarmDetailRow``). ``failed``: an internal
+    task failed and the coordinator is exiting (status 1), ``note`` saying why; otherwise
+    ``note`` is a warning in effect (checkpoints failing) or empty."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SWARM_DETAIL
+    HEAD: ClassVar[_Layout] = _Layout(
+        ("min_workers", U32),
+        ("seconds_since_step", F32),
+        ("failed", BOOL),
+        ("note", _Str(MAX_PATH)),
+        ("n_rows", U32),
+    )
+    ROW: ClassVar[type[SwarmDetailRow]] = SwarmDetailRow
+    min_workers: int
+    seconds_since_step: float
+    failed: bool = False
+    note: str = ""
+    rows: tuple[SwarmDetailRow, ...] = ()
+
+
 # ---------------------------------------------------------------------------- registry
 
 _CLASSES: tuple[type[Message], ...] = (
     Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
     WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
     StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
-    TrainPlan, Update, WeightsDigest, LocalAssign, Error,
+    TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}

@@ -26,6 +26,12 @@ Errors (``foundry.wire.errors``):
 End of stream: ``receive_data(b"")``. Messages before it still come out; then
 ``ConnectionClosed``, once and on every later call. End of stream in mid-frame is the peer's
 error.
+
+The connection is also a decoder in the framing interface (``feed``, ``feed_eof``,
+``next_event``, ``buffered``: ``foundry.wire.framing``), so the stream driver
+(``foundry.transport.stream``) reads into it as into any codec: one buffer per link, the
+connection's. ``may_send`` says whether a message may go now (a broadcast skips a link that
+may not take it), ``over`` whether the link is finished for anything but the last ERROR.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from dataclasses import dataclass
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import MAX_PAYLOAD, FdtcDecoder, Message, MsgType, encode_parts
-from foundry.wire.fdtc_lifecycle import Lifecycle, LinkState, Role
+from foundry.wire.fdtc_lifecycle import Lifecycle, Link, LinkState, Role
 
 __all__ = ["ConnectionClosed", "FdtcConnection"]
 
@@ -45,10 +51,11 @@ class ConnectionClosed:
 
 
 class FdtcConnection:
-    def __init__(self, role: Role, *, max_payload: int = MAX_PAYLOAD) -> None:
+    def __init__(self, role: Role, *, link: Link | None = None,
+                 max_payload: int = MAX_PAYLOAD) -> None:
         self.role = role
         self._decoder = FdtcDecoder(max_payload)
-        self._lifecycle = Lifecycle(role)
+        self._lifecycle = Lifecycle(role, link=link)
         self._eof = False
         self._error: FdtcProtocolError | None = None  # the peer broke the protocol
 
@@ -65,6 +72,16 @@ class FdtcConnection:
     def their_error(self) -> FdtcProtocolError | None:
         return self._error
 
+    @property
+    def over(self) -> bool:
+        """True once the link is closed or the peer broke the protocol: nothing but that
+        ERROR goes out any more."""
+        return self._error is not None or self._lifecycle.state is LinkState.CLOSED
+
+    def may_send(self, msg: Message | MsgType) -> bool:
+        """Whether ``send`` would take ``msg`` now."""
+        return not self.over and self._lifecycle.may_send(msg)
+
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Bytes from the peer; ``b""`` when it closed the stream."""
         if self._eof:
@@ -74,6 +91,12 @@ class FdtcConnection:
             return
         if self._error is None:
             self._decoder.feed(data)  # a framing error is kept there and raised in order
+
+    feed = receive_data
+
+    def feed_eof(self) -> None:
+        """The framing interface's name for ``receive_data(b"")``."""
+        self.receive_data(b"")
 
     def next_event(self) -> Message | ConnectionClosed | None:
         if self._error is not None:

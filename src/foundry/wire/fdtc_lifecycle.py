@@ -12,7 +12,7 @@ A worker link goes through these states::
     CONNECTED --REGISTER--> REGISTERED --WEIGHTS--> READY --SHUTDOWN--> STOPPING
         |  ^                    |                     |                     |
         |  DATASET (optional,   +----------- DEREGISTER, or close() -------+--> CLOSED
-        |  before REGISTER)
+        |  once, before REGISTER)
         +--admin request--> ADMIN
 
 - CONNECTED: nothing said yet. The worker may announce its data (DATASET, our extension)
@@ -45,12 +45,19 @@ yet, and admits everything the peer may legitimately send under any interleaving
 ERROR is legal in both directions in every open state; whether it ends the link is the
 service's choice, made with ``close()``. Two orders inside a state are kept apart from the
 table: a WEIGHTS is legal only after a WEIGHTS_META announced it (the seed header's "sent
-before weights"); ``Lifecycle`` checks it on both the sending and the receiving side.
+before weights"), and a link announces its DATASET at most once; ``Lifecycle`` checks both
+on the sending and the receiving side.
+
+The coordinator listens for the two kinds of peer on two ports, and each port's connection
+knows its kind before the first byte: ``Lifecycle(Role.COORDINATOR, link=Link.WORKER)`` keeps
+only the worker link's entries (an admin request there is refused like any other message
+before REGISTER), ``link=Link.ADMIN`` only the admin link's (a REGISTER there is refused).
+Without ``link`` the table serves both, and the first message says which.
 
 A (state, direction, type) triple missing from the role's table is a protocol error: a
 received message raises FdtcProtocolError carrying the ERROR code to answer with
-(NOT_REGISTERED before REGISTER, UNEXPECTED otherwise); a message we are about to send
-raises LocalProtocolError, since it is our bug. ``FdtcConnection``
+(NOT_REGISTERED where the link waits for a REGISTER, UNEXPECTED otherwise); a message we are
+about to send raises LocalProtocolError, since it is our bug. ``FdtcConnection``
 (``foundry.wire.fdtc_connection``) runs one of these tables over the decoder.
 """
 
@@ -70,6 +77,7 @@ __all__ = [
     "TRANSITIONS",
     "Direction",
     "Lifecycle",
+    "Link",
     "LinkState",
     "Role",
 ]
@@ -79,6 +87,13 @@ class Role(Enum):
     COORDINATOR = "coordinator"  # serves worker links and admin links
     WORKER = "worker"
     ADMIN = "admin"  # a client of the coordinator's admin link (gateway, ctl, foundry up)
+
+
+class Link(Enum):
+    """Which of the coordinator's two links a connection is (the port it came in on)."""
+
+    WORKER = "worker"
+    ADMIN = "admin"
 
 
 class LinkState(Enum):
@@ -97,7 +112,7 @@ class Direction(Enum):
 
 ADMIN_REQUESTS = frozenset({
     MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
-    MsgType.STATUS_REQ, MsgType.EXPORT,
+    MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
 })
 
 _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
@@ -112,7 +127,7 @@ _COORD_ANYTIME = (
     MsgType.RESUME, MsgType.ERROR,
 )
 _COORD_STOPPING = (MsgType.GRADIENTS_ACK, MsgType.HEARTBEAT_ACK, MsgType.SHUTDOWN, MsgType.ERROR)
-_ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.ERROR)
+_ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.SWARM_DETAIL, MsgType.ERROR)
 
 
 def _add(t: _Table, state: LinkState, direction: Direction, types: Iterable[MsgType],
@@ -153,21 +168,27 @@ def _coordinator() -> _Table:
     return t
 
 
+def _one_link(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
+              admin: bool) -> _Table:
+    """The entries of one link: the worker link's, or the admin link's and the ERROR either
+    side may send before anything else was said."""
+    return {
+        (state, direction, msg_type): to
+        for (state, direction, msg_type), to in t.items()
+        if (LinkState.ADMIN in (state, to)) is admin
+        or (admin and state is LinkState.CONNECTED and msg_type is MsgType.ERROR)
+    }
+
+
 def _mirror(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
             admin: bool) -> _Table:
-    """The peer's table: the coordinator's with the directions swapped. What one side may send
-    in a state the other may receive in it, since the byte stream keeps order; and a state is
-    entered on the same message on both sides (sent by one, received by the other). The
-    worker keeps the worker link's entries, the admin client the admin link's and the ERROR
-    either side may send before anything else was said."""
+    """The peer's table: one link of the coordinator's with the directions swapped. What one
+    side may send in a state the other may receive in it, since the byte stream keeps order;
+    and a state is entered on the same message on both sides (sent by one, received by the
+    other)."""
     swap = {Direction.RECEIVED: Direction.SENT, Direction.SENT: Direction.RECEIVED}
-    out: _Table = {}
-    for (state, direction, msg_type), to in t.items():
-        admin_link = LinkState.ADMIN in (state, to)
-        if admin_link is admin or (admin and state is LinkState.CONNECTED and
-                                    msg_type is MsgType.ERROR):
-            out[state, swap[direction], msg_type] = to
-    return out
+    return {(state, swap[direction], msg_type): to
+            for (state, direction, msg_type), to in _one_link(t, admin=admin).items()}
 
 
 _COORDINATOR = _coordinator()
@@ -179,6 +200,11 @@ TABLES: Mapping[Role, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] 
     })
 )
 TRANSITIONS = TABLES[Role.COORDINATOR]
+# The coordinator's table cut to the link a port serves.
+_LINK_TABLES: Mapping[Link, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] = {
+    Link.WORKER: MappingProxyType(_one_link(_COORDINATOR, admin=False)),
+    Link.ADMIN: MappingProxyType(_one_link(_COORDINATOR, admin=True)),
+}
 
 
 def _type_of(msg: Message | MsgType) -> MsgType:
@@ -187,26 +213,41 @@ def _type_of(msg: Message | MsgType) -> MsgType:
 
 class Lifecycle:
     """One link's state as ``role`` sees it; call ``receive`` for every decoded message and
-    ``send`` before writing each message."""
+    ``send`` before writing each message. ``link`` cuts the coordinator's table to one of
+    its links (see the module docstring)."""
 
-    def __init__(self, role: Role) -> None:
+    def __init__(self, role: Role, *, link: Link | None = None) -> None:
+        if link is not None and role is not Role.COORDINATOR:
+            raise ValueError(f"only the coordinator serves more than one link, not {role.value}")
         self.role = role
+        self.link = link
         self.state = LinkState.CONNECTED
-        self._table = TABLES[role]
+        self._table = TABLES[role] if link is None else _LINK_TABLES[link]
         self._weights_announced = False  # a WEIGHTS_META passed and its WEIGHTS did not yet
+        self._dataset_seen = False  # a DATASET passed (at most one per link)
 
     def allowed(self, direction: Direction) -> frozenset[MsgType]:
         return frozenset(m for (s, d, m) in self._table if s is self.state and d is direction)
+
+    def may_send(self, msg: Message | MsgType) -> bool:
+        """Whether ``send`` would take ``msg`` now."""
+        msg_type = _type_of(msg)
+        if msg_type is MsgType.WEIGHTS and not self._weights_announced:
+            return False
+        if msg_type is MsgType.DATASET and self._dataset_seen:
+            return False
+        return (self.state, Direction.SENT, msg_type) in self._table
 
     def receive(self, msg: Message | MsgType) -> LinkState:
         msg_type = _type_of(msg)
         try:
             state = self._table[self.state, Direction.RECEIVED, msg_type]
         except KeyError:
-            code = ErrorCode.NOT_REGISTERED if self.state is LinkState.CONNECTED else (
+            expected = self.allowed(Direction.RECEIVED)
+            code = ErrorCode.NOT_REGISTERED if MsgType.REGISTER in expected else (
                 ErrorCode.UNEXPECTED
             )
-            allowed = ", ".join(sorted(m.name for m in self.allowed(Direction.RECEIVED)))
+            allowed = ", ".join(sorted(m.name for m in expected))
             raise FdtcProtocolError(
                 f"{msg_type.name} is not allowed on a {self.state.value} link "
                 f"(expected one of: {allowed or 'nothing'})",
@@ -215,6 +256,11 @@ class Lifecycle:
         if msg_type is MsgType.WEIGHTS and not self._weights_announced:
             raise FdtcProtocolError(
                 "WEIGHTS without a WEIGHTS_META before it", ErrorCode.UNEXPECTED
+            )
+        if msg_type is MsgType.DATASET and self._dataset_seen:
+            raise FdtcProtocolError(
+                "a second DATASET: the link announced its data already; REGISTER is next",
+                ErrorCode.NOT_REGISTERED,
             )
         self._announce(msg_type)
         self.state = state
@@ -230,12 +276,16 @@ class Lifecycle:
             ) from None
         if msg_type is MsgType.WEIGHTS and not self._weights_announced:
             raise LocalProtocolError("cannot send WEIGHTS without a WEIGHTS_META before it")
+        if msg_type is MsgType.DATASET and self._dataset_seen:
+            raise LocalProtocolError("cannot send a second DATASET on one link")
         self._announce(msg_type)
         self.state = state
         return state
 
     def _announce(self, msg_type: MsgType) -> None:
-        if msg_type is MsgType.WEIGHTS_META:
+        if msg_type is MsgType.DATASET:
+            self._dataset_seen = True
+        elif msg_type is MsgType.WEIGHTS_META:
             self._weights_announced = True
         elif msg_type is MsgType.WEIGHTS:
             self._weights_announced = False

@@ -7,7 +7,10 @@ ERROR. CANCEL (same id) stops a generation at the next token boundary; its DONE 
 
 Frame: a 13-byte header ``magic u32 = 0x45464446 ("FDFE" on the wire), type u8,
 request_id u32, length u32`` and ``length`` payload bytes, all little-endian.
-Layouts of every payload are in docs/protocol.md; each has one frozen dataclass here.
+Layouts of every payload are in docs/protocol.md; each has one frozen dataclass here, its
+fixed part declared as a ``Layout`` (``foundry.wire.layout``, the FDTC codec's field kinds):
+a field value out of range is a LocalProtocolError when built, FrontendProtocolError when
+received.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import enum
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
-from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.errors import FrontendProtocolError as FrontendProtocolError
+from foundry.wire.errors import LocalProtocolError
 from foundry.wire.framing import FrameDecoder
+from foundry.wire.layout import BOOL, F32, I32, U16, U32, U64, Enum, Layout
 
 MAGIC = 0x45464446  # b"FDFE" little-endian
 HEADER = struct.Struct("<IBII")
@@ -28,10 +33,6 @@ HEADER_SIZE = HEADER.size  # 13
 # for long stop lists while keeping one bad header from reserving much memory.
 MAX_PAYLOAD = 1 << 20
 MAX_STOP_STRINGS = 16
-
-
-class FrontendProtocolError(RemoteProtocolError):
-    """Bad bytes on the frontend link (names the problem)."""
 
 
 class FrameType(enum.IntEnum):
@@ -59,25 +60,67 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 4
 
 
-_GENERATE = struct.Struct("<IffQHI")  # max_tokens, temperature, top_p, seed, n_stop, prompt_len
-_U16 = struct.Struct("<H")
-_TOKEN = struct.Struct("<iI")  # token id, position of the token in the session
-_DONE = struct.Struct("<BIIf")  # reason, prompt tokens, generated tokens, seconds
-_ERROR = struct.Struct("<I")  # code, then UTF-8 message
-_STATUS = struct.Struct("<BBIQIIIIQIfQ")
+class _Layout(Layout):
+    error = FrontendProtocolError
 
 
-def _text(raw: bytes, what: str) -> str:
+_U16 = struct.Struct("<H")  # the length before each stop string
+
+
+def _text(raw: bytes | memoryview, what: str) -> str:
     try:
-        return raw.decode("utf-8")
+        return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FrontendProtocolError(f"{what} is not valid UTF-8: {exc}") from None
 
 
 @dataclass(frozen=True)
-class Generate:
-    TYPE: ClassVar[FrameType] = FrameType.GENERATE
+class _Frame:
+    """Base of every frontend frame: a frozen dataclass that validates itself when built.
+
+    ``request_id`` travels in the frame header; ``LAYOUT`` is the payload's fixed part. A
+    frame with UTF-8 text after it names the field in ``TEXT``; GENERATE, whose payload
+    goes on with a prompt and a stop list, overrides ``payload`` and ``parse``.
+    """
+
+    TYPE: ClassVar[FrameType]
+    LAYOUT: ClassVar[_Layout] = _Layout()
+    TEXT: ClassVar[str | None] = None  # the field of UTF-8 text after the fixed part
     request_id: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "request_id", U32.check("request_id", self.request_id))
+        self.LAYOUT.normalise(self)
+
+    def payload(self) -> bytes:
+        head = self.LAYOUT.pack_obj(self)
+        return head if self.TEXT is None else head + getattr(self, self.TEXT).encode("utf-8")
+
+    @classmethod
+    def parse(cls, request_id: int, p: memoryview) -> Self:
+        size = cls.LAYOUT.size
+        if cls.TEXT is None:
+            if len(p) != size:
+                raise FrontendProtocolError(
+                    f"{cls.TYPE.name} payload must be {size} bytes, got {len(p)}"
+                )
+            return cls(request_id, **cls.LAYOUT.unpack(p))
+        if len(p) < size:
+            raise FrontendProtocolError(f"{cls.TYPE.name} payload of {len(p)} bytes is too short")
+        text = _text(p[size:], f"{cls.TYPE.name} {cls.TEXT}")
+        return cls(request_id, **cls.LAYOUT.unpack(p), **{cls.TEXT: text})
+
+
+@dataclass(frozen=True)
+class Generate(_Frame):
+    """The fixed part, then the prompt (``prompt_len`` bytes of UTF-8) and ``n_stop`` stop
+    strings, each a u16 length and that many bytes of UTF-8."""
+
+    TYPE: ClassVar[FrameType] = FrameType.GENERATE
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("max_tokens", U32), ("temperature", F32), ("top_p", F32), ("seed", U64),
+    )
+    _COUNTS: ClassVar[_Layout] = _Layout(("n_stop", U16), ("prompt_len", U32))
     prompt: str
     max_tokens: int
     temperature: float = 0.0
@@ -86,6 +129,7 @@ class Generate:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if len(self.stop) > MAX_STOP_STRINGS:
             raise LocalProtocolError(
                 f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
@@ -96,11 +140,7 @@ class Generate:
     def payload(self) -> bytes:
         prompt = self.prompt.encode("utf-8")
         parts = [
-            _GENERATE.pack(
-                self.max_tokens, self.temperature, self.top_p, self.seed, len(self.stop),
-                len(prompt),
-            ),
-            prompt,
+            self.LAYOUT.pack_obj(self), self._COUNTS.pack((len(self.stop), len(prompt))), prompt,
         ]
         for s in self.stop:
             raw = s.encode("utf-8")
@@ -108,16 +148,18 @@ class Generate:
         return b"".join(parts)
 
     @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Generate:
-        if len(p) < _GENERATE.size:
+    def parse(cls, request_id: int, p: memoryview) -> Self:
+        pos = cls.LAYOUT.size + cls._COUNTS.size
+        if len(p) < pos:
             raise FrontendProtocolError(f"GENERATE payload of {len(p)} bytes is too short")
-        max_tokens, temperature, top_p, seed, n_stop, prompt_len = _GENERATE.unpack_from(p)
-        pos = _GENERATE.size
+        fixed = cls.LAYOUT.unpack(p)
+        counts = cls._COUNTS.unpack(p, cls.LAYOUT.size)
+        n_stop, prompt_len = counts["n_stop"], counts["prompt_len"]
         if n_stop > MAX_STOP_STRINGS:
             raise FrontendProtocolError(f"GENERATE lists {n_stop} stop strings (max 16)")
         if pos + prompt_len > len(p):
             raise FrontendProtocolError("GENERATE prompt runs past the payload")
-        prompt = _text(bytes(p[pos : pos + prompt_len]), "prompt")
+        prompt = _text(p[pos : pos + prompt_len], "prompt")
         pos += prompt_len
         stops = []
         for _ in range(n_stop):
@@ -127,109 +169,68 @@ class Generate:
             pos += 2
             if n == 0 or pos + n > len(p):
                 raise FrontendProtocolError("GENERATE stop string empty or past the payload")
-            stops.append(_text(bytes(p[pos : pos + n]), "stop string"))
+            stops.append(_text(p[pos : pos + n], "stop string"))
             pos += n
         if pos != len(p):
             raise FrontendProtocolError(f"GENERATE has {len(p) - pos} trailing bytes")
-        return cls(request_id, prompt, max_tokens, temperature, top_p, seed, tuple(stops))
+        return cls(request_id, prompt, stop=tuple(stops), **fixed)
 
 
 @dataclass(frozen=True)
-class Cancel:
+class Cancel(_Frame):
     TYPE: ClassVar[FrameType] = FrameType.CANCEL
-    request_id: int
-
-    def payload(self) -> bytes:
-        return b""
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Cancel:
-        _expect_len(p, 0, "CANCEL")
-        return cls(request_id)
 
 
 @dataclass(frozen=True)
-class Token:
+class Token(_Frame):
     """One generated token and the text it completes (may be empty mid-character)."""
 
     TYPE: ClassVar[FrameType] = FrameType.TOKEN
-    request_id: int
+    LAYOUT: ClassVar[_Layout] = _Layout(("token", I32), ("position", U32))
+    TEXT: ClassVar[str | None] = "text"
     token: int
-    position: int
+    position: int  # of the token in the session
     text: str
-
-    def payload(self) -> bytes:
-        return _TOKEN.pack(self.token, self.position) + self.text.encode("utf-8")
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Token:
-        if len(p) < _TOKEN.size:
-            raise FrontendProtocolError(f"TOKEN payload of {len(p)} bytes is too short")
-        token, position = _TOKEN.unpack_from(p)
-        return cls(request_id, token, position, _text(bytes(p[_TOKEN.size :]), "token text"))
 
 
 @dataclass(frozen=True)
-class Done:
+class Done(_Frame):
     TYPE: ClassVar[FrameType] = FrameType.DONE
-    request_id: int
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("reason", Enum("B", DoneReason)), ("prompt_tokens", U32), ("generated_tokens", U32),
+        ("seconds", F32),
+    )
     reason: DoneReason
     prompt_tokens: int
     generated_tokens: int
     seconds: float
 
-    def payload(self) -> bytes:
-        return _DONE.pack(self.reason, self.prompt_tokens, self.generated_tokens, self.seconds)
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Done:
-        _expect_len(p, _DONE.size, "DONE")
-        reason, prompt_tokens, generated, seconds = _DONE.unpack_from(p)
-        try:
-            why = DoneReason(reason)
-        except ValueError:
-            raise FrontendProtocolError(f"DONE reason {reason} is unknown") from None
-        return cls(request_id, why, prompt_tokens, generated, seconds)
-
 
 @dataclass(frozen=True)
-class Error:
+class Error(_Frame):
     TYPE: ClassVar[FrameType] = FrameType.ERROR
-    request_id: int
-    code: int
+    LAYOUT: ClassVar[_Layout] = _Layout(("code", U32))
+    TEXT: ClassVar[str | None] = "message"
+    code: int  # an ErrorCode; a code this side does not know still decodes
     message: str
 
-    def payload(self) -> bytes:
-        return _ERROR.pack(self.code) + self.message.encode("utf-8")
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Error:
-        if len(p) < _ERROR.size:
-            raise FrontendProtocolError(f"ERROR payload of {len(p)} bytes is too short")
-        (code,) = _ERROR.unpack_from(p)
-        return cls(request_id, code, _text(bytes(p[_ERROR.size :]), "error message"))
-
 
 @dataclass(frozen=True)
-class StatusReq:
+class StatusReq(_Frame):
     TYPE: ClassVar[FrameType] = FrameType.STATUS_REQ
-    request_id: int
-
-    def payload(self) -> bytes:
-        return b""
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> StatusReq:
-        _expect_len(p, 0, "STATUS_REQ")
-        return cls(request_id)
 
 
 @dataclass(frozen=True)
-class Status:
+class Status(_Frame):
     """The pair as the leader sees it."""
 
     TYPE: ClassVar[FrameType] = FrameType.STATUS
-    request_id: int
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("worker_connected", BOOL), ("shared_memory", BOOL), ("active_sessions", U32),
+        ("tokens_generated", U64), ("n_layer", U32), ("n_embd", U32), ("n_vocab", U32),
+        ("ctx_size", U32), ("model_bytes", U64), ("model_id", U32), ("spec_acceptance", F32),
+        ("requests_served", U64),
+    )
     worker_connected: bool
     shared_memory: bool
     active_sessions: int
@@ -242,19 +243,6 @@ class Status:
     model_id: int
     spec_acceptance: float
     requests_served: int
-
-    def payload(self) -> bytes:
-        return _STATUS.pack(
-            self.worker_connected, self.shared_memory, self.active_sessions,
-            self.tokens_generated, self.n_layer, self.n_embd, self.n_vocab, self.ctx_size,
-            self.model_bytes, self.model_id, self.spec_acceptance, self.requests_served,
-        )
-
-    @classmethod
-    def parse(cls, request_id: int, p: memoryview) -> Status:
-        _expect_len(p, _STATUS.size, "STATUS")
-        f = _STATUS.unpack_from(p)
-        return cls(request_id, bool(f[0]), bool(f[1]), *f[2:])
 
 
 Frame = Generate | Cancel | Token | Done | Error | StatusReq | Status
@@ -269,11 +257,6 @@ _PARSERS: dict[FrameType, Callable[[int, memoryview], Frame]] = {
     FrameType.STATUS: Status.parse,
 }
 assert set(_PARSERS) == set(FrameType), "every frontend frame type needs a parser"
-
-
-def _expect_len(p: memoryview, n: int, what: str) -> None:
-    if len(p) != n:
-        raise FrontendProtocolError(f"{what} payload must be {n} bytes, got {len(p)}")
 
 
 def encode(frame: Frame) -> bytes:

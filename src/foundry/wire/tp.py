@@ -5,7 +5,9 @@ Three byte formats live here, none of them touching a socket:
 - the **hello** (168 bytes), the first thing each rank sends on the control socket: protocol
   version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
-  header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``;
+  header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
+  frame's fixed part is a ``Layout`` (``foundry.wire.layout``, the form FDTC and the frontend
+  link use too), its variable part (tokens, batch items, a LOGITS half) written next to it;
 - the **gate header** (20 bytes) that tags every partial on the data plane, and the layout of
   the shared-memory slab that carries the partials when both ranks share a host.
 
@@ -33,13 +35,17 @@ import enum
 import re
 import struct
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
 from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
-from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
+from foundry.wire.errors import IdentityMismatch as IdentityMismatch
+from foundry.wire.errors import LocalProtocolError
+from foundry.wire.errors import TpProtocolError as TpProtocolError
+from foundry.wire.errors import VersionMismatch as VersionMismatch
 from foundry.wire.framing import FrameDecoder
+from foundry.wire.layout import BOOL, I32, U32, U64, Enum, Layout
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -93,29 +99,6 @@ TP_MAX_PAYLOAD = 16 * 1024 * 1024
 
 _U8, _U16, _U32, _U64 = (1 << 8) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-
-
-class TpProtocolError(RemoteProtocolError):
-    """The peer's tensor-parallel bytes break the protocol (raised on the receive path only).
-
-    Where it sits in the tree of ``foundry.wire.errors``::
-
-        ProtocolError
-        ├── LocalProtocolError           we built a frame whose value does not fit its field
-        └── RemoteProtocolError
-            └── TpProtocolError          bad TP bytes from the peer: close and re-handshake
-                ├── VersionMismatch      the peer speaks another TP protocol version
-                └── IdentityMismatch     the peer's hello describes another model or role
-    """
-
-
-class VersionMismatch(TpProtocolError):
-    """The two ranks run different protocol versions; names both."""
-
-
-class IdentityMismatch(TpProtocolError):
-    """The two ranks loaded different models (or both claim one role, or run different execution
-    modes); names field and values."""
 
 
 def _check_range(owner: str, name: str, value: int, lo: int, hi: int) -> None:
@@ -428,13 +411,8 @@ FRAME_HEADER = struct.Struct("<IBBHQQI")
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 # ds4_tp_batch_item: session_id u64, token i32, reserved u32
 BATCH_ITEM = struct.Struct("<QiI")
-_I32 = struct.Struct("<i")
 _U32S = struct.Struct("<I")
-_U64S = struct.Struct("<Q")
-_I32X2 = struct.Struct("<ii")
 _U32X2 = struct.Struct("<II")
-# point u32, current i32, total i32, requested u8
-_CHECKPOINT = struct.Struct("<IiiB")
 
 
 def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
@@ -445,36 +423,59 @@ def _unpack_tokens(buf: Readable, offset: int, count: int) -> tuple[int, ...]:
     return struct.unpack_from(f"<{count}i", buf, offset)
 
 
+class _Layout(Layout):
+    error = TpProtocolError
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Frame:
-    """Fields every control frame carries in its header.
+    """Fields every control frame carries in its header, and its payload's fixed part.
 
     ``session_id`` names the inference session a command applies to (0 where none does);
     ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH).
-    Payload sizes: every legal payload length is ``PAYLOAD_BASE + k * PAYLOAD_UNIT``.
+    ``LAYOUT`` declares the payload's fixed part (``foundry.wire.layout``, the FDTC codec's
+    form): its fields are validated when the frame is built, packed, and unpacked. A frame
+    with a variable part after it (tokens, items, a LOGITS half) adds ``_tail`` and
+    ``_parse_tail``. Payload sizes: every legal payload length is
+    ``PAYLOAD_BASE + k * PAYLOAD_UNIT``, the base being the fixed part's size unless a frame
+    says otherwise (counts that are no field of its own).
     """
 
     TYPE: ClassVar[FrameType]
+    LAYOUT: ClassVar[_Layout] = _Layout()
     PAYLOAD_BASE: ClassVar[int] = 0
     PAYLOAD_UNIT: ClassVar[int] = 0
 
     session_id: int = 0
     seq: int = 0
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "PAYLOAD_BASE" not in cls.__dict__:
+            cls.PAYLOAD_BASE = cls.LAYOUT.size
+
     def __post_init__(self) -> None:
         owner = type(self).__name__
         _check_range(owner, "session_id", self.session_id, 0, _U64)
         _check_range(owner, "seq", self.seq, 0, _U64)
+        self.LAYOUT.normalise(self)
 
-    def _payload(self) -> bytes:
+    def _tail(self) -> bytes:
         return b""
 
     def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
-        return (self._payload(),)
+        return (self.LAYOUT.pack_obj(self) + self._tail(),)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        """The fields of the variable part, ``length`` bytes from ``offset``."""
+        return {}
 
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(**header)
+        size = cls.LAYOUT.size
+        fixed = cls.LAYOUT.unpack(memoryview(buf), offset)
+        return cls(**fixed, **cls._parse_tail(buf, offset + size, length - size), **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -490,12 +491,12 @@ class Sync(_Frame):
         object.__setattr__(self, "tokens", tuple(self.tokens))
         _check_tokens("Sync", "tokens", self.tokens)
 
-    def _payload(self) -> bytes:
+    def _tail(self) -> bytes:
         return _pack_tokens(self.tokens)
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(tokens=_unpack_tokens(buf, offset, length // 4), **header)
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"tokens": _unpack_tokens(buf, offset, length // 4)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -503,19 +504,8 @@ class Eval(_Frame):
     """Decode one token (the header's ``seq`` numbers the step)."""
 
     TYPE = FrameType.EVAL
-    PAYLOAD_BASE = 4
+    LAYOUT = _Layout(("token", I32))
     token: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("Eval", "token", self.token, _I32_MIN, _I32_MAX)
-
-    def _payload(self) -> bytes:
-        return _I32.pack(self.token)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(token=_I32.unpack_from(buf, offset)[0], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -523,19 +513,8 @@ class Rewind(_Frame):
     """Truncate the session's context to ``pos`` tokens."""
 
     TYPE = FrameType.REWIND
-    PAYLOAD_BASE = 4
+    LAYOUT = _Layout(("pos", I32))
     pos: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("Rewind", "pos", self.pos, _I32_MIN, _I32_MAX)
-
-    def _payload(self) -> bytes:
-        return _I32.pack(self.pos)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(pos=_I32.unpack_from(buf, offset)[0], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -557,19 +536,8 @@ class Hash(_Frame):
     """Debug lockstep check: a rank's hidden-state hash for step ``seq``."""
 
     TYPE = FrameType.HASH
-    PAYLOAD_BASE = 8
+    LAYOUT = _Layout(("value", U64))
     value: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("Hash", "value", self.value, 0, _U64)
-
-    def _payload(self) -> bytes:
-        return _U64S.pack(self.value)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(value=_U64S.unpack_from(buf, offset)[0], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -608,6 +576,7 @@ class Logits(_Frame):
 
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        # count u32 then the floats: the view of the payload is the frame's, no tail copied
         (count,) = _U32S.unpack_from(buf, offset)
         if 4 + 4 * count != length:
             raise TpProtocolError(
@@ -622,7 +591,7 @@ class Verify(_Frame):
     """Speculative decoding: verify the block ``drafts`` (1..8 rows) with ``flags``."""
 
     TYPE = FrameType.VERIFY
-    PAYLOAD_BASE = 4
+    LAYOUT = _Layout(("flags", U32))
     PAYLOAD_UNIT = 4
     drafts: tuple[int, ...] = ()
     flags: int = 0
@@ -635,19 +604,17 @@ class Verify(_Frame):
                 f"Verify.drafts must hold 1..{DS4_TP_BATCH_MAX_ROWS} rows, got {len(self.drafts)}"
             )
         _check_tokens("Verify", "drafts", self.drafts)
-        _check_range("Verify", "flags", self.flags, 0, _U32)
         if self.flags & ~DS4_TP_VERIFY_FLAGS:
             raise LocalProtocolError(
                 f"Verify.flags has unknown bits {self.flags & ~DS4_TP_VERIFY_FLAGS:#x}"
             )
 
-    def _payload(self) -> bytes:
-        return _U32S.pack(self.flags) + _pack_tokens(self.drafts)
+    def _tail(self) -> bytes:
+        return _pack_tokens(self.drafts)
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        (flags,) = _U32S.unpack_from(buf, offset)
-        return cls(flags=flags, drafts=_unpack_tokens(buf, offset + 4, length // 4 - 1), **header)
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"drafts": _unpack_tokens(buf, offset, length // 4)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -655,27 +622,9 @@ class VerifyCommit(_Frame):
     """How the verified block ends: full commit, prefix commit, or rollback then replay."""
 
     TYPE = FrameType.VERIFY_COMMIT
-    PAYLOAD_BASE = 8
+    LAYOUT = _Layout(("mode", Enum("i", VerifyCommitMode)), ("token_count", I32))
     mode: VerifyCommitMode
     token_count: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.mode, VerifyCommitMode):
-            raise LocalProtocolError(
-                f"VerifyCommit.mode must be a VerifyCommitMode, got {self.mode!r}"
-            )
-        _check_range("VerifyCommit", "token_count", self.token_count, _I32_MIN, _I32_MAX)
-
-    def _payload(self) -> bytes:
-        return _I32X2.pack(self.mode, self.token_count)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        mode, count = _I32X2.unpack_from(buf, offset)
-        if mode not in VerifyCommitMode.__members__.values():
-            raise TpProtocolError(f"VERIFY_COMMIT: unknown mode {mode} (0, 1 or 2)")
-        return cls(mode=VerifyCommitMode(mode), token_count=count, **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -683,19 +632,8 @@ class SessionCreate(_Frame):
     """Open session ``session_id`` with a context of ``ctx_size`` tokens."""
 
     TYPE = FrameType.SESSION_CREATE
-    PAYLOAD_BASE = 4
+    LAYOUT = _Layout(("ctx_size", U32))
     ctx_size: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("SessionCreate", "ctx_size", self.ctx_size, 0, _U32)
-
-    def _payload(self) -> bytes:
-        return _U32S.pack(self.ctx_size)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(ctx_size=_U32S.unpack_from(buf, offset)[0], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -751,12 +689,12 @@ class EvalBatch(_Frame):
         object.__setattr__(self, "items", tuple(self.items))
         _check_items("EvalBatch", self.items)
 
-    def _payload(self) -> bytes:
+    def _tail(self) -> bytes:
         return _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(items=_unpack_items(buf, offset, length // BATCH_ITEM.size), **header)
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"items": _unpack_items(buf, offset, length // BATCH_ITEM.size)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -777,12 +715,13 @@ class MixedBatch(_Frame):
         _check_tokens("MixedBatch", "prompt", self.prompt)
         _check_items("MixedBatch", self.items)
 
-    def _payload(self) -> bytes:
+    def _tail(self) -> bytes:
         counts = _U32X2.pack(len(self.prompt), len(self.items))
         return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
 
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        # The counts come first and are no fields of the frame: no fixed part to declare.
         n_prompt, n_items = _U32X2.unpack_from(buf, offset)
         if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
             raise TpProtocolError(
@@ -800,19 +739,8 @@ class CommandAck(_Frame):
     """The worker's answer to a mirrored command: ``status`` 0 ok, nonzero failed."""
 
     TYPE = FrameType.COMMAND_ACK
-    PAYLOAD_BASE = 4
+    LAYOUT = _Layout(("status", I32))
     status: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("CommandAck", "status", self.status, _I32_MIN, _I32_MAX)
-
-    def _payload(self) -> bytes:
-        return _I32.pack(self.status)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        return cls(status=_I32.unpack_from(buf, offset)[0], **header)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -821,31 +749,18 @@ class SyncCheckpoint(_Frame):
     the prefill is cancelled when either does."""
 
     TYPE = FrameType.SYNC_CHECKPOINT
-    PAYLOAD_BASE = _CHECKPOINT.size
+    LAYOUT = _Layout(("point", U32), ("current", I32), ("total", I32), ("requested", BOOL))
     point: int
     current: int
     total: int
     requested: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_range("SyncCheckpoint", "point", self.point, 0, _U32)
-        _check_range("SyncCheckpoint", "current", self.current, _I32_MIN, _I32_MAX)
-        _check_range("SyncCheckpoint", "total", self.total, _I32_MIN, _I32_MAX)
-        if not isinstance(self.requested, bool):
-            raise LocalProtocolError(
-                f"SyncCheckpoint.requested must be a bool, got {self.requested!r}"
-            )
-
-    def _payload(self) -> bytes:
-        return _CHECKPOINT.pack(self.point, self.current, self.total, self.requested)
-
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
-        point, current, total, requested = _CHECKPOINT.unpack_from(buf, offset)
+        requested = memoryview(buf)[offset + cls.LAYOUT.size - 1]
         if requested > 1:
             raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
-        return cls(point=point, current=current, total=total, requested=bool(requested), **header)
+        return super()._parse(buf, offset, length, **header)
 
 
 ControlFrame = (
@@ -891,7 +806,7 @@ def max_payload_for(identity: Identity) -> int:
         4 + 4 * ((identity.n_vocab + 1) // 2),  # LOGITS: the larger vocabulary half
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
-        _CHECKPOINT.size,
+        SyncCheckpoint.LAYOUT.size,
     )
 
 

@@ -24,53 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66oundry/v1/training.proto\x12\nfoundry.v1\"\xe3\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.foundry.v1.WorkerState\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x1a\n\x12\x61\x63\x63umulation_steps\x18\x05 \x01(\r\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x12\n\nlocal_step\x18\x08 \x01(\x04\x12\x1f\n\x17seconds_since_heartbeat\x18\t \x01(\x01\"\xfe\x01\n\x0eTrainingStatus\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.foundry.v1.TrainingState\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x17\n\x0fvalidation_loss\x18\x05 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x15\n\rsamples_total\x18\x08 \x01(\x04\x12#\n\x07workers\x18\t \x03(\x0b\x32\x12.foundry.v1.Worker\"\x16\n\x14StartTrainingRequest\"=\n\x15StartTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x16\n\x14PauseTrainingRequest\"=\n\x15PauseTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x17\n\x15ResumeTrainingRequest\">\n\x16ResumeTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x19\n\x17\x43reateCheckpointRequest\"=\n\x18\x43reateCheckpointResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x19\n\x17ShutdownTrainingRequest\"@\n\x18ShutdownTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1a\n\x18GetTrainingStatusRequest\"G\n\x19GetTrainingStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.foundry.v1.TrainingStatus\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.foundry.v1.Worker\"6\n\x1aWatchTrainingStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"I\n\x1bWatchTrainingStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.foundry.v1.TrainingStatus*\x9c\x01\n\rTrainingState\x12\x1e\n\x1aTRAINING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAINING_STATE_WAITING\x10\x01\x12\x1b\n\x17TRAINING_STATE_TRAINING\x10\x02\x12\x19\n\x15TRAINING_STATE_PAUSED\x10\x03\x12\x17\n\x13TRAINING_STATE_DONE\x10\x04*\x94\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WORKER_STATE_REGISTERED\x10\x01\x12\x19\n\x15WORKER_STATE_TRAINING\x10\x02\x12\x15\n\x11WORKER_STATE_IDLE\x10\x03\x12\x18\n\x14WORKER_STATE_DROPPED\x10\x04\x32\xf0\x05\n\x0fTrainingService\x12T\n\rStartTraining\x12 .foundry.v1.StartTrainingRequest\x1a!.foundry.v1.StartTrainingResponse\x12T\n\rPauseTraining\x12 .foundry.v1.PauseTrainingRequest\x1a!.foundry.v1.PauseTrainingResponse\x12W\n\x0eResumeTraining\x12!.foundry.v1.ResumeTrainingRequest\x1a\".foundry.v1.ResumeTrainingResponse\x12]\n\x10\x43reateCheckpoint\x12#.foundry.v1.CreateCheckpointRequest\x1a$.foundry.v1.CreateCheckpointResponse\x12]\n\x10ShutdownTraining\x12#.foundry.v1.ShutdownTrainingRequest\x1a$.foundry.v1.ShutdownTrainingResponse\x12`\n\x11GetTrainingStatus\x12$.foundry.v1.GetTrainingStatusRequest\x1a%.foundry.v1.GetTrainingStatusResponse\x12N\n\x0bListWorkers\x12\x1e.foundry.v1.ListWorkersRequest\x1a\x1f.foundry.v1.ListWorkersResponse\x12h\n\x13WatchTrainingStatus\x12&.foundry.v1.WatchTrainingStatusRequest\x1a\'.foundry.v1.WatchTrainingStatusResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66oundry/v1/training.proto\x12\nfoundry.v1\"\x9e\x02\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.foundry.v1.WorkerState\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x1a\n\x12\x61\x63\x63umulation_steps\x18\x05 \x01(\r\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12\x12\n\nlocal_step\x18\x08 \x01(\x04\x12\x1f\n\x17seconds_since_heartbeat\x18\t \x01(\x01\x12\x13\n\x0binner_steps\x18\n \x01(\x04\x12\x10\n\x08\x62ytes_up\x18\x0b \x01(\x04\x12\x12\n\nbytes_down\x18\x0c \x01(\x04\"\xbd\x02\n\x0eTrainingStatus\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.foundry.v1.TrainingState\x12\x12\n\ntrain_loss\x18\x04 \x01(\x01\x12\x17\n\x0fvalidation_loss\x18\x05 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\x06 \x01(\x01\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x15\n\rsamples_total\x18\x08 \x01(\x04\x12#\n\x07workers\x18\t \x03(\x0b\x32\x12.foundry.v1.Worker\x12\x0c\n\x04note\x18\n \x01(\t\x12\x13\n\x0bmin_workers\x18\x0b \x01(\r\x12\x1a\n\x12seconds_since_step\x18\x0c \x01(\x01\"\x16\n\x14StartTrainingRequest\"=\n\x15StartTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x16\n\x14PauseTrainingRequest\"=\n\x15PauseTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x17\n\x15ResumeTrainingRequest\">\n\x16ResumeTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x19\n\x17\x43reateCheckpointRequest\"=\n\x18\x43reateCheckpointResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x19\n\x17ShutdownTrainingRequest\"@\n\x18ShutdownTrainingResponse\x12\x13\n\x0bglobal_step\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1a\n\x18GetTrainingStatusRequest\"G\n\x19GetTrainingStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.foundry.v1.TrainingStatus\"\x14\n\x12ListWorkersRequest\":\n\x13ListWorkersResponse\x12#\n\x07workers\x18\x01 \x03(\x0b\x32\x12.foundry.v1.Worker\"6\n\x1aWatchTrainingStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"I\n\x1bWatchTrainingStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.foundry.v1.TrainingStatus*\xb7\x01\n\rTrainingState\x12\x1e\n\x1aTRAINING_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAINING_STATE_WAITING\x10\x01\x12\x1b\n\x17TRAINING_STATE_TRAINING\x10\x02\x12\x19\n\x15TRAINING_STATE_PAUSED\x10\x03\x12\x17\n\x13TRAINING_STATE_DONE\x10\x04\x12\x19\n\x15TRAINING_STATE_FAILED\x10\x05*\x94\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WORKER_STATE_REGISTERED\x10\x01\x12\x19\n\x15WORKER_STATE_TRAINING\x10\x02\x12\x15\n\x11WORKER_STATE_IDLE\x10\x03\x12\x18\n\x14WORKER_STATE_DROPPED\x10\x04\x32\xf0\x05\n\x0fTrainingService\x12T\n\rStartTraining\x12 .foundry.v1.StartTrainingRequest\x1a!.foundry.v1.StartTrainingResponse\x12T\n\rPauseTraining\x12 .foundry.v1.PauseTrainingRequest\x1a!.foundry.v1.PauseTrainingResponse\x12W\n\x0eResumeTraining\x12!.foundry.v1.ResumeTrainingRequest\x1a\".foundry.v1.ResumeTrainingResponse\x12]\n\x10\x43reateCheckpoint\x12#.foundry.v1.CreateCheckpointRequest\x1a$.foundry.v1.CreateCheckpointResponse\x12]\n\x10ShutdownTraining\x12#.foundry.v1.ShutdownTrainingRequest\x1a$.foundry.v1.ShutdownTrainingResponse\x12`\n\x11GetTrainingStatus\x12$.foundry.v1.GetTrainingStatusRequest\x1a%.foundry.v1.GetTrainingStatusResponse\x12N\n\x0bListWorkers\x12\x1e.foundry.v1.ListWorkersRequest\x1a\x1f.foundry.v1.ListWorkersResponse\x12h\n\x13WatchTrainingStatus\x12&.foundry.v1.WatchTrainingStatusRequest\x1a\'.foundry.v1.WatchTrainingStatusResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'foundry.api.v1.training_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAININGSTATE']._serialized_start=1289
-  _globals['_TRAININGSTATE']._serialized_end=1445
-  _globals['_WORKERSTATE']._serialized_start=1448
-  _globals['_WORKERSTATE']._serialized_end=1596
+  _globals['_TRAININGSTATE']._serialized_start=1411
+  _globals['_TRAININGSTATE']._serialized_end=1594
+  _globals['_WORKERSTATE']._serialized_start=1597
+  _globals['_WORKERSTATE']._serialized_end=1745
   _globals['_WORKER']._serialized_start=42
-  _globals['_WORKER']._serialized_end=269
-  _globals['_TRAININGSTATUS']._serialized_start=272
-  _globals['_TRAININGSTATUS']._serialized_end=526
-  _globals['_STARTTRAININGREQUEST']._serialized_start=528
-  _globals['_STARTTRAININGREQUEST']._serialized_end=550
-  _globals['_STARTTRAININGRESPONSE']._serialized_start=552
-  _globals['_STARTTRAININGRESPONSE']._serialized_end=613
-  _globals['_PAUSETRAININGREQUEST']._serialized_start=615
-  _globals['_PAUSETRAININGREQUEST']._serialized_end=637
-  _globals['_PAUSETRAININGRESPONSE']._serialized_start=639
-  _globals['_PAUSETRAININGRESPONSE']._serialized_end=700
-  _globals['_RESUMETRAININGREQUEST']._serialized_start=702
-  _globals['_RESUMETRAININGREQUEST']._serialized_end=725
-  _globals['_RESUMETRAININGRESPONSE']._serialized_start=727
-  _globals['_RESUMETRAININGRESPONSE']._serialized_end=789
-  _globals['_CREATECHECKPOINTREQUEST']._serialized_start=791
-  _globals['_CREATECHECKPOINTREQUEST']._serialized_end=816
-  _globals['_CREATECHECKPOINTRESPONSE']._serialized_start=818
-  _globals['_CREATECHECKPOINTRESPONSE']._serialized_end=879
-  _globals['_SHUTDOWNTRAININGREQUEST']._serialized_start=881
-  _globals['_SHUTDOWNTRAININGREQUEST']._serialized_end=906
-  _globals['_SHUTDOWNTRAININGRESPONSE']._serialized_start=908
-  _globals['_SHUTDOWNTRAININGRESPONSE']._serialized_end=972
-  _globals['_GETTRAININGSTATUSREQUEST']._serialized_start=974
-  _globals['_GETTRAININGSTATUSREQUEST']._serialized_end=1000
-  _globals['_GETTRAININGSTATUSRESPONSE']._serialized_start=1002
-  _globals['_GETTRAININGSTATUSRESPONSE']._serialized_end=1073
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1075
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1095
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1097
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1155
-  _globals['_WATCHTRAININGSTATUSREQUEST']._serialized_start=1157
-  _globals['_WATCHTRAININGSTATUSREQUEST']._serialized_end=1211
-  _globals['_WATCHTRAININGSTATUSRESPONSE']._serialized_start=1213
-  _globals['_WATCHTRAININGSTATUSRESPONSE']._serialized_end=1286
-  _globals['_TRAININGSERVICE']._serialized_start=1599
-  _globals['_TRAININGSERVICE']._serialized_end=2351
+  _globals['_WORKER']._serialized_end=328
+  _globals['_TRAININGSTATUS']._serialized_start=331
+  _globals['_TRAININGSTATUS']._serialized_end=648
+  _globals['_STARTTRAININGREQUEST']._serialized_start=650
+  _globals['_STARTTRAININGREQUEST']._serialized_end=672
+  _globals['_STARTTRAININGRESPONSE']._serialized_start=674
+  _globals['_STARTTRAININGRESPONSE']._serialized_end=735
+  _globals['_PAUSETRAININGREQUEST']._serialized_start=737
+  _globals['_PAUSETRAININGREQUEST']._serialized_end=759
+  _globals['_PAUSETRAININGRESPONSE']._serialized_start=761
+  _globals['_PAUSETRAININGRESPONSE']._serialized_end=822
+  _globals['_RESUMETRAININGREQUEST']._serialized_start=824
+  _globals['_RESUMETRAININGREQUEST']._serialized_end=847
+  _globals['_RESUMETRAININGRESPONSE']._serialized_start=849
+  _globals['_RESUMETRAININGRESPONSE']._serialized_end=911
+  _globals['_CREATECHECKPOINTREQUEST']._serialized_start=913
+  _globals['_CREATECHECKPOINTREQUEST']._serialized_end=938
+  _globals['_CREATECHECKPOINTRESPONSE']._serialized_start=940
+  _globals['_CREATECHECKPOINTRESPONSE']._serialized_end=1001
+  _globals['_SHUTDOWNTRAININGREQUEST']._serialized_start=1003
+  _globals['_SHUTDOWNTRAININGREQUEST']._serialized_end=1028
+  _globals['_SHUTDOWNTRAININGRESPONSE']._serialized_start=1030
+  _globals['_SHUTDOWNTRAININGRESPONSE']._serialized_end=1094
+  _globals['_GETTRAININGSTATUSREQUEST']._serialized_start=1096
+  _globals['_GETTRAININGSTATUSREQUEST']._serialized_end=1122
+  _globals['_GETTRAININGSTATUSRESPONSE']._serialized_start=1124
+  _globals['_GETTRAININGSTATUSRESPONSE']._serialized_end=1195
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1197
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1217
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1219
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1277
+  _globals['_WATCHTRAININGSTATUSREQUEST']._serialized_start=1279
+  _globals['_WATCHTRAININGSTATUSREQUEST']._serialized_end=1333
+  _globals['_WATCHTRAININGSTATUSRESPONSE']._serialized_start=1335
+  _globals['_WATCHTRAININGSTATUSRESPONSE']._serialized_end=1408
+  _globals['_TRAININGSERVICE']._serialized_start=1748
+  _globals['_TRAININGSERVICE']._serialized_end=2500
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,7 @@ class TrainingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINING_STATE_TRAINING: _ClassVar[TrainingState]
     TRAINING_STATE_PAUSED: _ClassVar[TrainingState]
     TRAINING_STATE_DONE: _ClassVar[TrainingState]
+    TRAINING_STATE_FAILED: _ClassVar[TrainingState]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,6 +28,7 @@ TRAINING_STATE_WAITING: TrainingState
 TRAINING_STATE_TRAINING: TrainingState
 TRAINING_STATE_PAUSED: TrainingState
 TRAINING_STATE_DONE: TrainingState
+TRAINING_STATE_FAILED: TrainingState
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_REGISTERED: WorkerState
 WORKER_STATE_TRAINING: WorkerState
@@ -34,7 +36,7 @@ WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_DROPPED: WorkerState
 
 class Worker(_message.Message):
-    __slots__ = ("worker_id", "profile", "state", "batch_size", "accumulation_steps", "samples_per_second", "loss", "local_step", "seconds_since_heartbeat")
+    __slots__ = ("worker_id", "profile", "state", "batch_size", "accumulation_steps", "samples_per_second", "loss", "local_step", "seconds_since_heartbeat", "inner_steps", "bytes_up", "bytes_down")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,9 @@ class Worker(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     profile: str
     state: WorkerState
@@ -53,10 +58,13 @@ class Worker(_message.Message):
     loss: float
     local_step: int
     seconds_since_heartbeat: float
-    def __init__(self, worker_id: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., batch_size: _Optional[int] = ..., accumulation_steps: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., local_step: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    inner_steps: int
+    bytes_up: int
+    bytes_down: int
+    def __init__(self, worker_id: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., batch_size: _Optional[int] = ..., accumulation_steps: _Optional[int] = ..., samples_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., local_step: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., inner_steps: _Optional[int] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("global_step", "max_steps", "state", "train_loss", "validation_loss", "samples_per_second", "learning_rate", "samples_total", "workers")
+    __slots__ = ("global_step", "max_steps", "state", "train_loss", "validation_loss", "samples_per_second", "learning_rate", "samples_total", "workers", "note", "min_workers", "seconds_since_step")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +74,9 @@ class TrainingStatus(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     max_steps: int
     state: TrainingState
@@ -75,7 +86,10 @@ class TrainingStatus(_message.Message):
     learning_rate: float
     samples_total: int
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
-    def __init__(self, global_step: _Optional[int] = ..., max_steps: _Optional[int] = ..., state: _Optional[_Union[TrainingState, str]] = ..., train_loss: _Optional[float] = ..., validation_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., learning_rate: _Optional[float] = ..., samples_total: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ...) -> None: ...
+    note: str
+    min_workers: int
+    seconds_since_step: float
+    def __init__(self, global_step: _Optional[int] = ..., max_steps: _Optional[int] = ..., state: _Optional[_Union[TrainingState, str]] = ..., train_loss: _Optional[float] = ..., validation_loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., learning_rate: _Optional[float] = ..., samples_total: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., note: _Optional[str] = ..., min_workers: _Optional[int] = ..., seconds_since_step: _Optional[float] = ...) -> None: ...
 
 class StartTrainingRequest(_message.Message):
     __slots__ = ()

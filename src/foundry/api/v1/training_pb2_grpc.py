@@ -138,8 +138,8 @@ class TrainingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchTrainingStatus(self, request, context):
-        """The status at a fixed interval until the run is done (the last message then has state
-        TRAINING_STATE_DONE) or the caller cancels.
+        """The status at a fixed interval until the run is done or failed (the last message then
+        has state TRAINING_STATE_DONE or TRAINING_STATE_FAILED) or the caller cancels.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
