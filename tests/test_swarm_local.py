@@ -302,3 +302,28 @@ def test_status_counts_each_workers_inner_steps_and_bytes(tmp_path: Path) -> Non
     assert row.bytes_up == row.inner_steps // 4 * 4 * numel  # f32 pseudo-gradients
     assert row.bytes_down >= 4 * numel * (st.global_step // 4)  # weights, then updates
     assert detail.min_workers == 1 and not detail.failed and detail.note == ""
+
+
+def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
+    """kill -9 of a worker while rounds are opened ahead: it is dropped from the round it was
+    given in advance, and the other worker trains on to the end."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "400", "--global-batch", "8", "--sync-every", "4",
+        "--overlap", "--min-workers", "1", "--compression", "fp16", "--validate-every", "100",
+    )
+    a = worker(tmp_path, port, "w0")
+    b = worker(tmp_path, port, "w1")
+    try:
+        coord.wait_for(r"step \d+: loss .* from 2 workers", within_s=120)
+        b.kill()
+        coord.wait_for(r"dropped worker w1", within_s=20)
+        coord.wait_for(r"training done at step 400", within_s=180)
+        log = coord.text()
+        assert "step 400: loss" in log
+        after = log[log.index("dropped worker w1"):]
+        assert re.search(r"step \d+: loss [\d.]+, \d+ samples from 1 workers", after), after[-2000:]
+        a.wait_for(r"training done at step 400; exiting", within_s=20)
+    finally:
+        a.stop()
+        b.stop()
+        coord.stop()
