@@ -59,6 +59,43 @@ def register(link: Link, worker_id: str) -> None:
     )
 
 
+class Held:
+    """What a test-driven worker holds: the weights WEIGHTS gave it, moved by each UPDATE."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.numels: list[int] = []
+        self.params: dict[str, np.ndarray] = {}
+        self.step = -1
+
+    def load(self, meta: fdtc.WeightsMeta, link: Link) -> None:
+        self.names = [t.name for t in meta.tensors]
+        self.numels = [int(np.prod(t.shape)) for t in meta.tensors]
+        w = link.recv_until(fdtc.Weights)
+        assert isinstance(w, fdtc.Weights)
+        flat = np.frombuffer(w.data, "<f4").copy()
+        self.params = dict(zip(self.names, np.split(flat, np.cumsum(self.numels)[:-1]),
+                               strict=True))
+        self.step = meta.global_step
+
+    def add(self, update: fdtc.Update) -> None:
+        assert update.base_step == self.step
+        decoded = deserialize_tensors(update.data, self.numels, update.compression)
+        for name, t in zip(self.names, decoded, strict=True):
+            self.params[name] = self.params[name] + t
+        self.step = update.global_step
+
+    def digest(self) -> bytes:
+        return weights_digest(self.params, self.names)
+
+    def gradients(self, step: int) -> fdtc.Gradients:
+        """A made-up gradient (every element 1e-3) for the round of ``step``."""
+        data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in self.numels)
+        return fdtc.Gradients(worker_id="probe", local_step=step, num_tensors=len(self.numels),
+                              compression=fdtc.Compression.NONE, uncompressed_size=len(data),
+                              data=data)
+
+
 def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> None:
     coord, port, _ = coordinator(
         tmp_path, "--max-steps", "16", "--global-batch", "8", "--sync-every", "4",
@@ -143,42 +180,24 @@ def test_updates_follow_the_weights_and_a_wrong_digest_gets_full_weights(
         assert isinstance(plan, fdtc.TrainPlan) and plan.sync_every == 1
         assert plan.digest_every == 2 and plan.down_compression == fdtc.Compression.NONE
         # No WEIGHTS_REQ: the first assignment brings full weights with it.
-        names: list[str] = []
-        numels: list[int] = []
-        held: dict[str, np.ndarray] = {}
-        held_step = -1
+        held = Held()
         seen: list[str] = []
         rounds = 0
         while rounds < 6:
             msg = link.recv()
             if isinstance(msg, fdtc.WeightsMeta):
                 seen.append("full")
-                names = [t.name for t in msg.tensors]
-                numels = [int(np.prod(t.shape)) for t in msg.tensors]
-                w = link.recv_until(fdtc.Weights)
-                assert isinstance(w, fdtc.Weights)
-                flat = np.frombuffer(w.data, "<f4").copy()
-                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
-                held_step = msg.global_step
+                held.load(msg, link)
             elif isinstance(msg, fdtc.Update):
                 seen.append("update")
-                assert msg.base_step == held_step
-                decoded = deserialize_tensors(msg.data, numels, msg.compression)
-                for name, t in zip(names, decoded, strict=True):
-                    held[name] = held[name] + t
-                held_step = msg.global_step
-                if held_step == 2:  # the right digest: updates go on
-                    link.send(fdtc.WeightsDigest(2, weights_digest(held, names)))
-                if held_step == 4:  # a wrong one: full weights next
+                held.add(msg)
+                if held.step == 2:  # the right digest: updates go on
+                    link.send(fdtc.WeightsDigest(2, held.digest()))
+                if held.step == 4:  # a wrong one: full weights next
                     link.send(fdtc.WeightsDigest(4, bytes(32)))
             elif isinstance(msg, fdtc.Assign):
-                assert msg.global_step == held_step
-                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
-                link.send(
-                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
-                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
-                                   uncompressed_size=len(data), data=data),
-                )
+                assert msg.global_step == held.step
+                link.send(held.gradients(msg.global_step))
                 rounds += 1
         # full weights for step 0, updates to 1, 2, 3 and 4, then the digest of 4 was wrong
         assert seen == ["full", "update", "update", "update", "update", "full"], seen
@@ -203,39 +222,21 @@ def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> 
         link.recv_until(fdtc.ModelConfigMsg)
         plan = link.recv_until(fdtc.TrainPlan)
         assert isinstance(plan, fdtc.TrainPlan) and plan.flags == fdtc.TRAIN_PLAN_OVERLAP
-        names: list[str] = []
-        numels: list[int] = []
-        held: dict[str, np.ndarray] = {}
-        held_step = -1
+        held = Held()
         seen: list[str] = []
         while "update 12->16" not in seen:
             msg = link.recv()
             if isinstance(msg, fdtc.WeightsMeta):
-                names = [t.name for t in msg.tensors]
-                numels = [int(np.prod(t.shape)) for t in msg.tensors]
-                w = link.recv_until(fdtc.Weights)
-                assert isinstance(w, fdtc.Weights)
-                flat = np.frombuffer(w.data, "<f4").copy()
-                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
-                held_step = msg.global_step
-                seen.append(f"full {held_step}")
+                held.load(msg, link)
+                seen.append(f"full {held.step}")
             elif isinstance(msg, fdtc.Update):
-                assert msg.base_step == held_step
-                decoded = deserialize_tensors(msg.data, numels, msg.compression)
-                for name, t in zip(names, decoded, strict=True):
-                    held[name] = held[name] + t
-                held_step = msg.global_step
-                seen.append(f"update {msg.base_step}->{held_step}")
-                if held_step % 4 == 0:
-                    link.send(fdtc.WeightsDigest(held_step, weights_digest(held, names)))
+                held.add(msg)
+                seen.append(f"update {msg.base_step}->{held.step}")
+                if held.step % 4 == 0:
+                    link.send(fdtc.WeightsDigest(held.step, held.digest()))
             elif isinstance(msg, fdtc.LocalAssign):
                 seen.append(f"assign {msg.global_step}")
-                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
-                link.send(
-                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
-                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
-                                   uncompressed_size=len(data), data=data),
-                )
+                link.send(held.gradients(msg.global_step))
         assert seen == [
             "full 0", "assign 0",
             "assign 4", "update 0->4",
@@ -302,3 +303,28 @@ def test_status_counts_each_workers_inner_steps_and_bytes(tmp_path: Path) -> Non
     assert row.bytes_up == row.inner_steps // 4 * 4 * numel  # f32 pseudo-gradients
     assert row.bytes_down >= 4 * numel * (st.global_step // 4)  # weights, then updates
     assert detail.min_workers == 1 and not detail.failed and detail.note == ""
+
+
+def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
+    """kill -9 of a worker while rounds are opened ahead: it is dropped from the round it was
+    given in advance, and the other worker trains on to the end."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "400", "--global-batch", "8", "--sync-every", "4",
+        "--overlap", "--min-workers", "1", "--compression", "fp16", "--validate-every", "100",
+    )
+    a = worker(tmp_path, port, "w0")
+    b = worker(tmp_path, port, "w1")
+    try:
+        coord.wait_for(r"step \d+: loss .* from 2 workers", within_s=120)
+        b.kill()
+        coord.wait_for(r"dropped worker w1", within_s=20)
+        coord.wait_for(r"training done at step 400", within_s=180)
+        log = coord.text()
+        assert "step 400: loss" in log
+        after = log[log.index("dropped worker w1"):]
+        assert re.search(r"step \d+: loss [\d.]+, \d+ samples from 1 workers", after), after[-2000:]
+        a.wait_for(r"training done at step 400; exiting", within_s=20)
+    finally:
+        a.stop()
+        b.stop()
+        coord.stop()
