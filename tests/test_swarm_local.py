@@ -29,16 +29,26 @@ class Link:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         self.dec = fdtc.FdtcDecoder()
+        self.worker_id = ""  # set by register(): then heartbeats go out while recv waits
 
     def send(self, *msgs: fdtc.Message) -> None:
         self.sock.sendall(b"".join(fdtc.encode(m) for m in msgs))
 
     def recv(self) -> fdtc.Message:
+        deadline = time.monotonic() + 20
         while True:
             msg = self.dec.next_event()
             if msg is not None:
                 return msg
-            data = self.sock.recv(1 << 20)
+            # A registered worker heartbeats every 0.5 s while it waits, as ours do, so a
+            # loaded machine never gets it dropped for silence (2.5 s).
+            self.sock.settimeout(0.5 if self.worker_id else 20)
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                assert time.monotonic() < deadline, "nothing from the coordinator in 20 s"
+                self.send(fdtc.Heartbeat(self.worker_id, 0, 0.0, 0.0))
+                continue
             assert data, "coordinator closed the connection"
             self.dec.feed(data)
 
@@ -50,6 +60,7 @@ class Link:
 
 
 def register(link: Link, worker_id: str) -> None:
+    link.worker_id = worker_id
     fp = load_corpus(None).fingerprint
     link.send(
         fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
@@ -154,7 +165,7 @@ def test_seed_only_peer_is_refused_in_local_step_mode(tmp_path: Path) -> None:
             # REGISTER with no DATASET before it: a peer that speaks only the seed
             s.sendall(b"\x43\x54\x44\x46" + struct.pack("<BI", 0x01, len(register)) + register)
             link = Link.__new__(Link)
-            link.sock, link.dec = s, fdtc.FdtcDecoder()
+            link.sock, link.dec, link.worker_id = s, fdtc.FdtcDecoder(), ""
             ack = link.recv()
             assert isinstance(ack, fdtc.RegisterAck) and not ack.accepted
             err = link.recv()

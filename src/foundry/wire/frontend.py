@@ -67,11 +67,13 @@ class _Layout(Layout):
 _U16 = struct.Struct("<H")  # the length before each stop string
 
 
-def _text(raw: bytes | memoryview, what: str) -> str:
+def _text(raw: bytes | memoryview, *what: str) -> str:
+    """``raw`` as UTF-8; ``what`` names it in the error (joined only then: TOKEN frames come
+    once per generated token)."""
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise FrontendProtocolError(f"{what} is not valid UTF-8: {exc}") from None
+        raise FrontendProtocolError(f"{' '.join(what)} is not valid UTF-8: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class _Frame:
             return cls(request_id, **cls.LAYOUT.unpack(p))
         if len(p) < size:
             raise FrontendProtocolError(f"{cls.TYPE.name} payload of {len(p)} bytes is too short")
-        text = _text(p[size:], f"{cls.TYPE.name} {cls.TEXT}")
+        text = _text(p[size:], cls.TYPE.name, cls.TEXT)
         return cls(request_id, **cls.LAYOUT.unpack(p), **{cls.TEXT: text})
 
 

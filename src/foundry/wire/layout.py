@@ -119,9 +119,6 @@ class Bool(Kind):
             return bool(value)
         raise LocalProtocolError(f"{name} must be a bool (0 or 1), got {value!r}")
 
-    def to_wire(self, value: Any) -> int:
-        return int(value)
-
 
 class Enum(Kind):
     def __init__(self, fmt: str, enum: type[IntEnum]) -> None:
@@ -136,9 +133,6 @@ class Enum(Kind):
             raise LocalProtocolError(
                 f"{name} {value!r} is not a {self.enum.__name__} ({known})"
             ) from None
-
-    def to_wire(self, value: Any) -> int:
-        return int(value)
 
 
 class Str(Kind):
@@ -213,27 +207,45 @@ class Layout:
         self.kinds = tuple(kind for _, kind in spec)
         # '<': little-endian, standard sizes, no alignment padding, as __attribute__((packed)).
         self.struct = struct.Struct("<" + "".join(kind.fmt for kind in self.kinds))
+        # Kinds whose values struct takes and gives as they are (numbers, bools, enums): a
+        # layout of only those packs and unpacks without a call per field (frames of the
+        # decode loop pass here several times per token).
+        self._plain_out = all(type(k).to_wire is Kind.to_wire for k in self.kinds)
+        self._plain_in = all(type(k).from_wire is Kind.from_wire for k in self.kinds)
+        self._values = operator.attrgetter(*self.names) if len(self.names) > 1 else None
+        self._fields = tuple(zip(self.names, self.kinds, strict=True))
 
     @property
     def size(self) -> int:
         return self.struct.size
 
     def normalise(self, obj: object, skip: tuple[str, ...] = ()) -> None:
-        """Validate every field of the frozen dataclass ``obj`` and store its normal form."""
-        for name, kind in zip(self.names, self.kinds, strict=True):
-            if name not in skip:
-                object.__setattr__(obj, name, kind.check(name, getattr(obj, name)))
+        """Validate every field of the frozen dataclass ``obj`` and store its normal form
+        (only where it differs from the value given: an int in range is kept as it is)."""
+        for name, kind in self._fields:
+            if skip and name in skip:
+                continue
+            value = getattr(obj, name)
+            normal = kind.check(name, value)
+            if normal is not value:
+                object.__setattr__(obj, name, normal)
 
     def pack(self, values: Iterable[Any]) -> bytes:
+        if self._plain_out:
+            return self.struct.pack(*values)
         return self.struct.pack(
             *(kind.to_wire(v) for kind, v in zip(self.kinds, values, strict=True))
         )
 
     def pack_obj(self, obj: object, **override: Any) -> bytes:
+        if self._values is not None and not override:
+            return self.pack(self._values(obj))
         return self.pack(override[n] if n in override else getattr(obj, n) for n in self.names)
 
     def unpack(self, buf: memoryview, offset: int = 0) -> dict[str, Any]:
         raw = self.struct.unpack_from(buf, offset)
+        if self._plain_in:
+            return dict(zip(self.names, raw, strict=True))
         return {
             name: kind.from_wire(name, value, self.error)
             for name, kind, value in zip(self.names, self.kinds, raw, strict=True)
