@@ -9,12 +9,14 @@ the per-coordinate normalisation shrinks to about one step's worth (docs/archite
 
 from __future__ import annotations
 
+import math
 import urllib.request
 from pathlib import Path
 
 import pytest
 from procs import coordinator, worker
 
+from foundry.compression.qsgd import DEFAULT_QSGD_BUCKET, _qsgd_size
 from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
@@ -86,3 +88,33 @@ def test_fp16_halves_and_qsgd_quarters_the_bytes(runs: dict[str, tuple[float, fl
     _, base = runs["none"]
     assert runs["fp16"][1] == pytest.approx(base / 2, rel=0.01)
     assert base / runs["qsgd"][1] >= 3.9
+
+
+def test_qsgd_levels_reach_both_directions(tmp_path: Path) -> None:
+    """--qsgd-levels 7: TRAIN_PLAN tells the worker, whose every upload is 4-bit QSGD (the
+    coordinator's byte counter is an exact multiple of that size), and the UPDATEs down are
+    encoded with 7 levels too."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "4", "--global-batch", "4", "--compression", "qsgd",
+        "--qsgd-levels", "7", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+        "--validate-every", "100",
+    )
+    w = worker(tmp_path, port, "w0")
+    try:
+        metrics = int(coord.wait_for(r"coordinator listening.*metrics :(\d+)").group(1))
+        coord.wait_for(r"training done at step 4", within_s=120)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read()
+        line = next(x for x in text.decode().splitlines() if x.startswith(
+            'foundry_swarm_gradient_bytes_total{compression="qsgd",direction="received"}'))
+        received = int(float(line.split()[-1]))
+        numels = [math.prod(s) for s in preset("tiny").param_shapes().values()]
+        one = sum(_qsgd_size(n, DEFAULT_QSGD_BUCKET, 7) for n in numels)
+        assert received == 4 * one, (received, one)  # four rounds, every one 4-bit
+        line = next(x for x in text.decode().splitlines() if x.startswith(
+            'foundry_swarm_update_bytes_total{compression="qsgd"}'))
+        sent = int(float(line.split()[-1]))
+        assert sent > 0 and sent % one == 0, (sent, one)  # every UPDATE 4-bit too
+        assert "training plan: qsgd up, qsgd down" in w.text()
+    finally:
+        w.stop()
+        coord.stop()

@@ -160,7 +160,7 @@ def fraction(text: str) -> float:
     return value
 
 
-def _whole_in(text: str, low: int, high: int) -> int:
+def whole_in(text: str, low: int, high: int) -> int:
     value = int(_number(text, int, "a whole number"))
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(f"{text} is out of range {low}-{high}")
@@ -168,12 +168,12 @@ def _whole_in(text: str, low: int, high: int) -> int:
 
 
 def positive_int(text: str) -> int:
-    return _whole_in(text, 1, MAX_U32)
+    return whole_in(text, 1, MAX_U32)
 
 
 def nonneg_int(text: str) -> int:
-    return _whole_in(text, 0, MAX_U32)
+    return whole_in(text, 0, MAX_U32)
 
 
 def port_number(text: str) -> int:
-    return _whole_in(text, 0, 65535)
+    return whole_in(text, 0, 65535)

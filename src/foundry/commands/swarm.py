@@ -24,7 +24,9 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
     tls_note,
+    whole_in,
 )
+from foundry.compression.qsgd import MAX_QSGD_LEVELS
 from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
@@ -40,6 +42,11 @@ def momentum(text: str) -> float:
     if value >= 1:
         raise argparse.ArgumentTypeError(f"{text} must be < 1")
     return value
+
+
+def qsgd_levels(text: str) -> int:
+    """QSGD's levels s: codes of 1 + bit_length(s) bits, at most 8."""
+    return whole_in(text, 1, MAX_QSGD_LEVELS)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,6 +67,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="gradient compression on the wire (default none)")
     c.add_argument("--topk-ratio", type=fraction, default=0.01,
                    help="share of gradient entries top-k sends (default 0.01)")
+    c.add_argument("--qsgd-levels", type=qsgd_levels, default=127, metavar="S",
+                   help="QSGD's levels both ways, 1-127: 127 sends 8-bit codes (default), "
+                   "7 4-bit, 3 3-bit, 1 2-bit (fewer bytes, more noise; error feedback keeps "
+                   "what each drops)")
     c.add_argument("--down-compression", default=None,
                    choices=[c.name.lower() for c in Compression],
                    help="compression of the weight updates sent to workers, with the error "
@@ -219,6 +230,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         digest_every=args.digest_every,
         sync_warmup=args.sync_warmup,
         overlap=args.overlap,
+        qsgd_levels=args.qsgd_levels,
     )
 
     async def main() -> int:

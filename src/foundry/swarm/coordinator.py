@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from foundry.compression import Codec, deserialize_tensors, get_codec
+from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.model.checkpoint import (
     CheckpointError,
     CheckpointState,
@@ -176,6 +177,8 @@ class CoordinatorOptions:
     # With sync_every > 1: open each round before the previous one's outer step, so workers
     # train on while it is computed and sent (one outer step of delay).
     overlap: bool = False
+    # QSGD's levels s both ways (127: 8-bit codes; 7: 4-bit), told to workers in TRAIN_PLAN.
+    qsgd_levels: int = DEFAULT_QSGD_LEVELS
 
     def local_at(self, step: int) -> bool:
         """Whether the round that starts at ``step`` runs local steps."""
@@ -285,7 +288,7 @@ class Coordinator:
         self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
         self._down_codec: Codec = get_codec(options.downlink, topk_ratio=options.topk_ratio,
-                                            seed=options.seed)
+                                            qsgd_levels=options.qsgd_levels, seed=options.seed)
         self._update: fdtc.Update | None = None  # the last step's UPDATE, for every worker
         self._digests: dict[int, bytes] = {}  # step -> digest of the shadow, recent ones
         self._round_bytes = [0, 0]  # up, down during the current round
@@ -563,7 +566,11 @@ class Coordinator:
             down_compression=self.opt.downlink, lr=s.lr, warmup_steps=s.warmup_steps,
             total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
             weight_decay=s.weight_decay, grad_clip=s.grad_clip,
-            flags=fdtc.TRAIN_PLAN_OVERLAP if self.opt.overlap else 0,
+            flags=fdtc.train_plan_flags(  # the default levels travel as 0
+                overlap=self.opt.overlap,
+                qsgd_levels=0 if self.opt.qsgd_levels == DEFAULT_QSGD_LEVELS
+                else self.opt.qsgd_levels,
+            ),
         )
 
     async def _refuse(self, stream: FdtcStream, code: ErrorCode, reason: str) -> None:

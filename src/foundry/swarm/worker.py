@@ -108,6 +108,7 @@ class Worker:
         # an UPDATE from that step on shows it merged into the held weights. With --overlap the
         # next LOCAL_ASSIGN comes first: it starts from the held weights minus this.
         self.unmerged: tuple[int, Params] | None = None
+        self._uplink_key: tuple[Compression, float, int] | None = None
         self.trained_ahead = False  # logged once
         self.inner_steps_done = 0
         self.last_loss = float("nan")
@@ -219,6 +220,7 @@ class Worker:
                     continue
                 joined.add(msg.TYPE)
             assert self.plan is not None
+            self._make_uplink(self.plan)
             log.info("training plan: %s up, %s down, sync every %d",
                      self.compression.name.lower(),
                      Compression(self.plan.down_compression).name.lower(),
@@ -241,18 +243,25 @@ class Worker:
                     reason, code = err.message, err.error_code
             raise Refused(code, reason)
         self.global_step = ack.global_step
-        if self.compression != ack.compression or self.uplink is None:
-            self.compression = Compression(ack.compression)
-            self.topk_ratio = ack.topk_ratio
-            seed = self._rng.randrange(2**31)
-            self.uplink = Compressor(
-                get_codec(self.compression, topk_ratio=self.topk_ratio, seed=seed)
-            )
+        self.compression = Compression(ack.compression)
+        self.topk_ratio = ack.topk_ratio
         log.info(
             "registered as %s (shard %d/%d, micro-batch %d) at step %d",
             self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
             ack.global_step,
         )
+
+    def _make_uplink(self, plan: fdtc.TrainPlan) -> None:
+        """The upload's codec as REGISTER_ACK and TRAIN_PLAN set it; a new one (its
+        error-feedback residual from zero) only when that changed."""
+        key = (self.compression, self.topk_ratio, plan.qsgd_levels)
+        if self.uplink is None or key != self._uplink_key:
+            params: dict[str, float | int] = {"topk_ratio": self.topk_ratio,
+                                              "seed": self._rng.randrange(2**31)}
+            if plan.qsgd_levels:
+                params["qsgd_levels"] = plan.qsgd_levels
+            self.uplink = Compressor(get_codec(self.compression, **params))
+            self._uplink_key = key
 
     async def _heartbeats(self, stream: FdtcStream) -> None:
         while True:

@@ -1058,12 +1058,25 @@ class TrainPlan(Message):
     min_lr_ratio: float
     weight_decay: float
     grad_clip: float
-    flags: int = 0  # TRAIN_PLAN_OVERLAP; other bits 0
+    flags: int = 0  # TRAIN_PLAN_OVERLAP, QSGD levels in bits 8-15; other bits 0
+
+    @property
+    def qsgd_levels(self) -> int:
+        """The QSGD levels workers encode uploads with (``--qsgd-levels``); 0: the default."""
+        return (self.flags & TRAIN_PLAN_QSGD_LEVELS_MASK) >> 8
 
 
 # TRAIN_PLAN flag bit 0: LOCAL_ASSIGN may come before the previous round's UPDATE (--overlap);
 # the worker then starts from its own trained weights (swarm/worker.py).
 TRAIN_PLAN_OVERLAP = 0x1
+# TRAIN_PLAN flags bits 8-15: the QSGD levels s (1..127) for uploads; 0 = the codec's default.
+TRAIN_PLAN_QSGD_LEVELS_MASK = 0xFF00
+
+
+def train_plan_flags(*, overlap: bool, qsgd_levels: int) -> int:
+    if not 0 <= qsgd_levels <= 0xFF:
+        raise LocalProtocolError(f"qsgd_levels {qsgd_levels} does not fit TRAIN_PLAN's flags")
+    return (TRAIN_PLAN_OVERLAP if overlap else 0) | qsgd_levels << 8
 
 
 @dataclass(frozen=True)
