@@ -1,7 +1,8 @@
 """Benchmark of the numpy model: training throughput against PyTorch eager, and decode speed.
 
     OPENBLAS_NUM_THREADS=1 python bench/engine.py [--quick] [--decode-only]
-        [--types f16,q8_0,q4_0[,q4_k_m]] [--llama-cpp LLAMA_CPP_BUILD/bin] [--cores 2]
+        [--types f16,q8_0,q4_0[,q4_k_m]] [--llama-cpp LLAMA_CPP_BUILD/bin [--llama-bench-args ARGS]]
+        [--cores 2]
 
 1. Training: samples/s of one full step (forward, backward, gradient clipping, AdamW) of
    ``foundry.model`` and of a PyTorch eager implementation of the same model (below: SDPA
@@ -226,6 +227,9 @@ def rss_of(path: Path | None) -> tuple[float, float]:
     return int(out[0]) * 1024 / 1e9, int(out[1]) * 1024 / 1e9
 
 
+LLAMA_BENCH_ARGS: list[str] = []  # --llama-bench-args
+
+
 def llama_bench(llama_cpp: Path, path: Path, depth: int, n: int) -> float:
     """llama.cpp's decode tokens/s on one thread (``llama-bench -t 1``), after ``depth`` tokens
     of context where this build supports ``-d``."""
@@ -233,7 +237,8 @@ def llama_bench(llama_cpp: Path, path: Path, depth: int, n: int) -> float:
     help_text = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
     depth_args = ["-d", str(depth)] if "--n-depth" in help_text else []
     out = subprocess.run([exe, "-m", str(path), "-t", "1", "-p", "0", "-n", str(n), "-r", "1",
-                          *depth_args, "-o", "json"], check=True, capture_output=True, text=True)
+                          *depth_args, *LLAMA_BENCH_ARGS, "-o", "json"], check=True,
+                         capture_output=True, text=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -321,8 +326,13 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, default=None,
                     help="llama.cpp build folder with llama-quantize and llama-bench: quantize "
                          "with llama-quantize and measure llama.cpp on the same files")
+    ap.add_argument("--llama-bench-args", default="",
+                    help="more arguments for llama-bench, e.g. '--repack 0' (a VM whose CPU "
+                         "flags promise more than it runs: llama.cpp's repacked kernels died "
+                         "there with SIGILL)")
     ap.add_argument("--cores", default=None, help="pin to these cores (e.g. 2)")
     args = ap.parse_args()
+    LLAMA_BENCH_ARGS.extend(args.llama_bench_args.split())
     retained = not args.default_malloc and retain_freed_memory()
     print(f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
           f"(process-wide, applies to numpy and torch alike)")

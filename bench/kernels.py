@@ -35,8 +35,17 @@ def stored(w: np.ndarray, qtype: QType) -> quant.QTensor:
     if qtype in (QType.Q4_K, QType.Q6_K):  # the gguf package writes no K-quants: random blocks
         values, size = quant.gguf.GGML_QUANT_SIZES[qtype]
         rows, k = w.shape
-        data = np.random.default_rng(0).integers(0, 256, (rows, k // values * size), np.uint8)
-        return quant.QTensor(qtype, w.shape, data)
+        rng = np.random.default_rng(0)
+        data = rng.integers(0, 256, (rows, k // values, size), np.uint8)
+        # normal float16 scales (random bytes would hold subnormals and NaNs, which real files
+        # do not, and which cost the float unit a slow path)
+        scale = (rng.random((rows, k // values)) * 1e-3 + 1e-4).astype(np.float16)
+        scale_bytes = scale.view(np.uint8).reshape(rows, k // values, 2)
+        if qtype == QType.Q6_K:
+            data[..., 208:210] = scale_bytes  # d is the block's last field
+        else:
+            data[..., 0:2] = data[..., 2:4] = scale_bytes  # d, dmin
+        return quant.QTensor(qtype, w.shape, data.reshape(rows, -1))
     return quant.quantize(w, qtype)
 
 

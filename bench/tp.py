@@ -522,10 +522,14 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
         spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
         ok = ok and spec_ok
+        differ = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens, strict=False))
+                       if a != b), None)
         print(f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
               f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
-              f"{accepted} of {drafted} drafts accepted, same tokens: "
-              f"{spec_tokens == plain_tokens} {'PASS' if spec_ok else 'FAIL'}")
+              f"{accepted} of {drafted} drafts accepted, same tokens as plain greedy decoding "
+              f"of the same prompt: {spec_tokens == plain_tokens}"
+              f"{'' if differ is None else f' (first differs at token {differ})'} "
+              f"{'PASS' if spec_ok else 'FAIL'}")
         results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
     finally:
         shm_worker = worker.stop()

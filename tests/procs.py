@@ -18,12 +18,15 @@ ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 class Service:
     """A ``foundry`` subcommand in its own process, its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 netns: str | None = None) -> None:
+        """``netns``: run it in that network namespace (``ip netns exec``; needs root)."""
         self.args = args
         self.log = log
         self._out = log.open("ab")
+        prefix = ["ip", "netns", "exec", netns] if netns else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "foundry", *args],
+            [*prefix, sys.executable, "-m", "foundry", *args],
             stdout=self._out,
             stderr=subprocess.STDOUT,
             env={**ENV, **(env or {})},

@@ -37,7 +37,7 @@ from foundry.tp.handshake import identity_for, load_rank
 F32 = npt.NDArray[np.float32]
 KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 QUANTIZABLE = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
-INT8_PATH = (QType.Q8_0, QType.Q4_0)  # inputs quantized to int8 blocks (the fast path)
+INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # inputs quantized to int8 blocks (the fast path)
 CFG = ModelConfig(n_ctx=64)
 
 
@@ -62,9 +62,10 @@ def stored(a: F32, qtype: QType) -> QTensor:
     return random_blocks(qtype, *a.shape) if qtype in KQUANTS else quant.quantize(a, qtype)
 
 
-def int8_inputs(x: F32) -> npt.NDArray[np.float64]:
-    """x as the kernels see it on the int8 path: blocks of 32, d = max|x| / 127, round(x / d)."""
-    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+def int8_inputs(x: F32, block: int = 32) -> npt.NDArray[np.float64]:
+    """x as the kernels see it on the int8 path: blocks of 32 (256 for the K-quants),
+    d = max|x| / 127, round(x / d)."""
+    b = x.reshape(x.shape[0], -1, block).astype(np.float32)
     d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     return (np_roundf(b * inv) * d).reshape(x.shape).astype(np.float64)
@@ -97,7 +98,8 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(2)
     w = stored(rng.standard_normal((37, 512), dtype=np.float32), qtype)
     x = rng.standard_normal((n, 512), dtype=np.float32)
-    xs = int8_inputs(x) if qtype in INT8_PATH else x.astype(np.float64)
+    xs = (int8_inputs(x) if qtype in INT8_PATH
+          else int8_inputs(x, 256) if qtype in KQUANTS else x.astype(np.float64))
     wd = w.dequantize().astype(np.float64)
     want = xs @ wd.T
     got = quant.linear(x, w)
@@ -277,6 +279,29 @@ def test_engine_on_a_quantized_file_tracks_the_f32_reference(
     relative = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)  # per position
     assert np.median(relative) <= atol, relative
     assert (np.argmax(got, axis=1) == np.argmax(want, axis=1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("mode", list(ExpertSplit))
+def test_a_block_gives_the_bits_of_one_row_decoding(
+    tmp_path: Path, dtype: str, mode: ExpertSplit
+) -> None:
+    """Speculative decoding verifies drafts as one block and keeps a token only where the
+    block's logits choose it; greedy output is plain decoding's only if every row of a block
+    has the bits the one-row pass would give. The int8 inputs make that strict: a float32 part
+    (attention, router) off by one bit can round an input value the other way, a jump of
+    1/254 of its block's largest value, which later layers carry on."""
+    path = tmp_path / "m.gguf"
+    save_gguf(path, CFG, perturbed(CFG), dtype=dtype)  # type: ignore[arg-type]
+    engine = Engine(CFG, load_gguf_stored(path).params, expert_split=mode)
+    prompt, tokens = list(range(10, 30)), [int(t) for t in np.arange(40, 56) * 7 % CFG.n_vocab]
+    one = engine.new_session()
+    engine.decode(one, prompt)
+    rows = np.concatenate([engine.decode(one, [t]) for t in tokens])  # (16, V)
+    block = engine.new_session()
+    engine.decode(block, prompt)
+    blocks = np.concatenate([engine.decode(block, tokens[:5]), engine.decode(block, tokens[5:])])
+    np.testing.assert_array_equal(blocks, rows)
 
 
 def test_a_cut_across_a_block_is_refused_naming_the_tensor(tmp_path: Path) -> None:

@@ -29,16 +29,26 @@ class Link:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         self.dec = fdtc.FdtcDecoder()
+        self.worker_id = ""  # set by register(): then heartbeats go out while recv waits
 
     def send(self, *msgs: fdtc.Message) -> None:
         self.sock.sendall(b"".join(fdtc.encode(m) for m in msgs))
 
     def recv(self) -> fdtc.Message:
+        deadline = time.monotonic() + 20
         while True:
             msg = self.dec.next_event()
             if msg is not None:
                 return msg
-            data = self.sock.recv(1 << 20)
+            # A registered worker heartbeats every 0.5 s while it waits, as ours do, so a
+            # loaded machine never gets it dropped for silence (2.5 s).
+            self.sock.settimeout(0.5 if self.worker_id else 20)
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                assert time.monotonic() < deadline, "nothing from the coordinator in 20 s"
+                self.send(fdtc.Heartbeat(self.worker_id, 0, 0.0, 0.0))
+                continue
             assert data, "coordinator closed the connection"
             self.dec.feed(data)
 
@@ -50,6 +60,7 @@ class Link:
 
 
 def register(link: Link, worker_id: str) -> None:
+    link.worker_id = worker_id
     fp = load_corpus(None).fingerprint
     link.send(
         fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
@@ -57,6 +68,43 @@ def register(link: Link, worker_id: str) -> None:
                       profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2, memory_mb=4096,
                       suggested_batch_size=4),
     )
+
+
+class Held:
+    """What a test-driven worker holds: the weights WEIGHTS gave it, moved by each UPDATE."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.numels: list[int] = []
+        self.params: dict[str, np.ndarray] = {}
+        self.step = -1
+
+    def load(self, meta: fdtc.WeightsMeta, link: Link) -> None:
+        self.names = [t.name for t in meta.tensors]
+        self.numels = [int(np.prod(t.shape)) for t in meta.tensors]
+        w = link.recv_until(fdtc.Weights)
+        assert isinstance(w, fdtc.Weights)
+        flat = np.frombuffer(w.data, "<f4").copy()
+        self.params = dict(zip(self.names, np.split(flat, np.cumsum(self.numels)[:-1]),
+                               strict=True))
+        self.step = meta.global_step
+
+    def add(self, update: fdtc.Update) -> None:
+        assert update.base_step == self.step
+        decoded = deserialize_tensors(update.data, self.numels, update.compression)
+        for name, t in zip(self.names, decoded, strict=True):
+            self.params[name] = self.params[name] + t
+        self.step = update.global_step
+
+    def digest(self) -> bytes:
+        return weights_digest(self.params, self.names)
+
+    def gradients(self, step: int) -> fdtc.Gradients:
+        """A made-up gradient (every element 1e-3) for the round of ``step``."""
+        data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in self.numels)
+        return fdtc.Gradients(worker_id="probe", local_step=step, num_tensors=len(self.numels),
+                              compression=fdtc.Compression.NONE, uncompressed_size=len(data),
+                              data=data)
 
 
 def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> None:
@@ -117,7 +165,7 @@ def test_seed_only_peer_is_refused_in_local_step_mode(tmp_path: Path) -> None:
             # REGISTER with no DATASET before it: a peer that speaks only the seed
             s.sendall(b"\x43\x54\x44\x46" + struct.pack("<BI", 0x01, len(register)) + register)
             link = Link.__new__(Link)
-            link.sock, link.dec = s, fdtc.FdtcDecoder()
+            link.sock, link.dec, link.worker_id = s, fdtc.FdtcDecoder(), ""
             ack = link.recv()
             assert isinstance(ack, fdtc.RegisterAck) and not ack.accepted
             err = link.recv()
@@ -143,42 +191,24 @@ def test_updates_follow_the_weights_and_a_wrong_digest_gets_full_weights(
         assert isinstance(plan, fdtc.TrainPlan) and plan.sync_every == 1
         assert plan.digest_every == 2 and plan.down_compression == fdtc.Compression.NONE
         # No WEIGHTS_REQ: the first assignment brings full weights with it.
-        names: list[str] = []
-        numels: list[int] = []
-        held: dict[str, np.ndarray] = {}
-        held_step = -1
+        held = Held()
         seen: list[str] = []
         rounds = 0
         while rounds < 6:
             msg = link.recv()
             if isinstance(msg, fdtc.WeightsMeta):
                 seen.append("full")
-                names = [t.name for t in msg.tensors]
-                numels = [int(np.prod(t.shape)) for t in msg.tensors]
-                w = link.recv_until(fdtc.Weights)
-                assert isinstance(w, fdtc.Weights)
-                flat = np.frombuffer(w.data, "<f4").copy()
-                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
-                held_step = msg.global_step
+                held.load(msg, link)
             elif isinstance(msg, fdtc.Update):
                 seen.append("update")
-                assert msg.base_step == held_step
-                decoded = deserialize_tensors(msg.data, numels, msg.compression)
-                for name, t in zip(names, decoded, strict=True):
-                    held[name] = held[name] + t
-                held_step = msg.global_step
-                if held_step == 2:  # the right digest: updates go on
-                    link.send(fdtc.WeightsDigest(2, weights_digest(held, names)))
-                if held_step == 4:  # a wrong one: full weights next
+                held.add(msg)
+                if held.step == 2:  # the right digest: updates go on
+                    link.send(fdtc.WeightsDigest(2, held.digest()))
+                if held.step == 4:  # a wrong one: full weights next
                     link.send(fdtc.WeightsDigest(4, bytes(32)))
             elif isinstance(msg, fdtc.Assign):
-                assert msg.global_step == held_step
-                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
-                link.send(
-                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
-                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
-                                   uncompressed_size=len(data), data=data),
-                )
+                assert msg.global_step == held.step
+                link.send(held.gradients(msg.global_step))
                 rounds += 1
         # full weights for step 0, updates to 1, 2, 3 and 4, then the digest of 4 was wrong
         assert seen == ["full", "update", "update", "update", "update", "full"], seen
@@ -203,39 +233,21 @@ def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> 
         link.recv_until(fdtc.ModelConfigMsg)
         plan = link.recv_until(fdtc.TrainPlan)
         assert isinstance(plan, fdtc.TrainPlan) and plan.flags == fdtc.TRAIN_PLAN_OVERLAP
-        names: list[str] = []
-        numels: list[int] = []
-        held: dict[str, np.ndarray] = {}
-        held_step = -1
+        held = Held()
         seen: list[str] = []
         while "update 12->16" not in seen:
             msg = link.recv()
             if isinstance(msg, fdtc.WeightsMeta):
-                names = [t.name for t in msg.tensors]
-                numels = [int(np.prod(t.shape)) for t in msg.tensors]
-                w = link.recv_until(fdtc.Weights)
-                assert isinstance(w, fdtc.Weights)
-                flat = np.frombuffer(w.data, "<f4").copy()
-                held = dict(zip(names, np.split(flat, np.cumsum(numels)[:-1]), strict=True))
-                held_step = msg.global_step
-                seen.append(f"full {held_step}")
+                held.load(msg, link)
+                seen.append(f"full {held.step}")
             elif isinstance(msg, fdtc.Update):
-                assert msg.base_step == held_step
-                decoded = deserialize_tensors(msg.data, numels, msg.compression)
-                for name, t in zip(names, decoded, strict=True):
-                    held[name] = held[name] + t
-                held_step = msg.global_step
-                seen.append(f"update {msg.base_step}->{held_step}")
-                if held_step % 4 == 0:
-                    link.send(fdtc.WeightsDigest(held_step, weights_digest(held, names)))
+                held.add(msg)
+                seen.append(f"update {msg.base_step}->{held.step}")
+                if held.step % 4 == 0:
+                    link.send(fdtc.WeightsDigest(held.step, held.digest()))
             elif isinstance(msg, fdtc.LocalAssign):
                 seen.append(f"assign {msg.global_step}")
-                data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in numels)
-                link.send(
-                    fdtc.Gradients(worker_id="probe", local_step=msg.global_step,
-                                   num_tensors=len(numels), compression=fdtc.Compression.NONE,
-                                   uncompressed_size=len(data), data=data),
-                )
+                link.send(held.gradients(msg.global_step))
         assert seen == [
             "full 0", "assign 0",
             "assign 4", "update 0->4",
@@ -302,3 +314,28 @@ def test_status_counts_each_workers_inner_steps_and_bytes(tmp_path: Path) -> Non
     assert row.bytes_up == row.inner_steps // 4 * 4 * numel  # f32 pseudo-gradients
     assert row.bytes_down >= 4 * numel * (st.global_step // 4)  # weights, then updates
     assert detail.min_workers == 1 and not detail.failed and detail.note == ""
+
+
+def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
+    """kill -9 of a worker while rounds are opened ahead: it is dropped from the round it was
+    given in advance, and the other worker trains on to the end."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "400", "--global-batch", "8", "--sync-every", "4",
+        "--overlap", "--min-workers", "1", "--compression", "fp16", "--validate-every", "100",
+    )
+    a = worker(tmp_path, port, "w0")
+    b = worker(tmp_path, port, "w1")
+    try:
+        coord.wait_for(r"step \d+: loss .* from 2 workers", within_s=120)
+        b.kill()
+        coord.wait_for(r"dropped worker w1", within_s=20)
+        coord.wait_for(r"training done at step 400", within_s=180)
+        log = coord.text()
+        assert "step 400: loss" in log
+        after = log[log.index("dropped worker w1"):]
+        assert re.search(r"step \d+: loss [\d.]+, \d+ samples from 1 workers", after), after[-2000:]
+        a.wait_for(r"training done at step 400; exiting", within_s=20)
+    finally:
+        a.stop()
+        b.stop()
+        coord.stop()

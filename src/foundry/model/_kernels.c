@@ -7,19 +7,26 @@
  * a result does not depend on how many rows or inputs a call holds (batch invariance) nor on
  * which process computes it (the tensor-parallel pair equals one process bit for bit).
  *
- * Each dot product has ONE definition, written out in the portable C below; the AVX2 and NEON
- * paths compute exactly the same float operations in the same order, only several at a time, so
- * an x86-64 rank and an arm64 rank give the same bits:
+ * Each dot product has ONE definition, written out in the portable C below; the AVX2, AVX-512 and
+ * NEON paths compute exactly the same float operations in the same order, only several at a time
+ * (and several rows at a time), so an x86-64 rank and an arm64 rank give the same bits:
  *
- * - Q8_0 and Q4_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
+ * - Q8_0, Q4_0 and Q5_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
  *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
  *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
  *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
  *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
  *   by halving like the float path.
- * - F16 and the other block types (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the weight row is turned
- *   into float32 (exact for F16; ggml's dequantization for blocks), then multiplied with x in
- *   float32: element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
+ * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one scale per
+ *   super-block, as ggml's Q8_K). Each 32 values of a super-block give the same eight exact
+ *   int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
+ *   integer scale, summed over the super-block in int32; the super-block adds (d * d_x) * lane_j
+ *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
+ *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
+ *   the halving (dot_k_portable).
+ * - F16 and the other block types (Q4_1, Q5_1): the weight row is turned into float32
+ *   (exact for F16; ggml's dequantization for blocks), then multiplied with x in float32:
+ *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
  *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
  *
  * Multiplications and additions are never fused (built with -ffp-contract=off; the SIMD paths
@@ -243,14 +250,14 @@ static float dot_f32_portable(const float *w, const float *x, int k) {
 
 /* ---- the int8 block dot product: exact per block, 4 float lanes across blocks -------------- */
 
-/* Inputs as int8 blocks of 32: q (k values), d (k / 32 scales). */
-static void quantize_input(const float *x, int k, int8_t *q, float *d) {
-    for (int b = 0; b < k / QK; b++) {
+/* Inputs as int8 blocks of bs values (32; 256 for the K-quants): q (k values), d (k / bs scales). */
+static void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+    for (int b = 0; b < k / bs; b++) {
         float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[b * QK + i]));
+        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(x[b * bs + i]));
         const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
         d[b] = db;
-        for (int i = 0; i < QK; i++) q[b * QK + i] = (int8_t)roundf(x[b * QK + i] * id);
+        for (int i = 0; i < bs; i++) q[b * bs + i] = (int8_t)roundf(x[b * bs + i] * id);
     }
 }
 
@@ -290,6 +297,13 @@ static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     if (type == T_Q8_0) {
         memcpy(q, blk + 2, QK);
+    } else if (type == T_Q5_0) { /* value v's fifth bit is bit v of qh */
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)(((blk[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + QK / 2] = (int8_t)(((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
     } else { /* Q4_0 */
         for (int i = 0; i < QK / 2; i++) {
             q[i] = (int8_t)((blk[2 + i] & 0xF) - 8);
@@ -317,13 +331,119 @@ static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t 
     return finish(acc, LANES_Q);
 }
 
+/* ---- the K-quants' integer dot product: exact per super-block ---------------------------- */
+
+/* The inputs of a K-quant product: int8 values in blocks of 256 (one scale each, as ggml's
+ * Q8_K), and their exact sums over each 4 (``s4``) and each 32 (``s32``) values. */
+static void quantize_input_k(const float *x, int k, int8_t *q, float *d, int32_t *s4, int32_t *s32) {
+    quantize_input(x, k, QK_K, q, d);
+    for (int g = 0; g < k / 4; g++) s4[g] = q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3];
+    for (int c = 0; c < k / QK; c++) {
+        int32_t t = 0;
+        for (int g = 0; g < 8; g++) t += s4[8 * c + g];
+        s32[c] = t;
+    }
+}
+
+/* A super-block's scales as integers: sc[16] (for chunk c of 32 values, lanes 0-3 take
+ * sc[2c] and lanes 4-7 sc[2c + 1]: the two sub-blocks of 16 of Q6_K, the same scale twice for
+ * Q4_K and Q5_K) and m[8] (the minimum of each chunk; 0 for Q6_K). The float16 d is at byte
+ * KQ_D of the block, dmin (Q4_K, Q5_K) at byte 2. */
+#define KQ_D(type) ((type) == T_Q6_K ? 208 : 0)
+static inline void kq_scales(int type, const uint8_t *blk, int32_t *sc, int32_t *m) {
+    if (type == T_Q6_K) {
+        for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(blk + 192))[i];
+        for (int c = 0; c < 8; c++) m[c] = 0;
+        return;
+    }
+    for (int c = 0; c < 8; c++) {
+        uint8_t a, b;
+        get_scale_min_k4(c, blk + 4, &a, &b);
+        sc[2 * c] = sc[2 * c + 1] = a;
+        m[c] = b;
+    }
+}
+
+/* Chunk c (values 32c .. 32c + 31) of a super-block as int8: Q4_K 0..15, Q5_K 0..31, Q6_K
+ * -32..31 (its stored 0..63 less 32). */
+static void kq_chunk(int type, const uint8_t *blk, int c, int8_t *q) {
+    const int j = c / 2, odd = c & 1;
+    if (type == T_Q6_K) {
+        const int n = c / 4, cc = c % 4;
+        const uint8_t *ql = blk + 64 * n + (cc & 1 ? 32 : 0), *qh = blk + 128 + 32 * n;
+        for (int l = 0; l < 32; l++) {
+            const int lo = cc < 2 ? ql[l] & 0xF : ql[l] >> 4;
+            q[l] = (int8_t)((lo | (((qh[l] >> (2 * cc)) & 3) << 4)) - 32);
+        }
+        return;
+    }
+    const int five = type == T_Q5_K;
+    const uint8_t *qs = blk + (five ? 48 : 16) + 32 * j, *qh = blk + 16;
+    for (int l = 0; l < 32; l++) {
+        const int lo = odd ? qs[l] >> 4 : qs[l] & 0xF;
+        q[l] = (int8_t)(lo | (five ? ((qh[l] >> c) & 1) << 4 : 0));
+    }
+}
+
+/* A super-block b adds (d * xd_b) * L[l] into accumulator 8 (b mod 2) + l of sixteen, L[l] the
+ * exact sum over its chunks of sc * (lane l of the chunk's int8 products); the minimums add
+ * (dmin * xd_b) * M into one more float, M = sum over chunks of m_c * (the chunk's input sum),
+ * which comes off at the end: finish(acc) - acc_min. */
+static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                            const float *xd, const int32_t *s32, int nsb) {
+    float acc[LANES_Q] = {0}, acc_min = 0.0f;
+    int8_t q[QK];
+    int32_t sc[16], m[8], s[8];
+    for (int b = 0; b < nsb; b++) {
+        const uint8_t *blk = w + (size_t)b * bsize;
+        const float d = f16(blk + KQ_D(type)), dmin = type == T_Q6_K ? 0.0f : f16(blk + 2);
+        kq_scales(type, blk, sc, m);
+        int32_t L[8] = {0}, M = 0;
+        for (int c = 0; c < 8; c++) {
+            kq_chunk(type, blk, c, q);
+            idot_lanes(q, xq + b * QK_K + c * QK, s);
+            for (int l = 0; l < 8; l++) L[l] += sc[2 * c + l / 4] * s[l];
+            M += m[c] * s32[b * 8 + c];
+        }
+        float *a = acc + 8 * (b & 1);
+        const float f = d * xd[b];
+        for (int l = 0; l < 8; l++) a[l] = a[l] + f * (float)L[l];
+        acc_min = acc_min + (dmin * xd[b]) * (float)M;
+    }
+    return finish(acc, LANES_Q) - acc_min;
+}
+
 /* ---- AVX2 (x86-64 with AVX2 and F16C; chosen at import) ----------------------------------- */
 
 #if defined(FOUNDRY_X86)
 #define AVX2 __attribute__((target("avx2,f16c")))
 
+/* float16 to float32 by the F16C instruction: the table's value (both are exact), without a
+ * load from a 256 KB table that the streamed weights keep evicting from the caches. */
+AVX2 static inline float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+#define KQ_AHEAD 4 /* super-blocks prefetched ahead */
+
+/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
+ * high) and, as 16, bit v of the block's 32-bit qh for value v. */
+AVX2 static inline __m256i q5_unsigned_avx2(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                                         _mm_and_si128(raw, m4));
+    /* byte v takes byte v / 8 of qh, keeps its bit v mod 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
 AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (type == T_Q5_0) return _mm256_sub_epi8(q5_unsigned_avx2(blk), _mm256_set1_epi8(16));
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
     const __m128i m4 = _mm_set1_epi8(0xF);
     const __m128i lo = _mm_and_si128(raw, m4);
@@ -345,8 +465,8 @@ AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));       \
             const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));      \
             const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));      \
-            const __m256 d0 = _mm256_set1_ps(f16(p) * xd[b]);                                  \
-            const __m256 d1 = _mm256_set1_ps(f16(p + bsize) * xd[b + 1]);                      \
+            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);                                  \
+            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);                      \
             acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));             \
             acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));             \
         }                                                                                      \
@@ -378,24 +498,42 @@ VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 
 /* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
- * sixteen accumulators (8 (block mod 2) + j). Weights turn unsigned (w + 128, an exclusive or
- * of the sign bit) for dpbusd, and 128 times the input's sums over each 4 values (``corr``,
- * computed once per input row) come off again: the same exact lanes. */
+ * sixteen accumulators (8 (block mod 2) + j). Weights are unsigned for dpbusd (Q8_0: w + 128,
+ * an exclusive or of the sign bit; Q4_0: its stored nibbles, 0..15, before the - 8), and 128
+ * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
+ * input row) come off again: the same exact lanes. */
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+AVX512 static inline __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
+    if (type == T_Q8_0) {
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+            _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    if (type == T_Q5_0)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)),
+                                  q5_unsigned_avx2(p + bsize), 1);
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2))),
+        _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1); /* the two blocks' 16 bytes */
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i lo = _mm256_and_si256(raw, m4);                        /* values 0-15 */
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);  /* values 16-31 */
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+}
+
 AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
                               const float *xd, const int32_t *corr, int nb) {
     __m512 acc = _mm512_setzero_ps();
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *p = w + (size_t)b * bsize;
-        const __m512i wq = _mm512_inserti64x4(
-            _mm512_castsi256_si512(load_block_avx2(type, p)), load_block_avx2(type, p + bsize), 1);
         const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wq, flip), xv);
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_pair_512(type, p, bsize), xv);
         s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(corr + b * 8)));
-        const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(p) * xd[b]),
-                                              _mm512_set1_ps(f16(p + bsize) * xd[b + 1]));
+        const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16c(p) * xd[b]),
+                                              _mm512_set1_ps(f16c(p + bsize) * xd[b + 1]));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
     }
     float lanes[LANES_Q];
@@ -462,6 +600,160 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
     }
     free(row);
 }
+/* The K-quants on x86: a chunk's 32 unsigned values (Q6_K: 0..63, with 32 x the input's sums
+ * of 4 taken off again) against the input's int8 values, the same exact lanes, times the
+ * chunk's scales, summed in int32; then dot_k_portable's float operations. */
+AVX2 static inline __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    if (type == T_Q6_K) {
+        const int n = c / 4, cc = c % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + (cc & 1 ? 32 : 0)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+        const __m256i lo = cc < 2 ? _mm256_and_si256(ql, m4)
+                                  : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * cc), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+    const int five = type == T_Q5_K;
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (c / 2)));
+    __m256i v = c & 1 ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4) : _mm256_and_si256(qs, m4);
+    if (five) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, c), _mm256_set1_epi8(1));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+    }
+    return v;
+}
+
+#define DOT_K_X86(NAME, TARGET, LANES8U)                                                           \
+    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
+                             const float *xd, const int32_t *s4, const int32_t *s32, int nsb) { \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
+        float acc_min = 0.0f;                                                                  \
+        int32_t sc[16], m[8];                                                                  \
+        for (int b = 0; b < nsb; b++) {                                                        \
+            const uint8_t *blk = w + (size_t)b * bsize;                                        \
+            for (int o = 0; o < bsize; o += 64)                                                \
+                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);          \
+            const float d = f16c(blk + KQ_D(type));                                            \
+            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);                          \
+            kq_scales(type, blk, sc, m);                                                       \
+            __m256i L = _mm256_setzero_si256();                                                \
+            int32_t M = 0;                                                                     \
+            for (int c = 0; c < 8; c++) {                                                      \
+                const __m256i u = kq_chunk_avx2(type, blk, c);                                 \
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK_K + c * QK)); \
+                __m256i lanes = LANES8U(u, x);                                                 \
+                if (type == T_Q6_K)                                                            \
+                    lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(_mm256_loadu_si256(      \
+                        (const __m256i *)(s4 + (b * QK_K + c * QK) / 4)), 5));                 \
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]),            \
+                                                     _mm_set1_epi32(sc[2 * c]));               \
+                L = _mm256_add_epi32(L, _mm256_mullo_epi32(lanes, scv));                       \
+                M += m[c] * s32[b * 8 + c];                                                    \
+            }                                                                                  \
+            const __m256 f = _mm256_set1_ps(d * xd[b]);                                        \
+            const __m256 t = _mm256_mul_ps(f, _mm256_cvtepi32_ps(L));                          \
+            if (b & 1)                                                                         \
+                acc1 = _mm256_add_ps(acc1, t);                                                 \
+            else                                                                               \
+                acc0 = _mm256_add_ps(acc0, t);                                                 \
+            acc_min = acc_min + (dmin * xd[b]) * (float)M;                                     \
+        }                                                                                      \
+        float lanes[LANES_Q];                                                                  \
+        _mm256_storeu_ps(lanes, acc0);                                                         \
+        _mm256_storeu_ps(lanes + 8, acc1);                                                     \
+        return finish(lanes, LANES_Q) - acc_min;                                               \
+    }
+
+/* u unsigned (at most 63: maddubs cannot saturate), v signed */
+AVX2 static inline __m256i lanes8u_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+}
+VNNI static inline __m256i lanes8u_vnni(__m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+}
+DOT_K_X86(dot_k_avx2, AVX2, lanes8u_avx2)
+DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
+
+/* Four rows at a time, each exactly dot_q_512's operations: the input's loads (int8 values,
+ * their sums, their scales) are shared by the four rows, and the weights of the next four rows
+ * are prefetched while these are read (one stream of memory, four rows ahead). */
+#define ROWS 4
+#ifndef PREFETCH
+#define PREFETCH ROWS /* rows ahead */
+#endif
+AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
+                              const int8_t *xq, const float *xd, const int32_t *corr, int nb,
+                              float *y) {
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const size_t off = (size_t)b * bsize;
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
+        /* dpbusd onto minus the correction: the same exact int32 lanes as subtracting it */
+        const __m512i ncv = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                             _mm512_loadu_si512((const void *)(corr + b * 8)));
+        const __m512 xdv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),
+                                                _mm512_set1_ps(xd[b + 1]));
+        for (int i = 0; i < ROWS; i++) {
+            const uint8_t *p = w + i * row_bytes + off;
+            _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+            const __m512i sv = _mm512_dpbusd_epi32(ncv, load_pair_512(type, p, bsize), xv);
+            /* both blocks' float16 scales converted by one vcvtph2ps, then spread 8 + 8 */
+            const __m128i h = _mm_cvtsi32_si128((int)(rd16(p) | (uint32_t)rd16(p + bsize) << 16));
+            const __m512 dw = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+            /* (d_w * d_x) * lane: the products of the scales, one rounding, as dot_q_512 */
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, xdv),
+                                                         _mm512_cvtepi32_ps(sv)));
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        float lanes[LANES_Q];
+        int8_t q[QK];
+        int32_t t[8];
+        _mm512_storeu_ps(lanes, acc[i]);
+        for (int c = b; c < nb; c++) {
+            const float dw = unpack_block(type, w + i * row_bytes + (size_t)c * bsize, q);
+            idot_lanes(q, xq + c * QK, t);
+            add_block(lanes, c, dw * xd[c], t);
+        }
+        y[i] = finish(lanes, LANES_Q);
+    }
+}
+
+/* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
+ * float accumulators are one register each (dot_f32_portable's order); next rows prefetched. */
+AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
+                                const float *x, float *y) {
+    int r = 0;
+    for (; r + ROWS <= rows && k % LANES_F == 0; r += ROWS) {
+        __m512 lo[ROWS], hi[ROWS];
+        for (int a = 0; a < ROWS; a++) lo[a] = hi[a] = _mm512_setzero_ps();
+        const uint8_t *base = w + (size_t)r * row_bytes;
+        for (int i = 0; i < k; i += LANES_F) {
+            const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+            for (int a = 0; a < ROWS; a++) {
+                const uint8_t *wr = base + a * row_bytes + 2 * (size_t)i;
+                _mm_prefetch((const char *)(wr + PREFETCH * row_bytes), _MM_HINT_T0);
+                const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wr));
+                const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wr + 32)));
+                lo[a] = _mm512_add_ps(lo[a], _mm512_mul_ps(w0, x0));
+                hi[a] = _mm512_add_ps(hi[a], _mm512_mul_ps(w1, x1));
+            }
+        }
+        for (int a = 0; a < ROWS; a++) {
+            float lanes[LANES_F];
+            _mm512_storeu_ps(lanes, lo[a]);
+            _mm512_storeu_ps(lanes + 16, hi[a]);
+            y[r + a] = finish(lanes, LANES_F);
+        }
+    }
+    if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
+}
+
 #endif
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
@@ -479,6 +771,16 @@ static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, cons
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
+static float dot_k(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
+                   const int32_t *s4, const int32_t *s32, int nsb) {
+#if defined(FOUNDRY_X86)
+    if (use_vnni) return dot_k_vnni(type, w, bsize, xq, xd, s4, s32, nsb);
+    if (use_avx2) return dot_k_avx2(type, w, bsize, xq, xd, s4, s32, nsb);
+#endif
+    (void)s4;
+    return dot_k_portable(type, w, bsize, xq, xd, s32, nsb);
+}
+
 static float dot_f32(const float *w, const float *x, int k) {
 #if defined(FOUNDRY_X86)
     if (use_avx2) return dot_f32_avx2(w, x, k);
@@ -489,12 +791,12 @@ static float dot_f32(const float *w, const float *x, int k) {
 /* y (n, n_out) = x (n, k) . W (n_out, k)^T. Returns 0, or -1 when out of memory. */
 static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
                   int n, float *y) {
-    if (type == T_Q8_0 || type == T_Q4_0) {
-        const int bytes = type == T_Q8_0 ? 34 : 18;
+    if (type == T_Q8_0 || type == T_Q4_0 || type == T_Q5_0) {
+        const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
         const int nb = k / QK;
         int8_t *xq = malloc((size_t)n * k);
         float *xd = malloc((size_t)n * nb * sizeof(float));
-        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 x sums of 4 */
+        int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0), 16 (Q5_0), 8 (Q4_0) x sums of 4 */
         if (xq == NULL || xd == NULL || corr == NULL) {
             free(xq);
             free(xd);
@@ -503,11 +805,25 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         }
         for (int t = 0; t < n; t++) {
             const int8_t *q = xq + (size_t)t * k;
-            quantize_input(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nb);
+            quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
             for (int g = 0; g < k / 4; g++)
-                corr[(size_t)t * (k / 4) + g] = 128 * (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+                corr[(size_t)t * (k / 4) + g] =
+                    (type == T_Q8_0 ? 128 : type == T_Q5_0 ? 16 : 8) *
+                    (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
         }
-        for (int r = 0; r < n_out; r++)
+        int r = 0;
+#if defined(FOUNDRY_X86)
+        if (use_512) /* groups of four rows, kept in cache while the inputs pass over them */
+            for (; r + ROWS <= n_out; r += ROWS)
+                for (int t = 0; t < n; t++) {
+                    float out[ROWS];
+                    rows_q_512(type, w + (size_t)r * row_bytes, row_bytes, bytes,
+                               xq + (size_t)t * k, xd + (size_t)t * nb, corr + (size_t)t * (k / 4),
+                               nb, out);
+                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + r + i] = out[i];
+                }
+#endif
+        for (; r < n_out; r++)
             for (int t = 0; t < n; t++)
                 y[(size_t)t * n_out + r] =
                     dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
@@ -517,7 +833,39 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         free(corr);
         return 0;
     }
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
+        const int nsb = k / QK_K;
+        int8_t *xq = malloc((size_t)n * k);
+        float *xd = malloc((size_t)n * nsb * sizeof(float));
+        int32_t *s4 = malloc((size_t)n * (k / 4) * sizeof(int32_t));
+        int32_t *s32 = malloc((size_t)n * (k / QK) * sizeof(int32_t));
+        if (xq == NULL || xd == NULL || s4 == NULL || s32 == NULL) {
+            free(xq);
+            free(xd);
+            free(s4);
+            free(s32);
+            return -1;
+        }
+        for (int t = 0; t < n; t++)
+            quantize_input_k(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nsb,
+                             s4 + (size_t)t * (k / 4), s32 + (size_t)t * (k / QK));
+        for (int r = 0; r < n_out; r++)
+            for (int t = 0; t < n; t++)
+                y[(size_t)t * n_out + r] = dot_k(type, w + r * row_bytes, bytes, xq + (size_t)t * k,
+                                                 xd + (size_t)t * nsb, s4 + (size_t)t * (k / 4),
+                                                 s32 + (size_t)t * (k / QK), nsb);
+        free(xq);
+        free(xd);
+        free(s4);
+        free(s32);
+        return 0;
+    }
 #if defined(FOUNDRY_X86)
+    if (type == T_F16 && use_512) {
+        for (int t = 0; t < n; t++) rows_f16_512(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out);
+        return 0;
+    }
     if (type == T_F16 && use_avx2) {
         for (int t = 0; t < n; t++) rows_f16_avx2(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out, 1);
         return 0;

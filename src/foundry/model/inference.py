@@ -25,10 +25,13 @@ and independent of the batch, so the pair equals the single process bit for bit 
 files too.
 
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
-projection, norm, router and expert works on all rows stacked; attention runs per session
-against that session's cache. Caches are written during the pass, but positions advance only
-when the whole pass succeeded, so a failed exchange leaves every session as it was (the rows
-written past its position are overwritten by its next block).
+projection, norm and expert works on all rows stacked; the router's product and attention run
+row by row (each row against its session's cache up to its own position), so that a row of a
+block gets the bits one-row decoding gives it, whatever the block (with the block kernels, which
+are batch-invariant too: speculative decoding's output is then plain greedy decoding's).
+Caches are written during the pass, but positions advance only when the whole pass succeeded,
+so a failed exchange leaves every session as it was (the rows written past its position are
+overwritten by its next block).
 """
 
 from __future__ import annotations
@@ -134,6 +137,12 @@ class Engine:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode)
         self.fused: list[dict[str, QTensor]] = [_fuse(cfg, part) for part in self.parts]
+        # Each expert's matrices as views, made once (indexing a QTensor builds one).
+        self._experts: list[dict[str, list[Param]]] = [
+            {name: [t[e] for e in range(t.shape[0])]
+             for name, t in [*part.params.items(), *fused.items()] if t.ndim == 3}
+            for part, fused in zip(self.parts, self.fused, strict=True)
+        ]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
         # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
         self.dense: dict[str, F32] = {
@@ -188,7 +197,7 @@ class Engine:
             x += self._exchange(exchange, i, Gate.ATTN, partial)
             h, _ = L.rmsnorm_forward(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
             weights, top, _ = L.router_forward(h, rp[p + "ffn_gate_inp.weight"],
-                                               cfg.n_expert_used)  # (n, K) each
+                                               cfg.n_expert_used, rowwise=True)  # (n, K) each
             partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
             x += self._exchange(exchange, i, Gate.FFN, partial)
         hf, _ = L.rmsnorm_forward(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
@@ -248,24 +257,27 @@ class Engine:
             # is the same as alone)
             nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
             y = linear(h, qkv)  # (n, Q + K + V rows)
-            q = y[:, :nq].reshape(n, -1, dh)  # (n, H_part, Dh)
-            k = y[:, nq : nq + nk].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            # Q and K turned in one call: the same elementwise operations on each value
+            qk = L.rope_forward(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
+            q, k = qk[:, : nq // dh], qk[:, nq // dh :]  # (n, H_part, Dh), (n, Hkv_part, Dh)
             v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         else:
             q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
             k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
             v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-        q = L.rope_forward(q, cos, sin)
-        k = L.rope_forward(k, cos, sin)
+            q = L.rope_forward(q, cos, sin)
+            k = L.rope_forward(k, cos, sin)
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
             end = session.pos + b - a
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
-            out, _ = L.attention_forward(q[None, a:b], kc[None, :end], vc[None, :end],
-                                         offset=session.pos)  # (1, b-a, H_part, Dh)
-            o[a:b] = out[0]
+            for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
+                at = session.pos + t - a
+                out, _ = L.attention_forward(q[None, t : t + 1], kc[None, : at + 1],
+                                             vc[None, : at + 1], offset=at)  # (1, 1, H_part, Dh)
+                o[t] = out[0, 0]
         return linear(o.reshape(n, -1), w[p + "attn_output.weight"])  # (n, D)
 
     def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
@@ -278,10 +290,11 @@ class Engine:
         w = part.params
         p = f"blk.{layer}."
         k = top.shape[1]
-        w_gate, w_up, w_down = (w[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
         j = next(i for i, held in enumerate(self.parts) if held is part)
-        gate_up = self.fused[j].get(p + "gate_up")
-        n_local, f = w_gate.shape[0], w_gate.shape[1]
+        experts = self._experts[j]
+        w_gate, w_up, w_down = (experts[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
+        gate_up = experts.get(p + "gate_up")
+        n_local, f = len(w_gate), w_gate[0].shape[0]
         order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
         xs = h[order // k]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs

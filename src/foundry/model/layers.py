@@ -221,12 +221,18 @@ def softmax(z: F32) -> F32:
     return e
 
 
-def router_forward(x: F32, w_router: F32, k: int) -> tuple[F32, I64, RouterCache]:
+def router_forward(
+    x: F32, w_router: F32, k: int, rowwise: bool = False
+) -> tuple[F32, I64, RouterCache]:
     """Gating weights (N, K) and expert ids (N, K) of x (N, D).
 
     Ties go to the lower expert id (a stable sort), so every rank picks the same experts.
+    ``rowwise``: each row's logits by a product of its own, so a row's bits do not depend on
+    the other rows (BLAS blocks a matrix product by its row count; inference wants a row of a
+    block to route as it would alone).
     """
-    probs = softmax(x @ w_router.T)  # (N, E)
+    z = np.matmul(x[:, None, :], w_router.T)[:, 0] if rowwise else x @ w_router.T  # (N, E)
+    probs = softmax(z)  # (N, E)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # (N, K)
     top_p = np.take_along_axis(probs, top, axis=-1)  # (N, K)
     weights = top_p / top_p.sum(axis=-1, keepdims=True)  # (N, K)

@@ -1,0 +1,68 @@
+"""A worker behind a slow link, in network namespaces this test makes: while the coordinator
+sends it the full weights for seconds, its heartbeats wait unread behind them; it must not be
+dropped for silence (docs/operations.md, the fault table)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from procs import Service
+
+NEEDS_NETNS = "makes network namespaces and shapes a veth with tc: needs root, ip and tc"
+RATE = "2mbit"  # the tiny preset's 1.02 MB of weights take about 4 s: past the 2.5 s timeout
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=10)
+
+
+@contextmanager
+def slow_pair(tag: str) -> Iterator[tuple[str, str]]:
+    """Two namespaces joined by one veth shaped to RATE both ways: (coordinator's, worker's)."""
+    a, b = f"fs{os.getpid()}-{tag}-c", f"fs{os.getpid()}-{tag}-w"
+    made: list[str] = []
+    try:
+        for ns in (a, b):
+            _run("ip", "netns", "add", ns)
+            made.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", a, "link", "add", "v0", "type", "veth", "peer", "name", "v1",
+             "netns", b)
+        for ns, dev, addr in ((a, "v0", "10.78.0.1/24"), (b, "v1", "10.78.0.2/24")):
+            _run("ip", "-n", ns, "addr", "add", addr, "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                 "rate", RATE, "burst", "32kb", "latency", "400ms")
+        yield a, b
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason=NEEDS_NETNS)
+def test_a_worker_receiving_weights_over_a_slow_link_is_not_dropped(tmp_path: Path) -> None:
+    with slow_pair("hb") as (cns, wns):
+        coord = Service(
+            ["coordinator", "--listen", "10.78.0.1:7070", "--admin-listen", "127.0.0.1:0",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-steps", "3",
+             "--global-batch", "4", "--compression", "qsgd", "--validate-every", "100"],
+            tmp_path / "coordinator.log", netns=cns,
+        )
+        w = Service(["worker", "--coordinator", "10.78.0.1:7070", "--worker-id", "w0"],
+                    tmp_path / "w0.log", netns=wns)
+        try:
+            coord.wait_for(r"worker w0 registered", within_s=60)
+            coord.wait_for(r"training done at step 3", within_s=120)
+            log = coord.text()
+            assert "dropped worker w0" not in log, log[-3000:]
+            assert "step 1: loss" in log
+        finally:
+            w.stop()
+            coord.stop()
