@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -199,6 +200,40 @@ def test_bad_bytes_on_both_ports_never_stop_the_service(tmp_path: Path) -> None:
         wait_step(admin_port, before + 3, 30)  # the good worker is still being served
         assert coord.alive() and w.alive()
         assert [r.worker_id for r in status(admin_port).rows] == ["good"]
+    finally:
+        w.stop()
+        coord.stop()
+
+
+def test_rounds_abandoned_again_and_again_show_in_status(tmp_path: Path) -> None:
+    """A run that diverged (--lr 1e30: after the first step every gradient is NaN and is
+    dropped) re-runs its step at each deadline; status carries a note that says so, rather
+    than a bare TRAINING."""
+    coord, port, admin_port = coordinator(
+        tmp_path, "--max-steps", "50", "--global-batch", "4", "--lr", "1e30",
+        "--warmup-steps", "1",
+    )
+    w = worker(tmp_path, port, "w0")
+    try:
+        coord.wait_for(r"step \d+ abandoned: .* re-running", within_s=60)
+        deadline = time.monotonic() + 60
+        note = ""
+        while time.monotonic() < deadline and "times in a row" not in note:
+            with socket.create_connection(("127.0.0.1", admin_port), timeout=10) as s:
+                s.sendall(fdtc.encode(fdtc.SwarmDetailReq()))
+                dec = fdtc.FdtcDecoder()
+                got: list[fdtc.Message] = []
+                while len(got) < 2:
+                    data = s.recv(65536)
+                    assert data, "admin link closed without an answer"
+                    dec.feed(data)
+                    got += list(dec.events())
+            st, detail = got
+            assert isinstance(st, fdtc.SwarmStatus) and isinstance(detail, fdtc.SwarmDetail)
+            note = detail.note
+            time.sleep(0.5)
+        assert re.search(r"step \d+ abandoned \d+ times in a row", note), note
+        assert "holds NaN/inf" in coord.text()
     finally:
         w.stop()
         coord.stop()

@@ -863,7 +863,17 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
     }
 #if defined(FOUNDRY_X86)
     if (type == T_F16 && use_512) {
-        for (int t = 0; t < n; t++) rows_f16_512(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out);
+        if (n == 1) {
+            rows_f16_512(w, row_bytes, n_out, k, x, y);
+            return 0;
+        }
+        /* several inputs: each group of four rows stays in cache while the inputs pass over it */
+        for (int r = 0; r < n_out; r += ROWS) {
+            const int rows = n_out - r < ROWS ? n_out - r : ROWS;
+            for (int t = 0; t < n; t++)
+                rows_f16_512(w + (size_t)r * row_bytes, row_bytes, rows, k, x + (size_t)t * k,
+                             y + t * (size_t)n_out + r);
+        }
         return 0;
     }
     if (type == T_F16 && use_avx2) {

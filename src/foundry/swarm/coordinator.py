@@ -90,6 +90,9 @@ from foundry.wire.fdtc_lifecycle import Link, Role
 
 log = logging.getLogger("foundry.coordinator")
 
+# Rounds abandoned in a row before status carries a note that training is stuck.
+ROUNDS_BEFORE_STALL_NOTE = 2
+
 # Our workers heartbeat every 0.5 s; one silent this long is dropped (DESIGN: within 3 s).
 HEARTBEAT_TIMEOUT_S = 2.5
 # The seed fixes no heartbeat interval: a seed-only peer is judged by its own cadence once two
@@ -275,6 +278,8 @@ class Coordinator:
         self._validated_step = -1
         self._checkpoint_failed = False
         self._checkpoint_warning = ""  # why checkpoints fail, while they do (status)
+        self._abandoned_in_a_row = 0
+        self._round_warning = ""  # rounds that keep being abandoned, while they are (status)
         self._stepped_at = time.monotonic()  # when the global step last advanced (status)
         self._told_missing = 0
         self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
@@ -965,6 +970,17 @@ class Coordinator:
                     "step %d abandoned: %d of %d samples reported by the deadline; re-running",
                     rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
                 )
+                self._abandoned_in_a_row += 1
+                if self._abandoned_in_a_row >= ROUNDS_BEFORE_STALL_NOTE:
+                    # Status says so: TRAINING with no progress is not the whole truth.
+                    self._round_warning = (
+                        f"step {rnd.step} abandoned {self._abandoned_in_a_row} times in a row "
+                        f"(last: {sum(rnd.reported.values())} of {sum(rnd.shares.values())} "
+                        f"samples reported by the deadline; see the coordinator's log)"
+                    )
+        if decision is policy.RoundDecision.CLOSE:
+            self._abandoned_in_a_row = 0
+            self._round_warning = ""
         self.timeline.span(
             "round", rnd.started_us, step=rnd.step, outcome=decision.name.lower(),
             workers=len(rnd.reported),
@@ -1337,7 +1353,8 @@ class Coordinator:
             min_workers=self.opt.min_workers,
             seconds_since_step=time.monotonic() - self._stepped_at,
             failed=self.failure is not None,
-            note=clip(self.failure or self._checkpoint_warning),
+            note=clip(self.failure or "; ".join(
+                w for w in (self._checkpoint_warning, self._round_warning) if w)),
             rows=tuple(
                 fdtc.SwarmDetailRow(
                     inner_steps=min(m.steps_done, 0xFFFF_FFFF), bytes_up=m.bytes_up,
