@@ -50,6 +50,9 @@ from types import FrameType
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from live import Service
 
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
@@ -178,25 +181,6 @@ def rates_arg(text: str) -> list[str]:
     return rates
 
 
-class Proc:
-    def __init__(self, argv: list[str], log: Path) -> None:
-        self.log = log
-        self.out = log.open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.p = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.out.close()
-
-
 @dataclass
 class Baseline:
     samples_per_s: float
@@ -281,10 +265,10 @@ def run_config(
 ) -> Result:
     work.mkdir(parents=True)
     res = Result(name)
-    py = [sys.executable, "-m", "foundry"]
     listen = f"{net.addr(0)}:{PORT if net.shaped else 0}"
-    coord = Proc(
-        [*net.prefix_argv(0), *py, "coordinator", "--listen", listen,
+    coord = Service(
+        "coordinator",
+        ["coordinator", "--listen", listen,
          "--admin-listen", "127.0.0.1:0", "--checkpoint-dir", str(work / "ckpt"),
          "--preset", args.preset, "--global-batch", str(args.global_batch),
          "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
@@ -292,7 +276,7 @@ def run_config(
          "--warmup-steps", str(args.warmup_steps), "--lr", str(args.lr),
          "--checkpoint-every", "100000", "--min-workers", str(args.workers),
          "--validate-every", str(args.validate_every), *extra],
-        work / "coordinator.log",
+        work / "coordinator.log", prefix=net.prefix_argv(0), new_session=True,
     )
     procs = [coord]
     try:
@@ -304,16 +288,17 @@ def run_config(
             m = re.search(r"workers \S+:(\d+),", line)
             if m:
                 port = int(m.group(1))
-            elif coord.p.poll() is not None or time.monotonic() > end:
+            elif not coord.alive() or time.monotonic() > end:
                 raise RuntimeError(f"coordinator did not start: {coord.log.read_text()[-2000:]}")
             elif not line:
                 time.sleep(0.05)
         for i in range(1, args.workers + 1):
             slowdown = args.slowdown if i == 1 else 1.0
-            procs.append(Proc(
-                [*net.prefix_argv(i), *py, "worker", "--coordinator", f"{net.addr(0)}:{port}",
-                 "--worker-id", f"w{i}", "--slowdown", str(slowdown)],
-                work / f"w{i}.log",
+            procs.append(Service(
+                f"w{i}",
+                ["worker", "--coordinator", f"{net.addr(0)}:{port}", "--worker-id", f"w{i}",
+                 "--slowdown", str(slowdown)],
+                work / f"w{i}.log", prefix=net.prefix_argv(i), new_session=True,
             ))
         registered: set[str] = set()
         t_start: float | None = None
@@ -324,7 +309,7 @@ def run_config(
         while time.monotonic() < deadline:
             line = next(lines)
             if not line:
-                if coord.p.poll() is not None:
+                if not coord.alive():
                     res.note = "coordinator exited"
                     break
                 time.sleep(0.02)

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,14 +53,17 @@ class ServiceError(RuntimeError):
 class Service:
     """One ``foundry`` subcommand in its own process; stdout and stderr go to ``log``."""
 
-    def __init__(self, name: str, args: list[str], log: Path) -> None:
+    def __init__(self, name: str, args: list[str], log: Path, *,
+                 prefix: Sequence[str] = (), new_session: bool = False) -> None:
+        """``prefix``: argv it runs under (``ip netns exec NS``); ``new_session``: out of the
+        harness's process group, so a Ctrl+C reaches only the harness, which stops it."""
         self.name = name
         self.args = args
         self.log = log
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "foundry", *args],
-            stdout=self._out, stderr=subprocess.STDOUT, env=ENV,
+            [*prefix, sys.executable, "-m", "foundry", *args],
+            stdout=self._out, stderr=subprocess.STDOUT, env=ENV, start_new_session=new_session,
         )
         self.pid = self.proc.pid
 

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +31,9 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from live import Service, swarm_status
 
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
@@ -42,54 +41,6 @@ from foundry.model.training import Trainer, TrainSettings
 from foundry.model.transformer import init_params
 from foundry.runtime import retain_freed_memory
 from foundry.wire import fdtc
-
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-class Proc:
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log
-        self.out = log.open("wb")
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "foundry", *args], stdout=self.out, stderr=subprocess.STDOUT,
-            env=ENV,
-        )
-
-    def wait_for(self, pattern: str, within_s: float = 60) -> re.Match[str]:
-        end = time.monotonic() + within_s
-        while time.monotonic() < end:
-            m = re.search(pattern, self.log.read_text(errors="replace"))
-            if m:
-                return m
-            if self.p.poll() is not None:
-                raise SystemExit(f"process exited: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-        raise SystemExit(f"timed out waiting for /{pattern}/ in {self.log}")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self.out.close()
-
-
-def admin_status(port: int) -> fdtc.SwarmStatus:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(fdtc.encode(fdtc.StatusReq()))
-        dec = fdtc.FdtcDecoder()
-        while True:
-            data = s.recv(1 << 16)
-            if not data:
-                raise SystemExit("admin link closed")
-            dec.feed(data)
-            msg = dec.next_event()
-            if msg is not None:
-                assert isinstance(msg, fdtc.SwarmStatus)
-                return msg
 
 
 def metric(port: int, name: str, label: str = "") -> float:
@@ -112,7 +63,8 @@ def run_swarm(
     work.mkdir(parents=True)
     n_steps = steps or args.steps
     total = args.warmup + n_steps
-    coord = Proc(
+    coord = Service(
+        "coordinator",
         ["coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
          "--metrics-port", "0", "--metrics-host", "127.0.0.1",
          "--checkpoint-dir", str(work / "ckpt"), "--preset", args.preset,
@@ -125,15 +77,15 @@ def run_swarm(
     m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+), metrics :(\d+)")
     port, admin, mport = int(m.group(1)), int(m.group(2)), int(m.group(3))
     workers = [
-        Proc(["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", f"w{i}",
-              "--slowdown", str(s)], work / f"w{i}.log")
+        Service(f"w{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id",
+                          f"w{i}", "--slowdown", str(s)], work / f"w{i}.log")
         for i, s in enumerate(slowdowns)
     ]
     try:
         def wait_step(step: int) -> tuple[float, fdtc.SwarmStatus]:
             end = time.monotonic() + 600
             while time.monotonic() < end:
-                st = admin_status(admin)
+                st = swarm_status(admin)
                 if st.global_step >= step:
                     return time.monotonic(), st
                 time.sleep(0.02)
