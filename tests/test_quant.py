@@ -112,8 +112,17 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
 SIMD_PATHS = {"avx512-vnni": ["avx2+vnni", "avx2"], "avx2+vnni": ["avx2"]}.get(quant.KERNELS, [])
 
 
-@pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
-@pytest.mark.parametrize(("rows", "k"), [(1, 256), (7, 512), (9, 1024)])
+# Shapes of every path's edges: groups of four rows and a remainder; whole chunks of 16 blocks,
+# a part chunk and an odd last block (23 and 33 blocks of 32: the 32-blocks' types only).
+SHAPES = [(1, 256), (7, 512), (9, 1024)]
+ODD_SHAPES = [(5, 736), (6, 1056)]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "rows", "k"),
+    [(t, r, k) for t in QUANTIZABLE + KQUANTS for r, k in SHAPES]
+    + [(t, r, k) for t in QUANTIZABLE for r, k in ODD_SHAPES],
+)
 def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
     rng = np.random.default_rng(3)
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)

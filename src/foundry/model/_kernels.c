@@ -678,36 +678,68 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 
 /* Four rows at a time, each exactly dot_q_512's operations: the input's loads (int8 values,
  * their sums, their scales) are shared by the four rows, and the weights of the next four rows
- * are prefetched while these are read (one stream of memory, four rows ahead). */
+ * are prefetched while these are read (one stream of memory, four rows ahead). Per chunk of up
+ * to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and multiplied by the
+ * input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
+ * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
+ * holds no test of the type. */
 #define ROWS 4
+#define CHUNK 16 /* blocks whose scales are converted together */
 #ifndef PREFETCH
 #define PREFETCH ROWS /* rows ahead */
 #endif
-AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
-                              const int8_t *xq, const float *xd, const int32_t *corr, int nb,
-                              float *y) {
-    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+
+/* Q4_0's pair of blocks as unsigned nibbles, 128-bit lanes lo0 hi0 lo1 hi1: each block's 16
+ * bytes broadcast to two lanes, the second lane of each shifted down by 4, then the low 4 bits. */
+AVX512 static inline __m512i load_pair_q4_512(const uint8_t *p, int bsize) {
+    const __m512i both = _mm512_mask_broadcast_i32x4(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 2))), 0xFF00,
+        _mm_loadu_si128((const __m128i *)(p + bsize + 2)));
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
+                                           0x0004000400040004, 0x0004000400040004, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0xF));
+}
+
+__attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
+    int type, const uint8_t *w, size_t row_bytes, int bsize, const int8_t *xq, const float *xd,
+    const int32_t *corr, int nb, float *y) {
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const int pairs = nb & ~1;
     int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const size_t off = (size_t)b * bsize;
-        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
-        /* dpbusd onto minus the correction: the same exact int32 lanes as subtracting it */
-        const __m512i ncv = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                             _mm512_loadu_si512((const void *)(corr + b * 8)));
-        const __m512 xdv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[b]),
-                                                _mm512_set1_ps(xd[b + 1]));
+    for (; b < pairs; b += CHUNK) {
+        const int n = pairs - b < CHUNK ? pairs - b : CHUNK; /* even */
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
+        float sp[ROWS][CHUNK];
+        const __m512i at = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(bsize));
         for (int i = 0; i < ROWS; i++) {
-            const uint8_t *p = w + i * row_bytes + off;
-            _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
-            const __m512i sv = _mm512_dpbusd_epi32(ncv, load_pair_512(type, p, bsize), xv);
-            /* both blocks' float16 scales converted by one vcvtph2ps, then spread 8 + 8 */
-            const __m128i h = _mm_cvtsi32_si128((int)(rd16(p) | (uint32_t)rd16(p + bsize) << 16));
-            const __m512 dw = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
-            /* (d_w * d_x) * lane: the products of the scales, one rounding, as dot_q_512 */
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(dw, xdv),
-                                                         _mm512_cvtepi32_ps(sv)));
+            const uint8_t *p = w + i * row_bytes + (size_t)b * bsize;
+            /* 4 bytes at the start of each block: its float16 scale in the low half */
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
+            const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            _mm512_storeu_ps(sp[i], _mm512_mul_ps(dw, xds));
+        }
+        for (int c = 0; c < n; c += 2) {
+            const size_t off = (size_t)(b + c) * bsize;
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (b + c) * QK));
+            /* dpbusd onto minus the correction: the same exact int32 lanes as subtracting it */
+            const __m512i ncv = _mm512_sub_epi32(
+                _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr + (b + c) * 8)));
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *p = w + i * row_bytes + off;
+#if PREFETCH
+                _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+#endif
+                const __m512i wv = type == T_Q4_0 ? load_pair_q4_512(p, bsize)
+                                                  : load_pair_512(type, p, bsize);
+                const __m512i sv = _mm512_dpbusd_epi32(ncv, wv, xv);
+                const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[i][c]),
+                                                       _mm512_set1_ps(sp[i][c + 1]));
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
         }
     }
     for (int i = 0; i < ROWS; i++) {
@@ -715,13 +747,24 @@ AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int 
         int8_t q[QK];
         int32_t t[8];
         _mm512_storeu_ps(lanes, acc[i]);
-        for (int c = b; c < nb; c++) {
+        for (int c = pairs; c < nb; c++) {
             const float dw = unpack_block(type, w + i * row_bytes + (size_t)c * bsize, q);
             idot_lanes(q, xq + c * QK, t);
             add_block(lanes, c, dw * xd[c], t);
         }
         y[i] = finish(lanes, LANES_Q);
     }
+}
+
+AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
+                              const int8_t *xq, const float *xd, const int32_t *corr, int nb,
+                              float *y) {
+    if (type == T_Q8_0)
+        rows_q_512_t(T_Q8_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
+    else if (type == T_Q4_0)
+        rows_q_512_t(T_Q4_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
+    else
+        rows_q_512_t(T_Q5_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
 }
 
 /* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
