@@ -138,6 +138,25 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
     assert all(np.array_equal(r, results[0]) for r in results[1:])
 
 
+@pytest.mark.parametrize("qtype", INT8_PATH)
+def test_inputs_round_half_away_from_zero_on_every_path(qtype: QType) -> None:
+    # a block whose largest value is 127 has the scale 1, so its halves are exact ties: roundf
+    # takes them away from zero (2.5 -> 3, -0.5 -> -1), where round-to-even would not
+    halves = np.arange(-15.5, 16.0, 1.0, dtype=np.float32)  # 32 values, every one a tie
+    x = np.concatenate([[127.0], halves[1:], halves]).astype(np.float32)[None, :]  # (1, 64)
+    w = quant.quantize(np.eye(64, dtype=np.float32)[:8] * 0.5 + 0.25, qtype)  # (8, 64)
+    assert quant._kernels is not None
+    best = quant.linear(x, w)
+    try:
+        quant._kernels.use("portable")
+        portable = quant.linear(x, w)
+    finally:
+        quant._kernels.use("best")
+    assert np.array_equal(best, portable)
+    want = int8_inputs(x) @ w.dequantize().astype(np.float64).T  # roundf's int8 inputs
+    np.testing.assert_allclose(best, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("k", [48, 70])
 def test_f16_rows_of_any_length(k: int) -> None:
     rng = np.random.default_rng(4)

@@ -767,6 +767,45 @@ AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int 
         rows_q_512_t(T_Q5_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
 }
 
+/* quantize_input's blocks of 32 and the correction's sums (times 2^shift) for the AVX-512 rows,
+ * 16 values at a time: the same maximum (exact, NaNs ignored as fmaxf does), the same scalar
+ * scale and reciprocal, the same product x * id, and roundf's rounding (half away from zero):
+ * truncate, then step away from zero where the exact remainder is at least one half. */
+AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
+                                     int32_t *corr) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int b = 0; b < k / QK; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+        const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1),
+                                       _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        const __m512 idv = _mm512_set1_ps(id);
+        for (int h = 0; h < 2; h++) {
+            const __m512 v = _mm512_mul_ps(h ? x1 : x0, idv);
+            __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half,
+                                                    _CMP_GE_OQ);
+            const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v),
+                                                  _mm512_set1_epi32((int)0x80000000u));
+            const __m512 step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(one), sign));
+            t = _mm512_mask_add_ps(t, up, t, step);
+            _mm_storeu_si128((__m128i *)(q + b * QK + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+        }
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    int g = 0;
+    for (; g + 16 <= k / 4; g += 16) {
+        const __m512i qv = _mm512_loadu_si512((const void *)(q + 4 * g));
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, qv);
+        _mm512_storeu_si512((void *)(corr + g), _mm512_slli_epi32(s4, (unsigned)shift));
+    }
+    for (; g < k / 4; g++)
+        corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
+}
+
 /* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
  * float accumulators are one register each (dot_f32_portable's order); next rows prefetched. */
 AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
@@ -846,13 +885,20 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
             free(corr);
             return -1;
         }
+        const int shift = type == T_Q8_0 ? 7 : type == T_Q5_0 ? 4 : 3; /* 128, 16 or 8 */
         for (int t = 0; t < n; t++) {
             const int8_t *q = xq + (size_t)t * k;
+#if defined(FOUNDRY_X86)
+            if (use_512) {
+                prepare_input_512(x + (size_t)t * k, k, shift, xq + (size_t)t * k,
+                                  xd + (size_t)t * nb, corr + (size_t)t * (k / 4));
+                continue;
+            }
+#endif
             quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
             for (int g = 0; g < k / 4; g++)
                 corr[(size_t)t * (k / 4) + g] =
-                    (type == T_Q8_0 ? 128 : type == T_Q5_0 ? 16 : 8) *
-                    (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]);
+                    (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
         }
         int r = 0;
 #if defined(FOUNDRY_X86)
