@@ -677,8 +677,11 @@ DOT_K_X86(dot_k_avx2, AVX2, lanes8u_avx2)
 DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 
 /* Four rows at a time, each exactly dot_q_512's operations: the input's loads (int8 values,
- * their sums, their scales) are shared by the four rows, and the weights of the next four rows
- * are prefetched while these are read (one stream of memory, four rows ahead). Per chunk of up
+ * their sums, their scales) are shared by the four rows. The four rows are row j of each
+ * quarter of the matrix (lane_bytes apart), so each of the four walks its own quarter from
+ * start to end: four long sequential streams, which the L2 streamer prefetches (four adjacent
+ * rows, by contrast, share 4 KB pages at different offsets and defeat it: one quarter more of
+ * the bandwidth). Each lane also prefetches its own rows PREFETCH ahead in software. Per chunk of up
  * to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and multiplied by the
  * input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
  * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
@@ -701,8 +704,8 @@ AVX512 static inline __m512i load_pair_q4_512(const uint8_t *p, int bsize) {
 }
 
 __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
-    int type, const uint8_t *w, size_t row_bytes, int bsize, const int8_t *xq, const float *xd,
-    const int32_t *corr, int nb, float *y) {
+    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
+    const float *xd, const int32_t *corr, int nb, float *y) {
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     const int pairs = nb & ~1;
@@ -716,7 +719,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(bsize));
         for (int i = 0; i < ROWS; i++) {
-            const uint8_t *p = w + i * row_bytes + (size_t)b * bsize;
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
             /* 4 bytes at the start of each block: its float16 scale in the low half */
             const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
             const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
@@ -729,7 +732,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
             const __m512i ncv = _mm512_sub_epi32(
                 _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr + (b + c) * 8)));
             for (int i = 0; i < ROWS; i++) {
-                const uint8_t *p = w + i * row_bytes + off;
+                const uint8_t *p = w + i * lane_bytes + off;
 #if PREFETCH
                 _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
 #endif
@@ -748,7 +751,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
         int32_t t[8];
         _mm512_storeu_ps(lanes, acc[i]);
         for (int c = pairs; c < nb; c++) {
-            const float dw = unpack_block(type, w + i * row_bytes + (size_t)c * bsize, q);
+            const float dw = unpack_block(type, w + i * lane_bytes + (size_t)c * bsize, q);
             idot_lanes(q, xq + c * QK, t);
             add_block(lanes, c, dw * xd[c], t);
         }
@@ -756,15 +759,15 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
     }
 }
 
-AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, int bsize,
-                              const int8_t *xq, const float *xd, const int32_t *corr, int nb,
-                              float *y) {
+AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                              int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
+                              int nb, float *y) {
     if (type == T_Q8_0)
-        rows_q_512_t(T_Q8_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
+        rows_q_512_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
     else if (type == T_Q4_0)
-        rows_q_512_t(T_Q4_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
+        rows_q_512_t(T_Q4_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
     else
-        rows_q_512_t(T_Q5_0, w, row_bytes, bsize, xq, xd, corr, nb, y);
+        rows_q_512_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
 }
 
 /* quantize_input's blocks of 32 and the correction's sums (times 2^shift) for the AVX-512 rows,
@@ -806,20 +809,34 @@ AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q
         corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
 }
 
+#ifndef PF16
+#define PF16 1 /* rows ahead in each quarter */
+#endif
+#ifndef F16_HINT
+#define F16_HINT _MM_HINT_T0
+#endif
 /* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
- * float accumulators are one register each (dot_f32_portable's order); next rows prefetched. */
+ * float accumulators are one register each (dot_f32_portable's order). As in rows_q_512_t, the
+ * four are row j of each quarter (four sequential streams), each prefetching its next row. */
 AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
                                 const float *x, float *y) {
-    int r = 0;
-    for (; r + ROWS <= rows && k % LANES_F == 0; r += ROWS) {
+    const int quarter = k % LANES_F == 0 ? rows / ROWS : 0;
+    for (int j = 0; j < quarter; j++) {
         __m512 lo[ROWS], hi[ROWS];
-        for (int a = 0; a < ROWS; a++) lo[a] = hi[a] = _mm512_setzero_ps();
-        const uint8_t *base = w + (size_t)r * row_bytes;
+        const uint8_t *wr0[ROWS];
+        int out[ROWS];
+        for (int a = 0; a < ROWS; a++) {
+            out[a] = a * quarter + j;
+            wr0[a] = w + (size_t)out[a] * row_bytes;
+            lo[a] = hi[a] = _mm512_setzero_ps();
+        }
         for (int i = 0; i < k; i += LANES_F) {
             const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
             for (int a = 0; a < ROWS; a++) {
-                const uint8_t *wr = base + a * row_bytes + 2 * (size_t)i;
-                _mm_prefetch((const char *)(wr + PREFETCH * row_bytes), _MM_HINT_T0);
+                const uint8_t *wr = wr0[a] + 2 * (size_t)i;
+#if PF16
+                _mm_prefetch((const char *)(wr + PF16 * row_bytes), F16_HINT);
+#endif
                 const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wr));
                 const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wr + 32)));
                 lo[a] = _mm512_add_ps(lo[a], _mm512_mul_ps(w0, x0));
@@ -830,9 +847,10 @@ AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, in
             float lanes[LANES_F];
             _mm512_storeu_ps(lanes, lo[a]);
             _mm512_storeu_ps(lanes + 16, hi[a]);
-            y[r + a] = finish(lanes, LANES_F);
+            y[out[a]] = finish(lanes, LANES_F);
         }
     }
+    const int r = ROWS * quarter;
     if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
 }
 
@@ -902,15 +920,20 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         }
         int r = 0;
 #if defined(FOUNDRY_X86)
-        if (use_512) /* groups of four rows, kept in cache while the inputs pass over them */
-            for (; r + ROWS <= n_out; r += ROWS)
+        if (use_512) { /* groups of four rows, kept in cache while the inputs pass over them */
+            const int quarter = n_out / ROWS;
+            for (int j = 0; j < quarter; j++) {
+                const int first = j;
                 for (int t = 0; t < n; t++) {
                     float out[ROWS];
-                    rows_q_512(type, w + (size_t)r * row_bytes, row_bytes, bytes,
-                               xq + (size_t)t * k, xd + (size_t)t * nb, corr + (size_t)t * (k / 4),
-                               nb, out);
-                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + r + i] = out[i];
+                    rows_q_512(type, w + (size_t)first * row_bytes, row_bytes,
+                               (size_t)quarter * row_bytes, bytes, xq + (size_t)t * k,
+                               xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
+                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + first + i * quarter] = out[i];
                 }
+            }
+            r = ROWS * quarter;
+        }
 #endif
         for (; r < n_out; r++)
             for (int t = 0; t < n; t++)
