@@ -16,7 +16,10 @@
  *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
  *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
  *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
- *   by halving like the float path.
+ *   by halving like the float path. Q4_0 folds a block's eight lanes to four first (lane j +
+ *   lane j + 4: values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j, still exact) and adds
+ *   (d_w * d_x) * lane_j into accumulator 4 (block mod 4) + j: half the float work per block,
+ *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
  * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one scale per
  *   super-block, as ggml's Q8_K). Each 32 values of a super-block give the same eight exact
  *   int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
@@ -313,7 +316,12 @@ static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     return f16(blk);
 }
 
-static inline void add_block(float *acc, int b, float d, const int32_t *s) {
+static inline void add_block(int type, float *acc, int b, float d, const int32_t *s) {
+    if (type == T_Q4_0) { /* four lanes: lane j holds values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j */
+        float *a = acc + 4 * (b & 3);
+        for (int j = 0; j < 4; j++) a[j] = a[j] + d * (float)(s[j] + s[j + 4]);
+        return;
+    }
     float *a = acc + 8 * (b & 1);
     for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
 }
@@ -326,7 +334,7 @@ static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t 
     for (int b = 0; b < nb; b++) {
         const float dw = unpack_block(type, w + (size_t)b * bsize, q);
         idot_lanes(q, xq + b * QK, s);
-        add_block(acc, b, dw * xd[b], s);
+        add_block(type, acc, b, dw * xd[b], s);
     }
     return finish(acc, LANES_Q);
 }
@@ -478,7 +486,7 @@ AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
         for (; b < nb; b++) {                                                                  \
             const float dw = unpack_block(type, w + (size_t)b * bsize, q);                     \
             idot_lanes(q, xq + b * QK, s);                                                     \
-            add_block(acc, b, dw * xd[b], s);                                                  \
+            add_block(type, acc, b, dw * xd[b], s);                                                  \
         }                                                                                      \
         return finish(acc, LANES_Q);                                                           \
     }
@@ -497,6 +505,39 @@ VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
 }
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 
+/* Q4_0, AVX2 or VNNI on 256 bits: a block's eight exact lanes folded to add_block's four (lane
+ * j + lane j + 4), into four accumulators of four floats by block mod 4. */
+#define DOT_Q4_X86(NAME, TARGET, LANES8)                                                           \
+    TARGET static float NAME(const uint8_t *w, int bsize, const int8_t *xq, const float *xd,   \
+                             int nb) {                                                         \
+        __m128 acc[4];                                                                         \
+        for (int m = 0; m < 4; m++) acc[m] = _mm_setzero_ps();                                 \
+        int b = 0;                                                                             \
+        for (; b + 4 <= nb; b += 4)                                                            \
+            for (int m = 0; m < 4; m++) {                                                      \
+                const uint8_t *p = w + (size_t)(b + m) * bsize;                                \
+                const __m256i wv = load_block_avx2(T_Q4_0, p);                                 \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));   \
+                const __m256i s8 = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)); \
+                const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8),                  \
+                                                 _mm256_extracti128_si256(s8, 1));            \
+                acc[m] = _mm_add_ps(acc[m], _mm_mul_ps(_mm_set1_ps(f16c(p) * xd[b + m]),       \
+                                                       _mm_cvtepi32_ps(s4)));                  \
+            }                                                                                  \
+        float lanes[LANES_Q];                                                                  \
+        for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                      \
+        int8_t q[QK];                                                                          \
+        int32_t s[8];                                                                          \
+        for (; b < nb; b++) {                                                                  \
+            const float dw = unpack_block(T_Q4_0, w + (size_t)b * bsize, q);                   \
+            idot_lanes(q, xq + b * QK, s);                                                     \
+            add_block(T_Q4_0, lanes, b, dw * xd[b], s);                                        \
+        }                                                                                      \
+        return finish(lanes, LANES_Q);                                                          \
+    }
+DOT_Q4_X86(dot_q4_avx2, AVX2, lanes8_avx2)
+DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
+
 /* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
  * sixteen accumulators (8 (block mod 2) + j). Weights are unsigned for dpbusd (Q8_0: w + 128,
  * an exclusive or of the sign bit; Q4_0: its stored nibbles, 0..15, before the - 8), and 128
@@ -510,17 +551,8 @@ AVX512 static inline __m512i load_pair_512(int type, const uint8_t *p, int bsize
             _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
-    if (type == T_Q5_0)
-        return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)),
-                                  q5_unsigned_avx2(p + bsize), 1);
-    const __m256i raw = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + 2))),
-        _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1); /* the two blocks' 16 bytes */
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    const __m256i lo = _mm256_and_si256(raw, m4);                        /* values 0-15 */
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);  /* values 16-31 */
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)), /* Q5_0 */
+                              q5_unsigned_avx2(p + bsize), 1);
 }
 
 AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
@@ -543,7 +575,7 @@ AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_
     for (; b < nb; b++) {
         const float dw = unpack_block(type, w + (size_t)b * bsize, q);
         idot_lanes(q, xq + b * QK, t);
-        add_block(lanes, b, dw * xd[b], t);
+        add_block(type, lanes, b, dw * xd[b], t);
     }
     return finish(lanes, LANES_Q);
 }
@@ -686,22 +718,13 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
  * input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
  * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
  * holds no test of the type. */
+#ifndef ROWS
 #define ROWS 4
+#endif
 #define CHUNK 16 /* blocks whose scales are converted together */
 #ifndef PREFETCH
 #define PREFETCH ROWS /* rows ahead */
 #endif
-
-/* Q4_0's pair of blocks as unsigned nibbles, 128-bit lanes lo0 hi0 lo1 hi1: each block's 16
- * bytes broadcast to two lanes, the second lane of each shifted down by 4, then the low 4 bits. */
-AVX512 static inline __m512i load_pair_q4_512(const uint8_t *p, int bsize) {
-    const __m512i both = _mm512_mask_broadcast_i32x4(
-        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 2))), 0xFF00,
-        _mm_loadu_si128((const __m128i *)(p + bsize + 2)));
-    const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0, 0,
-                                           0x0004000400040004, 0x0004000400040004, 0, 0);
-    return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0xF));
-}
 
 __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
     int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
@@ -736,8 +759,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
 #if PREFETCH
                 _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
 #endif
-                const __m512i wv = type == T_Q4_0 ? load_pair_q4_512(p, bsize)
-                                                  : load_pair_512(type, p, bsize);
+                const __m512i wv = load_pair_512(type, p, bsize);
                 const __m512i sv = _mm512_dpbusd_epi32(ncv, wv, xv);
                 const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[i][c]),
                                                        _mm512_set1_ps(sp[i][c + 1]));
@@ -753,7 +775,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
         for (int c = pairs; c < nb; c++) {
             const float dw = unpack_block(type, w + i * lane_bytes + (size_t)c * bsize, q);
             idot_lanes(q, xq + c * QK, t);
-            add_block(lanes, c, dw * xd[c], t);
+            add_block(type, lanes, c, dw * xd[c], t);
         }
         y[i] = finish(lanes, LANES_Q);
     }
@@ -764,10 +786,88 @@ AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size
                               int nb, float *y) {
     if (type == T_Q8_0)
         rows_q_512_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
-    else if (type == T_Q4_0)
-        rows_q_512_t(T_Q4_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
     else
         rows_q_512_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
+}
+
+/* Q4_0 on AVX-512, four rows and four blocks per step: the blocks' 4 x 16 bytes one register
+ * (block m in 128-bit lane m); its low nibbles (values 0-15) against the input's values 0-15
+ * of each block, then its high nibbles (16-31) against values 16-31, both dpbusd into the same
+ * int32 lanes onto minus 8 x the input's sums: lane 4m + j is block m's lane j of add_block's
+ * four, exactly, and the sixteen float lanes are its accumulators 4 (block mod 4) + j. The input
+ * comes in that order (``x4``: per four blocks their values 0-15, then 16-31; ``corr4``: per
+ * block four sums of 8 values, times 8), from q4_layout. Scales as in rows_q_512_t. */
+AVX512 static void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                               const int8_t *xq, const int8_t *x4, const float *xd,
+                               const int32_t *corr4, int nb, float *y) {
+    const int bsize = 18;
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(bsize));
+    const int quads = nb & ~3;
+    for (int b = 0; b < quads; b += CHUNK) {
+        const int n = quads - b < CHUNK ? quads - b : CHUNK; /* a multiple of 4 */
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
+        __m512 sp[ROWS];
+        for (int i = 0; i < ROWS; i++) {
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
+            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
+            sp[i] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), xds);
+        }
+        for (int c = 0; c < n; c += 4) {
+            const int8_t *xg = x4 + (size_t)(b + c) * QK;
+            const __m512i x1 = _mm512_loadu_si512((const void *)xg);
+            const __m512i x2 = _mm512_loadu_si512((const void *)(xg + 64));
+            const __m512i ncv = _mm512_sub_epi32(
+                _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr4 + (b + c) * 4)));
+            const __m512i idx = _mm512_add_epi32(
+                _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(c));
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *p = w + i * lane_bytes + (size_t)(b + c) * bsize;
+#if PREFETCH
+                _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+#endif
+                __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 2)));
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1);
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + 2 * bsize + 2)), 2);
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + 3 * bsize + 2)), 3);
+                const __m512i lo = _mm512_and_si512(q, m4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                const __m512i sv = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncv, lo, x1), hi, x2);
+                const __m512 dv = _mm512_permutexvar_ps(idx, sp[i]);
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        float lanes[LANES_Q];
+        int8_t q[QK];
+        int32_t t[8];
+        _mm512_storeu_ps(lanes, acc[i]);
+        for (int c = quads; c < nb; c++) {
+            const float dw = unpack_block(T_Q4_0, w + i * lane_bytes + (size_t)c * bsize, q);
+            idot_lanes(q, xq + c * QK, t);
+            add_block(T_Q4_0, lanes, c, dw * xd[c], t);
+        }
+        y[i] = finish(lanes, LANES_Q);
+    }
+}
+
+/* rows_q4_512's input order, from the int8 input (k values) and corr (8 x its sums of 4). */
+static void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4) {
+    const int quads = k / QK / 4;
+    for (int g = 0; g < quads; g++)
+        for (int m = 0; m < 4; m++) {
+            const int8_t *blk = xq + (size_t)(4 * g + m) * QK;
+            memcpy(x4 + (size_t)g * 128 + 16 * m, blk, 16);
+            memcpy(x4 + (size_t)g * 128 + 64 + 16 * m, blk + 16, 16);
+        }
+    for (int b = 0; b < k / QK; b++)
+        for (int j = 0; j < 4; j++) corr4[4 * b + j] = corr[8 * b + j] + corr[8 * b + j + 4];
 }
 
 /* quantize_input's blocks of 32 and the correction's sums (times 2^shift) for the AVX-512 rows,
@@ -863,9 +963,13 @@ static int use_avx2 = 0, use_vnni = 0, use_512 = 0;
 static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
                    const int32_t *corr, int nb) {
 #if defined(FOUNDRY_X86)
-    if (use_512) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
-    if (use_vnni) return dot_q_vnni(type, w, bsize, xq, xd, nb);
-    if (use_avx2) return dot_q_avx2(type, w, bsize, xq, xd, nb);
+    if (use_512 && type != T_Q4_0) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
+    if (use_vnni)
+        return type == T_Q4_0 ? dot_q4_vnni(w, bsize, xq, xd, nb)
+                              : dot_q_vnni(type, w, bsize, xq, xd, nb);
+    if (use_avx2)
+        return type == T_Q4_0 ? dot_q4_avx2(w, bsize, xq, xd, nb)
+                              : dot_q_avx2(type, w, bsize, xq, xd, nb);
 #endif
     (void)corr;
     return dot_q_portable(type, w, bsize, xq, xd, nb);
@@ -921,18 +1025,40 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         int r = 0;
 #if defined(FOUNDRY_X86)
         if (use_512) { /* groups of four rows, kept in cache while the inputs pass over them */
+            int8_t *x4 = NULL;
+            int32_t *corr4 = NULL;
+            if (type == T_Q4_0) {
+                x4 = malloc((size_t)n * k);
+                corr4 = malloc((size_t)n * (k / 8) * sizeof(int32_t));
+                if (x4 == NULL || corr4 == NULL) {
+                    free(x4);
+                    free(corr4);
+                    free(xq);
+                    free(xd);
+                    free(corr);
+                    return -1;
+                }
+                for (int t = 0; t < n; t++)
+                    q4_layout(xq + (size_t)t * k, corr + (size_t)t * (k / 4), k,
+                              x4 + (size_t)t * k, corr4 + (size_t)t * (k / 8));
+            }
             const int quarter = n_out / ROWS;
-            for (int j = 0; j < quarter; j++) {
-                const int first = j;
+            for (int j = 0; j < quarter; j++)
                 for (int t = 0; t < n; t++) {
                     float out[ROWS];
-                    rows_q_512(type, w + (size_t)first * row_bytes, row_bytes,
-                               (size_t)quarter * row_bytes, bytes, xq + (size_t)t * k,
-                               xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
-                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + first + i * quarter] = out[i];
+                    const uint8_t *wj = w + (size_t)j * row_bytes;
+                    const size_t lane = (size_t)quarter * row_bytes;
+                    if (type == T_Q4_0)
+                        rows_q4_512(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                    xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                    else
+                        rows_q_512(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                                   xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
+                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
                 }
-            }
             r = ROWS * quarter;
+            free(x4);
+            free(corr4);
         }
 #endif
         for (; r < n_out; r++)
