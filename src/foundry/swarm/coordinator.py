@@ -289,7 +289,8 @@ class Coordinator:
         self._weights_cache: tuple[int, fdtc.WeightsMeta, fdtc.Weights] | None = None
         self.bound_port = 0
         self.bound_admin_port = 0
-        self._validated_step = -1
+        self._validation_step = -1  # the step of the last validation begun
+        self._validation: asyncio.Task[None] | None = None  # the one under way
         self._checkpoint_failed = False
         self._checkpoint_warning = ""  # why checkpoints fail, while they do (status)
         self._abandoned_in_a_row = 0
@@ -1161,19 +1162,32 @@ class Coordinator:
                 del self._digests[old]
 
     async def _validate(self) -> None:
+        """Validate the weights of this step in the background: rounds go on while it runs
+        (on the whole held-out split it takes as long as several steps). One at a time: a
+        validation due while the last still runs waits for it, so none is skipped and their
+        log lines come in step order."""
+        await self._validated()
         params = {k: v.copy() for k, v in self.trainer.params.items()}
+        self._validation_step = self.step
+        self._validation = self._spawn(self._run_validation(self.step, params), "validation")
+
+    async def _validated(self) -> None:
+        """Until the validation under way (if any) is done."""
+        if self._validation is not None:
+            await asyncio.shield(self._validation)
+            self._validation = None
+
+    async def _run_validation(self, step: int, params: Params) -> None:
         seq_len = self.opt.settings.seq_len
-        self.val_loss = await asyncio.to_thread(
-            evaluate_loss, params, self.opt.cfg, self.corpus, seq_len
-        )
+        loss = await asyncio.to_thread(evaluate_loss, params, self.opt.cfg, self.corpus, seq_len)
         if self._yardstick is None:
             self._yardstick = await asyncio.to_thread(
                 compressor_bits_per_byte, self.corpus.held_out_bytes(seq_len)
             )
-        self.metrics.validation_loss.set(self.val_loss)
-        self._validated_step = self.step
-        log.info("step %d: validation loss %.4f, %s", self.step, self.val_loss,
-                 against_compressors(bits_per_byte(self.val_loss), self._yardstick))
+        self.val_loss = loss
+        self.metrics.validation_loss.set(loss)
+        log.info("step %d: validation loss %.4f, %s", step, loss,
+                 against_compressors(bits_per_byte(loss), self._yardstick))
 
     async def _checkpoint_or_warn(self) -> None:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:
@@ -1222,8 +1236,9 @@ class Coordinator:
     async def _finish(self) -> None:
         if self.state is SwarmState.DONE:
             return
-        if self._validated_step != self.step:
+        if self._validation_step != self.step:
             await self._validate()
+        await self._validated()
         if self._checkpoint_step != self.step:
             await self._checkpoint_or_warn()
         self._set_state(SwarmState.DONE)
