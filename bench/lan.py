@@ -10,15 +10,18 @@ after the other against the same baseline. Everything is removed at the end, on 
 on Ctrl+C (namespaces are named ``fl<pid>-...``, so runs never collide).
 
 First one process trains ``--steps`` steps (``Trainer.train_step``, as ``foundry train`` does)
-and its validation loss at the last step becomes the target; then each configuration
+and its validation loss at the last step becomes the target (both sides validate on the whole
+held-out split, and neither clock counts validation: the coordinator runs it beside its
+rounds, one process's clock stops for it); then each configuration
 (``--config [RATE:]NAME=COORDINATOR ARGS``) trains the same model on the same global batch and
 learning-rate schedule (whose floor holds after ``--steps``) until it has reached the target
 and trained ``--steps`` steps (the validation loss at equal tokens), or ``--max-steps``. For
 each one it prints:
 
 - samples/s after the first rounds, as a ratio to one process;
-- wall-clock time to the target validation loss (from the moment every worker registered),
-  as a ratio ("sooner": one process's time over the configuration's);
+- wall-clock time to the target validation loss (from the moment every worker registered to
+  the log line of the step that reached it), as a ratio ("sooner": one process's time over
+  the configuration's);
 - bytes per step through the coordinator's port in each direction, read from the switch's
   port counters (TCP/IP headers included), with the dense f32 size of the weights next to it.
 
@@ -60,9 +63,6 @@ from foundry.model.training import Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.runtime import retain_freed_memory
 
-# The coordinator validates on this many batches (coordinator.VALIDATION_BATCHES): the target
-# is measured the same way.
-VALIDATION_BATCHES = 4
 SUBNET = "10.77.0"
 PORT = 7070
 # Rounds before samples/s is measured: registration, first weights, first allocations.
@@ -190,7 +190,9 @@ class Baseline:
 
 
 def one_process(args: argparse.Namespace) -> Baseline:
-    """``--steps`` single-process steps; validation every ``--validate-every`` (timed too)."""
+    """``--steps`` single-process steps, validated every ``--validate-every`` on the whole
+    held-out split, as the coordinator validates. The clock counts training only: the
+    coordinator validates beside its rounds, so neither side's time includes validation."""
     retain_freed_memory()
     cfg = preset(args.preset)
     settings = TrainSettings(global_batch=args.global_batch, seq_len=args.seq_len,
@@ -199,19 +201,20 @@ def one_process(args: argparse.Namespace) -> Baseline:
     trainer = Trainer(cfg, settings, init_params(cfg, 0))
     corpus = load_corpus(None)
     curve = []
-    t0 = time.perf_counter()
+    trained = 0.0  # seconds of training, validation left out
     warm_t = 0.0
     for step in range(1, args.steps + 1):
+        t = time.perf_counter()
         trainer.train_step(corpus, micro_batch=8)
+        trained += time.perf_counter() - t
         if step == WARM_STEPS:
-            warm_t = time.perf_counter()
+            warm_t = trained
         if step % args.validate_every == 0 or step == args.steps:
-            loss = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, VALIDATION_BATCHES)
-            curve.append((step, time.perf_counter() - t0, loss))
-    end = time.perf_counter()
+            curve.append((step, trained, evaluate_loss(trainer.params, cfg, corpus,
+                                                       args.seq_len)))
     target = curve[-1][2]
     first = next(t for _, t, loss in curve if loss <= target)
-    rate = (args.steps - WARM_STEPS) * args.global_batch / (end - warm_t)
+    rate = (args.steps - WARM_STEPS) * args.global_batch / (trained - warm_t)
     return Baseline(rate, target, first, curve)
 
 
@@ -305,6 +308,7 @@ def run_config(
         warm: tuple[int, float, int, tuple[int, int]] | None = None  # step, time, samples, bytes
         last: tuple[int, float, int, tuple[int, int]] | None = None
         samples = 0
+        step_at: dict[int, float] = {}  # step -> log time of its line
         deadline = time.monotonic() + args.config_timeout
         while time.monotonic() < deadline:
             line = next(lines)
@@ -321,6 +325,7 @@ def run_config(
                     t_start = t
             elif (m := _STEP.search(line)) and t is not None:
                 step = int(m.group(1))
+                step_at[step] = t
                 samples += int(m.group(2))
                 point = (step, t, samples, net.port_bytes(0))
                 if warm is None and step >= WARM_STEPS:
@@ -329,12 +334,14 @@ def run_config(
                 res.steps = step
             elif (m := _VAL.search(line)) and t is not None and t_start is not None:
                 loss = float(m.group(2))
-                res.curve.append((int(m.group(1)), t - t_start, loss))
+                # The time of the step it validates: validation runs beside the rounds.
+                at = step_at.get(int(m.group(1)), t) - t_start
+                res.curve.append((int(m.group(1)), at, loss))
                 res.last_val = loss
                 if int(m.group(1)) <= args.steps:
                     res.val_at_steps = loss  # the last validation within equal tokens
                 if loss <= base.target and res.seconds_to_target is None:
-                    res.seconds_to_target = t - t_start
+                    res.seconds_to_target = at
                 measured = warm is not None and last is not None and last[0] > warm[0]
                 if res.seconds_to_target is not None and measured and (
                         args.stop_at_target or int(m.group(1)) >= args.steps):

@@ -339,3 +339,43 @@ def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
         a.stop()
         b.stop()
         coord.stop()
+
+
+def test_a_worker_that_stops_reading_does_not_hold_up_the_others_assignments(
+    tmp_path: Path,
+) -> None:
+    """Assignments go out one worker at a time (``_send_staggered``), each for a bounded
+    time: a registered worker that takes none of its 13.7 MB of weights (it only sends
+    heartbeats) does not keep the next worker from its weights and ASSIGN."""
+    coord, port, _ = coordinator(
+        tmp_path, "--preset", "small", "--max-steps", "4", "--global-batch", "8",
+        "--min-workers", "2", "--compression", "none",
+    )
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.settimeout(20)
+    stuck.connect(("127.0.0.1", port))
+    fp = load_corpus(None).fingerprint
+    stuck.sendall(b"".join(fdtc.encode(m) for m in (
+        fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+        fdtc.Register(worker_id="a-stuck", protocol_version=fdtc.PROTOCOL_VERSION,
+                      profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2,
+                      memory_mb=4096, suggested_batch_size=4),
+    )))
+    link = Link(port)
+    try:
+        coord.wait_for(r"a-stuck", within_s=20)
+        register(link, "b-reads")
+        t0 = time.monotonic()
+        got: fdtc.Message | None = None
+        while not isinstance(got, fdtc.Assign):
+            stuck.sendall(fdtc.encode(fdtc.Heartbeat("a-stuck", 0, 0.0, 0.0)))
+            got = link.recv()
+        waited = time.monotonic() - t0
+        # a-stuck is still a member: the heartbeat timeout (2.5 s) did not free the round.
+        assert waited < 2.0, waited
+        assert "a-stuck" not in re.findall(r"dropped (\S+)", coord.text())
+    finally:
+        stuck.close()
+        link.sock.close()
+        coord.stop()

@@ -1,8 +1,13 @@
-"""QSGD (Alistarh et al. 2017): per bucket an L2 norm, per element a sign and a level.
+"""QSGD (Alistarh et al. 2017): per bucket a scale, per element a sign and a level.
 
-Layout: ``u32 bucket``, ``u32 s``, ``f32 norm[ceil(n / bucket)]``, then one
+Layout: ``u32 bucket``, ``u32 s``, ``f32 scale[ceil(n / bucket)]``, then one
 ``b = 1 + bit_length(s)``-bit code per element, ``level << 1 | sign``, packed LSB-first
-(element i in stream bits [i*b, (i+1)*b)). Decoded value: sign * norm * level/s.
+(element i in stream bits [i*b, (i+1)*b)). Decoded value: sign * scale * level/s.
+
+The encoder's scale is the bucket's largest magnitude (QSGD's max-norm form) rather than the
+paper's L2 norm: the decoder is the same, the rounding stays unbiased, and the error of each
+element is below scale / s instead of ||v|| / s, which makes 4- and 3-bit codes usable
+(docs/protocol.md, "QSGD").
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from foundry.compression.base import Buffer, Codec, CodecParams, F32Array, flat_
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import Compression
 
-DEFAULT_QSGD_LEVELS = 127  # s: 8-bit codes; variance bound 0.03 * ||v||^2 per 512-bucket
+DEFAULT_QSGD_LEVELS = 127  # s: 8-bit codes; each element within max|v| / 127 of its value
 DEFAULT_QSGD_BUCKET = 512
 MAX_QSGD_LEVELS = 127  # codes are at most 8 bits (7 of level, 1 of sign)
 _QSGD_HEAD = struct.Struct("<II")  # bucket, levels
@@ -71,9 +76,10 @@ def _unpack_codes(stream: npt.NDArray[np.uint8], n: int, bits: int) -> npt.NDArr
 
 
 class QsgdCodec(Codec):
-    """QSGD: per bucket of d elements, the L2 norm and for each element a sign and a level
-    l in 0..s with P(l = floor(r) + 1) = r - floor(r), r = s |v_i| / ||v||. Unbiased:
-    E[decode] = v, and Var <= min(d / s^2, sqrt(d) / s) ||v||^2 per bucket.
+    """QSGD: per bucket of d elements, the scale m = max |v_i| and for each element a sign
+    and a level l in 0..s with P(l = floor(r) + 1) = r - floor(r), r = s |v_i| / m. Unbiased:
+    E[decode] = v, each element within m / s of v_i, and Var <= d m^2 / (4 s^2) per bucket
+    (the L2 norm's bound is min(d / s^2, sqrt(d) / s) ||v||^2, with ||v||^2 up to d m^2).
     """
 
     compression = Compression.QSGD
@@ -107,21 +113,18 @@ class QsgdCodec(Codec):
         n, d, s = flat.size, self.bucket, self.levels
         n_buckets = -(-n // d)
         v = flat
-        if n_buckets * d != n:  # zero padding adds nothing to a norm and gets level 0
+        if n_buckets * d != n:  # zero padding changes no maximum and gets level 0
             v = np.zeros(n_buckets * d, np.float32)
             v[:n] = flat
-        v2 = v.reshape(n_buckets, d)
-        norms = np.sqrt(np.einsum("ij,ij->i", v2, v2)).astype(np.float32)
+        r = np.abs(v.reshape(n_buckets, d))
+        norms = r.max(axis=1)
         if not bool(np.isfinite(norms).all()):
-            raise LocalProtocolError(
-                "QSGD input holds NaN, inf or values whose square overflows f32"
-            )
-        with np.errstate(divide="ignore"):
-            scale = np.where(norms > 0, np.float32(s) / norms, np.float32(0)).astype(np.float32)
-        r = np.abs(v2)
-        r *= scale[:, None]
+            raise LocalProtocolError("QSGD input holds NaN or inf")
+        # r = s |v_i| / m as (|v_i| / m) s: a subnormal m would overflow s / m.
+        np.divide(r, norms[:, None], out=r, where=norms[:, None] > 0)
+        r *= np.float32(s)
         # Stochastic rounding: floor(r + u), u ~ U[0, 1), is floor(r) + 1 with probability
-        # r - floor(r). min(., s) guards the one element of a bucket that can round to s + eps.
+        # r - floor(r). min(., s) guards the largest element, whose r may round to s + eps.
         r += self.rng.random(r.shape, dtype=np.float32)
         np.floor(r, out=r)
         np.minimum(r, np.float32(s), out=r)

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from foundry.compression import Codec, deserialize_tensors, get_codec
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
@@ -123,6 +124,16 @@ VALIDATE_EVERY = 25
 LATE_FACTOR = 1.5
 # ... once it has waited at least this long after the first report (less is scheduling jitter).
 LATE_MIN_WAIT_S = 0.05
+# Assignments go out one worker at a time (``_send_staggered``): the next begins once fewer
+# than STAGGER_BELOW bytes of the last are unsent, or after its bytes' time at the best rate
+# the port has shown x STAGGER_SLACK (at least STAGGER_MIN_S). Sends above
+# STAGGER_MEASURE_ABOVE bytes measure that rate, which decays by STAGGER_DECAY a send.
+STAGGER_BELOW = 64 * 1024
+STAGGER_SLACK = 1.5
+STAGGER_MIN_S = 0.002
+STAGGER_POLL_S = 0.001
+STAGGER_MEASURE_ABOVE = 256 * 1024
+STAGGER_DECAY = 0.9
 
 
 class SwarmState(enum.IntEnum):
@@ -278,7 +289,8 @@ class Coordinator:
         self._weights_cache: tuple[int, fdtc.WeightsMeta, fdtc.Weights] | None = None
         self.bound_port = 0
         self.bound_admin_port = 0
-        self._validated_step = -1
+        self._validation_step = -1  # the step of the last validation begun
+        self._validation: asyncio.Task[None] | None = None  # the one under way
         self._checkpoint_failed = False
         self._checkpoint_warning = ""  # why checkpoints fail, while they do (status)
         self._abandoned_in_a_row = 0
@@ -292,6 +304,7 @@ class Coordinator:
         self._update: fdtc.Update | None = None  # the last step's UPDATE, for every worker
         self._digests: dict[int, bytes] = {}  # step -> digest of the shadow, recent ones
         self._round_bytes = [0, 0]  # up, down during the current round
+        self._port_rate = 0.0  # bytes/s: the best a staggered send has shown lately
 
     # ------------------------------------------------------------------ state
 
@@ -745,11 +758,18 @@ class Coordinator:
             await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
             return
         try:
-            tensors = deserialize_tensors(msg.data, self._numels, Compression(msg.compression))
+            # In a thread: the loop goes on feeding the other workers' sockets meanwhile.
+            tensors, finite = await asyncio.to_thread(self._decode_gradients, msg)
         except (ValueError, ProtocolError) as exc:
             raise fdtc.FdtcProtocolError(f"undecodable gradient data: {exc}") from exc
-        if not all(np.isfinite(t).all() for t in tensors):
+        if not finite:
             log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
+            await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
+            return
+        if self.round is not rnd or not rnd.accepts(m.worker_id, msg.local_step,
+                                                    assigned_only=m.extended):
+            log.info("gradient from %s for step %d came as its round ended; dropped",
+                     m.worker_id, msg.local_step)
             await self._send_to(m, fdtc.GradientsAck(self.step, accepted=False))
             return
         now = time.monotonic()
@@ -764,6 +784,10 @@ class Coordinator:
         m.busy = False
         rnd.changed.set()
         await self._send_to(m, fdtc.GradientsAck(rnd.step, accepted=True))
+
+    def _decode_gradients(self, msg: fdtc.Gradients) -> tuple[list[npt.NDArray[np.float32]], bool]:
+        tensors = deserialize_tensors(msg.data, self._numels, Compression(msg.compression))
+        return tensors, all(bool(np.isfinite(t).all()) for t in tensors)
 
     def _drop(self, m: Member, reason: str) -> None:
         """``reason``: one of ``SWARM_DROP_REASONS`` (a metric label: no spaces)."""
@@ -916,13 +940,52 @@ class Coordinator:
                     total_shards=len(ids),
                     seq_len=self.opt.settings.seq_len,
                 )
-            sends.append(self._assign(m, assign))
+            sends.append((m, assign))
         self._update_member_gauges()
-        results = await asyncio.gather(*sends, return_exceptions=True)
-        for res in results:
+        for res in await self._send_staggered(sends):
             if isinstance(res, BaseException):
                 log.info("could not send an assignment: %s", res)
         return rnd
+
+    async def _send_staggered(
+        self, sends: list[tuple[Member, fdtc.Assign | fdtc.LocalAssign]]
+    ) -> list[BaseException | None]:
+        """The round's assignments, each after what brings its worker up to date, one worker
+        at a time: the next begins once the last one's bytes are on the wire, or after as long
+        as they take at the best rate this port has shown (x ``STAGGER_SLACK``), whichever is
+        first; a worker behind a slower link goes on receiving beside the next. Sent all at
+        once, the UPDATEs share the port and every worker starts computing when the last byte
+        is out, then all uploads arrive at once; one at a time, the first starts after 1/N of
+        that and the uploads come in spread out while the rest go down (the port is full
+        duplex). docs/architecture.md, "The downlink"."""
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for m, assign in sends:
+                before = m.stream.bytes_out
+                tasks.append(asyncio.ensure_future(self._assign(m, assign)))
+                await self._until_sent(m, tasks[-1], before)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:
+            for pending in tasks:
+                pending.cancel()
+            raise
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    async def _until_sent(self, m: Member, task: asyncio.Task[None], before: int) -> None:
+        t0 = time.monotonic()
+        while True:
+            sent = m.stream.bytes_out - before
+            if task.done() and (task.exception() is not None or m.stream.writer.is_closing()):
+                return
+            if task.done() and m.stream.unsent() <= STAGGER_BELOW:
+                elapsed = time.monotonic() - t0
+                if sent >= STAGGER_MEASURE_ABOVE and elapsed > 0:
+                    self._port_rate = max(sent / elapsed, STAGGER_DECAY * self._port_rate)
+                return
+            budget = sent / self._port_rate * STAGGER_SLACK if self._port_rate else 0.0
+            if time.monotonic() - t0 >= max(STAGGER_MIN_S, budget):
+                return
+            await asyncio.sleep(STAGGER_POLL_S)
 
     async def _await_decision(self, rnd: Round) -> policy.RoundDecision:
         """Wait until the round closes or is abandoned (reports, deaths, its deadline)."""
@@ -1099,19 +1162,32 @@ class Coordinator:
                 del self._digests[old]
 
     async def _validate(self) -> None:
+        """Validate the weights of this step in the background: rounds go on while it runs
+        (on the whole held-out split it takes as long as several steps). One at a time: a
+        validation due while the last still runs waits for it, so none is skipped and their
+        log lines come in step order."""
+        await self._validated()
         params = {k: v.copy() for k, v in self.trainer.params.items()}
+        self._validation_step = self.step
+        self._validation = self._spawn(self._run_validation(self.step, params), "validation")
+
+    async def _validated(self) -> None:
+        """Until the validation under way (if any) is done."""
+        if self._validation is not None:
+            await asyncio.shield(self._validation)
+            self._validation = None
+
+    async def _run_validation(self, step: int, params: Params) -> None:
         seq_len = self.opt.settings.seq_len
-        self.val_loss = await asyncio.to_thread(
-            evaluate_loss, params, self.opt.cfg, self.corpus, seq_len
-        )
+        loss = await asyncio.to_thread(evaluate_loss, params, self.opt.cfg, self.corpus, seq_len)
         if self._yardstick is None:
             self._yardstick = await asyncio.to_thread(
                 compressor_bits_per_byte, self.corpus.held_out_bytes(seq_len)
             )
-        self.metrics.validation_loss.set(self.val_loss)
-        self._validated_step = self.step
-        log.info("step %d: validation loss %.4f, %s", self.step, self.val_loss,
-                 against_compressors(bits_per_byte(self.val_loss), self._yardstick))
+        self.val_loss = loss
+        self.metrics.validation_loss.set(loss)
+        log.info("step %d: validation loss %.4f, %s", step, loss,
+                 against_compressors(bits_per_byte(loss), self._yardstick))
 
     async def _checkpoint_or_warn(self) -> None:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:
@@ -1160,8 +1236,9 @@ class Coordinator:
     async def _finish(self) -> None:
         if self.state is SwarmState.DONE:
             return
-        if self._validated_step != self.step:
+        if self._validation_step != self.step:
             await self._validate()
+        await self._validated()
         if self._checkpoint_step != self.step:
             await self._checkpoint_or_warn()
         self._set_state(SwarmState.DONE)

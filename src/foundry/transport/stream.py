@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import socket
+import struct
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, Protocol, TypeVar
@@ -51,6 +54,8 @@ READ_CHUNK = 256 * 1024
 # Frame pieces this large (tensor data, a LOGITS half) are written as the views they are, not
 # copied into a joined frame first; smaller ones are joined, so a small frame is one write.
 JOIN_BELOW = 64 * 1024
+# ioctl of the bytes a TCP socket's send queue has not sent yet (Linux's TIOCOUTQ).
+_SIOCOUTQ: int | None = 0x5411 if sys.platform.startswith("linux") else None
 
 
 class Decoder(Protocol[E_co]):
@@ -187,6 +192,16 @@ class AsyncStream(Generic[E]):
         ``frame_deadline_s``; the connection is then aborted)."""
         n = self.write_pieces(pieces)
         await self.drain(n)
+        return n
+
+    def unsent(self) -> int:
+        """Bytes written but not yet on the wire: what asyncio still holds, plus (on Linux)
+        what the kernel's send queue has not sent (``SIOCOUTQ``)."""
+        n = self.writer.transport.get_write_buffer_size()
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None and _SIOCOUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0" * 4))[0]
         return n
 
     async def drain(self, n: int = 0) -> None:
