@@ -1,27 +1,47 @@
-"""Builds of the block kernels against each other, streaming weights from memory, one process.
+"""Builds of the block kernels against each other in one process: streaming products, and decode.
 
     python bench/kernel_builds.py NAME=PATH.so [NAME=PATH.so ...] [--rows 600000] [--reps 4]
-        [--core 2]
+        [--core 2] [--types Q8_0,Q4_0,F16] [--decode f16,q8_0,q4_0 [--tokens 48]
+        [--model-dir /tmp]]
 
 Each ``PATH.so`` is a build of ``foundry.model._kernels`` (e.g. one with
-``CFLAGS=-DPREFETCH=0 python setup.py build_ext --inplace --force``, copied aside). All are
-loaded into this process and multiply the same weights, one float32 input row, interleaved, best
-of ``--reps``: Q8_0 and Q4_0 matrices of ``--rows`` x 1,024 random blocks (with a normal float16
-scale), by default 653 MB and 346 MB, more than a 300 MB L3, so the products stream from DRAM.
-Prints GB/s of stored weights per build and type, and the build with the least total time.
+``CFLAGS=-DPREFETCH=0 python setup.py build_ext --inplace --force``, copied aside, or the
+build of an older commit). All are loaded into this process and run on the same data,
+interleaved, so a busy machine slows them alike:
+
+1. Products: one float32 input row times ``--rows`` x 1,024 weights of each of ``--types``
+   (random Q8_0 and Q4_0 blocks with a normal float16 scale, F16 from a normal sample), best
+   of ``--reps``; by default 653 MB of Q8_0, more than a 300 MB L3, so the products stream from
+   DRAM. Prints GB/s of stored weights per build and type, numpy's float32 product of the same
+   shape (its 2.4 GB at the default rows) for scale, and the build with the least total time.
+2. With ``--decode``: ms per decoded token of the ``bench`` preset stored as each type (files
+   written by ``save_gguf`` into ``--model-dir`` once, reused), one token per build and type
+   after the other for ``--tokens`` tokens after a 64-token prompt, with f32 (numpy) between
+   them as the baseline; medians, and each type's ratio to f32 as ``bench/engine.py`` gives it.
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
+
 import argparse
 import importlib.util
-import os
+import statistics
 import time
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
-TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18)}  # ggml type code, bytes per block of 32
+from foundry.model import quant
+from foundry.model import transformer as T
+from foundry.model.config import preset
+from foundry.model.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.inference import Engine
+
+TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "F16": (1, 0)}  # ggml type code, bytes per block of 32
 K = 1024
 
 
@@ -34,35 +54,93 @@ def load(path: str) -> ModuleType:
     return module
 
 
+def weights(t: str, rows: int, rng: np.random.Generator) -> np.ndarray:
+    if t == "F16":
+        return rng.standard_normal((rows, K), dtype=np.float32).astype(np.float16).view(np.uint8)
+    blocks = rng.integers(0, 256, (rows, K // 32, TYPES[t][1]), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # the scale
+    return blocks.reshape(rows, -1)
+
+
+def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: int) -> None:
+    rng = np.random.default_rng(0)
+    w = {t: weights(t, rows, rng) for t in types}
+    x = rng.standard_normal((1, K), dtype=np.float32)
+    y = np.empty((1, rows), np.float32)
+    best = {(b, t): float("inf") for b in builds for t in types}
+    for _ in range(reps):
+        for b, module in builds.items():
+            for t in types:
+                t0 = time.perf_counter()
+                module.matmul(TYPES[t][0], w[t], rows, K, x, 1, y)
+                best[b, t] = min(best[b, t], time.perf_counter() - t0)
+    for b in builds:
+        print(f"{b}: " + ", ".join(f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s"
+                                   for t in types))
+    del w
+    f32 = rng.standard_normal((rows, K), dtype=np.float32)
+    base = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x @ f32.T
+        base = min(base, time.perf_counter() - t0)
+    print(f"f32 numpy: {f32.nbytes / base / 1e9:.1f} GB/s")
+    print("best", min(builds, key=lambda b: sum(best[b, t] for t in types)))
+
+
+def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder: Path) -> None:
+    cfg = preset("bench")
+    engines = {}
+    params = None
+    for t in ["f32", *types]:
+        path = folder / f"foundry-kernel-builds-bench-{t}.gguf"
+        if not path.exists():
+            params = params if params is not None else T.init_params(cfg, seed=0)
+            save_gguf(path, cfg, params, dtype=t)  # type: ignore[arg-type]
+        m = load_gguf_stored(path)
+        engines[t] = Engine(m.cfg, m.params)
+        del m
+    runs = [("", "f32")] + [(b, t) for b in builds for t in types]
+    prompt = [int(v) for v in np.random.default_rng(1).integers(3, cfg.n_vocab, 64)]
+    sessions, last, times = {}, {}, {r: [] for r in runs}
+    for b, t in runs:
+        if b:
+            quant._kernels = builds[b]
+        sessions[b, t] = engines[t].new_session()
+        last[b, t] = int(np.argmax(engines[t].decode(sessions[b, t], prompt)[-1]))
+    for _ in range(tokens):
+        for b, t in runs:
+            if b:
+                quant._kernels = builds[b]
+            t0 = time.perf_counter()
+            logits = engines[t].decode(sessions[b, t], [last[b, t]])
+            times[b, t].append(time.perf_counter() - t0)
+            last[b, t] = int(np.argmax(logits[-1]))
+    base = statistics.median(times["", "f32"])
+    print(f"decode, bench preset, median of {tokens} tokens: f32 {base * 1e3:.2f} ms/token")
+    for b, t in runs[1:]:
+        ms = statistics.median(times[b, t])
+        print(f"  {b}: {t:<5} {ms * 1e3:7.2f} ms/token, {base / ms:.2f}x f32")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME=PATH of each build of the kernels")
     ap.add_argument("--rows", type=int, default=600_000)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--types", default="Q8_0,Q4_0,F16")
     ap.add_argument("--core", type=int, default=None, help="pin to this core")
+    ap.add_argument("--decode", default=None, help="also decode these types (f16,q8_0,q4_0)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp"))
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     builds = {name: load(path) for name, path in (b.split("=", 1) for b in args.builds)}
-    rng = np.random.default_rng(0)
-    weights = {}
-    for t, (_, size) in TYPES.items():
-        blocks = rng.integers(0, 256, (args.rows, K // 32, size), dtype=np.uint8)
-        blocks[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # the scale
-        weights[t] = blocks.reshape(args.rows, -1)
-    x = rng.standard_normal((1, K), dtype=np.float32)
-    y = np.empty((1, args.rows), np.float32)
-    best = {(b, t): float("inf") for b in builds for t in TYPES}
-    for _ in range(args.reps):
-        for b, module in builds.items():
-            for t, (code, _) in TYPES.items():
-                t0 = time.perf_counter()
-                module.matmul(code, weights[t], args.rows, K, x, 1, y)
-                best[b, t] = min(best[b, t], time.perf_counter() - t0)
-    for b in builds:
-        print(f"{b}: " + ", ".join(f"{t} {weights[t].nbytes / best[b, t] / 1e9:.1f} GB/s"
-                                   for t in TYPES))
-    print("best", min(builds, key=lambda b: sum(best[b, t] for t in TYPES)))
+    if args.rows > 0:
+        products(builds, args.types.split(","), args.rows, args.reps)
+    if args.decode:
+        decode(builds, args.decode.split(","), args.tokens, args.model_dir)
 
 
 if __name__ == "__main__":
