@@ -326,17 +326,24 @@ static inline void add_block(int type, float *acc, int b, float d, const int32_t
     for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
 }
 
-static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                            const float *xd, int nb) {
-    float acc[LANES_Q] = {0};
+/* Blocks from .. nb - 1 of a row added into its sixteen float lanes, then the lanes halved:
+ * the whole dot product from 0, the SIMD paths' last blocks from where they stop. */
+static float add_blocks(int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq,
+                        const float *xd, int from, int nb) {
     int8_t q[QK];
     int32_t s[8];
-    for (int b = 0; b < nb; b++) {
+    for (int b = from; b < nb; b++) {
         const float dw = unpack_block(type, w + (size_t)b * bsize, q);
         idot_lanes(q, xq + b * QK, s);
         add_block(type, acc, b, dw * xd[b], s);
     }
     return finish(acc, LANES_Q);
+}
+
+static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                            const float *xd, int nb) {
+    float acc[LANES_Q] = {0};
+    return add_blocks(type, acc, w, bsize, xq, xd, 0, nb);
 }
 
 /* ---- the K-quants' integer dot product: exact per super-block ---------------------------- */
@@ -481,14 +488,7 @@ AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
         float acc[LANES_Q];                                                                    \
         _mm256_storeu_ps(acc, acc0);                                                           \
         _mm256_storeu_ps(acc + 8, acc1);                                                       \
-        int8_t q[QK];                                                                          \
-        int32_t s[8];                                                                          \
-        for (; b < nb; b++) {                                                                  \
-            const float dw = unpack_block(type, w + (size_t)b * bsize, q);                     \
-            idot_lanes(q, xq + b * QK, s);                                                     \
-            add_block(type, acc, b, dw * xd[b], s);                                                  \
-        }                                                                                      \
-        return finish(acc, LANES_Q);                                                           \
+        return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                 \
     }
 
 AVX2 static inline __m256i lanes8_avx2(__m256i u, __m256i v) {
@@ -526,14 +526,7 @@ DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
             }                                                                                  \
         float lanes[LANES_Q];                                                                  \
         for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                      \
-        int8_t q[QK];                                                                          \
-        int32_t s[8];                                                                          \
-        for (; b < nb; b++) {                                                                  \
-            const float dw = unpack_block(T_Q4_0, w + (size_t)b * bsize, q);                   \
-            idot_lanes(q, xq + b * QK, s);                                                     \
-            add_block(T_Q4_0, lanes, b, dw * xd[b], s);                                        \
-        }                                                                                      \
-        return finish(lanes, LANES_Q);                                                          \
+        return add_blocks(T_Q4_0, lanes, w, bsize, xq, xd, b, nb);                             \
     }
 DOT_Q4_X86(dot_q4_avx2, AVX2, lanes8_avx2)
 DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
@@ -570,14 +563,7 @@ AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_
     }
     float lanes[LANES_Q];
     _mm512_storeu_ps(lanes, acc);
-    int8_t q[QK];
-    int32_t t[8];
-    for (; b < nb; b++) {
-        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
-        idot_lanes(q, xq + b * QK, t);
-        add_block(type, lanes, b, dw * xd[b], t);
-    }
-    return finish(lanes, LANES_Q);
+    return add_blocks(type, lanes, w, bsize, xq, xd, b, nb);
 }
 
 AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
@@ -726,6 +712,23 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 #define PREFETCH ROWS /* rows ahead */
 #endif
 
+/* The scale products d_w * d_x of up to 16 blocks (``live``) of a row from p: each block's 4
+ * first bytes gathered (its float16 scale in the low half), converted by one vcvtph2ps. */
+AVX512 static inline __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
+                                             __m512 xds) {
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(bsize));
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), xds);
+}
+
+/* The four rows' outputs: their sixteen float lanes, the blocks from ``from`` on added one at a
+ * time as dot_q_portable does, then halved. */
+AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, size_t lane_bytes,
+                               int bsize, const int8_t *xq, const float *xd, int from, int nb,
+                               float *y);
+
 __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
     int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
     const float *xd, const int32_t *corr, int nb, float *y) {
@@ -738,16 +741,9 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
         const __mmask16 live = (__mmask16)((1u << n) - 1);
         const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
         float sp[ROWS][CHUNK];
-        const __m512i at = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(bsize));
-        for (int i = 0; i < ROWS; i++) {
-            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
-            /* 4 bytes at the start of each block: its float16 scale in the low half */
-            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
-            const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-            _mm512_storeu_ps(sp[i], _mm512_mul_ps(dw, xds));
-        }
+        for (int i = 0; i < ROWS; i++)
+            _mm512_storeu_ps(sp[i], block_scales_512(w + i * lane_bytes + (size_t)b * bsize,
+                                                     bsize, live, xds));
         for (int c = 0; c < n; c += 2) {
             const size_t off = (size_t)(b + c) * bsize;
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + (b + c) * QK));
@@ -767,18 +763,7 @@ __attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
             }
         }
     }
-    for (int i = 0; i < ROWS; i++) {
-        float lanes[LANES_Q];
-        int8_t q[QK];
-        int32_t t[8];
-        _mm512_storeu_ps(lanes, acc[i]);
-        for (int c = pairs; c < nb; c++) {
-            const float dw = unpack_block(type, w + i * lane_bytes + (size_t)c * bsize, q);
-            idot_lanes(q, xq + c * QK, t);
-            add_block(type, lanes, c, dw * xd[c], t);
-        }
-        y[i] = finish(lanes, LANES_Q);
-    }
+    finish_rows(type, acc, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
 }
 
 AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
@@ -804,20 +789,14 @@ AVX512 static void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_b
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0xF);
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(bsize));
     const int quads = nb & ~3;
     for (int b = 0; b < quads; b += CHUNK) {
         const int n = quads - b < CHUNK ? quads - b : CHUNK; /* a multiple of 4 */
         const __mmask16 live = (__mmask16)((1u << n) - 1);
         const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
         __m512 sp[ROWS];
-        for (int i = 0; i < ROWS; i++) {
-            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
-            const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
-            sp[i] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), xds);
-        }
+        for (int i = 0; i < ROWS; i++)
+            sp[i] = block_scales_512(w + i * lane_bytes + (size_t)b * bsize, bsize, live, xds);
         for (int c = 0; c < n; c += 4) {
             const int8_t *xg = x4 + (size_t)(b + c) * QK;
             const __m512i x1 = _mm512_loadu_si512((const void *)xg);
@@ -843,17 +822,16 @@ AVX512 static void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_b
             }
         }
     }
+    finish_rows(T_Q4_0, acc, w, lane_bytes, bsize, xq, xd, quads, nb, y);
+}
+
+AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, size_t lane_bytes,
+                               int bsize, const int8_t *xq, const float *xd, int from, int nb,
+                               float *y) {
     for (int i = 0; i < ROWS; i++) {
         float lanes[LANES_Q];
-        int8_t q[QK];
-        int32_t t[8];
         _mm512_storeu_ps(lanes, acc[i]);
-        for (int c = quads; c < nb; c++) {
-            const float dw = unpack_block(T_Q4_0, w + i * lane_bytes + (size_t)c * bsize, q);
-            idot_lanes(q, xq + c * QK, t);
-            add_block(T_Q4_0, lanes, c, dw * xd[c], t);
-        }
-        y[i] = finish(lanes, LANES_Q);
+        y[i] = add_blocks(type, lanes, w + i * lane_bytes, bsize, xq, xd, from, nb);
     }
 }
 
