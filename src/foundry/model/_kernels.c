@@ -698,10 +698,10 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
  * their sums, their scales) are shared by the four rows. The four rows are row j of each
  * quarter of the matrix (lane_bytes apart), so each of the four walks its own quarter from
  * start to end: four long sequential streams, which the L2 streamer prefetches (four adjacent
- * rows, by contrast, share 4 KB pages at different offsets and defeat it: one quarter more of
- * the bandwidth). Each lane also prefetches its own rows PREFETCH ahead in software. Per chunk of up
- * to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and multiplied by the
- * input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
+ * rows, by contrast, share 4 KB pages at different offsets and defeat it; docs/quantization.md
+ * has the figures). Each lane also prefetches its own rows PREFETCH ahead in software. Per
+ * chunk of up to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and
+ * multiplied by the input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
  * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
  * holds no test of the type. */
 #ifndef ROWS
@@ -803,8 +803,9 @@ AVX512 static void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_b
             const __m512i x2 = _mm512_loadu_si512((const void *)(xg + 64));
             const __m512i ncv = _mm512_sub_epi32(
                 _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr4 + (b + c) * 4)));
-            const __m512i idx = _mm512_add_epi32(
-                _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_set1_epi32(c));
+            const __m512i idx = _mm512_add_epi32( /* lanes 4m .. 4m + 3 take block c + m's */
+                _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                _mm512_set1_epi32(c));
             for (int i = 0; i < ROWS; i++) {
                 const uint8_t *p = w + i * lane_bytes + (size_t)(b + c) * bsize;
 #if PREFETCH
