@@ -327,6 +327,27 @@ def _qsgd_frame(bucket: int, levels: int, norms: list[float], stream: bytes) -> 
     return struct.pack("<II", bucket, levels) + struct.pack(f"<{len(norms)}f", *norms) + stream
 
 
+@pytest.mark.parametrize("levels", [1, 3, 7, 15, 31, 63, 127])
+def test_qsgd_codes_are_packed_lsb_first_at_every_width(levels: int) -> None:
+    """The bit stream at every code width (2..8 bits) against the layout written out bit by
+    bit: element i occupies stream bits [i b, (i + 1) b), bit 0 the LSB of byte 0; odd
+    lengths, a zero-padded last byte."""
+    bits = 1 + levels.bit_length()
+    rng = np.random.default_rng(levels)
+    for n in (1, 7, 8, 9, 63, 1000):
+        v = (rng.standard_normal(n) * 3).astype(np.float32)
+        data = bytes(QsgdCodec(levels, 512, seed=1).encode(v))
+        stream = data[8 + 4 * -(-n // 512):]
+        assert len(stream) == -(-n * bits // 8)
+        as_bits = [(stream[k // 8] >> (k % 8)) & 1 for k in range(8 * len(stream))]
+        codes = [sum(as_bits[i * bits + j] << j for j in range(bits)) for i in range(n)]
+        assert not any(as_bits[n * bits:])  # the padding
+        decoded, _ = QsgdCodec().decode(data, n)
+        scale = np.repeat([np.abs(v[b : b + 512]).max() for b in range(0, n, 512)], 512)[:n]
+        want = [(-1.0 if c & 1 else 1.0) * (c >> 1) for c in codes]
+        np.testing.assert_allclose(decoded, np.array(want) * scale / levels, rtol=1e-6)
+
+
 def test_qsgd_decode_layout_and_bad_bytes() -> None:
     # s = 5 -> 4-bit codes (level << 1 | sign), element i in bits [4i, 4i + 4): LSB first.
     # Codes: +5 (0xA), -1 (0x3), 0 (0x0) -> bytes 0x3A, 0x00.

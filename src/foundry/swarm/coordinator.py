@@ -942,9 +942,11 @@ class Coordinator:
                 )
             sends.append((m, assign))
         self._update_member_gauges()
+        start_us = now_us()
         for res in await self._send_staggered(sends):
             if isinstance(res, BaseException):
                 log.info("could not send an assignment: %s", res)
+        self.timeline.span("assign", start_us, step=step, workers=len(sends))
         return rnd
 
     async def _send_staggered(
