@@ -13,7 +13,9 @@ element is below scale / s instead of ||v|| / s, which makes 4- and 3-bit codes 
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,16 @@ DEFAULT_QSGD_LEVELS = 127  # s: 8-bit codes; each element within max|v| / 127 of
 DEFAULT_QSGD_BUCKET = 512
 MAX_QSGD_LEVELS = 127  # codes are at most 8 bits (7 of level, 1 of sign)
 _QSGD_HEAD = struct.Struct("<II")  # bucket, levels
+
+_qsgd: ModuleType | None
+try:  # the C encoder (setup.py builds it where a compiler is found; it writes native floats)
+    from foundry.compression import _qsgd  # type: ignore[attr-defined, no-redef]
+except ImportError:
+    _qsgd = None
+if sys.byteorder != "little":
+    _qsgd = None
+# Which encoder runs: "c" or "numpy" (the same layout and decoder; other random draws).
+ENCODER = "numpy" if _qsgd is None else "c"
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,34 @@ class QsgdCodec(Codec):
         return _qsgd_size(numel, self.bucket, self.levels)
 
     def encode(self, x: npt.ArrayLike) -> bytearray:
+        return self.encode_decoded(x, decoded=False)[0]
+
+    def encode_decoded(
+        self, x: npt.ArrayLike, decoded: bool = True
+    ) -> tuple[bytearray, F32Array]:
+        """The encoding and (``decoded``) what it decodes to, bit for bit as ``decode`` gives
+        it; with the C encoder both come from one pass (empty when not asked for)."""
         flat = flat_f32(x)
+        if _qsgd is None:
+            data = self._encode_numpy(flat)
+            return data, (self.decode(data, flat.size)[0] if decoded
+                          else np.zeros(0, np.float32))
+        n, d = flat.size, self.bucket
+        n_buckets = -(-n // d)
+        buf = bytearray(self.encoded_size(n))
+        _QSGD_HEAD.pack_into(buf, 0, d, self.levels)
+        pos = _QSGD_HEAD.size + 4 * n_buckets
+        out = np.empty(n if decoded else 0, np.float32)
+        try:
+            _qsgd.encode(np.ascontiguousarray(flat, "<f4").data, d, self.levels,
+                         int(self.rng.integers(1 << 63)),
+                         memoryview(buf)[_QSGD_HEAD.size:pos], memoryview(buf)[pos:],
+                         out.data if decoded else None)
+        except ValueError as exc:
+            raise LocalProtocolError(str(exc)) from None
+        return buf, out
+
+    def _encode_numpy(self, flat: F32Array) -> bytearray:
         n, d, s = flat.size, self.bucket, self.levels
         n_buckets = -(-n // d)
         v = flat
@@ -188,6 +227,13 @@ class QsgdCodec(Codec):
             raise FdtcProtocolError("QSGD bucket norms must be finite and non-negative")
         pos = _QSGD_HEAD.size + 4 * n_buckets
         stream = np.frombuffer(buf, np.uint8, size - pos, pos)
+        if _qsgd is not None:
+            values = np.empty(numel, np.float32)
+            try:
+                _qsgd.decode(stream.data, d, s, norms.data, values.data)
+            except ValueError as exc:
+                raise FdtcProtocolError(str(exc)) from None
+            return values, size
         codes = _unpack_codes(stream, numel, bits)
         levels = codes >> 1
         if (1 << (bits - 1)) - 1 > s and numel and int(levels.max()) > s:
