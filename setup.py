@@ -1,8 +1,10 @@
 """Build of the optional C kernels (everything else is in pyproject.toml).
 
-``foundry.model._kernels`` computes matrix-vector products over GGUF weight blocks in place.
-It is optional: where no C compiler is found the build goes on without it and
-``foundry.model.quant`` falls back to numpy (docs/quantization.md says what that costs).
+``foundry.model._kernels`` computes matrix-vector products over GGUF weight blocks in place;
+``foundry.compression._qsgd`` is QSGD's encoder in one pass. Both are optional: where no C
+compiler is found the build goes on without them and ``foundry.model.quant`` and
+``foundry.compression.qsgd`` fall back to numpy (docs/quantization.md and docs/protocol.md
+say what that costs).
 """
 
 import platform
@@ -23,6 +25,12 @@ setup(
             ["src/foundry/model/_kernels.c"],
             extra_compile_args=FLAGS,
             optional=True,
-        )
+        ),
+        Extension(
+            "foundry.compression._qsgd",
+            ["src/foundry/compression/_qsgd.c"],
+            extra_compile_args=FLAGS,
+            optional=True,
+        ),
     ]
 )

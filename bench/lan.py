@@ -61,6 +61,7 @@ from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.training import Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
+from foundry.obs.timeline import load_events
 from foundry.runtime import retain_freed_memory
 
 SUBNET = "10.77.0"
@@ -230,6 +231,7 @@ class Result:
     down_per_step: float = float("nan")
     curve: list[tuple[int, float, float]] = field(default_factory=list)
     note: str = ""
+    phases: str = ""  # where a round goes (--timeline)
 
 
 @dataclass(frozen=True)
@@ -278,7 +280,8 @@ def run_config(
          "--schedule-steps", str(args.steps),
          "--warmup-steps", str(args.warmup_steps), "--lr", str(args.lr),
          "--checkpoint-every", "100000", "--min-workers", str(args.workers),
-         "--validate-every", str(args.validate_every), *extra],
+         "--validate-every", str(args.validate_every), *trace(work, "coordinator", args),
+         *extra],
         work / "coordinator.log", prefix=net.prefix_argv(0), new_session=True,
     )
     procs = [coord]
@@ -300,7 +303,7 @@ def run_config(
             procs.append(Service(
                 f"w{i}",
                 ["worker", "--coordinator", f"{net.addr(0)}:{port}", "--worker-id", f"w{i}",
-                 "--slowdown", str(slowdown)],
+                 "--slowdown", str(slowdown), *trace(work, f"w{i}", args)],
                 work / f"w{i}.log", prefix=net.prefix_argv(i), new_session=True,
             ))
         registered: set[str] = set()
@@ -357,10 +360,44 @@ def run_config(
             if net.shaped:  # loopback has no port of its own to count
                 res.up_per_step = (last[3][0] - warm[3][0]) / steps
                 res.down_per_step = (last[3][1] - warm[3][1]) / steps
+            if args.timeline:
+                res.phases = phases(work, warm[0], last[0])
         return res
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def trace(work: Path, name: str, args: argparse.Namespace) -> list[str]:
+    return ["--timeline", str(work / f"{name}.trace.json")] if args.timeline else []
+
+
+# Spans of each service's trace, in the order a synchronous round runs them.
+COORDINATOR_PHASES = ("round", "assign", "wait", "apply")
+WORKER_PHASES = ("wait", "update", "compute", "compress", "send")
+
+
+def phases(work: Path, first: int, last: int) -> str:
+    """Mean milliseconds per step of each span of the rounds of steps ``first`` to ``last``
+    (``--timeline``): the coordinator's, and the workers' averaged over workers."""
+    sums: dict[tuple[str, str], float] = {}
+    workers = 0
+    for path in sorted(work.glob("*.trace.json")):
+        service = "coordinator" if path.name.startswith("coordinator") else "worker"
+        workers += service == "worker"
+        for e in load_events(path.read_text(), str(path)):
+            step = e.get("args", {}).get("step")
+            if e.get("ph") == "X" and isinstance(step, int) and first <= step < last:
+                key = (service, e["name"])
+                sums[key] = sums.get(key, 0.0) + e["dur"] / 1000
+    span = max(1, last - first)
+
+    def row(service: str, names: tuple[str, ...], div: int) -> str:
+        return " ".join(f"{n} {sums.get((service, n), 0.0) / span / max(1, div):.0f}"
+                        for n in names)
+
+    return (f"ms per step: coordinator {row('coordinator', COORDINATOR_PHASES, 1)}; "
+            f"each worker {row('worker', WORKER_PHASES, workers)}")
 
 
 def ratio(x: float | None, base: float, invert: bool = False) -> str:
@@ -405,6 +442,9 @@ def main() -> int:
     ap.add_argument("--stop-at-target", action="store_true",
                     help="stop a configuration once it reaches the target (saves time; its\n"
                     "validation loss at equal tokens is then not measured)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="every process writes a --timeline trace; each configuration then\n"
+                         "prints the milliseconds per step of every phase of its rounds")
     ap.add_argument("--keep-logs", type=Path, default=None,
                     help="copy every process's log into this folder")
     args = ap.parse_args()
@@ -471,6 +511,8 @@ def print_result(r: Result, base: Baseline, args: argparse.Namespace) -> None:
     print(f"{r.name:24s} {r.samples_per_s:9.1f} {speed} {tt:>9s} {sooner}"
           f" {mb(r.up_per_step):>10s} {mb(r.down_per_step):>9s}  {note}", flush=True)
     print(f"{'':24s} validation by step: {curve}", flush=True)
+    if r.phases:
+        print(f"{'':24s} {r.phases}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from foundry.compression import (
     fp16_to_fp32,
     fp32_to_fp16,
     get_codec,
+    qsgd,
     serialize_tensors,
     topk_compress,
     topk_decompress,
@@ -247,6 +248,27 @@ def test_topk_decode_layout_and_bad_bytes() -> None:
 # ---------------------------------------------------------------------------- QSGD
 
 
+@pytest.fixture(params=["c", "numpy"], autouse=False)
+def encoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each QSGD test that takes it runs with the C encoder and decoder and with numpy's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(qsgd, "_qsgd", None)
+    return str(request.param)
+
+
+def test_the_c_qsgd_encoder_is_built() -> None:
+    """``pip install`` builds it wherever a C compiler is (CI has one)."""
+    assert qsgd.ENCODER == "c"
+
+
+@pytest.mark.parametrize("levels", [1, 7, 127])
+def test_qsgd_encode_decoded_is_what_decode_gives(encoder: str, levels: int) -> None:
+    x = (np.random.default_rng(levels).standard_normal(5000) * 4).astype(np.float32)
+    codec = QsgdCodec(levels, 512, seed=3)
+    data, sent = codec.encode_decoded(x)
+    np.testing.assert_array_equal(sent, codec.decode(data, x.size)[0])
+
+
 def _qsgd_exact_variance(v: F32, s: int, d: int) -> tuple[npt.NDArray[np.float64], float]:
     """Per-element variance of one QSGD decoding (scale m = the bucket's largest magnitude),
     and the bound d m^2 / (4 s^2) summed over buckets."""
@@ -265,7 +287,7 @@ def _qsgd_exact_variance(v: F32, s: int, d: int) -> tuple[npt.NDArray[np.float64
 
 
 @pytest.mark.parametrize(("levels", "bucket"), [(1, 64), (4, 64), (15, 50), (127, 64)])
-def test_qsgd_is_unbiased_with_bounded_variance(levels: int, bucket: int) -> None:
+def test_qsgd_is_unbiased_with_bounded_variance(encoder: str, levels: int, bucket: int) -> None:
     """N = 3000 independent decodings of a fixed vector of n = 200 elements (buckets of
     ``bucket``, the last one partial) at s = ``levels``:
 
@@ -303,7 +325,7 @@ def test_qsgd_is_unbiased_with_bounded_variance(levels: int, bucket: int) -> Non
     assert abs(empirical - var.sum()) <= 0.1 * var.sum()
 
 
-def test_qsgd_special_inputs() -> None:
+def test_qsgd_special_inputs(encoder: str) -> None:
     codec = QsgdCodec(7, 4, seed=0)
     zeros, _ = codec.decode(codec.encode(np.zeros(10, np.float32)), 10)
     np.testing.assert_array_equal(zeros, 0)
@@ -327,7 +349,28 @@ def _qsgd_frame(bucket: int, levels: int, norms: list[float], stream: bytes) -> 
     return struct.pack("<II", bucket, levels) + struct.pack(f"<{len(norms)}f", *norms) + stream
 
 
-def test_qsgd_decode_layout_and_bad_bytes() -> None:
+@pytest.mark.parametrize("levels", [1, 3, 7, 15, 31, 63, 127])
+def test_qsgd_codes_are_packed_lsb_first_at_every_width(encoder: str, levels: int) -> None:
+    """The bit stream at every code width (2..8 bits) against the layout written out bit by
+    bit: element i occupies stream bits [i b, (i + 1) b), bit 0 the LSB of byte 0; odd
+    lengths, a zero-padded last byte."""
+    bits = 1 + levels.bit_length()
+    rng = np.random.default_rng(levels)
+    for n in (1, 7, 8, 9, 63, 1000):
+        v = (rng.standard_normal(n) * 3).astype(np.float32)
+        data = bytes(QsgdCodec(levels, 512, seed=1).encode(v))
+        stream = data[8 + 4 * -(-n // 512):]
+        assert len(stream) == -(-n * bits // 8)
+        as_bits = [(stream[k // 8] >> (k % 8)) & 1 for k in range(8 * len(stream))]
+        codes = [sum(as_bits[i * bits + j] << j for j in range(bits)) for i in range(n)]
+        assert not any(as_bits[n * bits:])  # the padding
+        decoded, _ = QsgdCodec().decode(data, n)
+        scale = np.repeat([np.abs(v[b : b + 512]).max() for b in range(0, n, 512)], 512)[:n]
+        want = [(-1.0 if c & 1 else 1.0) * (c >> 1) for c in codes]
+        np.testing.assert_allclose(decoded, np.array(want) * scale / levels, rtol=1e-6)
+
+
+def test_qsgd_decode_layout_and_bad_bytes(encoder: str) -> None:
     # s = 5 -> 4-bit codes (level << 1 | sign), element i in bits [4i, 4i + 4): LSB first.
     # Codes: +5 (0xA), -1 (0x3), 0 (0x0) -> bytes 0x3A, 0x00.
     good = _qsgd_frame(4, 5, [10.0], bytes([0x3A, 0x00]))

@@ -231,7 +231,7 @@ def test_timeline_files_merge_and_the_late_worker_is_named(tmp_path: Path) -> No
     assert threads["rounds"][0] != threads["w0"][0] == threads["w1"][0]
     for name in ("w0", "w1"):
         phases = {e["name"] for e in events if e["ph"] == "X" and track(e) == threads[name]}
-        assert phases == {"compute", "compress", "send", "wait"}, (name, phases)
+        assert phases == {"update", "compute", "compress", "send", "wait"}, (name, phases)
     waits = [e for e in events if e["name"] == "wait" and track(e) == threads["rounds"]]
     assert len(waits) == 6 and all(e["args"]["last"] == "w1" for e in waits)
     # On one wall clock, the coordinator applies each step after the slow worker began sending.

@@ -75,6 +75,12 @@ class Codec(ABC):
         """The f32 tensor at the start of ``buf`` and the bytes it took. ``buf`` may hold
         more (the rest of a data section). The array may be a read-only view of ``buf``."""
 
+    def encode_decoded(self, x: npt.ArrayLike) -> tuple[bytes | bytearray, F32Array]:
+        """``encode(x)`` and what a receiver decodes from it (error feedback's residual and
+        the coordinator's shadow need both); a codec may compute the second as it encodes."""
+        data = self.encode(x)
+        return data, self.decode(data, flat_f32(x).size)[0]
+
     def encode_section(self, arrays: Iterable[npt.ArrayLike]) -> bytes | memoryview:
         """A data section: each array encoded, back to back."""
         return b"".join(self.encode(a) for a in arrays)

@@ -44,8 +44,7 @@ class ErrorFeedback:
                     "call reset() when the model changes"
                 )
             x = x + residual
-        data = self.codec.encode(x)
-        sent, _ = self.codec.decode(data, x.size)
+        data, sent = self.codec.encode_decoded(x)
         self._residual[name] = x - sent
         return data, sent
 

@@ -13,7 +13,10 @@ element is below scale / s instead of ||v|| / s, which makes 4- and 3-bit codes 
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +29,16 @@ DEFAULT_QSGD_LEVELS = 127  # s: 8-bit codes; each element within max|v| / 127 of
 DEFAULT_QSGD_BUCKET = 512
 MAX_QSGD_LEVELS = 127  # codes are at most 8 bits (7 of level, 1 of sign)
 _QSGD_HEAD = struct.Struct("<II")  # bucket, levels
+
+_qsgd: ModuleType | None
+try:  # the C encoder (setup.py builds it where a compiler is found; it writes native floats)
+    from foundry.compression import _qsgd  # type: ignore[attr-defined, no-redef]
+except ImportError:
+    _qsgd = None
+if sys.byteorder != "little":
+    _qsgd = None
+# Which encoder runs: "c" or "numpy" (the same layout and decoder; other random draws).
+ENCODER = "numpy" if _qsgd is None else "c"
 
 
 @dataclass(frozen=True)
@@ -43,36 +56,64 @@ def _qsgd_size(numel: int, bucket: int, levels: int) -> int:
     return _QSGD_HEAD.size + 4 * -(-numel // bucket) + -(-numel * _qsgd_bits(levels) // 8)
 
 
+def _padded(codes: npt.NDArray[np.uint8], multiple: int) -> npt.NDArray[np.uint8]:
+    short = -codes.size % multiple
+    return np.concatenate([codes, np.zeros(short, np.uint8)]) if short else codes
+
+
+def _word_type(bits: int) -> type[np.unsignedinteger[Any]]:
+    """The integer that holds 8 codes of ``bits`` bits."""
+    return np.uint32 if 8 * bits <= 32 else np.uint64
+
+
 def _pack_codes(codes: npt.NDArray[np.uint8], bits: int) -> npt.NDArray[np.uint8]:
     """b-bit codes into an LSB-first bit stream of ceil(n*b/8) bytes (b <= 8)."""
     n = codes.size
     if bits == 8:
         return codes
-    groups = -(-n // 8)  # 8 codes = b bytes exactly
-    padded = np.zeros(groups * 8, np.uint8)
-    padded[:n] = codes
-    g = padded.reshape(groups, 8).astype("<u8")
-    word = g[:, 0].copy()
+    if 8 % bits == 0:  # whole codes per byte (1, 2, 4 bits): shifts of byte strides
+        per = 8 // bits
+        padded = _padded(codes, per)
+        out = padded[0::per].copy()
+        for j in range(1, per):
+            out |= padded[j::per] << np.uint8(bits * j)
+        return out
+    # 8 codes are b bytes: one little-endian word of 8 shifted codes, its low b bytes.
+    wt = _word_type(bits)
+    padded = _padded(codes, 8)
+    word = padded[0::8].astype(wt)
     for j in range(1, 8):
-        word |= g[:, j] << np.uint64(bits * j)
-    stream = word.view(np.uint8).reshape(groups, 8)[:, :bits].reshape(-1)
+        word |= padded[j::8].astype(wt) << wt(bits * j)
+    size = word.dtype.itemsize
+    word = word.astype(word.dtype.newbyteorder("<"), copy=False)
+    stream = word.view(np.uint8).reshape(-1, size)[:, :bits].reshape(-1)
     return stream[: -(-n * bits // 8)]
 
 
 def _unpack_codes(stream: npt.NDArray[np.uint8], n: int, bits: int) -> npt.NDArray[np.uint8]:
     if bits == 8:
         return stream[:n]
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        per = 8 // bits
+        nbytes = -(-n // per)
+        head = stream[:nbytes]
+        out = np.empty(nbytes * per, np.uint8)
+        for j in range(per):
+            out[j::per] = (head >> np.uint8(bits * j)) & np.uint8(mask)
+        return out[:n]
+    wt = _word_type(bits)
+    size = np.dtype(wt).itemsize
     groups = -(-n // 8)
-    g = np.zeros((groups, 8), np.uint8)
+    g = np.zeros((groups, size), np.uint8)
     flat = np.zeros(groups * bits, np.uint8)
     flat[: stream.size] = stream
     g[:, :bits] = flat.reshape(groups, bits)
-    word = g.view("<u8").reshape(groups)
-    mask = np.uint64((1 << bits) - 1)
-    codes = np.empty((groups, 8), np.uint8)
+    word = g.view(np.dtype(wt).newbyteorder("<")).reshape(groups)
+    out = np.empty(groups * 8, np.uint8)
     for j in range(8):
-        codes[:, j] = (word >> np.uint64(bits * j)) & mask
-    return codes.reshape(-1)[:n]
+        out[j::8] = (word >> wt(bits * j)) & wt(mask)
+    return out[:n]
 
 
 class QsgdCodec(Codec):
@@ -109,7 +150,34 @@ class QsgdCodec(Codec):
         return _qsgd_size(numel, self.bucket, self.levels)
 
     def encode(self, x: npt.ArrayLike) -> bytearray:
+        return self.encode_decoded(x, decoded=False)[0]
+
+    def encode_decoded(
+        self, x: npt.ArrayLike, decoded: bool = True
+    ) -> tuple[bytearray, F32Array]:
+        """The encoding and (``decoded``) what it decodes to, bit for bit as ``decode`` gives
+        it; with the C encoder both come from one pass (empty when not asked for)."""
         flat = flat_f32(x)
+        if _qsgd is None:
+            data = self._encode_numpy(flat)
+            return data, (self.decode(data, flat.size)[0] if decoded
+                          else np.zeros(0, np.float32))
+        n, d = flat.size, self.bucket
+        n_buckets = -(-n // d)
+        buf = bytearray(self.encoded_size(n))
+        _QSGD_HEAD.pack_into(buf, 0, d, self.levels)
+        pos = _QSGD_HEAD.size + 4 * n_buckets
+        out = np.empty(n if decoded else 0, np.float32)
+        try:
+            _qsgd.encode(np.ascontiguousarray(flat, "<f4").data, d, self.levels,
+                         int(self.rng.integers(1 << 63)),
+                         memoryview(buf)[_QSGD_HEAD.size:pos], memoryview(buf)[pos:],
+                         out.data if decoded else None)
+        except ValueError as exc:
+            raise LocalProtocolError(str(exc)) from None
+        return buf, out
+
+    def _encode_numpy(self, flat: F32Array) -> bytearray:
         n, d, s = flat.size, self.bucket, self.levels
         n_buckets = -(-n // d)
         v = flat
@@ -120,9 +188,15 @@ class QsgdCodec(Codec):
         norms = r.max(axis=1)
         if not bool(np.isfinite(norms).all()):
             raise LocalProtocolError("QSGD input holds NaN or inf")
-        # r = s |v_i| / m as (|v_i| / m) s: a subnormal m would overflow s / m.
-        np.divide(r, norms[:, None], out=r, where=norms[:, None] > 0)
-        r *= np.float32(s)
+        # r = s |v_i| / m, as |v_i| times s / m (one pass); s / m overflows f32 for a bucket
+        # whose largest magnitude is below about 4e-37: those few divide instead.
+        with np.errstate(divide="ignore", over="ignore"):
+            scale = np.where(norms > 0, np.float32(s) / norms, np.float32(0))
+        tiny = ~np.isfinite(scale)
+        scale[tiny] = 0
+        r *= scale[:, None]
+        if tiny.any():
+            r[tiny] = np.abs(v.reshape(n_buckets, d)[tiny]) / norms[tiny, None] * np.float32(s)
         # Stochastic rounding: floor(r + u), u ~ U[0, 1), is floor(r) + 1 with probability
         # r - floor(r). min(., s) guards the largest element, whose r may round to s + eps.
         r += self.rng.random(r.shape, dtype=np.float32)
@@ -153,6 +227,13 @@ class QsgdCodec(Codec):
             raise FdtcProtocolError("QSGD bucket norms must be finite and non-negative")
         pos = _QSGD_HEAD.size + 4 * n_buckets
         stream = np.frombuffer(buf, np.uint8, size - pos, pos)
+        if _qsgd is not None:
+            values = np.empty(numel, np.float32)
+            try:
+                _qsgd.decode(stream.data, d, s, norms.data, values.data)
+            except ValueError as exc:
+                raise FdtcProtocolError(str(exc)) from None
+            return values, size
         codes = _unpack_codes(stream, numel, bits)
         levels = codes >> 1
         if (1 << (bits - 1)) - 1 > s and numel and int(levels.max()) > s:

@@ -1,9 +1,11 @@
 """Per-round timelines as Chrome trace files (the Trace Event Format, JSON).
 
 Each process writes its own file (``--timeline FILE``): the coordinator its rounds (``round``,
-``wait``, ``apply``, ``checkpoint``), each worker its phases (``compute``, ``compress``,
-``send``, ``wait``). ``foundry timeline merge`` joins the files into one that chrome://tracing
-or https://ui.perfetto.dev opens: one process per service, one thread per worker.
+``assign``: the assignments and what brings workers up to date going out, ``wait``: from the
+first report to the last, ``apply``, ``checkpoint``), each worker its phases (``wait``,
+``update``: decoding and adding an UPDATE, ``compute``, ``compress``, ``send``).
+``foundry timeline merge`` joins the files into one that chrome://tracing or
+https://ui.perfetto.dev opens: one process per service, one thread per worker.
 
 Events are complete events (``"ph": "X"``) with wall-clock timestamps in microseconds
 (``time.time_ns() // 1000``), so the files of processes on one host line up exactly; across hosts

@@ -126,11 +126,13 @@ LATE_FACTOR = 1.5
 LATE_MIN_WAIT_S = 0.05
 # Assignments go out one worker at a time (``_send_staggered``): the next begins once fewer
 # than STAGGER_BELOW bytes of the last are unsent, or after its bytes' time at the best rate
-# the port has shown x STAGGER_SLACK (at least STAGGER_MIN_S). Sends above
-# STAGGER_MEASURE_ABOVE bytes measure that rate, which decays by STAGGER_DECAY a send.
+# the port has shown x STAGGER_SLACK (at least STAGGER_MIN_S; STAGGER_UNMEASURED_S before any
+# rate is known). Sends above STAGGER_MEASURE_ABOVE bytes measure that rate, which decays by
+# STAGGER_DECAY a send.
 STAGGER_BELOW = 64 * 1024
 STAGGER_SLACK = 1.5
 STAGGER_MIN_S = 0.002
+STAGGER_UNMEASURED_S = 0.25
 STAGGER_POLL_S = 0.001
 STAGGER_MEASURE_ABOVE = 256 * 1024
 STAGGER_DECAY = 0.9
@@ -942,9 +944,11 @@ class Coordinator:
                 )
             sends.append((m, assign))
         self._update_member_gauges()
+        start_us = now_us()
         for res in await self._send_staggered(sends):
             if isinstance(res, BaseException):
                 log.info("could not send an assignment: %s", res)
+        self.timeline.span("assign", start_us, step=step, workers=len(sends))
         return rnd
 
     async def _send_staggered(
@@ -982,7 +986,10 @@ class Coordinator:
                 if sent >= STAGGER_MEASURE_ABOVE and elapsed > 0:
                     self._port_rate = max(sent / elapsed, STAGGER_DECAY * self._port_rate)
                 return
-            budget = sent / self._port_rate * STAGGER_SLACK if self._port_rate else 0.0
+            # Until a send has shown the port's rate, a fixed allowance (which a send that
+            # completes within it then measures).
+            budget = (sent / self._port_rate * STAGGER_SLACK if self._port_rate
+                      else STAGGER_UNMEASURED_S)
             if time.monotonic() - t0 >= max(STAGGER_MIN_S, budget):
                 return
             await asyncio.sleep(STAGGER_POLL_S)

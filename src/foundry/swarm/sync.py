@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from foundry.compression import Codec, deserialize_tensors
+from foundry.compression import Codec
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
 from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
@@ -72,13 +72,12 @@ class Shadow:
         """The data section of an UPDATE taking workers towards ``master``; applied here too."""
         deltas = [np.subtract(master[k], self.params[k], dtype=np.float32).reshape(-1)
                   for k in self.names]
-        data = codec.encode_section(deltas)
-        if codec.lossy:
-            decoded = deserialize_tensors(data, [d.size for d in deltas], codec.compression)
-        else:
-            decoded = deltas  # NONE decodes to exactly these values
-        add_update(self.params, self.names, decoded)
-        return data
+        if not codec.lossy:  # NONE decodes to exactly these values
+            add_update(self.params, self.names, deltas)
+            return codec.encode_section(deltas)
+        parts = [codec.encode_decoded(d) for d in deltas]
+        add_update(self.params, self.names, [sent for _, sent in parts])
+        return b"".join(data for data, _ in parts)
 
     def digest(self) -> bytes:
         return weights_digest(self.params, self.names)

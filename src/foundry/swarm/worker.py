@@ -386,10 +386,12 @@ class Worker:
             return
         params = self.params
         names = list(params)
+        start_us = now_us()
         tensors = deserialize_tensors(update.data, [params[k].size for k in names],
                                       Compression(update.compression))
         self.params = {k: params[k] + t.reshape(params[k].shape)
                        for k, t in zip(names, tensors, strict=True)}
+        self.timeline.span("update", start_us, step=update.global_step, bytes=len(update.data))
         self.weights_step = self.global_step = update.global_step
         if self.unmerged is not None and update.base_step >= self.unmerged[0]:
             self.unmerged = None  # that round is in the weights now
