@@ -983,7 +983,8 @@ class Coordinator:
         t0 = time.monotonic()
         while True:
             sent = m.stream.bytes_out - before
-            if task.done() and (task.exception() is not None or m.stream.writer.is_closing()):
+            if task.done() and (task.cancelled() or task.exception() is not None
+                                or m.stream.writer.is_closing()):
                 return
             if task.done() and m.stream.unsent() <= STAGGER_BELOW:
                 elapsed = time.monotonic() - t0
