@@ -965,7 +965,7 @@ class Coordinator:
         once, the UPDATEs share the port and every worker starts computing when the last byte
         is out, then all uploads arrive at once; one at a time, the first starts after 1/N of
         that and the uploads come in spread out while the rest go down (the port is full
-        duplex). docs/architecture.md, "The downlink"."""
+        duplex). docs/architecture.md, "Synchronous training at LAN scale"."""
         tasks: list[asyncio.Task[None]] = []
         try:
             for m, assign in sends:
