@@ -358,8 +358,9 @@ def run_config(
             res.samples_per_s = (last[2] - warm[2]) / dt_s if dt_s > 0 else float("nan")
             steps = last[0] - warm[0]
             if net.shaped:  # loopback has no port of its own to count
-                res.up_per_step = (last[3][0] - warm[3][0]) / steps
-                res.down_per_step = (last[3][1] - warm[3][1]) / steps
+                # Up: what the coordinator received (gradients); down: what it sent.
+                res.up_per_step = (last[3][1] - warm[3][1]) / steps
+                res.down_per_step = (last[3][0] - warm[3][0]) / steps
             if args.timeline:
                 res.phases = phases(work, warm[0], last[0])
         return res

@@ -90,14 +90,17 @@ def test_fp16_halves_and_qsgd_quarters_the_bytes(runs: dict[str, tuple[float, fl
     assert base / runs["qsgd"][1] >= 3.9
 
 
-def test_qsgd_levels_reach_both_directions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("down_levels", [None, 1])
+def test_qsgd_levels_reach_both_directions(tmp_path: Path, down_levels: int | None) -> None:
     """--qsgd-levels 7: TRAIN_PLAN tells the worker, whose every upload is 4-bit QSGD (the
     coordinator's byte counter is an exact multiple of that size), and the UPDATEs down are
-    encoded with 7 levels too."""
+    encoded with 7 levels too, or with --down-qsgd-levels 1 at 2 bits (the worker decodes
+    them by their own headers and trains on)."""
+    down = [] if down_levels is None else ["--down-qsgd-levels", str(down_levels)]
     coord, port, _ = coordinator(
         tmp_path, "--max-steps", "4", "--global-batch", "4", "--compression", "qsgd",
         "--qsgd-levels", "7", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-        "--validate-every", "100",
+        "--validate-every", "100", *down,
     )
     w = worker(tmp_path, port, "w0")
     try:
@@ -113,7 +116,9 @@ def test_qsgd_levels_reach_both_directions(tmp_path: Path) -> None:
         line = next(x for x in text.decode().splitlines() if x.startswith(
             'foundry_swarm_update_bytes_total{compression="qsgd"}'))
         sent = int(float(line.split()[-1]))
-        assert sent > 0 and sent % one == 0, (sent, one)  # every UPDATE 4-bit too
+        one_down = sum(_qsgd_size(n, DEFAULT_QSGD_BUCKET, down_levels or 7) for n in numels)
+        assert sent > 0 and sent % one_down == 0, (sent, one_down)  # every UPDATE at its levels
+        assert "asking for full weights" not in w.text()
         assert "training plan: qsgd up, qsgd down" in w.text()
     finally:
         w.stop()

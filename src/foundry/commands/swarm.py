@@ -71,6 +71,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="QSGD's levels both ways, 1-127: 127 sends 8-bit codes (default), "
                    "7 4-bit, 3 3-bit, 1 2-bit (fewer bytes, more noise; error feedback keeps "
                    "what each drops)")
+    c.add_argument("--down-qsgd-levels", type=qsgd_levels, default=None, metavar="S",
+                   help="QSGD's levels of the weight updates sent to workers, when they differ "
+                   "from the uploads' (default: as --qsgd-levels); each UPDATE names its own")
     c.add_argument("--down-compression", default=None,
                    choices=[c.name.lower() for c in Compression],
                    help="compression of the weight updates sent to workers, with the error "
@@ -231,6 +234,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         sync_warmup=args.sync_warmup,
         overlap=args.overlap,
         qsgd_levels=args.qsgd_levels,
+        down_qsgd_levels=args.down_qsgd_levels,
     )
 
     async def main() -> int:

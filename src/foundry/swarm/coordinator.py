@@ -192,6 +192,8 @@ class CoordinatorOptions:
     overlap: bool = False
     # QSGD's levels s both ways (127: 8-bit codes; 7: 4-bit), told to workers in TRAIN_PLAN.
     qsgd_levels: int = DEFAULT_QSGD_LEVELS
+    # QSGD's levels of the UPDATEs when they differ from the uploads' (None: qsgd_levels).
+    down_qsgd_levels: int | None = None
 
     def local_at(self, step: int) -> bool:
         """Whether the round that starts at ``step`` runs local steps."""
@@ -301,8 +303,10 @@ class Coordinator:
         self._told_missing = 0
         self._yardstick: dict[str, float] | None = None  # compressors on the held-out bytes
         self._checkpoint_step = self.step  # a resumed run already has this one on disk
+        down_levels = (options.qsgd_levels if options.down_qsgd_levels is None
+                       else options.down_qsgd_levels)
         self._down_codec: Codec = get_codec(options.downlink, topk_ratio=options.topk_ratio,
-                                            qsgd_levels=options.qsgd_levels, seed=options.seed)
+                                            qsgd_levels=down_levels, seed=options.seed)
         self._update: fdtc.Update | None = None  # the last step's UPDATE, for every worker
         self._digests: dict[int, bytes] = {}  # step -> digest of the shadow, recent ones
         self._round_bytes = [0, 0]  # up, down during the current round
@@ -961,7 +965,7 @@ class Coordinator:
         once, the UPDATEs share the port and every worker starts computing when the last byte
         is out, then all uploads arrive at once; one at a time, the first starts after 1/N of
         that and the uploads come in spread out while the rest go down (the port is full
-        duplex). docs/architecture.md, "The downlink"."""
+        duplex). docs/architecture.md, "Synchronous training at LAN scale"."""
         tasks: list[asyncio.Task[None]] = []
         try:
             for m, assign in sends:
@@ -979,7 +983,8 @@ class Coordinator:
         t0 = time.monotonic()
         while True:
             sent = m.stream.bytes_out - before
-            if task.done() and (task.exception() is not None or m.stream.writer.is_closing()):
+            if task.done() and (task.cancelled() or task.exception() is not None
+                                or m.stream.writer.is_closing()):
                 return
             if task.done() and m.stream.unsent() <= STAGGER_BELOW:
                 elapsed = time.monotonic() - t0
