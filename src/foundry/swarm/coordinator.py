@@ -252,13 +252,15 @@ class Member:
 
 class Round(policy.RoundTracker):
     """The round's rules (``policy.RoundTracker``) and what the service adds: an event set on
-    every change, and the wall clock of its start for the timeline."""
+    every change, the wall clock of its start for the timeline, and the training steps each
+    report carries (counted to its worker when the round's step is applied)."""
 
     def __init__(self, step: int, shares: dict[str, int], *, started: float, deadline: float,
                  quorum: float) -> None:
         super().__init__(step, shares, started=started, deadline=deadline, quorum=quorum)
         self.changed = asyncio.Event()
         self.started_us = now_us()
+        self.steps: dict[str, int] = {}
 
     def wall_us(self, t: float) -> int:
         """The wall-clock microseconds of monotonic time ``t`` (timeline timestamps)."""
@@ -781,7 +783,7 @@ class Coordinator:
         now = time.monotonic()
         rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
                    now=now, assigned_only=m.extended)
-        m.steps_done += m.assigned_steps if m.extended else 1
+        rnd.steps[m.worker_id] = m.assigned_steps if m.extended else 1
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
             elapsed = now - rnd.started
@@ -1115,6 +1117,11 @@ class Coordinator:
             await asyncio.to_thread(self._apply, grads, rnd)
         finally:
             self._applying = False
+        # Only now did the reports go into a step (an abandoned round's never do): status
+        # never shows a worker's steps ahead of the global step.
+        for worker_id, steps in rnd.steps.items():
+            if worker_id in rnd.reported and (member := self.members.get(worker_id)):
+                member.steps_done += steps
         if self._ahead is not None:
             # This round's UPDATE to every worker of the round already running.
             ahead = [m for m in self.members.values() if m.worker_id in self._ahead.planned]
