@@ -18,8 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.checkpoint import (
+    CheckpointState,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from foundry.model.config import preset
 from foundry.model.generate import printable
+from foundry.model.optim import AdamW
+from foundry.model.transformer import init_params
+from foundry.up.pipeline import CheckpointSamples
 from foundry.up.plan import (
     RESTART_MAX_S,
     ServiceSpec,
@@ -195,6 +205,36 @@ def test_printable_escapes_control_characters() -> None:
     assert printable("a\x1b[2Jb\nc\x07") == "a\\x1b[2Jb\nc\\x07"
 
 
+def test_training_samples_come_from_the_first_kept_checkpoint_past_each_multiple(
+    tmp_path: Path,
+) -> None:
+    cfg = preset("tiny")
+    params = init_params(cfg)
+
+    def write(step: int) -> None:
+        save_checkpoint(tmp_path, CheckpointState(
+            config=cfg, step=step, params=params, optimizer=AdamW(params).state_dict(),
+            data_position=0,
+        ), keep_last=10)
+
+    samples = CheckpointSamples(tmp_path, "The ", every=3)
+    assert samples.poll() is None  # nothing written yet
+    for step in (1, 2, 4, 5, 7):  # a poll that falls late sees steps 4 and 7 on disk
+        write(step)
+    assert (samples.poll() or "").startswith("step 4: 'The ")
+    assert (samples.poll() or "").startswith("step 7: 'The ")
+    assert samples.poll() is None  # 9 is not written yet
+    write(8)
+    assert samples.poll() is None
+    (tmp_path / checkpoint_name(9)).write_bytes(b"damaged")  # skipped, not fatal
+    write(10)
+    assert (samples.poll() or "").startswith("step 10: 'The ")
+    for step in (12, 13, 14):
+        write(step)
+    assert (samples.poll(last=True) or "").startswith("step 14: 'The ")  # the final weights
+    assert samples.poll(last=True) is None
+
+
 # ---------------------------------------------------------------------------- the real thing
 
 
@@ -304,8 +344,11 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
         done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+), held-out "
                            r"([\d.]+) bits/byte: \d+% (?:below|above) gzip -9", 90)
         assert float(done.group(2)) < float(done.group(1)), "loss did not go down"
-        # Samples while training, from the checkpoints (every tenth of the run).
-        assert re.search(r"^step 27: 'The ", up.text(), re.M), up.text()
+        # Samples while training, from the checkpoints (every tenth of the run): each from the
+        # first kept checkpoint at or after a multiple of 3, the last one the final weights.
+        steps = [int(m) for m in re.findall(r"^step (\d+): 'The ", up.text(), re.M)]
+        assert len(steps) >= 2 and steps == sorted(set(steps)), up.text()
+        assert steps[-1] == 30, up.text()
         sample = up.wait_for(r"sample \(greedy, 64 tokens\): '(.*)'", 60)
         assert sample.group(1).startswith("The ")
         up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} status`", 10)

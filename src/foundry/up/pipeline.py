@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from foundry.model.data import compressor_bits_per_byte, load_corpus
 from foundry.model.generate import greedy_text, printable
 from foundry.model.training import against_compressors, bits_per_byte, held_out_line
@@ -48,20 +48,24 @@ class CheckpointSamples:
         self.directory = directory
         self.prompt = prompt
         self.every = every  # a sample from the first checkpoint at or after each multiple
-        self._seen: Path | None = None
         self._due = every
 
-    def poll(self) -> str | None:
-        found = latest_checkpoint(self.directory)
-        if found is None or found == self._seen:
-            return None
-        self._seen = found
-        state = load_checkpoint(found)
-        if state.step < self._due:
-            return None
-        self._due = (state.step // self.every + 1) * self.every
-        text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
-        return f"step {state.step}: {printable(self.prompt + text)!r}"
+    def poll(self, last: bool = False) -> str | None:
+        """The sample of the oldest kept checkpoint at or after the next multiple (the newest,
+        when ``last``: the run's final weights), or None. Polls fall between checkpoints, so it
+        looks at every one still on disk: a fast run shows its samples at the multiples, not
+        wherever a poll landed."""
+        found = [(step, path) for step, path in list_checkpoints(self.directory)
+                 if step >= self._due]
+        for _, path in reversed(found) if last else found:
+            try:
+                state = load_checkpoint(path)
+            except (OSError, CheckpointError):
+                continue  # rotated away since the listing, or damaged: the next one will do
+            self._due = (state.step // self.every + 1) * self.every
+            text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
+            return f"step {state.step}: {printable(self.prompt + text)!r}"
+        return None
 
 
 def watch_training(
@@ -94,6 +98,10 @@ def watch_training(
         view.update(st, detail)
         if st.state is fdtc.SwarmState.DONE:
             summary.seconds = time.monotonic() - t0
+            # The last checkpoint is written before DONE: its sample, if the loop missed it.
+            line = samples.poll(last=True)
+            if line is not None:
+                view.note(line)
             return st
         time.sleep(POLL_S)
 
