@@ -1,10 +1,11 @@
 """Build of the optional C kernels (everything else is in pyproject.toml).
 
 ``foundry.model._kernels`` computes matrix-vector products over GGUF weight blocks in place;
-``foundry.compression._qsgd`` is QSGD's encoder in one pass. Both are optional: where no C
-compiler is found the build goes on without them and ``foundry.model.quant`` and
-``foundry.compression.qsgd`` fall back to numpy (docs/quantization.md and docs/protocol.md
-say what that costs).
+``foundry.compression._qsgd`` is QSGD's encoder in one pass; ``foundry.model._optim`` is
+AdamW's step in one pass. All are optional: where no C compiler is found the build goes on
+without them and ``foundry.model.quant``, ``foundry.compression.qsgd`` and
+``foundry.model.optim`` fall back to numpy (docs/quantization.md, docs/protocol.md and
+docs/architecture.md say what that costs).
 """
 
 import platform
@@ -24,6 +25,13 @@ setup(
             "foundry.model._kernels",
             ["src/foundry/model/_kernels.c"],
             extra_compile_args=FLAGS,
+            optional=True,
+        ),
+        Extension(
+            "foundry.model._optim",
+            ["src/foundry/model/_optim.c"],
+            # sqrtf of a second moment (never negative) sets no errno: this lets it vectorise.
+            extra_compile_args=[*FLAGS, "-fno-math-errno"],
             optional=True,
         ),
         Extension(

@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
+from foundry.model import optim
 from foundry.model.optim import AdamW, clip_grad_norm, decays, lr_schedule
 
 F32 = npt.NDArray[np.float32]
@@ -25,12 +26,74 @@ def make_params(seed: int = 0) -> dict[str, F32]:
     }
 
 
+@pytest.fixture(params=["c", "numpy"])
+def stepper(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each AdamW test that takes it runs with the C step and with numpy's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(optim, "_optim", None)
+    return str(request.param)
+
+
+def test_the_c_step_is_built() -> None:
+    """``pip install`` builds it wherever a C compiler is (CI has one)."""
+    assert optim.STEPPER == "c"
+
+
+def awkward_gradients(rng: np.random.Generator, shape: tuple[int, ...]) -> F32:
+    """Gaussian values with zeros, subnormals, huge values and signed zeros mixed in."""
+    g = rng.standard_normal(shape, dtype=np.float32)
+    flat = g.reshape(-1)
+    specials = np.array([0.0, -0.0, 1e-40, -3e-42, 1e-30, 3e18, -3e18], np.float32)
+    flat[:: 5] = specials[rng.integers(0, len(specials), flat[::5].shape)]
+    return g
+
+
+def test_the_c_step_gives_numpys_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty steps through both, from the same state: every weight and moment bit-equal."""
+    runs = []
+    for use_c in (True, False):
+        if not use_c:
+            monkeypatch.setattr(optim, "_optim", None)
+        params = make_params()
+        opt = AdamW(params, weight_decay=0.1)
+        rng = np.random.default_rng(7)
+        for step in range(20):
+            grads = {k: awkward_gradients(rng, v.shape) for k, v in params.items()}
+            opt.step(params, grads, lr=lr_schedule(step, 3e-2, 3, 20))
+        runs.append((params, opt.m, opt.v))
+    (p_c, m_c, v_c), (p_np, m_np, v_np) = runs
+    for k in p_c:
+        for a, b in ((p_c, p_np), (m_c, m_np), (v_c, v_np)):
+            assert a[k].tobytes() == b[k].tobytes(), k
+
+
+def test_a_strided_gradient_takes_the_numpy_step_and_the_same_bits() -> None:
+    params, twin = make_params(), make_params()
+    opt, twin_opt = AdamW(params), AdamW(twin)
+    rng = np.random.default_rng(3)
+    grads = {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in params.items()}
+    wide = {k: np.repeat(g[..., None], 2, axis=-1)[..., 0] for k, g in grads.items()}
+    assert not all(g.flags.c_contiguous for g in wide.values())
+    opt.step(params, grads, lr=1e-2)
+    twin_opt.step(twin, wide, lr=1e-2)
+    for k in params:
+        assert params[k].tobytes() == twin[k].tobytes(), k
+
+
+def test_a_gradient_of_another_shape_is_refused(stepper: str) -> None:
+    params = make_params()
+    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    grads["output.weight"] = np.zeros((6, 11), np.float32)
+    with pytest.raises(ValueError, match=r"output.weight has shape \(6, 11\)"):
+        AdamW(params).step(params, grads, lr=1e-2)
+
+
 def test_decay_applies_to_matrices_only() -> None:
     params = make_params()
     assert [decays(p) for p in params.values()] == [True, False, True, True]
 
 
-def test_adamw_matches_torch_with_decay_on_matrices_only() -> None:
+def test_adamw_matches_torch_with_decay_on_matrices_only(stepper: str) -> None:
     params = make_params()
     ref = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in params.items()}
     wd, betas, eps = 0.1, (0.9, 0.95), 1e-8
@@ -59,7 +122,7 @@ def test_adamw_matches_torch_with_decay_on_matrices_only() -> None:
     assert opt.state_dict()["step"] == 12
 
 
-def test_zero_gradient_decays_matrices_but_not_norms() -> None:
+def test_zero_gradient_decays_matrices_but_not_norms(stepper: str) -> None:
     params = make_params()
     before = {k: v.copy() for k, v in params.items()}
     opt = AdamW(params, weight_decay=0.5)

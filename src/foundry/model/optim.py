@@ -6,18 +6,40 @@ Adam update ``lr * m_hat / (sqrt(v_hat) + eps)``. Weight decay applies to matric
 every parameter with two or more axes (embeddings, projections, experts, routers, output head);
 norm weights (one axis) are not decayed, since pulling a gain towards 0 has no regularising
 meaning. All updates are float32 and in place, so the same gradients give the same weights.
+
+Each tensor's step runs in C where ``foundry.model._optim`` is built (one pass instead of about
+a dozen, the same float32 roundings in the same order, so the same bits; ``STEPPER`` says
+which runs) and in numpy otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
+from types import ModuleType
 from typing import TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
+
+_optim: ModuleType | None
+try:  # the one-pass step (setup.py builds it where a compiler is found; native floats)
+    from foundry.model import _optim  # type: ignore[attr-defined, no-redef]
+except ImportError:
+    _optim = None
+if sys.byteorder != "little":
+    _optim = None
+# Which step runs: "c" or "numpy" (the same bits).
+STEPPER = "numpy" if _optim is None else "c"
+
+
+def _in_place(*arrays: F32) -> bool:
+    """Whether the C step can take these arrays as they are."""
+    return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays) and all(
+        a.flags.writeable for a in arrays[:1] + arrays[2:])
 
 
 class AdamWState(TypedDict):
@@ -67,19 +89,29 @@ class AdamW:
         bc2_sqrt = np.float32(math.sqrt(1.0 - self.beta2**t))
         shrink = np.float32(1.0 - lr * self.weight_decay)
         eps = np.float32(self.eps)
-        # Every intermediate goes to one scratch buffer: no temporary arrays per tensor.
-        scratch = np.empty(max((p.size for p in params.values()), default=0), np.float32)
+        omb1, omb2 = np.float32(1 - b1), np.float32(1 - b2)
+        scratch: F32 | None = None
         for name, p in params.items():
             g, m, v = grads[name], self.m[name], self.v[name]
+            if g.shape != p.shape:
+                raise ValueError(f"gradient {name} has shape {g.shape}, expected {p.shape}")
+            decay = bool(self.weight_decay) and decays(p)
+            if _optim is not None and _in_place(p, g, m, v):
+                _optim.adamw(p, g, m, v, decay, shrink, b1, omb1, b2, omb2, bc2_sqrt, eps,
+                             step_size)
+                continue
+            # Every intermediate goes to one scratch buffer: no temporary arrays per tensor.
+            if scratch is None:
+                scratch = np.empty(max(q.size for q in params.values()), np.float32)
             tmp = scratch[: p.size].reshape(p.shape)
-            if self.weight_decay and decays(p):
+            if decay:
                 p *= shrink
             m *= b1  # m = b1 m + (1 - b1) g
-            np.multiply(g, 1 - b1, out=tmp)
+            np.multiply(g, omb1, out=tmp)
             m += tmp
             v *= b2  # v = b2 v + (1 - b2) g^2
             np.multiply(g, g, out=tmp)
-            tmp *= 1 - b2
+            tmp *= omb2
             v += tmp
             np.sqrt(v, out=tmp)  # sqrt(v_hat) + eps = sqrt(v) / sqrt(1 - b2^t) + eps
             tmp /= bc2_sqrt

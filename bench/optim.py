@@ -1,0 +1,88 @@
+"""AdamW's step in C against numpy's, and what it is worth in a training step, one thread.
+
+    OPENBLAS_NUM_THREADS=1 python bench/optim.py [--preset small] [--samples 8] [--reps 10]
+
+For the preset's parameters it times one AdamW step with each (best of ``--reps``, the two
+interleaved), checks that both give the same bits, and times a whole training step of
+``--samples`` sequences (gradients, clipping, AdamW) with each: a swarm worker in local-step
+mode takes 8 samples per inner step, so the step's fixed cost weighs most there.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
+
+import argparse
+import sys
+
+from codec import best_of
+
+from foundry.model import optim
+from foundry.model.config import preset
+from foundry.model.data import load_corpus
+from foundry.model.optim import AdamW, clip_grad_norm
+from foundry.model.training import compute_gradients
+from foundry.model.transformer import Params, init_params
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--samples", type=int, default=8, help="sequences per training step")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    if optim._optim is None:
+        print("foundry.model._optim is not built (pip install . with a C compiler)")
+        return 1
+    built = optim._optim
+    cfg = preset(args.preset)
+    corpus = load_corpus(None)
+    params = init_params(cfg, 0)
+    n = sum(p.size for p in params.values())
+    res = compute_gradients(params, cfg, corpus, 0, args.samples, seq_len=args.seq_len,
+                            micro_batch=8, aux_loss_coef=0.01)
+    grads = res.grads
+    print(f"# {args.preset}: {n / 1e6:.2f} M parameters; best of {args.reps}, interleaved")
+
+    states = {}
+    for name in ("c", "numpy"):
+        optim._optim = built if name == "c" else None
+        p = {k: v.copy() for k, v in params.items()}
+        opt = AdamW(p)
+        opt.step(p, grads, 1e-3)
+        states[name] = (p, opt)
+    same = all(states["c"][0][k].tobytes() == states["numpy"][0][k].tobytes() for k in params)
+    times: dict[str, float] = {}
+    train: dict[str, float] = {}
+    for _ in range(2):
+        for name in ("c", "numpy"):
+            optim._optim = built if name == "c" else None
+            p, opt = states[name]
+
+            def adamw(p: Params = p, opt: AdamW = opt) -> None:
+                opt.step(p, grads, 1e-3)
+
+            t = best_of(args.reps, adamw)
+            times[name] = min(times.get(name, t), t)
+
+            def step(p: Params = p, opt: AdamW = opt) -> None:
+                r = compute_gradients(p, cfg, corpus, 0, args.samples, seq_len=args.seq_len,
+                                      micro_batch=8, aux_loss_coef=0.01)
+                clip_grad_norm(r.grads, 1.0)
+                opt.step(p, r.grads, 1e-3)
+
+            t = best_of(max(2, args.reps // 3), step)
+            train[name] = min(train.get(name, t), t)
+    optim._optim = built
+    print(f"AdamW step: C {times['c'] * 1e3:.1f} ms, numpy {times['numpy'] * 1e3:.1f} ms: "
+          f"{times['numpy'] / times['c']:.2f}x; same bits: {'yes' if same else 'NO'}")
+    print(f"training step of {args.samples} sequences: C {train['c'] * 1e3:.1f} ms, numpy "
+          f"{train['numpy'] * 1e3:.1f} ms: {train['numpy'] / train['c']:.2f}x")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
