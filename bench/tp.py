@@ -335,8 +335,8 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
             generate(lead.frontend_port, prompt, 4)  # warm-up
             got, times = generate(lead.frontend_port, prompt, tokens)
         finally:
+            leader.stop()  # first, as for the TCP pair on loopback
             worker.stop()
-            leader.stop()
     finally:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.setns(home, CLONE_NEWNET)
@@ -395,6 +395,7 @@ def counters(leader: Leader) -> dict[str, float]:
         "gate_received": m.gate_bytes.labels("received")._value.get(),
         "control_sent": m.control_bytes.labels("sent")._value.get(),
         "control_received": m.control_bytes.labels("received")._value.get(),
+        "prompt_reused": m.prompt_tokens_reused._value.get(),
     }
 
 
@@ -492,7 +493,9 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         steps = tokens - 1
         decode_gates = 2 * cfg.n_layer * steps
         per = {k: (after[k] - before[k]) for k in after}
-        prefill_gate_bytes = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd * len(prompt_ids))
+        # The warm-up left a session the measured prompt continues: only the rest is prefilled.
+        prefilled = len(prompt_ids) - int(per["prompt_reused"])
+        prefill_gate_bytes = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd * prefilled)
         gate_per_token = (per["gate_sent"] - prefill_gate_bytes) / steps
         formula_gate = 2 * cfg.n_layer * (GATE_HEADER_SIZE + 4 * cfg.n_embd)
         v1 = cfg.n_vocab - (cfg.n_vocab + 1) // 2
@@ -552,8 +555,10 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         results.update(pair_tcp_tokens_per_s=tcp_rate, speedup_tcp=tcp_rate / one_rate,
                        same_tokens_tcp=tcp_tokens == one_tokens)
     finally:
-        tcp_worker = worker.stop()
+        # The leader first: a TCP worker blocked reading its link sees the SIGTERM only once
+        # the link closes (it was killed, and its gate times lost, the other way round).
         leader.stop()
+        tcp_worker = worker.stop()
     tcp_pairs = list(zip(lead.gate_latencies()[start_tcp:], tcp_worker, strict=False))
     tcp_pairs = tcp_pairs[n_trace - start_tcp : n_trace - start_tcp + len(tcp_gates)]
     if link is not None:
