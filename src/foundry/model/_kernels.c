@@ -894,27 +894,24 @@ AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q
 #ifndef F16_HINT
 #define F16_HINT _MM_HINT_T0
 #endif
-#ifndef ROWS_F16
-#define ROWS_F16 4 /* rows per pass, one from each part of the matrix */
-#endif
 /* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
  * float accumulators are one register each (dot_f32_portable's order). As in rows_q_512_t, the
  * four are row j of each quarter (four sequential streams), each prefetching its next row. */
 AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
                                 const float *x, float *y) {
-    const int quarter = k % LANES_F == 0 ? rows / ROWS_F16 : 0;
+    const int quarter = k % LANES_F == 0 ? rows / ROWS : 0;
     for (int j = 0; j < quarter; j++) {
-        __m512 lo[ROWS_F16], hi[ROWS_F16];
-        const uint8_t *wr0[ROWS_F16];
-        int out[ROWS_F16];
-        for (int a = 0; a < ROWS_F16; a++) {
+        __m512 lo[ROWS], hi[ROWS];
+        const uint8_t *wr0[ROWS];
+        int out[ROWS];
+        for (int a = 0; a < ROWS; a++) {
             out[a] = a * quarter + j;
             wr0[a] = w + (size_t)out[a] * row_bytes;
             lo[a] = hi[a] = _mm512_setzero_ps();
         }
         for (int i = 0; i < k; i += LANES_F) {
             const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
-            for (int a = 0; a < ROWS_F16; a++) {
+            for (int a = 0; a < ROWS; a++) {
                 const uint8_t *wr = wr0[a] + 2 * (size_t)i;
 #if PF16
                 _mm_prefetch((const char *)(wr + PF16 * row_bytes), F16_HINT);
@@ -925,14 +922,14 @@ AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, in
                 hi[a] = _mm512_add_ps(hi[a], _mm512_mul_ps(w1, x1));
             }
         }
-        for (int a = 0; a < ROWS_F16; a++) {
+        for (int a = 0; a < ROWS; a++) {
             float lanes[LANES_F];
             _mm512_storeu_ps(lanes, lo[a]);
             _mm512_storeu_ps(lanes + 16, hi[a]);
             y[out[a]] = finish(lanes, LANES_F);
         }
     }
-    const int r = ROWS_F16 * quarter;
+    const int r = ROWS * quarter;
     if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
 }
 
