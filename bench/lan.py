@@ -25,6 +25,11 @@ each one it prints:
 - bytes per step through the coordinator's port in each direction, read from the switch's
   port counters (TCP/IP headers included), with the dense f32 size of the weights next to it.
 
+Before the configurations it prints the machine's own ceiling: N processes training at once,
+each on its share of the global batch (worker 1 slowed as ``--slowdown`` slows it), with no
+network and no coordinator, their summed samples/s against one process. Where the machines
+are cores of one computer they share its memory and caches, so no swarm on it can pass that.
+
 It needs root, ``ip`` and ``tc``: found on PATH, or given by ``--ip`` / ``--tc`` (or the
 ``FOUNDRY_IP`` / ``FOUNDRY_TC`` variables), e.g. Debian's iproute2 unpacked with ``dpkg -x``
 and its libraries on ``LD_LIBRARY_PATH``. Every process gets one BLAS thread.
@@ -37,6 +42,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import shlex
@@ -59,7 +65,8 @@ from live import Service
 
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
-from foundry.model.training import Trainer, TrainSettings, evaluate_loss
+from foundry.model.optim import AdamW, clip_grad_norm
+from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.obs.timeline import load_events
 from foundry.runtime import retain_freed_memory
@@ -68,6 +75,7 @@ SUBNET = "10.77.0"
 PORT = 7070
 # Rounds before samples/s is measured: registration, first weights, first allocations.
 WARM_STEPS = 3
+CEILING_STEPS = 6  # steps of each process in the compute ceiling
 DEFAULT_CONFIGS = (
     "sync-none=--compression none",
     "sync-topk=--compression topk",
@@ -217,6 +225,43 @@ def one_process(args: argparse.Namespace) -> Baseline:
     first = next(t for _, t, loss in curve if loss <= target)
     rate = (args.steps - WARM_STEPS) * args.global_batch / (trained - warm_t)
     return Baseline(rate, target, first, curve)
+
+
+def train_alone(preset_name: str, samples: int, seq_len: int, steps: int,
+                slowdown: float, start: float) -> float:
+    """Samples/s of ``steps`` training steps of ``samples`` sequences (gradients, clipping,
+    AdamW), after one warm step; ``slowdown`` sleeps as a slowed worker does. The steps begin
+    at ``start`` (time.time()), so processes started one after the other run together."""
+    cfg = preset(preset_name)
+    corpus = load_corpus(None)
+    params = init_params(cfg, 0)
+    opt = AdamW(params)
+    time.sleep(max(0.0, start - time.time()))
+    t0 = 0.0
+    for step in range(steps + 1):
+        if step == 1:
+            t0 = time.perf_counter()
+        t = time.perf_counter()
+        res = compute_gradients(params, cfg, corpus, step * samples, samples, seq_len=seq_len,
+                                micro_batch=8, aux_loss_coef=0.01)
+        clip_grad_norm(res.grads, 1.0)
+        opt.step(params, res.grads, 1e-3)
+        if slowdown > 1.0:
+            time.sleep((time.perf_counter() - t) * (slowdown - 1.0))
+    return steps * samples / (time.perf_counter() - t0)
+
+
+def compute_ceiling(args: argparse.Namespace) -> tuple[float, list[float]]:
+    """What ``--workers`` processes at once train in all, each its share of the batch."""
+    n = args.workers
+    shares = [args.global_batch // n + (1 if i < args.global_batch % n else 0) for i in range(n)]
+    start = time.time() + 8.0  # after every process has imported and built its model
+    with mp.get_context("spawn").Pool(n) as pool:
+        jobs = [pool.apply_async(train_alone, (args.preset, b, args.seq_len, CEILING_STEPS,
+                                               args.slowdown if i == 1 else 1.0, start))
+                for i, b in enumerate(shares)]
+        rates = [j.get(timeout=600) for j in jobs]
+    return sum(rates), rates
 
 
 @dataclass
@@ -468,6 +513,14 @@ def main() -> int:
           flush=True)
     print("  validation by step: " + " ".join(f"{st}:{loss:.3f}" for st, _, loss in base.curve),
           flush=True)
+    ceiling, each = compute_ceiling(args)
+    note = ""
+    if args.slowdown > 1.0:
+        note = (f", {ceiling / standalone_rate(base, args):.2f} of the summed standalone rates "
+                "(worker 1 slowed)")
+    print(f"compute ceiling: {args.workers} processes at once, no network, each its share of "
+          f"the batch: {ceiling:.1f} samples/s ({' + '.join(f'{r:.1f}' for r in each)}) = "
+          f"{ceiling / base.samples_per_s:.2f}x one process{note}", flush=True)
     with tempfile.TemporaryDirectory(prefix="foundry-lan-") as tmp:
         for rate in args.rate:
             net = Network(args.workers + 1, rate, args.ip, args.tc)
@@ -494,6 +547,12 @@ def main() -> int:
     return 0
 
 
+def standalone_rate(base: Baseline, args: argparse.Namespace) -> float:
+    """What the machines would train each on its own, one process's rate apiece, worker 1 at
+    1/slowdown of it: the most a perfectly balanced swarm could reach."""
+    return base.samples_per_s * (int(args.workers) - 1 + 1.0 / float(args.slowdown))
+
+
 def print_result(r: Result, base: Baseline, args: argparse.Namespace) -> None:
     tt = "-" if r.seconds_to_target is None else f"{r.seconds_to_target:.1f}s"
     note = r.note or ("" if r.seconds_to_target is not None else
@@ -503,9 +562,7 @@ def print_result(r: Result, base: Baseline, args: argparse.Namespace) -> None:
     speed = ratio(r.samples_per_s, base.samples_per_s)
     sooner = ratio(r.seconds_to_target, base.seconds_to_target, True)
     if args.slowdown > 1.0:
-        # What the machines would train each on its own, one process's rate apiece, worker 1
-        # at 1/slowdown of it: the most a perfectly balanced swarm could reach.
-        standalone = base.samples_per_s * (args.workers - 1 + 1.0 / args.slowdown)
+        standalone = standalone_rate(base, args)
         note += (f"; {r.samples_per_s / standalone:.2f} of the summed standalone rates "
                  f"({standalone:.1f} samples/s, worker 1 {args.slowdown:g}x slower)")
     curve = " ".join(f"{step}:{loss:.3f}" for step, _, loss in r.curve)
