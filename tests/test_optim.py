@@ -80,12 +80,27 @@ def test_a_strided_gradient_takes_the_numpy_step_and_the_same_bits() -> None:
         assert params[k].tobytes() == twin[k].tobytes(), k
 
 
-def test_a_gradient_of_another_shape_is_refused(stepper: str) -> None:
+def test_a_gradient_of_another_shape_is_refused_before_anything_changes(stepper: str) -> None:
     params = make_params()
-    grads = {k: np.zeros_like(v) for k, v in params.items()}
+    before = {k: v.copy() for k, v in params.items()}
+    grads = {k: np.ones_like(v) for k, v in params.items()}
     grads["output.weight"] = np.zeros((6, 11), np.float32)
+    opt = AdamW(params)
     with pytest.raises(ValueError, match=r"output.weight has shape \(6, 11\)"):
-        AdamW(params).step(params, grads, lr=1e-2)
+        opt.step(params, grads, lr=1e-2)
+    assert opt.step_count == 0
+    assert all(params[k].tobytes() == before[k].tobytes() for k in params)
+
+
+def test_unaligned_or_overlapping_arrays_take_the_numpy_step() -> None:
+    p = np.ones(8, np.float32)
+    raw = np.zeros(8 * 4 + 1, np.uint8)
+    unaligned = np.frombuffer(raw.data, np.float32, 8, offset=1)
+    assert not unaligned.flags.aligned
+    assert not optim._in_place(p, unaligned, np.zeros(8, np.float32), np.zeros(8, np.float32))
+    m = np.zeros(8, np.float32)
+    assert not optim._in_place(p, p, m, np.zeros(8, np.float32))  # the gradient is the weight
+    assert optim._in_place(p, np.ones(8, np.float32), m, np.zeros(8, np.float32))
 
 
 def test_decay_applies_to_matrices_only() -> None:

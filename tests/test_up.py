@@ -229,8 +229,11 @@ def test_training_samples_come_from_the_first_kept_checkpoint_past_each_multiple
     (tmp_path / checkpoint_name(9)).write_bytes(b"damaged")  # skipped, not fatal
     write(10)
     assert (samples.poll() or "").startswith("step 10: 'The ")
-    for step in (12, 13, 14):
+    write(12)
+    assert (samples.poll() or "").startswith("step 12: 'The ")
+    for step in (13, 14):  # a run that ends at 14, short of the next multiple (15)
         write(step)
+    assert samples.poll() is None
     assert (samples.poll(last=True) or "").startswith("step 14: 'The ")  # the final weights
     assert samples.poll(last=True) is None
 

@@ -36,10 +36,17 @@ if sys.byteorder != "little":
 STEPPER = "numpy" if _optim is None else "c"
 
 
-def _in_place(*arrays: F32) -> bool:
-    """Whether the C step can take these arrays as they are."""
-    return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays) and all(
-        a.flags.writeable for a in arrays[:1] + arrays[2:])
+def _in_place(p: F32, g: F32, m: F32, v: F32) -> bool:
+    """Whether the C step can take these arrays as they are: native float32, contiguous,
+    aligned, the three it writes writeable, and no two sharing memory (it reads and writes
+    each element once, so an overlap would give other bits than numpy's passes)."""
+    arrays = (p, g, m, v)
+    return (
+        all(a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned for a in arrays)
+        and all(a.flags.writeable for a in (p, m, v))
+        and not any(np.may_share_memory(a, b) for i, a in enumerate(arrays)
+                    for b in arrays[i + 1:])
+    )
 
 
 class AdamWState(TypedDict):
@@ -82,6 +89,10 @@ class AdamW:
         if grads.keys() != self.m.keys():
             missing = sorted(set(self.m) ^ set(grads))
             raise KeyError(f"gradients and optimizer state differ in parameters: {missing[:5]}")
+        for name, p in params.items():  # before anything changes
+            if grads[name].shape != p.shape:
+                raise ValueError(f"gradient {name} has shape {grads[name].shape}, "
+                                 f"expected {p.shape}")
         self.step_count += 1
         t = self.step_count
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
@@ -93,8 +104,6 @@ class AdamW:
         scratch: F32 | None = None
         for name, p in params.items():
             g, m, v = grads[name], self.m[name], self.v[name]
-            if g.shape != p.shape:
-                raise ValueError(f"gradient {name} has shape {g.shape}, expected {p.shape}")
             decay = bool(self.weight_decay) and decays(p)
             if _optim is not None and _in_place(p, g, m, v):
                 _optim.adamw(p, g, m, v, decay, shrink, b1, omb1, b2, omb2, bc2_sqrt, eps,

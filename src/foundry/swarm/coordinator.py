@@ -325,6 +325,11 @@ class Coordinator:
             self.outer.load(self._resumed["outer_m"])
         self.outer_steps = self._resumed_outer_steps
         self._applying = False  # the round's optimizer step is running in a thread
+        # Set while no optimizer step runs: what copies the master state (checkpoints,
+        # exports, validation) waits for it, so no copy is torn between two steps.
+        self._applied = asyncio.Event()
+        self._applied.set()
+        self._weights_wanted: set[str] = set()  # seed-only peers asking during a step
         self._ahead: Round | None = None  # the next round, opened before this one's step
         return trainer
 
@@ -625,7 +630,11 @@ class Coordinator:
                 self._spawn(self._heartbeat_ack(m), "heartbeat ack")
         elif isinstance(msg, fdtc.WeightsReq):
             if self._applying:
-                m.weights_step = -1  # the weights are changing: its next assignment has them
+                # The weights are changing: ours get them with their next assignment, a
+                # seed-only peer (which has none) as soon as the step is applied.
+                m.weights_step = -1
+                if not m.extended:
+                    self._weights_wanted.add(m.worker_id)
             else:
                 await self._send_weights(m)
         elif isinstance(msg, fdtc.Gradients):
@@ -1047,6 +1056,8 @@ class Coordinator:
                     "step %d closed at its deadline without %s", rnd.step, ", ".join(late)
                 )
             self.metrics.rounds.labels(outcome="closed").inc()
+        elif self._stopping.is_set():
+            log.info("step %d left open: the coordinator is stopping", rnd.step)
         else:
             self.metrics.rounds.labels(outcome="abandoned").inc()
             if rnd.shares or rnd.reported:
@@ -1113,10 +1124,19 @@ class Coordinator:
         lr = self.trainer.learning_rate()
         before = self.step
         self._applying = True
+        self._applied.clear()
         try:
             await asyncio.to_thread(self._apply, grads, rnd)
         finally:
             self._applying = False
+            self._applied.set()
+        for worker_id in sorted(self._weights_wanted):
+            if (peer := self.members.get(worker_id)) is not None:
+                try:
+                    await self._send_weights(peer)
+                except (ConnectionError, OSError, RuntimeError) as exc:
+                    log.info("could not send weights to %s: %s", worker_id, exc)
+        self._weights_wanted.clear()
         # Only now did the reports go into a step (an abandoned round's never do): status
         # never shows a worker's steps ahead of the global step.
         for worker_id, steps in rnd.steps.items():
@@ -1186,15 +1206,18 @@ class Coordinator:
         validation due while the last still runs waits for it, so none is skipped and their
         log lines come in step order."""
         await self._validated()
+        await self._applied.wait()
         params = {k: v.copy() for k, v in self.trainer.params.items()}
         self._validation_step = self.step
         self._validation = self._spawn(self._run_validation(self.step, params), "validation")
 
     async def _validated(self) -> None:
         """Until the validation under way (if any) is done."""
-        if self._validation is not None:
-            await asyncio.shield(self._validation)
-            self._validation = None
+        task = self._validation
+        if task is not None:
+            await asyncio.shield(task)
+            if self._validation is task:  # another waiter may have started the next one
+                self._validation = None
 
     async def _run_validation(self, step: int, params: Params) -> None:
         seq_len = self.opt.settings.seq_len
@@ -1228,11 +1251,16 @@ class Coordinator:
     async def checkpoint(self) -> Path:
         t0 = time.monotonic()
         start_us = now_us()
+        await self._applied.wait()  # then copied with no await between: one step's state
+        opt_state = self.trainer.optimizer.state_dict()
         state = CheckpointState(
             config=self.opt.cfg,
             step=self.step,
             params={k: v.copy() for k, v in self.trainer.params.items()},
-            optimizer=self.trainer.optimizer.state_dict(),
+            # Copies too: the next step changes the moments while the file is written.
+            optimizer={"step": opt_state["step"],
+                       "m": {k: v.copy() for k, v in opt_state["m"].items()},
+                       "v": {k: v.copy() for k, v in opt_state["v"].items()}},
             data_position=self.trainer.position,
             extra={"compression": Compression(self.opt.compression).name.lower(),
                    "down_compression": Compression(self.opt.downlink).name.lower(),
@@ -1295,9 +1323,10 @@ class Coordinator:
 
     async def export(self, path: Path | None) -> Path:
         target = self.export_target(path)
-        params = {k: v.copy() for k, v in self.trainer.params.items()}
+        await self._applied.wait()
+        step, params = self.step, {k: v.copy() for k, v in self.trainer.params.items()}
         await asyncio.to_thread(save_gguf, target, self.opt.cfg, params)
-        log.info("exported step %d to %s", self.step, target)
+        log.info("exported step %d to %s", step, target)
         return target
 
     # ------------------------------------------------------------------ admin link

@@ -49,20 +49,24 @@ class CheckpointSamples:
         self.prompt = prompt
         self.every = every  # a sample from the first checkpoint at or after each multiple
         self._due = every
+        self._sampled = 0  # the step of the last sample shown
 
     def poll(self, last: bool = False) -> str | None:
         """The sample of the oldest kept checkpoint at or after the next multiple (the newest,
         when ``last``: the run's final weights), or None. Polls fall between checkpoints, so it
         looks at every one still on disk: a fast run shows its samples at the multiples, not
         wherever a poll landed."""
+        # The final weights need not fall on a multiple: ``last`` takes anything newer.
+        first = self._sampled + 1 if last else self._due
         found = [(step, path) for step, path in list_checkpoints(self.directory)
-                 if step >= self._due]
+                 if step >= first]
         for _, path in reversed(found) if last else found:
             try:
                 state = load_checkpoint(path)
             except (OSError, CheckpointError):
                 continue  # rotated away since the listing, or damaged: the next one will do
             self._due = (state.step // self.every + 1) * self.every
+            self._sampled = state.step
             text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
             return f"step {state.step}: {printable(self.prompt + text)!r}"
         return None
