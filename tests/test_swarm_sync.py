@@ -10,6 +10,7 @@ from foundry.swarm.sync import (
     OuterNesterov,
     Shadow,
     add_update,
+    fill_local_round,
     plan_local_round,
     weights_digest,
 )
@@ -81,3 +82,22 @@ def test_local_round_is_a_time_budget() -> None:
     assert plan_local_round({}, {}, 4) == {}
     with pytest.raises(ValueError):
         plan_local_round(batch, {}, 0)
+
+
+def test_each_workers_samples_per_step_fill_the_budget() -> None:
+    batch = {"fast": 32, "slow": 32}
+    rates = {"fast": 64.0, "slow": 64.0 / 3}  # the budget: 8 steps of 0.5 s = 4 s
+    steps = plan_local_round(batch, rates, 8)
+    assert steps == {"fast": 8, "slow": 3}  # 2.67 steps fit: rounded up, 12.5 % over
+    fill = fill_local_round(batch, rates, steps, 8)
+    assert fill == {"fast": 32, "slow": 28}  # 3 x 28 / 21.3 = 3.94 s: within 2 %
+    assert all(fill[w] * steps[w] / rates[w] <= 4.0 * 1.02 for w in batch)
+    # Bounded: a worker 100x slower keeps its one step at half the batch, not 0.3 samples.
+    assert fill_local_round({"a": 8, "b": 8}, {"a": 100.0, "b": 1.0},
+                            {"a": 4, "b": 1}, 4) == {"a": 8, "b": 4}
+    # Equal machines whose rates jitter keep equal batches.
+    assert fill_local_round(batch, {"fast": 64.0, "slow": 62.0},
+                            {"fast": 8, "slow": 8}, 8) == batch
+    # Unmeasured workers, or none: the batch as it is.
+    assert fill_local_round(batch, {"fast": 0.0, "slow": 1.0}, steps, 8) == batch
+    assert fill_local_round({}, {}, {}, 8) == {}

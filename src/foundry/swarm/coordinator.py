@@ -878,7 +878,8 @@ class Coordinator:
         per_step = {w: n for w, n in per_step.items() if n > 0}
         h = self._advance(step)
         rates = {m.worker_id: (m.rate if self.opt.rebalance else 1.0) for m in members}
-        return per_step, sync.plan_local_round(per_step, rates, h)
+        steps = sync.plan_local_round(per_step, rates, h)
+        return sync.fill_local_round(per_step, rates, steps, h), steps
 
     async def _run_round(self) -> None:
         # With --overlap the round may already be open: its assignments went out before the

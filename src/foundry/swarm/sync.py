@@ -159,6 +159,10 @@ def local_steps(
     return GradientResult(pseudo, steps * b, loss / steps, aux / steps)
 
 
+# A worker whose steps fill the round's budget to within this share keeps its batch.
+FILL_TOLERANCE = 0.05
+
+
 def plan_local_round(
     batch: Mapping[str, int], rates: Mapping[str, float], sync_every: int,
 ) -> dict[str, int]:
@@ -178,3 +182,28 @@ def plan_local_round(
         return {w: sync_every for w in batch}
     budget = sync_every * min(step_s.values())
     return {w: max(1, min(sync_every, math.floor(budget / s + 0.5))) for w, s in step_s.items()}
+
+
+def fill_local_round(
+    batch: Mapping[str, int], rates: Mapping[str, float], steps: Mapping[str, int],
+    sync_every: int,
+) -> dict[str, int]:
+    """Samples per inner step that make each worker's ``steps`` fill the round's budget.
+
+    Whole steps leave a worker short of the budget or over it (3 steps where 2.67 fit: 12 %
+    over, and the fastest waits for it): each worker's samples per step are set so that its
+    steps take the budget at its rate, within half and twice ``batch``. The fastest keeps its
+    own; so does everyone before every worker is measured, and a worker already within
+    ``FILL_TOLERANCE`` of the budget (measured rates jitter by a few percent: equal machines
+    keep equal batches).
+    """
+    step_s = {w: batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0}
+    if len(step_s) < len(batch) or not batch:
+        return dict(batch)
+    budget = sync_every * min(step_s.values())
+    out = {}
+    for w, b in batch.items():
+        fit = budget * rates[w] / steps[w]
+        out[w] = b if abs(fit - b) <= FILL_TOLERANCE * b else min(2 * b, max(-(-b // 2),
+                                                                          round(fit)))
+    return out
