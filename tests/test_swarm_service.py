@@ -237,3 +237,40 @@ def test_rounds_abandoned_again_and_again_show_in_status(tmp_path: Path) -> None
     finally:
         w.stop()
         coord.stop()
+
+
+def test_copies_of_the_master_state_wait_for_the_step_under_way(tmp_path: Path) -> None:
+    """CHECKPOINT and EXPORT from the admin link run while the round loop may be applying a
+    step in a thread: they wait for it, then copy one step's state (weights and moments)."""
+    import asyncio
+
+    from foundry.model.gguf_io import load_gguf
+    from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+
+    opts = CoordinatorOptions(
+        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt", cfg=preset("tiny"),
+        settings=TrainSettings(global_batch=8, total_steps=4), max_steps=4,
+    )
+    coord = Coordinator(opts, load_corpus(None))
+    name = next(iter(coord.trainer.params))
+
+    async def scenario() -> tuple[Path, Path]:
+        coord._applied.clear()  # a step is being applied
+        ckpt = asyncio.create_task(coord.checkpoint())
+        export = asyncio.create_task(coord.export(tmp_path / "m.gguf"))
+        await asyncio.sleep(0.2)
+        assert not ckpt.done() and not export.done()  # neither copied a half-done step
+        coord.trainer.params[name][...] = 7.0  # the step's result lands
+        coord.trainer.optimizer.m[name][...] = 3.0
+        coord._applied.set()
+        return await ckpt, await export
+
+    ckpt_path, gguf_path = asyncio.run(scenario())
+    state = load_checkpoint(ckpt_path)
+    assert float(state.params[name].min()) == float(state.params[name].max()) == 7.0
+    assert float(state.optimizer["m"][name].max()) == 3.0
+    # The checkpoint holds copies: the next step changing the moments does not reach it.
+    coord.trainer.optimizer.m[name][...] = 5.0
+    assert float(state.optimizer["m"][name].max()) == 3.0
+    assert float(load_gguf(gguf_path).params[name].max()) == 7.0
