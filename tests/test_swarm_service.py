@@ -274,3 +274,27 @@ def test_copies_of_the_master_state_wait_for_the_step_under_way(tmp_path: Path) 
     coord.trainer.optimizer.m[name][...] = 5.0
     assert float(state.optimizer["m"][name].max()) == 3.0
     assert float(load_gguf(gguf_path).params[name].max()) == 7.0
+
+
+def test_admin_shutdown_while_training_ends_on_a_checkpointed_last_step(tmp_path: Path) -> None:
+    """SHUTDOWN from the admin link while two workers train: training ends after the round
+    under way, and the final checkpoint is the step the acknowledgement names."""
+    coord, port, admin_port = coordinator(tmp_path, "--max-steps", "100000",
+                                          "--checkpoint-every", "1000")
+    workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
+    try:
+        wait_step(admin_port, 3, within_s=60)
+        ack = admin(admin_port, fdtc.Shutdown(), timeout_s=60)
+        assert isinstance(ack, fdtc.ControlAck) and ack.ok, ack
+        m = re.fullmatch(r"shut down at step (\d+)", ack.message)
+        assert m, ack.message
+        assert coord.proc.wait(timeout=30) == 0, coord.text()
+        ckpt = latest_checkpoint(tmp_path / "ckpt")
+        assert ckpt is not None and load_checkpoint(ckpt).step == int(m.group(1)), coord.text()
+        assert "abandoned" not in coord.text()
+        for w in workers:
+            assert w.proc.wait(timeout=30) == 0, w.text()
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()

@@ -112,6 +112,8 @@ MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
 # On a stop, the step being applied is given this long to finish before the final checkpoint.
 STOP_ROUND_S = 30.0
+# How long SHUTDOWN waits for the round under way to end before it stops without it.
+SHUTDOWN_WAIT_S = 30.0
 # After an internal failure the open admin links answer with it this long before the process
 # exits: `foundry up`, the gateway and `foundry ctl watch` learn why, not only that it went.
 FAILED_LINGER_S = 1.5
@@ -330,6 +332,9 @@ class Coordinator:
         self._applied = asyncio.Event()
         self._applied.set()
         self._weights_wanted: set[str] = set()  # seed-only peers asking during a step
+        # SHUTDOWN from the admin link: the round loop finishes after the round under way.
+        self._finish_requested = False
+        self._done = asyncio.Event()
         self._ahead: Round | None = None  # the next round, opened before this one's step
         return trainer
 
@@ -846,7 +851,10 @@ class Coordinator:
 
     async def _round_loop(self) -> None:
         while not self._stopping.is_set():
-            if self.state is SwarmState.TRAINING and self.step >= self.opt.max_steps:
+            if self.state is not SwarmState.DONE and (
+                self._finish_requested
+                or (self.state is SwarmState.TRAINING and self.step >= self.opt.max_steps)
+            ):
                 await self._finish()
                 continue
             if self._training_on():
@@ -1282,7 +1290,10 @@ class Coordinator:
         return path
 
     async def _finish(self) -> None:
+        """The end of training, from the round loop only (so no step is applied meanwhile):
+        validate and checkpoint the last step, DONE, every worker's final UPDATE, SHUTDOWN."""
         if self.state is SwarmState.DONE:
+            self._done.set()
             return
         if self._validation_step != self.step:
             await self._validate()
@@ -1297,6 +1308,7 @@ class Coordinator:
                 with contextlib.suppress(ConnectionError, OSError, RuntimeError):
                     await self._bring_up_to_date(m)
         await self._broadcast(fdtc.Shutdown())
+        self._done.set()
 
     def export_target(self, path: Path | None) -> Path:
         """Where EXPORT may write, or ExportRefused saying why not and what to do."""
@@ -1408,8 +1420,19 @@ class Coordinator:
             self._release_paused_peers()
             return self._ack(msg, True, "paused after the current round")
         assert isinstance(msg, fdtc.Shutdown), msg
-        await self._finish()
+        if self._round_task is not None and not self._round_task.done():
+            # After the round under way: finishing beside the loop could apply a step after
+            # the final checkpoint.
+            self._finish_requested = True
+            self._wake.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._done.wait()), SHUTDOWN_WAIT_S)
+        else:
+            await self._finish()
         asyncio.get_running_loop().call_later(0.2, self.request_stop)
+        if not self._done.is_set():  # the stop checkpoints whatever step it ends at
+            return self._ack(msg, True, f"stopping at step {self.step}: the round under way "
+                                        f"did not end within {SHUTDOWN_WAIT_S:.0f} s")
         return self._ack(msg, True, f"shut down at step {self.step}")
 
     def _release_paused_peers(self) -> None:
