@@ -298,3 +298,66 @@ def test_admin_shutdown_while_training_ends_on_a_checkpointed_last_step(tmp_path
         for w in workers:
             w.stop()
         coord.stop()
+
+
+def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
+    tmp_path: Path,
+) -> None:
+    """A seed-only peer has no assignment to carry the weights: a WEIGHTS_REQ that arrives
+    while a step is applied is answered once it is done (it used to wait for ever)."""
+    import asyncio
+    import struct
+
+    from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
+
+    magic = b"\x43\x54\x44\x46"
+    opts = CoordinatorOptions(
+        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt", cfg=preset("tiny"),
+        settings=TrainSettings(global_batch=8, total_steps=4), max_steps=4, autostart=False,
+    )
+
+    def frame(msg_type: int, payload: bytes = b"") -> bytes:
+        return magic + struct.pack("<BI", msg_type, len(payload)) + payload
+
+    def types_within(sock: socket.socket, seconds: float) -> list[int]:
+        """The message types that arrive within ``seconds`` (whole frames)."""
+        sock.settimeout(0.1)
+        buf, seen, deadline = b"", [], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            assert data, "the coordinator closed the connection"
+            buf += data
+            while len(buf) >= 9 and len(buf) >= 9 + struct.unpack_from("<I", buf, 5)[0]:
+                seen.append(buf[4])
+                buf = buf[9 + struct.unpack_from("<I", buf, 5)[0]:]
+        return seen
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        coord = Coordinator(opts, load_corpus(None))
+        await coord.start()
+        sock = socket.create_connection(("127.0.0.1", coord.bound_port), timeout=10)
+        try:
+            register = b"c-worker".ljust(64, b"\0") + struct.pack("<BIIQI", 1, 4, 2, 4096, 4)
+            sock.sendall(frame(0x01, register))  # REGISTER, no DATASET: seed-only
+            assert 0x02 in await asyncio.to_thread(types_within, sock, 1.0)  # REGISTER_ACK
+            coord._applying = True  # a step is being applied
+            coord._applied.clear()
+            sock.sendall(frame(0x20))  # WEIGHTS_REQ
+            during = await asyncio.to_thread(types_within, sock, 0.5)
+            coord._applying = False  # the step is done
+            coord._applied.set()
+            await coord._answer_weights_wanted()
+            after = await asyncio.to_thread(types_within, sock, 2.0)
+            return during, after
+        finally:
+            sock.close()
+            coord.request_stop()
+            await coord.close()
+
+    during, after = asyncio.run(scenario())
+    assert 0x22 not in during and 0x21 not in during  # not while the weights change
+    assert after[:2] == [0x22, 0x21], after  # then WEIGHTS_META and WEIGHTS

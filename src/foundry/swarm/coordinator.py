@@ -1139,13 +1139,7 @@ class Coordinator:
         finally:
             self._applying = False
             self._applied.set()
-        for worker_id in sorted(self._weights_wanted):
-            if (peer := self.members.get(worker_id)) is not None:
-                try:
-                    await self._send_weights(peer)
-                except (ConnectionError, OSError, RuntimeError) as exc:
-                    log.info("could not send weights to %s: %s", worker_id, exc)
-        self._weights_wanted.clear()
+        await self._answer_weights_wanted()
         # Only now did the reports go into a step (an abandoned round's never do): status
         # never shows a worker's steps ahead of the global step.
         for worker_id, steps in rnd.steps.items():
@@ -1186,6 +1180,16 @@ class Coordinator:
             await self._validate()
         if self.step // c > before // c or self._checkpoint_failed:
             await self._checkpoint_or_warn()
+
+    async def _answer_weights_wanted(self) -> None:
+        """The weights for the seed-only peers that asked while the step was applied."""
+        wanted, self._weights_wanted = sorted(self._weights_wanted), set()
+        for worker_id in wanted:
+            if (peer := self.members.get(worker_id)) is not None:
+                try:
+                    await self._send_weights(peer)
+                except (ConnectionError, OSError, RuntimeError) as exc:
+                    log.info("could not send weights to %s: %s", worker_id, exc)
 
     def _apply(self, grads: Params, rnd: Round) -> None:
         """The optimizer step on the master (AdamW on the mean gradient, or the outer Nesterov
