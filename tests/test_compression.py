@@ -462,3 +462,19 @@ def test_error_feedback_loses_nothing(codec: Codec) -> None:
     feedback.compress("output_norm.weight", np.zeros(41, np.float32))
     feedback.reset()
     assert feedback.residual("blk.0.attn_q.weight") is None
+
+
+def test_qsgd_decodes_a_huge_bucket_field_without_a_huge_allocation(encoder: str) -> None:
+    """The bucket size comes from the peer: a tensor of 4 values that claims buckets of
+    2^32 - 1 decodes as the one bucket it is (not a 16 GiB buffer), to the same values as
+    the honest field, also when the tensor starts at an odd byte of its message."""
+    codec = qsgd.QsgdCodec(levels=7, bucket=4, seed=1)
+    x = np.array([0.5, -1.0, 0.25, 2.0], np.float32)
+    honest = bytes(codec.encode(x))
+    want, used = codec.decode(honest, 4)
+    huge = struct.pack("<II", 0xFFFF_FFFF, 7) + honest[8:]
+    got, used_huge = codec.decode(huge, 4)
+    assert used_huge == used and got.tobytes() == want.tobytes()
+    odd = memoryview(b"\x00" + huge)[1:]  # unaligned scales
+    got_odd, _ = codec.decode(odd, 4)
+    assert got_odd.tobytes() == want.tobytes()

@@ -361,3 +361,24 @@ def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
     during, after = asyncio.run(scenario())
     assert 0x22 not in during and 0x21 not in during  # not while the weights change
     assert after[:2] == [0x22, 0x21], after  # then WEIGHTS_META and WEIGHTS
+
+
+@pytest.mark.parametrize("codec", ["fp16", "qsgd"])
+def test_a_non_finite_gradient_is_not_sent_through_a_lossy_codec(tmp_path: Path,
+                                                                 codec: str) -> None:
+    """QSGD cannot encode NaN (its task used to die without a word) and FP16's residual would
+    carry it into every later upload: the worker says so, does not send it, starts its
+    residuals again, and stays connected; the rounds are re-run as for a dropped gradient."""
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "50", "--global-batch", "4", "--lr", "1e30",
+        "--warmup-steps", "1", "--compression", codec,
+    )
+    w = worker(tmp_path, port, "w0")
+    try:
+        w.wait_for(r"step \d+: this worker's gradient holds NaN or inf; not sent", within_s=60)
+        coord.wait_for(r"step \d+ abandoned: .* re-running", within_s=60)
+        assert w.alive() and coord.alive()
+        assert "Traceback" not in w.text() + coord.text()
+    finally:
+        w.stop()
+        coord.stop()

@@ -98,6 +98,12 @@ def test_each_workers_samples_per_step_fill_the_budget() -> None:
     # Equal machines whose rates jitter keep equal batches.
     assert fill_local_round(batch, {"fast": 64.0, "slow": 62.0},
                             {"fast": 8, "slow": 8}, 8) == batch
+    # A batch that does not split evenly (16 over 3: 6, 5, 5) is no difference of speed, and
+    # --no-rebalance gives every rate as 1.0: everyone runs H steps of its batch.
+    uneven = {"a": 6, "b": 5, "c": 5}
+    same = {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert plan_local_round(uneven, same, 4) == {"a": 4, "b": 4, "c": 4}
+    assert fill_local_round(uneven, same, {"a": 4, "b": 4, "c": 4}, 4) == uneven
     # Unmeasured workers, or none: the batch as it is.
     assert fill_local_round(batch, {"fast": 0.0, "slow": 1.0}, steps, 8) == batch
     assert fill_local_round({}, {}, {}, 8) == {}

@@ -222,7 +222,12 @@ class QsgdCodec(Codec):
         size = _qsgd_size(numel, d, s)
         need(buf, size, f"QSGD tensor of {numel} elements")
         n_buckets = -(-numel // d)
-        norms = np.frombuffer(buf, "<f4", n_buckets, _QSGD_HEAD.size)
+        # A bucket larger than the tensor is one bucket of the tensor: the same values, and
+        # no allocation sized by the peer's field (nor a C size that overflows on 32 bits).
+        d = min(d, max(numel, 1))
+        # A copy: the tensor may start at any byte of its message, and the C decoder reads
+        # the scales as floats (an unaligned float load faults on armv7).
+        norms = np.frombuffer(buf, "<f4", n_buckets, _QSGD_HEAD.size).copy()
         if n_buckets and not (bool(np.isfinite(norms).all()) and norms.min() >= 0):
             raise FdtcProtocolError("QSGD bucket norms must be finite and non-negative")
         pos = _QSGD_HEAD.size + 4 * n_buckets

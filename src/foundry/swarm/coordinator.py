@@ -1110,7 +1110,7 @@ class Coordinator:
         nxt = rnd.step + self._advance(rnd.step)
         return (self.opt.overlap and self.opt.local_at(rnd.step) and self.opt.local_at(nxt)
                 and nxt < self.opt.max_steps and self._training_on()
-                and not self._stopping.is_set())
+                and not self._stopping.is_set() and not self._finish_requested)
 
     async def _close_round(self, rnd: Round) -> None:
         t0 = time.monotonic()

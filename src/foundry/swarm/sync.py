@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,10 +132,14 @@ class InnerSchedule:
         return lr_schedule(step, self.lr, self.warmup_steps, self.total_steps, self.min_lr_ratio)
 
 
+class Stopped(Exception):
+    """``local_steps`` was asked to stop between two inner steps."""
+
+
 def local_steps(
     start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, schedule: InnerSchedule, *,
     global_step: int, sample_offset: int, samples_per_step: int, steps: int, micro_batch: int,
-    seq_len: int, aux_loss_coef: float,
+    seq_len: int, aux_loss_coef: float, stop: Callable[[], bool] | None = None,
 ) -> GradientResult:
     """``steps`` inner AdamW steps from ``start`` (left unchanged) on consecutive global
     samples; the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
@@ -147,6 +151,8 @@ def local_steps(
     loss = aux = 0.0
     b = samples_per_step
     for k in range(steps):
+        if stop is not None and stop():
+            raise Stopped(f"stopped after {k} of {steps} inner steps")
         res = compute_gradients(
             local, cfg, corpus, sample_offset + k * b, b,
             seq_len=seq_len, micro_batch=micro_batch, aux_loss_coef=aux_loss_coef,
@@ -178,10 +184,18 @@ def plan_local_round(
     if not batch:
         return {}
     step_s = {w: batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0}
-    if len(step_s) < len(batch):
+    if len(step_s) < len(batch) or equal_machines(rates, batch):
         return {w: sync_every for w in batch}
     budget = sync_every * min(step_s.values())
     return {w: max(1, min(sync_every, math.floor(budget / s + 0.5))) for w, s in step_s.items()}
+
+
+def equal_machines(rates: Mapping[str, float], among: Mapping[str, int]) -> bool:
+    """Whether the workers of ``among`` run within ``FILL_TOLERANCE`` of the same rate: then
+    they all run H steps of their batch (batches that differ by the global batch's remainder
+    are not a difference of speed, and measured rates jitter)."""
+    r = [rates.get(w, 0.0) for w in among]
+    return bool(r) and min(r) > 0 and max(r) <= (1 + FILL_TOLERANCE) * min(r)
 
 
 def fill_local_round(
@@ -198,7 +212,7 @@ def fill_local_round(
     keep equal batches).
     """
     step_s = {w: batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0}
-    if len(step_s) < len(batch) or not batch:
+    if len(step_s) < len(batch) or not batch or equal_machines(rates, batch):
         return dict(batch)
     budget = sync_every * min(step_s.values())
     out = {}

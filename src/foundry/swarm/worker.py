@@ -24,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
 import ssl
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -50,6 +54,8 @@ from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
 from foundry.wire.fdtc import Compression, ErrorCode
 from foundry.wire.fdtc_lifecycle import Role
+
+T = TypeVar("T")
 
 log = logging.getLogger("foundry.worker")
 
@@ -104,6 +110,12 @@ class Worker:
         self.plan: fdtc.TrainPlan | None = None
         self.weights_step = -1  # global step of the weights held; -1: none
         self.inner: AdamW | None = None  # inner optimizer of local-step rounds, kept across them
+        # Training and encoding run in this one thread, one job after the other: a cancelled
+        # assignment's thread cannot be killed, and two jobs at once would both change the
+        # inner moments and the error-feedback residuals. A cancelled local round stops at
+        # its next inner step: each job keeps the generation it was started in.
+        self._work = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-compute")
+        self._generation = 0
         # This worker's last pseudo-gradient (exact) and the step its round started at, until
         # an UPDATE from that step on shows it merged into the held weights. With --overlap the
         # next LOCAL_ASSIGN comes first: it starts from the held weights minus this.
@@ -179,8 +191,14 @@ class Worker:
             await asyncio.sleep(backoff_delay(0, rng=self._rng))
 
     async def _stop_compute(self) -> None:
+        self._generation += 1  # the job in the thread, if any, stops at its next inner step
         await cancel_and_wait(self._compute)
         self._compute = None
+
+    async def _in_work_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """``fn`` in the worker's compute thread, after any job still running there."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._work, lambda: fn(*args, **kwargs))
 
     async def _session(self, stream: FdtcStream) -> bool:
         hw = self.opt.hardware
@@ -242,6 +260,16 @@ class Worker:
                 if isinstance(err, fdtc.Error):
                     reason, code = err.message, err.error_code
             raise Refused(code, reason)
+        if ack.global_step != self.global_step and (self.inner is not None or
+                                                    self.uplink is not None):
+            # A coordinator restarted from a checkpoint, or one that trained on without us:
+            # the inner moments and the upload's residuals were built on other weights.
+            log.info("the coordinator is at step %d, this worker was at %d: its inner "
+                     "optimizer and error-feedback residuals start again from zero",
+                     ack.global_step, self.global_step)
+            self.inner = None
+            if self.uplink is not None:
+                self.uplink.reset()
         self.global_step = ack.global_step
         self.compression = Compression(ack.compression)
         self.topk_ratio = ack.topk_ratio
@@ -400,7 +428,9 @@ class Worker:
             digest = await asyncio.to_thread(sync.weights_digest, self.params, names)
             await stream.send(fdtc.WeightsDigest(update.global_step, digest))
 
-    def _local_steps(self, start: Params, assign: fdtc.LocalAssign) -> GradientResult:
+    def _local_steps(
+        self, start: Params, assign: fdtc.LocalAssign, stop: Callable[[], bool]
+    ) -> GradientResult:
         """``inner_steps`` AdamW steps from ``start``; the pseudo-gradient start - end."""
         assert self.cfg is not None and self.plan is not None
         plan = self.plan
@@ -413,7 +443,7 @@ class Worker:
             global_step=assign.global_step, sample_offset=assign.sample_offset,
             samples_per_step=assign.samples_per_step, steps=assign.inner_steps,
             micro_batch=assign.micro_batch, seq_len=assign.seq_len,
-            aux_loss_coef=self.aux_loss_coef,
+            aux_loss_coef=self.aux_loss_coef, stop=stop,
         )
 
     async def _compute_and_send(
@@ -429,13 +459,15 @@ class Worker:
         try:
             if isinstance(assign, fdtc.LocalAssign):
                 start = self._round_start(assign)
-                result = await asyncio.to_thread(self._local_steps, start, assign)
+                gen = self._generation
+                result = await self._in_work_thread(
+                    self._local_steps, start, assign, lambda: self._generation != gen)
                 # Before the upload: the next LOCAL_ASSIGN may follow its ack at once.
                 self.unmerged = (assign.global_step, result.grads)
                 self.inner_steps_done += assign.inner_steps
                 self.metrics.inner_steps.inc(assign.inner_steps)
             else:
-                result = await asyncio.to_thread(
+                result = await self._in_work_thread(
                     compute_gradients,
                     self.params,
                     self.cfg,
@@ -459,7 +491,17 @@ class Worker:
         self.timeline.span("compute", start_us, step=step, samples=n_samples)
         t1 = time.monotonic()
         start_us = now_us()
-        data = await asyncio.to_thread(self._encode, result.grads)
+        if self.uplink is not None and self.uplink.feedback is not None and not all(
+            math.isfinite(float(np.sum(g, dtype=np.float64))) for g in result.grads.values()
+        ):
+            # A lossy codec cannot encode it (QSGD, TOPK) or would carry it into every later
+            # upload through its residual (FP16: inf - inf); the coordinator drops a
+            # non-finite gradient anyway, so the round goes on without this share.
+            log.warning("step %d: this worker's gradient holds NaN or inf; not sent, and the "
+                        "error-feedback residuals start again from zero", step)
+            self.uplink.reset()
+            return
+        data = await self._in_work_thread(self._encode, result.grads)
         self.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
         self.timeline.span("compress", start_us, step=step, bytes=len(data))
         self.last_loss = result.loss
