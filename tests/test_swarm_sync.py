@@ -10,6 +10,7 @@ from foundry.swarm.sync import (
     OuterNesterov,
     Shadow,
     add_update,
+    digest_due,
     fill_local_round,
     plan_local_round,
     weights_digest,
@@ -107,3 +108,11 @@ def test_each_workers_samples_per_step_fill_the_budget() -> None:
     # Unmeasured workers, or none: the batch as it is.
     assert fill_local_round(batch, {"fast": 0.0, "slow": 1.0}, steps, 8) == batch
     assert fill_local_round({}, {}, {}, 8) == {}
+
+
+def test_a_digest_follows_each_update_that_crosses_a_multiple() -> None:
+    assert [g for g in range(1, 31) if digest_due(g - 1, g, 10)] == [10, 20, 30]  # H = 1
+    # Local rounds of 4 after a 5-step warm-up never land on a multiple of 10: they cross.
+    rounds = [(b, b + 4) for b in range(5, 45, 4)]
+    assert [g for b, g in rounds if digest_due(b, g, 10)] == [13, 21, 33, 41]
+    assert not any(digest_due(b, g, 0) for b, g in rounds)

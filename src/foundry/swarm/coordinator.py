@@ -221,6 +221,7 @@ class Member:
     joined_at: float
     last_seen: float
     rate: float = 0.0  # samples/s, EMA of what the worker measured
+    heard_rate: float = 0.0  # the last rate a heartbeat carried (each repeats it until the next)
     loss: float = float("nan")
     local_step: int = 0
     weights_step: int = -1  # global step of the weights it holds
@@ -625,7 +626,10 @@ class Coordinator:
             m.local_step = msg.local_step
             if np.isfinite(msg.current_loss):
                 m.loss = msg.current_loss
-            if msg.samples_per_sec > 0:
+            if msg.samples_per_sec > 0 and msg.samples_per_sec != m.heard_rate:
+                # A new measurement (heartbeats repeat the last one every 0.5 s: averaging
+                # the repeats would leave only the last round in the average).
+                m.heard_rate = msg.samples_per_sec
                 m.rate = policy.update_rate(m.rate or None, msg.samples_per_sec)
                 self.metrics.worker_samples_per_second.labels(worker=m.worker_id).set(m.rate)
             if not m.ack_pending:
@@ -1208,7 +1212,7 @@ class Coordinator:
             global_step=self.step, base_step=base, compression=self.opt.downlink,
             num_tensors=len(self._shapes), uncompressed_size=4 * sum(self._numels), data=data,
         )
-        if self.opt.digest_every and self.step % self.opt.digest_every == 0:
+        if sync.digest_due(base, self.step, self.opt.digest_every):
             self._digests[self.step] = self.shadow.digest()
             for old in [s for s in self._digests if s < self.step - 4 * self.opt.digest_every]:
                 del self._digests[old]

@@ -221,3 +221,10 @@ def fill_local_round(
         out[w] = b if abs(fit - b) <= FILL_TOLERANCE * b else min(2 * b, max(-(-b // 2),
                                                                           round(fit)))
     return out
+
+
+def digest_due(base_step: int, global_step: int, every: int) -> bool:
+    """Whether the UPDATE from ``base_step`` to ``global_step`` is followed by a weights
+    digest: it crosses a multiple of ``every`` (0: never). Rounds of H steps after a warm-up
+    need not land on one (warm-up 5, H 4: steps 9, 13, 17, ...)."""
+    return every > 0 and global_step // every > base_step // every

@@ -424,7 +424,7 @@ class Worker:
         if self.unmerged is not None and update.base_step >= self.unmerged[0]:
             self.unmerged = None  # that round is in the weights now
         every = self.plan.digest_every if self.plan is not None else 0
-        if every and update.global_step % every == 0:
+        if sync.digest_due(update.base_step, update.global_step, every):
             digest = await asyncio.to_thread(sync.weights_digest, self.params, names)
             await stream.send(fdtc.WeightsDigest(update.global_step, digest))
 
