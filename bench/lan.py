@@ -65,8 +65,7 @@ from live import Service
 
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
-from foundry.model.optim import AdamW, clip_grad_norm
-from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
+from foundry.model.training import Trainer, TrainSettings, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.obs.timeline import load_events
 from foundry.runtime import retain_freed_memory
@@ -229,23 +228,21 @@ def one_process(args: argparse.Namespace) -> Baseline:
 
 def train_alone(preset_name: str, samples: int, seq_len: int, steps: int,
                 slowdown: float, start: float) -> float:
-    """Samples/s of ``steps`` training steps of ``samples`` sequences (gradients, clipping,
-    AdamW), after one warm step; ``slowdown`` sleeps as a slowed worker does. The steps begin
-    at ``start`` (time.time()), so processes started one after the other run together."""
+    """Samples/s of ``steps`` training steps of ``samples`` sequences (``Trainer.train_step``,
+    as one process trains), after one warm step; ``slowdown`` sleeps as a slowed worker does.
+    The steps begin at ``start`` (time.time()), so processes started one after the other run
+    together."""
     cfg = preset(preset_name)
+    trainer = Trainer(cfg, TrainSettings(global_batch=samples, seq_len=seq_len),
+                      init_params(cfg, 0))
     corpus = load_corpus(None)
-    params = init_params(cfg, 0)
-    opt = AdamW(params)
     time.sleep(max(0.0, start - time.time()))
     t0 = 0.0
     for step in range(steps + 1):
         if step == 1:
             t0 = time.perf_counter()
         t = time.perf_counter()
-        res = compute_gradients(params, cfg, corpus, step * samples, samples, seq_len=seq_len,
-                                micro_batch=8, aux_loss_coef=0.01)
-        clip_grad_norm(res.grads, 1.0)
-        opt.step(params, res.grads, 1e-3)
+        trainer.train_step(corpus, micro_batch=8)
         if slowdown > 1.0:
             time.sleep((time.perf_counter() - t) * (slowdown - 1.0))
     return steps * samples / (time.perf_counter() - t0)

@@ -22,9 +22,8 @@ from codec import best_of
 from foundry.model import optim
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
-from foundry.model.optim import AdamW, clip_grad_norm
-from foundry.model.training import compute_gradients
-from foundry.model.transformer import Params, init_params
+from foundry.model.training import Trainer, TrainSettings, compute_gradients
+from foundry.model.transformer import init_params
 
 
 def main() -> int:
@@ -47,32 +46,30 @@ def main() -> int:
     grads = res.grads
     print(f"# {args.preset}: {n / 1e6:.2f} M parameters; best of {args.reps}, interleaved")
 
-    states = {}
+    trainers = {}
     for name in ("c", "numpy"):
         optim._optim = built if name == "c" else None
-        p = {k: v.copy() for k, v in params.items()}
-        opt = AdamW(p)
-        opt.step(p, grads, 1e-3)
-        states[name] = (p, opt)
-    same = all(states["c"][0][k].tobytes() == states["numpy"][0][k].tobytes() for k in params)
+        trainer = Trainer(cfg, TrainSettings(global_batch=args.samples, seq_len=args.seq_len),
+                          {k: v.copy() for k, v in params.items()})
+        trainer.optimizer.step(trainer.params, grads, 1e-3)
+        trainers[name] = trainer
+    same = all(trainers["c"].params[k].tobytes() == trainers["numpy"].params[k].tobytes()
+               for k in params)
     times: dict[str, float] = {}
     train: dict[str, float] = {}
     for _ in range(2):
         for name in ("c", "numpy"):
             optim._optim = built if name == "c" else None
-            p, opt = states[name]
+            trainer = trainers[name]
 
-            def adamw(p: Params = p, opt: AdamW = opt) -> None:
-                opt.step(p, grads, 1e-3)
+            def adamw(trainer: Trainer = trainer) -> None:
+                trainer.optimizer.step(trainer.params, grads, 1e-3)
 
             t = best_of(args.reps, adamw)
             times[name] = min(times.get(name, t), t)
 
-            def step(p: Params = p, opt: AdamW = opt) -> None:
-                r = compute_gradients(p, cfg, corpus, 0, args.samples, seq_len=args.seq_len,
-                                      micro_batch=8, aux_loss_coef=0.01)
-                clip_grad_norm(r.grads, 1.0)
-                opt.step(p, r.grads, 1e-3)
+            def step(trainer: Trainer = trainer) -> None:
+                trainer.train_step(corpus, micro_batch=8)
 
             t = best_of(max(2, args.reps // 3), step)
             train[name] = min(train.get(name, t), t)

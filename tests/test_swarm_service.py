@@ -344,12 +344,10 @@ def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
             register = b"c-worker".ljust(64, b"\0") + struct.pack("<BIIQI", 1, 4, 2, 4096, 4)
             sock.sendall(frame(0x01, register))  # REGISTER, no DATASET: seed-only
             assert 0x02 in await asyncio.to_thread(types_within, sock, 1.0)  # REGISTER_ACK
-            coord._applying = True  # a step is being applied
-            coord._applied.clear()
+            coord._applied.clear()  # a step is being applied
             sock.sendall(frame(0x20))  # WEIGHTS_REQ
             during = await asyncio.to_thread(types_within, sock, 0.5)
-            coord._applying = False  # the step is done
-            coord._applied.set()
+            coord._applied.set()  # the step is done
             await coord._answer_weights_wanted()
             after = await asyncio.to_thread(types_within, sock, 2.0)
             return during, after

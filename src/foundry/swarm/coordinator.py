@@ -327,9 +327,8 @@ class Coordinator:
         if "outer_m" in self._resumed:
             self.outer.load(self._resumed["outer_m"])
         self.outer_steps = self._resumed_outer_steps
-        self._applying = False  # the round's optimizer step is running in a thread
-        # Set while no optimizer step runs: what copies the master state (checkpoints,
-        # exports, validation) waits for it, so no copy is torn between two steps.
+        # Clear while the round's optimizer step runs in a thread: what copies the master
+        # state (checkpoints, exports, validation) waits for it, so no copy is torn.
         self._applied = asyncio.Event()
         self._applied.set()
         self._weights_wanted: set[str] = set()  # seed-only peers asking during a step
@@ -638,7 +637,7 @@ class Coordinator:
                 m.ack_pending = True
                 self._spawn(self._heartbeat_ack(m), "heartbeat ack")
         elif isinstance(msg, fdtc.WeightsReq):
-            if self._applying:
+            if not self._applied.is_set():
                 # The weights are changing: ours get them with their next assignment, a
                 # seed-only peer (which has none) as soon as the step is applied.
                 m.weights_step = -1
@@ -1136,12 +1135,10 @@ class Coordinator:
         losses = [(rnd.reported[w], loss) for w, loss in rnd.losses.items() if np.isfinite(loss)]
         lr = self.trainer.learning_rate()
         before = self.step
-        self._applying = True
         self._applied.clear()
         try:
             await asyncio.to_thread(self._apply, grads, rnd)
         finally:
-            self._applying = False
             self._applied.set()
         await self._answer_weights_wanted()
         # Only now did the reports go into a step (an abandoned round's never do): status

@@ -181,13 +181,22 @@ def plan_local_round(
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-    if not batch:
-        return {}
-    step_s = {w: batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0}
-    if len(step_s) < len(batch) or equal_machines(rates, batch):
-        return {w: sync_every for w in batch}
-    budget = sync_every * min(step_s.values())
-    return {w: max(1, min(sync_every, math.floor(budget / s + 0.5))) for w, s in step_s.items()}
+    budget = _round_budget(batch, rates, sync_every)
+    if budget is None:
+        return dict.fromkeys(batch, sync_every)
+    return {w: max(1, min(sync_every, math.floor(budget / (batch[w] / rates[w]) + 0.5)))
+            for w in batch}
+
+
+def _round_budget(
+    batch: Mapping[str, int], rates: Mapping[str, float], sync_every: int,
+) -> float | None:
+    """Seconds of a local round: ``sync_every`` steps of the fastest worker; None when the
+    round is H steps of each worker's batch (not every worker measured, or equal machines)."""
+    step_s = [batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0]
+    if not batch or len(step_s) < len(batch) or equal_machines(rates, batch):
+        return None
+    return sync_every * min(step_s)
 
 
 def equal_machines(rates: Mapping[str, float], among: Mapping[str, int]) -> bool:
@@ -211,10 +220,9 @@ def fill_local_round(
     ``FILL_TOLERANCE`` of the budget (measured rates jitter by a few percent: equal machines
     keep equal batches).
     """
-    step_s = {w: batch[w] / rates[w] for w in batch if rates.get(w, 0.0) > 0 and batch[w] > 0}
-    if len(step_s) < len(batch) or not batch or equal_machines(rates, batch):
+    budget = _round_budget(batch, rates, sync_every)
+    if budget is None:
         return dict(batch)
-    budget = sync_every * min(step_s.values())
     out = {}
     for w, b in batch.items():
         fit = budget * rates[w] / steps[w]

@@ -491,17 +491,11 @@ class Worker:
         self.timeline.span("compute", start_us, step=step, samples=n_samples)
         t1 = time.monotonic()
         start_us = now_us()
-        if self.uplink is not None and self.uplink.feedback is not None and not all(
-            math.isfinite(float(np.sum(g, dtype=np.float64))) for g in result.grads.values()
-        ):
-            # A lossy codec cannot encode it (QSGD, TOPK) or would carry it into every later
-            # upload through its residual (FP16: inf - inf); the coordinator drops a
-            # non-finite gradient anyway, so the round goes on without this share.
+        data = await self._in_work_thread(self._encode, result.grads)
+        if data is None:
             log.warning("step %d: this worker's gradient holds NaN or inf; not sent, and the "
                         "error-feedback residuals start again from zero", step)
-            self.uplink.reset()
             return
-        data = await self._in_work_thread(self._encode, result.grads)
         self.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
         self.timeline.span("compress", start_us, step=step, bytes=len(data))
         self.last_loss = result.loss
@@ -545,8 +539,17 @@ class Worker:
             await stream.send(fdtc.Error(int(ErrorCode.INTERNAL), message))
         await stream.close()
 
-    def _encode(self, grads: Params) -> bytes | memoryview:
+    def _encode(self, grads: Params) -> bytes | memoryview | None:
+        """The upload's data section; None for a NaN/inf gradient through a lossy codec:
+        QSGD and TOPK cannot encode it and FP16's residual would carry it into every later
+        upload (inf - inf), so the residuals start again and nothing is sent (the coordinator
+        drops a non-finite gradient anyway: the round goes on without this share)."""
         assert self.uplink is not None
+        if self.uplink.feedback is not None and not all(
+            math.isfinite(float(np.sum(g, dtype=np.float64))) for g in grads.values()
+        ):
+            self.uplink.reset()
+            return None
         return self.uplink.encode(grads)[0]
 
     def _status(self) -> fdtc.Status:
