@@ -387,8 +387,16 @@ def test_a_request_during_a_resync_goes_first_and_the_resync_resumes(tmp_path: P
             assert isinstance(long.end, fw.Done) and len(long.tokens) == 700, long.end
         workers[0].stop(signal.SIGKILL)
         wait_paired(leader.frontend, connected=False, timeout=5)
+        gates = 'foundry_tp_gate_bytes_total{direction="sent"}'
+        before = metric(leader.metrics, gates)
         workers.append(start_worker(model, leader.port, tmp_path / "second.log"))
         wait_paired(leader.frontend)
+        # The re-sync has run a chunk through the new pair (gates moved), so the request
+        # below meets it past its first checkpoint, not before it began.
+        deadline = time.monotonic() + 60
+        while metric(leader.metrics, gates) <= before:
+            assert time.monotonic() < deadline, leader.proc.text()
+            time.sleep(0.01)
         with Client(leader.frontend) as c:
             served = c.generate("hi", 5, request_id=2)
         assert served.tokens == reference_greedy(model, "hi", 5, 1).tokens
