@@ -31,6 +31,7 @@ from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
+from foundry.transport.stream import LINK_DEAD_AFTER_S
 from foundry.wire.fdtc import Compression
 
 log = logging.getLogger("foundry")
@@ -155,6 +156,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--data", type=Path, default=None,
                    help="this machine's copy of the training data (default: bundled docs)")
     w.add_argument("--slowdown", type=positive_float, default=1.0, help=argparse.SUPPRESS)
+    w.add_argument("--link-timeout", type=positive_seconds, default=LINK_DEAD_AFTER_S,
+                   metavar="S", help="reconnect when the coordinator's host has answered "
+                   "nothing, not even the kernel's keepalive probes, for S seconds (a host that "
+                   "lost power or network sends no FIN; default %(default)g)")
     w.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
@@ -291,6 +296,7 @@ def run_worker(args: argparse.Namespace) -> int:
         hardware=hardware,
         slowdown=args.slowdown,
         tls=tls,
+        link_timeout_s=args.link_timeout,
     )
 
     async def main() -> int:

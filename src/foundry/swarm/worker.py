@@ -49,6 +49,7 @@ from foundry.swarm import sync
 from foundry.swarm.model_config import config_of
 from foundry.transport.backoff import backoff_delay
 from foundry.transport.fdtc_stream import FdtcStream, StreamClosed
+from foundry.transport.stream import LINK_DEAD_AFTER_S
 from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 from foundry.wire.errors import ProtocolError
@@ -85,6 +86,9 @@ class WorkerOptions:
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     max_attempts: int = 0  # 0 = reconnect forever
     tls: ssl.SSLContext | None = None  # dial the coordinator over TLS (transport.tls)
+    # The link fails within this many seconds of the coordinator's host going silent
+    # (transport.stream.watch_liveness); the worker then reconnects.
+    link_timeout_s: float = LINK_DEAD_AFTER_S
 
 
 class Worker:
@@ -142,7 +146,8 @@ class Worker:
         while True:
             try:
                 stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls,
-                                                  role=Role.WORKER)
+                                                  role=Role.WORKER,
+                                                  dead_after_s=self.opt.link_timeout_s)
             except (OSError, TimeoutError) as exc:
                 attempt += 1
                 if self.opt.max_attempts and attempt >= self.opt.max_attempts:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 
 from foundry.transport.stream import (
+    LINK_DEAD_AFTER_S,
     READ_CHUNK,
     AsyncStream,
     FrameTimeout,
@@ -57,13 +58,15 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
         link: Link | None = None,
         max_payload: int = MAX_PAYLOAD,
         frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S,
+        dead_after_s: float = LINK_DEAD_AFTER_S,
     ) -> None:
         self.connection = (
             None if role is None
             else FdtcConnection(role, link=link, max_payload=max_payload)
         )
         decoder = FdtcDecoder(max_payload) if self.connection is None else self.connection
-        super().__init__(reader, writer, decoder, frame_deadline_s=frame_deadline_s)
+        super().__init__(reader, writer, decoder, frame_deadline_s=frame_deadline_s,
+                         dead_after_s=dead_after_s)
 
     @classmethod
     async def connect(

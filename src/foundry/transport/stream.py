@@ -15,6 +15,15 @@ The **frame deadline**: once a frame has begun, the rest of it must arrive withi
 it names. A send is bounded by the same deadline: a peer that takes no bytes within it is cut
 off, so a reader that stopped reading cannot make us buffer without end.
 
+A peer whose **host vanished** without a FIN or RST (power cut, cable pulled, a NAT that forgot
+the flow) answers nothing, and TCP alone notices only after about 15 minutes of
+retransmissions. Every asyncio TCP link is therefore watched by the kernel
+(``watch_liveness``): keepalive probes on an idle link, and ``TCP_USER_TIMEOUT`` on sent bytes
+left unacknowledged, so such a link fails within ``dead_after_s`` (``LINK_DEAD_AFTER_S``).
+Whatever the socket's error (a reset, ETIMEDOUT, EHOSTUNREACH once the route is gone), a
+failed asyncio link raises a ``ConnectionError``: ``StreamClosed`` for a peer that closed,
+``LinkError`` for the rest, so every handler has one thing to catch.
+
 Every asyncio wait is bounded with ``asyncio.timeout``, never ``asyncio.wait_for``: on Python
 3.11 ``wait_for`` drops a cancellation that arrives in the same loop iteration as the awaited
 result, and a worker whose task is cancelled by SIGTERM would then go on training.
@@ -26,6 +35,7 @@ import asyncio
 import contextlib
 import fcntl
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -34,6 +44,7 @@ from typing import Generic, Protocol, TypeVar
 
 __all__ = [
     "JOIN_BELOW",
+    "LINK_DEAD_AFTER_S",
     "READ_CHUNK",
     "AsyncStream",
     "BlockingStream",
@@ -43,6 +54,7 @@ __all__ = [
     "StreamClosed",
     "coalesce",
     "peer_name",
+    "watch_liveness",
 ]
 
 E = TypeVar("E")
@@ -54,6 +66,11 @@ READ_CHUNK = 256 * 1024
 # Frame pieces this large (tensor data, a LOGITS half) are written as the views they are, not
 # copied into a joined frame first; smaller ones are joined, so a small frame is one write.
 JOIN_BELOW = 64 * 1024
+# Seconds an asyncio TCP link may go without a sign of its peer's host before it fails
+# (``watch_liveness``); a peer that is alive answers the kernel's probes even when idle.
+LINK_DEAD_AFTER_S = 30.0
+# Unanswered keepalive probes after which the kernel gives an idle link up.
+KEEPALIVE_PROBES = 3
 # ioctl of the bytes a TCP socket's send queue has not sent yet (Linux's TIOCOUTQ).
 _SIOCOUTQ: int | None = 0x5411 if sys.platform.startswith("linux") else None
 
@@ -81,8 +98,9 @@ class FrameTimeout(TimeoutError):
 
 
 class LinkError(ConnectionError):
-    """A blocking link failed: the peer closed it, went silent past the deadline, or the
-    socket broke. The link is unusable afterwards."""
+    """A link failed: the peer closed it (a blocking link), went silent past the deadline,
+    or the socket broke (its host unreachable, the kernel's watch timed out). The link is
+    unusable afterwards."""
 
 
 def peer_name(address: object) -> str:
@@ -109,6 +127,23 @@ def coalesce(pieces: Iterable[bytes | memoryview]) -> list[bytes | memoryview]:
     return out
 
 
+def watch_liveness(sock: socket.socket, dead_after_s: float) -> None:
+    """Have the kernel fail this TCP link within about ``dead_after_s`` of its peer's host
+    going silent: keepalive probes after half of it idle (``KEEPALIVE_PROBES`` of them in the
+    other half), and ``TCP_USER_TIMEOUT`` for bytes sent and never acknowledged. A platform
+    without these options (not Linux) keeps TCP's defaults."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = max(1, int(dead_after_s / 2))
+    interval = max(1, int((dead_after_s - idle) / KEEPALIVE_PROBES))
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(dead_after_s * 1000))
+
+
 def _late(peer: str, deadline_s: float) -> str:
     return (f"{peer} began a frame and did not finish it within {deadline_s:g} s "
             "(frame deadline)")
@@ -125,7 +160,11 @@ class AsyncStream(Generic[E]):
         *,
         frame_deadline_s: float,
         read_chunk: int = READ_CHUNK,
+        dead_after_s: float = LINK_DEAD_AFTER_S,
     ) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            watch_liveness(sock, dead_after_s)
         self.reader = reader
         self.writer = writer
         self.decoder = decoder
@@ -158,10 +197,16 @@ class AsyncStream(Generic[E]):
             try:
                 async with asyncio.timeout(timeout):
                     data = await self.reader.read(self.read_chunk)
-            except TimeoutError:
+            except TimeoutError as exc:
+                if exc.errno is not None:  # the socket's ETIMEDOUT, not our own timeout
+                    raise self._failed(exc) from None
                 if partial:
                     raise FrameTimeout(_late(self.peer, self.frame_deadline_s)) from None
                 raise
+            except (ConnectionError, ssl.SSLError):
+                raise
+            except OSError as exc:
+                raise self._failed(exc) from None
             if not data:
                 if partial:
                     raise StreamClosed(f"{self.peer} closed the connection in mid-frame")
@@ -208,13 +253,22 @@ class AsyncStream(Generic[E]):
         try:
             async with asyncio.timeout(self.frame_deadline_s):
                 await self.writer.drain()
-        except TimeoutError:
+        except TimeoutError as exc:
+            if exc.errno is not None:
+                raise self._failed(exc) from None
             # Part of a frame may be on the wire: the connection cannot be used any more.
             self.writer.transport.abort()
             raise FrameTimeout(
                 f"{self.peer} did not take a frame of {n} bytes within "
                 f"{self.frame_deadline_s:g} s (it reads too slowly or not at all)"
             ) from None
+        except (ConnectionError, ssl.SSLError):
+            raise
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def _failed(self, exc: OSError) -> LinkError:
+        return LinkError(f"the link to {self.peer} failed: {exc}")
 
     async def close(self) -> None:
         if self.writer.is_closing():
