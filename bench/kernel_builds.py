@@ -1,8 +1,8 @@
 """Builds of the block kernels against each other in one process: streaming products, and decode.
 
     python bench/kernel_builds.py NAME=PATH.so [NAME=PATH.so ...] [--rows 600000] [--reps 4]
-        [--core 2] [--types Q8_0,Q4_0,F16] [--decode f16,q8_0,q4_0 [--tokens 48]
-        [--model-dir /tmp]]
+        [--core 2] [--types Q8_0,Q4_0,F16] [--huge-pages] [--decode f16,q8_0,q4_0
+        [--tokens 48] [--model-dir /tmp]]
 
 Each ``PATH.so`` is a build of ``foundry.model._kernels`` (e.g. one with
 ``CFLAGS=-DPREFETCH=0 python setup.py build_ext --inplace --force``, copied aside, or the
@@ -14,6 +14,8 @@ interleaved, so a busy machine slows them alike:
    of ``--reps``; by default 653 MB of Q8_0, more than a 300 MB L3, so the products stream from
    DRAM. Prints GB/s of stored weights per build and type, numpy's float32 product of the same
    shape (its 2.4 GB at the default rows) for scale, and the build with the least total time.
+   ``--huge-pages`` runs each also from a copy in memory advised MADV_HUGEPAGE (fewer TLB
+   misses while streaming, where the kernel's transparent huge pages allow it).
 2. With ``--decode``: ms per decoded token of the ``bench`` preset stored as each type (files
    written by ``save_gguf`` into ``--model-dir`` once, reused), one token per build and type
    after the other for ``--tokens`` tokens after a 64-token prompt, with f32 (numpy) between
@@ -28,6 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLA
 
 import argparse
 import importlib.util
+import mmap
 import statistics
 import time
 from pathlib import Path
@@ -62,30 +65,52 @@ def weights(t: str, rows: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: int) -> None:
+HUGE_PAGE = 2 << 20
+
+
+def in_huge_pages(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` in anonymous memory advised MADV_HUGEPAGE (transparent huge pages where
+    the kernel's setting is ``madvise`` or ``always``), aligned to 2 MiB."""
+    buf = mmap.mmap(-1, a.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    whole = np.frombuffer(buf, np.uint8)
+    start = -whole.ctypes.data % HUGE_PAGE
+    out = whole[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: int,
+             huge_pages: bool) -> None:
     rng = np.random.default_rng(0)
     w = {t: weights(t, rows, rng) for t in types}
+    if huge_pages:
+        w |= {f"{t}-huge": in_huge_pages(w[t]) for t in types}
+    kinds = list(w)
     x = rng.standard_normal((1, K), dtype=np.float32)
     y = np.empty((1, rows), np.float32)
-    best = {(b, t): float("inf") for b in builds for t in types}
+    best = {(b, t): float("inf") for b in builds for t in kinds}
     for _ in range(reps):
         for b, module in builds.items():
-            for t in types:
+            for t in kinds:
                 t0 = time.perf_counter()
-                module.matmul(TYPES[t][0], w[t], rows, K, x, 1, y)
+                module.matmul(TYPES[t.split("-")[0]][0], w[t], rows, K, x, 1, y)
                 best[b, t] = min(best[b, t], time.perf_counter() - t0)
     for b in builds:
         print(f"{b}: " + ", ".join(f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s"
-                                   for t in types))
+                                   for t in kinds))
     del w
-    f32 = rng.standard_normal((rows, K), dtype=np.float32)
-    base = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x @ f32.T
-        base = min(base, time.perf_counter() - t0)
-    print(f"f32 numpy: {f32.nbytes / base / 1e9:.1f} GB/s")
-    print("best", min(builds, key=lambda b: sum(best[b, t] for t in types)))
+    f32 = {"f32": rng.standard_normal((rows, K), dtype=np.float32)}
+    if huge_pages:
+        f32["f32-huge"] = in_huge_pages(f32["f32"])
+    for name, a in f32.items():
+        base = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x @ a.T
+            base = min(base, time.perf_counter() - t0)
+        print(f"{name} numpy: {a.nbytes / base / 1e9:.1f} GB/s")
+    print("best", min(builds, key=lambda b: sum(best[b, t] for t in kinds)))
 
 
 def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder: Path) -> None:
@@ -102,7 +127,8 @@ def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder:
         del m
     runs = [("", "f32")] + [(b, t) for b in builds for t in types]
     prompt = [int(v) for v in np.random.default_rng(1).integers(3, cfg.n_vocab, 64)]
-    sessions, last, times = {}, {}, {r: [] for r in runs}
+    sessions, last = {}, {}
+    times: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
     for b, t in runs:
         if b:
             quant._kernels = builds[b]
@@ -133,12 +159,14 @@ def main() -> None:
     ap.add_argument("--decode", default=None, help="also decode these types (f16,q8_0,q4_0)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="also run each product from a copy of its weights in huge pages")
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     builds = {name: load(path) for name, path in (b.split("=", 1) for b in args.builds)}
     if args.rows > 0:
-        products(builds, args.types.split(","), args.rows, args.reps)
+        products(builds, args.types.split(","), args.rows, args.reps, args.huge_pages)
     if args.decode:
         decode(builds, args.decode.split(","), args.tokens, args.model_dir)
 

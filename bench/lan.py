@@ -232,6 +232,7 @@ def train_alone(preset_name: str, samples: int, seq_len: int, steps: int,
     as one process trains), after one warm step; ``slowdown`` sleeps as a slowed worker does.
     The steps begin at ``start`` (time.time()), so processes started one after the other run
     together."""
+    retain_freed_memory()  # as a worker and one process do: not a page fault per 4 KiB a step
     cfg = preset(preset_name)
     trainer = Trainer(cfg, TrainSettings(global_batch=samples, seq_len=seq_len),
                       init_params(cfg, 0))

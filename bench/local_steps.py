@@ -13,8 +13,13 @@ process's final validation loss, as a ratio. ``ideal sooner`` is what N machines
 in wall-clock time if computing were all they did: N x one process's tokens to the target /
 the configuration's tokens to it. ``bench/lan.py`` measures the real thing.
 
-A configuration is ``NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR]]`` (``--config``,
+A configuration is ``NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR[,WARMUP]]]`` (``--config``,
 repeatable); ``H = 1`` with lr 1 and momentum 0 is plain model averaging after every step.
+``--stale-sync D`` adds synchronous training whose gradients are D steps stale (the maths of
+overlapping a synchronous exchange with the next step's compute).
+``WARMUP`` is the coordinator's ``--sync-warmup``: that many synchronous steps first (lossless
+synchronous training is one process's AdamW on the whole batch), then local rounds, each
+worker's inner AdamW starting fresh as a worker's does at its first LOCAL_ASSIGN.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.optim import AdamW
-from foundry.model.training import Trainer, TrainSettings, evaluate_loss
+from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
 from foundry.model.transformer import init_params
 from foundry.swarm import policy, sync
 
 VALIDATION_BATCHES = 4  # as the coordinator and bench/lan.py validate
+CONFIG_FORM = "NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR[,WARMUP]]]"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Config:
     momentum: float
     global_batch: int = 0  # 0: --global-batch
     lr: float = 0.0  # 0: --lr
+    warmup: int = 0  # synchronous steps before the local rounds (--sync-warmup)
 
 
 @dataclass
@@ -59,13 +66,13 @@ class Outcome:
 def parse_config(text: str) -> Config:
     name, sep, spec = text.partition("=")
     parts = spec.split(",")
-    if not sep or not name or not 3 <= len(parts) <= 5:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: want NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR]]")
+    if not sep or not name or not 3 <= len(parts) <= 6:
+        raise argparse.ArgumentTypeError(f"{text!r}: want {CONFIG_FORM}")
     try:
         return Config(name, int(parts[0]), float(parts[1]), float(parts[2]),
-                      int(parts[3]) if len(parts) > 3 else 0,
-                      float(parts[4]) if len(parts) > 4 else 0.0)
+                      int(parts[3]) if len(parts) > 3 and parts[3] else 0,
+                      float(parts[4]) if len(parts) > 4 and parts[4] else 0.0,
+                      int(parts[5]) if len(parts) > 5 else 0)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
@@ -90,6 +97,30 @@ def one_process(args: argparse.Namespace) -> Outcome:
     return out
 
 
+def stale_sync(args: argparse.Namespace, delay: int) -> Outcome:
+    """Synchronous training whose gradients are ``delay`` steps stale: one process's AdamW on
+    the whole batch, each gradient taken at the weights of ``delay`` steps before (what
+    overlapping a synchronous step's exchange with the next step's compute would train)."""
+    cfg = preset(args.preset)
+    corpus = load_corpus(None)
+    s = settings_of(args, args.global_batch, args.lr)
+    trainer = Trainer(cfg, s, init_params(cfg, 0))
+    out = Outcome(f"sync, {delay} stale")
+    t0 = time.perf_counter()
+    behind = [{k: v.copy() for k, v in trainer.params.items()}]  # oldest first
+    for step in range(1, args.max_steps + 1):
+        result = compute_gradients(behind[0], cfg, corpus, trainer.position, s.global_batch,
+                                   seq_len=s.seq_len, micro_batch=8,
+                                   aux_loss_coef=s.aux_loss_coef, data_seed=s.data_seed)
+        trainer.apply(result.grads)
+        behind = [*behind, {k: v.copy() for k, v in trainer.params.items()}][-(delay + 1):]
+        if step % args.validate_every == 0:
+            loss = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, VALIDATION_BATCHES)
+            out.curve.append((step * args.global_batch, loss))
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
 def local_training(args: argparse.Namespace, c: Config) -> Outcome:
     """N workers' rounds in sequence: what the coordinator and workers compute, lossless."""
     cfg = preset(args.preset)
@@ -102,16 +133,23 @@ def local_training(args: argparse.Namespace, c: Config) -> Outcome:
     schedule = sync.InnerSchedule(s.lr, max(1, round(s.warmup_steps * scale)),
                                   max(1, round(s.total_steps * scale)), s.min_lr_ratio,
                                   s.grad_clip)
-    params = init_params(cfg, 0)
+    out = Outcome(c.name)
+    t0 = time.perf_counter()
+    warm = Trainer(cfg, s, init_params(cfg, 0))
+    every = args.validate_every * args.global_batch
+    for _ in range(c.warmup):
+        warm.train_step(corpus, micro_batch=8)
+        if warm.position % every == 0:
+            loss = evaluate_loss(warm.params, cfg, corpus, s.seq_len, VALIDATION_BATCHES)
+            out.curve.append((warm.position, loss))
+    params = warm.params
     outer = sync.OuterNesterov(params, c.outer_lr, c.momentum)
     ids = [f"w{i}" for i in range(args.workers)]
     inner = {w: AdamW(params, weight_decay=s.weight_decay) for w in ids}
     per_step = policy.allocate_samples(batch, dict.fromkeys(ids, 1.0))
-    out = Outcome(c.name)
-    t0 = time.perf_counter()
-    step = position = 0
+    step, position = warm.step, warm.position
     max_samples = args.max_steps * args.global_batch
-    next_check = args.validate_every * args.global_batch
+    next_check = (position // every + 1) * every
     while position < max_samples:
         h = c.sync_every
         shares = {w: per_step[w] * h for w in ids}
@@ -130,15 +168,16 @@ def local_training(args: argparse.Namespace, c: Config) -> Outcome:
         if position >= next_check:
             loss = evaluate_loss(params, cfg, corpus, s.seq_len, VALIDATION_BATCHES)
             out.curve.append((position, loss))
-            next_check = (position // (args.validate_every * args.global_batch) + 1) * (
-                args.validate_every * args.global_batch)
+            next_check = (position // every + 1) * every
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def run(job: tuple[argparse.Namespace, Config | None]) -> Outcome:
+def run(job: tuple[argparse.Namespace, Config | int | None]) -> Outcome:
     args, c = job
-    return one_process(args) if c is None else local_training(args, c)
+    if c is None:
+        return one_process(args)
+    return stale_sync(args, c) if isinstance(c, int) else local_training(args, c)
 
 
 def at_tokens(curve: list[tuple[int, float]], samples: int) -> float:
@@ -167,19 +206,27 @@ def main() -> int:
                     help="tokens to train, in one process's steps (default 2 x --steps)")
     ap.add_argument("--validate-every", type=int, default=8, help="in one process's steps")
     ap.add_argument("--config", dest="configs", type=parse_config, action="append",
-                    required=True, metavar="NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR]]")
+                    default=[], metavar=CONFIG_FORM)
+    ap.add_argument("--stale-sync", type=int, action="append", default=[], metavar="D",
+                    help="also synchronous training with gradients D steps stale (repeatable)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="configurations run at once, one process each")
     args = ap.parse_args()
     args.max_steps = max(args.max_steps or 2 * args.steps, args.steps)
     if args.workers < 1 or args.jobs < 1:
         ap.error("--workers and --jobs must be positive")
+    if not args.configs and not args.stale_sync:
+        ap.error("give at least one --config or --stale-sync")
+    if any(d < 1 for d in args.stale_sync):
+        ap.error("--stale-sync takes a delay of 1 step or more")
     print(f"# local-step quality: {args.workers} simulated workers, preset {args.preset}, "
           f"global batch {args.global_batch}x{args.seq_len}, target = one process's "
-          f"validation after {args.steps} steps; {len(args.configs)} configurations, "
-          f"{args.jobs} at a time", flush=True)
-    jobs: list[tuple[argparse.Namespace, Config | None]] = [(args, None)]
+          f"validation after {args.steps} steps; "
+          f"{len(args.configs) + len(args.stale_sync)} configurations, {args.jobs} at a time",
+          flush=True)
+    jobs: list[tuple[argparse.Namespace, Config | int | None]] = [(args, None)]
     jobs += [(args, c) for c in args.configs]
+    jobs += [(args, d) for d in args.stale_sync]
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
         outcomes = list(pool.map(run, jobs))
     base = outcomes[0]
