@@ -2,7 +2,7 @@
 
     OPENBLAS_NUM_THREADS=1 python bench/engine.py [--quick] [--decode-only]
         [--types f16,q8_0,q4_0[,q4_k_m]] [--llama-cpp LLAMA_CPP_BUILD/bin [--llama-bench-args ARGS]]
-        [--cores 2]
+        [--cores 2] [--split]
 
 1. Training: samples/s of one full step (forward, backward, gradient clipping, AdamW) of
    ``foundry.model`` and of a PyTorch eager implementation of the same model (below: SDPA
@@ -19,6 +19,10 @@
    that loads the file (against the file size), and PASS/FAIL for the targets: f16 >= 1.8x,
    Q8_0 >= 2.5x, Q4_0 >= 3.5x f32. With ``--llama-cpp``, ``llama-bench -t 1`` decodes the same
    files between the rounds (after as many tokens of context as ours); target Q8_0 >= 0.9x.
+   ``--split`` also times every matrix product of the engine (``inference.linear``, two clock
+   reads a call) and prints each type's token as its products and the engine's own work
+   (attention, norms, router, the expert loop, Python): what a type's smaller weights can
+   speed up, and what they cannot.
 
 Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
@@ -44,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from foundry.model import quant
+from foundry.model import inference, quant
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig, preset
 from foundry.model.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
@@ -250,8 +254,28 @@ def judge(ratio: float, target: float | None) -> tuple[bool, str]:
     return passed, f"target >= {target}x {'PASS' if passed else 'FAIL'}"
 
 
+class ProductClock:
+    """Seconds spent in the engine's matrix products while it is entered (``--split``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._linear = quant.linear  # what the engine calls for every product
+
+    def _timed(self, x: np.ndarray, w: quant.Param) -> np.ndarray:
+        t0 = time.perf_counter()
+        y = self._linear(x, w)
+        self.seconds += time.perf_counter() - t0
+        return y
+
+    def __enter__(self) -> None:
+        vars(inference)["linear"] = self._timed  # the engine's module-level name
+
+    def __exit__(self, *exc: object) -> None:
+        vars(inference)["linear"] = self._linear
+
+
 def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: int,
-                 folder: Path, llama_cpp: Path | None, rounds: int) -> bool:
+                 folder: Path, llama_cpp: Path | None, rounds: int, split: bool = False) -> bool:
     """Decode tokens/s of each stored type against f32 in the same run (tokens interleaved
     across the types, ``rounds`` times), with llama.cpp on the same files when given."""
     print(f"decode    {cfg.n_params() / 1e6:.0f}M params, kernels: {quant.KERNELS}, 1 thread")
@@ -266,6 +290,7 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
     ours: dict[str, list[float]] = {t: [] for t in engines}
     theirs: dict[str, list[float]] = {t: [] for t in engines if t != "f32" or llama_cpp}
     read = {t: weight_bytes_per_token(e) for t, e in engines.items()}
+    clocks = {t: ProductClock() for t in engines}
     for _ in range(rounds):
         sessions = {t: e.new_session() for t, e in engines.items()}
         last = {t: int(np.argmax(e.decode(sessions[t], prompt)[-1])) for t, e in engines.items()}
@@ -273,7 +298,11 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         for _ in range(n_tokens):
             for t, e in engines.items():
                 t0 = time.perf_counter()
-                logits = e.decode(sessions[t], [last[t]])
+                if split:
+                    with clocks[t]:
+                        logits = e.decode(sessions[t], [last[t]])
+                else:
+                    logits = e.decode(sessions[t], [last[t]])
                 round_times[t].append(time.perf_counter() - t0)
                 last[t] = int(np.argmax(logits[-1]))
         for t in engines:
@@ -299,6 +328,13 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         print(f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
               f"{statistics.median(times[t]) * 1e3:.2f} ms; per round: "
               + ", ".join(f"{r:.2f}" for r in ours[t]) + ")")
+    if split:
+        print("  a token as products and the engine's own work (means over every token):")
+        for t in engines:
+            total, products = sum(times[t]) / len(times[t]), clocks[t].seconds / len(times[t])
+            own = total - products
+            print(f"  {t:<8} {total * 1e3:7.2f} ms = products {products * 1e3:6.2f} "
+                  f"({read[t] / products / 1e9:.1f} GB/s) + own work {own * 1e3:.2f}")
     base_rss, _ = rss_of(None)
     print(f"  RSS of a process that only imports the engine: {base_rss:.3f} GB")
     if llama_cpp is not None:
@@ -331,6 +367,8 @@ def main() -> None:
                          "flags promise more than it runs: llama.cpp's repacked kernels died "
                          "there with SIGILL)")
     ap.add_argument("--cores", default=None, help="pin to these cores (e.g. 2)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time the products apart from the engine's own work")
     args = ap.parse_args()
     LLAMA_BENCH_ARGS.extend(args.llama_bench_args.split())
     retained = not args.default_malloc and retain_freed_memory()
@@ -344,7 +382,7 @@ def main() -> None:
               else bench_training(preset("small"), batch=8, seq=128, reps=15))
     cfg, prompt, n = (preset("small"), 16, 16) if args.quick else (preset("bench"), 64, 64)
     ok = bench_decode(cfg, args.types.split(","), prompt, n, args.model_dir, args.llama_cpp,
-                      args.rounds) and ok
+                      args.rounds, args.split) and ok
     raise SystemExit(0 if ok else 1)
 
 
