@@ -1135,17 +1135,19 @@ class Coordinator:
         losses = [(rnd.reported[w], loss) for w, loss in rnd.losses.items() if np.isfinite(loss)]
         lr = self.trainer.learning_rate()
         before = self.step
+        # The reports go into a step now (an abandoned round's never do). Counted before the
+        # optimizer thread moves the global step, in this turn of the loop: status shows a
+        # worker's steps at most this round ahead of the global step while it is applied,
+        # never behind it (counted after, a status read during the apply saw them behind).
+        for worker_id, steps in rnd.steps.items():
+            if worker_id in rnd.reported and (member := self.members.get(worker_id)):
+                member.steps_done += steps
         self._applied.clear()
         try:
             await asyncio.to_thread(self._apply, grads, rnd)
         finally:
             self._applied.set()
         await self._answer_weights_wanted()
-        # Only now did the reports go into a step (an abandoned round's never do): status
-        # never shows a worker's steps ahead of the global step.
-        for worker_id, steps in rnd.steps.items():
-            if worker_id in rnd.reported and (member := self.members.get(worker_id)):
-                member.steps_done += steps
         if self._ahead is not None:
             # This round's UPDATE to every worker of the round already running.
             ahead = [m for m in self.members.values() if m.worker_id in self._ahead.planned]
