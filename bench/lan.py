@@ -238,14 +238,15 @@ def train_alone(preset_name: str, samples: int, seq_len: int, steps: int,
                       init_params(cfg, 0))
     corpus = load_corpus(None)
     time.sleep(max(0.0, start - time.time()))
-    t0 = 0.0
+    t0, fastest = 0.0, float("inf")
     for step in range(steps + 1):
         if step == 1:
             t0 = time.perf_counter()
         t = time.perf_counter()
         trainer.train_step(corpus, micro_batch=8)
-        if slowdown > 1.0:
-            time.sleep((time.perf_counter() - t) * (slowdown - 1.0))
+        if slowdown > 1.0:  # (N - 1) x the fastest step so far, as the worker's --slowdown
+            fastest = min(fastest, time.perf_counter() - t)
+            time.sleep(fastest * (slowdown - 1.0))
     return steps * samples / (time.perf_counter() - t0)
 
 
@@ -472,8 +473,9 @@ def main() -> int:
                     "(default 2 x --steps)")
     ap.add_argument("--validate-every", type=int, default=10)
     ap.add_argument("--slowdown", type=float, default=1.0,
-                    help="make worker 1 this many times slower (heterogeneity); the notes\n"
-                    "then give samples/s as a share of the summed standalone rates")
+                    help="make worker 1 this many times slower (heterogeneity: after each\n"
+                    "assignment it sleeps N - 1 times its fastest compute per sample); the\n"
+                    "notes then give samples/s as a share of the summed standalone rates")
     ap.add_argument("--config", dest="configs", type=parse_config, action="append",
                     metavar="NAME=ARGS",
                     help="a configuration: extra coordinator arguments (repeatable), at every\n"

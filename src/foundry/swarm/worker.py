@@ -129,6 +129,9 @@ class Worker:
         self.inner_steps_done = 0
         self.last_loss = float("nan")
         self.rate = 0.0
+        # --slowdown: the fastest seconds per sample seen, per kind of assignment (ASSIGN,
+        # LOCAL_ASSIGN), which the emulated slower machine's extra time is made of.
+        self._fastest_per_sample: dict[type, float] = {}
         self.samples_done = 0
         self.paused = False
         self.cannot_train: str | None = None  # why an assignment could not be trained on
@@ -488,9 +491,16 @@ class Worker:
             return
         n_samples = result.n_samples
         compute_s = time.monotonic() - t0
-        if self.opt.slowdown > 1.0:
-            await asyncio.sleep(compute_s * (self.opt.slowdown - 1.0))
-            compute_s *= self.opt.slowdown
+        if self.opt.slowdown > 1.0 and n_samples > 0:
+            # A machine that many times slower takes (slowdown - 1) x its compute more: of its
+            # fastest compute, so that what other processes on this computer take from this
+            # one (a benchmark's whole swarm on one machine) is not multiplied along with it.
+            kind = type(assign)
+            fastest = min(self._fastest_per_sample.get(kind, math.inf), compute_s / n_samples)
+            self._fastest_per_sample[kind] = fastest
+            extra = fastest * n_samples * (self.opt.slowdown - 1.0)
+            await asyncio.sleep(extra)
+            compute_s += extra
         self.metrics.phase_duration.labels(phase="compute").observe(compute_s)
         step = assign.global_step
         self.timeline.span("compute", start_us, step=step, samples=n_samples)
