@@ -39,7 +39,7 @@ import ssl
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
 __all__ = [
@@ -196,17 +196,12 @@ class AsyncStream(Generic[E]):
                     raise FrameTimeout(_late(self.peer, self.frame_deadline_s))
             try:
                 async with asyncio.timeout(timeout):
-                    data = await self.reader.read(self.read_chunk)
-            except TimeoutError as exc:
-                if exc.errno is not None:  # the socket's ETIMEDOUT, not our own timeout
-                    raise self._failed(exc) from None
+                    with self._link_errors():
+                        data = await self.reader.read(self.read_chunk)
+            except TimeoutError:
                 if partial:
                     raise FrameTimeout(_late(self.peer, self.frame_deadline_s)) from None
                 raise
-            except (ConnectionError, ssl.SSLError):
-                raise
-            except OSError as exc:
-                raise self._failed(exc) from None
             if not data:
                 if partial:
                     raise StreamClosed(f"{self.peer} closed the connection in mid-frame")
@@ -252,23 +247,28 @@ class AsyncStream(Generic[E]):
     async def drain(self, n: int = 0) -> None:
         try:
             async with asyncio.timeout(self.frame_deadline_s):
-                await self.writer.drain()
-        except TimeoutError as exc:
-            if exc.errno is not None:
-                raise self._failed(exc) from None
+                with self._link_errors():
+                    await self.writer.drain()
+        except TimeoutError:
             # Part of a frame may be on the wire: the connection cannot be used any more.
             self.writer.transport.abort()
             raise FrameTimeout(
                 f"{self.peer} did not take a frame of {n} bytes within "
                 f"{self.frame_deadline_s:g} s (it reads too slowly or not at all)"
             ) from None
+
+    @contextlib.contextmanager
+    def _link_errors(self) -> Iterator[None]:
+        """Around one wait on the socket, inside its ``asyncio.timeout`` (whose own expiry
+        never passes through here): an error of the socket that is not already a
+        ConnectionError (the kernel's ETIMEDOUT, EHOSTUNREACH) as LinkError; TLS's errors as
+        they are."""
+        try:
+            yield
         except (ConnectionError, ssl.SSLError):
             raise
         except OSError as exc:
-            raise self._failed(exc) from None
-
-    def _failed(self, exc: OSError) -> LinkError:
-        return LinkError(f"the link to {self.peer} failed: {exc}")
+            raise LinkError(f"the link to {self.peer} failed: {exc}") from None
 
     async def close(self) -> None:
         if self.writer.is_closing():
