@@ -10,6 +10,7 @@ from foundry.swarm.sync import (
     OuterNesterov,
     Shadow,
     add_update,
+    all_finite,
     digest_due,
     fill_local_round,
     plan_local_round,
@@ -116,3 +117,13 @@ def test_a_digest_follows_each_update_that_crosses_a_multiple() -> None:
     rounds = [(b, b + 4) for b in range(5, 45, 4)]
     assert [g for b, g in rounds if digest_due(b, g, 10)] == [13, 21, 33, 41]
     assert not any(digest_due(b, g, 0) for b, g in rounds)
+
+
+def test_all_finite_finds_nan_and_inf_in_any_tensor_and_passes_huge_finite_values() -> None:
+    big = np.full(1000, np.finfo(np.float32).max, np.float32)  # their sum overflows float32
+    assert all_finite([big, -big, np.zeros(3, np.float32)])
+    for bad in (np.nan, np.inf, -np.inf):
+        t = np.zeros(5, np.float32)
+        t[3] = bad
+        assert not all_finite([np.ones(2, np.float32), t])
+    assert all_finite([])

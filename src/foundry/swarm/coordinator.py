@@ -812,7 +812,7 @@ class Coordinator:
 
     def _decode_gradients(self, msg: fdtc.Gradients) -> tuple[list[npt.NDArray[np.float32]], bool]:
         tensors = deserialize_tensors(msg.data, self._numels, Compression(msg.compression))
-        return tensors, all(bool(np.isfinite(t).all()) for t in tensors)
+        return tensors, sync.all_finite(tensors)
 
     def _drop(self, m: Member, reason: str) -> None:
         """``reason``: one of ``SWARM_DROP_REASONS`` (a metric label: no spaces)."""

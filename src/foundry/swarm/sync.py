@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +130,12 @@ class InnerSchedule:
 
     def lr_at(self, step: int) -> float:
         return lr_schedule(step, self.lr, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+
+def all_finite(tensors: Iterable[F32]) -> bool:
+    """Whether no value of the tensors is NaN or inf: one float64 sum per tensor (NaN and inf
+    carry through a sum, and float32 values cannot overflow one), no mask allocated."""
+    return all(math.isfinite(float(np.sum(t, dtype=np.float64))) for t in tensors)
 
 
 class Stopped(Exception):

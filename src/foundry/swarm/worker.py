@@ -560,9 +560,7 @@ class Worker:
         upload (inf - inf), so the residuals start again and nothing is sent (the coordinator
         drops a non-finite gradient anyway: the round goes on without this share)."""
         assert self.uplink is not None
-        if self.uplink.feedback is not None and not all(
-            math.isfinite(float(np.sum(g, dtype=np.float64))) for g in grads.values()
-        ):
+        if self.uplink.feedback is not None and not sync.all_finite(grads.values()):
             self.uplink.reset()
             return None
         return self.uplink.encode(grads)[0]
