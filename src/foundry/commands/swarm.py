@@ -27,6 +27,7 @@ from foundry.commands.common import (
     whole_in,
 )
 from foundry.compression.qsgd import MAX_QSGD_LEVELS
+from foundry.model.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
@@ -115,6 +116,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_schedule_flags(c)
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
+    c.add_argument("--keep-checkpoints", type=positive_int, default=DEFAULT_KEEP_LAST,
+                   metavar="N", help="checkpoints kept in --checkpoint-dir, the newest N "
+                   f"(default {DEFAULT_KEEP_LAST}); "
+                   "older ones are deleted as new ones are written")
     c.add_argument("--validate-every", type=positive_int, default=25, metavar="N",
                    help="steps between validation runs on the held-out text (default 25; "
                    "always after the last step)")
@@ -217,6 +222,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
         validate_every=args.validate_every,
         min_workers=args.min_workers,
         seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,

@@ -55,6 +55,7 @@ import numpy.typing as npt
 from foundry.compression import Codec, deserialize_tensors, get_codec
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.model.checkpoint import (
+    DEFAULT_KEEP_LAST,
     CheckpointError,
     CheckpointState,
     latest_checkpoint,
@@ -160,6 +161,7 @@ class CoordinatorOptions:
     topk_ratio: float = 0.01
     max_steps: int = 1000
     checkpoint_every: int = 50
+    keep_checkpoints: int = DEFAULT_KEEP_LAST
     validate_every: int = VALIDATE_EVERY
     min_workers: int = 1
     autostart: bool = True
@@ -1287,7 +1289,8 @@ class Coordinator:
                    if self.opt.sync_every > 1 else {}),
             },
         )
-        path = await asyncio.to_thread(save_checkpoint, self.opt.checkpoint_dir, state)
+        path = await asyncio.to_thread(save_checkpoint, self.opt.checkpoint_dir, state,
+                                       self.opt.keep_checkpoints)
         self.metrics.checkpoints.inc()
         self._checkpoint_step = state.step
         self.metrics.checkpoint_duration.observe(time.monotonic() - t0)
