@@ -618,6 +618,153 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
     }
     free(row);
 }
+/* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): the same additions in the same
+ * order (lane j + lane j + 8, then + 4, + 2, + 1). */
+AVX2 static inline float finish16_avx2(__m256 a0, __m256 a1) {
+    const __m256 v8 = _mm256_add_ps(a0, a1);
+    const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+    const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+}
+
+/* AVX2 without AVX-512 (most desktops and laptops: AMD before Zen 4, Intel's client cores): the
+ * int8 types four rows at a time, the rows j of each quarter of the matrix (four sequential
+ * streams, as rows_q_512_t), sharing the input's loads; each row's operations are exactly
+ * dot_q_avx2's (Q8_0, Q5_0) or add_block's for Q4_0, and the sixteen lanes are halved in
+ * registers (finish16_avx2). Each lane prefetches its own rows PREFETCH2 ahead. */
+#define ROWS2 4
+#ifndef PREFETCH2
+#define PREFETCH2 4 /* rows ahead */
+#endif
+
+/* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
+ * last one to three) added one at a time as dot_q_portable does, then halved. */
+AVX2 static void finish_rows_avx2(int type, const __m256 *a0, const __m256 *a1, const uint8_t *w,
+                                  size_t lane_bytes, int bsize, const int8_t *xq, const float *xd,
+                                  int from, int nb, float *y) {
+    for (int i = 0; i < ROWS2; i++) {
+        if (from == nb) {
+            y[i] = finish16_avx2(a0[i], a1[i]);
+            continue;
+        }
+        float lanes[LANES_Q];
+        _mm256_storeu_ps(lanes, a0[i]);
+        _mm256_storeu_ps(lanes + 8, a1[i]);
+        y[i] = add_blocks(type, lanes, w + i * lane_bytes, bsize, xq, xd, from, nb);
+    }
+}
+
+__attribute__((always_inline)) AVX2 static inline void rows_q_avx2_t(
+    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
+    const float *xd, int nb, float *y) {
+    __m256 a0[ROWS2], a1[ROWS2];
+    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const int pairs = nb & ~1;
+    for (int b = 0; b < pairs; b += 2) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+        for (int i = 0; i < ROWS2; i++) {
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
+            _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
+            const __m256i w0 = load_block_avx2(type, p), w1 = load_block_avx2(type, p + bsize);
+            const __m256i s0 = lanes8_avx2(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+            const __m256i s1 = lanes8_avx2(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
+            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);
+            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);
+            a0[i] = _mm256_add_ps(a0[i], _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));
+            a1[i] = _mm256_add_ps(a1[i], _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));
+        }
+    }
+    finish_rows_avx2(type, a0, a1, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
+}
+
+AVX2 static void rows_q_avx2(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                             int bsize, const int8_t *xq, const float *xd, int nb, float *y) {
+    if (type == T_Q8_0)
+        rows_q_avx2_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, nb, y);
+    else
+        rows_q_avx2_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, nb, y);
+}
+
+/* Q4_0, four rows and two blocks per register: the two blocks' low nibbles (values 0-15, as
+ * unsigned bytes) against the input's values 0-15 of each, their high nibbles (16-31) against
+ * values 16-31, the two maddubs' int16 pairs added (at most 4 x 15 x 127: exact) and summed by
+ * madd into four int32 lanes per block, which are add_block's folded lanes j + j + 4 less 8 x
+ * the input's sums (``corr4``, from q4_layout, whose ``x4`` order this reads: per four blocks
+ * their values 0-15, then 16-31). Blocks 4g and 4g + 1 go to lanes 0-7 (accumulators 0-7),
+ * 4g + 2 and 4g + 3 to lanes 8-15. */
+AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                              const int8_t *xq, const int8_t *x4, const float *xd,
+                              const int32_t *corr4, int nb, float *y) {
+    const int bsize = 18;
+    __m256 a0[ROWS2], a1[ROWS2];
+    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int quads = nb & ~3;
+    for (int b = 0; b < quads; b += 2) {
+        const int8_t *xg = x4 + (size_t)(b & ~3) * QK + 32 * (b & 2) / 2;
+        const __m256i xlo = _mm256_loadu_si256((const __m256i *)xg);
+        const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + 64));
+        const __m256i cv = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b));
+        for (int i = 0; i < ROWS2; i++) {
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
+            _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
+            const __m256i q = _mm256_loadu2_m128i((const __m128i *)(p + bsize + 2),
+                                                  (const __m128i *)(p + 2));
+            const __m256i lo = _mm256_and_si256(q, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                 _mm256_maddubs_epi16(hi, xhi));
+            const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), cv);
+            const __m256 dv = _mm256_set_m128(_mm_set1_ps(f16c(p + bsize) * xd[b + 1]),
+                                              _mm_set1_ps(f16c(p) * xd[b]));
+            const __m256 t = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sv));
+            if (b & 2)
+                a1[i] = _mm256_add_ps(a1[i], t);
+            else
+                a0[i] = _mm256_add_ps(a0[i], t);
+        }
+    }
+    finish_rows_avx2(T_Q4_0, a0, a1, w, lane_bytes, bsize, xq, xd, quads, nb, y);
+}
+
+/* F16 rows, AVX2: ROWS_F16 rows at a time share each load of x, the rows j of each of ROWS_F16
+ * parts of the matrix (sequential streams, as rows_f16_512), each prefetching its next row;
+ * lanes 0-31 of the 32 float accumulators are four registers per row. */
+#ifndef ROWS_F16
+#define ROWS_F16 2
+#endif
+AVX2 static void rows_f16_avx2_streams(const uint8_t *w, size_t row_bytes, int rows, int k,
+                                       const float *x, float *y) {
+    const int part = k % LANES_F == 0 ? rows / ROWS_F16 : 0;
+    for (int j = 0; j < part; j++) {
+        __m256 acc[ROWS_F16][4];
+        const uint8_t *wr0[ROWS_F16];
+        for (int a = 0; a < ROWS_F16; a++) {
+            wr0[a] = w + (size_t)(a * part + j) * row_bytes;
+            for (int c = 0; c < 4; c++) acc[a][c] = _mm256_setzero_ps();
+        }
+        for (int i = 0; i < k; i += LANES_F) {
+            for (int a = 0; a < ROWS_F16; a++)
+                _mm_prefetch((const char *)(wr0[a] + 2 * (size_t)i + row_bytes), _MM_HINT_T0);
+            for (int c = 0; c < 4; c++) {
+                const __m256 xv = _mm256_loadu_ps(x + i + 8 * c);
+                for (int a = 0; a < ROWS_F16; a++) {
+                    const __m256 wv = _mm256_cvtph_ps(
+                        _mm_loadu_si128((const __m128i *)(wr0[a] + 2 * (size_t)(i + 8 * c))));
+                    acc[a][c] = _mm256_add_ps(acc[a][c], _mm256_mul_ps(wv, xv));
+                }
+            }
+        }
+        for (int a = 0; a < ROWS_F16; a++) /* finish(acc, 32): lane j + lane j + 16 first */
+            y[a * part + j] = finish16_avx2(_mm256_add_ps(acc[a][0], acc[a][2]),
+                                            _mm256_add_ps(acc[a][1], acc[a][3]));
+    }
+    const int r = ROWS_F16 * part;
+    if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
+}
+
 /* The K-quants on x86: a chunk's 32 unsigned values (Q6_K: 0..63, with 32 x the input's sums
  * of 4 taken off again) against the input's int8 values, the same exact lanes, times the
  * chunk's scales, summed in int32; then dot_k_portable's float operations. */
@@ -1003,7 +1150,7 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         }
         int r = 0;
 #if defined(FOUNDRY_X86)
-        if (use_512) { /* groups of four rows, kept in cache while the inputs pass over them */
+        if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
             int8_t *x4 = NULL;
             int32_t *corr4 = NULL;
             if (type == T_Q4_0) {
@@ -1021,21 +1168,27 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
                     q4_layout(xq + (size_t)t * k, corr + (size_t)t * (k / 4), k,
                               x4 + (size_t)t * k, corr4 + (size_t)t * (k / 8));
             }
-            const int quarter = n_out / ROWS;
+            const int per = use_512 ? ROWS : ROWS2, quarter = n_out / per;
             for (int j = 0; j < quarter; j++)
                 for (int t = 0; t < n; t++) {
-                    float out[ROWS];
+                    float out[ROWS > ROWS2 ? ROWS : ROWS2];
                     const uint8_t *wj = w + (size_t)j * row_bytes;
                     const size_t lane = (size_t)quarter * row_bytes;
-                    if (type == T_Q4_0)
+                    if (type == T_Q4_0 && use_512)
                         rows_q4_512(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
                                     xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
-                    else
+                    else if (type == T_Q4_0)
+                        rows_q4_avx2(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                     xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                    else if (use_512)
                         rows_q_512(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
                                    xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
-                    for (int i = 0; i < ROWS; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
+                    else
+                        rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                                    xd + (size_t)t * nb, nb, out);
+                    for (int i = 0; i < per; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
                 }
-            r = ROWS * quarter;
+            r = per * quarter;
             free(x4);
             free(corr4);
         }
@@ -1094,7 +1247,17 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         return 0;
     }
     if (type == T_F16 && use_avx2) {
-        for (int t = 0; t < n; t++) rows_f16_avx2(w, row_bytes, n_out, k, x + (size_t)t * k, y + t * (size_t)n_out, 1);
+        if (n == 1) {
+            rows_f16_avx2_streams(w, row_bytes, n_out, k, x, y);
+            return 0;
+        }
+        /* several inputs: each group of rows stays in cache while the inputs pass over it */
+        for (int r = 0; r < n_out; r += ROWS_F16) {
+            const int rows = n_out - r < ROWS_F16 ? n_out - r : ROWS_F16;
+            for (int t = 0; t < n; t++)
+                rows_f16_avx2_streams(w + (size_t)r * row_bytes, row_bytes, rows, k,
+                                      x + (size_t)t * k, y + t * (size_t)n_out + r);
+        }
         return 0;
     }
 #endif
