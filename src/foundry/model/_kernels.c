@@ -639,9 +639,9 @@ AVX2 static inline float finish16_avx2(__m256 a0, __m256 a1) {
 
 /* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
  * last one to three) added one at a time as dot_q_portable does, then halved. */
-AVX2 static void finish_rows_avx2(int type, const __m256 *a0, const __m256 *a1, const uint8_t *w,
-                                  size_t lane_bytes, int bsize, const int8_t *xq, const float *xd,
-                                  int from, int nb, float *y) {
+__attribute__((always_inline)) AVX2 static inline void finish_rows_avx2(
+    int type, const __m256 *a0, const __m256 *a1, const uint8_t *w, size_t lane_bytes, int bsize,
+    const int8_t *xq, const float *xd, int from, int nb, float *y) {
     for (int i = 0; i < ROWS2; i++) {
         if (from == nb) {
             y[i] = finish16_avx2(a0[i], a1[i]);
@@ -702,28 +702,40 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i ones = _mm256_set1_epi16(1);
     const int quads = nb & ~3;
-    for (int b = 0; b < quads; b += 2) {
-        const int8_t *xg = x4 + (size_t)(b & ~3) * QK + 32 * (b & 2) / 2;
-        const __m256i xlo = _mm256_loadu_si256((const __m256i *)xg);
-        const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + 64));
-        const __m256i cv = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b));
+    for (int b = 0; b < quads; b += 4) {
+        const int8_t *xg = x4 + (size_t)b * QK;
+        const __m256i cv0 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b));
+        const __m256i cv1 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b + 8));
         for (int i = 0; i < ROWS2; i++) {
             const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
             _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
-            const __m256i q = _mm256_loadu2_m128i((const __m128i *)(p + bsize + 2),
-                                                  (const __m128i *)(p + 2));
-            const __m256i lo = _mm256_and_si256(q, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
-                                                 _mm256_maddubs_epi16(hi, xhi));
-            const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), cv);
-            const __m256 dv = _mm256_set_m128(_mm_set1_ps(f16c(p + bsize) * xd[b + 1]),
-                                              _mm_set1_ps(f16c(p) * xd[b]));
-            const __m256 t = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sv));
-            if (b & 2)
-                a1[i] = _mm256_add_ps(a1[i], t);
-            else
-                a0[i] = _mm256_add_ps(a0[i], t);
+            /* the four blocks' scale products, then each pair's [d x 4 | d' x 4] */
+            __m128i h = _mm_cvtsi32_si128(rd16(p));
+            h = _mm_insert_epi16(h, rd16(p + bsize), 1);
+            h = _mm_insert_epi16(h, rd16(p + 2 * bsize), 2);
+            h = _mm_insert_epi16(h, rd16(p + 3 * bsize), 3);
+            const __m256 d4 = _mm256_castps128_ps256(
+                _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(xd + b)));
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ph = p + 2 * half * bsize;
+                const __m256i q = _mm256_loadu2_m128i((const __m128i *)(ph + bsize + 2),
+                                                      (const __m128i *)(ph + 2));
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xg + 32 * half));
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + 64 + 32 * half));
+                const __m256i lo = _mm256_and_si256(q, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                     _mm256_maddubs_epi16(hi, xhi));
+                const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), half ? cv1 : cv0);
+                const __m256 dv = _mm256_permutevar8x32_ps(
+                    d4, _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
+                                         _mm256_set1_epi32(2 * half)));
+                const __m256 t = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sv));
+                if (half)
+                    a1[i] = _mm256_add_ps(a1[i], t);
+                else
+                    a0[i] = _mm256_add_ps(a0[i], t);
+            }
         }
     }
     finish_rows_avx2(T_Q4_0, a0, a1, w, lane_bytes, bsize, xq, xd, quads, nb, y);
