@@ -408,3 +408,31 @@ def _base(p: quant.Param) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a
+
+
+@pytest.mark.parametrize(("n_head", "n_kv", "dh", "n_pos"), [(8, 4, 64, 1), (8, 8, 32, 37),
+                                                               (4, 1, 72, 130)])
+@pytest.mark.parametrize("kernel", [True, False], ids=["c", "numpy"])
+def test_attention_of_a_row_against_its_cache_equals_the_layer(
+    n_head: int, n_kv: int, dh: int, n_pos: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from foundry.model.layers import attention_forward
+
+    if not kernel:
+        monkeypatch.setattr(quant, "_kernels", None)
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((n_pos + 9, n_kv, dh), dtype=np.float32)  # a cache longer than used
+    v = rng.standard_normal((n_pos + 9, n_kv, dh), dtype=np.float32)
+    q = 3 * rng.standard_normal((n_head, dh), dtype=np.float32)  # peaked softmaxes too
+    want, _ = attention_forward(q[None, None], k[None, :n_pos], v[None, :n_pos], offset=n_pos - 1)
+    got = np.full((n_head, dh), np.nan, np.float32)
+    quant.attend(q, k, v, n_pos, got)
+    np.testing.assert_allclose(got, want[0, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_attention_refuses_a_cache_shorter_than_its_positions() -> None:
+    assert quant._kernels is not None
+    q = np.zeros((8, 64), np.float32)
+    cache = np.zeros((4, 4, 64), np.float32)
+    with pytest.raises(ValueError, match="5 positions of 4 kv heads"):
+        quant.attend(q, cache, cache, 5, q)

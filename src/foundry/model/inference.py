@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from foundry.model import layers as L
 from foundry.model.config import ModelConfig
-from foundry.model.quant import Param, QTensor, dequantize, embed, linear
+from foundry.model.quant import Param, QTensor, attend, dequantize, embed, linear
 from foundry.model.tp_split import (
     ExpertSplit,
     Gate,
@@ -274,10 +274,7 @@ class Engine:
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
             for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
-                at = session.pos + t - a
-                out, _ = L.attention_forward(q[None, t : t + 1], kc[None, : at + 1],
-                                             vc[None, : at + 1], offset=at)  # (1, 1, H_part, Dh)
-                o[t] = out[0, 0]
+                attend(q[t], kc, vc, session.pos + t - a + 1, o[t])  # (H_part, Dh)
         return linear(o.reshape(n, -1), w[p + "attn_output.weight"])  # (n, D)
 
     def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,

@@ -30,6 +30,8 @@ import gguf.quants
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.layers import attention_forward
+
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 QType = gguf.GGMLQuantizationType
@@ -210,6 +212,18 @@ def linear(x: F32, w: Param) -> F32:
     y = np.empty((x.shape[0], n_out), np.float32)  # (N, out)
     _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
     return y
+
+
+def attend(q: F32, k: F32, v: F32, n_pos: int, out: F32) -> None:
+    """One query row's attention, q (heads, Dh), against positions [0, n_pos) of a KV cache k, v
+    (ctx, kv heads, Dh), written to out (heads, Dh): the decode step, in the C module with the
+    products (about a tenth of numpy's time for a row; one fixed order of operations), else
+    ``layers.attention_forward``. All float32 and C-contiguous."""
+    if _kernels is None:
+        o, _ = attention_forward(q[None, None], k[None, :n_pos], v[None, :n_pos], offset=n_pos - 1)
+        out[...] = o[0, 0]
+        return
+    _kernels.attend(q, k, v, n_pos, q.shape[0], k.shape[1], q.shape[1], out)
 
 
 def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
