@@ -435,12 +435,12 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 
 /* float16 to float32 by the F16C instruction: the table's value (both are exact), without a
  * load from a 256 KB table that the streamed weights keep evicting from the caches. */
-AVX2 static inline float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+AVX2 static inline __attribute__((always_inline)) float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
 /* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
  * high) and, as 16, bit v of the block's 32-bit qh for value v. */
-AVX2 static inline __m256i q5_unsigned_avx2(const uint8_t *blk) {
+AVX2 static inline __attribute__((always_inline)) __m256i q5_unsigned_avx2(const uint8_t *blk) {
     uint32_t qh;
     memcpy(&qh, blk + 2, 4);
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
@@ -456,7 +456,7 @@ AVX2 static inline __m256i q5_unsigned_avx2(const uint8_t *blk) {
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
+AVX2 static inline __attribute__((always_inline)) __m256i load_block_avx2(int type, const uint8_t *blk) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
     if (type == T_Q5_0) return _mm256_sub_epi8(q5_unsigned_avx2(blk), _mm256_set1_epi8(16));
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -491,16 +491,16 @@ AVX2 static inline __m256i load_block_avx2(int type, const uint8_t *blk) {
         return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                 \
     }
 
-AVX2 static inline __m256i lanes8_avx2(__m256i u, __m256i v) {
+AVX2 static inline __attribute__((always_inline)) __m256i lanes8_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
 DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
 
 #define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
-VNNI static inline __m256i lanes8_vnni(__m256i u, __m256i v) {
+VNNI static inline __attribute__((always_inline)) __m256i lanes8_vnni(__m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 }
-VNNI static inline __m256i load_block_vnni(int type, const uint8_t *blk) {
+VNNI static inline __attribute__((always_inline)) __m256i load_block_vnni(int type, const uint8_t *blk) {
     return load_block_avx2(type, blk);
 }
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
@@ -537,7 +537,7 @@ DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
  * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
  * input row) come off again: the same exact lanes. */
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-AVX512 static inline __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
+AVX512 static inline __attribute__((always_inline)) __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     if (type == T_Q8_0) {
         const __m512i v = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
@@ -620,7 +620,7 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
 }
 /* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): the same additions in the same
  * order (lane j + lane j + 8, then + 4, + 2, + 1). */
-AVX2 static inline float finish16_avx2(__m256 a0, __m256 a1) {
+AVX2 static inline __attribute__((always_inline)) float finish16_avx2(__m256 a0, __m256 a1) {
     const __m256 v8 = _mm256_add_ps(a0, a1);
     const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
     const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
@@ -780,7 +780,7 @@ AVX2 static void rows_f16_avx2_streams(const uint8_t *w, size_t row_bytes, int r
 /* The K-quants on x86: a chunk's 32 unsigned values (Q6_K: 0..63, with 32 x the input's sums
  * of 4 taken off again) against the input's int8 values, the same exact lanes, times the
  * chunk's scales, summed in int32; then dot_k_portable's float operations. */
-AVX2 static inline __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
+AVX2 static inline __attribute__((always_inline)) __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     if (type == T_Q6_K) {
         const int n = c / 4, cc = c % 4;
@@ -844,10 +844,10 @@ AVX2 static inline __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
     }
 
 /* u unsigned (at most 63: maddubs cannot saturate), v signed */
-AVX2 static inline __m256i lanes8u_avx2(__m256i u, __m256i v) {
+AVX2 static inline __attribute__((always_inline)) __m256i lanes8u_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
-VNNI static inline __m256i lanes8u_vnni(__m256i u, __m256i v) {
+VNNI static inline __attribute__((always_inline)) __m256i lanes8u_vnni(__m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 }
 DOT_K_X86(dot_k_avx2, AVX2, lanes8u_avx2)
@@ -873,7 +873,7 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 
 /* The scale products d_w * d_x of up to 16 blocks (``live``) of a row from p: each block's 4
  * first bytes gathered (its float16 scale in the low half), converted by one vcvtph2ps. */
-AVX512 static inline __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
+AVX512 static inline __attribute__((always_inline)) __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
                                              __m512 xds) {
     const __m512i at = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
