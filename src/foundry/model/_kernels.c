@@ -1248,31 +1248,20 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
         return 0;
     }
 #if defined(FOUNDRY_X86)
-    if (type == T_F16 && use_512) {
-        if (n == 1) {
-            rows_f16_512(w, row_bytes, n_out, k, x, y);
-            return 0;
-        }
-        /* several inputs: each group of four rows stays in cache while the inputs pass over it */
-        for (int r = 0; r < n_out; r += ROWS) {
-            const int rows = n_out - r < ROWS ? n_out - r : ROWS;
-            for (int t = 0; t < n; t++)
-                rows_f16_512(w + (size_t)r * row_bytes, row_bytes, rows, k, x + (size_t)t * k,
-                             y + t * (size_t)n_out + r);
-        }
-        return 0;
-    }
     if (type == T_F16 && use_avx2) {
+        void (*rows_f16)(const uint8_t *, size_t, int, int, const float *, float *) =
+            use_512 ? rows_f16_512 : rows_f16_avx2_streams;
+        const int group = use_512 ? ROWS : ROWS_F16;
         if (n == 1) {
-            rows_f16_avx2_streams(w, row_bytes, n_out, k, x, y);
+            rows_f16(w, row_bytes, n_out, k, x, y);
             return 0;
         }
         /* several inputs: each group of rows stays in cache while the inputs pass over it */
-        for (int r = 0; r < n_out; r += ROWS_F16) {
-            const int rows = n_out - r < ROWS_F16 ? n_out - r : ROWS_F16;
+        for (int r = 0; r < n_out; r += group) {
+            const int rows = n_out - r < group ? n_out - r : group;
             for (int t = 0; t < n; t++)
-                rows_f16_avx2_streams(w + (size_t)r * row_bytes, row_bytes, rows, k,
-                                      x + (size_t)t * k, y + t * (size_t)n_out + r);
+                rows_f16(w + (size_t)r * row_bytes, row_bytes, rows, k, x + (size_t)t * k,
+                         y + t * (size_t)n_out + r);
         }
         return 0;
     }
