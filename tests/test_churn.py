@@ -42,7 +42,7 @@ def test_swarm_survives_worker_and_coordinator_kills(tmp_path: Path) -> None:
     assert 0 <= rep.steps_lost <= rep.checkpoint_every, text
     assert rep.checkpoints_verified >= 3, text
     assert rep.rounds_at_deadline == 0 and rep.rounds_abandoned == rep.rounds_emptied, text
-    assert abs(rep.loss_gap) <= churn.LOSS_TOLERANCE, text
+    assert rep.loss_gap <= churn.LOSS_TOLERANCE, text  # no progress lost (below is fine)
     assert rep.ok, text
 
 
