@@ -44,6 +44,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Always inlined: a helper is compiled in its caller's encoding (a SIMD path's VEX), never
+ * called as a function of another one (add_blocks' comment says what that cost). */
+#define INLINE static inline __attribute__((always_inline))
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define FOUNDRY_X86 1
@@ -331,9 +335,8 @@ static inline void add_block(int type, float *acc, int b, float d, const int32_t
  * inlined, so in a SIMD path it is compiled with that path's (VEX) encoding: called as a
  * function of plain SSE with the 512-bit registers' upper halves dirty (gcc 13 left out the
  * vzeroupper), every row paid Intel's transition penalty (AVX-512 Q8_0 at 4 GB/s, not 13). */
-static inline __attribute__((always_inline)) float add_blocks(
-    int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq, const float *xd, int from,
-    int nb) {
+INLINE float add_blocks(int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq,
+                        const float *xd, int from, int nb) {
     int8_t q[QK];
     int32_t s[8];
     for (int b = from; b < nb; b++) {
@@ -439,12 +442,12 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 
 /* float16 to float32 by the F16C instruction: the table's value (both are exact), without a
  * load from a 256 KB table that the streamed weights keep evicting from the caches. */
-AVX2 static inline __attribute__((always_inline)) float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+AVX2 INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
 /* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
  * high) and, as 16, bit v of the block's 32-bit qh for value v. */
-AVX2 static inline __attribute__((always_inline)) __m256i q5_unsigned_avx2(const uint8_t *blk) {
+AVX2 INLINE __m256i q5_unsigned_avx2(const uint8_t *blk) {
     uint32_t qh;
     memcpy(&qh, blk + 2, 4);
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
@@ -460,7 +463,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i q5_unsigned_avx2(const
     return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-AVX2 static inline __attribute__((always_inline)) __m256i load_block_avx2(int type, const uint8_t *blk) {
+AVX2 INLINE __m256i load_block_avx2(int type, const uint8_t *blk) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
     if (type == T_Q5_0) return _mm256_sub_epi8(q5_unsigned_avx2(blk), _mm256_set1_epi8(16));
     const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -495,16 +498,16 @@ AVX2 static inline __attribute__((always_inline)) __m256i load_block_avx2(int ty
         return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                 \
     }
 
-AVX2 static inline __attribute__((always_inline)) __m256i lanes8_avx2(__m256i u, __m256i v) {
+AVX2 INLINE __m256i lanes8_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
 DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
 
 #define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
-VNNI static inline __attribute__((always_inline)) __m256i lanes8_vnni(__m256i u, __m256i v) {
+VNNI INLINE __m256i lanes8_vnni(__m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 }
-VNNI static inline __attribute__((always_inline)) __m256i load_block_vnni(int type, const uint8_t *blk) {
+VNNI INLINE __m256i load_block_vnni(int type, const uint8_t *blk) {
     return load_block_avx2(type, blk);
 }
 DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
@@ -541,7 +544,7 @@ DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
  * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
  * input row) come off again: the same exact lanes. */
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-AVX512 static inline __attribute__((always_inline)) __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
+AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     if (type == T_Q8_0) {
         const __m512i v = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
@@ -622,13 +625,17 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
     }
     free(row);
 }
-/* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): the same additions in the same
- * order (lane j + lane j + 8, then + 4, + 2, + 1). */
-AVX2 static inline __attribute__((always_inline)) float finish16_avx2(__m256 a0, __m256 a1) {
-    const __m256 v8 = _mm256_add_ps(a0, a1);
+/* finish(acc, 8) of eight lanes in one register: the same additions in the same order (lane
+ * j + lane j + 4, then + 2, + 1). */
+AVX2 INLINE float finish8_avx2(__m256 v8) {
     const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
     const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
     return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+}
+
+/* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): lane j + lane j + 8 first. */
+AVX2 INLINE float finish16_avx2(__m256 a0, __m256 a1) {
+    return finish8_avx2(_mm256_add_ps(a0, a1));
 }
 
 /* AVX2 without AVX-512 (most desktops and laptops: AMD before Zen 4, Intel's client cores): the
@@ -643,7 +650,7 @@ AVX2 static inline __attribute__((always_inline)) float finish16_avx2(__m256 a0,
 
 /* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
  * last one to three) added one at a time as dot_q_portable does, then halved. */
-__attribute__((always_inline)) AVX2 static inline void finish_rows_avx2(
+AVX2 INLINE void finish_rows_avx2(
     int type, const __m256 *a0, const __m256 *a1, const uint8_t *w, size_t lane_bytes, int bsize,
     const int8_t *xq, const float *xd, int from, int nb, float *y) {
     for (int i = 0; i < ROWS2; i++) {
@@ -658,7 +665,7 @@ __attribute__((always_inline)) AVX2 static inline void finish_rows_avx2(
     }
 }
 
-__attribute__((always_inline)) AVX2 static inline void rows_q_avx2_t(
+AVX2 INLINE void rows_q_avx2_t(
     int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
     const float *xd, int nb, float *y) {
     __m256 a0[ROWS2], a1[ROWS2];
@@ -784,7 +791,7 @@ AVX2 static void rows_f16_avx2_streams(const uint8_t *w, size_t row_bytes, int r
 /* The K-quants on x86: a chunk's 32 unsigned values (Q6_K: 0..63, with 32 x the input's sums
  * of 4 taken off again) against the input's int8 values, the same exact lanes, times the
  * chunk's scales, summed in int32; then dot_k_portable's float operations. */
-AVX2 static inline __attribute__((always_inline)) __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
+AVX2 INLINE __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     if (type == T_Q6_K) {
         const int n = c / 4, cc = c % 4;
@@ -848,10 +855,10 @@ AVX2 static inline __attribute__((always_inline)) __m256i kq_chunk_avx2(int type
     }
 
 /* u unsigned (at most 63: maddubs cannot saturate), v signed */
-AVX2 static inline __attribute__((always_inline)) __m256i lanes8u_avx2(__m256i u, __m256i v) {
+AVX2 INLINE __m256i lanes8u_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
-VNNI static inline __attribute__((always_inline)) __m256i lanes8u_vnni(__m256i u, __m256i v) {
+VNNI INLINE __m256i lanes8u_vnni(__m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 }
 DOT_K_X86(dot_k_avx2, AVX2, lanes8u_avx2)
@@ -877,8 +884,8 @@ DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 
 /* The scale products d_w * d_x of up to 16 blocks (``live``) of a row from p: each block's 4
  * first bytes gathered (its float16 scale in the low half), converted by one vcvtph2ps. */
-AVX512 static inline __attribute__((always_inline)) __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
-                                             __m512 xds) {
+AVX512 INLINE __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
+                                      __m512 xds) {
     const __m512i at = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(bsize));
@@ -892,7 +899,7 @@ AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, si
                                int bsize, const int8_t *xq, const float *xd, int from, int nb,
                                float *y);
 
-__attribute__((always_inline)) AVX512 static inline void rows_q_512_t(
+AVX512 INLINE void rows_q_512_t(
     int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
     const float *xd, const int32_t *corr, int nb, float *y) {
     __m512 acc[ROWS];
@@ -1284,15 +1291,27 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
  * halved at the end, then times the scale; the maximum taken off before expf; each probability
  * divided by their sum; each output value summed over the positions in order). ``p`` is room
  * for n_pos floats. */
+/* attend's two inner loops: a score (q . k in 8 lanes, halved) and o += c v. */
+static float score_portable(const float *q, const float *k, int dh) {
+    float acc[8] = {0};
+    int i = 0;
+    for (; i + 8 <= dh; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] = acc[j] + q[i + j] * k[i + j];
+    for (; i < dh; i++) acc[i % 8] = acc[i % 8] + q[i] * k[i];
+    return finish(acc, 8);
+}
+
+static void add_scaled_portable(float *o, float c, const float *v, int dh) {
+    for (int i = 0; i < dh; i++) o[i] = o[i] + c * v[i];
+}
+
 #if defined(FOUNDRY_X86)
-/* attend's scores and output sums, eight lanes at a time: the same operations */
+/* the same operations eight lanes at a time (dh a multiple of 8) */
 AVX2 static float score_avx2(const float *q, const float *k, int dh) {
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < dh; i += 8)
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i)));
-    const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-    return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+    return finish8_avx2(acc);
 }
 
 AVX2 static void add_scaled_avx2(float *o, float c, const float *v, int dh) {
@@ -1305,8 +1324,13 @@ AVX2 static void add_scaled_avx2(float *o, float c, const float *v, int dh) {
 
 static void attend(const float *q, const float *k, const float *v, int n_pos, int n_head,
                    int n_kv, int dh, float *p, float *out) {
+    float (*score)(const float *, const float *, int) = score_portable;
+    void (*add_scaled)(float *, float, const float *, int) = add_scaled_portable;
 #if defined(FOUNDRY_X86)
-    const int simd = use_avx2 && dh % 8 == 0;
+    if (use_avx2 && dh % 8 == 0) {
+        score = score_avx2;
+        add_scaled = add_scaled_avx2;
+    }
 #endif
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
@@ -1316,23 +1340,8 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
         const int g = h / group;
         float m = -INFINITY;
         for (int s = 0; s < n_pos; s++) {
-            const float *ks = k + s * stride + (size_t)g * dh;
-#if defined(FOUNDRY_X86)
-            if (simd) {
-                const float sc = score_avx2(qh, ks, dh) * scale;
-                p[s] = sc;
-                m = fmaxf(m, sc);
-                continue;
-            }
-#endif
-            float acc[8] = {0};
-            int i = 0;
-            for (; i + 8 <= dh; i += 8)
-                for (int j = 0; j < 8; j++) acc[j] = acc[j] + qh[i + j] * ks[i + j];
-            for (; i < dh; i++) acc[i % 8] = acc[i % 8] + qh[i] * ks[i];
-            const float sc = finish(acc, 8) * scale;
-            p[s] = sc;
-            m = fmaxf(m, sc);
+            p[s] = score(qh, k + s * stride + (size_t)g * dh, dh) * scale;
+            m = fmaxf(m, p[s]);
         }
         float sum = 0.0f;
         for (int s = 0; s < n_pos; s++) {
@@ -1341,17 +1350,8 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
         }
         float *oh = out + (size_t)h * dh;
         for (int i = 0; i < dh; i++) oh[i] = 0.0f;
-        for (int s = 0; s < n_pos; s++) {
-            const float ps = p[s] / sum;
-            const float *vs = v + s * stride + (size_t)g * dh;
-#if defined(FOUNDRY_X86)
-            if (simd) {
-                add_scaled_avx2(oh, ps, vs, dh);
-                continue;
-            }
-#endif
-            for (int i = 0; i < dh; i++) oh[i] = oh[i] + ps * vs[i];
-        }
+        for (int s = 0; s < n_pos; s++)
+            add_scaled(oh, p[s] / sum, v + s * stride + (size_t)g * dh, dh);
     }
 }
 
