@@ -30,6 +30,7 @@ from foundry.model.gguf_io import (
     values_by_type,
 )
 from foundry.model.inference import Engine
+from foundry.model.layers import attention_forward
 from foundry.model.quant import QTensor, QType
 from foundry.model.tp_split import ExpertSplit, SplitError, rank_weights
 from foundry.tp.handshake import identity_for, load_rank
@@ -128,12 +129,16 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
     x = rng.standard_normal((4, k), dtype=np.float32)
     assert quant._kernels is not None
-    # one input (decode: the matrix streamed once) and four (rows kept in cache across them)
-    results = [np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)])]
+
+    def products() -> np.ndarray:
+        """One input (decode: the matrix streamed once), then four (rows kept in cache)."""
+        return np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)])
+
+    results = [products()]
     try:
         for path in [*SIMD_PATHS, "portable"]:
             quant._kernels.use(path)
-            results.append(np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)]))
+            results.append(products())
     finally:
         quant._kernels.use("best")
     assert all(np.array_equal(r, results[0]) for r in results[1:])
@@ -416,8 +421,6 @@ def _base(p: quant.Param) -> np.ndarray:
 def test_attention_of_a_row_against_its_cache_equals_the_layer(
     n_head: int, n_kv: int, dh: int, n_pos: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from foundry.model.layers import attention_forward
-
     if not kernel:
         monkeypatch.setattr(quant, "_kernels", None)
     rng = np.random.default_rng(5)
