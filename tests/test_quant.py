@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,7 +32,7 @@ from foundry.model.gguf_io import (
     values_by_type,
 )
 from foundry.model.inference import Engine
-from foundry.model.layers import attention_forward
+from foundry.model.layers import attention_forward, rope_tables
 from foundry.model.quant import QTensor, QType
 from foundry.model.tp_split import ExpertSplit, SplitError, rank_weights
 from foundry.tp.handshake import identity_for, load_rank
@@ -439,3 +441,94 @@ def test_attention_refuses_a_cache_shorter_than_its_positions() -> None:
     cache = np.zeros((4, 4, 64), np.float32)
     with pytest.raises(ValueError, match="5 positions of 4 kv heads"):
         quant.attend(q, cache, cache, 5, q)
+
+
+# --- the rest of a decode step: the C module against the training layers ---------------------
+
+D_ROWS = [1, 5]  # a decode row, a block
+
+
+def _on_both_paths(op: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """op's result with the C module and with the numpy fallback; the C module's SIMD and
+    portable paths must agree bit for bit."""
+    assert quant._kernels is not None
+    kernels = quant._kernels
+    c = op(*args)
+    try:
+        kernels.use("portable")
+        portable = op(*args)
+    finally:
+        kernels.use("best")
+    for a, b in zip(c if isinstance(c, tuple) else (c,),
+                    portable if isinstance(portable, tuple) else (portable,), strict=True):
+        assert np.array_equal(a, b)
+    quant._kernels = None
+    try:
+        fallback = op(*args)
+    finally:
+        quant._kernels = kernels
+    return c, fallback
+
+
+@pytest.mark.parametrize("n", D_ROWS)
+def test_rmsnorm_rope_and_swiglu_equal_the_layers(n: int) -> None:
+    rng = np.random.default_rng(8)
+    x = 3 * rng.standard_normal((n, 1024), dtype=np.float32)
+    w = rng.standard_normal(1024, dtype=np.float32)
+    got, want = _on_both_paths(quant.rmsnorm, x, w, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    cos, sin = (a[3 : 3 + n] for a in rope_tables(64, 64, 10000.0))
+    qk = rng.standard_normal((n, 6, 64), dtype=np.float32)
+    got, want = _on_both_paths(quant.rope, qk, cos, sin)
+    assert np.array_equal(got, want)  # the same three roundings per value
+    gu = 8 * rng.standard_normal((n, 2 * 96), dtype=np.float32)  # exp(-g) overflows too
+    got, want = _on_both_paths(quant.swiglu, gu)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", D_ROWS)
+def test_router_grouping_and_combination_equal_the_layers(n: int) -> None:
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((n, 256), dtype=np.float32)
+    w_router = rng.standard_normal((8, 256), dtype=np.float32)
+    w_router[2] = w_router[5] = 0.1 * x[0]  # row 0's best two, tied
+    (weights, top), (want_w, want_top) = _on_both_paths(quant.route, x, w_router, 3)
+    assert np.array_equal(top, want_top)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-5)
+    assert list(top[0, :2]) == [2, 5]  # the lower id first, as the stable sort
+    for first, n_local in [(0, 8), (2, 4), (6, 2)]:
+        (order, bounds), (want_order, want_bounds) = _on_both_paths(
+            quant.assign_experts, top, first, n_local)
+        assert np.array_equal(order, want_order) and np.array_equal(bounds, want_bounds)
+        ys = rng.standard_normal((order.size, 256), dtype=np.float32)
+        got, want = _on_both_paths(quant.combine_experts, ys, weights, order)
+        assert np.array_equal(got, want)  # the slots summed in the same order
+
+
+def test_each_row_of_the_decode_operations_is_its_own() -> None:
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((6, 512), dtype=np.float32)
+    w = rng.standard_normal(512, dtype=np.float32)
+    w_router = rng.standard_normal((8, 512), dtype=np.float32)
+    block = (quant.rmsnorm(x, w, 1e-5), *quant.route(x, w_router, 2))
+    for i in range(6):
+        alone = (quant.rmsnorm(x[i : i + 1], w, 1e-5), *quant.route(x[i : i + 1], w_router, 2))
+        for a, b in zip(alone, block, strict=True):
+            assert np.array_equal(a, b[i : i + 1])
+
+
+def test_the_decode_operations_refuse_buffers_that_do_not_fit() -> None:
+    k = quant._kernels
+    assert k is not None
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="w holds 128 bytes, expected 256"):
+        k.rmsnorm(x, np.zeros(32, np.float32), 2, 64, 1e-5, x)
+    with pytest.raises(ValueError, match="at most 256"):
+        k.route(x, np.zeros((300, 64), np.float32), 2, 64, 300, 2, np.zeros(4, np.float32),
+                np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="not a distinct assignment"):
+        k.combine(x, np.zeros((2, 2), np.float32), np.array([1, 1], np.int64), 2, 2, 64, x)
+    with pytest.raises(ValueError, match="not a distinct assignment"):
+        k.combine(x, np.zeros((2, 2), np.float32), np.array([0, 4], np.int64), 2, 2, 64, x)
+    with pytest.raises(ValueError, match="rows of 3 heads of 63 values"):
+        k.rope(x, x, x, 2, 3, 63, x)

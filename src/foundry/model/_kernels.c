@@ -756,7 +756,7 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
  * parts of the matrix (sequential streams, as rows_f16_512), each prefetching its next row;
  * lanes 0-31 of the 32 float accumulators are four registers per row. */
 #ifndef ROWS_F16
-#define ROWS_F16 2
+#define ROWS_F16 4
 #endif
 AVX2 static void rows_f16_avx2_streams(const uint8_t *w, size_t row_bytes, int rows, int k,
                                        const float *x, float *y) {
@@ -1355,6 +1355,140 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
     }
 }
 
+/* ---- the rest of a decode step: RMSNorm, rotation, router, expert grouping --------------- */
+
+/* The engine's small operations per row, each a fixed order of float operations (the same on
+ * every path and architecture, like the products): a row's result does not depend on the other
+ * rows of the call, so blocks and the TP pair keep their bits. Sums of squares and the router's
+ * logits are dot products in 8 lanes halved at the end (attend's score). */
+
+static float (*dot8_for(int d))(const float *, const float *, int) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && d % 8 == 0) return score_avx2;
+#endif
+    (void)d;
+    return score_portable;
+}
+
+/* out (n, d) = x / sqrt(sum(x^2) / d + eps) * w: as layers.rmsnorm_forward, (x * rstd) * w. */
+static void rmsnorm(const float *x, const float *w, int n, int d, float eps, float *out) {
+    float (*dot8)(const float *, const float *, int) = dot8_for(d);
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * d;
+        float *o = out + (size_t)r * d;
+        const float rstd = 1.0f / sqrtf(dot8(xr, xr, d) / (float)d + eps);
+        for (int i = 0; i < d; i++) o[i] = (xr[i] * rstd) * w[i];
+    }
+}
+
+/* Adjacent pairs of each of n rows of `heads` heads of dh values turned by the row's angles:
+ * (x0 c - x1 s, x0 s + x1 c), as rope_forward. */
+static void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh,
+                 float *out) {
+    const int half = dh / 2;
+    for (int r = 0; r < n; r++) {
+        const float *c = cos + (size_t)r * half, *s = sin + (size_t)r * half;
+        for (int h = 0; h < heads; h++) {
+            const float *xh = x + ((size_t)r * heads + h) * dh;
+            float *o = out + ((size_t)r * heads + h) * dh;
+            for (int i = 0; i < half; i++) {
+                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
+                o[2 * i] = x0 * c[i] - x1 * s[i];
+                o[2 * i + 1] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+}
+
+/* out (n, f) = silu(g) * u of each row [g | u] of gu (n, 2f): g * (1 / (1 + expf(-g))) * u, the
+ * roundings of layers.silu_and_sigmoid and the product after it. */
+static void swiglu(const float *gu, int n, int f, float *out) {
+    for (int r = 0; r < n; r++) {
+        const float *g = gu + (size_t)r * 2 * f, *u = g + f;
+        float *o = out + (size_t)r * f;
+        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+#define MAX_EXPERTS 256
+
+/* Each row's router: logits z_e = x . w_e, probabilities softmax(z) (the maximum taken off
+ * before expf, each divided by their sum), the k largest (ties to the lower id, as a stable
+ * sort), and their weights renormalised to sum 1 (layers.router_forward). */
+static void route(const float *x, const float *w, int n, int d, int n_expert, int k,
+                  float *weights, int64_t *top) {
+    float (*dot8)(const float *, const float *, int) = dot8_for(d);
+    float p[MAX_EXPERTS];
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * d;
+        float m = -INFINITY;
+        for (int e = 0; e < n_expert; e++) {
+            p[e] = dot8(xr, w + (size_t)e * d, d);
+            m = fmaxf(m, p[e]);
+        }
+        float sum = 0.0f;
+        for (int e = 0; e < n_expert; e++) {
+            p[e] = expf(p[e] - m);
+            sum = sum + p[e];
+        }
+        for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
+        int64_t *t = top + (size_t)r * k;
+        float *wt = weights + (size_t)r * k, total = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < n_expert; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= t[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            t[j] = best;
+            wt[j] = p[best];
+            total = total + p[best];
+        }
+        for (int j = 0; j < k; j++) wt[j] = wt[j] / total;
+    }
+}
+
+/* The assignments (flat index row * k + j) of `m` to experts first .. first + n_local - 1,
+ * grouped by expert in index order: order (the local count, returned), bounds (n_local + 1). */
+static int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_t *order,
+                      int64_t *bounds) {
+    for (int e = 0; e <= n_local; e++) bounds[e] = 0;
+    for (int64_t a = 0; a < m; a++) {
+        const int64_t e = top[a] - first;
+        if (e >= 0 && e < n_local) bounds[e + 1]++;
+    }
+    for (int e = 0; e < n_local; e++) bounds[e + 1] += bounds[e];
+    int64_t next[MAX_EXPERTS];
+    for (int e = 0; e < n_local; e++) next[e] = bounds[e];
+    for (int64_t a = 0; a < m; a++) {
+        const int64_t e = top[a] - first;
+        if (e >= 0 && e < n_local) order[next[e]++] = a;
+    }
+    return bounds[n_local];
+}
+
+/* out (n, d) = sum over slots j in top-k order of weights[r, j] * ys[the assignment's row],
+ * a slot of another part's expert adding 0 (layers.combine_expert_outputs). ``slot`` is room
+ * for n * k indices. */
+static void combine(const float *ys, const float *weights, const int64_t *order, int64_t m, int n,
+                    int k, int d, int64_t *slot, float *out) {
+    for (int64_t a = 0; a < (int64_t)n * k; a++) slot[a] = -1;
+    for (int64_t i = 0; i < m; i++) slot[order[i]] = i;
+    for (int r = 0; r < n; r++) {
+        float *o = out + (size_t)r * d;
+        for (int j = 0; j < k; j++) {
+            const int64_t a = (int64_t)r * k + j, i = slot[a];
+            const float c = weights[a];
+            const float *y = i >= 0 ? ys + (size_t)i * d : NULL;
+            for (int c_ = 0; c_ < d; c_++) {
+                const float v = y ? y[c_] * c : 0.0f;
+                o[c_] = j ? o[c_] + v : v;
+            }
+        }
+    }
+}
+
 /* ---- Python interface ---------------------------------------------------------------------- */
 
 static int check_shape(int type, Py_ssize_t rows, Py_ssize_t k, Py_ssize_t have, size_t *row_bytes) {
@@ -1484,6 +1618,169 @@ done:
     return result;
 }
 
+/* A buffer of one call of the decode operations below: it must hold exactly `need` bytes. */
+static int fits(const char *what, const Py_buffer *b, Py_ssize_t need) {
+    if (need < 0 || b->len != need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd", what, b->len, need);
+        return 0;
+    }
+    return 1;
+}
+
+#define RELEASE_AND_RETURN(result, ...)                                                        \
+    do {                                                                                       \
+        Py_buffer *bufs_[] = {__VA_ARGS__};                                                    \
+        for (size_t i_ = 0; i_ < sizeof bufs_ / sizeof bufs_[0]; i_++) PyBuffer_Release(bufs_[i_]); \
+        return result;                                                                         \
+    } while (0)
+
+PyDoc_STRVAR(rmsnorm_doc, "rmsnorm(x, w, n, d, eps, out): out (n, d) = x / rms(x) * w, float32.");
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    int n, d;
+    float eps;
+    Py_buffer x, w, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*iifw*", &x, &w, &n, &d, &eps, &out)) return NULL;
+    const Py_ssize_t rows = (Py_ssize_t)n * d * 4;
+    if (n < 0 || d < 1 || !fits("x", &x, rows) || !fits("w", &w, (Py_ssize_t)d * 4) ||
+        !fits("out", &out, rows))
+        RELEASE_AND_RETURN(NULL, &x, &w, &out);
+    Py_BEGIN_ALLOW_THREADS
+    rmsnorm(x.buf, w.buf, n, d, eps, out.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &out);
+}
+
+PyDoc_STRVAR(rope_doc,
+             "rope(x, cos, sin, n, heads, dh, out): x (n, heads, dh) turned by cos, sin "
+             "(n, dh / 2); out (n, heads, dh).");
+
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    int n, heads, dh;
+    Py_buffer x, cos, sin, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiw*", &x, &cos, &sin, &n, &heads, &dh, &out))
+        return NULL;
+    if (n < 0 || heads < 1 || dh < 2 || dh % 2) {
+        PyErr_Format(PyExc_ValueError, "rope: %d rows of %d heads of %d values", n, heads, dh);
+        RELEASE_AND_RETURN(NULL, &x, &cos, &sin, &out);
+    }
+    const Py_ssize_t values = (Py_ssize_t)n * heads * dh * 4, angles = (Py_ssize_t)n * (dh / 2) * 4;
+    if (!fits("x", &x, values) || !fits("cos", &cos, angles) || !fits("sin", &sin, angles) ||
+        !fits("out", &out, values))
+        RELEASE_AND_RETURN(NULL, &x, &cos, &sin, &out);
+    Py_BEGIN_ALLOW_THREADS
+    rope(x.buf, cos.buf, sin.buf, n, heads, dh, out.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &cos, &sin, &out);
+}
+
+PyDoc_STRVAR(swiglu_doc, "swiglu(gu, n, f, out): out (n, f) = silu(g) * u of rows [g | u] of gu.");
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    int n, f;
+    Py_buffer gu, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iiw*", &gu, &n, &f, &out)) return NULL;
+    if (n < 0 || f < 1 || !fits("gu", &gu, (Py_ssize_t)n * 2 * f * 4) ||
+        !fits("out", &out, (Py_ssize_t)n * f * 4))
+        RELEASE_AND_RETURN(NULL, &gu, &out);
+    Py_BEGIN_ALLOW_THREADS
+    swiglu(gu.buf, n, f, out.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &out);
+}
+
+PyDoc_STRVAR(route_doc,
+             "route(x, w, n, d, n_expert, k, weights, top): each row's k experts (top, int64) "
+             "and their renormalised probabilities (weights, float32), from x (n, d) and the "
+             "router w (n_expert, d).");
+
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    int n, d, n_expert, k;
+    Py_buffer x, w, weights, top;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*iiiiw*w*", &x, &w, &n, &d, &n_expert, &k, &weights, &top))
+        return NULL;
+    if (n < 0 || d < 1 || n_expert < 1 || n_expert > MAX_EXPERTS || k < 1 || k > n_expert) {
+        PyErr_Format(PyExc_ValueError, "route: %d of %d experts (at most %d)", k, n_expert,
+                     MAX_EXPERTS);
+        RELEASE_AND_RETURN(NULL, &x, &w, &weights, &top);
+    }
+    if (!fits("x", &x, (Py_ssize_t)n * d * 4) ||
+        !fits("w", &w, (Py_ssize_t)n_expert * d * 4) ||
+        !fits("weights", &weights, (Py_ssize_t)n * k * 4) ||
+        !fits("top", &top, (Py_ssize_t)n * k * 8))
+        RELEASE_AND_RETURN(NULL, &x, &w, &weights, &top);
+    Py_BEGIN_ALLOW_THREADS
+    route(x.buf, w.buf, n, d, n_expert, k, weights.buf, top.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &weights, &top);
+}
+
+PyDoc_STRVAR(assign_doc,
+             "assign(top, first, n_local, order, bounds) -> M: the M assignments (flat indices "
+             "of top, int64) to experts first .. first + n_local - 1 grouped by expert into "
+             "order[:M], their bounds (n_local + 1, int64).");
+
+static PyObject *py_assign(PyObject *self, PyObject *args) {
+    long long first;
+    int n_local;
+    Py_buffer top, order, bounds;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*Liw*w*", &top, &first, &n_local, &order, &bounds)) return NULL;
+    if (n_local < 0 || n_local > MAX_EXPERTS || top.len % 8) {
+        PyErr_Format(PyExc_ValueError, "assign: %d local experts (at most %d), top %zd bytes",
+                     n_local, MAX_EXPERTS, top.len);
+        RELEASE_AND_RETURN(NULL, &top, &order, &bounds);
+    }
+    if (!fits("order", &order, top.len) ||
+        !fits("bounds", &bounds, (Py_ssize_t)(n_local + 1) * 8))
+        RELEASE_AND_RETURN(NULL, &top, &order, &bounds);
+    int64_t m;
+    Py_BEGIN_ALLOW_THREADS
+    m = assign(top.buf, top.len / 8, first, n_local, order.buf, bounds.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(PyLong_FromLongLong(m), &top, &order, &bounds);
+}
+
+PyDoc_STRVAR(combine_doc,
+             "combine(ys, weights, order, n, k, d, out): out (n, d) = each row's weighted sum of "
+             "the expert outputs ys (M, d) of the assignments order (M, int64, distinct, < n k).");
+
+static PyObject *py_combine(PyObject *self, PyObject *args) {
+    int n, k, d;
+    Py_buffer ys, weights, order, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiw*", &ys, &weights, &order, &n, &k, &d, &out))
+        return NULL;
+    const int64_t m = order.len / 8, *o = order.buf;
+    if (n < 0 || k < 1 || d < 1 || order.len % 8 || !fits("ys", &ys, (Py_ssize_t)m * d * 4) ||
+        !fits("weights", &weights, (Py_ssize_t)n * k * 4) ||
+        !fits("out", &out, (Py_ssize_t)n * d * 4))
+        RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
+    int64_t *slot = malloc(((size_t)n * k + 1) * sizeof(int64_t));
+    if (slot == NULL) {
+        PyErr_NoMemory();
+        RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
+    }
+    for (int64_t a = 0; a < (int64_t)n * k; a++) slot[a] = 0;
+    for (int64_t i = 0; i < m; i++) {
+        if (o[i] < 0 || o[i] >= (int64_t)n * k || slot[o[i]]++) {
+            free(slot);
+            PyErr_Format(PyExc_ValueError, "combine: order[%lld] = %lld is not a distinct "
+                         "assignment of %d rows of %d", (long long)i, (long long)o[i], n, k);
+            RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    combine(ys.buf, weights.buf, o, m, n, k, d, slot, out.buf);
+    Py_END_ALLOW_THREADS
+    free(slot);
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);
+}
+
 #if defined(FOUNDRY_X86)
 static void detect_x86(int simd) {
     use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
@@ -1539,6 +1836,12 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, rmsnorm_doc},
+    {"rope", py_rope, METH_VARARGS, rope_doc},
+    {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},
+    {"route", py_route, METH_VARARGS, route_doc},
+    {"assign", py_assign, METH_VARARGS, assign_doc},
+    {"combine", py_combine, METH_VARARGS, combine_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
     {"use", py_use, METH_O,
      "use(path): 'best' (the default), 'avx2' (without VNNI) or 'portable' C (tests)."},

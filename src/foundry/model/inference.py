@@ -22,7 +22,9 @@ Weights are float32 numpy arrays or, read by ``gguf_io.load_gguf_stored``, ``qua
 in the file's storage type (F16, Q8_0, Q4_0, the K-quants): every product goes through
 ``quant.linear``, which reads the blocks in place. The kernels' dot products are deterministic
 and independent of the batch, so the pair equals the single process bit for bit on quantized
-files too.
+files too. The rest of a step (RMSNorm, the rotation, the router, SiLU, expert grouping and
+combination, attention against the cache) goes through ``quant``'s C operations under the same
+rule, or the training layers' numpy where the C module is missing.
 
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
 projection, norm and expert works on all rows stacked; the router's product and attention run
@@ -38,13 +40,27 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from foundry.model import layers as L
 from foundry.model.config import ModelConfig
-from foundry.model.quant import Param, QTensor, attend, dequantize, embed, linear
+from foundry.model.quant import (
+    Param,
+    QTensor,
+    assign_experts,
+    attend,
+    combine_experts,
+    dequantize,
+    embed,
+    linear,
+    rmsnorm,
+    rope,
+    route,
+    swiglu,
+)
 from foundry.model.tp_split import (
     ExpertSplit,
     Gate,
@@ -136,7 +152,7 @@ class Engine:
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode)
-        self.fused: list[dict[str, QTensor]] = [_fuse(cfg, part) for part in self.parts]
+        self.fused: list[dict[str, Param]] = [_fuse(cfg, part) for part in self.parts]
         # Each expert's matrices as views, made once (indexing a QTensor builds one).
         self._experts: list[dict[str, list[Param]]] = [
             {name: [t[e] for e in range(t.shape[0])]
@@ -190,17 +206,16 @@ class Engine:
         x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            h, _ = L.rmsnorm_forward(x, rp[p + "attn_norm.weight"], cfg.norm_eps)  # (n, D)
+            h = rmsnorm(x, rp[p + "attn_norm.weight"], cfg.norm_eps)  # (n, D)
             partial = _sum(
                 [self._attention(i, j, h, rows, spans, cos, sin) for j in range(len(self.parts))]
             )
             x += self._exchange(exchange, i, Gate.ATTN, partial)
-            h, _ = L.rmsnorm_forward(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
-            weights, top, _ = L.router_forward(h, rp[p + "ffn_gate_inp.weight"],
-                                               cfg.n_expert_used, rowwise=True)  # (n, K) each
+            h = rmsnorm(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
+            weights, top = route(h, rp[p + "ffn_gate_inp.weight"], cfg.n_expert_used)  # (n, K)
             partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
             x += self._exchange(exchange, i, Gate.FFN, partial)
-        hf, _ = L.rmsnorm_forward(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
+        hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
         head = [linear(hf, part.params["output.weight"]) for part in self.parts]  # (n, V_part)
         logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
@@ -258,15 +273,15 @@ class Engine:
             nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
             y = linear(h, qkv)  # (n, Q + K + V rows)
             # Q and K turned in one call: the same elementwise operations on each value
-            qk = L.rope_forward(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
+            qk = rope(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
             q, k = qk[:, : nq // dh], qk[:, nq // dh :]  # (n, H_part, Dh), (n, Hkv_part, Dh)
             v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         else:
             q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
             k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
             v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-            q = L.rope_forward(q, cos, sin)
-            k = L.rope_forward(k, cos, sin)
+            q = rope(q, cos, sin)
+            k = rope(k, cos, sin)
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
@@ -291,24 +306,20 @@ class Engine:
         experts = self._experts[j]
         w_gate, w_up, w_down = (experts[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
         gate_up = experts.get(p + "gate_up")
-        n_local, f = len(w_gate), w_gate[0].shape[0]
-        order, bounds = L.expert_assignments(top, part.layout.experts[0], n_local)  # (M,) ...
+        n_local = len(w_gate)
+        order, bounds = assign_experts(top, part.layout.experts[0], n_local)  # (M,) ...
         xs = h[order // k]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
         for e in range(n_local):
             lo, hi = bounds[e], bounds[e + 1]
             if lo == hi:
                 continue
-            if gate_up is not None:  # gate and up rows in one product
-                gu = linear(xs[lo:hi], gate_up[e])  # (M_e, 2F)
-                sg, _ = L.silu_and_sigmoid(gu[:, :f])  # (M_e, F)
-                ys[lo:hi] = linear(sg * gu[:, f:], w_down[e])  # (M_e, D)
-            else:
-                ys[lo:hi] = _swiglu(xs[lo:hi], w_gate[e], w_up[e], w_down[e])  # (M_e, D)
-        y = L.combine_expert_outputs(ys, weights, order)  # (n, D)
+            ys[lo:hi] = _swiglu(xs[lo:hi], None if gate_up is None else gate_up[e], w_gate[e],
+                                w_up[e], w_down[e])  # (M_e, D)
+        y = combine_experts(ys, weights, order)  # (n, D)
         if self.cfg.n_ff_shared:
-            y += _swiglu(h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                         w[p + "ffn_down_shexp.weight"])  # (n, D)
+            y += _swiglu(h, self.fused[j].get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
+                         w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])  # (n, D)
         return y
 
     def _exchange(
@@ -329,47 +340,62 @@ def _is_dense(name: str) -> bool:
     return name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight")
 
 
-def _swiglu(x: F32, w_gate: Param, w_up: Param, w_down: Param) -> F32:
-    """down(silu(gate x) * up x) for x (N, D): layers.swiglu_forward's operations, on float32
-    or stored weights."""
-    sg, _ = L.silu_and_sigmoid(linear(x, w_gate))  # (N, F)
-    return linear(sg * linear(x, w_up), w_down)  # (N, D)
+def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
+    """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
+    gate and up where ``_fuse`` stacked them (``gate_up``), else one each."""
+    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
+        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    return linear(swiglu(gu), w_down)  # (N, D)
 
 
-def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, QTensor]:
+def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, Param]:
     """Stack the rows of the products that read the same input, where they are stored in one
-    type: Q, K and V (``blk.N.qkv``) and each expert's gate and up (``blk.N.gate_up``, (E, 2F,
-    D)). Fewer calls, the same bits (every output row is its own dot product). The part's own
-    tensors are replaced, in its params, by views of the stacked ones (the same values), so
-    whoever else holds the part (a TP rank's loaded model) does not keep a second copy."""
+    type: Q, K and V (``blk.N.qkv``), each expert's gate and up (``blk.N.gate_up``, (E, 2F,
+    D)) and the shared expert's (``blk.N.gate_up_shexp``). Fewer calls, the same bits (every
+    output row is its own dot product). The part's own tensors are replaced, in its params, by
+    views of the stacked ones (the same values), so whoever else holds the part (a TP rank's
+    loaded model) does not keep a second copy."""
     params: dict[str, Param] = part.params
-    fused: dict[str, QTensor] = {}
+    fused: dict[str, Param] = {}
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
-        q, k, v = (params[p + f"attn_{t}.weight"] for t in "qkv")
-        if _one_type(q, k, v):
-            assert isinstance(q, QTensor) and isinstance(k, QTensor) and isinstance(v, QTensor)
-            rows = np.concatenate([q.data, k.data, v.data])  # (Q + K + V, row bytes)
-            fused[p + "qkv"] = QTensor(q.qtype, (rows.shape[0], q.shape[1]), rows)
-            bounds = np.cumsum([0, q.shape[0], k.shape[0], v.shape[0]])
-            for t, x, a, b in zip("qkv", (q, k, v), bounds[:-1], bounds[1:], strict=True):
-                params[p + f"attn_{t}.weight"] = QTensor(x.qtype, x.shape, rows[a:b])
-        g, u = params[p + "ffn_gate_exps.weight"], params[p + "ffn_up_exps.weight"]
-        if _one_type(g, u):
-            assert isinstance(g, QTensor) and isinstance(u, QTensor)
-            rows = np.concatenate([g.data, u.data], axis=1)  # (E, 2F, row bytes)
-            e, f, d = g.shape
-            fused[p + "gate_up"] = QTensor(g.qtype, (e, 2 * f, d), rows)
-            params[p + "ffn_gate_exps.weight"] = QTensor(g.qtype, g.shape, rows[:, :f])
-            params[p + "ffn_up_exps.weight"] = QTensor(u.qtype, u.shape, rows[:, f:])
+        groups = [("qkv", [p + f"attn_{t}.weight" for t in "qkv"])]
+        groups.append(("gate_up", [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]))
+        if cfg.n_ff_shared:
+            groups.append(
+                ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
+        for key, names in groups:
+            ts = [params[n] for n in names]
+            if not _one_type(*ts):
+                continue
+            axis = ts[0].ndim - 2  # the rows: of the matrix, or of each expert's
+            stacked = np.concatenate([_raw(t) for t in ts], axis=axis)
+            fused[p + key] = _typed(ts[0], stacked)
+            at = 0
+            for n, t in zip(names, ts, strict=True):
+                rows = t.shape[axis]
+                params[n] = _typed(t, stacked[(slice(None),) * axis + (slice(at, at + rows),)])
+                at += rows
     return fused
+
+
+def _raw(t: Param) -> npt.NDArray[Any]:
+    """A tensor's rows as stored: float32 values, or a QTensor's bytes."""
+    return t if isinstance(t, np.ndarray) else t.data
+
+
+def _typed(like: Param, raw: npt.NDArray[Any]) -> Param:
+    """Rows as stored (``_raw``) as a tensor of ``like``'s type."""
+    if isinstance(like, np.ndarray):
+        return raw
+    return QTensor(like.qtype, (*raw.shape[:-1], like.shape[-1]), raw)
 
 
 def _one_type(*ps: Param) -> bool:
     first = ps[0]
-    return isinstance(first, QTensor) and all(
-        isinstance(p, QTensor) and p.qtype == first.qtype for p in ps
-    )
+    if isinstance(first, np.ndarray):
+        return all(isinstance(p, np.ndarray) and p.dtype == np.float32 for p in ps)
+    return all(isinstance(p, QTensor) and p.qtype == first.qtype for p in ps)
 
 
 def _cut(

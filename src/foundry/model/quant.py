@@ -30,9 +30,18 @@ import gguf.quants
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.layers import attention_forward
+from foundry.model.layers import (
+    attention_forward,
+    combine_expert_outputs,
+    expert_assignments,
+    rmsnorm_forward,
+    rope_forward,
+    router_forward,
+    silu_and_sigmoid,
+)
 
 F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 QType = gguf.GGMLQuantizationType
 
@@ -225,6 +234,72 @@ def attend(q: F32, k: F32, v: F32, n_pos: int, out: F32) -> None:
         out[...] = o[0, 0]
         return
     _kernels.attend(q, k, v, n_pos, q.shape[0], k.shape[1], q.shape[1], out)
+
+
+# The rest of a decode step in the C module, each row in one fixed order of operations (the
+# products' rule: a row's bits depend neither on the other rows nor on the path or machine);
+# without the module, the training layers' numpy. Arguments float32 (top int64), C-contiguous.
+
+
+def rmsnorm(x: F32, w: F32, eps: float) -> F32:
+    """x (N, D) / rms(x) * w (D,)."""
+    if _kernels is None:
+        return rmsnorm_forward(x, w, eps)[0]
+    out = np.empty_like(x)
+    _kernels.rmsnorm(x, w, x.shape[0], x.shape[1], eps, out)
+    return out
+
+
+def rope(x: F32, cos: F32, sin: F32) -> F32:
+    """x (N, heads, Dh) turned pair by pair by cos, sin (N, Dh/2): a new array."""
+    if _kernels is None:
+        return rope_forward(x, cos, sin)
+    x = np.ascontiguousarray(x)  # a block's Q and K columns are a strided view of its product
+    out = np.empty_like(x)
+    _kernels.rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], out)
+    return out
+
+
+def swiglu(gu: F32) -> F32:
+    """silu(g) * u of each row [g | u] of gu (N, 2F): (N, F)."""
+    f = gu.shape[1] // 2
+    if _kernels is None:
+        return silu_and_sigmoid(gu[:, :f])[0] * gu[:, f:]
+    out = np.empty((gu.shape[0], f), np.float32)
+    _kernels.swiglu(gu, gu.shape[0], f, out)
+    return out
+
+
+def route(x: F32, w_router: F32, k: int) -> tuple[F32, I64]:
+    """Each row's gating weights (N, K) and expert ids (N, K), as ``router_forward(rowwise)``."""
+    if _kernels is None:
+        weights, top, _ = router_forward(x, w_router, k, rowwise=True)
+        return weights, top
+    n = x.shape[0]
+    weights = np.empty((n, k), np.float32)
+    top = np.empty((n, k), np.int64)
+    _kernels.route(x, w_router, n, x.shape[1], w_router.shape[0], k, weights, top)
+    return weights, top
+
+
+def assign_experts(top: I64, first_expert: int, n_local: int) -> tuple[I64, I64]:
+    """``expert_assignments``: order (M,) grouped by local expert, bounds (n_local + 1,)."""
+    if _kernels is None:
+        return expert_assignments(top, first_expert, n_local)
+    order = np.empty(top.size, np.int64)
+    bounds = np.empty(n_local + 1, np.int64)
+    m = _kernels.assign(np.ascontiguousarray(top, np.int64), first_expert, n_local, order, bounds)
+    return order[:m], bounds
+
+
+def combine_experts(ys: F32, weights: F32, order: I64) -> F32:
+    """``combine_expert_outputs``: each row's weighted sum of its assignments' outputs (N, D)."""
+    if _kernels is None:
+        return combine_expert_outputs(ys, weights, order)
+    n, k = weights.shape
+    out = np.empty((n, ys.shape[1]), np.float32)
+    _kernels.combine(ys, weights, np.ascontiguousarray(order), n, k, ys.shape[1], out)
+    return out
 
 
 def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
