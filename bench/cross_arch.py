@@ -8,7 +8,8 @@ module (its best SIMD path).
 
 The kernels' part of ``_kernels.c`` (everything before its Python interface) gets a small
 ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
-the products; each build runs on the same random inputs for every supported type.
+the products; each build runs on the same random inputs for every supported type, then on the
+decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
 """
 
 from __future__ import annotations
@@ -19,20 +20,64 @@ import sys
 import tempfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from foundry.model import quant
+from foundry.model.layers import rope_tables
 from foundry.model.quant import QType
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "_kernels.c"
 MAIN = r"""
 #include <stdio.h>
+static float *floats(FILE *f, size_t n) { /* n floats read from f (NULL when short) */
+    float *p = malloc(4 * n + 4);
+    return p != NULL && fread(p, 4, n, f) == n ? p : NULL;
+}
+
+/* in: -1 n d heads n_kv dh n_expert k f n_pos, then x, norm w, cos, sin, qk, router, gu, q,
+ * k cache, v cache; out: rmsnorm, rope, route's weights and top, swiglu, attend */
+static int decode_ops(FILE *f, FILE *o) {
+    int h[9];
+    if (fread(h, 4, 9, f) != 9) return 3;
+    const int n = h[0], d = h[1], heads = h[2], n_kv = h[3], dh = h[4], ne = h[5], k = h[6],
+              ff = h[7], n_pos = h[8];
+    const size_t qk_n = (size_t)n * heads * dh, cache = (size_t)n_pos * n_kv * dh;
+    float *x = floats(f, (size_t)n * d), *w = floats(f, d), *cs = floats(f, (size_t)n * dh / 2),
+          *sn = floats(f, (size_t)n * dh / 2), *qk = floats(f, qk_n),
+          *wr = floats(f, (size_t)ne * d), *gu = floats(f, (size_t)n * 2 * ff),
+          *q = floats(f, (size_t)heads * dh), *kc = floats(f, cache), *vc = floats(f, cache);
+    if (!x || !w || !cs || !sn || !qk || !wr || !gu || !q || !kc || !vc) return 4;
+    float *y = malloc(4 * (size_t)n * d), *r = malloc(4 * qk_n), *wt = malloc(4 * (size_t)n * k),
+          *s = malloc(4 * (size_t)n * ff), *a = malloc(4 * (size_t)heads * dh),
+          *p = malloc(4 * (size_t)n_pos);
+    int64_t *top = malloc(8 * (size_t)n * k);
+    rmsnorm(x, w, n, d, 1e-5f, y);
+    rope(qk, cs, sn, n, heads, dh, r);
+    route(x, wr, n, d, ne, k, wt, top);
+    swiglu(gu, n, ff, s);
+    attend(q, kc, vc, n_pos, heads, n_kv, dh, p, a);
+    fwrite(y, 4, (size_t)n * d, o);
+    fwrite(r, 4, qk_n, o);
+    fwrite(wt, 4, (size_t)n * k, o);
+    fwrite(top, 8, (size_t)n * k, o);
+    fwrite(s, 4, (size_t)n * ff, o);
+    fwrite(a, 4, (size_t)heads * dh, o);
+    return 0;
+}
+
 int main(int argc, char **argv) { /* in: type k n_out n, weights, x; out: y */
     (void)argc;
     for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
     FILE *f = fopen(argv[1], "rb");
     int hdr[4], values, bytes;
-    if (f == NULL || fread(hdr, 4, 4, f) != 4) return 1;
+    if (f == NULL || fread(hdr, 4, 1, f) != 1) return 1;
+    if (hdr[0] < 0) {
+        FILE *o = fopen(argv[2], "wb");
+        const int rc = decode_ops(f, o);
+        return rc ? rc : fclose(o);
+    }
+    if (fread(hdr + 1, 4, 3, f) != 3) return 1;
     type_block(hdr[0], &values, &bytes);
     size_t rb = (size_t)(hdr[1] / values) * bytes, nx = (size_t)hdr[3] * hdr[1];
     uint8_t *w = malloc(rb * hdr[2]);
@@ -74,7 +119,7 @@ def main() -> int:
         k, n_out, n = 512, 13, 3
         w = rng.standard_normal((n_out, k), dtype=np.float32)
         if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):  # random blocks, small scales
-            values, size = quant.gguf.GGML_QUANT_SIZES[qtype]
+            values, size = gguf.GGML_QUANT_SIZES[qtype]
             data = rng.integers(0, 256, (n_out, k // values, size), dtype=np.uint8)
             scale = (rng.random((n_out, k // values)) * 1e-3 + 1e-4).astype(np.float16)
             at = 208 if qtype == QType.Q6_K else 0
@@ -97,8 +142,39 @@ def main() -> int:
         print(f"{qtype.name:<5} this machine ({quant.KERNELS}) against "
               + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
                           for name, s in zip(exes, same, strict=True)))
+    ok = decode_ops(exes, tmp, rng) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) -> bool:
+    """RMSNorm, the rotation, the router, SiLU x up and attention (the decode step's operations
+    besides the products) on every build against this machine's module."""
+    n, d, heads, n_kv, dh, n_expert, k, f, n_pos = 3, 512, 8, 4, 64, 8, 2, 96, 37
+    cos, sin = (a[5 : 5 + n] for a in rope_tables(64, dh, 10000.0))
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    w = rng.standard_normal(d, dtype=np.float32)
+    qk = rng.standard_normal((n, heads, dh), dtype=np.float32)
+    w_router = rng.standard_normal((n_expert, d), dtype=np.float32)
+    gu = 6 * rng.standard_normal((n, 2 * f), dtype=np.float32)
+    q = 3 * rng.standard_normal((heads, dh), dtype=np.float32)
+    kc, vc = (rng.standard_normal((n_pos, n_kv, dh), dtype=np.float32) for _ in range(2))
+    (tmp / "in").write_bytes(
+        np.array([-1, n, d, heads, n_kv, dh, n_expert, k, f, n_pos], np.int32).tobytes()
+        + b"".join(a.tobytes() for a in (x, w, cos, sin, qk, w_router, gu, q, kc, vc)))
+    att = np.empty_like(q)
+    quant.attend(q, kc, vc, n_pos, att)
+    weights, top = quant.route(x, w_router, k)
+    here = b"".join(a.tobytes() for a in (quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin),
+                                          weights, top, quant.swiglu(gu), att))
+    same = []
+    for argv in exes.values():
+        subprocess.run([*argv, str(tmp / "in"), str(tmp / "out")], check=True)
+        same.append((tmp / "out").read_bytes() == here)
+    print("decode operations (RMSNorm, rotation, router, SiLU x up, attention) against "
+          + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
+                      for name, s in zip(exes, same, strict=True)))
+    return all(same)
 
 
 if __name__ == "__main__":

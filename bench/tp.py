@@ -620,9 +620,15 @@ def main() -> int:
     for run in runs:
         for name, pairs in (("shm", run.shm), ("tcp", run.tcp)):
             decode = pairs[-n_decode:]
+            wrong = [i for i, ((g, _), (wg, _)) in enumerate(decode) if g is not wg]
+            if decode and (len(decode) < n_decode or wrong):  # (none: the worker's were lost)
+                print(f"  {run.mode.value} {name}: the ranks' gate traces are not aligned "
+                      f"({len(decode)} pairs for {n_decode} decode gates, the first of "
+                      f"{len(wrong)} differing at {wrong[0] if wrong else None}); "
+                      f"no gate times for it")
+                ok = False
+                continue
             for label, pick in (("all", None), ("ATTN", Gate.ATTN), ("FFN", Gate.FFN)):
-                if any(g is not wg for (g, _), (wg, _) in decode):
-                    raise SystemExit("the ranks' gate traces are not aligned")
                 rows = [(lt, wt) for (g, lt), (_, wt) in decode if pick is None or g is pick]
                 lead50, lead99 = percentiles_us([lt for lt, _ in rows])
                 ex50, ex99 = percentiles_us([min(lt, wt) for lt, wt in rows])
