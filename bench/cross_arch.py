@@ -28,6 +28,7 @@ from foundry.model.layers import rope_tables
 from foundry.model.quant import QType
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "_kernels.c"
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]  # setup.py's
 MAIN = r"""
 #include <stdio.h>
 static float *floats(FILE *f, size_t n) { /* n floats read from f (NULL when short) */
@@ -110,8 +111,7 @@ def main() -> int:
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        subprocess.run([*cc, "-O3", "-ffp-contract=off", "-o", str(exe), str(kernels), "-lm"],
-                       check=True)
+        subprocess.run([*cc, *FLAGS, "-o", str(exe), str(kernels), "-lm"], check=True)
         exes[name] = [*run, str(exe)]
     rng = np.random.default_rng(7)
     ok = True

@@ -92,8 +92,8 @@ def main() -> int:
         (work / "q.c").write_text(program())
         for name, (cc, qemu) in BUILDS.items():
             exe = work / f"q-{name}"
-            subprocess.run([*cc, "-O3", "-ffp-contract=off", "-static", str(work / "q.c"),
-                            "-o", str(exe), "-lm"], check=True)
+            subprocess.run([*cc, "-O3", "-ffp-contract=off", "-fno-trapping-math", "-static",
+                            str(work / "q.c"), "-o", str(exe), "-lm"], check=True)
             same = True
             for n, d, s in CASES:
                 v = (rng.standard_normal(n) * rng.uniform(0.01, 3, n)).astype(np.float32)

@@ -1283,12 +1283,58 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
     return 0;
 }
 
+/* ---- e^x without the C library --------------------------------------------------------------- */
+
+/* e^x in single-precision IEEE operations only, so that softmax and SiLU give the same bits on
+ * every architecture, path and C library (a libm's expf may differ in the last bit between
+ * them): x = n ln2 + r with n = round(x / ln2) (by adding and taking off 1.5 x 2^23) and
+ * |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by Cephes expf's polynomial (about 1
+ * ulp), times 2^n set in the exponent bits (in two factors for n = 128). Below -87.3365, where
+ * e^x < FLT_MIN, it is 0; above 88.7228 inf; NaN stays NaN. Branch-free, so loops of it
+ * vectorise (the same operations, lane by lane). */
+INLINE float exp_f(float x) {
+    const float lo = -87.33654475f, hi = 88.72283935f;
+    const float c = x == x ? (x < lo ? lo : (x > hi ? hi : x)) : 0.0f;
+    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = c - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    const int32_t e = (int32_t)n;
+    const uint32_t bits = (uint32_t)((e > 127 ? 127 : e) + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    y = y * scale;
+    y = e > 127 ? y * 2.0f : y;
+    return x == x ? (x < lo ? 0.0f : (x > hi ? INFINITY : y)) : x;
+}
+
+/* The loops of exp_f: p[i] = e^(p[i] - m) (softmax), and SiLU(g) x u = g (1 / (1 + e^-g)) u (the
+ * roundings of layers.silu_and_sigmoid and the product after it); one body, compiled for the
+ * portable path and for AVX2 (vectorised by the compiler: the same bits). */
+#define EXP_LOOPS(SUFFIX, ATTR)                                                                \
+    ATTR static void exp_shifted##SUFFIX(float *p, int n, float m) {                           \
+        for (int i = 0; i < n; i++) p[i] = exp_f(p[i] - m);                                    \
+    }                                                                                          \
+    ATTR static void silu_mul##SUFFIX(const float *g, const float *u, int f, float *o) {       \
+        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + exp_f(-g[i]))) * u[i];       \
+    }
+EXP_LOOPS(_portable, )
+#if defined(FOUNDRY_X86)
+EXP_LOOPS(_avx2, AVX2)
+#endif
+
 /* ---- one query row's attention against a KV cache ------------------------------------------ */
 
 /* out[h] = softmax(q[h] . k[s][g] * scale over s < n_pos) . v[s][g], g = h / (n_head / n_kv):
  * the decode step of causal grouped-query attention (layers.attention_forward's operations for
  * one row at the end of its cache, in one fixed order: each score a dot product in 8 lanes
- * halved at the end, then times the scale; the maximum taken off before expf; each probability
+ * halved at the end, then times the scale; the maximum taken off before exp_f; each probability
  * divided by their sum; each output value summed over the positions in order). ``p`` is room
  * for n_pos floats. */
 /* attend's two inner loops: a score (q . k in 8 lanes, halved) and o += c v. */
@@ -1326,11 +1372,13 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
                    int n_kv, int dh, float *p, float *out) {
     float (*score)(const float *, const float *, int) = score_portable;
     void (*add_scaled)(float *, float, const float *, int) = add_scaled_portable;
+    void (*exp_shifted)(float *, int, float) = exp_shifted_portable;
 #if defined(FOUNDRY_X86)
     if (use_avx2 && dh % 8 == 0) {
         score = score_avx2;
         add_scaled = add_scaled_avx2;
     }
+    if (use_avx2) exp_shifted = exp_shifted_avx2;
 #endif
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
@@ -1343,11 +1391,9 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
             p[s] = score(qh, k + s * stride + (size_t)g * dh, dh) * scale;
             m = fmaxf(m, p[s]);
         }
+        exp_shifted(p, n_pos, m);
         float sum = 0.0f;
-        for (int s = 0; s < n_pos; s++) {
-            p[s] = expf(p[s] - m);
-            sum = sum + p[s];
-        }
+        for (int s = 0; s < n_pos; s++) sum = sum + p[s];
         float *oh = out + (size_t)h * dh;
         for (int i = 0; i < dh; i++) oh[i] = 0.0f;
         for (int s = 0; s < n_pos; s++)
@@ -1400,20 +1446,20 @@ static void rope(const float *x, const float *cos, const float *sin, int n, int 
     }
 }
 
-/* out (n, f) = silu(g) * u of each row [g | u] of gu (n, 2f): g * (1 / (1 + expf(-g))) * u, the
- * roundings of layers.silu_and_sigmoid and the product after it. */
+/* out (n, f) = silu(g) * u of each row [g | u] of gu (n, 2f) (silu_mul). */
 static void swiglu(const float *gu, int n, int f, float *out) {
-    for (int r = 0; r < n; r++) {
-        const float *g = gu + (size_t)r * 2 * f, *u = g + f;
-        float *o = out + (size_t)r * f;
-        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + expf(-g[i]))) * u[i];
-    }
+    void (*silu_mul)(const float *, const float *, int, float *) = silu_mul_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) silu_mul = silu_mul_avx2;
+#endif
+    for (int r = 0; r < n; r++)
+        silu_mul(gu + (size_t)r * 2 * f, gu + (size_t)r * 2 * f + f, f, out + (size_t)r * f);
 }
 
 #define MAX_EXPERTS 256
 
 /* Each row's router: logits z_e = x . w_e, probabilities softmax(z) (the maximum taken off
- * before expf, each divided by their sum), the k largest (ties to the lower id, as a stable
+ * before exp_f, each divided by their sum), the k largest (ties to the lower id, as a stable
  * sort), and their weights renormalised to sum 1 (layers.router_forward). */
 static void route(const float *x, const float *w, int n, int d, int n_expert, int k,
                   float *weights, int64_t *top) {
@@ -1428,7 +1474,7 @@ static void route(const float *x, const float *w, int n, int d, int n_expert, in
         }
         float sum = 0.0f;
         for (int e = 0; e < n_expert; e++) {
-            p[e] = expf(p[e] - m);
+            p[e] = exp_f(p[e] - m);
             sum = sum + p[e];
         }
         for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
