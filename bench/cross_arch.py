@@ -51,7 +51,7 @@ static int decode_ops(FILE *f, FILE *o) {
     if (!x || !w || !cs || !sn || !qk || !wr || !gu || !q || !kc || !vc) return 4;
     float *y = malloc(4 * (size_t)n * d), *r = malloc(4 * qk_n), *wt = malloc(4 * (size_t)n * k),
           *s = malloc(4 * (size_t)n * ff), *a = malloc(4 * (size_t)heads * dh),
-          *p = malloc(4 * (size_t)n_pos);
+          *p = malloc(4 * (size_t)n_pos * heads);
     int64_t *top = malloc(8 * (size_t)n * k);
     rmsnorm(x, w, n, d, 1e-5f, y);
     rope(qk, cs, sn, n, heads, dh, r);

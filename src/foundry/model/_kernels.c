@@ -1336,7 +1336,7 @@ EXP_LOOPS(_avx2, AVX2)
  * one row at the end of its cache, in one fixed order: each score a dot product in 8 lanes
  * halved at the end, then times the scale; the maximum taken off before exp_f; each probability
  * divided by their sum; each output value summed over the positions in order). ``p`` is room
- * for n_pos floats. */
+ * for n_head x n_pos floats. */
 /* attend's two inner loops: a score (q . k in 8 lanes, halved) and o += c v. */
 static float score_portable(const float *q, const float *k, int dh) {
     float acc[8] = {0};
@@ -1383,22 +1383,27 @@ static void attend(const float *q, const float *k, const float *v, int n_pos, in
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
     const size_t stride = (size_t)n_kv * dh; /* floats from one position to the next */
+    /* Position by position through the cache (each K and V row read once, in order), every
+     * head's own operations in the same order as one head alone: p[h][s], then softmax per
+     * head, then o[h] += p[h][s] / sum[h] v[s] for s in order. */
+    for (int s = 0; s < n_pos; s++)
+        for (int h = 0; h < n_head; h++)
+            p[(size_t)h * n_pos + s] =
+                score(q + (size_t)h * dh, k + s * stride + (size_t)(h / group) * dh, dh) * scale;
     for (int h = 0; h < n_head; h++) {
-        const float *qh = q + (size_t)h * dh;
-        const int g = h / group;
+        float *ph = p + (size_t)h * n_pos;
         float m = -INFINITY;
-        for (int s = 0; s < n_pos; s++) {
-            p[s] = score(qh, k + s * stride + (size_t)g * dh, dh) * scale;
-            m = fmaxf(m, p[s]);
-        }
-        exp_shifted(p, n_pos, m);
+        for (int s = 0; s < n_pos; s++) m = fmaxf(m, ph[s]);
+        exp_shifted(ph, n_pos, m);
         float sum = 0.0f;
-        for (int s = 0; s < n_pos; s++) sum = sum + p[s];
-        float *oh = out + (size_t)h * dh;
-        for (int i = 0; i < dh; i++) oh[i] = 0.0f;
-        for (int s = 0; s < n_pos; s++)
-            add_scaled(oh, p[s] / sum, v + s * stride + (size_t)g * dh, dh);
+        for (int s = 0; s < n_pos; s++) sum = sum + ph[s];
+        for (int s = 0; s < n_pos; s++) ph[s] = ph[s] / sum;
     }
+    for (size_t i = 0; i < (size_t)n_head * dh; i++) out[i] = 0.0f;
+    for (int s = 0; s < n_pos; s++)
+        for (int h = 0; h < n_head; h++)
+            add_scaled(out + (size_t)h * dh, p[(size_t)h * n_pos + s],
+                       v + s * stride + (size_t)(h / group) * dh, dh);
 }
 
 /* ---- the rest of a decode step: RMSNorm, rotation, router, expert grouping --------------- */
@@ -1616,7 +1621,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                      q.len, out.len, n_head, dh, k.len, v.len, n_pos, n_kv);
         goto done;
     }
-    float *p = malloc((size_t)n_pos * sizeof(float));
+    float *p = malloc((size_t)n_pos * n_head * sizeof(float));
     if (p == NULL) {
         PyErr_NoMemory();
         goto done;
