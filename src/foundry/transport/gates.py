@@ -80,9 +80,13 @@ from foundry.wire.tp import (
 # A peer that moves no byte for this long is taken as stalled or dead. A decode gate takes tens
 # of microseconds and a prefill gate milliseconds, so one second never fires on a healthy pair.
 DEFAULT_GATE_TIMEOUT_S = 1.0
-# Shared-memory waits spin this many polls (tens of microseconds) before yielding the CPU:
-# a decode gate's peer usually arrives within that.
-SHM_SPIN_POLLS = 200
+# Shared-memory waits spin for this long before sleeping: a nap is pure added latency (a 20 us
+# sleep lasts 70 or more, the timer slack), and a decode gate's peer is usually within a
+# millisecond (the two ranks' halves of a layer differ by that much at most). While spinning
+# the rank lets go of the GIL every SHM_YIELD_POLLS polls, so that its process's other threads
+# (the leader's frontend and control link) are not held up.
+SHM_SPIN_S = 2e-3
+SHM_YIELD_POLLS = 32
 # Then sleep, doubling from the first to the last value. The peer computes on another core, so
 # a nap is pure added latency per gate: 1 ms naps made the slab slower than TCP inside the
 # pair (bench/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
@@ -584,9 +588,13 @@ class ShmGateExchange(GateExchange):
             if state[peer] == SLAB_CLOSED:
                 raise GateError(f"peer closed the shared-memory slab during {_describe(tag)}")
             polls += 1
-            if polls < SHM_SPIN_POLLS:
+            if polls % SHM_YIELD_POLLS:
                 continue
-            if time.monotonic() - start > self.timeout_s:
+            waited = time.monotonic() - start
+            if waited < SHM_SPIN_S:
+                os.sched_yield()
+                continue
+            if waited > self.timeout_s:
                 raise GateError(
                     f"peer stalled: no partial for {_describe(tag)} within {self.timeout_s:g} s "
                     "on the shared-memory slab"
