@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,36 @@ class Session:
         del self.tokens[pos:]
 
 
+@dataclass(frozen=True)
+class _PartLayer:
+    """What one part holds of one layer, looked up once (a token reads it 2 x n_layer times):
+    its Q, K and V rows (stacked as ``qkv`` where ``_fuse`` could), output projection, and
+    each of its experts' matrices (gate and up stacked as ``gate_up`` where it could)."""
+
+    qkv: Param | None
+    q: Param
+    k: Param
+    v: Param
+    n_q: int  # rows of q, then of k
+    n_k: int
+    attn_output: Param
+    first_expert: int
+    gate: list[Param]
+    up: list[Param]
+    down: list[Param]
+    gate_up: list[Param] | None
+    shared: tuple[Param | None, Param, Param, Param] | None  # gate_up, gate, up, down
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """A layer's replicated float32 tensors: the two norms and the router."""
+
+    attn_norm: F32
+    ffn_norm: F32
+    router: F32
+
+
 class Engine:
     """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
 
@@ -166,6 +197,30 @@ class Engine:
         }
         self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
         self._cos, self._sin = L.rope_tables(cfg.n_ctx, cfg.head_dim, cfg.rope_theta)
+        self._layers = [[self._part_layer(j, i) for i in range(cfg.n_layer)]
+                        for j in range(len(self.parts))]
+        self._dense = [
+            _Dense(*(self.dense[f"blk.{i}.{n}.weight"] for n in ("attn_norm", "ffn_norm",
+                                                                "ffn_gate_inp")))
+            for i in range(cfg.n_layer)
+        ]
+
+    def _part_layer(self, j: int, layer: int) -> _PartLayer:
+        w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
+        p = f"blk.{layer}."
+        q, k, v = (w[p + f"attn_{t}.weight"] for t in "qkv")
+        shared = None
+        if self.cfg.n_ff_shared:
+            shared = (fused.get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
+                      w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+        return _PartLayer(
+            qkv=fused.get(p + "qkv"), q=q, k=k, v=v, n_q=q.shape[0], n_k=k.shape[0],
+            attn_output=w[p + "attn_output.weight"],
+            first_expert=self.parts[j].layout.experts[0],
+            gate=experts[p + "ffn_gate_exps.weight"], up=experts[p + "ffn_up_exps.weight"],
+            down=experts[p + "ffn_down_exps.weight"], gate_up=experts.get(p + "gate_up"),
+            shared=shared,
+        )
 
     @property
     def n_vocab_out(self) -> int:
@@ -204,16 +259,14 @@ class Engine:
         ids, pos, spans = self._check_rows(rows)
         cos, sin = self._cos[pos], self._sin[pos]  # (n, Dh/2) each
         x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            h = rmsnorm(x, rp[p + "attn_norm.weight"], cfg.norm_eps)  # (n, D)
-            partial = _sum(
-                [self._attention(i, j, h, rows, spans, cos, sin) for j in range(len(self.parts))]
-            )
+        parts = range(len(self.parts))
+        for i, dense in enumerate(self._dense):
+            h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
+            partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
             x += self._exchange(exchange, i, Gate.ATTN, partial)
-            h = rmsnorm(x, rp[p + "ffn_norm.weight"], cfg.norm_eps)  # (n, D)
-            weights, top = route(h, rp[p + "ffn_gate_inp.weight"], cfg.n_expert_used)  # (n, K)
-            partial = _sum([self._ffn(i, part, h, weights, top) for part in self.parts])
+            h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
+            weights, top = route(h, dense.router, cfg.n_expert_used)  # (n, K) each
+            partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
             x += self._exchange(exchange, i, Gate.FFN, partial)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
         head = [linear(hf, part.params["output.weight"]) for part in self.parts]  # (n, V_part)
@@ -264,24 +317,20 @@ class Engine:
         sin: F32,
     ) -> F32:
         """Part j's ATTN partial (n, D): its heads' attention through its attn_output columns."""
-        w = self.parts[j].params
-        p = f"blk.{layer}."
+        lw = self._layers[j][layer]
         n, dh = h.shape[0], self.cfg.head_dim
-        qkv = self.fused[j].get(p + "qkv")
-        if qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
+        nq, nk = lw.n_q, lw.n_k
+        if lw.qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
             # is the same as alone)
-            nq, nk = w[p + "attn_q.weight"].shape[0], w[p + "attn_k.weight"].shape[0]
-            y = linear(h, qkv)  # (n, Q + K + V rows)
+            y = linear(h, lw.qkv)  # (n, Q + K + V rows)
             # Q and K turned in one call: the same elementwise operations on each value
             qk = rope(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
             q, k = qk[:, : nq // dh], qk[:, nq // dh :]  # (n, H_part, Dh), (n, Hkv_part, Dh)
             v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         else:
-            q = linear(h, w[p + "attn_q.weight"]).reshape(n, -1, dh)  # (n, H_part, Dh)
-            k = linear(h, w[p + "attn_k.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-            v = linear(h, w[p + "attn_v.weight"]).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
-            q = rope(q, cos, sin)
-            k = rope(k, cos, sin)
+            q = rope(linear(h, lw.q).reshape(n, -1, dh), cos, sin)  # (n, H_part, Dh)
+            k = rope(linear(h, lw.k).reshape(n, -1, dh), cos, sin)  # (n, Hkv_part, Dh)
+            v = linear(h, lw.v).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
@@ -290,36 +339,26 @@ class Engine:
             vc[session.pos:end] = v[a:b]
             for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
                 attend(q[t], kc, vc, session.pos + t - a + 1, o[t])  # (H_part, Dh)
-        return linear(o.reshape(n, -1), w[p + "attn_output.weight"])  # (n, D)
+        return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
 
-    def _ffn(self, layer: int, part: RankWeights, h: F32, weights: F32,
-             top: npt.NDArray[np.int64]) -> F32:
-        """Part's FFN partial (n, D): its routed experts plus its slice of the shared expert.
+    def _ffn(self, layer: int, j: int, h: F32, weights: F32, top: npt.NDArray[np.int64]) -> F32:
+        """Part j's FFN partial (n, D): its routed experts plus its slice of the shared expert.
 
         With ``EXPERTS`` the part holds experts ``layout.experts`` whole; with ``INTERMEDIATE``
         it holds every expert (``experts`` is (0, E)), each cut to its intermediate block, and
-        ``experts_forward`` evaluates every assignment on that block."""
-        w = part.params
-        p = f"blk.{layer}."
-        k = top.shape[1]
-        j = next(i for i, held in enumerate(self.parts) if held is part)
-        experts = self._experts[j]
-        w_gate, w_up, w_down = (experts[p + f"ffn_{t}_exps.weight"] for t in ("gate", "up", "down"))
-        gate_up = experts.get(p + "gate_up")
-        n_local = len(w_gate)
-        order, bounds = assign_experts(top, part.layout.experts[0], n_local)  # (M,) ...
-        xs = h[order // k]  # (M, D)
+        evaluates every assignment on that block."""
+        lw = self._layers[j][layer]
+        order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
+        xs = h[order // top.shape[1]]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
-        for e in range(n_local):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            ys[lo:hi] = _swiglu(xs[lo:hi], None if gate_up is None else gate_up[e], w_gate[e],
-                                w_up[e], w_down[e])  # (M_e, D)
+        edges = bounds.tolist()
+        for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
+            if lo < hi:
+                ys[lo:hi] = _swiglu(xs[lo:hi], None if lw.gate_up is None else lw.gate_up[e],
+                                    lw.gate[e], lw.up[e], lw.down[e])  # (M_e, D)
         y = combine_experts(ys, weights, order)  # (n, D)
-        if self.cfg.n_ff_shared:
-            y += _swiglu(h, self.fused[j].get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
-                         w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])  # (n, D)
+        if lw.shared is not None:
+            y += _swiglu(h, *lw.shared)  # (n, D)
         return y
 
     def _exchange(
