@@ -121,7 +121,10 @@ class StreamDecoder:
 
     def feed(self, token: int) -> str:
         """Text completed by this token ("" while a character is still incomplete)."""
-        return self.feed_many([token])
+        if not 0 <= token < VOCAB_SIZE:  # feed_many's check, without arrays for one token
+            raise DataError(f"token {token} is outside the byte vocabulary [0, {VOCAB_SIZE})")
+        raw = bytes((token - N_SPECIAL_TOKENS,)) if token >= N_SPECIAL_TOKENS else b""
+        return self._decoder.decode(raw, final=False)
 
     def feed_many(self, tokens: npt.ArrayLike) -> str:
         return self._decoder.decode(_token_bytes(tokens), final=False)

@@ -39,9 +39,10 @@ def _check(logits: npt.NDArray[np.float64], temperature: float, top_p: float) ->
         raise SamplingError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise SamplingError(f"top_p must be in (0, 1], got {top_p}")
-    if np.isnan(logits).any() or np.isposinf(logits).any():
+    top = float(logits.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
+    if top != top or top == np.inf:
         raise SamplingError("logits contain NaN or +inf; the model output is broken")
-    if np.isneginf(logits).all():
+    if top == -np.inf:
         raise SamplingError("every logit is -inf; no token can be sampled")
 
 

@@ -413,3 +413,12 @@ class TpMetrics:
             self.spec_commits.labels(mode)
         for kind in TP_FAILURE_KINDS:
             self.failures.labels(kind)
+        # Resolved once: a rank records a gate 2 x n_layer times a token.
+        self._gate_sent = self.gate_bytes.labels("sent")
+        self._gate_received = self.gate_bytes.labels("received")
+
+    def record_gate(self, seconds: float, nbytes: int) -> None:
+        """One gate exchange: its time and the bytes that went each way."""
+        self.gate_duration.observe(seconds)
+        self._gate_sent.inc(nbytes)
+        self._gate_received.inc(nbytes)

@@ -691,10 +691,7 @@ class LeaderEngine:
         self._link_bytes = (link.bytes_sent, link.bytes_received)
 
     def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
-        m = self.metrics
-        m.gate_duration.observe(seconds)
-        m.gate_bytes.labels("sent").inc(nbytes)
-        m.gate_bytes.labels("received").inc(nbytes)
+        self.metrics.record_gate(seconds, nbytes)
         self._gate_trace.append((gate, seconds))
 
 

@@ -309,10 +309,7 @@ class Worker:
                   theirs.seq, theirs.value, self.state.step, value)
 
     def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
-        m = self.metrics
-        m.gate_duration.observe(seconds)
-        m.gate_bytes.labels("sent").inc(nbytes)
-        m.gate_bytes.labels("received").inc(nbytes)
+        self.metrics.record_gate(seconds, nbytes)
 
     def _export(self, link: ControlLink, sent: int, received: int) -> None:
         m = self.metrics
