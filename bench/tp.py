@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,25 +150,19 @@ class Balance:
 
     def __init__(self, engine: Engine) -> None:
         self.gates: list[list[float]] = []  # per gate: seconds of part 0, part 1
-        self.parts = engine.parts
         self.n_layer = engine.cfg.n_layer
-        attention, ffn = engine._attention, engine._ffn
 
-        def timed_attention(layer: int, j: int, *args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = attention(layer, j, *args)
-            self._record(j, time.perf_counter() - t0)
-            return out
+        def timed(part_gate: Callable[..., Any]) -> Callable[..., Any]:
+            """A part's share of a gate (engine._attention or _ffn: layer, part j, ...), timed."""
+            def call(layer: int, j: int, *args: Any) -> Any:
+                t0 = time.perf_counter()
+                out = part_gate(layer, j, *args)
+                self._record(j, time.perf_counter() - t0)
+                return out
+            return call
 
-        def timed_ffn(layer: int, part: Any, *args: Any) -> Any:
-            t0 = time.perf_counter()
-            out = ffn(layer, part, *args)
-            self._record(next(j for j, p in enumerate(self.parts) if p is part),
-                         time.perf_counter() - t0)
-            return out
-
-        engine._attention = timed_attention  # type: ignore[method-assign,assignment]
-        engine._ffn = timed_ffn  # type: ignore[method-assign,assignment]
+        engine._attention = timed(engine._attention)  # type: ignore[method-assign]
+        engine._ffn = timed(engine._ffn)  # type: ignore[method-assign]
 
     def _record(self, j: int, seconds: float) -> None:
         if j == 0:
@@ -376,6 +371,20 @@ def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
                     return tokens, times
 
 
+def aligned(leader: list[tuple[Gate, float]], worker: list[tuple[Gate, float]], first: int,
+            count: int) -> GatePairs:
+    """Both ranks' times of the leader's gates ``first`` .. ``first + count - 1``. The worker's
+    trace covers its whole pair and ends with the leader's (the last gate of the run), so it
+    is the tail of the leader's (whose length at pairing time would race with a re-synced
+    session's prefill on the engine thread). No pairs when the worker's trace was lost."""
+    if not worker:
+        return []
+    at = first - (len(leader) - len(worker))  # the leader's gate ``first`` in the worker's trace
+    if at < 0:
+        return []
+    return list(zip(leader[first : first + count], worker[at : at + count], strict=False))
+
+
 def wait_paired(leader: Leader, shm: bool) -> None:
     deadline = time.monotonic() + STARTUP_S
     while not (leader.worker_connected and (leader.status().shared_memory == shm)):
@@ -472,7 +481,6 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
     worker = WorkerProc(model, lead.port, core_b, True, tmp / f"shm-{mode.value}.npy", mode)
     try:
         wait_paired(lead, shm=True)
-        start_shm = len(lead.gate_latencies())  # the worker's first gate is this one
         generate(lead.frontend_port, PROMPT, 4)  # warm-up
         before, n_trace = counters(lead), len(lead.gate_latencies())
         pair_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
@@ -536,14 +544,12 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
     finally:
         shm_worker = worker.stop()
-    shm_pairs = list(zip(lead.gate_latencies()[start_shm:], shm_worker, strict=False))
-    shm_pairs = shm_pairs[n_trace - start_shm : n_trace - start_shm + len(shm_gates)]
+    shm_pairs = aligned(lead.gate_latencies(), shm_worker, n_trace, len(shm_gates))
 
     # The same pair over TCP gates.
     worker = WorkerProc(model, lead.port, core_b, False, tmp / f"tcp-{mode.value}.npy", mode)
     try:
         wait_paired(lead, shm=False)
-        start_tcp = len(lead.gate_latencies())
         generate(lead.frontend_port, PROMPT, 4)  # warm-up
         n_trace = len(lead.gate_latencies())
         tcp_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
@@ -559,8 +565,7 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         # the link closes (it was killed, and its gate times lost, the other way round).
         leader.stop()
         tcp_worker = worker.stop()
-    tcp_pairs = list(zip(lead.gate_latencies()[start_tcp:], tcp_worker, strict=False))
-    tcp_pairs = tcp_pairs[n_trace - start_tcp : n_trace - start_tcp + len(tcp_gates)]
+    tcp_pairs = aligned(lead.gate_latencies(), tcp_worker, n_trace, len(tcp_gates))
     if link is not None:
         shaped = bench_link(model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link)
         ok = ok and bool(shaped["link_pass"])
