@@ -752,9 +752,11 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
     finish_rows_avx2(T_Q4_0, a0, a1, w, lane_bytes, bsize, xq, xd, quads, nb, y);
 }
 
-/* F16 rows, AVX2: ROWS_F16 rows at a time share each load of x, the rows j of each of ROWS_F16
- * parts of the matrix (sequential streams, as rows_f16_512), each prefetching its next row;
- * lanes 0-31 of the 32 float accumulators are four registers per row. */
+/* F16 rows on every x86 machine with AVX2 and F16C (AVX-512 ones too: an AVX-512 version of this,
+ * four rows of two 512-bit accumulators, streamed 2-6 % slower inside the engine on the 16-core
+ * Xeon, bench/kernel_builds.py): ROWS_F16 rows at a time share each load of x, the rows j of
+ * each of ROWS_F16 parts of the matrix (sequential streams, as rows_q_512_t), each prefetching
+ * its next row; lanes 0-31 of the 32 float accumulators are four registers per row. */
 #ifndef ROWS_F16
 #define ROWS_F16 4
 #endif
@@ -1058,51 +1060,6 @@ AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q
         corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
 }
 
-#ifndef PF16
-#define PF16 1 /* rows ahead in each quarter */
-#endif
-#ifndef F16_HINT
-#define F16_HINT _MM_HINT_T0
-#endif
-/* F16 rows, AVX-512: four rows at a time share each load of x; lanes 0-15 and 16-31 of the 32
- * float accumulators are one register each (dot_f32_portable's order). As in rows_q_512_t, the
- * four are row j of each quarter (four sequential streams), each prefetching its next row. */
-AVX512 static void rows_f16_512(const uint8_t *w, size_t row_bytes, int rows, int k,
-                                const float *x, float *y) {
-    const int quarter = k % LANES_F == 0 ? rows / ROWS : 0;
-    for (int j = 0; j < quarter; j++) {
-        __m512 lo[ROWS], hi[ROWS];
-        const uint8_t *wr0[ROWS];
-        int out[ROWS];
-        for (int a = 0; a < ROWS; a++) {
-            out[a] = a * quarter + j;
-            wr0[a] = w + (size_t)out[a] * row_bytes;
-            lo[a] = hi[a] = _mm512_setzero_ps();
-        }
-        for (int i = 0; i < k; i += LANES_F) {
-            const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
-            for (int a = 0; a < ROWS; a++) {
-                const uint8_t *wr = wr0[a] + 2 * (size_t)i;
-#if PF16
-                _mm_prefetch((const char *)(wr + PF16 * row_bytes), F16_HINT);
-#endif
-                const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)wr));
-                const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wr + 32)));
-                lo[a] = _mm512_add_ps(lo[a], _mm512_mul_ps(w0, x0));
-                hi[a] = _mm512_add_ps(hi[a], _mm512_mul_ps(w1, x1));
-            }
-        }
-        for (int a = 0; a < ROWS; a++) {
-            float lanes[LANES_F];
-            _mm512_storeu_ps(lanes, lo[a]);
-            _mm512_storeu_ps(lanes + 16, hi[a]);
-            y[out[a]] = finish(lanes, LANES_F);
-        }
-    }
-    const int r = ROWS * quarter;
-    if (r < rows) rows_f16_avx2(w + (size_t)r * row_bytes, row_bytes, rows - r, k, x, y + r, 1);
-}
-
 #endif
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
@@ -1256,19 +1213,16 @@ static int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k
     }
 #if defined(FOUNDRY_X86)
     if (type == T_F16 && use_avx2) {
-        void (*rows_f16)(const uint8_t *, size_t, int, int, const float *, float *) =
-            use_512 ? rows_f16_512 : rows_f16_avx2_streams;
-        const int group = use_512 ? ROWS : ROWS_F16;
         if (n == 1) {
-            rows_f16(w, row_bytes, n_out, k, x, y);
+            rows_f16_avx2_streams(w, row_bytes, n_out, k, x, y);
             return 0;
         }
         /* several inputs: each group of rows stays in cache while the inputs pass over it */
-        for (int r = 0; r < n_out; r += group) {
-            const int rows = n_out - r < group ? n_out - r : group;
+        for (int r = 0; r < n_out; r += ROWS_F16) {
+            const int rows = n_out - r < ROWS_F16 ? n_out - r : ROWS_F16;
             for (int t = 0; t < n; t++)
-                rows_f16(w + (size_t)r * row_bytes, row_bytes, rows, k, x + (size_t)t * k,
-                         y + t * (size_t)n_out + r);
+                rows_f16_avx2_streams(w + (size_t)r * row_bytes, row_bytes, rows, k,
+                                      x + (size_t)t * k, y + t * (size_t)n_out + r);
         }
         return 0;
     }
