@@ -132,16 +132,8 @@ def main() -> int:
         x = rng.standard_normal((n, k), dtype=np.float32)
         (tmp / "in").write_bytes(np.array([int(qtype), k, n_out, n], np.int32).tobytes()
                                  + q.data.tobytes() + x.tobytes())
-        here = quant.linear(x, q)
-        same = []
-        for argv in exes.values():
-            subprocess.run([*argv, str(tmp / "in"), str(tmp / "out")], check=True)
-            got = np.fromfile(tmp / "out", np.float32).reshape(n, n_out)
-            same.append(np.array_equal(got, here))
-            ok = ok and same[-1]
-        print(f"{qtype.name:<5} this machine ({quant.KERNELS}) against "
-              + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
-                          for name, s in zip(exes, same, strict=True)))
+        here = quant.linear(x, q).tobytes()
+        ok = same_bits(f"{qtype.name:<5} this machine ({quant.KERNELS})", exes, tmp, here) and ok
     ok = decode_ops(exes, tmp, rng) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -167,13 +159,18 @@ def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) 
     weights, top = quant.route(x, w_router, k)
     here = b"".join(a.tobytes() for a in (quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin),
                                           weights, top, quant.swiglu(gu), att))
+    return same_bits("decode operations (RMSNorm, rotation, router, SiLU x up, attention)", exes,
+                     tmp, here)
+
+
+def same_bits(what: str, exes: dict[str, list[str]], tmp: Path, here: bytes) -> bool:
+    """Run every build on ``tmp/in``; one line on whether each wrote ``here``'s bytes."""
     same = []
     for argv in exes.values():
         subprocess.run([*argv, str(tmp / "in"), str(tmp / "out")], check=True)
         same.append((tmp / "out").read_bytes() == here)
-    print("decode operations (RMSNorm, rotation, router, SiLU x up, attention) against "
-          + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
-                      for name, s in zip(exes, same, strict=True)))
+    print(f"{what} against " + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
+                                          for name, s in zip(exes, same, strict=True)))
     return all(same)
 
 

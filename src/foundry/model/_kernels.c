@@ -1474,12 +1474,10 @@ static int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local,
 }
 
 /* out (n, d) = sum over slots j in top-k order of weights[r, j] * ys[the assignment's row],
- * a slot of another part's expert adding 0 (layers.combine_expert_outputs). ``slot`` is room
- * for n * k indices. */
-static void combine(const float *ys, const float *weights, const int64_t *order, int64_t m, int n,
-                    int k, int d, int64_t *slot, float *out) {
-    for (int64_t a = 0; a < (int64_t)n * k; a++) slot[a] = -1;
-    for (int64_t i = 0; i < m; i++) slot[order[i]] = i;
+ * a slot of another part's expert adding 0 (layers.combine_expert_outputs). ``slot`` maps each
+ * of the n * k assignments to its row of ys, -1 where another part holds the expert. */
+static void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k,
+                    int d, float *out) {
     for (int r = 0; r < n; r++) {
         float *o = out + (size_t)r * d;
         for (int j = 0; j < k; j++) {
@@ -1770,17 +1768,18 @@ static PyObject *py_combine(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
     }
-    for (int64_t a = 0; a < (int64_t)n * k; a++) slot[a] = 0;
-    for (int64_t i = 0; i < m; i++) {
-        if (o[i] < 0 || o[i] >= (int64_t)n * k || slot[o[i]]++) {
+    for (int64_t a = 0; a < (int64_t)n * k; a++) slot[a] = -1;
+    for (int64_t i = 0; i < m; i++) { /* the assignments' rows of ys, each assignment once */
+        if (o[i] < 0 || o[i] >= (int64_t)n * k || slot[o[i]] >= 0) {
             free(slot);
             PyErr_Format(PyExc_ValueError, "combine: order[%lld] = %lld is not a distinct "
                          "assignment of %d rows of %d", (long long)i, (long long)o[i], n, k);
             RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
         }
+        slot[o[i]] = i;
     }
     Py_BEGIN_ALLOW_THREADS
-    combine(ys.buf, weights.buf, o, m, n, k, d, slot, out.buf);
+    combine(ys.buf, weights.buf, slot, n, k, d, out.buf);
     Py_END_ALLOW_THREADS
     free(slot);
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);

@@ -95,13 +95,15 @@ def encode(text: str, bos: bool = True, eos: bool = False) -> TokenArray:
     return out
 
 
+def _outside_vocabulary(token: int) -> DataError:
+    return DataError(f"token {token} is outside the byte vocabulary [0, {VOCAB_SIZE})")
+
+
 def _token_bytes(tokens: npt.ArrayLike) -> bytes:
     arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
     bad = (arr < 0) | (arr >= VOCAB_SIZE)
     if bad.any():
-        raise DataError(
-            f"token {int(arr[bad][0])} is outside the byte vocabulary [0, {VOCAB_SIZE})"
-        )
+        raise _outside_vocabulary(int(arr[bad][0]))
     return (arr[arr >= N_SPECIAL_TOKENS] - N_SPECIAL_TOKENS).astype(np.uint8).tobytes()
 
 
@@ -121,8 +123,8 @@ class StreamDecoder:
 
     def feed(self, token: int) -> str:
         """Text completed by this token ("" while a character is still incomplete)."""
-        if not 0 <= token < VOCAB_SIZE:  # feed_many's check, without arrays for one token
-            raise DataError(f"token {token} is outside the byte vocabulary [0, {VOCAB_SIZE})")
+        if not 0 <= token < VOCAB_SIZE:  # _token_bytes' check, without arrays for one token
+            raise _outside_vocabulary(int(token))
         raw = bytes((token - N_SPECIAL_TOKENS,)) if token >= N_SPECIAL_TOKENS else b""
         return self._decoder.decode(raw, final=False)
 
