@@ -50,8 +50,10 @@ def module_name(path: Path) -> str:
 
 
 def _is_module(dotted: str) -> bool:
+    """A Python module, a package, or a C extension (built in place, or its source)."""
     path = SRC.parent / dotted.replace(".", "/")
-    return path.with_suffix(".py").exists() or path.is_dir()
+    return (path.with_suffix(".py").exists() or path.is_dir() or path.with_suffix(".c").exists()
+            or any(path.parent.glob(f"{path.name}.*.so")))
 
 
 def imports_in(module: str, text: str, *, is_package: bool = False) -> list[tuple[int, str]]:
@@ -149,3 +151,47 @@ def test_the_walk_catches_arrows_against_the_table() -> None:
     ]
     allowed = "from foundry.model.tp_split import Gate\n"
     assert violations({"foundry.wire.probe": (allowed, False)}) == []
+
+
+def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
+    """Every circle of imports among ``sources`` (module -> (source text, is a package)), each
+    once, from its smallest module name: function-local and TYPE_CHECKING imports count, as a
+    circle they close is one a reader has to hold in mind all the same. A package's
+    ``__init__`` is not followed into (``from foundry.tp import x`` names the module x)."""
+    graph: dict[str, set[str]] = {}
+    for module, (text, is_package) in sources.items():
+        graph[module] = {
+            target for _, target in imports_in(module, text, is_package=is_package)
+            if target in sources and target != module
+        }
+    cycles: set[tuple[str, ...]] = set()
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                cycles.add(tuple(path))
+            elif nxt > start and nxt not in path:  # each circle from its smallest member only
+                walk(start, nxt, [*path, nxt])
+
+    for module in sorted(graph):
+        walk(module, module, [module])
+    return [list(c) for c in sorted(cycles)]
+
+
+def test_no_import_circles() -> None:
+    sources = tree_sources()
+    found = import_cycles(sources)
+    assert found == [], "import circles: " + "; ".join(" -> ".join([*c, c[0]]) for c in found)
+
+
+def test_the_circle_search_finds_a_circle_through_type_checking() -> None:
+    probe = {
+        "foundry.tp.a": ("from foundry.tp.b import B\n", False),
+        "foundry.tp.b": ("from typing import TYPE_CHECKING\n"
+                         "if TYPE_CHECKING:\n    from foundry.tp.c import C\n", False),
+        "foundry.tp.c": ("def f() -> None:\n    from foundry.tp.a import A\n", False),
+        "foundry.tp.d": ("from foundry.tp.a import A\n", False),
+    }
+    assert import_cycles(probe) == [["foundry.tp.a", "foundry.tp.b", "foundry.tp.c"]]
+    probe["foundry.tp.c"] = ("import os\n", False)
+    assert import_cycles(probe) == []

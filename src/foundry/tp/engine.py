@@ -77,7 +77,7 @@ from foundry.wire.tp import (
 )
 
 if TYPE_CHECKING:
-    from foundry.tp.leader import LeaderOptions
+    from foundry.tp.options import LeaderOptions
 
 log = logging.getLogger("foundry.tp.leader")
 

@@ -29,7 +29,7 @@ from foundry.transport.stream import AsyncStream, FrameTimeout
 from foundry.wire import frontend as fw
 
 if TYPE_CHECKING:
-    from foundry.tp.leader import LeaderOptions
+    from foundry.tp.options import LeaderOptions
 
 log = logging.getLogger("foundry.tp.leader")
 

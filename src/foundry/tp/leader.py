@@ -64,21 +64,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
-from foundry.model.tp_split import ExpertSplit, Gate
+from foundry.model.tp_split import Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
 from foundry.tp.engine import LeaderEngine, LogitsHook
 from foundry.tp.frontend_server import FrontendServer
-from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, RankModel, load_rank
-from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
-from foundry.tp.policy import MAX_DRAFT, SpecMode
-from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
+from foundry.tp.handshake import RankModel, load_rank
+from foundry.tp.options import LeaderOptions
+from foundry.tp.policy import SpecMode
 from foundry.transport.listener import Listener
 from foundry.wire import frontend as fw
 from foundry.wire.tp import GateTransport
@@ -86,50 +82,6 @@ from foundry.wire.tp import GateTransport
 __all__ = ["Leader", "LeaderOptions", "LogitsHook"]
 
 log = logging.getLogger("foundry.tp.leader")
-
-# Open frontend connections by default: the gateway needs one; room for a few replicas and
-# tools.
-MAX_FRONTEND_CONNECTIONS = 64
-
-
-@dataclass(frozen=True)
-class LeaderOptions:
-    model: Path
-    host: str = "0.0.0.0"
-    port: int = 7090
-    frontend_host: str = "127.0.0.1"
-    frontend_port: int = 7091
-    ctx_size: int | None = None
-    max_sessions: int = 16
-    queue_size: int = 64
-    # Finished generations whose sessions stay open for prompts that continue them, and the
-    # most token histories re-synced after a worker loss (see "Kept sessions"); 0: none.
-    keep_sessions: int = 8
-    prefill_chunk: int = 64
-    spec_mode: SpecMode = SpecMode.FULL_PREFIX
-    max_draft: int = MAX_DRAFT
-    hash_check: bool = False
-    shm: bool = True
-    gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S
-    control_timeout_s: float = 1.0
-    handshake_timeout_s: float = 5.0
-    # How the routed experts are cut (the worker must run the same: the hello checks it).
-    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
-    # Security and limits (docs/operations.md, "TLS" and "Limits"): TLS on both listeners,
-    # the frontend's connection limit, and the deadline of a frame begun on either link.
-    tls: ssl.SSLContext | None = None
-    frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
-    frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
-
-    def __post_init__(self) -> None:
-        for name in ("max_sessions", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("queue_size", "keep_sessions"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.max_draft <= MAX_DRAFT:
-            raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
 
 
 class Leader:
