@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -50,3 +51,31 @@ def test_ctl_says_why_a_run_waits_or_failed() -> None:
     warned = pb.TrainingStatus(state=pb.TRAINING_STATE_TRAINING, note="checkpoints failing")
     assert "\nwarning: checkpoints failing\n" in format_training(warned)
     assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_PAUSED)) == "PAUSED"
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "foundry"
+             ) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _parsers(sub, f"{path} {name}")
+    return found
+
+
+def test_every_flag_with_a_default_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    parsers = _parsers(build_parser())
+    assert len(parsers) > 20  # the nested ones (ctl's actions, model's) included
+    missing = []
+    for path, parser in parsers:
+        for action in parser._actions:
+            if (not action.option_strings or action.nargs == 0 or action.default is None
+                    or action.default is argparse.SUPPRESS or action.help == argparse.SUPPRESS):
+                continue
+            # The flag's row as --help prints it (argparse wraps lines).
+            row = " ".join(parser._get_formatter()._format_action(action).split())
+            if "default" not in row.lower():
+                missing.append(f"{path} {action.option_strings[-1]}: {row}")
+    assert missing == []
+    init = next(p for path, p in parsers if path == "foundry model init").format_help()
+    assert "model size (default: tiny)" in " ".join(init.split())

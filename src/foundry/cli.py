@@ -13,6 +13,7 @@ import os
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from foundry import __version__
 
@@ -30,8 +31,35 @@ def command_modules() -> list[str]:
     return [f"foundry.commands.{n}" for n in ordered]
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it (``default``
+    in the text), the flag has none (None, an on/off switch), or it is a positional."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or isinstance(action.default, bool)
+            or action.nargs == 0  # store_true, store_const, count, help, version
+            or "default" in text.lower()
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class FoundryParser(argparse.ArgumentParser):
+    """The parser of `foundry` and of every subcommand under it (``add_subparsers`` makes
+    parsers of its own class): each shows its flags' defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FoundryParser(
         prog="foundry",
         description=(
             "Train and serve a Mixture-of-Experts language model across the machines you own."
