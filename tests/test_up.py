@@ -44,7 +44,7 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import Stack, check_ports_free
-from foundry.up.view import LiveView, waiting_note, worker_line
+from foundry.up.view import LiveView, TrainingSummary, waiting_note, worker_line
 from foundry.wire import fdtc
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -199,6 +199,17 @@ def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
     view.update(st, failed)
     assert out.getvalue().count("coordinator FAILED: round loop failed: OSError: x") == 1
     assert worker_line(row, more).endswith("3 steps  up 2.5 MB down 7.0 MB")
+
+
+def test_a_resumed_runs_summary_says_where_it_resumed() -> None:
+    fresh = TrainingSummary(steps=30, first_loss=5.5, first_loss_step=1, last_loss=1.0744)
+    assert fresh.loss_text() == "loss 5.5000 -> 1.0744"
+    resumed = TrainingSummary(steps=30, first_loss=1.0717, first_loss_step=25, last_loss=1.0744,
+                              start_step=24)
+    text = resumed.loss_text()
+    assert text == ("resumed at step 24, 6 steps this run: loss 1.0717 after step 25, 1.0744 "
+                    "at the end")
+    assert "->" not in text
 
 
 def test_printable_escapes_control_characters() -> None:

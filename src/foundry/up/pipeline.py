@@ -31,7 +31,7 @@ from foundry.up.plan import (
     training_services,
 )
 from foundry.up.supervisor import RunDirLock, Stack, StopRequested, check_ports_free
-from foundry.up.view import LiveView, TrainingSummary, num
+from foundry.up.view import LiveView, TrainingSummary
 from foundry.wire import fdtc
 
 # How often the live view asks the coordinator for its status.
@@ -93,9 +93,12 @@ def watch_training(
                 continue
             raise
         summary.polls += 1
+        if summary.polls == 1:
+            summary.start_step = st.global_step
         if not math.isnan(st.train_loss):
             if math.isnan(summary.first_loss):
                 summary.first_loss = st.train_loss
+                summary.first_loss_step = st.global_step
             summary.last_loss = st.train_loss
         summary.val_loss = st.val_loss
         summary.steps = st.global_step
@@ -187,8 +190,7 @@ def _run_locked(
                 )
             else:
                 stack.say(
-                    f"training done at step {summary.steps}: loss "
-                    f"{num(summary.first_loss, '.4f')} -> {num(summary.last_loss, '.4f')}, "
+                    f"training done at step {summary.steps}: {summary.loss_text()}, "
                     "held-out "
                     + against_compressors(bits_per_byte(summary.val_loss), yardstick)
                     + f" ({summary.seconds:.0f} s)"

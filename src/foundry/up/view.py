@@ -53,10 +53,22 @@ def worker_line(row: fdtc.SwarmStatusRow, more: fdtc.SwarmDetailRow) -> str:
 class TrainingSummary:
     steps: int = 0
     first_loss: float = float("nan")
+    first_loss_step: int = 0  # the global step of first_loss
     last_loss: float = float("nan")
     val_loss: float = float("nan")
     seconds: float = 0.0
     polls: int = 0
+    start_step: int = 0  # the global step at the first poll: above 0, the run resumed
+
+    def loss_text(self) -> str:
+        """The training loss of this run: first and last, and where a resumed run resumed
+        (its first loss is of a model trained before, so first -> last is no trend)."""
+        first, last = num(self.first_loss, ".4f"), num(self.last_loss, ".4f")
+        if self.start_step > 0:
+            return (f"resumed at step {self.start_step}, {self.steps - self.start_step} steps "
+                    f"this run: loss {first} after step {self.first_loss_step}, {last} at the "
+                    "end")
+        return f"loss {first} -> {last}"
 
 
 @dataclass
