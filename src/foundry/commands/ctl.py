@@ -291,6 +291,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     conn = Connection(args)
     failed = False
+    training_on = False  # training runs (or waits for workers, or is paused) and is healthy
     try:
         training = conn.stub(training_pb2_grpc.TrainingServiceStub)
         try:
@@ -300,6 +301,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             print(format_training(got.status))
             failed = got.status.state == training_pb2.TRAINING_STATE_FAILED
+            training_on = got.status.state in (training_pb2.TRAINING_STATE_WAITING,
+                                               training_pb2.TRAINING_STATE_TRAINING,
+                                               training_pb2.TRAINING_STATE_PAUSED)
         except grpc.RpcError as exc:
             failed = True
             print(f"training: unavailable ({describe_rpc_error(exc, args)})")
@@ -312,11 +316,24 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             print(format_pair(pair))
         except grpc.RpcError as exc:
-            failed = True
-            print(f"pair: unavailable ({describe_rpc_error(exc, args)})")
+            if training_on and pair_not_started(exc):
+                # As designed: the pair serves the trained model, so it starts after training.
+                print(f"pair: not started yet; it starts after training "
+                      f"({describe_rpc_error(exc, args)})")
+            else:
+                failed = True
+                print(f"pair: unavailable ({describe_rpc_error(exc, args)})")
     finally:
         conn.close()
     return 1 if failed else 0
+
+
+def pair_not_started(exc: grpc.RpcError) -> bool:
+    """The gateway has not reached a pair since it started (as under `foundry up` while it
+    trains), as opposed to one that went away."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return code == grpc.StatusCode.UNAVAILABLE and "not reached since" in details
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
