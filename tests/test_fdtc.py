@@ -40,6 +40,7 @@ from foundry.wire.fdtc import (
     ErrorCode,
     Export,
     FdtcDecoder,
+    FileType,
     Gradients,
     GradientsAck,
     HardwareProfile,
@@ -254,7 +255,11 @@ GOLDEN: list[tuple[Message, bytes]] = [
     ),
     (
         Export(path="/tmp/m.gguf"),
-        hexb("43544446 65 00010000", "2f746d702f6d2e67677566", z(245)),
+        hexb("43544446 65 01010000", "2f746d702f6d2e67677566", z(245), "00"),
+    ),
+    (
+        Export(path="", file_type=FileType.Q4_0),
+        hexb("43544446 65 01010000", z(256), "03"),
     ),
     (
         TrainPlan(
@@ -336,7 +341,7 @@ def test_struct_sizes() -> None:
     assert SwarmStatus.HEAD.size == 37
     assert SwarmStatusRow.LAYOUT.size == 93
     assert ControlAck.LAYOUT.size == 262
-    assert Export.LAYOUT.size == 256
+    assert Export.LAYOUT.size == 257
     assert SwarmDetail.HEAD.size == 269
     assert SwarmDetailRow.LAYOUT.size == 20
     for cls in (Deregister, WeightsReq, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
@@ -867,3 +872,10 @@ def test_transition_table_shape() -> None:
     assert not [key for key in TRANSITIONS if key[0] is LinkState.CLOSED]
     reachable = {LinkState.CONNECTED} | set(TRANSITIONS.values())
     assert reachable == set(LinkState)
+
+
+def test_exports_file_types_are_the_gguf_writers_in_order() -> None:
+    from foundry.model.gguf_io import FILE_DTYPES
+
+    assert tuple(t.name.lower() for t in FileType) == FILE_DTYPES
+    assert [int(t) for t in FileType] == list(range(len(FILE_DTYPES)))

@@ -230,6 +230,12 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
                 assert code == 0 and wording in out, (action, out, err)
             code, out, err = await _ctl(target, token, "export", "--path", str(tmp_path / "m.gguf"))
             assert code == 0 and f"exported step 0 to {tmp_path / 'm.gguf'}" in out, out + err
+            q8 = tmp_path / "q8.gguf"
+            code, out, err = await _ctl(target, token, "export", "--path", str(q8),
+                                        "--type", "q8_0")
+            assert code == 0 and f"exported step 0 to {q8}" in out, out + err
+            # Q8_0: 34 bytes a block of 32 weights, against 128 in f32.
+            assert q8.stat().st_size < 0.4 * (tmp_path / "m.gguf").stat().st_size
             code, out, err = await _ctl(target, token, "watch", "--count", "2", "--interval", "0.1")
             # Started, but no worker: WAITING, not TRAINING without progress.
             assert code == 0 and out.count("training: WAITING") == 2, out + err

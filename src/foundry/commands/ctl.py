@@ -25,6 +25,7 @@ from foundry.commands.common import (
     positive_int,
     positive_seconds,
 )
+from foundry.model.gguf_io import FILE_DTYPES
 
 DEFAULT_GATEWAY = ("127.0.0.1", 50051)
 # Deadline of a unary call when --timeout is not given; streams (watch, generate) get none.
@@ -92,6 +93,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = action("export", "write the current weights as a GGUF model file", cmd_export)
     e.add_argument("--path", default="", metavar="P",
                    help="file on the coordinator's machine (default CHECKPOINT_DIR/model.gguf)")
+    e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
+                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
     g = action("generate", "generate text on the tensor-parallel pair, streamed", cmd_generate)
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
@@ -417,7 +420,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     conn = Connection(args)
     try:
         got = conn.stub(model_pb2_grpc.ModelServiceStub).ExportModel(
-            model_pb2.ExportModelRequest(path=args.path),
+            model_pb2.ExportModelRequest(path=args.path, type=args.dtype),
             metadata=conn.metadata, timeout=conn.unary_timeout(),
         )
     finally:

@@ -271,8 +271,13 @@ class ModelServicer:
     async def ExportModel(
         self, request: model_pb2.ExportModelRequest, context: grpc.aio.ServicerContext
     ) -> model_pb2.ExportModelResponse:
+        name = request.type.lower() or "f32"
+        types = {t.name.lower(): t for t in fdtc.FileType}
+        if name not in types:
+            raise InvalidRequest(f"unknown export type {request.type!r}; one of "
+                                 f"{', '.join(types)}")
         try:
-            export = fdtc.Export(request.path)
+            export = fdtc.Export(request.path, types[name])
         except LocalProtocolError as exc:
             raise InvalidRequest(f"the export path does not fit the admin link: {exc}") from None
         ack = await self.admin.control(export, budget(context, CONTROL_LIMIT_S))

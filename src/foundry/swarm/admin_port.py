@@ -86,8 +86,9 @@ class AdminPort:
             return self.swarm_status()
         if isinstance(msg, fdtc.Export):
             try:
-                path = await self.records.export(Path(msg.path) if msg.path else None)
-            except (ExportRefused, GGUFError, OSError) as exc:
+                path = await self.records.export(Path(msg.path) if msg.path else None,
+                                                 msg.file_type)
+            except (ExportRefused, GGUFError, OSError, ValueError) as exc:
                 log.warning("export refused or failed: %s", exc)
                 return self._ack(msg, False, f"export failed: {exc}")
             return self._ack(msg, True, str(path))

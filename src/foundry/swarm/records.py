@@ -20,7 +20,7 @@ from foundry.model.checkpoint import (
     save_checkpoint,
 )
 from foundry.model.data import compressor_bits_per_byte
-from foundry.model.gguf_io import GGUF_MAGIC_BYTES, load_gguf, save_gguf
+from foundry.model.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
 from foundry.model.training import (
     Params,
     Trainer,
@@ -33,7 +33,7 @@ from foundry.obs.timeline import now_us
 from foundry.swarm.core import CoordinatorOptions, SwarmCore
 from foundry.swarm.downlink import Downlink
 from foundry.wire import fdtc
-from foundry.wire.fdtc import Compression
+from foundry.wire.fdtc import Compression, FileType
 
 log = logging.getLogger("foundry.coordinator")
 
@@ -205,10 +205,13 @@ class Records:
             raise ExportRefused(f"folder {target.parent} does not exist; create it first")
         return target
 
-    async def export(self, path: Path | None) -> Path:
+    async def export(self, path: Path | None, file_type: FileType = FileType.F32) -> Path:
+        """The master weights of this step as a GGUF file of ``file_type`` at ``path``."""
         target = self.export_target(path)
+        dtype = FILE_DTYPES[int(file_type)]
         await self.core.applied.wait()
         step, params = self.core.step, {k: v.copy() for k, v in self.core.trainer.params.items()}
-        await asyncio.to_thread(save_gguf, target, self.core.opt.cfg, params)
-        log.info("exported step %d to %s", step, target)
+        await asyncio.to_thread(save_gguf, target, self.core.opt.cfg, params, dtype)
+        log.info("exported step %d to %s%s", step, target,
+                 "" if file_type is FileType.F32 else f" ({dtype})")
         return target

@@ -66,6 +66,7 @@ __all__ = [
     "Export",
     "FdtcDecoder",
     "FdtcProtocolError",
+    "FileType",
     "Gradients",
     "GradientsAck",
     "HardwareProfile",
@@ -187,6 +188,16 @@ class Compression(IntEnum):
     FP16 = 1
     TOPK = 2
     QSGD = 3
+
+
+class FileType(IntEnum):
+    """The tensor type of the GGUF file EXPORT writes (ours); the names of ``--type``
+    (``model.gguf_io.FILE_DTYPES``), in that order."""
+
+    F32 = 0
+    F16 = 1
+    Q8_0 = 2
+    Q4_0 = 3
 
 
 class DType(IntEnum):
@@ -1020,12 +1031,15 @@ class ControlAck(Message):
 
 @dataclass(frozen=True)
 class Export(Message):
-    """EXPORT (admin -> coordinator), ours, 256 bytes: write the weights as GGUF to ``path``
-    (empty: the coordinator's default). Answered by CONTROL_ACK with the path written."""
+    """EXPORT (admin -> coordinator), ours, 257 bytes: write the weights as a GGUF file of
+    ``file_type`` to ``path`` (empty: the coordinator's default). Answered by CONTROL_ACK with
+    the path written."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT
-    LAYOUT: ClassVar[_Layout] = _Layout(("path", _Str(MAX_PATH)))
+    LAYOUT: ClassVar[_Layout] = _Layout(("path", _Str(MAX_PATH)),
+                                        ("file_type", _Enum("B", FileType)))
     path: str = ""
+    file_type: FileType = FileType.F32
 
 
 @dataclass(frozen=True)

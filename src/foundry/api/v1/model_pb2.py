@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66oundry/v1/model.proto\x12\nfoundry.v1\"\"\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"8\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x32^\n\x0cModelService\x12N\n\x0b\x45xportModel\x12\x1e.foundry.v1.ExportModelRequest\x1a\x1f.foundry.v1.ExportModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66oundry/v1/model.proto\x12\nfoundry.v1\"0\n\x12\x45xportModelRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"8\n\x13\x45xportModelResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x13\n\x0bglobal_step\x18\x02 \x01(\x04\x32^\n\x0cModelService\x12N\n\x0b\x45xportModel\x12\x1e.foundry.v1.ExportModelRequest\x1a\x1f.foundry.v1.ExportModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'foundry.api.v1.model_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXPORTMODELREQUEST']._serialized_start=38
-  _globals['_EXPORTMODELREQUEST']._serialized_end=72
-  _globals['_EXPORTMODELRESPONSE']._serialized_start=74
-  _globals['_EXPORTMODELRESPONSE']._serialized_end=130
-  _globals['_MODELSERVICE']._serialized_start=132
-  _globals['_MODELSERVICE']._serialized_end=226
+  _globals['_EXPORTMODELREQUEST']._serialized_end=86
+  _globals['_EXPORTMODELRESPONSE']._serialized_start=88
+  _globals['_EXPORTMODELRESPONSE']._serialized_end=144
+  _globals['_MODELSERVICE']._serialized_start=146
+  _globals['_MODELSERVICE']._serialized_end=240
 # @@protoc_insertion_point(module_scope)

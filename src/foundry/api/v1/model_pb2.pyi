@@ -5,10 +5,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExportModelRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "type")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    type: str
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
 
 class ExportModelResponse(_message.Message):
     __slots__ = ("path", "global_step")
