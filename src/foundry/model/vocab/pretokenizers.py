@@ -1,0 +1,263 @@
+"""Pre-tokenizers: text cut into the pieces a tokenizer model sees, one piece at a time.
+
+Two stages, as llama.cpp's ``llama_vocab::tokenize`` runs them:
+
+1. :class:`SpecialSplitter` cuts the text at the special tokens (``parse_special``): the result
+   is a row of plain runs (``str``) and token ids (``int``). User-defined tokens are always cut
+   out; control and unknown tokens only when ``parse_special`` is on. Longer token texts are
+   matched first; a token marked ``lstrip`` / ``rstrip`` eats the ASCII whitespace on that side.
+2. :class:`RegexSplitter` cuts a plain run with the regex set a ``gpt2`` vocabulary's
+   ``tokenizer.ggml.pre`` names (:data:`PRE_TOKENIZERS`): each regex in turn splits every piece
+   the previous one left; a stretch no match covers stays a piece of its own, and a regex sees
+   only its piece (a look-ahead stops at the piece's end). :class:`ByteLevel` then writes each
+   piece's UTF-8 bytes as GPT-2's printable characters (:func:`bytes_to_unicode`).
+
+The regexes are llama.cpp's own (``llm_tokenizer_bpe``), written with ``\\p{L}``, ``\\p{N}``,
+``\\p{P}``, ``\\s`` and ``\\S``; :func:`compile_pattern` turns those into the standard library's
+``re`` with explicit classes built from :mod:`unicodedata` (general categories L*, N*, P*) and
+llama.cpp's whitespace table (Unicode White_Space). Python's Unicode version may be older than
+llama.cpp's table; a character assigned since then splits as "other".
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import unicodedata
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Unicode White_Space, the table llama.cpp's \s uses (unicode-data.cpp).
+WHITESPACE = (
+    *range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
+    0x2028, 0x2029, 0x202F, 0x205F, 0x3000,
+)
+
+
+def _ranges(codepoints: Sequence[int]) -> str:
+    """A character-class body (no brackets) for sorted code points, as \\U escapes."""
+    out: list[str] = []
+    i = 0
+    n = len(codepoints)
+    while i < n:  # bounded: i grows every turn
+        j = i
+        while j + 1 < n and codepoints[j + 1] == codepoints[j] + 1:
+            j += 1
+        lo, hi = codepoints[i], codepoints[j]
+        out.append(f"\\U{lo:08X}" if lo == hi else f"\\U{lo:08X}-\\U{hi:08X}")
+        i = j + 1
+    return "".join(out)
+
+
+@functools.cache
+def _category_classes() -> dict[str, str]:
+    """Class bodies for \\p{L}, \\p{N}, \\p{P} and \\s (built once, on first use: ~0.3 s)."""
+    by_major: dict[str, list[int]] = {"L": [], "N": [], "P": []}
+    category = unicodedata.category
+    for cp in range(sys.maxunicode + 1):
+        major = category(chr(cp))[0]
+        if major in by_major:
+            by_major[major].append(cp)
+    classes = {f"\\p{{{k}}}": _ranges(v) for k, v in by_major.items()}
+    classes["\\s"] = _ranges(sorted(WHITESPACE))
+    return classes
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """llama.cpp's regex syntax (\\p{L}, \\p{N}, \\p{P}, \\s, \\S) as a standard ``re`` pattern."""
+    classes = _category_classes()
+    out: list[str] = []
+    inside = False
+    i = 0
+    while i < len(pattern):  # bounded: i grows every turn
+        c = pattern[i]
+        if c == "\\" and pattern.startswith("\\p{", i):
+            end = pattern.index("}", i) + 1
+            body = classes[pattern[i:end]]
+            out.append(body if inside else f"[{body}]")
+            i = end
+            continue
+        if c == "\\" and i + 1 < len(pattern) and pattern[i + 1] in "sS":
+            body = classes["\\s"]
+            if pattern[i + 1] == "s":
+                out.append(body if inside else f"[{body}]")
+            else:
+                if inside:
+                    raise ValueError(f"\\S inside a character class is not supported: {pattern}")
+                out.append(f"[^{body}]")
+            i += 2
+            continue
+        if c == "\\":  # any other escape passes through whole
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if c == "[" and not inside:
+            inside = True
+        elif c == "]" and inside:
+            inside = False
+        out.append(c)
+        i += 1
+    return re.compile("".join(out))
+
+
+# llama.cpp's regex sets (llm_tokenizer_bpe), by pre-tokenizer family.
+_GPT2 = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+_LLAMA3 = (
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+    "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_QWEN2 = (
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+    "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+_DEFAULT = ("[\\p{P}\\$\\+<=>\\^~\\|]+", _GPT2, "\\p{N}+", "[0-9][0-9][0-9]")
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    """What a ``tokenizer.ggml.pre`` name means: regexes, and llama.cpp's flags for it."""
+
+    patterns: tuple[str, ...]
+    ignore_merges: bool = False  # a piece that is a whole token is taken as it is
+    add_bos: bool = False  # the default of tokenizer.ggml.add_bos_token
+
+
+_SPECS = {
+    "default": PreTokenizerSpec(_DEFAULT),
+    "llama3": PreTokenizerSpec((_LLAMA3,), ignore_merges=True, add_bos=True),
+    "qwen2": PreTokenizerSpec((_QWEN2,)),
+    "smollm": PreTokenizerSpec(("\\p{N}", _GPT2)),
+    "gpt-2": PreTokenizerSpec((_GPT2,)),
+}
+_FAMILIES = {
+    "default": ("default",),
+    "llama3": ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+               "midm-2.0", "lfm2", "jina-v5-nano"),
+    "qwen2": ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2"),
+    "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+               "minerva-7b"),
+    "gpt-2": ("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "trillion", "granite-docling"),
+}
+# tokenizer.ggml.pre -> its spec; the names are llama.cpp's (llama_vocab::impl::load).
+PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
+    name: _SPECS[family] for family, names in _FAMILIES.items() for name in names
+}
+
+
+class RegexSplitter:
+    """Splits a piece of text with a row of regexes, each one over every piece left before."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self._regexes = [compile_pattern(p) for p in patterns]
+
+    def split(self, text: str) -> list[str]:
+        pieces = [text] if text else []
+        for regex in self._regexes:
+            out: list[str] = []
+            for piece in pieces:
+                last = 0
+                for m in regex.finditer(piece):
+                    start, end = m.span()
+                    if start == end:
+                        continue
+                    if start > last:
+                        out.append(piece[last:start])
+                    out.append(piece[start:end])
+                    last = end
+                if last < len(piece):
+                    out.append(piece[last:])
+            pieces = out
+        return pieces
+
+
+@functools.cache
+def bytes_to_unicode() -> tuple[str, ...]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves,
+    the others to U+0100 upwards in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = [""] * 256
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return tuple(table)
+
+
+@functools.cache
+def unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in enumerate(bytes_to_unicode())}
+
+
+class ByteLevel:
+    """A byte-level BPE's pre-tokenizer: regex split, then each piece's UTF-8 bytes written
+    as GPT-2's printable characters."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self._splitter = RegexSplitter(patterns)
+
+    def split(self, text: str) -> list[str]:
+        table = bytes_to_unicode()
+        return ["".join([table[b] for b in piece.encode("utf-8")])
+                for piece in self._splitter.split(text)]
+
+
+class WholeText:
+    """SentencePiece's pre-tokenizer: none, the model sees the whole run."""
+
+    def split(self, text: str) -> list[str]:
+        return [text] if text else []
+
+
+Fragment = str | int  # a plain run of text, or a special token's id
+
+
+class SpecialSplitter:
+    """Cuts text at special tokens, longest first, as llama.cpp's ``tokenizer_st_partition``."""
+
+    def __init__(
+        self,
+        specials: Sequence[tuple[int, str, bool, bool, bool]],
+    ) -> None:
+        """``specials``: (id, text, always, lstrip, rstrip) in matching order; ``always``
+        tokens (user-defined) are cut out even when ``parse_special`` is off."""
+        self._specials = [s for s in specials if s[1]]
+
+    def split(self, text: str, parse_special: bool) -> list[Fragment]:
+        fragments: list[Fragment] = [text] if text else []
+        for token_id, token_text, always, lstrip, rstrip in self._specials:
+            if not (always or parse_special):
+                continue
+            out: list[Fragment] = []
+            for frag in fragments:
+                if isinstance(frag, int) or token_text not in frag:
+                    out.append(frag)
+                    continue
+                start = 0
+                n = len(frag)
+                while True:  # bounded: start moves past a match every turn
+                    match = frag.find(token_text, start)
+                    if match < 0:
+                        if start < n:
+                            out.append(frag[start:])
+                        break
+                    left_end = match
+                    if lstrip:
+                        while left_end > start and frag[left_end - 1] in _ASCII_SPACE:
+                            left_end -= 1
+                    if left_end > start:
+                        out.append(frag[start:left_end])
+                    out.append(token_id)
+                    start = match + len(token_text)
+                    if rstrip:
+                        while start < n and frag[start] in _ASCII_SPACE:
+                            start += 1
+            fragments = out
+        return fragments
+
+
+# C's isspace in the "C" locale: what lstrip / rstrip remove.
+_ASCII_SPACE = frozenset(" \t\n\v\f\r")
