@@ -24,7 +24,7 @@ SUPPORTED_VERSIONS = (2, 3)
 # A key count or array length beyond this is a corrupt header, not a file to read.
 MAX_ITEMS = 1 << 28
 # GGUFValueType -> numpy dtype of its scalar (STRING 8, ARRAY 9 handled apart; BOOL 7).
-_SCALARS = {
+_SCALARS: dict[int, np.dtype[Any]] = {
     0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"),
     4: np.dtype("<u4"), 5: np.dtype("<i4"), 6: np.dtype("<f4"), 7: np.dtype("<u1"),
     10: np.dtype("<u8"), 11: np.dtype("<i8"), 12: np.dtype("<f8"),

@@ -25,7 +25,6 @@ from foundry.model.vocab.normalizers import SPM_SPACE
 from foundry.model.vocab.pretokenizers import unicode_to_bytes
 from foundry.model.vocab.tokens import Attr, Vocabulary
 
-
 _HIDDEN = int(Attr.CONTROL | Attr.UNKNOWN)
 _USER_DEFINED, _NORMAL, _BYTE = int(Attr.USER_DEFINED), int(Attr.NORMAL), int(Attr.BYTE)
 

@@ -35,7 +35,6 @@ from foundry.model.vocab.pretokenizers import (
 )
 from foundry.model.vocab.tokens import Attr, Vocabulary, read_vocabulary
 
-
 # Foundry's own vocabulary, as gguf_io writes it.
 BYTE_VOCABULARY = ("<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(N_BYTE_TOKENS)))
 

@@ -144,7 +144,7 @@ def _merge_ranks(merges: Sequence[str]) -> dict[tuple[str, str], int]:
             cut = m.find(" ", 1)
             parts.append([m[:cut], m[cut + 1 :]] if cut >= 0 else ["", ""])
     n = len(parts)
-    return dict(zip([(p[0], p[1]) for p in reversed(parts)], range(n - 1, -1, -1)))
+    return dict(zip([(p[0], p[1]) for p in reversed(parts)], range(n - 1, -1, -1), strict=True))
 
 
 def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
@@ -167,7 +167,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     else:
         table = {k: int(v) for k, v in TYPE_ATTR.items()}
         attrs = [table.get(int(t), 0) for t in types[:n]]
-    ids = dict(zip(texts, range(n)))  # a repeated text keeps its last id, as in llama.cpp
+    ids = dict(zip(texts, range(n), strict=True))  # a repeated text keeps its last id
 
     pre = ""
     ranks: dict[tuple[str, str], int] = {}
@@ -212,7 +212,11 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         if found:
             special[name] = found[0]
             mark_control(found[0])
-    eog = {special[k] for k in ("fim_pad", "fim_rep", "fim_sep") if special[k] is not None}
+    eog: set[int] = set()
+    for name in ("fim_pad", "fim_rep", "fim_sep"):
+        token = special[name]
+        if token is not None:
+            eog.add(token)
     for text in EOG_TEXTS:
         if text in ids:
             eog.add(ids[text])
@@ -221,8 +225,9 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         if text in ids:
             attrs[ids[text]] = int(Attr.USER_DEFINED)
     for name in ("eos", "eot", "eom"):
-        if special[name] is not None:
-            eog.add(special[name])  # type: ignore[arg-type]
+        token = special[name]
+        if token is not None:
+            eog.add(token)
     eog_texts = {texts[i] for i in eog}
     has_call = bool(eog_texts & {"<|call|>", "<|calls|>"})
     if "<|end|>" in eog_texts and has_call and eog_texts & {"<|return|>", "<|flush|>"}:

