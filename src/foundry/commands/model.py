@@ -219,23 +219,27 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.data import StreamDecoder
     from foundry.model.generate import generate_tokens
     from foundry.model.gguf_io import GGUFError, load_gguf_stored
     from foundry.model.inference import Engine
     from foundry.model.sampling import SamplingError
+    from foundry.model.vocab import TokenizerError, load_tokenizer
 
     try:
         loaded = load_gguf_stored(args.model)
+        tokenizer = load_tokenizer(loaded.metadata)
     except (GGUFError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TokenizerError as exc:
+        print(f"error: {args.model}: {exc}", file=sys.stderr)
+        return 2
     engine = Engine(loaded.cfg, loaded.params)
-    text = StreamDecoder()
+    text = tokenizer.stream_decoder()
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,
                                      temperature=args.temperature, top_p=args.top_p,
-                                     seed=args.seed):
+                                     seed=args.seed, tokenizer=tokenizer):
             sys.stdout.write(text.feed(token))
             sys.stdout.flush()
     except (ValueError, SamplingError) as exc:

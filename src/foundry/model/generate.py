@@ -7,10 +7,10 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.config import EOS_ID, ModelConfig
-from foundry.model.data import decode, encode
+from foundry.model.config import ModelConfig
 from foundry.model.inference import Engine
 from foundry.model.sampling import make_rng, sample
+from foundry.model.vocab import Tokenizer, own_tokenizer
 
 F32 = npt.NDArray[np.float32]
 
@@ -23,8 +23,10 @@ def generate_tokens(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_tokens`` new tokens after ``prompt`` (BOS first); stops at EOS.
+    """Yield up to ``max_tokens`` new tokens after ``prompt`` (encoded by ``tokenizer``, the
+    file's; Foundry's byte vocabulary by default); stops at an end-of-generation token.
 
     Temperature 0 is greedy. The prompt is evaluated as one block, then one token per step.
     Stops early, without error, when the context is full.
@@ -33,7 +35,8 @@ def generate_tokens(
         raise ValueError("generate_tokens runs a whole model; use the TP leader for a pair")
     session = engine.new_session()
     rng = make_rng(seed)
-    tokens = [int(t) for t in encode(prompt, bos=True)]
+    tokenizer = tokenizer or own_tokenizer()
+    tokens = tokenizer.encode(prompt)
     if len(tokens) > session.ctx_size:
         raise ValueError(
             f"the prompt is {len(tokens)} tokens, the model's context is {session.ctx_size}"
@@ -41,7 +44,7 @@ def generate_tokens(
     logits = engine.decode(session, tokens)[-1]  # (V,)
     for _ in range(max_tokens):
         token = sample(logits, temperature, top_p, rng)
-        if token == EOS_ID:
+        if token in tokenizer.eog_ids:
             return
         yield token
         if session.free == 0:
@@ -52,7 +55,7 @@ def generate_tokens(
 def greedy_text(cfg: ModelConfig, params: Mapping[str, F32], prompt: str, max_tokens: int) -> str:
     """The greedy continuation of ``prompt`` as text: what a training run shows as it goes
     (``foundry train``, ``foundry up``), to watch the model learn."""
-    return decode(list(generate_tokens(Engine(cfg, params), prompt, max_tokens)))
+    return own_tokenizer().decode(list(generate_tokens(Engine(cfg, params), prompt, max_tokens)))
 
 
 def printable(text: str) -> str:

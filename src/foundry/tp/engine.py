@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.config import EOS_ID
 from foundry.model.inference import Engine
 from foundry.model.sampling import sample
 from foundry.model.tp_split import Gate, rank_layout
@@ -621,7 +620,7 @@ class LeaderEngine:
         req.step_tokens += 1
         self.tokens_generated += 1
         reason: fw.DoneReason | None = None
-        if token == EOS_ID:
+        if token in req.eog_ids:
             reason = fw.DoneReason.EOS
         elif req.generated >= req.frame.max_tokens:
             reason = fw.DoneReason.MAX_TOKENS

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from foundry.model.data import encode as encode_text
 from foundry.model.inference import Session
 from foundry.model.sampling import make_rng
+from foundry.model.vocab import Tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.policy import TextStream
 from foundry.transport.stream import AsyncStream, FrameTimeout
@@ -65,7 +65,9 @@ class Request:
     """A generation. ``cancelled`` and ``closed`` are written by the loop and read by the
     engine thread; everything below them belongs to the engine thread."""
 
-    def __init__(self, conn: Conn, frame: fw.Generate, prompt: list[int]) -> None:
+    def __init__(
+        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer
+    ) -> None:
         self.conn = conn
         self.frame = frame
         self.prompt = prompt
@@ -76,7 +78,8 @@ class Request:
         self.session: Session | None = None
         self.generated = 0
         self.next_token = -1  # sampled, not yet evaluated
-        self.stream = TextStream(frame.stop)
+        self.stream = TextStream(frame.stop, tokenizer.stream_decoder())
+        self.eog_ids = tokenizer.eog_ids  # a sampled one of these ends the generation
         self.rng = make_rng(frame.seed)
         self.step_tokens = 0
 
@@ -97,8 +100,10 @@ class FrontendServer:
         paired: Callable[[], bool],
         status: Callable[[int], fw.Status],
         submit: Callable[[Request], None],
+        tokenizer: Tokenizer,
     ) -> None:
         self.options = options
+        self.tokenizer = tokenizer
         self.ctx_size = ctx_size
         self.metrics = metrics
         self._stopping = stopping
@@ -175,7 +180,7 @@ class FrontendServer:
                                                 f"{g.temperature}")
         if not 0.0 < g.top_p <= 1.0:
             return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
-        prompt = [int(t) for t in encode_text(g.prompt, bos=True)]
+        prompt = self.tokenizer.encode(g.prompt)
         if len(prompt) > self.ctx_size:
             return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
                                                 f"than the context of {self.ctx_size}")
@@ -190,7 +195,7 @@ class FrontendServer:
             return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
                                 f"{self.inflight} generations in flight ({o.max_sessions} "
                                 f"running and {o.queue_size} waiting at most)")
-        req = Request(conn, g, prompt)
+        req = Request(conn, g, prompt, self.tokenizer)
         conn.requests[rid] = req
         self.inflight += 1
         self._submit(req)

@@ -68,6 +68,7 @@ import threading
 from collections.abc import Callable
 
 from foundry.model.tp_split import Gate
+from foundry.model.vocab import load_tokenizer_file
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
 from foundry.tp.engine import LeaderEngine, LogitsHook
@@ -98,6 +99,7 @@ class Leader:
         self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.cfg = self.model.cfg
+        self.tokenizer = load_tokenizer_file(options.model)  # GENERATE's prompt, TOKEN's text
         self.metrics = metrics or TpMetrics()
         self.logits_hook = logits_hook
         self.port = 0  # the worker port, once bound
@@ -120,6 +122,7 @@ class Leader:
         self._frontend_server = FrontendServer(
             options, self.identity.ctx_size, self.metrics, self._stopping,
             lambda: self.engine.worker_connected, self.status, self.engine.submit,
+            self.tokenizer,
         )
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from foundry.model.data import StreamDecoder
+from foundry.model.vocab import StreamDecoder, own_tokenizer
 from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, VerifyCommitMode
 
 # A verify block is the seed row (the token to evaluate anyway) plus the drafts.
@@ -175,11 +175,12 @@ class TextStream:
     begin in the unsent part, so matching only that part finds every occurrence.
     """
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), decoder: StreamDecoder | None = None) -> None:
+        """``decoder``: the model's (Foundry's byte vocabulary by default)."""
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self.stop = tuple(stop)
-        self._decoder = StreamDecoder()
+        self._decoder = decoder or own_tokenizer().stream_decoder()
         self._pending = ""  # decoded, not yet sent
 
     def push(self, token: int, final: bool = False) -> tuple[str, bool]:

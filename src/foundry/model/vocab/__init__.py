@@ -8,6 +8,15 @@ supported and how the ids are checked against llama.cpp.
 
 from foundry.model.vocab.decoders import StreamDecoder
 from foundry.model.vocab.models import TokenizerError
-from foundry.model.vocab.tokenizer import Tokenizer, is_byte_vocabulary, load_tokenizer
+from foundry.model.vocab.tokenizer import (
+    Tokenizer,
+    is_byte_vocabulary,
+    load_tokenizer,
+    load_tokenizer_file,
+    own_tokenizer,
+)
 
-__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError", "is_byte_vocabulary", "load_tokenizer"]
+__all__ = [
+    "StreamDecoder", "Tokenizer", "TokenizerError", "is_byte_vocabulary", "load_tokenizer",
+    "load_tokenizer_file", "own_tokenizer",
+]

@@ -19,11 +19,14 @@ Foundry's own files (``<unk>``, ``<s>``, ``</s>``, ``<0x00>`` ... ``<0xFF>``) gi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from foundry.model.config import N_BYTE_TOKENS
+from foundry.model.gguf_meta import read_metadata
 from foundry.model.vocab.decoders import PieceDecoder, StreamDecoder, byte_level_piece, spm_piece
 from foundry.model.vocab.models import BpeModel, ByteModel, SpmModel, TokenizerError
 from foundry.model.vocab.normalizers import Identity, SpaceEscape
@@ -169,3 +172,23 @@ def load_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
     return Tokenizer(vocab, Identity(), ByteLevel(spec.patterns),
                      BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges),
                      PieceDecoder(vocab, byte_level_piece))
+
+
+@functools.cache
+def own_tokenizer() -> Tokenizer:
+    """The byte vocabulary every Foundry-trained file carries (what gguf_io writes)."""
+    return load_tokenizer({
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": list(BYTE_VOCABULARY),
+        "tokenizer.ggml.token_type": [2, 3, 3, *[6] * N_BYTE_TOKENS],
+        "tokenizer.ggml.add_space_prefix": False,
+    })
+
+
+def load_tokenizer_file(path: str | Path) -> Tokenizer:
+    """The tokenizer of the GGUF file at ``path`` (only its header is read); a
+    :class:`TokenizerError` names the file."""
+    try:
+        return load_tokenizer(read_metadata(path))
+    except TokenizerError as exc:
+        raise TokenizerError(f"{path}: {exc}") from exc
