@@ -1,10 +1,10 @@
 """A GGUF file's key/value metadata, read straight from its header with :mod:`struct`.
 
 The ``gguf`` package's reader maps every string of a 262,144-token vocabulary into numpy
-views, which takes tens of seconds on a small machine; this reads the same keys in well under
-a second and stops before the tensor table. Values come back as plain Python: ints, floats
-(float32 values as the shortest decimal that is that float32, as gguf_io reads them), bools,
-strings (UTF-8, invalid bytes replaced) and lists of those.
+views, which takes tens of seconds on a small machine; this reads the same keys from the
+memory-mapped file in about a second and stops before the tensor table. Values come back as
+plain Python: ints, floats (float32 values as the shortest decimal that is that float32, as
+gguf_io reads them), bools, strings (UTF-8, invalid bytes replaced) and lists of those.
 
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 key
 count, then per key: u64 length + UTF-8 name, u32 value type, value. A string is u64 length +
@@ -13,9 +13,11 @@ bytes; an array is u32 element type, u64 count, elements.
 
 from __future__ import annotations
 
+import mmap
+import os
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -40,14 +42,19 @@ class GGUFMetaError(ValueError):
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, path: Path) -> None:
-        self.f = f
+    """Reads values from the mapped file at a moving offset; every read is bounds-checked."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
         self.path = path
 
     def take(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
+        end = self.pos + n
+        if end > len(self.buf):
             raise GGUFMetaError(f"{self.path}: the header ends early")
+        data = self.buf[self.pos : end]
+        self.pos = end
         return data
 
     def u32(self) -> int:
@@ -62,6 +69,22 @@ class _Reader:
     def string(self) -> str:
         return self.take(self.count()).decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """``n`` strings in a row (a vocabulary: the loop is kept tight)."""
+        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        for _ in range(n):
+            if pos + 8 > size:
+                raise GGUFMetaError(f"{self.path}: the header ends early")
+            length = unpack(buf, pos)[0]
+            pos += 8
+            if pos + length > size:
+                raise GGUFMetaError(f"{self.path}: the header ends early")
+            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
@@ -69,7 +92,7 @@ class _Reader:
             etype = self.u32()
             n = self.count()
             if etype == _STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             if etype == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(n)]
             dtype = self._dtype(etype)
@@ -95,16 +118,22 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key/value pair of the GGUF file at ``path`` (not its tensors)."""
     path = Path(path)
     with path.open("rb") as f:
-        r = _Reader(f, path)
-        magic, version, _n_tensors, n_kv = _HEADER.unpack(r.take(_HEADER.size))
-        if magic != MAGIC:
-            raise GGUFMetaError(f"{path}: not a GGUF file (magic {magic!r})")
-        if version not in SUPPORTED_VERSIONS:
-            raise GGUFMetaError(f"{path}: GGUF version {version} (readable: 2, 3)")
-        if n_kv > MAX_ITEMS:
-            raise GGUFMetaError(f"{path}: a count of {n_kv} in the header")
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            out[key] = r.value(r.u32())
-        return out
+        if os.fstat(f.fileno()).st_size < _HEADER.size:
+            raise GGUFMetaError(f"{path}: the header ends early")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _read(_Reader(buf, path))
+
+
+def _read(r: _Reader) -> dict[str, Any]:
+    magic, version, _n_tensors, n_kv = _HEADER.unpack(r.take(_HEADER.size))
+    if magic != MAGIC:
+        raise GGUFMetaError(f"{r.path}: not a GGUF file (magic {magic!r})")
+    if version not in SUPPORTED_VERSIONS:
+        raise GGUFMetaError(f"{r.path}: GGUF version {version} (readable: 2, 3)")
+    if n_kv > MAX_ITEMS:
+        raise GGUFMetaError(f"{r.path}: a count of {n_kv} in the header")
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string()
+        out[key] = r.value(r.u32())
+    return out

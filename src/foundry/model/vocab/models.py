@@ -87,8 +87,9 @@ class BpeModel:
     CACHE_WORDS = 65536
 
     def __init__(
-        self, ids: Mapping[str, int], ranks: Mapping[tuple[str, str], int], ignore_merges: bool
+        self, ids: Mapping[str, int], ranks: Mapping[str, int], ignore_merges: bool
     ) -> None:
+        """``ranks``: ``"left right"`` -> merge rank (tokenizer.ggml.merges' order)."""
         self._ids = ids
         self._ranks = ranks
         self._ignore_merges = ignore_merges
@@ -118,7 +119,7 @@ class BpeModel:
         def add(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            rank = ranks.get((symbols[left], symbols[right]))
+            rank = ranks.get(f"{symbols[left]} {symbols[right]}")
             if rank is not None:
                 heapq.heappush(heap, (rank, left, right, symbols[left] + symbols[right]))
 

@@ -104,7 +104,7 @@ class Vocabulary:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
-    ranks: dict[tuple[str, str], int]
+    ranks: dict[str, int]  # "left right" -> merge rank
     eog_ids: frozenset[int]
 
     def byte_ids(self) -> list[int | None]:
@@ -134,17 +134,13 @@ def _array(meta: Mapping[str, Any], key: str, n: int | None) -> Sequence[Any] | 
     return value  # type: ignore[no-any-return]
 
 
-def _merge_ranks(merges: Sequence[str]) -> dict[tuple[str, str], int]:
-    """(left, right) -> rank; a merge is cut at its first space after the first character, and
-    a pair listed twice keeps its first rank (llama.cpp's ``bpe_ranks.emplace``)."""
-    parts = [m.split(" ", 1) for m in merges]
-    if any(len(p) != 2 or not p[0] for p in parts):  # rare shapes: llama.cpp's rule exactly
-        parts = []
-        for m in merges:
-            cut = m.find(" ", 1)
-            parts.append([m[:cut], m[cut + 1 :]] if cut >= 0 else ["", ""])
-    n = len(parts)
-    return dict(zip([(p[0], p[1]) for p in reversed(parts)], range(n - 1, -1, -1), strict=True))
+def _merge_ranks(merges: Sequence[str]) -> dict[str, int]:
+    """``"left right"`` -> rank; a pair listed twice keeps its first rank (llama.cpp's
+    ``bpe_ranks.emplace``). llama.cpp cuts a merge at its first space after the first character;
+    the joined key is the same string, and BPE symbols never hold a space (byte-level BPE writes
+    it as "Ġ"), so looking up ``left + " " + right`` finds exactly llama.cpp's pairs."""
+    n = len(merges)
+    return dict(zip(reversed(merges), range(n - 1, -1, -1), strict=True))
 
 
 def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
@@ -170,7 +166,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     ids = dict(zip(texts, range(n), strict=True))  # a repeated text keeps its last id
 
     pre = ""
-    ranks: dict[tuple[str, str], int] = {}
+    ranks: dict[str, int] = {}
     if kind == "spm":
         special: dict[str, int | None] = {"bos": 1, "eos": 2, "unk": 0}
         add_bos, add_space_prefix = True, True
