@@ -294,3 +294,25 @@ def test_stream_decoder_equals_decode_and_never_splits_a_character(data_: st.Dat
         # no chunk ends inside a character: every prefix of the stream is a prefix of the text
         text = tok.decode(ids)
         assert all(text.startswith("".join(chunks[:k])) for k in range(len(chunks) + 1))
+
+
+def test_lone_surrogates_are_encoded_as_data_encode_does() -> None:
+    text = "a\ud800b"
+    assert _own().encode(text) == [int(t) for t in data.encode(text)]
+    assert _tokenizer("gpt-2").encode(text, add_special=False) == \
+        _tokenizer("gpt-2").encode("a?b", add_special=False)
+
+
+def test_the_leaders_text_stream_decodes_with_the_files_tokenizer() -> None:
+    from foundry.tp.policy import TextStream
+
+    tok = _tokenizer("qwen2")
+    ids = tok.encode("Hello wörld, and more", add_special=False)
+    stream = TextStream(("ld,",), tok.stream_decoder())
+    sent = ""
+    for i, token in enumerate(ids):
+        text, hit = stream.push(token, final=i == len(ids) - 1)
+        sent += text
+        if hit:
+            break
+    assert (sent, hit) == ("Hello wör", True)
