@@ -16,7 +16,6 @@ from foundry.model.data import (
     VAL_MAX_TOKENS,
     Corpus,
     DataError,
-    StreamDecoder,
     compressor_bits_per_byte,
     corpus_from_documents,
     decode,
@@ -65,35 +64,6 @@ def test_decode_replaces_invalid_bytes_and_rejects_unknown_ids() -> None:
         decode([VOCAB_SIZE])
     with pytest.raises(DataError, match="-1"):
         decode([-1])
-
-
-@settings(deadline=None)
-@given(st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=64))
-def test_stream_decoder_equals_decode_of_the_whole(tokens: list[int]) -> None:
-    d = StreamDecoder()
-    pieces = [d.feed(t) for t in tokens]
-    assert "".join(pieces) + d.flush() == decode(tokens)
-
-
-@settings(deadline=None)
-@given(texts)
-def test_stream_decoder_never_splits_a_character(text: str) -> None:
-    d = StreamDecoder()
-    pieces = [d.feed(int(t)) for t in encode(text)]
-    assert d.flush() == ""
-    assert "".join(pieces) == text
-    for piece in pieces:  # every piece is whole characters: it survives its own round trip
-        assert "\ufffd" not in piece or "\ufffd" in text
-        assert decode(encode(piece)) == piece
-
-
-def test_stream_decoder_holds_back_an_incomplete_character() -> None:
-    d = StreamDecoder()
-    euro = encode("€", bos=False).tolist()  # three bytes
-    assert [d.feed(t) for t in euro] == ["", "", "€"]
-    assert d.feed(euro[0]) == ""
-    assert d.flush() == "\ufffd"
-    assert d.feed(0x41 + 3) == "A"
 
 
 # -- corpus ------------------------------------------------------------------------------------

@@ -189,6 +189,7 @@ def test_stream_decoder_holds_a_character_until_its_last_byte() -> None:
     decoder = tok.stream_decoder()
     assert [decoder.feed(b + 3) for b in emoji] == ["", "", "", "🎉"]
     assert decoder.feed(emoji[0] + 3) == "" and decoder.flush() == "\ufffd"
+    assert decoder.feed(0x41 + 3) == "A"  # flush starts afresh
     assert isinstance(decoder, StreamDecoder)
 
 
@@ -204,6 +205,26 @@ def test_own_vocabulary_is_data_encode(text: str, add_special: bool) -> None:
     assert tok.decode(ids) == data.decode(ids)
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (
         259, 1, 2, frozenset({2}), True)
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 258), max_size=64))
+def test_own_stream_decoder_equals_decode_of_the_whole(tokens: list[int]) -> None:
+    d = _own().stream_decoder()
+    pieces = [d.feed(t) for t in tokens]
+    assert "".join(pieces) + d.flush() == data.decode(tokens)
+
+
+@settings(deadline=None)
+@given(st.text(alphabet=st.characters(exclude_categories=["Cs"])))
+def test_own_stream_decoder_never_splits_a_character(text: str) -> None:
+    d = _own().stream_decoder()
+    pieces = [d.feed(t) for t in _own().encode(text)]
+    assert d.flush() == ""
+    assert "".join(pieces) == text
+    for piece in pieces:  # every piece is whole characters: it survives its own round trip
+        assert "\ufffd" not in piece or "\ufffd" in text
+        assert _own().decode(_own().encode(piece)) == piece
 
 
 def test_own_vocabulary_parses_specials_only_when_asked() -> None:

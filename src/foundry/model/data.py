@@ -4,9 +4,8 @@ Tokenizer
 ---------
 Token ``b + 3`` is the byte ``b`` of the UTF-8 text; 0, 1, 2 are ``<unk>``, ``<s>`` (BOS) and
 ``</s>`` (EOS), the same vocabulary the GGUF file declares (``<0x00>`` ... ``<0xFF>``).
-:func:`decode` drops the specials and decodes the bytes with ``errors="replace"``;
-:class:`StreamDecoder` does the same piece by piece for streaming generation, holding back the
-bytes of a character until it is complete.
+:func:`decode` drops the specials and decodes the bytes with ``errors="replace"``. The same
+vocabulary read from a file, with its streaming decoder, is :mod:`foundry.model.vocab`'s.
 
 Corpus
 ------
@@ -44,7 +43,6 @@ workers with :func:`shard_range`.
 
 from __future__ import annotations
 
-import codecs
 import gzip
 import hashlib
 import lzma
@@ -110,32 +108,6 @@ def _token_bytes(tokens: npt.ArrayLike) -> bytes:
 def decode(tokens: npt.ArrayLike) -> str:
     """Text of a token sequence: specials dropped, bytes decoded with ``errors="replace"``."""
     return _token_bytes(tokens).decode("utf-8", errors="replace")
-
-
-class StreamDecoder:
-    """Turns tokens into text pieces without ever splitting a multi-byte UTF-8 character.
-
-    ``"".join(d.feed(t) for t in tokens) + d.flush() == decode(tokens)`` for any tokens.
-    """
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token: int) -> str:
-        """Text completed by this token ("" while a character is still incomplete)."""
-        if not 0 <= token < VOCAB_SIZE:  # _token_bytes' check, without arrays for one token
-            raise _outside_vocabulary(int(token))
-        raw = bytes((token - N_SPECIAL_TOKENS,)) if token >= N_SPECIAL_TOKENS else b""
-        return self._decoder.decode(raw, final=False)
-
-    def feed_many(self, tokens: npt.ArrayLike) -> str:
-        return self._decoder.decode(_token_bytes(tokens), final=False)
-
-    def flush(self) -> str:
-        """End of stream: any incomplete character left over becomes U+FFFD."""
-        text = self._decoder.decode(b"", final=True)
-        self._decoder.reset()
-        return text
 
 
 # -- corpus ------------------------------------------------------------------------------------

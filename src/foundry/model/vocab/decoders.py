@@ -91,9 +91,6 @@ class StreamDecoder:
         """Text completed by this token ("" while a character is still incomplete)."""
         return self._decoder.decode(self._pieces.piece(int(token_id)), final=False)
 
-    def feed_many(self, tokens: Sequence[int]) -> str:
-        return self._decoder.decode(self._pieces.join(tokens), final=False)
-
     def flush(self) -> str:
         """End of stream: an incomplete character left over becomes U+FFFD."""
         text = self._decoder.decode(b"", final=True)
