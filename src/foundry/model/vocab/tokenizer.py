@@ -33,6 +33,7 @@ from foundry.model.vocab.normalizers import Identity, SpaceEscape
 from foundry.model.vocab.pretokenizers import (
     PRE_TOKENIZERS,
     ByteLevel,
+    RegexSplitter,
     SpecialSplitter,
     WholeText,
 )
@@ -169,6 +170,10 @@ def load_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
                          SpmModel(vocab.ids, vocab.scores, vocab.byte_ids()),
                          PieceDecoder(vocab, spm_piece))
     spec = PRE_TOKENIZERS[vocab.pre]
+    if spec.spm_style:
+        return Tokenizer(vocab, SpaceEscape(False), RegexSplitter(spec.patterns),
+                         BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges, vocab.byte_ids()),
+                         PieceDecoder(vocab, spm_piece))
     return Tokenizer(vocab, Identity(), ByteLevel(spec.patterns),
                      BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges),
                      PieceDecoder(vocab, byte_level_piece))

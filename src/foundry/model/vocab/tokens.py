@@ -87,7 +87,7 @@ _SPECIAL_KEYS = (
     ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
     ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"),
 )
-MODELS = {"llama": "spm", "gpt2": "bpe"}
+MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe"}
 
 
 @dataclass
@@ -148,7 +148,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     model = meta.get(_KEY + "model")
     if model not in MODELS:
         raise TokenizerError(
-            f"tokenizer.ggml.model {model!r} is not supported (supported: llama, gpt2)"
+            f"tokenizer.ggml.model {model!r} is not supported (supported: llama, gpt2, gemma4)"
         )
     kind = MODELS[str(model)]
     texts = _array(meta, "tokens", None)
@@ -171,7 +171,8 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         special: dict[str, int | None] = {"bos": 1, "eos": 2, "unk": 0}
         add_bos, add_space_prefix = True, True
     else:
-        pre = str(meta.get(_KEY + "pre", "") or "default")
+        # a gemma4 vocabulary is SentencePiece-style BPE whatever its pre says (llama.cpp)
+        pre = "gemma4" if model == "gemma4" else str(meta.get(_KEY + "pre", "") or "default")
         if pre not in PRE_TOKENIZERS:
             raise TokenizerError(
                 f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
@@ -181,7 +182,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         if merges is None:
             raise TokenizerError("metadata key 'tokenizer.ggml.merges' is missing")
         ranks = _merge_ranks(merges)
-        special = {"bos": 11, "eos": 11}
+        special = {} if model == "gemma4" else {"bos": 11, "eos": 11}
         add_bos, add_space_prefix = PRE_TOKENIZERS[pre].add_bos, False
     add_eos = False
     for name, _ in _SPECIAL_KEYS:
@@ -196,6 +197,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     add_bos = bool(meta.get(_KEY + "add_bos_token", add_bos))
     add_eos = bool(meta.get(_KEY + "add_eos_token", add_eos))
     add_space_prefix = bool(meta.get(_KEY + "add_space_prefix", add_space_prefix))
+    add_bos = add_bos or pre == "gemma4"  # llama.cpp's override for Gemma 4
 
     def mark_control(token: int) -> None:
         attrs[token] |= int(Attr.CONTROL)
