@@ -12,6 +12,11 @@ every token id that appears (plus ids 0-299: specials and bytes) is turned back 
         --gemma gemma-3-270m-q4_k_m.gguf
 
 (``$DISKCACHE``: a folder with the ``diskcache`` package, which the bindings import.)
+
+With ``--fuzz N [--seed S]`` nothing is written: N random texts per vocabulary (pieces of the
+corpus's kinds and random code points) are tokenized by llama.cpp and by
+``foundry.model.vocab`` (``PYTHONPATH`` must hold ``src`` too), and every difference is printed;
+the exit status is 1 if there was one.
 """
 
 from __future__ import annotations
@@ -118,12 +123,53 @@ def record(path: Path) -> dict[str, object]:
     }
 
 
+FUZZ_PIECES = [
+    " ", "  ", "\n", "\t", "\r\n", "a", "Z", "é", "ß", "日", "🎉", "👨\u200d👩\u200d👧", "1", "23",
+    "456", "'s", "'T", "'ll", "!", "?", ".", ",", "$", "+", "<", ">", "|", "_", "\u00a0", "\u3000",
+    "\u200b", "\u0301", "й", "α", "<s>", "</s>", "<|im_start|>", "<|endoftext|>",
+    "<start_of_turn>", "<end_of_turn>", "▁", "hello", "World", "don't", "\x85", "\x1c", "½", "٣",
+]
+
+
+def fuzz(paths: dict[str, Path], n: int, seed: int) -> int:
+    import random
+
+    import llama_cpp
+
+    from foundry.model.gguf_meta import read_metadata
+    from foundry.model.vocab import load_tokenizer
+
+    rng = random.Random(seed)
+    differences = 0
+    for name, path in paths.items():
+        ours = load_tokenizer(read_metadata(path))
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        for _ in range(n):
+            text = "".join(
+                rng.choice(FUZZ_PIECES) if rng.random() < 0.7 else chr(rng.randrange(32, 0xD800))
+                for _ in range(rng.randrange(0, 25))
+            )
+            for add_special, parse_special in FLAGS:
+                want = llm.tokenize(text.encode(), add_bos=add_special, special=parse_special)
+                got = ours.encode(text, add_special=add_special, parse_special=parse_special)
+                if got != want:
+                    differences += 1
+                    print(f"{name} {add_special} {parse_special} {text!r}: {got} != {want}")
+        print(f"{name}: {n} texts, {differences} differences so far", flush=True)
+    return int(differences > 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab-dir", type=Path, required=True)
     ap.add_argument("--gemma", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("tokenizer_ids.json"))
+    ap.add_argument("--fuzz", type=int, default=0, help="compare on N random texts instead")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.fuzz:
+        paths = {name: args.vocab_dir / f for name, f in VOCAB_FILES.items()}
+        raise SystemExit(fuzz({**paths, GEMMA: args.gemma}, args.fuzz, args.seed))
     vocabs = {name: record(args.vocab_dir / f) for name, f in VOCAB_FILES.items()}
     vocabs[GEMMA] = record(args.gemma)
     doc = {"llama_cpp_python": "0.3.36", "corpus": CORPUS, "vocabs": vocabs}
