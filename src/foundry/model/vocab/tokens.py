@@ -19,6 +19,7 @@ special tokens, end-of-generation set and flags:
 
 from __future__ import annotations
 
+import array
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         raise TokenizerError("metadata key 'tokenizer.ggml.tokens' is missing or empty")
     n = len(texts)
     texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)] if "" in texts else texts
-    scores = _array(meta, "scores", n) or [0.0] * n
+    scores = array.array("f", _array(meta, "scores", n) or bytes(4 * n))  # float32, as stored
     types = _array(meta, "token_type", n)
     if types is None:
         attrs = [int(Attr.NORMAL)] * n
