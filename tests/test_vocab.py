@@ -337,3 +337,22 @@ def test_the_leaders_text_stream_decodes_with_the_files_tokenizer() -> None:
         if hit:
             break
     assert (sent, hit) == ("Hello wör", True)
+
+
+def test_generation_stops_at_any_end_of_generation_id_of_the_file() -> None:
+    from foundry.model import transformer
+    from foundry.model.config import ModelConfig
+    from foundry.model.generate import generate_tokens
+    from foundry.model.inference import Engine
+
+    cfg = ModelConfig(n_ctx=64, n_embd=32, n_layer=1, n_head=4, n_head_kv=2, n_ff=48,
+                      n_expert=2)
+    params = transformer.init_params(cfg, seed=3)
+    free = list(generate_tokens(Engine(cfg, params), "ab", 6))
+    assert len(free) == 6
+    # the same byte vocabulary, with an end-of-turn id: the file's eot_token_id key
+    stop = free[3]
+    tok = load_tokenizer({**OWN, "tokenizer.ggml.eot_token_id": stop})
+    assert tok.eog_ids == {2, stop}
+    stopped = list(generate_tokens(Engine(cfg, params), "ab", 6, tokenizer=tok))
+    assert stopped == free[: free.index(stop)]
