@@ -620,7 +620,7 @@ class LeaderEngine:
         req.step_tokens += 1
         self.tokens_generated += 1
         reason: fw.DoneReason | None = None
-        if token in req.eog_ids:
+        if token in req.tokenizer.eog_ids:
             reason = fw.DoneReason.EOS
         elif req.generated >= req.frame.max_tokens:
             reason = fw.DoneReason.MAX_TOKENS

@@ -78,8 +78,8 @@ class Request:
         self.session: Session | None = None
         self.generated = 0
         self.next_token = -1  # sampled, not yet evaluated
+        self.tokenizer = tokenizer  # the file's: its eog_ids end the generation
         self.stream = TextStream(frame.stop, tokenizer.stream_decoder())
-        self.eog_ids = tokenizer.eog_ids  # a sampled one of these ends the generation
         self.rng = make_rng(frame.seed)
         self.step_tokens = 0
 
