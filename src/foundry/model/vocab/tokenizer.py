@@ -10,6 +10,7 @@ vocabulary     normalizer              pre-tokenizer        model               
 =============  ======================  ===================  ====================  =========
 ``llama``      "▁" escape, prefix      whole run            SPM (scores, bytes)   "▁" -> " "
 ``gpt2``       none                    regex set + bytes    BPE (merge ranks)     byte table
+``gemma4``     "▁" escape              newline runs apart   BPE, ``<0xNN>``       "▁" -> " "
 Foundry bytes  none                    whole run            one token a byte      bytes
 =============  ======================  ===================  ====================  =========
 
@@ -152,7 +153,7 @@ def is_byte_vocabulary(meta: Mapping[str, Any]) -> bool:
     """Foundry's own vocabulary (DESIGN §5): ``llama`` with exactly its 259 tokens."""
     tokens = meta.get("tokenizer.ggml.tokens")
     return (meta.get("tokenizer.ggml.model") == "llama" and tokens is not None
-            and tuple(tokens) == BYTE_VOCABULARY)
+            and len(tokens) == len(BYTE_VOCABULARY) and tuple(tokens) == BYTE_VOCABULARY)
 
 
 def load_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
