@@ -286,14 +286,18 @@ def test_wrong_tensor_type(f32_file: tuple[Path, Params], tmp_path: Path) -> Non
 def test_wrong_architecture(f32_file: tuple[Path, Params], tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     rewrite(f32_file[0], bad, arch="gpt2")
-    with pytest.raises(GGUFError, match="architecture is 'gpt2', expected 'llama'"):
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
         load_gguf(bad)
 
 
 def test_missing_key(f32_file: tuple[Path, Params], tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
+    rewrite(f32_file[0], bad, drop_keys=("llama.block_count",))
+    with pytest.raises(GGUFError, match=r"missing metadata key 'llama\.block_count'"):
+        load_gguf(bad)
+    # Without expert_count a llama file is dense, and then expert_used_count makes no sense.
     rewrite(f32_file[0], bad, drop_keys=("llama.expert_count",))
-    with pytest.raises(GGUFError, match=r"missing metadata key 'llama\.expert_count'"):
+    with pytest.raises(GGUFError, match=r"expert_count and expert_used_count must both"):
         load_gguf(bad)
 
 

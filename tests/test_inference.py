@@ -22,8 +22,8 @@ ATOL = 1e-5
 CONFIGS = {
     # Splits in two: the single-process engine evaluates both rank halves.
     "tiny": ModelConfig(),
-    # n_head_kv = 1 cannot be split: the engine evaluates one whole part.
-    "unsplittable-shared": ModelConfig(n_embd=32, n_head=4, n_head_kv=1, n_ff=48, n_expert=3,
+    # n_head_kv = 1: both halves compute and cache the one kv head, the query heads are split.
+    "single-kv-shared": ModelConfig(n_embd=32, n_head=4, n_head_kv=1, n_ff=48, n_expert=3,
                                        n_expert_used=2, n_ff_shared=40, n_ctx=64),
 }
 
@@ -52,7 +52,11 @@ def test_decode_equals_training_forward(name: str, mode: ExpertSplit) -> None:
     tokens = prompt(40)
     ref, _ = T.forward(params, cfg, np.array([tokens]))  # (1, 40, V)
     engine = Engine(cfg, params, expert_split=mode)
-    assert len(engine.parts) == (2 if name == "tiny" else 1)
+    assert len(engine.parts) == 2
+    kv = [p.layout.kv_heads for p in engine.parts]
+    heads = [p.layout.heads for p in engine.parts]
+    assert kv == ([(0, 1), (1, 2)] if name == "tiny" else [(0, 1), (0, 1)])
+    assert heads == [(0, 2), (2, 4)]
     assert engine.expert_split is mode
     session = engine.new_session()
     got = one_by_one(engine, session, tokens)

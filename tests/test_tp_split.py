@@ -27,6 +27,7 @@ from foundry.model.tp_split import (
     ExpertSplit,
     SplitError,
     SplitKind,
+    Unit,
     block_range,
     rank_layout,
     rank_weights,
@@ -41,6 +42,10 @@ CONFIGS = {
     "tiny-odd-vocab": ModelConfig(),  # n_vocab 259: rank 0 gets 130 rows, rank 1 129
     "shared-odd-experts": ModelConfig(n_vocab=97, n_embd=48, n_layer=3, n_head=6, n_head_kv=2,
                                       n_ff=40, n_expert=5, n_expert_used=2, n_ff_shared=25),
+    # 9 query heads over 3 kv heads: rank 0 holds two kv groups (6 heads), rank 1 one (3).
+    "odd-kv-groups": ModelConfig(n_vocab=101, n_embd=36, n_head=9, n_head_kv=3, n_ff=40),
+    # One kv head: K and V replicated, the query heads split.
+    "one-kv-head": ModelConfig(n_vocab=67, n_embd=48, n_head=6, n_head_kv=1, n_ff=40),
 }
 
 
@@ -137,8 +142,9 @@ def test_rank_parts_rebuild_the_whole(name: str, mode: ExpertSplit) -> None:
         view = rule.kind not in (SplitKind.COLUMN, SplitKind.EXPERT_ROW, SplitKind.EXPERT_COLUMN)
         assert all(np.shares_memory(p[name_], full) == view for p in parts), name_
         assert all(p[name_].flags.c_contiguous for p in parts), name_
-        if rule.kind is SplitKind.REPLICATED:
-            assert all(np.array_equal(p[name_], full) for p in parts)
+        if rule.kind is SplitKind.REPLICATED or (
+                cfg.n_head_kv == 1 and rule.unit in (Unit.KV_HEAD, Unit.K_ROWS)):
+            assert all(np.array_equal(p[name_], full) for p in parts)  # replicated K/V too
             continue
         axis = {SplitKind.COLUMN: 1, SplitKind.EXPERT_ROW: 1, SplitKind.EXPERT_COLUMN: 2}.get(
             rule.kind, 0
@@ -166,6 +172,8 @@ def test_rank_parts_rebuild_the_whole(name: str, mode: ExpertSplit) -> None:
     assert lay1.vocab == ((cfg.n_vocab + 1) // 2, cfg.n_vocab)
     # Query heads of a rank read exactly the kv heads it holds.
     group = cfg.n_head // cfg.n_head_kv
+    if cfg.n_head_kv == 1:
+        return
     for lay in (lay0, lay1):
         assert (lay.heads[0] // group, lay.heads[1] // group) == lay.kv_heads
 
@@ -176,12 +184,16 @@ def test_block_ranges() -> None:
     assert block_range(5, 0, 1) == (0, 5)
 
 
-def test_odd_kv_heads_are_refused_clearly() -> None:
-    cfg = ModelConfig(n_head=6, n_head_kv=3, n_embd=48)
-    with pytest.raises(SplitError, match="n_head_kv=3 is not divisible by 2"):
-        rank_layout(cfg, 0, 2)
-    with pytest.raises(SplitError, match="n_head_kv=3"):
-        Engine(cfg, T.init_params(cfg), rank=1, world=2)
+def test_uneven_attention_splits() -> None:
+    odd = CONFIGS["odd-kv-groups"]
+    assert [(lay.kv_heads, lay.heads) for lay in (rank_layout(odd, r, 2) for r in range(2))] == [
+        ((0, 2), (0, 6)), ((2, 3), (6, 9))]
+    one = CONFIGS["one-kv-head"]
+    assert [(lay.kv_heads, lay.heads) for lay in (rank_layout(one, r, 2) for r in range(2))] == [
+        ((0, 1), (0, 3)), ((0, 1), (3, 6))]
+    shapes = [shard_shapes(one, r, 2) for r in range(2)]
+    assert shapes[0]["blk.0.attn_k.weight"] == shapes[1]["blk.0.attn_k.weight"] == (8, 48)
+    assert shapes[0]["blk.0.attn_q.weight"] == shapes[1]["blk.0.attn_q.weight"] == (24, 48)
 
 
 def test_odd_intermediate_size_is_refused_for_the_intermediate_split() -> None:

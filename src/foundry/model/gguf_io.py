@@ -41,6 +41,7 @@ name.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Callable, Mapping
@@ -53,6 +54,8 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model import quant
+from foundry.model.arch import ARCHS, LIMITS, ArchConfig
+from foundry.model.arch import spec as spec_of
 from foundry.model.config import (
     BOS_ID,
     EOS_ID,
@@ -82,23 +85,6 @@ TOKEN_TYPES: tuple[int, ...] = (
     int(_T.UNKNOWN), int(_T.CONTROL), int(_T.CONTROL), *(int(_T.BYTE),) * N_BYTE_TOKENS
 )
 assert len(TOKENS) == VOCAB_SIZE and (UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2)
-
-# Config field <- metadata key. Missing keys with a default take llama.cpp's default.
-_CONFIG_KEYS: dict[str, tuple[str, int | float | None]] = {
-    "n_ctx": (f"{ARCH}.context_length", None),
-    "n_embd": (f"{ARCH}.embedding_length", None),
-    "n_layer": (f"{ARCH}.block_count", None),
-    "n_ff": (f"{ARCH}.feed_forward_length", None),
-    "n_head": (f"{ARCH}.attention.head_count", None),
-    "n_head_kv": (f"{ARCH}.attention.head_count_kv", None),
-    "norm_eps": (f"{ARCH}.attention.layer_norm_rms_epsilon", None),
-    "rope_theta": (f"{ARCH}.rope.freq_base", 10000.0),
-    "n_expert": (f"{ARCH}.expert_count", None),
-    "n_expert_used": (f"{ARCH}.expert_used_count", None),
-    "n_ff_shared": (f"{ARCH}.expert_shared_feed_forward_length", 0),
-}
-_KEY_ROPE_DIM = f"{ARCH}.rope.dimension_count"
-_KEY_VOCAB = f"{ARCH}.vocab_size"
 
 _QT = gguf.GGMLQuantizationType
 _FILE_TYPES: dict[FileDType, int] = {
@@ -265,34 +251,103 @@ def _require(meta: Mapping[str, Any], key: str, path: Path) -> Any:
 
 
 def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
-    """The ModelConfig a file's metadata describes (checked: architecture, tokenizer)."""
-    arch = _require(meta, "general.architecture", path)
-    if arch != ARCH:
-        raise GGUFError(f"{path}: architecture is {arch!r}, expected {ARCH!r}")
-    values: dict[str, Any] = {}
-    for field_name, (key, default) in _CONFIG_KEYS.items():
-        required = default is None
-        values[field_name] = _require(meta, key, path) if required else meta.get(key, default)
-    tokens = _require(meta, "tokenizer.ggml.tokens", path)
-    if _require(meta, "tokenizer.ggml.model", path) != "llama" or tuple(tokens) != TOKENS:
+    """The config a file's metadata describes, every number range-checked before it sizes
+    anything: a plain ``ModelConfig`` for Foundry's own files (llama with experts and the byte
+    vocabulary), an :class:`~foundry.model.arch.ArchConfig` for any other architecture of
+    :data:`~foundry.model.arch.ARCHS`. A file we cannot run raises one line naming the
+    architecture or the key."""
+    name = _require(meta, "general.architecture", path)
+    spec = ARCHS.get(name) if isinstance(name, str) else None
+    if spec is None:
         raise GGUFError(
-            f"{path}: the tokenizer is not Foundry's byte-level vocabulary "
-            f"({len(tokens)} tokens, expected <unk> <s> </s> <0x00>..<0xFF>)"
+            f"{path}: architecture {name!r} is not supported (Foundry runs "
+            f"{', '.join(sorted(ARCHS))}; docs/models.md)"
         )
-    values["n_vocab"] = meta.get(_KEY_VOCAB, len(tokens))
+    a = name
+
+    def num(key: str, default: int | float | None = None, kind: type = int) -> Any:
+        full = f"{a}.{key}"
+        value = meta.get(full, default)
+        if value is None:
+            raise GGUFError(f"{path}: missing metadata key {full!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise GGUFError(f"{path}: {full} is {value!r}, expected a number")
+        if kind is int and (not float(value).is_integer() or value < 0):
+            raise GGUFError(f"{path}: {full} is {value!r}, expected a whole number >= 0")
+        return kind(value)
+
+    for key in ("rope.scaling.type", "final_logit_softcapping", "expert_gating_func",
+                "expert_weights_scale", "attention.sliding_window_pattern"):
+        value = meta.get(f"{a}.{key}")
+        if value not in (None, "none", 0, 0.0) and not (
+                key == "expert_gating_func" and value == 1) and not (
+                key == "expert_weights_scale" and value == 1.0):
+            raise GGUFError(f"{path}: {a}.{key} = {value!r} is not supported")
+    tokens = _require(meta, "tokenizer.ggml.tokens", path)
+    n_tokens = len(tokens)
+    n_vocab = num("vocab_size", n_tokens)
+    if n_vocab != n_tokens:
+        raise GGUFError(f"{path}: {a}.vocab_size is {n_vocab} but there are {n_tokens} tokens")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"):
+        tid = meta.get(key)
+        if tid is not None and not (isinstance(tid, int) and 0 <= tid < n_vocab):
+            raise GGUFError(f"{path}: {key} is {tid!r}, outside the vocabulary [0, {n_vocab})")
+    n_expert = num("expert_count", 0)
+    values: dict[str, Any] = {
+        "n_vocab": n_vocab,
+        "n_ctx": num("context_length"),
+        "n_embd": num("embedding_length"),
+        "n_layer": num("block_count"),
+        "n_head": num("attention.head_count"),
+        "norm_eps": num("attention.layer_norm_rms_epsilon", kind=float),
+        "rope_theta": num("rope.freq_base", 10000.0, float),
+        "n_expert": n_expert,
+        "n_expert_used": num("expert_used_count", 0 if n_expert == 0 else None),
+        "n_ff_shared": num("expert_shared_feed_forward_length", 0),
+    }
+    values["n_head_kv"] = num("attention.head_count_kv", values["n_head"])
+    values["n_ff"] = (num("expert_feed_forward_length") if spec.name == "qwen3moe"
+                      else num("feed_forward_length"))
+    for field_name, value in values.items():
+        top = LIMITS.get(field_name)
+        if top is not None and value > top:
+            raise GGUFError(f"{path}: metadata states {field_name} = {value}, above {top}")
+    ours = (a == "llama" and n_expert > 0 and tuple(tokens) == TOKENS
+            and meta.get("tokenizer.ggml.model") == "llama")
+    key_length = num("attention.key_length", 0)
+    value_length = num("attention.value_length", key_length)
+    if value_length != key_length:
+        raise GGUFError(f"{path}: {a}.attention.value_length {value_length} differs from "
+                        f"key_length {key_length} (not supported)")
     try:
-        cfg = ModelConfig(**values)
+        if ours and key_length in (0, values["n_embd"] // max(values["n_head"], 1)):
+            cfg: ModelConfig = ModelConfig(**values)
+        else:
+            extra: dict[str, Any] = {"architecture": a, "key_length": key_length}
+            if spec.sliding_window:
+                extra["sliding_window"] = num("attention.sliding_window", 0)
+                extra["swa_pattern"] = spec.swa_pattern
+                extra["rope_theta_swa"] = num("rope.freq_base_swa", 10000.0, float)
+            cfg = ArchConfig(**values, **extra)
     except (ConfigError, TypeError) as exc:
         raise GGUFError(f"{path}: metadata describes no valid model: {exc}") from exc
-    if cfg.n_vocab != len(tokens):
-        raise GGUFError(f"{path}: {_KEY_VOCAB} is {cfg.n_vocab} but there are {len(tokens)} tokens")
-    rope_dim = meta.get(_KEY_ROPE_DIM, cfg.head_dim)
+    rope_dim = num("rope.dimension_count", cfg.head_dim)
     if rope_dim != cfg.head_dim:
         raise GGUFError(
-            f"{path}: {_KEY_ROPE_DIM} is {rope_dim}, expected head_dim {cfg.head_dim} "
+            f"{path}: {a}.rope.dimension_count is {rope_dim}, expected head_dim {cfg.head_dim} "
             "(partial rotary embedding is not supported)"
         )
     return cfg
+
+
+def _tied(cfg: ModelConfig, names: set[str], path: Path) -> ModelConfig:
+    """The config with ``tied_output`` set when the file has no output head (token_embd is)."""
+    if "output.weight" in names or not isinstance(cfg, ArchConfig):
+        return cfg
+    if not spec_of(cfg).tied_ok:
+        raise GGUFError(f"{path}: missing tensor 'output.weight' ({cfg.architecture} needs it)")
+    return dataclasses.replace(cfg, tied_output=True)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:
@@ -347,9 +402,9 @@ def _load(
 ) -> tuple[ModelConfig, dict[str, quant.Param], dict[str, Any]]:
     reader = _open_reader(path)
     meta = _metadata(reader)
-    cfg = config_from_metadata(meta, path)
-    shapes = cfg.param_shapes()
     found = {t.name: t for t in reader.tensors}
+    cfg = _tied(config_from_metadata(meta, path), set(found), path)
+    shapes = cfg.param_shapes()
     for tname in found:
         if tname not in shapes:
             raise GGUFError(f"{path}: unexpected tensor {tname!r} for this config")

@@ -46,7 +46,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model import layers as L
+from foundry.model.arch import (
+    DEFAULT_CTX_CAP,
+    Act,
+    QKNorm,
+    Rope,
+    geglu,
+    is_swa,
+    is_tied,
+    rope_base,
+    rope_tables,
+)
+from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.quant import (
     Param,
@@ -127,6 +138,9 @@ class _PartLayer:
     v: Param
     n_q: int  # rows of q, then of k
     n_k: int
+    bias: tuple[F32, F32, F32] | None  # of q, k, v (qwen2)
+    q_keep: tuple[int, int]  # the heads of the computed Q rows this part attends for
+    k_keep: tuple[int, int]  # the kv heads of the computed K rows it caches
     attn_output: Param
     first_expert: int
     gate: list[Param]
@@ -134,15 +148,21 @@ class _PartLayer:
     down: list[Param]
     gate_up: list[Param] | None
     shared: tuple[Param | None, Param, Param, Param] | None  # gate_up, gate, up, down
+    dense: tuple[Param | None, Param, Param, Param] | None  # a dense FFN, as ``shared``
 
 
 @dataclass(frozen=True)
 class _Dense:
-    """A layer's replicated float32 tensors: the two norms and the router."""
+    """A layer's replicated float32 tensors: the norms and the router (None where the
+    architecture has none)."""
 
     attn_norm: F32
     ffn_norm: F32
-    router: F32
+    router: F32 | None
+    q_norm: F32 | None
+    k_norm: F32 | None
+    post_attn: F32 | None
+    post_ffn: F32 | None
 
 
 class Engine:
@@ -162,9 +182,14 @@ class Engine:
         rank: int = 0,
         world: int = 1,
         expert_split: ExpertSplit | None = None,
+        ctx_size: int | None = None,
     ):
         self.id = next(_engine_ids)
         self.cfg = cfg
+        self.arch = arch_spec(cfg)
+        self.ctx_size = default_ctx(cfg) if ctx_size is None else ctx_size
+        if self.ctx_size <= 0:
+            raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
         self.rank = rank
         self.world = world
         if isinstance(weights, RankWeights):
@@ -196,30 +221,58 @@ class Engine:
             name: dequantize(p) for name, p in self.replicated.items() if _is_dense(name)
         }
         self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
-        self._cos, self._sin = L.rope_tables(cfg.n_ctx, cfg.head_dim, cfg.rope_theta)
+        self._bases = [rope_base(cfg, i) for i in range(cfg.n_layer)]
+        self._rope: dict[float, tuple[F32, F32]] = {}
+        self._rope_tables(self.ctx_size)
         self._layers = [[self._part_layer(j, i) for i in range(cfg.n_layer)]
                         for j in range(len(self.parts))]
         self._dense = [
-            _Dense(*(self.dense[f"blk.{i}.{n}.weight"] for n in ("attn_norm", "ffn_norm",
-                                                                "ffn_gate_inp")))
+            _Dense(*(self.dense.get(f"blk.{i}.{n}.weight") for n in (
+                "attn_norm", "ffn_norm", "ffn_gate_inp", "attn_q_norm", "attn_k_norm",
+                "post_attention_norm", "post_ffw_norm")))  # type: ignore[arg-type]
             for i in range(cfg.n_layer)
         ]
+        self._window = [cfg.sliding_window if is_swa(cfg, i) else 0  # type: ignore[attr-defined]
+                        for i in range(cfg.n_layer)]
+        # The output head of each part: its block of output.weight, or of token_embd's rows
+        # when the output is tied (a view: the table is held once).
+        self._head: list[Param] = [
+            _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
+            if is_tied(cfg) else part.params["output.weight"] for part in self.parts
+        ]
+
+    def _rope_tables(self, n_pos: int) -> None:
+        for base in set(self._bases):
+            if base not in self._rope or self._rope[base][0].shape[0] < n_pos:
+                self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base)
 
     def _part_layer(self, j: int, layer: int) -> _PartLayer:
         w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
         p = f"blk.{layer}."
         q, k, v = (w[p + f"attn_{t}.weight"] for t in "qkv")
-        shared = None
+        layout = self.parts[j].layout
+        shared = dense = None
         if self.cfg.n_ff_shared:
             shared = (fused.get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
                       w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+        if self.cfg.n_expert == 0:
+            dense = (fused.get(p + "ffn_gate_up"), w[p + "ffn_gate.weight"],
+                     w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        bias = None
+        if self.arch.qkv_bias:
+            bias = tuple(dequantize(w[p + f"attn_{t}.bias"]) for t in "qkv")
+        q0, k0 = layout.q_rows[0], layout.k_rows[0]
         return _PartLayer(
             qkv=fused.get(p + "qkv"), q=q, k=k, v=v, n_q=q.shape[0], n_k=k.shape[0],
+            bias=bias,  # type: ignore[arg-type]
+            q_keep=(layout.heads[0] - q0, layout.heads[1] - q0),
+            k_keep=(layout.kv_heads[0] - k0, layout.kv_heads[1] - k0),
             attn_output=w[p + "attn_output.weight"],
-            first_expert=self.parts[j].layout.experts[0],
-            gate=experts[p + "ffn_gate_exps.weight"], up=experts[p + "ffn_up_exps.weight"],
-            down=experts[p + "ffn_down_exps.weight"], gate_up=experts.get(p + "gate_up"),
-            shared=shared,
+            first_expert=layout.experts[0],
+            gate=experts.get(p + "ffn_gate_exps.weight", []),
+            up=experts.get(p + "ffn_up_exps.weight", []),
+            down=experts.get(p + "ffn_down_exps.weight", []), gate_up=experts.get(p + "gate_up"),
+            shared=shared, dense=dense,
         )
 
     @property
@@ -228,11 +281,10 @@ class Engine:
         return self.vocab[1] - self.vocab[0]
 
     def new_session(self, ctx_size: int | None = None) -> Session:
-        ctx = self.cfg.n_ctx if ctx_size is None else ctx_size
+        ctx = self.ctx_size if ctx_size is None else ctx_size
         if ctx <= 0:
             raise ValueError(f"ctx_size must be positive, got {ctx}")
-        if ctx > self._cos.shape[0]:
-            self._cos, self._sin = L.rope_tables(ctx, self.cfg.head_dim, self.cfg.rope_theta)
+        self._rope_tables(ctx)
         kv_heads = [p.layout.kv_heads[1] - p.layout.kv_heads[0] for p in self.parts]
         return Session(self.id, ctx, kv_heads, self.cfg)
 
@@ -257,19 +309,27 @@ class Engine:
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
         ids, pos, spans = self._check_rows(rows)
-        cos, sin = self._cos[pos], self._sin[pos]  # (n, Dh/2) each
+        tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()}  # (n, Dh/2)
         x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
+        if self.arch.embed_scale:
+            x = x * np.float32(np.sqrt(np.float32(cfg.n_embd)))
         parts = range(len(self.parts))
         for i, dense in enumerate(self._dense):
+            cos, sin = tables[self._bases[i]]
             h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
             partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
-            x += self._exchange(exchange, i, Gate.ATTN, partial)
+            a = self._exchange(exchange, i, Gate.ATTN, partial)
+            x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
-            weights, top = route(h, dense.router, cfg.n_expert_used)  # (n, K) each
+            if dense.router is not None:
+                weights, top = self._route(h, dense.router)  # (n, K) each
+            else:
+                weights, top = _NO_ROUTE
             partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
-            x += self._exchange(exchange, i, Gate.FFN, partial)
+            f = self._exchange(exchange, i, Gate.FFN, partial)
+            x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
-        head = [linear(hf, part.params["output.weight"]) for part in self.parts]  # (n, V_part)
+        head = [linear(hf, w) for w in self._head]  # (n, V_part)
         logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)
@@ -323,14 +383,19 @@ class Engine:
         if lw.qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
             # is the same as alone)
             y = linear(h, lw.qkv)  # (n, Q + K + V rows)
-            # Q and K turned in one call: the same elementwise operations on each value
-            qk = rope(y[:, : nq + nk].reshape(n, -1, dh), cos, sin)  # (n, H+Hkv, Dh)
-            q, k = qk[:, : nq // dh], qk[:, nq // dh :]  # (n, H_part, Dh), (n, Hkv_part, Dh)
-            v = y[:, nq + nk :].reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            qr, kr, vr = y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk :]
         else:
-            q = rope(linear(h, lw.q).reshape(n, -1, dh), cos, sin)  # (n, H_part, Dh)
-            k = rope(linear(h, lw.k).reshape(n, -1, dh), cos, sin)  # (n, Hkv_part, Dh)
-            v = linear(h, lw.v).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+            qr, kr, vr = linear(h, lw.q), linear(h, lw.k), linear(h, lw.v)
+        if lw.bias is not None:
+            qr, kr, vr = qr + lw.bias[0], kr + lw.bias[1], vr + lw.bias[2]
+        q = self._qk(qr, self._dense[layer].q_norm, lw.q_keep, n, dh)  # (n, H_part, Dh)
+        k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
+        if self.arch.rope is Rope.NEOX:
+            q, k = _rope_neox(q, cos, sin), _rope_neox(k, cos, sin)
+        else:
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        v = np.ascontiguousarray(vr).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        window = self._window[layer]
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
@@ -338,8 +403,35 @@ class Engine:
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
             for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
-                attend(q[t], kc, vc, session.pos + t - a + 1, o[t])  # (H_part, Dh)
+                n_pos = session.pos + t - a + 1
+                first = max(0, n_pos - window) if window else 0  # a sliding window's first key
+                attend(q[t], kc[first:], vc[first:], n_pos - first, o[t])  # (H_part, Dh)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
+
+    def _qk(self, y: F32, norm: F32 | None, keep: tuple[int, int], n: int, dh: int) -> F32:
+        """Q or K rows (n, heads * Dh) -> the kept heads (n, kept, Dh), after the QK-norm of
+        the architecture (per head, or of the whole vector before the heads are picked)."""
+        if norm is not None and self.arch.qk_norm is QKNorm.FULL:
+            y = rmsnorm(np.ascontiguousarray(y), norm, self.cfg.norm_eps)
+        y = np.ascontiguousarray(y).reshape(n, -1, dh)
+        if y.shape[1] != keep[1] - keep[0]:
+            y = np.ascontiguousarray(y[:, keep[0] : keep[1]])
+        if norm is not None and self.arch.qk_norm is QKNorm.HEAD:
+            y = rmsnorm(y.reshape(-1, dh), norm, self.cfg.norm_eps).reshape(n, -1, dh)
+        return y
+
+    def _route(self, h: F32, router: F32) -> tuple[F32, npt.NDArray[np.int64]]:
+        """Each row's expert weights and ids: softmax over the experts, top-k; the weights
+        renormalized over the k (``route``) or, where the architecture does not, the top-k
+        probabilities as they are (olmoe)."""
+        k = self.cfg.n_expert_used
+        if self.arch.renorm_experts:
+            return route(h, router, k)
+        z = np.matmul(h[:, None, :], router.T)[:, 0]  # (n, E), each row its own product
+        z = np.exp(z - z.max(axis=1, keepdims=True))
+        probs = (z / z.sum(axis=1, keepdims=True)).astype(np.float32)  # (n, E)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (n, K)
+        return np.ascontiguousarray(np.take_along_axis(probs, top, axis=1)), top
 
     def _ffn(self, layer: int, j: int, h: F32, weights: F32, top: npt.NDArray[np.int64]) -> F32:
         """Part j's FFN partial (n, D): its routed experts plus its slice of the shared expert.
@@ -348,6 +440,8 @@ class Engine:
         it holds every expert (``experts`` is (0, E)), each cut to its intermediate block, and
         evaluates every assignment on that block."""
         lw = self._layers[j][layer]
+        if lw.dense is not None:
+            return _glu(h, *lw.dense, self.arch.act)
         order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
         xs = h[order // top.shape[1]]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
@@ -379,6 +473,41 @@ def _is_dense(name: str) -> bool:
     return name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight")
 
 
+_NO_ROUTE = (np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
+
+
+def default_ctx(cfg: ModelConfig) -> int:
+    """The context a run gets unless told: the file's, at most ``arch.DEFAULT_CTX_CAP``."""
+    return min(cfg.n_ctx, DEFAULT_CTX_CAP)
+
+
+def _row_block(w: Param, block: tuple[int, int]) -> Param:
+    """Rows [start, stop) of a 2-d tensor, a view (a tied head's vocabulary block)."""
+    if isinstance(w, np.ndarray):
+        return w[block[0] : block[1]]
+    return QTensor(w.qtype, (block[1] - block[0], w.shape[1]), w.data[block[0] : block[1]])
+
+
+def _rope_neox(x: F32, cos: F32, sin: F32) -> F32:
+    """NEOX rotation of x (n, heads, Dh): pairs (i, i + Dh/2), through ``rope``'s adjacent
+    pairs on the interleaved copy (the same operations on each pair)."""
+    n, heads, dh = x.shape
+    inter = x.reshape(n, heads, 2, dh // 2).transpose(0, 1, 3, 2).reshape(n, heads, dh)
+    y = rope(np.ascontiguousarray(inter), cos, sin)
+    return np.ascontiguousarray(
+        y.reshape(n, heads, dh // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, dh))
+
+
+def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param,
+         act: Act) -> F32:
+    """A dense FFN: down(act(gate x) * up x), SwiGLU or GeGLU."""
+    if act is Act.SILU:
+        return _swiglu(x, gate_up, w_gate, w_up, w_down)
+    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
+        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    return linear(geglu(gu), w_down)  # (N, D)
+
+
 def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
     """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
     gate and up where ``_fuse`` stacked them (``gate_up``), else one each."""
@@ -399,7 +528,10 @@ def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, Param]:
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
         groups = [("qkv", [p + f"attn_{t}.weight" for t in "qkv"])]
-        groups.append(("gate_up", [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]))
+        if cfg.n_expert:
+            groups.append(("gate_up", [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]))
+        else:
+            groups.append(("ffn_gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"]))
         if cfg.n_ff_shared:
             groups.append(
                 ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))

@@ -29,8 +29,12 @@ What each rank computes with its slice, per layer:
   rank order, are the full logits.
 
 Embeddings and norms are replicated. Query head h reads kv head h // (n_head / n_head_kv), so a
-rank owning a contiguous block of whole kv heads owns exactly the query heads reading them: the
-split needs n_head_kv divisible by the world size.
+rank owning a contiguous block of whole kv heads owns exactly the query heads reading them
+(:func:`attention_split`: uneven blocks for an odd count of kv heads; K and V replicated, query
+heads split, when there are fewer kv heads than ranks). A dense FFN is cut by its intermediate
+rows (gate/up rows, down columns), on block boundaries (:func:`aligned_range`). A tied output
+head (no ``output.weight``) is the replicated ``token_embd``, each rank reading its vocabulary
+block of rows.
 
 Weights kept in their stored type (``quant.QTensor``) are cut the same way, along whole blocks:
 a cut of the last axis (the COLUMN and EXPERT_COLUMN kinds, where the rank reads part of each
@@ -48,6 +52,7 @@ from enum import Enum, IntEnum
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.arch import QKNorm, spec
 from foundry.model.config import ConfigError, ModelConfig
 from foundry.model.quant import Param, QTensor
 
@@ -82,8 +87,12 @@ class ExpertSplit(Enum):
 class Unit(Enum):
     """What a split counts; each unit spans ``unit_size`` elements of the cut axis."""
 
-    HEAD = "head"  # a query head: head_dim rows of Q, head_dim columns of attn_output
-    KV_HEAD = "kv_head"  # a kv head: head_dim rows of K and V
+    HEAD = "head"  # a query head: head_dim columns of attn_output (the heads it attends for)
+    KV_HEAD = "kv_head"  # a kv head: head_dim rows of V (the heads it caches)
+    Q_ROWS = "q_rows"  # a query head's head_dim rows of Q (all of them under whole-vector
+    # QK-norm, which needs the whole Q; else the rank's heads)
+    K_ROWS = "k_rows"  # a kv head's head_dim rows of K (likewise)
+    FF = "ff"  # one intermediate row of a dense FFN
     EXPERT = "expert"
     EXPERT_FF = "expert_ff"  # one intermediate row of every routed expert
     SHARED_FF = "shared_ff"  # one intermediate row of the shared expert
@@ -110,11 +119,21 @@ class SplitRule:
 SPLIT_TABLE: tuple[SplitRule, ...] = (
     SplitRule("token_embd.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.attn_norm.weight", SplitKind.REPLICATED, None),
-    SplitRule("blk.*.attn_q.weight", SplitKind.ROW, Unit.HEAD),
-    SplitRule("blk.*.attn_k.weight", SplitKind.ROW, Unit.KV_HEAD),
+    SplitRule("blk.*.attn_q.weight", SplitKind.ROW, Unit.Q_ROWS),
+    SplitRule("blk.*.attn_k.weight", SplitKind.ROW, Unit.K_ROWS),
     SplitRule("blk.*.attn_v.weight", SplitKind.ROW, Unit.KV_HEAD),
+    SplitRule("blk.*.attn_q.bias", SplitKind.ROW, Unit.Q_ROWS),
+    SplitRule("blk.*.attn_k.bias", SplitKind.ROW, Unit.K_ROWS),
+    SplitRule("blk.*.attn_v.bias", SplitKind.ROW, Unit.KV_HEAD),
+    SplitRule("blk.*.attn_q_norm.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.attn_k_norm.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.attn_output.weight", SplitKind.COLUMN, Unit.HEAD),
+    SplitRule("blk.*.post_attention_norm.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.ffn_norm.weight", SplitKind.REPLICATED, None),
+    SplitRule("blk.*.ffn_gate.weight", SplitKind.ROW, Unit.FF),
+    SplitRule("blk.*.ffn_up.weight", SplitKind.ROW, Unit.FF),
+    SplitRule("blk.*.ffn_down.weight", SplitKind.COLUMN, Unit.FF),
+    SplitRule("blk.*.post_ffw_norm.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.ffn_gate_inp.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.ffn_gate_exps.weight", SplitKind.EXPERT, Unit.EXPERT),
     SplitRule("blk.*.ffn_up_exps.weight", SplitKind.EXPERT, Unit.EXPERT),
@@ -174,13 +193,7 @@ def check_splittable(
 ) -> None:
     if world < 1:
         raise SplitError(f"world size must be >= 1, got {world}")
-    if cfg.n_head_kv % world:
-        raise SplitError(
-            f"cannot split attention over {world} ranks: n_head_kv={cfg.n_head_kv} is not "
-            f"divisible by {world} (each rank must own whole kv heads with the query heads that "
-            f"read them); use a model whose n_head_kv is a multiple of {world}"
-        )
-    if expert_split is ExpertSplit.INTERMEDIATE and cfg.n_ff % world:
+    if expert_split is ExpertSplit.INTERMEDIATE and cfg.n_expert and cfg.n_ff % world:
         raise SplitError(
             f"cannot split the experts' intermediate dimension over {world} ranks: "
             f"n_ff={cfg.n_ff} is not divisible by {world} (each rank must hold an equal block "
@@ -207,11 +220,17 @@ class RankLayout:
     head_dim: int
     expert_ff: tuple[int, int]
     expert_split: ExpertSplit
+    q_rows: tuple[int, int] = (0, 0)  # heads whose Q rows the rank computes
+    k_rows: tuple[int, int] = (0, 0)  # kv heads whose K rows the rank computes
+    ff: tuple[int, int] = (0, 0)  # dense FFN intermediate rows
 
     def units(self, unit: Unit) -> tuple[int, int]:
         return {
             Unit.HEAD: self.heads,
             Unit.KV_HEAD: self.kv_heads,
+            Unit.Q_ROWS: self.q_rows,
+            Unit.K_ROWS: self.k_rows,
+            Unit.FF: self.ff,
             Unit.EXPERT: self.experts,
             Unit.EXPERT_FF: self.expert_ff,
             Unit.SHARED_FF: self.shared_ff,
@@ -221,8 +240,43 @@ class RankLayout:
     def elements(self, unit: Unit) -> tuple[int, int]:
         """The block as indices along the cut axis."""
         start, stop = self.units(unit)
-        size = self.head_dim if unit in (Unit.HEAD, Unit.KV_HEAD) else 1
+        size = self.head_dim if unit in _HEAD_UNITS else 1
         return start * size, stop * size
+
+
+_HEAD_UNITS = (Unit.HEAD, Unit.KV_HEAD, Unit.Q_ROWS, Unit.K_ROWS)
+
+
+def aligned_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """``block_range`` of n rows counted in the largest block (256, 32, else 1) that divides n,
+    so a column cut of a stored matrix falls on its blocks (a dense FFN's down projection)."""
+    unit = next(u for u in (256, 32, 1) if n % u == 0)
+    start, stop = block_range(n // unit, rank, world)
+    return start * unit, stop * unit
+
+
+def attention_split(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[int, int]]:
+    """Which heads rank ``rank`` of ``world`` attends for, caches, and computes Q/K rows of.
+
+    - KV groups split: when there are at least ``world`` kv heads, the rank owns a contiguous
+      block of kv heads (uneven when the count is odd: 3 over 2 gives 2 and 1) with the query
+      heads that read them.
+    - Fewer kv heads than ranks (a single kv head): K and V are replicated (each rank computes
+      and caches every kv head), the query heads are split.
+    - Whole-vector QK-norm (olmoe) needs all of Q and K before the norm: their rows are
+      replicated, each rank then keeps its heads' part of the normed vectors.
+    """
+    group = cfg.n_head // cfg.n_head_kv
+    if cfg.n_head_kv >= world:
+        kv = block_range(cfg.n_head_kv, rank, world)
+        heads = (kv[0] * group, kv[1] * group)
+    else:
+        kv = (0, cfg.n_head_kv)
+        heads = block_range(cfg.n_head, rank, world)
+    full = spec(cfg).qk_norm is QKNorm.FULL
+    return {"heads": heads, "kv_heads": kv,
+            "q_rows": (0, cfg.n_head) if full else heads,
+            "k_rows": (0, cfg.n_head_kv) if full else kv}
 
 
 def rank_layout(
@@ -232,16 +286,18 @@ def rank_layout(
     if not 0 <= rank < world:
         raise SplitError(f"rank must lie in [0, {world}), got {rank}")
     by_ff = expert_split is ExpertSplit.INTERMEDIATE
+    dense = cfg.n_expert == 0
     return RankLayout(
         rank=rank,
         world=world,
-        heads=block_range(cfg.n_head, rank, world),
-        kv_heads=block_range(cfg.n_head_kv, rank, world),
+        **attention_split(cfg, rank, world),
+        ff=aligned_range(cfg.n_ff, rank, world) if dense else (0, 0),
         experts=(0, cfg.n_expert) if by_ff else block_range(cfg.n_expert, rank, world),
         shared_ff=block_range(cfg.n_ff_shared, rank, world),
         vocab=block_range(cfg.n_vocab, rank, world),
         head_dim=cfg.head_dim,
-        expert_ff=block_range(cfg.n_ff, rank, world) if by_ff else (0, cfg.n_ff),
+        expert_ff=(0, 0) if dense else block_range(cfg.n_ff, rank, world) if by_ff
+        else (0, cfg.n_ff),
         expert_split=expert_split,
     )
 
