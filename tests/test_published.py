@@ -226,8 +226,8 @@ def test_stored_types_stay_stored(files: dict[str, Path]) -> None:
     engine = Engine(g.cfg, g.params)
     table = engine.replicated["token_embd.weight"]
     assert isinstance(table, np.ndarray)
-    assert all(np.shares_memory(h, table) for h in engine._head)  # noqa: SLF001
-    blocks = [h.shape[0] for h in engine._head]  # noqa: SLF001
+    assert all(np.shares_memory(h, table) for h in engine._head)
+    blocks = [h.shape[0] for h in engine._head]
     assert blocks == [147, 146]
 
 

@@ -27,7 +27,6 @@ import numpy as np
 # The bindings import diskcache for a prompt cache we do not use.
 sys.modules.setdefault("diskcache", types.SimpleNamespace(Cache=object))  # type: ignore[arg-type]
 import llama_cpp  # noqa: E402
-
 from published import TINY, prompts, write_tiny  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
