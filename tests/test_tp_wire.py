@@ -72,8 +72,8 @@ LEADER_HELLO = Hello(
 
 HELLO_GOLDEN = bytes.fromhex(
     "44545048"  # magic "DTPH"
-    "0100"  # version 1
-    "a800"  # hello size 168
+    "0200"  # version 2
+    "b800"  # hello size 184
     "00"  # role: leader
     "01"  # flags: shm offered
     "0000"  # execution mode 0: contiguous halves of the experts
@@ -90,6 +90,7 @@ HELLO_GOLDEN = bytes.fromhex(
     "ffff000000000000" "0000000000000000" "0000000000000000" "0000000000000000"  # slot mask
     "000102030405060708090a0b0c0d0e0f"  # host id
     "736c61622d31" + "00" * 58  # shm name "slab-1", NUL-padded to 64
+    + "6c6c616d61" + "00" * 11  # architecture "llama", NUL-padded to 16
 )
 
 # header: magic "DTP4" | type u8 | flags u8 | reserved u16 | session_id u64 | seq u64 | length u32
@@ -178,7 +179,7 @@ def decode_all(data: bytes, **kw: int | bool) -> list[tp.Frame]:
 
 def test_struct_sizes() -> None:
     assert tp.IDENTITY.size == 76
-    assert tp.HELLO_SIZE == 168
+    assert tp.HELLO_SIZE == 184
     assert tp.FRAME_HEADER_SIZE == 28
     assert tp.BATCH_ITEM.size == 16
     assert tp.GATE_HEADER_SIZE == 20
@@ -322,15 +323,15 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
         decoder.next_event()
 
     # only the 8-byte prefix of a future version: the mismatch is reported at once
-    future = tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 400)
+    future = tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 3, 400)
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(future)
-    with pytest.raises(VersionMismatch, match="speaks version 1, the peer speaks version 2"):
+    with pytest.raises(VersionMismatch, match="speaks version 2, the peer speaks version 3"):
         decoder.next_event()
 
     decoder = TpDecoder(expect_hello=True)
-    decoder.feed(tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 1, 100))
-    with pytest.raises(TpProtocolError, match="must be 168 bytes"):
+    decoder.feed(tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 100))
+    with pytest.raises(TpProtocolError, match="must be 184 bytes"):
         decoder.next_event()
 
     decoder = TpDecoder(expect_hello=True)
@@ -398,8 +399,13 @@ def test_check_hello_roles_versions_identity() -> None:
     check_hello(worker, LEADER_HELLO)
     with pytest.raises(IdentityMismatch, match="both ranks say they are the leader"):
         check_hello(LEADER_HELLO, LEADER_HELLO)
-    with pytest.raises(VersionMismatch, match="version 1, the peer speaks version 3"):
+    with pytest.raises(VersionMismatch, match="version 2, the peer speaks version 3"):
         check_hello(LEADER_HELLO, dataclasses.replace(worker, version=3))
+    with pytest.raises(IdentityMismatch, match="architecture mismatch: this rank runs 'llama', "
+                                               "the peer 'gemma3'"):
+        check_hello(LEADER_HELLO, dataclasses.replace(worker, architecture="gemma3"))
+    with pytest.raises(LocalProtocolError, match="Hello.architecture"):
+        dataclasses.replace(worker, architecture="Gemma 3")
     with pytest.raises(IdentityMismatch, match="ctx_size: leader has 256, worker has 512"):
         check_hello(
             LEADER_HELLO,
@@ -490,7 +496,7 @@ def test_slab_layout() -> None:
     assert tp.slab_bytes(1024) == lay.total_bytes == 64 + 4 * lay.slot_stride
     assert SlabLayout(1 << 20).slot_rows == tp.DS4_TP_BATCH_MAX_ROWS
     header = bytearray(lay.header_bytes(checksum=True))
-    assert header[:8] == b"DTPS\x01\x00\x01\x00"  # magic, version 1, flags: checksum
+    assert header[:8] == b"DTPS\x02\x00\x01\x00"  # magic, version 2, flags: checksum
     assert lay.check_header(header) is True
     assert lay.check_header(lay.header_bytes(checksum=False)) is False
     with pytest.raises(TpProtocolError, match="n_embd is 1024, expected 512"):

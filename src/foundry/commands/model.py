@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default 1)")
     g.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
+                   help="context in tokens: KV cache and rope tables are sized by it "
+                        "(default: the file's, at most 4096)")
     g.set_defaults(func=run_generate)
 
 
@@ -234,7 +237,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded.cfg, loaded.params)
+    engine = Engine(loaded.cfg, loaded.params, ctx_size=args.ctx_size)
     text = tokenizer.stream_decoder()
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,

@@ -32,7 +32,8 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
                    help="the model; both ranks must load the same file")
     p.add_argument("--ctx-size", type=positive_int, default=None,
-                   help="positions per session (default: the model's context length); "
+                   help="positions per session: KV cache and rope tables are sized by it (default: "
+                   "the model's context length, at most 4096); "
                    "both ranks must agree")
     p.add_argument("--no-shm", action="store_true",
                    help="never use the shared-memory gate slab, even on one host (gates go "

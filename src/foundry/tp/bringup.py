@@ -105,10 +105,12 @@ class BringUp:
         metrics: TpMetrics,
         stopping: threading.Event,
         on_pair: Callable[[Pair], None],
+        architecture: str = "llama",
     ) -> None:
         self.options = options
         self.identity = identity
         self.execution_mode = execution_mode
+        self.architecture = architecture
         self.metrics = metrics
         self._stopping = stopping
         self._on_pair = on_pair
@@ -226,7 +228,7 @@ class BringUp:
                 log.warning("no shared-memory slab (%s); gates go over TCP", exc)
         hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
                       shm_offered=slab is not None, shm_name=slab.name if slab else "",
-                      execution_mode=self.execution_mode)
+                      execution_mode=self.execution_mode, architecture=self.architecture)
         gate: GateExchange | None = None
         claimed = formed = False
         token = secrets.randbits(64) or 1

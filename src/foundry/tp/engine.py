@@ -143,7 +143,8 @@ class LeaderEngine:
         self._on_crash = on_crash
         # Read at every step: adjustable while serving (the speculative benchmark switches it).
         self.spec_mode = options.spec_mode
-        engine = Engine(self.cfg, model.weights, rank=0, world=WORLD)
+        engine = Engine(self.cfg, model.weights, rank=0, world=WORLD,
+                        ctx_size=self.identity.ctx_size)
         self.state = RankState(engine, self.identity.ctx_size)
         v0, v1 = rank_layout(self.cfg, 1, WORLD).vocab
         self._worker_vocab = v1 - v0

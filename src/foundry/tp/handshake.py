@@ -25,8 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.inference import default_ctx
 from foundry.model.quant import NOMINAL_BITS, Param, QType
 from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_part
 from foundry.tp.link import ControlLink, LinkError
@@ -57,6 +59,11 @@ class RankModel:
     cfg: ModelConfig
     weights: RankWeights
     identity: Identity
+
+    @property
+    def architecture(self) -> str:
+        """The file's architecture, which the hello states."""
+        return arch_spec(self.cfg).name
 
     @property
     def execution_mode(self) -> int:
@@ -114,7 +121,7 @@ def load_rank(
         return shard_part(name, view, layout)
 
     loaded = load_gguf_stored(path, select=select)
-    ctx = cfg.n_ctx if ctx_size is None else ctx_size
+    ctx = default_ctx(cfg) if ctx_size is None else ctx_size
     if ctx <= 0:
         raise ValueError(f"ctx_size must be positive, got {ctx}")
     return RankModel(

@@ -126,7 +126,8 @@ class Leader:
         )
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
-                                self._stopping, self.engine.new_pair)
+                                self._stopping, self.engine.new_pair,
+                                architecture=self.model.architecture)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -115,7 +115,8 @@ class Worker:
         self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.metrics = metrics or TpMetrics(rank=1)
-        engine = Engine(self.model.cfg, self.model.weights, rank=1, world=2)
+        engine = Engine(self.model.cfg, self.model.weights, rank=1, world=2,
+                        ctx_size=self.identity.ctx_size)
         self.state = RankState(engine, self.identity.ctx_size)
         self._offer_shm = options.shm
         self._stop = threading.Event()
@@ -170,7 +171,8 @@ class Worker:
         gate: GateExchange | None = None
         try:
             hello = Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
-                          shm_offered=self._offer_shm, execution_mode=self.model.execution_mode)
+                          shm_offered=self._offer_shm, execution_mode=self.model.execution_mode,
+                          architecture=self.model.architecture)
             peer = exchange_hellos(link, hello)
             transport = negotiate_gate_transport(hello, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")

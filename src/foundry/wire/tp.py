@@ -2,7 +2,7 @@
 
 Three byte formats live here, none of them touching a socket:
 
-- the **hello** (168 bytes), the first thing each rank sends on the control socket: protocol
+- the **hello** (184 bytes), the first thing each rank sends on the control socket: protocol
   version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 Readable = bytes | bytearray | memoryview  # what a payload may be read from
 
-TP_PROTOCOL_VERSION = 1
+TP_PROTOCOL_VERSION = 2  # 2: the hello ends with the model's architecture (16 bytes)
 # On the wire the magics read as ASCII: "DTPH" (hello), "DTP4" (control frame), "DTPS" (slab).
 TP_HELLO_MAGIC = int.from_bytes(b"DTPH", "little")
 TP_FRAME_MAGIC = int.from_bytes(b"DTP4", "little")
@@ -83,6 +83,8 @@ DS4_TP_MODE_V41_DSPARK = 8
 # The bits this implementation runs; the seed's others are refused on receipt.
 EXECUTION_MODE_BITS = DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
 HOST_ID_BYTES = 16
+ARCH_BYTES = 16  # the architecture name at the end of the hello, NUL-padded ASCII
+ARCH_PATTERN = re.compile(r"[a-z0-9_-]{1,16}")
 SHM_NAME_BYTES = 64
 # A slab name is a bare file name (it is opened under the shared-memory directory), at most 63
 # bytes so that the C char[64] field always ends in a NUL.
@@ -164,7 +166,7 @@ _HELLO_ROLE = struct.Struct("<BBH")
 # struct in memory has 4 bytes of padding before the mask, the wire does not).
 IDENTITY = struct.Struct(f"<Q9I{DS4_TP_GATE_MASK_WORDS}Q")
 HELLO = struct.Struct(
-    f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s"
+    f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s"
 )
 HELLO_SIZE = HELLO.size
 
@@ -187,9 +189,15 @@ class Hello:
     shm_name: str = ""
     version: int = TP_PROTOCOL_VERSION
     execution_mode: int = 0
+    architecture: str = "llama"  # the file's general.architecture
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
+        if not ARCH_PATTERN.fullmatch(self.architecture):
+            raise LocalProtocolError(
+                f"Hello.architecture {self.architecture!r} is not 1-16 characters of "
+                "[a-z0-9_-]"
+            )
         _check_range("Hello", "execution_mode", self.execution_mode, 0, _U16)
         if self.execution_mode & ~EXECUTION_MODE_BITS:
             raise LocalProtocolError(
@@ -292,6 +300,11 @@ def check_hello(mine: Hello, peer: Hello) -> None:
             f"start exactly one rank as the {other.name.lower()}"
         )
     check_identity(mine.identity, peer.identity, mine_role=mine.role)
+    if mine.architecture != peer.architecture:
+        raise IdentityMismatch(
+            f"architecture mismatch: this rank runs {mine.architecture!r}, the peer "
+            f"{peer.architecture!r}; load the same model file on both ranks"
+        )
     check_execution_mode(mine, peer)
 
 
@@ -309,7 +322,7 @@ def _encode_hello(h: Hello) -> bytes:
         TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
-        h.host_id, h.shm_name.encode(),
+        h.host_id, h.shm_name.encode(), h.architecture.encode(),
     )  # fmt: skip
 
 
@@ -326,6 +339,8 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             f"(supported: {EXECUTION_MODE_BITS:#x}: {DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT} = "
             "experts cut by their intermediate size)"
         )
+    raw_arch = v[-1].rstrip(b"\0")
+    v = v[:-1]
     raw_name = v[-1].rstrip(b"\0")
     try:
         name = raw_name.decode()
@@ -345,6 +360,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             shm_name=name,
             version=version,
             execution_mode=mode,
+            architecture=raw_arch.decode("ascii", errors="replace"),
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None
