@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -271,3 +274,42 @@ def test_pair_processes_equal_one_process(files: dict[str, Path], name: str,
 def test_file_hash_matches_references(files: dict[str, Path]) -> None:
     for name, path in files.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == REFS[name]["sha256"]
+
+
+def test_up_serves_a_published_file_on_the_pair_without_training(
+        files: dict[str, Path], tmp_path: Path) -> None:
+    """`foundry up --model FILE`: gateway, tp-leader and tp-worker on the file, no coordinator
+    and no workers; the sample is the file's greedy text; `ctl generate` answers; Ctrl+C ends
+    all three."""
+    from test_up import ENV, running, start_up, wait_gone
+
+    up, ports = start_up(tmp_path, 1, "--model", str(files["gemma3"]), "--prompt", "abc",
+                         "--sample-tokens", "8", "--ctx-size", "64")
+    gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
+    try:
+        up.wait_for(r"serving .*gemma3\.gguf on the tensor-parallel pair", 60)
+        up.wait_for(r"sample \(greedy, 8 tokens\): 'abc", 60)
+        up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} generate", 10)
+        children = up.children()
+        assert set(children) == {"gateway", "tp-leader", "tp-worker"}
+        out = subprocess.run(
+            [sys.executable, "-m", "foundry", "ctl", "--gateway", gateway, "generate",
+             "--prompt", "abc", "--max-tokens", "8"],
+            capture_output=True, text=True, timeout=60, env=ENV)
+        assert out.returncode == 0, out.stderr
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=30) == 0, up.text()
+        assert wait_gone(children, 5.0) == []
+        assert not any(running(pid) for pid in children.values())
+    finally:
+        up.cleanup()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    phi = bad / "phi.gguf"
+    _rewrite(files["qwen3"], phi, arch="phi3")
+    up, _ = start_up(bad, 1, "--model", str(phi))
+    try:
+        assert up.proc.wait(timeout=30) == 1
+        assert "architecture 'phi3' is not supported" in up.text()
+    finally:
+        up.cleanup()

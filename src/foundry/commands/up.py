@@ -67,6 +67,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"prompt of the sample printed once serving (default {d.prompt!r})")
     u.add_argument("--sample-tokens", type=positive_int, default=d.sample_tokens, metavar="N",
                    help=f"tokens of that sample (default {d.sample_tokens})")
+    u.add_argument("--model", type=Path, default=None, metavar="FILE.gguf",
+                   help="serve this GGUF file (a published model, docs/models.md) on the "
+                   "tensor-parallel pair behind the gateway, without training")
+    u.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
+                   help="the pair's context with --model (default: the file's, at most 4096)")
     u.set_defaults(func=run_up)
 
 
@@ -91,6 +96,8 @@ def run_up(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             prompt=args.prompt,
             sample_tokens=args.sample_tokens,
+            model=args.model,
+            ctx_size=args.ctx_size,
         )
         return run_stack(options)
     except StackError as exc:

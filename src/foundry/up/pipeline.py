@@ -24,6 +24,7 @@ from foundry.up.plan import (
     StackOptions,
     StackPorts,
     addr,
+    gateway_service,
     local_host,
     prometheus_config,
     prometheus_service,
@@ -159,6 +160,8 @@ def _run_locked(
     with stack.signals():
         try:
             stack.say(f"foundry up: run dir {run}, logs in {run / 'logs'}")
+            if opt.model is not None:
+                return _serve_file(opt, ports, stack, token, token_file, t_start, opt.model)
             first = [stack.start(s) for s in training_services(opt, ports, token_file)]
             if prometheus is not None:
                 (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
@@ -227,6 +230,34 @@ def _run_locked(
                 + (f" ({', '.join(killed)} had to be killed)" if killed else "")
             )
     return code
+
+
+def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str | None,
+                token_file: Path | None, t_start: float, model: Path) -> int:
+    """`foundry up --model FILE`: the gateway and the pair on a published file, no training.
+    Runs inside ``_run_locked``'s signal handling; a StopRequested or StackError propagates
+    to it."""
+    from foundry.model.gguf_io import GGUFError, load_gguf
+
+    try:  # refuse a file the pair cannot run before any process starts, in one line
+        load_gguf(model, select=lambda name, view: None)
+    except GGUFError as exc:
+        raise StackError(str(exc)) from None
+    first = [stack.start(gateway_service(opt, ports, token_file))]
+    first += [stack.start(s) for s in serving_services(opt, ports, model)]
+    stack.wait_ready(first)
+    stack.say(f"serving {model} on the tensor-parallel pair, gateway "
+              f"{addr(opt.host, ports.gateway)} (no training)")
+    text = generate(addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token,
+                    stack.check_stop)
+    stack.say(f"sample (greedy, {opt.sample_tokens} tokens): {printable(opt.prompt + text)!r}")
+    ctl = f"foundry ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
+        f" --token-file {token_file}" if token_file else "")
+    stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`; "
+              "Ctrl+C stops everything")
+    while True:
+        stack.supervise(training=False)
+        time.sleep(POLL_S)
 
 
 def _short_path(path: Path) -> Path:

@@ -39,6 +39,8 @@ class StackOptions:
     sample_every: int | None = None  # steps between samples while training; None: a tenth
     fresh: bool = False
     checkpoint_every: int | None = None  # None: ``default_checkpoint_every(steps)``
+    model: Path | None = None  # a GGUF file to serve on the pair, without training
+    ctx_size: int | None = None  # the pair's context (None: the file's, capped)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -53,6 +55,8 @@ class StackOptions:
             raise StackError(f"--sample-tokens must be at least 1, got {self.sample_tokens}")
         if self.sample_every is not None and self.sample_every < 1:
             raise StackError(f"--sample-every must be at least 1, got {self.sample_every}")
+        if self.ctx_size is not None and self.ctx_size < 1:
+            raise StackError(f"--ctx-size must be at least 1, got {self.ctx_size}")
         if self.seq_len < 1 or self.lr <= 0:
             raise StackError(f"--seq-len and --lr must be positive, got {self.seq_len}, "
                              f"{self.lr}")
@@ -195,6 +199,19 @@ def addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def gateway_service(opt: StackOptions, ports: StackPorts, token_file: Path | None) -> ServiceSpec:
+    """The gRPC gateway in front of the coordinator's admin port and the pair's frontend."""
+    return ServiceSpec(
+        "gateway",
+        (*FOUNDRY, "gateway", "--listen", addr(opt.host, ports.gateway),
+         "--coordinator-admin", addr("127.0.0.1", ports.admin),
+         "--tp-frontend", addr("127.0.0.1", ports.tp_frontend),
+         *(("--token-file", str(token_file)) if token_file else ()),
+         "--metrics-port", str(ports.gateway_metrics), "--metrics-host", opt.host),
+        r"gateway listening:",
+    )
+
+
 def training_services(
     opt: StackOptions, ports: StackPorts, token_file: Path | None
 ) -> list[ServiceSpec]:
@@ -217,15 +234,7 @@ def training_services(
         r"coordinator listening:",
         stop_stage=1,
     )
-    gateway = ServiceSpec(
-        "gateway",
-        (*FOUNDRY, "gateway", "--listen", addr(h, ports.gateway),
-         "--coordinator-admin", addr("127.0.0.1", ports.admin),
-         "--tp-frontend", addr("127.0.0.1", ports.tp_frontend),
-         *(("--token-file", str(token_file)) if token_file else ()),
-         "--metrics-port", str(ports.gateway_metrics), *metrics),
-        r"gateway listening:",
-    )
+    gateway = gateway_service(opt, ports, token_file)
     workers = [
         ServiceSpec(
             f"worker-{i}",
@@ -240,12 +249,13 @@ def training_services(
 
 
 def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[ServiceSpec]:
-    """The tensor-parallel pair on the exported model."""
+    """The tensor-parallel pair on the exported model (or the file --model names)."""
     metrics = ("--metrics-host", opt.host)
+    ctx = ("--ctx-size", str(opt.ctx_size)) if opt.ctx_size else ()
     return [
         ServiceSpec(
             "tp-leader",
-            (*FOUNDRY, "tp-leader", "--model", str(model),
+            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx,
              "--listen", addr("127.0.0.1", ports.tp_leader),
              "--frontend-listen", addr("127.0.0.1", ports.tp_frontend),
              "--metrics-port", str(ports.tp_leader_metrics), *metrics),
@@ -253,7 +263,7 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[
         ),
         ServiceSpec(
             "tp-worker",
-            (*FOUNDRY, "tp-worker", "--model", str(model),
+            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx,
              "--leader", addr("127.0.0.1", ports.tp_leader),
              "--metrics-port", str(ports.tp_worker_metrics), *metrics),
             r"tp-worker ready:",
