@@ -26,6 +26,15 @@ files too. The rest of a step (RMSNorm, the rotation, the router, SiLU, expert g
 combination, attention against the cache) goes through ``quant``'s C operations under the same
 rule, or the training layers' numpy where the C module is missing.
 
+Architectures: the engine reads the config's row of ``arch.ARCHS`` (a plain ``ModelConfig`` is
+Foundry's llama) and applies what it says, the same on every part: QKV biases, QK-norm (per
+head, or of the whole Q and K vectors before a part keeps its heads), normal or NEOX rope with
+each layer's base, a sliding window per layer, the embedding scale, post-norms (applied to the
+summed gate outputs, so both ranks apply them to the same values), a dense SwiGLU/GeGLU FFN or
+routed experts (top-k weights renormalized or not), and a tied output head (each part's rows of
+``token_embd``, a view). Rope tables are sized by the engine's context (``ctx_size``, default
+the file's, at most ``arch.DEFAULT_CTX_CAP``), never by the file's number alone.
+
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
 projection, norm and expert works on all rows stacked; the router's product and attention run
 row by row (each row against its session's cache up to its own position), so that a row of a
