@@ -275,6 +275,6 @@ def test_role_and_version_mismatches_abort() -> None:
                             Hello(role=Role.LEADER, identity=IDENTITY))
     assert all(isinstance(e, IdentityMismatch) and "both ranks say" in str(e) for e in errors)
     errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY),
-                            Hello(role=Role.WORKER, identity=IDENTITY, version=2))
-    assert isinstance(errors[0], VersionMismatch) and "version 2" in str(errors[0])
+                            Hello(role=Role.WORKER, identity=IDENTITY, version=3))
+    assert isinstance(errors[0], VersionMismatch) and "version 3" in str(errors[0])
     assert isinstance(errors[1], VersionMismatch)
