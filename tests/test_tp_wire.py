@@ -404,7 +404,7 @@ def test_check_hello_roles_versions_identity() -> None:
     with pytest.raises(IdentityMismatch, match="architecture mismatch: this rank runs 'llama', "
                                                "the peer 'gemma3'"):
         check_hello(LEADER_HELLO, dataclasses.replace(worker, architecture="gemma3"))
-    with pytest.raises(LocalProtocolError, match="Hello.architecture"):
+    with pytest.raises(LocalProtocolError, match=r"Hello\.architecture"):
         dataclasses.replace(worker, architecture="Gemma 3")
     with pytest.raises(IdentityMismatch, match="ctx_size: leader has 256, worker has 512"):
         check_hello(
