@@ -44,13 +44,14 @@ class Tiny:
     n_expert: int = 0
     n_expert_used: int = 0
     tied: bool = False
+    rope_freqs: bool = False  # Llama 3's per-pair rope factors
     keys: dict[str, Any] = field(default_factory=dict)  # extra metadata (arch-prefixed)
 
 
 TINY: dict[str, Tiny] = {
     t.arch if t.arch != "llama" or not t.n_expert else "llama-moe": t
     for t in (
-        Tiny("llama", 11, n_vocab=301, n_head=4, n_head_kv=4),
+        Tiny("llama", 11, n_vocab=301, n_head=4, n_head_kv=4, rope_freqs=True),
         Tiny("llama", 12, n_vocab=263, n_head=4, n_head_kv=2, n_ff=64, n_expert=4,
              n_expert_used=2),
         Tiny("qwen2", 13, n_vocab=317, n_head=4, n_head_kv=2, tied=True),
@@ -130,6 +131,8 @@ def write_tiny(path: Path, name: str) -> str:
         w.add_tensor(tname, (center + rng.standard_normal(n) * scale).astype(np.float32))
 
     matrix("token_embd.weight", (t.n_vocab, d), 0.05 if a == "gemma3" else 0.5, not t.tied)
+    if t.rope_freqs:  # factors 1 for the fast pairs up to 8 for the slow ones, as Llama 3's
+        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, dh // 2).astype(np.float32))
     for i in range(t.n_layer):
         b = f"blk.{i}."
         vector(b + "attn_norm.weight", d)

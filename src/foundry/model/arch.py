@@ -117,6 +117,7 @@ class ArchConfig(ModelConfig):
     sliding_window: int = 0  # 0: every layer attends to the whole context
     swa_pattern: int = 0
     rope_theta_swa: float = 10000.0
+    rope_freqs: bool = False  # a rope_freqs.weight tensor divides each pair's angle (Llama 3)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHS:
@@ -170,6 +171,8 @@ class ArchConfig(ModelConfig):
         d, q, kv, ff, e = self.n_embd, self.n_embd_q, self.n_embd_kv, self.n_ff, self.n_expert
         dh = self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, d)}
+        if self.rope_freqs:
+            shapes["rope_freqs.weight"] = (dh // 2,)
         for i in range(self.n_layer):
             b = f"blk.{i}."
             shapes[b + "attn_norm.weight"] = (d,)
@@ -230,17 +233,20 @@ def rope_base(cfg: ModelConfig, layer: int) -> float:
     return cfg.rope_theta
 
 
-def rope_tables(n_pos: int, head_dim: int, base: float) -> tuple[F32, F32]:
+def rope_tables(n_pos: int, head_dim: int, base: float,
+                factors: F32 | None = None) -> tuple[F32, F32]:
     """cos and sin (n_pos, Dh/2) as ggml computes them (``ggml_rope_cache_init``): the angle
     of pair i starts at the position and is multiplied by base^(-2/Dh) once per pair, in
-    float32, so the rounding is ggml's."""
+    float32, so the rounding is ggml's; ``factors`` (a file's ``rope_freqs``) divide pair i's
+    angle."""
     scale = np.float32(np.power(np.float32(base), np.float32(-2.0 / head_dim), dtype=np.float32))
     theta = np.arange(n_pos, dtype=np.float32)  # (n_pos,)
     cos = np.empty((n_pos, head_dim // 2), np.float32)
     sin = np.empty((n_pos, head_dim // 2), np.float32)
     for i in range(head_dim // 2):
-        cos[:, i] = np.cos(theta)
-        sin[:, i] = np.sin(theta)
+        angle = theta if factors is None else theta / factors[i]
+        cos[:, i] = np.cos(angle)
+        sin[:, i] = np.sin(angle)
         theta = theta * scale
     return cos, sin
 

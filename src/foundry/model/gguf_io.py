@@ -335,7 +335,12 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
 
 
 def _tied(cfg: ModelConfig, names: set[str], path: Path) -> ModelConfig:
-    """The config with ``tied_output`` set when the file has no output head (token_embd is)."""
+    """The config with ``tied_output`` set when the file has no output head (token_embd is),
+    and ``rope_freqs`` when a llama file has per-pair rope factors (Llama 3's scaling)."""
+    if "rope_freqs.weight" in names and spec_of(cfg).name == "llama":
+        if not isinstance(cfg, ArchConfig):  # ours never has them: read as a published llama
+            cfg = ArchConfig(**dataclasses.asdict(cfg), architecture="llama")
+        cfg = dataclasses.replace(cfg, rope_freqs=True)
     if "output.weight" in names or not isinstance(cfg, ArchConfig):
         return cfg
     if not spec_of(cfg).tied_ok:

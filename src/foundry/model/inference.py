@@ -253,7 +253,8 @@ class Engine:
     def _rope_tables(self, n_pos: int) -> None:
         for base in set(self._bases):
             if base not in self._rope or self._rope[base][0].shape[0] < n_pos:
-                self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base)
+                self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base,
+                                               self.dense.get("rope_freqs.weight"))
 
     def _part_layer(self, j: int, layer: int) -> _PartLayer:
         w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
@@ -479,7 +480,7 @@ class Engine:
 
 
 def _is_dense(name: str) -> bool:
-    return name.endswith("norm.weight") or name.endswith("ffn_gate_inp.weight")
+    return name.endswith(("norm.weight", "ffn_gate_inp.weight", "rope_freqs.weight"))
 
 
 _NO_ROUTE = (np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))

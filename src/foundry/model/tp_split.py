@@ -118,6 +118,7 @@ class SplitRule:
 
 SPLIT_TABLE: tuple[SplitRule, ...] = (
     SplitRule("token_embd.weight", SplitKind.REPLICATED, None),
+    SplitRule("rope_freqs.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.attn_norm.weight", SplitKind.REPLICATED, None),
     SplitRule("blk.*.attn_q.weight", SplitKind.ROW, Unit.Q_ROWS),
     SplitRule("blk.*.attn_k.weight", SplitKind.ROW, Unit.K_ROWS),
