@@ -31,6 +31,7 @@ from foundry.model.arch import ArchConfig
 from foundry.model.gguf_io import GGUFError, load_gguf_stored
 from foundry.model.inference import Engine, Gate, GateExchange, Session
 from foundry.model.tp_split import rank_layout, rank_weights
+from foundry.model.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.policy import SpecMode
@@ -234,15 +235,13 @@ def test_stored_types_stay_stored(files: dict[str, Path]) -> None:
     assert blocks == [147, 146]
 
 
-# gemma3's tiny file: one kv head replicated, a tied head split by vocabulary, sliding window.
-# (Its greedy tokens stay below 259, which the leader's byte-level stream decoder accepts until
-# the doors read the file's own tokenizer.)
-@pytest.mark.parametrize("name", ["gemma3"])
+# gemma3's tiny file: one kv head replicated, a tied head split by vocabulary, sliding window;
+# qwen3's: 9 query heads over 3 kv heads, split 6 + 3.
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
 def test_pair_processes_equal_one_process(files: dict[str, Path], name: str,
                                           tmp_path: Path) -> None:
     """The leader here, the worker a process: every logits row of a greedy run equals one
-    process's bit for bit. The tiny files' vocabularies put byte b at id b + 3, as the
-    byte-level tokenizer the leader uses for them does."""
+    process's bit for bit (the prompt through the file's own tokenizer)."""
     model = files[name]
     limit_blas_threads(1)
     rows: list[F32] = []
@@ -263,7 +262,7 @@ def test_pair_processes_equal_one_process(files: dict[str, Path], name: str,
     m = load_gguf_stored(model)
     engine = Engine(m.cfg, m.params)
     s = engine.new_session()
-    ids = [1, *(b + 3 for b in b"abc")]
+    ids = load_tokenizer(m.metadata).encode("abc")
     ref = [engine.decode(s, ids)[-1:]]
     for token in got.tokens[:-1]:
         ref.append(engine.decode(s, [token]))
