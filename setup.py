@@ -9,6 +9,7 @@ docs/architecture.md say what that costs).
 """
 
 import platform
+from pathlib import Path
 
 from setuptools import Extension, setup
 
@@ -26,7 +27,9 @@ setup(
     ext_modules=[
         Extension(
             "foundry.model._kernels",
-            ["src/foundry/model/_kernels.c"],
+            # one file per family (csrc/kernels.h says which), the Python interface in module.c
+            sorted(str(p) for p in Path("src/foundry/model/csrc").glob("*.c")),
+            depends=["src/foundry/model/csrc/kernels.h"],
             extra_compile_args=FLAGS,
             optional=True,
         ),

@@ -6,8 +6,8 @@ module (its best SIMD path).
         libc6-dev-armhf-cross qemu-user-static
     python bench/cross_arch.py
 
-The kernels' part of ``_kernels.c`` (everything before its Python interface) gets a small
-``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
+The kernels' files (``src/foundry/model/csrc/*.c`` but the Python interface, module.c) get a
+small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
 the products; each build runs on the same random inputs for every supported type, then on the
 decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
 """
@@ -27,10 +27,12 @@ from foundry.model import quant
 from foundry.model.layers import rope_tables
 from foundry.model.quant import QType
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "_kernels.c"
+CSRC = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "csrc"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]  # setup.py's
 MAIN = r"""
 #include <stdio.h>
+
+#include "kernels.h"
 static float *floats(FILE *f, size_t n) { /* n floats read from f (NULL when short) */
     float *p = malloc(4 * n + 4);
     return p != NULL && fread(p, 4, n, f) == n ? p : NULL;
@@ -69,7 +71,7 @@ static int decode_ops(FILE *f, FILE *o) {
 
 int main(int argc, char **argv) { /* in: type k n_out n, weights, x; out: y */
     (void)argc;
-    for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
+    kernels_init();
     FILE *f = fopen(argv[1], "rb");
     int hdr[4], values, bytes;
     if (f == NULL || fread(hdr, 4, 1, f) != 1) return 1;
@@ -104,14 +106,14 @@ def main() -> int:
     argparse.ArgumentParser(description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
-    text = SOURCE.read_text().split("/* ---- Python interface")[0]
-    kernels = tmp / "kernels.c"
-    kernels.write_text(text.replace("#include <Python.h>", "").replace(
-        "#define PY_SSIZE_T_CLEAN", "") + MAIN)
+    main_c = tmp / "main.c"
+    main_c.write_text(MAIN)
+    sources = [str(p) for p in sorted(CSRC.glob("*.c")) if p.name != "module.c"]
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        subprocess.run([*cc, *FLAGS, "-o", str(exe), str(kernels), "-lm"], check=True)
+        subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources, "-lm"],
+                       check=True)
         exes[name] = [*run, str(exe)]
     rng = np.random.default_rng(7)
     ok = True

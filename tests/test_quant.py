@@ -2,7 +2,7 @@
 engine on quantized files against the float32 reference, block-aligned tensor-parallel cuts,
 and the files ``foundry export --type`` writes.
 
-The C kernels have one definition per type (``_kernels.c``); the SIMD path must equal the
+The C kernels have one definition per type (``csrc/kernels.h``); the SIMD path must equal the
 portable C bit for bit, and every result must be independent of how many rows a call holds.
 """
 

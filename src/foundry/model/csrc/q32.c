@@ -1,0 +1,606 @@
+/* The 32-blocks with an integer kernel: Q8_0, Q4_0, Q5_0 (theory in kernels.h). */
+
+#include "kernels.h"
+
+void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+    for (int b = 0; b < k / bs; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(x[b * bs + i]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int i = 0; i < bs; i++) q[b * bs + i] = (int8_t)roundf(x[b * bs + i] * id);
+    }
+}
+
+
+
+/* One block of weights as 32 int8 values and its float scale. */
+static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
+    if (type == T_Q8_0) {
+        memcpy(q, blk + 2, QK);
+    } else if (type == T_Q5_0) { /* value v's fifth bit is bit v of qh */
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)(((blk[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + QK / 2] = (int8_t)(((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+    } else { /* Q4_0 */
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)((blk[2 + i] & 0xF) - 8);
+            q[i + QK / 2] = (int8_t)((blk[2 + i] >> 4) - 8);
+        }
+    }
+    return f16(blk);
+}
+
+static inline void add_block(int type, float *acc, int b, float d, const int32_t *s) {
+    if (type == T_Q4_0) { /* four lanes: lane j holds values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j */
+        float *a = acc + 4 * (b & 3);
+        for (int j = 0; j < 4; j++) a[j] = a[j] + d * (float)(s[j] + s[j + 4]);
+        return;
+    }
+    float *a = acc + 8 * (b & 1);
+    for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
+}
+
+/* Blocks from .. nb - 1 of a row added into its sixteen float lanes, then the lanes halved:
+ * the whole dot product from 0, the SIMD paths' last blocks from where they stop. Always
+ * inlined, so in a SIMD path it is compiled with that path's (VEX) encoding: called as a
+ * function of plain SSE with the 512-bit registers' upper halves dirty (gcc 13 left out the
+ * vzeroupper), every row paid Intel's transition penalty (AVX-512 Q8_0 at 4 GB/s, not 13). */
+INLINE float add_blocks(int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq,
+                        const float *xd, int from, int nb) {
+    int8_t q[QK];
+    int32_t s[8];
+    for (int b = from; b < nb; b++) {
+        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
+        idot_lanes(q, xq + b * QK, s);
+        add_block(type, acc, b, dw * xd[b], s);
+    }
+    return finish(acc, LANES_Q);
+}
+
+static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                            const float *xd, int nb) {
+    float acc[LANES_Q] = {0};
+    return add_blocks(type, acc, w, bsize, xq, xd, 0, nb);
+}
+
+#if defined(FOUNDRY_X86)
+
+/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
+ * high) and, as 16, bit v of the block's 32-bit qh for value v. */
+AVX2 INLINE __m256i q5_unsigned_avx2(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                                         _mm_and_si128(raw, m4));
+    /* byte v takes byte v / 8 of qh, keeps its bit v mod 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+AVX2 INLINE __m256i load_block_avx2(int type, const uint8_t *blk) {
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (type == T_Q5_0) return _mm256_sub_epi8(q5_unsigned_avx2(blk), _mm256_set1_epi8(16));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_and_si128(raw, m4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+/* The int8 dot product, AVX2 (maddubs + madd) or AVX-512 VNNI (dpbusd): the same eight exact
+ * int32 lanes, so the same bits; two accumulators, one per block parity. */
+#define DOT_Q_X86(NAME, TARGET, LOAD, LANES8)                                                      \
+    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
+                             const float *xd, int nb) {                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
+        int b = 0;                                                                             \
+        for (; b + 2 <= nb; b += 2) {                                                          \
+            const uint8_t *p = w + (size_t)b * bsize;                                          \
+            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                     \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));             \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));       \
+            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));      \
+            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));      \
+            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);                                  \
+            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);                      \
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));             \
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));             \
+        }                                                                                      \
+        float acc[LANES_Q];                                                                    \
+        _mm256_storeu_ps(acc, acc0);                                                           \
+        _mm256_storeu_ps(acc + 8, acc1);                                                       \
+        return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                 \
+    }
+
+AVX2 INLINE __m256i lanes8_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+}
+DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
+
+VNNI INLINE __m256i lanes8_vnni(__m256i u, __m256i v) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+}
+VNNI INLINE __m256i load_block_vnni(int type, const uint8_t *blk) {
+    return load_block_avx2(type, blk);
+}
+DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
+
+/* Q4_0, AVX2 or VNNI on 256 bits: a block's eight exact lanes folded to add_block's four (lane
+ * j + lane j + 4), into four accumulators of four floats by block mod 4. */
+#define DOT_Q4_X86(NAME, TARGET, LANES8)                                                           \
+    TARGET static float NAME(const uint8_t *w, int bsize, const int8_t *xq, const float *xd,   \
+                             int nb) {                                                         \
+        __m128 acc[4];                                                                         \
+        for (int m = 0; m < 4; m++) acc[m] = _mm_setzero_ps();                                 \
+        int b = 0;                                                                             \
+        for (; b + 4 <= nb; b += 4)                                                            \
+            for (int m = 0; m < 4; m++) {                                                      \
+                const uint8_t *p = w + (size_t)(b + m) * bsize;                                \
+                const __m256i wv = load_block_avx2(T_Q4_0, p);                                 \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));   \
+                const __m256i s8 = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)); \
+                const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8),                  \
+                                                 _mm256_extracti128_si256(s8, 1));            \
+                acc[m] = _mm_add_ps(acc[m], _mm_mul_ps(_mm_set1_ps(f16c(p) * xd[b + m]),       \
+                                                       _mm_cvtepi32_ps(s4)));                  \
+            }                                                                                  \
+        float lanes[LANES_Q];                                                                  \
+        for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                      \
+        return add_blocks(T_Q4_0, lanes, w, bsize, xq, xd, b, nb);                             \
+    }
+DOT_Q4_X86(dot_q4_avx2, AVX2, lanes8_avx2)
+DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
+
+/* AVX-512: two blocks per step, their 16 lanes one register, which is also the order of the
+ * sixteen accumulators (8 (block mod 2) + j). Weights are unsigned for dpbusd (Q8_0: w + 128,
+ * an exclusive or of the sign bit; Q4_0: its stored nibbles, 0..15, before the - 8), and 128
+ * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
+ * input row) come off again: the same exact lanes. */
+AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
+    if (type == T_Q8_0) {
+        const __m512i v = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+            _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)), /* Q5_0 */
+                              q5_unsigned_avx2(p + bsize), 1);
+}
+
+AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                              const float *xd, const int32_t *corr, int nb) {
+    __m512 acc = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *p = w + (size_t)b * bsize;
+        const __m512i xv = _mm512_loadu_si512((const void *)(xq + b * QK));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_pair_512(type, p, bsize), xv);
+        s = _mm512_sub_epi32(s, _mm512_loadu_si512((const void *)(corr + b * 8)));
+        const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16c(p) * xd[b]),
+                                              _mm512_set1_ps(f16c(p + bsize) * xd[b + 1]));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+    }
+    float lanes[LANES_Q];
+    _mm512_storeu_ps(lanes, acc);
+    return add_blocks(type, lanes, w, bsize, xq, xd, b, nb);
+}
+
+
+/* AVX2 without AVX-512 (most desktops and laptops: AMD before Zen 4, Intel's client cores): the
+ * int8 types four rows at a time, the rows j of each quarter of the matrix (four sequential
+ * streams, as rows_q_512_t), sharing the input's loads; each row's operations are exactly
+ * dot_q_avx2's (Q8_0, Q5_0) or add_block's for Q4_0, and the sixteen lanes are halved in
+ * registers (finish16_avx2). Each lane prefetches its own rows PREFETCH2 ahead. */
+#define ROWS2 4
+#ifndef PREFETCH2
+#define PREFETCH2 4 /* rows ahead */
+#endif
+
+/* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
+ * last one to three) added one at a time as dot_q_portable does, then halved. */
+AVX2 INLINE void finish_rows_avx2(
+    int type, const __m256 *a0, const __m256 *a1, const uint8_t *w, size_t lane_bytes, int bsize,
+    const int8_t *xq, const float *xd, int from, int nb, float *y) {
+    for (int i = 0; i < ROWS2; i++) {
+        if (from == nb) {
+            y[i] = finish16_avx2(a0[i], a1[i]);
+            continue;
+        }
+        float lanes[LANES_Q];
+        _mm256_storeu_ps(lanes, a0[i]);
+        _mm256_storeu_ps(lanes + 8, a1[i]);
+        y[i] = add_blocks(type, lanes, w + i * lane_bytes, bsize, xq, xd, from, nb);
+    }
+}
+
+AVX2 INLINE void rows_q_avx2_t(
+    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
+    const float *xd, int nb, float *y) {
+    __m256 a0[ROWS2], a1[ROWS2];
+    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const int pairs = nb & ~1;
+    for (int b = 0; b < pairs; b += 2) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+        for (int i = 0; i < ROWS2; i++) {
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
+            _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
+            const __m256i w0 = load_block_avx2(type, p), w1 = load_block_avx2(type, p + bsize);
+            const __m256i s0 = lanes8_avx2(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
+            const __m256i s1 = lanes8_avx2(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
+            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);
+            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);
+            a0[i] = _mm256_add_ps(a0[i], _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));
+            a1[i] = _mm256_add_ps(a1[i], _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));
+        }
+    }
+    finish_rows_avx2(type, a0, a1, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
+}
+
+AVX2 static void rows_q_avx2(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                             int bsize, const int8_t *xq, const float *xd, int nb, float *y) {
+    if (type == T_Q8_0)
+        rows_q_avx2_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, nb, y);
+    else
+        rows_q_avx2_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, nb, y);
+}
+
+/* Q4_0, four rows and two blocks per register: the two blocks' low nibbles (values 0-15, as
+ * unsigned bytes) against the input's values 0-15 of each, their high nibbles (16-31) against
+ * values 16-31, the two maddubs' int16 pairs added (at most 4 x 15 x 127: exact) and summed by
+ * madd into four int32 lanes per block, which are add_block's folded lanes j + j + 4 less 8 x
+ * the input's sums (``corr4``, from q4_layout, whose ``x4`` order this reads: per four blocks
+ * their values 0-15, then 16-31). Blocks 4g and 4g + 1 go to lanes 0-7 (accumulators 0-7),
+ * 4g + 2 and 4g + 3 to lanes 8-15. */
+AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                              const int8_t *xq, const int8_t *x4, const float *xd,
+                              const int32_t *corr4, int nb, float *y) {
+    const int bsize = 18;
+    __m256 a0[ROWS2], a1[ROWS2];
+    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int quads = nb & ~3;
+    for (int b = 0; b < quads; b += 4) {
+        const int8_t *xg = x4 + (size_t)b * QK;
+        const __m256i cv0 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b));
+        const __m256i cv1 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b + 8));
+        for (int i = 0; i < ROWS2; i++) {
+            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
+            _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
+            /* the four blocks' scale products, then each pair's [d x 4 | d' x 4] */
+            __m128i h = _mm_cvtsi32_si128(rd16(p));
+            h = _mm_insert_epi16(h, rd16(p + bsize), 1);
+            h = _mm_insert_epi16(h, rd16(p + 2 * bsize), 2);
+            h = _mm_insert_epi16(h, rd16(p + 3 * bsize), 3);
+            const __m256 d4 = _mm256_castps128_ps256(
+                _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(xd + b)));
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ph = p + 2 * half * bsize;
+                const __m256i q = _mm256_loadu2_m128i((const __m128i *)(ph + bsize + 2),
+                                                      (const __m128i *)(ph + 2));
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)(xg + 32 * half));
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + 64 + 32 * half));
+                const __m256i lo = _mm256_and_si256(q, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
+                                                     _mm256_maddubs_epi16(hi, xhi));
+                const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), half ? cv1 : cv0);
+                const __m256 dv = _mm256_permutevar8x32_ps(
+                    d4, _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
+                                         _mm256_set1_epi32(2 * half)));
+                const __m256 t = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sv));
+                if (half)
+                    a1[i] = _mm256_add_ps(a1[i], t);
+                else
+                    a0[i] = _mm256_add_ps(a0[i], t);
+            }
+        }
+    }
+    finish_rows_avx2(T_Q4_0, a0, a1, w, lane_bytes, bsize, xq, xd, quads, nb, y);
+}
+
+/* Four rows at a time, each exactly dot_q_512's operations: the input's loads (int8 values,
+ * their sums, their scales) are shared by the four rows. The four rows are row j of each
+ * quarter of the matrix (lane_bytes apart), so each of the four walks its own quarter from
+ * start to end: four long sequential streams, which the L2 streamer prefetches (four adjacent
+ * rows, by contrast, share 4 KB pages at different offsets and defeat it; docs/quantization.md
+ * has the figures). Each lane also prefetches its own rows PREFETCH ahead in software. Per
+ * chunk of up to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and
+ * multiplied by the input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
+ * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
+ * holds no test of the type. */
+#ifndef ROWS
+#define ROWS 4
+#endif
+#define CHUNK 16 /* blocks whose scales are converted together */
+#ifndef PREFETCH
+#define PREFETCH ROWS /* rows ahead */
+#endif
+
+/* The scale products d_w * d_x of up to 16 blocks (``live``) of a row from p: each block's 4
+ * first bytes gathered (its float16 scale in the low half), converted by one vcvtph2ps. */
+AVX512 INLINE __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
+                                      __m512 xds) {
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(bsize));
+    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), xds);
+}
+
+/* The four rows' outputs: their sixteen float lanes, the blocks from ``from`` on added one at a
+ * time as dot_q_portable does, then halved. */
+AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, size_t lane_bytes,
+                               int bsize, const int8_t *xq, const float *xd, int from, int nb,
+                               float *y);
+
+AVX512 INLINE void rows_q_512_t(
+    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
+    const float *xd, const int32_t *corr, int nb, float *y) {
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const int pairs = nb & ~1;
+    int b = 0;
+    for (; b < pairs; b += CHUNK) {
+        const int n = pairs - b < CHUNK ? pairs - b : CHUNK; /* even */
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
+        float sp[ROWS][CHUNK];
+        for (int i = 0; i < ROWS; i++)
+            _mm512_storeu_ps(sp[i], block_scales_512(w + i * lane_bytes + (size_t)b * bsize,
+                                                     bsize, live, xds));
+        for (int c = 0; c < n; c += 2) {
+            const size_t off = (size_t)(b + c) * bsize;
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (b + c) * QK));
+            /* dpbusd onto minus the correction: the same exact int32 lanes as subtracting it */
+            const __m512i ncv = _mm512_sub_epi32(
+                _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr + (b + c) * 8)));
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *p = w + i * lane_bytes + off;
+#if PREFETCH
+                _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+#endif
+                const __m512i wv = load_pair_512(type, p, bsize);
+                const __m512i sv = _mm512_dpbusd_epi32(ncv, wv, xv);
+                const __m512 dv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[i][c]),
+                                                       _mm512_set1_ps(sp[i][c + 1]));
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
+        }
+    }
+    finish_rows(type, acc, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
+}
+
+AVX512 static void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                              int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
+                              int nb, float *y) {
+    if (type == T_Q8_0)
+        rows_q_512_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
+    else
+        rows_q_512_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
+}
+
+/* Q4_0 on AVX-512, four rows and four blocks per step: the blocks' 4 x 16 bytes one register
+ * (block m in 128-bit lane m); its low nibbles (values 0-15) against the input's values 0-15
+ * of each block, then its high nibbles (16-31) against values 16-31, both dpbusd into the same
+ * int32 lanes onto minus 8 x the input's sums: lane 4m + j is block m's lane j of add_block's
+ * four, exactly, and the sixteen float lanes are its accumulators 4 (block mod 4) + j. The input
+ * comes in that order (``x4``: per four blocks their values 0-15, then 16-31; ``corr4``: per
+ * block four sums of 8 values, times 8), from q4_layout. Scales as in rows_q_512_t. */
+AVX512 static void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                               const int8_t *xq, const int8_t *x4, const float *xd,
+                               const int32_t *corr4, int nb, float *y) {
+    const int bsize = 18;
+    __m512 acc[ROWS];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const int quads = nb & ~3;
+    for (int b = 0; b < quads; b += CHUNK) {
+        const int n = quads - b < CHUNK ? quads - b : CHUNK; /* a multiple of 4 */
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
+        __m512 sp[ROWS];
+        for (int i = 0; i < ROWS; i++)
+            sp[i] = block_scales_512(w + i * lane_bytes + (size_t)b * bsize, bsize, live, xds);
+        for (int c = 0; c < n; c += 4) {
+            const int8_t *xg = x4 + (size_t)(b + c) * QK;
+            const __m512i x1 = _mm512_loadu_si512((const void *)xg);
+            const __m512i x2 = _mm512_loadu_si512((const void *)(xg + 64));
+            const __m512i ncv = _mm512_sub_epi32(
+                _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr4 + (b + c) * 4)));
+            const __m512i idx = _mm512_add_epi32( /* lanes 4m .. 4m + 3 take block c + m's */
+                _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                _mm512_set1_epi32(c));
+            for (int i = 0; i < ROWS; i++) {
+                const uint8_t *p = w + i * lane_bytes + (size_t)(b + c) * bsize;
+#if PREFETCH
+                _mm_prefetch((const char *)(p + PREFETCH * row_bytes), _MM_HINT_T0);
+#endif
+                __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 2)));
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + bsize + 2)), 1);
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + 2 * bsize + 2)), 2);
+                q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(p + 3 * bsize + 2)), 3);
+                const __m512i lo = _mm512_and_si512(q, m4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                const __m512i sv = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncv, lo, x1), hi, x2);
+                const __m512 dv = _mm512_permutexvar_ps(idx, sp[i]);
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
+        }
+    }
+    finish_rows(T_Q4_0, acc, w, lane_bytes, bsize, xq, xd, quads, nb, y);
+}
+
+AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, size_t lane_bytes,
+                               int bsize, const int8_t *xq, const float *xd, int from, int nb,
+                               float *y) {
+    for (int i = 0; i < ROWS; i++) {
+        float lanes[LANES_Q];
+        _mm512_storeu_ps(lanes, acc[i]);
+        y[i] = add_blocks(type, lanes, w + i * lane_bytes, bsize, xq, xd, from, nb);
+    }
+}
+
+/* rows_q4_512's input order, from the int8 input (k values) and corr (8 x its sums of 4). */
+static void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4) {
+    const int quads = k / QK / 4;
+    for (int g = 0; g < quads; g++)
+        for (int m = 0; m < 4; m++) {
+            const int8_t *blk = xq + (size_t)(4 * g + m) * QK;
+            memcpy(x4 + (size_t)g * 128 + 16 * m, blk, 16);
+            memcpy(x4 + (size_t)g * 128 + 64 + 16 * m, blk + 16, 16);
+        }
+    for (int b = 0; b < k / QK; b++)
+        for (int j = 0; j < 4; j++) corr4[4 * b + j] = corr[8 * b + j] + corr[8 * b + j + 4];
+}
+
+/* quantize_input's blocks of 32 and the correction's sums (times 2^shift) for the AVX-512 rows,
+ * 16 values at a time: the same maximum (exact, NaNs ignored as fmaxf does), the same scalar
+ * scale and reciprocal, the same product x * id, and roundf's rounding (half away from zero):
+ * truncate, then step away from zero where the exact remainder is at least one half. */
+AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
+                                     int32_t *corr) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int b = 0; b < k / QK; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+        const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1),
+                                       _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const float amax = _mm512_reduce_max_ps(m);
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        const __m512 idv = _mm512_set1_ps(id);
+        for (int h = 0; h < 2; h++) {
+            const __m512 v = _mm512_mul_ps(h ? x1 : x0, idv);
+            __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half,
+                                                    _CMP_GE_OQ);
+            const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v),
+                                                  _mm512_set1_epi32((int)0x80000000u));
+            const __m512 step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(one), sign));
+            t = _mm512_mask_add_ps(t, up, t, step);
+            _mm_storeu_si128((__m128i *)(q + b * QK + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+        }
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    int g = 0;
+    for (; g + 16 <= k / 4; g += 16) {
+        const __m512i qv = _mm512_loadu_si512((const void *)(q + 4 * g));
+        const __m512i s4 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, qv);
+        _mm512_storeu_si512((void *)(corr + g), _mm512_slli_epi32(s4, (unsigned)shift));
+    }
+    for (; g < k / 4; g++)
+        corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
+}
+
+#endif
+
+static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
+                   const int32_t *corr, int nb) {
+#if defined(FOUNDRY_X86)
+    if (use_512 && type != T_Q4_0) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
+    if (use_vnni)
+        return type == T_Q4_0 ? dot_q4_vnni(w, bsize, xq, xd, nb)
+                              : dot_q_vnni(type, w, bsize, xq, xd, nb);
+    if (use_avx2)
+        return type == T_Q4_0 ? dot_q4_avx2(w, bsize, xq, xd, nb)
+                              : dot_q_avx2(type, w, bsize, xq, xd, nb);
+#endif
+    (void)corr;
+    return dot_q_portable(type, w, bsize, xq, xd, nb);
+}
+
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+               int n, float *y) {
+    const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
+    const int nb = k / QK;
+    int8_t *xq = malloc((size_t)n * k);
+    float *xd = malloc((size_t)n * nb * sizeof(float));
+    int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0), 16 (Q5_0), 8 (Q4_0) x sums of 4 */
+    if (xq == NULL || xd == NULL || corr == NULL) {
+        free(xq);
+        free(xd);
+        free(corr);
+        return -1;
+    }
+    const int shift = type == T_Q8_0 ? 7 : type == T_Q5_0 ? 4 : 3; /* 128, 16 or 8 */
+    for (int t = 0; t < n; t++) {
+        const int8_t *q = xq + (size_t)t * k;
+#if defined(FOUNDRY_X86)
+        if (use_512) {
+            prepare_input_512(x + (size_t)t * k, k, shift, xq + (size_t)t * k,
+                              xd + (size_t)t * nb, corr + (size_t)t * (k / 4));
+            continue;
+        }
+#endif
+        quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
+        for (int g = 0; g < k / 4; g++)
+            corr[(size_t)t * (k / 4) + g] =
+                (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
+    }
+    int r = 0;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
+        int8_t *x4 = NULL;
+        int32_t *corr4 = NULL;
+        if (type == T_Q4_0) {
+            x4 = malloc((size_t)n * k);
+            corr4 = malloc((size_t)n * (k / 8) * sizeof(int32_t));
+            if (x4 == NULL || corr4 == NULL) {
+                free(x4);
+                free(corr4);
+                free(xq);
+                free(xd);
+                free(corr);
+                return -1;
+            }
+            for (int t = 0; t < n; t++)
+                q4_layout(xq + (size_t)t * k, corr + (size_t)t * (k / 4), k,
+                          x4 + (size_t)t * k, corr4 + (size_t)t * (k / 8));
+        }
+        const int per = use_512 ? ROWS : ROWS2, quarter = n_out / per;
+        for (int j = 0; j < quarter; j++)
+            for (int t = 0; t < n; t++) {
+                float out[ROWS > ROWS2 ? ROWS : ROWS2];
+                const uint8_t *wj = w + (size_t)j * row_bytes;
+                const size_t lane = (size_t)quarter * row_bytes;
+                if (type == T_Q4_0 && use_512)
+                    rows_q4_512(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                else if (type == T_Q4_0)
+                    rows_q4_avx2(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                 xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                else if (use_512)
+                    rows_q_512(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                               xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
+                else
+                    rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                                xd + (size_t)t * nb, nb, out);
+                for (int i = 0; i < per; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
+            }
+        r = per * quarter;
+        free(x4);
+        free(corr4);
+    }
+#endif
+    for (; r < n_out; r++)
+        for (int t = 0; t < n; t++)
+            y[(size_t)t * n_out + r] =
+                dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
+                      corr + (size_t)t * (k / 4), nb);
+    free(xq);
+    free(xd);
+    free(corr);
+    return 0;
+}
