@@ -40,7 +40,7 @@ from foundry.tp.handshake import identity_for, load_rank
 F32 = npt.NDArray[np.float32]
 KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 QUANTIZABLE = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
-INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # inputs quantized to int8 blocks (the fast path)
+INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1)  # int8 blocks of 32
 CFG = ModelConfig(n_ctx=64)
 
 
@@ -129,11 +129,12 @@ ODD_SHAPES = [(5, 736), (6, 1056)]
 def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
     rng = np.random.default_rng(3)
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
-    x = rng.standard_normal((4, k), dtype=np.float32)
+    x = rng.standard_normal((6, k), dtype=np.float32)
     assert quant._kernels is not None
 
     def products() -> np.ndarray:
-        """One input (decode: the matrix streamed once), then four (rows kept in cache)."""
+        """One input (decode: the matrix streamed once), then six (a block: rows kept in cache,
+        the K-quants' inputs four at a time and two)."""
         return np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)])
 
     results = [products()]
@@ -173,13 +174,15 @@ def test_f16_rows_of_any_length(k: int) -> None:
     np.testing.assert_allclose(quant.linear(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", [QType.F16, QType.Q8_0, QType.Q4_K])
+@pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
 def test_a_row_does_not_depend_on_its_batch(qtype: QType) -> None:
+    """A prefill block (67 rows: a whole tile of 64 inputs and a part one, the K-quants' four
+    inputs a time and three) gives each row the bits of that row alone (decode)."""
     rng = np.random.default_rng(5)
     w = stored(rng.standard_normal((16, 256), dtype=np.float32), qtype)
-    x = rng.standard_normal((5, 256), dtype=np.float32)
+    x = rng.standard_normal((67, 256), dtype=np.float32)
     together = quant.linear(x, w)
-    for i in range(5):
+    for i in range(67):
         assert np.array_equal(quant.linear(x[i : i + 1], w), together[i : i + 1])
 
 

@@ -27,8 +27,11 @@
  *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
  *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
  *   the halving (dot_k_portable).
- * - F16 and the other block types (Q4_1, Q5_1): the weight row is turned into float32
- *   (exact for F16; ggml's dequantization for blocks), then multiplied with x in float32:
+ * - Q4_1 and Q5_1 (a minimum per block): x as for Q8_0, with S_b the exact sum of its block; the
+ *   unsigned values (0..15, 0..31) give the same eight exact lanes, added as (d_w * d_x) * lane_j
+ *   into accumulator 8 (block mod 2) + j of sixteen, and (m_w * d_x) * S_b into one more float,
+ *   added after the halving (dot_q1_portable).
+ * - F16: the weight row is turned into float32 (exact), then multiplied with x in float32:
  *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
  *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
  *
@@ -36,9 +39,15 @@
  * use separate multiply and add instructions) since a fused multiply-add rounds once instead of
  * twice and would make the paths differ.
  *
+ * A block of inputs (prefill) is matrix-matrix over the stored blocks: the inputs in tiles that
+ * stay in L2 while every row of the matrix passes over them (each weight block read once per
+ * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four).
+ * Each (row, input) output is still the one definition above, so a row of a block has the bits
+ * of that row decoded alone, on every path and machine.
+ *
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
- * q32.c (Q8_0, Q4_0, Q5_0), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c (the decode
- * step's other operations), module.c (the Python interface). This header holds what they
+ * q32.c (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c
+ * (the decode step's other operations), module.c (the Python interface). This header holds what they
  * share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
  */
 
@@ -220,6 +229,8 @@ INLINE float exp_f(float x) {
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
                int n, float *y);                              /* q32.c */
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+              int n, float *y);                               /* q32.c: Q4_1, Q5_1 */
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
              int n, float *y);                                /* kquants.c */
 int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
@@ -231,6 +242,8 @@ static inline int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0:
         return matmul_q32(type, w, row_bytes, n_out, k, x, n, y);
+    case T_Q4_1: case T_Q5_1:
+        return matmul_q1(type, w, row_bytes, n_out, k, x, n, y);
     case T_Q4_K: case T_Q5_K: case T_Q6_K:
         return matmul_k(type, w, row_bytes, n_out, k, x, n, y);
     default:

@@ -87,10 +87,40 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 #if defined(FOUNDRY_X86)
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
-/* The K-quants on x86: a chunk's 32 unsigned values (Q6_K: 0..63, with 32 x the input's sums
- * of 4 taken off again) against the input's int8 values, the same exact lanes, times the
- * chunk's scales, summed in int32; then dot_k_portable's float operations. */
-AVX2 INLINE __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
+/* The K-quants on x86: a tile of R rows (lane_bytes apart) against T inputs (R x T <= 4:
+ * decode takes four rows of one input, a prefill block one row of four inputs, which then share
+ * each chunk of weights as it is unpacked), each exactly dot_k_portable's operations. A chunk's
+ * 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63), maddubs against the
+ * input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128); Q6_K takes off 32 x
+ * the input's pair sums (``x32p``, per input; still within int16), which makes them the sums of
+ * (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3 sc[2c], 4-7 sc[2c + 1]) sums
+ * each two pairs times the scale: exactly sc x lane l, into the super-block's int32 L. The
+ * minimums: M = the exact sum of m_c x s32_c by one madd of the eight mins and the input's
+ * eight chunk sums as int16 (``s32h``, at most 32 x 128). */
+AVX2 INLINE void kq_scales_avx2(const int type, const uint8_t *blk, __m256i *scv, __m128i *mins) {
+    if (type == T_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int c = 0; c < 8; c++)
+            scv[c] = _mm256_blend_epi32(_mm256_set1_epi16(sc[2 * c]),
+                                        _mm256_set1_epi16(sc[2 * c + 1]), 0xF0);
+        *mins = _mm_setzero_si128();
+        return;
+    }
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12); /* the twelve bytes of 6-bit scales and mins, as ggml unpacks them */
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = m03;
+    u[0] &= 0x3f3f3f3fu;
+    const __m128i both = _mm_loadu_si128((const __m128i *)u); /* scales 0-7, then mins 0-7 */
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
+    for (int c = 0; c < 8; c++) /* int16 c of each half to all of it */
+        scv[c] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * c + 1) + 2 * c)));
+    *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
+}
+
+AVX2 INLINE __m256i kq_chunk_avx2(const int type, const uint8_t *blk, int c, __m256i qh5) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     if (type == T_Q6_K) {
         const int n = c / 4, cc = c % 4;
@@ -105,74 +135,105 @@ AVX2 INLINE __m256i kq_chunk_avx2(int type, const uint8_t *blk, int c) {
     const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (c / 2)));
     __m256i v = c & 1 ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4) : _mm256_and_si256(qs, m4);
     if (five) {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, c), _mm256_set1_epi8(1));
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh5, c), _mm256_set1_epi8(1));
         v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
     }
     return v;
 }
 
-#define DOT_K_X86(NAME, TARGET, LANES8U)                                                           \
-    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
-                             const float *xd, const int32_t *s4, const int32_t *s32, int nsb) { \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
-        float acc_min = 0.0f;                                                                  \
-        int32_t sc[16], m[8];                                                                  \
-        for (int b = 0; b < nsb; b++) {                                                        \
-            const uint8_t *blk = w + (size_t)b * bsize;                                        \
-            for (int o = 0; o < bsize; o += 64)                                                \
-                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);          \
-            const float d = f16c(blk + KQ_D(type));                                            \
-            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);                          \
-            kq_scales(type, blk, sc, m);                                                       \
-            __m256i L = _mm256_setzero_si256();                                                \
-            int32_t M = 0;                                                                     \
-            for (int c = 0; c < 8; c++) {                                                      \
-                const __m256i u = kq_chunk_avx2(type, blk, c);                                 \
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK_K + c * QK)); \
-                __m256i lanes = LANES8U(u, x);                                                 \
-                if (type == T_Q6_K)                                                            \
-                    lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(_mm256_loadu_si256(      \
-                        (const __m256i *)(s4 + (b * QK_K + c * QK) / 4)), 5));                 \
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[2 * c + 1]),            \
-                                                     _mm_set1_epi32(sc[2 * c]));               \
-                L = _mm256_add_epi32(L, _mm256_mullo_epi32(lanes, scv));                       \
-                M += m[c] * s32[b * 8 + c];                                                    \
-            }                                                                                  \
-            const __m256 f = _mm256_set1_ps(d * xd[b]);                                        \
-            const __m256 t = _mm256_mul_ps(f, _mm256_cvtepi32_ps(L));                          \
-            if (b & 1)                                                                         \
-                acc1 = _mm256_add_ps(acc1, t);                                                 \
-            else                                                                               \
-                acc0 = _mm256_add_ps(acc0, t);                                                 \
-            acc_min = acc_min + (dmin * xd[b]) * (float)M;                                     \
-        }                                                                                      \
-        float lanes[LANES_Q];                                                                  \
-        _mm256_storeu_ps(lanes, acc0);                                                         \
-        _mm256_storeu_ps(lanes + 8, acc1);                                                     \
-        return finish(lanes, LANES_Q) - acc_min;                                               \
+#define KT 4 /* R x T, the outputs of one tile */
+AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const uint8_t *w,
+                                size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
+                                const float *xd, const int16_t *s32h, const int16_t *x32p,
+                                float *y, size_t y_row, size_t y_in) {
+    __m256 a0[KT], a1[KT];
+    float amin[KT];
+    for (int i = 0; i < R * T; i++) {
+        a0[i] = a1[i] = _mm256_setzero_ps();
+        amin[i] = 0.0f;
     }
+    for (int b = 0; b < nsb; b++) {
+        __m256i scv[KT][8], L[KT];
+        __m128i mins[KT];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+            for (int o = 0; o < bsize; o += 64)
+                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);
+            kq_scales_avx2(type, blk, scv[r], &mins[r]);
+        }
+        for (int i = 0; i < R * T; i++) L[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            __m256i xv[KT], xp[KT];
+            for (int t = 0; t < T; t++) {
+                const size_t at = (size_t)t * k + (size_t)b * QK_K + (size_t)c * QK;
+                xv[t] = _mm256_loadu_si256((const __m256i *)(xq + at));
+                if (type == T_Q6_K) xp[t] = _mm256_loadu_si256((const __m256i *)(x32p + at / 2));
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+                const __m256i qh5 = type == T_Q5_K
+                                        ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                        : _mm256_setzero_si256();
+                const __m256i u8 = kq_chunk_avx2(type, blk, c, qh5);
+                for (int t = 0; t < T; t++) {
+                    __m256i p = _mm256_maddubs_epi16(u8, xv[t]);
+                    if (type == T_Q6_K) p = _mm256_sub_epi16(p, xp[t]);
+                    L[r * T + t] = _mm256_add_epi32(L[r * T + t], _mm256_madd_epi16(p, scv[r][c]));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+            const float d = f16c(blk + KQ_D(type));
+            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
+            for (int t = 0; t < T; t++) {
+                const int i = r * T + t;
+                const float dx = xd[(size_t)t * nsb + b];
+                const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(L[i]));
+                if (b & 1)
+                    a1[i] = _mm256_add_ps(a1[i], v);
+                else
+                    a0[i] = _mm256_add_ps(a0[i], v);
+                if (type != T_Q6_K) {
+                    const __m128i mm = _mm_madd_epi16(
+                        mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
+                    const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+                    const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
+                    amin[i] = amin[i] + (dmin * dx) * (float)M;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            y[r * y_row + t * y_in] = finish16_avx2(a0[r * T + t], a1[r * T + t]) - amin[r * T + t];
+}
 
-/* u unsigned (at most 63: maddubs cannot saturate), v signed */
-AVX2 INLINE __m256i lanes8u_avx2(__m256i u, __m256i v) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+/* One tile, specialised per type and shape: 4 x 1 (decode), 1 x T for T = 1 .. 4 (a prefill
+ * block's inputs four at a time, and the rest). */
+AVX2 static void kq_tile_avx2(int type, int R, int T, const uint8_t *w, size_t lane_bytes,
+                              int bsize, int nsb, int k, const int8_t *xq, const float *xd,
+                              const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,
+                              size_t y_in) {
+#define KQ_CASE(TY, R_, T_)                                                                    \
+    if (type == TY && R == R_ && T == T_) {                                                    \
+        kq_tile_avx2_t(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row, \
+                       y_in);                                                                  \
+        return;                                                                                \
+    }
+#define KQ_TYPE(TY) KQ_CASE(TY, 4, 1) KQ_CASE(TY, 1, 1) KQ_CASE(TY, 1, 2) KQ_CASE(TY, 1, 3) \
+    KQ_CASE(TY, 1, 4)
+    KQ_TYPE(T_Q4_K)
+    KQ_TYPE(T_Q5_K)
+    KQ_TYPE(T_Q6_K)
+#undef KQ_TYPE
+#undef KQ_CASE
 }
-VNNI INLINE __m256i lanes8u_vnni(__m256i u, __m256i v) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
-}
-DOT_K_X86(dot_k_avx2, AVX2, lanes8u_avx2)
-DOT_K_X86(dot_k_vnni, VNNI, lanes8u_vnni)
 #endif
 
-static float dot_k(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
-                   const int32_t *s4, const int32_t *s32, int nsb) {
-#if defined(FOUNDRY_X86)
-    if (use_vnni) return dot_k_vnni(type, w, bsize, xq, xd, s4, s32, nsb);
-    if (use_avx2) return dot_k_avx2(type, w, bsize, xq, xd, s4, s32, nsb);
-#endif
-    (void)s4;
-    return dot_k_portable(type, w, bsize, xq, xd, s32, nsb);
-}
+/* Inputs per tile of a prefill block: their int8 values (and Q6_K's pair sums) stay in L2
+ * while every row of the matrix passes over them, so each weight block is read once per tile. */
+#define K_TILE 64
 
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
              int n, float *y) {
@@ -182,24 +243,63 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
     float *xd = malloc((size_t)n * nsb * sizeof(float));
     int32_t *s4 = malloc((size_t)n * (k / 4) * sizeof(int32_t));
     int32_t *s32 = malloc((size_t)n * (k / QK) * sizeof(int32_t));
-    if (xq == NULL || xd == NULL || s4 == NULL || s32 == NULL) {
+    int16_t *s32h = malloc((size_t)n * (k / QK) * sizeof(int16_t));
+    int16_t *x32p = type == T_Q6_K ? malloc((size_t)n * (k / 2) * sizeof(int16_t)) : NULL;
+    if (xq == NULL || xd == NULL || s4 == NULL || s32 == NULL || s32h == NULL ||
+        (type == T_Q6_K && x32p == NULL)) {
         free(xq);
         free(xd);
         free(s4);
         free(s32);
+        free(s32h);
+        free(x32p);
         return -1;
     }
     for (int t = 0; t < n; t++)
         quantize_input_k(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nsb,
                          s4 + (size_t)t * (k / 4), s32 + (size_t)t * (k / QK));
+    for (size_t i = 0; i < (size_t)n * (k / QK); i++) s32h[i] = (int16_t)s32[i];
+    if (x32p != NULL)
+        for (size_t i = 0; i < (size_t)n * (k / 2); i++)
+            x32p[i] = (int16_t)(32 * (xq[2 * i] + xq[2 * i + 1]));
+#if defined(FOUNDRY_X86)
+    if (use_avx2) {
+        int r0 = 0;
+        if (n == 1) { /* four rows a time, row j of each quarter: four sequential streams */
+            const int quarter = n_out / 4;
+            for (int j = 0; j < quarter; j++)
+                kq_tile_avx2(type, 4, 1, w + (size_t)j * row_bytes, (size_t)quarter * row_bytes,
+                             bytes, nsb, k, xq, xd, s32h, x32p, y + j, (size_t)quarter, 0);
+            r0 = 4 * quarter;
+        }
+        for (int t0 = 0; t0 < n; t0 += K_TILE) {
+            const int tn = n - t0 < K_TILE ? n - t0 : K_TILE;
+            for (int r = r0; r < n_out; r++)
+                for (int t = t0; t < t0 + tn; t += KT) {
+                    const int nt = t0 + tn - t < KT ? t0 + tn - t : KT;
+                    kq_tile_avx2(type, 1, nt, w + (size_t)r * row_bytes, 0, bytes, nsb, k,
+                                 xq + (size_t)t * k, xd + (size_t)t * nsb,
+                                 s32h + (size_t)t * (k / QK),
+                                 x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL,
+                                 y + (size_t)t * n_out + r, 0, (size_t)n_out);
+                }
+        }
+        goto done;
+    }
+#endif
     for (int r = 0; r < n_out; r++)
         for (int t = 0; t < n; t++)
-            y[(size_t)t * n_out + r] = dot_k(type, w + r * row_bytes, bytes, xq + (size_t)t * k,
-                                             xd + (size_t)t * nsb, s4 + (size_t)t * (k / 4),
-                                             s32 + (size_t)t * (k / QK), nsb);
+            y[(size_t)t * n_out + r] =
+                dot_k_portable(type, w + (size_t)r * row_bytes, bytes, xq + (size_t)t * k,
+                               xd + (size_t)t * nsb, s32 + (size_t)t * (k / QK), nsb);
+#if defined(FOUNDRY_X86)
+done:
+#endif
     free(xq);
     free(xd);
     free(s4);
     free(s32);
+    free(s32h);
+    free(x32p);
     return 0;
 }

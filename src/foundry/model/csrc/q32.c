@@ -521,6 +521,10 @@ static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, cons
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
+/* Inputs per tile of a prefill block (with their sums, 4 bytes a value): every row group of the
+ * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
+#define Q_TILE 64
+
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
                int n, float *y) {
     const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
@@ -570,8 +574,9 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
                           x4 + (size_t)t * k, corr4 + (size_t)t * (k / 8));
         }
         const int per = use_512 ? ROWS : ROWS2, quarter = n_out / per;
+        for (int t0 = 0; t0 < n; t0 += Q_TILE) /* a tile of inputs stays in L2 */
         for (int j = 0; j < quarter; j++)
-            for (int t = 0; t < n; t++) {
+            for (int t = t0; t < n && t < t0 + Q_TILE; t++) {
                 float out[ROWS > ROWS2 ? ROWS : ROWS2];
                 const uint8_t *wj = w + (size_t)j * row_bytes;
                 const size_t lane = (size_t)quarter * row_bytes;
@@ -602,5 +607,119 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     free(xq);
     free(xd);
     free(corr);
+    return 0;
+}
+
+/* ---- Q4_1 and Q5_1: the 32-blocks with a minimum ------------------------------------------- */
+
+/* y = sum over blocks of d_w (d_x q.x) + m_w (d_x S): the input quantized to int8 blocks of 32
+ * as for Q8_0, S its exact sum per block; the weights' values unsigned (Q4_1 0..15, Q5_1
+ * 0..31). A block's products give add_block's eight exact int32 lanes, added as (d_w * d_x) *
+ * lane_j into accumulator 8 (block mod 2) + j; the minimums add (m_w * d_x) * S into one more
+ * float, which comes onto the halved lanes at the end: finish(acc) + acc_min. */
+static inline void unpack_block_min(int type, const uint8_t *blk, int8_t *q) {
+    if (type == T_Q4_1) {
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)(blk[4 + i] & 0xF);
+            q[i + QK / 2] = (int8_t)(blk[4 + i] >> 4);
+        }
+        return;
+    }
+    uint32_t qh; /* Q5_1: value v's fifth bit is bit v of qh */
+    memcpy(&qh, blk + 4, 4);
+    for (int i = 0; i < QK / 2; i++) {
+        q[i] = (int8_t)((blk[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
+        q[i + QK / 2] = (int8_t)((blk[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+}
+
+static float dot_q1_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                             const float *xd, const int32_t *sums, int nb) {
+    float acc[LANES_Q] = {0}, acc_min = 0.0f;
+    int8_t q[QK];
+    int32_t s[8];
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * bsize;
+        unpack_block_min(type, blk, q);
+        idot_lanes(q, xq + b * QK, s);
+        float *a = acc + 8 * (b & 1);
+        const float f = f16(blk) * xd[b];
+        for (int j = 0; j < 8; j++) a[j] = a[j] + f * (float)s[j];
+        acc_min = acc_min + (f16(blk + 2) * xd[b]) * (float)sums[b];
+    }
+    return finish(acc, LANES_Q) + acc_min;
+}
+
+#if defined(FOUNDRY_X86)
+/* dot_q1_portable's operations, two blocks a step: maddubs of the unsigned values (at most 31)
+ * and the input's int8 values is exact, madd by ones sums each two pairs: the eight lanes. */
+AVX2 INLINE float dot_q1_avx2_t(const int type, const uint8_t *w, int bsize, const int8_t *xq,
+                                const float *xd, const int32_t *sums, int nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float acc_min = 0.0f;
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * bsize;
+        __m256i u;
+        if (type == T_Q4_1) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
+            u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        } else {
+            u = q5_unsigned_avx2(blk + 2); /* qh at 4, values at 8: Q5_0's layout 2 bytes on */
+        }
+        const __m256i s = lanes8_avx2(u, _mm256_loadu_si256((const __m256i *)(xq + b * QK)));
+        const float dx = xd[b];
+        const __m256 v = _mm256_mul_ps(_mm256_set1_ps(f16c(blk) * dx), _mm256_cvtepi32_ps(s));
+        if (b & 1)
+            acc1 = _mm256_add_ps(acc1, v);
+        else
+            acc0 = _mm256_add_ps(acc0, v);
+        acc_min = acc_min + (f16c(blk + 2) * dx) * (float)sums[b];
+    }
+    return finish16_avx2(acc0, acc1) + acc_min;
+}
+
+AVX2 static float dot_q1_avx2(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                              const float *xd, const int32_t *sums, int nb) {
+    return type == T_Q4_1 ? dot_q1_avx2_t(T_Q4_1, w, bsize, xq, xd, sums, nb)
+                          : dot_q1_avx2_t(T_Q5_1, w, bsize, xq, xd, sums, nb);
+}
+#endif
+
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+              int n, float *y) {
+    const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
+    int8_t *xq = malloc((size_t)n * k);
+    float *xd = malloc((size_t)n * nb * sizeof(float));
+    int32_t *sums = malloc((size_t)n * nb * sizeof(int32_t));
+    if (xq == NULL || xd == NULL || sums == NULL) {
+        free(xq);
+        free(xd);
+        free(sums);
+        return -1;
+    }
+    for (int t = 0; t < n; t++) {
+        const int8_t *q = xq + (size_t)t * k;
+        quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
+        for (int b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += q[b * QK + i];
+            sums[(size_t)t * nb + b] = s;
+        }
+    }
+    float (*dot)(int, const uint8_t *, int, const int8_t *, const float *, const int32_t *, int) =
+        dot_q1_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) dot = dot_q1_avx2;
+#endif
+    for (int t0 = 0; t0 < n; t0 += Q_TILE)
+        for (int r = 0; r < n_out; r++)
+            for (int t = t0; t < n && t < t0 + Q_TILE; t++)
+                y[(size_t)t * n_out + r] = dot(type, w + (size_t)r * row_bytes, bytes,
+                                               xq + (size_t)t * k, xd + (size_t)t * nb,
+                                               sums + (size_t)t * nb, nb);
+    free(xq);
+    free(xd);
+    free(sums);
     return 0;
 }
