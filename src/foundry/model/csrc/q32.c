@@ -2,6 +2,10 @@
 
 #include "kernels.h"
 
+/* Inputs per tile of a prefill block (with their sums, 4 bytes a value): every row group of the
+ * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
+#define Q_TILE 64
+
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
     for (int b = 0; b < k / bs; b++) {
         float amax = 0.0f;
@@ -452,6 +456,99 @@ AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, si
     }
 }
 
+/* A prefill block on AVX-512, Q8_0 (and Q5_0 unpacked to it): R = 4 rows against T inputs, each
+ * (row, input) exactly rows_q_512_t's operations. The rows' weights are turned unsigned once per
+ * tile (``wu``: w + 128 by the sign bit, 32 bytes a block) with their float16 scales as floats
+ * (``dw``), so a step of two blocks is, per row, one load shared by the T inputs, and per (row,
+ * input) the scale product d_w * d_x (one multiplication of the two pairs' vectors: the same
+ * rounding), dpbusd onto minus the correction, the conversion, the multiplication and the
+ * addition. */
+#define QT_ROWS 4
+AVX512 INLINE void tile_q8_512_t(const int T, const uint8_t *wu, const float *dw, int nb,
+                                 int k, const int8_t *xq, const float *xd, const int32_t *corr,
+                                 float *acc_out) {
+    __m512 acc[QT_ROWS][4];
+    for (int i = 0; i < QT_ROWS; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    const int pairs = nb & ~1;
+    for (int b = 0; b < pairs; b += 2) {
+        __m512i xv[4], ncv[4];
+        __m512 dx[4];
+        for (int t = 0; t < T; t++) {
+            xv[t] = _mm512_loadu_si512((const void *)(xq + (size_t)t * k + b * QK));
+            ncv[t] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                      _mm512_loadu_si512((const void *)(corr + (size_t)t * (k / 4) + b * 8)));
+            dx[t] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[(size_t)t * nb + b]),
+                                         _mm512_set1_ps(xd[(size_t)t * nb + b + 1]));
+        }
+        for (int i = 0; i < QT_ROWS; i++) {
+            const __m512i wv = _mm512_loadu_si512((const void *)(wu + ((size_t)i * nb + b) * QK));
+            const __m512 dwv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dw[(size_t)i * nb + b]),
+                                                    _mm512_set1_ps(dw[(size_t)i * nb + b + 1]));
+            for (int t = 0; t < T; t++) {
+                const __m512i sv = _mm512_dpbusd_epi32(ncv[t], wv, xv[t]);
+                const __m512 dv = _mm512_mul_ps(dwv, dx[t]);
+                acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
+        }
+    }
+    for (int i = 0; i < QT_ROWS; i++)
+        for (int t = 0; t < T; t++) _mm512_storeu_ps(acc_out + (i * 4 + t) * LANES_Q, acc[i][t]);
+}
+
+AVX512 static void tile_q8_512(int T, const uint8_t *wu, const float *dw, int nb, int k,
+                               const int8_t *xq, const float *xd, const int32_t *corr,
+                               float *acc_out) {
+    switch (T) {
+    case 1: tile_q8_512_t(1, wu, dw, nb, k, xq, xd, corr, acc_out); break;
+    case 2: tile_q8_512_t(2, wu, dw, nb, k, xq, xd, corr, acc_out); break;
+    case 3: tile_q8_512_t(3, wu, dw, nb, k, xq, xd, corr, acc_out); break;
+    default: tile_q8_512_t(4, wu, dw, nb, k, xq, xd, corr, acc_out); break;
+    }
+}
+
+/* y (n, n_out) for a block of inputs, Q8_0 rows r0 .. r0 + 4 * groups - 1, on tile_q8_512:
+ * returns -1 when out of memory. */
+AVX512 static int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
+                               const int8_t *xq, const float *xd, const int32_t *corr, int n,
+                               int n_out, float *y) {
+    const int nb = k / QK;
+    uint8_t *wu = malloc((size_t)QT_ROWS * nb * QK);
+    float *dw = malloc((size_t)QT_ROWS * nb * sizeof(float));
+    if (wu == NULL || dw == NULL) {
+        free(wu);
+        free(dw);
+        return -1;
+    }
+    for (int t0 = 0; t0 < n; t0 += Q_TILE)
+        for (int g = 0; g < groups; g++) {
+            for (int i = 0; i < QT_ROWS; i++) /* the group's rows, unsigned, scales as floats */
+                for (int b = 0; b < nb; b++) {
+                    const uint8_t *blk = w + (size_t)(QT_ROWS * g + i) * row_bytes + (size_t)b * 34;
+                    _mm256_storeu_si256((__m256i *)(wu + ((size_t)i * nb + b) * QK),
+                                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                                         _mm256_set1_epi8((char)0x80)));
+                    dw[(size_t)i * nb + b] = f16c(blk);
+                }
+            for (int t = t0; t < n && t < t0 + Q_TILE; t += 4) {
+                const int T = n - t < 4 ? n - t : (t0 + Q_TILE - t < 4 ? t0 + Q_TILE - t : 4);
+                float lanes[QT_ROWS * 4 * LANES_Q];
+                tile_q8_512(T, wu, dw, nb, k, xq + (size_t)t * k, xd + (size_t)t * nb,
+                            corr + (size_t)t * (k / 4), lanes);
+                for (int i = 0; i < QT_ROWS; i++)
+                    for (int u = 0; u < T; u++) {
+                        const int r = QT_ROWS * g + i;
+                        y[(size_t)(t + u) * n_out + r] = add_blocks(
+                            T_Q8_0, lanes + (i * 4 + u) * LANES_Q, w + (size_t)r * row_bytes, 34,
+                            xq + (size_t)(t + u) * k, xd + (size_t)(t + u) * nb, nb & ~1, nb);
+                    }
+            }
+        }
+    free(wu);
+    free(dw);
+    return 0;
+}
+
 /* rows_q4_512's input order, from the int8 input (k values) and corr (8 x its sums of 4). */
 static void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4) {
     const int quads = k / QK / 4;
@@ -521,12 +618,47 @@ static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, cons
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
-/* Inputs per tile of a prefill block (with their sums, 4 bytes a value): every row group of the
- * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
-#define Q_TILE 64
+/* Inputs from which a block unpacks Q5_0 once (below: fewer pay more to unpack than they save). */
+#define Q5_WIDEN 8
+
+#if defined(FOUNDRY_X86)
+AVX2 static void widen_q5_avx2(const uint8_t *blk, uint8_t *out) {
+    _mm256_storeu_si256((__m256i *)out, load_block_avx2(T_Q5_0, blk));
+}
+#endif
+
+/* A Q5_0 block's 32 values as int8 (v - 16), as unpack_block gives them. */
+static void widen_q5(const uint8_t *blk, uint8_t *out) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2) {
+        widen_q5_avx2(blk, out);
+        return;
+    }
+#endif
+    unpack_block(T_Q5_0, blk, (int8_t *)out);
+}
 
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
                int n, float *y) {
+    if (type == T_Q5_0 && n >= Q5_WIDEN) {
+        /* A block of inputs: the Q5_0 weights unpacked once into Q8_0 blocks (the same scale,
+         * the values v - 16 as int8) and multiplied as Q8_0, whose operations are Q5_0's on the
+         * same int8 values (the same lanes, the same float steps): the same bits, without
+         * unpacking each block again for every input. */
+        const int nb = k / QK;
+        uint8_t *w8 = malloc((size_t)n_out * nb * 34);
+        if (w8 == NULL) return -1;
+        for (int r = 0; r < n_out; r++)
+            for (int b = 0; b < nb; b++) {
+                const uint8_t *blk = w + (size_t)r * row_bytes + (size_t)b * 22;
+                uint8_t *out = w8 + ((size_t)r * nb + b) * 34;
+                memcpy(out, blk, 2);
+                widen_q5(blk, out + 2);
+            }
+        const int rc = matmul_q32(T_Q8_0, w8, (size_t)nb * 34, n_out, k, x, n, y);
+        free(w8);
+        return rc;
+    }
     const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
     const int nb = k / QK;
     int8_t *xq = malloc((size_t)n * k);
@@ -555,7 +687,16 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     }
     int r = 0;
 #if defined(FOUNDRY_X86)
-    if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
+    if (use_512 && type == T_Q8_0 && n > 1) { /* a block of inputs: tiles of rows x inputs */
+        const int rc = block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, n_out, y);
+        r = rc < 0 ? n_out : QT_ROWS * (n_out / QT_ROWS);
+        if (rc < 0) {
+            free(xq);
+            free(xd);
+            free(corr);
+            return -1;
+        }
+    } else if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
         int8_t *x4 = NULL;
         int32_t *corr4 = NULL;
         if (type == T_Q4_0) {
