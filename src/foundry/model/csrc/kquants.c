@@ -5,13 +5,12 @@
 /* ---- the K-quants' integer dot product: exact per super-block ---------------------------- */
 
 /* The inputs of a K-quant product: int8 values in blocks of 256 (one scale each, as ggml's
- * Q8_K), and their exact sums over each 4 (``s4``) and each 32 (``s32``) values. */
-static void quantize_input_k(const float *x, int k, int8_t *q, float *d, int32_t *s4, int32_t *s32) {
+ * Q8_K), and their exact sums over each 32 values (``s32``). */
+static void quantize_input_k(const float *x, int k, int8_t *q, float *d, int32_t *s32) {
     quantize_input(x, k, QK_K, q, d);
-    for (int g = 0; g < k / 4; g++) s4[g] = q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3];
     for (int c = 0; c < k / QK; c++) {
         int32_t t = 0;
-        for (int g = 0; g < 8; g++) t += s4[8 * c + g];
+        for (int i = 0; i < QK; i++) t += q[c * QK + i];
         s32[c] = t;
     }
 }
@@ -241,15 +240,13 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
     const int nsb = k / QK_K;
     int8_t *xq = malloc((size_t)n * k);
     float *xd = malloc((size_t)n * nsb * sizeof(float));
-    int32_t *s4 = malloc((size_t)n * (k / 4) * sizeof(int32_t));
     int32_t *s32 = malloc((size_t)n * (k / QK) * sizeof(int32_t));
     int16_t *s32h = malloc((size_t)n * (k / QK) * sizeof(int16_t));
     int16_t *x32p = type == T_Q6_K ? malloc((size_t)n * (k / 2) * sizeof(int16_t)) : NULL;
-    if (xq == NULL || xd == NULL || s4 == NULL || s32 == NULL || s32h == NULL ||
+    if (xq == NULL || xd == NULL || s32 == NULL || s32h == NULL ||
         (type == T_Q6_K && x32p == NULL)) {
         free(xq);
         free(xd);
-        free(s4);
         free(s32);
         free(s32h);
         free(x32p);
@@ -257,7 +254,7 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
     }
     for (int t = 0; t < n; t++)
         quantize_input_k(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nsb,
-                         s4 + (size_t)t * (k / 4), s32 + (size_t)t * (k / QK));
+                         s32 + (size_t)t * (k / QK));
     for (size_t i = 0; i < (size_t)n * (k / QK); i++) s32h[i] = (int16_t)s32[i];
     if (x32p != NULL)
         for (size_t i = 0; i < (size_t)n * (k / 2); i++)
@@ -297,7 +294,6 @@ done:
 #endif
     free(xq);
     free(xd);
-    free(s4);
     free(s32);
     free(s32h);
     free(x32p);

@@ -6,7 +6,7 @@
  * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
 #define Q_TILE 64
 
-void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+static void quantize_input_portable(const float *x, int k, int bs, int8_t *q, float *d) {
     for (int b = 0; b < k / bs; b++) {
         float amax = 0.0f;
         for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(x[b * bs + i]));
@@ -16,7 +16,55 @@ void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
     }
 }
 
+#if defined(FOUNDRY_X86)
+/* quantize_input 32 values at a time (bs a multiple of 32): the same maximum (exact; NaNs
+ * ignored as fmaxf does: max_ps keeps its second operand when the first is NaN), the same
+ * scalar scale and reciprocal, the same product x * id, and roundf's rounding (half away from
+ * zero): truncate, then step away from zero where the exact remainder is at least one half. */
+AVX2 static void quantize_input_avx2(const float *x, int k, int bs, int8_t *q, float *d) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < k / bs; b++) {
+        const float *xb = x + (size_t)b * bs;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < bs; i += 8)
+            m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i), absmask), m);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        const __m256 idv = _mm256_set1_ps(id);
+        for (int i = 0; i < bs; i += 32) {
+            __m256i v32[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), idv);
+                const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(v, t), absmask), half,
+                                                _CMP_GE_OQ);
+                const __m256 step = _mm256_or_ps(one, _mm256_andnot_ps(absmask, v)); /* +-1 */
+                v32[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
+            }
+            const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]),
+                                                   _mm256_packs_epi32(v32[2], v32[3]));
+            _mm256_storeu_si256((__m256i *)(q + (size_t)b * bs + i),
+                                _mm256_permutevar8x32_epi32(p16, order));
+        }
+    }
+}
+#endif
 
+/* Inputs as int8 blocks of bs values (32; 256 for the K-quants): q (k values), d (k / bs scales). */
+void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2) {
+        quantize_input_avx2(x, k, bs, q, d);
+        return;
+    }
+#endif
+    quantize_input_portable(x, k, bs, q, d);
+}
 
 /* One block of weights as 32 int8 values and its float scale. */
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
