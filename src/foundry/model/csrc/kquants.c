@@ -208,6 +208,150 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
             y[r * y_row + t * y_in] = finish16_avx2(a0[r * T + t], a1[r * T + t]) - amin[r * T + t];
 }
 
+/* The same tiles on AVX-512 (BW): two chunks of a super-block per register, so each step is
+ * one maddubs, one madd by the two chunks' scales and one addition for 64 values; the
+ * super-block's sixteen int32 lanes (chunk 2j's eight, then 2j + 1's) are folded to eight by one
+ * exact addition at its end, then kq_tile_avx2_t's float operations. */
+AVX512 INLINE __m512i kq_pair_512(const int type, const uint8_t *blk, int j) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    if (type == T_Q6_K) { /* chunks 2j, 2j + 1: n = j / 2, cc = 2 (j mod 2) and + 1 */
+        const int n = j / 2, hi_nibble = j & 1;
+        const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * n));
+        const __m512i lo = _mm512_and_si512(hi_nibble ? _mm512_srli_epi16(ql, 4) : ql, m4);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * hi_nibble)),
+                                              _mm256_set1_epi16((short)(4 * hi_nibble + 2)), 1);
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(3));
+        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+    }
+    const int five = type == T_Q5_K;
+    const __m512i qs = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * j)));
+    const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(qs, sh), m4);
+    if (five) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i hs = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                              _mm256_set1_epi16((short)(2 * j + 1)), 1);
+        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(qh, hs), _mm512_set1_epi8(1));
+        v = _mm512_or_si512(v, _mm512_slli_epi16(bit, 4));
+    }
+    return v;
+}
+
+/* The scales of chunks 2j, 2j + 1 as int16 for madd: Q4_K, Q5_K sc[2j] x 16 | sc[2j + 1] x 16;
+ * Q6_K per 8 int16 (4 int32 lanes) its sub-blocks' sc[4j], sc[4j + 1], sc[4j + 2], sc[4j + 3]. */
+AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *scv, __m128i *mins) {
+    __m512i sc16; /* the 8 (16 for Q6_K) scales as int16 in the low lanes */
+    if (type == T_Q6_K) {
+        sc16 = _mm512_castsi256_si512(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        *mins = _mm_setzero_si128();
+    } else {
+        uint32_t u[4];
+        memcpy(u, blk + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = m03;
+        u[0] &= 0x3f3f3f3fu;
+        const __m128i both = _mm_loadu_si128((const __m128i *)u);
+        sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(both));
+        *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
+    }
+    const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
+                                          16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int q6 = type == T_Q6_K;
+    const __m512i group = _mm512_srli_epi16(lane, q6 ? 3 : 4); /* 0..3 (Q6_K) or 0..1 */
+    for (int j = 0; j < 4; j++)
+        scv[j] = _mm512_permutexvar_epi16(
+            _mm512_add_epi16(group, _mm512_set1_epi16((short)(q6 ? 4 * j : 2 * j))), sc16);
+}
+
+AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const uint8_t *w,
+                                 size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
+                                 const float *xd, const int16_t *s32h, const int16_t *x32p,
+                                 float *y, size_t y_row, size_t y_in) {
+    __m256 a0[KT], a1[KT];
+    float amin[KT];
+    for (int i = 0; i < R * T; i++) {
+        a0[i] = a1[i] = _mm256_setzero_ps();
+        amin[i] = 0.0f;
+    }
+    for (int b = 0; b < nsb; b++) {
+        __m512i scv[KT][4], L[KT];
+        __m128i mins[KT];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+            for (int o = 0; o < bsize; o += 64)
+                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);
+            kq_scales_512(type, blk, scv[r], &mins[r]);
+        }
+        for (int i = 0; i < R * T; i++) L[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            __m512i xv[KT], xp[KT];
+            for (int t = 0; t < T; t++) {
+                const size_t at = (size_t)t * k + (size_t)b * QK_K + (size_t)j * 64;
+                xv[t] = _mm512_loadu_si512((const void *)(xq + at));
+                if (type == T_Q6_K) xp[t] = _mm512_loadu_si512((const void *)(x32p + at / 2));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m512i u8 = kq_pair_512(type, w + r * lane_bytes + (size_t)b * bsize, j);
+                for (int t = 0; t < T; t++) {
+                    __m512i p = _mm512_maddubs_epi16(u8, xv[t]);
+                    if (type == T_Q6_K) p = _mm512_sub_epi16(p, xp[t]);
+                    L[r * T + t] = _mm512_add_epi32(L[r * T + t], _mm512_madd_epi16(p, scv[r][j]));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+            const float d = f16c(blk + KQ_D(type));
+            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
+            for (int t = 0; t < T; t++) {
+                const int i = r * T + t;
+                const float dx = xd[(size_t)t * nsb + b];
+                const __m256i l8 = _mm256_add_epi32(_mm512_castsi512_si256(L[i]),
+                                                    _mm512_extracti64x4_epi64(L[i], 1));
+                const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(l8));
+                if (b & 1)
+                    a1[i] = _mm256_add_ps(a1[i], v);
+                else
+                    a0[i] = _mm256_add_ps(a0[i], v);
+                if (type != T_Q6_K) {
+                    const __m128i mm = _mm_madd_epi16(
+                        mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
+                    const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+                    const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
+                    amin[i] = amin[i] + (dmin * dx) * (float)M;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            y[r * y_row + t * y_in] = finish16_avx2(a0[r * T + t], a1[r * T + t]) - amin[r * T + t];
+}
+
+AVX512 static void kq_tile_512(int type, int R, int T, const uint8_t *w, size_t lane_bytes,
+                               int bsize, int nsb, int k, const int8_t *xq, const float *xd,
+                               const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,
+                               size_t y_in) {
+#define KQ_CASE(TY, R_, T_)                                                                    \
+    if (type == TY && R == R_ && T == T_) {                                                    \
+        kq_tile_512_t(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row,  \
+                      y_in);                                                                   \
+        return;                                                                                \
+    }
+#define KQ_TYPE(TY) KQ_CASE(TY, 4, 1) KQ_CASE(TY, 1, 1) KQ_CASE(TY, 1, 2) KQ_CASE(TY, 1, 3) \
+    KQ_CASE(TY, 1, 4)
+    KQ_TYPE(T_Q4_K)
+    KQ_TYPE(T_Q5_K)
+    KQ_TYPE(T_Q6_K)
+#undef KQ_TYPE
+#undef KQ_CASE
+}
+
 /* One tile, specialised per type and shape: 4 x 1 (decode), 1 x T for T = 1 .. 4 (a prefill
  * block's inputs four at a time, and the rest). */
 AVX2 static void kq_tile_avx2(int type, int R, int T, const uint8_t *w, size_t lane_bytes,
@@ -261,11 +405,14 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
             x32p[i] = (int16_t)(32 * (xq[2 * i] + xq[2 * i + 1]));
 #if defined(FOUNDRY_X86)
     if (use_avx2) {
+        void (*tile)(int, int, int, const uint8_t *, size_t, int, int, int, const int8_t *,
+                     const float *, const int16_t *, const int16_t *, float *, size_t, size_t) =
+            use_512 ? kq_tile_512 : kq_tile_avx2;
         int r0 = 0;
         if (n == 1) { /* four rows a time, row j of each quarter: four sequential streams */
             const int quarter = n_out / 4;
             for (int j = 0; j < quarter; j++)
-                kq_tile_avx2(type, 4, 1, w + (size_t)j * row_bytes, (size_t)quarter * row_bytes,
+                tile(type, 4, 1, w + (size_t)j * row_bytes, (size_t)quarter * row_bytes,
                              bytes, nsb, k, xq, xd, s32h, x32p, y + j, (size_t)quarter, 0);
             r0 = 4 * quarter;
         }
@@ -274,7 +421,7 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
             for (int r = r0; r < n_out; r++)
                 for (int t = t0; t < t0 + tn; t += KT) {
                     const int nt = t0 + tn - t < KT ? t0 + tn - t : KT;
-                    kq_tile_avx2(type, 1, nt, w + (size_t)r * row_bytes, 0, bytes, nsb, k,
+                    tile(type, 1, nt, w + (size_t)r * row_bytes, 0, bytes, nsb, k,
                                  xq + (size_t)t * k, xd + (size_t)t * nsb,
                                  s32h + (size_t)t * (k / QK),
                                  x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL,
