@@ -7,9 +7,9 @@ against numpy's float32 product, one thread, one run.
 
 A (rows, k) weight matrix of about ``--mb`` MB in float32 (a large L3 holds a few hundred MB:
 give more to measure streaming from DRAM), stored as each type, multiplied by one float32 row
-(decode) and by 8 rows (a prefill block), best of a few repetitions. Also the engine's
-overhead: ms per decoded token of the ``small`` preset, whose weights fit in cache, so what it
-measures is the Python and numpy work around the products.
+(decode) and by 64 rows (a prefill block; GMAC/s: multiply-adds a second), best of a few
+repetitions. Also the engine's overhead: ms per decoded token of the ``small`` preset, whose
+weights fit in cache, so what it measures is the Python and numpy work around the products.
 
 ``--gguf FILE`` times the products of a published file's own tensors (every 2-d weight of every
 layer, and the output head: ``output.weight``, else the tied ``token_embd.weight``), the way a
@@ -48,7 +48,8 @@ from foundry.model.gguf_io import storage_type
 from foundry.model.inference import Engine
 from foundry.model.quant import QType
 
-TYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_K, QType.Q6_K)
+TYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1, QType.Q4_K,
+         QType.Q6_K)
 
 
 def stored(w: np.ndarray, qtype: QType) -> quant.QTensor:
@@ -177,7 +178,7 @@ def main() -> None:
     w = rng.standard_normal((rows, args.k), dtype=np.float32)
     print(f"kernels: {quant.KERNELS} (path {args.path}); "
           f"matrix {rows} x {args.k}, 1 thread, best of {args.reps}")
-    for n in (1, 8):
+    for n in (1, 64):
         x = rng.standard_normal((n, args.k), dtype=np.float32)
         base = best_of(args.reps, lambda x=x, w=w: x @ w.T)
         print(f"  {n} row(s): f32 numpy {w.nbytes / base / 1e9:6.1f} GB/s ({base * 1e3:.2f} ms)")
@@ -185,7 +186,8 @@ def main() -> None:
             q = stored(w, qtype)
             t = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
             print(f"  {n} row(s): {qtype.name:<5}     {q.nbytes / t / 1e9:6.1f} GB/s "
-                  f"({t * 1e3:.2f} ms, {base / t:.2f}x f32's time)")
+                  f"{rows * args.k * n / t / 1e9:6.1f} GMAC/s ({t * 1e3:.2f} ms, "
+                  f"{base / t:.2f}x f32's time)")
     del w
     cfg = preset("small")
     params = T.init_params(cfg, seed=0)
