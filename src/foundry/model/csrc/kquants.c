@@ -431,11 +431,12 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         goto done;
     }
 #endif
-    for (int r = 0; r < n_out; r++)
-        for (int t = 0; t < n; t++)
-            y[(size_t)t * n_out + r] =
-                dot_k_portable(type, w + (size_t)r * row_bytes, bytes, xq + (size_t)t * k,
-                               xd + (size_t)t * nsb, s32 + (size_t)t * (k / QK), nsb);
+    for (int t0 = 0; t0 < n; t0 += K_TILE)
+        for (int r = 0; r < n_out; r++)
+            for (int t = t0; t < n && t < t0 + K_TILE; t++)
+                y[(size_t)t * n_out + r] =
+                    dot_k_portable(type, w + (size_t)r * row_bytes, bytes, xq + (size_t)t * k,
+                                   xd + (size_t)t * nsb, s32 + (size_t)t * (k / QK), nsb);
 #if defined(FOUNDRY_X86)
 done:
 #endif

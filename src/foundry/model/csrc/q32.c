@@ -218,6 +218,17 @@ DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
  * an exclusive or of the sign bit; Q4_0: its stored nibbles, 0..15, before the - 8), and 128
  * (Q8_0) or 8 (Q4_0) times the input's sums over each 4 values (``corr``, computed once per
  * input row) come off again: the same exact lanes. */
+/* q5_unsigned_avx2 with AVX-512 BW: qh is the mask of the bytes that take 16 (bit v, byte v). */
+AVX512 INLINE __m256i q5_unsigned_bw(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
+                                         _mm_and_si128(raw, m4));
+    return _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
+}
+
 AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     if (type == T_Q8_0) {
         const __m512i v = _mm512_inserti64x4(
@@ -225,8 +236,8 @@ AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
             _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
-    return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_avx2(p)), /* Q5_0 */
-                              q5_unsigned_avx2(p + bsize), 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_bw(p)), /* Q5_0 */
+                              q5_unsigned_bw(p + bsize), 1);
 }
 
 AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
@@ -788,11 +799,12 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
         free(corr4);
     }
 #endif
-    for (; r < n_out; r++)
-        for (int t = 0; t < n; t++)
-            y[(size_t)t * n_out + r] =
-                dot_q(type, w + r * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
-                      corr + (size_t)t * (k / 4), nb);
+    for (int t0 = 0; t0 < n; t0 += Q_TILE)
+        for (int rr = r; rr < n_out; rr++)
+            for (int t = t0; t < n && t < t0 + Q_TILE; t++)
+                y[(size_t)t * n_out + rr] =
+                    dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k,
+                          xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb);
     free(xq);
     free(xd);
     free(corr);
