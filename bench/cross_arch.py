@@ -118,7 +118,7 @@ def main() -> int:
     rng = np.random.default_rng(7)
     ok = True
     for qtype in quant.SUPPORTED:
-        k, n_out, n = 512, 13, 3
+        k, n_out, n = 512, 13, 9  # 9 inputs: a block (tiles, Q5_0 unpacked once)
         w = rng.standard_normal((n_out, k), dtype=np.float32)
         if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):  # random blocks, small scales
             values, size = gguf.GGML_QUANT_SIZES[qtype]
