@@ -129,12 +129,12 @@ ODD_SHAPES = [(5, 736), (6, 1056)]
 def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int) -> None:
     rng = np.random.default_rng(3)
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
-    x = rng.standard_normal((6, k), dtype=np.float32)
+    x = rng.standard_normal((9, k), dtype=np.float32)
     assert quant._kernels is not None
 
     def products() -> np.ndarray:
-        """One input (decode: the matrix streamed once), then six (a block: rows kept in cache,
-        the K-quants' inputs four at a time and two)."""
+        """One input (decode: the matrix streamed once), then nine (a block: tiles of rows and
+        inputs, Q5_0 unpacked once, the K-quants' inputs four at a time and one)."""
         return np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)])
 
     results = [products()]
