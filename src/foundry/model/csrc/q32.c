@@ -236,8 +236,20 @@ AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
             _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
-    return _mm512_inserti64x4(_mm512_castsi256_si512(q5_unsigned_bw(p)), /* Q5_0 */
-                              q5_unsigned_bw(p + bsize), 1);
+    /* Q5_0, both blocks at once: each block's 16 bytes of nibbles in two 128-bit lanes (low
+     * nibbles: values 0-15, then high: 16-31), and the two qh as one 64-bit byte mask. */
+    uint32_t qh0, qh1;
+    memcpy(&qh0, p + 2, 4);
+    memcpy(&qh1, p + bsize + 2, 4);
+    const __m256i raw = _mm256_loadu2_m128i((const __m128i *)(p + bsize + 6),
+                                            (const __m128i *)(p + 6));
+    const __m512i dup = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                 _mm512_castsi256_si512(raw));
+    const __m512i sh = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                         0x0004000400040004LL, 0x0004000400040004LL);
+    const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(dup, sh), _mm512_set1_epi8(0xF));
+    const __mmask64 high = (__mmask64)qh0 | ((__mmask64)qh1 << 32);
+    return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
 }
 
 AVX512 static float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
