@@ -22,6 +22,7 @@ from foundry.model.data import (
     encode,
     epoch_permutation,
     load_corpus,
+    primed_bits_per_byte,
     shard_range,
 )
 
@@ -311,20 +312,62 @@ def test_held_out_bytes_are_the_scored_targets(default_corpus: Corpus) -> None:
 def test_compressors_on_the_held_out_bytes(default_corpus: Corpus) -> None:
     data = default_corpus.held_out_bytes(64)
     got = compressor_bits_per_byte(data)
-    assert set(got) == {"gzip -9", "xz -9"}
+    assert set(got) == {"gzip -9", "xz -9e", "zstd -19"}
     assert got["gzip -9"] == len(gzip.compress(data, 9, mtime=0)) * 8 / len(data)
-    assert 2.0 < got["xz -9"] < got["gzip -9"] < 4.5  # text: well under 8 bits a byte
+    assert 2.0 < got["xz -9e"] < got["gzip -9"] < 4.5  # text: well under 8 bits a byte
+    assert 2.0 < got["zstd -19"] < got["gzip -9"]
     assert compressor_bits_per_byte(b"a" * 10_000)["gzip -9"] < 0.1
     with pytest.raises(DataError):
         compressor_bits_per_byte(b"")
 
 
-def test_compressors_match_the_command_line_tools(default_corpus: Corpus) -> None:
+def test_training_bytes_are_every_target_that_is_not_held_out() -> None:
+    # 3 + 1 + 20 * 2 tokens of seq_len 2: blocks 0 and 20 held out, 1-19 trained on
+    tokens = np.arange(3, 3 + 1 + 21 * 2, dtype=np.int32)
+    corpus = Corpus(tokens, source="t", n_documents=1)
+    trained = corpus.training_bytes(2)
+    def text(t: np.ndarray) -> bytes:
+        return (t - 3).astype(np.uint8).tobytes()
+
+    held = text(tokens[1:3]) + text(tokens[41:43])
+    assert trained == text(tokens[3:41])
+    assert not set(trained) & set(held)
+
+
+def test_primed_compressors_see_the_training_text_first(default_corpus: Corpus) -> None:
     data = default_corpus.held_out_bytes(64)
-    got = compressor_bits_per_byte(data)
-    for name, argv in (("gzip -9", ["gzip", "-9", "-n", "-c"]), ("xz -9", ["xz", "-9", "-c"])):
-        out = subprocess.run(argv, input=data, capture_output=True, check=True).stdout
-        assert got[name] == len(out) * 8 / len(data), name
+    primer = default_corpus.training_bytes(64)
+    cold = compressor_bits_per_byte(data)
+    primed = primed_bits_per_byte(data, primer)
+    assert set(primed) == {"xz -9e primed", "zstd -19 primed"}
+    # the training text is the same kind of text: priming halves what they need
+    assert primed["xz -9e primed"] < cold["xz -9e"] / 1.5
+    assert primed["zstd -19 primed"] < cold["zstd -19"] / 1.5
+    seen = bytes(range(256)) * 64  # text seen before costs next to nothing
+    assert primed_bits_per_byte(seen[:4096], seen)["zstd -19 primed"] < 0.1
+    with pytest.raises(DataError):
+        primed_bits_per_byte(data, b"")
+
+
+def test_compressors_match_the_command_line_tools(
+    default_corpus: Corpus, tmp_path: Path
+) -> None:
+    data = default_corpus.held_out_bytes(64)
+    primer = default_corpus.training_bytes(64)
+    (tmp_path / "primer").write_bytes(primer)
+    got = compressor_bits_per_byte(data) | primed_bits_per_byte(data, primer)
+
+    def size(argv: list[str], stdin: bytes) -> int:
+        return len(subprocess.run(argv, input=stdin, capture_output=True, check=True).stdout)
+
+    for name, argv in (("gzip -9", ["gzip", "-9", "-n", "-c"]), ("xz -9e", ["xz", "-9e", "-c"]),
+                       ("zstd -19", ["zstd", "-q", "-19", "-c"]),
+                       ("zstd -19 primed", ["zstd", "-q", "-19", "-D", str(tmp_path / "primer"),
+                                            "-c"])):
+        assert got[name] == size(argv, data) * 8 / len(data), name
+    xz = ["xz", "-9e", "-c"]
+    primed_xz = size(xz, primer + data) - size(xz, primer)
+    assert got["xz -9e primed"] == primed_xz * 8 / len(data)
 
 
 def test_validation_batches_are_fixed_and_bounded(default_corpus: Corpus) -> None:

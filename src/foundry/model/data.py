@@ -30,7 +30,9 @@ Validation reads at most ``VAL_MAX_TOKENS`` held-out tokens: when there are more
 that, an even stride over them (:meth:`Corpus.validation_blocks`). Its score counts the byte
 targets only, so the validation loss in nats is per byte, and bits per byte is that over
 ln 2; :meth:`Corpus.held_out_bytes` are those same bytes, for a compressor's yardstick
-(:func:`compressor_bits_per_byte`: ``gzip -9`` and ``xz -9`` on them).
+(:func:`compressor_bits_per_byte`: ``gzip -9``, ``xz -9e`` and ``zstd -19`` on them cold, and
+:func:`primed_bits_per_byte`: ``xz -9e`` and ``zstd -19`` given :meth:`Corpus.training_bytes`
+first, the text the model learnt from).
 
 Global sample ``i`` (0, 1, 2, ... without end) is training sequence ``perm_e[i mod n]`` of
 epoch ``e = i // n``, where ``n`` is the number of training sequences and ``perm_e`` sorts the
@@ -223,6 +225,16 @@ class Corpus:
         targets = self._blocks(self.validation_blocks(seq_len), seq_len)[:, 1:]
         return _token_bytes(targets)
 
+    def training_bytes(self, seq_len: int) -> bytes:
+        """The text training predicts: every byte target of the training blocks, in corpus
+        order (specials dropped), for a compressor primed with what the model saw."""
+        m = self.n_blocks(seq_len)
+        keep = np.zeros(len(self.tokens), dtype=bool)
+        keep[1:m * seq_len + 1] = True
+        for j in range(0, m, HOLDOUT_EVERY):
+            keep[j * seq_len + 1:j * seq_len + seq_len + 1] = False
+        return _token_bytes(self.tokens[keep])
+
     def _permutation(self, n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
         key = (n, seed, epoch)
         perm = self._perms.get(key)
@@ -283,16 +295,50 @@ def _check_seq_len(seq_len: int) -> None:
 
 
 def compressor_bits_per_byte(data: bytes) -> dict[str, float]:
-    """What ``gzip -9`` and ``xz -9`` make of ``data``, in bits per byte of it: the yardstick
-    for a model's validation bits per byte on the same bytes. The same compressors as the
-    command-line tools at those levels (zlib's deflate in a gzip container without a file
-    name; an .xz stream, preset 9, CRC64), container headers included."""
+    """What ``gzip -9``, ``xz -9e`` and ``zstd -19`` make of ``data`` cold (nothing seen
+    before), in bits per byte of it: the yardstick for a model's validation bits per byte on
+    the same bytes. The same compressors as the command-line tools at those levels (zlib's
+    deflate in a gzip container without a file name; an .xz stream, preset 9 extreme, CRC64; a
+    zstd frame with its checksum and without the content size, as ``zstd -19 -c`` writes from
+    a pipe), container headers included."""
     if not data:
         raise DataError("no bytes to compress")
+    n = len(data)
     return {
-        "gzip -9": len(gzip.compress(data, compresslevel=9, mtime=0)) * 8 / len(data),
-        "xz -9": len(lzma.compress(data, format=lzma.FORMAT_XZ, preset=9)) * 8 / len(data),
+        "gzip -9": len(gzip.compress(data, compresslevel=9, mtime=0)) * 8 / n,
+        "xz -9e": len(_xz(data)) * 8 / n,
+        "zstd -19": len(_zstd(data, None)) * 8 / n,
     }
+
+
+def primed_bits_per_byte(data: bytes, primer: bytes) -> dict[str, float]:
+    """What ``xz -9e`` and ``zstd -19`` make of ``data`` when they have seen ``primer`` (the
+    training text) first, in bits per byte of ``data``: the fair yardstick for a model trained
+    on ``primer``. xz: the size of ``primer + data`` compressed less that of ``primer`` alone
+    (its 64 MiB window holds both); zstd: ``primer`` as a raw-content dictionary
+    (``zstd -19 -D primer``)."""
+    if not data or not primer:
+        raise DataError("no bytes to compress")
+    n = len(data)
+    return {
+        "xz -9e primed": (len(_xz(primer + data)) - len(_xz(primer))) * 8 / n,
+        "zstd -19 primed": len(_zstd(data, primer)) * 8 / n,
+    }
+
+
+def _xz(data: bytes) -> bytes:
+    return lzma.compress(data, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
+
+
+def _zstd(data: bytes, dictionary: bytes | None) -> bytes:
+    import zstandard
+
+    d = (zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+         if dictionary is not None else None)
+    z = zstandard.ZstdCompressor(level=19, dict_data=d, write_checksum=True,
+                                 write_content_size=False, write_dict_id=False)
+    stream = z.compressobj()  # size unknown up front, as the CLI reading a pipe: same bytes
+    return stream.compress(data) + stream.flush()
 
 
 def corpus_from_documents(documents: Iterable[str], source: str) -> Corpus:
