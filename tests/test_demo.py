@@ -4,7 +4,8 @@ part of the demo's run, held-out bits per byte beat ``gzip -9`` on the same byte
 The whole demo (3000 steps) takes minutes; the first ``STEPS`` of it, in one process (the swarm
 computes the same steps, tests/test_swarm_service.py checks that), take seconds. Measured here:
 after 100, 200 and 300 steps 3.51, 3.00 and 2.68 bits per byte, against gzip -9's 3.25 and
-xz -9's 3.16 on the same 23,357 bytes (the whole demo: docs/operations.md).
+xz -9e's 3.16 on the same 23,357 bytes cold (the whole demo, and the compressors primed with
+the training text: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from foundry.model import recipe
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
 
@@ -98,14 +99,14 @@ def tls_note(ctx: ssl.SSLContext) -> str:
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     """The batch and learning-rate schedule, the same for `foundry train` and the coordinator."""
-    parser.add_argument("--global-batch", type=positive_int, default=16,
-                        help="samples per step (default 16)")
-    parser.add_argument("--seq-len", type=positive_int, default=64,
-                        help="tokens per sample (default 64)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3,
-                        help="peak learning rate (default 3e-3)")
-    parser.add_argument("--warmup-steps", type=nonneg_int, default=20,
-                        help="linear warm-up (default 20)")
+    parser.add_argument("--global-batch", type=positive_int, default=recipe.GLOBAL_BATCH,
+                        help=f"samples per step (default {recipe.GLOBAL_BATCH})")
+    parser.add_argument("--seq-len", type=positive_int, default=recipe.SEQ_LEN,
+                        help=f"tokens per sample (default {recipe.SEQ_LEN})")
+    parser.add_argument("--lr", type=positive_float, default=recipe.LR,
+                        help=f"peak learning rate (default {recipe.LR:g})")
+    parser.add_argument("--warmup-steps", type=nonneg_int, default=None, metavar="N",
+                        help="linear warm-up (default: a fiftieth of the run, at least 20)")
 
 
 def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:

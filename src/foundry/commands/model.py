@@ -15,6 +15,7 @@ from foundry.commands.common import (
     nonneg_int,
     positive_int,
 )
+from foundry.model import recipe
 from foundry.model.config import PRESETS
 from foundry.model.gguf_io import FILE_DTYPES
 
@@ -43,7 +44,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
     )
     t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    t.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
+    t.add_argument("--steps", type=positive_int, default=recipe.STEPS,
+                   help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus)")
     add_schedule_flags(t)
     t.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per forward pass (default: the whole batch)")
@@ -53,8 +55,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write checkpoints here and resume from the newest one")
     t.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
-    t.add_argument("--eval-every", type=positive_int, default=50,
-                   help="steps between validation runs (default 50)")
+    t.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
+                   help="steps between validation runs (default: a twentieth of --steps, at "
+                   "least 25)")
     t.add_argument("--sample-every", type=nonneg_int, default=None, metavar="N",
                    help="print a greedy sample of --prompt every N steps (default: at each "
                    "validation run; 0: never)")
@@ -120,13 +123,19 @@ def _train(args: argparse.Namespace) -> int:
         save_checkpoint,
     )
     from foundry.model.config import preset
-    from foundry.model.data import DataError, compressor_bits_per_byte, load_corpus
+    from foundry.model.data import (
+        DataError,
+        compressor_bits_per_byte,
+        load_corpus,
+        primed_bits_per_byte,
+    )
     from foundry.model.generate import greedy_text, printable
     from foundry.model.gguf_io import save_gguf
     from foundry.model.training import (
         Trainer,
         TrainSettings,
         against_compressors,
+        beaten_line,
         bits_per_byte,
         evaluate_loss,
         held_out_line,
@@ -146,8 +155,15 @@ def _train(args: argparse.Namespace) -> int:
     cfg = preset(args.preset)
     settings = TrainSettings(
         global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
-        warmup_steps=args.warmup_steps, total_steps=args.steps,
+        warmup_steps=(recipe.warmup_steps(args.steps) if args.warmup_steps is None
+                      else args.warmup_steps),
+        total_steps=args.steps,
     )
+    if args.eval_every is None:
+        args.eval_every = recipe.validate_every(args.steps)
+    note = recipe.short_run_note(args.steps, args.data is None)
+    if note:
+        print(note)
     trainer = Trainer(cfg, settings, init_params(cfg, args.seed))
     if args.checkpoint_dir is not None:
         found = latest_checkpoint(args.checkpoint_dir)
@@ -172,7 +188,8 @@ def _train(args: argparse.Namespace) -> int:
         log.info("checkpoint %s", path)
 
     held_out = corpus.held_out_bytes(args.seq_len)
-    yardstick = compressor_bits_per_byte(held_out)
+    yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
+        held_out, corpus.training_bytes(args.seq_len))
     sample_every = args.eval_every if args.sample_every is None else args.sample_every
     print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
           f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}")
@@ -215,6 +232,7 @@ def _train(args: argparse.Namespace) -> int:
     bar.close()
     checkpoint()
     print(f"held-out: {against_compressors(bits_per_byte(val), yardstick)}")
+    print(beaten_line(bits_per_byte(val), yardstick))
     if args.out is not None:
         save_gguf(args.out, cfg, trainer.params)
         print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")

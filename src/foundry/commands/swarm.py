@@ -27,6 +27,7 @@ from foundry.commands.common import (
     whole_in,
 )
 from foundry.compression.qsgd import MAX_QSGD_LEVELS
+from foundry.model import recipe
 from foundry.model.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import FILE_DTYPES
@@ -108,8 +109,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="let EXPORT write anywhere this process may write")
     c.add_argument("--init", type=Path, default=None, metavar="FILE.gguf",
                    help="start from these weights instead of a random init")
-    c.add_argument("--max-steps", type=positive_int, default=300,
-                   help="steps to train (default 300)")
+    c.add_argument("--max-steps", type=positive_int, default=recipe.STEPS,
+                   help=f"steps to train (default {recipe.STEPS}: words on the default corpus)")
     c.add_argument("--schedule-steps", type=positive_int, default=None, metavar="N",
                    help="length of the learning-rate schedule (warm-up then cosine to its "
                    "floor, which holds after it; default: --max-steps)")
@@ -120,9 +121,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    metavar="N", help="checkpoints kept in --checkpoint-dir, the newest N "
                    f"(default {DEFAULT_KEEP_LAST}); "
                    "older ones are deleted as new ones are written")
-    c.add_argument("--validate-every", type=positive_int, default=25, metavar="N",
-                   help="steps between validation runs on the held-out text (default 25; "
-                   "always after the last step)")
+    c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
+                   help="steps between validation runs on the held-out text (default: a "
+                   "twentieth of --max-steps, at least 25; always after the last step)")
     c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
@@ -207,9 +208,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         seq_len=args.seq_len,
         lr=args.lr,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=(recipe.warmup_steps(args.schedule_steps or args.max_steps)
+                      if args.warmup_steps is None else args.warmup_steps),
         total_steps=args.schedule_steps or args.max_steps,
     )
+    note = recipe.short_run_note(args.max_steps, args.data is None and args.init is None)
+    if note:
+        print(note.replace("--steps", "--max-steps"), flush=True)
     options = CoordinatorOptions(
         host=args.listen[0],
         port=args.listen[1],
@@ -223,7 +228,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
-        validate_every=args.validate_every,
+        validate_every=(recipe.validate_every(args.max_steps) if args.validate_every is None
+                        else args.validate_every),
         min_workers=args.min_workers,
         seed_heartbeat_timeout_s=args.seed_heartbeat_timeout,
         autostart=not args.wait_for_start,

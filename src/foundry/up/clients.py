@@ -82,8 +82,13 @@ def generate(
     token: str | None,
     check_stop: Callable[[], None],
     within_s: float = SERVE_TIMEOUT_S,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> str:
-    """A greedy generation through the gateway; retried while the pair is still coming up."""
+    """A generation through the gateway (greedy at temperature 0); retried while the pair is
+    still coming up."""
     import grpc
 
     from foundry.api.v1 import inference_pb2, inference_pb2_grpc
@@ -95,7 +100,8 @@ def generate(
         stub = stub_class(channel)
         while True:
             request = inference_pb2.GenerateRequest(
-                prompt=prompt, max_tokens=max_tokens, temperature=0.0
+                prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                seed=seed,
             )
             try:
                 pieces = [

@@ -15,9 +15,14 @@ from pathlib import Path
 from typing import TextIO
 
 from foundry.model.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from foundry.model.data import compressor_bits_per_byte, load_corpus
+from foundry.model.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
 from foundry.model.generate import greedy_text, printable
-from foundry.model.training import against_compressors, bits_per_byte, held_out_line
+from foundry.model.training import (
+    against_compressors,
+    beaten_line,
+    bits_per_byte,
+    held_out_line,
+)
 from foundry.up.clients import AdminLink, generate
 from foundry.up.plan import (
     StackError,
@@ -37,6 +42,9 @@ from foundry.wire import fdtc
 
 # How often the live view asks the coordinator for its status.
 POLL_S = 0.5
+# The final sample through the gateway: sampled at this temperature and top-p.
+SAMPLE_TEMPERATURE = 0.7
+SAMPLE_TOP_P = 0.9
 # Tokens of each sample shown while training.
 TRAINING_SAMPLE_TOKENS = 48
 
@@ -176,8 +184,10 @@ def _run_locked(
             stack.say(f"training {opt.preset} for {opt.steps} steps of {opt.global_batch}x"
                       f"{opt.seq_len} on the bundled corpus; a greedy sample every "
                       f"{opt.sample_interval} steps")
-            held_out = load_corpus(None).held_out_bytes(opt.seq_len)
-            yardstick = compressor_bits_per_byte(held_out)
+            corpus = load_corpus(None)
+            held_out = corpus.held_out_bytes(opt.seq_len)
+            yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
+                held_out, corpus.training_bytes(opt.seq_len))
             stack.say(held_out_line(len(held_out), yardstick))
             summary = TrainingSummary()
             try:
@@ -198,14 +208,19 @@ def _run_locked(
                     + against_compressors(bits_per_byte(summary.val_loss), yardstick)
                     + f" ({summary.seconds:.0f} s)"
                 )
+                stack.say(beaten_line(bits_per_byte(summary.val_loss), yardstick))
             model = admin.export(_short_path(run / "model.gguf"))
             admin.close()
             stack.say(f"exported {model}")
             pair = [stack.start(s) for s in serving_services(opt, ports, model)]
             stack.wait_ready(pair)
             target = addr("127.0.0.1", ports.gateway)
-            text = generate(target, opt.prompt, opt.sample_tokens, token, stack.check_stop)
-            stack.say(f"sample (greedy, {opt.sample_tokens} tokens): "
+            # Sampled, not greedy: a small model's greedy text falls into a loop ('and
+            # "__getitem__()" and "__getitem__()" and ...'); the same seed gives the same text.
+            text = generate(target, opt.prompt, opt.sample_tokens, token, stack.check_stop,
+                            temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, seed=0)
+            stack.say(f"sample (temperature {SAMPLE_TEMPERATURE:g}, top-p {SAMPLE_TOP_P:g}, "
+                      f"seed 0, {opt.sample_tokens} tokens): "
                       f"{printable(opt.prompt + text)!r}")
             ctl = f"foundry ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
                 f" --token-file {token_file}" if token_file else ""

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundry.model import recipe
+
 # The services' own ``foundry`` entry point, run with this interpreter so a venv is honoured.
 FOUNDRY = (sys.executable, "-m", "foundry")
 
@@ -18,10 +20,9 @@ class StackError(Exception):
 
 @dataclass(frozen=True)
 class StackOptions:
-    # The demo's training (docs/operations.md, "What the demo learns"): 3000 steps of the tiny
-    # preset, batch 16 x 64 bytes, peak learning rate 4e-3, about a minute and a half on two
-    # quiet cores; held-out bits per byte about half of gzip -9's, and greedy text in words.
-    steps: int = 3000
+    # The demo's training is the recipe every command that trains defaults to
+    # (foundry.model.recipe): about a minute and a half on two quiet cores.
+    steps: int = recipe.STEPS
     workers: int = 2
     base_port: int = 7070
     gateway_port: int = 50051
@@ -33,9 +34,9 @@ class StackOptions:
     prompt: str = "The "
     sample_tokens: int = 64
     preset: str = "tiny"
-    global_batch: int = 16
-    seq_len: int = 64
-    lr: float = 4e-3
+    global_batch: int = recipe.GLOBAL_BATCH
+    seq_len: int = recipe.SEQ_LEN
+    lr: float = recipe.LR
     sample_every: int | None = None  # steps between samples while training; None: a tenth
     fresh: bool = False
     checkpoint_every: int | None = None  # None: ``default_checkpoint_every(steps)``
@@ -73,7 +74,7 @@ class StackOptions:
 
     @property
     def warmup_steps(self) -> int:
-        return max(20, self.steps // 50)
+        return recipe.warmup_steps(self.steps)
 
     @property
     def sample_interval(self) -> int:
@@ -83,8 +84,7 @@ class StackOptions:
 
     @property
     def validate_every(self) -> int:
-        # A validation pass costs about five rounds of the tiny preset: 20 of them at most.
-        return max(25, self.steps // 20)
+        return recipe.validate_every(self.steps)
 
     @property
     def checkpoint_interval(self) -> int:

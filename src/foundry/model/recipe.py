@@ -1,0 +1,37 @@
+"""The training recipe that learns on the default corpus: the defaults of every command that
+trains (`foundry up`, `foundry train`, `foundry coordinator`), kept here so the demo and the
+hand-run recipe give the same model for the same work.
+
+3000 steps of the tiny preset, batch 16 x 64 bytes, peak learning rate 4e-3 with a warm-up of
+a fiftieth of the run (at least 20 steps), then cosine to a tenth: greedy text in words and
+held-out bits per byte about half of cold ``gzip -9``'s (docs/benchmarks.md, "What the demo
+learns"). Fewer steps stop in the "the the the" stage; the commands say so.
+"""
+
+from __future__ import annotations
+
+STEPS = 3000
+LR = 4e-3
+GLOBAL_BATCH = 16
+SEQ_LEN = 64
+# Steps of `foundry up --long`: a longer run for a better model (docs/benchmarks.md).
+LONG_STEPS = 12000
+
+
+def warmup_steps(steps: int) -> int:
+    """Linear warm-up of a run of ``steps``: a fiftieth of it, at least 20 steps."""
+    return max(20, steps // 50)
+
+
+def validate_every(steps: int) -> int:
+    """Steps between validation runs: 20 in a run at most, at least 25 steps apart (a pass
+    costs about five steps of the tiny preset)."""
+    return max(25, steps // 20)
+
+
+def short_run_note(steps: int, default_data: bool) -> str | None:
+    """What to change when a run on the default corpus is too short to give words."""
+    if not default_data or steps >= STEPS:
+        return None
+    return (f"note: {steps} steps are too few for words on the default corpus (the greedy "
+            f"samples stay 'the the the ...'); --steps {STEPS} (the default) gives words")
