@@ -81,6 +81,17 @@ class CheckpointSamples:
         return None
 
 
+
+def foundry_command() -> str:
+    """How to run `foundry` from the user's shell: ``foundry`` when that is this one on PATH,
+    else the path of this environment's script (a venv not activated)."""
+    script = Path(sys.executable).parent / "foundry"
+    found = shutil.which("foundry")
+    if found is not None and Path(found).resolve() == script.resolve():
+        return "foundry"
+    return str(script) if script.exists() else "foundry"
+
+
 def watch_training(
     stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary,
     samples: CheckpointSamples,
@@ -222,7 +233,8 @@ def _run_locked(
             stack.say(f"sample (temperature {SAMPLE_TEMPERATURE:g}, top-p {SAMPLE_TOP_P:g}, "
                       f"seed 0, {opt.sample_tokens} tokens): "
                       f"{printable(opt.prompt + text)!r}")
-            ctl = f"foundry ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
+            gateway = addr(local_host(opt.host), ports.gateway)
+            ctl = f"{foundry_command()} ctl --gateway {gateway}" + (
                 f" --token-file {token_file}" if token_file else ""
             )
             stack.say(
