@@ -288,7 +288,7 @@ def test_up_serves_a_published_file_on_the_pair_without_training(
     try:
         up.wait_for(r"serving .*gemma3\.gguf on the tensor-parallel pair", 60)
         up.wait_for(r"sample \(greedy, 8 tokens\): 'abc", 60)
-        up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} generate", 10)
+        up.wait_for(rf"ready in \d+ s: `(?:\S*/)?foundry ctl --gateway {gateway} generate", 10)
         children = up.children()
         assert set(children) == {"gateway", "tp-leader", "tp-worker"}
         out = subprocess.run(

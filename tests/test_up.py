@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -363,9 +364,15 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
         steps = [int(m) for m in re.findall(r"^step (\d+): 'The ", up.text(), re.M)]
         assert len(steps) >= 2 and steps == sorted(set(steps)), up.text()
         assert steps[-1] == 30, up.text()
-        sample = up.wait_for(r"sample \(greedy, 64 tokens\): '(.*)'", 60)
+        up.wait_for(r"the model beats .*; it does not beat .*xz -9e primed", 10)
+        sample = up.wait_for(r"sample \(temperature 0\.7, top-p 0\.9, seed 0, 64 tokens\): '(.*)'",
+                             60)
         assert sample.group(1).startswith("The ")
-        up.wait_for(rf"ready in \d+ s: `foundry ctl --gateway {gateway} status`", 10)
+        # foundry as the user's shell can run it: the venv's script when it is not on PATH
+        foundry = "foundry" if shutil.which("foundry") else str(Path(sys.executable).parent
+                                                                   / "foundry")
+        up.wait_for(rf"ready in \d+ s: `{re.escape(foundry)} ctl --gateway {gateway} status`",
+                    10)
 
         status = subprocess.run(
             [sys.executable, "-m", "foundry", "ctl", "--gateway", gateway, "status"],

@@ -181,6 +181,12 @@ def _run_locked(
             stack.say(f"foundry up: run dir {run}, logs in {run / 'logs'}")
             if opt.model is not None:
                 return _serve_file(opt, ports, stack, token, token_file, t_start, opt.model)
+            # The yardstick first (xz primed with the training text takes a few seconds): the
+            # live view must be watching from the first step, or the run looks resumed.
+            corpus = load_corpus(None)
+            held_out = corpus.held_out_bytes(opt.seq_len)
+            yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
+                held_out, corpus.training_bytes(opt.seq_len))
             first = [stack.start(s) for s in training_services(opt, ports, token_file)]
             if prometheus is not None:
                 (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
@@ -195,10 +201,6 @@ def _run_locked(
             stack.say(f"training {opt.preset} for {opt.steps} steps of {opt.global_batch}x"
                       f"{opt.seq_len} on the bundled corpus; a greedy sample every "
                       f"{opt.sample_interval} steps")
-            corpus = load_corpus(None)
-            held_out = corpus.held_out_bytes(opt.seq_len)
-            yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
-                held_out, corpus.training_bytes(opt.seq_len))
             stack.say(held_out_line(len(held_out), yardstick))
             summary = TrainingSummary()
             try:
@@ -278,7 +280,7 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     text = generate(addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token,
                     stack.check_stop)
     stack.say(f"sample (greedy, {opt.sample_tokens} tokens): {printable(opt.prompt + text)!r}")
-    ctl = f"foundry ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
+    ctl = f"{foundry_command()} ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
         f" --token-file {token_file}" if token_file else "")
     stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`; "
               "Ctrl+C stops everything")
