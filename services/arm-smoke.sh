@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ARM smoke test under emulation, run by hand as root on a Debian x86 machine
-# (docs/operations.md, "ARM under emulation").
+# (docs/development.md, "ARM under emulation").
 #
 # Builds Debian bookworm roots for arm64 and armhf (armv7, as 32-bit Raspberry Pi OS) with
 # `debootstrap --foreign` and qemu-user-static, installs the project into each (numpy from

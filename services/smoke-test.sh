@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Container smoke test, run by hand as root on a Debian machine (docs/operations.md):
+# Container smoke test, run by hand as root on a Debian machine (docs/development.md):
 # builds the image, starts the Compose stack, waits for health, trains a few rounds, exports,
 # restarts the TP pair on the trained model, generates through the gateway, tears down.
 #

@@ -75,7 +75,7 @@ def test_compose_check_fails_on_a_broken_file(tmp_path: Path) -> None:
 
 def test_compose_tls_override_gives_every_service_its_certificate() -> None:
     """docker-compose.tls.yml: each Foundry service mounts the certificates and names the
-    files `foundry certs` writes for its role in FOUNDRY_TLS_* (docs/operations.md, TLS)."""
+    files `foundry certs` writes for its role in FOUNDRY_TLS_* (docs/guide/tls.md)."""
     got = run(tool("docker-compose"), "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
               "config", "--format", "json")
     assert got.returncode == 0, got.stderr

@@ -1,6 +1,6 @@
 """Faults with real processes: a disk that cannot take a checkpoint, a stop mid-run, exports
 to places they must not go, a worker that cannot train. Each is a row of the fault table in
-docs/operations.md."""
+docs/guide/recovering.md."""
 
 from __future__ import annotations
 

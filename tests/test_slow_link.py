@@ -1,4 +1,4 @@
-"""Links that misbehave, in network namespaces these tests make (docs/operations.md, the fault
+"""Links that misbehave, in network namespaces these tests make (docs/guide/recovering.md, the fault
 table): a worker behind a slow link, whose heartbeats wait unread behind the full weights for
 seconds, must not be dropped for silence; a worker whose coordinator's host vanishes without a
 FIN must notice within its link timeout, and come back when the host does."""

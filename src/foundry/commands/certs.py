@@ -1,6 +1,6 @@
 """`foundry certs`: a development CA and the certificates of every service, for TLS.
 
-One CA signs a certificate per role; docs/operations.md ("TLS") says which service mounts
+One CA signs a certificate per role; docs/guide/tls.md says which service mounts
 which files. The files, in ``--out``:
 
 | file | what | used by |
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Write a CA (ca.pem, ca-key.pem) and a certificate and key per role "
         "(coordinator, tp-leader, gateway, worker, tp-worker) into --out, for mutual TLS on "
         "the native links (--tls-cert/--tls-key/--tls-ca) and for the gateway's gRPC TLS. "
-        "A CA already in --out is reused. See docs/operations.md, TLS.",
+        "A CA already in --out is reused. See docs/guide/tls.md.",
     )
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
     p.add_argument("--hosts", default=DEFAULT_HOSTS, metavar="H1,H2,...",

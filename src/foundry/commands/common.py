@@ -57,7 +57,7 @@ def add_tls_flags(
     group = parser.add_argument_group(
         f"TLS of {links}",
         "Off unless one of these is given (or its environment variable is set); "
-        "see docs/operations.md, TLS.",
+        "see docs/guide/tls.md.",
     )
     flag = f"--{prefix}"
     if server:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model import recipe
 from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
 from foundry.model.data import HOLDOUT_EVERY, Corpus
 from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
@@ -28,7 +29,7 @@ class TrainSettings:
 
     global_batch: int = 16  # samples per step, whatever the number of workers
     seq_len: int = 64
-    lr: float = 3e-3
+    lr: float = recipe.LR  # the commands' default: one recipe (foundry.model.recipe)
     warmup_steps: int = 20
     total_steps: int = 1000  # the cosine schedule's length
     min_lr_ratio: float = 0.1

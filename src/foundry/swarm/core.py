@@ -83,7 +83,7 @@ class CoordinatorOptions:
     # unless export_anywhere; and never over a file that is not a GGUF.
     export_dir: Path | None = None
     export_anywhere: bool = False
-    # Security and limits of both listeners (docs/operations.md, "TLS" and "Limits").
+    # Security and limits of both listeners (docs/guide/tls.md, TLS and limits).
     tls: ssl.SSLContext | None = None
     max_connections: int = MAX_WORKER_CONNECTIONS
     admin_max_connections: int = MAX_ADMIN_CONNECTIONS

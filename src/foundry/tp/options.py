@@ -43,7 +43,7 @@ class LeaderOptions:
     handshake_timeout_s: float = 5.0
     # How the routed experts are cut (the worker must run the same: the hello checks it).
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
-    # Security and limits (docs/operations.md, "TLS" and "Limits"): TLS on both listeners,
+    # Security and limits (docs/guide/tls.md, TLS and limits): TLS on both listeners,
     # the frontend's connection limit, and the deadline of a frame begun on either link.
     tls: ssl.SSLContext | None = None
     frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
