@@ -106,7 +106,7 @@ def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=positive_float, default=recipe.LR,
                         help=f"peak learning rate (default {recipe.LR:g})")
     parser.add_argument("--warmup-steps", type=nonneg_int, default=None, metavar="N",
-                        help="linear warm-up (default: a fiftieth of the run, at least 20)")
+                        help="linear warm-up (default: a fiftieth of the run, 20 to 60)")
 
 
 def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:

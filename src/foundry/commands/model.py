@@ -56,8 +56,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints")
     t.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
-                   help="steps between validation runs (default: a twentieth of --steps, at "
-                   "least 25)")
+                   help="steps between validation runs (default: a twentieth of --steps, 25 "
+                   "to 150)")
     t.add_argument("--sample-every", type=nonneg_int, default=None, metavar="N",
                    help="print a greedy sample of --prompt every N steps (default: at each "
                    "validation run; 0: never)")

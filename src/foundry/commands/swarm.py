@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "older ones are deleted as new ones are written")
     c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
                    help="steps between validation runs on the held-out text (default: a "
-                   "twentieth of --max-steps, at least 25; always after the last step)")
+                   "twentieth of --max-steps, 25 to 150; always after the last step)")
     c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
