@@ -481,6 +481,20 @@ def test_per_decoder_payload_limit() -> None:
         FdtcDecoder(max_payload=MAX_PAYLOAD + 1)
 
 
+def test_default_payload_limit_and_limit_plus_one() -> None:
+    d = FdtcDecoder(max_payload=MAX_PAYLOAD)
+    d.feed(hexb("43544446 21 00000010"))  # 2**28: allowed, waits for the payload
+    assert d.next_event() is None
+    assert not d.closed
+    d = FdtcDecoder()
+    d.feed(hexb("43544446 21 01000010"))  # 2**28 + 1
+    with pytest.raises(FdtcProtocolError, match=f"{MAX_PAYLOAD + 1} bytes exceeds the limit"):
+        d.next_event()
+    at_limit = np.zeros(MAX_PAYLOAD, np.uint8)  # calloc'd: never touched
+    head, *_ = encode_parts(Weights(at_limit.data))
+    assert bytes(head) == hexb("43544446 21 00000010")
+
+
 def _replace(frame: bytes, offset: int, new: bytes) -> bytes:
     """Change payload bytes at ``offset`` (counted from the payload start)."""
     start = 9 + offset

@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from foundry.wire.errors import LocalProtocolError
 from foundry.wire.frontend import (
     HEADER_SIZE,
+    MAX_PAYLOAD,
     Cancel,
     Done,
     DoneReason,
@@ -57,6 +59,79 @@ def test_generate_golden_bytes() -> None:
     )
     assert got == bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", 31) + payload
     assert len(payload) == 31
+
+
+# Every frame but GENERATE (above), byte for byte as docs/protocol.md lays it out: header
+# "FDFE", type u8, request_id u32, length u32, then the payload. Distinct values in every field,
+# so two fields swapped on either side change the bytes.
+GOLDEN: list[tuple[Frame, str]] = [
+    (Cancel(7), "46444645 02 07000000 00000000"),
+    (Token(7, -2, 12, "é"),
+     "46444645 03 07000000 0a000000" " feffffff 0c000000 c3a9"),  # i32 token, u32 position, text
+    (Token(8, 104, 13, ""), "46444645 03 08000000 08000000" " 68000000 0d000000"),
+    (Done(7, DoneReason.STOP_STRING, 5, 17, 0.5),  # u8 reason, u32 prompt, u32 generated, f32 s
+     "46444645 04 07000000 0d000000" " 02 05000000 11000000 0000003f"),
+    (Done(3, DoneReason.CONTEXT_FULL, 300, 2, 1.0),
+     "46444645 04 03000000 0d000000" " 04 2c010000 02000000 0000803f"),
+    (Error(9, 2, "retry"), "46444645 05 09000000 09000000" " 02000000 7265747279"),
+    (StatusReq(0x0102), "46444645 06 02010000 00000000"),
+    (Status(10, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9),
+     "46444645 07 0a000000 36000000"  # 54 bytes
+     " 01 00"  # worker_connected, shared_memory
+     " 03000000"  # active_sessions
+     " e803000000000000"  # tokens_generated u64
+     " 02000000 40000000 03010000 00010000"  # n_layer, n_embd, n_vocab, ctx_size
+     " 40e2010000000000"  # model_bytes u64
+     " efbeadde"  # model_id
+     " 0000003f"  # spec_acceptance f32 0.5
+     " 0900000000000000"),  # requests_served u64
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("frame", "golden"), GOLDEN,
+                         ids=[f"{f.TYPE.name}-{i}" for i, (f, _) in enumerate(GOLDEN)])
+def test_frame_golden_bytes(frame: Frame, golden: str) -> None:
+    raw = bytes.fromhex(golden)
+    assert encode(frame) == raw
+    dec = FrontendDecoder()
+    dec.feed(raw)
+    assert dec.next_event() == frame
+    assert dec.next_event() is None
+
+
+def test_every_frame_type_has_golden_bytes() -> None:
+    assert {f.TYPE for f, _ in GOLDEN} | {Generate.TYPE} == set(type(f).TYPE for f in FRAMES)
+
+
+def _token_of_payload(size: int) -> Token:
+    return Token(1, 5, 6, "x" * (size - 8))  # 8 bytes of fixed part, then the text
+
+
+def test_payload_limit_and_limit_plus_one() -> None:
+    # Encoding: a payload of exactly MAX_PAYLOAD goes out, one byte more is our error.
+    at_limit = encode(_token_of_payload(MAX_PAYLOAD))
+    assert len(at_limit) == HEADER_SIZE + MAX_PAYLOAD
+    with pytest.raises(LocalProtocolError, match=f"exceeds {MAX_PAYLOAD}"):
+        encode(_token_of_payload(MAX_PAYLOAD + 1))
+    # Decoding, default limit: a header announcing MAX_PAYLOAD waits for it and decodes it ...
+    dec = FrontendDecoder()
+    dec.feed(at_limit[:HEADER_SIZE])
+    assert dec.next_event() is None
+    dec.feed(at_limit[HEADER_SIZE:])
+    assert dec.next_event() == _token_of_payload(MAX_PAYLOAD)
+    # ... one announcing MAX_PAYLOAD + 1 is refused from the header alone.
+    dec = FrontendDecoder()
+    dec.feed(bytes.fromhex("46444645 03 01000000") + struct.pack("<I", MAX_PAYLOAD + 1))
+    with pytest.raises(FrontendProtocolError, match=f"{MAX_PAYLOAD + 1} payload bytes"):
+        dec.next_event()
+    # A decoder's own limit, the same way.
+    for limit in (8, 64):
+        dec = FrontendDecoder(max_payload=limit)
+        dec.feed(encode(_token_of_payload(limit)))
+        assert dec.next_event() == _token_of_payload(limit)
+        dec.feed(encode(_token_of_payload(limit + 1)))
+        with pytest.raises(FrontendProtocolError, match=f"the limit is {limit}$"):
+            dec.next_event()
 
 
 @pytest.mark.parametrize("frame", FRAMES, ids=lambda f: type(f).__name__)

@@ -316,6 +316,25 @@ def test_max_payload_is_enforced_from_the_identity() -> None:
         decoder.next_event()
 
 
+@pytest.mark.parametrize("limit", [4, 1024, tp.TP_MAX_PAYLOAD])
+def test_payload_limit_and_limit_plus_one(limit: int) -> None:
+    """A payload of exactly ``max_payload`` bytes decodes; a header announcing one byte more
+    (or one legal step more) is refused before any payload byte is kept."""
+    at_limit = Sync(tokens=(7,) * (limit // 4))
+    decoder = TpDecoder(limit)
+    data = encode(at_limit)
+    decoder.feed(data[: tp.FRAME_HEADER_SIZE])
+    assert decoder.next_event() is None  # the header passed: waiting for the payload
+    decoder.feed(data[tp.FRAME_HEADER_SIZE :])
+    assert decoder.next_event() == at_limit
+    for over in (limit + 1, limit + 4):
+        decoder = TpDecoder(limit)
+        decoder.feed(header(FrameType.SYNC, over))
+        with pytest.raises(TpProtocolError, match=f"{over} bytes exceeds the limit of {limit}"):
+            decoder.next_event()
+        assert decoder.buffered == 0
+
+
 def test_hello_must_come_first_and_versions_must_match() -> None:
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(encode(Stop()))
