@@ -9,10 +9,28 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def wait_for(condition: Callable[[], T], within_s: float, what: str, poll_s: float = 0.02) -> T:
+    """The first truthy value of ``condition()``, polled until ``within_s`` has passed; then
+    fail naming ``what``. Tests wait on the event they need, never on a fixed sleep; the
+    deadline is derived from the timeout configured for that event, with room for a loaded
+    machine (it bounds a hang, it does not measure speed)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what}")
+        time.sleep(poll_s)
 
 
 class Service:
