@@ -18,7 +18,6 @@ import contextlib
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import ENV, Service
+from procs import ENV, Service, wait_for
 from test_gateway_frontend import (
     LONG,
     MODEL_CFG,
@@ -342,9 +341,10 @@ def test_generate_streams_what_the_pair_generates(pair: Pair) -> None:
 def test_a_stream_that_falls_behind_sends_the_backlog_in_fewer_messages(
     model: Path, pair: Pair
 ) -> None:
-    """The gateway is starved here: the reader blocks this process (``time.sleep``, not an
-    await) after each of the first messages, so the gateway in it reads nothing while the pair
-    keeps decoding. The next message then carries every token that piled up, and none is lost.
+    """The gateway is starved here: the reader blocks this process (a blocking wait, not an
+    await) after each of the first messages until the pair has decoded tokens past what was
+    read, so the gateway in it reads nothing while the pair keeps decoding. The next message
+    then carries every token that piled up, and none is lost.
     (A reader that merely awaits between messages hardly ever gets a batch: HTTP/2 flow control
     lets the gateway write a short generation's messages ahead of the reads.)"""
     prompt, n, stalls = LONG[0], 200, 3
@@ -357,6 +357,7 @@ def test_a_stream_that_falls_behind_sends_the_backlog_in_fewer_messages(
             sizes: list[int] = []
             tokens: list[inference_pb2.GeneratedToken] = []
             done = None
+            base = pair.status().tokens_generated
             request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=n)
             async for event in s.inference().Generate(request, metadata=AUTH, timeout=10):
                 assert done is None, "a response after the one carrying done"
@@ -365,7 +366,9 @@ def test_a_stream_that_falls_behind_sends_the_backlog_in_fewer_messages(
                 if event.HasField("done"):
                     done = event.done
                 if len(sizes) <= stalls:
-                    time.sleep(0.2)
+                    ahead = base + len(tokens) + 4
+                    wait_for(lambda ahead=ahead: pair.status().tokens_generated >= ahead, 30,
+                             "the pair to decode four tokens past the reader")
             assert done is not None
             assert_same(tokens, done, direct)
             assert max(sizes) > 1 and len(sizes) < n, sizes
@@ -404,15 +407,15 @@ def test_a_deadline_mid_stream_ends_the_generation_on_the_pair(pair: Pair) -> No
     async def main() -> None:
         async with stack(pair.frontend) as s:
             got = 0
-            t0 = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 async for _ in s.inference().Generate(
                     inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]),
                     metadata=AUTH, timeout=0.3,
                 ):
                     got += 1
+            # The code says why it ended: the 0.3 s deadline, not the end of the generation.
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert got > 0 and time.monotonic() - t0 < 2.0
+            assert got > 0
             status = await asyncio.to_thread(pair.wait_cancelled, before)
             assert status.tokens_generated - tokens_before < LONG[1]
             assert s.count("foundry_gateway_requests_total", method=GENERATE,
@@ -430,21 +433,19 @@ def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
             await wait_health(s.channel, INFERENCE_SERVICE, SERVING)
             pair.stall_leader()
             try:
-                t0 = time.monotonic()
+                # Each call ends with its own deadline's code, not a hang (the test's timeout)
+                # nor another error.
                 await expect_code(
                     s.inference().GetPairStatus(
                         inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=0.3
                     ),
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
-                assert time.monotonic() - t0 < 2.0
-                t0 = time.monotonic()
                 await expect_code(
                     generate(s, inference_pb2.GenerateRequest(prompt=LONG[0],
                                                               max_tokens=LONG[1]), timeout=0.3),
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
-                assert time.monotonic() - t0 < 2.0
                 await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING)
             finally:
                 pair.resume_leader()
@@ -604,12 +605,11 @@ def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair
 
             await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING, 3)
             assert s.count("foundry_gateway_backend_up", backend="tp_leader") == 0
-            t0 = time.monotonic()
+            # Refused at once for the reason, not left to its 10 s deadline (DEADLINE_EXCEEDED).
             await expect_code(
                 generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=10),
                 grpc.StatusCode.UNAVAILABLE, "not connected",
             )
-            assert time.monotonic() - t0 < 1.0, "no fast failure"
             status = await s.inference().GetPairStatus(
                 inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
             )
