@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import wait_for
 from tp_harness import (
     Client,
     InProcessLeader,
@@ -51,6 +52,9 @@ from foundry.wire.tp import (
 
 PROMPT = "The tensor-parallel pair decodes in lockstep; every gate is a sum."
 CHUNK = 16
+# --gate-timeout of the worker-death test: far enough above a loaded machine's scheduling delay
+# that a dead worker's closed links are told apart from a stalled worker's deadline.
+GATE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +172,8 @@ def test_identity_mismatch_aborts_both_then_a_correct_worker_pairs(
         message = re.search(r"identity mismatch on model_id: leader has \d+, worker has \d+",
                             wrong.text())
         assert message is not None, wrong.text()
-        time.sleep(0.2)
-        assert message.group(0) in leader.proc.text()  # the leader names the same field
+        wait_for(lambda: message.group(0) in leader.proc.text(), 10,
+                 "the leader to name the same field")
         right = start_worker(model, leader.port, tmp_path / "right.log")
         wait_paired(leader.frontend)
         with Client(leader.frontend) as c:
@@ -196,8 +200,7 @@ def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exac
                     f"worker has {DEFAULT_EXPERT_SPLIT.value}; start both ranks with the same "
                     "--expert-split")
         assert expected in wrong.text(), wrong.text()
-        time.sleep(0.2)
-        assert expected in leader.proc.text()  # the leader names the same field
+        wait_for(lambda: expected in leader.proc.text(), 10, "the leader to name the same field")
         right = start_worker(model, leader.port, tmp_path / "right.log",
                              "--expert-split", other.value)
         wait_paired(leader.frontend)
@@ -218,7 +221,8 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
 ) -> None:
     """kill -9 (over shared memory and over TCP) and SIGSTOP of the worker mid-generation."""
     model = make_model(tmp_path / "long.gguf", ModelConfig(n_ctx=1024))
-    leader = start_leader(model, tmp_path / "leader.log", "--spec-mode", "off")
+    leader = start_leader(model, tmp_path / "leader.log", "--spec-mode", "off",
+                          "--gate-timeout", str(GATE_S))
     workers = []
     try:
         with Client(leader.frontend) as c:
@@ -240,21 +244,22 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
                 t0 = time.monotonic()
                 worker.popen.send_signal(signal.SIGKILL if how.startswith("kill") else
                                          signal.SIGSTOP)
-                (res,) = c.wait([rid], timeout=10)
+                (res,) = c.wait([rid], timeout=10 * GATE_S)
                 measured[how] = res.end_time - t0
                 assert isinstance(res.end, fw.Error), res.end
                 assert res.end.code == fw.ErrorCode.UNAVAILABLE
                 assert "tensor-parallel worker lost" in res.end.message
                 assert "waits for it to reconnect" in res.end.message
                 wait_paired(leader.frontend, connected=False, timeout=5)
-                t1 = time.monotonic()
                 r = c.generate("hi", 5, request_id=50 + i)
                 assert isinstance(r.end, fw.Error) and r.end.code == fw.ErrorCode.UNAVAILABLE
-                assert time.monotonic() - t1 < 0.5
+                assert "not connected" in r.end.message  # refused at once, for that reason
                 worker.stop(signal.SIGKILL)
             print(f"request failed after the worker died/stalled: {measured}")
-            assert measured["kill9-shm"] <= 1.0 and measured["kill9-tcp"] <= 1.0, measured
-            assert measured["stall-shm"] <= 1.6, measured  # the 1 s gate deadline, plus a step
+            # A dead worker is noticed by its closed links, before the gate deadline; a
+            # stalled one (its links open) by the deadline, not before it.
+            assert measured["kill9-shm"] < GATE_S and measured["kill9-tcp"] < GATE_S, measured
+            assert measured["stall-shm"] >= 0.9 * GATE_S, measured
             workers.append(start_worker(model, leader.port, tmp_path / "back.log"))
             wait_paired(leader.frontend)
             ref = reference_greedy(model, "hi", 30, 64)
@@ -348,10 +353,8 @@ def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
         wait_paired(leader.frontend, connected=False, timeout=5)
         workers.append(start_worker(model, leader.port, tmp_path / "second.log"))
         wait_paired(leader.frontend)
-        deadline = time.monotonic() + 30
-        while metric(m, "foundry_tp_sessions_resynced_total") < 2:
-            assert time.monotonic() < deadline, leader.proc.text()
-            time.sleep(0.05)
+        wait_for(lambda: metric(m, "foundry_tp_sessions_resynced_total") >= 2, 30,
+                 "two sessions re-synced")
         assert "re-syncing 2 sessions" in leader.proc.text()
         before = metric(m, "foundry_tp_prompt_tokens_reused_total")
         with Client(leader.frontend) as c:
@@ -393,17 +396,14 @@ def test_a_request_during_a_resync_goes_first_and_the_resync_resumes(tmp_path: P
         wait_paired(leader.frontend)
         # The re-sync has run a chunk through the new pair (gates moved), so the request
         # below meets it past its first checkpoint, not before it began.
-        deadline = time.monotonic() + 60
-        while metric(leader.metrics, gates) <= before:
-            assert time.monotonic() < deadline, leader.proc.text()
-            time.sleep(0.01)
+        metrics = leader.metrics
+        wait_for(lambda: metric(metrics, gates) > before, 60, "the re-sync's first gates",
+                 poll_s=0.01)
         with Client(leader.frontend) as c:
             served = c.generate("hi", 5, request_id=2)
         assert served.tokens == reference_greedy(model, "hi", 5, 1).tokens
-        deadline = time.monotonic() + 60
-        while metric(leader.metrics, "foundry_tp_sessions_resynced_total") < 1:
-            assert time.monotonic() < deadline, leader.proc.text()
-            time.sleep(0.05)
+        wait_for(lambda: metric(metrics, "foundry_tp_sessions_resynced_total") >= 1, 60,
+                 "the session re-synced")
         text = leader.proc.text()
         paused = re.search(r"re-sync paused at position (\d+) of (\d+)", text)
         assert paused is not None, text
@@ -426,17 +426,24 @@ def test_cancel_at_a_sync_checkpoint_leaves_both_ranks_at_one_position(
                           "--metrics-host", "127.0.0.1")
     try:
         wait_paired(leader.frontend)
+        metrics = leader.metrics
+        assert metrics is not None
+        gates = 'foundry_tp_gate_bytes_total{direction="sent"}'
+        before = metric(metrics, gates)
         with Client(leader.frontend) as c:
             c.send(fw.Generate(1, "long prompt " * 80, 10))
-            time.sleep(0.15)
+            # Cancel once the prefill is under way (its first chunk's gates moved).
+            wait_for(lambda: metric(metrics, gates) > before, 30, "the prefill's first gates",
+                     poll_s=0.01)
             c.send(fw.Cancel(1))
             (r,) = c.wait([1])
             assert isinstance(r.end, fw.Done) and r.end.reason is fw.DoneReason.CANCELLED
             assert r.end.generated_tokens == 0 and not r.tokens
             assert isinstance(c.generate("hi", 3, request_id=2).end, fw.Done)  # still serving
-        time.sleep(0.2)
-        lead = re.search(r"prefill cancelled at position (\d+) of (\d+)", leader.proc.text())
-        work = re.search(r"sync of session \d+ cancelled at (\d+) of (\d+)", worker.text())
+        lead = wait_for(lambda: re.search(r"prefill cancelled at position (\d+) of (\d+)",
+                                          leader.proc.text()), 10, "the leader's cancel line")
+        work = wait_for(lambda: re.search(r"sync of session \d+ cancelled at (\d+) of (\d+)",
+                                          worker.text()), 10, "the worker's cancel line")
         assert lead is not None and work is not None, (leader.proc.text(), worker.text())
         assert lead.groups() == work.groups()
         # Stopped before the end of the prompt (0 when the cancel beat the first chunk).
