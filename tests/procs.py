@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -11,9 +12,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, NoReturn, TypeVar
+
+import pytest
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -115,6 +119,42 @@ def worker(tmp: Path, port: int, worker_id: str, *extra: str) -> Service:
         ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", worker_id, *extra],
         tmp / f"{worker_id}.log",
     )
+
+
+# ---------------------------------------------------------------------------- what tests need
+
+# CI sets CI=true; there a test that needs root, a network namespace or a tool that .ci/run
+# installs fails when it is missing, so that a broken CI machine cannot pass by skipping.
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def missing(reason: str) -> NoReturn:
+    """Skip the running test for ``reason``; under CI, fail it."""
+    if CI:
+        pytest.fail(f"{reason} (CI=true: .ci/run provides it, so this is a failure)")
+    pytest.skip(reason)
+
+
+def needs(available: bool, reason: str) -> Callable[[F], F]:
+    """Decorate a test that can run only where ``available``: elsewhere it is skipped with
+    ``reason``, under CI it fails with it."""
+
+    def decorate(test: F) -> F:
+        if available:
+            return test
+        if not CI:
+            return pytest.mark.skip(reason=reason)(test)
+
+        @functools.wraps(test)
+        def fail(*args: Any, **kwargs: Any) -> None:
+            missing(reason)
+
+        return fail  # type: ignore[return-value]
+
+    return decorate
+
+
+IS_ROOT = os.geteuid() == 0
 
 
 # ---------------------------------------------------------------------------- disk faults

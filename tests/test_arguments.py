@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import NEEDS_ROOT, full_dir, read_only_dir
+from procs import IS_ROOT, NEEDS_ROOT, full_dir, needs, read_only_dir
 
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 HERE = Path(__file__).parent
@@ -94,7 +94,7 @@ def test_train_on_a_two_byte_corpus_says_so(tmp_path: Path) -> None:
     assert re.match(r"error: corpus .*tiny.txt has \d+ tokens, too few", last_line(err))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
+@needs(IS_ROOT, NEEDS_ROOT)
 @pytest.mark.parametrize("disk", ["read-only", "full"])
 def test_train_with_a_checkpoint_dir_it_cannot_write_says_so(tmp_path: Path, disk: str) -> None:
     mount = read_only_dir if disk == "read-only" else full_dir

@@ -9,7 +9,6 @@ failure, never a skip (.ci/run installs them).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from procs import missing
 
 from foundry.obs.prometheus_config import METRICS_PORTS
 
@@ -37,10 +37,7 @@ def tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    message = f"{name} is not installed (bash .ci/run installs it)"
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    missing(f"{name} is not installed (bash .ci/run installs it)")
 
 
 def run(*argv: str, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procs import NEEDS_ROOT, Service, coordinator, full_dir, pinned_file, read_only_dir, worker
+from procs import (
+    IS_ROOT,
+    NEEDS_ROOT,
+    Service,
+    coordinator,
+    full_dir,
+    needs,
+    pinned_file,
+    read_only_dir,
+    worker,
+)
 from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
@@ -30,7 +40,7 @@ def scrape(port: int, name: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
+@needs(IS_ROOT, NEEDS_ROOT)
 @pytest.mark.parametrize("disk", ["read-only", "full"])
 def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
     tmp_path: Path, disk: str
@@ -70,7 +80,7 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
     assert "internal task failed" not in coord.text()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason=NEEDS_ROOT)
+@needs(IS_ROOT, NEEDS_ROOT)
 def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
     tmp_path: Path,
 ) -> None:

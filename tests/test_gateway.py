@@ -26,7 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from procs import ENV, Service, wait_for
+from procs import ENV, Service, missing, wait_for
 from test_gateway_frontend import (
     LONG,
     MODEL_CFG,
@@ -245,7 +245,7 @@ def test_reflection_lists_the_services_without_a_token(pair: Pair) -> None:
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed; it makes the test certificate")
+        missing("the openssl command is not installed; it makes the test certificate")
     cert, key = tmp / "cert.pem", tmp / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-from procs import Service
+from procs import IS_ROOT, Service, needs
 
 NEEDS_NETNS = "makes network namespaces and shapes a veth with tc: needs root, ip and tc"
 RATE = "2mbit"  # the tiny preset's 1.02 MB of weights take about 4 s: past the 2.5 s timeout
@@ -49,8 +48,8 @@ def slow_pair(tag: str, rate: str | None = RATE) -> Iterator[tuple[str, str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"), reason=NEEDS_NETNS)
+needs_netns = needs(IS_ROOT and bool(shutil.which("ip")) and bool(shutil.which("tc")),
+                    NEEDS_NETNS)
 
 
 @needs_netns
