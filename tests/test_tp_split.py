@@ -21,6 +21,7 @@ import pytest
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig
 from foundry.model.inference import Engine, Gate, GateExchange, Session
+from foundry.model.quant import QTensor, QType, quantize
 from foundry.model.tp_split import (
     SPLIT_TABLE,
     SPLIT_TABLES,
@@ -33,6 +34,7 @@ from foundry.model.tp_split import (
     rank_weights,
     rule_for,
     shard_params,
+    shard_part,
     shard_shapes,
 )
 
@@ -277,3 +279,40 @@ def test_pair_serves_several_sessions_in_one_pass(mode: ExpertSplit) -> None:
         np.testing.assert_array_equal(got, ref, err_msg=f"step {step}")
     for s_ref, (s0, s1) in zip(refs, tps, strict=True):
         assert s_ref.pos == s0.pos == s1.pos
+
+
+def test_quantized_parts_are_cut_on_whole_blocks_only() -> None:
+    """Stored blocks stay blocks: each rank's part of a Q8_0 tensor (32 values a block) is the
+    same blocks, its values those of the whole; a cut inside a block is refused, naming it."""
+    rng = np.random.default_rng(3)
+    cfg = ModelConfig()  # attn_output (64, 64): columns [0, 32) and [32, 64), whole blocks
+    q = quantize(rng.standard_normal((64, 64)).astype(np.float32), QType.Q8_0)
+    whole = q.dequantize()
+    for r in range(2):
+        part = shard_part("blk.0.attn_output.weight", q, rank_layout(cfg, r, 2))
+        assert isinstance(part, QTensor) and part.qtype is QType.Q8_0 and part.shape == (64, 32)
+        np.testing.assert_array_equal(part.dequantize(), whole[:, 32 * r : 32 * (r + 1)])
+    # Six heads of 16 over two ranks: columns [0, 48) and [48, 96) end and start mid-block.
+    odd = ModelConfig(n_embd=96, n_head=6, n_head_kv=2)
+    q96 = quantize(rng.standard_normal((96, 96)).astype(np.float32), QType.Q8_0)
+    for r, cols in enumerate(("[0, 48)", "[48, 96)")):
+        with pytest.raises(SplitError, match=(
+            rf"cannot split blk\.0\.attn_output\.weight \(Q8_0, blocks of 32 values\) for rank "
+            rf"{r} of 2: its columns \{cols[:-1]}\) of 96 do not start and end on a block")):
+            shard_part("blk.0.attn_output.weight", q96, rank_layout(odd, r, 2))
+    # The experts' intermediate cut of ffn_down_exps (its last axis of n_ff = 96) likewise.
+    ff = ModelConfig(n_ff=96)
+    down = quantize(rng.standard_normal((4, 64, 96)).astype(np.float32), QType.Q8_0)
+    with pytest.raises(SplitError, match=r"columns \[0, 48\) of 96"):
+        shard_part("blk.0.ffn_down_exps.weight", down,
+                   rank_layout(ff, 0, 2, ExpertSplit.INTERMEDIATE))
+
+
+def test_world_and_rank_out_of_range_are_refused() -> None:
+    cfg = ModelConfig()
+    with pytest.raises(SplitError, match=r"world size must be >= 1, got 0"):
+        rank_layout(cfg, 0, 0)
+    with pytest.raises(SplitError, match=r"rank must lie in \[0, 2\), got 2"):
+        rank_layout(cfg, 2, 2)
+    with pytest.raises(SplitError, match=r"got -1"):
+        rank_layout(cfg, -1, 2)
