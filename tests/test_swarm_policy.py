@@ -6,6 +6,7 @@ import itertools
 import random
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -215,3 +216,37 @@ def test_round_tracker_drop_and_desertion() -> None:
     assert below.decide(5.0) is RoundDecision.ABANDON  # 1 of 10 samples at the deadline
     nobody = RoundTracker(0, {}, started=0.0, deadline=5.0)
     assert not nobody.deserted() and nobody.decide(6.0) is RoundDecision.ABANDON
+
+
+def test_gradient_sum_when_a_worker_reports_another_share_than_planned() -> None:
+    """All planned workers report, one with fewer samples than planned: the running sum (built
+    with planned weights) is not the answer, the mean of what was reported is."""
+    shares = {"a": 5, "b": 17, "c": 10}
+    parts = _parts(shares)
+    total = GradientSum(shares)
+    for w, n in (("a", 5), ("b", 16), ("c", 10)):
+        total.add(w, n, parts[w])
+    want = weighted_mean([(5, parts["a"]), (16, parts["b"]), (10, parts["c"])])
+    assert all(np.array_equal(g, e) for g, e in zip(total.mean(), want, strict=True))
+    with pytest.raises(ValueError, match="b reported twice"):
+        total.add("b", 17, parts["b"])
+
+
+def test_weighted_mean_edges() -> None:
+    x = [np.arange(4, dtype=np.float32)]
+    (one,) = weighted_mean([(1, x)])  # a single sample is its own mean
+    assert np.array_equal(one, x[0])
+    with pytest.raises(ValueError, match="^no gradients to average$"):
+        weighted_mean([])
+    with pytest.raises(ValueError, match="^gradients cover no samples$"):
+        weighted_mean([(0, x)])
+    with pytest.raises(ValueError, match="expected 1 tensors, got 2"):
+        weighted_mean([(1, x), (1, [*x, *x])])
+
+
+def test_rate_and_liveness_boundaries() -> None:
+    assert is_dead(11.0 + 1e-9, 8.0, 3.0) and not is_dead(11.0, 8.0, 3.0)  # silent > timeout
+    assert update_rate(10.0, 0.5, alpha=0.5) == 5.25  # a rate below 1 sample/s still counts
+    assert update_rate(0.5, 10.0, alpha=0.5) == 5.25
+    assert update_rate(0.0, 4.0) == 4.0  # no usable previous rate: the measurement as is
+    assert update_rate(10.0, 0.0) == 10.0 and update_rate(10.0, -1.0) == 10.0
