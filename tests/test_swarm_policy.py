@@ -236,9 +236,9 @@ def test_weighted_mean_edges() -> None:
     x = [np.arange(4, dtype=np.float32)]
     (one,) = weighted_mean([(1, x)])  # a single sample is its own mean
     assert np.array_equal(one, x[0])
-    with pytest.raises(ValueError, match="^no gradients to average$"):
+    with pytest.raises(ValueError, match=r"^no gradients to average$"):
         weighted_mean([])
-    with pytest.raises(ValueError, match="^gradients cover no samples$"):
+    with pytest.raises(ValueError, match=r"^gradients cover no samples$"):
         weighted_mean([(0, x)])
     with pytest.raises(ValueError, match="expected 1 tensors, got 2"):
         weighted_mean([(1, x), (1, [*x, *x])])
