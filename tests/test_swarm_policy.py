@@ -250,3 +250,20 @@ def test_rate_and_liveness_boundaries() -> None:
     assert update_rate(0.5, 10.0, alpha=0.5) == 5.25
     assert update_rate(0.0, 4.0) == 4.0  # no usable previous rate: the measurement as is
     assert update_rate(10.0, 0.0) == 10.0 and update_rate(10.0, -1.0) == 10.0
+
+
+def test_allocation_rounding_and_edges() -> None:
+    # One each, then 7 x (1, 1, 2)/4 = 1.75, 1.75, 3.5: floors 2, 2, 4 and the two spare
+    # samples to the largest remainders (.75, .75 before .5).
+    assert allocate_samples(10, {"b": 1.0, "a": 1.0, "c": 2.0}) == {"a": 3, "b": 3, "c": 4}
+    # 7 x (3, 1, 1)/5 = 4.2, 1.4, 1.4: floors 5, 2, 2, the spare to the tie of .4 at the lower id.
+    assert allocate_samples(10, {"x": 3.0, "y": 1.0, "z": 1.0}) == {"x": 5, "y": 3, "z": 2}
+    # Rates below one sample/s are rates; a negative one counts as none.
+    assert allocate_samples(8, {"a": 0.25, "b": 0.75}) == {"a": 3, "b": 5}
+    assert allocate_samples(6, {"a": -5.0, "b": 1.0}) == {"a": 1, "b": 5}
+    # Exactly one sample each, and fewer samples than workers (no floor of one).
+    assert allocate_samples(3, {"a": 1.0, "b": 100.0, "c": 1.0}) == {"a": 1, "b": 1, "c": 1}
+    assert allocate_samples(2, {"a": 1.0, "b": 100.0, "c": 1.0}) == {"a": 0, "b": 2, "c": 0}
+    assert allocate_samples(0, {"a": 1.0}) == {"a": 0} and allocate_samples(5, {}) == {}
+    with pytest.raises(ValueError, match="global_batch must be >= 0, got -1"):
+        allocate_samples(-1, {"a": 1.0})
