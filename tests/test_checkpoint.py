@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -271,3 +272,37 @@ def test_states_that_do_not_fit_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not plain JSON"):
         save_checkpoint(tmp_path, state)
     assert os.listdir(tmp_path) == []
+
+
+def test_every_tensor_lies_at_its_documented_aligned_offset(tmp_path: Path) -> None:
+    """Tensors back to back from D, each at the next multiple of 64 (zero padding between):
+    with norms of 40 floats (160 bytes) the padding is not zero."""
+    cfg = ModelConfig(n_embd=40, n_head=4, n_head_kv=2, n_ff=24, n_layer=1)
+    state = make_state(cfg=cfg)
+    data = save_checkpoint(tmp_path, state).read_bytes()
+    meta_len = ckpt.HEADER.unpack_from(data)[3]
+    meta = json.loads(data[24 : 24 + meta_len])
+    data_start = 24 + meta_len + (-(24 + meta_len) % 64)
+    groups = {"params": state.params, "m": state.optimizer["m"], "v": state.optimizer["v"]}
+    offset = 0
+    assert any(t["nbytes"] % 64 for t in meta["tensors"])
+    for t in meta["tensors"]:
+        assert t["offset"] == offset, t
+        raw = np.frombuffer(data, "<f4", count=t["nbytes"] // 4, offset=data_start + offset)
+        np.testing.assert_array_equal(raw.reshape(t["shape"]), groups[t["group"]][t["name"]])
+        end = data_start + offset + t["nbytes"]
+        offset += t["nbytes"] + (-t["nbytes"] % 64)
+        assert not any(data[end : data_start + offset])  # the padding is zeros
+    assert len(data) - 32 in (end, data_start + offset)  # then the sha256
+
+
+def test_negative_step_or_position_and_keep_last_are_checked(tmp_path: Path) -> None:
+    for step, position in ((-1, 0), (0, -1)):
+        state = dataclasses.replace(make_state(), step=step, data_position=position)
+        with pytest.raises(CheckpointError, match="must be >= 0"):
+            save_checkpoint(tmp_path, state)
+    save_checkpoint(tmp_path, make_state(step=1), keep_last=1)
+    save_checkpoint(tmp_path, make_state(step=2), keep_last=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    with pytest.raises(CheckpointError, match="keep_last"):
+        save_checkpoint(tmp_path, make_state(step=3), keep_last=0)
