@@ -267,3 +267,22 @@ def test_allocation_rounding_and_edges() -> None:
     assert allocate_samples(0, {"a": 1.0}) == {"a": 0} and allocate_samples(5, {}) == {}
     with pytest.raises(ValueError, match="global_batch must be >= 0, got -1"):
         allocate_samples(-1, {"a": 1.0})
+
+
+def test_deadline_and_quorum_edges() -> None:
+    # factor x the slowest expected finish, from zero: 1 sample at 4/s is 0.25 s, x 2.
+    assert round_deadline(100.0, {"a": 1}, {"a": 4.0}, factor=2.0, floor_s=0.0) == 100.5
+    # A rate below 1/s is a measured rate, not a missing one.
+    assert round_deadline(0.0, {"a": 1}, {"a": 0.5}, factor=2.0, floor_s=0.0,
+                          initial_s=99.0) == 4.0
+    # At the deadline, quorum counts an unplanned reporter's samples on both sides: 6 of
+    # 4 + 4 + 2 reaches 0.6, not 0.7.
+    assigned = {"a": 4, "b": 4}
+    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
+                          reported={"a": 4, "seed": 2}, quorum=0.6) is RoundDecision.CLOSE
+    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
+                          reported={"a": 4, "seed": 2}, quorum=0.7) is RoundDecision.ABANDON
+    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
+                          reported={"seed": 2}, quorum=0.1) is RoundDecision.CLOSE
+    assert round_decision(now=10.0, deadline=10.0, assigned={"a": 1, "b": 9},
+                          reported={"a": 1}, quorum=0.1) is RoundDecision.CLOSE
