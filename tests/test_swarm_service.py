@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import Service, coordinator, worker
+from procs import Service, coordinator, wait_for, worker
 
 from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
 from foundry.model.config import preset
 from foundry.model.data import load_corpus
 from foundry.model.training import Trainer, TrainSettings
 from foundry.model.transformer import init_params
+from foundry.swarm.core import HEARTBEAT_TIMEOUT_S
 from foundry.wire import fdtc
 
 
@@ -101,12 +102,13 @@ def test_killed_worker_is_dropped_and_training_goes_on(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "second worker never registered"
             time.sleep(0.1)
         before = status(admin_port).global_step
-        t_kill = time.monotonic()
         b.kill()
-        # EOF drops it at once; the swarm keeps stepping with the other worker
+        # EOF drops it at once (the log says so, not a heartbeat timeout); the swarm keeps
+        # stepping with the other worker.
         st = wait_step(admin_port, before + 5, 30)
         assert [r.worker_id for r in st.rows] == ["alive"]
-        assert time.monotonic() - t_kill < 20
+        assert re.search(r"dropped worker doomed \((?!heartbeat timeout)", coord.text()), (
+            coord.text()[-2000:])
         steps = [status(admin_port).global_step for _ in range(5)]
         assert steps == sorted(steps), "the global step went back"
         assert a.alive() and coord.alive(), "no other process may restart or die"
@@ -156,7 +158,7 @@ def test_worker_with_other_data_is_refused_with_the_reason(tmp_path: Path) -> No
         coord.stop()
 
 
-def test_silent_worker_is_dropped_within_three_seconds(tmp_path: Path) -> None:
+def test_silent_worker_is_dropped_at_its_heartbeat_timeout(tmp_path: Path) -> None:
     coord, port, admin_port = coordinator(tmp_path, "--max-steps", "100000", "--wait-for-start")
     try:
         corpus = load_corpus(None)
@@ -168,13 +170,12 @@ def test_silent_worker_is_dropped_within_three_seconds(tmp_path: Path) -> None:
                                             fdtc.HardwareProfile.LAPTOP_MID, 4, 8000, 8))
             )
             t0 = time.monotonic()
-            while not status(admin_port).rows:
-                assert time.monotonic() - t0 < 5
-                time.sleep(0.05)
-            while status(admin_port).rows:
-                assert time.monotonic() - t0 < 3.5, "silent worker still listed"
-                time.sleep(0.05)
-        assert "heartbeat timeout" in coord.text()
+            wait_for(lambda: status(admin_port).rows, 10, "the worker listed")
+            # Dropped for its silence: not before the timeout, and for that reason.
+            wait_for(lambda: not status(admin_port).rows, 10 * HEARTBEAT_TIMEOUT_S,
+                     "the silent worker dropped")
+            assert time.monotonic() - t0 >= HEARTBEAT_TIMEOUT_S
+        assert "dropped worker mute (heartbeat timeout)" in coord.text()
     finally:
         coord.stop()
 
