@@ -286,3 +286,15 @@ def test_deadline_and_quorum_edges() -> None:
                           reported={"seed": 2}, quorum=0.1) is RoundDecision.CLOSE
     assert round_decision(now=10.0, deadline=10.0, assigned={"a": 1, "b": 9},
                           reported={"a": 1}, quorum=0.1) is RoundDecision.CLOSE
+
+
+def test_round_tracker_keeps_what_it_is_given() -> None:
+    g = [np.ones(3, np.float32)]
+    t = RoundTracker(3, {"a": 2, "b": 2}, started=5.0, deadline=9.0, quorum=0.9)
+    assert t.started == 5.0
+    assert not t.accepts("seed", 3)  # by default only assigned workers count
+    assert t.accepts("seed", 3, assigned_only=False)
+    assert t.report("a", 3, g, samples=2, loss=1.25, now=6.0) is Report.ACCEPTED
+    assert t.losses == {"a": 1.25}
+    # Its own quorum, not the default: 2 of 4 is below 0.9 at the deadline.
+    assert t.decide(9.0) is RoundDecision.ABANDON
