@@ -558,3 +558,24 @@ def test_topk_learns_better_with_error_feedback_than_without() -> None:
     on, off = final_loss(True), final_loss(False)
     assert on < 2.0, f"TOPK with feedback stalled at {on:.3f}"
     assert on <= off - 0.1, f"feedback on {on:.3f} is not clearly below feedback off {off:.3f}"
+
+
+@pytest.mark.parametrize("sign", [0x0000, 0x8000])
+def test_fp16_specials_of_one_sign_decode_exactly(sign: int) -> None:
+    """Infinity and NaN patterns of one sign only, alone in their chunk (the decoder fixes them
+    up per chunk), and every pattern of that sign."""
+    for patterns in ([sign | 0x7C00], [sign | 0x7E00], [sign | 0x7BFF, sign | 0x7C01],
+                     list(range(sign, sign + 0x8000))):
+        h = np.array(patterns, np.uint16)
+        want = h.view(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(fp16_to_fp32(h).view(np.uint32), want.view(np.uint32))
+        assert fp16_to_fp32(h).dtype == np.float32
+
+
+def test_topk_decompress_takes_every_index_in_range() -> None:
+    np.testing.assert_array_equal(topk_decompress([0, 2], [1.5, -2.0], 3), [1.5, 0, -2.0])
+    with pytest.raises(LocalProtocolError, match=r"an index is outside 0\.\.2$"):
+        topk_decompress([3], [1.0], 3)
+    with pytest.raises(LocalProtocolError, match=r"an index is outside 0\.\.2$"):
+        topk_decompress([-1], [1.0], 3)
+    assert topk_decompress(np.array([[0]]), [1.0], 2).dtype == np.float32
