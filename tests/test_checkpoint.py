@@ -306,3 +306,16 @@ def test_negative_step_or_position_and_keep_last_are_checked(tmp_path: Path) -> 
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
     with pytest.raises(CheckpointError, match="keep_last"):
         save_checkpoint(tmp_path, make_state(step=3), keep_last=0)
+
+
+def test_further_tensor_groups_round_trip(tmp_path: Path) -> None:
+    """The swarm's shadow weights and outer momentum come back as they were saved."""
+    state = dataclasses.replace(make_state(), extra={"sync_every": 4}, tensors={
+        "shadow": random_tensors(CFG, 7), "outer_m": random_tensors(CFG, 8)})
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state))
+    assert_same(state, loaded)
+    assert loaded.extra == {"sync_every": 4}
+    assert sorted(loaded.tensors) == ["outer_m", "shadow"]
+    for group, tensors in state.tensors.items():
+        assert list(loaded.tensors[group]) == list(tensors)
+        assert all(np.array_equal(loaded.tensors[group][k], v) for k, v in tensors.items())
