@@ -137,13 +137,16 @@ def listed_survivors() -> dict[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("targets", nargs="*", choices=[[], *BY_NAME], default=[],
+    parser.add_argument("targets", nargs="*", default=[],
                         help="targets to run (default: all): " + ", ".join(BY_NAME))
     parser.add_argument("--time-limit", type=float, default=1200.0,
                         help="seconds per target; unchecked mutants are reported (default 1200)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants checked at once (default 1)")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mutation")
     args = parser.parse_args()
+    unknown = [t for t in args.targets if t not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown target {', '.join(unknown)}; the targets: {', '.join(BY_NAME)}")
 
     listed = listed_survivors()
     failed = False
