@@ -52,9 +52,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--data", type=Path, default=None,
                    help="text file or folder (default: Python's bundled documentation)")
     t.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="write checkpoints here and resume from the newest one")
+                   help="write checkpoints here and resume from the newest one that verifies")
     t.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="steps between checkpoints")
+                   help="steps between checkpoints (default 50)")
+    t.add_argument("--fresh", action="store_true",
+                   help="start at step 0: move the checkpoints of --checkpoint-dir into a "
+                   "previous-N folder in it (nothing is deleted)")
     t.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
                    help="steps between validation runs (default: a twentieth of --steps, 25 "
                    "to 150)")
@@ -91,8 +94,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_init(args: argparse.Namespace) -> int:
     from foundry.model.config import preset
     from foundry.model.gguf_io import save_gguf
+    from foundry.model.outfile import OutputRefused, check_output
     from foundry.model.transformer import init_params
 
+    try:  # a GGUF file may be replaced (as before); a checkpoint or any other file never
+        check_output(args.out, force=True)
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     cfg = preset(args.preset)
     save_gguf(args.out, cfg, init_params(cfg, args.seed), dtype=args.dtype)
     print(f"wrote {args.out} ({args.preset}: {cfg.n_params():,} parameters, {args.dtype})")
@@ -100,12 +109,12 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from foundry.model.checkpoint import CheckpointError
+    from foundry.model.checkpoint import CheckpointError, CheckpointRefused
     from foundry.model.data import DataError
 
     try:
         return _train(args)
-    except DataError as exc:
+    except (DataError, CheckpointRefused) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:
@@ -118,9 +127,12 @@ def _train(args: argparse.Namespace) -> int:
 
     from foundry.model.checkpoint import (
         CheckpointState,
-        latest_checkpoint,
+        DirectoryLock,
+        check_directory,
         load_checkpoint,
+        resume_checkpoint,
         save_checkpoint,
+        start_fresh,
     )
     from foundry.model.config import preset
     from foundry.model.data import (
@@ -146,6 +158,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)
         return 2
+    if args.out is not None:
+        from foundry.model.outfile import OutputRefused, check_output
+
+        try:  # said before training, not after it (a GGUF file may be replaced)
+            check_output(args.out, force=True)
+        except OutputRefused as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         corpus = load_corpus(args.data)
     except DataError as exc:
@@ -166,7 +186,12 @@ def _train(args: argparse.Namespace) -> int:
         print(note)
     trainer = Trainer(cfg, settings, init_params(cfg, args.seed))
     if args.checkpoint_dir is not None:
-        found = latest_checkpoint(args.checkpoint_dir)
+        check_directory(args.checkpoint_dir)
+        # Held until the process exits (the kernel drops it then, however it exits).
+        DirectoryLock(args.checkpoint_dir, "foundry train").acquire()
+        if args.fresh:
+            start_fresh(args.checkpoint_dir)
+        found = resume_checkpoint(args.checkpoint_dir)
         if found is not None:
             state = load_checkpoint(found)
             if state.config != cfg:

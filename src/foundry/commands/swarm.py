@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "floor, which holds after it; default: --max-steps)")
     add_schedule_flags(c)
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="steps between checkpoints")
+                   help="steps between checkpoints (default 50)")
     c.add_argument("--keep-checkpoints", type=positive_int, default=DEFAULT_KEEP_LAST,
                    metavar="N", help="checkpoints kept in --checkpoint-dir, the newest N "
                    f"(default {DEFAULT_KEEP_LAST}); "
@@ -180,7 +180,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "folder) to GGUF, which `foundry tp-leader` and llama.cpp load.",
     )
     e.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file or folder")
-    e.add_argument("--out", type=Path, required=True, help="GGUF file to write")
+    e.add_argument("--out", type=Path, required=True,
+                   help="GGUF file to write (a new file; an existing GGUF only with --force, "
+                   "never any other file)")
+    e.add_argument("--force", action="store_true",
+                   help="replace --out if it is a GGUF file already")
     e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
                    help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
     e.set_defaults(func=run_export)
@@ -339,8 +343,14 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from foundry.model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-    from foundry.model.gguf_io import save_gguf
+    from foundry.model.gguf_io import GGUFError, save_gguf
+    from foundry.model.outfile import OutputRefused, check_output
 
+    try:
+        check_output(args.out, force=args.force)
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     path: Path | None = args.checkpoint
     if path is not None and path.is_dir():
         path = latest_checkpoint(path)
@@ -352,7 +362,11 @@ def run_export(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    save_gguf(args.out, state.config, state.params, dtype=args.dtype)
+    try:
+        save_gguf(args.out, state.config, state.params, dtype=args.dtype)
+    except GGUFError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"exported step {state.step} from {path} to {args.out}")
     return 0
 

@@ -5,6 +5,9 @@ It wraps each method handler so that:
 - a ``GatewayError`` raised by a servicer ends the call with that error's status code and its
   message (the servicers never touch status codes themselves);
 - any other exception ends it with INTERNAL and is logged with its traceback (a bug here);
+- a request that does not decode (bytes that are not the method's message, a string field
+  that is not UTF-8) ends the call INVALID_ARGUMENT saying so, with no traceback in the log
+  (grpc's own answer is UNKNOWN and a logged traceback per call);
 - ``foundry_gateway_requests_total{method,code}`` and
   ``foundry_gateway_request_duration_seconds{method}`` record the outcome, including calls the
   authentication interceptor refused (this interceptor sits outside it).
@@ -20,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from foundry.gateway.errors import GatewayError
 from foundry.obs.metrics import GatewayMetrics
@@ -40,6 +44,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method = handler_call_details.method.lstrip("/")
+        if not handler.request_streaming and handler.request_deserializer is not None:
+            handler = handler._replace(
+                request_deserializer=_tolerant(handler.request_deserializer)
+            )
         if handler.request_streaming and handler.response_streaming:
             return handler._replace(stream_stream=self._streaming(method, handler.stream_stream))
         if handler.request_streaming:
@@ -53,6 +61,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
+                await _refuse_undecodable(request, context, method)
                 return await behavior(request, context)
             except BaseException as exc:
                 code = await _answer(exc, context, method)
@@ -71,6 +80,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def streaming(request: Any, context: grpc.aio.ServicerContext) -> None:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
+            if isinstance(request, Undecodable):
+                try:
+                    await _refuse_undecodable(request, context, method)
+                finally:
+                    self._record(method, _final_code(context, code), started)
             result = behavior(request, context)
             try:
                 if inspect.isasyncgen(result):
@@ -94,6 +108,34 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._metrics.requests.labels(method=method, code=code.name).inc()
         self._metrics.request_duration.labels(method=method).observe(
             time.perf_counter() - started
+        )
+
+
+class Undecodable:
+    """A request whose bytes are not the method's message; the call ends INVALID_ARGUMENT."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return deserialize
+
+
+async def _refuse_undecodable(
+    request: Any, context: grpc.aio.ServicerContext, method: str
+) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {method} message ({request.error}); every string "
+            "field must be UTF-8 text",
         )
 
 

@@ -285,6 +285,21 @@ class FrontendClient:
                 f"{timeout_s:.3g} s"
             ) from None
 
+    def fail_inflight(self, why: str) -> None:
+        """The leader stopped answering (the health probe says so): every request on the link
+        fails now with UNAVAILABLE, and the next one dials again."""
+        link, self._link = self._link, None
+        if link is None or link.broken is not None:
+            return
+        if link.pending:
+            log.warning("failing %d generation(s) in flight: %s", len(link.pending), why)
+        link.fail(BackendUnavailable(
+            f"the TP leader at {self.address} stopped making progress ({why}); the generation "
+            "was failed, retry once the pair is back"
+        ))
+        if link.reader_task is not None:
+            link.reader_task.cancel()
+
     async def close(self) -> None:
         link, self._link = self._link, None
         if link is None:

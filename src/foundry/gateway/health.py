@@ -12,6 +12,13 @@ Names and what SERVING means:
 A background task probes every backend each ``interval_s`` (1 s), concurrently, each probe
 bounded by ``timeout_s``. On shutdown every name turns NOT_SERVING first, before the server
 stops taking calls.
+
+Liveness is judged end to end: a call checks :meth:`HealthProbe.current` first, so it fails at
+once while its backend is not serving (a backend marked down is probed again right then, so
+one that just came back is not refused); and a backend that has not answered
+:data:`STALL_PROBES` probes in a row (stopped, hung, or unreachable without a reset) gets its
+``on_stall`` called, which fails the calls it had in flight instead of leaving them to their
+deadlines.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 OVERALL = health.OVERALL_HEALTH
 
 PROBE_INTERVAL_S = 1.0
+# Probes in a row without an answer before a backend's calls in flight are failed: long enough
+# that a loaded machine's slow answer is not taken for a dead backend (a few seconds).
+STALL_PROBES = 3
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,8 @@ class Backend:
     name: str
     services: tuple[str, ...]
     probe: Callable[[float], Awaitable[str | None]]
+    # Called with the reason when the backend has not answered STALL_PROBES probes in a row.
+    on_stall: Callable[[str], None] | None = None
 
 
 class HealthProbe:
@@ -61,6 +73,9 @@ class HealthProbe:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._up: dict[str, bool | None] = {b.name: None for b in self.backends}
+        self._reason: dict[str, str | None] = {b.name: None for b in self.backends}
+        self._silent: dict[str, int] = {b.name: 0 for b in self.backends}
+        self._recheck: dict[str, asyncio.Future[str | None]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -81,12 +96,26 @@ class HealthProbe:
                 await self._task
 
     async def probe_once(self) -> None:
-        reasons = await asyncio.gather(*(self._probe(b) for b in self.backends))
-        for backend, reason in zip(self.backends, reasons, strict=True):
-            up = reason is None
-            self.metrics.backend_up.labels(backend=backend.name).set(1 if up else 0)
-            if self._up[backend.name] == up:
-                continue
+        await asyncio.gather(*(self._probe_and_apply(b) for b in self.backends))
+
+    async def current(self, name: str) -> str | None:
+        """None when backend ``name`` serves; else why not. A backend marked down is probed
+        again now (one probe shared by every caller asking meanwhile)."""
+        if self._up.get(name):
+            return None
+        pending = self._recheck.get(name)
+        if pending is None or pending.done():
+            backend = next(b for b in self.backends if b.name == name)
+            pending = asyncio.ensure_future(self._probe_and_apply(backend))
+            self._recheck[name] = pending
+        return await asyncio.shield(pending)
+
+    async def _probe_and_apply(self, backend: Backend) -> str | None:
+        reason = await self._probe(backend)
+        up = reason is None
+        self._reason[backend.name] = reason
+        self.metrics.backend_up.labels(backend=backend.name).set(1 if up else 0)
+        if self._up[backend.name] != up:
             if up:
                 log.info("%s is reachable: %s SERVING", backend.name, ", ".join(backend.services))
             else:
@@ -97,14 +126,23 @@ class HealthProbe:
             self._up[backend.name] = up
             for service in backend.services:
                 await self.servicer.set(service, SERVING if up else NOT_SERVING)
+        return reason
 
     async def _probe(self, backend: Backend) -> str | None:
         try:
-            return await asyncio.wait_for(backend.probe(self.timeout_s), self.timeout_s)
+            reason = await asyncio.wait_for(backend.probe(self.timeout_s), self.timeout_s)
         except TimeoutError:
-            return f"no answer within {self.timeout_s:g} s"
+            self._silent[backend.name] += 1
+            silent = self._silent[backend.name]
+            reason = f"no answer within {self.timeout_s:g} s"
+            if silent >= STALL_PROBES and backend.on_stall is not None:
+                backend.on_stall(f"{backend.name} answered none of the last {silent} probes "
+                                 f"({reason} each): it is stopped, hung or cut off")
+            return reason
         except GatewayError as exc:
-            return exc.message
+            reason = exc.message
+        self._silent[backend.name] = 0
+        return reason
 
     async def _loop(self) -> None:
         while True:

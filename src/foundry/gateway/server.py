@@ -80,7 +80,8 @@ class Gateway:
             self.health,
             [
                 Backend("coordinator", (TRAINING_SERVICE, MODEL_SERVICE), self._probe_admin),
-                Backend("tp_leader", (INFERENCE_SERVICE,), self._probe_frontend),
+                Backend("tp_leader", (INFERENCE_SERVICE,), self._probe_frontend,
+                        on_stall=self.frontend.fail_inflight),
             ],
             self.metrics,
             interval_s=options.probe_interval_s,
@@ -102,7 +103,9 @@ class Gateway:
             ModelServicer(self.admin), self.server
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            InferenceServicer(self.frontend, self.metrics), self.server
+            InferenceServicer(self.frontend, self.metrics,
+                              lambda: self.probe.current("tp_leader")),
+            self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -155,6 +158,6 @@ class Gateway:
     async def _probe_frontend(self, timeout_s: float) -> str | None:
         status = await self.frontend.status(timeout_s)
         if not status.worker_connected:
-            return "the TP leader reports its worker rank disconnected"
+            return "the TP leader reports its worker rank not connected"
         return None
 

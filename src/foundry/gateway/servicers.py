@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from foundry.api.v1 import inference_pb2, model_pb2, training_pb2
 from foundry.gateway.admin_client import AdminClient
-from foundry.gateway.errors import InvalidRequest
+from foundry.gateway.errors import BackendUnavailable, InvalidRequest
 from foundry.gateway.frontend_client import FrontendClient
 from foundry.obs.metrics import GatewayMetrics
 from foundry.wire import fdtc, frontend
@@ -285,14 +285,27 @@ class ModelServicer:
 
 
 class InferenceServicer:
-    def __init__(self, client: FrontendClient, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        client: FrontendClient,
+        metrics: GatewayMetrics,
+        pair_down: Callable[[], Awaitable[str | None]] | None = None,
+    ) -> None:
+        """``pair_down``: why the pair does not serve now (None: it does), from the health
+        probe; a generation is then refused at once instead of waiting for its deadline."""
         self.client = client
         self.metrics = metrics
+        self.pair_down = pair_down
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         max_tokens, temperature, top_p, stop = generate_settings(request)
+        if self.pair_down is not None and (why := await self.pair_down()) is not None:
+            raise BackendUnavailable(
+                f"the tensor-parallel pair at {self.client.address} is not serving ({why}); "
+                "retry once it is back (`foundry ctl status` shows it)"
+            )
         generation = self.client.generate(
             request.prompt, max_tokens, temperature, top_p, request.seed, stop
         )

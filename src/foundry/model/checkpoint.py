@@ -26,14 +26,22 @@ A checkpoint is written to a temporary file in the same directory, flushed, fsyn
 to ``step-NNNNNN.ckpt`` and the directory fsynced, so after a crash or a full disk the final
 name holds either the complete new file or nothing. The trailing hash catches a file damaged
 later: :func:`load_checkpoint` refuses it and :func:`latest_checkpoint` falls back to the
-newest one that verifies. One process writes a directory at a time (the coordinator, or one
-``foundry train``).
+newest one that verifies.
+
+A checkpoint that does not verify is never counted and never silently replaced: pruning keeps
+the newest ``keep_last`` that verify (the file just written always among them), and a damaged
+file is renamed aside (``step-NNNNNN.ckpt.damaged``, kept for inspection, never deleted)
+before a new checkpoint of its step is written or a run resumes past it. A directory whose
+checkpoint files all fail to verify is refused at start (:func:`resume_checkpoint`) rather
+than trained over from step 0. One process writes a directory at a time: the coordinator and
+``foundry train`` hold :class:`DirectoryLock` on it while they run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -65,12 +73,22 @@ _CHUNK = 1 << 20
 _GROUPS = ("params", "m", "v")
 _NAME_RE = re.compile(r"^step-(\d+)\.ckpt$")
 _TEMP_RE = re.compile(r"^\.step-\d+\.ckpt\.(\d+)\.tmp$")
+# A checkpoint that failed to verify is renamed to its name plus this (then .1, .2, ...).
+DAMAGED_SUFFIX = ".damaged"
+# Names tried when setting a damaged file aside (step-N.ckpt.damaged, .damaged.1, ...).
+_ASIDE_TRIES = 1000
+LOCK_NAME = "checkpoints.lock"
 
 F32Array = npt.NDArray[np.float32]
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or read; the message says which file and why."""
+
+
+class CheckpointRefused(CheckpointError):
+    """A checkpoint directory a run must not start on (in use, not a folder, nothing in it
+    verifies); the message says what to do."""
 
 
 class OptimizerState(TypedDict):
@@ -238,6 +256,8 @@ def save_checkpoint(
     try:
         d.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(d)
+        if final.exists():  # a damaged file of this step is kept, not replaced
+            _verify_or_set_aside(final)
         h = hashlib.sha256()
         with tmp.open("wb") as f:
             _write(f, h, HEADER.pack(MAGIC, VERSION, 0, len(meta)))
@@ -266,9 +286,85 @@ def save_checkpoint(
         _fsync_dir(d)
     except OSError as exc:
         log.warning("checkpoint %s written but its directory could not be synced: %s", final, exc)
-    for _, old in list_checkpoints(d)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    _remember_verified(final)
+    prune_checkpoints(d, keep_last, keep=final)
     return final
+
+
+def _stat_key(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# Files this process wrote or verified, by path, with their stat key then: a file written to
+# since (any write changes its ctime) is verified again.
+_VERIFIED: dict[Path, tuple[int, int, int, int]] = {}
+
+
+def _remember_verified(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        _VERIFIED[path] = _stat_key(path)
+
+
+def _verified(path: Path) -> None:
+    """verify_checkpoint, skipped for a file verified (or written) here and unchanged since."""
+    try:
+        key = _stat_key(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    if _VERIFIED.get(path) == key:
+        return
+    _VERIFIED.pop(path, None)
+    verify_checkpoint(path)
+    _VERIFIED[path] = key
+
+
+def set_aside(path: str | Path, why: str) -> Path:
+    """Rename a checkpoint that does not verify to ``NAME.damaged`` (or ``.damaged.N``), out of
+    every count and of the way of a new checkpoint of its step; the file is kept."""
+    p = Path(path)
+    for i in range(_ASIDE_TRIES):
+        aside = p.with_name(p.name + DAMAGED_SUFFIX + (f".{i}" if i else ""))
+        if aside.exists():
+            continue
+        try:
+            os.rename(p, aside)
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {p} does not verify ({why}) and cannot be set aside: {exc}"
+            ) from exc
+        _VERIFIED.pop(p, None)
+        log.warning("checkpoint %s does not verify (%s); kept aside as %s, never counted",
+                    p, why, aside.name)
+        return aside
+    raise CheckpointError(f"checkpoint {p} does not verify ({why}) and {_ASIDE_TRIES} damaged "
+                          "copies of it are kept already; remove some")
+
+
+def _verify_or_set_aside(path: Path) -> bool:
+    """True if ``path`` verifies; otherwise it is set aside and False."""
+    try:
+        _verified(path)
+    except CheckpointError as exc:
+        if not path.exists():
+            return False
+        set_aside(path, str(exc))
+        return False
+    return True
+
+
+def prune_checkpoints(directory: str | Path, keep_last: int, keep: Path | None = None) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints that verify (``keep``, the file just
+    written, is never deleted). Only a checkpoint that verifies counts; one that does not is set
+    aside, never deleted."""
+    counted = 0
+    for _, p in reversed(list_checkpoints(directory)):
+        if p != keep and not _verify_or_set_aside(p):
+            continue
+        counted += 1
+        if counted > keep_last and p != keep:
+            p.unlink(missing_ok=True)
+            _VERIFIED.pop(p, None)
 
 
 def _check_header(path: Path, head: bytes, size: int) -> int:
@@ -377,3 +473,112 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
             continue
         return p
     return None
+
+
+def resume_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint a run in ``directory`` resumes from: the newest that verifies, any newer
+    damaged ones set aside first (so the run's own checkpoints of those steps never replace
+    them); None when there are no checkpoint files. Raises CheckpointError when there are
+    checkpoint files and none verifies: starting again from step 0 over them is the
+    operator's decision (``--fresh``), never a silent one."""
+    found = list_checkpoints(directory)
+    damaged: list[tuple[Path, str]] = []
+    for _, p in reversed(found):
+        try:
+            _verified(p)
+        except CheckpointError as exc:
+            damaged.append((p, str(exc)))
+            continue
+        for bad, why in damaged:
+            set_aside(bad, why)
+        return p
+    if damaged:
+        names = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        raise CheckpointRefused(
+            f"no checkpoint in {directory} verifies ({len(damaged)} file(s): {names}); refusing "
+            "to start over them from step 0. Move them away (or restore a good copy), or pass "
+            "--fresh to set them aside and start a new run"
+        )
+    return None
+
+
+def start_fresh(directory: str | Path) -> Path | None:
+    """``--fresh``: move every checkpoint of ``directory`` (damaged ones included) into a new
+    folder ``previous-N`` inside it, so a new run starts at step 0 and nothing is deleted.
+    Returns that folder, or None when there was nothing to move."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    olds = [p for p in d.iterdir()
+            if _NAME_RE.match(p.name) or (p.name.startswith("step-") and DAMAGED_SUFFIX in p.name)]
+    if not olds:
+        return None
+    for i in range(1, _ASIDE_TRIES):
+        target = d / f"previous-{i}"
+        try:
+            target.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise CheckpointError(f"cannot set the old checkpoints of {d} aside: {exc}") from exc
+        break
+    else:
+        raise CheckpointError(f"{d} holds {_ASIDE_TRIES} previous-N folders already; remove some")
+    try:
+        for p in olds:
+            os.rename(p, target / p.name)
+            _VERIFIED.pop(p, None)
+    except OSError as exc:
+        raise CheckpointError(f"cannot set the old checkpoints of {d} aside: {exc}") from exc
+    log.warning("--fresh: %d old checkpoint file(s) of %s moved to %s; starting at step 0",
+                len(olds), d, target)
+    return target
+
+
+def check_directory(directory: str | Path) -> Path:
+    """``directory`` as a checkpoint folder, created if missing; CheckpointError (said at start,
+    not at the first checkpoint) when it is a file or cannot be created."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise CheckpointRefused(f"--checkpoint-dir {d} is not a directory; name a folder (it is "
+                              "created if missing)")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create --checkpoint-dir {d}: {exc}") from exc
+    return d
+
+
+class DirectoryLock:
+    """One writer per checkpoint directory: an exclusive ``flock`` on ``D/checkpoints.lock``,
+    which holds the holder's pid. The kernel drops it when the holder exits, however it exits,
+    so a stale file never blocks."""
+
+    def __init__(self, directory: str | Path, holder: str) -> None:
+        self.path = Path(directory) / LOCK_NAME
+        self.holder = holder
+        self._fd: int | None = None
+
+    def acquire(self) -> DirectoryLock:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise CheckpointError(f"cannot lock checkpoint dir {self.path.parent}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "pid unknown"
+            os.close(fd)
+            raise CheckpointRefused(
+                f"checkpoint dir {self.path.parent} is in use by another writer ({holder}); "
+                "stop that one first, or give this run its own --checkpoint-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}, {self.holder}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -55,7 +55,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model import quant
+from foundry.model import finite, quant
 from foundry.model.arch import ARCHS, LIMITS, ArchConfig
 from foundry.model.arch import spec as spec_of
 from foundry.model.config import (
@@ -146,6 +146,20 @@ def _check_params(cfg: ModelConfig, params: Mapping[str, quant.Param]) -> None:
             raise GGUFError(f"param {name} has shape {params[name].shape}, expected {shape}")
 
 
+def _check_storable(cfg: ModelConfig, params: Mapping[str, quant.Param], dtype: FileDType) -> None:
+    """GGUFError naming the first float32 tensor that ``dtype`` cannot hold (a NaN, or a value
+    that would overflow to infinity: finite.overflow), before anything is written."""
+    for pname, shape in cfg.param_shapes().items():
+        value = params[pname]
+        if isinstance(value, quant.QTensor):
+            continue
+        qtype = storage_type(dtype, pname, shape)
+        why = finite.overflow(value, qtype)
+        if why is not None:
+            raise GGUFError(f"cannot write tensor {pname!r} as {qtype.name}: {why}; nothing "
+                            "was written")
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -170,6 +184,7 @@ def save_gguf(
     if not name:
         raise GGUFError("name must not be empty (it is general.name)")
     _check_params(cfg, params)
+    _check_storable(cfg, params, dtype)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     w = gguf.GGUFWriter(tmp, ARCH)
@@ -424,6 +439,12 @@ def _load(
         view = stored if select is None else select(tname, stored)
         if view is not None:
             params[tname] = _own_copy(view, keep_quantized and not _keeps_f32(tname, shape))
+            why = finite.nonfinite(params[tname])
+            if why is not None:
+                raise GGUFError(
+                    f"{path}: tensor {tname!r} holds {why}; the file is damaged or was written "
+                    "from a run that diverged: export it again from a good checkpoint"
+                )
     return cfg, params, meta
 
 

@@ -6,7 +6,9 @@ reach it through a queue (``submit``); the frames for the clients go back throug
 cancelled end, the waiting are admitted, one model pass runs (``policy.plan_pass``), every
 command of it written once (``_command`` over ``lockstep.COMMANDS``), and the sessions
 sample. A pair failure ends the pair, never the leader; the histories are re-synced on the
-next pair.
+next pair. Logits that cannot be sampled (NaN or +inf: weights that overflow on this input)
+fail that one request with INTERNAL naming the model; its session, whose KV cache may hold
+the same numbers, is destroyed on both ranks, and the pair serves on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.inference import Engine
-from foundry.model.sampling import sample
+from foundry.model.sampling import SamplingError, sample
 from foundry.model.tp_split import Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
@@ -546,7 +548,11 @@ class LeaderEngine:
         pos0 = s.pos
         full = self._rows(Verify(session_id=req.sid, drafts=tuple(block)))
         self._hook(req, full)
-        verified = [sample(row, 0.0) for row in full]
+        try:
+            verified = [sample(row, 0.0) for row in full]
+        except SamplingError as exc:  # the uncommitted block goes with the session
+            self._broken_logits(req, exc)
+            return
         accepted = accepted_drafts(drafts, verified)
         plan = commit_plan(mode, len(drafts), accepted)
         self._command(VerifyCommit(session_id=req.sid, mode=plan.mode,
@@ -611,8 +617,30 @@ class LeaderEngine:
     def _sample(self, req: Request, row: F32) -> None:
         g = req.frame
         assert req.session is not None
-        token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None)
+        try:
+            token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None)
+        except SamplingError as exc:
+            self._broken_logits(req, exc)
+            return
         self._accept(req, token, req.session.pos)
+
+    def _broken_logits(self, req: Request, exc: SamplingError) -> None:
+        """Fail ``req`` alone: INTERNAL naming the model; its session is destroyed on both
+        ranks (never kept: its KV cache may hold the same NaN or infinity)."""
+        assert req.session is not None
+        model = self.options.model.name
+        message = (f"model {model} gave logits that cannot be sampled at position "
+                   f"{req.session.pos} ({exc}); its weights overflow on this input. This "
+                   "request failed; the pair serves on")
+        log.warning("request %d: %s", req.frame.request_id, message)
+        self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL, message))
+        if req in self._decoding:
+            self._decoding.remove(req)
+        if req in self._prefills:
+            self._prefills.remove(req)
+        if req.sid in self.state.sessions:
+            self._destroy(req.sid)
+        self._count_sessions()
 
     def _accept(self, req: Request, token: int, pos: int) -> bool:
         """Emit one generated token at position ``pos``; False when the request ended."""

@@ -1,0 +1,108 @@
+"""Weights that are numbers: NaN and infinity found when a model is loaded, overflow when it
+is written.
+
+A loaded weight is checked once, over what the file stores, without expanding it:
+
+- F32: the tensor's minimum and maximum (NaN propagates through both, an infinity is one of
+  them), two passes of numpy's vectorised reductions and no copy;
+- F16: the exponent bits of every value (all ones: infinity or NaN);
+- block types: only the f16 scales of each block can be non-finite (the quants are small
+  integers), so only their exponent bits are read (:data:`SCALE_OFFSETS`, from ggml's block
+  structs in ``ggml-common.h``).
+
+The cost on the ``bench`` preset is measured by ``bench/finite_check.py``
+(docs/operations.md, "Faults and bad input").
+
+Writing checks the other way: a value whose magnitude the target type cannot hold would become
+an infinity (F16 holds up to 65,504; a Q8_0 block's scale is its largest magnitude / 127, in
+f16), so the writer refuses the tensor, naming it and its largest magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+
+from foundry.model import quant
+
+QType = gguf.GGMLQuantizationType
+
+# The largest finite f16: what an F16 value, and a block's f16 scale, can hold.
+F16_MAX = 65504.0
+# Byte offsets of the f16 fields (scale d, and min m / dmin where the type has one) inside
+# one block of each type (ggml-common.h: block_q8_0 {d, qs[32]}, block_q4_K {d, dmin,
+# scales[12], qs[128]}, block_q6_K {ql[128], qh[64], scales[16], d}, ...).
+SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
+    QType.Q8_0: (0,),
+    QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.Q4_K: (0, 2),
+    QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,),
+}
+assert set(SCALE_OFFSETS) | {QType.F16} == set(quant.SUPPORTED)
+# The largest magnitude a written type holds: the f16 maximum times the largest quant a
+# block's scale multiplies (Q8_0: d = amax / 127; Q4_0: d = max / -8, gguf-py's quantizer).
+STORABLE_MAX: dict[QType, float] = {
+    QType.F32: float(np.finfo(np.float32).max),
+    QType.F16: F16_MAX,
+    QType.Q8_0: F16_MAX * 127,
+    QType.Q4_0: F16_MAX * 8,
+}
+_F16_EXPONENT = np.uint16(0x7C00)
+
+
+def _f16_bits_nonfinite(bits: np.ndarray) -> bool:
+    """Whether any of these f16 bit patterns (uint16) is an infinity or a NaN."""
+    return bool(np.any((bits & _F16_EXPONENT) == _F16_EXPONENT))
+
+
+def nonfinite(p: quant.Param) -> str | None:
+    """What is not finite in a stored weight ("NaN or inf among its values", "... in a block
+    scale"), or None when every value it stands for is finite."""
+    if isinstance(p, np.ndarray):
+        if p.size == 0:
+            return None
+        lo, hi = p.min(), p.max()
+        if np.isfinite(lo) and np.isfinite(hi):
+            return None
+        return "NaN or infinity among its values"
+    data = p.data
+    if p.qtype == QType.F16:
+        if _f16_bits_nonfinite(data.view(np.uint16)):
+            return "NaN or infinity among its F16 values"
+        return None
+    block_bytes = int(gguf.GGML_QUANT_SIZES[p.qtype][1])
+    blocks = data.reshape(-1, block_bytes)
+    for offset in SCALE_OFFSETS[p.qtype]:
+        bits = blocks[:, offset : offset + 2].copy().view(np.uint16)
+        if _f16_bits_nonfinite(bits):
+            return f"NaN or infinity in a {p.qtype.name} block scale"
+    return None
+
+
+def largest_magnitude(a: np.ndarray) -> float:
+    """max |a| (NaN when a holds one), without a temporary of a's size."""
+    if a.size == 0:
+        return 0.0
+    hi, lo = float(a.max()), float(a.min())
+    if math.isnan(hi) or math.isnan(lo):
+        return math.nan
+    return max(abs(hi), abs(lo))
+
+
+def overflow(a: np.ndarray, qtype: QType) -> str | None:
+    """Why ``a`` cannot be written as ``qtype`` (a value not finite, or too large for it), or
+    None when it can."""
+    big = largest_magnitude(a)
+    if not np.isfinite(big):
+        return "it holds NaN or infinity"
+    limit = STORABLE_MAX.get(qtype)
+    if limit is not None and big > limit:
+        return (f"its largest magnitude {big:.6g} overflows {qtype.name} (at most {limit:.6g}); "
+                "export as f32, or train with a smaller learning rate")
+    return None
