@@ -28,8 +28,11 @@ from foundry.commands.common import (
 from foundry.model.gguf_io import FILE_DTYPES
 
 DEFAULT_GATEWAY = ("127.0.0.1", 50051)
-# Deadline of a unary call when --timeout is not given; streams (watch, generate) get none.
+# Deadline of a unary call when --timeout is not given; `watch` gets none (it runs until
+# training ends), `generate` GENERATE_TIMEOUT_S: a long generation on a slow pair fits, and a
+# pair that stopped answering ends the command instead of hanging it.
 DEFAULT_TIMEOUT_S = 30.0
+GENERATE_TIMEOUT_S = 300.0
 # Clears the terminal and homes the cursor: `watch` redraws its table in place on a terminal.
 _REDRAW = "\x1b[H\x1b[2J"
 
@@ -57,8 +60,8 @@ def _connection_flags(parser: argparse.ArgumentParser, *, on_action: bool) -> No
     group.add_argument("--tls-server-name", default=default(None), metavar="NAME",
                        help="the name the gateway's certificate is for, if not the --gateway host")
     group.add_argument("--timeout", type=positive_seconds, default=default(None), metavar="S",
-                       help=f"deadline of the call (default {DEFAULT_TIMEOUT_S:g} s; none for "
-                       "watch and generate)")
+                       help=f"deadline of the call (default {DEFAULT_TIMEOUT_S:g} s; "
+                       f"{GENERATE_TIMEOUT_S:g} s for generate, none for watch)")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -445,8 +448,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         request.top_p = args.top_p
     conn = Connection(args)
     out: TextIO = sys.stdout
+    timeout = GENERATE_TIMEOUT_S if conn.timeout is None else conn.timeout
     call = conn.stub(inference_pb2_grpc.InferenceServiceStub).Generate(
-        request, metadata=conn.metadata, timeout=conn.timeout
+        request, metadata=conn.metadata, timeout=timeout
     )
     done = None
     try:

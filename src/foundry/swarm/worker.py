@@ -140,6 +140,7 @@ class Worker:
         self._meta: fdtc.WeightsMeta | None = None  # announces the WEIGHTS that follows
         self._pending: fdtc.Assign | fdtc.LocalAssign | None = None  # waits for its weights
         self._rng = random.Random(hash(options.worker_id))
+        self._registered = False  # this link's REGISTER was accepted
 
     async def run(self) -> int:
         """Serve until SHUTDOWN (0), a permanent refusal or an assignment it cannot train on
@@ -165,30 +166,27 @@ class Worker:
                 )
                 await asyncio.sleep(delay)
                 continue
-            attempt = 0
             if connected_before:
                 self.metrics.reconnects.inc()
             connected_before = True
+            self._registered = False
+            why = ""
             try:
                 done = await self._session(stream)
             except Refused as exc:
                 log.error("coordinator refused this worker: %s", exc)
                 if exc.code in PERMANENT_REFUSALS:
                     return 2
-                done = False
+                done, why = False, f"refused: {exc}"
             except (StreamClosed, ConnectionError, TimeoutError) as exc:
-                if self.cannot_train is None:
-                    log.warning("lost the coordinator: %s; reconnecting", exc)
-                done = False
+                done, why = False, str(exc) or type(exc).__name__
             except ssl.SSLError as exc:
                 # TLS 1.3: a coordinator that refuses our certificate says so after the
                 # handshake, on the first read.
-                log.warning("the coordinator ended TLS: %s; reconnecting", exc)
-                done = False
+                done, why = False, f"the coordinator ended TLS: {exc}"
             except ProtocolError as exc:
-                log.warning("bad bytes from the coordinator: %s; reconnecting", exc)
                 await stream.answer(exc)
-                done = False
+                done, why = False, f"bad bytes from the coordinator: {exc}"
             finally:
                 await self._stop_compute()
                 await stream.close()
@@ -196,7 +194,27 @@ class Worker:
                 return 0
             if self.cannot_train is not None:
                 return 2
-            await asyncio.sleep(backoff_delay(0, rng=self._rng))
+            if self._registered:
+                # A link that worked and broke (a coordinator restart is routine): dial again
+                # soon, and back off from there if the dials fail.
+                attempt = 0
+                log.warning("lost the coordinator: %s; reconnecting", why)
+                await asyncio.sleep(backoff_delay(0, rng=self._rng))
+                continue
+            # Ended before this worker was accepted: a refusal that will most likely repeat
+            # (a certificate the coordinator does not trust, a full swarm), so back off as for
+            # an unreachable coordinator, and say why each time.
+            attempt += 1
+            if self.opt.max_attempts and attempt >= self.opt.max_attempts:
+                log.error("the coordinator %s:%d ended the link before accepting this worker: "
+                          "%s", self.opt.host, self.opt.port, why)
+                return 1
+            delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
+            hint = (" (with TLS, the coordinator closes the link of a worker whose certificate "
+                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else "")
+            log.warning("the coordinator %s:%d ended the link before accepting this worker: "
+                        "%s%s; retrying in %.1fs", self.opt.host, self.opt.port, why, hint, delay)
+            await asyncio.sleep(delay)
 
     async def _stop_compute(self) -> None:
         self._generation += 1  # the job in the thread, if any, stops at its next inner step
@@ -278,6 +296,7 @@ class Worker:
             self.inner = None
             if self.uplink is not None:
                 self.uplink.reset()
+        self._registered = True
         self.global_step = ack.global_step
         self.compression = Compression(ack.compression)
         self.topk_ratio = ack.topk_ratio

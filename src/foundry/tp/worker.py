@@ -4,9 +4,11 @@ One thread does everything: numpy and the gate exchange block it, and there is n
 do while they do. The loop:
 
 1. dial the leader with capped exponential backoff (``transport.backoff``);
-2. bring the pair up (``foundry.tp.handshake``): an identity mismatch ends the process with
-   :data:`EXIT_MISMATCH` (dialing again with the same files cannot help); a busy leader, a
-   refused or broken connection mean "dial again";
+2. bring the pair up (``foundry.tp.handshake``): the same identity or version mismatch met
+   :data:`MISMATCH_REPEATS` dials in a row ends the process with :data:`EXIT_MISMATCH`
+   (dialing again with the same files cannot help); a mismatch met once (one garbage hello,
+   a stray process on the port), a busy leader, a refused or broken connection mean "dial
+   again";
 3. receive commands and run each through :class:`~foundry.tp.lockstep.RankState`, shipping the
    vocabulary half of the logits back after every command that produced some;
 4. on any failure (gate, control link, bad bytes, a command that does not fit the session
@@ -80,6 +82,9 @@ log = logging.getLogger("foundry.tp.worker")
 EXIT_STOPPED = 0
 EXIT_MISMATCH = 2  # the pair can never form with these files: fix the command line
 BACKOFF_BASE_S = 0.05
+# The same mismatch, dials in a row, before the worker gives up: a real leader with another
+# model answers the same every time; one garbage hello does not end the worker.
+MISMATCH_REPEATS = 3
 # Failures that end one pair; the worker dials again.
 PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError, OSError)
 
@@ -133,19 +138,27 @@ class Worker:
         """Serve until STOP or request_stop (EXIT_STOPPED), or a mismatch (EXIT_MISMATCH)."""
         o = self.options
         attempt = 0
+        mismatches: list[str] = []  # the same mismatch, dials in a row
         while not self._stop.is_set():
             try:
                 link, gate, transport = self._connect()
             except (IdentityMismatch, VersionMismatch) as exc:
-                log.error("the leader at %s:%d refused this worker: %s", o.leader_host,
-                          o.leader_port, exc)
                 self.metrics.failures.labels("identity").inc()
-                return EXIT_MISMATCH
+                mismatches = [*mismatches, str(exc)] if str(exc) in mismatches else [str(exc)]
+                if len(mismatches) >= MISMATCH_REPEATS:
+                    log.error("the leader at %s:%d refused this worker: %s", o.leader_host,
+                              o.leader_port, exc)
+                    return EXIT_MISMATCH
+                log.error("the peer at %s:%d does not match this worker: %s; dialing again "
+                          "(giving up after %d such answers in a row)", o.leader_host,
+                          o.leader_port, exc, MISMATCH_REPEATS)
             except _Busy:
                 log.warning("the leader at %s:%d already has a worker; dialing again",
                             o.leader_host, o.leader_port)
                 self.metrics.failures.labels("busy").inc()
+                mismatches = []
             except PAIR_FAILURES as exc:
+                mismatches = []
                 # A leader that is not up yet is normal at start: say so quietly, then now
                 # and then (the delay is capped at retry_max_s, so the log stays readable).
                 level = logging.INFO if attempt < 3 else logging.WARNING
@@ -154,6 +167,7 @@ class Worker:
                             o.leader_host, o.leader_port, exc)
             else:
                 attempt = 0
+                mismatches = []
                 if self._serve(link, gate, transport):
                     return EXIT_STOPPED
                 continue
