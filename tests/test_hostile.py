@@ -1,0 +1,199 @@
+"""Hostile inputs with real processes: poisoned models, damaged checkpoints, outputs that must
+not be overwritten, a frozen leader, undecodable requests, refused and garbage peers. Each
+case is a row of the fault table in docs/operations.md ("Faults and bad input").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import grpc
+import numpy as np
+import pytest
+from procs import ENV, Service
+from tp_harness import (
+    CFG,
+    Client,
+    LeaderProc,
+    Proc,
+    start_leader,
+    start_worker,
+    wait_paired,
+)
+
+from foundry.api.v1 import inference_pb2
+from foundry.model import transformer as T
+from foundry.model.checkpoint import (
+    CheckpointState,
+    list_checkpoints,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from foundry.model.config import ModelConfig
+from foundry.model.data import encode
+from foundry.model.gguf_io import load_gguf, save_gguf
+from foundry.model.inference import Engine
+from foundry.wire import frontend as fw
+from foundry.wire.tp import TP_HELLO_MAGIC
+
+GATEWAY_LINE = r"gateway listening: grpc 127\.0\.0\.1:(\d+)"
+F32 = np.float32
+
+
+def foundry(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """One ``foundry`` command run to its end."""
+    return subprocess.run([sys.executable, "-m", "foundry", *args], capture_output=True,
+                          text=True, env=ENV, timeout=timeout)
+
+
+def base_params(cfg: ModelConfig = CFG) -> dict[str, np.ndarray]:
+    """Random weights, perturbed beyond init so routing varies per token (tp_harness's)."""
+    rng = np.random.default_rng(100)
+    params = T.init_params(cfg, seed=0)
+    for p in params.values():
+        p += F32(0.1) * rng.standard_normal(p.shape, dtype=F32)
+    return params
+
+
+# ---------------------------------------------------------------------------- a poisoned model
+
+
+def _finite_greedy(engine: Engine, prompt: str, n: int) -> int:
+    """How many greedy steps (the prefill's row, then one per token) give finite logits."""
+    s = engine.new_session()
+    with np.errstate(all="ignore"):
+        row = engine.decode(s, [int(t) for t in encode(prompt, bos=True)])[-1]
+        for i in range(n):
+            if not np.isfinite(row).all():
+                return i
+            row = engine.decode(s, [int(np.argmax(row))])[-1]
+    return n
+
+
+@dataclass(frozen=True)
+class Poisoned:
+    path: Path
+    good: str  # a prompt whose greedy 3 tokens never meet the poisoned expert
+    bad: str  # a prompt whose prefill already gives NaN logits
+    late: str  # a prompt that decodes at least one token, then meets NaN
+
+
+def poisoned_model(path: Path) -> Poisoned:
+    """Finite weights that overflow: one routed expert of layer 0 scaled by 1e20, so that
+    every token routed to it makes infinities (gate x up = 1e40 > f32 max) and then NaN. The
+    file loads (no weight is NaN or infinite); which prompts meet the expert is computed here
+    with the single-process engine, for the first expert that splits the prompts."""
+    base = base_params()
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for e in range(CFG.n_expert):
+        params = {k: v.copy() for k, v in base.items()}
+        for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"):
+            params[name][e] *= F32(1e20)
+        engine = Engine(CFG, params)
+        steps = {c: _finite_greedy(engine, c, 3) for c in letters}
+        good = [c for c in letters if steps[c] == 3]
+        bad = [c for c in letters if steps[c] == 0]
+        late = [c for c in letters if 1 <= steps[c] < 3]
+        if good and bad and late:
+            save_gguf(path, CFG, params)
+            return Poisoned(path, good[0], bad[0], late[0])
+    raise AssertionError("no expert splits the prompts into good, bad and late ones")
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Poisoned:
+    return poisoned_model(tmp_path_factory.mktemp("poison") / "poisoned.gguf")
+
+
+@dataclass
+class Stack:
+    leader: LeaderProc
+    worker: Proc
+    gateway: Service
+    target: str
+
+
+@contextlib.contextmanager
+def serving(model: Path, logs: Path, *leader_flags: str) -> Iterator[Stack]:
+    """tp-leader + tp-worker + gateway processes on 127.0.0.1 serving ``model``."""
+    leader = start_leader(model, logs / "leader.log", *leader_flags)
+    worker = start_worker(model, leader.port, logs / "worker.log")
+    gateway = Service(["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin",
+                       f"127.0.0.1:{free_port()}", "--tp-frontend",
+                       f"127.0.0.1:{leader.frontend}"], logs / "gateway.log")
+    try:
+        wait_paired(leader.frontend)
+        target = "127.0.0.1:" + gateway.wait_for(GATEWAY_LINE).group(1)
+        yield Stack(leader, worker, gateway, target)
+    finally:
+        gateway.stop()
+        leader.proc.stop(signal.SIGCONT)  # a test that stopped it
+        leader.proc.stop()
+        worker.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def ctl_generate(target: str, prompt: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return foundry("ctl", "--gateway", target, "generate", "--prompt", prompt, *extra)
+
+
+@pytest.mark.parametrize("flags", [(), ("--spec-mode", "off")], ids=["speculative", "plain"])
+def test_nonfinite_logits_fail_the_request_and_the_pair_serves_on(
+    poisoned: Poisoned, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """Greedy and sampled requests whose logits turn NaN at the prefill or mid-decode fail
+    alone with INTERNAL naming the model; both ranks stay up and decode the next request as
+    one process does."""
+    with serving(poisoned.path, tmp_path, *flags) as st:
+        # The client is told the truth, through the gateway.
+        run = ctl_generate(st.target, poisoned.bad, "--max-tokens", "3")
+        assert run.returncode == 1, run
+        assert "INTERNAL" in run.stderr and "poisoned.gguf" in run.stderr, run.stderr
+        assert "cannot be sampled" in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+        with Client(st.leader.frontend) as c:
+            rid = 1
+            for prompt in (poisoned.bad, poisoned.late):
+                for temperature in (0.0, 0.8):
+                    rid += 1
+                    r = c.generate(prompt, 3, request_id=rid, temperature=temperature, seed=3)
+                    assert isinstance(r.end, fw.Error), (prompt, temperature, r.end)
+                    assert r.end.code == fw.ErrorCode.INTERNAL
+                    assert "model poisoned.gguf" in r.end.message
+                    assert (len(r.tokens) > 0) == (prompt == poisoned.late), r.tokens
+        assert st.leader.proc.popen.poll() is None, st.leader.proc.text()
+        assert st.worker.popen.poll() is None, st.worker.text()
+        m = load_gguf(poisoned.path)
+        engine = Engine(m.cfg, m.params)
+        s = engine.new_session()
+        ids = [int(t) for t in encode(poisoned.good, bos=True)]
+        want = []
+        row = engine.decode(s, ids)[-1]
+        for _ in range(3):
+            want.append(int(np.argmax(row)))
+            row = engine.decode(s, [want[-1]])[-1]
+        with Client(st.leader.frontend) as c:
+            r = c.generate(poisoned.good, 3, request_id=7)
+            assert isinstance(r.end, fw.Done), r.end
+            assert r.tokens == want
+            assert c.status().worker_connected
+        run = ctl_generate(st.target, poisoned.good, "--max-tokens", "3")
+        assert run.returncode == 0, run.stderr
+        assert "request" in st.leader.proc.text() and "Traceback" not in st.leader.proc.text()
+        assert "Traceback" not in st.gateway.text()
