@@ -197,3 +197,49 @@ def test_nonfinite_logits_fail_the_request_and_the_pair_serves_on(
         assert run.returncode == 0, run.stderr
         assert "request" in st.leader.proc.text() and "Traceback" not in st.leader.proc.text()
         assert "Traceback" not in st.gateway.text()
+
+
+# ---------------------------------------------------------------------------- weights on load
+
+# (tensor, file type, element or block to poison, the bytes written there)
+NAN_F32 = np.array([np.nan], dtype="<f4").tobytes()
+INF_F32 = np.array([-np.inf], dtype="<f4").tobytes()
+INF_F16 = np.array([np.inf], dtype="<f2").tobytes()
+NAN_F16 = np.array([np.nan], dtype="<f2").tobytes()
+
+
+def poison_file(path: Path, tensor: str, index: int, raw: bytes) -> None:
+    """Overwrite bytes of ``tensor`` in a GGUF file in place: element ``index`` of an F32 or F16
+    tensor, or the f16 scale of block ``index`` of a Q8_0 / Q4_0 one."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == tensor)
+    size = {gguf.GGMLQuantizationType.F32: 4, gguf.GGMLQuantizationType.F16: 2}.get(
+        t.tensor_type, gguf.GGML_QUANT_SIZES[t.tensor_type][1])
+    with path.open("r+b") as f:
+        f.seek(int(t.data_offset) + index * size)
+        f.write(raw)
+
+
+@pytest.mark.parametrize(("dtype", "tensor", "index", "raw"), [
+    ("f32", "blk.0.attn_q.weight", 0, NAN_F32),
+    ("f32", "output_norm.weight", 63, INF_F32),
+    ("f16", "blk.1.ffn_down_exps.weight", 5000, INF_F16),
+    ("q8_0", "token_embd.weight", 100, NAN_F16),
+    ("q4_0", "blk.1.attn_v.weight", 7, INF_F16),
+], ids=["f32-nan", "f32-norm-inf", "f16-inf", "q8_0-scale-nan", "q4_0-scale-inf"])
+def test_a_weight_that_is_not_a_number_is_refused_at_load_naming_the_tensor(
+    tmp_path: Path, dtype: str, tensor: str, index: int, raw: bytes
+) -> None:
+    model = tmp_path / "model.gguf"
+    save_gguf(model, CFG, base_params(), dtype=dtype)  # type: ignore[arg-type]
+    poison_file(model, tensor, index, raw)
+    run = foundry("generate", "--model", str(model), "--prompt", "a", "--max-tokens", "1")
+    assert run.returncode == 2, run
+    assert f"tensor {tensor!r} holds NaN or infinity" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and run.stdout == ""
+    if dtype == "q8_0":  # both ranks load the same check
+        for cmd in (["tp-leader", "--listen", "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0"],
+                    ["tp-worker", "--leader", f"127.0.0.1:{free_port()}"]):
+            run = foundry(*cmd, "--model", str(model))
+            assert run.returncode == 2, run
+            assert f"tensor {tensor!r} holds NaN" in run.stderr, run.stderr
+            assert "Traceback" not in run.stderr

@@ -53,33 +53,47 @@ STORABLE_MAX: dict[QType, float] = {
     QType.Q8_0: F16_MAX * 127,
     QType.Q4_0: F16_MAX * 8,
 }
-_F16_EXPONENT = np.uint16(0x7C00)
+# An f16 whose bits without the sign are at least this has an all-ones exponent: inf or NaN.
+_F16_NONFINITE = 0x7C00
+_F16_ABS = np.uint16(0x7FFF)
+# Values per reduction: temporaries stay in the cache, and a bad tensor stops the scan early.
+_CHUNK = 1 << 16
 
 
 def _f16_bits_nonfinite(bits: np.ndarray) -> bool:
-    """Whether any of these f16 bit patterns (uint16) is an infinity or a NaN."""
-    return bool(np.any((bits & _F16_EXPONENT) == _F16_EXPONENT))
+    """Whether any of these f16 bit patterns (a 1-d uint16 view, maybe strided) is an
+    infinity or a NaN."""
+    for i in range(0, bits.size, _CHUNK):
+        if int((bits[i : i + _CHUNK] & _F16_ABS).max()) >= _F16_NONFINITE:
+            return True
+    return False
+
+
+def _f32_nonfinite(values: np.ndarray) -> bool:
+    flat = values.reshape(-1)
+    for i in range(0, flat.size, _CHUNK):
+        part = flat[i : i + _CHUNK]
+        if not (np.isfinite(part.min()) and np.isfinite(part.max())):
+            return True
+    return False
 
 
 def nonfinite(p: quant.Param) -> str | None:
     """What is not finite in a stored weight ("NaN or inf among its values", "... in a block
     scale"), or None when every value it stands for is finite."""
     if isinstance(p, np.ndarray):
-        if p.size == 0:
-            return None
-        lo, hi = p.min(), p.max()
-        if np.isfinite(lo) and np.isfinite(hi):
-            return None
-        return "NaN or infinity among its values"
-    data = p.data
+        return "NaN or infinity among its values" if _f32_nonfinite(p) else None
+    data = np.ascontiguousarray(p.data).reshape(-1)
     if p.qtype == QType.F16:
-        if _f16_bits_nonfinite(data.view(np.uint16)):
+        if _f16_bits_nonfinite(data.view("<u2")):
             return "NaN or infinity among its F16 values"
         return None
     block_bytes = int(gguf.GGML_QUANT_SIZES[p.qtype][1])
-    blocks = data.reshape(-1, block_bytes)
+    n_blocks = data.size // block_bytes
     for offset in SCALE_OFFSETS[p.qtype]:
-        bits = blocks[:, offset : offset + 2].copy().view(np.uint16)
+        # The f16 field at ``offset`` of every block, read in place (a strided view).
+        bits = np.ndarray((n_blocks,), dtype="<u2", buffer=data, offset=offset,
+                          strides=(block_bytes,))
         if _f16_bits_nonfinite(bits):
             return f"NaN or infinity in a {p.qtype.name} block scale"
     return None
