@@ -34,10 +34,13 @@ from tp_harness import (
 from foundry.api.v1 import inference_pb2
 from foundry.model import transformer as T
 from foundry.model.checkpoint import (
+    CheckpointRefused,
     CheckpointState,
     list_checkpoints,
     prune_checkpoints,
+    resume_checkpoint,
     save_checkpoint,
+    start_fresh,
 )
 from foundry.model.config import ModelConfig
 from foundry.model.data import encode
@@ -243,3 +246,205 @@ def test_a_weight_that_is_not_a_number_is_refused_at_load_naming_the_tensor(
             assert run.returncode == 2, run
             assert f"tensor {tensor!r} holds NaN" in run.stderr, run.stderr
             assert "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def write_checkpoint(directory: Path, step: int, params: dict[str, np.ndarray] | None = None,
+                     keep_last: int = 100) -> Path:
+    state = CheckpointState(config=CFG, step=step, params=params or base_params(),
+                            optimizer={"step": 0, "m": {}, "v": {}}, data_position=0)
+    return save_checkpoint(directory, state, keep_last=keep_last)
+
+
+@pytest.mark.parametrize(("tensor", "value", "dtype", "ok"), [
+    ("blk.0.attn_q.weight", 70000.0, "f16", False),
+    ("output.weight", -1.0e5, "f16", False),
+    ("blk.1.ffn_up_exps.weight", 1.0e5, "q8_0", True),
+    ("blk.1.ffn_up_exps.weight", 9.0e6, "q8_0", False),
+    ("token_embd.weight", 6.0e5, "q4_0", False),
+    ("token_embd.weight", 6.0e5, "f32", True),
+    ("blk.0.ffn_norm.weight", np.nan, "f32", False),
+], ids=["f16-q", "f16-output-negative", "q8_0-fits", "q8_0-scale", "q4_0-scale", "f32-fits",
+        "nan"])
+def test_export_refuses_values_that_overflow_the_target_type(
+    tmp_path: Path, tensor: str, value: float, dtype: str, ok: bool
+) -> None:
+    params = base_params()
+    params[tensor].reshape(-1)[3] = value
+    ckpt = write_checkpoint(tmp_path / "ck", 5, params)
+    out = tmp_path / "model.gguf"
+    run = foundry("export", "--checkpoint", str(ckpt), "--out", str(out), "--type", dtype)
+    if ok:
+        assert run.returncode == 0, run.stderr
+        assert "RuntimeWarning" not in run.stderr
+        got = load_gguf(out).params[tensor].reshape(-1)[3]
+        assert abs(got - value) <= abs(value) * 0.01
+        return
+    assert run.returncode == 1, run
+    assert f"cannot write tensor {tensor!r}" in run.stderr, run.stderr
+    if np.isfinite(value):
+        assert f"largest magnitude {abs(value):.6g}" in run.stderr, run.stderr
+    else:
+        assert "NaN or infinity" in run.stderr
+    assert "Traceback" not in run.stderr and "RuntimeWarning" not in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # nothing written, no temp
+
+
+def test_export_writes_only_new_files_or_gguf_files(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    for step in (10, 20):
+        write_checkpoint(ck, step)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    before = {p: p.read_bytes() for p in [*ck.iterdir(), notes]}
+
+    def export(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return foundry("export", "--checkpoint", str(ck), "--out", str(out), *extra)
+
+    for target, extra in ((ck / "step-000020.ckpt", ("--force",)), (notes, ())):
+        run = export(target, *extra)
+        assert run.returncode == 2, run
+        assert "is not a GGUF file" in run.stderr and "not overwriting it" in run.stderr
+    for target, why in ((ck, "is a folder"), (tmp_path / "no" / "m.gguf", "does not exist")):
+        run = export(target)
+        assert run.returncode == 2 and why in run.stderr, run
+    assert {p: p.read_bytes() for p in before} == before
+    model = tmp_path / "model.gguf"
+    assert export(model).returncode == 0
+    first = model.read_bytes()
+    run = export(model)
+    assert run.returncode == 2 and "pass --force to replace it" in run.stderr, run
+    assert model.read_bytes() == first
+    write_checkpoint(ck, 30, {k: v * F32(0.5) for k, v in base_params().items()})
+    run = export(model, "--force")
+    assert run.returncode == 0, run.stderr
+    assert "step 30" in run.stdout and model.read_bytes() != first
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    # The other commands that write a model file keep a checkpoint or a text file too.
+    for cmd in (["model", "init", "--out", str(notes)],
+                ["train", "--steps", "1", "--out", str(ck / "step-000030.ckpt")]):
+        run = foundry(*cmd)
+        assert run.returncode == 2 and "is not a GGUF file" in run.stderr, run
+    assert notes.read_text() == "my notes\n"
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def damage(path: Path, how: str) -> None:
+    """A checkpoint damaged as a disk or a person would: one byte flipped, cut short,
+    emptied."""
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif how == "truncate":
+        data = data[: len(data) // 3]
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3])
+@pytest.mark.parametrize("n_damaged", [1, 3])
+def test_pruning_counts_only_checkpoints_that_verify_and_keeps_damaged_ones_aside(
+    tmp_path: Path, keep_last: int, n_damaged: int
+) -> None:
+    d = tmp_path / "ck"
+    params = base_params()
+    for step in (10, 20, 30, 40, 50):
+        write_checkpoint(d, step, params)
+    hows = ["flip", "truncate", "empty"]
+    damaged = {}
+    for i, (_, path) in enumerate(reversed(list_checkpoints(d)[-n_damaged:])):
+        damage(path, hows[i % 3])
+        damaged[path.name] = path.read_bytes()
+    # A run that resumes sets the damaged newer ones aside, never deletes them.
+    resumed = resume_checkpoint(d)
+    valid = [s for s in (10, 20, 30, 40, 50) if f"step-{s:06d}.ckpt" not in damaged]
+    assert resumed == d / f"step-{valid[-1]:06d}.ckpt"
+    for name, data in damaged.items():
+        assert (d / (name + ".damaged")).read_bytes() == data
+    # Its next checkpoint (the step of a damaged one, say) prunes only valid ones.
+    new_step = 50
+    write_checkpoint(d, new_step, params, keep_last=keep_last)
+    kept = [s for s, _ in list_checkpoints(d)]
+    assert kept == sorted({*valid, new_step})[-keep_last:]
+    for name, data in damaged.items():
+        assert (d / (name + ".damaged")).read_bytes() == data  # kept, unchanged
+    # The newest kept one damaged later: pruning sets it aside and deletes no valid one.
+    damage(d / f"step-{new_step:06d}.ckpt", "flip")
+    prune_checkpoints(d, keep_last)
+    assert [s for s, _ in list_checkpoints(d)] == kept[:-1]
+    aside = sorted(p.name for p in d.iterdir() if p.name.startswith(f"step-{new_step:06d}"))
+    assert aside == [f"step-{new_step:06d}.ckpt.damaged"] + (
+        [f"step-{new_step:06d}.ckpt.damaged.1"] if f"step-{new_step:06d}.ckpt" in damaged else [])
+
+
+def test_a_directory_where_no_checkpoint_verifies_is_refused_until_fresh(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    for step in (10, 20):
+        write_checkpoint(d, step)
+    damage(d / "step-000010.ckpt", "flip")
+    damage(d / "step-000020.ckpt", "truncate")
+    (d / "step-000099.ckpt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointRefused) as exc:
+        resume_checkpoint(d)
+    for name in ("step-000010.ckpt", "step-000020.ckpt", "step-000099.ckpt"):
+        assert name in str(exc.value)
+    assert "--fresh" in str(exc.value)
+    assert len(list_checkpoints(d)) == 3  # refused: nothing moved
+    moved = start_fresh(d)
+    assert moved is not None and sorted(p.name for p in moved.iterdir()) == [
+        "step-000010.ckpt", "step-000020.ckpt", "step-000099.ckpt"]
+    assert resume_checkpoint(d) is None
+
+
+def test_train_resumes_past_a_damaged_checkpoint_and_refuses_when_none_verifies(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "ck"
+    train = ["train", "--global-batch", "2", "--seq-len", "16", "--eval-every", "100",
+             "--sample-every", "0", "--no-progress", "--checkpoint-every", "2",
+             "--checkpoint-dir", str(d)]
+    run = foundry(*train, "--steps", "4")
+    assert run.returncode == 0, run.stderr
+    damage(d / "step-000004.ckpt", "flip")
+    bad = (d / "step-000004.ckpt").read_bytes()
+    run = foundry(*train, "--steps", "6")
+    assert run.returncode == 0, run.stderr
+    assert f"resuming from {d / 'step-000002.ckpt'} at step 2" in run.stdout
+    assert "kept aside as step-000004.ckpt.damaged" in run.stderr
+    assert (d / "step-000004.ckpt.damaged").read_bytes() == bad
+    assert [s for s, _ in list_checkpoints(d)] == [2, 4, 6]
+    for _, p in list_checkpoints(d):
+        damage(p, "flip")
+    run = foundry(*train, "--steps", "8")
+    assert run.returncode == 2, run
+    assert "no checkpoint in" in run.stderr and "step-000006.ckpt" in run.stderr
+    assert "--fresh" in run.stderr and "Traceback" not in run.stderr
+    run = foundry(*train, "--steps", "2", "--fresh")
+    assert run.returncode == 0, run.stderr
+    assert "resuming" not in run.stdout
+    assert [s for s, _ in list_checkpoints(d / "previous-1")] == [2, 4, 6]
+    assert [s for s, _ in list_checkpoints(d)] == [2]
+
+
+def test_one_writer_per_checkpoint_directory(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    first = Service(["train", "--steps", "100000", "--global-batch", "2", "--seq-len", "16",
+                     "--eval-every", "100000", "--sample-every", "0", "--no-progress",
+                     "--checkpoint-dir", str(d)], tmp_path / "first.log")
+    try:
+        first.wait_for(r"step 10: loss")
+        run = foundry("train", "--steps", "1", "--checkpoint-dir", str(d))
+        assert run.returncode == 2, run
+        assert f"in use by another writer (pid {first.pid}, foundry train)" in run.stderr
+        assert first.alive()
+    finally:
+        first.stop()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    run = foundry("train", "--steps", "1", "--checkpoint-dir", str(afile))
+    assert run.returncode == 2 and "is not a directory" in run.stderr, run
