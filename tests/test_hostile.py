@@ -10,8 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +18,13 @@ import gguf
 import grpc
 import numpy as np
 import pytest
-from procs import ENV, Service
+from procs import ENV, Service, coordinator, worker
 from tp_harness import (
     CFG,
     Client,
     LeaderProc,
     Proc,
+    make_model,
     start_leader,
     start_worker,
     wait_paired,
@@ -47,7 +46,7 @@ from foundry.model.data import encode
 from foundry.model.gguf_io import load_gguf, save_gguf
 from foundry.model.inference import Engine
 from foundry.wire import frontend as fw
-from foundry.wire.tp import TP_HELLO_MAGIC
+from foundry.wire.tp import HELLO_PREFIX, HELLO_SIZE, TP_HELLO_MAGIC, TP_PROTOCOL_VERSION
 
 GATEWAY_LINE = r"gateway listening: grpc 127\.0\.0\.1:(\d+)"
 F32 = np.float32
@@ -448,3 +447,162 @@ def test_one_writer_per_checkpoint_directory(tmp_path: Path) -> None:
     afile.write_text("x")
     run = foundry("train", "--steps", "1", "--checkpoint-dir", str(afile))
     assert run.returncode == 2 and "is not a directory" in run.stderr, run
+
+
+# ---------------------------------------------------------------------------- the gateway
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("long") / "model.gguf", ModelConfig(n_ctx=2048))
+
+
+def test_a_frozen_leader_fails_generations_in_flight_and_new_ones_at_once(
+    long_model: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP of the leader mid-generation: the call in flight ends UNAVAILABLE once the
+    leader has missed the health probes (not at its deadline, 120 s here); a new call while
+    it is stopped ends UNAVAILABLE "not serving" at once; after SIGCONT it serves again."""
+    with serving(long_model, tmp_path, "--spec-mode", "off") as st, \
+            grpc.insecure_channel(st.target) as channel:
+        generate = channel.unary_stream(
+            "/foundry.v1.InferenceService/Generate",
+            request_serializer=inference_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=inference_pb2.GenerateResponse.FromString,
+        )
+        call = generate(inference_pb2.GenerateRequest(prompt="a", max_tokens=2000),
+                        timeout=120)
+        got, stopped = 0, False
+        with pytest.raises(grpc.RpcError) as exc:
+            for response in call:
+                got += len(response.tokens)
+                if got >= 3 and st.leader.proc.popen.poll() is None:
+                    st.leader.proc.popen.send_signal(signal.SIGSTOP)
+                    stopped = True
+        assert stopped
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value
+        assert "stopped making progress" in (exc.value.details() or ""), exc.value.details()
+        run = foundry("ctl", "--gateway", st.target, "generate", "--prompt", "a",
+                      "--max-tokens", "4")
+        assert run.returncode == 1, run
+        assert "UNAVAILABLE" in run.stderr and "is not serving" in run.stderr, run.stderr
+        seen = len(st.gateway.text())
+        st.leader.proc.popen.send_signal(signal.SIGCONT)
+        st.gateway.wait_for(r"tp_leader is reachable", after=seen)
+        run = ctl_generate(st.target, "a", "--max-tokens", "4")
+        assert run.returncode == 0, run.stderr
+        assert "Traceback" not in st.gateway.text()
+
+
+def test_undecodable_requests_are_invalid_arguments(tmp_path: Path) -> None:
+    gateway = Service(["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin",
+                       f"127.0.0.1:{free_port()}", "--tp-frontend", f"127.0.0.1:{free_port()}"],
+                      tmp_path / "gateway.log")
+    try:
+        target = "127.0.0.1:" + gateway.wait_for(GATEWAY_LINE).group(1)
+        with grpc.insecure_channel(target) as channel:
+            cases = [
+                ("/foundry.v1.InferenceService/Generate", True, b"\x0a\x02\xff\xfe\x10\x04"),
+                ("/foundry.v1.InferenceService/Generate", True, b"\x0a\x7f\x41"),  # cut short
+                ("/foundry.v1.ModelService/ExportModel", False, b"\x0a\x03a\xc3("),
+                ("/foundry.v1.TrainingService/GetTrainingStatus", False, b"\xff\xff\xff"),
+            ]
+            for method, streaming, raw in cases:
+                # No serializers: the raw bytes go out as they are.
+                rpc = (channel.unary_stream if streaming else channel.unary_unary)(method)
+                with pytest.raises(grpc.RpcError) as exc:
+                    result = rpc(raw, timeout=10)
+                    if streaming:
+                        list(result)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, exc.value)
+                assert "is not a valid" in (exc.value.details() or ""), exc.value.details()
+        assert "Traceback" not in gateway.text() and "DecodeError" not in gateway.text()
+    finally:
+        gateway.stop()
+
+
+def test_ctl_generate_has_a_deadline(tmp_path: Path) -> None:
+    """A gateway that accepts the connection and never answers (a frozen process): `ctl
+    generate --timeout S` ends DEADLINE_EXCEEDED; without --timeout the default applies."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        run = ctl_generate(target, "a", "--timeout", "1.5")
+        assert run.returncode == 1, run
+        assert "DEADLINE_EXCEEDED" in run.stderr, run.stderr
+    help_text = foundry("ctl", "generate", "--help").stdout
+    assert "300 s for generate" in " ".join(help_text.split())
+
+
+# ---------------------------------------------------------------------------- refused peers
+
+
+def test_a_tp_worker_that_meets_garbage_hellos_keeps_waiting_for_a_good_leader(
+    long_model: Path, tmp_path: Path
+) -> None:
+    """A stray process on the leader's port answers two hellos with garbage (a version that
+    does not exist; a body of random bytes), then goes; the real leader starts there and the
+    worker pairs with it."""
+    rng = np.random.default_rng(5)
+    hellos = [
+        HELLO_PREFIX.pack(TP_HELLO_MAGIC, 0xBEEF, HELLO_SIZE) + rng.bytes(HELLO_SIZE - 8),
+        HELLO_PREFIX.pack(TP_HELLO_MAGIC, TP_PROTOCOL_VERSION, HELLO_SIZE)
+        + rng.bytes(HELLO_SIZE - 8),
+    ]
+    stray = socket.create_server(("127.0.0.1", 0))
+    port = stray.getsockname()[1]
+    worker = start_worker(long_model, port, tmp_path / "worker.log")
+    leader: LeaderProc | None = None
+    try:
+        for hello in hellos:
+            conn, _ = stray.accept()
+            with conn:
+                conn.sendall(hello)
+                conn.settimeout(10)
+                with contextlib.suppress(OSError):
+                    while conn.recv(4096):  # until the worker hangs up on it
+                        pass
+        stray.close()
+        leader = start_leader(long_model, tmp_path / "leader.log", "--listen",
+                              f"127.0.0.1:{port}")
+        wait_paired(leader.frontend)
+        assert worker.popen.poll() is None
+        text = worker.text()
+        assert "does not match this worker" in text and "dialing again" in text, text
+    finally:
+        stray.close()
+        if leader is not None:
+            leader.proc.stop()
+        worker.stop()
+
+
+def test_a_worker_refused_by_tls_backs_off_and_says_why(tmp_path: Path) -> None:
+    for name in ("ca", "other"):
+        run = foundry("certs", "--out", str(tmp_path / name))
+        assert run.returncode == 0, run.stderr
+    ca, other = tmp_path / "ca", tmp_path / "other"
+    coord, port, _ = coordinator(tmp_path, "--tls-cert", str(ca / "coordinator.pem"),
+                                 "--tls-key", str(ca / "coordinator-key.pem"),
+                                 "--tls-ca", str(ca / "ca.pem"))
+    # The worker trusts the right CA, but its own certificate is from another one.
+    w = worker(tmp_path, port, "w0", "--tls-cert", str(other / "worker.pem"),
+               "--tls-key", str(other / "worker-key.pem"), "--tls-ca", str(ca / "ca.pem"))
+    try:
+        line = r"ended the link before accepting this worker: .*; retrying in ([\d.]+)s"
+        m = w.wait_for(line)
+        delays = [float(m.group(1))]
+        for _ in range(3):
+            m = w.wait_for(line, after=m.end())
+            delays.append(float(m.group(1)))
+        # Capped exponential backoff with jitter: attempt k waits within [c/2, c],
+        # c = 0.25 * 2**k (the worker's default --backoff-cap is far above these).
+        for k, delay in enumerate(delays, start=1):
+            assert 0.125 * 2**k <= delay <= 0.25 * 2**k, delays
+        assert "--tls-ca did not sign" in w.text()
+        refusals = coord.text().count("refused 127.0.0.1")
+        assert "CERTIFICATE_VERIFY_FAILED" in coord.text()
+        assert refusals <= len(delays) + 2, refusals  # one per attempt, not dozens
+    finally:
+        w.stop()
+        coord.stop()
