@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    metavar="HOST:PORT", help="admin link for the gateway (default 127.0.0.1:7071)")
     c.add_argument("--checkpoint-dir", type=Path, default=Path("runs/checkpoints"),
                    help="checkpoints are written and resumed from here (default runs/checkpoints)")
-    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model size (default tiny)")
     c.add_argument("--compression", default="none", choices=[c.name.lower() for c in Compression],
                    help="gradient compression on the wire (default none)")
     c.add_argument("--topk-ratio", type=fraction, default=0.01,
@@ -155,7 +156,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "reconnect by itself when the coordinator goes away.",
     )
     w.add_argument("--coordinator", type=host_port, default=("127.0.0.1", 7070),
-                   metavar="HOST:PORT", help="the coordinator's worker port")
+                   metavar="HOST:PORT",
+                   help="the coordinator's worker port (default 127.0.0.1:7070)")
     w.add_argument("--worker-id", default=None, help="stable name (default HOSTNAME-PID)")
     w.add_argument("--profile", default=None,
                    help="force a hardware profile (default: detected; see `foundry profile`)")

@@ -550,31 +550,37 @@ def check_directory(directory: str | Path) -> Path:
 
 
 class DirectoryLock:
-    """One writer per checkpoint directory: an exclusive ``flock`` on ``D/checkpoints.lock``,
-    which holds the holder's pid. The kernel drops it when the holder exits, however it exits,
-    so a stale file never blocks."""
+    """One writer per checkpoint directory: an exclusive ``flock`` on the directory itself
+    (so a read-only directory can be locked too, and its first checkpoint then fails with the
+    disk's own error), the holder's pid and name in ``D/checkpoints.lock`` where it can be
+    written. The kernel drops the lock when the holder exits, however it exits, so a stale
+    file never blocks."""
 
     def __init__(self, directory: str | Path, holder: str) -> None:
-        self.path = Path(directory) / LOCK_NAME
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
         self.holder = holder
         self._fd: int | None = None
 
     def acquire(self) -> DirectoryLock:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            raise CheckpointError(f"cannot lock checkpoint dir {self.path.parent}: {exc}") from exc
+            raise CheckpointError(f"cannot lock checkpoint dir {self.directory}: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "pid unknown"
             os.close(fd)
+            try:
+                holder = self.path.read_text(errors="replace").strip()[:200] or "pid unknown"
+            except OSError:
+                holder = "pid unknown"
             raise CheckpointRefused(
-                f"checkpoint dir {self.path.parent} is in use by another writer ({holder}); "
+                f"checkpoint dir {self.directory} is in use by another writer ({holder}); "
                 "stop that one first, or give this run its own --checkpoint-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}, {self.holder}\n".encode())
+        with contextlib.suppress(OSError):  # a read-only or full disk: the lock still holds
+            self.path.write_text(f"pid {os.getpid()}, {self.holder}\n")
         self._fd = fd
         return self
 
