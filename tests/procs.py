@@ -189,12 +189,13 @@ def full_dir(path: Path, size: str = "2m") -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def pinned_file(path: Path) -> Iterator[Path]:
-    """``path`` (created) with a file bind-mounted onto it for the block: it reads as a file,
-    and removing it fails with EBUSY, as a file pinned by another mount or tool would."""
-    path.write_bytes(b"pinned\n")
+def pinned_file(path: Path, content: bytes = b"pinned\n") -> Iterator[Path]:
+    """``path`` (created, holding ``content``) with a file bind-mounted onto it for the block:
+    it reads as a file, and removing or renaming it fails with EBUSY, as a file pinned by
+    another mount or tool would."""
+    path.write_bytes(content)
     source = path.with_name(f".{path.name}.pin")
-    source.write_bytes(b"pinned\n")
+    source.write_bytes(content)
     subprocess.run(["mount", "--bind", str(source), str(path)], check=True)
     try:
         yield path

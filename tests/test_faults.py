@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from procs import (
     IS_ROOT,
@@ -26,7 +27,14 @@ from procs import (
 from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.checkpoint import (
+    CheckpointState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from foundry.model.config import preset
+from foundry.model.transformer import init_params
 from foundry.up.clients import AdminLink
 from foundry.up.plan import StackError
 from foundry.wire import fdtc
@@ -91,8 +99,17 @@ def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
     any other request, `foundry ctl watch` through the gateway shows FAILED with the cause
     and exits 1, the coordinator exits 1 with the cause as its last line, and `foundry ctl
     status` then says it cannot be reached, what it last reported and what to do."""
+    # A valid checkpoint of step 0 (pruning counts only checkpoints that verify, and sets a
+    # damaged one aside instead of deleting it), which the coordinator resumes from.
+    cfg = preset("tiny")
+    params = init_params(cfg, 0)
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    step0 = save_checkpoint(tmp_path / "step0", CheckpointState(
+        config=cfg, step=0, params=params, optimizer={"step": 0, "m": zeros, "v": zeros},
+        data_position=0, extra={"sync_every": 1},
+    )).read_bytes()
     (tmp_path / "ckpt").mkdir()
-    with pinned_file(tmp_path / "ckpt" / "step-000000.ckpt"):
+    with pinned_file(tmp_path / "ckpt" / "step-000000.ckpt", step0):
         coord, port, admin_port = coordinator(
             tmp_path, "--max-steps", "100000", "--checkpoint-every", "1"
         )
