@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import grpc
@@ -34,13 +37,18 @@ from tp_harness import (
 from foundry.api.v1 import inference_pb2
 from foundry.model import transformer as T
 from foundry.model.checkpoint import (
+    ALIGN,
+    HEADER,
+    CheckpointError,
     CheckpointRefused,
     CheckpointState,
     list_checkpoints,
+    load_checkpoint,
     prune_checkpoints,
     resume_checkpoint,
     save_checkpoint,
     start_fresh,
+    verify_checkpoint,
 )
 from foundry.model.config import ModelConfig
 from foundry.model.data import encode
@@ -631,3 +639,58 @@ def test_every_flag_with_a_default_says_it_in_its_help() -> None:
 
     walk(build_parser(), "foundry")
     assert silent == []
+
+
+# ---------------------------------------------------------------------------- checkpoint metadata
+
+
+def rewrite_metadata(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a checkpoint's metadata JSON as a person with a text editor and the format's
+    description would, and recompute its hash so that it verifies."""
+    raw = path.read_bytes()
+    magic, version, reserved, meta_len = HEADER.unpack_from(raw)
+    meta = json.loads(raw[HEADER.size : HEADER.size + meta_len])
+    start = HEADER.size + meta_len + (-(HEADER.size + meta_len) % ALIGN)
+    data = raw[start : len(raw) - 32]
+    edit(meta)
+    new = json.dumps(meta).encode()
+    body = HEADER.pack(magic, version, reserved, len(new)) + new
+    body += bytes(-len(body) % ALIGN) + data
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(meta: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = meta
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[last] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("extra.sync_every", None, "'extra.sync_every' must be an integer"),
+    ("extra.sync_every", 0, "'extra.sync_every' must be in [1,"),
+    ("step", -5, "'step' must be in [0, 4294967295], got -5"),
+    ("step", 2**40, "'step' must be in"),
+    ("data_position", "12", "'data_position' must be an integer"),
+    ("config.n_ctx", 2**31, "'config.n_ctx' must be in [0, 1048576]"),
+    ("config.rope_theta", "big", "'config.rope_theta' must be a finite number"),
+    ("tensors.0.nbytes", 4, "'tensors[0].nbytes' is 4"),
+    ("tensors.3.shape", "64", "'tensors[3].shape' must be a list"),
+    ("extra", [], "'extra' must be a JSON object"),
+])
+def test_checkpoint_metadata_is_validated_as_a_schema_naming_the_field(
+    tmp_path: Path, field: str, value: Any, says: str
+) -> None:
+    ckpt = write_checkpoint(tmp_path / "ck", 5)
+    rewrite_metadata(ckpt, _set(field, value))
+    verify_checkpoint(ckpt)  # the hash matches: only the schema can tell
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(ckpt)
+    assert says in str(exc.value), str(exc.value)
+    if value is None or value == -5:  # the issue's two, through a command too
+        run = foundry("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.gguf"))
+        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run

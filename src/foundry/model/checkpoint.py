@@ -418,6 +418,90 @@ def verify_checkpoint(path: str | Path) -> None:
         raise _corrupt(p)
 
 
+# Metadata limits: the step travels as a u32 on the wire (REGISTER_ACK's global_step); a
+# size beyond these is not a model this code can hold, whatever the file says.
+MAX_STEP = 0xFFFFFFFF
+MAX_DIM = 1 << 24
+MAX_CTX = 1 << 20
+# Settings of ``extra`` the code reads back, and what each must be.
+_EXTRA_INTS = {"sync_every": 1, "outer_steps": 0}  # name -> least value
+_EXTRA_STRS = ("compression", "down_compression")
+
+
+class _Bad(Exception):
+    """One metadata field that does not fit the schema: its dotted name and why."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"metadata field {name!r} {why}")
+
+
+def _int(meta: Mapping[str, Any], key: str, name: str, low: int, high: int) -> int:
+    if key not in meta:
+        raise _Bad(name, "is missing")
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(name, f"must be an integer in [{low}, {high}], got {json.dumps(value)}")
+    if not low <= value <= high:
+        raise _Bad(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _object(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise _Bad(name, f"must be a JSON object, got {json.dumps(value)[:80]}")
+    return value
+
+
+def validate_metadata(meta: Any) -> None:
+    """Check a checkpoint's metadata against its schema (module docstring) before anything
+    reads it; raises _Bad naming the first field that does not fit."""
+    top = _object(meta, "(metadata)")
+    if top.get("format") != "foundry-checkpoint":
+        raise _Bad("format", f"must be \"foundry-checkpoint\", got {json.dumps(top.get('format'))}")
+    _int(top, "step", "step", 0, MAX_STEP)
+    _int(top, "data_position", "data_position", 0, 2**63 - 1)
+    _int(top, "optimizer_step", "optimizer_step", 0, 2**63 - 1)
+    config = _object(top.get("config"), "config")
+    known = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for key, value in config.items():
+        if key not in known:
+            raise _Bad(f"config.{key}", "is not a ModelConfig field")
+        if known[key].type in ("float", float):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    value == value and abs(value) != float("inf")):
+                raise _Bad(f"config.{key}", f"must be a finite number, got {json.dumps(value)}")
+        else:
+            _int(config, key, f"config.{key}", 0, MAX_CTX if key == "n_ctx" else MAX_DIM)
+    extra = _object(top.get("extra"), "extra")
+    for key, low in _EXTRA_INTS.items():
+        if key in extra:
+            _int(extra, key, f"extra.{key}", low, MAX_STEP)
+    for key in _EXTRA_STRS:
+        if key in extra and not isinstance(extra[key], str):
+            raise _Bad(f"extra.{key}", f"must be a string, got {json.dumps(extra[key])}")
+    tensors = top.get("tensors")
+    if not isinstance(tensors, list):
+        raise _Bad("tensors", f"must be a list, got {json.dumps(tensors)[:80]}")
+    for i, t in enumerate(tensors):
+        where = f"tensors[{i}]"
+        entry = _object(t, where)
+        for key in ("group", "name"):
+            if not isinstance(entry.get(key), str):
+                raise _Bad(f"{where}.{key}", f"must be a string, got {json.dumps(entry.get(key))}")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or len(shape) > 4:
+            raise _Bad(f"{where}.shape", f"must be a list of at most 4 sizes, got {shape!r}")
+        for j, size in enumerate(shape):
+            _int({"size": size}, "size", f"{where}.shape[{j}]", 0, MAX_DIM)
+        if entry.get("dtype") != "<f4":
+            raise _Bad(f"{where}.dtype", f"must be \"<f4\", got {json.dumps(entry.get('dtype'))}")
+        _int(entry, "offset", f"{where}.offset", 0, 2**63 - 1)
+        nbytes = _int(entry, "nbytes", f"{where}.nbytes", 0, 2**63 - 1)
+        if nbytes != 4 * int(np.prod(shape, dtype=np.int64)):
+            raise _Bad(f"{where}.nbytes", f"is {nbytes}, but shape {shape} holds "
+                       f"{4 * int(np.prod(shape, dtype=np.int64))} bytes of <f4")
+
+
 def load_checkpoint(path: str | Path) -> CheckpointState:
     """Read and verify a checkpoint; tensors are f32 arrays in their canonical order."""
     p = Path(path)
@@ -435,6 +519,13 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
         raise _corrupt(p)
     try:
         meta = json.loads(bytes(buf[HEADER.size : HEADER.size + meta_len]))
+        validate_metadata(meta)
+    except (ValueError, _Bad) as exc:
+        raise CheckpointError(
+            f"{p} has a hash that verifies but unusable metadata: {exc}; the file was edited "
+            "or written by another program: restore it, or resume from another checkpoint"
+        ) from None
+    try:
         cfg = ModelConfig(**meta["config"])
         data_start = HEADER.size + meta_len + _pad(HEADER.size + meta_len)
         groups: dict[str, dict[str, F32Array]] = {g: {} for g in _GROUPS}
@@ -460,6 +551,13 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise CheckpointError(f"{p} has a hash that verifies but unusable metadata: {exc}") from exc
     _file_tensors(state)  # every tensor the config needs is there, with its shape
+    for group in ("m", "v"):  # a moment group is empty (before the first step) or whole
+        held = state.optimizer[group]
+        if held and len(held) != len(state.params):
+            raise CheckpointError(
+                f"{p} has a hash that verifies but unusable metadata: optimizer group "
+                f"{group!r} holds {len(held)} of the {len(state.params)} tensors"
+            )
     return state
 
 
