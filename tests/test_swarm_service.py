@@ -221,7 +221,10 @@ def test_rounds_abandoned_again_and_again_show_in_status(tmp_path: Path) -> None
     )
     w = worker(tmp_path, port, "w0")
     try:
-        coord.wait_for(r"step \d+ abandoned: .* re-running", within_s=60)
+        abandoned = coord.wait_for(r"step (\d+) abandoned: .* re-running", within_s=60)
+        # The round named is the one after the last loss line (the step it was to make).
+        losses = re.findall(r"step (\d+): loss", coord.text()[: abandoned.start()])
+        assert int(abandoned.group(1)) == int(losses[-1]) + 1, coord.text()[-3000:]
         deadline = time.monotonic() + 60
         note = ""
         while time.monotonic() < deadline and "times in a row" not in note:

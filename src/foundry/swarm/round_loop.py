@@ -57,6 +57,13 @@ class RoundRunner:
         """The policy of the round that starts at ``step``."""
         return self.local if self.core.opt.local_at(step) else self.sync
 
+    def step_of(self, rnd: Round) -> int:
+        """The step a round completes, the number its log lines carry: the same as the loss
+        line it ends with (``step N: loss``), so "step N abandoned" is the round that was to
+        make step N (``rnd.step`` is the step it starts from)."""
+        local = self.core.opt.local_at(rnd.step)
+        return rnd.step + (self.local.advance(rnd.step) if local else 1)
+
     def active_for_round(self) -> list[Member]:
         """Workers a round can expect a gradient from: ours, and seed-only peers sent START."""
         return [m for m in self.core.members.values() if m.extended or m.started]
@@ -149,7 +156,7 @@ class RoundRunner:
                 # nothing more can arrive for it, and workers that joined since wait idle until
                 # the next round; it runs again now rather than at the deadline.
                 log.info(
-                    "step %d: %s before reporting; it runs again%s", rnd.step,
+                    "step %d: %s before reporting; it runs again%s", self.step_of(rnd),
                     "paused" if paused else "every assigned worker left",
                     " after RESUME" if paused else "",
                 )
@@ -182,23 +189,25 @@ class RoundRunner:
         if decision is policy.RoundDecision.CLOSE:
             if late:
                 log.warning(
-                    "step %d closed at its deadline without %s", rnd.step, ", ".join(late)
+                    "step %d closed at its deadline without %s", self.step_of(rnd),
+                    ", ".join(late),
                 )
             self.core.metrics.rounds.labels(outcome="closed").inc()
         elif self.core.stopping.is_set():
-            log.info("step %d left open: the coordinator is stopping", rnd.step)
+            log.info("step %d left open: the coordinator is stopping", self.step_of(rnd))
         else:
             self.core.metrics.rounds.labels(outcome="abandoned").inc()
             if rnd.shares or rnd.reported:
                 log.warning(
                     "step %d abandoned: %d of %d samples reported by the deadline; re-running",
-                    rnd.step, sum(rnd.reported.values()), sum(rnd.shares.values()),
+                    self.step_of(rnd), sum(rnd.reported.values()), sum(rnd.shares.values()),
                 )
                 self._abandoned_in_a_row += 1
                 if self._abandoned_in_a_row >= ROUNDS_BEFORE_STALL_NOTE:
                     # Status says so: TRAINING with no progress is not the whole truth.
                     self.round_warning = (
-                        f"step {rnd.step} abandoned {self._abandoned_in_a_row} times in a row "
+                        f"step {self.step_of(rnd)} abandoned {self._abandoned_in_a_row} times in "
+                        "a row "
                         f"(last: {sum(rnd.reported.values())} of {sum(rnd.shares.values())} "
                         f"samples reported by the deadline; see the coordinator's log)"
                     )
@@ -216,7 +225,7 @@ class RoundRunner:
         log.warning(
             "step %d is waiting for %s: %.2fs after the first report; the median report "
             "came %.2fs into the round",
-            rnd.step, ", ".join(rnd.missing()),
+            self.step_of(rnd), ", ".join(rnd.missing()),
             time.monotonic() - rnd.first_report_at, median,
         )
 
