@@ -694,3 +694,70 @@ def test_checkpoint_metadata_is_validated_as_a_schema_naming_the_field(
     if value is None or value == -5:  # the issue's two, through a command too
         run = foundry("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "m.gguf"))
         assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run
+
+
+# ---------------------------------------------------------------------------- the coordinator
+
+
+def test_the_coordinator_never_trains_over_checkpoints_that_do_not_verify(tmp_path: Path) -> None:
+    """The issue's run: checkpoints every 2 steps, keep 1, the newest damaged. The restart
+    refuses (it used to start again at step 1 and prune every new checkpoint); --fresh moves
+    the files aside and starts at step 0. Meanwhile a second coordinator on the same folder
+    is refused with the first one's pid, and a file given as the folder is refused."""
+    d = tmp_path / "ckpt"
+    flags = ("--max-steps", "4", "--global-batch", "4", "--seq-len", "16",
+             "--checkpoint-every", "2", "--keep-checkpoints", "1")
+    coord, port, _ = coordinator(tmp_path, *flags)
+    try:
+        second = foundry("coordinator", "--listen", "127.0.0.1:0", "--admin-listen",
+                         "127.0.0.1:0", "--checkpoint-dir", str(d))
+        assert second.returncode == 2, second
+        assert f"in use by another writer (pid {coord.pid}, foundry coordinator)" in (
+            second.stderr)
+        w = worker(tmp_path, port, "w0")
+        try:
+            coord.wait_for(r"checkpoint \S+step-000004\.ckpt written at step 4")
+        finally:
+            w.stop()
+    finally:
+        coord.stop()
+    assert [s for s, _ in list_checkpoints(d)] == [4]
+    damage(d / "step-000004.ckpt", "flip")
+    bad = (d / "step-000004.ckpt").read_bytes()
+    run = foundry("coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+                  "--checkpoint-dir", str(d), *flags)
+    assert run.returncode == 1, run
+    assert "no checkpoint in" in run.stderr and "step-000004.ckpt" in run.stderr
+    assert "--fresh" in run.stderr and "Traceback" not in run.stderr
+    assert (d / "step-000004.ckpt").read_bytes() == bad
+    coord, _, _ = coordinator(tmp_path, *flags, "--fresh", name="fresh")
+    try:
+        assert "resumed from" not in coord.text()
+    finally:
+        coord.stop()
+    assert (d / "previous-1" / "step-000004.ckpt").read_bytes() == bad
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    run = foundry("coordinator", "--checkpoint-dir", str(afile))
+    assert run.returncode == 2 and "is not a directory" in run.stderr, run
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("extra.sync_every", None, "'extra.sync_every' must be an integer"),
+    ("step", -5, "'step' must be in [0, 4294967295], got -5"),
+])
+def test_the_coordinator_refuses_checkpoint_metadata_that_does_not_fit_naming_the_field(
+    tmp_path: Path, field: str, value: Any, says: str
+) -> None:
+    cfg = ModelConfig()
+    params = T.init_params(cfg, seed=0)
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    ckpt = save_checkpoint(tmp_path / "ckpt", CheckpointState(
+        config=cfg, step=3, params=params, optimizer={"step": 3, "m": zeros, "v": zeros},
+        data_position=12, extra={"sync_every": 1},
+    ))
+    rewrite_metadata(ckpt, _set(field, value))
+    run = foundry("coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+                  "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert run.returncode == 1, run
+    assert says in run.stderr and "Traceback" not in run.stderr, run.stderr

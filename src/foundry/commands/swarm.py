@@ -116,6 +116,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="length of the learning-rate schedule (warm-up then cosine to its "
                    "floor, which holds after it; default: --max-steps)")
     add_schedule_flags(c)
+    c.add_argument("--fresh", action="store_true",
+                   help="start at step 0: move the checkpoints of --checkpoint-dir into a "
+                   "previous-N folder in it (nothing is deleted)")
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
                    help="steps between checkpoints (default 50)")
     c.add_argument("--keep-checkpoints", type=positive_int, default=DEFAULT_KEEP_LAST,
@@ -193,6 +196,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from foundry.model.checkpoint import (
+        CheckpointError,
+        DirectoryLock,
+        check_directory,
+        start_fresh,
+    )
     from foundry.model.data import DataError, load_corpus
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
@@ -204,7 +213,13 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         tls = tls_context(args, server=True)
         corpus = load_corpus(args.data)
-    except (DataError, TlsConfigError) as exc:
+        # One writer per checkpoint dir, held until the process exits; a dir none of whose
+        # checkpoints verifies is refused by load_or_init, unless --fresh moved them aside.
+        check_directory(args.checkpoint_dir)
+        DirectoryLock(args.checkpoint_dir, "foundry coordinator").acquire()
+        if args.fresh:
+            start_fresh(args.checkpoint_dir)
+    except (DataError, TlsConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Every round allocates and frees the same weight, gradient and optimizer buffers (13.7 MB

@@ -15,8 +15,8 @@ import numpy as np
 from foundry.model.checkpoint import (
     CheckpointError,
     CheckpointState,
-    latest_checkpoint,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
 )
 from foundry.model.data import compressor_bits_per_byte
@@ -53,11 +53,16 @@ class Start:
 
 
 def load_or_init(opt: CoordinatorOptions) -> Start:
-    """The latest checkpoint in ``opt.checkpoint_dir``, else ``opt.init_gguf``, else fresh
-    weights from ``opt.seed``."""
-    ckpt = latest_checkpoint(opt.checkpoint_dir)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt)
+    """The newest checkpoint in ``opt.checkpoint_dir`` that verifies (damaged newer ones set
+    aside), else ``opt.init_gguf``, else fresh weights from ``opt.seed``. Checkpoint files none
+    of which verifies, or one whose metadata does not fit the schema, end the process with
+    the reason (never a silent start from step 0)."""
+    try:
+        ckpt = resume_checkpoint(opt.checkpoint_dir)
+        state = load_checkpoint(ckpt) if ckpt is not None else None
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if ckpt is not None and state is not None:
         if state.config != opt.cfg:
             raise SystemExit(
                 f"checkpoint {ckpt} holds a different model ({state.config}) than "
