@@ -123,8 +123,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="steps between checkpoints (default 50)")
     c.add_argument("--keep-checkpoints", type=positive_int, default=DEFAULT_KEEP_LAST,
                    metavar="N", help="checkpoints kept in --checkpoint-dir, the newest N "
-                   f"(default {DEFAULT_KEEP_LAST}); "
-                   "older ones are deleted as new ones are written")
+                   f"that verify (default {DEFAULT_KEEP_LAST}); older ones are deleted as new "
+                   "ones are written, damaged ones renamed *.damaged and kept")
     c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
                    help="steps between validation runs on the held-out text (default: a "
                    "twentieth of --max-steps, 25 to 150; always after the last step)")
