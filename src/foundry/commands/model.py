@@ -113,13 +113,14 @@ def run_init(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from foundry.model.checkpoint import CheckpointError, CheckpointRefused
     from foundry.model.data import DataError
+    from foundry.model.gguf_io import GGUFError
 
     try:
         return _train(args)
     except (DataError, CheckpointRefused) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except (CheckpointError, GGUFError) as exc:  # GGUFError: --out cannot hold the weights
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
