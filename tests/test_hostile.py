@@ -632,6 +632,7 @@ def test_every_flag_with_a_default_says_it_in_its_help() -> None:
             flags = (argparse._StoreTrueAction, argparse._StoreFalseAction,
                      argparse._HelpAction, argparse._VersionAction)
             if (not action.option_strings or isinstance(action, flags)
+                    or action.help == argparse.SUPPRESS  # a hidden flag
                     or action.default in (None, argparse.SUPPRESS, [])):
                 continue
             if "default" not in (action.help or ""):
