@@ -44,7 +44,9 @@ SCALE_OFFSETS: dict[QType, tuple[int, ...]] = {
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
 }
-assert set(SCALE_OFFSETS) | {QType.F16} == set(quant.SUPPORTED)
+assert set(SCALE_OFFSETS) | {QType.F16} == set(quant.SUPPORTED), (
+    "finite.SCALE_OFFSETS must name the f16 fields of every block type quant.SUPPORTED reads"
+)
 # The largest magnitude a written type holds: the f16 maximum times the largest quant a
 # block's scale multiplies (Q8_0: d = amax / 127; Q4_0: d = max / -8, gguf-py's quantizer).
 STORABLE_MAX: dict[QType, float] = {
