@@ -73,7 +73,6 @@ class HealthProbe:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._up: dict[str, bool | None] = {b.name: None for b in self.backends}
-        self._reason: dict[str, str | None] = {b.name: None for b in self.backends}
         self._silent: dict[str, int] = {b.name: 0 for b in self.backends}
         self._recheck: dict[str, asyncio.Future[str | None]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -113,7 +112,6 @@ class HealthProbe:
     async def _probe_and_apply(self, backend: Backend) -> str | None:
         reason = await self._probe(backend)
         up = reason is None
-        self._reason[backend.name] = reason
         self.metrics.backend_up.labels(backend=backend.name).set(1 if up else 0)
         if self._up[backend.name] != up:
             if up:
