@@ -1,6 +1,6 @@
 """Hostile inputs with real processes: poisoned models, damaged checkpoints, outputs that must
 not be overwritten, a frozen leader, undecodable requests, refused and garbage peers. Each
-case is a row of the fault table in docs/operations.md ("Faults and bad input").
+case is a row of the fault table in docs/guide/recovering.md ("Faults and bad input").
 """
 
 from __future__ import annotations

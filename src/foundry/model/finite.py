@@ -11,7 +11,7 @@ A loaded weight is checked once, over what the file stores, without expanding it
   structs in ``ggml-common.h``).
 
 The cost on the ``bench`` preset is measured by ``bench/finite_check.py``
-(docs/operations.md, "Faults and bad input").
+(docs/guide/recovering.md, "Faults and bad input").
 
 Writing checks the other way: a value whose magnitude the target type cannot hold would become
 an infinity (F16 holds up to 65,504; a Q8_0 block's scale is its largest magnitude / 127, in
