@@ -30,8 +30,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="write a randomly initialised model as GGUF",
         description="Write a randomly initialised model of a preset size as a GGUF file.",
     )
-    init.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model size (default tiny)")
+    init.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     init.add_argument("--out", type=Path, required=True, help="GGUF file to write")
     init.add_argument("--seed", type=nonneg_int, default=0, help="init seed (default 0)")
     init.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
@@ -44,8 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Train the model in one process on the bundled corpus (or --data), with "
         "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
     )
-    t.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model size (default tiny)")
+    t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     t.add_argument("--steps", type=positive_int, default=recipe.STEPS,
                    help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus)")
     add_schedule_flags(t)
@@ -56,7 +54,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="write checkpoints here and resume from the newest one that verifies")
     t.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="steps between checkpoints (default 50)")
+                   help="steps between checkpoints")
     t.add_argument("--fresh", action="store_true",
                    help="start at step 0: move the checkpoints of --checkpoint-dir into a "
                    "previous-N folder in it (nothing is deleted)")

@@ -23,8 +23,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=Path,
         default=Path("/"),
         metavar="DIR",
-        help="read proc/ and sys/ under DIR (default /; another DIR: an image mounted "
-        "elsewhere)",
+        help="read proc/ and sys/ under DIR instead of / (an image mounted elsewhere)",
     )
     p.set_defaults(func=run)
 

@@ -65,8 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    metavar="HOST:PORT", help="admin link for the gateway (default 127.0.0.1:7071)")
     c.add_argument("--checkpoint-dir", type=Path, default=Path("runs/checkpoints"),
                    help="checkpoints are written and resumed from here (default runs/checkpoints)")
-    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model size (default tiny)")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     c.add_argument("--compression", default="none", choices=[c.name.lower() for c in Compression],
                    help="gradient compression on the wire (default none)")
     c.add_argument("--topk-ratio", type=fraction, default=0.01,
@@ -120,7 +119,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="start at step 0: move the checkpoints of --checkpoint-dir into a "
                    "previous-N folder in it (nothing is deleted)")
     c.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="steps between checkpoints (default 50)")
+                   help="steps between checkpoints")
     c.add_argument("--keep-checkpoints", type=positive_int, default=DEFAULT_KEEP_LAST,
                    metavar="N", help="checkpoints kept in --checkpoint-dir, the newest N "
                    f"that verify (default {DEFAULT_KEEP_LAST}); older ones are deleted as new "
@@ -159,8 +158,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "reconnect by itself when the coordinator goes away.",
     )
     w.add_argument("--coordinator", type=host_port, default=("127.0.0.1", 7070),
-                   metavar="HOST:PORT",
-                   help="the coordinator's worker port (default 127.0.0.1:7070)")
+                   metavar="HOST:PORT", help="the coordinator's worker port")
     w.add_argument("--worker-id", default=None, help="stable name (default HOSTNAME-PID)")
     w.add_argument("--profile", default=None,
                    help="force a hardware profile (default: detected; see `foundry profile`)")

@@ -103,8 +103,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _add_rank_flags(work, leader=False)
     work.add_argument("--leader", type=host_port, default=("127.0.0.1", 7090),
-                      metavar="HOST:PORT",
-                      help="the leader's --listen address (default 127.0.0.1:7090)")
+                      metavar="HOST:PORT", help="the leader's --listen address")
     work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
     add_tls_flags(work, server=False, links="the connections to the leader")
