@@ -87,6 +87,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
                    help="context in tokens: KV cache and rope tables are sized by it "
                         "(default: the file's, at most 4096)")
+    add_device_flags(g, training=False)
     g.set_defaults(func=run_generate)
 
 
@@ -242,9 +243,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from foundry.model.backend import BackendError
+    from foundry.model.engines import make_engine
     from foundry.model.generate import generate_tokens
     from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.inference import Engine
     from foundry.model.sampling import SamplingError
     from foundry.model.vocab import TokenizerError, load_tokenizer
 
@@ -257,7 +259,12 @@ def run_generate(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded.cfg, loaded.params, ctx_size=args.ctx_size)
+    try:
+        engine = make_engine(loaded.cfg, loaded.params, device=args.device,
+                             ctx_size=args.ctx_size)
+    except BackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     text = tokenizer.stream_decoder()
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,

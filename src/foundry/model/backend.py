@@ -35,7 +35,7 @@ DEVICES = ("cpu", "cuda", "auto", "torch-cpu")
 INSTALL_HINT = "pip install 'foundry[gpu]' (PyTorch with CUDA; see docs/gpu.md)"
 
 
-class BackendError(RuntimeError):
+class BackendError(ValueError):
     """The asked-for device cannot be had here; the message says what to do."""
 
 
