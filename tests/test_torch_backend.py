@@ -17,7 +17,7 @@ import torch
 from procs import coordinator, worker
 
 from foundry.model import torch_model as TM
-from foundry.model.backend import NUMPY, BackendError, Stopped, select
+from foundry.model.backend import NUMPY, BackendError, Stopped, make_trainer, select
 from foundry.model.config import ModelConfig, preset
 from foundry.model.data import load_corpus
 from foundry.model.engines import make_engine
@@ -28,8 +28,10 @@ from foundry.model.optim import lr_schedule
 from foundry.model.torch_backend import TorchBackend
 from foundry.model.torch_engine import TorchEngine
 from foundry.model.tp_split import ExpertSplit, Gate, rank_weights
+from foundry.model.training import TrainSettings
 from foundry.model.transformer import init_params, loss_and_grads
 
+torch.set_num_threads(1)  # as `--device torch-cpu` does: spinning threads on 2 shared cores
 SHARED = ModelConfig(n_ff_shared=32, n_expert=4, n_expert_used=2)
 CONFIGS = [preset("tiny"), SHARED]
 
@@ -185,7 +187,7 @@ def test_dequantized_files_decode_as_the_numpy_engine_reads_them(tmp_path: Path)
 
 def test_device_cuda_without_a_gpu_says_how_to_get_one() -> None:
     assert not torch.cuda.is_available()  # CI's torch is the CPU build
-    with pytest.raises(BackendError, match="sees no CUDA GPU.*--device cpu"):
+    with pytest.raises(BackendError, match=r"sees no CUDA GPU.*--device cpu"):
         select("cuda")
     assert select("auto") is NUMPY and select("cpu") is NUMPY
     proc = subprocess.run(
@@ -194,19 +196,38 @@ def test_device_cuda_without_a_gpu_says_how_to_get_one() -> None:
     assert proc.returncode == 2 and "pip install 'foundry[gpu]'" in proc.stderr
 
 
-def test_train_on_torch_resumes_and_generate_decodes_the_result(tmp_path: Path) -> None:
-    ckpt, out = tmp_path / "ckpt", tmp_path / "m.gguf"
-    base = [sys.executable, "-m", "foundry", "train", "--preset", "tiny", "--device",
-            "torch-cpu", "--no-progress", "--sample-every", "0", "--eval-every", "2",
-            "--global-batch", "4", "--seq-len", "32", "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", "2"]
-    first = subprocess.run([*base, "--steps", "2"], capture_output=True, text=True,
-                           timeout=300, check=True)
-    assert "on torch:cpu" in first.stdout and "step 2: loss" in first.stdout
-    second = subprocess.run([*base, "--steps", "3", "--out", str(out)], capture_output=True,
-                            text=True, timeout=300, check=True)
-    assert "resuming from" in second.stdout and "at step 2" in second.stdout
-    assert "step 3: loss" in second.stdout
+def test_the_torch_trainer_resumes_from_its_own_state() -> None:
+    cfg, corpus = preset("tiny"), load_corpus(None)
+    settings = TrainSettings(global_batch=4, seq_len=32, warmup_steps=2, total_steps=10)
+    backend = TorchBackend("cpu")
+    straight = make_trainer(backend, cfg, settings, init_params(cfg, 4))
+    for _ in range(2):
+        straight.train_step(corpus)
+    resumed = make_trainer(backend, cfg, settings, init_params(cfg, 0))
+    resumed.load(straight.host_params(), straight.optimizer_state(), straight.step,
+                 straight.position)
+    state = resumed.optimizer_state()
+    assert state["step"] == 2 and any(float(np.abs(m).max()) > 0 for m in state["m"].values())
+    a, b = straight.train_step(corpus), resumed.train_step(corpus)
+    assert a.loss == b.loss and resumed.position == 12
+    pa, pb = straight.host_params(), resumed.host_params()
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
+    # and it learns what the numpy trainer learns, to rounding
+    numpy_trainer = make_trainer(NUMPY, cfg, settings, init_params(cfg, 4))
+    for _ in range(3):
+        numpy_trainer.train_step(corpus)
+    pn = numpy_trainer.host_params()
+    assert all(rel_max(pa[k], pn[k]) <= 1e-3 for k in pn)
+
+
+def test_train_and_generate_take_the_device_flag(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    train = subprocess.run(
+        [sys.executable, "-m", "foundry", "train", "--preset", "tiny", "--device", "torch-cpu",
+         "--no-progress", "--sample-every", "0", "--global-batch", "4", "--seq-len", "32",
+         "--steps", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=True)
+    assert "on torch:cpu" in train.stdout and "step 2: loss" in train.stdout
     gen = subprocess.run([sys.executable, "-m", "foundry", "generate", "--model", str(out),
                           "--prompt", "The ", "--max-tokens", "12", "--device", "torch-cpu"],
                          capture_output=True, text=True, timeout=120, check=True)
