@@ -50,6 +50,7 @@ from foundry.model.optim import lr_schedule
 from foundry.model.torch_backend import TorchBackend, adamw
 from foundry.model.torch_engine import TorchEngine
 from foundry.model.transformer import init_params
+from foundry.runtime import retain_freed_memory
 
 SHAPES = {"small": (64, 256), "bench": (64, 512), "medium": (64, 512)}
 LINES: list[str] = []
@@ -109,7 +110,10 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
 
 
 def worker_path(name: str, bf16: bool, h: int, rounds: int) -> tuple[float, float]:
-    """samples/s of (a local round of h steps, a --sync-every 1 gradient)."""
+    """samples/s of (a local round of h steps, a --sync-every 1 gradient); the process keeps
+    freed memory as a worker's does (``retain_freed_memory``: on a VM whose memory grows as
+    it is touched, a fresh 1.7 GB host buffer a round costs its page faults every round)."""
+    retain_freed_memory()
     cfg = preset(name)
     b, t = SHAPES[name]
     corpus = load_corpus(None)
@@ -142,34 +146,38 @@ def section_train(args: argparse.Namespace) -> None:
     say("## train: samples/s (tokens/s = samples x seq), worker path vs plain torch loop")
     for name in args.presets:
         b, t = SHAPES[name]
-        say(f"# {name}: {preset(name).n_params() / 1e6:.1f}M parameters, batch {b}x{t}, "
-            f"local rounds of H={args.h}")
-        for bf16 in (False, True):
-            kind = "bf16" if bf16 else "f32"
-            local, grad = worker_path(name, bf16, args.h, args.rounds)
+        say(f"# {name}: {preset(name).n_params() / 1e6:.1f}M parameters, batch {b}x{t}")
+        for kind in args.kinds:
+            bf16 = kind == "bf16"
             eager = plain_loop(name, bf16, False, args.steps)
-            say(f"{name} {kind}: worker H={args.h} {local:8.1f}  worker H=1 {grad:8.1f}  "
-                f"plain eager {eager:8.1f}  ->  {local / eager:.2f}x eager "
-                f"[{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]  "
-                f"(H=1 {grad / eager:.2f}x)")
+            comp = None
             if not bf16 and not args.no_compile:
                 try:
                     comp = plain_loop(name, False, True, args.steps)
-                    say(f"{name} f32: plain compiled {comp:8.1f}  ->  worker "
-                        f"{local / comp:.2f}x compiled "
-                        f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]")
                 except Exception as exc:  # report and go on
                     say(f"{name} f32: torch.compile failed: {type(exc).__name__}: {exc}"[:300])
+            say(f"{name} {kind}: plain eager {eager:8.1f}"
+                + (f"  plain compiled {comp:8.1f}" if comp else ""))
+            for h in args.hs:
+                local, grad = worker_path(name, bf16, h, args.rounds)
+                line = (f"{name} {kind}: worker H={h:<3d} {local:8.1f}  ->  {local / eager:.2f}x "
+                        f"eager [{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]")
+                if comp:
+                    line += (f", {local / comp:.2f}x compiled "
+                             f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]")
+                say(line + f"   (worker H=1: {grad:8.1f}, {grad / eager:.2f}x eager)")
             torch.cuda.empty_cache()
 
 
 # --- decode --------------------------------------------------------------------------------
 
 
-def engine_rates(path: Path, graphs: bool, n_decode: int) -> tuple[float, float]:
+def engine_rates(path: Path, graphs: bool, n_decode: int, compiled: bool = False
+                 ) -> tuple[float, float]:
     """(decode tokens/s at batch 1, prefill tokens/s of 512 tokens) of TorchEngine."""
     loaded = load_gguf_stored(path)
-    engine = TorchEngine(loaded.cfg, loaded.params, device="cuda", graphs=graphs)
+    engine = TorchEngine(loaded.cfg, loaded.params, device="cuda", graphs=graphs,
+                         compile_step=compiled)
     prompt = list(np.random.default_rng(0).integers(3, 259, 512))
 
     def prefill() -> None:
@@ -206,16 +214,24 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
     params = init_params(cfg, 0)
     say(f"## decode: bench preset ({cfg.n_params() / 1e6:.0f}M), batch 1, tokens/s; "
         "weights dequantized to bf16 at load")
-    for dtype in ("f32", "f16", "q8_0"):
+    for dtype in args.dtypes:
         path = work / f"bench-{dtype}.gguf"
         save_gguf(path, cfg, params, dtype=dtype)
-        graphed, pre = engine_rates(path, True, args.decode_tokens)
+        plain, pre = engine_rates(path, True, args.decode_tokens)
         torch.cuda.empty_cache()
         eager, _ = engine_rates(path, False, args.decode_tokens // 2)
         torch.cuda.empty_cache()
-        line = (f"{dtype:5s} ours: decode {graphed:7.0f} (graphs) {eager:7.0f} (eager: launch "
-                f"overhead {1e3 / eager - 1e3 / graphed:.2f} ms of {1e3 / eager:.2f} ms/token)"
-                f"  prefill-512 {pre:8.0f}")
+        graphed = plain
+        line = (f"{dtype:5s} ours: decode {plain:7.0f} (graphs) {eager:7.0f} (eager: launch "
+                f"overhead {1e3 / eager - 1e3 / plain:.2f} ms of {1e3 / eager:.2f} ms/token)")
+        if args.compile_decode:
+            try:
+                graphed, _ = engine_rates(path, True, args.decode_tokens, compiled=True)
+                line += f" {graphed:7.0f} (compiled step + graphs)"
+            except Exception as exc:  # report and go on
+                line += f" (compiled step failed: {type(exc).__name__}: {exc})"[:200]
+            torch.cuda.empty_cache()
+        line += f"  prefill-512 {pre:8.0f}"
         ref = llama_rates(args.llama_bench, path) if args.llama_bench else None
         if ref:
             line += (f"  | llama.cpp decode {ref[0]:7.0f} prefill {ref[1]:8.0f}  ->  decode "
@@ -283,11 +299,16 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=["train", "decode", "mixed"])
     ap.add_argument("--presets", nargs="*", default=["small", "bench", "medium"])
-    ap.add_argument("--h", type=int, default=4, help="inner steps of a timed local round")
+    ap.add_argument("--hs", type=int, nargs="*", default=[4, 16],
+                    help="inner steps of the timed local rounds (--sync-every H)")
+    ap.add_argument("--kinds", nargs="*", default=["f32", "bf16"])
     ap.add_argument("--rounds", type=int, default=2, help="timed local rounds")
     ap.add_argument("--steps", type=int, default=6, help="timed steps of the plain loops")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="also time the torch.compile'd one-token step in its graph")
+    ap.add_argument("--dtypes", nargs="*", default=["f32", "f16", "q8_0"])
     ap.add_argument("--llama-bench", default=None, help="a CUDA build's llama-bench")
     ap.add_argument("--cpu-workers", type=int, default=4)
     ap.add_argument("--mixed-batch", type=int, default=64)

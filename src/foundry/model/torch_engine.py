@@ -104,6 +104,7 @@ class TorchEngine:
         dtype: str | None = None,
         graphs: bool = True,
         ctx_size: int | None = None,
+        compile_step: bool = False,
     ) -> None:
         self.id = next(_ids)
         self.cfg = cfg
@@ -137,6 +138,10 @@ class TorchEngine:
         if self.ctx_size <= 0:
             raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
         self._cos, self._sin = TM.rope_tables(self.ctx_size, cfg, self.device)
+        # torch.compile the captured one-token step: fuses the elementwise kernels between
+        # the products (fewer kernels in the graph); costs a compilation per engine.
+        self.compile_step = compile_step
+        self._step: Callable[..., torch.Tensor] | None = None
 
     @property
     def n_vocab_out(self) -> int:
@@ -265,16 +270,25 @@ class TorchEngine:
     def _capture(self, session: TorchSession) -> _Graph:
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         pos = torch.full((1,), session.pos, dtype=torch.int64, device=self.device)
+        if self._step is None:
+            self._step = self._one_token
+            if self.compile_step:
+                self._step = torch.compile(self._one_token, dynamic=False)
+        step = self._step
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.no_grad(), torch.cuda.stream(stream):  # warm-up outside the graph
-            for _ in range(2):
-                self._forward(ids, pos, [session], [(0, 1)], None, whole_cache=True)
+        with torch.no_grad(), torch.cuda.stream(stream):  # warm-up (compiles) outside the graph
+            for _ in range(3):
+                step(ids, pos, session)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
-            logits = self._forward(ids, pos, [session], [(0, 1)], None, whole_cache=True)
+            logits = step(ids, pos, session)
         return _Graph(graph, ids, pos, logits)
+
+    def _one_token(self, ids: torch.Tensor, pos: torch.Tensor, session: TorchSession
+                   ) -> torch.Tensor:
+        return self._forward(ids, pos, [session], [(0, 1)], None, whole_cache=True)
 
     def _check_rows(self, rows: Sequence[tuple[TorchSession, Sequence[int]]]
                     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
