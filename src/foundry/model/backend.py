@@ -27,10 +27,14 @@ from foundry.model.optim import AdamW, AdamWState, clip_grad_norm
 from foundry.model.training import (
     GradientResult,
     Params,
+    Stopped,
     Trainer,
     TrainSettings,
     compute_gradients,
 )
+
+__all__ = ["DEVICES", "INSTALL_HINT", "NUMPY", "Backend", "BackendError", "NumpyBackend",
+           "StepTrainer", "Stopped", "make_trainer", "select", "torch_available"]
 
 DEVICES = ("cpu", "cuda", "auto", "torch-cpu")
 INSTALL_HINT = "pip install 'foundry[gpu]' (PyTorch with CUDA; see docs/gpu.md)"
@@ -38,10 +42,6 @@ INSTALL_HINT = "pip install 'foundry[gpu]' (PyTorch with CUDA; see docs/gpu.md)"
 
 class BackendError(ValueError):
     """The asked-for device cannot be had here; the message says what to do."""
-
-
-class Stopped(Exception):
-    """``local_steps`` was asked to stop between two inner steps."""
 
 
 class Backend(Protocol):

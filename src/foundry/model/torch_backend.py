@@ -28,11 +28,10 @@ import numpy.typing as npt
 import torch
 
 from foundry.model import torch_model as TM
-from foundry.model.backend import Stopped
 from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
 from foundry.model.data import Corpus
 from foundry.model.optim import AdamWState, lr_schedule
-from foundry.model.training import GradientResult, Params, TrainSettings
+from foundry.model.training import GradientResult, Params, Stopped, TrainSettings
 
 F32 = npt.NDArray[np.float32]
 

@@ -46,6 +46,10 @@ class TrainSettings:
             raise ValueError(f"lr must be positive, got {self.lr}")
 
 
+class Stopped(Exception):
+    """A round of local steps was asked to stop between two inner steps."""
+
+
 @dataclass
 class GradientResult:
     grads: Params  # mean over the samples, canonical order
