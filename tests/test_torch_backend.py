@@ -254,3 +254,32 @@ def test_a_torch_worker_and_a_numpy_worker_train_one_swarm(tmp_path: Path) -> No
         for w in workers:
             w.stop()
         coord.stop()
+
+
+def test_a_torch_leader_pairs_with_a_numpy_worker_and_decodes_the_same_text(
+    tmp_path: Path,
+) -> None:
+    """The TP pair with rank 0 on the PyTorch engine and rank 1 on numpy: the gates go over
+    the same exchange (shared memory) as float32, and greedy text equals one process's."""
+    from tp_harness import (
+        Client,
+        make_model,
+        reference_greedy,
+        start_leader,
+        start_worker,
+        wait_paired,
+    )
+
+    model = make_model(tmp_path / "model.gguf")
+    prompt = "A pair of one GPU rank and one CPU rank."
+    leader = start_leader(model, tmp_path / "leader.log", "--prefill-chunk", "16",
+                          "--device", "torch-cpu")
+    rank1 = start_worker(model, leader.port, tmp_path / "worker.log")
+    try:
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            got = c.generate(prompt, 24)
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
+        assert rank1.exit_code() == 0, rank1.text()
+    assert got.tokens == reference_greedy(model, prompt, 24, 16).tokens
