@@ -88,6 +88,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="context in tokens: KV cache and rope tables are sized by it "
                         "(default: the file's, at most 4096)")
     add_device_flags(g, training=False)
+    g.add_argument("--compile", action="store_true",
+                   help="with --device cuda, torch.compile the one-token step before it is "
+                   "captured in a CUDA graph: faster decoding after a compilation of some "
+                   "seconds (docs/gpu.md; default off)")
     g.set_defaults(func=run_generate)
 
 
@@ -261,7 +265,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = make_engine(loaded.cfg, loaded.params, device=args.device,
-                             ctx_size=args.ctx_size)
+                             ctx_size=args.ctx_size, compile_step=args.compile)
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -44,13 +44,14 @@ class InferenceEngine(Protocol):
 def make_engine(
     cfg: ModelConfig, weights: Mapping[str, Param] | RankWeights, rank: int = 0, world: int = 1,
     expert_split: ExpertSplit | None = None, *, device: str = "cpu",
-    ctx_size: int | None = None,
+    ctx_size: int | None = None, compile_step: bool = False,
 ) -> InferenceEngine:
     """The engine ``--device`` names (``backend.DEVICES``): numpy for ``cpu``, PyTorch for
     ``cuda`` and ``torch-cpu``; ``auto`` takes the GPU when PyTorch sees one. A missing PyTorch
     or GPU raises ``backend.BackendError`` saying how to get it, and so does a file of another
     architecture than Foundry's own (the PyTorch engine runs that one; ``arch``'s others run
-    on numpy). ``ctx_size``: the KV cache and rope tables (default: the file's, capped)."""
+    on numpy). ``ctx_size``: the KV cache and rope tables (default: the file's, capped).
+    ``compile_step``: the PyTorch engine compiles its one-token step (ignored by numpy)."""
     from foundry.model.backend import BackendError, NumpyBackend, select
 
     chosen = select(device)
@@ -65,4 +66,4 @@ def make_engine(
 
     assert isinstance(chosen, TorchBackend)
     return TorchEngine(cfg, weights, rank, world, expert_split, device=chosen.device.type,
-                       ctx_size=ctx_size)
+                       ctx_size=ctx_size, compile_step=compile_step)
