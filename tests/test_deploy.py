@@ -24,7 +24,7 @@ from procs import missing
 from foundry.obs.prometheus_config import METRICS_PORTS
 
 ROOT = Path(__file__).resolve().parent.parent
-OVERLAYS = ("dev", "mixed-arch")
+OVERLAYS = ("dev", "mixed-arch", "gpu")
 # The Kubernetes version the manifests are validated against (kubernetes-validate's schemas).
 K8S_VERSION = "1.30.0"
 
@@ -119,6 +119,34 @@ def test_compose_workers_scale_and_everything_waits_for_health() -> None:
             assert dependency["condition"] in (
                 "service_healthy", "service_completed_successfully"
             ), name
+
+
+def test_compose_gpu_worker_is_a_profile_with_a_device_reservation() -> None:
+    """`docker compose up` alone starts no GPU worker; `--profile gpu` adds one that asks
+    for one NVIDIA GPU and trains with --device cuda from the image with the gpu extra."""
+    got = run(tool("docker-compose"), "-f", "docker-compose.yml", "--profile", "gpu",
+              "config", "--format", "json")
+    assert got.returncode == 0, got.stderr
+    gpu = json.loads(got.stdout)["services"]["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"] and "--device=cuda" in gpu["command"]
+    assert gpu["build"]["args"]["EXTRAS"] == "gpu"
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert device["count"] == 1
+    plain = run(tool("docker-compose"), "-f", "docker-compose.yml", "config", "--format", "json")
+    assert "worker-gpu" not in json.loads(plain.stdout)["services"]
+
+
+def test_kubernetes_gpu_overlay_asks_for_a_gpu_on_a_gpu_node() -> None:
+    specs = dict(pod_templates(rendered_objects("gpu")))
+    (container,) = specs["worker-gpu"]["containers"]
+    assert "--device=cuda" in container["args"]
+    assert container["image"].endswith("/foundry-gpu:0.1.0")
+    for side in ("requests", "limits"):
+        assert container["resources"][side]["nvidia.com/gpu"] == 1
+    assert specs["worker-gpu"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (cpu_worker,) = specs["worker"]["containers"]
+    assert "nvidia.com/gpu" not in cpu_worker["resources"]["limits"]
 
 
 # ---------------------------------------------------------------------------- kubernetes

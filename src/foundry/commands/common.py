@@ -178,3 +178,17 @@ def nonneg_int(text: str) -> int:
 
 def port_number(text: str) -> int:
     return whole_in(text, 0, 65535)
+
+
+def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
+    """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda", "auto", "torch-cpu"),
+        help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
+        "pip install 'foundry[gpu]'), auto (cuda when PyTorch sees a GPU, else cpu), "
+        "torch-cpu (the PyTorch path on the CPU, for tests)")
+    if training:
+        parser.add_argument(
+            "--bf16", action="store_true",
+            help="with a PyTorch device, run the products under bf16 autocast (weights, "
+            "optimizer and the wire stay float32; default off)")

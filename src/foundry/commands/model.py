@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from foundry.commands.common import (
+    add_device_flags,
     add_schedule_flags,
     fraction,
     nonneg_float,
@@ -70,6 +71,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--out", type=Path, default=None, help="write the trained model as GGUF")
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+    add_device_flags(t, training=True)
     t.set_defaults(func=run_train)
 
     g = sub.add_parser(
@@ -88,6 +90,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
                    help="context in tokens: KV cache and rope tables are sized by it "
                         "(default: the file's, at most 4096)")
+    add_device_flags(g, training=False)
+    g.add_argument("--compile", action="store_true",
+                   help="with --device cuda, torch.compile the one-token step before it is "
+                   "captured in a CUDA graph: faster decoding after a compilation of some "
+                   "seconds (docs/gpu.md; default off)")
     g.set_defaults(func=run_generate)
 
 
@@ -109,13 +116,14 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from foundry.model.backend import BackendError
     from foundry.model.checkpoint import CheckpointError, CheckpointRefused
     from foundry.model.data import DataError
     from foundry.model.gguf_io import GGUFError
 
     try:
         return _train(args)
-    except (DataError, CheckpointRefused) as exc:
+    except (DataError, CheckpointRefused, BackendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (CheckpointError, GGUFError) as exc:  # GGUFError: --out cannot hold the weights
@@ -126,6 +134,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from foundry.model import backend as compute
     from foundry.model.checkpoint import (
         CheckpointState,
         DirectoryLock,
@@ -145,12 +154,10 @@ def _train(args: argparse.Namespace) -> int:
     from foundry.model.generate import greedy_text, printable
     from foundry.model.gguf_io import save_gguf
     from foundry.model.training import (
-        Trainer,
         TrainSettings,
         against_compressors,
         beaten_line,
         bits_per_byte,
-        evaluate_loss,
         held_out_line,
     )
     from foundry.model.transformer import init_params
@@ -185,7 +192,8 @@ def _train(args: argparse.Namespace) -> int:
     note = recipe.short_run_note(args.steps, args.data is None)
     if note:
         print(note)
-    trainer = Trainer(cfg, settings, init_params(cfg, args.seed))
+    backend = compute.select(args.device, bf16=args.bf16)
+    trainer = compute.make_trainer(backend, cfg, settings, init_params(cfg, args.seed))
     if args.checkpoint_dir is not None:
         check_directory(args.checkpoint_dir)
         # Held until the process exits (the kernel drops it then, however it exits).
@@ -199,17 +207,15 @@ def _train(args: argparse.Namespace) -> int:
                 print(f"error: {found} holds another model; use another --checkpoint-dir",
                       file=sys.stderr)
                 return 2
-            trainer.params = state.params
-            trainer.optimizer.load_state_dict(state.optimizer)
-            trainer.step, trainer.position = state.step, state.data_position
+            trainer.load(state.params, state.optimizer, state.step, state.data_position)
             print(f"resuming from {found} at step {trainer.step}")
 
     def checkpoint() -> None:
         if args.checkpoint_dir is None:
             return
         path = save_checkpoint(args.checkpoint_dir, CheckpointState(
-            config=cfg, step=trainer.step, params=trainer.params,
-            optimizer=trainer.optimizer.state_dict(), data_position=trainer.position,
+            config=cfg, step=trainer.step, params=trainer.host_params(),
+            optimizer=trainer.optimizer_state(), data_position=trainer.position,
         ))
         log.info("checkpoint %s", path)
 
@@ -218,13 +224,14 @@ def _train(args: argparse.Namespace) -> int:
         held_out, corpus.training_bytes(args.seq_len))
     sample_every = args.eval_every if args.sample_every is None else args.sample_every
     print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
-          f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}")
+          f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}"
+          + ("" if backend is compute.NUMPY else f", on {backend.name}"))
     print(held_out_line(len(held_out), yardstick))
 
     def validation(val: float) -> str:
         return f"validation {bits_per_byte(val):.3f} bits/byte ({val:.4f} nats)"
 
-    val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len)
+    val = trainer.evaluate_loss(corpus, args.seq_len)
     print(f"step {trainer.step}: {validation(val)}")
     bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
                dynamic_ncols=True)
@@ -243,10 +250,10 @@ def _train(args: argparse.Namespace) -> int:
                       flush=True)
             last = trainer.step == args.steps
             if trainer.step % args.eval_every == 0 or last:
-                val = evaluate_loss(trainer.params, cfg, corpus, args.seq_len)
+                val = trainer.evaluate_loss(corpus, args.seq_len)
                 bar.write(f"step {trainer.step}: loss {result.loss:.4f}, {validation(val)}")
             if sample_every > 0 and (trainer.step % sample_every == 0 or last):
-                text = greedy_text(cfg, trainer.params, args.prompt, args.sample_tokens)
+                text = greedy_text(cfg, trainer.host_params(), args.prompt, args.sample_tokens)
                 bar.write(f"step {trainer.step}: sample {printable(args.prompt + text)!r}")
             if trainer.step % args.checkpoint_every == 0:
                 checkpoint()
@@ -260,15 +267,16 @@ def _train(args: argparse.Namespace) -> int:
     print(f"held-out: {against_compressors(bits_per_byte(val), yardstick)}")
     print(beaten_line(bits_per_byte(val), yardstick))
     if args.out is not None:
-        save_gguf(args.out, cfg, trainer.params)
+        save_gguf(args.out, cfg, trainer.host_params())
         print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")
     return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from foundry.model.backend import BackendError
+    from foundry.model.engines import make_engine
     from foundry.model.generate import generate_tokens
     from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.inference import Engine
     from foundry.model.sampling import SamplingError
     from foundry.model.vocab import TokenizerError, load_tokenizer
 
@@ -281,7 +289,12 @@ def run_generate(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded.cfg, loaded.params, ctx_size=args.ctx_size)
+    try:
+        engine = make_engine(loaded.cfg, loaded.params, device=args.device,
+                             ctx_size=args.ctx_size, compile_step=args.compile)
+    except BackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     text = tokenizer.stream_decoder()
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,

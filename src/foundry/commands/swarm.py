@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import (
+    add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
     add_schedule_flags,
@@ -172,6 +173,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--timeline", type=Path, default=None, metavar="FILE.json",
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
+    add_device_flags(w, training=True)
     add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)
     w.set_defaults(func=run_worker)
@@ -308,6 +310,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    from foundry.model import backend as compute
     from foundry.model.data import DataError, load_corpus
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
@@ -316,9 +319,12 @@ def run_worker(args: argparse.Namespace) -> int:
         hardware = hardware_for(args.profile)
         corpus = load_corpus(args.data)
         tls = tls_context(args, server=False)
-    except (ValueError, DataError) as exc:
+        backend = compute.select(args.device, bf16=args.bf16)
+    except (ValueError, DataError, compute.BackendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if backend is not compute.NUMPY:
+        print(f"worker computes on {backend.name}", flush=True)
     retain_freed_memory()  # as `foundry train`: a step's activations are reused every round
     options = WorkerOptions(
         host=args.coordinator[0],
@@ -328,6 +334,7 @@ def run_worker(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
         tls=tls,
         link_timeout_s=args.link_timeout,
+        backend=backend,
     )
 
     async def main() -> int:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import (
+    add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
     add_tls_flags,
@@ -91,6 +92,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
                       help="open connections on --frontend-listen at most; more are refused "
                       "(default 64). --listen takes one pair (and 4 connections in bring-up)")
+    add_device_flags(lead, training=False)
     add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
     lead.set_defaults(func=run_leader)
 
@@ -106,6 +108,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       metavar="HOST:PORT", help="the leader's --listen address")
     work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
+    add_device_flags(work, training=False)
     add_tls_flags(work, server=False, links="the connections to the leader")
     work.set_defaults(func=run_worker)
 
@@ -149,6 +152,7 @@ def run_leader(args: argparse.Namespace) -> int:
             gate_timeout_s=args.gate_timeout,
             control_timeout_s=args.gate_timeout,
             expert_split=ExpertSplit(args.expert_split),
+            device=args.device,
             tls=tls,
             frontend_max_connections=args.frontend_max_connections,
             frame_deadline_s=args.frame_deadline,
@@ -204,6 +208,7 @@ def run_worker(args: argparse.Namespace) -> int:
         control_timeout_s=args.gate_timeout,
         retry_max_s=args.retry_max,
         expert_split=ExpertSplit(args.expert_split),
+        device=args.device,
         tls=tls,
         frame_deadline_s=args.frame_deadline,
     )

@@ -8,6 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.config import ModelConfig
+from foundry.model.engines import InferenceEngine
 from foundry.model.inference import Engine
 from foundry.model.sampling import make_rng, sample
 from foundry.model.vocab import Tokenizer, own_tokenizer
@@ -16,7 +17,7 @@ F32 = npt.NDArray[np.float32]
 
 
 def generate_tokens(
-    engine: Engine,
+    engine: InferenceEngine,
     prompt: str,
     max_tokens: int,
     *,

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from foundry.model import recipe
 from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
 from foundry.model.data import HOLDOUT_EVERY, Corpus
-from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.optim import AdamW, AdamWState, clip_grad_norm, lr_schedule
 from foundry.model.transformer import forward, loss_and_grads
 
 Params = dict[str, npt.NDArray[np.float32]]
@@ -44,6 +44,10 @@ class TrainSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+class Stopped(Exception):
+    """A round of local steps was asked to stop between two inner steps."""
 
 
 @dataclass
@@ -123,6 +127,23 @@ class Trainer:
         self.step += 1
         self.position += self.settings.global_batch
         return norm
+
+    def host_params(self) -> Params:
+        """The weights (the trainer's own arrays)."""
+        return self.params
+
+    def optimizer_state(self) -> AdamWState:
+        return self.optimizer.state_dict()
+
+    def load(self, params: Params, state: AdamWState, step: int, position: int) -> None:
+        """Take over a checkpoint's weights, moments, step and data position."""
+        self.params = params
+        self.optimizer.load_state_dict(state)
+        self.step, self.position = step, position
+
+    def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
+                      batch_size: int = 8) -> float:
+        return evaluate_loss(self.params, self.cfg, corpus, seq_len, max_batches, batch_size)
 
     def train_step(self, corpus: Corpus, micro_batch: int | None = None) -> GradientResult:
         """Single-process step over the same global batch the swarm would use."""

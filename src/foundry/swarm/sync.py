@@ -31,10 +31,11 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.compression import Codec
+from foundry.model.backend import NUMPY
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
-from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
-from foundry.model.training import GradientResult, Params, compute_gradients
+from foundry.model.optim import AdamW, lr_schedule
+from foundry.model.training import GradientResult, Params
 
 F32 = npt.NDArray[np.float32]
 
@@ -138,37 +139,20 @@ def all_finite(tensors: Iterable[F32]) -> bool:
     return all(math.isfinite(float(np.sum(t, dtype=np.float64))) for t in tensors)
 
 
-class Stopped(Exception):
-    """``local_steps`` was asked to stop between two inner steps."""
-
-
 def local_steps(
     start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, schedule: InnerSchedule, *,
     global_step: int, sample_offset: int, samples_per_step: int, steps: int, micro_batch: int,
     seq_len: int, aux_loss_coef: float, stop: Callable[[], bool] | None = None,
 ) -> GradientResult:
     """``steps`` inner AdamW steps from ``start`` (left unchanged) on consecutive global
-    samples; the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
-
-    Inner step ``k`` trains samples ``[offset + k b, offset + (k + 1) b)`` at the schedule's
-    rate for global step ``global_step + k``. ``inner`` keeps its moments across rounds.
+    samples, on the numpy engine (``backend.NumpyBackend.local_steps``; a worker calls its own
+    backend's): the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
     """
-    local = {k: v.copy() for k, v in start.items()}
-    loss = aux = 0.0
-    b = samples_per_step
-    for k in range(steps):
-        if stop is not None and stop():
-            raise Stopped(f"stopped after {k} of {steps} inner steps")
-        res = compute_gradients(
-            local, cfg, corpus, sample_offset + k * b, b,
-            seq_len=seq_len, micro_batch=micro_batch, aux_loss_coef=aux_loss_coef,
-        )
-        clip_grad_norm(res.grads, schedule.grad_clip)
-        inner.step(local, res.grads, schedule.lr_at(global_step + k))
-        loss += res.loss
-        aux += res.aux_loss
-    pseudo = {k: np.subtract(start[k], local[k]) for k in start}
-    return GradientResult(pseudo, steps * b, loss / steps, aux / steps)
+    return NUMPY.local_steps(
+        start, inner, cfg, corpus, lr_at=schedule.lr_at, grad_clip=schedule.grad_clip,
+        global_step=global_step, sample_offset=sample_offset,
+        samples_per_step=samples_per_step, steps=steps, micro_batch=micro_batch,
+        seq_len=seq_len, aux_loss_coef=aux_loss_coef, stop=stop)
 
 
 # A worker whose steps fill the round's budget to within this share keeps its batch.

@@ -33,16 +33,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from foundry.compression import Compressor, deserialize_tensors, get_codec
 from foundry.hardware import HardwareInfo, detect_profile
+from foundry.model.backend import NUMPY, Backend
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus, DataError
-from foundry.model.optim import AdamW
-from foundry.model.training import GradientResult, Params, compute_gradients
+from foundry.model.training import GradientResult, Params
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import sync
@@ -89,6 +89,8 @@ class WorkerOptions:
     # The link fails within this many seconds of the coordinator's host going silent
     # (transport.stream.watch_liveness); the worker then reconnects.
     link_timeout_s: float = LINK_DEAD_AFTER_S
+    # Where gradients are computed (``--device``): numpy on this CPU, or PyTorch on a GPU.
+    backend: Backend = NUMPY
 
 
 class Worker:
@@ -113,7 +115,8 @@ class Worker:
         self.uplink: Compressor | None = None
         self.plan: fdtc.TrainPlan | None = None
         self.weights_step = -1  # global step of the weights held; -1: none
-        self.inner: AdamW | None = None  # inner optimizer of local-step rounds, kept across them
+        # The inner optimizer of local-step rounds (the backend's), kept across them.
+        self.inner: Any = None
         # Training and encoding run in this one thread, one job after the other: a cancelled
         # assignment's thread cannot be killed, and two jobs at once would both change the
         # inner moments and the error-feedback residuals. A cancelled local round stops at
@@ -461,15 +464,16 @@ class Worker:
         """``inner_steps`` AdamW steps from ``start``; the pseudo-gradient start - end."""
         assert self.cfg is not None and self.plan is not None
         plan = self.plan
+        backend = self.opt.backend
         if self.inner is None:
-            self.inner = AdamW(start, weight_decay=plan.weight_decay)
+            self.inner = backend.make_inner(start, plan.weight_decay)
         schedule = sync.InnerSchedule(plan.lr, plan.warmup_steps, plan.total_steps,
                                       plan.min_lr_ratio, plan.grad_clip)
-        return sync.local_steps(
-            start, self.inner, self.cfg, self.corpus, schedule,
-            global_step=assign.global_step, sample_offset=assign.sample_offset,
-            samples_per_step=assign.samples_per_step, steps=assign.inner_steps,
-            micro_batch=assign.micro_batch, seq_len=assign.seq_len,
+        return backend.local_steps(
+            start, self.inner, self.cfg, self.corpus, lr_at=schedule.lr_at,
+            grad_clip=schedule.grad_clip, global_step=assign.global_step,
+            sample_offset=assign.sample_offset, samples_per_step=assign.samples_per_step,
+            steps=assign.inner_steps, micro_batch=assign.micro_batch, seq_len=assign.seq_len,
             aux_loss_coef=self.aux_loss_coef, stop=stop,
         )
 
@@ -495,7 +499,7 @@ class Worker:
                 self.metrics.inner_steps.inc(assign.inner_steps)
             else:
                 result = await self._in_work_thread(
-                    compute_gradients,
+                    self.opt.backend.compute_gradients,
                     self.params,
                     self.cfg,
                     self.corpus,

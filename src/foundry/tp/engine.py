@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.inference import Engine
+from foundry.model.engines import make_engine
 from foundry.model.sampling import SamplingError, sample
 from foundry.model.tp_split import Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
@@ -145,8 +145,8 @@ class LeaderEngine:
         self._on_crash = on_crash
         # Read at every step: adjustable while serving (the speculative benchmark switches it).
         self.spec_mode = options.spec_mode
-        engine = Engine(self.cfg, model.weights, rank=0, world=WORLD,
-                        ctx_size=self.identity.ctx_size)
+        engine = make_engine(self.cfg, model.weights, rank=0, world=WORLD,
+                             ctx_size=self.identity.ctx_size, device=options.device)
         self.state = RankState(engine, self.identity.ctx_size)
         v0, v1 = rank_layout(self.cfg, 1, WORLD).vocab
         self._worker_vocab = v1 - v0

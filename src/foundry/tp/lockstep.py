@@ -55,7 +55,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.inference import Engine, Session
+from foundry.model.engines import InferenceEngine
+from foundry.model.inference import Session
 from foundry.model.tp_split import Gate
 from foundry.tp.policy import common_prefix
 from foundry.transport.gates import GateError
@@ -109,7 +110,7 @@ class TracingExchange:
 class RankState:
     """One rank's sessions (by the leader's u64 session id) over its engine half."""
 
-    def __init__(self, engine: Engine, ctx_size: int) -> None:
+    def __init__(self, engine: InferenceEngine, ctx_size: int) -> None:
         self.engine = engine
         self.ctx_size = ctx_size
         self.sessions: dict[int, Session] = {}

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.inference import Engine
+from foundry.model.engines import make_engine
 from foundry.model.tp_split import ExpertSplit, Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import (
@@ -101,6 +101,7 @@ class WorkerOptions:
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
@@ -120,8 +121,8 @@ class Worker:
         self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.metrics = metrics or TpMetrics(rank=1)
-        engine = Engine(self.model.cfg, self.model.weights, rank=1, world=2,
-                        ctx_size=self.identity.ctx_size)
+        engine = make_engine(self.model.cfg, self.model.weights, rank=1, world=2,
+                             ctx_size=self.identity.ctx_size, device=options.device)
         self.state = RankState(engine, self.identity.ctx_size)
         self._offer_shm = options.shm
         self._stop = threading.Event()
