@@ -20,6 +20,7 @@ from foundry.wire.frontend import (
     FrontendDecoder,
     FrontendProtocolError,
     Generate,
+    Logprobs,
     Status,
     StatusReq,
     Token,
@@ -29,6 +30,10 @@ from foundry.wire.frontend import (
 FRAMES: list[Frame] = [
     Generate(7, "héllo", 32, 0.75, 0.875, 42, ("\n\n", "END")),  # f32-exact
     Generate(1, "", 1),
+    Generate(3, "", 4, 0.5, 0.25, 1, top_k=40, logprobs=True, top_logprobs=20),
+    Generate(4, "", 9, messages=(("system", "Be brief."), ("user", "héllo"), ("assistant", ""))),
+    Logprobs(7, 104, -0.25, b"h", ((104, -0.25, b"h"), (200, -1.5, b"\xc3"))),
+    Logprobs(7, 3, float("-inf"), b""),
     Cancel(7),
     Token(7, 104, 12, "h"),
     Token(7, 200, 13, ""),
@@ -51,14 +56,90 @@ def test_generate_golden_bytes() -> None:
         + bytes.fromhex("0000003f")  # 0.5f
         + bytes.fromhex("0000803f")  # 1.0f
         + bytes.fromhex("0300000000000000")
+        + bytes.fromhex("00000000")  # top_k 0: every token
+        + bytes.fromhex("00")  # flags: no logprobs, a text prompt
+        + bytes.fromhex("00")  # top_logprobs
         + bytes.fromhex("0100")  # one stop string
         + bytes.fromhex("02000000")  # prompt length
         + b"hi"
         + bytes.fromhex("0100")
         + b"x"
     )
-    assert got == bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", 31) + payload
-    assert len(payload) == 31
+    assert got == bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", 37) + payload
+    assert len(payload) == 37
+
+
+def test_chat_generate_golden_bytes() -> None:
+    got = encode(Generate(2, "", 16, top_k=40, logprobs=True, top_logprobs=2,
+                          messages=(("user", "hi"), ("assistant", "yo"))))
+    messages = (
+        bytes.fromhex("04") + b"user" + bytes.fromhex("02000000") + b"hi"
+        + bytes.fromhex("09") + b"assistant" + bytes.fromhex("02000000") + b"yo"
+    )
+    payload = (
+        bytes.fromhex("10000000")  # max_tokens 16
+        + bytes.fromhex("00000000")  # temperature 0.0f
+        + bytes.fromhex("0000803f")  # top_p 1.0f
+        + bytes.fromhex("0000000000000000")  # seed
+        + bytes.fromhex("28000000")  # top_k 40
+        + bytes.fromhex("03")  # flags: LOGPROBS | CHAT
+        + bytes.fromhex("02")  # top_logprobs 2
+        + bytes.fromhex("0000")  # no stop string
+        + bytes.fromhex("1b000000")  # the messages take 27 bytes
+        + messages
+    )
+    assert len(messages) == 27 and len(payload) == 59
+    assert got == bytes.fromhex("46444645" "01" "02000000" "3b000000") + payload
+
+
+def test_logprobs_golden_bytes() -> None:
+    got = encode(Logprobs(5, 104, -0.5, b"h", ((104, -0.5, b"h"), (7, -2.0, b""))))
+    payload = (
+        bytes.fromhex("68000000" "000000bf" "0100") + b"h"  # token 104, -0.5f, 1 byte
+        + bytes.fromhex("02")  # two alternatives
+        + bytes.fromhex("68000000" "000000bf" "0100") + b"h"
+        + bytes.fromhex("07000000" "000000c0" "0000")  # token 7, -2.0f, no bytes
+    )
+    assert len(payload) == 33
+    assert got == bytes.fromhex("46444645" "08" "05000000" "21000000") + payload
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (bytes(26) + bytes.fromhex("0000" "00000000"), None),  # the smallest valid GENERATE
+        (bytes(24) + bytes.fromhex("04" "00" "0000" "00000000"), "unknown bits"),
+        (bytes(24) + bytes.fromhex("02" "00" "0000" "00000000"), "no message"),
+        (bytes(24) + bytes.fromhex("02" "00" "0000" "05000000" "00" "00000000"), "role"),
+        (bytes(24) + bytes.fromhex("02" "00" "0000" "06000000" "01") + b"u"
+         + bytes.fromhex("09000000"), "content"),
+        (bytes(24) + bytes.fromhex("00" "15" "0000" "00000000"), "top_logprobs"),
+    ],
+)
+def test_generate_flags_and_messages_are_checked(payload: bytes, words: str | None) -> None:
+    dec = FrontendDecoder()
+    dec.feed(bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", len(payload))
+             + payload)
+    if words is None:
+        assert dec.next_event() == Generate(1, "", 0, top_p=0.0)
+        return
+    with pytest.raises(FrontendProtocolError, match=words):
+        dec.next_event()
+
+
+def test_logprobs_payload_is_checked() -> None:
+    for payload, words in [
+        (bytes.fromhex("68000000" "000000bf" "0500") + b"h", "bytes run past"),
+        (bytes.fromhex("68000000" "000000bf" "0000"), "count"),
+        (bytes.fromhex("68000000" "000000bf" "0000" "15"), "alternatives"),
+        (bytes.fromhex("68000000" "000000bf" "0000" "01"), "entry"),
+        (bytes.fromhex("68000000" "000000bf" "0000" "00" "00"), "trailing"),
+    ]:
+        dec = FrontendDecoder()
+        dec.feed(bytes.fromhex("46444645" "08" "01000000") + struct.pack("<I", len(payload))
+                 + payload)
+        with pytest.raises(FrontendProtocolError, match=words):
+            dec.next_event()
 
 
 # Every frame but GENERATE (above), byte for byte as docs/protocol.md lays it out: header

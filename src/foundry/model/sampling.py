@@ -1,16 +1,39 @@
-"""Choosing the next token from logits: greedy, temperature and nucleus (top-p) sampling.
+"""Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p)
+sampling, and the log-probabilities a client may ask for.
+
+No step sorts the whole row: vocabularies reach 262 144 tokens, and a sort of that row per
+token would cost more than the model's output head. Every step is O(V) (one softmax, one
+``argpartition``) plus a sort of the few tokens kept:
+
+- top-k: ``argpartition`` finds the k most probable tokens;
+- top-p: the smallest set of most probable tokens whose probability reaches ``top_p`` is
+  found by taking the m most probable (``argpartition``), sorting only those, and doubling m
+  until their mass reaches ``top_p`` (m starts at 64; a flat distribution takes a few rounds);
+- neither: the whole row is kept, in token-id order (no order is needed to draw from it).
 
 Deterministic for a seed: :func:`sample` draws exactly one uniform number from the generator
 per sampled token (none when greedy), and turns it into a token by inverting the cumulative
-distribution over the kept tokens in a fixed order (probability descending, ties by token id).
-Two processes with the same logits and the same seed therefore produce the same tokens, which
-is what lets a TP pair or a replayed session agree on a generation.
+distribution over the kept tokens in a fixed order: probability descending, ties by token id,
+when the row was cut (top-k or top-p), token id when it was not. Ties at the cut are broken by
+token id too (the lower id is kept), so the kept set does not depend on how ``argpartition``
+orders equal values. Two processes with the same logits and the same seed therefore produce
+the same tokens, which is what lets a TP pair or a replayed session agree on a generation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+# The first guess at how many tokens a top-p cut keeps; doubled until it is enough.
+TOP_P_FIRST_GUESS = 64
+# OpenAI's API allows 0..20 alternatives per position (top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingError(ValueError):
@@ -22,23 +45,25 @@ def make_rng(seed: int | None = None) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def probabilities(logits: npt.ArrayLike, temperature: float) -> npt.NDArray[np.float64]:
+def probabilities(logits: npt.ArrayLike, temperature: float) -> F64:
     """softmax(logits / temperature) in float64; -inf logits get probability 0."""
     z = np.asarray(logits, dtype=np.float64).reshape(-1)  # (V,)
     with np.errstate(over="ignore"):  # a tiny temperature sends all but the max to -inf
         z = (z - z.max()) / temperature
-    p: npt.NDArray[np.float64] = np.exp(z)
+    p: F64 = np.exp(z)
     total = float(p.sum())
     return p / total
 
 
-def _check(logits: npt.NDArray[np.float64], temperature: float, top_p: float) -> None:
+def _check(logits: F64, temperature: float, top_p: float, top_k: int) -> None:
     if logits.ndim != 1 or logits.size == 0:
         raise SamplingError(f"logits must be a non-empty vector, got shape {logits.shape}")
     if not temperature >= 0.0:
         raise SamplingError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise SamplingError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise SamplingError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
     top = float(logits.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
     if top != top or top == np.inf:
         raise SamplingError("logits contain NaN or +inf; the model output is broken")
@@ -46,29 +71,101 @@ def _check(logits: npt.NDArray[np.float64], temperature: float, top_p: float) ->
         raise SamplingError("every logit is -inf; no token can be sampled")
 
 
+def top_indices(values: F64, m: int) -> I64:
+    """The ``m`` largest of ``values`` (m <= len), largest first, ties by lower index: an
+    ``argpartition`` (O(V)) and a sort of the ``m`` found, never of the whole row."""
+    n = values.size
+    if m >= n:
+        pick = np.arange(n, dtype=np.int64)
+    else:
+        kth = values[np.argpartition(-values, m - 1)[m - 1]]  # the m-th largest value
+        pick = np.flatnonzero(values >= kth).astype(np.int64)  # all ties at the cut, id order
+    order = np.lexsort((pick, -values[pick]))  # value descending, then index ascending
+    out: I64 = pick[order][:m]
+    return out
+
+
+def kept_tokens(p: F64, top_p: float = 1.0, top_k: int = 0) -> I64:
+    """The tokens a draw may pick, in the order the draw inverts the distribution over.
+
+    Zero-probability tokens are never kept. ``top_k`` (0: no limit) is applied first, then
+    ``top_p`` over the probabilities renormalised to the top-k set, as llama.cpp and vLLM do.
+    """
+    nonzero = int(np.count_nonzero(p))
+    limit = nonzero if top_k == 0 else min(top_k, nonzero)
+    if top_p >= 1.0:
+        if limit == p.size:
+            return np.arange(p.size, dtype=np.int64)  # the whole row: no order needed
+        return top_indices(p, limit)
+    if limit < nonzero:  # top-k, then top-p of the k kept
+        idx = top_indices(p, limit)
+        cum = np.cumsum(p[idx])
+        return idx[: _reach(cum, top_p * float(cum[-1]))]
+    # Grow the candidate set until it holds top_p of the mass; at most log2(V / 64) + 1 rounds.
+    m = min(TOP_P_FIRST_GUESS, limit)
+    while True:
+        idx = top_indices(p, m)
+        cum = np.cumsum(p[idx])
+        if cum[-1] >= top_p or m >= limit:
+            return idx[: _reach(cum, top_p)]
+        m = min(2 * m, limit)
+
+
+def _reach(cum: F64, need: float) -> int:
+    """How many leading entries of ``cum`` (a cumulative sum) it takes to reach ``need``."""
+    return min(int(np.searchsorted(cum, need, side="left")) + 1, cum.size)
+
+
 def sample(
     logits: npt.ArrayLike,
     temperature: float,
     top_p: float = 1.0,
     rng: np.random.Generator | None = None,
+    top_k: int = 0,
 ) -> int:
     """The next token id.
 
     ``temperature == 0`` is greedy: the first token of highest logit, no random draw.
-    Otherwise tokens are drawn from softmax(logits / temperature) restricted to the smallest
-    set of most probable tokens whose probability sums to at least ``top_p`` (never empty).
+    Otherwise tokens are drawn from softmax(logits / temperature) restricted to the ``top_k``
+    most probable (0: all), then to the smallest set of most probable tokens whose probability
+    sums to at least ``top_p`` of what is left (never empty).
     """
     z = np.asarray(logits, dtype=np.float64)
-    _check(z, temperature, top_p)
+    _check(z, temperature, top_p, top_k)
     if temperature == 0.0:
         return int(np.argmax(z))
     if rng is None:
         raise SamplingError("sampling with temperature > 0 needs an rng (see make_rng)")
     p = probabilities(z, temperature)  # (V,)
-    order = np.argsort(-p, kind="stable")  # most probable first, ties by token id
-    cum = np.cumsum(p[order])
-    keep = len(order) if top_p >= 1.0 else int(np.searchsorted(cum, top_p, side="left")) + 1
-    keep = min(keep, int(np.count_nonzero(p)))
-    u = rng.random() * cum[keep - 1]
-    pick = min(int(np.searchsorted(cum[:keep], u, side="right")), keep - 1)
-    return int(order[pick])
+    kept = kept_tokens(p, top_p, top_k)  # (K,)
+    cum = np.cumsum(p[kept])  # (K,)
+    u = rng.random() * cum[-1]
+    pick = min(int(np.searchsorted(cum, u, side="right")), kept.size - 1)
+    return int(kept[pick])
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of the chosen token and of the ``top`` most probable tokens
+    (most probable first), under the model's distribution: log_softmax of the raw logits,
+    before temperature, top-k and top-p, as OpenAI's API and vLLM report them."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def logprobs(logits: npt.ArrayLike, token: int, top: int = 0) -> TokenLogprobs:
+    """``token``'s log-probability and the ``top`` (0..20) most probable alternatives."""
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise SamplingError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    z = np.asarray(logits, dtype=np.float64).reshape(-1)  # (V,)
+    if not 0 <= token < z.size:
+        raise SamplingError(f"token {token} is outside the {z.size} logits")
+    zmax = float(z.max())
+    log_total = zmax + float(np.log(np.exp(z - zmax).sum()))  # logsumexp, one pass
+    best = top_indices(z, min(top, z.size)) if top else np.zeros(0, np.int64)
+    return TokenLogprobs(
+        token, float(z[token]) - log_total,
+        tuple((int(i), float(z[i]) - log_total) for i in best),
+    )

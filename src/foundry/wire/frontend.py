@@ -24,7 +24,7 @@ from typing import ClassVar, Self
 from foundry.wire.errors import FrontendProtocolError as FrontendProtocolError
 from foundry.wire.errors import LocalProtocolError
 from foundry.wire.framing import FrameDecoder
-from foundry.wire.layout import BOOL, F32, I32, U16, U32, U64, Enum, Layout
+from foundry.wire.layout import BOOL, F32, I32, U8, U16, U32, U64, Enum, Layout
 
 MAGIC = 0x45464446  # b"FDFE" little-endian
 HEADER = struct.Struct("<IBII")
@@ -33,6 +33,8 @@ HEADER_SIZE = HEADER.size  # 13
 # for long stop lists while keeping one bad header from reserving much memory.
 MAX_PAYLOAD = 1 << 20
 MAX_STOP_STRINGS = 16
+# OpenAI's API allows 0..20 alternatives per token (top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 class FrameType(enum.IntEnum):
@@ -43,6 +45,14 @@ class FrameType(enum.IntEnum):
     ERROR = 0x05
     STATUS_REQ = 0x06
     STATUS = 0x07
+    LOGPROBS = 0x08
+
+
+class GenerateFlags(enum.IntFlag):
+    """GENERATE's ``flags`` byte; the other bits must be 0."""
+
+    LOGPROBS = 0x01  # a LOGPROBS frame before each TOKEN
+    CHAT = 0x02  # the prompt field holds messages, rendered by the leader's chat template
 
 
 class DoneReason(enum.IntEnum):
@@ -65,6 +75,9 @@ class _Layout(Layout):
 
 
 _U16 = struct.Struct("<H")  # the length before each stop string
+_U8 = struct.Struct("<B")  # a message's role length; LOGPROBS' alternative count
+_U32 = struct.Struct("<I")  # a message's content length
+_ALTERNATIVE = struct.Struct("<ifH")  # LOGPROBS: token, logprob, length of the token's bytes
 
 
 def _text(raw: bytes | memoryview, *what: str) -> str:
@@ -115,12 +128,19 @@ class _Frame:
 
 @dataclass(frozen=True)
 class Generate(_Frame):
-    """The fixed part, then the prompt (``prompt_len`` bytes of UTF-8) and ``n_stop`` stop
-    strings, each a u16 length and that many bytes of UTF-8."""
+    """The fixed part, then the prompt (``prompt_len`` bytes) and ``n_stop`` stop strings,
+    each a u16 length and that many bytes of UTF-8.
+
+    The prompt is UTF-8 text, or with ``CHAT`` in ``flags`` a conversation: ``messages``, each
+    ``u8 role_len``, the role, ``u32 content_len``, the content (UTF-8), back to back, at least
+    one. ``top_k`` 0 keeps every token; ``top_logprobs`` (0..20) alternatives go in each
+    LOGPROBS frame when ``logprobs`` is set.
+    """
 
     TYPE: ClassVar[FrameType] = FrameType.GENERATE
     LAYOUT: ClassVar[_Layout] = _Layout(
         ("max_tokens", U32), ("temperature", F32), ("top_p", F32), ("seed", U64),
+        ("top_k", U32), ("flags", U8), ("top_logprobs", U8),
     )
     _COUNTS: ClassVar[_Layout] = _Layout(("n_stop", U16), ("prompt_len", U32))
     prompt: str
@@ -129,6 +149,15 @@ class Generate(_Frame):
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content); non-empty: a chat
+
+    @property
+    def flags(self) -> int:
+        return int((GenerateFlags.LOGPROBS if self.logprobs else 0)
+                   | (GenerateFlags.CHAT if self.messages else 0))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,9 +167,27 @@ class Generate(_Frame):
             )
         if any(not s for s in self.stop):
             raise LocalProtocolError("stop strings must not be empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise LocalProtocolError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if self.messages and self.prompt:
+            raise LocalProtocolError("a GENERATE carries a prompt or messages, not both")
+        for role, _ in self.messages:
+            if not role or len(role.encode("utf-8")) > 0xFF:
+                raise LocalProtocolError(f"a message role must be 1..255 bytes, got {role!r}")
+
+    def _prompt_bytes(self) -> bytes:
+        if not self.messages:
+            return self.prompt.encode("utf-8")
+        parts = []
+        for role, content in self.messages:
+            r, c = role.encode("utf-8"), content.encode("utf-8")
+            parts += [_U8.pack(len(r)), r, _U32.pack(len(c)), c]
+        return b"".join(parts)
 
     def payload(self) -> bytes:
-        prompt = self.prompt.encode("utf-8")
+        prompt = self._prompt_bytes()
         parts = [
             self.LAYOUT.pack_obj(self), self._COUNTS.pack((len(self.stop), len(prompt))), prompt,
         ]
@@ -155,13 +202,22 @@ class Generate(_Frame):
         if len(p) < pos:
             raise FrontendProtocolError(f"GENERATE payload of {len(p)} bytes is too short")
         fixed = cls.LAYOUT.unpack(p)
+        flags = fixed.pop("flags")
+        if flags & ~(GenerateFlags.LOGPROBS | GenerateFlags.CHAT):
+            raise FrontendProtocolError(f"GENERATE flags 0x{flags:02x} set unknown bits")
         counts = cls._COUNTS.unpack(p, cls.LAYOUT.size)
         n_stop, prompt_len = counts["n_stop"], counts["prompt_len"]
         if n_stop > MAX_STOP_STRINGS:
             raise FrontendProtocolError(f"GENERATE lists {n_stop} stop strings (max 16)")
         if pos + prompt_len > len(p):
             raise FrontendProtocolError("GENERATE prompt runs past the payload")
-        prompt = _text(p[pos : pos + prompt_len], "prompt")
+        raw = p[pos : pos + prompt_len]
+        messages: tuple[tuple[str, str], ...] = ()
+        prompt = ""
+        if flags & GenerateFlags.CHAT:
+            messages = _parse_messages(raw)
+        else:
+            prompt = _text(raw, "prompt")
         pos += prompt_len
         stops = []
         for _ in range(n_stop):
@@ -175,7 +231,31 @@ class Generate(_Frame):
             pos += n
         if pos != len(p):
             raise FrontendProtocolError(f"GENERATE has {len(p) - pos} trailing bytes")
-        return cls(request_id, prompt, stop=tuple(stops), **fixed)
+        return cls(request_id, prompt, stop=tuple(stops), messages=messages,
+                   logprobs=bool(flags & GenerateFlags.LOGPROBS), **fixed)
+
+
+def _parse_messages(raw: memoryview) -> tuple[tuple[str, str], ...]:
+    """A CHAT prompt field: ``u8 role_len, role, u32 content_len, content`` repeated."""
+    out = []
+    pos = 0
+    while pos < len(raw):  # each round consumes at least 5 bytes, or raises
+        if pos + 1 > len(raw):
+            raise FrontendProtocolError("GENERATE message runs past the prompt field")
+        (n,) = _U8.unpack_from(raw, pos)
+        if n == 0 or pos + 1 + n + 4 > len(raw):
+            raise FrontendProtocolError("GENERATE message role empty or past the prompt field")
+        role = _text(raw[pos + 1 : pos + 1 + n], "message role")
+        pos += 1 + n
+        (m,) = _U32.unpack_from(raw, pos)
+        pos += 4
+        if pos + m > len(raw):
+            raise FrontendProtocolError("GENERATE message content runs past the prompt field")
+        out.append((role, _text(raw[pos : pos + m], "message content")))
+        pos += m
+    if not out:
+        raise FrontendProtocolError("a CHAT GENERATE carries no message")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -193,6 +273,73 @@ class Token(_Frame):
     token: int
     position: int  # of the token in the session
     text: str
+
+
+@dataclass(frozen=True)
+class Logprobs(_Frame):
+    """The log-probabilities of the next TOKEN of the same request (sent just before it):
+    the chosen token, then ``u8 n_top`` alternatives, most probable first. Each entry is
+    ``i32 token, f32 logprob, u16 len`` and the token's ``len`` bytes (a token's bytes need
+    not be UTF-8 on their own)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.LOGPROBS
+    token: int
+    logprob: float
+    token_bytes: bytes
+    top: tuple[tuple[int, float, bytes], ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.top) > MAX_TOP_LOGPROBS:
+            raise LocalProtocolError(f"at most {MAX_TOP_LOGPROBS} alternatives, got "
+                                     f"{len(self.top)}")
+        # Stored as they travel (f32), so that a frame equals its decoded copy.
+        chosen, *top = (
+            (I32.check("token", t), F32.check("logprob", lp), bytes(raw))
+            for t, lp, raw in ((self.token, self.logprob, self.token_bytes), *self.top)
+        )
+        if any(len(raw) > 0xFFFF for _, _, raw in (chosen, *top)):
+            raise LocalProtocolError("a token of more than 65535 bytes")
+        object.__setattr__(self, "token", chosen[0])
+        object.__setattr__(self, "logprob", chosen[1])
+        object.__setattr__(self, "top", tuple(top))
+
+    def payload(self) -> bytes:
+        parts = [_ALTERNATIVE.pack(self.token, self.logprob, len(self.token_bytes)),
+                 self.token_bytes, _U8.pack(len(self.top))]
+        for token, logprob, raw in self.top:
+            parts += [_ALTERNATIVE.pack(token, logprob, len(raw)), raw]
+        return b"".join(parts)
+
+    @classmethod
+    def parse(cls, request_id: int, p: memoryview) -> Self:
+        (token, logprob, raw), pos = _logprob_entry(p, 0)
+        if pos + 1 > len(p):
+            raise FrontendProtocolError("LOGPROBS ends before its alternative count")
+        (n_top,) = _U8.unpack_from(p, pos)
+        pos += 1
+        if n_top > MAX_TOP_LOGPROBS:
+            raise FrontendProtocolError(
+                f"LOGPROBS lists {n_top} alternatives (max {MAX_TOP_LOGPROBS})"
+            )
+        top = []
+        for _ in range(n_top):
+            entry, pos = _logprob_entry(p, pos)
+            top.append(entry)
+        if pos != len(p):
+            raise FrontendProtocolError(f"LOGPROBS has {len(p) - pos} trailing bytes")
+        return cls(request_id, token, logprob, raw, tuple(top))
+
+
+def _logprob_entry(p: memoryview, pos: int) -> tuple[tuple[int, float, bytes], int]:
+    """One ``i32 token, f32 logprob, u16 len, bytes`` entry at ``pos``, and the next pos."""
+    if pos + _ALTERNATIVE.size > len(p):
+        raise FrontendProtocolError("LOGPROBS entry runs past the payload")
+    token, logprob, n = _ALTERNATIVE.unpack_from(p, pos)
+    pos += _ALTERNATIVE.size
+    if pos + n > len(p):
+        raise FrontendProtocolError("LOGPROBS token bytes run past the payload")
+    return (token, logprob, bytes(p[pos : pos + n])), pos + n
 
 
 @dataclass(frozen=True)
@@ -247,7 +394,7 @@ class Status(_Frame):
     requests_served: int
 
 
-Frame = Generate | Cancel | Token | Done | Error | StatusReq | Status
+Frame = Generate | Cancel | Token | Logprobs | Done | Error | StatusReq | Status
 
 _PARSERS: dict[FrameType, Callable[[int, memoryview], Frame]] = {
     FrameType.GENERATE: Generate.parse,
@@ -257,6 +404,7 @@ _PARSERS: dict[FrameType, Callable[[int, memoryview], Frame]] = {
     FrameType.ERROR: Error.parse,
     FrameType.STATUS_REQ: StatusReq.parse,
     FrameType.STATUS: Status.parse,
+    FrameType.LOGPROBS: Logprobs.parse,
 }
 assert set(_PARSERS) == set(FrameType), "every frontend frame type needs a parser"
 
