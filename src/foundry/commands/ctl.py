@@ -99,18 +99,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
                    help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
     g = action("generate", "generate text on the tensor-parallel pair, streamed", cmd_generate)
-    g.add_argument("--prompt", required=True, help="the text to continue")
+    text = g.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the text to continue")
+    text.add_argument("--message", action="append", type=chat_message, metavar="ROLE:TEXT",
+                      help="a turn of a conversation (repeat it: --message 'system:Be brief.' "
+                      "--message 'user:Hello'); the pair replies as the assistant, through the "
+                      "model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens to generate at most (default 64)")
     g.add_argument("--temperature", type=nonneg_float, default=0.0, metavar="T",
                    help="0 is greedy and deterministic (default 0)")
     g.add_argument("--top-p", type=fraction, default=None, metavar="P",
                    help="nucleus sampling threshold in (0, 1] (default: off)")
+    g.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
+                   help="sample among the K most probable tokens only (default 0: all)")
     g.add_argument("--seed", type=nonneg_int, default=0, help="sampler seed (default 0)")
     g.add_argument("--stop", nargs="+", default=[], metavar="S",
                    help="stop once the text reaches any of these strings")
     g.add_argument("--stats", action="store_true",
                    help="print tokens, time and why it ended to stderr")
+
+
+def chat_message(value: str) -> tuple[str, str]:
+    """``ROLE:TEXT`` as (role, text)."""
+    role, sep, content = value.partition(":")
+    if not sep or not role:
+        raise argparse.ArgumentTypeError(f"expected ROLE:TEXT (e.g. user:Hello), got {value!r}")
+    return role, content
 
 
 # ---------------------------------------------------------------------------- connection
@@ -438,11 +453,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 
     request = inference_pb2.GenerateRequest(
-        prompt=args.prompt,
+        prompt=args.prompt or "",
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
         stop=args.stop,
+        top_k=args.top_k,
+        messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in args.message or ()],
     )
     if args.top_p is not None:
         request.top_p = args.top_p

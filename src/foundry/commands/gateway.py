@@ -13,6 +13,8 @@ from foundry.commands.common import (
     add_tls_flags,
     host_port,
     nonneg_float,
+    nonneg_int,
+    positive_int,
     start_metrics,
     tls_context,
 )
@@ -28,6 +30,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--listen", type=host_port, default=("0.0.0.0", 50051), metavar="HOST:PORT",
                    help="where gRPC clients connect (default 0.0.0.0:50051)")
+    g.add_argument("--http-listen", type=host_port, default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, "
+                   "/v1/completions, /v1/models, /health; same token and TLS as gRPC); "
+                   "default: off")
+    g.add_argument("--http-max-active", type=positive_int, default=16, metavar="N",
+                   help="HTTP generations sent to the pair at once (default 16, the leader's "
+                   "--max-sessions default)")
+    g.add_argument("--http-queue", type=nonneg_int, default=64, metavar="N",
+                   help="HTTP generations waiting at most, beyond --http-max-active; past it "
+                   "429 with Retry-After (default 64)")
+    g.add_argument("--model-name", default="foundry", metavar="NAME",
+                   help="the model's id in /v1/models and in responses (default foundry)")
     g.add_argument("--coordinator-admin", type=host_port, default=("127.0.0.1", 7071),
                    metavar="HOST:PORT",
                    help="the coordinator's --admin-listen address (default 127.0.0.1:7071)")
@@ -86,6 +100,11 @@ def run_gateway(args: argparse.Namespace) -> int:
         backend_tls=backend_tls,
         token=token,
         grace_s=args.grace,
+        http_host=args.http_listen[0] if args.http_listen else None,
+        http_port=args.http_listen[1] if args.http_listen else 0,
+        http_max_active=args.http_max_active,
+        http_queue=args.http_queue,
+        model_name=args.model_name,
     )
 
     async def main() -> int:
@@ -100,6 +119,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(
             f"gateway listening: grpc {options.listen_host}:{port}"
             + (" (tls)" if options.tls_cert else "")
+            + (f", http {options.http_host}:{gateway.http_port}" if gateway.http else "")
             + (", token required" if token else "")
             + f", coordinator admin {gateway.admin.address}"
             + f", tp frontend {gateway.frontend.address}"

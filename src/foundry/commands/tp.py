@@ -87,6 +87,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "accepted prefix) or rollback (rewind and replay it); default full-prefix")
     lead.add_argument("--max-draft", type=nonneg_int, default=MAX_DRAFT,
                       help=f"draft tokens per verify block (default {MAX_DRAFT})")
+    lead.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                      help="how chat messages become the prompt: a built-in (gemma, chatml, "
+                      "llama3, plain) or a Jinja file (default: the model file's "
+                      "tokenizer.chat_template, else the built-in its vocabulary calls for)")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
     lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
@@ -156,6 +160,7 @@ def run_leader(args: argparse.Namespace) -> int:
             tls=tls,
             frontend_max_connections=args.frontend_max_connections,
             frame_deadline_s=args.frame_deadline,
+            chat_template=args.chat_template,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:

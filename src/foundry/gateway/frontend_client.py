@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import ssl as ssl_lib
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from foundry.wire.frontend import (
     Frame,
     FrontendDecoder,
     Generate,
+    Logprobs,
     Status,
     StatusReq,
     Token,
@@ -71,6 +73,9 @@ MAX_REQUEST_ID = 0xFFFFFFFF
 # A stop string's length is a u16 on the frontend link.
 MAX_STOP_BYTES = 0xFFFF
 STATUS_REQUEST_ID = 0
+
+# What a generation's reader takes: tokens (each after its LOGPROBS when asked), then DONE.
+Event = Token | Logprobs | Done
 
 # The leader's ERROR codes as gRPC status codes; an unknown code is the leader's fault.
 ERROR_STATUS: dict[int, grpc.StatusCode] = {
@@ -142,11 +147,7 @@ class Generation:
         self.request_id = self._client._allocate_id(link)
         link.pending[self.request_id] = self._queue
         self._link = link
-        frame = Generate(
-            self.request_id, self._request.prompt, self._request.max_tokens,
-            self._request.temperature, self._request.top_p, self._request.seed,
-            self._request.stop,
-        )
+        frame = dataclasses.replace(self._request, request_id=self.request_id)
         try:
             await self._client._write(link, encode(frame))
         except BaseException:
@@ -176,12 +177,12 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
-    async def __anext__(self) -> Token | Done:
+    async def __anext__(self) -> Event:
         if self.finished:
             raise StopAsyncIteration
         return self._event(await self._next_item())
 
-    async def batch(self, limit: int) -> list[Token | Done]:
+    async def batch(self, limit: int) -> list[Event]:
         """The next event, waiting for it, then the events already received, without waiting:
         at most ``limit`` in all, the Done last if it is among them; [] once the generation has
         ended. An error behind the first event is kept for the next call, so that the tokens
@@ -194,7 +195,7 @@ class Generation:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 break
-            if not isinstance(item, Token | Done):
+            if not isinstance(item, Token | Logprobs | Done):
                 self._held = item
                 break
             events.append(self._event(item))
@@ -204,9 +205,9 @@ class Generation:
         item, self._held = self._held, None
         return item if item is not None else await self._queue.get()
 
-    def _event(self, item: Frame | GatewayError) -> Token | Done:
+    def _event(self, item: Frame | GatewayError) -> Event:
         """A received item as the event it is, or the error it carries raised."""
-        if isinstance(item, Token):
+        if isinstance(item, Token | Logprobs):
             return item
         self.finished = True
         if isinstance(item, Done):
@@ -251,9 +252,18 @@ class FrontendClient:
         top_p: float = 1.0,
         seed: int = 0,
         stop: tuple[str, ...] = (),
+        *,
+        top_k: int = 0,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        messages: tuple[tuple[str, str], ...] = (),
     ) -> Generation:
+        """A generation of ``prompt``, or of a reply to ``messages`` (role, content) rendered
+        by the leader's chat template; see ``wire.frontend.Generate`` for the fields."""
         try:
-            request = Generate(0, prompt, max_tokens, temperature, top_p, seed, stop)
+            request = Generate(0, prompt, max_tokens, temperature, top_p, seed, stop,
+                               top_k=top_k, logprobs=logprobs, top_logprobs=top_logprobs,
+                               messages=messages)
             longest = max((len(s.encode("utf-8")) for s in stop), default=0)
             if longest > MAX_STOP_BYTES:
                 raise InvalidRequest(f"a stop string of {longest} bytes is longer than the "
@@ -393,11 +403,11 @@ class FrontendClient:
         if isinstance(frame, Status):
             self._answer_status(link, frame)
             return
-        if isinstance(frame, Token | Done | Error):
+        if isinstance(frame, Token | Logprobs | Done | Error):
             queue = link.pending.get(frame.request_id)
             if queue is not None:
                 queue.put_nowait(frame)
-                if not isinstance(frame, Token):
+                if not isinstance(frame, Token | Logprobs):
                     del link.pending[frame.request_id]
                 return
             if isinstance(frame, Error) and link.status_waiters:

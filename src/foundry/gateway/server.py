@@ -1,11 +1,13 @@
 """The gateway: a grpc.aio server in front of the coordinator and the tensor-parallel pair.
 
 It serves the foundry.v1 API (``servicers``), the standard gRPC health service (``health``)
-and server reflection. Interceptors, outermost first: ``calls.CallInterceptor`` (metrics,
-status codes) then, with a token, ``auth.TokenAuthInterceptor``.
+and server reflection; with ``http_host``, the OpenAI-compatible HTTP API too (``http``, its
+own listener, the same frontend client). Interceptors, outermost first:
+``calls.CallInterceptor`` (metrics, status codes) then, with a token,
+``auth.TokenAuthInterceptor``.
 
-Shutdown order: health turns NOT_SERVING everywhere, the server stops taking calls and gives
-those in flight ``grace_s`` to finish, then the backend links close.
+Shutdown order: health turns NOT_SERVING everywhere, the HTTP server then the gRPC server stop
+taking requests and give those in flight ``grace_s`` to finish, then the backend links close.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from foundry.gateway.auth import TokenAuthInterceptor
 from foundry.gateway.calls import CallInterceptor
 from foundry.gateway.frontend_client import FrontendClient
 from foundry.gateway.health import Backend, HealthProbe
+from foundry.gateway.http import HttpOptions, HttpServer
 from foundry.gateway.servicers import InferenceServicer, ModelServicer, TrainingServicer
 from foundry.obs.metrics import GatewayMetrics
 
@@ -59,6 +62,12 @@ class GatewayOptions:
     token: str | None = None
     probe_interval_s: float = 1.0
     grace_s: float = 5.0
+    # The OpenAI-compatible HTTP API on its own listener (gateway/http.py); None: off.
+    http_host: str | None = None
+    http_port: int = 8080
+    http_max_active: int = 16
+    http_queue: int = 64
+    model_name: str = "foundry"
 
 
 def _address(host: str, port: int) -> str:
@@ -111,7 +120,16 @@ class Gateway:
         reflection.enable_server_reflection(
             (*API_SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
+        self.http: HttpServer | None = None
+        if options.http_host is not None:
+            self.http = HttpServer(
+                HttpOptions(options.http_host, options.http_port, options.model_name,
+                            options.http_max_active, options.http_queue, options.token,
+                            options.tls_cert, options.tls_key, options.grace_s),
+                self.frontend, self.metrics,
+            )
         self.port = 0
+        self.http_port = 0
         self._started = False
 
     async def start(self) -> int:
@@ -134,6 +152,8 @@ class Gateway:
         await self.probe.start()
         await self.server.start()
         self._started = True
+        if self.http is not None:
+            self.http_port = await self.http.start()
         return self.port
 
     async def wait_for_termination(self) -> None:
@@ -143,6 +163,8 @@ class Gateway:
         """Health NOT_SERVING first, then stop the server (with grace), then the links."""
         await self.probe.shutdown()
         try:
+            if self.http is not None:
+                await self.http.stop()
             if self._started:
                 await self.server.stop(self.opt.grace_s)
         finally:

@@ -18,7 +18,7 @@ import grpc
 from foundry.api.v1 import inference_pb2, model_pb2, training_pb2
 from foundry.gateway.admin_client import AdminClient
 from foundry.gateway.errors import BackendUnavailable, InvalidRequest
-from foundry.gateway.frontend_client import FrontendClient
+from foundry.gateway.frontend_client import Event, FrontendClient
 from foundry.obs.metrics import GatewayMetrics
 from foundry.wire import fdtc, frontend
 from foundry.wire.errors import LocalProtocolError
@@ -140,7 +140,7 @@ assert set(_FINISH) == set(frontend.DoneReason), "every DONE reason needs a Fini
 
 
 def generate_response_pb(
-    events: list[frontend.Token | frontend.Done],
+    events: list[Event],
 ) -> inference_pb2.GenerateResponse:
     """One response of the Generate stream: the tokens of ``events``, then their Done if it is
     among them (it can only be the last)."""
@@ -301,13 +301,17 @@ class InferenceServicer:
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         max_tokens, temperature, top_p, stop = generate_settings(request)
+        messages = tuple((m.role, m.content) for m in request.messages)
+        if messages and request.prompt:
+            raise InvalidRequest("send a prompt or messages, not both")
         if self.pair_down is not None and (why := await self.pair_down()) is not None:
             raise BackendUnavailable(
                 f"the tensor-parallel pair at {self.client.address} is not serving ({why}); "
                 "retry once it is back (`foundry ctl status` shows it)"
             )
         generation = self.client.generate(
-            request.prompt, max_tokens, temperature, top_p, request.seed, stop
+            request.prompt, max_tokens, temperature, top_p, request.seed, stop,
+            top_k=request.top_k, messages=messages,
         )
         # Leaving this block early (the call cancelled or past its deadline) sends CANCEL.
         async with generation:

@@ -204,13 +204,13 @@ def template_for(metadata: Mapping[str, Any], override: str | None = None) -> Ch
             return ChatTemplate(BUILTINS[override], override, bos, eos)
         path = Path(override)
         try:
-            source = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ChatTemplateError(
                 f"--chat-template {override!r} is neither a built-in "
                 f"({', '.join(BUILTINS)}) nor a readable UTF-8 Jinja file: {exc}"
             ) from None
-        return ChatTemplate(source, str(path), bos, eos)
+        return ChatTemplate(text, str(path), bos, eos)
     source = metadata.get("tokenizer.chat_template")
     if isinstance(source, str) and source:
         return ChatTemplate(source, "the file's tokenizer.chat_template", bos, eos)

@@ -270,6 +270,39 @@ class GatewayMetrics:
             "Generate response messages sent; tokens over messages is the mean batch.",
             registry=r,
         )
+        # The OpenAI-compatible HTTP API (gateway/http.py), by endpoint (chat, completions,
+        # models, health) and HTTP status (499: the client went away first).
+        self.http_requests = Counter(
+            "foundry_gateway_http_requests_total",
+            "HTTP requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.http_ttft = Histogram(
+            "foundry_gateway_http_time_to_first_token_seconds",
+            "From a generation request's arrival (queueing included) to its first token.",
+            ["endpoint"],
+            buckets=CALL_BUCKETS,
+            registry=r,
+        )
+        self.http_rate = Histogram(
+            "foundry_gateway_http_decode_rate_tokens_per_second",
+            "Tokens per second after the first, per completed generation.",
+            ["endpoint"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000),
+            registry=r,
+        )
+        self.http_tokens = Counter(
+            "foundry_gateway_http_generated_tokens_total",
+            "Tokens generated for HTTP requests.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.http_queue_depth = Gauge(
+            "foundry_gateway_http_queue_depth_requests",
+            "HTTP generation requests waiting for a place on the pair.",
+            registry=r,
+        )
 
 
 # Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.

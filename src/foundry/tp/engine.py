@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.engines import make_engine
-from foundry.model.sampling import SamplingError, sample
+from foundry.model.sampling import SamplingError, logprobs, sample
 from foundry.model.tp_split import Gate, rank_layout
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
@@ -565,7 +565,7 @@ class LeaderEngine:
         m.spec_commits.labels(plan.mode.name.lower()).inc()
         new = [*drafts[:accepted], verified[accepted]]
         for i, token in enumerate(new):
-            if not self._accept(req, token, pos0 + 1 + i):
+            if not self._accept(req, token, pos0 + 1 + i, full[i]):
                 break
 
     def _command(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
@@ -618,11 +618,12 @@ class LeaderEngine:
         g = req.frame
         assert req.session is not None
         try:
-            token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None)
+            token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None,
+                           g.top_k)
         except SamplingError as exc:
             self._broken_logits(req, exc)
             return
-        self._accept(req, token, req.session.pos)
+        self._accept(req, token, req.session.pos, row)
 
     def _broken_logits(self, req: Request, exc: SamplingError) -> None:
         """Fail ``req`` alone: INTERNAL naming the model; its session is destroyed on both
@@ -642,9 +643,16 @@ class LeaderEngine:
             self._destroy(req.sid)
         self._count_sessions()
 
-    def _accept(self, req: Request, token: int, pos: int) -> bool:
-        """Emit one generated token at position ``pos``; False when the request ended."""
+    def _accept(self, req: Request, token: int, pos: int, row: F32) -> bool:
+        """Emit one generated token at position ``pos`` (``row``: the logits it was chosen
+        from); False when the request ended."""
         assert req.session is not None
+        if req.frame.logprobs:
+            lp = logprobs(row, token, req.frame.top_logprobs)
+            self._post(req, fw.Logprobs(
+                req.frame.request_id, token, lp.logprob, req.tokenizer.token_bytes(token),
+                tuple((t, v, req.tokenizer.token_bytes(t)) for t, v in lp.top),
+            ))
         req.generated += 1
         req.step_tokens += 1
         self.tokens_generated += 1

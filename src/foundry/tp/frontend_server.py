@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from foundry.model.chat import ChatTemplate, ChatTemplateError, Message, prompt_text
 from foundry.model.inference import Session
 from foundry.model.sampling import make_rng
 from foundry.model.vocab import Tokenizer
@@ -101,9 +102,11 @@ class FrontendServer:
         status: Callable[[int], fw.Status],
         submit: Callable[[Request], None],
         tokenizer: Tokenizer,
+        template: ChatTemplate,
     ) -> None:
         self.options = options
         self.tokenizer = tokenizer
+        self.template = template
         self.ctx_size = ctx_size
         self.metrics = metrics
         self._stopping = stopping
@@ -180,7 +183,15 @@ class FrontendServer:
                                                 f"{g.temperature}")
         if not 0.0 < g.top_p <= 1.0:
             return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
-        prompt = self.tokenizer.encode(g.prompt)
+        text = g.prompt
+        if g.messages:
+            try:
+                text = prompt_text(self.template, [Message(r, c) for r, c in g.messages])
+            except ChatTemplateError as exc:
+                return self._refuse(conn, rid, bad, str(exc))
+        # A rendered conversation holds the template's turn markers as text: they are the
+        # model's special tokens (<start_of_turn>, <|im_start|>), so they are parsed as such.
+        prompt = self.tokenizer.encode(text, parse_special=bool(g.messages))
         if len(prompt) > self.ctx_size:
             return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
                                                 f"than the context of {self.ctx_size}")

@@ -67,8 +67,10 @@ import logging
 import threading
 from collections.abc import Callable
 
+from foundry.model.chat import template_for
+from foundry.model.gguf_meta import read_metadata
 from foundry.model.tp_split import Gate
-from foundry.model.vocab import load_tokenizer_file
+from foundry.model.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
 from foundry.tp.engine import LeaderEngine, LogitsHook
@@ -99,7 +101,10 @@ class Leader:
         self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
         self.identity = self.model.identity
         self.cfg = self.model.cfg
-        self.tokenizer = load_tokenizer_file(options.model)  # GENERATE's prompt, TOKEN's text
+        metadata = read_metadata(options.model)
+        self.tokenizer = load_tokenizer(metadata)  # GENERATE's prompt, TOKEN's text
+        # GENERATE's messages become the prompt through it (CHAT, docs/protocol.md).
+        self.chat_template = template_for(metadata, options.chat_template)
         self.metrics = metrics or TpMetrics()
         self.logits_hook = logits_hook
         self.port = 0  # the worker port, once bound
@@ -123,6 +128,7 @@ class Leader:
             options, self.identity.ctx_size, self.metrics, self._stopping,
             lambda: self.engine.worker_connected, self.status, self.engine.submit,
             self.tokenizer,
+            self.chat_template,
         )
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,

@@ -49,6 +49,8 @@ class LeaderOptions:
     tls: ssl.SSLContext | None = None
     frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
+    # --chat-template: a built-in's name or a Jinja file (foundry.model.chat.template_for).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):

@@ -55,6 +55,9 @@ class GenerateFlags(enum.IntFlag):
     CHAT = 0x02  # the prompt field holds messages, rendered by the leader's chat template
 
 
+_KNOWN_FLAGS = int(GenerateFlags.LOGPROBS | GenerateFlags.CHAT)
+
+
 class DoneReason(enum.IntEnum):
     MAX_TOKENS = 0
     EOS = 1
@@ -203,7 +206,7 @@ class Generate(_Frame):
             raise FrontendProtocolError(f"GENERATE payload of {len(p)} bytes is too short")
         fixed = cls.LAYOUT.unpack(p)
         flags = fixed.pop("flags")
-        if flags & ~(GenerateFlags.LOGPROBS | GenerateFlags.CHAT):
+        if flags & ~_KNOWN_FLAGS:
             raise FrontendProtocolError(f"GENERATE flags 0x{flags:02x} set unknown bits")
         counts = cls._COUNTS.unpack(p, cls.LAYOUT.size)
         n_stop, prompt_len = counts["n_stop"], counts["prompt_len"]
