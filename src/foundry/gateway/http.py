@@ -415,7 +415,7 @@ class OpenAIApi:
             return model.model_validate_json(b"".join(chunks))
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = ".".join(str(p) for p in first["loc"] if _is_field(p)) or None
             if first["type"] == "json_invalid":
                 raise HttpError(400, f"the body is not valid JSON: {first['msg']}") from None
             where = f"'{param}': " if param else ""
@@ -575,6 +575,15 @@ class OpenAIApi:
             return JSONResponse({"status": "unavailable",
                                  "detail": "the TP leader's worker rank is not connected"}, 503)
         return JSONResponse({"status": "ok"})
+
+
+# The tags pydantic puts in an error's location for the member of a union that failed.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _is_field(part: int | str) -> bool:
+    """Whether a part of a pydantic error location names a field or an index (not a type)."""
+    return isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS)
 
 
 async def _disconnected(receive: Receive) -> None:

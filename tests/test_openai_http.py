@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` package and by raw HTTP,
+against a real gateway process in front of a real tensor-parallel pair (both ranks processes,
+tests/test_gateway_frontend.py's ``running_pair``), on loopback.
+
+The model is one of our byte-vocabulary models, so the leader renders conversations with the
+built-in ``plain`` template; the chat answers are compared with completions of the rendered
+text and with greedy decoding in this process (``reference_greedy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+from procs import Service
+from test_gateway_frontend import (
+    LONG,
+    MODEL_CFG,
+    PREFILL_CHUNK,
+    Pair,
+    free_port,
+    running_pair,
+)
+from tp_harness import make_model, metric, reference_greedy
+
+from foundry.gateway.http import FairQueue, QueueFull
+from foundry.model.chat import BUILTINS, ChatTemplate, Message, prompt_text
+from foundry.model.config import EOS_ID
+from foundry.model.data import decode
+
+TOKEN = "http-s3cret"
+HTTP_LINE = r"http 127\.0\.0\.1:(\d+)"
+METRICS_LINE = r"metrics :(\d+)"
+MAX_ACTIVE = 4
+QUEUE = 4
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+@dataclass
+class Server:
+    pair: Pair
+    gateway: Service
+    port: int
+    metrics: int
+
+    def client(self, token: str = TOKEN) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token,
+                             max_retries=0, timeout=60)
+
+    def raw(self, method: str, path: str, body: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body,
+                         {"Authorization": f"Bearer {TOKEN}", **(headers or {})})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def metric(self, name: str) -> float:
+        try:
+            return metric(self.metrics, name)
+        except AssertionError:  # a labelled series is exposed from its first count on
+            return 0.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "model.gguf", MODEL_CFG)
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("http")
+    (logs / "token").write_text(TOKEN + "\n")
+    with running_pair(model, logs) as pair, Service(
+        ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+         "--http-max-active", str(MAX_ACTIVE), "--http-queue", str(QUEUE),
+         "--token-file", str(logs / "token"), "--metrics-port", "0",
+         "--coordinator-admin", f"127.0.0.1:{free_port()}",
+         "--tp-frontend", f"127.0.0.1:{pair.frontend}"],
+        logs / "gateway.log",
+    ) as gateway:
+        port = int(gateway.wait_for(HTTP_LINE).group(1))
+        metrics = int(gateway.wait_for(METRICS_LINE).group(1))
+        yield Server(pair, gateway, port, metrics)
+        assert "Traceback" not in gateway.text(), gateway.text()[-3000:]
+
+
+def greedy(model: Path, prompt: str, n: int) -> tuple[list[int], str]:
+    """What the pair must generate greedily: tokens up to and with the first EOS, their text."""
+    ref = reference_greedy(model, prompt, n, PREFILL_CHUNK)
+    tokens = ref.tokens
+    if EOS_ID in tokens:
+        tokens = tokens[: tokens.index(EOS_ID) + 1]
+    return tokens, decode(tokens)
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    z = row.astype(np.float64)
+    return z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+def test_chat_is_the_rendered_conversation_greedily(server: Server, model: Path) -> None:
+    c = server.client()
+    rendered = prompt_text(ChatTemplate(BUILTINS["plain"], "plain"),
+                           [Message(m["role"], m["content"]) for m in CONVERSATION])
+    assert rendered == "System: Be brief.\nUser: Hi!\nAssistant:"
+    tokens, text = greedy(model, rendered, 24)
+    chat = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
+                                     max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == text
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == ("stop" if tokens[-1] == EOS_ID else "length")
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens == len(tokens)
+    assert chat.usage.prompt_tokens == len(rendered.encode()) + 1  # BOS, then one per byte
+    done = c.completions.create(model="foundry", prompt=rendered, max_tokens=24, temperature=0)
+    assert done.choices[0].text == text
+    assert done.object == "text_completion"
+
+
+def test_streams_join_to_the_whole_answer(server: Server, model: Path) -> None:
+    c = server.client()
+    whole = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
+                                      max_tokens=40, temperature=0)
+    chunks = list(c.chat.completions.create(
+        model="foundry", messages=CONVERSATION, max_tokens=40, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    pieces = list(c.completions.create(model="foundry", prompt="Once upon", max_tokens=30,
+                                       temperature=0, stream=True))
+    _, want = greedy(model, "Once upon", 30)
+    assert "".join(p.choices[0].text for p in pieces) == want
+
+
+def test_logprobs_are_the_models(server: Server, model: Path) -> None:
+    prompt = "Logprobs, please"
+    ref = reference_greedy(model, prompt, 6, PREFILL_CHUNK)
+    c = server.client()
+    done = c.completions.create(model="foundry", prompt=prompt, max_tokens=6, temperature=0,
+                                logprobs=3)
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    n = len(lp.token_logprobs)
+    assert n == min(6, (ref.tokens + [EOS_ID]).index(EOS_ID) + 1)
+    for i in range(n):
+        want = log_softmax(ref.logits[i][0])
+        assert lp.token_logprobs[i] == pytest.approx(want[ref.tokens[i]], abs=1e-4)
+        assert lp.token_logprobs[i] == pytest.approx(want.max(), abs=1e-4)  # greedy: the top
+        # Keys are token texts (two bytes may both read as U+FFFD): up to 3, each of the top 3.
+        top3 = np.sort(want)[-3:]
+        assert 1 <= len(lp.top_logprobs[i]) <= 3
+        for v in lp.top_logprobs[i].values():
+            assert np.min(np.abs(top3 - v)) < 1e-4
+    chat = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
+                                     max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None
+    raw = b"".join(bytes(e.bytes or []) for e in content.content)
+    assert raw.decode("utf-8", errors="replace") == chat.choices[0].message.content
+    for e in content.content:
+        assert len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy takes the top
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+
+
+def test_sampling_settings_reach_the_sampler(server: Server, model: Path) -> None:
+    c = server.client()
+
+    def text(**kw: Any) -> str:
+        r = c.completions.create(model="foundry", prompt="Sample me", max_tokens=24, **kw)
+        return r.choices[0].text
+
+    greedy_text = text(temperature=0)
+    # top_k travels in the body (the openai client passes unknown arguments as extra_body).
+    assert text(temperature=1.5, seed=3, extra_body={"top_k": 1}) == greedy_text
+    assert text(temperature=1.5, seed=3, top_p=1e-6) == greedy_text
+    a = text(temperature=1.5, seed=11)
+    assert a == text(temperature=1.5, seed=11)
+    assert len({a, text(temperature=1.5, seed=12), text(temperature=1.5, seed=13)}) > 1
+
+
+def test_stop_strings_across_token_boundaries(server: Server, model: Path) -> None:
+    _, full = greedy(model, LONG[0], 80)  # runs to max_tokens: no EOS
+    # Three characters: at least three tokens of the byte vocabulary (one byte each).
+    stop = full[10:13]
+    r = server.client().completions.create(model="foundry", prompt=LONG[0],
+                                           max_tokens=80, temperature=0, stop=[stop, "\x00zz"])
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(server: Server) -> None:
+    assert [m.id for m in server.client().models.list()] == ["foundry"]
+    status, _, body = server.raw("GET", "/health", headers={"Authorization": ""})
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+
+
+# ---------------------------------------------------------------------------- raw HTTP
+
+
+BIG = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param"),
+    [
+        ("/v1/chat/completions", b'{"messages": [', {}, 400, None),
+        ("/v1/completions", BIG, {}, 413, None),
+        ("/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, None),
+        ("/v1/completions", b'{"prompt": 5}', {}, 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', {}, 400, "temperature"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -3}', {}, 400, "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 0}', {}, 400, "top_p"),
+        ("/v1/completions", b'{"prompt": "x", "n": 2}', {}, 400, "n"),
+        ("/v1/completions", b'{"prompt": "x", "stop": [""]}', {}, 400, "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "king", "content": "x"}]}', {}, 400,
+         "messages.0.role"),
+        ("/v1/chat/completions", b'{"messages": []}', {}, 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+         b'"max_completion_tokens": 0}', {}, 400, "max_completion_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2}', {"Authorization": ""}, 401,
+         None),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
+         {"Authorization": "Bearer nope"}, 401, None),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2, "frequency_penalty": 1, '
+         b'"user": "me"}', {}, 200, None),  # unknown and unserved fields are ignored
+        ("/v1/nothing", b"{}", {}, 404, None),
+    ],
+    ids=["malformed-json", "10MB", "invalid-utf8", "prompt-type", "temperature-type",
+         "negative-max-tokens", "top-p-range", "n", "empty-stop", "role", "no-messages",
+         "max-completion-tokens", "no-token", "wrong-token", "unknown-fields", "path"],
+)
+def test_bad_requests_get_their_status_and_the_gateway_serves_on(
+    server: Server, path: str, body: bytes, headers: dict[str, str], status: int,
+    param: str | None,
+) -> None:
+    got, _, answer = server.raw("POST", path, body, headers)
+    assert got == status, answer
+    assert b"Traceback" not in answer
+    parsed = json.loads(answer)
+    if status != 200:
+        assert set(parsed["error"]) == {"message", "type", "param", "code"}
+        assert parsed["error"]["param"] == param
+        if param is not None:
+            assert param in parsed["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_a_prompt_past_the_context_is_a_400(server: Server) -> None:
+    status, _, body = server.raw("POST", "/v1/completions",
+                                 json.dumps({"prompt": "x" * (MODEL_CFG.n_ctx + 5)}).encode())
+    assert status == 400 and b"context" in body
+
+
+def _open_stream(port: int, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+              + data)
+    return s
+
+
+def _wait_cancelled(server: Server, before: float, within_s: float) -> float:
+    """Seconds until the leader counts one more cancelled request (fails past ``within_s``)."""
+    t0 = time.monotonic()
+    while server.pair.requests("cancelled") < before + 1:
+        assert time.monotonic() - t0 < within_s, "the generation was not cancelled"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_its_generation(server: Server, stream: bool) -> None:
+    before = server.pair.requests("cancelled")
+    s = _open_stream(server.port, {"prompt": LONG[0], "max_tokens": LONG[1], "temperature": 0,
+                                   "stream": stream})
+    if stream:
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")  # the stream has begun
+    else:
+        while server.pair.status().active_sessions == 0:  # the pair is decoding it now
+            time.sleep(0.01)
+    s.close()
+    # The issue's bound: the pair stops within a second of the disconnect.
+    assert _wait_cancelled(server, before, within_s=1.0) < 1.0
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_a_client_that_stops_reading_does_not_stop_the_others(server: Server) -> None:
+    before = server.pair.requests("cancelled")
+    stalled = _open_stream(server.port, {"prompt": LONG[0], "max_tokens": LONG[1],
+                                         "temperature": 0, "stream": True})
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        assert stalled.recv(64).startswith(b"HTTP/1.1 200")  # then it reads no more
+        r = server.client().completions.create(model="foundry", prompt="meanwhile",
+                                               max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+    finally:
+        stalled.close()
+    _wait_cancelled(server, before, within_s=10.0)
+
+
+def test_32_concurrent_streams_complete_or_get_429(server: Server) -> None:
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            chunks = list(server.client().completions.create(
+                model="foundry", prompt=f"client {i}", max_tokens=30, temperature=0,
+                stream=True))
+            outcome = chunks[-1].choices[0].finish_reason or "none"
+        except openai.RateLimitError as exc:
+            assert exc.response.headers["retry-after"] == "1"
+            outcome = "429"
+        with lock:
+            results.append(outcome)
+
+    before = server.metric('foundry_gateway_http_requests_total{endpoint="completions",'
+                           'status="429"}')
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a client hangs"
+    assert len(results) == 32 and set(results) <= {"length", "stop", "429"}, results
+    assert results.count("429") <= 32 - MAX_ACTIVE  # the first MAX_ACTIVE always get in
+    after = server.metric('foundry_gateway_http_requests_total{endpoint="completions",'
+                          'status="429"}')
+    assert after - before == results.count("429")
+    assert server.metric("foundry_gateway_http_queue_depth_requests") == 0
+
+
+def test_metrics_by_endpoint_and_status(server: Server) -> None:
+    name = 'foundry_gateway_http_requests_total{endpoint="chat",status="200"}'
+    before = server.metric(name)
+    ttft = server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
+                         '{endpoint="chat"}')
+    server.client().chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
+                                            max_tokens=4, temperature=0)
+    assert server.metric(name) == before + 1
+    assert server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
+                         '{endpoint="chat"}') == ttft + 1
+
+
+# ---------------------------------------------------------------------------- the queue
+
+
+def test_fair_queue_takes_clients_in_turn() -> None:
+    async def main() -> list[str]:
+        q = FairQueue(max_active=1, max_waiting=5)
+        await q.acquire("a")  # runs
+        order: list[str] = []
+
+        async def wait(key: str) -> None:
+            await q.acquire(key)
+            order.append(key)
+
+        tasks = [asyncio.ensure_future(wait(k)) for k in ("a", "a", "a", "b", "c")]
+        await asyncio.sleep(0)
+        assert q.waiting == 5
+        with pytest.raises(QueueFull):
+            await q.acquire("d")
+        for _ in range(5):
+            q.release()
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        return order
+
+    # a's burst does not keep b and c waiting: the keys take turns.
+    assert asyncio.run(main()) == ["a", "b", "c", "a", "a"]
+
+
+def test_fair_queue_forgets_a_waiter_that_leaves() -> None:
+    async def main() -> None:
+        q = FairQueue(max_active=1, max_waiting=1)
+        await q.acquire("a")
+        gone = asyncio.ensure_future(q.acquire("b"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert q.waiting == 0
+        q.release()
+        assert q.active == 0
+        await q.acquire("c")  # at once: nobody waits
+        assert q.active == 1
+
+    asyncio.run(main())
