@@ -164,7 +164,7 @@ def test_logprobs_are_the_models(server: Server, model: Path) -> None:
     lp = done.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     n = len(lp.token_logprobs)
-    assert n == min(6, (ref.tokens + [EOS_ID]).index(EOS_ID) + 1)
+    assert n == min(6, [*ref.tokens, EOS_ID].index(EOS_ID) + 1)
     for i in range(n):
         want = log_softmax(ref.logits[i][0])
         assert lp.token_logprobs[i] == pytest.approx(want[ref.tokens[i]], abs=1e-4)

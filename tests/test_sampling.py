@@ -8,7 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from foundry.model.sampling import SamplingError, make_rng, probabilities, sample
+from foundry.model.sampling import (
+    SamplingError,
+    kept_tokens,
+    logprobs,
+    make_rng,
+    probabilities,
+    sample,
+    top_indices,
+)
 
 logit_vectors = arrays(
     np.float32,
@@ -129,3 +137,85 @@ def test_bad_input_is_a_clear_error(
 def test_sampling_needs_an_rng() -> None:
     with pytest.raises(SamplingError, match="rng"):
         sample(np.zeros(3), 1.0)
+
+
+def reference_kept(p: np.ndarray, top_p: float, top_k: int) -> set[int]:
+    """The kept set by sorting the whole row (what the sampler must equal without sorting)."""
+    order = np.lexsort((np.arange(p.size), -p))  # probability descending, ties by id
+    order = order[p[order] > 0]
+    if top_k:
+        order = order[:top_k]
+    if top_p < 1.0:
+        cum = np.cumsum(p[order])
+        need = top_p * cum[-1] if top_k and top_k < np.count_nonzero(p) else top_p
+        order = order[: min(int(np.searchsorted(cum, need, side="left")) + 1, order.size)]
+    return set(order.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    arrays(np.float32, st.integers(1, 300), elements=st.sampled_from([-2.0, 0.0, 0.5, 1.0, 3.0])),
+    st.floats(0.01, 1.0),
+    st.integers(0, 20),
+    st.floats(0.2, 2.0),
+)
+def test_kept_set_equals_a_full_sort_ties_included(
+    logits: np.ndarray, top_p: float, top_k: int, temperature: float
+) -> None:
+    # Few distinct values: many ties at every cut, where argpartition's order is arbitrary.
+    p = probabilities(logits, temperature)
+    kept = kept_tokens(p, top_p, top_k)
+    assert set(kept.tolist()) == reference_kept(p, top_p, top_k)
+    if top_k or top_p < 1.0:  # the draw's order: probability descending, ties by id
+        assert list(kept) == sorted(kept, key=lambda t: (-p[t], t))
+
+
+def test_top_k_keeps_exactly_the_k_most_probable() -> None:
+    logits = np.array([0.0, 5.0, 1.0, 4.0, 3.0, 2.0])
+    rng = make_rng(1)
+    assert {sample(logits, 5.0, rng=rng, top_k=2) for _ in range(200)} == {1, 3}
+    assert {sample(logits, 5.0, rng=rng, top_k=1) for _ in range(20)} == {1}
+    assert {sample(logits, 50.0, rng=rng, top_k=100) for _ in range(400)} == set(range(6))
+    # top-k, then top-p of what is left: 0.6 of {1, 3} is token 1 alone at temperature 1.
+    assert {sample(logits, 1.0, 0.6, rng=rng, top_k=2) for _ in range(50)} == {1}
+
+
+def test_a_262k_row_keeps_a_small_top_p_set() -> None:
+    # Gemma 3's vocabulary: the kept set is found from one bucketing pass.
+    logits = np.random.default_rng(0).standard_normal(262_144).astype(np.float32) * 2.5
+    p = probabilities(logits, 1.0)
+    kept = kept_tokens(p, top_p=0.5)
+    assert set(kept.tolist()) == reference_kept(p, 0.5, 0)
+    assert 1 < kept.size < 262_144 // 8
+    assert top_indices(p, 40).tolist() == reference_order(p)[:40]
+
+
+def reference_order(p: np.ndarray) -> list[int]:
+    return np.lexsort((np.arange(p.size), -p)).tolist()
+
+
+def test_top_indices_break_ties_by_id() -> None:
+    values = np.array([1.0, 3.0, 3.0, 2.0, 3.0, 1.0])
+    assert top_indices(values, 2).tolist() == [1, 2]
+    assert top_indices(values, 4).tolist() == [1, 2, 4, 3]
+    assert top_indices(values, 10).tolist() == [1, 2, 4, 3, 0, 5]
+
+
+def test_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
+    logits = np.array([1.0, 3.0, -np.inf, 2.0, 3.0], dtype=np.float32)
+    z = logits.astype(np.float64)
+    finite = z[np.isfinite(z)]
+    log_total = np.log(np.exp(finite).sum())
+    got = logprobs(logits, 3, top=3)
+    assert got.token == 3
+    assert got.logprob == pytest.approx(2.0 - log_total)
+    assert [t for t, _ in got.top] == [1, 4, 3]
+    assert [v for _, v in got.top] == pytest.approx([3 - log_total, 3 - log_total,
+                                                     2 - log_total])
+    assert logprobs(logits, 2).logprob == -np.inf and logprobs(logits, 2).top == ()
+    with pytest.raises(SamplingError, match="top logprobs"):
+        logprobs(logits, 0, top=21)
+    with pytest.raises(SamplingError, match="outside"):
+        logprobs(logits, 5)
+    with pytest.raises(SamplingError, match="top_k"):
+        sample(logits, 1.0, rng=make_rng(0), top_k=-1)

@@ -3,12 +3,12 @@ sampling, and the log-probabilities a client may ask for.
 
 No step sorts the whole row: vocabularies reach 262 144 tokens, and a sort of that row per
 token would cost more than the model's output head. Every step is O(V) (one softmax, one
-``argpartition``) plus a sort of the few tokens kept:
+``argpartition`` or one bucketing pass) plus a sort of the tokens kept:
 
 - top-k: ``argpartition`` finds the k most probable tokens;
 - top-p: the smallest set of most probable tokens whose probability reaches ``top_p`` is
-  found by taking the m most probable (``argpartition``), sorting only those, and doubling m
-  until their mass reaches ``top_p`` (m starts at 64; a flat distribution takes a few rounds);
+  found by bucketing the row by binary exponent (one pass), taking the most probable buckets
+  until their mass reaches ``top_p``, and sorting only the tokens in them (``_nucleus``);
 - neither: the whole row is kept, in token-id order (no order is needed to draw from it).
 
 Deterministic for a seed: :func:`sample` draws exactly one uniform number from the generator
@@ -30,8 +30,6 @@ import numpy.typing as npt
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
-# The first guess at how many tokens a top-p cut keeps; doubled until it is enough.
-TOP_P_FIRST_GUESS = 64
 # OpenAI's API allows 0..20 alternatives per position (top_logprobs).
 MAX_TOP_LOGPROBS = 20
 
@@ -101,14 +99,31 @@ def kept_tokens(p: F64, top_p: float = 1.0, top_k: int = 0) -> I64:
         idx = top_indices(p, limit)
         cum = np.cumsum(p[idx])
         return idx[: _reach(cum, top_p * float(cum[-1]))]
-    # Grow the candidate set until it holds top_p of the mass; at most log2(V / 64) + 1 rounds.
-    m = min(TOP_P_FIRST_GUESS, limit)
-    while True:
-        idx = top_indices(p, m)
+    return _nucleus(p, top_p)
+
+
+def _nucleus(p: F64, top_p: float) -> I64:
+    """The top-p set of the whole row, most probable first, found without sorting the row.
+
+    Each token falls in a bucket by its probability's binary exponent (``frexp``: bucket b
+    holds probabilities in [2**-b, 2**(1-b))); one ``bincount`` gives each bucket's mass. The
+    buckets, most probable first, are taken until their mass reaches ``top_p``: only the
+    tokens in them are sorted. The last bucket may hold more than is kept, never less. If
+    float rounding leaves the sorted candidates just short of ``top_p``, one more bucket is
+    taken (at most as many rounds as there are buckets).
+    """
+    _, exponent = np.frexp(p)  # p = m * 2**e, m in [0.5, 1); e <= 1
+    bucket = (1 - exponent).astype(np.intp)  # 0: p == 1, then halving ranges
+    bucket[p == 0] = bucket.max() + 1  # zero probabilities are never candidates
+    mass = np.cumsum(np.bincount(bucket, weights=p))  # (B,) mass of buckets 0..b
+    last = int(np.searchsorted(mass, top_p, side="left"))
+    for b in range(last, mass.size):
+        cand = np.flatnonzero((bucket <= b) & (p > 0))
+        idx = cand[np.lexsort((cand, -p[cand]))]  # probability descending, ties by id
         cum = np.cumsum(p[idx])
-        if cum[-1] >= top_p or m >= limit:
+        if cum[-1] >= top_p or b == mass.size - 1:
             return idx[: _reach(cum, top_p)]
-        m = min(2 * m, limit)
+    raise AssertionError("unreachable: the last bucket returns")
 
 
 def _reach(cum: F64, need: float) -> int:
