@@ -5,8 +5,8 @@ A GGUF file may carry its template as ``tokenizer.chat_template``, a Jinja2 prog
 for Hugging Face transformers. It is rendered here as transformers and llama.cpp render it:
 
 - a sandboxed environment (``ImmutableSandboxedEnvironment``: a template is data from a file,
-  it must not reach Python objects), ``trim_blocks`` and ``lstrip_blocks``, and the
-  ``loopcontrols`` extension (``{% break %}``);
+  it must not reach Python objects), ``trim_blocks`` and ``lstrip_blocks``, the
+  ``loopcontrols`` extension (``{% break %}``) and transformers' ``{% generation %}`` block;
 - the variables ``messages`` (dicts with ``role`` and ``content``), ``add_generation_prompt``,
   ``bos_token`` and ``eos_token`` (the text of the file's BOS and EOS tokens);
 - the functions ``raise_exception(message)`` (a template refusing a conversation, e.g. roles
@@ -36,6 +36,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 
 # A conversation's roles, as OpenAI's API names them ("developer" is its newer "system").
@@ -68,9 +70,23 @@ def _tojson(
                       sort_keys=sort_keys)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's tokens
+    with it (for training masks); rendering a prompt, it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        body: list[jinja2.nodes.Node] = parser.parse_statements(
+            ("name:endgeneration",), drop_needle=True)
+        return body
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
         keep_trailing_newline=False,
     )
     env.filters["tojson"] = _tojson
@@ -86,14 +102,14 @@ class ChatTemplate:
     """One compiled template and the special-token texts it may print."""
 
     def __init__(self, source: str, name: str, bos_token: str = "", eos_token: str = "") -> None:
-        try:
-            self._template = _ENV.from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template {name!r} does not compile: {exc}") from None
         self.source = source
         self.name = name
         self.bos_token = bos_token
         self.eos_token = eos_token
+        try:
+            self._template = _ENV.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template {name!r} does not compile: {exc}") from None
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
         """The conversation as the template prints it (exactly: BOS text included)."""

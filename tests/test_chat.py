@@ -1,0 +1,213 @@
+"""Chat templates: the built-ins, the choice by vocabulary, overrides, and real templates from
+llama.cpp's models/templates rendered as transformers renders them.
+
+The real templates are read from llama.cpp's source (``$FOUNDRY_LLAMA_VOCAB_DIR/templates``,
+which .ci/run extracts from llama-cpp-python's source distribution beside the vocabulary
+files). The expected strings were worked out from each template's text and transformers'
+rendering rules (``apply_chat_template``: a sandboxed Jinja2 environment with trim_blocks and
+lstrip_blocks); those of the first two built-ins are llama.cpp's own expectations in
+tests/test-chat-template.cpp for the same formats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import pytest
+
+from foundry.model.chat import (
+    BUILTINS,
+    ChatTemplate,
+    ChatTemplateError,
+    Message,
+    builtin_for,
+    prompt_text,
+    template_for,
+)
+
+TEMPLATES = Path(os.environ.get(
+    "FOUNDRY_LLAMA_VOCAB_DIR",
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
+)) / "templates"
+
+# llama.cpp's test conversation (tests/test-chat-template.cpp).
+CONVERSATION = [
+    Message("system", "You are a helpful assistant"),
+    Message("user", "Hello"),
+    Message("assistant", "Hi there"),
+    Message("user", "Who are you"),
+    Message("assistant", "   I am an assistant   "),
+    Message("user", "Another question"),
+]
+NO_SYSTEM = CONVERSATION[1:]
+
+TOKENS = ["<unk>", "<s>", "</s>"]
+META = {"tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2}
+
+
+def real(name: str) -> ChatTemplate:
+    path = TEMPLATES / f"{name}.jinja"
+    assert path.exists(), (
+        f"{path} is missing: .ci/run extracts llama.cpp's models/templates there (or set "
+        "FOUNDRY_LLAMA_VOCAB_DIR to a llama.cpp models/ folder)"
+    )
+    return template_for(META, str(path))
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def test_gemma_builtin_is_llamacpps_gemma_format() -> None:
+    # llama.cpp's expected_output for google/gemma-7b-it (its built-in gemma format): the
+    # system message opens the first user turn, assistant turns are "model", contents trimmed.
+    assert template_for(META, "gemma").render(CONVERSATION) == (
+        "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n"
+        "<start_of_turn>model\nHi there<end_of_turn>\n"
+        "<start_of_turn>user\nWho are you<end_of_turn>\n"
+        "<start_of_turn>model\nI am an assistant<end_of_turn>\n"
+        "<start_of_turn>user\nAnother question<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+def test_chatml_builtin_is_llamacpps_chatml() -> None:
+    # llama.cpp's expected_output for teknium/OpenHermes-2.5-Mistral-7B (ChatML).
+    assert template_for(META, "chatml").render(CONVERSATION) == (
+        "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+        "<|im_start|>user\nHello<|im_end|>\n"
+        "<|im_start|>assistant\nHi there<|im_end|>\n"
+        "<|im_start|>user\nWho are you<|im_end|>\n"
+        "<|im_start|>assistant\n   I am an assistant   <|im_end|>\n"
+        "<|im_start|>user\nAnother question<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_llama3_and_plain_builtins() -> None:
+    meta = {**META, "tokenizer.ggml.tokens": ["<|begin_of_text|>", "<|eot_id|>"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+    llama3 = template_for(meta, "llama3")
+    assert llama3.render(CONVERSATION[:3], add_generation_prompt=False) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "You are a helpful assistant<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+    )
+    # The tokenizer adds BOS itself: the text to encode leaves the template's BOS out.
+    assert prompt_text(llama3, [Message("user", "Hi")]) == (
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert template_for(META, "plain").render(CONVERSATION[:3]) == (
+        "System: You are a helpful assistant\nUser: Hello\nAssistant: Hi there\nAssistant:"
+    )
+
+
+def test_the_gemma_builtin_refuses_roles_out_of_turn() -> None:
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        template_for(META, "gemma").render([Message("user", "a"), Message("user", "b")])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "name"),
+    [
+        (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "gemma"),
+        (["!", "<|im_start|>", "<|im_end|>"], "chatml"),
+        (["<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"], "llama3"),
+        (TOKENS, "plain"),
+    ],
+)
+def test_a_file_without_a_template_gets_the_builtin_its_vocabulary_calls_for(
+    tokens: list[str], name: str
+) -> None:
+    meta = {"tokenizer.ggml.tokens": tokens}
+    assert builtin_for(meta) == name
+    assert template_for(meta).name == name
+
+
+def test_the_files_template_wins_and_an_override_wins_over_it(tmp_path: Path) -> None:
+    meta = {**META, "tokenizer.chat_template": "{{ messages[0].content }}!"}
+    assert template_for(meta).render([Message("user", "x")]) == "x!"
+    assert template_for(meta, "chatml").name == "chatml"
+    path = tmp_path / "mine.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {% endfor %}{{ eos_token }}")
+    assert template_for(meta, str(path)).render(NO_SYSTEM[:2]) == "[user] [assistant] </s>"
+    with pytest.raises(ChatTemplateError, match="neither a built-in"):
+        template_for(meta, str(tmp_path / "absent.jinja"))
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for %}", "broken")
+
+
+def test_templates_are_sandboxed() -> None:
+    t = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", "escape")
+    with pytest.raises(ChatTemplateError, match="failed"):
+        t.render(NO_SYSTEM)
+    mutate = ChatTemplate("{% set x = messages.append(1) %}{{ messages | length }}", "mutate")
+    with pytest.raises(ChatTemplateError):
+        mutate.render(NO_SYSTEM)
+
+
+def test_template_helpers_are_transformers() -> None:
+    t = ChatTemplate(
+        "{{ strftime_now('%Y') }}|{{ {'é': [1, 2]} | tojson }}|{{ {'a': 1} | tojson(indent=2) }}"
+        "|{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}"
+        "{% endfor %}|{{ raise_exception('no') if false else 'ok' }}",
+        "helpers",
+    )
+    year = str(datetime.date.today().year)
+    assert t.render(NO_SYSTEM) == f'{year}|{{"é": [1, 2]}}|{{\n  "a": 1\n}}|user|ok'
+
+
+# ---------------------------------------------------------------------------- real templates
+
+
+def test_qwen25_template() -> None:
+    # No system message: Qwen 2.5 adds its own default.
+    assert real("Qwen-Qwen2.5-7B-Instruct").render(NO_SYSTEM[:2]) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+        "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert real("Qwen-Qwen2.5-7B-Instruct").render(CONVERSATION) == (
+        template_for(META, "chatml").render(CONVERSATION)
+    )
+
+
+def test_llama31_template_dates_its_system_turn() -> None:
+    t = real("meta-llama-Llama-3.1-8B-Instruct")
+    t.bos_token = "<|begin_of_text|>"
+    assert t.render(CONVERSATION[:2]) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+        "You are a helpful assistant<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert prompt_text(t, CONVERSATION[:2]).startswith("<|start_header_id|>system")
+
+
+def test_gemma2_template_refuses_a_system_turn_and_renders_the_rest() -> None:
+    t = real("google-gemma-2-2b-it")
+    t.bos_token = "<bos>"
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        t.render(CONVERSATION)
+    want = "<bos>" + template_for(META, "gemma").render(NO_SYSTEM)
+    assert t.render(NO_SYSTEM) == want
+
+
+def test_phi35_template() -> None:
+    assert real("microsoft-Phi-3.5-mini-instruct").render(CONVERSATION[:3]) == (
+        "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n"
+        "<|assistant|>\nHi there<|end|>\n<|assistant|>\n"
+    )
+
+
+def test_every_real_template_compiles() -> None:
+    files = sorted(TEMPLATES.glob("*.jinja"))
+    assert len(files) > 50, f"expected llama.cpp's templates in {TEMPLATES}"
+    for f in files:
+        template_for(META, str(f))
+    assert set(BUILTINS) == {"gemma", "chatml", "llama3", "plain"}
