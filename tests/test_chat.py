@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from procs import ENV
+from tp_harness import make_model, reference_greedy
 
 from foundry.model.chat import (
     BUILTINS,
@@ -26,6 +30,9 @@ from foundry.model.chat import (
     prompt_text,
     template_for,
 )
+from foundry.model.config import EOS_ID
+from foundry.model.data import decode
+from foundry.model.generate import printable
 
 TEMPLATES = Path(os.environ.get(
     "FOUNDRY_LLAMA_VOCAB_DIR",
@@ -211,3 +218,36 @@ def test_every_real_template_compiles() -> None:
     for f in files:
         template_for(META, str(f))
     assert set(BUILTINS) == {"gemma", "chatml", "llama3", "plain"}
+
+
+# ---------------------------------------------------------------------------- foundry chat
+
+
+def greedy_reply(model: Path, history: list[Message], n: int) -> str:
+    """The reply `foundry chat` must print: greedy tokens after the rendered conversation,
+    decoded whole, cut at EOS, at the plain template's next user line, or after n tokens."""
+    rendered = prompt_text(template_for(META, "plain"), history)
+    tokens = reference_greedy(model, rendered, n, chunk=10_000).tokens
+    if EOS_ID in tokens:
+        tokens = tokens[: tokens.index(EOS_ID)]
+    text = decode(tokens)
+    return text[: text.index("\nUser:")] if "\nUser:" in text else text
+
+
+def test_foundry_chat_answers_each_turn_with_the_whole_conversation(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "m.gguf")
+    lines = ["Hello there", "And again?"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "foundry", "chat", "--model", str(model), "--max-tokens", "12",
+         "--system", "Be brief."],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, env=ENV, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    history = [Message("system", "Be brief.")]
+    want = ""
+    for line in lines:
+        history.append(Message("user", line))
+        reply = greedy_reply(model, history, 12)
+        want += printable(reply) + "\n"
+        history.append(Message("assistant", reply))
+    assert proc.stdout == want
