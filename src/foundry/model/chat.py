@@ -32,7 +32,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -74,7 +74,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's tokens
     with it (for training masks); rendering a prompt, it is just its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)
