@@ -69,7 +69,7 @@ def test_default_ports_meet_the_other_commands_defaults() -> None:
 def test_every_port_is_distinct_and_checked() -> None:
     ports = StackPorts.of(StackOptions(workers=5, prometheus=False))
     numbers = [p for _, p in ports.named()]
-    assert len(numbers) == len(set(numbers)) == 9 + 5
+    assert len(numbers) == len(set(numbers)) == 10 + 5
 
 
 def test_a_taken_port_is_named_before_anything_starts() -> None:
@@ -260,13 +260,13 @@ def free_layout(workers: int) -> list[str]:
     for _ in range(50):
         base, gateway, metrics = (rng.randrange(20000, 32000, 100) for _ in range(3))
         opt = StackOptions(workers=workers, base_port=base, gateway_port=gateway,
-                           metrics_port=metrics, prometheus=False)
+                           http_port=gateway + 1, metrics_port=metrics, prometheus=False)
         try:
             check_ports_free(StackPorts.of(opt), "127.0.0.1")
         except StackError:
             continue
         return ["--base-port", str(base), "--gateway-port", str(gateway),
-                "--metrics-port", str(metrics)]
+                "--http-port", str(gateway + 1), "--metrics-port", str(metrics)]
     raise AssertionError("no free port layout found")
 
 

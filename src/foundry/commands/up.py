@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    f"(default {d.base_port})")
     u.add_argument("--gateway-port", type=port_number, default=d.gateway_port, metavar="P",
                    help=f"the gRPC gateway (default {d.gateway_port}, `foundry ctl`'s default)")
+    u.add_argument("--http-port", type=port_number, default=d.http_port, metavar="P",
+                   help=f"the gateway's OpenAI-compatible HTTP API (default {d.http_port})")
     u.add_argument("--metrics-port", type=port_number, default=d.metrics_port, metavar="M",
                    help=f"metrics: coordinator M, TP leader M+2, gateway M+3, TP worker M+4, "
                    f"worker i M+10+i (default {d.metrics_port})")
@@ -93,6 +95,7 @@ def run_up(args: argparse.Namespace) -> int:
             sample_every=args.sample_every,
             base_port=args.base_port,
             gateway_port=args.gateway_port,
+            http_port=args.http_port,
             metrics_port=args.metrics_port,
             prometheus_port=args.prometheus_port,
             prometheus=not args.no_prometheus,

@@ -241,7 +241,8 @@ def _run_locked(
             )
             stack.say(
                 f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} status`, "
-                f"`{ctl} generate --prompt TEXT`; Ctrl+C stops everything"
+                f"`{ctl} generate --prompt TEXT`, OpenAI-compatible API on "
+                f"http://{addr(local_host(opt.host), ports.http)}/v1; Ctrl+C stops everything"
             )
             while True:
                 stack.supervise(training=False)

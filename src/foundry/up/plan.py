@@ -26,6 +26,7 @@ class StackOptions:
     workers: int = 2
     base_port: int = 7070
     gateway_port: int = 50051
+    http_port: int = 8080  # the gateway's OpenAI-compatible HTTP API
     metrics_port: int = 9100
     prometheus_port: int = 9090
     host: str = "127.0.0.1"
@@ -63,6 +64,7 @@ class StackOptions:
                              f"{self.lr}")
         for name, port in (
             ("--base-port", self.base_port), ("--gateway-port", self.gateway_port),
+            ("--http-port", self.http_port),
             ("--metrics-port", self.metrics_port), ("--prometheus-port", self.prometheus_port),
         ):
             if not 1 <= port <= 65535 - PORT_SPAN:
@@ -149,6 +151,7 @@ class StackPorts:
     tp_leader: int
     tp_frontend: int
     gateway: int
+    http: int
     coordinator_metrics: int
     tp_leader_metrics: int
     tp_worker_metrics: int
@@ -161,7 +164,7 @@ class StackPorts:
         b, m = opt.base_port, opt.metrics_port
         return cls(
             coordinator=b, admin=b + 1, tp_leader=b + 20, tp_frontend=b + 21,
-            gateway=opt.gateway_port,
+            gateway=opt.gateway_port, http=opt.http_port,
             coordinator_metrics=m, tp_leader_metrics=m + 2, gateway_metrics=m + 3,
             tp_worker_metrics=m + 4,
             worker_metrics=tuple(m + 10 + i for i in range(opt.workers)),
@@ -173,7 +176,8 @@ class StackPorts:
         out = [
             ("coordinator workers", self.coordinator), ("coordinator admin", self.admin),
             ("tp-leader", self.tp_leader), ("tp-leader frontend", self.tp_frontend),
-            ("gateway", self.gateway), ("coordinator metrics", self.coordinator_metrics),
+            ("gateway", self.gateway), ("gateway http", self.http),
+            ("coordinator metrics", self.coordinator_metrics),
             ("tp-leader metrics", self.tp_leader_metrics),
             ("gateway metrics", self.gateway_metrics),
             ("tp-worker metrics", self.tp_worker_metrics),
@@ -200,10 +204,12 @@ def addr(host: str, port: int) -> str:
 
 
 def gateway_service(opt: StackOptions, ports: StackPorts, token_file: Path | None) -> ServiceSpec:
-    """The gRPC gateway in front of the coordinator's admin port and the pair's frontend."""
+    """The gateway (gRPC, and the OpenAI-compatible HTTP API) in front of the coordinator's
+    admin port and the pair's frontend."""
     return ServiceSpec(
         "gateway",
         (*FOUNDRY, "gateway", "--listen", addr(opt.host, ports.gateway),
+         "--http-listen", addr(opt.host, ports.http),
          "--coordinator-admin", addr("127.0.0.1", ports.admin),
          "--tp-frontend", addr("127.0.0.1", ports.tp_frontend),
          *(("--token-file", str(token_file)) if token_file else ()),
