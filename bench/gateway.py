@@ -5,12 +5,15 @@ It starts, as processes and through their CLI, a tensor-parallel pair (`foundry 
 --wait-for-start`) and `foundry gateway` in front of both, then:
 
 1. generation throughput: greedy generations of ``--tokens`` tokens, over the frontend link
-   directly (the gateway's own client, in this process) and through the gateway (a gRPC
-   stream), ``--rounds`` rounds of one generation per path, the paths taking turns to go
-   first. Tokens/s of a path is all its tokens over all its wall time; the ratio is the median
-   over rounds of the gateway's rate over the direct rate of the same round, so that load from
-   other processes, which drifts over seconds, weighs on both sides of each ratio alike.
-   Target: a ratio of at least 0.95. Every generation must run to ``--tokens`` (an early EOS
+   directly (the gateway's own client, in this process), through the gateway's gRPC API (a
+   stream) and through its OpenAI-compatible HTTP API (``/v1/completions`` streamed as
+   server-sent events, read by the official ``openai`` package's async client), ``--rounds``
+   rounds of one generation per path, the paths taking turns to go first. Tokens/s of a path
+   is all its tokens over all its wall time; a ratio is the median over rounds of a path's rate
+   over the direct rate of the same round, so that load from other processes, which drifts
+   over seconds, weighs on both sides of each ratio alike. Time to first token (median over
+   rounds) is from the request to the first token's text, per path.
+   Target: both ratios at least 0.95. Every generation must run to ``--tokens`` (an early EOS
    would time the call's setup instead of the stream). Also reported: CPU milliseconds per
    token of each process (pair, gateway, this client), which the scheduling noise of a small
    machine moves far less than the wall-clock rates, and the mean tokens per gRPC message
@@ -49,6 +52,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.errors import GatewayError
@@ -61,7 +65,7 @@ from foundry.wire import frontend
 TARGET_RATIO = 0.95
 PROMPT = "The gateway forwards every token"
 LEADER_LINE = re.compile(r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+)")
-GATEWAY_LINE = re.compile(r"gateway listening: grpc (\S+):(\d+)")
+GATEWAY_LINE = re.compile(r"gateway listening: grpc (\S+):(\d+), http (\S+):(\d+)")
 COORDINATOR_LINE = re.compile(r"coordinator listening: workers (\S+):(\d+), admin (\S+):(\d+)")
 STARTUP_S = 120.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -164,25 +168,53 @@ def check_length(n: int, tokens: int) -> int:
     return n
 
 
-async def direct_tokens(client: FrontendClient, tokens: int) -> tuple[int, int]:
-    """(tokens, messages) of one generation; the frontend link sends a frame per token."""
+# (tokens, messages, seconds to the first token) of one generation.
+Run = tuple[int, int, float]
+
+
+async def direct_tokens(client: FrontendClient, tokens: int) -> Run:
+    """One generation straight on the frontend link, which sends a frame per token."""
     n = 0
+    t0 = time.perf_counter()
+    first = 0.0
     async with client.generate(PROMPT, tokens) as generation:
         async for event in generation:
-            n += isinstance(event, frontend.Token)
-    return check_length(n, tokens), n
+            if isinstance(event, frontend.Token):
+                n += 1
+                first = first or time.perf_counter() - t0
+    return check_length(n, tokens), n, first
 
 
-async def gateway_tokens(
-    stub: inference_pb2_grpc.InferenceServiceStub, tokens: int
-) -> tuple[int, int]:
-    """(tokens, messages) of one generation through the gateway."""
+async def gateway_tokens(stub: inference_pb2_grpc.InferenceServiceStub, tokens: int) -> Run:
+    """One generation through the gateway's gRPC API."""
     n = messages = 0
+    t0 = time.perf_counter()
+    first = 0.0
     request = inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=tokens, temperature=0.0)
     async for event in stub.Generate(request, timeout=600):
         n += len(event.tokens)
         messages += 1
-    return check_length(n, tokens), messages
+        first = first or time.perf_counter() - t0
+    return check_length(n, tokens), messages, first
+
+
+async def http_tokens(client: openai.AsyncOpenAI, tokens: int) -> Run:
+    """One generation through the gateway's OpenAI-compatible API, streamed; the token count
+    is the stream's usage."""
+    n = messages = 0
+    t0 = time.perf_counter()
+    first = 0.0
+    stream = await client.completions.create(
+        model="foundry", prompt=PROMPT, max_tokens=tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+        elif chunk.choices and chunk.choices[0].text:
+            messages += 1
+            first = first or time.perf_counter() - t0
+    return check_length(n, tokens), messages, first
 
 
 async def latencies(call: Callable[[], Awaitable[object]], callers: int, calls: int) -> list[float]:
@@ -205,37 +237,44 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(
-    args: argparse.Namespace, frontend_port: int, gateway: str, pids: dict[str, int]
+    args: argparse.Namespace, frontend_port: int, gateway: str, http: str,
+    pids: dict[str, int],
 ) -> dict[str, float]:
     client = FrontendClient("127.0.0.1", frontend_port)
     await wait_pair(client)
     channel = grpc.aio.insecure_channel(gateway)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
-    paths: dict[str, Callable[[], Awaitable[tuple[int, int]]]] = {
+    web = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
+    paths: dict[str, Callable[[], Awaitable[Run]]] = {
         "direct": lambda: direct_tokens(client, args.tokens),
         "gateway": lambda: gateway_tokens(stub, args.tokens),
+        "http": lambda: http_tokens(web, args.tokens),
     }
     seconds = {name: 0.0 for name in paths}
     tokens = {name: 0 for name in paths}
     messages = {name: 0 for name in paths}
+    firsts: dict[str, list[float]] = {name: [] for name in paths}
     meters = {name: CpuMeter(pids) for name in paths}
-    ratios = []
+    ratios: dict[str, list[float]] = {"gateway": [], "http": []}
     try:
-        for run in paths.values():  # warm both paths
+        for run in paths.values():  # warm every path
             await run()
         for i in range(args.rounds):
             rate = {}
-            for name in sorted(paths, reverse=i % 2 == 1):
+            order = sorted(paths)
+            for name in order[i % len(order):] + order[: i % len(order)]:
                 before = meters[name].snapshot()
                 t0 = time.perf_counter()
-                n, sent = await paths[name]()
+                n, sent, first = await paths[name]()
                 spent = time.perf_counter() - t0
                 meters[name].add(before)
                 tokens[name] += n
                 messages[name] += sent
                 seconds[name] += spent
+                firsts[name].append(first)
                 rate[name] = n / spent
-            ratios.append(rate["gateway"] / rate["direct"])
+            for name in ratios:
+                ratios[name].append(rate[name] / rate["direct"])
         training = training_pb2_grpc.TrainingServiceStub(channel)
         training_status = await latencies(
             lambda: training.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(),
@@ -247,16 +286,24 @@ async def measure(
             args.callers, args.calls,
         )
     finally:
+        await web.close()
         await channel.close()
         await client.close()
     results = {
         "direct_tokens_per_s": tokens["direct"] / seconds["direct"],
         "gateway_tokens_per_s": tokens["gateway"] / seconds["gateway"],
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
+        "http_tokens_per_s": tokens["http"] / seconds["http"],
+        "ratio": statistics.median(ratios["gateway"]),
+        "ratio_min": min(ratios["gateway"]),
+        "ratio_max": max(ratios["gateway"]),
+        "http_ratio": statistics.median(ratios["http"]),
+        "http_ratio_min": min(ratios["http"]),
+        "http_ratio_max": max(ratios["http"]),
         "gateway_tokens_per_message": tokens["gateway"] / messages["gateway"],
+        "http_tokens_per_chunk": tokens["http"] / messages["http"],
     }
+    for name, values in firsts.items():
+        results[f"{name}_ttft_ms"] = 1e3 * statistics.median(values)
     for name, meter in meters.items():
         for process, spent in meter.spent.items():
             results[f"{name}_cpu_ms_per_token_{process}"] = 1e3 * spent / tokens[name]
@@ -276,13 +323,19 @@ def report(args: argparse.Namespace, results: dict[str, float], ok: bool) -> Non
           f"{model_label(args)}:")
     print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
     print(f"  through the gateway   {results['gateway_tokens_per_s']:8.1f} tokens/s")
-    print(f"  ratio, median of {args.rounds} rounds {results['ratio']:6.3f}  "
-          f"(target >= {TARGET_RATIO}) {'PASS' if ok else 'FAIL'}; rounds "
-          f"{results['ratio_min']:.2f} to {results['ratio_max']:.2f}")
+    print(f"  through HTTP          {results['http_tokens_per_s']:8.1f} tokens/s")
+    for key, label in (("ratio", "gRPC"), ("http_ratio", "HTTP")):
+        good = results[key] >= TARGET_RATIO
+        print(f"  {label} ratio, median of {args.rounds} rounds {results[key]:6.3f}  "
+              f"(target >= {TARGET_RATIO}) {'PASS' if good else 'FAIL'}; rounds "
+              f"{results[key + '_min']:.2f} to {results[key + '_max']:.2f}")
+    print(f"  time to first token, median: direct {results['direct_ttft_ms']:.2f} ms, gRPC "
+          f"{results['gateway_ttft_ms']:.2f} ms, HTTP {results['http_ttft_ms']:.2f} ms")
     print(f"  tokens per gRPC message through the gateway, mean "
-          f"{results['gateway_tokens_per_message']:.2f}")
+          f"{results['gateway_tokens_per_message']:.2f}; per HTTP chunk "
+          f"{results['http_tokens_per_chunk']:.2f}")
     print("  CPU ms per token       leader  worker  gateway  client")
-    for name in ("direct", "gateway"):
+    for name in ("direct", "gateway", "http"):
         cells = "".join(f"{results[f'{name}_cpu_ms_per_token_{p}']:8.3f}"
                         for p in ("tp-leader", "tp-worker", "gateway", "client"))
         print(f"    {name:<20}{cells}")
@@ -329,7 +382,7 @@ def main() -> int:
             )
             admin = services.wait_line(coordinator, COORDINATOR_LINE)
             gateway = services.spawn(
-                "gateway", "gateway", "--listen", "127.0.0.1:0",
+                "gateway", "gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
                 "--coordinator-admin", f"127.0.0.1:{admin.group(4)}",
                 "--tp-frontend", f"127.0.0.1:{frontend_port}", read_stdout=True,
             )
@@ -337,12 +390,13 @@ def main() -> int:
             pids = {name: services.procs[name].pid for name in ("tp-leader", "tp-worker",
                                                                  "gateway")}
             results = asyncio.run(
-                measure(args, frontend_port, f"127.0.0.1:{listening.group(2)}", pids)
+                measure(args, frontend_port, f"127.0.0.1:{listening.group(2)}",
+                        f"127.0.0.1:{listening.group(4)}", pids)
             )
         finally:
             services.stop()
 
-    ok = results["ratio"] >= TARGET_RATIO
+    ok = results["ratio"] >= TARGET_RATIO and results["http_ratio"] >= TARGET_RATIO
     report(args, results, ok)
     line = json.dumps({"bench": "gateway", "model": model_label(args), **results, "pass": ok})
     print(line)
