@@ -13,6 +13,9 @@ import asyncio
 import http.client
 import json
 import socket
+import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -412,3 +415,39 @@ def test_fair_queue_forgets_a_waiter_that_leaves() -> None:
         assert q.active == 1
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+def test_https_with_the_gateways_certificate(server: Server, tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    made = subprocess.run([sys.executable, "-m", "foundry", "certs", "--out", str(certs)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    with Service(
+        ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+         "--tls-cert", str(certs / "gateway.pem"), "--tls-key", str(certs / "gateway-key.pem"),
+         "--coordinator-admin", f"127.0.0.1:{free_port()}",
+         "--tp-frontend", f"127.0.0.1:{server.pair.frontend}"],
+        tmp_path / "gateway.log",
+    ) as gateway:
+        port = int(gateway.wait_for(HTTP_LINE).group(1))
+        with openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+            http_client=openai.DefaultHttpxClient(
+                verify=ssl.create_default_context(cafile=str(certs / "ca.pem"))),
+        ) as trusted:
+            r = trusted.completions.create(model="foundry", prompt="secure", max_tokens=4,
+                                           temperature=0)
+        want = server.client().completions.create(model="foundry", prompt="secure",
+                                                  max_tokens=4, temperature=0)
+        assert r.choices[0].text == want.choices[0].text
+        with pytest.raises(openai.APIConnectionError):  # plain HTTP on the TLS port
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                          max_retries=0).models.list()
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with ssl.create_default_context().wrap_socket(  # a client that does not trust the CA
+            raw, server_hostname="127.0.0.1", do_handshake_on_connect=False
+        ) as untrusting, pytest.raises(ssl.SSLCertVerificationError):
+            untrusting.do_handshake()
