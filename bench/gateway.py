@@ -318,7 +318,7 @@ def model_label(args: argparse.Namespace) -> str:
     return str(args.model) if args.model else f"perturbed {args.preset} preset"
 
 
-def report(args: argparse.Namespace, results: dict[str, float], ok: bool) -> None:
+def report(args: argparse.Namespace, results: dict[str, float]) -> None:
     print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy, "
           f"{model_label(args)}:")
     print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
@@ -397,7 +397,7 @@ def main() -> int:
             services.stop()
 
     ok = results["ratio"] >= TARGET_RATIO and results["http_ratio"] >= TARGET_RATIO
-    report(args, results, ok)
+    report(args, results)
     line = json.dumps({"bench": "gateway", "model": model_label(args), **results, "pass": ok})
     print(line)
     if args.json:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from procs import Service
+from procs import ENV, Service
 from test_gateway_frontend import (
     LONG,
     MODEL_CFG,
@@ -213,6 +213,26 @@ def test_stop_strings_across_token_boundaries(server: Server, model: Path) -> No
                                            max_tokens=80, temperature=0, stop=[stop, "\x00zz"])
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_ctl_and_grpc_send_the_same_conversation(server: Server, tmp_path: Path) -> None:
+    """`foundry ctl generate --message` (gRPC Generate with messages) prints the reply the
+    HTTP API gives for the same conversation."""
+    grpc_port = server.gateway.wait_for(r"grpc 127\.0\.0\.1:(\d+)").group(1)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    ctl = subprocess.run(
+        [sys.executable, "-m", "foundry", "ctl", "--gateway", f"127.0.0.1:{grpc_port}",
+         "--token-file", str(token), "generate", "--max-tokens", "16",
+         *(f"--message={m['role']}:{m['content']}" for m in CONVERSATION)],
+        capture_output=True, env=ENV, timeout=60,
+    )
+    assert ctl.returncode == 0, ctl.stderr
+    chat = server.client().chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
+                                                   max_tokens=16, temperature=0)
+    content = chat.choices[0].message.content
+    assert content is not None
+    assert ctl.stdout == content.encode() + b"\n"
 
 
 def test_models_and_health(server: Server) -> None:

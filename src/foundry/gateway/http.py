@@ -492,7 +492,7 @@ class OpenAIApi:
             while events:
                 piece, lps = out.take(events)
                 if piece or lps:
-                    yield render.chunk(piece, lps, out)
+                    yield render.chunk(piece, lps)
                 if out.done is not None:
                     break
                 try:
@@ -622,7 +622,7 @@ class _Render:
         return sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}], True))
 
-    def chunk(self, piece: str, lps: list[Logprobs], out: _Output) -> bytes:
+    def chunk(self, piece: str, lps: list[Logprobs]) -> bytes:
         logprobs = self._logprobs(lps, self._offset)
         self._offset += len(piece)
         if self.chat:
