@@ -419,6 +419,23 @@ def test_fair_queue_takes_clients_in_turn() -> None:
     assert asyncio.run(main()) == ["a", "b", "c", "a", "a"]
 
 
+def test_fair_queue_skips_a_waiter_cancelled_before_it_woke() -> None:
+    async def main() -> None:
+        q = FairQueue(max_active=1, max_waiting=2)
+        await q.acquire("a")
+        gone = asyncio.ensure_future(q.acquire("b"))
+        stays = asyncio.ensure_future(q.acquire("c"))
+        await asyncio.sleep(0)
+        gone.cancel()  # its future is cancelled now; its task runs only at the next turn
+        q.release()  # so this must pass over it to c
+        await stays
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert (q.active, q.waiting) == (1, 0)
+
+    asyncio.run(main())
+
+
 def test_fair_queue_forgets_a_waiter_that_leaves() -> None:
     async def main() -> None:
         q = FairQueue(max_active=1, max_waiting=1)

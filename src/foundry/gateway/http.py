@@ -185,6 +185,8 @@ class FairQueue:
                 self._queues.move_to_end(key)  # the next key's turn
             else:
                 del self._queues[key]
+            if fut.done():  # cancelled, its waiter not yet woken to leave: skip it
+                continue
             self.active += 1
             fut.set_result(None)
 
@@ -335,6 +337,7 @@ class OpenAIApi:
         self.client = client
         self.metrics = metrics
         self.queue = FairQueue(options.max_active, options.max_waiting)
+        metrics.http_queue_depth.set_function(lambda: self.queue.waiting)
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
@@ -440,15 +443,12 @@ class OpenAIApi:
     # -- generation --------------------------------------------------------------------
 
     async def _admit(self, request: Request) -> None:
-        self.metrics.http_queue_depth.set(self.queue.waiting + 1)
         try:
             await self.queue.acquire(request.client.host if request.client else "")
         except QueueFull as exc:
             raise HttpError(429, f"too many requests: {exc}; retry in {RETRY_AFTER_S} s",
                             "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
                             ) from None
-        finally:
-            self.metrics.http_queue_depth.set(self.queue.waiting)
 
     async def _begin(self, request: Request, generation: Generation) -> list[Event]:
         """Queue, send the GENERATE, await the first events (admitted: the caller releases)."""
