@@ -40,18 +40,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     from foundry.model.chat import ChatTemplateError, Message, prompt_text, template_for
-    from foundry.model.config import EOS_ID
-    from foundry.model.data import encode
     from foundry.model.generate import printable
     from foundry.model.gguf_io import GGUFError, load_gguf_stored
     from foundry.model.inference import Engine
     from foundry.model.sampling import SamplingError, make_rng, sample
+    from foundry.model.vocab import TokenizerError, load_tokenizer
     from foundry.tp.policy import TextStream
 
     try:
         loaded = load_gguf_stored(args.model)
+        tokenizer = load_tokenizer(loaded.metadata)
         template = template_for(loaded.metadata, args.chat_template)
-    except (GGUFError, OSError, ChatTemplateError) as exc:
+    except (GGUFError, OSError, ChatTemplateError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = Engine(loaded.cfg, loaded.params)
@@ -67,19 +67,20 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         history.append(Message("user", line.rstrip("\n")))
         try:
-            tokens = [int(t) for t in encode(prompt_text(template, history), bos=True)]
+            # The template's turn markers are the model's special tokens: parsed as such.
+            tokens = tokenizer.encode(prompt_text(template, history), parse_special=True)
             session = engine.new_session()
             if len(tokens) >= session.ctx_size:
                 print(f"error: the conversation is {len(tokens)} tokens, the context "
                       f"{session.ctx_size}; start a new one", file=sys.stderr)
                 return 1
             logits = engine.decode(session, tokens)[-1]
-            text = TextStream(stop)
+            text = TextStream(stop, tokenizer.stream_decoder())
             reply: list[str] = []
             for n in range(1, args.max_tokens + 1):
                 token = sample(logits, args.temperature, args.top_p,
                                rng if args.temperature > 0 else None, args.top_k)
-                last = token == EOS_ID or n == args.max_tokens or session.free == 0
+                last = token in tokenizer.eog_ids or n == args.max_tokens or session.free == 0
                 piece, hit = text.push(token, final=last)
                 reply.append(piece)
                 sys.stdout.write(printable(piece))
