@@ -113,8 +113,6 @@ def watch_training(
                 continue
             raise
         summary.polls += 1
-        if summary.polls == 1:
-            summary.start_step = st.global_step
         if not math.isnan(st.train_loss):
             if math.isnan(summary.first_loss):
                 summary.first_loss = st.train_loss
@@ -159,6 +157,9 @@ def _run_locked(
     run = opt.run_dir
     if opt.fresh:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    # Where the coordinator resumes: its newest checkpoint, read before it starts (the step
+    # of the first status poll depends on how fast the services came up).
+    resumes_at = max((step for step, _ in list_checkpoints(run / "checkpoints")), default=0)
     token_file = None
     token = None
     if not opt.loopback:
@@ -202,7 +203,7 @@ def _run_locked(
                       f"{opt.seq_len} on the bundled corpus; a greedy sample every "
                       f"{opt.sample_interval} steps")
             stack.say(held_out_line(len(held_out), yardstick))
-            summary = TrainingSummary()
+            summary = TrainingSummary(start_step=resumes_at)
             try:
                 watch_training(stack, admin, view, summary,
                                CheckpointSamples(run / "checkpoints", opt.prompt,

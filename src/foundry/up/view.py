@@ -58,7 +58,7 @@ class TrainingSummary:
     val_loss: float = float("nan")
     seconds: float = 0.0
     polls: int = 0
-    start_step: int = 0  # the global step at the first poll: above 0, the run resumed
+    start_step: int = 0  # the step the coordinator resumed at (its newest checkpoint); 0: fresh
 
     def loss_text(self) -> str:
         """The training loss of this run: first and last, and where a resumed run resumed
