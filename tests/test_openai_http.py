@@ -2,9 +2,10 @@
 against a real gateway process in front of a real tensor-parallel pair (both ranks processes,
 tests/test_gateway_frontend.py's ``running_pair``), on loopback.
 
-The model is one of our byte-vocabulary models, so the leader renders conversations with the
-built-in ``plain`` template; the chat answers are compared with completions of the rendered
-text and with greedy decoding in this process (``reference_greedy``).
+The model is one of our byte-vocabulary models, whose own template would be the built-in
+``plain`` one; the leader runs with ``--chat-template gemma`` here, so that the flag and a
+template's refusal are exercised too. The chat answers are compared with completions of the
+rendered text and with greedy decoding in this process (``reference_greedy``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from procs import ENV, Service
 from test_gateway_frontend import (
     LONG,
     MODEL_CFG,
+    PAIR_FLAGS,
     PREFILL_CHUNK,
     Pair,
     free_port,
@@ -88,7 +90,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("http")
     (logs / "token").write_text(TOKEN + "\n")
-    with running_pair(model, logs) as pair, Service(
+    with running_pair(model, logs, (*PAIR_FLAGS, "--chat-template", "gemma")) as pair, Service(
         ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
          "--http-max-active", str(MAX_ACTIVE), "--http-queue", str(QUEUE),
          "--token-file", str(logs / "token"), "--metrics-port", "0",
@@ -121,9 +123,9 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
 
 def test_chat_is_the_rendered_conversation_greedily(server: Server, model: Path) -> None:
     c = server.client()
-    rendered = prompt_text(ChatTemplate(BUILTINS["plain"], "plain"),
+    rendered = prompt_text(ChatTemplate(BUILTINS["gemma"], "gemma"),
                            [Message(m["role"], m["content"]) for m in CONVERSATION])
-    assert rendered == "System: Be brief.\nUser: Hi!\nAssistant:"
+    assert rendered == "<start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\n"
     tokens, text = greedy(model, rendered, 24)
     chat = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
                                      max_tokens=24, temperature=0)
@@ -289,6 +291,15 @@ def test_bad_requests_get_their_status_and_the_gateway_serves_on(
         assert parsed["error"]["param"] == param
         if param is not None:
             assert param in parsed["error"]["message"]
+    assert server.raw("GET", "/health")[0] == 200
+
+
+def test_a_conversation_the_template_refuses_is_a_400(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="alternate") as exc:
+        server.client().chat.completions.create(
+            model="foundry", max_tokens=4,
+            messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert exc.value.status_code == 400
     assert server.raw("GET", "/health")[0] == 200
 
 
