@@ -39,7 +39,7 @@ from test_gateway_frontend import (
 )
 from tp_harness import make_model, metric, reference_greedy
 
-from foundry.gateway.http import FairQueue, QueueFull
+from foundry.gateway.http import FairQueue, QueueFull, _Render, sse
 from foundry.model.chat import BUILTINS, ChatTemplate, Message, prompt_text
 from foundry.model.config import EOS_ID
 from foundry.model.data import decode
@@ -499,3 +499,13 @@ def test_https_with_the_gateways_certificate(server: Server, tmp_path: Path) -> 
             raw, server_hostname="127.0.0.1", do_handshake_on_connect=False
         ) as untrusting, pytest.raises(ssl.SSLCertVerificationError):
             untrusting.do_handshake()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_text_chunk_is_its_whole_rendering(chat: bool) -> None:
+    marker = "\u2063piece\u2063"
+    render = _Render(chat, "cmpl-1", f'model "{marker}"', include_usage=False, logprobs=False)
+    for piece in ["", "plain", 'quote " and \\ backslash', "é😀\n\t\x00", marker]:
+        whole = sse(render._envelope([render._choice(piece, None)], True))
+        assert render.chunk(piece, []) == whole
+        assert json.loads(whole[len(b"data: "):])["model"] == f'model "{marker}"'

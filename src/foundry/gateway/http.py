@@ -604,6 +604,7 @@ class _Render:
     logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
     _offset: int = 0  # text sent so far (legacy logprobs' text_offset)
+    _around: tuple[bytes, bytes] | None = None  # a text chunk's bytes before and after the text
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else (
@@ -622,15 +623,26 @@ class _Render:
         return sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}], True))
 
+    def _choice(self, piece: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "delta": {"content": piece}, "logprobs": logprobs,
+                    "finish_reason": None}
+        return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": None}
+
     def chunk(self, piece: str, lps: list[Logprobs]) -> bytes:
         logprobs = self._logprobs(lps, self._offset)
         self._offset += len(piece)
-        if self.chat:
-            choice = {"index": 0, "delta": {"content": piece}, "logprobs": logprobs,
-                      "finish_reason": None}
-        else:
-            choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": None}
-        return sse(self._envelope([choice], True))
+        if logprobs is not None:
+            return sse(self._envelope([self._choice(piece, logprobs)], True))
+        # The hot path, once per batch of tokens: only the text varies, so the chunk is the
+        # JSON around it (rendered once per stream) with the text's JSON string in between.
+        if self._around is None:
+            marker = "\u2063piece\u2063"
+            head, _, tail = sse(self._envelope([self._choice(marker, None)], True)).rpartition(
+                json.dumps(marker, ensure_ascii=False).encode())
+            self._around = (head, tail)
+        head, tail = self._around
+        return head + json.dumps(piece, ensure_ascii=False).encode() + tail
 
     def closing(self, out: _Output) -> bytes:
         assert out.done is not None
