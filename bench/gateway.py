@@ -7,7 +7,7 @@ It starts, as processes and through their CLI, a tensor-parallel pair (`foundry 
 1. generation throughput: greedy generations of ``--tokens`` tokens, over the frontend link
    directly (the gateway's own client, in this process), through the gateway's gRPC API (a
    stream) and through its OpenAI-compatible HTTP API (``/v1/completions`` streamed as
-   server-sent events, read by the official ``openai`` package's async client), ``--rounds``
+   server-sent events, read with the ``openai`` package's HTTP client), ``--rounds``
    rounds of one generation per path, the paths taking turns to go first. Tokens/s of a path
    is all its tokens over all its wall time; a ratio is the median over rounds of a path's rate
    over the direct rate of the same round, so that load from other processes, which drifts
@@ -198,22 +198,26 @@ async def gateway_tokens(stub: inference_pb2_grpc.InferenceServiceStub, tokens: 
     return check_length(n, tokens), messages, first
 
 
-async def http_tokens(client: openai.AsyncOpenAI, tokens: int) -> Run:
-    """One generation through the gateway's OpenAI-compatible API, streamed; the token count
-    is the stream's usage."""
+async def http_tokens(http: openai.DefaultAsyncHttpxClient, base: str, tokens: int) -> Run:
+    """One generation through the gateway's OpenAI-compatible API, streamed: the server-sent
+    events read line by line with the ``openai`` package's own HTTP client, each chunk parsed
+    as JSON (the package's typed chunk objects would time the client's pydantic, not the
+    gateway); the token count is the stream's usage."""
     n = messages = 0
     t0 = time.perf_counter()
     first = 0.0
-    stream = await client.completions.create(
-        model="foundry", prompt=PROMPT, max_tokens=tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-        elif chunk.choices and chunk.choices[0].text:
-            messages += 1
-            first = first or time.perf_counter() - t0
+    body = {"model": "foundry", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", f"{base}/completions", json=body, timeout=600) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                messages += 1
+                first = first or time.perf_counter() - t0
     return check_length(n, tokens), messages, first
 
 
@@ -244,11 +248,11 @@ async def measure(
     await wait_pair(client)
     channel = grpc.aio.insecure_channel(gateway)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
-    web = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=0)
+    web = openai.DefaultAsyncHttpxClient()
     paths: dict[str, Callable[[], Awaitable[Run]]] = {
         "direct": lambda: direct_tokens(client, args.tokens),
         "gateway": lambda: gateway_tokens(stub, args.tokens),
-        "http": lambda: http_tokens(web, args.tokens),
+        "http": lambda: http_tokens(web, f"http://{http}/v1", args.tokens),
     }
     seconds = {name: 0.0 for name in paths}
     tokens = {name: 0 for name in paths}
@@ -286,7 +290,7 @@ async def measure(
             args.callers, args.calls,
         )
     finally:
-        await web.close()
+        await web.aclose()
         await channel.close()
         await client.close()
     results = {

@@ -717,7 +717,7 @@ class HttpServer:
         sock = _bind(self.opt.host, self.opt.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.api.app, lifespan="off", log_level="warning", access_log=False,
+            self.api.app, http="h11", lifespan="off", log_level="warning", access_log=False,
             ssl_certfile=self.opt.tls_cert, ssl_keyfile=self.opt.tls_key,
             timeout_graceful_shutdown=max(1, round(self.opt.grace_s)),
         )
