@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,13 @@ class Server:
     port: int
     metrics: int
 
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed at the end
+
     def client(self, token: str = TOKEN) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token,
-                             max_retries=0, timeout=60)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token,
+                          max_retries=0, timeout=60)
+        self.clients.append(c)  # kept until closed: never left to the collector, open
+        return c
 
     def raw(self, method: str, path: str, body: bytes | None = None,
             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -100,7 +104,12 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     ) as gateway:
         port = int(gateway.wait_for(HTTP_LINE).group(1))
         metrics = int(gateway.wait_for(METRICS_LINE).group(1))
-        yield Server(pair, gateway, port, metrics)
+        server = Server(pair, gateway, port, metrics)
+        try:
+            yield server
+        finally:
+            for c in server.clients:
+                c.close()
         assert "Traceback" not in gateway.text(), gateway.text()[-3000:]
 
 
