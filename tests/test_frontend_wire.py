@@ -166,6 +166,12 @@ GOLDEN: list[tuple[Frame, str]] = [
      " efbeadde"  # model_id
      " 0000003f"  # spec_acceptance f32 0.5
      " 0900000000000000"),  # requests_served u64
+    (Logprobs(5, 104, -0.5, b"h", ((104, -0.5, b"h"), (7, -2.0, b""))),
+     "46444645 08 05000000 21000000"  # 33 bytes
+     " 68000000 000000bf 0100 68"  # the chosen token: i32 104, f32 -0.5, u16 1, "h"
+     " 02"  # two alternatives
+     " 68000000 000000bf 0100 68"
+     " 07000000 000000c0 0000"),  # token 7, -2.0, no bytes
 ]  # fmt: skip
 
 
