@@ -49,6 +49,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLA
 import argparse
 import asyncio
 import ctypes
+import dataclasses
 import json
 import multiprocessing as mp
 import shutil
@@ -68,11 +69,12 @@ import numpy as np
 from tp_gates import cores, pin, raw_exchange
 
 from foundry.model.config import PRESETS, ModelConfig
-from foundry.model.data import encode
 from foundry.model.gguf_io import FILE_DTYPES, FileDType, load_gguf, load_gguf_stored, save_gguf
 from foundry.model.inference import Engine
+from foundry.model.quant import linear
 from foundry.model.sampling import sample
 from foundry.model.tp_split import ExpertSplit, Gate
+from foundry.model.vocab import load_tokenizer_file
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.policy import SpecMode
@@ -90,6 +92,13 @@ REPETITIVE = "for i in range(10):\n    print(i)\n" * 6
 STARTUP_S = 120.0
 RAW_ITERS, RAW_WARMUP = 3000, 300
 WORKER_STOP_S = 30.0
+# The gate and control timeouts of both ranks (--timeout; the ranks' defaults unless given):
+# on a machine busy with other work, a rank descheduled for a second would end the pair.
+TIMEOUTS: dict[str, Any] = {}
+
+
+def with_timeouts(options: LeaderOptions) -> LeaderOptions:
+    return dataclasses.replace(options, **TIMEOUTS)
 
 
 def build_model(cfg: ModelConfig, path: Path, seed: int, dtype: FileDType = "f32") -> float:
@@ -116,10 +125,11 @@ def build_model(cfg: ModelConfig, path: Path, seed: int, dtype: FileDType = "f32
 
 
 def single_process(
-    model: Path, prompt: list[int], n: int, mode: ExpertSplit
+    model: Path, prompt: list[int], n: int, mode: ExpertSplit, eog: frozenset[int]
 ) -> tuple[list[int], float, dict[str, float]]:
-    """Greedy decode in one process: the tokens, the decode tokens/s (after the prompt), and
-    the balance of the two halves it evaluates (see ``Balance``)."""
+    """Greedy decode in one process: the tokens (up to an end-of-generation token in ``eog``,
+    included, as the leader emits it), the decode tokens/s (after the prompt), and the balance
+    of the two halves it evaluates (see ``Balance``)."""
     m = load_gguf_stored(model)
     engine = Engine(m.cfg, m.params, expert_split=mode)
     del m
@@ -129,12 +139,23 @@ def single_process(
     balance = Balance(engine)
     steps: list[float] = []
     t0 = time.perf_counter()
-    while len(out) < n:
+    while len(out) < n and out[-1] not in eog:
         t1 = time.perf_counter()
         out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
         steps.append(time.perf_counter() - t1)
     elapsed = time.perf_counter() - t0
-    return out, (n - 1) / elapsed, balance.summary(steps)
+    summary = balance.summary(steps)
+    summary["step_ms"] = float(np.median(steps)) * 1e3 if steps else float("nan")
+    # The output head alone, each part's vocabulary block: one row through it, median of 5.
+    row = np.random.default_rng(0).standard_normal((1, engine.cfg.n_embd), dtype=np.float32)
+    for j, head in enumerate(engine._head):
+        spent = []
+        for _ in range(5):
+            t1 = time.perf_counter()
+            linear(row, head)
+            spent.append(time.perf_counter() - t1)
+        summary[f"head{j}_ms"] = float(np.median(spent)) * 1e3
+    return out, (len(out) - 1) / elapsed, summary
 
 
 class Balance:
@@ -212,9 +233,57 @@ class InProcessLeader:
         self._thread.join(30)
 
 
+class JoinTimer:
+    """The seconds the leader waits, once its own rows are done, for the worker's half of the
+    logits (``LeaderEngine._join``, wrapped): the worker being later than the leader, plus the
+    LOGITS frame's transfer."""
+
+    def __init__(self, leader: Leader) -> None:
+        self.times: list[float] = []
+        engine = leader.engine
+        join = engine._join
+
+        def timed(mine: Any) -> Any:
+            t0 = time.perf_counter()
+            out = join(mine)
+            self.times.append(time.perf_counter() - t0)
+            return out
+
+        engine._join = timed  # type: ignore[method-assign]
+
+
+def where(tag: str, label: str, pair_rate: float, gates: list[tuple[Gate, float]],
+          joins: list[float], steps: int, n_layer: int) -> dict[str, float]:
+    """Where a decoded token's time goes on the leader, ms per token: in the 2 x n_layer gates
+    (the exchange and the wait for the slower rank), waiting for the worker's logits half, and
+    the rest (the leader's own half of the layers and of the head, sampling, the frontend)."""
+    step = 1e3 / pair_rate
+    decode_gates = gates[-2 * n_layer * steps:] if steps else []
+    gate_ms = sum(t for _, t in decode_gates) * 1e3 / max(steps, 1)
+    logits_ms = sum(joins[-steps:]) * 1e3 / max(steps, 1) if steps else 0.0
+    rest = step - gate_ms - logits_ms
+    print(f"{tag} {label}: per token {step:.2f} ms = gates {gate_ms:.2f} + waiting for the "
+          f"worker's logits half {logits_ms:.2f} + the leader's own work {rest:.2f}")
+    return {f"{label}_step_ms": step, f"{label}_gates_ms": gate_ms,
+            f"{label}_logits_wait_ms": logits_ms}
+
+
+def exchange_ms(tag: str, label: str, pairs: GatePairs, steps: int, n_layer: int) -> float:
+    """Of the gates' time per token, the exchange itself, ms: each gate's shorter time of the
+    two ranks (the rank that arrives last waits for nobody), summed over a token's gates."""
+    decode = pairs[-2 * n_layer * steps:] if steps else []
+    if len(decode) < 2 * n_layer * steps:
+        print(f"{tag} {label}: the worker's gate times were lost, no exchange figure")
+        return float("nan")
+    ms = sum(min(lt, wt) for (_, lt), (_, wt) in decode) * 1e3 / steps
+    print(f"{tag} {label}: of the gates, the exchange itself {ms:.2f} ms per token "
+          f"({2 * n_layer} gates; the rest is waiting for the slower rank)")
+    return ms
+
+
 def worker_main(
     model: str, port: int, core: int | None, shm: bool, trace: str, mode: str,
-    netns: str | None = None, host: str = "127.0.0.1",
+    netns: str | None = None, host: str = "127.0.0.1", timeouts: dict[str, Any] | None = None,
 ) -> None:
     """The worker rank (a spawned process): pinned, one BLAS thread, in network namespace
     ``netns`` if given; on SIGTERM it stops and saves its gate times (gate, seconds) to
@@ -224,8 +293,9 @@ def worker_main(
         enter_netns(f"/var/run/netns/{netns}")
     limit_blas_threads(1)
     times: list[tuple[int, float]] = []
-    worker = Worker(WorkerOptions(model=Path(model), leader_host=host, leader_port=port,
-                                  shm=shm, retry_max_s=0.2, expert_split=ExpertSplit(mode)))
+    options = WorkerOptions(model=Path(model), leader_host=host, leader_port=port, shm=shm,
+                            retry_max_s=0.2, expert_split=ExpertSplit(mode))
+    worker = Worker(dataclasses.replace(options, **(timeouts or {})))
     record = worker._on_gate
 
     def on_gate(gate: Gate, seconds: float, nbytes: int) -> None:
@@ -244,7 +314,7 @@ class WorkerProc:
         self.trace = trace
         self.proc = mp.get_context("spawn").Process(
             target=worker_main,
-            args=(str(model), port, core, shm, str(trace), mode.value, netns, host),
+            args=(str(model), port, core, shm, str(trace), mode.value, netns, host, TIMEOUTS),
         )
         self.proc.start()
 
@@ -311,7 +381,8 @@ class Link:
 
 
 def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tokens: list[int],
-               one_rate: float, core_b: int | None, tmp: Path, link: Link) -> dict[str, object]:
+               one_rate: float, core_b: int | None, tmp: Path, link: Link,
+               n_layer: int) -> dict[str, object]:
     """The pair over TCP across the shaped link: this process (leader and frontend client) in
     the leader's namespace, the worker in its own."""
     tag = f"[{mode.value}]"
@@ -319,19 +390,22 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
         enter_netns(f"/var/run/netns/{link.names[0]}")
-        leader = InProcessLeader(LeaderOptions(model=model, host=f"{LINK_SUBNET}.1", port=0,
-                                               frontend_port=0, spec_mode=SpecMode.OFF,
-                                               expert_split=mode))
+        leader = InProcessLeader(with_timeouts(LeaderOptions(
+            model=model, host=f"{LINK_SUBNET}.1", port=0, frontend_port=0,
+            spec_mode=SpecMode.OFF, expert_split=mode)))
         lead = leader.leader
+        joins = JoinTimer(lead)
         worker = WorkerProc(model, lead.port, core_b, False, tmp / f"link-{mode.value}.npy", mode,
                             netns=link.names[1], host=f"{LINK_SUBNET}.1")
         try:
             wait_paired(lead, shm=False)
             generate(lead.frontend_port, prompt, 4)  # warm-up
+            n_trace = len(lead.gate_latencies())
             got, times = generate(lead.frontend_port, prompt, tokens)
+            gates = lead.gate_latencies()
         finally:
             leader.stop()  # first, as for the TCP pair on loopback
-            worker.stop()
+            worker_gates = worker.stop()
     finally:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.setns(home, CLONE_NEWNET)
@@ -340,12 +414,15 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
     link_rate = rate(times)
     speedup = link_rate / one_rate
     same = got == one_tokens
+    spent = where(tag, "link", link_rate, gates, joins.times, len(got) - 1, n_layer)
+    pairs = aligned(gates, worker_gates, n_trace, len(gates) - n_trace)
+    spent["link_exchange_ms"] = exchange_ms(tag, "link", pairs, len(got) - 1, n_layer)
     passed = speedup >= LINK_TARGET and same
     print(f"{tag} pair, TCP over a {link.rate} tbf-shaped veth between two namespaces: "
           f"{link_rate:.2f} tokens/s  speed-up {speedup:.2f}x (target >= {LINK_TARGET}x) "
           f"{'PASS' if passed else 'FAIL'}{'' if same else '  (tokens differ from one process!)'}")
     return {"pair_link_tokens_per_s": link_rate, "speedup_link": speedup,
-            "same_tokens_link": same, "link_pass": passed}
+            "same_tokens_link": same, "link_pass": passed, **spent}
 
 
 def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
@@ -462,11 +539,19 @@ class ModeRun:
 
 
 def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: list[int],
-               tokens: int, core_b: int | None, tmp: Path, link: Link | None) -> ModeRun:
+               tokens: int, core_b: int | None, tmp: Path, link: Link | None,
+               eog: frozenset[int], spec: bool = True) -> ModeRun:
     """One process, then the pair over shared memory (bytes, speculative decoding), then over
     TCP, all with the experts cut by ``mode``."""
     tag = f"[{mode.value}]"
-    one_tokens, one_rate, bal = single_process(model, prompt_ids, tokens, mode)
+    one_tokens, one_rate, bal = single_process(model, prompt_ids, tokens, mode, eog)
+    heads = [v for k, v in sorted(bal.items()) if k.startswith("head")]
+    print(f"{tag} one process: {len(one_tokens)} tokens, a step {bal['step_ms']:.2f} ms of "
+          f"which the output head {sum(heads):.2f} ms (its vocabulary halves "
+          f"{' / '.join(f'{h:.2f}' for h in heads)} ms)")
+    if len(one_tokens) < tokens:
+        print(f"{tag}   (an end-of-generation token after {len(one_tokens)} tokens)")
+    tokens = len(one_tokens)
     print(f"{tag} one process: {one_rate:.2f} tokens/s; each half's work alone "
           f"{bal['half0_tokens_per_s']:.2f} / {bal['half1_tokens_per_s']:.2f} tokens/s, "
           f"balance bound {bal['bound']:.2f}x (the faster half waits "
@@ -474,10 +559,11 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
     results: dict[str, object] = {"one_process_tokens_per_s": one_rate,
                                   **{f"balance_{k}": v for k, v in bal.items()}}
     ok = True
-    leader = InProcessLeader(LeaderOptions(model=model, host="127.0.0.1", port=0,
-                                           frontend_port=0, spec_mode=SpecMode.OFF,
-                                           expert_split=mode))
+    leader = InProcessLeader(with_timeouts(LeaderOptions(
+        model=model, host="127.0.0.1", port=0, frontend_port=0, spec_mode=SpecMode.OFF,
+        expert_split=mode)))
     lead = leader.leader
+    joins = JoinTimer(lead)
     worker = WorkerProc(model, lead.port, core_b, True, tmp / f"shm-{mode.value}.npy", mode)
     try:
         wait_paired(lead, shm=True)
@@ -495,6 +581,8 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
               f"{speedup:.2f}x (target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
               f"{'' if same else '  (tokens differ from one process!)'}")
         results.update(pair_tokens_per_s=pair_rate, speedup=speedup, same_tokens=same)
+        results.update(where(tag, "shm", pair_rate, shm_gates, joins.times, tokens - 1,
+                             cfg.n_layer))
 
         # Bytes per decoded token (the prefill's are excluded: one SYNC, then tokens - 1
         # EVALs for tokens tokens; count the EVAL steps).
@@ -522,26 +610,27 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         results.update(gate_bytes_per_token=gate_per_token, formula_gate_bytes=formula_gate,
                        logits_bytes_per_token=per["control_received"] / tokens)
 
-        # Speculative decoding on repetitive text.
-        n_spec = 2 * tokens  # loops take a while to form in a random model's output
-        plain_tokens, plain_times = generate(lead.frontend_port, REPETITIVE, n_spec)
-        lead.spec_mode = SpecMode.FULL_PREFIX
-        drafted0, accepted0 = lead.drafted, lead.accepted
-        spec_tokens, spec_times = generate(lead.frontend_port, REPETITIVE, n_spec)
-        lead.spec_mode = SpecMode.OFF
-        spec_speedup = rate(spec_times) / rate(plain_times)
-        drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
-        spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
-        ok = ok and spec_ok
-        differ = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens, strict=False))
-                       if a != b), None)
-        print(f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
-              f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
-              f"{accepted} of {drafted} drafts accepted, same tokens as plain greedy decoding "
-              f"of the same prompt: {spec_tokens == plain_tokens}"
-              f"{'' if differ is None else f' (first differs at token {differ})'} "
-              f"{'PASS' if spec_ok else 'FAIL'}")
-        results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
+        # Speculative decoding on repetitive text (skipped with --no-spec).
+        if spec:
+            n_spec = 2 * tokens  # loops take a while to form in a random model's output
+            plain_tokens, plain_times = generate(lead.frontend_port, REPETITIVE, n_spec)
+            lead.spec_mode = SpecMode.FULL_PREFIX
+            drafted0, accepted0 = lead.drafted, lead.accepted
+            spec_tokens, spec_times = generate(lead.frontend_port, REPETITIVE, n_spec)
+            lead.spec_mode = SpecMode.OFF
+            spec_speedup = rate(spec_times) / rate(plain_times)
+            drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
+            spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
+            ok = ok and spec_ok
+            differ = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens,
+                                                             strict=False)) if a != b), None)
+            print(f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
+                  f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
+                  f"{accepted} of {drafted} drafts accepted, same tokens as plain greedy decoding "
+                  f"of the same prompt: {spec_tokens == plain_tokens}"
+                  f"{'' if differ is None else f' (first differs at token {differ})'} "
+                  f"{'PASS' if spec_ok else 'FAIL'}")
+            results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
     finally:
         shm_worker = worker.stop()
     shm_pairs = aligned(lead.gate_latencies(), shm_worker, n_trace, len(shm_gates))
@@ -555,6 +644,8 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         tcp_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
         tcp_gates = lead.gate_latencies()[n_trace:]
         tcp_rate = rate(times)
+        results.update(where(tag, "tcp", tcp_rate, tcp_gates, joins.times, len(tcp_tokens) - 1,
+                             cfg.n_layer))
         print(f"{tag} pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up "
               f"{tcp_rate / one_rate:.2f}x"
               f"{'' if tcp_tokens == one_tokens else '  (tokens differ from one process!)'}")
@@ -566,8 +657,11 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         leader.stop()
         tcp_worker = worker.stop()
     tcp_pairs = aligned(lead.gate_latencies(), tcp_worker, n_trace, len(tcp_gates))
+    results["shm_exchange_ms"] = exchange_ms(tag, "shm", shm_pairs, tokens - 1, cfg.n_layer)
+    results["tcp_exchange_ms"] = exchange_ms(tag, "tcp", tcp_pairs, tokens - 1, cfg.n_layer)
     if link is not None:
-        shaped = bench_link(model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link)
+        shaped = bench_link(model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link,
+                            cfg.n_layer)
         ok = ok and bool(shaped["link_pass"])
         results.update(shaped)
     return ModeRun(mode, results, ok, shm_pairs, tcp_pairs)
@@ -577,7 +671,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench", choices=["bench", "small"])
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
-    parser.add_argument("--model", type=Path, default=None, help="use this GGUF instead")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="use this GGUF instead (a published file: its tokenizer encodes the "
+                             "prompt; a dense model runs once, its experts unsplit)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="both ranks' gate and control timeouts (on a busy machine)")
+    parser.add_argument("--no-spec", action="store_true",
+                        help="skip the speculative-decoding measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--expert-split", default="both",
                         choices=["both", *(m.value for m in ExpertSplit)],
@@ -591,6 +691,8 @@ def main() -> int:
     parser.add_argument("--ip", default="ip", help="the ip command (iproute2)")
     parser.add_argument("--tc", default="tc", help="the tc command (iproute2)")
     args = parser.parse_args()
+    if args.timeout is not None:
+        TIMEOUTS.update(gate_timeout_s=args.timeout, control_timeout_s=args.timeout)
     started = time.monotonic()
     limit_blas_threads(1)
     pair_cores = cores()
@@ -604,11 +706,15 @@ def main() -> int:
     cfg = load_gguf(model, select=lambda n, v: None).cfg
     print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
           f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
-    prompt_ids = [int(t) for t in encode(PROMPT, bos=True)]
+    tokenizer = load_tokenizer_file(model)  # the leader's too
+    prompt_ids = tokenizer.encode(PROMPT)
     modes = list(ExpertSplit) if args.expert_split == "both" else [ExpertSplit(args.expert_split)]
+    if cfg.n_expert == 0:
+        modes = modes[:1]  # a dense model: no experts to split, one run
 
     tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
-    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp, link)
+    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp, link,
+                       tokenizer.eog_ids, spec=not args.no_spec)
             for mode in modes]
     ok = all(run.ok for run in runs)
     results: dict[str, object] = {"preset": args.preset, "type": args.type,
