@@ -2,7 +2,8 @@
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp.py [--preset bench|small] [--tokens 64]
         [--expert-split both|experts|intermediate] [--type f32|f16|q8_0|q4_0]
-        [--link 1gbit [--ip ip] [--tc tc]]
+        [--link 1gbit [--burst-ms 10] [--ip ip] [--tc tc]] [--model FILE] [--timeout S]
+        [--no-spec]
 
 For each expert split (``experts``: each rank holds half of the experts whole; ``intermediate``:
 each rank holds half of every expert's intermediate size), one after the other:
@@ -345,8 +346,8 @@ class Link:
     """Two network namespaces joined by a veth pair, each end shaped by ``tc tbf`` to the
     rate (what each side sends), addresses LINK_SUBNET.1 (leader) and .2 (worker)."""
 
-    def __init__(self, rate: str, ip: str, tc: str) -> None:
-        self.rate, self.ip, self.tc = rate, ip, tc
+    def __init__(self, rate: str, ip: str, tc: str, burst_ms: float = 10.0) -> None:
+        self.rate, self.ip, self.tc, self.burst_ms = rate, ip, tc, burst_ms
         self.names = (f"fq{os.getpid()}-leader", f"fq{os.getpid()}-worker")
         self.made: list[str] = []
 
@@ -365,8 +366,11 @@ class Link:
                   "eth0", "netns", work)
         bits = {"k": 10**3, "m": 10**6, "g": 10**9}[self.rate.rstrip("bit")[-1]]
         rate_bps = int(self.rate.rstrip("bit")[:-1]) * bits
-        # Burst: 10 ms at the rate, and never below a 64 KiB GSO segment (veth sends those).
-        burst = max(rate_bps // 8 // 100, 96 * 1024)
+        # Burst: burst_ms at the rate (10 ms by default), and never below a 64 KiB GSO segment
+        # (veth sends those). A frame smaller than the burst that finds the bucket full
+        # passes at the veth's speed: the worker's half of a 262k-row head's logits (524 KB)
+        # does with 10 ms at 1gbit (1.25 MB); 1 ms (125 KB) paces it at the rate, as a wire.
+        burst = max(int(rate_bps / 8 * self.burst_ms / 1000), 96 * 1024)
         for i, name in enumerate(self.names):
             self._run(self.ip, "-n", name, "addr", "add", f"{LINK_SUBNET}.{i + 1}/24", "dev",
                       "eth0")
@@ -688,6 +692,8 @@ def main() -> int:
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="also run the pair across two namespaces shaped to RATE, e.g. "
                              "1gbit (needs root, ip and tc)")
+    parser.add_argument("--burst-ms", type=float, default=10.0,
+                        help="the shaped link's tbf burst, in ms at the rate (default 10)")
     parser.add_argument("--ip", default="ip", help="the ip command (iproute2)")
     parser.add_argument("--tc", default="tc", help="the tc command (iproute2)")
     args = parser.parse_args()
@@ -702,7 +708,7 @@ def main() -> int:
         f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}-{args.type}.gguf")
     built = (build_model(PRESETS[args.preset], model, args.seed, args.type)
              if args.model is None else 0.0)
-    link = Link(args.link, args.ip, args.tc) if args.link else None
+    link = Link(args.link, args.ip, args.tc, args.burst_ms) if args.link else None
     cfg = load_gguf(model, select=lambda n, v: None).cfg
     print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
           f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")

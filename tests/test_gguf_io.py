@@ -11,8 +11,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from foundry.model import gguf_io
 from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import GGUFError, load_gguf, model_id, save_gguf
+from foundry.model.gguf_io import GGUFError, load_gguf, load_gguf_stored, model_id, save_gguf
+from foundry.model.quant import QTensor
 
 Params = dict[str, npt.NDArray[np.float32]]
 
@@ -232,6 +234,63 @@ def test_select_takes_only_what_a_rank_needs(f32_file: tuple[Path, Params]) -> N
     np.testing.assert_array_equal(got, params["blk.0.ffn_down_exps.weight"][half:])
     header_only = load_gguf(path, select=lambda name, view: None)
     assert header_only.params == {} and header_only.cfg == CFG
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_copy_in_slices_gives_the_same_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """A tensor is copied off the mapped file in slices of rows (each slice's pages unmapped
+    once copied): slices of a few rows, the last one short, give the tensors one copy gives."""
+    path = tmp_path / "model.gguf"
+    save_gguf(path, CFG, random_params(CFG), dtype=dtype)  # type: ignore[arg-type]
+    whole = load_gguf_stored(path)
+    monkeypatch.setattr(gguf_io, "COPY_CHUNK_BYTES", 100)
+    sliced = load_gguf_stored(path)
+    assert set(sliced.params) == set(whole.params)
+    for name, want in whole.params.items():
+        got = sliced.params[name]
+        if isinstance(want, QTensor):
+            assert isinstance(got, QTensor) and got.qtype == want.qtype
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got.data, want.data)
+        else:
+            np.testing.assert_array_equal(got, want)
+        assert (got if isinstance(got, np.ndarray) else got.data).flags.writeable
+
+
+def _mapped_kb(address: int) -> int:
+    """Resident kB of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_release_unmaps_a_copied_tensors_pages(tmp_path: Path) -> None:
+    """Once copied, a tensor's pages leave the process (the file stays in the page cache):
+    loading does not hold the file twice. The values read again afterwards are the file's."""
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    values = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB
+    writer.add_tensor("big", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf_io._Reader(path)
+    (t,) = reader.tensors
+    address = t.data.__array_interface__["data"][0]
+    assert float(t.data.sum()) == float(values.sum())  # every page read: mapped
+    assert _mapped_kb(address) >= 4096
+    reader.release(t)
+    assert _mapped_kb(address) < 64
+    np.testing.assert_array_equal(t.data, values)
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -147,6 +147,19 @@ def test_pair_equals_one_process_bit_for_bit(files: dict[str, Path], name: str) 
     pool.shutdown()
 
 
+def test_a_replicated_kv_head_is_cached_once(files: dict[str, Path]) -> None:
+    """gemma3's single kv head: both halves of one process compute it from the same rows (the
+    same bits, the test above) and share one cache array; qwen3's 3 kv heads split 2 + 1 keep
+    one array each."""
+    for name, shared in (("gemma3", True), ("qwen3", False)):
+        m = load_gguf_stored(files[name])
+        s = Engine(m.cfg, m.params).new_session()
+        for layer in range(m.cfg.n_layer):
+            assert (s.k[layer][0] is s.k[layer][1]) is shared, name
+            assert (s.v[layer][0] is s.v[layer][1]) is shared, name
+            assert s.k[layer][0] is not s.v[layer][0]
+
+
 def test_split_rules_on_published_shapes() -> None:
     """What each rank holds: KV groups split unevenly (qwen3: 3 kv heads), a single kv head
     replicated with the query heads split (qwen3moe, gemma3), whole-vector QK-norm's Q and K

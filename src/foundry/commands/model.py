@@ -295,6 +295,9 @@ def run_generate(args: argparse.Namespace) -> int:
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # The engine holds what it needs (views of the loaded tensors, and its own stacked and cut
+    # copies of the rest): the loaded tensors it copied would be held twice.
+    del loaded
     text = tokenizer.stream_decoder()
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Mapping
@@ -438,23 +439,39 @@ def _load(
         stored = quant.from_stored(t.tensor_type, t.data)
         view = stored if select is None else select(tname, stored)
         if view is not None:
-            params[tname] = _own_copy(view, keep_quantized and not _keeps_f32(tname, shape))
+            params[tname] = _own_copy(view, keep_quantized and not _keeps_f32(tname, shape),
+                                      reader.release_view)
             why = finite.nonfinite(params[tname])
             if why is not None:
                 raise GGUFError(
                     f"{path}: tensor {tname!r} holds {why}; the file is damaged or was written "
                     "from a run that diverged: export it again from a good checkpoint"
                 )
+        reader.release(t)
     return cfg, params, meta
 
 
-def _own_copy(view: quant.Param, keep_quantized: bool) -> quant.Param:
-    """A tensor read off the memory-mapped file into memory of its own."""
-    if isinstance(view, np.ndarray):
-        return np.array(view, dtype=np.float32, order="C")
-    if not keep_quantized:
+COPY_CHUNK_BYTES = 16 << 20
+
+
+def _own_copy(view: quant.Param, keep_quantized: bool,
+              release: Callable[[npt.NDArray[Any]], None]) -> quant.Param:
+    """A tensor read off the memory-mapped file into memory of its own. A tensor kept as it
+    is stored is copied in slices of rows of about COPY_CHUNK_BYTES, each slice's pages
+    unmapped (``release``) once copied: a large one (Gemma's 178 MB embedding) is then never
+    held twice."""
+    if not isinstance(view, np.ndarray) and not keep_quantized:
         return view.dequantize()
-    return quant.QTensor(view.qtype, view.shape, np.array(view.data, order="C"))
+    src = view if isinstance(view, np.ndarray) else view.data
+    out = np.empty(src.shape, src.dtype if not isinstance(view, np.ndarray) else np.float32)
+    rows = max(1, COPY_CHUNK_BYTES // max(1, src[:1].nbytes)) if src.ndim else 1
+    for at in range(0, src.shape[0] if src.ndim else 1, rows):
+        part = src[at : at + rows] if src.ndim else src
+        out[at : at + rows] = part
+        release(part)
+    if isinstance(view, np.ndarray):
+        return out
+    return quant.QTensor(view.qtype, view.shape, out)
 
 
 def values_by_type(path: str | Path) -> dict[gguf.GGMLQuantizationType, int]:
@@ -493,11 +510,15 @@ class _TensorInfo:
     shape: tuple[int, ...]  # numpy order (the reverse of ggml's ne)
     n_elements: int
     data: npt.NDArray[Any]  # F32/F16: the values; blocks: uint8 (..., row bytes)
+    offset: int  # of data in the file
+    nbytes: int
 
 
 class _Reader:
     def __init__(self, path: Path):
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r")
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.mm = np.frombuffer(self._map, dtype=np.uint8)
         self.buf = memoryview(self.mm)  # type: ignore[arg-type]
         self.pos = 0
         magic, version = self._unpack("<4sI")
@@ -545,7 +566,27 @@ class _Reader:
                 data = raw.view(np.float16).reshape(shape)
             else:
                 data = raw.reshape(*shape[:-1], shape[-1] // values * size)
-            self.tensors.append(_TensorInfo(name, qtype, shape, n, data))
+            self.tensors.append(_TensorInfo(name, qtype, shape, n, data, at, nbytes))
+
+    def release_view(self, view: npt.NDArray[Any]) -> None:
+        """``release`` the pages under ``view`` (a contiguous view of the mapped file; anything
+        else is left alone)."""
+        start = view.__array_interface__["data"][0] - self.mm.__array_interface__["data"][0]
+        if view.flags.c_contiguous and start >= 0 and start + view.nbytes <= self.mm.size:
+            self._release(start, view.nbytes)
+
+    def release(self, t: _TensorInfo) -> None:
+        """``release`` tensor ``t``'s pages."""
+        self._release(t.offset, t.nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Unmap these bytes' pages from this process once they have been copied (they stay in
+        the page cache; reading the view again maps them back): without this, a process
+        that loads a model holds each page of the file twice, once mapped and once copied,
+        until the whole file is read."""
+        if nbytes and hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
 
     def _room(self, count: int, each: int) -> None:
         if count * each > self.mm.size - self.pos:

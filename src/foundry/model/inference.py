@@ -105,22 +105,29 @@ class Session:
     """One sequence being decoded: the K/V caches of the engine's kv heads, position, history.
 
     Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
-    (ctx_size, kv heads of the part, head_dim), position p in row p.
+    (ctx_size, kv heads of the part, head_dim), position p in row p. Parts that cache the same
+    kv heads (a single kv head, replicated: both halves of a world-1 engine compute it from the
+    same rows, to the same bits) share one array, so the cache is held once.
     """
 
-    def __init__(self, engine_id: int, ctx_size: int, kv_heads: Sequence[int], cfg: ModelConfig):
+    def __init__(
+        self, engine_id: int, ctx_size: int, kv_heads: Sequence[tuple[int, int]], cfg: ModelConfig
+    ):
         self.id = next(_session_ids)
         self.engine_id = engine_id
         self.ctx_size = ctx_size
         self.pos = 0
         self.tokens: list[int] = []
-        shape = [(ctx_size, h, cfg.head_dim) for h in kv_heads]
-        self.k: list[list[F32]] = [
-            [np.zeros(s, np.float32) for s in shape] for _ in range(cfg.n_layer)
-        ]
-        self.v: list[list[F32]] = [
-            [np.zeros(s, np.float32) for s in shape] for _ in range(cfg.n_layer)
-        ]
+
+        def caches() -> list[F32]:
+            held: dict[tuple[int, int], F32] = {}
+            for r in kv_heads:
+                if r not in held:
+                    held[r] = np.zeros((ctx_size, r[1] - r[0], cfg.head_dim), np.float32)
+            return [held[r] for r in kv_heads]
+
+        self.k: list[list[F32]] = [caches() for _ in range(cfg.n_layer)]
+        self.v: list[list[F32]] = [caches() for _ in range(cfg.n_layer)]
 
     @property
     def free(self) -> int:
@@ -295,8 +302,7 @@ class Engine:
         if ctx <= 0:
             raise ValueError(f"ctx_size must be positive, got {ctx}")
         self._rope_tables(ctx)
-        kv_heads = [p.layout.kv_heads[1] - p.layout.kv_heads[0] for p in self.parts]
-        return Session(self.id, ctx, kv_heads, self.cfg)
+        return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg)
 
     def decode(
         self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None
