@@ -160,6 +160,25 @@ def test_a_replicated_kv_head_is_cached_once(files: dict[str, Path]) -> None:
             assert s.k[layer][0] is not s.v[layer][0]
 
 
+@pytest.mark.parametrize("name", list(TINY))
+def test_last_rows_only_are_the_last_rows_of_all(files: dict[str, Path], name: str) -> None:
+    """A prompt needs only its last row's logits: ``last_only`` gives each session's last row,
+    the bits of the rows the whole block gives (stored heads multiply the last rows alone,
+    the kernels being batch-invariant; float32 heads still multiply the block)."""
+    m = load_gguf_stored(files[name])
+    heads = []
+    for last_only in (False, True):
+        engine = Engine(m.cfg, m.params)
+        a, b = engine.new_session(), engine.new_session()
+        engine.decode(a, prompts(name)[0])
+        rows = [(a, prompts(name)[1][:3]), (b, prompts(name)[1])]
+        heads.append(engine.forward_rows(rows, last_only=last_only))
+        assert a.pos == len(prompts(name)[0]) + 3 and b.pos == len(prompts(name)[1])
+    full, last = heads
+    assert last.shape == (2, full.shape[1])
+    np.testing.assert_array_equal(last, full[[2, full.shape[0] - 1]])
+
+
 def test_split_rules_on_published_shapes() -> None:
     """What each rank holds: KV groups split unevenly (qwen3: 3 kv heads), a single kv head
     replicated with the query heads split (qwen3moe, gemma3), whole-vector QK-norm's Q and K

@@ -78,3 +78,14 @@ def test_greedy_and_logits_equal_llama_cpp(engine: Engine, case: int) -> None:
         out.append(int(np.argmax(last)))
         last = engine.decode(session, [out[-1]])[-1]
     assert out == ref["greedy"], ref["text"]
+
+
+def test_a_prompt_multiplies_the_head_by_its_last_row_alone(engine: Engine) -> None:
+    """A prompt's last row through the 262,144-row Q8_0 head alone (``last_only``) gets the
+    bits that row gets in the whole block's product: the prompt's greedy token is unchanged,
+    without a (tokens, 262,144) logits block."""
+    prompt = REFS["cases"][0]["prompt"]
+    full = engine.decode(engine.new_session(), prompt)
+    last = engine.decode(engine.new_session(), prompt, last_only=True)
+    assert last.shape == (1, full.shape[1])
+    np.testing.assert_array_equal(last[0], full[-1])

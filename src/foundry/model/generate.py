@@ -42,7 +42,7 @@ def generate_tokens(
         raise ValueError(
             f"the prompt is {len(tokens)} tokens, the model's context is {session.ctx_size}"
         )
-    logits = engine.decode(session, tokens)[-1]  # (V,)
+    logits = engine.decode(session, tokens, last_only=True)[-1]  # (V,): the last row's only
     for _ in range(max_tokens):
         token = sample(logits, temperature, top_p, rng)
         if token in tokenizer.eog_ids:

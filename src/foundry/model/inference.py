@@ -305,19 +305,28 @@ class Engine:
         return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg)
 
     def decode(
-        self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None
+        self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None,
+        *, last_only: bool = False,
     ) -> F32:
-        """Run tokens (a block, or one) for one session: logits (len(tokens), n_vocab_out)."""
-        return self.forward_rows([(session, tokens)], exchange)
+        """Run tokens (a block, or one) for one session: logits (len(tokens), n_vocab_out), or
+        with ``last_only`` the last token's (1, n_vocab_out)."""
+        return self.forward_rows([(session, tokens)], exchange, last_only=last_only)
 
     def forward_rows(
         self,
         rows: Sequence[tuple[Session, Sequence[int]]],
         exchange: GateExchange | None = None,
+        *,
+        last_only: bool = False,
     ) -> F32:
         """One pass over a block of tokens for each listed session (each at most once).
 
-        Returns logits (total tokens, n_vocab_out), the sessions' blocks in the listed order.
+        Returns logits (total tokens, n_vocab_out), the sessions' blocks in the listed order;
+        with ``last_only``, each session's last row only (len(rows), n_vocab_out): what a
+        prompt needs, without the head's product (262,144 rows for Gemma) and a logits row for
+        every token of it. Stored-block heads then multiply the last rows alone (the kernels
+        give each row the same bits whatever the block); a float32 head still multiplies
+        every row and keeps the last ones, as BLAS may sum a block differently from one row.
         ``exchange`` is required for world > 1; a world-1 engine needs none (if given, it is
         called with the complete sums and its result used in their place).
         """
@@ -345,7 +354,10 @@ class Engine:
             f = self._exchange(exchange, i, Gate.FFN, partial)
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
-        head = [linear(hf, w) for w in self._head]  # (n, V_part)
+        last = [b - 1 for _, b in spans] if last_only else None
+        head = [linear(hf, w)[last] if isinstance(w, np.ndarray) and last is not None
+                else linear(hf if last is None else hf[last], w)
+                for w in self._head]  # (n or sessions, V_part)
         logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)

@@ -176,7 +176,7 @@ class RankState:
                     f"{total} tokens"
                 )
             chunk = end - s.pos
-            last = self._forward([(s, tokens[s.pos : end])])[-1:]
+            last = self._forward([(s, tokens[s.pos : end])], last_only=True)  # (1, V)
             self.kept["prefill"] += chunk
         assert last is not None
         return last
@@ -200,10 +200,11 @@ class RankState:
         self._check_tokens(sid, prompt)
         rows = [(s, prompt), *self._decode_rows(items, exclude=sid)]
         self.step += 1
-        logits = self._forward(rows)  # (len(prompt) + n, V)
+        # Each session's last row: the chunk's last, then the one row of each item.
+        logits = self._forward(rows, last_only=True)  # (1 + n, V)
         self.kept["prefill"] += len(prompt)
         self.kept["decode"] += len(rows) - 1
-        return logits[len(prompt) - 1 :]  # the chunk's last row, then one row per item
+        return logits
 
     def verify(self, sid: int, block: Sequence[int]) -> F32:
         s = self._idle_session(sid)
@@ -287,10 +288,11 @@ class RankState:
             rows.append((s, [token]))
         return rows
 
-    def _forward(self, rows: Sequence[tuple[Session, Sequence[int]]]) -> F32:
+    def _forward(self, rows: Sequence[tuple[Session, Sequence[int]]], *,
+                 last_only: bool = False) -> F32:
         if self.exchange is None:
             raise LockstepError("no pair: the gate exchange is not connected")
-        return self.engine.forward_rows(rows, self.exchange)
+        return self.engine.forward_rows(rows, self.exchange, last_only=last_only)
 
 
 # -- the command table -----------------------------------------------------------------------
