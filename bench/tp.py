@@ -35,6 +35,18 @@ each rank holds half of every expert's intermediate size), one after the other:
 process and the ranks then hold it in that type and multiply with the block kernels, and the
 pair's tokens must still equal the one process's.
 
+``--model FILE`` runs a published GGUF file instead (docs/models.md, "Speed and memory"): the
+prompt is encoded by the file's tokenizer (as the leader encodes it), greedy decoding stops at
+its end-of-generation token as the leader's does, and a dense model runs once (no experts to
+split). For each pair run the bench says where a token's time goes on the leader: its time in
+the 2 x n_layer gates and, of it, the exchange itself (each gate's shorter time of the two
+ranks); its wait for the worker's half of the logits (``LeaderEngine._join``, timed); and its
+own work; and for the one process, the output head's time (each vocabulary half, alone).
+``--burst-ms`` sets the shaped link's tbf burst (default 10 ms at the rate: a frame smaller
+than that passes at the veth's speed when the bucket is full; 1 ms paces a 524 KB logits half
+as a wire would). ``--timeout S`` raises both ranks' gate and control timeouts, for a machine
+busy with other work; ``--no-spec`` skips step 4.
+
 The ``bench`` preset (~1.7 GB of float32 weights: decode is bound by memory bandwidth) is
 built in memory from a seeded normal * 0.02 and written to /tmp once (reused afterwards);
 ``--preset small`` is a quick run. Prints PASS/FAIL per target and a table of both splits;
