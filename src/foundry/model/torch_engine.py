@@ -156,12 +156,14 @@ class TorchEngine:
         return TorchSession(self, ctx)
 
     def decode(self, session: TorchSession, tokens: Sequence[int],
-               exchange: GateExchange | None = None) -> F32:
-        return self.forward_rows([(session, tokens)], exchange)
+               exchange: GateExchange | None = None, *, last_only: bool = False) -> F32:
+        return self.forward_rows([(session, tokens)], exchange, last_only=last_only)
 
     def forward_rows(self, rows: Sequence[tuple[TorchSession, Sequence[int]]],
-                     exchange: GateExchange | None = None) -> F32:
-        """One pass over a block of tokens for each listed session: logits (n, n_vocab_out)."""
+                     exchange: GateExchange | None = None, *, last_only: bool = False) -> F32:
+        """One pass over a block of tokens for each listed session: logits (n, n_vocab_out),
+        or with ``last_only`` each session's last row (the numpy engine's ``last_only``;
+        here the rows are picked after the whole block's head)."""
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
         ids, pos, spans = self._check_rows(rows)
@@ -173,6 +175,8 @@ class TorchEngine:
                 logits = self._forward(
                     torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device),
                     [s for s, _ in rows], spans, exchange).cpu().numpy()
+        if last_only:
+            logits = logits[[b - 1 for _, b in spans]]
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)
             session.pos += len(tokens)
