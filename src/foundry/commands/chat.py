@@ -74,7 +74,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 print(f"error: the conversation is {len(tokens)} tokens, the context "
                       f"{session.ctx_size}; start a new one", file=sys.stderr)
                 return 1
-            logits = engine.decode(session, tokens)[-1]
+            logits = engine.decode(session, tokens, last_only=True)[-1]
             text = TextStream(stop, tokenizer.stream_decoder())
             reply: list[str] = []
             for n in range(1, args.max_tokens + 1):

@@ -240,7 +240,7 @@ class RankState:
         elif mode is VerifyCommitMode.ROLLBACK_REPLAY:
             kept = s.tokens[pos0 : pos0 + token_count]
             s.rewind(pos0)
-            self._forward([(s, kept)])
+            self._forward([(s, kept)], last_only=True)  # the caches only: logits unused
 
     # -- debug lockstep ------------------------------------------------------------------
 
