@@ -19,6 +19,11 @@ Sections (``--only`` picks some; all run by default, in this order):
 ``mixed``  a swarm of one GPU worker and ``--cpu-workers`` numpy workers (real processes on
            loopback, ``--sync-every 8``, DyLU) against the sum of each worker's standalone
            samples/s. Target >= 0.9.
+``parity`` the CI parity checks on ``--parity-device`` (cuda by default) with TF32 off: the
+           torch loss within 1e-5 relative of numpy's at f32 and every gradient within 1e-4
+           (of the tensor's largest), with and without a shared expert; the backend's
+           ``compute_gradients`` likewise; greedy decoding (f32 weights) gives the numpy
+           engine's tokens. ``--only parity --parity-device cpu`` runs without a GPU.
 
     python bench/gpu.py --llama-bench /path/to/llama-bench --out results.txt
 """
@@ -294,6 +299,63 @@ def section_mixed(args: argparse.Namespace, work: Path) -> None:
         f">= 0.9]")
 
 
+def section_parity(args: argparse.Namespace) -> None:
+    from foundry.model.backend import NUMPY
+    from foundry.model.config import ModelConfig
+    from foundry.model.generate import generate_tokens
+    from foundry.model.inference import Engine
+    from foundry.model.transformer import loss_and_grads
+
+    dev = args.parity_device
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    say(f"## parity on {dev} (TF32 off): loss <= 1e-5 rel, gradients <= 1e-4 of the largest, "
+        "greedy tokens equal")
+
+    def rel_max(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    def check(what: str, ok: bool, detail: str) -> None:
+        say(f"{what}: {detail} [{'PASS' if ok else 'FAIL'}]")
+
+    for label, cfg in [("tiny", preset("tiny")),
+                       ("shared-expert", ModelConfig(n_ff_shared=32, n_expert=4,
+                                                     n_expert_used=2))]:
+        params = {k: p if k.endswith("norm.weight") else p * np.float32(20)
+                  for k, p in init_params(cfg, 1).items()}  # sharp routing, clear winners
+        rng = np.random.default_rng(7)
+        tokens = rng.integers(0, cfg.n_vocab, (3, 24))
+        targets = rng.integers(0, cfg.n_vocab, (3, 24))
+        loss, _, grads = loss_and_grads(params, cfg, tokens, targets, aux_loss_coef=0.05)
+        w = TM.to_device(params, dev, requires_grad=True)
+        total, _, _ = TM.loss(w, cfg, torch.from_numpy(tokens).to(dev),
+                              torch.from_numpy(targets).to(dev), 0.05)
+        torch.autograd.backward(total)
+        lr = abs(float(total.detach().cpu()) - loss) / abs(loss)
+        gr = max(rel_max(w[k].grad.detach().cpu().numpy(), g)  # type: ignore[union-attr]
+                 for k, g in grads.items())
+        check(f"{label} loss", lr <= 1e-5, f"rel {lr:.2e}")
+        check(f"{label} gradients", gr <= 1e-4, f"max rel {gr:.2e}")
+        want = list(generate_tokens(Engine(cfg, params), "Hello wor", 40))
+        got = list(generate_tokens(TorchEngine(cfg, params, device=dev, dtype="f32"),
+                                   "Hello wor", 40))
+        same = sum(a == b for a, b in zip(got, want, strict=False))
+        check(f"{label} greedy", got == want and len(set(want)) > 5,
+              f"{same}/{len(want)} tokens equal, {len(set(want))} distinct")
+    cfg = preset("tiny")
+    params = init_params(cfg, 3)
+    corpus = load_corpus(None)
+    backend = TorchBackend(dev)
+    a = NUMPY.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
+                                aux_loss_coef=0.01)
+    b = backend.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
+                                  aux_loss_coef=0.01)
+    lr = abs(b.loss - a.loss) / a.loss
+    gr = max(rel_max(b.grads[k], g) for k, g in a.grads.items())
+    check("backend compute_gradients", lr <= 1e-5 and gr <= 1e-4,
+          f"loss rel {lr:.2e}, gradients max rel {gr:.2e}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,21 +376,24 @@ def main() -> int:
     ap.add_argument("--mixed-batch", type=int, default=64)
     ap.add_argument("--mixed-warmup", type=int, default=1, help="rounds before measuring")
     ap.add_argument("--mixed-rounds", type=int, default=3, help="measured rounds")
+    ap.add_argument("--parity-device", default="cuda", help="parity: cuda or cpu")
     ap.add_argument("--out", type=Path, default=None, help="also write the lines here")
     args = ap.parse_args()
     if args.out:
         OUT.append(args.out)
-    if not torch.cuda.is_available():
+    cpu_only = args.only == ["parity"] and args.parity_device == "cpu"
+    if not cpu_only and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA GPU")
-    say(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{os.cpu_count()} cores")
+    say(f"# {torch.cuda.get_device_name() if not cpu_only else 'CPU'}, "
+        f"torch {torch.__version__}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="foundry-gpu-") as tmp:
         work = Path(tmp)
         for name in args.only:
             try:
                 {"train": lambda: section_train(args),
                  "decode": lambda: section_decode(args, work),
-                 "mixed": lambda: section_mixed(args, work)}[name]()
+                 "mixed": lambda: section_mixed(args, work),
+                 "parity": lambda: section_parity(args)}[name]()
             except Exception as exc:  # a section's failure is a result too
                 say(f"{name} failed: {type(exc).__name__}: {exc}"[:500])
     return 0 if not any(re.search(r"\bFAIL\b|failed", x) for x in LINES) else 1
