@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,11 +20,13 @@ from foundry.swarm.policy import (
     contiguous_offsets,
     is_dead,
     liveness_timeout,
+    local_batches,
     round_deadline,
     round_decision,
     update_rate,
     weighted_mean,
 )
+from foundry.swarm.sync import fill_local_round, plan_local_round
 from foundry.transport.backoff import backoff_delay
 
 rates_st = st.dictionaries(
@@ -298,3 +301,56 @@ def test_round_tracker_keeps_what_it_is_given() -> None:
     assert t.losses == {"a": 1.25}
     # Its own quorum, not the default: 2 of 4 is below 0.9 at the deadline.
     assert t.decide(9.0) is RoundDecision.ABANDON
+
+
+# A worker's inner step as the device measured it: a fixed cost (AdamW over every parameter,
+# launches) plus a cost per sample; each round also pays a fixed exchange. Seconds.
+GPU_STEP = (0.010, 1 / 12000)  # ~1850 samples/s alone at 64 a step, 8 steps a round
+CPU_STEP = (0.020, 1 / 100)  # ~95 samples/s alone
+ROUND_EXCHANGE = 0.1
+
+
+def swarm_rate(costs: dict[str, tuple[float, float]],
+               batches: Callable[[int, dict[str, float]], dict[str, int]],
+               rounds: int = 12) -> float:
+    """samples/s of simulated local-step rounds (G 64, H 8) planned as the coordinator plans
+    them (``LocalRounds.plan``), each worker reporting samples / compute seconds as its rate."""
+    rates: dict[str, float] = dict.fromkeys(costs, 0.0)
+    rate = 0.0
+    for _ in range(rounds):
+        per_step = batches(64, rates)
+        steps = plan_local_round(per_step, rates, 8)
+        per_step = fill_local_round(per_step, rates, steps, 8)
+        compute = {w: steps[w] * (costs[w][0] + per_step[w] * costs[w][1]) for w in costs}
+        for w in costs:
+            rates[w] = update_rate(rates[w] or None, per_step[w] * steps[w] / compute[w])
+        rate = sum(per_step[w] * steps[w] for w in costs) / (max(compute.values())
+                                                             + ROUND_EXCHANGE)
+    return rate
+
+
+def test_local_batches_split_equally_until_measured_and_between_equal_machines() -> None:
+    assert local_batches(64, {"a": 0.0, "b": 5.0}) == {"a": 32, "b": 32}
+    assert local_batches(64, {"a": 1.0, "b": 1.03, "c": 1.0}) == {"a": 22, "b": 21, "c": 21}
+    assert local_batches(64, {}) == {}
+
+
+def test_local_batches_split_the_fast_by_rate_and_give_the_slow_the_equal_share() -> None:
+    rates = {"gpu": 1848.0, "c1": 92.0, "c2": 92.0, "c3": 92.0, "c4": 92.0}
+    assert local_batches(64, rates) == {"gpu": 64, "c1": 13, "c2": 13, "c3": 13, "c4": 13}
+    two = {"g1": 1800.0, "g2": 900.0, "c1": 90.0}
+    assert local_batches(60, two) == {"g1": 40, "g2": 20, "c1": 20}
+    assert local_batches(64, {"a": 100.0, "b": 60.0}) == {"a": 40, "b": 24}  # neither slow
+
+
+def test_a_gpu_beside_cpu_workers_keeps_its_pace_and_theirs_adds_on_top() -> None:
+    alone = {w: swarm_rate({w: c}, local_batches) for w, c in
+             [("gpu", GPU_STEP), ("cpu", CPU_STEP)]}
+    mixed = {"gpu": GPU_STEP, **{f"c{i}": CPU_STEP for i in range(4)}}
+    total = alone["gpu"] + 4 * alone["cpu"]
+    # The equal split the coordinator used before: the GPU's batch shrinks to 13 and its
+    # rounds carry a fifth of its samples for the same fixed costs (the device measured 0.24).
+    def equal(g: int, r: dict[str, float]) -> dict[str, int]:
+        return allocate_samples(g, dict.fromkeys(r, 1.0))
+    assert swarm_rate(mixed, equal) < 0.4 * total
+    assert swarm_rate(mixed, local_batches) >= 0.9 * total

@@ -26,6 +26,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
+# In a local-step round a worker measured below this share of the mean rate is slow: it
+# keeps the equal share of the global batch and adds its samples on top of the fast ones'.
+SLOW_SHARE = 0.5
 # A measured rate moves this far towards each new measurement: fast enough to follow a
 # machine that got busy, slow enough that one noisy round does not swing the split.
 RATE_EMA_ALPHA = 0.5
@@ -70,6 +73,39 @@ def allocate_samples(global_batch: int, rates: Mapping[str, float]) -> dict[str,
     for k in by_remainder[:left]:
         shares[k] += 1
     return dict(zip(ids, shares, strict=True))
+
+
+def local_batches(global_batch: int, rates: Mapping[str, float],
+                  tolerance: float = 0.05) -> dict[str, int]:
+    """Samples per inner step of each worker in a local-step round (``--sync-every H``).
+
+    A worker's inner step costs a fixed part (a whole AdamW step over every parameter, the
+    per-call and kernel-launch costs) plus a part per sample, and each round a fixed exchange;
+    on a GPU the fixed parts are most of it at small batches. An equal split of
+    ``global_batch`` shrank a GPU's batch to ``G / 5`` beside four CPU workers, so its rounds
+    carried a fifth of its samples for the same fixed costs (0.24 of the summed standalone
+    rates on the device). So the workers are split in two:
+
+    - **slow** ones, measured below ``SLOW_SHARE`` of the mean rate, each keep the equal
+      share ``G / n`` (the round's time budget then gives them the steps that fit, fewer and
+      fuller: ``sync.plan_local_round``, ``sync.fill_local_round``; a few samples a step
+      would pay a whole AdamW step each);
+    - the others split the whole ``global_batch`` by measured rate, as if the slow ones were
+      not there: their rounds are what they would be alone, and the slow workers' samples
+      come on top in the same time.
+
+    Before every worker is measured, and between machines within ``tolerance`` of the same
+    rate, this is the equal split (summing to ``global_batch``), as it always was.
+    """
+    equal = allocate_samples(global_batch, dict.fromkeys(rates, 1.0))
+    r = [float(rates[w]) for w in rates]
+    if not r or min(r) <= 0.0 or max(r) <= (1.0 + tolerance) * min(r):
+        return equal
+    mean = sum(r) / len(r)
+    fast = {w: float(rates[w]) for w in rates if rates[w] >= SLOW_SHARE * mean}
+    out = allocate_samples(global_batch, fast)
+    out.update({w: equal[w] for w in rates if w not in fast})
+    return out
 
 
 def contiguous_offsets(start: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -91,11 +91,10 @@ class LocalRounds:
         """Samples per inner step and inner steps of each worker, for a local-step round that
         starts at ``step`` (the global step advances by ``advance(step)``)."""
         opt = self.core.opt
-        ids = {m.worker_id: 1.0 for m in members}
-        per_step = policy.allocate_samples(opt.settings.global_batch, ids)
-        per_step = {w: n for w, n in per_step.items() if n > 0}
         h = self.advance(step)
         rates = {m.worker_id: (m.rate if opt.rebalance else 1.0) for m in members}
+        per_step = policy.local_batches(opt.settings.global_batch, rates)
+        per_step = {w: n for w, n in per_step.items() if n > 0}
         steps = sync.plan_local_round(per_step, rates, h)
         per_step = sync.fill_local_round(per_step, rates, steps, h)
         return RoundPlan({w: per_step[w] * steps[w] for w in per_step}, per_step, steps)
