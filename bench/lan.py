@@ -347,7 +347,8 @@ def run_config(
             procs.append(Service(
                 f"w{i}",
                 ["worker", "--coordinator", f"{net.addr(0)}:{port}", "--worker-id", f"w{i}",
-                 "--slowdown", str(slowdown), *trace(work, f"w{i}", args)],
+                 "--slowdown", str(slowdown), *trace(work, f"w{i}", args),
+                 *getattr(args, "worker_args", [])],
                 work / f"w{i}.log", prefix=net.prefix_argv(i), new_session=True,
             ))
         registered: set[str] = set()
