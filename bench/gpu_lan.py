@@ -37,6 +37,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -99,6 +100,7 @@ def main() -> int:
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     args.slowdown, args.timeline = 1.0, False
     args.schedule_steps = args.steps
     cap = max(args.max_steps or 2 * args.steps, args.steps)
@@ -118,15 +120,19 @@ def main() -> int:
         print(f"target: alone's validation loss {target:.4f} at step {alone.curve[-1][0]}",
               flush=True)
         show(alone, alone, args)
-        pair = run(args, work, f"pair {args.rate}", 2, args.rate, target, cap)
-        show(pair, alone, args)
+        pair: Result | None = None
+        try:
+            pair = run(args, work, f"pair {args.rate}", 2, args.rate, target, cap)
+            show(pair, alone, args)
+        except RuntimeError as exc:  # no namespaces here (not root, no ip/tc): say so, go on
+            print(f"pair {args.rate} failed: {exc}"[:600], flush=True)
         if not args.no_loopback_pair:
             loop = run(args, work, "pair loopback", 2, "loopback", target, cap)
             show(loop, alone, args)
             print(f"GPU shared: the pair on loopback trains {loop.samples_per_s:.1f} samples/s "
                   f"= {loop.samples_per_s / alone.samples_per_s:.2f}x alone (two hosts: up to "
-                  f"2x); the link costs {pair.samples_per_s / loop.samples_per_s:.2f}x of "
-                  "that", flush=True)
+                  "2x)" + ("" if pair is None else f"; the link leaves "
+                  f"{pair.samples_per_s / loop.samples_per_s:.2f}x of that"), flush=True)
     return 0
 
 
