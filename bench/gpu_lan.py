@@ -79,6 +79,10 @@ def show(r: Result, alone: Result, args: argparse.Namespace) -> None:
     print(f"  validation by step: {curve}", flush=True)
 
 
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # so that every namespace made is removed (``run``'s finally)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +104,7 @@ def main() -> int:
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupted)
     args.slowdown, args.timeline = 1.0, False
     args.schedule_steps = args.steps
     cap = max(args.max_steps or 2 * args.steps, args.steps)
