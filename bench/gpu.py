@@ -148,6 +148,7 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int) -> tuple[float, floa
 def section_train(args: argparse.Namespace) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     say("## train: samples/s (tokens/s = samples x seq), worker path vs plain torch loop")
     for name in args.presets:
         b, t = SHAPES[name]
@@ -309,6 +310,7 @@ def section_parity(args: argparse.Namespace) -> None:
     dev = args.parity_device
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     say(f"## parity on {dev} (TF32 off): loss <= 1e-5 rel, gradients <= 1e-4 of the largest, "
         "greedy tokens equal")
 
