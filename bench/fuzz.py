@@ -584,6 +584,7 @@ class FrontendTarget(Target):
             "GENERATE": lambda: fw.Generate(
                 rid, _word(r), r.randint(1, 8), temperature=r.choice([0.0, 0.7]),
                 top_p=r.choice([1.0, 0.9]), seed=r.randrange(1 << 64),
+                top_k=r.choice([0, 40]), logprobs=r.random() < 0.5,
                 stop=tuple(_word(r) for _ in range(r.randrange(3)))),
             "CANCEL": lambda: fw.Cancel(rid),
             "TOKEN": lambda: fw.Token(rid, r.randrange(259), r.randrange(256), _word(r)),
@@ -591,6 +592,9 @@ class FrontendTarget(Target):
             "ERROR": lambda: fw.Error(rid, r.randrange(1, 5), _word(r)),
             "STATUS_REQ": lambda: fw.StatusReq(rid),
             "STATUS": lambda: fw.Status(rid, True, True, 1, 2, 2, 64, 259, 256, 1000, 7, 0.5, 9),
+            "LOGPROBS": lambda: fw.Logprobs(
+                rid, r.randrange(259), -0.5, r.randbytes(r.randrange(4)),
+                tuple((r.randrange(259), -1.5, r.randbytes(2)) for _ in range(r.randrange(3)))),
         }
         return build[name]()
 
