@@ -53,13 +53,13 @@ static int decode_ops(FILE *f, FILE *o) {
     if (!x || !w || !cs || !sn || !qk || !wr || !gu || !q || !kc || !vc) return 4;
     float *y = malloc(4 * (size_t)n * d), *r = malloc(4 * qk_n), *wt = malloc(4 * (size_t)n * k),
           *s = malloc(4 * (size_t)n * ff), *a = malloc(4 * (size_t)heads * dh),
-          *p = malloc(4 * (size_t)n_pos * heads);
+          *p = malloc(4 * ((size_t)n_pos * heads + (size_t)n_kv * dh));
     int64_t *top = malloc(8 * (size_t)n * k);
     rmsnorm(x, w, n, d, 1e-5f, y);
     rope(qk, cs, sn, n, heads, dh, r);
     route(x, wr, n, d, ne, k, wt, top);
     swiglu(gu, n, ff, s);
-    attend(q, kc, vc, n_pos, heads, n_kv, dh, p, a);
+    attend(q, kc, vc, 0, n_pos, heads, n_kv, dh, p, a);
     fwrite(y, 4, (size_t)n * d, o);
     fwrite(r, 4, qk_n, o);
     fwrite(wt, 4, (size_t)n * k, o);

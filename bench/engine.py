@@ -301,7 +301,8 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
     clocks = {t: ProductClock() for t in engines}
     for _ in range(rounds):
         sessions = {t: e.new_session() for t, e in engines.items()}
-        last = {t: int(np.argmax(e.decode(sessions[t], prompt)[-1])) for t, e in engines.items()}
+        last = {t: int(np.argmax(e.decode(sessions[t], prompt, last_only=True)[-1]))
+                for t, e in engines.items()}
         round_times: dict[str, list[float]] = {t: [] for t in engines}
         for _ in range(n_tokens):
             for t, e in engines.items():
@@ -380,7 +381,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
     for r in range(rounds):
         s = engine.new_session(prompt_len + n_gen + 1)
         t0 = time.perf_counter()
-        last = int(np.argmax(engine.decode(s, prompt)[-1]))
+        last = int(np.argmax(engine.decode(s, prompt, last_only=True)[-1]))  # as llama.cpp
         pre = prompt_len / (time.perf_counter() - t0)
         t0 = time.perf_counter()
         for _ in range(n_gen):

@@ -12,9 +12,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from foundry.model import quant
 from foundry.model import transformer as T
 from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine, Gate, Session
+from foundry.model.inference import Engine, Gate, KVCache, Session
+from foundry.model.quant import QType
 from foundry.model.tp_split import ExpertSplit
 
 ATOL = 1e-5
@@ -51,7 +53,7 @@ def test_decode_equals_training_forward(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
     tokens = prompt(40)
     ref, _ = T.forward(params, cfg, np.array([tokens]))  # (1, 40, V)
-    engine = Engine(cfg, params, expert_split=mode)
+    engine = Engine(cfg, params, expert_split=mode, kv_cache=KVCache.F32)  # exact, as training
     assert len(engine.parts) == 2
     kv = [p.layout.kv_heads for p in engine.parts]
     heads = [p.layout.heads for p in engine.parts]
@@ -70,7 +72,9 @@ def test_decode_equals_training_forward(name: str, mode: ExpertSplit) -> None:
 def test_block_decode_equals_token_by_token(name: str, mode: ExpertSplit) -> None:
     cfg, params = make(name)
     tokens = prompt(37, seed=1)
-    engine = Engine(cfg, params, expert_split=mode)
+    # float32 weights: BLAS may sum a block's K and V differently from one row's, by an ulp,
+    # which a float16 cache could round one step apart; the float32 cache keeps them at ATOL
+    engine = Engine(cfg, params, expert_split=mode, kv_cache=KVCache.F32)
     single = one_by_one(engine, engine.new_session(), tokens)
     s = engine.new_session()
     blocks = np.concatenate(
@@ -114,7 +118,7 @@ def test_interleaved_sessions_equal_each_alone() -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_forward_rows_of_several_sessions_equals_them_alone(name: str) -> None:
     cfg, params = make(name)
-    engine = Engine(cfg, params)
+    engine = Engine(cfg, params, kv_cache=KVCache.F32)  # float32 weights: as in the test above
     prefixes = [prompt(n, seed=20 + n) for n in (5, 0, 11)]
     blocks = [prompt(n, seed=30 + n) for n in (1, 7, 4)]
 
@@ -142,6 +146,44 @@ def test_forward_rows_of_several_sessions_equals_them_alone(name: str) -> None:
         one_by_one(engine, sessions[2], follow), one_by_one(engine, ref, follow),
         rtol=0, atol=ATOL,
     )
+
+
+def test_a_float16_cache_rounds_k_and_v_and_nothing_else() -> None:
+    """The float16 cache (llama.cpp's -ctk f16 -ctv f16) holds K and V rounded to float16, half
+    the bytes of float32; attention over it is the same bits as over a float32 cache holding
+    the rounded values (the conversion is exact, the operations the same), on every path."""
+    cfg, params = make("single-kv-shared")
+    half, full = Engine(cfg, params, kv_cache=KVCache.F16), Engine(cfg, params)
+    assert full.kv_cache is KVCache.F32  # the default for float32 matrices, F16 for blocks:
+    stored = {k: quant.quantize(v, QType.Q8_0) if k == "output.weight" else v
+              for k, v in params.items()}
+    assert Engine(cfg, stored).kv_cache is KVCache.F16  # type: ignore[arg-type]
+    sh, sf = half.new_session(), full.new_session()
+    assert sh.k[0][0].dtype == np.float16 and sh.v[0][0].dtype == np.float16
+    assert sh.k[0][0].nbytes * 2 == sf.k[0][0].nbytes
+    tokens = prompt(30, seed=4)
+    got, want = half.decode(sh, tokens), full.decode(sf, tokens)
+    diff = float(np.abs(got - want).max())
+    assert 0 < diff < 0.02 * float(np.abs(want).max()), diff  # rounded, and only that
+    # The kernel on the float16 cache against the float32 cache of the same values.
+    rng = np.random.default_rng(6)
+    k16, v16 = (rng.standard_normal((21, 2, 64)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((6, 64)).astype(np.float32)
+    paths = ["best", "portable"]
+    assert quant._kernels is not None
+    outs = []
+    try:
+        for path in paths:
+            quant._kernels.use(path)
+            for k, v in ((k16, v16), (k16.astype(np.float32), v16.astype(np.float32))):
+                out = np.empty_like(q)
+                quant.attend(q, k, v, 17, out)
+                outs.append(out)
+    finally:
+        quant._kernels.use("best")
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    with pytest.raises(quant.QuantError, match="float16"):
+        quant.attend(q, k16, v16.astype(np.float32), 17, np.empty_like(q))
 
 
 def test_bad_rows_are_refused_and_change_nothing() -> None:

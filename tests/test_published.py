@@ -4,9 +4,11 @@
 references keep its sha256); ``tests/refs/published.json`` holds llama.cpp's greedy tokens and
 logits on them, recorded by ``tests/refs/record_published.py`` (its docstring has the command).
 
-Tolerance: the files are float32, and llama.cpp keeps K and V in float16 where we keep float32,
-so logits agree to about 2e-3 of each row's largest magnitude (measured: at most 2.1e-3 over
-every architecture); the tests allow 5e-3. Greedy tokens must be identical.
+Tolerance: the files are float32; both engines keep K and V in float16 (llama.cpp's default
+cache, and ours), but llama.cpp's CPU attention also rounds Q to float16 and sums V's weighted
+rows in float16, so logits agree to about 1e-3 of each row's largest magnitude (measured: at
+most 1.01e-3 over every architecture, 2.04e-3 with a float32 cache); the tests allow 2e-3.
+Greedy tokens must be identical.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tp_harness import Client, InProcessLeader, start_worker, wait_paired
 
 from foundry.model.arch import ArchConfig
 from foundry.model.gguf_io import GGUFError, load_gguf_stored
-from foundry.model.inference import Engine, Gate, GateExchange, Session
+from foundry.model.inference import Engine, Gate, GateExchange, KVCache, Session
 from foundry.model.tp_split import rank_layout, rank_weights
 from foundry.model.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads
@@ -39,7 +41,7 @@ from foundry.wire import frontend as fw
 
 F32 = npt.NDArray[np.float32]
 REFS = json.loads((Path(__file__).parent / "refs" / "published.json").read_text())
-REL_TOL = 5e-3
+REL_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_greedy_and_logits_equal_llama_cpp(files: dict[str, Path], name: str) ->
     assert isinstance(m.cfg, ArchConfig) and m.cfg.architecture == TINY[name].arch
     assert m.cfg.head_dim == TINY[name].head_dim
     assert m.cfg.tied_output == TINY[name].tied
-    engine = Engine(m.cfg, m.params)
+    engine = Engine(m.cfg, m.params, kv_cache=KVCache.F16)  # llama.cpp's (float32 files: F32)
     for case in REFS[name]["cases"]:
         session = engine.new_session()
         logits = engine.decode(session, case["prompt"])

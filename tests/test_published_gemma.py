@@ -6,11 +6,13 @@ assembles it the same way into ``~/.cache/foundry``. ``tests/refs/gemma3_270m.js
 llama.cpp's prompt ids, its 16 greedy tokens and the 64 largest logits of the first and last
 prompt rows, recorded by ``tests/refs/record_published.py`` (its docstring has the command).
 
-Greedy tokens must be identical. Logits: llama.cpp rounds each block of 32 activations to int8
-with a float16 scale before a Q5_0/Q8_0 product, our kernels with a float32 scale; on this
-model (activations in the hundreds after the embedding scale, post-norms) that moves the logits
-by up to 0.49 (measured on these rows: 0.16 on the first row, 0.41-0.49 on the last, of logits
-near 20); the test allows 0.75. docs/models.md has the figures.
+Greedy tokens must be identical. Logits: the kernels quantize activations as llama.cpp's x86
+build does (float16 scales for blocks of 32, its Q8_K for 256) and the cache is float16 as
+its default, so the first row (one position: attention is V itself) agrees to 5.1e-5; later
+rows still differ by up to 0.44 (measured on these rows: 0.31-0.44 on the last, of logits near
+20), since llama.cpp's CPU attention also rounds Q to float16 and sums V's weighted rows in
+float16. The test allows 0.6 (it allowed 0.75 before the scales and cache matched).
+docs/models.md has the figures.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from foundry.model.inference import Engine
 from foundry.model.quant import QTensor
 
 REFS = json.loads((Path(__file__).parent / "refs" / "gemma3_270m.json").read_text())
-ABS_TOL = 0.75
+ABS_TOL = 0.6
 
 
 def gemma_file() -> Path:

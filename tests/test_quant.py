@@ -19,7 +19,6 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 import pytest
-from gguf.quants import np_roundf
 
 from foundry.model import quant
 from foundry.model import transformer as T
@@ -31,7 +30,7 @@ from foundry.model.gguf_io import (
     storage_type,
     values_by_type,
 )
-from foundry.model.inference import Engine
+from foundry.model.inference import Engine, KVCache
 from foundry.model.layers import attention_forward, rope_tables
 from foundry.model.quant import QTensor, QType
 from foundry.model.tp_split import ExpertSplit, SplitError, rank_weights
@@ -65,13 +64,45 @@ def stored(a: F32, qtype: QType) -> QTensor:
     return random_blocks(qtype, *a.shape) if qtype in KQUANTS else quant.quantize(a, qtype)
 
 
-def int8_inputs(x: F32, block: int = 32) -> npt.NDArray[np.float64]:
-    """x as the kernels see it on the int8 path: blocks of 32 (256 for the K-quants),
-    d = max|x| / 127, round(x / d)."""
+def int8_blocks(x: F32, block: int = 32) -> tuple[F32, F32]:
+    """x quantized as the kernels do on the int8 path (llama.cpp's x86 build): q (n, blocks,
+    block) and the float32 d (n, blocks, 1). Blocks of 32 (Q8_0): q = x * (127 / max|x|) to
+    nearest even, d = max|x| / 127. Blocks of 256 (Q8_K): s = -127 / m (m the first value of
+    largest magnitude), q = min(127, s * x to nearest even), d = 1 / s."""
     b = x.reshape(x.shape[0], -1, block).astype(np.float32)
-    d = np.abs(b).max(axis=-1, keepdims=True) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    return (np_roundf(b * inv) * d).reshape(x.shape).astype(np.float64)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    if block == 32:
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax != 0)
+        return np.rint(b * inv), amax / np.float32(127)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)
+    s = np.divide(np.float32(-127), m, out=np.zeros_like(m), where=m != 0)
+    d = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
+    return np.minimum(np.rint(s * b), 127), d
+
+
+def int8_inputs(x: F32, block: int = 32) -> npt.NDArray[np.float64]:
+    """x as the kernels see it on the int8 path: q * d, where blocks of 32 keep d as float16
+    (ggml's Q8_0 and Q8_1) and the K-quants' blocks of 256 as float32 (ggml's Q8_K)."""
+    q, d = int8_blocks(x, block)
+    if block == 32:
+        d = d.astype(np.float16).astype(np.float32)
+    return (q * d).reshape(x.shape).astype(np.float64)
+
+
+def int8_product(x: F32, w: QTensor) -> npt.NDArray[np.float64]:
+    """The int8 path's product in float64: int8_inputs against the dequantized weights, and for
+    Q4_1 / Q5_1 the blocks' minimums m times ggml's Q8_1 sums s = fp16(d * sum(q)) (float32 d)
+    where the dequantized product has m * fp16(d) * sum(q)."""
+    want = int8_inputs(x) @ w.dequantize().astype(np.float64).T  # (n, rows)
+    if w.qtype in (QType.Q4_1, QType.Q5_1):
+        q, d = int8_blocks(x)
+        total = q.sum(axis=-1)  # (n, blocks) exact
+        s = (total * d[..., 0]).astype(np.float16).astype(np.float64)
+        dx = d[..., 0].astype(np.float16).astype(np.float64)
+        rows, nb = w.shape[0], w.shape[1] // 32
+        m = w.data.reshape(rows, nb, -1)[..., 2:4].copy().view(np.float16)[..., 0]
+        want += (s - dx * total) @ m.astype(np.float64).T
+    return want
 
 
 # -- the kernels ------------------------------------------------------------------------------
@@ -104,7 +135,7 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
     xs = (int8_inputs(x) if qtype in INT8_PATH
           else int8_inputs(x, 256) if qtype in KQUANTS else x.astype(np.float64))
     wd = w.dequantize().astype(np.float64)
-    want = xs @ wd.T
+    want = int8_product(x, w) if qtype in INT8_PATH else xs @ wd.T
     got = quant.linear(x, w)
     bound = 1e-5 * (np.abs(xs) @ np.abs(wd).T)  # relative to the sum of the terms' sizes
     assert got.shape == (n, 37) and got.dtype == np.float32
@@ -148,9 +179,9 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
 
 
 @pytest.mark.parametrize("qtype", INT8_PATH)
-def test_inputs_round_half_away_from_zero_on_every_path(qtype: QType) -> None:
-    # a block whose largest value is 127 has the scale 1, so its halves are exact ties: roundf
-    # takes them away from zero (2.5 -> 3, -0.5 -> -1), where round-to-even would not
+def test_inputs_round_half_to_even_on_every_path(qtype: QType) -> None:
+    # a block whose largest value is 127 has the scale 1, so its halves are exact ties: llama.cpp's
+    # x86 build (round_ps) takes them to even (2.5 -> 2, -0.5 -> 0), where roundf would not
     halves = np.arange(-15.5, 16.0, 1.0, dtype=np.float32)  # 32 values, every one a tie
     x = np.concatenate([[127.0], halves[1:], halves]).astype(np.float32)[None, :]  # (1, 64)
     w = quant.quantize(np.eye(64, dtype=np.float32)[:8] * 0.5 + 0.25, qtype)  # (8, 64)
@@ -162,8 +193,36 @@ def test_inputs_round_half_away_from_zero_on_every_path(qtype: QType) -> None:
     finally:
         quant._kernels.use("best")
     assert np.array_equal(best, portable)
-    want = int8_inputs(x) @ w.dequantize().astype(np.float64).T  # roundf's int8 inputs
+    want = int8_product(x, w)  # the int8 inputs rounded to even
     np.testing.assert_allclose(best, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", INT8_PATH)
+def test_the_input_scale_of_a_32_block_is_a_float16_on_every_path(qtype: QType) -> None:
+    """ggml's Q8_0 / Q8_1 keep a block's scale d = max|x| / 127 as float16: the products use
+    it rounded to nearest (ties to even; below 2^-14 float16's subnormals, below 2^-25 zero),
+    on every path, while the values are quantized with the float32 d. Blocks of magnitudes from
+    1e-9 (d becomes 0) to 300 (Q8_1's float16 block sum d * sum(q) overflows past 65504, as in
+    ggml, so no larger)."""
+    rng = np.random.default_rng(8)
+    scales = np.array([1e-9, 3e-9, 1e-7, 4e-6, 1e-4, 0.01, 0.3, 1.0, 7.0, 300.0], np.float32)
+    x = (rng.standard_normal((3, len(scales), 32)).astype(np.float32)
+         * scales[None, :, None]).reshape(3, -1)  # (3, 320)
+    _, d = int8_blocks(x)
+    assert (d.astype(np.float16) != d).any() and (d.astype(np.float16) == 0).any()
+    w = quant.quantize(rng.standard_normal((40, x.shape[1]), dtype=np.float32), qtype)
+    assert quant._kernels is not None
+    results = []
+    try:
+        for path in ["best", *SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            results.append(np.concatenate([quant.linear(x[:1], w), quant.linear(x, w)]))
+    finally:
+        quant._kernels.use("best")
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+    want = int8_product(x, w)
+    bound = 1e-5 * (np.abs(int8_inputs(x)) @ np.abs(w.dequantize().astype(np.float64)).T)
+    assert np.all(np.abs(results[0][1:] - want) <= bound + 1e-30)
 
 
 @pytest.mark.parametrize("k", [48, 70])
@@ -307,11 +366,12 @@ def test_engine_on_a_quantized_file_tracks_the_f32_reference(
 ) -> None:
     """The same file through the f32 engine (dequantized at load) and the stored-type engine:
     F16 differs by rounding only; Q8_0 and Q4_0 also by the int8 inputs (which can flip a
-    close routing decision: hence the median over positions)."""
+    close routing decision: hence the median over positions). Both with a float32 cache (a
+    stored file's default is float16): the products are what is compared."""
     path = tmp_path / "m.gguf"
     save_gguf(path, CFG, perturbed(CFG), dtype=dtype)  # type: ignore[arg-type]
     reference = Engine(CFG, load_gguf(path).params)
-    engine = Engine(CFG, load_gguf_stored(path).params)
+    engine = Engine(CFG, load_gguf_stored(path).params, kv_cache=KVCache.F32)
     prompt = list(range(10, 40))
     want = reference.decode(reference.new_session(), prompt)
     got = engine.decode(engine.new_session(), prompt)

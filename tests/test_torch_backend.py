@@ -23,7 +23,7 @@ from foundry.model.data import load_corpus
 from foundry.model.engines import make_engine
 from foundry.model.generate import generate_tokens
 from foundry.model.gguf_io import save_gguf
-from foundry.model.inference import Engine
+from foundry.model.inference import Engine, KVCache
 from foundry.model.optim import lr_schedule
 from foundry.model.torch_backend import TorchBackend
 from foundry.model.torch_engine import TorchEngine
@@ -180,7 +180,8 @@ def test_dequantized_files_decode_as_the_numpy_engine_reads_them(tmp_path: Path)
     from foundry.model.gguf_io import load_gguf_stored
 
     loaded = load_gguf_stored(path)
-    want = list(generate_tokens(Engine(cfg, loaded.params), "The ", 24))
+    # a float32 cache as the PyTorch engine's (a stored file's default on numpy is float16)
+    want = list(generate_tokens(Engine(cfg, loaded.params, kv_cache=KVCache.F32), "The ", 24))
     got = list(generate_tokens(make_engine(cfg, loaded.params, device="torch-cpu"), "The ", 24))
     assert got == want
 

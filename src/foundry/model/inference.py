@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,17 @@ F32 = npt.NDArray[np.float32]
 GateExchange = Callable[[int, Gate, F32], F32]
 """(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
 
+class KVCache(Enum):
+    """The type a session's K and V cache rows are stored in (``Engine(kv_cache=...)``)."""
+
+    F16 = "f16"  # llama.cpp's default (-ctk f16 -ctv f16): half the memory, its rounding
+    F32 = "f32"  # exact: what the training forward computes (tests, our own references)
+
+    @property
+    def dtype(self) -> type[np.floating[Any]]:
+        return np.float16 if self is KVCache.F16 else np.float32
+
+
 _session_ids = itertools.count(1)
 _engine_ids = itertools.count(1)
 
@@ -107,11 +119,13 @@ class Session:
     Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
     (ctx_size, kv heads of the part, head_dim), position p in row p. Parts that cache the same
     kv heads (a single kv head, replicated: both halves of a world-1 engine compute it from the
-    same rows, to the same bits) share one array, so the cache is held once.
+    same rows, to the same bits) share one array, so the cache is held once. The arrays are of
+    the engine's ``KVCache`` type (rows written as float32 are rounded to it, to nearest).
     """
 
     def __init__(
-        self, engine_id: int, ctx_size: int, kv_heads: Sequence[tuple[int, int]], cfg: ModelConfig
+        self, engine_id: int, ctx_size: int, kv_heads: Sequence[tuple[int, int]], cfg: ModelConfig,
+        kv_cache: KVCache = KVCache.F16,
     ):
         self.id = next(_session_ids)
         self.engine_id = engine_id
@@ -119,15 +133,15 @@ class Session:
         self.pos = 0
         self.tokens: list[int] = []
 
-        def caches() -> list[F32]:
-            held: dict[tuple[int, int], F32] = {}
+        def caches() -> list[npt.NDArray[Any]]:
+            held: dict[tuple[int, int], npt.NDArray[Any]] = {}
             for r in kv_heads:
                 if r not in held:
-                    held[r] = np.zeros((ctx_size, r[1] - r[0], cfg.head_dim), np.float32)
+                    held[r] = np.zeros((ctx_size, r[1] - r[0], cfg.head_dim), kv_cache.dtype)
             return [held[r] for r in kv_heads]
 
-        self.k: list[list[F32]] = [caches() for _ in range(cfg.n_layer)]
-        self.v: list[list[F32]] = [caches() for _ in range(cfg.n_layer)]
+        self.k: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
+        self.v: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
 
     @property
     def free(self) -> int:
@@ -188,7 +202,12 @@ class Engine:
     an already cut ``RankWeights`` of the same rank and world, held, not copied (its stored
     Q/K/V and gate/up tensors become views of stacked buffers, see ``_fuse``).
     ``expert_split`` is how the routed experts are cut (default: the ``RankWeights``' own,
-    else ``EXPERTS``).
+    else ``EXPERTS``). ``kv_cache`` is its sessions' cache type; by default float16 where the
+    matrices are stored blocks (F16, quantized: llama.cpp's default cache for the files it
+    serves, half the memory), float32 where they are float32 arrays (our own checkpoints: exact
+    as the training forward, and numpy's float products are not batch-invariant, an ulp apart
+    between a block and one row, which a float16 rounding would widen). Both ranks of a pair
+    load the same file, so they choose the same.
     """
 
     def __init__(
@@ -199,6 +218,7 @@ class Engine:
         world: int = 1,
         expert_split: ExpertSplit | None = None,
         ctx_size: int | None = None,
+        kv_cache: KVCache | None = None,
     ):
         self.id = next(_engine_ids)
         self.cfg = cfg
@@ -232,6 +252,8 @@ class Engine:
             for part, fused in zip(self.parts, self.fused, strict=True)
         ]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
+        stored = any(isinstance(p, QTensor) for p in self.parts[0].params.values())
+        self.kv_cache = kv_cache or (KVCache.F16 if stored else KVCache.F32)
         # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
         self.dense: dict[str, F32] = {
             name: dequantize(p) for name, p in self.replicated.items() if _is_dense(name)
@@ -302,7 +324,8 @@ class Engine:
         if ctx <= 0:
             raise ValueError(f"ctx_size must be positive, got {ctx}")
         self._rope_tables(ctx)
-        return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg)
+        return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg,
+                       self.kv_cache)
 
     def decode(
         self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None,

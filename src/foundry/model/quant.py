@@ -223,17 +223,22 @@ def linear(x: F32, w: Param) -> F32:
     return y
 
 
-def attend(q: F32, k: F32, v: F32, n_pos: int, out: F32) -> None:
+def attend(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], n_pos: int, out: F32) -> None:
     """One query row's attention, q (heads, Dh), against positions [0, n_pos) of a KV cache k, v
     (ctx, kv heads, Dh), written to out (heads, Dh): the decode step, in the C module with the
     products (one fixed order of operations; about 25 us a row of 100 positions on a Zen 3
-    core with the cache warm, where numpy took 150), else ``layers.attention_forward``. All
-    float32 and C-contiguous."""
+    core with the cache warm, where numpy took 150), else ``layers.attention_forward``. q and
+    out float32, the cache float32 or float16 (both k and v; its values converted exactly, the
+    same operations after), all C-contiguous."""
+    half = k.dtype == np.float16
+    if (v.dtype == np.float16) != half or k.dtype not in (np.float16, np.float32):
+        raise QuantError(f"attend takes a float32 or float16 cache, got {k.dtype} and {v.dtype}")
     if _kernels is None:
-        o, _ = attention_forward(q[None, None], k[None, :n_pos], v[None, :n_pos], offset=n_pos - 1)
+        kf, vf = (c[:n_pos].astype(np.float32) for c in (k, v))
+        o, _ = attention_forward(q[None, None], kf[None], vf[None], offset=n_pos - 1)
         out[...] = o[0, 0]
         return
-    _kernels.attend(q, k, v, n_pos, q.shape[0], k.shape[1], q.shape[1], out)
+    _kernels.attend(q, k, v, int(half), n_pos, q.shape[0], k.shape[1], q.shape[1], out)
 
 
 # The rest of a decode step in the C module, each row in one fixed order of operations (the

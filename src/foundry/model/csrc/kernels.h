@@ -12,7 +12,8 @@
  * (and several rows at a time), so an x86-64 rank and an arm64 rank give the same bits:
  *
  * - Q8_0, Q4_0 and Q5_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
- *   32 with a float scale (d = max|x| / 127, q = round(x / d), as ggml's Q8_0). A block's
+ *   32 as llama.cpp's x86 build does (q = round(x * (127 / max|x|)) to nearest even, d =
+ *   max|x| / 127 kept as float16: q32.c's quantize_block32). A block's
  *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
  *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
  *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
@@ -20,16 +21,17 @@
  *   lane j + 4: values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j, still exact) and adds
  *   (d_w * d_x) * lane_j into accumulator 4 (block mod 4) + j: half the float work per block,
  *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
- * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one scale per
- *   super-block, as ggml's Q8_K). Each 32 values of a super-block give the same eight exact
- *   int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
+ * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one float32 scale
+ *   per super-block, as ggml's Q8_K: quantize_block256). Each 32 values of a super-block give
+ *   the same eight exact int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
  *   integer scale, summed over the super-block in int32; the super-block adds (d * d_x) * lane_j
  *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
  *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
  *   the halving (dot_k_portable).
- * - Q4_1 and Q5_1 (a minimum per block): x as for Q8_0, with S_b the exact sum of its block; the
+ * - Q4_1 and Q5_1 (a minimum per block): x as ggml's Q8_1: as for Q8_0, with s_b = S_b * d (S_b
+ *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; the
  *   unsigned values (0..15, 0..31) give the same eight exact lanes, added as (d_w * d_x) * lane_j
- *   into accumulator 8 (block mod 2) + j of sixteen, and (m_w * d_x) * S_b into one more float,
+ *   into accumulator 8 (block mod 2) + j of sixteen, and m_w * s_b into one more float,
  *   added after the halving (dot_q1_portable).
  * - F16: the weight row is turned into float32 (exact), then multiplied with x in float32:
  *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
@@ -99,6 +101,32 @@ static inline uint16_t rd16(const uint8_t *p) {
 }
 
 static inline float f16(const uint8_t *p) { return f16_table[rd16(p)]; }
+
+/* x rounded to the nearest float16 value (ties to even; subnormals kept, 65520 and above to
+ * infinity), as float32: what ggml's FP32_TO_FP16 then FP16_TO_FP32 give (F16C's vcvtps2ph
+ * with round-to-nearest), in integer and float steps that are the same on every machine. */
+static inline float round_f16(float x) {
+    uint32_t u, sign;
+    memcpy(&u, &x, 4);
+    sign = u & 0x80000000u;
+    u ^= sign;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a != a) return x; /* NaN */
+    if (a >= 65520.0f) {
+        a = INFINITY;
+    } else if (a < 6.103515625e-05f) { /* below float16's normals: multiples of 2^-24 */
+        volatile float big = a + 0.5f; /* float32's step at 0.5 is 2^-24: the one rounding */
+        a = big - 0.5f;
+    } else { /* drop 13 of the 23 fraction bits, to nearest, ties to even */
+        u = (u + 0x0FFFu + ((u >> 13) & 1u)) & ~0x1FFFu;
+        memcpy(&a, &u, 4);
+    }
+    memcpy(&u, &a, 4);
+    u |= sign;
+    memcpy(&x, &u, 4);
+    return x;
+}
 
 int type_block(int type, int *values, int *bytes);
 void dequant_row(int type, const uint8_t *w, int k, float *y);
@@ -256,8 +284,8 @@ float score_portable(const float *q, const float *k, int dh);
 #if defined(FOUNDRY_X86)
 float score_avx2(const float *q, const float *k, int dh);
 #endif
-void attend(const float *q, const float *k, const float *v, int n_pos, int n_head, int n_kv,
-            int dh, float *p, float *out);
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+            int n_kv, int dh, float *p, float *out);
 
 /* decode.c */
 #define MAX_EXPERTS 256

@@ -66,19 +66,23 @@ done:
 }
 
 PyDoc_STRVAR(attend_doc,
-             "attend(q, k, v, n_pos, n_head, n_kv, dh, out): one query row (n_head, dh) against "
-             "positions 0 .. n_pos - 1 of a cache k, v (ctx, n_kv, dh); out (n_head, dh) written. "
-             "All float32, C-contiguous.");
+             "attend(q, k, v, half, n_pos, n_head, n_kv, dh, out): one query row (n_head, dh) "
+             "against positions 0 .. n_pos - 1 of a cache k, v (ctx, n_kv, dh), float16 where "
+             "half is 1, else float32; out (n_head, dh) written. q and out float32; all "
+             "C-contiguous.");
 
 static PyObject *py_attend(PyObject *self, PyObject *args) {
-    int n_pos, n_head, n_kv, dh;
+    int half, n_pos, n_head, n_kv, dh;
     Py_buffer q, k, v, out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*iiiiw*", &q, &k, &v, &n_pos, &n_head, &n_kv, &dh, &out))
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiiiw*", &q, &k, &v, &half, &n_pos, &n_head, &n_kv, &dh,
+                          &out))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4, pos = (Py_ssize_t)n_kv * dh * 4;
-    if (n_pos < 1 || n_head < 1 || n_kv < 1 || dh < 1 || n_head % n_kv || q.len != row ||
+    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4,
+                     pos = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
+    if ((half != 0 && half != 1) || n_pos < 1 || n_head < 1 || n_kv < 1 || dh < 1 ||
+        n_head % n_kv || q.len != row ||
         out.len != row || k.len != v.len || k.len % pos || k.len / pos < n_pos) {
         PyErr_Format(PyExc_ValueError,
                      "attend: q %zd and out %zd bytes for %d heads of %d, a cache of %zd and %zd "
@@ -86,13 +90,13 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                      q.len, out.len, n_head, dh, k.len, v.len, n_pos, n_kv);
         goto done;
     }
-    float *p = malloc((size_t)n_pos * n_head * sizeof(float));
+    float *p = malloc(((size_t)n_pos * n_head + (size_t)n_kv * dh) * sizeof(float));
     if (p == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    attend(q.buf, k.buf, v.buf, n_pos, n_head, n_kv, dh, p, out.buf);
+    attend(q.buf, k.buf, v.buf, half, n_pos, n_head, n_kv, dh, p, out.buf);
     Py_END_ALLOW_THREADS
     free(p);
     result = Py_None;

@@ -6,64 +6,99 @@
  * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
 #define Q_TILE 64
 
-static void quantize_input_portable(const float *x, int k, int bs, int8_t *q, float *d) {
-    for (int b = 0; b < k / bs; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(x[b * bs + i]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
-        for (int i = 0; i < bs; i++) q[b * bs + i] = (int8_t)roundf(x[b * bs + i] * id);
+/* The inputs' int8 blocks are ggml's, as llama.cpp's CPU build on x86-64 makes them (its
+ * quantize_row_q8_0 / q8_1 for AVX2 and quantize_row_q8_K), one definition on every path:
+ *
+ * - blocks of 32 (Q8_0, Q8_1): amax = max |x|, q = round(x * (127 / amax)) to nearest, ties to
+ *   even, and the scale d = amax / 127 kept as float16 (round_f16): the products' d_x. (ggml's
+ *   scalar reference multiplies by 1 / d and rounds ties away from zero: a value one ulp apart
+ *   now and then; llama.cpp on this machine type runs the AVX2 code.)
+ * - blocks of 256 (Q8_K): m = the value of largest magnitude (the first, with its sign),
+ *   s = -127 / m, q = min(127, round(s * x)) to nearest, ties to even, and d = 1 / s in
+ *   float32 (negative where m is positive: q and d change sign together).
+ *
+ * round_even(v): to nearest, ties to even, for |v| < 2^22, as ggml's nearest_int (a float
+ * addition of 1.5 x 2^23 leaves the integer in the low fraction bits). */
+static inline int32_t round_even(float v) {
+    const float t = v + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &t, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+static void quantize_block32(const float *x, int8_t *q, float *d) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *d = round_f16(amax / 127.0f);
+    for (int i = 0; i < QK; i++) q[i] = (int8_t)round_even(x[i] * id);
+}
+
+static void quantize_block256(const float *x, int8_t *q, float *d) {
+    float amax = 0.0f, m = 0.0f;
+    for (int i = 0; i < QK_K; i++)
+        if (fabsf(x[i]) > amax) {
+            amax = fabsf(x[i]);
+            m = x[i];
+        }
+    if (amax == 0.0f) {
+        memset(q, 0, QK_K);
+        *d = 0.0f;
+        return;
     }
+    const float s = -127.0f / m;
+    for (int i = 0; i < QK_K; i++) {
+        const int32_t v = round_even(s * x[i]);
+        q[i] = (int8_t)(v < 127 ? v : 127);
+    }
+    *d = 1.0f / s;
 }
 
 #if defined(FOUNDRY_X86)
-/* quantize_input 32 values at a time (bs a multiple of 32): the same maximum (exact; NaNs
- * ignored as fmaxf does: max_ps keeps its second operand when the first is NaN), the same
- * scalar scale and reciprocal, the same product x * id, and roundf's rounding (half away from
- * zero): truncate, then step away from zero where the exact remainder is at least one half. */
-AVX2 static void quantize_input_avx2(const float *x, int k, int bs, int8_t *q, float *d) {
+/* quantize_block32's operations 8 values at a time: the same maximum (exact; NaNs ignored as
+ * fmaxf does: max_ps keeps its second operand when the first is NaN), the same scalar scales,
+ * the same product x * id, rounded to nearest even by round_ps (round_even's result). */
+AVX2 static void quantize_input_avx2(const float *x, int k, int8_t *q, float *d) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int b = 0; b < k / bs; b++) {
-        const float *xb = x + (size_t)b * bs;
+    for (int b = 0; b < k / QK; b++) {
+        const float *xb = x + (size_t)b * QK;
         __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < bs; i += 8)
+        for (int i = 0; i < QK; i += 8)
             m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xb + i), absmask), m);
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = round_f16(amax / 127.0f);
         const __m256 idv = _mm256_set1_ps(id);
-        for (int i = 0; i < bs; i += 32) {
-            __m256i v32[4];
-            for (int j = 0; j < 4; j++) {
-                const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), idv);
-                const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-                const __m256 up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(v, t), absmask), half,
-                                                _CMP_GE_OQ);
-                const __m256 step = _mm256_or_ps(one, _mm256_andnot_ps(absmask, v)); /* +-1 */
-                v32[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, step)));
-            }
-            const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]),
-                                                   _mm256_packs_epi32(v32[2], v32[3]));
-            _mm256_storeu_si256((__m256i *)(q + (size_t)b * bs + i),
-                                _mm256_permutevar8x32_epi32(p16, order));
+        __m256i v32[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), idv);
+            v32[j] = _mm256_cvtps_epi32(
+                _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
+        const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]),
+                                               _mm256_packs_epi32(v32[2], v32[3]));
+        _mm256_storeu_si256((__m256i *)(q + (size_t)b * QK), _mm256_permutevar8x32_epi32(p16, order));
     }
 }
 #endif
 
-/* Inputs as int8 blocks of bs values (32; 256 for the K-quants): q (k values), d (k / bs scales). */
+/* Inputs as int8 blocks of bs values (32: ggml's Q8_0, d as float16; 256: its Q8_K, d float32):
+ * q (k values), d (k / bs scales). */
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
+    if (bs == QK_K) {
+        for (int b = 0; b < k / QK_K; b++) quantize_block256(x + b * QK_K, q + b * QK_K, d + b);
+        return;
+    }
 #if defined(FOUNDRY_X86)
     if (use_avx2) {
-        quantize_input_avx2(x, k, bs, q, d);
+        quantize_input_avx2(x, k, q, d);
         return;
     }
 #endif
-    quantize_input_portable(x, k, bs, q, d);
+    for (int b = 0; b < k / QK; b++) quantize_block32(x + b * QK, q + b * QK, d + b);
 }
 
 /* One block of weights as 32 int8 values and its float scale. */
@@ -634,29 +669,21 @@ static void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, 
 }
 
 /* quantize_input's blocks of 32 and the correction's sums (times 2^shift) for the AVX-512 rows,
- * 16 values at a time: the same maximum (exact, NaNs ignored as fmaxf does), the same scalar
- * scale and reciprocal, the same product x * id, and roundf's rounding (half away from zero):
- * truncate, then step away from zero where the exact remainder is at least one half. */
+ * 16 values at a time: quantize_block32's maximum (exact, NaNs ignored as fmaxf does), scalar
+ * scales and product x * id, rounded to nearest even by roundscale (round_even's result). */
 AVX512 static void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
                                      int32_t *corr) {
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
     for (int b = 0; b < k / QK; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
         const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1),
                                        _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
         const float amax = _mm512_reduce_max_ps(m);
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = round_f16(amax / 127.0f); /* quantize_block32's */
         const __m512 idv = _mm512_set1_ps(id);
         for (int h = 0; h < 2; h++) {
             const __m512 v = _mm512_mul_ps(h ? x1 : x0, idv);
-            __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half,
-                                                    _CMP_GE_OQ);
-            const __m512i sign = _mm512_and_si512(_mm512_castps_si512(v),
-                                                  _mm512_set1_epi32((int)0x80000000u));
-            const __m512 step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(one), sign));
-            t = _mm512_mask_add_ps(t, up, t, step);
+            const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm_storeu_si128((__m128i *)(q + b * QK + 16 * h),
                              _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
         }
@@ -847,7 +874,7 @@ static inline void unpack_block_min(int type, const uint8_t *blk, int8_t *q) {
 }
 
 static float dot_q1_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                             const float *xd, const int32_t *sums, int nb) {
+                             const float *xd, const float *sums, int nb) {
     float acc[LANES_Q] = {0}, acc_min = 0.0f;
     int8_t q[QK];
     int32_t s[8];
@@ -858,7 +885,7 @@ static float dot_q1_portable(int type, const uint8_t *w, int bsize, const int8_t
         float *a = acc + 8 * (b & 1);
         const float f = f16(blk) * xd[b];
         for (int j = 0; j < 8; j++) a[j] = a[j] + f * (float)s[j];
-        acc_min = acc_min + (f16(blk + 2) * xd[b]) * (float)sums[b];
+        acc_min = acc_min + f16(blk + 2) * sums[b];
     }
     return finish(acc, LANES_Q) + acc_min;
 }
@@ -867,7 +894,7 @@ static float dot_q1_portable(int type, const uint8_t *w, int bsize, const int8_t
 /* dot_q1_portable's operations, two blocks a step: maddubs of the unsigned values (at most 31)
  * and the input's int8 values is exact, madd by ones sums each two pairs: the eight lanes. */
 AVX2 INLINE float dot_q1_avx2_t(const int type, const uint8_t *w, int bsize, const int8_t *xq,
-                                const float *xd, const int32_t *sums, int nb) {
+                                const float *xd, const float *sums, int nb) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     float acc_min = 0.0f;
     const __m128i m4 = _mm_set1_epi8(0xF);
@@ -887,13 +914,13 @@ AVX2 INLINE float dot_q1_avx2_t(const int type, const uint8_t *w, int bsize, con
             acc1 = _mm256_add_ps(acc1, v);
         else
             acc0 = _mm256_add_ps(acc0, v);
-        acc_min = acc_min + (f16c(blk + 2) * dx) * (float)sums[b];
+        acc_min = acc_min + f16c(blk + 2) * sums[b];
     }
     return finish16_avx2(acc0, acc1) + acc_min;
 }
 
 AVX2 static float dot_q1_avx2(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                              const float *xd, const int32_t *sums, int nb) {
+                              const float *xd, const float *sums, int nb) {
     return type == T_Q4_1 ? dot_q1_avx2_t(T_Q4_1, w, bsize, xq, xd, sums, nb)
                           : dot_q1_avx2_t(T_Q5_1, w, bsize, xq, xd, sums, nb);
 }
@@ -904,7 +931,7 @@ int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, co
     const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
     int8_t *xq = malloc((size_t)n * k);
     float *xd = malloc((size_t)n * nb * sizeof(float));
-    int32_t *sums = malloc((size_t)n * nb * sizeof(int32_t));
+    float *sums = malloc((size_t)n * nb * sizeof(float));
     if (xq == NULL || xd == NULL || sums == NULL) {
         free(xq);
         free(xd);
@@ -913,14 +940,17 @@ int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, co
     }
     for (int t = 0; t < n; t++) {
         const int8_t *q = xq + (size_t)t * k;
-        quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
-        for (int b = 0; b < nb; b++) {
+        const float *xt = x + (size_t)t * k;
+        quantize_input(xt, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
+        for (int b = 0; b < nb; b++) { /* as ggml's Q8_1: s = fp16(sum * d), d float32 */
             int32_t s = 0;
             for (int i = 0; i < QK; i++) s += q[b * QK + i];
-            sums[(size_t)t * nb + b] = s;
+            float amax = 0.0f; /* a loop of its own: aarch64 gcc 12's vectorizer fails on both */
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xt[b * QK + i]));
+            sums[(size_t)t * nb + b] = round_f16((float)s * (amax / 127.0f));
         }
     }
-    float (*dot)(int, const uint8_t *, int, const int8_t *, const float *, const int32_t *, int) =
+    float (*dot)(int, const uint8_t *, int, const int8_t *, const float *, const float *, int) =
         dot_q1_portable;
 #if defined(FOUNDRY_X86)
     if (use_avx2) dot = dot_q1_avx2;
