@@ -362,7 +362,7 @@ def run_config(
             line = next(lines)
             if not line:
                 if not coord.alive():
-                    res.note = "coordinator exited"
+                    res.note = "coordinator exited: " + coord.log.read_text()[-600:].strip()
                     break
                 time.sleep(0.02)
                 continue
