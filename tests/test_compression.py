@@ -579,3 +579,78 @@ def test_topk_decompress_takes_every_index_in_range() -> None:
     with pytest.raises(LocalProtocolError, match=r"an index is outside 0\.\.2$"):
         topk_decompress([-1], [1.0], 3)
     assert topk_decompress(np.array([[0]]), [1.0], 2).dtype == np.float32
+
+
+def test_topk_functions_give_u32_indices_and_f32_values() -> None:
+    """Every path of topk_compress (k = 0, k = n, a clean cut, a cut through ties) and
+    topk_decompress keep the documented dtypes: what a caller serializes as u32 and f32."""
+    x = np.array([3.0, -1.0, 2.0, 2.0, 0.5], np.float32)
+    for k, want in ((0, []), (5, [0, 1, 2, 3, 4]), (1, [0]), (2, [0, 2])):
+        idx, vals = topk_compress(x, k)
+        assert (idx.dtype, vals.dtype) == (np.uint32, np.float32), k
+        assert idx.tolist() == want
+        out = topk_decompress(idx, vals, 5)
+        assert out.dtype == np.float32
+        assert np.array_equal(out[want], x[want]) and np.count_nonzero(out) == len(want)
+    with pytest.raises(LocalProtocolError, match=r"^k 6 is outside 0\.\.5$"):
+        topk_compress(x, 6)
+    with pytest.raises(LocalProtocolError, match=r"^2 indices but 1 values$"):
+        topk_decompress([0, 1], [1.0], 5)
+    with pytest.raises(LocalProtocolError, match=r"^an index is outside 0\.\.4$"):
+        topk_decompress([5], [1.0], 5)
+    with pytest.raises(LocalProtocolError, match=r"^TOPK input holds NaN or inf; refusing"):
+        topk_compress([1.0, float("inf")], 1)
+    with pytest.raises(LocalProtocolError, match=r"^topk_ratio 0\.0 is outside \(0, 1\]$"):
+        TopKCodec(0.0)
+
+
+def test_topk_decode_refuses_two_equal_indices() -> None:
+    n = 10
+    with pytest.raises(FdtcProtocolError,
+                       match="^TOPK indices are out of range or not strictly ascending$"):
+        TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 4]), n)
+    out, _ = TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 5]), n)
+    assert out[4] == 1.0 and out[5] == 2.0
+
+
+def test_short_tensors_name_their_codec_and_size() -> None:
+    cases = {
+        "^TOPK tensor header needs 4 bytes": (TopKCodec(), b"", 3),
+        "^TOPK tensor of 3 elements keeping 1 needs": (TopKCodec(), b"\x01\x00\x00\x00", 3),
+        "^QSGD tensor header needs 8 bytes": (QsgdCodec(), b"", 3),
+        "^QSGD tensor of 3 elements needs": (QsgdCodec(), struct.pack("<II", 4, 5), 3),
+        "^FP16 tensor of 3 elements needs 6 bytes": (Fp16Codec(), b"", 3),
+        "^NONE tensor of 3 elements needs 12 bytes": (NoneCodec(), b"", 3),
+    }
+    for problem, (codec, data, n) in cases.items():
+        with pytest.raises(FdtcProtocolError, match=problem):
+            codec.decode(data, n)
+
+
+def test_qsgd_parameter_limits_and_seed() -> None:
+    """Bucket 1 and 2**32 - 1 are accepted, 0 and 2**32 refused; levels 1..127. The seed of
+    QsgdParams makes the stochastic rounding repeatable."""
+    for bucket in (1, 0xFFFF_FFFF):
+        assert QsgdCodec(7, bucket).bucket == bucket
+    for bucket in (0, 1 << 32):
+        with pytest.raises(LocalProtocolError, match=f"^qsgd_bucket {bucket} must be a positive"):
+            QsgdCodec(7, bucket)
+    with pytest.raises(LocalProtocolError, match=r"^qsgd_levels 128 is outside 1\.\.127"):
+        QsgdCodec(128)
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    params = qsgd.QsgdParams(qsgd_levels=3, qsgd_bucket=64, seed=11)
+    first = QsgdCodec.from_params(params).encode(x)
+    assert QsgdCodec.from_params(params).encode(x) == first == QsgdCodec(3, 64, 11).encode(x)
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_qsgd_encode_decoded_returns_the_decoding_only_when_asked(
+    encoder: str, decoded: bool
+) -> None:
+    x = np.random.default_rng(4).standard_normal(100).astype(np.float32)
+    data, out = QsgdCodec(7, 32, seed=2).encode_decoded(x, decoded=decoded)
+    assert data == QsgdCodec(7, 32, seed=2).encode(x)
+    if decoded:
+        assert np.array_equal(out, QsgdCodec().decode(data, 100)[0])
+    else:
+        assert out.dtype == np.float32 and out.size == 0
