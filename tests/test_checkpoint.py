@@ -355,7 +355,7 @@ def test_partial_optimizer_moments_round_trip(tmp_path: Path) -> None:
     state = make_state()
     names = list(CFG.param_shapes())
     for group in ("m", "v"):
-        moments = state.optimizer[group]  # type: ignore[literal-required]
+        moments = state.optimizer[group]
         for name in names[:2]:
             del moments[name]
     loaded = load_checkpoint(save_checkpoint(tmp_path, state))

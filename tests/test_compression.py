@@ -587,7 +587,7 @@ def test_topk_functions_give_u32_indices_and_f32_values() -> None:
     x = np.array([3.0, -1.0, 2.0, 2.0, 0.5], np.float32)
     for k, want in ((0, []), (5, [0, 1, 2, 3, 4]), (1, [0]), (2, [0, 2])):
         idx, vals = topk_compress(x, k)
-        assert (idx.dtype, vals.dtype) == (np.uint32, np.float32), k
+        assert idx.dtype == np.dtype(np.uint32) and vals.dtype == np.dtype(np.float32), k
         assert idx.tolist() == want
         out = topk_decompress(idx, vals, 5)
         assert out.dtype == np.float32
@@ -607,7 +607,7 @@ def test_topk_functions_give_u32_indices_and_f32_values() -> None:
 def test_topk_decode_refuses_two_equal_indices() -> None:
     n = 10
     with pytest.raises(FdtcProtocolError,
-                       match="^TOPK indices are out of range or not strictly ascending$"):
+                       match=r"^TOPK indices are out of range or not strictly ascending$"):
         TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 4]), n)
     out, _ = TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 5]), n)
     assert out[4] == 1.0 and out[5] == 2.0
