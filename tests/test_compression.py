@@ -654,3 +654,52 @@ def test_qsgd_encode_decoded_returns_the_decoding_only_when_asked(
         assert np.array_equal(out, QsgdCodec().decode(data, 100)[0])
     else:
         assert out.dtype == np.float32 and out.size == 0
+
+
+def test_fp16_edges_bit_for_bit() -> None:
+    """65520 (the first value RNE would round to inf) saturates even when it is the chunk's
+    largest; a saturated element does not touch its neighbours; NaN is exactly the quiet
+    0x7E00 with its sign; a signalling NaN raises no floating-point flag; the output is u16."""
+    x = np.array([65520.0, 1.0, -0.0], np.float32)
+    bits = fp32_to_fp16(x)
+    assert bits.dtype == np.dtype(np.uint16)
+    assert bits.tolist() == [0x7BFF, 0x3C00, 0x8000]
+    assert fp32_to_fp16(np.array([np.nan, -np.nan], np.float32)).tolist() == [0x7E00, 0xFE00]
+    snan = np.array([0x7F80_0001], np.uint32).view(np.float32)
+    with np.errstate(all="raise"):
+        assert fp32_to_fp16(snan).tolist() == [0x7E00]
+
+
+@pytest.mark.parametrize("inf", [0x7C00, 0xFC00])
+def test_fp16_an_infinity_alone_at_the_chunk_edge_decodes(inf: int) -> None:
+    """An f16 infinity alone among finite values: its scaled value is exactly +-2**16."""
+    out = fp16_to_fp32(np.array([0x3C00, inf, 0x7BFF, 0xFBFF], np.uint16))
+    assert out.tolist() == [1.0, math.copysign(math.inf, 1 if inf == 0x7C00 else -1),
+                            65504.0, -65504.0]
+
+
+def test_fp16_to_fp32_takes_any_integer_array_like() -> None:
+    """Bit patterns as Python ints or a 2-D array are read as u16, one value each."""
+    assert fp16_to_fp32([0x3C00, 0xC000]).tolist() == [1.0, -2.0]
+    assert fp16_to_fp32(np.array([[0x3C00], [0xC000]], np.uint16)).tolist() == [1.0, -2.0]
+
+
+def test_none_codec_empty_section() -> None:
+    assert bytes(NoneCodec().encode_section([])) == b""
+    assert bytes(NoneCodec().encode_section([[1.0], []])) == struct.pack("<f", 1.0)
+
+
+def test_qsgd_rounds_each_element_independently(encoder: str) -> None:
+    """Every element at r = 0.5 (s = 1, half the bucket maximum) rounds up with probability
+    1/2 on its own draw: about half of 2000 go up, not all or none."""
+    x = np.full(2001, 0.5, np.float32)
+    x[0] = 1.0
+    out, _ = QsgdCodec(1, 4096, seed=5).decode(QsgdCodec(1, 4096, seed=5).encode(x), 2001)
+    ups = int(np.count_nonzero(out[1:]))
+    assert 800 < ups < 1200, ups
+
+
+def test_error_feedback_reset_of_an_unknown_name() -> None:
+    fb = ErrorFeedback(TopKCodec(0.5))
+    fb.reset("never-sent")
+    fb.reset()
