@@ -703,3 +703,16 @@ def test_error_feedback_reset_of_an_unknown_name() -> None:
     fb = ErrorFeedback(TopKCodec(0.5))
     fb.reset("never-sent")
     fb.reset()
+
+
+def test_qsgd_level_one_above_s_is_refused(encoder: str) -> None:
+    """s = 6 takes 4-bit codes, whose levels reach 7 = s + 1: level 7 is refused."""
+    with pytest.raises(FdtcProtocolError, match="level above s=6"):
+        QsgdCodec().decode(_qsgd_frame(4, 6, [1.0], bytes([0x0E, 0x00])), 3)
+    with pytest.raises(FdtcProtocolError, match=r"^QSGD bucket norms must be finite"):
+        QsgdCodec().decode(_qsgd_frame(4, 6, [-1.0], bytes(2)), 3)
+
+
+def test_codecs_take_python_floats_as_f32() -> None:
+    _, vals = topk_compress([3.0, 1.0, -2.0], 2)
+    assert vals.dtype == np.dtype(np.float32) and vals.tolist() == [3.0, -2.0]
