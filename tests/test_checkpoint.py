@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import sys
@@ -126,7 +127,8 @@ def test_full_disk_at_fsync_keeps_the_previous_checkpoint(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(CheckpointError, match=r"step-000011\.ckpt.*No space left on device"):
+    with pytest.raises(CheckpointError, match=r"step-000011\.ckpt.*No space left on device.*"
+                       r"\(free disk space or choose another checkpoint directory\)$"):
         save_checkpoint(tmp_path, make_state(step=11, seed=9))
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["step-000010.ckpt"]  # no temp file, no partial file
@@ -208,6 +210,8 @@ def test_latest_skips_a_corrupt_newest_file(
         found = latest_checkpoint(tmp_path)
     assert found == tmp_path / "step-000010.ckpt"
     assert "skipping checkpoint of step 20" in caplog.text
+    assert f"{newest} is corrupt or truncated" in caplog.text
+    assert caplog.records[0].getMessage().startswith("skipping checkpoint of step 20: ")
     assert load_checkpoint(found).step == 10
 
 
@@ -319,3 +323,174 @@ def test_further_tensor_groups_round_trip(tmp_path: Path) -> None:
     for group, tensors in state.tensors.items():
         assert list(loaded.tensors[group]) == list(tensors)
         assert all(np.array_equal(loaded.tensors[group][k], v) for k, v in tensors.items())
+
+
+def test_refusals_name_what_was_given(tmp_path: Path) -> None:
+    """Each refusal says which tensor or group and what it got: a dtype and shape for an array,
+    the type for anything else."""
+    state = make_state()
+    state.params["blk.0.attn_q.weight"] = np.zeros((2, 3), np.float64)
+    with pytest.raises(CheckpointError, match=r"float32 \(16, 16\), got float64 \(2, 3\)$"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    cast(dict[str, Any], state.optimizer["v"])["output.weight"] = [1.0, 2.0]
+    with pytest.raises(CheckpointError, match=r"v output\.weight: expected .*, got list None$"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.params["blk.9.unknown"] = np.zeros(3, np.float32)
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['blk\.9\.unknown'\]"):
+        save_checkpoint(tmp_path, state)
+    state = make_state()
+    state.optimizer["m"]["blk.9.unknown"] = np.zeros(3, np.float32)
+    with pytest.raises(CheckpointError, match=r"m holds unknown tensors \['blk\.9\.unknown'\]"):
+        save_checkpoint(tmp_path, state)
+    state = dataclasses.replace(make_state(), tensors={"shadow": {}, "v": random_tensors(CFG, 3)})
+    with pytest.raises(CheckpointError, match=r"tensor groups \['v'\] are reserved"):
+        save_checkpoint(tmp_path, state)
+    assert os.listdir(tmp_path) == []
+
+
+def test_metadata_is_canonical_json(tmp_path: Path) -> None:
+    """The metadata names its format and is sorted-key JSON: the same state gives the same bytes."""
+    data = save_checkpoint(tmp_path, make_state()).read_bytes()
+    meta_len = ckpt.HEADER.unpack_from(data)[3]
+    raw = data[24 : 24 + meta_len]
+    meta = json.loads(raw)
+    assert meta["format"] == "foundry-checkpoint"
+    assert json.dumps(meta, sort_keys=True, allow_nan=False).encode() == raw
+    assert save_checkpoint(tmp_path / "again", make_state()).read_bytes() == data
+
+
+def write_raw(path: Path, meta: bytes, data: bytes) -> None:
+    """A file in the checkpoint layout around any metadata and data, with a valid sha256."""
+    head = ckpt.HEADER.pack(ckpt.MAGIC, ckpt.VERSION, 0, len(meta))
+    body = head + meta + bytes(-(len(head) + len(meta)) % 64) + data
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+def test_header_limits(tmp_path: Path) -> None:
+    """Metadata that ends exactly where the hash starts is read (and, empty, refused as unusable
+    metadata); one byte more than the file holds is truncation."""
+    path = tmp_path / "step-000001.ckpt"
+    write_raw(path, b"", b"")
+    assert path.stat().st_size == 24 + 32 + 40  # header, hash, padding to 64
+    path.write_bytes(ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0) + hashlib.sha256(
+        ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0)).digest())  # the smallest file: 56 bytes
+    with pytest.raises(CheckpointError, match="verifies but unusable metadata"):
+        load_checkpoint(path)
+    verify_checkpoint(path)
+    for meta_len, expect in (
+        (40, "verifies but unusable metadata"),
+        (41, r"truncated \(96 bytes, metadata alone 41\)"),
+    ):
+        head = ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, meta_len)
+        body = head + b"{}" + bytes(38)
+        path.write_bytes(body + hashlib.sha256(body).digest())
+        with pytest.raises(CheckpointError, match=expect):
+            load_checkpoint(path)
+        if meta_len == 41:
+            with pytest.raises(CheckpointError, match=r"metadata alone 41\)"):
+                verify_checkpoint(path)
+        else:
+            verify_checkpoint(path)
+
+
+def test_tensors_outside_the_data_or_not_f32_are_refused(tmp_path: Path) -> None:
+    """A tensor index that points past the data (into the hash) or names another dtype is refused,
+    even though the hash verifies."""
+    good = save_checkpoint(tmp_path, make_state()).read_bytes()
+    meta_len = ckpt.HEADER.unpack_from(good)[3]
+    meta = json.loads(good[24 : 24 + meta_len])
+    data = good[24 + meta_len + (-(24 + meta_len) % 64) : -32]
+    last = meta["tensors"][-1]
+    path = tmp_path / "crafted.ckpt"
+    for offset, dtype, problem in (
+        (len(data) - last["nbytes"] + 4, "<f4",
+         f"tensor {last['name']} lies outside the data or is not <f4"),
+        (last["offset"], "<f8", 'dtype\' must be "<f4", got "<f8"'),
+    ):
+        last["offset"], last["dtype"] = offset, dtype
+        write_raw(path, json.dumps(meta).encode(), data)
+        with pytest.raises(CheckpointError, match=re.escape(problem)):
+            load_checkpoint(path)
+    last["offset"], last["dtype"] = len(data) - last["nbytes"], "<f4"
+    write_raw(path, json.dumps(meta).encode(), data)
+    assert load_checkpoint(path).optimizer["v"][last["name"]].shape == tuple(last["shape"])
+
+
+def test_errors_name_the_file(tmp_path: Path) -> None:
+    foreign = tmp_path / "short.bin"
+    foreign.write_bytes(b"abc")  # shorter than the magic and not a prefix of it
+    for f in (load_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{foreign} is not a Foundry checkpoint (bad magic b'abc')")):
+            f(foreign)
+    foreign.write_bytes(b"GGUF\x03\x00\x00\x00\x01" + bytes(100))
+    with pytest.raises(CheckpointError, match=re.escape(r"(bad magic b'GGUF\x03\x00\x00\x00')")):
+        verify_checkpoint(foreign)
+    path = save_checkpoint(tmp_path, make_state())
+    flip_byte(path, 100)
+    for f in (load_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{path} is corrupt or truncated (sha256 does not match its content); "
+                "resume from an older checkpoint")):
+            f(path)
+    absent = tmp_path / "absent"
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot read checkpoint {absent}: ")):
+        verify_checkpoint(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, -1], ids=["1", "7", "all-but-one"])
+def test_verify_reads_in_any_chunk_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    path = save_checkpoint(tmp_path, make_state())
+    if chunk == -1:  # one byte is left for the last read
+        chunk = path.stat().st_size - 32 - 24 - 1
+    monkeypatch.setattr(ckpt, "_CHUNK", chunk)
+    verify_checkpoint(path)
+    flip_byte(path, path.stat().st_size - 33)  # the last data byte
+    with pytest.raises(CheckpointError, match="corrupt"):
+        verify_checkpoint(path)
+
+
+def test_interrupt_before_the_temp_file_exists_is_passed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(directory: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "_remove_stale_temps", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, make_state())
+    assert os.listdir(tmp_path) == []
+
+
+def test_stale_temps_among_other_files(tmp_path: Path) -> None:
+    """Other files and a temp file naming pid 0 do not stop the clean-up of the dead ones."""
+    for i in range(8):
+        (tmp_path / f"notes-{i}.txt").write_text("kept")
+        (tmp_path / f".step-00000{i}.ckpt.0.tmp").write_text("pid 0: kept")
+    dead = [tmp_path / f".step-00001{i}.ckpt.99999999{i}.tmp" for i in range(8)]
+    for p in dead:
+        p.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path, make_state(step=30))
+    assert not any(p.exists() for p in dead)
+    assert len(os.listdir(tmp_path)) == 17
+
+
+def test_a_directory_that_cannot_be_synced_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file is already renamed into place: the checkpoint stands, the failure is logged."""
+    def refuse(directory: Path) -> None:
+        raise OSError(errno.EIO, "directory sync refused")
+
+    monkeypatch.setattr(ckpt, "_fsync_dir", refuse)
+    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        path = save_checkpoint(tmp_path, make_state())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {path} written but its directory could not be synced: "
+        "[Errno 5] directory sync refused"
+    ]
+    assert_same(load_checkpoint(path), make_state())

@@ -579,3 +579,140 @@ def test_topk_decompress_takes_every_index_in_range() -> None:
     with pytest.raises(LocalProtocolError, match=r"an index is outside 0\.\.2$"):
         topk_decompress([-1], [1.0], 3)
     assert topk_decompress(np.array([[0]]), [1.0], 2).dtype == np.float32
+
+
+def test_topk_functions_give_u32_indices_and_f32_values() -> None:
+    """Every path of topk_compress (k = 0, k = n, a clean cut, a cut through ties) and
+    topk_decompress keep the documented dtypes: what a caller serializes as u32 and f32."""
+    x = np.array([3.0, -1.0, 2.0, 2.0, 0.5], np.float32)
+    for k, want in ((0, []), (5, [0, 1, 2, 3, 4]), (1, [0]), (2, [0, 2])):
+        idx, vals = topk_compress(x, k)
+        assert idx.dtype == np.dtype(np.uint32) and vals.dtype == np.dtype(np.float32), k
+        assert idx.tolist() == want
+        out = topk_decompress(idx, vals, 5)
+        assert out.dtype == np.float32
+        assert np.array_equal(out[want], x[want]) and np.count_nonzero(out) == len(want)
+    with pytest.raises(LocalProtocolError, match=r"^k 6 is outside 0\.\.5$"):
+        topk_compress(x, 6)
+    with pytest.raises(LocalProtocolError, match=r"^2 indices but 1 values$"):
+        topk_decompress([0, 1], [1.0], 5)
+    with pytest.raises(LocalProtocolError, match=r"^an index is outside 0\.\.4$"):
+        topk_decompress([5], [1.0], 5)
+    with pytest.raises(LocalProtocolError, match=r"^TOPK input holds NaN or inf; refusing"):
+        topk_compress([1.0, float("inf")], 1)
+    with pytest.raises(LocalProtocolError, match=r"^topk_ratio 0\.0 is outside \(0, 1\]$"):
+        TopKCodec(0.0)
+
+
+def test_topk_decode_refuses_two_equal_indices() -> None:
+    n = 10
+    with pytest.raises(FdtcProtocolError,
+                       match=r"^TOPK indices are out of range or not strictly ascending$"):
+        TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 4]), n)
+    out, _ = TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 5]), n)
+    assert out[4] == 1.0 and out[5] == 2.0
+
+
+def test_short_tensors_name_their_codec_and_size() -> None:
+    cases = {
+        "^TOPK tensor header needs 4 bytes": (TopKCodec(), b"", 3),
+        "^TOPK tensor of 3 elements keeping 1 needs": (TopKCodec(), b"\x01\x00\x00\x00", 3),
+        "^QSGD tensor header needs 8 bytes": (QsgdCodec(), b"", 3),
+        "^QSGD tensor of 3 elements needs": (QsgdCodec(), struct.pack("<II", 4, 5), 3),
+        "^FP16 tensor of 3 elements needs 6 bytes": (Fp16Codec(), b"", 3),
+        "^NONE tensor of 3 elements needs 12 bytes": (NoneCodec(), b"", 3),
+    }
+    for problem, (codec, data, n) in cases.items():
+        with pytest.raises(FdtcProtocolError, match=problem):
+            codec.decode(data, n)
+
+
+def test_qsgd_parameter_limits_and_seed() -> None:
+    """Bucket 1 and 2**32 - 1 are accepted, 0 and 2**32 refused; levels 1..127. The seed of
+    QsgdParams makes the stochastic rounding repeatable."""
+    for bucket in (1, 0xFFFF_FFFF):
+        assert QsgdCodec(7, bucket).bucket == bucket
+    for bucket in (0, 1 << 32):
+        with pytest.raises(LocalProtocolError, match=f"^qsgd_bucket {bucket} must be a positive"):
+            QsgdCodec(7, bucket)
+    with pytest.raises(LocalProtocolError, match=r"^qsgd_levels 128 is outside 1\.\.127"):
+        QsgdCodec(128)
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    params = qsgd.QsgdParams(qsgd_levels=3, qsgd_bucket=64, seed=11)
+    first = QsgdCodec.from_params(params).encode(x)
+    assert QsgdCodec.from_params(params).encode(x) == first == QsgdCodec(3, 64, 11).encode(x)
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_qsgd_encode_decoded_returns_the_decoding_only_when_asked(
+    encoder: str, decoded: bool
+) -> None:
+    x = np.random.default_rng(4).standard_normal(100).astype(np.float32)
+    data, out = QsgdCodec(7, 32, seed=2).encode_decoded(x, decoded=decoded)
+    assert data == QsgdCodec(7, 32, seed=2).encode(x)
+    if decoded:
+        assert np.array_equal(out, QsgdCodec().decode(data, 100)[0])
+    else:
+        assert out.dtype == np.float32 and out.size == 0
+
+
+def test_fp16_edges_bit_for_bit() -> None:
+    """65520 (the first value RNE would round to inf) saturates even when it is the chunk's
+    largest; a saturated element does not touch its neighbours; NaN is exactly the quiet
+    0x7E00 with its sign; a signalling NaN raises no floating-point flag; the output is u16."""
+    x = np.array([65520.0, 1.0, -0.0], np.float32)
+    bits = fp32_to_fp16(x)
+    assert bits.dtype == np.dtype(np.uint16)
+    assert bits.tolist() == [0x7BFF, 0x3C00, 0x8000]
+    assert fp32_to_fp16(np.array([np.nan, -np.nan], np.float32)).tolist() == [0x7E00, 0xFE00]
+    snan = np.array([0x7F80_0001], np.uint32).view(np.float32)
+    with np.errstate(all="raise"):
+        assert fp32_to_fp16(snan).tolist() == [0x7E00]
+
+
+@pytest.mark.parametrize("inf", [0x7C00, 0xFC00])
+def test_fp16_an_infinity_alone_at_the_chunk_edge_decodes(inf: int) -> None:
+    """An f16 infinity alone among finite values: its scaled value is exactly +-2**16."""
+    out = fp16_to_fp32(np.array([0x3C00, inf, 0x7BFF, 0xFBFF], np.uint16))
+    assert out.tolist() == [1.0, math.copysign(math.inf, 1 if inf == 0x7C00 else -1),
+                            65504.0, -65504.0]
+
+
+def test_fp16_to_fp32_takes_any_integer_array_like() -> None:
+    """Bit patterns as Python ints or a 2-D array are read as u16, one value each."""
+    assert fp16_to_fp32([0x3C00, 0xC000]).tolist() == [1.0, -2.0]
+    assert fp16_to_fp32(np.array([[0x3C00], [0xC000]], np.uint16)).tolist() == [1.0, -2.0]
+
+
+def test_none_codec_empty_section() -> None:
+    assert bytes(NoneCodec().encode_section([])) == b""
+    assert bytes(NoneCodec().encode_section([[1.0], []])) == struct.pack("<f", 1.0)
+
+
+def test_qsgd_rounds_each_element_independently(encoder: str) -> None:
+    """Every element at r = 0.5 (s = 1, half the bucket maximum) rounds up with probability
+    1/2 on its own draw: about half of 2000 go up, not all or none."""
+    x = np.full(2001, 0.5, np.float32)
+    x[0] = 1.0
+    out, _ = QsgdCodec(1, 4096, seed=5).decode(QsgdCodec(1, 4096, seed=5).encode(x), 2001)
+    ups = int(np.count_nonzero(out[1:]))
+    assert 800 < ups < 1200, ups
+
+
+def test_error_feedback_reset_of_an_unknown_name() -> None:
+    fb = ErrorFeedback(TopKCodec(0.5))
+    fb.reset("never-sent")
+    fb.reset()
+
+
+def test_qsgd_level_one_above_s_is_refused(encoder: str) -> None:
+    """s = 6 takes 4-bit codes, whose levels reach 7 = s + 1: level 7 is refused."""
+    with pytest.raises(FdtcProtocolError, match="level above s=6"):
+        QsgdCodec().decode(_qsgd_frame(4, 6, [1.0], bytes([0x0E, 0x00])), 3)
+    with pytest.raises(FdtcProtocolError, match=r"^QSGD bucket norms must be finite"):
+        QsgdCodec().decode(_qsgd_frame(4, 6, [-1.0], bytes(2)), 3)
+
+
+def test_codecs_take_python_floats_as_f32() -> None:
+    _, vals = topk_compress([3.0, 1.0, -2.0], 2)
+    assert vals.dtype == np.dtype(np.float32) and vals.tolist() == [3.0, -2.0]

@@ -354,3 +354,13 @@ def test_a_gpu_beside_cpu_workers_keeps_its_pace_and_theirs_adds_on_top() -> Non
         return allocate_samples(g, dict.fromkeys(r, 1.0))
     assert swarm_rate(mixed, equal) < 0.4 * total
     assert swarm_rate(mixed, local_batches) >= 0.9 * total
+
+
+def test_local_batches_limits() -> None:
+    """Rates exactly at the tolerance are equal machines (at any scale); rates below one sample
+    a second are measured rates; a worker at exactly SLOW_SHARE of the mean is a fast one."""
+    assert local_batches(100, {"a": 1.0, "b": 1.05}) == {"a": 50, "b": 50}
+    assert local_batches(100, {"a": 10.0, "b": 10.2}) == {"a": 50, "b": 50}
+    assert local_batches(100, {"a": 0.5, "b": 0.9}) == {"a": 36, "b": 64}  # 100 * 0.5 / 1.4
+    split = local_batches(100, {"a": 1.0, "b": 2.5, "c": 2.5})  # mean 2: a is at 0.5 of it
+    assert sum(split.values()) == 100 and split["a"] == 17  # 100 * 1 / 6, not the equal 33

@@ -580,3 +580,14 @@ def test_random_bytes_give_frames_or_a_clean_error(
             assert decoder.buffered < tp.HELLO_SIZE + tp.FRAME_HEADER_SIZE + max_payload + 7
     except TpProtocolError:
         pass
+
+
+def test_max_payload_follows_the_largest_frame_of_the_model() -> None:
+    """The bound is the largest of the frames' sizes: a LOGITS half of a large vocabulary (odd
+    and even), a MIXED_BATCH of a long context."""
+    batch_items = tp.BATCH_ITEM.size * tp.TP_MAX_BATCH_ITEMS
+    for n_vocab, half in ((100_001, 50_001), (100_000, 50_000)):
+        ident = dataclasses.replace(IDENTITY, n_vocab=n_vocab)
+        assert tp.max_payload_for(ident) == 4 + 4 * half
+    ident = dataclasses.replace(IDENTITY, ctx_size=40_000)
+    assert tp.max_payload_for(ident) == 8 + 4 * 40_000 + batch_items
