@@ -56,7 +56,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model import finite, quant
+from foundry.model import finite, gguf_meta, quant
 from foundry.model.arch import ARCHS, LIMITS, ArchConfig
 from foundry.model.arch import spec as spec_of
 from foundry.model.config import (
@@ -70,7 +70,7 @@ from foundry.model.config import (
 )
 
 ARCH = "llama"
-GGUF_MAGIC_BYTES = b"GGUF"
+GGUF_MAGIC_BYTES = gguf_meta.MAGIC
 # Bytes hashed per read when identifying a model: large enough to run at disk speed,
 # small enough to stay out of the way of a Raspberry Pi's memory.
 _HASH_CHUNK = 1 << 20
@@ -492,15 +492,9 @@ def model_id(path: str | Path) -> int:
 
 
 # -- reading -------------------------------------------------------------------------------------
-# Our own reader of the GGUF layout (header, key/value pairs, tensor infos, aligned data), not
-# gguf.GGUFReader: that one maps every element of every array as its own numpy view, which
-# takes 43 s for a 262,144-token vocabulary; this one reads a string array in one pass and
-# numeric arrays as one numpy view (under a second). Every count and length is checked against
-# the bytes that remain before it sizes anything.
-
-_SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f",
-                            7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_T_STRING, _T_ARRAY, _T_FLOAT32 = 8, 9, 6
+# The layout (header, key/value pairs, tensor table) is read by gguf_meta, not gguf.GGUFReader:
+# that one maps every element of every array as its own numpy view, which takes 43 s for a
+# 262,144-token vocabulary. Here each tensor becomes a numpy view of the mapped file.
 
 
 @dataclass(frozen=True)
@@ -519,43 +513,19 @@ class _Reader:
         with path.open("rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.mm = np.frombuffer(self._map, dtype=np.uint8)
-        self.buf = memoryview(self.mm)  # type: ignore[arg-type]
-        self.pos = 0
-        magic, version = self._unpack("<4sI")
-        if magic != GGUF_MAGIC_BYTES or version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not 2 or 3")
-        n_tensors, n_kv = self._unpack("<QQ")
-        self._room(n_kv, 12)
-        self.fields: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = self._string()
-            (vtype,) = self._unpack("<I")
-            self.fields[key] = self._value(vtype)
-        self._room(n_tensors, 24)
-        infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            (n_dims,) = self._unpack("<I")
-            if n_dims > 4:
-                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
-            dims = self._unpack(f"<{n_dims}Q") if n_dims else ()
-            ttype, offset = self._unpack("<IQ")
-            infos.append((name, dims, ttype, offset))
-        align = self.fields.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
-            raise ValueError(f"general.alignment {align!r} is not a power of two")
-        start = -(-self.pos // align) * align
+        layout = gguf_meta.read_layout(self._map, path)
+        self.fields: dict[str, Any] = layout.metadata
         self.tensors: list[_TensorInfo] = []
-        for name, dims, ttype, offset in infos:
-            qtype = gguf.GGMLQuantizationType(ttype)
-            shape = tuple(int(d) for d in reversed(dims))
+        for info in layout.tensors:
+            name, at = info.name, info.offset
+            qtype = gguf.GGMLQuantizationType(info.ggml_type)
+            shape = tuple(reversed(info.dims))
             n = math.prod(shape)
             values, size = gguf.GGML_QUANT_SIZES[qtype]
             if not shape or shape[-1] % values:
                 raise ValueError(f"tensor {name!r} of shape {shape} is not whole {qtype.name} "
                                  "blocks")
             nbytes = n // values * size
-            at = start + offset
             if at + nbytes > self.mm.size:
                 raise ValueError(f"tensor {name!r} ends past the end of the file")
             raw = self.mm[at : at + nbytes]
@@ -587,42 +557,3 @@ class _Reader:
         if nbytes and hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
             start = offset - offset % mmap.PAGESIZE
             self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-
-    def _room(self, count: int, each: int) -> None:
-        if count * each > self.mm.size - self.pos:
-            raise ValueError(f"a count of {count} at byte {self.pos} runs past the end")
-
-    def _unpack(self, fmt: str) -> tuple[Any, ...]:
-        values = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return values
-
-    def _string(self) -> str:
-        (n,) = self._unpack("<Q")
-        self._room(n, 1)
-        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
-        self.pos += n
-        return text
-
-    def _value(self, vtype: int) -> Any:
-        if vtype == _T_STRING:
-            return self._string()
-        if vtype == _T_ARRAY:
-            etype, count = self._unpack("<IQ")
-            if etype == _T_STRING:
-                self._room(count, 8)
-                return [self._string() for _ in range(count)]
-            if etype not in _SCALARS:
-                raise ValueError(f"array of value type {etype}")
-            width = struct.calcsize(_SCALARS[etype])
-            self._room(count, width)
-            arr = np.frombuffer(self.buf, np.dtype(_SCALARS[etype]), count, self.pos)
-            self.pos += count * width
-            return arr.tolist()
-        if vtype not in _SCALARS:
-            raise ValueError(f"value type {vtype}")
-        (value,) = self._unpack(_SCALARS[vtype])
-        if vtype == _T_FLOAT32:
-            # The shortest decimal that is this float32, so 1e-5 reads back as 1e-5.
-            value = float(str(np.float32(value)))
-        return value

@@ -1,14 +1,20 @@
-"""A GGUF file's key/value metadata, read straight from its header with :mod:`struct`.
+"""The project's one reader of the GGUF layout: a file's key/value metadata and tensor infos,
+read straight from its memory-mapped header with :mod:`struct`.
 
 The ``gguf`` package's reader maps every string of a 262,144-token vocabulary into numpy
-views, which takes tens of seconds on a small machine; this reads the same keys from the
-memory-mapped file in about a second and stops before the tensor table. Values come back as
-plain Python: ints, floats (float32 values as the shortest decimal that is that float32, as
-gguf_io reads them), bools, strings (UTF-8, invalid bytes replaced) and lists of those.
+views, which takes tens of seconds on a small machine; this reads the same keys in well under
+a second. :func:`read_metadata` stops before the tensor table; :func:`read_layout` reads the
+table too (gguf_io builds its tensor views on it). Values come back as plain Python: ints,
+floats (float32 values as the shortest decimal that is that float32), bools, strings (UTF-8;
+invalid bytes replaced, or an error with ``strict``) and lists of those. Every count and length
+is checked against the bytes left before it sizes anything.
 
 Layout (GGUF v2/v3, little-endian): magic ``GGUF``, u32 version, u64 tensor count, u64 key
 count, then per key: u64 length + UTF-8 name, u32 value type, value. A string is u64 length +
-bytes; an array is u32 element type, u64 count, elements.
+bytes; an array is u32 element type, u64 count, elements. Then per tensor: name (a string),
+u32 dimension count, u64 per dimension (ggml's ne, innermost first), u32 ggml type, u64 offset
+of its data from the start of the data section, which begins at the first multiple of
+``general.alignment`` (default 32) after the table.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,9 @@ _BOOL, _STRING, _ARRAY, _F32 = 7, 8, 9, 6
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _HEADER = struct.Struct("<4sIQQ")
+_TYPE_OFFSET = struct.Struct("<IQ")
+MAX_DIMS = 4
+DEFAULT_ALIGNMENT = 32
 
 
 class GGUFMetaError(ValueError):
@@ -44,10 +54,11 @@ class GGUFMetaError(ValueError):
 class _Reader:
     """Reads values from the mapped file at a moving offset; every read is bounds-checked."""
 
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+    def __init__(self, buf: mmap.mmap, path: Path, strict: bool = False) -> None:
         self.buf = buf
         self.pos = 0
         self.path = path
+        self.errors = "strict" if strict else "replace"
 
     def take(self, n: int) -> bytes:
         end = self.pos + n
@@ -60,18 +71,29 @@ class _Reader:
     def u32(self) -> int:
         return int(_U32.unpack(self.take(4))[0])
 
-    def count(self) -> int:
+    def count(self, each: int = 1) -> int:
+        """A u64 count of items of at least ``each`` bytes, checked against the bytes left."""
         n = int(_U64.unpack(self.take(8))[0])
-        if n > MAX_ITEMS:
-            raise GGUFMetaError(f"{self.path}: a count of {n} in the header")
+        self.room(n, each)
         return n
 
+    def room(self, n: int, each: int) -> None:
+        if n > MAX_ITEMS or n * each > len(self.buf) - self.pos:
+            raise GGUFMetaError(f"{self.path}: a count of {n} in the header")
+
     def string(self) -> str:
-        return self.take(self.count()).decode("utf-8", errors="replace")
+        return self.decode(self.take(self.count()))
+
+    def decode(self, data: bytes) -> str:
+        try:
+            return data.decode("utf-8", errors=self.errors)
+        except UnicodeDecodeError as exc:
+            raise GGUFMetaError(f"{self.path}: a string that is not UTF-8 ({exc})") from None
 
     def strings(self, n: int) -> list[str]:
         """``n`` strings in a row (a vocabulary: the loop is kept tight)."""
         buf, pos, size, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        errors = self.errors
         out = []
         for _ in range(n):
             if pos + 8 > size:
@@ -80,7 +102,10 @@ class _Reader:
             pos += 8
             if pos + length > size:
                 raise GGUFMetaError(f"{self.path}: the header ends early")
-            out.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+            try:
+                out.append(buf[pos : pos + length].decode("utf-8", errors=errors))
+            except UnicodeDecodeError as exc:
+                raise GGUFMetaError(f"{self.path}: a string that is not UTF-8 ({exc})") from None
             pos += length
         self.pos = pos
         return out
@@ -90,7 +115,8 @@ class _Reader:
             return self.string()
         if vtype == _ARRAY:
             etype = self.u32()
-            n = self.count()
+            n = self.count(8 if etype == _STRING else 12 if etype == _ARRAY
+                           else self._dtype(etype).itemsize)
             if etype == _STRING:
                 return self.strings(n)
             if etype == _ARRAY:
@@ -114,6 +140,25 @@ class _Reader:
         return _SCALARS[vtype]
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table, as stored."""
+
+    name: str
+    ggml_type: int
+    dims: tuple[int, ...]  # ggml's ne: innermost first (numpy's shape reversed)
+    offset: int  # of the tensor's data in the file (the table's offset + the data section's)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A GGUF file's key/value metadata and tensor table."""
+
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    data_start: int  # where the data section begins in the file
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every key/value pair of the GGUF file at ``path`` (not its tensors)."""
     path = Path(path)
@@ -121,17 +166,49 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         if os.fstat(f.fileno()).st_size < _HEADER.size:
             raise GGUFMetaError(f"{path}: the header ends early")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _read(_Reader(buf, path))
+            r = _Reader(buf, path)
+            _n_tensors, n_kv = _header(r)
+            return _keys(r, n_kv)
 
 
-def _read(r: _Reader) -> dict[str, Any]:
-    magic, version, _n_tensors, n_kv = _HEADER.unpack(r.take(_HEADER.size))
+def read_layout(buf: mmap.mmap, path: Path, strict: bool = True) -> Layout:
+    """The metadata and tensor table of the GGUF file mapped as ``buf`` (``path`` names it in
+    errors); strings must be UTF-8 unless ``strict`` is false."""
+    if len(buf) < _HEADER.size:
+        raise GGUFMetaError(f"{path}: the header ends early")
+    r = _Reader(buf, path, strict)
+    n_tensors, n_kv = _header(r)
+    meta = _keys(r, n_kv)
+    r.room(n_tensors, 24)  # name length, dimension count, type, offset
+    table = []
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.u32()
+        if n_dims > MAX_DIMS:
+            raise GGUFMetaError(f"{path}: tensor {name!r} has {n_dims} dimensions")
+        dims = struct.unpack(f"<{n_dims}Q", r.take(8 * n_dims))
+        ggml_type, offset = _TYPE_OFFSET.unpack(r.take(_TYPE_OFFSET.size))
+        table.append((name, int(ggml_type), tuple(int(d) for d in dims), int(offset)))
+    align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise GGUFMetaError(f"{path}: general.alignment {align!r} is not a power of two")
+    start = -(-r.pos // align) * align
+    tensors = [TensorInfo(name, t, dims, start + offset) for name, t, dims, offset in table]
+    return Layout(meta, tensors, start)
+
+
+def _header(r: _Reader) -> tuple[int, int]:
+    """Checks magic and version; the tensor and key counts."""
+    magic, version, n_tensors, n_kv = _HEADER.unpack(r.take(_HEADER.size))
     if magic != MAGIC:
         raise GGUFMetaError(f"{r.path}: not a GGUF file (magic {magic!r})")
     if version not in SUPPORTED_VERSIONS:
         raise GGUFMetaError(f"{r.path}: GGUF version {version} (readable: 2, 3)")
-    if n_kv > MAX_ITEMS:
-        raise GGUFMetaError(f"{r.path}: a count of {n_kv} in the header")
+    r.room(n_kv, 12)  # key length, value type
+    return int(n_tensors), int(n_kv)
+
+
+def _keys(r: _Reader, n_kv: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string()
