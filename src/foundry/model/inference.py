@@ -51,7 +51,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -356,7 +356,7 @@ class Engine:
         cfg, rp = self.cfg, self.dense
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
-        ids, pos, spans = self._check_rows(rows)
+        ids, pos, spans = check_rows(self.id, self.cfg.n_vocab, rows)
         tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()}  # (n, Dh/2)
         x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
         if self.arch.embed_scale:
@@ -386,36 +386,6 @@ class Engine:
             session.tokens.extend(int(t) for t in tokens)
             session.pos += len(tokens)
         return logits
-
-    def _check_rows(
-        self, rows: Sequence[tuple[Session, Sequence[int]]]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, int]]]:
-        if not rows:
-            raise ValueError("forward_rows needs at least one (session, tokens) row")
-        seen: set[int] = set()
-        spans: list[tuple[int, int]] = []
-        start = 0
-        for session, tokens in rows:
-            if session.engine_id != self.id:
-                raise ValueError(f"session {session.id} belongs to another engine")
-            if session.id in seen:
-                raise ValueError(f"session {session.id} is listed twice in one pass")
-            seen.add(session.id)
-            if len(tokens) == 0:
-                raise ValueError(f"session {session.id} has an empty block")
-            if len(tokens) > session.free:
-                raise ValueError(
-                    f"session {session.id} is full: {len(tokens)} tokens at position "
-                    f"{session.pos} exceed its context of {session.ctx_size}; rewind it or "
-                    f"start a new session"
-                )
-            spans.append((start, start + len(tokens)))
-            start += len(tokens)
-        ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in rows])  # (n,)
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.n_vocab})")
-        pos = np.concatenate([np.arange(s.pos, s.pos + len(t)) for s, t in rows])  # (n,)
-        return ids, pos, spans
 
     def _attention(
         self,
@@ -518,6 +488,54 @@ class Engine:
                 f"expected float32{partial.shape}"
             )
         return total
+
+
+class RowSession(Protocol):
+    """What ``check_rows`` reads of a session (``Session`` here, the torch engine's too)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def engine_id(self) -> int: ...
+    @property
+    def pos(self) -> int: ...
+    @property
+    def ctx_size(self) -> int: ...
+    @property
+    def free(self) -> int: ...
+
+
+def check_rows(
+    engine_id: int, n_vocab: int, rows: Sequence[tuple[RowSession, Sequence[int]]]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], list[tuple[int, int]]]:
+    """A pass's (session, tokens) rows checked against engine ``engine_id``: the stacked token
+    ids (n,), their positions (n,) and each session's span of rows."""
+    if not rows:
+        raise ValueError("forward_rows needs at least one (session, tokens) row")
+    seen: set[int] = set()
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for session, tokens in rows:
+        if session.engine_id != engine_id:
+            raise ValueError(f"session {session.id} belongs to another engine")
+        if session.id in seen:
+            raise ValueError(f"session {session.id} is listed twice in one pass")
+        seen.add(session.id)
+        if len(tokens) == 0:
+            raise ValueError(f"session {session.id} has an empty block")
+        if len(tokens) > session.free:
+            raise ValueError(
+                f"session {session.id} is full: {len(tokens)} tokens at position "
+                f"{session.pos} exceed its context of {session.ctx_size}; rewind it or "
+                f"start a new session"
+            )
+        spans.append((start, start + len(tokens)))
+        start += len(tokens)
+    ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in rows])  # (n,)
+    if ids.min() < 0 or ids.max() >= n_vocab:
+        raise ValueError(f"token ids must lie in [0, {n_vocab})")
+    pos = np.concatenate([np.arange(s.pos, s.pos + len(t)) for s, t in rows])  # (n,)
+    return ids, pos, spans
 
 
 def _is_dense(name: str) -> bool:

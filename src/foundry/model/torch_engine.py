@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from foundry.model import torch_model as TM
 from foundry.model.config import ModelConfig
-from foundry.model.inference import default_ctx
+from foundry.model.inference import check_rows, default_ctx
 from foundry.model.quant import Param, dequantize
 from foundry.model.tp_split import ExpertSplit, Gate, RankWeights, rank_weights
 
@@ -166,7 +166,7 @@ class TorchEngine:
         here the rows are picked after the whole block's head)."""
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
-        ids, pos, spans = self._check_rows(rows)
+        ids, pos, spans = check_rows(self.id, self.cfg.n_vocab, rows)
         if self.graphs and exchange is None and len(rows) == 1 and len(ids) == 1:
             session = rows[0][0]
             logits = self._replay(session, int(ids[0]), int(pos[0]))
@@ -293,32 +293,3 @@ class TorchEngine:
     def _one_token(self, ids: torch.Tensor, pos: torch.Tensor, session: TorchSession
                    ) -> torch.Tensor:
         return self._forward(ids, pos, [session], [(0, 1)], None, whole_cache=True)
-
-    def _check_rows(self, rows: Sequence[tuple[TorchSession, Sequence[int]]]
-                    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64],
-                               list[tuple[int, int]]]:
-        if not rows:
-            raise ValueError("forward_rows needs at least one (session, tokens) row")
-        seen: set[int] = set()
-        spans: list[tuple[int, int]] = []
-        start = 0
-        for session, tokens in rows:
-            if session.engine_id != self.id:
-                raise ValueError(f"session {session.id} belongs to another engine")
-            if session.id in seen:
-                raise ValueError(f"session {session.id} is listed twice in one pass")
-            seen.add(session.id)
-            if len(tokens) == 0:
-                raise ValueError(f"session {session.id} has an empty block")
-            if len(tokens) > session.free:
-                raise ValueError(
-                    f"session {session.id} is full: {len(tokens)} tokens at position "
-                    f"{session.pos} exceed its context of {session.ctx_size}; rewind it or "
-                    f"start a new session")
-            spans.append((start, start + len(tokens)))
-            start += len(tokens)
-        ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in rows])
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.n_vocab})")
-        pos = np.concatenate([np.arange(s.pos, s.pos + len(t)) for s, t in rows])
-        return ids, pos, spans
