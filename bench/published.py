@@ -7,6 +7,11 @@ tokenized by llama.cpp and the same ids fed to both.
 - greedy: 64 tokens after each of 5 prompts; the first position where the ids differ, if any;
 - logits: for every prompt row and generated step, max |ours - llama.cpp| over the row, and that
   divided by the row's largest |logit|;
+- llama.cpp against itself: the same prompts fed to llama.cpp one token at a time instead of as
+  one batch (its other code path: matrix-vector products and vec_dot attention instead of its
+  tiled matrix products), the same two measures between its two runs. That is the yardstick
+  for the two above: no engine can be closer to llama.cpp than its own two paths are, unless it
+  reproduces one path's every rounding;
 - perplexity: the text (the repository's docs, about 4,000 tokens) in windows of 512 tokens,
   each evaluated fresh from BOS, scored on its second half (as llama-perplexity scores);
 - decode tokens/s of each, and their ratio (same run, same machine).
@@ -47,6 +52,17 @@ def llama_model(path: str, n_ctx: int) -> Any:
                            n_ctx=n_ctx, verbose=False)
 
 
+def llama_stepwise(llm: Any, ids: list[int], follow: list[int]) -> list[np.ndarray]:
+    """llama.cpp's rows for a prompt fed one token at a time, then for the tokens ``follow``
+    (those its batch run chose, so that rows compare on the same inputs as ours do)."""
+    llm.reset()
+    rows = []
+    for t in [*ids, *follow]:
+        llm.eval([t])
+        rows.append(np.array(llm.scores[llm.n_tokens - 1], np.float32))
+    return rows
+
+
 def log_softmax_nll(logits: np.ndarray, targets: list[int]) -> float:
     z = logits.astype(np.float64)
     z = z - z.max(axis=1, keepdims=True)
@@ -68,8 +84,8 @@ def main() -> None:
     engine = Engine(m.cfg, m.params, ctx_size=max(args.window, 256) + 1)
     llm = llama_model(args.model, max(args.window, 256) + 1)
 
-    worst_abs = worst_rel = 0.0
-    same = 0
+    worst_abs = worst_rel = self_rel = 0.0
+    same = self_same = 0
     t_ours = t_theirs = 0.0
     n_decoded = 0
     for text in PROMPTS:
@@ -102,11 +118,20 @@ def main() -> None:
         first = next((i for i, (x, y) in enumerate(zip(out_o, out_t, strict=True)) if x != y),
                      None)
         same += first is None
+        step_rows = llama_stepwise(llm, ids, out_t)
+        step_out = [int(np.argmax(r)) for r in step_rows[len(ids) - 1 : -1]]
+        self_first = next((i for i, (x, y) in enumerate(zip(step_out, out_t, strict=True))
+                           if x != y), None)
+        self_same += self_first is None
+        for a, b in zip(step_rows, theirs_rows, strict=True):
+            self_rel = max(self_rel, float(np.abs(a - b).max()) / float(np.abs(b).max()))
         print(f"{text!r}: greedy {'identical' if first is None else f'differs at {first}'}"
-              f" over {args.tokens} tokens")
-    print(f"greedy identical on {same}/{len(PROMPTS)} prompts")
+              f" over {args.tokens} tokens; llama.cpp token by token against its batch: "
+              f"{'identical' if self_first is None else f'differs at {self_first}'}")
+    print(f"greedy identical on {same}/{len(PROMPTS)} prompts (llama.cpp against itself: "
+          f"{self_same}/{len(PROMPTS)})")
     print(f"logits: max |ours - llama.cpp| {worst_abs:.4f}, relative to the row's largest "
-          f"{worst_rel:.2e}")
+          f"{worst_rel:.2e} (llama.cpp token by token against its batch: {self_rel:.2e})")
     print(f"decode tokens/s: foundry {n_decoded / t_ours:.1f}, llama.cpp "
           f"{n_decoded / t_theirs:.1f}, ratio {t_theirs / t_ours:.2f}x")
 
