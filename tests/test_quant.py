@@ -544,12 +544,41 @@ def test_rmsnorm_rope_and_swiglu_equal_the_layers(n: int) -> None:
     qk = rng.standard_normal((n, 6, 64), dtype=np.float32)
     got, want = _on_both_paths(quant.rope, qk, cos, sin)
     assert np.array_equal(got, want)  # the same three roundings per value
+    got, want = _on_both_paths(quant.rope, qk, cos, sin, True)  # NEOX: pairs (i, i + 32)
+    assert np.array_equal(got, want)
+    x0, x1 = qk[..., :32], qk[..., 32:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    assert np.array_equal(got, np.concatenate([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1))
     gu = 8 * rng.standard_normal((n, 2 * 96), dtype=np.float32)
     # e^-g past float's range both ways, at its ends, and what is not a number
     gu[0, :10] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 88.5, -88.5, -100.0, 100.0, 1e-40]
     with np.errstate(invalid="ignore"):
         got, want = _on_both_paths(quant.swiglu, gu)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # NaN where numpy has NaN
+
+
+@pytest.mark.parametrize("n", D_ROWS)
+def test_geglu_equals_ggml_table_lookup(n: int) -> None:
+    rng = np.random.default_rng(11)
+    f = 2048
+    gu = 4 * rng.standard_normal((n, 2 * f), dtype=np.float32)
+    # every float16 value as a gate (the table's every entry), the -10 and 10 ends and past
+    # them, halfway cases between float16 neighbours (ties to even) and subnormals
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    every = every[np.isfinite(every)]
+    edges = np.array([-10.0, 10.0, np.nextafter(-10.0, 0, dtype=np.float32), 9.999, -10.5,
+                      10.5, 1e4, -1e4, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2.0**-25, -2.0**-25,
+                      3 * 2.0**-25, 0.0, -0.0], np.float32)
+    gates = np.concatenate([every, edges])
+    rows = -(-gates.size // f)
+    big = np.ones((rows, 2 * f), np.float32)
+    big[:, :f].flat[: gates.size] = gates
+    big[:, f:] = rng.standard_normal((rows, f), dtype=np.float32)
+    for x in (gu, big):
+        got, want = _on_both_paths(quant.geglu, x)
+        assert np.array_equal(got, want)  # the fallback is arch.geglu, numpy's float16 rounding
+    got = quant.geglu(big)[:, : f].ravel()[: gates.size] / big[:, f:].ravel()[: gates.size]
+    np.testing.assert_allclose(got[-15:-13], [0.0, 10.0], rtol=1e-6)  # the ends as ggml's
 
 
 @pytest.mark.parametrize("n", D_ROWS)
@@ -597,4 +626,11 @@ def test_the_decode_operations_refuse_buffers_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match="not a distinct assignment"):
         k.combine(x, np.zeros((2, 2), np.float32), np.array([0, 4], np.int64), 2, 2, 64, x)
     with pytest.raises(ValueError, match="rows of 3 heads of 63 values"):
-        k.rope(x, x, x, 2, 3, 63, x)
+        k.rope(x, x, x, 2, 3, 63, 0, x)
+    with pytest.raises(ValueError, match="rows of 2 heads of 32 values"):
+        k.rope(x, x[0], x[0], 2, 2, 32, 2, x)  # neox is 0 or 1
+    table = np.zeros(1 << 16, np.float32)
+    with pytest.raises(ValueError, match="table holds 262140 bytes, expected 262144"):
+        k.geglu(x, table[1:], 2, 32, x[:, :32].copy())
+    with pytest.raises(ValueError, match="out holds 256 bytes, expected 128"):
+        k.geglu(x[:, :32].copy(), table, 2, 16, x[:, :32].copy())

@@ -251,27 +251,29 @@ def rope_tables(n_pos: int, head_dim: int, base: float,
     return cos, sin
 
 
-def _gelu_table() -> F32:
-    """ggml_table_gelu_f16 as float32: gelu_tanh of every float16 value, rounded to float16."""
-    x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-    with np.errstate(invalid="ignore", over="ignore"):
-        inner = np.float32(0.7978845608028654) * x * (np.float32(1.0)
-                                                      + np.float32(0.044715) * x * x)
-        y = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
-    return np.nan_to_num(y.astype(np.float16).astype(np.float32), nan=0.0)
-
-
 _GELU: F32 | None = None
+
+
+def gelu_table() -> F32:
+    """ggml_table_gelu_f16 as float32: gelu_tanh of every float16 value (by its bits), rounded
+    to float16; built once."""
+    global _GELU
+    if _GELU is None:
+        x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            inner = np.float32(0.7978845608028654) * x * (np.float32(1.0)
+                                                          + np.float32(0.044715) * x * x)
+            y = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+        _GELU = np.nan_to_num(y.astype(np.float16).astype(np.float32), nan=0.0)
+    return _GELU
 
 
 def geglu(gu: F32) -> F32:
     """gelu(g) * u of each row [g | u] of gu (N, 2F), as ggml's geglu on float32: GELU looked
-    up at the float16 nearest g (0 below -10, g above 10)."""
-    global _GELU
-    if _GELU is None:
-        _GELU = _gelu_table()
+    up at the float16 nearest g (0 below -10, g above 10). The numpy reference of
+    ``quant.geglu``."""
     f = gu.shape[1] // 2
     g, u = gu[:, :f], gu[:, f:]
-    looked = _GELU[g.astype(np.float16).view(np.uint16)]
+    looked = gelu_table()[g.astype(np.float16).view(np.uint16)]
     act = np.where(g <= -10.0, np.float32(0.0), np.where(g >= 10.0, g, looked))
     return np.ascontiguousarray(act * u, dtype=np.float32)

@@ -61,7 +61,6 @@ from foundry.model.arch import (
     Act,
     QKNorm,
     Rope,
-    geglu,
     is_swa,
     is_tied,
     rope_base,
@@ -77,6 +76,7 @@ from foundry.model.quant import (
     combine_experts,
     dequantize,
     embed,
+    geglu,
     linear,
     rmsnorm,
     rope,
@@ -412,7 +412,7 @@ class Engine:
         q = self._qk(qr, self._dense[layer].q_norm, lw.q_keep, n, dh)  # (n, H_part, Dh)
         k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
         if self.arch.rope is Rope.NEOX:
-            q, k = _rope_neox(q, cos, sin), _rope_neox(k, cos, sin)
+            q, k = rope(q, cos, sin, neox=True), rope(k, cos, sin, neox=True)
         else:
             q, k = rope(q, cos, sin), rope(k, cos, sin)
         v = np.ascontiguousarray(vr).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
@@ -555,16 +555,6 @@ def _row_block(w: Param, block: tuple[int, int]) -> Param:
     if isinstance(w, np.ndarray):
         return w[block[0] : block[1]]
     return QTensor(w.qtype, (block[1] - block[0], w.shape[1]), w.data[block[0] : block[1]])
-
-
-def _rope_neox(x: F32, cos: F32, sin: F32) -> F32:
-    """NEOX rotation of x (n, heads, Dh): pairs (i, i + Dh/2), through ``rope``'s adjacent
-    pairs on the interleaved copy (the same operations on each pair)."""
-    n, heads, dh = x.shape
-    inter = x.reshape(n, heads, 2, dh // 2).transpose(0, 1, 3, 2).reshape(n, heads, dh)
-    y = rope(np.ascontiguousarray(inter), cos, sin)
-    return np.ascontiguousarray(
-        y.reshape(n, heads, dh // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, dh))
 
 
 def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param,

@@ -30,6 +30,8 @@ import gguf.quants
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.arch import geglu as arch_geglu
+from foundry.model.arch import gelu_table
 from foundry.model.layers import (
     attention_forward,
     combine_expert_outputs,
@@ -255,13 +257,20 @@ def rmsnorm(x: F32, w: F32, eps: float) -> F32:
     return out
 
 
-def rope(x: F32, cos: F32, sin: F32) -> F32:
-    """x (N, heads, Dh) turned pair by pair by cos, sin (N, Dh/2): a new array."""
+def rope(x: F32, cos: F32, sin: F32, neox: bool = False) -> F32:
+    """x (N, heads, Dh) turned pair by pair by cos, sin (N, Dh/2): a new array. The pairs are
+    adjacent, (2i, 2i + 1), or with ``neox`` (i, i + Dh/2), the same operations on each."""
     if _kernels is None:
-        return rope_forward(x, cos, sin)
+        if not neox:
+            return rope_forward(x, cos, sin)
+        n, heads, dh = x.shape  # the adjacent rotation of the interleaved copy
+        inter = x.reshape(n, heads, 2, dh // 2).transpose(0, 1, 3, 2).reshape(n, heads, dh)
+        y = rope_forward(np.ascontiguousarray(inter), cos, sin)
+        return np.ascontiguousarray(
+            y.reshape(n, heads, dh // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, dh))
     x = np.ascontiguousarray(x)  # a block's Q and K columns are a strided view of its product
     out = np.empty_like(x)
-    _kernels.rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], out)
+    _kernels.rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], int(neox), out)
     return out
 
 
@@ -272,6 +281,16 @@ def swiglu(gu: F32) -> F32:
         return silu_and_sigmoid(gu[:, :f])[0] * gu[:, f:]
     out = np.empty((gu.shape[0], f), np.float32)
     _kernels.swiglu(gu, gu.shape[0], f, out)
+    return out
+
+
+def geglu(gu: F32) -> F32:
+    """gelu(g) * u of each row [g | u] of gu (N, 2F): (N, F), bit for bit ``arch.geglu``."""
+    if _kernels is None:
+        return arch_geglu(gu)
+    f = gu.shape[1] // 2
+    out = np.empty((gu.shape[0], f), np.float32)
+    _kernels.geglu(np.ascontiguousarray(gu, np.float32), gelu_table(), gu.shape[0], f, out)
     return out
 
 

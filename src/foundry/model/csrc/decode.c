@@ -31,21 +31,39 @@ void rmsnorm(const float *x, const float *w, int n, int d, float eps, float *out
     }
 }
 
-/* Adjacent pairs of each of n rows of `heads` heads of dh values turned by the row's angles:
- * (x0 c - x1 s, x0 s + x1 c), as rope_forward. */
+/* Pairs of each of n rows of `heads` heads of dh values turned by the row's angles:
+ * (x0 c - x1 s, x0 s + x1 c), as rope_forward. The pairs are adjacent, (2i, 2i + 1), or with
+ * ``neox`` (i, i + dh/2), the same operations on each pair. */
 void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh,
-                 float *out) {
+          int neox, float *out) {
     const int half = dh / 2;
+    const int step = neox ? 1 : 2, other = neox ? half : 1;
     for (int r = 0; r < n; r++) {
         const float *c = cos + (size_t)r * half, *s = sin + (size_t)r * half;
         for (int h = 0; h < heads; h++) {
             const float *xh = x + ((size_t)r * heads + h) * dh;
             float *o = out + ((size_t)r * heads + h) * dh;
             for (int i = 0; i < half; i++) {
-                const float x0 = xh[2 * i], x1 = xh[2 * i + 1];
-                o[2 * i] = x0 * c[i] - x1 * s[i];
-                o[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                const int a = step * i, b = a + other;
+                const float x0 = xh[a], x1 = xh[b];
+                o[a] = x0 * c[i] - x1 * s[i];
+                o[b] = x0 * s[i] + x1 * c[i];
             }
+        }
+    }
+}
+
+/* out (n, f) = gelu(g) * u of each row [g | u] of gu (n, 2f), as ggml's geglu: gelu looked up
+ * in ``table`` (gelu of every float16 value, by its bits) at the float16 nearest g; 0 for
+ * g <= -10, g itself for g >= 10 (arch.geglu). */
+void geglu(const float *gu, const float *table, int n, int f, float *out) {
+    for (int r = 0; r < n; r++) {
+        const float *g = gu + (size_t)r * 2 * f, *u = g + f;
+        float *o = out + (size_t)r * f;
+        for (int i = 0; i < f; i++) {
+            const float x = g[i];
+            const float act = x <= -10.0f ? 0.0f : (x >= 10.0f ? x : table[f16_bits(x)]);
+            o[i] = act * u[i];
         }
     }
 }

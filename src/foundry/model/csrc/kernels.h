@@ -128,6 +128,21 @@ static inline float round_f16(float x) {
     return x;
 }
 
+/* The bits of the float16 nearest x (round_f16's value, exactly a float16). */
+static inline uint16_t f16_bits(float x) {
+    const float r = round_f16(x);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00u; /* NaN */
+    if (u == 0x7F800000u) return sign | 0x7C00u;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < 6.103515625e-05f) return sign | (uint16_t)(a * 16777216.0f); /* k x 2^-24, exact */
+    return sign | (uint16_t)((((u >> 23) - 112u) << 10) | ((u >> 13) & 0x3FFu));
+}
+
 int type_block(int type, int *values, int *bytes);
 void dequant_row(int type, const uint8_t *w, int k, float *y);
 
@@ -290,9 +305,10 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
 /* decode.c */
 #define MAX_EXPERTS 256
 void rmsnorm(const float *x, const float *w, int n, int d, float eps, float *out);
-void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh,
+void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh, int neox,
           float *out);
 void swiglu(const float *gu, int n, int f, float *out);
+void geglu(const float *gu, const float *table, int n, int f, float *out);
 void route(const float *x, const float *w, int n, int d, int n_expert, int k, float *weights,
            int64_t *top);
 int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_t *order,

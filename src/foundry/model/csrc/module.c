@@ -173,16 +173,17 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(rope_doc,
-             "rope(x, cos, sin, n, heads, dh, out): x (n, heads, dh) turned by cos, sin "
-             "(n, dh / 2); out (n, heads, dh).");
+             "rope(x, cos, sin, n, heads, dh, neox, out): x (n, heads, dh) turned by cos, sin "
+             "(n, dh / 2), pairs (2i, 2i + 1), or (i, i + dh / 2) where neox is 1; out (n, "
+             "heads, dh).");
 
 static PyObject *py_rope(PyObject *self, PyObject *args) {
-    int n, heads, dh;
+    int n, heads, dh, neox;
     Py_buffer x, cos, sin, out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*iiiw*", &x, &cos, &sin, &n, &heads, &dh, &out))
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiiw*", &x, &cos, &sin, &n, &heads, &dh, &neox, &out))
         return NULL;
-    if (n < 0 || heads < 1 || dh < 2 || dh % 2) {
+    if (n < 0 || heads < 1 || dh < 2 || dh % 2 || (neox != 0 && neox != 1)) {
         PyErr_Format(PyExc_ValueError, "rope: %d rows of %d heads of %d values", n, heads, dh);
         RELEASE_AND_RETURN(NULL, &x, &cos, &sin, &out);
     }
@@ -191,7 +192,7 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
         !fits("out", &out, values))
         RELEASE_AND_RETURN(NULL, &x, &cos, &sin, &out);
     Py_BEGIN_ALLOW_THREADS
-    rope(x.buf, cos.buf, sin.buf, n, heads, dh, out.buf);
+    rope(x.buf, cos.buf, sin.buf, n, heads, dh, neox, out.buf);
     Py_END_ALLOW_THREADS
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &cos, &sin, &out);
 }
@@ -210,6 +211,23 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     swiglu(gu.buf, n, f, out.buf);
     Py_END_ALLOW_THREADS
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &out);
+}
+
+PyDoc_STRVAR(geglu_doc, "geglu(gu, table, n, f, out): out (n, f) = gelu(g) * u of rows [g | u] of "
+                        "gu, gelu looked up in table (65536 float32, by float16 bits).");
+
+static PyObject *py_geglu(PyObject *self, PyObject *args) {
+    int n, f;
+    Py_buffer gu, table, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*iiw*", &gu, &table, &n, &f, &out)) return NULL;
+    if (n < 0 || f < 1 || !fits("gu", &gu, (Py_ssize_t)n * 2 * f * 4) ||
+        !fits("table", &table, (Py_ssize_t)65536 * 4) || !fits("out", &out, (Py_ssize_t)n * f * 4))
+        RELEASE_AND_RETURN(NULL, &gu, &table, &out);
+    Py_BEGIN_ALLOW_THREADS
+    geglu(gu.buf, table.buf, n, f, out.buf);
+    Py_END_ALLOW_THREADS
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &table, &out);
 }
 
 PyDoc_STRVAR(route_doc,
@@ -360,6 +378,7 @@ static PyMethodDef methods[] = {
     {"rmsnorm", py_rmsnorm, METH_VARARGS, rmsnorm_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},
+    {"geglu", py_geglu, METH_VARARGS, geglu_doc},
     {"route", py_route, METH_VARARGS, route_doc},
     {"assign", py_assign, METH_VARARGS, assign_doc},
     {"combine", py_combine, METH_VARARGS, combine_doc},
