@@ -22,11 +22,18 @@ import pytest
 from foundry.model import checkpoint as ckpt
 from foundry.model.checkpoint import (
     CheckpointError,
+    CheckpointRefused,
     CheckpointState,
+    DirectoryLock,
+    check_directory,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    prune_checkpoints,
+    resume_checkpoint,
     save_checkpoint,
+    set_aside,
+    start_fresh,
     verify_checkpoint,
 )
 from foundry.model.config import ModelConfig
@@ -494,3 +501,544 @@ def test_a_directory_that_cannot_be_synced_is_logged(
         "[Errno 5] directory sync refused"
     ]
     assert_same(load_checkpoint(path), make_state())
+
+
+# ---------------------------------------------------------------------------- metadata schema
+
+DELETE = object()  # a field taken out of the metadata
+
+
+def good_metadata(tmp_path: Path) -> dict[str, Any]:
+    data = save_checkpoint(tmp_path / "meta", make_state()).read_bytes()
+    meta: dict[str, Any] = json.loads(data[24 : 24 + ckpt.HEADER.unpack_from(data)[3]])
+    return meta
+
+
+def edited(meta: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
+    """A deep copy of ``meta`` with the dotted ``field`` (list items by index) set or deleted."""
+    out: dict[str, Any] = json.loads(json.dumps(meta))
+    *parents, last = field.split(".")
+    node: Any = out
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    index: Any = int(last) if isinstance(node, list) else last
+    if value is DELETE:
+        del node[index]
+    else:
+        node[index] = value
+    return out
+
+
+def refusal(meta: Any) -> str:
+    with pytest.raises(ckpt._Bad) as exc:
+        ckpt.validate_metadata(meta)
+    return str(exc.value)
+
+
+I64 = "[0, 9223372036854775807]"
+U32 = "[0, 4294967295]"
+DIM = "[0, 16777216]"
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("format", DELETE, 'must be "foundry-checkpoint", got null'),
+    ("format", "foundry-ckpt", 'must be "foundry-checkpoint", got "foundry-ckpt"'),
+    ("step", DELETE, "is missing"),
+    ("step", True, f"must be an integer in {U32}, got true"),
+    ("step", 2.0, f"must be an integer in {U32}, got 2.0"),
+    ("step", -1, f"must be in {U32}, got -1"),
+    ("step", 2**32, f"must be in {U32}, got 4294967296"),
+    ("data_position", DELETE, "is missing"),
+    ("data_position", "12", f'must be an integer in {I64}, got "12"'),
+    ("data_position", -1, f"must be in {I64}, got -1"),
+    ("data_position", 2**63, f"must be in {I64}, got 9223372036854775808"),
+    ("optimizer_step", DELETE, "is missing"),
+    ("optimizer_step", None, f"must be an integer in {I64}, got null"),
+    ("optimizer_step", -1, f"must be in {I64}, got -1"),
+    ("optimizer_step", 2**63, f"must be in {I64}, got 9223372036854775808"),
+    ("config", DELETE, "must be a JSON object, got null"),
+    ("config", [1, 2], "must be a JSON object, got [1, 2]"),
+    ("config.n_layers", 2, "is not a ModelConfig field"),
+    ("config.rope_theta", True, "must be a finite number, got true"),
+    ("config.rope_theta", "1e4", 'must be a finite number, got "1e4"'),
+    ("config.rope_theta", None, "must be a finite number, got null"),
+    ("config.rope_theta", float("nan"), "must be a finite number, got NaN"),
+    ("config.norm_eps", float("inf"), "must be a finite number, got Infinity"),
+    ("config.norm_eps", float("-inf"), "must be a finite number, got -Infinity"),
+    ("config.n_ctx", 2**20 + 1, "must be in [0, 1048576], got 1048577"),
+    ("config.n_ctx", -1, "must be in [0, 1048576], got -1"),
+    ("config.n_embd", 2**24 + 1, f"must be in {DIM}, got 16777217"),
+    ("config.n_vocab", -1, f"must be in {DIM}, got -1"),
+    ("config.n_head", 4.0, f"must be an integer in {DIM}, got 4.0"),
+    ("config.n_expert", False, f"must be an integer in {DIM}, got false"),
+    ("extra", DELETE, "must be a JSON object, got null"),
+    ("extra", "x", 'must be a JSON object, got "x"'),
+    ("extra.sync_every", 0, "must be in [1, 4294967295], got 0"),
+    ("extra.sync_every", 2**32, "must be in [1, 4294967295], got 4294967296"),
+    ("extra.sync_every", "4", 'must be an integer in [1, 4294967295], got "4"'),
+    ("extra.outer_steps", -1, f"must be in {U32}, got -1"),
+    ("extra.outer_steps", 2**32, f"must be in {U32}, got 4294967296"),
+    ("extra.outer_steps", None, f"must be an integer in {U32}, got null"),
+    ("extra.compression", 3, "must be a string, got 3"),
+    ("extra.down_compression", None, "must be a string, got null"),
+    ("tensors", DELETE, "must be a list, got null"),
+    ("tensors", {"a": 1}, 'must be a list, got {"a": 1}'),
+    ("tensors", "x" * 100, 'must be a list, got "' + "x" * 79),
+    ("tensors.1", 5, "must be a JSON object, got 5"),
+    ("tensors.1", [0] * 40, "must be a JSON object, got [" + "0, " * 26 + "0"),
+    ("tensors.1.group", DELETE, "must be a string, got null"),
+    ("tensors.1.group", 1, "must be a string, got 1"),
+    ("tensors.1.name", 7, "must be a string, got 7"),
+    ("tensors.1.shape", "16", "must be a list of at most 4 sizes, got '16'"),
+    ("tensors.1.shape", DELETE, "must be a list of at most 4 sizes, got None"),
+    ("tensors.1.shape", [1] * 5, "must be a list of at most 4 sizes, got [1, 1, 1, 1, 1]"),
+    ("tensors.1.dtype", "<f8", 'must be "<f4", got "<f8"'),
+    ("tensors.1.dtype", DELETE, 'must be "<f4", got null'),
+    ("tensors.1.offset", DELETE, "is missing"),
+    ("tensors.1.offset", -1, f"must be in {I64}, got -1"),
+    ("tensors.1.offset", 2**63, f"must be in {I64}, got 9223372036854775808"),
+    ("tensors.1.offset", "0", f'must be an integer in {I64}, got "0"'),
+    ("tensors.1.nbytes", DELETE, "is missing"),
+    ("tensors.1.nbytes", -4, f"must be in {I64}, got -4"),
+    ("tensors.1.nbytes", 2**63, f"must be in {I64}, got 9223372036854775808"),
+    ("tensors.1.nbytes", 60, "is 60, but shape [16] holds 64 bytes of <f4"),
+    ("tensors.1.nbytes", 68, "is 68, but shape [16] holds 64 bytes of <f4"),
+])
+def test_each_metadata_field_out_of_its_schema_is_refused_naming_it(
+    tmp_path: Path, field: str, value: Any, says: str
+) -> None:
+    meta = edited(good_metadata(tmp_path), field, value)
+    name = field
+    for m in re.finditer(r"\.(\d+)", field):
+        name = name.replace(m.group(0), f"[{m.group(1)}]", 1)
+    assert refusal(meta) == f"metadata field {name!r} {says}"
+
+
+@pytest.mark.parametrize(("shape", "says"), [
+    ([16, -1], f"'tensors[1].shape[1]' must be in {DIM}, got -1"),
+    ([2**24 + 1], f"'tensors[1].shape[0]' must be in {DIM}, got 16777217"),
+    ([1, 1, 16.0], f"'tensors[1].shape[2]' must be an integer in {DIM}, got 16.0"),
+    ([True], f"'tensors[1].shape[0]' must be an integer in {DIM}, got true"),
+])
+def test_each_size_of_a_shape_is_checked(tmp_path: Path, shape: list[Any], says: str) -> None:
+    meta = edited(good_metadata(tmp_path), "tensors.1.shape", shape)
+    assert refusal(meta) == f"metadata field {says}"
+
+
+def test_metadata_that_is_not_an_object_is_refused() -> None:
+    assert refusal([]) == "metadata field '(metadata)' must be a JSON object, got []"
+    assert refusal(list(range(40))) == (
+        "metadata field '(metadata)' must be a JSON object, got "
+        + json.dumps(list(range(40)))[:80])
+    assert refusal(None) == "metadata field '(metadata)' must be a JSON object, got null"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("step", 0), ("step", 2**32 - 1),
+    ("data_position", 0), ("data_position", 2**63 - 1),
+    ("optimizer_step", 0), ("optimizer_step", 2**63 - 1),
+    ("config", {}),
+    ("config.n_ctx", 2**20), ("config.n_ctx", 0), ("config.n_embd", 2**24),
+    ("config.n_ff_shared", 0), ("config.n_vocab", 1),
+    ("config.rope_theta", 10000), ("config.rope_theta", 1.5e308), ("config.rope_theta", -2.5),
+    ("config.norm_eps", 0.0),
+    ("extra", {}), ("extra.lr", "any JSON"), ("extra.schedule", None),
+    ("extra.sync_every", 1), ("extra.sync_every", 2**32 - 1),
+    ("extra.outer_steps", 0), ("extra.outer_steps", 2**32 - 1),
+    ("extra.compression", ""), ("extra.down_compression", "qsgd"),
+    ("tensors", []),
+    ("tensors.1.shape", []), ("tensors.1.shape", [1, 1, 1, 1]),
+    ("tensors.1.offset", 0), ("tensors.1.offset", 2**63 - 1),
+    ("tensors.1.group", "anything"), ("tensors.1.name", ""),
+])
+def test_each_metadata_field_at_its_bounds_is_accepted(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    meta = edited(good_metadata(tmp_path), field, value)
+    if field == "tensors.1.shape":
+        meta["tensors"][1]["nbytes"] = 4
+    ckpt.validate_metadata(meta)
+
+
+@pytest.mark.parametrize(("shape", "nbytes"), [
+    ([0], 0), ([2**24], 4 * 2**24), ([0, 2**24], 0), ([2**24, 2**24], 4 * 2**48),
+    ([3, 5, 7, 11], 4 * 3 * 5 * 7 * 11),
+])
+def test_tensor_sizes_at_their_bounds_are_accepted(
+    tmp_path: Path, shape: list[int], nbytes: int
+) -> None:
+    meta = good_metadata(tmp_path)
+    meta["tensors"][0].update(shape=shape, nbytes=nbytes)
+    ckpt.validate_metadata(meta)
+    meta["tensors"][0]["nbytes"] = nbytes + 4
+    assert refusal(meta) == (f"metadata field 'tensors[0].nbytes' is {nbytes + 4}, but shape "
+                             f"{shape} holds {nbytes} bytes of <f4")
+
+
+def test_unusable_metadata_is_refused_at_load_naming_the_file_and_field(tmp_path: Path) -> None:
+    meta = good_metadata(tmp_path)
+    meta["extra"]["sync_every"] = 0
+    path = tmp_path / "step-000123.ckpt"
+    write_raw(path, json.dumps(meta).encode(), b"")
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (
+        f"{path} has a hash that verifies but unusable metadata: metadata field "
+        "'extra.sync_every' must be in [1, 4294967295], got 0; the file was edited or written "
+        "by another program: restore it, or resume from another checkpoint")
+    assert exc.value.__cause__ is None and exc.value.__suppress_context__
+    write_raw(path, b'{"format": "foundry-checkpoint", ', b"")
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value).startswith(
+        f"{path} has a hash that verifies but unusable metadata: Expecting property name")
+    assert str(exc.value).endswith("; the file was edited or written by another program: "
+                                   "restore it, or resume from another checkpoint")
+
+
+# ---------------------------------------------------------------------------- pruning, set-aside
+
+def damage(path: Path, how: str = "flip") -> bytes:
+    """Flip a byte in the middle (or cut the file to 100 bytes, or empty it) and move its mtime
+    on, so that the change shows even within one tick of the file system's clock; the new
+    bytes."""
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: 100 if how == "truncate" else 0]
+    st = path.stat()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    return bytes(data)
+
+
+def corrupt_why(path: Path) -> str:
+    return (f"{path} is corrupt or truncated (sha256 does not match its content); "
+            "resume from an older checkpoint")
+
+
+def save_steps(d: Path, *steps: int) -> None:
+    for step in steps:
+        save_checkpoint(d, make_state(step=step, seed=step), keep_last=100)
+
+
+def test_pruning_counts_only_checkpoints_that_verify(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_steps(tmp_path, 1, 2, 3, 4, 5, 6)
+    bad5 = damage(tmp_path / "step-000005.ckpt")
+    bad3 = damage(tmp_path / "step-000003.ckpt", "truncate")
+    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        prune_checkpoints(tmp_path, 2)
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000003.ckpt.damaged", "step-000004.ckpt", "step-000005.ckpt.damaged",
+        "step-000006.ckpt"]
+    assert (tmp_path / "step-000005.ckpt.damaged").read_bytes() == bad5
+    assert (tmp_path / "step-000003.ckpt.damaged").read_bytes() == bad3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {tmp_path / 'step-000005.ckpt'} does not verify "
+        f"({corrupt_why(tmp_path / 'step-000005.ckpt')}); kept aside as "
+        "step-000005.ckpt.damaged, never counted",
+        f"checkpoint {tmp_path / 'step-000003.ckpt'} does not verify "
+        f"({tmp_path / 'step-000003.ckpt'} is truncated (100 bytes, metadata alone "
+        f"{ckpt.HEADER.unpack_from(bad3)[3]})); kept aside as step-000003.ckpt.damaged, "
+        "never counted",
+    ]
+    deleted = [tmp_path / f"step-00000{s}.ckpt" for s in (1, 2, 3, 5)]
+    assert not any(p in ckpt._VERIFIED for p in deleted)  # no memory of files gone
+    prune_checkpoints(tmp_path, 1)
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000003.ckpt.damaged", "step-000005.ckpt.damaged", "step-000006.ckpt"]
+    prune_checkpoints(tmp_path, 1)  # nothing more to do
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000003.ckpt.damaged", "step-000005.ckpt.damaged", "step-000006.ckpt"]
+
+
+def test_pruning_never_deletes_the_file_just_written(tmp_path: Path) -> None:
+    """``keep`` counts among the kept, unread, even when older than the others: a run that
+    went back to an older step keeps its own newest checkpoint."""
+    save_steps(tmp_path, 5, 6, 7)
+    save_checkpoint(tmp_path, make_state(step=3), keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 6, 7]
+    keep = tmp_path / "step-000003.ckpt"
+    damage(keep)
+    prune_checkpoints(tmp_path, 1, keep=keep)
+    assert sorted(os.listdir(tmp_path)) == ["step-000003.ckpt", "step-000007.ckpt"]
+    prune_checkpoints(tmp_path, 1, keep=tmp_path / "step-000007.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["step-000003.ckpt.damaged", "step-000007.ckpt"]
+
+
+def test_files_written_or_verified_here_are_not_read_again_unless_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[str] = []
+    real = ckpt.verify_checkpoint
+
+    def counting(path: str | Path) -> None:
+        read.append(Path(path).name)
+        real(path)
+
+    monkeypatch.setattr(ckpt, "verify_checkpoint", counting)
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, make_state(step=step), keep_last=2)
+    assert read == []  # every file was written here
+    newest = tmp_path / "step-000004.ckpt"
+    st = newest.stat()
+    os.utime(newest, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # changed: read again
+    prune_checkpoints(tmp_path, 2)
+    assert read == ["step-000004.ckpt"]
+    prune_checkpoints(tmp_path, 2)
+    assert resume_checkpoint(tmp_path) == newest
+    assert read == ["step-000004.ckpt"]  # verified once, remembered
+    damage(newest)
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
+    assert read == ["step-000004.ckpt", "step-000004.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["step-000003.ckpt", "step-000004.ckpt.damaged"]
+
+
+def test_a_damaged_file_is_set_aside_under_a_free_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "step-000003.ckpt"
+    bad = []
+    for i in range(3):
+        save_checkpoint(tmp_path, make_state(step=3, seed=i))
+        assert path in ckpt._VERIFIED
+        bad.append(damage(path))
+        with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+            aside = set_aside(path, f"reason {i}")
+        name = "step-000003.ckpt.damaged" + (f".{i}" if i else "")
+        assert aside == tmp_path / name
+        assert caplog.records[-1].getMessage() == (
+            f"checkpoint {path} does not verify (reason {i}); kept aside as {name}, never counted")
+        assert path not in ckpt._VERIFIED
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1", "step-000003.ckpt.damaged.2"]
+    assert [(tmp_path / n).read_bytes() for n in sorted(os.listdir(tmp_path))] == bad
+
+
+def test_set_aside_refuses_when_it_cannot_rename_or_every_name_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "step-000003.ckpt"
+    with pytest.raises(CheckpointError) as exc:
+        set_aside(path, "why")
+    assert str(exc.value) == (
+        f"checkpoint {path} does not verify (why) and cannot be set aside: [Errno 2] No such "
+        f"file or directory: '{path}' -> '{path}.damaged'")
+    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 3)
+    for name in ("step-000003.ckpt", "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1",
+                 "step-000003.ckpt.damaged.2"):
+        (tmp_path / name).write_text(name)
+    with pytest.raises(CheckpointError) as exc:
+        set_aside(path, "why")
+    assert str(exc.value) == (f"checkpoint {path} does not verify (why) and 3 damaged copies of "
+                              "it are kept already; remove some")
+    assert path.read_text() == "step-000003.ckpt"
+    (tmp_path / "step-000003.ckpt.damaged.2").unlink()
+    assert set_aside(path, "why") == tmp_path / "step-000003.ckpt.damaged.2"
+
+
+def test_a_file_gone_before_it_is_set_aside_is_not_counted(tmp_path: Path) -> None:
+    """Another process removed it between the listing and the check: nothing to set aside."""
+    assert ckpt._verify_or_set_aside(tmp_path / "step-000001.ckpt") is False
+    assert os.listdir(tmp_path) == []
+    path = save_checkpoint(tmp_path, make_state(step=1))
+    assert ckpt._verify_or_set_aside(path) is True
+    damage(path)
+    assert ckpt._verify_or_set_aside(path) is False
+    assert os.listdir(tmp_path) == ["step-000001.ckpt.damaged"]
+
+
+def test_saving_over_a_damaged_checkpoint_of_its_step_sets_it_aside(tmp_path: Path) -> None:
+    save_steps(tmp_path, 2, 3)
+    bad = damage(tmp_path / "step-000003.ckpt")
+    save_checkpoint(tmp_path, make_state(step=3, seed=7), keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-000003.ckpt", "step-000003.ckpt.damaged"]
+    assert (tmp_path / "step-000003.ckpt.damaged").read_bytes() == bad
+    assert_same(load_checkpoint(tmp_path / "step-000003.ckpt"), make_state(step=3, seed=7))
+
+
+# ---------------------------------------------------------------------------- resume, --fresh
+
+def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
+    tmp_path: Path,
+) -> None:
+    assert resume_checkpoint(tmp_path / "missing") is None
+    assert resume_checkpoint(tmp_path) is None
+    save_steps(tmp_path, 1, 2, 3, 4, 5)
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-000005.ckpt"
+    bad5 = damage(tmp_path / "step-000005.ckpt")
+    bad4 = damage(tmp_path / "step-000004.ckpt", "empty")
+    bad2 = damage(tmp_path / "step-000002.ckpt")
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt.damaged",
+        "step-000005.ckpt.damaged"]
+    assert (tmp_path / "step-000005.ckpt.damaged").read_bytes() == bad5
+    assert (tmp_path / "step-000004.ckpt.damaged").read_bytes() == bad4
+    assert (tmp_path / "step-000002.ckpt").read_bytes() == bad2  # older: left as it is
+
+
+def test_resume_refuses_a_directory_where_nothing_verifies(tmp_path: Path) -> None:
+    save_steps(tmp_path, 1, 2)
+    damage(tmp_path / "step-000001.ckpt")
+    damage(tmp_path / "step-000002.ckpt", "empty")
+    with pytest.raises(CheckpointRefused) as exc:
+        resume_checkpoint(tmp_path)
+    assert str(exc.value) == (
+        f"no checkpoint in {tmp_path} verifies (2 file(s): step-000002.ckpt: "
+        f"{tmp_path / 'step-000002.ckpt'} is truncated (0 bytes); step-000001.ckpt: "
+        f"{corrupt_why(tmp_path / 'step-000001.ckpt')}); refusing to start over them from "
+        "step 0. Move them away (or restore a good copy), or pass --fresh to set them aside "
+        "and start a new run")
+    assert sorted(os.listdir(tmp_path)) == ["step-000001.ckpt", "step-000002.ckpt"]
+
+
+def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert start_fresh(tmp_path / "missing") is None
+    others = ["checkpoints.lock", "notes.txt", "step-000001.ckpt.bak", "step-notes.txt",
+              "xstep-000001.ckpt.damaged", f".step-000004.ckpt.{os.getppid()}.tmp"]
+    for name in others:
+        (tmp_path / name).write_text(name)
+    assert start_fresh(tmp_path) is None  # nothing to move: no folder made
+    assert sorted(os.listdir(tmp_path)) == sorted(others)
+    save_steps(tmp_path, 1, 2)
+    (tmp_path / "step-000003.ckpt.damaged").write_text("3")
+    (tmp_path / "step-000003.ckpt.damaged.1").write_text("3.1")
+    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        moved = start_fresh(tmp_path)
+    assert moved == tmp_path / "previous-1"
+    assert sorted(os.listdir(moved)) == [
+        "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt.damaged",
+        "step-000003.ckpt.damaged.1"]
+    assert sorted(os.listdir(tmp_path)) == sorted([*others, "previous-1"])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--fresh: 4 old checkpoint file(s) of {tmp_path} moved to {moved}; starting at step 0"]
+    assert not any(p.parent == tmp_path for p in ckpt._VERIFIED)
+    assert resume_checkpoint(tmp_path) is None
+    save_steps(tmp_path, 1)
+    assert start_fresh(tmp_path) == tmp_path / "previous-2"
+    assert os.listdir(tmp_path / "previous-2") == ["step-000001.ckpt"]
+    assert_same(load_checkpoint(moved / "step-000001.ckpt"), make_state(step=1, seed=1))
+
+
+def test_fresh_refuses_when_it_cannot_move_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_steps(tmp_path, 1)
+    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 3)
+    (tmp_path / "previous-1").mkdir()
+    (tmp_path / "previous-2").write_text("a file of that name")
+    with pytest.raises(CheckpointError) as exc:
+        start_fresh(tmp_path)
+    assert str(exc.value) == f"{tmp_path} holds 3 previous-N folders already; remove some"
+    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 4)
+
+    def refuse(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(CheckpointError) as exc:
+        start_fresh(tmp_path)
+    assert str(exc.value) == (
+        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 18] Invalid cross-device link")
+    monkeypatch.undo()
+
+    def read_only(self: Path, mode: int = 0o777, parents: bool = False,
+                  exist_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(CheckpointError) as exc:
+        start_fresh(tmp_path)
+    assert str(exc.value) == (
+        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 30] Read-only file system")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [
+        "previous-1", "previous-2", "previous-3", "step-000001.ckpt"]
+
+
+def test_check_directory(tmp_path: Path) -> None:
+    d = tmp_path / "a" / "b"
+    assert check_directory(d) == d and d.is_dir()
+    assert check_directory(d) == d
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointRefused) as refused:
+        check_directory(afile)
+    assert str(refused.value) == (f"--checkpoint-dir {afile} is not a directory; name a folder "
+                                  "(it is created if missing)")
+    with pytest.raises(CheckpointError) as exc:
+        check_directory(afile / "sub")
+    assert type(exc.value) is CheckpointError
+    assert str(exc.value) == (f"cannot create --checkpoint-dir {afile / 'sub'}: [Errno 20] Not a "
+                              f"directory: '{afile / 'sub'}'")
+    assert afile.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------- the directory lock
+
+def test_one_lock_per_directory_naming_its_holder(tmp_path: Path) -> None:
+    """flock locks belong to an open file: a second lock refuses even in the same process."""
+    first = DirectoryLock(tmp_path, "foundry train")
+    assert first.acquire() is first
+    assert (tmp_path / "checkpoints.lock").read_text() == f"pid {os.getpid()}, foundry train\n"
+    assert first._fd is not None and not os.get_inheritable(first._fd)
+    second = DirectoryLock(tmp_path, "foundry coordinator")
+    with pytest.raises(CheckpointRefused) as exc:
+        second.acquire()
+    assert str(exc.value) == (
+        f"checkpoint dir {tmp_path} is in use by another writer (pid {os.getpid()}, foundry "
+        "train); stop that one first, or give this run its own --checkpoint-dir")
+    assert second._fd is None
+    first.release()
+    first.release()  # twice is fine
+    assert first._fd is None
+    assert second.acquire() is second
+    assert (tmp_path / "checkpoints.lock").read_text() == (
+        f"pid {os.getpid()}, foundry coordinator\n")
+    second.release()
+
+
+@pytest.mark.parametrize(("content", "shown"), [
+    (None, "pid unknown"), ("", "pid unknown"), ("  \n", "pid unknown"),
+    ("x" * 300, "x" * 200), (b"pid 7, \xff\n", "pid 7, \ufffd"),
+])
+def test_a_lock_whose_holder_cannot_be_read_says_so(
+    tmp_path: Path, content: str | bytes | None, shown: str
+) -> None:
+    first = DirectoryLock(tmp_path, "first").acquire()
+    lock_file = tmp_path / "checkpoints.lock"
+    lock_file.unlink()
+    if isinstance(content, str):
+        lock_file.write_text(content)
+    elif isinstance(content, bytes):
+        lock_file.write_bytes(content)
+    with pytest.raises(CheckpointRefused) as exc:
+        DirectoryLock(tmp_path, "second").acquire()
+    assert f"is in use by another writer ({shown}); stop" in str(exc.value)
+    first.release()
+
+
+def test_a_lock_holds_where_its_file_cannot_be_written(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints.lock").mkdir()  # neither writable nor readable as a file
+    first = DirectoryLock(tmp_path, "first").acquire()
+    with pytest.raises(CheckpointRefused, match=r"another writer \(pid unknown\)"):
+        DirectoryLock(tmp_path, "second").acquire()
+    first.release()
+    DirectoryLock(tmp_path, "third").acquire().release()
+
+
+def test_a_lock_needs_a_directory(tmp_path: Path) -> None:
+    for path, why in ((tmp_path / "missing", "[Errno 2] No such file or directory"),
+                      (tmp_path / "afile", "[Errno 20] Not a directory")):
+        if path.name == "afile":
+            path.write_text("x")
+        with pytest.raises(CheckpointError) as exc:
+            DirectoryLock(path, "train").acquire()
+        assert type(exc.value) is CheckpointError
+        assert str(exc.value) == f"cannot lock checkpoint dir {path}: {why}: '{path}'"
