@@ -863,7 +863,7 @@ def test_saving_over_a_damaged_checkpoint_of_its_step_sets_it_aside(tmp_path: Pa
 # ---------------------------------------------------------------------------- resume, --fresh
 
 def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert resume_checkpoint(tmp_path / "missing") is None
     assert resume_checkpoint(tmp_path) is None
@@ -872,7 +872,16 @@ def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
     bad5 = damage(tmp_path / "step-000005.ckpt")
     bad4 = damage(tmp_path / "step-000004.ckpt", "empty")
     bad2 = damage(tmp_path / "step-000002.ckpt")
-    assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
+    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {tmp_path / 'step-000005.ckpt'} does not verify "
+        f"({corrupt_why(tmp_path / 'step-000005.ckpt')}); kept aside as "
+        "step-000005.ckpt.damaged, never counted",
+        f"checkpoint {tmp_path / 'step-000004.ckpt'} does not verify "
+        f"({tmp_path / 'step-000004.ckpt'} is truncated (0 bytes)); kept aside as "
+        "step-000004.ckpt.damaged, never counted",
+    ]
     assert sorted(os.listdir(tmp_path)) == [
         "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt.damaged",
         "step-000005.ckpt.damaged"]
@@ -894,6 +903,41 @@ def test_resume_refuses_a_directory_where_nothing_verifies(tmp_path: Path) -> No
         "step 0. Move them away (or restore a good copy), or pass --fresh to set them aside "
         "and start a new run")
     assert sorted(os.listdir(tmp_path)) == ["step-000001.ckpt", "step-000002.ckpt"]
+    # Files that failed are forgotten, and so are files that are gone.
+    assert not any(p.parent == tmp_path for p in ckpt._VERIFIED)
+    with pytest.raises(CheckpointError) as exc:
+        ckpt._verified(tmp_path / "step-000009.ckpt")
+    assert str(exc.value) == (f"cannot read checkpoint {tmp_path / 'step-000009.ckpt'}: [Errno 2] "
+                              f"No such file or directory: '{tmp_path / 'step-000009.ckpt'}'")
+
+
+def test_resume_verifies_files_this_process_has_not_seen(tmp_path: Path) -> None:
+    """Checkpoints copied in (or written by an earlier run) are read once, then remembered."""
+    written = save_checkpoint(tmp_path / "a", make_state(step=4))
+    (tmp_path / "b").mkdir()
+    copy = tmp_path / "b" / written.name
+    copy.write_bytes(written.read_bytes())
+    assert copy not in ckpt._VERIFIED
+    assert resume_checkpoint(tmp_path / "b") == copy
+    assert ckpt._VERIFIED[copy] == ckpt._stat_key(copy)
+    damage(copy)
+    with pytest.raises(CheckpointRefused):
+        resume_checkpoint(tmp_path / "b")
+    assert copy not in ckpt._VERIFIED
+
+
+def test_a_checkpoint_whose_stat_fails_after_the_write_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It is not remembered as verified (it is read when next needed) and the save succeeds."""
+    def refuse(path: Path) -> tuple[int, int, int, int]:
+        raise OSError(errno.EIO, "stat refused")
+
+    monkeypatch.setattr(ckpt, "_stat_key", refuse)
+    path = save_checkpoint(tmp_path, make_state(step=2))
+    monkeypatch.undo()
+    assert path not in ckpt._VERIFIED
+    assert_same(load_checkpoint(path), make_state(step=2))
 
 
 def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
@@ -1042,3 +1086,38 @@ def test_a_lock_needs_a_directory(tmp_path: Path) -> None:
             DirectoryLock(path, "train").acquire()
         assert type(exc.value) is CheckpointError
         assert str(exc.value) == f"cannot lock checkpoint dir {path}: {why}: '{path}'"
+
+
+def test_further_groups_holding_some_parameters_round_trip(tmp_path: Path) -> None:
+    """A group may hold a subset of the parameters: each one held comes back, none is added."""
+    full = random_tensors(CFG, 7)
+    names = list(full)
+    some = {n: full[n] for n in (names[3], names[-1])}
+    state = dataclasses.replace(make_state(), tensors={"shadow": some, "outer_m": {}})
+    loaded = load_checkpoint(save_checkpoint(tmp_path, state))
+    assert list(loaded.tensors) == ["shadow"]
+    assert list(loaded.tensors["shadow"]) == [names[3], names[-1]]
+    for n, arr in some.items():
+        assert loaded.tensors["shadow"][n].tobytes() == arr.tobytes()
+
+
+@pytest.mark.parametrize("group", ["m", "v"])
+def test_a_moment_group_that_is_neither_empty_nor_whole_is_refused(
+    tmp_path: Path, group: str
+) -> None:
+    good = save_checkpoint(tmp_path, make_state()).read_bytes()
+    meta_len = ckpt.HEADER.unpack_from(good)[3]
+    meta = json.loads(good[24 : 24 + meta_len])
+    data = good[24 + meta_len + (-(24 + meta_len) % 64) : -32]
+    held = [t for t in meta["tensors"] if t["group"] == group]
+    meta["tensors"].remove(held[2])
+    path = tmp_path / "crafted.ckpt"
+    write_raw(path, json.dumps(meta).encode(), data)
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(path)
+    assert str(exc.value) == (
+        f"{path} has a hash that verifies but unusable metadata: optimizer group {group!r} "
+        f"holds {len(held) - 1} of the {len(held)} tensors")
+    meta["tensors"] = [t for t in meta["tensors"] if t["group"] != group]
+    write_raw(path, json.dumps(meta).encode(), data)
+    assert load_checkpoint(path).optimizer[group] == {}  # empty: before the first step
