@@ -1121,3 +1121,79 @@ def test_a_moment_group_that_is_neither_empty_nor_whole_is_refused(
     meta["tensors"] = [t for t in meta["tensors"] if t["group"] != group]
     write_raw(path, json.dumps(meta).encode(), data)
     assert load_checkpoint(path).optimizer[group] == {}  # empty: before the first step
+
+
+def test_a_failed_write_on_a_disk_that_refuses_the_clean_up_reports_the_first_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing the temp file fails too (a file system gone read-only): the write's error is
+    the one reported, and the previous checkpoints stand."""
+    good = save_checkpoint(tmp_path, make_state(step=10))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(CheckpointError) as exc:
+        save_checkpoint(tmp_path, make_state(step=11))
+    monkeypatch.undo()
+    final = tmp_path / "step-000011.ckpt"
+    assert str(exc.value) == (
+        f"could not write checkpoint {final}: [Errno 28] No space left on device; the previous "
+        "checkpoints are intact (free disk space or choose another checkpoint directory)")
+    assert sorted(os.listdir(tmp_path)) == [f".{final.name}.{os.getpid()}.tmp", good.name]
+    assert latest_checkpoint(tmp_path) == good
+
+
+def test_temp_files_of_writers_that_cannot_be_signalled_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's writer (os.kill says PermissionError) lives: its temp file stays."""
+    def kill(pid: int, sig: int) -> None:  # no signal is sent
+        assert sig == 0
+        if pid == 424242:
+            raise PermissionError(errno.EPERM, "not ours")
+        raise ProcessLookupError(errno.ESRCH, "no such process")
+
+    other = tmp_path / ".step-000001.ckpt.424242.tmp"
+    dead = tmp_path / ".step-000002.ckpt.424243.tmp"
+    for p in (other, dead):
+        p.write_text("half")
+    monkeypatch.setattr(os, "kill", kill)
+    ckpt._remove_stale_temps(tmp_path)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [other.name]
+
+
+def test_a_file_that_shrinks_while_it_is_read_is_reported_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size taken before reading is 100 bytes more than the reads find (the file was cut
+    meanwhile): corrupt, naming the file."""
+    path = save_checkpoint(tmp_path, make_state())
+    real_fstat, real_stat = os.fstat, Path.stat
+
+    def grown(st: os.stat_result) -> os.stat_result:
+        fields = list(st)
+        fields[6] += 100  # st_size
+        return os.stat_result(fields)
+
+    def fstat(fd: int) -> os.stat_result:
+        return grown(real_fstat(fd))
+
+    def stat(self: Path, *, follow_symlinks: bool = True) -> os.stat_result:
+        st = real_stat(self, follow_symlinks=follow_symlinks)
+        return grown(st) if self == path else st
+
+    expect = re.escape(corrupt_why(path))
+    monkeypatch.setattr(os, "fstat", fstat)
+    with pytest.raises(CheckpointError, match=f"^{expect}$"):
+        load_checkpoint(path)
+    monkeypatch.undo()
+    monkeypatch.setattr(Path, "stat", stat)
+    with pytest.raises(CheckpointError, match=f"^{expect}$"):
+        verify_checkpoint(path)
