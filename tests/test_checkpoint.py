@@ -1116,10 +1116,16 @@ def test_a_moment_group_that_is_neither_empty_nor_whole_is_refused(
         load_checkpoint(path)
     assert str(exc.value) == (
         f"{path} has a hash that verifies but unusable metadata: optimizer group {group!r} "
-        f"holds {len(held) - 1} of the {len(held)} tensors")
+        f"holds {len(held) - 1} of the {len(held)} tensors (a moment group is empty or whole)")
     meta["tensors"] = [t for t in meta["tensors"] if t["group"] != group]
     write_raw(path, json.dumps(meta).encode(), data)
     assert load_checkpoint(path).optimizer[group] == {}  # empty: before the first step
+    # and such a state is refused when saved, rather than written and refused at load
+    state = make_state(step=5)
+    del state.optimizer[group][sorted(state.optimizer[group])[2]]
+    with pytest.raises(CheckpointError, match=rf"optimizer group '{group}' holds 12 of the 13 "):
+        save_checkpoint(tmp_path / "save", state)
+    assert not (tmp_path / "save").exists() or not list((tmp_path / "save").glob("*.ckpt"))
 
 
 def test_a_failed_write_on_a_disk_that_refuses_the_clean_up_reports_the_first_error(

@@ -160,6 +160,12 @@ def _file_tensors(state: CheckpointState) -> list[tuple[str, str, F32Array]]:
                     f"{group} {name}: expected float32 {shape}, got {got[1]} {got[0]}"
                 )
             out.append((group, name, np.ascontiguousarray(arr, dtype="<f4")))
+    for key in ("m", "v"):  # a moment group is empty (before the first step) or whole
+        if opt[key] and len(opt[key]) != len(params):
+            raise CheckpointError(
+                f"optimizer group {key!r} holds {len(opt[key])} of the {len(params)} tensors "
+                "(a moment group is empty or whole)"
+            )
     return out
 
 
@@ -550,14 +556,10 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
         )
     except (KeyError, TypeError, ValueError, ConfigError) as exc:
         raise CheckpointError(f"{p} has a hash that verifies but unusable metadata: {exc}") from exc
-    _file_tensors(state)  # every tensor the config needs is there, with its shape
-    for group in ("m", "v"):  # a moment group is empty (before the first step) or whole
-        held = state.optimizer[group]
-        if held and len(held) != len(state.params):
-            raise CheckpointError(
-                f"{p} has a hash that verifies but unusable metadata: optimizer group "
-                f"{group!r} holds {len(held)} of the {len(state.params)} tensors"
-            )
+    try:  # every tensor the config needs is there, with its shape; moment groups whole
+        _file_tensors(state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{p} has a hash that verifies but unusable metadata: {exc}") from exc
     return state
 
 
