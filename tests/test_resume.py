@@ -6,8 +6,9 @@ the outer optimizer's momentum, and the run's settings.
 
 Through the public entry points only (``foundry train``, ``foundry coordinator`` with a real
 ``foundry worker``, and the checkpoint files they write): the restart is a new process that
-finds the older checkpoint in its --checkpoint-dir, as after a crash. No codec draws random
-numbers here (compression none), so two runs of the same steps are bit-identical.
+finds the older checkpoint in its --checkpoint-dir, as after a crash. The codecs here draw no
+random numbers (compression none), or only the coordinator's own downlink QSGD, whose generator
+state the checkpoint carries, so two runs of the same steps are bit-identical.
 """
 
 from __future__ import annotations
@@ -111,6 +112,22 @@ def test_synchronous_coordinator_resumes_where_it_stopped(tmp_path: Path) -> Non
     resumed_run = tmp_path / "resumed"
     restart_dir(tmp_path / "straight" / "ckpt", 2, resumed_run / "ckpt")
     resumed = swarm(resumed_run, "--max-steps", "4", "--checkpoint-every", "2")
+    assert "resumed from" in (resumed_run / "coordinator.log").read_text()
+    assert_same_state(resumed, straight)
+
+
+def test_coordinator_with_a_random_downlink_codec_resumes_where_it_stopped(
+    tmp_path: Path,
+) -> None:
+    """QSGD on the UPDATEs rounds stochastically: the codec's generator state is part of the
+    checkpoint, so the resumed run draws what the straight one drew from step 2 on (the
+    uploads stay uncompressed: a worker's own draws are not the coordinator's to restore)."""
+    args = ("--max-steps", "4", "--checkpoint-every", "2", "--down-compression", "qsgd")
+    straight = swarm(tmp_path / "straight", *args)
+    assert straight.extra["down_compression"] == "qsgd" and "downlink_rng" in straight.extra
+    resumed_run = tmp_path / "resumed"
+    restart_dir(tmp_path / "straight" / "ckpt", 2, resumed_run / "ckpt")
+    resumed = swarm(resumed_run, *args)
     assert "resumed from" in (resumed_run / "coordinator.log").read_text()
     assert_same_state(resumed, straight)
 

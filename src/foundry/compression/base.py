@@ -63,6 +63,15 @@ class Codec(ABC):
         """Build from this codec's ``Params``."""
         return cls(**dataclasses.asdict(params))
 
+    def random_state(self) -> str | None:
+        """The state of the codec's random draws as text (a checkpoint keeps it), or None for
+        a codec that draws nothing."""
+        return None
+
+    def set_random_state(self, state: str) -> None:
+        """Continue the draws from ``random_state``'s text (a resumed run)."""
+        raise LocalProtocolError(f"{self.compression.name} draws no random numbers")
+
     @abstractmethod
     def encoded_size(self, numel: int) -> int: ...
 

@@ -12,6 +12,7 @@ element is below scale / s instead of ||v|| / s, which makes 4- and 3-bit codes 
 
 from __future__ import annotations
 
+import json
 import struct
 import sys
 from dataclasses import dataclass
@@ -145,6 +146,15 @@ class QsgdCodec(Codec):
     def from_params(cls, params: CodecParams) -> QsgdCodec:
         assert isinstance(params, QsgdParams)
         return cls(params.qsgd_levels, params.qsgd_bucket, params.seed)
+
+    def random_state(self) -> str:
+        return json.dumps(self.rng.bit_generator.state, sort_keys=True)
+
+    def set_random_state(self, state: str) -> None:
+        try:
+            self.rng.bit_generator.state = json.loads(state)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise LocalProtocolError(f"not a QSGD generator state: {exc}") from None
 
     def encoded_size(self, numel: int) -> int:
         return _qsgd_size(numel, self.bucket, self.levels)

@@ -160,10 +160,10 @@ def _file_tensors(state: CheckpointState) -> list[tuple[str, str, F32Array]]:
                     f"{group} {name}: expected float32 {shape}, got {got[1]} {got[0]}"
                 )
             out.append((group, name, np.ascontiguousarray(arr, dtype="<f4")))
-    for key in ("m", "v"):  # a moment group is empty (before the first step) or whole
-        if opt[key] and len(opt[key]) != len(params):
+    for key, moments in (("m", opt["m"]), ("v", opt["v"])):
+        if moments and len(moments) != len(params):  # empty (before the first step) or whole
             raise CheckpointError(
-                f"optimizer group {key!r} holds {len(opt[key])} of the {len(params)} tensors "
+                f"optimizer group {key!r} holds {len(moments)} of the {len(params)} tensors "
                 "(a moment group is empty or whole)"
             )
     return out
@@ -431,7 +431,7 @@ MAX_DIM = 1 << 24
 MAX_CTX = 1 << 20
 # Settings of ``extra`` the code reads back, and what each must be.
 _EXTRA_INTS = {"sync_every": 1, "outer_steps": 0}  # name -> least value
-_EXTRA_STRS = ("compression", "down_compression")
+_EXTRA_STRS = ("compression", "down_compression", "downlink_rng")
 
 
 class _Bad(Exception):

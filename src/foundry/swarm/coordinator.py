@@ -105,6 +105,7 @@ class Coordinator(SwarmCore):
         super().__init__(options, corpus, timeline, start.trainer, outer, start.outer_steps)
         # The master's copy of what every worker holds.
         self.downlink = Downlink(self, start.tensors.get("shadow", start.trainer.params))
+        self.downlink.resume_random_state(start.downlink_rng)
         self.records = Records(self, self.downlink)
         self.runner = RoundRunner(self, self.downlink, self.records)
         self.workers = WorkerPort(self, self.downlink)

@@ -21,6 +21,7 @@ from foundry.model.training import Params
 from foundry.swarm import sync
 from foundry.swarm.core import Member, SwarmCore, SwarmState
 from foundry.wire import fdtc
+from foundry.wire.errors import LocalProtocolError
 from foundry.wire.fdtc import Compression
 
 log = logging.getLogger("foundry.coordinator")
@@ -53,6 +54,20 @@ class Downlink:
         self._weights_cache: tuple[int, fdtc.WeightsMeta, fdtc.Weights] | None = None
         self._port_rate = 0.0  # bytes/s: the best a staggered send has shown lately
         self.weights_wanted: set[str] = set()  # seed-only peers asking during a step
+
+    def random_state(self) -> dict[str, str]:
+        """The downlink codec's random state for a checkpoint's extra (none if it draws none)."""
+        state = self._down_codec.random_state()
+        return {} if state is None else {"downlink_rng": state}
+
+    def resume_random_state(self, state: str | None) -> None:
+        """Continue the downlink codec's draws where a checkpoint left them."""
+        if state is not None and self._down_codec.random_state() is not None:
+            try:
+                self._down_codec.set_random_state(state)
+            except LocalProtocolError as exc:  # a run goes on; only its draws start afresh
+                log.warning("the checkpoint's downlink random state is unusable (%s): the "
+                            "UPDATEs' rounding draws start afresh", exc)
 
     async def send_to(self, m: Member, *msgs: fdtc.Message) -> None:
         m.sending += 1

@@ -50,6 +50,7 @@ class Start:
     trainer: Trainer
     tensors: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     outer_steps: int = 0
+    downlink_rng: str | None = None  # the downlink codec's random state (QSGD)
 
 
 def load_or_init(opt: CoordinatorOptions) -> Start:
@@ -80,7 +81,9 @@ def load_or_init(opt: CoordinatorOptions) -> Start:
         trainer.step = state.step
         trainer.position = state.data_position
         log.info("resumed from %s at step %d", ckpt, trainer.step)
-        return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)))
+        rng = state.extra.get("downlink_rng")
+        return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)),
+                     rng if isinstance(rng, str) else None)
     if opt.init_gguf is not None:
         loaded = load_gguf(opt.init_gguf)
         if loaded.cfg != opt.cfg:
@@ -169,7 +172,8 @@ class Records:
             data_position=self.core.trainer.position,
             extra={"compression": Compression(self.core.opt.compression).name.lower(),
                    "down_compression": Compression(self.core.opt.downlink).name.lower(),
-                   "sync_every": self.core.opt.sync_every, "outer_steps": self.core.outer_steps},
+                   "sync_every": self.core.opt.sync_every, "outer_steps": self.core.outer_steps,
+                   **self.downlink.random_state()},
             tensors={
                 "shadow": {k: v.copy() for k, v in self.downlink.shadow.params.items()},
                 **({"outer_m": {k: v.copy() for k, v in self.core.outer.m.items()}}
