@@ -210,7 +210,8 @@ def beaten_line(bpb: float, yardstick: Mapping[str, float]) -> str:
     return (
         ("the model beats " + ", ".join(beats) if beats else "the model beats none of them")
         + "; it does not beat " + ", ".join(not_beaten)
-        + " (a longer run narrows the gap: --steps)"
+        + " (on the default corpus `foundry up --long` narrows the gap; beyond its steps the "
+        "model overfits)"
     )
 
 
