@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from foundry.model import quant
+from foundry.model.arch import gelu_table
 from foundry.model.layers import rope_tables
 from foundry.model.quant import QType
 
@@ -39,7 +40,8 @@ static float *floats(FILE *f, size_t n) { /* n floats read from f (NULL when sho
 }
 
 /* in: -1 n d heads n_kv dh n_expert k f n_pos, then x, norm w, cos, sin, qk, router, gu, q,
- * k cache, v cache; out: rmsnorm, rope, route's weights and top, swiglu, attend */
+ * k cache, v cache, the GELU table; out: rmsnorm, rope (adjacent pairs, then NEOX), route's
+ * weights and top, swiglu, geglu, attend */
 static int decode_ops(FILE *f, FILE *o) {
     int h[9];
     if (fread(h, 4, 9, f) != 9) return 3;
@@ -49,22 +51,28 @@ static int decode_ops(FILE *f, FILE *o) {
     float *x = floats(f, (size_t)n * d), *w = floats(f, d), *cs = floats(f, (size_t)n * dh / 2),
           *sn = floats(f, (size_t)n * dh / 2), *qk = floats(f, qk_n),
           *wr = floats(f, (size_t)ne * d), *gu = floats(f, (size_t)n * 2 * ff),
-          *q = floats(f, (size_t)heads * dh), *kc = floats(f, cache), *vc = floats(f, cache);
-    if (!x || !w || !cs || !sn || !qk || !wr || !gu || !q || !kc || !vc) return 4;
-    float *y = malloc(4 * (size_t)n * d), *r = malloc(4 * qk_n), *wt = malloc(4 * (size_t)n * k),
-          *s = malloc(4 * (size_t)n * ff), *a = malloc(4 * (size_t)heads * dh),
+          *q = floats(f, (size_t)heads * dh), *kc = floats(f, cache), *vc = floats(f, cache),
+          *table = floats(f, 65536);
+    if (!x || !w || !cs || !sn || !qk || !wr || !gu || !q || !kc || !vc || !table) return 4;
+    float *y = malloc(4 * (size_t)n * d), *r = malloc(4 * qk_n), *r2 = malloc(4 * qk_n),
+          *wt = malloc(4 * (size_t)n * k), *s = malloc(4 * (size_t)n * ff),
+          *g = malloc(4 * (size_t)n * ff), *a = malloc(4 * (size_t)heads * dh),
           *p = malloc(4 * ((size_t)n_pos * heads + (size_t)n_kv * dh));
     int64_t *top = malloc(8 * (size_t)n * k);
     rmsnorm(x, w, n, d, 1e-5f, y);
-    rope(qk, cs, sn, n, heads, dh, r);
+    rope(qk, cs, sn, n, heads, dh, 0, r);
+    rope(qk, cs, sn, n, heads, dh, 1, r2);
     route(x, wr, n, d, ne, k, wt, top);
     swiglu(gu, n, ff, s);
+    geglu(gu, table, n, ff, g);
     attend(q, kc, vc, 0, n_pos, heads, n_kv, dh, p, a);
     fwrite(y, 4, (size_t)n * d, o);
     fwrite(r, 4, qk_n, o);
+    fwrite(r2, 4, qk_n, o);
     fwrite(wt, 4, (size_t)n * k, o);
     fwrite(top, 8, (size_t)n * k, o);
     fwrite(s, 4, (size_t)n * ff, o);
+    fwrite(g, 4, (size_t)n * ff, o);
     fwrite(a, 4, (size_t)heads * dh, o);
     return 0;
 }
@@ -142,8 +150,9 @@ def main() -> int:
 
 
 def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) -> bool:
-    """RMSNorm, the rotation, the router, SiLU x up and attention (the decode step's operations
-    besides the products) on every build against this machine's module."""
+    """RMSNorm, the rotations (adjacent pairs and NEOX), the router, SiLU x up, GELU x up and
+    attention (the decode step's operations besides the products) on every build against this
+    machine's module."""
     n, d, heads, n_kv, dh, n_expert, k, f, n_pos = 3, 512, 8, 4, 64, 8, 2, 96, 37
     cos, sin = (a[5 : 5 + n] for a in rope_tables(64, dh, 10000.0))
     x = rng.standard_normal((n, d), dtype=np.float32)
@@ -155,14 +164,16 @@ def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) 
     kc, vc = (rng.standard_normal((n_pos, n_kv, dh), dtype=np.float32) for _ in range(2))
     (tmp / "in").write_bytes(
         np.array([-1, n, d, heads, n_kv, dh, n_expert, k, f, n_pos], np.int32).tobytes()
-        + b"".join(a.tobytes() for a in (x, w, cos, sin, qk, w_router, gu, q, kc, vc)))
+        + b"".join(a.tobytes() for a in (x, w, cos, sin, qk, w_router, gu, q, kc, vc,
+                                         gelu_table())))
     att = np.empty_like(q)
     quant.attend(q, kc, vc, n_pos, att)
     weights, top = quant.route(x, w_router, k)
-    here = b"".join(a.tobytes() for a in (quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin),
-                                          weights, top, quant.swiglu(gu), att))
-    return same_bits("decode operations (RMSNorm, rotation, router, SiLU x up, attention)", exes,
-                     tmp, here)
+    here = b"".join(a.tobytes() for a in (
+        quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin), quant.rope(qk, cos, sin, neox=True),
+        weights, top, quant.swiglu(gu), quant.geglu(gu), att))
+    return same_bits("decode operations (RMSNorm, rotations, router, SiLU and GELU x up, "
+                     "attention)", exes, tmp, here)
 
 
 def same_bits(what: str, exes: dict[str, list[str]], tmp: Path, here: bytes) -> bool:
