@@ -591,3 +591,308 @@ def test_max_payload_follows_the_largest_frame_of_the_model() -> None:
         assert tp.max_payload_for(ident) == 4 + 4 * half
     ident = dataclasses.replace(IDENTITY, ctx_size=40_000)
     assert tp.max_payload_for(ident) == 8 + 4 * 40_000 + batch_items
+
+
+# -- every range check at its bounds (built inside the tests: a record built at import would be
+# checked before a mutation test run chooses its mutant)
+
+_U16, _U32, _U64 = 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _identity(**changes: Any) -> Identity:
+    return Identity(**{**dataclasses.asdict(IDENTITY), **changes})
+
+
+def _mask_word(i: int) -> Any:
+    return lambda v: _identity(gate_slot_mask=tuple(v if j == i else 0 for j in range(4)))
+
+
+RANGES: list[tuple[str, str, int, int, Any]] = [
+    ("Identity", "gguf_bytes", 0, _U64, lambda v: _identity(gguf_bytes=v)),
+    *[("Identity", name, 0, _U32, (lambda n: lambda v: _identity(**{n: v}))(name))
+      for name in IDENTITY_FIELDS[1:-1]],
+    *[("Identity", "gate_slot_mask", 0, _U64, _mask_word(i)) for i in range(4)],
+    ("Hello", "version", 0, _U16, lambda v: Hello(role=Role.LEADER, identity=IDENTITY, version=v)),
+    ("Stop", "session_id", 0, _U64, lambda v: Stop(session_id=v)),
+    ("Eval", "seq", 0, _U64, lambda v: Eval(token=1, seq=v)),
+    ("BatchItem", "session_id", 0, _U64, lambda v: BatchItem(v, 1)),
+    ("BatchItem", "token", _I32_MIN, _I32_MAX, lambda v: BatchItem(1, v)),
+    ("GateHeader", "layer", 0, _U16, lambda v: GateHeader(v, Gate.ATTN, 1, 1, 1)),
+    ("GateHeader", "seq", 0, _U64, lambda v: GateHeader(1, Gate.ATTN, v, 1, 1)),
+    ("GateHeader", "rows", 0, _U32, lambda v: GateHeader(1, Gate.ATTN, 1, v, 1)),
+    ("GateHeader", "n_embd", 0, _U32, lambda v: GateHeader(1, Gate.ATTN, 1, 1, v)),
+    ("SlabLayout", "n_embd", 1, _U32, lambda v: SlabLayout(v)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("owner", "name", "lo", "hi", "build"), RANGES,
+                         ids=[f"{o}.{n}" for o, n, *_ in RANGES])
+def test_range_checks_at_their_bounds(owner: str, name: str, lo: int, hi: int, build: Any) -> None:
+    """Each bound is accepted and stored, one past it is refused, naming the record, the field,
+    the range and the value; a bool is no integer."""
+    for value in (lo, hi):
+        record = build(value)
+        stored = getattr(record, name)
+        assert (stored[[*stored, value].index(value)] if isinstance(stored, tuple) else stored) \
+            == value
+    for value in (lo - 1, hi + 1, True, 1.0):
+        with pytest.raises(LocalProtocolError) as info:
+            build(value)
+        assert str(info.value) == (
+            f"{owner}.{name} must be an integer in [{lo}, {hi}], got {value!r}"
+        )
+
+
+def test_execution_mode_range_and_bits() -> None:
+    def hello(mode: Any) -> Hello:
+        return Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=mode)
+
+    assert hello(0).execution_mode == 0
+    assert hello(1).execution_mode == tp.DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
+    for mode in (-1, _U16 + 1, True):
+        with pytest.raises(LocalProtocolError) as info:
+            hello(mode)
+        assert str(info.value) == (
+            f"Hello.execution_mode must be an integer in [0, {_U16}], got {mode!r}"
+        )
+    with pytest.raises(LocalProtocolError) as info:
+        hello(_U16)
+    assert str(info.value) == ("Hello.execution_mode 0xffff has bits this implementation does not "
+                               "run (supported: 0x1)")
+
+
+def test_hello_fields_are_checked_with_exact_messages() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"architecture": "x" * 17},
+         "Hello.architecture 'xxxxxxxxxxxxxxxxx' is not 1-16 characters of [a-z0-9_-]"),
+        ({"role": 0}, "Hello.role must be a Role, got 0"),
+        ({"host_id": b"short"}, "Hello.host_id must be 16 bytes, got 5"),
+        ({"shm_name": "x"}, "Hello.shm_name is set but shm_offered is False"),
+        ({"shm_name": "a/b", "shm_offered": True},
+         "Hello.shm_name 'a/b' is not a bare file name of at most 63 characters from "
+         "[A-Za-z0-9._-]"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(LocalProtocolError) as info:
+            Hello(**{"role": Role.LEADER, "identity": IDENTITY, **changes})
+        assert str(info.value) == message
+    longest = Hello(role=Role.WORKER, identity=IDENTITY, architecture="a" * 16)
+    assert longest.architecture == "a" * 16
+    assert Hello(role=Role.LEADER, identity=IDENTITY, shm_offered=True,
+                 shm_name="s" * 63).shm_name == "s" * 63
+    with pytest.raises(LocalProtocolError, match="not a bare file name"):
+        Hello(role=Role.LEADER, identity=IDENTITY, shm_offered=True, shm_name="s" * 64)
+    with pytest.raises(LocalProtocolError) as info:
+        _identity(gate_slot_mask=(0, 0, 0, 0, 0))
+    assert str(info.value) == "Identity.gate_slot_mask must have 4 words, got 5"
+    with pytest.raises(LocalProtocolError) as info:
+        GateHeader(1, 1, 1, 1, 1)  # type: ignore[arg-type]
+    assert str(info.value) == "GateHeader.gate must be a Gate, got 1"
+
+
+@pytest.mark.parametrize(
+    ("build", "owner"),
+    [
+        (lambda t: Sync(tokens=t), "Sync.tokens"),
+        (lambda t: Verify(drafts=t), "Verify.drafts"),
+        (lambda t: MixedBatch(prompt=t), "MixedBatch.prompt"),
+    ],
+)
+def test_token_lists_hold_int32_and_are_stored_as_tuples(build: Any, owner: str) -> None:
+    edge = build([_I32_MIN, _I32_MAX])
+    field = owner.split(".")[1]
+    assert getattr(edge, field) == (_I32_MIN, _I32_MAX)  # a list given is stored as a tuple
+    assert edge == build((_I32_MIN, _I32_MAX))
+    for bad in ((_I32_MIN - 1, 0), (0, _I32_MAX + 1)):
+        with pytest.raises(LocalProtocolError) as info:
+            build(bad)
+        assert str(info.value) == f"{owner} holds a token outside int32"
+
+
+@pytest.mark.parametrize(
+    ("build", "owner"),
+    [(lambda i: EvalBatch(items=i), "EvalBatch"), (lambda i: MixedBatch(items=i), "MixedBatch")],
+)
+def test_batch_items_at_their_limit(build: Any, owner: str) -> None:
+    full = [BatchItem(i, i) for i in range(tp.TP_MAX_BATCH_ITEMS)]
+    frame = build(full)
+    assert frame.items == tuple(full)  # stored as a tuple
+    assert frame == build(tuple(full))
+    [decoded] = decode_all(encode(frame))
+    assert decoded == frame
+    with pytest.raises(LocalProtocolError) as info:
+        build([*full, BatchItem(0, 0)])
+    assert str(info.value) == f"{owner}.items holds 1025 > 1024 items"
+    with pytest.raises(LocalProtocolError) as info:
+        build([(1, 2)])
+    assert str(info.value) == f"{owner}.items must hold BatchItem, got (1, 2)"
+
+
+def test_verify_rows_and_flags_exact() -> None:
+    for n in (1, tp.DS4_TP_BATCH_MAX_ROWS):
+        assert Verify(drafts=list(range(n))).drafts == tuple(range(n))
+    for n in (0, tp.DS4_TP_BATCH_MAX_ROWS + 1):
+        with pytest.raises(LocalProtocolError) as info:
+            Verify(drafts=tuple(range(n)))
+        assert str(info.value) == f"Verify.drafts must hold 1..8 rows, got {n}"
+    assert Verify(drafts=(1,), flags=tp.DS4_TP_VERIFY_FLAGS).flags == 7
+    with pytest.raises(LocalProtocolError) as info:
+        Verify(drafts=(1,), flags=0x1F)
+    assert str(info.value) == "Verify.flags has unknown bits 0x18"
+
+
+def test_logits_from_array_and_whole_floats() -> None:
+    frame = Logits.from_array(np.array([1.0, -2.0]))  # float64 in: float32 on the wire
+    assert frame.values == bytes.fromhex("0000803f 000000c0")
+    assert (frame.session_id, frame.seq) == (0, 0)
+    assert Logits.from_array(np.zeros(1, np.float32), session_id=3, seq=4).session_id == 3
+    with pytest.raises(LocalProtocolError) as info:
+        Logits(values=b"abcde")
+    assert str(info.value) == "Logits.values must be whole float32s, got 5 bytes"
+
+
+def test_payload_size_rules_of_every_frame() -> None:
+    """PAYLOAD_BASE + k * PAYLOAD_UNIT per type (set when the classes are made, at import)."""
+    rules = {t.name: (cls.PAYLOAD_BASE, cls.PAYLOAD_UNIT) for t, cls in tp.FRAME_CLASSES.items()}
+    assert rules == {
+        "SYNC": (0, 4), "EVAL": (4, 0), "REWIND": (4, 0), "INVALIDATE": (0, 0), "STOP": (0, 0),
+        "HASH": (8, 0), "LOGITS": (4, 4), "VERIFY": (4, 4), "VERIFY_COMMIT": (8, 0),
+        "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
+        "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
+    }  # fmt: skip
+
+
+def test_payload_length_messages_exact() -> None:
+    for data, message in [
+        (header(FrameType.LOGITS, 8) + bytes.fromhex("02000000 0000803f"),
+         "LOGITS says 2 floats but its payload is 8 bytes (expected 12)"),
+        (header(FrameType.MIXED_BATCH, 12) + bytes.fromhex("01000000 01000000 00000000"),
+         "MIXED_BATCH says 1 prompt tokens and 1 items, which is 28 bytes, but its payload is "
+         "12 bytes"),
+        (header(FrameType.EVAL, 5), "EVAL payload must be exactly 4 bytes, got 5"),
+        (header(FrameType.SYNC, 6), "SYNC payload must be 0 + a multiple of 4 bytes, got 6"),
+        (header(FrameType.EVAL, 4, flags=1, reserved=2),
+         "EVAL: header flags 0x1 / reserved 2 must be 0 in protocol version 2"),
+        (header(99, 0), "unknown frame type 99"),
+        (header(FrameType.SYNC_CHECKPOINT, 13) + bytes(12) + b"\x02",
+         "SYNC_CHECKPOINT: requested must be 0 or 1, got 2"),
+        (header(FrameType.EVAL_BATCH, 16) + bytes.fromhex("0300000000000000 00000000 01000000"),
+         "batch item for session 3: nonzero reserved word"),
+        (b"XXXX" + bytes(24), "bad frame magic 0x58585858 (expected 0x34505444, 'DTP4'): the "
+         "stream is out of step or the peer does not speak the TP protocol"),
+        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 184) + bytes(20),
+         "unexpected hello after the handshake"),
+        (header(FrameType.VERIFY, 8) + bytes.fromhex("08000000 01000000"),
+         "VERIFY: Verify.flags has unknown bits 0x8"),
+    ]:
+        decoder = TpDecoder()
+        decoder.feed(data)
+        with pytest.raises(TpProtocolError) as info:
+            decoder.next_event()
+        assert str(info.value) == message
+    # MIXED_BATCH: the payload at its stated size decodes, with the prompt before the items.
+    data = header(FrameType.MIXED_BATCH, 28) + bytes.fromhex(
+        "01000000 01000000 05000000 0700000000000000 09000000 00000000")
+    assert decode_all(data) == [MixedBatch(prompt=(5,), items=(BatchItem(7, 9),))]
+
+
+def test_hello_prefix_messages_exact() -> None:
+    for data, kind, message in [
+        (encode(Stop()), TpProtocolError, "expected the peer's hello first, got a control frame"),
+        (b"GET / HT", TpProtocolError, "bad hello magic 0x20544547 (expected 0x48505444, "
+         "'DTPH'): the peer does not speak the TP protocol"),
+        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 1, 184), VersionMismatch,
+         "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
+         "run the same foundry release on both ranks"),
+        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185), TpProtocolError,
+         "hello of version 2 must be 184 bytes, the peer says 185"),
+    ]:
+        decoder = TpDecoder(expect_hello=True)
+        decoder.feed(data)
+        with pytest.raises(kind) as info:
+            decoder.next_event()
+        assert str(info.value) == message
+    with pytest.raises(ValueError, match=r"^max_payload must be >= 0, got -1$"):
+        TpDecoder(-1)
+    [stop] = decode_all(encode(Stop()), max_payload=0)  # a limit of 0 takes empty payloads
+    assert stop == Stop()
+
+
+def test_hello_fields_round_trip() -> None:
+    """Every identity and hello field travels in its own place, both ways (a hello built here,
+    with values that differ from the defaults)."""
+    ident = _identity(gate_slot_start=3, gate_slot_step=2, gates_per_token=5,
+                      gate_slot_mask=(1, 2, 3, _U64))
+    hello = Hello(role=Role.WORKER, identity=ident, host_id=HOST, shm_offered=True,
+                  shm_name="slab-X", execution_mode=1, architecture="gemma3")
+    data = encode(hello)
+    assert data[8:12] == bytes.fromhex("01 01 0100")  # role worker, flags: shm, mode 1
+    assert data[44:56] == bytes.fromhex("03000000 02000000 05000000")  # start, step, per token
+    assert data[104:111] == b"slab-X\0" and data[168:175] == b"gemma3\0"
+    assert decode_all(data, expect_hello=True) == [hello]
+    plain = Hello(role=Role.LEADER, identity=ident)
+    data = encode(plain)
+    assert data[8:12] == bytes.fromhex("00 00 0000")  # no shm offered: flags 0
+    [decoded] = decode_all(data, expect_hello=True)
+    assert decoded == plain and decoded.shm_offered is False
+
+
+def test_hello_field_errors_exact() -> None:
+    data = bytearray(encode(Hello(role=Role.LEADER, identity=IDENTITY)))
+    for offset, value, message in [
+        (10, b"\x02\x00", "hello: execution mode 0x2 has bits this implementation does not run "
+         "(supported: 0x1: 1 = experts cut by their intermediate size)"),
+        (9, b"\x02", "hello: unknown flags 0x2"),
+        (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
+        (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
+    ]:
+        bad = bytearray(data)
+        bad[offset : offset + len(value)] = value
+        decoder = TpDecoder(expect_hello=True)
+        decoder.feed(bad)
+        with pytest.raises(TpProtocolError) as info:
+            decoder.next_event()
+        assert str(info.value) == message
+
+
+def test_identity_and_role_messages_exact_from_both_sides() -> None:
+    worker_ident = _identity(ctx_size=512)
+    expected = ("identity mismatch on ctx_size: leader has 256, worker has 512; start both "
+                "ranks with the same context size")
+    leader = Hello(role=Role.LEADER, identity=_identity())
+    worker = Hello(role=Role.WORKER, identity=worker_ident)
+    for mine, peer in ((leader, worker), (worker, leader)):
+        with pytest.raises(IdentityMismatch) as info:
+            check_hello(mine, peer)
+        assert str(info.value) == expected
+    with pytest.raises(IdentityMismatch) as info:
+        check_identity(worker_ident, _identity(), mine_role=Role.WORKER)
+    assert str(info.value) == expected
+    with pytest.raises(IdentityMismatch) as info:
+        check_identity(_identity(), _identity(gate_slot_step=2))
+    assert str(info.value) == ("identity mismatch on gate_slot_step: leader has 1, worker has 2; "
+                               "both ranks must load the same GGUF file with the same foundry "
+                               "release")
+    for role, other in ((Role.LEADER, "worker"), (Role.WORKER, "leader")):
+        one = Hello(role=role, identity=_identity())
+        with pytest.raises(IdentityMismatch) as info:
+            check_hello(one, one)
+        assert str(info.value) == (f"role mismatch: both ranks say they are the {role.name.lower()}"
+                                   f"; start exactly one rank as the {other}")
+
+
+def test_slab_header_mismatch_names_each_field() -> None:
+    lay = SlabLayout(1024)
+    good = lay.header_bytes(checksum=False)
+    got = tp.SLAB_HEADER.unpack(good)
+    names = ("magic", "version", "flags", "n_embd", "slot_rows", "slot_stride", "bytes")
+    for i, name in enumerate(names):
+        values = list(got)
+        values[i] += 2  # flags 2: an unknown bit (1 is the checksum)
+        with pytest.raises(TpProtocolError) as info:
+            lay.check_header(tp.SLAB_HEADER.pack(*values))
+        assert str(info.value) == (
+            f"shared-memory slab {name} is {values[i]}, expected {got[i]}: the slab was made by "
+            "another foundry release or for another model"
+        )
