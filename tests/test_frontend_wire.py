@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -273,3 +275,184 @@ def test_any_bytes_give_frames_or_a_protocol_error(data: bytes) -> None:
     except FrontendProtocolError:
         return
     assert dec.buffered <= HEADER_SIZE + 64
+
+
+# -- every check at its bound and one past it, with its exact error (records built inside the
+# tests: one built at import is checked before a mutation test run chooses its mutant)
+
+
+def _generate_payload(prompt: bytes = b"", stops: bytes = b"", n_stop: int = 0, flags: int = 0,
+                      top_logprobs: int = 0, prompt_len: int | None = None) -> bytes:
+    """A GENERATE payload from docs/protocol.md's layout: max_tokens 9, temperature 0.5, top_p
+    0.25, seed 3, top_k 0, flags, top_logprobs, n_stop, prompt_len, the prompt field, ``stops``."""
+    return (struct.pack("<IffQIBBHI", 9, 0.5, 0.25, 3, 0, flags, top_logprobs, n_stop,
+                        len(prompt) if prompt_len is None else prompt_len) + prompt + stops)
+
+
+def _decode_one(ftype: int, payload: bytes) -> Frame | None:
+    dec = FrontendDecoder()
+    dec.feed(bytes.fromhex("46444645") + struct.pack("<BII", ftype, 5, len(payload)) + payload)
+    return dec.next_event()
+
+
+def _refused(ftype: int, payload: bytes) -> str:
+    with pytest.raises(FrontendProtocolError) as info:
+        _decode_one(ftype, payload)
+    return str(info.value)
+
+
+def _stop(raw: bytes) -> bytes:
+    return struct.pack("<H", len(raw)) + raw
+
+
+BAD_UTF8 = "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"
+CHAT = 0x02
+GENERATE_REFUSED: list[tuple[bytes, str]] = [
+    (_generate_payload()[:31], "GENERATE payload of 31 bytes is too short"),
+    (_generate_payload(flags=0x04), "GENERATE flags 0x04 set unknown bits"),
+    (_generate_payload(flags=0x80), "GENERATE flags 0x80 set unknown bits"),
+    (_generate_payload(n_stop=17, stops=_stop(b"x") * 17),
+     "GENERATE lists 17 stop strings (max 16)"),
+    (_generate_payload(b"hi", prompt_len=3), "GENERATE prompt runs past the payload"),
+    (_generate_payload(b"\xff"), f"prompt is not valid UTF-8: {BAD_UTF8}"),
+    (_generate_payload(n_stop=1), "GENERATE stop list runs past the payload"),
+    (_generate_payload(n_stop=1, stops=b"\x01"), "GENERATE stop list runs past the payload"),
+    (_generate_payload(n_stop=1, stops=b"\x00\x00"),
+     "GENERATE stop string empty or past the payload"),
+    (_generate_payload(n_stop=1, stops=b"\x02\x00x"),
+     "GENERATE stop string empty or past the payload"),
+    (_generate_payload(n_stop=2, stops=_stop(b"x")),
+     "GENERATE stop list runs past the payload"),
+    (_generate_payload(n_stop=1, stops=_stop(b"\xff")),
+     f"stop string is not valid UTF-8: {BAD_UTF8}"),
+    (_generate_payload(n_stop=1, stops=_stop(b"x") + b"\x00"), "GENERATE has 1 trailing bytes"),
+    (_generate_payload(b"hi") + b"abc", "GENERATE has 3 trailing bytes"),
+    (_generate_payload(top_logprobs=21), "GENERATE: top_logprobs must be in [0, 20], got 21"),
+    (_generate_payload(flags=CHAT), "a CHAT GENERATE carries no message"),
+    (_generate_payload(b"\x00\x00\x00\x00\x00", flags=CHAT),
+     "GENERATE message role empty or past the prompt field"),
+    (_generate_payload(b"\x02u\x00\x00\x00\x00", flags=CHAT),
+     "GENERATE message role empty or past the prompt field"),
+    (_generate_payload(b"\x01u\x00\x00\x00", flags=CHAT),
+     "GENERATE message role empty or past the prompt field"),
+    (_generate_payload(b"\x01u\x01\x00\x00\x00", flags=CHAT),
+     "GENERATE message content runs past the prompt field"),
+    (_generate_payload(b"\x01u\x00\x00\x00\x00\x01", flags=CHAT),
+     "GENERATE message role empty or past the prompt field"),
+    (_generate_payload(b"\x01\xff\x00\x00\x00\x00", flags=CHAT),
+     f"message role is not valid UTF-8: {BAD_UTF8}"),
+    (_generate_payload(b"\x01u\x01\x00\x00\x00\xff", flags=CHAT),
+     f"message content is not valid UTF-8: {BAD_UTF8}"),
+]
+
+
+@pytest.mark.parametrize(("payload", "message"), GENERATE_REFUSED,
+                         ids=[m[:40] for _, m in GENERATE_REFUSED])
+def test_generate_malformed_fields_exact(payload: bytes, message: str) -> None:
+    assert _refused(0x01, payload) == message
+
+
+def test_generate_fields_at_their_limits_decode() -> None:
+    sixteen = (*(f"s{i}" for i in range(15)), "x")  # the last one byte, ending the payload
+    stops = b"".join(_stop(s.encode()) for s in sixteen)
+    got = _decode_one(0x01, _generate_payload(b"hi", stops, n_stop=16, flags=0x01,
+                                              top_logprobs=20))
+    assert got == Generate(5, "hi", 9, 0.5, 0.25, 3, sixteen, logprobs=True, top_logprobs=20)
+    # the prompt field exactly to the payload's end; a message with empty content ending it
+    got = _decode_one(0x01, _generate_payload(b"\x01u\x00\x00\x00\x00", flags=CHAT))
+    assert got == Generate(5, "", 9, 0.5, 0.25, 3, messages=(("u", ""),))
+    assert got.flags == CHAT and got.logprobs is False
+    role = "r" * 255
+    chat = Generate(5, "", 9, 0.5, 0.25, 3, messages=((role, "é"), ("u", "x")))
+    assert _decode_one(0x01, chat.payload()) == chat
+    assert chat.payload()[32:33] == b"\xff"
+
+
+def test_generate_is_checked_when_built() -> None:
+    def refused(message: str, *args: Any, **kwargs: Any) -> None:
+        with pytest.raises(LocalProtocolError) as info:
+            Generate(*args, **kwargs)
+        assert str(info.value) == message
+
+    assert Generate(1, "p", 1, stop=("x",) * 16).stop == ("x",) * 16
+    refused("at most 16 stop strings, got 17", 1, "p", 1, stop=("x",) * 17)
+    refused("stop strings must not be empty", 1, "p", 1, stop=("x", ""))
+    for n in (0, 20):
+        assert Generate(1, "p", 1, top_logprobs=n).top_logprobs == n
+    refused("top_logprobs must be in [0, 20], got 21", 1, "p", 1, top_logprobs=21)
+    refused("top_logprobs -1 is outside 0..255", 1, "p", 1, top_logprobs=-1)  # the u8 first
+    refused("a GENERATE carries a prompt or messages, not both", 1, "p", 1,
+            messages=(("user", "x"),))
+    refused("a message role must be 1..255 bytes, got ''", 1, "", 1, messages=(("", "x"),))
+    refused(f"a message role must be 1..255 bytes, got {'é' * 128!r}", 1, "", 1,
+            messages=(("é" * 128, "x"),))  # 256 bytes of UTF-8
+    for rid in (0, 0xFFFF_FFFF):
+        assert Cancel(rid).request_id == rid
+    for rid in (-1, 1 << 32):
+        with pytest.raises(LocalProtocolError) as info:
+            Cancel(rid)
+        assert str(info.value) == f"request_id {rid} is outside 0..4294967295"
+
+
+def test_logprobs_limits_exact() -> None:
+    top = tuple((i, -1.0, b"") for i in range(20))
+    frame = Logprobs(1, 2, 0.1, b"x" * 0xFFFF, top)
+    assert frame.logprob == 0.1 and len(frame.top) == 20
+    assert _decode_one(0x08, frame.payload()) == dataclasses.replace(frame, request_id=5)
+    with pytest.raises(LocalProtocolError) as info:
+        Logprobs(1, 2, 0.1, b"", ((1, -1.0, b""),) * 21)
+    assert str(info.value) == "at most 20 alternatives, got 21"
+    for chosen, alternative in ((b"x" * 0x10000, b""), (b"", b"x" * 0x10000)):
+        with pytest.raises(LocalProtocolError) as info:
+            Logprobs(1, 2, 0.1, chosen, ((1, -1.0, alternative),))
+        assert str(info.value) == "a token of more than 65535 bytes"
+    with pytest.raises(LocalProtocolError) as info:
+        Logprobs(1, 1 << 31, 0.1, b"")
+    assert str(info.value) == "token 2147483648 is outside -2147483648..2147483647"
+    with pytest.raises(LocalProtocolError) as info:
+        Logprobs(1, 1, 0.1, b"", ((-(1 << 31) - 1, 0.0, b""),))
+    assert str(info.value) == "token -2147483649 is outside -2147483648..2147483647"
+    entry = bytes.fromhex("68000000 000000bf 0000")
+    for payload, message in [
+        (entry[:9], "LOGPROBS entry runs past the payload"),
+        (bytes.fromhex("68000000 000000bf 0200") + b"h", "LOGPROBS token bytes run past the "
+         "payload"),
+        (entry, "LOGPROBS ends before its alternative count"),
+        (entry + b"\x15" + entry * 21, "LOGPROBS lists 21 alternatives (max 20)"),
+        (entry + b"\x02" + entry, "LOGPROBS entry runs past the payload"),
+        (entry + b"\x00\x00\x00", "LOGPROBS has 2 trailing bytes"),
+    ]:
+        assert _refused(0x08, payload) == message
+    assert _decode_one(0x08, entry + b"\x14" + entry * 20) == Logprobs(
+        5, 0x68, -0.5, b"", ((0x68, -0.5, b""),) * 20)
+
+
+def test_fixed_and_text_frames_exact() -> None:
+    for ftype, payload, message in [
+        (0x02, b"\x00", "CANCEL payload must be 0 bytes, got 1"),
+        (0x06, b"\x00", "STATUS_REQ payload must be 0 bytes, got 1"),
+        (0x04, bytes(12), "DONE payload must be 13 bytes, got 12"),
+        (0x04, bytes(14), "DONE payload must be 13 bytes, got 14"),
+        (0x07, bytes(53), "STATUS payload must be 54 bytes, got 53"),
+        (0x03, bytes(7), "TOKEN payload of 7 bytes is too short"),
+        (0x05, bytes(3), "ERROR payload of 3 bytes is too short"),
+        (0x03, bytes(8) + b"\xff", f"TOKEN text is not valid UTF-8: {BAD_UTF8}"),
+        (0x05, bytes(4) + b"\xff", f"ERROR message is not valid UTF-8: {BAD_UTF8}"),
+        (0x04, b"\x05" + bytes(12), "DONE: reason 5 is not a DoneReason (0 MAX_TOKENS, 1 EOS, "
+         "2 STOP_STRING, 3 CANCELLED, 4 CONTEXT_FULL)"),
+        (0x07, b"\x02" + bytes(53), "STATUS: worker_connected must be a bool (0 or 1), got 2"),
+    ]:
+        assert _refused(ftype, payload) == message
+    assert _decode_one(0x03, bytes.fromhex("ffffffff 00000000")) == Token(5, -1, 0, "")
+    assert _decode_one(0x05, bytes.fromhex("07000000")) == Error(5, 7, "")
+    for header, message in [
+        (b"XXXX" + bytes(9), "bad magic 0x58585858, expected 0x45464446 (FDFE)"),
+        (bytes.fromhex("46444645 09") + bytes(8), "unknown frame type 0x09"),
+        (bytes.fromhex("46444645 01 00000000 01001000"),
+         "GENERATE declares 1048577 payload bytes, the limit is 1048576"),
+    ]:
+        dec = FrontendDecoder()
+        dec.feed(header)
+        with pytest.raises(FrontendProtocolError) as info:
+            dec.next_event()
+        assert str(info.value) == message
