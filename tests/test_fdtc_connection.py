@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from foundry.wire import fdtc_lifecycle
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import (
     Assign,
@@ -346,3 +347,63 @@ def test_the_connection_is_a_decoder_of_the_framing_interface() -> None:
     assert conn.next_event() == _register()
     conn.feed_eof()
     assert conn.next_event() == ConnectionClosed()
+
+
+# docs/protocol.md "Lifecycle", the coordinator's table row by row: a state, the direction
+# (received from the worker or admin client, sent by the coordinator), the types, and the state
+# they lead to (the same state when no arrow).
+_COORDINATOR_TABLE = """
+CONNECTED  received DATASET ERROR
+CONNECTED  received REGISTER -> REGISTERED
+CONNECTED  received DEREGISTER -> CLOSED
+CONNECTED  received START PAUSE RESUME CHECKPOINT SHUTDOWN STATUS_REQ EXPORT SWARM_DETAIL_REQ -> ADMIN
+CONNECTED  sent     REGISTER_ACK ERROR
+REGISTERED received HEARTBEAT STATUS WEIGHTS_REQ ERROR
+REGISTERED received DEREGISTER -> CLOSED
+REGISTERED sent     REGISTER_ACK MODEL_CONFIG TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR
+REGISTERED sent     WEIGHTS -> READY
+REGISTERED sent     SHUTDOWN -> STOPPING
+READY      received HEARTBEAT STATUS WEIGHTS_REQ ERROR GRADIENTS WEIGHTS_DIGEST
+READY      received DEREGISTER -> CLOSED
+READY      sent     REGISTER_ACK MODEL_CONFIG TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR WEIGHTS ASSIGN LOCAL_ASSIGN UPDATE GRADIENTS_ACK
+READY      sent     SHUTDOWN -> STOPPING
+STOPPING   received HEARTBEAT STATUS WEIGHTS_REQ ERROR GRADIENTS WEIGHTS_DIGEST
+STOPPING   received DEREGISTER -> CLOSED
+STOPPING   sent     GRADIENTS_ACK HEARTBEAT_ACK SHUTDOWN ERROR
+ADMIN      received START PAUSE RESUME CHECKPOINT SHUTDOWN STATUS_REQ EXPORT SWARM_DETAIL_REQ ERROR
+ADMIN      sent     CONTROL_ACK SWARM_STATUS SWARM_DETAIL ERROR
+"""  # noqa: E501
+
+
+def _table_of(text: str) -> dict[tuple[LinkState, Direction, MsgType], LinkState]:
+    table = {}
+    for line in text.strip().splitlines():
+        words = line.split()
+        state, direction = LinkState[words[0]], Direction(words[1])
+        to = LinkState[words[-1]] if "->" in words else state
+        for name in words[2 : words.index("->") if "->" in words else None]:
+            table[state, direction, MsgType[name]] = to
+    return table
+
+
+def test_lifecycle_tables_are_the_documented_ones() -> None:
+    """Every role's table entry by entry (the tables are built at import, so only a comparison
+    with the documented table catches a mistake in building them)."""
+    coordinator = _table_of(_COORDINATOR_TABLE)
+    assert dict(TABLES[Role.COORDINATOR]) == coordinator
+    swap = {Direction.RECEIVED: Direction.SENT, Direction.SENT: Direction.RECEIVED}
+    # The admin link: its own rows and the ERROR either side may send before anything else.
+    admin = {k: v for k, v in coordinator.items()
+             if LinkState.ADMIN in (k[0], v)
+             or (k[0] is LinkState.CONNECTED and k[2] is MsgType.ERROR)}
+    worker = {k: v for k, v in coordinator.items() if LinkState.ADMIN not in (k[0], v)}
+    assert len(admin) == 8 + 9 + 4 + 2 and len(worker) == len(coordinator) - 8 - 9 - 4
+    assert dict(fdtc_lifecycle._LINK_TABLES[Link.ADMIN]) == admin
+    assert dict(fdtc_lifecycle._LINK_TABLES[Link.WORKER]) == worker
+    # The peers' tables: their link's rows with the directions swapped.
+    assert dict(TABLES[Role.WORKER]) == {(s, swap[d], m): to for (s, d, m), to in worker.items()}
+    assert dict(TABLES[Role.ADMIN]) == {(s, swap[d], m): to for (s, d, m), to in admin.items()}
+    assert {
+        MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
+        MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
+    } == ADMIN_REQUESTS
