@@ -21,6 +21,7 @@ from foundry.wire.fdtc import (
     DType,
     Error,
     ErrorCode,
+    FdtcDecoder,
     Gradients,
     GradientsAck,
     HardwareProfile,
@@ -407,3 +408,45 @@ def test_lifecycle_tables_are_the_documented_ones() -> None:
         MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
         MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
     } == ADMIN_REQUESTS
+
+
+def test_errors_stay_raised_with_their_code_and_text() -> None:
+    coord = FdtcConnection(Role.COORDINATOR)
+    coord.receive_data(encode(Heartbeat("w1", 0, 0.0, 0.0)))
+    first = ("HEARTBEAT is not allowed on a connected link (expected one of: CHECKPOINT, "
+             "DATASET, DEREGISTER, ERROR, EXPORT, PAUSE, REGISTER, RESUME, SHUTDOWN, START, "
+             "STATUS_REQ, SWARM_DETAIL_REQ)")
+    for _ in range(2):  # the second time too: the same text and the same ERROR code
+        with pytest.raises(FdtcProtocolError) as exc:
+            coord.next_event()
+        assert str(exc.value) == first
+        assert exc.value.error_code == ErrorCode.NOT_REGISTERED
+    conn = FdtcConnection(Role.COORDINATOR)
+    conn.feed_eof()
+    with pytest.raises(LocalProtocolError) as info:
+        conn.receive_data(b"x")
+    assert str(info.value) == "receive_data after the end of the stream"
+    half = FdtcConnection(Role.COORDINATOR)
+    half.receive_data(encode(_register())[:20])
+    half.feed_eof()
+    with pytest.raises(FdtcProtocolError) as exc:
+        half.next_event()
+    assert str(exc.value) == "the peer closed the connection in mid-frame (20 bytes of a frame " \
+                             "received)"
+
+
+def test_decoder_end_of_stream_in_mid_frame_then_closed() -> None:
+    dec = FdtcDecoder()
+    dec.feed(encode(_register())[:5])
+    with pytest.raises(FdtcProtocolError) as exc:
+        dec.feed_eof()
+    assert str(exc.value) == "connection closed in the middle of a frame (5 bytes of it received)"
+    again = "decoder already failed and is closed: connection closed in the middle of a frame " \
+            "(5 bytes of it received)"
+    for call in (dec.next_event, dec.feed_eof, lambda: dec.feed(b"x")):
+        with pytest.raises(FdtcProtocolError) as exc:
+            call()
+        assert str(exc.value) == again
+    dec = FdtcDecoder()
+    dec.feed_eof()  # between frames: nothing wrong
+    assert dec.next_event() is None
