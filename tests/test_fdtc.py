@@ -88,6 +88,7 @@ from foundry.wire.fdtc_lifecycle import (
     LinkState,
     Role,
 )
+from foundry.wire.layout import BOOL, I32, U8, U16, U32, U64, Bytes, Str
 
 
 def hexb(*parts: str) -> bytes:
@@ -893,3 +894,126 @@ def test_exports_file_types_are_the_gguf_writers_in_order() -> None:
 
     assert tuple(t.name.lower() for t in FileType) == FILE_DTYPES
     assert [int(t) for t in FileType] == list(range(len(FILE_DTYPES)))
+
+
+# ---------------------------------------------------------------------------- bounds, exactly
+# (messages built inside the tests: one built at import is checked before a mutation test run
+# chooses its mutant)
+
+
+def _row(worker_id: str, step: int) -> SwarmStatusRow:
+    return SwarmStatusRow(
+        worker_id=worker_id, profile=HardwareProfile.RPI3, state=WorkerState.IDLE, batch_size=1,
+        accumulation_steps=8, samples_per_sec=1.0, loss=2.0, local_step=step,
+        seconds_since_heartbeat=0.25,
+    )
+
+
+def test_rows_and_tensors_are_stored_as_tuples_and_decode_in_order() -> None:
+    rows = [_row("a", 1), _row("b", 2), _row("c", 3)]
+    status = SwarmStatus(
+        global_step=3, max_steps=100, state=SwarmState.TRAINING, train_loss=2.0, val_loss=2.5,
+        samples_per_sec=8.0, learning_rate=0.5, samples_total=96, rows=rows,  # type: ignore[arg-type]
+    )
+    assert status.rows == tuple(rows)
+    assert decode(encode(status)) == status
+    tensors = [TensorMeta("a", (2,)), TensorMeta("b", (3, 1), DType.F16), TensorMeta("c", ())]
+    meta = WeightsMeta(global_step=1, learning_rate=0.5, tensors=tensors)  # type: ignore[arg-type]
+    assert meta.tensors == tuple(tensors)
+    assert decode(encode(meta)) == meta
+    with pytest.raises(LocalProtocolError) as exc:
+        SwarmStatus(3, 100, SwarmState.TRAINING, 2.0, 2.5, 8.0, 0.5, 96, rows=("x",))  # type: ignore[arg-type]
+    assert str(exc.value) == "rows must hold SwarmStatusRow, got 'x'"
+
+
+def test_weights_tensors_of_three_sizes() -> None:
+    tensors = {"a": np.arange(2.0), "b": np.arange(3.0) + 10, "c": np.arange(4.0) + 20}
+    meta, weights = weights_messages(tensors, global_step=1, learning_rate=0.5)
+    assert [t.dtype for t in meta.tensors] == [DType.F32] * 3
+    out = weights_tensors(meta, weights)
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(out[name], t.astype(np.float32))
+
+
+def test_data_sections_are_flat_read_only_views() -> None:
+    arr = np.array([0.5, 0.25], np.float32)
+    for msg in (Weights(arr), Gradients("w", 3, 1, Compression.NONE, 8, arr)):  # type: ignore[arg-type]
+        assert isinstance(msg.data, memoryview) and msg.data.format == "B"
+        assert msg.data.readonly and msg.data == hexb("0000003f 0000803e")
+    with pytest.raises(LocalProtocolError) as exc:
+        Gradients("w", 3, 1, Compression.NONE, 8, "x")  # type: ignore[arg-type]
+    assert str(exc.value) == "data must be a bytes-like object, got 'x'"
+    # A GRADIENTS with an empty data section: the header alone is a whole payload.
+    empty = Gradients("w", 3, 0, Compression.NONE, 0, b"")
+    assert decode(hexb("43544446 30 50000000", "77", z(63), "03000000", z(12))) == empty
+
+
+def test_tensor_meta_bounds_exact() -> None:
+    assert TensorMeta("t", (2**64 - 1,)).numel == 2**64 - 1
+    with pytest.raises(LocalProtocolError) as exc:
+        TensorMeta("t", (2**32, 2**32))
+    assert str(exc.value) == "'t' has more than 2**64-1 elements"
+    with pytest.raises(LocalProtocolError) as exc:
+        TensorMeta("t", 3)  # type: ignore[arg-type]
+    assert str(exc.value) == "shape of 't' must be a tuple, got 3"
+    with pytest.raises(LocalProtocolError) as exc:
+        TensorMeta("t", (1, -1))
+    assert str(exc.value) == "shape of 't' -1 is outside 0..18446744073709551615"
+    with pytest.raises(LocalProtocolError) as exc:
+        TensorMeta("x" * 64, (1,))
+    assert str(exc.value) == ("name is 64 bytes of UTF-8; char[64] holds at most 63 plus the "
+                              "terminating NUL")
+    frame = encode(WeightsMeta(global_step=0, learning_rate=0.0, tensors=(TensorMeta("t", ()),)))
+    bad = _replace(frame, 12, b"x" * 64)  # the tensor name loses its NUL
+    d = FdtcDecoder()
+    d.feed(bad)
+    with pytest.raises(FdtcProtocolError) as exc:
+        d.next_event()
+    assert str(exc.value) == ("bad WEIGHTS_META payload: tensor name (char[64]) is not "
+                              "NUL-terminated")
+    assert exc.value.error_code == ErrorCode.BAD_FRAME
+
+
+def test_register_ack_topk_ratio_bounds() -> None:
+    for ratio in (0.0, 1.0):
+        assert RegisterAck(True, 0, 1, 1, 1, Compression.TOPK, ratio, 0).topk_ratio == ratio
+    for ratio in (-1e-6, 1.0000001):
+        with pytest.raises(LocalProtocolError, match="topk_ratio"):
+            RegisterAck(True, 0, 1, 1, 1, Compression.TOPK, ratio, 0)
+
+
+def test_over_the_limit_codes() -> None:
+    """Over this decoder's own limit but within the protocol's: BUSY (a smaller receiver); over
+    the protocol's: BAD_FRAME."""
+    for length, code in ((MAX_PAYLOAD, ErrorCode.BUSY), (MAX_PAYLOAD + 1, ErrorCode.BAD_FRAME)):
+        d = FdtcDecoder(max_payload=100)
+        d.feed(hexb("43544446 21") + struct.pack("<I", length))
+        with pytest.raises(FdtcProtocolError) as exc:
+            d.next_event()
+        assert exc.value.error_code == code
+
+
+def test_layout_kinds_at_their_bounds_exact() -> None:
+    for kind, lo, hi in ((U8, 0, 255), (U16, 0, 65535), (U32, 0, 2**32 - 1), (U64, 0, 2**64 - 1),
+                         (I32, -(2**31), 2**31 - 1)):
+        assert kind.check("f", lo) == lo and kind.check("f", hi) == hi
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(LocalProtocolError) as exc:
+                kind.check("f", bad)
+            assert str(exc.value) == f"f {bad} is outside {lo}..{hi}"
+        with pytest.raises(LocalProtocolError) as exc:
+            kind.check("f", 1.0)
+        assert str(exc.value) == "f must be an integer, got 1.0"
+    with pytest.raises(LocalProtocolError) as exc:
+        Str(4).check("s", "\udc80")
+    assert str(exc.value) == ("s is not encodable as UTF-8: 'utf-8' codec can't encode character "
+                              "'\\udc80' in position 0: surrogates not allowed")
+    with pytest.raises(LocalProtocolError) as exc:
+        Bytes(2).check("b", "ab")
+    assert str(exc.value) == "b must be bytes, got 'ab'"
+    with pytest.raises(LocalProtocolError) as exc:
+        Bytes(2).check("b", b"abc")
+    assert str(exc.value) == "b must be exactly 2 bytes, got b'abc'"
+    with pytest.raises(LocalProtocolError) as exc:
+        BOOL.check("x", 2)
+    assert str(exc.value) == "x must be a bool (0 or 1), got 2"
