@@ -85,6 +85,7 @@ from foundry.wire.fdtc_lifecycle import (
     TRANSITIONS,
     Direction,
     Lifecycle,
+    Link,
     LinkState,
     Role,
 )
@@ -1017,3 +1018,39 @@ def test_layout_kinds_at_their_bounds_exact() -> None:
     with pytest.raises(LocalProtocolError) as exc:
         BOOL.check("x", 2)
     assert str(exc.value) == "x must be a bool (0 or 1), got 2"
+
+
+def test_weights_and_dataset_order_exact() -> None:
+    coord = Lifecycle(Role.COORDINATOR)
+    coord.receive(MsgType.REGISTER)
+    with pytest.raises(LocalProtocolError) as local:
+        coord.send(MsgType.WEIGHTS)
+    assert str(local.value) == "cannot send WEIGHTS without a WEIGHTS_META before it"
+    coord.send(MsgType.WEIGHTS_META)
+    coord.send(MsgType.WEIGHTS)
+    assert not coord.may_send(MsgType.WEIGHTS)  # one WEIGHTS per WEIGHTS_META
+    worker = Lifecycle(Role.WORKER)
+    assert worker.may_send(MsgType.DATASET)
+    worker.send(MsgType.DATASET)
+    assert worker.may_send(MsgType.REGISTER) and not worker.may_send(MsgType.DATASET)
+    with pytest.raises(LocalProtocolError) as local:
+        worker.send(MsgType.DATASET)
+    assert str(local.value) == "cannot send a second DATASET on one link"
+    worker.send(MsgType.REGISTER)
+    with pytest.raises(FdtcProtocolError) as exc:
+        worker.receive(MsgType.WEIGHTS)
+    assert str(exc.value) == "WEIGHTS without a WEIGHTS_META before it"
+    assert exc.value.error_code == ErrorCode.UNEXPECTED
+    coord = Lifecycle(Role.COORDINATOR)
+    coord.receive(MsgType.DATASET)
+    with pytest.raises(FdtcProtocolError) as exc:
+        coord.receive(MsgType.DATASET)
+    assert str(exc.value) == ("a second DATASET: the link announced its data already; REGISTER "
+                              "is next")
+    assert exc.value.error_code == ErrorCode.NOT_REGISTERED
+    with pytest.raises(ValueError) as info:
+        Lifecycle(Role.WORKER, link=Link.WORKER)
+    assert str(info.value) == "only the coordinator serves more than one link, not worker"
+    ported = Lifecycle(Role.COORDINATOR, link=Link.ADMIN)
+    assert (ported.role, ported.link, ported.state) == (Role.COORDINATOR, Link.ADMIN,
+                                                        LinkState.CONNECTED)
