@@ -77,6 +77,10 @@ from foundry.wire.fdtc import (
     encode,
     encode_parts,
     msg_type_name,
+    profile_accumulation_steps,
+    profile_batch_size,
+    profile_name,
+    train_plan_flags,
     weights_messages,
     weights_tensors,
 )
@@ -1054,3 +1058,42 @@ def test_weights_and_dataset_order_exact() -> None:
     ported = Lifecycle(Role.COORDINATOR, link=Link.ADMIN)
     assert (ported.role, ported.link, ported.state) == (Role.COORDINATOR, Link.ADMIN,
                                                         LinkState.CONNECTED)
+
+
+def test_profile_table_of_protocol_md() -> None:
+    table = {  # docs/protocol.md "Hardware profiles": code, name, micro-batch, accumulation
+        0: ("RPI3", 1, 8), 1: ("RPI4_2G", 2, 8), 2: ("RPI4_4G", 4, 4), 3: ("RPI4_8G", 8, 2),
+        4: ("LAPTOP_LIGHT", 8, 4), 5: ("LAPTOP_MID", 16, 4), 6: ("DESKTOP_MID", 32, 4),
+        7: ("DESKTOP_HEAVY", 64, 4), 8: ("SERVER", 128, 4), 9: ("UNKNOWN", 2, 4),
+        10: ("UNKNOWN", 2, 4), 0xFFFFFFFF: ("UNKNOWN", 2, 4),  # unknown codes: as UNKNOWN
+    }  # fmt: skip
+    for code, row in table.items():
+        assert (profile_name(code), profile_batch_size(code),
+                profile_accumulation_steps(code)) == row
+
+
+def test_train_plan_flags_bits() -> None:
+    assert train_plan_flags(overlap=False, qsgd_levels=0) == 0
+    assert train_plan_flags(overlap=True, qsgd_levels=0) == 0x1
+    assert train_plan_flags(overlap=False, qsgd_levels=127) == 0x7F00
+    assert train_plan_flags(overlap=True, qsgd_levels=255) == 0xFF01
+    for levels in (-1, 256):
+        with pytest.raises(LocalProtocolError) as exc:
+            train_plan_flags(overlap=True, qsgd_levels=levels)
+        assert str(exc.value) == f"qsgd_levels {levels} does not fit TRAIN_PLAN's flags"
+
+
+def test_check_tensors_against_the_model() -> None:
+    grads = Gradients("w", 1, 2, Compression.NONE, 4 * (6 + 4), bytes(40))
+    grads.check_tensors([6, 4])
+    with pytest.raises(FdtcProtocolError) as exc:
+        grads.check_tensors([6, 4, 1])
+    assert str(exc.value) == "GRADIENTS carries 2 tensors, the model has 3"
+    assert exc.value.error_code == ErrorCode.MODEL_MISMATCH
+    with pytest.raises(FdtcProtocolError) as exc:
+        grads.check_tensors([6, 5])
+    assert str(exc.value) == (
+        "GRADIENTS says uncompressed_size 40, but the model's 2 tensors hold 11 f32 values = 44 "
+        "bytes: the peer has another model or a bad encoder"
+    )
+    assert exc.value.error_code == ErrorCode.MODEL_MISMATCH

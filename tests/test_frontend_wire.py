@@ -456,3 +456,14 @@ def test_fixed_and_text_frames_exact() -> None:
         with pytest.raises(FrontendProtocolError) as info:
             dec.next_event()
         assert str(info.value) == message
+
+
+def test_end_of_stream_in_mid_frame() -> None:
+    dec = FrontendDecoder()
+    dec.feed(encode(Cancel(1)) + encode(Cancel(2))[:4])
+    with pytest.raises(FrontendProtocolError) as info:
+        dec.feed_eof()
+    assert str(info.value) == "connection closed in the middle of a frame (4 bytes of it received)"
+    assert dec.next_event() == Cancel(1)  # what came whole before still comes out
+    with pytest.raises(FrontendProtocolError, match=r"^decoder already failed and is closed: "):
+        dec.next_event()
