@@ -1097,3 +1097,27 @@ def test_check_tensors_against_the_model() -> None:
         "bytes: the peer has another model or a bad encoder"
     )
     assert exc.value.error_code == ErrorCode.MODEL_MISMATCH
+
+
+def test_decoder_limits_and_helpers_exact() -> None:
+    d = FdtcDecoder(max_payload=0)  # the smallest limit: empty payloads only
+    d.feed(encode(Start()))
+    assert d.next_event() == Start()
+    for limit in (-1, MAX_PAYLOAD + 1):
+        with pytest.raises(LocalProtocolError) as local:
+            FdtcDecoder(max_payload=limit)
+        assert str(local.value) == f"max_payload {limit} is outside 0..{MAX_PAYLOAD}"
+    with pytest.raises(FdtcProtocolError) as exc:
+        decode(encode(Start()) + b"\x00")
+    assert str(exc.value) == "trailing bytes after the first frame"
+    with pytest.raises(LocalProtocolError) as local:
+        Weights("abc")  # type: ignore[arg-type]
+    assert str(local.value) == "data must be a bytes-like object, got 'abc'"
+
+
+def test_weights_meta_head_fields_are_checked_after_the_skipped_count() -> None:
+    """num_tensors (a property) is skipped; the fields after it are still checked."""
+    with pytest.raises(LocalProtocolError) as local:
+        WeightsMeta(global_step=2**32, learning_rate=0.5)
+    assert str(local.value) == "global_step 4294967296 is outside 0..4294967295"
+    assert WeightsMeta(global_step=1, learning_rate=1 / 3).learning_rate == 0.33333334

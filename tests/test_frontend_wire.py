@@ -6,6 +6,7 @@ import dataclasses
 import struct
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -467,3 +468,17 @@ def test_end_of_stream_in_mid_frame() -> None:
     assert dec.next_event() == Cancel(1)  # what came whole before still comes out
     with pytest.raises(FrontendProtocolError, match=r"^decoder already failed and is closed: "):
         dec.next_event()
+
+
+def test_fields_are_stored_in_their_normal_form() -> None:
+    """A numpy integer becomes an int, alternatives a tuple of (int, f32 value, bytes)."""
+    cancel = Cancel(np.uint32(7))  # type: ignore[arg-type]
+    assert cancel.request_id == 7 and type(cancel.request_id) is int
+    frame = Logprobs(1, np.int32(5), 0.5, bytearray(b"h"),  # type: ignore[arg-type]
+                     [(np.int32(6), 1 / 3, bytearray(b"x"))])  # type: ignore[arg-type]
+    assert type(frame.token) is int and frame.token == 5
+    assert frame.top == ((6, 0.33333334, b"x"),) and type(frame.top[0][0]) is int
+    assert frame.token_bytes == b"h"
+    with pytest.raises(LocalProtocolError) as info:
+        Logprobs(1, 5, "x", b"")  # type: ignore[arg-type]
+    assert str(info.value) == "logprob must be a number, got 'x'"

@@ -846,6 +846,10 @@ def test_hello_field_errors_exact() -> None:
         (9, b"\x02", "hello: unknown flags 0x2"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
+        (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of "
+         "[a-z0-9_-]"),
+        (168, b"\xc3\xa9", "hello: Hello.architecture '\ufffd\ufffdama' is not 1-16 characters "
+         "of [a-z0-9_-]"),  # not ASCII: each byte replaced, refused like any other
     ]:
         bad = bytearray(data)
         bad[offset : offset + len(value)] = value
