@@ -972,11 +972,11 @@ def test_tensor_meta_bounds_exact() -> None:
     bad = _replace(frame, 12, b"x" * 64)  # the tensor name loses its NUL
     d = FdtcDecoder()
     d.feed(bad)
-    with pytest.raises(FdtcProtocolError) as exc:
+    with pytest.raises(FdtcProtocolError) as err:
         d.next_event()
-    assert str(exc.value) == ("bad WEIGHTS_META payload: tensor name (char[64]) is not "
+    assert str(err.value) == ("bad WEIGHTS_META payload: tensor name (char[64]) is not "
                               "NUL-terminated")
-    assert exc.value.error_code == ErrorCode.BAD_FRAME
+    assert err.value.error_code == ErrorCode.BAD_FRAME
 
 
 def test_register_ack_topk_ratio_bounds() -> None:
