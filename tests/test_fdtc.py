@@ -1076,11 +1076,12 @@ def test_train_plan_flags_bits() -> None:
     assert train_plan_flags(overlap=False, qsgd_levels=0) == 0
     assert train_plan_flags(overlap=True, qsgd_levels=0) == 0x1
     assert train_plan_flags(overlap=False, qsgd_levels=127) == 0x7F00
-    assert train_plan_flags(overlap=True, qsgd_levels=255) == 0xFF01
-    for levels in (-1, 256):
+    assert train_plan_flags(overlap=True, qsgd_levels=1) == 0x101
+    for levels in (-1, 128, 255, 256):  # docs/protocol.md: 0 (the default) or 1..127
         with pytest.raises(LocalProtocolError) as exc:
             train_plan_flags(overlap=True, qsgd_levels=levels)
-        assert str(exc.value) == f"qsgd_levels {levels} does not fit TRAIN_PLAN's flags"
+        assert str(exc.value) == (f"qsgd_levels {levels} does not fit TRAIN_PLAN's flags (0, "
+                                  "the default, or 1..127)")
 
 
 def test_check_tensors_against_the_model() -> None:
