@@ -411,10 +411,8 @@ class Engine:
             qr, kr, vr = qr + lw.bias[0], kr + lw.bias[1], vr + lw.bias[2]
         q = self._qk(qr, self._dense[layer].q_norm, lw.q_keep, n, dh)  # (n, H_part, Dh)
         k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
-        if self.arch.rope is Rope.NEOX:
-            q, k = rope(q, cos, sin, neox=True), rope(k, cos, sin, neox=True)
-        else:
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        neox = self.arch.rope is Rope.NEOX
+        q, k = rope(q, cos, sin, neox), rope(k, cos, sin, neox)
         v = np.ascontiguousarray(vr).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
         window = self._window[layer]
         o = np.empty_like(q)  # (n, H_part, Dh)

@@ -81,9 +81,8 @@ def load_or_init(opt: CoordinatorOptions) -> Start:
         trainer.step = state.step
         trainer.position = state.data_position
         log.info("resumed from %s at step %d", ckpt, trainer.step)
-        rng = state.extra.get("downlink_rng")
         return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)),
-                     rng if isinstance(rng, str) else None)
+                     state.extra.get("downlink_rng"))  # a string: the schema checked it
     if opt.init_gguf is not None:
         loaded = load_gguf(opt.init_gguf)
         if loaded.cfg != opt.cfg:
