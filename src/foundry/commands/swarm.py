@@ -27,7 +27,6 @@ from foundry.commands.common import (
     tls_note,
     whole_in,
 )
-from foundry.compression.qsgd import MAX_QSGD_LEVELS
 from foundry.model import recipe
 from foundry.model.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.config import PRESETS, preset
@@ -35,7 +34,7 @@ from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.transport.stream import LINK_DEAD_AFTER_S
-from foundry.wire.fdtc import Compression
+from foundry.wire.fdtc import MAX_QSGD_LEVELS, Compression
 
 log = logging.getLogger("foundry")
 

@@ -24,11 +24,10 @@ import numpy.typing as npt
 
 from foundry.compression.base import Buffer, Codec, CodecParams, F32Array, flat_f32, need
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
-from foundry.wire.fdtc import Compression
+from foundry.wire.fdtc import MAX_QSGD_LEVELS, Compression
 
 DEFAULT_QSGD_LEVELS = 127  # s: 8-bit codes; each element within max|v| / 127 of its value
 DEFAULT_QSGD_BUCKET = 512
-MAX_QSGD_LEVELS = 127  # codes are at most 8 bits (7 of level, 1 of sign)
 _QSGD_HEAD = struct.Struct("<II")  # bucket, levels
 
 _qsgd: ModuleType | None

@@ -1085,13 +1085,15 @@ class TrainPlan(Message):
 TRAIN_PLAN_OVERLAP = 0x1
 # TRAIN_PLAN flags bits 8-15: the QSGD levels s (1..127) for uploads; 0 = the codec's default.
 TRAIN_PLAN_QSGD_LEVELS_MASK = 0xFF00
-TRAIN_PLAN_MAX_QSGD_LEVELS = 127  # QSGD's codes hold 7 bits of level and a sign
+# QSGD's most levels s: its codes are at most 8 bits (7 of level, 1 of sign); the codec
+# (compression/qsgd.py) and TRAIN_PLAN's flags both hold to it.
+MAX_QSGD_LEVELS = 127
 
 
 def train_plan_flags(*, overlap: bool, qsgd_levels: int) -> int:
-    if not 0 <= qsgd_levels <= TRAIN_PLAN_MAX_QSGD_LEVELS:
+    if not 0 <= qsgd_levels <= MAX_QSGD_LEVELS:
         raise LocalProtocolError(f"qsgd_levels {qsgd_levels} does not fit TRAIN_PLAN's flags "
-                                 f"(0, the default, or 1..{TRAIN_PLAN_MAX_QSGD_LEVELS})")
+                                 f"(0, the default, or 1..{MAX_QSGD_LEVELS})")
     return (TRAIN_PLAN_OVERLAP if overlap else 0) | qsgd_levels << 8
 
 
