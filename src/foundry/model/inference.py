@@ -113,7 +113,28 @@ _session_ids = itertools.count(1)
 _engine_ids = itertools.count(1)
 
 
-class Session:
+class SessionPositions:
+    """A sequence's place in its context, for both engines' sessions: ``pos`` of ``ctx_size``
+    positions evaluated, their ``tokens``."""
+
+    ctx_size: int
+    pos: int
+    tokens: list[int]
+
+    @property
+    def free(self) -> int:
+        """Positions left before the context is full."""
+        return self.ctx_size - self.pos
+
+    def rewind(self, pos: int) -> None:
+        """Forget every position >= pos: the next token is evaluated at position pos."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot rewind to {pos}: the session holds positions [0, {self.pos})")
+        self.pos = pos
+        del self.tokens[pos:]
+
+
+class Session(SessionPositions):
     """One sequence being decoded: the K/V caches of the engine's kv heads, position, history.
 
     Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
@@ -142,18 +163,6 @@ class Session:
 
         self.k: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
         self.v: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
-
-    @property
-    def free(self) -> int:
-        """Positions left before the context is full."""
-        return self.ctx_size - self.pos
-
-    def rewind(self, pos: int) -> None:
-        """Forget every position >= pos: the next token is evaluated at position pos."""
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"cannot rewind to {pos}: the session holds positions [0, {self.pos})")
-        self.pos = pos
-        del self.tokens[pos:]
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from foundry.model import torch_model as TM
 from foundry.model.config import ModelConfig
-from foundry.model.inference import check_rows, default_ctx
+from foundry.model.inference import SessionPositions, check_rows, default_ctx
 from foundry.model.quant import Param, dequantize
 from foundry.model.tp_split import ExpertSplit, Gate, RankWeights, rank_weights
 
@@ -53,7 +53,7 @@ _ids = itertools.count(1)
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
-class TorchSession:
+class TorchSession(SessionPositions):
     """One sequence: K/V caches (n_layer, ctx, kv heads of the part, Dh) on the device."""
 
     def __init__(self, engine: TorchEngine, ctx_size: int) -> None:
@@ -67,16 +67,6 @@ class TorchSession:
         self.k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
         self.v = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
         self.graph: _Graph | None = None
-
-    @property
-    def free(self) -> int:
-        return self.ctx_size - self.pos
-
-    def rewind(self, pos: int) -> None:
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"cannot rewind to {pos}: the session holds positions [0, {self.pos})")
-        self.pos = pos
-        del self.tokens[pos:]
 
 
 @dataclass
