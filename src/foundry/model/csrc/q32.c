@@ -156,15 +156,20 @@ static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t 
 
 #if defined(FOUNDRY_X86)
 
-/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles (values 0-15 low, 16-31
- * high) and, as 16, bit v of the block's 32-bit qh for value v. */
+/* Q5_0's low four bits of one block's 32 values as bytes: values 0-15 the low nibbles of its
+ * 16 bytes of quants, 16-31 the high ones. */
+AVX2 INLINE __m256i q5_nibbles_avx2(const uint8_t *blk) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles and, as 16, bit v of the
+ * block's 32-bit qh for value v. */
 AVX2 INLINE __m256i q5_unsigned_avx2(const uint8_t *blk) {
     uint32_t qh;
     memcpy(&qh, blk + 2, 4);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
-    const __m128i m4 = _mm_set1_epi8(0xF);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
-                                         _mm_and_si128(raw, m4));
+    const __m256i nib = q5_nibbles_avx2(blk);
     /* byte v takes byte v / 8 of qh, keeps its bit v mod 8 */
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32((int)qh),
@@ -257,10 +262,7 @@ DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
 AVX512 INLINE __m256i q5_unsigned_bw(const uint8_t *blk) {
     uint32_t qh;
     memcpy(&qh, blk + 2, 4);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
-    const __m128i m4 = _mm_set1_epi8(0xF);
-    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4),
-                                         _mm_and_si128(raw, m4));
+    const __m256i nib = q5_nibbles_avx2(blk);
     return _mm256_or_si256(nib, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
 }
 
