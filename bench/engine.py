@@ -28,8 +28,9 @@
 
 3. ``--gguf FILE`` (a published file, e.g. Gemma 3 270M Q4_K_M): the engine's prompt of
    ``--prompt`` random tokens as one block (prefill) and 64 tokens decoded after it, against
-   ``llama-bench -t 1 -p PROMPT -n 64`` on the same file, rounds interleaved, each round
-   printed. Targets (issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
+   ``llama-bench -t 1 -p PROMPT`` and ``-n 64 -d PROMPT`` (64 tokens decoded after as many
+   tokens of context as ours, so both pay the same attention) on the same file, rounds
+   interleaved, each round printed. Targets (issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
    ``bench/kernels.py --gguf`` times the same file's products alone.
 
 Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
@@ -389,7 +390,8 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
         dec = n_gen / (time.perf_counter() - t0)
         line = f"  round {r + 1}: Foundry prompt {pre:7.1f} tokens/s, decode {dec:6.2f} tokens/s"
         if llama_cpp is not None:
-            pp, tg = llama_bench_prompt_and_decode(llama_cpp, path, prompt_len, cores)
+            pp, tg = llama_bench_prompt_and_decode(llama_cpp, path, prompt_len, cores,
+                                                    depth=prompt_len)
             ratios["prompt"].append(pre / pp)
             ratios["decode"].append(dec / tg)
             line += (f"; llama.cpp prompt {pp:7.1f}, decode {tg:6.2f}: {pre / pp:.2f}x prompt, "

@@ -15,11 +15,11 @@ weights fit in cache, so what it measures is the Python and numpy work around th
 layer, and the output head: ``output.weight``, else the tied ``token_embd.weight``), the way a
 decoded token and a prompt of ``--prompt`` tokens run them: each tensor against one row, and
 each layer tensor against ``--prompt`` rows (the head against one, as llama.cpp computes only
-the last row's logits in a prompt). With ``--llama-cpp``, ``llama-bench -t 1 -p PROMPT -n 64``
-runs on the same file between the rounds, and each round prints the ratios of llama.cpp's whole
-token and whole prompt to our products alone (what the engine around them adds is not in it:
-an upper bound of the engine's ratio), and each type's GB/s in the decode products. Targets
-(issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
+the last row's logits in a prompt). With ``--llama-cpp``, ``llama-bench -t 1 -p PROMPT`` and
+``-n 64`` (at depth 0) run on the same file between the rounds, and each round prints the
+ratios of llama.cpp's whole token and whole prompt to our products alone (what the engine
+around them adds is not in it: an upper bound of the engine's ratio), and each type's GB/s
+in the decode products. Targets (issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
 """
 
 from __future__ import annotations
@@ -90,13 +90,15 @@ def file_weights(path: Path) -> tuple[list[tuple[str, quant.QTensor]], tuple[str
 
 
 def llama_bench_prompt_and_decode(llama_cpp: Path, path: Path, prompt: int,
-                                  cores: str | None) -> tuple[float, float]:
-    """llama.cpp's tokens/s of a ``prompt``-token prompt and of 64 decoded tokens, one thread."""
+                                  cores: str | None, depth: int = 0) -> tuple[float, float]:
+    """llama.cpp's tokens/s of a ``prompt``-token prompt and of 64 tokens decoded after
+    ``depth`` tokens of context (``-d``: the attention the decoded tokens pay), one thread."""
     pin = ["taskset", "-c", cores] if cores else []
-    out = subprocess.run([*pin, str(llama_cpp / "llama-bench"), "-m", str(path), "-t", "1",
-                          "-p", str(prompt), "-n", "64", "-r", "1", "-o", "json"],
-                         check=True, capture_output=True, text=True)
-    rows = json.loads(out.stdout)
+    base = [*pin, str(llama_cpp / "llama-bench"), "-m", str(path), "-t", "1", "-r", "1",
+            "-o", "json"]
+    runs = [["-p", str(prompt), "-n", "0"], ["-p", "0", "-n", "64", "-d", str(depth)]]
+    rows = [row for args in runs for row in json.loads(subprocess.run(
+        [*base, *args], check=True, capture_output=True, text=True).stdout)]
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == 64)
     return float(pp), float(tg)
