@@ -114,7 +114,8 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
     return b / timed(step, 3 if compiled else 2, steps)
 
 
-def worker_path(name: str, bf16: bool, h: int, rounds: int) -> tuple[float, float]:
+def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool = True
+                ) -> tuple[float, float, dict[str, float]]:
     """samples/s of (a local round of h steps, a --sync-every 1 gradient); the process keeps
     freed memory as a worker's does (``retain_freed_memory``: on a VM whose memory grows as
     it is touched, a fresh 1.7 GB host buffer a round costs its page faults every round)."""
@@ -123,7 +124,7 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int) -> tuple[float, floa
     b, t = SHAPES[name]
     corpus = load_corpus(None)
     start = init_params(cfg, 0)
-    backend = TorchBackend("cuda", bf16=bf16)
+    backend = TorchBackend("cuda", bf16=bf16, host_buffers=host_buffers)
     inner = backend.make_inner(start, 0.01)
     r = [0]
 
@@ -136,13 +137,14 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int) -> tuple[float, floa
         r[0] += 1
 
     local = h * b / timed(round_, 1, rounds)
+    phases = dict(backend.last_phases)
 
     def grad() -> None:
         backend.compute_gradients(start, cfg, corpus, r[0] * b, b, seq_len=t, micro_batch=b,
                                   aux_loss_coef=0.01)
         r[0] += 1
 
-    return local, b / timed(grad, 1, rounds)
+    return local, b / timed(grad, 1, rounds), phases
 
 
 def section_train(args: argparse.Namespace) -> None:
@@ -165,13 +167,17 @@ def section_train(args: argparse.Namespace) -> None:
             say(f"{name} {kind}: plain eager {eager:8.1f}"
                 + (f"  plain compiled {comp:8.1f}" if comp else ""))
             for h in args.hs:
-                local, grad = worker_path(name, bf16, h, args.rounds)
-                line = (f"{name} {kind}: worker H={h:<3d} {local:8.1f}  ->  {local / eager:.2f}x "
-                        f"eager [{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]")
-                if comp:
-                    line += (f", {local / comp:.2f}x compiled "
-                             f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]")
-                say(line + f"   (worker H=1: {grad:8.1f}, {grad / eager:.2f}x eager)")
+                for buffers in args.host_buffers:
+                    local, grad, ph = worker_path(name, bf16, h, args.rounds, buffers == "on")
+                    line = (f"{name} {kind}: worker H={h:<3d} host buffers {buffers:3s} "
+                            f"{local:8.1f}  ->  {local / eager:.2f}x eager "
+                            f"[{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]")
+                    if comp:
+                        line += (f", {local / comp:.2f}x compiled "
+                                 f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]")
+                    say(line + f"   (worker H=1: {grad:8.1f}, {grad / eager:.2f}x eager; "
+                        "last round: " + ", ".join(f"{k} {v:.3f} s" for k, v in ph.items())
+                        + ")")
             torch.cuda.empty_cache()
 
 
@@ -251,22 +257,27 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
 
 
 def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -> float:
-    """samples/s of a coordinator with these workers (their extra flags), steady state."""
+    """samples/s of a coordinator with these workers (their extra flags), steady state; with
+    ``--mixed-timelines`` every process writes its timeline and the phases are printed."""
     from live import Service, swarm_status
 
     work.mkdir(parents=True)
     total = args.mixed_warmup + args.mixed_rounds
+    h = args.mixed_sync_every
+    trace = (lambda name: ["--timeline", str(work / f"{name}.trace.json")]
+             ) if args.mixed_timelines else (lambda name: [])
     coord = Service("coordinator", [
         "coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
         "--checkpoint-dir", str(work / "ckpt"), "--preset", "small",
         "--global-batch", str(args.mixed_batch), "--seq-len", "64",
-        "--sync-every", "8", "--max-steps", str(8 * (total + 50)),
+        "--sync-every", str(h), "--max-steps", str(h * (total + 50)),
         "--checkpoint-every", "100000", "--validate-every", "100000",
-        "--min-workers", str(len(workers))], work / "coordinator.log")
+        "--min-workers", str(len(workers)), *args.mixed_coordinator_args.split(),
+        *trace("coordinator")], work / "coordinator.log")
     m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+)")
     port, admin = int(m.group(1)), int(m.group(2))
     procs = [Service(f"w{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id",
-                               f"w{i}", *extra], work / f"w{i}.log")
+                               f"w{i}", *extra, *trace(f"w{i}")], work / f"w{i}.log")
              for i, extra in enumerate(workers)]
     try:
         def wait_step(step: int) -> tuple[float, int]:
@@ -278,19 +289,35 @@ def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -
                 time.sleep(0.02)
             raise SystemExit(f"step {step} not reached; see {work}")
 
-        t0, n0 = wait_step(8 * args.mixed_warmup)
-        t1, n1 = wait_step(8 * total)
+        t0, n0 = wait_step(h * args.mixed_warmup)
+        t1, n1 = wait_step(h * total)
         return (n1 - n0) / (t1 - t0)
     finally:
         for p in procs:
             p.stop()
         coord.stop()
+        if args.mixed_timelines:
+            say_phases(work, h * args.mixed_warmup)
+
+
+def say_phases(work: Path, from_step: int) -> None:
+    """Median milliseconds of each timeline phase per process, over the steps measured."""
+    from foundry.obs.timeline import load_events
+
+    for path in sorted(work.glob("*.trace.json")):
+        spans: dict[str, list[float]] = {}
+        for e in load_events(path.read_text(encoding="utf-8"), str(path)):
+            if e.get("ph") == "X" and int(e.get("args", {}).get("step", -1)) >= from_step:
+                spans.setdefault(e["name"], []).append(e["dur"] / 1000)
+        say(f"  {path.name.removesuffix('.trace.json')}: " + ", ".join(
+            f"{n} {float(np.median(v)):.0f} ms x{len(v)}" for n, v in sorted(spans.items())))
 
 
 def section_mixed(args: argparse.Namespace, work: Path) -> None:
-    gpu, cpu = ["--device", "cuda"], []
-    say(f"## mixed swarm: small preset, --sync-every 8, global batch {args.mixed_batch}x64, "
-        f"1 GPU + {args.cpu_workers} CPU workers (one core each)")
+    gpu, cpu = args.mixed_fast_args.split(), args.mixed_slow_args.split()
+    say(f"## mixed swarm: small preset, --sync-every {args.mixed_sync_every}, global batch "
+        f"{args.mixed_batch}x64, 1 GPU + {args.cpu_workers} CPU workers (one core each); "
+        f"coordinator {args.mixed_coordinator_args or '(defaults)'}")
     g = swarm_rate(work / "gpu", [gpu], args)
     c = swarm_rate(work / "cpu", [cpu], args)
     mixed = swarm_rate(work / "mixed", [gpu] + [cpu] * args.cpu_workers, args)
@@ -366,6 +393,9 @@ def main() -> int:
     ap.add_argument("--hs", type=int, nargs="*", default=[4, 16],
                     help="inner steps of the timed local rounds (--sync-every H)")
     ap.add_argument("--kinds", nargs="*", default=["f32", "bf16"])
+    ap.add_argument("--host-buffers", nargs="*", default=["on"], choices=["on", "off"],
+                    help="the worker path through reused page-locked buffers (on, the "
+                    "default) or pageable copies (off); both to compare")
     ap.add_argument("--rounds", type=int, default=2, help="timed local rounds")
     ap.add_argument("--steps", type=int, default=6, help="timed steps of the plain loops")
     ap.add_argument("--no-compile", action="store_true")
@@ -378,12 +408,23 @@ def main() -> int:
     ap.add_argument("--mixed-batch", type=int, default=64)
     ap.add_argument("--mixed-warmup", type=int, default=1, help="rounds before measuring")
     ap.add_argument("--mixed-rounds", type=int, default=3, help="measured rounds")
+    ap.add_argument("--mixed-sync-every", type=int, default=8)
+    ap.add_argument("--mixed-coordinator-args", default="",
+                    help="more coordinator flags for the mixed swarms, e.g. '--overlap'")
+    ap.add_argument("--mixed-fast-args", default="--device cuda",
+                    help="the fast worker's flags")
+    ap.add_argument("--mixed-slow-args", default="",
+                    help="each CPU worker's flags ('--slowdown 20' and a numpy fast worker "
+                    "reproduce the mix without a GPU)")
+    ap.add_argument("--mixed-timelines", action="store_true",
+                    help="print each process's median phase times")
     ap.add_argument("--parity-device", default="cuda", help="parity: cuda or cpu")
     ap.add_argument("--out", type=Path, default=None, help="also write the lines here")
     args = ap.parse_args()
     if args.out:
         OUT.append(args.out)
-    cpu_only = args.only == ["parity"] and args.parity_device == "cpu"
+    cpu_only = ((args.only == ["parity"] and args.parity_device == "cpu")
+                or (args.only == ["mixed"] and "cuda" not in args.mixed_fast_args))
     if not cpu_only and not torch.cuda.is_available():
         raise SystemExit("bench/gpu.py needs a CUDA GPU")
     say(f"# {torch.cuda.get_device_name() if not cpu_only else 'CPU'}, "

@@ -23,6 +23,7 @@ from foundry.swarm.policy import (
     local_batches,
     round_deadline,
     round_decision,
+    slow_workers,
     update_rate,
     weighted_mean,
 )
@@ -319,8 +320,9 @@ def swarm_rate(costs: dict[str, tuple[float, float]],
     rate = 0.0
     for _ in range(rounds):
         per_step = batches(64, rates)
-        steps = plan_local_round(per_step, rates, 8)
-        per_step = fill_local_round(per_step, rates, steps, 8)
+        slow = slow_workers(rates)
+        steps = plan_local_round(per_step, rates, 8, slow)
+        per_step = fill_local_round(per_step, rates, steps, 8, slow)
         compute = {w: steps[w] * (costs[w][0] + per_step[w] * costs[w][1]) for w in costs}
         for w in costs:
             rates[w] = update_rate(rates[w] or None, per_step[w] * steps[w] / compute[w])
@@ -354,6 +356,27 @@ def test_a_gpu_beside_cpu_workers_keeps_its_pace_and_theirs_adds_on_top() -> Non
         return allocate_samples(g, dict.fromkeys(r, 1.0))
     assert swarm_rate(mixed, equal) < 0.4 * total
     assert swarm_rate(mixed, local_batches) >= 0.9 * total
+
+
+def test_cpu_workers_whose_one_step_outlasts_the_gpus_round_take_fewer_samples() -> None:
+    # A CPU 40x slower a sample than the GPU, with its fixed cost a step: one step of its equal
+    # share (13 samples, 0.45 s), even of half of it, outlasts the GPU's whole round (0.12 s
+    # of compute). It fills SLOW_FILL of the GPU's round with fewer samples instead.
+    slow_cpu = (0.020, 1 / 30)
+    alone = {w: swarm_rate({w: c}, local_batches) for w, c in
+             [("gpu", GPU_STEP), ("cpu", slow_cpu)]}
+    mixed = {"gpu": GPU_STEP, **{f"c{i}": slow_cpu for i in range(4)}}
+    assert swarm_rate(mixed, local_batches) >= 0.9 * (alone["gpu"] + 4 * alone["cpu"])
+    rates = {"gpu": 64 / (0.010 + 64 / 12000), **{f"c{i}": 2 / (0.020 + 2 / 30)
+                                                    for i in range(4)}}
+    per_step = local_batches(64, rates)
+    slow = slow_workers(rates)
+    assert slow == {"c0", "c1", "c2", "c3"}
+    steps = plan_local_round(per_step, rates, 8, slow)
+    fill = fill_local_round(per_step, rates, steps, 8, slow)
+    assert steps["c0"] == 1 and 1 <= fill["c0"] < per_step["c0"] // 2
+    gpu_s = 8 * (0.010 + 64 / 12000)
+    assert all(steps[w] * (0.020 + fill[w] / 30) <= gpu_s for w in slow)
 
 
 def test_local_batches_limits() -> None:

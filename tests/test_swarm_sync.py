@@ -7,6 +7,7 @@ import pytest
 
 from foundry.compression import deserialize_tensors, get_codec
 from foundry.swarm.sync import (
+    SLOW_FILL,
     OuterNesterov,
     Shadow,
     add_update,
@@ -109,6 +110,28 @@ def test_each_workers_samples_per_step_fill_the_budget() -> None:
     # Unmeasured workers, or none: the batch as it is.
     assert fill_local_round(batch, {"fast": 0.0, "slow": 1.0}, steps, 8) == batch
     assert fill_local_round({}, {}, {}, 8) == {}
+
+
+def test_slow_workers_round_their_steps_down_and_fill_a_share_of_the_budget() -> None:
+    batch = {"gpu": 64, "cpu": 13}
+    rates = {"gpu": 2048.0, "cpu": 104.0}  # the budget: 8 steps of 31.25 ms = 0.25 s
+    # 0.25 s holds exactly 2 of the CPU's 13-sample steps (1.0 of which rounds to 2, too)
+    assert plan_local_round(batch, rates, 8, slow={"cpu"}) == {"gpu": 8, "cpu": 2}
+    assert plan_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, 8) == {"gpu": 8, "cpu": 2}
+    assert plan_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, 8,
+                            slow={"cpu"}) == {"gpu": 8, "cpu": 1}  # 1.73 fit: down, fuller
+    fill = fill_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, {"gpu": 8, "cpu": 1}, 8,
+                            slow={"cpu"})
+    assert fill == {"gpu": 64, "cpu": 19}  # floor(0.85 x 0.25 s x 90/s)
+    # One step of even half its batch outlasts the round: it goes below half.
+    fill = fill_local_round(batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 1}, 8,
+                            slow={"cpu"})
+    assert fill["cpu"] == 4 and SLOW_FILL * 0.25 >= 4 / 20.0  # not ceil(13 / 2) = 7
+    # With two steps it keeps half its batch at least, and at least one sample always.
+    assert fill_local_round(batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 2}, 8,
+                            slow={"cpu"})["cpu"] == 7
+    assert fill_local_round(batch, {"gpu": 2048.0, "cpu": 1.0}, {"gpu": 8, "cpu": 1}, 8,
+                            slow={"cpu"})["cpu"] == 1
 
 
 def test_a_digest_follows_each_update_that_crosses_a_multiple() -> None:

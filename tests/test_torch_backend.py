@@ -116,6 +116,35 @@ def test_backend_gradients_and_local_rounds_match_numpy() -> None:
                             micro_batch=4, seq_len=32, aux_loss_coef=0.01, stop=lambda: True)
 
 
+def test_rounds_through_reused_host_buffers_give_the_same_bits_and_keep_the_last_result(
+) -> None:
+    cfg, corpus = preset("tiny"), load_corpus(None)
+    params = init_params(cfg, 3)
+    plain, buffered = TorchBackend("cpu"), TorchBackend("cpu", host_buffers=True)
+    inner_p, inner_b = plain.make_inner(params, 0.01), buffered.make_inner(params, 0.01)
+    views: list[dict[str, np.ndarray]] = []  # the buffered results as returned
+    copies: list[dict[str, np.ndarray]] = []  # and as they were when returned
+    for r in range(3):
+        kw = dict(lr_at=lambda s: 1e-3, grad_clip=1.0, global_step=2 * r, sample_offset=8 * r,
+                  samples_per_step=4, steps=2, micro_batch=4, seq_len=32, aux_loss_coef=0.01)
+        want = plain.local_steps(params, inner_p, cfg, corpus, **kw)  # type: ignore[arg-type]
+        got = buffered.local_steps(params, inner_b, cfg, corpus, **kw)  # type: ignore[arg-type]
+        assert set(buffered.last_phases) == {"down", "steps", "up"}
+        views.append(got.grads)
+        copies.append({k: g.copy() for k, g in got.grads.items()})
+        assert all(np.array_equal(got.grads[k], want.grads[k]) for k in params), r
+        if r >= 1:  # the previous round's arrays still hold it (a worker's --overlap start)
+            assert all(np.array_equal(views[r - 1][k], copies[r - 1][k]) for k in params)
+    # the third round's result went into the first one's buffer: "until the call after next"
+    assert all(np.array_equal(views[0][k], copies[2][k]) for k in params)
+    assert not all(np.array_equal(copies[0][k], copies[2][k]) for k in params)
+    g = buffered.compute_gradients(params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4,
+                                   aux_loss_coef=0.01)
+    want_g = plain.compute_gradients(params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4,
+                                     aux_loss_coef=0.01)
+    assert all(np.array_equal(g.grads[k], want_g.grads[k]) for k in params)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["tiny", "shared-expert"])
 def test_greedy_decode_gives_the_numpy_engines_tokens(cfg: ModelConfig) -> None:
     params = sharp(cfg, 5)

@@ -20,6 +20,7 @@ decoupled decay on matrices only, beta2 0.95, eps 1e-8) and global-norm clipping
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -36,11 +37,18 @@ from foundry.model.training import GradientResult, Params, Stopped, TrainSetting
 F32 = npt.NDArray[np.float32]
 
 
-def host_copy(tensors: Mapping[str, torch.Tensor]) -> Params:
+def host_copy(tensors: Mapping[str, torch.Tensor],
+              buffer: torch.Tensor | None = None) -> Params:
     """Tensors to float32 numpy arrays through one flat buffer: one device-to-host transfer
-    (and one synchronisation) instead of one per tensor; the arrays are views of it."""
+    (and one synchronisation) instead of one per tensor; the arrays are views of it.
+    ``buffer``, a flat float32 host tensor at least that long (page-locked: ``TorchBackend``'s),
+    is that buffer instead of a new one."""
     names = list(tensors)
-    flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names]).cpu().numpy()
+    on_device = torch.cat([tensors[n].detach().reshape(-1).float() for n in names])
+    if buffer is None:
+        flat = on_device.cpu().numpy()
+    else:
+        flat = buffer[: on_device.numel()].copy_(on_device).numpy()
     out: Params = {}
     at = 0
     for n in names:
@@ -61,13 +69,58 @@ class TorchInner:
 
 
 class TorchBackend:
-    """``backend.Backend`` on a torch device; ``bf16`` runs the products under autocast."""
+    """``backend.Backend`` on a torch device; ``bf16`` runs the products under autocast.
 
-    def __init__(self, device: str = "cuda", *, bf16: bool = False, max_micro_batch: int = 256):
+    With ``host_buffers`` (the default on CUDA) a round's weights go down and its result comes
+    up through two host buffers of the model's size, used in turn and page-locked on CUDA: the
+    DMA engine reads and writes them at the bus's speed, where pageable memory is staged by
+    the driver, and no round allocates (and page-faults) a model-sized array.
+    A result's arrays are views of one of them, so they hold until the call after next (a
+    worker has encoded and sent a round's before its next one ends). ``last_phases`` is the
+    seconds of the last call's ``down`` (weights to the device), ``steps`` and ``up``.
+    """
+
+    def __init__(self, device: str = "cuda", *, bf16: bool = False, max_micro_batch: int = 256,
+                 host_buffers: bool | None = None):
         self.device = torch.device(device)
         self.bf16 = bf16
         self.max_micro_batch = max_micro_batch
+        cuda = self.device.type == "cuda"
+        self.host_buffers = cuda if host_buffers is None else host_buffers
         self.name = f"torch:{self.device.type}" + ("+bf16" if bf16 else "")
+        self.last_phases: dict[str, float] = {}
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def _buffer(self, numel: int) -> torch.Tensor | None:
+        """This call's host buffer (the other holds the previous call's result)."""
+        if not self.host_buffers:
+            return None
+        self._turn ^= 1
+        if len(self._buffers) < 2 or self._buffers[self._turn].numel() < numel:
+            self._buffers = [torch.empty(numel, dtype=torch.float32,
+                                         pin_memory=self.device.type == "cuda")
+                             for _ in range(2)]
+        return self._buffers[self._turn]
+
+    def _load(self, dst: Mapping[str, torch.Tensor], src: Params,
+              buffer: torch.Tensor | None) -> None:
+        """Each device tensor of ``dst`` set to ``src``'s array of its name; through
+        ``buffer`` when there is one."""
+        with torch.no_grad():
+            if buffer is None:
+                for name, t in dst.items():
+                    t.copy_(TM.host_tensor(src[name]))
+                return
+            host = buffer.numpy()
+            at = 0
+            for name, t in dst.items():
+                n = t.numel()
+                np.copyto(host[at:at + n].reshape(tuple(t.shape)), src[name])
+                t.copy_(buffer[at:at + n].view(t.shape), non_blocking=True)
+                at += n
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # before the buffer is written again
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -111,11 +164,17 @@ class TorchBackend:
         comes back in one transfer."""
         if count <= 0:
             raise ValueError(f"count must be positive, got {count}")
+        t0 = time.perf_counter()
         dev = TM.to_device(params, self.device, requires_grad=True)
+        t1 = time.perf_counter()
         ce, aux = self.accumulate(dev, cfg, corpus, start, count, seq_len=seq_len,
                                   aux_loss_coef=aux_loss_coef, data_seed=data_seed)
-        grads = host_copy({k: _grad(t) for k, t in dev.items()})
-        return GradientResult(grads, count, float(ce) / count, float(aux) / count)
+        loss, aux_loss = float(ce) / count, float(aux) / count  # waits for the device
+        t2 = time.perf_counter()
+        grads = host_copy({k: _grad(t) for k, t in dev.items()},
+                          self._buffer(sum(t.numel() for t in dev.values())))
+        self.last_phases = {"down": t1 - t0, "steps": t2 - t1, "up": time.perf_counter() - t2}
+        return GradientResult(grads, count, loss, aux_loss)
 
     def make_inner(self, params: Params, weight_decay: float) -> TorchInner:
         dev = TM.to_device(params, self.device, requires_grad=True)
@@ -130,10 +189,12 @@ class TorchBackend:
         """``NumpyBackend.local_steps`` on the device: the start weights go down once, the
         pseudo-gradient ``start - end`` comes back once."""
         p = inner.params
+        t0 = time.perf_counter()
+        buffer = self._buffer(sum(t.numel() for t in p.values()))
+        self._load(p, start, buffer)
         with torch.no_grad():
-            for name, t in p.items():
-                t.copy_(TM.host_tensor(start[name]))
             first = {k: t.clone() for k, t in p.items()}
+        t1 = time.perf_counter()
         ce = torch.zeros((), device=self.device)
         aux = torch.zeros((), device=self.device)
         b = samples_per_step
@@ -150,9 +211,12 @@ class TorchBackend:
             inner.steps += 1
             ce += c / b
             aux += a / b
+        loss, aux_loss = float(ce) / steps, float(aux) / steps  # waits for the device
+        t2 = time.perf_counter()
         with torch.no_grad():
-            pseudo = host_copy({k: first[k] - t for k, t in p.items()})
-        return GradientResult(pseudo, steps * b, float(ce) / steps, float(aux) / steps)
+            pseudo = host_copy({k: first[k] - t for k, t in p.items()}, buffer)
+        self.last_phases = {"down": t1 - t0, "steps": t2 - t1, "up": time.perf_counter() - t2}
+        return GradientResult(pseudo, steps * b, loss, aux_loss)
 
 
 def _grad(t: torch.Tensor) -> torch.Tensor:

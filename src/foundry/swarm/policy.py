@@ -101,11 +101,21 @@ def local_batches(global_batch: int, rates: Mapping[str, float],
     r = [float(rates[w]) for w in rates]
     if not r or min(r) <= 0.0 or max(r) <= (1.0 + tolerance) * min(r):
         return equal
-    mean = sum(r) / len(r)
-    fast = {w: float(rates[w]) for w in rates if rates[w] >= SLOW_SHARE * mean}
-    out = allocate_samples(global_batch, fast)
-    out.update({w: equal[w] for w in rates if w not in fast})
+    slow = slow_workers(rates)
+    out = allocate_samples(global_batch, {w: float(rates[w]) for w in rates if w not in slow})
+    out.update({w: equal[w] for w in slow})
     return out
+
+
+def slow_workers(rates: Mapping[str, float]) -> frozenset[str]:
+    """The workers measured below ``SLOW_SHARE`` of the mean rate (none before every worker
+    is measured): in a local-step round they keep the equal share and fill a little less than
+    the round's budget (``sync.fill_local_round``)."""
+    r = [float(rates[w]) for w in rates]
+    if not r or min(r) <= 0.0:
+        return frozenset()
+    mean = sum(r) / len(r)
+    return frozenset(w for w in rates if rates[w] < SLOW_SHARE * mean)
 
 
 def contiguous_offsets(start: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -95,8 +95,9 @@ class LocalRounds:
         rates = {m.worker_id: (m.rate if opt.rebalance else 1.0) for m in members}
         per_step = policy.local_batches(opt.settings.global_batch, rates)
         per_step = {w: n for w, n in per_step.items() if n > 0}
-        steps = sync.plan_local_round(per_step, rates, h)
-        per_step = sync.fill_local_round(per_step, rates, steps, h)
+        slow = policy.slow_workers(rates)
+        steps = sync.plan_local_round(per_step, rates, h, slow)
+        per_step = sync.fill_local_round(per_step, rates, steps, h, slow)
         return RoundPlan({w: per_step[w] * steps[w] for w in per_step}, per_step, steps)
 
     def assignment(self, m: Member, step: int, offset: int, plan: RoundPlan,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,24 +157,32 @@ def local_steps(
 
 # A worker whose steps fill the round's budget to within this share keeps its batch.
 FILL_TOLERANCE = 0.05
+# A slow worker's steps fill this share of the budget: its rate jitters and leaves out the
+# fixed cost of each step, and where it overruns the fastest worker waits, while a short
+# fill costs only a few of its own samples.
+SLOW_FILL = 0.85
 
 
 def plan_local_round(
     batch: Mapping[str, int], rates: Mapping[str, float], sync_every: int,
+    slow: Collection[str] = (),
 ) -> dict[str, int]:
     """Inner steps per worker for one round: a time budget, not a step count (DyLU).
 
     ``batch`` is each worker's samples per inner step, ``rates`` its measured samples/s (0:
     not measured yet). The budget is what the fastest worker needs for ``sync_every`` steps;
     each worker gets the steps that fit in it at its own rate, at least 1 and at most
-    ``sync_every``. Before every worker is measured, all run ``sync_every``.
+    ``sync_every``: to the nearest, or for the ``slow`` workers (``policy.slow_workers``)
+    rounded down, so that ``fill_local_round`` makes their steps fuller rather than cut
+    them. Before every worker is measured, all run ``sync_every``.
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     budget = _round_budget(batch, rates, sync_every)
     if budget is None:
         return dict.fromkeys(batch, sync_every)
-    return {w: max(1, min(sync_every, math.floor(budget / (batch[w] / rates[w]) + 0.5)))
+    return {w: max(1, min(sync_every, math.floor(budget / (batch[w] / rates[w])
+                                                 + (0.0 if w in slow else 0.5))))
             for w in batch}
 
 
@@ -199,7 +207,7 @@ def equal_machines(rates: Mapping[str, float], among: Mapping[str, int]) -> bool
 
 def fill_local_round(
     batch: Mapping[str, int], rates: Mapping[str, float], steps: Mapping[str, int],
-    sync_every: int,
+    sync_every: int, slow: Collection[str] = (),
 ) -> dict[str, int]:
     """Samples per inner step that make each worker's ``steps`` fill the round's budget.
 
@@ -208,13 +216,20 @@ def fill_local_round(
     steps take the budget at its rate, within half and twice ``batch``. The fastest keeps its
     own; so does everyone before every worker is measured, and a worker already within
     ``FILL_TOLERANCE`` of the budget (measured rates jitter by a few percent: equal machines
-    keep equal batches).
+    keep equal batches). The ``slow`` workers fill ``SLOW_FILL`` of the budget, and one that
+    has a single step goes below half its batch if that is what fits (a CPU worker beside a
+    GPU: one step of its equal share takes longer than the GPU's whole round).
     """
     budget = _round_budget(batch, rates, sync_every)
     if budget is None:
         return dict(batch)
     out = {}
     for w, b in batch.items():
+        if w in slow:
+            fit = SLOW_FILL * budget * rates[w] / steps[w]
+            least = 1 if steps[w] == 1 else -(-b // 2)
+            out[w] = min(2 * b, max(least, math.floor(fit)))
+            continue
         fit = budget * rates[w] / steps[w]
         out[w] = b if abs(fit - b) <= FILL_TOLERANCE * b else min(2 * b, max(-(-b // 2),
                                                                           round(fit)))
