@@ -301,16 +301,25 @@ def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -
 
 
 def say_phases(work: Path, from_step: int) -> None:
-    """Median milliseconds of each timeline phase per process, over the steps measured."""
+    """Median milliseconds of each timeline phase per process over the steps measured, and
+    the coordinator's rounds one by one (milliseconds, samples applied)."""
     from foundry.obs.timeline import load_events
 
     for path in sorted(work.glob("*.trace.json")):
-        spans: dict[str, list[float]] = {}
+        spans: dict[str, list[tuple[int, float, dict[str, object]]]] = {}
         for e in load_events(path.read_text(encoding="utf-8"), str(path)):
-            if e.get("ph") == "X" and int(e.get("args", {}).get("step", -1)) >= from_step:
-                spans.setdefault(e["name"], []).append(e["dur"] / 1000)
-        say(f"  {path.name.removesuffix('.trace.json')}: " + ", ".join(
-            f"{n} {float(np.median(v)):.0f} ms x{len(v)}" for n, v in sorted(spans.items())))
+            step = int(e.get("args", {}).get("step", -1))
+            if e.get("ph") == "X" and step >= from_step:
+                spans.setdefault(e["name"], []).append((step, e["dur"] / 1000, e["args"]))
+        name = path.name.removesuffix(".trace.json")
+        say(f"  {name}: " + ", ".join(
+            f"{n} {float(np.median([d for _, d, _ in v])):.0f} ms x{len(v)}"
+            for n, v in sorted(spans.items())))
+        if name == "coordinator":
+            samples = {step: a.get("samples") for step, _, a in spans.get("apply", [])}
+            say("    rounds (step: ms, samples, outcome): " + ", ".join(
+                f"{step}: {d:.0f}, {samples.get(step)}, {a.get('outcome')}"
+                for step, d, a in spans.get("round", [])))
 
 
 def section_mixed(args: argparse.Namespace, work: Path) -> None:

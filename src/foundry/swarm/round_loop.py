@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import time
 
@@ -137,6 +138,10 @@ class RoundRunner:
                 continue
             m.busy = True
             sends.append((m, rounds.assignment(m, step, offsets[m.worker_id], plan, ids)))
+        # The longest expected compute first (unmeasured ones before all): the sends go out
+        # one at a time, and the round ends with its last report.
+        sends.sort(key=lambda s: -(shares[s[0].worker_id] / s[0].rate) if s[0].rate > 0
+                   else -math.inf)
         c.update_member_gauges()
         start_us = now_us()
         for res in await self.downlink.send_staggered(sends):
