@@ -10,7 +10,8 @@ Sections (``--only`` picks some; all run by default, in this order):
            The plain loop keeps everything on the device: ``torch_model.loss``, backward,
            clipping and fused AdamW, eager and ``torch.compile``d. f32 (TF32 off, torch's
            default), and bf16 autocast for the worker and the eager loop. Target: worker
-           >= 0.8x each plain loop.
+           >= 0.8x each plain loop. ``--host-buffers off on`` times the worker path through
+           pageable copies and through its page-locked buffers, with each round's phases.
 ``decode`` tokens/s of ``TorchEngine`` at batch 1 on the bench preset's GGUF in f32, F16 and
            Q8_0 (dequantized at load to bf16), with CUDA graphs and without (the difference
            is the launch overhead), and a 512-token prefill; against ``llama-bench`` of a CUDA
@@ -18,7 +19,10 @@ Sections (``--only`` picks some; all run by default, in this order):
            >= 0.5x llama.cpp.
 ``mixed``  a swarm of one GPU worker and ``--cpu-workers`` numpy workers (real processes on
            loopback, ``--sync-every 8``, DyLU) against the sum of each worker's standalone
-           samples/s. Target >= 0.9.
+           samples/s. Target >= 0.9. ``--mixed-coordinator-args=--overlap`` adds coordinator
+           flags, ``--mixed-timelines`` prints each process's phases and the rounds;
+           ``--mixed-fast-args "" --mixed-slow-args "--slowdown 20"`` runs the same mix of
+           speeds on CPUs alone.
 ``parity`` the CI parity checks on ``--parity-device`` (cuda by default) with TF32 off: the
            torch loss within 1e-5 relative of numpy's at f32 and every gradient within 1e-4
            (of the tensor's largest), with and without a shared expert; the backend's
