@@ -313,21 +313,28 @@ ROUND_EXCHANGE = 0.1
 
 def swarm_rate(costs: dict[str, tuple[float, float]],
                batches: Callable[[int, dict[str, float]], dict[str, int]],
-               rounds: int = 12) -> float:
+               rounds: int = 12, overheads: dict[str, float] | None = None,
+               measure_overheads: bool = True) -> float:
     """samples/s of simulated local-step rounds (G 64, H 8) planned as the coordinator plans
-    them (``LocalRounds.plan``), each worker reporting samples / compute seconds as its rate."""
+    them (``LocalRounds.plan``), each worker reporting samples / compute seconds as its rate;
+    ``overheads`` are each worker's seconds of a round beyond its compute (the coordinator
+    measures them, unless ``measure_overheads`` is off)."""
     rates: dict[str, float] = dict.fromkeys(costs, 0.0)
+    over = overheads or dict.fromkeys(costs, 0.0)
+    seen: dict[str, float] = dict.fromkeys(costs, 0.0)
     rate = 0.0
     for _ in range(rounds):
         per_step = batches(64, rates)
         slow = slow_workers(rates)
         steps = plan_local_round(per_step, rates, 8, slow)
-        per_step = fill_local_round(per_step, rates, steps, 8, slow)
+        per_step = fill_local_round(per_step, rates, steps, 8, slow, seen)
         compute = {w: steps[w] * (costs[w][0] + per_step[w] * costs[w][1]) for w in costs}
         for w in costs:
             rates[w] = update_rate(rates[w] or None, per_step[w] * steps[w] / compute[w])
-        rate = sum(per_step[w] * steps[w] for w in costs) / (max(compute.values())
-                                                             + ROUND_EXCHANGE)
+            if measure_overheads:
+                seen[w] = over[w]
+        rate = sum(per_step[w] * steps[w] for w in costs) / (
+            max(compute[w] + over[w] for w in costs) + ROUND_EXCHANGE)
     return rate
 
 
@@ -377,6 +384,25 @@ def test_cpu_workers_whose_one_step_outlasts_the_gpus_round_take_fewer_samples()
     assert steps["c0"] == 1 and 1 <= fill["c0"] < per_step["c0"] // 2
     gpu_s = 8 * (0.010 + 64 / 12000)
     assert all(steps[w] * (0.020 + fill[w] / 30) <= gpu_s for w in slow)
+
+
+def test_slow_workers_leave_room_for_their_larger_round_overhead() -> None:
+    # The CPU workers' round costs beyond compute (decoding the UPDATE, encoding, the upload,
+    # a later place in the sends) exceed the GPU's by 40 ms of its 0.12 s round: measured and
+    # left out of their fill, they report before the GPU, whose rounds keep their pace with
+    # the CPU samples on top; not measured, the GPU waits and the mix trains less than it
+    # alone.
+    mixed = {"gpu": GPU_STEP, **{f"c{i}": CPU_STEP for i in range(4)}}
+    over = {"gpu": 0.005, **{f"c{i}": 0.045 for i in range(4)}}
+    gpu_alone = swarm_rate({"gpu": GPU_STEP}, local_batches, overheads={"gpu": 0.005})
+    blind = swarm_rate(mixed, local_batches, overheads=over, measure_overheads=False)
+    seen = swarm_rate(mixed, local_batches, overheads=over)
+    assert blind < gpu_alone < seen
+    rates = {"gpu": 2048.0, "cpu": 100.0}
+    plain = fill_local_round({"gpu": 64, "cpu": 13}, rates, {"gpu": 8, "cpu": 2}, 8, {"cpu"})
+    short = fill_local_round({"gpu": 64, "cpu": 13}, rates, {"gpu": 8, "cpu": 2}, 8, {"cpu"},
+                             {"gpu": 0.01, "cpu": 0.05})
+    assert plain == {"gpu": 64, "cpu": 10} and short == {"gpu": 64, "cpu": 8}
 
 
 def test_local_batches_limits() -> None:

@@ -131,6 +131,9 @@ class Member:
     last_seen: float
     rate: float = 0.0  # samples/s, EMA of what the worker measured
     heard_rate: float = 0.0  # the last rate a heartbeat carried (each repeats it until the next)
+    # Seconds of a round beyond its compute (EMA): the assignment's wait and transfer, the
+    # UPDATE's decoding, the upload; the report's time into the round less samples / rate.
+    overhead_s: float = 0.0
     loss: float = float("nan")
     local_step: int = 0
     weights_step: int = -1  # global step of the weights it holds

@@ -97,7 +97,8 @@ class LocalRounds:
         per_step = {w: n for w, n in per_step.items() if n > 0}
         slow = policy.slow_workers(rates)
         steps = sync.plan_local_round(per_step, rates, h, slow)
-        per_step = sync.fill_local_round(per_step, rates, steps, h, slow)
+        overheads = {m.worker_id: m.overhead_s for m in members}
+        per_step = sync.fill_local_round(per_step, rates, steps, h, slow, overheads)
         return RoundPlan({w: per_step[w] * steps[w] for w in per_step}, per_step, steps)
 
     def assignment(self, m: Member, step: int, offset: int, plan: RoundPlan,

@@ -207,7 +207,7 @@ def equal_machines(rates: Mapping[str, float], among: Mapping[str, int]) -> bool
 
 def fill_local_round(
     batch: Mapping[str, int], rates: Mapping[str, float], steps: Mapping[str, int],
-    sync_every: int, slow: Collection[str] = (),
+    sync_every: int, slow: Collection[str] = (), overheads: Mapping[str, float] | None = None,
 ) -> dict[str, int]:
     """Samples per inner step that make each worker's ``steps`` fill the round's budget.
 
@@ -218,15 +218,21 @@ def fill_local_round(
     ``FILL_TOLERANCE`` of the budget (measured rates jitter by a few percent: equal machines
     keep equal batches). The ``slow`` workers fill ``SLOW_FILL`` of the budget, and one that
     has a single step goes below half its batch if that is what fits (a CPU worker beside a
-    GPU: one step of its equal share takes longer than the GPU's whole round).
+    GPU: one step of its equal share takes longer than the GPU's whole round). Where
+    ``overheads`` gives each worker's measured seconds of a round beyond its compute, a slow
+    worker's budget is also short by what its overhead exceeds the fastest worker's (its
+    UPDATE's decoding and its upload on a CPU, its later place in the round's sends).
     """
     budget = _round_budget(batch, rates, sync_every)
     if budget is None:
         return dict(batch)
+    over = overheads or {}
+    fastest = min(batch, key=lambda w: (batch[w] / rates[w], w))
     out = {}
     for w, b in batch.items():
         if w in slow:
-            fit = SLOW_FILL * budget * rates[w] / steps[w]
+            extra = max(0.0, over.get(w, 0.0) - over.get(fastest, 0.0))
+            fit = max(0.0, SLOW_FILL * budget - extra) * rates[w] / steps[w]
             least = 1 if steps[w] == 1 else -(-b // 2)
             out[w] = min(2 * b, max(least, math.floor(fit)))
             continue

@@ -286,6 +286,11 @@ class WorkerPort:
         rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
                    now=now, assigned_only=m.extended)
         rnd.steps[m.worker_id] = m.assigned_steps if m.extended else 1
+        if m.extended and m.heard_rate > 0:
+            # This round's heartbeat came just before: its rate is this compute's.
+            compute = rnd.reported[m.worker_id] / m.heard_rate
+            m.overhead_s = policy.update_rate(m.overhead_s or None,
+                                              max(1e-6, now - rnd.started - compute))
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
             elapsed = now - rnd.started
