@@ -61,6 +61,7 @@ from foundry.model.arch import (
     Act,
     QKNorm,
     Rope,
+    gelu_table,
     is_swa,
     is_tied,
     rope_base,
@@ -69,8 +70,11 @@ from foundry.model.arch import (
 from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.quant import (
+    HAS_STEP,
     Param,
     QTensor,
+    StepPlan,
+    address,
     assign_experts,
     attend,
     combine_experts,
@@ -81,6 +85,11 @@ from foundry.model.quant import (
     rmsnorm,
     rope,
     route,
+    step_attn,
+    step_ffn,
+    step_layer,
+    step_mat,
+    step_plan,
     swiglu,
 )
 from foundry.model.tp_split import (
@@ -287,12 +296,81 @@ class Engine:
             _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
             if is_tied(cfg) else part.params["output.weight"] for part in self.parts
         ]
+        # One token's layer in one C call where the layer's matrices are stored blocks
+        # (``_plan``); ``step_in_c`` False runs every step through the single operations.
+        self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
+        self._whole = [plan is not None and all(p[i].dense is not None for p in self._layers)
+                       for i, plan in enumerate(self._plans)]
+        self.step_in_c = any(plan is not None for plan in self._plans)
 
     def _rope_tables(self, n_pos: int) -> None:
         for base in set(self._bases):
             if base not in self._rope or self._rope[base][0].shape[0] < n_pos:
                 self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base,
                                                self.dense.get("rope_freqs.weight"))
+
+    def _plan(self, layer: int) -> StepPlan | None:
+        """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
+        (and its dense FFN, where every FFN matrix is stored blocks), or None where the layer
+        has a float32 matrix (numpy's products, which C cannot repeat bit for bit) or the C
+        module is missing.
+
+        A part whose K and V rows are the part before's (a replicated kv head: the same rows
+        of the same bytes, cached in the one shared array) computes only its Q rows: the
+        part before has written the same values to the same cache row."""
+        if not HAS_STEP:
+            return None
+        cfg, dense = self.cfg, self._dense[layer]
+        parts = []
+        for j, held in enumerate(self._layers):
+            lw = held[layer]
+            attn: list[Param] = [lw.q, lw.k, lw.v, lw.attn_output]
+            ffn = [] if lw.dense is None else [t for t in lw.dense if t is not None]
+            if not all(isinstance(t, QTensor) for t in attn) or (
+                    ffn and not all(isinstance(t, QTensor) for t in ffn)):
+                return None
+            skip = j > 0 and self._same_kv(layer, j)
+            qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
+            gate_up: list[Param] = []
+            down: Any = None
+            if lw.dense is not None:
+                fused, gate, up, down_w = lw.dense
+                gate_up = [fused] if fused is not None else [gate, up]
+                down = step_mat(down_w)  # type: ignore[arg-type]
+            n_kv = self.parts[j].layout.kv_heads[1] - self.parts[j].layout.kv_heads[0]
+            bias = lw.bias or (None, None, None)
+            parts.append((
+                tuple(step_mat(t) for t in qkv), step_mat(lw.attn_output),  # type: ignore[arg-type]
+                tuple(step_mat(t) for t in gate_up), down,  # type: ignore[arg-type]
+                lw.n_q, lw.n_k, lw.v.shape[0], n_kv, down[3] if down else 0,
+                *lw.q_keep, *lw.k_keep, int(skip), *(address(b) for b in bias),
+                address(dense.q_norm), address(dense.k_norm),
+            ))
+        qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[self.arch.qk_norm]
+        return step_plan((
+            cfg.n_embd, cfg.head_dim, int(self.kv_cache is KVCache.F16),
+            int(self.arch.rope is Rope.NEOX), qk, self._window[layer],
+            int(self.arch.act is Act.GELU), cfg.norm_eps, address(dense.attn_norm),
+            address(dense.ffn_norm), address(dense.post_attn), address(dense.post_ffn),
+            address(gelu_table()), tuple(parts),
+        ))
+
+    def _same_kv(self, layer: int, j: int) -> bool:
+        """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
+        the cache row they share (``Session``: parts of the same kv heads share one array)."""
+        a, b = self.parts[j - 1].layout, self.parts[j].layout
+        la, lb = self._layers[j - 1][layer], self._layers[j][layer]
+        if (a.kv_heads, a.k_rows, la.k_keep) != (b.kv_heads, b.k_rows, lb.k_keep):
+            return False
+        pairs = [(la.k, lb.k), (la.v, lb.v)]
+        if la.bias is not None and lb.bias is not None:
+            pairs += [(la.bias[1], lb.bias[1]), (la.bias[2], lb.bias[2])]
+        return all(
+            isinstance(x, QTensor) == isinstance(y, QTensor) and x.shape == y.shape
+            and np.array_equal(x.data if isinstance(x, QTensor) else x,
+                               y.data if isinstance(y, QTensor) else y)
+            and (not isinstance(x, QTensor) or x.qtype == y.qtype)  # type: ignore[union-attr]
+            for x, y in pairs)
 
     def _part_layer(self, j: int, layer: int) -> _PartLayer:
         w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
@@ -371,10 +449,23 @@ class Engine:
         if self.arch.embed_scale:
             x = x * np.float32(np.sqrt(np.float32(cfg.n_embd)))
         parts = range(len(self.parts))
+        step = len(ids) == 1 and self.step_in_c  # one token: each layer's step in C
+        session = rows[0][0]
         for i, dense in enumerate(self._dense):
             cos, sin = tables[self._bases[i]]
+            plan = self._plans[i] if step else None
+            if plan is not None:
+                full = self._rope[self._bases[i]]
+                kc, vc = session.k[i], session.v[i]
+                if exchange is None and self._whole[i]:
+                    step_layer(plan, x, session.pos, tuple(kc), tuple(vc), *full)
+                    continue
             h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
-            partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
+            if plan is not None:
+                partial = _sum([step_attn(plan, j, h, session.pos, kc[j], vc[j], *full)
+                                for j in parts])
+            else:
+                partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
             a = self._exchange(exchange, i, Gate.ATTN, partial)
             x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
@@ -382,7 +473,10 @@ class Engine:
                 weights, top = self._route(h, dense.router)  # (n, K) each
             else:
                 weights, top = _NO_ROUTE
-            partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
+            if plan is not None and self._whole[i]:
+                partial = _sum([step_ffn(plan, j, h) for j in parts])
+            else:
+                partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
             f = self._exchange(exchange, i, Gate.FFN, partial)
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)

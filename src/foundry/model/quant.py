@@ -330,3 +330,65 @@ def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
     """Rows ``ids`` of the embedding table (N, D), float32 whatever the storage."""
     return w[ids] if isinstance(w, np.ndarray) else w.rows(ids)
 
+
+
+# The one-token step of a layer in one call (``csrc/step.c``): inference.Engine describes each
+# layer once (``step_plan``, addresses of weights the engine keeps alive) and runs a token's
+# layer, or one part's gate, through the same C routines as the operations above, in their
+# order, so the bits are theirs. Without the C module there is no plan: the engine's path of
+# single operations runs instead.
+
+HAS_STEP: bool = _kernels is not None
+"""Whether ``step_plan`` can describe layers here (the C module is built)."""
+
+StepPlan = Any
+"""An opaque plan of one layer (a capsule of the C module)."""
+
+StepMat = tuple[int, int, int, int]
+"""(type, address, rows, k): a matrix of stored blocks as ``step_plan`` reads it."""
+
+
+def step_mat(w: QTensor) -> StepMat:
+    """A 2-d QTensor as ``step_plan`` reads it (its bytes must stay alive and C-contiguous)."""
+    if w.ndim != 2 or not w.data.flags.c_contiguous:
+        raise QuantError(f"a step takes C-contiguous 2-d blocks, got {w.qtype.name}{w.shape}")
+    return int(w.qtype), int(w.data.ctypes.data), w.shape[0], w.shape[1]
+
+
+def address(a: F32 | None) -> int:
+    """The address of a C-contiguous float32 vector (0 for None) that the caller keeps alive."""
+    if a is None:
+        return 0
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise QuantError(f"a step reads C-contiguous float32 vectors, got {a.dtype}")
+    return int(a.ctypes.data)
+
+
+def step_plan(spec: tuple[Any, ...]) -> StepPlan:
+    """A layer's plan (``_kernels.step_plan``: the spec's layout is written there)."""
+    assert _kernels is not None
+    return _kernels.step_plan(spec)
+
+
+def step_layer(plan: StepPlan, x: F32, pos: int, k: tuple[npt.NDArray[Any], ...],
+               v: tuple[npt.NDArray[Any], ...], cos: F32, sin: F32) -> None:
+    """x (1, D) += the layer at position pos, every part in turn (their caches k, v)."""
+    assert _kernels is not None
+    _kernels.step_layer(plan, x, pos, k, v, cos, sin)
+
+
+def step_attn(plan: StepPlan, j: int, h: F32, pos: int, k: npt.NDArray[Any],
+              v: npt.NDArray[Any], cos: F32, sin: F32) -> F32:
+    """Part j's ATTN partial (1, D) of the normed row h (1, D) at position pos."""
+    assert _kernels is not None
+    out = np.empty_like(h)
+    _kernels.step_attn(plan, j, h, pos, k, v, cos, sin, out)
+    return out
+
+
+def step_ffn(plan: StepPlan, j: int, h: F32) -> F32:
+    """Part j's dense FFN partial (1, D) of the normed row h (1, D)."""
+    assert _kernels is not None
+    out = np.empty_like(h)
+    _kernels.step_ffn(plan, j, h, out)
+    return out

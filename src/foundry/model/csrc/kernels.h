@@ -316,5 +316,37 @@ int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_
 void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k, int d,
              float *out);
 
+/* step.c: one token through a layer (inference.Engine's one-row step), described once */
+typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `type` */
+    int type, rows, k;
+    size_t row_bytes;
+    const uint8_t *w;
+} step_mat;
+
+enum { STEP_QK_NONE = 0, STEP_QK_HEAD = 1, STEP_QK_FULL = 2 };
+
+typedef struct { /* what one part holds of a layer (inference._PartLayer) */
+    step_mat qkv[3], out, gate_up[2], down;
+    int n_qkv, n_gate_up, has_ffn;
+    int n_q, n_k, n_v, n_kv, n_ff; /* rows computed; kv heads cached; FFN intermediate rows */
+    int q_keep[2], k_keep[2];      /* the kept heads of the computed Q and K rows */
+    int skip_kv;                   /* K and V are the part before's (a shared cache row) */
+    const float *bias[3], *q_norm, *k_norm;
+} step_part;
+
+typedef struct {
+    int d, dh, half, neox, qk_norm, window, gelu, n_parts;
+    float eps;
+    const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
+    step_part parts[2];
+} step_layer;
+
+size_t step_room(const step_layer *l, int n_pos);
+int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
+              const float *cos, const float *sin, float *out, float *room);
+int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room);
+int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
+               const float *cos, const float *sin, float *room);
+
 #pragma GCC visibility pop
 #endif

@@ -320,6 +320,286 @@ static PyObject *py_combine(PyObject *self, PyObject *args) {
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);
 }
 
+/* ---- the one-token step (step.c) ------------------------------------------------------------ */
+
+#define STEP_CAPSULE "foundry.model._kernels.step_layer"
+
+static int step_fail(const char *what) {
+    PyErr_Format(PyExc_ValueError, "step_plan: %s", what);
+    return 0;
+}
+
+/* (type, address, rows, k): a matrix of stored blocks the caller keeps alive. */
+static int parse_mat(PyObject *o, step_mat *m) {
+    unsigned long long address;
+    int values, bytes;
+    if (!PyArg_ParseTuple(o, "iKii", &m->type, &address, &m->rows, &m->k)) return 0;
+    if (!type_block(m->type, &values, &bytes) || m->type == T_F32)
+        return step_fail("a matrix type without a block kernel");
+    if (m->rows < 1 || m->k < 1 || m->k % values || address == 0)
+        return step_fail("a matrix of no rows, or rows not whole blocks");
+    m->row_bytes = (size_t)(m->k / values) * bytes;
+    m->w = (const uint8_t *)(uintptr_t)address;
+    return 1;
+}
+
+static int parse_mats(PyObject *o, step_mat *m, int most, int *n) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > most) return step_fail("too many matrices");
+    *n = (int)PyTuple_GET_SIZE(o);
+    for (int i = 0; i < *n; i++)
+        if (!parse_mat(PyTuple_GET_ITEM(o, i), &m[i])) return 0;
+    return 1;
+}
+
+static int rows_of(const step_mat *m, int n) {
+    int rows = 0;
+    for (int i = 0; i < n; i++) rows += m[i].rows;
+    return rows;
+}
+
+static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
+    PyObject *qkv, *out, *gate_up, *down;
+    unsigned long long bias[3], q_norm, k_norm;
+    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKK", &qkv, &out, &gate_up, &down, &p->n_q,
+                          &p->n_k, &p->n_v, &p->n_kv, &p->n_ff, &p->q_keep[0], &p->q_keep[1],
+                          &p->k_keep[0], &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1],
+                          &bias[2], &q_norm, &k_norm))
+        return 0;
+    if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) || !parse_mat(out, &p->out) ||
+        !parse_mats(gate_up, p->gate_up, 2, &p->n_gate_up))
+        return 0;
+    p->has_ffn = p->n_gate_up > 0;
+    if (p->has_ffn && !parse_mat(down, &p->down)) return 0;
+    for (int i = 0; i < 3; i++) p->bias[i] = (const float *)(uintptr_t)bias[i];
+    p->q_norm = (const float *)(uintptr_t)q_norm;
+    p->k_norm = (const float *)(uintptr_t)k_norm;
+    const int dh = l->dh, heads = p->q_keep[1] - p->q_keep[0];
+    if (p->n_q % dh || p->n_k % dh || p->n_v != p->n_kv * dh || p->n_kv < 1 ||
+        p->q_keep[0] < 0 || heads < 1 || p->q_keep[1] * dh > p->n_q || p->k_keep[0] < 0 ||
+        p->k_keep[1] - p->k_keep[0] != p->n_kv || p->k_keep[1] * dh > p->n_k ||
+        heads % p->n_kv || (p->skip_kv != 0 && p->skip_kv != 1))
+        return step_fail("heads that do not fit the Q, K and V rows");
+    if (rows_of(p->qkv, p->n_qkv) != p->n_q + (p->skip_kv ? 0 : p->n_k + p->n_v))
+        return step_fail("Q, K and V matrices that do not give their rows");
+    for (int i = 0; i < p->n_qkv; i++)
+        if (p->qkv[i].k != l->d) return step_fail("a QKV matrix not of the model's width");
+    if (p->out.rows != l->d || p->out.k != heads * dh)
+        return step_fail("an output matrix not of the heads' width");
+    if (p->has_ffn) {
+        if (p->n_ff < 1 || rows_of(p->gate_up, p->n_gate_up) != 2 * p->n_ff ||
+            p->down.rows != l->d || p->down.k != p->n_ff)
+            return step_fail("FFN matrices that do not fit");
+        for (int i = 0; i < p->n_gate_up; i++)
+            if (p->gate_up[i].k != l->d) return step_fail("a gate/up matrix not of the width");
+    }
+    if (l->qk_norm == STEP_QK_NONE && (q_norm || k_norm)) return step_fail("a QK-norm unasked");
+    return 1;
+}
+
+static void step_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, STEP_CAPSULE)); }
+
+PyDoc_STRVAR(step_plan_doc,
+             "step_plan(spec) -> plan: a layer's one-token step described once (inference._plan "
+             "writes the spec: addresses of weights the caller keeps alive).");
+
+static PyObject *py_step_plan(PyObject *self, PyObject *args) {
+    PyObject *parts;
+    unsigned long long attn_norm, ffn_norm, post_attn, post_ffn, table;
+    (void)self;
+    step_layer *l = calloc(1, sizeof *l);
+    if (l == NULL) return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKO)", &l->d, &l->dh, &l->half, &l->neox,
+                          &l->qk_norm, &l->window, &l->gelu, &l->eps, &attn_norm, &ffn_norm,
+                          &post_attn, &post_ffn, &table, &parts))
+        goto fail;
+    l->attn_norm = (const float *)(uintptr_t)attn_norm;
+    l->ffn_norm = (const float *)(uintptr_t)ffn_norm;
+    l->post_attn = (const float *)(uintptr_t)post_attn;
+    l->post_ffn = (const float *)(uintptr_t)post_ffn;
+    l->gelu_table = (const float *)(uintptr_t)table;
+    if (l->d < 1 || l->dh < 2 || l->dh % 2 || (l->half != 0 && l->half != 1) ||
+        (l->neox != 0 && l->neox != 1) || l->qk_norm < STEP_QK_NONE ||
+        l->qk_norm > STEP_QK_FULL || l->window < 0 || (l->gelu != 0 && l->gelu != 1) ||
+        !attn_norm || !ffn_norm || (l->gelu && !table)) {
+        step_fail("a layer's sizes or norms");
+        goto fail;
+    }
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1 || PyTuple_GET_SIZE(parts) > 2) {
+        step_fail("one or two parts");
+        goto fail;
+    }
+    l->n_parts = (int)PyTuple_GET_SIZE(parts);
+    for (int j = 0; j < l->n_parts; j++)
+        if (!parse_part(PyTuple_GET_ITEM(parts, j), l, &l->parts[j])) goto fail;
+    if (l->parts[0].skip_kv) {
+        step_fail("the first part computes its K and V");
+        goto fail;
+    }
+    PyObject *capsule = PyCapsule_New(l, STEP_CAPSULE, step_free);
+    if (capsule == NULL) goto fail;
+    return capsule;
+fail:
+    free(l);
+    return NULL;
+}
+
+static const step_layer *plan_of(PyObject *capsule) {
+    return PyCapsule_GetPointer(capsule, STEP_CAPSULE);
+}
+
+/* A part's cache (ctx, n_kv, dh) holding position pos, and rope tables (rows, dh / 2) with row
+ * pos. */
+static int check_cache(const step_layer *l, int j, const Py_buffer *k, const Py_buffer *v,
+                       int pos) {
+    const Py_ssize_t row = (Py_ssize_t)l->parts[j].n_kv * l->dh * (l->half ? 2 : 4);
+    if (pos < 0 || k->len != v->len || k->len % row || k->len / row <= pos) {
+        PyErr_Format(PyExc_ValueError, "step: caches of %zd and %zd bytes have no position %d "
+                     "of %zd-byte rows", k->len, v->len, pos, row);
+        return 0;
+    }
+    return 1;
+}
+
+static int check_tables(const step_layer *l, const Py_buffer *cos, const Py_buffer *sin,
+                        int pos) {
+    const Py_ssize_t row = (Py_ssize_t)(l->dh / 2) * 4;
+    if (cos->len != sin->len || cos->len % row || cos->len / row <= pos) {
+        PyErr_Format(PyExc_ValueError, "step: rope tables of %zd bytes have no position %d",
+                     cos->len, pos);
+        return 0;
+    }
+    return 1;
+}
+
+static float *step_alloc(const step_layer *l, int pos) {
+    float *room = malloc(step_room(l, pos + 1) * sizeof(float));
+    if (room == NULL) PyErr_NoMemory();
+    return room;
+}
+
+PyDoc_STRVAR(step_layer_doc,
+             "step_layer(plan, x, pos, k_caches, v_caches, cos, sin): x (d float32) += the "
+             "layer for the token at position pos, every part in turn (caches: one per part).");
+
+static PyObject *py_step_layer(PyObject *self, PyObject *args) {
+    PyObject *capsule, *kt, *vt;
+    int pos;
+    Py_buffer x, cos, sin, k[2], v[2];
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ow*iO!O!y*y*", &capsule, &x, &pos, &PyTuple_Type, &kt,
+                          &PyTuple_Type, &vt, &cos, &sin))
+        return NULL;
+    const step_layer *l = plan_of(capsule);
+    int held = 0;
+    PyObject *result = NULL;
+    if (l == NULL || !fits("x", &x, (Py_ssize_t)l->d * 4) || !check_tables(l, &cos, &sin, pos))
+        goto done;
+    if (PyTuple_GET_SIZE(kt) != l->n_parts || PyTuple_GET_SIZE(vt) != l->n_parts) {
+        PyErr_Format(PyExc_ValueError, "step_layer: %d parts need one cache each", l->n_parts);
+        goto done;
+    }
+    for (int j = 0; j < l->n_parts; j++) {
+        if (!l->parts[j].has_ffn) {
+            PyErr_SetString(PyExc_ValueError, "step_layer: a part without a dense FFN");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(kt, j), &k[j], PyBUF_WRITABLE) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(vt, j), &v[j], PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&k[j]);
+            goto done;
+        }
+        held++;
+        if (!check_cache(l, j, &k[j], &v[j], pos)) goto done;
+    }
+    float *room = step_alloc(l, pos);
+    if (room == NULL) goto done;
+    void *kc[2] = {k[0].buf, held > 1 ? k[1].buf : NULL}, *vc[2] = {v[0].buf,
+                                                                     held > 1 ? v[1].buf : NULL};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = step_whole(l, x.buf, pos, kc, vc, cos.buf, sin.buf, room);
+    Py_END_ALLOW_THREADS
+    free(room);
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int j = 0; j < held; j++) {
+        PyBuffer_Release(&k[j]);
+        PyBuffer_Release(&v[j]);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&cos);
+    PyBuffer_Release(&sin);
+    return result;
+}
+
+PyDoc_STRVAR(step_attn_doc,
+             "step_attn(plan, j, h, pos, k_cache, v_cache, cos, sin, out): part j's ATTN "
+             "partial (d float32) of the normed row h at position pos.");
+
+static PyObject *py_step_attn(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    int j, pos;
+    Py_buffer h, k, v, cos, sin, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oiy*iw*w*y*y*w*", &capsule, &j, &h, &pos, &k, &v, &cos, &sin,
+                          &out))
+        return NULL;
+    const step_layer *l = plan_of(capsule);
+    if (l == NULL || j < 0 || j >= (l ? l->n_parts : 0)) {
+        if (l != NULL) PyErr_Format(PyExc_ValueError, "step_attn: no part %d", j);
+        RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
+    }
+    if (!fits("h", &h, (Py_ssize_t)l->d * 4) || !fits("out", &out, (Py_ssize_t)l->d * 4) ||
+        !check_cache(l, j, &k, &v, pos) || !check_tables(l, &cos, &sin, pos))
+        RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
+    float *room = step_alloc(l, pos);
+    if (room == NULL) RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = step_attn(l, j, h.buf, pos, k.buf, v.buf, cos.buf, sin.buf, out.buf, room);
+    Py_END_ALLOW_THREADS
+    free(room);
+    if (rc < 0) {
+        PyErr_NoMemory();
+        RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
+    }
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &h, &k, &v, &cos, &sin, &out);
+}
+
+PyDoc_STRVAR(step_ffn_doc, "step_ffn(plan, j, h, out): part j's dense FFN partial (d float32) "
+                           "of the normed row h.");
+
+static PyObject *py_step_ffn(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    int j;
+    Py_buffer h, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oiy*w*", &capsule, &j, &h, &out)) return NULL;
+    const step_layer *l = plan_of(capsule);
+    if (l == NULL || j < 0 || j >= (l ? l->n_parts : 0) || !l->parts[j].has_ffn) {
+        if (l != NULL) PyErr_Format(PyExc_ValueError, "step_ffn: no dense FFN in part %d", j);
+        RELEASE_AND_RETURN(NULL, &h, &out);
+    }
+    if (!fits("h", &h, (Py_ssize_t)l->d * 4) || !fits("out", &out, (Py_ssize_t)l->d * 4))
+        RELEASE_AND_RETURN(NULL, &h, &out);
+    float *room = step_alloc(l, 0);
+    if (room == NULL) RELEASE_AND_RETURN(NULL, &h, &out);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = step_ffn(l, j, h.buf, out.buf, room);
+    Py_END_ALLOW_THREADS
+    free(room);
+    if (rc < 0) {
+        PyErr_NoMemory();
+        RELEASE_AND_RETURN(NULL, &h, &out);
+    }
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &h, &out);
+}
+
 #if defined(FOUNDRY_X86)
 static void detect_x86(int simd) {
     use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
@@ -382,6 +662,10 @@ static PyMethodDef methods[] = {
     {"route", py_route, METH_VARARGS, route_doc},
     {"assign", py_assign, METH_VARARGS, assign_doc},
     {"combine", py_combine, METH_VARARGS, combine_doc},
+    {"step_plan", py_step_plan, METH_VARARGS, step_plan_doc},
+    {"step_layer", py_step_layer, METH_VARARGS, step_layer_doc},
+    {"step_attn", py_step_attn, METH_VARARGS, step_attn_doc},
+    {"step_ffn", py_step_ffn, METH_VARARGS, step_ffn_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
     {"use", py_use, METH_O,
      "use(path): 'best' (the default), 'avx2' (without VNNI) or 'portable' C (tests)."},
