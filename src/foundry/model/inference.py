@@ -402,6 +402,11 @@ class Engine:
         )
 
     @property
+    def layers_in_c(self) -> int:
+        """How many layers have a one-token step in C (``_plan``)."""
+        return sum(plan is not None for plan in self._plans)
+
+    @property
     def n_vocab_out(self) -> int:
         """Width of the logits forward_rows returns (the engine's vocabulary block)."""
         return self.vocab[1] - self.vocab[0]

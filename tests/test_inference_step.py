@@ -1,0 +1,184 @@
+"""The one-token step in C (``csrc/step.c``, ``Engine.step_in_c``) against the engine's single
+operations, bit for bit, on the tiny published-architecture files with their matrices stored
+as blocks (the step runs only on stored blocks; float32 matrices keep numpy's products).
+
+Each layer gets a mix of types: even layers one type for Q, K and V and for gate and up (the
+stacked products), odd layers a different type for each (one product each), so both shapes of
+the plan run. A prompt goes through the block path (several rows: the single operations), then
+one token at a time past the sliding window (gemma3's is 5) through the step, and every logit's
+bits are compared; the same with one operation of the single path moved slightly must differ,
+so the comparison reads real bits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from published import TINY, prompts, write_tiny
+
+from foundry.model import inference
+from foundry.model.gguf_io import load_gguf_stored
+from foundry.model.inference import Engine, Gate, KVCache, Session
+from foundry.model.quant import Param, QTensor, QType, dequantize, quantize
+from foundry.model.tp_split import rank_weights
+
+F32 = npt.NDArray[np.float32]
+STEPS = 10  # one-token steps after the prompt (past gemma3's window of 5)
+EVEN = {"q": QType.Q8_0, "k": QType.Q8_0, "v": QType.Q8_0, "output": QType.Q5_0,
+        "gate": QType.Q4_0, "up": QType.Q4_0, "down": QType.Q8_0}
+ODD = {"q": QType.Q4_0, "k": QType.Q5_0, "v": QType.F16, "output": QType.Q4_1,
+       "gate": QType.Q8_0, "up": QType.Q5_1, "down": QType.Q4_0}
+
+
+def stored(path: Path) -> tuple[Any, dict[str, Param]]:
+    """The file's model with every attention and dense FFN matrix stored as blocks (the type
+    by layer parity) and the head and embeddings as Q8_0; experts stay float32."""
+    m = load_gguf_stored(path)
+    params = dict(m.params)
+    for name, p in m.params.items():
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[-1] == "weight" and len(p.shape) == 2:
+            kind = parts[2].removeprefix("attn_").removeprefix("ffn_")
+            types = EVEN if int(parts[1]) % 2 == 0 else ODD
+            if kind in types:
+                params[name] = quantize(dequantize(p), types[kind])
+        elif name in ("token_embd.weight", "output.weight"):
+            params[name] = quantize(dequantize(p), QType.Q8_0)
+    return m.cfg, params
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, dict[str, Param]]]:
+    folder = tmp_path_factory.mktemp("step")
+    out = {}
+    for name in TINY:
+        write_tiny(folder / f"{name}.gguf", name)
+        out[name] = stored(folder / f"{name}.gguf")
+    return out
+
+
+def run(engine: Engine, name: str, in_c: bool) -> list[F32]:
+    """The prompt's logits, then STEPS greedy tokens' one at a time."""
+    engine.step_in_c = in_c
+    session = engine.new_session()
+    out = [engine.decode(session, prompts(name)[0])]
+    for _ in range(STEPS):
+        out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))
+    return out
+
+
+def same_bits(a: list[F32], b: list[F32]) -> bool:
+    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("cache", [KVCache.F16, KVCache.F32])
+@pytest.mark.parametrize("name", list(TINY))
+def test_the_step_in_c_equals_the_single_operations(
+    models: dict[str, tuple[Any, dict[str, Param]]], name: str, cache: KVCache
+) -> None:
+    cfg, params = models[name]
+    engine = Engine(cfg, params, kv_cache=cache)
+    assert engine.layers_in_c == cfg.n_layer and engine.step_in_c
+    assert isinstance(engine.parts[0].params["blk.0.attn_q.weight"], QTensor)
+    ref = run(engine, name, False)
+    got = run(engine, name, True)
+    assert same_bits(got, ref)
+    assert len({int(np.argmax(x[-1])) for x in ref}) > 1  # the steps do vary
+
+
+def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
+    """``fn`` whose output moves by a factor 1 + 2^-8 on the call numbered calls[0] (an
+    operation of the first one-token step's first layer); smaller moves may vanish in the
+    rounding of the next product's int8 input."""
+
+    def moved(*args: Any) -> Any:
+        out = fn(*args)
+        calls[1] += 1
+        if calls[1] == calls[0]:
+            target = args[-1] if out is None else out  # attend writes its last argument
+            target *= np.float32(1 + 2**-8)
+        return out
+
+    return moved
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend", "linear", "geglu"])
+def test_a_moved_operation_is_seen(
+    models: dict[str, tuple[Any, dict[str, Param]]], op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, params = models["gemma3"]
+    engine = Engine(cfg, params)
+    ref = run(engine, "gemma3", True)
+    engine = Engine(cfg, params)
+    engine.step_in_c = False
+    session = engine.new_session()
+    first = [engine.decode(session, prompts("gemma3")[0])]
+    # the prompt ran unchanged; now one value of one call of the next (one-row) pass moves
+    monkeypatch.setattr(inference, op, nudge(getattr(inference, op), [1, 0]))
+    out = first + [engine.decode(session, [int(np.argmax(first[-1][-1]))])]
+    for _ in range(STEPS - 1):
+        out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))
+    assert same_bits(out[:1], ref[:1])
+    assert not same_bits(out, ref)
+
+
+class _Exchange:
+    """Two ranks' partials added p0 + p1 (the pair's gate), across two threads."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(2)
+        self.slots: list[F32 | None] = [None, None]
+
+    def for_rank(self, rank: int) -> Callable[[int, Gate, F32], F32]:
+        def exchange(layer: int, gate: Gate, partial: F32) -> F32:
+            self.slots[rank] = partial.copy()
+            self.barrier.wait(timeout=60)
+            total = self.slots[0] + self.slots[1]  # type: ignore[operator]
+            self.barrier.wait(timeout=60)
+            return total
+
+        return exchange
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "olmoe", "qwen2"])
+def test_the_pair_equals_one_process_with_the_step(
+    models: dict[str, tuple[Any, dict[str, Param]]], name: str
+) -> None:
+    """Each rank runs its part's gates through the step's ATTN and FFN calls with the
+    exchange between them; one process runs whole layers: the same bits."""
+    cfg, params = models[name]
+    single = Engine(cfg, params)
+    assert len(single.parts) == 2 and single.layers_in_c == cfg.n_layer
+    ranks = [Engine(cfg, rank_weights(cfg, params, r, 2), rank=r, world=2) for r in range(2)]
+    assert all(e.layers_in_c == cfg.n_layer for e in ranks)
+    ex = _Exchange()
+    s_one = single.new_session()
+    s_pair: list[Session] = [e.new_session() for e in ranks]
+    with ThreadPoolExecutor(1) as pool:
+
+        def pair(tokens: list[int]) -> F32:
+            job = pool.submit(ranks[1].decode, s_pair[1], tokens, ex.for_rank(1))
+            half0 = ranks[0].decode(s_pair[0], tokens, ex.for_rank(0))
+            return np.concatenate([half0, job.result(timeout=60)], axis=1)
+
+        ref, got = single.decode(s_one, prompts(name)[1]), pair(prompts(name)[1])
+        assert ref.tobytes() == got.tobytes()
+        for _ in range(STEPS):
+            token = int(np.argmax(ref[-1]))
+            ref, got = single.decode(s_one, [token]), pair([token])
+            assert ref.tobytes() == got.tobytes()
+
+
+def test_float32_matrices_keep_the_single_operations(tmp_path: Path) -> None:
+    """numpy's float32 products are not the kernels': such a layer has no step in C."""
+    write_tiny(tmp_path / "llama.gguf", "llama")
+    m = load_gguf_stored(tmp_path / "llama.gguf")
+    engine = Engine(m.cfg, m.params)
+    assert engine.layers_in_c == 0 and not engine.step_in_c
