@@ -120,7 +120,7 @@ def test_a_moved_operation_is_seen(
     first = [engine.decode(session, prompts("gemma3")[0])]
     # the prompt ran unchanged; now one value of one call of the next (one-row) pass moves
     monkeypatch.setattr(inference, op, nudge(getattr(inference, op), [1, 0]))
-    out = first + [engine.decode(session, [int(np.argmax(first[-1][-1]))])]
+    out = [*first, engine.decode(session, [int(np.argmax(first[-1][-1]))])]
     for _ in range(STEPS - 1):
         out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))
     assert same_bits(out[:1], ref[:1])
