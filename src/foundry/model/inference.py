@@ -296,6 +296,12 @@ class Engine:
             _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
             if is_tied(cfg) else part.params["output.weight"] for part in self.parts
         ]
+        # A world-1 engine's parts' heads are consecutive row blocks of one stored matrix:
+        # one product over all of them gives each row's bits (the kernels' rows are their own
+        # dot products) without joining the blocks' logits (1 MB a token for Gemma).
+        whole = None if isinstance(weights, RankWeights) or len(self.parts) < 2 else (
+            self.replicated["token_embd.weight"] if is_tied(cfg) else weights["output.weight"])
+        self._head_all = whole if isinstance(whole, QTensor) and whole.ndim == 2 else None
         # One token's layer in one C call where the layer's matrices are stored blocks
         # (``_plan``); ``step_in_c`` False runs every step through the single operations.
         self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
@@ -486,10 +492,13 @@ class Engine:
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
         last = [b - 1 for _, b in spans] if last_only else None
-        head = [linear(hf, w)[last] if isinstance(w, np.ndarray) and last is not None
-                else linear(hf if last is None else hf[last], w)
-                for w in self._head]  # (n or sessions, V_part)
-        logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
+        if self._head_all is not None:
+            logits = linear(hf if last is None else hf[last], self._head_all)  # (n, V_out)
+        else:
+            head = [linear(hf, w)[last] if isinstance(w, np.ndarray) and last is not None
+                    else linear(hf if last is None else hf[last], w)
+                    for w in self._head]  # (n or sessions, V_part)
+            logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)
             session.pos += len(tokens)
