@@ -60,8 +60,138 @@ AVX2 static void add_scaled_avx2(float *o, float c, const float *v, int dh) {
 }
 #endif
 
+#if defined(FOUNDRY_X86)
+/* attend's operations, the same on every value, arranged for AVX2's latencies (dh a multiple of
+ * 8): scores of up to four heads of one kv head at two positions at once (eight independent
+ * 8-lane sums, each score's additions in its own order, finish8 after), float16 rows converted
+ * in registers (exactly, as f16_row), the maximum in vector registers (maxps keeps its second
+ * operand when the first is NaN: fmaxf's choice, and a maximum is exact in any order), and each
+ * output value summed over the positions in order in registers, four heads by 16 values. */
+
+/* Eight values of position row `at` (float32, or float16 converted) from i. */
+AVX2 INLINE __m256 row8(const void *base, int half, size_t at, int i) {
+    if (half)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at + i)));
+    return _mm256_loadu_ps((const float *)base + at + i);
+}
+
+/* p[h][s], p[h][s + 1] (NP positions) of NH heads from q rows qh (NH x dh) */
+AVX2 INLINE void scores_avx2(const float *qh, const void *k, int half, size_t at0, size_t at1,
+                             int dh, int nh, int np, float scale, float *ph, int n_pos, int s) {
+    __m256 acc[4][2];
+    for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+    for (int i = 0; i < dh; i += 8) {
+        const __m256 k0 = row8(k, half, at0, i), k1 = np > 1 ? row8(k, half, at1, i) : k0;
+        for (int h = 0; h < nh; h++) {
+            const __m256 qv = _mm256_loadu_ps(qh + (size_t)h * dh + i);
+            acc[h][0] = _mm256_add_ps(acc[h][0], _mm256_mul_ps(qv, k0));
+            if (np > 1) acc[h][1] = _mm256_add_ps(acc[h][1], _mm256_mul_ps(qv, k1));
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int b = 0; b < np; b++) ph[(size_t)h * n_pos + s + b] = finish8_avx2(acc[h][b]) * scale;
+}
+
+AVX2 static void scores_heads(const float *qh, const void *k, int half, size_t stride, size_t off,
+                              int n_pos, int dh, int nh, float scale, float *ph) {
+    int s = 0;
+    for (; s + 2 <= n_pos; s += 2) {
+        const size_t at0 = (size_t)s * stride + off, at1 = at0 + stride;
+        switch (nh) { /* constant head counts: the accumulators stay in registers */
+        case 4: scores_avx2(qh, k, half, at0, at1, dh, 4, 2, scale, ph, n_pos, s); break;
+        case 3: scores_avx2(qh, k, half, at0, at1, dh, 3, 2, scale, ph, n_pos, s); break;
+        case 2: scores_avx2(qh, k, half, at0, at1, dh, 2, 2, scale, ph, n_pos, s); break;
+        default: scores_avx2(qh, k, half, at0, at1, dh, 1, 2, scale, ph, n_pos, s); break;
+        }
+    }
+    for (; s < n_pos; s++) {
+        const size_t at0 = (size_t)s * stride + off;
+        for (int h = 0; h < nh; h++)
+            scores_avx2(qh + (size_t)h * dh, k, half, at0, at0, dh, 1, 1, scale,
+                        ph + (size_t)h * n_pos, n_pos, s);
+    }
+}
+
+/* o[h][i .. i + 16) = sum over s in order of p[h][s] v[s][i ..] for NH heads */
+AVX2 INLINE void values_avx2(const float *ph, const void *v, int half, size_t stride, size_t off,
+                             int n_pos, int dh, int nh, float *o) {
+    for (int i = 0; i < dh; i += 16) {
+        const int two = i + 16 <= dh;
+        __m256 acc[4][2];
+        for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (int s = 0; s < n_pos; s++) {
+            const size_t at = (size_t)s * stride + off;
+            const __m256 v0 = row8(v, half, at, i), v1 = two ? row8(v, half, at, i + 8) : v0;
+            for (int h = 0; h < nh; h++) {
+                const __m256 c = _mm256_set1_ps(ph[(size_t)h * n_pos + s]);
+                acc[h][0] = _mm256_add_ps(acc[h][0], _mm256_mul_ps(c, v0));
+                if (two) acc[h][1] = _mm256_add_ps(acc[h][1], _mm256_mul_ps(c, v1));
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            _mm256_storeu_ps(o + (size_t)h * dh + i, acc[h][0]);
+            if (two) _mm256_storeu_ps(o + (size_t)h * dh + i + 8, acc[h][1]);
+        }
+    }
+}
+
+AVX2 static void values_heads(const float *ph, const void *v, int half, size_t stride,
+                              size_t off, int n_pos, int dh, int nh, float *o) {
+    switch (nh) {
+    case 4: values_avx2(ph, v, half, stride, off, n_pos, dh, 4, o); break;
+    case 3: values_avx2(ph, v, half, stride, off, n_pos, dh, 3, o); break;
+    case 2: values_avx2(ph, v, half, stride, off, n_pos, dh, 2, o); break;
+    default: values_avx2(ph, v, half, stride, off, n_pos, dh, 1, o); break;
+    }
+}
+
+AVX2 static float max_avx2(const float *p, int n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int s = 0;
+    for (; s + 8 <= n; s += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(p + s), m8);
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, m8);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (; s < n; s++) m = p[s] > m ? p[s] : m; /* NaN is not greater: kept out, as fmaxf */
+    return m;
+}
+
+AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int half, int n_pos,
+                             int n_head, int n_kv, int dh, float *p, float *out) {
+    const float scale = (float)(1.0 / sqrt((double)dh));
+    const int group = n_head / n_kv;
+    const size_t stride = (size_t)n_kv * dh;
+    for (int g = 0; g < n_kv; g++)
+        for (int h = g * group; h < (g + 1) * group; h += 4) {
+            const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
+            scores_heads(q + (size_t)h * dh, k, half, stride, (size_t)g * dh, n_pos, dh, nh,
+                         scale, p + (size_t)h * n_pos);
+        }
+    for (int h = 0; h < n_head; h++) {
+        float *ph = p + (size_t)h * n_pos;
+        const float m = max_avx2(ph, n_pos);
+        exp_shifted_avx2(ph, n_pos, m);
+        float sum = 0.0f;
+        for (int s = 0; s < n_pos; s++) sum = sum + ph[s];
+        for (int s = 0; s < n_pos; s++) ph[s] = ph[s] / sum;
+    }
+    for (int g = 0; g < n_kv; g++)
+        for (int h = g * group; h < (g + 1) * group; h += 4) {
+            const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
+            values_heads(p + (size_t)h * n_pos, v, half, stride, (size_t)g * dh, n_pos, dh, nh,
+                         out + (size_t)h * dh);
+        }
+}
+#endif
+
 void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
             int n_kv, int dh, float *p, float *out) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && dh % 8 == 0) {
+        attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, p, out);
+        return;
+    }
+#endif
     float (*score)(const float *, const float *, int) = score_portable;
     void (*add_scaled)(float *, float, const float *, int) = add_scaled_portable;
     void (*exp_shifted)(float *, int, float) = exp_shifted_portable;

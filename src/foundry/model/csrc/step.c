@@ -31,21 +31,20 @@ static inline uint16_t half_bits(float x) {
 
 /* ---- one part's ATTN partial ---------------------------------------------------------------- */
 
-/* Room for one part's attention at n_pos positions (floats). */
-static size_t attn_room(const step_part *p, int n_pos, int dh) {
-    const size_t heads = (size_t)(p->q_keep[1] - p->q_keep[0]);
-    return (size_t)p->n_q + p->n_k + p->n_v + p->n_q + p->n_k + 2 * heads * dh +
-           (size_t)p->n_kv * dh + heads * n_pos + (size_t)p->n_kv * dh;
+/* Room for one part's Q, K and V rows (floats): the products, the norms' outputs, K turned. */
+static size_t qkv_room(const step_part *p, int dh) {
+    return 2 * ((size_t)p->n_q + p->n_k) + p->n_v + (size_t)p->n_kv * dh;
 }
 
-int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
-              const float *cos, const float *sin, float *out, float *room) {
+/* Part j's kept Q heads, normed and turned, into q (heads x dh); its K and V row written to the
+ * caches at pos (unless the part before wrote the same row: skip_kv). Engine._attention up to
+ * the attention itself. */
+static int attn_rows(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
+                     const float *cos, const float *sin, float *q, float *room) {
     const step_part *p = &l->parts[j];
     const int dh = l->dh, half = dh / 2;
     const int heads = p->q_keep[1] - p->q_keep[0], kv = p->k_keep[1] - p->k_keep[0];
-    float *y = room, *qn = y + p->n_q + p->n_k + p->n_v, *kn = qn + p->n_q;
-    float *q = kn + p->n_k, *o = q + (size_t)heads * dh, *k = o + (size_t)heads * dh;
-    float *scratch = k + (size_t)p->n_kv * dh;
+    float *y = room, *qn = y + p->n_q + p->n_k + p->n_v, *kn = qn + p->n_q, *k = kn + p->n_k;
     if (products(p->qkv, p->n_qkv, h, y) < 0) return -1;
     float *yq = y, *yk = y + p->n_q, *yv = y + p->n_q + p->n_k;
     if (p->bias[0] != NULL) {
@@ -77,26 +76,42 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
     }
     const float *c = cos + (size_t)pos * half, *s = sin + (size_t)pos * half;
     rope(qs, c, s, 1, heads, dh, l->neox, q);
-    const size_t stride = (size_t)p->n_kv * dh, size = l->half ? 2 : 4;
-    if (!p->skip_kv) { /* the row of the cache at pos (the part before shares it otherwise) */
-        rope(ks, c, s, 1, kv, dh, l->neox, k);
-        uint8_t *kd = (uint8_t *)kc + (size_t)pos * stride * size,
-                *vd = (uint8_t *)vc + (size_t)pos * stride * size;
-        if (l->half) {
-            uint16_t *k16 = (uint16_t *)kd, *v16 = (uint16_t *)vd;
-            for (size_t i = 0; i < stride; i++) {
-                k16[i] = half_bits(k[i]);
-                v16[i] = half_bits(yv[i]);
-            }
-        } else {
-            memcpy(kd, k, stride * 4);
-            memcpy(vd, yv, stride * 4);
+    if (p->skip_kv) return 0; /* the part before wrote this row of the cache they share */
+    rope(ks, c, s, 1, kv, dh, l->neox, k);
+    const size_t stride = (size_t)p->n_kv * dh;
+    if (l->half) {
+        uint16_t *k16 = (uint16_t *)kc + (size_t)pos * stride,
+                 *v16 = (uint16_t *)vc + (size_t)pos * stride;
+        for (size_t i = 0; i < stride; i++) {
+            k16[i] = half_bits(k[i]);
+            v16[i] = half_bits(yv[i]);
         }
+    } else {
+        memcpy((float *)kc + (size_t)pos * stride, k, stride * 4);
+        memcpy((float *)vc + (size_t)pos * stride, yv, stride * 4);
     }
+    return 0;
+}
+
+/* o (heads x dh) = the attention of q's heads at pos over the window (``attend``). */
+static void attn_heads(const step_layer *l, int n_kv, int heads, const float *q, int pos,
+                       const void *kc, const void *vc, float *o, float *room) {
+    const size_t stride = (size_t)n_kv * l->dh, size = l->half ? 2 : 4;
     const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
     attend(q, (const uint8_t *)kc + (size_t)first * stride * size,
            (const uint8_t *)vc + (size_t)first * stride * size, l->half, n_pos - first, heads,
-           p->n_kv, dh, scratch, o);
+           n_kv, l->dh, room, o);
+}
+
+static int heads_of(const step_part *p) { return p->q_keep[1] - p->q_keep[0]; }
+
+int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
+              const float *cos, const float *sin, float *out, float *room) {
+    const step_part *p = &l->parts[j];
+    const size_t hd = (size_t)heads_of(p) * l->dh;
+    float *q = room, *o = q + hd, *rest = o + hd;
+    if (attn_rows(l, j, h, pos, kc, vc, cos, sin, q, rest) < 0) return -1;
+    attn_heads(l, p->n_kv, heads_of(p), q, pos, kc, vc, o, rest);
     return matmul(p->out.type, p->out.w, p->out.row_bytes, p->out.rows, p->out.k, o, 1, out);
 }
 
@@ -115,16 +130,30 @@ int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room
 }
 
 size_t step_room(const step_layer *l, int n_pos) {
-    size_t most = 0;
+    size_t most = 0, heads = 0;
+    int n_kv = 0;
     for (int j = 0; j < l->n_parts; j++) {
-        const size_t a = attn_room(&l->parts[j], n_pos, l->dh), f = 3 * (size_t)l->parts[j].n_ff;
+        const step_part *p = &l->parts[j];
+        const size_t a = qkv_room(p, l->dh), f = 3 * (size_t)p->n_ff;
         most = a > most ? a : most;
         most = f > most ? f : most;
+        heads += heads_of(p);
+        n_kv = p->n_kv > n_kv ? p->n_kv : n_kv;
     }
-    return most + 4 * (size_t)l->d; /* + h, a partial, the sum, a norm */
+    /* + the heads' Q and outputs, attend's scores and row; h, a partial, the sum, a norm */
+    return most + 2 * heads * l->dh + heads * n_pos + (size_t)n_kv * l->dh + 4 * (size_t)l->d;
 }
 
 /* ---- the whole layer, every part in this process (no exchange) ------------------------------ */
+
+/* Whether the parts attend over one shared cache of one kv head (a replicated kv head): every
+ * head then reads kv head 0 whichever part it is in, and attend's heads are independent of one
+ * another (each its own scores, softmax and sums), so one pass over the cache for all the
+ * parts' heads gives each head the bits of its part's own pass. */
+static int one_pass(const step_layer *l) {
+    return l->n_parts == 2 && l->parts[1].skip_kv && l->parts[0].n_kv == 1 &&
+           l->parts[1].n_kv == 1;
+}
 
 /* x (d) += the layer: forward_rows' loop body for one row. */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
@@ -133,13 +162,30 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
     float *h = room, *part = h + d, *sum = part + d, *normed = sum + d, *rest = normed + d;
     for (int gate = 0; gate < 2; gate++) {
         rmsnorm(x, gate ? l->ffn_norm : l->attn_norm, 1, d, l->eps, h);
-        for (int j = 0; j < l->n_parts; j++) {
-            const int rc = gate ? step_ffn(l, j, h, j ? part : sum, rest)
-                                : step_attn(l, j, h, pos, kc[j], vc[j], cos, sin, j ? part : sum,
-                                            rest);
-            if (rc < 0) return -1;
-            if (j) /* _sum: the partials added in rank order */
-                for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+        if (!gate && one_pass(l)) {
+            const size_t h0 = (size_t)heads_of(&l->parts[0]) * l->dh,
+                         hd = h0 + (size_t)heads_of(&l->parts[1]) * l->dh;
+            float *q = rest, *o = q + hd, *more = o + hd;
+            for (int j = 0; j < 2; j++)
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), more) < 0)
+                    return -1;
+            attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o, more);
+            for (int j = 0; j < 2; j++) {
+                const step_mat *m = &l->parts[j].out;
+                if (matmul(m->type, m->w, m->row_bytes, m->rows, m->k, o + (j ? h0 : 0), 1,
+                           j ? part : sum) < 0)
+                    return -1;
+            }
+            for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+        } else {
+            for (int j = 0; j < l->n_parts; j++) {
+                const int rc = gate ? step_ffn(l, j, h, j ? part : sum, rest)
+                                    : step_attn(l, j, h, pos, kc[j], vc[j], cos, sin,
+                                                j ? part : sum, rest);
+                if (rc < 0) return -1;
+                if (j) /* _sum: the partials added in rank order */
+                    for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+            }
         }
         const float *post = gate ? l->post_ffn : l->post_attn, *add = sum;
         if (post != NULL) {
