@@ -498,6 +498,39 @@ def test_attention_of_a_row_against_its_cache_equals_the_layer(
     np.testing.assert_allclose(got, want[0, 0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize(("n_head", "n_kv", "dh", "n_pos"), [
+    (4, 1, 256, 515), (2, 1, 256, 2), (9, 3, 32, 38), (5, 1, 24, 7), (7, 7, 8, 1), (6, 2, 40, 19)])
+def test_attention_on_every_path_is_portable_c_bit_for_bit(
+    n_head: int, n_kv: int, dh: int, n_pos: int, half: bool
+) -> None:
+    """The SIMD attention (heads and positions several at a time) against the portable C:
+    head groups of 1 to 4 and more, odd positions, dh not a multiple of 16; a NaN key."""
+    kernels = quant._kernels
+    assert kernels is not None
+    rng = np.random.default_rng(n_pos)
+    dtype = np.float16 if half else np.float32
+    k = (4 * rng.standard_normal((n_pos, n_kv, dh))).astype(dtype)
+    v = rng.standard_normal((n_pos, n_kv, dh)).astype(dtype)
+    v[0, 0, :3] = [0.0, -0.0, 65504.0 if half else 1e30]
+    q = 2 * rng.standard_normal((n_head, dh), dtype=np.float32)
+    for nan in (False, True):
+        if nan:
+            k[n_pos // 2, 0, 1] = np.nan
+        outs = []
+        for path in ("best", "portable"):
+            kernels.use(path)
+            try:
+                out = np.empty_like(q)
+                quant.attend(q, k, v, n_pos, out)
+            finally:
+                kernels.use("best")
+            outs.append(out)
+        assert outs[0].tobytes() == outs[1].tobytes()
+        assert np.isnan(outs[0][0, 0]) == nan  # kv head 0's heads, not the others'
+        assert np.isnan(outs[0][-1]).any() == (nan and n_kv == 1)
+
+
 def test_attention_refuses_a_cache_shorter_than_its_positions() -> None:
     assert quant._kernels is not None
     q = np.zeros((8, 64), np.float32)
