@@ -336,12 +336,14 @@ typedef struct { /* what one part holds of a layer (inference._PartLayer) */
 
 typedef struct {
     int d, dh, half, neox, qk_norm, window, gelu, n_parts;
+    int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
     float eps;
     const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
     step_part parts[2];
 } step_layer;
 
 size_t step_room(const step_layer *l, int n_pos);
+int step_gelu16(const float *table);
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room);
 int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room);

@@ -428,6 +428,7 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
         step_fail("one or two parts");
         goto fail;
     }
+    l->gelu16 = l->gelu && step_gelu16(l->gelu_table);
     l->n_parts = (int)PyTuple_GET_SIZE(parts);
     for (int j = 0; j < l->n_parts; j++)
         if (!parse_part(PyTuple_GET_ITEM(parts, j), l, &l->parts[j])) goto fail;

@@ -115,6 +115,57 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
     return matmul(p->out.type, p->out.w, p->out.row_bytes, p->out.rows, p->out.k, o, 1, out);
 }
 
+/* ---- GELU of the FFN --------------------------------------------------------------------------- */
+
+/* The GELU table's values are float16 values (arch.gelu_table rounds them): kept as their
+ * float16 bits they take half the cache lines, which the streamed weights keep evicting
+ * between two layers (the lookups of one row were most of geglu's time). Filled once from the
+ * float32 table, if every value geglu can look up (|x| < 10, or NaN) is a float16 exactly. */
+static uint16_t gelu16[65536 + 2]; /* + 2: a 32-bit load of the last entry */
+static int gelu16_ready;
+
+int step_gelu16(const float *table) {
+    uint16_t copy[65536];
+    for (int c = 0; c < 65536; c++) {
+        const float x = f16_table[c], t = table[c];
+        copy[c] = f16_bits(t);
+        if (x != x) { /* a NaN looks up its own code in geglu, F16C's code here: the same value */
+            if (memcmp(&t, &table[0x7E00 | (c & 0x8000)], 4) != 0) return 0;
+        } else if (fabsf(x) >= 10.0f) {
+            continue; /* never looked up */
+        }
+        if (memcmp(&f16_table[copy[c]], &t, 4) != 0) return 0;
+    }
+    if (gelu16_ready) /* filled from the same table (arch.gelu_table is built once) */
+        return memcmp(copy, gelu16, sizeof copy) == 0;
+    memcpy(gelu16, copy, sizeof copy);
+    gelu16_ready = 1;
+    return 1;
+}
+
+#if defined(FOUNDRY_X86)
+/* geglu (decode.c) with the float16 bits of g by F16C (round to nearest even: f16_bits, and a
+ * NaN's bits, whichever, look up 0) and the table's float16 value converted exactly. */
+AVX2 static void geglu16_avx2(const float *gu, int f, float *out) {
+    const float *g = gu, *u = gu + f;
+    for (int i = 0; i < f; i++) {
+        const float x = g[i];
+        const float act = x <= -10.0f ? 0.0f : (x >= 10.0f ? x : _cvtsh_ss(gelu16[_cvtss_sh(x, 0)]));
+        out[i] = act * u[i];
+    }
+}
+#endif
+
+static void geglu_row(const step_layer *l, const float *gu, int f, float *out) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && l->gelu16) {
+        geglu16_avx2(gu, f, out);
+        return;
+    }
+#endif
+    geglu(gu, l->gelu_table, 1, f, out);
+}
+
 /* ---- one part's FFN partial (dense) ---------------------------------------------------------- */
 
 int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room) {
@@ -123,7 +174,7 @@ int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room
     float *gu = room, *a = gu + 2 * (size_t)f;
     if (products(p->gate_up, p->n_gate_up, h, gu) < 0) return -1;
     if (l->gelu)
-        geglu(gu, l->gelu_table, 1, f, a);
+        geglu_row(l, gu, f, a);
     else
         swiglu(gu, 1, f, a);
     return matmul(p->down.type, p->down.w, p->down.row_bytes, p->down.rows, p->down.k, a, 1, out);
