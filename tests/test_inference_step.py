@@ -176,6 +176,21 @@ def test_the_pair_equals_one_process_with_the_step(
             assert ref.tobytes() == got.tobytes()
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_layers_in_c_among_float32_layers(
+    models: dict[str, tuple[Any, dict[str, Param]]], name: str, tmp_path: Path
+) -> None:
+    """Layer 0 stored as blocks, the others float32 (numpy's products): layer 0 alone runs in
+    C, one call of its own, the rest as single operations; the same bits as all single."""
+    cfg, params = models[name]
+    write_tiny(tmp_path / "f.gguf", name)
+    plain = load_gguf_stored(tmp_path / "f.gguf").params
+    mixed = {n: p if n.startswith("blk.0.") else plain[n] for n, p in params.items()}
+    engine = Engine(cfg, mixed, kv_cache=KVCache.F16)
+    assert engine.layers_in_c == 1 and engine._plans[0] is not None
+    assert same_bits(run(engine, name, True), run(engine, name, False))
+
+
 def test_float32_matrices_keep_the_single_operations(tmp_path: Path) -> None:
     """numpy's float32 products are not the kernels': such a layer has no step in C."""
     write_tiny(tmp_path / "llama.gguf", "llama")

@@ -88,6 +88,7 @@ from foundry.model.quant import (
     step_attn,
     step_ffn,
     step_layer,
+    step_layers,
     step_mat,
     step_plan,
     swiglu,
@@ -308,6 +309,8 @@ class Engine:
         self._whole = [plan is not None and all(p[i].dense is not None for p in self._layers)
                        for i, plan in enumerate(self._plans)]
         self.step_in_c = any(plan is not None for plan in self._plans)
+        self._all_whole: tuple[StepPlan, ...] | None = (
+            tuple(self._plans) if all(self._whole) else None)
 
     def _rope_tables(self, n_pos: int) -> None:
         for base in set(self._bases):
@@ -462,7 +465,12 @@ class Engine:
         parts = range(len(self.parts))
         step = len(ids) == 1 and self.step_in_c  # one token: each layer's step in C
         session = rows[0][0]
-        for i, dense in enumerate(self._dense):
+        layers = self._dense
+        if step and exchange is None and self._all_whole is not None:  # all in one call
+            step_layers(self._all_whole, x, session.pos, session.k, session.v,
+                        tuple(self._rope[base] for base in self._bases))
+            layers = []
+        for i, dense in enumerate(layers):
             cos, sin = tables[self._bases[i]]
             plan = self._plans[i] if step else None
             if plan is not None:

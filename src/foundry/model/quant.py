@@ -21,6 +21,7 @@ when a row is not a multiple of 256.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -375,6 +376,15 @@ def step_layer(plan: StepPlan, x: F32, pos: int, k: tuple[npt.NDArray[Any], ...]
     """x (1, D) += the layer at position pos, every part in turn (their caches k, v)."""
     assert _kernels is not None
     _kernels.step_layer(plan, x, pos, k, v, cos, sin)
+
+
+def step_layers(plans: tuple[StepPlan, ...], x: F32, pos: int,
+                k: Sequence[Sequence[npt.NDArray[Any]]], v: Sequence[Sequence[npt.NDArray[Any]]],
+                tables: tuple[tuple[F32, F32], ...]) -> None:
+    """``step_layer`` of each plan in turn (layer i: caches k[i], v[i], rope tables[i]), in
+    one call."""
+    assert _kernels is not None
+    _kernels.step_layers(plans, x, pos, k, v, tables)
 
 
 def step_attn(plan: StepPlan, j: int, h: F32, pos: int, k: npt.NDArray[Any],

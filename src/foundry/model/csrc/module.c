@@ -478,24 +478,26 @@ static float *step_alloc(const step_layer *l, int pos) {
     return room;
 }
 
-PyDoc_STRVAR(step_layer_doc,
-             "step_layer(plan, x, pos, k_caches, v_caches, cos, sin): x (d float32) += the "
-             "layer for the token at position pos, every part in turn (caches: one per part).");
-
-static PyObject *py_step_layer(PyObject *self, PyObject *args) {
-    PyObject *capsule, *kt, *vt;
-    int pos;
-    Py_buffer x, cos, sin, k[2], v[2];
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Ow*iO!O!y*y*", &capsule, &x, &pos, &PyTuple_Type, &kt,
-                          &PyTuple_Type, &vt, &cos, &sin))
-        return NULL;
+/* x += the layer of plan `capsule` at pos, its parts' caches the items of the sequences kt, vt
+ * and its rope tables cos_o, sin_o: step_whole with the buffers checked. 0, or -1 with an
+ * exception set. */
+static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyObject *vt,
+                     PyObject *cos_o, PyObject *sin_o) {
     const step_layer *l = plan_of(capsule);
-    int held = 0;
-    PyObject *result = NULL;
-    if (l == NULL || !fits("x", &x, (Py_ssize_t)l->d * 4) || !check_tables(l, &cos, &sin, pos))
+    if (l == NULL) return -1;
+    Py_buffer k[2], v[2], cos, sin;
+    int held = 0, tables = 0, rc = -1;
+    PyObject *kf = PySequence_Fast(kt, "step_layer: caches as a sequence"), *vf = NULL;
+    if (kf == NULL || (vf = PySequence_Fast(vt, "step_layer: caches as a sequence")) == NULL)
         goto done;
-    if (PyTuple_GET_SIZE(kt) != l->n_parts || PyTuple_GET_SIZE(vt) != l->n_parts) {
+    if (PyObject_GetBuffer(cos_o, &cos, PyBUF_SIMPLE) < 0) goto done;
+    if (PyObject_GetBuffer(sin_o, &sin, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&cos);
+        goto done;
+    }
+    tables = 1;
+    if (!fits("x", x, (Py_ssize_t)l->d * 4) || !check_tables(l, &cos, &sin, pos)) goto done;
+    if (PySequence_Fast_GET_SIZE(kf) != l->n_parts || PySequence_Fast_GET_SIZE(vf) != l->n_parts) {
         PyErr_Format(PyExc_ValueError, "step_layer: %d parts need one cache each", l->n_parts);
         goto done;
     }
@@ -504,8 +506,9 @@ static PyObject *py_step_layer(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "step_layer: a part without a dense FFN");
             goto done;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(kt, j), &k[j], PyBUF_WRITABLE) < 0) goto done;
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(vt, j), &v[j], PyBUF_WRITABLE) < 0) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(kf, j), &k[j], PyBUF_WRITABLE) < 0)
+            goto done;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(vf, j), &v[j], PyBUF_WRITABLE) < 0) {
             PyBuffer_Release(&k[j]);
             goto done;
         }
@@ -514,27 +517,82 @@ static PyObject *py_step_layer(PyObject *self, PyObject *args) {
     }
     float *room = step_alloc(l, pos);
     if (room == NULL) goto done;
-    void *kc[2] = {k[0].buf, held > 1 ? k[1].buf : NULL}, *vc[2] = {v[0].buf,
-                                                                     held > 1 ? v[1].buf : NULL};
-    int rc;
+    void *kc[2] = {k[0].buf, held > 1 ? k[1].buf : NULL},
+         *vc[2] = {v[0].buf, held > 1 ? v[1].buf : NULL};
     Py_BEGIN_ALLOW_THREADS
-    rc = step_whole(l, x.buf, pos, kc, vc, cos.buf, sin.buf, room);
+    rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room);
     Py_END_ALLOW_THREADS
     free(room);
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    if (rc < 0) PyErr_NoMemory();
 done:
     for (int j = 0; j < held; j++) {
         PyBuffer_Release(&k[j]);
         PyBuffer_Release(&v[j]);
     }
+    if (tables) {
+        PyBuffer_Release(&cos);
+        PyBuffer_Release(&sin);
+    }
+    Py_XDECREF(kf);
+    Py_XDECREF(vf);
+    return rc;
+}
+
+PyDoc_STRVAR(step_layer_doc,
+             "step_layer(plan, x, pos, k_caches, v_caches, cos, sin): x (d float32) += the "
+             "layer for the token at position pos, every part in turn (caches: one per part).");
+
+static PyObject *py_step_layer(PyObject *self, PyObject *args) {
+    PyObject *capsule, *kt, *vt, *cos, *sin;
+    int pos;
+    Py_buffer x;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ow*iOOOO", &capsule, &x, &pos, &kt, &vt, &cos, &sin))
+        return NULL;
+    const int rc = run_layer(capsule, &x, pos, kt, vt, cos, sin);
     PyBuffer_Release(&x);
-    PyBuffer_Release(&cos);
-    PyBuffer_Release(&sin);
-    return result;
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
+}
+
+PyDoc_STRVAR(step_layers_doc,
+             "step_layers(plans, x, pos, k_caches, v_caches, tables): step_layer for each plan "
+             "in turn, layer i with k_caches[i], v_caches[i] and tables[i] = (cos, sin).");
+
+static PyObject *py_step_layers(PyObject *self, PyObject *args) {
+    PyObject *plans, *ks, *vs, *tables;
+    int pos;
+    Py_buffer x;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!w*iOOO!", &PyTuple_Type, &plans, &x, &pos, &ks, &vs,
+                          &PyTuple_Type, &tables))
+        return NULL;
+    PyObject *kf = PySequence_Fast(ks, "step_layers: caches as a sequence"), *vf = NULL;
+    int rc = -1;
+    if (kf == NULL || (vf = PySequence_Fast(vs, "step_layers: caches as a sequence")) == NULL)
+        goto done;
+    const Py_ssize_t n = PyTuple_GET_SIZE(plans);
+    if (PySequence_Fast_GET_SIZE(kf) != n || PySequence_Fast_GET_SIZE(vf) != n ||
+        PyTuple_GET_SIZE(tables) != n) {
+        PyErr_Format(PyExc_ValueError, "step_layers: %zd plans need caches and tables each", n);
+        goto done;
+    }
+    rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        PyObject *t = PyTuple_GET_ITEM(tables, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 2) {
+            PyErr_SetString(PyExc_ValueError, "step_layers: tables of (cos, sin)");
+            rc = -1;
+            break;
+        }
+        rc = run_layer(PyTuple_GET_ITEM(plans, i), &x, pos, PySequence_Fast_GET_ITEM(kf, i),
+                       PySequence_Fast_GET_ITEM(vf, i), PyTuple_GET_ITEM(t, 0),
+                       PyTuple_GET_ITEM(t, 1));
+    }
+done:
+    Py_XDECREF(kf);
+    Py_XDECREF(vf);
+    PyBuffer_Release(&x);
+    return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(step_attn_doc,
@@ -665,6 +723,7 @@ static PyMethodDef methods[] = {
     {"combine", py_combine, METH_VARARGS, combine_doc},
     {"step_plan", py_step_plan, METH_VARARGS, step_plan_doc},
     {"step_layer", py_step_layer, METH_VARARGS, step_layer_doc},
+    {"step_layers", py_step_layers, METH_VARARGS, step_layers_doc},
     {"step_attn", py_step_attn, METH_VARARGS, step_attn_doc},
     {"step_ffn", py_step_ffn, METH_VARARGS, step_ffn_doc},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
