@@ -21,7 +21,7 @@ import numpy.typing as npt
 import pytest
 from published import TINY, prompts, write_tiny
 
-from foundry.model import inference
+from foundry.model import inference, quant
 from foundry.model.gguf_io import load_gguf_stored
 from foundry.model.inference import Engine, Gate, KVCache, Session
 from foundry.model.quant import Param, QTensor, QType, dequantize, quantize
@@ -189,6 +189,24 @@ def test_layers_in_c_among_float32_layers(
     engine = Engine(cfg, mixed, kv_cache=KVCache.F16)
     assert engine.layers_in_c == 1 and engine._plans[0] is not None
     assert same_bits(run(engine, name, True), run(engine, name, False))
+
+
+def test_without_the_c_module_the_numpy_fallback_decodes(
+    models: dict[str, tuple[Any, dict[str, Param]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No C module: no step, the single operations' numpy fallback (dequantized products),
+    close to the kernels' logits (they quantize each input to int8)."""
+    cfg, params = models["gemma3"]
+    want = run(Engine(cfg, params), "gemma3", True)
+    monkeypatch.setattr(quant, "_kernels", None)
+    engine = Engine(cfg, params)
+    assert engine.layers_in_c == 0 and not engine.step_in_c
+    session = engine.new_session()
+    got = [engine.decode(session, prompts("gemma3")[0])]
+    for step in range(1, STEPS + 1):  # the kernels' tokens, so both see the same history
+        got.append(engine.decode(session, [int(np.argmax(want[step - 1][-1]))]))
+    for a, b in zip(got, want, strict=True):
+        assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99
 
 
 def test_float32_matrices_keep_the_single_operations(tmp_path: Path) -> None:

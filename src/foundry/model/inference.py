@@ -70,7 +70,6 @@ from foundry.model.arch import (
 from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.quant import (
-    HAS_STEP,
     Param,
     QTensor,
     StepPlan,
@@ -81,6 +80,7 @@ from foundry.model.quant import (
     dequantize,
     embed,
     geglu,
+    has_step,
     linear,
     rmsnorm,
     rope,
@@ -327,7 +327,7 @@ class Engine:
         A part whose K and V rows are the part before's (a replicated kv head: the same rows
         of the same bytes, cached in the one shared array) computes only its Q rows: the
         part before has written the same values to the same cache row."""
-        if not HAS_STEP:
+        if not has_step():
             return None
         cfg, dense = self.cfg, self._dense[layer]
         parts = []

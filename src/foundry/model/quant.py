@@ -339,8 +339,10 @@ def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
 # order, so the bits are theirs. Without the C module there is no plan: the engine's path of
 # single operations runs instead.
 
-HAS_STEP: bool = _kernels is not None
-"""Whether ``step_plan`` can describe layers here (the C module is built)."""
+def has_step() -> bool:
+    """Whether ``step_plan`` can describe layers here (the C module is built and in use)."""
+    return _kernels is not None
+
 
 StepPlan = Any
 """An opaque plan of one layer (a capsule of the C module)."""
