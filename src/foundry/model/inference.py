@@ -297,12 +297,15 @@ class Engine:
             _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
             if is_tied(cfg) else part.params["output.weight"] for part in self.parts
         ]
-        # A world-1 engine's parts' heads are consecutive row blocks of one stored matrix:
-        # one product over all of them gives each row's bits (the kernels' rows are their own
-        # dot products) without joining the blocks' logits (1 MB a token for Gemma).
+        # A world-1 engine's parts' heads are consecutive row blocks of one stored matrix
+        # (views of it: holding it costs nothing): one product over all of them gives each
+        # row's bits (the kernels' rows are their own dot products) without joining the
+        # blocks' logits (1 MB a token for Gemma).
         whole = None if isinstance(weights, RankWeights) or len(self.parts) < 2 else (
             self.replicated["token_embd.weight"] if is_tied(cfg) else weights["output.weight"])
-        self._head_all = whole if isinstance(whole, QTensor) and whole.ndim == 2 else None
+        self._head_all = whole if isinstance(whole, QTensor) and whole.ndim == 2 and all(
+            isinstance(h, QTensor) and np.may_share_memory(h.data, whole.data)
+            for h in self._head) else None
         # One token's layer in one C call where the layer's matrices are stored blocks
         # (``_plan``); ``step_in_c`` False runs every step through the single operations.
         self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
