@@ -461,7 +461,6 @@ class Engine:
         if self.world > 1 and exchange is None:
             raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
         ids, pos, spans = check_rows(self.id, self.cfg.n_vocab, rows)
-        tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()}  # (n, Dh/2)
         x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
         if self.arch.embed_scale:
             x = x * np.float32(np.sqrt(np.float32(cfg.n_embd)))
@@ -473,6 +472,8 @@ class Engine:
             step_layers(self._all_whole, x, session.pos, session.k, session.v,
                         tuple(self._rope[base] for base in self._bases))
             layers = []
+        tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()} if layers \
+            else {}  # (n, Dh/2)
         for i, dense in enumerate(layers):
             cos, sin = tables[self._bases[i]]
             plan = self._plans[i] if step else None
