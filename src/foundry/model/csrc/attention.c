@@ -68,6 +68,66 @@ AVX2 static void add_scaled_avx2(float *o, float c, const float *v, int dh) {
  * operand when the first is NaN: fmaxf's choice, and a maximum is exact in any order), and each
  * output value summed over the positions in order in registers, four heads by 16 values. */
 
+#define AVX512A __attribute__((target("avx2,f16c,avx512f,avx512vl")))
+
+/* Eight values of each of two position rows (at0, at1) from i: one register, at0's low. */
+AVX512A INLINE __m512 rows8x2(const void *base, int half, size_t at0, size_t at1, int i) {
+    if (half) {
+        const uint16_t *h = (const uint16_t *)base;
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(h + at0 + i))),
+            _mm_loadu_si128((const __m128i *)(h + at1 + i)), 1));
+    }
+    const float *f = (const float *)base;
+    return _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(f + at0 + i))),
+        _mm256_castps_pd(_mm256_loadu_ps(f + at1 + i)), 1));
+}
+
+/* scores_avx2 on AVX-512: eight positions of up to four heads, two positions a register (each
+ * position's eight lanes in a half, the same additions), finish8 of each half after. */
+AVX512A INLINE void scores_512_t(const float *qh, const void *k, int half, size_t stride,
+                                 size_t off, int s, int dh, int nh, float scale, float *ph,
+                                 int n_pos) {
+    __m512 acc[4][4];
+    for (int h = 0; h < 4; h++)
+        for (int b = 0; b < 4; b++) acc[h][b] = _mm512_setzero_ps();
+    for (int i = 0; i < dh; i += 8) {
+        __m512 kz[4];
+        for (int b = 0; b < 4; b++)
+            kz[b] = rows8x2(k, half, (size_t)(s + 2 * b) * stride + off,
+                            (size_t)(s + 2 * b + 1) * stride + off, i);
+        for (int h = 0; h < nh; h++) {
+            const __m512 qz = _mm512_castpd_ps(
+                _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qh + (size_t)h * dh + i))));
+            for (int b = 0; b < 4; b++) acc[h][b] = _mm512_add_ps(acc[h][b], _mm512_mul_ps(qz, kz[b]));
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int b = 0; b < 4; b++) {
+            const __m256 lo = _mm512_castps512_ps256(acc[h][b]),
+                         hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][b]), 1));
+            ph[(size_t)h * n_pos + s + 2 * b] = finish8_avx2(lo) * scale;
+            ph[(size_t)h * n_pos + s + 2 * b + 1] = finish8_avx2(hi) * scale;
+        }
+}
+
+/* The positions scores_512_t takes (eight at a time); returns where the rest start. */
+AVX512A static int scores_heads_512(const float *qh, const void *k, int half, size_t stride,
+                                    size_t off, int n_pos, int dh, int nh, float scale,
+                                    float *ph) {
+    int s = 0;
+    for (; s + 8 <= n_pos; s += 8) {
+        switch (nh) {
+        case 4: scores_512_t(qh, k, half, stride, off, s, dh, 4, scale, ph, n_pos); break;
+        case 3: scores_512_t(qh, k, half, stride, off, s, dh, 3, scale, ph, n_pos); break;
+        case 2: scores_512_t(qh, k, half, stride, off, s, dh, 2, scale, ph, n_pos); break;
+        default: scores_512_t(qh, k, half, stride, off, s, dh, 1, scale, ph, n_pos); break;
+        }
+    }
+    return s;
+}
+
 /* Eight values of position row `at` (float32, or float16 converted) from i. */
 AVX2 INLINE __m256 row8(const void *base, int half, size_t at, int i) {
     if (half)
@@ -93,8 +153,8 @@ AVX2 INLINE void scores_avx2(const float *qh, const void *k, int half, size_t at
 }
 
 AVX2 static void scores_heads(const float *qh, const void *k, int half, size_t stride, size_t off,
-                              int n_pos, int dh, int nh, float scale, float *ph) {
-    int s = 0;
+                              int from, int n_pos, int dh, int nh, float scale, float *ph) {
+    int s = from;
     for (; s + 2 <= n_pos; s += 2) {
         const size_t at0 = (size_t)s * stride + off, at1 = at0 + stride;
         switch (nh) { /* constant head counts: the accumulators stay in registers */
@@ -148,7 +208,6 @@ AVX2 static void values_heads(const float *ph, const void *v, int half, size_t s
 /* values_avx2 on AVX-512 (32 registers): 64 values of four heads at once, so each position's
  * probabilities are broadcast once per 64 values and its row read in whole cache lines; the
  * same multiplications and additions on every value. */
-#define AVX512A __attribute__((target("avx2,f16c,avx512f,avx512vl")))
 
 AVX512A INLINE __m512 row16(const void *base, int half, size_t at, int i) {
     if (half)
@@ -207,8 +266,12 @@ AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int h
     for (int g = 0; g < n_kv; g++)
         for (int h = g * group; h < (g + 1) * group; h += 4) {
             const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
-            scores_heads(q + (size_t)h * dh, k, half, stride, (size_t)g * dh, n_pos, dh, nh,
-                         scale, p + (size_t)h * n_pos);
+            const int from = use_512 ? scores_heads_512(q + (size_t)h * dh, k, half, stride,
+                                                        (size_t)g * dh, n_pos, dh, nh, scale,
+                                                        p + (size_t)h * n_pos)
+                                     : 0;
+            scores_heads(q + (size_t)h * dh, k, half, stride, (size_t)g * dh, from, n_pos, dh,
+                         nh, scale, p + (size_t)h * n_pos);
         }
     for (int h = 0; h < n_head; h++) {
         float *ph = p + (size_t)h * n_pos;
