@@ -142,14 +142,13 @@ def single_process(
 ) -> tuple[list[int], float, dict[str, float]]:
     """Greedy decode in one process: the tokens (up to an end-of-generation token in ``eog``,
     included, as the leader emits it), the decode tokens/s (after the prompt), and the balance
-    of the two halves it evaluates (see ``Balance``)."""
+    of the two halves it evaluates (see ``Balance``; timed on the single operations)."""
     m = load_gguf_stored(model)
     engine = Engine(m.cfg, m.params, expert_split=mode)
     del m
     s = engine.new_session()
     logits = engine.decode(s, prompt)[-1]
     out = [sample(logits, 0.0)]
-    balance = Balance(engine)
     steps: list[float] = []
     t0 = time.perf_counter()
     while len(out) < n and out[-1] not in eog:
@@ -157,7 +156,18 @@ def single_process(
         out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
         steps.append(time.perf_counter() - t1)
     elapsed = time.perf_counter() - t0
-    summary = balance.summary(steps)
+    # The halves' shares are timed on the single operations (a token's step in C runs them in
+    # one call): the same tokens again with ``step_in_c`` off.
+    engine.step_in_c = False
+    balance = Balance(engine)
+    s = engine.new_session()
+    engine.decode(s, prompt)
+    op_steps: list[float] = []
+    for token in out[:-1]:
+        t1 = time.perf_counter()
+        engine.decode(s, [token])
+        op_steps.append(time.perf_counter() - t1)
+    summary = balance.summary(op_steps)
     summary["step_ms"] = float(np.median(steps)) * 1e3 if steps else float("nan")
     # The output head alone, each part's vocabulary block: one row through it, median of 5.
     row = np.random.default_rng(0).standard_normal((1, engine.cfg.n_embd), dtype=np.float32)
