@@ -22,7 +22,7 @@ Sections (``--only`` picks some; all run by default, in this order):
            samples/s. Target >= 0.9. ``--mixed-coordinator-args=--overlap`` adds coordinator
            flags, ``--mixed-timelines`` prints each process's phases and the rounds;
            ``--mixed-fast-args "" --mixed-slow-args "--slowdown 20"`` runs the same mix of
-           speeds on CPUs alone.
+           speeds on CPUs alone; ``--mixed-pin`` keeps each process on cores of its own.
 ``parity`` the CI parity checks on ``--parity-device`` (cuda by default) with TF32 off: the
            torch loss within 1e-5 relative of numpy's at f32 and every gradient within 1e-4
            (of the tensor's largest), with and without a shared expert; the backend's
@@ -260,9 +260,11 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
 # --- mixed ---------------------------------------------------------------------------------
 
 
-def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -> float:
-    """samples/s of a coordinator with these workers (their extra flags), steady state; with
-    ``--mixed-timelines`` every process writes its timeline and the phases are printed."""
+def swarm_rate(work: Path, workers: list[tuple[list[str], str]], args: argparse.Namespace
+               ) -> float:
+    """samples/s of a coordinator with these workers (their extra flags, and the cores
+    ``--mixed-pin`` keeps them on), steady state; with ``--mixed-timelines`` every process
+    writes its timeline and the phases are printed."""
     from live import Service, swarm_status
 
     work.mkdir(parents=True)
@@ -270,6 +272,7 @@ def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -
     h = args.mixed_sync_every
     trace = (lambda name: ["--timeline", str(work / f"{name}.trace.json")]
              ) if args.mixed_timelines else (lambda name: [])
+    pin = (lambda cores: ["taskset", "-c", cores]) if args.mixed_pin else (lambda cores: [])
     coord = Service("coordinator", [
         "coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
         "--checkpoint-dir", str(work / "ckpt"), "--preset", "small",
@@ -277,12 +280,13 @@ def swarm_rate(work: Path, workers: list[list[str]], args: argparse.Namespace) -
         "--sync-every", str(h), "--max-steps", str(h * (total + 50)),
         "--checkpoint-every", "100000", "--validate-every", "100000",
         "--min-workers", str(len(workers)), *args.mixed_coordinator_args.split(),
-        *trace("coordinator")], work / "coordinator.log")
+        *trace("coordinator")], work / "coordinator.log", prefix=pin("0-1"))
     m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+)")
     port, admin = int(m.group(1)), int(m.group(2))
     procs = [Service(f"w{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id",
-                               f"w{i}", *extra, *trace(f"w{i}")], work / f"w{i}.log")
-             for i, extra in enumerate(workers)]
+                               f"w{i}", *extra, *trace(f"w{i}")], work / f"w{i}.log",
+                     prefix=pin(cores))
+             for i, (extra, cores) in enumerate(workers)]
     try:
         def wait_step(step: int) -> tuple[float, int]:
             end = time.monotonic() + 300
@@ -331,9 +335,13 @@ def section_mixed(args: argparse.Namespace, work: Path) -> None:
     say(f"## mixed swarm: small preset, --sync-every {args.mixed_sync_every}, global batch "
         f"{args.mixed_batch}x64, 1 GPU + {args.cpu_workers} CPU workers (one core each); "
         f"coordinator {args.mixed_coordinator_args or '(defaults)'}")
-    g = swarm_rate(work / "gpu", [gpu], args)
-    c = swarm_rate(work / "cpu", [cpu], args)
-    mixed = swarm_rate(work / "mixed", [gpu] + [cpu] * args.cpu_workers, args)
+    # --mixed-pin: the coordinator on cores 0-1, the GPU worker on 2-5, CPU worker i on 8 + i,
+    # in the standalone runs as in the mix (one host standing in for separate machines).
+    fast = (gpu, "2-5")
+    slow = [(cpu, str(8 + i)) for i in range(args.cpu_workers)]
+    g = swarm_rate(work / "gpu", [fast], args)
+    c = swarm_rate(work / "cpu", slow[:1], args)
+    mixed = swarm_rate(work / "mixed", [fast, *slow], args)
     total = g + args.cpu_workers * c
     say(f"standalone: GPU {g:.1f}, CPU {c:.1f} samples/s; sum {total:.1f}; mixed {mixed:.1f} "
         f"->  {mixed / total:.2f} of the sum [{'PASS' if mixed >= 0.9 * total else 'FAIL'} "
@@ -429,6 +437,8 @@ def main() -> int:
     ap.add_argument("--mixed-slow-args", default="",
                     help="each CPU worker's flags ('--slowdown 20' and a numpy fast worker "
                     "reproduce the mix without a GPU)")
+    ap.add_argument("--mixed-pin", action="store_true",
+                    help="each process of the mixed swarms on cores of its own (taskset)")
     ap.add_argument("--mixed-timelines", action="store_true",
                     help="print each process's median phase times")
     ap.add_argument("--parity-device", default="cuda", help="parity: cuda or cpu")
