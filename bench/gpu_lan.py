@@ -60,7 +60,8 @@ def run(args: argparse.Namespace, work: Path, name: str, workers: int, rate: str
     try:
         net.up()
         return run_config(net, work / name.replace(" ", "-"), a, base, name,
-                          ["--sync-every", str(args.sync_every)])
+                          ["--sync-every", str(args.sync_every),
+                           "--validate-device", args.validate_device])
     finally:
         net.down()
 
@@ -98,12 +99,18 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=0, help="a pair's cap (default 2x)")
     ap.add_argument("--validate-every", type=int, default=16)
     ap.add_argument("--worker-args", type=shlex.split, default=["--device", "cuda"])
+    ap.add_argument("--validate-device", default=None,
+                    help="the coordinator's --validate-device (default: the workers' --device; "
+                    "numpy validates a 126M model in minutes, a GPU in seconds)")
     ap.add_argument("--config-timeout", type=float, default=150.0,
                     help="seconds each swarm may run")
     ap.add_argument("--no-loopback-pair", action="store_true")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
+    if args.validate_device is None:
+        w = args.worker_args
+        args.validate_device = w[w.index("--device") + 1] if "--device" in w[:-1] else "cpu"
     signal.signal(signal.SIGTERM, interrupted)
     args.slowdown, args.timeline = 1.0, False
     args.schedule_steps = args.steps
@@ -112,7 +119,8 @@ def main() -> int:
     dense = 4 * sum(math.prod(s) for s in cfg.param_shapes().values())
     print(f"# gpu lan: preset {args.preset} (dense f32 weights {dense / 1e6:.1f} MB), global "
           f"batch {args.global_batch}x{args.seq_len}, --sync-every {args.sync_every}, workers "
-          f"{shlex.join(args.worker_args)}, {os.cpu_count()} cores", flush=True)
+          f"{shlex.join(args.worker_args)}, validation on {args.validate_device}, "
+          f"{os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="foundry-gpulan-") as tmp:
         work = Path(tmp)
         alone = run(args, work, "alone", 1, "loopback", -math.inf, args.steps)

@@ -6,6 +6,7 @@ with resume, `foundry generate`)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -110,6 +111,10 @@ def test_backend_gradients_and_local_rounds_match_numpy() -> None:
         # Adam divides by sqrt(v): rounding in near-zero gradients moves single elements, so
         # the pseudo-gradient is compared as a whole.
         assert np.linalg.norm(db - da) <= 1e-3 * np.linalg.norm(da), r
+    # Validation (the coordinator's --validate-device): the same held-out loss.
+    want_val = NUMPY.evaluate_loss(params, cfg, corpus, 32, max_batches=3, batch_size=4)
+    got_val = backend.evaluate_loss(params, cfg, corpus, 32, max_batches=3, batch_size=4)
+    assert want_val > 0 and abs(got_val - want_val) <= 1e-5 * want_val
     with pytest.raises(Stopped, match="after 0 of 3"):
         backend.local_steps(params, inner_t, cfg, corpus, lr_at=lambda s: 1e-3, grad_clip=1.0,
                             global_step=0, sample_offset=0, samples_per_step=4, steps=3,
@@ -272,7 +277,7 @@ def test_train_and_generate_take_the_device_flag(tmp_path: Path) -> None:
 def test_a_torch_worker_and_a_numpy_worker_train_one_swarm(tmp_path: Path) -> None:
     coord, port, _ = coordinator(tmp_path, "--max-steps", "8", "--global-batch", "8",
                                  "--sync-every", "2", "--min-workers", "2",
-                                 "--validate-every", "4")
+                                 "--validate-every", "4", "--validate-device", "torch-cpu")
     workers = [worker(tmp_path, port, "gpu", "--device", "torch-cpu"),
                worker(tmp_path, port, "cpu")]
     try:
@@ -280,6 +285,8 @@ def test_a_torch_worker_and_a_numpy_worker_train_one_swarm(tmp_path: Path) -> No
         log = coord.text()
         assert log.count("samples from 2 workers") >= 2, log[-3000:]
         assert "worker computes on torch:cpu" in workers[0].text()
+        assert "validation computes on torch:cpu" in log
+        assert re.search(r"step 8: validation loss \d+\.\d+", log), log[-3000:]
     finally:
         for w in workers:
             w.stop()

@@ -180,10 +180,13 @@ def port_number(text: str) -> int:
     return whole_in(text, 0, 65535)
 
 
+DEVICE_CHOICES = ("cpu", "cuda", "auto", "torch-cpu")  # backend.DEVICES, without its import
+
+
 def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
     parser.add_argument(
-        "--device", default="cpu", choices=("cpu", "cuda", "auto", "torch-cpu"),
+        "--device", default="cpu", choices=DEVICE_CHOICES,
         help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
         "pip install 'foundry[gpu]'), auto (cuda when PyTorch sees a GPU, else cpu), "
         "torch-cpu (the PyTorch path on the CPU, for tests)")

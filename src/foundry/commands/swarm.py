@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import (
+    DEVICE_CHOICES,
     add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
@@ -127,6 +128,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
                    help="steps between validation runs on the held-out text (default: a "
                    "twentieth of --max-steps, 25 to 150; always after the last step)")
+    c.add_argument("--validate-device", default="cpu", choices=DEVICE_CHOICES,
+                   help="where validation computes: cpu (numpy, default) or a PyTorch device "
+                   "as a worker's --device (cuda: a 126M-parameter model validates in seconds "
+                   "instead of minutes); the optimizer stays in numpy")
     c.add_argument("--min-workers", type=positive_int, default=1,
                    help="rounds start once this many workers registered (default 1)")
     c.add_argument("--wait-for-start", action="store_true",
@@ -195,6 +200,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from foundry.model import backend as compute
     from foundry.model.checkpoint import (
         CheckpointError,
         DirectoryLock,
@@ -212,13 +218,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         tls = tls_context(args, server=True)
         corpus = load_corpus(args.data)
+        validation_backend = compute.select(args.validate_device)
         # One writer per checkpoint dir, held until the process exits; a dir none of whose
         # checkpoints verifies is refused by load_or_init, unless --fresh moved them aside.
         check_directory(args.checkpoint_dir)
         DirectoryLock(args.checkpoint_dir, "foundry coordinator").acquire()
         if args.fresh:
             start_fresh(args.checkpoint_dir)
-    except (DataError, TlsConfigError, CheckpointError) as exc:
+    except (DataError, TlsConfigError, CheckpointError, compute.BackendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Every round allocates and frees the same weight, gradient and optimizer buffers (13.7 MB
@@ -232,6 +239,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
                       if args.warmup_steps is None else args.warmup_steps),
         total_steps=args.schedule_steps or args.max_steps,
     )
+    if validation_backend is not compute.NUMPY:
+        print(f"validation computes on {validation_backend.name}", flush=True)
     note = recipe.short_run_note(args.max_steps, args.data is None and args.init is None)
     if note:
         print(note.replace("--steps", "--max-steps"), flush=True)
@@ -272,6 +281,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         qsgd_levels=args.qsgd_levels,
         down_qsgd_levels=args.down_qsgd_levels,
+        validation_backend=validation_backend,
     )
 
     async def main() -> int:

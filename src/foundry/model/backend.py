@@ -31,6 +31,7 @@ from foundry.model.training import (
     Trainer,
     TrainSettings,
     compute_gradients,
+    evaluate_loss,
 )
 
 __all__ = ["DEVICES", "INSTALL_HINT", "NUMPY", "Backend", "BackendError", "NumpyBackend",
@@ -62,6 +63,11 @@ class Backend(Protocol):
         aux_loss_coef: float, stop: Callable[[], bool] | None = None,
     ) -> GradientResult: ...
 
+    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
+                      max_batches: int | None = None, batch_size: int = 8) -> float:
+        """``training.evaluate_loss`` of ``params`` computed here (the coordinator's
+        ``--validate-device``)."""
+
 
 class NumpyBackend:
     """The reference: the numpy engine on this process's CPU."""
@@ -78,6 +84,10 @@ class NumpyBackend:
 
     def make_inner(self, params: Params, weight_decay: float) -> AdamW:
         return AdamW(params, weight_decay=weight_decay)
+
+    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
+                      max_batches: int | None = None, batch_size: int = 8) -> float:
+        return evaluate_loss(params, cfg, corpus, seq_len, max_batches, batch_size)
 
     def local_steps(
         self, start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, *,

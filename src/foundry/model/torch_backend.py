@@ -176,6 +176,12 @@ class TorchBackend:
         self.last_phases = {"down": t1 - t0, "steps": t2 - t1, "up": time.perf_counter() - t2}
         return GradientResult(grads, count, loss, aux_loss)
 
+    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
+                      max_batches: int | None = None, batch_size: int = 8) -> float:
+        """``training.evaluate_loss`` of host ``params`` on this device."""
+        return _evaluate(self, TM.to_device(params, self.device), cfg, corpus, seq_len,
+                         max_batches, batch_size)
+
     def make_inner(self, params: Params, weight_decay: float) -> TorchInner:
         dev = TM.to_device(params, self.device, requires_grad=True)
         return TorchInner(dev, adamw(dev, weight_decay, self.device))
@@ -314,21 +320,26 @@ class TorchTrainer:
     def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
                       batch_size: int = 8) -> float:
         """``training.evaluate_loss`` on the device (nats per byte of the held-out text)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.backend.device)
-        n = 0
-        with torch.no_grad():
-            for tok, tgt in corpus.validation_batches(seq_len, batch_size, max_batches):
-                t = torch.from_numpy(tok.astype(np.int64)).to(self.backend.device)
-                y = torch.from_numpy(tgt.astype(np.int64)).to(self.backend.device)
-                with self.backend.autocast():
-                    logits, _ = TM.forward(self.params, self.cfg, t)
-                nll = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                    reduction="none")
-                is_byte = y.reshape(-1) >= N_SPECIAL_TOKENS
-                total += nll[is_byte].double().sum()
-                n += int(is_byte.sum())
-        return float(total) / n if n else float("nan")
+        return _evaluate(self.backend, self.params, self.cfg, corpus, seq_len, max_batches,
+                         batch_size)
+
+
+def _evaluate(backend: TorchBackend, params: Mapping[str, torch.Tensor], cfg: ModelConfig,
+              corpus: Corpus, seq_len: int, max_batches: int | None, batch_size: int) -> float:
+    total = torch.zeros((), dtype=torch.float64, device=backend.device)
+    n = 0
+    with torch.no_grad():
+        for tok, tgt in corpus.validation_batches(seq_len, batch_size, max_batches):
+            t = torch.from_numpy(tok.astype(np.int64)).to(backend.device)
+            y = torch.from_numpy(tgt.astype(np.int64)).to(backend.device)
+            with backend.autocast():
+                logits, _ = TM.forward(params, cfg, t)
+            nll = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+            is_byte = y.reshape(-1) >= N_SPECIAL_TOKENS
+            total += nll[is_byte].double().sum()
+            n += int(is_byte.sum())
+    return float(total) / n if n else float("nan")
 
 
 def _step_device(t: torch.Tensor) -> torch.device:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
+from foundry.model.backend import NUMPY, Backend
 from foundry.model.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
@@ -105,6 +106,8 @@ class CoordinatorOptions:
     qsgd_levels: int = DEFAULT_QSGD_LEVELS
     # QSGD's levels of the UPDATEs when they differ from the uploads' (None: qsgd_levels).
     down_qsgd_levels: int | None = None
+    # Where validation computes (``--validate-device``); the optimizer stays in numpy.
+    validation_backend: Backend = NUMPY
 
     def local_at(self, step: int) -> bool:
         """Whether the round that starts at ``step`` runs local steps."""

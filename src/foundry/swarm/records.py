@@ -26,7 +26,6 @@ from foundry.model.training import (
     Trainer,
     against_compressors,
     bits_per_byte,
-    evaluate_loss,
 )
 from foundry.model.transformer import init_params
 from foundry.obs.timeline import now_us
@@ -128,7 +127,8 @@ class Records:
     async def _run_validation(self, step: int, params: Params) -> None:
         c = self.core
         seq_len = c.opt.settings.seq_len
-        loss = await asyncio.to_thread(evaluate_loss, params, c.opt.cfg, c.corpus, seq_len)
+        loss = await asyncio.to_thread(c.opt.validation_backend.evaluate_loss, params, c.opt.cfg,
+                                       c.corpus, seq_len)
         if self._yardstick is None:
             self._yardstick = await asyncio.to_thread(
                 compressor_bits_per_byte, self.core.corpus.held_out_bytes(seq_len)
