@@ -35,7 +35,7 @@ from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.transport.stream import LINK_DEAD_AFTER_S
-from foundry.wire.fdtc import MAX_QSGD_LEVELS, Compression
+from foundry.wire.fdtc import MAX_PAYLOAD, MAX_QSGD_LEVELS, Compression
 
 log = logging.getLogger("foundry")
 
@@ -214,6 +214,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
     if args.max_steps <= 0 or args.global_batch <= 0:
         print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
+        return 2
+    weight_bytes = 4 * preset(args.preset).n_params()
+    if weight_bytes > MAX_PAYLOAD:
+        # One WEIGHTS frame carries the whole model in f32 and FDTC has no chunking: a worker
+        # could never receive it (docs/protocol.md, WEIGHTS).
+        print(f"error: --preset {args.preset} has {weight_bytes / 2**20:.0f} MiB of float32 "
+              f"weights, more than one FDTC frame carries ({MAX_PAYLOAD // 2**20} MiB), so no "
+              "worker could receive them; train it on one machine with `foundry train "
+              f"--preset {args.preset} --device cuda`, or pick a smaller preset",
+              file=sys.stderr)
         return 2
     try:
         tls = tls_context(args, server=True)
