@@ -10,6 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from foundry.model import recipe
+from foundry.model.backend import DEVICES
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
 
@@ -180,13 +181,10 @@ def port_number(text: str) -> int:
     return whole_in(text, 0, 65535)
 
 
-DEVICE_CHOICES = ("cpu", "cuda", "auto", "torch-cpu")  # backend.DEVICES, without its import
-
-
 def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
     parser.add_argument(
-        "--device", default="cpu", choices=DEVICE_CHOICES,
+        "--device", default="cpu", choices=DEVICES,
         help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
         "pip install 'foundry[gpu]'), auto (cuda when PyTorch sees a GPU, else cpu), "
         "torch-cpu (the PyTorch path on the CPU, for tests)")

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import (
-    DEVICE_CHOICES,
     add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
@@ -29,6 +28,7 @@ from foundry.commands.common import (
     whole_in,
 )
 from foundry.model import recipe
+from foundry.model.backend import DEVICES
 from foundry.model.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.config import PRESETS, preset
 from foundry.model.gguf_io import FILE_DTYPES
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--validate-every", type=positive_int, default=None, metavar="N",
                    help="steps between validation runs on the held-out text (default: a "
                    "twentieth of --max-steps, 25 to 150; always after the last step)")
-    c.add_argument("--validate-device", default="cpu", choices=DEVICE_CHOICES,
+    c.add_argument("--validate-device", default="cpu", choices=DEVICES,
                    help="where validation computes: cpu (numpy, default) or a PyTorch device "
                    "as a worker's --device (cuda: a 126M-parameter model validates in seconds "
                    "instead of minutes); the optimizer stays in numpy")
