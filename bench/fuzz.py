@@ -315,6 +315,12 @@ class FdtcFrames:
                 failed=r.random() < 0.5, note=_word(r),
                 rows=(fdtc.SwarmDetailRow(step, r.randrange(1 << 40), r.randrange(1 << 40)),)
                 * r.randrange(3)),
+            # Refused at the header on every link that did not send DATASET (only those get
+            # FRAGMENT frames here: WorkerPortTarget.allowed_frame).
+            "FRAGMENT": lambda: fdtc.Fragment(
+                r.choice([fdtc.MsgType.WEIGHTS, fdtc.MsgType.UPDATE]),
+                total_length=r.randrange(24, 1 << 40), offset=0,
+                data=r.randbytes(r.randrange(1, 64))),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), _word(r)),
         }
         return build[name]()
@@ -404,6 +410,10 @@ class FdtcTarget(Target):
         """False for a stream the harness must not send (it would stop the real peer)."""
         return True
 
+    def allowed_frame(self, msgs: list[fdtc.Message], raw: bytes) -> bool:
+        """False for a frame the harness must not send after ``msgs``."""
+        return True
+
     def link_open(self, msgs: list[fdtc.Message]) -> bool:
         """Whether the service keeps the connection open after these messages."""
         raise NotImplementedError
@@ -429,7 +439,7 @@ class FdtcTarget(Target):
                 kind, raw = mutate(fdtc.encode(self.frames.make(name, rng)), FDTC, rng,
                                    lead=i < n - 1)
                 v_end, v_msgs = fdtc_verdict(data + raw)
-                if self.allowed(v_msgs):
+                if self.allowed(v_msgs) and self.allowed_frame(msgs, raw):
                     break
             else:
                 break
@@ -473,6 +483,14 @@ class WorkerPortTarget(FdtcTarget):
             or (isinstance(m, fdtc.Gradients) and m.local_step < (1 << 31))
             for m in msgs
         )
+
+    def allowed_frame(self, msgs: list[fdtc.Message], raw: bytes) -> bool:
+        # A link that sent DATASET takes FRAGMENT frames past their header (the decoder
+        # refuses them at the header elsewhere, as fdtc_verdict does): a slice there is
+        # judged by its payload, and one of GRADIENTS waits for the rest of its message once
+        # the link holds weights. Those are tested in test_fdtc_fragments.py.
+        extended = bool(msgs) and isinstance(msgs[0], fdtc.Dataset)
+        return not (extended and len(raw) > 4 and raw[4] == fdtc.MsgType.FRAGMENT)
 
     def _registered(self, msgs: list[fdtc.Message]) -> int | None:
         """Index after DATASET? + REGISTER when they open a worker link; None when refused,

@@ -26,6 +26,7 @@ from foundry.compression import (
     fp16_to_fp32,
     fp32_to_fp16,
     get_codec,
+    largest_section,
     qsgd,
     serialize_tensors,
     topk_compress,
@@ -716,3 +717,18 @@ def test_qsgd_level_one_above_s_is_refused(encoder: str) -> None:
 def test_codecs_take_python_floats_as_f32() -> None:
     _, vals = topk_compress([3.0, 1.0, -2.0], 2)
     assert vals.dtype == np.dtype(np.float32) and vals.tolist() == [3.0, -2.0]
+
+
+@pytest.mark.parametrize("numels", [[1], [7, 3], [1000, 1, 65537], [70000]])
+def test_no_codec_writes_more_than_the_largest_section_bound(numels: list[int]) -> None:
+    """The coordinator sizes its links' largest message by ``largest_section``: every codec at
+    its largest parameters (top-k keeping all, QSGD with one norm an element) stays under it."""
+    rng = np.random.default_rng(len(numels))
+    arrays = [rng.standard_normal(n).astype(np.float32) for n in numels]
+    widest = [get_codec(Compression.NONE), get_codec(Compression.FP16),
+              get_codec(Compression.TOPK, topk_ratio=1.0),
+              get_codec(Compression.QSGD, qsgd_levels=127, qsgd_bucket=1)]
+    sizes = [len(codec.encode_section(arrays)) for codec in widest]
+    assert max(sizes) <= largest_section(numels)
+    assert sizes[2] == sum(get_codec(Compression.TOPK, topk_ratio=1.0).encoded_size(n)
+                           for n in numels)

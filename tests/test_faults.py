@@ -4,9 +4,12 @@ docs/guide/recovering.md."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
+import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -241,3 +244,53 @@ def test_a_worker_that_cannot_train_says_so_and_no_round_waits_on_it(tmp_path: P
     finally:
         w.stop()
         coord.stop()
+
+
+def test_a_worker_dropped_right_after_each_registration_backs_off(tmp_path: Path) -> None:
+    """A coordinator that accepts the worker and closes the link at once, every time (as one
+    that cannot serve it would): the worker dials again later each time, not several times a
+    second (it dialled about every 200 ms before)."""
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    dials: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            dials.append(time.monotonic())
+            with conn:
+                conn.settimeout(5)
+                dec = fdtc.FdtcDecoder()
+                while not any(isinstance(m, fdtc.Register) for m in dec.queued()):
+                    data = conn.recv(4096)
+                    if not data:
+                        break
+                    dec.feed(data)
+                conn.sendall(fdtc.encode(fdtc.RegisterAck(
+                    accepted=True, assigned_shard=0, total_shards=1, batch_size=4,
+                    accumulation_steps=1, compression=fdtc.Compression.NONE, topk_ratio=0.0,
+                    global_step=0)))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    w = worker(tmp_path, port, "dropped")
+    try:
+        time.sleep(6.0)
+        log = w.text()
+    finally:
+        w.stop()
+        stop.set()
+        server.join(timeout=5)
+        listener.close()
+    # Delays of 0.25-0.5, 0.5-1, 1-2, 2-4 s: at most 5 dials in 6 s (about 30 without backoff).
+    assert 2 <= len(dials) <= 5, (dials, log[-2000:])
+    gaps = [b - a for a, b in itertools.pairwise(dials)]
+    assert gaps == sorted(gaps), gaps
+    assert re.search(r"lost the coordinator: .*; reconnecting in \d+\.\ds \(the link held "
+                     r"0\.\ds\)", log)

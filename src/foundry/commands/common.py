@@ -13,6 +13,7 @@ from foundry.model import recipe
 from foundry.model.backend import DEVICES
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
+from foundry.wire.fdtc import FRAGMENT_SIZE, MAX_PAYLOAD, Fragment
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -116,6 +117,24 @@ def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, lin
         help=f"a peer on {links} that began a frame must finish it within S seconds, and take "
         f"one we send within S seconds, or it is cut off (default {default:g})",
     )
+
+
+def add_fragment_size_flag(parser: argparse.ArgumentParser, messages: str) -> None:
+    parser.add_argument(
+        "--fragment-size", type=fragment_size, default=FRAGMENT_SIZE, metavar="BYTES",
+        help=f"send {messages} larger than BYTES as FRAGMENT frames of BYTES each (a model "
+        "over 256 MiB in float32 needs them; each frame then has the frame deadline to "
+        f"itself; {MIN_FRAGMENT}-{MAX_FRAGMENT}, default {FRAGMENT_SIZE} = 64 MiB)",
+    )
+
+
+# The smallest fragment worth its 26 bytes of headers; the largest one frame carries.
+MIN_FRAGMENT = 4096
+MAX_FRAGMENT = MAX_PAYLOAD - Fragment.LAYOUT.size
+
+
+def fragment_size(text: str) -> int:
+    return whole_in(text, MIN_FRAGMENT, MAX_FRAGMENT)
 
 
 # Counts, steps, seeds and token budgets travel as u32 on our wires (FDTC, protobuf): a value

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from foundry.commands.common import (
     add_device_flags,
+    add_fragment_size_flag,
     add_frame_deadline_flag,
     add_metrics_flag,
     add_schedule_flags,
@@ -35,7 +36,7 @@ from foundry.model.gguf_io import FILE_DTYPES
 from foundry.model.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.transport.stream import LINK_DEAD_AFTER_S
-from foundry.wire.fdtc import MAX_PAYLOAD, MAX_QSGD_LEVELS, Compression
+from foundry.wire.fdtc import MAX_MESSAGE, MAX_QSGD_LEVELS, Compression
 
 log = logging.getLogger("foundry")
 
@@ -152,6 +153,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--admin-max-connections", type=positive_int, default=16, metavar="N",
                    help="open connections on --admin-listen at most (default 16)")
     add_frame_deadline_flag(c, 120.0, "both links")
+    add_fragment_size_flag(c, "WEIGHTS and UPDATE")
     add_tls_flags(c, server=True, links="the worker and admin links")
     add_metrics_flag(c)
     c.set_defaults(func=run_coordinator)
@@ -178,6 +180,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
     add_device_flags(w, training=True)
+    add_fragment_size_flag(w, "GRADIENTS")
     add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)
     w.set_defaults(func=run_worker)
@@ -216,13 +219,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
         print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
         return 2
     weight_bytes = 4 * preset(args.preset).n_params()
-    if weight_bytes > MAX_PAYLOAD:
-        # One WEIGHTS frame carries the whole model in f32 and FDTC has no chunking: a worker
-        # could never receive it (docs/protocol.md, WEIGHTS).
-        print(f"error: --preset {args.preset} has {weight_bytes / 2**20:.0f} MiB of float32 "
-              f"weights, more than one FDTC frame carries ({MAX_PAYLOAD // 2**20} MiB), so no "
-              "worker could receive them; train it on one machine with `foundry train "
-              f"--preset {args.preset} --device cuda`, or pick a smaller preset",
+    if weight_bytes > MAX_MESSAGE:
+        # GRADIENTS' uncompressed_size is a u32: 4 GiB of float32 at most (docs/protocol.md).
+        print(f"error: --preset {args.preset} has {weight_bytes / 2**30:.1f} GiB of float32 "
+              f"weights, more than FDTC's messages carry ({MAX_MESSAGE // 2**30} GiB); train "
+              f"it on one machine with `foundry train --preset {args.preset} --device cuda`",
               file=sys.stderr)
         return 2
     try:
@@ -281,6 +282,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         admin_max_connections=args.admin_max_connections,
         frame_deadline_s=args.frame_deadline,
+        fragment_size=args.fragment_size,
         sync_every=args.sync_every,
         down_compression=(None if args.down_compression is None
                           else Compression[args.down_compression.upper()]),
@@ -354,6 +356,7 @@ def run_worker(args: argparse.Namespace) -> int:
         tls=tls,
         link_timeout_s=args.link_timeout,
         backend=backend,
+        fragment_size=args.fragment_size,
     )
 
     async def main() -> int:

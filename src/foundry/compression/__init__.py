@@ -19,6 +19,7 @@ from foundry.compression.base import (
     deserialize_tensors,
     estimate_compressed_size,
     get_codec,
+    largest_section,
     serialize_tensors,
 )
 from foundry.compression.feedback import Compressor, ErrorFeedback
@@ -48,6 +49,7 @@ __all__ = [
     "fp16_to_fp32",
     "fp32_to_fp16",
     "get_codec",
+    "largest_section",
     "serialize_tensors",
     "topk_compress",
     "topk_decompress",

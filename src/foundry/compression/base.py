@@ -117,6 +117,14 @@ def get_codec(compression: Compression | int, **params: Any) -> Codec:
     return cls.from_params(cls.Params(**{k: v for k, v in params.items() if k in names}))
 
 
+def largest_section(numels: Iterable[int]) -> int:
+    """An upper bound on any codec's data section for tensors of ``numels`` elements, with any
+    parameters: what a receiver may size its largest message by. TOPK at ratio 1 takes the
+    most, 6 bytes an element plus a 4-byte head and a 4-byte offset per block; NONE takes 4,
+    QSGD at most 1 plus a 4-byte norm per bucket and a head."""
+    return sum(10 * n + 64 for n in numels)
+
+
 def estimate_compressed_size(numel: int, compression: Compression | int, **params: Any) -> int:
     """sw_estimate_compressed_size, exact: bytes ``numel`` elements take on the wire."""
     return get_codec(compression, **params).encoded_size(numel)

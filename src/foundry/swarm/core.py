@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from foundry.compression import largest_section
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.model.backend import NUMPY, Backend
 from foundry.model.checkpoint import DEFAULT_KEEP_LAST
@@ -89,6 +90,8 @@ class CoordinatorOptions:
     max_connections: int = MAX_WORKER_CONNECTIONS
     admin_max_connections: int = MAX_ADMIN_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
+    # WEIGHTS and UPDATE over this many bytes go to workers as FRAGMENT frames of this size.
+    fragment_size: int = fdtc.FRAGMENT_SIZE
     # Local steps (DiLoCo): inner steps per round; 1 is synchronous training.
     sync_every: int = 1
     # Codec of the weight updates sent to workers; None: the same as ``compression``.
@@ -220,6 +223,10 @@ class SwarmCore:
         self.failure: str | None = None  # why an internal task ended the process
         self.shapes = list(options.cfg.param_shapes().items())
         self.numels = [int(np.prod(s)) for _, s in self.shapes]
+        # The largest message a worker link carries either way (WEIGHTS, or GRADIENTS and
+        # UPDATE in any codec), beyond one frame for a model over 256 MiB in f32 (FRAGMENT).
+        self.message_limit = min(fdtc.MAX_MESSAGE, max(
+            fdtc.MAX_PAYLOAD, fdtc.Gradients.LAYOUT.size + largest_section(self.numels)))
         self.round_bytes = [0, 0]  # up, down during the current round
         self.stepped_at = time.monotonic()  # when the global step last advanced (status)
         self.checkpoint_step = trainer.step  # a resumed run already has this one on disk

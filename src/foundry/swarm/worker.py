@@ -61,6 +61,8 @@ T = TypeVar("T")
 log = logging.getLogger("foundry.worker")
 
 HEARTBEAT_INTERVAL_S = 0.5
+# A link held this long before it broke counts as having worked: the next dial comes soon.
+STABLE_LINK_S = 30.0
 # Refusals that a retry cannot fix: the operator must change something first.
 PERMANENT_REFUSALS = {ErrorCode.DATA_MISMATCH, ErrorCode.VERSION_MISMATCH, ErrorCode.MODEL_MISMATCH}
 
@@ -91,6 +93,8 @@ class WorkerOptions:
     link_timeout_s: float = LINK_DEAD_AFTER_S
     # Where gradients are computed (``--device``): numpy on this CPU, or PyTorch on a GPU.
     backend: Backend = NUMPY
+    # GRADIENTS over this many bytes go up as FRAGMENT frames of this size.
+    fragment_size: int = fdtc.FRAGMENT_SIZE
 
 
 class Worker:
@@ -155,6 +159,10 @@ class Worker:
                 stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls,
                                                   role=Role.WORKER,
                                                   dead_after_s=self.opt.link_timeout_s)
+                # The coordinator speaks the extensions too (it must, to send MODEL_CONFIG):
+                # messages larger than one frame go as FRAGMENT both ways.
+                assert stream.connection is not None
+                stream.connection.allow_fragments(fdtc.MAX_MESSAGE, self.opt.fragment_size)
             except (OSError, TimeoutError) as exc:
                 attempt += 1
                 if self.opt.max_attempts and attempt >= self.opt.max_attempts:
@@ -172,6 +180,7 @@ class Worker:
             if connected_before:
                 self.metrics.reconnects.inc()
             connected_before = True
+            connected_at = time.monotonic()
             self._registered = False
             why = ""
             try:
@@ -199,10 +208,15 @@ class Worker:
                 return 2
             if self._registered:
                 # A link that worked and broke (a coordinator restart is routine): dial again
-                # soon, and back off from there if the dials fail.
-                attempt = 0
-                log.warning("lost the coordinator: %s; reconnecting", why)
-                await asyncio.sleep(backoff_delay(0, rng=self._rng))
+                # soon, and back off from there if the dials fail. A link that breaks again
+                # soon after each registration backs off as a refusal does, so a coordinator
+                # that drops this worker at once is not dialled several times a second.
+                held = time.monotonic() - connected_at
+                attempt = attempt + 1 if held < STABLE_LINK_S else 0
+                delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
+                log.warning("lost the coordinator: %s; reconnecting in %.1fs (the link held "
+                            "%.1fs)", why, delay, held)
+                await asyncio.sleep(delay)
                 continue
             # Ended before this worker was accepted: a refusal that will most likely repeat
             # (a certificate the coordinator does not trust, a full swarm), so back off as for

@@ -83,6 +83,10 @@ class WorkerPort:
                 msg = event
             elif isinstance(event, fdtc.Dataset):
                 extended = True
+                # A peer of ours: messages larger than one frame go as FRAGMENT both ways.
+                assert stream.connection is not None
+                stream.connection.allow_fragments(self.core.message_limit,
+                                                  self.core.opt.fragment_size)
                 mine = self.core.corpus.fingerprint
                 if (event.n_tokens, event.sha256.hex()) != (mine.n_tokens, mine.sha256):
                     reason = (
@@ -113,6 +117,16 @@ class WorkerPort:
                 "which the seed protocol cannot carry (LOCAL_ASSIGN, UPDATE); join a "
                 "coordinator run with --sync-every 1, or use a worker that speaks the "
                 "extensions (docs/protocol.md)"
+            )
+            await self._refuse(stream, ErrorCode.REJECTED, reason)
+            return None
+        weight_bytes = 4 * sum(self.core.numels)
+        if not extended and weight_bytes > fdtc.MAX_PAYLOAD:
+            reason = (
+                f"this swarm's model has {weight_bytes / 2**20:.0f} MiB of float32 weights, "
+                f"more than one seed frame carries ({fdtc.MAX_PAYLOAD // 2**20} MiB); use a "
+                "worker that speaks the extensions, which sends it in FRAGMENT frames "
+                "(docs/protocol.md)"
             )
             await self._refuse(stream, ErrorCode.REJECTED, reason)
             return None

@@ -12,8 +12,9 @@ bytes and enforces time, once, for every link:
 The **frame deadline**: once a frame has begun, the rest of it must arrive within
 ``frame_deadline_s``, so a slow or malicious sender cannot pin a socket and a buffer forever
 (``FrameTimeout``). Between frames a reader may wait without limit, or up to an idle timeout
-it names. A send is bounded by the same deadline: a peer that takes no bytes within it is cut
-off, so a reader that stopped reading cannot make us buffer without end.
+it names. A send is bounded by the same deadline: a peer that takes no bytes for that long is
+cut off, so a reader that stopped reading cannot make us buffer without end. A message in
+FRAGMENT frames (FDTC, larger than one frame) is timed frame by frame on the way in.
 
 A peer whose **host vanished** without a FIN or RST (power cut, cable pulled, a NAT that forgot
 the flow) answers nothing, and TCP alone notices only after about 15 minutes of
@@ -188,7 +189,9 @@ class AsyncStream(Generic[E]):
                 return event
             partial = self.decoder.buffered > 0
             timeout = idle_timeout_s
-            if partial:
+            if not partial:
+                frame_started = None  # between frames (fragments of one message included)
+            else:
                 if frame_started is None:
                     frame_started = loop.time()
                 timeout = self.frame_deadline_s - (loop.time() - frame_started)
@@ -245,17 +248,30 @@ class AsyncStream(Generic[E]):
         return n
 
     async def drain(self, n: int = 0) -> None:
-        try:
-            async with asyncio.timeout(self.frame_deadline_s):
-                with self._link_errors():
-                    await self.writer.drain()
-        except TimeoutError:
-            # Part of a frame may be on the wire: the connection cannot be used any more.
-            self.writer.transport.abort()
-            raise FrameTimeout(
-                f"{self.peer} did not take a frame of {n} bytes within "
-                f"{self.frame_deadline_s:g} s (it reads too slowly or not at all)"
-            ) from None
+        """Wait until the kernel took what was written. FrameTimeout (the connection is then
+        aborted) once the peer took none of it for ``frame_deadline_s``: a large message on a
+        slow link may take longer in all, as long as its bytes keep moving."""
+        loop = asyncio.get_running_loop()
+        left, since = self.unsent(), loop.time()
+        poll = min(1.0, self.frame_deadline_s / 4)
+        while True:
+            try:
+                async with asyncio.timeout(poll):
+                    with self._link_errors():
+                        await self.writer.drain()
+                return
+            except TimeoutError:
+                unsent, now = self.unsent(), loop.time()
+                if unsent < left:
+                    left, since = unsent, now
+                elif now - since >= self.frame_deadline_s:
+                    # Part of a frame may be on the wire: the connection cannot be used any more.
+                    self.writer.transport.abort()
+                    raise FrameTimeout(
+                        f"{self.peer} did not take a frame's bytes for "
+                        f"{self.frame_deadline_s:g} s ({unsent} of {n} bytes unsent; it reads "
+                        "too slowly or not at all)"
+                    ) from None
 
     @contextlib.contextmanager
     def _link_errors(self) -> Iterator[None]:
@@ -362,7 +378,9 @@ class BlockingStream(Generic[E]):
                 return event
             timeout = self.timeout_s
             now = time.monotonic()
-            if self.decoder.buffered:
+            if not self.decoder.buffered:
+                begun = None  # between frames
+            else:
                 begun = now if begun is None else begun
                 left = begun + self.frame_deadline_s - now
                 if left <= 0:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from types import MappingProxyType
@@ -45,10 +45,13 @@ from foundry.wire.layout import Enum as _Enum
 from foundry.wire.layout import Str as _Str
 
 __all__ = [
+    "FRAGMENTABLE",
+    "FRAGMENT_SIZE",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_DIMS",
+    "MAX_MESSAGE",
     "MAX_PATH",
     "MAX_PAYLOAD",
     "MAX_WORKER_ID",
@@ -67,6 +70,7 @@ __all__ = [
     "FdtcDecoder",
     "FdtcProtocolError",
     "FileType",
+    "Fragment",
     "Gradients",
     "GradientsAck",
     "HardwareProfile",
@@ -115,6 +119,12 @@ PROTOCOL_VERSION = 1
 # SW_MAX_MESSAGE_SIZE: the largest payload a header may announce. A decoder refuses a bigger
 # length before it buffers anything, so a hostile header cannot make us allocate.
 MAX_PAYLOAD = 256 * 1024 * 1024
+# FRAGMENT (ours): between peers that speak the extensions, a WEIGHTS, GRADIENTS or UPDATE
+# payload larger than one frame (a model over 256 MiB in f32) travels as consecutive FRAGMENT
+# frames, each a slice of at most FRAGMENT_SIZE bytes by default, reassembled by the decoder.
+# MAX_MESSAGE bounds what fragments may carry: GRADIENTS' u32 uncompressed_size holds 4 GiB.
+MAX_MESSAGE = 4 * 1024 * 1024 * 1024
+FRAGMENT_SIZE = 64 * 1024 * 1024
 MAX_WORKER_ID = 64  # SW_MAX_WORKER_ID: size of char worker_id[64]
 MAX_PATH = 256  # SW_MAX_PATH: size of the path and message char arrays
 MAX_DIMS = 8  # uint64_t shape[8] in sw_tensor_meta
@@ -163,6 +173,7 @@ class MsgType(IntEnum):
     LOCAL_ASSIGN = 0x69
     SWARM_DETAIL_REQ = 0x6A
     SWARM_DETAIL = 0x6B
+    FRAGMENT = 0x6C
     ERROR = 0xFF
 
 
@@ -1207,13 +1218,68 @@ class SwarmDetail(_HeadAndRows):
     rows: tuple[SwarmDetailRow, ...] = ()
 
 
+# --- fragments
+
+
+FRAGMENTABLE = frozenset({MsgType.WEIGHTS, MsgType.GRADIENTS, MsgType.UPDATE})
+
+
+@dataclass(frozen=True)
+class Fragment(Message):
+    """FRAGMENT (either direction on a worker link whose peers speak the extensions), ours:
+    a 17-byte header, then bytes ``[offset, offset + len(data))`` of one WEIGHTS, GRADIENTS
+    or UPDATE payload of ``total_length`` bytes. A message's fragments come back to back, in
+    order, the first at offset 0; the decoder reassembles them and hands out the message
+    itself, so nothing above the decoder sees a FRAGMENT."""
+
+    TYPE: ClassVar[MsgType] = MsgType.FRAGMENT
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("message_type", _Enum("B", MsgType)),
+        ("total_length", U64),
+        ("offset", U64),
+    )
+    message_type: MsgType
+    total_length: int
+    offset: int
+    data: bytes | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        self.LAYOUT.normalise(self)
+        object.__setattr__(self, "data", _as_buffer("data", self.data))
+        if self.message_type not in FRAGMENTABLE:
+            names = ", ".join(sorted(t.name for t in FRAGMENTABLE))
+            raise LocalProtocolError(
+                f"FRAGMENT carries {self.message_type.name}; only {names} are fragmented")
+        if not self.data:
+            raise LocalProtocolError("FRAGMENT with no data")
+        if self.offset + len(self.data) > self.total_length:
+            raise LocalProtocolError(
+                f"FRAGMENT bytes {self.offset}..{self.offset + len(self.data)} run past the "
+                f"message's {self.total_length}")
+
+    def payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.LAYOUT.pack_obj(self), self.data)
+
+    @classmethod
+    def check_length(cls, length: int) -> None:
+        if length <= cls.LAYOUT.size:
+            raise FdtcProtocolError(
+                f"FRAGMENT payload must be more than {cls.LAYOUT.size} bytes, header says "
+                f"{length}")
+
+    @classmethod
+    def from_payload(cls, payload: memoryview) -> Self:
+        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size:])
+
+
 # ---------------------------------------------------------------------------- registry
 
 _CLASSES: tuple[type[Message], ...] = (
     Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
     WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
     StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
-    TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Error,
+    TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Fragment,
+    Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}
@@ -1239,17 +1305,56 @@ _check_registry()
 # ---------------------------------------------------------------------------- encoding
 
 
-def encode_parts(msg: Message) -> list[bytes | memoryview]:
+def encode_parts(
+    msg: Message, *, fragment_size: int | None = None, max_message: int = MAX_PAYLOAD
+) -> list[bytes | memoryview]:
     """Header and payload pieces of ``msg``, to write in order (``writelines``) without
-    copying tensor data. Raises LocalProtocolError if the payload exceeds MAX_PAYLOAD."""
+    copying tensor data.
+
+    With ``fragment_size`` (a link whose peer reassembles FRAGMENT), a WEIGHTS, GRADIENTS or
+    UPDATE payload larger than that goes as FRAGMENT frames of at most ``fragment_size`` bytes
+    of it each, up to ``max_message`` bytes in all. Raises LocalProtocolError for a payload
+    over MAX_PAYLOAD that may not be fragmented, or over ``max_message``."""
     parts = msg.payload_parts()
     length = sum(len(p) for p in parts)  # every part is bytes or a flat byte view
+    if fragment_size is not None and msg.TYPE in FRAGMENTABLE and length > fragment_size:
+        if not 0 < fragment_size <= MAX_PAYLOAD - Fragment.LAYOUT.size:
+            raise LocalProtocolError(
+                f"fragment_size {fragment_size} is outside 1..{MAX_PAYLOAD - Fragment.LAYOUT.size}")
+        if length > max_message:
+            raise LocalProtocolError(
+                f"{msg.TYPE.name} payload of {length} bytes exceeds this link's largest "
+                f"message ({max_message} bytes)")
+        return _fragment_frames(msg.TYPE, parts, length, fragment_size)
     if length > MAX_PAYLOAD:
         raise LocalProtocolError(
             f"{msg.TYPE.name} payload of {length} bytes exceeds SW_MAX_MESSAGE_SIZE "
             f"({MAX_PAYLOAD} bytes); send fewer or smaller tensors"
         )
     return [HEADER.pack(MAGIC, msg.TYPE, length), *parts]
+
+
+def _fragment_frames(
+    msg_type: MsgType, parts: Sequence[bytes | memoryview], length: int, size: int
+) -> list[bytes | memoryview]:
+    """The FRAGMENT frames of one payload given as ``parts``: slices of the parts' own
+    buffers, never copied."""
+    views = [memoryview(p).cast("B") for p in parts]
+    out: list[bytes | memoryview] = []
+    part, pos = 0, 0  # where the next fragment's bytes begin: views[part][pos:]
+    for offset in range(0, length, size):
+        n = min(size, length - offset)
+        out += [HEADER.pack(MAGIC, MsgType.FRAGMENT, Fragment.LAYOUT.size + n),
+                Fragment.LAYOUT.pack((msg_type, length, offset))]
+        while n:
+            take = min(n, len(views[part]) - pos)
+            if take:
+                out.append(views[part][pos : pos + take])
+            n -= take
+            pos += take
+            if pos == len(views[part]):
+                part, pos = part + 1, 0
+    return out
 
 
 def encode(msg: Message) -> bytes:
@@ -1280,18 +1385,44 @@ class FdtcDecoder(FrameDecoder[Message]):
     moment its 9th byte arrives, before any payload byte is kept, so ``buffered`` never
     exceeds 9 + ``max_payload``; WEIGHTS / GRADIENTS data is handed out as a view of the
     payload's own buffer. Bad bytes raise FdtcProtocolError, in stream order.
+
+    FRAGMENT frames are refused unless the link agreed to them: ``max_message`` (0 by
+    default) is then the largest message they may build, and ``admit_fragments`` (if set)
+    may refuse a message type when its first fragment arrives. The fragments' bytes go into
+    one buffer of the announced size (pages committed only as bytes arrive), and the message
+    comes out when the last one is in; ``reassembling`` says how many bytes of it are held.
     """
 
-    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0) -> None:
         if not 0 <= max_payload <= MAX_PAYLOAD:
             raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
         super().__init__()
         self._max_payload = max_payload
+        self.max_message = max_message
+        self.admit_fragments: Callable[[MsgType], None] | None = None
         self._cls: type[Message] = Message
+        self._whole = _NO_MESSAGE  # the fragmented message's payload, its first _held bytes in
+        self._whole_type = MsgType.WEIGHTS
+        self._held = 0
 
     @property
     def max_payload(self) -> int:
         return self._max_payload
+
+    @property
+    def max_message(self) -> int:
+        return self._max_message
+
+    @max_message.setter
+    def max_message(self, limit: int) -> None:
+        if not 0 <= limit <= MAX_MESSAGE:
+            raise LocalProtocolError(f"max_message {limit} is outside 0..{MAX_MESSAGE}")
+        self._max_message = limit
+
+    @property
+    def reassembling(self) -> int:
+        """Bytes held of a fragmented message whose last fragment has not come yet."""
+        return self._held if len(self._whole) else 0
 
     def _header_size(self) -> int:
         return HEADER_SIZE
@@ -1310,12 +1441,24 @@ class FdtcDecoder(FrameDecoder[Message]):
                 f"{self._max_payload} bytes",
                 ErrorCode.BUSY if length <= MAX_PAYLOAD else ErrorCode.BAD_FRAME,
             )
+        if cls is Fragment and not self._max_message:
+            raise FdtcProtocolError(
+                "FRAGMENT on a link that takes none (only a peer that speaks the extensions, "
+                "once registered, may send them)", ErrorCode.UNEXPECTED)
+        if cls is not Fragment and len(self._whole):
+            raise FdtcProtocolError(
+                f"{cls.TYPE.name} in the middle of a fragmented {self._whole_type.name} "
+                f"({self._held} of {len(self._whole)} bytes in): a message's fragments come "
+                "back to back", ErrorCode.UNEXPECTED)
         cls.check_length(length)
         self._cls = cls
         return int(length)
 
-    def _finish(self, payload: memoryview) -> Message:
-        cls = self._cls
+    def _finish(self, payload: memoryview) -> Message | None:
+        msg = self._decoded(self._cls, payload)
+        return self._reassemble(msg) if isinstance(msg, Fragment) else msg
+
+    def _decoded(self, cls: type[Message], payload: memoryview) -> Message:
         try:
             return cls.from_payload(payload)
         except LocalProtocolError as exc:  # a field value the dataclass refuses
@@ -1323,8 +1466,56 @@ class FdtcDecoder(FrameDecoder[Message]):
         except FdtcProtocolError as exc:
             raise FdtcProtocolError(f"bad {cls.TYPE.name} payload: {exc}", exc.error_code) from None
 
+    def _reassemble(self, f: Fragment) -> Message | None:
+        """Add one fragment's bytes; the whole message once the last one is in."""
+        total, kind = f.total_length, f.message_type.name
+        if not len(self._whole):
+            if f.offset:
+                raise FdtcProtocolError(
+                    f"FRAGMENT of {kind} at offset {f.offset} with no message begun: a "
+                    "message's first fragment has offset 0", ErrorCode.UNEXPECTED)
+            if total > self._max_message:
+                raise FdtcProtocolError(
+                    f"fragmented {kind} of {total} bytes exceeds this link's largest message "
+                    f"({self._max_message} bytes)",
+                    ErrorCode.BUSY if total <= MAX_MESSAGE else ErrorCode.BAD_FRAME)
+            MESSAGE_TYPES[f.message_type].check_length(total)
+            if self.admit_fragments is not None:
+                self.admit_fragments(f.message_type)
+            self._whole, self._whole_type, self._held = _message_buffer(total), f.message_type, 0
+        elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole),
+                                                   self._held):
+            raise FdtcProtocolError(
+                f"FRAGMENT of {kind} ({total} bytes) at offset {f.offset}; expected the "
+                f"{self._whole_type.name} of {len(self._whole)} bytes begun, at offset "
+                f"{self._held}", ErrorCode.UNEXPECTED)
+        n = len(f.data)
+        self._whole[self._held : self._held + n] = f.data
+        self._held += n
+        if self._held < total:
+            return None
+        whole, self._whole, self._held = self._whole.toreadonly(), _NO_MESSAGE, 0
+        return self._decoded(MESSAGE_TYPES[self._whole_type], whole)
+
+    def unfinished(self) -> str | None:
+        if (frame := super().unfinished()) is not None:
+            return frame
+        if len(self._whole):
+            return (f"a fragmented {self._whole_type.name} ({self._held} of "
+                    f"{len(self._whole)} bytes received)")
+        return None
+
     def _eof_error(self, message: str) -> FdtcProtocolError:
         return FdtcProtocolError(message)
+
+
+_NO_MESSAGE = memoryview(b"")
+
+
+def _message_buffer(length: int) -> memoryview:
+    # Uninitialised: a peer that announces a large message commits memory only as its
+    # fragments fill it.
+    return np.empty(length, dtype=np.uint8).data
 
 
 # ---------------------------------------------------------------------------- weights

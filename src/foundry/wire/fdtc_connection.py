@@ -32,6 +32,14 @@ The connection is also a decoder in the framing interface (``feed``, ``feed_eof`
 (``foundry.transport.stream``) reads into it as into any codec: one buffer per link, the
 connection's. ``may_send`` says whether a message may go now (a broadcast skips a link that
 may not take it), ``over`` whether the link is finished for anything but the last ERROR.
+
+Messages larger than one frame (FRAGMENT, ours): ``allow_fragments(max_message,
+fragment_size)``, by both sides of a worker link whose peers speak the extensions, makes
+``send`` cut a WEIGHTS, GRADIENTS or UPDATE payload over ``fragment_size`` bytes into FRAGMENT
+frames, and lets the decoder reassemble the peer's, up to ``max_message`` bytes. A first
+fragment is admitted only if the link's table takes its message at that point of the stream
+(the coordinator: GRADIENTS once it sent WEIGHTS), so no unregistered peer makes us hold more
+than one frame; the whole message then passes the lifecycle like any other.
 """
 
 from __future__ import annotations
@@ -39,7 +47,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
-from foundry.wire.fdtc import MAX_PAYLOAD, FdtcDecoder, Message, MsgType, encode_parts
+from foundry.wire.fdtc import (
+    FRAGMENT_SIZE,
+    MAX_PAYLOAD,
+    ErrorCode,
+    FdtcDecoder,
+    Message,
+    MsgType,
+    encode_parts,
+)
 from foundry.wire.fdtc_lifecycle import Lifecycle, Link, LinkState, Role
 
 __all__ = ["ConnectionClosed", "FdtcConnection"]
@@ -55,9 +71,28 @@ class FdtcConnection:
                  max_payload: int = MAX_PAYLOAD) -> None:
         self.role = role
         self._decoder = FdtcDecoder(max_payload)
+        self._decoder.admit_fragments = self._admit_fragments
         self._lifecycle = Lifecycle(role, link=link)
+        self._fragment_size: int | None = None  # None: one frame per message (the seed's)
         self._eof = False
         self._error: FdtcProtocolError | None = None  # the peer broke the protocol
+
+    def allow_fragments(self, max_message: int, fragment_size: int = FRAGMENT_SIZE) -> None:
+        """Both peers speak the extensions: messages up to ``max_message`` bytes, larger ones
+        than ``fragment_size`` sent as FRAGMENT frames (see the module docstring)."""
+        self._decoder.max_message = max_message
+        self._fragment_size = fragment_size
+
+    def _admit_fragments(self, msg_type: MsgType) -> None:
+        """A first fragment arrived: only of a message this link's state takes at that point
+        of the stream (the messages decoded before it counted in)."""
+        before = [event.TYPE for event in self._decoder.queued()]
+        if not self._lifecycle.may_receive_after(before, msg_type):
+            state = self._lifecycle.state
+            raise FdtcProtocolError(
+                f"a fragmented {msg_type.name} is not allowed on a {state.value} link",
+                ErrorCode.NOT_REGISTERED if state is LinkState.CONNECTED
+                else ErrorCode.UNEXPECTED)
 
     @property
     def state(self) -> LinkState:
@@ -111,6 +146,9 @@ class FdtcConnection:
                     f"the peer closed the connection in mid-frame "
                     f"({self._decoder.buffered} bytes of a frame received)"
                 )
+            if self._eof and (begun := self._decoder.unfinished()) is not None:
+                raise FdtcProtocolError(f"the peer closed the connection in the middle of "
+                                        f"{begun}")
         except FdtcProtocolError as exc:
             self._error = exc
             raise
@@ -129,7 +167,8 @@ class FdtcConnection:
                     f"({self._error}); send ERROR and close"
                 )
             try:
-                parts = encode_parts(msg)
+                parts = encode_parts(msg, fragment_size=self._fragment_size,
+                                     max_message=self._decoder.max_message)
                 self._lifecycle.send(msg)
             except LocalProtocolError:
                 self._lifecycle.close()

@@ -226,6 +226,14 @@ class Lifecycle:
         self._weights_announced = False  # a WEIGHTS_META passed and its WEIGHTS did not yet
         self._dataset_seen = False  # a DATASET passed (at most one per link)
 
+    def may_receive_after(self, before: Iterable[MsgType], msg_type: MsgType) -> bool:
+        """Whether ``msg_type`` may arrive once the messages ``before`` (decoded, not yet
+        received) have moved the state: the state at that point of the byte stream."""
+        state = self.state
+        for earlier in before:
+            state = self._table.get((state, Direction.RECEIVED, earlier), state)
+        return (state, Direction.RECEIVED, msg_type) in self._table
+
     def allowed(self, direction: Direction) -> frozenset[MsgType]:
         return frozenset(m for (s, d, m) in self._table if s is self.state and d is direction)
 

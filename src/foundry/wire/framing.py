@@ -11,7 +11,8 @@ the buffering and the error discipline; a codec subclasses it with three hooks:
 - ``_begin(header)``: check the header (magic, type, the length limit, the type's size rule)
   and return the payload's length. It runs the moment the header's last byte arrives, so no
   payload byte of a bad frame is ever kept;
-- ``_finish(payload)``: build the event from that payload.
+- ``_finish(payload)``: build the event from that payload, or None when the frame is one
+  part of a larger event (FDTC's FRAGMENT) that a later frame completes.
 
 ``feed`` parses eagerly and queues complete events; ``next_event`` hands them out (``None``:
 more bytes are needed). Each payload is received into a buffer of its own, sized once by the
@@ -77,8 +78,9 @@ class FrameDecoder(ABC, Generic[E]):
         """Check a whole header; the payload length it announces."""
 
     @abstractmethod
-    def _finish(self, payload: memoryview) -> E:
-        """The event of the frame whose header ``_begin`` just accepted."""
+    def _finish(self, payload: memoryview) -> E | None:
+        """The event of the frame whose header ``_begin`` just accepted (None: no event
+        yet)."""
 
     # -- the interface every decoder shares
 
@@ -88,6 +90,10 @@ class FrameDecoder(ABC, Generic[E]):
         if not self._in_payload:
             return len(self._head)
         return len(self._head) + self._filled
+
+    def queued(self) -> tuple[E, ...]:
+        """The events complete and not yet handed out, in stream order."""
+        return tuple(self._ready)
 
     @property
     def closed(self) -> bool:
@@ -118,7 +124,8 @@ class FrameDecoder(ABC, Generic[E]):
                     payload = self._payload.toreadonly()
                     self._head, self._in_payload = bytearray(), False
                     self._payload, self._filled = _NO_PAYLOAD, 0
-                    self._ready.append(self._finish(payload))
+                    if (event := self._finish(payload)) is not None:
+                        self._ready.append(event)
         except RemoteProtocolError as exc:
             self._error = exc
             self._head, self._in_payload = bytearray(), False
@@ -128,13 +135,16 @@ class FrameDecoder(ABC, Generic[E]):
         """The peer closed the stream; an error if it did so in the middle of a frame."""
         if self._error is not None:
             raise self._again()
-        if self.buffered:
-            self._error = self._eof_error(
-                f"connection closed in the middle of a frame ({self.buffered} bytes of it "
-                "received)"
-            )
+        if (begun := self.unfinished()) is not None:
+            self._error = self._eof_error(f"connection closed in the middle of {begun}")
             self._reported = True
             raise self._error
+
+    def unfinished(self) -> str | None:
+        """What was begun and not finished (a frame), None between events."""
+        if self.buffered:
+            return f"a frame ({self.buffered} bytes of it received)"
+        return None
 
     def next_event(self) -> E | None:
         """The next complete event, None if more bytes are needed; raises the codec's
