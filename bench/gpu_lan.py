@@ -57,13 +57,19 @@ def run(args: argparse.Namespace, work: Path, name: str, workers: int, rate: str
     base = Baseline(samples_per_s=float("nan"), target=target, seconds_to_target=float("nan"),
                     curve=[])
     net = Network(workers + 1, rate, args.ip, args.tc)
+    folder = work / name.replace(" ", "-")
     try:
         net.up()
-        return run_config(net, work / name.replace(" ", "-"), a, base, name,
+        return run_config(net, folder, a, base, name,
                           ["--sync-every", str(args.sync_every),
-                           "--validate-device", args.validate_device])
+                           "--validate-device", args.validate_device,
+                           *args.coordinator_args])
     finally:
         net.down()
+        if args.keep_logs and (folder / "coordinator.log").exists():
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            shutil.copy(folder / "coordinator.log",
+                        args.keep_logs / f"{folder.name}-coordinator.log")
 
 
 def show(r: Result, alone: Result, args: argparse.Namespace) -> None:
@@ -105,6 +111,10 @@ def main() -> int:
     ap.add_argument("--config-timeout", type=float, default=150.0,
                     help="seconds each swarm may run")
     ap.add_argument("--no-loopback-pair", action="store_true")
+    ap.add_argument("--coordinator-args", type=shlex.split, default=[],
+                    help="more coordinator flags for every swarm, e.g. '--compression qsgd'")
+    ap.add_argument("--keep-logs", type=Path, default=None,
+                    help="copy each swarm's coordinator log into this folder")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
@@ -119,8 +129,9 @@ def main() -> int:
     dense = 4 * sum(math.prod(s) for s in cfg.param_shapes().values())
     print(f"# gpu lan: preset {args.preset} (dense f32 weights {dense / 1e6:.1f} MB), global "
           f"batch {args.global_batch}x{args.seq_len}, --sync-every {args.sync_every}, workers "
-          f"{shlex.join(args.worker_args)}, validation on {args.validate_device}, "
-          f"{os.cpu_count()} cores", flush=True)
+          f"{shlex.join(args.worker_args)}, coordinator "
+          f"{shlex.join(args.coordinator_args) or '(defaults)'}, validation on "
+          f"{args.validate_device}, {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="foundry-gpulan-") as tmp:
         work = Path(tmp)
         alone = run(args, work, "alone", 1, "loopback", -math.inf, args.steps)
