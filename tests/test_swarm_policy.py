@@ -276,6 +276,13 @@ def test_allocation_rounding_and_edges() -> None:
 def test_deadline_and_quorum_edges() -> None:
     # factor x the slowest expected finish, from zero: 1 sample at 4/s is 0.25 s, x 2.
     assert round_deadline(100.0, {"a": 1}, {"a": 4.0}, factor=2.0, floor_s=0.0) == 100.5
+    # The time a worker's rounds took beyond computing (its transfers, measured) counts: a
+    # round of 256 samples at 37/s (7 s) whose update and gradient take 8 s on the link ends
+    # at 2.5 x 15 s, not at 2.5 x 7 s, when the gradients are still on the wire.
+    assert round_deadline(0.0, {"a": 256, "b": 256}, {"a": 37.0, "b": 37.0},
+                          overheads={"a": 8.0}) == pytest.approx(2.5 * (256 / 37 + 8.0))
+    assert round_deadline(0.0, {"a": 256}, {"a": 37.0}, overheads={}) == pytest.approx(
+        2.5 * 256 / 37)
     # A rate below 1/s is a measured rate, not a missing one.
     assert round_deadline(0.0, {"a": 1}, {"a": 0.5}, factor=2.0, floor_s=0.0,
                           initial_s=99.0) == 4.0

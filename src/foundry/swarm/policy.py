@@ -142,11 +142,15 @@ def round_deadline(
     shares: Mapping[str, int],
     rates: Mapping[str, float],
     *,
+    overheads: Mapping[str, float] | None = None,
     factor: float = DEADLINE_FACTOR,
     floor_s: float = DEADLINE_FLOOR_S,
     initial_s: float = INITIAL_DEADLINE_S,
 ) -> float:
-    """When the round stops waiting: ``factor`` times the slowest expected finish.
+    """When the round stops waiting: ``factor`` times the slowest expected finish, its
+    compute (``shares`` at ``rates``) plus the time its round took beyond computing
+    (``overheads``, measured: the update down, the gradient up), so a round whose transfers
+    outlast its compute (a large model on a home LAN) is not closed before they arrive.
 
     A worker without a measured rate yet makes the deadline the generous ``initial_s``.
     """
@@ -155,7 +159,8 @@ def round_deadline(
         rate = rates.get(worker_id, 0.0)
         if rate <= 0.0:
             return started_at + initial_s
-        expected = max(expected, n / rate)
+        extra = 0.0 if overheads is None else overheads.get(worker_id, 0.0)
+        expected = max(expected, n / rate + extra)
     return started_at + max(floor_s, factor * expected)
 
 

@@ -124,7 +124,8 @@ class RoundRunner:
         rnd = Round(
             step, expected, started=now, quorum=c.opt.quorum,
             deadline=policy.round_deadline(
-                now, expected, {m.worker_id: m.rate for m in members}
+                now, expected, {m.worker_id: m.rate for m in members},
+                overheads={m.worker_id: m.overhead_s for m in members},
             ),
         )
         c.round = rnd
