@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
-from foundry.wire.framing import FrameDecoder
+from foundry.wire.framing import NO_PAYLOAD, FrameDecoder, payload_buffer
 from foundry.wire.layout import BOOL, F32, U8, U32, U64, Layout
 from foundry.wire.layout import Bytes as _Bytes
 from foundry.wire.layout import Enum as _Enum
@@ -1401,7 +1401,7 @@ class FdtcDecoder(FrameDecoder[Message]):
         self.max_message = max_message
         self.admit_fragments: Callable[[MsgType], None] | None = None
         self._cls: type[Message] = Message
-        self._whole = _NO_MESSAGE  # the fragmented message's payload, its first _held bytes in
+        self._whole = NO_PAYLOAD  # the fragmented message's payload, its first _held bytes in
         self._whole_type = MsgType.WEIGHTS
         self._held = 0
 
@@ -1482,7 +1482,7 @@ class FdtcDecoder(FrameDecoder[Message]):
             MESSAGE_TYPES[f.message_type].check_length(total)
             if self.admit_fragments is not None:
                 self.admit_fragments(f.message_type)
-            self._whole, self._whole_type, self._held = _message_buffer(total), f.message_type, 0
+            self._whole, self._whole_type, self._held = payload_buffer(total), f.message_type, 0
         elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole),
                                                    self._held):
             raise FdtcProtocolError(
@@ -1494,7 +1494,7 @@ class FdtcDecoder(FrameDecoder[Message]):
         self._held += n
         if self._held < total:
             return None
-        whole, self._whole, self._held = self._whole.toreadonly(), _NO_MESSAGE, 0
+        whole, self._whole, self._held = self._whole.toreadonly(), NO_PAYLOAD, 0
         return self._decoded(MESSAGE_TYPES[self._whole_type], whole)
 
     def unfinished(self) -> str | None:
@@ -1507,15 +1507,6 @@ class FdtcDecoder(FrameDecoder[Message]):
 
     def _eof_error(self, message: str) -> FdtcProtocolError:
         return FdtcProtocolError(message)
-
-
-_NO_MESSAGE = memoryview(b"")
-
-
-def _message_buffer(length: int) -> memoryview:
-    # Uninitialised: a peer that announces a large message commits memory only as its
-    # fragments fill it.
-    return np.empty(length, dtype=np.uint8).data
 
 
 # ---------------------------------------------------------------------------- weights

@@ -38,7 +38,7 @@ import numpy as np
 
 from foundry.wire.errors import RemoteProtocolError
 
-__all__ = ["FrameDecoder"]
+__all__ = ["NO_PAYLOAD", "FrameDecoder", "payload_buffer"]
 
 E = TypeVar("E")
 
@@ -46,10 +46,12 @@ E = TypeVar("E")
 # bytes fill them, so a header announcing 256 MiB costs no memory until the bytes come);
 # smaller ones a bytearray, cheaper to make for the many small frames of a busy link.
 _LARGE_PAYLOAD = 64 * 1024
-_NO_PAYLOAD = memoryview(b"")
+NO_PAYLOAD = memoryview(b"")
 
 
-def _payload_buffer(length: int) -> memoryview:
+def payload_buffer(length: int) -> memoryview:
+    """A writable buffer of ``length`` bytes to receive a payload into (FDTC also joins a
+    fragmented message in one)."""
     if length >= _LARGE_PAYLOAD:
         return np.empty(length, dtype=np.uint8).data
     return memoryview(bytearray(length))
@@ -62,7 +64,7 @@ class FrameDecoder(ABC, Generic[E]):
         self._head = bytearray()
         self._in_payload = False
         self._length = 0
-        self._payload = _NO_PAYLOAD  # the frame's payload buffer, its first _filled bytes in
+        self._payload = NO_PAYLOAD  # the frame's payload buffer, its first _filled bytes in
         self._filled = 0
         self._ready: deque[E] = deque()
         self._error: RemoteProtocolError | None = None
@@ -114,7 +116,7 @@ class FrameDecoder(ABC, Generic[E]):
                     if len(self._head) == self._header_size():
                         self._length = self._begin(bytes(self._head))
                         self._in_payload = True
-                        self._payload, self._filled = _payload_buffer(self._length), 0
+                        self._payload, self._filled = payload_buffer(self._length), 0
                 else:
                     take = min(self._length - self._filled, end - pos)
                     self._payload[self._filled : self._filled + take] = view[pos : pos + take]
@@ -123,13 +125,13 @@ class FrameDecoder(ABC, Generic[E]):
                 if self._in_payload and self._filled == self._length:
                     payload = self._payload.toreadonly()
                     self._head, self._in_payload = bytearray(), False
-                    self._payload, self._filled = _NO_PAYLOAD, 0
+                    self._payload, self._filled = NO_PAYLOAD, 0
                     if (event := self._finish(payload)) is not None:
                         self._ready.append(event)
         except RemoteProtocolError as exc:
             self._error = exc
             self._head, self._in_payload = bytearray(), False
-            self._payload, self._filled = _NO_PAYLOAD, 0
+            self._payload, self._filled = NO_PAYLOAD, 0
 
     def feed_eof(self) -> None:
         """The peer closed the stream; an error if it did so in the middle of a frame."""
