@@ -92,12 +92,14 @@ class Reference:
             row = self.engine.decode(s, list(ids[start:start + PREFILL_CHUNK]))[-1]
         assert row is not None
         out: list[int] = []
-        while len(out) < n and len(ids) + len(out) < self.ctx_size:
+        while True:
             out.append(int(np.argmax(row)))
-            if out[-1] in self.tokenizer.eog_ids or len(out) == n:
-                break
+            # A full context ends it too: the last token is sampled from the last position's
+            # row and is never evaluated itself (as in foundry.model.generate).
+            if (out[-1] in self.tokenizer.eog_ids or len(out) == n
+                    or len(ids) + len(out) > self.ctx_size):
+                return tuple(out)
             row = self.engine.decode(s, [out[-1]])[-1]
-        return tuple(out)
 
     def greedy(self, ask: Chat, n: int) -> list[int]:
         """The tokens a greedy generation of at most ``n`` gives, its end-of-turn included."""
@@ -218,14 +220,16 @@ class Served:
                      token_ids=ids)
 
     def wait_idle(self, within_s: float = 30.0) -> None:
-        """Until the pair runs no session and the gateway queues nothing (every slot back)."""
+        """Until the pair runs no session and the gateway holds no place and queues nothing
+        (every slot back)."""
         deadline = time.monotonic() + within_s
         while True:
             status = self.pair.status()
-            depth = self.metric("foundry_gateway_http_queue_depth_requests")
-            if status.active_sessions == 0 and depth == 0:
+            held = (self.metric("foundry_gateway_http_active_requests"),
+                    self.metric("foundry_gateway_http_queue_depth_requests"))
+            if status.active_sessions == 0 and held == (0, 0):
                 return
-            assert time.monotonic() < deadline, (status, depth)
+            assert time.monotonic() < deadline, (status, held)
             time.sleep(0.02)
 
     def metric(self, name: str) -> float:
@@ -236,11 +240,11 @@ class Served:
 
 
 def _token_bytes(ask: Chat, logprobs: list[dict[str, Any] | None]) -> list[bytes] | None:
-    if not logprobs or logprobs[0] is None:
+    given = [lp for lp in logprobs if lp is not None]  # a stream's closing chunk has none
+    if not given:
         return None
     out: list[bytes] = []
-    for lp in logprobs:
-        assert lp is not None
+    for lp in given:
         if ask.messages:
             out += [bytes(e["bytes"]) for e in lp["content"]]
         else:  # the legacy form has no bytes: the tokens' texts

@@ -23,9 +23,9 @@ stream does: a client that keeps up gets one token per chunk, one that falls beh
 up in fewer, larger chunks; nothing waits to fill a batch).
 
 Status codes: 400 bad request (OpenAI's ``invalid_request_error``, ``param`` names the field),
-401 missing or wrong bearer token, 404 unknown path, 405 wrong method, 413 body too large, 429
-queue full (``Retry-After``), 503 pair unavailable, 504 pair timeout, 500 anything else (the
-detail goes to the log, never a traceback to the client).
+401 missing or wrong bearer token, 404 unknown path or model (``model_not_found``), 405 wrong
+method, 413 body too large, 429 queue full (``Retry-After``), 503 pair unavailable, 504 pair
+timeout, 500 anything else (the detail goes to the log, never a traceback to the client).
 """
 
 from __future__ import annotations
@@ -338,6 +338,7 @@ class OpenAIApi:
         self.metrics = metrics
         self.queue = FairQueue(options.max_active, options.max_waiting)
         metrics.http_queue_depth.set_function(lambda: self.queue.waiting)
+        metrics.http_active.set_function(lambda: self.queue.active)
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
@@ -521,8 +522,17 @@ class OpenAIApi:
 
     # -- endpoints ---------------------------------------------------------------------
 
+    def _served(self, model: str | None) -> None:
+        """A request for a model this gateway does not serve gets OpenAI's 404 (no answer from
+        another model); one that names none is served."""
+        if model is not None and model != self.opt.model_name:
+            raise HttpError(404, f"The model `{model}` does not exist or you do not have "
+                            f"access to it; this gateway serves `{self.opt.model_name}`",
+                            code="model_not_found")
+
     async def chat_completions(self, request: Request) -> Response:
         req = await self._body(request, ChatCompletionRequest)
+        self._served(req.model)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -537,6 +547,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         req = await self._body(request, CompletionRequest)
+        self._served(req.model)
         generation = self._generation(
             req.token_limit(), req.temperature, req.top_p, req.top_k, req.seed,
             req.stop_strings(), logprobs=req.logprobs is not None,
