@@ -1,0 +1,81 @@
+"""Pieces of the served path checked in this process, each where a one-line mistake passed the
+rest of the suite: the tokenizer's reading of ``add_bos_token`` against its vocabulary's
+default, the order of a pre-tokenizer's patterns, templates rendered with ``lstrip_blocks``, a
+fragmented FDTC message of exactly the link's limit. (The served path's processes are in
+tests/test_served_matrix.py and tests/test_openai_semantics.py.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tiny_bpe import vocab_path
+
+from foundry.model.chat import ChatTemplate, Message
+from foundry.model.gguf_meta import read_metadata
+from foundry.model.vocab.tokenizer import load_tokenizer
+from foundry.wire.fdtc import FdtcDecoder, Weights, encode_parts
+
+
+ADD_BOS = "tokenizer.ggml.add_bos_token"
+
+
+def _meta(name: str, **keys: Any) -> dict[str, Any]:
+    """A vocabulary's metadata without its own ``add_bos_token``, then ``keys``."""
+    meta = {k: v for k, v in read_metadata(vocab_path(f"ggml-vocab-{name}.gguf")).items()
+            if k != ADD_BOS}
+    meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
+    return meta
+
+
+@pytest.mark.parametrize(("vocab", "default"), [("llama-bpe", True), ("gpt-2", False),
+                                                ("llama-spm", True)])
+def test_the_files_add_bos_token_overrides_the_vocabularys_default(vocab: str,
+                                                                   default: bool) -> None:
+    """llama.cpp reads ``tokenizer.ggml.add_bos_token`` over the default of the vocabulary's
+    type and pre-tokenizer (Llama 3 adds BOS, GPT-2 does not)."""
+    plain = load_tokenizer(_meta(vocab))
+    assert plain.add_bos is default
+    flipped = load_tokenizer(_meta(vocab, add_bos_token=not default))
+    assert flipped.add_bos is not default
+    ids, other = plain.encode("Hello"), flipped.encode("Hello")
+    bos = plain.bos_id
+    assert (ids[0] == bos) is default and (other[0] == bos) is not default
+    assert (ids[1:] if default else ids) == (other if default else other[1:])
+
+
+def test_smollm_splits_digits_before_the_gpt2_pattern() -> None:
+    """llama.cpp's smollm / starcoder pre-tokenizer runs ``\\p{N}`` first, then GPT-2's
+    pattern on what is left: "a  1" is "a", "  ", "1" (the other order gives "a", " ", " 1")."""
+    meta = _meta("starcoder")
+    assert meta["tokenizer.ggml.pre"] == "starcoder"
+    ids = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    tok = load_tokenizer(meta)
+    assert tok.encode("a  1") == [ids["a"], ids["ĠĠ"], ids["1"]]
+    assert tok.encode("x 12") == [ids["x"], ids["Ġ"], ids["1"], ids["2"]]
+
+
+def test_templates_render_with_lstrip_blocks() -> None:
+    """transformers renders with ``trim_blocks`` and ``lstrip_blocks``: the spaces before a
+    block tag on its line are not output (templates indent their tags)."""
+    source = ("{% for m in messages %}\n"
+              "    {% if m.role == 'user' %}\n"
+              "[{{ m.content }}]\n"
+              "    {% endif %}\n"
+              "{% endfor %}")
+    text = ChatTemplate(source, "indented").render([Message("user", "a"),
+                                                    Message("user", "b")])
+    assert text == "[a]\n[b]\n"
+
+
+def test_a_fragmented_message_of_exactly_the_links_limit_crosses() -> None:
+    """The limit itself is allowed; one byte more is refused (test_fdtc_fragments.py)."""
+    limit = 1 << 16
+    msg = Weights(bytes(range(256)) * (limit // 256))
+    pieces = encode_parts(msg, fragment_size=4096, max_message=limit)
+    assert len(pieces) > 1
+    dec = FdtcDecoder(max_message=limit)
+    for p in pieces:
+        dec.feed(p)
+    assert list(dec.events()) == [msg]
