@@ -19,6 +19,9 @@ are a few tokens each.
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,3 +126,37 @@ def test_many_clients_get_the_engines_answers(
         eog = want[-1] in reference.tokenizer.eog_ids
         assert reply.finish_reason == ("stop" if eog else "length")
     stack.wait_idle()
+
+
+def test_up_serves_the_gemma_file_to_its_first_answer(tmp_path: Path) -> None:
+    """`foundry up --model FILE` on the published file, as a new user runs it: the greedy
+    sample (speculative decoding on, a verify block of 262,144-token rows), then a chat over
+    HTTP whose reply is the transcript's, the one-process engine's."""
+    from test_up import running, start_up, wait_gone
+
+    path = gemma_file()
+    up, ports = start_up(tmp_path, 1, "--model", str(path), "--ctx-size", str(GEMMA_CTX),
+                         "--prompt", "The capital of France is", "--sample-tokens", "6")
+    http_port = int(ports[ports.index("--http-port") + 1])
+    try:
+        up.wait_for(r"sample \(greedy, 6 tokens\): 'The capital of France is", 240)
+        up.wait_for(r"ready in \d+ s", 10)
+        ref = Reference(path, GEMMA_CTX)
+        chat = ASKS[1]
+        want = ref.greedy(chat, 12)
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "foundry", **chat.body(), "max_tokens": 12, "temperature": 0}))
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+        text = answer["choices"][0]["message"]["content"]
+        full = ref.text(want)
+        assert text == (full[:full.index("\nUser:")] if "\nUser:" in full else full)
+        assert "Paris" in text
+        children = up.children()
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=60) == 0, up.text()
+        assert wait_gone(children, 5.0) == []
+        assert not any(running(pid) for pid in children.values())
+    finally:
+        up.cleanup()

@@ -17,7 +17,6 @@ from foundry.model.gguf_meta import read_metadata
 from foundry.model.vocab.tokenizer import load_tokenizer
 from foundry.wire.fdtc import FdtcDecoder, Weights, encode_parts
 
-
 ADD_BOS = "tokenizer.ggml.add_bos_token"
 
 
