@@ -7,12 +7,13 @@ tests/test_served_matrix.py and tests/test_openai_semantics.py.)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from tiny_bpe import vocab_path
 
-from foundry.model.chat import ChatTemplate, Message
+from foundry.model.chat import NO_TEMPLATE, ChatTemplate, Message, template_for
 from foundry.model.gguf_meta import read_metadata
 from foundry.model.vocab.tokenizer import load_tokenizer
 from foundry.wire.fdtc import FdtcDecoder, Weights, encode_parts
@@ -57,7 +58,8 @@ def test_smollm_splits_digits_before_the_gpt2_pattern() -> None:
 
 def test_templates_render_with_lstrip_blocks() -> None:
     """transformers renders with ``trim_blocks`` and ``lstrip_blocks``: the spaces before a
-    block tag on its line are not output (templates indent their tags)."""
+    block tag on its line are not output (templates indent their tags), nor the newline
+    after one; a template file's last newline is dropped (``keep_trailing_newline`` off)."""
     source = ("{% for m in messages %}\n"
               "    {% if m.role == 'user' %}\n"
               "[{{ m.content }}]\n"
@@ -66,6 +68,8 @@ def test_templates_render_with_lstrip_blocks() -> None:
     text = ChatTemplate(source, "indented").render([Message("user", "a"),
                                                     Message("user", "b")])
     assert text == "[a]\n[b]\n"
+    trimmed = ChatTemplate("{% if true %}\nx{% endif %}y\n", "trimmed")
+    assert trimmed.render([]) == "xy"
 
 
 def test_a_fragmented_message_of_exactly_the_links_limit_crosses() -> None:
@@ -78,3 +82,53 @@ def test_a_fragmented_message_of_exactly_the_links_limit_crosses() -> None:
     for p in pieces:
         dec.feed(p)
     assert list(dec.events()) == [msg]
+
+
+META = {"tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "x"],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+SPECIALS = "{{ bos_token }}|{{ eos_token }}"
+
+
+def test_every_way_to_choose_a_template_names_it_and_gives_it_the_files_bos_and_eos(
+    tmp_path: Path,
+) -> None:
+    jinja = tmp_path / "mine.jinja"
+    jinja.write_text(SPECIALS + "|é", encoding="utf-8")
+    chosen = [
+        (template_for({**META, "tokenizer.chat_template": SPECIALS}),
+         "the file's tokenizer.chat_template", "<s>|</s>"),
+        (template_for(META, "plain"), "plain", None),
+        (template_for(META, str(jinja)), str(jinja), "<s>|</s>|é"),
+        (template_for(META), "plain" + NO_TEMPLATE, None),
+        (template_for({**META, "tokenizer.chat_template": ""}), "plain" + NO_TEMPLATE, None),
+    ]
+    for t, name, rendered in chosen:
+        assert (t.name, t.bos_token, t.eos_token) == (name, "<s>", "</s>")
+        if rendered is not None:
+            assert t.render([]) == rendered
+
+
+@pytest.mark.parametrize("meta", [
+    {**META, "tokenizer.ggml.bos_token_id": 4, "tokenizer.ggml.eos_token_id": -1},
+    {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2},
+    {**META, "tokenizer.ggml.bos_token_id": "1", "tokenizer.ggml.eos_token_id": None},
+])
+def test_a_special_token_the_file_does_not_have_is_empty_text(meta: dict[str, Any]) -> None:
+    t = template_for(meta)
+    assert (t.bos_token, t.eos_token) == ("", "")
+    assert ChatTemplate(SPECIALS, "bare").render([]) == "|"
+
+
+def test_tojson_is_transformers_filter() -> None:
+    """``tojson`` as transformers defines it: keys in their order, ``ensure_ascii`` off,
+    ``indent``, ``separators`` and ``sort_keys`` as json.dumps takes them."""
+    msgs = [Message("user", "é")]
+
+    def render(call: str) -> str:
+        return ChatTemplate("{{ messages[0] | " + call + " }}", "json").render(msgs)
+
+    assert render("tojson") == '{"role": "user", "content": "é"}'
+    assert render("tojson(separators=(',', ':'))") == '{"role":"user","content":"é"}'
+    assert render("tojson(sort_keys=true)") == '{"content": "é", "role": "user"}'
+    assert render("tojson(ensure_ascii=true)") == '{"role": "user", "content": "\\u00e9"}'
+    assert render("tojson(indent=1)") == '{\n "role": "user",\n "content": "é"\n}'
