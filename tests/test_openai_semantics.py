@@ -260,10 +260,7 @@ def _capacity(s: Served) -> list[int]:
                                                     "temperature": 0})
                    for _ in range(QUEUE)]
         socks += waiting
-        deadline = time.monotonic() + 30
-        while s.metric("foundry_gateway_http_queue_depth_requests") < QUEUE:
-            assert time.monotonic() < deadline, "the requests did not queue"
-            time.sleep(0.01)
+        _wait_metric(s, "foundry_gateway_http_queue_depth_requests", QUEUE)
         status, _, _ = s.post("/v1/completions", {**STORY.body(), "max_tokens": 1})
         statuses.append(status)
         for sock in socks[:MAX_ACTIVE]:
@@ -286,7 +283,8 @@ def _failures(s: Served, ref: Reference) -> None:
     # Refused before admission: a body that is not valid, a model not served.
     assert s.request("POST", "/v1/completions", b'{"prompt": ')[0] == 400
     assert s.post("/v1/completions", {**STORY.body(), "model": "x"})[0] == 404
-    # Disconnects: before the first token, mid-stream, waiting for a whole answer.
+    # Disconnects: before the first token, mid-stream, waiting for a whole answer (the pair
+    # must hear of each: wait_idle asks it for no session left).
     for body, wait_for in (({"stream": True}, b""), ({"stream": True}, b"HTTP/1.1 200"),
                            ({"stream": False}, b"")):
         sock = _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 200,
@@ -300,6 +298,28 @@ def _failures(s: Served, ref: Reference) -> None:
                 time.sleep(0.01)
         sock.close()
         s.wait_idle()
+    # A disconnect while queued: every place taken by a long stream, one more waits, leaves.
+    running = [_send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": N_CTX,
+                                                 "temperature": 0, "stream": True})
+               for _ in range(MAX_ACTIVE)]
+    try:
+        for sock in running:
+            assert sock.recv(12) == b"HTTP/1.1 200"
+        queued = _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 2})
+        _wait_metric(s, "foundry_gateway_http_queue_depth_requests", 1)
+        queued.close()
+        _wait_metric(s, "foundry_gateway_http_queue_depth_requests", 0)
+    finally:
+        for sock in running:
+            sock.close()
+    s.wait_idle()
+
+
+def _wait_metric(s: Served, name: str, value: float, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while s.metric(name) != value:
+        assert time.monotonic() < deadline, f"{name} never became {value}"
+        time.sleep(0.01)
 
 
 def test_every_place_in_the_queue_comes_back_after_each_failure(s: Served,
