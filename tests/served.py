@@ -266,11 +266,12 @@ def sse_events(body: bytes) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def served(model: Path, logs: Path, ctx_size: int, leader_flags: Sequence[str] = (),
+def served(model: Path, logs: Path, ctx_size: int | None, leader_flags: Sequence[str] = (),
            gateway_flags: Sequence[str] = ()) -> Iterator[Served]:
-    """The pair (both ranks with context ``ctx_size``) and the gateway, stopped by their pids
-    at the end."""
-    ctx = ("--ctx-size", str(ctx_size))
+    """The pair (both ranks with context ``ctx_size``; None: the file's, and a worker that
+    ``Pair.restart_worker`` starts again pairs) and the gateway, stopped by their pids at the
+    end."""
+    ctx = ("--ctx-size", str(ctx_size)) if ctx_size is not None else ()
     leader = start_leader(model, logs / "leader-1.log", *ctx, *leader_flags)
     pair = Pair(model, logs, (*ctx, *leader_flags), leader,
                 start_worker(model, leader.port, logs / "worker-1.log", *ctx))

@@ -164,6 +164,8 @@ def test_the_pairs_errors_as_http_statuses() -> None:
         (BackendTimeout("slow"), 504, "timeout_error"),
         (BackendUnavailable("gone"), 503, "service_unavailable"),
         (BackendFailed("full", grpc.StatusCode.RESOURCE_EXHAUSTED), 429, "rate_limit_error"),
+        # The leader's ERROR UNAVAILABLE (its worker lost): a 503 as the gRPC side's status.
+        (BackendFailed("lost", grpc.StatusCode.UNAVAILABLE), 503, "service_unavailable"),
         (BackendFailed("odd", grpc.StatusCode.INTERNAL), 500, "server_error"),
     ]
     for exc, status, kind in cases:

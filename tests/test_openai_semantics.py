@@ -57,7 +57,7 @@ def ref(tiny: Path) -> Reference:
 
 @pytest.fixture(scope="module")
 def s(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with served(tiny, tmp_path_factory.mktemp("served"), N_CTX,
+    with served(tiny, tmp_path_factory.mktemp("served"), None,  # the file's: N_CTX
                 gateway_flags=("--http-max-active", str(MAX_ACTIVE),
                                "--http-queue", str(QUEUE))) as stack:
         yield stack
@@ -238,10 +238,10 @@ def test_an_unknown_model_is_openais_404(s: Served) -> None:
 # ---------------------------------------------------------------------------- the queue
 
 
-def _send(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+def _send(port: int, path: str, body: dict[str, Any], version: str = "HTTP/1.1") -> socket.socket:
     data = json.dumps({"model": MODEL_NAME, **body}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} {version}\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
@@ -330,6 +330,29 @@ def test_every_place_in_the_queue_comes_back_after_each_failure(s: Served,
         _failures(s, ref)
     assert _capacity(s) == [429] + [200] * QUEUE
     s.wait_idle()
+
+
+def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_and_done(s: Served) -> None:
+    """The response has begun (200): the failure is an error event in the stream, then
+    ``[DONE]``; the place comes back, and the pair serves again once the worker returns."""
+    sock = _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": N_CTX,
+                                             "temperature": 0, "stream": True}, "HTTP/1.0")
+    try:
+        raw = sock.recv(12)
+        assert raw == b"HTTP/1.1 200"
+        s.pair.kill_worker()
+        while chunk := sock.recv(65536):
+            raw += chunk
+    finally:
+        sock.close()
+    events = sse_events(raw.partition(b"\r\n\r\n")[2])  # [DONE] last
+    error = events[-1]["error"]
+    assert error["type"] == "service_unavailable" and "worker" in error["message"], error
+    assert all("choices" in e for e in events[:-1])
+    s.pair.restart_worker()
+    s.wait_idle()
+    reply = s.whole(STORY, max_tokens=2, temperature=0)
+    assert reply.finish_reason == "length"
 
 
 def test_a_stream_that_never_began_gives_its_place_back() -> None:

@@ -55,9 +55,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from foundry.gateway.errors import (
-    BackendFailed,
-    BackendTimeout,
-    BackendUnavailable,
     GatewayError,
     InvalidRequest,
 )
@@ -119,15 +116,17 @@ class ClientGone(Exception):
 
 
 def http_error(exc: GatewayError) -> HttpError:
-    """A gateway error (the pair's refusal, a broken link) as the HTTP answer."""
+    """A gateway error (the pair's refusal, a broken link) as the HTTP answer, by its gRPC
+    status as the gRPC side answers it: the leader's own UNAVAILABLE (its worker lost, or
+    not yet paired) is a 503 as much as a link the gateway cannot reach."""
     if isinstance(exc, InvalidRequest):
         return HttpError(400, exc.message)
-    if isinstance(exc, BackendTimeout):
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return HttpError(504, exc.message, "timeout_error")
-    if isinstance(exc, BackendUnavailable):
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
         return HttpError(503, exc.message, "service_unavailable",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, BackendFailed) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return HttpError(429, exc.message, "rate_limit_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     return HttpError(500, exc.message, "server_error")
