@@ -649,7 +649,7 @@ def tp_soak(work: Path, seconds: float, seed: int, clients: int = 3, kill_every:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60.0, help="swarm churn (default 60)")
     ap.add_argument("--tp-seconds", type=float, default=30.0, help="TP churn (default 30)")

@@ -74,7 +74,7 @@ def compare(name: str, frames: bytes, reply: fdtc.Message, n: int, repeats: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=20000, help="small messages per repeat")
     ap.add_argument("--floats", type=int, default=100_000, help="f32 values per GRADIENTS")
     ap.add_argument("--repeats", type=int, default=7)

@@ -111,7 +111,7 @@ BUILDS = {  # name: (compiler and flags, how to run)
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__,
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
     main_c = tmp / "main.c"

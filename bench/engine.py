@@ -407,7 +407,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave malloc as it is instead of retain_freed_memory()")

@@ -30,7 +30,7 @@ from foundry.model.transformer import init_params
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="f32,q8_0", help="file types (default f32,q8_0)")
     ap.add_argument("--rounds", type=int, default=3, help="loads per type (default 3)")
     ap.add_argument("--preset", default="bench", help="model preset (default bench)")

@@ -1105,7 +1105,7 @@ def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: flo
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames-per-port", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=1)

@@ -351,7 +351,7 @@ def report(args: argparse.Namespace, results: dict[str, float]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per generation")
     parser.add_argument("--rounds", type=int, default=10, help="generations per path")
     parser.add_argument("--callers", type=int, default=50, help="concurrent status callers")

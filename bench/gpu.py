@@ -420,7 +420,7 @@ def section_parity(args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", default=["train", "decode", "mixed"])
     ap.add_argument("--presets", nargs="*", default=["small", "bench", "medium"])

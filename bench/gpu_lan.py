@@ -91,7 +91,7 @@ def interrupted(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", default="1gbit", help="the pair's ports (tc syntax)")
     ap.add_argument("--preset", default="medium")

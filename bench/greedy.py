@@ -42,7 +42,7 @@ def greedy(path: Path, prompt: str, n: int) -> tuple[list[int], npt.NDArray[np.f
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("reference", type=Path, help="the f32 file")
     ap.add_argument("others", type=Path, nargs="+", help="the same model in other types")
     ap.add_argument("--prompt", default="The ", help="the demo prompt of `foundry up`")

@@ -150,7 +150,7 @@ def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME=PATH of each build of the kernels")
     ap.add_argument("--rows", type=int, default=600_000)
     ap.add_argument("--reps", type=int, default=4)

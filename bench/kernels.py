@@ -153,7 +153,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="float32 size of the matrix, MB")
     ap.add_argument("--k", type=int, default=1024, help="row length")
     ap.add_argument("--reps", type=int, default=5)

@@ -457,7 +457,8 @@ def mb(x: float) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rate", type=rates_arg, default=["1gbit"],
                     help="every port's rate both ways (tc syntax: 1gbit, 100mbit), or loopback;\n"
                     "comma-separated rates run one after the other")

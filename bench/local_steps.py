@@ -191,7 +191,7 @@ def to_target(curve: list[tuple[int, float]], target: float) -> int | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--preset", default="small")

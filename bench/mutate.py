@@ -136,7 +136,7 @@ def listed_survivors() -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="*", default=[],
                         help="targets to run (default: all): " + ", ".join(BY_NAME))
     parser.add_argument("--time-limit", type=float, default=1200.0,

@@ -27,7 +27,7 @@ from foundry.model.transformer import init_params
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--samples", type=int, default=8, help="sequences per training step")
     ap.add_argument("--seq-len", type=int, default=64)

@@ -71,7 +71,7 @@ def log_softmax_nll(logits: np.ndarray, targets: list[int]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ppl-tokens", type=int, default=4096)

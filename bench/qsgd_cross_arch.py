@@ -80,7 +80,7 @@ def expected(v: np.ndarray, d: int, s: int, seed: int) -> bytes:
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__,
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if qsgd._qsgd is None:
         print("the C coder is not built here (pip install -e . with a C compiler)")

@@ -80,7 +80,7 @@ def measure(tree: Path, code: str) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, required=True,
                     help="the other tree (a checkout with its extensions built)")
     ap.add_argument("--rounds", type=int, default=3)

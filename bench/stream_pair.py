@@ -58,7 +58,7 @@ def child(core: int, mb: int, conn: Connection) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024, help="MB of Q8_0 weights per core")
     ap.add_argument("--reps", type=int, default=3, help="products per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")

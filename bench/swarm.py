@@ -134,7 +134,8 @@ def verdict(ok: bool) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--global-batch", type=int, default=64,
                     help="samples per round; per-round costs (weights out, gradients in,\n"

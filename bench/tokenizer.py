@@ -48,7 +48,7 @@ def corpus_text(n_tokens: int, tokenizer: object) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: Gemma 3)")
     ap.add_argument("--tokens", type=int, default=4000, help="length of the text in tokens")
     ap.add_argument("--rounds", type=int, default=3)

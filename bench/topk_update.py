@@ -81,7 +81,7 @@ def train(mode: str, rounds: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=100)
     args = parser.parse_args()
     losses = {}

@@ -694,7 +694,7 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench", choices=["bench", "small"])
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
     parser.add_argument("--model", type=Path, default=None,

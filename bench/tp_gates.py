@@ -126,7 +126,7 @@ def rank1(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=3000, help="timed exchanges per block")
     parser.add_argument("--warmup", type=int, default=300, help="untimed exchanges per block")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks")
