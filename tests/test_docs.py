@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 import unicodedata
 from pathlib import Path
 
@@ -156,8 +157,60 @@ def test_the_one_machine_swarm_of_the_guide_trains_as_written(tmp_path: Path) ->
         assert "training done" in coordinator or "step 20" in coordinator, coordinator[-2000:]
         assert "too few for words" in coordinator  # 20 steps: it says what to change
         assert any((tmp_path / "runs" / "try" / "checkpoints").iterdir())
+        # The page's export into the same run, through a gateway, as written.
+        block = next(body for lang, body in FENCE.findall(
+            (DOCS / "guide" / "train.md").read_text()) if lang == "bash"
+            and "--coordinator-admin 127.0.0.1:17071" in body)
+        gateway, export = [shlex.split(line) for line in block.splitlines() if line.strip()]
+        assert gateway[:2] == ["foundry", "gateway"] and export[:2] == ["foundry", "ctl"]
+        with (tmp_path / "gateway.log").open("wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "foundry", *gateway[1:]],
+                                          cwd=tmp_path, stdout=log,
+                                          stderr=subprocess.STDOUT, env=ENV))
+        for _ in range(60):  # the gateway takes a few seconds to listen
+            got = subprocess.run([sys.executable, "-m", "foundry", *export[1:]], cwd=tmp_path,
+                                 capture_output=True, text=True, env=ENV, timeout=120)
+            if got.returncode == 0 or "unavailable" not in got.stderr.lower():
+                break
+            time.sleep(1)
+        assert got.returncode == 0, got.stderr
+        path = export[export.index("--path") + 1]
+        assert (tmp_path / path).read_bytes()[:4] == b"GGUF"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=30)
+
+
+def test_every_python_snippet_of_the_docs_names_only_what_it_defines(tmp_path: Path) -> None:
+    """A reader pastes these: each one compiles, and ruff finds no undefined name in it."""
+    snippets = [(page, body) for page in PAGES
+                for lang, body in FENCE.findall(page.read_text(encoding="utf-8"))
+                if lang == "python"]
+    assert snippets
+    for n, (page, body) in enumerate(snippets):
+        compile(body, f"{page.name} snippet", "exec")
+        (tmp_path / f"snippet_{n}.py").write_text(body)
+    got = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
+                          "--select", "F821,F822,F823", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_the_readme_names_what_the_ci_script_installs() -> None:
+    """`bash .ci/run` is the README's test command: every package it installs (apt, npm, the
+    PyPI downloads beyond the test extras) is named there, and so is the demo model's size."""
+    script = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    apt = [w for line in re.findall(r"apt-get install [^\n]*", script)
+           for w in line.split()[2:] if not w.startswith("-")]
+    npm = re.findall(r"npm install [^\n]*?(@[\w/-]+)@", script)
+    pypi = re.findall(r"^(\w[\w-]*)==", script.split("LLAMA_SDIST=")[1], re.M) + re.findall(
+        r"pip install --quiet ([\w-]+)$", script, re.M)
+    assert set(apt) == {"prometheus", "iproute2", "openssl"} and npm and pypi
+    for name in [*apt, *npm, "llama-cpp-python", *pypi]:
+        assert f"`{name}`" in readme, name
+    from foundry.model.config import preset
+
+    assert f"{preset('tiny').n_params():,} parameters" in readme
