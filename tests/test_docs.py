@@ -64,8 +64,8 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_slugs_are_githubs() -> None:
-    assert slug("Decoding with the C kernels (`bench/engine.py`, `bench/kernels.py`)") == \
-        "decoding-with-the-c-kernels-benchenginepy-benchkernelspy"
+    assert slug("Decoding with the C kernels (`bench/performance/engine.py`)") == \
+        "decoding-with-the-c-kernels-benchperformanceenginepy"
     assert slug("TLS, tokens and limits") == "tls-tokens-and-limits"
     assert slug("What `foundry up` does") == "what-foundry-up-does"
 

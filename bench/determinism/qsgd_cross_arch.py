@@ -3,7 +3,7 @@
 machine's module, on the same inputs and seeds.
 
     apt-get install gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf qemu-user-static
-    python bench/qsgd_cross_arch.py
+    python bench/determinism/qsgd_cross_arch.py
 
 For each case (size, bucket, levels, with zeros, subnormals and huge values mixed in) it
 compares the scales, the code stream, the decoded values the encoder computes and what the
@@ -23,7 +23,7 @@ import numpy as np
 
 from foundry.compression import qsgd
 
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "foundry" / "compression" / "_qsgd.c"
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "foundry" / "compression" / "_qsgd.c"
 HEAD = """#include <math.h>
 #include <stddef.h>
 #include <stdint.h>

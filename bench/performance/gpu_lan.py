@@ -1,7 +1,7 @@
 """Two GPU workers on a shaped link against one GPU worker alone, measured in one run.
 
 Three swarms of one coordinator train the same model on the same global batch and schedule
-with ``--sync-every H`` (``bench/lan.py``'s machinery: real processes, each in a network
+with ``--sync-every H`` (``bench/performance/lan.py``'s machinery: real processes, each in a network
 namespace of its own behind one bridge, every port shaped both ways by ``tc tbf``):
 
 1. ``alone``: one worker, on loopback (no link: one GPU host alone), ``--steps`` steps; its
@@ -19,14 +19,15 @@ namespace of its own behind one bridge, every port shaped both ways by ``tc tbf`
 
 Workers get ``--worker-args`` (``--device cuda`` by default; ``--device torch-cpu`` with a tiny
 preset is the CPU smoke check). It needs root, ``ip`` and ``tc`` (or ``--ip``/``--tc``,
-``FOUNDRY_IP``/``FOUNDRY_TC``, as ``bench/lan.py``); ``--rate loopback`` runs without them.
+``FOUNDRY_IP``/``FOUNDRY_TC``, as ``bench/performance/lan.py``); ``--rate loopback`` runs without
+them.
 
     # the device: medium preset, H 16
-    python bench/gpu_lan.py --preset medium --seq-len 128 --global-batch 32 --sync-every 16 \\
-        --steps 64
+    python bench/performance/gpu_lan.py --preset medium --seq-len 128 --global-batch 32 \\
+        --sync-every 16 --steps 64
     # CPU smoke check (root, ip and tc here)
-    python bench/gpu_lan.py --preset tiny --seq-len 32 --global-batch 8 --sync-every 4 \\
-        --steps 12 --validate-every 4 --worker-args "--device torch-cpu"
+    python bench/performance/gpu_lan.py --preset tiny --seq-len 32 --global-batch 8 \\
+        --sync-every 4 --steps 12 --validate-every 4 --worker-args "--device torch-cpu"
 """
 
 from __future__ import annotations

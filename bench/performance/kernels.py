@@ -1,8 +1,9 @@
 """The block kernels alone: GB/s of weights each type streams through one matrix-vector product,
 against numpy's float32 product, one thread, one run.
 
-    OPENBLAS_NUM_THREADS=1 python bench/kernels.py [--mb 256] [--k 1024] [--path best|avx2|portable]
-    OPENBLAS_NUM_THREADS=1 python bench/kernels.py --gguf FILE [--llama-cpp BUILD/bin]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py [--mb 256] [--k 1024]
+        [--path best|avx2|portable]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py --gguf FILE [--llama-cpp BUILD/bin]
         [--rounds 3] [--prompt 512] [--cores 1]
 
 A (rows, k) weight matrix of about ``--mb`` MB in float32 (a large L3 holds a few hundred MB:
@@ -28,18 +29,19 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gguf
+import harness
 import numpy as np
-from codec import best_of
+from harness import best_of
 
 from foundry.model import quant
 from foundry.model import transformer as T
@@ -144,7 +146,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
         print(line, flush=True)
     if llama_cpp is None:
         return True
-    dec, pre = statistics.median(ratios["decode"]), statistics.median(ratios["prompt"])
+    dec, pre = harness.median(ratios["decode"]), harness.median(ratios["prompt"])
     ok = dec >= 1.0 and pre >= 0.5
     print(f"  median over {rounds} rounds, our products against llama.cpp's whole run: decode "
           f"{dec:.2f}x (target >= 1.0x), prompt {pre:.2f}x (target >= 0.5x): "
@@ -153,7 +155,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="float32 size of the matrix, MB")
     ap.add_argument("--k", type=int, default=1024, help="row length")
     ap.add_argument("--reps", type=int, default=5)

@@ -1,6 +1,6 @@
 """Greedy text of a model's f32 file against the same model in other stored types.
 
-    OPENBLAS_NUM_THREADS=1 python bench/greedy.py MODEL-f32.gguf MODEL-q8_0.gguf [...]
+    OPENBLAS_NUM_THREADS=1 python bench/quality/greedy.py MODEL-f32.gguf MODEL-q8_0.gguf [...]
         [--prompt "The "] [--tokens 64]
 
 For each other file: the tokens greedy decoding gives after the prompt (each file in its

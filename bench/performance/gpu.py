@@ -29,7 +29,7 @@ Sections (``--only`` picks some; all run by default, in this order):
            ``compute_gradients`` likewise; greedy decoding (f32 weights) gives the numpy
            engine's tokens. ``--only parity --parity-device cpu`` runs without a GPU.
 
-    python bench/gpu.py --llama-bench /path/to/llama-bench --out results.txt
+    python bench/performance/gpu.py --llama-bench /path/to/llama-bench --out results.txt
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
+import harness
 import numpy as np
 import torch
 
@@ -356,7 +357,7 @@ def section_mixed(args: argparse.Namespace, work: Path) -> None:
         say(f"standalone: GPU {g:.1f}, CPU {c:.1f} samples/s; sum {total:.1f}; mixed "
             f"{mixed:.1f} ->  {mixed / total:.2f} of the sum [{verdict} >= 0.9]")
     if len(ratios) > 1:
-        med = float(np.median(ratios))
+        med = harness.median(ratios)
         say(f"mixed of the sum over {len(ratios)} repeats: {' '.join(f'{x:.2f}' for x in ratios)}"
             f"; median {med:.2f} [{'PASS' if med >= 0.9 else 'FAIL'} >= 0.9]")
 
@@ -464,7 +465,7 @@ def main() -> int:
     cpu_only = ((args.only == ["parity"] and args.parity_device == "cpu")
                 or (args.only == ["mixed"] and "cuda" not in args.mixed_fast_args))
     if not cpu_only and not torch.cuda.is_available():
-        raise SystemExit("bench/gpu.py needs a CUDA GPU")
+        raise SystemExit("bench/performance/gpu.py needs a CUDA GPU")
     say(f"# {torch.cuda.get_device_name() if not cpu_only else 'CPU'}, "
         f"torch {torch.__version__}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="foundry-gpu-") as tmp:

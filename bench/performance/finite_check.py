@@ -1,6 +1,7 @@
 """What the NaN/infinity check of a model load costs, on the ``bench`` preset.
 
-    OPENBLAS_NUM_THREADS=1 python bench/finite_check.py [--types f32,f16,q8_0,q4_0] [--rounds 3]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/finite_check.py [--types f32,f16,q8_0,q4_0]
+        [--rounds 3]
 
 For each file type, a random ``bench``-preset model (about 1.7 GB of float32 weights) is
 written to a temporary folder, then loaded ``--rounds`` times as the engine loads it
@@ -17,11 +18,14 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
-import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 
 from foundry.model import finite
 from foundry.model.config import preset
@@ -30,10 +34,11 @@ from foundry.model.transformer import init_params
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--types", default="f32,q8_0", help="file types (default f32,q8_0)")
     ap.add_argument("--rounds", type=int, default=3, help="loads per type (default 3)")
     ap.add_argument("--preset", default="bench", help="model preset (default bench)")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     types = args.types.split(",")
     for t in types:
@@ -42,6 +47,7 @@ def main() -> int:
     cfg = preset(args.preset)
     params = init_params(cfg, seed=0)
     print(f"preset {args.preset}: {cfg.n_params():,} parameters")
+    results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for t in types:
             path = Path(tmp) / f"model-{t}.gguf"
@@ -56,11 +62,14 @@ def main() -> int:
                 for p in model.params.values():
                     assert finite.nonfinite(p) is None
                 checks.append(time.perf_counter() - t0)
-            load, check = statistics.median(loads), statistics.median(checks)
+            load, check = harness.median(loads), harness.median(checks)
             size = path.stat().st_size / 1e6
+            share = harness.ratio(check, load)
             print(f"{t:5s} {size:8.0f} MB: load {load:.3f} s (check included), check alone "
-                  f"{check:.3f} s = {check / load:.1%} of the load")
+                  f"{check:.3f} s = {share:.1%} of the load")
+            results[t] = {"mb": size, "load_s": load, "check_s": check, "check_share": share}
             path.unlink()
+    harness.emit("finite_check", results, None, args.json)
     return 0
 
 

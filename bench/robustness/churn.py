@@ -43,7 +43,7 @@ shared memory (gates over TCP). Every request must either complete with the text
 process computes, or fail with ERROR UNAVAILABLE naming the lost worker; none may hang (each
 is bounded by ``REQUEST_TIMEOUT_S``), and after every restart the pair must serve again.
 
-    .venv/bin/python bench/churn.py --seconds 600 --tp-seconds 300 --seed 1
+    .venv/bin/python bench/robustness/churn.py --seconds 600 --tp-seconds 300 --seed 1
 
 Exit status 0 when every invariant held.
 """
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import random
@@ -66,8 +65,9 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
+import harness
 import live
 
 from foundry.model.checkpoint import (
@@ -659,7 +659,7 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=3.0)
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--work", type=Path, default=None, help="keep logs here (default: temp)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="foundry-churn-") as tmp:
         work = args.work or Path(tmp)
@@ -679,8 +679,7 @@ def main() -> int:
                 print(f"  {f}")
             results["tp"] = asdict(t)
             ok = ok and t.ok
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+    harness.emit("churn", results, ok, args.json)
     return 0 if ok else 1
 
 

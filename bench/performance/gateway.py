@@ -31,7 +31,7 @@ after two tokens.
 Prints a summary and one JSON line (``--json FILE`` also writes it); exit status 1 when the
 throughput target is missed.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/gateway.py [--preset small]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/gateway.py [--preset small]
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import grpc
+import harness
 import numpy as np
 import openai
 
@@ -297,22 +299,22 @@ async def measure(
         "direct_tokens_per_s": tokens["direct"] / seconds["direct"],
         "gateway_tokens_per_s": tokens["gateway"] / seconds["gateway"],
         "http_tokens_per_s": tokens["http"] / seconds["http"],
-        "ratio": statistics.median(ratios["gateway"]),
+        "ratio": harness.median(ratios["gateway"]),
         "ratio_min": min(ratios["gateway"]),
         "ratio_max": max(ratios["gateway"]),
-        "http_ratio": statistics.median(ratios["http"]),
+        "http_ratio": harness.median(ratios["http"]),
         "http_ratio_min": min(ratios["http"]),
         "http_ratio_max": max(ratios["http"]),
         "gateway_tokens_per_message": tokens["gateway"] / messages["gateway"],
         "http_tokens_per_chunk": tokens["http"] / messages["http"],
     }
     for name, values in firsts.items():
-        results[f"{name}_ttft_ms"] = 1e3 * statistics.median(values)
+        results[f"{name}_ttft_ms"] = 1e3 * harness.median(values)
     for name, meter in meters.items():
         for process, spent in meter.spent.items():
             results[f"{name}_cpu_ms_per_token_{process}"] = 1e3 * spent / tokens[name]
     for name, values in (("training_status", training_status), ("pair_status", pair_status)):
-        results[f"{name}_p50_ms"] = 1e3 * statistics.median(values)
+        results[f"{name}_p50_ms"] = 1e3 * harness.median(values)
         results[f"{name}_p99_ms"] = 1e3 * percentile(values, 0.99)
         results[f"{name}_calls"] = float(len(values))
     return results
@@ -351,7 +353,7 @@ def report(args: argparse.Namespace, results: dict[str, float]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128, help="tokens per generation")
     parser.add_argument("--rounds", type=int, default=10, help="generations per path")
     parser.add_argument("--callers", type=int, default=50, help="concurrent status callers")
@@ -361,7 +363,7 @@ def main() -> int:
                              "(default tiny; see above)")
     parser.add_argument("--model", type=Path, default=None,
                         help="GGUF to serve instead of the perturbed preset")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    harness.add_json_flag(parser)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="foundry-bench-gateway-") as tmp:
@@ -402,10 +404,7 @@ def main() -> int:
 
     ok = results["ratio"] >= TARGET_RATIO and results["http_ratio"] >= TARGET_RATIO
     report(args, results)
-    line = json.dumps({"bench": "gateway", "model": model_label(args), **results, "pass": ok})
-    print(line)
-    if args.json:
-        args.json.write_text(line + "\n")
+    harness.emit("gateway", {"model": model_label(args), **results}, ok, args.json)
     return 0 if ok else 1
 
 

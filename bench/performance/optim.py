@@ -1,6 +1,7 @@
 """AdamW's step in C against numpy's, and what it is worth in a training step, one thread.
 
-    OPENBLAS_NUM_THREADS=1 python bench/optim.py [--preset small] [--samples 8] [--reps 10]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/optim.py [--preset small] [--samples 8]
+        [--reps 10]
 
 For the preset's parameters it times one AdamW step with each (best of ``--reps``, the two
 interleaved), checks that both give the same bits, and times a whole training step of
@@ -14,10 +15,13 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import sys
+from pathlib import Path
 
-from codec import best_of
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
+from harness import best_of
 
 from foundry.model import optim
 from foundry.model.config import preset
@@ -27,7 +31,7 @@ from foundry.model.transformer import init_params
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--samples", type=int, default=8, help="sequences per training step")
     ap.add_argument("--seq-len", type=int, default=64)

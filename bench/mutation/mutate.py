@@ -1,14 +1,14 @@
 """Mutation testing of the code whose mistakes no review catches: wire formats, codecs, checkpoints,
 the round policy and the TP split rules, each against its own tests.
 
-    python bench/mutate.py                      # every target, 20 minutes each at most
-    python bench/mutate.py wire checkpoint      # some of them
-    python bench/mutate.py policy --time-limit 300 --jobs 1
+    python bench/mutation/mutate.py                      # every target, 20 minutes each at most
+    python bench/mutation/mutate.py wire checkpoint      # some of them
+    python bench/mutation/mutate.py policy --time-limit 300 --jobs 1
 
 Each target runs mutmut 3 (``pip install -e '.[mutation]'``) in a fresh copy of the tree under
 ``runs/mutation/<target>`` with only that target's files mutated and only its own unit tests
 selected. A mutant the tests do not kill is a *survivor*; each must be listed with a
-one-line reason in bench/mutation_survivors.txt (``<mutant name>  <reason>``), and the script
+one-line reason in bench/mutation/survivors.txt (``<mutant name>  <reason>``), and the script
 exits 1 when one is not (or when a listed one is now killed or, after a full run, no longer
 generated: the list stays true). A target that hits its time limit is reported with how many
 mutants were checked; its unchecked ones count as neither. ``mutmut show <name>`` in the
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SURVIVORS = ROOT / "bench" / "mutation_survivors.txt"
+ROOT = Path(__file__).resolve().parents[2]
+SURVIVORS = Path(__file__).resolve().parent / "survivors.txt"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ run:
 
 Prints each one's validation loss and its ratio to ``none`` (target of the issue: within 2%).
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/topk_update.py [--rounds 100]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/quality/topk_update.py [--rounds 100]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Benchmark of the numpy model: training throughput against PyTorch eager, and decode speed.
 
-    OPENBLAS_NUM_THREADS=1 python bench/engine.py [--quick] [--decode-only]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/engine.py [--quick] [--decode-only]
         [--types f16,q8_0,q4_0[,q4_k_m]] [--llama-cpp LLAMA_CPP_BUILD/bin [--llama-bench-args ARGS]]
         [--cores 2] [--split]
-    OPENBLAS_NUM_THREADS=1 python bench/engine.py --gguf FILE [--llama-cpp BUILD/bin]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/engine.py --gguf FILE [--llama-cpp BUILD/bin]
         [--rounds 3] [--prompt 512] [--cores 1]
 
 1. Training: samples/s of one full step (forward, backward, gradient clipping, AdamW) of
@@ -31,7 +31,7 @@
    ``llama-bench -t 1 -p PROMPT`` and ``-n 64 -d PROMPT`` (64 tokens decoded after as many
    tokens of context as ours, so both pay the same attention) on the same file, rounds
    interleaved, each round printed. Targets (issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
-   ``bench/kernels.py --gguf`` times the same file's products alone.
+   ``bench/performance/kernels.py --gguf`` times the same file's products alone.
 
 Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
@@ -44,15 +44,16 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -136,7 +137,7 @@ def time_alternately(steps: dict[str, Callable[[], None]], reps: int) -> dict[st
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: harness.median(ts) for name, ts in times.items()}
 
 
 def bench_training(cfg: ModelConfig, batch: int, seq: int, reps: int) -> bool:
@@ -321,13 +322,13 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         if llama_cpp is not None:
             for t in theirs:
                 theirs[t].append(llama_bench(llama_cpp, paths[t], prompt_len, n_tokens))
-    base = statistics.median(ours["f32"])
+    base = harness.median(ours["f32"])
     ok = True
     kv = kv_bytes(cfg, prompt_len + n_tokens // 2)
     print(f"  {'type':<8}{'file GB':>8}{'RSS GB':>8}{'tokens/s':>10}{'ms/token':>10}"
           f"{'x f32':>7}{'MB/token':>10}{'GB/s':>7}   target")
     for t in engines:
-        rate = statistics.median(ours[t])
+        rate = harness.median(ours[t])
         ratio = rate / base
         rss, peak = rss_of(paths[t])
         mb = (read[t] + kv) / 1e6
@@ -336,7 +337,7 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         print(f"  {t:<8}{paths[t].stat().st_size / 1e9:>8.3f}{rss:>8.3f}{rate:>10.2f}"
               f"{1e3 / rate:>10.2f}{ratio:>6.2f}x{mb:>10.0f}{mb * rate / 1e3:>7.1f}   {verdict}")
         print(f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
-              f"{statistics.median(times[t]) * 1e3:.2f} ms; per round: "
+              f"{harness.median(times[t]) * 1e3:.2f} ms; per round: "
               + ", ".join(f"{r:.2f}" for r in ours[t]) + ")")
     if split:
         print("  a token as products and the engine's own work (means over every token):")
@@ -350,11 +351,11 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
     if llama_cpp is not None:
         print("  against llama.cpp (llama-bench -t 1 on the same file, rounds interleaved):")
         for t, rates in theirs.items():
-            ratio = statistics.median([a / b for a, b in zip(ours[t], rates, strict=True)])
+            ratio = harness.median_ratio(ours[t], rates)
             passed, verdict = judge(ratio, LLAMA_TARGETS.get(t))
             ok = ok and passed
-            print(f"  {t:<8} llama.cpp {statistics.median(rates):8.2f} tokens/s, Foundry "
-                  f"{statistics.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict} (per round: "
+            print(f"  {t:<8} llama.cpp {harness.median(rates):8.2f} tokens/s, Foundry "
+                  f"{harness.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict} (per round: "
                   + ", ".join(f"{a / b:.2f}x" for a, b in zip(ours[t], rates, strict=True))
                   + ")")
     return ok
@@ -364,7 +365,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
                cores: str | None) -> bool:
     """A published file in the engine: a prompt as one block and 64 decoded tokens, against
     llama-bench on the same file (module docstring, 3.)."""
-    from kernels import llama_bench_prompt_and_decode  # bench/kernels.py
+    from kernels import llama_bench_prompt_and_decode  # bench/performance/kernels.py
 
     try:
         m = load_gguf_stored(path)
@@ -399,7 +400,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
         print(line, flush=True)
     if llama_cpp is None:
         return True
-    dec_r, pre_r = statistics.median(ratios["decode"]), statistics.median(ratios["prompt"])
+    dec_r, pre_r = harness.median(ratios["decode"]), harness.median(ratios["prompt"])
     ok = dec_r >= 1.0 and pre_r >= 0.5
     print(f"  median: decode {dec_r:.2f}x llama.cpp (target >= 1.0x), prompt {pre_r:.2f}x "
           f"(target >= 0.5x): {'PASS' if ok else 'FAIL'}")
@@ -407,7 +408,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave malloc as it is instead of retain_freed_memory()")

@@ -1,17 +1,17 @@
 """Local-step training's quality, simulated in one process: the maths of ``--sync-every H``.
 
-What ``bench/lan.py`` measures on a real network costs a machine per worker and minutes per
-configuration. The validation loss of local-step training does not depend on the network,
-only on the maths: this script runs exactly the worker's inner steps (``sync.local_steps``),
-the coordinator's sample plan (``policy.allocate_samples``, ``contiguous_offsets``), the
-sample-weighted mean (``policy.weighted_mean``) and the outer step (``sync.OuterNesterov``),
-for N simulated workers one after the other, with no sockets and lossless updates. It is a
-tuning tool: many configurations run in parallel (one process and one BLAS thread each), and
-for each it prints the validation loss at equal tokens against one process's (the same
-global batch and schedule, ``Trainer.train_step``), and the tokens it needed to reach one
-process's final validation loss, as a ratio. ``ideal sooner`` is what N machines would gain
-in wall-clock time if computing were all they did: N x one process's tokens to the target /
-the configuration's tokens to it. ``bench/lan.py`` measures the real thing.
+What ``bench/performance/lan.py`` measures on a real network costs a machine per worker and minutes
+per configuration. The validation loss of local-step training does not depend on the network, only
+on the maths: this script runs exactly the worker's inner steps (``sync.local_steps``), the
+coordinator's sample plan (``policy.allocate_samples``, ``contiguous_offsets``), the sample-weighted
+mean (``policy.weighted_mean``) and the outer step (``sync.OuterNesterov``), for N simulated workers
+one after the other, with no sockets and lossless updates. It is a tuning tool: many configurations
+run in parallel (one process and one BLAS thread each), and for each it prints the validation loss
+at equal tokens against one process's (the same global batch and schedule, ``Trainer.train_step``),
+and the tokens it needed to reach one process's final validation loss, as a ratio. ``ideal sooner``
+is what N machines would gain in wall-clock time if computing were all they did: N x one process's
+tokens to the target / the configuration's tokens to it. ``bench/performance/lan.py`` measures the
+real thing.
 
 A configuration is ``NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR[,WARMUP]]]`` (``--config``,
 repeatable); ``H = 1`` with lr 1 and momentum 0 is plain model averaging after every step.
@@ -41,7 +41,7 @@ from foundry.model.training import Trainer, TrainSettings, compute_gradients, ev
 from foundry.model.transformer import init_params
 from foundry.swarm import policy, sync
 
-VALIDATION_BATCHES = 4  # as the coordinator and bench/lan.py validate
+VALIDATION_BATCHES = 4  # as the coordinator and bench/performance/lan.py validate
 CONFIG_FORM = "NAME=H,OUTER_LR,MOMENTUM[,GLOBAL_BATCH[,LR[,WARMUP]]]"
 
 

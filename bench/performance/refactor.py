@@ -5,7 +5,8 @@ the kernels split by family), this runs the same two measurements on each tree i
 after round (the order alternating), on the same machine:
 
 - a swarm round: a coordinator and ``--workers`` workers of that tree on loopback
-  (``bench/swarm.py``'s ``run_swarm``), samples/s over ``--steps`` rounds after ``--warmup``;
+  (``bench/performance/swarm.py``'s ``run_swarm``), samples/s over ``--steps`` rounds after
+  ``--warmup``;
 - a decoded token: that tree's engine on a ``--preset`` model (random weights, float32),
   tokens/s over ``--tokens`` tokens (sessions of a 32-token prompt and 192 tokens), one
   thread.
@@ -14,7 +15,7 @@ Each tree is a checkout of a commit with its C extensions built in place (``git 
 /tmp/before COMMIT && cd /tmp/before && python setup.py build_ext --inplace``); ``--after``
 defaults to this one. The bench code is this tree's, run on the other tree's package::
 
-    python bench/refactor.py --before /tmp/before --after /tmp/after --rounds 3
+    python bench/performance/refactor.py --before /tmp/before --after /tmp/after --rounds 3
 
 It prints every round and the medians, and each median's ratio this tree / the other, with
 the rounds' spread: "no slower beyond noise" when the ratio is at least the slower of the two
@@ -23,17 +24,18 @@ trees' smallest round over its median.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+
+import harness  # noqa: E402  (bench/ is on the path only now)
 
 SWARM = """
 import argparse, json, sys
@@ -80,7 +82,7 @@ def measure(tree: Path, code: str) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, required=True,
                     help="the other tree (a checkout with its extensions built)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -91,6 +93,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens measured (64)")
     ap.add_argument("--after", type=Path, default=ROOT, help="the changed tree (this one)")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     for name, tree in trees.items():
@@ -114,15 +117,18 @@ def main() -> int:
                 print(f"round {r + 1} {name:>6}: swarm {s:8.1f} samples/s, decode {d:7.2f} "
                       f"tokens/s", flush=True)
     ok = True
+    results: dict[str, dict[str, float]] = {}
     for what, by_tree in figures.items():
-        med = {name: statistics.median(v) for name, v in by_tree.items()}
-        ratio = med["after"] / med["before"]
-        noise = min(min(v) / statistics.median(v) for v in by_tree.values())
+        med = {name: harness.median(v) for name, v in by_tree.items()}
+        ratio = harness.ratio(med["after"], med["before"])
+        noise = min(min(v) / harness.median(v) for v in by_tree.values())
         same = ratio >= noise
+        results[what] = {**med, "ratio": ratio, "noise": noise}
         ok &= same
         print(f"{what}: before {med['before']:.2f}, after {med['after']:.2f} (medians of "
               f"{args.rounds}): after / before {ratio:.3f}; the rounds' spread reaches "
               f"{noise:.3f} of a median: {'no slower beyond noise' if same else 'SLOWER'}")
+    harness.emit("refactor", results, ok, args.json)
     return 0 if ok else 1
 
 

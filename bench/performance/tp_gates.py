@@ -18,7 +18,7 @@ waiting when rank 0 arrives, as the rank that finishes its half of a layer last 
 inside a pair. Rank 0's times are then the cost of an exchange to the rank that arrives last:
 no waiting, only the exchange's own code and system calls.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp_gates.py
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp_gates.py
 """
 
 from __future__ import annotations

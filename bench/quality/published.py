@@ -17,7 +17,7 @@ tokenized by llama.cpp and the same ids fed to both.
 - decode tokens/s of each, and their ratio (same run, same machine).
 
     PYTHONPATH=src:/work/llama/py LLAMA_CPP_LIB_PATH=/work/llama/build/bin \\
-        python bench/published.py --model /work/models/gemma-3-270m-q4_k_m.gguf
+        python bench/quality/published.py --model /work/models/gemma-3-270m-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PROMPTS = [
     "The three laws of thermodynamics are",
     "Translate to German: The weather is nice today.",
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def llama_model(path: str, n_ctx: int) -> Any:

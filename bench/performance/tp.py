@@ -1,6 +1,7 @@
 """The tensor-parallel pair against one process, measured in one run, for each expert split.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp.py [--preset bench|small] [--tokens 64]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp.py [--preset bench|small]
+        [--tokens 64]
         [--expert-split both|experts|intermediate] [--type f32|f16|q8_0|q4_0]
         [--link 1gbit [--burst-ms 10] [--ip ip] [--tc tc]] [--model FILE] [--timeout S]
         [--no-spec]
@@ -59,11 +60,9 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import asyncio
 import ctypes
 import dataclasses
-import json
 import multiprocessing as mp
 import shutil
 import signal
@@ -78,6 +77,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 from tp_gates import cores, pin, raw_exchange
 
@@ -168,7 +170,7 @@ def single_process(
         engine.decode(s, [token])
         op_steps.append(time.perf_counter() - t1)
     summary = balance.summary(op_steps)
-    summary["step_ms"] = float(np.median(steps)) * 1e3 if steps else float("nan")
+    summary["step_ms"] = harness.median(steps) * 1e3 if steps else float("nan")
     # The output head alone, each part's vocabulary block: one row through it, median of 5.
     row = np.random.default_rng(0).standard_normal((1, engine.cfg.n_embd), dtype=np.float32)
     for j, head in enumerate(engine._head):
@@ -177,7 +179,7 @@ def single_process(
             t1 = time.perf_counter()
             linear(row, head)
             spent.append(time.perf_counter() - t1)
-        summary[f"head{j}_ms"] = float(np.median(spent)) * 1e3
+        summary[f"head{j}_ms"] = harness.median(spent) * 1e3
     return out, (len(out) - 1) / elapsed, summary
 
 
@@ -694,7 +696,7 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench", choices=["bench", "small"])
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
     parser.add_argument("--model", type=Path, default=None,
@@ -708,7 +710,7 @@ def main() -> int:
     parser.add_argument("--expert-split", default="both",
                         choices=["both", *(m.value for m in ExpertSplit)],
                         help="the expert split(s) to measure, one after the other (default both)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    harness.add_json_flag(parser)
     parser.add_argument("--type", default="f32", choices=FILE_DTYPES,
                         help="store the built model as this type (default f32)")
     parser.add_argument("--link", default=None, metavar="RATE",
@@ -799,10 +801,7 @@ def main() -> int:
     results.update(raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok,
                    seconds=time.monotonic() - started)
     print(f"took {time.monotonic() - started:.0f} s; overall {'PASS' if ok else 'FAIL'}")
-    line = json.dumps({"bench": "tp", **results})
-    print(line)
-    if args.json:
-        args.json.write_text(line + "\n")
+    harness.emit("tp", results, ok, args.json)
     return 0 if ok else 1
 
 

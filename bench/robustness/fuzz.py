@@ -42,7 +42,7 @@ the well-behaved peers must still be served: the real worker keeps training (the
 advances, read on the admin link), and a greedy generation through the frontend link returns
 the text a single process computes. Service logs are scanned for exceptions nobody handled.
 
-    .venv/bin/python bench/fuzz.py --frames-per-port 10000 --seed 1 --seconds 60
+    .venv/bin/python bench/robustness/fuzz.py --frames-per-port 10000 --seed 1 --seconds 60
 
 Prints one line per port and a summary; exit status 0 when every port reached its frame count
 with no crash, no hang, no unhandled exception and every health check passed.
@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
-import json
 import math
 import os
 import random
@@ -69,8 +68,9 @@ from typing import ClassVar
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
+import harness
 import live
 
 from foundry.model.config import ModelConfig
@@ -1119,15 +1119,14 @@ def main() -> int:
                     help="only these ports (coordinator-workers, coordinator-admin, "
                          "tp-leader-workers, tp-leader-frontend)")
     ap.add_argument("--work", type=Path, default=None, help="keep logs here (default: temp)")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="foundry-fuzz-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         report = run(work, args.frames_per_port, args.seed, args.seconds, args.hang_after,
                      args.batches, args.ports)
-    if args.json:
-        args.json.write_text(json.dumps({**asdict(report), "ok": report.ok}, indent=1))
+    harness.emit("fuzz", asdict(report), report.ok, args.json)
     return 0 if report.ok else 1
 
 

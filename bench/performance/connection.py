@@ -7,7 +7,7 @@ round's GRADIENTS (``--floats`` f32 values) in and GRADIENTS_ACK out, on a regis
 link, against the bare ``FdtcDecoder`` and ``encode_parts`` on the same bytes, interleaved
 (bare, connection, bare, ...) so that load on the machine affects both alike.
 
-    .venv/bin/python bench/connection.py [--messages 20000] [--repeats 7]
+    .venv/bin/python bench/performance/connection.py [--messages 20000] [--repeats 7]
 
 Prints microseconds per message (in + out) for both and the ratio (median of the repeats).
 Target: the connection within 1.5x of the bare codec on small messages (its table lookups are
@@ -17,10 +17,14 @@ are alike.
 
 from __future__ import annotations
 
-import argparse
-import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 
 from foundry.wire import fdtc
 from foundry.wire.fdtc_connection import FdtcConnection
@@ -68,16 +72,18 @@ def compare(name: str, frames: bytes, reply: fdtc.Message, n: int, repeats: int,
     for _ in range(repeats):
         for key, run in timed.items():
             runs[key].append(run())
-    b, c = (statistics.median(runs[k]) / n * 1e6 for k in ("bare", "conn"))
-    print(f"{name:<28} bare codec {b:8.2f} us   FdtcConnection {c:8.2f} us   {c / b:5.2f}x")
-    return c / b
+    b, c = (harness.median(runs[k]) / n * 1e6 for k in ("bare", "conn"))
+    print(f"{name:<28} bare codec {b:8.2f} us   FdtcConnection {c:8.2f} us   "
+          f"{harness.ratio(c, b):5.2f}x")
+    return harness.ratio(c, b)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--messages", type=int, default=20000, help="small messages per repeat")
     ap.add_argument("--floats", type=int, default=100_000, help="f32 values per GRADIENTS")
     ap.add_argument("--repeats", type=int, default=7)
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     n = args.messages
     small = compare("HEARTBEAT in, ACK out", fdtc.encode(fdtc.Heartbeat("w", 1, 0.5, 10.0)) * n,
@@ -85,10 +91,11 @@ def main() -> int:
     grads = fdtc.Gradients("w", 1, 1, fdtc.Compression.NONE, 4 * args.floats,
                            bytes(4 * args.floats))
     m = max(1, n // 100)
-    compare(f"GRADIENTS ({args.floats} f32) in", fdtc.encode(grads) * m,
-            fdtc.GradientsAck(1, True), m, args.repeats, weights=True)
+    big = compare(f"GRADIENTS ({args.floats} f32) in", fdtc.encode(grads) * m,
+                  fdtc.GradientsAck(1, True), m, args.repeats, weights=True)
     ok = small <= 1.5
     print(f"small messages: {small:.2f}x the bare codec [{'PASS' if ok else 'FAIL'} <= 1.5x]")
+    harness.emit("connection", {"small_ratio": small, "gradients_ratio": big}, ok, args.json)
     return 0 if ok else 1
 
 

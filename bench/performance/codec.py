@@ -16,18 +16,18 @@ Targets (one core, OPENBLAS_NUM_THREADS=1), each printed PASS or FAIL:
 every codec >= 125 MB/s, FP16 >= 1000 MB/s, TOPK at 1 % >= 60x fewer bytes than NONE.
 Exit status 1 when a target is missed.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/codec.py
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/codec.py
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 import numpy.typing as npt
 
@@ -48,22 +48,13 @@ def gradient_like(numel: int, seed: int) -> npt.NDArray[np.float32]:
     return x.astype(np.float32)
 
 
-def best_of(repeats: int, fn: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(codec: Codec, x: npt.NDArray[np.float32], repeats: int) -> dict[str, Any]:
     data = codec.encode(x)
     out, used = codec.decode(data, x.size)
     assert used == len(data) == codec.encoded_size(x.size)
     assert out.shape == x.shape
-    enc = best_of(repeats, lambda: codec.encode(x))
-    dec = best_of(repeats, lambda: codec.decode(data, x.size))
+    enc = harness.best_of(repeats, lambda: codec.encode(x))
+    dec = harness.best_of(repeats, lambda: codec.decode(data, x.size))
     return {
         "bytes": len(data),
         "encode_s": enc,
@@ -73,16 +64,16 @@ def measure(codec: Codec, x: npt.NDArray[np.float32], repeats: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="also print one JSON line")
+    harness.add_json_flag(parser)
     args = parser.parse_args(argv)
 
     x = gradient_like(args.numel, args.seed)
-    copy_s = best_of(args.repeats * 2, x.copy)
+    copy_s = harness.best_of(args.repeats * 2, x.copy)
     copy_mb_s = x.nbytes / MB / copy_s
     print(f"gradient: {args.numel} f32 ({x.nbytes / MB:.1f} MB); numpy copy {copy_mb_s:,.0f} MB/s")
     print(f"{'codec':<12} {'wire bytes':>12} {'x smaller':>9} {'encode ms':>10} "
@@ -110,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                    f"NONE ({reduction:.1f}x)", reduction >= MIN_TOPK_REDUCTION))
     for label, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {label}")
-    if args.json:
-        print(json.dumps({"numel": args.numel, "copy_mb_s": copy_mb_s, "codecs": results}))
-    return 0 if all(ok for _, ok in checks) else 1
+    ok = all(ok for _, ok in checks)
+    harness.emit("codec", {"numel": args.numel, "copy_mb_s": copy_mb_s, "codecs": results}, ok,
+                 args.json)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

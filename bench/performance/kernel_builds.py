@@ -1,6 +1,7 @@
 """Builds of the block kernels against each other in one process: streaming products, and decode.
 
-    python bench/kernel_builds.py NAME=PATH.so [NAME=PATH.so ...] [--rows 600000] [--reps 4]
+    python bench/performance/kernel_builds.py NAME=PATH.so [NAME=PATH.so ...] [--rows 600000]
+        [--reps 4]
         [--core 2] [--types Q8_0,Q4_0,F16] [--huge-pages] [--decode f16,q8_0,q4_0
         [--tokens 48] [--model-dir /tmp]]
 
@@ -19,7 +20,8 @@ interleaved, so a busy machine slows them alike:
 2. With ``--decode``: ms per decoded token of the ``bench`` preset stored as each type (files
    written by ``save_gguf`` into ``--model-dir`` once, reused), one token per build and type
    after the other for ``--tokens`` tokens after a 64-token prompt, with f32 (numpy) between
-   them as the baseline; medians, and each type's ratio to f32 as ``bench/engine.py`` gives it.
+   them as the baseline; medians, and each type's ratio to f32 as
+   ``bench/performance/engine.py`` gives it.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import importlib.util
 import mmap
-import statistics
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 
 from foundry.model import quant
@@ -142,15 +146,15 @@ def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder:
             logits = engines[t].decode(sessions[b, t], [last[b, t]])
             times[b, t].append(time.perf_counter() - t0)
             last[b, t] = int(np.argmax(logits[-1]))
-    base = statistics.median(times["", "f32"])
+    base = harness.median(times["", "f32"])
     print(f"decode, bench preset, median of {tokens} tokens: f32 {base * 1e3:.2f} ms/token")
     for b, t in runs[1:]:
-        ms = statistics.median(times[b, t])
-        print(f"  {b}: {t:<5} {ms * 1e3:7.2f} ms/token, {base / ms:.2f}x f32")
+        ms = harness.median(times[b, t])
+        print(f"  {b}: {t:<5} {ms * 1e3:7.2f} ms/token, {harness.ratio(base, ms):.2f}x f32")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME=PATH of each build of the kernels")
     ap.add_argument("--rows", type=int, default=600_000)
     ap.add_argument("--reps", type=int, default=4)

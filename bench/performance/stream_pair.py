@@ -15,18 +15,21 @@ Rounds are interleaved (``--rounds``); it prints each core's GB/s of stored weig
 together (medians), and together over alone: 1.00x means the pair's ranks do not slow each
 other's products here.
 
-    OPENBLAS_NUM_THREADS=1 python bench/stream_pair.py [--mb 1024] [--reps 3] [--rounds 3]
+    OPENBLAS_NUM_THREADS=1 python bench/performance/stream_pair.py [--mb 1024] [--reps 3]
+        [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
-import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 from tp_gates import cores, pin
 
@@ -54,11 +57,11 @@ def child(core: int, mb: int, conn: Connection) -> None:
             t0 = time.perf_counter()
             quant.linear(x, w)
             rates.append(w.data.nbytes / (time.perf_counter() - t0) / 1e9)
-        conn.send(statistics.median(rates))
+        conn.send(harness.median(rates))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=1024, help="MB of Q8_0 weights per core")
     ap.add_argument("--reps", type=int, default=3, help="products per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
@@ -93,11 +96,13 @@ def main() -> int:
             print(f"  round {r + 1}: alone " + " / ".join(f"{a[-1]:.1f}" for a in alone)
                   + " GB/s, together " + " / ".join(f"{b[-1]:.1f}" for b in both))
         for i, core in enumerate(pair):
-            a, b = statistics.median(alone[i]), statistics.median(both[i])
-            print(f"core {core}: alone {a:.1f} GB/s, both at once {b:.1f} GB/s: {b / a:.2f}x")
-        total_alone = sum(statistics.median(a) for a in alone)
-        total_both = sum(statistics.median(b) for b in both)
-        print(f"both cores together stream {total_both:.1f} GB/s, {total_both / total_alone:.2f}x "
+            a, b = harness.median(alone[i]), harness.median(both[i])
+            print(f"core {core}: alone {a:.1f} GB/s, both at once {b:.1f} GB/s: "
+                  f"{harness.ratio(b, a):.2f}x")
+        total_alone = sum(harness.median(a) for a in alone)
+        total_both = sum(harness.median(b) for b in both)
+        print(f"both cores together stream {total_both:.1f} GB/s, "
+              f"{harness.ratio(total_both, total_alone):.2f}x "
               f"the sum of each alone ({total_alone:.1f})")
     finally:
         for c in conns:

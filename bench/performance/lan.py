@@ -59,8 +59,9 @@ from types import FrameType
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
+import harness
 from live import Service
 
 from foundry.model.config import preset
@@ -447,9 +448,10 @@ def phases(work: Path, first: int, last: int) -> str:
 
 
 def ratio(x: float | None, base: float, invert: bool = False) -> str:
+    """``x`` against the baseline as a table cell (``invert``: a time, where less is better)."""
     if x is None or x != x or x <= 0:
         return "   -  "
-    return f"{(base / x if invert else x / base):5.2f}x"
+    return f"{(harness.ratio(base, x) if invert else harness.ratio(x, base)):5.2f}x"
 
 
 def mb(x: float) -> str:
