@@ -48,8 +48,13 @@ def parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
 
 def add_json_flag(ap: argparse.ArgumentParser) -> None:
     """``--json PATH``: also write the run's row (this module's schema) to PATH."""
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH",
-                    help="also write the run's JSON row (bench/harness.py's schema) to PATH")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the run's JSON row (bench/harness.py's schema) to PATH",
+    )
 
 
 # ---------------------------------------------------------------------------- timing
@@ -111,8 +116,12 @@ def _cpu_model() -> str:
 
 def _commit() -> str | None:
     try:
-        got = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
+        got = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return got.stdout.strip() or None
@@ -161,8 +170,9 @@ def row(bench: str, results: dict[str, Any], passed: bool | None = None) -> dict
     }
 
 
-def emit(bench: str, results: dict[str, Any], passed: bool | None = None,
-         path: Path | None = None) -> dict[str, Any]:
+def emit(
+    bench: str, results: dict[str, Any], passed: bool | None = None, path: Path | None = None
+) -> dict[str, Any]:
     """Print the run's row as one JSON line and, given ``path`` (``--json``), write it there."""
     line = json.dumps(row(bench, results, passed), default=str)
     print(line, flush=True)
