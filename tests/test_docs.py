@@ -22,7 +22,8 @@ from procs import ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
+                *DOCS.rglob("*.md")])
 PASTED = [ROOT / "README.md", DOCS / "guide" / "quickstart.md", DOCS / "guide" / "train.md"]
 GUIDE_MAX_LINES = 500
 
@@ -214,3 +215,36 @@ def test_the_readme_names_what_the_ci_script_installs() -> None:
     from foundry.model.config import preset
 
     assert f"{preset('tiny').n_params():,} parameters" in readme
+
+
+def test_every_design_record_cited_in_the_tree_is_on_the_records_page() -> None:
+    """Code and docs cite a decision as ``docs/decisions.md, D3`` (or link to its heading);
+    each names a record there, and nothing cites the brief the records replaced."""
+    page = (DOCS / "decisions.md").read_text(encoding="utf-8")
+    records = set(re.findall(r"^## (D\d+)\. ", page, re.M))
+    assert records
+    files = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in
+             {".py", ".md", ".c", ".h", ".proto", ".toml", ".yml", ".yaml"}
+             and not {".venv", ".git", "node_modules", "build"} & set(p.relative_to(ROOT).parts)]
+    cited, stale = set(), []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cited |= set(re.findall(r"decisions\.md,\s*(?:#\s*)?(D\d+)", text))
+        for anchor in re.findall(r"decisions\.md#(d\d+)-", text):
+            cited.add(anchor.upper())
+        if re.search(r"DESIGN(?: §|'s )", text):
+            stale.append(str(path.relative_to(ROOT)))
+    assert stale == []
+    assert cited and cited <= records, cited - records
+
+
+def test_the_pre_commit_hooks_run_what_the_ci_script_lints() -> None:
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hooks = [h["entry"] for repo in config["repos"] for h in repo["hooks"]]
+    script = (ROOT / ".ci" / "run").read_text()
+    lints = script.split('log "lint (ruff) and types (mypy)"')[1].split("log ")[0]
+    ci = [re.sub(r'"\$VENV(/bin/\w+)"', r".venv\1", line.strip()) for line in lints.splitlines()
+          if line.strip()]
+    assert hooks == ci and len(ci) == 2, (hooks, ci)
