@@ -248,3 +248,26 @@ def test_the_pre_commit_hooks_run_what_the_ci_script_lints() -> None:
     ci = [re.sub(r'"\$VENV(/bin/\w+)"', r".venv\1", line.strip()) for line in lints.splitlines()
           if line.strip()]
     assert hooks == ci and len(ci) == 2, (hooks, ci)
+
+
+def test_compose_md_names_every_variable_the_compose_files_read() -> None:
+    page = (DOCS / "guide" / "compose.md").read_text(encoding="utf-8")
+    tls = (DOCS / "guide" / "tls.md").read_text(encoding="utf-8")
+    for name in ("docker-compose.yml", "docker-compose.tls.yml"):
+        for var in set(re.findall(r"\$\{(\w+)", (ROOT / name).read_text())):
+            where = page if name == "docker-compose.yml" else page + tls
+            assert f"`{var}`" in where, f"{name}: {var}"
+    assert "8080" in page
+
+
+def test_serve_md_quotes_the_lines_the_ranks_print() -> None:
+    """The guide's start and pairing lines are the code's (a reader waits for them)."""
+    page = (DOCS / "guide" / "serve.md").read_text(encoding="utf-8")
+    src = "".join(p.read_text() for p in (ROOT / "src" / "foundry").rglob("*.py"))
+    lines = re.findall(r"`((?:tp-leader listening|tp-worker ready|worker HOST:PORT "
+                       r"paired|paired with the leader)[^`]*)`", page)
+    assert len(lines) == 4, lines
+    for quoted in lines:
+        head = re.split(r"HOST|model\.gguf|tcp", quoted.replace("worker HOST:PORT ", ""))[0]
+        assert head.strip() and head.strip() in src.replace("%s", "HOST"), quoted
+    assert "exits too" in page  # a clean leader stop ends the worker (docs/tp.md: STOP)
