@@ -2,9 +2,9 @@
 inter-token latency for 1, 4, 8 and 16 concurrent clients, and prompt reuse across a chat's
 turns; llama.cpp's ``llama-batched-bench`` on the same file in the same run as the baseline.
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/serve_load.py --model FILE.gguf
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/serve_load.py --model FILE.gguf
         [--clients 1,4,8,16] [--tokens 64] [--rank-args "--threads 8"]
-        [--llama-batched-bench PATH [--llama-threads 16]] [--turns 10] [--json FILE]
+        [--llama-batched-bench PATH [--llama-threads 16]] [--turns 10] [--json PATH]
 
 1. **Load.** It starts `foundry tp-leader`, `foundry tp-worker` and `foundry gateway` as
    processes (``--rank-args`` goes to both ranks, e.g. their thread counts), then for each
@@ -25,8 +25,8 @@ turns; llama.cpp's ``llama-batched-bench`` on the same file in the same run as t
    once against a second pair started with ``--keep-sessions 0``. Target: the last turn's TTFT
    at most 1.2x the first's with reuse.
 
-Prints a table and one JSON line (also written to ``--json FILE``); exit status 1 when a target
-is missed. Every process is stopped by its pid at the end.
+Prints a table and one JSON row (bench/harness.py's; also written to ``--json PATH``); exit
+status 1 when a target is missed. Every process is stopped by its pid at the end.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import re
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import grpc
+import harness
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 
@@ -173,9 +175,9 @@ async def load(grpc_address: str, clients: int, tokens: int) -> dict[str, float]
     ttft = [r[1] for r in runs]
     gaps = [g for r in runs for g in r[2]]
     return {"clients": clients, "tokens": n, "tokens_per_s": n / wall,
-            "ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "ttft_p50_ms": 1e3 * harness.median(ttft),
             "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * statistics.median(gaps),
+            "itl_p50_ms": 1e3 * harness.median(gaps),
             "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
 
 
@@ -224,9 +226,7 @@ def llama_batched(binary: str, model: Path, threads: int, tokens: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+    ap = harness.parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a GGUF file")
     ap.add_argument("--clients", default="1,4,8,16", help="client counts (default 1,4,8,16)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens a stream (default 64)")
@@ -235,7 +235,7 @@ def main() -> int:
     ap.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--turns", type=int, default=10, help="chat turns of the reuse check (0: "
                                                            "skip it)")
-    ap.add_argument("--json", type=Path, help="also write the JSON line to this file")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     rank_args = shlex.split(args.rank_args)
@@ -266,7 +266,7 @@ def main() -> int:
     print(" clients  tokens/s  llama.cpp  ratio  TTFT p50/p99 ms  ITL p50/p99 ms")
     for row in rows:
         n = int(row["clients"])
-        ratio = row["tokens_per_s"] / base[n] if n in base else float("nan")
+        ratio = harness.ratio(row["tokens_per_s"], base[n]) if n in base else float("nan")
         row["llama_tokens_per_s"] = base.get(n, float("nan"))
         row["ratio"] = ratio
         print(f" {n:7d} {row['tokens_per_s']:9.1f} {base.get(n, float('nan')):10.1f} "
@@ -287,10 +287,7 @@ def main() -> int:
             ok = False
             print(f"   FAIL: the last turn's TTFT is {growth:.2f}x the first's (target "
                   f"{REUSE_TARGET})")
-    line = json.dumps(results)
-    print(line)
-    if args.json:
-        args.json.write_text(line + "\n")
+    harness.emit("serve_load", results, ok, args.json)
     return 0 if ok else 1
 
 
