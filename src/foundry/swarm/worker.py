@@ -39,10 +39,10 @@ import numpy as np
 
 from foundry.compression import Compressor, deserialize_tensors, get_codec
 from foundry.hardware import HardwareInfo, detect_profile
-from foundry.model.backend import NUMPY, Backend
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus, DataError
-from foundry.model.training import GradientResult, Params
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus, DataError
+from foundry.model.train.backend import NUMPY, Backend
+from foundry.model.train.training import GradientResult, Params
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import sync

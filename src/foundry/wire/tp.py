@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
-from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
+from foundry.model.shard import Gate  # the model's sync points, tagged on the data plane
 from foundry.wire.errors import IdentityMismatch as IdentityMismatch
 from foundry.wire.errors import LocalProtocolError
 from foundry.wire.errors import TpProtocolError as TpProtocolError
