@@ -132,13 +132,14 @@ def load_rank(
     )
 
 
-def exchange_hellos(link: ControlLink, mine: Hello) -> Hello:
+def exchange_hellos(link: ControlLink, mine: Hello, max_rows: int) -> Hello:
     """Send our hello, read the peer's, check both (IdentityMismatch / VersionMismatch name the
-    field and both values). Afterwards the link's decoder accepts this model's largest frames."""
+    field and both values). Afterwards the link's decoder accepts this model's largest frames,
+    LOGITS of up to ``max_rows`` rows among them (``wire.tp.logits_rows``)."""
     link.send(mine)
     peer = link.recv("the peer's hello")
     if not isinstance(peer, Hello):
         raise LinkError(f"expected the peer's hello, got {type(peer).__name__}")
     check_hello(mine, peer)
-    link.decoder.max_payload = max_payload_for(mine.identity)
+    link.decoder.max_payload = max_payload_for(mine.identity, max_rows)
     return peer

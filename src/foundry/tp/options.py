@@ -12,6 +12,7 @@ from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
+from foundry.wire.tp import TP_MAX_BATCH_ITEMS
 
 __all__ = ["MAX_FRONTEND_CONNECTIONS", "LeaderOptions"]
 
@@ -59,5 +60,9 @@ class LeaderOptions:
         for name in ("queue_size", "keep_sessions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions > TP_MAX_BATCH_ITEMS:  # one EVAL_BATCH carries every session
+            raise ValueError(
+                f"max_sessions must be <= {TP_MAX_BATCH_ITEMS}, got {self.max_sessions}"
+            )
         if not 0 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")

@@ -188,7 +188,8 @@ class Worker:
             hello = Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
                           shm_offered=self._offer_shm, execution_mode=self.model.execution_mode,
                           architecture=self.model.architecture)
-            peer = exchange_hellos(link, hello)
+            # The worker receives no LOGITS: the leader's frames bound its decoder.
+            peer = exchange_hellos(link, hello, max_rows=1)
             transport = negotiate_gate_transport(hello, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")
             assert isinstance(ack, CommandAck)

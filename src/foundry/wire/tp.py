@@ -93,10 +93,9 @@ SHM_NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,62}")
 # Sessions in one EVAL_BATCH / MIXED_BATCH step: far more than a two-rank pair decodes at once,
 # and it bounds those frames at 16 KiB of items.
 TP_MAX_BATCH_ITEMS = 1024
-# Default bound on a control payload when the model is not known yet. The largest legal frames
-# are a SYNC of ctx_size tokens and a LOGITS half of n_vocab/2 floats (see max_payload_for): a
-# 1M-token context is 4 MiB, a 2M-entry vocabulary half 4 MiB. 16 MiB covers both with room, and
-# a corrupt length field can never make a rank buffer more than that.
+# Bound on a control payload before the hello, when the model is not known yet: the hello and
+# a peer's first frames are small, and a corrupt length field can never make a rank buffer more
+# than this. After the hellos each rank's decoder takes max_payload_for(identity, rows).
 TP_MAX_PAYLOAD = 16 * 1024 * 1024
 
 _U8, _U16, _U32, _U64 = (1 << 8) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
@@ -815,11 +814,26 @@ def encode(frame: Frame) -> bytes:
     return b"".join(encode_parts(frame))
 
 
-def max_payload_for(identity: Identity) -> int:
-    """The largest legal control payload for this model: the bound a rank's decoder uses."""
+def logits_rows(max_sessions: int) -> int:
+    """The most logits rows one command returns on a pair that runs ``max_sessions`` sessions
+    at once: a VERIFY block (``DS4_TP_BATCH_MAX_ROWS``), or one row per session of an
+    EVAL_BATCH or MIXED_BATCH (the prefill's last row and one for every other session)."""
+    if not 1 <= max_sessions <= TP_MAX_BATCH_ITEMS:
+        raise LocalProtocolError(
+            f"max_sessions must be in [1, {TP_MAX_BATCH_ITEMS}], got {max_sessions}"
+        )
+    return max(DS4_TP_BATCH_MAX_ROWS, max_sessions)
+
+
+def max_payload_for(identity: Identity, max_rows: int) -> int:
+    """The largest legal control payload for this model on a pair whose commands return at
+    most ``max_rows`` logits rows (``logits_rows``): the bound a rank's decoder uses, the
+    larger of these frames (docs/protocol.md, Limits, gives the same formula)."""
+    if max_rows < 1:
+        raise LocalProtocolError(f"max_rows must be >= 1, got {max_rows}")
     return max(
         4 * identity.ctx_size,  # SYNC of a full context
-        4 + 4 * ((identity.n_vocab + 1) // 2),  # LOGITS: the larger vocabulary half
+        4 + 4 * max_rows * ((identity.n_vocab + 1) // 2),  # LOGITS: rows of the larger half
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
         SyncCheckpoint.LAYOUT.size,
