@@ -7,9 +7,9 @@ module (its best SIMD path).
     python bench/cross_arch.py
 
 The kernels' files (``src/foundry/model/kernels/csrc/*.c`` but the Python interface, module.c)
-get a small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
-the products; each build runs on the same random inputs for every supported type, then on the
-decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
+get a small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file
+and writes the products; each build runs on the same random inputs for every supported type,
+then on the decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
 """
 
 from __future__ import annotations
