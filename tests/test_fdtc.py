@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from foundry.hardware import profile_accumulation_steps, profile_batch_size
 from foundry.model.spec.config import PRESETS, ModelConfig
 from foundry.swarm.model_config import config_of, model_config_msg
 from foundry.wire.errors import (
@@ -77,8 +78,6 @@ from foundry.wire.fdtc import (
     encode,
     encode_parts,
     msg_type_name,
-    profile_accumulation_steps,
-    profile_batch_size,
     profile_name,
     train_plan_flags,
     weights_messages,

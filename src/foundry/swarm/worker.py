@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from foundry.compression import Compressor, deserialize_tensors, get_codec
-from foundry.hardware import HardwareInfo, detect_profile
+from foundry.hardware import HardwareInfo, detect_profile, profile_batch_size
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus, DataError
 from foundry.model.train.backend import NUMPY, Backend
@@ -257,7 +257,7 @@ class Worker:
                 profile=hw.profile,
                 num_cores=hw.cores,
                 memory_mb=hw.memory_mb,
-                suggested_batch_size=fdtc.profile_batch_size(hw.profile),
+                suggested_batch_size=profile_batch_size(hw.profile),
             ),
         )
         heartbeat: asyncio.Task[None] | None = None
