@@ -37,10 +37,10 @@ def _probe_inputs() -> tuple[F32, F32, F32]:
 
 
 def probe(out: Path, data: Path) -> None:
+    from foundry.model.nn.transformer import init_params
     from foundry.model.spec.config import preset
     from foundry.model.text.data import load_corpus
     from foundry.model.train.training import compute_gradients
-    from foundry.model.nn.transformer import init_params
 
     cfg = preset("tiny")
     grads = compute_gradients(
@@ -105,7 +105,7 @@ def tp_leader(model: Path, port: int, tokens: int) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tp_harness import Client, InProcessLeader, reference_greedy, wait_paired
 
-    from foundry.model.text.data import decode
+    from foundry.model.text.vocab.byte import decode
     from foundry.tp.blas import limit_blas_threads
     from foundry.tp.leader import LeaderOptions
     from foundry.tp.policy import SpecMode
