@@ -669,3 +669,17 @@ def test_the_decode_operations_refuse_buffers_that_do_not_fit() -> None:
         k.geglu(x, table[1:], 2, 32, x[:, :32].copy())
     with pytest.raises(ValueError, match="out holds 256 bytes, expected 128"):
         k.geglu(x[:, :32].copy(), table, 2, 16, x[:, :32].copy())
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != QType.F32])
+def test_the_c_kernels_read_the_type_table_block_sizes(qtype: QType) -> None:
+    """csrc's type_block gives each type the table's values and bytes per block: a row of the
+    table's size is read, one byte less is refused."""
+    kernels = quant._kernels
+    assert kernels is not None
+    k = TYPES[qtype].block_values * 2
+    good = np.zeros((3, quant.row_bytes(qtype, k)), np.uint8)
+    out = np.empty((3, k), np.float32)
+    kernels.dequantize(int(qtype), good, 3, k, out)
+    with pytest.raises(ValueError, match="need"):
+        kernels.dequantize(int(qtype), good.reshape(-1)[1:], 3, k, out)
