@@ -212,7 +212,7 @@ def test_the_readme_names_what_the_ci_script_installs() -> None:
     assert set(apt) == {"prometheus", "iproute2", "openssl"} and npm and pypi
     for name in [*apt, *npm, "llama-cpp-python", *pypi]:
         assert f"`{name}`" in readme, name
-    from foundry.model.config import preset
+    from foundry.model.spec.config import preset
 
     assert f"{preset('tiny').n_params():,} parameters" in readme
 

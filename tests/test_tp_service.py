@@ -31,10 +31,10 @@ from tp_harness import (
     wait_paired,
 )
 
-from foundry.model.config import ModelConfig
-from foundry.model.data import decode
-from foundry.model.gguf_io import FileDType, load_gguf
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.formats.gguf_io import FileDType, load_gguf
+from foundry.model.shard import ExpertSplit
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
 from foundry.tp.leader import LeaderOptions
