@@ -114,17 +114,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _commit() -> str | None:
+def _git(*args: str) -> str:
     try:
         got = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return got.stdout.strip()
+
+
+def _commit() -> str | None:
+    """The checkout's commit, ``+dirty`` when its tracked files differ from it (None outside
+    a git checkout, e.g. a copy sent to another machine)."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if not commit:
         return None
-    return got.stdout.strip() or None
+    return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def fingerprint() -> dict[str, Any]:

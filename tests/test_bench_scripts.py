@@ -91,6 +91,11 @@ def test_the_readme_lists_every_script_and_each_claim_names_its_script() -> None
     readme = (BENCH / "README.md").read_text()
     for script in SCRIPTS:
         assert f"`{script}`" in readme, script
+    # The JSON section names every script that takes --json PATH.
+    section = readme.split("## The JSON row")[1].split("\n## ")[0]
+    for script in SCRIPTS:
+        if "harness.add_json_flag" in (BENCH / script).read_text():
+            assert Path(script).name in section, script
     purposes = "|".join(PURPOSES)
     named = set(re.findall(rf"`((?:{purposes})/\w+\.py)`", readme))
     assert named <= set(SCRIPTS), named - set(SCRIPTS)

@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=8, help="sequences per training step")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     if optim._optim is None:
         print("foundry.model.kernels._optim is not built (pip install . with a C compiler)")
@@ -78,10 +79,16 @@ def main() -> int:
             t = best_of(max(2, args.reps // 3), step)
             train[name] = min(train.get(name, t), t)
     optim._optim = built
+    adamw_ratio = harness.ratio(times["numpy"], times["c"])
+    step_ratio = harness.ratio(train["numpy"], train["c"])
     print(f"AdamW step: C {times['c'] * 1e3:.1f} ms, numpy {times['numpy'] * 1e3:.1f} ms: "
-          f"{times['numpy'] / times['c']:.2f}x; same bits: {'yes' if same else 'NO'}")
+          f"{adamw_ratio:.2f}x; same bits: {'yes' if same else 'NO'}")
     print(f"training step of {args.samples} sequences: C {train['c'] * 1e3:.1f} ms, numpy "
-          f"{train['numpy'] * 1e3:.1f} ms: {train['numpy'] / train['c']:.2f}x")
+          f"{train['numpy'] * 1e3:.1f} ms: {step_ratio:.2f}x")
+    harness.emit("optim", {"preset": args.preset, "adamw_c_s": times["c"],
+                           "adamw_numpy_s": times["numpy"], "adamw_ratio": adamw_ratio,
+                           "step_c_s": train["c"], "step_numpy_s": train["numpy"],
+                           "step_ratio": step_ratio, "same_bits": same}, same, args.json)
     return 0 if same else 1
 
 

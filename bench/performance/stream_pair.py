@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=1024, help="MB of Q8_0 weights per core")
     ap.add_argument("--reps", type=int, default=3, help="products per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     pair = cores()
     if len(pair) < 2:
@@ -104,6 +105,11 @@ def main() -> int:
         print(f"both cores together stream {total_both:.1f} GB/s, "
               f"{harness.ratio(total_both, total_alone):.2f}x "
               f"the sum of each alone ({total_alone:.1f})")
+        harness.emit("stream_pair", {"cores": pair[:2], "mb": args.mb,
+                                     "alone_gb_s": [harness.median(a) for a in alone],
+                                     "both_gb_s": [harness.median(b) for b in both],
+                                     "ratio": harness.ratio(total_both, total_alone)},
+                     None, args.json)
     finally:
         for c in conns:
             c.send(None)

@@ -33,6 +33,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
+import harness
 from live import Service, swarm_status
 
 from foundry.model.nn.transformer import init_params
@@ -150,8 +151,11 @@ def main() -> int:
     ap.add_argument("--skip-bytes", action="store_true", help="skip the compression table")
     ap.add_argument("--coordinator-args", default="",
                     help="extra coordinator flags for every swarm run (after --compression)")
+    harness.add_json_flag(ap)
     args = ap.parse_args()
     cores = os.cpu_count() or 1
+    results: dict[str, float] = {}
+    ok = True
     print(f"# swarm bench: preset {args.preset}, global batch {args.global_batch}x{args.seq_len},"
           f" {args.steps} measured rounds, {cores} cores", flush=True)
     with tempfile.TemporaryDirectory(prefix="foundry-bench-") as tmp:
@@ -163,8 +167,12 @@ def main() -> int:
               f"{one['samples_per_s'] / base:5.2f}x  coordinator "
               f"{100 * one['coordinator_share']:4.1f}% of a round", flush=True)
         many = run_swarm(work / "many", args, [1.0] * args.workers)
-        ratio = many["samples_per_s"] / base
+        ratio = harness.ratio(many["samples_per_s"], base)
         target = 1.6 if args.workers == 2 else 0.8 * min(args.workers, cores - 1)
+        ok = ratio >= target and many["coordinator_share"] <= 0.10
+        results.update(one_process_samples_per_s=base, one_worker_ratio=harness.ratio(
+            one["samples_per_s"], base), workers_ratio=ratio,
+            coordinator_share=many["coordinator_share"])
         print(f"swarm, {args.workers} workers         {many['samples_per_s']:8.1f} samples/s  "
               f"{ratio:5.2f}x  coordinator {100 * many['coordinator_share']:4.1f}% of a round"
               f"   [{verdict(ratio >= target)} >= {target:.1f}x; "
@@ -184,7 +192,9 @@ def main() -> int:
         standalone = fast + slow["samples_per_s"]
         balanced = run_swarm(work / "hetero", args, [1.0, 3.0])
         equal = run_swarm(work / "hetero-equal", args, [1.0, 3.0], rebalance=False)
-        eff = balanced["samples_per_s"] / standalone
+        eff = harness.ratio(balanced["samples_per_s"], standalone)
+        ok = ok and eff >= 0.85
+        results["heterogeneous_efficiency"] = eff
         print(f"heterogeneous (one worker 3x slower): standalone {fast:.1f} + "
               f"{slow['samples_per_s']:.1f} = {standalone:.1f} samples/s", flush=True)
         print(f"  re-balanced by throughput {balanced['samples_per_s']:8.1f} samples/s  "
@@ -199,6 +209,9 @@ def main() -> int:
                               steps=4)
                 print(f"  {comp:5s} gradients {r['grad_bytes_per_round']:12,.0f}  "
                       f"weights {r['weight_bytes_per_round']:12,.0f}", flush=True)
+                results[f"{comp}_grad_bytes_per_round"] = r["grad_bytes_per_round"]
+    harness.emit("swarm", {"workers": args.workers, **results}, ok,
+                 args.json)
     return 0
 
 
