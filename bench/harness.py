@@ -37,6 +37,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = 1
+# The cores this process may use when the script started (before any pinning of its own).
+USABLE_CORES = (
+    len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+)
 
 
 def parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
@@ -134,14 +138,10 @@ def _commit() -> str | None:
 
 
 def fingerprint() -> dict[str, Any]:
-    """What a figure depends on besides the code: the CPU, the cores this process may use, the
-    BLAS thread setting, the Python and numpy versions, the commit."""
+    """What a figure depends on besides the code: the CPU, the cores the script could use when
+    it started, the BLAS thread setting, the Python and numpy versions, the commit."""
     import numpy as np
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 0
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -151,7 +151,7 @@ def fingerprint() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "arch": platform.machine(),
         "cores": os.cpu_count(),
-        "usable_cores": usable,
+        "usable_cores": USABLE_CORES,
         "load_1m": load,
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "python": platform.python_version(),

@@ -23,13 +23,16 @@ no waiting, only the exchange's own code and system calls.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
 import numpy as np
 
 from foundry.model.shard import Gate
@@ -126,13 +129,14 @@ def rank1(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=3000, help="timed exchanges per block")
     parser.add_argument("--warmup", type=int, default=300, help="untimed exchanges per block")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks")
     parser.add_argument("--arrive-last-us", type=float, default=0.0, metavar="N",
                         help="rank 0 works N us before each exchange, so it always arrives "
                         "last (default 0: lockstep)")
+    harness.add_json_flag(parser)
     args = parser.parse_args()
 
     pair = cores()
@@ -180,20 +184,26 @@ def main() -> int:
               "its times are an exchange's own cost, nothing waited for")
     print(f"{'gate':>7} {'transport':>9} {'p50':>8} {'p99':>8} {'p50/raw':>8}")
     ok = True
+    results: dict[str, dict[str, float]] = {}
     for size in SIZES:
         base = float(np.percentile(times[(size, "raw")], 50))
         for name in ("raw", "tcp", "shm"):
             t = np.asarray(times[(size, name)]) / 1000
             p50, p99 = np.percentile(t, 50), np.percentile(t, 99)
-            ratio = p50 * 1000 / base
+            ratio = harness.ratio(p50 * 1000, base)
             verdict = ""
             if name == "tcp":
                 passed = bool(ratio <= TARGET_RATIO)
                 ok = ok and passed
                 verdict = f"  {'PASS' if passed else 'FAIL'} (target <= {TARGET_RATIO:g}x)"
             print(f"{size:>7} {name:>9} {p50:8.1f} {p99:8.1f} {ratio:7.2f}x{verdict}")
+            results[f"{size}_{name}"] = {"p50_us": float(p50), "p99_us": float(p99),
+                                         "ratio": float(ratio)}
     print(f"child exit code {child.exitcode}; took {time.monotonic() - started:.1f} s")
-    return 0 if ok and child.exitcode == 0 else 1
+    ok = ok and child.exitcode == 0
+    harness.emit("tp_gates", {"cores": pair[:2], "arrive_last_us": args.arrive_last_us,
+                              **results}, ok, args.json)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
