@@ -29,12 +29,12 @@ from test_gateway_frontend import Pair, free_port
 from tp_harness import metric, start_leader, start_worker, wait_paired
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc
-from foundry.model.chat import ChatTemplate, Message, prompt_text, template_for
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.gguf_meta import read_metadata
-from foundry.model.inference import Engine
-from foundry.model.vocab import Tokenizer
-from foundry.model.vocab.tokenizer import load_tokenizer
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.infer.inference import Engine
+from foundry.model.text.chat import ChatTemplate, Message, prompt_text, template_for
+from foundry.model.text.vocab import Tokenizer
+from foundry.model.text.vocab.tokenizer import load_tokenizer
 from foundry.tp.policy import TextStream
 
 HTTP_LINE = r"http 127\.0\.0\.1:(\d+)"

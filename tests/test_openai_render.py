@@ -2,7 +2,8 @@
 and the responses rendered from the pair's events, against OpenAI's documented shapes.
 
 tests/test_openai_semantics.py checks the same through the pair and the gateway's process;
-these run where bench/mutate.py's mutants are (the gateway target), and pin each field alone.
+these run where bench/mutation/mutate.py's mutants are (the gateway target), and pin each
+field alone.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from tiny_bpe import vocab_path
 
-from foundry.model.chat import NO_TEMPLATE, ChatTemplate, Message, template_for
-from foundry.model.gguf_meta import read_metadata
-from foundry.model.vocab.tokenizer import load_tokenizer
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.text.chat import NO_TEMPLATE, ChatTemplate, Message, template_for
+from foundry.model.text.vocab.tokenizer import load_tokenizer
 from foundry.wire.fdtc import FdtcDecoder, Weights, encode_parts
 
 ADD_BOS = "tokenizer.ggml.add_bos_token"

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 from procs import missing
 
-from foundry.model.gguf_meta import read_metadata
+from foundry.model.formats.gguf_meta import read_metadata
 
 VOCAB_DIR = Path(os.environ.get(
     "FOUNDRY_LLAMA_VOCAB_DIR",
