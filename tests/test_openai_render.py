@@ -8,7 +8,9 @@ field alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,6 +23,10 @@ from foundry.gateway.errors import (
 )
 from foundry.gateway.http import (
     SSE_DONE,
+    EventStream,
+    FairQueue,
+    HttpError,
+    QueueFull,
     _Output,
     _Render,
     chat_logprobs,
@@ -28,7 +34,11 @@ from foundry.gateway.http import (
     legacy_logprobs,
     sse,
 )
-from foundry.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from foundry.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 from foundry.wire.frontend import Done, DoneReason, Logprobs, Token
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}]'
@@ -56,7 +66,7 @@ def test_the_token_limit_of_each_endpoint() -> None:
 
 def test_stop_and_usage_fields() -> None:
     assert completion().stop_strings() == ()
-    assert completion(', "stop": "a"').stop_strings() == ("a",)
+    assert completion(', "stop": "ab"').stop_strings() == ("ab",)
     assert completion(', "stop": ["a", "b"]').stop_strings() == ("a", "b")
     assert not completion().include_usage()
     assert not completion(', "stream_options": {}').include_usage()
@@ -175,3 +185,140 @@ def test_the_pairs_errors_as_http_statuses() -> None:
         assert err.body["error"]["message"] == exc.message
     assert http_error(BackendUnavailable("x")).headers == {"Retry-After": "1"}
     assert http_error(InvalidRequest("x")).headers is None
+
+
+def test_a_chunk_of_each_endpoint_and_its_logprobs() -> None:
+    plain = _Render(False, "id-5", "m", include_usage=False, logprobs=False)
+    chunk = _decode(plain.chunk("x", []))
+    assert set(chunk) == {"id", "object", "created", "model", "choices"}
+    assert isinstance(chunk["created"], int) and chunk["object"] == "text_completion"
+    assert chunk["choices"] == [{"index": 0, "text": "x", "logprobs": None,
+                                 "finish_reason": None}]
+    lp = Logprobs(1, 3, -0.25, b"x", ((3, -0.25, b"x"),))
+    with_lps = _Render(True, "id-6", "m", include_usage=False, logprobs=True)
+    c = _decode(with_lps.chunk("x", [lp]))
+    assert c["object"] == "chat.completion.chunk"
+    assert c["choices"][0]["logprobs"] == chat_logprobs([lp])
+    marker = "\u2063piece\u2063"  # the hot path's own marker, in the model's name
+    tricky = _Render(True, "id-7", f"m{marker}", include_usage=False, logprobs=False)
+    assert _decode(tricky.chunk("y", []))["model"] == f"m{marker}"
+    assert _decode(tricky.chunk("é", []))["choices"][0]["delta"] == {"content": "é"}
+    assert "é".encode() in tricky.chunk("é", [])  # not escaped
+
+
+def test_offsets_over_three_chunks_and_the_whole_answers_logprobs() -> None:
+    render = _Render(False, "id-8", "m", include_usage=False, logprobs=True)
+    out = _Output(chat=False)
+    offsets = []
+    for text in ("ab", "é", "cd"):
+        piece, lps = out.take([Logprobs(1, 0, -1.0, text.encode(), ()), Token(1, 0, 0, text)])
+        offsets += _decode(render.chunk(piece, lps))["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [0, 2, 3]
+    assert legacy_logprobs(out.logprobs, 0)["text_offset"] == [0, 2, 3]
+    out.take([Done(1, DoneReason.MAX_TOKENS, 1, 3, 0.1)])
+    whole = render.whole(out)
+    assert whole["choices"][0]["text"] == "abécd"
+    assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 2, 3]
+    assert whole["choices"][0]["logprobs"]["tokens"] == ["ab", "é", "cd"]
+    chat_render = _Render(True, "id-9", "m", include_usage=False, logprobs=True)
+    chat_out = _Output(chat=True)
+    chat_out.take(_events(("a", b"a"), logprobs=True)[:2])
+    chat_out.take(_events(("b", b"b"), logprobs=True))
+    assert [e["token"] for e in chat_render.whole(chat_out)["choices"][0]["logprobs"][
+        "content"]] == ["a", "b"]
+    closing = _decode(chat_render.closing(chat_out))
+    assert closing["object"] == "chat.completion.chunk"
+    tail = _Render(True, "id-10", "m", include_usage=True, logprobs=False).closing(chat_out)
+    assert [_decode(p + b"\n\n")["object"] for p in tail.split(b"\n\n") if p] == [
+        "chat.completion.chunk"] * 2
+
+
+def test_error_bodies_are_openais() -> None:
+    err = HttpError(404, "no such model", code="model_not_found")
+    assert str(err) == "no such model" and err.status == 404
+    assert err.body == {"error": {"message": "no such model", "type": "invalid_request_error",
+                                  "param": None, "code": "model_not_found"}}
+    assert HttpError(400, "bad", param="top_p").body == error_body(
+        "bad", "invalid_request_error", "top_p") == {"error": {
+            "message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}}
+
+
+def test_the_fair_queues_counts() -> None:
+    for bad in ((0, 1), (1, -1)):
+        with pytest.raises(ValueError, match="max_active must be >= 1 and max_waiting >= 0"):
+            FairQueue(*bad)
+    assert FairQueue(1, 0).max_waiting == 0
+
+    async def main() -> None:
+        q = FairQueue(max_active=3, max_waiting=2)
+        for _ in range(3):
+            await q.acquire("a")
+        assert q.active == 3
+        waiters = [asyncio.ensure_future(q.acquire(k)) for k in ("b", "c")]
+        await asyncio.sleep(0)
+        assert q.waiting == 2
+        with pytest.raises(QueueFull, match="3 requests run and 2 wait"):
+            await q.acquire("d")
+        q.release()
+        q.release()
+        await asyncio.gather(*waiters)
+        assert (q.active, q.waiting) == (3, 0)  # both let in, never past max_active
+
+    asyncio.run(main())
+
+
+def _asgi_stream(chunks: list[bytes], leave_after: int | None) -> tuple[list[Any], int, bool]:
+    """An EventStream driven as uvicorn drives it: the messages sent, ``on_close`` calls,
+    whether the body's generator was closed. ``leave_after``: the client disconnects once that
+    many body chunks were sent (None: it stays)."""
+    sent: list[Any] = []
+    state = {"closed": 0, "finally": False}
+
+    async def main() -> None:
+        gone = asyncio.Event()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                for c in chunks:
+                    yield c
+                if leave_after is not None:  # more to come, later than the client stays
+                    await asyncio.Event().wait()
+            finally:
+                state["finally"] = True
+
+        async def receive() -> dict[str, Any]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            bodies = [m for m in sent if m["type"] == "http.response.body"]
+            if leave_after is not None and len(bodies) >= leave_after:
+                gone.set()
+
+        def on_close() -> None:
+            state["closed"] += 1
+
+        await EventStream(body(), on_close)({"type": "http", "asgi": {"spec_version": "2.4"}},
+                                            receive, send)
+
+    asyncio.run(main())
+    return sent, state["closed"], state["finally"]
+
+
+def test_an_event_stream_as_the_client_sees_it() -> None:
+    sent, closed, finished = _asgi_stream([b"data: 1\n\n", SSE_DONE], leave_after=None)
+    start, *bodies = sent
+    assert start["status"] == 200
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"text/event-stream; charset=utf-8"
+    assert headers[b"cache-control"] == b"no-cache"
+    assert b"".join(b["body"] for b in bodies) == b"data: 1\n\n" + SSE_DONE
+    assert bodies[-1].get("more_body", False) is False
+    assert (closed, finished) == (1, True)
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_stream_at_once() -> None:
+    sent, closed, finished = _asgi_stream([b"data: 1\n\n"], leave_after=1)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert (closed, finished) == (1, True)  # its generator closed (CANCEL), on_close once
