@@ -184,6 +184,8 @@ def test_the_pairs_errors_as_http_statuses() -> None:
         assert (err.status, err.body["error"]["type"]) == (status, kind)
         assert err.body["error"]["message"] == exc.message
     assert http_error(BackendUnavailable("x")).headers == {"Retry-After": "1"}
+    assert http_error(BackendFailed("x", grpc.StatusCode.RESOURCE_EXHAUSTED)).headers == {
+        "Retry-After": "1"}
     assert http_error(InvalidRequest("x")).headers is None
 
 
@@ -199,9 +201,11 @@ def test_a_chunk_of_each_endpoint_and_its_logprobs() -> None:
     c = _decode(with_lps.chunk("x", [lp]))
     assert c["object"] == "chat.completion.chunk"
     assert c["choices"][0]["logprobs"] == chat_logprobs([lp])
-    marker = "\u2063piece\u2063"  # the hot path's own marker, in the model's name
-    tricky = _Render(True, "id-7", f"m{marker}", include_usage=False, logprobs=False)
-    assert _decode(tricky.chunk("y", []))["model"] == f"m{marker}"
+    assert c["choices"][0]["delta"] == {"content": "x"}
+    marker = "\u2063piece\u2063"  # the hot path's own marker, as the model's name
+    tricky = _Render(True, "id-7", marker, include_usage=False, logprobs=False)
+    assert _decode(tricky.chunk("y", []))["model"] == marker
+    assert _decode(tricky.chunk("y", []))["choices"][0]["delta"] == {"content": "y"}
     assert _decode(tricky.chunk("é", []))["choices"][0]["delta"] == {"content": "é"}
     assert "é".encode() in tricky.chunk("é", [])  # not escaped
 
@@ -260,6 +264,8 @@ def test_the_fair_queues_counts() -> None:
         with pytest.raises(QueueFull, match="3 requests run and 2 wait"):
             await q.acquire("d")
         q.release()
+        await asyncio.sleep(0)
+        assert (q.active, q.waiting) == (3, 1)  # one let in for the one place freed
         q.release()
         await asyncio.gather(*waiters)
         assert (q.active, q.waiting) == (3, 0)  # both let in, never past max_active
@@ -268,11 +274,13 @@ def test_the_fair_queues_counts() -> None:
 
 
 def _asgi_stream(chunks: list[bytes], leave_after: int | None) -> tuple[list[Any], int, bool]:
-    """An EventStream driven as uvicorn drives it: the messages sent, ``on_close`` calls,
-    whether the body's generator was closed. ``leave_after``: the client disconnects once that
-    many body chunks were sent (None: it stays)."""
+    """An EventStream driven as uvicorn drives it: the messages sent, ``on_close`` calls and
+    whether the body's generator was closed, both when the stream returned. ``leave_after``:
+    the client disconnects once that many body chunks were sent, while the last send still
+    waits on it (None: it stays and takes everything)."""
     sent: list[Any] = []
     state = {"closed": 0, "finally": False}
+    at_return: dict[str, Any] = {}
 
     async def main() -> None:
         gone = asyncio.Event()
@@ -295,15 +303,17 @@ def _asgi_stream(chunks: list[bytes], leave_after: int | None) -> tuple[list[Any
             bodies = [m for m in sent if m["type"] == "http.response.body"]
             if leave_after is not None and len(bodies) >= leave_after:
                 gone.set()
+                await asyncio.Event().wait()  # a client that left takes nothing more
 
         def on_close() -> None:
             state["closed"] += 1
 
         await EventStream(body(), on_close)({"type": "http", "asgi": {"spec_version": "2.4"}},
                                             receive, send)
+        at_return.update(state)  # before the loop's shutdown would close the generator
 
     asyncio.run(main())
-    return sent, state["closed"], state["finally"]
+    return sent, at_return["closed"], at_return["finally"]
 
 
 def test_an_event_stream_as_the_client_sees_it() -> None:
