@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
-from foundry.wire.framing import NO_PAYLOAD, FrameDecoder, payload_buffer
+from foundry.wire.framing import NO_PAYLOAD, FrameDecoder, ReceiveBudget, payload_buffer
 from foundry.wire.layout import BOOL, F32, U8, U32, U64, Layout
 from foundry.wire.layout import Bytes as _Bytes
 from foundry.wire.layout import Enum as _Enum
@@ -1393,10 +1393,11 @@ class FdtcDecoder(FrameDecoder[Message]):
     comes out when the last one is in; ``reassembling`` says how many bytes of it are held.
     """
 
-    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0,
+                 budget: ReceiveBudget | None = None) -> None:
         if not 0 <= max_payload <= MAX_PAYLOAD:
             raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
-        super().__init__()
+        super().__init__(budget)
         self._max_payload = max_payload
         self.max_message = max_message
         self.admit_fragments: Callable[[MsgType], None] | None = None
@@ -1404,6 +1405,7 @@ class FdtcDecoder(FrameDecoder[Message]):
         self._whole = NO_PAYLOAD  # the fragmented message's payload, its first _held bytes in
         self._whole_type = MsgType.WEIGHTS
         self._held = 0
+        self._whole_taken = 0  # bytes of the budget held for _whole
 
     @property
     def max_payload(self) -> int:
@@ -1482,6 +1484,7 @@ class FdtcDecoder(FrameDecoder[Message]):
             MESSAGE_TYPES[f.message_type].check_length(total)
             if self.admit_fragments is not None:
                 self.admit_fragments(f.message_type)
+            self._whole_taken = self.reserve(total, f"a fragmented {kind}")
             self._whole, self._whole_type, self._held = payload_buffer(total), f.message_type, 0
         elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole),
                                                    self._held):
@@ -1495,7 +1498,15 @@ class FdtcDecoder(FrameDecoder[Message]):
         if self._held < total:
             return None
         whole, self._whole, self._held = self._whole.toreadonly(), NO_PAYLOAD, 0
+        self.unreserve(self._whole_taken)
+        self._whole_taken = 0
         return self._decoded(MESSAGE_TYPES[self._whole_type], whole)
+
+    def release(self) -> None:
+        super().release()
+        self._whole, self._held = NO_PAYLOAD, 0
+        self.unreserve(self._whole_taken)
+        self._whole_taken = 0
 
     def unfinished(self) -> str | None:
         if (frame := super().unfinished()) is not None:
@@ -1507,6 +1518,9 @@ class FdtcDecoder(FrameDecoder[Message]):
 
     def _eof_error(self, message: str) -> FdtcProtocolError:
         return FdtcProtocolError(message)
+
+    def _busy_error(self, message: str) -> FdtcProtocolError:
+        return FdtcProtocolError(message, ErrorCode.BUSY)
 
 
 # ---------------------------------------------------------------------------- weights

@@ -57,6 +57,7 @@ from foundry.wire.fdtc import (
     encode_parts,
 )
 from foundry.wire.fdtc_lifecycle import Lifecycle, Link, LinkState, Role
+from foundry.wire.framing import ReceiveBudget
 
 __all__ = ["ConnectionClosed", "FdtcConnection"]
 
@@ -68,9 +69,9 @@ class ConnectionClosed:
 
 class FdtcConnection:
     def __init__(self, role: Role, *, link: Link | None = None,
-                 max_payload: int = MAX_PAYLOAD) -> None:
+                 max_payload: int = MAX_PAYLOAD, budget: ReceiveBudget | None = None) -> None:
         self.role = role
-        self._decoder = FdtcDecoder(max_payload)
+        self._decoder = FdtcDecoder(max_payload, budget=budget)
         self._decoder.admit_fragments = self._admit_fragments
         self._lifecycle = Lifecycle(role, link=link)
         self._fragment_size: int | None = None  # None: one frame per message (the seed's)
@@ -102,6 +103,16 @@ class FdtcConnection:
     def buffered(self) -> int:
         """Bytes of a frame begun and not yet complete (for a driver's frame deadline)."""
         return self._decoder.buffered
+
+    @property
+    def reassembling(self) -> int:
+        """Bytes held of a fragmented message not complete yet (its next fragment is due
+        within the frame deadline too)."""
+        return self._decoder.reassembling
+
+    def release(self) -> None:
+        """The connection ended: drop what the decoder holds and give its memory back."""
+        self._decoder.release()
 
     @property
     def their_error(self) -> FdtcProtocolError | None:
