@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+if TYPE_CHECKING:  # uvicorn is imported when a server is made, not with the commands
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "limited_h11"]
 
@@ -37,57 +38,55 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json
             + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
 
 
-class _LimitedH11(H11Protocol):
-    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
-    max_connections = DEFAULT_MAX_CONNECTIONS
-
-    _header_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        if len(self.connections) > self.max_connections:
-            log.warning("HTTP: refusing a connection from %s: %d open, the limit is %d",
-                        self.client, len(self.connections) - 1, self.max_connections)
-            self.transport.write(_REFUSED)
-            self.transport.close()
-            return
-        self._arm_header_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
-        super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # a request's headers are in
-            self._disarm_header_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_header_timer()  # the next request on this connection, if any
-
-    def _arm_header_timer(self) -> None:
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-            return
-        self._disarm_header_timer()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
-
-    def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _headers_late(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self.transport.close()
-
-
 def limited_h11(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these limits (pass it as ``uvicorn.Config(http=...)``)."""
     if header_timeout_s <= 0 or max_connections < 1:
         raise ValueError(f"HTTP limits must be positive, got a header timeout of "
                          f"{header_timeout_s} s and {max_connections} connections")
-    return type("LimitedH11Protocol", (_LimitedH11,), {
-        "header_timeout_s": header_timeout_s, "max_connections": max_connections})
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class LimitedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            if len(self.connections) > max_connections:
+                log.warning("HTTP: refusing a connection from %s: %d open, the limit is %d",
+                            self.client, len(self.connections) - 1, max_connections)
+                self.transport.write(_REFUSED)
+                self.transport.close()
+                return
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a request's headers are in
+                self._disarm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()  # the next request on this connection, if any
+
+        def _arm_header_timer(self) -> None:
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return LimitedH11Protocol
