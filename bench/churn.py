@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import live
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointError,
     CheckpointState,
     latest_checkpoint,
@@ -78,8 +78,8 @@ from foundry.model.checkpoint import (
     load_checkpoint,
     verify_checkpoint,
 )
-from foundry.model.data import load_corpus
-from foundry.model.training import evaluate_loss
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import evaluate_loss
 from foundry.obs.timeline import load_events
 from foundry.swarm import policy
 from foundry.wire import frontend as fw

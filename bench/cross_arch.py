@@ -6,10 +6,10 @@ module (its best SIMD path).
         libc6-dev-armhf-cross qemu-user-static
     python bench/cross_arch.py
 
-The kernels' files (``src/foundry/model/csrc/*.c`` but the Python interface, module.c) get a
-small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file and writes
-the products; each build runs on the same random inputs for every supported type, then on the
-decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
+The kernels' files (``src/foundry/model/kernels/csrc/*.c`` but the Python interface, module.c)
+get a small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file
+and writes the products; each build runs on the same random inputs for every supported type,
+then on the decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from foundry.model import quant
-from foundry.model.arch import gelu_table
-from foundry.model.layers import rope_tables
-from foundry.model.quant import QType
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QType
+from foundry.model.kernels.types import SUPPORTED
+from foundry.model.nn.layers import gelu_table, rope_tables
 
-CSRC = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "csrc"
+CSRC = Path(__file__).resolve().parents[1] / "src" / "foundry" / "model" / "kernels" / "csrc"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]  # setup.py's
 MAIN = r"""
 #include <stdio.h>
@@ -125,7 +125,7 @@ def main() -> int:
         exes[name] = [*run, str(exe)]
     rng = np.random.default_rng(7)
     ok = True
-    for qtype in quant.SUPPORTED:
+    for qtype in SUPPORTED:
         k, n_out, n = 512, 13, 9  # 9 inputs: a block (tiles, Q5_0 unpacked once)
         w = rng.standard_normal((n_out, k), dtype=np.float32)
         if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):  # random blocks, small scales

@@ -57,13 +57,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from foundry.model import inference, quant
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig, preset
-from foundry.model.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.optim import AdamW, clip_grad_norm
-from foundry.model.tp_split import SplitKind, rule_for
+from foundry.model.formats.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
+from foundry.model.infer import inference
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels import quant
+from foundry.model.nn import transformer as T
+from foundry.model.shard import SplitKind, rule_for
+from foundry.model.spec.config import ModelConfig, preset
+from foundry.model.train.optim import AdamW, clip_grad_norm
 from foundry.runtime import retain_freed_memory
 
 TARGET_RATIO = 0.7
@@ -228,8 +229,8 @@ def rss_of(path: Path | None) -> tuple[float, float]:
     """Resident and peak memory (GB) of a fresh process that loads ``path`` for the engine and
     decodes one token (None: the imports alone), from /proc/self/status."""
     code = (
-        "import sys; from foundry.model.gguf_io import load_gguf_stored;"
-        "from foundry.model.inference import Engine; p = sys.argv[1]\n"
+        "import sys; from foundry.model.formats.gguf_io import load_gguf_stored;"
+        "from foundry.model.infer.inference import Engine; p = sys.argv[1]\n"
         "if p:\n m = load_gguf_stored(p); e = Engine(m.cfg, m.params); del m\n"
         " e.decode(e.new_session(), [1])\n"
         "f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"

@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from foundry.model import finite
-from foundry.model.config import preset
-from foundry.model.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
-from foundry.model.transformer import init_params
+from foundry.model.formats.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
+from foundry.model.kernels import finite
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
 
 
 def main() -> int:

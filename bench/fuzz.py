@@ -73,9 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import live
 
-from foundry.model.config import ModelConfig
-from foundry.model.data import load_corpus
-from foundry.model.gguf_io import load_gguf
+from foundry.model.formats.gguf_io import load_gguf
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import load_corpus
 from foundry.swarm.model_config import model_config_msg
 from foundry.tp.handshake import identity_for
 from foundry.wire import fdtc, tp

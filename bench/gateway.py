@@ -57,9 +57,9 @@ import openai
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.errors import GatewayError
 from foundry.gateway.frontend_client import FrontendClient
-from foundry.model.config import PRESETS, preset
-from foundry.model.gguf_io import save_gguf
-from foundry.model.transformer import init_params
+from foundry.model.formats.gguf_io import save_gguf
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import PRESETS, preset
 from foundry.wire import frontend
 
 TARGET_RATIO = 0.95

@@ -51,14 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import torch
 
-from foundry.model import torch_model as TM
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.optim import lr_schedule
-from foundry.model.torch_backend import TorchBackend, adamw
-from foundry.model.torch_engine import TorchEngine
-from foundry.model.transformer import init_params
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.infer.torch_engine import TorchEngine
+from foundry.model.nn import torch_model as TM
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.optim import lr_schedule
+from foundry.model.train.torch_backend import TorchBackend, adamw
 from foundry.runtime import retain_freed_memory
 
 SHAPES = {"small": (64, 256), "bench": (64, 512), "medium": (64, 512)}
@@ -362,11 +362,11 @@ def section_mixed(args: argparse.Namespace, work: Path) -> None:
 
 
 def section_parity(args: argparse.Namespace) -> None:
-    from foundry.model.backend import NUMPY
-    from foundry.model.config import ModelConfig
-    from foundry.model.generate import generate_tokens
-    from foundry.model.inference import Engine
-    from foundry.model.transformer import loss_and_grads
+    from foundry.model.infer.generate import generate_tokens
+    from foundry.model.infer.inference import Engine
+    from foundry.model.nn.transformer import loss_and_grads
+    from foundry.model.spec.config import ModelConfig
+    from foundry.model.train.backend import NUMPY
 
     dev = args.parity_device
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lan import Baseline, Network, Result, mb, run_config
 
-from foundry.model.config import preset
+from foundry.model.spec.config import preset
 
 
 def run(args: argparse.Namespace, work: Path, name: str, workers: int, rate: str,

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.data import decode, encode
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.infer.inference import Engine
+from foundry.model.text.vocab.byte import decode, encode
 
 TARGET = 32
 

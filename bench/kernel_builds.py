@@ -4,7 +4,7 @@
         [--core 2] [--types Q8_0,Q4_0,F16] [--huge-pages] [--decode f16,q8_0,q4_0
         [--tokens 48] [--model-dir /tmp]]
 
-Each ``PATH.so`` is a build of ``foundry.model._kernels`` (e.g. one with
+Each ``PATH.so`` is a build of ``foundry.model.kernels._kernels`` (e.g. one with
 ``CFLAGS=-DPREFETCH=0 python setup.py build_ext --inplace --force``, copied aside, or the
 build of an older commit). All are loaded into this process and run on the same data,
 interleaved, so a busy machine slows them alike:
@@ -38,18 +38,18 @@ from types import ModuleType
 
 import numpy as np
 
-from foundry.model import quant
-from foundry.model import transformer as T
-from foundry.model.config import preset
-from foundry.model.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.inference import Engine
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels import quant
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import preset
 
 TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "F16": (1, 0)}  # ggml type code, bytes per block of 32
 K = 1024
 
 
 def load(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("foundry.model._kernels", path)
+    spec = importlib.util.spec_from_file_location("foundry.model.kernels._kernels", path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"{path}: not a loadable extension")
     module = importlib.util.module_from_spec(spec)

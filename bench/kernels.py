@@ -41,12 +41,12 @@ import gguf
 import numpy as np
 from codec import best_of
 
-from foundry.model import quant
-from foundry.model import transformer as T
-from foundry.model.config import preset
-from foundry.model.gguf_io import storage_type
-from foundry.model.inference import Engine
-from foundry.model.quant import QType
+from foundry.model.formats.gguf_io import storage_type
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QType
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import preset
 
 TYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1, QType.Q4_K,
          QType.Q6_K)

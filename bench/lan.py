@@ -63,10 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live import Service
 
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import Trainer, TrainSettings, evaluate_loss
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import Trainer, TrainSettings, evaluate_loss
 from foundry.obs.timeline import load_events
 from foundry.runtime import retain_freed_memory
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode
-from foundry.model.gguf_io import load_gguf, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.sampling import sample
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import sample
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import encode
 from foundry.wire import fdtc
 from foundry.wire import frontend as fw
 

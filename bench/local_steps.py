@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.optim import AdamW
-from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.optim import AdamW
+from foundry.model.train.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
 from foundry.swarm import policy, sync
 
 VALIDATION_BATCHES = 4  # as the coordinator and bench/lan.py validate

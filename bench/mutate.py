@@ -52,11 +52,11 @@ TARGETS = (
            ("tests/test_compression.py",)),
     # os.kill(pid, 0) probes whether a temp file's writer lives; a mutated signal or pid sends a
     # real signal to the test process or its group, which ends the mutation run itself.
-    Target("checkpoint", ("src/foundry/model/checkpoint.py",),
+    Target("checkpoint", ("src/foundry/model/formats/checkpoint.py",),
            ("tests/test_checkpoint.py",), keep_lines=(r"os\.kill\(",)),
     Target("policy", ("src/foundry/swarm/policy.py",),
            ("tests/test_swarm_policy.py",)),
-    Target("tp_split", ("src/foundry/model/tp_split.py",),
+    Target("tp_split", ("src/foundry/model/shard.py",),
            ("tests/test_tp_split.py",)),
 )
 BY_NAME = {t.name: t for t in TARGETS}

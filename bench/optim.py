@@ -19,11 +19,11 @@ import sys
 
 from codec import best_of
 
-from foundry.model import optim
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import Trainer, TrainSettings, compute_gradients
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train import optim
+from foundry.model.train.training import Trainer, TrainSettings, compute_gradients
 
 
 def main() -> int:
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     if optim._optim is None:
-        print("foundry.model._optim is not built (pip install . with a C compiler)")
+        print("foundry.model.kernels._optim is not built (pip install . with a C compiler)")
         return 1
     built = optim._optim
     cfg = preset(args.preset)

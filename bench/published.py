@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.infer.inference import Engine
 
 PROMPTS = [
     "The capital of France is",

@@ -48,9 +48,9 @@ print(json.dumps(got["samples_per_s"]))
 
 DECODE = """
 import json, time
-from foundry.model.config import preset
-from foundry.model.inference import Engine
-from foundry.model.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.infer.inference import Engine
+from foundry.model.nn.transformer import init_params
 cfg = preset({preset!r})
 engine = Engine(cfg, init_params(cfg, 0))
 spent, done = 0.0, 0

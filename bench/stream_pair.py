@@ -30,8 +30,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 from tp_gates import cores, pin
 
-from foundry.model import quant
-from foundry.model.quant import QTensor, QType
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QTensor, QType
 
 K = 1024
 Q8_0_ROW_BYTES = K // 32 * 34

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live import Service, swarm_status
 
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import Trainer, TrainSettings
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import Trainer, TrainSettings
 from foundry.runtime import retain_freed_memory
 from foundry.wire import fdtc
 

@@ -33,7 +33,7 @@ def default_model() -> Path:
 def corpus_text(n_tokens: int, tokenizer: object) -> str:
     import pydoc_data.topics
 
-    from foundry.model.vocab import Tokenizer
+    from foundry.model.text.vocab import Tokenizer
 
     assert isinstance(tokenizer, Tokenizer)
     text = "".join(pydoc_data.topics.topics.values())
@@ -56,9 +56,9 @@ def main() -> int:
                     help="llama.cpp's build bin folder (llama-tokenize)")
     args = ap.parse_args()
 
-    from foundry.model.gguf_meta import read_metadata
-    from foundry.model.vocab import load_tokenizer
-    from foundry.model.vocab.pretokenizers import _category_classes
+    from foundry.model.formats.gguf_meta import read_metadata
+    from foundry.model.text.vocab import load_tokenizer
+    from foundry.model.text.vocab.pretokenizers import _category_classes
 
     model = args.model or default_model()
     read_s = build_s = encode_s = float("inf")

@@ -27,11 +27,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np
 
 from foundry.compression import ErrorFeedback, get_codec
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.optim import AdamW, clip_grad_norm
-from foundry.model.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.optim import AdamW, clip_grad_norm
+from foundry.model.train.training import Trainer, TrainSettings, compute_gradients, evaluate_loss
 from foundry.wire.fdtc import Compression
 
 WORKERS = 2

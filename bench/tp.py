@@ -81,13 +81,19 @@ from typing import Any
 import numpy as np
 from tp_gates import cores, pin, raw_exchange
 
-from foundry.model.config import PRESETS, ModelConfig
-from foundry.model.gguf_io import FILE_DTYPES, FileDType, load_gguf, load_gguf_stored, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.quant import linear
-from foundry.model.sampling import sample
-from foundry.model.tp_split import ExpertSplit, Gate
-from foundry.model.vocab import load_tokenizer_file
+from foundry.model.formats.gguf_io import (
+    FILE_DTYPES,
+    FileDType,
+    load_gguf,
+    load_gguf_stored,
+    save_gguf,
+)
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import sample
+from foundry.model.kernels.quant import linear
+from foundry.model.shard import ExpertSplit, Gate
+from foundry.model.spec.config import PRESETS, ModelConfig
+from foundry.model.text.vocab import load_tokenizer_file
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.policy import SpecMode

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from foundry.model.tp_split import Gate
+from foundry.model.shard import Gate
 from foundry.transport.gates import GateExchange, ShmGateExchange, TcpGateExchange
 
 N_EMBD = 1024

@@ -41,9 +41,7 @@ from tp_harness import (
 )
 
 from foundry.api.v1 import inference_pb2
-from foundry.model import transformer as T
-from foundry.model.chat import BUILTINS, ChatTemplate, Message, chat_prompt, prompt_text
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     ALIGN,
     HEADER,
     CheckpointError,
@@ -57,12 +55,15 @@ from foundry.model.checkpoint import (
     start_fresh,
     verify_checkpoint,
 )
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode, load_corpus
-from foundry.model.gguf_io import GGUFError, load_gguf, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.vocab import load_tokenizer
-from foundry.model.vocab.pretokenizers import SpecialSplitter
+from foundry.model.formats.gguf_io import GGUFError, load_gguf, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.chat import BUILTINS, ChatTemplate, Message, chat_prompt, prompt_text
+from foundry.model.text.data import load_corpus
+from foundry.model.text.vocab import load_tokenizer
+from foundry.model.text.vocab.byte import encode
+from foundry.model.text.vocab.pretokenizers import SpecialSplitter
 from foundry.wire import fdtc
 from foundry.wire import frontend as fw
 from foundry.wire.errors import FdtcProtocolError

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
 
 MAX_REL_ERR = 1e-4
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from foundry.model.arch import ArchConfig
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine
-from foundry.model.quant import QTensor
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels.quant import QTensor
+from foundry.model.spec.arch import ArchConfig
 
 REFS = json.loads((Path(__file__).parent / "refs" / "gemma3_270m.json").read_text())
 ABS_TOL = 0.6

@@ -22,7 +22,7 @@ import numpy as np
 from procs import ENV, coordinator, worker
 from test_swarm_local import Held, Link, register
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointState,
     checkpoint_name,
     latest_checkpoint,

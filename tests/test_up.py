@@ -19,17 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointState,
     checkpoint_name,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from foundry.model.config import preset
-from foundry.model.generate import printable
-from foundry.model.optim import AdamW
-from foundry.model.transformer import init_params
+from foundry.model.infer.generate import printable
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.train.optim import AdamW
 from foundry.up.pipeline import CheckpointSamples
 from foundry.up.plan import (
     RESTART_MAX_S,

@@ -16,9 +16,9 @@ from foundry.commands.common import (
     nonneg_int,
     positive_int,
 )
-from foundry.model import recipe
-from foundry.model.config import PRESETS
-from foundry.model.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.spec.config import PRESETS
+from foundry.model.train import recipe
 
 log = logging.getLogger("foundry.train")
 
@@ -99,10 +99,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from foundry.model.config import preset
-    from foundry.model.gguf_io import save_gguf
-    from foundry.model.outfile import OutputRefused, check_output
-    from foundry.model.transformer import init_params
+    from foundry.model.formats.gguf_io import save_gguf
+    from foundry.model.formats.outfile import OutputRefused, check_output
+    from foundry.model.nn.transformer import init_params
+    from foundry.model.spec.config import preset
 
     try:  # a GGUF file may be replaced (as before); a checkpoint or any other file never
         check_output(args.out, force=True)
@@ -116,14 +116,14 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from foundry.model.backend import BackendError
-    from foundry.model.checkpoint import CheckpointError, CheckpointRefused
-    from foundry.model.data import DataError
-    from foundry.model.gguf_io import GGUFError
+    from foundry.model.formats.checkpoint import CheckpointError, CheckpointRefused
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.nn.device import DeviceError
+    from foundry.model.text.data import DataError
 
     try:
         return _train(args)
-    except (DataError, CheckpointRefused, BackendError) as exc:
+    except (DataError, CheckpointRefused, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (CheckpointError, GGUFError) as exc:  # GGUFError: --out cannot hold the weights
@@ -134,8 +134,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from foundry.model import backend as compute
-    from foundry.model.checkpoint import (
+    from foundry.model.formats.checkpoint import (
         CheckpointState,
         DirectoryLock,
         check_directory,
@@ -144,30 +143,31 @@ def _train(args: argparse.Namespace) -> int:
         save_checkpoint,
         start_fresh,
     )
-    from foundry.model.config import preset
-    from foundry.model.data import (
+    from foundry.model.formats.gguf_io import save_gguf
+    from foundry.model.infer.generate import greedy_text, printable
+    from foundry.model.nn.transformer import init_params
+    from foundry.model.spec.config import preset
+    from foundry.model.text.data import (
         DataError,
         compressor_bits_per_byte,
         load_corpus,
         primed_bits_per_byte,
     )
-    from foundry.model.generate import greedy_text, printable
-    from foundry.model.gguf_io import save_gguf
-    from foundry.model.training import (
+    from foundry.model.train import backend as compute
+    from foundry.model.train.training import (
         TrainSettings,
         against_compressors,
         beaten_line,
         bits_per_byte,
         held_out_line,
     )
-    from foundry.model.transformer import init_params
     from foundry.runtime import retain_freed_memory
 
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)
         return 2
     if args.out is not None:
-        from foundry.model.outfile import OutputRefused, check_output
+        from foundry.model.formats.outfile import OutputRefused, check_output
 
         try:  # said before training, not after it (a GGUF file may be replaced)
             check_output(args.out, force=True)
@@ -273,12 +273,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.backend import BackendError
-    from foundry.model.engines import make_engine
-    from foundry.model.generate import generate_tokens
-    from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.sampling import SamplingError
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.infer.engines import make_engine
+    from foundry.model.infer.generate import generate_tokens
+    from foundry.model.infer.sampling import SamplingError
+    from foundry.model.nn.device import DeviceError
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
 
     try:
         loaded = load_gguf_stored(args.model)
@@ -292,7 +292,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         engine = make_engine(loaded.cfg, loaded.params, device=args.device,
                              ctx_size=args.ctx_size, compile_step=args.compile)
-    except BackendError as exc:
+    except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # The engine holds what it needs (views of the loaded tensors, and its own stacked and cut

@@ -22,7 +22,7 @@ from foundry.commands.common import (
     tls_context,
     tls_note,
 )
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 
@@ -132,8 +132,8 @@ def _limit_threads(n: int) -> int | None:
 
 
 def run_leader(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -200,8 +200,8 @@ def run_leader(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError
 

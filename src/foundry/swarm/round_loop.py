@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from foundry.model.training import Params
+from foundry.model.train.training import Params
 from foundry.obs.timeline import now_us
 from foundry.swarm import policy
 from foundry.swarm.core import Member, Round, SwarmCore, SwarmState

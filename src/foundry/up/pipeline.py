@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from foundry.model.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from foundry.model.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
-from foundry.model.generate import greedy_text, printable
-from foundry.model.training import (
+from foundry.model.formats.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from foundry.model.infer.generate import greedy_text, printable
+from foundry.model.text.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
+from foundry.model.train.training import (
     against_compressors,
     beaten_line,
     bits_per_byte,
@@ -268,7 +268,7 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     """`foundry up --model FILE`: the gateway and the pair on a published file, no training.
     Runs inside ``_run_locked``'s signal handling; a StopRequested or StackError propagates
     to it."""
-    from foundry.model.gguf_io import GGUFError, load_gguf
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf
 
     try:  # refuse a file the pair cannot run before any process starts, in one line
         load_gguf(model, select=lambda name, view: None)
