@@ -5,6 +5,7 @@ case is a row of the fault table in docs/guide/recovering.md ("Faults and bad in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import http.client
@@ -64,6 +65,7 @@ from foundry.model.text.data import load_corpus
 from foundry.model.text.vocab import load_tokenizer
 from foundry.model.text.vocab.byte import encode
 from foundry.model.text.vocab.pretokenizers import SpecialSplitter
+from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout
 from foundry.wire import fdtc
 from foundry.wire import frontend as fw
 from foundry.wire.errors import FdtcProtocolError
@@ -79,6 +81,7 @@ from foundry.wire.fdtc import (
     Heartbeat,
     MsgType,
     Register,
+    Weights,
     WeightsMeta,
     WeightsReq,
     encode_parts,
@@ -1326,8 +1329,13 @@ class RawPeer:
         numels = [t.numel for t in self.meta.tensors]
         data = np.zeros(sum(numels), "<f4").tobytes()
         msg = Gradients(self.worker_id, 0, len(numels), Compression.NONE, len(data), data)
-        joined = b"".join(bytes(p) for p in encode_parts(msg, fragment_size=fragment,
-                                                         max_message=MAX_MESSAGE))
+        return self.frames_of(encode_parts(msg, fragment_size=fragment,
+                                           max_message=MAX_MESSAGE))
+
+    @staticmethod
+    def frames_of(pieces: list[bytes | memoryview]) -> list[bytes]:
+        """Frame pieces as whole frames."""
+        joined = b"".join(bytes(p) for p in pieces)
         frames, pos = [], 0
         while pos < len(joined):
             end = pos + 9 + struct.unpack_from("<I", joined, pos + 5)[0]
@@ -1420,3 +1428,35 @@ def test_the_receive_budget_is_shared_and_given_back() -> None:
     third = FdtcDecoder(max_message=MAX_MESSAGE, budget=budget)
     third.feed(head)
     assert third.next_event() is None and budget.held == 4 << 20
+
+
+def test_a_peer_that_stops_between_fragments_is_cut_by_the_frame_deadline() -> None:
+    """Finding 4: between two fragments of one message no frame is begun, so a peer could
+    hold a half-joined message (and its buffer) for as long as its link lived. A message held
+    half-way is a frame begun: the next fragment is due within the deadline; the stream's
+    close gives the buffer back to the budget."""
+    data = np.arange(3 << 18, dtype="<f4").tobytes()  # 3 MiB: three fragments of 1 MiB
+    frames = RawPeer.frames_of(encode_parts(Weights(data), fragment_size=1 << 20,
+                                            max_message=MAX_MESSAGE))
+    assert len(frames) == 3
+    budget = ReceiveBudget(1 << 30)
+
+    async def main() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        listener.close()
+        reader, writer = await asyncio.open_connection(sock=server)
+        stream = FdtcStream(reader, writer, frame_deadline_s=0.5, budget=budget)
+        stream.decoder.max_message = MAX_MESSAGE  # type: ignore[attr-defined]
+        client.sendall(frames[0] + frames[1])  # then nothing: the last fragment never comes
+        t0 = time.monotonic()
+        with pytest.raises(FrameTimeout, match=r"within 0\.5 s"):
+            await stream.recv()
+        assert 0.4 < time.monotonic() - t0 < 3
+        assert budget.held == len(data)  # the joined message's buffer, until the link ends
+        await stream.close()
+        assert budget.held == 0
+        client.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))

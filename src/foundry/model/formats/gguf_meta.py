@@ -206,7 +206,7 @@ def read_layout(buf: mmap.mmap, path: Path, strict: bool = True) -> Layout:
         ggml_type, offset = _TYPE_OFFSET.unpack(r.take(_TYPE_OFFSET.size))
         table.append((name, int(ggml_type), tuple(int(d) for d in dims), int(offset)))
     align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise GGUFMetaError(f"{path}: general.alignment {align!r} is not a power of two")
     start = -(-r.pos // align) * align
     tensors = [TensorInfo(name, t, dims, start + offset) for name, t, dims, offset in table]

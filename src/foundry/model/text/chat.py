@@ -320,9 +320,19 @@ class _BudgetedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         try:
             if b.depth > b.limits.max_depth:
                 raise b.fail(f"calls nested more than {b.limits.max_depth} deep")
-            return super().call(__context, __obj, *args, **kwargs)
+            return _checked(b, super().call(__context, __obj, *args, **kwargs),
+                            f"{name or 'a call'}()'s result")
         finally:
             b.depth -= 1
+
+
+def _checked(b: _Budget, out: Any, what: str) -> Any:
+    """A call's result, within the sizes (a string's characters, a list's items)."""
+    if isinstance(out, str):
+        b.chars(len(out), what)
+    elif isinstance(out, list | tuple):
+        b.items(len(out), what)
+    return out
 
 
 def _budgeted_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -339,10 +349,7 @@ def _budgeted_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
         _check_args(b, [*values, *kwargs.values()], f"the {name} filter")
         if values:
             values = _check_text_op(b, name, values[0], values[1:], kwargs)
-        out = f(*passed, *values, **kwargs)
-        if isinstance(out, str):
-            b.chars(len(out), f"the {name} filter's result")
-        return out
+        return _checked(b, f(*passed, *values, **kwargs), f"the {name} filter's result")
 
     return budgeted
 
