@@ -1109,12 +1109,15 @@ def test_the_special_token_split_is_linear_in_the_text() -> None:
     splitter = SpecialSplitter(specials)
 
     def timed(turns: int) -> float:
+        """The best of two splits (this machine is shared)."""
         text = "<start_of_turn>user\nx<end_of_turn>\n" * turns
-        t0 = time.perf_counter()
-        parts = splitter.split(text, True)
-        took = time.perf_counter() - t0
-        assert len(parts) == 4 * turns
-        return took
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            parts = splitter.split(text, True)
+            best = min(best, time.perf_counter() - t0)
+            assert len(parts) == 4 * turns
+        return best
 
     small, large = timed(20_000), timed(40_000)
     assert large < 5.0, large
@@ -1354,13 +1357,25 @@ def test_fragments_cannot_hold_the_coordinators_memory(tmp_path: Path) -> None:
     the real worker lost rounds. Now: a fragmented message over the model's largest is
     refused at its first fragment; ten peers that stop between fragments of a real-sized one
     are dropped within the frame deadline, the memory they made the coordinator hold is
-    given back, and the real worker's rounds go on."""
+    given back, and the real worker's rounds go on; a peer not registered cannot make it
+    hold a large frame at all."""
     coord, port, _ = coordinator(tmp_path, "--preset", "small", "--global-batch", "4",
                                  "--frame-deadline", "3", "--max-steps", "100000")
     real = worker(tmp_path, port, "real")
     peers: list[RawPeer] = []
     try:
         coord.wait_for(r"step 2: loss", within_s=120)
+        # Before REGISTER, no large buffer: a 200 MiB GRADIENTS is refused at its header.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stranger:
+            stranger.sendall(struct.pack("<IBI", fdtc.MAGIC, MsgType.GRADIENTS, 200 << 20))
+            answer = FdtcDecoder()
+            while (event := answer.next_event()) is None:
+                data = stranger.recv(4096)
+                assert data, "closed without an ERROR"
+                answer.feed(data)
+            assert isinstance(event, fdtc.Error), event
+            assert event.error_code == fdtc.ErrorCode.NOT_REGISTERED, event
+            assert "refused at its header" in event.message, event
         big = RawPeer(port, "big")
         peers.append(big.join())
         assert big.meta is not None

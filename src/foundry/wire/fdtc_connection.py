@@ -72,7 +72,7 @@ class FdtcConnection:
                  max_payload: int = MAX_PAYLOAD, budget: ReceiveBudget | None = None) -> None:
         self.role = role
         self._decoder = FdtcDecoder(max_payload, budget=budget)
-        self._decoder.admit_fragments = self._admit_fragments
+        self._decoder.admit = self._admit
         self._lifecycle = Lifecycle(role, link=link)
         self._fragment_size: int | None = None  # None: one frame per message (the seed's)
         self._eof = False
@@ -84,14 +84,18 @@ class FdtcConnection:
         self._decoder.max_message = max_message
         self._fragment_size = fragment_size
 
-    def _admit_fragments(self, msg_type: MsgType) -> None:
-        """A first fragment arrived: only of a message this link's state takes at that point
-        of the stream (the messages decoded before it counted in)."""
+    def _admit(self, msg_type: MsgType, length: int, fragmented: bool) -> None:
+        """A large buffer is about to be made (a frame's header of 1 MiB or more, or a first
+        fragment arrived): only for a message this link's state takes at that point of the
+        stream (the messages decoded before it counted in), so that no peer makes this side
+        hold a large buffer before it may send one (before REGISTER, say)."""
         before = [event.TYPE for event in self._decoder.queued()]
         if not self._lifecycle.may_receive_after(before, msg_type):
             state = self._lifecycle.state
+            what = "a fragmented" if fragmented else "a"
             raise FdtcProtocolError(
-                f"a fragmented {msg_type.name} is not allowed on a {state.value} link",
+                f"{what} {msg_type.name} is not allowed on a {state.value} link (refused at "
+                f"its header: {length} bytes)",
                 ErrorCode.NOT_REGISTERED if state is LinkState.CONNECTED
                 else ErrorCode.UNEXPECTED)
 
