@@ -407,7 +407,7 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template {name!r} does not compile: "
                                     f"{_one_line(exc)}") from None
-        except (RecursionError, MemoryError, ValueError, TypeError) as exc:
+        except Exception as exc:  # RecursionError, SyntaxError, MemoryError of a bad source
             raise ChatTemplateError(f"chat template {name!r} does not compile: "
                                     f"{type(exc).__name__}: {_one_line(exc)}") from None
 
@@ -510,7 +510,7 @@ def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence
 def _check_rendered(template: ChatTemplate, text: str, max_chars: int | None) -> None:
     if max_chars is not None and len(text) > max_chars:
         raise ChatTemplateError(f"the conversation renders to {len(text)} characters with "
-                                f"{template.name}, more than {max_chars}")
+                                f"{template.name}, more than the {max_chars} a prompt may have")
 
 
 # -- built-in templates ------------------------------------------------------------------
