@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from foundry.compression import largest_section
+from foundry.compression import largest_message
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.spec.config import ModelConfig
@@ -229,8 +229,7 @@ class SwarmCore:
         # The largest message a worker link carries either way (WEIGHTS, or GRADIENTS and
         # UPDATE in any codec) for this model: what a peer's FRAGMENT frames may build, so a
         # peer cannot make the coordinator hold more than the model's largest message.
-        self.message_limit = min(fdtc.MAX_MESSAGE, max(
-            fdtc.Gradients.LAYOUT.size, fdtc.Update.LAYOUT.size) + largest_section(self.numels))
+        self.message_limit = largest_message(self.numels)
         # What all worker links together may hold of frames and messages being received
         # (framing.ReceiveBudget): four of the largest messages, and at least 1 GiB.
         self.receive_budget = ReceiveBudget(max(RECEIVE_BUDGET_FLOOR, 4 * self.message_limit))
