@@ -1,6 +1,7 @@
 """Real Foundry services as processes on 127.0.0.1, for the robustness harnesses.
 
-``bench/fuzz.py`` and ``bench/churn.py`` start ``python -m foundry`` services with this module,
+``bench/robustness/fuzz.py`` and ``bench/robustness/churn.py`` start ``python -m foundry``
+services with this module,
 read the ports they announce, talk to them as their real peers do (the coordinator's admin
 link, the leader's frontend link) and stop them by pid. Every service binds 127.0.0.1 only.
 """

@@ -142,18 +142,19 @@ def tp_leader(model: Path, port: int, tokens: int) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("probe")
+    pr = sub.add_parser("probe", allow_abbrev=False)
     pr.add_argument("out", type=Path)
     pr.add_argument("--data", type=Path, required=True)
-    cp = sub.add_parser("compare-probes")
+    cp = sub.add_parser("compare-probes", allow_abbrev=False)
     cp.add_argument("ref", type=Path)
     cp.add_argument("other", type=Path)
-    cw = sub.add_parser("compare-weights")
+    cw = sub.add_parser("compare-weights", allow_abbrev=False)
     cw.add_argument("a", type=Path)
     cw.add_argument("b", type=Path)
-    tl = sub.add_parser("tp-leader")
+    tl = sub.add_parser("tp-leader", allow_abbrev=False)
     tl.add_argument("--model", type=Path, required=True)
     tl.add_argument("--port", type=int, required=True)
     tl.add_argument("--tokens", type=int, default=32)

@@ -173,7 +173,7 @@ def test_profile_table() -> None:
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="foundry")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="foundry")
     profile_command.register(parser.add_subparsers())
     args = parser.parse_args(argv)
     code: int = args.func(args)

@@ -160,7 +160,7 @@ def fuzz(paths: dict[str, Path], n: int, seed: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--vocab-dir", type=Path, required=True)
     ap.add_argument("--gemma", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("tokenizer_ids.json"))

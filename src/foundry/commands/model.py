@@ -95,6 +95,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --device cuda, torch.compile the one-token step before it is "
                    "captured in a CUDA graph: faster decoding after a compilation of some "
                    "seconds (docs/gpu.md; default off)")
+    g.add_argument("--stats", action="store_true",
+                   help="print tokens, time, tokens/s and why it ended to stderr (as "
+                   "`foundry ctl generate --stats`)")
     g.set_defaults(func=run_generate)
 
 
@@ -162,6 +165,7 @@ def _train(args: argparse.Namespace) -> int:
         held_out_line,
     )
     from foundry.runtime import retain_freed_memory
+    from foundry.up.view import FALLBACK_COLUMNS, terminal_columns
 
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)
@@ -233,8 +237,9 @@ def _train(args: argparse.Namespace) -> int:
 
     val = trainer.evaluate_loss(corpus, args.seq_len)
     print(f"step {trainer.step}: {validation(val)}")
+    sized = terminal_columns(sys.stderr) > 0  # tqdm's bar goes to stderr
     bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
-               dynamic_ncols=True)
+               dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS)
     t0 = time.perf_counter()
     samples = 0
     try:
@@ -260,7 +265,7 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         bar.close()
         checkpoint()
-        print(f"interrupted at step {trainer.step}")
+        print(f"interrupted at step {trainer.step}; {resume_hint(args.checkpoint_dir)}")
         return 130
     bar.close()
     checkpoint()
@@ -270,6 +275,15 @@ def _train(args: argparse.Namespace) -> int:
         save_gguf(args.out, cfg, trainer.host_params())
         print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")
     return 0
+
+
+def resume_hint(checkpoint_dir: Path | None) -> str:
+    """What `foundry train` says after Ctrl+C: how to go on from where it stopped."""
+    if checkpoint_dir is None:
+        return ("nothing was saved (no --checkpoint-dir); add --checkpoint-dir DIR to be able "
+                "to resume after a stop")
+    return (f"checkpoint written to {checkpoint_dir}: run the same command again to resume "
+            "from this step (--fresh starts at step 0)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -299,14 +313,34 @@ def run_generate(args: argparse.Namespace) -> int:
     # copies of the rest): the loaded tensors it copied would be held twice.
     del loaded
     text = tokenizer.stream_decoder()
+    t0 = time.perf_counter()
+    times: list[float] = []  # when each token came
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,
                                      temperature=args.temperature, top_p=args.top_p,
                                      seed=args.seed, tokenizer=tokenizer):
+            times.append(time.perf_counter())
             sys.stdout.write(text.feed(token))
             sys.stdout.flush()
     except (ValueError, SamplingError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(text.flush() + "\n")
+    sys.stdout.flush()
+    if args.stats:
+        print(generate_stats(len(tokenizer.encode(args.prompt)), t0, times, args.max_tokens),
+              file=sys.stderr)
     return 0
+
+
+def generate_stats(prompt_tokens: int, t0: float, times: list[float], max_tokens: int) -> str:
+    """`foundry generate --stats`: the line of ``ctl generate --stats``, with the prompt's time
+    (to the first token) apart from the decoding rate after it."""
+    n = len(times)
+    total = (times[-1] if times else time.perf_counter()) - t0
+    head = f"{n} tokens after a {prompt_tokens}-token prompt in {total:.3f} s"
+    if n:
+        rate = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None
+        head += (f" ({n / total:.1f} tokens/s; first token {times[0] - t0:.3f} s"
+                 + (f", then {rate:.1f} tokens/s" if rate is not None else "") + ")")
+    return f"{head}, finished: {'length' if n == max_tokens else 'stop'}"

@@ -1,4 +1,5 @@
-"""Tensor-parallel slicing as data: which part of each parameter rank r of w holds (DESIGN §6).
+"""Tensor-parallel slicing as data: which part of each parameter rank r of w holds
+(docs/decisions.md, D3).
 
 Every parameter name matches one rule of ``SPLIT_TABLE``: a split kind (which axis is cut)
 and the unit it counts (query heads, kv heads, experts, shared-expert intermediate rows,
@@ -6,10 +7,10 @@ vocabulary rows). Rank r owns the r-th contiguous block of units; blocks differ 
 unit, the earlier ranks taking the larger ones (rank 0 of 2 gets the first ceil(V/2) rows of the
 output head).
 
-The routed experts are cut one of two ways, the :class:`ExpertSplit` (the execution mode both
-ranks of a pair must agree on): ``EXPERTS``, DESIGN's default, gives each rank a contiguous
-block of whole experts; ``INTERMEDIATE`` gives each rank every expert but only its block of each
-expert's intermediate dimension (gate/up rows along n_ff, down columns along n_ff). The mode
+The routed experts are cut one of two ways, the :class:`ExpertSplit` (the execution mode both ranks
+of a pair must agree on): ``EXPERTS``, the first design (docs/decisions.md, D3), gives each rank a
+contiguous block of whole experts; ``INTERMEDIATE`` gives each rank every expert but only its block
+of each expert's intermediate dimension (gate/up rows along n_ff, down columns along n_ff). The mode
 selects the rules of the three expert tensors (:data:`SPLIT_TABLES`); every other rule is shared.
 
 What each rank computes with its slice, per layer:
@@ -80,7 +81,7 @@ class SplitKind(Enum):
 class ExpertSplit(Enum):
     """How the routed experts are cut: the execution mode both ranks must agree on."""
 
-    EXPERTS = "experts"  # contiguous blocks of whole experts (DESIGN §6)
+    EXPERTS = "experts"  # contiguous blocks of whole experts (docs/decisions.md, D3)
     INTERMEDIATE = "intermediate"  # every expert, a block of its intermediate dimension
 
 

@@ -34,7 +34,8 @@ from foundry.wire.framing import ReceiveBudget
 
 log = logging.getLogger("foundry.coordinator")
 
-# Our workers heartbeat every 0.5 s; one silent this long is dropped (DESIGN: within 3 s).
+# Our workers heartbeat every 0.5 s; one silent this long is dropped (within 3 s:
+# docs/decisions.md, D4).
 HEARTBEAT_TIMEOUT_S = 2.5
 # The seed fixes no heartbeat interval: a seed-only peer is judged by its own cadence once two
 # heartbeats showed it (policy.liveness_timeout), and may stay silent this long before that.

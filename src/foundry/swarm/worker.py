@@ -228,7 +228,10 @@ class Worker:
                 return 1
             delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
             hint = (" (with TLS, the coordinator closes the link of a worker whose certificate "
-                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else "")
+                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else
+                    " (a coordinator started with --tls-cert closes a plaintext worker's link "
+                    "at once: if it runs TLS, give this worker --tls-cert, --tls-key and "
+                    "--tls-ca, docs/guide/tls.md)")
             log.warning("the coordinator %s:%d ended the link before accepting this worker: "
                         "%s%s; retrying in %.1fs", self.opt.host, self.opt.port, why, hint, delay)
             await asyncio.sleep(delay)

@@ -48,7 +48,8 @@ ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials a
 WORLD = 2
 # How the services cut the routed experts unless told otherwise: every expert by its intermediate
 # size, so both ranks do the same work for every token (docs/tp.md, "Expert split", has the
-# figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
+# figures); ``--expert-split experts`` gives the contiguous halves of the experts
+# (docs/decisions.md, D3).
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 

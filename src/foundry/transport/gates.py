@@ -89,7 +89,7 @@ SHM_SPIN_S = 2e-3
 SHM_YIELD_POLLS = 32
 # Then sleep, doubling from the first to the last value. The peer computes on another core, so
 # a nap is pure added latency per gate: 1 ms naps made the slab slower than TCP inside the
-# pair (bench/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
+# pair (bench/performance/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
 SHM_SLEEP_FIRST_S = 20e-6
 SHM_SLEEP_MAX_S = 100e-6
 

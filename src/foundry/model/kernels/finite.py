@@ -10,7 +10,7 @@ A loaded weight is checked once, over what the file stores, without expanding it
   integers), so only their exponent bits are read (``scale_offsets`` of
   ``types.TYPES``, from ggml's block structs in ``ggml-common.h``).
 
-The cost on the ``bench`` preset is measured by ``bench/finite_check.py``
+The cost on the ``bench`` preset is measured by ``bench/performance/finite_check.py``
 (docs/guide/recovering.md, "Faults and bad input").
 
 Writing checks the other way: a value whose magnitude the target type cannot hold would become

@@ -9,9 +9,9 @@ The products come from ``foundry.model.kernels._kernels``, a small C extension b
 (``setup.py``); each output is one row's dot product in one fixed order of operations, the same
 on x86-64 (AVX2), arm64 and armv7 (NEON) and in the portable C, so it does not depend on the
 thread count, the batch or the machine (``csrc/kernels.h`` has the definition;
-``bench/cross_arch.py`` checks x86-64 against arm64 and armv7). Where the extension is missing
-(no compiler at install), :func:`linear` dequantizes the weights with the ``gguf`` package and
-multiplies in numpy: the same results to quantization accuracy, much slower
+``bench/determinism/cross_arch.py`` checks x86-64 against arm64 and armv7). Where the extension
+is missing (no compiler at install), :func:`linear` dequantizes the weights with the ``gguf``
+package and multiplies in numpy: the same results to quantization accuracy, much slower
 (docs/quantization.md). ``KERNELS`` says which is in use.
 
 Types: F16, Q8_0 and Q4_0 (what ``foundry export`` writes) and the others ``llama-quantize``'s

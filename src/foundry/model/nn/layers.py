@@ -6,9 +6,9 @@ float32; shape comments use N rows (tokens), D = n_embd, F = expert intermediate
 E experts, K = n_expert_used, H query heads, G = H / n_head_kv query heads per kv head,
 Dh = head_dim, T query positions, S key positions, V vocabulary.
 
-Semantics follow llama.cpp (DESIGN §5): RMSNorm multiplies by its weight; rotary embedding
-rotates adjacent pairs (x0, x1), (x2, x3), ...; query head h reads kv head h // G; routing is a
-softmax over all experts, the top K kept and renormalised to sum to 1; an expert is
+Semantics follow llama.cpp (docs/decisions.md, D1): RMSNorm multiplies by its weight; rotary
+embedding rotates adjacent pairs (x0, x1), (x2, x3), ...; query head h reads kv head h // G;
+routing is a softmax over all experts, the top K kept and renormalised to sum to 1; an expert is
 down(silu(gate x) * up x).
 """
 

@@ -3,7 +3,7 @@
 Parameter names are llama.cpp's GGUF tensor names (``blk.N.attn_q.weight`` ...), so the same
 name travels in FDTC tensor metadata, in checkpoints and in GGUF files. Every weight matrix is
 stored numpy-style as (out, in); merged experts are (E, n_ff, n_embd) for gate/up and
-(E, n_embd, n_ff) for down, as DESIGN §5 fixes.
+(E, n_embd, n_ff) for down, as docs/decisions.md, D1 fixes.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
 
 /* F16 rows on every x86 machine with AVX2 and F16C (AVX-512 ones too: an AVX-512 version of this,
  * four rows of two 512-bit accumulators, streamed 2-6 % slower inside the engine on the 16-core
- * Xeon, bench/kernel_builds.py): ROWS_F16 rows at a time share each load of x, the rows j of
- * each of ROWS_F16 parts of the matrix (sequential streams, as rows_q_512_t), each prefetching
+ * Xeon, bench/performance/kernel_builds.py): ROWS_F16 rows at a time share each load of x, the
+ * rows j of each of ROWS_F16 parts of the matrix (sequential streams, as rows_q_512_t), each prefetching
  * its next row; lanes 0-31 of the 32 float accumulators are four registers per row. */
 #ifndef ROWS_F16
 #define ROWS_F16 4

@@ -159,7 +159,7 @@ def _valid(text: str) -> str:
 
 
 def is_byte_vocabulary(meta: Mapping[str, Any]) -> bool:
-    """Foundry's own vocabulary (DESIGN §5): ``llama`` with exactly its 259 tokens."""
+    """Foundry's own vocabulary (docs/decisions.md, D2): ``llama`` with exactly its 259 tokens."""
     tokens = meta.get("tokenizer.ggml.tokens")
     return (meta.get("tokenizer.ggml.model") == "llama" and tokens is not None
             and len(tokens) == len(BYTE_VOCABULARY) and tuple(tokens) == BYTE_VOCABULARY)
