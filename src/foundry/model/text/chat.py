@@ -32,7 +32,7 @@ past ``max_items``, no integer past ``max_int_bits``; ``range``, ``*``, ``**``, 
 checked *before* they allocate. A template has no loader, so ``{% include %}``, ``{% import %}``
 and ``{% extends %}`` fail. Whatever goes wrong while rendering (a limit, Jinja's own errors,
 Python's OverflowError, RecursionError, MemoryError, TypeError...) comes out as one
-:class:`ChatTemplateError` of one line.
+:class:`ChatTemplateError` of one line (docs/decisions.md, D5).
 
 :func:`chat_prompt` renders and tokenizes a conversation. The template's own text is parsed for
 special tokens (its turn markers are control tokens); the messages' content is not, by default:
