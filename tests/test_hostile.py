@@ -1172,6 +1172,8 @@ GGUF_CONFUSIONS = {
     "eot-bool": ({"tokenizer.ggml.eot_token_id": gguf_value("bool", True)},
                  "tokenizer.ggml.eot_token_id"),
     "nested-200000": ({"foundry.nested": nested_arrays(200_000)}, "nested more than"),
+    "elements-20M": ({"foundry.bytes": struct.pack("<IIQ", 9, 0, 20_000_000)
+                      + bytes(20_000_000)}, "more than 16777216 elements"),
     "rope-inf": ({"llama.rope.freq_base": gguf_value("f32", float("inf"))},
                  "llama.rope.freq_base"),
     "rope-nan": ({"llama.rope.freq_base": gguf_value("f32", float("nan"))},
@@ -1194,8 +1196,9 @@ def test_gguf_values_of_the_wrong_type_are_one_line_naming_the_key(
 ) -> None:
     """Finding 5: a value of another type than the key's, inf where NaN is refused, arrays
     nested 200,000 deep: each was a traceback (TypeError, OverflowError, RecursionError) or a
-    message naming no key. ``foundry chat`` and the tp-leader now refuse the file in one
-    line that names the key."""
+    message naming no key; 20 million one-byte elements would be 20 million Python objects.
+    ``foundry chat`` and the tp-leader now refuse the file in one line that names the key (or
+    the header's bound)."""
     keys, says = GGUF_CONFUSIONS[case]
     bad = gguf_with(plain_model, tmp_path / f"{case}.gguf", keys)
     for args in (["chat", "--model", str(bad)],

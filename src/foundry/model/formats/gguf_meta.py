@@ -8,7 +8,8 @@ table too (gguf_io builds its tensor views on it). Values come back as plain Pyt
 floats (float32 values as the shortest decimal that is that float32), bools, strings (UTF-8;
 invalid bytes replaced, or an error with ``strict``) and lists of those. Every count and length
 is checked against the bytes left before it sizes anything; arrays nest at most
-``MAX_NESTING`` deep, and a key or tensor name given twice is refused.
+``MAX_NESTING`` deep and hold ``MAX_ARRAY_ELEMENTS`` elements in all, and a key or tensor name
+given twice is refused.
 
 A value is checked where it is read, by the ``expect_*`` functions: its type (an integer is no
 float, a bool no integer), its range, a float finite (inf is refused wherever NaN is), each
@@ -38,6 +39,10 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 # A key count or array length beyond this is a corrupt header, not a file to read.
 MAX_ITEMS = 1 << 28
+# Array elements of all the keys together: each becomes a Python object (8 bytes of a list and
+# more), so a header of many tiny elements is bounded in memory, not only by the file's size.
+# The largest vocabularies hold a few million (262,144 tokens, scores and types; merges).
+MAX_ARRAY_ELEMENTS = 1 << 24
 # GGUFValueType -> numpy dtype of its scalar (STRING 8, ARRAY 9 handled apart; BOOL 7).
 _SCALARS: dict[int, np.dtype[Any]] = {
     0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"),
@@ -68,6 +73,7 @@ class _Reader:
         self.pos = 0
         self.path = path
         self.errors = "strict" if strict else "replace"
+        self.elements = 0  # array elements read so far (MAX_ARRAY_ELEMENTS)
 
     def take(self, n: int) -> bytes:
         end = self.pos + n
@@ -129,6 +135,10 @@ class _Reader:
             etype = self.u32()
             n = self.count(8 if etype == _STRING else 12 if etype == _ARRAY
                            else self._dtype(etype).itemsize)
+            self.elements += n
+            if self.elements > MAX_ARRAY_ELEMENTS:
+                raise GGUFMetaError(f"{self.path}: the header's arrays hold more than "
+                                    f"{MAX_ARRAY_ELEMENTS} elements")
             if etype == _STRING:
                 return self.strings(n)
             if etype == _ARRAY:
