@@ -1000,7 +1000,9 @@ def test_hostile_chat_templates_fail_their_request_alone(
     same file is served after them."""
     with http_serving(hostile_template_model, tmp_path) as (stack, port), \
             Bystanders(port) as others:
-        assert http_call(port, "POST", "/v1/chat/completions", chat_body("hello"))[0] == 200
+        # Content that looks like a format with a huge width is data, not a format.
+        normal = chat_body("50% of {:>123456789} is %123456789d")
+        assert http_call(port, "POST", "/v1/chat/completions", normal)[0] == 200
         for content, says in HOSTILE_CHATS.items():
             contents = ["x"] * 199 + [content] if content == "loops-over-messages" else [content]
             status, body, took = http_call(port, "POST", "/v1/chat/completions",

@@ -156,18 +156,23 @@ def _int_bits(value: Any) -> int:
 
 
 def _check_args(b: _Budget, args: Iterable[Any], what: str) -> None:
-    """Integers that size what a call builds (a width, a count) are bounded by ``max_chars``;
-    a format string may not carry a width of more digits than that."""
+    """Integers that size what a call builds (a width, a count) are bounded by ``max_chars``."""
     for value in args:
         if _int_bits(value) and abs(value) > b.limits.max_chars:
             raise b.fail(f"{what} was given {value}, more than {b.limits.max_chars}")
-        if isinstance(value, str) and _WIDTH.search(value) and ("%" in value or "{" in value):
-            raise b.fail(f"{what} was given a format with a width of more than "
-                         f"{b.limits.max_chars} characters")
 
 
-# A run of digits of a width near or past ``max_chars`` (16 Mi has 8 digits).
-_WIDTH = re.compile(r"\d{8,}")
+def _check_format(b: _Budget, fmt: Any, what: str) -> None:
+    """A format string (``%``, ``str.format``, the ``format`` filter, ``strftime``) may not
+    ask for a width near ``max_chars`` (only the format: the values it formats are data)."""
+    if isinstance(fmt, str) and _WIDTH.search(fmt):
+        raise b.fail(f"{what} was given a format with a width of more than "
+                     f"{b.limits.max_chars} characters")
+
+
+# A width in a format (after "%" and its flags, or after ":" in a replacement field, or a
+# strftime field's), with 8 digits or more: near or past ``max_chars`` (16 Mi has 8).
+_WIDTH = re.compile(r"[%:][-+ #0_^<>=.*]*\d{8,}")
 
 
 def _lines(text: str) -> int:
@@ -257,8 +262,9 @@ def _binop(b: _Budget, op: str, left: Any, right: Any) -> None:
         elif isinstance(left, list | tuple) and isinstance(right, list | tuple):
             b.items(len(left) + len(right), "a list")
     elif op == "%" and isinstance(left, str):
-        _check_args(b, [left, *(right if isinstance(right, tuple) else (right,))],
-                    "'%' formatting")
+        _check_format(b, left, "'%' formatting")
+        if "*" in left:  # widths taken from the values
+            _check_args(b, right if isinstance(right, tuple) else (right,), "'%' formatting")
 
 
 class _BudgetedCodeGenerator(jinja2.compiler.CodeGenerator):
@@ -314,8 +320,11 @@ class _BudgetedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
             subject = getattr(wrapped, "__self__", None)
         _check_args(b, [*args, *kwargs.values()], f"{name or 'a call'}()")
         if isinstance(subject, str):
-            _check_args(b, [subject] if name in ("format", "format_map") else [], name)
+            if name in ("format", "format_map"):
+                _check_format(b, subject, name)
             args = _check_text_op(b, name, subject, args, kwargs)[1:]
+        if __obj is _strftime_now and args:
+            _check_format(b, args[0], "strftime_now")
         b.depth += 1
         try:
             if b.depth > b.limits.max_depth:
@@ -347,6 +356,8 @@ def _budgeted_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
                                                  | jinja2.nodes.EvalContext)]
         values = args[len(passed):]
         _check_args(b, [*values, *kwargs.values()], f"the {name} filter")
+        if name == "format" and values:
+            _check_format(b, values[0], "the format filter")
         if values:
             values = _check_text_op(b, name, values[0], values[1:], kwargs)
         return _checked(b, f(*passed, *values, **kwargs), f"the {name} filter's result")
