@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tree import project_files
 
 from foundry.cli import build_parser, main
 
@@ -97,9 +98,7 @@ def test_every_argument_parser_in_the_tree_refuses_abbreviations() -> None:
     """Scripts (bench/, tools/, services/, proto/) make their own parsers: each says so."""
     root = Path(__file__).resolve().parent.parent
     bare = []
-    for path in root.glob("**/*.py"):
-        if {".venv", "build", "node_modules"} & set(path.relative_to(root).parts):
-            continue
+    for path in project_files(".py"):
         text = path.read_text(errors="replace")
         for n, line in enumerate(text.splitlines(), start=1):
             if "ArgumentParser(" in line and "class " not in line and "allow_abbrev=False" \

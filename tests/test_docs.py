@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from procs import ENV
+from tree import project_files
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -223,9 +224,7 @@ def test_every_design_record_cited_in_the_tree_is_on_the_records_page() -> None:
     page = (DOCS / "decisions.md").read_text(encoding="utf-8")
     records = set(re.findall(r"^## (D\d+)\. ", page, re.M))
     assert records
-    files = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in
-             {".py", ".md", ".c", ".h", ".proto", ".toml", ".yml", ".yaml"}
-             and not {".venv", ".git", "node_modules", "build"} & set(p.relative_to(ROOT).parts)]
+    files = project_files(".py", ".md", ".c", ".h", ".proto", ".toml", ".yml", ".yaml")
     cited, stale = set(), []
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")

@@ -144,7 +144,7 @@ def run_tests(workdir: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("mutations", nargs="*", default=[],
                         help="mutations to apply (default: all): " + ", ".join(BY_NAME))
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mutation-served")

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="a built-in (gemma, chatml, llama3, plain) or a Jinja file (default: "
                    "the file's tokenizer.chat_template, else plain: a file without one is "
                    "taken for a base model)")
+    c.add_argument("--chat-content-specials", action="store_true",
+                   help="parse special-token texts in what you type as the special tokens "
+                   "(llama.cpp's way); by default they stay text")
     c.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
     c.add_argument("--max-tokens", type=positive_int, default=256,
                    help="tokens per reply at most (default 256)")
@@ -39,7 +42,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from foundry.model.infer.generate import printable
     from foundry.model.infer.inference import Engine
     from foundry.model.infer.sampling import SamplingError, make_rng, sample
-    from foundry.model.text.chat import ChatTemplateError, Message, prompt_text, template_for
+    from foundry.model.text.chat import ChatTemplateError, Message, chat_prompt, template_for
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
     from foundry.tp.policy import TextStream
 
@@ -64,8 +67,10 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         history.append(Message("user", line.rstrip("\n")))
         try:
-            # The template's turn markers are the model's special tokens: parsed as such.
-            tokens = tokenizer.encode(prompt_text(template, history), parse_special=True)
+            # The template's turn markers are the model's special tokens; what was typed is
+            # text (unless --chat-content-specials).
+            tokens = chat_prompt(template, tokenizer, history,
+                                 content_specials=args.chat_content_specials)
             session = engine.new_session()
             if len(tokens) >= session.ctx_size:
                 print(f"error: the conversation is {len(tokens)} tokens, the context "

@@ -92,6 +92,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "llama3, plain) or a Jinja file (default: the model file's "
                       "tokenizer.chat_template, else plain: a file without one is taken for a "
                       "base model)")
+    lead.add_argument("--chat-content-specials", action="store_true",
+                      help="parse special-token texts (<start_of_turn>, <|im_start|>) in "
+                      "messages' content as the special tokens (llama.cpp's way); by default "
+                      "they stay text, so a user cannot forge a turn")
+    lead.add_argument("--max-messages", type=positive_int, default=4096, metavar="N",
+                      help="a chat request's most messages (default 4096)")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
     lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
@@ -162,6 +168,8 @@ def run_leader(args: argparse.Namespace) -> int:
             frontend_max_connections=args.frontend_max_connections,
             frame_deadline_s=args.frame_deadline,
             chat_template=args.chat_template,
+            chat_content_specials=args.chat_content_specials,
+            max_messages=args.max_messages,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:

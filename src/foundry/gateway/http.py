@@ -26,6 +26,8 @@ Status codes: 400 bad request (OpenAI's ``invalid_request_error``, ``param`` nam
 401 missing or wrong bearer token, 404 unknown path or model (``model_not_found``), 405 wrong
 method, 413 body too large, 429 queue full (``Retry-After``), 503 pair unavailable, 504 pair
 timeout, 500 anything else (the detail goes to the log, never a traceback to the client).
+Connections are bounded by ``gateway.http_limits``: headers within ``header_timeout_s``,
+``max_connections`` open at once.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ from foundry.gateway.errors import (
     InvalidRequest,
 )
 from foundry.gateway.frontend_client import Event, FrontendClient, Generation
+from foundry.gateway.http_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    limited_h11,
+)
 from foundry.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -325,6 +332,8 @@ class HttpOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     grace_s: float = 5.0
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # gateway.http_limits
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 class OpenAIApi:
@@ -727,7 +736,8 @@ class HttpServer:
         sock = _bind(self.opt.host, self.opt.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.api.app, http="h11", lifespan="off", log_level="warning", access_log=False,
+            self.api.app, http=limited_h11(self.opt.header_timeout_s, self.opt.max_connections),
+            lifespan="off", log_level="warning", access_log=False,
             ssl_certfile=self.opt.tls_cert, ssl_keyfile=self.opt.tls_key,
             timeout_graceful_shutdown=max(1, round(self.opt.grace_s)),
         )

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from foundry.compression import Compressor, deserialize_tensors, get_codec
+from foundry.compression import Compressor, deserialize_tensors, get_codec, largest_message
 from foundry.hardware import HardwareInfo, detect_profile, profile_batch_size
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus, DataError
@@ -276,6 +276,11 @@ class Worker:
                 elif isinstance(msg, fdtc.ModelConfigMsg):
                     self.cfg = config_of(msg)
                     self.aux_loss_coef = msg.aux_loss_coef
+                    # The coordinator's FRAGMENT frames build no more than this model needs.
+                    assert stream.connection is not None
+                    stream.connection.allow_fragments(
+                        largest_message(math.prod(s) for s in self.cfg.param_shapes().values()),
+                        self.opt.fragment_size)
                 elif isinstance(msg, fdtc.TrainPlan):
                     self.plan = msg
                 else:

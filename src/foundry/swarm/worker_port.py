@@ -48,7 +48,8 @@ class WorkerPort:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
-                            frame_deadline_s=self.core.opt.frame_deadline_s)
+                            frame_deadline_s=self.core.opt.frame_deadline_s,
+                            budget=self.core.receive_budget)
         member: Member | None = None
         try:
             member = await self._handshake(stream)

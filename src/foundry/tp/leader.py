@@ -172,6 +172,7 @@ class Leader:
             await asyncio.to_thread(thread.join, 10)
         self._frontend_server.fail_inflight("the leader is shutting down")
         self._frontend_server.close_all()
+        self._frontend_server.shutdown()
         if self._frontend is not None:
             await self._frontend.wait_closed()
         self._bringup.close()

@@ -52,6 +52,11 @@ class LeaderOptions:
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
     # --chat-template: a built-in's name or a Jinja file (foundry.model.text.chat.template_for).
     chat_template: str | None = None
+    # --chat-content-specials: parse special-token texts in messages' content (llama.cpp's
+    # way); off, a user's "<start_of_turn>" stays text (foundry.model.text.chat.chat_prompt).
+    chat_content_specials: bool = False
+    # A chat request's most messages (more is refused at once, before rendering).
+    max_messages: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):

@@ -57,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.formats import gguf_meta
+from foundry.model.formats.gguf_meta import expect_list, shown
 from foundry.model.kernels import finite, quant
 from foundry.model.kernels.types import TYPES
 from foundry.model.spec.arch import ARCHS, LIMITS, ArchConfig
@@ -282,7 +283,9 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
         if value is None:
             raise GGUFError(f"{path}: missing metadata key {full!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GGUFError(f"{path}: {full} is {value!r}, expected a number")
+            raise GGUFError(f"{path}: {full} is {shown(value)}, expected a number")
+        if not math.isfinite(value):
+            raise GGUFError(f"{path}: {full} is {value!r}, expected a finite number")
         if kind is int and (not float(value).is_integer() or value < 0):
             raise GGUFError(f"{path}: {full} is {value!r}, expected a whole number >= 0")
         return kind(value)
@@ -294,7 +297,11 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
                 key == "expert_gating_func" and value == 1) and not (
                 key == "expert_weights_scale" and value == 1.0):
             raise GGUFError(f"{path}: {a}.{key} = {value!r} is not supported")
-    tokens = _require(meta, "tokenizer.ggml.tokens", path)
+    try:
+        tokens = expect_list("tokenizer.ggml.tokens",
+                             _require(meta, "tokenizer.ggml.tokens", path), str, GGUFError)
+    except GGUFError as exc:
+        raise GGUFError(f"{path}: {exc}") from None
     n_tokens = len(tokens)
     n_vocab = num("vocab_size", n_tokens)
     if n_vocab != n_tokens:
@@ -381,6 +388,8 @@ def _open_reader(path: Path) -> _Reader:
         )
     try:
         return _Reader(path)
+    except gguf_meta.GGUFMetaError as exc:  # says what, naming the file
+        raise GGUFError(str(exc)) from exc
     except (ValueError, IndexError, KeyError, OverflowError, struct.error) as exc:
         size = path.stat().st_size
         raise GGUFError(

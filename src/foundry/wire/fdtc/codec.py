@@ -53,7 +53,13 @@ from foundry.wire.fdtc.messages import (
     Sync,
 )
 from foundry.wire.fdtc.tensors import Weights, WeightsMeta, WeightsReq
-from foundry.wire.framing import NO_PAYLOAD, FrameDecoder, payload_buffer
+from foundry.wire.framing import (
+    MAPPED_PAYLOAD,
+    NO_PAYLOAD,
+    FrameDecoder,
+    ReceiveBudget,
+    payload_buffer,
+)
 
 # ---------------------------------------------------------------------------- registry
 
@@ -170,23 +176,27 @@ class FdtcDecoder(FrameDecoder[Message]):
     payload's own buffer. Bad bytes raise FdtcProtocolError, in stream order.
 
     FRAGMENT frames are refused unless the link agreed to them: ``max_message`` (0 by
-    default) is then the largest message they may build, and ``admit_fragments`` (if set)
-    may refuse a message type when its first fragment arrives. The fragments' bytes go into
-    one buffer of the announced size (pages committed only as bytes arrive), and the message
-    comes out when the last one is in; ``reassembling`` says how many bytes of it are held.
+    default) is then the largest message they may build. ``admit`` (if set) may refuse a
+    message type before a large buffer is made for it: at the header of a frame of
+    ``MAPPED_PAYLOAD`` bytes or more, and when a message's first fragment arrives. The
+    fragments' bytes go into one buffer of the announced size (pages committed only as bytes
+    arrive), and the message comes out when the last one is in; ``reassembling`` says how
+    many bytes of it are held.
     """
 
-    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0) -> None:
+    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0,
+                 budget: ReceiveBudget | None = None) -> None:
         if not 0 <= max_payload <= MAX_PAYLOAD:
             raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
-        super().__init__()
+        super().__init__(budget)
         self._max_payload = max_payload
         self.max_message = max_message
-        self.admit_fragments: Callable[[MsgType], None] | None = None
+        self.admit: Callable[[MsgType, int, bool], None] | None = None
         self._cls: type[Message] = Message
         self._whole = NO_PAYLOAD  # the fragmented message's payload, its first _held bytes in
         self._whole_type = MsgType.WEIGHTS
         self._held = 0
+        self._whole_taken = 0  # bytes of the budget held for _whole
 
     @property
     def max_payload(self) -> int:
@@ -234,6 +244,8 @@ class FdtcDecoder(FrameDecoder[Message]):
                 f"({self._held} of {len(self._whole)} bytes in): a message's fragments come "
                 "back to back", ErrorCode.UNEXPECTED)
         cls.check_length(length)
+        if cls is not Fragment and length >= MAPPED_PAYLOAD and self.admit is not None:
+            self.admit(cls.TYPE, length, False)
         self._cls = cls
         return int(length)
 
@@ -263,8 +275,9 @@ class FdtcDecoder(FrameDecoder[Message]):
                     f"({self._max_message} bytes)",
                     ErrorCode.BUSY if total <= MAX_MESSAGE else ErrorCode.BAD_FRAME)
             MESSAGE_TYPES[f.message_type].check_length(total)
-            if self.admit_fragments is not None:
-                self.admit_fragments(f.message_type)
+            if self.admit is not None:
+                self.admit(f.message_type, total, True)
+            self._whole_taken = self.reserve(total, f"a fragmented {kind}")
             self._whole, self._whole_type, self._held = payload_buffer(total), f.message_type, 0
         elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole),
                                                    self._held):
@@ -278,7 +291,15 @@ class FdtcDecoder(FrameDecoder[Message]):
         if self._held < total:
             return None
         whole, self._whole, self._held = self._whole.toreadonly(), NO_PAYLOAD, 0
+        self.unreserve(self._whole_taken)
+        self._whole_taken = 0
         return self._decoded(MESSAGE_TYPES[self._whole_type], whole)
+
+    def release(self) -> None:
+        super().release()
+        self._whole, self._held = NO_PAYLOAD, 0
+        self.unreserve(self._whole_taken)
+        self._whole_taken = 0
 
     def unfinished(self) -> str | None:
         if (frame := super().unfinished()) is not None:
@@ -290,3 +311,6 @@ class FdtcDecoder(FrameDecoder[Message]):
 
     def _eof_error(self, message: str) -> FdtcProtocolError:
         return FdtcProtocolError(message)
+
+    def _busy_error(self, message: str) -> FdtcProtocolError:
+        return FdtcProtocolError(message, ErrorCode.BUSY)

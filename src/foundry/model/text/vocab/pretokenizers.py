@@ -27,6 +27,7 @@ import sys
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Unicode White_Space, the table llama.cpp's \s uses (unicode-data.cpp).
 WHITESPACE = (
@@ -221,7 +222,17 @@ Fragment = str | int  # a plain run of text, or a special token's id
 
 
 class SpecialSplitter:
-    """Cuts text at special tokens, longest first, as llama.cpp's ``tokenizer_st_partition``."""
+    """Cuts text at special tokens, longest first, as llama.cpp's ``tokenizer_st_partition``,
+    in time linear in the text.
+
+    llama.cpp takes the tokens one by one in priority order, each splitting every plain run
+    the earlier ones left: its cost is the number of special tokens (thousands) times the
+    number of runs. Here one pass of a trie over the text finds every occurrence of every
+    token (at most the longest token's length of work per character), and the same priority
+    rule is then applied to those occurrences: a token's occurrence is taken when it lies in
+    what the earlier tokens left (a free run) and after this token's previous match in that
+    run; ``lstrip`` / ``rstrip`` mark the whitespace beside it as dropped.
+    """
 
     def __init__(
         self,
@@ -230,38 +241,87 @@ class SpecialSplitter:
         """``specials``: (id, text, always, lstrip, rstrip) in matching order; ``always``
         tokens (user-defined) are cut out even when ``parse_special`` is off."""
         self._specials = [s for s in specials if s[1]]
+        self._trie: dict[str, Any] = {}
+        for rank, (_, text, *_rest) in enumerate(self._specials):
+            node = self._trie
+            for ch in text:
+                node = node.setdefault(ch, {})
+            node.setdefault("", []).append(rank)  # "" is no character: the ranks ending here
+        self._first = re.compile("[" + "".join(sorted(re.escape(c) for c in self._trie)) + "]"
+                                 ) if self._trie else None
 
-    def split(self, text: str, parse_special: bool) -> list[Fragment]:
-        fragments: list[Fragment] = [text] if text else []
-        for token_id, token_text, always, lstrip, rstrip in self._specials:
+    def _occurrences(self, text: str) -> dict[int, list[int]]:
+        """Rank -> the start of every occurrence of that token in ``text``, ascending."""
+        found: dict[int, list[int]] = {}
+        if self._first is None:
+            return found
+        trie, n = self._trie, len(text)
+        for m in self._first.finditer(text):
+            i = m.start()
+            node = trie
+            j = i
+            while j < n and (child := node.get(text[j])) is not None:
+                node = child
+                j += 1
+                for rank in node.get("", ()):
+                    found.setdefault(rank, []).append(i)
+        return found
+
+    def matches(self, text: str, parse_special: bool) -> list[tuple[int, int, int, bool]]:
+        """The tokens cut out of ``text``: (start, end, id, always), by start; the whitespace a
+        token strips is outside its span."""
+        return [(p, p + len(self._specials[r][1]), self._specials[r][0], self._specials[r][2])
+                for p, r in self._take(text, parse_special)[0]]
+
+    def _take(self, text: str, parse_special: bool) -> tuple[list[tuple[int, int]], bytearray]:
+        """The occurrences taken, (start, rank) by start, and the characters they occupy
+        (the tokens' own and the whitespace they strip)."""
+        n = len(text)
+        busy = bytearray(n)
+        taken: list[tuple[int, int]] = []
+        found = self._occurrences(text)
+        for rank in sorted(found):
+            _, token_text, always, lstrip, rstrip = self._specials[rank]
             if not (always or parse_special):
                 continue
-            out: list[Fragment] = []
-            for frag in fragments:
-                if isinstance(frag, int) or token_text not in frag:
-                    out.append(frag)
+            size = len(token_text)
+            resume = 0  # this token's scan resumes here in its run (after its last match)
+            for p in found[rank]:
+                if p < resume or busy.find(1, p, p + size) >= 0:
                     continue
-                start = 0
-                n = len(frag)
-                while True:  # bounded: start moves past a match every turn
-                    match = frag.find(token_text, start)
-                    if match < 0:
-                        if start < n:
-                            out.append(frag[start:])
-                        break
-                    left_end = match
-                    if lstrip:
-                        while left_end > start and frag[left_end - 1] in _ASCII_SPACE:
-                            left_end -= 1
-                    if left_end > start:
-                        out.append(frag[start:left_end])
-                    out.append(token_id)
-                    start = match + len(token_text)
-                    if rstrip:
-                        while start < n and frag[start] in _ASCII_SPACE:
-                            start += 1
-            fragments = out
-        return fragments
+                left = p
+                if lstrip:
+                    while left > resume and not busy[left - 1] and text[left - 1] in _ASCII_SPACE:
+                        left -= 1
+                end = p + size
+                if rstrip:
+                    while end < n and not busy[end] and text[end] in _ASCII_SPACE:
+                        end += 1
+                busy[left:end] = b"\x01" * (end - left)
+                taken.append((p, rank))
+                resume = end
+        taken.sort()
+        return taken, busy
+
+    def split(self, text: str, parse_special: bool) -> list[Fragment]:
+        taken, busy = self._take(text, parse_special)
+        out: list[Fragment] = []
+        pos = 0
+        for p, rank in taken:
+            self._plain(text, busy, pos, p, out)
+            out.append(self._specials[rank][0])
+            pos = p + len(self._specials[rank][1])
+        self._plain(text, busy, pos, len(text), out)
+        return out
+
+    @staticmethod
+    def _plain(text: str, busy: bytearray, start: int, end: int, out: list[Fragment]) -> None:
+        """The run between two tokens, less the whitespace they strip (at its two ends)."""
+        lo = busy.find(0, start, end)
+        if lo < 0:
+            return
+        hi = busy.rfind(0, lo, end) + 1
+        out.append(text[lo:hi])
 
 
 # C's isspace in the "C" locale: what lstrip / rstrip remove.

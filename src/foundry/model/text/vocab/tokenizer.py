@@ -106,10 +106,13 @@ class Tokenizer:
         self.decoder = decoder
 
     def encode(
-        self, text: str, *, add_special: bool = True, parse_special: bool = False
+        self, text: str, *, add_special: bool = True, parse_special: bool = False,
+        plain_map: Mapping[int, str] | None = None,
     ) -> list[int]:
         """Token ids of ``text``, as llama.cpp's ``llama_tokenize(text, add_special,
-        parse_special)``. Characters UTF-8 cannot carry (lone surrogates) become "?"."""
+        parse_special)``. Characters UTF-8 cannot carry (lone surrogates) become "?".
+        ``plain_map`` (a ``str.translate`` table) is applied to the plain runs the special
+        tokens leave, before they are tokenized (chat.chat_prompt's stand-ins)."""
         text = _valid(text)
         ids: list[int] = []
         after_special = True
@@ -118,6 +121,8 @@ class Tokenizer:
                 ids.append(fragment)
                 after_special = True
                 continue
+            if plain_map is not None:
+                fragment = fragment.translate(plain_map)
             normalized = self.normalizer.normalize(fragment, after_special)
             for piece in self.pre_tokenizer.split(normalized):
                 ids.extend(self.model.tokenize(piece))

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from foundry.model.formats.gguf_meta import expect_bool, expect_int, expect_list, expect_str
 from foundry.model.text.vocab.models import TokenizerError
 from foundry.model.text.vocab.pretokenizers import PRE_TOKENIZERS
 
@@ -123,16 +124,21 @@ class Vocabulary:
         return sorted(found, key=lambda i: (-len(self.texts[i].encode("utf-8")), i))
 
 
-def _array(meta: Mapping[str, Any], key: str, n: int | None) -> Sequence[Any] | None:
+def _array(meta: Mapping[str, Any], key: str, n: int | None,
+           element: type) -> Sequence[Any] | None:
     value = meta.get(_KEY + key)
     if value is None:
         return None
-    if isinstance(value, str | bytes) or not hasattr(value, "__len__"):
-        raise TokenizerError(f"metadata key {_KEY + key!r} is not an array")
+    value = expect_list(_KEY + key, value, element, TokenizerError)
     if n is not None and len(value) < n:
         raise TokenizerError(f"metadata key {_KEY + key!r} has {len(value)} entries, "
                              f"the vocabulary {n}")
-    return value  # type: ignore[no-any-return]
+    return value
+
+
+def _flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = meta.get(_KEY + key)
+    return default if value is None else expect_bool(_KEY + key, value, TokenizerError)
 
 
 def _merge_ranks(merges: Sequence[str]) -> dict[str, int]:
@@ -147,18 +153,18 @@ def _merge_ranks(merges: Sequence[str]) -> dict[str, int]:
 def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     """The vocabulary of a GGUF file's metadata; :class:`TokenizerError` names what is wrong."""
     model = meta.get(_KEY + "model")
-    if model not in MODELS:
+    if not isinstance(model, str) or model not in MODELS:
         raise TokenizerError(
             f"tokenizer.ggml.model {model!r} is not supported (supported: llama, gpt2, gemma4)"
         )
     kind = MODELS[str(model)]
-    texts = _array(meta, "tokens", None)
+    texts = _array(meta, "tokens", None, str)
     if not texts:
         raise TokenizerError("metadata key 'tokenizer.ggml.tokens' is missing or empty")
     n = len(texts)
     texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)] if "" in texts else texts
-    scores = array.array("f", _array(meta, "scores", n) or bytes(4 * n))  # float32, as stored
-    types = _array(meta, "token_type", n)
+    scores = array.array("f", _array(meta, "scores", n, float) or bytes(4 * n))  # f32 as stored
+    types = _array(meta, "token_type", n, int)
     if types is None:
         attrs = [int(Attr.NORMAL)] * n
     else:
@@ -173,13 +179,15 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         add_bos, add_space_prefix = True, True
     else:
         # a gemma4 vocabulary is SentencePiece-style BPE whatever its pre says (llama.cpp)
-        pre = "gemma4" if model == "gemma4" else str(meta.get(_KEY + "pre", "") or "default")
+        pre_key = meta.get(_KEY + "pre")
+        pre = expect_str(_KEY + "pre", pre_key, TokenizerError) if pre_key is not None else ""
+        pre = "gemma4" if model == "gemma4" else pre or "default"
         if pre not in PRE_TOKENIZERS:
             raise TokenizerError(
                 f"tokenizer.ggml.pre {pre!r} is not supported (supported: "
                 f"{', '.join(sorted(PRE_TOKENIZERS))})"
             )
-        merges = _array(meta, "merges", None)
+        merges = _array(meta, "merges", None, str)
         if merges is None:
             raise TokenizerError("metadata key 'tokenizer.ggml.merges' is missing")
         ranks = _merge_ranks(merges)
@@ -193,11 +201,13 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
             special[name] = None
     for name, key in _SPECIAL_KEYS:
         value = meta.get(_KEY + key)
-        if value is not None and 0 <= int(value) < n:
-            special[name] = int(value)
-    add_bos = bool(meta.get(_KEY + "add_bos_token", add_bos))
-    add_eos = bool(meta.get(_KEY + "add_eos_token", add_eos))
-    add_space_prefix = bool(meta.get(_KEY + "add_space_prefix", add_space_prefix))
+        # An id outside the vocabulary is ignored (llama.cpp); one that is no integer is an error.
+        if value is not None and 0 <= expect_int(_KEY + key, value, -(2**63), 2**64,
+                                                 TokenizerError) < n:
+            special[name] = value
+    add_bos = _flag(meta, "add_bos_token", add_bos)
+    add_eos = _flag(meta, "add_eos_token", add_eos)
+    add_space_prefix = _flag(meta, "add_space_prefix", add_space_prefix)
     add_bos = add_bos or pre == "gemma4"  # llama.cpp's override for Gemma 4
 
     def mark_control(token: int) -> None:
@@ -242,7 +252,8 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix, ranks=ranks,
         eog_ids=frozenset(eog),
     )
-    name = str(meta.get("general.name", "")).lower()
+    name = meta.get("general.name", "")
+    name = expect_str("general.name", name, TokenizerError).lower()
     if "phi-3" in name or "phi3" in name:
         for token in vocab.special_order():
             attrs[token] |= int(Attr.RSTRIP)
