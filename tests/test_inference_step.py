@@ -100,14 +100,14 @@ def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
         out = fn(*args)
         calls[1] += 1
         if calls[1] == calls[0]:
-            target = args[-1] if out is None else out  # attend writes its last argument
+            target = args[-1] if out is None else out  # attend_rows writes its last argument
             target *= np.float32(1 + 2**-8)
         return out
 
     return moved
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend", "linear", "geglu"])
+@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend_rows", "linear", "geglu"])
 def test_a_moved_operation_is_seen(
     models: dict[str, tuple[Any, dict[str, Param]]], op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

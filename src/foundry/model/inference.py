@@ -75,7 +75,7 @@ from foundry.model.quant import (
     StepPlan,
     address,
     assign_experts,
-    attend,
+    attend_rows,
     combine_experts,
     dequantize,
     embed,
@@ -85,6 +85,7 @@ from foundry.model.quant import (
     rmsnorm,
     rope,
     route,
+    set_threads,
     step_attn,
     step_ffn,
     step_layer,
@@ -226,7 +227,9 @@ class Engine:
     serves, half the memory), float32 where they are float32 arrays (our own checkpoints: exact
     as the training forward, and numpy's float products are not batch-invariant, an ulp apart
     between a block and one row, which a float16 rounding would widen). Both ranks of a pair
-    load the same file, so they choose the same.
+    load the same file, so they choose the same. ``threads``: the kernels run on that many
+    threads (``quant.set_threads``, process-wide; None leaves the count as it is). The logits
+    are the same bits at any count.
     """
 
     def __init__(
@@ -238,7 +241,10 @@ class Engine:
         expert_split: ExpertSplit | None = None,
         ctx_size: int | None = None,
         kv_cache: KVCache | None = None,
+        threads: int | None = None,
     ):
+        if threads is not None:
+            set_threads(threads)  # the kernels' pool is the process's: sized by its engine
         self.id = next(_engine_ids)
         self.cfg = cfg
         self.arch = arch_spec(cfg)
@@ -550,10 +556,8 @@ class Engine:
             end = session.pos + b - a
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
-            for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
-                n_pos = session.pos + t - a + 1
-                first = max(0, n_pos - window) if window else 0  # a sliding window's first key
-                attend(q[t], kc[first:], vc[first:], n_pos - first, o[t])  # (H_part, Dh)
+            # each row as one-row decoding computes it (batch invariance), over its window
+            attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
 
     def _qk(self, y: F32, norm: F32 | None, keep: tuple[int, int], n: int, dh: int) -> F32:

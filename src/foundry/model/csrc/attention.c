@@ -259,10 +259,9 @@ AVX2 static float max_avx2(const float *p, int n) {
 }
 
 AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int half, int n_pos,
-                             int n_head, int n_kv, int dh, float *p, float *out) {
+                             int n_head, int n_kv, int dh, size_t stride, float *p, float *out) {
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
-    const size_t stride = (size_t)n_kv * dh;
     for (int g = 0; g < n_kv; g++)
         for (int h = g * group; h < (g + 1) * group; h += 4) {
             const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
@@ -294,11 +293,11 @@ AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int h
 }
 #endif
 
-void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-            int n_kv, int dh, float *p, float *out) {
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
+                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out) {
 #if defined(FOUNDRY_X86)
     if (use_avx2 && dh % 8 == 0) {
-        attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, p, out);
+        attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, stride, p, out);
         return;
     }
 #endif
@@ -318,7 +317,7 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
 #endif
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
-    const size_t stride = (size_t)n_kv * dh; /* values from one position to the next */
+    const int width = n_kv * dh; /* the values of one position of these kv heads */
     float *row = p + (size_t)n_head * n_pos; /* a float16 position as float32 */
     /* Position by position through the cache (each K and V row read once, in order), every
      * head's own operations in the same order as one head alone: p[h][s], then softmax per
@@ -326,7 +325,7 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
     for (int s = 0; s < n_pos; s++) {
         const float *ks = row;
         if (half)
-            f16_row((const uint16_t *)k + s * stride, (int)stride, row);
+            f16_row((const uint16_t *)k + s * stride, width, row);
         else
             ks = (const float *)k + s * stride;
         for (int h = 0; h < n_head; h++)
@@ -346,11 +345,59 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
     for (int s = 0; s < n_pos; s++) {
         const float *vs = row;
         if (half)
-            f16_row((const uint16_t *)v + s * stride, (int)stride, row);
+            f16_row((const uint16_t *)v + s * stride, width, row);
         else
             vs = (const float *)v + s * stride;
         for (int h = 0; h < n_head; h++)
             add_scaled(out + (size_t)h * dh, p[(size_t)h * n_pos + s],
                        vs + (size_t)(h / group) * dh, dh);
     }
+}
+
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+            int n_kv, int dh, float *p, float *out) {
+    attend_strided(q, k, v, half, n_pos, n_head, n_kv, dh, (size_t)n_kv * dh, p, out);
+}
+
+/* ---- on the pool: a task per kv head (its group of query heads) ------------------------------ */
+
+size_t attend_room(int n_pos, int n_head, int n_kv, int dh) {
+    return (size_t)n_pos * n_head + (size_t)n_kv * dh;
+}
+
+typedef struct {
+    const float *q;       /* (rows, n_head, dh) */
+    const void *k, *v;    /* the cache from position 0 */
+    int half, pos, window, group, n_kv, dh;
+    float *out;           /* (rows, n_head, dh) */
+} attend_job;
+
+/* Task i: row i / n_kv (at position pos + row) for kv head i mod n_kv and its query heads,
+ * over the positions of its window (the Engine's loop of one row at a time). */
+static int attend_task(void *ctx, int i) {
+    const attend_job *j = ctx;
+    const int t = i / j->n_kv, g = i % j->n_kv;
+    const int n_pos = j->pos + t + 1,
+              first = j->window && n_pos > j->window ? n_pos - j->window : 0;
+    const size_t size = j->half ? 2 : 4, hd = (size_t)j->group * j->dh,
+                 stride = (size_t)j->n_kv * j->dh,
+                 at = ((size_t)first * stride + (size_t)g * j->dh) * size,
+                 row = (size_t)t * j->n_kv * hd + g * hd;
+    float *p = malloc(attend_room(n_pos - first, j->group, 1, j->dh) * sizeof(float));
+    if (p == NULL) return -1;
+    attend_strided(j->q + row, (const uint8_t *)j->k + at, (const uint8_t *)j->v + at, j->half,
+                   n_pos - first, j->group, 1, j->dh, stride, p, j->out + row);
+    free(p);
+    return 0;
+}
+
+int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
+                int rows, int n_head, int n_kv, int dh, float *out) {
+    attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
+    return pool_run(attend_task, &job, rows * n_kv);
+}
+
+int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                int n_kv, int dh, float *out) {
+    return attend_rows(q, k, v, half, n_pos - 1, 0, 1, n_head, n_kv, dh, out);
 }

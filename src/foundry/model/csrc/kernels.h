@@ -49,7 +49,7 @@
  *
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
  * q32.c (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c
- * (the decode step's other operations), module.c (the Python interface). This header holds what they
+ * (the decode step's other operations), pool.c (the threads), module.c (the Python interface). This header holds what they
  * share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
  */
 
@@ -270,29 +270,48 @@ INLINE float exp_f(float x) {
 /* ---- the families (one file each) ---------------------------------------------------------- */
 
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
+/* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
+ * product start at y + their first row; ldy is the whole product's row length). */
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-               int n, float *y);                              /* q32.c */
+               int n, float *y, size_t ldy);                  /* q32.c */
 int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-              int n, float *y);                               /* q32.c: Q4_1, Q5_1 */
+              int n, float *y, size_t ldy);                   /* q32.c: Q4_1, Q5_1 */
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-             int n, float *y);                                /* kquants.c */
+             int n, float *y, size_t ldy);                    /* kquants.c */
 int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-                 int n, float *y);                            /* float.c */
+                 int n, float *y, size_t ldy);                /* float.c */
 
-/* y (n, n_out) = x (n, k) . W (n_out, k)^T. Returns 0, or -1 when out of memory. */
-static inline int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-                         const float *x, int n, float *y) {
+/* The product of rows of W by one thread: y (n, ldy) = x (n, k) . W (n_out, k)^T. */
+static inline int matmul_rows(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                              const float *x, int n, float *y, size_t ldy) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0:
-        return matmul_q32(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_q32(type, w, row_bytes, n_out, k, x, n, y, ldy);
     case T_Q4_1: case T_Q5_1:
-        return matmul_q1(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_q1(type, w, row_bytes, n_out, k, x, n, y, ldy);
     case T_Q4_K: case T_Q5_K: case T_Q6_K:
-        return matmul_k(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_k(type, w, row_bytes, n_out, k, x, n, y, ldy);
     default:
-        return matmul_float(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
     }
 }
+
+/* ---- the thread pool (pool.c) -------------------------------------------------------------- */
+
+/* Work of one pool call: task(ctx, i) for i in 0 .. n_tasks - 1, each task run by exactly one
+ * thread (which one does not matter: a task writes outputs no other task writes, computed the
+ * same way whoever runs it). Returns 0, or -1 when a task did (out of memory). */
+typedef int (*pool_task)(void *ctx, int i);
+int pool_run(pool_task task, void *ctx, int n_tasks);
+int pool_threads(void);          /* the threads a call runs on, the caller included */
+int pool_set_threads(int n);     /* 0, or -1 when a thread could not be started */
+void pool_split_below(long bytes); /* products of less work run on the caller alone */
+
+/* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
+ * the rows are few): each output element is one thread's matmul_rows, so the bits do not
+ * depend on the thread count. Returns 0, or -1 when out of memory. */
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+           int n, float *y);
 
 /* attention.c */
 float score_portable(const float *q, const float *k, int dh);
@@ -301,6 +320,18 @@ float score_avx2(const float *q, const float *k, int dh);
 #endif
 void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
             int n_kv, int dh, float *p, float *out);
+/* attend for heads of a cache whose positions are `stride` values apart (a block of the kv
+ * heads: k and v at its first head, q and out at its first query head). */
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
+                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out);
+/* attend on the pool, a task per kv head (and its query heads); room of its own. */
+size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
+int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                int n_kv, int dh, float *out);
+/* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
+ * of the cache (the last `window` of them where window > 0), each (row, kv head) a task. */
+int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
+                int rows, int n_head, int n_kv, int dh, float *out);
 
 /* decode.c */
 #define MAX_EXPERTS 256

@@ -379,7 +379,7 @@ AVX2 static void kq_tile_avx2(int type, int R, int T, const uint8_t *w, size_t l
 #define K_TILE 64
 
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-             int n, float *y) {
+             int n, float *y, size_t ldy) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
     const int nsb = k / QK_K;
     int8_t *xq = malloc((size_t)n * k);
@@ -425,7 +425,7 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
                                  xq + (size_t)t * k, xd + (size_t)t * nsb,
                                  s32h + (size_t)t * (k / QK),
                                  x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL,
-                                 y + (size_t)t * n_out + r, 0, (size_t)n_out);
+                                 y + (size_t)t * ldy + r, 0, ldy);
                 }
         }
         goto done;
@@ -434,7 +434,7 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
     for (int t0 = 0; t0 < n; t0 += K_TILE)
         for (int r = 0; r < n_out; r++)
             for (int t = t0; t < n && t < t0 + K_TILE; t++)
-                y[(size_t)t * n_out + r] =
+                y[(size_t)t * ldy + r] =
                     dot_k_portable(type, w + (size_t)r * row_bytes, bytes, xq + (size_t)t * k,
                                    xd + (size_t)t * nsb, s32 + (size_t)t * (k / QK), nsb);
 #if defined(FOUNDRY_X86)

@@ -154,6 +154,41 @@ static int fits(const char *what, const Py_buffer *b, Py_ssize_t need) {
         return result;                                                                         \
     } while (0)
 
+PyDoc_STRVAR(attend_rows_doc,
+             "attend_rows(q, k, v, half, pos, window, rows, n_head, n_kv, dh, out): rows of "
+             "one sequence (rows, n_head, dh) at positions pos, pos + 1, ...: row t attends to "
+             "positions 0 .. pos + t of the cache k, v (ctx, n_kv, dh), the last `window` of "
+             "them where window > 0; out (rows, n_head, dh) written. On the kernels' pool.");
+
+static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
+    int half, pos, window, rows, n_head, n_kv, dh;
+    Py_buffer q, k, v, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiiiiiw*", &q, &k, &v, &half, &pos, &window, &rows,
+                          &n_head, &n_kv, &dh, &out))
+        return NULL;
+    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4,
+                     at = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
+    if ((half != 0 && half != 1) || pos < 0 || window < 0 || rows < 1 || n_head < 1 ||
+        n_kv < 1 || dh < 1 || n_head % n_kv || q.len != row * rows || out.len != row * rows ||
+        k.len != v.len || k.len % at || k.len / at < (Py_ssize_t)pos + rows) {
+        PyErr_Format(PyExc_ValueError,
+                     "attend_rows: q %zd and out %zd bytes for %d rows of %d heads of %d, a "
+                     "cache of %zd and %zd bytes for positions up to %d of %d kv heads",
+                     q.len, out.len, rows, n_head, dh, k.len, v.len, pos + rows, n_kv);
+        RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attend_rows(q.buf, k.buf, v.buf, half, pos, window, rows, n_head, n_kv, dh, out.buf);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
+    }
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &q, &k, &v, &out);
+}
+
 PyDoc_STRVAR(rmsnorm_doc, "rmsnorm(x, w, n, d, eps, out): out (n, d) = x / rms(x) * w, float32.");
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -710,10 +745,47 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_threads_doc,
+             "set_threads(n): the kernels' pool runs every product on n threads (this one "
+             "included) from now on; the results are the same bits at any n.");
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 512) return PyErr_Format(PyExc_ValueError, "threads must be 1 .. 512, got %ld", n);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pool_set_threads((int)n);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_Format(PyExc_OSError, "could not start %ld threads", n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_split_below(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    pool_split_below(n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(pool_threads());
+}
+
 static PyMethodDef methods[] = {
+    {"set_threads", py_set_threads, METH_O, set_threads_doc},
+    {"threads", py_threads, METH_NOARGS, "The threads the kernels' pool runs on."},
+    {"split_below", py_split_below, METH_O,
+     "split_below(bytes): products of less work (weight bytes x inputs per thread) run on "
+     "one thread (default 65536; tests set 0 to split tiny ones)."},
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
+    {"attend_rows", py_attend_rows, METH_VARARGS, attend_rows_doc},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, rmsnorm_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},

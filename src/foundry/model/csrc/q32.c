@@ -619,7 +619,7 @@ AVX512 static void tile_q8_512(int T, const uint8_t *wu, const float *dw, int nb
  * returns -1 when out of memory. */
 AVX512 static int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
                                const int8_t *xq, const float *xd, const int32_t *corr, int n,
-                               int n_out, float *y) {
+                               size_t ldy, float *y) {
     const int nb = k / QK;
     uint8_t *wu = malloc((size_t)QT_ROWS * nb * QK);
     float *dw = malloc((size_t)QT_ROWS * nb * sizeof(float));
@@ -646,7 +646,7 @@ AVX512 static int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, i
                 for (int i = 0; i < QT_ROWS; i++)
                     for (int u = 0; u < T; u++) {
                         const int r = QT_ROWS * g + i;
-                        y[(size_t)(t + u) * n_out + r] = add_blocks(
+                        y[(size_t)(t + u) * ldy + r] = add_blocks(
                             T_Q8_0, lanes + (i * 4 + u) * LANES_Q, w + (size_t)r * row_bytes, 34,
                             xq + (size_t)(t + u) * k, xd + (size_t)(t + u) * nb, nb & ~1, nb);
                     }
@@ -739,7 +739,7 @@ static void widen_q5(const uint8_t *blk, uint8_t *out) {
 }
 
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-               int n, float *y) {
+               int n, float *y, size_t ldy) {
     if (type == T_Q5_0 && n >= Q5_WIDEN) {
         /* A block of inputs: the Q5_0 weights unpacked once into Q8_0 blocks (the same scale,
          * the values v - 16 as int8) and multiplied as Q8_0, whose operations are Q5_0's on the
@@ -755,7 +755,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
                 memcpy(out, blk, 2);
                 widen_q5(blk, out + 2);
             }
-        const int rc = matmul_q32(T_Q8_0, w8, (size_t)nb * 34, n_out, k, x, n, y);
+        const int rc = matmul_q32(T_Q8_0, w8, (size_t)nb * 34, n_out, k, x, n, y, ldy);
         free(w8);
         return rc;
     }
@@ -788,7 +788,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     int r = 0;
 #if defined(FOUNDRY_X86)
     if (use_512 && type == T_Q8_0 && n > 1) { /* a block of inputs: tiles of rows x inputs */
-        const int rc = block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, n_out, y);
+        const int rc = block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, ldy, y);
         r = rc < 0 ? n_out : QT_ROWS * (n_out / QT_ROWS);
         if (rc < 0) {
             free(xq);
@@ -833,7 +833,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
                 else
                     rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
                                 xd + (size_t)t * nb, nb, out);
-                for (int i = 0; i < per; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
+                for (int i = 0; i < per; i++) y[(size_t)t * ldy + j + i * quarter] = out[i];
             }
         r = per * quarter;
         free(x4);
@@ -843,7 +843,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int rr = r; rr < n_out; rr++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * n_out + rr] =
+                y[(size_t)t * ldy + rr] =
                     dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k,
                           xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb);
     free(xq);
@@ -929,7 +929,7 @@ AVX2 static float dot_q1_avx2(int type, const uint8_t *w, int bsize, const int8_
 #endif
 
 int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-              int n, float *y) {
+              int n, float *y, size_t ldy) {
     const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
     int8_t *xq = malloc((size_t)n * k);
     float *xd = malloc((size_t)n * nb * sizeof(float));
@@ -960,7 +960,7 @@ int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, co
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int r = 0; r < n_out; r++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * n_out + r] = dot(type, w + (size_t)r * row_bytes, bytes,
+                y[(size_t)t * ldy + r] = dot(type, w + (size_t)r * row_bytes, bytes,
                                                xq + (size_t)t * k, xd + (size_t)t * nb,
                                                sums + (size_t)t * nb, nb);
     free(xq);

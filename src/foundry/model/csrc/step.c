@@ -94,13 +94,13 @@ static int attn_rows(const step_layer *l, int j, const float *h, int pos, void *
 }
 
 /* o (heads x dh) = the attention of q's heads at pos over the window (``attend``). */
-static void attn_heads(const step_layer *l, int n_kv, int heads, const float *q, int pos,
-                       const void *kc, const void *vc, float *o, float *room) {
+static int attn_heads(const step_layer *l, int n_kv, int heads, const float *q, int pos,
+                      const void *kc, const void *vc, float *o) {
     const size_t stride = (size_t)n_kv * l->dh, size = l->half ? 2 : 4;
     const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
-    attend(q, (const uint8_t *)kc + (size_t)first * stride * size,
-           (const uint8_t *)vc + (size_t)first * stride * size, l->half, n_pos - first, heads,
-           n_kv, l->dh, room, o);
+    return attend_pool(q, (const uint8_t *)kc + (size_t)first * stride * size,
+                       (const uint8_t *)vc + (size_t)first * stride * size, l->half,
+                       n_pos - first, heads, n_kv, l->dh, o);
 }
 
 static int heads_of(const step_part *p) { return p->q_keep[1] - p->q_keep[0]; }
@@ -111,7 +111,7 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
     const size_t hd = (size_t)heads_of(p) * l->dh;
     float *q = room, *o = q + hd, *rest = o + hd;
     if (attn_rows(l, j, h, pos, kc, vc, cos, sin, q, rest) < 0) return -1;
-    attn_heads(l, p->n_kv, heads_of(p), q, pos, kc, vc, o, rest);
+    if (attn_heads(l, p->n_kv, heads_of(p), q, pos, kc, vc, o) < 0) return -1;
     return matmul(p->out.type, p->out.w, p->out.row_bytes, p->out.rows, p->out.k, o, 1, out);
 }
 
@@ -220,7 +220,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             for (int j = 0; j < 2; j++)
                 if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), more) < 0)
                     return -1;
-            attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o, more);
+            if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
             for (int j = 0; j < 2; j++) {
                 const step_mat *m = &l->parts[j].out;
                 if (matmul(m->type, m->w, m->row_bytes, m->rows, m->k, o + (j ? h0 : 0), 1,

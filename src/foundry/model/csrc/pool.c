@@ -1,0 +1,227 @@
+/* The thread pool every product runs on, and the products split over it.
+ *
+ * Theory of operation. One pool per process, of pool_threads() threads: the caller of
+ * pool_run and pool_threads() - 1 workers started once (pool_set_threads, from the engine's
+ * thread count). A call publishes its task list and bumps the generation; every thread then
+ * takes task numbers from one shared counter until none is left, and the caller returns when
+ * every worker has reported the generation done. Between calls a worker spins on the
+ * generation for SPIN_NS (a decode step's products come microseconds apart, and a futex wake
+ * costs tens of them), then sleeps on a condition variable until the next call.
+ *
+ * Results never depend on the thread count: a task writes outputs that no other task writes,
+ * and computes each of them with the one-thread code over the same inputs (a product's row is
+ * its own dot product whatever rows a call holds: kernels.h), so which thread runs a task, and
+ * how many threads share the tasks, changes no bit. Only the split into tasks is fixed by the
+ * shape; the order in which threads take them is not, and need not be.
+ *
+ * Memory ordering: the caller writes the task list, then increments `generation` with release
+ * order; a worker that reads the new generation with acquire order sees the list. Each thread's
+ * writes to its outputs happen before its release increment of `finished`, which the caller
+ * reads with acquire order before returning, so the outputs are visible to the caller.
+ *
+ * One call at a time: a second caller (another Python thread, or a task that calls a product)
+ * finds the pool busy and runs its tasks alone, in the same split: the same bits.
+ */
+
+#include "kernels.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sched.h>
+#include <time.h>
+
+#define MAX_THREADS 512
+/* How long an idle worker polls before it sleeps: longer than the gap between two products of
+ * a decode step (a few microseconds of Python or C), far shorter than the gap between requests. */
+#define SPIN_NS 200000L
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || (defined(__arm__) && __ARM_ARCH >= 7)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static struct {
+    pthread_mutex_t lock; /* guards sleeping workers' wait and the wake-up */
+    pthread_cond_t wake;
+    pthread_t threads[MAX_THREADS];
+    int n_threads;        /* workers + the caller */
+    atomic_uint generation;
+    atomic_int finished;  /* workers done with the current generation */
+    atomic_int next;      /* the next task number to take */
+    atomic_int failed;
+    atomic_int busy;      /* a call in progress */
+    atomic_int stop;
+    pool_task task;
+    void *ctx;
+    int n_tasks;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, {0}, 1, 0, 0, 0, 0, 0, 0,
+          NULL, NULL, 0};
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Tasks taken from the shared counter until none is left. */
+static void take_tasks(void) {
+    for (;;) {
+        const int i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed);
+        if (i >= pool.n_tasks) return;
+        if (pool.task(pool.ctx, i) < 0) atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
+    }
+}
+
+static void *worker(void *arg) {
+    /* the generation when it was started (not read here: a call may already have begun) */
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g == seen && !atomic_load_explicit(&pool.stop, memory_order_acquire)) {
+            const long until = now_ns() + SPIN_NS;
+            for (int spins = 0; g == seen; spins++) {
+                cpu_relax();
+                g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+                if (atomic_load_explicit(&pool.stop, memory_order_acquire)) break;
+                if ((spins & 255) == 255 && now_ns() > until) {
+                    pthread_mutex_lock(&pool.lock);
+                    while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) ==
+                               seen &&
+                           !atomic_load_explicit(&pool.stop, memory_order_acquire))
+                        pthread_cond_wait(&pool.wake, &pool.lock);
+                    pthread_mutex_unlock(&pool.lock);
+                    break;
+                }
+            }
+        }
+        if (atomic_load_explicit(&pool.stop, memory_order_acquire)) return NULL;
+        seen = g;
+        take_tasks();
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+    }
+}
+
+int pool_threads(void) { return pool.n_threads; }
+
+static void stop_workers(void) {
+    pthread_mutex_lock(&pool.lock);
+    atomic_store_explicit(&pool.stop, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    for (int i = 0; i < pool.n_threads - 1; i++) pthread_join(pool.threads[i], NULL);
+    atomic_store_explicit(&pool.stop, 0, memory_order_release);
+    pool.n_threads = 1;
+}
+
+int pool_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    int expected = 0;
+    while (!atomic_compare_exchange_weak(&pool.busy, &expected, 1)) { /* a call in progress */
+        expected = 0;
+        cpu_relax();
+    }
+    int rc = 0;
+    if (n != pool.n_threads) {
+        stop_workers();
+        const unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        for (int i = 0; i < n - 1; i++) {
+            if (pthread_create(&pool.threads[i], NULL, worker, (void *)(uintptr_t)g) != 0) {
+                rc = -1;
+                break;
+            }
+            pool.n_threads = i + 2;
+        }
+    }
+    atomic_store_explicit(&pool.busy, 0, memory_order_release);
+    return rc;
+}
+
+int pool_run(pool_task task, void *ctx, int n_tasks) {
+    int expected = 0;
+    if (pool.n_threads == 1 || n_tasks < 2 ||
+        !atomic_compare_exchange_strong(&pool.busy, &expected, 1)) {
+        for (int i = 0; i < n_tasks; i++) /* alone: the same tasks, in order */
+            if (task(ctx, i) < 0) return -1;
+        return 0;
+    }
+    pool.task = task;
+    pool.ctx = ctx;
+    pool.n_tasks = n_tasks;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    const int workers = pool.n_threads - 1;
+    pthread_mutex_lock(&pool.lock); /* a sleeping worker waits under the lock: none is missed */
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    take_tasks();
+    /* the workers still at their last tasks (or not yet woken: on a machine with more
+     * runnable threads than cores, give them the core now and then) */
+    for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < workers;
+         spins++) {
+        cpu_relax();
+        if ((spins & 1023) == 0) sched_yield();
+    }
+    const int failed = atomic_load_explicit(&pool.failed, memory_order_relaxed);
+    atomic_store_explicit(&pool.busy, 0, memory_order_release);
+    return failed ? -1 : 0;
+}
+
+/* ---- products on the pool ------------------------------------------------------------------ */
+
+/* Work below which a product runs on the caller alone (weights bytes x inputs, per thread):
+ * waking the workers costs more than a small matrix. pool_split_below changes it (tests split
+ * the tiny models' products to compare their bits). */
+static long small_work = 64L * 1024;
+
+void pool_split_below(long bytes) { small_work = bytes < 0 ? 0 : bytes; }
+/* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
+ * stream its weights at full speed; about four tasks a thread, so a slower core takes fewer. */
+#define ROW_ALIGN 16
+
+typedef struct {
+    int type, n_out, k, n, rows, tokens, row_tasks;
+    size_t row_bytes;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+} matmul_job;
+
+static int matmul_task(void *ctx, int i) {
+    const matmul_job *j = ctx;
+    const int r0 = (i % j->row_tasks) * j->rows, t0 = (i / j->row_tasks) * j->tokens;
+    const int rows = j->n_out - r0 < j->rows ? j->n_out - r0 : j->rows;
+    const int tokens = j->n - t0 < j->tokens ? j->n - t0 : j->tokens;
+    return matmul_rows(j->type, j->w + (size_t)r0 * j->row_bytes, j->row_bytes, rows, j->k,
+                       j->x + (size_t)t0 * j->k, tokens, j->y + (size_t)t0 * j->n_out + r0,
+                       (size_t)j->n_out);
+}
+
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+           int n, float *y) {
+    const int threads = pool_threads();
+    if (threads == 1 || n_out < 2 * ROW_ALIGN ||
+        (double)row_bytes * n_out * n < (double)small_work * threads)
+        return matmul_rows(type, w, row_bytes, n_out, k, x, n, y, (size_t)n_out);
+    /* rows in about four tasks a thread, whole groups of ROW_ALIGN */
+    int rows = (n_out + 4 * threads - 1) / (4 * threads);
+    rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int row_tasks = (n_out + rows - 1) / rows;
+    /* a block of inputs whose rows give fewer tasks than threads: the inputs split too, in
+     * tiles of 64 (the kernels' L2 tiles) */
+    int tokens = n;
+    if (n > 64 && row_tasks < 2 * threads) {
+        const int parts = (2 * threads + row_tasks - 1) / row_tasks;
+        tokens = (n + parts - 1) / parts;
+        tokens = (tokens + 63) / 64 * 64;
+    }
+    const int token_tasks = (n + tokens - 1) / tokens;
+    matmul_job job = {type, n_out, k, n, rows, tokens, row_tasks, row_bytes, w, x, y};
+    return pool_run(matmul_task, &job, row_tasks * token_tasks);
+}
