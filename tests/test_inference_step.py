@@ -22,10 +22,12 @@ import pytest
 from published import TINY, prompts, write_tiny
 
 from foundry.model import inference, quant
-from foundry.model.gguf_io import load_gguf_stored
+from foundry.model.config import ModelConfig
+from foundry.model.gguf_io import load_gguf_stored, save_gguf
 from foundry.model.inference import Engine, Gate, KVCache, Session
 from foundry.model.quant import Param, QTensor, QType, dequantize, quantize
-from foundry.model.tp_split import rank_weights
+from foundry.model.tp_split import ExpertSplit, rank_weights
+from foundry.model.transformer import init_params
 
 F32 = npt.NDArray[np.float32]
 STEPS = 10  # one-token steps after the prompt (past gemma3's window of 5)
@@ -215,3 +217,46 @@ def test_float32_matrices_keep_the_single_operations(tmp_path: Path) -> None:
     m = load_gguf_stored(tmp_path / "llama.gguf")
     engine = Engine(m.cfg, m.params)
     assert engine.layers_in_c == 0 and not engine.step_in_c
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("mode", list(ExpertSplit))
+def test_routed_experts_in_the_step_equal_the_single_operations(
+    tmp_path: Path, dtype: str, mode: ExpertSplit
+) -> None:
+    """Our own MoE file, its experts stored blocks: each layer's routed experts run in the
+    step (``_routed_in_c``), one process and the pair, the same bits as the single path."""
+    cfg = ModelConfig(n_ctx=64, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64,
+                      n_expert=4, n_expert_used=2)
+    path = tmp_path / "moe.gguf"
+    save_gguf(path, cfg, init_params(cfg, seed=3), dtype=dtype)  # type: ignore[arg-type]
+    params = load_gguf_stored(path).params
+    engine = Engine(cfg, params, expert_split=mode)
+    assert engine.layers_in_c == cfg.n_layer and all(engine._whole)
+    prompt = list(range(5, 25))
+
+    def greedy(in_c: bool) -> list[F32]:
+        engine.step_in_c = in_c
+        session = engine.new_session()
+        out = [engine.decode(session, prompt)]
+        for _ in range(STEPS):
+            out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))
+        return out
+
+    ref = greedy(False)
+    assert same_bits(greedy(True), ref)
+    ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2)
+             for r in range(2)]
+    ex = _Exchange()
+    sessions = [e.new_session() for e in ranks]
+    with ThreadPoolExecutor(1) as pool:
+
+        def pair(tokens: list[int]) -> F32:
+            job = pool.submit(ranks[1].decode, sessions[1], tokens, ex.for_rank(1))
+            half0 = ranks[0].decode(sessions[0], tokens, ex.for_rank(0))
+            return np.concatenate([half0, job.result(timeout=60)], axis=1)
+
+        got = [pair(prompt)]
+        for _ in range(STEPS):
+            got.append(pair([int(np.argmax(got[-1][-1]))]))
+    assert same_bits(got, ref)

@@ -315,8 +315,8 @@ class Engine:
         # One token's layer in one C call where the layer's matrices are stored blocks
         # (``_plan``); ``step_in_c`` False runs every step through the single operations.
         self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
-        self._whole = [plan is not None and all(p[i].dense is not None for p in self._layers)
-                       for i, plan in enumerate(self._plans)]
+        self._whole = [plan is not None and (self._routed_in_c(i) or all(
+            p[i].dense is not None for p in self._layers)) for i, plan in enumerate(self._plans)]
         self.step_in_c = any(plan is not None for plan in self._plans)
         self._all_whole: tuple[StepPlan, ...] | None = (
             tuple(self._plans) if all(self._whole) else None)
@@ -329,7 +329,8 @@ class Engine:
 
     def _plan(self, layer: int) -> StepPlan | None:
         """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
-        (and its dense FFN, where every FFN matrix is stored blocks), or None where the layer
+        (and its dense FFN, where every FFN matrix is stored blocks, or its routed experts
+        where ``_routed_in_c``), or None where the layer
         has a float32 matrix (numpy's products, which C cannot repeat bit for bit) or the C
         module is missing.
 
@@ -339,6 +340,7 @@ class Engine:
         if not has_step():
             return None
         cfg, dense = self.cfg, self._dense[layer]
+        routed = self._routed_in_c(layer)
         parts = []
         for j, held in enumerate(self._layers):
             lw = held[layer]
@@ -347,6 +349,13 @@ class Engine:
             if not all(isinstance(t, QTensor) for t in attn) or (
                     ffn and not all(isinstance(t, QTensor) for t in ffn)):
                 return None
+            experts: tuple[Any, ...] = ()
+            if routed:
+                experts = tuple(
+                    (tuple(step_mat(t) for t in (  # type: ignore[arg-type]
+                        [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]])),
+                     step_mat(lw.down[e]))  # type: ignore[arg-type]
+                    for e in range(len(lw.gate)))
             skip = j > 0 and self._same_kv(layer, j)
             qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
             gate_up: list[Param] = []
@@ -362,7 +371,7 @@ class Engine:
                 tuple(step_mat(t) for t in gate_up), down,  # type: ignore[arg-type]
                 lw.n_q, lw.n_k, lw.v.shape[0], n_kv, down[3] if down else 0,
                 *lw.q_keep, *lw.k_keep, int(skip), *(address(b) for b in bias),
-                address(dense.q_norm), address(dense.k_norm),
+                address(dense.q_norm), address(dense.k_norm), lw.first_expert, experts,
             ))
         qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[self.arch.qk_norm]
         return step_plan((
@@ -370,8 +379,21 @@ class Engine:
             int(self.arch.rope is Rope.NEOX), qk, self._window[layer],
             int(self.arch.act is Act.GELU), cfg.norm_eps, address(dense.attn_norm),
             address(dense.ffn_norm), address(dense.post_attn), address(dense.post_ffn),
-            address(gelu_table()), tuple(parts),
+            address(gelu_table()), address(dense.router if routed else None),
+            cfg.n_expert if routed else 0, cfg.n_expert_used if routed else 0, tuple(parts),
         ))
+
+    def _routed_in_c(self, layer: int) -> bool:
+        """Whether layer ``layer``'s routed experts run in the one-token step: every expert
+        matrix of every part stored blocks (C-contiguous), the top-k weights renormalised
+        (``route``), no shared expert."""
+        if self.dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None or self.cfg.n_ff_shared \
+                or not self.arch.renorm_experts or self.arch.act is not Act.SILU:
+            return False
+        mats = [t for held in self._layers for t in (
+            *(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)]
+        return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous
+                   for t in mats)
 
     def _same_kv(self, layer: int, j: int) -> bool:
         """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
@@ -498,13 +520,12 @@ class Engine:
             a = self._exchange(exchange, i, Gate.ATTN, partial)
             x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
-            if dense.router is not None:
-                weights, top = self._route(h, dense.router)  # (n, K) each
-            else:
-                weights, top = _NO_ROUTE
-            if plan is not None and self._whole[i]:
+            if plan is not None and self._whole[i]:  # routed or dense, in C
                 partial = _sum([step_ffn(plan, j, h) for j in parts])
             else:
+                weights, top = _NO_ROUTE
+                if dense.router is not None:
+                    weights, top = self._route(h, dense.router)  # (n, K) each
                 partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
             f = self._exchange(exchange, i, Gate.FFN, partial)
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)

@@ -356,9 +356,16 @@ typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `ty
 
 enum { STEP_QK_NONE = 0, STEP_QK_HEAD = 1, STEP_QK_FULL = 2 };
 
+typedef struct { /* one routed expert: gate and up (stacked, or one matrix each), down */
+    step_mat gate_up[2], down;
+    int n_gate_up;
+} step_expert;
+
 typedef struct { /* what one part holds of a layer (inference._PartLayer) */
     step_mat qkv[3], out, gate_up[2], down;
-    int n_qkv, n_gate_up, has_ffn;
+    int n_qkv, n_gate_up, has_ffn; /* has_ffn: a dense FFN, or routed experts (below) */
+    int n_exp, first_exp;          /* routed: experts first_exp .. first_exp + n_exp - 1 */
+    step_expert *experts;          /* n_exp of them (freed with the plan) */
     int n_q, n_k, n_v, n_kv, n_ff; /* rows computed; kv heads cached; FFN intermediate rows */
     int q_keep[2], k_keep[2];      /* the kept heads of the computed Q and K rows */
     int skip_kv;                   /* K and V are the part before's (a shared cache row) */
@@ -370,6 +377,8 @@ typedef struct {
     int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
     float eps;
     const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
+    const float *router;  /* routed experts: (n_expert, d) float32, else NULL */
+    int n_expert, n_used; /* each token's n_used of n_expert, weights renormalised */
     step_part parts[2];
 } step_layer;
 
@@ -377,7 +386,7 @@ size_t step_room(const step_layer *l, int n_pos);
 int step_gelu16(const float *table);
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room);
-int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room);
+int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room); /* dense or routed */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room);
 

@@ -392,19 +392,50 @@ static int rows_of(const step_mat *m, int n) {
     return rows;
 }
 
+/* ((gate_up matrices), down) of each routed expert a part holds, experts of n_ff rows. */
+static int parse_experts(PyObject *o, const step_layer *l, step_part *p) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > l->n_expert)
+        return step_fail("more experts than the router chooses among");
+    p->n_exp = (int)PyTuple_GET_SIZE(o);
+    if (p->first_exp < 0 || p->first_exp + p->n_exp > l->n_expert)
+        return step_fail("experts outside the router's");
+    p->experts = calloc(p->n_exp ? (size_t)p->n_exp : 1, sizeof *p->experts);
+    if (p->experts == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (int e = 0; e < p->n_exp; e++) {
+        step_expert *x = &p->experts[e];
+        PyObject *gate_up, *down;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(o, e), "OO", &gate_up, &down) ||
+            !parse_mats(gate_up, x->gate_up, 2, &x->n_gate_up) || !parse_mat(down, &x->down))
+            return 0;
+        if (x->n_gate_up < 1 || rows_of(x->gate_up, x->n_gate_up) != 2 * x->down.k ||
+            x->down.rows != l->d)
+            return step_fail("expert matrices that do not fit");
+        for (int i = 0; i < x->n_gate_up; i++)
+            if (x->gate_up[i].k != l->d) return step_fail("an expert matrix not of the width");
+    }
+    return 1;
+}
+
 static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
-    PyObject *qkv, *out, *gate_up, *down;
+    PyObject *qkv, *out, *gate_up, *down, *experts;
     unsigned long long bias[3], q_norm, k_norm;
-    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKK", &qkv, &out, &gate_up, &down, &p->n_q,
+    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKKiO", &qkv, &out, &gate_up, &down, &p->n_q,
                           &p->n_k, &p->n_v, &p->n_kv, &p->n_ff, &p->q_keep[0], &p->q_keep[1],
                           &p->k_keep[0], &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1],
-                          &bias[2], &q_norm, &k_norm))
+                          &bias[2], &q_norm, &k_norm, &p->first_exp, &experts))
         return 0;
     if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) || !parse_mat(out, &p->out) ||
         !parse_mats(gate_up, p->gate_up, 2, &p->n_gate_up))
         return 0;
-    p->has_ffn = p->n_gate_up > 0;
-    if (p->has_ffn && !parse_mat(down, &p->down)) return 0;
+    if (l->router != NULL) {
+        if (p->n_gate_up > 0) return step_fail("a dense FFN beside routed experts");
+        if (!parse_experts(experts, l, p)) return 0;
+    }
+    p->has_ffn = p->n_gate_up > 0 || l->router != NULL;
+    if (p->n_gate_up > 0 && !parse_mat(down, &p->down)) return 0;
     for (int i = 0; i < 3; i++) p->bias[i] = (const float *)(uintptr_t)bias[i];
     p->q_norm = (const float *)(uintptr_t)q_norm;
     p->k_norm = (const float *)(uintptr_t)k_norm;
@@ -420,7 +451,7 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
         if (p->qkv[i].k != l->d) return step_fail("a QKV matrix not of the model's width");
     if (p->out.rows != l->d || p->out.k != heads * dh)
         return step_fail("an output matrix not of the heads' width");
-    if (p->has_ffn) {
+    if (p->n_gate_up > 0) {
         if (p->n_ff < 1 || rows_of(p->gate_up, p->n_gate_up) != 2 * p->n_ff ||
             p->down.rows != l->d || p->down.k != p->n_ff)
             return step_fail("FFN matrices that do not fit");
@@ -431,7 +462,14 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
     return 1;
 }
 
-static void step_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, STEP_CAPSULE)); }
+static void free_layer(step_layer *l) {
+    for (int j = 0; j < 2; j++) free(l->parts[j].experts);
+    free(l);
+}
+
+static void step_free(PyObject *capsule) {
+    free_layer(PyCapsule_GetPointer(capsule, STEP_CAPSULE));
+}
 
 PyDoc_STRVAR(step_plan_doc,
              "step_plan(spec) -> plan: a layer's one-token step described once (inference._plan "
@@ -439,14 +477,21 @@ PyDoc_STRVAR(step_plan_doc,
 
 static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     PyObject *parts;
-    unsigned long long attn_norm, ffn_norm, post_attn, post_ffn, table;
+    unsigned long long attn_norm, ffn_norm, post_attn, post_ffn, table, router;
     (void)self;
     step_layer *l = calloc(1, sizeof *l);
     if (l == NULL) return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKO)", &l->d, &l->dh, &l->half, &l->neox,
+    if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKKiiO)", &l->d, &l->dh, &l->half, &l->neox,
                           &l->qk_norm, &l->window, &l->gelu, &l->eps, &attn_norm, &ffn_norm,
-                          &post_attn, &post_ffn, &table, &parts))
+                          &post_attn, &post_ffn, &table, &router, &l->n_expert, &l->n_used,
+                          &parts))
         goto fail;
+    l->router = (const float *)(uintptr_t)router;
+    if (l->router != NULL && (l->n_expert < 1 || l->n_expert > MAX_EXPERTS || l->n_used < 1 ||
+                              l->n_used > l->n_expert || l->gelu)) {
+        step_fail("routed experts: n_used of n_expert (at most 256), SwiGLU");
+        goto fail;
+    }
     l->attn_norm = (const float *)(uintptr_t)attn_norm;
     l->ffn_norm = (const float *)(uintptr_t)ffn_norm;
     l->post_attn = (const float *)(uintptr_t)post_attn;
@@ -475,7 +520,7 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     if (capsule == NULL) goto fail;
     return capsule;
 fail:
-    free(l);
+    free_layer(l);
     return NULL;
 }
 

@@ -168,16 +168,48 @@ static void geglu_row(const step_layer *l, const float *gu, int f, float *out) {
 
 /* ---- one part's FFN partial (dense) ---------------------------------------------------------- */
 
-int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room) {
-    const step_part *p = &l->parts[j];
-    const int f = p->n_ff;
+/* out (d) = down(act(gate h) * up h): a dense FFN, or one routed expert (SwiGLU). */
+static int glu(const step_layer *l, const step_mat *gate_up, int n_gate_up, const step_mat *down,
+               const float *h, float *out, float *room) {
+    const int f = down->k;
     float *gu = room, *a = gu + 2 * (size_t)f;
-    if (products(p->gate_up, p->n_gate_up, h, gu) < 0) return -1;
+    if (products(gate_up, n_gate_up, h, gu) < 0) return -1;
     if (l->gelu)
         geglu_row(l, gu, f, a);
     else
         swiglu(gu, 1, f, a);
-    return matmul(p->down.type, p->down.w, p->down.row_bytes, p->down.rows, p->down.k, a, 1, out);
+    return matmul(down->type, down->w, down->row_bytes, down->rows, down->k, a, 1, out);
+}
+
+/* Part j's routed experts for the row h (Engine._ffn for one row): the row's n_used experts
+ * and weights (route), the part's own among them each through its SwiGLU in the order of the
+ * row's choices (assign groups them by expert, one row each), and their weighted sum in
+ * choice order, another part's expert adding 0 (combine). */
+static int routed(const step_layer *l, int j, const float *h, float *out, float *room) {
+    const step_part *p = &l->parts[j];
+    const int d = l->d, k = l->n_used;
+    float weights[MAX_EXPERTS];
+    int64_t top[MAX_EXPERTS], slot[MAX_EXPERTS];
+    route(h, l->router, 1, d, l->n_expert, k, weights, top);
+    float *ys = room, *rest = ys + (size_t)k * d;
+    int m = 0;
+    for (int c = 0; c < k; c++) {
+        const int64_t e = top[c] - p->first_exp;
+        slot[c] = -1;
+        if (e < 0 || e >= p->n_exp) continue;
+        const step_expert *x = &p->experts[e];
+        if (glu(l, x->gate_up, x->n_gate_up, &x->down, h, ys + (size_t)m * d, rest) < 0)
+            return -1;
+        slot[c] = m++;
+    }
+    combine(ys, weights, slot, 1, k, d, out);
+    return 0;
+}
+
+int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room) {
+    const step_part *p = &l->parts[j];
+    if (l->router != NULL) return routed(l, j, h, out, room);
+    return glu(l, p->gate_up, p->n_gate_up, &p->down, h, out, room);
 }
 
 size_t step_room(const step_layer *l, int n_pos) {
@@ -185,7 +217,12 @@ size_t step_room(const step_layer *l, int n_pos) {
     int n_kv = 0;
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
-        const size_t a = qkv_room(p, l->dh), f = 3 * (size_t)p->n_ff;
+        size_t f = 3 * (size_t)p->n_ff;
+        for (int e = 0; e < p->n_exp; e++) { /* routed: the experts' outputs, then one's room */
+            const size_t fe = (size_t)l->n_used * l->d + 3 * (size_t)p->experts[e].down.k;
+            f = fe > f ? fe : f;
+        }
+        const size_t a = qkv_room(p, l->dh);
         most = a > most ? a : most;
         most = f > most ? f : most;
         heads += heads_of(p);
