@@ -66,17 +66,29 @@ def assert_same_bits(runs: list[list[F32]]) -> None:
             assert a.tobytes() == b.tobytes()
 
 
+PATHS = {"avx512-vnni": ["best", "avx2", "portable"], "avx2+vnni": ["best", "avx2", "portable"],
+         "avx2": ["best", "portable"]}.get(quant.KERNELS, ["best"])
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
 @pytest.mark.parametrize(("rows", "n"), [(1030, 1), (517, 3), (96, 130)])
-def test_products_are_the_same_bits_at_any_thread_count(qtype: QType, rows: int, n: int) -> None:
+def test_products_are_the_same_bits_at_any_thread_count(
+    path: str, qtype: QType, rows: int, n: int
+) -> None:
+    """On every SIMD path here; each path's bits are the portable C's (test_quant)."""
     rng = np.random.default_rng(rows + n)
     k = 512
     w = stored(rng.standard_normal((rows, k)).astype(np.float32), qtype)
     x = rng.standard_normal((n, k)).astype(np.float32)
-    runs = at_counts(lambda: [quant.linear(x, w)])
+    quant._kernels.use(path)  # type: ignore[union-attr]
+    try:
+        runs = at_counts(lambda: [quant.linear(x, w)])
+        quant.set_threads(1)
+        alone = np.stack([quant.linear(x[t : t + 1], w)[0] for t in range(n)])  # one row each
+    finally:
+        quant._kernels.use("best")  # type: ignore[union-attr]
     assert_same_bits(runs)
-    quant.set_threads(1)
-    alone = np.stack([quant.linear(x[t : t + 1], w)[0] for t in range(n)])  # one row each
     assert alone.tobytes() == runs[0][0].tobytes()
 
 

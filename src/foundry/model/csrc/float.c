@@ -113,8 +113,8 @@ static float dot_f32(const float *w, const float *x, int k) {
 }
 
 
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-                 int n, float *y, size_t ldy) {
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                 const float *x, int n, float *y, size_t ldy) {
 #if defined(FOUNDRY_X86)
     if (type == T_F16 && use_avx2) {
         if (n == 1) {

@@ -270,27 +270,55 @@ INLINE float exp_f(float x) {
 /* ---- the families (one file each) ---------------------------------------------------------- */
 
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
-/* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
- * product start at y + their first row; ldy is the whole product's row length). */
-int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-               int n, float *y, size_t ldy);                  /* q32.c */
-int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-              int n, float *y, size_t ldy);                   /* q32.c: Q4_1, Q5_1 */
-int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-             int n, float *y, size_t ldy);                    /* kquants.c */
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-                 int n, float *y, size_t ldy);                /* float.c */
+/* The inputs of a product prepared once, for every row (and every thread) to read: what the
+ * type's dot products take (the int8 blocks and their scales and sums), per input t at
+ * t x (the field's values per input); fields a type does not use are NULL (F16, F32: none). */
+typedef struct {
+    int type, k, n;           /* prepared for `type`: Q5_0 widened for a block as Q8_0 */
+    int8_t *xq;               /* n x k int8 values */
+    float *xd;                /* n x k / 32 (32-blocks) or k / 256 (K-quants) scales */
+    int32_t *corr;            /* 32-blocks: n x k / 4, sums of 4 values x 2^shift */
+    int8_t *x4;               /* Q4_0 on AVX2: n x k values in rows_q4's order */
+    int32_t *corr4;           /* Q4_0 on AVX2: n x k / 8 */
+    float *sums;              /* Q4_1, Q5_1: n x k / 32, ggml's Q8_1 sums */
+    int32_t *s32;             /* K-quants: n x k / 32 exact sums of 32 values */
+    int16_t *s32h, *x32p;     /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
+} mm_input;
 
-/* The product of rows of W by one thread: y (n, ldy) = x (n, k) . W (n_out, k)^T. */
-static inline int matmul_rows(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-                              const float *x, int n, float *y, size_t ldy) {
+/* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
+ * than they save) */
+#define Q5_WIDEN 8
+
+int mm_alloc(int type, int k, int n, mm_input *in); /* 0, or -1 when out of memory */
+void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */
+mm_input mm_from(const mm_input *in, int t0);       /* the inputs from t0 on */
+void mm_free(mm_input *in);
+void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
+void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q32.c */
+void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c */
+
+/* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
+ * product start at y + their first row; ldy is the whole product's row length), from the
+ * prepared inputs (the float family reads x itself). */
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+               const mm_input *in, int n, float *y, size_t ldy); /* q32.c */
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+              const mm_input *in, int n, float *y, size_t ldy);  /* q32.c: Q4_1, Q5_1 */
+int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+             int n, float *y, size_t ldy);                       /* kquants.c */
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                 const float *x, int n, float *y, size_t ldy);   /* float.c */
+
+/* The product of rows of W by one thread from prepared inputs: y (n, ldy) = x (n, k) . W^T. */
+static inline int matmul_part(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                              const float *x, const mm_input *in, int n, float *y, size_t ldy) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0:
-        return matmul_q32(type, w, row_bytes, n_out, k, x, n, y, ldy);
+        return matmul_q32(type, w, row_bytes, n_out, k, in, n, y, ldy);
     case T_Q4_1: case T_Q5_1:
-        return matmul_q1(type, w, row_bytes, n_out, k, x, n, y, ldy);
+        return matmul_q1(type, w, row_bytes, n_out, k, in, n, y, ldy);
     case T_Q4_K: case T_Q5_K: case T_Q6_K:
-        return matmul_k(type, w, row_bytes, n_out, k, x, n, y, ldy);
+        return matmul_k(type, w, row_bytes, n_out, k, in, n, y, ldy);
     default:
         return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
     }

@@ -182,35 +182,138 @@ static long small_work = 64L * 1024;
 
 void pool_split_below(long bytes) { small_work = bytes < 0 ? 0 : bytes; }
 /* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
- * stream its weights at full speed; about four tasks a thread, so a slower core takes fewer. */
+ * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
 #define ROW_ALIGN 16
+
+/* ---- prepared inputs ------------------------------------------------------------------------ */
+
+int mm_alloc(int type, int k, int n, mm_input *in) {
+    memset(in, 0, sizeof *in);
+    in->type = type;
+    in->k = k;
+    in->n = n;
+    const size_t values = (size_t)n * k;
+    int ok = 1;
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0:
+        if (type == T_Q5_0 && n >= Q5_WIDEN) in->type = T_Q8_0; /* widened: as Q8_0 */
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
+             (in->corr = malloc(values / 4 * sizeof(int32_t)));
+#if defined(FOUNDRY_X86)
+        if (ok && type == T_Q4_0 && use_avx2)
+            ok = (in->x4 = malloc(values)) && (in->corr4 = malloc(values / 8 * sizeof(int32_t)));
+#endif
+        break;
+    case T_Q4_1: case T_Q5_1:
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
+             (in->sums = malloc(values / QK * sizeof(float)));
+        break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK_K * sizeof(float))) &&
+             (in->s32 = malloc(values / QK * sizeof(int32_t))) &&
+             (in->s32h = malloc(values / QK * sizeof(int16_t))) &&
+             (type != T_Q6_K || (in->x32p = malloc(values / 2 * sizeof(int16_t))));
+        break;
+    default:
+        break;
+    }
+    if (!ok) {
+        mm_free(in);
+        return -1;
+    }
+    return 0;
+}
+
+void mm_fill(const mm_input *in, const float *x, int t0, int t1) {
+    switch (in->type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: fill_q32(in, x, t0, t1); break;
+    case T_Q4_1: case T_Q5_1: fill_q1(in, x, t0, t1); break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: fill_k(in, x, t0, t1); break;
+    default: break;
+    }
+}
+
+#define FROM(field, per) (in->field != NULL ? in->field + (size_t)t0 * (per) : NULL)
+
+mm_input mm_from(const mm_input *in, int t0) {
+    const int k = in->k, kquant = in->type == T_Q4_K || in->type == T_Q5_K || in->type == T_Q6_K;
+    mm_input out = *in;
+    out.n = in->n - t0;
+    out.xq = FROM(xq, k);
+    out.xd = FROM(xd, k / (kquant ? QK_K : QK));
+    out.corr = FROM(corr, k / 4);
+    out.x4 = FROM(x4, k);
+    out.corr4 = FROM(corr4, k / 8);
+    out.sums = FROM(sums, k / QK);
+    out.s32 = FROM(s32, k / QK);
+    out.s32h = FROM(s32h, k / QK);
+    out.x32p = FROM(x32p, k / 2);
+    return out;
+}
+
+void mm_free(mm_input *in) {
+    free(in->xq);
+    free(in->xd);
+    free(in->corr);
+    free(in->x4);
+    free(in->corr4);
+    free(in->sums);
+    free(in->s32);
+    free(in->s32h);
+    free(in->x32p);
+    memset(in, 0, sizeof *in);
+}
+
+/* ---- a product on the pool: its inputs prepared (split by inputs), then its rows ------------ */
 
 typedef struct {
     int type, n_out, k, n, rows, tokens, row_tasks;
     size_t row_bytes;
     const uint8_t *w;
     const float *x;
+    const mm_input *in;
     float *y;
 } matmul_job;
+
+#define FILL_TOKENS 8 /* inputs per task of the preparation */
+
+static int fill_task(void *ctx, int i) {
+    const matmul_job *j = ctx;
+    const int t0 = i * FILL_TOKENS, t1 = t0 + FILL_TOKENS < j->n ? t0 + FILL_TOKENS : j->n;
+    mm_fill(j->in, j->x, t0, t1);
+    return 0;
+}
 
 static int matmul_task(void *ctx, int i) {
     const matmul_job *j = ctx;
     const int r0 = (i % j->row_tasks) * j->rows, t0 = (i / j->row_tasks) * j->tokens;
     const int rows = j->n_out - r0 < j->rows ? j->n_out - r0 : j->rows;
     const int tokens = j->n - t0 < j->tokens ? j->n - t0 : j->tokens;
-    return matmul_rows(j->type, j->w + (size_t)r0 * j->row_bytes, j->row_bytes, rows, j->k,
-                       j->x + (size_t)t0 * j->k, tokens, j->y + (size_t)t0 * j->n_out + r0,
+    const mm_input in = mm_from(j->in, t0);
+    return matmul_part(j->type, j->w + (size_t)r0 * j->row_bytes, j->row_bytes, rows, j->k,
+                       j->x + (size_t)t0 * j->k, &in, tokens, j->y + (size_t)t0 * j->n_out + r0,
                        (size_t)j->n_out);
 }
 
 int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
            int n, float *y) {
+    mm_input in;
+    if (mm_alloc(type, k, n, &in) < 0) return -1;
     const int threads = pool_threads();
+    matmul_job job = {type, n_out, k, n, n_out, n, 1, row_bytes, w, x, &in, y};
     if (threads == 1 || n_out < 2 * ROW_ALIGN ||
-        (double)row_bytes * n_out * n < (double)small_work * threads)
-        return matmul_rows(type, w, row_bytes, n_out, k, x, n, y, (size_t)n_out);
-    /* rows in about four tasks a thread, whole groups of ROW_ALIGN */
-    int rows = (n_out + 4 * threads - 1) / (4 * threads);
+        (double)row_bytes * n_out * n < (double)small_work * threads) {
+        mm_fill(&in, x, 0, n);
+        const int rc = matmul_part(type, w, row_bytes, n_out, k, x, &in, n, y, (size_t)n_out);
+        mm_free(&in);
+        return rc;
+    }
+    if (n >= 2 * FILL_TOKENS) /* the inputs' preparation split too (a prompt's) */
+        pool_run(fill_task, &job, (n + FILL_TOKENS - 1) / FILL_TOKENS);
+    else
+        mm_fill(&in, x, 0, n);
+    /* rows in about two tasks a thread, whole groups of ROW_ALIGN */
+    int rows = (n_out + 2 * threads - 1) / (2 * threads);
     rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
     const int row_tasks = (n_out + rows - 1) / rows;
     /* a block of inputs whose rows give fewer tasks than threads: the inputs split too, in
@@ -222,6 +325,10 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
         tokens = (tokens + 63) / 64 * 64;
     }
     const int token_tasks = (n + tokens - 1) / tokens;
-    matmul_job job = {type, n_out, k, n, rows, tokens, row_tasks, row_bytes, w, x, y};
-    return pool_run(matmul_task, &job, row_tasks * token_tasks);
+    job.rows = rows;
+    job.tokens = tokens;
+    job.row_tasks = row_tasks;
+    const int rc = pool_run(matmul_task, &job, row_tasks * token_tasks);
+    mm_free(&in);
+    return rc;
 }
