@@ -108,12 +108,17 @@ def test_a_product_cut_wrongly_is_seen() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("window", [0, 7, 90])
+@pytest.mark.parametrize(("n_kv", "dh", "pos", "n"), [(4, 32, 5, 20), (2, 64, 130, 1),
+                                                      (1, 256, 99, 1), (2, 40, 70, 1)])
 def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
-    dtype: type[np.floating[np.float16] | np.floating[np.float32]], window: int
+    dtype: type[np.floating[np.float16] | np.floating[np.float32]], window: int, n_kv: int,
+    dh: int, pos: int, n: int,
 ) -> None:
+    """A block's rows each over their own window; one row over a long cache (more threads
+    than kv heads: split by positions and by value columns) with attend's bits."""
     rng = np.random.default_rng(2)
-    n_head, n_kv, dh, pos, n = 8, 4, 32, 5, 20
+    n_head = 8
     kc = rng.standard_normal((pos + n, n_kv, dh)).astype(dtype)
     vc = rng.standard_normal((pos + n, n_kv, dh)).astype(dtype)
     q = rng.standard_normal((n, n_head, dh)).astype(np.float32)

@@ -391,8 +391,136 @@ static int attend_task(void *ctx, int i) {
     return 0;
 }
 
+/* ---- one row over a long cache: split by positions, then by heads, then by values --------- */
+
+/* attend's portable operations for one row in three pool calls, so that more threads than kv
+ * heads share it: (1) the scores p[h][s], a task per kv head and block of positions (each
+ * score is its own dot product); (2) each head's softmax, a task per head (its maximum, exp_f,
+ * the sum in position order, the divisions); (3) each output value's sum over the positions
+ * in order, a task per head and block of 8-value columns. Every value is computed as attend
+ * computes it, so the bits are attend's (tests/test_threads.py). */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int half, n_pos, group, dh, per_kv, pos_block, per_head, col_block;
+    size_t stride;
+    float scale, *p, *out;
+} split_job;
+
+static float (*score_fn(int dh))(const float *, const float *, int) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && dh % 8 == 0) return score_avx2;
+#endif
+    (void)dh;
+    return score_portable;
+}
+
+static void (*f16_row_fn(void))(const uint16_t *, int, float *) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2) return f16_row_avx2;
+#endif
+    return f16_row_portable;
+}
+
+static int split_scores(void *ctx, int i) {
+    const split_job *j = ctx;
+    const int g = i / j->per_kv, s0 = (i % j->per_kv) * j->pos_block;
+    const int s1 = s0 + j->pos_block < j->n_pos ? s0 + j->pos_block : j->n_pos;
+    float (*score)(const float *, const float *, int) = score_fn(j->dh);
+    void (*f16_row)(const uint16_t *, int, float *) = f16_row_fn();
+    float *row = malloc((size_t)j->dh * sizeof(float));
+    if (row == NULL) return -1;
+    for (int s = s0; s < s1; s++) {
+        const size_t at = (size_t)s * j->stride + (size_t)g * j->dh;
+        const float *ks = row;
+        if (j->half)
+            f16_row((const uint16_t *)j->k + at, j->dh, row);
+        else
+            ks = (const float *)j->k + at;
+        for (int h = g * j->group; h < (g + 1) * j->group; h++)
+            j->p[(size_t)h * j->n_pos + s] = score(j->q + (size_t)h * j->dh, ks, j->dh) * j->scale;
+    }
+    free(row);
+    return 0;
+}
+
+static int split_softmax(void *ctx, int h) {
+    const split_job *j = ctx;
+    void (*exp_shifted)(float *, int, float) = exp_shifted_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) exp_shifted = exp_shifted_avx2;
+#endif
+    float *ph = j->p + (size_t)h * j->n_pos;
+    float m = -INFINITY;
+    for (int s = 0; s < j->n_pos; s++) m = fmaxf(m, ph[s]);
+    exp_shifted(ph, j->n_pos, m);
+    float sum = 0.0f;
+    for (int s = 0; s < j->n_pos; s++) sum = sum + ph[s];
+    for (int s = 0; s < j->n_pos; s++) ph[s] = ph[s] / sum;
+    return 0;
+}
+
+static int split_values(void *ctx, int i) {
+    const split_job *j = ctx;
+    const int h = i / j->per_head, c0 = (i % j->per_head) * j->col_block;
+    const int width = c0 + j->col_block < j->dh ? j->col_block : j->dh - c0;
+    void (*add_scaled)(float *, float, const float *, int) = add_scaled_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && width % 8 == 0) add_scaled = add_scaled_avx2;
+#endif
+    void (*f16_row)(const uint16_t *, int, float *) = f16_row_fn();
+    float *row = malloc((size_t)width * sizeof(float));
+    if (row == NULL) return -1;
+    float *o = j->out + (size_t)h * j->dh + c0;
+    const float *ph = j->p + (size_t)h * j->n_pos;
+    for (int c = 0; c < width; c++) o[c] = 0.0f;
+    for (int s = 0; s < j->n_pos; s++) {
+        const size_t at = (size_t)s * j->stride + (size_t)(h / j->group) * j->dh + c0;
+        const float *vs = row;
+        if (j->half)
+            f16_row((const uint16_t *)j->v + at, width, row);
+        else
+            vs = (const float *)j->v + at;
+        add_scaled(o, ph[s], vs, width);
+    }
+    free(row);
+    return 0;
+}
+
+/* Positions from which one row's attention is split so (below, a task per kv head is enough). */
+#define SPLIT_POSITIONS 64
+
+static int attend_split(const float *q, const void *k, const void *v, int half, int n_pos,
+                        int n_head, int n_kv, int dh, float *out) {
+    const int threads = pool_threads();
+    const int per_kv = (2 * threads + n_kv - 1) / n_kv;
+    const int pos_block = (n_pos + per_kv - 1) / per_kv;
+    int per_head = (2 * threads + n_head - 1) / n_head;
+    per_head = per_head > dh / 8 ? (dh / 8 > 0 ? dh / 8 : 1) : per_head;
+    int col_block = (dh + per_head - 1) / per_head;
+    col_block = (col_block + 7) / 8 * 8;
+    split_job job = {q, k, v, half, n_pos, n_head / n_kv, dh, per_kv, pos_block,
+                     (dh + col_block - 1) / col_block, col_block, (size_t)n_kv * dh,
+                     (float)(1.0 / sqrt((double)dh)), NULL, out};
+    job.p = malloc((size_t)n_head * n_pos * sizeof(float));
+    if (job.p == NULL) return -1;
+    int rc = pool_run(split_scores, &job, n_kv * ((n_pos + pos_block - 1) / pos_block));
+    if (rc == 0) rc = pool_run(split_softmax, &job, n_head);
+    if (rc == 0) rc = pool_run(split_values, &job, n_head * job.per_head);
+    free(job.p);
+    return rc;
+}
+
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out) {
+    if (rows == 1 && pool_threads() > n_kv) {
+        const int n_pos = pos + 1, first = window && n_pos > window ? n_pos - window : 0;
+        if (n_pos - first >= SPLIT_POSITIONS) {
+            const size_t at = (size_t)first * n_kv * dh * (half ? 2 : 4);
+            return attend_split(q, (const uint8_t *)k + at, (const uint8_t *)v + at, half,
+                                n_pos - first, n_head, n_kv, dh, out);
+        }
+    }
     attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
     return pool_run(attend_task, &job, rows * n_kv);
 }
