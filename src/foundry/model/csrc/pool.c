@@ -46,7 +46,7 @@ static inline void cpu_relax(void) {
 
 /* Each counter on a cache line of its own: the workers poll `generation` while the tasks take
  * numbers from `next` and report to `finished`; sharing a line, every task's write would take
- * the line from every polling core (measured: decode stopped scaling past 4 threads). */
+ * the line from every polling core. */
 #define LINE 64
 static struct {
     _Alignas(LINE) atomic_uint generation;
