@@ -13,6 +13,7 @@ reads real bits (``test_a_product_cut_wrongly_is_seen``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -229,3 +230,53 @@ def test_the_gemma_file_decodes_the_same_bits_at_any_thread_count() -> None:
 def test_the_count_is_checked() -> None:
     with pytest.raises(ValueError, match="threads"):
         quant.set_threads(0)
+
+
+def test_the_default_is_the_physical_cores_among_the_allowed(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Four allowed CPUs, two hyperthreads of each of two cores: two threads; a quota of one
+    CPU: one; topology unknown: the four."""
+    from foundry import hardware
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for cpu in range(4):
+        topo = tmp_path / f"sys/devices/system/cpu/cpu{cpu}/topology"
+        topo.mkdir(parents=True)
+        (topo / "core_id").write_text(f"{cpu // 2}\n")
+        (topo / "physical_package_id").write_text("0\n")
+    assert hardware.default_threads(tmp_path) == 2
+    (tmp_path / "sys/fs/cgroup").mkdir(parents=True)
+    (tmp_path / "sys/fs/cgroup/cpu.max").write_text("100000 100000\n")
+    assert hardware.default_threads(tmp_path) == 1
+    assert hardware.default_threads(tmp_path / "nothing") == 4
+
+
+def test_up_divides_the_threads_between_the_processes_that_compute() -> None:
+    from foundry.up.plan import StackOptions, StackPorts, serving_services, training_services
+
+    opt = StackOptions(workers=3, threads=16)
+    ports = StackPorts.of(opt)
+    argv = {s.name: s.argv for s in [*training_services(opt, ports, None),
+                                     *serving_services(opt, ports, Path("m.gguf"))]}
+    for name in ("worker-0", "worker-1", "worker-2"):
+        assert argv[name][argv[name].index("--threads") + 1] == "5"
+    for name in ("tp-leader", "tp-worker"):
+        assert argv[name][argv[name].index("--threads") + 1] == "8"
+    assert "--threads" not in argv["coordinator"]
+    none = StackOptions(workers=3)
+    assert all("--threads" not in s.argv
+               for s in training_services(none, StackPorts.of(none), None))
+
+
+def test_generate_prints_the_same_text_at_any_thread_count(own_files: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    outs = [subprocess.run(
+        [sys.executable, "-m", "foundry", "generate", "--model", str(own_files["q4_0"]),
+         "--prompt", "The ", "--max-tokens", "24", "--threads", str(n)],
+        capture_output=True, text=True, timeout=120, env=env, check=True).stdout
+        for n in (1, 2, 3)]
+    assert outs[0] and outs[0] == outs[1] == outs[2]

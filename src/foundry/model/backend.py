@@ -9,7 +9,9 @@ coordinator are the same whichever backend ran. ``select`` turns ``--device`` in
 - ``cpu``: the numpy engine (``training``, ``transformer``): the default;
 - ``cuda``: ``torch_backend.TorchBackend`` on the first CUDA GPU; PyTorch is an optional
   extra (``pip install 'foundry[gpu]'``), and without it or without a GPU this says so;
-- ``auto``: ``cuda`` where PyTorch sees a GPU, else ``cpu``;
+- ``auto``: ``cuda`` where PyTorch sees a GPU, else ``cpu``; for training (``training=True``)
+  without a GPU, PyTorch on the CPU where it is installed (on all the process's threads it
+  trains faster than numpy: docs/gpu.md), numpy where it is not (armv7 has no torch wheel);
 - ``torch-cpu``: the PyTorch backend on the CPU, which is how a machine without a GPU (CI)
   runs the GPU path end to end.
 """
@@ -155,10 +157,12 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def select(device: str, *, bf16: bool = False) -> Backend:
+def select(device: str, *, bf16: bool = False, training: bool = False) -> Backend:
     """The backend ``--device`` names (``DEVICES``); BackendError says how to get a missing
     one. ``bf16``: the torch backend's products under bf16 autocast (weights, moments and
-    the wire stay float32)."""
+    the wire stay float32). ``training``: ``auto`` without a GPU takes PyTorch on the CPU
+    where it is installed (inference keeps the numpy engine, whose kernels read quantized
+    files in place)."""
     if device not in DEVICES:
         raise BackendError(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
     if device == "cpu":
@@ -178,6 +182,8 @@ def select(device: str, *, bf16: bool = False) -> Backend:
             torch.set_num_threads(1)
     elif torch.cuda.is_available():
         target = "cuda"
+    elif device == "auto" and training:
+        target = "cpu"
     elif device == "auto":
         return NUMPY
     else:
