@@ -239,10 +239,12 @@ def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool
 
 def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
+    auto = ("cuda when PyTorch sees a GPU, else PyTorch on all the CPU's threads where it is "
+            "installed, else cpu" if training else "cuda when PyTorch sees a GPU, else cpu")
     parser.add_argument(
         "--device", default="cpu", choices=DEVICES,
         help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
-        "pip install 'foundry[gpu]'), auto (cuda when PyTorch sees a GPU, else cpu), "
+        f"pip install 'foundry[gpu]'), auto ({auto}), "
         "torch-cpu (the PyTorch path on the CPU, for tests)")
     if training:
         parser.add_argument(
