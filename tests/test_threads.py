@@ -227,6 +227,30 @@ def test_the_gemma_file_decodes_the_same_bits_at_any_thread_count() -> None:
     assert_same_bits(at_counts(lambda: decode_run(engine, prompt, 4)))
 
 
+def test_the_gemma_pair_at_two_threads_equals_one_process_at_one() -> None:
+    from test_published_gemma import gemma_file
+
+    m = load_gguf_stored(gemma_file())
+    prompt = [2, 818, 5279, 529, 7001, 563, 496, 1729, 1003]
+    quant.set_threads(1)
+    ref = decode_run(Engine(m.cfg, m.params, ctx_size=64), prompt, 3)
+    ranks = [Engine(m.cfg, rank_weights(m.cfg, m.params, r, 2), rank=r, world=2, ctx_size=64,
+                    threads=2) for r in range(2)]
+    ex = _Exchange()
+    sessions = [e.new_session() for e in ranks]
+    with ThreadPoolExecutor(1) as pool:
+
+        def pair(tokens: list[int]) -> F32:
+            job = pool.submit(ranks[1].decode, sessions[1], tokens, ex.for_rank(1))
+            half0 = ranks[0].decode(sessions[0], tokens, ex.for_rank(0))
+            return np.concatenate([half0, job.result(timeout=120)], axis=1)
+
+        got = [pair(prompt)]
+        for _ in range(3):
+            got.append(pair([int(np.argmax(got[-1][-1]))]))
+    assert_same_bits([ref, got])
+
+
 def test_the_count_is_checked() -> None:
     with pytest.raises(ValueError, match="threads"):
         quant.set_threads(0)
