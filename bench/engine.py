@@ -432,7 +432,8 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
                     f"decode {dec:7.2f}")
             if llama_cpp is not None:
                 pp, tg = llama_bench_prompt_and_decode(llama_cpp, path, prompt_len, cores,
-                                                        depth=prompt_len, threads=n)
+                                                        depth=prompt_len, threads=n,
+                                                        extra=tuple(LLAMA_BENCH_ARGS))
                 theirs["prompt"].append(pp)
                 theirs["decode"].append(tg)
                 ratios["prompt"].append(pre / pp)
@@ -444,7 +445,7 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
         python_us = (rounds * n_gen / token_s - own.in_c) / (rounds * n_gen) * 1e6
         rows.append((n, ours, theirs, ratios, python_us))
     print(f"  {'threads':>7} {'prompt':>9} {'llama.cpp':>9} {'ratio':>6}   {'decode':>8} "
-          f"{'llama.cpp':>9} {'ratio':>6}   {'Python/token':>12}")
+          f"{'llama.cpp':>9} {'ratio':>6}   {'outside C/token':>15}")
     for n, ours, theirs, ratios, python_us in rows:
         med = {k: statistics.median(v) for k, v in ours.items()}
         line = f"  {n:>7} {med['prompt']:>9.1f} "
