@@ -23,12 +23,12 @@ import numpy.typing as npt
 import pytest
 from test_quant import KQUANTS, QUANTIZABLE, perturbed, stored
 
-from foundry.model import quant
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.inference import Engine, Gate, KVCache
-from foundry.model.quant import QTensor, QType
-from foundry.model.tp_split import ExpertSplit, rank_weights
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.infer.inference import Engine, Gate, KVCache
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QTensor, QType
+from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 COUNTS = (1, 2, 3)
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(quant.KERNELS == "numpy", reason="needs the C ke
 
 @pytest.fixture(autouse=True)
 def split_everything() -> Iterator[None]:
-    from foundry.model import _kernels  # type: ignore[attr-defined]
+    from foundry.model.kernels import _kernels  # type: ignore[attr-defined]
 
     _kernels.split_below(0)
     try:

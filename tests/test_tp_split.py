@@ -18,11 +18,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine, Gate, GateExchange, Session
-from foundry.model.quant import QTensor, QType, quantize
-from foundry.model.tp_split import (
+from foundry.model.infer.inference import Engine, Gate, GateExchange, Session
+from foundry.model.kernels.quant import QTensor, QType, quantize
+from foundry.model.nn import transformer as T
+from foundry.model.shard import (
     SPLIT_TABLE,
     SPLIT_TABLES,
     ExpertSplit,
@@ -37,6 +36,7 @@ from foundry.model.tp_split import (
     shard_part,
     shard_shapes,
 )
+from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 

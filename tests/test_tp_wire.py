@@ -305,7 +305,7 @@ def test_bad_payload_rejected(data: bytes, message: str) -> None:
 
 
 def test_max_payload_is_enforced_from_the_identity() -> None:
-    limit = tp.max_payload_for(IDENTITY)
+    limit = tp.max_payload_for(IDENTITY, tp.logits_rows(16))
     # the largest frames of this model: a MIXED_BATCH of a full context and all items
     assert limit == 8 + 4 * 256 + 16 * tp.TP_MAX_BATCH_ITEMS
     big = Sync(tokens=tuple(range(256)))
@@ -583,14 +583,82 @@ def test_random_bytes_give_frames_or_a_clean_error(
 
 
 def test_max_payload_follows_the_largest_frame_of_the_model() -> None:
-    """The bound is the largest of the frames' sizes: a LOGITS half of a large vocabulary (odd
-    and even), a MIXED_BATCH of a long context."""
+    """The bound is the largest of the frames' sizes: LOGITS of max_rows rows of the larger
+    vocabulary half (odd and even vocabularies), a MIXED_BATCH of a long context."""
     batch_items = tp.BATCH_ITEM.size * tp.TP_MAX_BATCH_ITEMS
     for n_vocab, half in ((100_001, 50_001), (100_000, 50_000)):
         ident = dataclasses.replace(IDENTITY, n_vocab=n_vocab)
-        assert tp.max_payload_for(ident) == 4 + 4 * half
+        assert tp.max_payload_for(ident, 1) == 4 + 4 * half
+        assert tp.max_payload_for(ident, 8) == 4 + 4 * 8 * half
     ident = dataclasses.replace(IDENTITY, ctx_size=40_000)
-    assert tp.max_payload_for(ident) == 8 + 4 * 40_000 + batch_items
+    assert tp.max_payload_for(ident, 8) == 8 + 4 * 40_000 + batch_items
+
+
+def test_logits_rows_cover_a_verify_block_and_every_session() -> None:
+    assert tp.logits_rows(1) == tp.logits_rows(8) == tp.DS4_TP_BATCH_MAX_ROWS == 8
+    assert tp.logits_rows(9) == 9 and tp.logits_rows(16) == 16
+    assert tp.logits_rows(tp.TP_MAX_BATCH_ITEMS) == tp.TP_MAX_BATCH_ITEMS
+    for bad in (0, tp.TP_MAX_BATCH_ITEMS + 1):
+        with pytest.raises(LocalProtocolError, match="max_sessions"):
+            tp.logits_rows(bad)
+    with pytest.raises(LocalProtocolError, match="max_rows"):
+        tp.max_payload_for(IDENTITY, 0)
+
+
+def _logits_header_accepted(limit: int, rows: int, half: int) -> bool:
+    """Whether a decoder bounded by ``limit`` takes the header of a LOGITS frame of ``rows``
+    rows of ``half`` floats (the header alone is checked before any payload byte is kept)."""
+    decoder = TpDecoder(limit)
+    decoder.feed(header(FrameType.LOGITS, 4 + 4 * rows * half))
+    try:
+        return decoder.next_event() is None  # waiting for the payload: accepted
+    except TpProtocolError as exc:
+        assert "exceeds the limit" in str(exc)
+        return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_vocab=st.one_of(st.sampled_from([259, 32_000, 32_001, 128_256, 151_936, 262_144]),
+                      st.integers(2, 300_000)),
+    ctx_size=st.sampled_from([256, 2048, 8192, 32_768]),
+    max_sessions=st.integers(1, 64),
+    drafts=st.integers(0, tp.DS4_TP_BATCH_MAX_ROWS - 1),
+    batch=st.integers(1, 64),
+)
+def test_every_logits_reply_of_the_pair_fits_the_bound(
+    n_vocab: int, ctx_size: int, max_sessions: int, drafts: int, batch: int
+) -> None:
+    """Whatever the vocabulary (odd, even, Gemma's 262,144), the batch and the draft length,
+    the worker's LOGITS reply to a VERIFY block or to a batch of every session fits the bound
+    the leader's decoder uses, and one float more than the largest reply does not when LOGITS
+    is the largest frame."""
+    ident = dataclasses.replace(IDENTITY, n_vocab=n_vocab, ctx_size=ctx_size)
+    half = (n_vocab + 1) // 2
+    rows = tp.logits_rows(max_sessions)
+    limit = tp.max_payload_for(ident, rows)
+    assert _logits_header_accepted(limit, drafts + 1, half)  # a VERIFY block
+    assert _logits_header_accepted(limit, min(batch, max_sessions), half)  # EVAL_BATCH
+    assert _logits_header_accepted(limit, rows, half)
+    largest_logits = 4 + 4 * rows * half
+    assert limit >= largest_logits
+    if limit == largest_logits:
+        decoder = TpDecoder(limit)
+        decoder.feed(header(FrameType.LOGITS, largest_logits + 4))
+        with pytest.raises(TpProtocolError, match="exceeds the limit"):
+            decoder.next_event()
+
+
+def test_gemma_sized_logits_of_sixteen_sessions_decode_under_the_bound() -> None:
+    """The frame that once failed every greedy request on the Gemma 3 file: 16 rows of a
+    131,072-float half, encoded and decoded whole under the leader's bound."""
+    ident = dataclasses.replace(IDENTITY, n_vocab=262_144, ctx_size=4096)
+    rows = np.arange(16 * 131_072, dtype=np.float32).reshape(16, 131_072)
+    frame = Logits.from_array(rows)
+    limit = tp.max_payload_for(ident, tp.logits_rows(16))
+    assert limit == 4 + 4 * 16 * 131_072
+    (got,) = decode_all(encode(frame), max_payload=limit)
+    assert isinstance(got, Logits) and np.array_equal(got.array(), rows.ravel())
 
 
 # -- every range check at its bounds (built inside the tests: a record built at import would be

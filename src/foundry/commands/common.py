@@ -11,8 +11,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from foundry.model import recipe
-from foundry.model.backend import DEVICES
+from foundry.model.nn.device import DEVICES
+from foundry.model.train import recipe
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
 from foundry.wire.fdtc import FRAGMENT_SIZE, MAX_PAYLOAD, Fragment
@@ -222,7 +222,7 @@ def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool
     than they give); with ``blas``, BLAS's threads, unless the environment fixed them and
     ``--threads`` did not. Returns the count."""
     from foundry.hardware import default_threads
-    from foundry.model.quant import set_threads
+    from foundry.model.kernels.quant import set_threads
 
     asked = getattr(args, "threads", None)
     n = asked if asked is not None else default_threads()

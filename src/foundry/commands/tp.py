@@ -24,7 +24,7 @@ from foundry.commands.common import (
     tls_note,
     use_threads,
 )
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 
@@ -130,8 +130,8 @@ def _limit_threads(n: int) -> int | None:
 
 
 def run_leader(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -198,8 +198,8 @@ def run_leader(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError
 

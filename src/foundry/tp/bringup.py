@@ -46,6 +46,7 @@ from foundry.wire.tp import (
     TpDecoder,
     TpProtocolError,
     VersionMismatch,
+    logits_rows,
     negotiate_gate_transport,
 )
 
@@ -234,7 +235,7 @@ class BringUp:
         token = secrets.randbits(64) or 1
         try:
             try:
-                peer = exchange_hellos(link, hello)
+                peer = exchange_hellos(link, hello, logits_rows(o.max_sessions))
             except (IdentityMismatch, VersionMismatch) as exc:
                 log.error("worker %s refused: %s", link.peer, exc)
                 self.metrics.failures.labels("identity").inc()

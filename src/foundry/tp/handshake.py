@@ -25,12 +25,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.arch import spec as arch_spec
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
-from foundry.model.inference import default_ctx
-from foundry.model.quant import NOMINAL_BITS, Param, QType
-from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_part
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.infer.sessions import default_ctx
+from foundry.model.kernels.quant import Param, QType
+from foundry.model.kernels.types import TYPES
+from foundry.model.shard import ExpertSplit, RankWeights, rank_layout, shard_part
+from foundry.model.spec.arch import spec as arch_spec
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.link import ControlLink, LinkError
 from foundry.wire.tp import (
     DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
@@ -47,7 +48,8 @@ ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials a
 WORLD = 2
 # How the services cut the routed experts unless told otherwise: every expert by its intermediate
 # size, so both ranks do the same work for every token (docs/tp.md, "Expert split", has the
-# figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
+# figures); ``--expert-split experts`` gives the contiguous halves of the experts
+# (docs/decisions.md, D3).
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 
@@ -84,7 +86,7 @@ def quant_bits(values_by_type: Mapping[QType, int]) -> int:
     if not values_by_type:
         raise ValueError("a model without tensors has no weight type")
     most = max(values_by_type, key=lambda t: (values_by_type[t], -int(t)))
-    return NOMINAL_BITS[most]
+    return TYPES[most].nominal_bits
 
 
 def identity_for(path: Path, cfg: ModelConfig, ctx_size: int) -> Identity:
@@ -131,13 +133,14 @@ def load_rank(
     )
 
 
-def exchange_hellos(link: ControlLink, mine: Hello) -> Hello:
+def exchange_hellos(link: ControlLink, mine: Hello, max_rows: int) -> Hello:
     """Send our hello, read the peer's, check both (IdentityMismatch / VersionMismatch name the
-    field and both values). Afterwards the link's decoder accepts this model's largest frames."""
+    field and both values). Afterwards the link's decoder accepts this model's largest frames,
+    LOGITS of up to ``max_rows`` rows among them (``wire.tp.logits_rows``)."""
     link.send(mine)
     peer = link.recv("the peer's hello")
     if not isinstance(peer, Hello):
         raise LinkError(f"expected the peer's hello, got {type(peer).__name__}")
     check_hello(mine, peer)
-    link.decoder.max_payload = max_payload_for(mine.identity)
+    link.decoder.max_payload = max_payload_for(mine.identity, max_rows)
     return peer

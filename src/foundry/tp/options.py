@@ -7,11 +7,12 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
+from foundry.wire.tp import TP_MAX_BATCH_ITEMS
 
 __all__ = ["MAX_FRONTEND_CONNECTIONS", "LeaderOptions"]
 
@@ -43,13 +44,13 @@ class LeaderOptions:
     handshake_timeout_s: float = 5.0
     # How the routed experts are cut (the worker must run the same: the hello checks it).
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     # Security and limits (docs/guide/tls.md, TLS and limits): TLS on both listeners,
     # the frontend's connection limit, and the deadline of a frame begun on either link.
     tls: ssl.SSLContext | None = None
     frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
-    # --chat-template: a built-in's name or a Jinja file (foundry.model.chat.template_for).
+    # --chat-template: a built-in's name or a Jinja file (foundry.model.text.chat.template_for).
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
@@ -59,5 +60,9 @@ class LeaderOptions:
         for name in ("queue_size", "keep_sessions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions > TP_MAX_BATCH_ITEMS:  # one EVAL_BATCH carries every session
+            raise ValueError(
+                f"max_sessions must be <= {TP_MAX_BATCH_ITEMS}, got {self.max_sessions}"
+            )
         if not 0 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.engines import make_engine
-from foundry.model.tp_split import ExpertSplit, Gate
+from foundry.model.infer.engines import make_engine
+from foundry.model.shard import ExpertSplit, Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
@@ -101,7 +101,7 @@ class WorkerOptions:
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
@@ -188,7 +188,8 @@ class Worker:
             hello = Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
                           shm_offered=self._offer_shm, execution_mode=self.model.execution_mode,
                           architecture=self.model.architecture)
-            peer = exchange_hellos(link, hello)
+            # The worker receives no LOGITS: the leader's frames bound its decoder.
+            peer = exchange_hellos(link, hello, max_rows=1)
             transport = negotiate_gate_transport(hello, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")
             assert isinstance(ack, CommandAck)
