@@ -352,12 +352,14 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
  * heads: k and v at its first head, q and out at its first query head). */
 void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
                     int n_head, int n_kv, int dh, size_t stride, float *p, float *out);
-/* attend on the pool, a task per kv head (and its query heads); room of its own. */
+/* attend on the pool (attend_rows with one row); room of its own. */
 size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
 int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
                 int n_kv, int dh, float *out);
 /* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
- * of the cache (the last `window` of them where window > 0), each (row, kv head) a task. */
+ * of the cache (the last `window` of them where window > 0), each (row, kv head) a task; one
+ * row over 64 positions or more, with more threads than kv heads, split by positions and by
+ * value columns instead (attend_split). */
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out);
 
