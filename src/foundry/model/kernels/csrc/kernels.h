@@ -341,6 +341,17 @@ void pool_split_below(long bytes); /* products of less work run on the caller al
 int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
            int n, float *y);
 
+/* Several one-input products in one pool call (a token's chosen experts): item i is
+ * y_i (n_out_i) = W_i . x_i, each row task the one-thread code, as matmul. */
+typedef struct {
+    int type, n_out, k;
+    size_t row_bytes;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+} mm_item;
+int matmul_many(const mm_item *items, int count);
+
 /* attention.c */
 float score_portable(const float *q, const float *k, int dh);
 #if defined(FOUNDRY_X86)

@@ -335,3 +335,64 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
     mm_free(&in);
     return rc;
 }
+
+/* ---- several one-input products in one pool call -------------------------------------------- */
+
+typedef struct {
+    const mm_item *items;
+    mm_input *in;         /* each item's prepared input */
+    const int *first;     /* the first task of each item; first[count] = the tasks */
+    const int *rows;      /* rows per task of each item */
+    int count;
+} many_job;
+
+static int many_task(void *ctx, int i) {
+    const many_job *j = ctx;
+    int it = 0;
+    while (j->first[it + 1] <= i) it++;
+    const mm_item *m = &j->items[it];
+    const int r0 = (i - j->first[it]) * j->rows[it];
+    const int rows = m->n_out - r0 < j->rows[it] ? m->n_out - r0 : j->rows[it];
+    return matmul_part(m->type, m->w + (size_t)r0 * m->row_bytes, m->row_bytes, rows, m->k,
+                       m->x, &j->in[it], 1, m->y + r0, (size_t)m->n_out);
+}
+
+int matmul_many(const mm_item *items, int count) {
+    const int threads = pool_threads();
+    double work = 0;
+    for (int i = 0; i < count; i++) work += (double)items[i].row_bytes * items[i].n_out;
+    if (threads == 1 || count < 2 || work < (double)small_work * threads) {
+        for (int i = 0; i < count; i++) {
+            const mm_item *m = &items[i];
+            if (matmul(m->type, m->w, m->row_bytes, m->n_out, m->k, m->x, 1, m->y) < 0)
+                return -1;
+        }
+        return 0;
+    }
+    mm_input *in = calloc((size_t)count, sizeof *in);
+    int *first = malloc(((size_t)count + 1) * sizeof(int));
+    int *rows = malloc((size_t)count * sizeof(int));
+    int rc = -1, prepared = 0;
+    if (in == NULL || first == NULL || rows == NULL) goto done;
+    /* each item's rows in tasks of about the same share of the whole: two tasks a thread */
+    const double share = work / (2.0 * threads);
+    first[0] = 0;
+    for (int i = 0; i < count; i++, prepared++) {
+        const mm_item *m = &items[i];
+        if (mm_alloc(m->type, m->k, 1, &in[i]) < 0) goto done;
+        mm_fill(&in[i], m->x, 0, 1);
+        int r = (int)(share / (double)m->row_bytes);
+        r = (r + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+        r = r < ROW_ALIGN ? ROW_ALIGN : r;
+        rows[i] = r > m->n_out ? m->n_out : r;
+        first[i + 1] = first[i] + (m->n_out + rows[i] - 1) / rows[i];
+    }
+    many_job job = {items, in, first, rows, count};
+    rc = pool_run(many_task, &job, first[count]);
+done:
+    for (int i = 0; i < prepared; i++) mm_free(&in[i]);
+    free(in);
+    free(first);
+    free(rows);
+    return rc;
+}

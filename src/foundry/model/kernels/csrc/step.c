@@ -181,29 +181,73 @@ static int glu(const step_layer *l, const step_mat *gate_up, int n_gate_up, cons
     return matmul(down->type, down->w, down->row_bytes, down->rows, down->k, a, 1, out);
 }
 
-/* Part j's routed experts for the row h (Engine._ffn for one row): the row's n_used experts
- * and weights (route), the part's own among them each through its SwiGLU in the order of the
- * row's choices (assign groups them by expert, one row each), and their weighted sum in
- * choice order, another part's expert adding 0 (combine). */
-static int routed(const step_layer *l, int j, const float *h, float *out, float *room) {
-    const step_part *p = &l->parts[j];
+/* The routed experts of parts j0 .. j1 - 1 for the row h (Engine._ffn for one row, each part in
+ * turn): the row's n_used experts and weights (route), each part's own among them through
+ * its SwiGLU (assign groups them by expert, one row each), and each part's weighted sum of
+ * its experts' outputs in the order of the row's choices, another part's expert adding 0
+ * (combine), into outs[j - j0]. The experts' gate and up products of all these parts run in
+ * one pool call, then their down products in another: every output row is computed as the
+ * one-expert code computes it. */
+static int routed_parts(const step_layer *l, int j0, int j1, const float *h, float *const *outs,
+                        float *room) {
     const int d = l->d, k = l->n_used;
     float weights[MAX_EXPERTS];
-    int64_t top[MAX_EXPERTS], slot[MAX_EXPERTS];
+    int64_t top[MAX_EXPERTS], slot[2][MAX_EXPERTS];
     route(h, l->router, 1, d, l->n_expert, k, weights, top);
-    float *ys = room, *rest = ys + (size_t)k * d;
+    const step_expert *chosen[2 * MAX_EXPERTS];
     int m = 0;
-    for (int c = 0; c < k; c++) {
-        const int64_t e = top[c] - p->first_exp;
-        slot[c] = -1;
-        if (e < 0 || e >= p->n_exp) continue;
-        const step_expert *x = &p->experts[e];
-        if (glu(l, x->gate_up, x->n_gate_up, &x->down, h, ys + (size_t)m * d, rest) < 0)
-            return -1;
-        slot[c] = m++;
+    for (int j = j0; j < j1; j++) {
+        const step_part *p = &l->parts[j];
+        for (int c = 0; c < k; c++) {
+            const int64_t e = top[c] - p->first_exp;
+            slot[j - j0][c] = -1;
+            if (e < 0 || e >= p->n_exp) continue;
+            chosen[m] = &p->experts[e];
+            slot[j - j0][c] = m++; /* the part's row of ys: its own experts are numbered from 0 */
+        }
     }
-    combine(ys, weights, slot, 1, k, d, out);
+    /* room: every chosen expert's output (d), then its gate and up (2f) and activation (f) */
+    float *ys = room, *act = ys + (size_t)m * d;
+    mm_item list[2 * MAX_EXPERTS * 2];
+    float *gu[2 * MAX_EXPERTS], *a[2 * MAX_EXPERTS];
+    int n = 0;
+    for (int i = 0; i < m; i++) {
+        const step_expert *x = chosen[i];
+        const int f = x->down.k;
+        gu[i] = act;
+        a[i] = act + 2 * (size_t)f;
+        act = a[i] + f;
+        float *y = gu[i];
+        for (int g = 0; g < x->n_gate_up; g++) {
+            const step_mat *w = &x->gate_up[g];
+            list[n++] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, h, y};
+            y += w->rows;
+        }
+    }
+    if (matmul_many(list, n) < 0) return -1;
+    n = 0;
+    for (int i = 0; i < m; i++) {
+        const step_mat *w = &chosen[i]->down;
+        swiglu(gu[i], 1, w->k, a[i]);
+        list[n++] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, a[i], ys + (size_t)i * d};
+    }
+    if (matmul_many(list, n) < 0) return -1;
+    int base = 0;
+    for (int j = j0; j < j1; j++) {
+        int own = 0;
+        for (int c = 0; c < k; c++)
+            if (slot[j - j0][c] >= 0) {
+                slot[j - j0][c] -= base;
+                own++;
+            }
+        combine(ys + (size_t)base * d, weights, slot[j - j0], 1, k, d, outs[j - j0]);
+        base += own;
+    }
     return 0;
+}
+
+static int routed(const step_layer *l, int j, const float *h, float *out, float *room) {
+    return routed_parts(l, j, j + 1, h, &out, room);
 }
 
 int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room) {
@@ -218,8 +262,10 @@ size_t step_room(const step_layer *l, int n_pos) {
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
         size_t f = 3 * (size_t)p->n_ff;
-        for (int e = 0; e < p->n_exp; e++) { /* routed: the experts' outputs, then one's room */
-            const size_t fe = (size_t)l->n_used * l->d + 3 * (size_t)p->experts[e].down.k;
+        for (int e = 0; e < p->n_exp; e++) { /* routed: every part's chosen experts' outputs
+                                               * and gate, up and activation (routed_parts) */
+            const size_t fe = (size_t)l->n_parts * l->n_used *
+                              ((size_t)l->d + 3 * (size_t)p->experts[e].down.k);
             f = fe > f ? fe : f;
         }
         const size_t a = qkv_room(p, l->dh);
@@ -265,6 +311,11 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
                     return -1;
             }
             for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+        } else if (gate && l->router != NULL) { /* every part's experts in two pool calls */
+            float *outs[2] = {sum, part};
+            if (routed_parts(l, 0, l->n_parts, h, outs, rest) < 0) return -1;
+            if (l->n_parts == 2) /* _sum: the partials added in rank order */
+                for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else {
             for (int j = 0; j < l->n_parts; j++) {
                 const int rc = gate ? step_ffn(l, j, h, j ? part : sum, rest)
