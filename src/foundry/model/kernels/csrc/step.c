@@ -38,14 +38,15 @@ static size_t qkv_room(const step_part *p, int dh) {
 
 /* Part j's kept Q heads, normed and turned, into q (heads x dh); its K and V row written to the
  * caches at pos (unless the part before wrote the same row: skip_kv). Engine._attention up to
- * the attention itself. */
+ * the attention itself. ``have_y``: the room begins with the part's Q, K and V products
+ * already (qkv_parts computed them). */
 static int attn_rows(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
-                     const float *cos, const float *sin, float *q, float *room) {
+                     const float *cos, const float *sin, float *q, float *room, int have_y) {
     const step_part *p = &l->parts[j];
     const int dh = l->dh, half = dh / 2;
     const int heads = p->q_keep[1] - p->q_keep[0], kv = p->k_keep[1] - p->k_keep[0];
     float *y = room, *qn = y + p->n_q + p->n_k + p->n_v, *kn = qn + p->n_q, *k = kn + p->n_k;
-    if (products(p->qkv, p->n_qkv, h, y) < 0) return -1;
+    if (!have_y && products(p->qkv, p->n_qkv, h, y) < 0) return -1;
     float *yq = y, *yk = y + p->n_q, *yv = y + p->n_q + p->n_k;
     if (p->bias[0] != NULL) {
         for (int i = 0; i < p->n_q; i++) yq[i] = yq[i] + p->bias[0][i];
@@ -110,7 +111,7 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
     const step_part *p = &l->parts[j];
     const size_t hd = (size_t)heads_of(p) * l->dh;
     float *q = room, *o = q + hd, *rest = o + hd;
-    if (attn_rows(l, j, h, pos, kc, vc, cos, sin, q, rest) < 0) return -1;
+    if (attn_rows(l, j, h, pos, kc, vc, cos, sin, q, rest, 0) < 0) return -1;
     if (attn_heads(l, p->n_kv, heads_of(p), q, pos, kc, vc, o) < 0) return -1;
     return matmul(p->out.type, p->out.w, p->out.row_bytes, p->out.rows, p->out.k, o, 1, out);
 }
@@ -257,7 +258,7 @@ int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room
 }
 
 size_t step_room(const step_layer *l, int n_pos) {
-    size_t most = 0, heads = 0;
+    size_t most = 0, heads = 0, qkv_all = 0;
     int n_kv = 0;
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
@@ -269,11 +270,13 @@ size_t step_room(const step_layer *l, int n_pos) {
             f = fe > f ? fe : f;
         }
         const size_t a = qkv_room(p, l->dh);
+        qkv_all += a; /* step_whole: every part's products at once */
         most = a > most ? a : most;
         most = f > most ? f : most;
         heads += heads_of(p);
         n_kv = p->n_kv > n_kv ? p->n_kv : n_kv;
     }
+    most = qkv_all > most ? qkv_all : most;
     /* + the heads' Q and outputs, attend's scores and row; h, a partial, the sum, a norm */
     return most + 2 * heads * l->dh + heads * n_pos + (size_t)n_kv * l->dh + 4 * (size_t)l->d;
 }
@@ -289,6 +292,32 @@ static int one_pass(const step_layer *l) {
            l->parts[1].n_kv == 1;
 }
 
+/* Every part's Q, K and V products of h in one pool call, part j's into ys[j]. */
+static int qkv_parts(const step_layer *l, const float *h, float *const *ys) {
+    mm_item list[6];
+    int n = 0;
+    for (int j = 0; j < l->n_parts; j++) {
+        const step_part *p = &l->parts[j];
+        float *y = ys[j];
+        for (int i = 0; i < p->n_qkv; i++) {
+            const step_mat *w = &p->qkv[i];
+            list[n++] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, h, y};
+            y += w->rows;
+        }
+    }
+    return matmul_many(list, n);
+}
+
+/* Every part's output product in one pool call: part j's of os[j] into outs[j]. */
+static int out_parts(const step_layer *l, float *const *os, float *const *outs) {
+    mm_item list[2];
+    for (int j = 0; j < l->n_parts; j++) {
+        const step_mat *w = &l->parts[j].out;
+        list[j] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, os[j], outs[j]};
+    }
+    return matmul_many(list, l->n_parts);
+}
+
 /* x (d) += the layer: forward_rows' loop body for one row. */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room) {
@@ -299,18 +328,38 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
         if (!gate && one_pass(l)) {
             const size_t h0 = (size_t)heads_of(&l->parts[0]) * l->dh,
                          hd = h0 + (size_t)heads_of(&l->parts[1]) * l->dh;
-            float *q = rest, *o = q + hd, *more = o + hd;
+            float *q = rest, *o = q + hd, *y0 = o + hd, *y1 = y0 + qkv_room(&l->parts[0], l->dh);
+            float *ys[2] = {y0, y1}, *os[2] = {o, o + h0}, *outs[2] = {sum, part};
+            if (qkv_parts(l, h, ys) < 0) return -1;
             for (int j = 0; j < 2; j++)
-                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), more) < 0)
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), ys[j],
+                              1) < 0)
                     return -1;
             if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
-            for (int j = 0; j < 2; j++) {
-                const step_mat *m = &l->parts[j].out;
-                if (matmul(m->type, m->w, m->row_bytes, m->rows, m->k, o + (j ? h0 : 0), 1,
-                           j ? part : sum) < 0)
+            if (out_parts(l, os, outs) < 0) return -1;
+            for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+        } else if (!gate) { /* every part's Q, K, V products in one pool call, outputs in one */
+            float *q[2], *o[2], *ys[2], *outs[2] = {sum, part}, *at = rest;
+            for (int j = 0; j < l->n_parts; j++) {
+                const size_t hd = (size_t)heads_of(&l->parts[j]) * l->dh;
+                q[j] = at;
+                o[j] = q[j] + hd;
+                at = o[j] + hd;
+            }
+            for (int j = 0; j < l->n_parts; j++) {
+                ys[j] = at;
+                at += qkv_room(&l->parts[j], l->dh);
+            }
+            if (qkv_parts(l, h, ys) < 0) return -1;
+            for (int j = 0; j < l->n_parts; j++) {
+                const step_part *p = &l->parts[j];
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0 ||
+                    attn_heads(l, p->n_kv, heads_of(p), q[j], pos, kc[j], vc[j], o[j]) < 0)
                     return -1;
             }
-            for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+            if (out_parts(l, o, outs) < 0) return -1;
+            if (l->n_parts == 2) /* _sum: the partials added in rank order */
+                for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else if (gate && l->router != NULL) { /* every part's experts in two pool calls */
             float *outs[2] = {sum, part};
             if (routed_parts(l, 0, l->n_parts, h, outs, rest) < 0) return -1;
@@ -318,9 +367,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else {
             for (int j = 0; j < l->n_parts; j++) {
-                const int rc = gate ? step_ffn(l, j, h, j ? part : sum, rest)
-                                    : step_attn(l, j, h, pos, kc[j], vc[j], cos, sin,
-                                                j ? part : sum, rest);
+                const int rc = step_ffn(l, j, h, j ? part : sum, rest);
                 if (rc < 0) return -1;
                 if (j) /* _sum: the partials added in rank order */
                     for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
