@@ -54,6 +54,7 @@ from foundry.api.v1 import (
 )
 from foundry.gateway.server import API_SERVICES, INFERENCE_SERVICE, Gateway, GatewayOptions
 from foundry.gateway.servicers import MAX_TOKENS_PER_RESPONSE
+from foundry.hardware import default_threads
 from foundry.wire import frontend as fw
 
 TOKEN = "s3cret-token"
@@ -207,6 +208,8 @@ def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> Non
             # One generation reached the pair: the authorised one.
             assert pair_status.requests_served == served_before + 1
             assert pair_status.worker_connected
+            # the leader's --threads default, through STATUS, the gateway and the proto
+            assert pair_status.threads == default_threads()
             assert await health_of(s.channel, "") == SERVING  # no token
 
             pair_method = "foundry.v1.InferenceService/GetPairStatus"

@@ -477,7 +477,7 @@ def test_garbage_on_every_port_never_stops_the_pair(pair: LeaderProc) -> None:
         fw.HEADER.pack(fw.MAGIC, 1, 1, 1 << 30),  # oversized
         fw.HEADER.pack(fw.MAGIC, 1, 1, 3) + b"abc",  # GENERATE too short
         fw.encode(fw.Token(1, 5, 0, "x")),  # a frame only the leader sends
-        fw.encode(fw.Status(1, True, True, 0, 0, 1, 1, 1, 1, 1, 1, 0.0, 0)),
+        fw.encode(fw.Status(1, True, True, 0, 0, 1, 1, 1, 1, 1, 1, 0.0, 0, 1)),
     ]
     for payload in front:
         with socket.create_connection(("127.0.0.1", pair.frontend), timeout=5) as s:

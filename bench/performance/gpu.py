@@ -12,6 +12,10 @@ Sections (``--only`` picks some; all run by default, in this order):
            default), and bf16 autocast for the worker and the eager loop. Target: worker
            >= 0.8x each plain loop. ``--host-buffers off on`` times the worker path through
            pageable copies and through its page-locked buffers, with each round's phases.
+           ``--train-device cpu --threads N``: the same on the CPU, N threads (PyTorch's
+           intra-op threads; BLAS's for the numpy worker, timed beside them), batches of
+           ``--cpu-shapes``; the CPU worker (``--device auto`` without a GPU: PyTorch) against
+           the plain loop, target >= 0.9x.
 ``decode`` tokens/s of ``TorchEngine`` at batch 1 on the bench preset's GGUF in f32, F16 and
            Q8_0 (dequantized at load to bf16), with CUDA graphs and without (the difference
            is the launch overhead), and a 512-token prefill; against ``llama-bench`` of a CUDA
@@ -44,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
@@ -58,6 +63,7 @@ from foundry.model.nn import torch_model as TM
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
 from foundry.model.text.data import load_corpus
+from foundry.model.train.backend import NUMPY
 from foundry.model.train.optim import lr_schedule
 from foundry.model.train.torch_backend import TorchBackend, adamw
 from foundry.runtime import retain_freed_memory
@@ -75,8 +81,12 @@ def say(line: str) -> None:
             f.write(line + "\n")
 
 
+DEVICE = ["cuda"]  # --train-device
+
+
 def sync() -> None:
-    torch.cuda.synchronize()
+    if DEVICE[0] == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn: Callable[[], object], warm: int, reps: int) -> float:
@@ -99,10 +109,10 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
     cfg = preset(name)
     b, t = SHAPES[name]
     corpus = load_corpus(None)
-    params = TM.to_device(init_params(cfg, 0), "cuda", requires_grad=True)
-    opt = adamw(params, 0.01, torch.device("cuda"), lr=1e-3)
+    params = TM.to_device(init_params(cfg, 0), DEVICE[0], requires_grad=True)
+    opt = adamw(params, 0.01, torch.device(DEVICE[0]), lr=1e-3)
     loss_fn = torch.compile(TM.loss) if compiled else TM.loss
-    batches = [tuple(torch.from_numpy(a.astype(np.int64)).cuda()
+    batches = [tuple(torch.from_numpy(a.astype(np.int64)).to(DEVICE[0])
                      for a in corpus.sample_batch(i * b, b, t)) for i in range(4)]
     k = [0]
 
@@ -110,7 +120,7 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
         tok, tgt = batches[k[0] % len(batches)]
         k[0] += 1
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(DEVICE[0], dtype=torch.bfloat16, enabled=bf16):
             total, _, _ = loss_fn(params, cfg, tok, tgt, 0.01)
         torch.autograd.backward(total)
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -129,7 +139,8 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool =
     b, t = SHAPES[name]
     corpus = load_corpus(None)
     start = init_params(cfg, 0)
-    backend = TorchBackend("cuda", bf16=bf16, host_buffers=host_buffers)
+    backend: Any = (TorchBackend(DEVICE[0], bf16=bf16, host_buffers=host_buffers)
+                    if DEVICE[0] != "numpy" else NUMPY)
     inner = backend.make_inner(start, 0.01)
     r = [0]
 
@@ -142,7 +153,7 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool =
         r[0] += 1
 
     local = h * b / timed(round_, 1, rounds)
-    phases = dict(backend.last_phases)
+    phases = dict(getattr(backend, "last_phases", {}))
 
     def grad() -> None:
         backend.compute_gradients(start, cfg, corpus, r[0] * b, b, seq_len=t, micro_batch=b,
@@ -152,7 +163,35 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool =
     return local, b / timed(grad, 1, rounds), phases
 
 
+def section_train_cpu(args: argparse.Namespace) -> None:
+    """The CPU worker against a plain PyTorch loop on the CPU, both on --threads threads."""
+    from foundry.tp.blas import limit_blas_threads
+
+    torch.set_num_threads(args.threads)
+    blas = limit_blas_threads(args.threads)
+    say(f"## train on the CPU: samples/s, {args.threads} threads (torch "
+        f"{torch.get_num_threads()}, BLAS {blas}); worker path (H={args.hs[0]} local round, "
+        "and H=1) vs the plain torch loop")
+    for name, shape in (s.split("=") for s in args.cpu_shapes.split(",")):
+        b, t = (int(v) for v in shape.split("x"))
+        SHAPES[name] = (b, t)
+        say(f"# {name}: {preset(name).n_params() / 1e6:.1f}M parameters, batch {b}x{t}")
+        DEVICE[0] = "cpu"
+        eager = plain_loop(name, False, False, args.steps)
+        local, grad, _ = worker_path(name, False, args.hs[0], args.rounds, False)
+        DEVICE[0] = "numpy"
+        np_local, np_grad, _ = worker_path(name, False, args.hs[0], args.rounds, False)
+        DEVICE[0] = "cpu"
+        say(f"{name}: plain torch {eager:8.2f}; worker torch {local:8.2f} ({local / eager:.2f}x "
+            f"[{'PASS' if local >= 0.9 * eager else 'FAIL'} >= 0.9], H=1 {grad:8.2f}, "
+            f"{grad / eager:.2f}x); worker numpy {np_local:8.2f} ({np_local / eager:.2f}x, "
+            f"H=1 {np_grad:8.2f})")
+
+
 def section_train(args: argparse.Namespace) -> None:
+    if args.train_device == "cpu":
+        section_train_cpu(args)
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -458,11 +497,18 @@ def main() -> int:
     ap.add_argument("--mixed-timelines", action="store_true",
                     help="print each process's median phase times")
     ap.add_argument("--parity-device", default="cuda", help="parity: cuda or cpu")
+    ap.add_argument("--train-device", default="cuda", choices=["cuda", "cpu"],
+                    help="train: on the GPU (default) or on the CPU with --threads")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="--train-device cpu: threads of torch and BLAS (default: all)")
+    ap.add_argument("--cpu-shapes", default="small=16x128,bench=4x128",
+                    help="--train-device cpu: preset=BATCHxSEQ of each timed preset")
     ap.add_argument("--out", type=Path, default=None, help="also write the lines here")
     args = ap.parse_args()
     if args.out:
         OUT.append(args.out)
     cpu_only = ((args.only == ["parity"] and args.parity_device == "cpu")
+                or (args.only == ["train"] and args.train_device == "cpu")
                 or (args.only == ["mixed"] and "cuda" not in args.mixed_fast_args))
     if not cpu_only and not torch.cuda.is_available():
         raise SystemExit("bench/performance/gpu.py needs a CUDA GPU")

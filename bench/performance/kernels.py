@@ -92,12 +92,14 @@ def file_weights(path: Path) -> tuple[list[tuple[str, quant.QTensor]], tuple[str
 
 
 def llama_bench_prompt_and_decode(llama_cpp: Path, path: Path, prompt: int,
-                                  cores: str | None, depth: int = 0) -> tuple[float, float]:
+                                  cores: str | None, depth: int = 0, threads: int = 1,
+                                  extra: tuple[str, ...] = ()) -> tuple[float, float]:
     """llama.cpp's tokens/s of a ``prompt``-token prompt and of 64 tokens decoded after
-    ``depth`` tokens of context (``-d``: the attention the decoded tokens pay), one thread."""
+    ``depth`` tokens of context (``-d``: the attention the decoded tokens pay), on
+    ``threads`` threads (``-t``)."""
     pin = ["taskset", "-c", cores] if cores else []
-    base = [*pin, str(llama_cpp / "llama-bench"), "-m", str(path), "-t", "1", "-r", "1",
-            "-o", "json"]
+    base = [*pin, str(llama_cpp / "llama-bench"), "-m", str(path), "-t", str(threads), "-r",
+            "1", *extra, "-o", "json"]
     runs = [["-p", str(prompt), "-n", "0"], ["-p", "0", "-n", "64", "-d", str(depth)]]
     rows = [row for args in runs for row in json.loads(subprocess.run(
         [*base, *args], check=True, capture_output=True, text=True).stdout)]

@@ -36,6 +36,7 @@ __all__ = [
     "PROFILE_TABLE",
     "HardwareInfo",
     "classify",
+    "default_threads",
     "detect_profile",
     "profile_accumulation_steps",
     "profile_batch_size",
@@ -184,6 +185,43 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))  # respects taskset / cpusets
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return None
+
+
+def _physical_cores(root: Path, cpus: set[int]) -> int | None:
+    """Distinct (package, core) pairs among ``cpus`` (sysfs topology), None where unknown: two
+    hyperthreads of one core share its execution units, and a memory-bound decode gains
+    nothing from the second."""
+    cores = set()
+    for cpu in cpus:
+        topology = root / f"sys/devices/system/cpu/cpu{cpu}/topology"
+        core, package = _read(topology / "core_id"), _read(topology / "physical_package_id")
+        if core is None or package is None:
+            return None
+        cores.add((package.strip(), core.strip()))
+    return len(cores) or None
+
+
+def default_threads(root: Path = Path("/")) -> int:
+    """The threads a computing process uses unless told (``--threads``): the CPUs it may run
+    on (affinity, capped by a cgroup CPU quota), or the physical cores among them where those
+    are known and fewer."""
+    allowed = _allowed_cpus()
+    n = len(allowed) if allowed else (os.cpu_count() or 1)
+    quota = _cgroup_cpus(root)
+    if quota is not None:
+        n = min(n, quota)
+    if allowed:
+        physical = _physical_cores(root, allowed)
+        if physical is not None:
+            n = min(n, physical)
+    return max(1, n)
 
 
 def _cpu_name(root: Path) -> str:

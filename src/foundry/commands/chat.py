@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from foundry.commands.common import fraction, nonneg_float, nonneg_int, positive_int
+from foundry.commands.common import (
+    add_threads_flag,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    use_threads,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,6 +41,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--top-k", type=nonneg_int, default=0,
                    help="sample among the K most probable tokens (default 0: all)")
     c.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
+    add_threads_flag(c, training=False)
     c.set_defaults(func=run_chat)
 
 
@@ -53,7 +61,7 @@ def run_chat(args: argparse.Namespace) -> int:
     except (GGUFError, OSError, ChatTemplateError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded.cfg, loaded.params)
+    engine = Engine(loaded.cfg, loaded.params, threads=use_threads(args))
     rng = make_rng(args.seed)
     stop = template.stop
     print(f"chat template: {template.name}", file=sys.stderr)

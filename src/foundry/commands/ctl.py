@@ -299,7 +299,8 @@ def format_pair(pair: Any) -> str:
         f"pair: {rank} ({link} gates)  model n_layer {pair.n_layer} n_embd {pair.n_embd} "
         f"n_vocab {pair.n_vocab} ctx {pair.ctx_size} ({pair.model_bytes} bytes, "
         f"id {pair.model_id:#010x})\n"
-        f"      sessions {pair.active_sessions}  requests {pair.requests_served}  "
+        f"      threads {pair.threads} (leader)  sessions {pair.active_sessions}  "
+        f"requests {pair.requests_served}  "
         f"tokens {pair.tokens_generated}  speculative acceptance {pair.spec_acceptance:.2f}"
     )
 

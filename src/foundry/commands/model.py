@@ -11,10 +11,12 @@ from pathlib import Path
 from foundry.commands.common import (
     add_device_flags,
     add_schedule_flags,
+    add_threads_flag,
     fraction,
     nonneg_float,
     nonneg_int,
     positive_int,
+    use_threads,
 )
 from foundry.model.formats.gguf_io import FILE_DTYPES
 from foundry.model.spec.config import PRESETS
@@ -72,6 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     add_device_flags(t, training=True)
+    add_threads_flag(t, training=True)
     t.set_defaults(func=run_train)
 
     g = sub.add_parser(
@@ -91,6 +94,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="context in tokens: KV cache and rope tables are sized by it "
                         "(default: the file's, at most 4096)")
     add_device_flags(g, training=False)
+    add_threads_flag(g, training=False)
     g.add_argument("--compile", action="store_true",
                    help="with --device cuda, torch.compile the one-token step before it is "
                    "captured in a CUDA graph: faster decoding after a compilation of some "
@@ -196,7 +200,10 @@ def _train(args: argparse.Namespace) -> int:
     note = recipe.short_run_note(args.steps, args.data is None)
     if note:
         print(note)
-    backend = compute.select(args.device, bf16=args.bf16)
+    backend = compute.select(args.device, bf16=args.bf16, training=True)
+    threads = use_threads(args, blas=backend is compute.NUMPY,
+                          torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
+    print(f"training on {backend.name}, {threads} threads", flush=True)
     trainer = compute.make_trainer(backend, cfg, settings, init_params(cfg, args.seed))
     if args.checkpoint_dir is not None:
         check_directory(args.checkpoint_dir)
@@ -305,7 +312,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = make_engine(loaded.cfg, loaded.params, device=args.device,
-                             ctx_size=args.ctx_size, compile_step=args.compile)
+                             ctx_size=args.ctx_size, compile_step=args.compile,
+                             threads=use_threads(args))
     except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from foundry.commands.common import (
     add_frame_deadline_flag,
     add_metrics_flag,
     add_schedule_flags,
+    add_threads_flag,
     add_tls_flags,
     fraction,
     host_port,
@@ -26,6 +27,7 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
     tls_note,
+    use_threads,
     whole_in,
 )
 from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
@@ -180,6 +182,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
     add_device_flags(w, training=True)
+    add_threads_flag(w, training=True)
     add_fragment_size_flag(w, "GRADIENTS")
     add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)
@@ -340,12 +343,13 @@ def run_worker(args: argparse.Namespace) -> int:
         hardware = hardware_for(args.profile)
         corpus = load_corpus(args.data)
         tls = tls_context(args, server=False)
-        backend = compute.select(args.device, bf16=args.bf16)
+        backend = compute.select(args.device, bf16=args.bf16, training=True)
     except (ValueError, DataError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if backend is not compute.NUMPY:
-        print(f"worker computes on {backend.name}", flush=True)
+    threads = use_threads(args, blas=backend is compute.NUMPY,
+                          torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
+    print(f"worker computes on {backend.name}, {threads} threads", flush=True)
     retain_freed_memory()  # as `foundry train`: a step's activations are reused every round
     options = WorkerOptions(
         host=args.coordinator[0],
@@ -361,6 +365,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         worker = Worker(options, corpus, timeline)
+        worker.metrics.threads.set(threads)
         metrics = start_metrics(args, worker.metrics.registry)
         if metrics:
             print(f"worker {options.worker_id}: metrics :{metrics.port}", flush=True)

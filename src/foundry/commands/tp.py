@@ -13,6 +13,7 @@ from foundry.commands.common import (
     add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
+    add_threads_flag,
     add_tls_flags,
     host_port,
     nonneg_int,
@@ -21,6 +22,7 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
     tls_note,
+    use_threads,
 )
 from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
@@ -104,6 +106,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="open connections on --frontend-listen at most; more are refused "
                       "(default 64). --listen takes one pair (and 4 connections in bring-up)")
     add_device_flags(lead, training=False)
+    add_threads_flag(lead, training=False)
     add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
     lead.set_defaults(func=run_leader)
 
@@ -120,6 +123,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
     add_device_flags(work, training=False)
+    add_threads_flag(work, training=False)
     add_tls_flags(work, server=False, links="the connections to the leader")
     work.set_defaults(func=run_worker)
 
@@ -139,6 +143,7 @@ def run_leader(args: argparse.Namespace) -> int:
     from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    threads = use_threads(args)
     try:
         tls = tls_context(args, server=True)
     except TlsConfigError as exc:
@@ -178,12 +183,13 @@ def run_leader(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         await leader.start()
+        leader.metrics.threads.set(threads)
         metrics = start_metrics(args, leader.metrics.registry)
         print(
             f"tp-leader listening: workers {options.host}:{leader.port}, "
             f"frontend {options.frontend_host}:{leader.frontend_port}"
             + (f", metrics :{metrics.port}" if metrics else "")
-            + (tls_note(tls) if tls else ""),
+            + f", {threads} threads" + (tls_note(tls) if tls else ""),
             flush=True,
         )
         loop = asyncio.get_running_loop()
@@ -207,6 +213,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    threads = use_threads(args)
     try:
         tls = tls_context(args, server=False)
     except TlsConfigError as exc:
@@ -231,11 +238,12 @@ def run_worker(args: argparse.Namespace) -> int:
     except (GGUFError, SplitError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    worker.metrics.threads.set(threads)
     metrics = start_metrics(args, worker.metrics.registry)
     print(
         f"tp-worker ready: rank 1 of {args.model}, leader {options.leader_host}:"
         f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
-        + (" (tls)" if tls else ""),
+        + f", {threads} threads" + (" (tls)" if tls else ""),
         flush=True,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):

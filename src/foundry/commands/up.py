@@ -80,10 +80,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "tensor-parallel pair behind the gateway, without training")
     u.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
                    help="the pair's context with --model (default: the file's, at most 4096)")
+    u.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads of the whole stack, divided between the processes that "
+                   "compute: the workers while it trains, the pair's two ranks while it serves "
+                   "(default: the cores it may use, or the physical cores among them where "
+                   "fewer)")
     u.set_defaults(func=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from foundry.hardware import default_threads
+
     d = StackOptions()
     try:
         options = StackOptions(
@@ -108,6 +115,7 @@ def run_up(args: argparse.Namespace) -> int:
             sample_tokens=args.sample_tokens,
             model=args.model,
             ctx_size=args.ctx_size,
+            threads=args.threads or default_threads(),
         )
         return run_stack(options)
     except StackError as exc:

@@ -120,6 +120,7 @@ def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusRespon
         tokens_generated=status.tokens_generated,
         requests_served=status.requests_served,
         spec_acceptance=status.spec_acceptance,
+        threads=status.threads,
         n_layer=status.n_layer,
         n_embd=status.n_embd,
         n_vocab=status.n_vocab,

@@ -213,6 +213,10 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.threads = Gauge(
+            "foundry_worker_threads", "CPU threads this worker computes on (--threads).",
+            registry=r,
+        )
         self.inner_steps = Counter(
             "foundry_worker_inner_steps_total",
             "Inner optimizer steps run in local-step rounds (--sync-every above 1).",
@@ -382,6 +386,9 @@ class TpMetrics:
         )
         self.active_sessions = Gauge(
             "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
+        )
+        self.threads = Gauge(
+            "foundry_tp_threads", "CPU threads this rank computes on (--threads).", registry=r
         )
         self.kept_sessions = Gauge(
             "foundry_tp_kept_sessions",

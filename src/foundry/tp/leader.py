@@ -68,6 +68,7 @@ import threading
 from collections.abc import Callable
 
 from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard import Gate
 from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
@@ -226,6 +227,7 @@ class Leader:
             model_id=i.model_id,
             spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
             requests_served=self._frontend_server.requests_served,
+            threads=kernel_threads(),
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:

@@ -43,6 +43,7 @@ class StackOptions:
     checkpoint_every: int | None = None  # None: ``default_checkpoint_every(steps)``
     model: Path | None = None  # a GGUF file to serve on the pair, without training
     ctx_size: int | None = None  # the pair's context (None: the file's, capped)
+    threads: int | None = None  # the stack's CPU threads, shared (None: each child's default)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -57,6 +58,8 @@ class StackOptions:
             raise StackError(f"--sample-tokens must be at least 1, got {self.sample_tokens}")
         if self.sample_every is not None and self.sample_every < 1:
             raise StackError(f"--sample-every must be at least 1, got {self.sample_every}")
+        if self.threads is not None and self.threads < 1:
+            raise StackError(f"--threads must be at least 1, got {self.threads}")
         if self.ctx_size is not None and self.ctx_size < 1:
             raise StackError(f"--ctx-size must be at least 1, got {self.ctx_size}")
         if self.seq_len < 1 or self.lr <= 0:
@@ -199,6 +202,14 @@ class ServiceSpec:
     stop_stage: int = 0  # stopped after every child of a lower stage exited
 
 
+def thread_share(total: int | None, processes: int) -> tuple[str, ...]:
+    """``--threads`` for each of ``processes`` children that compute at the same time on a
+    machine of ``total`` threads (at least one each; nothing where the total is not set)."""
+    if total is None:
+        return ()
+    return ("--threads", str(max(1, total // processes)))
+
+
 def addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -245,7 +256,8 @@ def training_services(
         ServiceSpec(
             f"worker-{i}",
             (*FOUNDRY, "worker", "--coordinator", addr("127.0.0.1", ports.coordinator),
-             "--worker-id", f"worker-{i}", "--metrics-port", str(port), *metrics),
+             "--worker-id", f"worker-{i}", "--metrics-port", str(port), *metrics,
+             *thread_share(opt.threads, opt.workers)),
             r"metrics :\d+",
             critical=False,
         )
@@ -261,7 +273,7 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[
     return [
         ServiceSpec(
             "tp-leader",
-            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx,
+            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
              "--listen", addr("127.0.0.1", ports.tp_leader),
              "--frontend-listen", addr("127.0.0.1", ports.tp_frontend),
              "--metrics-port", str(ports.tp_leader_metrics), *metrics),
@@ -269,7 +281,7 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[
         ),
         ServiceSpec(
             "tp-worker",
-            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx,
+            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
              "--leader", addr("127.0.0.1", ports.tp_leader),
              "--metrics-port", str(ports.tp_worker_metrics), *metrics),
             r"tp-worker ready:",

@@ -381,7 +381,7 @@ class Status(_Frame):
         ("worker_connected", BOOL), ("shared_memory", BOOL), ("active_sessions", U32),
         ("tokens_generated", U64), ("n_layer", U32), ("n_embd", U32), ("n_vocab", U32),
         ("ctx_size", U32), ("model_bytes", U64), ("model_id", U32), ("spec_acceptance", F32),
-        ("requests_served", U64),
+        ("requests_served", U64), ("threads", U32),
     )
     worker_connected: bool
     shared_memory: bool
@@ -395,6 +395,7 @@ class Status(_Frame):
     model_id: int
     spec_acceptance: float
     requests_served: int
+    threads: int  # CPU threads the leader computes on (--threads)
 
 
 Frame = Generate | Cancel | Token | Logprobs | Done | Error | StatusReq | Status

@@ -60,13 +60,14 @@ from foundry.model.infer.sessions import SessionPositions, check_rows, default_c
 from foundry.model.kernels.quant import (
     Param,
     QTensor,
+    StepExpert,
     StepLayer,
     StepMat,
     StepPart,
     StepPlan,
     address,
     assign_experts,
-    attend,
+    attend_rows,
     combine_experts,
     dequantize,
     embed,
@@ -76,6 +77,7 @@ from foundry.model.kernels.quant import (
     rmsnorm,
     rope,
     route,
+    set_threads,
     step_attn,
     step_ffn,
     step_layer,
@@ -208,7 +210,9 @@ class Engine:
     serves, half the memory), float32 where they are float32 arrays (our own checkpoints: exact
     as the training forward, and numpy's float products are not batch-invariant, an ulp apart
     between a block and one row, which a float16 rounding would widen). Both ranks of a pair
-    load the same file, so they choose the same.
+    load the same file, so they choose the same. ``threads``: the kernels run on that many
+    threads (``quant.set_threads``, process-wide; None leaves the count as it is). The logits
+    are the same bits at any count.
     """
 
     def __init__(
@@ -220,7 +224,10 @@ class Engine:
         expert_split: ExpertSplit | None = None,
         ctx_size: int | None = None,
         kv_cache: KVCache | None = None,
+        threads: int | None = None,
     ):
+        if threads is not None:
+            set_threads(threads)  # the kernels' pool is the process's: sized by its engine
         self.id = next(_engine_ids)
         self.cfg = cfg
         self.arch = arch_spec(cfg)
@@ -291,8 +298,8 @@ class Engine:
         # One token's layer in one C call where the layer's matrices are stored blocks
         # (``_plan``); ``step_in_c`` False runs every step through the single operations.
         self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
-        self._whole = [plan is not None and all(p[i].dense is not None for p in self._layers)
-                       for i, plan in enumerate(self._plans)]
+        self._whole = [plan is not None and (self._routed_in_c(i) or all(
+            p[i].dense is not None for p in self._layers)) for i, plan in enumerate(self._plans)]
         self.step_in_c = any(plan is not None for plan in self._plans)
         self._all_whole: tuple[StepPlan, ...] | None = (
             tuple(self._plans) if all(self._whole) else None)
@@ -305,7 +312,8 @@ class Engine:
 
     def _plan(self, layer: int) -> StepPlan | None:
         """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
-        (and its dense FFN, where every FFN matrix is stored blocks), or None where the layer
+        (and its dense FFN, where every FFN matrix is stored blocks, or its routed experts
+        where ``_routed_in_c``), or None where the layer
         has a float32 matrix (numpy's products, which C cannot repeat bit for bit) or the C
         module is missing.
 
@@ -315,6 +323,7 @@ class Engine:
         if not has_step():
             return None
         cfg, dense = self.cfg, self._dense[layer]
+        routed = self._routed_in_c(layer)
         parts: list[StepPart] = []
         for j, held in enumerate(self._layers):
             lw = held[layer]
@@ -323,6 +332,13 @@ class Engine:
             if not all(isinstance(t, QTensor) for t in attn) or (
                     ffn and not all(isinstance(t, QTensor) for t in ffn)):
                 return None
+            experts: tuple[StepExpert, ...] = ()
+            if routed:
+                experts = tuple(
+                    (tuple(step_mat(t) for t in (  # type: ignore[arg-type]
+                        [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]])),
+                     step_mat(lw.down[e]))  # type: ignore[arg-type]
+                    for e in range(len(lw.gate)))
             skip = j > 0 and self._same_kv(layer, j)
             qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
             gate_up: list[Param] = []
@@ -343,6 +359,7 @@ class Engine:
                 k_keep_first=lw.k_keep[0], k_keep_end=lw.k_keep[1], skip_kv=int(skip),
                 bias_q=address(bias_q), bias_k=address(bias_k), bias_v=address(bias_v),
                 q_norm=address(dense.q_norm), k_norm=address(dense.k_norm),
+                first_exp=lw.first_expert, experts=experts,
             ))
         qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[self.arch.qk_norm]
         return step_plan(StepLayer(
@@ -351,8 +368,22 @@ class Engine:
             gelu=int(self.arch.act is Act.GELU), eps=cfg.norm_eps,
             attn_norm=address(dense.attn_norm), ffn_norm=address(dense.ffn_norm),
             post_attn=address(dense.post_attn), post_ffn=address(dense.post_ffn),
-            gelu_table=address(gelu_table()), parts=tuple(parts),
+            gelu_table=address(gelu_table()), router=address(dense.router if routed else None),
+            n_expert=cfg.n_expert if routed else 0, n_used=cfg.n_expert_used if routed else 0,
+            parts=tuple(parts),
         ))
+
+    def _routed_in_c(self, layer: int) -> bool:
+        """Whether layer ``layer``'s routed experts run in the one-token step: every expert
+        matrix of every part stored blocks (C-contiguous), the top-k weights renormalised
+        (``route``), no shared expert."""
+        if self.dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None or self.cfg.n_ff_shared \
+                or not self.arch.renorm_experts or self.arch.act is not Act.SILU:
+            return False
+        mats = [t for held in self._layers for t in (
+            *(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)]
+        return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous
+                   for t in mats)
 
     def _same_kv(self, layer: int, j: int) -> bool:
         """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
@@ -479,13 +510,12 @@ class Engine:
             a = self._exchange(exchange, i, Gate.ATTN, partial)
             x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
-            if dense.router is not None:
-                weights, top = self._route(h, dense.router)  # (n, K) each
-            else:
-                weights, top = _NO_ROUTE
-            if plan is not None and self._whole[i]:
+            if plan is not None and self._whole[i]:  # routed or dense, in C
                 partial = _sum([step_ffn(plan, j, h) for j in parts])
             else:
+                weights, top = _NO_ROUTE
+                if dense.router is not None:
+                    weights, top = self._route(h, dense.router)  # (n, K) each
                 partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
             f = self._exchange(exchange, i, Gate.FFN, partial)
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
@@ -537,10 +567,8 @@ class Engine:
             end = session.pos + b - a
             kc[session.pos:end] = k[a:b]
             vc[session.pos:end] = v[a:b]
-            for t in range(a, b):  # each row as one-row decoding computes it (batch invariance)
-                n_pos = session.pos + t - a + 1
-                first = max(0, n_pos - window) if window else 0  # a sliding window's first key
-                attend(q[t], kc[first:], vc[first:], n_pos - first, o[t])  # (H_part, Dh)
+            # each row as one-row decoding computes it (batch invariance), over its window
+            attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
 
     def _qk(self, y: F32, norm: F32 | None, keep: tuple[int, int], n: int, dh: int) -> F32:

@@ -233,6 +233,41 @@ def attend(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], n_pos: int, out: F3
     _kernels.attend(q, k, v, int(half), n_pos, q.shape[0], k.shape[1], q.shape[1], out)
 
 
+def attend_rows(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], pos: int, window: int,
+                out: F32) -> None:
+    """Rows q (n, heads, Dh) of one sequence at positions pos, pos + 1, ...: row t attends to
+    positions [0, pos + t] of the cache k, v (ctx, kv heads, Dh), only the last ``window`` of
+    them where window > 0; out (n, heads, Dh) written. Each row is ``attend``'s, bit for bit;
+    in the C module all rows and kv heads at once on the kernels' threads."""
+    n = q.shape[0]
+    if _kernels is None:
+        for t in range(n):
+            n_pos = pos + t + 1
+            first = max(0, n_pos - window) if window else 0
+            attend(q[t], k[first:], v[first:], n_pos - first, out[t])
+        return
+    half = k.dtype == np.float16
+    if (v.dtype == np.float16) != half or k.dtype not in (np.float16, np.float32):
+        raise QuantError(f"attend takes a float32 or float16 cache, got {k.dtype} and {v.dtype}")
+    _kernels.attend_rows(q, k, v, int(half), pos, window, n, q.shape[1], k.shape[1], q.shape[2],
+                         out)
+
+
+def set_threads(n: int) -> None:
+    """Run the kernels on ``n`` threads (this one included) from now on, process-wide: the
+    products split by rows, attention by heads. The results are the same bits at any ``n``
+    (csrc/pool.c says why). Without the C module, nothing to do."""
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    if _kernels is not None:
+        _kernels.set_threads(n)
+
+
+def threads() -> int:
+    """The threads the kernels run on (1 without the C module)."""
+    return int(_kernels.threads()) if _kernels is not None else 1
+
+
 # The rest of a decode step in the C module, each row in one fixed order of operations (the
 # products' rule: a row's bits depend neither on the other rows nor on the path or machine);
 # without the module, the training layers' numpy. Arguments float32 (top int64), C-contiguous.
@@ -349,10 +384,17 @@ class StepMat(NamedTuple):
     k: int
 
 
+StepExpert = tuple[tuple[StepMat, ...], StepMat]
+"""One routed expert in a part's plan: its gate and up matrices (stacked, or one each), down."""
+
+
 class StepPart(NamedTuple):
-    """One part's attention and dense FFN in a layer's plan (module.c ``parse_part``).
+    """One part's attention and dense FFN, or routed experts, in a layer's plan (module.c
+    ``parse_part``).
 
     ``down`` is None where the part has no dense FFN (``gate_up`` empty); ``n_ff`` is then 0.
+    ``experts`` (the part's routed experts, the first of them expert ``first_exp``) is read
+    where the layer has a router (``StepLayer.router``), and is empty otherwise.
     """
 
     qkv: tuple[StepMat, ...]
@@ -374,6 +416,8 @@ class StepPart(NamedTuple):
     bias_v: Address
     q_norm: Address
     k_norm: Address
+    first_exp: int
+    experts: tuple[StepExpert, ...]
 
 
 class StepLayer(NamedTuple):
@@ -393,6 +437,9 @@ class StepLayer(NamedTuple):
     post_attn: Address
     post_ffn: Address
     gelu_table: Address
+    router: Address  # routed experts in the step: the router (n_expert, d) float32, else 0
+    n_expert: int
+    n_used: int
     parts: tuple[StepPart, ...]
 
 

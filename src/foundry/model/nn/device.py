@@ -3,7 +3,10 @@
 - ``cpu``: the numpy engine (the reference, every CPU): the default;
 - ``cuda``: PyTorch on the first CUDA GPU; PyTorch is an optional extra
   (``pip install 'foundry[gpu]'``), and without it or without a GPU this says so;
-- ``auto``: ``cuda`` where PyTorch sees a GPU, else ``cpu``;
+- ``auto``: ``cuda`` where PyTorch sees a GPU, else ``cpu``; for training (``training=True``)
+  without a GPU, PyTorch on the CPU where it is installed (on all the process's threads it
+  trains faster than numpy: docs/gpu.md), numpy where it is not (armv7 has no torch wheel);
+  serving keeps the numpy engine, whose kernels read quantized files in place;
 - ``torch-cpu``: PyTorch on the CPU, which is how a machine without a GPU (CI) runs the GPU
   path end to end.
 
@@ -30,7 +33,7 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def resolve(device: str) -> str | None:
+def resolve(device: str, *, training: bool = False) -> str | None:
     """The torch device (``"cuda"`` or ``"cpu"``) that ``--device`` names, or None for the
     numpy engine; DeviceError says how to get a missing one."""
     if device not in DEVICES:
@@ -53,7 +56,7 @@ def resolve(device: str) -> str | None:
     if torch.cuda.is_available():
         return "cuda"
     if device == "auto":
-        return None
+        return "cpu" if training else None
     raise DeviceError(
         f"--device cuda: PyTorch {torch.__version__} sees no CUDA GPU (a CPU-only build, "
         f"or no driver); install a CUDA build ({INSTALL_HINT}) or use --device cpu")

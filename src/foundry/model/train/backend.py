@@ -138,11 +138,12 @@ def make_trainer(backend: Backend, cfg: ModelConfig, settings: TrainSettings, pa
     return TorchTrainer.from_numpy(cfg, settings, backend, params)
 
 
-def select(device: str, *, bf16: bool = False) -> Backend:
+def select(device: str, *, bf16: bool = False, training: bool = False) -> Backend:
     """The backend ``--device`` names (``nn.device.DEVICES``); ``nn.device.DeviceError`` says
     how to get a missing one. ``bf16``: the torch backend's products under bf16 autocast
-    (weights, moments and the wire stay float32)."""
-    target = resolve(device)
+    (weights, moments and the wire stay float32). ``training``: ``auto`` without a GPU takes
+    PyTorch on the CPU where it is installed (``nn.device.resolve``)."""
+    target = resolve(device, training=training)
     if target is None:
         return NUMPY
     from foundry.model.train.torch_backend import TorchBackend

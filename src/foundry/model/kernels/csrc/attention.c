@@ -259,10 +259,9 @@ AVX2 static float max_avx2(const float *p, int n) {
 }
 
 AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int half, int n_pos,
-                             int n_head, int n_kv, int dh, float *p, float *out) {
+                             int n_head, int n_kv, int dh, size_t stride, float *p, float *out) {
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
-    const size_t stride = (size_t)n_kv * dh;
     for (int g = 0; g < n_kv; g++)
         for (int h = g * group; h < (g + 1) * group; h += 4) {
             const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
@@ -294,11 +293,11 @@ AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int h
 }
 #endif
 
-void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-            int n_kv, int dh, float *p, float *out) {
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
+                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out) {
 #if defined(FOUNDRY_X86)
     if (use_avx2 && dh % 8 == 0) {
-        attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, p, out);
+        attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, stride, p, out);
         return;
     }
 #endif
@@ -318,7 +317,7 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
 #endif
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
-    const size_t stride = (size_t)n_kv * dh; /* values from one position to the next */
+    const int width = n_kv * dh; /* the values of one position of these kv heads */
     float *row = p + (size_t)n_head * n_pos; /* a float16 position as float32 */
     /* Position by position through the cache (each K and V row read once, in order), every
      * head's own operations in the same order as one head alone: p[h][s], then softmax per
@@ -326,7 +325,7 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
     for (int s = 0; s < n_pos; s++) {
         const float *ks = row;
         if (half)
-            f16_row((const uint16_t *)k + s * stride, (int)stride, row);
+            f16_row((const uint16_t *)k + s * stride, width, row);
         else
             ks = (const float *)k + s * stride;
         for (int h = 0; h < n_head; h++)
@@ -346,11 +345,187 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
     for (int s = 0; s < n_pos; s++) {
         const float *vs = row;
         if (half)
-            f16_row((const uint16_t *)v + s * stride, (int)stride, row);
+            f16_row((const uint16_t *)v + s * stride, width, row);
         else
             vs = (const float *)v + s * stride;
         for (int h = 0; h < n_head; h++)
             add_scaled(out + (size_t)h * dh, p[(size_t)h * n_pos + s],
                        vs + (size_t)(h / group) * dh, dh);
     }
+}
+
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+            int n_kv, int dh, float *p, float *out) {
+    attend_strided(q, k, v, half, n_pos, n_head, n_kv, dh, (size_t)n_kv * dh, p, out);
+}
+
+/* ---- on the pool: a task per kv head (its group of query heads) ------------------------------ */
+
+size_t attend_room(int n_pos, int n_head, int n_kv, int dh) {
+    return (size_t)n_pos * n_head + (size_t)n_kv * dh;
+}
+
+typedef struct {
+    const float *q;       /* (rows, n_head, dh) */
+    const void *k, *v;    /* the cache from position 0 */
+    int half, pos, window, group, n_kv, dh;
+    float *out;           /* (rows, n_head, dh) */
+} attend_job;
+
+/* Task i: row i / n_kv (at position pos + row) for kv head i mod n_kv and its query heads,
+ * over the positions of its window (the Engine's loop of one row at a time). */
+static int attend_task(void *ctx, int i) {
+    const attend_job *j = ctx;
+    const int t = i / j->n_kv, g = i % j->n_kv;
+    const int n_pos = j->pos + t + 1,
+              first = j->window && n_pos > j->window ? n_pos - j->window : 0;
+    const size_t size = j->half ? 2 : 4, hd = (size_t)j->group * j->dh,
+                 stride = (size_t)j->n_kv * j->dh,
+                 at = ((size_t)first * stride + (size_t)g * j->dh) * size,
+                 row = (size_t)t * j->n_kv * hd + g * hd;
+    float *p = malloc(attend_room(n_pos - first, j->group, 1, j->dh) * sizeof(float));
+    if (p == NULL) return -1;
+    attend_strided(j->q + row, (const uint8_t *)j->k + at, (const uint8_t *)j->v + at, j->half,
+                   n_pos - first, j->group, 1, j->dh, stride, p, j->out + row);
+    free(p);
+    return 0;
+}
+
+/* ---- one row over a long cache: split by positions, then by heads, then by values --------- */
+
+/* attend's portable operations for one row in three pool calls, so that more threads than kv
+ * heads share it: (1) the scores p[h][s], a task per kv head and block of positions (each
+ * score is its own dot product); (2) each head's softmax, a task per head (its maximum, exp_f,
+ * the sum in position order, the divisions); (3) each output value's sum over the positions
+ * in order, a task per head and block of 8-value columns. Every value is computed as attend
+ * computes it, so the bits are attend's (tests/test_threads.py). */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int half, n_pos, group, dh, per_kv, pos_block, per_head, col_block;
+    size_t stride;
+    float scale, *p, *out;
+} split_job;
+
+static float (*score_fn(int dh))(const float *, const float *, int) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && dh % 8 == 0) return score_avx2;
+#endif
+    (void)dh;
+    return score_portable;
+}
+
+static void (*f16_row_fn(void))(const uint16_t *, int, float *) {
+#if defined(FOUNDRY_X86)
+    if (use_avx2) return f16_row_avx2;
+#endif
+    return f16_row_portable;
+}
+
+static int split_scores(void *ctx, int i) {
+    const split_job *j = ctx;
+    const int g = i / j->per_kv, s0 = (i % j->per_kv) * j->pos_block;
+    const int s1 = s0 + j->pos_block < j->n_pos ? s0 + j->pos_block : j->n_pos;
+    float (*score)(const float *, const float *, int) = score_fn(j->dh);
+    void (*f16_row)(const uint16_t *, int, float *) = f16_row_fn();
+    float *row = malloc((size_t)j->dh * sizeof(float));
+    if (row == NULL) return -1;
+    for (int s = s0; s < s1; s++) {
+        const size_t at = (size_t)s * j->stride + (size_t)g * j->dh;
+        const float *ks = row;
+        if (j->half)
+            f16_row((const uint16_t *)j->k + at, j->dh, row);
+        else
+            ks = (const float *)j->k + at;
+        for (int h = g * j->group; h < (g + 1) * j->group; h++)
+            j->p[(size_t)h * j->n_pos + s] = score(j->q + (size_t)h * j->dh, ks, j->dh) * j->scale;
+    }
+    free(row);
+    return 0;
+}
+
+static int split_softmax(void *ctx, int h) {
+    const split_job *j = ctx;
+    void (*exp_shifted)(float *, int, float) = exp_shifted_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) exp_shifted = exp_shifted_avx2;
+#endif
+    float *ph = j->p + (size_t)h * j->n_pos;
+    float m = -INFINITY;
+    for (int s = 0; s < j->n_pos; s++) m = fmaxf(m, ph[s]);
+    exp_shifted(ph, j->n_pos, m);
+    float sum = 0.0f;
+    for (int s = 0; s < j->n_pos; s++) sum = sum + ph[s];
+    for (int s = 0; s < j->n_pos; s++) ph[s] = ph[s] / sum;
+    return 0;
+}
+
+static int split_values(void *ctx, int i) {
+    const split_job *j = ctx;
+    const int h = i / j->per_head, c0 = (i % j->per_head) * j->col_block;
+    const int width = c0 + j->col_block < j->dh ? j->col_block : j->dh - c0;
+    void (*add_scaled)(float *, float, const float *, int) = add_scaled_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2 && width % 8 == 0) add_scaled = add_scaled_avx2;
+#endif
+    void (*f16_row)(const uint16_t *, int, float *) = f16_row_fn();
+    float *row = malloc((size_t)width * sizeof(float));
+    if (row == NULL) return -1;
+    float *o = j->out + (size_t)h * j->dh + c0;
+    const float *ph = j->p + (size_t)h * j->n_pos;
+    for (int c = 0; c < width; c++) o[c] = 0.0f;
+    for (int s = 0; s < j->n_pos; s++) {
+        const size_t at = (size_t)s * j->stride + (size_t)(h / j->group) * j->dh + c0;
+        const float *vs = row;
+        if (j->half)
+            f16_row((const uint16_t *)j->v + at, width, row);
+        else
+            vs = (const float *)j->v + at;
+        add_scaled(o, ph[s], vs, width);
+    }
+    free(row);
+    return 0;
+}
+
+/* Positions from which one row's attention is split so (below, a task per kv head is enough). */
+#define SPLIT_POSITIONS 64
+
+static int attend_split(const float *q, const void *k, const void *v, int half, int n_pos,
+                        int n_head, int n_kv, int dh, float *out) {
+    const int threads = pool_threads();
+    const int per_kv = (2 * threads + n_kv - 1) / n_kv;
+    const int pos_block = (n_pos + per_kv - 1) / per_kv;
+    int per_head = (2 * threads + n_head - 1) / n_head;
+    per_head = per_head > dh / 8 ? (dh / 8 > 0 ? dh / 8 : 1) : per_head;
+    int col_block = (dh + per_head - 1) / per_head;
+    col_block = (col_block + 7) / 8 * 8;
+    split_job job = {q, k, v, half, n_pos, n_head / n_kv, dh, per_kv, pos_block,
+                     (dh + col_block - 1) / col_block, col_block, (size_t)n_kv * dh,
+                     (float)(1.0 / sqrt((double)dh)), NULL, out};
+    job.p = malloc((size_t)n_head * n_pos * sizeof(float));
+    if (job.p == NULL) return -1;
+    int rc = pool_run(split_scores, &job, n_kv * ((n_pos + pos_block - 1) / pos_block));
+    if (rc == 0) rc = pool_run(split_softmax, &job, n_head);
+    if (rc == 0) rc = pool_run(split_values, &job, n_head * job.per_head);
+    free(job.p);
+    return rc;
+}
+
+int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
+                int rows, int n_head, int n_kv, int dh, float *out) {
+    if (rows == 1 && pool_threads() > n_kv) {
+        const int n_pos = pos + 1, first = window && n_pos > window ? n_pos - window : 0;
+        if (n_pos - first >= SPLIT_POSITIONS) {
+            const size_t at = (size_t)first * n_kv * dh * (half ? 2 : 4);
+            return attend_split(q, (const uint8_t *)k + at, (const uint8_t *)v + at, half,
+                                n_pos - first, n_head, n_kv, dh, out);
+        }
+    }
+    attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
+    return pool_run(attend_task, &job, rows * n_kv);
+}
+
+int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                int n_kv, int dh, float *out) {
+    return attend_rows(q, k, v, half, n_pos - 1, 0, 1, n_head, n_kv, dh, out);
 }

@@ -113,8 +113,8 @@ static float dot_f32(const float *w, const float *x, int k) {
 }
 
 
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-                 int n, float *y) {
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                 const float *x, int n, float *y, size_t ldy) {
 #if defined(FOUNDRY_X86)
     if (type == T_F16 && use_avx2) {
         if (n == 1) {
@@ -126,7 +126,7 @@ int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
             const int rows = n_out - r < ROWS_F16 ? n_out - r : ROWS_F16;
             for (int t = 0; t < n; t++)
                 rows_f16_avx2_streams(w + (size_t)r * row_bytes, row_bytes, rows, k,
-                                      x + (size_t)t * k, y + t * (size_t)n_out + r);
+                                      x + (size_t)t * k, y + t * ldy + r);
         }
         return 0;
     }
@@ -135,7 +135,7 @@ int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
     if (row == NULL) return -1;
     for (int r = 0; r < n_out; r++) {
         dequant_row(type, w + r * row_bytes, k, row);
-        for (int t = 0; t < n; t++) y[(size_t)t * n_out + r] = dot_f32(row, x + (size_t)t * k, k);
+        for (int t = 0; t < n; t++) y[(size_t)t * ldy + r] = dot_f32(row, x + (size_t)t * k, k);
     }
     free(row);
     return 0;

@@ -49,7 +49,7 @@
  *
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
  * q32.c (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c
- * (the decode step's other operations), module.c (the Python interface). This header holds what they
+ * (the decode step's other operations), pool.c (the threads), module.c (the Python interface). This header holds what they
  * share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
  */
 
@@ -270,29 +270,87 @@ INLINE float exp_f(float x) {
 /* ---- the families (one file each) ---------------------------------------------------------- */
 
 void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
-int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-               int n, float *y);                              /* q32.c */
-int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-              int n, float *y);                               /* q32.c: Q4_1, Q5_1 */
-int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-             int n, float *y);                                /* kquants.c */
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-                 int n, float *y);                            /* float.c */
+/* The inputs of a product prepared once, for every row (and every thread) to read: what the
+ * type's dot products take (the int8 blocks and their scales and sums), per input t at
+ * t x (the field's values per input); fields a type does not use are NULL (F16, F32: none). */
+typedef struct {
+    int type, k, n;           /* prepared for `type`: Q5_0 widened for a block as Q8_0 */
+    int8_t *xq;               /* n x k int8 values */
+    float *xd;                /* n x k / 32 (32-blocks) or k / 256 (K-quants) scales */
+    int32_t *corr;            /* 32-blocks: n x k / 4, sums of 4 values x 2^shift */
+    int8_t *x4;               /* Q4_0 on AVX2: n x k values in rows_q4's order */
+    int32_t *corr4;           /* Q4_0 on AVX2: n x k / 8 */
+    float *sums;              /* Q4_1, Q5_1: n x k / 32, ggml's Q8_1 sums */
+    int32_t *s32;             /* K-quants: n x k / 32 exact sums of 32 values */
+    int16_t *s32h, *x32p;     /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
+} mm_input;
 
-/* y (n, n_out) = x (n, k) . W (n_out, k)^T. Returns 0, or -1 when out of memory. */
-static inline int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-                         const float *x, int n, float *y) {
+/* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
+ * than they save) */
+#define Q5_WIDEN 8
+
+int mm_alloc(int type, int k, int n, mm_input *in); /* 0, or -1 when out of memory */
+void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */
+mm_input mm_from(const mm_input *in, int t0);       /* the inputs from t0 on */
+void mm_free(mm_input *in);
+void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
+void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q32.c */
+void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c */
+
+/* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
+ * product start at y + their first row; ldy is the whole product's row length), from the
+ * prepared inputs (the float family reads x itself). */
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+               const mm_input *in, int n, float *y, size_t ldy); /* q32.c */
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+              const mm_input *in, int n, float *y, size_t ldy);  /* q32.c: Q4_1, Q5_1 */
+int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+             int n, float *y, size_t ldy);                       /* kquants.c */
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                 const float *x, int n, float *y, size_t ldy);   /* float.c */
+
+/* The product of rows of W by one thread from prepared inputs: y (n, ldy) = x (n, k) . W^T. */
+static inline int matmul_part(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                              const float *x, const mm_input *in, int n, float *y, size_t ldy) {
     switch (type) {
     case T_Q8_0: case T_Q4_0: case T_Q5_0:
-        return matmul_q32(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_q32(type, w, row_bytes, n_out, k, in, n, y, ldy);
     case T_Q4_1: case T_Q5_1:
-        return matmul_q1(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_q1(type, w, row_bytes, n_out, k, in, n, y, ldy);
     case T_Q4_K: case T_Q5_K: case T_Q6_K:
-        return matmul_k(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_k(type, w, row_bytes, n_out, k, in, n, y, ldy);
     default:
-        return matmul_float(type, w, row_bytes, n_out, k, x, n, y);
+        return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
     }
 }
+
+/* ---- the thread pool (pool.c) -------------------------------------------------------------- */
+
+/* Work of one pool call: task(ctx, i) for i in 0 .. n_tasks - 1, each task run by exactly one
+ * thread (which one does not matter: a task writes outputs no other task writes, computed the
+ * same way whoever runs it). Returns 0, or -1 when a task did (out of memory). */
+typedef int (*pool_task)(void *ctx, int i);
+int pool_run(pool_task task, void *ctx, int n_tasks);
+int pool_threads(void);          /* the threads a call runs on, the caller included */
+int pool_set_threads(int n);     /* 0, or -1 when a thread could not be started */
+void pool_split_below(long bytes); /* products of less work run on the caller alone */
+
+/* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
+ * the rows are few): each output element is one thread's matmul_rows, so the bits do not
+ * depend on the thread count. Returns 0, or -1 when out of memory. */
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+           int n, float *y);
+
+/* Several one-input products in one pool call (a token's chosen experts): item i is
+ * y_i (n_out_i) = W_i . x_i, each row task the one-thread code, as matmul. */
+typedef struct {
+    int type, n_out, k;
+    size_t row_bytes;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+} mm_item;
+int matmul_many(const mm_item *items, int count);
 
 /* attention.c */
 float score_portable(const float *q, const float *k, int dh);
@@ -301,6 +359,20 @@ float score_avx2(const float *q, const float *k, int dh);
 #endif
 void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
             int n_kv, int dh, float *p, float *out);
+/* attend for heads of a cache whose positions are `stride` values apart (a block of the kv
+ * heads: k and v at its first head, q and out at its first query head). */
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
+                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out);
+/* attend on the pool (attend_rows with one row); room of its own. */
+size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
+int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                int n_kv, int dh, float *out);
+/* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
+ * of the cache (the last `window` of them where window > 0), each (row, kv head) a task; one
+ * row over 64 positions or more, with more threads than kv heads, split by positions and by
+ * value columns instead (attend_split). */
+int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
+                int rows, int n_head, int n_kv, int dh, float *out);
 
 /* decode.c */
 #define MAX_EXPERTS 256
@@ -325,9 +397,16 @@ typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `ty
 
 enum { STEP_QK_NONE = 0, STEP_QK_HEAD = 1, STEP_QK_FULL = 2 };
 
+typedef struct { /* one routed expert: gate and up (stacked, or one matrix each), down */
+    step_mat gate_up[2], down;
+    int n_gate_up;
+} step_expert;
+
 typedef struct { /* what one part holds of a layer (inference._PartLayer) */
     step_mat qkv[3], out, gate_up[2], down;
-    int n_qkv, n_gate_up, has_ffn;
+    int n_qkv, n_gate_up, has_ffn; /* has_ffn: a dense FFN, or routed experts (below) */
+    int n_exp, first_exp;          /* routed: experts first_exp .. first_exp + n_exp - 1 */
+    step_expert *experts;          /* n_exp of them (freed with the plan) */
     int n_q, n_k, n_v, n_kv, n_ff; /* rows computed; kv heads cached; FFN intermediate rows */
     int q_keep[2], k_keep[2];      /* the kept heads of the computed Q and K rows */
     int skip_kv;                   /* K and V are the part before's (a shared cache row) */
@@ -339,6 +418,8 @@ typedef struct {
     int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
     float eps;
     const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
+    const float *router;  /* routed experts: (n_expert, d) float32, else NULL */
+    int n_expert, n_used; /* each token's n_used of n_expert, weights renormalised */
     step_part parts[2];
 } step_layer;
 
@@ -346,7 +427,7 @@ size_t step_room(const step_layer *l, int n_pos);
 int step_gelu16(const float *table);
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room);
-int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room);
+int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room); /* dense or routed */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room);
 

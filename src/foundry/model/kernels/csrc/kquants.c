@@ -378,31 +378,28 @@ AVX2 static void kq_tile_avx2(int type, int R, int T, const uint8_t *w, size_t l
  * while every row of the matrix passes over them, so each weight block is read once per tile. */
 #define K_TILE 64
 
-int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-             int n, float *y) {
+/* Inputs t0 .. t1 - 1 of a K-quant product: int8 blocks of 256 (ggml's Q8_K), the exact sums
+ * of each 32 values (and as int16), and Q6_K's pair sums times 32. */
+void fill_k(const mm_input *in, const float *x, int t0, int t1) {
+    const int k = in->k, nsb = k / QK_K;
+    for (int t = t0; t < t1; t++) {
+        quantize_input_k(x + (size_t)t * k, k, in->xq + (size_t)t * k, in->xd + (size_t)t * nsb,
+                         in->s32 + (size_t)t * (k / QK));
+        for (size_t i = (size_t)t * (k / QK); i < (size_t)(t + 1) * (k / QK); i++)
+            in->s32h[i] = (int16_t)in->s32[i];
+        if (in->x32p != NULL)
+            for (size_t i = (size_t)t * (k / 2); i < (size_t)(t + 1) * (k / 2); i++)
+                in->x32p[i] = (int16_t)(32 * (in->xq[2 * i] + in->xq[2 * i + 1]));
+    }
+}
+
+int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+             int n, float *y, size_t ldy) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
     const int nsb = k / QK_K;
-    int8_t *xq = malloc((size_t)n * k);
-    float *xd = malloc((size_t)n * nsb * sizeof(float));
-    int32_t *s32 = malloc((size_t)n * (k / QK) * sizeof(int32_t));
-    int16_t *s32h = malloc((size_t)n * (k / QK) * sizeof(int16_t));
-    int16_t *x32p = type == T_Q6_K ? malloc((size_t)n * (k / 2) * sizeof(int16_t)) : NULL;
-    if (xq == NULL || xd == NULL || s32 == NULL || s32h == NULL ||
-        (type == T_Q6_K && x32p == NULL)) {
-        free(xq);
-        free(xd);
-        free(s32);
-        free(s32h);
-        free(x32p);
-        return -1;
-    }
-    for (int t = 0; t < n; t++)
-        quantize_input_k(x + (size_t)t * k, k, xq + (size_t)t * k, xd + (size_t)t * nsb,
-                         s32 + (size_t)t * (k / QK));
-    for (size_t i = 0; i < (size_t)n * (k / QK); i++) s32h[i] = (int16_t)s32[i];
-    if (x32p != NULL)
-        for (size_t i = 0; i < (size_t)n * (k / 2); i++)
-            x32p[i] = (int16_t)(32 * (xq[2 * i] + xq[2 * i + 1]));
+    const int8_t *xq = in->xq;
+    const float *xd = in->xd;
+    const int16_t *s32h = in->s32h, *x32p = in->x32p;
 #if defined(FOUNDRY_X86)
     if (use_avx2) {
         void (*tile)(int, int, int, const uint8_t *, size_t, int, int, int, const int8_t *,
@@ -425,25 +422,17 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
                                  xq + (size_t)t * k, xd + (size_t)t * nsb,
                                  s32h + (size_t)t * (k / QK),
                                  x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL,
-                                 y + (size_t)t * n_out + r, 0, (size_t)n_out);
+                                 y + (size_t)t * ldy + r, 0, ldy);
                 }
         }
-        goto done;
+        return 0;
     }
 #endif
     for (int t0 = 0; t0 < n; t0 += K_TILE)
         for (int r = 0; r < n_out; r++)
             for (int t = t0; t < n && t < t0 + K_TILE; t++)
-                y[(size_t)t * n_out + r] =
+                y[(size_t)t * ldy + r] =
                     dot_k_portable(type, w + (size_t)r * row_bytes, bytes, xq + (size_t)t * k,
-                                   xd + (size_t)t * nsb, s32 + (size_t)t * (k / QK), nsb);
-#if defined(FOUNDRY_X86)
-done:
-#endif
-    free(xq);
-    free(xd);
-    free(s32);
-    free(s32h);
-    free(x32p);
+                                   xd + (size_t)t * nsb, in->s32 + (size_t)t * (k / QK), nsb);
     return 0;
 }

@@ -154,6 +154,41 @@ static int fits(const char *what, const Py_buffer *b, Py_ssize_t need) {
         return result;                                                                         \
     } while (0)
 
+PyDoc_STRVAR(attend_rows_doc,
+             "attend_rows(q, k, v, half, pos, window, rows, n_head, n_kv, dh, out): rows of "
+             "one sequence (rows, n_head, dh) at positions pos, pos + 1, ...: row t attends to "
+             "positions 0 .. pos + t of the cache k, v (ctx, n_kv, dh), the last `window` of "
+             "them where window > 0; out (rows, n_head, dh) written. On the kernels' pool.");
+
+static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
+    int half, pos, window, rows, n_head, n_kv, dh;
+    Py_buffer q, k, v, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiiiiiw*", &q, &k, &v, &half, &pos, &window, &rows,
+                          &n_head, &n_kv, &dh, &out))
+        return NULL;
+    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4,
+                     at = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
+    if ((half != 0 && half != 1) || pos < 0 || window < 0 || rows < 1 || n_head < 1 ||
+        n_kv < 1 || dh < 1 || n_head % n_kv || q.len != row * rows || out.len != row * rows ||
+        k.len != v.len || k.len % at || k.len / at < (Py_ssize_t)pos + rows) {
+        PyErr_Format(PyExc_ValueError,
+                     "attend_rows: q %zd and out %zd bytes for %d rows of %d heads of %d, a "
+                     "cache of %zd and %zd bytes for positions up to %d of %d kv heads",
+                     q.len, out.len, rows, n_head, dh, k.len, v.len, pos + rows, n_kv);
+        RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attend_rows(q.buf, k.buf, v.buf, half, pos, window, rows, n_head, n_kv, dh, out.buf);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
+    }
+    RELEASE_AND_RETURN(Py_NewRef(Py_None), &q, &k, &v, &out);
+}
+
 PyDoc_STRVAR(rmsnorm_doc, "rmsnorm(x, w, n, d, eps, out): out (n, d) = x / rms(x) * w, float32.");
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -357,19 +392,50 @@ static int rows_of(const step_mat *m, int n) {
     return rows;
 }
 
+/* ((gate_up matrices), down) of each routed expert a part holds, experts of n_ff rows. */
+static int parse_experts(PyObject *o, const step_layer *l, step_part *p) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) > l->n_expert)
+        return step_fail("more experts than the router chooses among");
+    p->n_exp = (int)PyTuple_GET_SIZE(o);
+    if (p->first_exp < 0 || p->first_exp + p->n_exp > l->n_expert)
+        return step_fail("experts outside the router's");
+    p->experts = calloc(p->n_exp ? (size_t)p->n_exp : 1, sizeof *p->experts);
+    if (p->experts == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    for (int e = 0; e < p->n_exp; e++) {
+        step_expert *x = &p->experts[e];
+        PyObject *gate_up, *down;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(o, e), "OO", &gate_up, &down) ||
+            !parse_mats(gate_up, x->gate_up, 2, &x->n_gate_up) || !parse_mat(down, &x->down))
+            return 0;
+        if (x->n_gate_up < 1 || rows_of(x->gate_up, x->n_gate_up) != 2 * x->down.k ||
+            x->down.rows != l->d)
+            return step_fail("expert matrices that do not fit");
+        for (int i = 0; i < x->n_gate_up; i++)
+            if (x->gate_up[i].k != l->d) return step_fail("an expert matrix not of the width");
+    }
+    return 1;
+}
+
 static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
-    PyObject *qkv, *out, *gate_up, *down;
+    PyObject *qkv, *out, *gate_up, *down, *experts;
     unsigned long long bias[3], q_norm, k_norm;
-    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKK", &qkv, &out, &gate_up, &down, &p->n_q,
+    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKKiO", &qkv, &out, &gate_up, &down, &p->n_q,
                           &p->n_k, &p->n_v, &p->n_kv, &p->n_ff, &p->q_keep[0], &p->q_keep[1],
                           &p->k_keep[0], &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1],
-                          &bias[2], &q_norm, &k_norm))
+                          &bias[2], &q_norm, &k_norm, &p->first_exp, &experts))
         return 0;
     if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) || !parse_mat(out, &p->out) ||
         !parse_mats(gate_up, p->gate_up, 2, &p->n_gate_up))
         return 0;
-    p->has_ffn = p->n_gate_up > 0;
-    if (p->has_ffn && !parse_mat(down, &p->down)) return 0;
+    if (l->router != NULL) {
+        if (p->n_gate_up > 0) return step_fail("a dense FFN beside routed experts");
+        if (!parse_experts(experts, l, p)) return 0;
+    }
+    p->has_ffn = p->n_gate_up > 0 || l->router != NULL;
+    if (p->n_gate_up > 0 && !parse_mat(down, &p->down)) return 0;
     for (int i = 0; i < 3; i++) p->bias[i] = (const float *)(uintptr_t)bias[i];
     p->q_norm = (const float *)(uintptr_t)q_norm;
     p->k_norm = (const float *)(uintptr_t)k_norm;
@@ -385,7 +451,7 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
         if (p->qkv[i].k != l->d) return step_fail("a QKV matrix not of the model's width");
     if (p->out.rows != l->d || p->out.k != heads * dh)
         return step_fail("an output matrix not of the heads' width");
-    if (p->has_ffn) {
+    if (p->n_gate_up > 0) {
         if (p->n_ff < 1 || rows_of(p->gate_up, p->n_gate_up) != 2 * p->n_ff ||
             p->down.rows != l->d || p->down.k != p->n_ff)
             return step_fail("FFN matrices that do not fit");
@@ -396,7 +462,14 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
     return 1;
 }
 
-static void step_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, STEP_CAPSULE)); }
+static void free_layer(step_layer *l) {
+    for (int j = 0; j < 2; j++) free(l->parts[j].experts);
+    free(l);
+}
+
+static void step_free(PyObject *capsule) {
+    free_layer(PyCapsule_GetPointer(capsule, STEP_CAPSULE));
+}
 
 PyDoc_STRVAR(step_plan_doc,
              "step_plan(layer) -> plan: a layer's one-token step described once (quant.StepLayer, "
@@ -404,14 +477,21 @@ PyDoc_STRVAR(step_plan_doc,
 
 static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     PyObject *parts;
-    unsigned long long attn_norm, ffn_norm, post_attn, post_ffn, table;
+    unsigned long long attn_norm, ffn_norm, post_attn, post_ffn, table, router;
     (void)self;
     step_layer *l = calloc(1, sizeof *l);
     if (l == NULL) return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKO)", &l->d, &l->dh, &l->half, &l->neox,
+    if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKKiiO)", &l->d, &l->dh, &l->half, &l->neox,
                           &l->qk_norm, &l->window, &l->gelu, &l->eps, &attn_norm, &ffn_norm,
-                          &post_attn, &post_ffn, &table, &parts))
+                          &post_attn, &post_ffn, &table, &router, &l->n_expert, &l->n_used,
+                          &parts))
         goto fail;
+    l->router = (const float *)(uintptr_t)router;
+    if (l->router != NULL && (l->n_expert < 1 || l->n_expert > MAX_EXPERTS || l->n_used < 1 ||
+                              l->n_used > l->n_expert || l->gelu)) {
+        step_fail("routed experts: n_used of n_expert (at most 256), SwiGLU");
+        goto fail;
+    }
     l->attn_norm = (const float *)(uintptr_t)attn_norm;
     l->ffn_norm = (const float *)(uintptr_t)ffn_norm;
     l->post_attn = (const float *)(uintptr_t)post_attn;
@@ -440,7 +520,7 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     if (capsule == NULL) goto fail;
     return capsule;
 fail:
-    free(l);
+    free_layer(l);
     return NULL;
 }
 
@@ -710,10 +790,47 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_threads_doc,
+             "set_threads(n): the kernels' pool runs every product on n threads (this one "
+             "included) from now on; the results are the same bits at any n.");
+
+static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 512) return PyErr_Format(PyExc_ValueError, "threads must be 1 .. 512, got %ld", n);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pool_set_threads((int)n);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_Format(PyExc_OSError, "could not start %ld threads", n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_split_below(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    pool_split_below(n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(pool_threads());
+}
+
 static PyMethodDef methods[] = {
+    {"set_threads", py_set_threads, METH_O, set_threads_doc},
+    {"threads", py_threads, METH_NOARGS, "The threads the kernels' pool runs on."},
+    {"split_below", py_split_below, METH_O,
+     "split_below(bytes): products of less work (weight bytes x inputs per thread) run on "
+     "one thread (default 65536; tests set 0 to split tiny ones)."},
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
+    {"attend_rows", py_attend_rows, METH_VARARGS, attend_rows_doc},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, rmsnorm_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},

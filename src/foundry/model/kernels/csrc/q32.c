@@ -619,7 +619,7 @@ AVX512 static void tile_q8_512(int T, const uint8_t *wu, const float *dw, int nb
  * returns -1 when out of memory. */
 AVX512 static int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
                                const int8_t *xq, const float *xd, const int32_t *corr, int n,
-                               int n_out, float *y) {
+                               size_t ldy, float *y) {
     const int nb = k / QK;
     uint8_t *wu = malloc((size_t)QT_ROWS * nb * QK);
     float *dw = malloc((size_t)QT_ROWS * nb * sizeof(float));
@@ -646,7 +646,7 @@ AVX512 static int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, i
                 for (int i = 0; i < QT_ROWS; i++)
                     for (int u = 0; u < T; u++) {
                         const int r = QT_ROWS * g + i;
-                        y[(size_t)(t + u) * n_out + r] = add_blocks(
+                        y[(size_t)(t + u) * ldy + r] = add_blocks(
                             T_Q8_0, lanes + (i * 4 + u) * LANES_Q, w + (size_t)r * row_bytes, 34,
                             xq + (size_t)(t + u) * k, xd + (size_t)(t + u) * nb, nb & ~1, nb);
                     }
@@ -718,8 +718,6 @@ static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, cons
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
-/* Inputs from which a block unpacks Q5_0 once (below: fewer pay more to unpack than they save). */
-#define Q5_WIDEN 8
 
 #if defined(FOUNDRY_X86)
 AVX2 static void widen_q5_avx2(const uint8_t *blk, uint8_t *out) {
@@ -738,13 +736,37 @@ static void widen_q5(const uint8_t *blk, uint8_t *out) {
     unpack_block(T_Q5_0, blk, (int8_t *)out);
 }
 
-int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-               int n, float *y) {
-    if (type == T_Q5_0 && n >= Q5_WIDEN) {
-        /* A block of inputs: the Q5_0 weights unpacked once into Q8_0 blocks (the same scale,
-         * the values v - 16 as int8) and multiplied as Q8_0, whose operations are Q5_0's on the
-         * same int8 values (the same lanes, the same float steps): the same bits, without
-         * unpacking each block again for every input. */
+/* Inputs t0 .. t1 - 1 of a Q8_0, Q4_0 or Q5_0 product as ``in`` holds them (mm_alloc): the
+ * int8 blocks, their scales, the sums of each 4 values times 2^shift, and Q4_0's order for
+ * AVX2 (x4, corr4). */
+void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
+    const int k = in->k, nb = k / QK, type = in->type;
+    const int shift = type == T_Q8_0 ? 7 : type == T_Q5_0 ? 4 : 3; /* 128, 16 or 8 */
+    for (int t = t0; t < t1; t++) {
+        int8_t *q = in->xq + (size_t)t * k;
+        int32_t *corr = in->corr + (size_t)t * (k / 4);
+#if defined(FOUNDRY_X86)
+        if (use_512) {
+            prepare_input_512(x + (size_t)t * k, k, shift, q, in->xd + (size_t)t * nb, corr);
+        } else
+#endif
+        {
+            quantize_input(x + (size_t)t * k, k, QK, q, in->xd + (size_t)t * nb);
+            for (int g = 0; g < k / 4; g++)
+                corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
+        }
+        if (in->x4 != NULL)
+            q4_layout(q, corr, k, in->x4 + (size_t)t * k, in->corr4 + (size_t)t * (k / 8));
+    }
+}
+
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+               const mm_input *in, int n, float *y, size_t ldy) {
+    if (type == T_Q5_0 && in->type == T_Q8_0) {
+        /* A block of inputs (mm_alloc: Q5_WIDEN or more): the Q5_0 weights unpacked once into
+         * Q8_0 blocks (the same scale, the values v - 16 as int8) and multiplied as Q8_0, whose
+         * operations are Q5_0's on the same int8 values (the same lanes, the same float
+         * steps): the same bits, without unpacking each block again for every input. */
         const int nb = k / QK;
         uint8_t *w8 = malloc((size_t)n_out * nb * 34);
         if (w8 == NULL) return -1;
@@ -755,65 +777,24 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
                 memcpy(out, blk, 2);
                 widen_q5(blk, out + 2);
             }
-        const int rc = matmul_q32(T_Q8_0, w8, (size_t)nb * 34, n_out, k, x, n, y);
+        const int rc = matmul_q32(T_Q8_0, w8, (size_t)nb * 34, n_out, k, in, n, y, ldy);
         free(w8);
         return rc;
     }
     const int bytes = type == T_Q8_0 ? 34 : type == T_Q5_0 ? 22 : 18;
     const int nb = k / QK;
-    int8_t *xq = malloc((size_t)n * k);
-    float *xd = malloc((size_t)n * nb * sizeof(float));
-    int32_t *corr = malloc((size_t)n * (k / 4) * sizeof(int32_t)); /* 128 (Q8_0), 16 (Q5_0), 8 (Q4_0) x sums of 4 */
-    if (xq == NULL || xd == NULL || corr == NULL) {
-        free(xq);
-        free(xd);
-        free(corr);
-        return -1;
-    }
-    const int shift = type == T_Q8_0 ? 7 : type == T_Q5_0 ? 4 : 3; /* 128, 16 or 8 */
-    for (int t = 0; t < n; t++) {
-        const int8_t *q = xq + (size_t)t * k;
-#if defined(FOUNDRY_X86)
-        if (use_512) {
-            prepare_input_512(x + (size_t)t * k, k, shift, xq + (size_t)t * k,
-                              xd + (size_t)t * nb, corr + (size_t)t * (k / 4));
-            continue;
-        }
-#endif
-        quantize_input(x + (size_t)t * k, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
-        for (int g = 0; g < k / 4; g++)
-            corr[(size_t)t * (k / 4) + g] =
-                (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
-    }
+    const int8_t *xq = in->xq;
+    const float *xd = in->xd;
+    const int32_t *corr = in->corr;
     int r = 0;
 #if defined(FOUNDRY_X86)
     if (use_512 && type == T_Q8_0 && n > 1) { /* a block of inputs: tiles of rows x inputs */
-        const int rc = block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, n_out, y);
-        r = rc < 0 ? n_out : QT_ROWS * (n_out / QT_ROWS);
-        if (rc < 0) {
-            free(xq);
-            free(xd);
-            free(corr);
+        if (block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, ldy, y) < 0)
             return -1;
-        }
+        r = QT_ROWS * (n_out / QT_ROWS);
     } else if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
-        int8_t *x4 = NULL;
-        int32_t *corr4 = NULL;
-        if (type == T_Q4_0) {
-            x4 = malloc((size_t)n * k);
-            corr4 = malloc((size_t)n * (k / 8) * sizeof(int32_t));
-            if (x4 == NULL || corr4 == NULL) {
-                free(x4);
-                free(corr4);
-                free(xq);
-                free(xd);
-                free(corr);
-                return -1;
-            }
-            for (int t = 0; t < n; t++)
-                q4_layout(xq + (size_t)t * k, corr + (size_t)t * (k / 4), k,
-                          x4 + (size_t)t * k, corr4 + (size_t)t * (k / 8));
-        }
+        const int8_t *x4 = in->x4;
+        const int32_t *corr4 = in->corr4;
         const int per = use_512 ? ROWS : ROWS2, quarter = n_out / per;
         for (int t0 = 0; t0 < n; t0 += Q_TILE) /* a tile of inputs stays in L2 */
         for (int j = 0; j < quarter; j++)
@@ -833,22 +814,17 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
                 else
                     rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
                                 xd + (size_t)t * nb, nb, out);
-                for (int i = 0; i < per; i++) y[(size_t)t * n_out + j + i * quarter] = out[i];
+                for (int i = 0; i < per; i++) y[(size_t)t * ldy + j + i * quarter] = out[i];
             }
         r = per * quarter;
-        free(x4);
-        free(corr4);
     }
 #endif
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int rr = r; rr < n_out; rr++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * n_out + rr] =
+                y[(size_t)t * ldy + rr] =
                     dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k,
                           xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb);
-    free(xq);
-    free(xd);
-    free(corr);
     return 0;
 }
 
@@ -928,30 +904,26 @@ AVX2 static float dot_q1_avx2(int type, const uint8_t *w, int bsize, const int8_
 }
 #endif
 
-int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-              int n, float *y) {
-    const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
-    int8_t *xq = malloc((size_t)n * k);
-    float *xd = malloc((size_t)n * nb * sizeof(float));
-    float *sums = malloc((size_t)n * nb * sizeof(float));
-    if (xq == NULL || xd == NULL || sums == NULL) {
-        free(xq);
-        free(xd);
-        free(sums);
-        return -1;
-    }
-    for (int t = 0; t < n; t++) {
-        const int8_t *q = xq + (size_t)t * k;
+/* Inputs t0 .. t1 - 1 of a Q4_1 or Q5_1 product: int8 blocks as Q8_0's and ggml's Q8_1 sums. */
+void fill_q1(const mm_input *in, const float *x, int t0, int t1) {
+    const int k = in->k, nb = k / QK;
+    for (int t = t0; t < t1; t++) {
+        const int8_t *q = in->xq + (size_t)t * k;
         const float *xt = x + (size_t)t * k;
-        quantize_input(xt, k, QK, xq + (size_t)t * k, xd + (size_t)t * nb);
+        quantize_input(xt, k, QK, in->xq + (size_t)t * k, in->xd + (size_t)t * nb);
         for (int b = 0; b < nb; b++) { /* as ggml's Q8_1: s = fp16(sum * d), d float32 */
             int32_t s = 0;
             for (int i = 0; i < QK; i++) s += q[b * QK + i];
             float amax = 0.0f; /* a loop of its own: aarch64 gcc 12's vectorizer fails on both */
             for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xt[b * QK + i]));
-            sums[(size_t)t * nb + b] = round_f16((float)s * (amax / 127.0f));
+            in->sums[(size_t)t * nb + b] = round_f16((float)s * (amax / 127.0f));
         }
     }
+}
+
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+              const mm_input *in, int n, float *y, size_t ldy) {
+    const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
     float (*dot)(int, const uint8_t *, int, const int8_t *, const float *, const float *, int) =
         dot_q1_portable;
 #if defined(FOUNDRY_X86)
@@ -960,11 +932,8 @@ int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, co
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int r = 0; r < n_out; r++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * n_out + r] = dot(type, w + (size_t)r * row_bytes, bytes,
-                                               xq + (size_t)t * k, xd + (size_t)t * nb,
-                                               sums + (size_t)t * nb, nb);
-    free(xq);
-    free(xd);
-    free(sums);
+                y[(size_t)t * ldy + r] = dot(type, w + (size_t)r * row_bytes, bytes,
+                                             in->xq + (size_t)t * k, in->xd + (size_t)t * nb,
+                                             in->sums + (size_t)t * nb, nb);
     return 0;
 }
