@@ -225,7 +225,7 @@ def handshake_both(leader: Hello, worker: Hello) -> tuple[BaseException | None, 
 
     def run(i: int, hello: Hello) -> None:
         try:
-            exchange_hellos(links[i], hello)
+            exchange_hellos(links[i], hello, max_rows=1)
         except Exception as exc:
             errors[i] = exc
 

@@ -1,9 +1,12 @@
-"""The two-rank tensor-parallel protocol (seed: ``ds4_tp.h``) as a sans-IO codec.
+"""The tensor-parallel protocol (seed: ``ds4_tp.h``, two ranks; N ranks by our extension) as a
+sans-IO codec.
 
 Three byte formats live here, none of them touching a socket:
 
 - the **hello** (184 bytes), the first thing each rank sends on the control socket: protocol
   version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
+  in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 more bytes, the
+  :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
   frame's fixed part is a ``Layout`` (``foundry.wire.layout``, the form FDTC and the frontend
@@ -39,7 +42,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
-from foundry.model.tp_split import Gate  # the model's sync points, tagged on the data plane
+from foundry.model.tp_split import (  # the model's sync points, tagged on the data plane
+    MAX_SHARE,
+    MAX_WORLD,
+    Gate,
+)
 from foundry.wire.errors import IdentityMismatch as IdentityMismatch
 from foundry.wire.errors import LocalProtocolError
 from foundry.wire.errors import TpProtocolError as TpProtocolError
@@ -73,7 +80,11 @@ DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_T
 
 # Hello flag bits.
 HELLO_SHM_OFFERED = 1
-HELLO_FLAGS = HELLO_SHM_OFFERED
+HELLO_WORLD = 2  # the world extension follows the pair's 184 bytes (N ranks, shares)
+HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD
+# The most ranks of a world, and a share's bound (u16): as model.tp_split, which cuts by them.
+TP_MAX_WORLD = MAX_WORLD
+TP_MAX_SHARE = MAX_SHARE
 # Execution mode bits (the hello's u16 at offset 10), the seed's numbers: the flags that
 # ds4_tp_agree_execution_mode compares. Both ranks must state the same mode.
 DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT = 1  # every routed expert cut by its intermediate size
@@ -168,6 +179,58 @@ HELLO = struct.Struct(
     f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s"
 )
 HELLO_SIZE = HELLO.size
+# The world extension: world_size u16, rank u16, gate_port u16, reserved u16, shares 16 x u16.
+WORLD_EXT = struct.Struct(f"<HHHH{MAX_WORLD}H")
+HELLO_WORLD_SIZE = HELLO_SIZE + WORLD_EXT.size
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldInfo:
+    """The hello's world extension (``HELLO_WORLD``): what a world of N ranks agrees on beyond
+    the pair. ``rank``: the leader 0; a worker the rank it asks for, 0 for the next free one.
+    ``gate_port``: a worker's port for gate connections from higher ranks (N > 2), else 0.
+    ``shares``: one per rank, rank 0 first (``tp_split.norm_shares``)."""
+
+    world_size: int
+    shares: tuple[int, ...]
+    rank: int = 0
+    gate_port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("WorldInfo", "world_size", self.world_size, 2, MAX_WORLD)
+        _check_range("WorldInfo", "rank", self.rank, 0, self.world_size - 1)
+        _check_range("WorldInfo", "gate_port", self.gate_port, 0, _U16)
+        object.__setattr__(self, "shares", tuple(self.shares))
+        if len(self.shares) != self.world_size:
+            raise LocalProtocolError(
+                f"WorldInfo.shares holds {len(self.shares)} shares for a world of "
+                f"{self.world_size}"
+            )
+        for share in self.shares:
+            _check_range("WorldInfo", "shares", share, 1, MAX_SHARE)
+        if self.world_size == 2 and len(set(self.shares)) == 1:
+            raise LocalProtocolError(
+                "WorldInfo of the plain pair (2 ranks, equal shares): that pair sends no "
+                "world extension"
+            )
+
+    def encode(self) -> bytes:
+        shares = self.shares + (0,) * (MAX_WORLD - self.world_size)
+        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, 0, *shares)
+
+    @classmethod
+    def decode(cls, buf: Readable, offset: int = 0) -> WorldInfo:
+        world, rank, port, reserved, *shares = WORLD_EXT.unpack_from(buf, offset)
+        if reserved:
+            raise TpProtocolError(f"hello: world extension reserved word is {reserved}, not 0")
+        if not 2 <= world <= MAX_WORLD:
+            raise TpProtocolError(f"hello: world size {world} outside [2, {MAX_WORLD}]")
+        if any(shares[world:]):
+            raise TpProtocolError(f"hello: shares beyond the world of {world} are not 0")
+        try:
+            return cls(world_size=world, rank=rank, gate_port=port, shares=tuple(shares[:world]))
+        except LocalProtocolError as exc:
+            raise TpProtocolError(f"hello: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,9 +252,16 @@ class Hello:
     version: int = TP_PROTOCOL_VERSION
     execution_mode: int = 0
     architecture: str = "llama"  # the file's general.architecture
+    world: WorldInfo | None = None  # the extension: absent in the plain pair
+
+    @property
+    def size(self) -> int:
+        return HELLO_SIZE if self.world is None else HELLO_WORLD_SIZE
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
+        if self.world is not None and not isinstance(self.world, WorldInfo):
+            raise LocalProtocolError(f"Hello.world must be a WorldInfo, got {self.world!r}")
         if not ARCH_PATTERN.fullmatch(self.architecture):
             raise LocalProtocolError(
                 f"Hello.architecture {self.architecture!r} is not 1-16 characters of "
@@ -287,6 +357,30 @@ def check_execution_mode(mine: Hello, peer: Hello) -> None:
         )
 
 
+def _shares_text(world: WorldInfo | None) -> str:
+    return "1,1 (the plain pair)" if world is None else ",".join(map(str, world.shares))
+
+
+def check_world(mine: Hello, peer: Hello) -> None:
+    """Raise :class:`IdentityMismatch` unless both hellos state the same world: both the plain
+    pair, or the same world size and shares (every rank's slice), leader first."""
+    leader, worker = (mine, peer) if mine.role is Role.LEADER else (peer, mine)
+    lw, ww = leader.world, worker.world
+    lsize, wsize = (2 if w is None else w.world_size for w in (lw, ww))
+    if lsize != wsize:
+        raise IdentityMismatch(
+            f"world mismatch on world_size: leader has {lsize}, worker has {wsize}; run a "
+            "foundry release that speaks N ranks on every rank"
+        )
+    if _shares_text(lw) != _shares_text(ww):
+        raise IdentityMismatch(
+            f"world mismatch on shares: leader has {_shares_text(lw)}, worker has "
+            f"{_shares_text(ww)}; the worker states the leader's shares (a release mismatch)"
+        )
+    if lw is not None and lw.rank != 0:
+        raise IdentityMismatch(f"world mismatch on rank: the leader states rank {lw.rank}, not 0")
+
+
 def check_hello(mine: Hello, peer: Hello) -> None:
     """Everything both ranks must agree on before any inference: version, roles, identity,
     execution mode."""
@@ -299,6 +393,7 @@ def check_hello(mine: Hello, peer: Hello) -> None:
             f"start exactly one rank as the {other.name.lower()}"
         )
     check_identity(mine.identity, peer.identity, mine_role=mine.role)
+    check_world(mine, peer)
     if mine.architecture != peer.architecture:
         raise IdentityMismatch(
             f"architecture mismatch: this rank runs {mine.architecture!r}, the peer "
@@ -316,22 +411,29 @@ def _version_message(mine: int, peer: int) -> str:
 
 def _encode_hello(h: Hello) -> bytes:
     i = h.identity
-    flags = HELLO_SHM_OFFERED if h.shm_offered else 0
-    return HELLO.pack(
-        TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, h.execution_mode,
+    flags = (HELLO_SHM_OFFERED if h.shm_offered else 0) | (HELLO_WORLD if h.world else 0)
+    base = HELLO.pack(
+        TP_HELLO_MAGIC, h.version, h.size, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
         h.host_id, h.shm_name.encode(), h.architecture.encode(),
     )  # fmt: skip
+    return base if h.world is None else base + h.world.encode()
 
 
 def _decode_hello(buf: Readable, offset: int) -> Hello:
     v = HELLO.unpack_from(buf, offset)
-    version, role, flags, mode = v[1], v[3], v[4], v[5]
+    version, size, role, flags, mode = v[1], v[2], v[3], v[4], v[5]
     if role not in (Role.LEADER, Role.WORKER):
         raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
     if flags & ~HELLO_FLAGS:
         raise TpProtocolError(f"hello: unknown flags {flags:#x}")
+    if bool(flags & HELLO_WORLD) != (size == HELLO_WORLD_SIZE):
+        raise TpProtocolError(
+            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} but the hello "
+            f"is {size} bytes ({HELLO_WORLD_SIZE} with the world extension, {HELLO_SIZE} without)"
+        )
+    world = WorldInfo.decode(buf, offset + HELLO_SIZE) if flags & HELLO_WORLD else None
     if mode & ~EXECUTION_MODE_BITS:
         raise TpProtocolError(
             f"hello: execution mode {mode:#x} has bits this implementation does not run "
@@ -360,6 +462,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             version=version,
             execution_mode=mode,
             architecture=raw_arch.decode("ascii", errors="replace"),
+            world=world,
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None
@@ -397,6 +500,7 @@ class FrameType(enum.IntEnum):
     SYNC_CHECKPOINT = 22
     DSPARK_DRAFT = 23
     SPEC_RESTORE = 24
+    WORLD = 32  # Foundry's extension: the table of a world's workers (N > 2)
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -778,9 +882,63 @@ class SyncCheckpoint(_Frame):
         return super()._parse(buf, offset, length, **header)
 
 
+# WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
+WORLD_ENTRY = struct.Struct("<HH16sQ")
+
+
+@dataclass(frozen=True)
+class WorldPeer:
+    """One worker of a world, as the WORLD frame lists it: where its gate port is and the
+    token that port takes for this world."""
+
+    rank: int
+    gate_port: int
+    host: bytes  # 16 bytes, IPv6 (``ipaddress.IPv6Address(...).packed``; IPv4 mapped)
+    token: int
+
+    def __post_init__(self) -> None:
+        _check_range("WorldPeer", "rank", self.rank, 1, MAX_WORLD - 1)
+        _check_range("WorldPeer", "gate_port", self.gate_port, 1, _U16)
+        _check_range("WorldPeer", "token", self.token, 0, _U64)
+        if not isinstance(self.host, bytes) or len(self.host) != 16:
+            raise LocalProtocolError(f"WorldPeer.host must be 16 bytes, got {self.host!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class World(_Frame):
+    """The leader's table of every worker of a world of N > 2 ranks, rank order (1 .. N-1):
+    each worker dials the lower ranks' gate ports with it (docs/protocol.md, N ranks)."""
+
+    TYPE = FrameType.WORLD
+    PAYLOAD_UNIT = WORLD_ENTRY.size
+    peers: tuple[WorldPeer, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "peers", tuple(self.peers))
+        ranks = [p.rank for p in self.peers if isinstance(p, WorldPeer)]
+        if len(ranks) != len(self.peers) or ranks != list(range(1, len(ranks) + 1)) or not (
+            2 <= len(ranks) < MAX_WORLD
+        ):
+            raise LocalProtocolError(
+                f"World.peers must list ranks 1 .. N-1 in order, 3 <= N <= {MAX_WORLD}; got "
+                f"ranks {ranks}"
+            )
+
+    def _tail(self) -> bytes:
+        return b"".join(WORLD_ENTRY.pack(p.rank, p.gate_port, p.host, p.token)
+                        for p in self.peers)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        data = memoryview(buf)[offset : offset + length]
+        return {"peers": tuple(WorldPeer(*e) for e in WORLD_ENTRY.iter_unpack(data))}
+
+
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
+    | World
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -789,6 +947,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
+        World,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.
@@ -825,15 +984,19 @@ def logits_rows(max_sessions: int) -> int:
     return max(DS4_TP_BATCH_MAX_ROWS, max_sessions)
 
 
-def max_payload_for(identity: Identity, max_rows: int) -> int:
+def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None = None) -> int:
     """The largest legal control payload for this model on a pair whose commands return at
     most ``max_rows`` logits rows (``logits_rows``): the bound a rank's decoder uses, the
-    larger of these frames (docs/protocol.md, Limits, gives the same formula)."""
+    larger of these frames (docs/protocol.md, Limits, gives the same formula).
+    ``vocab_block``: the largest vocabulary block a worker returns (default the larger half,
+    the pair's; a world of N ranks or unequal shares passes its own)."""
     if max_rows < 1:
         raise LocalProtocolError(f"max_rows must be >= 1, got {max_rows}")
+    block = (identity.n_vocab + 1) // 2 if vocab_block is None else vocab_block
     return max(
         4 * identity.ctx_size,  # SYNC of a full context
-        4 + 4 * max_rows * ((identity.n_vocab + 1) // 2),  # LOGITS: rows of the larger half
+        4 + 4 * max_rows * block,  # LOGITS: rows of the larger half (of the largest block)
+        WORLD_ENTRY.size * (MAX_WORLD - 1),  # WORLD
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
         SyncCheckpoint.LAYOUT.size,
@@ -864,9 +1027,9 @@ class TpDecoder(FrameDecoder[Frame]):
 
     def _begin(self, header: bytes) -> int:
         if self._hello_next:
-            self._check_hello_prefix(header)
+            size = self._check_hello_prefix(header)
             self._hello_prefix = header
-            return HELLO_SIZE - HELLO_PREFIX.size
+            return size - HELLO_PREFIX.size
         ftype, session_id, seq, length = self._parse_header(header)
         self._header = (ftype, session_id, seq)
         return length
@@ -888,7 +1051,7 @@ class TpDecoder(FrameDecoder[Frame]):
         return TpProtocolError(message)
 
     @staticmethod
-    def _check_hello_prefix(prefix: bytes) -> None:
+    def _check_hello_prefix(prefix: bytes) -> int:
         magic, version, size = HELLO_PREFIX.unpack(prefix)
         if magic == TP_FRAME_MAGIC:
             raise TpProtocolError("expected the peer's hello first, got a control frame")
@@ -899,9 +1062,11 @@ class TpDecoder(FrameDecoder[Frame]):
             )
         if version != TP_PROTOCOL_VERSION:
             raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
-        if size != HELLO_SIZE:
-            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes, "
-                                  f"the peer says {size}")
+        if size not in (HELLO_SIZE, HELLO_WORLD_SIZE):
+            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes "
+                                  f"({HELLO_WORLD_SIZE} with the world extension), the peer "
+                                  f"says {size}")
+        return int(size)
 
     def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:
         magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack(header)
