@@ -69,7 +69,7 @@ from collections.abc import Callable
 
 from foundry.model.chat import template_for
 from foundry.model.gguf_meta import read_metadata
-from foundry.model.tp_split import Gate
+from foundry.model.tp_split import Gate, norm_shares
 from foundry.model.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
@@ -98,7 +98,13 @@ class Leader:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
+        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
+                                        options.world_size, options.shares)
+        if (self.model.weights.world, self.model.weights.shares) != (
+                options.world_size, norm_shares(options.world_size, options.shares)):
+            raise ValueError(f"the leader's slices are for rank 0 of {self.model.weights.world} "
+                             f"with shares {self.model.weights.shares}, not of the options' "
+                             f"{options.world_size}")
         self.identity = self.model.identity
         self.cfg = self.model.cfg
         metadata = read_metadata(options.model)
@@ -133,7 +139,7 @@ class Leader:
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
                                 self._stopping, self.engine.new_pair,
-                                architecture=self.model.architecture)
+                                architecture=self.model.architecture, cfg=self.cfg)
 
     # -- lifecycle -----------------------------------------------------------------------
 

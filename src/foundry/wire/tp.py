@@ -361,21 +361,27 @@ def _shares_text(world: WorldInfo | None) -> str:
     return "1,1 (the plain pair)" if world is None else ",".join(map(str, world.shares))
 
 
+class WorldMismatch(IdentityMismatch):
+    """The hellos state different worlds. A worker's first hello states none (it learns the
+    world from the leader's hello), so this one is expected once: the worker dials again with
+    the leader's world."""
+
+
 def check_world(mine: Hello, peer: Hello) -> None:
-    """Raise :class:`IdentityMismatch` unless both hellos state the same world: both the plain
+    """Raise :class:`WorldMismatch` unless both hellos state the same world: both the plain
     pair, or the same world size and shares (every rank's slice), leader first."""
     leader, worker = (mine, peer) if mine.role is Role.LEADER else (peer, mine)
     lw, ww = leader.world, worker.world
     lsize, wsize = (2 if w is None else w.world_size for w in (lw, ww))
     if lsize != wsize:
-        raise IdentityMismatch(
-            f"world mismatch on world_size: leader has {lsize}, worker has {wsize}; run a "
-            "foundry release that speaks N ranks on every rank"
+        raise WorldMismatch(
+            f"world mismatch on world_size: leader has {lsize}, worker has {wsize}; the "
+            "worker dials again with the leader's world"
         )
     if _shares_text(lw) != _shares_text(ww):
-        raise IdentityMismatch(
+        raise WorldMismatch(
             f"world mismatch on shares: leader has {_shares_text(lw)}, worker has "
-            f"{_shares_text(ww)}; the worker states the leader's shares (a release mismatch)"
+            f"{_shares_text(ww)}; the worker dials again with the leader's world"
         )
     if lw is not None and lw.rank != 0:
         raise IdentityMismatch(f"world mismatch on rank: the leader states rank {lw.rank}, not 0")
