@@ -121,6 +121,12 @@ def test_world_equals_one_process_standing_for_it(
     assert ours.shape == one.shape == (TOKENS, CFG.n_vocab)
     assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
     assert w.leader.leader.metrics.hash_checks.labels("match")._value.get() > 0
+    with Client(w.frontend) as c:
+        ranks = c.status().ranks
+    norm = norm_shares(world, shares)
+    assert [(r.rank, r.share, r.connected) for r in ranks] == [
+        (r, norm[r], True) for r in range(world)]
+    assert ranks[0].gate_wait_us == 0 and all(r.gate_wait_us > 0 for r in ranks[1:])
     if world > 2:
         # Another grouping of the same sums (the pair's) differs in the last bits.
         pair = reference_greedy(model, PROMPT, TOKENS, CHUNK, split)

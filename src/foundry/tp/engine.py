@@ -188,6 +188,20 @@ class LeaderEngine:
         """A pair formed by the bring-up (handshake thread)."""
         self._new_pairs.put(pair)
 
+    def rank_status(self) -> list[fw.RankStatus]:
+        """Every rank, its share and the mean gate wait for its partial (read from another
+        thread: single reads of the pair's gate counters)."""
+        pair = self._pair
+        gate = pair.gate if pair is not None and self.worker_connected else None
+        out = []
+        for rank, share in enumerate(self.shares):
+            wait_us = 0
+            if gate is not None and rank and gate.gates_done:
+                wait_us = round(1e6 * gate.peer_wait_s[rank] / gate.gates_done)
+            out.append(fw.RankStatus(rank, share, rank == 0 or gate is not None,
+                                     min(wait_us, 0xFFFFFFFF)))
+        return out
+
     def gate_latencies(self) -> list[tuple[Gate, float]]:
         """The most recent gate exchanges (up to 65536), oldest first: gate and seconds."""
         return list(self._gate_trace)

@@ -230,6 +230,7 @@ class Leader:
             model_id=i.model_id,
             spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
             requests_served=self._frontend_server.requests_served,
+            ranks=tuple(e.rank_status()),
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:

@@ -181,6 +181,11 @@ class GateExchange(abc.ABC):
         self.n_embd = n_embd
         self.timeout_s = timeout_s
         self.seq = first_seq  # the seq of the next gate
+        # Per rank: seconds from the start of each gate until that rank's partial was in,
+        # summed over ``gates_done`` gates (``STATUS``'s gate wait: the rank that gates
+        # everyone has the largest).
+        self.peer_wait_s = [0.0] * world
+        self.gates_done = 0
         self._failure: str | None = None
         self._closed = False
 
@@ -212,11 +217,15 @@ class GateExchange(abc.ABC):
             self._release()
             raise
         self.seq += 1
+        self.gates_done += 1
         return total.reshape(partial.shape)
 
     def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
         """The sum over the ranks of this gate: in a pair ``mine + peer``."""
-        total: npt.NDArray[np.float32] = mine + self._swap(tag, mine)
+        t0 = time.perf_counter()
+        peer = self._swap(tag, mine)
+        self.peer_wait_s[1 - self.rank] += time.perf_counter() - t0
+        total: npt.NDArray[np.float32] = mine + peer
         return total
 
     def close(self) -> None:
@@ -433,6 +442,7 @@ class MeshGateExchange(GateExchange):
         total = GATE_HEADER_SIZE + mine.nbytes
         sent = dict.fromkeys(self._socks, 0)
         got = dict.fromkeys(self._socks, 0)
+        t0 = time.perf_counter()
         last_progress = time.monotonic()
         while True:
             progress = False
@@ -448,6 +458,8 @@ class MeshGateExchange(GateExchange):
                         raise self._desync_from(r, tag, bytes(self._tags[r]))
                     got[r] += n
                     progress = progress or n > 0
+                    if got[r] == total:
+                        self.peer_wait_s[r] += time.perf_counter() - t0
             if all(v == total for v in sent.values()) and all(v == total for v in got.values()):
                 break
             now = time.monotonic()
