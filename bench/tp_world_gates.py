@@ -22,7 +22,7 @@ the extra hops and system calls, not a network's: a hop on a 1 Gb/s LAN adds ~60
 time for a 4 KiB decode partial.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/tp_world_gates.py [--worlds 3,4]
-        [--rows 1] [--n-embd 1024] [--gates 400] [--block 50]
+        [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from foundry.model.tp_split import Gate
+from foundry.transport import gates
 from foundry.transport.gates import MeshGateExchange, TcpGateExchange
 
 KINDS = ("all-to-all", "star", "ring")
@@ -212,7 +213,12 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--gates", type=int, default=400, help="gates per kind (default 400)")
     ap.add_argument("--block", type=int, default=50, help="gates per block of one kind")
+    ap.add_argument("--tcp-spin-us", type=float, default=None,
+                    help="the TCP gates' spin before they sleep in poll (default: the "
+                    "services' own, transport.gates.TCP_SPIN_S)")
     a = ap.parse_args()
+    if a.tcp_spin_us is not None:
+        gates.TCP_SPIN_S = a.tcp_spin_us * 1e-6
     worlds = [int(w) for w in a.worlds.split(",")]
     partial = a.rows * a.n_embd * 4
     print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "

@@ -256,8 +256,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     metrics = start_metrics(args, worker.metrics.registry)
-    which = "rank 1" if worker.model is not None else (
-        f"rank {options.rank}" if options.rank else "the next free rank")
+    which = f"rank {options.rank}" if options.rank else "the next free rank"
     print(
         f"tp-worker ready: {which} of {args.model}, leader {options.leader_host}:"
         f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")

@@ -377,8 +377,9 @@ class BringUp:
             self._gate_waiters[token] = waiter
             link.send(CommandAck(status=ACK_ACCEPTED, seq=token,
                                  session_id=0 if world is None else rank))
-            # The worker loads its slices now, then opens its gate link.
-            wait_s = o.handshake_timeout_s if world is None else LOAD_TIMEOUT_S
+            # The worker loads its slices now (unless it holds them from before), then opens
+            # its gate link.
+            wait_s = LOAD_TIMEOUT_S
             link.deadline = time.monotonic() + wait_s + o.handshake_timeout_s
             if transport is GateTransport.SHM:
                 gate, slab = slab, None

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from foundry.model.arch import spec as arch_spec
 from foundry.model.engines import make_engine
-from foundry.model.tp_split import MAX_WORLD, ExpertSplit, Gate, Shares
+from foundry.model.gguf_io import GGUFError
+from foundry.model.tp_split import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import recv_exact
 from foundry.tp.handshake import (
@@ -145,8 +146,8 @@ class Worker:
         self.options = options
         if options.rank is not None and options.rank < 1:
             raise ValueError(f"--rank must be >= 1 (rank 0 is the leader), got {options.rank}")
-        # The slices are loaded once the rank is known (the pair's rank 1 right away); the
-        # hello needs only the file's header.
+        # The slices are loaded once the leader's hello and answer say the world and the rank
+        # (kept across pairings while they stay); the hello needs only the file's header.
         self.model: RankModel | None = model
         if model is None:
             self.cfg, self.identity = header_model(options.model, options.ctx_size)
@@ -158,8 +159,6 @@ class Worker:
         self._kept = {"prefill": 0, "decode": 0}
         if model is not None:
             self._load(model.weights.rank, model.weights.world, model.weights.shares)
-        elif options.rank in (None, 1):
-            self._load(1, 2, (1, 1))  # the pair's worker, ready before it dials
         self._gate_listener: socket.socket | None = None
         self._world_seen: WorldInfo | None = None  # from the leader's last hello
         self._offer_shm = options.shm
@@ -223,6 +222,9 @@ class Worker:
                           o.leader_port, exc, MISMATCH_REPEATS)
             except RankRefused as exc:
                 log.error("%s", exc)
+                return EXIT_MISMATCH
+            except (SplitError, GGUFError) as exc:  # its slices cannot be cut from this file
+                log.error("cannot load rank %d's slices: %s", self.rank, exc)
                 return EXIT_MISMATCH
             except _Busy:
                 log.warning("the leader at %s:%d already has a worker%s; dialing again",
