@@ -56,7 +56,9 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     add_metrics_flag(p)
 
 
-def _shares(text: str) -> tuple[int, ...]:
+def _shares(text: str) -> tuple[int, ...] | None:
+    if not text:
+        return None  # equal shares (an empty value, as a deployment's unset variable gives)
     try:
         shares = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -88,7 +90,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--shares", type=_shares, default=None, metavar="W0,W1,...",
                       help="each rank's share of the model, rank 0 first, as integer weights "
                       "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
-                      "machine takes the smaller one (default: equal)")
+                      "machine takes the smaller one (default, or empty: equal)")
     lead.add_argument("--max-sessions", type=positive_int, default=16,
                       help="generations decoded at once (default 16)")
     lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
