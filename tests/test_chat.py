@@ -21,7 +21,9 @@ import pytest
 from procs import ENV
 from tp_harness import make_model, reference_greedy
 
-from foundry.model.chat import (
+from foundry.model.infer.generate import printable
+from foundry.model.spec.config import EOS_ID
+from foundry.model.text.chat import (
     BUILTINS,
     ChatTemplate,
     ChatTemplateError,
@@ -30,9 +32,7 @@ from foundry.model.chat import (
     prompt_text,
     template_for,
 )
-from foundry.model.config import EOS_ID
-from foundry.model.data import decode
-from foundry.model.generate import printable
+from foundry.model.text.vocab.byte import decode
 
 TEMPLATES = Path(os.environ.get(
     "FOUNDRY_LLAMA_VOCAB_DIR",

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from foundry.model.config import PRESETS, ModelConfig
+from foundry.hardware import profile_accumulation_steps, profile_batch_size
+from foundry.model.spec.config import PRESETS, ModelConfig
 from foundry.swarm.model_config import config_of, model_config_msg
 from foundry.wire.errors import (
     FdtcProtocolError,
@@ -77,8 +78,6 @@ from foundry.wire.fdtc import (
     encode,
     encode_parts,
     msg_type_name,
-    profile_accumulation_steps,
-    profile_batch_size,
     profile_name,
     train_plan_flags,
     weights_messages,
@@ -897,7 +896,7 @@ def test_transition_table_shape() -> None:
 
 
 def test_exports_file_types_are_the_gguf_writers_in_order() -> None:
-    from foundry.model.gguf_io import FILE_DTYPES
+    from foundry.model.formats.gguf_io import FILE_DTYPES
 
     assert tuple(t.name.lower() for t in FileType) == FILE_DTYPES
     assert [int(t) for t in FileType] == list(range(len(FILE_DTYPES)))

@@ -44,8 +44,8 @@ from foundry.gateway.errors import (
     InvalidRequest,
 )
 from foundry.gateway.frontend_client import FrontendClient
-from foundry.model.config import ModelConfig
-from foundry.model.data import decode
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import decode
 from foundry.wire import frontend as fw
 
 T = TypeVar("T")

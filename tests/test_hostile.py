@@ -34,8 +34,7 @@ from tp_harness import (
 )
 
 from foundry.api.v1 import inference_pb2
-from foundry.model import transformer as T
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     ALIGN,
     HEADER,
     CheckpointError,
@@ -49,10 +48,11 @@ from foundry.model.checkpoint import (
     start_fresh,
     verify_checkpoint,
 )
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode
-from foundry.model.gguf_io import load_gguf, save_gguf
-from foundry.model.inference import Engine
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import encode
 from foundry.wire import frontend as fw
 from foundry.wire.tp import HELLO_PREFIX, HELLO_SIZE, TP_HELLO_MAGIC, TP_PROTOCOL_VERSION
 

@@ -11,7 +11,8 @@ build does (float16 scales for blocks of 32, its Q8_K for 256) and the cache is 
 its default, so the first row (one position: attention is V itself) agrees to 5.1e-5; later
 rows differ by up to 0.44 (measured on these rows: 0.31-0.44 on the last, of logits near 20),
 which is as close as llama.cpp's own two paths are to each other on this model (the prompt as
-one batch against token by token: `bench/published.py`, docs/models.md). The test allows 0.6.
+one batch against token by token: `bench/quality/published.py`, docs/models.md). The test allows
+0.6.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from foundry.model.arch import ArchConfig
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine
-from foundry.model.quant import QTensor
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels.quant import QTensor
+from foundry.model.spec.arch import ArchConfig
 
 REFS = json.loads((Path(__file__).parent / "refs" / "gemma3_270m.json").read_text())
 ABS_TOL = 0.6

@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine
-from foundry.model.quant import Param, QType, quantize
-from foundry.model.tp_split import rank_weights
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels.quant import Param, QType, quantize
+from foundry.model.nn import transformer as T
+from foundry.model.shard import rank_weights
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import exchange_hellos
 from foundry.tp.link import ControlLink
 from foundry.tp.lockstep import LockstepError, RankState, TracingExchange

@@ -19,11 +19,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine, Gate, GateExchange, Session
-from foundry.model.quant import QTensor, QType, quantize
-from foundry.model.tp_split import (
+from foundry.model.infer.inference import Engine, Gate, GateExchange, Session
+from foundry.model.kernels.quant import QTensor, QType, quantize
+from foundry.model.nn import transformer as T
+from foundry.model.shard import (
     SPLIT_TABLE,
     SPLIT_TABLES,
     ExpertSplit,
@@ -41,6 +40,7 @@ from foundry.model.tp_split import (
     share_blocks,
     share_range,
 )
+from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 

@@ -30,8 +30,8 @@ from tp_harness import (
     wait_paired,
 )
 
-from foundry.model.config import ModelConfig
-from foundry.model.tp_split import ExpertSplit, norm_shares
+from foundry.model.shard import ExpertSplit, norm_shares
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.policy import SpecMode

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode
-from foundry.model.gguf_io import FileDType, load_gguf_stored, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.sampling import sample
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.formats.gguf_io import FileDType, load_gguf_stored, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import sample
+from foundry.model.nn import transformer as T
+from foundry.model.shard import ExpertSplit
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import encode
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.leader import Leader, LeaderOptions, LogitsHook
 from foundry.wire import frontend as fw

@@ -14,8 +14,8 @@ Any other machine is classified by cores and memory (``MACHINE_CLASSES``, first 
 Memory thresholds sit about 10 % under the nominal size, because MemTotal excludes what the
 firmware and kernel reserve (a "16 GB" laptop reports about 15.5 GiB).
 
-The batch table (micro-batch and accumulation per profile) lives with the wire enum in
-``foundry.wire.fdtc`` and is re-exported here.
+The batch table (micro-batch and accumulation per profile, ``PROFILE_TABLE``) is policy and
+lives here; the profile enum and its names are the wire's (``foundry.wire.fdtc``).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ import math
 import os
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
-from foundry.wire.fdtc import (
-    HardwareProfile,
-    profile_accumulation_steps,
-    profile_batch_size,
-    profile_name,
-)
+from foundry.wire.fdtc import HardwareProfile, profile_name
 
 __all__ = [
     "MACHINE_CLASSES",
+    "PROFILE_TABLE",
     "HardwareInfo",
     "classify",
     "detect_profile",
@@ -45,6 +43,42 @@ __all__ = [
 ]
 
 GIB_MB = 1024  # memory is counted in MiB ("memory_mb" on the wire)
+
+# sw_profile_batch_size / sw_profile_accumulation_steps. Samples per round grow with the
+# machine's expected compute (a Pi 4 ~ 2x a Pi 3, each class above ~ 2x the one below); the
+# micro-batch is what memory allows, and accumulation makes up the rest, so small devices run
+# small batches and accumulate more. The coordinator re-balances by measured samples/s later.
+# profile: (micro-batch, accumulation steps), and samples per round in the comment.
+PROFILE_TABLE: Mapping[HardwareProfile, tuple[int, int]] = MappingProxyType({
+    HardwareProfile.RPI3: (1, 8),  # 8
+    HardwareProfile.RPI4_2G: (2, 8),  # 16
+    HardwareProfile.RPI4_4G: (4, 4),  # 16
+    HardwareProfile.RPI4_8G: (8, 2),  # 16
+    HardwareProfile.LAPTOP_LIGHT: (8, 4),  # 32
+    HardwareProfile.LAPTOP_MID: (16, 4),  # 64
+    HardwareProfile.DESKTOP_MID: (32, 4),  # 128
+    HardwareProfile.DESKTOP_HEAVY: (64, 4),  # 256
+    HardwareProfile.SERVER: (128, 4),  # 512
+    HardwareProfile.UNKNOWN: (2, 4),  # 8: as careful as a Pi 3 until measured
+})
+
+
+def _known(profile: int) -> HardwareProfile:
+    try:
+        return HardwareProfile(profile)
+    except ValueError:
+        return HardwareProfile.UNKNOWN
+
+
+def profile_batch_size(profile: int) -> int:
+    """sw_profile_batch_size: the micro-batch a machine of this profile starts with."""
+    return PROFILE_TABLE[_known(profile)][0]
+
+
+def profile_accumulation_steps(profile: int) -> int:
+    """sw_profile_accumulation_steps: micro-batches accumulated per round at the start."""
+    return PROFILE_TABLE[_known(profile)][1]
+
 
 # Non-Pi machines: (profile, at least this many cores, at least this much memory in MiB).
 MACHINE_CLASSES: tuple[tuple[HardwareProfile, int, int], ...] = (

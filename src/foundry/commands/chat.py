@@ -39,12 +39,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from foundry.model.chat import ChatTemplateError, Message, prompt_text, template_for
-    from foundry.model.generate import printable
-    from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.inference import Engine
-    from foundry.model.sampling import SamplingError, make_rng, sample
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.infer.generate import printable
+    from foundry.model.infer.inference import Engine
+    from foundry.model.infer.sampling import SamplingError, make_rng, sample
+    from foundry.model.text.chat import ChatTemplateError, Message, prompt_text, template_for
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
     from foundry.tp.policy import TextStream
 
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from foundry.model import recipe
-from foundry.model.backend import DEVICES
+from foundry.model.nn.device import DEVICES
+from foundry.model.train import recipe
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
 from foundry.wire.fdtc import FRAGMENT_SIZE, MAX_PAYLOAD, Fragment

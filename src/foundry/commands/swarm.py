@@ -28,12 +28,12 @@ from foundry.commands.common import (
     tls_note,
     whole_in,
 )
-from foundry.model import recipe
-from foundry.model.backend import DEVICES
-from foundry.model.checkpoint import DEFAULT_KEEP_LAST
-from foundry.model.config import PRESETS, preset
-from foundry.model.gguf_io import FILE_DTYPES
-from foundry.model.training import TrainSettings
+from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.nn.device import DEVICES, DeviceError
+from foundry.model.spec.config import PRESETS, preset
+from foundry.model.train import recipe
+from foundry.model.train.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.transport.stream import LINK_DEAD_AFTER_S
 from foundry.wire.fdtc import MAX_MESSAGE, MAX_QSGD_LEVELS, Compression
@@ -203,14 +203,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from foundry.model import backend as compute
-    from foundry.model.checkpoint import (
+    from foundry.model.formats.checkpoint import (
         CheckpointError,
         DirectoryLock,
         check_directory,
         start_fresh,
     )
-    from foundry.model.data import DataError, load_corpus
+    from foundry.model.text.data import DataError, load_corpus
+    from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
@@ -236,7 +236,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         DirectoryLock(args.checkpoint_dir, "foundry coordinator").acquire()
         if args.fresh:
             start_fresh(args.checkpoint_dir)
-    except (DataError, TlsConfigError, CheckpointError, compute.BackendError) as exc:
+    except (DataError, TlsConfigError, CheckpointError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Every round allocates and frees the same weight, gradient and optimizer buffers (13.7 MB
@@ -331,8 +331,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model import backend as compute
-    from foundry.model.data import DataError, load_corpus
+    from foundry.model.text.data import DataError, load_corpus
+    from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
 
@@ -341,7 +341,7 @@ def run_worker(args: argparse.Namespace) -> int:
         corpus = load_corpus(args.data)
         tls = tls_context(args, server=False)
         backend = compute.select(args.device, bf16=args.bf16)
-    except (ValueError, DataError, compute.BackendError) as exc:
+    except (ValueError, DataError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if backend is not compute.NUMPY:
@@ -386,9 +386,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from foundry.model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-    from foundry.model.gguf_io import GGUFError, save_gguf
-    from foundry.model.outfile import OutputRefused, check_output
+    from foundry.model.formats.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from foundry.model.formats.gguf_io import GGUFError, save_gguf
+    from foundry.model.formats.outfile import OutputRefused, check_output
 
     try:
         check_output(args.out, force=args.force)

@@ -23,7 +23,7 @@ from foundry.commands.common import (
     tls_context,
     tls_note,
 )
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 
@@ -156,8 +156,8 @@ def _limit_threads(n: int) -> int | None:
 
 
 def run_leader(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -224,8 +224,8 @@ def run_leader(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -258,9 +258,10 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     metrics = start_metrics(args, worker.metrics.registry)
-    which = f"rank {options.rank}" if options.rank else "the next free rank"
+    ready = (f"tp-worker ready: rank {options.rank} of {args.model}" if options.rank
+             else f"tp-worker ready: the next free rank of {args.model}")
     print(
-        f"tp-worker ready: {which} of {args.model}, leader {options.leader_host}:"
+        f"{ready}, leader {options.leader_host}:"
         f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
         + (" (tls)" if tls else ""),
         flush=True,

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import port_number, positive_float, positive_int
-from foundry.model import recipe
-from foundry.model.config import PRESETS
+from foundry.model.spec.config import PRESETS
+from foundry.model.train import recipe
 from foundry.up.pipeline import run_stack
 from foundry.up.plan import MAX_CHECKPOINT_EVERY, MIN_CHECKPOINT_EVERY, StackError, StackOptions
 

@@ -19,11 +19,11 @@ import numpy as np
 
 from foundry.compression import largest_section
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
-from foundry.model.backend import NUMPY, Backend
-from foundry.model.checkpoint import DEFAULT_KEEP_LAST
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
-from foundry.model.training import Trainer, TrainSettings
+from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus
+from foundry.model.train.backend import NUMPY, Backend
+from foundry.model.train.training import Trainer, TrainSettings
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy, sync
@@ -33,7 +33,8 @@ from foundry.wire.fdtc import Compression
 
 log = logging.getLogger("foundry.coordinator")
 
-# Our workers heartbeat every 0.5 s; one silent this long is dropped (DESIGN: within 3 s).
+# Our workers heartbeat every 0.5 s; one silent this long is dropped (within 3 s:
+# docs/decisions.md, D4).
 HEARTBEAT_TIMEOUT_S = 2.5
 # The seed fixes no heartbeat interval: a seed-only peer is judged by its own cadence once two
 # heartbeats showed it (policy.liveness_timeout), and may stay silent this long before that.

@@ -12,22 +12,22 @@ from pathlib import Path
 
 import numpy as np
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointError,
     CheckpointState,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
-from foundry.model.data import compressor_bits_per_byte
-from foundry.model.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
-from foundry.model.training import (
+from foundry.model.formats.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
+from foundry.model.nn.transformer import init_params
+from foundry.model.text.data import compressor_bits_per_byte
+from foundry.model.train.training import (
     Params,
     Trainer,
     against_compressors,
     bits_per_byte,
 )
-from foundry.model.transformer import init_params
 from foundry.obs.timeline import now_us
 from foundry.swarm.core import CoordinatorOptions, SwarmCore
 from foundry.swarm.downlink import Downlink

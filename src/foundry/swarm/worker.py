@@ -38,11 +38,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from foundry.compression import Compressor, deserialize_tensors, get_codec
-from foundry.hardware import HardwareInfo, detect_profile
-from foundry.model.backend import NUMPY, Backend
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus, DataError
-from foundry.model.training import GradientResult, Params
+from foundry.hardware import HardwareInfo, detect_profile, profile_batch_size
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus, DataError
+from foundry.model.train.backend import NUMPY, Backend
+from foundry.model.train.training import GradientResult, Params
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import sync
@@ -228,7 +228,10 @@ class Worker:
                 return 1
             delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
             hint = (" (with TLS, the coordinator closes the link of a worker whose certificate "
-                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else "")
+                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else
+                    " (a coordinator started with --tls-cert closes a plaintext worker's link "
+                    "at once: if it runs TLS, give this worker --tls-cert, --tls-key and "
+                    "--tls-ca, docs/guide/tls.md)")
             log.warning("the coordinator %s:%d ended the link before accepting this worker: "
                         "%s%s; retrying in %.1fs", self.opt.host, self.opt.port, why, hint, delay)
             await asyncio.sleep(delay)
@@ -257,7 +260,7 @@ class Worker:
                 profile=hw.profile,
                 num_cores=hw.cores,
                 memory_mb=hw.memory_mb,
-                suggested_batch_size=fdtc.profile_batch_size(hw.profile),
+                suggested_batch_size=profile_batch_size(hw.profile),
             ),
         )
         heartbeat: asyncio.Task[None] | None = None

@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from foundry.model.config import ModelConfig
-from foundry.model.tp_split import Shares, norm_shares
+from foundry.model.shard import Shares, norm_shares
+from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import (
     ACK_ACCEPTED,

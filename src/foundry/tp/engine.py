@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.engines import make_engine
-from foundry.model.sampling import SamplingError, logprobs, sample
-from foundry.model.tp_split import Gate, share_blocks
+from foundry.model.infer.engines import make_engine
+from foundry.model.infer.sampling import SamplingError, logprobs, sample
+from foundry.model.shard import Gate, share_blocks
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
 from foundry.tp.frontend_server import Request

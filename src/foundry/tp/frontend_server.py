@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from foundry.model.chat import ChatTemplate, ChatTemplateError, Message, prompt_text
-from foundry.model.inference import Session
-from foundry.model.sampling import make_rng
-from foundry.model.vocab import Tokenizer
+from foundry.model.infer.inference import Session
+from foundry.model.infer.sampling import make_rng
+from foundry.model.text.chat import ChatTemplate, ChatTemplateError, Message, prompt_text
+from foundry.model.text.vocab import Tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.policy import TextStream
 from foundry.transport.stream import AsyncStream, FrameTimeout

@@ -33,12 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.arch import spec as arch_spec
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
-from foundry.model.inference import default_ctx
-from foundry.model.quant import NOMINAL_BITS, Param, QType
-from foundry.model.tp_split import (
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.infer.sessions import default_ctx
+from foundry.model.kernels.quant import Param, QType
+from foundry.model.kernels.types import TYPES
+from foundry.model.shard import (
     ExpertSplit,
     RankWeights,
     Shares,
@@ -47,6 +46,8 @@ from foundry.model.tp_split import (
     shard_part,
     share_blocks,
 )
+from foundry.model.spec.arch import spec as arch_spec
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.link import ControlLink, LinkError
 from foundry.wire.tp import (
     DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
@@ -67,7 +68,8 @@ WORLD = 2  # the plain pair
 LOAD_TIMEOUT_S = 600.0
 # How the services cut the routed experts unless told otherwise: every expert by its intermediate
 # size, so both ranks do the same work for every token (docs/tp.md, "Expert split", has the
-# figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
+# figures); ``--expert-split experts`` gives the contiguous halves of the experts
+# (docs/decisions.md, D3).
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 
@@ -104,7 +106,7 @@ def quant_bits(values_by_type: Mapping[QType, int]) -> int:
     if not values_by_type:
         raise ValueError("a model without tensors has no weight type")
     most = max(values_by_type, key=lambda t: (values_by_type[t], -int(t)))
-    return NOMINAL_BITS[most]
+    return TYPES[most].nominal_bits
 
 
 def world_info(

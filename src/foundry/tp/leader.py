@@ -67,10 +67,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from foundry.model.chat import template_for
-from foundry.model.gguf_meta import read_metadata
-from foundry.model.tp_split import Gate, norm_shares
-from foundry.model.vocab import load_tokenizer
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.shard import Gate, norm_shares
+from foundry.model.text.chat import template_for
+from foundry.model.text.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
 from foundry.tp.engine import LeaderEngine, LogitsHook

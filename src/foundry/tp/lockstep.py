@@ -55,9 +55,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.engines import InferenceEngine
-from foundry.model.inference import Session
-from foundry.model.tp_split import Gate
+from foundry.model.infer.engines import InferenceEngine
+from foundry.model.infer.inference import Session
+from foundry.model.shard import Gate
 from foundry.tp.policy import common_prefix
 from foundry.transport.gates import GateError
 from foundry.wire.tp import (

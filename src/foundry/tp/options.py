@@ -7,7 +7,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.tp_split import MAX_WORLD, ExpertSplit
+from foundry.model.shard import MAX_WORLD, ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.policy import MAX_DRAFT, SpecMode
@@ -44,13 +44,13 @@ class LeaderOptions:
     handshake_timeout_s: float = 5.0
     # How the routed experts are cut (the worker must run the same: the hello checks it).
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     # Security and limits (docs/guide/tls.md, TLS and limits): TLS on both listeners,
     # the frontend's connection limit, and the deadline of a frame begun on either link.
     tls: ssl.SSLContext | None = None
     frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
-    # --chat-template: a built-in's name or a Jinja file (foundry.model.chat.template_for).
+    # --chat-template: a built-in's name or a Jinja file (foundry.model.text.chat.template_for).
     chat_template: str | None = None
     # --world-size and --shares: the ranks this leader serves with (2: the pair) and each
     # one's share of the model (None: equal; docs/tp.md, "N ranks").

@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.arch import spec as arch_spec
-from foundry.model.engines import make_engine
-from foundry.model.gguf_io import GGUFError
-from foundry.model.tp_split import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
+from foundry.model.formats.gguf_io import GGUFError
+from foundry.model.infer.engines import make_engine
+from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
+from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import recv_exact
 from foundry.tp.handshake import (
@@ -119,7 +119,7 @@ class WorkerOptions:
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
     rank: int | None = None  # --rank: the rank to ask for (None: the next free one)

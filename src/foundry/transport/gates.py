@@ -67,7 +67,7 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.tp_split import Gate
+from foundry.model.shard import Gate
 from foundry.wire.tp import (
     GATE_HEADER,
     GATE_HEADER_SIZE,
@@ -96,7 +96,7 @@ SHM_SPIN_S = 2e-3
 SHM_YIELD_POLLS = 32
 # Then sleep, doubling from the first to the last value. The peer computes on another core, so
 # a nap is pure added latency per gate: 1 ms naps made the slab slower than TCP inside the
-# pair (bench/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
+# pair (bench/performance/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
 SHM_SLEEP_FIRST_S = 20e-6
 SHM_SLEEP_MAX_S = 100e-6
 
@@ -192,7 +192,7 @@ class GateExchange(abc.ABC):
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> npt.NDArray[np.float32]:
         """``partial`` (rows, n_embd) or (n_embd,) float32 plus the peer's; same shape back.
 
-        ``gate`` is a :class:`~foundry.model.tp_split.Gate` or any int enum with its values.
+        ``gate`` is a :class:`~foundry.model.shard.Gate` or any int enum with its values.
         """
         if partial.dtype != _F32 or partial.ndim not in (1, 2) or partial.shape[-1] != self.n_embd:
             raise ValueError(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model import recipe
+from foundry.model.train import recipe
 
 # The services' own ``foundry`` entry point, run with this interpreter so a venv is honoured.
 FOUNDRY = (sys.executable, "-m", "foundry")
@@ -21,7 +21,7 @@ class StackError(Exception):
 @dataclass(frozen=True)
 class StackOptions:
     # The demo's training is the recipe every command that trains defaults to
-    # (foundry.model.recipe): about a minute and a half on two quiet cores.
+    # (foundry.model.train.recipe): about a minute and a half on two quiet cores.
     steps: int = recipe.STEPS
     workers: int = 2
     base_port: int = 7070
