@@ -334,12 +334,16 @@ typedef struct { /* what one part holds of a layer (inference._PartLayer) */
     const float *bias[3], *q_norm, *k_norm;
 } step_part;
 
+/* The most parts one layer's plan holds: a rank holds one; one process standing for a world of
+ * N ranks holds N (model.shard.MAX_WORLD). */
+#define STEP_MAX_PARTS 16
+
 typedef struct {
     int d, dh, half, neox, qk_norm, window, gelu, n_parts;
     int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
     float eps;
     const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
-    step_part parts[2];
+    step_part parts[STEP_MAX_PARTS];
 } step_layer;
 
 size_t step_room(const step_layer *l, int n_pos);
