@@ -11,6 +11,7 @@ are processes. The file's 4 kv heads take 2, 3 and 4 ranks.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -52,13 +53,13 @@ class World:
     """The leader in this process (its logits rows collected), the workers as processes."""
 
     def __init__(self, model: Path, tmp: Path, world: int, shares: tuple[int, ...] | None,
-                 split: ExpertSplit, ranks: list[int | None]) -> None:
+                 split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK) -> None:
         limit_blas_threads(1)
         self.rows: list[np.ndarray] = []
         self.model, self.tmp, self.split = model, tmp, split
         self.leader = InProcessLeader(
             LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
-                          prefill_chunk=CHUNK, spec_mode=SpecMode.OFF, hash_check=True,
+                          prefill_chunk=prefill_chunk, spec_mode=SpecMode.OFF, hash_check=True,
                           world_size=world, shares=shares, expert_split=split,
                           gate_timeout_s=3.0, control_timeout_s=3.0),
             hook=lambda rid, r: self.rows.append(r.copy()),
@@ -162,6 +163,60 @@ def test_a_killed_rank_is_waited_for_and_the_world_resynced(
     log = w.workers[0].text()
     assert log.count("paired with the leader") == 2
     assert log.count("loading rank 1 of 3") == 1
+
+
+def test_a_cancel_stops_every_rank_at_one_checkpoint(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    """A prefill cancelled mid-way: the leader's verdict at the next checkpoint stops all
+    three ranks at the same position (each worker logs it), their hashes still match, and the
+    world serves on."""
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], prefill_chunk=2)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    metrics = w.leader.leader.metrics
+    sent = metrics.gate_bytes.labels("sent")
+    before = sent._value.get()
+    with Client(w.frontend) as c:
+        c.send(fw.Generate(1, "long prompt " * 18, 10))
+        wait_for(lambda: sent._value.get() > before, 30, "the prefill's first gates", poll_s=0.01)
+        c.send(fw.Cancel(1))
+        (r,) = c.wait([1])
+        assert isinstance(r.end, fw.Done) and r.end.reason is fw.DoneReason.CANCELLED
+        assert isinstance(c.generate("hi", 3, request_id=2).end, fw.Done)  # still serving
+    pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
+    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+             for p in w.workers]
+    assert found[0].groups() == found[1].groups()
+    assert 0 <= int(found[0].group(1)) < int(found[0].group(2))
+    assert metrics.hash_checks.labels("mismatch")._value.get() == 0
+    assert metrics.hash_checks.labels("match")._value.get() >= 2
+
+
+def test_a_worker_asking_to_stop_stops_every_rank_at_one_checkpoint(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    """SIGTERM to rank 2 during a prefill: it asks to stop at the next checkpoint, and the
+    leader's verdict stops rank 1 there too (without it rank 1 would run into the next chunk's
+    gates alone); rank 2 exits 0, and the world waits for it."""
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], prefill_chunk=2)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    sent = w.leader.leader.metrics.gate_bytes.labels("sent")
+    before = sent._value.get()
+    with Client(w.frontend) as c:
+        c.send(fw.Generate(1, "long prompt " * 18, 10))
+        wait_for(lambda: sent._value.get() > before, 30, "the prefill's first gates", poll_s=0.01)
+        w.workers[1].popen.send_signal(signal.SIGTERM)
+        (r,) = c.wait([1])
+    assert isinstance(r.end, fw.Done | fw.Error)
+    assert w.workers[1].exit_code(timeout=30) == 0
+    pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
+    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+             for p in w.workers]
+    assert found[0].groups() == found[1].groups()
+    wait_paired(w.frontend, connected=False)
+    w.workers[1] = w.start(2, 9)  # back for the fixture's clean stop
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
