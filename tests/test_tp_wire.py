@@ -675,6 +675,23 @@ def test_max_payload_follows_the_largest_frame_of_the_model() -> None:
     assert tp.max_payload_for(ident, 8) == 8 + 4 * 40_000 + batch_items
 
 
+def test_max_payload_follows_the_largest_worker_block_of_a_world() -> None:
+    """With shares a worker may return more than half the vocabulary (1,3: rank 1 holds 3/4):
+    the leader's bound follows its block, and a LOGITS of it passes where the half would not."""
+    from foundry.model.spec.config import ModelConfig
+    from foundry.tp.handshake import largest_worker_block
+
+    cfg = ModelConfig(n_vocab=262_144)
+    assert largest_worker_block(cfg, (1, 1)) == 131_072
+    assert largest_worker_block(cfg, (1, 3)) == 196_608
+    assert largest_worker_block(cfg, (2, 1, 1)) == 65_536
+    ident = dataclasses.replace(IDENTITY, n_vocab=262_144)
+    limit = tp.max_payload_for(ident, 16, 196_608)
+    assert limit == 4 + 4 * 16 * 196_608
+    assert _logits_header_accepted(limit, 16, 196_608)
+    assert not _logits_header_accepted(tp.max_payload_for(ident, 16), 16, 196_608)
+
+
 def test_logits_rows_cover_a_verify_block_and_every_session() -> None:
     assert tp.logits_rows(1) == tp.logits_rows(8) == tp.DS4_TP_BATCH_MAX_ROWS == 8
     assert tp.logits_rows(9) == 9 and tp.logits_rows(16) == 16

@@ -219,6 +219,13 @@ def test_a_worker_asking_to_stop_stops_every_rank_at_one_checkpoint(
     w.workers[1] = w.start(2, 9)  # back for the fixture's clean stop
 
 
+def test_tls_is_refused_for_a_world_of_more_than_two(model: Path) -> None:
+    import ssl
+
+    with pytest.raises(ValueError, match="TLS covers the pair only: a world of 3 ranks"):
+        LeaderOptions(model=model, world_size=3, tls=ssl.create_default_context())
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "foundry", *args], capture_output=True,
                           text=True, timeout=60)

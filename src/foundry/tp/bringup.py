@@ -384,11 +384,7 @@ class BringUp:
             if transport is GateTransport.SHM:
                 gate, slab = slab, None
             else:
-                try:
-                    gsock = waiter.get(timeout=wait_s)
-                except queue.Empty:
-                    raise LinkError(f"worker {link.peer} opened no gate connection within "
-                                    f"{wait_s:g} s") from None
+                gsock = self._await_gate(link, waiter, wait_s)
                 if self.world == 2:
                     gate, gsock = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
                                                   timeout_s=o.gate_timeout_s), None
@@ -426,6 +422,26 @@ class BringUp:
                 if gsock is not None:
                     gsock.close()
                 link.close()
+
+    @staticmethod
+    def _await_gate(link: ControlLink, waiter: queue.Queue[socket.socket],
+                    wait_s: float) -> socket.socket:
+        """The worker's gate connection, once it has loaded its slices: up to ``wait_s``, but
+        a worker that hangs up meanwhile (its load failed) is given up at once."""
+        deadline = time.monotonic() + wait_s
+        poller = select.poll()
+        poller.register(link.sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        while True:
+            try:
+                return waiter.get(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                pass
+            if poller.poll(0):
+                raise LinkError(f"worker {link.peer} hung up before opening its gate "
+                                "connection (see its log)")
+            if time.monotonic() >= deadline:
+                raise LinkError(f"worker {link.peer} opened no gate connection within "
+                                f"{wait_s:g} s")
 
     def _join(self, member: Member) -> None:
         """A world's worker is up to its gate link: wait for the others, or, the last one,
