@@ -41,8 +41,10 @@ from foundry.model.shard import (
     ExpertSplit,
     RankWeights,
     Shares,
+    SplitKind,
     norm_shares,
     rank_layout,
+    rule_for,
     shard_part,
     share_blocks,
 )
@@ -155,6 +157,14 @@ def identity_for(path: Path, cfg: ModelConfig, ctx_size: int) -> Identity:
         gate_slot_step=1,
         gates_per_token=2 * cfg.n_layer,
     )
+
+
+def check_replicated(path: Path) -> None:
+    """Read the tensors every rank holds whatever its rank (embeddings, norms, routers) and
+    check them (a damaged file is refused with the tensor's name, ``GGUFError``), keeping
+    nothing: what a worker can check before the leader tells it its rank."""
+    load_gguf_stored(path, select=lambda name, view: view if rule_for(name).kind is
+                     SplitKind.REPLICATED else None)
 
 
 def load_rank(

@@ -44,6 +44,7 @@ from foundry.tp.handshake import (
     ACK_SHM_FAILED,
     DEFAULT_EXPERT_SPLIT,
     RankModel,
+    check_replicated,
     exchange_hellos,
     execution_mode,
     header_model,
@@ -151,6 +152,7 @@ class Worker:
         self.model: RankModel | None = model
         if model is None:
             self.cfg, self.identity = header_model(options.model, options.ctx_size)
+            check_replicated(options.model)  # a damaged file is refused before any dial
         else:
             self.cfg, self.identity = model.cfg, model.identity
         self.rank = options.rank or 1
