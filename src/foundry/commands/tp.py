@@ -112,7 +112,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                       help="how chat messages become the prompt: a built-in (gemma, chatml, "
                       "llama3, plain) or a Jinja file (default: the model file's "
-                      "tokenizer.chat_template, else the built-in its vocabulary calls for)")
+                      "tokenizer.chat_template, else plain: a file without one is taken for a "
+                      "base model)")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
     lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
