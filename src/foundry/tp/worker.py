@@ -133,6 +133,7 @@ class WorkerOptions:
 class RankRefused(Exception):
     """This worker's --rank does not fit the leader's world: fix the command line."""
 
+
 class _Busy(Exception):
     """The leader has a worker already."""
 
