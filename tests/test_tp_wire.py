@@ -252,6 +252,18 @@ def test_world_hello_golden_bytes_and_round_trip() -> None:
     assert WorldInfo(world_size=2, shares=(3, 1)).encode()[:4] == bytes.fromhex("0200 0000")
 
 
+def test_the_plain_pair_sends_no_world_extension() -> None:
+    """Two ranks of equal shares (however written) state no world: the pair's 184 bytes."""
+    from foundry.tp.handshake import world_info
+
+    assert world_info(2, None) is None and world_info(2, (3, 3)) is None
+    uneven = world_info(2, (6, 2))
+    assert uneven is not None and uneven.shares == (3, 1)
+    three = world_info(3, None)
+    assert three is not None and (three.world_size, three.shares, three.rank) == (3, (1, 1, 1), 0)
+    assert len(encode(Hello(role=Role.LEADER, identity=IDENTITY, world=world_info(2, None)))) == 184
+
+
 def test_world_mismatches_name_the_field_leader_first() -> None:
     three = WorldInfo(world_size=3, shares=(1, 1, 1))
     leader = Hello(role=Role.LEADER, identity=IDENTITY, world=three)
