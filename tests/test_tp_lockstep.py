@@ -45,6 +45,8 @@ CFG = ModelConfig(n_ctx=64)
 class MemoryTransport:
     """Both ranks post a partial; both read the sum (rank order), like a real exchange."""
 
+    world = 2
+
     def __init__(self, barrier: threading.Barrier, slots: list[Any], rank: int) -> None:
         self.barrier, self.slots, self.rank = barrier, slots, rank
 
@@ -58,6 +60,8 @@ class MemoryTransport:
 
 class Alone:
     """The exchange of a world-1 engine: the partial is already the sum."""
+
+    world = 1
 
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> F32:
         return partial

@@ -70,10 +70,13 @@ class Reference:
 
 
 def reference_greedy(
-    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
+    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+    shares: tuple[int, ...] | None = None,
 ) -> Reference:
+    """``shares``: the world the one process stands for (default the pair), which fixes the
+    order its partials are added in."""
     m = load_gguf_stored(model)
-    engine = Engine(m.cfg, m.params, expert_split=expert_split)
+    engine = Engine(m.cfg, m.params, expert_split=expert_split, shares=shares)
     s = engine.new_session()
     ids = tokens_of(prompt)
     row: F32 | None = None

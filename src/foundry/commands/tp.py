@@ -1,4 +1,5 @@
-"""`foundry tp-leader` and `foundry tp-worker`: the two ranks of a tensor-parallel pair."""
+"""`foundry tp-leader` and `foundry tp-worker`: the ranks of a tensor-parallel pair, or of a
+world of N ranks (``--world-size``)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     add_metrics_flag(p)
 
 
+def _shares(text: str) -> tuple[int, ...] | None:
+    if not text:
+        return None  # equal shares (an empty value, as a deployment's unset variable gives)
+    try:
+        shares = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), got "
+            f"{text!r}") from None
+    if any(s < 1 for s in shares):
+        raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
+    return shares
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead = sub.add_parser(
         "tp-leader",
@@ -71,6 +86,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
                       metavar="HOST:PORT",
                       help="the frontend link for the gateway (default 127.0.0.1:7091)")
+    lead.add_argument("--world-size", type=positive_int, default=2, metavar="N",
+                      help="ranks in all, this one included (default 2: the pair); each of the "
+                      "N-1 workers dials --listen (docs/tp.md, N ranks)")
+    lead.add_argument("--shares", type=_shares, default=None, metavar="W0,W1,...",
+                      help="each rank's share of the model, rank 0 first, as integer weights "
+                      "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
+                      "machine takes the smaller one (default, or empty: equal)")
     lead.add_argument("--max-sessions", type=positive_int, default=16,
                       help="generations decoded at once (default 16)")
     lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
@@ -122,6 +144,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       metavar="HOST:PORT", help="the leader's --listen address")
     work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
+    work.add_argument("--rank", type=positive_int, default=None, metavar="R",
+                      help="the rank to serve as, 1 .. N-1 of the leader's --world-size "
+                      "(default: the next free one; after a loss, the one held before)")
+    work.add_argument("--gate-listen", type=host_port, default=("0.0.0.0", 0),
+                      metavar="HOST:PORT",
+                      help="in a world of more than 2 ranks: where the ranks above this one "
+                      "connect their gates (default 0.0.0.0 and any free port; the leader "
+                      "tells them the address it sees this worker at)")
     add_device_flags(work, training=False)
     add_threads_flag(work, training=False)
     add_tls_flags(work, server=False, links="the connections to the leader")
@@ -175,6 +205,8 @@ def run_leader(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             chat_content_specials=args.chat_content_specials,
             max_messages=args.max_messages,
+            world_size=args.world_size,
+            shares=args.shares,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:
@@ -232,6 +264,9 @@ def run_worker(args: argparse.Namespace) -> int:
         device=args.device,
         tls=tls,
         frame_deadline_s=args.frame_deadline,
+        rank=args.rank,
+        gate_host=args.gate_listen[0],
+        gate_port=args.gate_listen[1],
     )
     try:
         worker = Worker(options)
@@ -240,8 +275,10 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     worker.metrics.threads.set(threads)
     metrics = start_metrics(args, worker.metrics.registry)
+    ready = (f"tp-worker ready: rank {options.rank} of {args.model}" if options.rank
+             else f"tp-worker ready: the next free rank of {args.model}")
     print(
-        f"tp-worker ready: rank 1 of {args.model}, leader {options.leader_host}:"
+        f"{ready}, leader {options.leader_host}:"
         f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
         + f", {threads} threads" + (" (tls)" if tls else ""),
         flush=True,

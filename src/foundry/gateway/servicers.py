@@ -127,6 +127,9 @@ def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusRespon
         ctx_size=status.ctx_size,
         model_bytes=status.model_bytes,
         model_id=status.model_id,
+        ranks=[inference_pb2.RankStatus(rank=r.rank, share=r.share, connected=r.connected,
+                                        gate_wait_seconds=r.gate_wait_us / 1e6)
+               for r in status.ranks],
     )
 
 

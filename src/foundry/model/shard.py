@@ -3,9 +3,24 @@
 
 Every parameter name matches one rule of ``SPLIT_TABLE``: a split kind (which axis is cut)
 and the unit it counts (query heads, kv heads, experts, shared-expert intermediate rows,
-vocabulary rows). Rank r owns the r-th contiguous block of units; blocks differ by at most one
-unit, the earlier ranks taking the larger ones (rank 0 of 2 gets the first ceil(V/2) rows of the
-output head).
+vocabulary rows). Rank r owns the r-th contiguous block of units.
+
+Shares. The ranks of a world of N need not hold equal blocks: each has a *share*, a positive
+integer weight (``--shares 2,1,1``: rank 0 holds about half of every unit, ranks 1 and 2 a
+quarter each), so a slow machine holds the smaller slice instead of gating everyone. Rank r's
+block of n units is its quota ``n * share_r / sum(shares)``, rounded by largest remainder (whole
+quotas first, then one more unit to the ranks with the largest fractions, the earlier rank
+first on a tie: :func:`share_range`). Equal shares give the plain blocks, the first ``n %
+world`` ranks taking one more unit (rank 0 of 2 gets the first ceil(V/2) rows of the output
+head): the pair of two equal ranks is cut exactly as before shares existed. Shares are
+reduced by their greatest common divisor, so ``2,2`` is ``1,1``.
+
+The limits (:func:`check_splittable`): every rank must hold at least one unit of what it
+computes (a kv head, or a query head when the model has a single kv head; a block of
+the dense FFN; an expert, or a row of every expert's intermediate dimension; a row of the
+shared expert; a vocabulary row), and column cuts of stored blocks fall on whole blocks
+(:func:`shard_part`). A world size or shares the model cannot take raise :class:`SplitError`,
+one line naming the unit and the nearest world size or shares that work.
 
 The routed experts are cut one of two ways, the :class:`ExpertSplit` (the execution mode both ranks
 of a pair must agree on): ``EXPERTS``, the first design (docs/decisions.md, D3), gives each rank a
@@ -46,7 +61,8 @@ tensor and its block size. Cuts of the other axes take whole rows and never spli
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -183,6 +199,54 @@ def rule_for(name: str, expert_split: ExpertSplit = ExpertSplit.EXPERTS) -> Spli
     raise KeyError(f"no tensor-parallel split rule for parameter {name!r}")
 
 
+Shares = tuple[int, ...]
+"""One positive integer weight per rank, rank 0 first (:func:`norm_shares`)."""
+
+# The most ranks one world holds: the hello's extension carries a share for each (wire.tp).
+MAX_WORLD = 16
+# A share is a u16 on the wire.
+MAX_SHARE = 0xFFFF
+
+
+def norm_shares(world: int, shares: Sequence[int] | None = None) -> Shares:
+    """``shares`` for ``world`` ranks (None: equal), checked and reduced by their gcd."""
+    if world < 1:
+        raise SplitError(f"world size must be >= 1, got {world}")
+    if world > MAX_WORLD:
+        raise SplitError(f"world size {world} exceeds the limit of {MAX_WORLD} ranks")
+    if shares is None:
+        return (1,) * world
+    out = tuple(shares)
+    if len(out) != world:
+        raise SplitError(f"{len(out)} shares given for a world of {world} ranks; give one "
+                         "per rank, rank 0 first")
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SHARE
+           for s in out):
+        raise SplitError(f"shares must be integers in [1, {MAX_SHARE}], got "
+                         f"{','.join(map(str, out))}")
+    g = math.gcd(*out)
+    return tuple(s // g for s in out)
+
+
+def share_blocks(n: int, shares: Sequence[int]) -> list[int]:
+    """How many of n units each rank holds: its quota ``n * s / sum`` by largest remainder
+    (whole quotas, then one more unit to the largest fractions, the earlier rank on a tie)."""
+    total = sum(shares)
+    sizes = [n * s // total for s in shares]
+    order = sorted(range(len(shares)), key=lambda r: (-(n * shares[r] % total), r))
+    for r in order[: n - sum(sizes)]:
+        sizes[r] += 1
+    return sizes
+
+
+def share_range(n: int, rank: int, shares: Sequence[int]) -> tuple[int, int]:
+    """Rank's contiguous block [start, stop) of n units under ``shares`` (see the module
+    docstring); equal shares give :func:`block_range`."""
+    sizes = share_blocks(n, shares)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
 def block_range(n: int, rank: int, world: int) -> tuple[int, int]:
     """Rank's contiguous block [start, stop) of n units; the first n % world ranks get one more."""
     base, extra = divmod(n, world)
@@ -190,18 +254,87 @@ def block_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def _align_unit(n: int) -> int:
+    """The largest block (256, 32, else 1) that divides n: a dense FFN is cut in these."""
+    return next(u for u in (256, 32, 1) if n % u == 0)
+
+
+def _counted_units(
+    cfg: ModelConfig, expert_split: ExpertSplit, world: int
+) -> list[tuple[str, int]]:
+    """(what, how many) of every unit each rank of ``world`` must hold at least one of."""
+    units: list[tuple[str, int]] = []
+    if cfg.n_head_kv == 1 < world:  # the one kv head replicated, the query heads split
+        units.append(("query heads", cfg.n_head))
+    else:
+        units.append(("kv heads", cfg.n_head_kv))
+    if cfg.n_expert == 0:
+        unit = _align_unit(cfg.n_ff)
+        units.append((f"dense FFN blocks of {unit} rows", cfg.n_ff // unit))
+    elif expert_split is ExpertSplit.EXPERTS:
+        units.append(("experts", cfg.n_expert))
+    else:
+        units.append(("expert intermediate rows", cfg.n_ff))
+    if cfg.n_ff_shared:
+        units.append(("shared-expert rows", cfg.n_ff_shared))
+    units.append(("vocabulary rows", cfg.n_vocab))
+    return units
+
+
+def _short(cfg: ModelConfig, expert_split: ExpertSplit, shares: Shares) -> tuple[str, int] | None:
+    """The first unit some rank would hold none of: (what, how many), or None."""
+    for what, n in _counted_units(cfg, expert_split, len(shares)):
+        if min(share_blocks(n, shares)) < 1:
+            return what, n
+    return None
+
+
+def _nearest_shares(cfg: ModelConfig, expert_split: ExpertSplit, shares: Shares) -> Shares:
+    """Shares close to ``shares`` that the model can take: each short unit handed out as one
+    to every rank and the rest by the wanted shares, that allocation the new shares."""
+    for _ in range(8):
+        short = _short(cfg, expert_split, shares)
+        if short is None:
+            return shares
+        n = short[1]
+        rest = share_blocks(n - len(shares), shares)
+        shares = norm_shares(len(shares), [1 + r for r in rest])
+    return shares
+
+
 def check_splittable(
-    cfg: ModelConfig, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
-) -> None:
-    if world < 1:
-        raise SplitError(f"world size must be >= 1, got {world}")
-    if expert_split is ExpertSplit.INTERMEDIATE and cfg.n_expert and cfg.n_ff % world:
+    cfg: ModelConfig,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
+) -> Shares:
+    """The normalized shares (:func:`norm_shares`) if the model can be cut for them; else
+    :class:`SplitError`, one line naming the unit and the nearest world size or shares that
+    work."""
+    norm = norm_shares(world, shares)
+    equal = len(set(norm)) == 1
+    if expert_split is ExpertSplit.INTERMEDIATE and cfg.n_expert and cfg.n_ff % world and equal:
         raise SplitError(
             f"cannot split the experts' intermediate dimension over {world} ranks: "
             f"n_ff={cfg.n_ff} is not divisible by {world} (each rank must hold an equal block "
             f"of every expert); use --expert-split experts or a model whose n_ff is a multiple "
             f"of {world}"
         )
+    short = _short(cfg, expert_split, norm)
+    if short is None:
+        return norm
+    what, n = short
+    if n < world:
+        fits = [w for w in range(world - 1, 0, -1)
+                if _short(cfg, expert_split, (1,) * w) is None]
+        nearest = f"the nearest world size that works is {fits[0]}" if fits else "none works"
+        raise SplitError(f"cannot split the model over {world} ranks: it has {n} {what} and "
+                         f"every rank needs at least one; {nearest}")
+    near = _nearest_shares(cfg, expert_split, norm)
+    raise SplitError(
+        f"cannot split the model by shares {','.join(map(str, norm))}: a rank would hold none "
+        f"of its {n} {what}; the nearest shares that work are {','.join(map(str, near))}"
+    )
 
 
 @dataclass(frozen=True)
@@ -222,6 +355,7 @@ class RankLayout:
     head_dim: int
     expert_ff: tuple[int, int]
     expert_split: ExpertSplit
+    shares: Shares = ()  # the world's shares (norm_shares); () is read as equal
     q_rows: tuple[int, int] = (0, 0)  # heads whose Q rows the rank computes
     k_rows: tuple[int, int] = (0, 0)  # kv heads whose K rows the rank computes
     ff: tuple[int, int] = (0, 0)  # dense FFN intermediate rows
@@ -249,32 +383,38 @@ class RankLayout:
 _HEAD_UNITS = (Unit.HEAD, Unit.KV_HEAD, Unit.Q_ROWS, Unit.K_ROWS)
 
 
-def aligned_range(n: int, rank: int, world: int) -> tuple[int, int]:
-    """``block_range`` of n rows counted in the largest block (256, 32, else 1) that divides n,
+def aligned_range(
+    n: int, rank: int, world: int, shares: Sequence[int] | None = None
+) -> tuple[int, int]:
+    """``share_range`` of n rows counted in the largest block (256, 32, else 1) that divides n,
     so a column cut of a stored matrix falls on its blocks (a dense FFN's down projection)."""
-    unit = next(u for u in (256, 32, 1) if n % u == 0)
-    start, stop = block_range(n // unit, rank, world)
+    unit = _align_unit(n)
+    start, stop = share_range(n // unit, rank, norm_shares(world, shares))
     return start * unit, stop * unit
 
 
-def attention_split(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[int, int]]:
+def attention_split(
+    cfg: ModelConfig, rank: int, world: int, shares: Sequence[int] | None = None
+) -> dict[str, tuple[int, int]]:
     """Which heads rank ``rank`` of ``world`` attends for, caches, and computes Q/K rows of.
 
     - KV groups split: when there are at least ``world`` kv heads, the rank owns a contiguous
-      block of kv heads (uneven when the count is odd: 3 over 2 gives 2 and 1) with the query
-      heads that read them.
-    - Fewer kv heads than ranks (a single kv head): K and V are replicated (each rank computes
-      and caches every kv head), the query heads are split.
+      block of kv heads (uneven when the count is odd or the shares are: 3 over 2 gives 2 and
+      1) with the query heads that read them.
+    - A single kv head and several ranks: K and V are replicated (each rank computes and
+      caches the kv head), the query heads are split. (More kv heads than one but fewer than
+      the ranks: refused by :func:`check_splittable`.)
     - Whole-vector QK-norm (olmoe) needs all of Q and K before the norm: their rows are
       replicated, each rank then keeps its heads' part of the normed vectors.
     """
     group = cfg.n_head // cfg.n_head_kv
+    norm = norm_shares(world, shares)
     if cfg.n_head_kv >= world:
-        kv = block_range(cfg.n_head_kv, rank, world)
+        kv = share_range(cfg.n_head_kv, rank, norm)
         heads = (kv[0] * group, kv[1] * group)
     else:
         kv = (0, cfg.n_head_kv)
-        heads = block_range(cfg.n_head, rank, world)
+        heads = share_range(cfg.n_head, rank, norm)
     full = spec(cfg).qk_norm is QKNorm.FULL
     return {"heads": heads, "kv_heads": kv,
             "q_rows": (0, cfg.n_head) if full else heads,
@@ -282,9 +422,15 @@ def attention_split(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[
 
 
 def rank_layout(
-    cfg: ModelConfig, rank: int, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
+    cfg: ModelConfig,
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
 ) -> RankLayout:
-    check_splittable(cfg, world, expert_split)
+    """Rank's blocks of every unit in a world of ``world`` ranks holding ``shares`` (None:
+    equal); SplitError when the model cannot be cut so (:func:`check_splittable`)."""
+    norm = check_splittable(cfg, world, expert_split, shares)
     if not 0 <= rank < world:
         raise SplitError(f"rank must lie in [0, {world}), got {rank}")
     by_ff = expert_split is ExpertSplit.INTERMEDIATE
@@ -292,13 +438,14 @@ def rank_layout(
     return RankLayout(
         rank=rank,
         world=world,
-        **attention_split(cfg, rank, world),
-        ff=aligned_range(cfg.n_ff, rank, world) if dense else (0, 0),
-        experts=(0, cfg.n_expert) if by_ff else block_range(cfg.n_expert, rank, world),
-        shared_ff=block_range(cfg.n_ff_shared, rank, world),
-        vocab=block_range(cfg.n_vocab, rank, world),
+        shares=norm,
+        **attention_split(cfg, rank, world, norm),
+        ff=aligned_range(cfg.n_ff, rank, world, norm) if dense else (0, 0),
+        experts=(0, cfg.n_expert) if by_ff else share_range(cfg.n_expert, rank, norm),
+        shared_ff=share_range(cfg.n_ff_shared, rank, norm),
+        vocab=share_range(cfg.n_vocab, rank, norm),
         head_dim=cfg.head_dim,
-        expert_ff=(0, 0) if dense else block_range(cfg.n_ff, rank, world) if by_ff
+        expert_ff=(0, 0) if dense else share_range(cfg.n_ff, rank, norm) if by_ff
         else (0, cfg.n_ff),
         expert_split=expert_split,
     )
@@ -317,10 +464,14 @@ def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
 
 
 def shard_shapes(
-    cfg: ModelConfig, rank: int, world: int, expert_split: ExpertSplit = ExpertSplit.EXPERTS
+    cfg: ModelConfig,
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
-    layout = rank_layout(cfg, rank, world, expert_split)
+    layout = rank_layout(cfg, rank, world, expert_split, shares)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in cfg.param_shapes().items():
         index = shard_slice(name, len(shape), layout)
@@ -353,9 +504,10 @@ def shard_params(
     rank: int,
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
 ) -> dict[str, Param]:
     """Rank's part of every parameter (:func:`shard_part`)."""
-    layout = rank_layout(cfg, rank, world, expert_split)
+    layout = rank_layout(cfg, rank, world, expert_split, shares)
     out: dict[str, Param] = {}
     for name, shape in cfg.param_shapes().items():
         value = params[name]
@@ -375,7 +527,8 @@ class RankWeights:
 
     def __post_init__(self) -> None:
         expected = shard_shapes(
-            self.cfg, self.layout.rank, self.layout.world, self.layout.expert_split
+            self.cfg, self.layout.rank, self.layout.world, self.layout.expert_split,
+            self.layout.shares or None,
         )
         for name, shape in expected.items():
             value = self.params.get(name)
@@ -401,6 +554,10 @@ class RankWeights:
     def expert_split(self) -> ExpertSplit:
         return self.layout.expert_split
 
+    @property
+    def shares(self) -> Shares:
+        return self.layout.shares or norm_shares(self.layout.world)
+
 
 def rank_weights(
     cfg: ModelConfig,
@@ -408,10 +565,11 @@ def rank_weights(
     rank: int,
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
 ) -> RankWeights:
-    """Cut the full ``params`` for rank ``rank`` of ``world``."""
+    """Cut the full ``params`` for rank ``rank`` of ``world`` ranks holding ``shares``."""
     return RankWeights(
         cfg,
-        rank_layout(cfg, rank, world, expert_split),
-        shard_params(cfg, params, rank, world, expert_split),
+        rank_layout(cfg, rank, world, expert_split, shares),
+        shard_params(cfg, params, rank, world, expert_split, shares),
     )

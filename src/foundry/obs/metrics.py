@@ -347,13 +347,14 @@ class RankLabel(Collector):
 
 
 class TpMetrics:
-    """Both ranks of a tensor-parallel pair (each process has its own registry); every
-    series carries ``rank`` (0 the leader, 1 the worker)."""
+    """Every rank of a tensor-parallel pair or world (each process has its own registry);
+    every series carries ``rank`` (0 the leader, 1 .. N-1 the workers)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0) -> None:
         self.registry = registry or CollectorRegistry()
         r = self._own = CollectorRegistry()
-        self.registry.register(RankLabel(r, rank))
+        self._label = RankLabel(r, rank)
+        self.registry.register(self._label)
         self.tokens = Counter(
             "foundry_tp_tokens_total",
             "Tokens evaluated by the pair, by phase (prefill: prompt tokens; decode: generated).",
@@ -461,6 +462,10 @@ class TpMetrics:
         # Resolved once: a rank records a gate 2 x n_layer times a token.
         self._gate_sent = self.gate_bytes.labels("sent")
         self._gate_received = self.gate_bytes.labels("received")
+
+    def set_rank(self, rank: int) -> None:
+        """The rank this process was given (a worker learns it when the world forms)."""
+        self._label.rank = str(rank)
 
     def record_gate(self, seconds: float, nbytes: int) -> None:
         """One gate exchange: its time and the bytes that went each way."""

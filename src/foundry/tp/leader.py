@@ -69,7 +69,7 @@ from collections.abc import Callable
 
 from foundry.model.formats.gguf_meta import read_metadata
 from foundry.model.kernels.quant import threads as kernel_threads
-from foundry.model.shard import Gate
+from foundry.model.shard import Gate, norm_shares
 from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
@@ -99,7 +99,13 @@ class Leader:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
+        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
+                                        options.world_size, options.shares)
+        if (self.model.weights.world, self.model.weights.shares) != (
+                options.world_size, norm_shares(options.world_size, options.shares)):
+            raise ValueError(f"the leader's slices are for rank 0 of {self.model.weights.world} "
+                             f"with shares {self.model.weights.shares}, not of the options' "
+                             f"{options.world_size}")
         self.identity = self.model.identity
         self.cfg = self.model.cfg
         metadata = read_metadata(options.model)
@@ -135,7 +141,7 @@ class Leader:
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
                                 self._stopping, self.engine.new_pair,
-                                architecture=self.model.architecture)
+                                architecture=self.model.architecture, cfg=self.cfg)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -228,6 +234,7 @@ class Leader:
             spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
             requests_served=self._frontend_server.requests_served,
             threads=kernel_threads(),
+            ranks=tuple(e.rank_status()),
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:

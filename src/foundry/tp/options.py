@@ -7,7 +7,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard import MAX_WORLD, ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.policy import MAX_DRAFT, SpecMode
@@ -57,6 +57,10 @@ class LeaderOptions:
     chat_content_specials: bool = False
     # A chat request's most messages (more is refused at once, before rendering).
     max_messages: int = 4096
+    # --world-size and --shares: the ranks this leader serves with (2: the pair) and each
+    # one's share of the model (None: equal; docs/tp.md, "N ranks").
+    world_size: int = 2
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):
@@ -71,3 +75,11 @@ class LeaderOptions:
             )
         if not 0 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
+        if not 2 <= self.world_size <= MAX_WORLD:
+            raise ValueError(f"world_size must be in [2, {MAX_WORLD}], got {self.world_size}")
+        if self.world_size > 2 and self.tls is not None:
+            raise ValueError(
+                f"TLS covers the pair only: a world of {self.world_size} ranks would send the "
+                "gates between its workers in the clear; run 2 ranks, or drop --tls on a "
+                "network you trust"
+            )

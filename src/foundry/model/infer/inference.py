@@ -2,21 +2,25 @@
 
 An ``Engine`` evaluates a list of *parts*, each a ``shard.RankWeights``:
 
-- a tensor-parallel rank (world 2) holds one part, its own half;
-- a single process (world 1) holds both halves of the two-rank split (or, when the model cannot
-  be split in two, one part with everything) and evaluates them one after the other.
+- a tensor-parallel rank (world N) holds one part, its own slice (by the world's shares);
+- a single process (world 1) holds every part of the split it stands for (``shares``: the two
+  equal halves of a pair by default, or the N slices of a world of N ranks with those shares;
+  one part with everything when the model cannot be cut so) and evaluates them one after the
+  other.
 
 Per layer each part yields an (n_rows, n_embd) partial for the ATTN gate (its heads' output
 projection) and for the FFN gate (its routed experts plus its slice of the shared expert). Which
 part of the routed experts a part holds is the engine's ``expert_split`` (``shard``): whole
 experts (``EXPERTS``: a part evaluates only the assignments to its experts) or a block of every
 expert's intermediate dimension (``INTERMEDIATE``: a part evaluates every assignment on its
-block). A world-1 engine runs its two parts in the same mode as the pair it stands for. The
-parts' partials are added in rank order (``p0 + p1``); a rank hands its partial to the
-``GateExchange`` instead, which returns the sum over ranks. Because float addition of two
-numbers is commutative and each part runs the same operations on the same data whichever
-process holds it, the TP pair's logits are bit-identical to the single process's (with the BLAS
-thread count fixed, as BLAS sums depend on how the work is split).
+block). A world-1 engine runs its parts in the same mode as the world it stands for. The
+parts' partials are added in rank order (``((p0 + p1) + p2) + ...``); a rank hands its partial
+to the ``GateExchange`` instead, which returns the sum over ranks added in the same order (for
+two ranks either order: float addition of two numbers is commutative bit for bit). Each part
+runs the same operations on the same data whichever process holds it, so the ranks' logits are
+bit-identical to the single process standing for the same split (with the BLAS thread count
+fixed, as BLAS sums depend on how the work is split). The grouping matters: a world-1 engine
+standing for 2 ranks and one standing for 3 differ in the last bits.
 
 Weights are float32 numpy arrays or, read by ``gguf_io.load_gguf_stored``, ``quant.QTensor`` blocks
 in the file's storage type (F16, Q8_0, Q4_0, the K-quants): every product goes through
@@ -91,8 +95,10 @@ from foundry.model.shard import (
     ExpertSplit,
     Gate,
     RankWeights,
+    Shares,
     SplitError,
     check_splittable,
+    norm_shares,
     rank_weights,
 )
 from foundry.model.spec.arch import (
@@ -225,6 +231,7 @@ class Engine:
         ctx_size: int | None = None,
         kv_cache: KVCache | None = None,
         threads: int | None = None,
+        shares: Sequence[int] | None = None,
     ):
         if threads is not None:
             set_threads(threads)  # the kernels' pool is the process's: sized by its engine
@@ -236,12 +243,21 @@ class Engine:
             raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
         self.rank = rank
         self.world = world
+        stand_for = len(shares) if shares is not None else 2 if world == 1 else world
+        self.shares = norm_shares(stand_for, shares)
+        if world > 1 and len(self.shares) != world:
+            raise ValueError(f"rank {rank} of {world} was given {len(self.shares)} shares")
         if isinstance(weights, RankWeights):
             if (weights.cfg, weights.rank, weights.world) != (cfg, rank, world):
                 raise ValueError(
                     f"weights are for rank {weights.rank} of {weights.world} of "
                     f"{weights.cfg}, engine is rank {rank} of {world} of {cfg}"
                 )
+            if world > 1 and shares is not None and weights.shares != self.shares:
+                raise ValueError(
+                    f"weights are cut by shares {weights.shares}, the engine was given "
+                    f"{self.shares}")
+            self.shares = weights.shares if world > 1 else self.shares
             if expert_split not in (None, weights.expert_split):
                 raise ValueError(
                     f"weights are cut with expert split {weights.expert_split.value}, the "
@@ -251,7 +267,7 @@ class Engine:
             self.parts: tuple[RankWeights, ...] = (weights,)
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
-            self.parts = _cut(cfg, weights, rank, world, mode)
+            self.parts = _cut(cfg, weights, rank, world, mode, self.shares)
         self.fused: list[dict[str, Param]] = [_fuse(cfg, part) for part in self.parts]
         # Each expert's matrices as views, made once (indexing a QTensor builds one).
         self._experts: list[dict[str, list[Param]]] = [
@@ -718,18 +734,21 @@ def _one_type(*ps: Param) -> bool:
 
 
 def _cut(
-    cfg: ModelConfig, weights: Mapping[str, Param], rank: int, world: int, mode: ExpertSplit
+    cfg: ModelConfig, weights: Mapping[str, Param], rank: int, world: int, mode: ExpertSplit,
+    shares: Shares,
 ) -> tuple[RankWeights, ...]:
-    """The parts an engine holds: rank's own, or for one process the two halves of the pair
-    it stands for (one part with everything when the model cannot be cut in two: a shape
+    """The parts an engine holds: rank's own, or for one process every part of the world it
+    stands for (one part with everything when the model cannot be cut so: a shape
     check_splittable refuses, or stored blocks the cut would split)."""
     if world == 1:
+        n = len(shares)
         try:
-            check_splittable(cfg, 2, mode)
-            return tuple(rank_weights(cfg, weights, r, 2, mode) for r in range(2))
+            check_splittable(cfg, n, mode, shares)
+            return tuple(rank_weights(cfg, weights, r, n, mode, shares) for r in range(n))
         except SplitError:
             pass
-    return (rank_weights(cfg, weights, rank, world, mode),)
+        return (rank_weights(cfg, weights, rank, world, mode),)
+    return (rank_weights(cfg, weights, rank, world, mode, shares),)
 
 
 def _sum(partials: list[F32]) -> F32:

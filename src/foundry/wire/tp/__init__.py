@@ -1,9 +1,12 @@
-"""The two-rank tensor-parallel protocol (seed: ``ds4_tp.h``) as a sans-IO codec.
+"""The tensor-parallel protocol (seed: ``ds4_tp.h``, two ranks; N ranks by our extension) as a
+sans-IO codec.
 
 Three byte formats live here, none of them touching a socket:
 
 - the **hello** (184 bytes), the first thing each rank sends on the control socket: protocol
   version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
+  in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 more bytes, the
+  :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
   frame's fixed part is a ``Layout`` (``foundry.wire.layout``, the form FDTC and the frontend
@@ -42,6 +45,7 @@ from foundry.wire.tp.control import (
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     UNSUPPORTED_FRAME_TYPES,
+    WORLD_ENTRY,
     BatchItem,
     CommandAck,
     ControlFrame,
@@ -62,6 +66,8 @@ from foundry.wire.tp.control import (
     Verify,
     VerifyCommit,
     VerifyCommitMode,
+    World,
+    WorldPeer,
 )
 from foundry.wire.tp.gates import (
     GATE_HEADER,
@@ -100,6 +106,8 @@ from foundry.wire.tp.hello import (
     HELLO_PREFIX,
     HELLO_SHM_OFFERED,
     HELLO_SIZE,
+    HELLO_WORLD,
+    HELLO_WORLD_SIZE,
     HOST_ID_BYTES,
     IDENTITY,
     SHM_NAME_BYTES,
@@ -108,16 +116,22 @@ from foundry.wire.tp.hello import (
     TP_HELLO_MAGIC,
     TP_MAX_BATCH_ITEMS,
     TP_MAX_PAYLOAD,
+    TP_MAX_SHARE,
+    TP_MAX_WORLD,
     TP_PROTOCOL_VERSION,
     TP_SLAB_MAGIC,
+    WORLD_EXT,
     GateTransport,
     Hello,
     Identity,
     Readable,
     Role,
+    WorldInfo,
+    WorldMismatch,
     check_execution_mode,
     check_hello,
     check_identity,
+    check_world,
     expert_split_name,
     negotiate_gate_transport,
 )
@@ -147,6 +161,8 @@ __all__ = [
     "HELLO_PREFIX",
     "HELLO_SHM_OFFERED",
     "HELLO_SIZE",
+    "HELLO_WORLD",
+    "HELLO_WORLD_SIZE",
     "HOST_ID_BYTES",
     "IDENTITY",
     "SHM_NAME_BYTES",
@@ -166,9 +182,13 @@ __all__ = [
     "TP_HELLO_MAGIC",
     "TP_MAX_BATCH_ITEMS",
     "TP_MAX_PAYLOAD",
+    "TP_MAX_SHARE",
+    "TP_MAX_WORLD",
     "TP_PROTOCOL_VERSION",
     "TP_SLAB_MAGIC",
     "UNSUPPORTED_FRAME_TYPES",
+    "WORLD_ENTRY",
+    "WORLD_EXT",
     "BatchItem",
     "CommandAck",
     "ControlFrame",
@@ -201,9 +221,14 @@ __all__ = [
     "VerifyCommit",
     "VerifyCommitMode",
     "VersionMismatch",
+    "World",
+    "WorldInfo",
+    "WorldMismatch",
+    "WorldPeer",
     "check_execution_mode",
     "check_hello",
     "check_identity",
+    "check_world",
     "encode",
     "encode_parts",
     "expert_split_name",

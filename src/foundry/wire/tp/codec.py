@@ -11,6 +11,7 @@ from foundry.wire.tp.control import (
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     UNSUPPORTED_FRAME_TYPES,
+    WORLD_ENTRY,
     Frame,
     FrameType,
     SyncCheckpoint,
@@ -19,10 +20,12 @@ from foundry.wire.tp.hello import (
     DS4_TP_BATCH_MAX_ROWS,
     HELLO_PREFIX,
     HELLO_SIZE,
+    HELLO_WORLD_SIZE,
     TP_FRAME_MAGIC,
     TP_HELLO_MAGIC,
     TP_MAX_BATCH_ITEMS,
     TP_MAX_PAYLOAD,
+    TP_MAX_WORLD,
     TP_PROTOCOL_VERSION,
     Hello,
     Identity,
@@ -61,15 +64,19 @@ def logits_rows(max_sessions: int) -> int:
     return max(DS4_TP_BATCH_MAX_ROWS, max_sessions)
 
 
-def max_payload_for(identity: Identity, max_rows: int) -> int:
+def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None = None) -> int:
     """The largest legal control payload for this model on a pair whose commands return at
     most ``max_rows`` logits rows (``logits_rows``): the bound a rank's decoder uses, the
-    larger of these frames (docs/protocol.md, Limits, gives the same formula)."""
+    larger of these frames (docs/protocol.md, Limits, gives the same formula).
+    ``vocab_block``: the largest vocabulary block a worker returns (default the larger half,
+    the pair's; a world of N ranks or unequal shares passes its own)."""
     if max_rows < 1:
         raise LocalProtocolError(f"max_rows must be >= 1, got {max_rows}")
+    block = (identity.n_vocab + 1) // 2 if vocab_block is None else vocab_block
     return max(
         4 * identity.ctx_size,  # SYNC of a full context
-        4 + 4 * max_rows * ((identity.n_vocab + 1) // 2),  # LOGITS: rows of the larger half
+        4 + 4 * max_rows * block,  # LOGITS: rows of the larger half (of the largest block)
+        WORLD_ENTRY.size * (TP_MAX_WORLD - 1),  # WORLD
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
         SyncCheckpoint.LAYOUT.size,
@@ -100,9 +107,9 @@ class TpDecoder(FrameDecoder[Frame]):
 
     def _begin(self, header: bytes) -> int:
         if self._hello_next:
-            self._check_hello_prefix(header)
+            size = self._check_hello_prefix(header)
             self._hello_prefix = header
-            return HELLO_SIZE - HELLO_PREFIX.size
+            return size - HELLO_PREFIX.size
         ftype, session_id, seq, length = self._parse_header(header)
         self._header = (ftype, session_id, seq)
         return length
@@ -124,7 +131,7 @@ class TpDecoder(FrameDecoder[Frame]):
         return TpProtocolError(message)
 
     @staticmethod
-    def _check_hello_prefix(prefix: bytes) -> None:
+    def _check_hello_prefix(prefix: bytes) -> int:
         magic, version, size = HELLO_PREFIX.unpack(prefix)
         if magic == TP_FRAME_MAGIC:
             raise TpProtocolError("expected the peer's hello first, got a control frame")
@@ -135,9 +142,11 @@ class TpDecoder(FrameDecoder[Frame]):
             )
         if version != TP_PROTOCOL_VERSION:
             raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
-        if size != HELLO_SIZE:
-            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes, "
-                                  f"the peer says {size}")
+        if size not in (HELLO_SIZE, HELLO_WORLD_SIZE):
+            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes "
+                                  f"({HELLO_WORLD_SIZE} with the world extension), the peer "
+                                  f"says {size}")
+        return int(size)
 
     def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:
         magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack(header)

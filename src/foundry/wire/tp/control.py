@@ -17,10 +17,12 @@ from foundry.wire.layout import BOOL, I32, U32, U64, Enum, Layout
 from foundry.wire.tp.hello import (
     _I32_MAX,
     _I32_MIN,
+    _U16,
     _U64,
     DS4_TP_BATCH_MAX_ROWS,
     DS4_TP_VERIFY_FLAGS,
     TP_MAX_BATCH_ITEMS,
+    TP_MAX_WORLD,
     Hello,
     Readable,
     _check_range,
@@ -59,6 +61,7 @@ class FrameType(enum.IntEnum):
     SYNC_CHECKPOINT = 22
     DSPARK_DRAFT = 23
     SPEC_RESTORE = 24
+    WORLD = 32  # Foundry's extension: the table of a world's workers (N > 2)
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -440,9 +443,63 @@ class SyncCheckpoint(_Frame):
         return super()._parse(buf, offset, length, **header)
 
 
+# WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
+WORLD_ENTRY = struct.Struct("<HH16sQ")
+
+
+@dataclass(frozen=True)
+class WorldPeer:
+    """One worker of a world, as the WORLD frame lists it: where its gate port is and the
+    token that port takes for this world."""
+
+    rank: int
+    gate_port: int
+    host: bytes  # 16 bytes, IPv6 (``ipaddress.IPv6Address(...).packed``; IPv4 mapped)
+    token: int
+
+    def __post_init__(self) -> None:
+        _check_range("WorldPeer", "rank", self.rank, 1, TP_MAX_WORLD - 1)
+        _check_range("WorldPeer", "gate_port", self.gate_port, 1, _U16)
+        _check_range("WorldPeer", "token", self.token, 0, _U64)
+        if not isinstance(self.host, bytes) or len(self.host) != 16:
+            raise LocalProtocolError(f"WorldPeer.host must be 16 bytes, got {self.host!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class World(_Frame):
+    """The leader's table of every worker of a world of N > 2 ranks, rank order (1 .. N-1):
+    each worker dials the lower ranks' gate ports with it (docs/protocol.md, N ranks)."""
+
+    TYPE = FrameType.WORLD
+    PAYLOAD_UNIT = WORLD_ENTRY.size
+    peers: tuple[WorldPeer, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "peers", tuple(self.peers))
+        ranks = [p.rank for p in self.peers if isinstance(p, WorldPeer)]
+        if len(ranks) != len(self.peers) or ranks != list(range(1, len(ranks) + 1)) or not (
+            2 <= len(ranks) < TP_MAX_WORLD
+        ):
+            raise LocalProtocolError(
+                f"World.peers must list ranks 1 .. N-1 in order, 3 <= N <= {TP_MAX_WORLD}; got "
+                f"ranks {ranks}"
+            )
+
+    def _tail(self) -> bytes:
+        return b"".join(WORLD_ENTRY.pack(p.rank, p.gate_port, p.host, p.token)
+                        for p in self.peers)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        data = memoryview(buf)[offset : offset + length]
+        return {"peers": tuple(WorldPeer(*e) for e in WORLD_ENTRY.iter_unpack(data))}
+
+
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
+    | World
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -451,6 +508,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
+        World,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.

@@ -1,6 +1,8 @@
 """The tensor-parallel hello (184 bytes), the first thing each rank sends on the control socket:
 protocol version, role, the execution mode, the engine :class:`Identity` and the shared-memory
-offer; its checks (:func:`check_hello`), and the protocol's constants and limits."""
+offer, then in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 bytes
+more, the :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``;
+its checks (:func:`check_hello`), and the protocol's constants and limits."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 import struct
 from dataclasses import dataclass, fields
 
+from foundry.model.shard import MAX_SHARE, MAX_WORLD
 from foundry.wire.errors import (
     IdentityMismatch,
     LocalProtocolError,
@@ -39,7 +42,11 @@ DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_T
 
 # Hello flag bits.
 HELLO_SHM_OFFERED = 1
-HELLO_FLAGS = HELLO_SHM_OFFERED
+HELLO_WORLD = 2  # the world extension follows the pair's 184 bytes (N ranks, shares)
+HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD
+# The most ranks of a world, and a share's bound (u16): as model.shard, which cuts by them.
+TP_MAX_WORLD = MAX_WORLD
+TP_MAX_SHARE = MAX_SHARE
 # Execution mode bits (the hello's u16 at offset 10), the seed's numbers: the flags that
 # ds4_tp_agree_execution_mode compares. Both ranks must state the same mode.
 DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT = 1  # every routed expert cut by its intermediate size
@@ -134,6 +141,58 @@ HELLO = struct.Struct(
     f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s"
 )
 HELLO_SIZE = HELLO.size
+# The world extension: world_size u16, rank u16, gate_port u16, reserved u16, shares 16 x u16.
+WORLD_EXT = struct.Struct(f"<HHHH{MAX_WORLD}H")
+HELLO_WORLD_SIZE = HELLO_SIZE + WORLD_EXT.size
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldInfo:
+    """The hello's world extension (``HELLO_WORLD``): what a world of N ranks agrees on beyond
+    the pair. ``rank``: the leader 0; a worker the rank it asks for, 0 for the next free one.
+    ``gate_port``: a worker's port for gate connections from higher ranks (N > 2), else 0.
+    ``shares``: one per rank, rank 0 first (``model.shard.norm_shares``)."""
+
+    world_size: int
+    shares: tuple[int, ...]
+    rank: int = 0
+    gate_port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("WorldInfo", "world_size", self.world_size, 2, MAX_WORLD)
+        _check_range("WorldInfo", "rank", self.rank, 0, self.world_size - 1)
+        _check_range("WorldInfo", "gate_port", self.gate_port, 0, _U16)
+        object.__setattr__(self, "shares", tuple(self.shares))
+        if len(self.shares) != self.world_size:
+            raise LocalProtocolError(
+                f"WorldInfo.shares holds {len(self.shares)} shares for a world of "
+                f"{self.world_size}"
+            )
+        for share in self.shares:
+            _check_range("WorldInfo", "shares", share, 1, MAX_SHARE)
+        if self.world_size == 2 and len(set(self.shares)) == 1:
+            raise LocalProtocolError(
+                "WorldInfo of the plain pair (2 ranks, equal shares): that pair sends no "
+                "world extension"
+            )
+
+    def encode(self) -> bytes:
+        shares = self.shares + (0,) * (MAX_WORLD - self.world_size)
+        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, 0, *shares)
+
+    @classmethod
+    def decode(cls, buf: Readable, offset: int = 0) -> WorldInfo:
+        world, rank, port, reserved, *shares = WORLD_EXT.unpack_from(buf, offset)
+        if reserved:
+            raise TpProtocolError(f"hello: world extension reserved word is {reserved}, not 0")
+        if not 2 <= world <= MAX_WORLD:
+            raise TpProtocolError(f"hello: world size {world} outside [2, {MAX_WORLD}]")
+        if any(shares[world:]):
+            raise TpProtocolError(f"hello: shares beyond the world of {world} are not 0")
+        try:
+            return cls(world_size=world, rank=rank, gate_port=port, shares=tuple(shares[:world]))
+        except LocalProtocolError as exc:
+            raise TpProtocolError(f"hello: {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,9 +214,16 @@ class Hello:
     version: int = TP_PROTOCOL_VERSION
     execution_mode: int = 0
     architecture: str = "llama"  # the file's general.architecture
+    world: WorldInfo | None = None  # the extension: absent in the plain pair
+
+    @property
+    def size(self) -> int:
+        return HELLO_SIZE if self.world is None else HELLO_WORLD_SIZE
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
+        if self.world is not None and not isinstance(self.world, WorldInfo):
+            raise LocalProtocolError(f"Hello.world must be a WorldInfo, got {self.world!r}")
         if not ARCH_PATTERN.fullmatch(self.architecture):
             raise LocalProtocolError(
                 f"Hello.architecture {self.architecture!r} is not 1-16 characters of "
@@ -253,6 +319,36 @@ def check_execution_mode(mine: Hello, peer: Hello) -> None:
         )
 
 
+class WorldMismatch(IdentityMismatch):
+    """The hellos state different worlds. A worker's first hello states none (it learns the
+    world from the leader's hello), so this one is expected once: the worker dials again with
+    the leader's world."""
+
+
+def _shares_text(world: WorldInfo | None) -> str:
+    return "1,1 (the plain pair)" if world is None else ",".join(map(str, world.shares))
+
+
+def check_world(mine: Hello, peer: Hello) -> None:
+    """Raise :class:`WorldMismatch` unless both hellos state the same world: both the plain
+    pair, or the same world size and shares (every rank's slice), leader first."""
+    leader, worker = (mine, peer) if mine.role is Role.LEADER else (peer, mine)
+    lw, ww = leader.world, worker.world
+    lsize, wsize = (2 if w is None else w.world_size for w in (lw, ww))
+    if lsize != wsize:
+        raise WorldMismatch(
+            f"world mismatch on world_size: leader has {lsize}, worker has {wsize}; the "
+            "worker dials again with the leader's world"
+        )
+    if _shares_text(lw) != _shares_text(ww):
+        raise WorldMismatch(
+            f"world mismatch on shares: leader has {_shares_text(lw)}, worker has "
+            f"{_shares_text(ww)}; the worker dials again with the leader's world"
+        )
+    if lw is not None and lw.rank != 0:
+        raise IdentityMismatch(f"world mismatch on rank: the leader states rank {lw.rank}, not 0")
+
+
 def check_hello(mine: Hello, peer: Hello) -> None:
     """Everything both ranks must agree on before any inference: version, roles, identity,
     execution mode."""
@@ -265,6 +361,7 @@ def check_hello(mine: Hello, peer: Hello) -> None:
             f"start exactly one rank as the {other.name.lower()}"
         )
     check_identity(mine.identity, peer.identity, mine_role=mine.role)
+    check_world(mine, peer)
     if mine.architecture != peer.architecture:
         raise IdentityMismatch(
             f"architecture mismatch: this rank runs {mine.architecture!r}, the peer "
@@ -282,22 +379,29 @@ def _version_message(mine: int, peer: int) -> str:
 
 def _encode_hello(h: Hello) -> bytes:
     i = h.identity
-    flags = HELLO_SHM_OFFERED if h.shm_offered else 0
-    return HELLO.pack(
-        TP_HELLO_MAGIC, h.version, HELLO_SIZE, h.role, flags, h.execution_mode,
+    flags = (HELLO_SHM_OFFERED if h.shm_offered else 0) | (HELLO_WORLD if h.world else 0)
+    base = HELLO.pack(
+        TP_HELLO_MAGIC, h.version, h.size, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
         h.host_id, h.shm_name.encode(), h.architecture.encode(),
     )  # fmt: skip
+    return base if h.world is None else base + h.world.encode()
 
 
 def _decode_hello(buf: Readable, offset: int) -> Hello:
     v = HELLO.unpack_from(buf, offset)
-    version, role, flags, mode = v[1], v[3], v[4], v[5]
+    version, size, role, flags, mode = v[1], v[2], v[3], v[4], v[5]
     if role not in (Role.LEADER, Role.WORKER):
         raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
     if flags & ~HELLO_FLAGS:
         raise TpProtocolError(f"hello: unknown flags {flags:#x}")
+    if bool(flags & HELLO_WORLD) != (size == HELLO_WORLD_SIZE):
+        raise TpProtocolError(
+            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} but the hello "
+            f"is {size} bytes ({HELLO_WORLD_SIZE} with the world extension, {HELLO_SIZE} without)"
+        )
+    world = WorldInfo.decode(buf, offset + HELLO_SIZE) if flags & HELLO_WORLD else None
     if mode & ~EXECUTION_MODE_BITS:
         raise TpProtocolError(
             f"hello: execution mode {mode:#x} has bits this implementation does not run "
@@ -326,6 +430,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             version=version,
             execution_mode=mode,
             architecture=raw_arch.decode("ascii", errors="replace"),
+            world=world,
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None

@@ -413,6 +413,10 @@ typedef struct { /* what one part holds of a layer (inference._PartLayer) */
     const float *bias[3], *q_norm, *k_norm;
 } step_part;
 
+/* The most parts one layer's plan holds: a rank holds one; one process standing for a world of
+ * N ranks holds N (model.shard.MAX_WORLD). */
+#define STEP_MAX_PARTS 16
+
 typedef struct {
     int d, dh, half, neox, qk_norm, window, gelu, n_parts;
     int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
@@ -420,7 +424,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
     const float *router;  /* routed experts: (n_expert, d) float32, else NULL */
     int n_expert, n_used; /* each token's n_used of n_expert, weights renormalised */
-    step_part parts[2];
+    step_part parts[STEP_MAX_PARTS];
 } step_layer;
 
 size_t step_room(const step_layer *l, int n_pos);

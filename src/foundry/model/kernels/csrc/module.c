@@ -504,8 +504,9 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
         step_fail("a layer's sizes or norms");
         goto fail;
     }
-    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1 || PyTuple_GET_SIZE(parts) > 2) {
-        step_fail("one or two parts");
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1 ||
+        PyTuple_GET_SIZE(parts) > STEP_MAX_PARTS) {
+        step_fail("1 to 16 parts (STEP_MAX_PARTS)");
         goto fail;
     }
     l->gelu16 = l->gelu && step_gelu16(l->gelu_table);
@@ -565,7 +566,7 @@ static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyO
                      PyObject *cos_o, PyObject *sin_o) {
     const step_layer *l = plan_of(capsule);
     if (l == NULL) return -1;
-    Py_buffer k[2], v[2], cos, sin;
+    Py_buffer k[STEP_MAX_PARTS], v[STEP_MAX_PARTS], cos, sin;
     int held = 0, tables = 0, rc = -1;
     PyObject *kf = PySequence_Fast(kt, "step_layer: caches as a sequence"), *vf = NULL;
     if (kf == NULL || (vf = PySequence_Fast(vt, "step_layer: caches as a sequence")) == NULL)
@@ -597,8 +598,11 @@ static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyO
     }
     float *room = step_alloc(l, pos);
     if (room == NULL) goto done;
-    void *kc[2] = {k[0].buf, held > 1 ? k[1].buf : NULL},
-         *vc[2] = {v[0].buf, held > 1 ? v[1].buf : NULL};
+    void *kc[STEP_MAX_PARTS] = {NULL}, *vc[STEP_MAX_PARTS] = {NULL};
+    for (int j = 0; j < held; j++) {
+        kc[j] = k[j].buf;
+        vc[j] = v[j].buf;
+    }
     Py_BEGIN_ALLOW_THREADS
     rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room);
     Py_END_ALLOW_THREADS
