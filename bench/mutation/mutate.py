@@ -1,5 +1,6 @@
 """Mutation testing of the code whose mistakes no review catches: wire formats, codecs, checkpoints,
-the round policy and the TP split rules, each against its own tests.
+the round policy, the TP split rules and the served path (chat templates, tokenizers, the
+gateway's OpenAI layer, the leader's front end), each against its own tests.
 
     python bench/mutation/mutate.py                      # every target, 20 minutes each at most
     python bench/mutation/mutate.py wire checkpoint      # some of them
@@ -58,6 +59,21 @@ TARGETS = (
            ("tests/test_swarm_policy.py",)),
     Target("tp_split", ("src/foundry/model/shard.py",),
            ("tests/test_tp_split.py",)),
+    # The served path. mutmut sees the code that tests run in their own process: the
+    # templates' and tokenizers' own tests (llama.cpp's references), and of the gateway the
+    # request models, the fair queue, the renderer and the event stream. The pair and the
+    # gateway run as processes in tests/test_openai_semantics.py and test_served_matrix.py,
+    # which import the unmutated tree: mutants reached only there are listed as such, and
+    # bench/mutation/mutate_served.py applies mutations to the code those processes run.
+    Target("chat", ("src/foundry/model/text/chat.py",),
+           ("tests/test_chat.py", "tests/test_served_units.py")),
+    Target("vocab", ("src/foundry/model/text/vocab/*",),
+           ("tests/test_vocab.py", "tests/test_served_units.py")),
+    Target("gateway", ("src/foundry/gateway/http.py", "src/foundry/gateway/openai_protocol.py"),
+           ("tests/test_openai_render.py", "tests/test_openai_http.py",
+            "tests/test_openai_semantics.py")),
+    Target("frontend", ("src/foundry/tp/frontend_server.py",),
+           ("tests/test_tp_service.py", "tests/test_openai_semantics.py")),
 )
 BY_NAME = {t.name: t for t in TARGETS}
 

@@ -8,10 +8,6 @@ from pathlib import Path
 
 from foundry.commands.common import fraction, nonneg_float, nonneg_int, positive_int
 
-# Our byte-level models speak through the plain transcript template; without a turn token to
-# end on, a reply ends where the model starts the user's next line.
-PLAIN_STOP = ("\nUser:",)
-
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c = sub.add_parser(
@@ -24,8 +20,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--model", type=Path, required=True, help="GGUF model file")
     c.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="a built-in (gemma, chatml, llama3, plain) or a Jinja file (default: "
-                   "the file's tokenizer.chat_template, else the built-in its vocabulary "
-                   "calls for)")
+                   "the file's tokenizer.chat_template, else plain: a file without one is "
+                   "taken for a base model)")
     c.add_argument("--chat-content-specials", action="store_true",
                    help="parse special-token texts in what you type as the special tokens "
                    "(llama.cpp's way); by default they stay text")
@@ -59,7 +55,8 @@ def run_chat(args: argparse.Namespace) -> int:
         return 2
     engine = Engine(loaded.cfg, loaded.params)
     rng = make_rng(args.seed)
-    stop = PLAIN_STOP if template.name == "plain" else ()
+    stop = template.stop
+    print(f"chat template: {template.name}", file=sys.stderr)
     history = [Message("system", args.system)] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -90,7 +90,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                       help="how chat messages become the prompt: a built-in (gemma, chatml, "
                       "llama3, plain) or a Jinja file (default: the model file's "
-                      "tokenizer.chat_template, else the built-in its vocabulary calls for)")
+                      "tokenizer.chat_template, else plain: a file without one is taken for a "
+                      "base model)")
     lead.add_argument("--chat-content-specials", action="store_true",
                       help="parse special-token texts (<start_of_turn>, <|im_start|>) in "
                       "messages' content as the special tokens (llama.cpp's way); by default "

@@ -303,6 +303,11 @@ class GatewayMetrics:
             "HTTP generation requests waiting for a place on the pair.",
             registry=r,
         )
+        self.http_active = Gauge(
+            "foundry_gateway_http_active_requests",
+            "HTTP generation requests holding a place on the pair (admitted, not yet ended).",
+            registry=r,
+        )
 
 
 # Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.

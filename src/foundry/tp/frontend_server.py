@@ -90,7 +90,8 @@ class Request:
     engine thread; everything below them belongs to the engine thread."""
 
     def __init__(
-        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer
+        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer,
+        template_stop: tuple[str, ...] = (),
     ) -> None:
         self.conn = conn
         self.frame = frame
@@ -103,7 +104,8 @@ class Request:
         self.generated = 0
         self.next_token = -1  # sampled, not yet evaluated
         self.tokenizer = tokenizer  # the file's: its eog_ids end the generation
-        self.stream = TextStream(frame.stop, tokenizer.stream_decoder())
+        # A chat's reply also ends where its template's turn ends without a token.
+        self.stream = TextStream((*frame.stop, *template_stop), tokenizer.stream_decoder())
         self.rng = make_rng(frame.seed)
         self.step_tokens = 0
 
@@ -285,7 +287,8 @@ class FrontendServer:
             return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
                                 f"{self.inflight} generations in flight ({o.max_sessions} "
                                 f"running and {o.queue_size} waiting at most)")
-        req = Request(conn, g, prompt, self.tokenizer)
+        req = Request(conn, g, prompt, self.tokenizer,
+                      self.template.stop if g.messages else ())
         req.cancelled = cancelled
         conn.requests[rid] = req
         self.inflight += 1

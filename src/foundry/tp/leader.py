@@ -105,6 +105,7 @@ class Leader:
         self.tokenizer = load_tokenizer(metadata)  # GENERATE's prompt, TOKEN's text
         # GENERATE's messages become the prompt through it (CHAT, docs/protocol.md).
         self.chat_template = template_for(metadata, options.chat_template)
+        log.info("chat template: %s", self.chat_template.name)
         self.metrics = metrics or TpMetrics()
         self.logits_hook = logits_hook
         self.port = 0  # the worker port, once bound

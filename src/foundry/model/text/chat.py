@@ -13,12 +13,13 @@ for Hugging Face transformers. It is rendered here as transformers and llama.cpp
   that do not alternate) and ``strftime_now(format)`` (today's date, which Llama 3.1 prints),
   and transformers' ``tojson`` filter (``ensure_ascii=False``, optional ``indent``).
 
-A file without a template gets a built-in one chosen from its vocabulary: Gemma's
-``<start_of_turn>`` turns when the vocabulary has that token (the Gemma 3 file has no
-template), ChatML when it has ``<|im_start|>`` (Qwen and many others), Llama 3's headers when
-it has ``<|start_header_id|>``; any other file, our own byte-vocabulary models included, gets
-the plain ``User:`` / ``Assistant:`` transcript. ``override`` (``--chat-template``) names a
-built-in or a Jinja file instead.
+A file without a template gets the plain ``User:`` / ``Assistant:`` transcript, whose reply
+ends where the model begins the user's next line (:attr:`ChatTemplate.stop`): never another
+model's turn markers guessed from the vocabulary. Such a file is in practice a base model (the
+Gemma 3 270M file on PyPI): turn tokens in its vocabulary are no sign that it was tuned on
+them, and given them it answers noise. ``override`` (``--chat-template``) names a built-in
+(``gemma``, ``chatml``, ``llama3``, ``plain``) or a Jinja file instead. docs/models.md compares
+this with llama.cpp (ChatML) and vLLM (chat refused).
 
 Templates that print ``bos_token`` first expect the tokenizer not to add another;
 :func:`prompt_text` drops that leading BOS text, since the encoder adds the BOS token itself
@@ -404,9 +405,11 @@ class ChatTemplate:
     """One compiled template and the special-token texts it may print."""
 
     def __init__(self, source: str, name: str, bos_token: str = "", eos_token: str = "",
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 stop: tuple[str, ...] = (), limits: Limits = DEFAULT_LIMITS) -> None:
         self.source = source
         self.name = name
+        # Text that ends a reply in this format, for templates whose turns end without a token.
+        self.stop = stop
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.limits = limits
@@ -563,7 +566,7 @@ LLAMA3 = (
     "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
-# Plain text, for vocabularies without turn tokens (our byte-level models): a transcript.
+# Plain text, for files without a template (base models, our byte-level models): a transcript.
 PLAIN = (
     "{% for m in messages %}{{ m.role | capitalize + ': ' + m.content + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
@@ -571,9 +574,11 @@ PLAIN = (
 
 BUILTINS: dict[str, str] = {"gemma": GEMMA, "chatml": CHATML, "llama3": LLAMA3, "plain": PLAIN}
 
-# The vocabulary token that marks each family's turns, in the order they are looked for.
-_MARKERS = (("<start_of_turn>", "gemma"), ("<|im_start|>", "chatml"),
-            ("<|start_header_id|>", "llama3"))
+# The plain transcript has no token to end a turn on: a reply ends where the model begins
+# the user's next line.
+PLAIN_STOP = ("\nUser:",)
+# How a template's name says that the file had none (logged by the leader and `foundry chat`).
+NO_TEMPLATE = " (the file has no chat template; --chat-template chooses another)"
 
 
 def _special_text(metadata: Mapping[str, Any], key: str) -> str:
@@ -586,26 +591,21 @@ def _special_text(metadata: Mapping[str, Any], key: str) -> str:
     return str(tokens[token_id])
 
 
-def builtin_for(metadata: Mapping[str, Any]) -> str:
-    """The name of the built-in template for a file without one."""
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, Sequence) and not isinstance(tokens, str):
-        vocab = set(tokens)
-        for marker, name in _MARKERS:
-            if marker in vocab:
-                return name
-    return "plain"
+def _builtin(name: str, bos: str, eos: str, why: str = "") -> ChatTemplate:
+    return ChatTemplate(BUILTINS[name], name + why, bos, eos,
+                        PLAIN_STOP if name == "plain" else ())
 
 
 def template_for(metadata: Mapping[str, Any], override: str | None = None) -> ChatTemplate:
     """The template to render conversations for the model of ``metadata`` (GGUF key/values):
     ``override`` (a built-in's name or a Jinja file's path) if given, else the file's
-    ``tokenizer.chat_template``, else the built-in its vocabulary calls for."""
+    ``tokenizer.chat_template``, else the plain transcript. Its ``name`` says which, and
+    why."""
     bos = _special_text(metadata, "tokenizer.ggml.bos_token_id")
     eos = _special_text(metadata, "tokenizer.ggml.eos_token_id")
     if override is not None:
         if override in BUILTINS:
-            return ChatTemplate(BUILTINS[override], override, bos, eos)
+            return _builtin(override, bos, eos)
         path = Path(override)
         try:
             text = path.read_text(encoding="utf-8")
@@ -621,5 +621,5 @@ def template_for(metadata: Mapping[str, Any], override: str | None = None) -> Ch
                                 "expected a string")
     if source:
         return ChatTemplate(source, "the file's tokenizer.chat_template", bos, eos)
-    name = builtin_for(metadata)
-    return ChatTemplate(BUILTINS[name], name, bos, eos)
+    return _builtin("plain", bos, eos, NO_TEMPLATE)
+
