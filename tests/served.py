@@ -32,7 +32,7 @@ from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.formats.gguf_meta import read_metadata
 from foundry.model.infer.inference import Engine
-from foundry.model.text.chat import ChatTemplate, Message, prompt_text, template_for
+from foundry.model.text.chat import ChatTemplate, Message, chat_prompt, template_for
 from foundry.model.text.vocab import Tokenizer
 from foundry.model.text.vocab.tokenizer import load_tokenizer
 from foundry.tp.policy import TextStream
@@ -79,9 +79,9 @@ class Reference:
         self.ctx_size = ctx_size
 
     def prompt_ids(self, ask: Chat) -> list[int]:
-        if ask.messages:
-            text = prompt_text(self.template, [Message(r, c) for r, c in ask.messages])
-            return self.tokenizer.encode(text, parse_special=True)
+        if ask.messages:  # as the leader: the template's markers parsed, the content text
+            return chat_prompt(self.template, self.tokenizer,
+                               [Message(r, c) for r, c in ask.messages])
         return self.tokenizer.encode(ask.prompt)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one Reference per module)

@@ -7,8 +7,9 @@ worker is paired, and with OVERLOADED when ``max_sessions`` run and ``queue_size
 already. Reading goes through the one stream driver (``transport.stream.AsyncStream``), with
 the frame deadline.
 
-A prompt is rendered (a chat template is a program from the model file) and tokenized off the
-loop, in a pool of ``PREPARE_THREADS`` threads with ``PREPARE_QUEUE`` requests waiting at most
+A conversation is rendered (a chat template is a program from the model file) and tokenized
+off the loop, and so is a plain prompt of more than ``INLINE_PROMPT_CHARS`` characters, in a
+pool of ``PREPARE_THREADS`` threads with ``PREPARE_QUEUE`` requests waiting at most
 (OVERLOADED past it), so that a costly conversation never stalls the other clients or the
 STATUS answers the gateway's ``/health`` rests on. A conversation of more than
 ``max_messages`` messages, or one that renders to more than ``MAX_CHARS_PER_TOKEN`` characters
@@ -52,6 +53,9 @@ MAX_CLIENT_BACKLOG = 4 << 20
 # takes milliseconds, a hostile one up to the template's limits (seconds).
 PREPARE_THREADS = 2
 PREPARE_QUEUE = 64
+# A plain prompt (no chat template to run) this short is tokenized on the loop: milliseconds
+# at most, linear in its length.
+INLINE_PROMPT_CHARS = 1024
 # A prompt longer than this many characters per token of context cannot fit it (a token of a
 # published vocabulary covers at most a few dozen characters); refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 64
@@ -216,6 +220,13 @@ class FrontendServer:
         if len(g.messages) > o.max_messages:
             return self._refuse(conn, rid, bad, f"the conversation has {len(g.messages)} "
                                                 f"messages, more than {o.max_messages}")
+        if not g.messages and len(g.prompt) <= INLINE_PROMPT_CHARS:
+            # No template to run and a few microseconds of tokenizing: at once, so requests
+            # sent together reach the engine together (and batch) as they always did.
+            prompt = self._prepare(g)
+            if isinstance(prompt, str):
+                return self._refuse(conn, rid, bad, prompt)
+            return self._admit(conn, g, prompt, False)
         if self.preparing >= PREPARE_QUEUE:
             return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
                                 f"{self.preparing} prompts wait to be rendered and tokenized")
