@@ -221,7 +221,7 @@ def main() -> int:
     harness.add_json_flag(ap)
     a = ap.parse_args()
     if a.tcp_spin_us is not None:
-        gates.TCP_SPIN_S = a.tcp_spin_us * 1e-6
+        gates.tcp.TCP_SPIN_S = gates.mesh.TCP_SPIN_S = a.tcp_spin_us * 1e-6
     worlds = [int(w) for w in a.worlds.split(",")]
     partial = a.rows * a.n_embd * 4
     print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
