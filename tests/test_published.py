@@ -36,7 +36,7 @@ from foundry.model.spec.arch import ArchConfig
 from foundry.model.text.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
-from foundry.tp.policy import SpecMode
+from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 
 F32 = npt.NDArray[np.float32]

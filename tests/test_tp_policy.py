@@ -7,18 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from foundry.model.text.vocab.byte import decode, encode
-from foundry.tp.policy import (
-    MAX_DRAFT,
-    Pass,
-    SpecMode,
-    TextStream,
-    accepted_drafts,
-    commit_plan,
-    common_prefix,
-    pick_kept_session,
-    plan_pass,
-    propose_drafts,
-)
+from foundry.tp.policy import Pass, TextStream, common_prefix, pick_kept_session, plan_pass
+from foundry.tp.speculative import MAX_DRAFT, SpecMode, accepted_drafts, commit_plan, propose_drafts
 from foundry.wire.tp import VerifyCommitMode
 
 

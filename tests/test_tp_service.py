@@ -38,7 +38,7 @@ from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
 from foundry.tp.leader import LeaderOptions
-from foundry.tp.policy import SpecMode
+from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     TP_FRAME_MAGIC,

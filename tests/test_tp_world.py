@@ -35,7 +35,7 @@ from foundry.model.shard import ExpertSplit, norm_shares
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
-from foundry.tp.policy import SpecMode
+from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 
 PROMPT = "Every rank adds the partials in rank order."

@@ -98,7 +98,7 @@ from foundry.model.spec.config import PRESETS, ModelConfig
 from foundry.model.text.vocab import load_tokenizer_file
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
-from foundry.tp.policy import SpecMode
+from foundry.tp.speculative import SpecMode
 from foundry.tp.worker import Worker, WorkerOptions
 from foundry.wire import frontend as fw
 from foundry.wire.tp import GATE_HEADER_SIZE

@@ -27,7 +27,7 @@ from foundry.commands.common import (
 )
 from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
-from foundry.tp.policy import MAX_DRAFT, SpecMode
+from foundry.tp.speculative import MAX_DRAFT, SpecMode
 
 log = logging.getLogger("foundry")
 

@@ -1,9 +1,10 @@
-"""The leader's engine thread: the scheduler, the pair's commands, sampling, the pair's life.
+"""The leader's engine thread: it executes; the pair's commands, sampling, the pair's life.
 
-It owns the rank-0 engine (``RankState``), the session table and the pair. Admitted requests
-reach it through a queue (``submit``); the frames for the clients go back through
-``deliver``, one call per step. Each step is the scheduling of tp/leader.py's docstring: the
-cancelled end, the waiting are admitted, one model pass runs (``policy.plan_pass``), every
+It owns the rank-0 engine (``RankState``), the session table and the pair; what runs next is
+its ``tp.scheduler.Scheduler``'s decision, speculative decoding's is ``tp.speculative``'s.
+Admitted requests reach it through a queue (``submit``); the frames for the clients go back
+through ``deliver``, one call per step. Each step is the scheduling of tp/leader.py's
+docstring: the cancelled end, the waiting are admitted, one model pass runs (``next_pass``), every
 command of it written once (``_command`` over ``lockstep.COMMANDS``), and the sessions
 sample. A pair failure ends the pair, never the leader; the histories are re-synced on the
 next pair. Logits that cannot be sampled (NaN or +inf: weights that overflow on this input)
@@ -14,14 +15,11 @@ the same numbers, is destroyed on both ranks, and the pair serves on.
 from __future__ import annotations
 
 import collections
-import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,48 +30,38 @@ from foundry.model.infer.sampling import SamplingError, logprobs, sample
 from foundry.model.shard import Gate, share_blocks
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
-from foundry.tp.frontend_server import Request
-from foundry.tp.handshake import ACK_ACCEPTED, RankModel
-from foundry.tp.link import ControlLink, LinkError
-from foundry.tp.lockstep import (
-    COMMANDS,
-    Checkpoint,
-    LockstepError,
-    RankState,
-    Reply,
-    TracingExchange,
-    failure_kind,
+from foundry.tp.commands import (
+    PAIR_FAILURES,
+    PairCommands,
+    PairLost,
+    SessionRefused,
+    pair_failure_kind,
+    stop_links,
 )
-from foundry.tp.policy import (
-    Pass,
-    SpecMode,
+from foundry.tp.frontend_server import Request
+from foundry.tp.handshake import RankModel
+from foundry.tp.lockstep import (
+    RankState,
+    TracingExchange,
+)
+from foundry.tp.policy import Pass, pick_kept_session
+from foundry.tp.scheduler import Scheduler
+from foundry.tp.speculative import (
     accepted_drafts,
     commit_plan,
-    pick_kept_session,
-    plan_pass,
-    propose_drafts,
-    worth_keeping,
+    drafts_for,
 )
-from foundry.transport.gates import GateError
 from foundry.wire import frontend as fw
 from foundry.wire.tp import (
     BatchItem,
-    CommandAck,
-    ControlFrame,
     Eval,
     EvalBatch,
-    FrameType,
     GateTransport,
-    Hash,
-    Logits,
     MixedBatch,
     Rewind,
     SessionCreate,
     SessionDestroy,
-    Stop,
     Sync,
-    SyncCheckpoint,
-    TpProtocolError,
     Verify,
     VerifyCommit,
 )
@@ -91,28 +79,7 @@ LogitsHook = Callable[[int, F32], None]
 IDLE_WAIT_S = 0.05
 # Gate latencies kept for diagnostics (Leader.gate_latencies).
 GATE_TRACE = 1 << 16
-# Pair failures end one pair, never the leader.
-PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError)
 
-
-class PairLost(Exception):
-    """The watcher saw the worker hang up."""
-
-
-class SessionRefused(Exception):
-    """A session could not be opened (no memory on a rank); the pair itself is fine."""
-
-
-@dataclass
-class _History:
-    """The tokens of a session to open again on a new pair; ``sid`` once it is open there."""
-
-    tokens: list[int]
-    sid: int = 0
-
-
-class HashMismatch(LockstepError):
-    """The debug lockstep check found the ranks' states different."""
 
 
 class LeaderEngine:
@@ -152,7 +119,8 @@ class LeaderEngine:
                              ctx_size=self.identity.ctx_size, device=options.device)
         self.state = RankState(engine, self.identity.ctx_size)
         # Each worker's vocabulary block, rank 1 first: the LOGITS it returns per row.
-        self._worker_vocab = share_blocks(self.cfg.n_vocab, self.shares)[1:]
+        self.commands = PairCommands(self.state, share_blocks(self.cfg.n_vocab, self.shares)[1:],
+                                     self.world, metrics, options.prefill_chunk)
         # Shared between threads (single attribute reads and writes).
         self.worker_connected = False
         self.transport: GateTransport | None = None
@@ -165,17 +133,10 @@ class LeaderEngine:
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._new_pairs: queue.Queue[Pair] = queue.Queue()
         self._pair: Pair | None = None
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._prefills: collections.deque[Request] = collections.deque()
-        self._decoding: list[Request] = []
-        # Kept sessions, least recently used first, and the histories to re-sync on a new pair,
-        # most recently used first (see the module docstring).
-        self._kept_sessions: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._resync: collections.deque[_History] = collections.deque()
+        self.sched = Scheduler(options.max_sessions, options.keep_sessions)
         self._outbox: list[tuple[Request, fw.Frame]] = []
         self._next_sid = 1
         self._kept = dict(self.state.kept)
-        self._link_bytes = [(0, 0)] * (self.world - 1)
         self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
             maxlen=GATE_TRACE
         )
@@ -218,7 +179,7 @@ class LeaderEngine:
                         raise PairLost(self._pair.lost)
                     if self._has_work():
                         self._step()
-                    elif self._resync:
+                    elif self.sched.resync:
                         self._resync_next()
                     elif self._wait_for_work():
                         self._step()
@@ -238,10 +199,10 @@ class LeaderEngine:
             self._drop_stale_requests()
             return
         self.state.reset()
-        self._kept_sessions.clear()
+        self.sched.kept.clear()
         self.state.exchange = TracingExchange(pair.gate, self._on_gate)
-        self._link_bytes = [(0, 0)] * (self.world - 1)
         self._pair = pair
+        self.commands.attach(pair.links)
         self.transport = pair.transport
         self.worker_connected = True
         self.metrics.worker_connected.set(1)
@@ -252,9 +213,9 @@ class LeaderEngine:
             log.info("world of %d ranks formed (%s): gates all-to-all over %s", self.world,
                      ", ".join(f"rank {r} {link.peer}" for r, link in
                                enumerate(pair.links, start=1)), pair.transport.value)
-        if self._resync:
+        if self.sched.resync:
             log.info("re-syncing %d sessions (%d tokens) from their history while idle",
-                     len(self._resync), sum(len(h.tokens) for h in self._resync))
+                     len(self.sched.resync), sum(len(h.tokens) for h in self.sched.resync))
 
     def _drop_stale_requests(self) -> None:
         """While no pair exists, requests that reached the inbox were failed by the loop."""
@@ -273,43 +234,26 @@ class LeaderEngine:
         self._fail_inflight(message)
 
     def _lose_pair(self, exc: BaseException) -> None:
-        kind = _failure_kind(exc)
+        kind = pair_failure_kind(exc)
         self.metrics.failures.labels(kind).inc()
         self.worker_connected = False
         message = f"tensor-parallel worker lost: {exc}; the leader waits for it to reconnect"
         log.warning("pair lost (%s): %s", kind, exc)
         self._fail_inflight(message)
         self._outbox.clear()
-        self._remember_sessions()
+        self.sched.remember({sid: s.tokens for sid, s in self.state.sessions.items()})
         self._drop_all()
         self._close_pair()
 
-    def _remember_sessions(self) -> None:
-        """The histories to re-sync on the next pair: running generations, then kept
-        sessions, then histories not re-synced yet; most recent first, no repeats."""
-        keep = self.options.keep_sessions
-        running = [r.session.tokens for r in [*self._decoding, *self._prefills] if r.session]
-        kept = [self.state.sessions[sid].tokens for sid in reversed(self._kept_sessions)]
-        seen: set[tuple[int, ...]] = set()
-        histories: list[_History] = []
-        for tokens in [*running, *kept, *(h.tokens for h in self._resync)]:
-            key = tuple(tokens)
-            if worth_keeping(tokens) and key not in seen and len(histories) < keep:
-                seen.add(key)
-                histories.append(_History(list(tokens)))
-        self._resync = collections.deque(histories)
-
     def _drop_all(self) -> None:
-        self._waiting.clear()
-        self._prefills.clear()
-        self._decoding.clear()
-        self._kept_sessions.clear()
+        self.sched.clear()
         self.state.reset()
         self._count_sessions()
         self._drop_stale_requests()
 
     def _close_pair(self) -> None:
         pair, self._pair = self._pair, None
+        self.commands.attach([])
         self.worker_connected = False
         self.transport = None
         self.metrics.worker_connected.set(0)
@@ -320,68 +264,54 @@ class LeaderEngine:
 
     def _shutdown_pair(self) -> None:
         if self._pair is not None:
-            for link in self._pair.links:
-                with contextlib.suppress(LinkError):
-                    link.send(Stop())
+            stop_links(self._pair.links)
             self._drop_all()
             self._close_pair()
         while not self._new_pairs.empty():
             pair = self._new_pairs.get_nowait()
-            for link in pair.links:
-                with contextlib.suppress(LinkError):
-                    link.send(Stop())
+            stop_links(pair.links)
             pair.close()
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._prefills or self._decoding or not self._inbox.empty())
+        return self.sched.has_work() or not self._inbox.empty()
 
     def _wait_for_work(self) -> bool:
         try:
-            self._waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
+            self.sched.waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
         except queue.Empty:
             return False
         return True
 
-    @property
-    def _links(self) -> list[ControlLink]:
-        """The workers' control links, rank 1 first."""
-        assert self._pair is not None
-        return self._pair.links
-
-    def _send_all(self, frame: ControlFrame | Hash | Stop) -> None:
-        for link in self._links:
-            link.send(frame)
-
     def _step(self) -> None:
         while True:
             try:
-                self._waiting.append(self._inbox.get_nowait())
+                self.sched.waiting.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
         try:
-            for req in [*self._prefills, *self._decoding]:
-                if req.gone:
-                    self._finish(req, fw.DoneReason.CANCELLED)
+            for req in self.sched.cancelled():
+                self._finish(req, fw.DoneReason.CANCELLED)
             self._admit()
             t0 = time.perf_counter()
             touched = self._run_pass()
             if touched and self.options.hash_check:
-                self._hash_check()
+                self.commands.hash_check()
             self._account(touched, time.perf_counter() - t0)
         finally:
             self._flush()
 
     def _run_pass(self) -> list[Request]:
-        """One model pass (``policy.plan_pass``); the requests that got tokens."""
-        decoding = list(self._decoding)
-        drafts = self._drafts(decoding[0]) if len(decoding) == 1 and not self._prefills else []
-        kind = plan_pass(len(self._prefills), len(decoding), len(drafts))
+        """One model pass (``Scheduler.next_pass``); the requests that got tokens."""
+        decoding = list(self.sched.decoding)
+        spec = self.sched.speculating()
+        drafts = self._drafts(spec) if spec is not None else []
+        kind = self.sched.next_pass(len(drafts))
         if kind is Pass.MIXED:
-            prefill = self._prefills[0]
+            prefill = self.sched.prefills[0]
             self._mixed(prefill, decoding)
             return [*decoding, prefill]
         if kind is Pass.PREFILL:
-            prefill = self._prefills[0]
+            prefill = self.sched.prefills[0]
             self._prefill_alone(prefill)
             return [prefill]
         if kind is Pass.VERIFY:
@@ -393,9 +323,7 @@ class LeaderEngine:
         return decoding
 
     def _admit(self) -> None:
-        o = self.options
-        while self._waiting and len(self._prefills) + len(self._decoding) < o.max_sessions:
-            req = self._waiting.popleft()
+        for req in self.sched.admissible():
             if req.gone:
                 self._post(req, self._done(req, fw.DoneReason.CANCELLED))
                 continue
@@ -408,7 +336,7 @@ class LeaderEngine:
                                              str(exc)))
                     continue
             req.sid, req.session = sid, self.state.sessions[sid]
-            self._prefills.append(req)
+            self.sched.prefills.append(req)
         self._count_sessions()
 
     def _open_session(self) -> int:
@@ -421,7 +349,7 @@ class LeaderEngine:
         except MemoryError:
             raise SessionRefused(f"no memory for a session of {ctx} positions") from None
         try:  # created here first: a session that does not fit is refused without the worker
-            self._command(SessionCreate(session_id=sid, ctx_size=ctx), here=False)
+            self.commands.run(SessionCreate(session_id=sid, ctx_size=ctx), here=False)
         except SessionRefused:
             self.state.destroy(sid)
             raise
@@ -430,149 +358,114 @@ class LeaderEngine:
     def _continue_kept(self, prompt: list[int]) -> int:
         """The kept session ``prompt`` continues, rewound on both ranks to the prefix they
         share (0: none does)."""
-        kept = [(sid, self.state.sessions[sid].tokens) for sid in self._kept_sessions]
+        kept = [(sid, self.state.sessions[sid].tokens) for sid in self.sched.kept]
         pick = pick_kept_session(prompt, kept)
         if pick is None:
             return 0
         sid, reused = pick
-        del self._kept_sessions[sid]
+        self.sched.continue_kept(sid)
         if reused < self.state.sessions[sid].pos:
-            self._command(Rewind(session_id=sid, pos=reused))
+            self.commands.run(Rewind(session_id=sid, pos=reused))
         self.metrics.prompt_tokens_reused.inc(reused)
         return sid
 
     def _keep_or_destroy(self, sid: int) -> None:
         """A finished generation's session: kept for a later prompt (the least recently
         used kept one goes when there are too many), or destroyed on both ranks."""
-        if worth_keeping(self.state.sessions[sid].tokens) and self.options.keep_sessions > 0:
-            self._kept_sessions[sid] = None
-            while len(self._kept_sessions) > self.options.keep_sessions:
-                self._destroy(self._kept_sessions.popitem(last=False)[0])
-        else:
-            self._destroy(sid)
+        for gone in self.sched.keep(sid, self.state.sessions[sid].tokens):
+            self._destroy(gone)
 
     def _destroy(self, sid: int) -> None:
-        self._command(SessionDestroy(session_id=sid))
+        self.commands.run(SessionDestroy(session_id=sid))
 
     def _count_sessions(self) -> None:
-        self.running = len(self._prefills) + len(self._decoding)
+        self.running = self.sched.running
         self.metrics.active_sessions.set(len(self.state.sessions))
-        self.metrics.kept_sessions.set(len(self._kept_sessions))
+        self.metrics.kept_sessions.set(len(self.sched.kept))
 
     def _resync_next(self) -> None:
         """Re-sync the next remembered history (the pair is idle): open its session on both
         ranks and SYNC its tokens; then it is a kept session like any other. A request that
         arrives meanwhile cancels the sync at its next checkpoint and goes first; the sync
         resumes from where both ranks stopped."""
-        history = self._resync[0]
+        history = self.sched.resync[0]
         if history.sid == 0:
             try:
                 history.sid = self._open_session()
             except SessionRefused as exc:
                 log.warning("a remembered session of %d tokens was not re-synced: %s",
                             len(history.tokens), exc)
-                self._resync.popleft()
+                self.sched.resync.popleft()
                 return
         sid, tokens = history.sid, history.tokens
-        rows = self._command(Sync(session_id=sid, tokens=tuple(tokens)),
-                             self._checkpoint(sid, self._resync_yields))
+        rows = self.commands.run(Sync(session_id=sid, tokens=tuple(tokens)),
+                             self.commands.checkpoint(sid, self._resync_yields))
         if rows is None:
             log.info("re-sync paused at position %d of %d: a request goes first",
                      self.state.sessions[sid].pos, len(tokens))
             return
         if self.options.hash_check:
-            self._hash_check()
-        self._resync.popleft()
+            self.commands.hash_check()
+        self.sched.resync.popleft()
         self._keep_or_destroy(sid)
         self._count_sessions()
         self.metrics.sessions_resynced.inc()
         log.info("session re-synced from its history: %d tokens (%d more to re-sync)",
-                 len(tokens), len(self._resync))
+                 len(tokens), len(self.sched.resync))
 
     def _resync_yields(self) -> bool:
         return self._stopping.is_set() or not self._inbox.empty()
 
     def _prefill_alone(self, req: Request) -> None:
-        meet = self._checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
-        full = self._command(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
+        meet = self.commands.checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
+        full = self.commands.run(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
         if full is None:
             assert req.session is not None
             log.info("request %d: prefill cancelled at position %d of %d; both ranks stopped "
                      "at the same checkpoint", req.frame.request_id, req.session.pos,
                      len(req.prompt))
             if self.options.hash_check:  # compare the positions before the session goes
-                self._hash_check()
+                self.commands.hash_check()
             self._finish(req, fw.DoneReason.CANCELLED)
             return
         self._hook(req, full)
-        self._prefills.popleft()
-        self._decoding.append(req)
+        self.sched.prefilled(req)
         self._sample(req, full[0])
-
-    def _checkpoint(self, sid: int, cancelled: Callable[[], bool]) -> Checkpoint:
-        """A SYNC's checkpoints: before each chunk both ranks agree on it, or on stopping
-        there when ``cancelled()`` (or the worker asks to)."""
-        chunk = self.options.prefill_chunk
-
-        def meet(current: int, total: int) -> int | None:
-            end = min(current + chunk, total)
-            stop = cancelled()
-            mine = SyncCheckpoint(session_id=sid, point=end, current=current, total=total,
-                                  requested=stop)
-            self._send_all(mine)
-            for link in self._links:
-                theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
-                assert isinstance(theirs, SyncCheckpoint)
-                if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
-                    sid, end, current, total
-                ):
-                    raise LinkError(
-                        f"the worker met checkpoint {theirs.current}->{theirs.point}/"
-                        f"{theirs.total} of session {theirs.session_id}, expected {current}->"
-                        f"{end}/{total} of session {sid}; the ranks are out of step"
-                    )
-                stop = stop or theirs.requested
-            if self.world > 2:  # the verdict: every rank stops, or none does
-                self._send_all(dataclasses.replace(mine, requested=stop))
-            return None if stop else end
-
-        return meet
 
     def _mixed(self, prefill: Request, decoding: list[Request]) -> None:
         s = prefill.session
         assert s is not None
         end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
         chunk = prefill.prompt[s.pos : end]
-        full = self._rows(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
-                                     items=tuple(BatchItem(r.sid, r.next_token) for r in decoding)))
+        full = self.commands.rows(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
+                                            items=tuple(BatchItem(r.sid, r.next_token)
+                                                        for r in decoding)))
         for i, req in enumerate(decoding, start=1):
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
         if end == len(prefill.prompt):
             self._hook(prefill, full[:1])
-            self._prefills.popleft()
-            self._decoding.append(prefill)
+            self.sched.prefilled(prefill)
             self._sample(prefill, full[0])
 
     def _eval(self, req: Request) -> None:
-        full = self._rows(Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token))
+        full = self.commands.rows(Eval(session_id=req.sid, seq=self.state.step + 1,
+                                       token=req.next_token))
         self._hook(req, full)
         self._sample(req, full[0])
 
     def _eval_batch(self, decoding: list[Request]) -> None:
-        full = self._rows(EvalBatch(items=tuple(BatchItem(r.sid, r.next_token) for r in decoding)))
+        items = tuple(BatchItem(r.sid, r.next_token) for r in decoding)
+        full = self.commands.rows(EvalBatch(items=items))
         for i, req in enumerate(decoding):
             self._hook(req, full[i : i + 1])
             self._sample(req, full[i])
 
     def _drafts(self, req: Request) -> list[int]:
         """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
-        s = req.session
-        assert s is not None
-        if self.spec_mode is SpecMode.OFF or req.frame.temperature != 0.0:
-            return []
-        limit = min(self.options.max_draft, s.free - 1, req.frame.max_tokens - req.generated - 1)
-        return propose_drafts([*s.tokens, req.next_token], limit)
+        assert req.session is not None
+        return drafts_for(self.spec_mode, self.options.max_draft, req.session, req.frame,
+                          req.next_token, req.generated)
 
     def _verify(self, req: Request, drafts: list[int]) -> None:
         """Verify a drafted block for a greedy request, commit what was accepted."""
@@ -581,7 +474,7 @@ class LeaderEngine:
         mode = self.spec_mode
         block = [req.next_token, *drafts]
         pos0 = s.pos
-        full = self._rows(Verify(session_id=req.sid, drafts=tuple(block)))
+        full = self.commands.rows(Verify(session_id=req.sid, drafts=tuple(block)))
         self._hook(req, full)
         try:
             verified = [sample(row, 0.0) for row in full]
@@ -590,8 +483,8 @@ class LeaderEngine:
             return
         accepted = accepted_drafts(drafts, verified)
         plan = commit_plan(mode, len(drafts), accepted)
-        self._command(VerifyCommit(session_id=req.sid, mode=plan.mode,
-                                   token_count=plan.token_count))
+        self.commands.run(VerifyCommit(session_id=req.sid, mode=plan.mode,
+                                       token_count=plan.token_count))
         self.drafted += len(drafts)
         self.accepted += accepted
         m = self.metrics
@@ -602,62 +495,6 @@ class LeaderEngine:
         for i, token in enumerate(new):
             if not self._accept(req, token, pos0 + 1 + i, full[i]):
                 break
-
-    def _command(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
-                 here: bool = True) -> F32 | None:
-        """One command on both ranks (``lockstep.COMMANDS``): send it to the worker, run the
-        same RankState call here (unless done already, ``here=False``), collect the worker's
-        reply. The full logits rows when the command returned rows, else None."""
-        command = COMMANDS[frame.TYPE]
-        self._send_all(frame)
-        rows = command.run(self.state, frame, checkpoint) if here else None
-        if command.reply is Reply.COMMAND_ACK:
-            refused, opened = [], []
-            for rank, link in enumerate(self._links, start=1):
-                ack = link.expect(FrameType.COMMAND_ACK,
-                                  f"the worker's {frame.TYPE.name} {frame.session_id}")
-                assert isinstance(ack, CommandAck)
-                if ack.session_id != frame.session_id:
-                    raise LinkError(f"rank {rank} acknowledged session {ack.session_id}, "
-                                    f"expected {frame.session_id}; the ranks are out of step")
-                if ack.status != ACK_ACCEPTED:
-                    refused.append(f"rank {rank} (status {ack.status})")
-                else:
-                    opened.append(link)
-            if refused:
-                if isinstance(frame, SessionCreate):
-                    # Those that opened it close it again: every rank's table stays the same.
-                    for link in opened:
-                        link.send(SessionDestroy(session_id=frame.session_id))
-                raise SessionRefused(f"{', '.join(refused)} could not open a session; see its "
-                                     "log")
-        if command.reply is Reply.LOGITS and rows is not None:
-            return self._join(rows)
-        return None
-
-    def _rows(self, frame: ControlFrame) -> F32:
-        """``_command`` of a command that always returns rows."""
-        rows = self._command(frame)
-        assert rows is not None
-        return rows
-
-    def _join(self, mine: F32) -> F32:
-        """Our logits rows joined with every worker's block of the same rows, rank order."""
-        rows = mine.shape[0]
-        blocks = [mine]
-        for rank, (link, width) in enumerate(zip(self._links, self._worker_vocab, strict=True),
-                                             start=1):
-            frame = link.expect(FrameType.LOGITS, "the worker's half of the logits")
-            assert isinstance(frame, Logits)
-            if frame.seq != self.state.step:
-                raise LinkError(f"rank {rank} sent the logits of step {frame.seq}, this rank is "
-                                f"at step {self.state.step}; the ranks are out of step")
-            block = frame.array()
-            if block.size != rows * width:
-                raise LinkError(f"rank {rank} sent {block.size} logits, expected {rows} rows of "
-                                f"{width}")
-            blocks.append(block.reshape(rows, width))
-        return np.concatenate(blocks, axis=1)
 
     def _hook(self, req: Request, rows: F32) -> None:
         if self.logits_hook is not None:
@@ -684,10 +521,7 @@ class LeaderEngine:
                    "request failed; the pair serves on")
         log.warning("request %d: %s", req.frame.request_id, message)
         self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL, message))
-        if req in self._decoding:
-            self._decoding.remove(req)
-        if req in self._prefills:
-            self._prefills.remove(req)
+        self.sched.remove(req)
         if req.sid in self.state.sessions:
             self._destroy(req.sid)
         self._count_sessions()
@@ -728,28 +562,10 @@ class LeaderEngine:
 
     def _finish(self, req: Request, reason: fw.DoneReason) -> None:
         self._post(req, self._done(req, reason))
-        if req in self._decoding:
-            self._decoding.remove(req)
-        if req in self._prefills:
-            self._prefills.remove(req)
+        self.sched.remove(req)
         if req.sid in self.state.sessions:
             self._keep_or_destroy(req.sid)
         self._count_sessions()
-
-    def _hash_check(self) -> None:
-        mine = self.state.state_hash()
-        self._send_all(Hash(seq=self.state.step, value=mine))
-        for rank, link in enumerate(self._links, start=1):
-            theirs = link.expect(FrameType.HASH, "the worker's state hash")
-            assert isinstance(theirs, Hash)
-            if (theirs.seq, theirs.value) != (self.state.step, mine):
-                self.metrics.hash_checks.labels("mismatch").inc()
-                who = "worker" if self.world == 2 else f"rank {rank}"
-                raise HashMismatch(
-                    f"lockstep hash mismatch: leader step {self.state.step} hash {mine:#018x}, "
-                    f"{who} step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
-                )
-        self.metrics.hash_checks.labels("match").inc()
 
     def _post(self, req: Request, frame: fw.Frame) -> None:
         self._outbox.append((req, frame))
@@ -771,20 +587,8 @@ class LeaderEngine:
             if n > self._kept[phase]:
                 m.tokens.labels(phase).inc(n - self._kept[phase])
         self._kept = dict(self.state.kept)
-        for i, link in enumerate(self._links):
-            sent, received = self._link_bytes[i]
-            m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
-            m.control_bytes.labels("received").inc(link.bytes_received - received)
-            self._link_bytes[i] = (link.bytes_sent, link.bytes_received)
+        self.commands.count_bytes()
 
     def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
         self.metrics.record_gate(seconds, nbytes)
         self._gate_trace.append((gate, seconds))
-
-
-def _failure_kind(exc: BaseException) -> str:
-    if isinstance(exc, PairLost):
-        return "hangup"
-    if isinstance(exc, HashMismatch):
-        return "hash"
-    return failure_kind(exc)

@@ -2,8 +2,10 @@
 
 This module wires the leader's jobs together, each in its own module: the frontend server
 (``tp.frontend_server``), bring-up and pairing (``tp.bringup``), the engine loop
-(``tp.engine``) with its pure pass planner (``tp.policy.plan_pass``) and the command table
-both ranks share (``tp.lockstep.COMMANDS``).
+(``tp.engine``, executing) with its pure scheduler (``tp.scheduler``, the pass from
+``tp.policy.plan_pass``) and speculative decoding's decisions (``tp.speculative``), its
+commands to every rank (``tp.commands``) and the command table both ranks share
+(``tp.lockstep.COMMANDS``).
 
 Threads
 -------
@@ -78,7 +80,7 @@ from foundry.tp.engine import LeaderEngine, LogitsHook
 from foundry.tp.frontend_server import FrontendServer
 from foundry.tp.handshake import RankModel, load_rank
 from foundry.tp.options import LeaderOptions
-from foundry.tp.policy import SpecMode
+from foundry.tp.speculative import SpecMode
 from foundry.transport.listener import Listener
 from foundry.wire import frontend as fw
 from foundry.wire.tp import GateTransport

@@ -10,7 +10,7 @@ from pathlib import Path
 from foundry.model.shard import MAX_WORLD, ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
-from foundry.tp.policy import MAX_DRAFT, SpecMode
+from foundry.tp.speculative import MAX_DRAFT, SpecMode
 from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
 from foundry.wire.tp import TP_MAX_BATCH_ITEMS
 

@@ -1,0 +1,202 @@
+"""The pair's commands as the leader's engine runs them: each written once for every rank.
+
+``PairCommands.run`` sends a command (``lockstep.COMMANDS``) to the workers, runs the same
+``RankState`` call here and collects the workers' replies: the acknowledgements (a session
+refused by one rank is closed again on those that opened it), the workers' blocks of the
+logits joined to the leader's, the prefill checkpoints every rank agrees on, and the debug
+state hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.obs.metrics import TpMetrics
+from foundry.tp.handshake import ACK_ACCEPTED
+from foundry.tp.link import ControlLink, LinkError
+from foundry.tp.lockstep import COMMANDS, Checkpoint, LockstepError, RankState, Reply, failure_kind
+from foundry.transport.gates import GateError
+from foundry.wire.tp import (
+    CommandAck,
+    ControlFrame,
+    FrameType,
+    Hash,
+    Logits,
+    SessionCreate,
+    SessionDestroy,
+    Stop,
+    SyncCheckpoint,
+    TpProtocolError,
+)
+
+F32 = npt.NDArray[np.float32]
+
+# Pair failures end one pair, never the leader.
+PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError)
+
+
+class PairLost(Exception):
+    """The watcher saw the worker hang up."""
+
+
+
+class SessionRefused(Exception):
+    """A session could not be opened (no memory on a rank); the pair itself is fine."""
+
+
+class HashMismatch(LockstepError):
+    """The debug lockstep check found the ranks' states different."""
+
+
+class PairCommands:
+    """The leader's side of every command (see the module docstring); ``links`` are the
+    workers' control links, rank 1 first, while a pair exists."""
+
+    def __init__(self, state: RankState, worker_vocab: list[int], world: int,
+                 metrics: TpMetrics, prefill_chunk: int) -> None:
+        self.state = state
+        self.worker_vocab = worker_vocab  # each worker's vocabulary block: its LOGITS per row
+        self.world = world
+        self.metrics = metrics
+        self.prefill_chunk = prefill_chunk
+        self.links: list[ControlLink] = []
+        self._link_bytes: list[tuple[int, int]] = []  # (sent, received) at the last count
+
+    def attach(self, links: list[ControlLink]) -> None:
+        """The workers' control links of a new pair (``[]``: the pair ended)."""
+        self.links = links
+        self._link_bytes = [(0, 0)] * len(links)
+
+    def count_bytes(self) -> None:
+        """The control links' bytes since the last count, into the metrics."""
+        m = self.metrics
+        for i, link in enumerate(self.links):
+            sent, received = self._link_bytes[i]
+            m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
+            m.control_bytes.labels("received").inc(link.bytes_received - received)
+            self._link_bytes[i] = (link.bytes_sent, link.bytes_received)
+
+    def send_all(self, frame: ControlFrame | Hash | Stop) -> None:
+        for link in self.links:
+            link.send(frame)
+
+    def checkpoint(self, sid: int, cancelled: Callable[[], bool]) -> Checkpoint:
+        """A SYNC's checkpoints: before each chunk both ranks agree on it, or on stopping
+        there when ``cancelled()`` (or the worker asks to)."""
+        chunk = self.prefill_chunk
+
+        def meet(current: int, total: int) -> int | None:
+            end = min(current + chunk, total)
+            stop = cancelled()
+            mine = SyncCheckpoint(session_id=sid, point=end, current=current, total=total,
+                                  requested=stop)
+            self.send_all(mine)
+            for link in self.links:
+                theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
+                assert isinstance(theirs, SyncCheckpoint)
+                if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
+                    sid, end, current, total
+                ):
+                    raise LinkError(
+                        f"the worker met checkpoint {theirs.current}->{theirs.point}/"
+                        f"{theirs.total} of session {theirs.session_id}, expected {current}->"
+                        f"{end}/{total} of session {sid}; the ranks are out of step"
+                    )
+                stop = stop or theirs.requested
+            if self.world > 2:  # the verdict: every rank stops, or none does
+                self.send_all(dataclasses.replace(mine, requested=stop))
+            return None if stop else end
+
+        return meet
+
+    def run(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
+                 here: bool = True) -> F32 | None:
+        """One command on both ranks (``lockstep.COMMANDS``): send it to the worker, run the
+        same RankState call here (unless done already, ``here=False``), collect the worker's
+        reply. The full logits rows when the command returned rows, else None."""
+        command = COMMANDS[frame.TYPE]
+        self.send_all(frame)
+        rows = command.run(self.state, frame, checkpoint) if here else None
+        if command.reply is Reply.COMMAND_ACK:
+            refused, opened = [], []
+            for rank, link in enumerate(self.links, start=1):
+                ack = link.expect(FrameType.COMMAND_ACK,
+                                  f"the worker's {frame.TYPE.name} {frame.session_id}")
+                assert isinstance(ack, CommandAck)
+                if ack.session_id != frame.session_id:
+                    raise LinkError(f"rank {rank} acknowledged session {ack.session_id}, "
+                                    f"expected {frame.session_id}; the ranks are out of step")
+                if ack.status != ACK_ACCEPTED:
+                    refused.append(f"rank {rank} (status {ack.status})")
+                else:
+                    opened.append(link)
+            if refused:
+                if isinstance(frame, SessionCreate):
+                    # Those that opened it close it again: every rank's table stays the same.
+                    for link in opened:
+                        link.send(SessionDestroy(session_id=frame.session_id))
+                raise SessionRefused(f"{', '.join(refused)} could not open a session; see its "
+                                     "log")
+        if command.reply is Reply.LOGITS and rows is not None:
+            return self.join(rows)
+        return None
+
+    def rows(self, frame: ControlFrame) -> F32:
+        """``run`` of a command that always returns rows."""
+        rows = self.run(frame)
+        assert rows is not None
+        return rows
+
+    def join(self, mine: F32) -> F32:
+        """Our logits rows joined with every worker's block of the same rows, rank order."""
+        rows = mine.shape[0]
+        blocks = [mine]
+        for rank, (link, width) in enumerate(zip(self.links, self.worker_vocab, strict=True),
+                                             start=1):
+            frame = link.expect(FrameType.LOGITS, "the worker's half of the logits")
+            assert isinstance(frame, Logits)
+            if frame.seq != self.state.step:
+                raise LinkError(f"rank {rank} sent the logits of step {frame.seq}, this rank is "
+                                f"at step {self.state.step}; the ranks are out of step")
+            block = frame.array()
+            if block.size != rows * width:
+                raise LinkError(f"rank {rank} sent {block.size} logits, expected {rows} rows of "
+                                f"{width}")
+            blocks.append(block.reshape(rows, width))
+        return np.concatenate(blocks, axis=1)
+
+    def hash_check(self) -> None:
+        mine = self.state.state_hash()
+        self.send_all(Hash(seq=self.state.step, value=mine))
+        for rank, link in enumerate(self.links, start=1):
+            theirs = link.expect(FrameType.HASH, "the worker's state hash")
+            assert isinstance(theirs, Hash)
+            if (theirs.seq, theirs.value) != (self.state.step, mine):
+                self.metrics.hash_checks.labels("mismatch").inc()
+                who = "worker" if self.world == 2 else f"rank {rank}"
+                raise HashMismatch(
+                    f"lockstep hash mismatch: leader step {self.state.step} hash {mine:#018x}, "
+                    f"{who} step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
+                )
+        self.metrics.hash_checks.labels("match").inc()
+
+
+def stop_links(links: list[ControlLink]) -> None:
+    """STOP to every worker of a pair that ends; one already gone is let be."""
+    for link in links:
+        with contextlib.suppress(LinkError):
+            link.send(Stop())
+
+
+def pair_failure_kind(exc: BaseException) -> str:
+    """The failures metric's label for what ended a pair."""
+    if isinstance(exc, PairLost):
+        return "hangup"
+    if isinstance(exc, HashMismatch):
+        return "hash"
+    return failure_kind(exc)
