@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -39,7 +40,10 @@ from test_gateway_frontend import (
 )
 from tp_harness import make_model, metric, reference_greedy
 
-from foundry.gateway.http import FairQueue, QueueFull, _Render, sse
+from foundry.api.v1 import inference_pb2, inference_pb2_grpc
+from foundry.gateway.admission import FairQueue, QueueFull
+from foundry.gateway.openai import sse
+from foundry.gateway.openai.render import _Render
 from foundry.model.spec.config import EOS_ID
 from foundry.model.text.chat import BUILTINS, ChatTemplate, Message, prompt_text
 from foundry.model.text.vocab.byte import decode
@@ -244,6 +248,35 @@ def test_ctl_and_grpc_send_the_same_conversation(server: Server, tmp_path: Path)
     content = chat.choices[0].message.content
     assert content is not None
     assert ctl.stdout == content.encode() + b"\n"
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (f"Bearer   {TOKEN}", "accepted"),  # spaces before the token belong to no token
+    (f"bearer {TOKEN}", "accepted"),  # the scheme is case-insensitive
+    (f"Bearer  {TOKEN}x", "wrong"),
+    ("Bearer   ", "missing"),  # spaces only: no token at all
+    (f"Basic {TOKEN}", "missing"),
+], ids=["spaces-before", "scheme-case", "wrong", "spaces-only", "basic"])
+def test_both_doors_answer_the_same_to_one_authorization_value(server: Server, value: str,
+                                                               want: str) -> None:
+    """The gRPC interceptor and the HTTP routes read the header with one function
+    (``auth.check_bearer``): a token with spaces around it (RFC 6750: a b64token holds none)
+    is accepted or refused alike."""
+    grpc_port = server.gateway.wait_for(r"grpc 127\.0\.0\.1:(\d+)").group(1)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        try:
+            inference_pb2_grpc.InferenceServiceStub(channel).GetPairStatus(
+                inference_pb2.GetPairStatusRequest(), metadata=(("authorization", value),),
+                timeout=10)
+            by_grpc = "accepted"
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+            by_grpc = "missing" if "requires a bearer token" in (exc.details() or "") else "wrong"
+    status, _, answer = server.raw("GET", "/v1/models", headers={"Authorization": value})
+    assert status in (200, 401), answer
+    code = json.loads(answer)["error"]["code"] if status == 401 else None
+    by_http = {None: "accepted", "missing_api_key": "missing", "invalid_api_key": "wrong"}[code]
+    assert (by_grpc, by_http) == (want, want)
 
 
 def test_models_and_health(server: Server) -> None:

@@ -15,30 +15,28 @@ from typing import Any
 
 import pytest
 
+from foundry.gateway.admission import FairQueue, QueueFull
 from foundry.gateway.errors import (
     BackendFailed,
     BackendTimeout,
     BackendUnavailable,
     InvalidRequest,
 )
-from foundry.gateway.http import (
+from foundry.gateway.openai import (
     SSE_DONE,
     EventStream,
-    FairQueue,
     HttpError,
-    QueueFull,
-    _Output,
-    _Render,
     chat_logprobs,
     http_error,
     legacy_logprobs,
     sse,
 )
-from foundry.gateway.openai_protocol import (
+from foundry.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
 )
+from foundry.gateway.openai.render import _Output, _Render
 from foundry.wire.frontend import Done, DoneReason, Logprobs, Token
 
 CHAT = '{"messages": [{"role": "user", "content": "hi"}]'

@@ -35,7 +35,7 @@ from served import MODEL_NAME, Chat, Reference, Served, served, sse_events
 from test_published_gemma import gemma_file
 from tiny_bpe import ANSWER, N_CTX, write_tiny_bpe
 
-from foundry.gateway.http import EventStream
+from foundry.gateway.openai import EventStream
 from foundry.model.text.chat import NO_TEMPLATE, Message, prompt_text
 
 # Two requests run at once and two wait: a place that is not given back shows at once.

@@ -69,7 +69,7 @@ TARGETS = (
            ("tests/test_chat.py", "tests/test_served_units.py")),
     Target("vocab", ("src/foundry/model/text/vocab/*",),
            ("tests/test_vocab.py", "tests/test_served_units.py")),
-    Target("gateway", ("src/foundry/gateway/http.py", "src/foundry/gateway/openai_protocol.py"),
+    Target("gateway", ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
            ("tests/test_openai_render.py", "tests/test_openai_http.py",
             "tests/test_openai_semantics.py")),
     Target("frontend", ("src/foundry/tp/frontend_server.py",),

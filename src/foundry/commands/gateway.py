@@ -19,7 +19,7 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
 )
-from foundry.gateway.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from foundry.gateway.openai.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

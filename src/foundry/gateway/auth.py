@@ -6,12 +6,16 @@ service (probes of Kubernetes, Docker and load balancers carry no secrets) and s
 reflection: it serves only the API's schema, which is public in proto/, and tools such as
 grpcurl use it to describe the API before they are given a token.
 
+Both doors, this interceptor and the OpenAI HTTP routes, read the header with :func:`bearer`
+and check it with :func:`check_bearer`, so they accept and refuse the same tokens.
+
 The token travels in clear text unless the gateway runs with TLS (``--tls-cert/--tls-key``);
 outside a trusted network use both.
 """
 
 from __future__ import annotations
 
+import enum
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -55,30 +59,62 @@ def service_of(method: str) -> str:
     return method.lstrip("/").partition("/")[0]
 
 
-def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+def bearer(value: str | None) -> str | None:
+    """The token of an ``Authorization`` value ``Bearer <token>``; None when it holds none.
+
+    The one reading of the header for both doors (gRPC metadata and HTTP). RFC 6750 (2.1):
+    ``credentials = "Bearer" 1*SP b64token``, and a b64token (token68) never holds a space, so
+    the spaces around it belong to no token and are dropped, as HTTP drops a field value's own
+    leading and trailing whitespace (RFC 9110, 5.5); the scheme is case-insensitive. An empty
+    token is none.
+    """
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+class Refusal(enum.Enum):
+    """Why :func:`check_bearer` refused: each door words it its own way."""
+
+    MISSING = "missing"
+    WRONG = "wrong"
+
+
+def check_bearer(value: str | None, expected: str) -> Refusal | None:
+    """The one bearer check of both doors: None when the ``Authorization`` value carries the
+    ``expected`` token (compared in constant time), else why not."""
+    given = bearer(value)
+    if given is None:
+        return Refusal.MISSING
+    if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
+        return Refusal.WRONG
+    return None
+
+
+def authorization(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The ``authorization`` value of a call's metadata (None: absent)."""
     for key, value in metadata or ():
         if key.lower() == "authorization" and isinstance(value, str):
-            scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                return token.strip()
+            return value
     return None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, token: str, exempt: frozenset[str] = EXEMPT_SERVICES) -> None:
-        self._token = token.encode("utf-8")
+        self._token = token
         self._exempt = exempt
 
     def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None if the call may proceed, else the message to refuse it with."""
         if service_of(method) in self._exempt:
             return None
-        given = bearer_token(metadata)
-        if given is None:
-            return MISSING
-        if not hmac.compare_digest(given.encode("utf-8"), self._token):
-            return WRONG
-        return None
+        refusal = check_bearer(authorization(metadata), self._token)
+        if refusal is None:
+            return None
+        return MISSING if refusal is Refusal.MISSING else WRONG
 
     async def intercept_service(
         self,

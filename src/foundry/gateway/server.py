@@ -34,8 +34,8 @@ from foundry.gateway.auth import TokenAuthInterceptor
 from foundry.gateway.calls import CallInterceptor
 from foundry.gateway.frontend_client import FrontendClient
 from foundry.gateway.health import Backend, HealthProbe
-from foundry.gateway.http import HttpOptions, HttpServer
-from foundry.gateway.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from foundry.gateway.openai import HttpOptions, HttpServer
+from foundry.gateway.openai.limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from foundry.gateway.servicers import InferenceServicer, ModelServicer, TrainingServicer
 from foundry.obs.metrics import GatewayMetrics
 
@@ -63,7 +63,7 @@ class GatewayOptions:
     token: str | None = None
     probe_interval_s: float = 1.0
     grace_s: float = 5.0
-    # The OpenAI-compatible HTTP API on its own listener (gateway/http.py); None: off.
+    # The OpenAI-compatible HTTP API on its own listener (gateway/openai/); None: off.
     http_host: str | None = None
     http_port: int = 8080
     http_max_active: int = 16

@@ -274,7 +274,7 @@ class GatewayMetrics:
             "Generate response messages sent; tokens over messages is the mean batch.",
             registry=r,
         )
-        # The OpenAI-compatible HTTP API (gateway/http.py), by endpoint (chat, completions,
+        # The OpenAI-compatible HTTP API (gateway/openai/), by endpoint (chat, completions,
         # models, health) and HTTP status (499: the client went away first).
         self.http_requests = Counter(
             "foundry_gateway_http_requests_total",

@@ -1,54 +1,23 @@
-"""The OpenAI-compatible HTTP API of the gateway: Starlette on uvicorn, in the gateway process.
-
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streamed as
-server-sent events ending in ``data: [DONE]`` with ``"stream": true``), ``GET /v1/models`` and
-``GET /health``. Every generation goes through the gateway's one ``FrontendClient``, the same
-as the gRPC ``Generate``: one connection, one path to the pair.
-
-Theory of operation
--------------------
-A request is read with a size limit (``MAX_BODY_BYTES``: 413 past it), validated by the
-pydantic models of ``openai_protocol`` (400 naming the field), then admitted by a
-:class:`FairQueue`: at most ``max_active`` generations run on the pair, ``max_waiting`` more
-wait, served round-robin by client address so that one client's burst cannot starve the
-others; past that a 429 with ``Retry-After``. Waiting, and everything after, races the client's
-connection: a client that goes away while queued leaves the queue, one that goes away while
-its tokens are being generated has its generation cancelled on the pair (CANCEL on the
-frontend link, written as soon as the disconnect is read; the leader stops at the next token).
-
-The first event from the pair is awaited before the response starts, so a refusal (a prompt
-longer than the context, an overloaded or absent pair) is an HTTP status, not a broken
-stream. A stream then sends one chunk per batch of tokens that arrived together (as the gRPC
-stream does: a client that keeps up gets one token per chunk, one that falls behind catches
-up in fewer, larger chunks; nothing waits to fill a batch).
-
-Status codes: 400 bad request (OpenAI's ``invalid_request_error``, ``param`` names the field),
-401 missing or wrong bearer token, 404 unknown path or model (``model_not_found``), 405 wrong
-method, 413 body too large, 429 queue full (``Retry-After``), 503 pair unavailable, 504 pair
-timeout, 500 anything else (the detail goes to the log, never a traceback to the client).
-Connections are bounded by ``gateway.http_limits``: headers within ``header_timeout_s``,
-``max_connections`` open at once.
+"""The OpenAI-compatible routes over one frontend client (:class:`OpenAIApi`): the body read
+with its limit and validated by ``openai.protocol``, the bearer check, admission
+(``gateway.admission``), the generation, streamed or whole, and the status codes of the
+package's docstring.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import hmac
-import json
 import logging
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import pydantic
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -56,26 +25,26 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from foundry.gateway.admission import FairQueue, QueueFull
+from foundry.gateway.auth import Refusal, check_bearer
 from foundry.gateway.errors import (
     GatewayError,
     InvalidRequest,
 )
 from foundry.gateway.frontend_client import Event, FrontendClient, Generation
-from foundry.gateway.http_limits import (
+from foundry.gateway.openai.limits import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
-    limited_h11,
 )
-from foundry.gateway.openai_protocol import (
+from foundry.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
-    usage,
 )
+from foundry.gateway.openai.render import SSE_DONE, _Output, _Render, sse
 from foundry.obs.metrics import GatewayMetrics
-from foundry.wire.frontend import Done, DoneReason, Logprobs, Token
 
-log = logging.getLogger("foundry.gateway.http")
+log = logging.getLogger("foundry.gateway.openai")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -93,14 +62,6 @@ RETRY_AFTER_S = 1
 HEALTH_TIMEOUT_S = 2.0
 # Status recorded for a request whose client went away first (nginx's convention).
 CLIENT_GONE = 499
-
-_FINISH = {
-    DoneReason.MAX_TOKENS: "length",
-    DoneReason.CONTEXT_FULL: "length",
-    DoneReason.EOS: "stop",
-    DoneReason.STOP_STRING: "stop",
-    DoneReason.CANCELLED: "stop",
-}
 
 
 class HttpError(Exception):
@@ -137,75 +98,6 @@ def http_error(exc: GatewayError) -> HttpError:
         return HttpError(429, exc.message, "rate_limit_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     return HttpError(500, exc.message, "server_error")
-
-
-# ---------------------------------------------------------------------------- admission
-
-
-class QueueFull(Exception):
-    pass
-
-
-class FairQueue:
-    """At most ``max_active`` holders at a time; up to ``max_waiting`` more wait, and are let
-    in round-robin by key (the client's address): each key's waiters in arrival order, the
-    keys taking turns. Past ``max_waiting``, :meth:`acquire` raises QueueFull at once."""
-
-    def __init__(self, max_active: int, max_waiting: int) -> None:
-        if max_active < 1 or max_waiting < 0:
-            raise ValueError(f"max_active must be >= 1 and max_waiting >= 0, got "
-                             f"{max_active} and {max_waiting}")
-        self.max_active = max_active
-        self.max_waiting = max_waiting
-        self.active = 0
-        self.waiting = 0
-        self._queues: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
-            collections.OrderedDict())
-
-    async def acquire(self, key: str) -> None:
-        if self.active < self.max_active and not self.waiting:
-            self.active += 1
-            return
-        if self.waiting >= self.max_waiting:
-            raise QueueFull(f"{self.active} requests run and {self.waiting} wait, the most "
-                            f"this gateway queues")
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(key, collections.deque()).append(fut)
-        self.waiting += 1
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # let in just as it was cancelled
-                self.release()
-            else:
-                self._forget(key, fut)
-            raise
-
-    def release(self) -> None:
-        self.active -= 1
-        while self.active < self.max_active and self._queues:
-            key, queue = next(iter(self._queues.items()))
-            fut = queue.popleft()
-            self.waiting -= 1
-            if queue:
-                self._queues.move_to_end(key)  # the next key's turn
-            else:
-                del self._queues[key]
-            if fut.done():  # cancelled, its waiter not yet woken to leave: skip it
-                continue
-            self.active += 1
-            fut.set_result(None)
-
-    def _forget(self, key: str, fut: asyncio.Future[None]) -> None:
-        queue = self._queues.get(key)
-        if queue is not None and fut in queue:
-            queue.remove(fut)
-            self.waiting -= 1
-            if not queue:
-                del self._queues[key]
-
-
-# ---------------------------------------------------------------------------- responses
 
 
 @dataclass
@@ -258,69 +150,6 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + (
-        b"\n\n")
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass
-class _Output:
-    """What a generation has produced so far, as the response needs it."""
-
-    chat: bool
-    text: list[str] = field(default_factory=list)
-    logprobs: list[Logprobs] = field(default_factory=list)
-    done: Done | None = None
-
-    def take(self, events: list[Event]) -> tuple[str, list[Logprobs]]:
-        """Fold in a batch of events; the text and logprobs they added."""
-        text: list[str] = []
-        lps: list[Logprobs] = []
-        for e in events:
-            if isinstance(e, Token):
-                text.append(e.text)
-            elif isinstance(e, Logprobs):
-                lps.append(e)
-            else:
-                self.done = e
-        piece = "".join(text)
-        self.text.append(piece)
-        self.logprobs += lps
-        return piece, lps
-
-
-def _token_text(raw: bytes) -> str:
-    return raw.decode("utf-8", errors="replace")
-
-
-def chat_logprobs(lps: list[Logprobs]) -> dict[str, Any]:
-    return {"content": [
-        {"token": _token_text(lp.token_bytes), "logprob": lp.logprob,
-         "bytes": list(lp.token_bytes),
-         "top_logprobs": [{"token": _token_text(raw), "logprob": v, "bytes": list(raw)}
-                          for _, v, raw in lp.top]}
-        for lp in lps
-    ], "refusal": None}
-
-
-def legacy_logprobs(lps: list[Logprobs], offset: int) -> dict[str, Any]:
-    """The completions endpoint's logprobs: parallel lists (``offset``: the text before)."""
-    tokens = [_token_text(lp.token_bytes) for lp in lps]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_token_text(raw): v for _, v, raw in lp.top} for lp in lps],
-            "text_offset": offsets}
-
-
-# ---------------------------------------------------------------------------- the app
-
-
 @dataclass(frozen=True)
 class HttpOptions:
     host: str
@@ -332,7 +161,7 @@ class HttpOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     grace_s: float = 5.0
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # gateway.http_limits
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # openai.limits
     max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
@@ -398,12 +227,11 @@ class OpenAIApi:
         token = self.opt.token
         if token is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
+        refusal = check_bearer(request.headers.get("authorization"), token)
+        if refusal is Refusal.MISSING:
             raise HttpError(401, "this gateway requires a bearer token: send 'Authorization: "
                             "Bearer <token>' (the openai client's api_key)", code="missing_api_key")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        if refusal is Refusal.WRONG:
             raise HttpError(401, "the bearer token was not accepted; use the token of the "
                             "gateway's --token-file", code="invalid_api_key")
 
@@ -610,154 +438,3 @@ async def _disconnected(receive: Receive) -> None:
     while True:  # ends with the connection: uvicorn answers http.disconnect then
         if (await receive())["type"] == "http.disconnect":
             return
-
-
-@dataclass
-class _Render:
-    """The JSON of one endpoint's responses (chat or completions), streamed or whole."""
-
-    chat: bool
-    id: str
-    model: str
-    include_usage: bool
-    logprobs: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-    _offset: int = 0  # text sent so far (legacy logprobs' text_offset)
-    _around: tuple[bytes, bytes] | None = None  # a text chunk's bytes before and after the text
-
-    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else (
-            "text_completion")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        return chat_logprobs(lps) if self.chat else legacy_logprobs(lps, offset)
-
-    def opening(self) -> bytes:
-        if not self.chat:
-            return b""
-        return sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}], True))
-
-    def _choice(self, piece: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        if self.chat:
-            return {"index": 0, "delta": {"content": piece}, "logprobs": logprobs,
-                    "finish_reason": None}
-        return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": None}
-
-    def chunk(self, piece: str, lps: list[Logprobs]) -> bytes:
-        logprobs = self._logprobs(lps, self._offset)
-        self._offset += len(piece)
-        if logprobs is not None:
-            return sse(self._envelope([self._choice(piece, logprobs)], True))
-        # The hot path, once per batch of tokens: only the text varies, so the chunk is the
-        # JSON around it (rendered once per stream) with the text's JSON string in between.
-        if self._around is None:
-            marker = "\u2063piece\u2063"
-            head, _, tail = sse(self._envelope([self._choice(marker, None)], True)).rpartition(
-                json.dumps(marker, ensure_ascii=False).encode())
-            self._around = (head, tail)
-        head, tail = self._around
-        return head + json.dumps(piece, ensure_ascii=False).encode() + tail
-
-    def closing(self, out: _Output) -> bytes:
-        assert out.done is not None
-        finish = _FINISH[out.done.reason]
-        if self.chat:
-            choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-        parts = [sse(self._envelope([choice], True))]
-        if self.include_usage:
-            tail = self._envelope([], True)
-            tail["usage"] = usage(out.done.prompt_tokens, out.done.generated_tokens)
-            parts.append(sse(tail))
-        return b"".join(parts)
-
-    def whole(self, out: _Output) -> dict[str, Any]:
-        done = out.done
-        assert done is not None
-        text = "".join(out.text)
-        logprobs = self._logprobs(out.logprobs, 0)
-        finish = _FINISH[done.reason]
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        body = self._envelope([choice], False)
-        body["usage"] = usage(done.prompt_tokens, done.generated_tokens)
-        return body
-
-
-# ---------------------------------------------------------------------------- the server
-
-
-class _Server(uvicorn.Server):
-    """uvicorn inside the gateway's own loop: the gateway handles the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Any:
-        yield
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen for HTTP on {host}:{port} ({exc.strerror or exc}); is "
-                      "another process using the port?") from None
-    sock.setblocking(False)
-    return sock
-
-
-class HttpServer:
-    """The OpenAI-compatible API on its own listener (``--http-listen``)."""
-
-    def __init__(self, options: HttpOptions, client: FrontendClient,
-                 metrics: GatewayMetrics) -> None:
-        if (options.tls_cert is None) != (options.tls_key is None):
-            raise ValueError("TLS needs both a certificate and its key")
-        self.opt = options
-        self.api = OpenAIApi(options, client, metrics)
-        self.port = 0
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> int:
-        sock = _bind(self.opt.host, self.opt.port)
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.api.app, http=limited_h11(self.opt.header_timeout_s, self.opt.max_connections),
-            lifespan="off", log_level="warning", access_log=False,
-            ssl_certfile=self.opt.tls_cert, ssl_keyfile=self.opt.tls_key,
-            timeout_graceful_shutdown=max(1, round(self.opt.grace_s)),
-        )
-        self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        # uvicorn's startup is a few loop turns; it sets ``started`` or the task ends.
-        for _ in range(1000):
-            if self._server.started or self._task.done():
-                break
-            await asyncio.sleep(0.01)
-        if not self._server.started:
-            await self.stop()
-            raise OSError(f"the HTTP server on {self.opt.host}:{self.port} did not start")
-        return self.port
-
-    async def stop(self) -> None:
-        server, task = self._server, self._task
-        if server is None or task is None:
-            return
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError, SystemExit):
-            await task
-        self._server = self._task = None

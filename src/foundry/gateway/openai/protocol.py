@@ -6,7 +6,7 @@ Fields a client sends that are not declared here are ignored, as OpenAI's own se
 (``extra="ignore"``); fields declared here but not served (``n`` above 1) are refused with a
 400. Types are strict: ``"5"`` is not a number, as in OpenAI's API.
 
-Nothing here does I/O; ``gateway.http`` maps these onto the frontend client.
+Nothing here does I/O; ``openai.routes`` maps these onto the frontend client.
 """
 
 from __future__ import annotations
