@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -61,22 +60,23 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.sessions import SessionPositions, check_rows, default_ctx
+from foundry.model.infer.step_plan import (
+    DenseLayer,
+    fuse,
+    layer_plan,
+    part_layer,
+    routed_in_c,
+)
 from foundry.model.kernels.quant import (
     Param,
     QTensor,
-    StepExpert,
-    StepLayer,
-    StepMat,
-    StepPart,
     StepPlan,
-    address,
     assign_experts,
     attend_rows,
     combine_experts,
     dequantize,
     embed,
     geglu,
-    has_step,
     linear,
     rmsnorm,
     rope,
@@ -86,11 +86,8 @@ from foundry.model.kernels.quant import (
     step_ffn,
     step_layer,
     step_layers,
-    step_mat,
-    step_plan,
     swiglu,
 )
-from foundry.model.nn.layers import gelu_table
 from foundry.model.shard import (
     ExpertSplit,
     Gate,
@@ -165,51 +162,12 @@ class Session(SessionPositions):
         self.v: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
 
 
-@dataclass(frozen=True)
-class _PartLayer:
-    """What one part holds of one layer, looked up once (a token reads it 2 x n_layer times):
-    its Q, K and V rows (stacked as ``qkv`` where ``_fuse`` could), output projection, and
-    each of its experts' matrices (gate and up stacked as ``gate_up`` where it could)."""
-
-    qkv: Param | None
-    q: Param
-    k: Param
-    v: Param
-    n_q: int  # rows of q, then of k
-    n_k: int
-    bias: tuple[F32, F32, F32] | None  # of q, k, v (qwen2)
-    q_keep: tuple[int, int]  # the heads of the computed Q rows this part attends for
-    k_keep: tuple[int, int]  # the kv heads of the computed K rows it caches
-    attn_output: Param
-    first_expert: int
-    gate: list[Param]
-    up: list[Param]
-    down: list[Param]
-    gate_up: list[Param] | None
-    shared: tuple[Param | None, Param, Param, Param] | None  # gate_up, gate, up, down
-    dense: tuple[Param | None, Param, Param, Param] | None  # a dense FFN, as ``shared``
-
-
-@dataclass(frozen=True)
-class _Dense:
-    """A layer's replicated float32 tensors: the norms and the router (None where the
-    architecture has none)."""
-
-    attn_norm: F32
-    ffn_norm: F32
-    router: F32 | None
-    q_norm: F32 | None
-    k_norm: F32 | None
-    post_attn: F32 | None
-    post_ffn: F32 | None
-
-
 class Engine:
     """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
 
     ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
     an already cut ``RankWeights`` of the same rank and world, held, not copied (its stored
-    Q/K/V and gate/up tensors become views of stacked buffers, see ``_fuse``).
+    Q/K/V and gate/up tensors become views of stacked buffers, see ``step_plan.fuse``).
     ``expert_split`` is how the routed experts are cut (default: the ``RankWeights``' own,
     else ``EXPERTS``). ``kv_cache`` is its sessions' cache type; by default float16 where the
     matrices are stored blocks (F16, quantized: llama.cpp's default cache for the files it
@@ -268,7 +226,7 @@ class Engine:
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
             self.parts = _cut(cfg, weights, rank, world, mode, self.shares)
-        self.fused: list[dict[str, Param]] = [_fuse(cfg, part) for part in self.parts]
+        self.fused: list[dict[str, Param]] = [fuse(cfg, part) for part in self.parts]
         # Each expert's matrices as views, made once (indexing a QTensor builds one).
         self._experts: list[dict[str, list[Param]]] = [
             {name: [t[e] for e in range(t.shape[0])]
@@ -286,10 +244,12 @@ class Engine:
         self._bases = [rope_base(cfg, i) for i in range(cfg.n_layer)]
         self._rope: dict[float, tuple[F32, F32]] = {}
         self._rope_tables(self.ctx_size)
-        self._layers = [[self._part_layer(j, i) for i in range(cfg.n_layer)]
-                        for j in range(len(self.parts))]
+        self._layers = [[part_layer(cfg, self.arch, part, fused, experts, i)
+                         for i in range(cfg.n_layer)]
+                        for part, fused, experts in zip(self.parts, self.fused, self._experts,
+                                                        strict=True)]
         self._dense = [
-            _Dense(*(self.dense.get(f"blk.{i}.{n}.weight") for n in (
+            DenseLayer(*(self.dense.get(f"blk.{i}.{n}.weight") for n in (
                 "attn_norm", "ffn_norm", "ffn_gate_inp", "attn_q_norm", "attn_k_norm",
                 "post_attention_norm", "post_ffw_norm")))  # type: ignore[arg-type]
             for i in range(cfg.n_layer)
@@ -312,9 +272,15 @@ class Engine:
             isinstance(h, QTensor) and np.may_share_memory(h.data, whole.data)
             for h in self._head) else None
         # One token's layer in one C call where the layer's matrices are stored blocks
-        # (``_plan``); ``step_in_c`` False runs every step through the single operations.
-        self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
-        self._whole = [plan is not None and (self._routed_in_c(i) or all(
+        # (``step_plan.layer_plan``); ``step_in_c`` False runs every step through the single
+        # operations.
+        routed = [routed_in_c(cfg, self.arch, self.dense, self._layers, i)
+                  for i in range(cfg.n_layer)]
+        self._plans: list[StepPlan | None] = [
+            layer_plan(cfg, self.arch, self.kv_cache is KVCache.F16, self._window[i],
+                       self._dense[i], self.parts, self._layers, i, routed[i])
+            for i in range(cfg.n_layer)]
+        self._whole = [plan is not None and (routed[i] or all(
             p[i].dense is not None for p in self._layers)) for i, plan in enumerate(self._plans)]
         self.step_in_c = any(plan is not None for plan in self._plans)
         self._all_whole: tuple[StepPlan, ...] | None = (
@@ -326,130 +292,9 @@ class Engine:
                 self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base,
                                                self.dense.get("rope_freqs.weight"))
 
-    def _plan(self, layer: int) -> StepPlan | None:
-        """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
-        (and its dense FFN, where every FFN matrix is stored blocks, or its routed experts
-        where ``_routed_in_c``), or None where the layer
-        has a float32 matrix (numpy's products, which C cannot repeat bit for bit) or the C
-        module is missing.
-
-        A part whose K and V rows are the part before's (a replicated kv head: the same rows
-        of the same bytes, cached in the one shared array) computes only its Q rows: the
-        part before has written the same values to the same cache row."""
-        if not has_step():
-            return None
-        cfg, dense = self.cfg, self._dense[layer]
-        routed = self._routed_in_c(layer)
-        parts: list[StepPart] = []
-        for j, held in enumerate(self._layers):
-            lw = held[layer]
-            attn: list[Param] = [lw.q, lw.k, lw.v, lw.attn_output]
-            ffn = [] if lw.dense is None else [t for t in lw.dense if t is not None]
-            if not all(isinstance(t, QTensor) for t in attn) or (
-                    ffn and not all(isinstance(t, QTensor) for t in ffn)):
-                return None
-            experts: tuple[StepExpert, ...] = ()
-            if routed:
-                experts = tuple(
-                    (tuple(step_mat(t) for t in (  # type: ignore[arg-type]
-                        [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]])),
-                     step_mat(lw.down[e]))  # type: ignore[arg-type]
-                    for e in range(len(lw.gate)))
-            skip = j > 0 and self._same_kv(layer, j)
-            qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
-            gate_up: list[Param] = []
-            down: StepMat | None = None
-            if lw.dense is not None:
-                fused, gate, up, down_w = lw.dense
-                gate_up = [fused] if fused is not None else [gate, up]
-                down = step_mat(down_w)  # type: ignore[arg-type]
-            n_kv = self.parts[j].layout.kv_heads[1] - self.parts[j].layout.kv_heads[0]
-            bias_q, bias_k, bias_v = lw.bias or (None, None, None)
-            parts.append(StepPart(
-                qkv=tuple(step_mat(t) for t in qkv),  # type: ignore[arg-type]
-                out=step_mat(lw.attn_output),  # type: ignore[arg-type]
-                gate_up=tuple(step_mat(t) for t in gate_up),  # type: ignore[arg-type]
-                down=down, n_q=lw.n_q, n_k=lw.n_k, n_v=lw.v.shape[0], n_kv=n_kv,
-                n_ff=down.k if down else 0,
-                q_keep_first=lw.q_keep[0], q_keep_end=lw.q_keep[1],
-                k_keep_first=lw.k_keep[0], k_keep_end=lw.k_keep[1], skip_kv=int(skip),
-                bias_q=address(bias_q), bias_k=address(bias_k), bias_v=address(bias_v),
-                q_norm=address(dense.q_norm), k_norm=address(dense.k_norm),
-                first_exp=lw.first_expert, experts=experts,
-            ))
-        qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[self.arch.qk_norm]
-        return step_plan(StepLayer(
-            d=cfg.n_embd, dh=cfg.head_dim, half=int(self.kv_cache is KVCache.F16),
-            neox=int(self.arch.rope is Rope.NEOX), qk_norm=qk, window=self._window[layer],
-            gelu=int(self.arch.act is Act.GELU), eps=cfg.norm_eps,
-            attn_norm=address(dense.attn_norm), ffn_norm=address(dense.ffn_norm),
-            post_attn=address(dense.post_attn), post_ffn=address(dense.post_ffn),
-            gelu_table=address(gelu_table()), router=address(dense.router if routed else None),
-            n_expert=cfg.n_expert if routed else 0, n_used=cfg.n_expert_used if routed else 0,
-            parts=tuple(parts),
-        ))
-
-    def _routed_in_c(self, layer: int) -> bool:
-        """Whether layer ``layer``'s routed experts run in the one-token step: every expert
-        matrix of every part stored blocks (C-contiguous), the top-k weights renormalised
-        (``route``), no shared expert."""
-        if self.dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None or self.cfg.n_ff_shared \
-                or not self.arch.renorm_experts or self.arch.act is not Act.SILU:
-            return False
-        mats = [t for held in self._layers for t in (
-            *(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)]
-        return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous
-                   for t in mats)
-
-    def _same_kv(self, layer: int, j: int) -> bool:
-        """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
-        the cache row they share (``Session``: parts of the same kv heads share one array)."""
-        a, b = self.parts[j - 1].layout, self.parts[j].layout
-        la, lb = self._layers[j - 1][layer], self._layers[j][layer]
-        if (a.kv_heads, a.k_rows, la.k_keep) != (b.kv_heads, b.k_rows, lb.k_keep):
-            return False
-        pairs = [(la.k, lb.k), (la.v, lb.v)]
-        if la.bias is not None and lb.bias is not None:
-            pairs += [(la.bias[1], lb.bias[1]), (la.bias[2], lb.bias[2])]
-        return all(
-            isinstance(x, QTensor) == isinstance(y, QTensor) and x.shape == y.shape
-            and np.array_equal(x.data if isinstance(x, QTensor) else x,
-                               y.data if isinstance(y, QTensor) else y)
-            and (not isinstance(x, QTensor) or x.qtype == y.qtype)  # type: ignore[union-attr]
-            for x, y in pairs)
-
-    def _part_layer(self, j: int, layer: int) -> _PartLayer:
-        w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
-        p = f"blk.{layer}."
-        q, k, v = (w[p + f"attn_{t}.weight"] for t in "qkv")
-        layout = self.parts[j].layout
-        shared = dense = None
-        if self.cfg.n_ff_shared:
-            shared = (fused.get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
-                      w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
-        if self.cfg.n_expert == 0:
-            dense = (fused.get(p + "ffn_gate_up"), w[p + "ffn_gate.weight"],
-                     w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-        bias = None
-        if self.arch.qkv_bias:
-            bias = tuple(dequantize(w[p + f"attn_{t}.bias"]) for t in "qkv")
-        q0, k0 = layout.q_rows[0], layout.k_rows[0]
-        return _PartLayer(
-            qkv=fused.get(p + "qkv"), q=q, k=k, v=v, n_q=q.shape[0], n_k=k.shape[0],
-            bias=bias,  # type: ignore[arg-type]
-            q_keep=(layout.heads[0] - q0, layout.heads[1] - q0),
-            k_keep=(layout.kv_heads[0] - k0, layout.kv_heads[1] - k0),
-            attn_output=w[p + "attn_output.weight"],
-            first_expert=layout.experts[0],
-            gate=experts.get(p + "ffn_gate_exps.weight", []),
-            up=experts.get(p + "ffn_up_exps.weight", []),
-            down=experts.get(p + "ffn_down_exps.weight", []), gate_up=experts.get(p + "gate_up"),
-            shared=shared, dense=dense,
-        )
-
     @property
     def layers_in_c(self) -> int:
-        """How many layers have a one-token step in C (``_plan``)."""
+        """How many layers have a one-token step in C (``step_plan.layer_plan``)."""
         return sum(plan is not None for plan in self._plans)
 
     @property
@@ -674,63 +519,10 @@ def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Para
 
 def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
     """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
-    gate and up where ``_fuse`` stacked them (``gate_up``), else one each."""
+    gate and up where ``step_plan.fuse`` stacked them (``gate_up``), else one each."""
     gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
         [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
     return linear(swiglu(gu), w_down)  # (N, D)
-
-
-def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, Param]:
-    """Stack the rows of the products that read the same input, where they are stored in one
-    type: Q, K and V (``blk.N.qkv``), each expert's gate and up (``blk.N.gate_up``, (E, 2F,
-    D)) and the shared expert's (``blk.N.gate_up_shexp``). Fewer calls, the same bits (every
-    output row is its own dot product). The part's own tensors are replaced, in its params, by
-    views of the stacked ones (the same values), so whoever else holds the part (a TP rank's
-    loaded model) does not keep a second copy."""
-    params: dict[str, Param] = part.params
-    fused: dict[str, Param] = {}
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        groups = [("qkv", [p + f"attn_{t}.weight" for t in "qkv"])]
-        if cfg.n_expert:
-            groups.append(("gate_up", [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]))
-        else:
-            groups.append(("ffn_gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"]))
-        if cfg.n_ff_shared:
-            groups.append(
-                ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
-        for key, names in groups:
-            ts = [params[n] for n in names]
-            if not _one_type(*ts):
-                continue
-            axis = ts[0].ndim - 2  # the rows: of the matrix, or of each expert's
-            stacked = np.concatenate([_raw(t) for t in ts], axis=axis)
-            fused[p + key] = _typed(ts[0], stacked)
-            at = 0
-            for n, t in zip(names, ts, strict=True):
-                rows = t.shape[axis]
-                params[n] = _typed(t, stacked[(slice(None),) * axis + (slice(at, at + rows),)])
-                at += rows
-    return fused
-
-
-def _raw(t: Param) -> npt.NDArray[Any]:
-    """A tensor's rows as stored: float32 values, or a QTensor's bytes."""
-    return t if isinstance(t, np.ndarray) else t.data
-
-
-def _typed(like: Param, raw: npt.NDArray[Any]) -> Param:
-    """Rows as stored (``_raw``) as a tensor of ``like``'s type."""
-    if isinstance(like, np.ndarray):
-        return raw
-    return QTensor(like.qtype, (*raw.shape[:-1], like.shape[-1]), raw)
-
-
-def _one_type(*ps: Param) -> bool:
-    first = ps[0]
-    if isinstance(first, np.ndarray):
-        return all(isinstance(p, np.ndarray) and p.dtype == np.float32 for p in ps)
-    return all(isinstance(p, QTensor) and p.qtype == first.qtype for p in ps)
 
 
 def _cut(

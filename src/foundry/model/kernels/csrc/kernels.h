@@ -402,7 +402,7 @@ typedef struct { /* one routed expert: gate and up (stacked, or one matrix each)
     int n_gate_up;
 } step_expert;
 
-typedef struct { /* what one part holds of a layer (inference._PartLayer) */
+typedef struct { /* what one part holds of a layer (infer.step_plan.PartLayer) */
     step_mat qkv[3], out, gate_up[2], down;
     int n_qkv, n_gate_up, has_ffn; /* has_ffn: a dense FFN, or routed experts (below) */
     int n_exp, first_exp;          /* routed: experts first_exp .. first_exp + n_exp - 1 */
