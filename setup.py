@@ -27,9 +27,11 @@ setup(
     ext_modules=[
         Extension(
             "foundry.model.kernels._kernels",
-            # one file per family (csrc/kernels.h says which), the Python interface in module.c
+            # one file per family (csrc/kernels.h says which); the Python interface in module.c,
+            # py_ops.c and py_step.c
             sorted(str(p) for p in Path("src/foundry/model/kernels/csrc").glob("*.c")),
-            depends=["src/foundry/model/kernels/csrc/kernels.h"],
+            depends=["src/foundry/model/kernels/csrc/kernels.h",
+                     "src/foundry/model/kernels/csrc/py_kernels.h"],
             extra_compile_args=FLAGS,
             optional=True,
         ),

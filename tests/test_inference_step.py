@@ -265,7 +265,7 @@ def test_routed_experts_in_the_step_equal_the_single_operations(
     assert same_bits(got, ref)
 
 
-_MODULE_C = Path(__file__).resolve().parents[1] / "src/foundry/model/kernels/csrc/module.c"
+_STEP_C = Path(__file__).resolve().parents[1] / "src/foundry/model/kernels/csrc/py_step.c"
 # How each annotated field kind crosses into C: PyArg_ParseTuple's unit for it.
 _C_UNIT = {"int": "i", "float": "f", "Address": "K"}
 
@@ -277,10 +277,10 @@ def _kinds(hints: dict[str, Any]) -> str:
 
 def _c_parse(function: str) -> tuple[str, list[str]]:
     """The format string and the argument names (``&p->n_q`` -> ``n_q``, ``&bias[0]`` ->
-    ``bias``) of the first PyArg_ParseTuple in module.c's ``function``."""
-    text = _MODULE_C.read_text()
+    ``bias``) of the first PyArg_ParseTuple in py_step.c's ``function``."""
+    text = _STEP_C.read_text()
     found = re.search(rf"\b{function}\(", text)
-    assert found is not None, f"no {function} in {_MODULE_C.name}"
+    assert found is not None, f"no {function} in {_STEP_C.name}"
     body = text[found.start() :]
     call = body[body.index("PyArg_ParseTuple(") :]
     call = call[: call.index("))")]
@@ -293,11 +293,11 @@ def _c_parse(function: str) -> tuple[str, list[str]]:
     (quant.StepMat, "parse_mat"), (quant.StepPart, "parse_part"),
     (quant.StepLayer, "py_step_plan"),
 ])
-def test_step_plan_fields_follow_module_c(cls: type, function: str) -> None:
-    """Each field of the plan sits where module.c reads it, as the kind it reads."""
+def test_step_plan_fields_follow_py_step_c(cls: type, function: str) -> None:
+    """Each field of the plan sits where py_step.c reads it, as the kind it reads."""
     fmt, c_names = _c_parse(function)
     kinds = _kinds(typing.get_type_hints(cls))
-    assert kinds == fmt, f"{cls.__name__}: {kinds} against module.c's {fmt}"
+    assert kinds == fmt, f"{cls.__name__}: {kinds} against py_step.c's {fmt}"
     assert len(c_names) == len(cls._fields)
     for field, c_name in zip(cls._fields, c_names, strict=True):
         assert c_name in field, f"{cls.__name__}.{field} is read in C as {c_name}"

@@ -376,7 +376,7 @@ Address = NewType("Address", int)
 
 
 class StepMat(NamedTuple):
-    """A matrix of stored blocks as ``step_plan`` reads it (module.c ``parse_mat``)."""
+    """A matrix of stored blocks as ``step_plan`` reads it (py_step.c ``parse_mat``)."""
 
     type: int
     address: Address
@@ -389,7 +389,7 @@ StepExpert = tuple[tuple[StepMat, ...], StepMat]
 
 
 class StepPart(NamedTuple):
-    """One part's attention and dense FFN, or routed experts, in a layer's plan (module.c
+    """One part's attention and dense FFN, or routed experts, in a layer's plan (py_step.c
     ``parse_part``).
 
     ``down`` is None where the part has no dense FFN (``gate_up`` empty); ``n_ff`` is then 0.
@@ -421,7 +421,7 @@ class StepPart(NamedTuple):
 
 
 class StepLayer(NamedTuple):
-    """A layer's one-token step as ``step_plan`` reads it (module.c ``py_step_plan``); being a
+    """A layer's one-token step as ``step_plan`` reads it (py_step.c ``py_step_plan``); being a
     tuple, it is what crosses into C, field by field in this order."""
 
     d: int

@@ -48,9 +48,13 @@
  * of that row decoded alone, on every path and machine.
  *
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
- * q32.c (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c
- * (the decode step's other operations), pool.c (the threads), module.c (the Python interface). This header holds what they
- * share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
+ * q32.c (Q8_0, Q4_0, Q5_0: the input's quantization, the portable and AVX2 products, the
+ * dispatch), q32_512.c (their AVX-512 kernels), q1.c (Q4_1, Q5_1), q32.h (what those three
+ * share), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c (the decode step's other
+ * operations), step.c (the one-token step), pool.c (the threads), and the Python interface:
+ * module.c (the module, the instruction set, the threads), py_ops.c (the products and the
+ * decode operations), py_step.c (the one-token step), py_kernels.h (what they share). This
+ * header holds what they all share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
  */
 
 #ifndef FOUNDRY_KERNELS_H
@@ -294,7 +298,7 @@ void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .
 mm_input mm_from(const mm_input *in, int t0);       /* the inputs from t0 on */
 void mm_free(mm_input *in);
 void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
-void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q32.c */
+void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q1.c */
 void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c */
 
 /* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
@@ -303,7 +307,7 @@ void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c 
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
                const mm_input *in, int n, float *y, size_t ldy); /* q32.c */
 int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-              const mm_input *in, int n, float *y, size_t ldy);  /* q32.c: Q4_1, Q5_1 */
+              const mm_input *in, int n, float *y, size_t ldy);  /* q1.c: Q4_1, Q5_1 */
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
              int n, float *y, size_t ldy);                       /* kquants.c */
 int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,

@@ -1,0 +1,111 @@
+/* What the 32-block files share (q32.c, q32_512.c, q1.c; theory in kernels.h): the tile of a
+ * prefill block, a block's portable unpacking and lanes, the AVX2 helpers, and the AVX-512
+ * kernels of q32_512.c that q32.c's dispatch calls. */
+
+#ifndef FOUNDRY_Q32_H
+#define FOUNDRY_Q32_H
+
+#include "kernels.h"
+
+/* Inputs per tile of a prefill block (with their sums, 4 bytes a value): every row group of the
+ * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
+#define Q_TILE 64
+
+/* Rows of the matrix per AVX-512 step (rows_q_512) and per prefill tile (block_q8_512). */
+#ifndef ROWS
+#define ROWS 4
+#endif
+#define QT_ROWS 4
+
+/* One block of weights as 32 int8 values and its float scale. */
+static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
+    if (type == T_Q8_0) {
+        memcpy(q, blk + 2, QK);
+    } else if (type == T_Q5_0) { /* value v's fifth bit is bit v of qh */
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)(((blk[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+            q[i + QK / 2] = (int8_t)(((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+    } else { /* Q4_0 */
+        for (int i = 0; i < QK / 2; i++) {
+            q[i] = (int8_t)((blk[2 + i] & 0xF) - 8);
+            q[i + QK / 2] = (int8_t)((blk[2 + i] >> 4) - 8);
+        }
+    }
+    return f16(blk);
+}
+
+static inline void add_block(int type, float *acc, int b, float d, const int32_t *s) {
+    if (type == T_Q4_0) { /* four lanes: lane j holds values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j */
+        float *a = acc + 4 * (b & 3);
+        for (int j = 0; j < 4; j++) a[j] = a[j] + d * (float)(s[j] + s[j + 4]);
+        return;
+    }
+    float *a = acc + 8 * (b & 1);
+    for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
+}
+
+/* Blocks from .. nb - 1 of a row added into its sixteen float lanes, then the lanes halved:
+ * the whole dot product from 0, the SIMD paths' last blocks from where they stop. Always
+ * inlined, so in a SIMD path it is compiled with that path's (VEX) encoding: called as a
+ * function of plain SSE with the 512-bit registers' upper halves dirty (gcc 13 left out the
+ * vzeroupper), every row paid Intel's transition penalty (AVX-512 Q8_0 at 4 GB/s, not 13). */
+INLINE float add_blocks(int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq,
+                        const float *xd, int from, int nb) {
+    int8_t q[QK];
+    int32_t s[8];
+    for (int b = from; b < nb; b++) {
+        const float dw = unpack_block(type, w + (size_t)b * bsize, q);
+        idot_lanes(q, xq + b * QK, s);
+        add_block(type, acc, b, dw * xd[b], s);
+    }
+    return finish(acc, LANES_Q);
+}
+
+#if defined(FOUNDRY_X86)
+/* Q5_0's low four bits of one block's 32 values as bytes: values 0-15 the low nibbles of its
+ * 16 bytes of quants, 16-31 the high ones. */
+AVX2 INLINE __m256i q5_nibbles_avx2(const uint8_t *blk) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 6));
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+
+/* Q5_0's 32 values of one block as unsigned bytes 0..31: the nibbles and, as 16, bit v of the
+ * block's 32-bit qh for value v. */
+AVX2 INLINE __m256i q5_unsigned_avx2(const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m256i nib = q5_nibbles_avx2(blk);
+    /* byte v takes byte v / 8 of qh, keeps its bit v mod 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+AVX2 INLINE __m256i lanes8_avx2(__m256i u, __m256i v) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+}
+
+AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
+                              const float *xd, const int32_t *corr, int nb);
+AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                              int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
+                              int nb, float *y);
+AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                               const int8_t *xq, const int8_t *x4, const float *xd,
+                               const int32_t *corr4, int nb, float *y);
+AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
+                               const int8_t *xq, const float *xd, const int32_t *corr, int n,
+                               size_t ldy, float *y);
+void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4);
+AVX512 void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
+                                     int32_t *corr);
+#endif
+
+#endif
