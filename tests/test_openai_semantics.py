@@ -128,6 +128,33 @@ def test_length_at_a_full_context(s: Served, ref: Reference) -> None:
     assert s.grpc_generate(chat, 100).finish_reason == "FINISH_REASON_CONTEXT_FULL"
 
 
+def _prompt_of(ref: Reference, n: int) -> Chat:
+    """A completion prompt of exactly ``n`` tokens (BOS included)."""
+    ids = ref.tokenizer.encode(" ".join(f"w{i}" for i in range(2 * n)))
+    for k in range(n - 8, n + 8):
+        chat = Chat(prompt=ref.tokenizer.decode(ids[1:k]))
+        if len(ref.prompt_ids(chat)) == n:
+            return chat
+    raise AssertionError(f"no prompt of {n} tokens")
+
+
+def test_a_prompt_of_the_whole_context_gets_one_token_and_one_more_is_refused(
+    s: Served, ref: Reference,
+) -> None:
+    """The limit and one past it: a prompt that fills the context is answered with the one
+    token its last row predicts; a longer one is OpenAI's 400, naming the context."""
+    full = s.whole(_prompt_of(ref, N_CTX), max_tokens=5, temperature=0)
+    assert full.usage is not None
+    assert (full.usage["prompt_tokens"], full.usage["completion_tokens"]) == (N_CTX, 1)
+    assert full.finish_reason == "length"
+    status, _, body = s.post("/v1/completions", {**_prompt_of(ref, N_CTX + 1).body(),
+                                                 "max_tokens": 5})
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and f"context of {N_CTX}" in error["message"]
+    s.wait_idle()
+
+
 @pytest.mark.parametrize("as_list", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_as_a_string_and_as_a_list(s: Served, ref: Reference, as_list: bool,

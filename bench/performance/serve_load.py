@@ -195,7 +195,12 @@ def chat_turns(http: str, turns: int) -> list[float]:
         t0 = time.perf_counter()
         first = 0.0
         text = []
-        with urllib.request.urlopen(req, timeout=600) as r:
+        try:
+            r = urllib.request.urlopen(req, timeout=600)
+        except urllib.error.HTTPError as exc:
+            raise SystemExit(f"turn {turn + 1}: HTTP {exc.code}: {exc.read()[:300]!r} (a "
+                             "conversation past the context? give the ranks --ctx-size)") from None
+        with r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: {"):
@@ -246,7 +251,11 @@ def main() -> int:
         stack = Stack(args.model, work, rank_args)
         try:
             stack.wait_ready()
-            rows = [asyncio.run(load(stack.grpc, n, args.tokens)) for n in clients]
+            rows = []
+            for n in clients:
+                rows.append(asyncio.run(load(stack.grpc, n, args.tokens)))
+                print(f"  measured {n} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s",
+                      flush=True)
             reuse = chat_turns(stack.http, args.turns) if args.turns else []
         finally:
             stack.stop()
