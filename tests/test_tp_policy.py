@@ -1,4 +1,5 @@
-"""The leader's pure decisions: n-gram drafting, greedy acceptance, commit plans, stop strings."""
+"""The leader's pure decisions: n-gram drafting, greedy acceptance, commit plans, stop strings,
+the scheduler's kept sessions and remembered histories."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 
 from foundry.model.text.vocab.byte import decode, encode
 from foundry.tp.policy import Pass, TextStream, common_prefix, pick_kept_session, plan_pass
+from foundry.tp.scheduler import Scheduler
 from foundry.tp.speculative import MAX_DRAFT, SpecMode, accepted_drafts, commit_plan, propose_drafts
 from foundry.wire.tp import VerifyCommitMode
 
@@ -159,3 +161,24 @@ def test_plan_pass() -> None:
     assert plan_pass(0, 1, 4) is Pass.VERIFY
     assert plan_pass(0, 2, 0) is Pass.EVAL_BATCH
     assert plan_pass(1, 1, 4) is Pass.MIXED  # a waiting prompt goes before speculation
+
+
+def test_the_scheduler_keeps_finished_sessions_and_evicts_the_least_recently_used() -> None:
+    s = Scheduler(max_sessions=4, keep_sessions=2)
+    assert s.keep(1, [1]) == [1]  # the BOS alone is not worth keeping: destroyed
+    assert s.keep(2, [1, 5]) == [] and s.keep(3, [1, 6]) == []
+    assert s.keep(4, [1, 7]) == [2]  # one too many: the least recently used goes
+    s.continue_kept(3)  # a prompt continues it: no longer kept
+    assert list(s.kept) == [4]
+    assert Scheduler(max_sessions=4, keep_sessions=0).keep(5, [1, 2]) == [5]
+
+
+def test_the_scheduler_remembers_kept_histories_most_recent_first_without_repeats() -> None:
+    s = Scheduler(max_sessions=4, keep_sessions=2)
+    s.keep(2, [1, 5])
+    s.keep(3, [1, 6])
+    s.keep(4, [1, 5])
+    s.remember({2: [1, 5], 3: [1, 6], 4: [1, 5]})
+    assert [h.tokens for h in s.resync] == [[1, 5], [1, 6]]
+    assert all(h.sid == 0 for h in s.resync)  # opened again only on the next pair
+    assert not s.has_work() and s.running == 0 and s.next_pass(0) is Pass.IDLE
