@@ -338,7 +338,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
             if (out_parts(l, os, outs) < 0) return -1;
             for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
-        } else if (!gate) { /* every part's Q, K, V products in one pool call, outputs in one */
+        } else if (!gate && l->n_parts <= 2) { /* every part's Q, K, V in one pool call */
             float *q[2], *o[2], *ys[2], *outs[2] = {sum, part}, *at = rest;
             for (int j = 0; j < l->n_parts; j++) {
                 const size_t hd = (size_t)heads_of(&l->parts[j]) * l->dh;
@@ -360,7 +360,14 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (out_parts(l, o, outs) < 0) return -1;
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
-        } else if (gate && l->router != NULL) { /* every part's experts in two pool calls */
+        } else if (!gate) { /* more parts than the batched calls hold: each part in turn */
+            for (int j = 0; j < l->n_parts; j++) {
+                if (step_attn(l, j, h, pos, kc[j], vc[j], cos, sin, j ? part : sum, rest) < 0)
+                    return -1;
+                if (j) /* _sum: the partials added in rank order */
+                    for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+            }
+        } else if (l->router != NULL && l->n_parts <= 2) { /* every part's experts, 2 calls */
             float *outs[2] = {sum, part};
             if (routed_parts(l, 0, l->n_parts, h, outs, rest) < 0) return -1;
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
