@@ -609,7 +609,9 @@ class FrontendTarget(Target):
             "DONE": lambda: fw.Done(rid, r.choice(list(fw.DoneReason)), 3, 4, 0.5),
             "ERROR": lambda: fw.Error(rid, r.randrange(1, 5), _word(r)),
             "STATUS_REQ": lambda: fw.StatusReq(rid),
-            "STATUS": lambda: fw.Status(rid, True, True, 1, 2, 2, 64, 259, 256, 1000, 7, 0.5, 9),
+            "STATUS": lambda: fw.Status(
+                rid, True, True, 1, 2, 2, 64, 259, 256, 1000, 7, 0.5, 9, r.randrange(1, 65),
+                tuple(fw.RankStatus(i, 1, True, r.randrange(1 << 20)) for i in range(2))),
             "LOGPROBS": lambda: fw.Logprobs(
                 rid, r.randrange(259), -0.5, r.randbytes(r.randrange(4)),
                 tuple((r.randrange(259), -1.5, r.randbytes(2)) for _ in range(r.randrange(3)))),
@@ -708,6 +710,11 @@ class TpWorkerPortTarget(Target):
             tp.FrameType.COMMAND_ACK: lambda: tp.CommandAck(status=r.randrange(3)),
             tp.FrameType.SYNC_CHECKPOINT: lambda: tp.SyncCheckpoint(
                 point=4, current=0, total=8, requested=r.random() < 0.5),
+            tp.FrameType.WORLD: lambda: tp.World(peers=tuple(
+                tp.WorldPeer(rank=i, gate_port=r.randrange(1, 1 << 16),
+                             host=bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]),
+                             token=r.randrange(1 << 64))
+                for i in range(1, r.randrange(3, 6)))),
         }
         return ftype.name, tp.encode(build[ftype]()), TP_FRAME
 
