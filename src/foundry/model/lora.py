@@ -229,17 +229,17 @@ def load_adapter(path: str | Path) -> Adapter:
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             layout = gguf_meta.read_layout(buf, path)
-            tensors = {t.name: _read_tensor(buf, t, path)
-                       for t in layout.tensors}
+            meta = layout.metadata
+            if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+                raise LoraError(
+                    f"{path} is not a LoRA adapter (general.type "
+                    f"{meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r});"
+                    " pass the adapter file `foundry train --base-model ... --lora-rank` wrote")
+            tensors = {t.name: _read_tensor(buf, t, path) for t in layout.tensors}
     except OSError as exc:
         raise LoraError(f"cannot read adapter {path}: {exc}") from None
     except gguf_meta.GGUFMetaError as exc:
         raise LoraError(str(exc)) from None
-    meta = layout.metadata
-    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
-        raise LoraError(f"{path} is not a LoRA adapter (general.type {meta.get('general.type')!r}"
-                        f", adapter.type {meta.get('adapter.type')!r}); pass the file "
-                        "`foundry export --adapter` wrote")
     alpha = meta.get("adapter.lora.alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
         raise LoraError(f"{path}: adapter.lora.alpha is {alpha!r}, expected a positive number")
