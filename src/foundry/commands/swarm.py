@@ -191,14 +191,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Export a training checkpoint (a file, or the newest valid one in a "
         "folder) to GGUF, which `foundry tp-leader` and llama.cpp load.",
     )
-    e.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file or folder")
+    e.add_argument("--checkpoint", type=Path, default=None, help="checkpoint file or folder")
+    e.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
+                   help="with --adapter: write the base merged with the adapter (W + alpha/r "
+                   "B A) in the base's architecture, instead of a checkpoint's model")
+    e.add_argument("--adapter", type=Path, default=None, metavar="ADAPTER.gguf",
+                   help="the LoRA adapter to merge into --base-model")
     e.add_argument("--out", type=Path, required=True,
                    help="GGUF file to write (a new file; an existing GGUF only with --force, "
                    "never any other file)")
     e.add_argument("--force", action="store_true",
                    help="replace --out if it is a GGUF file already")
-    e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
-                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
+    e.add_argument("--type", "--dtype", dest="dtype", default=None, choices=FILE_DTYPES,
+                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32; a merged "
+                   "file keeps each adapted tensor's type where Foundry writes it, else Q8_0)")
     e.set_defaults(func=run_export)
 
 
@@ -395,6 +401,12 @@ def run_export(args: argparse.Namespace) -> int:
     except OutputRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (args.base_model is None) != (args.adapter is None) or (
+            args.base_model is None) == (args.checkpoint is None):
+        print("error: pass --checkpoint, or --base-model with --adapter", file=sys.stderr)
+        return 2
+    if args.base_model is not None:
+        return _export_merged(args)
     path: Path | None = args.checkpoint
     if path is not None and path.is_dir():
         path = latest_checkpoint(path)
@@ -407,11 +419,38 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        save_gguf(args.out, state.config, state.params, dtype=args.dtype)
+        save_gguf(args.out, state.config, state.params, dtype=args.dtype or "f32")
     except GGUFError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"exported step {state.step} from {path} to {args.out}")
+    return 0
+
+
+def _export_merged(args: argparse.Namespace) -> int:
+    """The base file with the adapter merged into its tensors (``gguf_io.rewrite_gguf``)."""
+    import gguf
+
+    from foundry.model.gguf_io import GGUFError, load_gguf_stored, rewrite_gguf
+    from foundry.model.lora import LoraError, apply_adapter, base_of, load_adapter
+    from foundry.model.quant import dequantize
+
+    try:
+        adapter = load_adapter(args.adapter)
+        names = {base_of(n) for n in adapter.tensors}
+        loaded = load_gguf_stored(args.base_model, select=lambda n, v: v if n in names else None)
+        merged = apply_adapter(loaded.cfg, loaded.params, adapter, str(args.adapter))
+        forced = None if args.dtype is None else gguf.GGMLQuantizationType[args.dtype.upper()]
+        types = rewrite_gguf(args.base_model, args.out,
+                             {n: dequantize(merged[n]) for n in names}, forced)
+    except (GGUFError, LoraError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    print(f"merged {args.adapter} into {args.base_model} -> {args.out} ("
+          + ", ".join(f"{n} tensors {t}" for t, n in sorted(counts.items())) + ")")
     return 0
 
 
