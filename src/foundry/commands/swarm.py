@@ -23,6 +23,7 @@ from foundry.commands.common import (
     positive_float,
     positive_int,
     positive_seconds,
+    resolve_schedule,
     start_metrics,
     tls_context,
     tls_note,
@@ -221,6 +222,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
 
+    resolve_schedule(args)
     if args.max_steps <= 0 or args.global_batch <= 0:
         print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
         return 2
