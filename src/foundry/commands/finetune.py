@@ -71,7 +71,9 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     if data and args.data is None:
         raise SetupError("--base-model needs --data: the text (a file or folder) or chat "
                          "data (.jsonl) to fine-tune on")
-    device = torch_device(args.device)
+    # `foundry train` and workers compute on --device; the coordinator validates on
+    # --validate-device
+    device = torch_device(getattr(args, "device", None) or args.validate_device)
     try:
         base = load_base(args.base_model, device)
         if spec is not None:

@@ -31,10 +31,9 @@ arrays by name: the swarm's currency. ``FineTuner`` is the single-process traine
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,9 @@ from foundry.model.arch import rope_tables as arch_rope_tables
 from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.data import Corpus
-from foundry.model.optim import lr_schedule
-from foundry.model.training import GradientResult, Params
+from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.training import GradientResult, Params, Stopped
+from foundry.model.tuning import FileIdentity, file_identity, trainable_shapes
 
 F32 = npt.NDArray[np.float32]
 Tensors = dict[str, torch.Tensor]
@@ -79,27 +79,6 @@ class Base:
     device: torch.device
 
 
-@dataclass(frozen=True)
-class FileIdentity:
-    """What two machines compare to know they hold the same base file: its size and sha256."""
-
-    size: int
-    sha256: str  # hex
-
-    @property
-    def digest(self) -> bytes:
-        return bytes.fromhex(self.sha256)
-
-
-def file_identity(path: str | Path) -> FileIdentity:
-    h = hashlib.sha256()
-    p = Path(path)
-    with p.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return FileIdentity(p.stat().st_size, h.hexdigest())
-
-
 def load_base(path: str | Path, device: str | torch.device = "cpu") -> Base:
     """The file's weights as frozen float32 tensors on ``device``, its metadata and identity."""
     from foundry.model.gguf_io import load_gguf_stored
@@ -113,14 +92,6 @@ def load_base(path: str | Path, device: str | torch.device = "cpu") -> Base:
         weights[name] = torch.from_numpy(np.ascontiguousarray(
             dequantize(loaded.params.pop(name)), np.float32)).to(dev)
     return Base(p, loaded.cfg, weights, loaded.metadata, file_identity(p), dev)
-
-
-def trainable_shapes(cfg: ModelConfig, spec: LR.LoraSpec | None) -> dict[str, tuple[int, ...]]:
-    """The tensors that train and travel: the adapters, or (full fine-tuning) every tensor of
-    the model but the routed experts."""
-    if spec is not None:
-        return dict(LR.adapter_shapes(cfg, spec))
-    return {n: s for n, s in cfg.param_shapes().items() if "_exps." not in n}
 
 
 def initial_trainable(base: Base, spec: LR.LoraSpec | None, seed: int = 0) -> Params:
@@ -366,6 +337,31 @@ class FineTuneBackend:
                  for n, t in dev.items()}
         self.last_phases = {"steps": time.perf_counter() - t0}
         return GradientResult(grads, count, loss, 0.0)
+
+    def make_inner(self, params: Params, weight_decay: float) -> AdamW:
+        return AdamW(params, weight_decay=weight_decay)
+
+    def local_steps(
+        self, start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, *,
+        lr_at: Callable[[int], float], grad_clip: float, global_step: int, sample_offset: int,
+        samples_per_step: int, steps: int, micro_batch: int, seq_len: int,
+        aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+    ) -> GradientResult:
+        """``backend.NumpyBackend.local_steps`` over the trainable tensors: inner AdamW steps
+        from ``start``, the pseudo-gradient ``start - end`` back."""
+        local = {k: v.copy() for k, v in start.items()}
+        loss = 0.0
+        b = samples_per_step
+        for k in range(steps):
+            if stop is not None and stop():
+                raise Stopped(f"stopped after {k} of {steps} inner steps")
+            res = self.compute_gradients(local, cfg, corpus, sample_offset + k * b, b,
+                                         seq_len=seq_len)
+            clip_grad_norm(res.grads, grad_clip)
+            inner.step(local, res.grads, lr_at(global_step + k))
+            loss += res.loss
+        return GradientResult({k: start[k] - local[k] for k in start}, steps * b, loss / steps,
+                              0.0)
 
     def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
                       max_batches: int | None = None, batch_size: int = 8) -> float:

@@ -28,6 +28,7 @@ from foundry.model.training import (
     bits_per_byte,
 )
 from foundry.model.transformer import init_params
+from foundry.model.tuning import TunedConfig
 from foundry.obs.timeline import now_us
 from foundry.swarm.core import CoordinatorOptions, SwarmCore
 from foundry.swarm.downlink import Downlink
@@ -82,6 +83,9 @@ def load_or_init(opt: CoordinatorOptions) -> Start:
         log.info("resumed from %s at step %d", ckpt, trainer.step)
         return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)),
                      state.extra.get("downlink_rng"))  # a string: the schema checked it
+    if opt.start_params is not None:
+        return Start(Trainer(opt.cfg, opt.settings,
+                             {k: v.copy() for k, v in opt.start_params.items()}))
     if opt.init_gguf is not None:
         loaded = load_gguf(opt.init_gguf)
         if loaded.cfg != opt.cfg:
@@ -142,6 +146,8 @@ class Records:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:
         it is told, counted, and tried again after every following step until one succeeds;
         the previous checkpoints stay intact."""
+        if isinstance(self.core.opt.cfg, TunedConfig):
+            return  # no checkpoints yet (``checkpoint``)
         try:
             await self.checkpoint()
         except CheckpointError as exc:
@@ -156,6 +162,9 @@ class Records:
             self.checkpoint_warning = ""
 
     async def checkpoint(self) -> Path:
+        if isinstance(self.core.opt.cfg, TunedConfig):
+            raise CheckpointError("a fine-tuning run keeps no checkpoints yet; export its "
+                                  "result instead (`foundry ctl export`)")
         t0 = time.monotonic()
         start_us = now_us()
         await self.core.applied.wait()  # then copied with no await between: one step's state
@@ -219,7 +228,25 @@ class Records:
         dtype = FILE_DTYPES[int(file_type)]
         await self.core.applied.wait()
         step, params = self.core.step, {k: v.copy() for k, v in self.core.trainer.params.items()}
-        await asyncio.to_thread(save_gguf, target, self.core.opt.cfg, params, dtype)
+        cfg = self.core.opt.cfg
+        if isinstance(cfg, TunedConfig):
+            await asyncio.to_thread(export_tuned, target, cfg, self.core.opt.base_model, params)
+        else:
+            await asyncio.to_thread(save_gguf, target, cfg, params, dtype)
         log.info("exported step %d to %s%s", step, target,
                  "" if file_type is FileType.F32 else f" ({dtype})")
         return target
+
+
+def export_tuned(target: Path, cfg: TunedConfig, base: Path | None, params: Params) -> None:
+    """A fine-tuning run's result: the LoRA adapter file, or (full fine-tuning) the base file
+    with the trained tensors in place of its own."""
+    from foundry.model.gguf_io import rewrite_gguf
+    from foundry.model.lora import save_adapter
+
+    if cfg.spec is not None:
+        save_adapter(target, cfg.architecture, cfg.spec.alpha, params)
+        return
+    if base is None:
+        raise ExportRefused("the coordinator has no base file to write the model into")
+    rewrite_gguf(base, target, params)

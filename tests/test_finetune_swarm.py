@@ -1,0 +1,108 @@
+"""Fine-tuning across the swarm, with real processes on loopback: exactness against one
+process, and the registrations a fine-tuning coordinator refuses (BASE_MODEL).
+
+Each machine loads the base from its own copy of the file; only the adapters travel, so what
+the coordinator holds, steps and exports is the adapters alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import coordinator, worker
+from published import write_tiny
+from test_swarm_service import admin
+
+pytest.importorskip("torch")
+
+from foundry.model import finetune as FT
+from foundry.model import lora as LR
+from foundry.model.finetune_data import load_tuning_corpus
+from foundry.model.training import Trainer, TrainSettings
+from foundry.model.tuning import tuned_config
+from foundry.model.vocab import load_tokenizer
+from foundry.wire import fdtc
+
+STEPS, BATCH, SEQ, LR_ = 10, 6, 16, 1e-2
+
+
+def tiny_run(tmp: Path) -> tuple[Path, Path]:
+    base = tmp / "qwen3.gguf"
+    write_tiny(base, "qwen3")
+    text = tmp / "text.txt"
+    text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 40)
+    return base, text
+
+
+def lora_args(base: Path, text: Path) -> list[str]:
+    return ["--base-model", str(base), "--data", str(text), "--lora-rank", "4",
+            "--lora-targets", "attn_q,attn_v,ffn_down", "--lora-alpha", "8"]
+
+
+@pytest.mark.parametrize("n_workers", [2])
+def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_workers: int) -> None:
+    base, text = tiny_run(tmp_path)
+    coord, port, admin_port = coordinator(
+        tmp_path, *lora_args(base, text), "--max-steps", str(STEPS),
+        "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR_),
+        "--min-workers", str(n_workers), "--export-anywhere",
+    )
+    workers = []
+    for i in range(n_workers):  # each its own copy of the file
+        mine = tmp_path / f"copy{i}.gguf"
+        shutil.copy(base, mine)
+        workers.append(worker(tmp_path, port, f"w{i}", "--base-model", str(mine),
+                              "--data", str(text)))
+    out = tmp_path / "adapter.gguf"
+    try:
+        coord.wait_for(rf"training done at step {STEPS}", within_s=180)
+        assert "from 1 workers" not in coord.text()
+        ack = admin(admin_port, fdtc.Export(path=str(out)), timeout_s=60)
+        assert isinstance(ack, fdtc.ControlAck) and ack.ok, ack
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+    swarm = LR.load_adapter(out)
+    # only the adapters travelled and were trained
+    assert all(n.endswith((".lora_a", ".lora_b")) for n in swarm.tensors)
+
+    loaded = FT.load_base(base)
+    spec = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
+    cfg = tuned_config(loaded.cfg, loaded.identity, spec)
+    corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
+    backend = FT.FineTuneBackend(loaded, spec)
+    settings = TrainSettings(global_batch=BATCH, seq_len=SEQ, lr=LR_, warmup_steps=20,
+                             total_steps=STEPS, weight_decay=0.0)
+    single = Trainer(cfg, settings, FT.initial_trainable(loaded, spec, 0))
+    for _ in range(STEPS):
+        result = backend.compute_gradients(single.params, cfg, corpus, single.position, BATCH,
+                                           seq_len=SEQ)
+        single.apply(result.grads)
+    assert set(swarm.tensors) == set(single.params)
+    worst = max(float(np.max(np.abs(swarm.tensors[k] - single.params[k])))
+                for k in single.params)
+    assert worst <= 1e-6, f"max abs adapter difference {worst:.3g} after {STEPS} steps"
+    moved = max(float(np.max(np.abs(single.params[k]))) for k in single.params
+                if k.endswith(".lora_b"))
+    assert moved > 1e-3, "B never left zero: the comparison would prove nothing"
+
+
+def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
+    base, text = tiny_run(tmp_path)
+    other = tmp_path / "qwen2.gguf"
+    write_tiny(other, "qwen2")
+    coord, port, _ = coordinator(tmp_path, *lora_args(base, text), "--max-steps", "1000")
+    try:
+        stranger = worker(tmp_path, port, "stranger", "--base-model", str(other),
+                          "--data", str(text))
+        assert stranger.proc.wait(timeout=120) != 0
+        assert "differs from the swarm's" in stranger.text(), stranger.text()[-2000:]
+        plain = worker(tmp_path, port, "plain", "--data", str(text))
+        assert plain.proc.wait(timeout=120) != 0
+        assert "start the worker with --base-model" in plain.text(), plain.text()[-2000:]
+    finally:
+        coord.stop()
