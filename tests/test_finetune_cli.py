@@ -106,3 +106,65 @@ def test_gemma_learns_a_made_up_sentence(tmp_path: Path) -> None:
     completion = foundry("generate", "--model", gemma, "--lora", adapter, "--prompt", PROMPT,
                          "--max-tokens", "10")
     assert completion.startswith(" Orvil Brandt is purple kettle forty-two."), completion
+
+
+def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
+    """tp-leader and tp-worker with --lora: every logits row of a greedy run equals the merged
+    file's one process, bit for bit; a worker without the adapter is refused at the hello."""
+    import numpy as np
+    from tp_harness import Client, InProcessLeader, start_worker, wait_paired
+
+    from foundry.model import lora as LR
+    from foundry.model.gguf_io import load_gguf, load_gguf_stored, rewrite_gguf
+    from foundry.model.inference import Engine
+    from foundry.model.vocab import load_tokenizer
+    from foundry.tp.blas import limit_blas_threads
+    from foundry.tp.leader import LeaderOptions
+    from foundry.tp.policy import SpecMode
+    from foundry.wire import frontend as fw
+
+    base = tmp_path / "gemma3.gguf"
+    write_tiny(base, "gemma3")
+    cfg = load_gguf(base).cfg
+    spec = LR.LoraSpec(rank=4, alpha=8.0, targets=LR.TARGETS)
+    adapters = LR.init_adapters(cfg, spec, 1)
+    rng = np.random.default_rng(2)
+    for name in adapters:
+        if name.endswith(".lora_b"):
+            adapters[name] = (rng.standard_normal(adapters[name].shape) * 0.1).astype(np.float32)
+    adapter = tmp_path / "adapter.gguf"
+    LR.save_adapter(adapter, "gemma3", spec.alpha, adapters)
+    merged = tmp_path / "merged.gguf"
+    m = load_gguf(base)
+    rewrite_gguf(base, merged, {n: v for n, v in LR.merge(m.params, adapters, spec.scale).items()
+                                if n + ".lora_a" in adapters})
+
+    limit_blas_threads(1)
+    rows: list[np.ndarray] = []
+    leader = InProcessLeader(
+        LeaderOptions(model=base, lora=adapter, host="127.0.0.1", port=0, frontend_port=0,
+                      prefill_chunk=8, spec_mode=SpecMode.OFF),
+        hook=lambda rid, r: rows.append(r.copy()),
+    )
+    stranger = start_worker(base, leader.leader.port, tmp_path / "stranger.log")
+    worker = None
+    try:
+        assert stranger.popen.wait(60) != 0  # the base alone: another identity
+        assert "identity mismatch" in stranger.log.read_text(), stranger.log.read_text()[-2000:]
+        worker = start_worker(base, leader.leader.port, tmp_path / "worker.log",
+                              "--lora", str(adapter))
+        wait_paired(leader.leader.frontend_port)
+        with Client(leader.leader.frontend_port) as c:
+            got = c.generate("abc", 10)
+        assert isinstance(got.end, fw.Done)
+    finally:
+        leader.stop()
+        assert worker is not None and worker.exit_code() == 0, worker and worker.log.read_text()
+    one = load_gguf_stored(merged)
+    engine = Engine(one.cfg, one.params)
+    s = engine.new_session()
+    ref = [engine.decode(s, load_tokenizer(one.metadata).encode("abc"))[-1:]]
+    for token in got.tokens[:-1]:
+        ref.append(engine.decode(s, [token]))
+    assert [int(np.argmax(r)) for r in ref] == got.tokens
+    np.testing.assert_array_equal(np.concatenate(rows), np.concatenate(ref))

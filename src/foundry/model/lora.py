@@ -283,8 +283,23 @@ def apply_adapter(cfg: ModelConfig, params: Mapping[str, Param], adapter: Adapte
     """The model's tensors with the adapter merged in, for serving ``--lora FILE`` (the
     adapted tensors become float32; the rest are held as they are). The adapter must be for
     this architecture and these shapes."""
+    check_architecture(cfg, adapter, source)
+    return merge(params, adapter.tensors, adapter.scale)
+
+
+def check_architecture(cfg: ModelConfig, adapter: Adapter, source: str) -> None:
+    """LoraError unless ``adapter`` was trained on a model of ``cfg``'s architecture and its
+    tensors fit ``cfg``'s."""
     arch = cfg.architecture if isinstance(cfg, ArchConfig) else "llama"
     if adapter.architecture != arch:
         raise LoraError(f"{source} is an adapter for {adapter.architecture!r}, the model is "
                         f"{arch!r}")
-    return merge(params, adapter.tensors, adapter.scale)
+    shapes = cfg.param_shapes()
+    for name in adapter.tensors:
+        base = base_of(name)
+        if base not in shapes:
+            raise LoraError(f"{source} adapts {base!r}, which the model does not have")
+        a, b = (adapter.tensors[n] for n in adapter_names(base))
+        if (b.shape[0], a.shape[1]) != shapes[base]:
+            raise LoraError(f"{source}'s adapter of {base!r} is ({b.shape[0]}, {a.shape[1]}), "
+                            f"the model's tensor {shapes[base]}: it was trained on another model")

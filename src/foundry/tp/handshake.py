@@ -25,10 +25,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from foundry.model.arch import spec as arch_spec
 from foundry.model.config import ModelConfig
 from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
 from foundry.model.inference import default_ctx
+from foundry.model.lora import Adapter, base_of, check_architecture, load_adapter, merge
 from foundry.model.quant import NOMINAL_BITS, Param, QType
 from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_part
 from foundry.tp.link import ControlLink, LinkError
@@ -87,13 +91,15 @@ def quant_bits(values_by_type: Mapping[QType, int]) -> int:
     return NOMINAL_BITS[most]
 
 
-def identity_for(path: Path, cfg: ModelConfig, ctx_size: int) -> Identity:
+def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None = None
+                 ) -> Identity:
     """The hello identity of a model file: its size and hash, shape, weight bits (see
     :func:`quant_bits`), context, and the gate schedule (every layer fires ATTN then FFN: 2
-    gates per layer and token)."""
+    gates per layer and token). With a LoRA adapter the model id is the file's XOR the
+    adapter's (so both ranks must load the same adapter) and the size counts both files."""
     return Identity(
-        gguf_bytes=os.path.getsize(path),
-        model_id=model_id(path),
+        gguf_bytes=os.path.getsize(path) + (0 if lora is None else os.path.getsize(lora)),
+        model_id=model_id(path) ^ (0 if lora is None else model_id(lora)),
         n_layer=cfg.n_layer,
         n_embd=cfg.n_embd,
         n_vocab=cfg.n_vocab,
@@ -110,14 +116,24 @@ def load_rank(
     rank: int,
     ctx_size: int | None = None,
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+    lora: Path | None = None,
 ) -> RankModel:
     """Read rank ``rank``'s half of the GGUF file (its experts cut by ``expert_split``): only
-    its slices are read from disk."""
+    its slices are read from disk. ``lora``: a LoRA adapter file merged into the tensors it
+    adapts before they are cut (those become float32)."""
     header = load_gguf(path, select=lambda name, view: None)
     cfg = header.cfg
     layout = rank_layout(cfg, rank, WORLD, expert_split)
+    adapter = None
+    if lora is not None:
+        adapter = load_adapter(lora)
+        check_architecture(cfg, adapter, str(lora))
+    adapted = set() if adapter is None else {base_of(n) for n in adapter.tensors}
 
     def select(name: str, view: Param) -> Param:
+        if adapter is not None and name in adapted:
+            merged = merge({name: view}, adapter_pair(adapter, name), adapter.scale)[name]
+            return shard_part(name, merged, layout)
         return shard_part(name, view, layout)
 
     loaded = load_gguf_stored(path, select=select)
@@ -127,7 +143,7 @@ def load_rank(
     return RankModel(
         cfg=cfg,
         weights=RankWeights(cfg, layout, loaded.params),
-        identity=identity_for(path, cfg, ctx),
+        identity=identity_for(path, cfg, ctx, lora),
     )
 
 
@@ -141,3 +157,8 @@ def exchange_hellos(link: ControlLink, mine: Hello) -> Hello:
     check_hello(mine, peer)
     link.decoder.max_payload = max_payload_for(mine.identity)
     return peer
+
+
+def adapter_pair(adapter: Adapter, base: str) -> dict[str, npt.NDArray[np.float32]]:
+    """The lora_a and lora_b of one base tensor."""
+    return {n: adapter.tensors[n] for n in (base + ".lora_a", base + ".lora_b")}

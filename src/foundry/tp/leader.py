@@ -98,7 +98,8 @@ class Leader:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split)
+        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
+                                             options.lora)
         self.identity = self.model.identity
         self.cfg = self.model.cfg
         metadata = read_metadata(options.model)

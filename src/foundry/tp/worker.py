@@ -102,6 +102,7 @@ class WorkerOptions:
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
+    lora: Path | None = None  # a LoRA adapter merged at load (both ranks load the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
 
@@ -118,7 +119,8 @@ class Worker:
         metrics: TpMetrics | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split)
+        self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split,
+                                             options.lora)
         self.identity = self.model.identity
         self.metrics = metrics or TpMetrics(rank=1)
         engine = make_engine(self.model.cfg, self.model.weights, rank=1, world=2,
