@@ -168,3 +168,49 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
         ref.append(engine.decode(s, [token]))
     assert [int(np.argmax(r)) for r in ref] == got.tokens
     np.testing.assert_array_equal(np.concatenate(rows), np.concatenate(ref))
+
+
+def test_up_fine_tunes_exports_and_serves(tmp_path: Path) -> None:
+    """`foundry up --base-model FILE --data PATH`: two workers fine-tune the tiny file with
+    LoRA, the coordinator exports the adapter, the pair serves the base with it; the held-out
+    loss is told before and after, and the OpenAI API answers with the adapter's text."""
+    import json
+    import signal
+    import urllib.request
+
+    from test_up import running, start_up, wait_gone
+
+    base = tmp_path / "qwen3.gguf"
+    write_tiny(base, "qwen3")
+    text = tmp_path / "text.txt"
+    text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
+    up, ports = start_up(tmp_path, 2, "--base-model", str(base), "--data", str(text),
+                         "--steps", "12", "--seq-len", "32", "--lr", "1e-2",
+                         "--lora-targets", "attn_q,attn_v,ffn_down", "--prompt", "ab ac",
+                         "--sample-tokens", "8", "--ctx-size", "64")
+    http = int(ports[ports.index("--http-port") + 1])
+    try:
+        loss = up.wait_for(r"held-out loss: before ([\d.]+), after ([\d.]+) nats/token", 240)
+        assert float(loss.group(2)) < float(loss.group(1)), up.text()
+        up.wait_for(r"exported the adapter \S*adapter\.gguf", 60)
+        sample = up.wait_for(r"sample \(greedy, 8 tokens\): '(.*)'", 120)
+        up.wait_for(r"ready in \d+ s", 10)
+        children = up.children()
+        assert {"coordinator", "gateway", "tp-leader", "tp-worker"} <= set(children)
+        adapter = up.run_dir / "adapter.gguf"
+        expected = foundry("generate", "--model", base, "--lora", adapter, "--prompt", "ab ac",
+                           "--max-tokens", "8")
+        assert "ab ac" + expected.rstrip("\n") == sample.group(1)
+        body = json.dumps({"model": "foundry", "prompt": "ab ac", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"] == expected.rstrip("\n")
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(timeout=60) == 0, up.text()
+        assert wait_gone(children, 10.0) == []
+        assert not any(running(pid) for pid in children.values())
+    finally:
+        up.cleanup()

@@ -133,6 +133,11 @@ class Records:
         seq_len = c.opt.settings.seq_len
         loss = await asyncio.to_thread(c.opt.validation_backend.evaluate_loss, params, c.opt.cfg,
                                        c.corpus, seq_len)
+        if isinstance(c.opt.cfg, TunedConfig):  # tokens of the base's vocabulary, not bytes
+            self.core.val_loss = loss
+            self.core.metrics.validation_loss.set(loss)
+            log.info("step %d: validation loss %.4f nats/token", step, loss)
+            return
         if self._yardstick is None:
             self._yardstick = await asyncio.to_thread(
                 compressor_bits_per_byte, self.core.corpus.held_out_bytes(seq_len)

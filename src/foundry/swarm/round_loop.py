@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from foundry.model.training import Params
+from foundry.model.tuning import TunedConfig
 from foundry.obs.timeline import now_us
 from foundry.swarm import policy
 from foundry.swarm.core import Member, Round, SwarmCore, SwarmState
@@ -79,6 +80,9 @@ class RoundRunner:
                 await self.finish()
                 continue
             if self.core.training_on():
+                if (isinstance(self.core.opt.cfg, TunedConfig) and self.core.step == 0
+                        and self.records.validation_step < 0):
+                    await self.records.validate()  # the base's held-out loss: the "before"
                 await self.downlink.announce_start()
                 if self.active_for_round():
                     await self.run_round()
