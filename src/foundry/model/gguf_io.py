@@ -562,9 +562,9 @@ class _Reader:
 # -- a published file with some tensors replaced -------------------------------------------------
 
 WRITABLE: tuple[gguf.GGMLQuantizationType, ...] = (
-    _QT.F32, _QT.F16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1)
-"""The storage types Foundry writes (``quant.quantize``); a tensor stored in another (the
-K-quants) is written as :data:`FALLBACK` when it is replaced."""
+    _QT.F32, _QT.F16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q4_K, _QT.Q6_K)
+"""The storage types Foundry writes (``quant.quantize``); a tensor stored in another (Q5_K,
+Q2_K, Q3_K, the i-quants) is written as :data:`FALLBACK` when it is replaced."""
 FALLBACK = _QT.Q8_0
 
 
