@@ -174,7 +174,13 @@ def run_finetune(args: argparse.Namespace) -> int:
     bar.close()
     print(loss_line(before, val), flush=True)
     if args.out is not None:
-        write_result(t, tuner.host_params(), args.out)
+        from foundry.model.gguf_io import GGUFError
+
+        try:
+            write_result(t, tuner.host_params(), args.out)
+        except (GGUFError, OSError) as exc:
+            print(f"error: could not write {args.out}: {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
