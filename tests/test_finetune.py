@@ -251,3 +251,19 @@ def test_text_and_chat_data(files: dict[str, Path], tmp_path: Path) -> None:
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: the conversation has no assistant"):
         load_tuning_corpus(bad, tok, template)
+
+
+def test_gemma_chat_turns_count_the_reply_and_its_end_of_turn() -> None:
+    from foundry.model import gguf_meta
+    from foundry.model.chat import Message, template_for
+    from foundry.model.finetune_data import conversation_segments
+
+    meta = gguf_meta.read_metadata(gemma_file())
+    template = template_for(meta)  # the file has none: Gemma's built-in turns
+    talk = [Message("user", "How do I reset it?"), Message("assistant", "Hold the button."),
+            Message("user", "Thanks"), Message("assistant", "You are welcome.")]
+    segments = conversation_segments(template, talk)
+    assert [text for text, counted in segments if counted] == [
+        "Hold the button.<end_of_turn>\n", "You are welcome.<end_of_turn>\n"]
+    assert "".join(text for text, _ in segments) == template.render(
+        talk, add_generation_prompt=False).removeprefix(template.bos_token)

@@ -106,3 +106,28 @@ def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
         assert "start the worker with --base-model" in plain.text(), plain.text()[-2000:]
     finally:
         coord.stop()
+
+
+def test_base_model_refusals_name_the_reason() -> None:
+    from published import TINY
+
+    from foundry.model.arch import ArchConfig
+    from foundry.model.tuning import FileIdentity, targets_mask
+    from foundry.swarm.worker_port import base_model_msg, base_model_refusal
+
+    t = TINY["qwen3"]
+    base_cfg = ArchConfig(architecture="qwen3", n_vocab=t.n_vocab, n_embd=t.n_embd,
+                          n_layer=t.n_layer, n_head=t.n_head, n_head_kv=t.n_head_kv,
+                          n_ff=t.n_ff, n_expert=0, n_expert_used=0, key_length=t.head_dim)
+    cfg = tuned_config(base_cfg, FileIdentity(1000, "ab" * 32),
+                       LR.LoraSpec(rank=4, targets=("attn_q", "attn_v")))
+    mine = base_model_msg(cfg)
+    assert (mine.lora_rank, mine.lora_targets) == (4, targets_mask(("attn_q", "attn_v"))) == (4, 5)
+    assert base_model_refusal(cfg, mine) is None
+    assert base_model_refusal(None, None) is None
+    no_torch = fdtc.BaseModel(1000, bytes.fromhex("ab" * 32), "qwen3", trainer=0)
+    assert "PyTorch is not installed" in (base_model_refusal(cfg, no_torch) or "")
+    other = fdtc.BaseModel(999, bytes.fromhex("ab" * 32), "qwen3", trainer=1)
+    assert "differs from the swarm's" in (base_model_refusal(cfg, other) or "")
+    assert "start the worker with --base-model" in (base_model_refusal(cfg, None) or "")
+    assert "from scratch" in (base_model_refusal(None, mine) or "")
