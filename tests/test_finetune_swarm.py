@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import coordinator, worker
+from procs import Service, coordinator, worker
 from published import write_tiny
 from test_swarm_service import admin
 
@@ -69,7 +69,11 @@ def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_worke
     swarm = LR.load_adapter(out)
     # only the adapters travelled and were trained
     assert all(n.endswith((".lora_a", ".lora_b")) for n in swarm.tensors)
+    assert_one_process(base, text, swarm.tensors)
 
+
+def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray]) -> None:
+    """``adapters`` equal those one process trains in STEPS steps of the same batches."""
     loaded = FT.load_base(base)
     spec = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
     cfg = tuned_config(loaded.cfg, loaded.identity, spec)
@@ -82,13 +86,47 @@ def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_worke
         result = backend.compute_gradients(single.params, cfg, corpus, single.position, BATCH,
                                            seq_len=SEQ)
         single.apply(result.grads)
-    assert set(swarm.tensors) == set(single.params)
-    worst = max(float(np.max(np.abs(swarm.tensors[k] - single.params[k])))
-                for k in single.params)
+    assert set(adapters) == set(single.params)
+    worst = max(float(np.max(np.abs(adapters[k] - single.params[k]))) for k in single.params)
     assert worst <= 1e-6, f"max abs adapter difference {worst:.3g} after {STEPS} steps"
     moved = max(float(np.max(np.abs(single.params[k]))) for k in single.params
                 if k.endswith(".lora_b"))
     assert moved > 1e-3, "B never left zero: the comparison would prove nothing"
+
+
+def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
+    """Checkpoints of a fine-tuning run hold the adapters, their moments and the base's
+    identity: a coordinator killed after step 5's checkpoint resumes there, and the run ends
+    with the adapters of an uninterrupted one."""
+    from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.tuning import TunedConfig
+
+    base, text = tiny_run(tmp_path)
+    args = (*lora_args(base, text), "--max-steps", str(STEPS), "--global-batch", str(BATCH),
+            "--seq-len", str(SEQ), "--lr", str(LR_), "--checkpoint-every", "5",
+            "--export-anywhere")
+    coord, port, admin_port = coordinator(tmp_path, *args)
+    w = worker(tmp_path, port, "w0", "--base-model", str(base), "--data", str(text))
+    out = tmp_path / "adapter.gguf"
+    try:
+        coord.wait_for(r"checkpoint \S+ written at step 5", within_s=180)
+        coord.kill()
+        saved = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))  # type: ignore[arg-type]
+        assert isinstance(saved.config, TunedConfig) and saved.step >= 5
+        assert set(saved.params) == {n for n, _ in saved.config.trainable}
+        coord = Service(
+            ["coordinator", "--listen", f"127.0.0.1:{port}", "--admin-listen",
+             f"127.0.0.1:{admin_port}", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
+            tmp_path / "coordinator2.log",
+        )
+        coord.wait_for(rf"resumed from .* at step {saved.step}", within_s=120)
+        coord.wait_for(rf"training done at step {STEPS}", within_s=180)
+        ack = admin(admin_port, fdtc.Export(path=str(out)), timeout_s=60)
+        assert isinstance(ack, fdtc.ControlAck) and ack.ok, ack
+    finally:
+        w.stop()
+        coord.stop()
+    assert_one_process(base, text, LR.load_adapter(out).tensors)
 
 
 def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:

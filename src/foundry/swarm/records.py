@@ -151,8 +151,6 @@ class Records:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:
         it is told, counted, and tried again after every following step until one succeeds;
         the previous checkpoints stay intact."""
-        if isinstance(self.core.opt.cfg, TunedConfig):
-            return  # no checkpoints yet (``checkpoint``)
         try:
             await self.checkpoint()
         except CheckpointError as exc:
@@ -167,9 +165,6 @@ class Records:
             self.checkpoint_warning = ""
 
     async def checkpoint(self) -> Path:
-        if isinstance(self.core.opt.cfg, TunedConfig):
-            raise CheckpointError("a fine-tuning run keeps no checkpoints yet; export its "
-                                  "result instead (`foundry ctl export`)")
         t0 = time.monotonic()
         start_us = now_us()
         await self.core.applied.wait()  # then copied with no await between: one step's state

@@ -23,6 +23,7 @@ from foundry.model.training import (
     bits_per_byte,
     held_out_line,
 )
+from foundry.model.tuning import TunedConfig
 from foundry.up.clients import AdminLink, generate
 from foundry.up.plan import (
     StackError,
@@ -76,6 +77,9 @@ class CheckpointSamples:
                 continue  # rotated away since the listing, or damaged: the next one will do
             self._due = (state.step // self.every + 1) * self.every
             self._sampled = state.step
+            if isinstance(state.config, TunedConfig):  # adapters alone: no model to sample
+                self._due = 1 << 62
+                return None
             text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
             return f"step {state.step}: {printable(self.prompt + text)!r}"
         return None
