@@ -134,15 +134,20 @@ def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
     other = tmp_path / "qwen2.gguf"
     write_tiny(other, "qwen2")
     coord, port, _ = coordinator(tmp_path, *lora_args(base, text), "--max-steps", "1000")
+    workers = []
     try:
         stranger = worker(tmp_path, port, "stranger", "--base-model", str(other),
                           "--data", str(text))
+        workers.append(stranger)
         assert stranger.proc.wait(timeout=120) != 0
         assert "differs from the swarm's" in stranger.text(), stranger.text()[-2000:]
         plain = worker(tmp_path, port, "plain", "--data", str(text))
+        workers.append(plain)
         assert plain.proc.wait(timeout=120) != 0
         assert "start the worker with --base-model" in plain.text(), plain.text()[-2000:]
     finally:
+        for w in workers:
+            w.stop()
         coord.stop()
 
 
