@@ -268,3 +268,21 @@ def test_gemma_chat_turns_count_the_reply_and_its_end_of_turn() -> None:
         "Hold the button.<end_of_turn>\n", "You are welcome.<end_of_turn>\n"]
     assert "".join(text for text, _ in segments) == template.render(
         talk, add_generation_prompt=False).removeprefix(template.bos_token)
+
+
+def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> None:
+    from foundry.model.chat import ChatTemplate, Message
+    from foundry.model.finetune_data import conversation_segments
+
+    # Marks only the last assistant turn's (empty) reasoning, as Qwen3's template does: no
+    # rendering of a turn is a prefix of the next one's.
+    source = ("{% for m in messages %}<{{ m.role }}>"
+              "{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}"
+              "{{ m.content }}</{{ m.role }}>{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    t = ChatTemplate(source, "rewrites")
+    talk = [Message("user", "a"), Message("assistant", "b"), Message("user", "c"),
+            Message("assistant", "d")]
+    segments = conversation_segments(t, talk)
+    assert [text for text, counted in segments if counted] == ["b", "d"]
+    assert "".join(text for text, _ in segments) == t.render(talk, add_generation_prompt=False)

@@ -75,7 +75,14 @@ def _messages(line: str, where: str) -> list[Message]:
 def conversation_segments(template: ChatTemplate, messages: Sequence[Message]
                           ) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, counted) pieces, in order: the assistant
-    turns' own text counted, the rest not."""
+    turns' own text counted, the rest not.
+
+    A turn's text is what the template adds after its generation prompt (the reply and its
+    end-of-turn marker). A template that renders earlier turns differently once the
+    conversation goes on (one that drops an old turn's reasoning, say) has no such prefix;
+    there each assistant message's content is found in the whole rendering, in order, and that
+    alone is counted."""
+    whole = template.render(messages, add_generation_prompt=False)
     segments: list[tuple[str, bool]] = []
     done = 0
     for k, m in enumerate(messages):
@@ -83,15 +90,39 @@ def conversation_segments(template: ChatTemplate, messages: Sequence[Message]
             continue
         prompt = template.render(messages[:k], add_generation_prompt=True)
         upto = template.render(messages[: k + 1], add_generation_prompt=False)
-        if not (upto.startswith(prompt) and prompt.startswith(upto[:done])):
-            raise ChatTemplateError(f"chat template {template.name!r} does not render a "
-                                    "conversation as its prompt followed by the reply")
+        if not (upto.startswith(prompt) and prompt.startswith(upto[:done])
+                and whole.startswith(upto)):
+            return _found_segments(template, whole, messages)
         segments += [(prompt[done:], False), (upto[len(prompt):], True)]
         done = len(upto)
-    whole = template.render(messages, add_generation_prompt=False)
     segments.append((whole[done:], False))
-    if template.bos_token and segments[0][0].startswith(template.bos_token):
-        segments[0] = (segments[0][0][len(template.bos_token):], False)  # the tokenizer's BOS
+    return _without_bos(template, segments)
+
+
+def _found_segments(template: ChatTemplate, whole: str, messages: Sequence[Message]
+                    ) -> list[tuple[str, bool]]:
+    segments: list[tuple[str, bool]] = []
+    done = 0
+    for m in messages:
+        content = m.content.strip()
+        if m.role != "assistant" or not content:
+            continue
+        at = whole.find(content, done)
+        if at < 0:
+            raise ChatTemplateError(f"chat template {template.name!r} does not print an "
+                                    "assistant message's content as it is")
+        segments += [(whole[done:at], False), (content, True)]
+        done = at + len(content)
+    segments.append((whole[done:], False))
+    return _without_bos(template, segments)
+
+
+def _without_bos(template: ChatTemplate, segments: list[tuple[str, bool]]
+                 ) -> list[tuple[str, bool]]:
+    """The segments without empty ones, and without the BOS text a template prints (the
+    tokenizer adds its own BOS)."""
+    if template.bos_token and segments and segments[0][0].startswith(template.bos_token):
+        segments[0] = (segments[0][0][len(template.bos_token):], segments[0][1])
     return [(text, counted) for text, counted in segments if text]
 
 
