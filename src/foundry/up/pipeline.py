@@ -179,7 +179,8 @@ def _run_locked(
 
     stack = Stack(run, out)
     tty = out.isatty()
-    view = LiveView(out, opt.steps, tty, workers=opt.workers)
+    view = LiveView(out, opt.steps, tty, workers=opt.workers,
+                    per_token=opt.base_model is not None)
     admin = AdminLink("127.0.0.1", ports.admin)
     t_start = time.monotonic()
     code = 0
