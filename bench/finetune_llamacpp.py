@@ -21,6 +21,7 @@ often that happens on the base file.
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,10 @@ def foundry(model: Path, prompt: str, tokens: int, lora: Path | None) -> str:
 
 
 def llama(binary: Path, model: Path, prompt: str, tokens: int, lora: Path | None,
-          threads: int, batch: int | None = None) -> str:
+          threads: int, extra: list[str], batch: int | None = None) -> str:
     argv = [str(binary), "-m", str(model), "-p", prompt, "-n", str(tokens), "--temp", "0",
-            "-no-cnv", "-c", "512", "-t", str(threads), "--no-warmup", "--no-display-prompt"]
+            "-no-cnv", "-c", "512", "-t", str(threads), "--no-warmup", "--no-display-prompt",
+            *extra]
     if lora is not None:
         argv += ["--lora", str(lora)]
     if batch is not None:
@@ -65,6 +67,9 @@ def main() -> int:
     ap.add_argument("--llama-completion", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-args", type=shlex.split, default=[],
+                    help="more flags for llama-completion (e.g. -nr where its repacked or AMX "
+                    "buffers fail on the machine)")
     args = ap.parse_args()
     equal = total = 0
     runs: list[tuple[str, Path, Path | None]] = [("base + adapter", args.model, args.lora)]
@@ -72,7 +77,8 @@ def main() -> int:
     for name, model, lora in runs:
         for prompt in PROMPTS:
             ours = foundry(model, prompt, args.tokens, lora)
-            theirs = llama(args.llama_completion, model, prompt, args.tokens, lora, args.threads)
+            theirs = llama(args.llama_completion, model, prompt, args.tokens, lora, args.threads,
+                           args.llama_args)
             same = ours == theirs
             equal += same
             total += 1
@@ -81,9 +87,9 @@ def main() -> int:
     self_equal = 0
     for prompt in PROMPTS:
         batched = llama(args.llama_completion, args.model, prompt, args.tokens, None,
-                        args.threads)
+                        args.threads, args.llama_args)
         one = llama(args.llama_completion, args.model, prompt, args.tokens, None, args.threads,
-                    batch=1)
+                    args.llama_args, batch=1)
         self_equal += batched == one
     print(f"equal greedy texts: {equal} of {total} ({args.tokens} tokens); llama.cpp against "
           f"itself on the base (prompt as one batch vs -b 1): {self_equal} of {len(PROMPTS)}")
