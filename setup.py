@@ -1,10 +1,10 @@
 """Build of the optional C kernels (everything else is in pyproject.toml).
 
-``foundry.model._kernels`` computes matrix-vector products over GGUF weight blocks in place;
-``foundry.compression._qsgd`` is QSGD's encoder in one pass; ``foundry.model._optim`` is
+``foundry.model.kernels._kernels`` computes matrix-vector products over GGUF weight blocks in place;
+``foundry.compression._qsgd`` is QSGD's encoder in one pass; ``foundry.model.kernels._optim`` is
 AdamW's step in one pass. All are optional: where no C compiler is found the build goes on
-without them and ``foundry.model.quant``, ``foundry.compression.qsgd`` and
-``foundry.model.optim`` fall back to numpy (docs/quantization.md, docs/protocol.md and
+without them and ``foundry.model.kernels.quant``, ``foundry.compression.qsgd`` and
+``foundry.model.train.optim`` fall back to numpy (docs/quantization.md, docs/protocol.md and
 docs/architecture.md say what that costs).
 """
 
@@ -26,16 +26,16 @@ if platform.machine().startswith("armv7"):
 setup(
     ext_modules=[
         Extension(
-            "foundry.model._kernels",
+            "foundry.model.kernels._kernels",
             # one file per family (csrc/kernels.h says which), the Python interface in module.c
-            sorted(str(p) for p in Path("src/foundry/model/csrc").glob("*.c")),
-            depends=["src/foundry/model/csrc/kernels.h"],
+            sorted(str(p) for p in Path("src/foundry/model/kernels/csrc").glob("*.c")),
+            depends=["src/foundry/model/kernels/csrc/kernels.h"],
             extra_compile_args=FLAGS,
             optional=True,
         ),
         Extension(
-            "foundry.model._optim",
-            ["src/foundry/model/_optim.c"],
+            "foundry.model.kernels._optim",
+            ["src/foundry/model/kernels/_optim.c"],
             # sqrtf of a second moment (never negative) sets no errno: this lets it vectorise.
             extra_compile_args=[*FLAGS, "-fno-math-errno"],
             optional=True,

@@ -1,6 +1,7 @@
 """Real Foundry services as processes on 127.0.0.1, for the robustness harnesses.
 
-``bench/fuzz.py`` and ``bench/churn.py`` start ``python -m foundry`` services with this module,
+``bench/robustness/fuzz.py`` and ``bench/robustness/churn.py`` start ``python -m foundry``
+services with this module,
 read the ports they announce, talk to them as their real peers do (the coordinator's admin
 link, the leader's frontend link) and stop them by pid. Every service binds 127.0.0.1 only.
 """
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode
-from foundry.model.gguf_io import load_gguf, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.sampling import sample
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import sample
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import encode
 from foundry.wire import fdtc
 from foundry.wire import frontend as fw
 

@@ -114,7 +114,7 @@ def generate(out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"output package (default {DEFAULT_OUT})"
     )

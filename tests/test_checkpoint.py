@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import checkpoint as ckpt
-from foundry.model.checkpoint import (
+from foundry.model.formats import checkpoint as ckpt
+from foundry.model.formats.checkpoint import (
     CheckpointError,
     CheckpointRefused,
     CheckpointState,
@@ -36,7 +36,7 @@ from foundry.model.checkpoint import (
     start_fresh,
     verify_checkpoint,
 )
-from foundry.model.config import ModelConfig
+from foundry.model.spec.config import ModelConfig
 
 CFG = ModelConfig(n_ctx=32, n_embd=16, n_layer=1, n_head=2, n_head_kv=1, n_ff=24, n_expert=3)
 Params = dict[str, npt.NDArray[np.float32]]
@@ -213,7 +213,7 @@ def test_latest_skips_a_corrupt_newest_file(
         save_checkpoint(tmp_path, make_state(step=step, seed=step))
     newest = tmp_path / "step-000020.ckpt"
     flip_byte(newest, 200)
-    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
         found = latest_checkpoint(tmp_path)
     assert found == tmp_path / "step-000010.ckpt"
     assert "skipping checkpoint of step 20" in caplog.text
@@ -494,7 +494,7 @@ def test_a_directory_that_cannot_be_synced_is_logged(
         raise OSError(errno.EIO, "directory sync refused")
 
     monkeypatch.setattr(ckpt, "_fsync_dir", refuse)
-    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
         path = save_checkpoint(tmp_path, make_state())
     assert [r.getMessage() for r in caplog.records] == [
         f"checkpoint {path} written but its directory could not be synced: "
@@ -729,7 +729,7 @@ def test_pruning_counts_only_checkpoints_that_verify(
     save_steps(tmp_path, 1, 2, 3, 4, 5, 6)
     bad5 = damage(tmp_path / "step-000005.ckpt")
     bad3 = damage(tmp_path / "step-000003.ckpt", "truncate")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
         prune_checkpoints(tmp_path, 2)
     assert sorted(os.listdir(tmp_path)) == [
         "step-000003.ckpt.damaged", "step-000004.ckpt", "step-000005.ckpt.damaged",
@@ -806,7 +806,7 @@ def test_a_damaged_file_is_set_aside_under_a_free_name(
         save_checkpoint(tmp_path, make_state(step=3, seed=i))
         assert path in ckpt._VERIFIED
         bad.append(damage(path))
-        with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
             aside = set_aside(path, f"reason {i}")
         name = "step-000003.ckpt.damaged" + (f".{i}" if i else "")
         assert aside == tmp_path / name
@@ -872,7 +872,7 @@ def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
     bad5 = damage(tmp_path / "step-000005.ckpt")
     bad4 = damage(tmp_path / "step-000004.ckpt", "empty")
     bad2 = damage(tmp_path / "step-000002.ckpt")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
         assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
     assert [r.getMessage() for r in caplog.records] == [
         f"checkpoint {tmp_path / 'step-000005.ckpt'} does not verify "
@@ -953,7 +953,7 @@ def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
     save_steps(tmp_path, 1, 2)
     (tmp_path / "step-000003.ckpt.damaged").write_text("3")
     (tmp_path / "step-000003.ckpt.damaged.1").write_text("3.1")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
         moved = start_fresh(tmp_path)
     assert moved == tmp_path / "previous-1"
     assert sorted(os.listdir(moved)) == [

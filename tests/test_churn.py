@@ -1,4 +1,4 @@
-"""Churn soaks (``bench/churn.py``): kill -9 and restart pieces of a running system.
+"""Churn soaks (``bench/robustness/churn.py``): kill -9 and restart pieces of a running system.
 
 The swarm: a coordinator checkpointing every 10 steps and 3 workers; workers are killed and
 started again every few seconds, and the coordinator once. The TP pair: its worker is killed
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from procs import wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # live, harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "robustness"))
 
 import churn
 import live

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from tree import project_files
 
 from foundry.cli import build_parser, main
 
@@ -80,3 +83,65 @@ def test_every_flag_with_a_default_shows_it(capsys: pytest.CaptureFixture[str]) 
     init = next(p for path, p in parsers if path == "foundry model init").format_help()
     assert "model size (default: tiny)" in " ".join(init.split())
 
+
+
+def test_no_parser_takes_a_prefix_of_a_flag() -> None:
+    """`--step 5` once ran `--steps 5`: argparse's abbreviations are off in every parser."""
+    parsers = _parsers(build_parser())
+    assert [path for path, p in parsers if p.allow_abbrev] == []
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["train", "--step", "5"])
+    assert exc.value.code == 2
+
+
+def test_every_argument_parser_in_the_tree_refuses_abbreviations() -> None:
+    """Scripts (bench/, tools/, services/, proto/) make their own parsers: each says so."""
+    root = Path(__file__).resolve().parent.parent
+    bare = []
+    for path in project_files(".py"):
+        text = path.read_text(errors="replace")
+        for n, line in enumerate(text.splitlines(), start=1):
+            if "ArgumentParser(" in line and "class " not in line and "allow_abbrev=False" \
+                    not in " ".join(text.splitlines()[n - 1:n + 2]):
+                bare.append(f"{path.relative_to(root)}:{n}")
+    assert bare == []
+
+
+def test_an_unknown_flag_prints_the_usage_of_its_subcommand() -> None:
+    """`foundry up --gpu`: the usage of `foundry up` (whose flags the user is after), not the
+    top-level one."""
+    res = subprocess.run([sys.executable, "-m", "foundry", "up", "--gpu"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: foundry up "), res.stderr
+    assert "foundry up: error: unrecognized arguments: --gpu" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "foundry", "ctl", "status", "--nosuch"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: foundry ctl status "), res.stderr
+
+
+def test_up_with_a_missing_model_file_leaves_no_run_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "foundry", "up", "--model",
+                          str(tmp_path / "nosuch.gguf"), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: --model {tmp_path / 'nosuch.gguf'}: no such file"
+    assert not run_dir.exists()
+
+
+def test_generate_stats_give_tokens_per_second(tmp_path: Path) -> None:
+    from tp_harness import make_model
+
+    model = make_model(tmp_path / "model.gguf")
+    res = subprocess.run([sys.executable, "-m", "foundry", "generate", "--model", str(model),
+                          "--prompt", "The ", "--max-tokens", "8", "--stats"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    m = re.fullmatch(r"8 tokens after a 5-token prompt in ([\d.]+) s \(([\d.]+) tokens/s; "
+                     r"first token ([\d.]+) s, then ([\d.]+) tokens/s\), finished: length\n",
+                     res.stderr)
+    assert m is not None, res.stderr
+    total, rate, first, decode = map(float, m.groups())
+    assert 0 < first < total and rate == pytest.approx(8 / total, rel=0.2) and decode > 0

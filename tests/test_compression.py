@@ -32,9 +32,9 @@ from foundry.compression import (
     topk_compress,
     topk_decompress,
 )
-from foundry.model import transformer as T
-from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
-from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import N_SPECIAL_TOKENS, ModelConfig
+from foundry.model.train.optim import AdamW, clip_grad_norm, lr_schedule
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import Compression
 

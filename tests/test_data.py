@@ -11,20 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foundry.model.config import BOS_ID, EOS_ID, VOCAB_SIZE
-from foundry.model.data import (
+from foundry.model.spec.config import BOS_ID, EOS_ID, VOCAB_SIZE
+from foundry.model.text.data import (
     VAL_MAX_TOKENS,
     Corpus,
     DataError,
     compressor_bits_per_byte,
     corpus_from_documents,
-    decode,
-    encode,
     epoch_permutation,
     load_corpus,
     primed_bits_per_byte,
     shard_range,
 )
+from foundry.model.text.vocab import TokenizerError
+from foundry.model.text.vocab.byte import decode, encode
 
 # Text without lone surrogates (which UTF-8 cannot encode).
 texts = st.text(alphabet=st.characters(exclude_categories=["Cs"]))
@@ -61,9 +61,9 @@ def test_round_trip_non_ascii() -> None:
 
 def test_decode_replaces_invalid_bytes_and_rejects_unknown_ids() -> None:
     assert decode([0xFF + 3, 0x41 + 3]) == "\ufffdA"
-    with pytest.raises(DataError, match="259"):
+    with pytest.raises(TokenizerError, match="259"):
         decode([VOCAB_SIZE])
-    with pytest.raises(DataError, match="-1"):
+    with pytest.raises(TokenizerError, match="-1"):
         decode([-1])
 
 

@@ -10,10 +10,10 @@ the training text: docs/benchmarks.md).
 
 from __future__ import annotations
 
-from foundry.model.config import preset
-from foundry.model.data import compressor_bits_per_byte, load_corpus
-from foundry.model.training import Trainer, TrainSettings, bits_per_byte, evaluate_loss
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import compressor_bits_per_byte, load_corpus
+from foundry.model.train.training import Trainer, TrainSettings, bits_per_byte, evaluate_loss
 from foundry.up.plan import StackOptions
 
 STEPS = 300

@@ -332,22 +332,70 @@ def test_kubernetes_placement_and_probes() -> None:
     specs = dict(pod_templates(objects))
     kinds = {o["metadata"]["name"]: o["kind"] for o in objects if "template" in o.get("spec", {})}
     assert kinds["coordinator"] == "StatefulSet"
-    coordinator = next(o for o in objects if o["kind"] == "StatefulSet")
+    assert kinds["tp-worker"] == "StatefulSet"
+    coordinator = next(o for o in objects
+                       if (o["kind"], o["metadata"]["name"]) == ("StatefulSet", "coordinator"))
     assert coordinator["spec"]["volumeClaimTemplates"], "checkpoints need a persistent volume"
     spread = {c["topologyKey"] for c in specs["worker"]["topologySpreadConstraints"]}
     assert spread == {"kubernetes.io/arch", "kubernetes.io/hostname"}
-    for rank, other in (("tp-leader", "tp-worker"), ("tp-worker", "tp-leader")):
-        (term,) = specs[rank]["affinity"]["podAntiAffinity"][
+    for rank, others in (("tp-leader", ["tp-worker"]), ("tp-worker", ["tp-leader", "tp-worker"])):
+        terms = specs[rank]["affinity"]["podAntiAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"
         ]
-        assert term["topologyKey"] == "kubernetes.io/hostname"
-        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/name"] == other
+        assert all(t["topologyKey"] == "kubernetes.io/hostname" for t in terms)
+        assert [t["labelSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                for t in terms] == others, rank
     (gateway,) = specs["gateway"]["containers"]
     assert gateway["livenessProbe"]["grpc"]["port"] == 50051
     assert gateway["readinessProbe"]["grpc"]["port"] == 50051
     for name, port in METRICS_PORTS.items():
         (container,) = specs[name]["containers"]
         assert f"--metrics-port={port}" in container["args"], name
+
+
+def test_kubernetes_worker_ranks_are_a_statefulset_with_stable_names() -> None:
+    """A world of N ranks: the worker ranks a StatefulSet (tp-worker-0, -1, ...; started
+    together), found by a headless Service that also names their gate port, and the leader's
+    --world-size their replicas + 1; no two ranks on one node."""
+    objects = rendered_objects("mixed-arch")
+    by_kind = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    workers = by_kind[("StatefulSet", "tp-worker")]
+    service = by_kind[("Service", "tp-worker")]
+    assert workers["spec"]["serviceName"] == "tp-worker"
+    assert workers["spec"]["podManagementPolicy"] == "Parallel"
+    assert service["spec"]["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "metrics": 9104, "gate": 7092}
+    (worker,) = workers["spec"]["template"]["spec"]["containers"]
+    assert "--gate-listen=0.0.0.0:7092" in worker["args"]
+    assert {"name": "gate", "containerPort": 7092} in worker["ports"]
+    assert not any(a.startswith("--rank") for a in worker["args"]), "ranks come from the leader"
+    (leader,) = by_kind[("Deployment", "tp-leader")]["spec"]["template"]["spec"]["containers"]
+    assert f"--world-size={workers['spec']['replicas'] + 1}" in leader["args"]
+
+
+def test_compose_tp_workers_scale_into_a_world(tmp_path: Path) -> None:
+    """`FOUNDRY_TP_WORLD_SIZE=4 docker compose up --scale tp-worker=3`: the leader is told the
+    world size and shares from the environment, the workers take their gates on 7092."""
+    services = compose_services()
+    assert "container_name" not in services["tp-worker"]
+    assert "--gate-listen=0.0.0.0:7092" in services["tp-worker"]["command"]
+    env = {"FOUNDRY_TP_WORLD_SIZE": "4", "FOUNDRY_TP_SHARES": "2,1,1,1", "PATH": "/usr/bin:/bin"}
+    got = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"),
+                          "config", "--format", "json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert got.returncode == 0, got.stderr
+    leader = json.loads(got.stdout)["services"]["tp-leader"]["command"]
+    assert "--world-size=4" in leader and "--shares=2,1,1,1" in leader
+    got = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"),
+                          "config", "--format", "json"], cwd=ROOT, env={"PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120, check=False)
+    leader = json.loads(got.stdout)["services"]["tp-leader"]["command"]
+    assert "--world-size=2" in leader and "--shares=" in leader  # the pair, equal shares
+    from foundry.cli import build_parser
+
+    args = build_parser().parse_args(leader)
+    assert (args.world_size, args.shares) == (2, None)
 
 
 # ---------------------------------------------------------------------------- dockerfile

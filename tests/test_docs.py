@@ -13,15 +13,18 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 import unicodedata
 from pathlib import Path
 
 import pytest
 from procs import ENV
+from tree import project_files
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
+                *DOCS.rglob("*.md")])
 PASTED = [ROOT / "README.md", DOCS / "guide" / "quickstart.md", DOCS / "guide" / "train.md"]
 GUIDE_MAX_LINES = 500
 
@@ -63,8 +66,8 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_slugs_are_githubs() -> None:
-    assert slug("Decoding with the C kernels (`bench/engine.py`, `bench/kernels.py`)") == \
-        "decoding-with-the-c-kernels-benchenginepy-benchkernelspy"
+    assert slug("Decoding with the C kernels (`bench/performance/engine.py`)") == \
+        "decoding-with-the-c-kernels-benchperformanceenginepy"
     assert slug("TLS, tokens and limits") == "tls-tokens-and-limits"
     assert slug("What `foundry up` does") == "what-foundry-up-does"
 
@@ -156,8 +159,114 @@ def test_the_one_machine_swarm_of_the_guide_trains_as_written(tmp_path: Path) ->
         assert "training done" in coordinator or "step 20" in coordinator, coordinator[-2000:]
         assert "too few for words" in coordinator  # 20 steps: it says what to change
         assert any((tmp_path / "runs" / "try" / "checkpoints").iterdir())
+        # The page's export into the same run, through a gateway, as written.
+        block = next(body for lang, body in FENCE.findall(
+            (DOCS / "guide" / "train.md").read_text()) if lang == "bash"
+            and "--coordinator-admin 127.0.0.1:17071" in body)
+        gateway, export = [shlex.split(line) for line in block.splitlines() if line.strip()]
+        assert gateway[:2] == ["foundry", "gateway"] and export[:2] == ["foundry", "ctl"]
+        with (tmp_path / "gateway.log").open("wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "foundry", *gateway[1:]],
+                                          cwd=tmp_path, stdout=log,
+                                          stderr=subprocess.STDOUT, env=ENV))
+        for _ in range(60):  # the gateway takes a few seconds to listen
+            got = subprocess.run([sys.executable, "-m", "foundry", *export[1:]], cwd=tmp_path,
+                                 capture_output=True, text=True, env=ENV, timeout=120)
+            if got.returncode == 0 or "unavailable" not in got.stderr.lower():
+                break
+            time.sleep(1)
+        assert got.returncode == 0, got.stderr
+        path = export[export.index("--path") + 1]
+        assert (tmp_path / path).read_bytes()[:4] == b"GGUF"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
                 p.wait(timeout=30)
+
+
+def test_every_python_snippet_of_the_docs_names_only_what_it_defines(tmp_path: Path) -> None:
+    """A reader pastes these: each one compiles, and ruff finds no undefined name in it."""
+    snippets = [(page, body) for page in PAGES
+                for lang, body in FENCE.findall(page.read_text(encoding="utf-8"))
+                if lang == "python"]
+    assert snippets
+    for n, (page, body) in enumerate(snippets):
+        compile(body, f"{page.name} snippet", "exec")
+        (tmp_path / f"snippet_{n}.py").write_text(body)
+    got = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
+                          "--select", "F821,F822,F823", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_the_readme_names_what_the_ci_script_installs() -> None:
+    """`bash .ci/run` is the README's test command: every package it installs (apt, npm, the
+    PyPI downloads beyond the test extras) is named there, and so is the demo model's size."""
+    script = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    apt = [w for line in re.findall(r"apt-get install [^\n]*", script)
+           for w in line.split()[2:] if not w.startswith("-")]
+    npm = re.findall(r"npm install [^\n]*?(@[\w/-]+)@", script)
+    pypi = re.findall(r"^(\w[\w-]*)==", script.split("LLAMA_SDIST=")[1], re.M) + re.findall(
+        r"pip install --quiet ([\w-]+)$", script, re.M)
+    assert set(apt) == {"prometheus", "iproute2", "openssl"} and npm and pypi
+    for name in [*apt, *npm, "llama-cpp-python", *pypi]:
+        assert f"`{name}`" in readme, name
+    from foundry.model.spec.config import preset
+
+    assert f"{preset('tiny').n_params():,} parameters" in readme
+
+
+def test_every_design_record_cited_in_the_tree_is_on_the_records_page() -> None:
+    """Code and docs cite a decision as ``docs/decisions.md, D3`` (or link to its heading);
+    each names a record there, and nothing cites the brief the records replaced."""
+    page = (DOCS / "decisions.md").read_text(encoding="utf-8")
+    records = set(re.findall(r"^## (D\d+)\. ", page, re.M))
+    assert records
+    files = project_files(".py", ".md", ".c", ".h", ".proto", ".toml", ".yml", ".yaml")
+    cited, stale = set(), []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        cited |= set(re.findall(r"decisions\.md,\s*(?:#\s*)?(D\d+)", text))
+        for anchor in re.findall(r"decisions\.md#(d\d+)-", text):
+            cited.add(anchor.upper())
+        if re.search(r"DESIGN(?: §|'s )", text):
+            stale.append(str(path.relative_to(ROOT)))
+    assert stale == []
+    assert cited and cited <= records, cited - records
+
+
+def test_the_pre_commit_hooks_run_what_the_ci_script_lints() -> None:
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hooks = [h["entry"] for repo in config["repos"] for h in repo["hooks"]]
+    script = (ROOT / ".ci" / "run").read_text()
+    lints = script.split('log "lint (ruff) and types (mypy)"')[1].split("log ")[0]
+    ci = [re.sub(r'"\$VENV(/bin/\w+)"', r".venv\1", line.strip()) for line in lints.splitlines()
+          if line.strip()]
+    assert hooks == ci and len(ci) == 2, (hooks, ci)
+
+
+def test_compose_md_names_every_variable_the_compose_files_read() -> None:
+    page = (DOCS / "guide" / "compose.md").read_text(encoding="utf-8")
+    tls = (DOCS / "guide" / "tls.md").read_text(encoding="utf-8")
+    for name in ("docker-compose.yml", "docker-compose.tls.yml"):
+        for var in set(re.findall(r"\$\{(\w+)", (ROOT / name).read_text())):
+            where = page if name == "docker-compose.yml" else page + tls
+            assert f"`{var}`" in where, f"{name}: {var}"
+    assert "8080" in page
+
+
+def test_serve_md_quotes_the_lines_the_ranks_print() -> None:
+    """The guide's start and pairing lines are the code's (a reader waits for them)."""
+    page = (DOCS / "guide" / "serve.md").read_text(encoding="utf-8")
+    src = "".join(p.read_text() for p in (ROOT / "src" / "foundry").rglob("*.py"))
+    lines = re.findall(r"`((?:tp-leader listening|tp-worker ready|worker HOST:PORT "
+                       r"paired|paired with the leader)[^`]*)`", page)
+    assert len(lines) == 4, lines
+    for quoted in lines:
+        head = re.split(r"HOST|model\.gguf|tcp", quoted.replace("worker HOST:PORT ", ""))[0]
+        assert head.strip() and head.strip() in src.replace("%s", "HOST"), quoted
+    assert "exits too" in page  # a clean leader stop ends the worker (docs/tp.md: STOP)

@@ -30,14 +30,14 @@ from procs import (
 from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointState,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from foundry.model.config import preset
-from foundry.model.transformer import init_params
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
 from foundry.up.clients import AdminLink
 from foundry.up.plan import StackError
 from foundry.wire import fdtc

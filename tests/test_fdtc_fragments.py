@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from procs import coordinator, worker
 
-from foundry.model.data import load_corpus
+from foundry.model.text.data import load_corpus
 from foundry.transport.fdtc_stream import FdtcStream, FrameTimeout
 from foundry.wire import fdtc
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError

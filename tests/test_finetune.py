@@ -20,10 +20,10 @@ from published import TINY, prompts, write_tiny
 
 torch = pytest.importorskip("torch")
 
-from foundry.model import finetune as FT  # noqa: E402
-from foundry.model import lora as LR  # noqa: E402
-from foundry.model.gguf_io import load_gguf  # noqa: E402
-from foundry.model.inference import Engine, KVCache  # noqa: E402
+from foundry.model.formats import lora as LR  # noqa: E402
+from foundry.model.formats.gguf_io import load_gguf  # noqa: E402
+from foundry.model.infer.inference import Engine, KVCache  # noqa: E402
+from foundry.model.train import finetune as FT  # noqa: E402
 
 REL_TOL = 2e-4
 
@@ -166,14 +166,14 @@ def test_moe_experts_stay_frozen(files: dict[str, Path]) -> None:
     base = FT.load_base(files["qwen3moe"])
     with pytest.raises(LR.LoraError, match="routed experts"):
         LR.adapter_shapes(base.cfg, LR.LoraSpec(targets=("attn_q", "ffn_up")))
-    from foundry.model.tuning import trainable_shapes
+    from foundry.model.formats.tuning import trainable_shapes
 
     full = trainable_shapes(base.cfg, None)
     assert not any("_exps" in n for n in full) and "blk.0.attn_q.weight" in full
 
 
 def test_only_the_adapters_train(files: dict[str, Path]) -> None:
-    from foundry.model.data import Corpus
+    from foundry.model.text.data import Corpus
 
     base = FT.load_base(files["llama"])
     spec = LR.LoraSpec(rank=2)
@@ -205,7 +205,7 @@ def test_adapter_file_round_trips(files: dict[str, Path], tmp_path: Path) -> Non
     assert (got.architecture, got.alpha, got.rank) == ("qwen3", 16.0, 4)
     assert got.tensors.keys() == adapters.keys()
     assert all(np.array_equal(got.tensors[n], adapters[n]) for n in adapters)
-    from foundry.model import gguf_meta
+    from foundry.model.formats import gguf_meta
 
     meta = gguf_meta.read_metadata(path)
     assert (meta["general.type"], meta["adapter.type"]) == ("adapter", "lora")
@@ -221,10 +221,10 @@ def test_adapter_file_round_trips(files: dict[str, Path], tmp_path: Path) -> Non
 def test_text_and_chat_data(files: dict[str, Path], tmp_path: Path) -> None:
     import json
 
-    from foundry.model.chat import template_for
-    from foundry.model.data import NOT_COUNTED, DataError
-    from foundry.model.finetune_data import conversation_segments, load_tuning_corpus
-    from foundry.model.vocab import load_tokenizer
+    from foundry.model.text.chat import template_for
+    from foundry.model.text.data import NOT_COUNTED, DataError
+    from foundry.model.text.finetune_data import conversation_segments, load_tuning_corpus
+    from foundry.model.text.vocab import load_tokenizer
 
     meta = load_gguf(files["qwen3"]).metadata
     tok = load_tokenizer(meta)
@@ -255,12 +255,13 @@ def test_text_and_chat_data(files: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_gemma_chat_turns_count_the_reply_and_its_end_of_turn() -> None:
-    from foundry.model import gguf_meta
-    from foundry.model.chat import Message, template_for
-    from foundry.model.finetune_data import conversation_segments
+    from foundry.model.formats import gguf_meta
+    from foundry.model.text.chat import Message, template_for
+    from foundry.model.text.finetune_data import conversation_segments
 
     meta = gguf_meta.read_metadata(gemma_file())
-    template = template_for(meta)  # the file has none: Gemma's built-in turns
+    assert template_for(meta).name.startswith("plain")  # the file has none
+    template = template_for(meta, "gemma")  # Gemma's built-in turns, asked for by name
     talk = [Message("user", "How do I reset it?"), Message("assistant", "Hold the button."),
             Message("user", "Thanks"), Message("assistant", "You are welcome.")]
     segments = conversation_segments(template, talk)
@@ -271,8 +272,8 @@ def test_gemma_chat_turns_count_the_reply_and_its_end_of_turn() -> None:
 
 
 def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> None:
-    from foundry.model.chat import ChatTemplate, Message
-    from foundry.model.finetune_data import conversation_segments
+    from foundry.model.text.chat import ChatTemplate, Message
+    from foundry.model.text.finetune_data import conversation_segments
 
     # Marks only the last assistant turn's (empty) reasoning, as Qwen3's template does: no
     # rendering of a turn is a prefix of the next one's.

@@ -74,7 +74,7 @@ def test_full_fine_tuning_writes_the_base_architecture(tmp_path: Path) -> None:
                   "--seq-len", "32", "--lr", "1e-3", "--out", tuned, "--no-progress")
     before, after = held_out(out)
     assert after < before
-    from foundry.model.gguf_io import load_gguf
+    from foundry.model.formats.gguf_io import load_gguf
 
     a, b = load_gguf(base), load_gguf(tuned)
     assert a.cfg == b.cfg and a.metadata == b.metadata
@@ -114,10 +114,10 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     import numpy as np
     from tp_harness import Client, InProcessLeader, start_worker, wait_paired
 
-    from foundry.model import lora as LR
-    from foundry.model.gguf_io import load_gguf, load_gguf_stored, rewrite_gguf
-    from foundry.model.inference import Engine
-    from foundry.model.vocab import load_tokenizer
+    from foundry.model.formats import lora as LR
+    from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, rewrite_gguf
+    from foundry.model.infer.inference import Engine
+    from foundry.model.text.vocab import load_tokenizer
     from foundry.tp.blas import limit_blas_threads
     from foundry.tp.leader import LeaderOptions
     from foundry.tp.policy import SpecMode

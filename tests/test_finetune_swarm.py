@@ -18,12 +18,12 @@ from test_swarm_service import admin
 
 pytest.importorskip("torch")
 
-from foundry.model import finetune as FT
-from foundry.model import lora as LR
-from foundry.model.finetune_data import load_tuning_corpus
-from foundry.model.training import Trainer, TrainSettings
-from foundry.model.tuning import tuned_config
-from foundry.model.vocab import load_tokenizer
+from foundry.model.formats import lora as LR
+from foundry.model.formats.tuning import tuned_config
+from foundry.model.text.finetune_data import load_tuning_corpus
+from foundry.model.text.vocab import load_tokenizer
+from foundry.model.train import finetune as FT
+from foundry.model.train.training import Trainer, TrainSettings
 from foundry.wire import fdtc
 
 STEPS, BATCH, SEQ, LR_ = 10, 6, 16, 1e-2
@@ -98,8 +98,8 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
     """Checkpoints of a fine-tuning run hold the adapters, their moments and the base's
     identity: a coordinator killed after step 5's checkpoint resumes there, and the run ends
     with the adapters of an uninterrupted one."""
-    from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
-    from foundry.model.tuning import TunedConfig
+    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.formats.tuning import TunedConfig
 
     base, text = tiny_run(tmp_path)
     args = (*lora_args(base, text), "--max-steps", str(STEPS), "--global-batch", str(BATCH),
@@ -154,8 +154,8 @@ def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
 def test_base_model_refusals_name_the_reason() -> None:
     from published import TINY
 
-    from foundry.model.arch import ArchConfig
-    from foundry.model.tuning import FileIdentity, targets_mask
+    from foundry.model.formats.tuning import FileIdentity, targets_mask
+    from foundry.model.spec.arch import ArchConfig
     from foundry.swarm.worker_port import base_model_msg, base_model_refusal
 
     t = TINY["qwen3"]

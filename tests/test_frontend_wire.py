@@ -24,6 +24,7 @@ from foundry.wire.frontend import (
     FrontendProtocolError,
     Generate,
     Logprobs,
+    RankStatus,
     Status,
     StatusReq,
     Token,
@@ -43,7 +44,7 @@ FRAMES: list[Frame] = [
     Done(7, DoneReason.STOP_STRING, 5, 17, 0.5),
     Error(9, 2, "worker rank is re-syncing; retry"),
     StatusReq(0),
-    Status(0, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9),
+    Status(0, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9, 4),
 ]
 
 
@@ -159,8 +160,9 @@ GOLDEN: list[tuple[Frame, str]] = [
      "46444645 04 03000000 0d000000" " 04 2c010000 02000000 0000803f"),
     (Error(9, 2, "retry"), "46444645 05 09000000 09000000" " 02000000 7265747279"),
     (StatusReq(0x0102), "46444645 06 02010000 00000000"),
-    (Status(10, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9),
-     "46444645 07 0a000000 36000000"  # 54 bytes
+    (Status(10, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9, 16,
+            (RankStatus(0, 2, True, 0), RankStatus(1, 1, True, 1234))),
+     "46444645 07 0a000000 4b000000"  # 58 + 1 + 2 x 8 = 75 bytes
      " 01 00"  # worker_connected, shared_memory
      " 03000000"  # active_sessions
      " e803000000000000"  # tokens_generated u64
@@ -168,7 +170,11 @@ GOLDEN: list[tuple[Frame, str]] = [
      " 40e2010000000000"  # model_bytes u64
      " efbeadde"  # model_id
      " 0000003f"  # spec_acceptance f32 0.5
-     " 0900000000000000"),  # requests_served u64
+     " 0900000000000000"  # requests_served u64
+     " 10000000"  # threads
+     " 02"  # two ranks: rank u8, connected u8, share u16, gate_wait_us u32
+     " 00 01 0200 00000000"
+     " 01 01 0100 d2040000"),
     (Logprobs(5, 104, -0.5, b"h", ((104, -0.5, b"h"), (7, -2.0, b""))),
      "46444645 08 05000000 21000000"  # 33 bytes
      " 68000000 000000bf 0100 68"  # the chosen token: i32 104, f32 -0.5, u16 1, "h"
@@ -434,14 +440,19 @@ def test_fixed_and_text_frames_exact() -> None:
         (0x06, b"\x00", "STATUS_REQ payload must be 0 bytes, got 1"),
         (0x04, bytes(12), "DONE payload must be 13 bytes, got 12"),
         (0x04, bytes(14), "DONE payload must be 13 bytes, got 14"),
-        (0x07, bytes(53), "STATUS payload must be 54 bytes, got 53"),
+        (0x07, bytes(57), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 57"),
+        (0x07, bytes(58), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 58"),
+        (0x07, bytes(59) + bytes(7), "STATUS payload must be 58 + 1 + 8 x its rank count "
+         "bytes, got 66"),
+        (0x07, bytes(58) + b"\x01" + bytes.fromhex("00 02 0100 00000000"),
+         "STATUS rank 0: connected must be 0 or 1"),
         (0x03, bytes(7), "TOKEN payload of 7 bytes is too short"),
         (0x05, bytes(3), "ERROR payload of 3 bytes is too short"),
         (0x03, bytes(8) + b"\xff", f"TOKEN text is not valid UTF-8: {BAD_UTF8}"),
         (0x05, bytes(4) + b"\xff", f"ERROR message is not valid UTF-8: {BAD_UTF8}"),
         (0x04, b"\x05" + bytes(12), "DONE: reason 5 is not a DoneReason (0 MAX_TOKENS, 1 EOS, "
          "2 STOP_STRING, 3 CANCELLED, 4 CONTEXT_FULL)"),
-        (0x07, b"\x02" + bytes(53), "STATUS: worker_connected must be a bool (0 or 1), got 2"),
+        (0x07, b"\x02" + bytes(58), "STATUS: worker_connected must be a bool (0 or 1), got 2"),
     ]:
         assert _refused(ftype, payload) == message
     assert _decode_one(0x03, bytes.fromhex("ffffffff 00000000")) == Token(5, -1, 0, "")

@@ -1,4 +1,4 @@
-"""Fuzzing the live services (``bench/fuzz.py``): every native port, 10,000 frames each.
+"""Fuzzing the live services (``bench/robustness/fuzz.py``): every native port, 10,000 frames each.
 
 The harness starts a real coordinator with a real worker and a real TP pair, sends each native
 port mutated, truncated, oversized and random frames, and checks after every batch that the
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # live, harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "robustness"))
 
 import fuzz
 

@@ -54,6 +54,7 @@ from foundry.api.v1 import (
 )
 from foundry.gateway.server import API_SERVICES, INFERENCE_SERVICE, Gateway, GatewayOptions
 from foundry.gateway.servicers import MAX_TOKENS_PER_RESPONSE
+from foundry.hardware import default_threads
 from foundry.wire import frontend as fw
 
 TOKEN = "s3cret-token"
@@ -207,6 +208,8 @@ def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> Non
             # One generation reached the pair: the authorised one.
             assert pair_status.requests_served == served_before + 1
             assert pair_status.worker_connected
+            # the leader's --threads default, through STATUS, the gateway and the proto
+            assert pair_status.threads == default_threads()
             assert await health_of(s.channel, "") == SERVING  # no token
 
             pair_method = "foundry.v1.InferenceService/GetPairStatus"
@@ -297,6 +300,8 @@ def test_get_pair_status_is_the_leaders_status(model: Path, pair: Pair) -> None:
             assert before.model_bytes == model.stat().st_size
             assert before.model_id == direct.model_id != 0
             assert before.active_sessions == 0
+            assert [(r.rank, r.share, r.connected) for r in before.ranks] == [
+                (0, 1, True), (1, 1, True)]
             await generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=7), timeout=10)
             after = await s.inference().GetPairStatus(
                 inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
@@ -717,6 +722,7 @@ def test_ctl_status_shows_the_pair_and_needs_the_token(pair: Pair, tmp_path: Pat
             code, out, err = await _run(_ctl(s.target, token_file, "status"))
             assert code == 1, "the coordinator is down, so status reports a failure"
             assert "pair: worker rank connected" in out, out + err
+            assert "rank 0 (leader)  share 1/2" in out and "rank 1 (worker)  share 1/2" in out
             assert "training: unavailable" in out and "--admin-listen" in out
             code, out, err = await _run(_ctl(s.target, None, "pause"))
             assert code == 1

@@ -44,8 +44,8 @@ from foundry.gateway.errors import (
     InvalidRequest,
 )
 from foundry.gateway.frontend_client import FrontendClient
-from foundry.model.config import ModelConfig
-from foundry.model.data import decode
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import decode
 from foundry.wire import frontend as fw
 
 T = TypeVar("T")
@@ -232,7 +232,7 @@ class StandInLeader:
         self.statuses_sent += 1
         return fw.Status(
             0, True, False, 0, self.statuses_sent, 2, 64, 259, 256, 4096, 0xC0FFEE, 0.0,
-            len(self.requests),
+            len(self.requests), 2,
         )
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

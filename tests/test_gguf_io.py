@@ -11,10 +11,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import gguf_io
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import GGUFError, load_gguf, load_gguf_stored, model_id, save_gguf
-from foundry.model.quant import QTensor
+from foundry.model.formats import gguf_io
+from foundry.model.formats.gguf_io import (
+    GGUFError,
+    load_gguf,
+    load_gguf_stored,
+    model_id,
+    save_gguf,
+)
+from foundry.model.kernels.quant import QTensor
+from foundry.model.spec.config import ModelConfig
 
 Params = dict[str, npt.NDArray[np.float32]]
 

@@ -1,5 +1,5 @@
-"""The GGUF header reader (foundry.model.gguf_meta): golden bytes, the gguf package's reading
-of a file we write, and the refusals."""
+"""The GGUF header reader (foundry.model.formats.gguf_meta): golden bytes, the gguf package's
+reading of a file we write, and the refusals."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import gguf
 import numpy as np
 import pytest
 
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import save_gguf
-from foundry.model.gguf_meta import GGUFMetaError, read_metadata
-from foundry.model.transformer import init_params
-from foundry.model.vocab import load_tokenizer, own_tokenizer
+from foundry.model.formats.gguf_io import save_gguf
+from foundry.model.formats.gguf_meta import GGUFMetaError, read_metadata
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab import load_tokenizer, own_tokenizer
 
 
 def _string(s: str) -> bytes:

@@ -12,12 +12,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import quant
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine, Gate, KVCache, Session
-from foundry.model.quant import QType
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.infer.inference import Engine, Gate, KVCache, Session
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QType
+from foundry.model.nn import transformer as T
+from foundry.model.shard import ExpertSplit
+from foundry.model.spec.config import ModelConfig
 
 ATOL = 1e-5
 

@@ -11,6 +11,8 @@ so the comparison reads real bits."""
 
 from __future__ import annotations
 
+import re
+import typing
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,11 +23,14 @@ import numpy.typing as npt
 import pytest
 from published import TINY, prompts, write_tiny
 
-from foundry.model import inference, quant
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine, Gate, KVCache, Session
-from foundry.model.quant import Param, QTensor, QType, dequantize, quantize
-from foundry.model.tp_split import rank_weights
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.infer import inference
+from foundry.model.infer.inference import Engine, Gate, KVCache, Session
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import Param, QTensor, QType, dequantize, quantize
+from foundry.model.nn.transformer import init_params
+from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 STEPS = 10  # one-token steps after the prompt (past gemma3's window of 5)
@@ -100,14 +105,14 @@ def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
         out = fn(*args)
         calls[1] += 1
         if calls[1] == calls[0]:
-            target = args[-1] if out is None else out  # attend writes its last argument
+            target = args[-1] if out is None else out  # attend_rows writes its last argument
             target *= np.float32(1 + 2**-8)
         return out
 
     return moved
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend", "linear", "geglu"])
+@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend_rows", "linear", "geglu"])
 def test_a_moved_operation_is_seen(
     models: dict[str, tuple[Any, dict[str, Param]]], op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,3 +220,93 @@ def test_float32_matrices_keep_the_single_operations(tmp_path: Path) -> None:
     m = load_gguf_stored(tmp_path / "llama.gguf")
     engine = Engine(m.cfg, m.params)
     assert engine.layers_in_c == 0 and not engine.step_in_c
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("mode", list(ExpertSplit))
+def test_routed_experts_in_the_step_equal_the_single_operations(
+    tmp_path: Path, dtype: str, mode: ExpertSplit
+) -> None:
+    """Our own MoE file, its experts stored blocks: each layer's routed experts run in the
+    step (``_routed_in_c``), one process and the pair, the same bits as the single path."""
+    cfg = ModelConfig(n_ctx=64, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64,
+                      n_expert=4, n_expert_used=2)
+    path = tmp_path / "moe.gguf"
+    save_gguf(path, cfg, init_params(cfg, seed=3), dtype=dtype)  # type: ignore[arg-type]
+    params = load_gguf_stored(path).params
+    engine = Engine(cfg, params, expert_split=mode)
+    assert engine.layers_in_c == cfg.n_layer and all(engine._whole)
+    prompt = list(range(5, 25))
+
+    def greedy(in_c: bool) -> list[F32]:
+        engine.step_in_c = in_c
+        session = engine.new_session()
+        out = [engine.decode(session, prompt)]
+        for _ in range(STEPS):
+            out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))
+        return out
+
+    ref = greedy(False)
+    assert same_bits(greedy(True), ref)
+    ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2)
+             for r in range(2)]
+    ex = _Exchange()
+    sessions = [e.new_session() for e in ranks]
+    with ThreadPoolExecutor(1) as pool:
+
+        def pair(tokens: list[int]) -> F32:
+            job = pool.submit(ranks[1].decode, sessions[1], tokens, ex.for_rank(1))
+            half0 = ranks[0].decode(sessions[0], tokens, ex.for_rank(0))
+            return np.concatenate([half0, job.result(timeout=60)], axis=1)
+
+        got = [pair(prompt)]
+        for _ in range(STEPS):
+            got.append(pair([int(np.argmax(got[-1][-1]))]))
+    assert same_bits(got, ref)
+
+
+_MODULE_C = Path(__file__).resolve().parents[1] / "src/foundry/model/kernels/csrc/module.c"
+# How each annotated field kind crosses into C: PyArg_ParseTuple's unit for it.
+_C_UNIT = {"int": "i", "float": "f", "Address": "K"}
+
+
+def _kinds(hints: dict[str, Any]) -> str:
+    """The PyArg_ParseTuple units of a plan's fields, in order (a tuple or None: ``O``)."""
+    return "".join(_C_UNIT.get(getattr(h, "__name__", ""), "O") for h in hints.values())
+
+
+def _c_parse(function: str) -> tuple[str, list[str]]:
+    """The format string and the argument names (``&p->n_q`` -> ``n_q``, ``&bias[0]`` ->
+    ``bias``) of the first PyArg_ParseTuple in module.c's ``function``."""
+    text = _MODULE_C.read_text()
+    found = re.search(rf"\b{function}\(", text)
+    assert found is not None, f"no {function} in {_MODULE_C.name}"
+    body = text[found.start() :]
+    call = body[body.index("PyArg_ParseTuple(") :]
+    call = call[: call.index("))")]
+    fmt = call.split('"')[1]
+    names = [a.strip().lstrip("&") for a in call.split('"')[2].split(",")[1:]]
+    return fmt.strip("()"), [n.split("->")[-1].split("[")[0] for n in names]
+
+
+@pytest.mark.parametrize(("cls", "function"), [
+    (quant.StepMat, "parse_mat"), (quant.StepPart, "parse_part"),
+    (quant.StepLayer, "py_step_plan"),
+])
+def test_step_plan_fields_follow_module_c(cls: type, function: str) -> None:
+    """Each field of the plan sits where module.c reads it, as the kind it reads."""
+    fmt, c_names = _c_parse(function)
+    kinds = _kinds(typing.get_type_hints(cls))
+    assert kinds == fmt, f"{cls.__name__}: {kinds} against module.c's {fmt}"
+    assert len(c_names) == len(cls._fields)
+    for field, c_name in zip(cls._fields, c_names, strict=True):
+        assert c_name in field, f"{cls.__name__}.{field} is read in C as {c_name}"
+
+
+def test_step_plan_check_reads_module_c() -> None:
+    """The reading above sees the C format (a field moved would be caught)."""
+    fmt, names = _c_parse("parse_part")
+    assert fmt == "OOOOiiiiiiiiiiKKKKKiO" and names[:2] == ["qkv", "out"]
+    swapped = typing.get_type_hints(quant.StepPart)
+    swapped["n_q"], swapped["bias_q"] = swapped["bias_q"], swapped["n_q"]
+    assert _kinds(typing.get_type_hints(quant.StepPart)) == fmt != _kinds(swapped)

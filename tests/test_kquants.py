@@ -3,7 +3,7 @@
 The expected bytes of a fixed input (zero, all-positive and constant rows among random ones)
 are the sha256 of what ggml's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` wrote
 (``ggml-quants.c`` of llama.cpp as vendored by llama-cpp-python 0.3.36, compiled without
-FMA). ``bench/kquants_reference.py`` compares more inputs (random, heavy-tailed, Gemma's own
+FMA). ``bench/quality/kquants_reference.py`` compares more inputs (random, heavy-tailed, Gemma's own
 tensors) with a build of that C file directly.
 """
 
@@ -14,9 +14,9 @@ import hashlib
 import numpy as np
 import pytest
 
-from foundry.model import kquants as K
-from foundry.model.gguf_io import replacement_type
-from foundry.model.quant import QTensor, QType, quantize
+from foundry.model.formats.gguf_io import replacement_type
+from foundry.model.kernels import kquants as K
+from foundry.model.kernels.quant import QTensor, QType, quantize
 
 GOLDEN = {
     "q4_K": "82455c0a1af1d249dbd4ed2d1660bdc408f7931243b478f36e926d6e914b486c",

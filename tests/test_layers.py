@@ -1,4 +1,5 @@
-"""Imports point one way: every import in src/foundry against the layer table of architecture.md."""
+"""Imports point one way: every import in src/foundry against the layer tables of architecture.md
+(the packages, and the subpackages of ``model``); and its package table names every module."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ SRC = ROOT / "src" / "foundry"
 DOC = ROOT / "docs" / "architecture.md"
 
 _ROW = re.compile(r"^\|\s*(\d+)\s*\|([^|]*)\|([^|]*)\|\s*$")
+_SUB_ROW = re.compile(r"^\|\s*(\d+)\s*\|([^|]*)\|\s*$")
 
 
 def layer_table() -> tuple[dict[str, int], dict[str, dict[str, set[str]]]]:
@@ -34,6 +36,27 @@ def layer_table() -> tuple[dict[str, int], dict[str, dict[str, set[str]]]]:
             layer_of[pkg] = int(m.group(1))
             only[pkg] = limits
     return layer_of, only
+
+
+def model_layer_table() -> dict[str, int]:
+    """From the "Inside model" section: subpackage of ``model`` (``spec``, ``shard``, ...) ->
+    layer; ``model`` itself (its ``__init__``) is below them all."""
+    text = DOC.read_text()
+    section = text[text.index("\n### Inside model\n") :]
+    section = section[: section.index("\n## ", 1)]
+    layer_of = {"model": -1}
+    for line in section.splitlines():
+        m = _SUB_ROW.match(line)
+        if m is not None:
+            for sub in re.findall(r"`model\.(\w+)`", m.group(2)):
+                layer_of[sub] = int(m.group(1))
+    return layer_of
+
+
+def subpackage_of(module: str) -> str:
+    """``foundry.model.infer.engines`` -> ``infer``; ``foundry.model`` itself -> ``model``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "model"
 
 
 def package_of(module: str) -> str:
@@ -78,6 +101,7 @@ def imports_in(module: str, text: str, *, is_package: bool = False) -> list[tupl
 def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
     """Arrows against the table in ``sources`` (module -> (source text, is a package))."""
     layer_of, only = layer_table()
+    inside = model_layer_table()
     bad: list[str] = []
     for module, (text, is_package) in sorted(sources.items()):
         src = package_of(module)
@@ -88,6 +112,9 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
             continue
         for line, target in imports_in(module, text, is_package=is_package):
             dst = package_of(target)
+            if dst == src == "model":
+                bad += _model_arrow(inside, module, line, target)
+                continue
             if dst == src:
                 continue
             if dst not in layer_of:
@@ -107,6 +134,22 @@ def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
                     f"{dst}, not {target}"
                 )
     return bad
+
+
+def _model_arrow(inside: dict[str, int], module: str, line: int, target: str) -> list[str]:
+    """The arrow module -> target inside ``model`` against its subpackage table: down only,
+    never sideways (so ``train`` and ``infer`` never import each other)."""
+    src, dst = subpackage_of(module), subpackage_of(target)
+    if src == dst:
+        return []
+    for sub in (src, dst):
+        if sub not in inside:
+            return [f"{module}:{line}: model.{sub} is not in the table of model's subpackages"]
+    if inside[dst] < inside[src]:
+        return []
+    way = "sideways" if inside[dst] == inside[src] else "up"
+    return [f"{module}:{line}: model.{src} (layer {inside[src]}) imports {target} "
+            f"(layer {inside[dst]}): an arrow {way}"]
 
 
 def tree_sources() -> dict[str, tuple[str, bool]]:
@@ -132,25 +175,107 @@ def test_imports_point_down_the_layers() -> None:
 
 def test_the_walk_catches_arrows_against_the_table() -> None:
     probe = (
-        "from foundry.model import layers\n"  # own package: fine
+        "from foundry.model.nn import layers\n"  # own package, a lower subpackage: fine
         "def f() -> None:\n"
         "    from foundry.wire import fdtc\n"  # up, even inside a function
         "    from foundry import swarm\n"  # up
     )
-    assert [m for _, m in imports_in("foundry.model.probe", probe)] == [
-        "foundry.model.layers", "foundry.wire.fdtc", "foundry.swarm",
+    assert [m for _, m in imports_in("foundry.model.infer.probe", probe)] == [
+        "foundry.model.nn.layers", "foundry.wire.fdtc", "foundry.swarm",
     ]
-    found = violations({"foundry.model.probe": (probe, False)})
+    found = violations({"foundry.model.infer.probe": (probe, False)})
     assert len(found) == 2 and all("an arrow up" in v for v in found)
     sideways = violations({"foundry.tp.probe": ("from foundry.swarm.policy import x\n", False)})
     assert len(sideways) == 1 and "an arrow sideways" in sideways[0]
-    limited = violations({"foundry.wire.probe": ("from foundry.model.config import C\n", False)})
+    limited = violations({"foundry.wire.probe": ("from foundry.model.spec import config\n", False)})
     assert limited == [
-        "foundry.wire.probe:1: wire may import only ['model.tp_split'] of model, "
-        "not foundry.model.config"
+        "foundry.wire.probe:1: wire may import only ['model.shard'] of model, "
+        "not foundry.model.spec.config"
     ]
-    allowed = "from foundry.model.tp_split import Gate\n"
+    allowed = "from foundry.model.shard import Gate\n"
     assert violations({"foundry.wire.probe": (allowed, False)}) == []
+
+
+def test_model_subpackages_point_down_and_never_sideways() -> None:
+    inside = model_layer_table()
+    assert set(inside) >= {"spec", "nn", "kernels", "formats", "shard", "text", "train", "infer"}
+    assert inside["spec"] < inside["nn"] < inside["kernels"] < inside["formats"] < inside["text"]
+    assert inside["train"] == inside["infer"] > inside["text"]
+    down = "from foundry.model.nn.layers import rope_forward\n"
+    assert violations({"foundry.model.kernels.probe": (down, False)}) == []
+    up = "from foundry.model.spec import arch\nfrom foundry.model.infer import engines\n"
+    found = violations({"foundry.model.kernels.probe": (up, False)})
+    assert len(found) == 1 and "an arrow up" in found[0] and "engines" in found[0]
+    across = "def f() -> None:\n    from foundry.model.train import backend\n"
+    found = violations({"foundry.model.infer.probe": (across, False)})
+    assert len(found) == 1 and "an arrow sideways" in found[0]
+    assert violations({"foundry.model.nope.probe": (down, False)}) == [
+        "foundry.model.nope.probe:1: model.nope is not in the table of model's subpackages"]
+    on_disk = {p.name for p in (SRC / "model").iterdir() if (p / "__init__.py").exists()}
+    on_disk |= {p.stem for p in (SRC / "model").glob("*.py") if p.stem != "__init__"}
+    assert on_disk <= set(inside), f"not in the table: {sorted(on_disk - set(inside))}"
+
+
+_NAMES = re.compile(r"`([\w.*]+)`")
+
+
+def package_rows() -> list[tuple[set[str], set[str]]]:
+    """From the "Package layout" table: per row, the modules its first column names
+    (``foundry.wire.fdtc_lifecycle``, ``fdtc_connection``: the second in the first's package;
+    ``foundry.commands.*``: every module of the package) and every other name the row
+    quotes."""
+    text = DOC.read_text()
+    section = text[text.index("\n## Package layout\n") :]
+    section = section[: section.index("\n## ", 1)]
+    rows: list[tuple[set[str], set[str]]] = []
+    for line in section.splitlines():
+        cells = line.split("|")
+        if len(cells) < 4 or not cells[1].strip().startswith("`"):
+            continue
+        named: set[str] = set()
+        base = ""
+        for name in _NAMES.findall(cells[1]):
+            if name.startswith("foundry."):
+                base = name.rpartition(".")[0]
+                named.add(name)
+            elif base:
+                named.add(f"{base}.{name}")
+        rows.append((named, set(_NAMES.findall("|".join(cells[2:])))))
+    return rows
+
+
+def unnamed_modules(modules: list[str], rows: list[tuple[set[str], set[str]]]) -> list[str]:
+    """Modules no row names: in its first column, or there as its package (``P.*``, or ``P``
+    with the module's own name quoted in the row)."""
+
+    def named(module: str) -> bool:
+        for first, rest in rows:
+            if module in first:
+                return True
+            for name in first:
+                if name.endswith(".*") and module.startswith(name[:-1]):
+                    return True
+                if module.startswith(name + ".") and module.rpartition(".")[2] in rest:
+                    return True
+        return False
+
+    return [m for m in modules if not named(m)]
+
+
+def test_the_package_table_names_every_module() -> None:
+    modules = sorted(
+        module_name(p) for p in SRC.rglob("*.py")
+        if p.name != "__init__.py" and not module_name(p).startswith("foundry.api.")
+    )
+    assert len(modules) > 50
+    missing = unnamed_modules(modules, package_rows())
+    assert missing == [], f"not in the package table of {DOC.name}: {missing}"
+    probe = [({"foundry.wire.fdtc_lifecycle", "foundry.wire.fdtc_connection",
+               "foundry.commands.*", "foundry.compression"}, {"qsgd"})]
+    assert unnamed_modules(["foundry.wire.fdtc_connection", "foundry.commands.up",
+                            "foundry.compression.qsgd", "foundry.compression.topk",
+                            "foundry.wire.nope"], probe) == [
+        "foundry.compression.topk", "foundry.wire.nope"]
 
 
 def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:

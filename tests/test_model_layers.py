@@ -13,9 +13,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import layers as L
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
+from foundry.model.nn import layers as L
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
 
 F64 = npt.NDArray[np.float64]
 EPS = 1e-6

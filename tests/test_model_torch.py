@@ -1,7 +1,7 @@
 """The numpy model's forward and hand-written backward against PyTorch autograd, in float32.
 
-The reference below is written from the model's definition (DESIGN §5) with torch ops only:
-repeat_interleave for grouped-query attention, a complex-number view for the adjacent-pair
+The reference below is written from the model's definition (docs/decisions.md, D1) with torch ops
+only: repeat_interleave for grouped-query attention, a complex-number view for the adjacent-pair
 rotary embedding, a dense per-expert loop for the mixture. Both sides get the same weights and
 tokens; every logit, both losses and every gradient agree to 1e-4 relative error.
 """
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import ModelConfig
 
 MAX_REL_ERR = 1e-4
 

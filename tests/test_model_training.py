@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from foundry.model import transformer as T
-from foundry.model.config import N_SPECIAL_TOKENS, ModelConfig
-from foundry.model.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.nn import transformer as T
+from foundry.model.spec.config import N_SPECIAL_TOKENS, ModelConfig
+from foundry.model.train.optim import AdamW, clip_grad_norm, lr_schedule
 
 STEPS = 50
 TARGET_LOSS = 0.5

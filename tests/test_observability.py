@@ -15,6 +15,7 @@ elsewhere, with the command that installs it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -171,6 +172,19 @@ def test_late_after_is_the_slower_of_the_factor_and_the_minimum_wait() -> None:
     assert late_after(0.0, [1.0, 2.0, 9.0]) == pytest.approx(LATE_FACTOR * 2.0)
 
 
+def test_an_ordinary_short_wait_is_info_and_only_a_long_one_a_warning() -> None:
+    from foundry.swarm.round_loop import LATE_WARNING_S, late_stages
+
+    assert late_stages(10.0, []) == []
+    # A 20 ms round waiting 50 ms on its last report: INFO; WARNING only a second on.
+    (info, info_at), (warning, warning_at) = late_stages(10.0, [10.02])
+    assert (info, warning) == (logging.INFO, logging.WARNING)
+    assert info_at == pytest.approx(10.02 + LATE_MIN_WAIT_S)
+    assert warning_at == pytest.approx(10.02 + LATE_WARNING_S) and LATE_WARNING_S >= 1.0
+    # A slow round (reports 5 s in): both when it is late by the factor, never before.
+    assert [at for _, at in late_stages(0.0, [5.0])] == pytest.approx([7.5, 7.5])
+
+
 def test_a_trace_cut_short_still_loads_and_merging_keeps_threads_apart(tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     first = Timeline(a, "worker", tid=7, thread="w0")
@@ -213,7 +227,8 @@ def test_timeline_files_merge_and_the_late_worker_is_named(tmp_path: Path) -> No
         for w in workers:
             w.stop()
         coord.stop()
-    assert re.search(r"WARNING foundry\.coordinator: step \d+ is waiting for w1: ", coord.text())
+    assert re.search(r"(?:INFO|WARNING) foundry\.coordinator: step \d+ is waiting for w1: ",
+                     coord.text())
     out = tmp_path / "all.json"
     done = subprocess.run(
         [sys.executable, "-m", "foundry", "timeline", "merge",

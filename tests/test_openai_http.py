@@ -40,9 +40,9 @@ from test_gateway_frontend import (
 from tp_harness import make_model, metric, reference_greedy
 
 from foundry.gateway.http import FairQueue, QueueFull, _Render, sse
-from foundry.model.chat import BUILTINS, ChatTemplate, Message, prompt_text
-from foundry.model.config import EOS_ID
-from foundry.model.data import decode
+from foundry.model.spec.config import EOS_ID
+from foundry.model.text.chat import BUILTINS, ChatTemplate, Message, prompt_text
+from foundry.model.text.vocab.byte import decode
 
 TOKEN = "http-s3cret"
 HTTP_LINE = r"http 127\.0\.0\.1:(\d+)"

@@ -10,8 +10,8 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from foundry.model import optim
-from foundry.model.optim import AdamW, clip_grad_norm, decays, lr_schedule
+from foundry.model.train import optim
+from foundry.model.train.optim import AdamW, clip_grad_norm, decays, lr_schedule
 
 F32 = npt.NDArray[np.float32]
 

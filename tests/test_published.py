@@ -29,11 +29,11 @@ import pytest
 from published import TINY, prompts, write_tiny
 from tp_harness import Client, InProcessLeader, start_worker, wait_paired
 
-from foundry.model.arch import ArchConfig
-from foundry.model.gguf_io import GGUFError, load_gguf_stored
-from foundry.model.inference import Engine, Gate, GateExchange, KVCache, Session
-from foundry.model.tp_split import rank_layout, rank_weights
-from foundry.model.vocab import load_tokenizer
+from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+from foundry.model.infer.inference import Engine, Gate, GateExchange, KVCache, Session
+from foundry.model.shard import rank_layout, rank_weights
+from foundry.model.spec.arch import ArchConfig
+from foundry.model.text.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.policy import SpecMode

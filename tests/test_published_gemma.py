@@ -11,7 +11,8 @@ build does (float16 scales for blocks of 32, its Q8_K for 256) and the cache is 
 its default, so the first row (one position: attention is V itself) agrees to 5.1e-5; later
 rows differ by up to 0.44 (measured on these rows: 0.31-0.44 on the last, of logits near 20),
 which is as close as llama.cpp's own two paths are to each other on this model (the prompt as
-one batch against token by token: `bench/published.py`, docs/models.md). The test allows 0.6.
+one batch against token by token: `bench/quality/published.py`, docs/models.md). The test allows
+0.6.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from foundry.model.arch import ArchConfig
-from foundry.model.gguf_io import load_gguf_stored
-from foundry.model.inference import Engine
-from foundry.model.quant import QTensor
+from foundry.model.formats.gguf_io import load_gguf_stored
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels.quant import QTensor
+from foundry.model.spec.arch import ArchConfig
 
 REFS = json.loads((Path(__file__).parent / "refs" / "gemma3_270m.json").read_text())
 ABS_TOL = 0.6
@@ -90,3 +91,56 @@ def test_a_prompt_multiplies_the_head_by_its_last_row_alone(engine: Engine) -> N
     last = engine.decode(engine.new_session(), prompt, last_only=True)
     assert last.shape == (1, full.shape[1])
     np.testing.assert_array_equal(last[0], full[-1])
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_n_ranks_on_the_gemma_file_equal_one_process_standing_for_them(world: int) -> None:
+    """Each rank's slices as the services load them (``load_rank``: 4 query heads over the one
+    kv head, FFN rows in whole Q4_K blocks, vocabulary rows of the tied head), in threads
+    joined by an in-memory exchange that adds in rank order: the tokens and the full logits
+    equal one process standing for the same split, bit for bit."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from foundry.model.shard import Gate
+    from foundry.tp.handshake import load_rank
+
+    path = gemma_file()
+    m = load_gguf_stored(path)
+    single = Engine(m.cfg, m.params, ctx_size=128, shares=(1,) * world)
+    assert len(single.parts) == world
+    ranks = [load_rank(path, r, 128, world=world) for r in range(world)]
+    engines = [Engine(rm.cfg, rm.weights, rank=r, world=world, ctx_size=128)
+                for r, rm in enumerate(ranks)]
+    barrier = threading.Barrier(world, timeout=60)
+    slots: list[np.ndarray] = [np.empty(0, np.float32)] * world
+
+    def exchange_of(rank: int):  # type: ignore[no-untyped-def]
+        def exchange(layer: int, gate: Gate, partial: np.ndarray) -> np.ndarray:
+            slots[rank] = partial
+            barrier.wait()
+            total = slots[0] + slots[1]
+            for p in slots[2:]:
+                total = total + p
+            barrier.wait()
+            return total
+        return exchange
+
+    sessions = [e.new_session() for e in engines]
+    ref_session = single.new_session()
+    pool = ThreadPoolExecutor(world - 1)
+
+    def step(tokens: list[int]) -> np.ndarray:
+        jobs = [pool.submit(e.decode, s, tokens, exchange_of(r))
+                for r, (e, s) in enumerate(zip(engines, sessions, strict=True)) if r]
+        first = engines[0].decode(sessions[0], tokens, exchange_of(0))
+        return np.concatenate([first, *(j.result(timeout=120) for j in jobs)], axis=1)
+
+    tokens = [int(t) for t in REFS["cases"][0]["prompt"][:6]]
+    got, ref = step(tokens), single.decode(ref_session, tokens)
+    for _ in range(3):
+        assert np.array_equal(got, ref)
+        token = int(np.argmax(ref[-1]))
+        got, ref = step([token]), single.decode(ref_session, [token])
+    assert np.array_equal(got, ref)
+    pool.shutdown()

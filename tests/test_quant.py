@@ -20,20 +20,21 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import quant
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import (
+from foundry.model.formats.gguf_io import (
     load_gguf,
     load_gguf_stored,
     save_gguf,
     storage_type,
     values_by_type,
 )
-from foundry.model.inference import Engine, KVCache
-from foundry.model.layers import attention_forward, rope_tables
-from foundry.model.quant import QTensor, QType
-from foundry.model.tp_split import ExpertSplit, SplitError, rank_weights
+from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.kernels import quant
+from foundry.model.kernels.quant import QTensor, QType
+from foundry.model.kernels.types import TYPES
+from foundry.model.nn import transformer as T
+from foundry.model.nn.layers import attention_forward, rope_tables
+from foundry.model.shard import ExpertSplit, SplitError, rank_weights
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import identity_for, load_rank
 
 F32 = npt.NDArray[np.float32]
@@ -111,7 +112,8 @@ def int8_product(x: F32, w: QTensor) -> npt.NDArray[np.float64]:
 def test_the_kernels_were_built() -> None:
     """``pip install`` builds them wherever a C compiler is (CI has one); the numpy fallback
     is for machines without, and is tested on its own below."""
-    assert quant._kernels is not None, "foundry.model._kernels did not build; is gcc installed?"
+    assert quant._kernels is not None, (
+        "foundry.model.kernels._kernels did not build; is gcc installed?")
     assert quant.KERNELS != "numpy"
 
 
@@ -317,7 +319,7 @@ def test_quantized_files_keep_their_type_in_memory(
     w = m.params["blk.1.attn_q.weight"]
     assert isinstance(w, QTensor) and w.qtype == big
     assert isinstance(m.params["blk.1.ffn_norm.weight"], np.ndarray)
-    assert identity_for(path, m.cfg, 64).quant_bits == quant.NOMINAL_BITS[big]
+    assert identity_for(path, m.cfg, 64).quant_bits == TYPES[big].nominal_bits
     # load_gguf still gives float32 (training, the reference engine), the same values.
     f32 = load_gguf(path).params["blk.1.attn_q.weight"]
     np.testing.assert_array_equal(f32, w.dequantize())
@@ -433,8 +435,8 @@ def test_intermediate_split_cuts_down_projections_on_blocks(tmp_path: Path) -> N
 
 
 def test_export_type_writes_a_quantized_file_generate_reads(tmp_path: Path) -> None:
-    from foundry.model.checkpoint import CheckpointState, save_checkpoint
-    from foundry.model.optim import AdamW
+    from foundry.model.formats.checkpoint import CheckpointState, save_checkpoint
+    from foundry.model.train.optim import AdamW
 
     params = perturbed(CFG)
     ckpt = save_checkpoint(tmp_path / "ckpt", CheckpointState(
@@ -667,3 +669,17 @@ def test_the_decode_operations_refuse_buffers_that_do_not_fit() -> None:
         k.geglu(x, table[1:], 2, 32, x[:, :32].copy())
     with pytest.raises(ValueError, match="out holds 256 bytes, expected 128"):
         k.geglu(x[:, :32].copy(), table, 2, 16, x[:, :32].copy())
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != QType.F32])
+def test_the_c_kernels_read_the_type_table_block_sizes(qtype: QType) -> None:
+    """csrc's type_block gives each type the table's values and bytes per block: a row of the
+    table's size is read, one byte less is refused."""
+    kernels = quant._kernels
+    assert kernels is not None
+    k = TYPES[qtype].block_values * 2
+    good = np.zeros((3, quant.row_bytes(qtype, k)), np.uint8)
+    out = np.empty((3, k), np.float32)
+    kernels.dequantize(int(qtype), good, 3, k, out)
+    with pytest.raises(ValueError, match="need"):
+        kernels.dequantize(int(qtype), good.reshape(-1)[1:], 3, k, out)

@@ -13,7 +13,9 @@ state the checkpoint carries, so two runs of the same steps are bit-identical.
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ import numpy as np
 from procs import ENV, coordinator, worker
 from test_swarm_local import Held, Link, register
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointState,
     checkpoint_name,
     latest_checkpoint,
@@ -78,6 +80,31 @@ def test_foundry_train_resumes_where_it_stopped(tmp_path: Path) -> None:
     straight = load_checkpoint(tmp_path / "straight" / checkpoint_name(6))
     assert straight.step == straight.optimizer["step"] == 6 and straight.data_position == 6 * 4
     assert_same_state(load_checkpoint(resumed_dir / checkpoint_name(6)), straight)
+
+
+def test_ctrl_c_in_foundry_train_says_how_to_resume(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "foundry", "train", *TRAIN[:2], "--steps", "100000",
+         *TRAIN[4:], "--checkpoint-dir", str(ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        assert proc.stdout is not None
+        for _ in range(200):  # up to the first progress line (every 10 steps)
+            line = proc.stdout.readline()
+            if not line or line.startswith("step 10: loss"):
+                break
+        assert line.startswith("step 10: loss"), line
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130
+    assert re.search(rf"interrupted at step (\d+); checkpoint written to {re.escape(str(ckpt))}: "
+                     r"run the same command again to resume from this step", rest), rest
+    assert latest_checkpoint(ckpt) is not None
 
 
 # ---------------------------------------------------------------------------- the swarm

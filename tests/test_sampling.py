@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from foundry.model.sampling import (
+from foundry.model.infer.sampling import (
     SamplingError,
     kept_tokens,
     logprobs,

@@ -17,11 +17,11 @@ import pytest
 from procs import coordinator, worker
 
 from foundry.compression.qsgd import DEFAULT_QSGD_BUCKET, _qsgd_size
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import evaluate_loss
-from foundry.model.transformer import init_params
+from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import evaluate_loss
 
 ROUNDS = 100
 

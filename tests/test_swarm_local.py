@@ -15,10 +15,10 @@ import pytest
 from procs import coordinator, wait_for, worker
 
 from foundry.compression import deserialize_tensors
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import TrainSettings
+from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import TrainSettings
 from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
 from foundry.swarm.sync import weights_digest
 from foundry.wire import fdtc

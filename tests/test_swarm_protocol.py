@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from procs import coordinator, worker
 
-from foundry.model.config import ModelConfig
-from foundry.model.data import load_corpus
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import load_corpus
 from foundry.swarm.model_config import model_config_msg
 from foundry.wire import fdtc
 from foundry.wire.fdtc import ErrorCode

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from procs import Service, coordinator, wait_for, worker
 
-from foundry.model.checkpoint import latest_checkpoint, load_checkpoint
-from foundry.model.config import preset
-from foundry.model.data import load_corpus
-from foundry.model.training import Trainer, TrainSettings
-from foundry.model.transformer import init_params
+from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.training import Trainer, TrainSettings
 from foundry.swarm.core import HEARTBEAT_TIMEOUT_S
 from foundry.wire import fdtc
 
@@ -253,7 +253,7 @@ def test_copies_of_the_master_state_wait_for_the_step_under_way(tmp_path: Path) 
     step in a thread: they wait for it, then copy one step's state (weights and moments)."""
     import asyncio
 
-    from foundry.model.gguf_io import load_gguf
+    from foundry.model.formats.gguf_io import load_gguf
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
 
     opts = CoordinatorOptions(

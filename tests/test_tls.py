@@ -194,6 +194,20 @@ def test_swarm_trains_over_mutual_tls_and_refuses_bad_peers(
     assert (st.global_step, st.state) == (STEPS, fdtc.SwarmState.DONE)
 
 
+def test_a_plaintext_worker_of_a_tls_coordinator_is_told_to_use_tls(
+    swarm: tuple[Service, int, int], tmp_path: Path
+) -> None:
+    _, port, _ = swarm
+    worker = Service(["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", "plain"],
+                     tmp_path / "worker.log")
+    try:
+        wait_for_line(worker, r"ended the link before accepting this worker: .*a coordinator "
+                      r"started with --tls-cert closes a plaintext worker's link at once: if it "
+                      r"runs TLS, give this worker --tls-cert, --tls-key and --tls-ca")
+    finally:
+        worker.stop()
+
+
 # -- the tensor-parallel pair --------------------------------------------------------------
 
 

@@ -17,20 +17,21 @@ import pytest
 import torch
 from procs import coordinator, worker
 
-from foundry.model import torch_model as TM
-from foundry.model.backend import NUMPY, BackendError, Stopped, make_trainer, select
-from foundry.model.config import ModelConfig, preset
-from foundry.model.data import load_corpus
-from foundry.model.engines import make_engine
-from foundry.model.generate import generate_tokens
-from foundry.model.gguf_io import save_gguf
-from foundry.model.inference import Engine, KVCache
-from foundry.model.optim import lr_schedule
-from foundry.model.torch_backend import TorchBackend
-from foundry.model.torch_engine import TorchEngine
-from foundry.model.tp_split import ExpertSplit, Gate, rank_weights
-from foundry.model.training import TrainSettings
-from foundry.model.transformer import init_params, loss_and_grads
+from foundry.model.formats.gguf_io import save_gguf
+from foundry.model.infer.engines import make_engine
+from foundry.model.infer.generate import generate_tokens
+from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.infer.torch_engine import TorchEngine
+from foundry.model.nn import torch_model as TM
+from foundry.model.nn.device import DeviceError
+from foundry.model.nn.transformer import init_params, loss_and_grads
+from foundry.model.shard import ExpertSplit, Gate, rank_weights
+from foundry.model.spec.config import ModelConfig, preset
+from foundry.model.text.data import load_corpus
+from foundry.model.train.backend import NUMPY, Stopped, make_trainer, select
+from foundry.model.train.optim import lr_schedule
+from foundry.model.train.torch_backend import TorchBackend
+from foundry.model.train.training import TrainSettings
 
 torch.set_num_threads(1)  # as `--device torch-cpu` does: spinning threads on 2 shared cores
 SHARED = ModelConfig(n_ff_shared=32, n_expert=4, n_expert_used=2)
@@ -211,7 +212,7 @@ def test_dequantized_files_decode_as_the_numpy_engine_reads_them(tmp_path: Path)
     cfg = ModelConfig(n_embd=64, n_ff=64)
     path = tmp_path / "m.gguf"
     save_gguf(path, cfg, sharp(cfg, 2), dtype="q8_0")
-    from foundry.model.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_io import load_gguf_stored
 
     loaded = load_gguf_stored(path)
     # a float32 cache as the PyTorch engine's (a stored file's default on numpy is float16)
@@ -222,7 +223,7 @@ def test_dequantized_files_decode_as_the_numpy_engine_reads_them(tmp_path: Path)
 
 def test_device_cuda_without_a_gpu_says_how_to_get_one() -> None:
     assert not torch.cuda.is_available()  # CI's torch is the CPU build
-    with pytest.raises(BackendError, match=r"sees no CUDA GPU.*--device cpu"):
+    with pytest.raises(DeviceError, match=r"sees no CUDA GPU.*--device cpu"):
         select("cuda")
     assert select("auto") is NUMPY and select("cpu") is NUMPY
     proc = subprocess.run(
@@ -266,8 +267,8 @@ def test_train_and_generate_take_the_device_flag(tmp_path: Path) -> None:
     gen = subprocess.run([sys.executable, "-m", "foundry", "generate", "--model", str(out),
                           "--prompt", "The ", "--max-tokens", "12", "--device", "torch-cpu"],
                          capture_output=True, text=True, timeout=120, check=True)
-    from foundry.model.data import decode
-    from foundry.model.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.text.vocab.byte import decode
 
     loaded = load_gguf_stored(out)
     want = decode(list(generate_tokens(Engine(loaded.cfg, loaded.params), "The ", 12)))

@@ -19,11 +19,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine
-from foundry.model.quant import Param, QType, quantize
-from foundry.model.tp_split import rank_weights
+from foundry.model.infer.inference import Engine
+from foundry.model.kernels.quant import Param, QType, quantize
+from foundry.model.nn import transformer as T
+from foundry.model.shard import rank_weights
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import exchange_hellos
 from foundry.tp.link import ControlLink
 from foundry.tp.lockstep import LockstepError, RankState, TracingExchange
@@ -45,6 +45,8 @@ CFG = ModelConfig(n_ctx=64)
 class MemoryTransport:
     """Both ranks post a partial; both read the sum (rank order), like a real exchange."""
 
+    world = 2
+
     def __init__(self, barrier: threading.Barrier, slots: list[Any], rank: int) -> None:
         self.barrier, self.slots, self.rank = barrier, slots, rank
 
@@ -58,6 +60,8 @@ class MemoryTransport:
 
 class Alone:
     """The exchange of a world-1 engine: the partial is already the sum."""
+
+    world = 1
 
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> F32:
         return partial
@@ -225,7 +229,7 @@ def handshake_both(leader: Hello, worker: Hello) -> tuple[BaseException | None, 
 
     def run(i: int, hello: Hello) -> None:
         try:
-            exchange_hellos(links[i], hello)
+            exchange_hellos(links[i], hello, max_rows=1)
         except Exception as exc:
             errors[i] = exc
 

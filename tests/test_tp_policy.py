@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foundry.model.data import decode, encode
+from foundry.model.text.vocab.byte import decode, encode
 from foundry.tp.policy import (
     MAX_DRAFT,
     Pass,

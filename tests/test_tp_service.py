@@ -31,10 +31,10 @@ from tp_harness import (
     wait_paired,
 )
 
-from foundry.model.config import ModelConfig
-from foundry.model.data import decode
-from foundry.model.gguf_io import FileDType, load_gguf
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.formats.gguf_io import FileDType, load_gguf
+from foundry.model.shard import ExpertSplit
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
 from foundry.tp.leader import LeaderOptions
@@ -477,7 +477,7 @@ def test_garbage_on_every_port_never_stops_the_pair(pair: LeaderProc) -> None:
         fw.HEADER.pack(fw.MAGIC, 1, 1, 1 << 30),  # oversized
         fw.HEADER.pack(fw.MAGIC, 1, 1, 3) + b"abc",  # GENERATE too short
         fw.encode(fw.Token(1, 5, 0, "x")),  # a frame only the leader sends
-        fw.encode(fw.Status(1, True, True, 0, 0, 1, 1, 1, 1, 1, 1, 0.0, 0)),
+        fw.encode(fw.Status(1, True, True, 0, 0, 1, 1, 1, 1, 1, 1, 0.0, 0, 1)),
     ]
     for payload in front:
         with socket.create_connection(("127.0.0.1", pair.frontend), timeout=5) as s:
@@ -561,3 +561,19 @@ def test_identity_names_the_hello_fields() -> None:
     # files differ in; the order of the identity is the seed's.
     names = list(Identity.__dataclass_fields__)
     assert names[:2] == ["gguf_bytes", "model_id"]
+
+
+def test_a_clean_stop_with_clients_connected_logs_no_traceback(model: Path, tmp_path: Path) -> None:
+    """SIGTERM while frontend clients hold open connections: exit 0, and the log holds no
+    error (the cancelled connection tasks end quietly)."""
+    leader = start_leader(model, tmp_path / "leader.log")
+    clients = [Client(leader.frontend) for _ in range(3)]
+    try:
+        for c in clients:
+            assert not c.status().worker_connected  # each connection's task is serving
+        assert leader.proc.stop() == 0, leader.proc.text()
+    finally:
+        for c in clients:
+            c.close()
+    text = leader.proc.text()
+    assert "Traceback" not in text and " ERROR " not in text, text

@@ -1,11 +1,12 @@
-"""The two-rank split against the whole model.
+"""The split against the whole model: two ranks, and N ranks with shares.
 
 Two rank engines run in two threads, joined by an in-memory gate exchange (both post their
 partial, both read the sum), and must reproduce the single-process engine: a prefill and 64
 greedy tokens, logits halves joined. The single-process engine evaluates the same two halves
 and adds them in the same order, so the match is asserted bit for bit (and within 1e-5 of the
 training forward, which groups its sums differently). Both expert splits (whole experts per
-rank, or every expert's intermediate dimension cut in two) are run.
+rank, or every expert's intermediate dimension cut in two) are run. N ranks (3 and 4, equal and
+uneven shares) run the same way against a single process standing for the same split.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.inference import Engine, Gate, GateExchange, Session
-from foundry.model.quant import QTensor, QType, quantize
-from foundry.model.tp_split import (
+from foundry.model.infer.inference import Engine, Gate, GateExchange, Session
+from foundry.model.kernels.quant import QTensor, QType, quantize
+from foundry.model.nn import transformer as T
+from foundry.model.shard import (
     SPLIT_TABLE,
     SPLIT_TABLES,
     ExpertSplit,
@@ -30,13 +30,17 @@ from foundry.model.tp_split import (
     SplitKind,
     Unit,
     block_range,
+    norm_shares,
     rank_layout,
     rank_weights,
     rule_for,
     shard_params,
     shard_part,
     shard_shapes,
+    share_blocks,
+    share_range,
 )
+from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 
@@ -61,12 +65,13 @@ def make(name: str) -> tuple[ModelConfig, dict[str, F32]]:
 
 
 class PairExchange:
-    """In-memory gate exchange for two threads: each posts its partial, both read the sum."""
+    """In-memory gate exchange for N threads: each posts its partial, all read the sum, added
+    in rank order."""
 
-    def __init__(self) -> None:
-        self._barrier = threading.Barrier(2, timeout=30)
-        self._slots: list[F32 | None] = [None, None]
-        self.log: list[list[tuple[int, Gate, tuple[int, ...]]]] = [[], []]
+    def __init__(self, world: int = 2) -> None:
+        self._barrier = threading.Barrier(world, timeout=30)
+        self._slots: list[F32 | None] = [None] * world
+        self.log: list[list[tuple[int, Gate, tuple[int, ...]]]] = [[] for _ in range(world)]
 
     def for_rank(self, rank: int) -> GateExchange:
         def exchange(layer: int, gate: Gate, partial: F32) -> F32:
@@ -74,10 +79,12 @@ class PairExchange:
             self.log[rank].append((layer, gate, partial.shape))
             self._slots[rank] = partial
             self._barrier.wait()
-            a, b = self._slots
-            assert a is not None and b is not None
-            total = a + b
-            self._barrier.wait()  # nobody posts the next gate before both have read this one
+            total = self._slots[0]
+            assert total is not None
+            for p in self._slots[1:]:
+                assert p is not None
+                total = total + p
+            self._barrier.wait()  # nobody posts the next gate before all have read this one
             return total
 
         return exchange
@@ -87,26 +94,27 @@ MODES = list(ExpertSplit)
 
 
 class Pair:
-    """Rank 0 on the calling thread, rank 1 on a helper thread, in lockstep."""
+    """Rank 0 on the calling thread, ranks 1 .. N-1 on helper threads, in lockstep."""
 
     def __init__(self, cfg: ModelConfig, params: dict[str, F32],
-                 mode: ExpertSplit = ExpertSplit.EXPERTS) -> None:
-        self.ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2)
-                      for r in range(2)]
+                 mode: ExpertSplit = ExpertSplit.EXPERTS, world: int = 2,
+                 shares: tuple[int, ...] | None = None) -> None:
+        self.ranks = [Engine(cfg, rank_weights(cfg, params, r, world, mode, shares), rank=r,
+                             world=world) for r in range(world)]
         assert all(e.expert_split is mode for e in self.ranks)
-        self.exchange = PairExchange()
-        self.pool = ThreadPoolExecutor(1)
+        self.exchange = PairExchange(world)
+        self.pool = ThreadPoolExecutor(world - 1)
 
-    def new_sessions(self) -> tuple[Session, Session]:
-        return self.ranks[0].new_session(), self.ranks[1].new_session()
+    def new_sessions(self) -> tuple[Session, ...]:
+        return tuple(e.new_session() for e in self.ranks)
 
-    def forward_rows(self, rows: Sequence[tuple[tuple[Session, Session], Sequence[int]]]) -> F32:
-        rows1 = [(s[1], toks) for s, toks in rows]
-        job = self.pool.submit(self.ranks[1].forward_rows, rows1, self.exchange.for_rank(1))
-        half0 = self.ranks[0].forward_rows([(s[0], toks) for s, toks in rows],
+    def forward_rows(self, rows: Sequence[tuple[tuple[Session, ...], Sequence[int]]]) -> F32:
+        jobs = [self.pool.submit(e.forward_rows, [(s[r], toks) for s, toks in rows],
+                                 self.exchange.for_rank(r))
+                for r, e in enumerate(self.ranks) if r]
+        first = self.ranks[0].forward_rows([(s[0], toks) for s, toks in rows],
                                            self.exchange.for_rank(0))
-        half1 = job.result(timeout=60)
-        return np.concatenate([half0, half1], axis=1)
+        return np.concatenate([first, *(j.result(timeout=60) for j in jobs)], axis=1)
 
 
 def test_split_table_covers_every_parameter() -> None:
@@ -249,7 +257,7 @@ def test_pair_equals_single_process_prefill_and_greedy(name: str, mode: ExpertSp
         ref = single.decode(s_ref, [token])
         got = pair.forward_rows([(s_tp, [token])])
         np.testing.assert_array_equal(got, ref)
-    assert s_tp[0].tokens == s_tp[1].tokens == s_ref.tokens == history
+    assert all(s.tokens == history for s in (*s_tp, s_ref))
 
     # Both ranks passed the same gates in the same order: ATTN then FFN for every layer.
     log0, log1 = pair.exchange.log
@@ -277,8 +285,8 @@ def test_pair_serves_several_sessions_in_one_pass(mode: ExpertSplit) -> None:
         ref = single.forward_rows(list(zip(refs, blocks, strict=True)))
         got = pair.forward_rows(list(zip(tps, blocks, strict=True)))
         np.testing.assert_array_equal(got, ref, err_msg=f"step {step}")
-    for s_ref, (s0, s1) in zip(refs, tps, strict=True):
-        assert s_ref.pos == s0.pos == s1.pos
+    for s_ref, tp in zip(refs, tps, strict=True):
+        assert all(s.pos == s_ref.pos for s in tp)
 
 
 def test_quantized_parts_are_cut_on_whole_blocks_only() -> None:
@@ -316,3 +324,91 @@ def test_world_and_rank_out_of_range_are_refused() -> None:
         rank_layout(cfg, 2, 2)
     with pytest.raises(SplitError, match=r"got -1"):
         rank_layout(cfg, -1, 2)
+
+
+# -- N ranks and shares ----------------------------------------------------------------------
+
+
+def test_equal_shares_give_the_plain_blocks() -> None:
+    for n in range(40):
+        for world in range(1, 9):
+            assert [share_range(n, r, (1,) * world) for r in range(world)] == [
+                block_range(n, r, world) for r in range(world)]
+    # Largest remainder: 10 units by 2,1,1 are 5, 2.5, 2.5: the earlier rank takes the tie.
+    assert share_blocks(10, (2, 1, 1)) == [5, 3, 2]
+    assert share_blocks(7, (3, 1)) == [5, 2]
+    assert norm_shares(3, (4, 2, 2)) == (2, 1, 1)
+    assert norm_shares(2) == (1, 1)
+
+
+def test_two_equal_ranks_are_cut_as_before_shares() -> None:
+    for name, cfg in CONFIGS.items():
+        for mode in MODES:
+            for r in range(2):
+                plain = rank_layout(cfg, r, 2, mode)
+                assert rank_layout(cfg, r, 2, mode, (3, 3)) == plain, name
+                assert plain.vocab == block_range(cfg.n_vocab, r, 2)
+
+
+def test_shares_the_model_cannot_take_are_refused_with_the_nearest_that_works() -> None:
+    cfg = ModelConfig(n_head=4, n_head_kv=4)  # 4 kv heads over 3 ranks
+    assert [rank_layout(cfg, r, 3).kv_heads for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
+    with pytest.raises(SplitError, match=(
+            r"^cannot split the model by shares 4,1,1: a rank would hold none of its 4 kv "
+            r"heads; the nearest shares that work are 2,1,1$")):
+        rank_layout(cfg, 0, 3, shares=(4, 1, 1))
+    assert [rank_layout(cfg, r, 3, shares=(2, 1, 1)).kv_heads for r in range(3)] == [
+        (0, 2), (2, 3), (3, 4)]
+    with pytest.raises(SplitError, match=(
+            r"^cannot split the model over 5 ranks: it has 4 query heads and every rank needs "
+            r"at least one; the nearest world size that works is 4$")):
+        rank_layout(ModelConfig(n_head_kv=1), 0, 5)
+    with pytest.raises(SplitError, match=(
+            r"^cannot split the model over 3 ranks: it has 2 kv heads and every rank needs "
+            r"at least one; the nearest world size that works is 2$")):
+        rank_layout(ModelConfig(), 0, 3)
+    with pytest.raises(SplitError, match=r"2 shares given for a world of 3 ranks"):
+        rank_layout(cfg, 0, 3, shares=(1, 1))
+    with pytest.raises(SplitError, match=r"shares must be integers in \[1, 65535\], got 1,0"):
+        norm_shares(2, (1, 0))
+
+
+NWORLDS = [
+    ("odd-kv-groups", 3, None),  # 3 kv heads, one each
+    ("one-kv-head", 3, (3, 2, 1)),  # one kv head, replicated; queries 3, 2 and 1
+    ("one-kv-head", 4, None),  # one kv head, replicated; 6 query heads over 4
+    ("shared-one-kv", 4, (3, 1, 1, 1)),
+    ("kv4", 3, (2, 1, 1)),  # uneven: 3 ranks on 4 kv heads
+    ("kv4", 3, None),
+]
+CONFIGS["shared-one-kv"] = ModelConfig(n_vocab=97, n_embd=48, n_layer=2, n_head=6, n_head_kv=1,
+                                       n_ff=40, n_expert=6, n_expert_used=2, n_ff_shared=25)
+CONFIGS["kv4"] = ModelConfig(n_vocab=89, n_embd=64, n_head=4, n_head_kv=4, n_ff=40, n_expert=5,
+                             n_expert_used=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "world", "shares"), NWORLDS)
+def test_n_ranks_equal_single_process_standing_for_them(
+    name: str, world: int, shares: tuple[int, ...] | None, mode: ExpertSplit
+) -> None:
+    cfg, params = make(name)
+    if mode is ExpertSplit.INTERMEDIATE and cfg.n_ff % world and shares is None:
+        with pytest.raises(SplitError, match=rf"n_ff={cfg.n_ff} is not divisible by {world}"):
+            Pair(cfg, params, mode, world, shares)
+        return
+    norm = norm_shares(world, shares)
+    single = Engine(cfg, params, expert_split=mode, shares=norm)
+    assert len(single.parts) == world and single.shares == norm
+    pair = Pair(cfg, params, mode, world, shares)
+    s_ref, s_tp = single.new_session(), pair.new_sessions()
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.n_vocab, 11)]
+    ref = single.decode(s_ref, prompt)
+    got = pair.forward_rows([(s_tp, prompt)])
+    np.testing.assert_array_equal(got, ref)
+    for _ in range(16):
+        token = int(np.argmax(ref[-1]))
+        ref = single.decode(s_ref, [token])
+        got = pair.forward_rows([(s_tp, [token])])
+        np.testing.assert_array_equal(got, ref)
+    assert all(log == pair.exchange.log[0] for log in pair.exchange.log)

@@ -46,6 +46,9 @@ from foundry.wire.tp import (
     VerifyCommit,
     VerifyCommitMode,
     VersionMismatch,
+    World,
+    WorldInfo,
+    WorldPeer,
     check_hello,
     check_identity,
     encode,
@@ -159,6 +162,13 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         "44545034 16 00 0000 0500000000000000 0000000000000000 0d000000"
         " 02000000 64000000 2c010000 01",
     ),
+    (
+        World(peers=(WorldPeer(1, 7100, bytes(10) + b"\xff\xff\x7f\x00\x00\x01", 0x0102),
+                     WorldPeer(2, 7101, bytes(10) + b"\xff\xff\x7f\x00\x00\x02", 0xABCD))),
+        "44545034 20 00 0000 0000000000000000 0000000000000000 38000000"
+        " 0100 bc1b 00000000000000000000ffff7f000001 0201000000000000"
+        " 0200 bd1b 00000000000000000000ffff7f000002 cdab000000000000",
+    ),
 ]
 FRAMES = [frame for frame, _ in GOLDEN]
 
@@ -196,9 +206,92 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
         "MIXED_BATCH": 16, "COMMAND_ACK": 17, "SYNC_MULTIMODAL": 18, "RDMA_WARM": 19,
         "RDMA_POSTED": 20, "GLM_MTP": 21, "SYNC_CHECKPOINT": 22, "DSPARK_DRAFT": 23,
         "SPEC_RESTORE": 24,
+        "WORLD": 32,  # Foundry's extension for N ranks, clear of the seed's numbers
     }  # fmt: skip
     assert {t.name: t.value for t in FrameType} == seed
     assert {f.TYPE for f in FRAMES} == set(tp.FRAME_CLASSES)
+
+
+WORLD_EXT_GOLDEN = bytes.fromhex(
+    "0300"  # world_size 3
+    "0000"  # rank 0: the leader
+    "0000"  # gate_port 0
+    "0000"  # reserved
+    "0200" "0100" "0100" + "0000" * 13  # shares 2,1,1, then zeros to 16
+)
+
+
+def test_world_hello_golden_bytes_and_round_trip() -> None:
+    """The world extension: flag bit 1, hello_size 224, the pair's 184 bytes unchanged before
+    it; the plain pair sends none."""
+    assert tp.WORLD_EXT.size == 40 and tp.HELLO_WORLD_SIZE == 224
+    leader = dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(2, 1, 1)))
+    golden = (HELLO_GOLDEN[:6] + bytes.fromhex("e000") + HELLO_GOLDEN[8:9] + b"\x03"
+              + HELLO_GOLDEN[10:] + WORLD_EXT_GOLDEN)
+    assert encode(leader) == golden
+    assert decode_all(golden, expect_hello=True) == [leader]
+    worker = Hello(role=Role.WORKER, identity=IDENTITY, world=WorldInfo(
+        world_size=3, shares=(2, 1, 1), rank=2, gate_port=7100))
+    wire = encode(worker)
+    assert len(wire) == 224 and wire[9] == tp.HELLO_WORLD
+    assert wire[184:192] == bytes.fromhex("0300 0200 bc1b 0000")
+    assert decode_all(wire, expect_hello=True) == [worker]
+    # The flag and the size must agree.
+    for bad in (HELLO_GOLDEN[:9] + b"\x03" + HELLO_GOLDEN[10:],
+                golden[:9] + b"\x01" + golden[10:]):
+        with pytest.raises(TpProtocolError, match="world flag is"):
+            decode_all(bad, expect_hello=True)
+    with pytest.raises(TpProtocolError, match="reserved word is 5"):
+        decode_all(golden[:190] + b"\x05\x00" + golden[192:], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="shares beyond the world of 3 are not 0"):
+        decode_all(golden[:198] + b"\x01\x00" + golden[200:], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="world size 17 outside"):
+        decode_all(golden[:184] + b"\x11\x00" + golden[186:], expect_hello=True)
+    with pytest.raises(LocalProtocolError, match="plain pair"):
+        WorldInfo(world_size=2, shares=(1, 1))
+    assert WorldInfo(world_size=2, shares=(3, 1)).encode()[:4] == bytes.fromhex("0200 0000")
+
+
+def test_the_plain_pair_sends_no_world_extension() -> None:
+    """Two ranks of equal shares (however written) state no world: the pair's 184 bytes."""
+    from foundry.tp.handshake import world_info
+
+    assert world_info(2, None) is None and world_info(2, (3, 3)) is None
+    uneven = world_info(2, (6, 2))
+    assert uneven is not None and uneven.shares == (3, 1)
+    three = world_info(3, None)
+    assert three is not None and (three.world_size, three.shares, three.rank) == (3, (1, 1, 1), 0)
+    assert len(encode(Hello(role=Role.LEADER, identity=IDENTITY, world=world_info(2, None)))) == 184
+
+
+def test_world_mismatches_name_the_field_leader_first() -> None:
+    three = WorldInfo(world_size=3, shares=(1, 1, 1))
+    leader = Hello(role=Role.LEADER, identity=IDENTITY, world=three)
+    for worker_world, message in [
+        (None, "world mismatch on world_size: leader has 3, worker has 2"),
+        (WorldInfo(world_size=4, shares=(1, 1, 1, 1)), "world_size: leader has 3, worker has 4"),
+        (WorldInfo(world_size=3, shares=(2, 1, 1)),
+         "world mismatch on shares: leader has 1,1,1, worker has 2,1,1"),
+    ]:
+        worker = Hello(role=Role.WORKER, identity=IDENTITY, world=worker_world)
+        for mine, peer in ((leader, worker), (worker, leader)):
+            with pytest.raises(IdentityMismatch, match=message):
+                tp.check_hello(mine, peer)
+    tp.check_hello(leader, Hello(role=Role.WORKER, identity=IDENTITY,
+                                 world=dataclasses.replace(three, rank=2, gate_port=9)))
+
+
+def test_world_frame_lists_ranks_in_order() -> None:
+    host = bytes(16)
+    with pytest.raises(LocalProtocolError, match=r"ranks 1 \.\. N-1 in order"):
+        World(peers=(WorldPeer(2, 1, host, 0), WorldPeer(1, 1, host, 0)))
+    with pytest.raises(LocalProtocolError, match=r"ranks 1 \.\. N-1"):
+        World(peers=(WorldPeer(1, 1, host, 0),))  # a pair has no WORLD
+    with pytest.raises(TpProtocolError, match=r"WORLD: World\.peers"):
+        decode_all(header(FrameType.WORLD, 28) + bytes.fromhex(
+            "0100 0100 00000000000000000000000000000000 0000000000000000"))
+    with pytest.raises(TpProtocolError, match="WORLD payload must be 0 \\+ a multiple of 28"):
+        decode_all(header(FrameType.WORLD, 27) + bytes(27))
 
 
 def test_hello_golden_bytes_and_round_trip() -> None:
@@ -305,7 +398,7 @@ def test_bad_payload_rejected(data: bytes, message: str) -> None:
 
 
 def test_max_payload_is_enforced_from_the_identity() -> None:
-    limit = tp.max_payload_for(IDENTITY)
+    limit = tp.max_payload_for(IDENTITY, tp.logits_rows(16))
     # the largest frames of this model: a MIXED_BATCH of a full context and all items
     assert limit == 8 + 4 * 256 + 16 * tp.TP_MAX_BATCH_ITEMS
     big = Sync(tokens=tuple(range(256)))
@@ -350,7 +443,7 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
 
     decoder = TpDecoder(expect_hello=True)
     decoder.feed(tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 100))
-    with pytest.raises(TpProtocolError, match="must be 184 bytes"):
+    with pytest.raises(TpProtocolError, match=r"must be 184 bytes \(224 with the world"):
         decoder.next_event()
 
     decoder = TpDecoder(expect_hello=True)
@@ -363,7 +456,7 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
     ("offset", "value", "message"),
     [
         (8, b"\x02", "unknown role 2"),
-        (9, b"\x02", "unknown flags"),
+        (9, b"\x04", "unknown flags"),
         (10, b"\x02\x00", "execution mode 0x2 has bits this implementation does not run"),
         (11, b"\x01", "execution mode 0x100 has bits"),
         (104, b"../etc/passwd", "not a bare file name"),
@@ -583,14 +676,99 @@ def test_random_bytes_give_frames_or_a_clean_error(
 
 
 def test_max_payload_follows_the_largest_frame_of_the_model() -> None:
-    """The bound is the largest of the frames' sizes: a LOGITS half of a large vocabulary (odd
-    and even), a MIXED_BATCH of a long context."""
+    """The bound is the largest of the frames' sizes: LOGITS of max_rows rows of the larger
+    vocabulary half (odd and even vocabularies), a MIXED_BATCH of a long context."""
     batch_items = tp.BATCH_ITEM.size * tp.TP_MAX_BATCH_ITEMS
     for n_vocab, half in ((100_001, 50_001), (100_000, 50_000)):
         ident = dataclasses.replace(IDENTITY, n_vocab=n_vocab)
-        assert tp.max_payload_for(ident) == 4 + 4 * half
+        assert tp.max_payload_for(ident, 1) == 4 + 4 * half
+        assert tp.max_payload_for(ident, 8) == 4 + 4 * 8 * half
     ident = dataclasses.replace(IDENTITY, ctx_size=40_000)
-    assert tp.max_payload_for(ident) == 8 + 4 * 40_000 + batch_items
+    assert tp.max_payload_for(ident, 8) == 8 + 4 * 40_000 + batch_items
+
+
+def test_max_payload_follows_the_largest_worker_block_of_a_world() -> None:
+    """With shares a worker may return more than half the vocabulary (1,3: rank 1 holds 3/4):
+    the leader's bound follows its block, and a LOGITS of it passes where the half would not."""
+    from foundry.model.spec.config import ModelConfig
+    from foundry.tp.handshake import largest_worker_block
+
+    cfg = ModelConfig(n_vocab=262_144)
+    assert largest_worker_block(cfg, (1, 1)) == 131_072
+    assert largest_worker_block(cfg, (1, 3)) == 196_608
+    assert largest_worker_block(cfg, (2, 1, 1)) == 65_536
+    ident = dataclasses.replace(IDENTITY, n_vocab=262_144)
+    limit = tp.max_payload_for(ident, 16, 196_608)
+    assert limit == 4 + 4 * 16 * 196_608
+    assert _logits_header_accepted(limit, 16, 196_608)
+    assert not _logits_header_accepted(tp.max_payload_for(ident, 16), 16, 196_608)
+
+
+def test_logits_rows_cover_a_verify_block_and_every_session() -> None:
+    assert tp.logits_rows(1) == tp.logits_rows(8) == tp.DS4_TP_BATCH_MAX_ROWS == 8
+    assert tp.logits_rows(9) == 9 and tp.logits_rows(16) == 16
+    assert tp.logits_rows(tp.TP_MAX_BATCH_ITEMS) == tp.TP_MAX_BATCH_ITEMS
+    for bad in (0, tp.TP_MAX_BATCH_ITEMS + 1):
+        with pytest.raises(LocalProtocolError, match="max_sessions"):
+            tp.logits_rows(bad)
+    with pytest.raises(LocalProtocolError, match="max_rows"):
+        tp.max_payload_for(IDENTITY, 0)
+
+
+def _logits_header_accepted(limit: int, rows: int, half: int) -> bool:
+    """Whether a decoder bounded by ``limit`` takes the header of a LOGITS frame of ``rows``
+    rows of ``half`` floats (the header alone is checked before any payload byte is kept)."""
+    decoder = TpDecoder(limit)
+    decoder.feed(header(FrameType.LOGITS, 4 + 4 * rows * half))
+    try:
+        return decoder.next_event() is None  # waiting for the payload: accepted
+    except TpProtocolError as exc:
+        assert "exceeds the limit" in str(exc)
+        return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_vocab=st.one_of(st.sampled_from([259, 32_000, 32_001, 128_256, 151_936, 262_144]),
+                      st.integers(2, 300_000)),
+    ctx_size=st.sampled_from([256, 2048, 8192, 32_768]),
+    max_sessions=st.integers(1, 64),
+    drafts=st.integers(0, tp.DS4_TP_BATCH_MAX_ROWS - 1),
+    batch=st.integers(1, 64),
+)
+def test_every_logits_reply_of_the_pair_fits_the_bound(
+    n_vocab: int, ctx_size: int, max_sessions: int, drafts: int, batch: int
+) -> None:
+    """Whatever the vocabulary (odd, even, Gemma's 262,144), the batch and the draft length,
+    the worker's LOGITS reply to a VERIFY block or to a batch of every session fits the bound
+    the leader's decoder uses, and one float more than the largest reply does not when LOGITS
+    is the largest frame."""
+    ident = dataclasses.replace(IDENTITY, n_vocab=n_vocab, ctx_size=ctx_size)
+    half = (n_vocab + 1) // 2
+    rows = tp.logits_rows(max_sessions)
+    limit = tp.max_payload_for(ident, rows)
+    assert _logits_header_accepted(limit, drafts + 1, half)  # a VERIFY block
+    assert _logits_header_accepted(limit, min(batch, max_sessions), half)  # EVAL_BATCH
+    assert _logits_header_accepted(limit, rows, half)
+    largest_logits = 4 + 4 * rows * half
+    assert limit >= largest_logits
+    if limit == largest_logits:
+        decoder = TpDecoder(limit)
+        decoder.feed(header(FrameType.LOGITS, largest_logits + 4))
+        with pytest.raises(TpProtocolError, match="exceeds the limit"):
+            decoder.next_event()
+
+
+def test_gemma_sized_logits_of_sixteen_sessions_decode_under_the_bound() -> None:
+    """The frame that once failed every greedy request on the Gemma 3 file: 16 rows of a
+    131,072-float half, encoded and decoded whole under the leader's bound."""
+    ident = dataclasses.replace(IDENTITY, n_vocab=262_144, ctx_size=4096)
+    rows = np.arange(16 * 131_072, dtype=np.float32).reshape(16, 131_072)
+    frame = Logits.from_array(rows)
+    limit = tp.max_payload_for(ident, tp.logits_rows(16))
+    assert limit == 4 + 4 * 16 * 131_072
+    (got,) = decode_all(encode(frame), max_payload=limit)
+    assert isinstance(got, Logits) and np.array_equal(got.array(), rows.ravel())
 
 
 # -- every range check at its bounds (built inside the tests: a record built at import would be
@@ -758,6 +936,7 @@ def test_payload_size_rules_of_every_frame() -> None:
         "HASH": (8, 0), "LOGITS": (4, 4), "VERIFY": (4, 4), "VERIFY_COMMIT": (8, 0),
         "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
         "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
+        "WORLD": (0, 28),
     }  # fmt: skip
 
 
@@ -804,7 +983,8 @@ def test_hello_prefix_messages_exact() -> None:
          "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
          "run the same foundry release on both ranks"),
         (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185), TpProtocolError,
-         "hello of version 2 must be 184 bytes, the peer says 185"),
+         "hello of version 2 must be 184 bytes (224 with the world extension), the peer says "
+         "185"),
     ]:
         decoder = TpDecoder(expect_hello=True)
         decoder.feed(data)
@@ -841,7 +1021,7 @@ def test_hello_field_errors_exact() -> None:
     for offset, value, message in [
         (10, b"\x02\x00", "hello: execution mode 0x2 has bits this implementation does not run "
          "(supported: 0x1: 1 = experts cut by their intermediate size)"),
-        (9, b"\x02", "hello: unknown flags 0x2"),
+        (9, b"\x04", "hello: unknown flags 0x4"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
         (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of "

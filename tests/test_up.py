@@ -19,17 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointState,
     checkpoint_name,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from foundry.model.config import preset
-from foundry.model.generate import printable
-from foundry.model.optim import AdamW
-from foundry.model.transformer import init_params
+from foundry.model.infer.generate import printable
+from foundry.model.nn.transformer import init_params
+from foundry.model.spec.config import preset
+from foundry.model.train.optim import AdamW
 from foundry.up.pipeline import CheckpointSamples
 from foundry.up.plan import (
     RESTART_MAX_S,
@@ -44,7 +44,7 @@ from foundry.up.plan import (
     serving_services,
     training_services,
 )
-from foundry.up.supervisor import Stack, check_ports_free
+from foundry.up.supervisor import PORT_FLAGS, Stack, check_ports_free
 from foundry.up.view import LiveView, TrainingSummary, waiting_note, worker_line
 from foundry.wire import fdtc
 
@@ -80,6 +80,27 @@ def test_a_taken_port_is_named_before_anything_starts() -> None:
         ports = StackPorts.of(StackOptions(gateway_port=taken, prometheus=False))
         with pytest.raises(StackError, match=rf"port {taken} \(gateway\).*is taken"):
             check_ports_free(ports, "127.0.0.1")
+
+
+def test_a_taken_port_names_the_flag_that_moves_it() -> None:
+    """8080 is the likeliest port to be taken: the error names --http-port for it, and every
+    port flag of `foundry up` (each one a flag its --help lists)."""
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        ports = StackPorts.of(StackOptions(http_port=taken, prometheus=False))
+        with pytest.raises(StackError) as caught:
+            check_ports_free(ports, "127.0.0.1")
+    text = str(caught.value)
+    assert f"port {taken} (gateway http)" in text and "move it with --http-port" in text
+    help_text = subprocess.run([sys.executable, "-m", "foundry", "up", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout
+    flags = set(re.findall(r"--[a-z-]+-port\b", help_text))
+    assert flags == set(PORT_FLAGS)
+    for flag in PORT_FLAGS:
+        assert flag in text
 
 
 def test_overlapping_bases_are_refused() -> None:
@@ -200,6 +221,42 @@ def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
     view.update(st, failed)
     assert out.getvalue().count("coordinator FAILED: round loop failed: OSError: x") == 1
     assert worker_line(row, more).endswith("3 steps  up 2.5 MB down 7.0 MB")
+
+
+def _status(step: int) -> fdtc.SwarmStatus:
+    return fdtc.SwarmStatus(global_step=step, max_steps=3000, state=fdtc.SwarmState.TRAINING,
+                            train_loss=1.0, val_loss=1.0, samples_per_sec=5.0,
+                            learning_rate=0.0, samples_total=0, rows=())
+
+
+def test_the_live_view_draws_on_a_terminal_that_reports_no_size() -> None:
+    """A pty nobody sized reports 0 columns: the bar still shows, and after a resume at step
+    2000 its rate is this run's (one step a few ms apart), not 2000 steps in no time."""
+    import pty
+
+    master, slave = pty.openpty()  # a fresh pty: 0 rows, 0 columns
+    try:
+        out = os.fdopen(slave, "w", closefd=False)
+        view = LiveView(out, 3000, tty=True, workers=0)
+        detail = fdtc.SwarmDetail(min_workers=0, seconds_since_step=0.1, failed=False, note="",
+                                  rows=())
+        view.update(_status(2000), detail)
+        time.sleep(0.2)
+        view.update(_status(2001), detail)
+        view.close()
+        out.flush()
+        os.set_blocking(master, False)
+        drawn = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(master, 65536):
+                drawn += chunk
+    finally:
+        os.close(master)
+        os.close(slave)
+    text = drawn.decode(errors="replace")
+    assert "training" in text and "2001/3000" in text, text
+    rates = [float(r) for r in re.findall(r"([\d.]+)step/s", text)]
+    assert rates and max(rates) < 100, text
 
 
 def test_a_resumed_runs_summary_says_where_it_resumed() -> None:
@@ -394,6 +451,24 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
         assert "had to be killed" not in up.text()
         assert (up.run_dir / "model.gguf").is_file()
         assert (up.run_dir / "logs" / "coordinator.log").is_file()
+    finally:
+        up.cleanup()
+
+
+def test_a_resumed_up_says_from_which_step(tmp_path: Path) -> None:
+    cfg = preset("tiny")
+    params = init_params(cfg)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    save_checkpoint(tmp_path / "run" / "checkpoints", CheckpointState(
+        config=cfg, step=7, params=params, optimizer=AdamW(params).state_dict(),
+        data_position=7 * 16,
+    ))
+    up = Up(tmp_path, "--workers", "1", "--steps", "100000", *free_layout(1))
+    try:
+        up.wait_for(r"resuming from step 7 \(the newest checkpoint in \S+; --fresh starts at "
+                    r"step 0\)", 90)
+        up.proc.send_signal(signal.SIGINT)
+        up.proc.wait(timeout=30)
     finally:
         up.cleanup()
 

@@ -1,5 +1,5 @@
-"""Tokenizers from GGUF metadata (foundry.model.vocab): each pipeline object alone, Foundry's
-byte vocabulary against foundry.model.data, and published vocabularies against llama.cpp.
+"""Tokenizers from GGUF metadata (foundry.model.text.vocab): each pipeline object alone, Foundry's
+byte vocabulary against foundry.model.text.data, and published vocabularies against llama.cpp.
 
 llama.cpp's ids come from two places, neither computed here:
 - tests/refs/tokenizer_ids.json, recorded from llama.cpp by tests/refs/record_tokenizer_ids.py
@@ -22,13 +22,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from foundry.model import data
-from foundry.model.gguf_meta import read_metadata
-from foundry.model.vocab import Tokenizer, TokenizerError, load_tokenizer
-from foundry.model.vocab.decoders import PieceDecoder, StreamDecoder, byte_level_piece, spm_piece
-from foundry.model.vocab.models import BpeModel, ByteModel, SpmModel
-from foundry.model.vocab.normalizers import SpaceEscape
-from foundry.model.vocab.pretokenizers import (
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.text.vocab import Tokenizer, TokenizerError, byte, load_tokenizer
+from foundry.model.text.vocab.byte import ByteModel
+from foundry.model.text.vocab.decoders import (
+    PieceDecoder,
+    StreamDecoder,
+    byte_level_piece,
+    spm_piece,
+)
+from foundry.model.text.vocab.models import BpeModel, SpmModel
+from foundry.model.text.vocab.normalizers import SpaceEscape
+from foundry.model.text.vocab.pretokenizers import (
     PRE_TOKENIZERS,
     ByteLevel,
     RegexSplitter,
@@ -36,7 +41,7 @@ from foundry.model.vocab.pretokenizers import (
     bytes_to_unicode,
     compile_pattern,
 )
-from foundry.model.vocab.tokens import Attr, read_vocabulary
+from foundry.model.text.vocab.tokens import Attr, read_vocabulary
 
 REFS = json.loads((Path(__file__).parent / "refs" / "tokenizer_ids.json").read_text())
 VOCAB_DIR = Path(os.environ.get(
@@ -176,7 +181,7 @@ def test_bpe_merges_by_rank_and_ignore_merges_takes_whole_tokens() -> None:
 
 
 def test_byte_model_is_one_token_a_byte() -> None:
-    assert ByteModel([b + 3 for b in range(256)]).tokenize("aé") == [0x61 + 3, 0xC3 + 3, 0xA9 + 3]
+    assert ByteModel().tokenize("aé") == [0x61 + 3, 0xC3 + 3, 0xA9 + 3]
 
 
 def test_pieces_by_token_type() -> None:
@@ -207,8 +212,8 @@ def test_stream_decoder_holds_a_character_until_its_last_byte() -> None:
 def test_own_vocabulary_is_data_encode(text: str, add_special: bool) -> None:
     tok = _own()
     ids = tok.encode(text, add_special=add_special)
-    assert ids == [int(t) for t in data.encode(text, bos=add_special)]
-    assert tok.decode(ids) == data.decode(ids)
+    assert ids == [int(t) for t in byte.encode(text, bos=add_special)]
+    assert tok.decode(ids) == byte.decode(ids)
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (
         259, 1, 2, frozenset({2}), True)
 
@@ -218,7 +223,7 @@ def test_own_vocabulary_is_data_encode(text: str, add_special: bool) -> None:
 def test_own_stream_decoder_equals_decode_of_the_whole(tokens: list[int]) -> None:
     d = _own().stream_decoder()
     pieces = [d.feed(t) for t in tokens]
-    assert "".join(pieces) + d.flush() == data.decode(tokens)
+    assert "".join(pieces) + d.flush() == byte.decode(tokens)
 
 
 @settings(deadline=None)
@@ -325,7 +330,7 @@ def test_stream_decoder_equals_decode_and_never_splits_a_character(data_: st.Dat
 
 def test_lone_surrogates_are_encoded_as_data_encode_does() -> None:
     text = "a\ud800b"
-    assert _own().encode(text) == [int(t) for t in data.encode(text)]
+    assert _own().encode(text) == [int(t) for t in byte.encode(text)]
     assert _tokenizer("gpt-2").encode(text, add_special=False) == \
         _tokenizer("gpt-2").encode("a?b", add_special=False)
 
@@ -346,10 +351,10 @@ def test_the_leaders_text_stream_decodes_with_the_files_tokenizer() -> None:
 
 
 def test_generation_stops_at_any_end_of_generation_id_of_the_file() -> None:
-    from foundry.model import transformer
-    from foundry.model.config import ModelConfig
-    from foundry.model.generate import generate_tokens
-    from foundry.model.inference import Engine
+    from foundry.model.infer.generate import generate_tokens
+    from foundry.model.infer.inference import Engine
+    from foundry.model.nn import transformer
+    from foundry.model.spec.config import ModelConfig
 
     cfg = ModelConfig(n_ctx=64, n_embd=32, n_layer=1, n_head=4, n_head_kv=2, n_ff=48,
                       n_expert=2)

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model import transformer as T
-from foundry.model.config import ModelConfig
-from foundry.model.data import encode
-from foundry.model.gguf_io import FileDType, load_gguf_stored, save_gguf
-from foundry.model.inference import Engine
-from foundry.model.sampling import sample
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.formats.gguf_io import FileDType, load_gguf_stored, save_gguf
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import sample
+from foundry.model.nn import transformer as T
+from foundry.model.shard import ExpertSplit
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import encode
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.leader import Leader, LeaderOptions, LogitsHook
 from foundry.wire import frontend as fw
@@ -70,10 +70,13 @@ class Reference:
 
 
 def reference_greedy(
-    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
+    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+    shares: tuple[int, ...] | None = None,
 ) -> Reference:
+    """``shares``: the world the one process stands for (default the pair), which fixes the
+    order its partials are added in."""
     m = load_gguf_stored(model)
-    engine = Engine(m.cfg, m.params, expert_split=expert_split)
+    engine = Engine(m.cfg, m.params, expert_split=expert_split, shares=shares)
     s = engine.new_session()
     ids = tokens_of(prompt)
     row: F32 | None = None

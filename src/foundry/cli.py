@@ -51,11 +51,25 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 class FoundryParser(argparse.ArgumentParser):
     """The parser of `foundry` and of every subcommand under it (``add_subparsers`` makes
-    parsers of its own class): each shows its flags' defaults."""
+    parsers of its own class): each shows its flags' defaults, and none takes a prefix of a
+    flag for the flag (``--step`` is an error, not ``--steps``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+
+def chosen_parser(parser: argparse.ArgumentParser,
+                  args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` chose, e.g. `foundry ctl status`'s: the one whose
+    usage an error about its flags should print."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if not subs or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UnicodeEncodeError:
             raw = arg.encode("utf-8", "surrogateescape")
             parser.error(f"argument {n} ({raw!r}) is not valid UTF-8; foundry takes UTF-8 text")
-    args = parser.parse_args(arguments)
+    args, unknown = parser.parse_known_args(arguments)
+    if unknown:
+        # `foundry up --gpu`: the error and usage of `foundry up`, not of `foundry`.
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -14,8 +14,8 @@ Any other machine is classified by cores and memory (``MACHINE_CLASSES``, first 
 Memory thresholds sit about 10 % under the nominal size, because MemTotal excludes what the
 firmware and kernel reserve (a "16 GB" laptop reports about 15.5 GiB).
 
-The batch table (micro-batch and accumulation per profile) lives with the wire enum in
-``foundry.wire.fdtc`` and is re-exported here.
+The batch table (micro-batch and accumulation per profile, ``PROFILE_TABLE``) is policy and
+lives here; the profile enum and its names are the wire's (``foundry.wire.fdtc``).
 """
 
 from __future__ import annotations
@@ -24,20 +24,19 @@ import math
 import os
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
-from foundry.wire.fdtc import (
-    HardwareProfile,
-    profile_accumulation_steps,
-    profile_batch_size,
-    profile_name,
-)
+from foundry.wire.fdtc import HardwareProfile, profile_name
 
 __all__ = [
     "MACHINE_CLASSES",
+    "PROFILE_TABLE",
     "HardwareInfo",
     "classify",
+    "default_threads",
     "detect_profile",
     "profile_accumulation_steps",
     "profile_batch_size",
@@ -45,6 +44,42 @@ __all__ = [
 ]
 
 GIB_MB = 1024  # memory is counted in MiB ("memory_mb" on the wire)
+
+# sw_profile_batch_size / sw_profile_accumulation_steps. Samples per round grow with the
+# machine's expected compute (a Pi 4 ~ 2x a Pi 3, each class above ~ 2x the one below); the
+# micro-batch is what memory allows, and accumulation makes up the rest, so small devices run
+# small batches and accumulate more. The coordinator re-balances by measured samples/s later.
+# profile: (micro-batch, accumulation steps), and samples per round in the comment.
+PROFILE_TABLE: Mapping[HardwareProfile, tuple[int, int]] = MappingProxyType({
+    HardwareProfile.RPI3: (1, 8),  # 8
+    HardwareProfile.RPI4_2G: (2, 8),  # 16
+    HardwareProfile.RPI4_4G: (4, 4),  # 16
+    HardwareProfile.RPI4_8G: (8, 2),  # 16
+    HardwareProfile.LAPTOP_LIGHT: (8, 4),  # 32
+    HardwareProfile.LAPTOP_MID: (16, 4),  # 64
+    HardwareProfile.DESKTOP_MID: (32, 4),  # 128
+    HardwareProfile.DESKTOP_HEAVY: (64, 4),  # 256
+    HardwareProfile.SERVER: (128, 4),  # 512
+    HardwareProfile.UNKNOWN: (2, 4),  # 8: as careful as a Pi 3 until measured
+})
+
+
+def _known(profile: int) -> HardwareProfile:
+    try:
+        return HardwareProfile(profile)
+    except ValueError:
+        return HardwareProfile.UNKNOWN
+
+
+def profile_batch_size(profile: int) -> int:
+    """sw_profile_batch_size: the micro-batch a machine of this profile starts with."""
+    return PROFILE_TABLE[_known(profile)][0]
+
+
+def profile_accumulation_steps(profile: int) -> int:
+    """sw_profile_accumulation_steps: micro-batches accumulated per round at the start."""
+    return PROFILE_TABLE[_known(profile)][1]
+
 
 # Non-Pi machines: (profile, at least this many cores, at least this much memory in MiB).
 MACHINE_CLASSES: tuple[tuple[HardwareProfile, int, int], ...] = (
@@ -150,6 +185,43 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))  # respects taskset / cpusets
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return None
+
+
+def _physical_cores(root: Path, cpus: set[int]) -> int | None:
+    """Distinct (package, core) pairs among ``cpus`` (sysfs topology), None where unknown: two
+    hyperthreads of one core share its execution units, and a memory-bound decode gains
+    nothing from the second."""
+    cores = set()
+    for cpu in cpus:
+        topology = root / f"sys/devices/system/cpu/cpu{cpu}/topology"
+        core, package = _read(topology / "core_id"), _read(topology / "physical_package_id")
+        if core is None or package is None:
+            return None
+        cores.add((package.strip(), core.strip()))
+    return len(cores) or None
+
+
+def default_threads(root: Path = Path("/")) -> int:
+    """The threads a computing process uses unless told (``--threads``): the CPUs it may run
+    on (affinity, capped by a cgroup CPU quota), or the physical cores among them where those
+    are known and fewer."""
+    allowed = _allowed_cpus()
+    n = len(allowed) if allowed else (os.cpu_count() or 1)
+    quota = _cgroup_cpus(root)
+    if quota is not None:
+        n = min(n, quota)
+    if allowed:
+        physical = _physical_cores(root, allowed)
+        if physical is not None:
+            n = min(n, physical)
+    return max(1, n)
 
 
 def _cpu_name(root: Path) -> str:

@@ -93,7 +93,7 @@ def gemma(path: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--gemma", help="the gemma-3-270m-q4_k_m.gguf file")
     args = parser.parse_args()
     (HERE / "published.json").write_text(json.dumps(tiny(), separators=(",", ":")) + "\n")

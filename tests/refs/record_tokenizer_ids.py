@@ -15,8 +15,8 @@ every token id that appears (plus ids 0-299: specials and bytes) is turned back 
 
 With ``--fuzz N [--seed S]`` nothing is written: N random texts per vocabulary (pieces of the
 corpus's kinds and random code points) are tokenized by llama.cpp and by
-``foundry.model.vocab`` (``PYTHONPATH`` must hold ``src`` too), and every difference is printed;
-the exit status is 1 if there was one.
+``foundry.model.text.vocab`` (``PYTHONPATH`` must hold ``src`` too), and every difference is
+printed; the exit status is 1 if there was one.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def fuzz(paths: dict[str, Path], n: int, seed: int) -> int:
 
     import llama_cpp
 
-    from foundry.model.gguf_meta import read_metadata
-    from foundry.model.vocab import load_tokenizer
+    from foundry.model.formats.gguf_meta import read_metadata
+    from foundry.model.text.vocab import load_tokenizer
 
     rng = random.Random(seed)
     differences = 0
@@ -160,7 +160,7 @@ def fuzz(paths: dict[str, Path], n: int, seed: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--vocab-dir", type=Path, required=True)
     ap.add_argument("--gemma", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("tokenizer_ids.json"))

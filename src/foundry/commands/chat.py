@@ -6,11 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from foundry.commands.common import fraction, nonneg_float, nonneg_int, positive_int
-
-# Our byte-level models speak through the plain transcript template; without a turn token to
-# end on, a reply ends where the model starts the user's next line.
-PLAIN_STOP = ("\nUser:",)
+from foundry.commands.common import (
+    add_threads_flag,
+    fraction,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    use_threads,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +27,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--model", type=Path, required=True, help="GGUF model file")
     c.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                    help="a built-in (gemma, chatml, llama3, plain) or a Jinja file (default: "
-                   "the file's tokenizer.chat_template, else the built-in its vocabulary "
-                   "calls for)")
+                   "the file's tokenizer.chat_template, else plain: a file without one is "
+                   "taken for a base model)")
+    c.add_argument("--chat-content-specials", action="store_true",
+                   help="parse special-token texts in what you type as the special tokens "
+                   "(llama.cpp's way); by default they stay text")
     c.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
     c.add_argument("--max-tokens", type=positive_int, default=256,
                    help="tokens per reply at most (default 256)")
@@ -35,16 +41,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument("--top-k", type=nonneg_int, default=0,
                    help="sample among the K most probable tokens (default 0: all)")
     c.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
+    add_threads_flag(c, training=False)
     c.set_defaults(func=run_chat)
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from foundry.model.chat import ChatTemplateError, Message, prompt_text, template_for
-    from foundry.model.generate import printable
-    from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.inference import Engine
-    from foundry.model.sampling import SamplingError, make_rng, sample
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.infer.generate import printable
+    from foundry.model.infer.inference import Engine
+    from foundry.model.infer.sampling import SamplingError, make_rng, sample
+    from foundry.model.text.chat import ChatTemplateError, Message, chat_prompt, template_for
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
     from foundry.tp.policy import TextStream
 
     try:
@@ -54,9 +61,10 @@ def run_chat(args: argparse.Namespace) -> int:
     except (GGUFError, OSError, ChatTemplateError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded.cfg, loaded.params)
+    engine = Engine(loaded.cfg, loaded.params, threads=use_threads(args))
     rng = make_rng(args.seed)
-    stop = PLAIN_STOP if template.name == "plain" else ()
+    stop = template.stop
+    print(f"chat template: {template.name}", file=sys.stderr)
     history = [Message("system", args.system)] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -67,8 +75,10 @@ def run_chat(args: argparse.Namespace) -> int:
             return 0
         history.append(Message("user", line.rstrip("\n")))
         try:
-            # The template's turn markers are the model's special tokens: parsed as such.
-            tokens = tokenizer.encode(prompt_text(template, history), parse_special=True)
+            # The template's turn markers are the model's special tokens; what was typed is
+            # text (unless --chat-content-specials).
+            tokens = chat_prompt(template, tokenizer, history,
+                                 content_specials=args.chat_content_specials)
             session = engine.new_session()
             if len(tokens) >= session.ctx_size:
                 print(f"error: the conversation is {len(tokens)} tokens, the context "

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import ssl
+import sys
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from foundry.model import lora, recipe
-from foundry.model.backend import DEVICES
+from foundry.model.formats import lora
+from foundry.model.nn.device import DEVICES
+from foundry.model.train import recipe
 from foundry.obs.metrics import MetricsServer
 from foundry.transport import tls
 from foundry.wire.fdtc import FRAGMENT_SIZE, MAX_PAYLOAD, Fragment
@@ -248,12 +251,49 @@ def port_number(text: str) -> int:
     return whole_in(text, 0, 65535)
 
 
+def add_threads_flag(parser: argparse.ArgumentParser, *, training: bool) -> None:
+    """``--threads N``: the CPU threads this process computes on (docs/quantization.md)."""
+    also = (", BLAS's (numpy) and PyTorch's CPU threads" if training
+            else " and PyTorch's CPU threads (--device torch-cpu)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, metavar="N",
+        help=f"CPU threads to compute on: the C kernels' products and attention{also} "
+        "(default: the cores this process may use, or the physical cores among them where "
+        "fewer; the results do not depend on it)")
+
+
+def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool = False) -> int:
+    """Apply ``--threads`` (or the machine's default, ``hardware.default_threads``) to this
+    process: the kernels' pool; PyTorch's intra-op threads where PyTorch is loaded and the
+    count was asked for or ``torch_cpu`` (a process that trains with PyTorch on the CPU:
+    ``--device auto`` without a GPU); else PyTorch keeps its own (``--device torch-cpu``,
+    the tests' path, runs one thread: spinning torch threads on a loaded host cost far more
+    than they give); with ``blas``, BLAS's threads, unless the environment fixed them and
+    ``--threads`` did not. Returns the count."""
+    from foundry.hardware import default_threads
+    from foundry.model.kernels.quant import set_threads
+
+    asked = getattr(args, "threads", None)
+    n = asked if asked is not None else default_threads()
+    set_threads(n)
+    torch = sys.modules.get("torch")
+    if torch is not None and (asked is not None or torch_cpu):
+        torch.set_num_threads(n)
+    if blas and (asked is not None or "OPENBLAS_NUM_THREADS" not in os.environ):
+        from foundry.tp.blas import limit_blas_threads
+
+        limit_blas_threads(n)
+    return n
+
+
 def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
+    auto = ("cuda when PyTorch sees a GPU, else PyTorch on all the CPU's threads where it is "
+            "installed, else cpu" if training else "cuda when PyTorch sees a GPU, else cpu")
     parser.add_argument(
         "--device", default="cpu", choices=DEVICES,
         help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
-        "pip install 'foundry[gpu]'), auto (cuda when PyTorch sees a GPU, else cpu), "
+        f"pip install 'foundry[gpu]'), auto ({auto}), "
         "torch-cpu (the PyTorch path on the CPU, for tests)")
     if training:
         parser.add_argument(

@@ -25,7 +25,7 @@ from foundry.commands.common import (
     positive_int,
     positive_seconds,
 )
-from foundry.model.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_io import FILE_DTYPES
 
 DEFAULT_GATEWAY = ("127.0.0.1", 50051)
 # Deadline of a unary call when --timeout is not given; `watch` gets none (it runs until
@@ -293,15 +293,29 @@ def format_training(status: Any) -> str:
 
 
 def format_pair(pair: Any) -> str:
-    rank = "worker rank connected" if pair.worker_connected else "worker rank DISCONNECTED"
+    world = len(pair.ranks)
+    if world > 2:
+        rank = (f"all {world} ranks connected" if pair.worker_connected
+                else f"world of {world} ranks DISCONNECTED")
+    else:
+        rank = "worker rank connected" if pair.worker_connected else "worker rank DISCONNECTED"
     link = "shared memory" if pair.shared_memory else "tcp"
-    return (
+    text = (
         f"pair: {rank} ({link} gates)  model n_layer {pair.n_layer} n_embd {pair.n_embd} "
         f"n_vocab {pair.n_vocab} ctx {pair.ctx_size} ({pair.model_bytes} bytes, "
         f"id {pair.model_id:#010x})\n"
-        f"      sessions {pair.active_sessions}  requests {pair.requests_served}  "
+        f"      threads {pair.threads} (leader)  sessions {pair.active_sessions}  "
+        f"requests {pair.requests_served}  "
         f"tokens {pair.tokens_generated}  speculative acceptance {pair.spec_acceptance:.2f}"
     )
+    total = sum(r.share for r in pair.ranks)
+    for r in pair.ranks:
+        role = "leader" if r.rank == 0 else "worker"
+        state = "" if r.connected else "  DISCONNECTED"
+        wait = "" if r.rank == 0 else f"  gate wait {1e6 * r.gate_wait_seconds:.0f} us"
+        text += (f"\n      rank {r.rank} ({role})  share {r.share}/{total}"
+                 f"{wait}{state}")
+    return text
 
 
 # ---------------------------------------------------------------------------- actions

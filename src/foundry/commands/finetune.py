@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from foundry.model import recipe
+from foundry.model.train import recipe
 
 if TYPE_CHECKING:
-    from foundry.model.data import Corpus
-    from foundry.model.finetune import Base
-    from foundry.model.lora import LoraSpec
+    from foundry.model.formats.lora import LoraSpec
+    from foundry.model.text.data import Corpus
+    from foundry.model.train.finetune import Base
 
 
 class SetupError(Exception):
@@ -28,7 +28,7 @@ class SetupError(Exception):
 def torch_device(device: str) -> str:
     """The torch device of ``--device``: the CPU for cpu and torch-cpu, the GPU for cuda (and
     auto where one is seen). Fine-tuning always computes with PyTorch."""
-    from foundry.model.backend import INSTALL_HINT, torch_available
+    from foundry.model.nn.device import INSTALL_HINT, torch_available
 
     if not torch_available():
         raise SetupError(f"fine-tuning (--base-model) needs PyTorch, which is not installed: "
@@ -56,13 +56,13 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     """Load ``--base-model`` on the ``--device``, its tokenizer, and ``--data`` in its tokens
     (SetupError with the reason on any failure)."""
     from foundry.commands.common import lora_spec
-    from foundry.model.chat import ChatTemplateError, template_for
-    from foundry.model.data import DataError
-    from foundry.model.finetune import load_base
-    from foundry.model.finetune_data import load_tuning_corpus
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.lora import LoraError, target_tensors
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.formats.lora import LoraError, target_tensors
+    from foundry.model.text.chat import ChatTemplateError, template_for
+    from foundry.model.text.data import DataError
+    from foundry.model.text.finetune_data import load_tuning_corpus
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
+    from foundry.model.train.finetune import load_base
 
     try:
         spec = lora_spec(args)
@@ -90,7 +90,7 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
 
 
 def describe(t: Tuning, n_trainable: int) -> str:
-    from foundry.model.arch import spec as arch_spec
+    from foundry.model.spec.arch import spec as arch_spec
 
     total = sum(w.numel() for w in t.base.weights.values())
     how = ("full fine-tuning" if t.spec is None else
@@ -112,7 +112,7 @@ def run_finetune(args: argparse.Namespace) -> int:
               "run in one process writes its result with --out)", file=sys.stderr)
         return 2
     if args.out is not None:
-        from foundry.model.outfile import OutputRefused, check_output
+        from foundry.model.formats.outfile import OutputRefused, check_output
 
         try:
             check_output(args.out, force=True)
@@ -127,8 +127,13 @@ def run_finetune(args: argparse.Namespace) -> int:
     assert t.corpus is not None
     from tqdm import tqdm
 
-    from foundry.model.data import DataError
-    from foundry.model.finetune import FineTuneBackend, FineTuner, TuneSettings, initial_trainable
+    from foundry.model.text.data import DataError
+    from foundry.model.train.finetune import (
+        FineTuneBackend,
+        FineTuner,
+        TuneSettings,
+        initial_trainable,
+    )
 
     corpus = t.corpus
     try:
@@ -142,13 +147,17 @@ def run_finetune(args: argparse.Namespace) -> int:
         warmup_steps=(min(recipe.warmup_steps(args.steps), args.steps // 10)
                       if args.warmup_steps is None else args.warmup_steps),
     )
+    from foundry.commands.common import use_threads
+
+    # The kernels' pool and, on the CPU with --device auto or --threads, PyTorch's threads.
+    threads = use_threads(args, torch_cpu=t.base.device.type == "cpu" and args.device == "auto")
     backend = FineTuneBackend(t.base, t.spec, micro_batch=args.micro_batch or 8)
     trainable = initial_trainable(t.base, t.spec, args.seed)
     tuner = FineTuner(backend, settings, trainable)
     n_trainable = sum(a.size for a in trainable.values())
     print(f"fine-tuning {describe(t, n_trainable)}")
     print(f"on {corpus.source}: {len(corpus):,} tokens, {args.steps} steps of "
-          f"{args.global_batch}x{args.seq_len}, on {backend.name}", flush=True)
+          f"{args.global_batch}x{args.seq_len}, on {backend.name}, {threads} threads", flush=True)
     eval_every = args.eval_every or recipe.validate_every(args.steps)
     before = val = tuner.evaluate_loss(corpus, args.seq_len)
     print(f"step 0: held-out loss {val:.4f} nats/token", flush=True)
@@ -174,7 +183,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     bar.close()
     print(loss_line(before, val), flush=True)
     if args.out is not None:
-        from foundry.model.gguf_io import GGUFError
+        from foundry.model.formats.gguf_io import GGUFError
 
         try:
             write_result(t, tuner.host_params(), args.out)
@@ -186,9 +195,9 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 def write_result(t: Tuning, trainable: dict[str, Any], out: Any) -> None:
     """The adapter file (LoRA) or the whole model in the base's architecture (full)."""
-    from foundry.model.arch import spec as arch_spec
-    from foundry.model.gguf_io import rewrite_gguf
-    from foundry.model.lora import save_adapter
+    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.lora import save_adapter
+    from foundry.model.spec.arch import spec as arch_spec
 
     base = t.base.path
     if t.spec is not None:

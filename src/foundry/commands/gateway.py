@@ -15,9 +15,11 @@ from foundry.commands.common import (
     nonneg_float,
     nonneg_int,
     positive_int,
+    positive_seconds,
     start_metrics,
     tls_context,
 )
+from foundry.gateway.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,6 +42,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--http-queue", type=nonneg_int, default=64, metavar="N",
                    help="HTTP generations waiting at most, beyond --http-max-active; past it "
                    "429 with Retry-After (default 64)")
+    g.add_argument("--http-header-timeout", type=positive_seconds,
+                   default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="close an HTTP connection whose request headers are not in within S "
+                   f"seconds (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    g.add_argument("--http-max-connections", type=positive_int,
+                   default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="HTTP connections open at once; past it 503 and closed (default "
+                   f"{DEFAULT_MAX_CONNECTIONS})")
     g.add_argument("--model-name", default="foundry", metavar="NAME",
                    help="the model's id in /v1/models and in responses (default foundry)")
     g.add_argument("--coordinator-admin", type=host_port, default=("127.0.0.1", 7071),
@@ -104,6 +114,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         http_port=args.http_listen[1] if args.http_listen else 0,
         http_max_active=args.http_max_active,
         http_queue=args.http_queue,
+        http_header_timeout_s=args.http_header_timeout,
+        http_max_connections=args.http_max_connections,
         model_name=args.model_name,
     )
 

@@ -12,15 +12,17 @@ from foundry.commands.common import (
     add_device_flags,
     add_finetune_flags,
     add_schedule_flags,
+    add_threads_flag,
     fraction,
     nonneg_float,
     nonneg_int,
     positive_int,
     resolve_schedule,
+    use_threads,
 )
-from foundry.model import recipe
-from foundry.model.config import PRESETS
-from foundry.model.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.spec.config import PRESETS
+from foundry.model.train import recipe
 
 log = logging.getLogger("foundry.train")
 
@@ -79,6 +81,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     add_device_flags(t, training=True)
+    add_threads_flag(t, training=True)
     t.set_defaults(func=run_train)
 
     g = sub.add_parser(
@@ -101,18 +104,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="apply this LoRA adapter (from `foundry train --base-model ... "
                    "--lora-rank R --out ADAPTER.gguf`) to --model at load")
     add_device_flags(g, training=False)
+    add_threads_flag(g, training=False)
     g.add_argument("--compile", action="store_true",
                    help="with --device cuda, torch.compile the one-token step before it is "
                    "captured in a CUDA graph: faster decoding after a compilation of some "
                    "seconds (docs/gpu.md; default off)")
+    g.add_argument("--stats", action="store_true",
+                   help="print tokens, time, tokens/s and why it ended to stderr (as "
+                   "`foundry ctl generate --stats`)")
     g.set_defaults(func=run_generate)
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from foundry.model.config import preset
-    from foundry.model.gguf_io import save_gguf
-    from foundry.model.outfile import OutputRefused, check_output
-    from foundry.model.transformer import init_params
+    from foundry.model.formats.gguf_io import save_gguf
+    from foundry.model.formats.outfile import OutputRefused, check_output
+    from foundry.model.nn.transformer import init_params
+    from foundry.model.spec.config import preset
 
     try:  # a GGUF file may be replaced (as before); a checkpoint or any other file never
         check_output(args.out, force=True)
@@ -133,14 +140,14 @@ def run_train(args: argparse.Namespace) -> int:
         return run_finetune(args)
     if args.steps is None:
         args.steps = recipe.STEPS
-    from foundry.model.backend import BackendError
-    from foundry.model.checkpoint import CheckpointError, CheckpointRefused
-    from foundry.model.data import DataError
-    from foundry.model.gguf_io import GGUFError
+    from foundry.model.formats.checkpoint import CheckpointError, CheckpointRefused
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.nn.device import DeviceError
+    from foundry.model.text.data import DataError
 
     try:
         return _train(args)
-    except (DataError, CheckpointRefused, BackendError) as exc:
+    except (DataError, CheckpointRefused, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (CheckpointError, GGUFError) as exc:  # GGUFError: --out cannot hold the weights
@@ -151,8 +158,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from foundry.model import backend as compute
-    from foundry.model.checkpoint import (
+    from foundry.model.formats.checkpoint import (
         CheckpointState,
         DirectoryLock,
         check_directory,
@@ -161,30 +167,32 @@ def _train(args: argparse.Namespace) -> int:
         save_checkpoint,
         start_fresh,
     )
-    from foundry.model.config import preset
-    from foundry.model.data import (
+    from foundry.model.formats.gguf_io import save_gguf
+    from foundry.model.infer.generate import greedy_text, printable
+    from foundry.model.nn.transformer import init_params
+    from foundry.model.spec.config import preset
+    from foundry.model.text.data import (
         DataError,
         compressor_bits_per_byte,
         load_corpus,
         primed_bits_per_byte,
     )
-    from foundry.model.generate import greedy_text, printable
-    from foundry.model.gguf_io import save_gguf
-    from foundry.model.training import (
+    from foundry.model.train import backend as compute
+    from foundry.model.train.training import (
         TrainSettings,
         against_compressors,
         beaten_line,
         bits_per_byte,
         held_out_line,
     )
-    from foundry.model.transformer import init_params
     from foundry.runtime import retain_freed_memory
+    from foundry.up.view import FALLBACK_COLUMNS, terminal_columns
 
     if args.steps <= 0 or args.global_batch <= 0:
         print("error: --steps and --global-batch must be positive", file=sys.stderr)
         return 2
     if args.out is not None:
-        from foundry.model.outfile import OutputRefused, check_output
+        from foundry.model.formats.outfile import OutputRefused, check_output
 
         try:  # said before training, not after it (a GGUF file may be replaced)
             check_output(args.out, force=True)
@@ -209,7 +217,10 @@ def _train(args: argparse.Namespace) -> int:
     note = recipe.short_run_note(args.steps, args.data is None)
     if note:
         print(note)
-    backend = compute.select(args.device, bf16=args.bf16)
+    backend = compute.select(args.device, bf16=args.bf16, training=True)
+    threads = use_threads(args, blas=backend is compute.NUMPY,
+                          torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
+    print(f"training on {backend.name}, {threads} threads", flush=True)
     trainer = compute.make_trainer(backend, cfg, settings, init_params(cfg, args.seed))
     if args.checkpoint_dir is not None:
         check_directory(args.checkpoint_dir)
@@ -250,8 +261,9 @@ def _train(args: argparse.Namespace) -> int:
 
     val = trainer.evaluate_loss(corpus, args.seq_len)
     print(f"step {trainer.step}: {validation(val)}")
+    sized = terminal_columns(sys.stderr) > 0  # tqdm's bar goes to stderr
     bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
-               dynamic_ncols=True)
+               dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS)
     t0 = time.perf_counter()
     samples = 0
     try:
@@ -277,7 +289,7 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         bar.close()
         checkpoint()
-        print(f"interrupted at step {trainer.step}")
+        print(f"interrupted at step {trainer.step}; {resume_hint(args.checkpoint_dir)}")
         return 130
     bar.close()
     checkpoint()
@@ -289,14 +301,23 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def resume_hint(checkpoint_dir: Path | None) -> str:
+    """What `foundry train` says after Ctrl+C: how to go on from where it stopped."""
+    if checkpoint_dir is None:
+        return ("nothing was saved (no --checkpoint-dir); add --checkpoint-dir DIR to be able "
+                "to resume after a stop")
+    return (f"checkpoint written to {checkpoint_dir}: run the same command again to resume "
+            "from this step (--fresh starts at step 0)")
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.backend import BackendError
-    from foundry.model.engines import make_engine
-    from foundry.model.generate import generate_tokens
-    from foundry.model.gguf_io import GGUFError, load_gguf_stored
-    from foundry.model.lora import LoraError, apply_adapter, load_adapter
-    from foundry.model.sampling import SamplingError
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.formats.lora import LoraError, apply_adapter, load_adapter
+    from foundry.model.infer.engines import make_engine
+    from foundry.model.infer.generate import generate_tokens
+    from foundry.model.infer.sampling import SamplingError
+    from foundry.model.nn.device import DeviceError
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
 
     try:
         loaded = load_gguf_stored(args.model)
@@ -312,22 +333,43 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = make_engine(loaded.cfg, params, device=args.device,
-                             ctx_size=args.ctx_size, compile_step=args.compile)
-    except BackendError as exc:
+                             ctx_size=args.ctx_size, compile_step=args.compile,
+                             threads=use_threads(args))
+    except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # The engine holds what it needs (views of the loaded tensors, and its own stacked and cut
     # copies of the rest): the loaded tensors it copied would be held twice.
     del loaded, params
     text = tokenizer.stream_decoder()
+    t0 = time.perf_counter()
+    times: list[float] = []  # when each token came
     try:
         for token in generate_tokens(engine, args.prompt, args.max_tokens,
                                      temperature=args.temperature, top_p=args.top_p,
                                      seed=args.seed, tokenizer=tokenizer):
+            times.append(time.perf_counter())
             sys.stdout.write(text.feed(token))
             sys.stdout.flush()
     except (ValueError, SamplingError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(text.flush() + "\n")
+    sys.stdout.flush()
+    if args.stats:
+        print(generate_stats(len(tokenizer.encode(args.prompt)), t0, times, args.max_tokens),
+              file=sys.stderr)
     return 0
+
+
+def generate_stats(prompt_tokens: int, t0: float, times: list[float], max_tokens: int) -> str:
+    """`foundry generate --stats`: the line of ``ctl generate --stats``, with the prompt's time
+    (to the first token) apart from the decoding rate after it."""
+    n = len(times)
+    total = (times[-1] if times else time.perf_counter()) - t0
+    head = f"{n} tokens after a {prompt_tokens}-token prompt in {total:.3f} s"
+    if n:
+        rate = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None
+        head += (f" ({n / total:.1f} tokens/s; first token {times[0] - t0:.3f} s"
+                 + (f", then {rate:.1f} tokens/s" if rate is not None else "") + ")")
+    return f"{head}, finished: {'length' if n == max_tokens else 'stop'}"

@@ -17,6 +17,7 @@ from foundry.commands.common import (
     add_frame_deadline_flag,
     add_metrics_flag,
     add_schedule_flags,
+    add_threads_flag,
     add_tls_flags,
     fraction,
     host_port,
@@ -29,14 +30,15 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
     tls_note,
+    use_threads,
     whole_in,
 )
-from foundry.model import recipe
-from foundry.model.backend import DEVICES
-from foundry.model.checkpoint import DEFAULT_KEEP_LAST
-from foundry.model.config import PRESETS, ModelConfig, preset
-from foundry.model.gguf_io import FILE_DTYPES
-from foundry.model.training import TrainSettings
+from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.nn.device import DEVICES, DeviceError
+from foundry.model.spec.config import PRESETS, ModelConfig, preset
+from foundry.model.train import recipe
+from foundry.model.train.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
 from foundry.transport.stream import LINK_DEAD_AFTER_S
 from foundry.wire.fdtc import MAX_MESSAGE, MAX_QSGD_LEVELS, Compression
@@ -189,6 +191,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="write a Chrome trace of this worker's rounds (compute, compress, send, "
                    "wait)")
     add_device_flags(w, training=True)
+    add_threads_flag(w, training=True)
     add_fragment_size_flag(w, "GRADIENTS")
     add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)
@@ -218,14 +221,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from foundry.model import backend as compute
-    from foundry.model.checkpoint import (
+    from foundry.model.formats.checkpoint import (
         CheckpointError,
         DirectoryLock,
         check_directory,
         start_fresh,
     )
-    from foundry.model.data import DataError, load_corpus
+    from foundry.model.text.data import DataError, load_corpus
+    from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
@@ -241,8 +244,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     validation_backend: compute.Backend
     if args.base_model is not None:
         from foundry.commands.finetune import SetupError, open_base
-        from foundry.model.finetune import FineTuneBackend, initial_trainable
-        from foundry.model.tuning import tuned_config
+        from foundry.model.formats.tuning import tuned_config
+        from foundry.model.train.finetune import FineTuneBackend, initial_trainable
 
         try:
             tuning = open_base(args)
@@ -276,7 +279,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         DirectoryLock(args.checkpoint_dir, "foundry coordinator").acquire()
         if args.fresh:
             start_fresh(args.checkpoint_dir)
-    except (DataError, TlsConfigError, CheckpointError, compute.BackendError) as exc:
+    except (DataError, TlsConfigError, CheckpointError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # Every round allocates and frees the same weight, gradient and optimizer buffers (13.7 MB
@@ -375,8 +378,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model import backend as compute
-    from foundry.model.data import DataError, load_corpus
+    from foundry.model.text.data import DataError, load_corpus
+    from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
 
@@ -388,12 +391,13 @@ def run_worker(args: argparse.Namespace) -> int:
         else:
             base, corpus = _worker_base(args)
         tls = tls_context(args, server=False)
-        backend = compute.select(args.device, bf16=args.bf16)
-    except (ValueError, DataError, compute.BackendError) as exc:
+        backend = compute.select(args.device, bf16=args.bf16, training=True)
+    except (ValueError, DataError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if backend is not compute.NUMPY:
-        print(f"worker computes on {backend.name}", flush=True)
+    threads = use_threads(args, blas=backend is compute.NUMPY,
+                          torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
+    print(f"worker computes on {backend.name}, {threads} threads", flush=True)
     retain_freed_memory()  # as `foundry train`: a step's activations are reused every round
     options = WorkerOptions(
         host=args.coordinator[0],
@@ -410,6 +414,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         worker = Worker(options, corpus, timeline)
+        worker.metrics.threads.set(threads)
         metrics = start_metrics(args, worker.metrics.registry)
         if metrics:
             print(f"worker {options.worker_id}: metrics :{metrics.port}", flush=True)
@@ -438,12 +443,12 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
     """A fine-tuning worker's base file (its identity; loaded for training where PyTorch is
     here) and --data in the file's tokens. ValueError says what is wrong."""
     from foundry.commands.finetune import SetupError, torch_device
-    from foundry.model.backend import torch_available
-    from foundry.model.chat import template_for
-    from foundry.model.finetune_data import load_tuning_corpus
-    from foundry.model.gguf_io import load_gguf
-    from foundry.model.tuning import architecture_of, file_identity
-    from foundry.model.vocab import TokenizerError, load_tokenizer
+    from foundry.model.formats.gguf_io import load_gguf
+    from foundry.model.formats.tuning import architecture_of, file_identity
+    from foundry.model.nn.device import torch_available
+    from foundry.model.text.chat import template_for
+    from foundry.model.text.finetune_data import load_tuning_corpus
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
     from foundry.swarm.worker import BaseFile
 
     if args.data is None:
@@ -457,7 +462,7 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"{args.base_model}: {exc}") from None
     loaded = None
     if torch_available():
-        from foundry.model.finetune import load_base
+        from foundry.model.train.finetune import load_base
 
         try:
             loaded = load_base(args.base_model, torch_device(args.device))
@@ -471,9 +476,9 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from foundry.model.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-    from foundry.model.gguf_io import GGUFError, save_gguf
-    from foundry.model.outfile import OutputRefused, check_output
+    from foundry.model.formats.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from foundry.model.formats.gguf_io import GGUFError, save_gguf
+    from foundry.model.formats.outfile import OutputRefused, check_output
 
     try:
         check_output(args.out, force=args.force)
@@ -510,9 +515,9 @@ def _export_merged(args: argparse.Namespace) -> int:
     """The base file with the adapter merged into its tensors (``gguf_io.rewrite_gguf``)."""
     import gguf
 
-    from foundry.model.gguf_io import GGUFError, load_gguf_stored, rewrite_gguf
-    from foundry.model.lora import LoraError, apply_adapter, base_of, load_adapter
-    from foundry.model.quant import dequantize
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored, rewrite_gguf
+    from foundry.model.formats.lora import LoraError, apply_adapter, base_of, load_adapter
+    from foundry.model.kernels.quant import dequantize
 
     try:
         adapter = load_adapter(args.adapter)

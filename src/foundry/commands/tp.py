@@ -1,4 +1,5 @@
-"""`foundry tp-leader` and `foundry tp-worker`: the two ranks of a tensor-parallel pair."""
+"""`foundry tp-leader` and `foundry tp-worker`: the ranks of a tensor-parallel pair, or of a
+world of N ranks (``--world-size``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from foundry.commands.common import (
     add_device_flags,
     add_frame_deadline_flag,
     add_metrics_flag,
+    add_threads_flag,
     add_tls_flags,
     host_port,
     nonneg_int,
@@ -21,8 +23,9 @@ from foundry.commands.common import (
     start_metrics,
     tls_context,
     tls_note,
+    use_threads,
 )
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 
@@ -59,6 +62,20 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     add_metrics_flag(p)
 
 
+def _shares(text: str) -> tuple[int, ...] | None:
+    if not text:
+        return None  # equal shares (an empty value, as a deployment's unset variable gives)
+    try:
+        shares = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), got "
+            f"{text!r}") from None
+    if any(s < 1 for s in shares):
+        raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
+    return shares
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead = sub.add_parser(
         "tp-leader",
@@ -73,6 +90,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
                       metavar="HOST:PORT",
                       help="the frontend link for the gateway (default 127.0.0.1:7091)")
+    lead.add_argument("--world-size", type=positive_int, default=2, metavar="N",
+                      help="ranks in all, this one included (default 2: the pair); each of the "
+                      "N-1 workers dials --listen (docs/tp.md, N ranks)")
+    lead.add_argument("--shares", type=_shares, default=None, metavar="W0,W1,...",
+                      help="each rank's share of the model, rank 0 first, as integer weights "
+                      "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
+                      "machine takes the smaller one (default, or empty: equal)")
     lead.add_argument("--max-sessions", type=positive_int, default=16,
                       help="generations decoded at once (default 16)")
     lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
@@ -94,13 +118,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--chat-template", default=None, metavar="NAME|FILE",
                       help="how chat messages become the prompt: a built-in (gemma, chatml, "
                       "llama3, plain) or a Jinja file (default: the model file's "
-                      "tokenizer.chat_template, else the built-in its vocabulary calls for)")
+                      "tokenizer.chat_template, else plain: a file without one is taken for a "
+                      "base model)")
+    lead.add_argument("--chat-content-specials", action="store_true",
+                      help="parse special-token texts (<start_of_turn>, <|im_start|>) in "
+                      "messages' content as the special tokens (llama.cpp's way); by default "
+                      "they stay text, so a user cannot forge a turn")
+    lead.add_argument("--max-messages", type=positive_int, default=4096, metavar="N",
+                      help="a chat request's most messages (default 4096)")
     lead.add_argument("--hash-check", action="store_true",
                       help="debug: after every step both ranks compare a hash of their state")
     lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
                       help="open connections on --frontend-listen at most; more are refused "
                       "(default 64). --listen takes one pair (and 4 connections in bring-up)")
     add_device_flags(lead, training=False)
+    add_threads_flag(lead, training=False)
     add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
     lead.set_defaults(func=run_leader)
 
@@ -116,7 +148,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       metavar="HOST:PORT", help="the leader's --listen address")
     work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
                       help="longest pause between dial attempts (default 2)")
+    work.add_argument("--rank", type=positive_int, default=None, metavar="R",
+                      help="the rank to serve as, 1 .. N-1 of the leader's --world-size "
+                      "(default: the next free one; after a loss, the one held before)")
+    work.add_argument("--gate-listen", type=host_port, default=("0.0.0.0", 0),
+                      metavar="HOST:PORT",
+                      help="in a world of more than 2 ranks: where the ranks above this one "
+                      "connect their gates (default 0.0.0.0 and any free port; the leader "
+                      "tells them the address it sees this worker at)")
     add_device_flags(work, training=False)
+    add_threads_flag(work, training=False)
     add_tls_flags(work, server=False, links="the connections to the leader")
     work.set_defaults(func=run_worker)
 
@@ -130,12 +171,13 @@ def _limit_threads(n: int) -> int | None:
 
 
 def run_leader(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    threads = use_threads(args)
     try:
         tls = tls_context(args, server=True)
     except TlsConfigError as exc:
@@ -166,6 +208,10 @@ def run_leader(args: argparse.Namespace) -> int:
             frontend_max_connections=args.frontend_max_connections,
             frame_deadline_s=args.frame_deadline,
             chat_template=args.chat_template,
+            chat_content_specials=args.chat_content_specials,
+            max_messages=args.max_messages,
+            world_size=args.world_size,
+            shares=args.shares,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:
@@ -174,12 +220,13 @@ def run_leader(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         await leader.start()
+        leader.metrics.threads.set(threads)
         metrics = start_metrics(args, leader.metrics.registry)
         print(
             f"tp-leader listening: workers {options.host}:{leader.port}, "
             f"frontend {options.frontend_host}:{leader.frontend_port}"
             + (f", metrics :{metrics.port}" if metrics else "")
-            + (tls_note(tls) if tls else ""),
+            + f", {threads} threads" + (tls_note(tls) if tls else ""),
             flush=True,
         )
         loop = asyncio.get_running_loop()
@@ -197,12 +244,13 @@ def run_leader(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model.gguf_io import GGUFError
-    from foundry.model.tp_split import SplitError
+    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.shard import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError
 
     _limit_threads(args.blas_threads)
+    threads = use_threads(args)
     try:
         tls = tls_context(args, server=False)
     except TlsConfigError as exc:
@@ -222,17 +270,23 @@ def run_worker(args: argparse.Namespace) -> int:
         device=args.device,
         tls=tls,
         frame_deadline_s=args.frame_deadline,
+        rank=args.rank,
+        gate_host=args.gate_listen[0],
+        gate_port=args.gate_listen[1],
     )
     try:
         worker = Worker(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    worker.metrics.threads.set(threads)
     metrics = start_metrics(args, worker.metrics.registry)
+    ready = (f"tp-worker ready: rank {options.rank} of {args.model}" if options.rank
+             else f"tp-worker ready: the next free rank of {args.model}")
     print(
-        f"tp-worker ready: rank 1 of {args.model}, leader {options.leader_host}:"
+        f"{ready}, leader {options.leader_host}:"
         f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
-        + (" (tls)" if tls else ""),
+        + f", {threads} threads" + (" (tls)" if tls else ""),
         flush=True,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):

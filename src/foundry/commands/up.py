@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from foundry.commands.common import port_number, positive_float, positive_int
-from foundry.model import recipe
-from foundry.model.config import PRESETS
+from foundry.model.spec.config import PRESETS
+from foundry.model.train import recipe
 from foundry.up.pipeline import run_stack
 from foundry.up.plan import MAX_CHECKPOINT_EVERY, MIN_CHECKPOINT_EVERY, StackError, StackOptions
 
@@ -96,10 +96,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     u.add_argument("--lora-targets", default=d.lora_targets, metavar="NAMES",
                    help=f"with --base-model: the projections with adapters (default "
                    f"{d.lora_targets})")
+    u.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads of the whole stack, divided between the processes that "
+                   "compute: the workers while it trains, the pair's two ranks while it serves "
+                   "(default: the cores it may use, or the physical cores among them where "
+                   "fewer)")
     u.set_defaults(func=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from foundry.hardware import default_threads
+
     d = StackOptions()
     tune = args.base_model is not None
     try:
@@ -132,6 +139,7 @@ def run_up(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_targets=args.lora_targets,
+            threads=args.threads or default_threads(),
         )
         return run_stack(options)
     except StackError as exc:

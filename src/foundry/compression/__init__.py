@@ -19,6 +19,7 @@ from foundry.compression.base import (
     deserialize_tensors,
     estimate_compressed_size,
     get_codec,
+    largest_message,
     largest_section,
     serialize_tensors,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "fp16_to_fp32",
     "fp32_to_fp16",
     "get_codec",
+    "largest_message",
     "largest_section",
     "serialize_tensors",
     "topk_compress",

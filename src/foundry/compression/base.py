@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import numpy.typing as npt
 
+from foundry.wire import fdtc
 from foundry.wire.errors import FdtcProtocolError, LocalProtocolError
 from foundry.wire.fdtc import Compression
 
@@ -123,6 +124,14 @@ def largest_section(numels: Iterable[int]) -> int:
     most, 6 bytes an element plus a 4-byte head and a 4-byte offset per block; NONE takes 4,
     QSGD at most 1 plus a 4-byte norm per bucket and a head."""
     return sum(10 * n + 64 for n in numels)
+
+
+def largest_message(numels: Iterable[int]) -> int:
+    """The largest WEIGHTS, GRADIENTS or UPDATE payload a worker link carries for tensors of
+    ``numels`` elements (the larger header and ``largest_section``), at most FDTC's
+    ``MAX_MESSAGE``: what either side lets the other's FRAGMENT frames build."""
+    header = max(fdtc.Gradients.LAYOUT.size, fdtc.Update.LAYOUT.size)
+    return min(fdtc.MAX_MESSAGE, header + largest_section(numels))
 
 
 def estimate_compressed_size(numel: int, compression: Compression | int, **params: Any) -> int:

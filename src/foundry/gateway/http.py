@@ -23,9 +23,11 @@ stream does: a client that keeps up gets one token per chunk, one that falls beh
 up in fewer, larger chunks; nothing waits to fill a batch).
 
 Status codes: 400 bad request (OpenAI's ``invalid_request_error``, ``param`` names the field),
-401 missing or wrong bearer token, 404 unknown path, 405 wrong method, 413 body too large, 429
-queue full (``Retry-After``), 503 pair unavailable, 504 pair timeout, 500 anything else (the
-detail goes to the log, never a traceback to the client).
+401 missing or wrong bearer token, 404 unknown path or model (``model_not_found``), 405 wrong
+method, 413 body too large, 429 queue full (``Retry-After``), 503 pair unavailable, 504 pair
+timeout, 500 anything else (the detail goes to the log, never a traceback to the client).
+Connections are bounded by ``gateway.http_limits``: headers within ``header_timeout_s``,
+``max_connections`` open at once.
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from foundry.gateway.errors import (
-    BackendFailed,
-    BackendTimeout,
-    BackendUnavailable,
     GatewayError,
     InvalidRequest,
 )
 from foundry.gateway.frontend_client import Event, FrontendClient, Generation
+from foundry.gateway.http_limits import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    limited_h11,
+)
 from foundry.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -119,15 +123,17 @@ class ClientGone(Exception):
 
 
 def http_error(exc: GatewayError) -> HttpError:
-    """A gateway error (the pair's refusal, a broken link) as the HTTP answer."""
+    """A gateway error (the pair's refusal, a broken link) as the HTTP answer, by its gRPC
+    status as the gRPC side answers it: the leader's own UNAVAILABLE (its worker lost, or
+    not yet paired) is a 503 as much as a link the gateway cannot reach."""
     if isinstance(exc, InvalidRequest):
         return HttpError(400, exc.message)
-    if isinstance(exc, BackendTimeout):
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return HttpError(504, exc.message, "timeout_error")
-    if isinstance(exc, BackendUnavailable):
+    if exc.code == grpc.StatusCode.UNAVAILABLE:
         return HttpError(503, exc.message, "service_unavailable",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, BackendFailed) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return HttpError(429, exc.message, "rate_limit_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     return HttpError(500, exc.message, "server_error")
@@ -326,6 +332,8 @@ class HttpOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     grace_s: float = 5.0
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # gateway.http_limits
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 class OpenAIApi:
@@ -338,6 +346,7 @@ class OpenAIApi:
         self.metrics = metrics
         self.queue = FairQueue(options.max_active, options.max_waiting)
         metrics.http_queue_depth.set_function(lambda: self.queue.waiting)
+        metrics.http_active.set_function(lambda: self.queue.active)
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
@@ -521,8 +530,17 @@ class OpenAIApi:
 
     # -- endpoints ---------------------------------------------------------------------
 
+    def _served(self, model: str | None) -> None:
+        """A request for a model this gateway does not serve gets OpenAI's 404 (no answer from
+        another model); one that names none is served."""
+        if model is not None and model != self.opt.model_name:
+            raise HttpError(404, f"The model `{model}` does not exist or you do not have "
+                            f"access to it; this gateway serves `{self.opt.model_name}`",
+                            code="model_not_found")
+
     async def chat_completions(self, request: Request) -> Response:
         req = await self._body(request, ChatCompletionRequest)
+        self._served(req.model)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -537,6 +555,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         req = await self._body(request, CompletionRequest)
+        self._served(req.model)
         generation = self._generation(
             req.token_limit(), req.temperature, req.top_p, req.top_k, req.seed,
             req.stop_strings(), logprobs=req.logprobs is not None,
@@ -717,7 +736,8 @@ class HttpServer:
         sock = _bind(self.opt.host, self.opt.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.api.app, http="h11", lifespan="off", log_level="warning", access_log=False,
+            self.api.app, http=limited_h11(self.opt.header_timeout_s, self.opt.max_connections),
+            lifespan="off", log_level="warning", access_log=False,
             ssl_certfile=self.opt.tls_cert, ssl_keyfile=self.opt.tls_key,
             timeout_graceful_shutdown=max(1, round(self.opt.grace_s)),
         )

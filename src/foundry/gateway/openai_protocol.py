@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from foundry.model.sampling import MAX_TOP_LOGPROBS
+from foundry.model.infer.sampling import MAX_TOP_LOGPROBS
 from foundry.wire.frontend import MAX_STOP_STRINGS
 
 # OpenAI's ranges for the sampling settings.

@@ -35,6 +35,7 @@ from foundry.gateway.calls import CallInterceptor
 from foundry.gateway.frontend_client import FrontendClient
 from foundry.gateway.health import Backend, HealthProbe
 from foundry.gateway.http import HttpOptions, HttpServer
+from foundry.gateway.http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from foundry.gateway.servicers import InferenceServicer, ModelServicer, TrainingServicer
 from foundry.obs.metrics import GatewayMetrics
 
@@ -67,6 +68,8 @@ class GatewayOptions:
     http_port: int = 8080
     http_max_active: int = 16
     http_queue: int = 64
+    http_header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    http_max_connections: int = DEFAULT_MAX_CONNECTIONS
     model_name: str = "foundry"
 
 
@@ -125,7 +128,8 @@ class Gateway:
             self.http = HttpServer(
                 HttpOptions(options.http_host, options.http_port, options.model_name,
                             options.http_max_active, options.http_queue, options.token,
-                            options.tls_cert, options.tls_key, options.grace_s),
+                            options.tls_cert, options.tls_key, options.grace_s,
+                            options.http_header_timeout_s, options.http_max_connections),
                 self.frontend, self.metrics,
             )
         self.port = 0

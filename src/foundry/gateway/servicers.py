@@ -120,12 +120,16 @@ def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusRespon
         tokens_generated=status.tokens_generated,
         requests_served=status.requests_served,
         spec_acceptance=status.spec_acceptance,
+        threads=status.threads,
         n_layer=status.n_layer,
         n_embd=status.n_embd,
         n_vocab=status.n_vocab,
         ctx_size=status.ctx_size,
         model_bytes=status.model_bytes,
         model_id=status.model_id,
+        ranks=[inference_pb2.RankStatus(rank=r.rank, share=r.share, connected=r.connected,
+                                        gate_wait_seconds=r.gate_wait_us / 1e6)
+               for r in status.ranks],
     )
 
 

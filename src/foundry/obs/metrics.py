@@ -213,6 +213,10 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.threads = Gauge(
+            "foundry_worker_threads", "CPU threads this worker computes on (--threads).",
+            registry=r,
+        )
         self.inner_steps = Counter(
             "foundry_worker_inner_steps_total",
             "Inner optimizer steps run in local-step rounds (--sync-every above 1).",
@@ -303,6 +307,11 @@ class GatewayMetrics:
             "HTTP generation requests waiting for a place on the pair.",
             registry=r,
         )
+        self.http_active = Gauge(
+            "foundry_gateway_http_active_requests",
+            "HTTP generation requests holding a place on the pair (admitted, not yet ended).",
+            registry=r,
+        )
 
 
 # Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.
@@ -338,13 +347,14 @@ class RankLabel(Collector):
 
 
 class TpMetrics:
-    """Both ranks of a tensor-parallel pair (each process has its own registry); every
-    series carries ``rank`` (0 the leader, 1 the worker)."""
+    """Every rank of a tensor-parallel pair or world (each process has its own registry);
+    every series carries ``rank`` (0 the leader, 1 .. N-1 the workers)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0) -> None:
         self.registry = registry or CollectorRegistry()
         r = self._own = CollectorRegistry()
-        self.registry.register(RankLabel(r, rank))
+        self._label = RankLabel(r, rank)
+        self.registry.register(self._label)
         self.tokens = Counter(
             "foundry_tp_tokens_total",
             "Tokens evaluated by the pair, by phase (prefill: prompt tokens; decode: generated).",
@@ -377,6 +387,9 @@ class TpMetrics:
         )
         self.active_sessions = Gauge(
             "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
+        )
+        self.threads = Gauge(
+            "foundry_tp_threads", "CPU threads this rank computes on (--threads).", registry=r
         )
         self.kept_sessions = Gauge(
             "foundry_tp_kept_sessions",
@@ -449,6 +462,10 @@ class TpMetrics:
         # Resolved once: a rank records a gate 2 x n_layer times a token.
         self._gate_sent = self.gate_bytes.labels("sent")
         self._gate_received = self.gate_bytes.labels("received")
+
+    def set_rank(self, rank: int) -> None:
+        """The rank this process was given (a worker learns it when the world forms)."""
+        self._label.rank = str(rank)
 
     def record_gate(self, seconds: float, nbytes: int) -> None:
         """One gate exchange: its time and the bytes that went each way."""

@@ -47,7 +47,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from foundry.model.data import Corpus
+from foundry.model.text.data import Corpus
 from foundry.obs.timeline import Timeline
 from foundry.swarm import sync
 from foundry.swarm.admin_port import SHUTDOWN_WAIT_S, AdminPort

@@ -17,23 +17,25 @@ from typing import Any
 
 import numpy as np
 
-from foundry.compression import largest_section
+from foundry.compression import largest_message
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
-from foundry.model.backend import NUMPY, Backend
-from foundry.model.checkpoint import DEFAULT_KEEP_LAST
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
-from foundry.model.training import Trainer, TrainSettings
+from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus
+from foundry.model.train.backend import NUMPY, Backend
+from foundry.model.train.training import Trainer, TrainSettings
 from foundry.obs.metrics import SwarmMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import policy, sync
 from foundry.transport.fdtc_stream import DEFAULT_FRAME_DEADLINE_S, FdtcStream
 from foundry.wire import fdtc
 from foundry.wire.fdtc import Compression
+from foundry.wire.framing import ReceiveBudget
 
 log = logging.getLogger("foundry.coordinator")
 
-# Our workers heartbeat every 0.5 s; one silent this long is dropped (DESIGN: within 3 s).
+# Our workers heartbeat every 0.5 s; one silent this long is dropped (within 3 s:
+# docs/decisions.md, D4).
 HEARTBEAT_TIMEOUT_S = 2.5
 # The seed fixes no heartbeat interval: a seed-only peer is judged by its own cadence once two
 # heartbeats showed it (policy.liveness_timeout), and may stay silent this long before that.
@@ -44,6 +46,8 @@ HEARTBEAT_HISTORY = 8
 # link; the gateway's pool (4) and a few `foundry ctl`-like tools on the admin link.
 MAX_WORKER_CONNECTIONS = 256
 MAX_ADMIN_CONNECTIONS = 16
+# The least receive budget of the worker links (SwarmCore.receive_budget), for small models.
+RECEIVE_BUDGET_FLOOR = 1 << 30
 # Validation loss every this many steps by default (forward passes over at most
 # data.VAL_MAX_TOKENS held-out tokens: for the tiny preset about as much as 5 rounds of batch
 # 16 x 64).
@@ -228,9 +232,12 @@ class SwarmCore:
         self.shapes = list(options.cfg.param_shapes().items())
         self.numels = [int(np.prod(s)) for _, s in self.shapes]
         # The largest message a worker link carries either way (WEIGHTS, or GRADIENTS and
-        # UPDATE in any codec), beyond one frame for a model over 256 MiB in f32 (FRAGMENT).
-        self.message_limit = min(fdtc.MAX_MESSAGE, max(
-            fdtc.MAX_PAYLOAD, fdtc.Gradients.LAYOUT.size + largest_section(self.numels)))
+        # UPDATE in any codec) for this model: what a peer's FRAGMENT frames may build, so a
+        # peer cannot make the coordinator hold more than the model's largest message.
+        self.message_limit = largest_message(self.numels)
+        # What all worker links together may hold of frames and messages being received
+        # (framing.ReceiveBudget): four of the largest messages, and at least 1 GiB.
+        self.receive_budget = ReceiveBudget(max(RECEIVE_BUDGET_FLOOR, 4 * self.message_limit))
         self.round_bytes = [0, 0]  # up, down during the current round
         self.stepped_at = time.monotonic()  # when the global step last advanced (status)
         self.checkpoint_step = trainer.step  # a resumed run already has this one on disk

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from foundry.compression import Codec, get_codec
-from foundry.model.training import Params
+from foundry.model.train.training import Params
 from foundry.swarm import sync
 from foundry.swarm.core import Member, SwarmCore, SwarmState
 from foundry.wire import fdtc

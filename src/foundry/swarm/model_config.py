@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from foundry.model.config import ConfigError, ModelConfig
+from foundry.model.spec.config import ConfigError, ModelConfig
 from foundry.wire.fdtc import ErrorCode, FdtcProtocolError, ModelConfigMsg
 
 # The message's fields that are ModelConfig fields (all but aux_loss_coef, a training setting).

@@ -12,23 +12,23 @@ from pathlib import Path
 
 import numpy as np
 
-from foundry.model.checkpoint import (
+from foundry.model.formats.checkpoint import (
     CheckpointError,
     CheckpointState,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
-from foundry.model.data import compressor_bits_per_byte
-from foundry.model.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
-from foundry.model.training import (
+from foundry.model.formats.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
+from foundry.model.formats.tuning import TunedConfig
+from foundry.model.nn.transformer import init_params
+from foundry.model.text.data import compressor_bits_per_byte
+from foundry.model.train.training import (
     Params,
     Trainer,
     against_compressors,
     bits_per_byte,
 )
-from foundry.model.transformer import init_params
-from foundry.model.tuning import TunedConfig
 from foundry.obs.timeline import now_us
 from foundry.swarm.core import CoordinatorOptions, SwarmCore
 from foundry.swarm.downlink import Downlink
@@ -241,8 +241,8 @@ class Records:
 def export_tuned(target: Path, cfg: TunedConfig, base: Path | None, params: Params) -> None:
     """A fine-tuning run's result: the LoRA adapter file, or (full fine-tuning) the base file
     with the trained tensors in place of its own."""
-    from foundry.model.gguf_io import rewrite_gguf
-    from foundry.model.lora import save_adapter
+    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.lora import save_adapter
 
     if cfg.spec is not None:
         save_adapter(target, cfg.architecture, cfg.spec.alpha, params)

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from foundry.model.training import Params
-from foundry.model.tuning import TunedConfig
+from foundry.model.formats.tuning import TunedConfig
+from foundry.model.train.training import Params
 from foundry.obs.timeline import now_us
 from foundry.swarm import policy
 from foundry.swarm.core import Member, Round, SwarmCore, SwarmState
@@ -40,7 +40,10 @@ ROUNDS_BEFORE_STALL_NOTE = 2
 # median report time is waiting on stragglers, and the log names them ...
 LATE_FACTOR = 1.5
 # ... once it has waited at least this long after the first report (less is scheduling jitter).
+# That line is INFO: on a busy machine a wait of tens of milliseconds is ordinary ...
 LATE_MIN_WAIT_S = 0.05
+# ... and the round is told again at WARNING once it has waited this long after the first report.
+LATE_WARNING_S = 1.0
 
 
 class RoundRunner:
@@ -157,7 +160,7 @@ class RoundRunner:
 
     async def _await_decision(self, rnd: Round) -> policy.RoundDecision:
         """Wait until the round closes or is abandoned (reports, deaths, its deadline)."""
-        warned = False
+        told = logging.NOTSET  # the level the wait was last logged at
         while True:
             decision = rnd.decide(time.monotonic())
             paused = self.core.state is SwarmState.PAUSED
@@ -173,13 +176,12 @@ class RoundRunner:
             if decision is not policy.RoundDecision.WAIT or self.core.stopping.is_set():
                 break
             wake = rnd.deadline
-            late_at = late_after(rnd.started, list(rnd.report_at.values()))
-            if late_at is not None and not warned:
-                if time.monotonic() >= late_at:
-                    self._warn_late(rnd)
-                    warned = True
-                else:
-                    wake = min(wake, late_at)
+            stages = late_stages(rnd.started, list(rnd.report_at.values()))
+            due = [level for level, at in stages if time.monotonic() >= at]
+            if due and max(due) > told:
+                told = max(due)
+                self._warn_late(rnd, told)
+            wake = min([wake, *(at for level, at in stages if level > told)])
             rnd.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rnd.changed.wait(), max(0.0, wake - time.monotonic()))
@@ -229,10 +231,11 @@ class RoundRunner:
             workers=len(rnd.reported),
         )
 
-    def _warn_late(self, rnd: Round) -> None:
+    def _warn_late(self, rnd: Round, level: int) -> None:
         assert rnd.first_report_at is not None
         median = statistics.median(t - rnd.started for t in rnd.report_at.values())
-        log.warning(
+        log.log(
+            level,
             "step %d is waiting for %s: %.2fs after the first report; the median report "
             "came %.2fs into the round",
             self.step_of(rnd), ", ".join(rnd.missing()),
@@ -356,4 +359,14 @@ def late_after(started: float, report_times: list[float]) -> float | None:
         return None
     median = statistics.median(t - started for t in report_times)
     return max(started + LATE_FACTOR * median, min(report_times) + LATE_MIN_WAIT_S)
+
+
+def late_stages(started: float, report_times: list[float]) -> list[tuple[int, float]]:
+    """(log level, when) at which a waiting round names its stragglers: INFO at ``late_after``,
+    WARNING once it has waited ``LATE_WARNING_S`` after the first report; none before a report."""
+    late_at = late_after(started, report_times)
+    if late_at is None:
+        return []
+    return [(logging.INFO, late_at),
+            (logging.WARNING, max(late_at, min(report_times) + LATE_WARNING_S))]
 

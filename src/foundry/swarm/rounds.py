@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from foundry.model.training import Params
+from foundry.model.train.training import Params
 from foundry.swarm import policy, sync
 from foundry.swarm.core import Member, Round, SwarmCore
 from foundry.wire import fdtc

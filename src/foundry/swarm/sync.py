@@ -31,11 +31,11 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.compression import Codec
-from foundry.model.backend import NUMPY
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus
-from foundry.model.optim import AdamW, lr_schedule
-from foundry.model.training import GradientResult, Params
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus
+from foundry.model.train.backend import NUMPY
+from foundry.model.train.optim import AdamW, lr_schedule
+from foundry.model.train.training import GradientResult, Params
 
 F32 = npt.NDArray[np.float32]
 

@@ -37,13 +37,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from foundry.compression import Compressor, deserialize_tensors, get_codec
-from foundry.hardware import HardwareInfo, detect_profile
-from foundry.model.backend import NUMPY, Backend
-from foundry.model.config import ModelConfig
-from foundry.model.data import Corpus, DataError
-from foundry.model.training import GradientResult, Params
-from foundry.model.tuning import FileIdentity, targets_of, tuned_config
+from foundry.compression import Compressor, deserialize_tensors, get_codec, largest_message
+from foundry.hardware import HardwareInfo, detect_profile, profile_batch_size
+from foundry.model.formats.tuning import FileIdentity, targets_of, tuned_config
+from foundry.model.spec.config import ModelConfig
+from foundry.model.text.data import Corpus, DataError
+from foundry.model.train.backend import NUMPY, Backend
+from foundry.model.train.training import GradientResult, Params
 from foundry.obs.metrics import WorkerMetrics
 from foundry.obs.timeline import Timeline, now_us
 from foundry.swarm import sync
@@ -244,7 +244,10 @@ class Worker:
                 return 1
             delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self._rng)
             hint = (" (with TLS, the coordinator closes the link of a worker whose certificate "
-                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else "")
+                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else
+                    " (a coordinator started with --tls-cert closes a plaintext worker's link "
+                    "at once: if it runs TLS, give this worker --tls-cert, --tls-key and "
+                    "--tls-ca, docs/guide/tls.md)")
             log.warning("the coordinator %s:%d ended the link before accepting this worker: "
                         "%s%s; retrying in %.1fs", self.opt.host, self.opt.port, why, hint, delay)
             await asyncio.sleep(delay)
@@ -277,7 +280,7 @@ class Worker:
                 profile=hw.profile,
                 num_cores=hw.cores,
                 memory_mb=hw.memory_mb,
-                suggested_batch_size=fdtc.profile_batch_size(hw.profile),
+                suggested_batch_size=profile_batch_size(hw.profile),
             ),
         )
         heartbeat: asyncio.Task[None] | None = None
@@ -293,8 +296,10 @@ class Worker:
                 elif isinstance(msg, fdtc.ModelConfigMsg):
                     self.cfg = config_of(msg)
                     self.aux_loss_coef = msg.aux_loss_coef
+                    self._allow_fragments(stream)
                 elif isinstance(msg, fdtc.BaseModel):
                     self._on_base_model(msg)
+                    self._allow_fragments(stream)
                 elif isinstance(msg, fdtc.TrainPlan):
                     self.plan = msg
                 else:
@@ -316,10 +321,18 @@ class Worker:
         finally:
             await cancel_and_wait(heartbeat)
 
+    def _allow_fragments(self, stream: FdtcStream) -> None:
+        """The coordinator's FRAGMENT frames build no more than this model (or the tensors a
+        fine-tuning swarm trains) needs."""
+        assert stream.connection is not None and self.cfg is not None
+        stream.connection.allow_fragments(
+            largest_message(math.prod(s) for s in self.cfg.param_shapes().values()),
+            self.opt.fragment_size)
+
     def _on_base_model(self, msg: fdtc.BaseModel) -> None:
         """The coordinator's BASE_MODEL: what trains on this worker's base (it checked the
         file at REGISTER)."""
-        from foundry.model.lora import LoraError, LoraSpec
+        from foundry.model.formats.lora import LoraError, LoraSpec
 
         base = self.opt.base
         if base is None or base.loaded is None:
@@ -333,7 +346,7 @@ class Worker:
             raise fdtc.FdtcProtocolError(f"BASE_MODEL asks for what this base cannot train: "
                                          f"{exc}", ErrorCode.MODEL_MISMATCH) from None
         if cfg != self.cfg:
-            from foundry.model.finetune import FineTuneBackend
+            from foundry.model.train.finetune import FineTuneBackend
 
             self.backend = FineTuneBackend(base.loaded, spec)
             self.cfg = cfg

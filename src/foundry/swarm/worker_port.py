@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from foundry.compression import deserialize_tensors
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
-from foundry.model.tuning import TunedConfig, targets_mask
+from foundry.hardware import profile_accumulation_steps, profile_batch_size
+from foundry.model.formats.tuning import TunedConfig, targets_mask
 from foundry.swarm import policy, sync
 from foundry.swarm.core import Member, SwarmCore, clip
 from foundry.swarm.downlink import Downlink
@@ -48,7 +49,8 @@ class WorkerPort:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
-                            frame_deadline_s=self.core.opt.frame_deadline_s)
+                            frame_deadline_s=self.core.opt.frame_deadline_s,
+                            budget=self.core.receive_budget)
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -149,7 +151,7 @@ class WorkerPort:
             self.drop(old, "replaced")
             await old.stream.close()
         profile = msg.profile
-        micro = max(1, msg.suggested_batch_size or fdtc.profile_batch_size(profile))
+        micro = max(1, msg.suggested_batch_size or profile_batch_size(profile))
         now = time.monotonic()
         member = Member(
             worker_id=msg.worker_id,
@@ -158,7 +160,7 @@ class WorkerPort:
             cores=msg.num_cores,
             memory_mb=msg.memory_mb,
             micro_batch=micro,
-            accumulation_steps=fdtc.profile_accumulation_steps(profile),
+            accumulation_steps=profile_accumulation_steps(profile),
             extended=extended,
             joined_at=now,
             last_seen=now,

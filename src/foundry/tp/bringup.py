@@ -4,15 +4,24 @@ Mirrored by the worker's connect (``tp.worker``). The acceptor thread takes conn
 ``--listen``; each is brought up on a short-lived handshake thread (at most ``MAX_HANDSHAKES``
 at once): the TLS handshake when the leader has a TLS context, then the first four bytes say
 what the connection is. ``DTPH`` opens a control connection: the hellos (``tp.handshake``),
-the claim (one worker at a time: a second is told BUSY), a pairing token, and the gate
-transport (the shared-memory slab, or a second TCP connection that presents the token,
-``DTP4``). A formed ``Pair`` is handed to ``on_pair``; ``release`` frees the claim when the
-engine ends that pair. The first bytes are read exactly (``recv_exact``), never more: a gate
+the claim of a rank (one worker a rank: another asking for a held rank, or when all are held,
+is told BUSY), a pairing token, and the gate transport (the shared-memory slab, or a second TCP
+connection that presents the token, ``DTP4``). A formed ``Pair`` (the pair, or a world of N
+ranks: one control link per worker) is handed to ``on_pair``; ``release`` frees the claims when
+the engine ends it. The first bytes are read exactly (``recv_exact``), never more: a gate
 connection's socket is handed over to the gate exchange with nothing of its stream consumed.
+
+A world of N > 2 ranks: each worker brought up this far waits as a :class:`Member` until every
+rank has one; the handshake thread of the last sends each worker the WORLD frame (every
+worker's gate port and token), waits for each one's ACK (its gate connections to the other
+workers are up) and hands the world to ``on_pair`` with the leader's all-to-all gate
+(``transport.gates.MeshGateExchange``). A member whose worker hung up while waiting gives its
+rank back when another worker asks for it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import queue
@@ -25,12 +34,23 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from foundry.model.shard import Shares, norm_shares
+from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.handshake import ACK_ACCEPTED, ACK_BUSY, ACK_SHM_FAILED, exchange_hellos
+from foundry.tp.handshake import (
+    ACK_ACCEPTED,
+    ACK_BUSY,
+    ACK_SHM_FAILED,
+    LOAD_TIMEOUT_S,
+    exchange_hellos,
+    largest_worker_block,
+    world_info,
+)
 from foundry.tp.link import ControlLink, LinkError
 from foundry.transport import tls as tls_mod
 from foundry.transport.gates import (
     GateExchange,
+    MeshGateExchange,
     ShmGateExchange,
     TcpGateExchange,
     local_host_id,
@@ -46,6 +66,10 @@ from foundry.wire.tp import (
     TpDecoder,
     TpProtocolError,
     VersionMismatch,
+    World,
+    WorldMismatch,
+    WorldPeer,
+    logits_rows,
     negotiate_gate_transport,
 )
 
@@ -59,26 +83,51 @@ MAX_HANDSHAKES = 4
 
 
 class Pair:
-    """A formed pair: the control link, the gate exchange, and the watcher's wake-up pipe."""
+    """A formed pair or world: the workers' control links (rank 1 first), the gate exchange,
+    and the watcher's wake-up pipe."""
 
-    def __init__(self, link: ControlLink, gate: GateExchange, transport: GateTransport) -> None:
-        self.link = link
+    def __init__(
+        self,
+        links: list[ControlLink],
+        gate: GateExchange,
+        transport: GateTransport,
+        shares: Shares = (1, 1),
+    ) -> None:
+        if len(links) != len(shares) - 1:
+            raise ValueError(f"{len(links)} worker links for a world of {len(shares)} ranks")
+        self.links = links
         self.gate = gate
         self.transport = transport
-        self.lost: str | None = None  # set by the watcher: the worker hung up
+        self.shares = shares
+        self.lost: str | None = None  # set by the watcher: a worker hung up
         self._wake_r, self._wake_w = os.pipe()
         self.watcher: threading.Thread | None = None
 
-    def watch(self, on_hangup: Callable[[Pair], None]) -> None:
+    @property
+    def link(self) -> ControlLink:
+        """Rank 1's control link (the pair's one)."""
+        return self.links[0]
+
+    @property
+    def world(self) -> int:
+        return len(self.shares)
+
+    def watch(self, on_hangup: Callable[[Pair, int], None]) -> None:
+        """Call ``on_hangup(pair, rank)`` on the watcher thread when a worker hangs up."""
+
         def run() -> None:
             poller = select.poll()
-            poller.register(self.link.sock.fileno(), select.POLLRDHUP | select.POLLHUP)
+            ranks = {}
+            for rank, link in enumerate(self.links, start=1):
+                fd = link.sock.fileno()
+                poller.register(fd, select.POLLRDHUP | select.POLLHUP)
+                ranks[fd] = rank
             poller.register(self._wake_r, select.POLLIN)
             while True:
                 for fd, _ in poller.poll():
                     if fd == self._wake_r:
                         return
-                    on_hangup(self)
+                    on_hangup(self, ranks[fd])
                     return
 
         self.watcher = threading.Thread(target=run, name="tp-pair-watcher", daemon=True)
@@ -91,7 +140,40 @@ class Pair:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.gate.close()
+        for link in self.links:
+            link.close()
+
+
+class Member:
+    """A worker of a world of N > 2 ranks, brought up as far as its gate link to the leader,
+    waiting for the other ranks."""
+
+    def __init__(self, rank: int, link: ControlLink, gate_sock: socket.socket, host: bytes,
+                 gate_port: int) -> None:
+        self.rank = rank
+        self.link = link
+        self.gate_sock = gate_sock
+        self.host = host
+        self.gate_port = gate_port
+
+    def alive(self) -> bool:
+        """False once the worker hung up (nothing it may send while waiting is read here)."""
+        poller = select.poll()
+        poller.register(self.link.sock.fileno(),
+                        select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        self.gate_sock.close()
         self.link.close()
+
+
+def _host_bytes(host: str) -> bytes:
+    """The 16 bytes of the WORLD frame's host field: IPv6, an IPv4 address mapped."""
+    addr = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv4Address):
+        addr = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + addr.packed)
+    return addr.packed
 
 
 class BringUp:
@@ -106,6 +188,7 @@ class BringUp:
         stopping: threading.Event,
         on_pair: Callable[[Pair], None],
         architecture: str = "llama",
+        cfg: ModelConfig | None = None,
     ) -> None:
         self.options = options
         self.identity = identity
@@ -115,9 +198,16 @@ class BringUp:
         self._stopping = stopping
         self._on_pair = on_pair
         self.port = 0
+        self.world = options.world_size
+        self.shares = norm_shares(self.world, options.shares)
+        # The largest vocabulary block a worker returns (the LOGITS bound); the pair's half
+        # when the model is not known here.
+        self.vocab_block = None if cfg is None else largest_worker_block(cfg, self.shares)
         self._listener: socket.socket | None = None
         self._claim_lock = threading.Lock()
-        self._claimed = False
+        self._held: set[int] = set()  # ranks claimed by a worker in bring-up or in the world
+        self._members: dict[int, Member] = {}  # N > 2: workers waiting for the others
+        self._formed: set[int] = set()  # the ranks of the pair or world being served
         self._gate_waiters: dict[int, queue.Queue[socket.socket]] = {}
         self._handshake_slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
@@ -128,13 +218,39 @@ class BringUp:
         self.port = listener.getsockname()[1]
 
     def release(self) -> None:
-        """The pair ended: the next worker may claim the leader."""
+        """The pair (or world) ended: its ranks may be claimed again."""
         with self._claim_lock:
-            self._claimed = False
+            self._held -= self._formed
+            self._formed = set()
 
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
+        with self._claim_lock:
+            members, self._members = list(self._members.values()), {}
+        for m in members:
+            m.close()
+
+    def _claim(self, asked: int) -> int:
+        """The rank a worker asking for ``asked`` (0: any) gets, or 0 when it is held (or every
+        rank is). A waiting member whose worker hung up gives its rank back first."""
+        with self._claim_lock:
+            for rank, m in list(self._members.items()):
+                if not m.alive():
+                    log.warning("rank %d hung up while waiting for the world; its rank is free",
+                                rank)
+                    del self._members[rank]
+                    self._held.discard(rank)
+                    m.close()
+            free = [r for r in range(1, self.world) if r not in self._held]
+            rank = asked if asked in free else 0 if asked else (free[0] if free else 0)
+            if rank:
+                self._held.add(rank)
+            return rank
+
+    def _unclaim(self, rank: int) -> None:
+        with self._claim_lock:
+            self._held.discard(rank)
 
     def accept_loop(self) -> None:
         assert self._listener is not None
@@ -219,8 +335,9 @@ class BringUp:
         link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
                            initial=head, frame_deadline_s=o.frame_deadline_s)
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
+        world = world_info(self.world, self.shares)
         slab: ShmGateExchange | None = None
-        if o.shm:
+        if o.shm and self.world == 2:  # the slab is the pair's
             try:
                 slab = ShmGateExchange.create(n_embd=self.identity.n_embd, rank=0,
                                               timeout_s=o.gate_timeout_s)
@@ -228,39 +345,49 @@ class BringUp:
                 log.warning("no shared-memory slab (%s); gates go over TCP", exc)
         hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
                       shm_offered=slab is not None, shm_name=slab.name if slab else "",
-                      execution_mode=self.execution_mode, architecture=self.architecture)
+                      execution_mode=self.execution_mode, architecture=self.architecture,
+                      world=world)
         gate: GateExchange | None = None
-        claimed = formed = False
+        gsock: socket.socket | None = None
+        rank = 0
+        formed = False
         token = secrets.randbits(64) or 1
         try:
             try:
-                peer = exchange_hellos(link, hello)
+                peer = exchange_hellos(link, hello, logits_rows(o.max_sessions),
+                                       self.vocab_block)
+            except WorldMismatch as exc:
+                log.info("worker %s learns the world from the hello and dials again (%s)",
+                         link.peer, exc)
+                return
             except (IdentityMismatch, VersionMismatch) as exc:
                 log.error("worker %s refused: %s", link.peer, exc)
                 self.metrics.failures.labels("identity").inc()
                 return
             transport = negotiate_gate_transport(hello, peer)
-            with self._claim_lock:
-                claimed = not self._claimed
-                self._claimed = True
-            if not claimed:
-                log.warning("worker %s refused: a worker is already connected", link.peer)
+            asked = peer.world.rank if peer.world is not None else 1
+            rank = self._claim(asked)
+            if not rank:
+                held = f"rank {asked} is held" if asked else f"all {self.world - 1} are held"
+                log.warning("worker %s refused: %s", link.peer, held)
                 self.metrics.failures.labels("busy").inc()
                 link.send(CommandAck(status=ACK_BUSY))
                 return
             waiter: queue.Queue[socket.socket] = queue.Queue()
             self._gate_waiters[token] = waiter
-            link.send(CommandAck(status=ACK_ACCEPTED, seq=token))
+            link.send(CommandAck(status=ACK_ACCEPTED, seq=token,
+                                 session_id=0 if world is None else rank))
+            # The worker loads its slices now (unless it holds them from before), then opens
+            # its gate link.
+            wait_s = LOAD_TIMEOUT_S
+            link.deadline = time.monotonic() + wait_s + o.handshake_timeout_s
             if transport is GateTransport.SHM:
                 gate, slab = slab, None
             else:
-                try:
-                    gsock = waiter.get(timeout=o.handshake_timeout_s)
-                except queue.Empty:
-                    raise LinkError(f"worker {link.peer} opened no gate connection within "
-                                    f"{o.handshake_timeout_s:g} s") from None
-                gate = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
-                                       timeout_s=o.gate_timeout_s)
+                gsock = self._await_gate(link, waiter, wait_s)
+                if self.world == 2:
+                    gate, gsock = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
+                                                  timeout_s=o.gate_timeout_s), None
             ack = link.expect(FrameType.COMMAND_ACK, "the worker's data plane")
             assert isinstance(ack, CommandAck)
             if ack.status != ACK_ACCEPTED:
@@ -268,9 +395,18 @@ class BringUp:
                        if ack.status == ACK_SHM_FAILED else f"status {ack.status}")
                 raise LinkError(f"worker {link.peer} could not set up its gates: {why}")
             link.deadline = None
-            link.set_timeout(o.control_timeout_s)
-            assert gate is not None
-            self._on_pair(Pair(link, gate, transport))
+            if self.world == 2:
+                link.set_timeout(o.control_timeout_s)
+                assert gate is not None
+                with self._claim_lock:
+                    self._formed = {rank}
+                self._on_pair(Pair([link], gate, transport, self.shares))
+            else:
+                assert gsock is not None and peer.world is not None
+                member = Member(rank, link, gsock, _host_bytes(link.sock.getpeername()[0]),
+                                peer.world.gate_port)
+                gsock = None
+                self._join(member)
             formed = True
         finally:
             left = self._gate_waiters.pop(token, None)
@@ -279,12 +415,83 @@ class BringUp:
             if slab is not None:
                 slab.close()
             if not formed:
-                if claimed:
-                    with self._claim_lock:
-                        self._claimed = False
+                if rank:
+                    self._unclaim(rank)
                 if gate is not None:
                     gate.close()
+                if gsock is not None:
+                    gsock.close()
                 link.close()
+
+    @staticmethod
+    def _await_gate(link: ControlLink, waiter: queue.Queue[socket.socket],
+                    wait_s: float) -> socket.socket:
+        """The worker's gate connection, once it has loaded its slices: up to ``wait_s``, but
+        a worker that hangs up meanwhile (its load failed) is given up at once."""
+        deadline = time.monotonic() + wait_s
+        poller = select.poll()
+        poller.register(link.sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        while True:
+            try:
+                return waiter.get(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                pass
+            if poller.poll(0):
+                raise LinkError(f"worker {link.peer} hung up before opening its gate "
+                                "connection (see its log)")
+            if time.monotonic() >= deadline:
+                raise LinkError(f"worker {link.peer} opened no gate connection within "
+                                f"{wait_s:g} s")
+
+    def _join(self, member: Member) -> None:
+        """A world's worker is up to its gate link: wait for the others, or, the last one,
+        form the world."""
+        with self._claim_lock:
+            self._members[member.rank] = member
+            if len(self._members) < self.world - 1:
+                log.info("rank %d of %d is in (%d of %d workers)", member.rank, self.world,
+                         len(self._members), self.world - 1)
+                return
+            members, self._members = [self._members[r] for r in sorted(self._members)], {}
+        self._form_world(members)
+
+    def _form_world(self, members: list[Member]) -> None:
+        """Send every worker the WORLD table, wait for each one's gate connections to the
+        others, and hand the world on; any failure closes every member (they dial again)."""
+        o = self.options
+        peers = tuple(WorldPeer(m.rank, m.gate_port, m.host, secrets.randbits(64))
+                      for m in members)
+        gate: MeshGateExchange | None = None
+        try:
+            frame = World(peers=peers)
+            for m in members:
+                m.link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
+                m.link.send(frame)
+            for m in members:
+                ack = m.link.expect(FrameType.COMMAND_ACK, "the worker's gates to the others")
+                assert isinstance(ack, CommandAck)
+                if ack.status != ACK_ACCEPTED:
+                    raise LinkError(f"rank {m.rank} could not connect its gates to the other "
+                                    f"workers (status {ack.status})")
+            gate = MeshGateExchange({m.rank: m.gate_sock for m in members}, rank=0,
+                                    world=self.world, n_embd=self.identity.n_embd,
+                                    timeout_s=o.gate_timeout_s)
+            for m in members:
+                m.link.deadline = None
+                m.link.set_timeout(o.control_timeout_s)
+            with self._claim_lock:
+                self._formed = {m.rank for m in members}
+            self._on_pair(Pair([m.link for m in members], gate, GateTransport.TCP, self.shares))
+        except (OSError, LinkError, TpProtocolError) as exc:
+            log.warning("forming the world of %d ranks failed: %s; every worker dials again",
+                        self.world, exc)
+            self.metrics.failures.labels("handshake").inc()
+            if gate is not None:
+                gate.close()
+            for m in members:
+                m.close()
+            with self._claim_lock:
+                self._held.difference_update(m.rank for m in members)
 
 
 def recv_exact(

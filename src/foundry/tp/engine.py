@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,13 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.engines import make_engine
-from foundry.model.sampling import SamplingError, logprobs, sample
-from foundry.model.tp_split import Gate, rank_layout
+from foundry.model.infer.engines import make_engine
+from foundry.model.infer.sampling import SamplingError, logprobs, sample
+from foundry.model.shard import Gate, share_blocks
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
 from foundry.tp.frontend_server import Request
-from foundry.tp.handshake import ACK_ACCEPTED, WORLD, RankModel
+from foundry.tp.handshake import ACK_ACCEPTED, RankModel
 from foundry.tp.link import ControlLink, LinkError
 from foundry.tp.lockstep import (
     COMMANDS,
@@ -145,11 +146,13 @@ class LeaderEngine:
         self._on_crash = on_crash
         # Read at every step: adjustable while serving (the speculative benchmark switches it).
         self.spec_mode = options.spec_mode
-        engine = make_engine(self.cfg, model.weights, rank=0, world=WORLD,
+        self.world = model.weights.world
+        self.shares = model.weights.shares
+        engine = make_engine(self.cfg, model.weights, rank=0, world=self.world,
                              ctx_size=self.identity.ctx_size, device=options.device)
         self.state = RankState(engine, self.identity.ctx_size)
-        v0, v1 = rank_layout(self.cfg, 1, WORLD).vocab
-        self._worker_vocab = v1 - v0
+        # Each worker's vocabulary block, rank 1 first: the LOGITS it returns per row.
+        self._worker_vocab = share_blocks(self.cfg.n_vocab, self.shares)[1:]
         # Shared between threads (single attribute reads and writes).
         self.worker_connected = False
         self.transport: GateTransport | None = None
@@ -172,7 +175,7 @@ class LeaderEngine:
         self._outbox: list[tuple[Request, fw.Frame]] = []
         self._next_sid = 1
         self._kept = dict(self.state.kept)
-        self._link_bytes = (0, 0)
+        self._link_bytes = [(0, 0)] * (self.world - 1)
         self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
             maxlen=GATE_TRACE
         )
@@ -184,6 +187,20 @@ class LeaderEngine:
     def new_pair(self, pair: Pair) -> None:
         """A pair formed by the bring-up (handshake thread)."""
         self._new_pairs.put(pair)
+
+    def rank_status(self) -> list[fw.RankStatus]:
+        """Every rank, its share and the mean gate wait for its partial (read from another
+        thread: single reads of the pair's gate counters)."""
+        pair = self._pair
+        gate = pair.gate if pair is not None and self.worker_connected else None
+        out = []
+        for rank, share in enumerate(self.shares):
+            wait_us = 0
+            if gate is not None and rank and gate.gates_done:
+                wait_us = round(1e6 * gate.peer_wait_s[rank] / gate.gates_done)
+            out.append(fw.RankStatus(rank, share, rank == 0 or gate is not None,
+                                     min(wait_us, 0xFFFFFFFF)))
+        return out
 
     def gate_latencies(self) -> list[tuple[Gate, float]]:
         """The most recent gate exchanges (up to 65536), oldest first: gate and seconds."""
@@ -223,13 +240,18 @@ class LeaderEngine:
         self.state.reset()
         self._kept_sessions.clear()
         self.state.exchange = TracingExchange(pair.gate, self._on_gate)
-        self._link_bytes = (0, 0)
+        self._link_bytes = [(0, 0)] * (self.world - 1)
         self._pair = pair
         self.transport = pair.transport
         self.worker_connected = True
         self.metrics.worker_connected.set(1)
         pair.watch(self._worker_hung_up)
-        log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
+        if self.world == 2:
+            log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
+        else:
+            log.info("world of %d ranks formed (%s): gates all-to-all over %s", self.world,
+                     ", ".join(f"rank {r} {link.peer}" for r, link in
+                               enumerate(pair.links, start=1)), pair.transport.value)
         if self._resync:
             log.info("re-syncing %d sessions (%d tokens) from their history while idle",
                      len(self._resync), sum(len(h.tokens) for h in self._resync))
@@ -242,9 +264,10 @@ class LeaderEngine:
             except queue.Empty:
                 return
 
-    def _worker_hung_up(self, pair: Pair) -> None:
+    def _worker_hung_up(self, pair: Pair, rank: int) -> None:
         """Watcher thread: fail the requests now; the engine thread tears the pair down."""
-        pair.lost = "the worker closed the control connection"
+        pair.lost = ("the worker closed the control connection" if self.world == 2
+                     else f"rank {rank} closed its control connection")
         self.worker_connected = False
         message = f"tensor-parallel worker lost: {pair.lost}; the leader waits for it to reconnect"
         self._fail_inflight(message)
@@ -297,14 +320,16 @@ class LeaderEngine:
 
     def _shutdown_pair(self) -> None:
         if self._pair is not None:
-            with contextlib.suppress(LinkError):
-                self._pair.link.send(Stop())
+            for link in self._pair.links:
+                with contextlib.suppress(LinkError):
+                    link.send(Stop())
             self._drop_all()
             self._close_pair()
         while not self._new_pairs.empty():
             pair = self._new_pairs.get_nowait()
-            with contextlib.suppress(LinkError):
-                pair.link.send(Stop())
+            for link in pair.links:
+                with contextlib.suppress(LinkError):
+                    link.send(Stop())
             pair.close()
 
     def _has_work(self) -> bool:
@@ -318,9 +343,14 @@ class LeaderEngine:
         return True
 
     @property
-    def _link(self) -> ControlLink:
+    def _links(self) -> list[ControlLink]:
+        """The workers' control links, rank 1 first."""
         assert self._pair is not None
-        return self._pair.link
+        return self._pair.links
+
+    def _send_all(self, frame: ControlFrame | Hash | Stop) -> None:
+        for link in self._links:
+            link.send(frame)
 
     def _step(self) -> None:
         while True:
@@ -486,20 +516,25 @@ class LeaderEngine:
 
         def meet(current: int, total: int) -> int | None:
             end = min(current + chunk, total)
-            requested = cancelled()
-            self._link.send(SyncCheckpoint(session_id=sid, point=end, current=current,
-                                           total=total, requested=requested))
-            theirs = self._link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
-            assert isinstance(theirs, SyncCheckpoint)
-            if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
-                sid, end, current, total
-            ):
-                raise LinkError(
-                    f"the worker met checkpoint {theirs.current}->{theirs.point}/{theirs.total} "
-                    f"of session {theirs.session_id}, expected {current}->{end}/{total} of "
-                    f"session {sid}; the ranks are out of step"
-                )
-            return None if requested or theirs.requested else end
+            stop = cancelled()
+            mine = SyncCheckpoint(session_id=sid, point=end, current=current, total=total,
+                                  requested=stop)
+            self._send_all(mine)
+            for link in self._links:
+                theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
+                assert isinstance(theirs, SyncCheckpoint)
+                if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
+                    sid, end, current, total
+                ):
+                    raise LinkError(
+                        f"the worker met checkpoint {theirs.current}->{theirs.point}/"
+                        f"{theirs.total} of session {theirs.session_id}, expected {current}->"
+                        f"{end}/{total} of session {sid}; the ranks are out of step"
+                    )
+                stop = stop or theirs.requested
+            if self.world > 2:  # the verdict: every rank stops, or none does
+                self._send_all(dataclasses.replace(mine, requested=stop))
+            return None if stop else end
 
         return meet
 
@@ -574,18 +609,28 @@ class LeaderEngine:
         same RankState call here (unless done already, ``here=False``), collect the worker's
         reply. The full logits rows when the command returned rows, else None."""
         command = COMMANDS[frame.TYPE]
-        self._link.send(frame)
+        self._send_all(frame)
         rows = command.run(self.state, frame, checkpoint) if here else None
         if command.reply is Reply.COMMAND_ACK:
-            ack = self._link.expect(FrameType.COMMAND_ACK,
-                                    f"the worker's {frame.TYPE.name} {frame.session_id}")
-            assert isinstance(ack, CommandAck)
-            if ack.session_id != frame.session_id:
-                raise LinkError(f"the worker acknowledged session {ack.session_id}, expected "
-                                f"{frame.session_id}; the ranks are out of step")
-            if ack.status != ACK_ACCEPTED:
-                raise SessionRefused(f"the worker could not open a session (status "
-                                     f"{ack.status}); see its log")
+            refused, opened = [], []
+            for rank, link in enumerate(self._links, start=1):
+                ack = link.expect(FrameType.COMMAND_ACK,
+                                  f"the worker's {frame.TYPE.name} {frame.session_id}")
+                assert isinstance(ack, CommandAck)
+                if ack.session_id != frame.session_id:
+                    raise LinkError(f"rank {rank} acknowledged session {ack.session_id}, "
+                                    f"expected {frame.session_id}; the ranks are out of step")
+                if ack.status != ACK_ACCEPTED:
+                    refused.append(f"rank {rank} (status {ack.status})")
+                else:
+                    opened.append(link)
+            if refused:
+                if isinstance(frame, SessionCreate):
+                    # Those that opened it close it again: every rank's table stays the same.
+                    for link in opened:
+                        link.send(SessionDestroy(session_id=frame.session_id))
+                raise SessionRefused(f"{', '.join(refused)} could not open a session; see its "
+                                     "log")
         if command.reply is Reply.LOGITS and rows is not None:
             return self._join(rows)
         return None
@@ -597,18 +642,22 @@ class LeaderEngine:
         return rows
 
     def _join(self, mine: F32) -> F32:
-        """Our logits rows joined with the worker's half of the same rows."""
+        """Our logits rows joined with every worker's block of the same rows, rank order."""
         rows = mine.shape[0]
-        frame = self._link.expect(FrameType.LOGITS, "the worker's half of the logits")
-        assert isinstance(frame, Logits)
-        if frame.seq != self.state.step:
-            raise LinkError(f"the worker sent the logits of step {frame.seq}, this rank is at "
-                            f"step {self.state.step}; the ranks are out of step")
-        half = frame.array()
-        if half.size != rows * self._worker_vocab:
-            raise LinkError(f"the worker sent {half.size} logits, expected {rows} rows of "
-                            f"{self._worker_vocab}")
-        return np.concatenate([mine, half.reshape(rows, self._worker_vocab)], axis=1)
+        blocks = [mine]
+        for rank, (link, width) in enumerate(zip(self._links, self._worker_vocab, strict=True),
+                                             start=1):
+            frame = link.expect(FrameType.LOGITS, "the worker's half of the logits")
+            assert isinstance(frame, Logits)
+            if frame.seq != self.state.step:
+                raise LinkError(f"rank {rank} sent the logits of step {frame.seq}, this rank is "
+                                f"at step {self.state.step}; the ranks are out of step")
+            block = frame.array()
+            if block.size != rows * width:
+                raise LinkError(f"rank {rank} sent {block.size} logits, expected {rows} rows of "
+                                f"{width}")
+            blocks.append(block.reshape(rows, width))
+        return np.concatenate(blocks, axis=1)
 
     def _hook(self, req: Request, rows: F32) -> None:
         if self.logits_hook is not None:
@@ -689,15 +738,17 @@ class LeaderEngine:
 
     def _hash_check(self) -> None:
         mine = self.state.state_hash()
-        self._link.send(Hash(seq=self.state.step, value=mine))
-        theirs = self._link.expect(FrameType.HASH, "the worker's state hash")
-        assert isinstance(theirs, Hash)
-        if (theirs.seq, theirs.value) != (self.state.step, mine):
-            self.metrics.hash_checks.labels("mismatch").inc()
-            raise HashMismatch(
-                f"lockstep hash mismatch: leader step {self.state.step} hash {mine:#018x}, "
-                f"worker step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
-            )
+        self._send_all(Hash(seq=self.state.step, value=mine))
+        for rank, link in enumerate(self._links, start=1):
+            theirs = link.expect(FrameType.HASH, "the worker's state hash")
+            assert isinstance(theirs, Hash)
+            if (theirs.seq, theirs.value) != (self.state.step, mine):
+                self.metrics.hash_checks.labels("mismatch").inc()
+                who = "worker" if self.world == 2 else f"rank {rank}"
+                raise HashMismatch(
+                    f"lockstep hash mismatch: leader step {self.state.step} hash {mine:#018x}, "
+                    f"{who} step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
+                )
         self.metrics.hash_checks.labels("match").inc()
 
     def _post(self, req: Request, frame: fw.Frame) -> None:
@@ -720,11 +771,11 @@ class LeaderEngine:
             if n > self._kept[phase]:
                 m.tokens.labels(phase).inc(n - self._kept[phase])
         self._kept = dict(self.state.kept)
-        link = self._link
-        sent, received = self._link_bytes
-        m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
-        m.control_bytes.labels("received").inc(link.bytes_received - received)
-        self._link_bytes = (link.bytes_sent, link.bytes_received)
+        for i, link in enumerate(self._links):
+            sent, received = self._link_bytes[i]
+            m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
+            m.control_bytes.labels("received").inc(link.bytes_received - received)
+            self._link_bytes[i] = (link.bytes_sent, link.bytes_received)
 
     def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
         self.metrics.record_gate(seconds, nbytes)

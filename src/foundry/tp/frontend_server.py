@@ -6,12 +6,23 @@ answers STATUS_REQ at once, marks CANCELs, and writes the frames the engine thre
 worker is paired, and with OVERLOADED when ``max_sessions`` run and ``queue_size`` wait
 already. Reading goes through the one stream driver (``transport.stream.AsyncStream``), with
 the frame deadline.
+
+A conversation is rendered (a chat template is a program from the model file) and tokenized
+off the loop, and so is a plain prompt of more than ``INLINE_PROMPT_CHARS`` characters, in a
+pool of ``PREPARE_THREADS`` threads with ``PREPARE_QUEUE`` requests waiting at most
+(OVERLOADED past it), so that a costly conversation never stalls the other clients or the
+STATUS answers the gateway's ``/health`` rests on. A conversation of more than
+``max_messages`` messages, or one that renders to more than ``MAX_CHARS_PER_TOKEN`` characters
+per token of context, is refused before it is tokenized; a template past its limits is
+refused with its one-line ``ChatTemplateError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import ssl
 import threading
@@ -20,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from foundry.model.chat import ChatTemplate, ChatTemplateError, Message, prompt_text
-from foundry.model.inference import Session
-from foundry.model.sampling import make_rng
-from foundry.model.vocab import Tokenizer
+from foundry.model.infer.inference import Session
+from foundry.model.infer.sampling import make_rng
+from foundry.model.text.chat import ChatTemplate, ChatTemplateError, Message, chat_prompt
+from foundry.model.text.vocab import Tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.policy import TextStream
 from foundry.transport.stream import AsyncStream, FrameTimeout
@@ -38,6 +49,16 @@ log = logging.getLogger("foundry.tp.leader")
 # closed (and its generations cancelled) rather than buffered without end. A token frame is
 # about 25 bytes, so this is some 150 000 tokens behind.
 MAX_CLIENT_BACKLOG = 4 << 20
+# Threads that render and tokenize prompts, and the requests that may wait for one: a prompt
+# takes milliseconds, a hostile one up to the template's limits (seconds).
+PREPARE_THREADS = 2
+PREPARE_QUEUE = 64
+# A plain prompt (no chat template to run) this short is tokenized on the loop: milliseconds
+# at most, linear in its length.
+INLINE_PROMPT_CHARS = 1024
+# A prompt longer than this many characters per token of context cannot fit it (a token of a
+# published vocabulary covers at most a few dozen characters); refused before tokenizing.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass(eq=False)
@@ -47,6 +68,8 @@ class Conn:
     writer: asyncio.StreamWriter
     peer: str
     requests: dict[int, Request] = field(default_factory=dict)
+    # Ids whose prompt the pool prepares -> whether CANCEL came meanwhile.
+    preparing: dict[int, bool] = field(default_factory=dict)
     closed: bool = False
 
     def write(self, frame: fw.Frame) -> None:
@@ -67,7 +90,8 @@ class Request:
     engine thread; everything below them belongs to the engine thread."""
 
     def __init__(
-        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer
+        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer,
+        template_stop: tuple[str, ...] = (),
     ) -> None:
         self.conn = conn
         self.frame = frame
@@ -80,7 +104,8 @@ class Request:
         self.generated = 0
         self.next_token = -1  # sampled, not yet evaluated
         self.tokenizer = tokenizer  # the file's: its eog_ids end the generation
-        self.stream = TextStream(frame.stop, tokenizer.stream_decoder())
+        # A chat's reply also ends where its template's turn ends without a token.
+        self.stream = TextStream((*frame.stop, *template_stop), tokenizer.stream_decoder())
         self.rng = make_rng(frame.seed)
         self.step_tokens = 0
 
@@ -116,6 +141,13 @@ class FrontendServer:
         self.conns: set[Conn] = set()
         self.inflight = 0
         self.requests_served = 0
+        self.preparing = 0  # requests whose prompt the pool renders and tokenizes
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            PREPARE_THREADS, thread_name_prefix="prompt")
+
+    def shutdown(self) -> None:
+        """Stop the prompt pool (the requests it still holds are dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def close_all(self) -> None:
         for conn in list(self.conns):
@@ -156,6 +188,8 @@ class FrontendServer:
             req = conn.requests.get(frame.request_id)
             if req is not None:
                 req.cancelled = True
+            if frame.request_id in conn.preparing:
+                conn.preparing[frame.request_id] = True
         elif isinstance(frame, fw.StatusReq):
             conn.write(self._status(frame.request_id))
         else:
@@ -174,7 +208,7 @@ class FrontendServer:
         o = self.options
         rid = g.request_id
         bad = fw.ErrorCode.BAD_REQUEST
-        if rid in conn.requests:
+        if rid in conn.requests or rid in conn.preparing:
             return self._refuse(conn, rid, bad, f"request id {rid} is in use on this connection")
         if g.max_tokens < 1:
             return self._refuse(conn, rid, bad, f"max_tokens must be >= 1, got {g.max_tokens}")
@@ -183,15 +217,62 @@ class FrontendServer:
                                                 f"{g.temperature}")
         if not 0.0 < g.top_p <= 1.0:
             return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
-        text = g.prompt
-        if g.messages:
-            try:
-                text = prompt_text(self.template, [Message(r, c) for r, c in g.messages])
-            except ChatTemplateError as exc:
-                return self._refuse(conn, rid, bad, str(exc))
-        # A rendered conversation holds the template's turn markers as text: they are the
-        # model's special tokens (<start_of_turn>, <|im_start|>), so they are parsed as such.
-        prompt = self.tokenizer.encode(text, parse_special=bool(g.messages))
+        if len(g.messages) > o.max_messages:
+            return self._refuse(conn, rid, bad, f"the conversation has {len(g.messages)} "
+                                                f"messages, more than {o.max_messages}")
+        if not g.messages and len(g.prompt) <= INLINE_PROMPT_CHARS:
+            # No template to run and a few microseconds of tokenizing: at once, so requests
+            # sent together reach the engine together (and batch) as they always did.
+            prompt = self._prepare(g)
+            if isinstance(prompt, str):
+                return self._refuse(conn, rid, bad, prompt)
+            return self._admit(conn, g, prompt, False)
+        if self.preparing >= PREPARE_QUEUE:
+            return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
+                                f"{self.preparing} prompts wait to be rendered and tokenized")
+        conn.preparing[rid] = False  # the id is taken while its prompt is prepared
+        self.preparing += 1
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, g)
+        future.add_done_callback(functools.partial(self._prepared, conn, g))
+
+    def _prepare(self, g: fw.Generate) -> list[int] | str:
+        """The prompt's token ids, or why it is refused (a pool thread)."""
+        max_chars = self.ctx_size * MAX_CHARS_PER_TOKEN
+        try:
+            if not g.messages:
+                if len(g.prompt) > max_chars:
+                    return (f"the prompt is {len(g.prompt)} characters, more than the context "
+                            f"of {self.ctx_size} tokens can hold")
+                return self.tokenizer.encode(g.prompt)
+            return chat_prompt(self.template, self.tokenizer,
+                               [Message(r, c) for r, c in g.messages],
+                               content_specials=self.options.chat_content_specials,
+                               max_chars=max_chars)
+        except ChatTemplateError as exc:
+            return str(exc)
+
+    def _prepared(self, conn: Conn, g: fw.Generate,
+                  future: asyncio.Future[list[int] | str]) -> None:
+        """The pool's answer, back on the loop: admit the request or refuse it."""
+        self.preparing -= 1
+        rid = g.request_id
+        cancelled = conn.preparing.pop(rid, True)
+        if conn.closed or future.cancelled():
+            return
+        if (exc := future.exception()) is not None:
+            log.error("frontend link: preparing request %d of %s failed: %r", rid, conn.peer,
+                      exc)
+            return self._refuse(conn, rid, fw.ErrorCode.INTERNAL, f"the prompt could not be "
+                                                                 f"prepared: {exc!r}")
+        prompt = future.result()
+        if isinstance(prompt, str):
+            return self._refuse(conn, rid, fw.ErrorCode.BAD_REQUEST, prompt)
+        self._admit(conn, g, prompt, cancelled)
+
+    def _admit(self, conn: Conn, g: fw.Generate, prompt: list[int], cancelled: bool) -> None:
+        o = self.options
+        rid = g.request_id
+        bad = fw.ErrorCode.BAD_REQUEST
         if len(prompt) > self.ctx_size:
             return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
                                                 f"than the context of {self.ctx_size}")
@@ -206,7 +287,9 @@ class FrontendServer:
             return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
                                 f"{self.inflight} generations in flight ({o.max_sessions} "
                                 f"running and {o.queue_size} waiting at most)")
-        req = Request(conn, g, prompt, self.tokenizer)
+        req = Request(conn, g, prompt, self.tokenizer,
+                      self.template.stop if g.messages else ())
+        req.cancelled = cancelled
         conn.requests[rid] = req
         self.inflight += 1
         self._submit(req)

@@ -16,30 +16,50 @@ Bring-up of a pair (``docs/tp.md`` has the sequence with every frame):
 4. The worker sends COMMAND_ACK :data:`ACK_ACCEPTED` on the control connection when its data
    plane is up (:data:`ACK_SHM_FAILED` if the slab could not be mapped; it then dials again
    without offering shared memory). The pair is formed.
+
+A world of N ranks (docs/protocol.md, "N ranks") follows the same steps with the hello's
+world extension (:func:`world_info`) on both sides. A worker's first hello is the plain one (it
+does not know the world yet); the leader's hello tells it, both sides see the worlds differ
+(``WorldMismatch``) and close, and the worker dials again at once with the extension. The ACK
+of step 2 gives it its rank (``session_id``), it loads its slices (:func:`load_rank`) before
+step 3, and for N > 2 a WORLD frame and the gate connections between the workers come after
+step 4.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.arch import spec as arch_spec
-from foundry.model.config import ModelConfig
-from foundry.model.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
-from foundry.model.inference import default_ctx
-from foundry.model.lora import Adapter, base_of, check_architecture, load_adapter, merge
-from foundry.model.quant import NOMINAL_BITS, Param, QType
-from foundry.model.tp_split import ExpertSplit, RankWeights, rank_layout, shard_part
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.formats.lora import Adapter, base_of, check_architecture, load_adapter, merge
+from foundry.model.infer.sessions import default_ctx
+from foundry.model.kernels.quant import Param, QType
+from foundry.model.kernels.types import TYPES
+from foundry.model.shard import (
+    ExpertSplit,
+    RankWeights,
+    Shares,
+    SplitKind,
+    norm_shares,
+    rank_layout,
+    rule_for,
+    shard_part,
+    share_blocks,
+)
+from foundry.model.spec.arch import spec as arch_spec
+from foundry.model.spec.config import ModelConfig
 from foundry.tp.link import ControlLink, LinkError
 from foundry.wire.tp import (
     DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
     Hello,
     Identity,
+    WorldInfo,
     check_hello,
     max_payload_for,
 )
@@ -48,10 +68,14 @@ from foundry.wire.tp import (
 ACK_ACCEPTED = 0
 ACK_BUSY = 1  # leader -> worker: another worker holds the pair; dial again later
 ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials again over TCP
-WORLD = 2
+WORLD = 2  # the plain pair
+# A worker given its rank loads its slices before it opens its gate link: the leader waits this
+# long for its data plane (a big file from a slow disk) instead of handshake_timeout_s.
+LOAD_TIMEOUT_S = 600.0
 # How the services cut the routed experts unless told otherwise: every expert by its intermediate
 # size, so both ranks do the same work for every token (docs/tp.md, "Expert split", has the
-# figures); ``--expert-split experts`` gives DESIGN's contiguous halves of the experts.
+# figures); ``--expert-split experts`` gives the contiguous halves of the experts
+# (docs/decisions.md, D3).
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 
@@ -88,7 +112,39 @@ def quant_bits(values_by_type: Mapping[QType, int]) -> int:
     if not values_by_type:
         raise ValueError("a model without tensors has no weight type")
     most = max(values_by_type, key=lambda t: (values_by_type[t], -int(t)))
-    return NOMINAL_BITS[most]
+    return TYPES[most].nominal_bits
+
+
+def world_info(
+    world: int, shares: Sequence[int] | None, rank: int = 0, gate_port: int = 0
+) -> WorldInfo | None:
+    """The hello's world extension of a world of ``world`` ranks holding ``shares``: None for
+    the plain pair (two equal ranks), which sends none."""
+    norm = norm_shares(world, shares)
+    if world == WORLD and norm == (1, 1):
+        return None
+    return WorldInfo(world_size=world, shares=norm, rank=rank, gate_port=gate_port)
+
+
+def world_shares(world: WorldInfo | None) -> Shares:
+    """The shares a hello's world extension states (the plain pair's when it has none)."""
+    return (1, 1) if world is None else world.shares
+
+
+def largest_worker_block(cfg: ModelConfig, shares: Shares) -> int:
+    """The most vocabulary rows one worker returns in a LOGITS row (the leader's bound)."""
+    return max(share_blocks(cfg.n_vocab, shares)[1:])
+
+
+def header_model(path: Path, ctx_size: int | None, lora: Path | None = None
+                 ) -> tuple[ModelConfig, Identity]:
+    """A model file's config and hello identity (with ``lora``, the adapter's too), from its
+    header alone (no weights read)."""
+    cfg = load_gguf(path, select=lambda name, view: None).cfg
+    ctx = default_ctx(cfg) if ctx_size is None else ctx_size
+    if ctx <= 0:
+        raise ValueError(f"ctx_size must be positive, got {ctx}")
+    return cfg, identity_for(path, cfg, ctx, lora)
 
 
 def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None = None
@@ -111,19 +167,30 @@ def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None 
     )
 
 
+def check_replicated(path: Path) -> None:
+    """Read the tensors every rank holds whatever its rank (embeddings, norms, routers) and
+    check them (a damaged file is refused with the tensor's name, ``GGUFError``), keeping
+    nothing: what a worker can check before the leader tells it its rank."""
+    load_gguf_stored(path, select=lambda name, view: view if rule_for(name).kind is
+                     SplitKind.REPLICATED else None)
+
+
 def load_rank(
     path: Path,
     rank: int,
     ctx_size: int | None = None,
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+    world: int = WORLD,
+    shares: Sequence[int] | None = None,
     lora: Path | None = None,
 ) -> RankModel:
-    """Read rank ``rank``'s half of the GGUF file (its experts cut by ``expert_split``): only
-    its slices are read from disk. ``lora``: a LoRA adapter file merged into the tensors it
+    """Read rank ``rank``'s slices of the GGUF file for a world of ``world`` ranks holding
+    ``shares`` (default: the pair's half; its experts cut by ``expert_split``): only its
+    slices are read from disk. ``lora``: a LoRA adapter file merged into the tensors it
     adapts before they are cut (those become float32)."""
     header = load_gguf(path, select=lambda name, view: None)
     cfg = header.cfg
-    layout = rank_layout(cfg, rank, WORLD, expert_split)
+    layout = rank_layout(cfg, rank, world, expert_split, shares)
     adapter = None
     if lora is not None:
         adapter = load_adapter(lora)
@@ -147,15 +214,25 @@ def load_rank(
     )
 
 
-def exchange_hellos(link: ControlLink, mine: Hello) -> Hello:
+def exchange_hellos(
+    link: ControlLink,
+    mine: Hello,
+    max_rows: int,
+    vocab_block: int | None = None,
+    on_peer: Callable[[Hello], None] | None = None,
+) -> Hello:
     """Send our hello, read the peer's, check both (IdentityMismatch / VersionMismatch name the
-    field and both values). Afterwards the link's decoder accepts this model's largest frames."""
+    field and both values; ``on_peer`` sees the peer's hello first, as it came). Afterwards
+    the link's decoder accepts this model's largest frames, LOGITS of up to ``max_rows`` rows
+    of ``vocab_block`` (default the larger half) among them (``wire.tp.logits_rows``)."""
     link.send(mine)
     peer = link.recv("the peer's hello")
     if not isinstance(peer, Hello):
         raise LinkError(f"expected the peer's hello, got {type(peer).__name__}")
+    if on_peer is not None:
+        on_peer(peer)
     check_hello(mine, peer)
-    link.decoder.max_payload = max_payload_for(mine.identity)
+    link.decoder.max_payload = max_payload_for(mine.identity, max_rows, vocab_block)
     return peer
 
 

@@ -67,10 +67,11 @@ import logging
 import threading
 from collections.abc import Callable
 
-from foundry.model.chat import template_for
-from foundry.model.gguf_meta import read_metadata
-from foundry.model.tp_split import Gate
-from foundry.model.vocab import load_tokenizer
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.kernels.quant import threads as kernel_threads
+from foundry.model.shard import Gate, norm_shares
+from foundry.model.text.chat import template_for
+from foundry.model.text.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
 from foundry.tp.engine import LeaderEngine, LogitsHook
@@ -99,13 +100,19 @@ class Leader:
     ) -> None:
         self.options = options
         self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
-                                             options.lora)
+                                        options.world_size, options.shares, options.lora)
+        if (self.model.weights.world, self.model.weights.shares) != (
+                options.world_size, norm_shares(options.world_size, options.shares)):
+            raise ValueError(f"the leader's slices are for rank 0 of {self.model.weights.world} "
+                             f"with shares {self.model.weights.shares}, not of the options' "
+                             f"{options.world_size}")
         self.identity = self.model.identity
         self.cfg = self.model.cfg
         metadata = read_metadata(options.model)
         self.tokenizer = load_tokenizer(metadata)  # GENERATE's prompt, TOKEN's text
         # GENERATE's messages become the prompt through it (CHAT, docs/protocol.md).
         self.chat_template = template_for(metadata, options.chat_template)
+        log.info("chat template: %s", self.chat_template.name)
         self.metrics = metrics or TpMetrics()
         self.logits_hook = logits_hook
         self.port = 0  # the worker port, once bound
@@ -134,7 +141,7 @@ class Leader:
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
                                 self._stopping, self.engine.new_pair,
-                                architecture=self.model.architecture)
+                                architecture=self.model.architecture, cfg=self.cfg)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -172,6 +179,7 @@ class Leader:
             await asyncio.to_thread(thread.join, 10)
         self._frontend_server.fail_inflight("the leader is shutting down")
         self._frontend_server.close_all()
+        self._frontend_server.shutdown()
         if self._frontend is not None:
             await self._frontend.wait_closed()
         self._bringup.close()
@@ -225,6 +233,8 @@ class Leader:
             model_id=i.model_id,
             spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
             requests_served=self._frontend_server.requests_served,
+            threads=kernel_threads(),
+            ranks=tuple(e.rank_status()),
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:

@@ -55,9 +55,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.engines import InferenceEngine
-from foundry.model.inference import Session
-from foundry.model.tp_split import Gate
+from foundry.model.infer.engines import InferenceEngine
+from foundry.model.infer.inference import Session
+from foundry.model.shard import Gate
 from foundry.tp.policy import common_prefix
 from foundry.transport.gates import GateError
 from foundry.wire.tp import (
@@ -86,13 +86,15 @@ class LockstepError(ValueError):
 class Transport(Protocol):
     """What a gate transport offers (``foundry.transport.gates.GateExchange``)."""
 
+    world: int  # the ranks it joins: a gate sends to each of the other world - 1
+
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> F32: ...
 
 
 class TracingExchange:
     """The engine's gate callback over a transport: times each gate, counts its bytes and
     keeps the last sum (for ``state_hash``). ``on_gate(gate, seconds, bytes_each_way)`` is
-    called after every gate."""
+    called after every gate (bytes to all the other ranks together)."""
 
     def __init__(self, transport: Transport, on_gate: Callable[[Gate, float, int], None]) -> None:
         self.transport = transport
@@ -102,7 +104,8 @@ class TracingExchange:
     def __call__(self, layer: int, gate: Gate, partial: F32) -> F32:
         t0 = time.perf_counter()
         total = self.transport.exchange(layer, gate, partial)
-        self.on_gate(gate, time.perf_counter() - t0, GATE_HEADER_SIZE + partial.nbytes)
+        self.on_gate(gate, time.perf_counter() - t0,
+                     (GATE_HEADER_SIZE + partial.nbytes) * (self.transport.world - 1))
         self.last_sum = total
         return total
 

@@ -7,11 +7,12 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.tp_split import ExpertSplit
+from foundry.model.shard import MAX_WORLD, ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.policy import MAX_DRAFT, SpecMode
 from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
+from foundry.wire.tp import TP_MAX_BATCH_ITEMS
 
 __all__ = ["MAX_FRONTEND_CONNECTIONS", "LeaderOptions"]
 
@@ -43,15 +44,24 @@ class LeaderOptions:
     handshake_timeout_s: float = 5.0
     # How the routed experts are cut (the worker must run the same: the hello checks it).
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
-    lora: Path | None = None  # a LoRA adapter merged at load (both ranks load the same)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
+    lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     # Security and limits (docs/guide/tls.md, TLS and limits): TLS on both listeners,
     # the frontend's connection limit, and the deadline of a frame begun on either link.
     tls: ssl.SSLContext | None = None
     frontend_max_connections: int = MAX_FRONTEND_CONNECTIONS
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
-    # --chat-template: a built-in's name or a Jinja file (foundry.model.chat.template_for).
+    # --chat-template: a built-in's name or a Jinja file (foundry.model.text.chat.template_for).
     chat_template: str | None = None
+    # --chat-content-specials: parse special-token texts in messages' content (llama.cpp's
+    # way); off, a user's "<start_of_turn>" stays text (foundry.model.text.chat.chat_prompt).
+    chat_content_specials: bool = False
+    # A chat request's most messages (more is refused at once, before rendering).
+    max_messages: int = 4096
+    # --world-size and --shares: the ranks this leader serves with (2: the pair) and each
+    # one's share of the model (None: equal; docs/tp.md, "N ranks").
+    world_size: int = 2
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):
@@ -60,5 +70,17 @@ class LeaderOptions:
         for name in ("queue_size", "keep_sessions"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_sessions > TP_MAX_BATCH_ITEMS:  # one EVAL_BATCH carries every session
+            raise ValueError(
+                f"max_sessions must be <= {TP_MAX_BATCH_ITEMS}, got {self.max_sessions}"
+            )
         if not 0 <= self.max_draft <= MAX_DRAFT:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
+        if not 2 <= self.world_size <= MAX_WORLD:
+            raise ValueError(f"world_size must be in [2, {MAX_WORLD}], got {self.world_size}")
+        if self.world_size > 2 and self.tls is not None:
+            raise ValueError(
+                f"TLS covers the pair only: a world of {self.world_size} ranks would send the "
+                "gates between its workers in the clear; run 2 ranks, or drop --tls on a "
+                "network you trust"
+            )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from foundry.model.vocab import StreamDecoder, own_tokenizer
+from foundry.model.text.vocab import StreamDecoder, own_tokenizer
 from foundry.wire.tp import DS4_TP_BATCH_MAX_ROWS, VerifyCommitMode
 
 # A verify block is the seed row (the token to evaluate anyway) plus the drafts.

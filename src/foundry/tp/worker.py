@@ -1,10 +1,15 @@
-"""The worker rank (rank 1): dial the leader, agree, then run every command it mirrors.
+"""A worker rank (rank 1 of the pair, or 1 .. N-1 of a world): dial the leader, agree, then
+run every command it mirrors.
 
 One thread does everything: numpy and the gate exchange block it, and there is nothing else to
 do while they do. The loop:
 
 1. dial the leader with capped exponential backoff (``transport.backoff``);
-2. bring the pair up (``foundry.tp.handshake``): the same identity or version mismatch met
+2. bring the pair up (``foundry.tp.handshake``): read the leader's hello, which says the world
+   (the pair, or N ranks and their shares), ask for a rank (``--rank``, else the one held last,
+   else any), load the slices of the rank given (kept while the rank and shares stay), and
+   for N > 2 connect the gates to the other workers from the WORLD frame (lower ranks dialed,
+   higher ranks accepted on ``--gate-listen``). The same identity or version mismatch met
    :data:`MISMATCH_REPEATS` dials in a row ends the process with :data:`EXIT_MISMATCH`
    (dialing again with the same files cannot help); a mismatch met once (one garbage hello,
    a stray process on the port), a busy leader, a refused or broken connection mean "dial
@@ -18,6 +23,7 @@ do while they do. The loop:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import ssl
@@ -26,17 +32,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.engines import make_engine
-from foundry.model.tp_split import ExpertSplit, Gate
+from foundry.model.formats.gguf_io import GGUFError
+from foundry.model.infer.engines import make_engine
+from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
+from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
+from foundry.tp.bringup import recv_exact
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
     ACK_SHM_FAILED,
     DEFAULT_EXPERT_SPLIT,
     RankModel,
+    check_replicated,
     exchange_hellos,
+    execution_mode,
+    header_model,
     load_rank,
+    world_shares,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
 from foundry.tp.lockstep import (
@@ -53,12 +66,14 @@ from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
     GateExchange,
+    MeshGateExchange,
     ShmGateExchange,
     TcpGateExchange,
     local_host_id,
 )
 from foundry.transport.tls import wrap_blocking
 from foundry.wire.tp import (
+    FRAME_HEADER_SIZE,
     CommandAck,
     ControlFrame,
     FrameType,
@@ -71,8 +86,12 @@ from foundry.wire.tp import (
     Stop,
     Sync,
     SyncCheckpoint,
+    TpDecoder,
     TpProtocolError,
     VersionMismatch,
+    World,
+    WorldInfo,
+    WorldMismatch,
     encode,
     negotiate_gate_transport,
 )
@@ -101,10 +120,19 @@ class WorkerOptions:
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
-    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.engines)
-    lora: Path | None = None  # a LoRA adapter merged at load (both ranks load the same)
+    device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
+    lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
+    rank: int | None = None  # --rank: the rank to ask for (None: the next free one)
+    # --gate-listen: where a worker of a world of N > 2 takes the gate connections of the
+    # ranks above it (port 0: any free one; the leader tells the others which)
+    gate_host: str = "0.0.0.0"
+    gate_port: int = 0
+
+
+class RankRefused(Exception):
+    """This worker's --rank does not fit the leader's world: fix the command line."""
 
 
 class _Busy(Exception):
@@ -119,17 +147,53 @@ class Worker:
         metrics: TpMetrics | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 1, options.ctx_size, options.expert_split,
-                                             options.lora)
-        self.identity = self.model.identity
-        self.metrics = metrics or TpMetrics(rank=1)
-        engine = make_engine(self.model.cfg, self.model.weights, rank=1, world=2,
-                             ctx_size=self.identity.ctx_size, device=options.device)
-        self.state = RankState(engine, self.identity.ctx_size)
+        if options.rank is not None and options.rank < 1:
+            raise ValueError(f"--rank must be >= 1 (rank 0 is the leader), got {options.rank}")
+        # The slices are loaded once the leader's hello and answer say the world and the rank
+        # (kept across pairings while they stay); the hello needs only the file's header.
+        self.model: RankModel | None = model
+        if model is None:
+            self.cfg, self.identity = header_model(options.model, options.ctx_size, options.lora)
+            check_replicated(options.model)  # a damaged file is refused before any dial
+        else:
+            self.cfg, self.identity = model.cfg, model.identity
+        self.rank = options.rank or 1
+        self.metrics = metrics or TpMetrics(rank=self.rank)
+        self._state: RankState | None = None
+        self._kept = {"prefill": 0, "decode": 0}
+        if model is not None:
+            self._load(model.weights.rank, model.weights.world, model.weights.shares)
+        self._gate_listener: socket.socket | None = None
+        self._world_seen: WorldInfo | None = None  # from the leader's last hello
         self._offer_shm = options.shm
         self._stop = threading.Event()
-        self._kept = dict(self.state.kept)
         self.pairs_formed = 0
+
+    @property
+    def state(self) -> RankState:
+        """The session table over this rank's engine (once its slices are loaded)."""
+        assert self._state is not None, "no slices loaded yet"
+        return self._state
+
+    def _load(self, rank: int, world: int, shares: Shares) -> None:
+        """Hold rank's slices of a world of ``world`` ranks holding ``shares`` (read from the
+        file unless held already) and an engine over them."""
+        w = self.model.weights if self.model is not None else None
+        if w is None or (w.rank, w.world, w.shares) != (rank, world, shares):
+            log.info("loading rank %d of %d (shares %s) of %s", rank, world,
+                     ",".join(map(str, shares)), self.options.model)
+            self._state = self.model = None  # the old slices go before the new ones come in
+            self.model = load_rank(self.options.model, rank, self.options.ctx_size,
+                                   self.options.expert_split, world, shares, self.options.lora)
+        if self._state is None:
+            assert self.model is not None
+            weights = self.model.weights
+            engine = make_engine(self.cfg, weights, rank=weights.rank, world=weights.world,
+                                 ctx_size=self.identity.ctx_size, device=self.options.device)
+            self._state = RankState(engine, self.identity.ctx_size)
+            self._kept = dict(self._state.kept)
+        self.rank = rank
+        self.metrics.set_rank(rank)
 
     def request_stop(self) -> None:
         """Leave at the next command boundary (or sync checkpoint, where it asks to cancel)."""
@@ -145,6 +209,11 @@ class Worker:
         while not self._stop.is_set():
             try:
                 link, gate, transport = self._connect()
+            except WorldMismatch as exc:
+                log.info("the leader runs another world than this hello said (%s); dialing "
+                         "again with it", exc)
+                mismatches = []
+                continue
             except (IdentityMismatch, VersionMismatch) as exc:
                 self.metrics.failures.labels("identity").inc()
                 mismatches = [*mismatches, str(exc)] if str(exc) in mismatches else [str(exc)]
@@ -155,9 +224,16 @@ class Worker:
                 log.error("the peer at %s:%d does not match this worker: %s; dialing again "
                           "(giving up after %d such answers in a row)", o.leader_host,
                           o.leader_port, exc, MISMATCH_REPEATS)
+            except RankRefused as exc:
+                log.error("%s", exc)
+                return EXIT_MISMATCH
+            except (SplitError, GGUFError) as exc:  # its slices cannot be cut from this file
+                log.error("cannot load rank %d's slices: %s", self.rank, exc)
+                return EXIT_MISMATCH
             except _Busy:
-                log.warning("the leader at %s:%d already has a worker; dialing again",
-                            o.leader_host, o.leader_port)
+                log.warning("the leader at %s:%d already has a worker%s; dialing again",
+                            o.leader_host, o.leader_port,
+                            f" of rank {o.rank}" if o.rank else " of every rank")
                 self.metrics.failures.labels("busy").inc()
                 mismatches = []
             except PAIR_FAILURES as exc:
@@ -186,18 +262,25 @@ class Worker:
                            frame_deadline_s=o.frame_deadline_s)
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
         gate: GateExchange | None = None
+        gsock: socket.socket | None = None
         try:
-            hello = Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
-                          shm_offered=self._offer_shm, execution_mode=self.model.execution_mode,
-                          architecture=self.model.architecture)
-            peer = exchange_hellos(link, hello)
-            transport = negotiate_gate_transport(hello, peer)
+            mine = self._hello()
+            # The worker receives no LOGITS: the leader's frames bound its decoder.
+            peer = exchange_hellos(link, mine, max_rows=1, on_peer=self._learn_world)
+            world, shares = (2, (1, 1)) if peer.world is None else (
+                peer.world.world_size, world_shares(peer.world))
+            transport = negotiate_gate_transport(mine, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")
             assert isinstance(ack, CommandAck)
             if ack.status == ACK_BUSY:
                 raise _Busy
             if ack.status != ACK_ACCEPTED:
                 raise LinkError(f"the leader answered the hello with status {ack.status}")
+            rank = 1 if peer.world is None else ack.session_id
+            asked = 1 if mine.world is None else mine.world.rank
+            if not 1 <= rank < world or (asked and rank != asked):
+                raise LinkError(f"the leader gave rank {rank} of {world}, asked for {asked}")
+            self._load(rank, world, shares)
             if transport is GateTransport.SHM:
                 try:
                     gate = ShmGateExchange.attach(
@@ -215,17 +298,113 @@ class Worker:
                 except OSError:
                     gsock.close()
                     raise
-                gate = TcpGateExchange(gsock, rank=1, n_embd=self.identity.n_embd,
-                                       timeout_s=o.gate_timeout_s)
+                if world == 2:
+                    gate, gsock = TcpGateExchange(gsock, rank=1, n_embd=self.identity.n_embd,
+                                                  timeout_s=o.gate_timeout_s), None
             link.send(CommandAck(status=ACK_ACCEPTED))
+            if world > 2:
+                assert gsock is not None
+                gate, gsock = self._mesh(link, gsock, rank, world), None
             link.deadline = None
             link.set_timeout(o.control_timeout_s)
+            assert gate is not None
         except BaseException:
             if gate is not None:
                 gate.close()
+            if gsock is not None:
+                gsock.close()
             link.close()
             raise
         return link, gate, transport
+
+    def _hello(self) -> Hello:
+        """Our hello: the world extension once the leader's hello has told us the world (the
+        first is plain), asking for ``--rank``, else the rank held last, else any."""
+        world: WorldInfo | None = None
+        seen = self._world_seen
+        if seen is not None:
+            n = seen.world_size
+            held = self.model is not None and self.model.weights.world == n
+            asked = self.options.rank or (self.rank if held else 0)
+            port = self._listen_gates()[1] if n > 2 else 0
+            world = WorldInfo(world_size=n, shares=seen.shares, rank=asked, gate_port=port)
+        return Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
+                     shm_offered=self._offer_shm and (world is None or world.world_size == 2),
+                     execution_mode=execution_mode(self.options.expert_split),
+                     architecture=arch_spec(self.cfg).name, world=world)
+
+    def _learn_world(self, leader: Hello) -> None:
+        """The leader's hello says the world: remember it for the next hello, and refuse a
+        --rank it has no place for."""
+        self._world_seen = leader.world
+        n = 2 if leader.world is None else leader.world.world_size
+        if self.options.rank is not None and not 1 <= self.options.rank < n:
+            raise RankRefused(f"--rank {self.options.rank} does not exist in the leader's "
+                              f"world of {n} ranks (ranks 1 .. {n - 1} are workers)")
+
+    def _listen_gates(self) -> tuple[str, int]:
+        """The socket the ranks above this one dial for their gates (bound once)."""
+        if self._gate_listener is None:
+            o = self.options
+            listener = socket.create_server((o.gate_host, o.gate_port), backlog=MAX_WORLD)
+            self._gate_listener = listener
+        host, port = self._gate_listener.getsockname()[:2]
+        return str(host), int(port)
+
+    def _mesh(self, link: ControlLink, leader_sock: socket.socket, rank: int,
+              world: int) -> MeshGateExchange:
+        """The gates of a world of N > 2 ranks: wait for the WORLD frame, dial every worker
+        below this rank, take the connections of every one above, then tell the leader."""
+        o = self.options
+        frame = link.recv("the WORLD frame", idle=lambda: not self._stop.is_set())
+        if not isinstance(frame, World) or len(frame.peers) != world - 1:
+            raise LinkError(f"expected the WORLD frame of {world - 1} workers, got {frame}")
+        link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
+        me = frame.peers[rank - 1]
+        socks: dict[int, socket.socket] = {0: leader_sock}
+        try:
+            for peer in frame.peers[: rank - 1]:
+                host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
+                           ipaddress.IPv6Address(peer.host))
+                s = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
+                socks[peer.rank] = s
+                s.sendall(encode(CommandAck(session_id=rank, seq=peer.token)))
+            listener = self._gate_listener
+            assert listener is not None
+            deadline = time.monotonic() + 2 * o.handshake_timeout_s
+            while len(socks) < world - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(rank + 1, world)) - set(socks))
+                    raise LinkError(f"ranks {missing} did not connect their gates within "
+                                    f"{2 * o.handshake_timeout_s:g} s")
+                listener.settimeout(left)
+                try:
+                    s, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                try:
+                    decoder = TpDecoder()
+                    decoder.feed(recv_exact(s, FRAME_HEADER_SIZE + 4, deadline, left))
+                    hi = decoder.next_event()
+                except (OSError, LinkError, TpProtocolError) as exc:
+                    log.warning("a gate connection failed its first frame: %s", exc)
+                    s.close()
+                    continue
+                if (not isinstance(hi, CommandAck) or hi.seq != me.token
+                        or not rank < hi.session_id < world or hi.session_id in socks):
+                    log.warning("a gate connection presented no token of this world; closed")
+                    s.close()
+                    continue
+                socks[hi.session_id] = s
+            gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=self.identity.n_embd,
+                                    timeout_s=o.gate_timeout_s)
+        except BaseException:
+            for s in socks.values():
+                s.close()
+            raise
+        link.send(CommandAck(status=ACK_ACCEPTED))
+        return gate
 
     def _dial(self) -> socket.socket:
         """A connection to the leader's port, TLS done when configured."""
@@ -309,7 +488,15 @@ class Worker:
             mine = self._stop.is_set()
             link.send(SyncCheckpoint(session_id=sync.session_id, point=theirs.point,
                                      current=current, total=total, requested=mine))
-            if theirs.requested or mine:
+            stop = theirs.requested or mine
+            if self.state.engine.world > 2:  # every rank goes by the leader's verdict
+                verdict = link.expect(FrameType.SYNC_CHECKPOINT, "the leader's verdict")
+                assert isinstance(verdict, SyncCheckpoint)
+                if verdict.point != theirs.point or (mine and not verdict.requested):
+                    raise LockstepError(f"the leader's verdict at {verdict.current}/"
+                                        f"{verdict.total} disagrees with its checkpoint")
+                stop = verdict.requested
+            if stop:
                 log.info("sync of session %d cancelled at %d of %d", sync.session_id, current,
                          total)
                 return None

@@ -40,6 +40,7 @@ from foundry.wire.fdtc import (
 )
 from foundry.wire.fdtc_connection import ConnectionClosed, FdtcConnection
 from foundry.wire.fdtc_lifecycle import Link, LinkState, Role
+from foundry.wire.framing import ReceiveBudget
 
 __all__ = ["DEFAULT_FRAME_DEADLINE_S", "FdtcStream", "FrameTimeout", "StreamClosed"]
 
@@ -59,12 +60,14 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
         max_payload: int = MAX_PAYLOAD,
         frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S,
         dead_after_s: float = LINK_DEAD_AFTER_S,
+        budget: ReceiveBudget | None = None,
     ) -> None:
         self.connection = (
             None if role is None
-            else FdtcConnection(role, link=link, max_payload=max_payload)
+            else FdtcConnection(role, link=link, max_payload=max_payload, budget=budget)
         )
-        decoder = FdtcDecoder(max_payload) if self.connection is None else self.connection
+        decoder = (FdtcDecoder(max_payload, budget=budget) if self.connection is None
+                   else self.connection)
         super().__init__(reader, writer, decoder, frame_deadline_s=frame_deadline_s,
                          dead_after_s=dead_after_s)
 

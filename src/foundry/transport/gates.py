@@ -1,9 +1,11 @@
-"""The tensor-parallel data plane: both ranks swap their partial of one gate and sum them.
+"""The tensor-parallel data plane: the ranks swap their partial of one gate and sum them.
 
 Twice per layer (gates ATTN and FFN) each rank holds a partial of shape (rows, n_embd) float32;
-``GateExchange.exchange`` sends it to the peer, receives the peer's, and returns the sum. Float
-addition is commutative bit for bit, so both ranks get bit-identical sums. The call is
-synchronous: the inference engine's forward pass blocks in it.
+``GateExchange.exchange`` sends it to the peers, receives theirs, and returns the sum. In a pair
+float addition of the two is commutative bit for bit, so both ranks get bit-identical sums; in
+a world of N ranks (:class:`MeshGateExchange`) every rank adds the N partials in rank order,
+``((p0 + p1) + p2) + ...``, and gets the same bits. The call is synchronous: the inference
+engine's forward pass blocks in it.
 
 Both ranks tag every partial with the same :class:`~foundry.wire.tp.GateHeader` (layer, gate,
 seq, rows, n_embd; ``seq`` counts gates from ``first_seq``), so a rank that got out of step is
@@ -12,7 +14,7 @@ stalls, dies or closes makes ``exchange`` raise :class:`GateError` within ``time
 progress; the exchange is then unusable (it has closed its socket or marked the slab closed so
 the peer fails fast too), and the services re-handshake.
 
-Two transports:
+Three transports:
 
 - :class:`TcpGateExchange`: both ranks write header + partial, then read the peer's, full
   duplex with no per-gate handshake. The socket is non-blocking and one poll loop interleaves
@@ -22,6 +24,10 @@ Two transports:
   Over TLS (``foundry.transport.tls``; an ``ssl.SSLSocket``, which has no scatter/gather
   calls) the same loop uses ``send`` and ``recv_into`` one buffer at a time; the bytes inside
   TLS are the same.
+- :class:`MeshGateExchange`: a world of N > 2 ranks, all-to-all: a TCP connection to every
+  other rank; per gate the rank writes header + partial to each and reads each one's, one poll
+  loop over all of them, then sums in rank order (one hop; docs/protocol.md, N ranks, has the
+  choice against a star and a ring). Plain TCP only (no TLS between workers yet).
 - :class:`ShmGateExchange`: a slab file in ``/dev/shm`` mapped by both ranks on one host (see
   ``SlabLayout`` for the layout and the seqlock rule). A plain file + ``mmap`` rather than
   ``multiprocessing.shared_memory``: before Python 3.13 the attaching process registers the
@@ -39,6 +45,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import functools
 import hashlib
 import mmap
 import operator
@@ -60,7 +67,7 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.tp_split import Gate
+from foundry.model.shard import Gate
 from foundry.wire.tp import (
     GATE_HEADER,
     GATE_HEADER_SIZE,
@@ -89,7 +96,7 @@ SHM_SPIN_S = 2e-3
 SHM_YIELD_POLLS = 32
 # Then sleep, doubling from the first to the last value. The peer computes on another core, so
 # a nap is pure added latency per gate: 1 ms naps made the slab slower than TCP inside the
-# pair (bench/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
+# pair (bench/performance/tp.py); 100 us keeps a stalled peer cheap and a live one prompt.
 SHM_SLEEP_FIRST_S = 20e-6
 SHM_SLEEP_MAX_S = 100e-6
 
@@ -149,8 +156,9 @@ def _shm_dir() -> str:
 class GateExchange(abc.ABC):
     """Swap one gate's partial with the peer and return the sum; see the module docstring.
 
-    ``rank`` is 0 (leader) or 1 (worker); ``first_seq`` numbers the first gate and both ranks
-    must pass the same value. Use as a context manager or call :meth:`close`.
+    ``rank`` is 0 (leader) .. ``world`` - 1 (a pair: 0 or 1); ``first_seq`` numbers the first
+    gate and every rank must pass the same value. Use as a context manager or call
+    :meth:`close`.
     """
 
     def __init__(
@@ -160,24 +168,31 @@ class GateExchange(abc.ABC):
         n_embd: int,
         timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
         first_seq: int = 1,
+        world: int = 2,
     ) -> None:
-        if rank not in (0, 1):
-            raise ValueError(f"rank must be 0 or 1, got {rank}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must lie in [0, {world}), got {rank}")
         if n_embd <= 0:
             raise ValueError(f"n_embd must be positive, got {n_embd}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.rank = rank
+        self.world = world
         self.n_embd = n_embd
         self.timeout_s = timeout_s
         self.seq = first_seq  # the seq of the next gate
+        # Per rank: seconds from the start of each gate until that rank's partial was in,
+        # summed over ``gates_done`` gates (``STATUS``'s gate wait: the rank that gates
+        # everyone has the largest).
+        self.peer_wait_s = [0.0] * world
+        self.gates_done = 0
         self._failure: str | None = None
         self._closed = False
 
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> npt.NDArray[np.float32]:
         """``partial`` (rows, n_embd) or (n_embd,) float32 plus the peer's; same shape back.
 
-        ``gate`` is a :class:`~foundry.model.tp_split.Gate` or any int enum with its values.
+        ``gate`` is a :class:`~foundry.model.shard.Gate` or any int enum with its values.
         """
         if partial.dtype != _F32 or partial.ndim not in (1, 2) or partial.shape[-1] != self.n_embd:
             raise ValueError(
@@ -196,14 +211,22 @@ class GateExchange(abc.ABC):
         except struct.error as exc:
             raise ValueError(f"gate tag out of range (layer {layer}, seq {self.seq})") from exc
         try:
-            peer = self._swap(tag, mine)
+            total = self._sum(tag, mine)
         except GateError as exc:
             self._failure = str(exc)
             self._release()
             raise
         self.seq += 1
-        total: npt.NDArray[np.float32] = mine + peer
+        self.gates_done += 1
         return total.reshape(partial.shape)
+
+    def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
+        """The sum over the ranks of this gate: in a pair ``mine + peer``."""
+        t0 = time.perf_counter()
+        peer = self._swap(tag, mine)
+        self.peer_wait_s[1 - self.rank] += time.perf_counter() - t0
+        total: npt.NDArray[np.float32] = mine + peer
+        return total
 
     def close(self) -> None:
         if not self._closed:
@@ -366,6 +389,143 @@ class TcpGateExchange(GateExchange):
 
     def _release(self) -> None:
         self._sock.close()
+
+
+class MeshGateExchange(GateExchange):
+    """All-to-all for a world of N ranks over plain TCP: one connected socket to every other
+    rank (``socks``, by rank), which this object then owns.
+
+    Per gate the rank writes header (20 bytes) + partial to every peer while reading every
+    peer's, one non-blocking poll loop over all the sockets (so no multi-MiB prefill partial
+    can deadlock on clamped socket buffers), and returns the N partials added in rank order,
+    its own in its place. Every peer's tag must equal its own; no byte moving on any socket
+    for ``timeout_s`` is a stall; EOF or an error on any is a GateError naming that rank.
+    """
+
+    def __init__(
+        self,
+        socks: dict[int, socket.socket],
+        *,
+        rank: int,
+        world: int,
+        n_embd: int,
+        timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+        first_seq: int = 1,
+    ) -> None:
+        super().__init__(rank=rank, n_embd=n_embd, timeout_s=timeout_s, first_seq=first_seq,
+                         world=world)
+        if set(socks) != set(range(world)) - {rank}:
+            raise ValueError(f"rank {rank} of {world} needs a socket to every other rank, got "
+                             f"ranks {sorted(socks)}")
+        self._socks = dict(sorted(socks.items()))
+        for sock in self._socks.values():
+            if isinstance(sock, ssl.SSLSocket):
+                raise ValueError("the all-to-all gates run over plain TCP only")
+            sock.setblocking(False)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._tags = {r: bytearray(GATE_HEADER_SIZE) for r in self._socks}
+        self._bufs = {r: np.empty(0, dtype=_F32) for r in self._socks}
+        self._poller = select.poll()
+
+    def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
+        raise NotImplementedError("a world sums in _sum")
+
+    def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
+        rows = mine.shape[0]
+        peers: dict[int, np.ndarray] = {}
+        for r in self._socks:
+            if self._bufs[r].size < mine.size:
+                self._bufs[r] = np.empty(mine.size, dtype=_F32)
+            peers[r] = self._bufs[r][: mine.size].reshape(rows, self.n_embd)
+        out = (memoryview(tag), mine.data.cast("B"))
+        total = GATE_HEADER_SIZE + mine.nbytes
+        sent = dict.fromkeys(self._socks, 0)
+        got = dict.fromkeys(self._socks, 0)
+        t0 = time.perf_counter()
+        last_progress = time.monotonic()
+        while True:
+            progress = False
+            for r, sock in self._socks.items():
+                if sent[r] < total:
+                    n = self._io(r, sock.sendmsg, _tail(out, sent[r]), tag)
+                    sent[r] += n
+                    progress = progress or n > 0
+                if got[r] < total:
+                    into = (memoryview(self._tags[r]), peers[r].data.cast("B"))
+                    n = self._io(r, functools.partial(_recv_some, sock), _tail(into, got[r]), tag)
+                    if got[r] < GATE_HEADER_SIZE <= got[r] + n and self._tags[r] != tag:
+                        raise self._desync_from(r, tag, bytes(self._tags[r]))
+                    got[r] += n
+                    progress = progress or n > 0
+                    if got[r] == total:
+                        self.peer_wait_s[r] += time.perf_counter() - t0
+            if all(v == total for v in sent.values()) and all(v == total for v in got.values()):
+                break
+            now = time.monotonic()
+            if progress:
+                last_progress = now
+            elif now - last_progress > TCP_SPIN_S:
+                self._wait(last_progress, tag, sent, got, total)
+        # The sum in rank order, as one process standing for this split adds its parts.
+        parts = [mine if r == self.rank else peers[r] for r in range(self.world)]
+        acc: npt.NDArray[np.float32] = parts[0] + parts[1]
+        for p in parts[2:]:
+            np.add(acc, p, out=acc)
+        return acc
+
+    def _io(self, peer: int, op: Callable[[list[memoryview]], int], views: list[memoryview],
+            tag: bytes) -> int:
+        try:
+            return op(views)
+        except BlockingIOError:
+            return 0
+        except EOFError:
+            raise GateError(f"rank {peer} closed the gate connection during "
+                            f"{_describe(tag)}") from None
+        except OSError as exc:
+            raise GateError(
+                f"gate connection to rank {peer} failed during {_describe(tag)}: "
+                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
+            ) from None
+
+    def _desync_from(self, peer: int, tag: bytes, peer_tag: bytes) -> GateError:
+        exc = self._desync(tag, peer_tag)
+        return GateError(f"rank {peer}: {exc}")
+
+    def _wait(self, last_progress: float, tag: bytes, sent: dict[int, int],
+              got: dict[int, int], total: int) -> None:
+        left = last_progress + self.timeout_s - time.monotonic()
+        if left <= 0:
+            behind = [r for r in self._socks if got[r] < total]
+            raise GateError(
+                f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
+                f"(waiting for rank{'s' if len(behind) > 1 else ''} "
+                f"{', '.join(map(str, behind))})"
+            )
+        registered = []
+        for r, sock in self._socks.items():
+            events = (select.POLLOUT if sent[r] < total else 0) | (
+                select.POLLIN if got[r] < total else 0)
+            if events:
+                self._poller.register(sock, events)
+                registered.append(sock)
+        try:
+            self._poller.poll(max(1, int(left * 1000) + 1))
+        finally:
+            for sock in registered:
+                self._poller.unregister(sock)
+
+    def _release(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+
+
+def _recv_some(sock: socket.socket, views: list[memoryview]) -> int:
+    n = sock.recvmsg_into(views)[0]
+    if n == 0:
+        raise EOFError
+    return n
 
 
 def _tail(views: tuple[memoryview, memoryview], offset: int) -> list[memoryview]:

@@ -81,6 +81,11 @@ class Listener:
             if self.tls is not None and not await self._handshake(writer, peer):
                 return
             await self.handler(reader, writer)
+        except asyncio.CancelledError:
+            # The service is stopping and its loop cancels every connection's task. Ending
+            # quietly is the point: Python 3.11's stream callback would log the cancellation
+            # of this task as an ERROR with a traceback at every clean stop.
+            writer.transport.abort()
         finally:
             self.open_connections -= 1
 

@@ -11,10 +11,11 @@ bytes and enforces time, once, for every link:
 
 The **frame deadline**: once a frame has begun, the rest of it must arrive within
 ``frame_deadline_s``, so a slow or malicious sender cannot pin a socket and a buffer forever
-(``FrameTimeout``). Between frames a reader may wait without limit, or up to an idle timeout
+(``FrameTimeout``); a message in FRAGMENT frames held half-way is a frame begun too, each
+fragment due within the deadline of the one before. Closing a stream releases what its decoder
+holds. Between frames a reader may wait without limit, or up to an idle timeout
 it names. A send is bounded by the same deadline: a peer that takes no bytes for that long is
-cut off, so a reader that stopped reading cannot make us buffer without end. A message in
-FRAGMENT frames (FDTC, larger than one frame) is timed frame by frame on the way in.
+cut off, so a reader that stopped reading cannot make us buffer without end.
 
 A peer whose **host vanished** without a FIN or RST (power cut, cable pulled, a NAT that forgot
 the flow) answers nothing, and TCP alone notices only after about 15 minutes of
@@ -81,6 +82,8 @@ class Decoder(Protocol[E_co]):
 
     @property
     def buffered(self) -> int: ...
+
+    def release(self) -> None: ...
 
     def feed(self, data: bytes | bytearray | memoryview) -> None: ...
 
@@ -183,17 +186,20 @@ class AsyncStream(Generic[E]):
         ``idle_timeout_s``), or the codec's protocol error for bad bytes."""
         loop = asyncio.get_running_loop()
         frame_started: float | None = None
+        held_then = 0
         while True:
             event = self.decoder.next_event()
             if event is not None:
                 return event
-            partial = self.decoder.buffered > 0
+            # A message in fragments (FDTC) held: its next fragment is due as a frame begun.
+            held = getattr(self.decoder, "reassembling", 0)
+            partial = self.decoder.buffered > 0 or held > 0
             timeout = idle_timeout_s
             if not partial:
-                frame_started = None  # between frames (fragments of one message included)
+                frame_started = None  # between frames
             else:
-                if frame_started is None:
-                    frame_started = loop.time()
+                if frame_started is None or held != held_then:  # each frame its own deadline
+                    frame_started, held_then = loop.time(), held
                 timeout = self.frame_deadline_s - (loop.time() - frame_started)
                 if timeout <= 0:
                     raise FrameTimeout(_late(self.peer, self.frame_deadline_s))
@@ -287,6 +293,7 @@ class AsyncStream(Generic[E]):
             raise LinkError(f"the link to {self.peer} failed: {exc}") from None
 
     async def close(self) -> None:
+        self.decoder.release()  # a partial frame's memory goes back now, not when collected
         if self.writer.is_closing():
             return
         self.writer.close()
@@ -425,4 +432,5 @@ class BlockingStream(Generic[E]):
         )
 
     def close(self) -> None:
+        self.decoder.release()
         self.sock.close()

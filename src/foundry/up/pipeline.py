@@ -14,16 +14,17 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from foundry.model.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from foundry.model.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
-from foundry.model.generate import greedy_text, printable
-from foundry.model.training import (
+from foundry.model.formats.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from foundry.model.formats.gguf_io import GGUF_MAGIC_BYTES
+from foundry.model.formats.tuning import TunedConfig
+from foundry.model.infer.generate import greedy_text, printable
+from foundry.model.text.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
+from foundry.model.train.training import (
     against_compressors,
     beaten_line,
     bits_per_byte,
     held_out_line,
 )
-from foundry.model.tuning import TunedConfig
 from foundry.up.clients import AdminLink, generate
 from foundry.up.plan import (
     StackError,
@@ -137,6 +138,20 @@ def watch_training(
         time.sleep(POLL_S)
 
 
+def check_model_file(path: Path) -> None:
+    """Raise StackError unless ``path`` is a readable file that starts as a GGUF file does."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC_BYTES))
+    except FileNotFoundError:
+        raise StackError(f"--model {path}: no such file") from None
+    except OSError as exc:
+        raise StackError(f"--model {path}: cannot read it ({exc.strerror})") from None
+    if head != GGUF_MAGIC_BYTES:
+        raise StackError(f"--model {path} is not a GGUF file (it starts with {head!r}); "
+                         "pass a .gguf model file (docs/models.md)")
+
+
 def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
     """`foundry up`: 0 after a clean stop, 1 when the stack could not start or failed."""
     ports = StackPorts.of(opt)
@@ -144,6 +159,8 @@ def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
     if prometheus is None:
         ports = StackPorts.of(dataclasses.replace(opt, prometheus=False))
     run = opt.run_dir
+    if opt.model is not None:
+        check_model_file(opt.model)  # before the run folder exists: a typo leaves nothing
     try:
         run.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -213,6 +230,9 @@ def _run_locked(
                       f"{opt.seq_len} on the bundled corpus; a greedy sample every "
                       f"{opt.sample_interval} steps")
             stack.say(held_out_line(len(held_out), yardstick))
+            if resumes_at:
+                stack.say(f"resuming from step {resumes_at} (the newest checkpoint in "
+                          f"{run / 'checkpoints'}; --fresh starts at step 0)")
             summary = TrainingSummary(start_step=resumes_at)
             try:
                 watch_training(stack, admin, view, summary,
@@ -278,7 +298,7 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     """`foundry up --model FILE`: the gateway and the pair on a published file, no training.
     Runs inside ``_run_locked``'s signal handling; a StopRequested or StackError propagates
     to it."""
-    from foundry.model.gguf_io import GGUFError, load_gguf
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf
 
     try:  # refuse a file the pair cannot run before any process starts, in one line
         load_gguf(model, select=lambda name, view: None)
@@ -307,7 +327,7 @@ def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminL
     """`foundry up --base-model FILE --data PATH`: the coordinator and workers fine-tune the
     file with LoRA, the coordinator exports the adapter, the pair serves the base with it
     behind the gateway. Runs inside ``_run_locked``'s signal handling."""
-    from foundry.model.gguf_io import GGUFError, load_gguf
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf
 
     assert opt.base_model is not None
     try:  # refuse a file the swarm cannot tune before any process starts, in one line

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model import recipe
+from foundry.model.train import recipe
 
 # The services' own ``foundry`` entry point, run with this interpreter so a venv is honoured.
 FOUNDRY = (sys.executable, "-m", "foundry")
@@ -21,7 +21,7 @@ class StackError(Exception):
 @dataclass(frozen=True)
 class StackOptions:
     # The demo's training is the recipe every command that trains defaults to
-    # (foundry.model.recipe): about a minute and a half on two quiet cores.
+    # (foundry.model.train.recipe): about a minute and a half on two quiet cores.
     steps: int = recipe.STEPS
     workers: int = 2
     base_port: int = 7070
@@ -43,6 +43,7 @@ class StackOptions:
     checkpoint_every: int | None = None  # None: ``default_checkpoint_every(steps)``
     model: Path | None = None  # a GGUF file to serve on the pair, without training
     ctx_size: int | None = None  # the pair's context (None: the file's, capped)
+    threads: int | None = None  # the stack's CPU threads, shared (None: each child's default)
     # Fine-tuning a published model on --data with LoRA, then serving it with the adapter.
     base_model: Path | None = None
     data: Path | None = None
@@ -66,6 +67,8 @@ class StackOptions:
         if self.base_model is not None and (self.data is None or self.model is not None):
             raise StackError("--base-model needs --data (the text to fine-tune on) and "
                              "excludes --model")
+        if self.threads is not None and self.threads < 1:
+            raise StackError(f"--threads must be at least 1, got {self.threads}")
         if self.ctx_size is not None and self.ctx_size < 1:
             raise StackError(f"--ctx-size must be at least 1, got {self.ctx_size}")
         if self.seq_len < 1 or self.lr <= 0:
@@ -210,6 +213,14 @@ class ServiceSpec:
     stop_stage: int = 0  # stopped after every child of a lower stage exited
 
 
+def thread_share(total: int | None, processes: int) -> tuple[str, ...]:
+    """``--threads`` for each of ``processes`` children that compute at the same time on a
+    machine of ``total`` threads (at least one each; nothing where the total is not set)."""
+    if total is None:
+        return ()
+    return ("--threads", str(max(1, total // processes)))
+
+
 def addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -262,7 +273,8 @@ def training_services(
         ServiceSpec(
             f"worker-{i}",
             (*FOUNDRY, "worker", "--coordinator", addr("127.0.0.1", ports.coordinator),
-             "--worker-id", f"worker-{i}", *data, "--metrics-port", str(port), *metrics),
+             "--worker-id", f"worker-{i}", *data, "--metrics-port", str(port), *metrics,
+             *thread_share(opt.threads, opt.workers)),
             r"metrics :\d+",
             critical=False,
         )
@@ -282,7 +294,7 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path,
     return [
         ServiceSpec(
             "tp-leader",
-            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx,
+            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
              "--listen", addr("127.0.0.1", ports.tp_leader),
              "--frontend-listen", addr("127.0.0.1", ports.tp_frontend),
              "--metrics-port", str(ports.tp_leader_metrics), *metrics),
@@ -290,7 +302,7 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path,
         ),
         ServiceSpec(
             "tp-worker",
-            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx,
+            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
              "--leader", addr("127.0.0.1", ports.tp_leader),
              "--metrics-port", str(ports.tp_worker_metrics), *metrics),
             r"tp-worker ready:",

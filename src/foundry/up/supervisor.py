@@ -92,14 +92,29 @@ def check_ports_free(ports: StackPorts, host: str) -> None:
                 try:
                     s.bind((bind_host, port))
                 except OSError as exc:
-                    hint = (
-                        "--prometheus-port, or --no-prometheus" if name == "prometheus" else
-                        "--base-port, --gateway-port, --metrics-port or --prometheus-port"
-                    )
                     raise StackError(
                         f"port {port} ({name}) on {bind_host} is taken ({exc.strerror}); stop "
-                        f"what uses it (another `foundry up`?) or move the stack with {hint}"
+                        f"what uses it (another `foundry up`?) or move it with "
+                        f"{port_flag(name)} (the stack's port flags: {', '.join(PORT_FLAGS)})"
                     ) from None
+
+
+# Every flag of `foundry up` that moves a port, in its --help order.
+PORT_FLAGS = ("--base-port", "--gateway-port", "--http-port", "--metrics-port",
+              "--prometheus-port")
+
+
+def port_flag(name: str) -> str:
+    """The flag of `foundry up` that moves the port ``StackPorts.named`` calls ``name``."""
+    if name == "prometheus":
+        return "--prometheus-port (or --no-prometheus)"
+    if name == "gateway http":
+        return "--http-port"
+    if name == "gateway":
+        return "--gateway-port"
+    if name.endswith("metrics"):
+        return "--metrics-port"
+    return "--base-port"
 
 
 def _parent_death_hook() -> Callable[[], None] | None:

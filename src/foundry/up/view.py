@@ -3,7 +3,9 @@ worker on a terminal, a plain line every tenth of the run on a pipe)."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -75,10 +77,26 @@ class TrainingSummary:
         return f"loss {first} -> {last}"
 
 
+# Bar width on a terminal that reports none (0 columns).
+FALLBACK_COLUMNS = 80
+
+
+def terminal_columns(out: TextIO) -> int:
+    """The width of the terminal ``out`` writes to; 0 when it reports none or is no terminal."""
+    try:
+        return os.get_terminal_size(out.fileno()).columns
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return 0
+
+
 @dataclass
 class LiveView:
     """A tqdm bar (step, loss, samples/s) with one line per worker on a terminal; on a pipe
-    a plain line every tenth of the run."""
+    a plain line every tenth of the run.
+
+    The bar counts from the first step it sees, so a resumed run's rate is this run's. A
+    terminal that reports no size (a serial console, a pty nobody sized) gets bars
+    ``FALLBACK_COLUMNS`` wide: tqdm would fit them into zero columns and print nothing."""
 
     out: TextIO
     total: int
@@ -108,9 +126,12 @@ class LiveView:
             return
         from tqdm import tqdm
 
+        sized = terminal_columns(self.out) > 0
+        ncols = None if sized else FALLBACK_COLUMNS
         if not self.bars:
-            self.bars.append(tqdm(total=st.max_steps, unit="step", desc="training",
-                                  file=self.out, dynamic_ncols=True, leave=True))
+            self.bars.append(tqdm(total=st.max_steps, initial=st.global_step, unit="step",
+                                  desc="training", file=self.out, dynamic_ncols=sized,
+                                  ncols=ncols, leave=True))
         bar = self.bars[0]
         bar.set_description_str(waiting or "training", refresh=False)
         bar.n = st.global_step
@@ -121,7 +142,7 @@ class LiveView:
         )
         while len(self.bars) < 1 + len(st.rows):
             self.bars.append(tqdm(total=0, position=len(self.bars), bar_format="{desc}",
-                                  file=self.out, leave=False))
+                                  file=self.out, ncols=ncols, leave=False))
         for i, row_bar in enumerate(self.bars[1:]):
             text = (worker_line(st.rows[i], detail.rows[i]) if i < len(st.rows)
                     else "  (worker gone)")

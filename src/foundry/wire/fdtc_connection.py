@@ -57,6 +57,7 @@ from foundry.wire.fdtc import (
     encode_parts,
 )
 from foundry.wire.fdtc_lifecycle import Lifecycle, Link, LinkState, Role
+from foundry.wire.framing import ReceiveBudget
 
 __all__ = ["ConnectionClosed", "FdtcConnection"]
 
@@ -68,10 +69,10 @@ class ConnectionClosed:
 
 class FdtcConnection:
     def __init__(self, role: Role, *, link: Link | None = None,
-                 max_payload: int = MAX_PAYLOAD) -> None:
+                 max_payload: int = MAX_PAYLOAD, budget: ReceiveBudget | None = None) -> None:
         self.role = role
-        self._decoder = FdtcDecoder(max_payload)
-        self._decoder.admit_fragments = self._admit_fragments
+        self._decoder = FdtcDecoder(max_payload, budget=budget)
+        self._decoder.admit = self._admit
         self._lifecycle = Lifecycle(role, link=link)
         self._fragment_size: int | None = None  # None: one frame per message (the seed's)
         self._eof = False
@@ -83,14 +84,18 @@ class FdtcConnection:
         self._decoder.max_message = max_message
         self._fragment_size = fragment_size
 
-    def _admit_fragments(self, msg_type: MsgType) -> None:
-        """A first fragment arrived: only of a message this link's state takes at that point
-        of the stream (the messages decoded before it counted in)."""
+    def _admit(self, msg_type: MsgType, length: int, fragmented: bool) -> None:
+        """A large buffer is about to be made (a frame's header of 1 MiB or more, or a first
+        fragment arrived): only for a message this link's state takes at that point of the
+        stream (the messages decoded before it counted in), so that no peer makes this side
+        hold a large buffer before it may send one (before REGISTER, say)."""
         before = [event.TYPE for event in self._decoder.queued()]
         if not self._lifecycle.may_receive_after(before, msg_type):
             state = self._lifecycle.state
+            what = "a fragmented" if fragmented else "a"
             raise FdtcProtocolError(
-                f"a fragmented {msg_type.name} is not allowed on a {state.value} link",
+                f"{what} {msg_type.name} is not allowed on a {state.value} link (refused at "
+                f"its header: {length} bytes)",
                 ErrorCode.NOT_REGISTERED if state is LinkState.CONNECTED
                 else ErrorCode.UNEXPECTED)
 
@@ -102,6 +107,16 @@ class FdtcConnection:
     def buffered(self) -> int:
         """Bytes of a frame begun and not yet complete (for a driver's frame deadline)."""
         return self._decoder.buffered
+
+    @property
+    def reassembling(self) -> int:
+        """Bytes held of a fragmented message not complete yet (its next fragment is due
+        within the frame deadline too)."""
+        return self._decoder.reassembling
+
+    def release(self) -> None:
+        """The connection ended: drop what the decoder holds and give its memory back."""
+        self._decoder.release()
 
     @property
     def their_error(self) -> FdtcProtocolError | None:

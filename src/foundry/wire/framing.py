@@ -24,11 +24,19 @@ Errors keep stream order: events completed before bad bytes come out first, then
 ``next_event`` raises the codec's RemoteProtocolError, and keeps raising; ``feed`` raises too.
 The decoder is closed for good (after a framing error the frame boundaries are lost).
 ``feed_eof`` says the peer closed the stream: an error if it stopped in the middle of a frame.
+
+Memory: a payload of ``MAPPED_PAYLOAD`` bytes or more is received into an anonymous memory map
+of its own (pages committed only as the peer's bytes fill them, and given back to the system
+the moment the buffer is dropped, whatever the allocator's thresholds). A decoder may share a
+``ReceiveBudget`` with the other connections of a service: each such buffer takes its size
+from it before a byte is kept (the codec's "busy" error when the budget is spent) and gives
+it back when the frame is complete or the decoder ``release``s it (its peer went away).
 """
 
 from __future__ import annotations
 
 import copy
+import mmap
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
@@ -38,7 +46,7 @@ import numpy as np
 
 from foundry.wire.errors import RemoteProtocolError
 
-__all__ = ["NO_PAYLOAD", "FrameDecoder", "payload_buffer"]
+__all__ = ["MAPPED_PAYLOAD", "NO_PAYLOAD", "FrameDecoder", "ReceiveBudget", "payload_buffer"]
 
 E = TypeVar("E")
 
@@ -49,18 +57,49 @@ _LARGE_PAYLOAD = 64 * 1024
 NO_PAYLOAD = memoryview(b"")
 
 
+# Payloads this large get a memory map of their own, unmapped when dropped (see the module
+# docstring): a peer that leaves in the middle of one gives all of it back.
+MAPPED_PAYLOAD = 1 << 20
+
+
 def payload_buffer(length: int) -> memoryview:
     """A writable buffer of ``length`` bytes to receive a payload into (FDTC also joins a
     fragmented message in one)."""
+    if length >= MAPPED_PAYLOAD:
+        return memoryview(mmap.mmap(-1, length))
     if length >= _LARGE_PAYLOAD:
         return np.empty(length, dtype=np.uint8).data
     return memoryview(bytearray(length))
 
 
+class ReceiveBudget:
+    """Bytes that the decoders sharing it may hold at once in buffers of ``MAPPED_PAYLOAD``
+    bytes or more (frames being received, messages being reassembled): a service's bound on
+    what its peers can make it buffer, across all their connections."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"a receive budget must be >= 0 bytes, got {limit}")
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` bytes; False (and nothing reserved) when they are not left."""
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 class FrameDecoder(ABC, Generic[E]):
     """Bytes in (``feed``), events out (``next_event``); see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: ReceiveBudget | None = None) -> None:
+        self.budget = budget
+        self._taken = 0  # bytes of the budget held for the frame's payload buffer
         self._head = bytearray()
         self._in_payload = False
         self._length = 0
@@ -115,6 +154,7 @@ class FrameDecoder(ABC, Generic[E]):
                     pos += take
                     if len(self._head) == self._header_size():
                         self._length = self._begin(bytes(self._head))
+                        self._taken = self.reserve(self._length, "a frame")
                         self._in_payload = True
                         self._payload, self._filled = payload_buffer(self._length), 0
                 else:
@@ -126,12 +166,37 @@ class FrameDecoder(ABC, Generic[E]):
                     payload = self._payload.toreadonly()
                     self._head, self._in_payload = bytearray(), False
                     self._payload, self._filled = NO_PAYLOAD, 0
+                    self.unreserve(self._taken)
+                    self._taken = 0
                     if (event := self._finish(payload)) is not None:
                         self._ready.append(event)
         except RemoteProtocolError as exc:
             self._error = exc
-            self._head, self._in_payload = bytearray(), False
-            self._payload, self._filled = NO_PAYLOAD, 0
+            self.release()
+
+    def reserve(self, n: int, what: str) -> int:
+        """Take ``n`` bytes of the budget for a buffer about to be made (0 when the buffer
+        is small or there is no budget); the codec's busy error when they are not left."""
+        if self.budget is None or n < MAPPED_PAYLOAD:
+            return 0
+        if not self.budget.take(n):
+            raise self._busy_error(
+                f"{what} of {n} bytes does not fit: {self.budget.held} of the "
+                f"{self.budget.limit} bytes this side receives into at once are in use by "
+                "other peers; try again later")
+        return n
+
+    def unreserve(self, n: int) -> None:
+        if n and self.budget is not None:
+            self.budget.give(n)
+
+    def release(self) -> None:
+        """Drop the partial frame held and give its memory back: for a connection that ended
+        (its peer went away, or broke the protocol)."""
+        self._head, self._in_payload = bytearray(), False
+        self._payload, self._filled = NO_PAYLOAD, 0
+        self.unreserve(self._taken)
+        self._taken = 0
 
     def feed_eof(self) -> None:
         """The peer closed the stream; an error if it did so in the middle of a frame."""
@@ -168,6 +233,10 @@ class FrameDecoder(ABC, Generic[E]):
     @abstractmethod
     def _eof_error(self, message: str) -> RemoteProtocolError:
         """The codec's protocol error for ``message``."""
+
+    def _busy_error(self, message: str) -> RemoteProtocolError:
+        """The codec's error for a buffer the budget cannot hold."""
+        return self._eof_error(message)
 
     def _again(self) -> RemoteProtocolError:
         """The first error again, said to be old news (same type, same error code)."""

@@ -373,15 +373,37 @@ class StatusReq(_Frame):
 
 
 @dataclass(frozen=True)
+class RankStatus:
+    """One rank of the pair or world in STATUS: its share of the model, whether it is in the
+    formed world, and the mean time the leader waited for its partial at a gate beyond its own
+    (microseconds over the gates since the world formed; 0 for the leader itself): the rank
+    that gates everyone shows the largest."""
+
+    rank: int
+    share: int
+    connected: bool
+    gate_wait_us: int
+
+    def __post_init__(self) -> None:
+        U8.check("rank", self.rank)
+        U16.check("share", self.share)
+        U32.check("gate_wait_us", self.gate_wait_us)
+
+
+_RANK = struct.Struct("<BBHI")  # rank u8, connected u8, share u16, gate_wait_us u32
+
+
+@dataclass(frozen=True)
 class Status(_Frame):
-    """The pair as the leader sees it."""
+    """The pair (or world) as the leader sees it; then ``ranks``, one entry per rank (a count
+    u8 and 8 bytes each), rank 0 first."""
 
     TYPE: ClassVar[FrameType] = FrameType.STATUS
     LAYOUT: ClassVar[_Layout] = _Layout(
         ("worker_connected", BOOL), ("shared_memory", BOOL), ("active_sessions", U32),
         ("tokens_generated", U64), ("n_layer", U32), ("n_embd", U32), ("n_vocab", U32),
         ("ctx_size", U32), ("model_bytes", U64), ("model_id", U32), ("spec_acceptance", F32),
-        ("requests_served", U64),
+        ("requests_served", U64), ("threads", U32),
     )
     worker_connected: bool
     shared_memory: bool
@@ -395,6 +417,34 @@ class Status(_Frame):
     model_id: int
     spec_acceptance: float
     requests_served: int
+    threads: int  # CPU threads the leader computes on (--threads)
+    ranks: tuple[RankStatus, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if len(self.ranks) > 255 or not all(isinstance(r, RankStatus) for r in self.ranks):
+            raise LocalProtocolError("Status.ranks holds at most 255 RankStatus entries")
+
+    def payload(self) -> bytes:
+        tail = [_U8.pack(len(self.ranks))] + [
+            _RANK.pack(r.rank, r.connected, r.share, r.gate_wait_us) for r in self.ranks]
+        return self.LAYOUT.pack_obj(self) + b"".join(tail)
+
+    @classmethod
+    def parse(cls, request_id: int, p: memoryview) -> Self:
+        size = cls.LAYOUT.size
+        if len(p) < size + 1 or len(p) != size + 1 + _RANK.size * p[size]:
+            raise FrontendProtocolError(
+                f"STATUS payload must be {size} + 1 + {_RANK.size} x its rank count bytes, got "
+                f"{len(p)}"
+            )
+        ranks = []
+        for rank, connected, share, wait in _RANK.iter_unpack(p[size + 1 :]):
+            if connected > 1:
+                raise FrontendProtocolError(f"STATUS rank {rank}: connected must be 0 or 1")
+            ranks.append(RankStatus(rank, share, bool(connected), wait))
+        return cls(request_id, **cls.LAYOUT.unpack(p), ranks=tuple(ranks))
 
 
 Frame = Generate | Cancel | Token | Logprobs | Done | Error | StatusReq | Status

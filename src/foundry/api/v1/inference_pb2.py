@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66oundry/v1/inference.proto\x12\nfoundry.v1\"\xbe\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.foundry.v1.ChatMessage\x12\r\n\x05top_k\x18\x08 \x01(\rB\x08\n\x06_top_p\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0eGeneratedToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"|\n\x0eGenerationDone\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.foundry.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"h\n\x10GenerateResponse\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.foundry.v1.GeneratedToken\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.foundry.v1.GenerationDone\"\x16\n\x14GetPairStatusRequest\"\x98\x02\n\x15GetPairStatusResponse\x12\x18\n\x10worker_connected\x18\x01 \x01(\x08\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\r\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x04\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x17\n\x0fspec_acceptance\x18\x06 \x01(\x01\x12\x0f\n\x07n_layer\x18\x07 \x01(\r\x12\x0e\n\x06n_embd\x18\x08 \x01(\r\x12\x0f\n\x07n_vocab\x18\t \x01(\r\x12\x10\n\x08\x63tx_size\x18\n \x01(\r\x12\x13\n\x0bmodel_bytes\x18\x0b \x01(\x04\x12\x10\n\x08model_id\x18\x0c \x01(\r*\xbe\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_MAX_TOKENS\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x05\x32\xb1\x01\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.foundry.v1.GenerateRequest\x1a\x1c.foundry.v1.GenerateResponse0\x01\x12T\n\rGetPairStatus\x12 .foundry.v1.GetPairStatusRequest\x1a!.foundry.v1.GetPairStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66oundry/v1/inference.proto\x12\nfoundry.v1\"\xbe\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.foundry.v1.ChatMessage\x12\r\n\x05top_k\x18\x08 \x01(\rB\x08\n\x06_top_p\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0eGeneratedToken\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\"|\n\x0eGenerationDone\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.foundry.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"h\n\x10GenerateResponse\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.foundry.v1.GeneratedToken\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1a.foundry.v1.GenerationDone\"\x16\n\x14GetPairStatusRequest\"\xd0\x02\n\x15GetPairStatusResponse\x12\x18\n\x10worker_connected\x18\x01 \x01(\x08\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\r\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x04\x12\x17\n\x0frequests_served\x18\x05 \x01(\x04\x12\x17\n\x0fspec_acceptance\x18\x06 \x01(\x01\x12\x0f\n\x07n_layer\x18\x07 \x01(\r\x12\x0e\n\x06n_embd\x18\x08 \x01(\r\x12\x0f\n\x07n_vocab\x18\t \x01(\r\x12\x10\n\x08\x63tx_size\x18\n \x01(\r\x12\x13\n\x0bmodel_bytes\x18\x0b \x01(\x04\x12\x10\n\x08model_id\x18\x0c \x01(\r\x12\x0f\n\x07threads\x18\r \x01(\r\x12%\n\x05ranks\x18\x0e \x03(\x0b\x32\x16.foundry.v1.RankStatus\"W\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05share\x18\x02 \x01(\r\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x19\n\x11gate_wait_seconds\x18\x04 \x01(\x01*\xbe\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_MAX_TOKENS\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1e\n\x1a\x46INISH_REASON_CONTEXT_FULL\x10\x05\x32\xb1\x01\n\x10InferenceService\x12G\n\x08Generate\x12\x1b.foundry.v1.GenerateRequest\x1a\x1c.foundry.v1.GenerateResponse0\x01\x12T\n\rGetPairStatus\x12 .foundry.v1.GetPairStatusRequest\x1a!.foundry.v1.GetPairStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'foundry.api.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=883
-  _globals['_FINISHREASON']._serialized_end=1073
+  _globals['_FINISHREASON']._serialized_start=1028
+  _globals['_FINISHREASON']._serialized_end=1218
   _globals['_GENERATEREQUEST']._serialized_start=43
   _globals['_GENERATEREQUEST']._serialized_end=233
   _globals['_CHATMESSAGE']._serialized_start=235
@@ -46,7 +46,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPAIRSTATUSREQUEST']._serialized_start=575
   _globals['_GETPAIRSTATUSREQUEST']._serialized_end=597
   _globals['_GETPAIRSTATUSRESPONSE']._serialized_start=600
-  _globals['_GETPAIRSTATUSRESPONSE']._serialized_end=880
-  _globals['_INFERENCESERVICE']._serialized_start=1076
-  _globals['_INFERENCESERVICE']._serialized_end=1253
+  _globals['_GETPAIRSTATUSRESPONSE']._serialized_end=936
+  _globals['_RANKSTATUS']._serialized_start=938
+  _globals['_RANKSTATUS']._serialized_end=1025
+  _globals['_INFERENCESERVICE']._serialized_start=1221
+  _globals['_INFERENCESERVICE']._serialized_end=1398
 # @@protoc_insertion_point(module_scope)

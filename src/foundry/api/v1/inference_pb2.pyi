@@ -85,7 +85,7 @@ class GetPairStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPairStatusResponse(_message.Message):
-    __slots__ = ("worker_connected", "shared_memory", "active_sessions", "tokens_generated", "requests_served", "spec_acceptance", "n_layer", "n_embd", "n_vocab", "ctx_size", "model_bytes", "model_id")
+    __slots__ = ("worker_connected", "shared_memory", "active_sessions", "tokens_generated", "requests_served", "spec_acceptance", "n_layer", "n_embd", "n_vocab", "ctx_size", "model_bytes", "model_id", "threads", "ranks")
     WORKER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class GetPairStatusResponse(_message.Message):
     CTX_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_connected: bool
     shared_memory: bool
     active_sessions: int
@@ -110,4 +112,18 @@ class GetPairStatusResponse(_message.Message):
     ctx_size: int
     model_bytes: int
     model_id: int
-    def __init__(self, worker_connected: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., requests_served: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., ctx_size: _Optional[int] = ..., model_bytes: _Optional[int] = ..., model_id: _Optional[int] = ...) -> None: ...
+    threads: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    def __init__(self, worker_connected: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., requests_served: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., ctx_size: _Optional[int] = ..., model_bytes: _Optional[int] = ..., model_id: _Optional[int] = ..., threads: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "share", "connected", "gate_wait_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    GATE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    share: int
+    connected: bool
+    gate_wait_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., share: _Optional[int] = ..., connected: _Optional[bool] = ..., gate_wait_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,248 @@
+"""The gate of a world of N ranks: all-to-all against a star and a ring, measured in one run.
+
+N processes on loopback (rank 0 this process), a TCP connection between every two. Each rank
+holds a partial of ``rows`` x n_embd float32 and every rank must end with the N partials added
+in rank order, ``((p0 + p1) + p2) + ...``, bit for bit the same (checked after every gate).
+Three ways to get there, interleaved in blocks so that drift of the machine hits them alike:
+
+- **all-to-all** (what the services run, ``transport.gates.MeshGateExchange``): each rank
+  sends its partial to every other and reads theirs, one poll loop; one hop. Each rank sends
+  and receives (N-1) partials a gate.
+- **star**: each worker sends its partial to rank 0, which adds the N in rank order and sends
+  the sum back; two hops. A worker sends and receives one partial, rank 0 (N-1) each way.
+- **ring** (allgather): N-1 steps, in each every rank passes one partial to the next rank
+  and takes one from the one before, then every rank adds the N in rank order; N-1 hops. Each
+  rank sends and receives (N-1) partials. (A reduce-scatter ring moves less but adds in an
+  order that depends on the rank: not bit-identical.)
+
+Baseline: the pair's gate (N = 2, ``TcpGateExchange``) in the same run, on the same cores;
+the table gives each N's p50 per gate over it, and star and ring over all-to-all. On one host
+the ranks share its cores (2 of them here, shared with others), so loopback shows the cost of
+the extra hops and system calls, not a network's: a hop on a 1 Gb/s LAN adds ~60 us of wire
+time for a 4 KiB decode partial.
+
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp_world_gates.py [--worlds 3,4]
+        [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import select
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
+import numpy as np
+
+from foundry.model.shard import Gate
+from foundry.transport import gates
+from foundry.transport.gates import MeshGateExchange, TcpGateExchange
+
+KINDS = ("all-to-all", "star", "ring")
+
+
+def _pairs(world: int) -> list[dict[int, socket.socket]]:
+    socks: list[dict[int, socket.socket]] = [{} for _ in range(world)]
+    for i in range(world):
+        for j in range(i + 1, world):
+            with socket.create_server(("127.0.0.1", 0)) as server:
+                a = socket.create_connection(server.getsockname())
+                b, _ = server.accept()
+            for s in (a, b):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socks[i][j], socks[j][i] = a, b
+    return socks
+
+
+def _transfer(sends: list[tuple[socket.socket, memoryview]],
+              recvs: list[tuple[socket.socket, memoryview]]) -> None:
+    """Send and receive all of these buffers at once, one poll loop (no deadlock on any size)."""
+    out = [[s, v, 0] for s, v in sends]
+    into = [[s, v, 0] for s, v in recvs]
+    for s, _ in [*sends, *recvs]:
+        s.setblocking(False)
+    while any(o[2] < len(o[1]) for o in out) or any(i[2] < len(i[1]) for i in into):
+        moved = False
+        for o in out:
+            if o[2] < len(o[1]):
+                try:
+                    n = o[0].send(o[1][o[2]:])
+                except BlockingIOError:
+                    n = 0
+                o[2] += n
+                moved = moved or n > 0
+        for i in into:
+            if i[2] < len(i[1]):
+                try:
+                    n = i[0].recv_into(i[1][i[2]:])
+                except BlockingIOError:
+                    n = -1
+                if n == 0:
+                    raise ConnectionError("peer closed")
+                if n > 0:
+                    i[2] += n
+                    moved = True
+        if not moved:
+            rl = [i[0] for i in into if i[2] < len(i[1])]
+            wl = [o[0] for o in out if o[2] < len(o[1])]
+            select.select(rl, wl, [], 1.0)
+
+
+def _rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
+    acc = parts[0] + parts[1]
+    for p in parts[2:]:
+        np.add(acc, p, out=acc)
+    return acc
+
+
+class Star:
+    def __init__(self, socks: dict[int, socket.socket], rank: int, world: int, size: int):
+        self.socks, self.rank, self.world = socks, rank, world
+        self.bufs = {r: np.empty(size, np.float32) for r in range(world)}
+
+    def exchange(self, mine: np.ndarray) -> np.ndarray:
+        flat = mine.reshape(-1)
+        if self.rank:
+            total = self.bufs[0]
+            _transfer([(self.socks[0], memoryview(flat).cast("B"))], [])
+            _transfer([], [(self.socks[0], memoryview(total).cast("B"))])
+            return total
+        _transfer([], [(self.socks[r], memoryview(self.bufs[r]).cast("B"))
+                       for r in range(1, self.world)])
+        total = _rank_order_sum([flat, *(self.bufs[r] for r in range(1, self.world))])
+        _transfer([(self.socks[r], memoryview(total).cast("B")) for r in range(1, self.world)],
+                  [])
+        return total
+
+
+class Ring:
+    def __init__(self, socks: dict[int, socket.socket], rank: int, world: int, size: int):
+        self.rank, self.world = rank, world
+        self.next, self.prev = socks[(rank + 1) % world], socks[(rank - 1) % world]
+        self.bufs = [np.empty(size, np.float32) for _ in range(world)]
+
+    def exchange(self, mine: np.ndarray) -> np.ndarray:
+        r, n = self.rank, self.world
+        self.bufs[r][:] = mine.reshape(-1)
+        for k in range(n - 1):
+            send, take = (r - k) % n, (r - k - 1) % n
+            _transfer([(self.next, memoryview(self.bufs[send]).cast("B"))],
+                      [(self.prev, memoryview(self.bufs[take]).cast("B"))])
+        return _rank_order_sum(self.bufs)
+
+
+def _schedule(gates: int, block: int) -> list[str]:
+    out: list[str] = []
+    while len(out) < 3 * gates:
+        for kind in KINDS:
+            out += [kind] * block
+    return out[: 3 * gates]
+
+
+def _parts(rank: int, rows: int, n_embd: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(rank)
+    return [np.ascontiguousarray(rng.standard_normal((rows, n_embd)), np.float32)
+            for _ in range(8)]
+
+
+def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, socket.socket],
+              rows: int, n_embd: int, gates: int, block: int) -> dict[str, list[float]]:
+    size = rows * n_embd
+    mesh = MeshGateExchange({r: s.dup() for r, s in socks.items()}, rank=rank, world=world,
+                            n_embd=n_embd, timeout_s=30.0)
+    if world == 2:  # the pair's own gate on the same connection pair's twin
+        mesh = TcpGateExchange(socks[1 - rank].dup(), rank=rank, n_embd=n_embd,
+                               timeout_s=30.0)  # type: ignore[assignment]
+    star, ring = Star(socks, rank, world, size), Ring(socks, rank, world, size)
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    parts = _parts(rank, rows, n_embd)
+    # Every rank's partials are known from their seeds: the rank-order sums to check against.
+    everyone = [_parts(r, rows, n_embd) for r in range(world)]
+    expected = [_rank_order_sum([everyone[r][j].reshape(-1) for r in range(world)])
+                for j in range(len(parts))]
+    for i, kind in enumerate(_schedule(gates, block)):
+        mine = parts[i % len(parts)]
+        t0 = time.perf_counter()
+        if kind == "all-to-all":
+            total = mesh.exchange(i % 65536, Gate.ATTN, mine)
+        elif kind == "star":
+            total = star.exchange(mine)
+        else:
+            total = ring.exchange(mine)
+        times[kind].append(time.perf_counter() - t0)
+        if not np.array_equal(np.asarray(total).reshape(-1), expected[i % len(parts)]):
+            raise AssertionError(f"rank {rank}: the {kind} sum of gate {i} is not the "
+                                 "rank-order sum")
+    if conn is not None:
+        conn.send(times)
+    return times
+
+
+def _child(conn: Connection, rank: int, world: int, socks: dict[int, socket.socket],
+           rows: int, n_embd: int, gates: int, block: int) -> None:
+    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block)
+
+
+def measure(world: int, rows: int, n_embd: int, gates: int, block: int) -> dict[str, float]:
+    socks = _pairs(world)
+    ctx = mp.get_context("fork")
+    children = []
+    for r in range(1, world):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_child, args=(b, r, world, socks[r], rows, n_embd, gates, block))
+        p.start()
+        children.append((p, a))
+    times = _run_rank(None, 0, world, socks[0], rows, n_embd, gates, block)
+    for p, a in children:
+        a.recv()
+        p.join(30)
+    for d in socks:
+        for s in d.values():
+            s.close()
+    return {k: harness.median(v) * 1e6 for k, v in times.items() if v}
+
+
+def main() -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--worlds", default="3,4", help="world sizes besides the pair (default 3,4)")
+    ap.add_argument("--rows", type=int, default=1, help="rows a gate (1: decode; default 1)")
+    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--gates", type=int, default=400, help="gates per kind (default 400)")
+    ap.add_argument("--block", type=int, default=50, help="gates per block of one kind")
+    ap.add_argument("--tcp-spin-us", type=float, default=None,
+                    help="the TCP gates' spin before they sleep in poll (default: the "
+                    "services' own, transport.gates.TCP_SPIN_S)")
+    harness.add_json_flag(ap)
+    a = ap.parse_args()
+    if a.tcp_spin_us is not None:
+        gates.TCP_SPIN_S = a.tcp_spin_us * 1e-6
+    worlds = [int(w) for w in a.worlds.split(",")]
+    partial = a.rows * a.n_embd * 4
+    print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
+          f"{a.gates} gates a kind, rank 0's p50 in us; loopback, 1 thread a rank, "
+          f"{len(worlds) + 1} world sizes")
+    base = measure(2, a.rows, a.n_embd, a.gates, a.block)["all-to-all"]
+    results: dict[str, object] = {"threads_per_rank": 1, "clients": 0, "partial_bytes": partial,
+                                  "pair_p50_us": base}
+    print(f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
+          f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}")
+    print(f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
+          f"{partial + 20:>17}")
+    for w in worlds:
+        m = measure(w, a.rows, a.n_embd, a.gates, a.block)
+        results[f"world_{w}_p50_us"] = m
+        print(f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
+              f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "
+              f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}")
+    harness.emit("tp_world_gates", results, None, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

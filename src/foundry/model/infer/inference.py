@@ -1,0 +1,759 @@
+"""KV-cache inference over independent sessions, one code path for one process and TP ranks.
+
+An ``Engine`` evaluates a list of *parts*, each a ``shard.RankWeights``:
+
+- a tensor-parallel rank (world N) holds one part, its own slice (by the world's shares);
+- a single process (world 1) holds every part of the split it stands for (``shares``: the two
+  equal halves of a pair by default, or the N slices of a world of N ranks with those shares;
+  one part with everything when the model cannot be cut so) and evaluates them one after the
+  other.
+
+Per layer each part yields an (n_rows, n_embd) partial for the ATTN gate (its heads' output
+projection) and for the FFN gate (its routed experts plus its slice of the shared expert). Which
+part of the routed experts a part holds is the engine's ``expert_split`` (``shard``): whole
+experts (``EXPERTS``: a part evaluates only the assignments to its experts) or a block of every
+expert's intermediate dimension (``INTERMEDIATE``: a part evaluates every assignment on its
+block). A world-1 engine runs its parts in the same mode as the world it stands for. The
+parts' partials are added in rank order (``((p0 + p1) + p2) + ...``); a rank hands its partial
+to the ``GateExchange`` instead, which returns the sum over ranks added in the same order (for
+two ranks either order: float addition of two numbers is commutative bit for bit). Each part
+runs the same operations on the same data whichever process holds it, so the ranks' logits are
+bit-identical to the single process standing for the same split (with the BLAS thread count
+fixed, as BLAS sums depend on how the work is split). The grouping matters: a world-1 engine
+standing for 2 ranks and one standing for 3 differ in the last bits.
+
+Weights are float32 numpy arrays or, read by ``gguf_io.load_gguf_stored``, ``quant.QTensor`` blocks
+in the file's storage type (F16, Q8_0, Q4_0, the K-quants): every product goes through
+``quant.linear``, which reads the blocks in place. The kernels' dot products are deterministic
+and independent of the batch, so the pair equals the single process bit for bit on quantized
+files too. The rest of a step (RMSNorm, the rotation, the router, SiLU, expert grouping and
+combination, attention against the cache) goes through ``quant``'s C operations under the same
+rule, or the training layers' numpy where the C module is missing.
+
+Architectures: the engine reads the config's row of ``arch.ARCHS`` (a plain ``ModelConfig`` is
+Foundry's llama) and applies what it says, the same on every part: QKV biases, QK-norm (per
+head, or of the whole Q and K vectors before a part keeps its heads), normal or NEOX rope with
+each layer's base, a sliding window per layer, the embedding scale, post-norms (applied to the
+summed gate outputs, so both ranks apply them to the same values), a dense SwiGLU/GeGLU FFN or
+routed experts (top-k weights renormalized or not), and a tied output head (each part's rows of
+``token_embd``, a view). Rope tables are sized by the engine's context (``ctx_size``, default
+the file's, at most ``arch.DEFAULT_CTX_CAP``), never by the file's number alone.
+
+``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
+projection, norm and expert works on all rows stacked; the router's product and attention run
+row by row (each row against its session's cache up to its own position), so that a row of a
+block gets the bits one-row decoding gives it, whatever the block (with the block kernels, which
+are batch-invariant too: speculative decoding's output is then plain greedy decoding's).
+Caches are written during the pass, but positions advance only when the whole pass succeeded,
+so a failed exchange leaves every session as it was (the rows written past its position are
+overwritten by its next block).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from foundry.model.infer.sessions import SessionPositions, check_rows, default_ctx
+from foundry.model.kernels.quant import (
+    Param,
+    QTensor,
+    StepExpert,
+    StepLayer,
+    StepMat,
+    StepPart,
+    StepPlan,
+    address,
+    assign_experts,
+    attend_rows,
+    combine_experts,
+    dequantize,
+    embed,
+    geglu,
+    has_step,
+    linear,
+    rmsnorm,
+    rope,
+    route,
+    set_threads,
+    step_attn,
+    step_ffn,
+    step_layer,
+    step_layers,
+    step_mat,
+    step_plan,
+    swiglu,
+)
+from foundry.model.nn.layers import gelu_table
+from foundry.model.shard import (
+    ExpertSplit,
+    Gate,
+    RankWeights,
+    Shares,
+    SplitError,
+    check_splittable,
+    norm_shares,
+    rank_weights,
+)
+from foundry.model.spec.arch import (
+    Act,
+    QKNorm,
+    Rope,
+    is_swa,
+    is_tied,
+    rope_base,
+    rope_tables,
+)
+from foundry.model.spec.arch import spec as arch_spec
+from foundry.model.spec.config import ModelConfig
+
+F32 = npt.NDArray[np.float32]
+
+
+GateExchange = Callable[[int, Gate, F32], F32]
+"""(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
+
+class KVCache(Enum):
+    """The type a session's K and V cache rows are stored in (``Engine(kv_cache=...)``)."""
+
+    F16 = "f16"  # llama.cpp's default (-ctk f16 -ctv f16): half the memory, its rounding
+    F32 = "f32"  # exact: what the training forward computes (tests, our own references)
+
+    @property
+    def dtype(self) -> type[np.floating[Any]]:
+        return np.float16 if self is KVCache.F16 else np.float32
+
+
+_session_ids = itertools.count(1)
+_engine_ids = itertools.count(1)
+
+
+class Session(SessionPositions):
+    """One sequence being decoded: the K/V caches of the engine's kv heads, position, history.
+
+    Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
+    (ctx_size, kv heads of the part, head_dim), position p in row p. Parts that cache the same
+    kv heads (a single kv head, replicated: both halves of a world-1 engine compute it from the
+    same rows, to the same bits) share one array, so the cache is held once. The arrays are of
+    the engine's ``KVCache`` type (rows written as float32 are rounded to it, to nearest).
+    """
+
+    def __init__(
+        self, engine_id: int, ctx_size: int, kv_heads: Sequence[tuple[int, int]], cfg: ModelConfig,
+        kv_cache: KVCache = KVCache.F16,
+    ):
+        self.id = next(_session_ids)
+        self.engine_id = engine_id
+        self.ctx_size = ctx_size
+        self.pos = 0
+        self.tokens: list[int] = []
+
+        def caches() -> list[npt.NDArray[Any]]:
+            held: dict[tuple[int, int], npt.NDArray[Any]] = {}
+            for r in kv_heads:
+                if r not in held:
+                    held[r] = np.zeros((ctx_size, r[1] - r[0], cfg.head_dim), kv_cache.dtype)
+            return [held[r] for r in kv_heads]
+
+        self.k: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
+        self.v: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
+
+
+@dataclass(frozen=True)
+class _PartLayer:
+    """What one part holds of one layer, looked up once (a token reads it 2 x n_layer times):
+    its Q, K and V rows (stacked as ``qkv`` where ``_fuse`` could), output projection, and
+    each of its experts' matrices (gate and up stacked as ``gate_up`` where it could)."""
+
+    qkv: Param | None
+    q: Param
+    k: Param
+    v: Param
+    n_q: int  # rows of q, then of k
+    n_k: int
+    bias: tuple[F32, F32, F32] | None  # of q, k, v (qwen2)
+    q_keep: tuple[int, int]  # the heads of the computed Q rows this part attends for
+    k_keep: tuple[int, int]  # the kv heads of the computed K rows it caches
+    attn_output: Param
+    first_expert: int
+    gate: list[Param]
+    up: list[Param]
+    down: list[Param]
+    gate_up: list[Param] | None
+    shared: tuple[Param | None, Param, Param, Param] | None  # gate_up, gate, up, down
+    dense: tuple[Param | None, Param, Param, Param] | None  # a dense FFN, as ``shared``
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """A layer's replicated float32 tensors: the norms and the router (None where the
+    architecture has none)."""
+
+    attn_norm: F32
+    ffn_norm: F32
+    router: F32 | None
+    q_norm: F32 | None
+    k_norm: F32 | None
+    post_attn: F32 | None
+    post_ffn: F32 | None
+
+
+class Engine:
+    """Inference for rank ``rank`` of ``world`` (world 1: the whole model in one process).
+
+    ``weights`` is the full parameter dict (the engine cuts its part; views where possible) or
+    an already cut ``RankWeights`` of the same rank and world, held, not copied (its stored
+    Q/K/V and gate/up tensors become views of stacked buffers, see ``_fuse``).
+    ``expert_split`` is how the routed experts are cut (default: the ``RankWeights``' own,
+    else ``EXPERTS``). ``kv_cache`` is its sessions' cache type; by default float16 where the
+    matrices are stored blocks (F16, quantized: llama.cpp's default cache for the files it
+    serves, half the memory), float32 where they are float32 arrays (our own checkpoints: exact
+    as the training forward, and numpy's float products are not batch-invariant, an ulp apart
+    between a block and one row, which a float16 rounding would widen). Both ranks of a pair
+    load the same file, so they choose the same. ``threads``: the kernels run on that many
+    threads (``quant.set_threads``, process-wide; None leaves the count as it is). The logits
+    are the same bits at any count.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, Param] | RankWeights,
+        rank: int = 0,
+        world: int = 1,
+        expert_split: ExpertSplit | None = None,
+        ctx_size: int | None = None,
+        kv_cache: KVCache | None = None,
+        threads: int | None = None,
+        shares: Sequence[int] | None = None,
+    ):
+        if threads is not None:
+            set_threads(threads)  # the kernels' pool is the process's: sized by its engine
+        self.id = next(_engine_ids)
+        self.cfg = cfg
+        self.arch = arch_spec(cfg)
+        self.ctx_size = default_ctx(cfg) if ctx_size is None else ctx_size
+        if self.ctx_size <= 0:
+            raise ValueError(f"ctx_size must be positive, got {self.ctx_size}")
+        self.rank = rank
+        self.world = world
+        stand_for = len(shares) if shares is not None else 2 if world == 1 else world
+        self.shares = norm_shares(stand_for, shares)
+        if world > 1 and len(self.shares) != world:
+            raise ValueError(f"rank {rank} of {world} was given {len(self.shares)} shares")
+        if isinstance(weights, RankWeights):
+            if (weights.cfg, weights.rank, weights.world) != (cfg, rank, world):
+                raise ValueError(
+                    f"weights are for rank {weights.rank} of {weights.world} of "
+                    f"{weights.cfg}, engine is rank {rank} of {world} of {cfg}"
+                )
+            if world > 1 and shares is not None and weights.shares != self.shares:
+                raise ValueError(
+                    f"weights are cut by shares {weights.shares}, the engine was given "
+                    f"{self.shares}")
+            self.shares = weights.shares if world > 1 else self.shares
+            if expert_split not in (None, weights.expert_split):
+                raise ValueError(
+                    f"weights are cut with expert split {weights.expert_split.value}, the "
+                    f"engine was asked for {expert_split.value}"
+                )
+            self.expert_split = weights.expert_split
+            self.parts: tuple[RankWeights, ...] = (weights,)
+        else:
+            mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
+            self.parts = _cut(cfg, weights, rank, world, mode, self.shares)
+        self.fused: list[dict[str, Param]] = [_fuse(cfg, part) for part in self.parts]
+        # Each expert's matrices as views, made once (indexing a QTensor builds one).
+        self._experts: list[dict[str, list[Param]]] = [
+            {name: [t[e] for e in range(t.shape[0])]
+             for name, t in [*part.params.items(), *fused.items()] if t.ndim == 3}
+            for part, fused in zip(self.parts, self.fused, strict=True)
+        ]
+        self.replicated = self.parts[0].params  # embeddings, norms and routers
+        stored = any(isinstance(p, QTensor) for p in self.parts[0].params.values())
+        self.kv_cache = kv_cache or (KVCache.F16 if stored else KVCache.F32)
+        # Norms and routers as float32 whatever the file stored (small; routing is sensitive).
+        self.dense: dict[str, F32] = {
+            name: dequantize(p) for name, p in self.replicated.items() if _is_dense(name)
+        }
+        self.vocab = (self.parts[0].layout.vocab[0], self.parts[-1].layout.vocab[1])
+        self._bases = [rope_base(cfg, i) for i in range(cfg.n_layer)]
+        self._rope: dict[float, tuple[F32, F32]] = {}
+        self._rope_tables(self.ctx_size)
+        self._layers = [[self._part_layer(j, i) for i in range(cfg.n_layer)]
+                        for j in range(len(self.parts))]
+        self._dense = [
+            _Dense(*(self.dense.get(f"blk.{i}.{n}.weight") for n in (
+                "attn_norm", "ffn_norm", "ffn_gate_inp", "attn_q_norm", "attn_k_norm",
+                "post_attention_norm", "post_ffw_norm")))  # type: ignore[arg-type]
+            for i in range(cfg.n_layer)
+        ]
+        self._window = [cfg.sliding_window if is_swa(cfg, i) else 0  # type: ignore[attr-defined]
+                        for i in range(cfg.n_layer)]
+        # The output head of each part: its block of output.weight, or of token_embd's rows
+        # when the output is tied (a view: the table is held once).
+        self._head: list[Param] = [
+            _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
+            if is_tied(cfg) else part.params["output.weight"] for part in self.parts
+        ]
+        # A world-1 engine's parts' heads are consecutive row blocks of one stored matrix
+        # (views of it: holding it costs nothing): one product over all of them gives each
+        # row's bits (the kernels' rows are their own dot products) without joining the
+        # blocks' logits (1 MB a token for Gemma).
+        whole = None if isinstance(weights, RankWeights) or len(self.parts) < 2 else (
+            self.replicated["token_embd.weight"] if is_tied(cfg) else weights["output.weight"])
+        self._head_all = whole if isinstance(whole, QTensor) and whole.ndim == 2 and all(
+            isinstance(h, QTensor) and np.may_share_memory(h.data, whole.data)
+            for h in self._head) else None
+        # One token's layer in one C call where the layer's matrices are stored blocks
+        # (``_plan``); ``step_in_c`` False runs every step through the single operations.
+        self._plans: list[StepPlan | None] = [self._plan(i) for i in range(cfg.n_layer)]
+        self._whole = [plan is not None and (self._routed_in_c(i) or all(
+            p[i].dense is not None for p in self._layers)) for i, plan in enumerate(self._plans)]
+        self.step_in_c = any(plan is not None for plan in self._plans)
+        self._all_whole: tuple[StepPlan, ...] | None = (
+            tuple(self._plans) if all(self._whole) else None)
+
+    def _rope_tables(self, n_pos: int) -> None:
+        for base in set(self._bases):
+            if base not in self._rope or self._rope[base][0].shape[0] < n_pos:
+                self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base,
+                                               self.dense.get("rope_freqs.weight"))
+
+    def _plan(self, layer: int) -> StepPlan | None:
+        """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
+        (and its dense FFN, where every FFN matrix is stored blocks, or its routed experts
+        where ``_routed_in_c``), or None where the layer
+        has a float32 matrix (numpy's products, which C cannot repeat bit for bit) or the C
+        module is missing.
+
+        A part whose K and V rows are the part before's (a replicated kv head: the same rows
+        of the same bytes, cached in the one shared array) computes only its Q rows: the
+        part before has written the same values to the same cache row."""
+        if not has_step():
+            return None
+        cfg, dense = self.cfg, self._dense[layer]
+        routed = self._routed_in_c(layer)
+        parts: list[StepPart] = []
+        for j, held in enumerate(self._layers):
+            lw = held[layer]
+            attn: list[Param] = [lw.q, lw.k, lw.v, lw.attn_output]
+            ffn = [] if lw.dense is None else [t for t in lw.dense if t is not None]
+            if not all(isinstance(t, QTensor) for t in attn) or (
+                    ffn and not all(isinstance(t, QTensor) for t in ffn)):
+                return None
+            experts: tuple[StepExpert, ...] = ()
+            if routed:
+                experts = tuple(
+                    (tuple(step_mat(t) for t in (  # type: ignore[arg-type]
+                        [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]])),
+                     step_mat(lw.down[e]))  # type: ignore[arg-type]
+                    for e in range(len(lw.gate)))
+            skip = j > 0 and self._same_kv(layer, j)
+            qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
+            gate_up: list[Param] = []
+            down: StepMat | None = None
+            if lw.dense is not None:
+                fused, gate, up, down_w = lw.dense
+                gate_up = [fused] if fused is not None else [gate, up]
+                down = step_mat(down_w)  # type: ignore[arg-type]
+            n_kv = self.parts[j].layout.kv_heads[1] - self.parts[j].layout.kv_heads[0]
+            bias_q, bias_k, bias_v = lw.bias or (None, None, None)
+            parts.append(StepPart(
+                qkv=tuple(step_mat(t) for t in qkv),  # type: ignore[arg-type]
+                out=step_mat(lw.attn_output),  # type: ignore[arg-type]
+                gate_up=tuple(step_mat(t) for t in gate_up),  # type: ignore[arg-type]
+                down=down, n_q=lw.n_q, n_k=lw.n_k, n_v=lw.v.shape[0], n_kv=n_kv,
+                n_ff=down.k if down else 0,
+                q_keep_first=lw.q_keep[0], q_keep_end=lw.q_keep[1],
+                k_keep_first=lw.k_keep[0], k_keep_end=lw.k_keep[1], skip_kv=int(skip),
+                bias_q=address(bias_q), bias_k=address(bias_k), bias_v=address(bias_v),
+                q_norm=address(dense.q_norm), k_norm=address(dense.k_norm),
+                first_exp=lw.first_expert, experts=experts,
+            ))
+        qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[self.arch.qk_norm]
+        return step_plan(StepLayer(
+            d=cfg.n_embd, dh=cfg.head_dim, half=int(self.kv_cache is KVCache.F16),
+            neox=int(self.arch.rope is Rope.NEOX), qk_norm=qk, window=self._window[layer],
+            gelu=int(self.arch.act is Act.GELU), eps=cfg.norm_eps,
+            attn_norm=address(dense.attn_norm), ffn_norm=address(dense.ffn_norm),
+            post_attn=address(dense.post_attn), post_ffn=address(dense.post_ffn),
+            gelu_table=address(gelu_table()), router=address(dense.router if routed else None),
+            n_expert=cfg.n_expert if routed else 0, n_used=cfg.n_expert_used if routed else 0,
+            parts=tuple(parts),
+        ))
+
+    def _routed_in_c(self, layer: int) -> bool:
+        """Whether layer ``layer``'s routed experts run in the one-token step: every expert
+        matrix of every part stored blocks (C-contiguous), the top-k weights renormalised
+        (``route``), no shared expert."""
+        if self.dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None or self.cfg.n_ff_shared \
+                or not self.arch.renorm_experts or self.arch.act is not Act.SILU:
+            return False
+        mats = [t for held in self._layers for t in (
+            *(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)]
+        return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous
+                   for t in mats)
+
+    def _same_kv(self, layer: int, j: int) -> bool:
+        """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
+        the cache row they share (``Session``: parts of the same kv heads share one array)."""
+        a, b = self.parts[j - 1].layout, self.parts[j].layout
+        la, lb = self._layers[j - 1][layer], self._layers[j][layer]
+        if (a.kv_heads, a.k_rows, la.k_keep) != (b.kv_heads, b.k_rows, lb.k_keep):
+            return False
+        pairs = [(la.k, lb.k), (la.v, lb.v)]
+        if la.bias is not None and lb.bias is not None:
+            pairs += [(la.bias[1], lb.bias[1]), (la.bias[2], lb.bias[2])]
+        return all(
+            isinstance(x, QTensor) == isinstance(y, QTensor) and x.shape == y.shape
+            and np.array_equal(x.data if isinstance(x, QTensor) else x,
+                               y.data if isinstance(y, QTensor) else y)
+            and (not isinstance(x, QTensor) or x.qtype == y.qtype)  # type: ignore[union-attr]
+            for x, y in pairs)
+
+    def _part_layer(self, j: int, layer: int) -> _PartLayer:
+        w, fused, experts = self.parts[j].params, self.fused[j], self._experts[j]
+        p = f"blk.{layer}."
+        q, k, v = (w[p + f"attn_{t}.weight"] for t in "qkv")
+        layout = self.parts[j].layout
+        shared = dense = None
+        if self.cfg.n_ff_shared:
+            shared = (fused.get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
+                      w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+        if self.cfg.n_expert == 0:
+            dense = (fused.get(p + "ffn_gate_up"), w[p + "ffn_gate.weight"],
+                     w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        bias = None
+        if self.arch.qkv_bias:
+            bias = tuple(dequantize(w[p + f"attn_{t}.bias"]) for t in "qkv")
+        q0, k0 = layout.q_rows[0], layout.k_rows[0]
+        return _PartLayer(
+            qkv=fused.get(p + "qkv"), q=q, k=k, v=v, n_q=q.shape[0], n_k=k.shape[0],
+            bias=bias,  # type: ignore[arg-type]
+            q_keep=(layout.heads[0] - q0, layout.heads[1] - q0),
+            k_keep=(layout.kv_heads[0] - k0, layout.kv_heads[1] - k0),
+            attn_output=w[p + "attn_output.weight"],
+            first_expert=layout.experts[0],
+            gate=experts.get(p + "ffn_gate_exps.weight", []),
+            up=experts.get(p + "ffn_up_exps.weight", []),
+            down=experts.get(p + "ffn_down_exps.weight", []), gate_up=experts.get(p + "gate_up"),
+            shared=shared, dense=dense,
+        )
+
+    @property
+    def layers_in_c(self) -> int:
+        """How many layers have a one-token step in C (``_plan``)."""
+        return sum(plan is not None for plan in self._plans)
+
+    @property
+    def n_vocab_out(self) -> int:
+        """Width of the logits forward_rows returns (the engine's vocabulary block)."""
+        return self.vocab[1] - self.vocab[0]
+
+    def new_session(self, ctx_size: int | None = None) -> Session:
+        ctx = self.ctx_size if ctx_size is None else ctx_size
+        if ctx <= 0:
+            raise ValueError(f"ctx_size must be positive, got {ctx}")
+        self._rope_tables(ctx)
+        return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg,
+                       self.kv_cache)
+
+    def decode(
+        self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None,
+        *, last_only: bool = False,
+    ) -> F32:
+        """Run tokens (a block, or one) for one session: logits (len(tokens), n_vocab_out), or
+        with ``last_only`` the last token's (1, n_vocab_out)."""
+        return self.forward_rows([(session, tokens)], exchange, last_only=last_only)
+
+    def forward_rows(
+        self,
+        rows: Sequence[tuple[Session, Sequence[int]]],
+        exchange: GateExchange | None = None,
+        *,
+        last_only: bool = False,
+    ) -> F32:
+        """One pass over a block of tokens for each listed session (each at most once).
+
+        Returns logits (total tokens, n_vocab_out), the sessions' blocks in the listed order;
+        with ``last_only``, each session's last row only (len(rows), n_vocab_out): what a
+        prompt needs, without the head's product (262,144 rows for Gemma) and a logits row for
+        every token of it. Stored-block heads then multiply the last rows alone (the kernels
+        give each row the same bits whatever the block); a float32 head still multiplies
+        every row and keeps the last ones, as BLAS may sum a block differently from one row.
+        ``exchange`` is required for world > 1; a world-1 engine needs none (if given, it is
+        called with the complete sums and its result used in their place).
+        """
+        cfg, rp = self.cfg, self.dense
+        if self.world > 1 and exchange is None:
+            raise ValueError(f"rank {self.rank} of {self.world} needs a GateExchange")
+        ids, pos, spans = check_rows(self.id, self.cfg.n_vocab, rows)
+        x = embed(self.replicated["token_embd.weight"], ids)  # (n, D)
+        if self.arch.embed_scale:
+            x = x * np.float32(np.sqrt(np.float32(cfg.n_embd)))
+        parts = range(len(self.parts))
+        step = len(ids) == 1 and self.step_in_c  # one token: each layer's step in C
+        session = rows[0][0]
+        layers = self._dense
+        if step and exchange is None and self._all_whole is not None:  # all in one call
+            step_layers(self._all_whole, x, session.pos, session.k, session.v,
+                        tuple(self._rope[base] for base in self._bases))
+            layers = []
+        tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()} if layers \
+            else {}  # (n, Dh/2)
+        for i, dense in enumerate(layers):
+            cos, sin = tables[self._bases[i]]
+            plan = self._plans[i] if step else None
+            if plan is not None:
+                full = self._rope[self._bases[i]]
+                kc, vc = session.k[i], session.v[i]
+                if exchange is None and self._whole[i]:
+                    step_layer(plan, x, session.pos, tuple(kc), tuple(vc), *full)
+                    continue
+            h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
+            if plan is not None:
+                partial = _sum([step_attn(plan, j, h, session.pos, kc[j], vc[j], *full)
+                                for j in parts])
+            else:
+                partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
+            a = self._exchange(exchange, i, Gate.ATTN, partial)
+            x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
+            h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
+            if plan is not None and self._whole[i]:  # routed or dense, in C
+                partial = _sum([step_ffn(plan, j, h) for j in parts])
+            else:
+                weights, top = _NO_ROUTE
+                if dense.router is not None:
+                    weights, top = self._route(h, dense.router)  # (n, K) each
+                partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
+            f = self._exchange(exchange, i, Gate.FFN, partial)
+            x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
+        hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
+        last = [b - 1 for _, b in spans] if last_only else None
+        if self._head_all is not None:
+            logits = linear(hf if last is None else hf[last], self._head_all)  # (n, V_out)
+        else:
+            head = [linear(hf, w)[last] if isinstance(w, np.ndarray) and last is not None
+                    else linear(hf if last is None else hf[last], w)
+                    for w in self._head]  # (n or sessions, V_part)
+            logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
+        for session, tokens in rows:
+            session.tokens.extend(int(t) for t in tokens)
+            session.pos += len(tokens)
+        return logits
+
+    def _attention(
+        self,
+        layer: int,
+        j: int,
+        h: F32,
+        rows: Sequence[tuple[Session, Sequence[int]]],
+        spans: list[tuple[int, int]],
+        cos: F32,
+        sin: F32,
+    ) -> F32:
+        """Part j's ATTN partial (n, D): its heads' attention through its attn_output columns."""
+        lw = self._layers[j][layer]
+        n, dh = h.shape[0], self.cfg.head_dim
+        nq, nk = lw.n_q, lw.n_k
+        if lw.qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
+            # is the same as alone)
+            y = linear(h, lw.qkv)  # (n, Q + K + V rows)
+            qr, kr, vr = y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk :]
+        else:
+            qr, kr, vr = linear(h, lw.q), linear(h, lw.k), linear(h, lw.v)
+        if lw.bias is not None:
+            qr, kr, vr = qr + lw.bias[0], kr + lw.bias[1], vr + lw.bias[2]
+        q = self._qk(qr, self._dense[layer].q_norm, lw.q_keep, n, dh)  # (n, H_part, Dh)
+        k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
+        neox = self.arch.rope is Rope.NEOX
+        q, k = rope(q, cos, sin, neox), rope(k, cos, sin, neox)
+        v = np.ascontiguousarray(vr).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        window = self._window[layer]
+        o = np.empty_like(q)  # (n, H_part, Dh)
+        for (session, _), (a, b) in zip(rows, spans, strict=True):
+            kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
+            end = session.pos + b - a
+            kc[session.pos:end] = k[a:b]
+            vc[session.pos:end] = v[a:b]
+            # each row as one-row decoding computes it (batch invariance), over its window
+            attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
+        return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
+
+    def _qk(self, y: F32, norm: F32 | None, keep: tuple[int, int], n: int, dh: int) -> F32:
+        """Q or K rows (n, heads * Dh) -> the kept heads (n, kept, Dh), after the QK-norm of
+        the architecture (per head, or of the whole vector before the heads are picked)."""
+        if norm is not None and self.arch.qk_norm is QKNorm.FULL:
+            y = rmsnorm(np.ascontiguousarray(y), norm, self.cfg.norm_eps)
+        y = np.ascontiguousarray(y).reshape(n, -1, dh)
+        if y.shape[1] != keep[1] - keep[0]:
+            y = np.ascontiguousarray(y[:, keep[0] : keep[1]])
+        if norm is not None and self.arch.qk_norm is QKNorm.HEAD:
+            y = rmsnorm(y.reshape(-1, dh), norm, self.cfg.norm_eps).reshape(n, -1, dh)
+        return y
+
+    def _route(self, h: F32, router: F32) -> tuple[F32, npt.NDArray[np.int64]]:
+        """Each row's expert weights and ids: softmax over the experts, top-k; the weights
+        renormalized over the k (``route``) or, where the architecture does not, the top-k
+        probabilities as they are (olmoe)."""
+        k = self.cfg.n_expert_used
+        if self.arch.renorm_experts:
+            return route(h, router, k)
+        z = np.matmul(h[:, None, :], router.T)[:, 0]  # (n, E), each row its own product
+        z = np.exp(z - z.max(axis=1, keepdims=True))
+        probs = (z / z.sum(axis=1, keepdims=True)).astype(np.float32)  # (n, E)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # (n, K)
+        return np.ascontiguousarray(np.take_along_axis(probs, top, axis=1)), top
+
+    def _ffn(self, layer: int, j: int, h: F32, weights: F32, top: npt.NDArray[np.int64]) -> F32:
+        """Part j's FFN partial (n, D): its routed experts plus its slice of the shared expert.
+
+        With ``EXPERTS`` the part holds experts ``layout.experts`` whole; with ``INTERMEDIATE``
+        it holds every expert (``experts`` is (0, E)), each cut to its intermediate block, and
+        evaluates every assignment on that block."""
+        lw = self._layers[j][layer]
+        if lw.dense is not None:
+            return _glu(h, *lw.dense, self.arch.act)
+        order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
+        xs = h[order // top.shape[1]]  # (M, D)
+        ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
+        edges = bounds.tolist()
+        for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
+            if lo < hi:
+                ys[lo:hi] = _swiglu(xs[lo:hi], None if lw.gate_up is None else lw.gate_up[e],
+                                    lw.gate[e], lw.up[e], lw.down[e])  # (M_e, D)
+        y = combine_experts(ys, weights, order)  # (n, D)
+        if lw.shared is not None:
+            y += _swiglu(h, *lw.shared)  # (n, D)
+        return y
+
+    def _exchange(
+        self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32
+    ) -> F32:
+        if exchange is None:
+            return partial
+        total = np.asarray(exchange(layer, gate, np.ascontiguousarray(partial)))
+        if total.shape != partial.shape or total.dtype != np.float32:
+            raise ValueError(
+                f"gate exchange of layer {layer} {gate.name} returned {total.dtype}{total.shape}, "
+                f"expected float32{partial.shape}"
+            )
+        return total
+
+
+def _is_dense(name: str) -> bool:
+    return name.endswith(("norm.weight", "ffn_gate_inp.weight", "rope_freqs.weight"))
+
+
+_NO_ROUTE = (np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
+
+
+def _row_block(w: Param, block: tuple[int, int]) -> Param:
+    """Rows [start, stop) of a 2-d tensor, a view (a tied head's vocabulary block)."""
+    if isinstance(w, np.ndarray):
+        return w[block[0] : block[1]]
+    return QTensor(w.qtype, (block[1] - block[0], w.shape[1]), w.data[block[0] : block[1]])
+
+
+def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param,
+         act: Act) -> F32:
+    """A dense FFN: down(act(gate x) * up x), SwiGLU or GeGLU."""
+    if act is Act.SILU:
+        return _swiglu(x, gate_up, w_gate, w_up, w_down)
+    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
+        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    return linear(geglu(gu), w_down)  # (N, D)
+
+
+def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
+    """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
+    gate and up where ``_fuse`` stacked them (``gate_up``), else one each."""
+    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
+        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    return linear(swiglu(gu), w_down)  # (N, D)
+
+
+def _fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, Param]:
+    """Stack the rows of the products that read the same input, where they are stored in one
+    type: Q, K and V (``blk.N.qkv``), each expert's gate and up (``blk.N.gate_up``, (E, 2F,
+    D)) and the shared expert's (``blk.N.gate_up_shexp``). Fewer calls, the same bits (every
+    output row is its own dot product). The part's own tensors are replaced, in its params, by
+    views of the stacked ones (the same values), so whoever else holds the part (a TP rank's
+    loaded model) does not keep a second copy."""
+    params: dict[str, Param] = part.params
+    fused: dict[str, Param] = {}
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        groups = [("qkv", [p + f"attn_{t}.weight" for t in "qkv"])]
+        if cfg.n_expert:
+            groups.append(("gate_up", [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]))
+        else:
+            groups.append(("ffn_gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"]))
+        if cfg.n_ff_shared:
+            groups.append(
+                ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
+        for key, names in groups:
+            ts = [params[n] for n in names]
+            if not _one_type(*ts):
+                continue
+            axis = ts[0].ndim - 2  # the rows: of the matrix, or of each expert's
+            stacked = np.concatenate([_raw(t) for t in ts], axis=axis)
+            fused[p + key] = _typed(ts[0], stacked)
+            at = 0
+            for n, t in zip(names, ts, strict=True):
+                rows = t.shape[axis]
+                params[n] = _typed(t, stacked[(slice(None),) * axis + (slice(at, at + rows),)])
+                at += rows
+    return fused
+
+
+def _raw(t: Param) -> npt.NDArray[Any]:
+    """A tensor's rows as stored: float32 values, or a QTensor's bytes."""
+    return t if isinstance(t, np.ndarray) else t.data
+
+
+def _typed(like: Param, raw: npt.NDArray[Any]) -> Param:
+    """Rows as stored (``_raw``) as a tensor of ``like``'s type."""
+    if isinstance(like, np.ndarray):
+        return raw
+    return QTensor(like.qtype, (*raw.shape[:-1], like.shape[-1]), raw)
+
+
+def _one_type(*ps: Param) -> bool:
+    first = ps[0]
+    if isinstance(first, np.ndarray):
+        return all(isinstance(p, np.ndarray) and p.dtype == np.float32 for p in ps)
+    return all(isinstance(p, QTensor) and p.qtype == first.qtype for p in ps)
+
+
+def _cut(
+    cfg: ModelConfig, weights: Mapping[str, Param], rank: int, world: int, mode: ExpertSplit,
+    shares: Shares,
+) -> tuple[RankWeights, ...]:
+    """The parts an engine holds: rank's own, or for one process every part of the world it
+    stands for (one part with everything when the model cannot be cut so: a shape
+    check_splittable refuses, or stored blocks the cut would split)."""
+    if world == 1:
+        n = len(shares)
+        try:
+            check_splittable(cfg, n, mode, shares)
+            return tuple(rank_weights(cfg, weights, r, n, mode, shares) for r in range(n))
+        except SplitError:
+            pass
+        return (rank_weights(cfg, weights, rank, world, mode),)
+    return (rank_weights(cfg, weights, rank, world, mode, shares),)
+
+
+def _sum(partials: list[F32]) -> F32:
+    """Partials added in rank order, as the ranks' exchange adds them."""
+    total = partials[0]
+    for p in partials[1:]:
+        total = total + p
+    return total

@@ -1,0 +1,439 @@
+/* Matrix-vector and small matrix-matrix products over GGUF weight blocks, read in place.
+ *
+ * Theory of operation (docs/quantization.md has the reasons and the figures):
+ *
+ * y[t, r] = sum_i W[r, i] x[t, i] for weights W (n_out rows of k values, stored as ggml blocks
+ * along each row) and float32 inputs x (n rows of k). Every output is one row's dot product, so
+ * a result does not depend on how many rows or inputs a call holds (batch invariance) nor on
+ * which process computes it (the tensor-parallel pair equals one process bit for bit).
+ *
+ * Each dot product has ONE definition, written out in the portable C below; the AVX2, AVX-512 and
+ * NEON paths compute exactly the same float operations in the same order, only several at a time
+ * (and several rows at a time), so an x86-64 rank and an arm64 rank give the same bits:
+ *
+ * - Q8_0, Q4_0 and Q5_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
+ *   32 as llama.cpp's x86 build does (q = round(x * (127 / max|x|)) to nearest even, d =
+ *   max|x| / 127 kept as float16: q32.c's quantize_block32). A block's
+ *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
+ *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
+ *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
+ *   by halving like the float path. Q4_0 folds a block's eight lanes to four first (lane j +
+ *   lane j + 4: values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j, still exact) and adds
+ *   (d_w * d_x) * lane_j into accumulator 4 (block mod 4) + j: half the float work per block,
+ *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
+ * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one float32 scale
+ *   per super-block, as ggml's Q8_K: quantize_block256). Each 32 values of a super-block give
+ *   the same eight exact int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
+ *   integer scale, summed over the super-block in int32; the super-block adds (d * d_x) * lane_j
+ *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
+ *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
+ *   the halving (dot_k_portable).
+ * - Q4_1 and Q5_1 (a minimum per block): x as ggml's Q8_1: as for Q8_0, with s_b = S_b * d (S_b
+ *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; the
+ *   unsigned values (0..15, 0..31) give the same eight exact lanes, added as (d_w * d_x) * lane_j
+ *   into accumulator 8 (block mod 2) + j of sixteen, and m_w * s_b into one more float,
+ *   added after the halving (dot_q1_portable).
+ * - F16: the weight row is turned into float32 (exact), then multiplied with x in float32:
+ *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
+ *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
+ *
+ * Multiplications and additions are never fused (built with -ffp-contract=off; the SIMD paths
+ * use separate multiply and add instructions) since a fused multiply-add rounds once instead of
+ * twice and would make the paths differ.
+ *
+ * A block of inputs (prefill) is matrix-matrix over the stored blocks: the inputs in tiles that
+ * stay in L2 while every row of the matrix passes over them (each weight block read once per
+ * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four).
+ * Each (row, input) output is still the one definition above, so a row of a block has the bits
+ * of that row decoded alone, on every path and machine.
+ *
+ * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
+ * q32.c (Q8_0, Q4_0, Q5_0; Q4_1, Q5_1), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c
+ * (the decode step's other operations), pool.c (the threads), module.c (the Python interface). This header holds what they
+ * share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
+ */
+
+#ifndef FOUNDRY_KERNELS_H
+#define FOUNDRY_KERNELS_H
+
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Always inlined: a helper is compiled in its caller's encoding (a SIMD path's VEX), never
+ * called as a function of another one (add_blocks' comment says what that cost). */
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FOUNDRY_X86 1
+#endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+/* ggml_type codes (gguf.GGMLQuantizationType). */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+};
+
+#define QK 32    /* values per block of the 32-blocks */
+#define QK_K 256 /* values per super-block of the K-quants */
+#define LANES_F 32
+#define LANES_Q 16 /* 2 block parities x 8 int32 lanes */
+
+/* Functions shared between the files stay inside the module (not exported by its .so). */
+#pragma GCC visibility push(hidden)
+
+/* ---- float16 ------------------------------------------------------------------------------ */
+
+extern float f16_table[65536]; /* filled by kernels_init */
+float f16_bits_to_f32(uint16_t h);
+void kernels_init(void);
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float f16(const uint8_t *p) { return f16_table[rd16(p)]; }
+
+/* x rounded to the nearest float16 value (ties to even; subnormals kept, 65520 and above to
+ * infinity), as float32: what ggml's FP32_TO_FP16 then FP16_TO_FP32 give (F16C's vcvtps2ph
+ * with round-to-nearest), in integer and float steps that are the same on every machine. */
+static inline float round_f16(float x) {
+    uint32_t u, sign;
+    memcpy(&u, &x, 4);
+    sign = u & 0x80000000u;
+    u ^= sign;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a != a) return x; /* NaN */
+    if (a >= 65520.0f) {
+        a = INFINITY;
+    } else if (a < 6.103515625e-05f) { /* below float16's normals: multiples of 2^-24 */
+        volatile float big = a + 0.5f; /* float32's step at 0.5 is 2^-24: the one rounding */
+        a = big - 0.5f;
+    } else { /* drop 13 of the 23 fraction bits, to nearest, ties to even */
+        u = (u + 0x0FFFu + ((u >> 13) & 1u)) & ~0x1FFFu;
+        memcpy(&a, &u, 4);
+    }
+    memcpy(&u, &a, 4);
+    u |= sign;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* The bits of the float16 nearest x (round_f16's value, exactly a float16). */
+static inline uint16_t f16_bits(float x) {
+    const float r = round_f16(x);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00u; /* NaN */
+    if (u == 0x7F800000u) return sign | 0x7C00u;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < 6.103515625e-05f) return sign | (uint16_t)(a * 16777216.0f); /* k x 2^-24, exact */
+    return sign | (uint16_t)((((u >> 23) - 112u) << 10) | ((u >> 13) & 0x3FFu));
+}
+
+int type_block(int type, int *values, int *bytes);
+void dequant_row(int type, const uint8_t *w, int k, float *y);
+
+static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
+    }
+}
+
+/* ---- the arithmetic every family shares ----------------------------------------------------- */
+
+/* Lanes halved: lane j += lane j + lanes / 2, then + lanes / 4, ... (the float paths' end). */
+static inline float finish(float *acc, int lanes) {
+    for (int width = lanes / 2; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) acc[j] = acc[j] + acc[j + width];
+    return acc[0];
+}
+
+/* The eight int32 lanes of one block's products: lane j = sum of a[i] b[i], i in 4j .. 4j+3. */
+static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
+#if defined(__ARM_NEON)
+    int32x4_t lo, hi;
+#if defined(__ARM_FEATURE_DOTPROD)
+    lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a), vld1q_s8(b));
+    hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(a + 16), vld1q_s8(b + 16));
+#else
+    int32x4_t pairs[4];
+    for (int h = 0; h < 4; h++) /* products of 8 values, summed in pairs */
+        pairs[h] = vpaddlq_s16(vmull_s8(vld1_s8(a + 8 * h), vld1_s8(b + 8 * h)));
+#if defined(__aarch64__)
+    lo = vpaddq_s32(pairs[0], pairs[1]);
+    hi = vpaddq_s32(pairs[2], pairs[3]);
+#else
+    lo = vcombine_s32(vpadd_s32(vget_low_s32(pairs[0]), vget_high_s32(pairs[0])),
+                      vpadd_s32(vget_low_s32(pairs[1]), vget_high_s32(pairs[1])));
+    hi = vcombine_s32(vpadd_s32(vget_low_s32(pairs[2]), vget_high_s32(pairs[2])),
+                      vpadd_s32(vget_low_s32(pairs[3]), vget_high_s32(pairs[3])));
+#endif
+#endif
+    vst1q_s32(s, lo);
+    vst1q_s32(s + 4, hi);
+#else
+    for (int j = 0; j < 8; j++) {
+        int32_t t = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) t += (int32_t)a[i] * (int32_t)b[i];
+        s[j] = t;
+    }
+#endif
+}
+
+/* ---- the SIMD paths and their dispatch --------------------------------------------------- */
+
+extern int use_avx2, use_vnni, use_512; /* the x86 paths chosen at import (module.c) */
+
+#if defined(FOUNDRY_X86)
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+/* float16 to float32 by the F16C instruction: the table's value (both are exact), without a
+ * load from a 256 KB table that the streamed weights keep evicting from the caches. */
+AVX2 INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
+#define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* finish(acc, 8) of eight lanes in one register: the same additions in the same order (lane
+ * j + lane j + 4, then + 2, + 1). */
+AVX2 INLINE float finish8_avx2(__m256 v8) {
+    const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+    const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    return _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+}
+
+/* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): lane j + lane j + 8 first. */
+AVX2 INLINE float finish16_avx2(__m256 a0, __m256 a1) {
+    return finish8_avx2(_mm256_add_ps(a0, a1));
+}
+#endif
+
+/* ---- e^x without the C library --------------------------------------------------------------- */
+
+/* e^x in single-precision IEEE operations only, so that softmax and SiLU give the same bits on
+ * every architecture, path and C library (a libm's expf may differ in the last bit between
+ * them): x = n ln2 + r with n = round(x / ln2) (by adding and taking off 1.5 x 2^23) and
+ * |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by Cephes expf's polynomial (about 1
+ * ulp), times 2^n set in the exponent bits (in two factors for n = 128). Below -87.3365, where
+ * e^x < FLT_MIN, it is 0; above 88.7228 inf; NaN stays NaN. Branch-free, so loops of it
+ * vectorise (the same operations, lane by lane). */
+INLINE float exp_f(float x) {
+    const float lo = -87.33654475f, hi = 88.72283935f;
+    const float c = x == x ? (x < lo ? lo : (x > hi ? hi : x)) : 0.0f;
+    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = c - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    const int32_t e = (int32_t)n;
+    const uint32_t bits = (uint32_t)((e > 127 ? 127 : e) + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    y = y * scale;
+    y = e > 127 ? y * 2.0f : y;
+    return x == x ? (x < lo ? 0.0f : (x > hi ? INFINITY : y)) : x;
+}
+
+/* The loops of exp_f: p[i] = e^(p[i] - m) (softmax), and SiLU(g) x u = g (1 / (1 + e^-g)) u (the
+ * roundings of layers.silu_and_sigmoid and the product after it); one body, compiled for the
+ * portable path and for AVX2 (vectorised by the compiler: the same bits). */
+#define EXP_LOOPS(SUFFIX, ATTR)                                                                \
+    ATTR static inline void exp_shifted##SUFFIX(float *p, int n, float m) {                           \
+        for (int i = 0; i < n; i++) p[i] = exp_f(p[i] - m);                                    \
+    }                                                                                          \
+    ATTR static inline void silu_mul##SUFFIX(const float *g, const float *u, int f, float *o) {       \
+        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + exp_f(-g[i]))) * u[i];       \
+    }
+
+/* ---- the families (one file each) ---------------------------------------------------------- */
+
+void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
+/* The inputs of a product prepared once, for every row (and every thread) to read: what the
+ * type's dot products take (the int8 blocks and their scales and sums), per input t at
+ * t x (the field's values per input); fields a type does not use are NULL (F16, F32: none). */
+typedef struct {
+    int type, k, n;           /* prepared for `type`: Q5_0 widened for a block as Q8_0 */
+    int8_t *xq;               /* n x k int8 values */
+    float *xd;                /* n x k / 32 (32-blocks) or k / 256 (K-quants) scales */
+    int32_t *corr;            /* 32-blocks: n x k / 4, sums of 4 values x 2^shift */
+    int8_t *x4;               /* Q4_0 on AVX2: n x k values in rows_q4's order */
+    int32_t *corr4;           /* Q4_0 on AVX2: n x k / 8 */
+    float *sums;              /* Q4_1, Q5_1: n x k / 32, ggml's Q8_1 sums */
+    int32_t *s32;             /* K-quants: n x k / 32 exact sums of 32 values */
+    int16_t *s32h, *x32p;     /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
+} mm_input;
+
+/* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
+ * than they save) */
+#define Q5_WIDEN 8
+
+int mm_alloc(int type, int k, int n, mm_input *in); /* 0, or -1 when out of memory */
+void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */
+mm_input mm_from(const mm_input *in, int t0);       /* the inputs from t0 on */
+void mm_free(mm_input *in);
+void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
+void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q32.c */
+void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c */
+
+/* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
+ * product start at y + their first row; ldy is the whole product's row length), from the
+ * prepared inputs (the float family reads x itself). */
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+               const mm_input *in, int n, float *y, size_t ldy); /* q32.c */
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+              const mm_input *in, int n, float *y, size_t ldy);  /* q32.c: Q4_1, Q5_1 */
+int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+             int n, float *y, size_t ldy);                       /* kquants.c */
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                 const float *x, int n, float *y, size_t ldy);   /* float.c */
+
+/* The product of rows of W by one thread from prepared inputs: y (n, ldy) = x (n, k) . W^T. */
+static inline int matmul_part(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                              const float *x, const mm_input *in, int n, float *y, size_t ldy) {
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0:
+        return matmul_q32(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    case T_Q4_1: case T_Q5_1:
+        return matmul_q1(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        return matmul_k(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    default:
+        return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
+    }
+}
+
+/* ---- the thread pool (pool.c) -------------------------------------------------------------- */
+
+/* Work of one pool call: task(ctx, i) for i in 0 .. n_tasks - 1, each task run by exactly one
+ * thread (which one does not matter: a task writes outputs no other task writes, computed the
+ * same way whoever runs it). Returns 0, or -1 when a task did (out of memory). */
+typedef int (*pool_task)(void *ctx, int i);
+int pool_run(pool_task task, void *ctx, int n_tasks);
+int pool_threads(void);          /* the threads a call runs on, the caller included */
+int pool_set_threads(int n);     /* 0, or -1 when a thread could not be started */
+void pool_split_below(long bytes); /* products of less work run on the caller alone */
+
+/* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
+ * the rows are few): each output element is one thread's matmul_rows, so the bits do not
+ * depend on the thread count. Returns 0, or -1 when out of memory. */
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+           int n, float *y);
+
+/* Several one-input products in one pool call (a token's chosen experts): item i is
+ * y_i (n_out_i) = W_i . x_i, each row task the one-thread code, as matmul. */
+typedef struct {
+    int type, n_out, k;
+    size_t row_bytes;
+    const uint8_t *w;
+    const float *x;
+    float *y;
+} mm_item;
+int matmul_many(const mm_item *items, int count);
+
+/* attention.c */
+float score_portable(const float *q, const float *k, int dh);
+#if defined(FOUNDRY_X86)
+float score_avx2(const float *q, const float *k, int dh);
+#endif
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+            int n_kv, int dh, float *p, float *out);
+/* attend for heads of a cache whose positions are `stride` values apart (a block of the kv
+ * heads: k and v at its first head, q and out at its first query head). */
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
+                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out);
+/* attend on the pool (attend_rows with one row); room of its own. */
+size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
+int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                int n_kv, int dh, float *out);
+/* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
+ * of the cache (the last `window` of them where window > 0), each (row, kv head) a task; one
+ * row over 64 positions or more, with more threads than kv heads, split by positions and by
+ * value columns instead (attend_split). */
+int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
+                int rows, int n_head, int n_kv, int dh, float *out);
+
+/* decode.c */
+#define MAX_EXPERTS 256
+void rmsnorm(const float *x, const float *w, int n, int d, float eps, float *out);
+void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh, int neox,
+          float *out);
+void swiglu(const float *gu, int n, int f, float *out);
+void geglu(const float *gu, const float *table, int n, int f, float *out);
+void route(const float *x, const float *w, int n, int d, int n_expert, int k, float *weights,
+           int64_t *top);
+int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_t *order,
+               int64_t *bounds);
+void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k, int d,
+             float *out);
+
+/* step.c: one token through a layer (inference.Engine's one-row step), described once */
+typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `type` */
+    int type, rows, k;
+    size_t row_bytes;
+    const uint8_t *w;
+} step_mat;
+
+enum { STEP_QK_NONE = 0, STEP_QK_HEAD = 1, STEP_QK_FULL = 2 };
+
+typedef struct { /* one routed expert: gate and up (stacked, or one matrix each), down */
+    step_mat gate_up[2], down;
+    int n_gate_up;
+} step_expert;
+
+typedef struct { /* what one part holds of a layer (inference._PartLayer) */
+    step_mat qkv[3], out, gate_up[2], down;
+    int n_qkv, n_gate_up, has_ffn; /* has_ffn: a dense FFN, or routed experts (below) */
+    int n_exp, first_exp;          /* routed: experts first_exp .. first_exp + n_exp - 1 */
+    step_expert *experts;          /* n_exp of them (freed with the plan) */
+    int n_q, n_k, n_v, n_kv, n_ff; /* rows computed; kv heads cached; FFN intermediate rows */
+    int q_keep[2], k_keep[2];      /* the kept heads of the computed Q and K rows */
+    int skip_kv;                   /* K and V are the part before's (a shared cache row) */
+    const float *bias[3], *q_norm, *k_norm;
+} step_part;
+
+/* The most parts one layer's plan holds: a rank holds one; one process standing for a world of
+ * N ranks holds N (model.shard.MAX_WORLD). */
+#define STEP_MAX_PARTS 16
+
+typedef struct {
+    int d, dh, half, neox, qk_norm, window, gelu, n_parts;
+    int gelu16; /* the GELU table's float16 copy is in use (step_gelu16) */
+    float eps;
+    const float *attn_norm, *ffn_norm, *post_attn, *post_ffn, *gelu_table;
+    const float *router;  /* routed experts: (n_expert, d) float32, else NULL */
+    int n_expert, n_used; /* each token's n_used of n_expert, weights renormalised */
+    step_part parts[STEP_MAX_PARTS];
+} step_layer;
+
+size_t step_room(const step_layer *l, int n_pos);
+int step_gelu16(const float *table);
+int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
+              const float *cos, const float *sin, float *out, float *room);
+int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room); /* dense or routed */
+int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
+               const float *cos, const float *sin, float *room);
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,398 @@
+/* The thread pool every product runs on, and the products split over it.
+ *
+ * Theory of operation. One pool per process, of pool_threads() threads: the caller of
+ * pool_run and pool_threads() - 1 workers started once (pool_set_threads, from the engine's
+ * thread count). A call publishes its task list and bumps the generation; every thread then
+ * takes task numbers from one shared counter until none is left, and the caller returns when
+ * every worker has reported the generation done. Between calls a worker spins on the
+ * generation for SPIN_NS (a decode step's products come microseconds apart, and a futex wake
+ * costs tens of them), then sleeps on a condition variable until the next call.
+ *
+ * Results never depend on the thread count: a task writes outputs that no other task writes,
+ * and computes each of them with the one-thread code over the same inputs (a product's row is
+ * its own dot product whatever rows a call holds: kernels.h), so which thread runs a task, and
+ * how many threads share the tasks, changes no bit. Only the split into tasks is fixed by the
+ * shape; the order in which threads take them is not, and need not be.
+ *
+ * Memory ordering: the caller writes the task list, then increments `generation` with release
+ * order; a worker that reads the new generation with acquire order sees the list. Each thread's
+ * writes to its outputs happen before its release increment of `finished`, which the caller
+ * reads with acquire order before returning, so the outputs are visible to the caller.
+ *
+ * One call at a time: a second caller (another Python thread, or a task that calls a product)
+ * finds the pool busy and runs its tasks alone, in the same split: the same bits.
+ */
+
+#include "kernels.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sched.h>
+#include <time.h>
+
+#define MAX_THREADS 512
+/* How long an idle worker polls before it sleeps: longer than the gap between two products of
+ * a decode step (a few microseconds of Python or C), far shorter than the gap between requests. */
+#define SPIN_NS 200000L
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || (defined(__arm__) && __ARM_ARCH >= 7)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Each counter on a cache line of its own: the workers poll `generation` while the tasks take
+ * numbers from `next` and report to `finished`; sharing a line, every task's write would take
+ * the line from every polling core. */
+#define LINE 64
+static struct {
+    _Alignas(LINE) atomic_uint generation;
+    _Alignas(LINE) atomic_int next;      /* the next task number to take */
+    _Alignas(LINE) atomic_int finished;  /* workers done with the current generation */
+    _Alignas(LINE) atomic_int failed;
+    atomic_int busy;                     /* a call in progress */
+    atomic_int stop;
+    pool_task task;
+    void *ctx;
+    int n_tasks;
+    int n_threads;                       /* workers + the caller */
+    pthread_mutex_t lock;                /* guards sleeping workers' wait and the wake-up */
+    pthread_cond_t wake;
+    pthread_t threads[MAX_THREADS];
+} pool = {.n_threads = 1, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Tasks taken from the shared counter until none is left. */
+static void take_tasks(void) {
+    for (;;) {
+        const int i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed);
+        if (i >= pool.n_tasks) return;
+        if (pool.task(pool.ctx, i) < 0) atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
+    }
+}
+
+static void *worker(void *arg) {
+    /* the generation when it was started (not read here: a call may already have begun) */
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g == seen && !atomic_load_explicit(&pool.stop, memory_order_acquire)) {
+            const long until = now_ns() + SPIN_NS;
+            for (int spins = 0; g == seen; spins++) {
+                cpu_relax();
+                g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+                if (atomic_load_explicit(&pool.stop, memory_order_acquire)) break;
+                if ((spins & 255) == 255 && now_ns() > until) {
+                    pthread_mutex_lock(&pool.lock);
+                    while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) ==
+                               seen &&
+                           !atomic_load_explicit(&pool.stop, memory_order_acquire))
+                        pthread_cond_wait(&pool.wake, &pool.lock);
+                    pthread_mutex_unlock(&pool.lock);
+                    break;
+                }
+            }
+        }
+        if (atomic_load_explicit(&pool.stop, memory_order_acquire)) return NULL;
+        seen = g;
+        take_tasks();
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+    }
+}
+
+int pool_threads(void) { return pool.n_threads; }
+
+static void stop_workers(void) {
+    pthread_mutex_lock(&pool.lock);
+    atomic_store_explicit(&pool.stop, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    for (int i = 0; i < pool.n_threads - 1; i++) pthread_join(pool.threads[i], NULL);
+    atomic_store_explicit(&pool.stop, 0, memory_order_release);
+    pool.n_threads = 1;
+}
+
+int pool_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    int expected = 0;
+    while (!atomic_compare_exchange_weak(&pool.busy, &expected, 1)) { /* a call in progress */
+        expected = 0;
+        cpu_relax();
+    }
+    int rc = 0;
+    if (n != pool.n_threads) {
+        stop_workers();
+        const unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        for (int i = 0; i < n - 1; i++) {
+            if (pthread_create(&pool.threads[i], NULL, worker, (void *)(uintptr_t)g) != 0) {
+                rc = -1;
+                break;
+            }
+            pool.n_threads = i + 2;
+        }
+    }
+    atomic_store_explicit(&pool.busy, 0, memory_order_release);
+    return rc;
+}
+
+int pool_run(pool_task task, void *ctx, int n_tasks) {
+    int expected = 0;
+    if (pool.n_threads == 1 || n_tasks < 2 ||
+        !atomic_compare_exchange_strong(&pool.busy, &expected, 1)) {
+        for (int i = 0; i < n_tasks; i++) /* alone: the same tasks, in order */
+            if (task(ctx, i) < 0) return -1;
+        return 0;
+    }
+    pool.task = task;
+    pool.ctx = ctx;
+    pool.n_tasks = n_tasks;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    const int workers = pool.n_threads - 1;
+    pthread_mutex_lock(&pool.lock); /* a sleeping worker waits under the lock: none is missed */
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    take_tasks();
+    /* the workers still at their last tasks (or not yet woken: on a machine with more
+     * runnable threads than cores, give them the core now and then) */
+    for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < workers;
+         spins++) {
+        cpu_relax();
+        if ((spins & 1023) == 0) sched_yield();
+    }
+    const int failed = atomic_load_explicit(&pool.failed, memory_order_relaxed);
+    atomic_store_explicit(&pool.busy, 0, memory_order_release);
+    return failed ? -1 : 0;
+}
+
+/* ---- products on the pool ------------------------------------------------------------------ */
+
+/* Work below which a product runs on the caller alone (weights bytes x inputs, per thread):
+ * waking the workers costs more than a small matrix. pool_split_below changes it (tests split
+ * the tiny models' products to compare their bits). */
+static long small_work = 64L * 1024;
+
+void pool_split_below(long bytes) { small_work = bytes < 0 ? 0 : bytes; }
+/* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
+ * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
+#define ROW_ALIGN 16
+
+/* ---- prepared inputs ------------------------------------------------------------------------ */
+
+int mm_alloc(int type, int k, int n, mm_input *in) {
+    memset(in, 0, sizeof *in);
+    in->type = type;
+    in->k = k;
+    in->n = n;
+    const size_t values = (size_t)n * k;
+    int ok = 1;
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0:
+        if (type == T_Q5_0 && n >= Q5_WIDEN) in->type = T_Q8_0; /* widened: as Q8_0 */
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
+             (in->corr = malloc(values / 4 * sizeof(int32_t)));
+#if defined(FOUNDRY_X86)
+        if (ok && type == T_Q4_0 && use_avx2)
+            ok = (in->x4 = malloc(values)) && (in->corr4 = malloc(values / 8 * sizeof(int32_t)));
+#endif
+        break;
+    case T_Q4_1: case T_Q5_1:
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
+             (in->sums = malloc(values / QK * sizeof(float)));
+        break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK_K * sizeof(float))) &&
+             (in->s32 = malloc(values / QK * sizeof(int32_t))) &&
+             (in->s32h = malloc(values / QK * sizeof(int16_t))) &&
+             (type != T_Q6_K || (in->x32p = malloc(values / 2 * sizeof(int16_t))));
+        break;
+    default:
+        break;
+    }
+    if (!ok) {
+        mm_free(in);
+        return -1;
+    }
+    return 0;
+}
+
+void mm_fill(const mm_input *in, const float *x, int t0, int t1) {
+    switch (in->type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: fill_q32(in, x, t0, t1); break;
+    case T_Q4_1: case T_Q5_1: fill_q1(in, x, t0, t1); break;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: fill_k(in, x, t0, t1); break;
+    default: break;
+    }
+}
+
+#define FROM(field, per) (in->field != NULL ? in->field + (size_t)t0 * (per) : NULL)
+
+mm_input mm_from(const mm_input *in, int t0) {
+    const int k = in->k, kquant = in->type == T_Q4_K || in->type == T_Q5_K || in->type == T_Q6_K;
+    mm_input out = *in;
+    out.n = in->n - t0;
+    out.xq = FROM(xq, k);
+    out.xd = FROM(xd, k / (kquant ? QK_K : QK));
+    out.corr = FROM(corr, k / 4);
+    out.x4 = FROM(x4, k);
+    out.corr4 = FROM(corr4, k / 8);
+    out.sums = FROM(sums, k / QK);
+    out.s32 = FROM(s32, k / QK);
+    out.s32h = FROM(s32h, k / QK);
+    out.x32p = FROM(x32p, k / 2);
+    return out;
+}
+
+void mm_free(mm_input *in) {
+    free(in->xq);
+    free(in->xd);
+    free(in->corr);
+    free(in->x4);
+    free(in->corr4);
+    free(in->sums);
+    free(in->s32);
+    free(in->s32h);
+    free(in->x32p);
+    memset(in, 0, sizeof *in);
+}
+
+/* ---- a product on the pool: its inputs prepared (split by inputs), then its rows ------------ */
+
+typedef struct {
+    int type, n_out, k, n, rows, tokens, row_tasks;
+    size_t row_bytes;
+    const uint8_t *w;
+    const float *x;
+    const mm_input *in;
+    float *y;
+} matmul_job;
+
+#define FILL_TOKENS 8 /* inputs per task of the preparation */
+
+static int fill_task(void *ctx, int i) {
+    const matmul_job *j = ctx;
+    const int t0 = i * FILL_TOKENS, t1 = t0 + FILL_TOKENS < j->n ? t0 + FILL_TOKENS : j->n;
+    mm_fill(j->in, j->x, t0, t1);
+    return 0;
+}
+
+static int matmul_task(void *ctx, int i) {
+    const matmul_job *j = ctx;
+    const int r0 = (i % j->row_tasks) * j->rows, t0 = (i / j->row_tasks) * j->tokens;
+    const int rows = j->n_out - r0 < j->rows ? j->n_out - r0 : j->rows;
+    const int tokens = j->n - t0 < j->tokens ? j->n - t0 : j->tokens;
+    const mm_input in = mm_from(j->in, t0);
+    return matmul_part(j->type, j->w + (size_t)r0 * j->row_bytes, j->row_bytes, rows, j->k,
+                       j->x + (size_t)t0 * j->k, &in, tokens, j->y + (size_t)t0 * j->n_out + r0,
+                       (size_t)j->n_out);
+}
+
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+           int n, float *y) {
+    mm_input in;
+    if (mm_alloc(type, k, n, &in) < 0) return -1;
+    const int threads = pool_threads();
+    matmul_job job = {type, n_out, k, n, n_out, n, 1, row_bytes, w, x, &in, y};
+    if (threads == 1 || n_out < 2 * ROW_ALIGN ||
+        (double)row_bytes * n_out * n < (double)small_work * threads) {
+        mm_fill(&in, x, 0, n);
+        const int rc = matmul_part(type, w, row_bytes, n_out, k, x, &in, n, y, (size_t)n_out);
+        mm_free(&in);
+        return rc;
+    }
+    if (n >= 2 * FILL_TOKENS) /* the inputs' preparation split too (a prompt's) */
+        pool_run(fill_task, &job, (n + FILL_TOKENS - 1) / FILL_TOKENS);
+    else
+        mm_fill(&in, x, 0, n);
+    /* rows in about two tasks a thread, whole groups of ROW_ALIGN */
+    int rows = (n_out + 2 * threads - 1) / (2 * threads);
+    rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int row_tasks = (n_out + rows - 1) / rows;
+    /* a block of inputs whose rows give fewer tasks than threads: the inputs split too, in
+     * tiles of 64 (the kernels' L2 tiles) */
+    int tokens = n;
+    if (n > 64 && row_tasks < 2 * threads) {
+        const int parts = (2 * threads + row_tasks - 1) / row_tasks;
+        tokens = (n + parts - 1) / parts;
+        tokens = (tokens + 63) / 64 * 64;
+    }
+    const int token_tasks = (n + tokens - 1) / tokens;
+    job.rows = rows;
+    job.tokens = tokens;
+    job.row_tasks = row_tasks;
+    const int rc = pool_run(matmul_task, &job, row_tasks * token_tasks);
+    mm_free(&in);
+    return rc;
+}
+
+/* ---- several one-input products in one pool call -------------------------------------------- */
+
+typedef struct {
+    const mm_item *items;
+    mm_input *in;         /* each item's prepared input */
+    const int *first;     /* the first task of each item; first[count] = the tasks */
+    const int *rows;      /* rows per task of each item */
+    int count;
+} many_job;
+
+static int many_task(void *ctx, int i) {
+    const many_job *j = ctx;
+    int it = 0;
+    while (j->first[it + 1] <= i) it++;
+    const mm_item *m = &j->items[it];
+    const int r0 = (i - j->first[it]) * j->rows[it];
+    const int rows = m->n_out - r0 < j->rows[it] ? m->n_out - r0 : j->rows[it];
+    return matmul_part(m->type, m->w + (size_t)r0 * m->row_bytes, m->row_bytes, rows, m->k,
+                       m->x, &j->in[it], 1, m->y + r0, (size_t)m->n_out);
+}
+
+int matmul_many(const mm_item *items, int count) {
+    const int threads = pool_threads();
+    double work = 0;
+    for (int i = 0; i < count; i++) work += (double)items[i].row_bytes * items[i].n_out;
+    if (threads == 1 || count < 2 || work < (double)small_work * threads) {
+        for (int i = 0; i < count; i++) {
+            const mm_item *m = &items[i];
+            if (matmul(m->type, m->w, m->row_bytes, m->n_out, m->k, m->x, 1, m->y) < 0)
+                return -1;
+        }
+        return 0;
+    }
+    mm_input *in = calloc((size_t)count, sizeof *in);
+    int *first = malloc(((size_t)count + 1) * sizeof(int));
+    int *rows = malloc((size_t)count * sizeof(int));
+    int rc = -1, prepared = 0;
+    if (in == NULL || first == NULL || rows == NULL) goto done;
+    /* each item's rows in tasks of about the same share of the whole: two tasks a thread */
+    const double share = work / (2.0 * threads);
+    first[0] = 0;
+    for (int i = 0; i < count; i++, prepared++) {
+        const mm_item *m = &items[i];
+        if (mm_alloc(m->type, m->k, 1, &in[i]) < 0) goto done;
+        mm_fill(&in[i], m->x, 0, 1);
+        int r = (int)(share / (double)m->row_bytes);
+        r = (r + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+        r = r < ROW_ALIGN ? ROW_ALIGN : r;
+        rows[i] = r > m->n_out ? m->n_out : r;
+        first[i + 1] = first[i] + (m->n_out + rows[i] - 1) / rows[i];
+    }
+    many_job job = {items, in, first, rows, count};
+    rc = pool_run(many_task, &job, first[count]);
+done:
+    for (int i = 0; i < prepared; i++) mm_free(&in[i]);
+    free(in);
+    free(first);
+    free(rows);
+    return rc;
+}

@@ -1,0 +1,516 @@
+"""The tensor-parallel control frames the leader mirrors to the worker (and the worker's
+replies): a 28-byte header, then a payload laid out per type, numbered exactly as
+``ds4_tp_frame_type``; each frame's fixed part is a ``Layout``, its variable part (tokens,
+batch items, a LOGITS half) written next to it."""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+import numpy as np
+
+from foundry.wire.errors import LocalProtocolError, TpProtocolError
+from foundry.wire.layout import BOOL, I32, U32, U64, Enum, Layout
+from foundry.wire.tp.hello import (
+    _I32_MAX,
+    _I32_MIN,
+    _U16,
+    _U64,
+    DS4_TP_BATCH_MAX_ROWS,
+    DS4_TP_VERIFY_FLAGS,
+    TP_MAX_BATCH_ITEMS,
+    TP_MAX_WORLD,
+    Hello,
+    Readable,
+    _check_range,
+    _check_tokens,
+)
+
+# -- control frames ----------------------------------------------------------------------------
+
+
+class FrameType(enum.IntEnum):
+    """``ds4_tp_frame_type``, the same numbers (DS4_TP_FRAME_ERROR = -1 is a C return code,
+    never a wire value). Types in :data:`UNSUPPORTED_FRAME_TYPES` are reserved: receiving one is
+    a protocol error."""
+
+    SYNC = 1
+    EVAL = 2
+    REWIND = 3
+    INVALIDATE = 4
+    STOP = 5
+    HASH = 6
+    RDMA_INFO = 7
+    SYNC_ACK = 8
+    RDMA_READY = 9
+    LOGITS = 10
+    VERIFY = 11
+    VERIFY_COMMIT = 12
+    SESSION_CREATE = 13
+    SESSION_DESTROY = 14
+    EVAL_BATCH = 15
+    MIXED_BATCH = 16
+    COMMAND_ACK = 17
+    SYNC_MULTIMODAL = 18
+    RDMA_WARM = 19
+    RDMA_POSTED = 20
+    GLM_MTP = 21
+    SYNC_CHECKPOINT = 22
+    DSPARK_DRAFT = 23
+    SPEC_RESTORE = 24
+    WORLD = 32  # Foundry's extension: the table of a world's workers (N > 2)
+
+
+_NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
+UNSUPPORTED_FRAME_TYPES: dict[FrameType, str] = {
+    FrameType.RDMA_INFO: _NO_RDMA,
+    FrameType.SYNC_ACK: "a seed acknowledgement this implementation replaces by COMMAND_ACK",
+    FrameType.RDMA_READY: _NO_RDMA,
+    FrameType.SYNC_MULTIMODAL: "multimodal prefill; the model has no vision input",
+    FrameType.RDMA_WARM: _NO_RDMA,
+    FrameType.RDMA_POSTED: _NO_RDMA,
+    FrameType.GLM_MTP: "GLM multi-token prediction; not part of this model",
+    FrameType.DSPARK_DRAFT: "the DSpark drafter; not part of this model",
+    FrameType.SPEC_RESTORE: "state-only restore; rollback goes through VERIFY_COMMIT",
+}
+
+
+class VerifyCommitMode(enum.IntEnum):
+    """``ds4_tp_verify_commit_mode``."""
+
+    ROLLBACK_REPLAY = 0
+    COMMIT_FULL = 1
+    COMMIT_PREFIX = 2
+
+
+# magic u32, type u8, flags u8, reserved u16, session_id u64, seq u64, length u32
+FRAME_HEADER = struct.Struct("<IBBHQQI")
+FRAME_HEADER_SIZE = FRAME_HEADER.size
+# ds4_tp_batch_item: session_id u64, token i32, reserved u32
+BATCH_ITEM = struct.Struct("<QiI")
+_U32S = struct.Struct("<I")
+_U32X2 = struct.Struct("<II")
+
+
+def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def _unpack_tokens(buf: Readable, offset: int, count: int) -> tuple[int, ...]:
+    return struct.unpack_from(f"<{count}i", buf, offset)
+
+
+class _Layout(Layout):
+    error = TpProtocolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Frame:
+    """Fields every control frame carries in its header, and its payload's fixed part.
+
+    ``session_id`` names the inference session a command applies to (0 where none does);
+    ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH).
+    ``LAYOUT`` declares the payload's fixed part (``foundry.wire.layout``, the FDTC codec's
+    form): its fields are validated when the frame is built, packed, and unpacked. A frame
+    with a variable part after it (tokens, items, a LOGITS half) adds ``_tail`` and
+    ``_parse_tail``. Payload sizes: every legal payload length is
+    ``PAYLOAD_BASE + k * PAYLOAD_UNIT``, the base being the fixed part's size unless a frame
+    says otherwise (counts that are no field of its own).
+    """
+
+    TYPE: ClassVar[FrameType]
+    LAYOUT: ClassVar[_Layout] = _Layout()
+    PAYLOAD_BASE: ClassVar[int] = 0
+    PAYLOAD_UNIT: ClassVar[int] = 0
+
+    session_id: int = 0
+    seq: int = 0
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "PAYLOAD_BASE" not in cls.__dict__:
+            cls.PAYLOAD_BASE = cls.LAYOUT.size
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_range(owner, "session_id", self.session_id, 0, _U64)
+        _check_range(owner, "seq", self.seq, 0, _U64)
+        self.LAYOUT.normalise(self)
+
+    def _tail(self) -> bytes:
+        return b""
+
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return (self.LAYOUT.pack_obj(self) + self._tail(),)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        """The fields of the variable part, ``length`` bytes from ``offset``."""
+        return {}
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        size = cls.LAYOUT.size
+        fixed = cls.LAYOUT.unpack(memoryview(buf), offset)
+        return cls(**fixed, **cls._parse_tail(buf, offset + size, length - size), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sync(_Frame):
+    """Prefill: bring the session's context to exactly ``tokens`` (int32 array)."""
+
+    TYPE = FrameType.SYNC
+    PAYLOAD_UNIT = 4
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        _check_tokens("Sync", "tokens", self.tokens)
+
+    def _tail(self) -> bytes:
+        return _pack_tokens(self.tokens)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"tokens": _unpack_tokens(buf, offset, length // 4)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Eval(_Frame):
+    """Decode one token (the header's ``seq`` numbers the step)."""
+
+    TYPE = FrameType.EVAL
+    LAYOUT = _Layout(("token", I32))
+    token: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rewind(_Frame):
+    """Truncate the session's context to ``pos`` tokens."""
+
+    TYPE = FrameType.REWIND
+    LAYOUT = _Layout(("pos", I32))
+    pos: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Invalidate(_Frame):
+    """Drop the session's cached context (the next SYNC starts from scratch)."""
+
+    TYPE = FrameType.INVALIDATE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(_Frame):
+    """The leader is shutting the pair down; the worker leaves its loop."""
+
+    TYPE = FrameType.STOP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hash(_Frame):
+    """Debug lockstep check: a rank's hidden-state hash for step ``seq``."""
+
+    TYPE = FrameType.HASH
+    LAYOUT = _Layout(("value", U64))
+    value: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Logits(_Frame):
+    """The worker's half of the vocabulary logits: count u32, then count float32.
+
+    ``values`` holds the raw little-endian float32 bytes, as a read-only view where it can:
+    of the sender's array (``from_array``: send the frame before that array changes) or of
+    the received payload's own buffer. :meth:`array` views them as numpy. No step of the way
+    from the worker's rows to the leader's array copies them: they are written from the
+    array and read into the buffer they are parsed from.
+    """
+
+    TYPE = FrameType.LOGITS
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = 4
+    values: bytes | memoryview = b""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.values) % 4:
+            raise LocalProtocolError(
+                f"Logits.values must be whole float32s, got {len(self.values)} bytes"
+            )
+
+    @classmethod
+    def from_array(cls, half: np.ndarray, *, session_id: int = 0, seq: int = 0) -> Logits:
+        view = np.ascontiguousarray(half, dtype="<f4").data.cast("B").toreadonly()
+        return cls(values=view, session_id=session_id, seq=seq)
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.values, dtype="<f4")
+
+    def _payload_parts(self) -> tuple[bytes | memoryview, ...]:
+        return _U32S.pack(len(self.values) // 4), self.values
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        # count u32 then the floats: the view of the payload is the frame's, no tail copied
+        (count,) = _U32S.unpack_from(buf, offset)
+        if 4 + 4 * count != length:
+            raise TpProtocolError(
+                f"LOGITS says {count} floats but its payload is {length} bytes "
+                f"(expected {4 + 4 * count})"
+            )
+        return cls(values=memoryview(buf)[offset + 4 : offset + length], **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verify(_Frame):
+    """Speculative decoding: verify the block ``drafts`` (1..8 rows) with ``flags``."""
+
+    TYPE = FrameType.VERIFY
+    LAYOUT = _Layout(("flags", U32))
+    PAYLOAD_UNIT = 4
+    drafts: tuple[int, ...] = ()
+    flags: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "drafts", tuple(self.drafts))
+        if not 1 <= len(self.drafts) <= DS4_TP_BATCH_MAX_ROWS:
+            raise LocalProtocolError(
+                f"Verify.drafts must hold 1..{DS4_TP_BATCH_MAX_ROWS} rows, got {len(self.drafts)}"
+            )
+        _check_tokens("Verify", "drafts", self.drafts)
+        if self.flags & ~DS4_TP_VERIFY_FLAGS:
+            raise LocalProtocolError(
+                f"Verify.flags has unknown bits {self.flags & ~DS4_TP_VERIFY_FLAGS:#x}"
+            )
+
+    def _tail(self) -> bytes:
+        return _pack_tokens(self.drafts)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"drafts": _unpack_tokens(buf, offset, length // 4)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyCommit(_Frame):
+    """How the verified block ends: full commit, prefix commit, or rollback then replay."""
+
+    TYPE = FrameType.VERIFY_COMMIT
+    LAYOUT = _Layout(("mode", Enum("i", VerifyCommitMode)), ("token_count", I32))
+    mode: VerifyCommitMode
+    token_count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionCreate(_Frame):
+    """Open session ``session_id`` with a context of ``ctx_size`` tokens."""
+
+    TYPE = FrameType.SESSION_CREATE
+    LAYOUT = _Layout(("ctx_size", U32))
+    ctx_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionDestroy(_Frame):
+    """Close session ``session_id`` and free its KV cache."""
+
+    TYPE = FrameType.SESSION_DESTROY
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """``ds4_tp_batch_item`` without its reserved word (always 0 on the wire)."""
+
+    session_id: int
+    token: int
+
+    def __post_init__(self) -> None:
+        _check_range("BatchItem", "session_id", self.session_id, 0, _U64)
+        _check_range("BatchItem", "token", self.token, _I32_MIN, _I32_MAX)
+
+
+def _check_items(owner: str, items: tuple[BatchItem, ...]) -> None:
+    if len(items) > TP_MAX_BATCH_ITEMS:
+        raise LocalProtocolError(f"{owner}.items holds {len(items)} > {TP_MAX_BATCH_ITEMS} items")
+    for item in items:
+        if not isinstance(item, BatchItem):
+            raise LocalProtocolError(f"{owner}.items must hold BatchItem, got {item!r}")
+
+
+def _pack_items(items: tuple[BatchItem, ...]) -> bytes:
+    return b"".join(BATCH_ITEM.pack(it.session_id, it.token, 0) for it in items)
+
+
+def _unpack_items(buf: Readable, offset: int, count: int) -> tuple[BatchItem, ...]:
+    items = []
+    for sid, token, reserved in BATCH_ITEM.iter_unpack(buf[offset : offset + 16 * count]):
+        if reserved:
+            raise TpProtocolError(f"batch item for session {sid}: nonzero reserved word")
+        items.append(BatchItem(sid, token))
+    return tuple(items)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalBatch(_Frame):
+    """One decode step for several sessions: one token each (``ds4_tp_batch_item`` array)."""
+
+    TYPE = FrameType.EVAL_BATCH
+    PAYLOAD_UNIT = BATCH_ITEM.size
+    items: tuple[BatchItem, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "items", tuple(self.items))
+        _check_items("EvalBatch", self.items)
+
+    def _tail(self) -> bytes:
+        return _pack_items(self.items)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        return {"items": _unpack_items(buf, offset, length // BATCH_ITEM.size)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedBatch(_Frame):
+    """A prefill of ``prompt`` for session ``session_id`` fused with one decode step for
+    ``items``. Payload: prompt_count u32, item_count u32, the prompt (int32), the items."""
+
+    TYPE = FrameType.MIXED_BATCH
+    PAYLOAD_BASE = 8
+    PAYLOAD_UNIT = 4
+    prompt: tuple[int, ...] = ()
+    items: tuple[BatchItem, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "prompt", tuple(self.prompt))
+        object.__setattr__(self, "items", tuple(self.items))
+        _check_tokens("MixedBatch", "prompt", self.prompt)
+        _check_items("MixedBatch", self.items)
+
+    def _tail(self) -> bytes:
+        counts = _U32X2.pack(len(self.prompt), len(self.items))
+        return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        # The counts come first and are no fields of the frame: no fixed part to declare.
+        n_prompt, n_items = _U32X2.unpack_from(buf, offset)
+        if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
+            raise TpProtocolError(
+                f"MIXED_BATCH says {n_prompt} prompt tokens and {n_items} items, which is "
+                f"{8 + 4 * n_prompt + BATCH_ITEM.size * n_items} bytes, but its payload is "
+                f"{length} bytes"
+            )
+        prompt = _unpack_tokens(buf, offset + 8, n_prompt)
+        items = _unpack_items(buf, offset + 8 + 4 * n_prompt, n_items)
+        return cls(prompt=prompt, items=items, **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandAck(_Frame):
+    """The worker's answer to a mirrored command: ``status`` 0 ok, nonzero failed."""
+
+    TYPE = FrameType.COMMAND_ACK
+    LAYOUT = _Layout(("status", I32))
+    status: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCheckpoint(_Frame):
+    """Agreed cancellation at a prefill boundary: each rank says whether it wants to stop;
+    the prefill is cancelled when either does."""
+
+    TYPE = FrameType.SYNC_CHECKPOINT
+    LAYOUT = _Layout(("point", U32), ("current", I32), ("total", I32), ("requested", BOOL))
+    point: int
+    current: int
+    total: int
+    requested: bool = False
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+        requested = memoryview(buf)[offset + cls.LAYOUT.size - 1]
+        if requested > 1:
+            raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
+        return super()._parse(buf, offset, length, **header)
+
+
+# WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
+WORLD_ENTRY = struct.Struct("<HH16sQ")
+
+
+@dataclass(frozen=True)
+class WorldPeer:
+    """One worker of a world, as the WORLD frame lists it: where its gate port is and the
+    token that port takes for this world."""
+
+    rank: int
+    gate_port: int
+    host: bytes  # 16 bytes, IPv6 (``ipaddress.IPv6Address(...).packed``; IPv4 mapped)
+    token: int
+
+    def __post_init__(self) -> None:
+        _check_range("WorldPeer", "rank", self.rank, 1, TP_MAX_WORLD - 1)
+        _check_range("WorldPeer", "gate_port", self.gate_port, 1, _U16)
+        _check_range("WorldPeer", "token", self.token, 0, _U64)
+        if not isinstance(self.host, bytes) or len(self.host) != 16:
+            raise LocalProtocolError(f"WorldPeer.host must be 16 bytes, got {self.host!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class World(_Frame):
+    """The leader's table of every worker of a world of N > 2 ranks, rank order (1 .. N-1):
+    each worker dials the lower ranks' gate ports with it (docs/protocol.md, N ranks)."""
+
+    TYPE = FrameType.WORLD
+    PAYLOAD_UNIT = WORLD_ENTRY.size
+    peers: tuple[WorldPeer, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "peers", tuple(self.peers))
+        ranks = [p.rank for p in self.peers if isinstance(p, WorldPeer)]
+        if len(ranks) != len(self.peers) or ranks != list(range(1, len(ranks) + 1)) or not (
+            2 <= len(ranks) < TP_MAX_WORLD
+        ):
+            raise LocalProtocolError(
+                f"World.peers must list ranks 1 .. N-1 in order, 3 <= N <= {TP_MAX_WORLD}; got "
+                f"ranks {ranks}"
+            )
+
+    def _tail(self) -> bytes:
+        return b"".join(WORLD_ENTRY.pack(p.rank, p.gate_port, p.host, p.token)
+                        for p in self.peers)
+
+    @classmethod
+    def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:
+        data = memoryview(buf)[offset : offset + length]
+        return {"peers": tuple(WorldPeer(*e) for e in WORLD_ENTRY.iter_unpack(data))}
+
+
+ControlFrame = (
+    Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
+    | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
+    | World
+)  # fmt: skip
+Frame = Hello | ControlFrame
+
+FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
+    cls.TYPE: cls
+    for cls in (
+        Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
+        SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
+        World,
+    )
+}  # fmt: skip
+# Every seed frame type is either implemented or explicitly reserved, never both.
+assert set(FRAME_CLASSES).isdisjoint(UNSUPPORTED_FRAME_TYPES)
+assert set(FRAME_CLASSES) | set(UNSUPPORTED_FRAME_TYPES) == set(FrameType)

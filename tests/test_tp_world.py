@@ -1,0 +1,262 @@
+"""Worlds of N ranks as processes: one `foundry tp-leader --world-size N` and N-1
+`foundry tp-worker` on 127.0.0.1, the gates all-to-all over TCP.
+
+Each world's tokens and full logits rows equal one process standing for the same split
+(``Engine(shares=...)``, its partials added in rank order) bit for bit, with equal and uneven
+shares; a rank killed mid-generation is waited for, the world forms again and the sessions are
+re-synced; a world size or shares the model cannot take, and a --rank the world has no place
+for, are refused in one line. The leader runs in this process (for its logits), the workers
+are processes. The file's 4 kv heads take 2, 3 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import wait_for
+from tp_harness import (
+    Client,
+    InProcessLeader,
+    Proc,
+    make_model,
+    reference_greedy,
+    start_worker,
+    wait_paired,
+)
+
+from foundry.model.shard import ExpertSplit, norm_shares
+from foundry.model.spec.config import ModelConfig
+from foundry.tp.blas import limit_blas_threads
+from foundry.tp.leader import LeaderOptions
+from foundry.tp.policy import SpecMode
+from foundry.wire import frontend as fw
+
+PROMPT = "Every rank adds the partials in rank order."
+CHUNK = 16
+TOKENS = 12
+CFG = ModelConfig(n_ctx=256, n_head=4, n_head_kv=4, n_ff=96)  # 4 kv heads, n_ff 96 = 3 x 32
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("world") / "model.gguf", CFG)
+
+
+class World:
+    """The leader in this process (its logits rows collected), the workers as processes."""
+
+    def __init__(self, model: Path, tmp: Path, world: int, shares: tuple[int, ...] | None,
+                 split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK) -> None:
+        limit_blas_threads(1)
+        self.rows: list[np.ndarray] = []
+        self.model, self.tmp, self.split = model, tmp, split
+        self.leader = InProcessLeader(
+            LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
+                          prefill_chunk=prefill_chunk, spec_mode=SpecMode.OFF, hash_check=True,
+                          world_size=world, shares=shares, expert_split=split,
+                          gate_timeout_s=3.0, control_timeout_s=3.0),
+            hook=lambda rid, r: self.rows.append(r.copy()),
+        )
+        self.workers = [self.start(rank, i) for i, rank in enumerate(ranks)]
+
+    def start(self, rank: int | None, i: int) -> Proc:
+        extra = ["--gate-listen", "127.0.0.1:0", "--expert-split", self.split.value,
+                 "--gate-timeout", "3"]
+        if rank is not None:
+            extra += ["--rank", str(rank)]
+        return start_worker(self.model, self.leader.leader.port, self.tmp / f"worker{i}.log",
+                            *extra)
+
+    @property
+    def frontend(self) -> int:
+        return self.leader.leader.frontend_port
+
+    def close(self) -> None:
+        self.leader.stop()
+        for w in self.workers:
+            assert w.exit_code() == 0, w.text()  # the leader's STOP ends every worker
+
+
+@pytest.fixture
+def worlds(tmp_path: Path) -> Iterator[list[World]]:
+    made: list[World] = []
+    try:
+        yield made
+    finally:
+        for w in made:
+            w.close()
+
+
+CASES = [
+    (2, None, ExpertSplit.INTERMEDIATE, [None]),  # the pair, through the same path
+    (2, (3, 1), ExpertSplit.EXPERTS, [1]),  # a pair with uneven shares: the extension
+    (3, None, ExpertSplit.INTERMEDIATE, [None, None]),
+    (3, (2, 1, 1), ExpertSplit.INTERMEDIATE, [2, 1]),  # 3 ranks on 4 kv heads: 2, 1, 1
+    (4, None, ExpertSplit.EXPERTS, [None, None, None]),
+]
+
+
+@pytest.mark.parametrize(("world", "shares", "split", "ranks"), CASES,
+                         ids=["2", "2-shares-3,1", "3", "3-shares-2,1,1", "4"])
+def test_world_equals_one_process_standing_for_it(
+    model: Path, tmp_path: Path, worlds: list[World], world: int,
+    shares: tuple[int, ...] | None, split: ExpertSplit, ranks: list[int | None],
+) -> None:
+    w = World(model, tmp_path, world, shares, split, ranks)
+    worlds.append(w)
+    st = wait_paired(w.frontend)
+    assert st.worker_connected and st.shared_memory == (world == 2)  # the slab: pairs only
+    with Client(w.frontend) as c:
+        got = c.generate(PROMPT, TOKENS)
+    assert isinstance(got.end, fw.Done) and got.end.reason is fw.DoneReason.MAX_TOKENS
+    ref = reference_greedy(model, PROMPT, TOKENS, CHUNK, split, norm_shares(world, shares))
+    assert got.tokens == ref.tokens
+    ours, one = np.concatenate(w.rows), np.concatenate(ref.logits)
+    assert ours.shape == one.shape == (TOKENS, CFG.n_vocab)
+    assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
+    assert w.leader.leader.metrics.hash_checks.labels("match")._value.get() > 0
+    with Client(w.frontend) as c:
+        ranks = c.status().ranks
+    norm = norm_shares(world, shares)
+    assert [(r.rank, r.share, r.connected) for r in ranks] == [
+        (r, norm[r], True) for r in range(world)]
+    assert ranks[0].gate_wait_us == 0 and all(r.gate_wait_us > 0 for r in ranks[1:])
+    if world > 2:
+        # Another grouping of the same sums (the pair's) differs in the last bits.
+        pair = reference_greedy(model, PROMPT, TOKENS, CHUNK, split)
+        assert not np.array_equal(np.concatenate(pair.logits), one)
+
+
+def test_a_killed_rank_is_waited_for_and_the_world_resynced(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2])
+    worlds.append(w)
+    wait_paired(w.frontend)
+    with Client(w.frontend) as c:
+        first = c.generate(PROMPT, TOKENS)
+        assert isinstance(first.end, fw.Done)
+    victim = w.workers[1]
+    victim.stop(signal.SIGKILL)
+    wait_paired(w.frontend, connected=False)
+    with Client(w.frontend) as c:
+        refused = c.generate(PROMPT, 4)
+    assert isinstance(refused.end, fw.Error) and refused.end.code == fw.ErrorCode.UNAVAILABLE
+    w.workers[1] = w.start(None, 9)  # a new process, no --rank: it gets the free one, 2
+    wait_paired(w.frontend)
+    metrics = w.leader.leader.metrics
+    wait_for(lambda: metrics.sessions_resynced._value.get() >= 1, 30,
+             what="the kept session re-synced on the new world")
+    follow = PROMPT + " And again."
+    with Client(w.frontend) as c:
+        again = c.generate(follow, TOKENS)
+    ref = reference_greedy(model, follow, TOKENS, CHUNK, ExpertSplit.INTERMEDIATE, (1, 1, 1))
+    assert again.tokens == ref.tokens
+    # The surviving rank 1 dialed again and kept its rank and its slices (loaded once).
+    log = w.workers[0].text()
+    assert log.count("paired with the leader") == 2
+    assert log.count("loading rank 1 of 3") == 1
+
+
+def test_a_cancel_stops_every_rank_at_one_checkpoint(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    """A prefill cancelled mid-way: the leader's verdict at the next checkpoint stops all
+    three ranks at the same position (each worker logs it), their hashes still match, and the
+    world serves on."""
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], prefill_chunk=2)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    metrics = w.leader.leader.metrics
+    sent = metrics.gate_bytes.labels("sent")
+    before = sent._value.get()
+    with Client(w.frontend) as c:
+        c.send(fw.Generate(1, "long prompt " * 18, 10))
+        wait_for(lambda: sent._value.get() > before, 30, "the prefill's first gates", poll_s=0.01)
+        c.send(fw.Cancel(1))
+        (r,) = c.wait([1])
+        assert isinstance(r.end, fw.Done) and r.end.reason is fw.DoneReason.CANCELLED
+        assert isinstance(c.generate("hi", 3, request_id=2).end, fw.Done)  # still serving
+    pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
+    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+             for p in w.workers]
+    assert found[0].groups() == found[1].groups()
+    assert 0 <= int(found[0].group(1)) < int(found[0].group(2))
+    assert metrics.hash_checks.labels("mismatch")._value.get() == 0
+    assert metrics.hash_checks.labels("match")._value.get() >= 2
+
+
+def test_a_worker_asking_to_stop_stops_every_rank_at_one_checkpoint(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    """SIGTERM to rank 2 during a prefill: it asks to stop at the next checkpoint, and the
+    leader's verdict stops rank 1 there too (without it rank 1 would run into the next chunk's
+    gates alone); rank 2 exits 0, and the world waits for it."""
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], prefill_chunk=2)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    sent = w.leader.leader.metrics.gate_bytes.labels("sent")
+    before = sent._value.get()
+    with Client(w.frontend) as c:
+        c.send(fw.Generate(1, "long prompt " * 18, 10))
+        wait_for(lambda: sent._value.get() > before, 30, "the prefill's first gates", poll_s=0.01)
+        w.workers[1].popen.send_signal(signal.SIGTERM)
+        (r,) = c.wait([1])
+    assert isinstance(r.end, fw.Done | fw.Error)
+    assert w.workers[1].exit_code(timeout=30) == 0
+    pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
+    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+             for p in w.workers]
+    assert found[0].groups() == found[1].groups()
+    wait_paired(w.frontend, connected=False)
+    w.workers[1] = w.start(2, 9)  # back for the fixture's clean stop
+
+
+def test_tls_is_refused_for_a_world_of_more_than_two(model: Path) -> None:
+    import ssl
+
+    with pytest.raises(ValueError, match="TLS covers the pair only: a world of 3 ranks"):
+        LeaderOptions(model=model, world_size=3, tls=ssl.create_default_context())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "foundry", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_world_the_model_cannot_take_is_refused_in_one_line(
+    model: Path, tmp_path: Path
+) -> None:
+    tiny = make_model(tmp_path / "tiny.gguf", ModelConfig(n_ctx=256))  # 2 kv heads
+    out = _cli("tp-leader", "--model", str(tiny), "--world-size", "3", "--expert-split",
+               "experts", "--listen", "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: cannot split the model over 3 ranks: it has 2 kv heads and every rank needs "
+        "at least one; the nearest world size that works is 2"]
+    out = _cli("tp-leader", "--model", str(model), "--world-size", "3", "--shares", "4,1,1",
+               "--expert-split", "experts", "--listen", "127.0.0.1:0",
+               "--frontend-listen", "127.0.0.1:0")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: cannot split the model by shares 4,1,1: a rank would hold none of its 4 kv "
+        "heads; the nearest shares that work are 2,1,1"]
+
+
+def test_a_rank_the_world_has_no_place_for_is_refused_in_one_line(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [])
+    worlds.append(w)
+    stray = w.start(5, 0)
+    assert stray.exit_code(timeout=30) == 2
+    errors = [line for line in stray.text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "--rank 5 does not exist in the leader's world of 3 ranks (ranks 1 .. 2 are workers)")
