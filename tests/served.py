@@ -95,7 +95,7 @@ class Reference:
         while True:
             out.append(int(np.argmax(row)))
             # A full context ends it too: the last token is sampled from the last position's
-            # row and is never evaluated itself (as in foundry.model.generate).
+            # row and is never evaluated itself (as in foundry.model.infer.generate).
             if (out[-1] in self.tokenizer.eog_ids or len(out) == n
                     or len(ids) + len(out) > self.ctx_size):
                 return tuple(out)

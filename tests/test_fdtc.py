@@ -32,6 +32,7 @@ from foundry.wire.fdtc import (
     MAX_PAYLOAD,
     MESSAGE_TYPES,
     Assign,
+    BaseModel,
     Checkpoint,
     Compression,
     ControlAck,
@@ -234,6 +235,18 @@ GOLDEN: list[tuple[Message, bytes]] = [
         ),
     ),
     (
+        BaseModel(file_bytes=253113024, sha256=bytes(range(32)), architecture="gemma3",
+                  trainer=1, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, lora_targets=5),
+        hexb(
+            "43544446 6d 49000000",  # BASE_MODEL, 73
+            "c032160f00000000",  # file_bytes 253,113,024 = 0x0f1632c0
+            "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+            "67656d6d6133", z(10),  # "gemma3" in char[16]
+            "01", "08000000", "00008041", "00000000",  # trainer, rank 8, alpha 16.0, dropout 0
+            "05000000",  # targets attn_q | attn_v
+        ),
+    ),
+    (
         SwarmStatus(
             global_step=3, max_steps=100, state=SwarmState.TRAINING, train_loss=2.0,
             val_loss=2.5, samples_per_sec=8.0, learning_rate=0.5, samples_total=96,
@@ -344,6 +357,7 @@ def test_struct_sizes() -> None:
     assert Assign.LAYOUT.size == 36
     assert ModelConfigMsg.LAYOUT.size == 52
     assert Dataset.LAYOUT.size == 40
+    assert BaseModel.LAYOUT.size == 73
     assert SwarmStatus.HEAD.size == 37
     assert SwarmStatusRow.LAYOUT.size == 93
     assert ControlAck.LAYOUT.size == 262

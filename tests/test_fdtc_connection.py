@@ -354,19 +354,19 @@ def test_the_connection_is_a_decoder_of_the_framing_interface() -> None:
 # (received from the worker or admin client, sent by the coordinator), the types, and the state
 # they lead to (the same state when no arrow).
 _COORDINATOR_TABLE = """
-CONNECTED  received DATASET ERROR
+CONNECTED  received DATASET BASE_MODEL ERROR
 CONNECTED  received REGISTER -> REGISTERED
 CONNECTED  received DEREGISTER -> CLOSED
 CONNECTED  received START PAUSE RESUME CHECKPOINT SHUTDOWN STATUS_REQ EXPORT SWARM_DETAIL_REQ -> ADMIN
 CONNECTED  sent     REGISTER_ACK ERROR
 REGISTERED received HEARTBEAT STATUS WEIGHTS_REQ ERROR
 REGISTERED received DEREGISTER -> CLOSED
-REGISTERED sent     REGISTER_ACK MODEL_CONFIG TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR
+REGISTERED sent     REGISTER_ACK MODEL_CONFIG BASE_MODEL TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR
 REGISTERED sent     WEIGHTS -> READY
 REGISTERED sent     SHUTDOWN -> STOPPING
 READY      received HEARTBEAT STATUS WEIGHTS_REQ ERROR GRADIENTS WEIGHTS_DIGEST
 READY      received DEREGISTER -> CLOSED
-READY      sent     REGISTER_ACK MODEL_CONFIG TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR WEIGHTS ASSIGN LOCAL_ASSIGN UPDATE GRADIENTS_ACK
+READY      sent     REGISTER_ACK MODEL_CONFIG BASE_MODEL TRAIN_PLAN HEARTBEAT_ACK STATUS_REQ WEIGHTS_META START SYNC CHECKPOINT PAUSE RESUME ERROR WEIGHTS ASSIGN LOCAL_ASSIGN UPDATE GRADIENTS_ACK
 READY      sent     SHUTDOWN -> STOPPING
 STOPPING   received HEARTBEAT STATUS WEIGHTS_REQ ERROR GRADIENTS WEIGHTS_DIGEST
 STOPPING   received DEREGISTER -> CLOSED
@@ -413,9 +413,9 @@ def test_lifecycle_tables_are_the_documented_ones() -> None:
 def test_errors_stay_raised_with_their_code_and_text() -> None:
     coord = FdtcConnection(Role.COORDINATOR)
     coord.receive_data(encode(Heartbeat("w1", 0, 0.0, 0.0)))
-    first = ("HEARTBEAT is not allowed on a connected link (expected one of: CHECKPOINT, "
-             "DATASET, DEREGISTER, ERROR, EXPORT, PAUSE, REGISTER, RESUME, SHUTDOWN, START, "
-             "STATUS_REQ, SWARM_DETAIL_REQ)")
+    first = ("HEARTBEAT is not allowed on a connected link (expected one of: BASE_MODEL, "
+             "CHECKPOINT, DATASET, DEREGISTER, ERROR, EXPORT, PAUSE, REGISTER, RESUME, "
+             "SHUTDOWN, START, STATUS_REQ, SWARM_DETAIL_REQ)")
     for _ in range(2):  # the second time too: the same text and the same ERROR code
         with pytest.raises(FdtcProtocolError) as exc:
             coord.next_event()

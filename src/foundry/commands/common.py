@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from foundry.model.formats import lora
 from foundry.model.nn.device import DEVICES
 from foundry.model.train import recipe
 from foundry.obs.metrics import MetricsServer
@@ -102,15 +103,63 @@ def tls_note(ctx: ssl.SSLContext) -> str:
 
 
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
-    """The batch and learning-rate schedule, the same for `foundry train` and the coordinator."""
-    parser.add_argument("--global-batch", type=positive_int, default=recipe.GLOBAL_BATCH,
-                        help=f"samples per step (default {recipe.GLOBAL_BATCH})")
-    parser.add_argument("--seq-len", type=positive_int, default=recipe.SEQ_LEN,
-                        help=f"tokens per sample (default {recipe.SEQ_LEN})")
-    parser.add_argument("--lr", type=positive_float, default=recipe.LR,
-                        help=f"peak learning rate (default {recipe.LR:g})")
+    """The batch and learning-rate schedule, the same for `foundry train` and the coordinator
+    (defaults filled by :func:`resolve_schedule`: from scratch, or fine-tuning)."""
+    parser.add_argument("--global-batch", type=positive_int, default=None,
+                        help=f"samples per step (default {recipe.GLOBAL_BATCH}; fine-tuning "
+                        f"{recipe.FT_GLOBAL_BATCH})")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help=f"tokens per sample (default {recipe.SEQ_LEN}; fine-tuning "
+                        f"{recipe.FT_SEQ_LEN})")
+    parser.add_argument("--lr", type=positive_float, default=None,
+                        help=f"peak learning rate (default {recipe.LR:g}; fine-tuning "
+                        f"{recipe.FT_LR_LORA:g} with LoRA, {recipe.FT_LR_FULL:g} without)")
     parser.add_argument("--warmup-steps", type=nonneg_int, default=None, metavar="N",
                         help="linear warm-up (default: a fiftieth of the run, 20 to 60)")
+
+
+def resolve_schedule(args: argparse.Namespace) -> None:
+    """Fill the schedule flags left unset: the from-scratch recipe, or the fine-tuning one
+    where ``--base-model`` is given (``--lora-rank`` picks its learning rate)."""
+    tune = getattr(args, "base_model", None) is not None
+    if args.global_batch is None:
+        args.global_batch = recipe.FT_GLOBAL_BATCH if tune else recipe.GLOBAL_BATCH
+    if args.seq_len is None:
+        args.seq_len = recipe.FT_SEQ_LEN if tune else recipe.SEQ_LEN
+    if args.lr is None:
+        lora = getattr(args, "lora_rank", None) is not None
+        args.lr = (recipe.FT_LR_LORA if lora else recipe.FT_LR_FULL) if tune else recipe.LR
+
+
+def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
+    """``--base-model`` and LoRA's flags (PEFT's names and defaults; docs/guide/finetune.md)."""
+    parser.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
+                        help="fine-tune this published GGUF model (llama, qwen2, qwen3, "
+                        "qwen3moe, gemma3, olmoe) instead of training Foundry's own from "
+                        "scratch; --data is the text to learn")
+    parser.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
+                        help="train LoRA adapters of rank R beside the frozen base (PEFT's r; "
+                        "8 is usual); without it every tensor trains (full fine-tuning)")
+    parser.add_argument("--lora-alpha", type=positive_float, default=lora.DEFAULT_ALPHA,
+                        help="LoRA's alpha: the adapters are scaled by alpha / rank (PEFT's "
+                        f"lora_alpha, default {lora.DEFAULT_ALPHA:g})")
+    parser.add_argument("--lora-dropout", type=float, default=0.0,
+                        help="dropout on the adapters' input while training (PEFT's "
+                        "lora_dropout, default 0)")
+    parser.add_argument("--lora-targets", default=",".join(lora.DEFAULT_TARGETS),
+                        metavar="NAMES",
+                        help="the projections that get adapters, comma-separated from "
+                        f"{', '.join(lora.TARGETS)}, or 'all' (PEFT's target_modules; default "
+                        f"{','.join(lora.DEFAULT_TARGETS)})")
+
+
+def lora_spec(args: argparse.Namespace) -> lora.LoraSpec | None:
+    """The LoRA settings of the flags, or None for full fine-tuning (LoraError if bad)."""
+    if args.lora_rank is None:
+        return None
+    return lora.LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha,
+                         targets=lora.parse_targets(args.lora_targets),
+                         dropout=args.lora_dropout)
 
 
 def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from foundry.commands.common import (
     add_device_flags,
+    add_finetune_flags,
     add_schedule_flags,
     add_threads_flag,
     fraction,
     nonneg_float,
     nonneg_int,
     positive_int,
+    resolve_schedule,
     use_threads,
 )
 from foundry.model.formats.gguf_io import FILE_DTYPES
@@ -47,9 +49,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
     )
     t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    t.add_argument("--steps", type=positive_int, default=recipe.STEPS,
-                   help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus)")
+    t.add_argument("--steps", type=positive_int, default=None,
+                   help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus; "
+                   f"fine-tuning {recipe.FT_STEPS})")
     add_schedule_flags(t)
+    add_finetune_flags(t)
     t.add_argument("--micro-batch", type=positive_int, default=None,
                    help="samples per forward pass (default: the whole batch)")
     t.add_argument("--data", type=Path, default=None,
@@ -70,7 +74,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument("--prompt", default="The ", help="prompt of those samples (default 'The ')")
     t.add_argument("--sample-tokens", type=positive_int, default=48, metavar="N",
                    help="tokens of each sample (default 48)")
-    t.add_argument("--out", type=Path, default=None, help="write the trained model as GGUF")
+    t.add_argument("--out", type=Path, default=None,
+                   help="write the trained model as GGUF (fine-tuning with --lora-rank: the "
+                   "LoRA adapter file, which llama.cpp's --lora and `foundry generate --lora` "
+                   "load beside the base)")
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     add_device_flags(t, training=True)
@@ -93,6 +100,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
                    help="context in tokens: KV cache and rope tables are sized by it "
                         "(default: the file's, at most 4096)")
+    g.add_argument("--lora", type=Path, default=None, metavar="ADAPTER.gguf",
+                   help="apply this LoRA adapter (from `foundry train --base-model ... "
+                   "--lora-rank R --out ADAPTER.gguf`) to --model at load")
     add_device_flags(g, training=False)
     add_threads_flag(g, training=False)
     g.add_argument("--compile", action="store_true",
@@ -123,6 +133,13 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    resolve_schedule(args)
+    if args.base_model is not None:
+        from foundry.commands.finetune import run_finetune
+
+        return run_finetune(args)
+    if args.steps is None:
+        args.steps = recipe.STEPS
     from foundry.model.formats.checkpoint import CheckpointError, CheckpointRefused
     from foundry.model.formats.gguf_io import GGUFError
     from foundry.model.nn.device import DeviceError
@@ -295,6 +312,7 @@ def resume_hint(checkpoint_dir: Path | None) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.formats.lora import LoraError, apply_adapter, load_adapter
     from foundry.model.infer.engines import make_engine
     from foundry.model.infer.generate import generate_tokens
     from foundry.model.infer.sampling import SamplingError
@@ -304,14 +322,17 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         loaded = load_gguf_stored(args.model)
         tokenizer = load_tokenizer(loaded.metadata)
-    except (GGUFError, OSError) as exc:
+        params = loaded.params
+        if args.lora is not None:
+            params = apply_adapter(loaded.cfg, params, load_adapter(args.lora), str(args.lora))
+    except (GGUFError, OSError, LoraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TokenizerError as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = make_engine(loaded.cfg, loaded.params, device=args.device,
+        engine = make_engine(loaded.cfg, params, device=args.device,
                              ctx_size=args.ctx_size, compile_step=args.compile,
                              threads=use_threads(args))
     except DeviceError as exc:
@@ -319,7 +340,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     # The engine holds what it needs (views of the loaded tensors, and its own stacked and cut
     # copies of the rest): the loaded tensors it copied would be held twice.
-    del loaded
+    del loaded, params
     text = tokenizer.stream_decoder()
     t0 = time.perf_counter()
     times: list[float] = []  # when each token came

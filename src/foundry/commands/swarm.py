@@ -8,9 +8,11 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from foundry.commands.common import (
     add_device_flags,
+    add_finetune_flags,
     add_fragment_size_flag,
     add_frame_deadline_flag,
     add_metrics_flag,
@@ -24,6 +26,7 @@ from foundry.commands.common import (
     positive_float,
     positive_int,
     positive_seconds,
+    resolve_schedule,
     start_metrics,
     tls_context,
     tls_note,
@@ -33,7 +36,7 @@ from foundry.commands.common import (
 from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
 from foundry.model.formats.gguf_io import FILE_DTYPES
 from foundry.model.nn.device import DEVICES, DeviceError
-from foundry.model.spec.config import PRESETS, preset
+from foundry.model.spec.config import PRESETS, ModelConfig, preset
 from foundry.model.train import recipe
 from foundry.model.train.training import TrainSettings
 from foundry.obs.timeline import ROUNDS_TID, Timeline
@@ -113,12 +116,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="let EXPORT write anywhere this process may write")
     c.add_argument("--init", type=Path, default=None, metavar="FILE.gguf",
                    help="start from these weights instead of a random init")
-    c.add_argument("--max-steps", type=positive_int, default=recipe.STEPS,
-                   help=f"steps to train (default {recipe.STEPS}: words on the default corpus)")
+    c.add_argument("--max-steps", type=positive_int, default=None,
+                   help=f"steps to train (default {recipe.STEPS}: words on the default corpus; "
+                   f"fine-tuning {recipe.FT_STEPS})")
     c.add_argument("--schedule-steps", type=positive_int, default=None, metavar="N",
                    help="length of the learning-rate schedule (warm-up then cosine to its "
                    "floor, which holds after it; default: --max-steps)")
     add_schedule_flags(c)
+    add_finetune_flags(c)
     c.add_argument("--fresh", action="store_true",
                    help="start at step 0: move the checkpoints of --checkpoint-dir into a "
                    "previous-N folder in it (nothing is deleted)")
@@ -173,6 +178,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="force a hardware profile (default: detected; see `foundry profile`)")
     w.add_argument("--data", type=Path, default=None,
                    help="this machine's copy of the training data (default: bundled docs)")
+    w.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
+                   help="this machine's copy of the published model the swarm fine-tunes (the "
+                   "coordinator's --base-model; its size and hash are checked at registration; "
+                   "the coordinator says what trains)")
     w.add_argument("--slowdown", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--link-timeout", type=positive_seconds, default=LINK_DEAD_AFTER_S,
                    metavar="S", help="reconnect when the coordinator's host has answered "
@@ -194,14 +203,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Export a training checkpoint (a file, or the newest valid one in a "
         "folder) to GGUF, which `foundry tp-leader` and llama.cpp load.",
     )
-    e.add_argument("--checkpoint", type=Path, required=True, help="checkpoint file or folder")
+    e.add_argument("--checkpoint", type=Path, default=None, help="checkpoint file or folder")
+    e.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
+                   help="with --adapter: write the base merged with the adapter (W + alpha/r "
+                   "B A) in the base's architecture, instead of a checkpoint's model")
+    e.add_argument("--adapter", type=Path, default=None, metavar="ADAPTER.gguf",
+                   help="the LoRA adapter to merge into --base-model")
     e.add_argument("--out", type=Path, required=True,
                    help="GGUF file to write (a new file; an existing GGUF only with --force, "
                    "never any other file)")
     e.add_argument("--force", action="store_true",
                    help="replace --out if it is a GGUF file already")
-    e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
-                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
+    e.add_argument("--type", "--dtype", dest="dtype", default=None, choices=FILE_DTYPES,
+                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32; a merged "
+                   "file keeps each adapted tensor's type where Foundry writes it, else Q8_0)")
     e.set_defaults(func=run_export)
 
 
@@ -218,10 +233,31 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
     from foundry.transport.tls import TlsConfigError
 
+    resolve_schedule(args)
+    if args.max_steps is None:
+        args.max_steps = recipe.STEPS if args.base_model is None else recipe.FT_STEPS
     if args.max_steps <= 0 or args.global_batch <= 0:
         print("error: --max-steps and --global-batch must be positive", file=sys.stderr)
         return 2
-    weight_bytes = 4 * preset(args.preset).n_params()
+    cfg: ModelConfig = preset(args.preset)
+    start_params = None
+    validation_backend: compute.Backend
+    if args.base_model is not None:
+        from foundry.commands.finetune import SetupError, open_base
+        from foundry.model.formats.tuning import tuned_config
+        from foundry.model.train.finetune import FineTuneBackend, initial_trainable
+
+        try:
+            tuning = open_base(args)
+        except SetupError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        cfg = tuned_config(tuning.base.cfg, tuning.base.identity, tuning.spec)
+        start_params = initial_trainable(tuning.base, tuning.spec, args.seed)
+        validation_backend = FineTuneBackend(tuning.base, tuning.spec)
+        print(f"fine-tuning {args.base_model.name}: {cfg.describe()}, "
+              f"{cfg.n_params():,} trainable parameters travel", flush=True)
+    weight_bytes = 4 * cfg.n_params()
     if weight_bytes > MAX_MESSAGE:
         # GRADIENTS' uncompressed_size is a u32: 4 GiB of float32 at most (docs/protocol.md).
         print(f"error: --preset {args.preset} has {weight_bytes / 2**30:.1f} GiB of float32 "
@@ -231,8 +267,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
         return 2
     try:
         tls = tls_context(args, server=True)
-        corpus = load_corpus(args.data)
-        validation_backend = compute.select(args.validate_device)
+        if args.base_model is None:
+            corpus = load_corpus(args.data)
+            validation_backend = compute.select(args.validate_device)
+        else:
+            assert tuning.corpus is not None
+            corpus = tuning.corpus
         # One writer per checkpoint dir, held until the process exits; a dir none of whose
         # checkpoints verifies is refused by load_or_init, unless --fresh moved them aside.
         check_directory(args.checkpoint_dir)
@@ -252,6 +292,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         warmup_steps=(recipe.warmup_steps(args.schedule_steps or args.max_steps)
                       if args.warmup_steps is None else args.warmup_steps),
         total_steps=args.schedule_steps or args.max_steps,
+        # adapters and fine-tuned weights are not decayed (PEFT's and the HF Trainer's default)
+        weight_decay=0.0 if args.base_model is not None else TrainSettings.weight_decay,
     )
     if validation_backend is not compute.NUMPY:
         print(f"validation computes on {validation_backend.name}", flush=True)
@@ -264,7 +306,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         admin_host=args.admin_listen[0],
         admin_port=args.admin_listen[1],
         checkpoint_dir=args.checkpoint_dir,
-        cfg=preset(args.preset),
+        cfg=cfg,
         settings=settings,
         compression=Compression[args.compression.upper()],
         topk_ratio=args.topk_ratio,
@@ -297,6 +339,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
         qsgd_levels=args.qsgd_levels,
         down_qsgd_levels=args.down_qsgd_levels,
         validation_backend=validation_backend,
+        start_params=start_params,
+        base_model=args.base_model,
     )
 
     async def main() -> int:
@@ -339,9 +383,13 @@ def run_worker(args: argparse.Namespace) -> int:
     from foundry.runtime import retain_freed_memory
     from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
 
+    base = None
     try:
         hardware = hardware_for(args.profile)
-        corpus = load_corpus(args.data)
+        if args.base_model is None:
+            corpus = load_corpus(args.data)
+        else:
+            base, corpus = _worker_base(args)
         tls = tls_context(args, server=False)
         backend = compute.select(args.device, bf16=args.bf16, training=True)
     except (ValueError, DataError, DeviceError) as exc:
@@ -361,6 +409,7 @@ def run_worker(args: argparse.Namespace) -> int:
         link_timeout_s=args.link_timeout,
         backend=backend,
         fragment_size=args.fragment_size,
+        base=base,
     )
 
     async def main() -> int:
@@ -390,6 +439,42 @@ def run_worker(args: argparse.Namespace) -> int:
         timeline.close()
 
 
+def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A fine-tuning worker's base file (its identity; loaded for training where PyTorch is
+    here) and --data in the file's tokens. ValueError says what is wrong."""
+    from foundry.commands.finetune import SetupError, torch_device
+    from foundry.model.formats.gguf_io import load_gguf
+    from foundry.model.formats.tuning import architecture_of, file_identity
+    from foundry.model.nn.device import torch_available
+    from foundry.model.text.chat import template_for
+    from foundry.model.text.finetune_data import load_tuning_corpus
+    from foundry.model.text.vocab import TokenizerError, load_tokenizer
+    from foundry.swarm.worker import BaseFile
+
+    if args.data is None:
+        raise ValueError("--base-model needs --data: the same text the coordinator fine-tunes on")
+    try:
+        header = load_gguf(args.base_model, select=lambda name, view: None)
+        corpus = load_tuning_corpus(args.data, load_tokenizer(header.metadata),
+                                    template_for(header.metadata))
+        identity = file_identity(args.base_model)
+    except (TokenizerError, OSError) as exc:
+        raise ValueError(f"{args.base_model}: {exc}") from None
+    loaded = None
+    if torch_available():
+        from foundry.model.train.finetune import load_base
+
+        try:
+            loaded = load_base(args.base_model, torch_device(args.device))
+        except SetupError as exc:
+            raise ValueError(str(exc)) from None
+        print(f"worker fine-tunes on torch:{loaded.device.type}", flush=True)
+    else:
+        print("warning: PyTorch is not installed: the coordinator will refuse this worker "
+              "(fine-tuning trains on PyTorch)", file=sys.stderr, flush=True)
+    return BaseFile(identity, architecture_of(header.cfg), header.cfg, loaded), corpus
+
+
 def run_export(args: argparse.Namespace) -> int:
     from foundry.model.formats.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
     from foundry.model.formats.gguf_io import GGUFError, save_gguf
@@ -400,6 +485,12 @@ def run_export(args: argparse.Namespace) -> int:
     except OutputRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (args.base_model is None) != (args.adapter is None) or (
+            args.base_model is None) == (args.checkpoint is None):
+        print("error: pass --checkpoint, or --base-model with --adapter", file=sys.stderr)
+        return 2
+    if args.base_model is not None:
+        return _export_merged(args)
     path: Path | None = args.checkpoint
     if path is not None and path.is_dir():
         path = latest_checkpoint(path)
@@ -412,11 +503,38 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        save_gguf(args.out, state.config, state.params, dtype=args.dtype)
+        save_gguf(args.out, state.config, state.params, dtype=args.dtype or "f32")
     except GGUFError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"exported step {state.step} from {path} to {args.out}")
+    return 0
+
+
+def _export_merged(args: argparse.Namespace) -> int:
+    """The base file with the adapter merged into its tensors (``gguf_io.rewrite_gguf``)."""
+    import gguf
+
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored, rewrite_gguf
+    from foundry.model.formats.lora import LoraError, apply_adapter, base_of, load_adapter
+    from foundry.model.kernels.quant import dequantize
+
+    try:
+        adapter = load_adapter(args.adapter)
+        names = {base_of(n) for n in adapter.tensors}
+        loaded = load_gguf_stored(args.base_model, select=lambda n, v: v if n in names else None)
+        merged = apply_adapter(loaded.cfg, loaded.params, adapter, str(args.adapter))
+        forced = None if args.dtype is None else gguf.GGMLQuantizationType[args.dtype.upper()]
+        types = rewrite_gguf(args.base_model, args.out,
+                             {n: dequantize(merged[n]) for n in names}, forced)
+    except (GGUFError, LoraError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    print(f"merged {args.adapter} into {args.base_model} -> {args.out} ("
+          + ", ".join(f"{n} tensors {t}" for t, n in sorted(counts.items())) + ")")
     return 0
 
 

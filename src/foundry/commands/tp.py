@@ -35,6 +35,10 @@ log = logging.getLogger("foundry")
 def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
                    help="the model; both ranks must load the same file")
+    p.add_argument("--lora", type=Path, default=None, metavar="ADAPTER.gguf",
+                   help="merge this LoRA adapter into the model at load (`foundry train "
+                   "--base-model ... --lora-rank R --out ADAPTER.gguf`); both ranks must load "
+                   "the same one")
     p.add_argument("--ctx-size", type=positive_int, default=None,
                    help="positions per session: KV cache and rope tables are sized by it (default: "
                    "the model's context length, at most 4096); "
@@ -182,6 +186,7 @@ def run_leader(args: argparse.Namespace) -> int:
     try:
         options = LeaderOptions(
             model=args.model,
+            lora=args.lora,
             host=args.listen[0],
             port=args.listen[1],
             frontend_host=args.frontend_listen[0],
@@ -253,6 +258,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     options = WorkerOptions(
         model=args.model,
+        lora=args.lora,
         leader_host=args.leader[0],
         leader_port=args.leader[1],
         ctx_size=args.ctx_size,

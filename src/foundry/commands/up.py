@@ -35,12 +35,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help=f"training workers (default {d.workers})")
     u.add_argument("--preset", default=d.preset, choices=sorted(PRESETS),
                    help=f"model size (default {d.preset})")
-    u.add_argument("--global-batch", type=positive_int, default=d.global_batch, metavar="N",
-                   help=f"samples per step (default {d.global_batch})")
-    u.add_argument("--seq-len", type=positive_int, default=d.seq_len, metavar="N",
+    u.add_argument("--global-batch", type=positive_int, default=None, metavar="N",
+                   help=f"samples per step (default {d.global_batch}; fine-tuning "
+                   f"{recipe.FT_GLOBAL_BATCH})")
+    u.add_argument("--seq-len", type=positive_int, default=None, metavar="N",
                    help=f"tokens (bytes) per sample (default {d.seq_len})")
-    u.add_argument("--lr", type=positive_float, default=d.lr,
-                   help=f"peak learning rate (default {d.lr:g})")
+    u.add_argument("--lr", type=positive_float, default=None,
+                   help=f"peak learning rate (default {d.lr:g}; fine-tuning "
+                   f"{recipe.FT_LR_LORA:g})")
     u.add_argument("--sample-every", type=positive_int, default=None, metavar="N",
                    help="steps between the greedy samples shown while training (default: "
                    "a tenth of --steps)")
@@ -80,6 +82,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "tensor-parallel pair behind the gateway, without training")
     u.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
                    help="the pair's context with --model (default: the file's, at most 4096)")
+    u.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
+                   help="fine-tune this published GGUF model on --data with LoRA across the "
+                   "local workers, then serve it (the base with the adapter) on the pair "
+                   "(docs/guide/finetune.md)")
+    u.add_argument("--data", type=Path, default=None,
+                   help="with --base-model: the text (a file or folder) or chat data (.jsonl) "
+                   "to fine-tune on")
+    u.add_argument("--lora-rank", type=positive_int, default=d.lora_rank, metavar="R",
+                   help=f"with --base-model: LoRA's rank (default {d.lora_rank})")
+    u.add_argument("--lora-alpha", type=positive_float, default=d.lora_alpha,
+                   help=f"with --base-model: LoRA's alpha (default {d.lora_alpha:g})")
+    u.add_argument("--lora-targets", default=d.lora_targets, metavar="NAMES",
+                   help=f"with --base-model: the projections with adapters (default "
+                   f"{d.lora_targets})")
     u.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="CPU threads of the whole stack, divided between the processes that "
                    "compute: the workers while it trains, the pair's two ranks while it serves "
@@ -92,14 +108,17 @@ def run_up(args: argparse.Namespace) -> int:
     from foundry.hardware import default_threads
 
     d = StackOptions()
+    tune = args.base_model is not None
     try:
         options = StackOptions(
-            steps=args.steps or (recipe.LONG_STEPS if args.long else d.steps),
+            steps=args.steps or (recipe.FT_STEPS if tune else
+                                 recipe.LONG_STEPS if args.long else d.steps),
             workers=args.workers,
             preset=args.preset,
-            global_batch=args.global_batch,
-            seq_len=args.seq_len,
-            lr=args.lr,
+            global_batch=args.global_batch or (recipe.FT_GLOBAL_BATCH if tune
+                                               else d.global_batch),
+            seq_len=args.seq_len or (recipe.FT_SEQ_LEN if tune else d.seq_len),
+            lr=args.lr or (recipe.FT_LR_LORA if tune else d.lr),
             sample_every=args.sample_every,
             base_port=args.base_port,
             gateway_port=args.gateway_port,
@@ -115,6 +134,11 @@ def run_up(args: argparse.Namespace) -> int:
             sample_tokens=args.sample_tokens,
             model=args.model,
             ctx_size=args.ctx_size,
+            base_model=args.base_model,
+            data=args.data,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_targets=args.lora_targets,
             threads=args.threads or default_threads(),
         )
         return run_stack(options)

@@ -115,6 +115,10 @@ class CoordinatorOptions:
     down_qsgd_levels: int | None = None
     # Where validation computes (``--validate-device``); the optimizer stays in numpy.
     validation_backend: Backend = NUMPY
+    # Fine-tuning a published model (``cfg`` a ``tuning.TunedConfig``): the trainable tensors
+    # at step 0 (fresh adapters, or the base's own) and the base file, which exports read.
+    start_params: dict[str, np.ndarray] | None = None
+    base_model: Path | None = None
 
     def local_at(self, step: int) -> bool:
         """Whether the round that starts at ``step`` runs local steps."""

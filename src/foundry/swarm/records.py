@@ -20,6 +20,7 @@ from foundry.model.formats.checkpoint import (
     save_checkpoint,
 )
 from foundry.model.formats.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
+from foundry.model.formats.tuning import TunedConfig
 from foundry.model.nn.transformer import init_params
 from foundry.model.text.data import compressor_bits_per_byte
 from foundry.model.train.training import (
@@ -82,6 +83,9 @@ def load_or_init(opt: CoordinatorOptions) -> Start:
         log.info("resumed from %s at step %d", ckpt, trainer.step)
         return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)),
                      state.extra.get("downlink_rng"))  # a string: the schema checked it
+    if opt.start_params is not None:
+        return Start(Trainer(opt.cfg, opt.settings,
+                             {k: v.copy() for k, v in opt.start_params.items()}))
     if opt.init_gguf is not None:
         loaded = load_gguf(opt.init_gguf)
         if loaded.cfg != opt.cfg:
@@ -129,6 +133,11 @@ class Records:
         seq_len = c.opt.settings.seq_len
         loss = await asyncio.to_thread(c.opt.validation_backend.evaluate_loss, params, c.opt.cfg,
                                        c.corpus, seq_len)
+        if isinstance(c.opt.cfg, TunedConfig):  # tokens of the base's vocabulary, not bytes
+            self.core.val_loss = loss
+            self.core.metrics.validation_loss.set(loss)
+            log.info("step %d: validation loss %.4f nats/token", step, loss)
+            return
         if self._yardstick is None:
             self._yardstick = await asyncio.to_thread(
                 compressor_bits_per_byte, self.core.corpus.held_out_bytes(seq_len)
@@ -219,7 +228,25 @@ class Records:
         dtype = FILE_DTYPES[int(file_type)]
         await self.core.applied.wait()
         step, params = self.core.step, {k: v.copy() for k, v in self.core.trainer.params.items()}
-        await asyncio.to_thread(save_gguf, target, self.core.opt.cfg, params, dtype)
+        cfg = self.core.opt.cfg
+        if isinstance(cfg, TunedConfig):
+            await asyncio.to_thread(export_tuned, target, cfg, self.core.opt.base_model, params)
+        else:
+            await asyncio.to_thread(save_gguf, target, cfg, params, dtype)
         log.info("exported step %d to %s%s", step, target,
                  "" if file_type is FileType.F32 else f" ({dtype})")
         return target
+
+
+def export_tuned(target: Path, cfg: TunedConfig, base: Path | None, params: Params) -> None:
+    """A fine-tuning run's result: the LoRA adapter file, or (full fine-tuning) the base file
+    with the trained tensors in place of its own."""
+    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.lora import save_adapter
+
+    if cfg.spec is not None:
+        save_adapter(target, cfg.architecture, cfg.spec.alpha, params)
+        return
+    if base is None:
+        raise ExportRefused("the coordinator has no base file to write the model into")
+    rewrite_gguf(base, target, params)

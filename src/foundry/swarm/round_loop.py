@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from foundry.model.formats.tuning import TunedConfig
 from foundry.model.train.training import Params
 from foundry.obs.timeline import now_us
 from foundry.swarm import policy
@@ -82,6 +83,9 @@ class RoundRunner:
                 await self.finish()
                 continue
             if self.core.training_on():
+                if (isinstance(self.core.opt.cfg, TunedConfig) and self.core.step == 0
+                        and self.records.validation_step < 0):
+                    await self.records.validate()  # the base's held-out loss: the "before"
                 await self.downlink.announce_start()
                 if self.active_for_round():
                     await self.run_round()

@@ -39,6 +39,7 @@ import numpy as np
 
 from foundry.compression import Compressor, deserialize_tensors, get_codec, largest_message
 from foundry.hardware import HardwareInfo, detect_profile, profile_batch_size
+from foundry.model.formats.tuning import FileIdentity, targets_of, tuned_config
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus, DataError
 from foundry.model.train.backend import NUMPY, Backend
@@ -95,6 +96,20 @@ class WorkerOptions:
     backend: Backend = NUMPY
     # GRADIENTS over this many bytes go up as FRAGMENT frames of this size.
     fragment_size: int = fdtc.FRAGMENT_SIZE
+    # Fine-tuning (``--base-model``): this machine's copy of the base file.
+    base: BaseFile | None = None
+
+
+@dataclass(frozen=True)
+class BaseFile:
+    """A fine-tuning worker's base model: the file's identity and architecture (BASE_MODEL
+    states them), its config, and the base loaded for training (a ``finetune.Base``), or None
+    where PyTorch is missing (the coordinator then refuses the worker, saying so)."""
+
+    identity: FileIdentity
+    architecture: str
+    cfg: ModelConfig
+    loaded: Any = None
 
 
 class Worker:
@@ -111,6 +126,7 @@ class Worker:
         self.timeline = timeline or Timeline(None, "worker")
         self._idle_since_us: int | None = None  # end of the last send: the "wait" span starts
         self.cfg: ModelConfig | None = None
+        self.backend: Backend = options.backend  # a fine-tuning run's, once BASE_MODEL came
         self.aux_loss_coef = 0.0
         self.params: Params | None = None
         self.global_step = 0
@@ -252,8 +268,12 @@ class Worker:
         self.weights_step = -1  # a new link: the coordinator sends full weights first
         self.unmerged = None
         self._meta, self._pending = None, None
+        base = self.opt.base
         await stream.send(
             fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+            *([] if base is None else [fdtc.BaseModel(
+                file_bytes=base.identity.size, sha256=base.identity.digest,
+                architecture=base.architecture, trainer=int(base.loaded is not None))]),
             fdtc.Register(
                 worker_id=self.opt.worker_id,
                 protocol_version=fdtc.PROTOCOL_VERSION,
@@ -276,11 +296,10 @@ class Worker:
                 elif isinstance(msg, fdtc.ModelConfigMsg):
                     self.cfg = config_of(msg)
                     self.aux_loss_coef = msg.aux_loss_coef
-                    # The coordinator's FRAGMENT frames build no more than this model needs.
-                    assert stream.connection is not None
-                    stream.connection.allow_fragments(
-                        largest_message(math.prod(s) for s in self.cfg.param_shapes().values()),
-                        self.opt.fragment_size)
+                    self._allow_fragments(stream)
+                elif isinstance(msg, fdtc.BaseModel):
+                    self._on_base_model(msg)
+                    self._allow_fragments(stream)
                 elif isinstance(msg, fdtc.TrainPlan):
                     self.plan = msg
                 else:
@@ -301,6 +320,37 @@ class Worker:
                     return True
         finally:
             await cancel_and_wait(heartbeat)
+
+    def _allow_fragments(self, stream: FdtcStream) -> None:
+        """The coordinator's FRAGMENT frames build no more than this model (or the tensors a
+        fine-tuning swarm trains) needs."""
+        assert stream.connection is not None and self.cfg is not None
+        stream.connection.allow_fragments(
+            largest_message(math.prod(s) for s in self.cfg.param_shapes().values()),
+            self.opt.fragment_size)
+
+    def _on_base_model(self, msg: fdtc.BaseModel) -> None:
+        """The coordinator's BASE_MODEL: what trains on this worker's base (it checked the
+        file at REGISTER)."""
+        from foundry.model.formats.lora import LoraError, LoraSpec
+
+        base = self.opt.base
+        if base is None or base.loaded is None:
+            raise fdtc.FdtcProtocolError("BASE_MODEL to a worker without a base model",
+                                         ErrorCode.MODEL_MISMATCH)
+        try:
+            spec = None if not msg.lora_rank else LoraSpec(
+                msg.lora_rank, msg.lora_alpha, targets_of(msg.lora_targets), msg.lora_dropout)
+            cfg = tuned_config(base.cfg, base.identity, spec)
+        except (LoraError, ValueError) as exc:
+            raise fdtc.FdtcProtocolError(f"BASE_MODEL asks for what this base cannot train: "
+                                         f"{exc}", ErrorCode.MODEL_MISMATCH) from None
+        if cfg != self.cfg:
+            from foundry.model.train.finetune import FineTuneBackend
+
+            self.backend = FineTuneBackend(base.loaded, spec)
+            self.cfg = cfg
+            log.info("fine-tuning %s", cfg.describe())
 
     async def _on_register_ack(self, stream: FdtcStream, ack: fdtc.RegisterAck) -> None:
         if not ack.accepted:
@@ -486,7 +536,7 @@ class Worker:
         """``inner_steps`` AdamW steps from ``start``; the pseudo-gradient start - end."""
         assert self.cfg is not None and self.plan is not None
         plan = self.plan
-        backend = self.opt.backend
+        backend = self.backend
         if self.inner is None:
             self.inner = backend.make_inner(start, plan.weight_decay)
         schedule = sync.InnerSchedule(plan.lr, plan.warmup_steps, plan.total_steps,
@@ -521,7 +571,7 @@ class Worker:
                 self.metrics.inner_steps.inc(assign.inner_steps)
             else:
                 result = await self._in_work_thread(
-                    self.opt.backend.compute_gradients,
+                    self.backend.compute_gradients,
                     self.params,
                     self.cfg,
                     self.corpus,

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from foundry.compression import deserialize_tensors
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.hardware import profile_accumulation_steps, profile_batch_size
+from foundry.model.formats.tuning import TunedConfig, targets_mask
 from foundry.swarm import policy, sync
 from foundry.swarm.core import Member, SwarmCore, clip
 from foundry.swarm.downlink import Downlink
@@ -79,10 +80,13 @@ class WorkerPort:
         REGISTER_ACK, and extensions if spoken."""
         extended = False
         msg: fdtc.Register | None = None
+        base: fdtc.BaseModel | None = None
         while msg is None:
             event = await stream.recv(idle_timeout_s=REGISTER_TIMEOUT_S)
             if isinstance(event, fdtc.Register):
                 msg = event
+            elif isinstance(event, fdtc.BaseModel):
+                base = event
             elif isinstance(event, fdtc.Dataset):
                 extended = True
                 # A peer of ours: messages larger than one frame go as FRAGMENT both ways.
@@ -97,6 +101,10 @@ class WorkerPort:
                         f"tokens, sha256 {mine.sha256[:12]}); start the worker with the "
                         "coordinator's --data"
                     )
+                    cfg = self.core.opt.cfg
+                    if isinstance(cfg, TunedConfig):  # its tokens are the base's
+                        reason += (f" (this swarm fine-tunes a {cfg.architecture} base: start "
+                                   "the worker with --base-model and its copy of that file)")
                     await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
                     return None
             else:  # ERROR or DEREGISTER: the peer leaves before it joined
@@ -112,6 +120,11 @@ class WorkerPort:
             return None
         if not msg.worker_id:
             await self._refuse(stream, ErrorCode.REJECTED, "empty worker_id")
+            return None
+        tuned = self.core.opt.cfg if isinstance(self.core.opt.cfg, TunedConfig) else None
+        why = base_model_refusal(tuned, base)
+        if why is not None:
+            await self._refuse(stream, ErrorCode.MODEL_MISMATCH, why)
             return None
         if not extended and self.core.opt.sync_every > 1:
             reason = (
@@ -167,6 +180,7 @@ class WorkerPort:
         msgs: list[fdtc.Message] = [ack]
         if extended:
             msgs.append(
+                base_model_msg(tuned) if tuned is not None else
                 model_config_msg(self.core.opt.cfg, self.core.opt.settings.aux_loss_coef)
             )
             msgs.append(self._train_plan())
@@ -353,3 +367,39 @@ class WorkerPort:
                     await m.stream.close()
 
     # ------------------------------------------------------------------ rounds
+
+
+def base_model_msg(cfg: TunedConfig) -> fdtc.BaseModel:
+    """The coordinator's BASE_MODEL: its base file and what trains."""
+    return fdtc.BaseModel(
+        file_bytes=cfg.base_bytes, sha256=bytes.fromhex(cfg.base_sha256),
+        architecture=cfg.architecture, trainer=1, lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        lora_targets=targets_mask(cfg.lora_targets),
+    )
+
+
+def base_model_refusal(tuned: TunedConfig | None, offered: fdtc.BaseModel | None) -> str | None:
+    """Why a registering worker cannot join, as far as the base model goes (None: it can):
+    the swarm fine-tunes ``tuned`` (None: trains from scratch), the worker ``offered`` a base
+    in BASE_MODEL (None: it sent none)."""
+    if tuned is None:
+        if offered is None:
+            return None
+        return (f"this swarm trains Foundry's own model from scratch; the worker offers the "
+                f"base model {offered.architecture} ({offered.sha256.hex()[:12]}): start it "
+                "without --base-model")
+    if offered is None:
+        return (f"this swarm fine-tunes a {tuned.architecture} base ({tuned.base_bytes:,} "
+                f"bytes, sha256 {tuned.base_sha256[:12]}); start the worker with "
+                "--base-model and its copy of that file")
+    if (offered.file_bytes, offered.sha256.hex()) != (tuned.base_bytes, tuned.base_sha256):
+        return (f"the worker's base model ({offered.architecture}, {offered.file_bytes:,} "
+                f"bytes, sha256 {offered.sha256.hex()[:12]}) differs from the swarm's "
+                f"({tuned.architecture}, {tuned.base_bytes:,} bytes, sha256 "
+                f"{tuned.base_sha256[:12]}); give it a copy of the coordinator's --base-model")
+    if not offered.trainer:
+        return (f"the worker cannot train {tuned.architecture}: PyTorch is not installed there "
+                "(the numpy engine's backward covers Foundry's own model only); "
+                "pip install 'foundry[gpu]' on it")
+    return None

@@ -33,7 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
+
 from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.formats.lora import Adapter, base_of, check_architecture, load_adapter, merge
 from foundry.model.infer.sessions import default_ctx
 from foundry.model.kernels.quant import Param, QType
 from foundry.model.kernels.types import TYPES
@@ -132,22 +136,26 @@ def largest_worker_block(cfg: ModelConfig, shares: Shares) -> int:
     return max(share_blocks(cfg.n_vocab, shares)[1:])
 
 
-def header_model(path: Path, ctx_size: int | None) -> tuple[ModelConfig, Identity]:
-    """A model file's config and hello identity, from its header alone (no weights read)."""
+def header_model(path: Path, ctx_size: int | None, lora: Path | None = None
+                 ) -> tuple[ModelConfig, Identity]:
+    """A model file's config and hello identity (with ``lora``, the adapter's too), from its
+    header alone (no weights read)."""
     cfg = load_gguf(path, select=lambda name, view: None).cfg
     ctx = default_ctx(cfg) if ctx_size is None else ctx_size
     if ctx <= 0:
         raise ValueError(f"ctx_size must be positive, got {ctx}")
-    return cfg, identity_for(path, cfg, ctx)
+    return cfg, identity_for(path, cfg, ctx, lora)
 
 
-def identity_for(path: Path, cfg: ModelConfig, ctx_size: int) -> Identity:
+def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None = None
+                 ) -> Identity:
     """The hello identity of a model file: its size and hash, shape, weight bits (see
     :func:`quant_bits`), context, and the gate schedule (every layer fires ATTN then FFN: 2
-    gates per layer and token)."""
+    gates per layer and token). With a LoRA adapter the model id is the file's XOR the
+    adapter's (so both ranks must load the same adapter) and the size counts both files."""
     return Identity(
-        gguf_bytes=os.path.getsize(path),
-        model_id=model_id(path),
+        gguf_bytes=os.path.getsize(path) + (0 if lora is None else os.path.getsize(lora)),
+        model_id=model_id(path) ^ (0 if lora is None else model_id(lora)),
         n_layer=cfg.n_layer,
         n_embd=cfg.n_embd,
         n_vocab=cfg.n_vocab,
@@ -174,15 +182,25 @@ def load_rank(
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
     world: int = WORLD,
     shares: Sequence[int] | None = None,
+    lora: Path | None = None,
 ) -> RankModel:
     """Read rank ``rank``'s slices of the GGUF file for a world of ``world`` ranks holding
     ``shares`` (default: the pair's half; its experts cut by ``expert_split``): only its
-    slices are read from disk."""
+    slices are read from disk. ``lora``: a LoRA adapter file merged into the tensors it
+    adapts before they are cut (those become float32)."""
     header = load_gguf(path, select=lambda name, view: None)
     cfg = header.cfg
     layout = rank_layout(cfg, rank, world, expert_split, shares)
+    adapter = None
+    if lora is not None:
+        adapter = load_adapter(lora)
+        check_architecture(cfg, adapter, str(lora))
+    adapted = set() if adapter is None else {base_of(n) for n in adapter.tensors}
 
     def select(name: str, view: Param) -> Param:
+        if adapter is not None and name in adapted:
+            merged = merge({name: view}, adapter_pair(adapter, name), adapter.scale)[name]
+            return shard_part(name, merged, layout)
         return shard_part(name, view, layout)
 
     loaded = load_gguf_stored(path, select=select)
@@ -192,7 +210,7 @@ def load_rank(
     return RankModel(
         cfg=cfg,
         weights=RankWeights(cfg, layout, loaded.params),
-        identity=identity_for(path, cfg, ctx),
+        identity=identity_for(path, cfg, ctx, lora),
     )
 
 
@@ -216,3 +234,8 @@ def exchange_hellos(
     check_hello(mine, peer)
     link.decoder.max_payload = max_payload_for(mine.identity, max_rows, vocab_block)
     return peer
+
+
+def adapter_pair(adapter: Adapter, base: str) -> dict[str, npt.NDArray[np.float32]]:
+    """The lora_a and lora_b of one base tensor."""
+    return {n: adapter.tensors[n] for n in (base + ".lora_a", base + ".lora_b")}

@@ -102,7 +102,7 @@ class Leader:
     ) -> None:
         self.options = options
         self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
-                                        options.world_size, options.shares)
+                                        options.world_size, options.shares, options.lora)
         if (self.model.weights.world, self.model.weights.shares) != (
                 options.world_size, norm_shares(options.world_size, options.shares)):
             raise ValueError(f"the leader's slices are for rank 0 of {self.model.weights.world} "

@@ -45,6 +45,7 @@ class LeaderOptions:
     # How the routed experts are cut (the worker must run the same: the hello checks it).
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
+    lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     # Security and limits (docs/guide/tls.md, TLS and limits): TLS on both listeners,
     # the frontend's connection limit, and the deadline of a frame begun on either link.
     tls: ssl.SSLContext | None = None

@@ -121,6 +121,7 @@ class WorkerOptions:
     retry_max_s: float = 2.0
     expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
+    lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
     rank: int | None = None  # --rank: the rank to ask for (None: the next free one)
@@ -152,7 +153,7 @@ class Worker:
         # (kept across pairings while they stay); the hello needs only the file's header.
         self.model: RankModel | None = model
         if model is None:
-            self.cfg, self.identity = header_model(options.model, options.ctx_size)
+            self.cfg, self.identity = header_model(options.model, options.ctx_size, options.lora)
             check_replicated(options.model)  # a damaged file is refused before any dial
         else:
             self.cfg, self.identity = model.cfg, model.identity
@@ -183,7 +184,7 @@ class Worker:
                      ",".join(map(str, shares)), self.options.model)
             self._state = self.model = None  # the old slices go before the new ones come in
             self.model = load_rank(self.options.model, rank, self.options.ctx_size,
-                                   self.options.expert_split, world, shares)
+                                   self.options.expert_split, world, shares, self.options.lora)
         if self._state is None:
             assert self.model is not None
             weights = self.model.weights

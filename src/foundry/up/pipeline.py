@@ -16,6 +16,7 @@ from typing import TextIO
 
 from foundry.model.formats.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from foundry.model.formats.gguf_io import GGUF_MAGIC_BYTES
+from foundry.model.formats.tuning import TunedConfig
 from foundry.model.infer.generate import greedy_text, printable
 from foundry.model.text.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
 from foundry.model.train.training import (
@@ -77,6 +78,9 @@ class CheckpointSamples:
                 continue  # rotated away since the listing, or damaged: the next one will do
             self._due = (state.step // self.every + 1) * self.every
             self._sampled = state.step
+            if isinstance(state.config, TunedConfig):  # adapters alone: no model to sample
+                self._due = 1 << 62
+                return None
             text = greedy_text(state.config, state.params, self.prompt, TRAINING_SAMPLE_TOKENS)
             return f"step {state.step}: {printable(self.prompt + text)!r}"
         return None
@@ -120,6 +124,8 @@ def watch_training(
                 summary.first_loss_step = st.global_step
             summary.last_loss = st.train_loss
         summary.val_loss = st.val_loss
+        if math.isnan(summary.first_val_loss):
+            summary.first_val_loss = st.val_loss
         summary.steps = st.global_step
         view.update(st, detail)
         if st.state is fdtc.SwarmState.DONE:
@@ -190,7 +196,8 @@ def _run_locked(
 
     stack = Stack(run, out)
     tty = out.isatty()
-    view = LiveView(out, opt.steps, tty, workers=opt.workers)
+    view = LiveView(out, opt.steps, tty, workers=opt.workers,
+                    per_token=opt.base_model is not None)
     admin = AdminLink("127.0.0.1", ports.admin)
     t_start = time.monotonic()
     code = 0
@@ -199,6 +206,9 @@ def _run_locked(
             stack.say(f"foundry up: run dir {run}, logs in {run / 'logs'}")
             if opt.model is not None:
                 return _serve_file(opt, ports, stack, token, token_file, t_start, opt.model)
+            if opt.base_model is not None:
+                return _fine_tune(opt, ports, stack, admin, view, prometheus, token,
+                                  token_file, t_start)
             # The yardstick first (xz primed with the training text takes a few seconds): the
             # live view must be watching from the first step, or the run looks resumed.
             corpus = load_corpus(None)
@@ -305,6 +315,59 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     ctl = f"{foundry_command()} ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
         f" --token-file {token_file}" if token_file else "")
     stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`; "
+              "Ctrl+C stops everything")
+    while True:
+        stack.supervise(training=False)
+        time.sleep(POLL_S)
+
+
+def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminLink,
+               view: LiveView, prometheus: str | None, token: str | None,
+               token_file: Path | None, t_start: float) -> int:
+    """`foundry up --base-model FILE --data PATH`: the coordinator and workers fine-tune the
+    file with LoRA, the coordinator exports the adapter, the pair serves the base with it
+    behind the gateway. Runs inside ``_run_locked``'s signal handling."""
+    from foundry.model.formats.gguf_io import GGUFError, load_gguf
+
+    assert opt.base_model is not None
+    try:  # refuse a file the swarm cannot tune before any process starts, in one line
+        load_gguf(opt.base_model, select=lambda name, view: None)
+    except GGUFError as exc:
+        raise StackError(str(exc)) from None
+    run = opt.run_dir
+    first = [stack.start(s) for s in training_services(opt, ports, token_file)]
+    if prometheus is not None:
+        (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
+        first.append(stack.start(prometheus_service(opt, ports, prometheus)))
+    stack.wait_ready(first)
+    stack.say(f"fine-tuning {opt.base_model} on {opt.data} with LoRA r={opt.lora_rank} "
+              f"alpha={opt.lora_alpha:g} on {opt.lora_targets}: {opt.steps} steps of "
+              f"{opt.global_batch}x{opt.seq_len}, {opt.workers} worker(s); only the adapters "
+              "travel")
+    summary = TrainingSummary()
+    try:
+        watch_training(stack, admin, view, summary,
+                       CheckpointSamples(run / "checkpoints", opt.prompt, opt.sample_interval))
+    finally:
+        view.close()
+    stack.say(f"training done at step {summary.steps}: {summary.loss_text()} "
+              f"({summary.seconds:.0f} s)")
+    stack.say(f"held-out loss: before {summary.first_val_loss:.4f}, after "
+              f"{summary.val_loss:.4f} nats/token (perplexity "
+              f"{math.exp(summary.first_val_loss):.2f} -> {math.exp(summary.val_loss):.2f})")
+    adapter = admin.export(_short_path(run / "adapter.gguf"))
+    admin.close()
+    stack.say(f"exported the adapter {adapter}")
+    pair = [stack.start(s) for s in serving_services(opt, ports, opt.base_model, adapter)]
+    stack.wait_ready(pair)
+    text = generate(addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token,
+                    stack.check_stop)
+    stack.say(f"sample (greedy, {opt.sample_tokens} tokens): {printable(opt.prompt + text)!r}")
+    gateway = addr(local_host(opt.host), ports.gateway)
+    ctl = f"{foundry_command()} ctl --gateway {gateway}" + (
+        f" --token-file {token_file}" if token_file else "")
+    stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`, "
+              f"OpenAI-compatible API on http://{addr(local_host(opt.host), ports.http)}/v1; "
               "Ctrl+C stops everything")
     while True:
         stack.supervise(training=False)

@@ -44,6 +44,12 @@ class StackOptions:
     model: Path | None = None  # a GGUF file to serve on the pair, without training
     ctx_size: int | None = None  # the pair's context (None: the file's, capped)
     threads: int | None = None  # the stack's CPU threads, shared (None: each child's default)
+    # Fine-tuning a published model on --data with LoRA, then serving it with the adapter.
+    base_model: Path | None = None
+    data: Path | None = None
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_targets: str = "attn_q,attn_v"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -58,6 +64,9 @@ class StackOptions:
             raise StackError(f"--sample-tokens must be at least 1, got {self.sample_tokens}")
         if self.sample_every is not None and self.sample_every < 1:
             raise StackError(f"--sample-every must be at least 1, got {self.sample_every}")
+        if self.base_model is not None and (self.data is None or self.model is not None):
+            raise StackError("--base-model needs --data (the text to fine-tune on) and "
+                             "excludes --model")
         if self.threads is not None and self.threads < 1:
             raise StackError(f"--threads must be at least 1, got {self.threads}")
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -89,7 +98,9 @@ class StackOptions:
 
     @property
     def validate_every(self) -> int:
-        return recipe.validate_every(self.steps)
+        # A fine-tuning run validates before its first step and after its last: the held-out
+        # loss before and after.
+        return self.steps if self.base_model is not None else recipe.validate_every(self.steps)
 
     @property
     def checkpoint_interval(self) -> int:
@@ -236,12 +247,18 @@ def training_services(
     run = opt.run_dir
     h = opt.host
     metrics = ("--metrics-host", h)
+    model: tuple[str, ...] = ("--preset", opt.preset)
+    data: tuple[str, ...] = ()
+    if opt.base_model is not None:
+        data = ("--base-model", str(opt.base_model), "--data", str(opt.data))
+        model = (*data, "--lora-rank", str(opt.lora_rank), "--lora-alpha", str(opt.lora_alpha),
+                 "--lora-targets", opt.lora_targets)
     coordinator = ServiceSpec(
         "coordinator",
         (*FOUNDRY, "coordinator", "--listen", addr(h, ports.coordinator),
          "--admin-listen", addr("127.0.0.1", ports.admin),
          "--checkpoint-dir", str(run / "checkpoints"), "--export-dir", str(run),
-         "--preset", opt.preset,
+         *model,
          "--max-steps", str(opt.steps), "--min-workers", str(opt.workers),
          "--global-batch", str(opt.global_batch), "--seq-len", str(opt.seq_len),
          "--lr", str(opt.lr), "--warmup-steps", str(opt.warmup_steps),
@@ -256,7 +273,7 @@ def training_services(
         ServiceSpec(
             f"worker-{i}",
             (*FOUNDRY, "worker", "--coordinator", addr("127.0.0.1", ports.coordinator),
-             "--worker-id", f"worker-{i}", "--metrics-port", str(port), *metrics,
+             "--worker-id", f"worker-{i}", *data, "--metrics-port", str(port), *metrics,
              *thread_share(opt.threads, opt.workers)),
             r"metrics :\d+",
             critical=False,
@@ -266,10 +283,14 @@ def training_services(
     return [coordinator, gateway, *workers]
 
 
-def serving_services(opt: StackOptions, ports: StackPorts, model: Path) -> list[ServiceSpec]:
-    """The tensor-parallel pair on the exported model (or the file --model names)."""
+def serving_services(opt: StackOptions, ports: StackPorts, model: Path,
+                     lora: Path | None = None) -> list[ServiceSpec]:
+    """The tensor-parallel pair on the exported model (or the file --model names; or the
+    base with the fine-tuned adapter)."""
     metrics = ("--metrics-host", opt.host)
-    ctx = ("--ctx-size", str(opt.ctx_size)) if opt.ctx_size else ()
+    ctx: tuple[str, ...] = ("--ctx-size", str(opt.ctx_size)) if opt.ctx_size else ()
+    if lora is not None:
+        ctx = (*ctx, "--lora", str(lora))
     return [
         ServiceSpec(
             "tp-leader",

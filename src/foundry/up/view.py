@@ -16,15 +16,18 @@ def num(value: float, fmt: str) -> str:
     return "-" if math.isnan(value) else format(value, fmt)
 
 
-def val_bpb(st: fdtc.SwarmStatus) -> str:
-    """The validation loss (nats per held-out byte) in bits per byte."""
+def val_bpb(st: fdtc.SwarmStatus, per_token: bool = False) -> str:
+    """The validation loss (nats per held-out byte) in bits per byte; with ``per_token`` (a
+    fine-tuning run: tokens of the base's vocabulary) in nats per token."""
+    if per_token:
+        return f"{num(st.val_loss, '.4f')} nats/token"
     return f"{num(st.val_loss / math.log(2), '.3f')} bits/byte"
 
 
-def status_line(st: fdtc.SwarmStatus) -> str:
+def status_line(st: fdtc.SwarmStatus, per_token: bool = False) -> str:
     return (
         f"{st.state.name.lower()} step {st.global_step}/{st.max_steps}  "
-        f"loss {num(st.train_loss, '.4f')}  val {val_bpb(st)}  "
+        f"loss {num(st.train_loss, '.4f')}  val {val_bpb(st, per_token)}  "
         f"{num(st.samples_per_sec, '.1f')} samples/s"
     )
 
@@ -58,6 +61,7 @@ class TrainingSummary:
     first_loss_step: int = 0  # the global step of first_loss
     last_loss: float = float("nan")
     val_loss: float = float("nan")
+    first_val_loss: float = float("nan")  # the first held-out loss seen (fine-tuning: step 0's)
     seconds: float = 0.0
     polls: int = 0
     start_step: int = 0  # the step the coordinator resumed at (its newest checkpoint); 0: fresh
@@ -98,6 +102,7 @@ class LiveView:
     total: int
     tty: bool
     workers: int = 0  # the run's --min-workers: fewer registered is told
+    per_token: bool = False  # a fine-tuning run: its held-out loss is per token, not byte
     bars: list[Any] = field(default_factory=list)
     _printed_at: int = -1
     _told_waiting: str | None = None
@@ -117,7 +122,7 @@ class LiveView:
             mark = st.global_step // every
             if mark != self._printed_at and not math.isnan(st.train_loss):
                 self._printed_at = mark
-                print(f"  {status_line(st)}", file=self.out, flush=True)
+                print(f"  {status_line(st, self.per_token)}", file=self.out, flush=True)
             return
         from tqdm import tqdm
 
@@ -131,7 +136,7 @@ class LiveView:
         bar.set_description_str(waiting or "training", refresh=False)
         bar.n = st.global_step
         bar.set_postfix_str(
-            f"loss {num(st.train_loss, '.4f')} val {val_bpb(st)} "
+            f"loss {num(st.train_loss, '.4f')} val {val_bpb(st, self.per_token)} "
             f"{num(st.samples_per_sec, '.1f')} samples/s",
             refresh=False,
         )

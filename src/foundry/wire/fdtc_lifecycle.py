@@ -121,7 +121,8 @@ _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
 # send it at any time. Neither changes the state.
 _WORKER_ANYTIME = (MsgType.HEARTBEAT, MsgType.STATUS, MsgType.WEIGHTS_REQ, MsgType.ERROR)
 _COORD_ANYTIME = (
-    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.TRAIN_PLAN, MsgType.HEARTBEAT_ACK,
+    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.BASE_MODEL, MsgType.TRAIN_PLAN,
+    MsgType.HEARTBEAT_ACK,
     MsgType.STATUS_REQ,
     MsgType.WEIGHTS_META, MsgType.START, MsgType.SYNC, MsgType.CHECKPOINT, MsgType.PAUSE,
     MsgType.RESUME, MsgType.ERROR,
@@ -141,7 +142,7 @@ def _coordinator() -> _Table:
     t: _Table = {}
     add = partial(_add, t)
     # Before anything: who is this?
-    add(S.CONNECTED, Rx, (M.DATASET, M.ERROR))
+    add(S.CONNECTED, Rx, (M.DATASET, M.BASE_MODEL, M.ERROR))
     add(S.CONNECTED, Rx, (M.REGISTER,), S.REGISTERED)
     add(S.CONNECTED, Rx, (M.DEREGISTER,), S.CLOSED)
     add(S.CONNECTED, Rx, ADMIN_REQUESTS, S.ADMIN)

@@ -13,7 +13,9 @@ File format (version 1), all integers little-endian::
                       multiple of 64 from D (zero padding between)
     end-32  32        sha256 of every byte before it
 
-The metadata holds ``config`` (the ModelConfig fields), ``step``, ``data_position`` (the next
+The metadata holds ``config`` (the ModelConfig fields; a fine-tuning run's also ``tuning``:
+the base file's identity, the LoRA settings and the trainable tensors' table of its
+``tuning.TunedConfig``), ``step``, ``data_position`` (the next
 global sample index), ``optimizer_step``, ``extra`` (small JSON settings of the run, e.g.
 compression and learning-rate schedule) and ``tensors``: a list of ``{group, name, shape,
 dtype, offset, nbytes}`` with ``group`` one of ``params`` / ``m`` / ``v`` and ``offset``
@@ -56,6 +58,7 @@ from typing import Any, BinaryIO, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.formats.tuning import TunedConfig
 from foundry.model.spec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -174,9 +177,12 @@ def _metadata(state: CheckpointState, index: list[dict[str, Any]]) -> bytes:
         raise CheckpointError(
             f"step and data_position must be >= 0, got {state.step}, {state.data_position}"
         )
+    cfg = state.config
+    base_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     meta = {
         "format": "foundry-checkpoint",
-        "config": dataclasses.asdict(state.config),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k in base_fields},
+        **({"tuning": _tuning_meta(cfg)} if isinstance(cfg, TunedConfig) else {}),
         "step": int(state.step),
         "data_position": int(state.data_position),
         "optimizer_step": int(state.optimizer["step"]),
@@ -187,6 +193,61 @@ def _metadata(state: CheckpointState, index: list[dict[str, Any]]) -> bytes:
         return json.dumps(meta, allow_nan=False, sort_keys=True).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint extra is not plain JSON: {exc}") from exc
+
+
+_TUNING_STRS = ("architecture", "base_sha256")
+_TUNING_NUMS = ("lora_alpha", "lora_dropout")
+
+
+def _tuning_meta(cfg: TunedConfig) -> dict[str, Any]:
+    return {
+        "architecture": cfg.architecture, "base_bytes": cfg.base_bytes,
+        "base_sha256": cfg.base_sha256, "lora_rank": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+        "lora_targets": list(cfg.lora_targets),
+        "trainable": [[name, list(shape)] for name, shape in cfg.trainable],
+    }
+
+
+def _validate_tuning(tuning: Mapping[str, Any]) -> None:
+    for key in _TUNING_STRS:
+        if not isinstance(tuning.get(key), str):
+            raise _Bad(f"tuning.{key}", f"must be a string, got {json.dumps(tuning.get(key))}")
+    _int(tuning, "base_bytes", "tuning.base_bytes", 0, 2**63 - 1)
+    _int(tuning, "lora_rank", "tuning.lora_rank", 0, MAX_DIM)
+    for key in _TUNING_NUMS:
+        value = tuning.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                value == value and abs(value) != float("inf")):
+            raise _Bad(f"tuning.{key}", f"must be a finite number, got {json.dumps(value)}")
+    targets = tuning.get("lora_targets")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise _Bad("tuning.lora_targets", "must be a list of strings")
+    table = tuning.get("trainable")
+    if not isinstance(table, list) or not table:
+        raise _Bad("tuning.trainable", "must be a non-empty list")
+    for i, row in enumerate(table):
+        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)
+                and isinstance(row[1], list) and len(row[1]) <= 4):
+            raise _Bad(f"tuning.trainable[{i}]", "must be [name, shape]")
+        for j, size in enumerate(row[1]):
+            _int({"size": size}, "size", f"tuning.trainable[{i}][1][{j}]", 0, MAX_DIM)
+
+
+def _config(meta: Mapping[str, Any]) -> ModelConfig:
+    """The config a checkpoint's metadata holds: a ModelConfig, or a fine-tuning run's
+    TunedConfig."""
+    tuning = meta.get("tuning")
+    if tuning is None:
+        return ModelConfig(**meta["config"])
+    return TunedConfig(
+        **meta["config"], architecture=tuning["architecture"], base_bytes=tuning["base_bytes"],
+        base_sha256=tuning["base_sha256"], lora_rank=tuning["lora_rank"],
+        lora_alpha=float(tuning["lora_alpha"]), lora_dropout=float(tuning["lora_dropout"]),
+        lora_targets=tuple(tuning["lora_targets"]),
+        trainable=tuple((name, tuple(int(d) for d in shape))
+                        for name, shape in tuning["trainable"]),
+    )
 
 
 def _write(f: BinaryIO, h: Any, data: bytes | memoryview) -> None:
@@ -478,6 +539,8 @@ def validate_metadata(meta: Any) -> None:
                 raise _Bad(f"config.{key}", f"must be a finite number, got {json.dumps(value)}")
         else:
             _int(config, key, f"config.{key}", 0, MAX_CTX if key == "n_ctx" else MAX_DIM)
+    if "tuning" in top:
+        _validate_tuning(_object(top.get("tuning"), "tuning"))
     extra = _object(top.get("extra"), "extra")
     for key, low in _EXTRA_INTS.items():
         if key in extra:
@@ -532,7 +595,7 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
             "or written by another program: restore it, or resume from another checkpoint"
         ) from None
     try:
-        cfg = ModelConfig(**meta["config"])
+        cfg = _config(meta)
         data_start = HEADER.size + meta_len + _pad(HEADER.size + meta_len)
         groups: dict[str, dict[str, F32Array]] = {g: {} for g in _GROUPS}
         for t in meta["tensors"]:

@@ -179,6 +179,7 @@ class Layout:
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
     data_start: int  # where the data section begins in the file
+    kv_end: int = 0  # where the key/value pairs end (the tensor table begins)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -201,6 +202,7 @@ def read_layout(buf: mmap.mmap, path: Path, strict: bool = True) -> Layout:
     r = _Reader(buf, path, strict)
     n_tensors, n_kv = _header(r)
     meta = _keys(r, n_kv)
+    kv_end = r.pos
     r.room(n_tensors, 24)  # name length, dimension count, type, offset
     table = []
     names: set[str] = set()
@@ -220,7 +222,7 @@ def read_layout(buf: mmap.mmap, path: Path, strict: bool = True) -> Layout:
         raise GGUFMetaError(f"{path}: general.alignment {align!r} is not a power of two")
     start = -(-r.pos // align) * align
     tensors = [TensorInfo(name, t, dims, start + offset) for name, t, dims, offset in table]
-    return Layout(meta, tensors, start)
+    return Layout(meta, tensors, start, kv_end)
 
 
 def _header(r: _Reader) -> tuple[int, int]:

@@ -173,11 +173,20 @@ def from_stored(qtype: QType, view: npt.NDArray[Any]) -> Param:
 
 
 def quantize(a: npt.NDArray[Any], qtype: QType) -> QTensor:
-    """Store float values as ``qtype`` (F16, or the types the ``gguf`` package quantizes:
-    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)."""
+    """Store float values as ``qtype``: F16, the types the ``gguf`` package quantizes (Q8_0,
+    Q4_0, Q4_1, Q5_0, Q5_1), and Q4_K and Q6_K (``kquants``: llama.cpp's reference
+    quantizers, byte for byte)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if qtype == QType.F16:
         return QTensor(qtype, a.shape, a.astype(np.float16).view(np.uint8))
+    if qtype in (QType.Q4_K, QType.Q6_K):
+        from foundry.model.kernels import kquants
+
+        write = kquants.quantize_q4_k if qtype == QType.Q4_K else kquants.quantize_q6_k
+        try:
+            return QTensor(qtype, a.shape, write(a))
+        except ValueError as exc:
+            raise QuantError(str(exc)) from None
     try:
         data = gguf.quants.quantize(a, qtype)
     except NotImplementedError:

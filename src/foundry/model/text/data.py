@@ -61,6 +61,8 @@ HOLDOUT_EVERY = 20
 # Validation reads at most this many held-out tokens (32 KiB of text for byte tokens: gzip's
 # whole window), so its cost stays bounded on a large corpus.
 VAL_MAX_TOKENS = 32 * 1024
+# The target of a token that carries no loss (``Corpus.counted``): torch's ignore_index.
+NOT_COUNTED = -1
 # Permutations kept in memory: a window of global samples spans at most two epochs, the
 # validation reader and a second sequence length (evaluation) may add one more each.
 _PERM_CACHE_SIZE = 4
@@ -84,9 +86,13 @@ class Fingerprint:
     sha256: str  # hex digest of the tokens as little-endian int32
 
 
-def fingerprint(tokens: TokenArray) -> Fingerprint:
-    data = np.ascontiguousarray(tokens, dtype="<i4").reshape(-1).view(np.uint8).data
-    return Fingerprint(n_tokens=len(tokens), sha256=hashlib.sha256(data).hexdigest())
+def fingerprint(tokens: TokenArray, counted: npt.NDArray[np.bool_] | None = None) -> Fingerprint:
+    """Token count and sha256 of the tokens (then of the loss mask's bytes, where a corpus
+    has one: two workers with the same tokens and another mask are not the same data)."""
+    h = hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").reshape(-1).view(np.uint8).data)
+    if counted is not None:
+        h.update(np.ascontiguousarray(counted, dtype=np.uint8).data)
+    return Fingerprint(n_tokens=len(tokens), sha256=h.hexdigest())
 
 
 def shard_range(
@@ -128,14 +134,20 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
 class Corpus:
     """A token stream with its fingerprint, validation split and global sample order."""
 
-    def __init__(self, tokens: TokenArray, source: str, n_documents: int) -> None:
+    def __init__(self, tokens: TokenArray, source: str, n_documents: int,
+                 counted: npt.NDArray[np.bool_] | None = None) -> None:
         if tokens.ndim != 1 or len(tokens) == 0:
             raise DataError(f"corpus from {source} has no tokens")
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.tokens.setflags(write=False)
         self.source = source
         self.n_documents = n_documents
-        self.fingerprint = fingerprint(self.tokens)
+        # Which tokens carry loss as targets (chat data: the assistant's); None: all. A target
+        # that does not is given as NOT_COUNTED.
+        self.counted = None if counted is None else np.ascontiguousarray(counted, dtype=bool)
+        if self.counted is not None and self.counted.shape != self.tokens.shape:
+            raise DataError(f"corpus from {source}: the loss mask does not match the tokens")
+        self.fingerprint = fingerprint(self.tokens, self.counted)
         self._perms: dict[tuple[int, int, int], npt.NDArray[np.int64]] = {}
 
     def __len__(self) -> int:
@@ -179,6 +191,17 @@ class Corpus:
         window = blocks[:, None] * seq_len + np.arange(seq_len + 1)  # (count, seq_len + 1)
         chunk: TokenArray = self.tokens[window]
         return chunk
+
+    def _pair(self, blocks: npt.NDArray[np.int64], seq_len: int
+              ) -> tuple[TokenArray, TokenArray]:
+        """Inputs and targets (count, seq_len) of blocks; targets that carry no loss are
+        NOT_COUNTED."""
+        chunk = self._blocks(blocks, seq_len)  # (count, seq_len + 1)
+        targets = np.ascontiguousarray(chunk[:, 1:])
+        if self.counted is not None:
+            window = blocks[:, None] * seq_len + np.arange(1, seq_len + 1)  # (count, seq_len)
+            targets[~self.counted[window]] = NOT_COUNTED
+        return np.ascontiguousarray(chunk[:, :-1]), targets
 
     def held_out_bytes(self, seq_len: int) -> bytes:
         """The text validation scores: the byte targets of :meth:`validation_blocks`, in
@@ -228,8 +251,7 @@ class Corpus:
     ) -> tuple[TokenArray, TokenArray]:
         """Inputs and targets, each (count, seq_len), of global samples [start, start+count)."""
         seqs = self.sequence_indices(start, count, seq_len, seed)
-        chunk = self._blocks(self.training_blocks(seqs), seq_len)  # (count, seq_len + 1)
-        return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+        return self._pair(self.training_blocks(seqs), seq_len)
 
     def validation_batches(
         self, seq_len: int, batch_size: int, max_batches: int | None = None
@@ -246,8 +268,7 @@ class Corpus:
         if max_batches is not None:
             n_batches = min(n_batches, max_batches)
         for b in range(n_batches):
-            chunk = self._blocks(blocks[b * batch_size : (b + 1) * batch_size], seq_len)
-            yield np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+            yield self._pair(blocks[b * batch_size : (b + 1) * batch_size], seq_len)
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -341,6 +362,12 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
     """
     if path is None:
         return corpus_from_documents(_default_documents(), source="pydoc_data.topics")
+    return corpus_from_documents(read_documents(path), source=str(path))
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """The documents of a text file (one) or a folder (each ``*.txt``, ``*.md``, ``*.rst``
+    and ``*.py`` file below it, hidden ones skipped, in sorted path order)."""
     p = Path(path)
     hint = (
         "pass a UTF-8 text file, a folder holding .txt/.md/.rst/.py files, or nothing for the "
@@ -360,5 +387,5 @@ def load_corpus(path: str | Path | None = None) -> Corpus:
         raise DataError(f"cannot read corpus {p}: {exc}; {hint}") from exc
     if not any(documents):
         raise DataError(f"corpus {p} is empty; {hint}")
-    return corpus_from_documents(documents, source=str(p))
+    return documents
 

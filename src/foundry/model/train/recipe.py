@@ -19,6 +19,14 @@ SEQ_LEN = 64
 # tiny model overfitting the corpus's 470 KB (docs/benchmarks.md).
 LONG_STEPS = 8000
 
+# Fine-tuning a published model (`--base-model`): a short run of small batches of longer
+# sequences at a rate for adapters (LoRA's usual 1e-4 to 1e-3; full fine-tuning takes a tenth).
+FT_STEPS = 200
+FT_GLOBAL_BATCH = 8
+FT_SEQ_LEN = 128
+FT_LR_LORA = 1e-3
+FT_LR_FULL = 1e-4
+
 
 def warmup_steps(steps: int) -> int:
     """Linear warm-up of a run of ``steps``: a fiftieth of it, 20 to 60 steps (a run with a

@@ -20,6 +20,7 @@ from foundry.wire.fdtc.enums import (
 from foundry.wire.fdtc.extensions import (
     FRAGMENTABLE,
     Assign,
+    BaseModel,
     ControlAck,
     Dataset,
     Export,
@@ -68,7 +69,7 @@ _CLASSES: tuple[type[Message], ...] = (
     WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
     StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
     TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Fragment,
-    Error,
+    BaseModel, Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}

@@ -67,6 +67,7 @@ class MsgType(IntEnum):
     SWARM_DETAIL_REQ = 0x6A
     SWARM_DETAIL = 0x6B
     FRAGMENT = 0x6C
+    BASE_MODEL = 0x6D
     ERROR = 0xFF
 
 

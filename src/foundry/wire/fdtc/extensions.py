@@ -19,7 +19,7 @@ from foundry.wire.fdtc.enums import (
     WorkerState,
 )
 from foundry.wire.fdtc.messages import Message, _as_buffer, _HeaderAndData, _Layout
-from foundry.wire.layout import BOOL, F32, U32, U64
+from foundry.wire.layout import BOOL, F32, U8, U32, U64
 from foundry.wire.layout import Bytes as _Bytes
 from foundry.wire.layout import Enum as _Enum
 from foundry.wire.layout import Str as _Str
@@ -113,6 +113,39 @@ class Dataset(Message):
     LAYOUT: ClassVar[_Layout] = _Layout(("n_tokens", U64), ("sha256", _Bytes(32)))
     n_tokens: int
     sha256: bytes
+
+
+MAX_ARCH = 16  # char[16] architecture of BASE_MODEL ("gemma3", "qwen3moe", ...)
+
+
+@dataclass(frozen=True)
+class BaseModel(Message):
+    """BASE_MODEL (ours), 73 bytes: REGISTER's extension for fine-tuning a published model.
+
+    Worker -> coordinator, before REGISTER (after DATASET): the base file the worker loaded
+    (``file_bytes``, its ``sha256``, ``architecture``) and ``trainer`` 1 if it can train that
+    architecture (PyTorch is there), 0 if not; its LoRA fields are 0. A coordinator that
+    fine-tunes another file, or is not fine-tuning, or gets ``trainer`` 0, refuses the
+    registration with the reason. Coordinator -> worker, with REGISTER_ACK in place of
+    MODEL_CONFIG: the same file, ``trainer`` 1, and what trains: ``lora_rank`` (0: every
+    tensor, full fine-tuning), ``lora_alpha``, ``lora_dropout`` and ``lora_targets``, a bit
+    per projection (bit i: ``model.formats.lora.TARGETS[i]``: attn_q, attn_k, attn_v,
+    attn_output, ffn_gate, ffn_up, ffn_down)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BASE_MODEL
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("file_bytes", U64), ("sha256", _Bytes(32)), ("architecture", _Str(MAX_ARCH)),
+        ("trainer", U8), ("lora_rank", U32), ("lora_alpha", F32), ("lora_dropout", F32),
+        ("lora_targets", U32),
+    )
+    file_bytes: int
+    sha256: bytes
+    architecture: str
+    trainer: int
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,186 @@
+"""Fine-tuning a published model across a shaped LAN: bytes per round each way with LoRA and
+with full fine-tuning, and N LoRA workers against one, measured in one run.
+
+A random base in a published architecture (qwen3, by default 384 wide, 6 layers, a 4,096-token
+SentencePiece vocabulary: 11.3M parameters, 45 MB of float32) is written with the ``gguf``
+package; every process loads it from that file (``--base-model``), as every machine of a swarm
+loads its own copy. The text is Python's bundled documentation in the file's tokens. Then, with
+``bench/performance/lan.py``'s machinery (each process in a network namespace behind one bridge,
+every port shaped both ways by ``tc tbf`` to ``--rate``), three swarms train the same global batch:
+
+1. ``lora x1``: one worker, LoRA (rank ``--lora-rank`` on attn_q and attn_v);
+2. ``lora xN``: ``--workers`` workers, LoRA, the same batch split among them;
+3. ``full x1``: one worker, full fine-tuning (every tensor trains and travels), a few rounds.
+
+For each it prints samples/s after the first rounds and the bytes per round through the
+coordinator's port each way (the switch's counters, TCP/IP headers included); then the ratio
+of (2)'s samples/s to (1)'s. Every process has one thread (``OMP_NUM_THREADS=1``): N workers
+are N cores of the machine, which must have N + 2 of them free.
+
+It needs root, ``ip`` and ``tc`` (or ``--ip``/``--tc``, ``FOUNDRY_IP``/``FOUNDRY_TC``), and
+PyTorch.
+
+    python bench/performance/finetune_lan.py --rate 100mbit --workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
+
+import gguf
+import harness
+import numpy as np
+from lan import Baseline, Network, Result, mb, run_config
+
+
+def write_base(path: Path, n_vocab: int, n_embd: int, n_layer: int, n_ff: int) -> int:
+    """A random qwen3-architecture file: QK-norm, 2 query heads per kv head, tied output, a
+    SentencePiece vocabulary of the 256 byte tokens and plain pieces. Returns its parameters."""
+    rng = np.random.default_rng(0)
+    a, dh = "qwen3", 64
+    n_head, n_head_kv = n_embd // dh, n_embd // dh // 2
+    w = gguf.GGUFWriter(path, a)
+    w.add_name("bench-qwen3")
+    for key, value in (("context_length", 512), ("embedding_length", n_embd),
+                       ("block_count", n_layer), ("feed_forward_length", n_ff),
+                       ("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
+                       ("attention.key_length", dh), ("attention.value_length", dh),
+                       ("rope.dimension_count", dh)):
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{a}.rope.freq_base", 1e6)
+    tt = gguf.TokenType
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL), *[int(tt.BYTE)] * 256]
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    i = 0
+    while len(tokens) < n_vocab:
+        piece = "\u2581" + letters[i % 26] + letters[(i // 26) % 26]
+        if i >= 26 * 26:
+            piece += letters[(i // 676) % 26]
+        tokens.append(piece)
+        types.append(int(tt.NORMAL))
+        i += 1
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(j) for j in range(n_vocab - 259)])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    total = 0
+
+    def tensor(name: str, shape: tuple[int, ...], scale: float, center: float = 0.0) -> None:
+        nonlocal total
+        w.add_tensor(name, (center + rng.standard_normal(shape) * scale).astype(np.float32))
+        total += int(np.prod(shape))
+
+    d, q, kv = n_embd, n_head * dh, n_head_kv * dh
+    tensor("token_embd.weight", (n_vocab, d), 0.02)
+    for layer in range(n_layer):
+        b = f"blk.{layer}."
+        tensor(b + "attn_norm.weight", (d,), 0.05, 1.0)
+        tensor(b + "attn_q.weight", (q, d), d ** -0.5)
+        tensor(b + "attn_k.weight", (kv, d), d ** -0.5)
+        tensor(b + "attn_v.weight", (kv, d), d ** -0.5)
+        tensor(b + "attn_q_norm.weight", (dh,), 0.05, 1.0)
+        tensor(b + "attn_k_norm.weight", (dh,), 0.05, 1.0)
+        tensor(b + "attn_output.weight", (d, q), q ** -0.5)
+        tensor(b + "ffn_norm.weight", (d,), 0.05, 1.0)
+        tensor(b + "ffn_gate.weight", (n_ff, d), d ** -0.5)
+        tensor(b + "ffn_up.weight", (n_ff, d), d ** -0.5)
+        tensor(b + "ffn_down.weight", (d, n_ff), n_ff ** -0.5)
+    tensor("output_norm.weight", (d,), 0.05, 1.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return total
+
+
+def bundled_text(path: Path, size: int) -> None:
+    """The first ``size`` characters of Python's bundled documentation (its held-out
+    twentieth is what the coordinator validates on, beside the rounds)."""
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k].rstrip("\n") + "\n\n" for k in sorted(topics))
+    path.write_text(text[:size])
+
+
+def swarm(args: argparse.Namespace, work: Path, name: str, workers: int, steps: int,
+          base: Path, text: Path, lora: bool) -> Result:
+    a = argparse.Namespace(**vars(args))
+    a.workers, a.max_steps, a.steps, a.stop_at_target = workers, steps, steps, False
+    a.validate_every, a.slowdown, a.timeline = steps, 1.0, False
+    a.worker_args = ["--base-model", str(base), "--data", str(text)]
+    coordinator = ["--base-model", str(base), "--data", str(text)]
+    if lora:
+        coordinator += ["--lora-rank", str(args.lora_rank), "--lora-targets", "attn_q,attn_v"]
+    net = Network(workers + 1, args.rate, args.ip, args.tc)
+    never = Baseline(samples_per_s=float("nan"), target=float("-inf"),
+                     seconds_to_target=float("nan"), curve=[])
+    try:
+        net.up()
+        return run_config(net, work / name.replace(" ", "-"), a, never, name, coordinator)
+    finally:
+        net.down()
+
+
+def main() -> int:
+    ap = harness.parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", default="100mbit", help="every port (tc syntax)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=384)
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-ff", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10, help="steps of each LoRA swarm")
+    ap.add_argument("--full-steps", type=int, default=5, help="steps of the full swarm")
+    ap.add_argument("--text-chars", type=int, default=100_000)
+    ap.add_argument("--config-timeout", type=float, default=240.0)
+    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
+    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
+    args = ap.parse_args()
+    args.preset = "tiny"  # unused with --base-model; lan.run_config passes one
+    work = Path(tempfile.mkdtemp(prefix="ftlan-"))
+    base, text = work / "base.gguf", work / "docs.txt"
+    n = write_base(base, args.vocab, args.n_embd, args.n_layer, args.n_ff)
+    bundled_text(text, args.text_chars)
+    print(f"base: qwen3 {args.n_embd} wide, {args.n_layer} layers, vocab {args.vocab}: "
+          f"{n:,} parameters ({4 * n / 1e6:.1f} MB f32); batch {args.global_batch}x"
+          f"{args.seq_len}, LoRA r={args.lora_rank} on attn_q,attn_v; ports at {args.rate}; "
+          f"one thread a process", flush=True)
+    runs = [
+        swarm(args, work, "lora x1", 1, args.steps, base, text, True),
+        swarm(args, work, f"lora x{args.workers}", args.workers, args.steps, base, text, True),
+        swarm(args, work, "full x1", 1, args.full_steps, base, text, False),
+    ]
+    print(f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14}  note")
+    for r in runs:
+        print(f"{r.name:<10} {r.samples_per_s:10.2f} {mb(r.up_per_step):>12} "
+              f"{mb(r.down_per_step):>14}  {r.note}")
+    one, many = runs[0].samples_per_s, runs[1].samples_per_s
+    print(f"lora x{args.workers} / lora x1: {many / one:.2f}x samples/s "
+          f"({args.workers} workers, one thread each, {args.rate} ports)")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
