@@ -26,3 +26,14 @@ def retain_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
     return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+
+
+def give_back_freed_memory() -> bool:
+    """Return the heap's free pages to the OS now (glibc's ``malloc_trim``), whatever
+    :func:`retain_freed_memory` set: a service calls it when a peer that made it hold large
+    buffers is gone, so that memory is not kept for the life of the process (the pages a
+    training step reuses come back at the next step's first touch). Returns whether anything
+    was given back (False on other C libraries)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(None).malloc_trim(0))

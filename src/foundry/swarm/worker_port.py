@@ -22,6 +22,7 @@ from foundry.compression import deserialize_tensors
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.hardware import profile_accumulation_steps, profile_batch_size
 from foundry.model.formats.tuning import TunedConfig, targets_mask
+from foundry.runtime import give_back_freed_memory
 from foundry.swarm import policy, sync
 from foundry.swarm.core import Member, SwarmCore, clip
 from foundry.swarm.downlink import Downlink
@@ -346,6 +347,9 @@ class WorkerPort:
             self.core.round.changed.set()
         if reason not in ("deregistered", "replaced"):
             log.warning("dropped worker %s (%s)", m.worker_id, reason.replace("_", " "))
+            # What it made this process buffer (frames, fragments, its gradients) is freed
+            # now; the coordinator keeps freed memory for its steps (runtime), so trim it.
+            give_back_freed_memory()
         self.core.update_member_gauges()
 
     async def reaper(self) -> None:
