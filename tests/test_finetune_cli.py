@@ -120,7 +120,7 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     from foundry.model.text.vocab import load_tokenizer
     from foundry.tp.blas import limit_blas_threads
     from foundry.tp.leader import LeaderOptions
-    from foundry.tp.policy import SpecMode
+    from foundry.tp.speculative import SpecMode
     from foundry.wire import frontend as fw
 
     base = tmp_path / "gemma3.gguf"
