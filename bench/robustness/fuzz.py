@@ -321,6 +321,11 @@ class FdtcFrames:
                 r.choice([fdtc.MsgType.WEIGHTS, fdtc.MsgType.UPDATE]),
                 total_length=r.randrange(24, 1 << 40), offset=0,
                 data=r.randbytes(r.randrange(1, 64))),
+            "BASE_MODEL": lambda: fdtc.BaseModel(
+                file_bytes=r.randrange(1 << 40), sha256=r.randbytes(32),
+                architecture=r.choice(["llama", "qwen3", "gemma3", "x"]),
+                trainer=r.randrange(2), lora_rank=r.choice([0, 8]), lora_alpha=_f32(r),
+                lora_dropout=r.random(), lora_targets=r.randrange(128)),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), _word(r)),
         }
         return build[name]()
@@ -493,13 +498,15 @@ class WorkerPortTarget(FdtcTarget):
         return not (extended and len(raw) > 4 and raw[4] == fdtc.MsgType.FRAGMENT)
 
     def _registered(self, msgs: list[fdtc.Message]) -> int | None:
-        """Index after DATASET? + REGISTER when they open a worker link; None when refused,
-        -1 while the link still waits for its REGISTER."""
+        """Index after DATASET / BASE_MODEL + REGISTER when they open a worker link; None when
+        refused, -1 while the link still waits for its REGISTER."""
         i = 0
-        if msgs and isinstance(msgs[0], fdtc.Dataset):
-            if (msgs[0].n_tokens, msgs[0].sha256) != self.fingerprint:
+        # DATASET and BASE_MODEL come before REGISTER, unanswered: the link waits for it.
+        while i < len(msgs) and isinstance(msgs[i], fdtc.Dataset | fdtc.BaseModel):
+            m = msgs[i]
+            if isinstance(m, fdtc.Dataset) and (m.n_tokens, m.sha256) != self.fingerprint:
                 return None
-            i = 1
+            i += 1
         if i == len(msgs):
             return -1
         reg = msgs[i]
