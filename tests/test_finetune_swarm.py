@@ -72,23 +72,24 @@ def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_worke
     assert_one_process(base, text, swarm.tensors)
 
 
-def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray]) -> None:
-    """``adapters`` equal those one process trains in STEPS steps of the same batches."""
+def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray],
+                       steps: int = STEPS) -> None:
+    """``adapters`` equal those one process trains in ``steps`` steps of the same batches."""
     loaded = FT.load_base(base)
     spec = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
     cfg = tuned_config(loaded.cfg, loaded.identity, spec)
     corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
     backend = FT.FineTuneBackend(loaded, spec)
     settings = TrainSettings(global_batch=BATCH, seq_len=SEQ, lr=LR_, warmup_steps=20,
-                             total_steps=STEPS, weight_decay=0.0)
+                             total_steps=steps, weight_decay=0.0)
     single = Trainer(cfg, settings, FT.initial_trainable(loaded, spec, 0))
-    for _ in range(STEPS):
+    for _ in range(steps):
         result = backend.compute_gradients(single.params, cfg, corpus, single.position, BATCH,
                                            seq_len=SEQ)
         single.apply(result.grads)
     assert set(adapters) == set(single.params)
     worst = max(float(np.max(np.abs(adapters[k] - single.params[k]))) for k in single.params)
-    assert worst <= 1e-6, f"max abs adapter difference {worst:.3g} after {STEPS} steps"
+    assert worst <= 1e-6, f"max abs adapter difference {worst:.3g} after {steps} steps"
     moved = max(float(np.max(np.abs(single.params[k]))) for k in single.params
                 if k.endswith(".lora_b"))
     assert moved > 1e-3, "B never left zero: the comparison would prove nothing"
@@ -102,7 +103,10 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
     from foundry.model.formats.tuning import TunedConfig
 
     base, text = tiny_run(tmp_path)
-    args = (*lora_args(base, text), "--max-steps", str(STEPS), "--global-batch", str(BATCH),
+    # Far more steps than the first checkpoint's 5: the run must still be going when it is
+    # killed (with 10, a fast machine wrote step 10's checkpoint, the last, before the kill).
+    steps = 30
+    args = (*lora_args(base, text), "--max-steps", str(steps), "--global-batch", str(BATCH),
             "--seq-len", str(SEQ), "--lr", str(LR_), "--checkpoint-every", "5",
             "--export-anywhere")
     coord, port, admin_port = coordinator(tmp_path, *args)
@@ -119,14 +123,15 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
              f"127.0.0.1:{admin_port}", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
             tmp_path / "coordinator2.log",
         )
+        assert saved.step < steps
         coord.wait_for(rf"resumed from .* at step {saved.step}", within_s=120)
-        coord.wait_for(rf"training done at step {STEPS}", within_s=180)
+        coord.wait_for(rf"training done at step {steps}", within_s=180)
         ack = admin(admin_port, fdtc.Export(path=str(out)), timeout_s=60)
         assert isinstance(ack, fdtc.ControlAck) and ack.ok, ack
     finally:
         w.stop()
         coord.stop()
-    assert_one_process(base, text, LR.load_adapter(out).tensors)
+    assert_one_process(base, text, LR.load_adapter(out).tensors, steps)
 
 
 def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
