@@ -323,12 +323,14 @@ GOLDEN: list[tuple[Message, bytes]] = [
     (
         SwarmDetail(
             min_workers=2, seconds_since_step=1.5, failed=True, note="ckpt",
+            first_val_loss=2.5, first_val_step=7,
             rows=(SwarmDetailRow(inner_steps=16, bytes_up=1024, bytes_down=4096),),
         ),
         hexb(
-            "43544446 6b 21010000",  # SWARM_DETAIL, 269 + 20
+            "43544446 6b 29010000",  # SWARM_DETAIL, 277 + 20
             "02000000", "0000c03f", "01",  # min_workers 2, seconds_since_step 1.5, failed
             "636b7074", z(252),  # note "ckpt", char[256]
+            "00002040", "07000000",  # first_val_loss 2.5 at step 7
             "01000000",  # n_rows 1
             "10000000", "0004000000000000", "0010000000000000",  # 16 steps, 1024 up, 4096 down
         ),
@@ -362,7 +364,7 @@ def test_struct_sizes() -> None:
     assert SwarmStatusRow.LAYOUT.size == 93
     assert ControlAck.LAYOUT.size == 262
     assert Export.LAYOUT.size == 257
-    assert SwarmDetail.HEAD.size == 269
+    assert SwarmDetail.HEAD.size == 277
     assert SwarmDetailRow.LAYOUT.size == 20
     for cls in (Deregister, WeightsReq, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
                 StatusReq):
@@ -453,7 +455,7 @@ BAD_HEADERS = [
     ("43544446 22 98000000", "WEIGHTS_META payload must be 12 \\+ 141"),  # 12 + 140
     ("43544446 30 4f000000", "GRADIENTS payload must be at least 80"),
     ("43544446 63 26000000", "SWARM_STATUS payload must be 37 \\+ 93"),  # 38
-    ("43544446 6b 0e010000", "SWARM_DETAIL payload must be 269 \\+ 20"),  # 270
+    ("43544446 6b 16010000", "SWARM_DETAIL payload must be 277 \\+ 20"),  # 278
     ("43544446 6a 01000000", "SWARM_DETAIL_REQ payload must be 0 bytes"),
     ("43544446 11 03000000", "HEARTBEAT_ACK payload must be 0 or 4"),
     ("43544446 31 04000000", "GRADIENTS_ACK payload must be 0 or 5"),
@@ -547,7 +549,7 @@ BAD_PAYLOADS = [
     (_replace(_golden(MsgType.SWARM_STATUS), 37 + 68, b"\x04"), "state 4 is not a WorkerSt"),
     (_replace(_golden(MsgType.SWARM_DETAIL), 8, b"\x02"), "failed must be a bool"),
     (_replace(_golden(MsgType.SWARM_DETAIL), 9, b"c" * 256), "note .* not NUL-terminated"),
-    (_replace(_golden(MsgType.SWARM_DETAIL), 265, b"\x02"), "n_rows 2 but carries 1"),
+    (_replace(_golden(MsgType.SWARM_DETAIL), 273, b"\x02"), "n_rows 2 but carries 1"),
     (_replace(_golden(MsgType.CONTROL_ACK), 0, b"\x99"), "acked_type 153 is not a MsgType"),
     (_replace(_golden(MsgType.EXPORT), 0, b"\xc3\x28"), "path is not valid UTF-8"),
 ]

@@ -191,6 +191,8 @@ class AdminPort:
             failed=self.core.failure is not None,
             note=clip(self.core.failure or "; ".join(
                 w for w in (self.records.checkpoint_warning, self.runner.round_warning) if w)),
+            first_val_loss=self.core.first_val_loss,
+            first_val_step=self.core.first_val_step,
             rows=tuple(
                 fdtc.SwarmDetailRow(
                     inner_steps=min(m.steps_done, 0xFFFF_FFFF), bytes_up=m.bytes_up,

@@ -215,6 +215,9 @@ class SwarmCore:
         self.outer_steps = outer_steps
         self.train_loss = float("nan")
         self.val_loss = float("nan")
+        # The first held-out loss this process measured and its step (fine-tuning: the base's).
+        self.first_val_loss = float("nan")
+        self.first_val_step = 0
         self.samples_total = 0
         self.last_rate = 0.0
         self.wake = asyncio.Event()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,8 @@ class Records:
         seq_len = c.opt.settings.seq_len
         loss = await asyncio.to_thread(c.opt.validation_backend.evaluate_loss, params, c.opt.cfg,
                                        c.corpus, seq_len)
+        if math.isnan(c.first_val_loss):
+            c.first_val_loss, c.first_val_step = loss, step
         if isinstance(c.opt.cfg, TunedConfig):  # tokens of the base's vocabulary, not bytes
             self.core.val_loss = loss
             self.core.metrics.validation_loss.set(loss)

@@ -331,6 +331,8 @@ class RoundRunner:
         """The end of training, from the round loop only (so no step is applied meanwhile):
         validate and checkpoint the last step, DONE, every worker's final UPDATE, SHUTDOWN."""
         if self.core.state is SwarmState.DONE:
+            log.info("training done at step %d (resumed at its last checkpoint); nothing left "
+                     "to train", self.core.step)
             self.core.done.set()
             return
         if self.records.validation_step != self.core.step:

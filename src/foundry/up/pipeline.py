@@ -124,8 +124,8 @@ def watch_training(
                 summary.first_loss_step = st.global_step
             summary.last_loss = st.train_loss
         summary.val_loss = st.val_loss
-        if math.isnan(summary.first_val_loss):
-            summary.first_val_loss = st.val_loss
+        summary.first_val_loss = detail.first_val_loss
+        summary.first_val_step = detail.first_val_step
         summary.steps = st.global_step
         view.update(st, detail)
         if st.state is fdtc.SwarmState.DONE:
@@ -352,7 +352,8 @@ def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminL
         view.close()
     stack.say(f"training done at step {summary.steps}: {summary.loss_text()} "
               f"({summary.seconds:.0f} s)")
-    stack.say(f"held-out loss: before {summary.first_val_loss:.4f}, after "
+    before = f" (step {summary.first_val_step})" if summary.first_val_step else ""
+    stack.say(f"held-out loss: before{before} {summary.first_val_loss:.4f}, after "
               f"{summary.val_loss:.4f} nats/token (perplexity "
               f"{math.exp(summary.first_val_loss):.2f} -> {math.exp(summary.val_loss):.2f})")
     adapter = admin.export(_short_path(run / "adapter.gguf"))

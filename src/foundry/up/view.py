@@ -61,7 +61,8 @@ class TrainingSummary:
     first_loss_step: int = 0  # the global step of first_loss
     last_loss: float = float("nan")
     val_loss: float = float("nan")
-    first_val_loss: float = float("nan")  # the first held-out loss seen (fine-tuning: step 0's)
+    first_val_loss: float = float("nan")  # the coordinator's first held-out loss (SWARM_DETAIL)
+    first_val_step: int = 0  # its step: 0 on a fresh fine-tuning run (the base's loss)
     seconds: float = 0.0
     polls: int = 0
     start_step: int = 0  # the step the coordinator resumed at (its newest checkpoint); 0: fresh

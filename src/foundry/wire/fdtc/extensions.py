@@ -431,10 +431,13 @@ class SwarmDetailRow:
 
 @dataclass(frozen=True)
 class SwarmDetail(_HeadAndRows):
-    """SWARM_DETAIL (coordinator -> admin), ours: what SWARM_STATUS does not say. A 269-byte
+    """SWARM_DETAIL (coordinator -> admin), ours: what SWARM_STATUS does not say. A 277-byte
     header, then ``n_rows`` rows of 20 bytes (``SwarmDetailRow``). ``failed``: an internal
     task failed and the coordinator is exiting (status 1), ``note`` saying why; otherwise
-    ``note`` is a warning in effect (checkpoints failing) or empty."""
+    ``note`` is a warning in effect (checkpoints failing) or empty. ``first_val_loss`` is
+    the first held-out loss this coordinator measured, at ``first_val_step`` (a fine-tuning
+    run's step 0: the base's), NaN until one is; an admin that polls cannot miss it, however
+    fast the run."""
 
     TYPE: ClassVar[MsgType] = MsgType.SWARM_DETAIL
     HEAD: ClassVar[_Layout] = _Layout(
@@ -442,6 +445,8 @@ class SwarmDetail(_HeadAndRows):
         ("seconds_since_step", F32),
         ("failed", BOOL),
         ("note", _Str(MAX_PATH)),
+        ("first_val_loss", F32),
+        ("first_val_step", U32),
         ("n_rows", U32),
     )
     ROW: ClassVar[type[SwarmDetailRow]] = SwarmDetailRow
@@ -449,6 +454,8 @@ class SwarmDetail(_HeadAndRows):
     seconds_since_step: float
     failed: bool = False
     note: str = ""
+    first_val_loss: float = float("nan")
+    first_val_step: int = 0
     rows: tuple[SwarmDetailRow, ...] = ()
 
 
