@@ -110,16 +110,18 @@ def test_a_product_cut_wrongly_is_seen() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("window", [0, 7, 90])
-@pytest.mark.parametrize(("n_kv", "dh", "pos", "n"), [(4, 32, 5, 20), (2, 64, 130, 1),
-                                                      (1, 256, 99, 1), (2, 40, 70, 1)])
+@pytest.mark.parametrize(("n_kv", "dh", "pos", "n", "n_head"), [
+    (4, 32, 5, 20, 8), (2, 64, 130, 1, 8), (1, 256, 99, 1, 8), (2, 40, 70, 1, 8),
+    (1, 64, 4100, 1, 2),  # past SPLIT_POSITIONS with fewer heads than threads: attend_split
+])
 def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
     dtype: type[np.floating[np.float16] | np.floating[np.float32]], window: int, n_kv: int,
-    dh: int, pos: int, n: int,
+    dh: int, pos: int, n: int, n_head: int,
 ) -> None:
-    """A block's rows each over their own window; one row over a long cache (more threads
-    than kv heads: split by positions and by value columns) with attend's bits."""
+    """A block's rows each over their own window; one row with more threads than kv heads
+    (a task per fewer query heads), and over a long cache with more threads than heads
+    (split by positions and by value columns), with attend's bits."""
     rng = np.random.default_rng(2)
-    n_head = 8
     kc = rng.standard_normal((pos + n, n_kv, dh)).astype(dtype)
     vc = rng.standard_normal((pos + n, n_kv, dh)).astype(dtype)
     q = rng.standard_normal((n, n_head, dh)).astype(np.float32)
@@ -169,6 +171,29 @@ def test_our_files_decode_the_same_bits_at_any_thread_count(
     params = load_gguf_stored(own_files[dtype]).params
     engine = Engine(CFG, params, expert_split=mode)
     assert_same_bits(at_counts(lambda: decode_run(engine, PROMPT, 6)))
+
+
+def test_the_profile_counts_a_decoded_tokens_layers_and_pool_calls(
+    own_files: dict[str, Path],
+) -> None:
+    """quant.profile (bench/performance/engine.py --profile): a layer counted once a token
+    per layer, its phases within it, the pool's calls and joins at 2 threads, nothing while
+    off, and the counters reset by each read."""
+    engine = Engine(CFG, load_gguf_stored(own_files["q8_0"]).params)
+    session = engine.new_session()
+    engine.decode(session, PROMPT[:4])
+    quant.set_threads(2)  # split_everything: every product on the pool
+    quant.profile(True)
+    for t in PROMPT[4:7]:
+        engine.decode(session, [t])
+    counted = quant.profile(False)
+    engine.decode(session, [PROMPT[7]])
+    after = quant.profile(False)
+    assert counted["layer"][1] == 3 * CFG.n_layer
+    phases = sum(counted[k][0] for k in ("qkv", "attention", "out", "ffn"))
+    assert 0 < phases <= counted["layer"][0]
+    assert counted["pool"][1] > 0 and 0 < counted["join"][0] <= counted["pool"][0]
+    assert all(v == (0, 0) for v in after.values())
 
 
 class _Exchange:

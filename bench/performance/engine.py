@@ -390,8 +390,23 @@ class OwnTime:
         vars(inference).update(self._saved)
 
 
+def print_profile(threads: int, tokens: int, in_c: float,
+                  profiled: dict[str, list[int]]) -> None:
+    """Where a decoded token's time went at ``threads`` (``--profile``): the C step's phases
+    (csrc/kernels.h, PROF_*) in microseconds a token, and pool calls a token."""
+    us = {k: ns / tokens / 1e3 for k, (ns, _) in profiled.items()}
+    calls = {k: c / tokens for k, (_, c) in profiled.items()}
+    phases = us["qkv"] + us["attention"] + us["out"] + us["ffn"]
+    print(f"  {threads:>2} threads, a token: {in_c / tokens * 1e6:.0f} us in C; the layers "
+          f"{us['layer']:.0f} us = Q/K/V {us['qkv']:.0f} + attention {us['attention']:.0f} + "
+          f"output {us['out']:.0f} + FFN {us['ffn']:.0f} + norms and sums "
+          f"{us['layer'] - phases:.0f}; pool calls {calls['pool']:.1f} taking "
+          f"{us['pool']:.0f} us, of which the join waits {us['join']:.0f}; products "
+          f"run alone {calls['alone']:.1f} taking {us['alone']:.0f} us", flush=True)
+
+
 def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
-               cores: str | None, threads: list[int]) -> bool:
+               cores: str | None, threads: list[int], profile: bool = False) -> bool:
     """A file in the engine: a prompt as one block and 64 decoded tokens at each thread count,
     against llama-bench on the same file with as many threads (module docstring, 3.)."""
     from kernels import llama_bench_prompt_and_decode  # bench/performance/kernels.py
@@ -418,15 +433,22 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
         ours: dict[str, list[float]] = {"decode": [], "prompt": []}
         theirs: dict[str, list[float]] = {"decode": [], "prompt": []}
         own = OwnTime()
+        profiled: dict[str, list[int]] = {}
         for r in range(rounds):
             s = engine.new_session(prompt_len + n_gen + 1)
             t0 = time.perf_counter()
             last = int(np.argmax(engine.decode(s, prompt, last_only=True)[-1]))  # as llama.cpp
             pre = prompt_len / (time.perf_counter() - t0)
             t0 = time.perf_counter()
+            quant.profile(profile)
             with own:
                 for _ in range(n_gen):
                     last = int(np.argmax(engine.decode(s, [last])[-1]))
+            counted = quant.profile(False)
+            for k, (ns, calls) in counted.items():
+                acc = profiled.setdefault(k, [0, 0])
+                acc[0] += ns
+                acc[1] += calls
             dec = n_gen / (time.perf_counter() - t0)
             ours["prompt"].append(pre)
             ours["decode"].append(dec)
@@ -443,6 +465,8 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
                 line += (f"; llama.cpp prompt {pp:8.1f}, decode {tg:7.2f}: {pre / pp:.2f}x "
                          f"prompt, {dec / tg:.2f}x decode")
             print(line, flush=True)
+        if profile:
+            print_profile(n, rounds * n_gen, own.in_c, profiled)
         token_s = rounds * n_gen / sum(n_gen / d for d in ours["decode"])
         python_us = (rounds * n_gen / token_s - own.in_c) / (rounds * n_gen) * 1e6
         rows.append((n, ours, theirs, ratios, python_us))
@@ -498,6 +522,10 @@ def main() -> None:
                     help="thread counts of the --gguf measurement, each against llama-bench "
                     "-t N (default 1)")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens with --gguf")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --gguf: where a decoded token's time goes in the C step at each "
+                    "thread count (its phases, pool calls and their joins; two clock reads a "
+                    "phase, so decode is timed slightly slower)")
     args = ap.parse_args()
     LLAMA_BENCH_ARGS.extend(args.llama_bench_args.split())
     retained = not args.default_malloc and retain_freed_memory()
@@ -512,8 +540,8 @@ def main() -> None:
         files += [written[t] for t in types]
     if files:
         threads = [int(n) for n in args.threads.split(",")]
-        results = [bench_file(f, args.llama_cpp, args.rounds, args.prompt, args.cores, threads)
-                   for f in files]
+        results = [bench_file(f, args.llama_cpp, args.rounds, args.prompt, args.cores, threads,
+                              args.profile) for f in files]
         raise SystemExit(0 if all(results) else 1)
     ok = True
     if not args.decode_only:

@@ -277,6 +277,15 @@ def threads() -> int:
     return int(_kernels.threads()) if _kernels is not None else 1
 
 
+def profile(on: bool) -> dict[str, tuple[int, int]]:
+    """Where the one-token step's time went since the last call: {phase: (nanoseconds,
+    calls)} (csrc/kernels.h, PROF_*), the counters reset, counting on from now if ``on``.
+    For benchmarks (bench/performance/engine.py --profile): two clock reads a phase."""
+    if _kernels is None:
+        return {}
+    return {k: (int(v[0]), int(v[1])) for k, v in _kernels.profile(on).items()}
+
+
 # The rest of a decode step in the C module, each row in one fixed order of operations (the
 # products' rule: a row's bits depend neither on the other rows nor on the path or machine);
 # without the module, the training layers' numpy. Arguments float32 (top int64), C-contiguous.

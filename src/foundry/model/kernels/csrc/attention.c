@@ -487,8 +487,12 @@ static int split_values(void *ctx, int i) {
     return 0;
 }
 
-/* Positions from which one row's attention is split so (below, a task per kv head is enough). */
-#define SPLIT_POSITIONS 64
+/* Positions from which one row's attention with fewer query heads than threads is split so
+ * (below, a task per query head is enough). Its three pool calls and narrow column tasks cost
+ * more than they give over a window of hundreds of positions: the bench preset at position
+ * 512-576 spent 225 us a layer in them at 16 threads, against 64 us a layer for 4 tasks at
+ * 4 threads (bench/performance/engine.py --profile, docs/benchmarks.md). */
+#define SPLIT_POSITIONS 4096
 
 static int attend_split(const float *q, const void *k, const void *v, int half, int n_pos,
                         int n_head, int n_kv, int dh, float *out) {
@@ -511,15 +515,64 @@ static int attend_split(const float *q, const void *k, const void *v, int half, 
     return rc;
 }
 
+/* ---- one row, several blocks of heads, one pool call ------------------------------------- */
+
+typedef struct {
+    const attend_item *items;
+    const int *first; /* the first task of each item; first[count] = the tasks */
+    int half, n_pos, dh, per_group;
+} many_attend_job;
+
+static int attend_many_task(void *ctx, int i) {
+    const many_attend_job *j = ctx;
+    int it = 0;
+    while (j->first[it + 1] <= i) it++;
+    const attend_item *a = &j->items[it];
+    const int group = a->n_head / a->n_kv, local = i - j->first[it];
+    const int per = j->per_group < group ? j->per_group : group;
+    const int chunk = (group + per - 1) / per, g = local / per;
+    const int h0 = g * group + (local % per) * chunk;
+    const int h1 = h0 + chunk < (g + 1) * group ? h0 + chunk : (g + 1) * group;
+    if (h0 >= h1) return 0;
+    const size_t at = (size_t)g * j->dh * (j->half ? 2 : 4);
+    float *p = malloc(attend_room(j->n_pos, h1 - h0, 1, j->dh) * sizeof(float));
+    if (p == NULL) return -1;
+    attend_strided(a->q + (size_t)h0 * j->dh, (const uint8_t *)a->k + at,
+                   (const uint8_t *)a->v + at, j->half, j->n_pos, h1 - h0, 1, j->dh,
+                   (size_t)a->n_kv * j->dh, p, a->out + (size_t)h0 * j->dh);
+    free(p);
+    return 0;
+}
+
+#define MAX_ATTEND_ITEMS STEP_MAX_PARTS
+
+int attend_many(const attend_item *items, int count, int half, int n_pos, int dh) {
+    if (count < 1 || count > MAX_ATTEND_ITEMS) return -1;
+    int kv = 0;
+    for (int i = 0; i < count; i++) kv += items[i].n_kv;
+    const int threads = pool_threads();
+    /* tasks a kv head's query heads split into: enough for every thread to have one */
+    const int per_group = kv >= threads ? 1 : (threads + kv - 1) / kv;
+    int first[MAX_ATTEND_ITEMS + 1];
+    first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        const int group = items[i].n_head / items[i].n_kv;
+        first[i + 1] = first[i] + items[i].n_kv * (per_group < group ? per_group : group);
+    }
+    many_attend_job job = {items, first, half, n_pos, dh, per_group};
+    return pool_run(attend_many_task, &job, first[count]);
+}
+
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out) {
-    if (rows == 1 && pool_threads() > n_kv) {
+    if (rows == 1) {
         const int n_pos = pos + 1, first = window && n_pos > window ? n_pos - window : 0;
-        if (n_pos - first >= SPLIT_POSITIONS) {
-            const size_t at = (size_t)first * n_kv * dh * (half ? 2 : 4);
-            return attend_split(q, (const uint8_t *)k + at, (const uint8_t *)v + at, half,
-                                n_pos - first, n_head, n_kv, dh, out);
-        }
+        const size_t at = (size_t)first * n_kv * dh * (half ? 2 : 4);
+        const void *kf = (const uint8_t *)k + at, *vf = (const uint8_t *)v + at;
+        if (n_pos - first >= SPLIT_POSITIONS && pool_threads() > n_head)
+            return attend_split(q, kf, vf, half, n_pos - first, n_head, n_kv, dh, out);
+        const attend_item item = {q, kf, vf, n_head, n_kv, out};
+        return attend_many(&item, 1, half, n_pos - first, dh);
     }
     attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
     return pool_run(attend_task, &job, rows * n_kv);

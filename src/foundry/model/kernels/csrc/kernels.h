@@ -356,6 +356,31 @@ typedef struct {
 } mm_item;
 int matmul_many(const mm_item *items, int count);
 
+/* Where a decoded token's time goes (bench/performance/engine.py --profile): off unless
+ * prof_on; counted by the thread that calls the pool (one Python thread at a time). */
+enum {
+    PROF_LAYER, /* step_whole: a layer of the one-token step */
+    PROF_QKV,   /* its Q, K and V products */
+    PROF_ATTN,  /* its rows (norms, rotation, the cache) and the attention */
+    PROF_OUT,   /* its output products */
+    PROF_FFN,   /* its FFN: routing, experts or the dense GLU, and their sum */
+    PROF_POOL,  /* a pool call, from start to join */
+    PROF_JOIN,  /* a pool call's wait for its workers after the caller ran out of tasks */
+    PROF_ALONE, /* a product run on the caller alone (less work than split_below per thread) */
+    PROF_N
+};
+extern int prof_on;
+extern uint64_t prof_ns[PROF_N], prof_calls[PROF_N];
+uint64_t prof_clock(void);
+#define PROF_START(t) const uint64_t t = prof_on ? prof_clock() : 0
+#define PROF_STOP(t, phase)                                                                    \
+    do {                                                                                       \
+        if (prof_on) {                                                                         \
+            prof_ns[phase] += prof_clock() - (t);                                              \
+            prof_calls[phase]++;                                                               \
+        }                                                                                      \
+    } while (0)
+
 /* attention.c */
 float score_portable(const float *q, const float *k, int dh);
 #if defined(FOUNDRY_X86)
@@ -371,10 +396,23 @@ void attend_strided(const float *q, const void *k, const void *v, int half, int 
 size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
 int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
                 int n_kv, int dh, float *out);
+/* One query row's attention for several blocks of heads in one pool call (the parts of a
+ * layer's split): item i is attend over n_pos positions of its cache (k, v at its first
+ * position; n_kv heads of dh values a position), its q and out (n_head x dh). A task per kv
+ * head and its query heads while the kv heads are as many as the threads, else per fewer
+ * query heads: each head's operations are attend's for that head alone, so the bits do not
+ * depend on the split. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int n_head, n_kv;
+    float *out;
+} attend_item;
+int attend_many(const attend_item *items, int count, int half, int n_pos, int dh);
 /* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
  * of the cache (the last `window` of them where window > 0), each (row, kv head) a task; one
- * row over 64 positions or more, with more threads than kv heads, split by positions and by
- * value columns instead (attend_split). */
+ * row as attend_many, or over a long window (SPLIT_POSITIONS) with fewer heads than threads,
+ * split by positions and by value columns instead (attend_split). */
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out);
 

@@ -86,7 +86,30 @@ static PyObject *py_threads(PyObject *self, PyObject *args) {
     return PyLong_FromLong(pool_threads());
 }
 
+PyDoc_STRVAR(profile_doc,
+             "profile(on): the counters of where the one-token step's time went since the last "
+             "call, {phase: (nanoseconds, calls)}, reset; counting on from now if on.");
+
+static PyObject *py_profile(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    static const char *const names[PROF_N] = {"layer", "qkv", "attention", "out", "ffn",
+                                              "pool", "join", "alone"};
+    PyObject *d = PyDict_New();
+    for (int i = 0; d != NULL && i < PROF_N; i++) {
+        PyObject *v = Py_BuildValue("(KK)", (unsigned long long)prof_ns[i],
+                                    (unsigned long long)prof_calls[i]);
+        if (v == NULL || PyDict_SetItemString(d, names[i], v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+        prof_ns[i] = prof_calls[i] = 0;
+    }
+    prof_on = on;
+    return d;
+}
+
 static PyMethodDef methods[] = {
+    {"profile", py_profile, METH_O, profile_doc},
     {"set_threads", py_set_threads, METH_O, set_threads_doc},
     {"threads", py_threads, METH_NOARGS, "The threads the kernels' pool runs on."},
     {"split_below", py_split_below, METH_O,

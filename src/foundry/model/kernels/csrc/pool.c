@@ -64,6 +64,15 @@ static struct {
     pthread_t threads[MAX_THREADS];
 } pool = {.n_threads = 1, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
+int prof_on;
+uint64_t prof_ns[PROF_N], prof_calls[PROF_N];
+
+uint64_t prof_clock(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
 static long now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -152,6 +161,7 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
             if (task(ctx, i) < 0) return -1;
         return 0;
     }
+    PROF_START(t0);
     pool.task = task;
     pool.ctx = ctx;
     pool.n_tasks = n_tasks;
@@ -164,6 +174,7 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     take_tasks();
+    PROF_START(t1);
     /* the workers still at their last tasks (or not yet woken: on a machine with more
      * runnable threads than cores, give them the core now and then) */
     for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < workers;
@@ -173,20 +184,35 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
     }
     const int failed = atomic_load_explicit(&pool.failed, memory_order_relaxed);
     atomic_store_explicit(&pool.busy, 0, memory_order_release);
+    PROF_STOP(t1, PROF_JOIN);
+    PROF_STOP(t0, PROF_POOL);
     return failed ? -1 : 0;
 }
 
 /* ---- products on the pool ------------------------------------------------------------------ */
 
-/* Work below which a product runs on the caller alone (weights bytes x inputs, per thread):
- * waking the workers costs more than a small matrix. pool_split_below changes it (tests split
- * the tiny models' products to compare their bits). */
+/* Work below which a product runs on the caller alone (weights bytes x inputs): waking the
+ * workers costs more than a small matrix. Above it, a task holds at least a quarter of it, so
+ * a product of a few hundred KB takes a few threads instead of the caller alone (at 16 threads
+ * the bench preset's output products ran alone under the earlier rule, "less than this per
+ * thread": 624 us a token against 114 split). pool_split_below changes it (tests split the
+ * tiny models' products to compare their bits). */
 static long small_work = 64L * 1024;
 
 void pool_split_below(long bytes) { small_work = bytes < 0 ? 0 : bytes; }
 /* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
  * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
 #define ROW_ALIGN 16
+
+/* Rows per task of a product of n_out rows of row_bytes x n: about two tasks a thread, each
+ * at least a quarter of small_work, whole groups of ROW_ALIGN. */
+static int task_rows(int n_out, size_t row_bytes, int n, int threads) {
+    int rows = (n_out + 2 * threads - 1) / (2 * threads);
+    const double least = (double)small_work / 4 / ((double)row_bytes * n);
+    if (least > rows) rows = least > n_out ? n_out : (int)least + 1;
+    rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    return rows < ROW_ALIGN ? ROW_ALIGN : rows;
+}
 
 /* ---- prepared inputs ------------------------------------------------------------------------ */
 
@@ -305,19 +331,19 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
     const int threads = pool_threads();
     matmul_job job = {type, n_out, k, n, n_out, n, 1, row_bytes, w, x, &in, y};
     if (threads == 1 || n_out < 2 * ROW_ALIGN ||
-        (double)row_bytes * n_out * n < (double)small_work * threads) {
+        (double)row_bytes * n_out * n < (double)small_work) {
+        PROF_START(t0);
         mm_fill(&in, x, 0, n);
         const int rc = matmul_part(type, w, row_bytes, n_out, k, x, &in, n, y, (size_t)n_out);
         mm_free(&in);
+        if (threads > 1) PROF_STOP(t0, PROF_ALONE);
         return rc;
     }
     if (n >= 2 * FILL_TOKENS) /* the inputs' preparation split too (a prompt's) */
         pool_run(fill_task, &job, (n + FILL_TOKENS - 1) / FILL_TOKENS);
     else
         mm_fill(&in, x, 0, n);
-    /* rows in about two tasks a thread, whole groups of ROW_ALIGN */
-    int rows = (n_out + 2 * threads - 1) / (2 * threads);
-    rows = (rows + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    const int rows = task_rows(n_out, row_bytes, n, threads);
     const int row_tasks = (n_out + rows - 1) / rows;
     /* a block of inputs whose rows give fewer tasks than threads: the inputs split too, in
      * tiles of 64 (the kernels' L2 tiles) */
@@ -361,7 +387,7 @@ int matmul_many(const mm_item *items, int count) {
     const int threads = pool_threads();
     double work = 0;
     for (int i = 0; i < count; i++) work += (double)items[i].row_bytes * items[i].n_out;
-    if (threads == 1 || count < 2 || work < (double)small_work * threads) {
+    if (threads == 1 || count < 2 || work < (double)small_work) {
         for (int i = 0; i < count; i++) {
             const mm_item *m = &items[i];
             if (matmul(m->type, m->w, m->row_bytes, m->n_out, m->k, m->x, 1, m->y) < 0)
@@ -374,8 +400,10 @@ int matmul_many(const mm_item *items, int count) {
     int *rows = malloc((size_t)count * sizeof(int));
     int rc = -1, prepared = 0;
     if (in == NULL || first == NULL || rows == NULL) goto done;
-    /* each item's rows in tasks of about the same share of the whole: two tasks a thread */
-    const double share = work / (2.0 * threads);
+    /* each item's rows in tasks of about the same share of the whole: two tasks a thread,
+     * each at least a quarter of small_work */
+    double share = work / (2.0 * threads);
+    share = share < (double)small_work / 4 ? (double)small_work / 4 : share;
     first[0] = 0;
     for (int i = 0; i < count; i++, prepared++) {
         const mm_item *m = &items[i];

@@ -106,6 +106,21 @@ static int attn_heads(const step_layer *l, int n_kv, int heads, const float *q, 
 
 static int heads_of(const step_part *p) { return p->q_keep[1] - p->q_keep[0]; }
 
+/* Every part's attention (attn_heads of each) in one pool call: part j's q[j] into o[j]. */
+static int attn_heads_parts(const step_layer *l, float *const *q, int pos, void *const *kc,
+                            void *const *vc, float *const *o) {
+    const size_t size = l->half ? 2 : 4;
+    const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
+    attend_item items[STEP_MAX_PARTS];
+    for (int j = 0; j < l->n_parts; j++) {
+        const step_part *p = &l->parts[j];
+        const size_t at = (size_t)first * p->n_kv * l->dh * size;
+        items[j] = (attend_item){q[j], (const uint8_t *)kc[j] + at, (const uint8_t *)vc[j] + at,
+                                 heads_of(p), p->n_kv, o[j]};
+    }
+    return attend_many(items, l->n_parts, l->half, n_pos - first, l->dh);
+}
+
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room) {
     const step_part *p = &l->parts[j];
@@ -323,7 +338,9 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
                const float *cos, const float *sin, float *room) {
     const int d = l->d;
     float *h = room, *part = h + d, *sum = part + d, *normed = sum + d, *rest = normed + d;
+    PROF_START(layer);
     for (int gate = 0; gate < 2; gate++) {
+        PROF_START(phase);
         rmsnorm(x, gate ? l->ffn_norm : l->attn_norm, 1, d, l->eps, h);
         if (!gate && one_pass(l)) {
             const size_t h0 = (size_t)heads_of(&l->parts[0]) * l->dh,
@@ -331,12 +348,17 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             float *q = rest, *o = q + hd, *y0 = o + hd, *y1 = y0 + qkv_room(&l->parts[0], l->dh);
             float *ys[2] = {y0, y1}, *os[2] = {o, o + h0}, *outs[2] = {sum, part};
             if (qkv_parts(l, h, ys) < 0) return -1;
+            PROF_STOP(phase, PROF_QKV);
+            PROF_START(attn);
             for (int j = 0; j < 2; j++)
                 if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), ys[j],
                               1) < 0)
                     return -1;
             if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
+            PROF_STOP(attn, PROF_ATTN);
+            PROF_START(out);
             if (out_parts(l, os, outs) < 0) return -1;
+            PROF_STOP(out, PROF_OUT);
             for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else if (!gate && l->n_parts <= 2) { /* every part's Q, K, V in one pool call */
             float *q[2], *o[2], *ys[2], *outs[2] = {sum, part}, *at = rest;
@@ -351,13 +373,16 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
                 at += qkv_room(&l->parts[j], l->dh);
             }
             if (qkv_parts(l, h, ys) < 0) return -1;
-            for (int j = 0; j < l->n_parts; j++) {
-                const step_part *p = &l->parts[j];
-                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0 ||
-                    attn_heads(l, p->n_kv, heads_of(p), q[j], pos, kc[j], vc[j], o[j]) < 0)
+            PROF_STOP(phase, PROF_QKV);
+            PROF_START(attn);
+            for (int j = 0; j < l->n_parts; j++)
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0)
                     return -1;
-            }
+            if (attn_heads_parts(l, q, pos, kc, vc, o) < 0) return -1;
+            PROF_STOP(attn, PROF_ATTN);
+            PROF_START(out);
             if (out_parts(l, o, outs) < 0) return -1;
+            PROF_STOP(out, PROF_OUT);
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else if (!gate) { /* more parts than the batched calls hold: each part in turn */
@@ -372,6 +397,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (routed_parts(l, 0, l->n_parts, h, outs, rest) < 0) return -1;
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
+            PROF_STOP(phase, PROF_FFN);
         } else {
             for (int j = 0; j < l->n_parts; j++) {
                 const int rc = step_ffn(l, j, h, j ? part : sum, rest);
@@ -379,6 +405,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
                 if (j) /* _sum: the partials added in rank order */
                     for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
             }
+            PROF_STOP(phase, PROF_FFN);
         }
         const float *post = gate ? l->post_ffn : l->post_attn, *add = sum;
         if (post != NULL) {
@@ -387,5 +414,6 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
         }
         for (int i = 0; i < d; i++) x[i] = x[i] + add[i];
     }
+    PROF_STOP(layer, PROF_LAYER);
     return 0;
 }
