@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -122,9 +123,10 @@ def swarm(args: argparse.Namespace, work: Path, name: str, workers: int, steps: 
           base: Path, text: Path, lora: bool) -> Result:
     a = argparse.Namespace(**vars(args))
     a.workers, a.max_steps, a.steps, a.stop_at_target = workers, steps, steps, False
-    a.validate_every, a.slowdown, a.timeline = steps, 1.0, False
+    a.validate_every, a.slowdown, a.timeline = steps, 1.0, True
     a.worker_args = ["--base-model", str(base), "--data", str(text)]
-    coordinator = ["--base-model", str(base), "--data", str(text)]
+    coordinator = ["--base-model", str(base), "--data", str(text),
+                   *shlex.split(args.coordinator_args)]
     if lora:
         coordinator += ["--lora-rank", str(args.lora_rank), "--lora-targets", "attn_q,attn_v"]
     net = Network(workers + 1, args.rate, args.ip, args.tc)
@@ -154,6 +156,9 @@ def main() -> int:
     ap.add_argument("--full-steps", type=int, default=5, help="steps of the full swarm")
     ap.add_argument("--text-chars", type=int, default=100_000)
     ap.add_argument("--config-timeout", type=float, default=240.0)
+    ap.add_argument("--coordinator-args", default="",
+                    help="more coordinator arguments for every swarm (e.g. \"--compression fp16\")")
+    ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning swarm")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
@@ -169,16 +174,19 @@ def main() -> int:
     runs = [
         swarm(args, work, "lora x1", 1, args.steps, base, text, True),
         swarm(args, work, f"lora x{args.workers}", args.workers, args.steps, base, text, True),
-        swarm(args, work, "full x1", 1, args.full_steps, base, text, False),
     ]
+    if not args.no_full:
+        runs.append(swarm(args, work, "full x1", 1, args.full_steps, base, text, False))
     print(f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14}  note")
     for r in runs:
         print(f"{r.name:<10} {r.samples_per_s:10.2f} {mb(r.up_per_step):>12} "
               f"{mb(r.down_per_step):>14}  {r.note}")
+        print(f"{'':<10} {r.phases}")
     one, many = runs[0].samples_per_s, runs[1].samples_per_s
     print(f"lora x{args.workers} / lora x1: {many / one:.2f}x samples/s "
           f"({args.workers} workers, one thread each, {args.rate} ports)")
-    shutil.rmtree(work, ignore_errors=True)
+    if not os.environ.get("KEEP"):
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
