@@ -51,7 +51,8 @@ from foundry.model.spec.arch import rope_tables as arch_rope_tables
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus
-from foundry.model.train.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.train.optim import AdamW, AdamWState, clip_grad_norm, lr_schedule
+from foundry.model.train.torch_backend import adamw, adamw_state, load_adamw
 from foundry.model.train.training import GradientResult, Params, Stopped
 
 F32 = npt.NDArray[np.float32]
@@ -406,9 +407,8 @@ class FineTuner:
         self.backend = backend
         self.settings = settings
         self.params = _device_params(trainable, backend.base.device, True)
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=settings.lr,
-                                           betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=settings.weight_decay)
+        self.optimizer = adamw(self.params, settings.weight_decay, backend.base.device,
+                               settings.lr)
         self.step = 0
         self.position = 0
 
@@ -436,3 +436,11 @@ class FineTuner:
 
     def host_params(self) -> Params:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.params.items()}
+
+    def optimizer_state(self) -> AdamWState:
+        return adamw_state(self.params, self.optimizer)
+
+    def load(self, params: Params, state: AdamWState, step: int, position: int) -> None:
+        """Take over a checkpoint's trainable tensors, moments and position."""
+        load_adamw(self.params, self.optimizer, params, state)
+        self.step, self.position = step, position
