@@ -29,8 +29,10 @@ import argparse
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -119,6 +121,36 @@ def bundled_text(path: Path, size: int) -> None:
     path.write_text(text[:size])
 
 
+def compute_alone(base: Path, text: Path, args: argparse.Namespace) -> dict[int, float]:
+    """Seconds per sample of a worker's LoRA gradient (``FineTuneBackend.compute_gradients``,
+    as a worker computes it) in this process on one thread, at the whole global batch and at
+    one worker's share of it: what a smaller slice costs PyTorch per sample, with no network
+    and no other process. The median of ``--alone-rounds`` after one warm call."""
+    import torch
+
+    from foundry.model.formats import lora as LR
+    from foundry.model.text.finetune_data import load_tuning_corpus
+    from foundry.model.text.vocab import load_tokenizer
+    from foundry.model.train import finetune as FT
+
+    torch.set_num_threads(1)
+    loaded = FT.load_base(base)
+    spec = LR.LoraSpec(rank=args.lora_rank, targets=("attn_q", "attn_v"))
+    backend = FT.FineTuneBackend(loaded, spec)
+    corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
+    params = FT.initial_trainable(loaded, spec)
+    out = {}
+    for count in sorted({args.global_batch, max(1, args.global_batch // args.workers)}):
+        times = []
+        for i in range(args.alone_rounds + 1):
+            t = time.perf_counter()
+            backend.compute_gradients(params, loaded.cfg, corpus, i * count, count,
+                                      seq_len=args.seq_len)
+            times.append(time.perf_counter() - t)
+        out[count] = statistics.median(times[1:]) / count
+    return out
+
+
 def swarm(args: argparse.Namespace, work: Path, name: str, workers: int, steps: int,
           base: Path, text: Path, lora: bool) -> Result:
     a = argparse.Namespace(**vars(args))
@@ -159,6 +191,8 @@ def main() -> int:
     ap.add_argument("--coordinator-args", default="",
                     help="more coordinator arguments for every swarm (e.g. \"--compression fp16\")")
     ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning swarm")
+    ap.add_argument("--alone-rounds", type=int, default=3,
+                    help="gradients timed alone at each slice size before the swarms (0: none)")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
@@ -171,16 +205,22 @@ def main() -> int:
           f"{n:,} parameters ({4 * n / 1e6:.1f} MB f32); batch {args.global_batch}x"
           f"{args.seq_len}, LoRA r={args.lora_rank} on attn_q,attn_v; ports at {args.rate}; "
           f"one thread a process", flush=True)
+    if args.alone_rounds > 0:
+        alone = compute_alone(base, text, args)
+        print("compute alone, one thread, ms per sample of a LoRA gradient: " + ", ".join(
+            f"{n} samples {1000 * s:.1f}" for n, s in sorted(alone.items(), reverse=True)),
+              flush=True)
     runs = [
         swarm(args, work, "lora x1", 1, args.steps, base, text, True),
         swarm(args, work, f"lora x{args.workers}", args.workers, args.steps, base, text, True),
     ]
     if not args.no_full:
         runs.append(swarm(args, work, "full x1", 1, args.full_steps, base, text, False))
-    print(f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14}  note")
+    print(f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14} "
+          f"{'held-out':>9}  note")
     for r in runs:
         print(f"{r.name:<10} {r.samples_per_s:10.2f} {mb(r.up_per_step):>12} "
-              f"{mb(r.down_per_step):>14}  {r.note}")
+              f"{mb(r.down_per_step):>14} {r.last_val:9.4f}  {r.note}")
         print(f"{'':<10} {r.phases}")
     one, many = runs[0].samples_per_s, runs[1].samples_per_s
     print(f"lora x{args.workers} / lora x1: {many / one:.2f}x samples/s "
