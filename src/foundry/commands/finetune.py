@@ -75,7 +75,8 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     # --validate-device
     device = torch_device(getattr(args, "device", None) or args.validate_device)
     try:
-        base = load_base(args.base_model, device)
+        base = load_base(args.base_model, device,
+                         keep_quantized=args.keep_quantized)
         if spec is not None:
             target_tensors(base.cfg, spec.targets)
         tokenizer = load_tokenizer(base.metadata)
@@ -92,7 +93,7 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
 def describe(t: Tuning, n_trainable: int) -> str:
     from foundry.model.spec.arch import spec as arch_spec
 
-    total = sum(w.numel() for w in t.base.weights.values())
+    total = sum(math.prod(w.shape) for w in t.base.weights.values())
     how = ("full fine-tuning" if t.spec is None else
            f"LoRA r={t.spec.rank} alpha={t.spec.alpha:g} on {','.join(t.spec.targets)}")
     return (f"{t.base.path.name} ({arch_spec(t.base.cfg).name}, {total:,} parameters), {how}: "
