@@ -177,29 +177,31 @@ def run_finetune(args: argparse.Namespace) -> int:
     bar = tqdm(total=args.steps, initial=tuner.step, unit="step", disable=args.no_progress,
                dynamic_ncols=True)
     t0, first = time.perf_counter(), tuner.position
-    try:
-        while tuner.step < args.steps:
-            result = tuner.train_step(corpus)
-            rate = (tuner.position - first) / (time.perf_counter() - t0)
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}", samples_s=f"{rate:.2f}")
-            if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
-                print(f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
-                      flush=True)
-            if tuner.step % eval_every == 0 or tuner.step == args.steps:
-                val = tuner.evaluate_loss(corpus, args.seq_len)
-                bar.write(f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
-                          f"{val:.4f} nats/token")
-            checkpoints.due(tuner)
-    except KeyboardInterrupt:
+    try:  # a checkpoint the disk refuses ends the run with the reason
+        try:
+            while tuner.step < args.steps:
+                result = tuner.train_step(corpus)
+                rate = (tuner.position - first) / (time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}",
+                                samples_s=f"{rate:.2f}")
+                if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
+                    print(f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
+                          flush=True)
+                if tuner.step % eval_every == 0 or tuner.step == args.steps:
+                    val = tuner.evaluate_loss(corpus, args.seq_len)
+                    bar.write(f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
+                              f"{val:.4f} nats/token")
+                checkpoints.due(tuner)
+        except KeyboardInterrupt:
+            bar.close()
+            checkpoints.save(tuner)
+            print(f"interrupted at step {tuner.step}; {checkpoints.resume_hint()}")
+            return 130
         bar.close()
         checkpoints.save(tuner)
-        print(f"interrupted at step {tuner.step}; {checkpoints.resume_hint()}")
-        return 130
-    bar.close()
-    try:
-        checkpoints.save(tuner)
     except CheckpointError as exc:
+        bar.close()
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(loss_line(before, val, resumed_at), flush=True)

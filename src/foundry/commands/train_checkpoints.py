@@ -51,6 +51,7 @@ class Checkpoints:
         self.every: int = args.checkpoint_every
         self.fresh: bool = args.fresh
         self.cfg = cfg
+        self._saved = -1  # the step of the last checkpoint written or resumed
 
     def resume(self, trainer: Resumable) -> str | None:
         """Lock the folder and load its newest checkpoint that verifies into ``trainer``;
@@ -70,16 +71,19 @@ class Checkpoints:
         if state.config != self.cfg:
             return f"{found} holds another model; use another --checkpoint-dir"
         trainer.load(state.params, state.optimizer, state.step, state.data_position)
+        self._saved = state.step
         print(f"resuming from {found} at step {trainer.step}", flush=True)
         return None
 
     def save(self, trainer: Resumable) -> None:
-        if self.directory is None:
+        """A checkpoint of this step, unless it has one already."""
+        if self.directory is None or trainer.step == self._saved:
             return
         path = save_checkpoint(self.directory, CheckpointState(
             config=self.cfg, step=trainer.step, params=trainer.host_params(),
             optimizer=trainer.optimizer_state(), data_position=trainer.position,
         ))
+        self._saved = trainer.step
         log.info("checkpoint %s", path)
 
     def due(self, trainer: Resumable) -> None:
