@@ -240,8 +240,7 @@ def main() -> int:
         print(f"{'':<10} {r.phases}")
     for line in ratios:
         print(f"{line} ({args.workers} workers, one thread each, {args.rate} ports)")
-    if not os.environ.get("KEEP"):
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
