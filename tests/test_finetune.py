@@ -287,3 +287,42 @@ def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> No
     segments = conversation_segments(t, talk)
     assert [text for text, counted in segments if counted] == ["b", "d"]
     assert "".join(text for text, _ in segments) == t.render(talk, add_generation_prompt=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
+def test_a_base_held_quantized_trains_as_the_dequantized_one(
+        files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """``keep_quantized``: the matrices of a Q8_0 file stay Q8_0 in memory and are dequantized
+    a slice at a time (slices of 200 values here, so every product is cut in several) in the
+    forward and again in the backward; the loss and the adapters' gradient are those of the
+    same file dequantized at load."""
+    import gguf
+
+    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.kernels.quant import QTensor
+    from foundry.model.text.data import Corpus
+
+    q8 = tmp_path / f"{name}-q8.gguf"
+    dense_src = load_gguf(files[name])
+    rewrite_gguf(files[name], q8, {n: a for n, a in dense_src.params.items() if a.ndim >= 2},
+                 forced=gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(FT, "SLICE_VALUES", 200)
+    dense, held = FT.load_base(q8), FT.load_base(q8, keep_quantized=True)
+    kept = [n for n, w in held.weights.items() if isinstance(w, QTensor)]
+    assert "token_embd.weight" in kept and "blk.0.attn_q.weight" in kept
+    assert held.nbytes() < 0.4 * dense.nbytes()
+    spec = LR.LoraSpec(rank=2, targets=LR.TARGETS if name == "qwen3" else ("attn_q", "attn_v"))
+    rng = np.random.default_rng(0)
+    corpus = Corpus(rng.integers(3, dense.cfg.n_vocab, 400).astype(np.int32), "random", 1)
+    start = adapters_on(dense, spec, b_scale=0.1)  # B not zero: A has a gradient too
+    a = FT.FineTuneBackend(dense, spec).compute_gradients(start, dense.cfg, corpus, 0, 4,
+                                                         seq_len=16)
+    b = FT.FineTuneBackend(held, spec).compute_gradients(start, held.cfg, corpus, 0, 4,
+                                                        seq_len=16)
+    assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
+    assert set(a.grads) == set(b.grads) == set(start)
+    for n in a.grads:
+        scale = float(np.max(np.abs(a.grads[n])))
+        assert scale > 0, n
+        assert float(np.max(np.abs(a.grads[n] - b.grads[n]))) <= 1e-5 * scale, n

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from published import write_tiny
 
@@ -79,6 +80,48 @@ def test_full_fine_tuning_writes_the_base_architecture(tmp_path: Path) -> None:
     a, b = load_gguf(base), load_gguf(tuned)
     assert a.cfg == b.cfg and a.metadata == b.metadata
     assert not (a.params["blk.0.attn_q.weight"] == b.params["blk.0.attn_q.weight"]).all()
+
+
+def test_a_resumed_fine_tuning_run_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    """`foundry train --base-model --checkpoint-dir` writes the adapters, their AdamW moments
+    and the data position every --checkpoint-every steps; the same command run again on a
+    folder holding step 3's checkpoint resumes there and ends with the adapters of a run that
+    never stopped."""
+    import shutil
+
+    from foundry.model.formats.checkpoint import checkpoint_name, load_checkpoint
+    from foundry.model.formats.lora import load_adapter
+
+    base = tmp_path / "qwen3.gguf"
+    write_tiny(base, "qwen3")
+    text = tmp_path / "text.txt"
+    text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
+
+    def train(ckpt: Path, out: Path) -> str:
+        return foundry("train", "--base-model", base, "--data", text, "--lora-rank", "4",
+                       "--lora-targets", "attn_q,attn_v", "--steps", "8", "--seq-len", "16",
+                       "--global-batch", "4", "--lr", "1e-2", "--checkpoint-dir", ckpt,
+                       "--checkpoint-every", "3", "--out", out, "--no-progress")
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(whole, tmp_path / "whole.gguf")
+    step3 = whole / checkpoint_name(3)
+    assert sorted(p.name for p in whole.glob("*.ckpt")) == [
+        checkpoint_name(3), checkpoint_name(6), checkpoint_name(8)]
+    resumed.mkdir()
+    shutil.copy(step3, resumed / step3.name)
+    out = train(resumed, tmp_path / "resumed.gguf")
+    assert re.search(r"resuming from \S+ at step 3", out), out
+    assert "held-out loss: at step 3 (resumed)" in out, out
+    mid = load_checkpoint(step3)
+    assert mid.optimizer["step"] == 3 and mid.data_position == 12
+    a = load_adapter(tmp_path / "whole.gguf").tensors
+    b = load_adapter(tmp_path / "resumed.gguf").tensors
+    assert set(a) == set(b) == set(mid.params)
+    worst = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    assert worst <= 1e-6, f"resumed adapters differ by {worst:.3g}"
+    moved = max(float(np.max(np.abs(a[k] - mid.params[k]))) for k in a)
+    assert moved > 1e-4, "steps 4 to 8 changed nothing: the comparison would prove nothing"
 
 
 def gemma_file() -> Path:

@@ -72,27 +72,69 @@ def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_worke
     assert_one_process(base, text, swarm.tensors)
 
 
-def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray],
-                       steps: int = STEPS) -> None:
-    """``adapters`` equal those one process trains in ``steps`` steps of the same batches."""
+LORA = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
+
+
+def one_process(base: Path, text: Path, steps: int, spec: LR.LoraSpec | None = LORA,
+                lr: float = LR_) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(the trainable tensors before the first step, after ``steps`` steps of one process on
+    the swarm's global batches)."""
     loaded = FT.load_base(base)
-    spec = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
     cfg = tuned_config(loaded.cfg, loaded.identity, spec)
     corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
     backend = FT.FineTuneBackend(loaded, spec)
-    settings = TrainSettings(global_batch=BATCH, seq_len=SEQ, lr=LR_, warmup_steps=20,
+    settings = TrainSettings(global_batch=BATCH, seq_len=SEQ, lr=lr, warmup_steps=20,
                              total_steps=steps, weight_decay=0.0)
-    single = Trainer(cfg, settings, FT.initial_trainable(loaded, spec, 0))
+    start = FT.initial_trainable(loaded, spec, 0)
+    single = Trainer(cfg, settings, {k: v.copy() for k, v in start.items()})
     for _ in range(steps):
         result = backend.compute_gradients(single.params, cfg, corpus, single.position, BATCH,
                                            seq_len=SEQ)
         single.apply(result.grads)
-    assert set(adapters) == set(single.params)
-    worst = max(float(np.max(np.abs(adapters[k] - single.params[k]))) for k in single.params)
+    return start, single.params
+
+
+def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray],
+                       steps: int = STEPS) -> None:
+    """``adapters`` equal those one process trains in ``steps`` steps of the same batches."""
+    _, single = one_process(base, text, steps)
+    assert set(adapters) == set(single)
+    worst = max(float(np.max(np.abs(adapters[k] - single[k]))) for k in single)
     assert worst <= 1e-6, f"max abs adapter difference {worst:.3g} after {steps} steps"
-    moved = max(float(np.max(np.abs(single.params[k]))) for k in single.params
-                if k.endswith(".lora_b"))
+    moved = max(float(np.max(np.abs(single[k]))) for k in single if k.endswith(".lora_b"))
     assert moved > 1e-3, "B never left zero: the comparison would prove nothing"
+
+
+def test_two_workers_fine_tune_every_tensor_as_one_process(tmp_path: Path) -> None:
+    """Full fine-tuning (no --lora-rank): every tensor of the base trains and travels, and two
+    workers end with the tensors of one process on the same global batches."""
+    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+
+    base, text = tiny_run(tmp_path)
+    steps, lr = 4, 1e-3
+    coord, port, _ = coordinator(
+        tmp_path, "--base-model", str(base), "--data", str(text), "--max-steps", str(steps),
+        "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(lr),
+        "--min-workers", "2",
+    )
+    workers = [worker(tmp_path, port, f"w{i}", "--base-model", str(base), "--data", str(text))
+               for i in range(2)]
+    try:
+        coord.wait_for(rf"training done at step {steps}", within_s=180)
+        assert "from 1 workers" not in coord.text()
+    finally:
+        for w in workers:
+            w.stop()
+        coord.stop()
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))  # type: ignore[arg-type]
+    assert saved.step == steps
+    start, single = one_process(base, text, steps, None, lr)
+    assert set(saved.params) == set(single) == set(start)
+    assert "token_embd.weight" in single and "blk.0.ffn_down.weight" in single
+    worst = max(float(np.max(np.abs(saved.params[k] - single[k]))) for k in single)
+    assert worst <= 1e-6, f"max abs difference {worst:.3g} after {steps} steps"
+    moved = min(float(np.max(np.abs(single[k] - start[k]))) for k in single)
+    assert moved > 1e-4, "a tensor did not train: the comparison would prove nothing"
 
 
 def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:

@@ -63,12 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, ha
 
 import harness
 from live import Service
+from round_phases import critical_path, phases
 
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
 from foundry.model.text.data import load_corpus
 from foundry.model.train.training import Trainer, TrainSettings, evaluate_loss
-from foundry.obs.timeline import load_events
 from foundry.runtime import retain_freed_memory
 
 SUBNET = "10.77.0"
@@ -408,7 +408,8 @@ def run_config(
                 res.up_per_step = (last[3][1] - warm[3][1]) / steps
                 res.down_per_step = (last[3][0] - warm[3][0]) / steps
             if args.timeline:
-                res.phases = phases(work, warm[0], last[0])
+                res.phases = (phases(work, warm[0], last[0]) + "\n" + " " * 25
+                              + critical_path(work, warm[0], last[0]))
         return res
     finally:
         for p in reversed(procs):
@@ -417,34 +418,6 @@ def run_config(
 
 def trace(work: Path, name: str, args: argparse.Namespace) -> list[str]:
     return ["--timeline", str(work / f"{name}.trace.json")] if args.timeline else []
-
-
-# Spans of each service's trace, in the order a synchronous round runs them.
-COORDINATOR_PHASES = ("round", "assign", "wait", "apply")
-WORKER_PHASES = ("wait", "update", "compute", "compress", "send")
-
-
-def phases(work: Path, first: int, last: int) -> str:
-    """Mean milliseconds per step of each span of the rounds of steps ``first`` to ``last``
-    (``--timeline``): the coordinator's, and the workers' averaged over workers."""
-    sums: dict[tuple[str, str], float] = {}
-    workers = 0
-    for path in sorted(work.glob("*.trace.json")):
-        service = "coordinator" if path.name.startswith("coordinator") else "worker"
-        workers += service == "worker"
-        for e in load_events(path.read_text(), str(path)):
-            step = e.get("args", {}).get("step")
-            if e.get("ph") == "X" and isinstance(step, int) and first <= step < last:
-                key = (service, e["name"])
-                sums[key] = sums.get(key, 0.0) + e["dur"] / 1000
-    span = max(1, last - first)
-
-    def row(service: str, names: tuple[str, ...], div: int) -> str:
-        return " ".join(f"{n} {sums.get((service, n), 0.0) / span / max(1, div):.0f}"
-                        for n in names)
-
-    return (f"ms per step: coordinator {row('coordinator', COORDINATOR_PHASES, 1)}; "
-            f"each worker {row('worker', WORKER_PHASES, workers)}")
 
 
 def ratio(x: float | None, base: float, invert: bool = False) -> str:

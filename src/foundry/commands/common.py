@@ -151,6 +151,15 @@ def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
                         help="the projections that get adapters, comma-separated from "
                         f"{', '.join(lora.TARGETS)}, or 'all' (PEFT's target_modules; default "
                         f"{','.join(lora.DEFAULT_TARGETS)})")
+    add_keep_quantized_flag(parser)
+
+
+def add_keep_quantized_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-quantized", action="store_true",
+                        help="with --base-model: hold the frozen base's matrices in the file's "
+                        "types (about the file's size of memory instead of 4 bytes a "
+                        "parameter), dequantized a slice at a time in every forward and "
+                        "backward (slower steps; docs/guide/finetune.md)")
 
 
 def lora_spec(args: argparse.Namespace) -> lora.LoraSpec | None:

@@ -75,7 +75,8 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     # --validate-device
     device = torch_device(getattr(args, "device", None) or args.validate_device)
     try:
-        base = load_base(args.base_model, device)
+        base = load_base(args.base_model, device,
+                         keep_quantized=args.keep_quantized)
         if spec is not None:
             target_tensors(base.cfg, spec.targets)
         tokenizer = load_tokenizer(base.metadata)
@@ -92,25 +93,24 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
 def describe(t: Tuning, n_trainable: int) -> str:
     from foundry.model.spec.arch import spec as arch_spec
 
-    total = sum(w.numel() for w in t.base.weights.values())
+    total = sum(math.prod(w.shape) for w in t.base.weights.values())
     how = ("full fine-tuning" if t.spec is None else
            f"LoRA r={t.spec.rank} alpha={t.spec.alpha:g} on {','.join(t.spec.targets)}")
     return (f"{t.base.path.name} ({arch_spec(t.base.cfg).name}, {total:,} parameters), {how}: "
             f"{n_trainable:,} trainable")
 
 
-def loss_line(before: float, after: float) -> str:
-    return (f"held-out loss: before {before:.4f}, after {after:.4f} nats/token "
+def loss_line(before: float, after: float, resumed_at: int = 0) -> str:
+    """Held-out loss before and after; ``resumed_at``: this run began at that step's
+    checkpoint, so "before" is that step's."""
+    when = f"at step {resumed_at} (resumed)" if resumed_at else "before"
+    return (f"held-out loss: {when} {before:.4f}, after {after:.4f} nats/token "
             f"(perplexity {math.exp(before):.2f} -> {math.exp(after):.2f})")
 
 
 def run_finetune(args: argparse.Namespace) -> int:
     if args.steps is None:
         args.steps = recipe.FT_STEPS
-    if args.checkpoint_dir is not None:
-        print("error: --checkpoint-dir is not supported with --base-model yet (a fine-tuning "
-              "run in one process writes its result with --out)", file=sys.stderr)
-        return 2
     if args.out is not None:
         from foundry.model.formats.outfile import OutputRefused, check_output
 
@@ -127,6 +127,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     assert t.corpus is not None
     from tqdm import tqdm
 
+    from foundry.commands.train_checkpoints import Checkpoints
+    from foundry.model.formats.checkpoint import CheckpointError
+    from foundry.model.formats.tuning import tuned_config
     from foundry.model.text.data import DataError
     from foundry.model.train.finetune import (
         FineTuneBackend,
@@ -155,33 +158,53 @@ def run_finetune(args: argparse.Namespace) -> int:
     trainable = initial_trainable(t.base, t.spec, args.seed)
     tuner = FineTuner(backend, settings, trainable)
     n_trainable = sum(a.size for a in trainable.values())
+    checkpoints = Checkpoints(args, tuned_config(t.base.cfg, t.base.identity, t.spec))
+    try:
+        refused = checkpoints.resume(tuner)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     print(f"fine-tuning {describe(t, n_trainable)}")
     print(f"on {corpus.source}: {len(corpus):,} tokens, {args.steps} steps of "
           f"{args.global_batch}x{args.seq_len}, on {backend.name}, {threads} threads", flush=True)
     eval_every = args.eval_every or recipe.validate_every(args.steps)
+    resumed_at = tuner.step
     before = val = tuner.evaluate_loss(corpus, args.seq_len)
-    print(f"step 0: held-out loss {val:.4f} nats/token", flush=True)
-    bar = tqdm(total=args.steps, unit="step", disable=args.no_progress, dynamic_ncols=True)
-    t0 = time.perf_counter()
-    try:
-        while tuner.step < args.steps:
-            result = tuner.train_step(corpus)
-            rate = tuner.position / (time.perf_counter() - t0)
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}", samples_s=f"{rate:.2f}")
-            if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
-                print(f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
-                      flush=True)
-            if tuner.step % eval_every == 0 or tuner.step == args.steps:
-                val = tuner.evaluate_loss(corpus, args.seq_len)
-                bar.write(f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
-                          f"{val:.4f} nats/token")
-    except KeyboardInterrupt:
+    print(f"step {resumed_at}: held-out loss {val:.4f} nats/token", flush=True)
+    bar = tqdm(total=args.steps, initial=tuner.step, unit="step", disable=args.no_progress,
+               dynamic_ncols=True)
+    t0, first = time.perf_counter(), tuner.position
+    try:  # a checkpoint the disk refuses ends the run with the reason
+        try:
+            while tuner.step < args.steps:
+                result = tuner.train_step(corpus)
+                rate = (tuner.position - first) / (time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}",
+                                samples_s=f"{rate:.2f}")
+                if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
+                    print(f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
+                          flush=True)
+                if tuner.step % eval_every == 0 or tuner.step == args.steps:
+                    val = tuner.evaluate_loss(corpus, args.seq_len)
+                    bar.write(f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
+                              f"{val:.4f} nats/token")
+                checkpoints.due(tuner)
+        except KeyboardInterrupt:
+            bar.close()
+            checkpoints.save(tuner)
+            print(f"interrupted at step {tuner.step}; {checkpoints.resume_hint()}")
+            return 130
         bar.close()
-        print(f"interrupted at step {tuner.step}; nothing written")
-        return 130
-    bar.close()
-    print(loss_line(before, val), flush=True)
+        checkpoints.save(tuner)
+    except CheckpointError as exc:
+        bar.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(loss_line(before, val, resumed_at), flush=True)
     if args.out is not None:
         from foundry.model.formats.gguf_io import GGUFError
 

@@ -158,15 +158,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from foundry.model.formats.checkpoint import (
-        CheckpointState,
-        DirectoryLock,
-        check_directory,
-        load_checkpoint,
-        resume_checkpoint,
-        save_checkpoint,
-        start_fresh,
-    )
+    from foundry.commands.train_checkpoints import Checkpoints
     from foundry.model.formats.gguf_io import save_gguf
     from foundry.model.infer.generate import greedy_text, printable
     from foundry.model.nn.transformer import init_params
@@ -222,30 +214,11 @@ def _train(args: argparse.Namespace) -> int:
                           torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
     print(f"training on {backend.name}, {threads} threads", flush=True)
     trainer = compute.make_trainer(backend, cfg, settings, init_params(cfg, args.seed))
-    if args.checkpoint_dir is not None:
-        check_directory(args.checkpoint_dir)
-        # Held until the process exits (the kernel drops it then, however it exits).
-        DirectoryLock(args.checkpoint_dir, "foundry train").acquire()
-        if args.fresh:
-            start_fresh(args.checkpoint_dir)
-        found = resume_checkpoint(args.checkpoint_dir)
-        if found is not None:
-            state = load_checkpoint(found)
-            if state.config != cfg:
-                print(f"error: {found} holds another model; use another --checkpoint-dir",
-                      file=sys.stderr)
-                return 2
-            trainer.load(state.params, state.optimizer, state.step, state.data_position)
-            print(f"resuming from {found} at step {trainer.step}")
-
-    def checkpoint() -> None:
-        if args.checkpoint_dir is None:
-            return
-        path = save_checkpoint(args.checkpoint_dir, CheckpointState(
-            config=cfg, step=trainer.step, params=trainer.host_params(),
-            optimizer=trainer.optimizer_state(), data_position=trainer.position,
-        ))
-        log.info("checkpoint %s", path)
+    checkpoints = Checkpoints(args, cfg)
+    refused = checkpoints.resume(trainer)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
 
     held_out = corpus.held_out_bytes(args.seq_len)
     yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
@@ -284,30 +257,20 @@ def _train(args: argparse.Namespace) -> int:
             if sample_every > 0 and (trainer.step % sample_every == 0 or last):
                 text = greedy_text(cfg, trainer.host_params(), args.prompt, args.sample_tokens)
                 bar.write(f"step {trainer.step}: sample {printable(args.prompt + text)!r}")
-            if trainer.step % args.checkpoint_every == 0:
-                checkpoint()
+            checkpoints.due(trainer)
     except KeyboardInterrupt:
         bar.close()
-        checkpoint()
-        print(f"interrupted at step {trainer.step}; {resume_hint(args.checkpoint_dir)}")
+        checkpoints.save(trainer)
+        print(f"interrupted at step {trainer.step}; {checkpoints.resume_hint()}")
         return 130
     bar.close()
-    checkpoint()
+    checkpoints.save(trainer)
     print(f"held-out: {against_compressors(bits_per_byte(val), yardstick)}")
     print(beaten_line(bits_per_byte(val), yardstick))
     if args.out is not None:
         save_gguf(args.out, cfg, trainer.host_params())
         print(f"wrote {args.out}; try: foundry generate --model {args.out} --prompt 'The '")
     return 0
-
-
-def resume_hint(checkpoint_dir: Path | None) -> str:
-    """What `foundry train` says after Ctrl+C: how to go on from where it stopped."""
-    if checkpoint_dir is None:
-        return ("nothing was saved (no --checkpoint-dir); add --checkpoint-dir DIR to be able "
-                "to resume after a stop")
-    return (f"checkpoint written to {checkpoint_dir}: run the same command again to resume "
-            "from this step (--fresh starts at step 0)")
 
 
 def run_generate(args: argparse.Namespace) -> int:

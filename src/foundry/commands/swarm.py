@@ -15,6 +15,7 @@ from foundry.commands.common import (
     add_finetune_flags,
     add_fragment_size_flag,
     add_frame_deadline_flag,
+    add_keep_quantized_flag,
     add_metrics_flag,
     add_schedule_flags,
     add_threads_flag,
@@ -182,6 +183,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="this machine's copy of the published model the swarm fine-tunes (the "
                    "coordinator's --base-model; its size and hash are checked at registration; "
                    "the coordinator says what trains)")
+    add_keep_quantized_flag(w)
     w.add_argument("--slowdown", type=positive_float, default=1.0, help=argparse.SUPPRESS)
     w.add_argument("--link-timeout", type=positive_seconds, default=LINK_DEAD_AFTER_S,
                    metavar="S", help="reconnect when the coordinator's host has answered "
@@ -465,7 +467,8 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
         from foundry.model.train.finetune import load_base
 
         try:
-            loaded = load_base(args.base_model, torch_device(args.device))
+            loaded = load_base(args.base_model, torch_device(args.device),
+                               keep_quantized=args.keep_quantized)
         except SetupError as exc:
             raise ValueError(str(exc)) from None
         print(f"worker fine-tunes on torch:{loaded.device.type}", flush=True)

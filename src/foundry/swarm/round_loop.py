@@ -324,8 +324,12 @@ class RoundRunner:
         """The optimizer step on the master (AdamW on the mean gradient, or the outer Nesterov
         step on the mean pseudo-gradient), then the UPDATE that moves the shadow after it."""
         base = self.core.step
+        start_us = now_us()
         self.policy_at(base).apply(grads, rnd)
+        encode_us = now_us()
+        self.core.timeline.span("optimizer", start_us, encode_us, step=rnd.step)
         self.downlink.after_step(base)
+        self.core.timeline.span("encode", encode_us, step=rnd.step)
 
     async def finish(self) -> None:
         """The end of training, from the round loop only (so no step is applied meanwhile):

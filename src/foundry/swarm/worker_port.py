@@ -22,6 +22,7 @@ from foundry.compression import deserialize_tensors
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
 from foundry.hardware import profile_accumulation_steps, profile_batch_size
 from foundry.model.formats.tuning import TunedConfig, targets_mask
+from foundry.obs.timeline import now_us
 from foundry.runtime import give_back_freed_memory
 from foundry.swarm import policy, sync
 from foundry.swarm.core import Member, SwarmCore, clip
@@ -300,7 +301,10 @@ class WorkerPort:
             return
         try:
             # In a thread: the loop goes on feeding the other workers' sockets meanwhile.
+            start_us = now_us()
             tensors, finite = await asyncio.to_thread(self._decode_gradients, msg)
+            self.core.timeline.span("decode", start_us, step=msg.local_step,
+                                    worker=m.worker_id, bytes=len(msg.data))
         except (ValueError, ProtocolError) as exc:
             raise fdtc.FdtcProtocolError(f"undecodable gradient data: {exc}") from exc
         if not finite:

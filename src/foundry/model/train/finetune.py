@@ -45,13 +45,15 @@ import torch.nn.functional as F
 
 from foundry.model.formats import lora as LR
 from foundry.model.formats.tuning import FileIdentity, file_identity, trainable_shapes
+from foundry.model.kernels.quant import QTensor, dequantize
 from foundry.model.nn.layers import gelu_table
 from foundry.model.spec.arch import Act, QKNorm, Rope, is_swa, is_tied, rope_base
 from foundry.model.spec.arch import rope_tables as arch_rope_tables
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus
-from foundry.model.train.optim import AdamW, clip_grad_norm, lr_schedule
+from foundry.model.train.optim import AdamW, AdamWState, clip_grad_norm, lr_schedule
+from foundry.model.train.torch_backend import adamw, adamw_state, load_adamw
 from foundry.model.train.training import GradientResult, Params, Stopped
 
 F32 = npt.NDArray[np.float32]
@@ -67,31 +69,54 @@ class FineTuneError(ValueError):
 # -- the base model ----------------------------------------------------------------------------
 
 
+Weight = torch.Tensor | QTensor
+"""A frozen base tensor: float32 on the device, or (``keep_quantized``) the file's own blocks
+on the host, dequantized a slice at a time where it is used."""
+
+
 @dataclass
 class Base:
-    """A published model loaded for fine-tuning: its config, frozen weights on ``device``,
-    metadata (tokenizer, chat template) and identity."""
+    """A published model loaded for fine-tuning: its config, frozen weights (on ``device``,
+    or held in the file's types), metadata (tokenizer, chat template) and identity."""
 
     path: Path
     cfg: ModelConfig
-    weights: Tensors
+    weights: dict[str, Weight]
     metadata: dict[str, Any]
     identity: FileIdentity
     device: torch.device
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """A base tensor as float32 on the device (dequantized if it is held quantized)."""
+        w = self.weights[name]
+        return w if isinstance(w, torch.Tensor) else _dense(w, self.device)
 
-def load_base(path: str | Path, device: str | torch.device = "cpu") -> Base:
-    """The file's weights as frozen float32 tensors on ``device``, its metadata and identity."""
+    def nbytes(self) -> int:
+        """The memory the base's weights take as held."""
+        return sum(w.nbytes if isinstance(w, QTensor) else w.numel() * w.element_size()
+                   for w in self.weights.values())
+
+
+def load_base(path: str | Path, device: str | torch.device = "cpu", *,
+              keep_quantized: bool = False) -> Base:
+    """The file's weights as frozen float32 tensors on ``device``, its metadata and identity.
+    ``keep_quantized``: every matrix stored in another type than F32 stays in it (norms and
+    vectors become float32 as before): about the file's size in memory instead of 4 bytes a
+    parameter, for a dequantization of each matrix, a slice at a time, in every forward and
+    backward (``matmul_t``)."""
     from foundry.model.formats.gguf_io import load_gguf_stored
-    from foundry.model.kernels.quant import dequantize
 
     p = Path(path)
     loaded = load_gguf_stored(p)
     dev = torch.device(device)
-    weights: Tensors = {}
+    weights: dict[str, Weight] = {}
     for name in list(loaded.params):
-        weights[name] = torch.from_numpy(np.ascontiguousarray(
-            dequantize(loaded.params.pop(name)), np.float32)).to(dev)
+        stored = loaded.params.pop(name)
+        if keep_quantized and isinstance(stored, QTensor) and stored.ndim >= 2:
+            weights[name] = stored
+        else:
+            weights[name] = torch.from_numpy(np.ascontiguousarray(
+                dequantize(stored), np.float32)).to(dev)
     return Base(p, loaded.cfg, weights, loaded.metadata, file_identity(p), dev)
 
 
@@ -99,7 +124,62 @@ def initial_trainable(base: Base, spec: LR.LoraSpec | None, seed: int = 0) -> Pa
     """The trainable tensors before the first step: fresh adapters, or the base's own."""
     if spec is not None:
         return LR.init_adapters(base.cfg, spec, seed)
-    return {n: base.weights[n].cpu().numpy().copy() for n in trainable_shapes(base.cfg, None)}
+    return {n: base.tensor(n).cpu().numpy().copy() for n in trainable_shapes(base.cfg, None)}
+
+
+# -- a base held quantized -----------------------------------------------------------------------
+
+# Values of a matrix dequantized at once (16 MB of float32): Gemma 3's 262,144 x 640 head is
+# 168M values, which dequantized whole would take 671 MB for each product.
+SLICE_VALUES = 1 << 22
+
+
+def _dense(w: QTensor, device: torch.device, rows: slice | None = None) -> torch.Tensor:
+    """Rows ``rows`` (all by default) of a held-quantized matrix as float32 on ``device``."""
+    part = w if rows is None else w.take((rows, *(slice(None),) * (w.ndim - 1)))
+    return torch.from_numpy(part.dequantize()).to(device)
+
+
+def _row_slices(w: QTensor) -> list[slice]:
+    step = max(1, SLICE_VALUES // max(1, math.prod(w.shape[1:])))
+    return [slice(r, min(r + step, w.shape[0])) for r in range(0, w.shape[0], step)]
+
+
+class _QuantMatmul(torch.autograd.Function):
+    """y = x W^T for a frozen W held quantized, out (rows) x in: W is dequantized a slice of
+    rows at a time, in the forward for y's columns and again in the backward for dx = dy W
+    (the base is frozen: W has no gradient), so no step holds more of it than a slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        ctx.w = w
+        return torch.cat([x @ _dense(w, x.device, r).T for r in _row_slices(w)], dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        w: QTensor = ctx.w
+        dx = None
+        for r in _row_slices(w):
+            part = dy[..., r] @ _dense(w, dy.device, r)  # (..., in)
+            dx = part if dx is None else dx + part
+        assert dx is not None
+        return dx, None
+
+
+def matmul_t(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T, for a float32 tensor or a matrix held quantized."""
+    if isinstance(w, torch.Tensor):
+        return x @ w.T
+    out: torch.Tensor = _QuantMatmul.apply(x, w)  # type: ignore[no-untyped-call]
+    return out
+
+
+def embed(w: Weight, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows ``tokens`` (B, T) of the embedding table: (B, T, D)."""
+    if isinstance(w, torch.Tensor):
+        return w[tokens]
+    rows = w.rows(tokens.reshape(-1).cpu().numpy())  # (B*T, D)
+    return torch.from_numpy(rows).to(tokens.device).reshape(*tokens.shape, -1)
 
 
 # -- the forward ---------------------------------------------------------------------------------
@@ -167,7 +247,8 @@ class Model:
     def tables(self, n_pos: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
         have = self._rope.get(base)
         if have is None or have[0].shape[0] < n_pos:
-            factors = self.base.weights.get("rope_freqs.weight")
+            factors = (self.base.tensor("rope_freqs.weight")
+                       if "rope_freqs.weight" in self.base.weights else None)
             cos, sin = arch_rope_tables(
                 n_pos, self.base.cfg.head_dim, base,
                 None if factors is None else factors.cpu().numpy())
@@ -185,11 +266,16 @@ class Model:
         eps = cfg.norm_eps
         dropout = spec.dropout if (spec is not None and train) else 0.0
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> Weight:
             return trainable[name] if spec is None and name in trainable else base[name]
 
+        def vec(name: str) -> torch.Tensor:  # a vector: always float32
+            t = w(name)
+            assert isinstance(t, torch.Tensor), name
+            return t
+
         def proj(x: torch.Tensor, name: str) -> torch.Tensor:
-            y = x @ w(name).T  # (..., out)
+            y = matmul_t(x, w(name))  # (..., out)
             if spec is not None:
                 la = trainable.get(name + LR.SUFFIX_A)
                 if la is not None:
@@ -198,35 +284,35 @@ class Model:
                     y = y + spec.scale * ((xd @ la.T) @ lb.T)  # (..., out)
             return y
 
-        x = w("token_embd.weight")[tokens]  # (B, T, D)
+        x = embed(w("token_embd.weight"), tokens)  # (B, T, D)
         if a.embed_scale:
             x = x * float(np.float32(np.sqrt(np.float32(cfg.n_embd))))
         neox = a.rope is Rope.NEOX
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            hn = rmsnorm(x, w(p + "attn_norm.weight"), eps)  # (B, T, D)
+            hn = rmsnorm(x, vec(p + "attn_norm.weight"), eps)  # (B, T, D)
             q, k, v = (proj(hn, p + f"attn_{c}.weight") for c in "qkv")  # (B, T, rows)
             if a.qkv_bias:
-                q = q + w(p + "attn_q.bias")
-                k = k + w(p + "attn_k.bias")
-                v = v + w(p + "attn_v.bias")
+                q = q + vec(p + "attn_q.bias")
+                k = k + vec(p + "attn_k.bias")
+                v = v + vec(p + "attn_v.bias")
             if a.qk_norm is QKNorm.FULL:
-                q = rmsnorm(q, w(p + "attn_q_norm.weight"), eps)
-                k = rmsnorm(k, w(p + "attn_k_norm.weight"), eps)
+                q = rmsnorm(q, vec(p + "attn_q_norm.weight"), eps)
+                k = rmsnorm(k, vec(p + "attn_k_norm.weight"), eps)
             q = q.reshape(b, t, h_, dh)  # (B, T, H, Dh)
             k = k.reshape(b, t, hkv, dh)  # (B, T, Hkv, Dh)
             v = v.reshape(b, t, hkv, dh)  # (B, T, Hkv, Dh)
             if a.qk_norm is QKNorm.HEAD:
-                q = rmsnorm(q, w(p + "attn_q_norm.weight"), eps)
-                k = rmsnorm(k, w(p + "attn_k_norm.weight"), eps)
+                q = rmsnorm(q, vec(p + "attn_q_norm.weight"), eps)
+                k = rmsnorm(k, vec(p + "attn_k_norm.weight"), eps)
             cos, sin = self.tables(t, rope_base(cfg, i))  # (T, Dh/2) each
             window = cfg.sliding_window if is_swa(cfg, i) else 0  # type: ignore[attr-defined]
             o = attention(rope(q, cos, sin, neox), rope(k, cos, sin, neox), v, window)
             att = proj(o.reshape(b, t, h_ * dh), p + "attn_output.weight")  # (B, T, D)
             if a.post_norms:
-                att = rmsnorm(att, w(p + "post_attention_norm.weight"), eps)
+                att = rmsnorm(att, vec(p + "post_attention_norm.weight"), eps)
             x = x + att
-            hn = rmsnorm(x, w(p + "ffn_norm.weight"), eps)  # (B, T, D)
+            hn = rmsnorm(x, vec(p + "ffn_norm.weight"), eps)  # (B, T, D)
             if cfg.n_expert:
                 f = self._experts(hn.reshape(b * t, -1), p, w).reshape(b, t, -1)
             else:
@@ -234,17 +320,17 @@ class Model:
                 act = F.silu(g) if a.act is Act.SILU else gelu(g)  # (B, T, F)
                 f = proj(act * u, p + "ffn_down.weight")  # (B, T, D)
             if a.post_norms:
-                f = rmsnorm(f, w(p + "post_ffw_norm.weight"), eps)
+                f = rmsnorm(f, vec(p + "post_ffw_norm.weight"), eps)
             x = x + f
-        hf = rmsnorm(x, w("output_norm.weight"), eps)  # (B, T, D)
+        hf = rmsnorm(x, vec("output_norm.weight"), eps)  # (B, T, D)
         head = w("token_embd.weight") if is_tied(cfg) else w("output.weight")
-        return hf @ head.T  # (B, T, V)
+        return matmul_t(hf, head)  # (B, T, V)
 
     def _experts(self, h: torch.Tensor, p: str, w: Any) -> torch.Tensor:
         """The routed experts (frozen) and Foundry's shared expert: h (N, D) -> (N, D)."""
         cfg = self.base.cfg
         a = arch_spec(cfg)
-        probs = torch.softmax(h @ w(p + "ffn_gate_inp.weight").T, dim=-1)  # (N, E)
+        probs = torch.softmax(matmul_t(h, w(p + "ffn_gate_inp.weight")), dim=-1)  # (N, E)
         top_p, top = torch.topk(probs, cfg.n_expert_used, dim=-1)  # (N, K)
         if a.renorm_experts:
             top_p = top_p / top_p.sum(-1, keepdim=True)
@@ -255,13 +341,14 @@ class Model:
             if rows.numel() == 0:
                 continue
             xe = h[rows]  # (M_e, D)
-            act = F.silu(xe @ gate[e].T) if a.act is Act.SILU else gelu(xe @ gate[e].T)
-            ye = (act * (xe @ up[e].T)) @ down[e].T  # (M_e, D)
+            g = matmul_t(xe, gate[e])  # (M_e, F)
+            act = F.silu(g) if a.act is Act.SILU else gelu(g)
+            ye = matmul_t(act * matmul_t(xe, up[e]), down[e])  # (M_e, D)
             y = y.index_add(0, rows, ye * top_p[rows, slot][:, None])
         if cfg.n_ff_shared:
-            g = h @ w(p + "ffn_gate_shexp.weight").T
-            y = y + (F.silu(g) * (h @ w(p + "ffn_up_shexp.weight").T)) @ \
-                w(p + "ffn_down_shexp.weight").T
+            g = matmul_t(h, w(p + "ffn_gate_shexp.weight"))
+            y = y + matmul_t(F.silu(g) * matmul_t(h, w(p + "ffn_up_shexp.weight")),
+                             w(p + "ffn_down_shexp.weight"))
         return y
 
     def loss_sum(self, trainable: Mapping[str, torch.Tensor], tokens: torch.Tensor,
@@ -406,9 +493,8 @@ class FineTuner:
         self.backend = backend
         self.settings = settings
         self.params = _device_params(trainable, backend.base.device, True)
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=settings.lr,
-                                           betas=(0.9, 0.95), eps=1e-8,
-                                           weight_decay=settings.weight_decay)
+        self.optimizer = adamw(self.params, settings.weight_decay, backend.base.device,
+                               settings.lr)
         self.step = 0
         self.position = 0
 
@@ -436,3 +522,11 @@ class FineTuner:
 
     def host_params(self) -> Params:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.params.items()}
+
+    def optimizer_state(self) -> AdamWState:
+        return adamw_state(self.params, self.optimizer)
+
+    def load(self, params: Params, state: AdamWState, step: int, position: int) -> None:
+        """Take over a checkpoint's trainable tensors, moments and position."""
+        load_adamw(self.params, self.optimizer, params, state)
+        self.step, self.position = step, position

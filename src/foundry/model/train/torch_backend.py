@@ -290,31 +290,11 @@ class TorchTrainer:
         return host_copy(self.params)
 
     def optimizer_state(self) -> AdamWState:
-        """The moments as ``optim.AdamW.state_dict`` holds them (zeros before a step)."""
-        m: dict[str, F32] = {}
-        v: dict[str, F32] = {}
-        for name, t in self.params.items():
-            st = self.optimizer.state.get(t, {})
-            m[name] = _host(st.get("exp_avg"), t)
-            v[name] = _host(st.get("exp_avg_sq"), t)
-        return {"step": self.step_count(), "m": m, "v": v}
-
-    def step_count(self) -> int:
-        for st in self.optimizer.state.values():
-            return int(st["step"])
-        return 0
+        return adamw_state(self.params, self.optimizer)
 
     def load(self, params: Params, state: AdamWState, step: int, position: int) -> None:
         """Take over a checkpoint's weights, moments and position."""
-        with torch.no_grad():
-            for name, t in self.params.items():
-                t.copy_(TM.host_tensor(params[name]))
-                if state["step"] > 0:
-                    self.optimizer.state[t] = {
-                        "step": torch.tensor(float(state["step"]), device=_step_device(t)),
-                        "exp_avg": torch.from_numpy(np.array(state["m"][name])).to(t.device),
-                        "exp_avg_sq": torch.from_numpy(np.array(state["v"][name])).to(t.device),
-                    }
+        load_adamw(self.params, self.optimizer, params, state)
         self.step, self.position = step, position
 
     def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
@@ -340,6 +320,37 @@ def _evaluate(backend: TorchBackend, params: Mapping[str, torch.Tensor], cfg: Mo
             total += nll[is_byte].double().sum()
             n += int(is_byte.sum())
     return float(total) / n if n else float("nan")
+
+
+def adamw_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
+                ) -> AdamWState:
+    """torch AdamW's moments of ``params`` as ``optim.AdamW.state_dict`` holds them (what a
+    checkpoint stores; zeros before a step)."""
+    m: dict[str, F32] = {}
+    v: dict[str, F32] = {}
+    step = 0
+    for name, t in params.items():
+        st = optimizer.state.get(t, {})
+        m[name] = _host(st.get("exp_avg"), t)
+        v[name] = _host(st.get("exp_avg_sq"), t)
+        if "step" in st:
+            step = int(st["step"])
+    return {"step": step, "m": m, "v": v}
+
+
+def load_adamw(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+               values: Params, state: AdamWState) -> None:
+    """``params`` set to a checkpoint's ``values`` and torch AdamW's moments to its ``state``
+    (``adamw_state``'s inverse)."""
+    with torch.no_grad():
+        for name, t in params.items():
+            t.copy_(TM.host_tensor(values[name]))
+            if state["step"] > 0:
+                optimizer.state[t] = {
+                    "step": torch.tensor(float(state["step"]), device=_step_device(t)),
+                    "exp_avg": torch.from_numpy(np.array(state["m"][name])).to(t.device),
+                    "exp_avg_sq": torch.from_numpy(np.array(state["v"][name])).to(t.device),
+                }
 
 
 def _step_device(t: torch.Tensor) -> torch.device:
