@@ -70,7 +70,9 @@
  * called as a function of another one (add_blocks' comment says what that cost). */
 #define INLINE static inline __attribute__((always_inline))
 
-#if defined(__x86_64__)
+/* FOUNDRY_PORTABLE: the portable C alone on an x86-64 host, as an ARM build compiles it
+ * (tests/test_portable_build.py links it, so an x86-only call in portable code fails there). */
+#if defined(__x86_64__) && !defined(FOUNDRY_PORTABLE)
 #include <immintrin.h>
 #define FOUNDRY_X86 1
 #endif

@@ -346,8 +346,10 @@ void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
             for (int g = 0; g < k / 4; g++)
                 corr[g] = (q[4 * g] + q[4 * g + 1] + q[4 * g + 2] + q[4 * g + 3]) * (1 << shift);
         }
+#if defined(FOUNDRY_X86)
         if (in->x4 != NULL)
             q4_layout(q, corr, k, in->x4 + (size_t)t * k, in->corr4 + (size_t)t * (k / 8));
+#endif
     }
 }
 
