@@ -116,11 +116,13 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
     main_c = tmp / "main.c"
     main_c.write_text(MAIN)
-    sources = [str(p) for p in sorted(CSRC.glob("*.c")) if p.name != "module.c"]
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
+               if p.name != "module.c" and not p.name.startswith("py_")]
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources, "-lm"],
+        subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources,
+                        "-lm", "-pthread"],
                        check=True)
         exes[name] = [*run, str(exe)]
     rng = np.random.default_rng(7)
