@@ -20,6 +20,7 @@ cut by positions and value columns, a block of rows), then the decode step's oth
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -191,11 +192,19 @@ def main() -> int:
     main_c.write_text(MAIN)
     sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
                if p.name != "module.c" and not p.name.startswith("py_")]
+    missing = sorted({t for cc, run in BUILDS.values() for t in cc[:1] + run[:1]
+                      if shutil.which(t) is None})
+    if missing:
+        print(f"cross_arch.py: {', '.join(missing)} not found: install the packages --help "
+              "names", file=sys.stderr)
+        return 2
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources,
-                        "-lm", "-pthread"], check=True, timeout=RUN_S)
+        if subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources,
+                           "-lm", "-pthread"], timeout=RUN_S).returncode != 0:
+            print(f"FAIL: the {name} build did not compile (the compiler's messages above)")
+            return 1
         exes[name] = [*run, str(exe)]
     quant.set_threads(1)
     print(f"this machine ({quant.KERNELS}) at 1 thread against each build at "
