@@ -187,17 +187,23 @@ def main() -> int:
                         help="the thread counts each build runs every input at, each count's "
                              "outputs compared with this machine's at 1 thread (default: 1)")
     counts: tuple[int, ...] = parser.parse_args().threads
-    tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
-    main_c = tmp / "main.c"
-    main_c.write_text(MAIN)
-    sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
-               if p.name != "module.c" and not p.name.startswith("py_")]
     missing = sorted({t for cc, run in BUILDS.values() for t in cc[:1] + run[:1]
                       if shutil.which(t) is None})
     if missing:
         print(f"cross_arch.py: {', '.join(missing)} not found: install the packages --help "
               "names", file=sys.stderr)
         return 2
+    with tempfile.TemporaryDirectory(prefix="foundry-cross-") as tmp:
+        return check(Path(tmp), counts)
+
+
+def check(tmp: Path, counts: tuple[int, ...]) -> int:
+    """Build every build in ``tmp``, run each input on them at ``counts`` threads: 0 when all
+    wrote this machine's bits."""
+    main_c = tmp / "main.c"
+    main_c.write_text(MAIN)
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
+               if p.name != "module.c" and not p.name.startswith("py_")]
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
