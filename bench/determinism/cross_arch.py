@@ -1,20 +1,26 @@
 """The block kernels give the same bits on x86-64, arm64 (NEON, with and without sdot) and armv7
-(NEON): the C file built by cross compilers and run under qemu-user, against this machine's
-module (its best SIMD path).
+(NEON), at any thread count: the C files built by cross compilers and run under qemu-user,
+against this machine's module (its best SIMD path) at one thread.
 
     apt-get install gcc-aarch64-linux-gnu gcc-arm-linux-gnueabihf libc6-dev-arm64-cross \\
         libc6-dev-armhf-cross qemu-user-static
-    python bench/determinism/cross_arch.py
+    python bench/determinism/cross_arch.py --threads 1,4
 
-The kernels' files (``src/foundry/model/kernels/csrc/*.c`` but the Python interface, module.c)
-get a small ``main`` that reads a type, the shapes, the weight bytes and the inputs from a file
-and writes the products; each build runs on the same random inputs for every supported type,
-then on the decode step's other operations (RMSNorm, rotation, router, SiLU x up, attention).
+The kernels' files (``src/foundry/model/kernels/csrc/*.c`` but the Python interface: module.c,
+py_*.c) get a small ``main`` that reads a type, the shapes, the weight bytes and the inputs
+from a file and writes the products, once at each thread count of ``--threads`` (the pool's
+pool_set_threads, every product cut into tasks however small: pool_split_below(0), as
+tests/test_threads.py does). Each build runs on the same random inputs: the products of every
+supported type (one input and blocks of inputs, rows enough for several tasks a thread), the
+pool's attention (one row cut by query heads, one over a window of more than 4096 positions
+cut by positions and value columns, a block of rows), then the decode step's other operations
+(RMSNorm, rotation, router, SiLU x up, attention).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,10 +40,11 @@ MAIN = r"""
 #include <stdio.h>
 
 #include "kernels.h"
-static float *floats(FILE *f, size_t n) { /* n floats read from f (NULL when short) */
-    float *p = malloc(4 * n + 4);
-    return p != NULL && fread(p, 4, n, f) == n ? p : NULL;
+static void *bytes_of(FILE *f, size_t n) { /* n bytes read from f (NULL when short) */
+    void *p = malloc(n + 4);
+    return p != NULL && fread(p, 1, n, f) == n ? p : NULL;
 }
+static float *floats(FILE *f, size_t n) { return bytes_of(f, 4 * n); }
 
 /* in: -1 n d heads n_kv dh n_expert k f n_pos, then x, norm w, cos, sin, qk, router, gu, q,
  * k cache, v cache, the GELU table; out: rmsnorm, rope (adjacent pairs, then NEOX), route's
@@ -77,26 +84,60 @@ static int decode_ops(FILE *f, FILE *o) {
     return 0;
 }
 
-int main(int argc, char **argv) { /* in: type k n_out n, weights, x; out: y */
-    (void)argc;
-    kernels_init();
-    FILE *f = fopen(argv[1], "rb");
+/* in: -2 rows n_head n_kv dh pos window half, then q (rows, n_head, dh) and the k and v caches
+ * (pos + rows positions of n_kv x dh values, float16 where half); out: attend_rows' rows */
+static int attention(FILE *f, FILE *o) {
+    int h[7];
+    if (fread(h, 4, 7, f) != 7) return 3;
+    const int rows = h[0], n_head = h[1], n_kv = h[2], dh = h[3], pos = h[4], window = h[5],
+              half = h[6];
+    const size_t qn = (size_t)rows * n_head * dh,
+                 cache = (size_t)(pos + rows) * n_kv * dh * (half ? 2 : 4);
+    float *q = floats(f, qn), *out = malloc(4 * qn);
+    void *k = bytes_of(f, cache), *v = bytes_of(f, cache);
+    if (!q || !out || !k || !v) return 4;
+    if (attend_rows(q, k, v, half, pos, window, rows, n_head, n_kv, dh, out) < 0) return 5;
+    fwrite(out, 4, qn, o);
+    free(q);
+    free(out);
+    free(k);
+    free(v);
+    return 0;
+}
+
+/* One input: -1 the decode operations, -2 attention, else a product: type k n_out n, the
+ * weights, x; out: y */
+static int run(FILE *f, FILE *o) {
     int hdr[4], values, bytes;
-    if (f == NULL || fread(hdr, 4, 1, f) != 1) return 1;
-    if (hdr[0] < 0) {
-        FILE *o = fopen(argv[2], "wb");
-        const int rc = decode_ops(f, o);
-        return rc ? rc : fclose(o);
-    }
+    if (fread(hdr, 4, 1, f) != 1) return 1;
+    if (hdr[0] == -1) return decode_ops(f, o);
+    if (hdr[0] == -2) return attention(f, o);
     if (fread(hdr + 1, 4, 3, f) != 3) return 1;
     type_block(hdr[0], &values, &bytes);
     size_t rb = (size_t)(hdr[1] / values) * bytes, nx = (size_t)hdr[3] * hdr[1];
-    uint8_t *w = malloc(rb * hdr[2]);
-    float *x = malloc(4 * nx), *y = malloc(4 * (size_t)hdr[3] * hdr[2]);
-    if (fread(w, 1, rb * hdr[2], f) != rb * hdr[2] || fread(x, 4, nx, f) != nx) return 2;
-    matmul(hdr[0], w, rb, hdr[2], hdr[1], x, hdr[3], y);
-    FILE *o = fopen(argv[2], "wb");
+    uint8_t *w = bytes_of(f, rb * hdr[2]);
+    float *x = floats(f, nx), *y = malloc(4 * (size_t)hdr[3] * hdr[2]);
+    if (!w || !x || !y) return 2;
+    if (matmul(hdr[0], w, rb, hdr[2], hdr[1], x, hdr[3], y) < 0) return 5;
     fwrite(y, 4, (size_t)hdr[3] * hdr[2], o);
+    free(w);
+    free(x);
+    free(y);
+    return 0;
+}
+
+int main(int argc, char **argv) { /* in out threads...: the outputs at each count in turn */
+    kernels_init();
+    pool_split_below(0); /* every product cut into tasks, however small */
+    FILE *o = fopen(argv[2], "wb");
+    if (o == NULL) return 1;
+    for (int a = 3; a < argc; a++) {
+        if (pool_set_threads(atoi(argv[a])) < 0) return 6;
+        FILE *f = fopen(argv[1], "rb");
+        const int rc = f == NULL ? 1 : run(f, o);
+        if (rc) return rc;
+        fclose(f);
+    }
     return fclose(o);
 }
 """
@@ -108,48 +149,123 @@ BUILDS = {  # name: (compiler and flags, how to run)
     "armv7 NEON": (["arm-linux-gnueabihf-gcc", "-static", "-mfpu=neon-vfpv4",
                     "-mfloat-abi=hard"], ["qemu-arm-static"]),
 }
+K = 512  # values a weight row
+# (rows, inputs) of the products. At 4 threads 301 rows are 7 tasks of 48 rows, the last of 13
+# (a part of every path's row group); 9 inputs a block (tiles, Q5_0 unpacked once); 99 rows of
+# 130 inputs 7 row tasks, so the inputs are cut too (two tiles of 64 or more), and their
+# preparation (8 a task).
+PRODUCTS = ((301, 1), (301, 9), (99, 130))
+# attend_rows' cases: what, rows, query heads, kv heads, head size, pos, window, cache type
+ATTENTION = (
+    ("one row, 2 kv heads: cut by query heads", 1, 8, 2, 64, 130, 0, np.float32),
+    ("one row, 2 kv heads, float16 cache", 1, 8, 2, 64, 130, 0, np.float16),
+    ("one row over 4101 positions, 2 heads: cut by positions", 1, 2, 1, 64, 4100, 0,
+     np.float16),
+    ("one row, window of 4100 at 4200, 2 heads: cut by positions", 1, 2, 1, 64, 4200, 4100,
+     np.float32),
+    ("5 rows, window 7: a task per row and kv head", 5, 8, 4, 32, 20, 7, np.float32),
+)
+RUN_S = 600  # the most one build's run of one input may take under emulation
+
+
+def thread_counts(text: str) -> tuple[int, ...]:
+    """``1,4`` as (1, 4): positive thread counts."""
+    try:
+        counts = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts are whole numbers >= 1 like 1,4, "
+                                         f"got {text!r}")
+    return counts
 
 
 def main() -> int:
-    argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="foundry-cross-"))
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=thread_counts, default=(1,), metavar="N,N,...",
+                        help="the thread counts each build runs every input at, each count's "
+                             "outputs compared with this machine's at 1 thread (default: 1)")
+    counts: tuple[int, ...] = parser.parse_args().threads
+    missing = sorted({t for cc, run in BUILDS.values() for t in cc[:1] + run[:1]
+                      if shutil.which(t) is None})
+    if missing:
+        print(f"cross_arch.py: {', '.join(missing)} not found: install the packages --help "
+              "names", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="foundry-cross-") as tmp:
+        return check(Path(tmp), counts)
+
+
+def check(tmp: Path, counts: tuple[int, ...]) -> int:
+    """Build every build in ``tmp``, run each input on them at ``counts`` threads: 0 when all
+    wrote this machine's bits."""
     main_c = tmp / "main.c"
     main_c.write_text(MAIN)
-    sources = [str(p) for p in sorted(CSRC.glob("*.c")) if p.name != "module.c"]
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
+               if p.name != "module.c" and not p.name.startswith("py_")]
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources, "-lm"],
-                       check=True)
+        if subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources,
+                           "-lm", "-pthread"], timeout=RUN_S).returncode != 0:
+            print(f"FAIL: the {name} build did not compile (the compiler's messages above)")
+            return 1
         exes[name] = [*run, str(exe)]
+    quant.set_threads(1)
+    print(f"this machine ({quant.KERNELS}) at 1 thread against each build at "
+          f"{', '.join(map(str, counts))} threads")
     rng = np.random.default_rng(7)
     ok = True
     for qtype in SUPPORTED:
-        k, n_out, n = 512, 13, 9  # 9 inputs: a block (tiles, Q5_0 unpacked once)
-        w = rng.standard_normal((n_out, k), dtype=np.float32)
-        if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K):  # random blocks, small scales
-            values, size = gguf.GGML_QUANT_SIZES[qtype]
-            data = rng.integers(0, 256, (n_out, k // values, size), dtype=np.uint8)
-            scale = (rng.random((n_out, k // values)) * 1e-3 + 1e-4).astype(np.float16)
-            at = 208 if qtype == QType.Q6_K else 0
-            data[..., at : at + 2] = scale.view(np.uint8).reshape(n_out, -1, 2)
-            if qtype != QType.Q6_K:
-                data[..., 2:4] = scale.view(np.uint8).reshape(n_out, -1, 2)
-            q = quant.QTensor(qtype, (n_out, k), data.reshape(n_out, -1))
-        else:
-            q = quant.quantize(w, qtype)
-        x = rng.standard_normal((n, k), dtype=np.float32)
-        (tmp / "in").write_bytes(np.array([int(qtype), k, n_out, n], np.int32).tobytes()
-                                 + q.data.tobytes() + x.tobytes())
-        here = quant.linear(x, q).tobytes()
-        ok = same_bits(f"{qtype.name:<5} this machine ({quant.KERNELS})", exes, tmp, here) and ok
-    ok = decode_ops(exes, tmp, rng) and ok
+        for n_out, n in PRODUCTS:
+            w = stored(qtype, n_out, rng)
+            x = rng.standard_normal((n, K), dtype=np.float32)
+            (tmp / "in").write_bytes(np.array([int(qtype), K, n_out, n], np.int32).tobytes()
+                                     + w.data.tobytes() + x.tobytes())
+            here = quant.linear(x, w).tobytes()
+            ok = same_bits(f"{qtype.name:<5} {n_out} rows x {n:>3}", exes, tmp, here,
+                           counts) and ok
+    ok = attention(exes, tmp, rng, counts) and ok
+    ok = decode_ops(exes, tmp, rng, counts) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
-def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) -> bool:
+def stored(qtype: QType, n_out: int, rng: np.random.Generator) -> quant.QTensor:
+    """A weight of n_out rows of K values in ``qtype``: random values quantized, or for the
+    K-quants random blocks with small scales (every code and sub-block scale taken)."""
+    if qtype not in (QType.Q4_K, QType.Q5_K, QType.Q6_K):
+        return quant.quantize(rng.standard_normal((n_out, K), dtype=np.float32), qtype)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (n_out, K // values, size), dtype=np.uint8)
+    scale = (rng.random((n_out, K // values)) * 1e-3 + 1e-4).astype(np.float16)
+    at = 208 if qtype == QType.Q6_K else 0
+    data[..., at : at + 2] = scale.view(np.uint8).reshape(n_out, -1, 2)
+    if qtype != QType.Q6_K:
+        data[..., 2:4] = scale.view(np.uint8).reshape(n_out, -1, 2)
+    return quant.QTensor(qtype, (n_out, K), data.reshape(n_out, -1))
+
+
+def attention(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
+              counts: tuple[int, ...]) -> bool:
+    """attend_rows, the pool's attention, on every build against this machine's module."""
+    ok = True
+    for what, rows, n_head, n_kv, dh, pos, window, dtype in ATTENTION:
+        kc, vc = (rng.standard_normal((pos + rows, n_kv, dh)).astype(dtype) for _ in range(2))
+        q = 3 * rng.standard_normal((rows, n_head, dh), dtype=np.float32)
+        half = int(dtype == np.float16)
+        (tmp / "in").write_bytes(
+            np.array([-2, rows, n_head, n_kv, dh, pos, window, half], np.int32).tobytes()
+            + q.tobytes() + kc.tobytes() + vc.tobytes())
+        out = np.empty_like(q)
+        quant.attend_rows(q, kc, vc, pos, window, out)
+        ok = same_bits(f"attention, {what}", exes, tmp, out.tobytes(), counts) and ok
+    return ok
+
+
+def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
+               counts: tuple[int, ...]) -> bool:
     """RMSNorm, the rotations (adjacent pairs and NEOX), the router, SiLU x up, GELU x up and
     attention (the decode step's operations besides the products) on every build against this
     machine's module."""
@@ -173,18 +289,27 @@ def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator) 
         quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin), quant.rope(qk, cos, sin, neox=True),
         weights, top, quant.swiglu(gu), quant.geglu(gu), att))
     return same_bits("decode operations (RMSNorm, rotations, router, SiLU and GELU x up, "
-                     "attention)", exes, tmp, here)
+                     "attention)", exes, tmp, here, counts)
 
 
-def same_bits(what: str, exes: dict[str, list[str]], tmp: Path, here: bytes) -> bool:
-    """Run every build on ``tmp/in``; one line on whether each wrote ``here``'s bytes."""
-    same = []
-    for argv in exes.values():
-        subprocess.run([*argv, str(tmp / "in"), str(tmp / "out")], check=True)
-        same.append((tmp / "out").read_bytes() == here)
-    print(f"{what} against " + ", ".join(f"{name}: {'same bits' if s else 'DIFFERENT'}"
-                                          for name, s in zip(exes, same, strict=True)))
-    return all(same)
+def same_bits(what: str, exes: dict[str, list[str]], tmp: Path, here: bytes,
+              counts: tuple[int, ...]) -> bool:
+    """Run every build on ``tmp/in`` at each thread count; one line on whether each count of
+    each build wrote ``here``'s bytes."""
+    verdicts, ok = [], True
+    for name, argv in exes.items():
+        subprocess.run([*argv, str(tmp / "in"), str(tmp / "out"), *map(str, counts)],
+                       check=True, timeout=RUN_S)
+        out = (tmp / "out").read_bytes()
+        size = len(here)
+        differ = [c for i, c in enumerate(counts) if out[i * size : (i + 1) * size] != here]
+        if len(out) != size * len(counts):
+            differ = list(counts)
+        verdicts.append(f"{name}: same bits" if not differ else
+                        f"{name}: DIFFERENT at {', '.join(map(str, differ))} threads")
+        ok = ok and not differ
+    print(f"{what}: " + ", ".join(verdicts))
+    return ok
 
 
 if __name__ == "__main__":
