@@ -511,7 +511,7 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
     ("offset", "value", "message"),
     [
         (8, b"\x02", "unknown role 2"),
-        (9, b"\x04", "unknown flags"),
+        (9, b"\x08", "unknown flags"),
         (10, b"\x02\x00", "execution mode 0x2 has bits this implementation does not run"),
         (11, b"\x01", "execution mode 0x100 has bits"),
         (104, b"../etc/passwd", "not a bare file name"),
@@ -1038,8 +1038,8 @@ def test_hello_prefix_messages_exact() -> None:
          "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
          "run the same foundry release on both ranks"),
         (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185), TpProtocolError,
-         "hello of version 2 must be 184 bytes (224 with the world extension), the peer says "
-         "185"),
+         "hello of version 2 must be 184 bytes (224 with the world extension, 232 with the "
+         "weight too), the peer says 185"),
     ]:
         decoder = TpDecoder(expect_hello=True)
         decoder.feed(data)
@@ -1076,7 +1076,7 @@ def test_hello_field_errors_exact() -> None:
     for offset, value, message in [
         (10, b"\x02\x00", "hello: execution mode 0x2 has bits this implementation does not run "
          "(supported: 0x1: 1 = experts cut by their intermediate size)"),
-        (9, b"\x04", "hello: unknown flags 0x4"),
+        (9, b"\x08", "hello: unknown flags 0x8"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
         (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of "
