@@ -8,19 +8,20 @@ re-synced; a world size or shares the model cannot take, and a --rank the world 
 for, are refused in one line. Shares chosen at pairing (``--shares auto`` from the ranks'
 speeds, stated with ``--speed`` or measured; ``--shares ranks`` from each rank's ``--share``)
 follow what the ranks stated, and the world equals one process standing for them; a
-``--share`` that conflicts with the leader's shares is refused in one line. The leader runs in this process (for its logits), the workers
-are processes. The file's 4 kv heads take 2, 3 and 4 ranks.
+``--share`` that conflicts with the leader's shares is refused in one line. The leader runs
+in this process (for its logits), the workers are processes. The file's 4 kv heads take 2, 3
+and 4 ranks.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-from typing import Any
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
