@@ -1,6 +1,7 @@
 """Shares by speed (tp.calibrate): the calibration computes the same bits at any thread count
 and states a positive speed; the shares chosen follow the speeds (or the stated shares) and
-are snapped to the nearest split the model takes, with one line saying why."""
+are snapped to the nearest split the model takes (a unit for every rank, column cuts on whole
+blocks), with one line saying why."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from foundry.tp.calibrate import (
     calibration_row,
     choose_shares,
     measure_speed,
+    misaligned,
     speed_shares,
 )
 
@@ -50,9 +52,21 @@ def test_shares_follow_the_speeds_and_snap_to_a_split_the_model_takes() -> None:
     # 98% on rank 0 would leave ranks 1 and 2 without a kv head: the nearest that works.
     shares, why = choose_shares(CFG, SPLIT, speeds=[1000, 10, 10])
     assert shares == (2, 1, 1) and check_splittable(CFG, 3, SPLIT, shares) == shares
-    assert "cannot split the model by shares 63,1,1" in why and "snapped to those" in why
+    assert "(cannot split the model by shares 63,1,1: a rank would hold none of its 4 kv heads;" \
+        " the nearest shares that work are 2,1,1: snapped to the nearest that works)" in why
     shares, why = choose_shares(CFG, SPLIT, stated=[4, 1, 1])
     assert shares == (2, 1, 1) and why.startswith("shares 2,1,1 from the ranks' --share 4,1,1 (")
+    # A file stored in blocks of 32: 3,5 would cut every expert's 128 intermediate columns
+    # at 48, inside a block; the 4 blocks handed out by the shares, 2 and 2, cut at 64.
+    tiny = ModelConfig(n_ctx=256)
+    blocks = {f"blk.{i}.ffn_down_exps.weight": 32 for i in range(tiny.n_layer)}
+    assert misaligned(tiny, SPLIT, (3, 5), blocks) == ("blk.0.ffn_down_exps.weight", 128, 32)
+    assert misaligned(tiny, SPLIT, (1, 3), blocks) is None
+    shares, why = choose_shares(tiny, SPLIT, speeds=[3, 5], blocks=blocks)
+    assert shares == (1, 1) and misaligned(tiny, SPLIT, shares, blocks) is None
+    assert ("(shares 3,5 would cut blk.0.ffn_down_exps.weight (128 columns) inside its blocks "
+            "of 32: snapped to the nearest that works)") in why
+    assert choose_shares(tiny, SPLIT, speeds=[3, 5])[0] == (3, 5)  # float32: no blocks
     with pytest.raises(ValueError, match="speeds must be positive"):
         speed_shares([100, 0])
     with pytest.raises(ValueError, match="not both"):

@@ -39,13 +39,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from foundry.model.shard import Shares, norm_shares
 from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.calibrate import choose_shares, measure_speed
+from foundry.tp.calibrate import choose_shares, rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
@@ -202,7 +202,10 @@ class BringUp:
         on_pair: Callable[[Pair], None],
         architecture: str = "llama",
         cfg: ModelConfig | None = None,
+        blocks: Mapping[str, int] | None = None,
     ) -> None:
+        """``blocks``: the block size of each tensor the file stores in blocks (the shares
+        chosen at pairing cut them on whole blocks)."""
         self.options = options
         self.identity = identity
         self.execution_mode = execution_mode
@@ -213,6 +216,7 @@ class BringUp:
         self.port = 0
         self.world = options.world_size
         self.cfg = cfg
+        self.blocks = dict(blocks or {})
         # The world's shares: equal until chosen when they are still to be (``pending``).
         self.shares = norm_shares(self.world, options.shares)
         self.pending = options.shares_from is not SharesFrom.LIST
@@ -483,17 +487,11 @@ class BringUp:
         with self._claim_lock:
             weights = [self._weights[r] for r in range(1, self.world)]
         if o.shares_from is SharesFrom.SPEED:
-            mine = o.speed
-            if mine is None:
-                measured = measure_speed()
-                mine = measured.speed
-                log.info("this rank's speed: %d multiply-adds/us at %d threads (%d products "
-                         "in %.0f ms)", mine, measured.threads, measured.repeats,
-                         1e3 * measured.seconds)
-            shares, why = choose_shares(self.cfg, o.expert_split,
+            mine = rank_speed(o.speed)
+            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
                                         speeds=[mine, *(max(1, w.speed) for w in weights)])
         else:
-            shares, why = choose_shares(self.cfg, o.expert_split,
+            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
                                         stated=[o.share or 1, *(w.share or 1 for w in weights)])
         with self._claim_lock:
             self.shares = shares

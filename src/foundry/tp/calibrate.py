@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,8 @@ from foundry.model.shard import (
     check_splittable,
     nearest_shares,
     norm_shares,
+    rank_layout,
+    shard_slice,
     share_blocks,
 )
 from foundry.model.spec.config import ModelConfig
@@ -93,6 +95,17 @@ def measure_speed(budget_s: float = CAL_BUDGET_S) -> Speed:
     return Speed(speed, kernel_threads(), seconds, repeats)
 
 
+def rank_speed(stated: int | None) -> int:
+    """This rank's speed for ``--shares auto``: ``--speed`` when given, else measured now
+    (logged with its thread count)."""
+    if stated is not None:
+        return stated
+    measured = measure_speed()
+    log.info("this rank's speed: %d multiply-adds/us at %d threads (%d products in %.0f ms)",
+             measured.speed, measured.threads, measured.repeats, 1e3 * measured.seconds)
+    return measured.speed
+
+
 def speed_shares(speeds: Sequence[int]) -> Shares:
     """Shares in proportion to ``speeds`` (rank 0 first) at :data:`SPEED_RESOLUTION`, each at
     least 1, reduced by their gcd; the model may not take them (``shard.nearest_shares``)."""
@@ -103,10 +116,47 @@ def speed_shares(speeds: Sequence[int]) -> Shares:
                                      for s in speeds])
 
 
+def misaligned(cfg: ModelConfig, split: ExpertSplit, shares: Shares,
+               blocks: Mapping[str, int]) -> tuple[str, int, int] | None:
+    """The first stored tensor (``blocks``: its name and block size) that some rank's column
+    cut under ``shares`` would split inside a block: (name, columns, block), or None."""
+    shapes = cfg.param_shapes()
+    for rank in range(len(shares)):
+        layout = rank_layout(cfg, rank, len(shares), split, shares)
+        for name, block in blocks.items():
+            cols = shapes[name][-1]
+            start, stop, _ = shard_slice(name, len(shapes[name]), layout)[-1].indices(cols)
+            if start % block or stop % block:
+                return name, cols, block
+    return None
+
+
+def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares,
+         blocks: Mapping[str, int]) -> Shares:
+    """The nearest shares to ``wanted`` the model takes: every rank at least one of each unit
+    (``shard.nearest_shares``) and every column cut of a stored tensor on its blocks (each
+    such tensor's blocks handed out by the shares, that allocation the new shares); equal
+    shares when that does not converge (the leader holds those already: they work)."""
+    shares = nearest_shares(cfg, split, wanted)
+    for _ in range(8):
+        bad = misaligned(cfg, split, shares, blocks)
+        if bad is None:
+            return shares
+        n = bad[1] // bad[2]
+        if n < len(shares):
+            break
+        rest = share_blocks(n - len(shares), shares)
+        shares = nearest_shares(cfg, split, norm_shares(len(shares), [1 + r for r in rest]))
+    return norm_shares(len(wanted))
+
+
 def choose_shares(cfg: ModelConfig, split: ExpertSplit, *, speeds: Sequence[int] | None = None,
-                  stated: Sequence[int] | None = None) -> tuple[Shares, str]:
+                  stated: Sequence[int] | None = None,
+                  blocks: Mapping[str, int] | None = None) -> tuple[Shares, str]:
     """The world's shares from every rank's speed or every rank's stated share (rank 0 first),
-    and one line saying what was chosen and why (the leader logs it)."""
+    snapped to the nearest the model takes (:func:`snap`; ``blocks``: the block size of each
+    tensor stored in blocks), and one line saying what was chosen and why (the leader logs
+    it)."""
     if (speeds is None) == (stated is None):
         raise ValueError("choose shares from speeds or from stated shares, not both")
     if speeds is not None:
@@ -119,11 +169,17 @@ def choose_shares(cfg: ModelConfig, split: ExpertSplit, *, speeds: Sequence[int]
         assert stated is not None
         wanted = norm_shares(len(stated), stated)
         basis = "the ranks' --share " + ",".join(map(str, stated))
-    try:
-        shares = check_splittable(cfg, len(wanted), split, wanted)
-    except SplitError as exc:
-        shares = nearest_shares(cfg, split, wanted)
-        basis += f" ({exc}: snapped to those)"
+    blocks = blocks or {}
+    shares = snap(cfg, split, wanted, blocks)
+    if shares != wanted:
+        try:
+            check_splittable(cfg, len(wanted), split, wanted)
+            name, cols, block = misaligned(cfg, split, wanted, blocks) or ("", 0, 0)
+            why = (f"shares {','.join(map(str, wanted))} would cut {name} ({cols} columns) "
+                   f"inside its blocks of {block}")
+        except SplitError as exc:
+            why = str(exc)
+        basis += f" ({why}: snapped to the nearest that works)"
     kv = share_blocks(cfg.n_head_kv, shares) if cfg.n_head_kv >= len(shares) else None
     held = ("" if kv is None else f"; kv heads {','.join(map(str, kv))}") + (
         f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}")

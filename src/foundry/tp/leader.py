@@ -70,6 +70,7 @@ import threading
 from collections.abc import Callable
 
 from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.kernels.quant import QTensor
 from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard import Gate, norm_shares
 from foundry.model.text.chat import template_for
@@ -143,7 +144,10 @@ class Leader:
         # The acceptor and handshake threads: the worker port.
         self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
                                 self._stopping, self.engine.new_pair,
-                                architecture=self.model.architecture, cfg=self.cfg)
+                                architecture=self.model.architecture, cfg=self.cfg,
+                                blocks={name: p.block for name, p in
+                                        self.model.weights.params.items()
+                                        if isinstance(p, QTensor)})
 
     # -- lifecycle -----------------------------------------------------------------------
 

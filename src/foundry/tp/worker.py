@@ -41,7 +41,7 @@ from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import recv_exact
-from foundry.tp.calibrate import measure_speed
+from foundry.tp.calibrate import rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
@@ -377,11 +377,7 @@ class Worker:
     def _my_speed(self) -> int:
         """This rank's speed for the leader's --shares auto: --speed, else measured once."""
         if self._speed is None:
-            measured = measure_speed()
-            self._speed = measured.speed
-            log.info("this rank's speed: %d multiply-adds/us at %d threads (%d products in "
-                     "%.0f ms)", measured.speed, measured.threads, measured.repeats,
-                     1e3 * measured.seconds)
+            self._speed = rank_speed(None)
         return self._speed
 
     def _learn_world(self, leader: Hello) -> None:
