@@ -61,9 +61,10 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     add_frame_deadline_flag(p, 30.0, "the control link" + (" and the frontend link" if leader
                                                             else ""))
     p.add_argument("--share", type=_share, default=None, metavar="W",
-                   help="this rank's share of the model, an integer weight: taken when the "
-                   "leader runs --shares ranks; otherwise the leader's shares win and a "
-                   "--share that differs from this rank's is refused")
+                   help="this rank's share of the model, an integer weight, taken when the "
+                   "leader runs --shares ranks; otherwise the leader's shares win: a worker's "
+                   "--share that differs from its rank's is refused, and the leader's goes "
+                   "only with --shares ranks")
     p.add_argument("--speed", type=_share_speed, default=None, metavar="S",
                    help="with the leader's --shares auto: state this speed (multiply-adds per "
                    "microsecond) instead of measuring it, for a machine whose calibration "
