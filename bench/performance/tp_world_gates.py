@@ -27,11 +27,15 @@ every port shaped both ways by ``tc tbf`` to the rate (``lan.Network``, as the s
 bench), so every gate crosses a shaped link as it would between machines: each rank is a
 process that enters its namespace, listens on its address, dials the ranks below it and takes
 the connections of the ranks above; the pair's baseline crosses the same link. Without it,
-loopback in one namespace.
+loopback in one namespace. tbf lets a burst pass at the veth's speed (``lan.Network``: 10 ms
+at the rate, at least 96 KiB for the veth's 64 KiB segments), so a decode partial of a few KB
+would cross unpaced; ``--burst-bytes`` (3028 in the device command: two frames) caps the
+segments at one frame (``gso_max_size 1500``) and shapes every port with that burst, so each
+partial takes its wire time at the rate (4 KiB: 33 us at 1 Gb/s), as on a LAN.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp_world_gates.py [--worlds 3,4]
         [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US]
-        [--rate 1gbit [--ip ip] [--tc tc]] [--json PATH]
+        [--rate 1gbit [--burst-bytes 3028] [--ip ip] [--tc tc]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -253,6 +257,16 @@ def measure_netns(net: Network, world: int, rows: int, n_embd: int, gates: int,
     return {k: harness.median(v) * 1e6 for k, v in times.items() if v}
 
 
+def pace(net: Network, burst: int) -> None:
+    """Every port of ``net`` in frames of one MTU, shaped with a burst of ``burst`` bytes."""
+    ports = [(net.ns(i), "eth0") for i in range(net.hosts)]
+    ports += [(net.switch, f"p{i}") for i in range(net.hosts)]
+    for ns, dev in ports:
+        net._run(net.ip, "-n", ns, "link", "set", dev, "gso_max_size", "1500")
+        net._run(net.tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                 net.rate, "burst", str(burst), "latency", "20ms")
+
+
 def measure(world: int, rows: int, n_embd: int, gates: int, block: int) -> dict[str, float]:
     socks = _pairs(world)
     ctx = mp.get_context("fork")
@@ -285,6 +299,9 @@ def main() -> int:
     ap.add_argument("--rate", default="loopback",
                     help="shape every rank's port to this rate in namespaces (tc syntax, e.g. "
                     "1gbit; default loopback: no namespaces)")
+    ap.add_argument("--burst-bytes", type=int, default=None,
+                    help="with --rate: one-frame segments and this tbf burst on every port, "
+                    "so small partials are paced (default: lan.Network's burst)")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
     harness.add_json_flag(ap)
@@ -295,7 +312,8 @@ def main() -> int:
     partial = a.rows * a.n_embd * 4
     net = Network(max([2, *worlds]), a.rate, a.ip, a.tc)
     where = ("loopback" if not net.shaped else
-             f"each rank in a namespace, every port tbf-shaped to {a.rate}")
+             f"each rank in a namespace, every port tbf-shaped to {a.rate}"
+             + (f", burst {a.burst_bytes} bytes, 1500-byte segments" if a.burst_bytes else ""))
     print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
           f"{a.gates} gates a kind, rank 0's p50 in us; {where}, 1 thread a rank, "
           f"{len(worlds) + 1} world sizes")
@@ -307,6 +325,8 @@ def main() -> int:
 
     net.up()
     try:
+        if net.shaped and a.burst_bytes:
+            pace(net, a.burst_bytes)
         return report(a, worlds, partial, run)
     finally:
         net.down()
@@ -316,7 +336,8 @@ def report(a: argparse.Namespace, worlds: list[int], partial: int,
            run: Callable[[int], dict[str, float]]) -> int:
     base = run(2)["all-to-all"]
     results: dict[str, object] = {"threads_per_rank": 1, "clients": 0, "partial_bytes": partial,
-                                  "pair_p50_us": base, "rate": a.rate}
+                                  "pair_p50_us": base, "rate": a.rate,
+                                  "burst_bytes": a.burst_bytes}
     print(f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
           f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}")
     print(f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
