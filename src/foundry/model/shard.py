@@ -486,6 +486,14 @@ def shard_shapes(cfg: ModelConfig, rank: int, world: int,
     return layout_shapes(cfg, rank_layout(cfg, rank, world, expert_split, shares))
 
 
+def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout
+               ) -> range | None:
+    """The layout's columns of a tensor stored in blocks of ``block`` values when they do not
+    start and end on a block boundary (None when they do)."""
+    cols = range(*shard_slice(name, len(shape), layout)[-1].indices(shape[-1]))
+    return cols if cols.start % block or cols.stop % block else None
+
+
 def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
     """The layout's part of one parameter, C-contiguous: a view where the cut allows it (rows,
     experts, replicated), a copy for column cuts and for the intermediate cuts of the experts
@@ -494,8 +502,8 @@ def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
     index = shard_slice(name, len(value.shape), layout)
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value[index], dtype=np.float32)
-    cols = range(*index[-1].indices(value.shape[-1]))
-    if cols.start % value.block or cols.stop % value.block:
+    cols = off_blocks(name, tuple(value.shape), value.block, layout)
+    if cols is not None:
         raise SplitError(
             f"cannot split {name} ({value.qtype.name}, blocks of {value.block} values) for rank "
             f"{layout.rank} of {layout.world}: its columns [{cols.start}, {cols.stop}) of "

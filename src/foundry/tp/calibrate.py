@@ -30,8 +30,8 @@ from foundry.model.shard import (
     check_splittable,
     nearest_shares,
     norm_shares,
+    off_blocks,
     rank_layout,
-    shard_slice,
     share_blocks,
 )
 from foundry.model.spec.config import ModelConfig
@@ -124,10 +124,8 @@ def misaligned(cfg: ModelConfig, split: ExpertSplit, shares: Shares,
     for rank in range(len(shares)):
         layout = rank_layout(cfg, rank, len(shares), split, shares)
         for name, block in blocks.items():
-            cols = shapes[name][-1]
-            start, stop, _ = shard_slice(name, len(shapes[name]), layout)[-1].indices(cols)
-            if start % block or stop % block:
-                return name, cols, block
+            if off_blocks(name, shapes[name], block, layout) is not None:
+                return name, shapes[name][-1], block
     return None
 
 
