@@ -149,6 +149,7 @@ class LeaderEngine:
         """Rank 0's slices for the shares chosen at pairing (``--shares auto`` or ``ranks``)."""
         o = self.options
         log.info("loading rank 0's slices for shares %s", ",".join(map(str, shares)))
+        del self.commands, self.state  # the old slices go before the new ones come in
         self._build(load_rank(o.model, 0, o.ctx_size, o.expert_split, self.world, shares, o.lora))
 
     def submit(self, req: Request) -> None:
