@@ -11,13 +11,10 @@ ranks: one control link per worker) is handed to ``on_pair``; ``release`` frees 
 the engine ends it. The first bytes are read exactly (``recv_exact``), never more: a gate
 connection's socket is handed over to the gate exchange with nothing of its stream consumed.
 
-Shares still to be chosen (``--shares auto`` or ``ranks``): until every worker has stated its
-weight (its measured speed, or its ``--share``), the leader's hello states the world with
-``shares_from`` set and no shares; a worker answering it with its weight is told its rank
-(COMMAND_ACK :data:`ACK_NOTED`) and closed, and dials again asking for that rank. With the last
-weight the leader chooses the shares (``tp.calibrate.choose_shares``, measuring its own speed
-then), logs what it chose and why, and from then on states them like a list; they stay for the
-life of the leader.
+Shares still to be chosen (``--shares auto`` or ``ranks``): the leader's hello says so; a
+worker answering with its weight (speed or ``--share``) is told its rank (:data:`ACK_NOTED`),
+closed, and dials again asking for it. With the last weight the leader chooses the shares
+(``tp.calibrate.choose_shares``), logs what and why, and states them from then on, for good.
 
 A world of N > 2 ranks: each worker brought up this far waits as a :class:`Member` until every
 rank has one; the handshake thread of the last sends each worker the WORLD frame (every
@@ -204,8 +201,7 @@ class BringUp:
         cfg: ModelConfig | None = None,
         blocks: Mapping[str, int] | None = None,
     ) -> None:
-        """``blocks``: the block size of each tensor the file stores in blocks (the shares
-        chosen at pairing cut them on whole blocks)."""
+        """``blocks``: each stored tensor's block size (chosen shares cut on whole blocks)."""
         self.options = options
         self.identity = identity
         self.execution_mode = execution_mode
@@ -223,6 +219,7 @@ class BringUp:
         if self.pending and cfg is None:
             raise ValueError("choosing the shares at pairing needs the model's config")
         self._weights: dict[int, RankWeight] = {}  # while pending: each worker's, by rank
+        self._choosing = False
         self.choice: str | None = None  # what was chosen and why, once chosen
         # The largest vocabulary block a worker returns (the LOGITS bound); the pair's half
         # when the model is not known here.
@@ -458,23 +455,26 @@ class BringUp:
         one it asks for, else the first without one), tell it the rank (ACK_NOTED) and let it
         dial again; with the last weight, choose the shares."""
         if peer.weight is None or peer.world is None:
-            raise TpProtocolError("the worker's hello states no weight, and the shares are "
-                                  "still to be chosen from every rank's")
+            raise TpProtocolError("the worker's hello states no weight for the shares to be "
+                                  "chosen")
         asked = peer.world.rank
         with self._claim_lock:
             free = [r for r in range(1, self.world) if r not in self._weights]
             rank = asked if asked else (free[0] if free else 0)
+            fresh = bool(rank) and self._weights.get(rank) != peer.weight
             if rank and self.pending:
                 self._weights[rank] = peer.weight
-            complete = self.pending and len(self._weights) == self.world - 1
             stated = len(self._weights)
+            complete = self.pending and stated == self.world - 1 and not self._choosing
+            self._choosing |= complete  # one thread chooses
         if not rank:
             link.send(CommandAck(status=ACK_BUSY))
             return
         link.send(CommandAck(status=ACK_NOTED, session_id=rank))
-        log.info("worker %s is rank %d: share %s, speed %s (%d of %d workers stated)",
-                 link.peer, rank, peer.weight.share or "-", peer.weight.speed or "-", stated,
-                 self.world - 1)
+        if fresh:  # once a weight, not at every dial of a worker waiting for the others
+            log.info("worker %s is rank %d: share %s, speed %s (%d of %d workers stated)",
+                     link.peer, rank, peer.weight.share or "-", peer.weight.speed or "-",
+                     stated, self.world - 1)
         if complete:
             self._choose()
 

@@ -228,6 +228,7 @@ class Worker:
         o = self.options
         attempt = 0
         mismatches: list[str] = []  # the same mismatch, dials in a row
+        noted_told = 0  # the rank the last "keeps this worker's weight" line named
         while not self._stop.is_set():
             try:
                 link, gate, transport = self._connect()
@@ -253,8 +254,10 @@ class Worker:
                 log.error("cannot load rank %d's slices: %s", self.rank, exc)
                 return EXIT_MISMATCH
             except _Noted:
-                log.info("the leader keeps this worker's weight under rank %d until every "
-                         "worker has stated its own; dialing again", self._noted)
+                if self._noted != noted_told:  # said once a rank, not at every dial
+                    log.info("the leader keeps this worker's weight under rank %d until every "
+                             "worker has stated its own; dialing again", self._noted)
+                    noted_told = self._noted
                 mismatches = []
                 self._stop.wait(NOTED_RETRY_S)
                 continue
