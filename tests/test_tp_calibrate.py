@@ -16,6 +16,7 @@ from foundry.tp.calibrate import (
     CAL_ROWS,
     calibration_row,
     choose_shares,
+    fill,
     measure_speed,
     misaligned,
     speed_shares,
@@ -57,16 +58,20 @@ def test_shares_follow_the_speeds_and_snap_to_a_split_the_model_takes() -> None:
     shares, why = choose_shares(CFG, SPLIT, stated=[4, 1, 1])
     assert shares == (2, 1, 1) and why.startswith("shares 2,1,1 from the ranks' --share 4,1,1 (")
     # A file stored in blocks of 32: 3,5 would cut every expert's 128 intermediate columns
-    # at 48, inside a block; the 4 blocks handed out by the shares, 2 and 2, cut at 64.
+    # at 48, inside a block; its 4 blocks handed out each to the rank that would finish it
+    # soonest, 1 and 3 (the slower rank's 1/3 against 3/5: 2 and 2 would give 2/3), cut at 32.
     tiny = ModelConfig(n_ctx=256)
     blocks = {f"blk.{i}.ffn_down_exps.weight": 32 for i in range(tiny.n_layer)}
     assert misaligned(tiny, SPLIT, (3, 5), blocks) == ("blk.0.ffn_down_exps.weight", 128, 32)
     assert misaligned(tiny, SPLIT, (1, 3), blocks) is None
     shares, why = choose_shares(tiny, SPLIT, speeds=[3, 5], blocks=blocks)
-    assert shares == (1, 1) and misaligned(tiny, SPLIT, shares, blocks) is None
+    assert shares == (1, 3) and misaligned(tiny, SPLIT, shares, blocks) is None
     assert ("(shares 3,5 would cut blk.0.ffn_down_exps.weight (128 columns) inside its blocks "
             "of 32: snapped to the nearest that works)") in why
     assert choose_shares(tiny, SPLIT, speeds=[3, 5])[0] == (3, 5)  # float32: no blocks
+    # The bench preset in Q4_K_M's types, one rank of four at a third of the others' speed:
+    # 8 blocks of 256 expert rows go 3,2,2,1 (equal shares would give the slow rank 2).
+    assert fill(8, [19, 19, 19, 6]) == [3, 2, 2, 1] and fill(4, [1, 1]) == [2, 2]
     with pytest.raises(ValueError, match="speeds must be positive"):
         speed_shares([100, 0])
     with pytest.raises(ValueError, match="not both"):

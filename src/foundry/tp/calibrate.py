@@ -129,12 +129,23 @@ def misaligned(cfg: ModelConfig, split: ExpertSplit, shares: Shares,
     return None
 
 
+def fill(n: int, weights: Sequence[int]) -> list[int]:
+    """``n`` >= len(weights) whole units handed out one at a time, each to the rank that would
+    finish its units soonest at its weight (the least ``(units + 1) / weight``, the earlier
+    rank on a tie), every rank one first: the allocation whose slowest rank is fastest."""
+    sizes = [1] * len(weights)
+    for _ in range(n - len(weights)):
+        r = min(range(len(weights)), key=lambda r: ((sizes[r] + 1) / weights[r], r))
+        sizes[r] += 1
+    return sizes
+
+
 def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares,
          blocks: Mapping[str, int]) -> Shares:
     """The nearest shares to ``wanted`` the model takes: every rank at least one of each unit
-    (``shard.nearest_shares``) and every column cut of a stored tensor on its blocks (each
-    such tensor's blocks handed out by the shares, that allocation the new shares); equal
-    shares when that does not converge (the leader holds those already: they work)."""
+    (``shard.nearest_shares``) and every column cut of a stored tensor on its blocks (such a
+    tensor's blocks handed out by the wanted shares, :func:`fill`, that allocation the new
+    shares); equal shares when that does not settle (the leader holds those: they work)."""
     shares = nearest_shares(cfg, split, wanted)
     for _ in range(8):
         bad = misaligned(cfg, split, shares, blocks)
@@ -143,8 +154,7 @@ def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares,
         n = bad[1] // bad[2]
         if n < len(shares):
             break
-        rest = share_blocks(n - len(shares), shares)
-        shares = nearest_shares(cfg, split, norm_shares(len(shares), [1 + r for r in rest]))
+        shares = nearest_shares(cfg, split, norm_shares(len(shares), fill(n, wanted)))
     return norm_shares(len(wanted))
 
 
