@@ -216,7 +216,7 @@ WORLD_EXT_GOLDEN = bytes.fromhex(
     "0300"  # world_size 3
     "0000"  # rank 0: the leader
     "0000"  # gate_port 0
-    "0000"  # reserved
+    "0000"  # shares_from 0: the list below
     "0200" "0100" "0100" + "0000" * 13  # shares 2,1,1, then zeros to 16
 )
 
@@ -241,7 +241,7 @@ def test_world_hello_golden_bytes_and_round_trip() -> None:
                 golden[:9] + b"\x01" + golden[10:]):
         with pytest.raises(TpProtocolError, match="world flag is"):
             decode_all(bad, expect_hello=True)
-    with pytest.raises(TpProtocolError, match="reserved word is 5"):
+    with pytest.raises(TpProtocolError, match="shares_from is 5, not 0"):
         decode_all(golden[:190] + b"\x05\x00" + golden[192:], expect_hello=True)
     with pytest.raises(TpProtocolError, match="shares beyond the world of 3 are not 0"):
         decode_all(golden[:198] + b"\x01\x00" + golden[200:], expect_hello=True)
@@ -250,6 +250,61 @@ def test_world_hello_golden_bytes_and_round_trip() -> None:
     with pytest.raises(LocalProtocolError, match="plain pair"):
         WorldInfo(world_size=2, shares=(1, 1))
     assert WorldInfo(world_size=2, shares=(3, 1)).encode()[:4] == bytes.fromhex("0200 0000")
+
+
+PENDING_EXT_GOLDEN = bytes.fromhex(
+    "0300"  # world_size 3
+    "0200"  # rank 2 asked for
+    "bc1b"  # gate_port 7100
+    "0100"  # shares_from 1: by speed (--shares auto), the shares still to be chosen
+    + "0000" * 16  # shares: all 0 until chosen
+)
+WEIGHT_EXT_GOLDEN = bytes.fromhex(
+    "0000"  # share 0: no --share given
+    "0000"  # reserved
+    "10270000"  # speed 10000 multiply-adds per microsecond
+)
+
+
+def test_weight_hello_golden_bytes_and_round_trip() -> None:
+    """A worker answering a world whose shares are still to be chosen: the world extension with
+    shares_from set and no shares, then its weight (flag bit 2, hello_size 232)."""
+    assert tp.WEIGHT_EXT.size == 8 and tp.HELLO_WEIGHT_SIZE == 232
+    worker = Hello(role=Role.WORKER, identity=IDENTITY,
+                   world=WorldInfo(world_size=3, shares=(), rank=2, gate_port=7100,
+                                   shares_from=tp.SharesFrom.SPEED),
+                   weight=tp.RankWeight(speed=10000))
+    wire = encode(worker)
+    assert len(wire) == 232 and wire[6:8] == bytes.fromhex("e800")
+    assert wire[9] == tp.HELLO_WORLD | tp.HELLO_WEIGHT
+    assert wire[184:] == PENDING_EXT_GOLDEN + WEIGHT_EXT_GOLDEN
+    assert decode_all(wire, expect_hello=True) == [worker]
+    ranks = dataclasses.replace(worker, world=dataclasses.replace(
+        worker.world, shares_from=tp.SharesFrom.SHARE), weight=tp.RankWeight(share=3))
+    assert encode(ranks)[190:192] == b"\x02\x00" and encode(ranks)[224:] == bytes.fromhex(
+        "0300 0000 00000000")
+    # The leader's pending world carries no weight; a weight needs a pending world.
+    leader = dataclasses.replace(LEADER_HELLO, world=dataclasses.replace(
+        worker.world, rank=0, gate_port=0))
+    assert len(encode(leader)) == 224
+    with pytest.raises(LocalProtocolError, match="still to be chosen"):
+        dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(1, 1, 1)),
+                            weight=tp.RankWeight(speed=1))
+    with pytest.raises(LocalProtocolError, match="must be empty"):
+        WorldInfo(world_size=3, shares=(1, 1, 1), shares_from=tp.SharesFrom.SPEED)
+    with pytest.raises(TpProtocolError, match="shares to be chosen are not all 0"):
+        decode_all(wire[:192] + b"\x01\x00" + wire[194:], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="weight extension reserved word is 1"):
+        decode_all(wire[:226] + b"\x01\x00" + wire[228:], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="so the hello is 232 bytes, but it says 224"):
+        decode_all(wire[:6] + bytes.fromhex("e000") + wire[8:224], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="weight flag is set without the world flag"):
+        decode_all(HELLO_GOLDEN[:9] + b"\x05" + HELLO_GOLDEN[10:], expect_hello=True)
+    # Both sides state the same pending world: no mismatch; a decided one differs from it.
+    tp.check_hello(leader, worker)
+    with pytest.raises(IdentityMismatch, match="shares: leader has 2,1,1, worker has auto"):
+        tp.check_hello(dataclasses.replace(LEADER_HELLO, world=WorldInfo(
+            world_size=3, shares=(2, 1, 1))), worker)
 
 
 def test_the_plain_pair_sends_no_world_extension() -> None:
@@ -456,7 +511,7 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
     ("offset", "value", "message"),
     [
         (8, b"\x02", "unknown role 2"),
-        (9, b"\x04", "unknown flags"),
+        (9, b"\x08", "unknown flags"),
         (10, b"\x02\x00", "execution mode 0x2 has bits this implementation does not run"),
         (11, b"\x01", "execution mode 0x100 has bits"),
         (104, b"../etc/passwd", "not a bare file name"),
@@ -983,8 +1038,8 @@ def test_hello_prefix_messages_exact() -> None:
          "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
          "run the same foundry release on both ranks"),
         (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185), TpProtocolError,
-         "hello of version 2 must be 184 bytes (224 with the world extension), the peer says "
-         "185"),
+         "hello of version 2 must be 184 bytes (224 with the world extension, 232 with the "
+         "weight too), the peer says 185"),
     ]:
         decoder = TpDecoder(expect_hello=True)
         decoder.feed(data)
@@ -1021,7 +1076,7 @@ def test_hello_field_errors_exact() -> None:
     for offset, value, message in [
         (10, b"\x02\x00", "hello: execution mode 0x2 has bits this implementation does not run "
          "(supported: 0x1: 1 = experts cut by their intermediate size)"),
-        (9, b"\x04", "hello: unknown flags 0x4"),
+        (9, b"\x08", "hello: unknown flags 0x8"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
         (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of "

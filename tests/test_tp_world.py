@@ -5,8 +5,12 @@ Each world's tokens and full logits rows equal one process standing for the same
 (``Engine(shares=...)``, its partials added in rank order) bit for bit, with equal and uneven
 shares; a rank killed mid-generation is waited for, the world forms again and the sessions are
 re-synced; a world size or shares the model cannot take, and a --rank the world has no place
-for, are refused in one line. The leader runs in this process (for its logits), the workers
-are processes. The file's 4 kv heads take 2, 3 and 4 ranks.
+for, are refused in one line. Shares chosen at pairing (``--shares auto`` from the ranks'
+speeds, stated with ``--speed`` or measured; ``--shares ranks`` from each rank's ``--share``)
+follow what the ranks stated, and the world equals one process standing for them; a
+``--share`` that conflicts with the leader's shares is refused in one line. The leader runs
+in this process (for its logits), the workers are processes. The file's 4 kv heads take 2, 3
+and 4 ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,6 +42,7 @@ from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
+from foundry.wire.tp import SharesFrom
 
 PROMPT = "Every rank adds the partials in rank order."
 CHUNK = 16
@@ -53,22 +59,25 @@ class World:
     """The leader in this process (its logits rows collected), the workers as processes."""
 
     def __init__(self, model: Path, tmp: Path, world: int, shares: tuple[int, ...] | None,
-                 split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK) -> None:
+                 split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK,
+                 worker_args: list[list[str]] | None = None, **leader: Any) -> None:
         limit_blas_threads(1)
         self.rows: list[np.ndarray] = []
         self.model, self.tmp, self.split = model, tmp, split
+        self.worker_args = worker_args or [[] for _ in ranks]
         self.leader = InProcessLeader(
             LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
                           prefill_chunk=prefill_chunk, spec_mode=SpecMode.OFF, hash_check=True,
                           world_size=world, shares=shares, expert_split=split,
-                          gate_timeout_s=3.0, control_timeout_s=3.0),
+                          gate_timeout_s=3.0, control_timeout_s=3.0, **leader),
             hook=lambda rid, r: self.rows.append(r.copy()),
         )
         self.workers = [self.start(rank, i) for i, rank in enumerate(ranks)]
 
-    def start(self, rank: int | None, i: int) -> Proc:
+    def start(self, rank: int | None, i: int, *more: str) -> Proc:
         extra = ["--gate-listen", "127.0.0.1:0", "--expert-split", self.split.value,
-                 "--gate-timeout", "3"]
+                 "--gate-timeout", "3", *more, *(self.worker_args[i] if i < len(
+                     self.worker_args) else [])]
         if rank is not None:
             extra += ["--rank", str(rank)]
         return start_worker(self.model, self.leader.leader.port, self.tmp / f"worker{i}.log",
@@ -260,3 +269,88 @@ def test_a_rank_the_world_has_no_place_for_is_refused_in_one_line(
     errors = [line for line in stray.text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and errors[0].endswith(
         "--rank 5 does not exist in the leader's world of 3 ranks (ranks 1 .. 2 are workers)")
+
+
+def _shares_of(w: World) -> tuple[int, ...]:
+    with Client(w.frontend) as c:
+        return tuple(r.share for r in c.status().ranks)
+
+
+CHOSEN = [
+    # --shares auto, every speed stated: 100, 300, 100 is 20%, 60%, 20% of 64, so 13, 38, 13;
+    # the 4 kv heads go 1, 2, 1.
+    (3, SharesFrom.SPEED, {"speed": 100}, [["--speed", "300"], ["--speed", "100"]],
+     (13, 38, 13), "speeds rank 0 100 (20%), rank 1 300 (60%), rank 2 100 (20%)"),
+    # --shares ranks: the leader's --share 2, the workers' 1 and none (1).
+    (3, SharesFrom.SHARE, {"share": 2}, [["--share", "1"], []], (2, 1, 1),
+     "the ranks' --share 2,1,1"),
+    # --shares auto, measured by each rank's calibration: whatever it chose, the world holds it.
+    (2, SharesFrom.SPEED, {}, [[]], None, "multiply-adds/us"),
+]
+
+
+@pytest.mark.parametrize(("world", "shares_from", "leader", "worker_args", "chosen", "why"),
+                         CHOSEN, ids=["auto-stated", "ranks", "auto-measured"])
+def test_shares_chosen_at_pairing_follow_the_ranks_and_equal_one_process(
+    model: Path, tmp_path: Path, worlds: list[World], world: int, shares_from: SharesFrom,
+    leader: dict[str, int], worker_args: list[list[str]], chosen: tuple[int, ...] | None,
+    why: str,
+) -> None:
+    split = ExpertSplit.INTERMEDIATE
+    w = World(model, tmp_path, world, None, split, list(range(1, world)),
+              worker_args=worker_args, shares_from=shares_from, **leader)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    got_shares = _shares_of(w)
+    bringup = w.leader.leader._bringup
+    assert bringup.choice is not None and why in bringup.choice
+    assert bringup.choice.startswith("shares " + ",".join(map(str, got_shares)))
+    if chosen is not None:
+        assert got_shares == chosen
+    assert w.leader.leader.engine.shares == got_shares  # rank 0 holds its chosen slices
+    with Client(w.frontend) as c:
+        got = c.generate(PROMPT, TOKENS)
+    ref = reference_greedy(model, PROMPT, TOKENS, CHUNK, split, got_shares)
+    assert got.tokens == ref.tokens
+    ours, one = np.concatenate(w.rows), np.concatenate(ref.logits)
+    assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
+    for p in w.workers:  # each stated its weight, was kept under its rank, then served
+        assert "until every worker has stated its own" in p.text()
+        assert "paired with the leader" in p.text()
+    if shares_from is SharesFrom.SPEED and not leader:
+        assert "this rank's speed: " in w.workers[0].text()
+
+
+def test_a_share_that_conflicts_with_the_leaders_is_refused_in_one_line(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    for i, (shares_from, shares, expected) in enumerate([
+        (SharesFrom.LIST, (2, 1, 1),
+         "--share 3 conflicts with the leader's shares 2,1,1, which give rank 1 1: the "
+         "leader's list wins; drop --share, or start the leader with --shares ranks"),
+        (SharesFrom.SPEED, None,
+         "--share 3 conflicts with the leader's --shares auto, which gives every rank the "
+         "share of its measured speed; drop --share, or start the leader with --shares ranks"),
+    ]):
+        w = World(model, tmp_path, 3, shares, ExpertSplit.INTERMEDIATE, [],
+                  shares_from=shares_from)
+        worlds.append(w)
+        stray = w.start(1, i, "--share", "3")
+        assert stray.exit_code(timeout=30) == 2
+        errors = [line for line in stray.text().splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and errors[0].endswith(expected), errors
+
+
+def test_share_flags_that_do_not_go_together_are_refused_in_one_line(model: Path) -> None:
+    base = ["tp-leader", "--model", str(model), "--world-size", "3", "--listen", "127.0.0.1:0",
+            "--frontend-listen", "127.0.0.1:0"]
+    for extra, line in [
+        (["--shares", "2,1,1", "--share", "2"],
+         "error: the leader's --share goes with --shares ranks (each rank states its own); "
+         "with a list, rank 0's share is its first entry"),
+        (["--speed", "100"],
+         "error: --speed goes with --shares auto (it states the speed that would be measured)"),
+    ]:
+        out = _cli(*base, *extra)
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines() == [line]

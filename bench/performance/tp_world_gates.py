@@ -21,17 +21,33 @@ the ranks share its cores (2 of them here, shared with others), so loopback show
 the extra hops and system calls, not a network's: a hop on a 1 Gb/s LAN adds ~60 us of wire
 time for a 4 KiB decode partial.
 
+``--rate 1gbit`` (as root, with ``ip`` and ``tc``; ``--ip``/``--tc`` or ``FOUNDRY_IP``/
+``FOUNDRY_TC`` name them) puts each rank in a network namespace of its own behind one bridge,
+every port shaped both ways by ``tc tbf`` to the rate (``lan.Network``, as the swarm's LAN
+bench), so every gate crosses a shaped link as it would between machines: each rank is a
+process that enters its namespace, listens on its address, dials the ranks below it and takes
+the connections of the ranks above; the pair's baseline crosses the same link. Without it,
+loopback in one namespace. tbf lets a burst pass at the veth's speed (``lan.Network``: 10 ms
+at the rate, at least 96 KiB for the veth's 64 KiB segments), so a decode partial of a few KB
+would cross unpaced; ``--burst-bytes`` (3028 in the device command: two frames) caps the
+segments at one frame (``gso_max_size 1500``) and shapes every port with that burst, so each
+partial takes its wire time at the rate (4 KiB: 33 us at 1 Gb/s), as on a LAN.
+
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp_world_gates.py [--worlds 3,4]
-        [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US] [--json PATH]
+        [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US]
+        [--rate 1gbit [--burst-bytes 3028] [--ip ip] [--tc tc]] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
+import os
 import select
 import socket
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -39,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
+from lan import Network
+from tp import enter_netns
 
 from foundry.model.shard import Gate
 from foundry.transport import gates
@@ -189,6 +207,66 @@ def _child(conn: Connection, rank: int, world: int, socks: dict[int, socket.sock
     _run_rank(conn, rank, world, socks, rows, n_embd, gates, block)
 
 
+GATE_PORT = 7190
+
+
+def _netns_rank(conn: Connection, net: Network, rank: int, world: int, rows: int, n_embd: int,
+                gates: int, block: int) -> None:
+    """A rank in its own namespace: listen, say so, dial the ranks below once told to, take
+    the ranks above (each connection's first byte is its rank), then run the gates."""
+    enter_netns(f"/var/run/netns/{net.ns(rank)}")
+    socks: dict[int, socket.socket] = {}
+    with socket.create_server((net.addr(rank), GATE_PORT), backlog=world) as server:
+        conn.send("listening")
+        conn.recv()  # every rank listens
+        for low in range(rank):
+            s = socket.create_connection((net.addr(low), GATE_PORT), timeout=30)
+            s.sendall(bytes([rank]))
+            socks[low] = s
+        server.settimeout(30)
+        while len(socks) < world - 1:
+            s, _ = server.accept()
+            socks[s.recv(1)[0]] = s
+    for s in socks.values():
+        s.settimeout(None)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block)
+
+
+def measure_netns(net: Network, world: int, rows: int, n_embd: int, gates: int,
+                  block: int) -> dict[str, float]:
+    """:func:`measure` with every rank in its namespace across the shaped link."""
+    ctx = mp.get_context("fork")
+    ranks = []
+    for r in range(world):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_netns_rank, args=(b, net, r, world, rows, n_embd, gates, block))
+        p.start()
+        ranks.append((p, a))
+    for p, a in ranks:
+        if not a.poll(60):
+            raise SystemExit(f"a rank did not listen within 60 s (exit {p.exitcode})")
+        a.recv()
+    for _, a in ranks:
+        a.send("dial")
+    times: dict[str, list[float]] = ranks[0][1].recv()
+    for _, a in ranks[1:]:
+        a.recv()
+    for p, _ in ranks:
+        p.join(30)
+    return {k: harness.median(v) * 1e6 for k, v in times.items() if v}
+
+
+def pace(net: Network, burst: int) -> None:
+    """Every port of ``net`` in frames of one MTU, shaped with a burst of ``burst`` bytes."""
+    ports = [(net.ns(i), "eth0") for i in range(net.hosts)]
+    ports += [(net.switch, f"p{i}") for i in range(net.hosts)]
+    for ns, dev in ports:
+        net._run(net.ip, "-n", ns, "link", "set", dev, "gso_max_size", "1500")
+        net._run(net.tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                 net.rate, "burst", str(burst), "latency", "20ms")
+
+
 def measure(world: int, rows: int, n_embd: int, gates: int, block: int) -> dict[str, float]:
     socks = _pairs(world)
     ctx = mp.get_context("fork")
@@ -218,24 +296,54 @@ def main() -> int:
     ap.add_argument("--tcp-spin-us", type=float, default=None,
                     help="the TCP gates' spin before they sleep in poll (default: the "
                     "services' own, transport.gates.TCP_SPIN_S)")
+    ap.add_argument("--rate", default="loopback",
+                    help="shape every rank's port to this rate in namespaces (tc syntax, e.g. "
+                    "1gbit; default loopback: no namespaces)")
+    ap.add_argument("--burst-bytes", type=int, default=None,
+                    help="with --rate: one-frame segments and this tbf burst on every port, "
+                    "so small partials are paced (default: lan.Network's burst)")
+    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
+    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
     harness.add_json_flag(ap)
     a = ap.parse_args()
     if a.tcp_spin_us is not None:
         gates.tcp.TCP_SPIN_S = gates.mesh.TCP_SPIN_S = a.tcp_spin_us * 1e-6
     worlds = [int(w) for w in a.worlds.split(",")]
     partial = a.rows * a.n_embd * 4
+    net = Network(max([2, *worlds]), a.rate, a.ip, a.tc)
+    where = ("loopback" if not net.shaped else
+             f"each rank in a namespace, every port tbf-shaped to {a.rate}"
+             + (f", burst {a.burst_bytes} bytes, 1500-byte segments" if a.burst_bytes else ""))
     print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
-          f"{a.gates} gates a kind, rank 0's p50 in us; loopback, 1 thread a rank, "
+          f"{a.gates} gates a kind, rank 0's p50 in us; {where}, 1 thread a rank, "
           f"{len(worlds) + 1} world sizes")
-    base = measure(2, a.rows, a.n_embd, a.gates, a.block)["all-to-all"]
+
+    def run(world: int) -> dict[str, float]:
+        if net.shaped:
+            return measure_netns(net, world, a.rows, a.n_embd, a.gates, a.block)
+        return measure(world, a.rows, a.n_embd, a.gates, a.block)
+
+    net.up()
+    try:
+        if net.shaped and a.burst_bytes:
+            pace(net, a.burst_bytes)
+        return report(a, worlds, partial, run)
+    finally:
+        net.down()
+
+
+def report(a: argparse.Namespace, worlds: list[int], partial: int,
+           run: Callable[[int], dict[str, float]]) -> int:
+    base = run(2)["all-to-all"]
     results: dict[str, object] = {"threads_per_rank": 1, "clients": 0, "partial_bytes": partial,
-                                  "pair_p50_us": base}
+                                  "pair_p50_us": base, "rate": a.rate,
+                                  "burst_bytes": a.burst_bytes}
     print(f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
           f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}")
     print(f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
           f"{partial + 20:>17}")
     for w in worlds:
-        m = measure(w, a.rows, a.n_embd, a.gates, a.block)
+        m = run(w)
         results[f"world_{w}_p50_us"] = m
         print(f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
               f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "

@@ -28,6 +28,7 @@ from foundry.commands.common import (
 from foundry.model.shard import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.speculative import MAX_DRAFT, SpecMode
+from foundry.wire.tp import SharesFrom
 
 log = logging.getLogger("foundry")
 
@@ -59,17 +60,45 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
                    f"{DEFAULT_EXPERT_SPLIT.value})")
     add_frame_deadline_flag(p, 30.0, "the control link" + (" and the frontend link" if leader
                                                             else ""))
+    p.add_argument("--share", type=_share, default=None, metavar="W",
+                   help="this rank's share of the model, an integer weight, taken when the "
+                   "leader runs --shares ranks; otherwise the leader's shares win: a worker's "
+                   "--share that differs from its rank's is refused, and the leader's goes "
+                   "only with --shares ranks")
+    p.add_argument("--speed", type=_share_speed, default=None, metavar="S",
+                   help="with the leader's --shares auto: state this speed (multiply-adds per "
+                   "microsecond) instead of measuring it, for a machine whose calibration "
+                   "misleads, and for tests")
     add_metrics_flag(p)
 
 
-def _shares(text: str) -> tuple[int, ...] | None:
+def _share(text: str) -> int:
+    from foundry.model.shard import MAX_SHARE
+
+    value = positive_int(text)
+    if value > MAX_SHARE:
+        raise argparse.ArgumentTypeError(f"a share is at most {MAX_SHARE}, got {value}")
+    return value
+
+
+def _share_speed(text: str) -> int:
+    value = positive_int(text)
+    if value > 0xFFFFFFFF:
+        raise argparse.ArgumentTypeError(f"a speed is at most {0xFFFFFFFF}, got {value}")
+    return value
+
+
+def _shares(text: str) -> tuple[int, ...] | str | None:
     if not text:
         return None  # equal shares (an empty value, as a deployment's unset variable gives)
+    if text in ("auto", "ranks"):
+        return text
     try:
         shares = tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), got "
+            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), or 'auto' "
+            f"or 'ranks', got "
             f"{text!r}") from None
     if any(s < 1 for s in shares):
         raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
@@ -96,7 +125,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     lead.add_argument("--shares", type=_shares, default=None, metavar="W0,W1,...",
                       help="each rank's share of the model, rank 0 first, as integer weights "
                       "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
-                      "machine takes the smaller one (default, or empty: equal)")
+                      "machine takes the smaller one (default, or empty: equal); 'auto': "
+                      "chosen at pairing from each rank's measured speed; 'ranks': each "
+                      "rank's own --share (docs/tp.md, Shares by speed)")
     lead.add_argument("--max-sessions", type=positive_int, default=16,
                       help="generations decoded at once (default 16)")
     lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
@@ -211,7 +242,11 @@ def run_leader(args: argparse.Namespace) -> int:
             chat_content_specials=args.chat_content_specials,
             max_messages=args.max_messages,
             world_size=args.world_size,
-            shares=args.shares,
+            shares=args.shares if isinstance(args.shares, tuple) else None,
+            shares_from={"auto": SharesFrom.SPEED, "ranks": SharesFrom.SHARE}.get(
+                args.shares if isinstance(args.shares, str) else "", SharesFrom.LIST),
+            share=args.share,
+            speed=args.speed,
         )
         leader = Leader(options)
     except (GGUFError, SplitError, ValueError, OSError) as exc:
@@ -273,6 +308,8 @@ def run_worker(args: argparse.Namespace) -> int:
         rank=args.rank,
         gate_host=args.gate_listen[0],
         gate_port=args.gate_listen[1],
+        share=args.share,
+        speed=args.speed,
     )
     try:
         worker = Worker(options)

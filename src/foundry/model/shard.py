@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -289,17 +289,21 @@ def _short(cfg: ModelConfig, expert_split: ExpertSplit, shares: Shares) -> tuple
     return None
 
 
-def _nearest_shares(cfg: ModelConfig, expert_split: ExpertSplit, shares: Shares) -> Shares:
-    """Shares close to ``shares`` that the model can take: each short unit handed out as one
-    to every rank and the rest by the wanted shares, that allocation the new shares."""
+def nearest_shares(
+    cfg: ModelConfig, expert_split: ExpertSplit, shares: Sequence[int]
+) -> Shares:
+    """Shares close to ``shares`` that the model can take (``shares`` themselves when it can):
+    each short unit handed out as one to every rank and the rest by the wanted shares, that
+    allocation the new shares."""
+    norm = norm_shares(len(shares), shares)
     for _ in range(8):
-        short = _short(cfg, expert_split, shares)
+        short = _short(cfg, expert_split, norm)
         if short is None:
-            return shares
+            return norm
         n = short[1]
-        rest = share_blocks(n - len(shares), shares)
-        shares = norm_shares(len(shares), [1 + r for r in rest])
-    return shares
+        rest = share_blocks(n - len(norm), norm)
+        norm = norm_shares(len(norm), [1 + r for r in rest])
+    return norm
 
 
 def check_splittable(
@@ -330,7 +334,7 @@ def check_splittable(
         nearest = f"the nearest world size that works is {fits[0]}" if fits else "none works"
         raise SplitError(f"cannot split the model over {world} ranks: it has {n} {what} and "
                          f"every rank needs at least one; {nearest}")
-    near = _nearest_shares(cfg, expert_split, norm)
+    near = nearest_shares(cfg, expert_split, norm)
     raise SplitError(
         f"cannot split the model by shares {','.join(map(str, norm))}: a rank would hold none "
         f"of its {n} {what}; the nearest shares that work are {','.join(map(str, near))}"
@@ -435,18 +439,16 @@ def rank_layout(
         raise SplitError(f"rank must lie in [0, {world}), got {rank}")
     by_ff = expert_split is ExpertSplit.INTERMEDIATE
     dense = cfg.n_expert == 0
+
+    def cut(n: int) -> tuple[int, int]:
+        return share_range(n, rank, norm)
+
     return RankLayout(
-        rank=rank,
-        world=world,
-        shares=norm,
-        **attention_split(cfg, rank, world, norm),
+        rank=rank, world=world, shares=norm, **attention_split(cfg, rank, world, norm),
         ff=aligned_range(cfg.n_ff, rank, world, norm) if dense else (0, 0),
-        experts=(0, cfg.n_expert) if by_ff else share_range(cfg.n_expert, rank, norm),
-        shared_ff=share_range(cfg.n_ff_shared, rank, norm),
-        vocab=share_range(cfg.n_vocab, rank, norm),
-        head_dim=cfg.head_dim,
-        expert_ff=(0, 0) if dense else share_range(cfg.n_ff, rank, norm) if by_ff
-        else (0, cfg.n_ff),
+        experts=(0, cfg.n_expert) if by_ff else cut(cfg.n_expert),
+        shared_ff=cut(cfg.n_ff_shared), vocab=cut(cfg.n_vocab), head_dim=cfg.head_dim,
+        expert_ff=(0, 0) if dense else cut(cfg.n_ff) if by_ff else (0, cfg.n_ff),
         expert_split=expert_split,
     )
 
@@ -463,20 +465,33 @@ def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
     return tuple(index)
 
 
-def shard_shapes(
-    cfg: ModelConfig,
-    rank: int,
-    world: int,
-    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
-    shares: Sequence[int] | None = None,
-) -> dict[str, tuple[int, ...]]:
-    """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
-    layout = rank_layout(cfg, rank, world, expert_split, shares)
-    shapes: dict[str, tuple[int, ...]] = {}
+def _cuts(layout: RankLayout, cfg: ModelConfig
+          ) -> Iterator[tuple[str, tuple[int, ...], tuple[slice, ...]]]:
+    """Every parameter of ``cfg`` in param_shapes() order, its full shape and the layout's
+    index into it: the one loop over a rank's cuts."""
     for name, shape in cfg.param_shapes().items():
-        index = shard_slice(name, len(shape), layout)
-        shapes[name] = tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-    return shapes
+        yield name, shape, shard_slice(name, len(shape), layout)
+
+
+def layout_shapes(cfg: ModelConfig, layout: RankLayout) -> dict[str, tuple[int, ...]]:
+    """Shapes of the layout's parameters, in param_shapes() order."""
+    return {name: tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+            for name, shape, index in _cuts(layout, cfg)}
+
+
+def shard_shapes(cfg: ModelConfig, rank: int, world: int,
+                 expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+                 shares: Sequence[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
+    return layout_shapes(cfg, rank_layout(cfg, rank, world, expert_split, shares))
+
+
+def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout
+               ) -> range | None:
+    """The layout's columns of a tensor stored in blocks of ``block`` values when they do not
+    start and end on a block boundary (None when they do)."""
+    cols = range(*shard_slice(name, len(shape), layout)[-1].indices(shape[-1]))
+    return cols if cols.start % block or cols.stop % block else None
 
 
 def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
@@ -487,8 +502,8 @@ def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
     index = shard_slice(name, len(value.shape), layout)
     if isinstance(value, np.ndarray):
         return np.ascontiguousarray(value[index], dtype=np.float32)
-    cols = range(*index[-1].indices(value.shape[-1]))
-    if cols.start % value.block or cols.stop % value.block:
+    cols = off_blocks(name, tuple(value.shape), value.block, layout)
+    if cols is not None:
         raise SplitError(
             f"cannot split {name} ({value.qtype.name}, blocks of {value.block} values) for rank "
             f"{layout.rank} of {layout.world}: its columns [{cols.start}, {cols.stop}) of "
@@ -498,23 +513,24 @@ def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
     return value.take(index)
 
 
-def shard_params(
-    cfg: ModelConfig,
-    params: Mapping[str, Param],
-    rank: int,
-    world: int,
-    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
-    shares: Sequence[int] | None = None,
+def layout_params(
+    cfg: ModelConfig, params: Mapping[str, Param], layout: RankLayout
 ) -> dict[str, Param]:
-    """Rank's part of every parameter (:func:`shard_part`)."""
-    layout = rank_layout(cfg, rank, world, expert_split, shares)
+    """The layout's part of every parameter (:func:`shard_part`)."""
     out: dict[str, Param] = {}
-    for name, shape in cfg.param_shapes().items():
+    for name, shape, _ in _cuts(layout, cfg):
         value = params[name]
         if tuple(value.shape) != shape:
             raise ValueError(f"parameter {name} has shape {value.shape}, expected {shape}")
         out[name] = shard_part(name, value, layout)
     return out
+
+
+def shard_params(cfg: ModelConfig, params: Mapping[str, Param], rank: int, world: int,
+                 expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+                 shares: Sequence[int] | None = None) -> dict[str, Param]:
+    """Rank's part of every parameter (:func:`shard_part`)."""
+    return layout_params(cfg, params, rank_layout(cfg, rank, world, expert_split, shares))
 
 
 @dataclass(frozen=True)
@@ -526,11 +542,7 @@ class RankWeights:
     params: dict[str, Param]  # float32, or QTensor blocks in the file's type
 
     def __post_init__(self) -> None:
-        expected = shard_shapes(
-            self.cfg, self.layout.rank, self.layout.world, self.layout.expert_split,
-            self.layout.shares or None,
-        )
-        for name, shape in expected.items():
+        for name, shape in layout_shapes(self.cfg, self.layout).items():
             value = self.params.get(name)
             if value is None:
                 raise ValueError(f"rank {self.rank} of {self.world} lacks parameter {name}")
@@ -568,8 +580,5 @@ def rank_weights(
     shares: Sequence[int] | None = None,
 ) -> RankWeights:
     """Cut the full ``params`` for rank ``rank`` of ``world`` ranks holding ``shares``."""
-    return RankWeights(
-        cfg,
-        rank_layout(cfg, rank, world, expert_split, shares),
-        shard_params(cfg, params, rank, world, expert_split, shares),
-    )
+    layout = rank_layout(cfg, rank, world, expert_split, shares)
+    return RankWeights(cfg, layout, layout_params(cfg, params, layout))

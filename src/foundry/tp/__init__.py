@@ -5,6 +5,8 @@
 - ``policy``: scheduling, drafting and commit plans as pure functions.
 - ``handshake``, ``link``: the hellos (identities, versions) and the control link.
 - ``options``: ``LeaderOptions``, read by the leader and each of its jobs.
+- ``calibrate``: a rank's speed, and the shares chosen at pairing from every rank's speed or
+  ``--share`` (``--shares auto`` / ``ranks``).
 - ``leader``: rank 0, wiring ``frontend_server`` (the clients' link), ``bringup`` (the worker
   port: accept, pairing) and ``engine`` (the scheduler and the pair's commands).
 - ``worker``: rank 1; ``blas``: BLAS thread control.

@@ -11,6 +11,11 @@ ranks: one control link per worker) is handed to ``on_pair``; ``release`` frees 
 the engine ends it. The first bytes are read exactly (``recv_exact``), never more: a gate
 connection's socket is handed over to the gate exchange with nothing of its stream consumed.
 
+Shares still to be chosen (``--shares auto`` or ``ranks``): the leader's hello says so; a
+worker answering with its weight (speed or ``--share``) is told its rank (:data:`ACK_NOTED`),
+closed, and dials again asking for it. With the last weight the leader chooses the shares
+(``tp.calibrate.choose_shares``), logs what and why, and states them from then on, for good.
+
 A world of N > 2 ranks: each worker brought up this far waits as a :class:`Member` until every
 rank has one; the handshake thread of the last sends each worker the WORLD frame (every
 worker's gate port and token), waits for each one's ACK (its gate connections to the other
@@ -31,15 +36,17 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from foundry.model.shard import Shares, norm_shares
 from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
+from foundry.tp.calibrate import choose_shares, rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
+    ACK_NOTED,
     ACK_SHM_FAILED,
     LOAD_TIMEOUT_S,
     exchange_hellos,
@@ -62,11 +69,14 @@ from foundry.wire.tp import (
     Hello,
     Identity,
     IdentityMismatch,
+    RankWeight,
     Role,
+    SharesFrom,
     TpDecoder,
     TpProtocolError,
     VersionMismatch,
     World,
+    WorldInfo,
     WorldMismatch,
     WorldPeer,
     logits_rows,
@@ -189,7 +199,9 @@ class BringUp:
         on_pair: Callable[[Pair], None],
         architecture: str = "llama",
         cfg: ModelConfig | None = None,
+        blocks: Mapping[str, int] | None = None,
     ) -> None:
+        """``blocks``: each stored tensor's block size (chosen shares cut on whole blocks)."""
         self.options = options
         self.identity = identity
         self.execution_mode = execution_mode
@@ -199,7 +211,16 @@ class BringUp:
         self._on_pair = on_pair
         self.port = 0
         self.world = options.world_size
+        self.cfg = cfg
+        self.blocks = dict(blocks or {})
+        # The world's shares: equal until chosen when they are still to be (``pending``).
         self.shares = norm_shares(self.world, options.shares)
+        self.pending = options.shares_from is not SharesFrom.LIST
+        if self.pending and cfg is None:
+            raise ValueError("choosing the shares at pairing needs the model's config")
+        self._weights: dict[int, RankWeight] = {}  # while pending: each worker's, by rank
+        self._choosing = False
+        self.choice: str | None = None  # what was chosen and why, once chosen
         # The largest vocabulary block a worker returns (the LOGITS bound); the pair's half
         # when the model is not known here.
         self.vocab_block = None if cfg is None else largest_worker_block(cfg, self.shares)
@@ -335,7 +356,10 @@ class BringUp:
         link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
                            initial=head, frame_deadline_s=o.frame_deadline_s)
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
-        world = world_info(self.world, self.shares)
+        with self._claim_lock:
+            world = (WorldInfo(world_size=self.world, shares=(),
+                               shares_from=self.options.shares_from) if self.pending
+                     else world_info(self.world, self.shares))
         slab: ShmGateExchange | None = None
         if o.shm and self.world == 2:  # the slab is the pair's
             try:
@@ -363,6 +387,9 @@ class BringUp:
             except (IdentityMismatch, VersionMismatch) as exc:
                 log.error("worker %s refused: %s", link.peer, exc)
                 self.metrics.failures.labels("identity").inc()
+                return
+            if world is not None and world.pending:
+                self._note(link, peer)
                 return
             transport = negotiate_gate_transport(hello, peer)
             asked = peer.world.rank if peer.world is not None else 1
@@ -422,6 +449,56 @@ class BringUp:
                 if gsock is not None:
                     gsock.close()
                 link.close()
+
+    def _note(self, link: ControlLink, peer: Hello) -> None:
+        """While the shares are still to be chosen: keep the worker's weight under a rank (the
+        one it asks for, else the first without one), tell it the rank (ACK_NOTED) and let it
+        dial again; with the last weight, choose the shares."""
+        if peer.weight is None or peer.world is None:
+            raise TpProtocolError("the worker's hello states no weight for the shares to be "
+                                  "chosen")
+        asked = peer.world.rank
+        with self._claim_lock:
+            free = [r for r in range(1, self.world) if r not in self._weights]
+            rank = asked if asked else (free[0] if free else 0)
+            fresh = bool(rank) and self._weights.get(rank) != peer.weight
+            if rank and self.pending:
+                self._weights[rank] = peer.weight
+            stated = len(self._weights)
+            complete = self.pending and stated == self.world - 1 and not self._choosing
+            self._choosing |= complete  # one thread chooses
+        if not rank:
+            link.send(CommandAck(status=ACK_BUSY))
+            return
+        link.send(CommandAck(status=ACK_NOTED, session_id=rank))
+        if fresh:  # once a weight, not at every dial of a worker waiting for the others
+            log.info("worker %s is rank %d: share %s, speed %s (%d of %d workers stated)",
+                     link.peer, rank, peer.weight.share or "-", peer.weight.speed or "-",
+                     stated, self.world - 1)
+        if complete:
+            self._choose()
+
+    def _choose(self) -> None:
+        """Every worker has stated its weight: choose the shares (measuring this rank's speed
+        when they follow the speeds), log what was chosen and why, and state them from now
+        on."""
+        o = self.options
+        assert self.cfg is not None
+        with self._claim_lock:
+            weights = [self._weights[r] for r in range(1, self.world)]
+        if o.shares_from is SharesFrom.SPEED:
+            mine = rank_speed(o.speed)
+            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
+                                        speeds=[mine, *(max(1, w.speed) for w in weights)])
+        else:
+            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
+                                        stated=[o.share or 1, *(w.share or 1 for w in weights)])
+        with self._claim_lock:
+            self.shares = shares
+            self.vocab_block = largest_worker_block(self.cfg, shares)
+            self.choice = why
+            self.pending = False
+        log.info("the world of %d ranks: %s", self.world, why)
 
     @staticmethod
     def _await_gate(link: ControlLink, waiter: queue.Queue[socket.socket],

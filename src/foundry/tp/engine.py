@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.sampling import SamplingError, logprobs, sample
-from foundry.model.shard import Gate, share_blocks
+from foundry.model.shard import Gate, Shares, share_blocks
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
 from foundry.tp.commands import (
@@ -39,7 +39,7 @@ from foundry.tp.commands import (
     stop_links,
 )
 from foundry.tp.frontend_server import Request
-from foundry.tp.handshake import RankModel
+from foundry.tp.handshake import RankModel, load_rank
 from foundry.tp.lockstep import (
     RankState,
     TracingExchange,
@@ -114,13 +114,7 @@ class LeaderEngine:
         # Read at every step: adjustable while serving (the speculative benchmark switches it).
         self.spec_mode = options.spec_mode
         self.world = model.weights.world
-        self.shares = model.weights.shares
-        engine = make_engine(self.cfg, model.weights, rank=0, world=self.world,
-                             ctx_size=self.identity.ctx_size, device=options.device)
-        self.state = RankState(engine, self.identity.ctx_size)
-        # Each worker's vocabulary block, rank 1 first: the LOGITS it returns per row.
-        self.commands = PairCommands(self.state, share_blocks(self.cfg.n_vocab, self.shares)[1:],
-                                     self.world, metrics, options.prefill_chunk)
+        self._build(model)
         # Shared between threads (single attribute reads and writes).
         self.worker_connected = False
         self.transport: GateTransport | None = None
@@ -136,10 +130,27 @@ class LeaderEngine:
         self.sched = Scheduler(options.max_sessions, options.keep_sessions)
         self._outbox: list[tuple[Request, fw.Frame]] = []
         self._next_sid = 1
-        self._kept = dict(self.state.kept)
         self._gate_trace: collections.deque[tuple[Gate, float]] = collections.deque(
             maxlen=GATE_TRACE
         )
+
+    def _build(self, model: RankModel) -> None:
+        """The rank-0 engine over ``model``'s slices, its session table, and the commands to
+        the workers (each one's vocabulary block, rank 1 first: the LOGITS it returns)."""
+        self.shares = model.weights.shares
+        engine = make_engine(self.cfg, model.weights, rank=0, world=self.world,
+                             ctx_size=self.identity.ctx_size, device=self.options.device)
+        self.state = RankState(engine, self.identity.ctx_size)
+        self.commands = PairCommands(self.state, share_blocks(self.cfg.n_vocab, self.shares)[1:],
+                                     self.world, self.metrics, self.options.prefill_chunk)
+        self._kept = dict(self.state.kept)
+
+    def _reshape(self, shares: Shares) -> None:
+        """Rank 0's slices for the shares chosen at pairing (``--shares auto`` or ``ranks``)."""
+        o = self.options
+        log.info("loading rank 0's slices for shares %s", ",".join(map(str, shares)))
+        del self.commands, self.state  # the old slices go before the new ones come in
+        self._build(load_rank(o.model, 0, o.ctx_size, o.expert_split, self.world, shares, o.lora))
 
     def submit(self, req: Request) -> None:
         """A request admitted by the frontend server (loop side)."""
@@ -198,6 +209,8 @@ class LeaderEngine:
         except queue.Empty:
             self._drop_stale_requests()
             return
+        if pair.shares != self.shares:
+            self._reshape(pair.shares)
         self.state.reset()
         self.sched.kept.clear()
         self.state.exchange = TracingExchange(pair.gate, self._on_gate)

@@ -23,7 +23,8 @@ does not know the world yet); the leader's hello tells it, both sides see the wo
 (``WorldMismatch``) and close, and the worker dials again at once with the extension. The ACK
 of step 2 gives it its rank (``session_id``), it loads its slices (:func:`load_rank`) before
 step 3, and for N > 2 a WORLD frame and the gate connections between the workers come after
-step 4.
+step 4. While the leader's shares are still to be chosen (``--shares auto`` or ``ranks``), step
+2 answers a worker's weight with :data:`ACK_NOTED` instead, and it dials again.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ from foundry.wire.tp import (
 ACK_ACCEPTED = 0
 ACK_BUSY = 1  # leader -> worker: another worker holds the pair; dial again later
 ACK_SHM_FAILED = 2  # worker -> leader: the slab could not be mapped; it dials again over TCP
+# leader -> worker: its weight is kept under the rank in session_id; the shares are chosen
+# once every worker has stated its own, and it dials again asking for that rank
+ACK_NOTED = 3
 WORLD = 2  # the plain pair
 # A worker given its rank loads its slices before it opens its gate link: the leader waits this
 # long for its data plane (a big file from a slow disk) instead of handshake_timeout_s.

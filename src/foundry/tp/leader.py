@@ -70,6 +70,7 @@ import threading
 from collections.abc import Callable
 
 from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.kernels.quant import QTensor
 from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard import Gate, norm_shares
 from foundry.model.text.chat import template_for
@@ -101,15 +102,17 @@ class Leader:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.options = options
-        self.model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
-                                        options.world_size, options.shares, options.lora)
-        if (self.model.weights.world, self.model.weights.shares) != (
+        # Rank 0's slices: the engine holds them (and replaces them once for shares chosen at
+        # pairing), so no reference is kept here.
+        model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
+                                   options.world_size, options.shares, options.lora)
+        if (model.weights.world, model.weights.shares) != (
                 options.world_size, norm_shares(options.world_size, options.shares)):
-            raise ValueError(f"the leader's slices are for rank 0 of {self.model.weights.world} "
-                             f"with shares {self.model.weights.shares}, not of the options' "
+            raise ValueError(f"the leader's slices are for rank 0 of {model.weights.world} "
+                             f"with shares {model.weights.shares}, not of the options' "
                              f"{options.world_size}")
-        self.identity = self.model.identity
-        self.cfg = self.model.cfg
+        self.identity = model.identity
+        self.cfg = model.cfg
         metadata = read_metadata(options.model)
         self.tokenizer = load_tokenizer(metadata)  # GENERATE's prompt, TOKEN's text
         # GENERATE's messages become the prompt through it (CHAT, docs/protocol.md).
@@ -126,7 +129,7 @@ class Leader:
         self._threads: list[threading.Thread] = []
         # The engine thread: scheduler, the pair's commands, sampling.
         self.engine = LeaderEngine(
-            options, self.model, self.metrics, logits_hook, self._stopping,
+            options, model, self.metrics, logits_hook, self._stopping,
             deliver=lambda batch: self._call_on_loop(self._frontend_server.deliver, batch),
             fail_inflight=lambda why: self._call_on_loop(self._frontend_server.fail_inflight,
                                                          why),
@@ -141,9 +144,12 @@ class Leader:
             self.chat_template,
         )
         # The acceptor and handshake threads: the worker port.
-        self._bringup = BringUp(options, self.identity, self.model.execution_mode, self.metrics,
+        self._bringup = BringUp(options, self.identity, model.execution_mode, self.metrics,
                                 self._stopping, self.engine.new_pair,
-                                architecture=self.model.architecture, cfg=self.cfg)
+                                architecture=model.architecture, cfg=self.cfg,
+                                blocks={name: p.block for name, p in
+                                        model.weights.params.items()
+                                        if isinstance(p, QTensor)})
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.speculative import MAX_DRAFT, SpecMode
 from foundry.transport.gates import DEFAULT_GATE_TIMEOUT_S
-from foundry.wire.tp import TP_MAX_BATCH_ITEMS
+from foundry.wire.tp import TP_MAX_BATCH_ITEMS, SharesFrom
 
 __all__ = ["MAX_FRONTEND_CONNECTIONS", "LeaderOptions"]
 
@@ -62,6 +62,13 @@ class LeaderOptions:
     # one's share of the model (None: equal; docs/tp.md, "N ranks").
     world_size: int = 2
     shares: tuple[int, ...] | None = None
+    # --shares auto / ranks: the shares are chosen when every worker has stated its weight,
+    # from every rank's measured speed or every rank's own --share (docs/tp.md, "Shares by
+    # speed"); ``share`` is this rank's --share (ranks), ``speed`` its --speed (auto: stated
+    # instead of measured).
+    shares_from: SharesFrom = SharesFrom.LIST
+    share: int | None = None
+    speed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "prefill_chunk"):
@@ -78,6 +85,14 @@ class LeaderOptions:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
         if not 2 <= self.world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [2, {MAX_WORLD}], got {self.world_size}")
+        if self.shares_from is not SharesFrom.LIST and self.shares is not None:
+            raise ValueError("give --shares a list or 'auto' or 'ranks', not both")
+        if self.share is not None and self.shares_from is not SharesFrom.SHARE:
+            raise ValueError("the leader's --share goes with --shares ranks (each rank states "
+                             "its own); with a list, rank 0's share is its first entry")
+        if self.speed is not None and self.shares_from is not SharesFrom.SPEED:
+            raise ValueError("--speed goes with --shares auto (it states the speed that "
+                             "would be measured)")
         if self.world_size > 2 and self.tls is not None:
             raise ValueError(
                 f"TLS covers the pair only: a world of {self.world_size} ranks would send the "

@@ -9,8 +9,11 @@ do while they do. The loop:
    (the pair, or N ranks and their shares), ask for a rank (``--rank``, else the one held last,
    else any), load the slices of the rank given (kept while the rank and shares stay), and
    for N > 2 connect the gates to the other workers from the WORLD frame (lower ranks dialed,
-   higher ranks accepted on ``--gate-listen``). The same identity or version mismatch met
-   :data:`MISMATCH_REPEATS` dials in a row ends the process with :data:`EXIT_MISMATCH`
+   higher ranks accepted on ``--gate-listen``). While the leader's shares are still to be
+   chosen (``--shares auto`` or ``ranks``) the hello states this rank's weight (its measured
+   speed, ``tp.calibrate``, or its ``--share``); the leader answers with the rank it keeps it
+   under and the worker dials again until the shares are chosen. The same identity or version
+   mismatch met :data:`MISMATCH_REPEATS` dials in a row ends the process with :data:`EXIT_MISMATCH`
    (dialing again with the same files cannot help); a mismatch met once (one garbage hello,
    a stray process on the port), a busy leader, a refused or broken connection mean "dial
    again";
@@ -38,9 +41,11 @@ from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import recv_exact
+from foundry.tp.calibrate import rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
     ACK_BUSY,
+    ACK_NOTED,
     ACK_SHM_FAILED,
     DEFAULT_EXPERT_SPLIT,
     RankModel,
@@ -82,7 +87,9 @@ from foundry.wire.tp import (
     Hello,
     IdentityMismatch,
     Logits,
+    RankWeight,
     Role,
+    SharesFrom,
     Stop,
     Sync,
     SyncCheckpoint,
@@ -104,6 +111,9 @@ BACKOFF_BASE_S = 0.05
 # The same mismatch, dials in a row, before the worker gives up: a real leader with another
 # model answers the same every time; one garbage hello does not end the worker.
 MISMATCH_REPEATS = 3
+# How soon a worker whose weight the leader keeps dials again (the shares are chosen when the
+# last worker's weight is in).
+NOTED_RETRY_S = 0.2
 # Failures that end one pair; the worker dials again.
 PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError, OSError)
 
@@ -129,6 +139,11 @@ class WorkerOptions:
     # ranks above it (port 0: any free one; the leader tells the others which)
     gate_host: str = "0.0.0.0"
     gate_port: int = 0
+    # --share: this rank's share, used when the leader runs --shares ranks, checked against
+    # the leader's shares otherwise; --speed: the speed stated under --shares auto instead of
+    # the one measured (docs/tp.md, "Shares by speed")
+    share: int | None = None
+    speed: int | None = None
 
 
 class RankRefused(Exception):
@@ -137,6 +152,11 @@ class RankRefused(Exception):
 
 class _Busy(Exception):
     """The leader has a worker already."""
+
+
+class _Noted(Exception):
+    """The leader keeps this worker's weight under a rank until every worker has stated its
+    own."""
 
 
 class Worker:
@@ -166,6 +186,8 @@ class Worker:
         self._gate_listener: socket.socket | None = None
         self._world_seen: WorldInfo | None = None  # from the leader's last hello
         self._offer_shm = options.shm
+        self._noted = 0  # the rank the leader keeps this worker's weight under (0: none)
+        self._speed: int | None = options.speed  # measured at the first hello that states it
         self._stop = threading.Event()
         self.pairs_formed = 0
 
@@ -206,6 +228,7 @@ class Worker:
         o = self.options
         attempt = 0
         mismatches: list[str] = []  # the same mismatch, dials in a row
+        noted_told = 0  # the rank the last "keeps this worker's weight" line named
         while not self._stop.is_set():
             try:
                 link, gate, transport = self._connect()
@@ -230,6 +253,14 @@ class Worker:
             except (SplitError, GGUFError) as exc:  # its slices cannot be cut from this file
                 log.error("cannot load rank %d's slices: %s", self.rank, exc)
                 return EXIT_MISMATCH
+            except _Noted:
+                if self._noted != noted_told:  # said once a rank, not at every dial
+                    log.info("the leader keeps this worker's weight under rank %d until every "
+                             "worker has stated its own; dialing again", self._noted)
+                    noted_told = self._noted
+                mismatches = []
+                self._stop.wait(NOTED_RETRY_S)
+                continue
             except _Busy:
                 log.warning("the leader at %s:%d already has a worker%s; dialing again",
                             o.leader_host, o.leader_port,
@@ -274,12 +305,20 @@ class Worker:
             assert isinstance(ack, CommandAck)
             if ack.status == ACK_BUSY:
                 raise _Busy
+            if ack.status == ACK_NOTED and mine.weight is not None:
+                self._noted = ack.session_id
+                raise _Noted
             if ack.status != ACK_ACCEPTED:
                 raise LinkError(f"the leader answered the hello with status {ack.status}")
             rank = 1 if peer.world is None else ack.session_id
             asked = 1 if mine.world is None else mine.world.rank
             if not 1 <= rank < world or (asked and rank != asked):
                 raise LinkError(f"the leader gave rank {rank} of {world}, asked for {asked}")
+            if o.share is not None and not self._noted and shares[rank] != o.share:
+                raise RankRefused(
+                    f"--share {o.share} conflicts with the leader's shares "
+                    f"{','.join(map(str, shares))}, which give rank {rank} {shares[rank]}: the "
+                    "leader's list wins; drop --share, or start the leader with --shares ranks")
             self._load(rank, world, shares)
             if transport is GateTransport.SHM:
                 try:
@@ -321,17 +360,28 @@ class Worker:
         """Our hello: the world extension once the leader's hello has told us the world (the
         first is plain), asking for ``--rank``, else the rank held last, else any."""
         world: WorldInfo | None = None
+        weight: RankWeight | None = None
         seen = self._world_seen
         if seen is not None:
             n = seen.world_size
             held = self.model is not None and self.model.weights.world == n
-            asked = self.options.rank or (self.rank if held else 0)
+            asked = self.options.rank or self._noted or (self.rank if held else 0)
             port = self._listen_gates()[1] if n > 2 else 0
-            world = WorldInfo(world_size=n, shares=seen.shares, rank=asked, gate_port=port)
+            world = WorldInfo(world_size=n, shares=seen.shares, rank=asked, gate_port=port,
+                              shares_from=seen.shares_from)
+            if seen.pending:
+                weight = RankWeight(share=self.options.share or 0, speed=self._my_speed()
+                                    if seen.shares_from is SharesFrom.SPEED else 0)
         return Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
                      shm_offered=self._offer_shm and (world is None or world.world_size == 2),
                      execution_mode=execution_mode(self.options.expert_split),
-                     architecture=arch_spec(self.cfg).name, world=world)
+                     architecture=arch_spec(self.cfg).name, world=world, weight=weight)
+
+    def _my_speed(self) -> int:
+        """This rank's speed for the leader's --shares auto: --speed, else measured once."""
+        if self._speed is None:
+            self._speed = rank_speed(None)
+        return self._speed
 
     def _learn_world(self, leader: Hello) -> None:
         """The leader's hello says the world: remember it for the next hello, and refuse a
@@ -341,6 +391,11 @@ class Worker:
         if self.options.rank is not None and not 1 <= self.options.rank < n:
             raise RankRefused(f"--rank {self.options.rank} does not exist in the leader's "
                               f"world of {n} ranks (ranks 1 .. {n - 1} are workers)")
+        if (self.options.share is not None and leader.world is not None
+                and leader.world.shares_from is SharesFrom.SPEED):
+            raise RankRefused(f"--share {self.options.share} conflicts with the leader's "
+                              "--shares auto, which gives every rank the share of its measured "
+                              "speed; drop --share, or start the leader with --shares ranks")
 
     def _listen_gates(self) -> tuple[str, int]:
         """The socket the ranks above this one dial for their gates (bound once)."""

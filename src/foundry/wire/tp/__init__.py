@@ -6,7 +6,9 @@ Three byte formats live here, none of them touching a socket:
 - the **hello** (184 bytes), the first thing each rank sends on the control socket: protocol
   version, role, the execution mode, the engine :class:`Identity` and the shared-memory offer;
   in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 more bytes, the
-  :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``;
+  :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``; a worker
+  answering a world whose shares are still to be chosen 8 more, its :class:`RankWeight`
+  (``--share`` and measured speed), flagged ``HELLO_WEIGHT``;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
   frame's fixed part is a ``Layout`` (``foundry.wire.layout``, the form FDTC and the frontend
@@ -106,6 +108,8 @@ from foundry.wire.tp.hello import (
     HELLO_PREFIX,
     HELLO_SHM_OFFERED,
     HELLO_SIZE,
+    HELLO_WEIGHT,
+    HELLO_WEIGHT_SIZE,
     HELLO_WORLD,
     HELLO_WORLD_SIZE,
     HOST_ID_BYTES,
@@ -120,12 +124,15 @@ from foundry.wire.tp.hello import (
     TP_MAX_WORLD,
     TP_PROTOCOL_VERSION,
     TP_SLAB_MAGIC,
+    WEIGHT_EXT,
     WORLD_EXT,
     GateTransport,
     Hello,
     Identity,
+    RankWeight,
     Readable,
     Role,
+    SharesFrom,
     WorldInfo,
     WorldMismatch,
     check_execution_mode,
@@ -161,6 +168,8 @@ __all__ = [
     "HELLO_PREFIX",
     "HELLO_SHM_OFFERED",
     "HELLO_SIZE",
+    "HELLO_WEIGHT",
+    "HELLO_WEIGHT_SIZE",
     "HELLO_WORLD",
     "HELLO_WORLD_SIZE",
     "HOST_ID_BYTES",
@@ -187,6 +196,7 @@ __all__ = [
     "TP_PROTOCOL_VERSION",
     "TP_SLAB_MAGIC",
     "UNSUPPORTED_FRAME_TYPES",
+    "WEIGHT_EXT",
     "WORLD_ENTRY",
     "WORLD_EXT",
     "BatchItem",
@@ -206,11 +216,13 @@ __all__ = [
     "Invalidate",
     "Logits",
     "MixedBatch",
+    "RankWeight",
     "Readable",
     "Rewind",
     "Role",
     "SessionCreate",
     "SessionDestroy",
+    "SharesFrom",
     "SlabLayout",
     "Stop",
     "Sync",

@@ -20,6 +20,7 @@ from foundry.wire.tp.hello import (
     DS4_TP_BATCH_MAX_ROWS,
     HELLO_PREFIX,
     HELLO_SIZE,
+    HELLO_WEIGHT_SIZE,
     HELLO_WORLD_SIZE,
     TP_FRAME_MAGIC,
     TP_HELLO_MAGIC,
@@ -142,9 +143,10 @@ class TpDecoder(FrameDecoder[Frame]):
             )
         if version != TP_PROTOCOL_VERSION:
             raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
-        if size not in (HELLO_SIZE, HELLO_WORLD_SIZE):
+        if size not in (HELLO_SIZE, HELLO_WORLD_SIZE, HELLO_WEIGHT_SIZE):
             raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes "
-                                  f"({HELLO_WORLD_SIZE} with the world extension), the peer "
+                                  f"({HELLO_WORLD_SIZE} with the world extension, "
+                                  f"{HELLO_WEIGHT_SIZE} with the weight too), the peer "
                                   f"says {size}")
         return int(size)
 

@@ -1,7 +1,9 @@
 """The tensor-parallel hello (184 bytes), the first thing each rank sends on the control socket:
 protocol version, role, the execution mode, the engine :class:`Identity` and the shared-memory
 offer, then in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 bytes
-more, the :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``;
+more, the :class:`WorldInfo` (world size, rank, gate port, shares or how they are chosen),
+flagged ``HELLO_WORLD``; a worker answering a world whose shares are still to be chosen 8 bytes
+more, the :class:`RankWeight` (its ``--share`` and its measured speed), flagged ``HELLO_WEIGHT``;
 its checks (:func:`check_hello`), and the protocol's constants and limits."""
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_T
 # Hello flag bits.
 HELLO_SHM_OFFERED = 1
 HELLO_WORLD = 2  # the world extension follows the pair's 184 bytes (N ranks, shares)
-HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD
+HELLO_WEIGHT = 4  # the rank's weight follows the world extension (shares still to be chosen)
+HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD | HELLO_WEIGHT
 # The most ranks of a world, and a share's bound (u16): as model.shard, which cuts by them.
 TP_MAX_WORLD = MAX_WORLD
 TP_MAX_SHARE = MAX_SHARE
@@ -141,9 +144,22 @@ HELLO = struct.Struct(
     f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s"
 )
 HELLO_SIZE = HELLO.size
-# The world extension: world_size u16, rank u16, gate_port u16, reserved u16, shares 16 x u16.
+# The world extension: world_size u16, rank u16, gate_port u16, shares_from u16, shares 16 x u16.
 WORLD_EXT = struct.Struct(f"<HHHH{MAX_WORLD}H")
 HELLO_WORLD_SIZE = HELLO_SIZE + WORLD_EXT.size
+# The weight extension: share u16, reserved u16, speed u32.
+WEIGHT_EXT = struct.Struct("<HHI")
+HELLO_WEIGHT_SIZE = HELLO_WORLD_SIZE + WEIGHT_EXT.size
+
+
+class SharesFrom(enum.IntEnum):
+    """The world extension's ``shares_from``: where the world's shares come from. Other than
+    ``LIST`` the shares are still to be chosen (all 0 on the wire): the leader chooses them
+    once every worker has stated its :class:`RankWeight`."""
+
+    LIST = 0  # the shares field holds them (the leader's --shares, or equal)
+    SPEED = 1  # --shares auto: each rank's speed, measured at pairing
+    SHARE = 2  # --shares ranks: each rank's own --share
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,18 +167,33 @@ class WorldInfo:
     """The hello's world extension (``HELLO_WORLD``): what a world of N ranks agrees on beyond
     the pair. ``rank``: the leader 0; a worker the rank it asks for, 0 for the next free one.
     ``gate_port``: a worker's port for gate connections from higher ranks (N > 2), else 0.
-    ``shares``: one per rank, rank 0 first (``model.shard.norm_shares``)."""
+    ``shares``: one per rank, rank 0 first (``model.shard.norm_shares``); empty while
+    ``shares_from`` says they are still to be chosen."""
 
     world_size: int
     shares: tuple[int, ...]
     rank: int = 0
     gate_port: int = 0
+    shares_from: SharesFrom = SharesFrom.LIST
+
+    @property
+    def pending(self) -> bool:
+        """The shares are still to be chosen from every rank's weight."""
+        return self.shares_from is not SharesFrom.LIST
 
     def __post_init__(self) -> None:
         _check_range("WorldInfo", "world_size", self.world_size, 2, MAX_WORLD)
         _check_range("WorldInfo", "rank", self.rank, 0, self.world_size - 1)
         _check_range("WorldInfo", "gate_port", self.gate_port, 0, _U16)
+        if not isinstance(self.shares_from, SharesFrom):
+            raise LocalProtocolError(f"WorldInfo.shares_from must be a SharesFrom, got "
+                                     f"{self.shares_from!r}")
         object.__setattr__(self, "shares", tuple(self.shares))
+        if self.pending:
+            if self.shares:
+                raise LocalProtocolError("WorldInfo.shares must be empty while they are still "
+                                         f"to be chosen (shares_from {self.shares_from.name})")
+            return
         if len(self.shares) != self.world_size:
             raise LocalProtocolError(
                 f"WorldInfo.shares holds {len(self.shares)} shares for a world of "
@@ -177,22 +208,52 @@ class WorldInfo:
             )
 
     def encode(self) -> bytes:
-        shares = self.shares + (0,) * (MAX_WORLD - self.world_size)
-        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, 0, *shares)
+        shares = self.shares + (0,) * (MAX_WORLD - len(self.shares))
+        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, self.shares_from,
+                              *shares)
 
     @classmethod
     def decode(cls, buf: Readable, offset: int = 0) -> WorldInfo:
-        world, rank, port, reserved, *shares = WORLD_EXT.unpack_from(buf, offset)
-        if reserved:
-            raise TpProtocolError(f"hello: world extension reserved word is {reserved}, not 0")
+        world, rank, port, shares_from, *shares = WORLD_EXT.unpack_from(buf, offset)
+        if shares_from not in SharesFrom.__members__.values():
+            raise TpProtocolError(f"hello: world extension shares_from is {shares_from}, not "
+                                  "0 (the list), 1 (speed) or 2 (each rank's share)")
         if not 2 <= world <= MAX_WORLD:
             raise TpProtocolError(f"hello: world size {world} outside [2, {MAX_WORLD}]")
-        if any(shares[world:]):
-            raise TpProtocolError(f"hello: shares beyond the world of {world} are not 0")
+        kept = 0 if shares_from else world
+        if any(shares[kept:]):
+            raise TpProtocolError(f"hello: shares beyond the world of {world} are not 0"
+                                  if kept else "hello: shares to be chosen are not all 0")
         try:
-            return cls(world_size=world, rank=rank, gate_port=port, shares=tuple(shares[:world]))
+            return cls(world_size=world, rank=rank, gate_port=port,
+                       shares=tuple(shares[:kept]), shares_from=SharesFrom(shares_from))
         except LocalProtocolError as exc:
             raise TpProtocolError(f"hello: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankWeight:
+    """The hello's weight extension (``HELLO_WEIGHT``, after the world extension): what a
+    worker states when the leader's world has its shares still to be chosen. ``share``: its
+    ``--share`` (0: none given); ``speed``: its calibration's rate in multiply-adds per
+    microsecond (``tp.calibrate``; 0: not measured)."""
+
+    share: int = 0
+    speed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("RankWeight", "share", self.share, 0, MAX_SHARE)
+        _check_range("RankWeight", "speed", self.speed, 0, _U32)
+
+    def encode(self) -> bytes:
+        return WEIGHT_EXT.pack(self.share, 0, self.speed)
+
+    @classmethod
+    def decode(cls, buf: Readable, offset: int = 0) -> RankWeight:
+        share, reserved, speed = WEIGHT_EXT.unpack_from(buf, offset)
+        if reserved:
+            raise TpProtocolError(f"hello: weight extension reserved word is {reserved}, not 0")
+        return cls(share=share, speed=speed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,15 +276,23 @@ class Hello:
     execution_mode: int = 0
     architecture: str = "llama"  # the file's general.architecture
     world: WorldInfo | None = None  # the extension: absent in the plain pair
+    weight: RankWeight | None = None  # after the world: shares still to be chosen
 
     @property
     def size(self) -> int:
-        return HELLO_SIZE if self.world is None else HELLO_WORLD_SIZE
+        if self.world is None:
+            return HELLO_SIZE
+        return HELLO_WORLD_SIZE if self.weight is None else HELLO_WEIGHT_SIZE
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
         if self.world is not None and not isinstance(self.world, WorldInfo):
             raise LocalProtocolError(f"Hello.world must be a WorldInfo, got {self.world!r}")
+        if self.weight is not None and not isinstance(self.weight, RankWeight):
+            raise LocalProtocolError(f"Hello.weight must be a RankWeight, got {self.weight!r}")
+        if self.weight is not None and (self.world is None or not self.world.pending):
+            raise LocalProtocolError("Hello.weight goes only with a world whose shares are "
+                                     "still to be chosen")
         if not ARCH_PATTERN.fullmatch(self.architecture):
             raise LocalProtocolError(
                 f"Hello.architecture {self.architecture!r} is not 1-16 characters of "
@@ -326,7 +395,11 @@ class WorldMismatch(IdentityMismatch):
 
 
 def _shares_text(world: WorldInfo | None) -> str:
-    return "1,1 (the plain pair)" if world is None else ",".join(map(str, world.shares))
+    if world is None:
+        return "1,1 (the plain pair)"
+    if world.pending:
+        return {SharesFrom.SPEED: "auto", SharesFrom.SHARE: "ranks"}[world.shares_from]
+    return ",".join(map(str, world.shares))
 
 
 def check_world(mine: Hello, peer: Hello) -> None:
@@ -379,14 +452,17 @@ def _version_message(mine: int, peer: int) -> str:
 
 def _encode_hello(h: Hello) -> bytes:
     i = h.identity
-    flags = (HELLO_SHM_OFFERED if h.shm_offered else 0) | (HELLO_WORLD if h.world else 0)
+    flags = ((HELLO_SHM_OFFERED if h.shm_offered else 0) | (HELLO_WORLD if h.world else 0)
+             | (HELLO_WEIGHT if h.weight else 0))
     base = HELLO.pack(
         TP_HELLO_MAGIC, h.version, h.size, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
         h.host_id, h.shm_name.encode(), h.architecture.encode(),
     )  # fmt: skip
-    return base if h.world is None else base + h.world.encode()
+    if h.world is None:
+        return base
+    return base + h.world.encode() + (b"" if h.weight is None else h.weight.encode())
 
 
 def _decode_hello(buf: Readable, offset: int) -> Hello:
@@ -396,12 +472,20 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
         raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
     if flags & ~HELLO_FLAGS:
         raise TpProtocolError(f"hello: unknown flags {flags:#x}")
-    if bool(flags & HELLO_WORLD) != (size == HELLO_WORLD_SIZE):
+    if flags & HELLO_WEIGHT and not flags & HELLO_WORLD:
+        raise TpProtocolError("hello: the weight flag is set without the world flag")
+    want = (HELLO_SIZE if not flags & HELLO_WORLD else
+            HELLO_WEIGHT_SIZE if flags & HELLO_WEIGHT else HELLO_WORLD_SIZE)
+    if size != want:
         raise TpProtocolError(
-            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} but the hello "
-            f"is {size} bytes ({HELLO_WORLD_SIZE} with the world extension, {HELLO_SIZE} without)"
+            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} and the "
+            f"weight flag {'set' if flags & HELLO_WEIGHT else 'clear'}, so the hello is {want} "
+            f"bytes, but it says {size} ({HELLO_SIZE} plain, {HELLO_WORLD_SIZE} with the world "
+            f"extension, {HELLO_WEIGHT_SIZE} with the weight after it)"
         )
     world = WorldInfo.decode(buf, offset + HELLO_SIZE) if flags & HELLO_WORLD else None
+    weight = (RankWeight.decode(buf, offset + HELLO_WORLD_SIZE) if flags & HELLO_WEIGHT
+              else None)
     if mode & ~EXECUTION_MODE_BITS:
         raise TpProtocolError(
             f"hello: execution mode {mode:#x} has bits this implementation does not run "
@@ -431,6 +515,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             execution_mode=mode,
             architecture=raw_arch.decode("ascii", errors="replace"),
             world=world,
+            weight=weight,
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None

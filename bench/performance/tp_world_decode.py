@@ -1,0 +1,292 @@
+"""Decode tokens/s of worlds of N ranks on one host, the host's threads divided between the
+ranks, against one process with all of them, measured in one run; and a world with one rank
+slowed, under equal shares against the shares its calibration chooses (``--shares auto``).
+
+1. **one process**: ``Engine`` over the whole file at ``--threads`` kernel threads, greedy, the
+   prompt encoded by the file's tokenizer as the leader encodes it, stopping at an
+   end-of-generation token as the leader does: the baseline.
+2. **worlds of N** (``--worlds 2,4,8``): ``foundry tp-leader --world-size N`` and N-1
+   ``foundry tp-worker`` processes on 127.0.0.1, each rank ``--threads T/N`` pinned to its own
+   T/N cores (``sched_setaffinity``), gates all-to-all over TCP (the slab for N = 2),
+   speculative decoding off. Decode tokens/s (the first token's time, the prompt's, left out)
+   over the one process's, and whether the tokens equal its.
+3. **one rank slowed** (``--slowed N``, 0 to skip): a world of N whose last rank runs on one
+   core and one thread while the others keep T/N; once with equal shares, once with
+   ``--shares auto`` (each rank's calibration measured at pairing): tokens/s of auto over
+   equal, and the shares the leader chose (from its log).
+
+On one host the ranks share its memory bus: this is the cost of the split on one machine, not
+a projection to N machines (docs/benchmarks.md says which figure is which).
+
+The model: ``--model FILE``, or by default a file of ``--preset``'s shapes in Q4_K_M's types
+(Q4_K, Q6_K for the output head, attn_v and ffn_down; attn_output in Q4_0, a 32-value block,
+because a Q4_K column cut by 8 ranks would fall inside its 256-value blocks), its blocks filled
+from a fixed seed with scales that keep the weights near 0.02 (the decode speed depends on the
+types and shapes, not the values; writing the bench preset through our reference K-quant
+writers takes longer than a device command may run), written to ``--model-dir`` once.
+
+    OPENBLAS_NUM_THREADS=1 python bench/performance/tp_world_decode.py [--model FILE]
+        [--preset bench] [--threads 16] [--worlds 2,4,8] [--tokens 32] [--slowed 4]
+        [--timeout S] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness
+import numpy as np
+from tp import generate
+
+from foundry.model.formats.gguf_io import save_gguf
+from foundry.model.formats.gguf_meta import read_metadata
+from foundry.model.kernels.quant import Param, QTensor, QType, row_bytes
+from foundry.model.spec.config import ModelConfig, preset
+from foundry.model.text.vocab import load_tokenizer
+from foundry.wire import frontend as fw
+
+PROMPT = "Every rank of the world holds its slice of each layer. "
+LEADER_LINE = re.compile(r"tp-leader listening: workers [\d.]+:(\d+), frontend [\d.]+:(\d+)")
+CHOSEN = re.compile(r"the world of \d+ ranks: shares ([\d,]+) from")
+STARTUP_S = 300.0
+# Each stored type's scale fields (byte offset of the f16 d, and of dmin where there is one)
+# and the value they get: weights of magnitude about 0.02 whatever the seeded bytes are.
+SCALES: dict[QType, tuple[tuple[int, float], ...]] = {
+    QType.Q4_K: ((0, 1e-4), (2, 3e-4)),
+    QType.Q6_K: ((208, 2e-5),),
+    QType.Q4_0: ((0, 5e-3),),
+    QType.Q8_0: ((0, 3e-4),),
+}
+BLOCK_BYTES = {QType.Q4_K: 144, QType.Q6_K: 210, QType.Q4_0: 18, QType.Q8_0: 34}
+BLOCK_VALUES = {QType.Q4_K: 256, QType.Q6_K: 256, QType.Q4_0: 32, QType.Q8_0: 32}
+
+
+def q4_k_m_type(name: str, cols: int) -> QType | None:
+    """The stored type of a matrix in the synthetic Q4_K_M-typed file (None: float32)."""
+    want = (QType.Q6_K if name == "output.weight" or ".attn_v." in name or ".ffn_down" in name
+            else QType.Q4_0 if ".attn_output." in name else QType.Q4_K)
+    for qtype in (want, QType.Q8_0):
+        if cols % BLOCK_VALUES[qtype] == 0:
+            return qtype
+    return None
+
+
+def synthetic(qtype: QType, shape: tuple[int, ...], rng: np.random.Generator) -> QTensor:
+    data = rng.integers(0, 256, size=(*shape[:-1], row_bytes(qtype, shape[-1])), dtype=np.uint8)
+    blocks = data.reshape(-1, BLOCK_BYTES[qtype])
+    for offset, value in SCALES[qtype]:
+        blocks[:, offset:offset + 2] = np.array([value], np.float16).view(np.uint8)
+    return QTensor(qtype, shape, data)
+
+
+def write_model(cfg: ModelConfig, path: Path) -> None:
+    rng = np.random.default_rng(0)
+    params: dict[str, Param] = {}
+    for name, shape in cfg.param_shapes().items():
+        qtype = None if len(shape) == 1 or "ffn_gate_inp" in name else q4_k_m_type(
+            name, shape[-1])
+        if qtype is not None:
+            params[name] = synthetic(qtype, shape, rng)
+        elif len(shape) == 1:
+            params[name] = np.ones(shape, np.float32)
+        else:
+            params[name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    save_gguf(path, cfg, params)
+
+
+def one_process(model: Path, threads: int, tokens: int) -> dict[str, object]:
+    """The baseline, in a child process of its own (``--one``): JSON on stdout."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", str(model), "--threads", str(threads),
+         "--tokens", str(tokens)], capture_output=True, text=True, timeout=STARTUP_S,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores(0, threads)))
+    if out.returncode:
+        raise SystemExit(f"the one process failed:\n{out.stderr}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run_one(model: Path, threads: int, tokens: int) -> None:
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.infer.inference import Engine
+    from foundry.model.infer.sampling import sample
+    from foundry.model.kernels.quant import set_threads
+
+    set_threads(threads)
+    tok = load_tokenizer(read_metadata(model))
+    m = load_gguf_stored(model)
+    engine = Engine(m.cfg, m.params)
+    s = engine.new_session()
+    out = [sample(engine.decode(s, [int(t) for t in tok.encode(PROMPT)])[-1], 0.0)]
+    t0 = time.perf_counter()
+    while len(out) < tokens and out[-1] not in tok.eog_ids:
+        out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
+    rate = (len(out) - 1) / (time.perf_counter() - t0)
+    print(json.dumps({"tokens": out, "tokens_per_s": rate}))
+
+
+def cores(first: int, n: int) -> set[int]:
+    have = sorted(os.sched_getaffinity(0))
+    return {have[(first + i) % len(have)] for i in range(n)}
+
+
+class World:
+    """A leader and N-1 workers as processes; ``threads[r]`` kernel threads for rank r, pinned
+    to cores of their own."""
+
+    def __init__(self, model: Path, threads: Sequence[int], work: Path, timeout: float,
+                 *leader_args: str) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = [work / f"rank{r}.log" for r in range(len(threads))]
+        starts = [sum(threads[:r]) for r in range(len(threads))]
+        common = ["--model", str(model), "--gate-timeout", str(timeout)]
+        self._spawn(0, ["tp-leader", *common, "--world-size", str(len(threads)), "--listen",
+                        "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0", "--spec-mode", "off",
+                        "--threads", str(threads[0]), *leader_args], cores(0, threads[0]))
+        m = self._wait(LEADER_LINE, 0)
+        port, self.frontend = int(m.group(1)), int(m.group(2))
+        for r in range(1, len(threads)):
+            self._spawn(r, ["tp-worker", *common, "--leader", f"127.0.0.1:{port}", "--rank",
+                            str(r), "--threads", str(threads[r]), "--gate-listen",
+                            "127.0.0.1:0"], cores(starts[r], threads[r]))
+        self._paired()
+
+    def _spawn(self, r: int, args: list[str], pinned: set[int]) -> None:
+        with open(self.logs[r], "wb") as log:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "foundry", *args], stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=lambda: os.sched_setaffinity(0, pinned)))
+
+    def text(self, r: int) -> str:
+        return self.logs[r].read_text(errors="replace")
+
+    def _wait(self, pattern: re.Pattern[str], r: int) -> re.Match[str]:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            if (m := pattern.search(self.text(r))) is not None:
+                return m
+            if self.procs[r].poll() is not None:
+                raise SystemExit(f"rank {r} exited:\n{self.text(r)[-2000:]}")
+            time.sleep(0.1)
+        raise SystemExit(f"rank {r}: no {pattern.pattern!r} within {STARTUP_S:g} s")
+
+    def _paired(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            for r, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    raise SystemExit(f"rank {r} exited:\n{self.text(r)[-2000:]}")
+            with socket.create_connection(("127.0.0.1", self.frontend), timeout=30) as s:
+                s.sendall(fw.encode(fw.StatusReq(0)))
+                decoder = fw.FrontendDecoder()
+                while (frame := decoder.next_event()) is None:
+                    decoder.feed(s.recv(65536))
+            if isinstance(frame, fw.Status) and frame.worker_connected:
+                self.shares = tuple(r.share for r in frame.ranks)
+                return
+            time.sleep(0.2)
+        raise SystemExit(f"the world did not form within {STARTUP_S:g} s")
+
+    def decode(self, tokens: int) -> tuple[list[int], float]:
+        out, times = generate(self.frontend, PROMPT, tokens)
+        return out, (len(times) - 1) / (times[-1] - times[0])
+
+    def close(self) -> None:
+        self.procs[0].send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def measure(model: Path, threads: Sequence[int], work: Path, timeout: float, tokens: int,
+            *leader_args: str) -> dict[str, object]:
+    world = World(model, threads, work, timeout, *leader_args)
+    try:
+        out, rate = world.decode(tokens)
+        chosen = CHOSEN.search(world.text(0))
+        return {"tokens": out, "tokens_per_s": rate, "shares": list(world.shares),
+                "chosen": chosen.group(1) if chosen else None}
+    finally:
+        world.close()
+
+
+def main() -> int:
+    ap = harness.parser(__doc__)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: synthetic)")
+    ap.add_argument("--preset", default="bench", help="the synthetic file's shapes")
+    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--threads", type=int, default=16, help="the host's threads, divided")
+    ap.add_argument("--worlds", default="2,4,8", help="world sizes besides one process")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--slowed", type=int, default=4,
+                    help="the world with one rank slowed, equal shares against auto (0: skip)")
+    ap.add_argument("--timeout", type=float, default=30.0, help="the ranks' gate timeout")
+    ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
+    harness.add_json_flag(ap)
+    a = ap.parse_args()
+    if a.one is not None:
+        run_one(a.one, a.threads, a.tokens)
+        return 0
+    model = a.model
+    if model is None:
+        model = a.model_dir / f"foundry-world-{a.preset}-q4_k_m-synthetic.gguf"
+        if not model.exists():
+            t0 = time.perf_counter()
+            a.model_dir.mkdir(parents=True, exist_ok=True)
+            write_model(preset(a.preset), model)
+            print(f"wrote {model} in {time.perf_counter() - t0:.1f} s")
+    worlds = [int(w) for w in a.worlds.split(",") if w]
+    print(f"{model.name}, {a.threads} threads on one host divided between the ranks, "
+          f"{a.tokens} tokens greedy, 1 client")
+    base = one_process(model, a.threads, a.tokens)
+    rate0 = float(str(base["tokens_per_s"]))
+    results: dict[str, object] = {"threads": a.threads, "clients": 1, "one_process": base}
+    print(f"{'ranks':>5} {'threads each':>12} {'tokens/s':>9} {'x one':>7} {'same tokens':>11}")
+    print(f"{1:>5} {a.threads:>12} {rate0:>9.2f} {1.0:>7.2f} {'':>11}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in worlds:
+            each = max(1, a.threads // n)
+            work = Path(tmp) / f"world{n}"
+            work.mkdir()
+            m = measure(model, [each] * n, work, a.timeout, a.tokens)
+            results[f"world_{n}"] = m
+            rate = float(str(m["tokens_per_s"]))
+            print(f"{n:>5} {each:>12} {rate:>9.2f} {rate / rate0:>7.2f} "
+                  f"{'yes' if m['tokens'] == base['tokens'] else 'no':>11}")
+        if a.slowed:
+            n, each = a.slowed, max(1, a.threads // a.slowed)
+            threads = [each] * (n - 1) + [1]
+            runs = {}
+            for label, extra in (("equal", ()), ("auto", ("--shares", "auto"))):
+                work = Path(tmp) / f"slowed-{label}"
+                work.mkdir()
+                runs[label] = measure(model, threads, work, a.timeout, a.tokens, *extra)
+            eq, auto = (float(str(runs[k]["tokens_per_s"])) for k in ("equal", "auto"))
+            results["slowed"] = {"threads": threads, **runs}
+            print(f"one rank slowed: {n} ranks of {','.join(map(str, threads))} threads; equal "
+                  f"shares {eq:.2f} tokens/s, --shares auto {auto:.2f} tokens/s (shares "
+                  f"{runs['auto']['chosen']}): auto {auto / eq:.2f}x equal; same tokens "
+                  f"{'yes' if runs['auto']['tokens'] == runs['equal']['tokens'] else 'no'}")
+    harness.emit("tp_world_decode", results, None, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
