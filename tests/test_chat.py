@@ -113,6 +113,25 @@ def test_llama3_and_plain_builtins() -> None:
     )
 
 
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_a_reply_sent_back_renders_as_the_text_it_was_generated_after(name: str) -> None:
+    """The next turn of a chat reuses the kept session past the last reply only if the reply,
+    sent back as an assistant message, renders as what the model saw and wrote: the
+    generation prompt's text, then the reply. After the plain transcript's "Assistant:" a
+    model writes " The ..." (a token with its space), which must not get a second space."""
+    t = template_for(META, name)
+    asked = [Message("user", "What is the capital of France?")]
+    plain = name == "plain"
+    for reply in [" The capital is Paris.", "\nParis."] if plain else ["The capital is Paris."]:
+        generated = prompt_text(t, asked) + reply
+        after = prompt_text(t, [*asked, Message("assistant", reply), Message("user", "Spain?")])
+        assert after.startswith(generated), (reply, after)
+    # A reply written without the space still reads "Assistant: ..." in the transcript.
+    assert not plain or t.render([*asked, Message("assistant", "Paris.")],
+                                 add_generation_prompt=False) == (
+        "User: What is the capital of France?\nAssistant: Paris.\n")
+
+
 def test_the_gemma_builtin_refuses_roles_out_of_turn() -> None:
     with pytest.raises(ChatTemplateError, match="alternate"):
         template_for(META, "gemma").render([Message("user", "a"), Message("user", "b")])

@@ -43,7 +43,7 @@ from foundry.gateway.errors import (
     BackendUnavailable,
     InvalidRequest,
 )
-from foundry.gateway.frontend_client import FrontendClient
+from foundry.gateway.frontend_client import FrontendClient, TokenGaps
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import decode
 from foundry.wire import frontend as fw
@@ -564,8 +564,11 @@ def test_a_batch_takes_what_is_ready_and_an_error_waits_behind_its_tokens() -> N
         async with stand_in_and_client() as (_, client):
             async with client.generate("hi", 5) as gen:
                 await asyncio.sleep(0.2)
-                first, rest = await gen.batch(3), await gen.batch(256)
-                assert await gen.batch(256) == []
+                first = await gen.batch(3)
+                assert gen.gaps == []  # the first batch's tokens are time to first token's
+                rest = await gen.batch(256)
+                assert len(gen.gaps) == 2 and gen.gaps[0] == gen.gaps[1] >= 0  # k = 2 tokens
+                assert await gen.batch(256) == [] and gen.gaps == []
             assert [type(e) for e in first + rest] == [fw.Token] * 5 + [fw.Done]
             assert "".join(e.text for e in first + rest if isinstance(e, fw.Token)) == REPLY[:5]
             async with client.generate("!garbage", 4) as gen:
@@ -577,6 +580,22 @@ def test_a_batch_takes_what_is_ready_and_an_error_waits_behind_its_tokens() -> N
                     await gen.batch(256)
 
     run(main)
+
+
+def test_token_gaps_spread_a_batchs_wait_over_its_tokens() -> None:
+    """Inter-token latency as the load bench counts it: a batch of k tokens taken t after the
+    previous batch of tokens is k gaps of t / k; logprobs and Done count no token."""
+    def tok(i: int) -> fw.Token:
+        return fw.Token(1, i, i, "x")
+
+    lp = fw.Logprobs(1, 7, -0.5, b"x", ())
+    done = fw.Done(1, fw.DoneReason.MAX_TOKENS, 3, 6, 1.0)
+    gaps = TokenGaps()
+    assert gaps.take([tok(0), tok(1)], 10.0) == []  # the first batch: no gap
+    assert gaps.take([lp, tok(2)], 10.5) == [0.5]
+    assert gaps.take([tok(3), lp, tok(4), tok(5)], 11.1) == pytest.approx([0.2] * 3)
+    assert gaps.take([done], 12.0) == []  # nothing measured, and the clock stays
+    assert gaps.take([tok(6)], 11.5) == pytest.approx([0.4])
 
 
 def test_bad_generate_arguments_are_invalid_requests() -> None:

@@ -437,11 +437,22 @@ def test_metrics_by_endpoint_and_status(server: Server) -> None:
     before = server.metric(name)
     ttft = server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
                          '{endpoint="chat"}')
+    itl = 'foundry_gateway_inter_token_latency_seconds_count{endpoint="chat"}'
+    gaps = server.metric(itl)
     server.client().chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
                                             max_tokens=4, temperature=0)
     assert server.metric(name) == before + 1
     assert server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
                          '{endpoint="chat"}') == ttft + 1
+    assert server.metric(itl) - gaps <= 4 - 1
+    gaps = server.metric(itl)
+    streamed = list(server.client().chat.completions.create(
+        model="foundry", messages=CONVERSATION, max_tokens=12, temperature=0.8, seed=1,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True}))
+    generated = streamed[-1].usage.completion_tokens  # type: ignore[union-attr]
+    # Every token after the first batch is one gap (sampled: one token a step, so the first
+    # batch cannot hold all 12); the first batch holds at least one.
+    assert 1 <= server.metric(itl) - gaps <= generated - 1
 
 
 # ---------------------------------------------------------------------------- the queue

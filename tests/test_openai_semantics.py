@@ -34,6 +34,7 @@ import pytest
 from served import MODEL_NAME, Chat, Reference, Served, served, sse_events
 from test_published_gemma import gemma_file
 from tiny_bpe import ANSWER, N_CTX, write_tiny_bpe
+from tp_harness import metric
 
 from foundry.gateway.openai import EventStream
 from foundry.model.text.chat import NO_TEMPLATE, Message, prompt_text
@@ -442,6 +443,28 @@ def test_gemma_chats_through_the_plain_transcript_and_says_so(
         assert (reply.text, reply.finish_reason) == (answer, "stop")
     done = s.whole(Chat(prompt=rendered), max_tokens=24, temperature=0)
     assert done.text == full  # a completion of the same text is not cut
+
+
+def test_gemma_chats_next_turn_continues_the_kept_session_past_the_reply(
+    gemma: tuple[Served, Reference],
+) -> None:
+    """The reply sent back as the client got it (" The capital ...", after the transcript's
+    "Assistant:") renders as the tokens it was generated as: the next turn reuses at least the
+    first prompt and every reply token the session evaluated (all but the last), and answers
+    as a prefill of the whole conversation does."""
+    s, ref = gemma
+    assert s.pair.leader.metrics is not None
+    first = s.whole(QUESTION, max_tokens=6, temperature=0)
+    assert first.text.startswith(" ") and first.usage["completion_tokens"] == 6, first
+    follow = Chat(messages=(*QUESTION.messages, ("assistant", first.text),
+                            ("user", "And of Spain?")))
+    reused = "foundry_tp_prompt_tokens_reused_total"
+    before = metric(s.pair.leader.metrics, reused)
+    second = s.whole(follow, max_tokens=4, temperature=0)
+    # (A session kept by an earlier test, the same question answered at length, may hold
+    # the sixth reply token too.)
+    assert metric(s.pair.leader.metrics, reused) - before >= len(ref.prompt_ids(QUESTION)) + 5
+    assert second.text == ref.text(ref.greedy(follow, 4), ref.template.stop)
 
 
 def test_gemma_usage_and_stop_list(gemma: tuple[Served, Reference]) -> None:

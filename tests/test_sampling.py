@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,12 +11,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from foundry.model.infer.sampling import (
+    PARALLEL_MIN_VOCAB,
     SamplingError,
     kept_tokens,
     logprobs,
     make_rng,
     probabilities,
     sample,
+    sample_rows,
     top_indices,
 )
 
@@ -29,6 +33,33 @@ def test_greedy_takes_the_first_maximum() -> None:
     assert sample(np.array([0.1, 2.0, -1.0, 2.0]), temperature=0.0) == 1
     assert sample(np.array([5.0]), temperature=0.0) == 0
     assert sample(np.array([-np.inf, -3.0, -np.inf]), temperature=0.0) == 1
+
+
+def test_rows_drawn_on_a_pool_give_each_rows_own_token_and_error() -> None:
+    """A batch's rows on threads: each the token ``sample`` gives it alone (its own rng), a
+    broken row its SamplingError in its place, the others unharmed; in float32 and float64."""
+    logits = 3 * np.random.default_rng(3).standard_normal((6, PARALLEL_MIN_VOCAB))
+    logits[4, 7] = np.nan
+    settings_of = [(0.8, 1.0, 0), (0.8, 0.9, 0), (0.0, 1.0, 0), (1.0, 1.0, 50), (0.8, 1.0, 0),
+                   (2.0, 0.5, 10)]
+
+    def text(picks: list[int | SamplingError]) -> list[int | str]:
+        return [str(x) if isinstance(x, SamplingError) else x for x in picks]
+
+    for rows in (logits.astype(np.float32), logits):
+        draws = [(row, t, p, make_rng(i), k)
+                 for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True))]
+        alone: list[int | str] = []
+        for row, t, p, rng, k in draws:
+            try:
+                alone.append(sample(row, t, p, rng, k))
+            except SamplingError as exc:
+                alone.append(str(exc))
+        draws = [(row, t, p, make_rng(i), k) for i, (row, t, p, _, k) in enumerate(draws)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            pooled = sample_rows(draws, pool)
+        assert text(pooled) == alone
+        assert isinstance(pooled[4], SamplingError) and "NaN" in str(pooled[4])
 
 
 def test_greedy_draws_nothing_from_the_rng() -> None:

@@ -23,7 +23,11 @@ turns; llama.cpp's ``llama-batched-bench`` on the same file in the same run as t
    each turn the conversation so far plus a new user message of the same length, greedy, 16
    tokens an answer: TTFT of every turn, once with the leader's kept sessions (default) and
    once against a second pair started with ``--keep-sessions 0``. Target: the last turn's TTFT
-   at most 1.2x the first's with reuse.
+   at most 1.2x the first's with reuse. Each turn also prints its prompt tokens and those the
+   leader evaluated (the rest came from a kept session: ``foundry_tp_prompt_tokens_reused_total``
+   from the leader's /metrics), which is the new message and the end of the last reply when
+   the reply comes back as the tokens it was generated as; a random model's replies (bytes that
+   are not UTF-8, sent as U+FFFD) do not, which the table notes.
 
 Prints a table and one JSON row (bench/harness.py's; also written to ``--json PATH``); exit
 status 1 when a target is missed. Every process is stopped by its pid at the end.
@@ -44,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,7 +58,9 @@ import harness
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 
-LEADER_LINE = re.compile(r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+)")
+LEADER_LINE = re.compile(r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+), "
+                         r"metrics :(\d+)")
+REUSED = "foundry_tp_prompt_tokens_reused_total"
 GATEWAY_LINE = re.compile(r"gateway listening: grpc (\S+):(\d+), http (\S+):(\d+)")
 STARTUP_S = 300.0
 LOAD_TARGET = 0.8
@@ -79,6 +86,7 @@ class Stack:
                              "--listen", "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0",
                              "--metrics-port", "0", *rank_args, *extra, stdout=True)
         m = self._line(leader, LEADER_LINE)
+        self.leader_metrics = f"http://127.0.0.1:{m.group(5)}/metrics"
         self._spawn("worker", env, "tp-worker", "--model", str(model),
                     "--leader", f"127.0.0.1:{m.group(2)}", "--metrics-port", "0", *rank_args)
         gateway = self._spawn("gateway", env, "gateway", "--listen", "127.0.0.1:0",
@@ -181,20 +189,41 @@ async def load(grpc_address: str, clients: int, tokens: int) -> dict[str, float]
             "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
 
 
-def chat_turns(http: str, turns: int) -> list[float]:
-    """TTFT (seconds) of each turn of one conversation, streamed, greedy."""
+def leader_counter(url: str, name: str) -> float:
+    """A counter of the leader's /metrics (summed over its labels)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+@dataclass
+class Turn:
+    ttft: float  # seconds
+    prompt_tokens: int
+    evaluated: int  # the prompt's tokens not reused from a kept session
+    replaced: bool  # the reply held U+FFFD: bytes that were not UTF-8 cannot come back
+
+
+def chat_turns(stack: Stack, turns: int) -> list[Turn]:
+    """Each turn of one conversation, streamed, greedy: its TTFT and the prompt tokens the
+    leader evaluated (its prompt less what a kept session held, from the leader's metrics)."""
     messages: list[dict[str, str]] = []
     out = []
+    http = stack.http
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Turn {turn:02d}: tell me one more fact "
                                                     f"about {TOPICS[turn % len(TOPICS)]}."})
         body = json.dumps({"model": "foundry", "messages": messages, "max_tokens": 16,
-                           "temperature": 0.0, "stream": True}).encode()
+                           "temperature": 0.0, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
         req = urllib.request.Request(f"{http}/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})
+        reused = leader_counter(stack.leader_metrics, REUSED)
         t0 = time.perf_counter()
         first = 0.0
         text = []
+        prompt_tokens = 0
         try:
             r = urllib.request.urlopen(req, timeout=600)
         except urllib.error.HTTPError as exc:
@@ -206,12 +235,16 @@ def chat_turns(http: str, turns: int) -> list[float]:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    prompt_tokens = chunk["usage"]["prompt_tokens"]
                 delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
                 if delta:
                     first = first or time.perf_counter() - t0
                     text.append(delta)
-        out.append(first)
-        messages.append({"role": "assistant", "content": "".join(text)})
+        reply = "".join(text)
+        reused = leader_counter(stack.leader_metrics, REUSED) - reused
+        out.append(Turn(first, prompt_tokens, prompt_tokens - round(reused), "\ufffd" in reply))
+        messages.append({"role": "assistant", "content": reply})
     return out
 
 
@@ -256,16 +289,16 @@ def main() -> int:
                 rows.append(asyncio.run(load(stack.grpc, n, args.tokens)))
                 print(f"  measured {n} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s",
                       flush=True)
-            reuse = chat_turns(stack.http, args.turns) if args.turns else []
+            reuse = chat_turns(stack, args.turns) if args.turns else []
         finally:
             stack.stop()
-        cold: list[float] = []
+        cold: list[Turn] = []
         if args.turns:
             (work / "cold").mkdir()
             stack = Stack(args.model, work / "cold", rank_args, "--keep-sessions", "0")
             try:
                 stack.wait_ready()
-                cold = chat_turns(stack.http, args.turns)
+                cold = chat_turns(stack, args.turns)
             finally:
                 stack.stop()
     base = (llama_batched(args.llama_batched_bench, args.model, args.llama_threads, args.tokens,
@@ -286,12 +319,22 @@ def main() -> int:
             print(f"   FAIL: 16 clients at {ratio:.2f}x llama-batched-bench (target {LOAD_TARGET})")
     results["load"] = rows
     if reuse:
-        growth, cold_growth = reuse[-1] / reuse[0], cold[-1] / cold[0]
-        print(f"prompt reuse, {args.turns} turns: TTFT turn 1 {1e3 * reuse[0]:.0f} ms, turn "
-              f"{args.turns} {1e3 * reuse[-1]:.0f} ms ({growth:.2f}x); without kept sessions "
-              f"{1e3 * cold[0]:.0f} -> {1e3 * cold[-1]:.0f} ms ({cold_growth:.2f}x)")
-        results["reuse_ttft_ms"] = [1e3 * t for t in reuse]
-        results["cold_ttft_ms"] = [1e3 * t for t in cold]
+        growth, cold_growth = reuse[-1].ttft / reuse[0].ttft, cold[-1].ttft / cold[0].ttft
+        print(f"prompt reuse, {args.turns} turns: TTFT turn 1 {1e3 * reuse[0].ttft:.0f} ms, turn "
+              f"{args.turns} {1e3 * reuse[-1].ttft:.0f} ms ({growth:.2f}x); without kept sessions "
+              f"{1e3 * cold[0].ttft:.0f} -> {1e3 * cold[-1].ttft:.0f} ms ({cold_growth:.2f}x)")
+        print(" turn  prompt tokens  evaluated  TTFT ms  | without kept sessions: evaluated  "
+              "TTFT ms")
+        for i, (t, c) in enumerate(zip(reuse, cold, strict=True), start=1):
+            print(f" {i:4d} {t.prompt_tokens:14d} {t.evaluated:10d} {1e3 * t.ttft:8.0f}  | "
+                  f"{c.evaluated:35d} {1e3 * c.ttft:8.0f}")
+        if any(t.replaced for t in reuse):
+            print("   note: replies held U+FFFD (bytes that are not UTF-8, as a random model "
+                  "writes): sent back, they are other tokens, and are evaluated again")
+        results["reuse_ttft_ms"] = [1e3 * t.ttft for t in reuse]
+        results["reuse_evaluated_tokens"] = [t.evaluated for t in reuse]
+        results["cold_ttft_ms"] = [1e3 * t.ttft for t in cold]
+        results["cold_evaluated_tokens"] = [t.evaluated for t in cold]
         if growth > REUSE_TARGET:
             ok = False
             print(f"   FAIL: the last turn's TTFT is {growth:.2f}x the first's (target "

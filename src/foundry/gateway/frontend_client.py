@@ -17,7 +17,8 @@ A reader of a generation takes its events one by one (``async for``) or as batch
 waiting. The gateway sends each batch as one gRPC message, so a stream that falls behind the pair
 catches up in fewer, larger messages and one that keeps up sends one token per message; nothing
 waits to fill a batch. An error received behind tokens is raised only after those tokens have
-been taken.
+been taken. Each batch also gives the inter-token latency of its tokens (``Generation.gaps``,
+:class:`TokenGaps`), which the gateway's metrics observe.
 
 Leaving a ``Generation`` before its DONE (the gRPC call was cancelled, or its deadline passed)
 sends CANCEL, so the pair stops decoding at the next token. The write is synchronous (no
@@ -32,6 +33,8 @@ import contextlib
 import dataclasses
 import logging
 import ssl as ssl_lib
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -76,6 +79,24 @@ STATUS_REQUEST_ID = 0
 
 # What a generation's reader takes: tokens (each after its LOGPROBS when asked), then DONE.
 Event = Token | Logprobs | Done
+
+
+class TokenGaps:
+    """Inter-token latency of one generation as its reader takes the tokens: a batch of k
+    tokens taken t seconds after the previous batch of tokens counts k gaps of t / k (as
+    ``bench/performance/serve_load.py`` counts them); the first batch's tokens are the time to
+    first token's, no gap, and a batch without tokens (the Done alone) counts none."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+
+    def take(self, events: Sequence[Event], now: float) -> list[float]:
+        """The gaps of the tokens among ``events``, taken at ``now`` (seconds, monotonic)."""
+        k = sum(1 for e in events if isinstance(e, Token))
+        if k == 0:
+            return []
+        last, self._last = self._last, now
+        return [] if last is None else [(now - last) / k] * k
 
 # The leader's ERROR codes as gRPC status codes; an unknown code is the leader's fault.
 ERROR_STATUS: dict[int, grpc.StatusCode] = {
@@ -141,6 +162,8 @@ class Generation:
         self._held: Frame | GatewayError | None = None
         self.request_id = 0
         self.finished = False
+        self._clock = TokenGaps()
+        self.gaps: list[float] = []  # the inter-token gaps of the last batch's tokens
 
     async def __aenter__(self) -> Generation:
         link = await self._client._connected()
@@ -186,7 +209,8 @@ class Generation:
         """The next event, waiting for it, then the events already received, without waiting:
         at most ``limit`` in all, the Done last if it is among them; [] once the generation has
         ended. An error behind the first event is kept for the next call, so that the tokens
-        before it are delivered first."""
+        before it are delivered first. ``gaps`` then holds the batch's inter-token gaps."""
+        self.gaps = []
         if self.finished:
             return []
         events = [self._event(await self._next_item())]
@@ -199,6 +223,7 @@ class Generation:
                 self._held = item
                 break
             events.append(self._event(item))
+        self.gaps = self._clock.take(events, time.monotonic())
         return events
 
     async def _next_item(self) -> Frame | GatewayError:

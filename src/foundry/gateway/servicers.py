@@ -323,6 +323,7 @@ class InferenceServicer:
             # sent go out together (see inference.proto, GenerateResponse).
             while events := await generation.batch(MAX_TOKENS_PER_RESPONSE):
                 response = generate_response_pb(events)
+                self.metrics.observe_gaps("generate", generation.gaps)
                 self.metrics.generated_tokens.inc(len(response.tokens))
                 self.metrics.generate_responses.inc()
                 yield response

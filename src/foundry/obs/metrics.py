@@ -242,6 +242,13 @@ CALL_BUCKETS = (
 )
 
 
+# The gap between two tokens of a stream: a fraction of a millisecond (tokens that arrive
+# together) to seconds (a stream behind a long prompt's prefill).
+ITL_BUCKETS = (
+    2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0,
+)
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -289,6 +296,15 @@ class GatewayMetrics:
             buckets=CALL_BUCKETS,
             registry=r,
         )
+        self.inter_token = Histogram(
+            "foundry_gateway_inter_token_latency_seconds",
+            "The gap between a generation's consecutive tokens as the gateway takes them from "
+            "the pair (a batch of k tokens: k gaps of its gap / k), by endpoint: generate (the "
+            "gRPC Generate), chat, completions.",
+            ["endpoint"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.http_rate = Histogram(
             "foundry_gateway_http_decode_rate_tokens_per_second",
             "Tokens per second after the first, per completed generation.",
@@ -312,6 +328,13 @@ class GatewayMetrics:
             "HTTP generation requests holding a place on the pair (admitted, not yet ended).",
             registry=r,
         )
+
+    def observe_gaps(self, endpoint: str, gaps: list[float]) -> None:
+        """A batch's inter-token gaps (``Generation.gaps``)."""
+        if gaps:
+            child = self.inter_token.labels(endpoint)
+            for gap in gaps:
+                child.observe(gap)
 
 
 # Request outcomes of the TP leader: the frontend's DONE reasons and ERROR codes, lower case.

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.engines import make_engine
-from foundry.model.infer.sampling import SamplingError, logprobs, sample
+from foundry.model.infer.sampling import SamplingError, logprobs, sample, sample_rows
 from foundry.model.shard import Gate, Shares, share_blocks
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import Pair
@@ -441,9 +441,8 @@ class LeaderEngine:
                 self.commands.hash_check()
             self._finish(req, fw.DoneReason.CANCELLED)
             return
-        self._hook(req, full)
         self.sched.prefilled(req)
-        self._sample(req, full[0])
+        self._sample([req], [full[0]])
 
     def _mixed(self, prefill: Request, decoding: list[Request]) -> None:
         s = prefill.session
@@ -453,26 +452,21 @@ class LeaderEngine:
         full = self.commands.rows(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
                                             items=tuple(BatchItem(r.sid, r.next_token)
                                                         for r in decoding)))
-        for i, req in enumerate(decoding, start=1):
-            self._hook(req, full[i : i + 1])
-            self._sample(req, full[i])
-        if end == len(prefill.prompt):
-            self._hook(prefill, full[:1])
+        # Rows: the chunk's last, then one for each decoding request.
+        if end < len(prefill.prompt):
+            self._sample(decoding, list(full[1:]))
+        else:
             self.sched.prefilled(prefill)
-            self._sample(prefill, full[0])
+            self._sample([*decoding, prefill], [*full[1:], full[0]])
 
     def _eval(self, req: Request) -> None:
         full = self.commands.rows(Eval(session_id=req.sid, seq=self.state.step + 1,
                                        token=req.next_token))
-        self._hook(req, full)
-        self._sample(req, full[0])
+        self._sample([req], [full[0]])
 
     def _eval_batch(self, decoding: list[Request]) -> None:
         items = tuple(BatchItem(r.sid, r.next_token) for r in decoding)
-        full = self.commands.rows(EvalBatch(items=items))
-        for i, req in enumerate(decoding):
-            self._hook(req, full[i : i + 1])
-            self._sample(req, full[i])
+        self._sample(decoding, list(self.commands.rows(EvalBatch(items=items))))
 
     def _drafts(self, req: Request) -> list[int]:
         """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
@@ -513,16 +507,20 @@ class LeaderEngine:
         if self.logits_hook is not None:
             self.logits_hook(req.frame.request_id, rows)
 
-    def _sample(self, req: Request, row: F32) -> None:
-        g = req.frame
-        assert req.session is not None
-        try:
-            token = sample(row, g.temperature, g.top_p, req.rng if g.temperature > 0 else None,
-                           g.top_k)
-        except SamplingError as exc:
-            self._broken_logits(req, exc)
-            return
-        self._accept(req, token, req.session.pos, row)
+    def _sample(self, reqs: list[Request], rows: list[F32]) -> None:
+        """Each request's next token from its row of ``rows`` (in order), then accepted in
+        order. Drawn one after another: ``sample_rows`` can draw wide rows on a pool of
+        threads, which bench/performance/sampling.py has not yet shown to pay (docs/tp.md)."""
+        picks = sample_rows([(row, r.frame.temperature, r.frame.top_p,
+                              r.rng if r.frame.temperature > 0 else None, r.frame.top_k)
+                             for r, row in zip(reqs, rows, strict=True)])
+        for i, (req, pick) in enumerate(zip(reqs, picks, strict=True)):
+            assert req.session is not None
+            self._hook(req, rows[i][None])
+            if isinstance(pick, SamplingError):
+                self._broken_logits(req, pick)
+            else:
+                self._accept(req, pick, req.session.pos, rows[i])
 
     def _broken_logits(self, req: Request, exc: SamplingError) -> None:
         """Fail ``req`` alone: INTERNAL naming the model; its session is destroyed on both

@@ -310,15 +310,17 @@ class OpenAIApi:
             body = self._stream(lease, first, out, render, t0, ttft)
             return EventStream(body, on_close=lease.end)
         try:
-            await self._unless_gone(request, self._collect(generation, first, out))
+            await self._unless_gone(request, self._collect(name, generation, first, out))
         finally:
             lease.end(count=False)
         self._rate(name, out, t0, ttft)
         return JSONResponse(render.whole(out))
 
-    async def _collect(self, generation: Generation, first: list[Event], out: _Output) -> None:
+    async def _collect(self, name: str, generation: Generation, first: list[Event],
+                       out: _Output) -> None:
         out.take(first)
         while events := await generation.batch(MAX_TOKENS_PER_CHUNK):
+            self.metrics.observe_gaps(name, generation.gaps)
             out.take(events)
 
     async def _stream(self, lease: _Lease, first: list[Event], out: _Output, render: _Render,
@@ -334,6 +336,7 @@ class OpenAIApi:
                     break
                 try:
                     events = await lease.generation.batch(MAX_TOKENS_PER_CHUNK)
+                    self.metrics.observe_gaps(lease.name, lease.generation.gaps)
                 except GatewayError as exc:  # the response has begun: report it in the stream
                     error = http_error(exc)
                     lease.status = error.status

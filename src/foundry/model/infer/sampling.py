@@ -22,6 +22,8 @@ the same tokens, which is what lets a TP pair or a replayed session agree on a g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +34,10 @@ I64 = npt.NDArray[np.int64]
 
 # OpenAI's API allows 0..20 alternatives per position (top_logprobs).
 MAX_TOP_LOGPROBS = 20
+# Rows at least this wide are drawn on a pool's threads by ``sample_rows`` (numpy lets go of
+# the GIL inside each pass over a row): a 262,144-token row takes milliseconds, a byte
+# vocabulary's a few microseconds, less than handing it to a thread.
+PARALLEL_MIN_VOCAB = 16384
 
 
 class SamplingError(ValueError):
@@ -43,17 +49,22 @@ def make_rng(seed: int | None = None) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def probabilities(logits: npt.ArrayLike, temperature: float) -> F64:
-    """softmax(logits / temperature) in float64; -inf logits get probability 0."""
+def probabilities(logits: npt.ArrayLike, temperature: float, top: float | None = None) -> F64:
+    """softmax(logits / temperature) in float64; -inf logits get probability 0. ``top``: the
+    largest logit, when the caller has it. One array, each step in place (a 262,144-token
+    row is 2 MB of float64 a step otherwise)."""
     z = np.asarray(logits, dtype=np.float64).reshape(-1)  # (V,)
+    p: F64 = z - (z.max() if top is None else top)
     with np.errstate(over="ignore"):  # a tiny temperature sends all but the max to -inf
-        z = (z - z.max()) / temperature
-    p: F64 = np.exp(z)
-    total = float(p.sum())
-    return p / total
+        p /= temperature
+    np.exp(p, out=p)
+    p /= float(p.sum())
+    return p
 
 
-def _check(logits: F64, temperature: float, top_p: float, top_k: int) -> None:
+def _check(logits: npt.NDArray[np.floating], temperature: float, top_p: float,
+           top_k: int) -> float:
+    """The largest logit, once the settings and the row are known to give a token."""
     if logits.ndim != 1 or logits.size == 0:
         raise SamplingError(f"logits must be a non-empty vector, got shape {logits.shape}")
     if not temperature >= 0.0:
@@ -67,6 +78,7 @@ def _check(logits: F64, temperature: float, top_p: float, top_k: int) -> None:
         raise SamplingError("logits contain NaN or +inf; the model output is broken")
     if top == -np.inf:
         raise SamplingError("every logit is -inf; no token can be sampled")
+    return top
 
 
 def top_indices(values: F64, m: int) -> I64:
@@ -145,18 +157,42 @@ def sample(
     most probable (0: all), then to the smallest set of most probable tokens whose probability
     sums to at least ``top_p`` of what is left (never empty).
     """
-    z = np.asarray(logits, dtype=np.float64)
-    _check(z, temperature, top_p, top_k)
+    z = np.asarray(logits)
+    if z.dtype != np.float32:  # float32 rows (the engines') are compared and ranked as they
+        z = z.astype(np.float64)  # are: float64 holds each exactly, in the same order
+    top = _check(z, temperature, top_p, top_k)
     if temperature == 0.0:
         return int(np.argmax(z))
     if rng is None:
         raise SamplingError("sampling with temperature > 0 needs an rng (see make_rng)")
-    p = probabilities(z, temperature)  # (V,)
+    p = probabilities(z, temperature, top)  # (V,)
     kept = kept_tokens(p, top_p, top_k)  # (K,)
-    cum = np.cumsum(p[kept])  # (K,)
+    # Uncut (kept_tokens' whole row, in token-id order): p itself, no gather.
+    whole = top_p >= 1.0 and kept.size == p.size
+    cum = np.cumsum(p if whole else p[kept])  # (K,)
     u = rng.random() * cum[-1]
     pick = min(int(np.searchsorted(cum, u, side="right")), kept.size - 1)
-    return int(kept[pick])
+    return pick if whole else int(kept[pick])
+
+
+# One row's draw: (logits, temperature, top_p, rng, top_k), ``sample``'s arguments.
+Draw = tuple[npt.NDArray[np.float32], float, float, np.random.Generator | None, int]
+
+
+def sample_rows(draws: Sequence[Draw], pool: Executor | None = None) -> list[int | SamplingError]:
+    """``sample`` of each draw, in order: its token, or the SamplingError it raised. With a
+    ``pool``, rows of at least ``PARALLEL_MIN_VOCAB`` tokens run on its threads; each row's
+    token is the same as alone (each draw has its own rng, the tokens of different requests)."""
+
+    def one(draw: Draw) -> int | SamplingError:
+        try:
+            return sample(*draw)
+        except SamplingError as exc:
+            return exc
+
+    if pool is None or len(draws) < 2 or draws[0][0].size < PARALLEL_MIN_VOCAB:
+        return [one(d) for d in draws]
+    return list(pool.map(one, draws))
 
 
 @dataclass(frozen=True)

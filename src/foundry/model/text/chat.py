@@ -567,8 +567,13 @@ LLAMA3 = (
 )
 
 # Plain text, for files without a template (base models, our byte-level models): a transcript.
+# A message whose text begins with white space follows its "Role:" directly: a reply the model
+# wrote after the generation prompt's "Assistant:" (" The ...") then renders to the very text,
+# and tokens, it was generated as, so the next turn reuses the kept session past the reply.
 PLAIN = (
-    "{% for m in messages %}{{ m.role | capitalize + ': ' + m.content + '\\n' }}{% endfor %}"
+    "{% for m in messages %}{{ m.role | capitalize + ':' }}"
+    "{% if not m.content[:1].isspace() %}{{ ' ' }}{% endif %}{{ m.content + '\\n' }}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
