@@ -389,6 +389,19 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
             events = list(inference.Generate(request, timeout=60))
             assert events[-1].HasField("done"), events[-1]
             assert sum(len(e.tokens) for e in events) == events[-1].done.generated_tokens
+        # An inter-token gap needs a generation that reaches the gateway in two batches or
+        # more; on a loaded machine a short one can arrive whole. A few longer ones, bounded.
+        gaps = 'foundry_gateway_inter_token_latency_seconds_count{endpoint="generate"}'
+        for i in range(8):
+            text = http_get(f"http://127.0.0.1:{gateway_metrics}/metrics")
+            if any(line.startswith(gaps) and float(line.split()[-1]) > 0
+                   for line in text.splitlines()):
+                break
+            request = inference_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=96,
+                                                    temperature=0.8, seed=10 + i)
+            assert list(inference.Generate(request, timeout=60))[-1].HasField("done")
+        else:
+            pytest.fail("eight generations of 96 tokens reached the gateway in one batch each")
         deadline = time.monotonic() + 60
         step = 0
         while step < STEPS and time.monotonic() < deadline:

@@ -38,7 +38,6 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -156,7 +155,7 @@ def compute_alone(base: Path, text: Path, args: argparse.Namespace) -> dict[int,
             backend.compute_gradients(params, loaded.cfg, corpus, i * count, count,
                                       seq_len=args.seq_len)
             times.append(time.perf_counter() - t)
-        out[count] = statistics.median(times[1:]) / count
+        out[count] = harness.median(times[1:]) / count
     return out
 
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -62,7 +61,7 @@ def measure(args: argparse.Namespace, quantized: bool) -> dict[str, float]:
                                          seq_len=args.seq_len).loss
         times.append(time.perf_counter() - t)
     return {"held_mb": base.nbytes() / 1e6, "start_mb": before, "loaded_mb": loaded,
-            "peak_mb": peak_mb(), "step_s": statistics.median(times[1:]), "loss": loss}
+            "peak_mb": peak_mb(), "step_s": harness.median(times[1:]), "loss": loss}
 
 
 def main() -> int:

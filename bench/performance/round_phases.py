@@ -23,9 +23,13 @@ the round exactly, from the round's start to the next one's:
 from __future__ import annotations
 
 import itertools
-import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
+
+import harness
 
 from foundry.obs.timeline import load_events
 
@@ -128,6 +132,6 @@ def critical_path(work: Path, first: int, last: int) -> str:
     paths = critical_paths(work, first, last)
     if not paths:
         return "critical path: no complete round in the traces"
-    med = {k: statistics.median(p[k] for p in paths) for k in (*PATH, "round")}
+    med = {k: harness.median(p[k] for p in paths) for k in (*PATH, "round")}
     return (f"critical path, median ms of {len(paths)} rounds: "
             + " ".join(f"{k} {med[k]:.1f}" for k in PATH) + f" = round {med['round']:.1f}")

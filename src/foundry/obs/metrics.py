@@ -305,6 +305,11 @@ class GatewayMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
+        # Each endpoint's series from the start, at 0: Prometheus's rate() counts no increase
+        # into a series' first sample, so gaps observed before the first scrape that saw the
+        # series would never show on the dashboard.
+        for endpoint in ("generate", "chat", "completions"):
+            self.inter_token.labels(endpoint)
         self.http_rate = Histogram(
             "foundry_gateway_http_decode_rate_tokens_per_second",
             "Tokens per second after the first, per completed generation.",
