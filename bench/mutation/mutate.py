@@ -65,7 +65,7 @@ TARGETS = (
     # gateway run as processes in tests/test_openai_semantics.py and test_served_matrix.py,
     # which import the unmutated tree: mutants reached only there are listed as such, and
     # bench/mutation/mutate_served.py applies mutations to the code those processes run.
-    Target("chat", ("src/foundry/model/text/chat.py",),
+    Target("chat", ("src/foundry/model/text/chat.py", "src/foundry/model/text/chat_sandbox.py"),
            ("tests/test_chat.py", "tests/test_served_units.py")),
     Target("vocab", ("src/foundry/model/text/vocab/*",),
            ("tests/test_vocab.py", "tests/test_served_units.py")),
