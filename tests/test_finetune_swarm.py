@@ -99,7 +99,8 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
     """Checkpoints of a fine-tuning run hold the adapters, their moments and the base's
     identity: a coordinator killed after step 5's checkpoint resumes there, and the run ends
     with the adapters of an uninterrupted one."""
-    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import load_checkpoint
+    from foundry.model.formats.checkpoint_dir import latest_checkpoint
     from foundry.model.formats.tuning import TunedConfig
 
     base, text = tiny_run(tmp_path)

@@ -140,7 +140,8 @@ def run_train(args: argparse.Namespace) -> int:
         return run_finetune(args)
     if args.steps is None:
         args.steps = recipe.STEPS
-    from foundry.model.formats.checkpoint import CheckpointError, CheckpointRefused
+    from foundry.model.formats.checkpoint import CheckpointError
+    from foundry.model.formats.checkpoint_dir import CheckpointRefused
     from foundry.model.formats.gguf_io import GGUFError
     from foundry.model.nn.device import DeviceError
     from foundry.model.text.data import DataError
@@ -158,11 +159,10 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from foundry.model.formats.checkpoint import (
-        CheckpointState,
+    from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
+    from foundry.model.formats.checkpoint_dir import (
         DirectoryLock,
         check_directory,
-        load_checkpoint,
         resume_checkpoint,
         save_checkpoint,
         start_fresh,

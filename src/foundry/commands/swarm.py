@@ -33,7 +33,7 @@ from foundry.commands.common import (
     use_threads,
     whole_in,
 )
-from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.formats.checkpoint_dir import DEFAULT_KEEP_LAST
 from foundry.model.formats.gguf_io import FILE_DTYPES
 from foundry.model.nn.device import DEVICES, DeviceError
 from foundry.model.spec.config import PRESETS, ModelConfig, preset
@@ -221,12 +221,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from foundry.model.formats.checkpoint import (
-        CheckpointError,
-        DirectoryLock,
-        check_directory,
-        start_fresh,
-    )
+    from foundry.model.formats.checkpoint import CheckpointError
+    from foundry.model.formats.checkpoint_dir import DirectoryLock, check_directory, start_fresh
     from foundry.model.text.data import DataError, load_corpus
     from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
@@ -476,7 +472,8 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from foundry.model.formats.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import CheckpointError, load_checkpoint
+    from foundry.model.formats.checkpoint_dir import latest_checkpoint
     from foundry.model.formats.gguf_io import GGUFError, save_gguf
     from foundry.model.formats.outfile import OutputRefused, check_output
 
