@@ -377,7 +377,8 @@ def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.text.data import DataError, load_corpus
     from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
-    from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
+    from foundry.swarm.worker import Worker
+    from foundry.swarm.worker_core import WorkerOptions, default_worker_id, hardware_for
 
     base = None
     try:
@@ -445,7 +446,7 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
     from foundry.model.text.chat import template_for
     from foundry.model.text.finetune_data import load_tuning_corpus
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
-    from foundry.swarm.worker import BaseFile
+    from foundry.swarm.worker_core import BaseFile
 
     if args.data is None:
         raise ValueError("--base-model needs --data: the same text the coordinator fine-tunes on")
