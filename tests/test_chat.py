@@ -27,11 +27,11 @@ from foundry.model.text.chat import (
     BUILTINS,
     NO_TEMPLATE,
     ChatTemplate,
-    ChatTemplateError,
     Message,
     prompt_text,
     template_for,
 )
+from foundry.model.text.chat_sandbox import ChatTemplateError
 from foundry.model.text.vocab.byte import decode
 
 TEMPLATES = Path(os.environ.get(

@@ -20,21 +20,25 @@ import numpy.typing as npt
 import pytest
 
 from foundry.model.formats import checkpoint as ckpt
+from foundry.model.formats import checkpoint_dir as ckpt_dir
+from foundry.model.formats import checkpoint_metadata as ckpt_meta
 from foundry.model.formats.checkpoint import (
     CheckpointError,
-    CheckpointRefused,
     CheckpointState,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from foundry.model.formats.checkpoint_dir import (
+    CheckpointRefused,
     DirectoryLock,
     check_directory,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
     prune_checkpoints,
     resume_checkpoint,
     save_checkpoint,
     set_aside,
     start_fresh,
-    verify_checkpoint,
 )
 from foundry.model.spec.config import ModelConfig
 
@@ -213,7 +217,7 @@ def test_latest_skips_a_corrupt_newest_file(
         save_checkpoint(tmp_path, make_state(step=step, seed=step))
     newest = tmp_path / "step-000020.ckpt"
     flip_byte(newest, 200)
-    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         found = latest_checkpoint(tmp_path)
     assert found == tmp_path / "step-000010.ckpt"
     assert "skipping checkpoint of step 20" in caplog.text
@@ -467,7 +471,7 @@ def test_interrupt_before_the_temp_file_exists_is_passed_on(
     def interrupted(directory: Path) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt, "_remove_stale_temps", interrupted)
+    monkeypatch.setattr(ckpt_dir, "_remove_stale_temps", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, make_state())
     assert os.listdir(tmp_path) == []
@@ -493,8 +497,8 @@ def test_a_directory_that_cannot_be_synced_is_logged(
     def refuse(directory: Path) -> None:
         raise OSError(errno.EIO, "directory sync refused")
 
-    monkeypatch.setattr(ckpt, "_fsync_dir", refuse)
-    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+    monkeypatch.setattr(ckpt_dir, "_fsync_dir", refuse)
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         path = save_checkpoint(tmp_path, make_state())
     assert [r.getMessage() for r in caplog.records] == [
         f"checkpoint {path} written but its directory could not be synced: "
@@ -530,8 +534,8 @@ def edited(meta: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
 
 
 def refusal(meta: Any) -> str:
-    with pytest.raises(ckpt._Bad) as exc:
-        ckpt.validate_metadata(meta)
+    with pytest.raises(ckpt_meta.MetadataError) as exc:
+        ckpt_meta.validate_metadata(meta)
     return str(exc.value)
 
 
@@ -657,7 +661,7 @@ def test_each_metadata_field_at_its_bounds_is_accepted(
     meta = edited(good_metadata(tmp_path), field, value)
     if field == "tensors.1.shape":
         meta["tensors"][1]["nbytes"] = 4
-    ckpt.validate_metadata(meta)
+    ckpt_meta.validate_metadata(meta)
 
 
 @pytest.mark.parametrize(("shape", "nbytes"), [
@@ -669,7 +673,7 @@ def test_tensor_sizes_at_their_bounds_are_accepted(
 ) -> None:
     meta = good_metadata(tmp_path)
     meta["tensors"][0].update(shape=shape, nbytes=nbytes)
-    ckpt.validate_metadata(meta)
+    ckpt_meta.validate_metadata(meta)
     meta["tensors"][0]["nbytes"] = nbytes + 4
     assert refusal(meta) == (f"metadata field 'tensors[0].nbytes' is {nbytes + 4}, but shape "
                              f"{shape} holds {nbytes} bytes of <f4")
@@ -729,7 +733,7 @@ def test_pruning_counts_only_checkpoints_that_verify(
     save_steps(tmp_path, 1, 2, 3, 4, 5, 6)
     bad5 = damage(tmp_path / "step-000005.ckpt")
     bad3 = damage(tmp_path / "step-000003.ckpt", "truncate")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         prune_checkpoints(tmp_path, 2)
     assert sorted(os.listdir(tmp_path)) == [
         "step-000003.ckpt.damaged", "step-000004.ckpt", "step-000005.ckpt.damaged",
@@ -746,7 +750,7 @@ def test_pruning_counts_only_checkpoints_that_verify(
         "never counted",
     ]
     deleted = [tmp_path / f"step-00000{s}.ckpt" for s in (1, 2, 3, 5)]
-    assert not any(p in ckpt._VERIFIED for p in deleted)  # no memory of files gone
+    assert not any(p in ckpt_dir._VERIFIED for p in deleted)  # no memory of files gone
     prune_checkpoints(tmp_path, 1)
     assert sorted(os.listdir(tmp_path)) == [
         "step-000003.ckpt.damaged", "step-000005.ckpt.damaged", "step-000006.ckpt"]
@@ -779,7 +783,7 @@ def test_files_written_or_verified_here_are_not_read_again_unless_changed(
         read.append(Path(path).name)
         real(path)
 
-    monkeypatch.setattr(ckpt, "verify_checkpoint", counting)
+    monkeypatch.setattr(ckpt_dir, "verify_checkpoint", counting)
     for step in (1, 2, 3, 4):
         save_checkpoint(tmp_path, make_state(step=step), keep_last=2)
     assert read == []  # every file was written here
@@ -804,15 +808,15 @@ def test_a_damaged_file_is_set_aside_under_a_free_name(
     bad = []
     for i in range(3):
         save_checkpoint(tmp_path, make_state(step=3, seed=i))
-        assert path in ckpt._VERIFIED
+        assert path in ckpt_dir._VERIFIED
         bad.append(damage(path))
-        with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
             aside = set_aside(path, f"reason {i}")
         name = "step-000003.ckpt.damaged" + (f".{i}" if i else "")
         assert aside == tmp_path / name
         assert caplog.records[-1].getMessage() == (
             f"checkpoint {path} does not verify (reason {i}); kept aside as {name}, never counted")
-        assert path not in ckpt._VERIFIED
+        assert path not in ckpt_dir._VERIFIED
     assert sorted(os.listdir(tmp_path)) == [
         "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1", "step-000003.ckpt.damaged.2"]
     assert [(tmp_path / n).read_bytes() for n in sorted(os.listdir(tmp_path))] == bad
@@ -827,7 +831,7 @@ def test_set_aside_refuses_when_it_cannot_rename_or_every_name_is_taken(
     assert str(exc.value) == (
         f"checkpoint {path} does not verify (why) and cannot be set aside: [Errno 2] No such "
         f"file or directory: '{path}' -> '{path}.damaged'")
-    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 3)
+    monkeypatch.setattr(ckpt_dir, "_ASIDE_TRIES", 3)
     for name in ("step-000003.ckpt", "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1",
                  "step-000003.ckpt.damaged.2"):
         (tmp_path / name).write_text(name)
@@ -842,12 +846,12 @@ def test_set_aside_refuses_when_it_cannot_rename_or_every_name_is_taken(
 
 def test_a_file_gone_before_it_is_set_aside_is_not_counted(tmp_path: Path) -> None:
     """Another process removed it between the listing and the check: nothing to set aside."""
-    assert ckpt._verify_or_set_aside(tmp_path / "step-000001.ckpt") is False
+    assert ckpt_dir._verify_or_set_aside(tmp_path / "step-000001.ckpt") is False
     assert os.listdir(tmp_path) == []
     path = save_checkpoint(tmp_path, make_state(step=1))
-    assert ckpt._verify_or_set_aside(path) is True
+    assert ckpt_dir._verify_or_set_aside(path) is True
     damage(path)
-    assert ckpt._verify_or_set_aside(path) is False
+    assert ckpt_dir._verify_or_set_aside(path) is False
     assert os.listdir(tmp_path) == ["step-000001.ckpt.damaged"]
 
 
@@ -872,7 +876,7 @@ def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
     bad5 = damage(tmp_path / "step-000005.ckpt")
     bad4 = damage(tmp_path / "step-000004.ckpt", "empty")
     bad2 = damage(tmp_path / "step-000002.ckpt")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         assert resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
     assert [r.getMessage() for r in caplog.records] == [
         f"checkpoint {tmp_path / 'step-000005.ckpt'} does not verify "
@@ -904,9 +908,9 @@ def test_resume_refuses_a_directory_where_nothing_verifies(tmp_path: Path) -> No
         "and start a new run")
     assert sorted(os.listdir(tmp_path)) == ["step-000001.ckpt", "step-000002.ckpt"]
     # Files that failed are forgotten, and so are files that are gone.
-    assert not any(p.parent == tmp_path for p in ckpt._VERIFIED)
+    assert not any(p.parent == tmp_path for p in ckpt_dir._VERIFIED)
     with pytest.raises(CheckpointError) as gone:
-        ckpt._verified(tmp_path / "step-000009.ckpt")
+        ckpt_dir._verified(tmp_path / "step-000009.ckpt")
     assert str(gone.value) == (f"cannot read checkpoint {tmp_path / 'step-000009.ckpt'}: [Errno 2] "
                               f"No such file or directory: '{tmp_path / 'step-000009.ckpt'}'")
 
@@ -917,13 +921,13 @@ def test_resume_verifies_files_this_process_has_not_seen(tmp_path: Path) -> None
     (tmp_path / "b").mkdir()
     copy = tmp_path / "b" / written.name
     copy.write_bytes(written.read_bytes())
-    assert copy not in ckpt._VERIFIED
+    assert copy not in ckpt_dir._VERIFIED
     assert resume_checkpoint(tmp_path / "b") == copy
-    assert ckpt._VERIFIED[copy] == ckpt._stat_key(copy)
+    assert ckpt_dir._VERIFIED[copy] == ckpt_dir._stat_key(copy)
     damage(copy)
     with pytest.raises(CheckpointRefused):
         resume_checkpoint(tmp_path / "b")
-    assert copy not in ckpt._VERIFIED
+    assert copy not in ckpt_dir._VERIFIED
 
 
 def test_a_checkpoint_whose_stat_fails_after_the_write_stands(
@@ -933,10 +937,10 @@ def test_a_checkpoint_whose_stat_fails_after_the_write_stands(
     def refuse(path: Path) -> tuple[int, int, int, int]:
         raise OSError(errno.EIO, "stat refused")
 
-    monkeypatch.setattr(ckpt, "_stat_key", refuse)
+    monkeypatch.setattr(ckpt_dir, "_stat_key", refuse)
     path = save_checkpoint(tmp_path, make_state(step=2))
     monkeypatch.undo()
-    assert path not in ckpt._VERIFIED
+    assert path not in ckpt_dir._VERIFIED
     assert_same(load_checkpoint(path), make_state(step=2))
 
 
@@ -953,7 +957,7 @@ def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
     save_steps(tmp_path, 1, 2)
     (tmp_path / "step-000003.ckpt.damaged").write_text("3")
     (tmp_path / "step-000003.ckpt.damaged.1").write_text("3.1")
-    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         moved = start_fresh(tmp_path)
     assert moved == tmp_path / "previous-1"
     assert sorted(os.listdir(moved)) == [
@@ -962,7 +966,7 @@ def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
     assert sorted(os.listdir(tmp_path)) == sorted([*others, "previous-1"])
     assert [r.getMessage() for r in caplog.records] == [
         f"--fresh: 4 old checkpoint file(s) of {tmp_path} moved to {moved}; starting at step 0"]
-    assert not any(p.parent == tmp_path for p in ckpt._VERIFIED)
+    assert not any(p.parent == tmp_path for p in ckpt_dir._VERIFIED)
     assert resume_checkpoint(tmp_path) is None
     save_steps(tmp_path, 1)
     assert start_fresh(tmp_path) == tmp_path / "previous-2"
@@ -974,13 +978,13 @@ def test_fresh_refuses_when_it_cannot_move_the_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     save_steps(tmp_path, 1)
-    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 3)
+    monkeypatch.setattr(ckpt_dir, "_ASIDE_TRIES", 3)
     (tmp_path / "previous-1").mkdir()
     (tmp_path / "previous-2").write_text("a file of that name")
     with pytest.raises(CheckpointError) as exc:
         start_fresh(tmp_path)
     assert str(exc.value) == f"{tmp_path} holds 3 previous-N folders already; remove some"
-    monkeypatch.setattr(ckpt, "_ASIDE_TRIES", 4)
+    monkeypatch.setattr(ckpt_dir, "_ASIDE_TRIES", 4)
 
     def refuse(src: object, dst: object) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
@@ -1169,7 +1173,7 @@ def test_temp_files_of_writers_that_cannot_be_signalled_are_kept(
     for p in (other, dead):
         p.write_text("half")
     monkeypatch.setattr(os, "kill", kill)
-    ckpt._remove_stale_temps(tmp_path)
+    ckpt_dir._remove_stale_temps(tmp_path)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == [other.name]
 

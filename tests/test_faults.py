@@ -30,12 +30,8 @@ from procs import (
 from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
-from foundry.model.formats.checkpoint import (
-    CheckpointState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
+from foundry.model.formats.checkpoint_dir import latest_checkpoint, save_checkpoint
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
 from foundry.up.clients import AdminLink

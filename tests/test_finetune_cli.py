@@ -89,7 +89,8 @@ def test_a_resumed_fine_tuning_run_ends_as_an_uninterrupted_one(tmp_path: Path) 
     never stopped."""
     import shutil
 
-    from foundry.model.formats.checkpoint import checkpoint_name, load_checkpoint
+    from foundry.model.formats.checkpoint import load_checkpoint
+    from foundry.model.formats.checkpoint_dir import checkpoint_name
     from foundry.model.formats.lora import load_adapter
 
     base = tmp_path / "qwen3.gguf"

@@ -108,7 +108,8 @@ def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray],
 def test_two_workers_fine_tune_every_tensor_as_one_process(tmp_path: Path) -> None:
     """Full fine-tuning (no --lora-rank): every tensor of the base trains and travels, and two
     workers end with the tensors of one process on the same global batches."""
-    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import load_checkpoint
+    from foundry.model.formats.checkpoint_dir import latest_checkpoint
 
     base, text = tiny_run(tmp_path)
     steps, lr = 4, 1e-3
@@ -141,7 +142,8 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
     """Checkpoints of a fine-tuning run hold the adapters, their moments and the base's
     identity: a coordinator killed after step 5's checkpoint resumes there, and the run ends
     with the adapters of an uninterrupted one."""
-    from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import load_checkpoint
+    from foundry.model.formats.checkpoint_dir import latest_checkpoint
     from foundry.model.formats.tuning import TunedConfig
 
     base, text = tiny_run(tmp_path)

@@ -46,15 +46,17 @@ from foundry.model.formats.checkpoint import (
     ALIGN,
     HEADER,
     CheckpointError,
-    CheckpointRefused,
     CheckpointState,
-    list_checkpoints,
     load_checkpoint,
+    verify_checkpoint,
+)
+from foundry.model.formats.checkpoint_dir import (
+    CheckpointRefused,
+    list_checkpoints,
     prune_checkpoints,
     resume_checkpoint,
     save_checkpoint,
     start_fresh,
-    verify_checkpoint,
 )
 from foundry.model.formats.gguf_io import GGUFError, load_gguf, save_gguf
 from foundry.model.infer.inference import Engine

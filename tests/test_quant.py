@@ -435,7 +435,8 @@ def test_intermediate_split_cuts_down_projections_on_blocks(tmp_path: Path) -> N
 
 
 def test_export_type_writes_a_quantized_file_generate_reads(tmp_path: Path) -> None:
-    from foundry.model.formats.checkpoint import CheckpointState, save_checkpoint
+    from foundry.model.formats.checkpoint import CheckpointState
+    from foundry.model.formats.checkpoint_dir import save_checkpoint
     from foundry.model.train.optim import AdamW
 
     params = perturbed(CFG)

@@ -24,12 +24,8 @@ import numpy as np
 from procs import ENV, coordinator, worker
 from test_swarm_local import Held, Link, register
 
-from foundry.model.formats.checkpoint import (
-    CheckpointState,
-    checkpoint_name,
-    latest_checkpoint,
-    load_checkpoint,
-)
+from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
+from foundry.model.formats.checkpoint_dir import checkpoint_name, latest_checkpoint
 from foundry.wire import fdtc
 
 

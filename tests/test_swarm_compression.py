@@ -17,7 +17,8 @@ import pytest
 from procs import coordinator, worker
 
 from foundry.compression.qsgd import DEFAULT_QSGD_BUCKET, _qsgd_size
-from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.formats.checkpoint import load_checkpoint
+from foundry.model.formats.checkpoint_dir import latest_checkpoint
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
 from foundry.model.text.data import load_corpus

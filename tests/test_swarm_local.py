@@ -15,7 +15,8 @@ import pytest
 from procs import coordinator, wait_for, worker
 
 from foundry.compression import deserialize_tensors
-from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.formats.checkpoint import load_checkpoint
+from foundry.model.formats.checkpoint_dir import latest_checkpoint
 from foundry.model.spec.config import preset
 from foundry.model.text.data import load_corpus
 from foundry.model.train.training import TrainSettings

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from procs import Service, coordinator, wait_for, worker
 
-from foundry.model.formats.checkpoint import latest_checkpoint, load_checkpoint
+from foundry.model.formats.checkpoint import load_checkpoint
+from foundry.model.formats.checkpoint_dir import latest_checkpoint
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
 from foundry.model.text.data import load_corpus

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from foundry.model.formats.checkpoint import (
-    CheckpointState,
-    checkpoint_name,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
+from foundry.model.formats.checkpoint_dir import checkpoint_name, latest_checkpoint, save_checkpoint
 from foundry.model.infer.generate import printable
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset

@@ -53,7 +53,7 @@ TARGETS = (
            ("tests/test_compression.py",)),
     # os.kill(pid, 0) probes whether a temp file's writer lives; a mutated signal or pid sends a
     # real signal to the test process or its group, which ends the mutation run itself.
-    Target("checkpoint", ("src/foundry/model/formats/checkpoint.py",),
+    Target("checkpoint", ("src/foundry/model/formats/checkpoint*.py",),
            ("tests/test_checkpoint.py",), keep_lines=(r"os\.kill\(",)),
     Target("policy", ("src/foundry/swarm/policy.py",),
            ("tests/test_swarm_policy.py",)),
@@ -65,7 +65,7 @@ TARGETS = (
     # gateway run as processes in tests/test_openai_semantics.py and test_served_matrix.py,
     # which import the unmutated tree: mutants reached only there are listed as such, and
     # bench/mutation/mutate_served.py applies mutations to the code those processes run.
-    Target("chat", ("src/foundry/model/text/chat.py",),
+    Target("chat", ("src/foundry/model/text/chat*.py",),
            ("tests/test_chat.py", "tests/test_served_units.py")),
     Target("vocab", ("src/foundry/model/text/vocab/*",),
            ("tests/test_vocab.py", "tests/test_served_units.py")),

@@ -1,7 +1,7 @@
 """Builds of the block kernels against each other in one process: streaming products, and decode.
 
     python bench/performance/kernel_builds.py NAME=PATH.so [NAME=PATH.so ...] [--rows 600000]
-        [--reps 4]
+        [--reps 4] [--inputs 1]
         [--core 2] [--types Q8_0,Q4_0,F16] [--huge-pages] [--decode f16,q8_0,q4_0
         [--tokens 48] [--model-dir /tmp]]
 
@@ -10,11 +10,13 @@ Each ``PATH.so`` is a build of ``foundry.model.kernels._kernels`` (e.g. one with
 build of an older commit). All are loaded into this process and run on the same data,
 interleaved, so a busy machine slows them alike:
 
-1. Products: one float32 input row times ``--rows`` x 1,024 weights of each of ``--types``
-   (random Q8_0 and Q4_0 blocks with a normal float16 scale, F16 from a normal sample), best
-   of ``--reps``; by default 653 MB of Q8_0, more than a 300 MB L3, so the products stream from
-   DRAM. Prints GB/s of stored weights per build and type, numpy's float32 product of the same
-   shape (its 2.4 GB at the default rows) for scale, and the build with the least total time.
+1. Products: ``--inputs`` float32 input rows (1: decode; 64: a prefill block) times ``--rows``
+   x 1,024 weights of each of ``--types`` (random Q8_0, Q4_0, Q4_K and Q6_K blocks with normal
+   float16 scales, F16 from a normal sample), best of ``--reps``; by default 653 MB of Q8_0,
+   more than a 300 MB L3, so the products stream from DRAM. Prints GB/s of stored weights per
+   build and type (GMAC/s with more than one input), each build's speed against the first's,
+   whether every build gave the same bits, numpy's float32 product of the same shape (its
+   2.4 GB at the default rows) for scale, and the build with the least total time.
    ``--huge-pages`` runs each also from a copy in memory advised MADV_HUGEPAGE (fewer TLB
    misses while streaming, where the kernel's transparent huge pages allow it).
 2. With ``--decode``: ms per decoded token of the ``bench`` preset stored as each type (files
@@ -48,7 +50,9 @@ from foundry.model.kernels import quant
 from foundry.model.nn import transformer as T
 from foundry.model.spec.config import preset
 
-TYPES = {"Q8_0": (8, 34), "Q4_0": (2, 18), "F16": (1, 0)}  # ggml type code, bytes per block of 32
+# ggml type code, values and bytes per block
+TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
+         "F16": (1, 1, 2)}
 K = 1024
 
 
@@ -64,8 +68,15 @@ def load(path: str) -> ModuleType:
 def weights(t: str, rows: int, rng: np.random.Generator) -> np.ndarray:
     if t == "F16":
         return rng.standard_normal((rows, K), dtype=np.float32).astype(np.float16).view(np.uint8)
-    blocks = rng.integers(0, 256, (rows, K // 32, TYPES[t][1]), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # the scale
+    _, values, size = TYPES[t]
+    blocks = rng.integers(0, 256, (rows, K // values, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)  # normal: no subnormal, no NaN
+    if t == "Q6_K":
+        blocks[..., 208:210] = scale  # d is the block's last field
+    else:
+        blocks[..., 0:2] = scale  # d (and Q4_K's dmin after it)
+        if t == "Q4_K":
+            blocks[..., 2:4] = scale
     return blocks.reshape(rows, -1)
 
 
@@ -85,24 +96,35 @@ def in_huge_pages(a: np.ndarray) -> np.ndarray:
 
 
 def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: int,
-             huge_pages: bool) -> None:
+             huge_pages: bool, inputs: int) -> None:
     rng = np.random.default_rng(0)
     w = {t: weights(t, rows, rng) for t in types}
     if huge_pages:
         w |= {f"{t}-huge": in_huge_pages(w[t]) for t in types}
     kinds = list(w)
-    x = rng.standard_normal((1, K), dtype=np.float32)
-    y = np.empty((1, rows), np.float32)
+    x = rng.standard_normal((inputs, K), dtype=np.float32)
+    y = np.empty((inputs, rows), np.float32)
     best = {(b, t): float("inf") for b in builds for t in kinds}
+    out: dict[tuple[str, str], np.ndarray] = {}
     for _ in range(reps):
         for b, module in builds.items():
             for t in kinds:
                 t0 = time.perf_counter()
-                module.matmul(TYPES[t.split("-")[0]][0], w[t], rows, K, x, 1, y)
+                module.matmul(TYPES[t.split("-")[0]][0], w[t], rows, K, x, inputs, y)
                 best[b, t] = min(best[b, t], time.perf_counter() - t0)
-    for b in builds:
-        print(f"{b}: " + ", ".join(f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s"
-                                   for t in kinds))
+                out[b, t] = y.copy()
+    for b in builds:  # a block of inputs in multiply-adds a second, one in weights streamed
+        print(f"{b}: " + ", ".join(
+            f"{t} {inputs * rows * K / best[b, t] / 1e9:.2f} GMAC/s" if inputs > 1 else
+            f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s" for t in kinds))
+    first = next(iter(builds))
+    for b in list(builds)[1:]:  # its speed against the first build's (above 1: faster)
+        print(f"{b} against {first}: " + ", ".join(
+            f"{t} {harness.ratio(best[first, t], best[b, t]):.3f}x" for t in kinds))
+    differ = [t for t in kinds if any(not np.array_equal(out[b, t], out[first, t])
+                                      for b in builds)]
+    print("the same bits from every build" if not differ else
+          f"builds give different bits for {', '.join(differ)}")
     del w
     f32 = {"f32": rng.standard_normal((rows, K), dtype=np.float32)}
     if huge_pages:
@@ -158,7 +180,8 @@ def main() -> None:
     ap.add_argument("builds", nargs="+", help="NAME=PATH of each build of the kernels")
     ap.add_argument("--rows", type=int, default=600_000)
     ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--types", default="Q8_0,Q4_0,F16")
+    ap.add_argument("--types", default="Q8_0,Q4_0,F16", help=f"of {','.join(TYPES)}")
+    ap.add_argument("--inputs", type=int, default=1, help="input rows (1: decode)")
     ap.add_argument("--core", type=int, default=None, help="pin to this core")
     ap.add_argument("--decode", default=None, help="also decode these types (f16,q8_0,q4_0)")
     ap.add_argument("--tokens", type=int, default=48)
@@ -170,7 +193,8 @@ def main() -> None:
         os.sched_setaffinity(0, {args.core})
     builds = {name: load(path) for name, path in (b.split("=", 1) for b in args.builds)}
     if args.rows > 0:
-        products(builds, args.types.split(","), args.rows, args.reps, args.huge_pages)
+        products(builds, args.types.split(","), args.rows, args.reps, args.huge_pages,
+                 args.inputs)
     if args.decode:
         decode(builds, args.decode.split(","), args.tokens, args.model_dir)
 

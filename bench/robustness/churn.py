@@ -73,11 +73,10 @@ import live
 from foundry.model.formats.checkpoint import (
     CheckpointError,
     CheckpointState,
-    latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     verify_checkpoint,
 )
+from foundry.model.formats.checkpoint_dir import latest_checkpoint, list_checkpoints
 from foundry.model.text.data import load_corpus
 from foundry.model.train.training import evaluate_loss
 from foundry.obs.timeline import load_events

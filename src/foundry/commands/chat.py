@@ -50,7 +50,8 @@ def run_chat(args: argparse.Namespace) -> int:
     from foundry.model.infer.generate import printable
     from foundry.model.infer.inference import Engine
     from foundry.model.infer.sampling import SamplingError, make_rng, sample
-    from foundry.model.text.chat import ChatTemplateError, Message, chat_prompt, template_for
+    from foundry.model.text.chat import Message, chat_prompt, template_for
+    from foundry.model.text.chat_sandbox import ChatTemplateError
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
     from foundry.tp.policy import TextStream
 

@@ -58,7 +58,8 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     from foundry.commands.common import lora_spec
     from foundry.model.formats.gguf_io import GGUFError
     from foundry.model.formats.lora import LoraError, target_tensors
-    from foundry.model.text.chat import ChatTemplateError, template_for
+    from foundry.model.text.chat import template_for
+    from foundry.model.text.chat_sandbox import ChatTemplateError
     from foundry.model.text.data import DataError
     from foundry.model.text.finetune_data import load_tuning_corpus
     from foundry.model.text.vocab import TokenizerError, load_tokenizer

@@ -140,7 +140,8 @@ def run_train(args: argparse.Namespace) -> int:
         return run_finetune(args)
     if args.steps is None:
         args.steps = recipe.STEPS
-    from foundry.model.formats.checkpoint import CheckpointError, CheckpointRefused
+    from foundry.model.formats.checkpoint import CheckpointError
+    from foundry.model.formats.checkpoint_dir import CheckpointRefused
     from foundry.model.formats.gguf_io import GGUFError
     from foundry.model.nn.device import DeviceError
     from foundry.model.text.data import DataError

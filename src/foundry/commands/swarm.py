@@ -34,7 +34,7 @@ from foundry.commands.common import (
     use_threads,
     whole_in,
 )
-from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.formats.checkpoint_dir import DEFAULT_KEEP_LAST
 from foundry.model.formats.gguf_io import FILE_DTYPES
 from foundry.model.nn.device import DEVICES, DeviceError
 from foundry.model.spec.config import PRESETS, ModelConfig, preset
@@ -223,12 +223,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
-    from foundry.model.formats.checkpoint import (
-        CheckpointError,
-        DirectoryLock,
-        check_directory,
-        start_fresh,
-    )
+    from foundry.model.formats.checkpoint import CheckpointError
+    from foundry.model.formats.checkpoint_dir import DirectoryLock, check_directory, start_fresh
     from foundry.model.text.data import DataError, load_corpus
     from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
@@ -383,7 +379,8 @@ def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.text.data import DataError, load_corpus
     from foundry.model.train import backend as compute
     from foundry.runtime import retain_freed_memory
-    from foundry.swarm.worker import Worker, WorkerOptions, default_worker_id, hardware_for
+    from foundry.swarm.worker import Worker
+    from foundry.swarm.worker_core import WorkerOptions, default_worker_id, hardware_for
 
     base = None
     try:
@@ -451,7 +448,7 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
     from foundry.model.text.chat import template_for
     from foundry.model.text.finetune_data import load_tuning_corpus
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
-    from foundry.swarm.worker import BaseFile
+    from foundry.swarm.worker_core import BaseFile
 
     if args.data is None:
         raise ValueError("--base-model needs --data: the same text the coordinator fine-tunes on")
@@ -479,7 +476,8 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from foundry.model.formats.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from foundry.model.formats.checkpoint import CheckpointError, load_checkpoint
+    from foundry.model.formats.checkpoint_dir import latest_checkpoint
     from foundry.model.formats.gguf_io import GGUFError, save_gguf
     from foundry.model.formats.outfile import OutputRefused, check_output
 

@@ -16,11 +16,10 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from foundry.model.formats.checkpoint import (
-    CheckpointState,
+from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
+from foundry.model.formats.checkpoint_dir import (
     DirectoryLock,
     check_directory,
-    load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
     start_fresh,

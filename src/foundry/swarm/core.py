@@ -19,7 +19,7 @@ import numpy as np
 
 from foundry.compression import largest_message
 from foundry.compression.qsgd import DEFAULT_QSGD_LEVELS
-from foundry.model.formats.checkpoint import DEFAULT_KEEP_LAST
+from foundry.model.formats.checkpoint_dir import DEFAULT_KEEP_LAST
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.data import Corpus
 from foundry.model.train.backend import NUMPY, Backend

@@ -13,13 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from foundry.model.formats.checkpoint import (
-    CheckpointError,
-    CheckpointState,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from foundry.model.formats.checkpoint import CheckpointError, CheckpointState, load_checkpoint
+from foundry.model.formats.checkpoint_dir import resume_checkpoint, save_checkpoint
 from foundry.model.formats.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
 from foundry.model.formats.tuning import TunedConfig
 from foundry.model.nn.transformer import init_params

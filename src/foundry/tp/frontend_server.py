@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from foundry.model.infer.inference import Session
 from foundry.model.infer.sampling import make_rng
-from foundry.model.text.chat import ChatTemplate, ChatTemplateError, Message, chat_prompt
+from foundry.model.text.chat import ChatTemplate, Message, chat_prompt
+from foundry.model.text.chat_sandbox import ChatTemplateError
 from foundry.model.text.vocab import Tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.policy import TextStream

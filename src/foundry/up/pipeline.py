@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from foundry.model.formats.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from foundry.model.formats.checkpoint import CheckpointError, load_checkpoint
+from foundry.model.formats.checkpoint_dir import list_checkpoints
 from foundry.model.formats.gguf_io import GGUF_MAGIC_BYTES
 from foundry.model.formats.tuning import TunedConfig
 from foundry.model.infer.generate import greedy_text, printable

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from foundry.model.text.chat import ChatTemplate, ChatTemplateError, Message
+from foundry.model.text.chat import ChatTemplate, Message
+from foundry.model.text.chat_sandbox import ChatTemplateError
 from foundry.model.text.data import Corpus, DataError, read_documents
 from foundry.model.text.vocab import Tokenizer
 

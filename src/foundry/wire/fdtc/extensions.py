@@ -326,7 +326,7 @@ class TrainPlan(Message):
 
 
 # TRAIN_PLAN flag bit 0: LOCAL_ASSIGN may come before the previous round's UPDATE (--overlap);
-# the worker then starts from its own trained weights (swarm/worker.py).
+# the worker then starts from its own trained weights (swarm/worker_core.py, round_start).
 TRAIN_PLAN_OVERLAP = 0x1
 # TRAIN_PLAN flags bits 8-15: the QSGD levels s (1..127) for uploads; 0 = the codec's default.
 TRAIN_PLAN_QSGD_LEVELS_MASK = 0xFF00

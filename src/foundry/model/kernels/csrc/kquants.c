@@ -86,6 +86,19 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 #if defined(FOUNDRY_X86)
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
+/* A Q4_K or Q5_K super-block's twelve bytes of 6-bit scales and mins, as ggml unpacks them:
+ * the eight scales in bytes 0-7, the eight mins in bytes 8-15. */
+AVX2 INLINE __m128i kq_scales_mins_u8(const uint8_t *blk) {
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = m03;
+    u[0] &= 0x3f3f3f3fu;
+    return _mm_loadu_si128((const __m128i *)u);
+}
+
 /* The K-quants on x86: a tile of R rows (lane_bytes apart) against T inputs (R x T <= 4:
  * decode takes four rows of one input, a prefill block one row of four inputs, which then share
  * each chunk of weights as it is unpacked), each exactly dot_k_portable's operations. A chunk's
@@ -105,14 +118,7 @@ AVX2 INLINE void kq_scales_avx2(const int type, const uint8_t *blk, __m256i *scv
         *mins = _mm_setzero_si128();
         return;
     }
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12); /* the twelve bytes of 6-bit scales and mins, as ggml unpacks them */
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    const uint32_t m03 = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = m03;
-    u[0] &= 0x3f3f3f3fu;
-    const __m128i both = _mm_loadu_si128((const __m128i *)u); /* scales 0-7, then mins 0-7 */
+    const __m128i both = kq_scales_mins_u8(blk); /* scales 0-7, then mins 0-7 */
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
     for (int c = 0; c < 8; c++) /* int16 c of each half to all of it */
         scv[c] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * c + 1) + 2 * c)));
@@ -141,23 +147,79 @@ AVX2 INLINE __m256i kq_chunk_avx2(const int type, const uint8_t *blk, int c, __m
 }
 
 #define KT 4 /* R x T, the outputs of one tile */
+
+/* A tile's running sums, one each of its R x T outputs (output i = r T + t): super-blocks
+ * alternate between the float sums a0 and a1, and amin takes the minimums' part (Q4_K, Q5_K).
+ * The AVX2 and AVX-512 tiles share them and the float operations that end a super-block. */
+typedef struct {
+    __m256 a0[KT], a1[KT];
+    float amin[KT];
+} kq_sums;
+
+AVX2 INLINE void kq_sums_zero(kq_sums *s, const int n) {
+    for (int i = 0; i < n; i++) {
+        s->a0[i] = s->a1[i] = _mm256_setzero_ps();
+        s->amin[i] = 0.0f;
+    }
+}
+
+/* Super-block b of each of the R rows done: output i's exact int32 lanes L8[i] times d x dx
+ * into a0 or a1, and for Q4_K and Q5_K the exact M = sum of m_c x s32_c (one madd of the eight
+ * mins and the input's chunk sums) times dmin x dx taken into amin. */
+AVX2 INLINE void kq_sums_block(kq_sums *s, const int type, const int R, const int T, const int b,
+                               const uint8_t *w, size_t lane_bytes, int bsize, int nsb, int k,
+                               const float *xd, const int16_t *s32h, const __m256i *L8,
+                               const __m128i *mins) {
+    for (int r = 0; r < R; r++) {
+        const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
+        const float d = f16c(blk + KQ_D(type));
+        const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
+        for (int t = 0; t < T; t++) {
+            const int i = r * T + t;
+            const float dx = xd[(size_t)t * nsb + b];
+            const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(L8[i]));
+            if (b & 1)
+                s->a1[i] = _mm256_add_ps(s->a1[i], v);
+            else
+                s->a0[i] = _mm256_add_ps(s->a0[i], v);
+            if (type != T_Q6_K) {
+                const __m128i mm = _mm_madd_epi16(
+                    mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
+                const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
+                const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
+                s->amin[i] = s->amin[i] + (dmin * dx) * (float)M;
+            }
+        }
+    }
+}
+
+AVX2 INLINE void kq_sums_store(const kq_sums *s, const int R, const int T, float *y, size_t y_row,
+                               size_t y_in) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            const int i = r * T + t;
+            y[r * y_row + t * y_in] = finish16_avx2(s->a0[i], s->a1[i]) - s->amin[i];
+        }
+}
+
+/* The weights KQ_AHEAD super-blocks past blk, into the cache before they are needed. */
+AVX2 INLINE void kq_prefetch(const uint8_t *blk, const int bsize) {
+    for (int o = 0; o < bsize; o += 64)
+        _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);
+}
+
 AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const uint8_t *w,
                                 size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
                                 const float *xd, const int16_t *s32h, const int16_t *x32p,
                                 float *y, size_t y_row, size_t y_in) {
-    __m256 a0[KT], a1[KT];
-    float amin[KT];
-    for (int i = 0; i < R * T; i++) {
-        a0[i] = a1[i] = _mm256_setzero_ps();
-        amin[i] = 0.0f;
-    }
+    kq_sums s;
+    kq_sums_zero(&s, R * T);
     for (int b = 0; b < nsb; b++) {
         __m256i scv[KT][8], L[KT];
         __m128i mins[KT];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-            for (int o = 0; o < bsize; o += 64)
-                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);
+            kq_prefetch(blk, bsize);
             kq_scales_avx2(type, blk, scv[r], &mins[r]);
         }
         for (int i = 0; i < R * T; i++) L[i] = _mm256_setzero_si256();
@@ -181,31 +243,9 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-            const float d = f16c(blk + KQ_D(type));
-            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
-            for (int t = 0; t < T; t++) {
-                const int i = r * T + t;
-                const float dx = xd[(size_t)t * nsb + b];
-                const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(L[i]));
-                if (b & 1)
-                    a1[i] = _mm256_add_ps(a1[i], v);
-                else
-                    a0[i] = _mm256_add_ps(a0[i], v);
-                if (type != T_Q6_K) {
-                    const __m128i mm = _mm_madd_epi16(
-                        mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
-                    const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
-                    const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
-                    amin[i] = amin[i] + (dmin * dx) * (float)M;
-                }
-            }
-        }
+        kq_sums_block(&s, type, R, T, b, w, lane_bytes, bsize, nsb, k, xd, s32h, L, mins);
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++)
-            y[r * y_row + t * y_in] = finish16_avx2(a0[r * T + t], a1[r * T + t]) - amin[r * T + t];
+    kq_sums_store(&s, R, T, y, y_row, y_in);
 }
 
 /* The same tiles on AVX-512 (BW): two chunks of a super-block per register, so each step is
@@ -248,14 +288,7 @@ AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *sc
             _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
         *mins = _mm_setzero_si128();
     } else {
-        uint32_t u[4];
-        memcpy(u, blk + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t m03 = u[1] & 0x3f3f3f3fu;
-        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        u[2] = m03;
-        u[0] &= 0x3f3f3f3fu;
-        const __m128i both = _mm_loadu_si128((const __m128i *)u);
+        const __m128i both = kq_scales_mins_u8(blk);
         sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(both));
         *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
     }
@@ -272,19 +305,14 @@ AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const
                                  size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
                                  const float *xd, const int16_t *s32h, const int16_t *x32p,
                                  float *y, size_t y_row, size_t y_in) {
-    __m256 a0[KT], a1[KT];
-    float amin[KT];
-    for (int i = 0; i < R * T; i++) {
-        a0[i] = a1[i] = _mm256_setzero_ps();
-        amin[i] = 0.0f;
-    }
+    kq_sums s;
+    kq_sums_zero(&s, R * T);
     for (int b = 0; b < nsb; b++) {
         __m512i scv[KT][4], L[KT];
         __m128i mins[KT];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-            for (int o = 0; o < bsize; o += 64)
-                _mm_prefetch((const char *)(blk + KQ_AHEAD * bsize + o), _MM_HINT_T0);
+            kq_prefetch(blk, bsize);
             kq_scales_512(type, blk, scv[r], &mins[r]);
         }
         for (int i = 0; i < R * T; i++) L[i] = _mm512_setzero_si512();
@@ -304,74 +332,39 @@ AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const
                 }
             }
         }
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-            const float d = f16c(blk + KQ_D(type));
-            const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
-            for (int t = 0; t < T; t++) {
-                const int i = r * T + t;
-                const float dx = xd[(size_t)t * nsb + b];
-                const __m256i l8 = _mm256_add_epi32(_mm512_castsi512_si256(L[i]),
-                                                    _mm512_extracti64x4_epi64(L[i], 1));
-                const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(l8));
-                if (b & 1)
-                    a1[i] = _mm256_add_ps(a1[i], v);
-                else
-                    a0[i] = _mm256_add_ps(a0[i], v);
-                if (type != T_Q6_K) {
-                    const __m128i mm = _mm_madd_epi16(
-                        mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
-                    const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
-                    const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
-                    amin[i] = amin[i] + (dmin * dx) * (float)M;
-                }
-            }
-        }
+        __m256i L8[KT]; /* the sixteen lanes folded to eight: an exact addition */
+        for (int i = 0; i < R * T; i++)
+            L8[i] = _mm256_add_epi32(_mm512_castsi512_si256(L[i]), _mm512_extracti64x4_epi64(L[i], 1));
+        kq_sums_block(&s, type, R, T, b, w, lane_bytes, bsize, nsb, k, xd, s32h, L8, mins);
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++)
-            y[r * y_row + t * y_in] = finish16_avx2(a0[r * T + t], a1[r * T + t]) - amin[r * T + t];
-}
-
-AVX512 static void kq_tile_512(int type, int R, int T, const uint8_t *w, size_t lane_bytes,
-                               int bsize, int nsb, int k, const int8_t *xq, const float *xd,
-                               const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,
-                               size_t y_in) {
-#define KQ_CASE(TY, R_, T_)                                                                    \
-    if (type == TY && R == R_ && T == T_) {                                                    \
-        kq_tile_512_t(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row,  \
-                      y_in);                                                                   \
-        return;                                                                                \
-    }
-#define KQ_TYPE(TY) KQ_CASE(TY, 4, 1) KQ_CASE(TY, 1, 1) KQ_CASE(TY, 1, 2) KQ_CASE(TY, 1, 3) \
-    KQ_CASE(TY, 1, 4)
-    KQ_TYPE(T_Q4_K)
-    KQ_TYPE(T_Q5_K)
-    KQ_TYPE(T_Q6_K)
-#undef KQ_TYPE
-#undef KQ_CASE
+    kq_sums_store(&s, R, T, y, y_row, y_in);
 }
 
 /* One tile, specialised per type and shape: 4 x 1 (decode), 1 x T for T = 1 .. 4 (a prefill
- * block's inputs four at a time, and the rest). */
-AVX2 static void kq_tile_avx2(int type, int R, int T, const uint8_t *w, size_t lane_bytes,
-                              int bsize, int nsb, int k, const int8_t *xq, const float *xd,
-                              const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,
-                              size_t y_in) {
-#define KQ_CASE(TY, R_, T_)                                                                    \
-    if (type == TY && R == R_ && T == T_) {                                                    \
-        kq_tile_avx2_t(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row, \
-                       y_in);                                                                  \
-        return;                                                                                \
+ * block's inputs four at a time, and the rest). NAME (of the TARGET instruction set) calls
+ * TILE_T, the tile of that width, with each as constants. */
+#define KQ_CASE(TILE_T, TY, R_, T_)                                                             \
+    if (type == TY && R == R_ && T == T_) {                                                     \
+        TILE_T(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row, y_in);   \
+        return;                                                                                 \
     }
-#define KQ_TYPE(TY) KQ_CASE(TY, 4, 1) KQ_CASE(TY, 1, 1) KQ_CASE(TY, 1, 2) KQ_CASE(TY, 1, 3) \
-    KQ_CASE(TY, 1, 4)
-    KQ_TYPE(T_Q4_K)
-    KQ_TYPE(T_Q5_K)
-    KQ_TYPE(T_Q6_K)
+#define KQ_TYPE(TILE_T, TY)                                                                     \
+    KQ_CASE(TILE_T, TY, 4, 1) KQ_CASE(TILE_T, TY, 1, 1) KQ_CASE(TILE_T, TY, 1, 2)               \
+    KQ_CASE(TILE_T, TY, 1, 3) KQ_CASE(TILE_T, TY, 1, 4)
+#define KQ_TILES(TARGET, NAME, TILE_T)                                                          \
+    TARGET static void NAME(int type, int R, int T, const uint8_t *w, size_t lane_bytes,       \
+                            int bsize, int nsb, int k, const int8_t *xq, const float *xd,       \
+                            const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,   \
+                            size_t y_in) {                                                      \
+        KQ_TYPE(TILE_T, T_Q4_K)                                                                 \
+        KQ_TYPE(TILE_T, T_Q5_K)                                                                 \
+        KQ_TYPE(TILE_T, T_Q6_K)                                                                 \
+    }
+KQ_TILES(AVX512, kq_tile_512, kq_tile_512_t)
+KQ_TILES(AVX2, kq_tile_avx2, kq_tile_avx2_t)
+#undef KQ_TILES
 #undef KQ_TYPE
 #undef KQ_CASE
-}
 #endif
 
 /* Inputs per tile of a prefill block: their int8 values (and Q6_K's pair sums) stay in L2
