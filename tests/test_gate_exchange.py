@@ -145,7 +145,7 @@ def test_4mib_prefill_partial_with_small_socket_buffers(kind: str) -> None:
         # the buffers really were small: far below one partial
         if kind == "tcp":
             assert isinstance(g0, TcpGateExchange)
-            assert g0._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 64 * 1024
+            assert g0._channel.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 64 * 1024
         # and the link keeps working after a big gate (a decode gate follows a prefill)
         (s0, s1), errors = run_pair(
             lambda: g0.exchange(0, Gate.ATTN, p0[0]), lambda: g1.exchange(0, Gate.ATTN, p1[0])

@@ -78,9 +78,3 @@ class LeaderOptions:
             raise ValueError(f"max_draft must be in [0, {MAX_DRAFT}], got {self.max_draft}")
         if not 2 <= self.world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be in [2, {MAX_WORLD}], got {self.world_size}")
-        if self.world_size > 2 and self.tls is not None:
-            raise ValueError(
-                f"TLS covers the pair only: a world of {self.world_size} ranks would send the "
-                "gates between its workers in the clear; run 2 ranks, or drop --tls on a "
-                "network you trust"
-            )

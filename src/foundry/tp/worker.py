@@ -71,7 +71,7 @@ from foundry.transport.gates import (
     TcpGateExchange,
     local_host_id,
 )
-from foundry.transport.tls import wrap_blocking
+from foundry.transport.tls import PeerContexts, closed_early, refusal_reason, wrap_blocking
 from foundry.wire.tp import (
     FRAME_HEADER_SIZE,
     CommandAck,
@@ -123,6 +123,9 @@ class WorkerOptions:
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
+    # The gate links to the other workers of a world of N > 2 over mutual TLS (the same files
+    # as ``tls``; None without all three, and then such a world is refused when ``tls`` is on)
+    peer_tls: PeerContexts | None = None
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
     rank: int | None = None  # --rank: the rank to ask for (None: the next free one)
     # --gate-listen: where a worker of a world of N > 2 takes the gate connections of the
@@ -341,6 +344,10 @@ class Worker:
         if self.options.rank is not None and not 1 <= self.options.rank < n:
             raise RankRefused(f"--rank {self.options.rank} does not exist in the leader's "
                               f"world of {n} ranks (ranks 1 .. {n - 1} are workers)")
+        if n > 2 and self.options.tls is not None and self.options.peer_tls is None:
+            raise RankRefused(f"the leader's world of {n} ranks runs TLS, and the gate links "
+                              "between its workers are mutual TLS: give this worker "
+                              "--tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")
 
     def _listen_gates(self) -> tuple[str, int]:
         """The socket the ranks above this one dial for their gates (bound once)."""
@@ -366,7 +373,14 @@ class Worker:
             for peer in frame.peers[: rank - 1]:
                 host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
                            ipaddress.IPv6Address(peer.host))
-                s = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
+                raw = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
+                try:
+                    s = self._gate_tls(raw, dialed=True, timeout_s=o.handshake_timeout_s)
+                except (OSError, TimeoutError) as exc:
+                    why = (f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
+                           f"failed in the TLS handshake: {refusal_reason(exc)}")
+                    log.warning("%s", why)
+                    raise LinkError(why) from None
                 socks[peer.rank] = s
                 s.sendall(encode(CommandAck(session_id=rank, seq=peer.token)))
             listener = self._gate_listener
@@ -380,8 +394,15 @@ class Worker:
                                     f"{2 * o.handshake_timeout_s:g} s")
                 listener.settimeout(left)
                 try:
-                    s, _ = listener.accept()
+                    raw, addr = listener.accept()
                 except TimeoutError:
+                    continue
+                try:
+                    s = self._gate_tls(raw, dialed=False, timeout_s=left)
+                except (OSError, TimeoutError) as exc:
+                    if not closed_early(exc):
+                        log.warning("gate link: refused %s:%d in the TLS handshake: %s",
+                                    addr[0], addr[1], refusal_reason(exc))
                     continue
                 try:
                     decoder = TpDecoder()
@@ -405,6 +426,17 @@ class Worker:
             raise
         link.send(CommandAck(status=ACK_ACCEPTED))
         return gate
+
+    def _gate_tls(self, sock: socket.socket, *, dialed: bool,
+                  timeout_s: float) -> socket.socket:
+        """``sock``, a gate link to another worker, under mutual TLS when the world runs TLS:
+        the client side where this worker dialed, the server side where it accepted. Raises
+        what ``wrap_blocking`` raises (``sock`` is closed then)."""
+        ctx = self.options.peer_tls
+        if ctx is None:
+            return sock
+        return wrap_blocking(ctx.dial if dialed else ctx.accept, sock, server_side=not dialed,
+                             timeout_s=min(timeout_s, self.options.handshake_timeout_s))
 
     def _dial(self) -> socket.socket:
         """A connection to the leader's port, TLS done when configured."""
