@@ -392,7 +392,9 @@ class Worker:
                     missing = sorted(set(range(rank + 1, world)) - set(socks))
                     raise LinkError(f"ranks {missing} did not connect their gates within "
                                     f"{2 * o.handshake_timeout_s:g} s")
-                listener.settimeout(left)
+                if self._stop.is_set():
+                    raise LinkError("stopping before the world formed")
+                listener.settimeout(min(left, 0.25))
                 try:
                     raw, addr = listener.accept()
                 except TimeoutError:
@@ -420,6 +422,8 @@ class Worker:
                 socks[hi.session_id] = s
             gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=self.identity.n_embd,
                                     timeout_s=o.gate_timeout_s)
+            log.info("rank %d of %d: gates to ranks %s up%s", rank, world,
+                     ", ".join(map(str, sorted(socks))), " (tls)" if o.peer_tls else "")
         except BaseException:
             for s in socks.values():
                 s.close()
