@@ -281,7 +281,7 @@ def test_a_worker_of_another_ca_is_refused_on_the_gate_links(
     assert not wait_paired(w.frontend, connected=False, tls=certs.client()).worker_connected
     assert "gates to ranks" not in w.workers[0].text() + w.workers[1].text()
     for p in w.workers:  # they would dial on after the leader's stop
-        assert p.stop() == 0
+        p.stop(signal.SIGKILL)
     w.workers = []
 
 
@@ -319,3 +319,20 @@ def test_a_rank_the_world_has_no_place_for_is_refused_in_one_line(
     errors = [line for line in stray.text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and errors[0].endswith(
         "--rank 5 does not exist in the leader's world of 3 ranks (ranks 1 .. 2 are workers)")
+
+
+def test_a_worker_without_its_certificate_is_told_in_one_line(
+    model: Path, tmp_path: Path, worlds: list[World], certs: Certs
+) -> None:
+    """Only --tls-ca: enough to dial a leader that asks for no client certificate, not for the
+    mutual TLS between the workers of a world of 3; the worker exits 2 saying what to give."""
+    d = certs.dir
+    leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem")
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [], tls=leader_tls)
+    worlds.append(w)
+    lone = w.start(1, 0, "--tls-ca", str(d / "ca.pem"))
+    assert lone.exit_code(timeout=30) == 2
+    errors = [line for line in lone.text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "the leader's world of 3 ranks runs TLS, and the gate links between its workers are "
+        "mutual TLS: give this worker --tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")

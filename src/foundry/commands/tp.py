@@ -160,8 +160,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_device_flags(work, training=False)
     add_threads_flag(work, training=False)
     add_tls_flags(work, server=False, links="the connections to the leader and, in a world "
-                  "of more than 2 ranks, the gate links to the other workers (mutual TLS: give "
-                  "all three)")
+                  "of more than 2 ranks, to the other workers")
     work.set_defaults(func=run_worker)
 
 
