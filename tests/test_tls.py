@@ -352,8 +352,10 @@ def test_certs_writes_a_ca_and_one_pair_per_role(certs: Certs) -> None:
     assert (d / "ca-key.pem").stat().st_mode & 0o777 == 0o600
     # A client certificate cannot serve: its purpose (clientAuth) is checked by the client.
     as_server = tls.server_context(d / "worker.pem", d / "worker-key.pem", d / "ca.pem")
-    with pytest.raises(ssl.SSLCertVerificationError, match="unsuitable certificate purpose"):
+    with pytest.raises(ssl.SSLCertVerificationError,
+                       match="unsuitable certificate purpose") as refused:
         asyncio.run(echo_round_trip(as_server, certs.client("tp-worker"), "127.0.0.1"))
+    assert "is not made for this end of the link" in tls.refusal_reason(refused.value)
     with pytest.raises(tls.TlsConfigError, match="--tls-cert and --tls-key"):
         tls.client_context(d / "worker.pem", None, d / "ca.pem")
 
