@@ -11,6 +11,7 @@ import gc
 import multiprocessing as mp
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from procs import wait_for
+from tls_certs import make_certs
 
 from foundry.transport.gates import (
     GateError,
@@ -29,6 +31,7 @@ from foundry.transport.gates import (
     TcpGateExchange,
     local_host_id,
 )
+from foundry.transport.tls import PeerContexts, TlsFiles, peer_contexts_for, wrap_blocking
 from foundry.wire.tp import (
     Gate,
     GateHeader,
@@ -145,7 +148,7 @@ def test_4mib_prefill_partial_with_small_socket_buffers(kind: str) -> None:
         # the buffers really were small: far below one partial
         if kind == "tcp":
             assert isinstance(g0, TcpGateExchange)
-            assert g0._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 64 * 1024
+            assert g0._channel.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 64 * 1024
         # and the link keeps working after a big gate (a decode gate follows a prefill)
         (s0, s1), errors = run_pair(
             lambda: g0.exchange(0, Gate.ATTN, p0[0]), lambda: g1.exchange(0, Gate.ATTN, p1[0])
@@ -363,16 +366,43 @@ def test_two_processes_bit_identical(kind: str) -> None:
 
 
 def mesh(
-    world: int, small_buffers: bool = False, timeout_s: float = 2.0
+    world: int, small_buffers: bool = False, timeout_s: float = 2.0,
+    peer_tls: PeerContexts | None = None,
 ) -> list[MeshGateExchange]:
-    """A world of ``world`` ranks in this process, a loopback connection between every two."""
+    """A world of ``world`` ranks in this process, a loopback connection between every two
+    (under mutual TLS with ``peer_tls``, the lower rank accepting, as the workers do)."""
     socks: list[dict[int, socket.socket]] = [{} for _ in range(world)]
     for i in range(world):
         for j in range(i + 1, world):
             a, b = tcp_pair(small_buffers)
+            if peer_tls is not None:
+                a, b = tls_pair(a, b, peer_tls)
             socks[i][j], socks[j][i] = a, b
     return [MeshGateExchange(socks[r], rank=r, world=world, n_embd=N_EMBD, timeout_s=timeout_s)
             for r in range(world)]
+
+
+def tls_pair(accepted: socket.socket, dialed: socket.socket,
+             peer_tls: PeerContexts) -> tuple[socket.socket, socket.socket]:
+    """Both ends of a connection after the TLS handshake, each side on its own thread."""
+    server: list[socket.socket] = []
+    t = threading.Thread(target=lambda: server.append(
+        wrap_blocking(peer_tls.accept, accepted, server_side=True)))
+    t.start()
+    client = wrap_blocking(peer_tls.dial, dialed, server_side=False)
+    t.join(10)
+    assert server, "the accepting side's handshake failed"
+    return server[0], client
+
+
+@pytest.fixture(scope="module")
+def peer_tls(tmp_path_factory: pytest.TempPathFactory) -> PeerContexts:
+    d = tmp_path_factory.mktemp("certs")
+    make_certs(d)
+    contexts = peer_contexts_for(TlsFiles(d / "tp-worker.pem", d / "tp-worker-key.pem",
+                                          d / "ca.pem"))
+    assert contexts is not None
+    return contexts
 
 
 def run_world(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -394,12 +424,18 @@ def run_world(fns: list[Callable[[], Any]]) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_mesh_sums_in_rank_order_on_every_rank(world: int) -> None:
+@pytest.mark.parametrize(("world", "tls"), [(3, False), (4, False), (3, True)],
+                         ids=["3", "4", "3-tls"])
+def test_mesh_sums_in_rank_order_on_every_rank(world: int, tls: bool,
+                                               request: pytest.FixtureRequest) -> None:
     """Every rank gets ((p0 + p1) + p2) + ... bit for bit, the rows of a decode gate and of a
-    4 MiB prefill partial through small socket buffers alike."""
+    4 MiB prefill partial through small socket buffers alike, over TCP and over TLS."""
     rng = np.random.default_rng(world)
-    gates = mesh(world, small_buffers=True)
+    contexts = request.getfixturevalue("peer_tls") if tls else None
+    gates = mesh(world, small_buffers=True, peer_tls=contexts)
+    if tls:
+        assert all(isinstance(ch.sock, ssl.SSLSocket) for g in gates
+                   for ch in g._channels.values())
     shapes = [(1, N_EMBD), (1024, N_EMBD), (3, N_EMBD)]
     parts = [[rng.standard_normal(shape).astype(np.float32) for shape in shapes]
              for _ in range(world)]

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from procs import Service, coordinator, wait_for
+from tls_certs import Certs, two_cas
 from tp_harness import Client, LeaderProc, Proc, make_model, reference_greedy, start_leader
 from tp_harness import start_worker as start_tp_worker
 
@@ -45,33 +46,9 @@ PROMPT = "Security is a layer under the protocol. "
 TOKENS = 16
 
 
-@dataclass(frozen=True)
-class Certs:
-    dir: Path
-    other: Path  # the same roles, signed by another CA
-
-    def flags(self, role: str, *, prefix: str = "tls") -> list[str]:
-        d = self.dir
-        return [f"--{prefix}-cert", str(d / f"{role}.pem"), f"--{prefix}-key",
-                str(d / f"{role}-key.pem"), f"--{prefix}-ca", str(d / "ca.pem")]
-
-    def client(self, role: str = "gateway") -> ssl.SSLContext:
-        d = self.dir
-        return tls.client_context(d / f"{role}.pem", d / f"{role}-key.pem", d / "ca.pem")
-
-
-def make_certs(out: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "foundry", "certs", "--out", str(out)],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    base = tmp_path_factory.mktemp("certs")
-    make_certs(base / "ca")
-    make_certs(base / "other")
-    return Certs(base / "ca", base / "other")
+    return two_cas(tmp_path_factory.mktemp("certs"))
 
 
 # -- the three peers every port refuses ------------------------------------------------------
@@ -211,14 +188,6 @@ def test_a_plaintext_worker_of_a_tls_coordinator_is_told_to_use_tls(
 # -- the tensor-parallel pair --------------------------------------------------------------
 
 
-class TlsClient(Client):
-    """The harness's frontend client over TLS."""
-
-    def __init__(self, port: int, ctx: ssl.SSLContext, timeout: float = 30.0) -> None:
-        super().__init__(port, timeout)
-        self.sock = ctx.wrap_socket(self.sock, server_hostname="127.0.0.1")
-
-
 @dataclass
 class Pair:
     leader: LeaderProc
@@ -232,7 +201,7 @@ class Pair:
                                           "--no-shm", *certs.flags("tp-worker"))
 
     def wait_paired(self, certs: Certs) -> None:
-        with TlsClient(self.leader.frontend, certs.client()) as c:
+        with Client(self.leader.frontend, tls=certs.client()) as c:
             wait_for(lambda: c.status().worker_connected, 30, "the TP pair to pair over TLS")
 
 
@@ -260,7 +229,7 @@ def test_tp_pair_over_mutual_tls_and_refuses_bad_peers(pair: Pair, certs: Certs)
     pair.wait_paired(certs)
     assert "gates over tcp" in leader.text()  # TLS-wrapped TCP gates, not the slab
     ref = reference_greedy(pair.model, PROMPT, TOKENS, chunk=64)
-    with TlsClient(pair.leader.frontend, certs.client()) as c:
+    with Client(pair.leader.frontend, tls=certs.client()) as c:
         got = c.generate(PROMPT, TOKENS)
     assert isinstance(got.end, fw.Done), got.end
     assert got.tokens == ref.tokens
@@ -383,8 +352,10 @@ def test_certs_writes_a_ca_and_one_pair_per_role(certs: Certs) -> None:
     assert (d / "ca-key.pem").stat().st_mode & 0o777 == 0o600
     # A client certificate cannot serve: its purpose (clientAuth) is checked by the client.
     as_server = tls.server_context(d / "worker.pem", d / "worker-key.pem", d / "ca.pem")
-    with pytest.raises(ssl.SSLCertVerificationError, match="unsuitable certificate purpose"):
+    with pytest.raises(ssl.SSLCertVerificationError,
+                       match="unsuitable certificate purpose") as refused:
         asyncio.run(echo_round_trip(as_server, certs.client("tp-worker"), "127.0.0.1"))
+    assert "is not made for this end of the link" in tls.refusal_reason(refused.value)
     with pytest.raises(tls.TlsConfigError, match="--tls-cert and --tls-key"):
         tls.client_context(d / "worker.pem", None, d / "ca.pem")
 

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import re
 import signal
+import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from procs import wait_for
+from tls_certs import Certs, two_cas
 from tp_harness import (
     Client,
     InProcessLeader,
@@ -41,6 +43,8 @@ from foundry.model.spec.config import ModelConfig
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
+from foundry.transport import tls
+from foundry.transport.gates import MeshGateExchange
 from foundry.wire import frontend as fw
 from foundry.wire.tp import SharesFrom
 
@@ -60,7 +64,11 @@ class World:
 
     def __init__(self, model: Path, tmp: Path, world: int, shares: tuple[int, ...] | None,
                  split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK,
-                 worker_args: list[list[str]] | None = None, **leader: Any) -> None:
+                 worker_args: list[list[str]] | None = None,
+                 tls: ssl.SSLContext | None = None,
+                 worker_tls: Sequence[Sequence[str]] = (), **leader: Any) -> None:
+        """``tls``: the leader's server context; ``worker_tls``: each worker's --tls-* flags;
+        ``worker_args``: each worker's other flags; ``leader``: more LeaderOptions."""
         limit_blas_threads(1)
         self.rows: list[np.ndarray] = []
         self.model, self.tmp, self.split = model, tmp, split
@@ -69,10 +77,11 @@ class World:
             LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
                           prefill_chunk=prefill_chunk, spec_mode=SpecMode.OFF, hash_check=True,
                           world_size=world, shares=shares, expert_split=split,
-                          gate_timeout_s=3.0, control_timeout_s=3.0, **leader),
+                          gate_timeout_s=3.0, control_timeout_s=3.0, tls=tls, **leader),
             hook=lambda rid, r: self.rows.append(r.copy()),
         )
-        self.workers = [self.start(rank, i) for i, rank in enumerate(ranks)]
+        self.workers = [self.start(rank, i, *(worker_tls[i] if worker_tls else ()))
+                        for i, rank in enumerate(ranks)]
 
     def start(self, rank: int | None, i: int, *more: str) -> Proc:
         extra = ["--gate-listen", "127.0.0.1:0", "--expert-split", self.split.value,
@@ -228,11 +237,62 @@ def test_a_worker_asking_to_stop_stops_every_rank_at_one_checkpoint(
     w.workers[1] = w.start(2, 9)  # back for the fixture's clean stop
 
 
-def test_tls_is_refused_for_a_world_of_more_than_two(model: Path) -> None:
-    import ssl
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return two_cas(tmp_path_factory.mktemp("certs"))
 
-    with pytest.raises(ValueError, match="TLS covers the pair only: a world of 3 ranks"):
-        LeaderOptions(model=model, world_size=3, tls=ssl.create_default_context())
+
+def test_a_world_over_mutual_tls_equals_one_process(
+    model: Path, tmp_path: Path, worlds: list[World], certs: Certs
+) -> None:
+    """Every link of a world of 3 under mutual TLS (each worker's control and gate links to the
+    leader, the gate link between the two workers): the logits are the one process's bits."""
+    d = certs.dir
+    leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem", d / "ca.pem")
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], tls=leader_tls,
+              worker_tls=[certs.flags("tp-worker")] * 2)
+    worlds.append(w)
+    wait_paired(w.frontend, tls=certs.client())
+    with Client(w.frontend, tls=certs.client()) as c:
+        got = c.generate(PROMPT, TOKENS)
+    ref = reference_greedy(model, PROMPT, TOKENS, CHUNK, ExpertSplit.INTERMEDIATE, (1, 1, 1))
+    assert got.tokens == ref.tokens
+    assert np.array_equal(np.concatenate(w.rows), np.concatenate(ref.logits))
+    assert "rank 1 of 3: gates to ranks 0, 2 up (tls)" in w.workers[0].text()
+    assert "rank 2 of 3: gates to ranks 0, 1 up (tls)" in w.workers[1].text()
+    pair = w.leader.leader.engine._pair
+    assert pair is not None and isinstance(pair.gate, MeshGateExchange)
+    gate = pair.gate
+    assert all(isinstance(ch.sock, ssl.SSLSocket) for ch in gate._channels.values())
+
+
+def test_a_worker_of_another_ca_is_refused_on_the_gate_links(
+    model: Path, tmp_path: Path, worlds: list[World], certs: Certs
+) -> None:
+    """A leader without --tls-ca admits any client; rank 1's certificate is another CA's, so
+    rank 2, dialing rank 1's gates, refuses it in the TLS handshake, one line per attempt, and
+    the world never forms (each attempt is bounded; every worker dials again)."""
+    d, o = certs.dir, certs.other
+    leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem")
+    foreign = ["--tls-cert", str(o / "tp-worker.pem"), "--tls-key", str(o / "tp-worker-key.pem"),
+               "--tls-ca", str(d / "ca.pem")]
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], tls=leader_tls,
+              worker_tls=[foreign, certs.flags("tp-worker")])
+    worlds.append(w)
+    line = (r"WARNING .*the gate link to rank 1 at 127\.0\.0\.1:\d+ failed in the TLS "
+            r"handshake: CERTIFICATE_VERIFY_FAILED, the peer's certificate is not signed by "
+            r"this side's --tls-ca: .*")
+    refused = wait_for(lambda: re.search(line, w.workers[1].text()), 30,
+                       "rank 2 refusing rank 1's certificate")
+    assert "\n" not in refused.group(0)
+    wait_for(lambda: re.search(r"gate link: refused 127\.0\.0\.1:\d+ in the TLS handshake: "
+                               r"TLSV1_ALERT_UNKNOWN_CA", w.workers[0].text()), 10,
+             "rank 1 told that rank 2 does not trust its certificate")
+    assert not wait_paired(w.frontend, connected=False, tls=certs.client()).worker_connected
+    assert "gates to ranks" not in w.workers[0].text() + w.workers[1].text()
+    for p in w.workers:  # they would dial on after the leader's stop
+        p.stop(signal.SIGKILL)
+    w.workers = []
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -354,3 +414,20 @@ def test_share_flags_that_do_not_go_together_are_refused_in_one_line(model: Path
         out = _cli(*base, *extra)
         assert out.returncode == 2
         assert out.stderr.strip().splitlines() == [line]
+
+
+def test_a_worker_without_its_certificate_is_told_in_one_line(
+    model: Path, tmp_path: Path, worlds: list[World], certs: Certs
+) -> None:
+    """Only --tls-ca: enough to dial a leader that asks for no client certificate, not for the
+    mutual TLS between the workers of a world of 3; the worker exits 2 saying what to give."""
+    d = certs.dir
+    leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem")
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [], tls=leader_tls)
+    worlds.append(w)
+    lone = w.start(1, 0, "--tls-ca", str(d / "ca.pem"))
+    assert lone.exit_code(timeout=30) == 2
+    errors = [line for line in lone.text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "the leader's world of 3 ranks runs TLS, and the gate links between its workers are "
+        "mutual TLS: give this worker --tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")

@@ -14,6 +14,7 @@ import re
 import select
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -211,8 +212,11 @@ class Result:
 class Client:
     """A blocking client of the leader's frontend link (many requests on one connection)."""
 
-    def __init__(self, port: int, timeout: float = 30.0) -> None:
+    def __init__(self, port: int, timeout: float = 30.0, tls: ssl.SSLContext | None = None
+                 ) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        if tls is not None:  # a leader started with --tls-cert
+            self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
         self.decoder = fw.FrontendDecoder()
         self.results: dict[int, Result] = {}
         self.statuses: list[fw.Status] = []
@@ -280,9 +284,10 @@ class Client:
         return self.statuses[-1]
 
 
-def wait_paired(frontend: int, connected: bool = True, timeout: float = STARTUP_S) -> fw.Status:
+def wait_paired(frontend: int, connected: bool = True, timeout: float = STARTUP_S,
+                tls: ssl.SSLContext | None = None) -> fw.Status:
     deadline = time.monotonic() + timeout
-    with Client(frontend) as c:
+    with Client(frontend, tls=tls) as c:
         while True:
             st = c.status()
             if st.worker_connected == connected:

@@ -16,7 +16,11 @@ Three ways to get there, interleaved in blocks so that drift of the machine hits
   order that depends on the rank: not bit-identical.)
 
 Baseline: the pair's gate (N = 2, ``TcpGateExchange``) in the same run, on the same cores;
-the table gives each N's p50 per gate over it, and star and ring over all-to-all. On one host
+the table gives each N's p50 per gate over it, and star and ring over all-to-all. With
+``--tls``, a fourth kind, **all-to-all over TLS**: the same exchange on a second set of
+connections under mutual TLS (certificates from ``foundry certs``, made for the run; the
+lower rank accepts, as a world's workers do), interleaved with the others, and its p50 over
+plain all-to-all (the pair: ``TcpGateExchange`` over TLS against plain). On one host
 the ranks share its cores (2 of them here, shared with others), so loopback shows the cost of
 the extra hops and system calls, not a network's: a hop on a 1 Gb/s LAN adds ~60 us of wire
 time for a 4 KiB decode partial.
@@ -35,17 +39,20 @@ partial takes its wire time at the rate (4 KiB: 33 us at 1 Gb/s), as on a LAN.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/performance/tp_world_gates.py [--worlds 3,4]
         [--rows 1] [--n-embd 1024] [--gates 400] [--block 50] [--tcp-spin-us US]
-        [--rate 1gbit [--burst-bytes 3028] [--ip ip] [--tc tc]] [--json PATH]
+        [--rate 1gbit [--burst-bytes 3028] [--ip ip] [--tc tc] | --tls] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import select
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -58,11 +65,14 @@ import numpy as np
 from lan import Network
 from tp import enter_netns
 
+from foundry.cli import main as cli_main
 from foundry.model.shard import Gate
 from foundry.transport import gates
-from foundry.transport.gates import MeshGateExchange, TcpGateExchange
+from foundry.transport.gates import GateExchange, MeshGateExchange, TcpGateExchange
+from foundry.transport.tls import TlsFiles, peer_contexts_for, wrap_blocking
 
 KINDS = ("all-to-all", "star", "ring")
+TLS_KIND = "all-to-all tls"
 
 
 def _pairs(world: int) -> list[dict[int, socket.socket]]:
@@ -112,6 +122,29 @@ def _transfer(sends: list[tuple[socket.socket, memoryview]],
             select.select(rl, wl, [], 1.0)
 
 
+def _tls_links(socks: dict[int, socket.socket], rank: int, world: int,
+               certs: Path) -> dict[int, socket.socket]:
+    """Copies of ``socks`` under mutual TLS, the lower rank of each two accepting. Every rank
+    takes its handshakes in one global order of the pairs, so none waits on another's."""
+    ctx = peer_contexts_for(TlsFiles(certs / "tp-worker.pem", certs / "tp-worker-key.pem",
+                                     certs / "ca.pem"))
+    assert ctx is not None
+    out: dict[int, socket.socket] = {}
+    for i, j in itertools.combinations(range(world), 2):
+        if rank in (i, j):
+            peer = j if rank == i else i
+            out[peer] = wrap_blocking(ctx.accept if rank == i else ctx.dial, socks[peer].dup(),
+                                      server_side=rank == i)
+    return out
+
+
+def _gate(socks: dict[int, socket.socket], rank: int, world: int, n_embd: int) -> GateExchange:
+    """The services' exchange over ``socks``: the pair's own gate at N = 2, else all-to-all."""
+    if world == 2:
+        return TcpGateExchange(socks[1 - rank], rank=rank, n_embd=n_embd, timeout_s=30.0)
+    return MeshGateExchange(socks, rank=rank, world=world, n_embd=n_embd, timeout_s=30.0)
+
+
 def _rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
     acc = parts[0] + parts[1]
     for p in parts[2:]:
@@ -155,12 +188,12 @@ class Ring:
         return _rank_order_sum(self.bufs)
 
 
-def _schedule(gates: int, block: int) -> list[str]:
+def _schedule(gates: int, block: int, kinds: tuple[str, ...]) -> list[str]:
     out: list[str] = []
-    while len(out) < 3 * gates:
-        for kind in KINDS:
+    while len(out) < len(kinds) * gates:
+        for kind in kinds:
             out += [kind] * block
-    return out[: 3 * gates]
+    return out[: len(kinds) * gates]
 
 
 def _parts(rank: int, rows: int, n_embd: int) -> list[np.ndarray]:
@@ -170,25 +203,30 @@ def _parts(rank: int, rows: int, n_embd: int) -> list[np.ndarray]:
 
 
 def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, socket.socket],
-              rows: int, n_embd: int, gates: int, block: int) -> dict[str, list[float]]:
+              rows: int, n_embd: int, gates: int, block: int,
+              tls_socks: dict[int, socket.socket] | None, certs: Path | None
+              ) -> dict[str, list[float]]:
     size = rows * n_embd
-    mesh = MeshGateExchange({r: s.dup() for r, s in socks.items()}, rank=rank, world=world,
-                            n_embd=n_embd, timeout_s=30.0)
-    if world == 2:  # the pair's own gate on the same connection pair's twin
-        mesh = TcpGateExchange(socks[1 - rank].dup(), rank=rank, n_embd=n_embd,
-                               timeout_s=30.0)  # type: ignore[assignment]
+    mesh = _gate({r: s.dup() for r, s in socks.items()}, rank, world, n_embd)
+    secure = None
+    if tls_socks is not None and certs is not None:
+        secure = _gate(_tls_links(tls_socks, rank, world, certs), rank, world, n_embd)
+    kinds = KINDS if secure is None else (*KINDS, TLS_KIND)
     star, ring = Star(socks, rank, world, size), Ring(socks, rank, world, size)
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     parts = _parts(rank, rows, n_embd)
     # Every rank's partials are known from their seeds: the rank-order sums to check against.
     everyone = [_parts(r, rows, n_embd) for r in range(world)]
     expected = [_rank_order_sum([everyone[r][j].reshape(-1) for r in range(world)])
                 for j in range(len(parts))]
-    for i, kind in enumerate(_schedule(gates, block)):
+    for i, kind in enumerate(_schedule(gates, block, kinds)):
         mine = parts[i % len(parts)]
         t0 = time.perf_counter()
         if kind == "all-to-all":
             total = mesh.exchange(i % 65536, Gate.ATTN, mine)
+        elif kind == TLS_KIND:
+            assert secure is not None
+            total = secure.exchange(i % 65536, Gate.ATTN, mine)
         elif kind == "star":
             total = star.exchange(mine)
         else:
@@ -203,8 +241,9 @@ def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, s
 
 
 def _child(conn: Connection, rank: int, world: int, socks: dict[int, socket.socket],
-           rows: int, n_embd: int, gates: int, block: int) -> None:
-    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block)
+           rows: int, n_embd: int, gates: int, block: int,
+           tls_socks: dict[int, socket.socket] | None, certs: Path | None) -> None:
+    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block, tls_socks, certs)
 
 
 GATE_PORT = 7190
@@ -230,7 +269,7 @@ def _netns_rank(conn: Connection, net: Network, rank: int, world: int, rows: int
     for s in socks.values():
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block)
+    _run_rank(conn, rank, world, socks, rows, n_embd, gates, block, None, None)
 
 
 def measure_netns(net: Network, world: int, rows: int, n_embd: int, gates: int,
@@ -267,21 +306,25 @@ def pace(net: Network, burst: int) -> None:
                  net.rate, "burst", str(burst), "latency", "20ms")
 
 
-def measure(world: int, rows: int, n_embd: int, gates: int, block: int) -> dict[str, float]:
+def measure(world: int, rows: int, n_embd: int, gates: int, block: int,
+            certs: Path | None = None) -> dict[str, float]:
     socks = _pairs(world)
+    tls_socks = _pairs(world) if certs is not None else [None] * world
     ctx = mp.get_context("fork")
     children = []
     for r in range(1, world):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(b, r, world, socks[r], rows, n_embd, gates, block))
+        p = ctx.Process(target=_child, args=(b, r, world, socks[r], rows, n_embd, gates, block,
+                                             tls_socks[r], certs))
         p.start()
         children.append((p, a))
-    times = _run_rank(None, 0, world, socks[0], rows, n_embd, gates, block)
+    times = _run_rank(None, 0, world, socks[0], rows, n_embd, gates, block, tls_socks[0],
+                      certs)
     for p, a in children:
         a.recv()
         p.join(30)
-    for d in socks:
-        for s in d.values():
+    for d in [*socks, *tls_socks]:
+        for s in (d or {}).values():
             s.close()
     return {k: harness.median(v) * 1e6 for k, v in times.items() if v}
 
@@ -304,10 +347,24 @@ def main() -> int:
                     "so small partials are paced (default: lan.Network's burst)")
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
+    ap.add_argument("--tls", action="store_true",
+                    help="also all-to-all (the pair: its gate) over mutual TLS, interleaved")
     harness.add_json_flag(ap)
     a = ap.parse_args()
+    if a.tls and a.rate != "loopback":
+        ap.error("--tls measures on loopback; leave out --rate")
     if a.tcp_spin_us is not None:
         gates.tcp.TCP_SPIN_S = gates.mesh.TCP_SPIN_S = a.tcp_spin_us * 1e-6
+    with contextlib.ExitStack() as stack:
+        certs = None
+        if a.tls:
+            certs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            with contextlib.redirect_stdout(sys.stderr):
+                assert cli_main(["certs", "--out", str(certs)]) == 0
+        return _run(a, certs)
+
+
+def _run(a: argparse.Namespace, certs: Path | None) -> int:
     worlds = [int(w) for w in a.worlds.split(",")]
     partial = a.rows * a.n_embd * 4
     net = Network(max([2, *worlds]), a.rate, a.ip, a.tc)
@@ -321,33 +378,44 @@ def main() -> int:
     def run(world: int) -> dict[str, float]:
         if net.shaped:
             return measure_netns(net, world, a.rows, a.n_embd, a.gates, a.block)
-        return measure(world, a.rows, a.n_embd, a.gates, a.block)
+        return measure(world, a.rows, a.n_embd, a.gates, a.block, certs)
 
     net.up()
     try:
         if net.shaped and a.burst_bytes:
             pace(net, a.burst_bytes)
-        return report(a, worlds, partial, run)
+        return report(a, worlds, partial, run, certs)
     finally:
         net.down()
 
 
 def report(a: argparse.Namespace, worlds: list[int], partial: int,
-           run: Callable[[int], dict[str, float]]) -> int:
-    base = run(2)["all-to-all"]
+           run: Callable[[int], dict[str, float]], certs: Path | None) -> int:
+    pair = run(2)
+    base = pair["all-to-all"]
     results: dict[str, object] = {"threads_per_rank": 1, "clients": 0, "partial_bytes": partial,
                                   "pair_p50_us": base, "rate": a.rate,
                                   "burst_bytes": a.burst_bytes}
+    tls_head = f" {'tls':>9} {'tls/plain':>9}" if certs else ""
     print(f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
-          f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}")
+          f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}{tls_head}")
+
+    def tls_cells(m: dict[str, float]) -> str:
+        if not certs:
+            return ""
+        return f" {m[TLS_KIND]:>9.1f} {m[TLS_KIND] / m['all-to-all']:>9.2f}"
+
+    if certs:
+        results["pair_tls_p50_us"] = pair[TLS_KIND]
     print(f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
-          f"{partial + 20:>17}")
+          f"{partial + 20:>17}{tls_cells(pair)}")
     for w in worlds:
         m = run(w)
         results[f"world_{w}_p50_us"] = m
         print(f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
               f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "
-              f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}")
+              f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}"
+              f"{tls_cells(m)}")
     harness.emit("tp_world_gates", results, None, a.json)
     return 0
 

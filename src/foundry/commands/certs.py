@@ -10,7 +10,7 @@ which files. The files, in ``--out``:
 | ``tp-leader.pem`` / ``-key.pem`` | server | the leader's worker port and frontend link |
 | ``gateway.pem`` / ``-key.pem`` | server and client | gRPC TLS; the gateway's backend links |
 | ``worker.pem`` / ``-key.pem`` | client | training workers |
-| ``tp-worker.pem`` / ``-key.pem`` | client | the TP worker rank |
+| ``tp-worker.pem`` / ``-key.pem`` | client and server | TP worker ranks (and each other's gates) |
 
 A server certificate names its service (``coordinator``, ``tp-leader``, ``gateway``: the
 Compose and Kubernetes service names), the service's Kubernetes DNS names in each
@@ -56,7 +56,7 @@ ROLES = (
     Role("tp-leader", server=True, client=False),
     Role("gateway", server=True, client=True),
     Role("worker", server=False, client=True),
-    Role("tp-worker", server=False, client=True),
+    Role("tp-worker", server=True, client=True),  # a world's workers accept each other's gates
 )
 
 

@@ -90,11 +90,21 @@ def tls_context(
 
     Raises :class:`foundry.transport.tls.TlsConfigError` naming what to fix.
     """
+    files = _tls_files(args, prefix)
+    return tls.server_context_for(files) if server else tls.client_context_for(files)
+
+
+def peer_tls_contexts(args: argparse.Namespace, prefix: str = "tls") -> tls.PeerContexts | None:
+    """The contexts of the same flags for links between equals (a world's worker-to-worker
+    gates); None unless cert, key and CA are all given."""
+    return tls.peer_contexts_for(_tls_files(args, prefix))
+
+
+def _tls_files(args: argparse.Namespace, prefix: str) -> tls.TlsFiles:
     key = prefix.replace("-", "_")
-    files = tls.TlsFiles.resolve(
+    return tls.TlsFiles.resolve(
         getattr(args, f"{key}_cert"), getattr(args, f"{key}_key"), getattr(args, f"{key}_ca")
     )
-    return tls.server_context_for(files) if server else tls.client_context_for(files)
 
 
 def tls_note(ctx: ssl.SSLContext) -> str:

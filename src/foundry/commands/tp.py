@@ -18,6 +18,7 @@ from foundry.commands.common import (
     add_tls_flags,
     host_port,
     nonneg_int,
+    peer_tls_contexts,
     positive_int,
     positive_seconds,
     start_metrics,
@@ -189,7 +190,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "tells them the address it sees this worker at)")
     add_device_flags(work, training=False)
     add_threads_flag(work, training=False)
-    add_tls_flags(work, server=False, links="the connections to the leader")
+    add_tls_flags(work, server=False, links="the connections to the leader and, in a world "
+                  "of more than 2 ranks, to the other workers")
     work.set_defaults(func=run_worker)
 
 
@@ -288,6 +290,7 @@ def run_worker(args: argparse.Namespace) -> int:
     threads = use_threads(args)
     try:
         tls = tls_context(args, server=False)
+        peer_tls = peer_tls_contexts(args)
     except TlsConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -304,6 +307,7 @@ def run_worker(args: argparse.Namespace) -> int:
         expert_split=ExpertSplit(args.expert_split),
         device=args.device,
         tls=tls,
+        peer_tls=peer_tls,
         frame_deadline_s=args.frame_deadline,
         rank=args.rank,
         gate_host=args.gate_listen[0],

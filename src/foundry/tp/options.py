@@ -93,9 +93,3 @@ class LeaderOptions:
         if self.speed is not None and self.shares_from is not SharesFrom.SPEED:
             raise ValueError("--speed goes with --shares auto (it states the speed that "
                              "would be measured)")
-        if self.world_size > 2 and self.tls is not None:
-            raise ValueError(
-                f"TLS covers the pair only: a world of {self.world_size} ranks would send the "
-                "gates between its workers in the clear; run 2 ranks, or drop --tls on a "
-                "network you trust"
-            )

@@ -76,7 +76,7 @@ from foundry.transport.gates import (
     TcpGateExchange,
     local_host_id,
 )
-from foundry.transport.tls import wrap_blocking
+from foundry.transport.tls import PeerContexts, closed_early, refusal_reason, wrap_blocking
 from foundry.wire.tp import (
     FRAME_HEADER_SIZE,
     CommandAck,
@@ -133,6 +133,9 @@ class WorkerOptions:
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
+    # The gate links to the other workers of a world of N > 2 over mutual TLS (the same files
+    # as ``tls``; None without all three, and then such a world is refused when ``tls`` is on)
+    peer_tls: PeerContexts | None = None
     frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S
     rank: int | None = None  # --rank: the rank to ask for (None: the next free one)
     # --gate-listen: where a worker of a world of N > 2 takes the gate connections of the
@@ -396,6 +399,10 @@ class Worker:
             raise RankRefused(f"--share {self.options.share} conflicts with the leader's "
                               "--shares auto, which gives every rank the share of its measured "
                               "speed; drop --share, or start the leader with --shares ranks")
+        if n > 2 and self.options.tls is not None and self.options.peer_tls is None:
+            raise RankRefused(f"the leader's world of {n} ranks runs TLS, and the gate links "
+                              "between its workers are mutual TLS: give this worker "
+                              "--tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")
 
     def _listen_gates(self) -> tuple[str, int]:
         """The socket the ranks above this one dial for their gates (bound once)."""
@@ -421,7 +428,14 @@ class Worker:
             for peer in frame.peers[: rank - 1]:
                 host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
                            ipaddress.IPv6Address(peer.host))
-                s = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
+                raw = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
+                try:
+                    s = self._gate_tls(raw, dialed=True, timeout_s=o.handshake_timeout_s)
+                except (OSError, TimeoutError) as exc:
+                    why = (f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
+                           f"failed in the TLS handshake: {refusal_reason(exc)}")
+                    log.warning("%s", why)
+                    raise LinkError(why) from None
                 socks[peer.rank] = s
                 s.sendall(encode(CommandAck(session_id=rank, seq=peer.token)))
             listener = self._gate_listener
@@ -433,10 +447,19 @@ class Worker:
                     missing = sorted(set(range(rank + 1, world)) - set(socks))
                     raise LinkError(f"ranks {missing} did not connect their gates within "
                                     f"{2 * o.handshake_timeout_s:g} s")
-                listener.settimeout(left)
+                if self._stop.is_set():
+                    raise LinkError("stopping before the world formed")
+                listener.settimeout(min(left, 0.25))
                 try:
-                    s, _ = listener.accept()
+                    raw, addr = listener.accept()
                 except TimeoutError:
+                    continue
+                try:
+                    s = self._gate_tls(raw, dialed=False, timeout_s=left)
+                except (OSError, TimeoutError) as exc:
+                    if not closed_early(exc):
+                        log.warning("gate link: refused %s:%d in the TLS handshake: %s",
+                                    addr[0], addr[1], refusal_reason(exc))
                     continue
                 try:
                     decoder = TpDecoder()
@@ -454,12 +477,25 @@ class Worker:
                 socks[hi.session_id] = s
             gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=self.identity.n_embd,
                                     timeout_s=o.gate_timeout_s)
+            log.info("rank %d of %d: gates to ranks %s up%s", rank, world,
+                     ", ".join(map(str, sorted(socks))), " (tls)" if o.peer_tls else "")
         except BaseException:
             for s in socks.values():
                 s.close()
             raise
         link.send(CommandAck(status=ACK_ACCEPTED))
         return gate
+
+    def _gate_tls(self, sock: socket.socket, *, dialed: bool,
+                  timeout_s: float) -> socket.socket:
+        """``sock``, a gate link to another worker, under mutual TLS when the world runs TLS:
+        the client side where this worker dialed, the server side where it accepted. Raises
+        what ``wrap_blocking`` raises (``sock`` is closed then)."""
+        ctx = self.options.peer_tls
+        if ctx is None:
+            return sock
+        return wrap_blocking(ctx.dial if dialed else ctx.accept, sock, server_side=not dialed,
+                             timeout_s=min(timeout_s, self.options.handshake_timeout_s))
 
     def _dial(self) -> socket.socket:
         """A connection to the leader's port, TLS done when configured."""

@@ -17,6 +17,11 @@ bytes inside TLS as without it. What this module decides, once for all of them:
 - Client certificates are checked for the CA's signature and the clientAuth purpose, not for
   a name: every certificate of the deployment's CA is trusted, so a CA per deployment is the
   trust boundary.
+- **Links between equals** (the gate links between the workers of a world of N > 2 ranks,
+  :class:`PeerContexts`): both ends present their certificate and require the other's, signed
+  by ``ca``; the dialer checks the acceptor's serverAuth purpose and the acceptor the dialer's
+  clientAuth, but no name: a peer is known only by the address the leader saw it at
+  (docs/guide/tls.md, "Gates between workers", says why).
 
 A refusal happens in the TLS handshake, before any byte of the protocol above it is read;
 :func:`refusal_reason` turns the ``ssl`` error into the reason the server logs.
@@ -36,6 +41,7 @@ from pathlib import Path
 # connection: a handshake is a few kilobytes, so ten seconds covers a slow Wi-Fi link.
 HANDSHAKE_TIMEOUT_S = 10.0
 MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
+X509_V_ERR_INVALID_PURPOSE = 26  # OpenSSL's verify code: a certificate used against its EKU
 
 # Environment variables read when the matching flag is not given (every native-link command).
 ENV_CERT = "FOUNDRY_TLS_CERT"
@@ -50,11 +56,11 @@ _HINTS = {
     "UNSUPPORTED_PROTOCOL": "the peer offers no TLS version of 1.2 or later",
     "PEER_DID_NOT_RETURN_A_CERTIFICATE": "the peer sent no client certificate "
     "(give it --tls-cert and --tls-key)",
-    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate is not signed by this server's "
+    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate is not signed by this side's "
     "--tls-ca",
-    "TLSV1_ALERT_UNKNOWN_CA": "the peer does not trust this server's certificate "
+    "TLSV1_ALERT_UNKNOWN_CA": "the peer does not trust this side's certificate "
     "(check the peer's --tls-ca)",
-    "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected this server's certificate "
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected this side's certificate "
     "(check the names in it and the peer's --tls-ca)",
     "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the server asked for a client certificate and got "
     "none (give this process --tls-cert and --tls-key)",
@@ -123,6 +129,26 @@ def client_context(
     return ctx
 
 
+@dataclass(frozen=True)
+class PeerContexts:
+    """Both ends of a link between equals: ``dial`` for the side that connects, ``accept`` for
+    the side that listens. Each presents this process's certificate and requires the peer's,
+    signed by the CA (mutual TLS), with no name check."""
+
+    dial: ssl.SSLContext
+    accept: ssl.SSLContext
+
+
+def peer_contexts_for(files: TlsFiles) -> PeerContexts | None:
+    """The contexts of ``files`` for links between equals; None unless all three of cert, key
+    and CA are given (a link between equals needs each side's certificate and the CA)."""
+    if files.cert is None or files.key is None or files.ca is None:
+        return None
+    dial = client_context(files.cert, files.key, files.ca)
+    dial.check_hostname = False  # still CERT_REQUIRED: the CA's signature and serverAuth
+    return PeerContexts(dial=dial, accept=server_context(files.cert, files.key, files.ca))
+
+
 def server_context_for(files: TlsFiles) -> ssl.SSLContext | None:
     """The listener context of ``files`` (None when TLS is off)."""
     if not files.enabled:
@@ -173,6 +199,10 @@ def refusal_reason(exc: BaseException) -> str:
         return str(exc) or "no complete TLS handshake in time"
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = _HINTS["CERTIFICATE_VERIFY_FAILED"]
+        if exc.verify_code == X509_V_ERR_INVALID_PURPOSE:
+            hint = ("the peer's certificate is not made for this end of the link (a client "
+                    "certificate where a server's is due, or the other way round: make it "
+                    "again with `foundry certs`)")
         return f"CERTIFICATE_VERIFY_FAILED, {hint}: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
         reason: str = exc.reason or type(exc).__name__

@@ -23,11 +23,12 @@ Three transports:
   is sent from its own buffer, the peer's lands through ``recvmsg_into`` in a reused array.
   Over TLS (``foundry.transport.tls``; an ``ssl.SSLSocket``, which has no scatter/gather
   calls) the same loop uses ``send`` and ``recv_into`` one buffer at a time; the bytes inside
-  TLS are the same.
-- :class:`MeshGateExchange`: a world of N > 2 ranks, all-to-all: a TCP connection to every
-  other rank; per gate the rank writes header + partial to each and reads each one's, one poll
-  loop over all of them, then sums in rank order (one hop; docs/protocol.md, N ranks, has the
-  choice against a star and a ring). Plain TCP only (no TLS between workers yet).
+  TLS are the same. One socket's non-blocking moves, plain or TLS, are ``channel``'s
+  :class:`~foundry.transport.gates.channel.GateChannel`, which both TCP exchanges drive.
+- :class:`MeshGateExchange`: a world of N > 2 ranks, all-to-all: a TCP connection (plain or
+  TLS) to every other rank; per gate the rank writes header + partial to each and reads each
+  one's, one poll loop over all of them, then sums in rank order (one hop; docs/protocol.md,
+  N ranks, has the choice against a star and a ring).
 - :class:`ShmGateExchange`: a slab file in ``/dev/shm`` mapped by both ranks on one host (see
   ``SlabLayout`` for the layout and the seqlock rule). A plain file + ``mmap`` rather than
   ``multiprocessing.shared_memory``: before Python 3.13 the attaching process registers the
@@ -40,7 +41,8 @@ and :func:`local_host_id` matches, the worker attaches to it, otherwise the lead
 both use a TCP connection of their own (not the control socket, whose frames would interleave).
 
 The package, by job: ``base`` (constants, :class:`GateError`, the host id, the base class),
-``tcp``, ``mesh``, ``shm`` (one transport each). Importers use the names here.
+``channel`` (one TCP or TLS socket as the TCP exchanges drive it), ``tcp``, ``mesh``, ``shm``
+(one transport each). Importers use the names here.
 """
 
 from foundry.transport.gates.base import (

@@ -209,13 +209,6 @@ class GateExchange(abc.ABC):
         )
 
 
-def _recv_some(sock: socket.socket, views: list[memoryview]) -> int:
-    n = sock.recvmsg_into(views)[0]
-    if n == 0:
-        raise EOFError
-    return n
-
-
 def _tail(views: tuple[memoryview, memoryview], offset: int) -> list[memoryview]:
     """The bytes of ``views`` (header, data) from ``offset`` on, as buffers for sendmsg/recvmsg."""
     head = len(views[0])

@@ -1,15 +1,12 @@
-"""The all-to-all data plane of a world of N ranks over plain TCP (:class:`MeshGateExchange`).
+"""The all-to-all data plane of a world of N ranks over TCP, plain or TLS
+(:class:`MeshGateExchange`).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import select
 import socket
-import ssl
 import time
-from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -21,17 +18,18 @@ from foundry.transport.gates.base import (
     GateError,
     GateExchange,
     _describe,
-    _recv_some,
     _tail,
 )
+from foundry.transport.gates.channel import GateChannel, poll_channels
 from foundry.wire.tp import (
     GATE_HEADER_SIZE,
 )
 
 
 class MeshGateExchange(GateExchange):
-    """All-to-all for a world of N ranks over plain TCP: one connected socket to every other
-    rank (``socks``, by rank), which this object then owns.
+    """All-to-all for a world of N ranks over TCP: one connected socket to every other rank
+    (``socks``, by rank; plain or TLS, each a
+    :class:`~foundry.transport.gates.channel.GateChannel`), which this object then owns.
 
     Per gate the rank writes header (20 bytes) + partial to every peer while reading every
     peer's, one non-blocking poll loop over all the sockets (so no multi-MiB prefill partial
@@ -55,15 +53,9 @@ class MeshGateExchange(GateExchange):
         if set(socks) != set(range(world)) - {rank}:
             raise ValueError(f"rank {rank} of {world} needs a socket to every other rank, got "
                              f"ranks {sorted(socks)}")
-        self._socks = dict(sorted(socks.items()))
-        for sock in self._socks.values():
-            if isinstance(sock, ssl.SSLSocket):
-                raise ValueError("the all-to-all gates run over plain TCP only")
-            sock.setblocking(False)
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._tags = {r: bytearray(GATE_HEADER_SIZE) for r in self._socks}
-        self._bufs = {r: np.empty(0, dtype=_F32) for r in self._socks}
+        self._channels = {r: GateChannel(s, f"rank {r}") for r, s in sorted(socks.items())}
+        self._tags = {r: bytearray(GATE_HEADER_SIZE) for r in self._channels}
+        self._bufs = {r: np.empty(0, dtype=_F32) for r in self._channels}
         self._poller = select.poll()
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
@@ -72,26 +64,26 @@ class MeshGateExchange(GateExchange):
     def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
         rows = mine.shape[0]
         peers: dict[int, np.ndarray] = {}
-        for r in self._socks:
+        for r in self._channels:
             if self._bufs[r].size < mine.size:
                 self._bufs[r] = np.empty(mine.size, dtype=_F32)
             peers[r] = self._bufs[r][: mine.size].reshape(rows, self.n_embd)
         out = (memoryview(tag), mine.data.cast("B"))
         total = GATE_HEADER_SIZE + mine.nbytes
-        sent = dict.fromkeys(self._socks, 0)
-        got = dict.fromkeys(self._socks, 0)
+        sent = dict.fromkeys(self._channels, 0)
+        got = dict.fromkeys(self._channels, 0)
         t0 = time.perf_counter()
         last_progress = time.monotonic()
         while True:
             progress = False
-            for r, sock in self._socks.items():
+            for r, ch in self._channels.items():
                 if sent[r] < total:
-                    n = self._io(r, sock.sendmsg, _tail(out, sent[r]), tag)
+                    n = ch.send(_tail(out, sent[r]), tag)
                     sent[r] += n
                     progress = progress or n > 0
                 if got[r] < total:
                     into = (memoryview(self._tags[r]), peers[r].data.cast("B"))
-                    n = self._io(r, functools.partial(_recv_some, sock), _tail(into, got[r]), tag)
+                    n = ch.recv(_tail(into, got[r]), tag, got[r], total)
                     if got[r] < GATE_HEADER_SIZE <= got[r] + n and self._tags[r] != tag:
                         raise self._desync_from(r, tag, bytes(self._tags[r]))
                     got[r] += n
@@ -112,21 +104,6 @@ class MeshGateExchange(GateExchange):
             np.add(acc, p, out=acc)
         return acc
 
-    def _io(self, peer: int, op: Callable[[list[memoryview]], int], views: list[memoryview],
-            tag: bytes) -> int:
-        try:
-            return op(views)
-        except BlockingIOError:
-            return 0
-        except EOFError:
-            raise GateError(f"rank {peer} closed the gate connection during "
-                            f"{_describe(tag)}") from None
-        except OSError as exc:
-            raise GateError(
-                f"gate connection to rank {peer} failed during {_describe(tag)}: "
-                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
-            ) from None
-
     def _desync_from(self, peer: int, tag: bytes, peer_tag: bytes) -> GateError:
         exc = self._desync(tag, peer_tag)
         return GateError(f"rank {peer}: {exc}")
@@ -135,25 +112,15 @@ class MeshGateExchange(GateExchange):
               got: dict[int, int], total: int) -> None:
         left = last_progress + self.timeout_s - time.monotonic()
         if left <= 0:
-            behind = [r for r in self._socks if got[r] < total]
+            behind = [r for r in self._channels if got[r] < total]
             raise GateError(
                 f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
                 f"(waiting for rank{'s' if len(behind) > 1 else ''} "
                 f"{', '.join(map(str, behind))})"
             )
-        registered = []
-        for r, sock in self._socks.items():
-            events = (select.POLLOUT if sent[r] < total else 0) | (
-                select.POLLIN if got[r] < total else 0)
-            if events:
-                self._poller.register(sock, events)
-                registered.append(sock)
-        try:
-            self._poller.poll(max(1, int(left * 1000) + 1))
-        finally:
-            for sock in registered:
-                self._poller.unregister(sock)
+        wants = [(ch, sent[r] < total, got[r] < total) for r, ch in self._channels.items()]
+        poll_channels(self._poller, wants, left)
 
     def _release(self) -> None:
-        for sock in self._socks.values():
-            sock.close()
+        for ch in self._channels.values():
+            ch.close()
