@@ -135,6 +135,8 @@ def test_coordinator_restart_resumes_and_workers_reconnect(tmp_path: Path) -> No
             tmp_path / "coordinator2.log",
         )
         coord.wait_for(rf"resumed from .* at step {saved.step}")
+        # The checkpoint is read before the ports open: wait for them, then ask.
+        coord.wait_for(rf"workers 127\.0\.0\.1:{port}, admin 127\.0\.0\.1:{admin_port}")
         first = wait_step(admin_port, saved.step, 30)
         assert first.global_step >= saved.step, "the step went back after the restart"
         wait_step(admin_port, saved.step + 3, 60)
