@@ -83,13 +83,8 @@ import harness
 import numpy as np
 from tp_gates import cores, pin, raw_exchange
 
-from foundry.model.formats.gguf_io import (
-    FILE_DTYPES,
-    FileDType,
-    load_gguf,
-    load_gguf_stored,
-    save_gguf,
-)
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_model import FILE_DTYPES, FileDType
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.sampling import sample
 from foundry.model.kernels.quant import linear

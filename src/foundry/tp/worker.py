@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.formats.gguf_io import GGUFError
+from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.infer.engines import make_engine
 from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
 from foundry.model.spec.arch import spec as arch_spec
