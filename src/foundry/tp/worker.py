@@ -26,7 +26,6 @@ do while they do. The loop:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import ssl
@@ -40,7 +39,6 @@ from foundry.model.infer.engines import make_engine
 from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.bringup import recv_exact
 from foundry.tp.calibrate import rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
@@ -66,19 +64,18 @@ from foundry.tp.lockstep import (
     TracingExchange,
     failure_kind,
 )
+from foundry.tp.worker_mesh import connect_mesh
 from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
     GateExchange,
-    MeshGateExchange,
     ShmGateExchange,
     TcpGateExchange,
     local_host_id,
 )
-from foundry.transport.tls import PeerContexts, closed_early, refusal_reason, wrap_blocking
+from foundry.transport.tls import PeerContexts, wrap_blocking
 from foundry.wire.tp import (
-    FRAME_HEADER_SIZE,
     CommandAck,
     ControlFrame,
     FrameType,
@@ -93,10 +90,8 @@ from foundry.wire.tp import (
     Stop,
     Sync,
     SyncCheckpoint,
-    TpDecoder,
     TpProtocolError,
     VersionMismatch,
-    World,
     WorldInfo,
     WorldMismatch,
     encode,
@@ -346,7 +341,12 @@ class Worker:
             link.send(CommandAck(status=ACK_ACCEPTED))
             if world > 2:
                 assert gsock is not None
-                gate, gsock = self._mesh(link, gsock, rank, world), None
+                assert self._gate_listener is not None
+                gate = connect_mesh(link, gsock, self._gate_listener, rank=rank, world=world,
+                                    n_embd=self.identity.n_embd, peer_tls=o.peer_tls,
+                                    handshake_timeout_s=o.handshake_timeout_s,
+                                    gate_timeout_s=o.gate_timeout_s, stop=self._stop)
+                gsock = None
             link.deadline = None
             link.set_timeout(o.control_timeout_s)
             assert gate is not None
@@ -412,90 +412,6 @@ class Worker:
             self._gate_listener = listener
         host, port = self._gate_listener.getsockname()[:2]
         return str(host), int(port)
-
-    def _mesh(self, link: ControlLink, leader_sock: socket.socket, rank: int,
-              world: int) -> MeshGateExchange:
-        """The gates of a world of N > 2 ranks: wait for the WORLD frame, dial every worker
-        below this rank, take the connections of every one above, then tell the leader."""
-        o = self.options
-        frame = link.recv("the WORLD frame", idle=lambda: not self._stop.is_set())
-        if not isinstance(frame, World) or len(frame.peers) != world - 1:
-            raise LinkError(f"expected the WORLD frame of {world - 1} workers, got {frame}")
-        link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
-        me = frame.peers[rank - 1]
-        socks: dict[int, socket.socket] = {0: leader_sock}
-        try:
-            for peer in frame.peers[: rank - 1]:
-                host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
-                           ipaddress.IPv6Address(peer.host))
-                raw = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
-                try:
-                    s = self._gate_tls(raw, dialed=True, timeout_s=o.handshake_timeout_s)
-                except (OSError, TimeoutError) as exc:
-                    why = (f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
-                           f"failed in the TLS handshake: {refusal_reason(exc)}")
-                    log.warning("%s", why)
-                    raise LinkError(why) from None
-                socks[peer.rank] = s
-                s.sendall(encode(CommandAck(session_id=rank, seq=peer.token)))
-            listener = self._gate_listener
-            assert listener is not None
-            deadline = time.monotonic() + 2 * o.handshake_timeout_s
-            while len(socks) < world - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(rank + 1, world)) - set(socks))
-                    raise LinkError(f"ranks {missing} did not connect their gates within "
-                                    f"{2 * o.handshake_timeout_s:g} s")
-                if self._stop.is_set():
-                    raise LinkError("stopping before the world formed")
-                listener.settimeout(min(left, 0.25))
-                try:
-                    raw, addr = listener.accept()
-                except TimeoutError:
-                    continue
-                try:
-                    s = self._gate_tls(raw, dialed=False, timeout_s=left)
-                except (OSError, TimeoutError) as exc:
-                    if not closed_early(exc):
-                        log.warning("gate link: refused %s:%d in the TLS handshake: %s",
-                                    addr[0], addr[1], refusal_reason(exc))
-                    continue
-                try:
-                    decoder = TpDecoder()
-                    decoder.feed(recv_exact(s, FRAME_HEADER_SIZE + 4, deadline, left))
-                    hi = decoder.next_event()
-                except (OSError, LinkError, TpProtocolError) as exc:
-                    log.warning("a gate connection failed its first frame: %s", exc)
-                    s.close()
-                    continue
-                if (not isinstance(hi, CommandAck) or hi.seq != me.token
-                        or not rank < hi.session_id < world or hi.session_id in socks):
-                    log.warning("a gate connection presented no token of this world; closed")
-                    s.close()
-                    continue
-                socks[hi.session_id] = s
-            gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=self.identity.n_embd,
-                                    timeout_s=o.gate_timeout_s)
-            log.info("rank %d of %d: gates to ranks %s up%s", rank, world,
-                     ", ".join(map(str, sorted(socks))), " (tls)" if o.peer_tls else "")
-        except BaseException:
-            for s in socks.values():
-                s.close()
-            raise
-        link.send(CommandAck(status=ACK_ACCEPTED))
-        return gate
-
-    def _gate_tls(self, sock: socket.socket, *, dialed: bool,
-                  timeout_s: float) -> socket.socket:
-        """``sock``, a gate link to another worker, under mutual TLS when the world runs TLS:
-        the client side where this worker dialed, the server side where it accepted. Raises
-        what ``wrap_blocking`` raises (``sock`` is closed then)."""
-        ctx = self.options.peer_tls
-        if ctx is None:
-            return sock
-        return wrap_blocking(ctx.dial if dialed else ctx.accept, sock, server_side=not dialed,
-                             timeout_s=min(timeout_s, self.options.handshake_timeout_s))
 
     def _dial(self) -> socket.socket:
         """A connection to the leader's port, TLS done when configured."""
