@@ -29,7 +29,6 @@ from foundry.model.infer.engines import make_engine
 from foundry.model.infer.sampling import SamplingError, logprobs, sample, sample_rows
 from foundry.model.shard import Gate, Shares, share_blocks
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.bringup import Pair
 from foundry.tp.commands import (
     PAIR_FAILURES,
     PairCommands,
@@ -45,6 +44,7 @@ from foundry.tp.lockstep import (
     RankState,
     TracingExchange,
 )
+from foundry.tp.pair import Pair
 from foundry.tp.policy import Pass
 from foundry.tp.scheduler import Scheduler
 from foundry.tp.speculative import (

@@ -12,9 +12,8 @@ import socket
 import threading
 import time
 
-from foundry.tp.bringup import recv_exact
 from foundry.tp.handshake import ACK_ACCEPTED
-from foundry.tp.link import ControlLink, LinkError
+from foundry.tp.link import ControlLink, LinkError, recv_exact
 from foundry.transport.gates import MeshGateExchange
 from foundry.transport.tls import PeerContexts, closed_early, refusal_reason, wrap_blocking
 from foundry.wire.tp import (
