@@ -41,7 +41,7 @@ prompt is encoded by the file's tokenizer (as the leader encodes it), greedy dec
 its end-of-generation token as the leader's does, and a dense model runs once (no experts to
 split). For each pair run the bench says where a token's time goes on the leader: its time in
 the 2 x n_layer gates and, of it, the exchange itself (each gate's shorter time of the two
-ranks); its wait for the worker's half of the logits (``LeaderEngine._join``, timed); and its
+ranks); its wait for the worker's half of the logits (``PairCommands.join``, timed); and its
 own work; and for the one process, the output head's time (each vocabulary half, alone).
 ``--burst-ms`` sets the shaped link's tbf burst (default 10 ms at the rate: a frame smaller
 than that passes at the veth's speed when the bucket is full; 1 ms paces a 524 KB logits half

@@ -63,13 +63,13 @@ class InProcessLeader:
 
 class JoinTimer:
     """The seconds the leader waits, once its own rows are done, for the worker's half of the
-    logits (``LeaderEngine._join``, wrapped): the worker being later than the leader, plus the
+    logits (``PairCommands.join``, wrapped): the worker being later than the leader, plus the
     LOGITS frame's transfer."""
 
     def __init__(self, leader: Leader) -> None:
         self.times: list[float] = []
-        engine = leader.engine
-        join = engine._join
+        commands = leader.engine.commands
+        join = commands.join
 
         def timed(mine: Any) -> Any:
             t0 = time.perf_counter()
@@ -77,7 +77,7 @@ class JoinTimer:
             self.times.append(time.perf_counter() - t0)
             return out
 
-        engine._join = timed  # type: ignore[method-assign]
+        commands.join = timed  # type: ignore[method-assign]
 
 
 def where(tag: str, label: str, pair_rate: float, gates: list[tuple[Gate, float]],
