@@ -21,7 +21,8 @@ from procs import wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # live, harness
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "robustness"))
 
-import churn
+import churn_swarm
+import churn_tp
 import live
 
 from foundry.swarm.policy import INITIAL_DEADLINE_S
@@ -34,7 +35,7 @@ SEED = int(os.environ.get("FOUNDRY_CHURN_SEED", "1"))
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_swarm_survives_worker_and_coordinator_kills(tmp_path: Path) -> None:
-    rep = churn.swarm_soak(tmp_path, seconds=30.0, seed=SEED, workers=3, checkpoint_every=10,
+    rep = churn_swarm.swarm_soak(tmp_path, seconds=30.0, seed=SEED, workers=3, checkpoint_every=10,
                            kill_every=3.0)
     text = f"seed {SEED}\n{rep.summary()}\n" + "\n".join(rep.failures)
     print(text)
@@ -45,14 +46,14 @@ def test_swarm_survives_worker_and_coordinator_kills(tmp_path: Path) -> None:
     assert 0 <= rep.steps_lost <= rep.checkpoint_every, text
     assert rep.checkpoints_verified >= 3, text
     assert rep.rounds_at_deadline == 0 and rep.rounds_abandoned == rep.rounds_emptied, text
-    assert rep.loss_gap <= churn.LOSS_TOLERANCE, text  # no progress lost (below is fine)
+    assert rep.loss_gap <= churn_swarm.LOSS_TOLERANCE, text  # no progress lost (below is fine)
     assert rep.ok, text
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp_pair_survives_worker_kills_during_generation(tmp_path: Path) -> None:
-    rep = churn.tp_soak(tmp_path, seconds=16.0, seed=SEED, clients=3, kill_every=2.0,
+    rep = churn_tp.tp_soak(tmp_path, seconds=16.0, seed=SEED, clients=3, kill_every=2.0,
                         out=lambda line: None)
     text = f"seed {SEED}\n{rep.summary()}\n" + "\n".join(rep.failures)
     print(text)

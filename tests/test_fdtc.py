@@ -914,7 +914,7 @@ def test_transition_table_shape() -> None:
 
 
 def test_exports_file_types_are_the_gguf_writers_in_order() -> None:
-    from foundry.model.formats.gguf_io import FILE_DTYPES
+    from foundry.model.formats.gguf_model import FILE_DTYPES
 
     assert tuple(t.name.lower() for t in FileType) == FILE_DTYPES
     assert [int(t) for t in FileType] == list(range(len(FILE_DTYPES)))

@@ -299,7 +299,7 @@ def test_a_base_held_quantized_trains_as_the_dequantized_one(
     same file dequantized at load."""
     import gguf
 
-    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.gguf_rewrite import rewrite_gguf
     from foundry.model.kernels.quant import QTensor
     from foundry.model.text.data import Corpus
 

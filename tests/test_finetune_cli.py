@@ -159,7 +159,8 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     from tp_harness import Client, InProcessLeader, start_worker, wait_paired
 
     from foundry.model.formats import lora as LR
-    from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, rewrite_gguf
+    from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored
+    from foundry.model.formats.gguf_rewrite import rewrite_gguf
     from foundry.model.infer.inference import Engine
     from foundry.model.text.vocab import load_tokenizer
     from foundry.tp.blas import limit_blas_threads

@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # live, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "robustness"))
 
 import fuzz
+from fuzz_drive import PortStats, drive
+from fuzz_frames import MUTATIONS
+from fuzz_targets import Ending, FrontendTarget, Plan
 
 FRAMES_PER_PORT = 10_000
 
@@ -45,7 +48,7 @@ def test_every_native_port_takes_10000_bad_frames_without_a_crash_or_hang(
         assert p.health_checks >= 10 and not p.health_failures, text
         assert p.connect_failures == 0 and p.garbled_answers == 0, text
         # every mutation kind was sent, and bad bytes were refused the documented way
-        assert set(p.kinds) == set(fuzz.MUTATIONS), (p.port, p.kinds)
+        assert set(p.kinds) == set(MUTATIONS), (p.port, p.kinds)
         assert p.closed_by_service > 0 and p.awaiting > 0, text
         if p.frame_deadline_s is not None:
             assert p.held > 0 and p.deadline_closes == p.held, text
@@ -83,17 +86,17 @@ def silent_port() -> Iterator[int]:
 def test_a_service_that_neither_answers_nor_closes_is_counted_as_a_hang(
     silent_port: int,
 ) -> None:
-    target = fuzz.FrontendTarget(silent_port)
-    stats = fuzz.PortStats(target.name)
+    target = FrontendTarget(silent_port)
+    stats = PortStats(target.name)
     plans = [
-        fuzz.Plan(b"FDFE garbage", 1, 0, fuzz.Ending.CLOSE, 0, ["x/random"]),  # owed: a close
-        fuzz.Plan(b"\x46\x44\x46\x45", 1, 0, fuzz.Ending.PARTIAL, 0, ["x/truncate"]),  # ditto
-        fuzz.Plan(b"", 0, 1, fuzz.Ending.OPEN, 1, []),  # owed: an answer
+        Plan(b"FDFE garbage", 1, 0, Ending.CLOSE, 0, ["x/random"]),  # owed: a close
+        Plan(b"\x46\x44\x46\x45", 1, 0, Ending.PARTIAL, 0, ["x/truncate"]),  # ditto
+        Plan(b"", 0, 1, Ending.OPEN, 1, []),  # owed: an answer
     ]
 
     async def go() -> None:
         for plan in plans:
-            await fuzz.drive(target, plan, stats, hang_s=0.3)
+            await drive(target, plan, stats, hang_s=0.3)
 
     asyncio.run(go())
     assert stats.hangs == 3 and stats.connections == 3, stats

@@ -12,13 +12,8 @@ import numpy.typing as npt
 import pytest
 
 from foundry.model.formats import gguf_io
-from foundry.model.formats.gguf_io import (
-    GGUFError,
-    load_gguf,
-    load_gguf_stored,
-    model_id,
-    save_gguf,
-)
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, save_gguf
+from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.kernels.quant import QTensor
 from foundry.model.spec.config import ModelConfig
 

@@ -58,7 +58,8 @@ from foundry.model.formats.checkpoint_dir import (
     save_checkpoint,
     start_fresh,
 )
-from foundry.model.formats.gguf_io import GGUFError, load_gguf, save_gguf
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
+from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.infer.inference import Engine
 from foundry.model.nn import transformer as T
 from foundry.model.spec.config import ModelConfig

@@ -14,7 +14,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from foundry.model.formats.gguf_io import replacement_type
+from foundry.model.formats.gguf_rewrite import replacement_type
 from foundry.model.kernels import kquants as K
 from foundry.model.kernels.quant import QTensor, QType, quantize
 

@@ -20,13 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model.formats.gguf_io import (
-    load_gguf,
-    load_gguf_stored,
-    save_gguf,
-    storage_type,
-    values_by_type,
-)
+from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, save_gguf, values_by_type
+from foundry.model.formats.gguf_model import storage_type
 from foundry.model.infer.inference import Engine, KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType

@@ -31,7 +31,8 @@ from tp_harness import (
     wait_paired,
 )
 
-from foundry.model.formats.gguf_io import FileDType, load_gguf
+from foundry.model.formats.gguf_io import load_gguf
+from foundry.model.formats.gguf_model import FileDType
 from foundry.model.shard import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import decode

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.formats.gguf_io import FileDType, load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_model import FileDType
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.sampling import sample
 from foundry.model.nn import transformer as T

@@ -59,7 +59,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from foundry.model.formats.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_model import FILE_DTYPES
 from foundry.model.infer import inference
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 
-from foundry.model.formats.gguf_io import FILE_DTYPES, load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
+from foundry.model.formats.gguf_model import FILE_DTYPES
 from foundry.model.kernels import finite
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset

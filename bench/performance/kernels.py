@@ -43,7 +43,7 @@ import harness
 import numpy as np
 from harness import best_of
 
-from foundry.model.formats.gguf_io import storage_type
+from foundry.model.formats.gguf_model import storage_type
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QType

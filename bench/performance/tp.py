@@ -41,12 +41,15 @@ prompt is encoded by the file's tokenizer (as the leader encodes it), greedy dec
 its end-of-generation token as the leader's does, and a dense model runs once (no experts to
 split). For each pair run the bench says where a token's time goes on the leader: its time in
 the 2 x n_layer gates and, of it, the exchange itself (each gate's shorter time of the two
-ranks); its wait for the worker's half of the logits (``LeaderEngine._join``, timed); and its
+ranks); its wait for the worker's half of the logits (``PairCommands.join``, timed); and its
 own work; and for the one process, the output head's time (each vocabulary half, alone).
 ``--burst-ms`` sets the shaped link's tbf burst (default 10 ms at the rate: a frame smaller
 than that passes at the veth's speed when the bucket is full; 1 ms paces a 524 KB logits half
 as a wire would). ``--timeout S`` raises both ranks' gate and control timeouts, for a machine
 busy with other work; ``--no-spec`` skips step 4.
+
+Its parts are modules beside it: the one process (``tp_single``), the pair's ranks and what
+they measured (``tp_ranks``), the shaped link (``tp_link``).
 
 The ``bench`` preset (~1.7 GB of float32 weights: decode is bound by memory bandwidth) is
 built in memory from a seeded normal * 0.02 and written to /tmp once (reused afterwards);
@@ -60,358 +63,55 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import asyncio
 import ctypes
-import dataclasses
 import multiprocessing as mp
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
 from tp_gates import cores, pin, raw_exchange
-
-from foundry.model.formats.gguf_io import (
-    FILE_DTYPES,
-    FileDType,
-    load_gguf,
-    load_gguf_stored,
-    save_gguf,
+from tp_link import CLONE_NEWNET, LINK_SUBNET, Link, enter_netns
+from tp_ranks import (
+    TIMEOUTS,
+    GatePairs,
+    InProcessLeader,
+    JoinTimer,
+    WorkerProc,
+    aligned,
+    counters,
+    exchange_ms,
+    generate,
+    rate,
+    wait_paired,
+    where,
+    with_timeouts,
 )
-from foundry.model.infer.inference import Engine
-from foundry.model.infer.sampling import sample
-from foundry.model.kernels.quant import linear
+from tp_single import build_model, single_process
+
+from foundry.model.formats.gguf_io import load_gguf
+from foundry.model.formats.gguf_model import FILE_DTYPES
 from foundry.model.shard import ExpertSplit, Gate
 from foundry.model.spec.config import PRESETS, ModelConfig
 from foundry.model.text.vocab import load_tokenizer_file
 from foundry.tp.blas import limit_blas_threads
-from foundry.tp.leader import Leader, LeaderOptions
+from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
-from foundry.tp.worker import Worker, WorkerOptions
-from foundry.wire import frontend as fw
 from foundry.wire.tp import GATE_HEADER_SIZE
 
 SPEEDUP_TARGET = 1.6
 LINK_TARGET = 1.4  # the pair over a 1 Gb/s shaped link, against the one process
-LINK_SUBNET = "10.77.0"
-CLONE_NEWNET = 0x40000000
 GATE_TARGET = 2.0
 PROMPT = "Tensor parallel decoding splits every layer in two halves. "
 REPETITIVE = "for i in range(10):\n    print(i)\n" * 6
-STARTUP_S = 120.0
 RAW_ITERS, RAW_WARMUP = 3000, 300
-WORKER_STOP_S = 30.0
-# The gate and control timeouts of both ranks (--timeout; the ranks' defaults unless given):
-# on a machine busy with other work, a rank descheduled for a second would end the pair.
-TIMEOUTS: dict[str, Any] = {}
-
-
-def with_timeouts(options: LeaderOptions) -> LeaderOptions:
-    return dataclasses.replace(options, **TIMEOUTS)
-
-
-def build_model(cfg: ModelConfig, path: Path, seed: int, dtype: FileDType = "f32") -> float:
-    """Write a random model (seeded normal * 0.02, norms 1), stored as ``dtype``, unless the
-    file is already there."""
-    if path.exists():
-        try:
-            if load_gguf(path, select=lambda n, v: None).cfg == cfg:
-                return 0.0
-        except ValueError:
-            pass
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    params = {}
-    for name, shape in cfg.param_shapes().items():
-        if name.endswith("norm.weight"):
-            params[name] = np.ones(shape, np.float32)
-        else:
-            w = rng.standard_normal(shape, dtype=np.float32)
-            w *= np.float32(0.02)
-            params[name] = w
-    save_gguf(path, cfg, params, dtype=dtype)
-    return time.perf_counter() - t0
-
-
-def single_process(
-    model: Path, prompt: list[int], n: int, mode: ExpertSplit, eog: frozenset[int]
-) -> tuple[list[int], float, dict[str, float]]:
-    """Greedy decode in one process: the tokens (up to an end-of-generation token in ``eog``,
-    included, as the leader emits it), the decode tokens/s (after the prompt), and the balance
-    of the two halves it evaluates (see ``Balance``; timed on the single operations)."""
-    m = load_gguf_stored(model)
-    engine = Engine(m.cfg, m.params, expert_split=mode)
-    del m
-    s = engine.new_session()
-    logits = engine.decode(s, prompt)[-1]
-    out = [sample(logits, 0.0)]
-    steps: list[float] = []
-    t0 = time.perf_counter()
-    while len(out) < n and out[-1] not in eog:
-        t1 = time.perf_counter()
-        out.append(sample(engine.decode(s, [out[-1]])[-1], 0.0))
-        steps.append(time.perf_counter() - t1)
-    elapsed = time.perf_counter() - t0
-    # The halves' shares are timed on the single operations (a token's step in C runs them in
-    # one call): the same tokens again with ``step_in_c`` off.
-    engine.step_in_c = False
-    balance = Balance(engine)
-    s = engine.new_session()
-    engine.decode(s, prompt)
-    op_steps: list[float] = []
-    for token in out[:-1]:
-        t1 = time.perf_counter()
-        engine.decode(s, [token])
-        op_steps.append(time.perf_counter() - t1)
-    summary = balance.summary(op_steps)
-    summary["step_ms"] = harness.median(steps) * 1e3 if steps else float("nan")
-    # The output head alone, each part's vocabulary block: one row through it, median of 5.
-    row = np.random.default_rng(0).standard_normal((1, engine.cfg.n_embd), dtype=np.float32)
-    for j, head in enumerate(engine._head):
-        spent = []
-        for _ in range(5):
-            t1 = time.perf_counter()
-            linear(row, head)
-            spent.append(time.perf_counter() - t1)
-        summary[f"head{j}_ms"] = harness.median(spent) * 1e3
-    return out, (len(out) - 1) / elapsed, summary
-
-
-class Balance:
-    """Times each half's share of every gate inside a world-1 engine (same routing, same work
-    as the two ranks): how far apart the halves are, on one core, with no exchange at all.
-
-    ``bound`` is the one process's time over the time a pair would take if each gate cost the
-    slower half's work and nothing else (the replicated work, norms, router and head, counted
-    once): the most a pair can gain from this split, whatever the machine and the transport.
-    Each figure is the median over the decoded tokens, so a token slowed down by another
-    process on the machine does not count.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.gates: list[list[float]] = []  # per gate: seconds of part 0, part 1
-        self.n_layer = engine.cfg.n_layer
-
-        def timed(part_gate: Callable[..., Any]) -> Callable[..., Any]:
-            """A part's share of a gate (engine._attention or _ffn: layer, part j, ...), timed."""
-            def call(layer: int, j: int, *args: Any) -> Any:
-                t0 = time.perf_counter()
-                out = part_gate(layer, j, *args)
-                self._record(j, time.perf_counter() - t0)
-                return out
-            return call
-
-        engine._attention = timed(engine._attention)  # type: ignore[method-assign]
-        engine._ffn = timed(engine._ffn)  # type: ignore[method-assign]
-
-    def _record(self, j: int, seconds: float) -> None:
-        if j == 0:
-            self.gates.append([])
-        self.gates[-1].append(seconds)
-
-    def summary(self, steps: list[float]) -> dict[str, float]:
-        """Medians over the decode steps (each ``steps[i]`` seconds, one token)."""
-        per_gate = np.asarray(self.gates[-len(steps) * 2 * self.n_layer:])  # (gates, parts)
-        per_token = per_gate.reshape(len(steps), -1, per_gate.shape[1])  # (tokens, gates, parts)
-        elapsed = np.asarray(steps)  # (tokens,)
-        split = per_token.sum(axis=(1, 2))  # (tokens,)
-        rest = elapsed - split
-        slowest = per_token.max(axis=2).sum(axis=1)  # (tokens,)
-        halves = per_token.sum(axis=1)  # (tokens, parts)
-        return {
-            "bound": float(np.median(elapsed / (rest + slowest))),
-            "half0_tokens_per_s": float(1 / np.median(rest + halves[:, 0])),
-            "half1_tokens_per_s": float(1 / np.median(rest + halves[:, -1])),
-            # the share of the split work a rank spends waiting for the other at the gates
-            "idle_share": float(np.median(1 - split / (halves.shape[1] * slowest))),
-        }
-
-
-class InProcessLeader:
-    def __init__(self, options: LeaderOptions) -> None:
-        self.leader = Leader(options)
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(STARTUP_S):
-            raise SystemExit("the leader did not start")
-
-    def _run(self) -> None:
-        async def main() -> None:
-            await self.leader.start()
-            self._ready.set()
-            try:
-                await self.leader.wait_stopped()
-            finally:
-                await self.leader.close()
-
-        asyncio.run(main())
-
-    def stop(self) -> None:
-        self.leader.request_stop()
-        self._thread.join(30)
-
-
-class JoinTimer:
-    """The seconds the leader waits, once its own rows are done, for the worker's half of the
-    logits (``LeaderEngine._join``, wrapped): the worker being later than the leader, plus the
-    LOGITS frame's transfer."""
-
-    def __init__(self, leader: Leader) -> None:
-        self.times: list[float] = []
-        engine = leader.engine
-        join = engine._join
-
-        def timed(mine: Any) -> Any:
-            t0 = time.perf_counter()
-            out = join(mine)
-            self.times.append(time.perf_counter() - t0)
-            return out
-
-        engine._join = timed  # type: ignore[method-assign]
-
-
-def where(tag: str, label: str, pair_rate: float, gates: list[tuple[Gate, float]],
-          joins: list[float], steps: int, n_layer: int) -> dict[str, float]:
-    """Where a decoded token's time goes on the leader, ms per token: in the 2 x n_layer gates
-    (the exchange and the wait for the slower rank), waiting for the worker's logits half, and
-    the rest (the leader's own half of the layers and of the head, sampling, the frontend)."""
-    step = 1e3 / pair_rate
-    decode_gates = gates[-2 * n_layer * steps:] if steps else []
-    gate_ms = sum(t for _, t in decode_gates) * 1e3 / max(steps, 1)
-    logits_ms = sum(joins[-steps:]) * 1e3 / max(steps, 1) if steps else 0.0
-    rest = step - gate_ms - logits_ms
-    print(f"{tag} {label}: per token {step:.2f} ms = gates {gate_ms:.2f} + waiting for the "
-          f"worker's logits half {logits_ms:.2f} + the leader's own work {rest:.2f}")
-    return {f"{label}_step_ms": step, f"{label}_gates_ms": gate_ms,
-            f"{label}_logits_wait_ms": logits_ms}
-
-
-def exchange_ms(tag: str, label: str, pairs: GatePairs, steps: int, n_layer: int) -> float:
-    """Of the gates' time per token, the exchange itself, ms: each gate's shorter time of the
-    two ranks (the rank that arrives last waits for nobody), summed over a token's gates."""
-    decode = pairs[-2 * n_layer * steps:] if steps else []
-    if len(decode) < 2 * n_layer * steps:
-        print(f"{tag} {label}: the worker's gate times were lost, no exchange figure")
-        return float("nan")
-    ms = sum(min(lt, wt) for (_, lt), (_, wt) in decode) * 1e3 / steps
-    print(f"{tag} {label}: of the gates, the exchange itself {ms:.2f} ms per token "
-          f"({2 * n_layer} gates; the rest is waiting for the slower rank)")
-    return ms
-
-
-def worker_main(
-    model: str, port: int, core: int | None, shm: bool, trace: str, mode: str,
-    netns: str | None = None, host: str = "127.0.0.1", timeouts: dict[str, Any] | None = None,
-) -> None:
-    """The worker rank (a spawned process): pinned, one BLAS thread, in network namespace
-    ``netns`` if given; on SIGTERM it stops and saves its gate times (gate, seconds) to
-    ``trace``, in the pair's gate order."""
-    pin(core)
-    if netns is not None:
-        enter_netns(f"/var/run/netns/{netns}")
-    limit_blas_threads(1)
-    times: list[tuple[int, float]] = []
-    options = WorkerOptions(model=Path(model), leader_host=host, leader_port=port, shm=shm,
-                            retry_max_s=0.2, expert_split=ExpertSplit(mode))
-    worker = Worker(dataclasses.replace(options, **(timeouts or {})))
-    record = worker._on_gate
-
-    def on_gate(gate: Gate, seconds: float, nbytes: int) -> None:
-        times.append((int(gate), seconds))
-        record(gate, seconds, nbytes)
-
-    worker._on_gate = on_gate  # type: ignore[method-assign]
-    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
-    worker.run()
-    np.save(trace, np.asarray(times, dtype=np.float64).reshape(-1, 2))
-
-
-class WorkerProc:
-    def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path,
-                 mode: ExpertSplit, netns: str | None = None, host: str = "127.0.0.1") -> None:
-        self.trace = trace
-        self.proc = mp.get_context("spawn").Process(
-            target=worker_main,
-            args=(str(model), port, core, shm, str(trace), mode.value, netns, host, TIMEOUTS),
-        )
-        self.proc.start()
-
-    def stop(self) -> list[tuple[Gate, float]]:
-        """Stop the worker; its gate times."""
-        self.proc.terminate()
-        self.proc.join(WORKER_STOP_S)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-            return []
-        return [(Gate(int(g)), float(t)) for g, t in np.load(self.trace)]
-
-
-def enter_netns(path: str) -> None:
-    """Move the calling thread (and the threads and processes it starts later) into the network
-    namespace at ``path`` (a /var/run/netns entry, or /proc/self/ns/net to come back)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {path}")
-    finally:
-        os.close(fd)
-
-
-class Link:
-    """Two network namespaces joined by a veth pair, each end shaped by ``tc tbf`` to the
-    rate (what each side sends), addresses LINK_SUBNET.1 (leader) and .2 (worker)."""
-
-    def __init__(self, rate: str, ip: str, tc: str, burst_ms: float = 10.0) -> None:
-        self.rate, self.ip, self.tc, self.burst_ms = rate, ip, tc, burst_ms
-        self.names = (f"fq{os.getpid()}-leader", f"fq{os.getpid()}-worker")
-        self.made: list[str] = []
-
-    def _run(self, *argv: str) -> None:
-        done = subprocess.run(argv, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{' '.join(argv)} failed: {done.stderr.strip()}")
-
-    def up(self) -> None:
-        for name in self.names:
-            self._run(self.ip, "netns", "add", name)
-            self.made.append(name)
-            self._run(self.ip, "-n", name, "link", "set", "lo", "up")
-        lead, work = self.names
-        self._run(self.ip, "-n", lead, "link", "add", "eth0", "type", "veth", "peer", "name",
-                  "eth0", "netns", work)
-        bits = {"k": 10**3, "m": 10**6, "g": 10**9}[self.rate.rstrip("bit")[-1]]
-        rate_bps = int(self.rate.rstrip("bit")[:-1]) * bits
-        # Burst: burst_ms at the rate (10 ms by default), and never below a 64 KiB GSO segment
-        # (veth sends those). A frame smaller than the burst that finds the bucket full
-        # passes at the veth's speed: the worker's half of a 262k-row head's logits (524 KB)
-        # does with 10 ms at 1gbit (1.25 MB); 1 ms (125 KB) paces it at the rate, as a wire.
-        burst = max(int(rate_bps / 8 * self.burst_ms / 1000), 96 * 1024)
-        for i, name in enumerate(self.names):
-            self._run(self.ip, "-n", name, "addr", "add", f"{LINK_SUBNET}.{i + 1}/24", "dev",
-                      "eth0")
-            self._run(self.ip, "-n", name, "link", "set", "eth0", "up")
-            self._run(self.tc, "-n", name, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                      self.rate, "burst", str(burst), "latency", "20ms")
-
-    def down(self) -> None:
-        for name in reversed(self.made):
-            subprocess.run([self.ip, "netns", "del", name], capture_output=True)
-        self.made.clear()
 
 
 def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tokens: list[int],
@@ -459,66 +159,6 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
             "same_tokens_link": same, "link_pass": passed, **spent}
 
 
-def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
-    """Greedy generation over the frontend link: tokens and their arrival times."""
-    with socket.create_connection(("127.0.0.1", port), timeout=STARTUP_S) as s:
-        s.sendall(fw.encode(fw.Generate(1, prompt, n)))
-        decoder = fw.FrontendDecoder()
-        tokens: list[int] = []
-        times: list[float] = []
-        while True:
-            data = s.recv(65536)
-            if not data:
-                raise SystemExit("the leader closed the frontend link")
-            now = time.perf_counter()
-            decoder.feed(data)
-            while (frame := decoder.next_event()) is not None:
-                if isinstance(frame, fw.Token):
-                    tokens.append(frame.token)
-                    times.append(now)
-                elif isinstance(frame, fw.Error):
-                    raise SystemExit(f"generation failed: {frame.message}")
-                elif isinstance(frame, fw.Done):
-                    return tokens, times
-
-
-def aligned(leader: list[tuple[Gate, float]], worker: list[tuple[Gate, float]], first: int,
-            count: int) -> GatePairs:
-    """Both ranks' times of the leader's gates ``first`` .. ``first + count - 1``. The worker's
-    trace covers its whole pair and ends with the leader's (the last gate of the run), so it
-    is the tail of the leader's (whose length at pairing time would race with a re-synced
-    session's prefill on the engine thread). No pairs when the worker's trace was lost."""
-    if not worker:
-        return []
-    at = first - (len(leader) - len(worker))  # the leader's gate ``first`` in the worker's trace
-    if at < 0:
-        return []
-    return list(zip(leader[first : first + count], worker[at : at + count], strict=False))
-
-
-def wait_paired(leader: Leader, shm: bool) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while not (leader.worker_connected and (leader.status().shared_memory == shm)):
-        if time.monotonic() > deadline:
-            raise SystemExit("the worker did not pair")
-        time.sleep(0.05)
-
-
-def rate(times: list[float]) -> float:
-    return (len(times) - 1) / (times[-1] - times[0])
-
-
-def counters(leader: Leader) -> dict[str, float]:
-    m = leader.metrics
-    return {
-        "gate_sent": m.gate_bytes.labels("sent")._value.get(),
-        "gate_received": m.gate_bytes.labels("received")._value.get(),
-        "control_sent": m.control_bytes.labels("sent")._value.get(),
-        "control_received": m.control_bytes.labels("received")._value.get(),
-        "prompt_reused": m.prompt_tokens_reused._value.get(),
-    }
-
-
 def percentiles_us(values: list[float]) -> tuple[float, float]:
     if not values:  # a rank whose gate trace was lost (it did not stop in time)
         return float("nan"), float("nan")
@@ -555,9 +195,6 @@ def raw_pingpong(nbytes: int, core: int | None) -> list[float]:
     sock.close()
     child.join(30)
     return times
-
-
-GatePairs = list[tuple[tuple[Gate, float], tuple[Gate, float]]]
 
 
 @dataclass

@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.infer.generate import printable
     from foundry.model.infer.inference import Engine
     from foundry.model.infer.sampling import SamplingError, make_rng, sample

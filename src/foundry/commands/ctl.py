@@ -25,7 +25,7 @@ from foundry.commands.common import (
     positive_int,
     positive_seconds,
 )
-from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_model import FILE_DTYPES
 
 DEFAULT_GATEWAY = ("127.0.0.1", 50051)
 # Deadline of a unary call when --timeout is not given; `watch` gets none (it runs until

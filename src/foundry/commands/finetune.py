@@ -56,7 +56,7 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     """Load ``--base-model`` on the ``--device``, its tokenizer, and ``--data`` in its tokens
     (SetupError with the reason on any failure)."""
     from foundry.commands.common import lora_spec
-    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.formats.lora import LoraError, target_tensors
     from foundry.model.text.chat import template_for
     from foundry.model.text.chat_sandbox import ChatTemplateError
@@ -207,7 +207,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         return 1
     print(loss_line(before, val, resumed_at), flush=True)
     if args.out is not None:
-        from foundry.model.formats.gguf_io import GGUFError
+        from foundry.model.formats.gguf_model import GGUFError
 
         try:
             write_result(t, tuner.host_params(), args.out)
@@ -219,7 +219,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
 def write_result(t: Tuning, trainable: dict[str, Any], out: Any) -> None:
     """The adapter file (LoRA) or the whole model in the base's architecture (full)."""
-    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.gguf_rewrite import rewrite_gguf
     from foundry.model.formats.lora import save_adapter
     from foundry.model.spec.arch import spec as arch_spec
 

@@ -20,7 +20,7 @@ from foundry.commands.common import (
     resolve_schedule,
     use_threads,
 )
-from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_model import FILE_DTYPES
 from foundry.model.spec.config import PRESETS
 from foundry.model.train import recipe
 
@@ -142,7 +142,7 @@ def run_train(args: argparse.Namespace) -> int:
         args.steps = recipe.STEPS
     from foundry.model.formats.checkpoint import CheckpointError
     from foundry.model.formats.checkpoint_dir import CheckpointRefused
-    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.nn.device import DeviceError
     from foundry.model.text.data import DataError
 
@@ -275,7 +275,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.formats.lora import LoraError, apply_adapter, load_adapter
     from foundry.model.infer.engines import make_engine
     from foundry.model.infer.generate import generate_tokens

@@ -35,7 +35,7 @@ from foundry.commands.common import (
     whole_in,
 )
 from foundry.model.formats.checkpoint_dir import DEFAULT_KEEP_LAST
-from foundry.model.formats.gguf_io import FILE_DTYPES
+from foundry.model.formats.gguf_model import FILE_DTYPES
 from foundry.model.nn.device import DEVICES, DeviceError
 from foundry.model.spec.config import PRESETS, ModelConfig, preset
 from foundry.model.train import recipe
@@ -478,7 +478,8 @@ def _worker_base(args: argparse.Namespace) -> tuple[Any, Any]:
 def run_export(args: argparse.Namespace) -> int:
     from foundry.model.formats.checkpoint import CheckpointError, load_checkpoint
     from foundry.model.formats.checkpoint_dir import latest_checkpoint
-    from foundry.model.formats.gguf_io import GGUFError, save_gguf
+    from foundry.model.formats.gguf_io import save_gguf
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.formats.outfile import OutputRefused, check_output
 
     try:
@@ -513,10 +514,12 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _export_merged(args: argparse.Namespace) -> int:
-    """The base file with the adapter merged into its tensors (``gguf_io.rewrite_gguf``)."""
+    """The base file with the adapter merged into its tensors (``gguf_rewrite.rewrite_gguf``)."""
     import gguf
 
-    from foundry.model.formats.gguf_io import GGUFError, load_gguf_stored, rewrite_gguf
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_model import GGUFError
+    from foundry.model.formats.gguf_rewrite import rewrite_gguf
     from foundry.model.formats.lora import LoraError, apply_adapter, base_of, load_adapter
     from foundry.model.kernels.quant import dequantize
 

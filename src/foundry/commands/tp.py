@@ -204,7 +204,7 @@ def _limit_threads(n: int) -> int | None:
 
 
 def run_leader(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.shard import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
@@ -281,7 +281,7 @@ def run_leader(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import GGUFError
+    from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.shard import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from foundry.model.formats.checkpoint import CheckpointError
-from foundry.model.formats.gguf_io import GGUFError
+from foundry.model.formats.gguf_model import GGUFError
 from foundry.swarm.core import SwarmCore, SwarmState, clip
 from foundry.swarm.downlink import Downlink
 from foundry.swarm.records import ExportRefused, Records

@@ -15,7 +15,8 @@ import numpy as np
 
 from foundry.model.formats.checkpoint import CheckpointError, CheckpointState, load_checkpoint
 from foundry.model.formats.checkpoint_dir import resume_checkpoint, save_checkpoint
-from foundry.model.formats.gguf_io import FILE_DTYPES, GGUF_MAGIC_BYTES, load_gguf, save_gguf
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
+from foundry.model.formats.gguf_model import FILE_DTYPES, GGUF_MAGIC_BYTES
 from foundry.model.formats.tuning import TunedConfig
 from foundry.model.nn.transformer import init_params
 from foundry.model.text.data import compressor_bits_per_byte
@@ -239,7 +240,7 @@ class Records:
 def export_tuned(target: Path, cfg: TunedConfig, base: Path | None, params: Params) -> None:
     """A fine-tuning run's result: the LoRA adapter file, or (full fine-tuning) the base file
     with the trained tensors in place of its own."""
-    from foundry.model.formats.gguf_io import rewrite_gguf
+    from foundry.model.formats.gguf_rewrite import rewrite_gguf
     from foundry.model.formats.lora import save_adapter
 
     if cfg.spec is not None:

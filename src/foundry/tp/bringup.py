@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import queue
 import secrets
 import select
@@ -39,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from foundry.model.shard import Shares, norm_shares
+from foundry.model.shard import norm_shares
 from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.calibrate import choose_shares, rank_speed
@@ -53,7 +52,8 @@ from foundry.tp.handshake import (
     largest_worker_block,
     world_info,
 )
-from foundry.tp.link import ControlLink, LinkError
+from foundry.tp.link import ControlLink, LinkError, recv_exact
+from foundry.tp.pair import Member, Pair
 from foundry.transport import tls as tls_mod
 from foundry.transport.gates import (
     GateExchange,
@@ -90,92 +90,6 @@ log = logging.getLogger("foundry.tp.leader")
 
 # Connections in the middle of their first bytes / hello at once; more are closed at once.
 MAX_HANDSHAKES = 4
-
-
-class Pair:
-    """A formed pair or world: the workers' control links (rank 1 first), the gate exchange,
-    and the watcher's wake-up pipe."""
-
-    def __init__(
-        self,
-        links: list[ControlLink],
-        gate: GateExchange,
-        transport: GateTransport,
-        shares: Shares = (1, 1),
-    ) -> None:
-        if len(links) != len(shares) - 1:
-            raise ValueError(f"{len(links)} worker links for a world of {len(shares)} ranks")
-        self.links = links
-        self.gate = gate
-        self.transport = transport
-        self.shares = shares
-        self.lost: str | None = None  # set by the watcher: a worker hung up
-        self._wake_r, self._wake_w = os.pipe()
-        self.watcher: threading.Thread | None = None
-
-    @property
-    def link(self) -> ControlLink:
-        """Rank 1's control link (the pair's one)."""
-        return self.links[0]
-
-    @property
-    def world(self) -> int:
-        return len(self.shares)
-
-    def watch(self, on_hangup: Callable[[Pair, int], None]) -> None:
-        """Call ``on_hangup(pair, rank)`` on the watcher thread when a worker hangs up."""
-
-        def run() -> None:
-            poller = select.poll()
-            ranks = {}
-            for rank, link in enumerate(self.links, start=1):
-                fd = link.sock.fileno()
-                poller.register(fd, select.POLLRDHUP | select.POLLHUP)
-                ranks[fd] = rank
-            poller.register(self._wake_r, select.POLLIN)
-            while True:
-                for fd, _ in poller.poll():
-                    if fd == self._wake_r:
-                        return
-                    on_hangup(self, ranks[fd])
-                    return
-
-        self.watcher = threading.Thread(target=run, name="tp-pair-watcher", daemon=True)
-        self.watcher.start()
-
-    def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        if self.watcher is not None and self.watcher is not threading.current_thread():
-            self.watcher.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self.gate.close()
-        for link in self.links:
-            link.close()
-
-
-class Member:
-    """A worker of a world of N > 2 ranks, brought up as far as its gate link to the leader,
-    waiting for the other ranks."""
-
-    def __init__(self, rank: int, link: ControlLink, gate_sock: socket.socket, host: bytes,
-                 gate_port: int) -> None:
-        self.rank = rank
-        self.link = link
-        self.gate_sock = gate_sock
-        self.host = host
-        self.gate_port = gate_port
-
-    def alive(self) -> bool:
-        """False once the worker hung up (nothing it may send while waiting is read here)."""
-        poller = select.poll()
-        poller.register(self.link.sock.fileno(),
-                        select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-        return not poller.poll(0)
-
-    def close(self) -> None:
-        self.gate_sock.close()
-        self.link.close()
 
 
 def _host_bytes(host: str) -> bytes:
@@ -569,34 +483,3 @@ class BringUp:
                 m.close()
             with self._claim_lock:
                 self._held.difference_update(m.rank for m in members)
-
-
-def recv_exact(
-    sock: socket.socket, n: int, deadline: float | None = None, deadline_s: float = 0.0
-) -> bytes:
-    """``n`` bytes; with ``deadline`` (a time.monotonic(), ``deadline_s`` after the frame's
-    first byte) all of them by then (LinkError)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-
-    def late() -> LinkError:
-        return LinkError(f"the peer began a frame and did not finish it within {deadline_s:g} s "
-                         f"(frame deadline); {got} of {n} more bytes came; closed")
-
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise late()
-            sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:])
-        except TimeoutError:
-            if deadline is None:
-                raise
-            raise late() from None
-        if k == 0:
-            raise LinkError(f"the peer closed after {got} of the first {n} bytes")
-        got += k
-    return bytes(buf)

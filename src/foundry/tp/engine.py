@@ -22,14 +22,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
-
 from foundry.model.infer.engines import make_engine
-from foundry.model.infer.sampling import SamplingError, logprobs, sample, sample_rows
+from foundry.model.infer.sampling import SamplingError, sample
 from foundry.model.shard import Gate, Shares, share_blocks
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.bringup import Pair
 from foundry.tp.commands import (
     PAIR_FAILURES,
     PairCommands,
@@ -38,13 +34,15 @@ from foundry.tp.commands import (
     pair_failure_kind,
     stop_links,
 )
+from foundry.tp.engine_tokens import EngineTokens, LogitsHook
 from foundry.tp.frontend_server import Request
 from foundry.tp.handshake import RankModel, load_rank
 from foundry.tp.lockstep import (
     RankState,
     TracingExchange,
 )
-from foundry.tp.policy import Pass, pick_kept_session
+from foundry.tp.pair import Pair
+from foundry.tp.policy import Pass
 from foundry.tp.scheduler import Scheduler
 from foundry.tp.speculative import (
     accepted_drafts,
@@ -58,9 +56,6 @@ from foundry.wire.tp import (
     EvalBatch,
     GateTransport,
     MixedBatch,
-    Rewind,
-    SessionCreate,
-    SessionDestroy,
     Sync,
     Verify,
     VerifyCommit,
@@ -71,10 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("foundry.tp.leader")
 
-F32 = npt.NDArray[np.float32]
-# (request id, the full logits rows the leader sampled from in one step): a debug hook.
-LogitsHook = Callable[[int, F32], None]
-
 # The engine thread's longest sleep while idle: the delay before it notices a stop.
 IDLE_WAIT_S = 0.05
 # Gate latencies kept for diagnostics (Leader.gate_latencies).
@@ -82,7 +73,7 @@ GATE_TRACE = 1 << 16
 
 
 
-class LeaderEngine:
+class LeaderEngine(EngineTokens):
     """The engine thread's side of the leader (see tp/leader.py, "Scheduling")."""
 
     def __init__(
@@ -352,83 +343,6 @@ class LeaderEngine:
             self.sched.prefills.append(req)
         self._count_sessions()
 
-    def _open_session(self) -> int:
-        """SESSION_CREATE on both ranks; the new session's id."""
-        sid = self._next_sid
-        self._next_sid += 1
-        ctx = self.identity.ctx_size
-        try:
-            self.state.create(sid, ctx)
-        except MemoryError:
-            raise SessionRefused(f"no memory for a session of {ctx} positions") from None
-        try:  # created here first: a session that does not fit is refused without the worker
-            self.commands.run(SessionCreate(session_id=sid, ctx_size=ctx), here=False)
-        except SessionRefused:
-            self.state.destroy(sid)
-            raise
-        return sid
-
-    def _continue_kept(self, prompt: list[int]) -> int:
-        """The kept session ``prompt`` continues, rewound on both ranks to the prefix they
-        share (0: none does)."""
-        kept = [(sid, self.state.sessions[sid].tokens) for sid in self.sched.kept]
-        pick = pick_kept_session(prompt, kept)
-        if pick is None:
-            return 0
-        sid, reused = pick
-        self.sched.continue_kept(sid)
-        if reused < self.state.sessions[sid].pos:
-            self.commands.run(Rewind(session_id=sid, pos=reused))
-        self.metrics.prompt_tokens_reused.inc(reused)
-        return sid
-
-    def _keep_or_destroy(self, sid: int) -> None:
-        """A finished generation's session: kept for a later prompt (the least recently
-        used kept one goes when there are too many), or destroyed on both ranks."""
-        for gone in self.sched.keep(sid, self.state.sessions[sid].tokens):
-            self._destroy(gone)
-
-    def _destroy(self, sid: int) -> None:
-        self.commands.run(SessionDestroy(session_id=sid))
-
-    def _count_sessions(self) -> None:
-        self.running = self.sched.running
-        self.metrics.active_sessions.set(len(self.state.sessions))
-        self.metrics.kept_sessions.set(len(self.sched.kept))
-
-    def _resync_next(self) -> None:
-        """Re-sync the next remembered history (the pair is idle): open its session on both
-        ranks and SYNC its tokens; then it is a kept session like any other. A request that
-        arrives meanwhile cancels the sync at its next checkpoint and goes first; the sync
-        resumes from where both ranks stopped."""
-        history = self.sched.resync[0]
-        if history.sid == 0:
-            try:
-                history.sid = self._open_session()
-            except SessionRefused as exc:
-                log.warning("a remembered session of %d tokens was not re-synced: %s",
-                            len(history.tokens), exc)
-                self.sched.resync.popleft()
-                return
-        sid, tokens = history.sid, history.tokens
-        rows = self.commands.run(Sync(session_id=sid, tokens=tuple(tokens)),
-                             self.commands.checkpoint(sid, self._resync_yields))
-        if rows is None:
-            log.info("re-sync paused at position %d of %d: a request goes first",
-                     self.state.sessions[sid].pos, len(tokens))
-            return
-        if self.options.hash_check:
-            self.commands.hash_check()
-        self.sched.resync.popleft()
-        self._keep_or_destroy(sid)
-        self._count_sessions()
-        self.metrics.sessions_resynced.inc()
-        log.info("session re-synced from its history: %d tokens (%d more to re-sync)",
-                 len(tokens), len(self.sched.resync))
-
-    def _resync_yields(self) -> bool:
-        return self._stopping.is_set() or not self._inbox.empty()
-
     def _prefill_alone(self, req: Request) -> None:
         meet = self.commands.checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
         full = self.commands.run(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
@@ -502,89 +416,6 @@ class LeaderEngine:
         for i, token in enumerate(new):
             if not self._accept(req, token, pos0 + 1 + i, full[i]):
                 break
-
-    def _hook(self, req: Request, rows: F32) -> None:
-        if self.logits_hook is not None:
-            self.logits_hook(req.frame.request_id, rows)
-
-    def _sample(self, reqs: list[Request], rows: list[F32]) -> None:
-        """Each request's next token from its row of ``rows`` (in order), then accepted in
-        order. Drawn one after another: ``sample_rows`` can draw wide rows on a pool of
-        threads, which bench/performance/sampling.py has not yet shown to pay (docs/tp.md)."""
-        picks = sample_rows([(row, r.frame.temperature, r.frame.top_p,
-                              r.rng if r.frame.temperature > 0 else None, r.frame.top_k)
-                             for r, row in zip(reqs, rows, strict=True)])
-        for i, (req, pick) in enumerate(zip(reqs, picks, strict=True)):
-            assert req.session is not None
-            self._hook(req, rows[i][None])
-            if isinstance(pick, SamplingError):
-                self._broken_logits(req, pick)
-            else:
-                self._accept(req, pick, req.session.pos, rows[i])
-
-    def _broken_logits(self, req: Request, exc: SamplingError) -> None:
-        """Fail ``req`` alone: INTERNAL naming the model; its session is destroyed on both
-        ranks (never kept: its KV cache may hold the same NaN or infinity)."""
-        assert req.session is not None
-        model = self.options.model.name
-        message = (f"model {model} gave logits that cannot be sampled at position "
-                   f"{req.session.pos} ({exc}); its weights overflow on this input. This "
-                   "request failed; the pair serves on")
-        log.warning("request %d: %s", req.frame.request_id, message)
-        self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL, message))
-        self.sched.remove(req)
-        if req.sid in self.state.sessions:
-            self._destroy(req.sid)
-        self._count_sessions()
-
-    def _accept(self, req: Request, token: int, pos: int, row: F32) -> bool:
-        """Emit one generated token at position ``pos`` (``row``: the logits it was chosen
-        from); False when the request ended."""
-        assert req.session is not None
-        if req.frame.logprobs:
-            lp = logprobs(row, token, req.frame.top_logprobs)
-            self._post(req, fw.Logprobs(
-                req.frame.request_id, token, lp.logprob, req.tokenizer.token_bytes(token),
-                tuple((t, v, req.tokenizer.token_bytes(t)) for t, v in lp.top),
-            ))
-        req.generated += 1
-        req.step_tokens += 1
-        self.tokens_generated += 1
-        reason: fw.DoneReason | None = None
-        if token in req.tokenizer.eog_ids:
-            reason = fw.DoneReason.EOS
-        elif req.generated >= req.frame.max_tokens:
-            reason = fw.DoneReason.MAX_TOKENS
-        elif pos >= req.session.ctx_size:
-            reason = fw.DoneReason.CONTEXT_FULL
-        text, hit = req.stream.push(token, final=reason is not None)
-        if hit:
-            reason = fw.DoneReason.STOP_STRING
-        self._post(req, fw.Token(req.frame.request_id, token, pos, text))
-        if reason is not None:
-            self._finish(req, reason)
-            return False
-        req.next_token = token
-        return True
-
-    def _done(self, req: Request, reason: fw.DoneReason) -> fw.Done:
-        return fw.Done(req.frame.request_id, reason, len(req.prompt), req.generated,
-                       time.monotonic() - req.t0)
-
-    def _finish(self, req: Request, reason: fw.DoneReason) -> None:
-        self._post(req, self._done(req, reason))
-        self.sched.remove(req)
-        if req.sid in self.state.sessions:
-            self._keep_or_destroy(req.sid)
-        self._count_sessions()
-
-    def _post(self, req: Request, frame: fw.Frame) -> None:
-        self._outbox.append((req, frame))
-
-    def _flush(self) -> None:
-        if self._outbox:
-            batch, self._outbox = self._outbox, []
-            self._deliver(batch)
 
     def _account(self, touched: list[Request], seconds: float) -> None:
         m = self.metrics

@@ -77,7 +77,8 @@ from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.bringup import BringUp
-from foundry.tp.engine import LeaderEngine, LogitsHook
+from foundry.tp.engine import LeaderEngine
+from foundry.tp.engine_tokens import LogitsHook
 from foundry.tp.frontend_server import FrontendServer
 from foundry.tp.handshake import RankModel, load_rank
 from foundry.tp.options import LeaderOptions

@@ -26,7 +26,6 @@ do while they do. The loop:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import ssl
@@ -35,12 +34,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.formats.gguf_io import GGUFError
+from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.infer.engines import make_engine
-from foundry.model.shard import MAX_WORLD, ExpertSplit, Gate, Shares, SplitError
+from foundry.model.shard import MAX_WORLD, ExpertSplit, Shares, SplitError
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
-from foundry.tp.bringup import recv_exact
 from foundry.tp.calibrate import rank_speed
 from foundry.tp.handshake import (
     ACK_ACCEPTED,
@@ -58,45 +56,30 @@ from foundry.tp.handshake import (
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
 from foundry.tp.lockstep import (
-    COMMANDS,
-    Checkpoint,
-    LockstepError,
     RankState,
-    Reply,
-    TracingExchange,
-    failure_kind,
 )
+from foundry.tp.worker_mesh import connect_mesh
+from foundry.tp.worker_pair import PAIR_FAILURES, WorkerPair
 from foundry.transport.backoff import backoff_delay
 from foundry.transport.gates import (
     DEFAULT_GATE_TIMEOUT_S,
     GateError,
     GateExchange,
-    MeshGateExchange,
     ShmGateExchange,
     TcpGateExchange,
     local_host_id,
 )
-from foundry.transport.tls import PeerContexts, closed_early, refusal_reason, wrap_blocking
+from foundry.transport.tls import PeerContexts, wrap_blocking
 from foundry.wire.tp import (
-    FRAME_HEADER_SIZE,
     CommandAck,
-    ControlFrame,
     FrameType,
     GateTransport,
-    Hash,
     Hello,
     IdentityMismatch,
-    Logits,
     RankWeight,
     Role,
     SharesFrom,
-    Stop,
-    Sync,
-    SyncCheckpoint,
-    TpDecoder,
-    TpProtocolError,
     VersionMismatch,
-    World,
     WorldInfo,
     WorldMismatch,
     encode,
@@ -114,8 +97,6 @@ MISMATCH_REPEATS = 3
 # How soon a worker whose weight the leader keeps dials again (the shares are chosen when the
 # last worker's weight is in).
 NOTED_RETRY_S = 0.2
-# Failures that end one pair; the worker dials again.
-PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError, OSError)
 
 
 @dataclass(frozen=True)
@@ -162,7 +143,7 @@ class _Noted(Exception):
     own."""
 
 
-class Worker:
+class Worker(WorkerPair):
     def __init__(
         self,
         options: WorkerOptions,
@@ -193,12 +174,6 @@ class Worker:
         self._speed: int | None = options.speed  # measured at the first hello that states it
         self._stop = threading.Event()
         self.pairs_formed = 0
-
-    @property
-    def state(self) -> RankState:
-        """The session table over this rank's engine (once its slices are loaded)."""
-        assert self._state is not None, "no slices loaded yet"
-        return self._state
 
     def _load(self, rank: int, world: int, shares: Shares) -> None:
         """Hold rank's slices of a world of ``world`` ranks holding ``shares`` (read from the
@@ -346,7 +321,12 @@ class Worker:
             link.send(CommandAck(status=ACK_ACCEPTED))
             if world > 2:
                 assert gsock is not None
-                gate, gsock = self._mesh(link, gsock, rank, world), None
+                assert self._gate_listener is not None
+                gate = connect_mesh(link, gsock, self._gate_listener, rank=rank, world=world,
+                                    n_embd=self.identity.n_embd, peer_tls=o.peer_tls,
+                                    handshake_timeout_s=o.handshake_timeout_s,
+                                    gate_timeout_s=o.gate_timeout_s, stop=self._stop)
+                gsock = None
             link.deadline = None
             link.set_timeout(o.control_timeout_s)
             assert gate is not None
@@ -413,90 +393,6 @@ class Worker:
         host, port = self._gate_listener.getsockname()[:2]
         return str(host), int(port)
 
-    def _mesh(self, link: ControlLink, leader_sock: socket.socket, rank: int,
-              world: int) -> MeshGateExchange:
-        """The gates of a world of N > 2 ranks: wait for the WORLD frame, dial every worker
-        below this rank, take the connections of every one above, then tell the leader."""
-        o = self.options
-        frame = link.recv("the WORLD frame", idle=lambda: not self._stop.is_set())
-        if not isinstance(frame, World) or len(frame.peers) != world - 1:
-            raise LinkError(f"expected the WORLD frame of {world - 1} workers, got {frame}")
-        link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
-        me = frame.peers[rank - 1]
-        socks: dict[int, socket.socket] = {0: leader_sock}
-        try:
-            for peer in frame.peers[: rank - 1]:
-                host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
-                           ipaddress.IPv6Address(peer.host))
-                raw = socket.create_connection((host, peer.gate_port), o.handshake_timeout_s)
-                try:
-                    s = self._gate_tls(raw, dialed=True, timeout_s=o.handshake_timeout_s)
-                except (OSError, TimeoutError) as exc:
-                    why = (f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
-                           f"failed in the TLS handshake: {refusal_reason(exc)}")
-                    log.warning("%s", why)
-                    raise LinkError(why) from None
-                socks[peer.rank] = s
-                s.sendall(encode(CommandAck(session_id=rank, seq=peer.token)))
-            listener = self._gate_listener
-            assert listener is not None
-            deadline = time.monotonic() + 2 * o.handshake_timeout_s
-            while len(socks) < world - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(rank + 1, world)) - set(socks))
-                    raise LinkError(f"ranks {missing} did not connect their gates within "
-                                    f"{2 * o.handshake_timeout_s:g} s")
-                if self._stop.is_set():
-                    raise LinkError("stopping before the world formed")
-                listener.settimeout(min(left, 0.25))
-                try:
-                    raw, addr = listener.accept()
-                except TimeoutError:
-                    continue
-                try:
-                    s = self._gate_tls(raw, dialed=False, timeout_s=left)
-                except (OSError, TimeoutError) as exc:
-                    if not closed_early(exc):
-                        log.warning("gate link: refused %s:%d in the TLS handshake: %s",
-                                    addr[0], addr[1], refusal_reason(exc))
-                    continue
-                try:
-                    decoder = TpDecoder()
-                    decoder.feed(recv_exact(s, FRAME_HEADER_SIZE + 4, deadline, left))
-                    hi = decoder.next_event()
-                except (OSError, LinkError, TpProtocolError) as exc:
-                    log.warning("a gate connection failed its first frame: %s", exc)
-                    s.close()
-                    continue
-                if (not isinstance(hi, CommandAck) or hi.seq != me.token
-                        or not rank < hi.session_id < world or hi.session_id in socks):
-                    log.warning("a gate connection presented no token of this world; closed")
-                    s.close()
-                    continue
-                socks[hi.session_id] = s
-            gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=self.identity.n_embd,
-                                    timeout_s=o.gate_timeout_s)
-            log.info("rank %d of %d: gates to ranks %s up%s", rank, world,
-                     ", ".join(map(str, sorted(socks))), " (tls)" if o.peer_tls else "")
-        except BaseException:
-            for s in socks.values():
-                s.close()
-            raise
-        link.send(CommandAck(status=ACK_ACCEPTED))
-        return gate
-
-    def _gate_tls(self, sock: socket.socket, *, dialed: bool,
-                  timeout_s: float) -> socket.socket:
-        """``sock``, a gate link to another worker, under mutual TLS when the world runs TLS:
-        the client side where this worker dialed, the server side where it accepted. Raises
-        what ``wrap_blocking`` raises (``sock`` is closed then)."""
-        ctx = self.options.peer_tls
-        if ctx is None:
-            return sock
-        return wrap_blocking(ctx.dial if dialed else ctx.accept, sock, server_side=not dialed,
-                             timeout_s=min(timeout_s, self.options.handshake_timeout_s))
-
     def _dial(self) -> socket.socket:
         """A connection to the leader's port, TLS done when configured."""
         o = self.options
@@ -505,114 +401,3 @@ class Worker:
             return sock
         return wrap_blocking(o.tls, sock, server_side=False, server_hostname=o.leader_host,
                              timeout_s=o.handshake_timeout_s)
-
-    # -- one pair ------------------------------------------------------------------------
-
-    def _serve(self, link: ControlLink, gate: GateExchange, transport: GateTransport) -> bool:
-        """Run commands until the pair ends; True when the leader sent STOP."""
-        log.info("paired with the leader at %s: gates over %s", link.peer, transport.value)
-        self.pairs_formed += 1
-        self.state.reset()
-        self.state.exchange = TracingExchange(gate, self._on_gate)
-        self.metrics.worker_connected.set(1)
-        sent, received = 0, 0
-        try:
-            while True:
-                frame = link.recv("the next command", idle=lambda: not self._stop.is_set())
-                if isinstance(frame, Stop):
-                    log.info("the leader stopped the pair")
-                    return True
-                self._apply(link, frame)
-                self._export(link, sent, received)
-                sent, received = link.bytes_sent, link.bytes_received
-        except PAIR_FAILURES as exc:
-            if not self._stop.is_set():
-                kind = failure_kind(exc)
-                self.metrics.failures.labels(kind).inc()
-                log.warning("pair with the leader lost (%s): %s; dialing again", kind, exc)
-            return False
-        finally:
-            self.metrics.worker_connected.set(0)
-            self.metrics.active_sessions.set(0)
-            self.state.reset()
-            self.state.exchange = None
-            gate.close()
-            link.close()
-
-    def _apply(self, link: ControlLink, frame: object) -> None:
-        """Run one command (``lockstep.COMMANDS``) and send the reply the table names."""
-        st = self.state
-        if isinstance(frame, Hash):
-            self._hash_check(link, frame)
-            return
-        command = COMMANDS.get(getattr(frame, "TYPE", None))  # type: ignore[arg-type]
-        if command is None:
-            name = getattr(getattr(frame, "TYPE", None), "name", type(frame).__name__)
-            raise LinkError(f"the leader sent {name}, which is not a command; out of step")
-        assert isinstance(frame, ControlFrame)
-        checkpoint = self._checkpoint(link, frame) if isinstance(frame, Sync) else None
-        status = ACK_ACCEPTED
-        try:
-            rows = command.run(st, frame, checkpoint)
-        except MemoryError:
-            if command.reply is not Reply.COMMAND_ACK:
-                raise
-            log.error("no memory for %s", frame)
-            rows, status = None, 1
-        if command.reply is Reply.COMMAND_ACK:
-            link.send(CommandAck(session_id=frame.session_id, status=status))
-        elif command.reply is Reply.LOGITS and rows is not None:
-            link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
-        self.metrics.active_sessions.set(len(st.sessions))
-
-    def _checkpoint(self, link: ControlLink, sync: Sync) -> Checkpoint:
-        def meet(current: int, total: int) -> int | None:
-            theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the leader's sync checkpoint")
-            assert isinstance(theirs, SyncCheckpoint)
-            if (theirs.session_id, theirs.current, theirs.total) != (sync.session_id, current,
-                                                                    total):
-                raise LockstepError(
-                    f"sync checkpoint of session {theirs.session_id} at {theirs.current}/"
-                    f"{theirs.total}; this rank is at {current}/{total} of session "
-                    f"{sync.session_id}"
-                )
-            mine = self._stop.is_set()
-            link.send(SyncCheckpoint(session_id=sync.session_id, point=theirs.point,
-                                     current=current, total=total, requested=mine))
-            stop = theirs.requested or mine
-            if self.state.engine.world > 2:  # every rank goes by the leader's verdict
-                verdict = link.expect(FrameType.SYNC_CHECKPOINT, "the leader's verdict")
-                assert isinstance(verdict, SyncCheckpoint)
-                if verdict.point != theirs.point or (mine and not verdict.requested):
-                    raise LockstepError(f"the leader's verdict at {verdict.current}/"
-                                        f"{verdict.total} disagrees with its checkpoint")
-                stop = verdict.requested
-            if stop:
-                log.info("sync of session %d cancelled at %d of %d", sync.session_id, current,
-                         total)
-                return None
-            return theirs.point
-
-        return meet
-
-    def _hash_check(self, link: ControlLink, theirs: Hash) -> None:
-        value = self.state.state_hash()
-        link.send(Hash(seq=self.state.step, value=value))
-        if (theirs.seq, theirs.value) == (self.state.step, value):
-            self.metrics.hash_checks.labels("match").inc()
-            return
-        self.metrics.hash_checks.labels("mismatch").inc()
-        log.error("lockstep hash mismatch: leader step %d hash %#018x, worker step %d hash %#018x",
-                  theirs.seq, theirs.value, self.state.step, value)
-
-    def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
-        self.metrics.record_gate(seconds, nbytes)
-
-    def _export(self, link: ControlLink, sent: int, received: int) -> None:
-        m = self.metrics
-        m.control_bytes.labels("sent").inc(link.bytes_sent - sent)
-        m.control_bytes.labels("received").inc(link.bytes_received - received)
-        for phase, n in self.state.kept.items():
-            if n > self._kept[phase]:
-                m.tokens.labels(phase).inc(n - self._kept[phase])
-        self._kept = dict(self.state.kept)

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from foundry.model.formats.checkpoint import CheckpointError, load_checkpoint
 from foundry.model.formats.checkpoint_dir import list_checkpoints
-from foundry.model.formats.gguf_io import GGUF_MAGIC_BYTES
+from foundry.model.formats.gguf_model import GGUF_MAGIC_BYTES
 from foundry.model.formats.tuning import TunedConfig
 from foundry.model.infer.generate import greedy_text, printable
 from foundry.model.text.data import compressor_bits_per_byte, load_corpus, primed_bits_per_byte
@@ -299,7 +299,8 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     """`foundry up --model FILE`: the gateway and the pair on a published file, no training.
     Runs inside ``_run_locked``'s signal handling; a StopRequested or StackError propagates
     to it."""
-    from foundry.model.formats.gguf_io import GGUFError, load_gguf
+    from foundry.model.formats.gguf_io import load_gguf
+    from foundry.model.formats.gguf_model import GGUFError
 
     try:  # refuse a file the pair cannot run before any process starts, in one line
         load_gguf(model, select=lambda name, view: None)
@@ -328,7 +329,8 @@ def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminL
     """`foundry up --base-model FILE --data PATH`: the coordinator and workers fine-tune the
     file with LoRA, the coordinator exports the adapter, the pair serves the base with it
     behind the gateway. Runs inside ``_run_locked``'s signal handling."""
-    from foundry.model.formats.gguf_io import GGUFError, load_gguf
+    from foundry.model.formats.gguf_io import load_gguf
+    from foundry.model.formats.gguf_model import GGUFError
 
     assert opt.base_model is not None
     try:  # refuse a file the swarm cannot tune before any process starts, in one line

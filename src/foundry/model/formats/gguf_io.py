@@ -1,31 +1,5 @@
-"""GGUF model files, written and read with the ``gguf`` package in llama.cpp's conventions.
-
-What a file holds
------------------
-- ``general.architecture = "llama"``, ``general.name``, ``general.file_type`` (0 all f32,
-  1 mostly f16, 7 mostly Q8_0, 2 mostly Q4_0: llama.cpp's ``LlamaFileType``), and in a quantized
-  file ``general.quantization_version`` 2.
-- Hyper-parameters under ``llama.``: ``context_length`` (n_ctx), ``embedding_length``,
-  ``block_count``, ``feed_forward_length`` (routed expert n_ff), ``attention.head_count``,
-  ``attention.head_count_kv``, ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``,
-  ``rope.dimension_count`` (head_dim), ``expert_count``, ``expert_used_count``, ``vocab_size``.
-  A shared expert adds ``llama.expert_shared_feed_forward_length``: our extension (the key is
-  the one gguf-py names for Qwen-MoE); llama.cpp's "llama" loader knows neither the key nor the
-  ``ffn_*_shexp`` tensors, so only files without a shared expert load there.
-- The byte-level tokenizer: ``tokenizer.ggml.model = "llama"``, tokens ``<unk>``, ``<s>``,
-  ``</s>``, ``<0x00>`` ... ``<0xFF>`` (token ``b + 3`` is byte ``b``), scores 0, token types
-  2, 3, 3 then 6, BOS 1, EOS 2, UNK 0, ``add_bos_token`` true, ``add_space_prefix`` false.
-  llama.cpp's SentencePiece tokenizer escapes spaces to U+2581 before looking up pieces, so
-  its own tokenization of a prompt differs from ours at spaces; give it token ids to compare.
-- One tensor per entry of :meth:`ModelConfig.param_shapes`, under the same name, in the same
-  order. Arrays are numpy (out, in); gguf-py writes the reversed dims, so ggml sees
-  ``token_embd`` as ne = [n_embd, n_vocab]. In an f16 or quantized file the norm vectors and
-  the router (``ffn_gate_inp``) stay f32, as llama.cpp's converter and ``llama-quantize`` keep
-  them: top-k routing is sensitive to the router's rounding. A quantized file (``q8_0``,
-  ``q4_0``, quantized by the ``gguf`` package) stores every other tensor in that type, as
-  ``llama-quantize`` does, except where a row is not whole blocks of 32 (then f16, its last
-  fallback too) and the output head of ``q4_0``, which llama.cpp makes Q6_K and we make Q8_0
-  (the ``gguf`` package writes no K-quants).
+"""GGUF model files, written and read with the ``gguf`` package in llama.cpp's conventions;
+what a Foundry file holds is :mod:`~foundry.model.formats.gguf_model`.
 
 ``load_gguf`` gives float32 arrays; ``load_gguf_stored`` keeps every F16 and block-quantized
 tensor as a :class:`~foundry.model.kernels.quant.QTensor` in its stored type (norms and routers
@@ -50,67 +24,42 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 
 from foundry.model.formats import gguf_meta
-from foundry.model.formats.gguf_meta import expect_list, shown
+from foundry.model.formats.gguf_model import (
+    ARCH,
+    FILE_TYPES,
+    GGUF_MAGIC_BYTES,
+    TOKEN_TYPES,
+    TOKENS,
+    F32Array,
+    FileDType,
+    GGUFError,
+    config_from_metadata,
+    keeps_f32,
+    storage_type,
+)
 from foundry.model.kernels import finite, quant
 from foundry.model.kernels.types import TYPES
-from foundry.model.spec.arch import ARCHS, LIMITS, ArchConfig
+from foundry.model.spec.arch import ArchConfig
 from foundry.model.spec.arch import spec as spec_of
-from foundry.model.spec.config import (
-    BOS_ID,
-    EOS_ID,
-    N_BYTE_TOKENS,
-    UNK_ID,
-    VOCAB_SIZE,
-    ConfigError,
-    ModelConfig,
-)
+from foundry.model.spec.config import BOS_ID, EOS_ID, UNK_ID, VOCAB_SIZE, ModelConfig
 
-ARCH = "llama"
-GGUF_MAGIC_BYTES = gguf_meta.MAGIC
 # Bytes hashed per read when identifying a model: large enough to run at disk speed,
 # small enough to stay out of the way of a Raspberry Pi's memory.
 _HASH_CHUNK = 1 << 20
 
-FileDType = Literal["f32", "f16", "q8_0", "q4_0"]
-FILE_DTYPES: tuple[FileDType, ...] = ("f32", "f16", "q8_0", "q4_0")
-F32Array = npt.NDArray[np.float32]
 # (tensor name, read-only memory-mapped tensor: float32 numpy for F32, else a QTensor over the
 # file's bytes) -> the part to keep, or None.
 Selector = Callable[[str, quant.Param], quant.Param | None]
 
-TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(N_BYTE_TOKENS)))
-_T = gguf.TokenType
-TOKEN_TYPES: tuple[int, ...] = (
-    int(_T.UNKNOWN), int(_T.CONTROL), int(_T.CONTROL), *(int(_T.BYTE),) * N_BYTE_TOKENS
-)
-assert len(TOKENS) == VOCAB_SIZE and (UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2)
-
 _QT = gguf.GGMLQuantizationType
-_FILE_TYPES: dict[FileDType, int] = {
-    "f32": int(gguf.LlamaFileType.ALL_F32),
-    "f16": int(gguf.LlamaFileType.MOSTLY_F16),
-    "q8_0": int(gguf.LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": int(gguf.LlamaFileType.MOSTLY_Q4_0),
-}
-# The storage type of the big tensors of each file type, and of its output head.
-_STORE: dict[FileDType, tuple[gguf.GGMLQuantizationType, gguf.GGMLQuantizationType]] = {
-    "f32": (_QT.F32, _QT.F32),
-    "f16": (_QT.F16, _QT.F16),
-    "q8_0": (_QT.Q8_0, _QT.Q8_0),
-    "q4_0": (_QT.Q4_0, _QT.Q8_0),
-}
 _READABLE = set(TYPES)
-
-
-class GGUFError(ValueError):
-    """A GGUF file that is not a Foundry model: names the key, tensor or shape at fault."""
 
 
 P = TypeVar("P", F32Array, quant.Param)
@@ -123,20 +72,6 @@ class LoadedModel(Generic[P]):
     # for the tensors stored in another type (load_gguf_stored).
     params: dict[str, P]
     metadata: dict[str, Any]  # every key-value pair of the file, plain Python values
-
-
-def _keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
-
-
-def storage_type(dtype: FileDType, name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
-    """The type a tensor gets in a file of type ``dtype`` (see the module docstring)."""
-    if _keeps_f32(name, shape):
-        return _QT.F32
-    qtype = _STORE[dtype][1 if name == "output.weight" else 0]
-    if shape[-1] % quant.block_values(qtype):
-        return _QT.F16
-    return qtype
 
 
 def _check_params(cfg: ModelConfig, params: Mapping[str, quant.Param]) -> None:
@@ -164,7 +99,8 @@ def _check_storable(cfg: ModelConfig, params: Mapping[str, quant.Param], dtype: 
                             "was written")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync ``directory``, so a file renamed into it is there after a crash."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -183,8 +119,8 @@ def save_gguf(
 
     float32 parameters are stored as ``dtype`` says (module docstring); a QTensor is written in
     the type it already has (a file read with ``load_gguf_stored`` writes back unchanged)."""
-    if dtype not in _FILE_TYPES:
-        raise GGUFError(f"dtype must be one of {sorted(_FILE_TYPES)}, got {dtype!r}")
+    if dtype not in FILE_TYPES:
+        raise GGUFError(f"dtype must be one of {sorted(FILE_TYPES)}, got {dtype!r}")
     if not name:
         raise GGUFError("name must not be empty (it is general.name)")
     _check_params(cfg, params)
@@ -193,7 +129,7 @@ def save_gguf(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     w = gguf.GGUFWriter(tmp, ARCH)
     w.add_name(name)
-    w.add_file_type(_FILE_TYPES[dtype])
+    w.add_file_type(FILE_TYPES[dtype])
     w.add_context_length(cfg.n_ctx)
     w.add_embedding_length(cfg.n_embd)
     w.add_block_count(cfg.n_layer)
@@ -249,114 +185,12 @@ def save_gguf(
         if isinstance(exc, OSError):
             raise GGUFError(f"could not write {path}: {exc}") from exc
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _metadata(reader: _Reader) -> dict[str, Any]:
     return dict(reader.fields)
 
-
-def _require(meta: Mapping[str, Any], key: str, path: Path) -> Any:
-    if key not in meta:
-        raise GGUFError(f"{path}: missing metadata key {key!r}")
-    return meta[key]
-
-
-def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
-    """The config a file's metadata describes, every number range-checked before it sizes
-    anything: a plain ``ModelConfig`` for Foundry's own files (llama with experts and the byte
-    vocabulary), an :class:`~foundry.model.spec.arch.ArchConfig` for any other architecture of
-    :data:`~foundry.model.spec.arch.ARCHS`. A file we cannot run raises one line naming the
-    architecture or the key."""
-    name = _require(meta, "general.architecture", path)
-    spec = ARCHS.get(name) if isinstance(name, str) else None
-    if spec is None:
-        raise GGUFError(
-            f"{path}: architecture {name!r} is not supported (Foundry runs "
-            f"{', '.join(sorted(ARCHS))}; docs/models.md)"
-        )
-    a = name
-
-    def num(key: str, default: int | float | None = None, kind: type = int) -> Any:
-        full = f"{a}.{key}"
-        value = meta.get(full, default)
-        if value is None:
-            raise GGUFError(f"{path}: missing metadata key {full!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GGUFError(f"{path}: {full} is {shown(value)}, expected a number")
-        if not math.isfinite(value):
-            raise GGUFError(f"{path}: {full} is {value!r}, expected a finite number")
-        if kind is int and (not float(value).is_integer() or value < 0):
-            raise GGUFError(f"{path}: {full} is {value!r}, expected a whole number >= 0")
-        return kind(value)
-
-    for key in ("rope.scaling.type", "final_logit_softcapping", "expert_gating_func",
-                "expert_weights_scale", "attention.sliding_window_pattern"):
-        value = meta.get(f"{a}.{key}")
-        if value not in (None, "none", 0, 0.0) and not (
-                key == "expert_gating_func" and value == 1) and not (
-                key == "expert_weights_scale" and value == 1.0):
-            raise GGUFError(f"{path}: {a}.{key} = {value!r} is not supported")
-    try:
-        tokens = expect_list("tokenizer.ggml.tokens",
-                             _require(meta, "tokenizer.ggml.tokens", path), str, GGUFError)
-    except GGUFError as exc:
-        raise GGUFError(f"{path}: {exc}") from None
-    n_tokens = len(tokens)
-    n_vocab = num("vocab_size", n_tokens)
-    if n_vocab != n_tokens:
-        raise GGUFError(f"{path}: {a}.vocab_size is {n_vocab} but there are {n_tokens} tokens")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"):
-        tid = meta.get(key)
-        if tid is not None and not (isinstance(tid, int) and 0 <= tid < n_vocab):
-            raise GGUFError(f"{path}: {key} is {tid!r}, outside the vocabulary [0, {n_vocab})")
-    n_expert = num("expert_count", 0)
-    values: dict[str, Any] = {
-        "n_vocab": n_vocab,
-        "n_ctx": num("context_length"),
-        "n_embd": num("embedding_length"),
-        "n_layer": num("block_count"),
-        "n_head": num("attention.head_count"),
-        "norm_eps": num("attention.layer_norm_rms_epsilon", kind=float),
-        "rope_theta": num("rope.freq_base", 10000.0, float),
-        "n_expert": n_expert,
-        "n_expert_used": num("expert_used_count", 0 if n_expert == 0 else None),
-        "n_ff_shared": num("expert_shared_feed_forward_length", 0),
-    }
-    values["n_head_kv"] = num("attention.head_count_kv", values["n_head"])
-    values["n_ff"] = (num("expert_feed_forward_length") if spec.name == "qwen3moe"
-                      else num("feed_forward_length"))
-    for field_name, value in values.items():
-        top = LIMITS.get(field_name)
-        if top is not None and value > top:
-            raise GGUFError(f"{path}: metadata states {field_name} = {value}, above {top}")
-    ours = (a == "llama" and n_expert > 0 and tuple(tokens) == TOKENS
-            and meta.get("tokenizer.ggml.model") == "llama")
-    key_length = num("attention.key_length", 0)
-    value_length = num("attention.value_length", key_length)
-    if value_length != key_length:
-        raise GGUFError(f"{path}: {a}.attention.value_length {value_length} differs from "
-                        f"key_length {key_length} (not supported)")
-    try:
-        if ours and key_length in (0, values["n_embd"] // max(values["n_head"], 1)):
-            cfg: ModelConfig = ModelConfig(**values)
-        else:
-            extra: dict[str, Any] = {"architecture": a, "key_length": key_length}
-            if spec.sliding_window:
-                extra["sliding_window"] = num("attention.sliding_window", 0)
-                extra["swa_pattern"] = spec.swa_pattern
-                extra["rope_theta_swa"] = num("rope.freq_base_swa", 10000.0, float)
-            cfg = ArchConfig(**values, **extra)
-    except (ConfigError, TypeError) as exc:
-        raise GGUFError(f"{path}: metadata describes no valid model: {exc}") from exc
-    rope_dim = num("rope.dimension_count", cfg.head_dim)
-    if rope_dim != cfg.head_dim:
-        raise GGUFError(
-            f"{path}: {a}.rope.dimension_count is {rope_dim}, expected head_dim {cfg.head_dim} "
-            "(partial rotary embedding is not supported)"
-        )
-    return cfg
 
 
 def _tied(cfg: ModelConfig, names: set[str], path: Path) -> ModelConfig:
@@ -450,7 +284,7 @@ def _load(
         stored = quant.from_stored(t.tensor_type, t.data)
         view = stored if select is None else select(tname, stored)
         if view is not None:
-            params[tname] = _own_copy(view, keep_quantized and not _keeps_f32(tname, shape),
+            params[tname] = _own_copy(view, keep_quantized and not keeps_f32(tname, shape),
                                       reader.release_view)
             why = finite.nonfinite(params[tname])
             if why is not None:
@@ -568,93 +402,3 @@ class _Reader:
         if nbytes and hasattr(mmap, "MADV_DONTNEED") and hasattr(self._map, "madvise"):
             start = offset - offset % mmap.PAGESIZE
             self._map.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-
-
-# -- a published file with some tensors replaced -------------------------------------------------
-
-WRITABLE: tuple[gguf.GGMLQuantizationType, ...] = (
-    _QT.F32, _QT.F16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q4_K, _QT.Q6_K)
-"""The storage types Foundry writes (``quant.quantize``); a tensor stored in another (Q5_K,
-Q2_K, Q3_K, the i-quants) is written as :data:`FALLBACK` when it is replaced."""
-FALLBACK = _QT.Q8_0
-
-
-def replacement_type(stored: gguf.GGMLQuantizationType, shape: tuple[int, ...],
-                     forced: gguf.GGMLQuantizationType | None = None
-                     ) -> gguf.GGMLQuantizationType:
-    """The type a replaced tensor is written in: ``forced``, else the one it had where Foundry
-    writes it, else Q8_0; F16 where a row is not whole blocks of the chosen type; vectors F32."""
-    if len(shape) == 1:
-        return _QT.F32
-    qtype = forced or (stored if stored in WRITABLE else FALLBACK)
-    if qtype not in (_QT.F32, _QT.F16) and shape[-1] % quant.block_values(qtype):
-        return _QT.F16
-    return qtype
-
-
-def rewrite_gguf(src: str | Path, dst: str | Path, replaced: Mapping[str, F32Array],
-                 forced: gguf.GGMLQuantizationType | None = None) -> dict[str, str]:
-    """Write ``dst`` as a copy of the GGUF file ``src`` (its key/value pairs byte for byte, its
-    tensors in order) with the float32 tensors of ``replaced`` in place of the file's own,
-    each stored as :func:`replacement_type` says (atomically: temp file + rename). Returns
-    the type each replaced tensor was written in, by name."""
-    src, dst = Path(src), Path(dst)
-    with src.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        layout = gguf_meta.read_layout(buf, src)
-        align = int(layout.metadata.get("general.alignment", gguf_meta.DEFAULT_ALIGNMENT))
-        names = {t.name for t in layout.tensors}
-        unknown = sorted(set(replaced) - names)
-        if unknown:
-            raise GGUFError(f"{src} has no tensor {unknown[0]!r}")
-        # (tensor, type, new bytes or the (start, end) of its bytes in src)
-        pieces: list[tuple[gguf_meta.TensorInfo, int, bytes | tuple[int, int]]] = []
-        written: dict[str, str] = {}
-        for t in layout.tensors:
-            qtype = gguf.GGMLQuantizationType(t.ggml_type)
-            values, size = gguf.GGML_QUANT_SIZES[qtype]
-            n = math.prod(t.dims)
-            if t.name in replaced:
-                value = np.ascontiguousarray(replaced[t.name], np.float32)
-                if value.shape != tuple(reversed(t.dims)):
-                    raise GGUFError(f"tensor {t.name!r} is {value.shape} in {src}, "
-                                    f"{tuple(reversed(t.dims))} given")
-                qtype = replacement_type(qtype, value.shape, forced)
-                why = finite.overflow(value, qtype)
-                if why is not None:
-                    raise GGUFError(f"cannot write tensor {t.name!r} as {qtype.name}: {why}")
-                data: bytes | tuple[int, int] = (
-                    value.tobytes() if qtype == _QT.F32 else quant.quantize(value, qtype).data
-                    .tobytes())
-                written[t.name] = qtype.name
-            else:
-                data = (t.offset, t.offset + n // values * size)
-            pieces.append((t, int(qtype), data))
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-        try:
-            with tmp.open("wb") as out:
-                out.write(buf[: layout.kv_end])  # magic, version, counts and every key/value
-                offset = 0
-                for t, qt, data in pieces:
-                    raw = t.name.encode("utf-8")
-                    out.write(struct.pack("<Q", len(raw)) + raw)
-                    out.write(struct.pack(f"<I{len(t.dims)}Q", len(t.dims), *t.dims))
-                    out.write(struct.pack("<IQ", qt, offset))
-                    offset += -(-_length(data) // align) * align
-                out.write(b"\0" * (-out.tell() % align))
-                for _, _, data in pieces:
-                    out.write(data if isinstance(data, bytes) else buf[data[0] : data[1]])
-                    out.write(b"\0" * (-_length(data) % align))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, dst)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError):
-                raise GGUFError(f"could not write {dst}: {exc}") from exc
-            raise
-    _fsync_dir(dst.parent)
-    return written
-
-
-def _length(data: bytes | tuple[int, int]) -> int:
-    return len(data) if isinstance(data, bytes) else data[1] - data[0]

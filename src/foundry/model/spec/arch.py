@@ -3,8 +3,8 @@
 An :class:`Arch` is a row of a table, not a copy of the decode loop: the engine
 (``foundry.model.infer.inference``) reads its fields (norm placement, activation, QK-norm, rope
 variant, sliding window, embedding scale, tied output, experts) and the loader
-(``foundry.model.formats.gguf_io``) reads its metadata keys. Each row follows llama.cpp's graph for
-the architecture (``src/models/<name>.cpp`` and ``src/llama-model.cpp`` in its source):
+(``foundry.model.formats.gguf_model``) reads its metadata keys. Each row follows llama.cpp's
+graph for the architecture (``src/models/<name>.cpp`` and ``src/llama-model.cpp`` in its source):
 
 - ``llama``: pre-norm, SwiGLU, normal rope; dense FFN, or routed experts as Mixtral (softmax
   over the experts, top-k, weights renormalized), with Foundry's optional shared expert.

@@ -97,7 +97,7 @@ class Compression(IntEnum):
 
 class FileType(IntEnum):
     """The tensor type of the GGUF file EXPORT writes (ours); the names of ``--type``
-    (``model.formats.gguf_io.FILE_DTYPES``), in that order."""
+    (``model.formats.gguf_model.FILE_DTYPES``), in that order."""
 
     F32 = 0
     F16 = 1
