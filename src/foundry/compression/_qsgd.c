@@ -27,7 +27,9 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static inline uint64_t rotl(uint64_t x, int k) {
+    return (x << k) | (x >> (64 - k));
+}
 
 typedef struct {
     uint64_t s[4];
@@ -170,11 +172,10 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = encode_all((const float *)v.buf, n, d, s, (uint64_t)seed, (float *)scales.buf,
-                    (uint8_t *)stream.buf, have_decoded ? (float *)decoded.buf : NULL);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
+    Py_BEGIN_ALLOW_THREADS rc =
+        encode_all((const float *)v.buf, n, d, s, (uint64_t)seed, (float *)scales.buf,
+                   (uint8_t *)stream.buf, have_decoded ? (float *)decoded.buf : NULL);
+    Py_END_ALLOW_THREADS if (rc < 0) {
         PyErr_SetString(PyExc_ValueError, "QSGD input holds NaN or inf");
         goto done;
     }
@@ -190,8 +191,8 @@ done:
 
 /* decode(stream, d, s, scales, out): the n = len(out) / 4 values of a QSGD tensor (the caller
  * checked its sizes and scales). Returns 0, or -1 for a level above s. */
-static int decode_all(const uint8_t *stream, Py_ssize_t n, Py_ssize_t d, int s,
-                      const float *scales, float *out) {
+static int decode_all(const uint8_t *stream, Py_ssize_t n, Py_ssize_t d, int s, const float *scales,
+                      float *out) {
     const int bits = 1 + bit_length(s);
     const float fs = (float)s;
     const unsigned ncodes = 1u << bits;
@@ -267,11 +268,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         goto done;
     }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = decode_all((const uint8_t *)stream.buf, n, d, s, (const float *)scales.buf,
-                    (float *)out.buf);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
+    Py_BEGIN_ALLOW_THREADS rc = decode_all((const uint8_t *)stream.buf, n, d, s,
+                                           (const float *)scales.buf, (float *)out.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) {
         PyErr_Format(PyExc_ValueError, "QSGD level above s=%d", s);
         goto done;
     }
@@ -296,4 +295,6 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_qsgd", "QSGD's encoder in C (foundry.compression.qsgd).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__qsgd(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__qsgd(void) {
+    return PyModule_Create(&module);
+}

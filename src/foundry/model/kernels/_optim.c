@@ -18,9 +18,9 @@
 #include <Python.h>
 #include <math.h>
 
-static void adamw(float *restrict p, const float *restrict g, float *restrict m,
-                  float *restrict v, Py_ssize_t n, int decay, float shrink, float b1,
-                  float omb1, float b2, float omb2, float bc2, float eps, float step) {
+static void adamw(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                  Py_ssize_t n, int decay, float shrink, float b1, float omb1, float b2, float omb2,
+                  float bc2, float eps, float step) {
     if (decay)
         for (Py_ssize_t i = 0; i < n; i++) p[i] = p[i] * shrink;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -38,19 +38,18 @@ static PyObject *py_adamw(PyObject *self, PyObject *args) {
     int decay;
     float shrink, b1, omb1, b2, omb2, bc2, eps, step;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*w*w*pffffffff", &p, &g, &m, &v, &decay, &shrink, &b1,
-                          &omb1, &b2, &omb2, &bc2, &eps, &step))
+    if (!PyArg_ParseTuple(args, "w*y*w*w*pffffffff", &p, &g, &m, &v, &decay, &shrink, &b1, &omb1,
+                          &b2, &omb2, &bc2, &eps, &step))
         return NULL;
     PyObject *result = NULL;
     if (p.len % 4 || g.len != p.len || m.len != p.len || v.len != p.len) {
         PyErr_SetString(PyExc_ValueError, "adamw: p, g, m, v must be float32 buffers of one size");
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    adamw((float *)p.buf, (const float *)g.buf, (float *)m.buf, (float *)v.buf, p.len / 4, decay,
-          shrink, b1, omb1, b2, omb2, bc2, eps, step);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
+    Py_BEGIN_ALLOW_THREADS adamw((float *)p.buf, (const float *)g.buf, (float *)m.buf,
+                                 (float *)v.buf, p.len / 4, decay, shrink, b1, omb1, b2, omb2, bc2,
+                                 eps, step);
+    Py_END_ALLOW_THREADS result = Py_None;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&p);
@@ -70,4 +69,6 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_optim", "AdamW's step in C (foundry.model.train.optim).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__optim(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__optim(void) {
+    return PyModule_Create(&module);
+}

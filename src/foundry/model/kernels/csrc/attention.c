@@ -79,9 +79,9 @@ AVX512A INLINE __m512 rows8x2(const void *base, int half, size_t at0, size_t at1
             _mm_loadu_si128((const __m128i *)(h + at1 + i)), 1));
     }
     const float *f = (const float *)base;
-    return _mm512_castpd_ps(_mm512_insertf64x4(
-        _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(f + at0 + i))),
-        _mm256_castps_pd(_mm256_loadu_ps(f + at1 + i)), 1));
+    return _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(f + at0 + i))),
+                           _mm256_castps_pd(_mm256_loadu_ps(f + at1 + i)), 1));
 }
 
 /* scores_avx2 on AVX-512: eight positions of up to four heads, two positions a register (each
@@ -100,13 +100,15 @@ AVX512A INLINE void scores_512_t(const float *qh, const void *k, int half, size_
         for (int h = 0; h < nh; h++) {
             const __m512 qz = _mm512_castpd_ps(
                 _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(qh + (size_t)h * dh + i))));
-            for (int b = 0; b < 4; b++) acc[h][b] = _mm512_add_ps(acc[h][b], _mm512_mul_ps(qz, kz[b]));
+            for (int b = 0; b < 4; b++)
+                acc[h][b] = _mm512_add_ps(acc[h][b], _mm512_mul_ps(qz, kz[b]));
         }
     }
     for (int h = 0; h < nh; h++)
         for (int b = 0; b < 4; b++) {
             const __m256 lo = _mm512_castps512_ps256(acc[h][b]),
-                         hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][b]), 1));
+                         hi = _mm256_castpd_ps(
+                             _mm512_extractf64x4_pd(_mm512_castps_pd(acc[h][b]), 1));
             ph[(size_t)h * n_pos + s + 2 * b] = finish8_avx2(lo) * scale;
             ph[(size_t)h * n_pos + s + 2 * b + 1] = finish8_avx2(hi) * scale;
         }
@@ -114,8 +116,7 @@ AVX512A INLINE void scores_512_t(const float *qh, const void *k, int half, size_
 
 /* The positions scores_512_t takes (eight at a time); returns where the rest start. */
 AVX512A static int scores_heads_512(const float *qh, const void *k, int half, size_t stride,
-                                    size_t off, int n_pos, int dh, int nh, float scale,
-                                    float *ph) {
+                                    size_t off, int n_pos, int dh, int nh, float scale, float *ph) {
     int s = 0;
     for (; s + 8 <= n_pos; s += 8) {
         switch (nh) {
@@ -149,7 +150,8 @@ AVX2 INLINE void scores_avx2(const float *qh, const void *k, int half, size_t at
         }
     }
     for (int h = 0; h < nh; h++)
-        for (int b = 0; b < np; b++) ph[(size_t)h * n_pos + s + b] = finish8_avx2(acc[h][b]) * scale;
+        for (int b = 0; b < np; b++)
+            ph[(size_t)h * n_pos + s + b] = finish8_avx2(acc[h][b]) * scale;
 }
 
 AVX2 static void scores_heads(const float *qh, const void *k, int half, size_t stride, size_t off,
@@ -195,8 +197,8 @@ AVX2 INLINE void values_avx2(const float *ph, const void *v, int half, size_t st
     }
 }
 
-AVX2 static void values_heads(const float *ph, const void *v, int half, size_t stride,
-                              size_t off, int n_pos, int dh, int nh, float *o) {
+AVX2 static void values_heads(const float *ph, const void *v, int half, size_t stride, size_t off,
+                              int n_pos, int dh, int nh, float *o) {
     switch (nh) {
     case 4: values_avx2(ph, v, half, stride, off, n_pos, dh, 4, o); break;
     case 3: values_avx2(ph, v, half, stride, off, n_pos, dh, 3, o); break;
@@ -216,8 +218,8 @@ AVX512A INLINE __m512 row16(const void *base, int half, size_t at, int i) {
     return _mm512_loadu_ps((const float *)base + at + i);
 }
 
-AVX512A INLINE void values_512(const float *ph, const void *v, int half, size_t stride,
-                               size_t off, int n_pos, int dh, int nh, float *o) {
+AVX512A INLINE void values_512(const float *ph, const void *v, int half, size_t stride, size_t off,
+                               int n_pos, int dh, int nh, float *o) {
     for (int i = 0; i < dh; i += 64) {
         __m512 acc[4][4];
         for (int h = 0; h < 4; h++)
@@ -233,7 +235,8 @@ AVX512A INLINE void values_512(const float *ph, const void *v, int half, size_t 
             }
         }
         for (int h = 0; h < nh; h++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + (size_t)h * dh + i + 16 * c, acc[h][c]);
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(o + (size_t)h * dh + i + 16 * c, acc[h][c]);
     }
 }
 
@@ -265,12 +268,12 @@ AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int h
     for (int g = 0; g < n_kv; g++)
         for (int h = g * group; h < (g + 1) * group; h += 4) {
             const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
-            const int from = use_512 ? scores_heads_512(q + (size_t)h * dh, k, half, stride,
-                                                        (size_t)g * dh, n_pos, dh, nh, scale,
-                                                        p + (size_t)h * n_pos)
-                                     : 0;
-            scores_heads(q + (size_t)h * dh, k, half, stride, (size_t)g * dh, from, n_pos, dh,
-                         nh, scale, p + (size_t)h * n_pos);
+            const int from =
+                use_512 ? scores_heads_512(q + (size_t)h * dh, k, half, stride, (size_t)g * dh,
+                                           n_pos, dh, nh, scale, p + (size_t)h * n_pos)
+                        : 0;
+            scores_heads(q + (size_t)h * dh, k, half, stride, (size_t)g * dh, from, n_pos, dh, nh,
+                         scale, p + (size_t)h * n_pos);
         }
     for (int h = 0; h < n_head; h++) {
         float *ph = p + (size_t)h * n_pos;
@@ -284,17 +287,17 @@ AVX2 static void attend_avx2(const float *q, const void *k, const void *v, int h
         for (int h = g * group; h < (g + 1) * group; h += 4) {
             const int nh = (g + 1) * group - h < 4 ? (g + 1) * group - h : 4;
             if (use_512 && dh % 64 == 0)
-                values_heads_512(p + (size_t)h * n_pos, v, half, stride, (size_t)g * dh, n_pos,
-                                 dh, nh, out + (size_t)h * dh);
+                values_heads_512(p + (size_t)h * n_pos, v, half, stride, (size_t)g * dh, n_pos, dh,
+                                 nh, out + (size_t)h * dh);
             else
-                values_heads(p + (size_t)h * n_pos, v, half, stride, (size_t)g * dh, n_pos, dh,
-                             nh, out + (size_t)h * dh);
+                values_heads(p + (size_t)h * n_pos, v, half, stride, (size_t)g * dh, n_pos, dh, nh,
+                             out + (size_t)h * dh);
         }
 }
 #endif
 
-void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
-                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out) {
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                    int n_kv, int dh, size_t stride, float *p, float *out) {
 #if defined(FOUNDRY_X86)
     if (use_avx2 && dh % 8 == 0) {
         attend_avx2(q, k, v, half, n_pos, n_head, n_kv, dh, stride, p, out);
@@ -317,7 +320,7 @@ void attend_strided(const float *q, const void *k, const void *v, int half, int 
 #endif
     const float scale = (float)(1.0 / sqrt((double)dh));
     const int group = n_head / n_kv;
-    const int width = n_kv * dh; /* the values of one position of these kv heads */
+    const int width = n_kv * dh;             /* the values of one position of these kv heads */
     float *row = p + (size_t)n_head * n_pos; /* a float16 position as float32 */
     /* Position by position through the cache (each K and V row read once, in order), every
      * head's own operations in the same order as one head alone: p[h][s], then softmax per
@@ -354,8 +357,8 @@ void attend_strided(const float *q, const void *k, const void *v, int half, int 
     }
 }
 
-void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-            int n_kv, int dh, float *p, float *out) {
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head, int n_kv,
+            int dh, float *p, float *out) {
     attend_strided(q, k, v, half, n_pos, n_head, n_kv, dh, (size_t)n_kv * dh, p, out);
 }
 
@@ -366,10 +369,10 @@ size_t attend_room(int n_pos, int n_head, int n_kv, int dh) {
 }
 
 typedef struct {
-    const float *q;       /* (rows, n_head, dh) */
-    const void *k, *v;    /* the cache from position 0 */
+    const float *q;    /* (rows, n_head, dh) */
+    const void *k, *v; /* the cache from position 0 */
     int half, pos, window, group, n_kv, dh;
-    float *out;           /* (rows, n_head, dh) */
+    float *out; /* (rows, n_head, dh) */
 } attend_job;
 
 /* Task i: row i / n_kv (at position pos + row) for kv head i mod n_kv and its query heads,
@@ -503,9 +506,21 @@ static int attend_split(const float *q, const void *k, const void *v, int half, 
     per_head = per_head > dh / 8 ? (dh / 8 > 0 ? dh / 8 : 1) : per_head;
     int col_block = (dh + per_head - 1) / per_head;
     col_block = (col_block + 7) / 8 * 8;
-    split_job job = {q, k, v, half, n_pos, n_head / n_kv, dh, per_kv, pos_block,
-                     (dh + col_block - 1) / col_block, col_block, (size_t)n_kv * dh,
-                     (float)(1.0 / sqrt((double)dh)), NULL, out};
+    split_job job = {q,
+                     k,
+                     v,
+                     half,
+                     n_pos,
+                     n_head / n_kv,
+                     dh,
+                     per_kv,
+                     pos_block,
+                     (dh + col_block - 1) / col_block,
+                     col_block,
+                     (size_t)n_kv * dh,
+                     (float)(1.0 / sqrt((double)dh)),
+                     NULL,
+                     out};
     job.p = malloc((size_t)n_head * n_pos * sizeof(float));
     if (job.p == NULL) return -1;
     int rc = pool_run(split_scores, &job, n_kv * ((n_pos + pos_block - 1) / pos_block));

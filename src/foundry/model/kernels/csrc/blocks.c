@@ -30,16 +30,46 @@ void kernels_init(void) {
 
 int type_block(int type, int *values, int *bytes) {
     switch (type) {
-    case T_F32: *values = 1; *bytes = 4; return 1;
-    case T_F16: *values = 1; *bytes = 2; return 1;
-    case T_Q4_0: *values = QK; *bytes = 18; return 1;
-    case T_Q4_1: *values = QK; *bytes = 20; return 1;
-    case T_Q5_0: *values = QK; *bytes = 22; return 1;
-    case T_Q5_1: *values = QK; *bytes = 24; return 1;
-    case T_Q8_0: *values = QK; *bytes = 34; return 1;
-    case T_Q4_K: *values = QK_K; *bytes = 144; return 1;
-    case T_Q5_K: *values = QK_K; *bytes = 176; return 1;
-    case T_Q6_K: *values = QK_K; *bytes = 210; return 1;
+    case T_F32:
+        *values = 1;
+        *bytes = 4;
+        return 1;
+    case T_F16:
+        *values = 1;
+        *bytes = 2;
+        return 1;
+    case T_Q4_0:
+        *values = QK;
+        *bytes = 18;
+        return 1;
+    case T_Q4_1:
+        *values = QK;
+        *bytes = 20;
+        return 1;
+    case T_Q5_0:
+        *values = QK;
+        *bytes = 22;
+        return 1;
+    case T_Q5_1:
+        *values = QK;
+        *bytes = 24;
+        return 1;
+    case T_Q8_0:
+        *values = QK;
+        *bytes = 34;
+        return 1;
+    case T_Q4_K:
+        *values = QK_K;
+        *bytes = 144;
+        return 1;
+    case T_Q5_K:
+        *values = QK_K;
+        *bytes = 176;
+        return 1;
+    case T_Q6_K:
+        *values = QK_K;
+        *bytes = 210;
+        return 1;
     default: return 0;
     }
 }
@@ -49,9 +79,7 @@ int type_block(int type, int *values, int *bytes) {
 void dequant_row(int type, const uint8_t *w, int k, float *y) {
     int nb;
     switch (type) {
-    case T_F32:
-        memcpy(y, w, (size_t)k * 4);
-        return;
+    case T_F32: memcpy(y, w, (size_t)k * 4); return;
     case T_F16:
         for (int i = 0; i < k; i++) y[i] = f16(w + 2 * i);
         return;

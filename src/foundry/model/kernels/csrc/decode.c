@@ -34,8 +34,8 @@ void rmsnorm(const float *x, const float *w, int n, int d, float eps, float *out
 /* Pairs of each of n rows of `heads` heads of dh values turned by the row's angles:
  * (x0 c - x1 s, x0 s + x1 c), as rope_forward. The pairs are adjacent, (2i, 2i + 1), or with
  * ``neox`` (i, i + dh/2), the same operations on each pair. */
-void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh,
-          int neox, float *out) {
+void rope(const float *x, const float *cos, const float *sin, int n, int heads, int dh, int neox,
+          float *out) {
     const int half = dh / 2;
     const int step = neox ? 1 : 2, other = neox ? half : 1;
     for (int r = 0; r < n; r++) {
@@ -78,12 +78,11 @@ void swiglu(const float *gu, int n, int f, float *out) {
         silu_mul(gu + (size_t)r * 2 * f, gu + (size_t)r * 2 * f + f, f, out + (size_t)r * f);
 }
 
-
 /* Each row's router: logits z_e = x . w_e, probabilities softmax(z) (the maximum taken off
  * before exp_f, each divided by their sum), the k largest (ties to the lower id, as a stable
  * sort), and their weights renormalised to sum 1 (layers.router_forward). */
-void route(const float *x, const float *w, int n, int d, int n_expert, int k,
-                  float *weights, int64_t *top) {
+void route(const float *x, const float *w, int n, int d, int n_expert, int k, float *weights,
+           int64_t *top) {
     float (*dot8)(const float *, const float *, int) = dot8_for(d);
     float p[MAX_EXPERTS];
     for (int r = 0; r < n; r++) {
@@ -119,7 +118,7 @@ void route(const float *x, const float *w, int n, int d, int n_expert, int k,
 /* The assignments (flat index row * k + j) of `m` to experts first .. first + n_local - 1,
  * grouped by expert in index order: order (the local count, returned), bounds (n_local + 1). */
 int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_t *order,
-                      int64_t *bounds) {
+               int64_t *bounds) {
     for (int e = 0; e <= n_local; e++) bounds[e] = 0;
     for (int64_t a = 0; a < m; a++) {
         const int64_t e = top[a] - first;
@@ -138,8 +137,8 @@ int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_
 /* out (n, d) = sum over slots j in top-k order of weights[r, j] * ys[the assignment's row],
  * a slot of another part's expert adding 0 (layers.combine_expert_outputs). ``slot`` maps each
  * of the n * k assignments to its row of ys, -1 where another part holds the expert. */
-void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k,
-                    int d, float *out) {
+void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k, int d,
+             float *out) {
     for (int r = 0; r < n; r++) {
         float *o = out + (size_t)r * d;
         for (int j = 0; j < k; j++) {

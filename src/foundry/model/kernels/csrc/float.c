@@ -18,9 +18,12 @@ AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
     int i = 0;
     for (; i + LANES_F <= k; i += LANES_F) {
         a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i)));
-        a1 = _mm256_add_ps(a1, _mm256_mul_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8)));
-        a2 = _mm256_add_ps(a2, _mm256_mul_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16)));
-        a3 = _mm256_add_ps(a3, _mm256_mul_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24)));
+        a1 = _mm256_add_ps(a1,
+                           _mm256_mul_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8)));
+        a2 = _mm256_add_ps(a2,
+                           _mm256_mul_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16)));
+        a3 = _mm256_add_ps(a3,
+                           _mm256_mul_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24)));
     }
     float acc[LANES_F];
     _mm256_storeu_ps(acc, a0);
@@ -32,8 +35,8 @@ AVX2 static float dot_f32_avx2(const float *w, const float *x, int k) {
 }
 
 /* F16 rows straight from their bytes: four rows at a time share each load of x. */
-AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int k,
-                               const float *x, float *y, int y_stride) {
+AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int k, const float *x,
+                               float *y, int y_stride) {
     int r = 0;
     for (; r + 4 <= rows && k % LANES_F == 0; r += 4) {
         __m256 acc[4][4];
@@ -69,8 +72,8 @@ AVX2 static void rows_f16_avx2(const uint8_t *w, size_t row_bytes, int rows, int
 /* F16 rows on every x86 machine with AVX2 and F16C (AVX-512 ones too: an AVX-512 version of this,
  * four rows of two 512-bit accumulators, streamed 2-6 % slower inside the engine on the 16-core
  * Xeon, bench/performance/kernel_builds.py): ROWS_F16 rows at a time share each load of x, the
- * rows j of each of ROWS_F16 parts of the matrix (sequential streams, as rows_q_512_t), each prefetching
- * its next row; lanes 0-31 of the 32 float accumulators are four registers per row. */
+ * rows j of each of ROWS_F16 parts of the matrix (sequential streams, as rows_q_512_t), each
+ * prefetching its next row; lanes 0-31 of the 32 float accumulators are four registers per row. */
 #ifndef ROWS_F16
 #define ROWS_F16 4
 #endif
@@ -112,9 +115,8 @@ static float dot_f32(const float *w, const float *x, int k) {
     return dot_f32_portable(w, x, k);
 }
 
-
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-                 const float *x, int n, float *y, size_t ldy) {
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                 int n, float *y, size_t ldy) {
 #if defined(FOUNDRY_X86)
     if (type == T_F16 && use_avx2) {
         if (n == 1) {

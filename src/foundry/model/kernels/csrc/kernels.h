@@ -23,10 +23,10 @@
  *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
  * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one float32 scale
  *   per super-block, as ggml's Q8_K: quantize_block256). Each 32 values of a super-block give
- *   the same eight exact int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times the sub-block's
- *   integer scale, summed over the super-block in int32; the super-block adds (d * d_x) * lane_j
- *   into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the exact
- *   sum of each sub-block's minimum times its input sum) into one more float, subtracted after
+ *   the same eight exact int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times
+ * the sub-block's integer scale, summed over the super-block in int32; the super-block adds (d *
+ * d_x) * lane_j into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the
+ * exact sum of each sub-block's minimum times its input sum) into one more float, subtracted after
  *   the halving (dot_k_portable).
  * - Q4_1 and Q5_1 (a minimum per block): x as ggml's Q8_1: as for Q8_0, with s_b = S_b * d (S_b
  *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; the
@@ -60,7 +60,6 @@
 #ifndef FOUNDRY_KERNELS_H
 #define FOUNDRY_KERNELS_H
 
-
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,12 +81,20 @@
 
 /* ggml_type codes (gguf.GGMLQuantizationType). */
 enum {
-    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+    T_F32 = 0,
+    T_F16 = 1,
+    T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
+    T_Q8_0 = 8,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14,
 };
 
-#define QK 32    /* values per block of the 32-blocks */
-#define QK_K 256 /* values per super-block of the K-quants */
+#define QK      32  /* values per block of the 32-blocks */
+#define QK_K    256 /* values per super-block of the K-quants */
 #define LANES_F 32
 #define LANES_Q 16 /* 2 block parities x 8 int32 lanes */
 
@@ -106,7 +113,9 @@ static inline uint16_t rd16(const uint8_t *p) {
     return v;
 }
 
-static inline float f16(const uint8_t *p) { return f16_table[rd16(p)]; }
+static inline float f16(const uint8_t *p) {
+    return f16_table[rd16(p)];
+}
 
 /* x rounded to the nearest float16 value (ties to even; subnormals kept, 65520 and above to
  * infinity), as float32: what ggml's FP32_TO_FP16 then FP16_TO_FP32 give (F16C's vcvtps2ph
@@ -212,9 +221,11 @@ extern int use_avx2, use_vnni, use_512; /* the x86 paths chosen at import (modul
 
 /* float16 to float32 by the F16C instruction: the table's value (both are exact), without a
  * load from a 256 KB table that the streamed weights keep evicting from the caches. */
-AVX2 INLINE float f16c(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+AVX2 INLINE float f16c(const uint8_t *p) {
+    return _cvtsh_ss(rd16(p));
+}
 
-#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
+#define VNNI   __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* finish(acc, 8) of eight lanes in one register: the same additions in the same order (lane
@@ -265,12 +276,12 @@ INLINE float exp_f(float x) {
 /* The loops of exp_f: p[i] = e^(p[i] - m) (softmax), and SiLU(g) x u = g (1 / (1 + e^-g)) u (the
  * roundings of layers.silu_and_sigmoid and the product after it); one body, compiled for the
  * portable path and for AVX2 (vectorised by the compiler: the same bits). */
-#define EXP_LOOPS(SUFFIX, ATTR)                                                                \
-    ATTR static inline void exp_shifted##SUFFIX(float *p, int n, float m) {                           \
-        for (int i = 0; i < n; i++) p[i] = exp_f(p[i] - m);                                    \
-    }                                                                                          \
-    ATTR static inline void silu_mul##SUFFIX(const float *g, const float *u, int f, float *o) {       \
-        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + exp_f(-g[i]))) * u[i];       \
+#define EXP_LOOPS(SUFFIX, ATTR)                                                                    \
+    ATTR static inline void exp_shifted##SUFFIX(float *p, int n, float m) {                        \
+        for (int i = 0; i < n; i++) p[i] = exp_f(p[i] - m);                                        \
+    }                                                                                              \
+    ATTR static inline void silu_mul##SUFFIX(const float *g, const float *u, int f, float *o) {    \
+        for (int i = 0; i < f; i++) o[i] = g[i] * (1.0f / (1.0f + exp_f(-g[i]))) * u[i];           \
     }
 
 /* ---- the families (one file each) ---------------------------------------------------------- */
@@ -280,24 +291,24 @@ void quantize_input(const float *x, int k, int bs, int8_t *q, float *d);
  * type's dot products take (the int8 blocks and their scales and sums), per input t at
  * t x (the field's values per input); fields a type does not use are NULL (F16, F32: none). */
 typedef struct {
-    int type, k, n;           /* prepared for `type`: Q5_0 widened for a block as Q8_0 */
-    int8_t *xq;               /* n x k int8 values */
-    float *xd;                /* n x k / 32 (32-blocks) or k / 256 (K-quants) scales */
-    int32_t *corr;            /* 32-blocks: n x k / 4, sums of 4 values x 2^shift */
-    int8_t *x4;               /* Q4_0 on AVX2: n x k values in rows_q4's order */
-    int32_t *corr4;           /* Q4_0 on AVX2: n x k / 8 */
-    float *sums;              /* Q4_1, Q5_1: n x k / 32, ggml's Q8_1 sums */
-    int32_t *s32;             /* K-quants: n x k / 32 exact sums of 32 values */
-    int16_t *s32h, *x32p;     /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
+    int type, k, n;       /* prepared for `type`: Q5_0 widened for a block as Q8_0 */
+    int8_t *xq;           /* n x k int8 values */
+    float *xd;            /* n x k / 32 (32-blocks) or k / 256 (K-quants) scales */
+    int32_t *corr;        /* 32-blocks: n x k / 4, sums of 4 values x 2^shift */
+    int8_t *x4;           /* Q4_0 on AVX2: n x k values in rows_q4's order */
+    int32_t *corr4;       /* Q4_0 on AVX2: n x k / 8 */
+    float *sums;          /* Q4_1, Q5_1: n x k / 32, ggml's Q8_1 sums */
+    int32_t *s32;         /* K-quants: n x k / 32 exact sums of 32 values */
+    int16_t *s32h, *x32p; /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
 } mm_input;
 
 /* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
  * than they save) */
 #define Q5_WIDEN 8
 
-int mm_alloc(int type, int k, int n, mm_input *in); /* 0, or -1 when out of memory */
+int mm_alloc(int type, int k, int n, mm_input *in);               /* 0, or -1 when out of memory */
 void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */
-mm_input mm_from(const mm_input *in, int t0);       /* the inputs from t0 on */
+mm_input mm_from(const mm_input *in, int t0);                     /* the inputs from t0 on */
 void mm_free(mm_input *in);
 void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
 void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q1.c */
@@ -306,27 +317,28 @@ void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c 
 /* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
  * product start at y + their first row; ldy is the whole product's row length), from the
  * prepared inputs (the float family reads x itself). */
-int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-               const mm_input *in, int n, float *y, size_t ldy); /* q32.c */
-int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-              const mm_input *in, int n, float *y, size_t ldy);  /* q1.c: Q4_1, Q5_1 */
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+               int n, float *y, size_t ldy); /* q32.c */
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+              int n, float *y, size_t ldy); /* q1.c: Q4_1, Q5_1 */
 int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
-             int n, float *y, size_t ldy);                       /* kquants.c */
-int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-                 const float *x, int n, float *y, size_t ldy);   /* float.c */
+             int n, float *y, size_t ldy); /* kquants.c */
+int matmul_float(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
+                 int n, float *y, size_t ldy); /* float.c */
 
 /* The product of rows of W by one thread from prepared inputs: y (n, ldy) = x (n, k) . W^T. */
 static inline int matmul_part(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
                               const float *x, const mm_input *in, int n, float *y, size_t ldy) {
     switch (type) {
-    case T_Q8_0: case T_Q4_0: case T_Q5_0:
-        return matmul_q32(type, w, row_bytes, n_out, k, in, n, y, ldy);
-    case T_Q4_1: case T_Q5_1:
-        return matmul_q1(type, w, row_bytes, n_out, k, in, n, y, ldy);
-    case T_Q4_K: case T_Q5_K: case T_Q6_K:
-        return matmul_k(type, w, row_bytes, n_out, k, in, n, y, ldy);
-    default:
-        return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
+    case T_Q8_0:
+    case T_Q4_0:
+    case T_Q5_0: return matmul_q32(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    case T_Q4_1:
+    case T_Q5_1: return matmul_q1(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    case T_Q4_K:
+    case T_Q5_K:
+    case T_Q6_K: return matmul_k(type, w, row_bytes, n_out, k, in, n, y, ldy);
+    default: return matmul_float(type, w, row_bytes, n_out, k, x, n, y, ldy);
     }
 }
 
@@ -337,15 +349,15 @@ static inline int matmul_part(int type, const uint8_t *w, size_t row_bytes, int 
  * same way whoever runs it). Returns 0, or -1 when a task did (out of memory). */
 typedef int (*pool_task)(void *ctx, int i);
 int pool_run(pool_task task, void *ctx, int n_tasks);
-int pool_threads(void);          /* the threads a call runs on, the caller included */
-int pool_set_threads(int n);     /* 0, or -1 when a thread could not be started */
+int pool_threads(void);            /* the threads a call runs on, the caller included */
+int pool_set_threads(int n);       /* 0, or -1 when a thread could not be started */
 void pool_split_below(long bytes); /* products of less work run on the caller alone */
 
 /* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
  * the rows are few): each output element is one thread's matmul_rows, so the bits do not
  * depend on the thread count. Returns 0, or -1 when out of memory. */
-int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-           int n, float *y);
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x, int n,
+           float *y);
 
 /* Several one-input products in one pool call (a token's chosen experts): item i is
  * y_i (n_out_i) = W_i . x_i, each row task the one-thread code, as matmul. */
@@ -375,12 +387,12 @@ extern int prof_on;
 extern uint64_t prof_ns[PROF_N], prof_calls[PROF_N];
 uint64_t prof_clock(void);
 #define PROF_START(t) const uint64_t t = prof_on ? prof_clock() : 0
-#define PROF_STOP(t, phase)                                                                    \
-    do {                                                                                       \
-        if (prof_on) {                                                                         \
-            prof_ns[phase] += prof_clock() - (t);                                              \
-            prof_calls[phase]++;                                                               \
-        }                                                                                      \
+#define PROF_STOP(t, phase)                                                                        \
+    do {                                                                                           \
+        if (prof_on) {                                                                             \
+            prof_ns[phase] += prof_clock() - (t);                                                  \
+            prof_calls[phase]++;                                                                   \
+        }                                                                                          \
     } while (0)
 
 /* attention.c */
@@ -388,12 +400,12 @@ float score_portable(const float *q, const float *k, int dh);
 #if defined(FOUNDRY_X86)
 float score_avx2(const float *q, const float *k, int dh);
 #endif
-void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-            int n_kv, int dh, float *p, float *out);
+void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head, int n_kv,
+            int dh, float *p, float *out);
 /* attend for heads of a cache whose positions are `stride` values apart (a block of the kv
  * heads: k and v at its first head, q and out at its first query head). */
-void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos,
-                    int n_head, int n_kv, int dh, size_t stride, float *p, float *out);
+void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
+                    int n_kv, int dh, size_t stride, float *p, float *out);
 /* attend on the pool (attend_rows with one row); room of its own. */
 size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
 int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
@@ -475,7 +487,8 @@ size_t step_room(const step_layer *l, int n_pos);
 int step_gelu16(const float *table);
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room);
-int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room); /* dense or routed */
+int step_ffn(const step_layer *l, int j, const float *h, float *out,
+             float *room); /* dense or routed */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room);
 

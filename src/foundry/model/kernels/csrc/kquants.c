@@ -121,7 +121,8 @@ AVX2 INLINE void kq_scales_avx2(const int type, const uint8_t *blk, __m256i *scv
     const __m128i both = kq_scales_mins_u8(blk); /* scales 0-7, then mins 0-7 */
     const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
     for (int c = 0; c < 8; c++) /* int16 c of each half to all of it */
-        scv[c] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * c + 1) + 2 * c)));
+        scv[c] =
+            _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * c + 1) + 2 * c)));
     *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
 }
 
@@ -131,8 +132,8 @@ AVX2 INLINE __m256i kq_chunk_avx2(const int type, const uint8_t *blk, int c, __m
         const int n = c / 4, cc = c % 4;
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + (cc & 1 ? 32 : 0)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-        const __m256i lo = cc < 2 ? _mm256_and_si256(ql, m4)
-                                  : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+        const __m256i lo =
+            cc < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * cc), _mm256_set1_epi8(3));
         return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
     }
@@ -184,7 +185,8 @@ AVX2 INLINE void kq_sums_block(kq_sums *s, const int type, const int R, const in
                 s->a0[i] = _mm256_add_ps(s->a0[i], v);
             if (type != T_Q6_K) {
                 const __m128i mm = _mm_madd_epi16(
-                    mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
+                    mins[r],
+                    _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
                 const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
                 const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
                 s->amin[i] = s->amin[i] + (dmin * dx) * (float)M;
@@ -210,8 +212,8 @@ AVX2 INLINE void kq_prefetch(const uint8_t *blk, const int bsize) {
 
 AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const uint8_t *w,
                                 size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
-                                const float *xd, const int16_t *s32h, const int16_t *x32p,
-                                float *y, size_t y_row, size_t y_in) {
+                                const float *xd, const int16_t *s32h, const int16_t *x32p, float *y,
+                                size_t y_row, size_t y_in) {
     kq_sums s;
     kq_sums_zero(&s, R * T);
     for (int b = 0; b < nsb; b++) {
@@ -232,9 +234,8 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
             }
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-                const __m256i qh5 = type == T_Q5_K
-                                        ? _mm256_loadu_si256((const __m256i *)(blk + 16))
-                                        : _mm256_setzero_si256();
+                const __m256i qh5 = type == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                                   : _mm256_setzero_si256();
                 const __m256i u8 = kq_chunk_avx2(type, blk, c, qh5);
                 for (int t = 0; t < T; t++) {
                     __m256i p = _mm256_maddubs_epi16(u8, xv[t]);
@@ -258,7 +259,8 @@ AVX512 INLINE __m512i kq_pair_512(const int type, const uint8_t *blk, int j) {
         const int n = j / 2, hi_nibble = j & 1;
         const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * n));
         const __m512i lo = _mm512_and_si512(hi_nibble ? _mm512_srli_epi16(ql, 4) : ql, m4);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+        const __m512i qh =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
         const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * hi_nibble)),
                                               _mm256_set1_epi16((short)(4 * hi_nibble + 2)), 1);
         const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(3));
@@ -292,8 +294,9 @@ AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *sc
         sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(both));
         *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
     }
-    const __m512i lane = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17,
-                                          16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lane =
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                         12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int q6 = type == T_Q6_K;
     const __m512i group = _mm512_srli_epi16(lane, q6 ? 3 : 4); /* 0..3 (Q6_K) or 0..1 */
     for (int j = 0; j < 4; j++)
@@ -334,7 +337,8 @@ AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const
         }
         __m256i L8[KT]; /* the sixteen lanes folded to eight: an exact addition */
         for (int i = 0; i < R * T; i++)
-            L8[i] = _mm256_add_epi32(_mm512_castsi512_si256(L[i]), _mm512_extracti64x4_epi64(L[i], 1));
+            L8[i] =
+                _mm256_add_epi32(_mm512_castsi512_si256(L[i]), _mm512_extracti64x4_epi64(L[i], 1));
         kq_sums_block(&s, type, R, T, b, w, lane_bytes, bsize, nsb, k, xd, s32h, L8, mins);
     }
     kq_sums_store(&s, R, T, y, y_row, y_in);
@@ -343,22 +347,23 @@ AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const
 /* One tile, specialised per type and shape: 4 x 1 (decode), 1 x T for T = 1 .. 4 (a prefill
  * block's inputs four at a time, and the rest). NAME (of the TARGET instruction set) calls
  * TILE_T, the tile of that width, with each as constants. */
-#define KQ_CASE(TILE_T, TY, R_, T_)                                                             \
-    if (type == TY && R == R_ && T == T_) {                                                     \
-        TILE_T(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row, y_in);   \
-        return;                                                                                 \
+#define KQ_CASE(TILE_T, TY, R_, T_)                                                                \
+    if (type == TY && R == R_ && T == T_) {                                                        \
+        TILE_T(TY, R_, T_, w, lane_bytes, bsize, nsb, k, xq, xd, s32h, x32p, y, y_row, y_in);      \
+        return;                                                                                    \
     }
-#define KQ_TYPE(TILE_T, TY)                                                                     \
-    KQ_CASE(TILE_T, TY, 4, 1) KQ_CASE(TILE_T, TY, 1, 1) KQ_CASE(TILE_T, TY, 1, 2)               \
-    KQ_CASE(TILE_T, TY, 1, 3) KQ_CASE(TILE_T, TY, 1, 4)
-#define KQ_TILES(TARGET, NAME, TILE_T)                                                          \
-    TARGET static void NAME(int type, int R, int T, const uint8_t *w, size_t lane_bytes,       \
-                            int bsize, int nsb, int k, const int8_t *xq, const float *xd,       \
-                            const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,   \
-                            size_t y_in) {                                                      \
-        KQ_TYPE(TILE_T, T_Q4_K)                                                                 \
-        KQ_TYPE(TILE_T, T_Q5_K)                                                                 \
-        KQ_TYPE(TILE_T, T_Q6_K)                                                                 \
+#define KQ_TYPE(TILE_T, TY)                                                                        \
+    KQ_CASE(TILE_T, TY, 4, 1)                                                                      \
+    KQ_CASE(TILE_T, TY, 1, 1)                                                                      \
+    KQ_CASE(TILE_T, TY, 1, 2) KQ_CASE(TILE_T, TY, 1, 3) KQ_CASE(TILE_T, TY, 1, 4)
+#define KQ_TILES(TARGET, NAME, TILE_T)                                                             \
+    TARGET static void NAME(int type, int R, int T, const uint8_t *w, size_t lane_bytes,           \
+                            int bsize, int nsb, int k, const int8_t *xq, const float *xd,          \
+                            const int16_t *s32h, const int16_t *x32p, float *y, size_t y_row,      \
+                            size_t y_in) {                                                         \
+        KQ_TYPE(TILE_T, T_Q4_K)                                                                    \
+        KQ_TYPE(TILE_T, T_Q5_K)                                                                    \
+        KQ_TYPE(TILE_T, T_Q6_K)                                                                    \
     }
 KQ_TILES(AVX512, kq_tile_512, kq_tile_512_t)
 KQ_TILES(AVX2, kq_tile_avx2, kq_tile_avx2_t)
@@ -402,8 +407,8 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         if (n == 1) { /* four rows a time, row j of each quarter: four sequential streams */
             const int quarter = n_out / 4;
             for (int j = 0; j < quarter; j++)
-                tile(type, 4, 1, w + (size_t)j * row_bytes, (size_t)quarter * row_bytes,
-                             bytes, nsb, k, xq, xd, s32h, x32p, y + j, (size_t)quarter, 0);
+                tile(type, 4, 1, w + (size_t)j * row_bytes, (size_t)quarter * row_bytes, bytes, nsb,
+                     k, xq, xd, s32h, x32p, y + j, (size_t)quarter, 0);
             r0 = 4 * quarter;
         }
         for (int t0 = 0; t0 < n; t0 += K_TILE) {
@@ -412,10 +417,9 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
                 for (int t = t0; t < t0 + tn; t += KT) {
                     const int nt = t0 + tn - t < KT ? t0 + tn - t : KT;
                     tile(type, 1, nt, w + (size_t)r * row_bytes, 0, bytes, nsb, k,
-                                 xq + (size_t)t * k, xd + (size_t)t * nsb,
-                                 s32h + (size_t)t * (k / QK),
-                                 x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL,
-                                 y + (size_t)t * ldy + r, 0, ldy);
+                         xq + (size_t)t * k, xd + (size_t)t * nsb, s32h + (size_t)t * (k / QK),
+                         x32p != NULL ? x32p + (size_t)t * (k / 2) : NULL, y + (size_t)t * ldy + r,
+                         0, ldy);
                 }
         }
         return 0;

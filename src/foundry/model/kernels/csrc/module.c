@@ -7,8 +7,8 @@
 #if defined(FOUNDRY_X86)
 static void detect_x86(int simd) {
     use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    use_vnni = use_avx2 && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512vnni");
+    use_vnni =
+        use_avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     use_512 = use_vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 #endif
@@ -63,12 +63,12 @@ static PyObject *py_set_threads(PyObject *self, PyObject *arg) {
     (void)self;
     const long n = PyLong_AsLong(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 1 || n > 512) return PyErr_Format(PyExc_ValueError, "threads must be 1 .. 512, got %ld", n);
+    if (n < 1 || n > 512)
+        return PyErr_Format(PyExc_ValueError, "threads must be 1 .. 512, got %ld", n);
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pool_set_threads((int)n);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) return PyErr_Format(PyExc_OSError, "could not start %ld threads", n);
+    Py_BEGIN_ALLOW_THREADS rc = pool_set_threads((int)n);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_Format(PyExc_OSError,
+                                                         "could not start %ld threads", n);
     Py_RETURN_NONE;
 }
 
@@ -94,8 +94,8 @@ static PyObject *py_profile(PyObject *self, PyObject *arg) {
     (void)self;
     const int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-    static const char *const names[PROF_N] = {"layer", "qkv", "attention", "out", "ffn",
-                                              "pool", "join", "alone"};
+    static const char *const names[PROF_N] = {"layer", "qkv",  "attention", "out",
+                                              "ffn",   "pool", "join",      "alone"};
     PyObject *d = PyDict_New();
     for (int i = 0; d != NULL && i < PROF_N; i++) {
         PyObject *v = Py_BuildValue("(KK)", (unsigned long long)prof_ns[i],
@@ -122,9 +122,15 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_kernels",
-    "Dot products over GGUF weight blocks (see foundry.model.kernels.quant).", -1, methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "_kernels",
+    "Dot products over GGUF weight blocks (see foundry.model.kernels.quant).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) {

@@ -50,16 +50,16 @@ static inline void cpu_relax(void) {
 #define LINE 64
 static struct {
     _Alignas(LINE) atomic_uint generation;
-    _Alignas(LINE) atomic_int next;      /* the next task number to take */
-    _Alignas(LINE) atomic_int finished;  /* workers done with the current generation */
+    _Alignas(LINE) atomic_int next;     /* the next task number to take */
+    _Alignas(LINE) atomic_int finished; /* workers done with the current generation */
     _Alignas(LINE) atomic_int failed;
-    atomic_int busy;                     /* a call in progress */
+    atomic_int busy; /* a call in progress */
     atomic_int stop;
     pool_task task;
     void *ctx;
     int n_tasks;
-    int n_threads;                       /* workers + the caller */
-    pthread_mutex_t lock;                /* guards sleeping workers' wait and the wake-up */
+    int n_threads;        /* workers + the caller */
+    pthread_mutex_t lock; /* guards sleeping workers' wait and the wake-up */
     pthread_cond_t wake;
     pthread_t threads[MAX_THREADS];
 } pool = {.n_threads = 1, .lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
@@ -84,7 +84,8 @@ static void take_tasks(void) {
     for (;;) {
         const int i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed);
         if (i >= pool.n_tasks) return;
-        if (pool.task(pool.ctx, i) < 0) atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
+        if (pool.task(pool.ctx, i) < 0)
+            atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
     }
 }
 
@@ -117,7 +118,9 @@ static void *worker(void *arg) {
     }
 }
 
-int pool_threads(void) { return pool.n_threads; }
+int pool_threads(void) {
+    return pool.n_threads;
+}
 
 static void stop_workers(void) {
     pthread_mutex_lock(&pool.lock);
@@ -199,7 +202,9 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
  * tiny models' products to compare their bits). */
 static long small_work = 64L * 1024;
 
-void pool_split_below(long bytes) { small_work = bytes < 0 ? 0 : bytes; }
+void pool_split_below(long bytes) {
+    small_work = bytes < 0 ? 0 : bytes;
+}
 /* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
  * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
 #define ROW_ALIGN 16
@@ -224,7 +229,9 @@ int mm_alloc(int type, int k, int n, mm_input *in) {
     const size_t values = (size_t)n * k;
     int ok = 1;
     switch (type) {
-    case T_Q8_0: case T_Q4_0: case T_Q5_0:
+    case T_Q8_0:
+    case T_Q4_0:
+    case T_Q5_0:
         if (type == T_Q5_0 && n >= Q5_WIDEN) in->type = T_Q8_0; /* widened: as Q8_0 */
         ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
              (in->corr = malloc(values / 4 * sizeof(int32_t)));
@@ -233,18 +240,20 @@ int mm_alloc(int type, int k, int n, mm_input *in) {
             ok = (in->x4 = malloc(values)) && (in->corr4 = malloc(values / 8 * sizeof(int32_t)));
 #endif
         break;
-    case T_Q4_1: case T_Q5_1:
+    case T_Q4_1:
+    case T_Q5_1:
         ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
              (in->sums = malloc(values / QK * sizeof(float)));
         break;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+    case T_Q4_K:
+    case T_Q5_K:
+    case T_Q6_K:
         ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK_K * sizeof(float))) &&
              (in->s32 = malloc(values / QK * sizeof(int32_t))) &&
              (in->s32h = malloc(values / QK * sizeof(int16_t))) &&
              (type != T_Q6_K || (in->x32p = malloc(values / 2 * sizeof(int16_t))));
         break;
-    default:
-        break;
+    default: break;
     }
     if (!ok) {
         mm_free(in);
@@ -255,9 +264,14 @@ int mm_alloc(int type, int k, int n, mm_input *in) {
 
 void mm_fill(const mm_input *in, const float *x, int t0, int t1) {
     switch (in->type) {
-    case T_Q8_0: case T_Q4_0: case T_Q5_0: fill_q32(in, x, t0, t1); break;
-    case T_Q4_1: case T_Q5_1: fill_q1(in, x, t0, t1); break;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: fill_k(in, x, t0, t1); break;
+    case T_Q8_0:
+    case T_Q4_0:
+    case T_Q5_0: fill_q32(in, x, t0, t1); break;
+    case T_Q4_1:
+    case T_Q5_1: fill_q1(in, x, t0, t1); break;
+    case T_Q4_K:
+    case T_Q5_K:
+    case T_Q6_K: fill_k(in, x, t0, t1); break;
     default: break;
     }
 }
@@ -324,8 +338,8 @@ static int matmul_task(void *ctx, int i) {
                        (size_t)j->n_out);
 }
 
-int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x,
-           int n, float *y) {
+int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const float *x, int n,
+           float *y) {
     mm_input in;
     if (mm_alloc(type, k, n, &in) < 0) return -1;
     const int threads = pool_threads();
@@ -366,9 +380,9 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
 
 typedef struct {
     const mm_item *items;
-    mm_input *in;         /* each item's prepared input */
-    const int *first;     /* the first task of each item; first[count] = the tasks */
-    const int *rows;      /* rows per task of each item */
+    mm_input *in;     /* each item's prepared input */
+    const int *first; /* the first task of each item; first[count] = the tasks */
+    const int *rows;  /* rows per task of each item */
     int count;
 } many_job;
 
@@ -379,8 +393,8 @@ static int many_task(void *ctx, int i) {
     const mm_item *m = &j->items[it];
     const int r0 = (i - j->first[it]) * j->rows[it];
     const int rows = m->n_out - r0 < j->rows[it] ? m->n_out - r0 : j->rows[it];
-    return matmul_part(m->type, m->w + (size_t)r0 * m->row_bytes, m->row_bytes, rows, m->k,
-                       m->x, &j->in[it], 1, m->y + r0, (size_t)m->n_out);
+    return matmul_part(m->type, m->w + (size_t)r0 * m->row_bytes, m->row_bytes, rows, m->k, m->x,
+                       &j->in[it], 1, m->y + r0, (size_t)m->n_out);
 }
 
 int matmul_many(const mm_item *items, int count) {
@@ -390,8 +404,7 @@ int matmul_many(const mm_item *items, int count) {
     if (threads == 1 || count < 2 || work < (double)small_work) {
         for (int i = 0; i < count; i++) {
             const mm_item *m = &items[i];
-            if (matmul(m->type, m->w, m->row_bytes, m->n_out, m->k, m->x, 1, m->y) < 0)
-                return -1;
+            if (matmul(m->type, m->w, m->row_bytes, m->n_out, m->k, m->x, 1, m->y) < 0) return -1;
         }
         return 0;
     }

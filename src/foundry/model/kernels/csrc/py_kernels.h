@@ -21,11 +21,12 @@ static inline int fits(const char *what, const Py_buffer *b, Py_ssize_t need) {
     return 1;
 }
 
-#define RELEASE_AND_RETURN(result, ...)                                                        \
-    do {                                                                                       \
-        Py_buffer *bufs_[] = {__VA_ARGS__};                                                    \
-        for (size_t i_ = 0; i_ < sizeof bufs_ / sizeof bufs_[0]; i_++) PyBuffer_Release(bufs_[i_]); \
-        return result;                                                                         \
+#define RELEASE_AND_RETURN(result, ...)                                                            \
+    do {                                                                                           \
+        Py_buffer *bufs_[] = {__VA_ARGS__};                                                        \
+        for (size_t i_ = 0; i_ < sizeof bufs_ / sizeof bufs_[0]; i_++)                             \
+            PyBuffer_Release(bufs_[i_]);                                                           \
+        return result;                                                                             \
     } while (0)
 
 #endif

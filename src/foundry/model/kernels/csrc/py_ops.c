@@ -3,7 +3,8 @@
 
 #include "py_kernels.h"
 
-static int check_shape(int type, Py_ssize_t rows, Py_ssize_t k, Py_ssize_t have, size_t *row_bytes) {
+static int check_shape(int type, Py_ssize_t rows, Py_ssize_t k, Py_ssize_t have,
+                       size_t *row_bytes) {
     int values, bytes;
     if (!type_block(type, &values, &bytes)) {
         PyErr_Format(PyExc_ValueError, "tensor type %d has no kernel", type);
@@ -36,8 +37,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (check_shape(type, n_out, k, w.len, &row_bytes) < 0) goto done;
     if (n < 0 || x.len != n * k * 4 || y.len != n * n_out * 4) {
-        PyErr_Format(PyExc_ValueError, "x holds %zd bytes and y %zd, expected %zd and %zd",
-                     x.len, y.len, n * k * 4, n * n_out * 4);
+        PyErr_Format(PyExc_ValueError, "x holds %zd bytes and y %zd, expected %zd and %zd", x.len,
+                     y.len, n * k * 4, n * n_out * 4);
         goto done;
     }
     if (n_out > INT32_MAX || n > INT32_MAX) {
@@ -45,10 +46,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = matmul(type, w.buf, row_bytes, (int)n_out, (int)k, x.buf, (int)n, y.buf);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
+    Py_BEGIN_ALLOW_THREADS rc =
+        matmul(type, w.buf, row_bytes, (int)n_out, (int)k, x.buf, (int)n, y.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -78,8 +78,8 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4,
                      pos = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
     if ((half != 0 && half != 1) || n_pos < 1 || n_head < 1 || n_kv < 1 || dh < 1 ||
-        n_head % n_kv || q.len != row ||
-        out.len != row || k.len != v.len || k.len % pos || k.len / pos < n_pos) {
+        n_head % n_kv || q.len != row || out.len != row || k.len != v.len || k.len % pos ||
+        k.len / pos < n_pos) {
         PyErr_Format(PyExc_ValueError,
                      "attend: q %zd and out %zd bytes for %d heads of %d, a cache of %zd and %zd "
                      "bytes for %d positions of %d kv heads",
@@ -91,10 +91,8 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    attend(q.buf, k.buf, v.buf, half, n_pos, n_head, n_kv, dh, p, out.buf);
-    Py_END_ALLOW_THREADS
-    free(p);
+    Py_BEGIN_ALLOW_THREADS attend(q.buf, k.buf, v.buf, half, n_pos, n_head, n_kv, dh, p, out.buf);
+    Py_END_ALLOW_THREADS free(p);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -122,11 +120,9 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "out holds %zd bytes, expected %zd", out.len, rows * k * 4);
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < rows; r++)
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t r = 0; r < rows; r++)
         dequant_row(type, (const uint8_t *)w.buf + r * row_bytes, (int)k, (float *)out.buf + r * k);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
+    Py_END_ALLOW_THREADS result = Py_None;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&w);
@@ -144,14 +140,13 @@ static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
     int half, pos, window, rows, n_head, n_kv, dh;
     Py_buffer q, k, v, out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*iiiiiiiw*", &q, &k, &v, &half, &pos, &window, &rows,
-                          &n_head, &n_kv, &dh, &out))
+    if (!PyArg_ParseTuple(args, "y*y*y*iiiiiiiw*", &q, &k, &v, &half, &pos, &window, &rows, &n_head,
+                          &n_kv, &dh, &out))
         return NULL;
-    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4,
-                     at = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
-    if ((half != 0 && half != 1) || pos < 0 || window < 0 || rows < 1 || n_head < 1 ||
-        n_kv < 1 || dh < 1 || n_head % n_kv || q.len != row * rows || out.len != row * rows ||
-        k.len != v.len || k.len % at || k.len / at < (Py_ssize_t)pos + rows) {
+    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4, at = (Py_ssize_t)n_kv * dh * (half ? 2 : 4);
+    if ((half != 0 && half != 1) || pos < 0 || window < 0 || rows < 1 || n_head < 1 || n_kv < 1 ||
+        dh < 1 || n_head % n_kv || q.len != row * rows || out.len != row * rows || k.len != v.len ||
+        k.len % at || k.len / at < (Py_ssize_t)pos + rows) {
         PyErr_Format(PyExc_ValueError,
                      "attend_rows: q %zd and out %zd bytes for %d rows of %d heads of %d, a "
                      "cache of %zd and %zd bytes for positions up to %d of %d kv heads",
@@ -159,10 +154,9 @@ static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
         RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
     }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = attend_rows(q.buf, k.buf, v.buf, half, pos, window, rows, n_head, n_kv, dh, out.buf);
-    Py_END_ALLOW_THREADS
-    if (rc < 0) {
+    Py_BEGIN_ALLOW_THREADS rc =
+        attend_rows(q.buf, k.buf, v.buf, half, pos, window, rows, n_head, n_kv, dh, out.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) {
         PyErr_NoMemory();
         RELEASE_AND_RETURN(NULL, &q, &k, &v, &out);
     }
@@ -181,10 +175,8 @@ static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
     if (n < 0 || d < 1 || !fits("x", &x, rows) || !fits("w", &w, (Py_ssize_t)d * 4) ||
         !fits("out", &out, rows))
         RELEASE_AND_RETURN(NULL, &x, &w, &out);
-    Py_BEGIN_ALLOW_THREADS
-    rmsnorm(x.buf, w.buf, n, d, eps, out.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &out);
+    Py_BEGIN_ALLOW_THREADS rmsnorm(x.buf, w.buf, n, d, eps, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &out);
 }
 
 PyDoc_STRVAR(rope_doc,
@@ -206,10 +198,8 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
     if (!fits("x", &x, values) || !fits("cos", &cos, angles) || !fits("sin", &sin, angles) ||
         !fits("out", &out, values))
         RELEASE_AND_RETURN(NULL, &x, &cos, &sin, &out);
-    Py_BEGIN_ALLOW_THREADS
-    rope(x.buf, cos.buf, sin.buf, n, heads, dh, neox, out.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &cos, &sin, &out);
+    Py_BEGIN_ALLOW_THREADS rope(x.buf, cos.buf, sin.buf, n, heads, dh, neox, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &cos, &sin, &out);
 }
 
 PyDoc_STRVAR(swiglu_doc, "swiglu(gu, n, f, out): out (n, f) = silu(g) * u of rows [g | u] of gu.");
@@ -222,10 +212,8 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     if (n < 0 || f < 1 || !fits("gu", &gu, (Py_ssize_t)n * 2 * f * 4) ||
         !fits("out", &out, (Py_ssize_t)n * f * 4))
         RELEASE_AND_RETURN(NULL, &gu, &out);
-    Py_BEGIN_ALLOW_THREADS
-    swiglu(gu.buf, n, f, out.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &out);
+    Py_BEGIN_ALLOW_THREADS swiglu(gu.buf, n, f, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &out);
 }
 
 PyDoc_STRVAR(geglu_doc, "geglu(gu, table, n, f, out): out (n, f) = gelu(g) * u of rows [g | u] of "
@@ -239,10 +227,8 @@ static PyObject *py_geglu(PyObject *self, PyObject *args) {
     if (n < 0 || f < 1 || !fits("gu", &gu, (Py_ssize_t)n * 2 * f * 4) ||
         !fits("table", &table, (Py_ssize_t)65536 * 4) || !fits("out", &out, (Py_ssize_t)n * f * 4))
         RELEASE_AND_RETURN(NULL, &gu, &table, &out);
-    Py_BEGIN_ALLOW_THREADS
-    geglu(gu.buf, table.buf, n, f, out.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &table, &out);
+    Py_BEGIN_ALLOW_THREADS geglu(gu.buf, table.buf, n, f, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &gu, &table, &out);
 }
 
 PyDoc_STRVAR(route_doc,
@@ -261,15 +247,12 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
                      MAX_EXPERTS);
         RELEASE_AND_RETURN(NULL, &x, &w, &weights, &top);
     }
-    if (!fits("x", &x, (Py_ssize_t)n * d * 4) ||
-        !fits("w", &w, (Py_ssize_t)n_expert * d * 4) ||
+    if (!fits("x", &x, (Py_ssize_t)n * d * 4) || !fits("w", &w, (Py_ssize_t)n_expert * d * 4) ||
         !fits("weights", &weights, (Py_ssize_t)n * k * 4) ||
         !fits("top", &top, (Py_ssize_t)n * k * 8))
         RELEASE_AND_RETURN(NULL, &x, &w, &weights, &top);
-    Py_BEGIN_ALLOW_THREADS
-    route(x.buf, w.buf, n, d, n_expert, k, weights.buf, top.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &weights, &top);
+    Py_BEGIN_ALLOW_THREADS route(x.buf, w.buf, n, d, n_expert, k, weights.buf, top.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &w, &weights, &top);
 }
 
 PyDoc_STRVAR(assign_doc,
@@ -288,14 +271,11 @@ static PyObject *py_assign(PyObject *self, PyObject *args) {
                      n_local, MAX_EXPERTS, top.len);
         RELEASE_AND_RETURN(NULL, &top, &order, &bounds);
     }
-    if (!fits("order", &order, top.len) ||
-        !fits("bounds", &bounds, (Py_ssize_t)(n_local + 1) * 8))
+    if (!fits("order", &order, top.len) || !fits("bounds", &bounds, (Py_ssize_t)(n_local + 1) * 8))
         RELEASE_AND_RETURN(NULL, &top, &order, &bounds);
     int64_t m;
-    Py_BEGIN_ALLOW_THREADS
-    m = assign(top.buf, top.len / 8, first, n_local, order.buf, bounds.buf);
-    Py_END_ALLOW_THREADS
-    RELEASE_AND_RETURN(PyLong_FromLongLong(m), &top, &order, &bounds);
+    Py_BEGIN_ALLOW_THREADS m = assign(top.buf, top.len / 8, first, n_local, order.buf, bounds.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(PyLong_FromLongLong(m), &top, &order, &bounds);
 }
 
 PyDoc_STRVAR(combine_doc,
@@ -322,16 +302,16 @@ static PyObject *py_combine(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < m; i++) { /* the assignments' rows of ys, each assignment once */
         if (o[i] < 0 || o[i] >= (int64_t)n * k || slot[o[i]] >= 0) {
             free(slot);
-            PyErr_Format(PyExc_ValueError, "combine: order[%lld] = %lld is not a distinct "
-                         "assignment of %d rows of %d", (long long)i, (long long)o[i], n, k);
+            PyErr_Format(PyExc_ValueError,
+                         "combine: order[%lld] = %lld is not a distinct "
+                         "assignment of %d rows of %d",
+                         (long long)i, (long long)o[i], n, k);
             RELEASE_AND_RETURN(NULL, &ys, &weights, &order, &out);
         }
         slot[o[i]] = i;
     }
-    Py_BEGIN_ALLOW_THREADS
-    combine(ys.buf, weights.buf, slot, n, k, d, out.buf);
-    Py_END_ALLOW_THREADS
-    free(slot);
+    Py_BEGIN_ALLOW_THREADS combine(ys.buf, weights.buf, slot, n, k, d, out.buf);
+    Py_END_ALLOW_THREADS free(slot);
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);
 }
 

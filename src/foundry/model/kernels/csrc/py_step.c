@@ -67,10 +67,10 @@ static int parse_experts(PyObject *o, const step_layer *l, step_part *p) {
 static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
     PyObject *qkv, *out, *gate_up, *down, *experts;
     unsigned long long bias[3], q_norm, k_norm;
-    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKKiO", &qkv, &out, &gate_up, &down, &p->n_q,
-                          &p->n_k, &p->n_v, &p->n_kv, &p->n_ff, &p->q_keep[0], &p->q_keep[1],
-                          &p->k_keep[0], &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1],
-                          &bias[2], &q_norm, &k_norm, &p->first_exp, &experts))
+    if (!PyArg_ParseTuple(o, "OOOOiiiiiiiiiiKKKKKiO", &qkv, &out, &gate_up, &down, &p->n_q, &p->n_k,
+                          &p->n_v, &p->n_kv, &p->n_ff, &p->q_keep[0], &p->q_keep[1], &p->k_keep[0],
+                          &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1], &bias[2], &q_norm,
+                          &k_norm, &p->first_exp, &experts))
         return 0;
     if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) || !parse_mat(out, &p->out) ||
         !parse_mats(gate_up, p->gate_up, 2, &p->n_gate_up))
@@ -85,10 +85,10 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
     p->q_norm = (const float *)(uintptr_t)q_norm;
     p->k_norm = (const float *)(uintptr_t)k_norm;
     const int dh = l->dh, heads = p->q_keep[1] - p->q_keep[0];
-    if (p->n_q % dh || p->n_k % dh || p->n_v != p->n_kv * dh || p->n_kv < 1 ||
-        p->q_keep[0] < 0 || heads < 1 || p->q_keep[1] * dh > p->n_q || p->k_keep[0] < 0 ||
-        p->k_keep[1] - p->k_keep[0] != p->n_kv || p->k_keep[1] * dh > p->n_k ||
-        heads % p->n_kv || (p->skip_kv != 0 && p->skip_kv != 1))
+    if (p->n_q % dh || p->n_k % dh || p->n_v != p->n_kv * dh || p->n_kv < 1 || p->q_keep[0] < 0 ||
+        heads < 1 || p->q_keep[1] * dh > p->n_q || p->k_keep[0] < 0 ||
+        p->k_keep[1] - p->k_keep[0] != p->n_kv || p->k_keep[1] * dh > p->n_k || heads % p->n_kv ||
+        (p->skip_kv != 0 && p->skip_kv != 1))
         return step_fail("heads that do not fit the Q, K and V rows");
     if (rows_of(p->qkv, p->n_qkv) != p->n_q + (p->skip_kv ? 0 : p->n_k + p->n_v))
         return step_fail("Q, K and V matrices that do not give their rows");
@@ -128,8 +128,7 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     if (l == NULL) return PyErr_NoMemory();
     if (!PyArg_ParseTuple(args, "(iiiiiiifKKKKKKiiO)", &l->d, &l->dh, &l->half, &l->neox,
                           &l->qk_norm, &l->window, &l->gelu, &l->eps, &attn_norm, &ffn_norm,
-                          &post_attn, &post_ffn, &table, &router, &l->n_expert, &l->n_used,
-                          &parts))
+                          &post_attn, &post_ffn, &table, &router, &l->n_expert, &l->n_used, &parts))
         goto fail;
     l->router = (const float *)(uintptr_t)router;
     if (l->router != NULL && (l->n_expert < 1 || l->n_expert > MAX_EXPERTS || l->n_used < 1 ||
@@ -143,9 +142,9 @@ static PyObject *py_step_plan(PyObject *self, PyObject *args) {
     l->post_ffn = (const float *)(uintptr_t)post_ffn;
     l->gelu_table = (const float *)(uintptr_t)table;
     if (l->d < 1 || l->dh < 2 || l->dh % 2 || (l->half != 0 && l->half != 1) ||
-        (l->neox != 0 && l->neox != 1) || l->qk_norm < STEP_QK_NONE ||
-        l->qk_norm > STEP_QK_FULL || l->window < 0 || (l->gelu != 0 && l->gelu != 1) ||
-        !attn_norm || !ffn_norm || (l->gelu && !table)) {
+        (l->neox != 0 && l->neox != 1) || l->qk_norm < STEP_QK_NONE || l->qk_norm > STEP_QK_FULL ||
+        l->window < 0 || (l->gelu != 0 && l->gelu != 1) || !attn_norm || !ffn_norm ||
+        (l->gelu && !table)) {
         step_fail("a layer's sizes or norms");
         goto fail;
     }
@@ -180,15 +179,16 @@ static int check_cache(const step_layer *l, int j, const Py_buffer *k, const Py_
                        int pos) {
     const Py_ssize_t row = (Py_ssize_t)l->parts[j].n_kv * l->dh * (l->half ? 2 : 4);
     if (pos < 0 || k->len != v->len || k->len % row || k->len / row <= pos) {
-        PyErr_Format(PyExc_ValueError, "step: caches of %zd and %zd bytes have no position %d "
-                     "of %zd-byte rows", k->len, v->len, pos, row);
+        PyErr_Format(PyExc_ValueError,
+                     "step: caches of %zd and %zd bytes have no position %d "
+                     "of %zd-byte rows",
+                     k->len, v->len, pos, row);
         return 0;
     }
     return 1;
 }
 
-static int check_tables(const step_layer *l, const Py_buffer *cos, const Py_buffer *sin,
-                        int pos) {
+static int check_tables(const step_layer *l, const Py_buffer *cos, const Py_buffer *sin, int pos) {
     const Py_ssize_t row = (Py_ssize_t)(l->dh / 2) * 4;
     if (cos->len != sin->len || cos->len % row || cos->len / row <= pos) {
         PyErr_Format(PyExc_ValueError, "step: rope tables of %zd bytes have no position %d",
@@ -248,10 +248,8 @@ static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyO
         kc[j] = k[j].buf;
         vc[j] = v[j].buf;
     }
-    Py_BEGIN_ALLOW_THREADS
-    rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room);
-    Py_END_ALLOW_THREADS
-    free(room);
+    Py_BEGIN_ALLOW_THREADS rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room);
+    Py_END_ALLOW_THREADS free(room);
     if (rc < 0) PyErr_NoMemory();
 done:
     for (int j = 0; j < held; j++) {
@@ -276,8 +274,7 @@ static PyObject *py_step_layer(PyObject *self, PyObject *args) {
     int pos;
     Py_buffer x;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Ow*iOOOO", &capsule, &x, &pos, &kt, &vt, &cos, &sin))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "Ow*iOOOO", &capsule, &x, &pos, &kt, &vt, &cos, &sin)) return NULL;
     const int rc = run_layer(capsule, &x, pos, kt, vt, cos, sin);
     PyBuffer_Release(&x);
     return rc < 0 ? NULL : Py_NewRef(Py_None);
@@ -347,10 +344,9 @@ static PyObject *py_step_attn(PyObject *self, PyObject *args) {
     float *room = step_alloc(l, pos);
     if (room == NULL) RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = step_attn(l, j, h.buf, pos, k.buf, v.buf, cos.buf, sin.buf, out.buf, room);
-    Py_END_ALLOW_THREADS
-    free(room);
+    Py_BEGIN_ALLOW_THREADS rc =
+        step_attn(l, j, h.buf, pos, k.buf, v.buf, cos.buf, sin.buf, out.buf, room);
+    Py_END_ALLOW_THREADS free(room);
     if (rc < 0) {
         PyErr_NoMemory();
         RELEASE_AND_RETURN(NULL, &h, &k, &v, &cos, &sin, &out);
@@ -377,10 +373,8 @@ static PyObject *py_step_ffn(PyObject *self, PyObject *args) {
     float *room = step_alloc(l, 0);
     if (room == NULL) RELEASE_AND_RETURN(NULL, &h, &out);
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = step_ffn(l, j, h.buf, out.buf, room);
-    Py_END_ALLOW_THREADS
-    free(room);
+    Py_BEGIN_ALLOW_THREADS rc = step_ffn(l, j, h.buf, out.buf, room);
+    Py_END_ALLOW_THREADS free(room);
     if (rc < 0) {
         PyErr_NoMemory();
         RELEASE_AND_RETURN(NULL, &h, &out);

@@ -93,8 +93,8 @@ void fill_q1(const mm_input *in, const float *x, int t0, int t1) {
     }
 }
 
-int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-              const mm_input *in, int n, float *y, size_t ldy) {
+int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+              int n, float *y, size_t ldy) {
     const int bytes = type == T_Q4_1 ? 20 : 24, nb = k / QK;
     float (*dot)(int, const uint8_t *, int, const int8_t *, const float *, const float *, int) =
         dot_q1_portable;
@@ -104,8 +104,8 @@ int matmul_q1(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int r = 0; r < n_out; r++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * ldy + r] = dot(type, w + (size_t)r * row_bytes, bytes,
-                                             in->xq + (size_t)t * k, in->xd + (size_t)t * nb,
-                                             in->sums + (size_t)t * nb, nb);
+                y[(size_t)t * ldy + r] =
+                    dot(type, w + (size_t)r * row_bytes, bytes, in->xq + (size_t)t * k,
+                        in->xd + (size_t)t * nb, in->sums + (size_t)t * nb, nb);
     return 0;
 }

@@ -78,7 +78,8 @@ AVX2 static void quantize_input_avx2(const float *x, int k, int8_t *q, float *d)
         }
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(v32[0], v32[1]),
                                                _mm256_packs_epi32(v32[2], v32[3]));
-        _mm256_storeu_si256((__m256i *)(q + (size_t)b * QK), _mm256_permutevar8x32_epi32(p16, order));
+        _mm256_storeu_si256((__m256i *)(q + (size_t)b * QK),
+                            _mm256_permutevar8x32_epi32(p16, order));
     }
 }
 #endif
@@ -120,26 +121,26 @@ AVX2 INLINE __m256i load_block_avx2(int type, const uint8_t *blk) {
 /* The int8 dot product, AVX2 (maddubs + madd) or AVX-512 VNNI (dpbusd): the same eight exact
  * int32 lanes, so the same bits; two accumulators, one per block parity. */
 #define DOT_Q_X86(NAME, TARGET, LOAD, LANES8)                                                      \
-    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,         \
-                             const float *xd, int nb) {                                        \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                       \
-        int b = 0;                                                                             \
-        for (; b + 2 <= nb; b += 2) {                                                          \
-            const uint8_t *p = w + (size_t)b * bsize;                                          \
-            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                     \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));             \
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));       \
-            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));      \
-            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));      \
-            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);                                  \
-            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);                      \
-            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));             \
-            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));             \
-        }                                                                                      \
-        float acc[LANES_Q];                                                                    \
-        _mm256_storeu_ps(acc, acc0);                                                           \
-        _mm256_storeu_ps(acc + 8, acc1);                                                       \
-        return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                 \
+    TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,              \
+                             const float *xd, int nb) {                                            \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                            \
+        int b = 0;                                                                                 \
+        for (; b + 2 <= nb; b += 2) {                                                              \
+            const uint8_t *p = w + (size_t)b * bsize;                                              \
+            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                          \
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                 \
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));           \
+            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));         \
+            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));         \
+            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);                                     \
+            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);                         \
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));                 \
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));                 \
+        }                                                                                          \
+        float acc[LANES_Q];                                                                        \
+        _mm256_storeu_ps(acc, acc0);                                                               \
+        _mm256_storeu_ps(acc + 8, acc1);                                                           \
+        return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                     \
     }
 
 DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
@@ -155,25 +156,25 @@ DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
 /* Q4_0, AVX2 or VNNI on 256 bits: a block's eight exact lanes folded to add_block's four (lane
  * j + lane j + 4), into four accumulators of four floats by block mod 4. */
 #define DOT_Q4_X86(NAME, TARGET, LANES8)                                                           \
-    TARGET static float NAME(const uint8_t *w, int bsize, const int8_t *xq, const float *xd,   \
-                             int nb) {                                                         \
-        __m128 acc[4];                                                                         \
-        for (int m = 0; m < 4; m++) acc[m] = _mm_setzero_ps();                                 \
-        int b = 0;                                                                             \
-        for (; b + 4 <= nb; b += 4)                                                            \
-            for (int m = 0; m < 4; m++) {                                                      \
-                const uint8_t *p = w + (size_t)(b + m) * bsize;                                \
-                const __m256i wv = load_block_avx2(T_Q4_0, p);                                 \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));   \
-                const __m256i s8 = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)); \
-                const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8),                  \
-                                                 _mm256_extracti128_si256(s8, 1));            \
-                acc[m] = _mm_add_ps(acc[m], _mm_mul_ps(_mm_set1_ps(f16c(p) * xd[b + m]),       \
-                                                       _mm_cvtepi32_ps(s4)));                  \
-            }                                                                                  \
-        float lanes[LANES_Q];                                                                  \
-        for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                      \
-        return add_blocks(T_Q4_0, lanes, w, bsize, xq, xd, b, nb);                             \
+    TARGET static float NAME(const uint8_t *w, int bsize, const int8_t *xq, const float *xd,       \
+                             int nb) {                                                             \
+        __m128 acc[4];                                                                             \
+        for (int m = 0; m < 4; m++) acc[m] = _mm_setzero_ps();                                     \
+        int b = 0;                                                                                 \
+        for (; b + 4 <= nb; b += 4)                                                                \
+            for (int m = 0; m < 4; m++) {                                                          \
+                const uint8_t *p = w + (size_t)(b + m) * bsize;                                    \
+                const __m256i wv = load_block_avx2(T_Q4_0, p);                                     \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));       \
+                const __m256i s8 = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));     \
+                const __m128i s4 =                                                                 \
+                    _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));    \
+                acc[m] = _mm_add_ps(                                                               \
+                    acc[m], _mm_mul_ps(_mm_set1_ps(f16c(p) * xd[b + m]), _mm_cvtepi32_ps(s4)));    \
+            }                                                                                      \
+        float lanes[LANES_Q];                                                                      \
+        for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                          \
+        return add_blocks(T_Q4_0, lanes, w, bsize, xq, xd, b, nb);                                 \
     }
 DOT_Q4_X86(dot_q4_avx2, AVX2, lanes8_avx2)
 DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
@@ -190,9 +191,9 @@ DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
 
 /* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
  * last one to three) added one at a time as dot_q_portable does, then halved. */
-AVX2 INLINE void finish_rows_avx2(
-    int type, const __m256 *a0, const __m256 *a1, const uint8_t *w, size_t lane_bytes, int bsize,
-    const int8_t *xq, const float *xd, int from, int nb, float *y) {
+AVX2 INLINE void finish_rows_avx2(int type, const __m256 *a0, const __m256 *a1, const uint8_t *w,
+                                  size_t lane_bytes, int bsize, const int8_t *xq, const float *xd,
+                                  int from, int nb, float *y) {
     for (int i = 0; i < ROWS2; i++) {
         if (from == nb) {
             y[i] = finish16_avx2(a0[i], a1[i]);
@@ -205,9 +206,8 @@ AVX2 INLINE void finish_rows_avx2(
     }
 }
 
-AVX2 INLINE void rows_q_avx2_t(
-    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
-    const float *xd, int nb, float *y) {
+AVX2 INLINE void rows_q_avx2_t(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                               int bsize, const int8_t *xq, const float *xd, int nb, float *y) {
     __m256 a0[ROWS2], a1[ROWS2];
     for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
     const int pairs = nb & ~1;
@@ -265,8 +265,8 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
             h = _mm_insert_epi16(h, rd16(p + bsize), 1);
             h = _mm_insert_epi16(h, rd16(p + 2 * bsize), 2);
             h = _mm_insert_epi16(h, rd16(p + 3 * bsize), 3);
-            const __m256 d4 = _mm256_castps128_ps256(
-                _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(xd + b)));
+            const __m256 d4 =
+                _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(xd + b)));
             for (int half = 0; half < 2; half++) {
                 const uint8_t *ph = p + 2 * half * bsize;
                 const __m256i q = _mm256_loadu2_m128i((const __m128i *)(ph + bsize + 2),
@@ -275,8 +275,8 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
                 const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xg + 64 + 32 * half));
                 const __m256i lo = _mm256_and_si256(q, m4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo),
-                                                     _mm256_maddubs_epi16(hi, xhi));
+                const __m256i p16 =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
                 const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), half ? cv1 : cv0);
                 const __m256 dv = _mm256_permutevar8x32_ps(
                     d4, _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
@@ -308,7 +308,6 @@ static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, cons
     (void)corr;
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
-
 
 #if defined(FOUNDRY_X86)
 AVX2 static void widen_q5_avx2(const uint8_t *blk, uint8_t *out) {
@@ -353,8 +352,8 @@ void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
     }
 }
 
-int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
-               const mm_input *in, int n, float *y, size_t ldy) {
+int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
+               int n, float *y, size_t ldy) {
     if (type == T_Q5_0 && in->type == T_Q8_0) {
         /* A block of inputs (mm_alloc: Q5_WIDEN or more): the Q5_0 weights unpacked once into
          * Q8_0 blocks (the same scale, the values v - 16 as int8) and multiplied as Q8_0, whose
@@ -382,33 +381,32 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
     int r = 0;
 #if defined(FOUNDRY_X86)
     if (use_512 && type == T_Q8_0 && n > 1) { /* a block of inputs: tiles of rows x inputs */
-        if (block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, ldy, y) < 0)
-            return -1;
+        if (block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, ldy, y) < 0) return -1;
         r = QT_ROWS * (n_out / QT_ROWS);
     } else if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
         const int8_t *x4 = in->x4;
         const int32_t *corr4 = in->corr4;
         const int per = use_512 ? ROWS : ROWS2, quarter = n_out / per;
         for (int t0 = 0; t0 < n; t0 += Q_TILE) /* a tile of inputs stays in L2 */
-        for (int j = 0; j < quarter; j++)
-            for (int t = t0; t < n && t < t0 + Q_TILE; t++) {
-                float out[ROWS > ROWS2 ? ROWS : ROWS2];
-                const uint8_t *wj = w + (size_t)j * row_bytes;
-                const size_t lane = (size_t)quarter * row_bytes;
-                if (type == T_Q4_0 && use_512)
-                    rows_q4_512(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
-                                xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
-                else if (type == T_Q4_0)
-                    rows_q4_avx2(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
-                                 xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
-                else if (use_512)
-                    rows_q_512(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
-                               xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
-                else
-                    rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
-                                xd + (size_t)t * nb, nb, out);
-                for (int i = 0; i < per; i++) y[(size_t)t * ldy + j + i * quarter] = out[i];
-            }
+            for (int j = 0; j < quarter; j++)
+                for (int t = t0; t < n && t < t0 + Q_TILE; t++) {
+                    float out[ROWS > ROWS2 ? ROWS : ROWS2];
+                    const uint8_t *wj = w + (size_t)j * row_bytes;
+                    const size_t lane = (size_t)quarter * row_bytes;
+                    if (type == T_Q4_0 && use_512)
+                        rows_q4_512(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                    xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                    else if (type == T_Q4_0)
+                        rows_q4_avx2(wj, row_bytes, lane, xq + (size_t)t * k, x4 + (size_t)t * k,
+                                     xd + (size_t)t * nb, corr4 + (size_t)t * (k / 8), nb, out);
+                    else if (use_512)
+                        rows_q_512(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                                   xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb, out);
+                    else
+                        rows_q_avx2(type, wj, row_bytes, lane, bytes, xq + (size_t)t * k,
+                                    xd + (size_t)t * nb, nb, out);
+                    for (int i = 0; i < per; i++) y[(size_t)t * ldy + j + i * quarter] = out[i];
+                }
         r = per * quarter;
     }
 #endif
@@ -416,7 +414,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
         for (int rr = r; rr < n_out; rr++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
                 y[(size_t)t * ldy + rr] =
-                    dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k,
-                          xd + (size_t)t * nb, corr + (size_t)t * (k / 4), nb);
+                    dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
+                          corr + (size_t)t * (k / 4), nb);
     return 0;
 }

@@ -92,20 +92,16 @@ AVX2 INLINE __m256i lanes8_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
 
-AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                              const float *xd, const int32_t *corr, int nb);
-AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
-                              int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
-                              int nb, float *y);
-AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
-                               const int8_t *xq, const int8_t *x4, const float *xd,
-                               const int32_t *corr4, int nb, float *y);
-AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
-                               const int8_t *xq, const float *xd, const int32_t *corr, int n,
-                               size_t ldy, float *y);
+AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
+                       const int32_t *corr, int nb);
+AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize,
+                       const int8_t *xq, const float *xd, const int32_t *corr, int nb, float *y);
+AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes, const int8_t *xq,
+                        const int8_t *x4, const float *xd, const int32_t *corr4, int nb, float *y);
+AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, const int8_t *xq,
+                        const float *xd, const int32_t *corr, int n, size_t ldy, float *y);
 void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4);
-AVX512 void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
-                                     int32_t *corr);
+AVX512 void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d, int32_t *corr);
 #endif
 
 #endif

@@ -21,9 +21,9 @@ AVX512 INLINE __m256i q5_unsigned_bw(const uint8_t *blk) {
 
 AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     if (type == T_Q8_0) {
-        const __m512i v = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
-            _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
+        const __m512i v =
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2))),
+                               _mm256_loadu_si256((const __m256i *)(p + bsize + 2)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
     /* Q5_0, both blocks at once: each block's 16 bytes of nibbles in two 128-bit lanes (low
@@ -31,8 +31,8 @@ AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     uint32_t qh0, qh1;
     memcpy(&qh0, p + 2, 4);
     memcpy(&qh1, p + bsize + 2, 4);
-    const __m256i raw = _mm256_loadu2_m128i((const __m128i *)(p + bsize + 6),
-                                            (const __m128i *)(p + 6));
+    const __m256i raw =
+        _mm256_loadu2_m128i((const __m128i *)(p + bsize + 6), (const __m128i *)(p + 6));
     const __m512i dup = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
                                                  _mm512_castsi256_si512(raw));
     const __m512i sh = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
@@ -42,8 +42,8 @@ AVX512 INLINE __m512i load_pair_512(int type, const uint8_t *p, int bsize) {
     return _mm512_or_si512(nib, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
 }
 
-AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
-                              const float *xd, const int32_t *corr, int nb) {
+AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
+                       const int32_t *corr, int nb) {
     __m512 acc = _mm512_setzero_ps();
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -67,9 +67,9 @@ AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
  * rows, by contrast, share 4 KB pages at different offsets and defeat it; docs/quantization.md
  * has the figures). Each lane also prefetches its own rows PREFETCH ahead in software. Per
  * chunk of up to 16 blocks, each row's float16 scales are converted by one vcvtph2ps and
- * multiplied by the input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block loop only
- * broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the loop
- * holds no test of the type. */
+ * multiplied by the input's scales (d_w * d_x, the same single rounding as dot_q_512), so the block
+ * loop only broadcasts the two products of a step. Specialized per type (rows_q_512 below), so the
+ * loop holds no test of the type. */
 #define CHUNK 16 /* blocks whose scales are converted together */
 #ifndef PREFETCH
 #define PREFETCH ROWS /* rows ahead */
@@ -77,11 +77,10 @@ AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq,
 
 /* The scale products d_w * d_x of up to 16 blocks (``live``) of a row from p: each block's 4
  * first bytes gathered (its float16 scale in the low half), converted by one vcvtph2ps. */
-AVX512 INLINE __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live,
-                                      __m512 xds) {
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(bsize));
+AVX512 INLINE __m512 block_scales_512(const uint8_t *p, int bsize, __mmask16 live, __m512 xds) {
+    const __m512i at =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(bsize));
     const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, p, 1);
     return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)), xds);
 }
@@ -92,9 +91,9 @@ AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, si
                                int bsize, const int8_t *xq, const float *xd, int from, int nb,
                                float *y);
 
-AVX512 INLINE void rows_q_512_t(
-    int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize, const int8_t *xq,
-    const float *xd, const int32_t *corr, int nb, float *y) {
+AVX512 INLINE void rows_q_512_t(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
+                                int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
+                                int nb, float *y) {
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
     const int pairs = nb & ~1;
@@ -105,8 +104,8 @@ AVX512 INLINE void rows_q_512_t(
         const __m512 xds = _mm512_maskz_loadu_ps(live, xd + b);
         float sp[ROWS][CHUNK];
         for (int i = 0; i < ROWS; i++)
-            _mm512_storeu_ps(sp[i], block_scales_512(w + i * lane_bytes + (size_t)b * bsize,
-                                                     bsize, live, xds));
+            _mm512_storeu_ps(
+                sp[i], block_scales_512(w + i * lane_bytes + (size_t)b * bsize, bsize, live, xds));
         for (int c = 0; c < n; c += 2) {
             const size_t off = (size_t)(b + c) * bsize;
             const __m512i xv = _mm512_loadu_si512((const void *)(xq + (b + c) * QK));
@@ -129,9 +128,8 @@ AVX512 INLINE void rows_q_512_t(
     finish_rows(type, acc, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
 }
 
-AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
-                              int bsize, const int8_t *xq, const float *xd, const int32_t *corr,
-                              int nb, float *y) {
+AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize,
+                       const int8_t *xq, const float *xd, const int32_t *corr, int nb, float *y) {
     if (type == T_Q8_0)
         rows_q_512_t(T_Q8_0, w, row_bytes, lane_bytes, bsize, xq, xd, corr, nb, y);
     else
@@ -145,9 +143,8 @@ AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane
  * four, exactly, and the sixteen float lanes are its accumulators 4 (block mod 4) + j. The input
  * comes in that order (``x4``: per four blocks their values 0-15, then 16-31; ``corr4``: per
  * block four sums of 8 values, times 8), from q4_layout. Scales as in rows_q_512_t. */
-AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
-                               const int8_t *xq, const int8_t *x4, const float *xd,
-                               const int32_t *corr4, int nb, float *y) {
+AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes, const int8_t *xq,
+                        const int8_t *x4, const float *xd, const int32_t *corr4, int nb, float *y) {
     const int bsize = 18;
     __m512 acc[ROWS];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
@@ -166,9 +163,10 @@ AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
             const __m512i x2 = _mm512_loadu_si512((const void *)(xg + 64));
             const __m512i ncv = _mm512_sub_epi32(
                 _mm512_setzero_si512(), _mm512_loadu_si512((const void *)(corr4 + (b + c) * 4)));
-            const __m512i idx = _mm512_add_epi32( /* lanes 4m .. 4m + 3 take block c + m's */
-                _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                _mm512_set1_epi32(c));
+            const __m512i idx =
+                _mm512_add_epi32(/* lanes 4m .. 4m + 3 take block c + m's */
+                                 _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_set1_epi32(c));
             for (int i = 0; i < ROWS; i++) {
                 const uint8_t *p = w + i * lane_bytes + (size_t)(b + c) * bsize;
 #if PREFETCH
@@ -206,8 +204,8 @@ AVX512 static void finish_rows(int type, const __m512 *acc, const uint8_t *w, si
  * input) the scale product d_w * d_x (one multiplication of the two pairs' vectors: the same
  * rounding), dpbusd onto minus the correction, the conversion, the multiplication and the
  * addition. */
-AVX512 INLINE void tile_q8_512_t(const int T, const uint8_t *wu, const float *dw, int nb,
-                                 int k, const int8_t *xq, const float *xd, const int32_t *corr,
+AVX512 INLINE void tile_q8_512_t(const int T, const uint8_t *wu, const float *dw, int nb, int k,
+                                 const int8_t *xq, const float *xd, const int32_t *corr,
                                  float *acc_out) {
     __m512 acc[QT_ROWS][4];
     for (int i = 0; i < QT_ROWS; i++)
@@ -218,8 +216,9 @@ AVX512 INLINE void tile_q8_512_t(const int T, const uint8_t *wu, const float *dw
         __m512 dx[4];
         for (int t = 0; t < T; t++) {
             xv[t] = _mm512_loadu_si512((const void *)(xq + (size_t)t * k + b * QK));
-            ncv[t] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                      _mm512_loadu_si512((const void *)(corr + (size_t)t * (k / 4) + b * 8)));
+            ncv[t] = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_loadu_si512((const void *)(corr + (size_t)t * (k / 4) + b * 8)));
             dx[t] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(xd[(size_t)t * nb + b]),
                                          _mm512_set1_ps(xd[(size_t)t * nb + b + 1]));
         }
@@ -251,9 +250,8 @@ AVX512 static void tile_q8_512(int T, const uint8_t *wu, const float *dw, int nb
 
 /* y (n, n_out) for a block of inputs, Q8_0 rows r0 .. r0 + 4 * groups - 1, on tile_q8_512:
  * returns -1 when out of memory. */
-AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
-                               const int8_t *xq, const float *xd, const int32_t *corr, int n,
-                               size_t ldy, float *y) {
+AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, const int8_t *xq,
+                        const float *xd, const int32_t *corr, int n, size_t ldy, float *y) {
     const int nb = k / QK;
     uint8_t *wu = malloc((size_t)QT_ROWS * nb * QK);
     float *dw = malloc((size_t)QT_ROWS * nb * sizeof(float));
@@ -267,9 +265,10 @@ AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k,
             for (int i = 0; i < QT_ROWS; i++) /* the group's rows, unsigned, scales as floats */
                 for (int b = 0; b < nb; b++) {
                     const uint8_t *blk = w + (size_t)(QT_ROWS * g + i) * row_bytes + (size_t)b * 34;
-                    _mm256_storeu_si256((__m256i *)(wu + ((size_t)i * nb + b) * QK),
-                                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)),
-                                                         _mm256_set1_epi8((char)0x80)));
+                    _mm256_storeu_si256(
+                        (__m256i *)(wu + ((size_t)i * nb + b) * QK),
+                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                         _mm256_set1_epi8((char)0x80)));
                     dw[(size_t)i * nb + b] = f16c(blk);
                 }
             for (int t = t0; t < n && t < t0 + Q_TILE; t += 4) {
@@ -308,11 +307,11 @@ void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t
  * 16 values at a time: quantize_block32's maximum (exact, NaNs ignored as fmaxf does), scalar
  * scales and product x * id, rounded to nearest even by roundscale (round_even's result). */
 AVX512 void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d,
-                                     int32_t *corr) {
+                              int32_t *corr) {
     for (int b = 0; b < k / QK; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
-        const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1),
-                                       _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const __m512 m =
+            _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
         const float amax = _mm512_reduce_max_ps(m);
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         d[b] = round_f16(amax / 127.0f); /* quantize_block32's */

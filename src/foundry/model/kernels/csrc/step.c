@@ -100,11 +100,13 @@ static int attn_heads(const step_layer *l, int n_kv, int heads, const float *q, 
     const size_t stride = (size_t)n_kv * l->dh, size = l->half ? 2 : 4;
     const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
     return attend_pool(q, (const uint8_t *)kc + (size_t)first * stride * size,
-                       (const uint8_t *)vc + (size_t)first * stride * size, l->half,
-                       n_pos - first, heads, n_kv, l->dh, o);
+                       (const uint8_t *)vc + (size_t)first * stride * size, l->half, n_pos - first,
+                       heads, n_kv, l->dh, o);
 }
 
-static int heads_of(const step_part *p) { return p->q_keep[1] - p->q_keep[0]; }
+static int heads_of(const step_part *p) {
+    return p->q_keep[1] - p->q_keep[0];
+}
 
 /* Every part's attention (attn_heads of each) in one pool call: part j's q[j] into o[j]. */
 static int attn_heads_parts(const step_layer *l, float *const *q, int pos, void *const *kc,
@@ -115,8 +117,9 @@ static int attn_heads_parts(const step_layer *l, float *const *q, int pos, void 
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
         const size_t at = (size_t)first * p->n_kv * l->dh * size;
-        items[j] = (attend_item){q[j], (const uint8_t *)kc[j] + at, (const uint8_t *)vc[j] + at,
-                                 heads_of(p), p->n_kv, o[j]};
+        items[j] = (attend_item){
+            q[j], (const uint8_t *)kc[j] + at, (const uint8_t *)vc[j] + at, heads_of(p), p->n_kv,
+            o[j]};
     }
     return attend_many(items, l->n_parts, l->half, n_pos - first, l->dh);
 }
@@ -131,7 +134,8 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
     return matmul(p->out.type, p->out.w, p->out.row_bytes, p->out.rows, p->out.k, o, 1, out);
 }
 
-/* ---- GELU of the FFN --------------------------------------------------------------------------- */
+/* ---- GELU of the FFN ---------------------------------------------------------------------------
+ */
 
 /* The GELU table's values are float16 values (arch.gelu_table rounds them): kept as their
  * float16 bits they take half the cache lines, which the streamed weights keep evicting
@@ -166,7 +170,8 @@ AVX2 static void geglu16_avx2(const float *gu, int f, float *out) {
     const float *g = gu, *u = gu + f;
     for (int i = 0; i < f; i++) {
         const float x = g[i];
-        const float act = x <= -10.0f ? 0.0f : (x >= 10.0f ? x : _cvtsh_ss(gelu16[_cvtss_sh(x, 0)]));
+        const float act =
+            x <= -10.0f ? 0.0f : (x >= 10.0f ? x : _cvtsh_ss(gelu16[_cvtss_sh(x, 0)]));
         out[i] = act * u[i];
     }
 }
@@ -279,9 +284,9 @@ size_t step_room(const step_layer *l, int n_pos) {
         const step_part *p = &l->parts[j];
         size_t f = 3 * (size_t)p->n_ff;
         for (int e = 0; e < p->n_exp; e++) { /* routed: every part's chosen experts' outputs
-                                               * and gate, up and activation (routed_parts) */
-            const size_t fe = (size_t)l->n_parts * l->n_used *
-                              ((size_t)l->d + 3 * (size_t)p->experts[e].down.k);
+                                              * and gate, up and activation (routed_parts) */
+            const size_t fe =
+                (size_t)l->n_parts * l->n_used * ((size_t)l->d + 3 * (size_t)p->experts[e].down.k);
             f = fe > f ? fe : f;
         }
         const size_t a = qkv_room(p, l->dh);
@@ -303,8 +308,7 @@ size_t step_room(const step_layer *l, int n_pos) {
  * another (each its own scores, softmax and sums), so one pass over the cache for all the
  * parts' heads gives each head the bits of its part's own pass. */
 static int one_pass(const step_layer *l) {
-    return l->n_parts == 2 && l->parts[1].skip_kv && l->parts[0].n_kv == 1 &&
-           l->parts[1].n_kv == 1;
+    return l->n_parts == 2 && l->parts[1].skip_kv && l->parts[0].n_kv == 1 && l->parts[1].n_kv == 1;
 }
 
 /* Every part's Q, K and V products of h in one pool call, part j's into ys[j]. */
@@ -351,8 +355,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             PROF_STOP(phase, PROF_QKV);
             PROF_START(attn);
             for (int j = 0; j < 2; j++)
-                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), ys[j],
-                              1) < 0)
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q + (j ? h0 : 0), ys[j], 1) < 0)
                     return -1;
             if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
             PROF_STOP(attn, PROF_ATTN);
@@ -376,8 +379,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             PROF_STOP(phase, PROF_QKV);
             PROF_START(attn);
             for (int j = 0; j < l->n_parts; j++)
-                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0)
-                    return -1;
+                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0) return -1;
             if (attn_heads_parts(l, q, pos, kc, vc, o) < 0) return -1;
             PROF_STOP(attn, PROF_ATTN);
             PROF_START(out);
