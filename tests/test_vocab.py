@@ -23,7 +23,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from foundry.model.formats.gguf_meta import read_metadata
-from foundry.model.text.vocab import Tokenizer, TokenizerError, byte, load_tokenizer
+from foundry.model.text.vocab import (
+    Tokenizer,
+    TokenizerError,
+    byte,
+    is_byte_vocabulary,
+    load_tokenizer,
+)
 from foundry.model.text.vocab.byte import ByteModel
 from foundry.model.text.vocab.decoders import (
     PieceDecoder,
@@ -38,6 +44,7 @@ from foundry.model.text.vocab.pretokenizers import (
     ByteLevel,
     RegexSplitter,
     SpecialSplitter,
+    WholeText,
     bytes_to_unicode,
     compile_pattern,
 )
@@ -119,6 +126,11 @@ def test_pattern_classes_follow_unicode_categories_and_llama_cpp_whitespace() ->
     assert all(space.fullmatch(c) for c in " \t\n\r\x0b\x0c\x85\xa0\u2003\u3000")
     assert not any(space.fullmatch(c) for c in "\x1c\x1f\u200b")  # str.isspace() says yes to \x1c
     assert compile_pattern("[^\\s\\p{L}]+").fullmatch("12!?")
+    # inside a longer pattern too, and \\S is its complement (Python's own \\s takes \x1c-\x1f)
+    assert compile_pattern("a\\s").fullmatch("a\u3000") and not compile_pattern("a\\s").search("a\x1c")
+    assert compile_pattern("a\\S").fullmatch("a\x1c") and not compile_pattern("a\\S").search("a\xa0")
+    with pytest.raises(ValueError, match=r"\\S inside a character class is not supported"):
+        compile_pattern("[^\\S]")
 
 
 def test_gpt2_split() -> None:
@@ -178,6 +190,20 @@ def test_bpe_merges_by_rank_and_ignore_merges_takes_whole_tokens() -> None:
     assert BpeModel(ids, ranks, ignore_merges=False).tokenize("abc") == [0, 4]
     assert BpeModel(ids, ranks, ignore_merges=True).tokenize("abc") == [5]
     assert BpeModel(ids, {"a b": 0, "ab c": 1}, False).tokenize("abc") == [5]
+
+
+def test_an_empty_run_is_no_piece_and_no_token() -> None:
+    assert WholeText().split("") == []
+    assert SpecialSplitter([]).split("", True) == []
+    assert SpecialSplitter([]).split("a<b>", True) == ["a<b>"]  # a vocabulary without specials
+    assert SpmModel({"a": 0}, [0.0], [None] * 256).tokenize("") == []
+    assert BpeModel({"a": 0}, {}, ignore_merges=False).tokenize("") == []
+
+
+def test_spm_without_a_byte_token_is_refused_naming_the_byte() -> None:
+    model = SpmModel({"a": 0}, [0.0], [None] * 256)
+    with pytest.raises(TokenizerError, match=r"no token for byte 0xC3 of 'é'"):
+        model.tokenize("aé")
 
 
 def test_byte_model_is_one_token_a_byte() -> None:
@@ -244,6 +270,18 @@ def test_own_vocabulary_parses_specials_only_when_asked() -> None:
     assert tok.encode("a</s>", add_special=False) == [b + 3 for b in b"a</s>"]
 
 
+def test_the_byte_vocabulary_is_the_llama_model_with_exactly_its_259_tokens() -> None:
+    assert is_byte_vocabulary(OWN)
+    tokens = OWN["tokenizer.ggml.tokens"]
+    for other in ({**OWN, "tokenizer.ggml.model": "gpt2"},
+                  {**OWN, "tokenizer.ggml.tokens": [*tokens, "<0x100>"]},
+                  {**OWN, "tokenizer.ggml.tokens": [*tokens[:-1], "<unused>"]},
+                  {**OWN, "tokenizer.ggml.tokens": [tokens[1], tokens[0], *tokens[2:]]}):
+        assert not is_byte_vocabulary(other)
+    # its spaces are the byte 0x20, not SentencePiece's escaped space
+    assert load_tokenizer(OWN).encode("a b") == [1, 0x61 + 3, 0x20 + 3, 0x62 + 3]
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 
@@ -258,6 +296,29 @@ def test_unknown_pre_tokenizer_is_refused_naming_it() -> None:
     with pytest.raises(TokenizerError, match=r"\.pre 'deepseek-llm' is not supported") as err:
         load_tokenizer(meta)
     assert "\n" not in str(err.value) and "llama-bpe" in str(err.value)
+
+
+def test_a_flag_of_another_type_is_refused_naming_its_key() -> None:
+    with pytest.raises(TokenizerError, match=r"'tokenizer\.ggml\.add_bos_token' is .*expected a bool"):
+        load_tokenizer({**OWN, "tokenizer.ggml.add_bos_token": 1})
+
+
+def test_framing_without_its_bos_or_eos_token_is_refused() -> None:
+    # a gpt2 vocabulary smaller than its default BOS / EOS id (11) has neither
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
+    assert load_tokenizer(meta).encode("ab") == [0, 1]
+    for flag in ("bos", "eos"):
+        with pytest.raises(TokenizerError, match=f"add_{flag}_token is set but there is no "
+                                                 f"{flag.upper()} token"):
+            load_tokenizer({**meta, f"tokenizer.ggml.add_{flag}_token": True})
+
+
+def test_add_eos_token_ends_the_ids_with_eos() -> None:
+    tok = load_tokenizer({**_meta("llama-spm"), "tokenizer.ggml.add_eos_token": True})
+    plain = _tokenizer("llama-spm").encode("Hello")
+    assert tok.encode("Hello") == [*plain, 2]
+    assert tok.encode("Hello", add_special=False) == plain[1:]
 
 
 def test_gpt2_without_merges_is_refused() -> None:
@@ -326,6 +387,15 @@ def test_stream_decoder_equals_decode_and_never_splits_a_character(data_: st.Dat
         # no chunk ends inside a character: every prefix of the stream is a prefix of the text
         text = tok.decode(ids)
         assert all(text.startswith("".join(chunks[:k])) for k in range(len(chunks) + 1))
+
+
+def test_a_byte_level_token_outside_gpt2s_table_decodes_as_its_own_text() -> None:
+    # command-r's vocabulary has 1403 such tokens ("\u203c" among them): as Hugging Face's
+    # byte-level decoder, the text itself (llama.cpp writes "[UNK_BYTE_0x...]" instead)
+    tok = _tokenizer("command-r")
+    token = tok.vocab.ids["\u203c"]
+    assert tok.vocab.attrs[token] & Attr.NORMAL
+    assert tok.decode([token]) == "\u203c"
 
 
 def test_lone_surrogates_are_encoded_as_data_encode_does() -> None:
