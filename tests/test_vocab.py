@@ -299,6 +299,41 @@ def test_unknown_pre_tokenizer_is_refused_naming_it() -> None:
     assert "\n" not in str(err.value) and "llama-bpe" in str(err.value)
 
 
+def test_a_vocabulary_without_the_optional_keys_has_llama_cpps_defaults() -> None:
+    # SentencePiece: BOS 1, EOS 2, BOS added, a space before the text; no token_type: normal
+    meta = {"tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581a", "a", "\u2581"]}
+    tok = load_tokenizer(meta)
+    assert (tok.bos_id, tok.eos_id, tok.eog_ids) == (1, 2, frozenset({2}))
+    assert tok.encode("a") == [1, 3] and tok.encode("a", add_special=False) == [3]
+    assert (tok.vocab.pre, tok.vocab.ranks, list(tok.vocab.scores)) == ("", {}, [0.0] * 6)
+    assert tok.decode([4, 3]) == "a a"
+    # a token type llama.cpp does not know is undefined: no piece, never a special token
+    typed = load_tokenizer({**meta, "tokenizer.ggml.token_type": [2, 3, 3, 1, 9, 1]})
+    assert typed.vocab.attrs[4] == Attr.UNDEFINED and typed.decode([4]) == ""
+    assert typed.encode("\u2581a", add_special=False, parse_special=True) == [5, 3]
+    # an empty token text is "[EMPTY_<id>]", as llama.cpp names it
+    empty = load_tokenizer({**meta, "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "", "a"]})
+    assert empty.vocab.texts[3] == "[EMPTY_3]" and "" not in empty.vocab.ids
+    # byte-level BPE without tokenizer.ggml.pre: llama.cpp's "default" pre-tokenizer
+    bpe = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
+           "tokenizer.ggml.merges": []}
+    assert load_tokenizer(bpe).vocab.pre == "default"
+
+
+@pytest.mark.parametrize(("key", "value", "error"), [
+    ("tokens", [], r"'tokenizer\.ggml\.tokens' is missing or empty"),
+    ("tokens", ["a", 1], r"'tokenizer\.ggml\.tokens'"),
+    ("scores", [0.0], r"'tokenizer\.ggml\.scores' has 1 entries, the vocabulary 3"),
+    ("token_type", [1, 1], r"'tokenizer\.ggml\.token_type' has 2 entries, the vocabulary 3"),
+])
+def test_a_malformed_vocabulary_is_refused_naming_its_key(key: str, value: Any,
+                                                          error: str) -> None:
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b", "c"]}
+    with pytest.raises(TokenizerError, match=error):
+        load_tokenizer({**meta, f"tokenizer.ggml.{key}": value})
+
+
 def test_a_flag_of_another_type_is_refused_naming_its_key() -> None:
     with pytest.raises(TokenizerError, match=r"'tokenizer\.ggml\.add_bos_token' is .*a bool"):
         load_tokenizer({**OWN, "tokenizer.ggml.add_bos_token": 1})
