@@ -193,6 +193,20 @@ def test_bpe_merges_by_rank_and_ignore_merges_takes_whole_tokens() -> None:
     assert BpeModel(ids, {"a b": 0, "ab c": 1}, False).tokenize("abc") == [5]
 
 
+def test_a_byte_level_symbol_that_is_no_token_becomes_its_ascii_bytes_tokens() -> None:
+    # llama.cpp (llm_tokenizer_bpe_session) looks each byte of such a symbol up as a one-byte
+    # text and drops the misses: the bytes of "Ġ" (C4 A0) and of "Ā" (C4 80) are no text
+    ids = {"a": 0, "b": 1, "\u00c4": 2, "\x80": 3, "\u00a0": 4}
+    ranks = {"a b": 0, "\u0120 a": 1, "\u0100 a": 2}  # merges whose results are no token
+    model = BpeModel(ids, ranks, ignore_merges=False)
+    assert model.tokenize("ab") == [0, 1]
+    assert model.tokenize("\u0120a") == [0]
+    assert model.tokenize("\u0100ab") == [0, 1]
+    # SentencePiece-style BPE takes the <0xNN> token of every byte instead
+    spm_style = BpeModel(ids, ranks, ignore_merges=False, byte_ids=[100 + b for b in range(256)])
+    assert spm_style.tokenize("\u0120a") == [100 + 0xC4, 100 + 0xA0, 100 + 0x61]
+
+
 def test_an_empty_run_is_no_piece_and_no_token() -> None:
     assert WholeText().split("") == []
     assert SpecialSplitter([]).split("", True) == []
