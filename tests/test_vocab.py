@@ -29,6 +29,7 @@ from foundry.model.text.vocab import (
     byte,
     is_byte_vocabulary,
     load_tokenizer,
+    load_tokenizer_file,
 )
 from foundry.model.text.vocab.byte import ByteModel
 from foundry.model.text.vocab.decoders import (
@@ -170,6 +171,14 @@ def test_special_splitter_longest_first_strip_and_parse_special() -> None:
     # with parse_special on: longest first, rstrip eats the spaces after <|ab|>
     assert split("x <a>y<|ab|> z<|a", True) == ["x", 5, "y", 7, "z", 6]
     assert split("", True) == []
+    # lstrip eats every space before <a> up to the text's start or a token taken before it
+    # (<|ab|> is longer, so taken first), never one after the end of the text
+    assert split("xy  \t<a>", False) == ["xy", 5]
+    assert split("<a>z ", False) == [5, "z "]
+    assert split("<a> <a>", False) == [5, 5]
+    assert split("<|ab|>x <a>", True) == [7, "x", 5]
+    assert SpecialSplitter(specials).matches("x <a>y<|ab|>", True) == [
+        (2, 5, 5, True), (6, 12, 7, False)]
 
 
 def test_spm_merges_the_best_scored_pair_first_then_falls_back_to_bytes() -> None:
@@ -279,6 +288,12 @@ def test_own_stream_decoder_never_splits_a_character(text: str) -> None:
         assert _own().decode(_own().encode(piece)) == piece
 
 
+def test_plain_map_translates_the_runs_between_special_tokens_only() -> None:
+    tok = load_tokenizer(OWN)
+    to_b = {ord("a"): "b", ord("/"): "|"}
+    assert tok.encode("a</s>a", parse_special=True, plain_map=to_b) == [1, 0x62 + 3, 2, 0x62 + 3]
+
+
 def test_own_vocabulary_parses_specials_only_when_asked() -> None:
     tok = load_tokenizer(OWN)
     assert tok.encode("a</s>", add_special=False, parse_special=True) == [0x61 + 3, 2]
@@ -369,6 +384,15 @@ def test_add_eos_token_ends_the_ids_with_eos() -> None:
     plain = _tokenizer("llama-spm").encode("Hello")
     assert tok.encode("Hello") == [*plain, 2]
     assert tok.encode("Hello", add_special=False) == plain[1:]
+
+
+def test_a_file_is_read_for_its_tokenizer_and_named_when_refused() -> None:
+    path = _vocab_path("gpt-2")
+    assert load_tokenizer_file(path).encode("Hello world") == _tokenizer("gpt-2").encode(
+        "Hello world")
+    bert = VOCAB_DIR / "ggml-vocab-bert-bge.gguf"  # WordPiece: not supported
+    with pytest.raises(TokenizerError, match=f"^{bert}: tokenizer\\.ggml\\.model 'bert'"):
+        load_tokenizer_file(bert)
 
 
 def test_gpt2_without_merges_is_refused() -> None:
