@@ -176,6 +176,9 @@ def test_special_splitter_longest_first_strip_and_parse_special() -> None:
     assert split("xy  \t<a>", False) == ["xy", 5]
     assert split("<a>z ", False) == [5, "z "]
     assert split("<a> <a>", False) == [5, 5]
+    # matches says which tokens are always cut out (user-defined), whatever they strip
+    assert SpecialSplitter([(9, "<u>", True, False, False), (8, "<c>", False, True, False)]
+                           ).matches("a<u> <c>", True) == [(1, 4, 9, True), (5, 8, 8, False)]
     assert split("<|ab|>x <a>", True) == [7, "x", 5]
     assert SpecialSplitter(specials).matches("x <a>y<|ab|>", True) == [
         (2, 5, 5, True), (6, 12, 7, False)]
@@ -361,6 +364,39 @@ def test_a_malformed_vocabulary_is_refused_naming_its_key(key: str, value: Any,
     meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b", "c"]}
     with pytest.raises(TokenizerError, match=error):
         load_tokenizer({**meta, f"tokenizer.ggml.{key}": value})
+
+
+def test_end_of_generation_exceptions_of_llama_cpp() -> None:
+    # o200k_harmony (gpt-oss): with <|return|> and <|call|>, <|end|> ends no generation and
+    # is rendered; PLaMo 2: with <|plamo:eos|> as EOS, </s> is plain text
+    tokens = ["<|end|>", "<|return|>", "<|call|>", "a"]
+    harmony = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                              "tokenizer.ggml.merges": [],
+                              "tokenizer.ggml.token_type": [3, 3, 3, 1]})
+    assert harmony.eog_ids == {1, 2} and harmony.vocab.attrs[0] == Attr.USER_DEFINED
+    assert harmony.decode([0, 3]) == "<|end|>a"
+    plamo = load_tokenizer({"tokenizer.ggml.model": "llama",
+                            "tokenizer.ggml.tokens": ["<unk>", "</s>", "<|plamo:eos|>", "a"],
+                            "tokenizer.ggml.token_type": [2, 3, 3, 1],
+                            "tokenizer.ggml.eos_token_id": 2})
+    assert plamo.eog_ids == {2} and plamo.vocab.attrs[1] == Attr.NORMAL
+
+
+def test_a_general_name_of_another_type_is_refused_naming_its_key() -> None:
+    with pytest.raises(TokenizerError, match=r"'general\.name' is .*a string"):
+        load_tokenizer({**OWN, "general.name": 3})
+
+
+def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> None:
+    # llama.cpp matches "phi-3" or "phi3" in the lower-cased general.name
+    meta = _tiny_vocab(["<unk>", "<s>", "</s>", "<|end|>", "\u2581x", "x", "\u2581"],
+                       [2, 3, 3, 3, 1, 1, 1])
+    for name in ("Phi-3 mini", "phi3"):
+        tok = load_tokenizer({**meta, "general.name": name})
+        assert tok.encode("<|end|> x", add_special=False, parse_special=True) == [3, 4]
+    other = load_tokenizer({**meta, "general.name": "Llama"})
+    # (the space prefix after a special token, then the space kept)
+    assert other.encode("<|end|> x", add_special=False, parse_special=True) == [3, 6, 4]
 
 
 def test_a_flag_of_another_type_is_refused_naming_its_key() -> None:

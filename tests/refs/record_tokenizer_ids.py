@@ -79,6 +79,7 @@ CORPUS = [
     "[INST] hi [/INST]",
     "<|user|>\nhi <|end|>\n<|assistant|>  ok",
     "<|im_start half a special token <|im_",
+    "</s> x <s> y <|endoftext|> z <unk> w <|end|>  v\n",  # Phi-3's rstrip: on for </s> and <|end|>
     "▁ already escaped ▁▁",
     "\u00a0nbsp\u3000ideographic\u2003em space\u0085next line",
     "zero\u200bwidth\u200djoiner",
