@@ -346,7 +346,7 @@ def test_a_vocabulary_without_the_optional_keys_has_llama_cpps_defaults() -> Non
     assert typed.encode("\u2581a", add_special=False, parse_special=True) == [5, 3]
     # an empty token text is "[EMPTY_<id>]", as llama.cpp names it
     empty = load_tokenizer({**meta, "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "", "a"]})
-    assert empty.vocab.texts[3] == "[EMPTY_3]" and "" not in empty.vocab.ids
+    assert empty.vocab.texts[3:] == ["[EMPTY_3]", "a"] and "" not in empty.vocab.ids
     # byte-level BPE without tokenizer.ggml.pre: llama.cpp's "default" pre-tokenizer
     bpe = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
            "tokenizer.ggml.merges": []}
@@ -354,7 +354,7 @@ def test_a_vocabulary_without_the_optional_keys_has_llama_cpps_defaults() -> Non
 
 
 @pytest.mark.parametrize(("key", "value", "error"), [
-    ("tokens", [], r"'tokenizer\.ggml\.tokens' is missing or empty"),
+    ("tokens", [], r"^metadata key 'tokenizer\.ggml\.tokens' is missing or empty$"),
     ("tokens", ["a", 1], r"'tokenizer\.ggml\.tokens'"),
     ("scores", [0.0], r"'tokenizer\.ggml\.scores' has 1 entries, the vocabulary 3"),
     ("token_type", [1, 1], r"'tokenizer\.ggml\.token_type' has 2 entries, the vocabulary 3"),
@@ -399,6 +399,25 @@ def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> Non
     assert other.encode("<|end|> x", add_special=False, parse_special=True) == [3, 6, 4]
 
 
+def test_special_ids_default_by_model_and_an_id_outside_the_vocabulary_is_ignored() -> None:
+    # llama.cpp: byte-level BPE has BOS = EOS = 11 (kept only inside the vocabulary), Gemma 4
+    # none; a file's id counts when it is in [0, n); one that is no integer is refused
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.tokens": [chr(97 + i) for i in range(12)]}
+    tok = load_tokenizer(base)
+    assert (tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (11, 11, frozenset({11}), False)
+    small = load_tokenizer({**base, "tokenizer.ggml.tokens": base["tokenizer.ggml.tokens"][:11]})
+    assert (small.bos_id, small.eos_id) == (None, None)
+    for eos, want in ((0, 0), (11, 11), (12, 11), (-1, 11), (-(2**63), 11), (2**64, 11)):
+        assert load_tokenizer({**base, "tokenizer.ggml.eos_token_id": eos}).eos_id == want
+    for bad, error in ((-(2**63) - 1, "outside"), (2**64 + 1, "outside"), ("2", "an integer")):
+        with pytest.raises(TokenizerError, match=f"'tokenizer\\.ggml\\.eos_token_id' is .*{error}"):
+            load_tokenizer({**base, "tokenizer.ggml.eos_token_id": bad})
+    gemma4 = load_tokenizer({**base, "tokenizer.ggml.model": "gemma4",
+                             "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.bos_token_id": 1})
+    assert (gemma4.eos_id, gemma4.add_bos) == (None, True)  # llama.cpp always adds Gemma 4's BOS
+
+
 def test_a_flag_of_another_type_is_refused_naming_its_key() -> None:
     with pytest.raises(TokenizerError, match=r"'tokenizer\.ggml\.add_bos_token' is .*a bool"):
         load_tokenizer({**OWN, "tokenizer.ggml.add_bos_token": 1})
@@ -410,8 +429,8 @@ def test_framing_without_its_bos_or_eos_token_is_refused() -> None:
             "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
     assert load_tokenizer(meta).encode("ab") == [0, 1]
     for flag in ("bos", "eos"):
-        with pytest.raises(TokenizerError, match=f"add_{flag}_token is set but there is no "
-                                                 f"{flag.upper()} token"):
+        with pytest.raises(TokenizerError, match=f"^tokenizer\\.ggml\\.add_{flag}_token is set "
+                                                 f"but there is no {flag.upper()} token$"):
             load_tokenizer({**meta, f"tokenizer.ggml.add_{flag}_token": True})
 
 
@@ -434,7 +453,7 @@ def test_a_file_is_read_for_its_tokenizer_and_named_when_refused() -> None:
 def test_gpt2_without_merges_is_refused() -> None:
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
             "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(TokenizerError, match=r"'tokenizer\.ggml\.merges' is missing"):
+    with pytest.raises(TokenizerError, match=r"^metadata key 'tokenizer\.ggml\.merges' is missing$"):
         load_tokenizer(meta)
 
 
