@@ -414,7 +414,8 @@ def test_special_ids_default_by_model_and_an_id_outside_the_vocabulary_is_ignore
         with pytest.raises(TokenizerError, match=f"'tokenizer\\.ggml\\.eos_token_id' is .*{error}"):
             load_tokenizer({**base, "tokenizer.ggml.eos_token_id": bad})
     gemma4 = load_tokenizer({**base, "tokenizer.ggml.model": "gemma4",
-                             "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.bos_token_id": 1})
+                             "tokenizer.ggml.add_bos_token": False,
+                             "tokenizer.ggml.bos_token_id": 1})
     assert (gemma4.eos_id, gemma4.add_bos) == (None, True)  # llama.cpp always adds Gemma 4's BOS
 
 
@@ -453,7 +454,8 @@ def test_a_file_is_read_for_its_tokenizer_and_named_when_refused() -> None:
 def test_gpt2_without_merges_is_refused() -> None:
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
             "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(TokenizerError, match=r"^metadata key 'tokenizer\.ggml\.merges' is missing$"):
+    with pytest.raises(TokenizerError,
+                       match=r"^metadata key 'tokenizer\.ggml\.merges' is missing$"):
         load_tokenizer(meta)
 
 
