@@ -80,6 +80,8 @@ CORPUS = [
     "<|user|>\nhi <|end|>\n<|assistant|>  ok",
     "<|im_start half a special token <|im_",
     "</s> x <s> y <|endoftext|> z <unk> w <|end|>  v\n",  # Phi-3's rstrip: on for </s> and <|end|>
+    "x" + "\n" * 40 + "y",  # Gemma 4 takes a run of newlines whole only up to 31, its longest token
+    "X" * 16 + "\n\t\t\t\t x",
     "▁ already escaped ▁▁",
     "\u00a0nbsp\u3000ideographic\u2003em space\u0085next line",
     "zero\u200bwidth\u200djoiner",
