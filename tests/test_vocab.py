@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +121,10 @@ def test_space_escape_writes_spaces_as_u2581_and_prefixes_after_specials() -> No
 def test_pattern_classes_follow_unicode_categories_and_llama_cpp_whitespace() -> None:
     letter = compile_pattern("\\p{L}+")
     assert letter.fullmatch("éß日본Ω")
-    assert not letter.search("1٣½_-")
+    assert not letter.search("1٣½_-×")  # × (U+00D7) lies between two letters
     number = compile_pattern("\\p{N}")
     assert all(number.fullmatch(c) for c in "7٣½Ⅻ")
+    assert not number.search("xX")
     space = compile_pattern("\\s")
     assert all(space.fullmatch(c) for c in " \t\n\r\x0b\x0c\x85\xa0\u2003\u3000")
     assert not any(space.fullmatch(c) for c in "\x1c\x1f\u200b")  # str.isspace() says yes to \x1c
@@ -366,15 +368,29 @@ def test_a_malformed_vocabulary_is_refused_naming_its_key(key: str, value: Any,
         load_tokenizer({**meta, f"tokenizer.ggml.{key}": value})
 
 
+@pytest.mark.parametrize(("texts", "eog"), [
+    (("<|end|>", "<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
+    (("<|end|>", "<|flush|>", "<|calls|>"), {"<|flush|>", "<|calls|>"}),  # solar-open
+    (("<|end|>", "<|return|>"), {"<|end|>", "<|return|>"}),
+    (("<|end|>", "<|call|>"), {"<|end|>", "<|call|>"}),
+    (("<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
+])
+def test_harmonys_end_ends_no_generation_beside_return_and_call(texts: tuple[str, ...],
+                                                                  eog: set[str]) -> None:
+    # llama.cpp (o200k_harmony, gpt-oss): with <|return|> or <|flush|> and <|call|> or
+    # <|calls|> ending generations, <|end|> does not and is rendered; <|channel|> always is
+    tokens = [*texts, "<|channel|>", "a"]
+    tok = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                          "tokenizer.ggml.merges": [],
+                          "tokenizer.ggml.token_type": [3] * (len(tokens) - 1) + [1]})
+    assert {tokens[i] for i in tok.eog_ids} == eog
+    rendered = [t for t in tokens[:-1] if t not in eog]
+    assert tok.decode([tok.vocab.ids[t] for t in tokens]) == "".join(rendered) + "a"
+    assert tok.vocab.attrs[tok.vocab.ids["<|channel|>"]] == Attr.USER_DEFINED
+
+
 def test_end_of_generation_exceptions_of_llama_cpp() -> None:
-    # o200k_harmony (gpt-oss): with <|return|> and <|call|>, <|end|> ends no generation and
-    # is rendered; PLaMo 2: with <|plamo:eos|> as EOS, </s> is plain text
-    tokens = ["<|end|>", "<|return|>", "<|call|>", "a"]
-    harmony = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-                              "tokenizer.ggml.merges": [],
-                              "tokenizer.ggml.token_type": [3, 3, 3, 1]})
-    assert harmony.eog_ids == {1, 2} and harmony.vocab.attrs[0] == Attr.USER_DEFINED
-    assert harmony.decode([0, 3]) == "<|end|>a"
+    # PLaMo 2: with <|plamo:eos|> as EOS, </s> is plain text
     plamo = load_tokenizer({"tokenizer.ggml.model": "llama",
                             "tokenizer.ggml.tokens": ["<unk>", "</s>", "<|plamo:eos|>", "a"],
                             "tokenizer.ggml.token_type": [2, 3, 3, 1],
@@ -382,9 +398,24 @@ def test_end_of_generation_exceptions_of_llama_cpp() -> None:
     assert plamo.eog_ids == {2} and plamo.vocab.attrs[1] == Attr.NORMAL
 
 
-def test_a_general_name_of_another_type_is_refused_naming_its_key() -> None:
-    with pytest.raises(TokenizerError, match=r"'general\.name' is .*a string"):
-        load_tokenizer({**OWN, "general.name": 3})
+def test_fim_tokens_found_by_text_are_control_and_their_pad_repo_sep_end_generation() -> None:
+    # llama.cpp's auto-detection, for every id the file does not set (here the EOT is set)
+    tokens = ["a", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<e>"]
+    tok = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+                          "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] + [4] * 5,
+                          "tokenizer.ggml.eot_token_id": 5})
+    assert tok.eog_ids == {2, 3, 4, 5}
+    assert tok.vocab.special["fim_pre"] == 1 and tok.vocab.attrs[1] & Attr.CONTROL
+    # control, so no longer cut out of plain text the way a user-defined token is
+    assert 1 not in tok.encode("a<|fim_prefix|>", parse_special=False)
+
+
+@pytest.mark.parametrize("key", ["general.name", "tokenizer.ggml.pre"])
+def test_a_name_of_another_type_is_refused_naming_its_key(key: str) -> None:
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
+            "tokenizer.ggml.merges": []}
+    with pytest.raises(TokenizerError, match=f"^metadata key '{re.escape(key)}' is .*a string$"):
+        load_tokenizer({**meta, key: 3})
 
 
 def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> None:
@@ -394,8 +425,7 @@ def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> Non
     for name in ("Phi-3 mini", "phi3"):
         tok = load_tokenizer({**meta, "general.name": name})
         assert tok.encode("<|end|> x", add_special=False, parse_special=True) == [3, 4]
-    other = load_tokenizer({**meta, "general.name": "Llama"})
-    # (the space prefix after a special token, then the space kept)
+    other = load_tokenizer({**meta, "general.name": "Llama"})  # prefix + kept space
     assert other.encode("<|end|> x", add_special=False, parse_special=True) == [3, 6, 4]
 
 
