@@ -178,7 +178,6 @@ def test_special_splitter_longest_first_strip_and_parse_special() -> None:
     assert split("xy  \t<a>", False) == ["xy", 5]
     assert split("<a>z ", False) == [5, "z "]
     assert split("<a> <a>", False) == [5, 5]
-    # matches says which tokens are always cut out (user-defined), whatever they strip
     assert SpecialSplitter([(9, "<u>", True, False, False), (8, "<c>", False, True, False)]
                            ).matches("a<u> <c>", True) == [(1, 4, 9, True), (5, 8, 8, False)]
     assert split("<|ab|>x <a>", True) == [7, "x", 5]
@@ -532,7 +531,8 @@ def test_sentencepiece_round_trips_with_its_space_prefix(text: str) -> None:
     for name, prefix in (("llama-spm", " "), (GEMMA, "")):
         tok = _tokenizer(name)
         ids = tok.encode(text, add_special=False)
-        assume(all(tok.token_bytes(t) for t in ids))  # no control token spelled out
+        # no control token spelled out, and no "▁" (SentencePiece writes a space so)
+        assume(all(tok.token_bytes(t) for t in ids) and "\u2581" not in text)
         assert tok.decode(ids) == (prefix + text if text else "")
 
 
