@@ -43,6 +43,10 @@ class Target:
     tests: tuple[str, ...]  # the target's own unit tests (in-process: mutmut forks, never spawns)
     # Regular expressions of source lines left unmutated, each for a reason given where it is set.
     keep_lines: tuple[str, ...] = ()
+    # mutmut forks each mutant from a process that has run the tests once (to learn which test
+    # reaches which function): what those tests cached, built by the unmutated code, is then
+    # inherited. "forkserver" forks from one that has only collected the tests instead.
+    isolation: str = "fork"
 
 
 TARGETS = (
@@ -67,8 +71,16 @@ TARGETS = (
     # bench/mutation/mutate_served.py applies mutations to the code those processes run.
     Target("chat", ("src/foundry/model/text/chat*.py",),
            ("tests/test_chat.py", "tests/test_served_units.py")),
+    # The tokenizer tests keep each file's tokenizer (and the BPE model its words' ids): a
+    # mutant of the code that builds them, or of a word already seen, would run no code. The
+    # byte vocabulary's encode / decode have their own tests in test_data.py.
     Target("vocab", ("src/foundry/model/text/vocab/*",),
-           ("tests/test_vocab.py", "tests/test_served_units.py")),
+           ("tests/test_vocab.py", "tests/test_served_units.py",
+            *(f"tests/test_data.py::{t}" for t in (
+                "test_encode_is_bytes_plus_three_with_bos", "test_round_trip",
+                "test_round_trip_non_ascii",
+                "test_decode_replaces_invalid_bytes_and_rejects_unknown_ids"))),
+           isolation="forkserver"),
     Target("gateway", ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
            ("tests/test_openai_render.py", "tests/test_openai_http.py",
             "tests/test_openai_semantics.py")),
@@ -91,6 +103,7 @@ def pyproject_for(target: Target) -> str:
         f"only_mutate = {toml_list(target.mutate)}\n"
         f"pytest_add_cli_args_test_selection = {toml_list(target.tests)}\n"
         f"do_not_mutate_patterns = {toml_list(target.keep_lines)}\n"
+        f"process_isolation = '{target.isolation}'\n"
         # The suite's own 300 s per-test limit would let a mutant that hangs a loop cost minutes.
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-o", "timeout=60"]\n'
     )

@@ -79,6 +79,11 @@ CORPUS = [
     "[INST] hi [/INST]",
     "<|user|>\nhi <|end|>\n<|assistant|>  ok",
     "<|im_start half a special token <|im_",
+    "</s> x <s> y <|endoftext|> z <unk> w <|end|>  v\n",  # Phi-3's rstrip: on for </s> and <|end|>
+    "x" + "\n" * 40 + "y",  # Gemma 4 takes a run of newlines whole only up to 31, its longest token
+    "X" * 16 + "\n\t\t\t\t x",
+    " jeho lardan zdrav nhanh",  # Llama 3 tokens that its merges do not reach (ignore_merges)
+    " YYYY",  # a Gemma 4 line that is a token its merges do not reach (merged, not taken whole)
     "▁ already escaped ▁▁",
     "\u00a0nbsp\u3000ideographic\u2003em space\u0085next line",
     "zero\u200bwidth\u200djoiner",
