@@ -54,8 +54,15 @@ class ServiceError(RuntimeError):
 class Service:
     """One ``foundry`` subcommand in its own process; stdout and stderr go to ``log``."""
 
-    def __init__(self, name: str, args: list[str], log: Path, *,
-                 prefix: Sequence[str] = (), new_session: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log: Path,
+        *,
+        prefix: Sequence[str] = (),
+        new_session: bool = False,
+    ) -> None:
         """``prefix``: argv it runs under (``ip netns exec NS``); ``new_session``: out of the
         harness's process group, so a Ctrl+C reaches only the harness, which stops it."""
         self.name = name
@@ -64,7 +71,10 @@ class Service:
         self._out = log.open("wb")
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "foundry", *args],
-            stdout=self._out, stderr=subprocess.STDOUT, env=ENV, start_new_session=new_session,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            start_new_session=new_session,
         )
         self.pid = self.proc.pid
 
@@ -80,8 +90,9 @@ class Service:
             if m:
                 return m
             if self.proc.poll() is not None:
-                raise ServiceError(f"{self.name} exited {self.proc.returncode} before "
-                                   f"/{pattern}/; see {self.log}")
+                raise ServiceError(
+                    f"{self.name} exited {self.proc.returncode} before /{pattern}/; see {self.log}"
+                )
             time.sleep(0.05)
         raise ServiceError(f"{self.name}: no /{pattern}/ within {within_s:g} s; see {self.log}")
 
@@ -113,8 +124,14 @@ class Service:
 
 def has_flag(subcommand: str, flag: str) -> bool:
     """Whether ``foundry SUBCOMMAND`` takes ``flag`` (from its --help)."""
-    done = subprocess.run([sys.executable, "-m", "foundry", subcommand, "--help"],
-                          capture_output=True, text=True, env=ENV, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "foundry", subcommand, "--help"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+        check=False,
+    )
     return flag in done.stdout
 
 
@@ -122,33 +139,78 @@ def start_coordinator(
     work: Path, *extra: str, name: str = "coordinator", port: int = 0, admin_port: int = 0
 ) -> tuple[Service, int, int]:
     """A coordinator checkpointing to ``work/ckpt``; returns (service, worker port, admin port)."""
-    svc = Service(name, ["coordinator", "--listen", f"{HOST}:{port}",
-                         "--admin-listen", f"{HOST}:{admin_port}",
-                         "--checkpoint-dir", str(work / "ckpt"), *extra], work / f"{name}.log")
+    svc = Service(
+        name,
+        [
+            "coordinator",
+            "--listen",
+            f"{HOST}:{port}",
+            "--admin-listen",
+            f"{HOST}:{admin_port}",
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            *extra,
+        ],
+        work / f"{name}.log",
+    )
     m = svc.wait_for(COORDINATOR_LINE)
     return svc, int(m.group(1)), int(m.group(2))
 
 
 def start_worker(work: Path, port: int, worker_id: str, *extra: str, log: str = "") -> Service:
-    return Service(worker_id, ["worker", "--coordinator", f"{HOST}:{port}",
-                               "--worker-id", worker_id, *extra],
-                   work / f"{log or worker_id}.log")
+    return Service(
+        worker_id,
+        ["worker", "--coordinator", f"{HOST}:{port}", "--worker-id", worker_id, *extra],
+        work / f"{log or worker_id}.log",
+    )
 
 
-def start_leader(work: Path, model: Path, *extra: str, name: str = "tp-leader",
-                 ) -> tuple[Service, int, int]:
+def start_leader(
+    work: Path,
+    model: Path,
+    *extra: str,
+    name: str = "tp-leader",
+) -> tuple[Service, int, int]:
     """A TP leader; returns (service, worker port, frontend port)."""
-    svc = Service(name, ["tp-leader", "--model", str(model), "--listen", f"{HOST}:0",
-                         "--frontend-listen", f"{HOST}:0", *extra], work / f"{name}.log")
+    svc = Service(
+        name,
+        [
+            "tp-leader",
+            "--model",
+            str(model),
+            "--listen",
+            f"{HOST}:0",
+            "--frontend-listen",
+            f"{HOST}:0",
+            *extra,
+        ],
+        work / f"{name}.log",
+    )
     m = svc.wait_for(LEADER_LINE)
     return svc, int(m.group(1)), int(m.group(2))
 
 
-def start_tp_worker(work: Path, model: Path, port: int, *extra: str, log: str = "tp-worker",
-                    ) -> Service:
-    return Service("tp-worker", ["tp-worker", "--model", str(model), "--leader",
-                                 f"{HOST}:{port}", "--retry-max", "0.2", *extra],
-                   work / f"{log}.log")
+def start_tp_worker(
+    work: Path,
+    model: Path,
+    port: int,
+    *extra: str,
+    log: str = "tp-worker",
+) -> Service:
+    return Service(
+        "tp-worker",
+        [
+            "tp-worker",
+            "--model",
+            str(model),
+            "--leader",
+            f"{HOST}:{port}",
+            "--retry-max",
+            "0.2",
+            *extra,
+        ],
+        work / f"{log}.log",
+    )
 
 
 # -- the coordinator's admin link ------------------------------------------------------------

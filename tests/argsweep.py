@@ -42,15 +42,35 @@ def base_args(command: tuple[str, ...], work: Path) -> list[str]:
         ("model", "init"): ["--out", str(work / "init.gguf")],
         ("train",): ["--steps", "1", "--no-progress"],
         ("generate",): ["--model", model, "--prompt", "a", "--max-tokens", "1"],
-        ("coordinator",): ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-                           "--checkpoint-dir", ckpt, "--max-steps", "1"],
+        ("coordinator",): [
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--checkpoint-dir",
+            ckpt,
+            "--max-steps",
+            "1",
+        ],
         ("worker",): ["--coordinator", DEAD],
         ("export",): ["--checkpoint", ckpt, "--out", str(work / "export.gguf")],
-        ("tp-leader",): ["--model", model, "--listen", "127.0.0.1:0",
-                         "--frontend-listen", "127.0.0.1:0"],
+        ("tp-leader",): [
+            "--model",
+            model,
+            "--listen",
+            "127.0.0.1:0",
+            "--frontend-listen",
+            "127.0.0.1:0",
+        ],
         ("tp-worker",): ["--model", model, "--leader", DEAD],
-        ("gateway",): ["--listen", "127.0.0.1:0", "--coordinator-admin", DEAD,
-                       "--tp-frontend", DEAD],
+        ("gateway",): [
+            "--listen",
+            "127.0.0.1:0",
+            "--coordinator-admin",
+            DEAD,
+            "--tp-frontend",
+            DEAD,
+        ],
         ("up",): ["--run-dir", str(work / "held"), "--no-prometheus"],
         ("certs",): ["--out", str(work / "certs")],
         ("probe",): [DEAD],
@@ -62,9 +82,9 @@ def base_args(command: tuple[str, ...], work: Path) -> list[str]:
     return table.get(command, [])
 
 
-def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> Iterator[
-    tuple[tuple[str, ...], argparse.ArgumentParser]
-]:
+def commands(
+    parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         yield prefix, parser
@@ -145,8 +165,19 @@ def run_all(work: Path) -> None:
             else:
                 end = {"exit": os.waitstatus_to_exitcode(status)}
             text = (outs / f"{n}.txt").read_text(errors="replace")
-            print(json.dumps({"argv": [a.encode("utf-8", "surrogateescape").decode(
-                "utf-8", "backslashreplace") for a in argv], **end, "output": text}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "argv": [
+                            a.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                            for a in argv
+                        ],
+                        **end,
+                        "output": text,
+                    }
+                ),
+                flush=True,
+            )
             del running[pid]
 
 

@@ -7,7 +7,5 @@ with the code. Both are off for every property test; pytest-timeout still bounds
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "foundry", deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("foundry", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("foundry")

@@ -40,8 +40,13 @@ def wait_for(condition: Callable[[], T], within_s: float, what: str, poll_s: flo
 class Service:
     """A ``foundry`` subcommand in its own process, its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
-                 netns: str | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+    ) -> None:
         """``netns``: run it in that network namespace (``ip netns exec``; needs root)."""
         self.args = args
         self.log = log
@@ -105,8 +110,14 @@ def coordinator(tmp: Path, *extra: str, name: str = "coordinator") -> tuple[Serv
     """Start a coordinator on free ports; returns (service, worker port, admin port)."""
     svc = Service(
         [
-            "coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-            "--checkpoint-dir", str(tmp / "ckpt"), *extra,
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--checkpoint-dir",
+            str(tmp / "ckpt"),
+            *extra,
         ],
         tmp / f"{name}.log",
     )
@@ -180,8 +191,7 @@ def full_dir(path: Path, size: str = "2m") -> Iterator[Path]:
     """A tmpfs of ``size`` at ``path`` for the block: a checkpoint bigger than that fails
     with ENOSPC, as on a full disk."""
     path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:

@@ -52,16 +52,24 @@ TINY: dict[str, Tiny] = {
     t.arch if t.arch != "llama" or not t.n_expert else "llama-moe": t
     for t in (
         Tiny("llama", 11, n_vocab=301, n_head=4, n_head_kv=4, rope_freqs=True),
-        Tiny("llama", 12, n_vocab=263, n_head=4, n_head_kv=2, n_ff=64, n_expert=4,
-             n_expert_used=2),
+        Tiny("llama", 12, n_vocab=263, n_head=4, n_head_kv=2, n_ff=64, n_expert=4, n_expert_used=2),
         Tiny("qwen2", 13, n_vocab=317, n_head=4, n_head_kv=2, tied=True),
         Tiny("qwen3", 14, n_vocab=289, n_head=9, n_head_kv=3, head_dim=32),
-        Tiny("qwen3moe", 15, n_vocab=271, n_head=4, n_head_kv=1, n_ff=32, n_expert=4,
-             n_expert_used=2),
-        Tiny("gemma3", 16, n_vocab=293, n_layer=7, n_head=4, n_head_kv=1, head_dim=32,
-             tied=True, keys={"attention.sliding_window": 5}),
-        Tiny("olmoe", 17, n_vocab=283, n_head=4, n_head_kv=4, n_ff=32, n_expert=4,
-             n_expert_used=2),
+        Tiny(
+            "qwen3moe", 15, n_vocab=271, n_head=4, n_head_kv=1, n_ff=32, n_expert=4, n_expert_used=2
+        ),
+        Tiny(
+            "gemma3",
+            16,
+            n_vocab=293,
+            n_layer=7,
+            n_head=4,
+            n_head_kv=1,
+            head_dim=32,
+            tied=True,
+            keys={"attention.sliding_window": 5},
+        ),
+        Tiny("olmoe", 17, n_vocab=283, n_head=4, n_head_kv=4, n_ff=32, n_expert=4, n_expert_used=2),
     )
 }
 """Each test model by the name the references use."""
@@ -154,8 +162,10 @@ def write_tiny(path: Path, name: str) -> str:
             vector(b + "post_attention_norm.weight", d)
         vector(b + "ffn_norm.weight", d)
         if t.n_expert:
-            w.add_tensor(b + "ffn_gate_inp.weight",
-                         (rng.standard_normal((t.n_expert, d)) * 0.5).astype(np.float32))
+            w.add_tensor(
+                b + "ffn_gate_inp.weight",
+                (rng.standard_normal((t.n_expert, d)) * 0.5).astype(np.float32),
+            )
             matrix(b + "ffn_gate_exps.weight", (t.n_expert, ff, d), 0.3)
             matrix(b + "ffn_up_exps.weight", (t.n_expert, ff, d), 0.3)
             matrix(b + "ffn_down_exps.weight", (t.n_expert, d, ff), 0.2)

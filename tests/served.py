@@ -80,8 +80,9 @@ class Reference:
 
     def prompt_ids(self, ask: Chat) -> list[int]:
         if ask.messages:  # as the leader: the template's markers parsed, the content text
-            return chat_prompt(self.template, self.tokenizer,
-                               [Message(r, c) for r, c in ask.messages])
+            return chat_prompt(
+                self.template, self.tokenizer, [Message(r, c) for r, c in ask.messages]
+            )
         return self.tokenizer.encode(ask.prompt)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one Reference per module)
@@ -89,15 +90,18 @@ class Reference:
         s = self.engine.new_session()
         row = None
         for start in range(0, len(ids), PREFILL_CHUNK):
-            row = self.engine.decode(s, list(ids[start:start + PREFILL_CHUNK]))[-1]
+            row = self.engine.decode(s, list(ids[start : start + PREFILL_CHUNK]))[-1]
         assert row is not None
         out: list[int] = []
         while True:
             out.append(int(np.argmax(row)))
             # A full context ends it too: the last token is sampled from the last position's
             # row and is never evaluated itself (as in foundry.model.infer.generate).
-            if (out[-1] in self.tokenizer.eog_ids or len(out) == n
-                    or len(ids) + len(out) > self.ctx_size):
+            if (
+                out[-1] in self.tokenizer.eog_ids
+                or len(out) == n
+                or len(ids) + len(out) > self.ctx_size
+            ):
                 return tuple(out)
             row = self.engine.decode(s, [out[-1]])[-1]
 
@@ -142,12 +146,18 @@ class Served:
 
     # -- HTTP, raw ----------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.http, timeout=REQUEST_S)
         try:
-            conn.request(method, path, body, {"Content-Type": "application/json",
-                                              **(headers or {})})
+            conn.request(
+                method, path, body, {"Content-Type": "application/json", **(headers or {})}
+            )
             r = conn.getresponse()
             return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
         finally:
@@ -161,8 +171,11 @@ class Served:
         chunked body (HTTP/1.0: no chunk framing, the body ends with the connection)."""
         data = json.dumps({"model": MODEL_NAME, **body, "stream": True}).encode()
         with socket.create_connection(("127.0.0.1", self.http), timeout=REQUEST_S) as s:
-            s.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            s.sendall(
+                f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
             raw = b""
             while chunk := s.recv(65536):
                 raw += chunk
@@ -174,9 +187,14 @@ class Served:
         r = json.loads(body)
         choice = r["choices"][0]
         text = choice["message"]["content"] if ask.messages else choice["text"]
-        return Reply(text, choice["finish_reason"], r["usage"],
-                     token_bytes=_token_bytes(ask, [choice.get("logprobs")]), raw=body,
-                     events=[r])
+        return Reply(
+            text,
+            choice["finish_reason"],
+            r["usage"],
+            token_bytes=_token_bytes(ask, [choice.get("logprobs")]),
+            raw=body,
+            events=[r],
+        )
 
     def streamed(self, ask: Chat, **kw: Any) -> Reply:
         raw = self.stream_bytes(ask.path, {**ask.body(), **kw})
@@ -189,19 +207,33 @@ class Served:
         else:
             text = "".join(c["choices"][0]["text"] for c in chunks)
         usage = next((e["usage"] for e in events if e.get("usage")), None)
-        return Reply(text, chunks[-1]["choices"][0]["finish_reason"], usage,
-                     token_bytes=_token_bytes(ask, [c["choices"][0].get("logprobs")
-                                                    for c in chunks]),
-                     raw=body, events=events)
+        return Reply(
+            text,
+            chunks[-1]["choices"][0]["finish_reason"],
+            usage,
+            token_bytes=_token_bytes(ask, [c["choices"][0].get("logprobs") for c in chunks]),
+            raw=body,
+            events=events,
+        )
 
     # -- gRPC ---------------------------------------------------------------------------
 
-    def grpc_generate(self, ask: Chat, max_tokens: int, temperature: float = 0.0,
-                      seed: int = 0, stop: Sequence[str] = ()) -> Reply:
+    def grpc_generate(
+        self,
+        ask: Chat,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+    ) -> Reply:
         request = inference_pb2.GenerateRequest(
-            prompt=ask.prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+            prompt=ask.prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
             stop=list(stop),
-            messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in ask.messages])
+            messages=[inference_pb2.ChatMessage(role=r, content=c) for r, c in ask.messages],
+        )
         with grpc.insecure_channel(f"127.0.0.1:{self.grpc}") as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             ids: list[int] = []
@@ -215,9 +247,12 @@ class Served:
                     done = response.done
         assert done is not None
         reason = inference_pb2.FinishReason.Name(done.reason)
-        return Reply("".join(text), reason, {"prompt_tokens": done.prompt_tokens,
-                                             "completion_tokens": done.generated_tokens},
-                     token_ids=ids)
+        return Reply(
+            "".join(text),
+            reason,
+            {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.generated_tokens},
+            token_ids=ids,
+        )
 
     def wait_idle(self, within_s: float = 30.0) -> None:
         """Until the pair runs no session and the gateway holds no place and queues nothing
@@ -225,8 +260,10 @@ class Served:
         deadline = time.monotonic() + within_s
         while True:
             status = self.pair.status()
-            held = (self.metric("foundry_gateway_http_active_requests"),
-                    self.metric("foundry_gateway_http_queue_depth_requests"))
+            held = (
+                self.metric("foundry_gateway_http_active_requests"),
+                self.metric("foundry_gateway_http_queue_depth_requests"),
+            )
             if status.active_sessions == 0 and held == (0, 0):
                 return
             assert time.monotonic() < deadline, (status, held)
@@ -261,20 +298,30 @@ def sse_events(body: bytes) -> list[dict[str, Any]]:
     events = []
     for block in blocks[:-2]:
         assert block.startswith(b"data: ") and b"\n" not in block, block[:200]
-        events.append(json.loads(block[len(b"data: "):]))
+        events.append(json.loads(block[len(b"data: ") :]))
     return events
 
 
 @contextlib.contextmanager
-def served(model: Path, logs: Path, ctx_size: int | None, leader_flags: Sequence[str] = (),
-           gateway_flags: Sequence[str] = ()) -> Iterator[Served]:
+def served(
+    model: Path,
+    logs: Path,
+    ctx_size: int | None,
+    leader_flags: Sequence[str] = (),
+    gateway_flags: Sequence[str] = (),
+) -> Iterator[Served]:
     """The pair (both ranks with context ``ctx_size``; None: the file's, and a worker that
     ``Pair.restart_worker`` starts again pairs) and the gateway, stopped by their pids at the
     end."""
     ctx = ("--ctx-size", str(ctx_size)) if ctx_size is not None else ()
     leader = start_leader(model, logs / "leader-1.log", *ctx, *leader_flags)
-    pair = Pair(model, logs, (*ctx, *leader_flags), leader,
-                start_worker(model, leader.port, logs / "worker-1.log", *ctx))
+    pair = Pair(
+        model,
+        logs,
+        (*ctx, *leader_flags),
+        leader,
+        start_worker(model, leader.port, logs / "worker-1.log", *ctx),
+    )
     try:
         wait_paired(leader.frontend, timeout=STARTUP_S)
         yield from _with_gateway(pair, logs, gateway_flags)
@@ -286,12 +333,28 @@ def served(model: Path, logs: Path, ctx_size: int | None, leader_flags: Sequence
 
 def _with_gateway(pair: Pair, logs: Path, gateway_flags: Sequence[str]) -> Iterator[Served]:
     with Service(
-        ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-         "--model-name", MODEL_NAME, "--metrics-port", "0",
-         "--coordinator-admin", f"127.0.0.1:{free_port()}",
-         "--tp-frontend", f"127.0.0.1:{pair.frontend}", *gateway_flags],
+        [
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--model-name",
+            MODEL_NAME,
+            "--metrics-port",
+            "0",
+            "--coordinator-admin",
+            f"127.0.0.1:{free_port()}",
+            "--tp-frontend",
+            f"127.0.0.1:{pair.frontend}",
+            *gateway_flags,
+        ],
         logs / "gateway.log",
     ) as gateway:
-        yield Served(pair, gateway, int(gateway.wait_for(HTTP_LINE).group(1)),
-                     int(gateway.wait_for(GRPC_LINE).group(1)),
-                     int(gateway.wait_for(METRICS_LINE).group(1)))
+        yield Served(
+            pair,
+            gateway,
+            int(gateway.wait_for(HTTP_LINE).group(1)),
+            int(gateway.wait_for(GRPC_LINE).group(1)),
+            int(gateway.wait_for(METRICS_LINE).group(1)),
+        )

@@ -22,7 +22,10 @@ ERROR_LINE = re.compile(r"^(foundry[\w -]*: error: |error: )")
 
 def foundry(*args: str | bytes, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "foundry", *args], capture_output=True, timeout=120, env=ENV,
+        [sys.executable, "-m", "foundry", *args],
+        capture_output=True,
+        timeout=120,
+        env=ENV,
         cwd=cwd,
     )
 
@@ -38,15 +41,31 @@ def test_every_flag_of_every_command_refuses_hostile_values_without_a_traceback(
 ) -> None:
     got = subprocess.run(
         [sys.executable, str(HERE / "argsweep.py"), str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
     )
     assert got.returncode == 0, got.stderr[-3000:]
     rows = [json.loads(line) for line in got.stdout.splitlines() if line.startswith("{")]
     # Every command is there, with its flags (about 190 flags, 4 values each).
     assert len(rows) > 600
     assert {r["argv"][0] for r in rows} >= {
-        "model", "train", "generate", "coordinator", "worker", "export", "tp-leader",
-        "tp-worker", "gateway", "ctl", "up", "profile", "certs", "probe", "timeline",
+        "model",
+        "train",
+        "generate",
+        "coordinator",
+        "worker",
+        "export",
+        "tp-leader",
+        "tp-worker",
+        "gateway",
+        "ctl",
+        "up",
+        "profile",
+        "certs",
+        "probe",
+        "timeline",
     }
     bad = []
     for r in rows:
@@ -66,10 +85,17 @@ def test_every_flag_of_every_command_refuses_hostile_values_without_a_traceback(
     assert all("is not valid UTF-8" in last_line(r["output"]) for r in non_utf8)
 
 
-@pytest.mark.parametrize("args", [
-    ("--max-tokens", "-1"), ("--max-tokens", "4294967296"), ("--seed", "-1"),
-    ("--top-p", "0"), ("--temperature", "nan"),
-], ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--max-tokens", "-1"),
+        ("--max-tokens", "4294967296"),
+        ("--seed", "-1"),
+        ("--top-p", "0"),
+        ("--temperature", "nan"),
+    ],
+    ids=lambda a: " ".join(a),
+)
 def test_ctl_generate_numbers_out_of_range_are_usage_errors(args: tuple[str, str]) -> None:
     got = foundry("ctl", "--gateway", "127.0.0.1:1", "generate", "--prompt", "a", *args)
     err = got.stderr.decode()
@@ -99,9 +125,20 @@ def test_train_on_a_two_byte_corpus_says_so(tmp_path: Path) -> None:
 def test_train_with_a_checkpoint_dir_it_cannot_write_says_so(tmp_path: Path, disk: str) -> None:
     mount = read_only_dir if disk == "read-only" else full_dir
     with mount(tmp_path / "ckpt") as ckpt:
-        got = foundry("train", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
-                      "--steps", "1", "--no-progress")
+        got = foundry(
+            "train",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "1",
+            "--steps",
+            "1",
+            "--no-progress",
+        )
     err = got.stderr.decode()
     assert got.returncode == 1 and "Traceback" not in err
-    assert re.match(r"error: could not write checkpoint .*step-000001\.ckpt: .*"
-                    r"(Read-only file system|No space left on device)", last_line(err))
+    assert re.match(
+        r"error: could not write checkpoint .*step-000001\.ckpt: .*"
+        r"(Read-only file system|No space left on device)",
+        last_line(err),
+    )

@@ -20,8 +20,11 @@ PURPOSES = ("performance", "quality", "determinism", "robustness", "mutation")
 # The modules the scripts share, at the top of bench/; every script is in a purpose's folder.
 SHARED = ("harness.py", "live.py")
 # Scripts, not modules they share: those that run as __main__.
-SCRIPTS = sorted(str(p.relative_to(BENCH)) for p in BENCH.glob("*/*.py")
-                 if '__name__ == "__main__"' in p.read_text())
+SCRIPTS = sorted(
+    str(p.relative_to(BENCH))
+    for p in BENCH.glob("*/*.py")
+    if '__name__ == "__main__"' in p.read_text()
+)
 
 
 def test_there_are_benchmarks_each_in_its_purposes_folder() -> None:
@@ -32,8 +35,9 @@ def test_there_are_benchmarks_each_in_its_purposes_folder() -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_prints_its_help(script: str) -> None:
-    res = subprocess.run([sys.executable, str(BENCH / script), "--help"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
 
@@ -54,9 +58,21 @@ def test_the_scripts_share_the_harness_statistics_and_json_flag() -> None:
 
 def test_json_path_writes_the_one_row_schema(tmp_path: Path) -> None:
     out = tmp_path / "row.json"
-    res = subprocess.run([sys.executable, str(BENCH / "performance" / "codec.py"), "--numel",
-                          "20000", "--repeats", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "performance" / "codec.py"),
+            "--numel",
+            "20000",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     row = json.loads(out.read_text())
     assert set(row) == {"bench", "schema", "when", "argv", "machine", "results", "pass"}
     assert row["bench"] == "codec" and row["schema"] == 1

@@ -34,10 +34,17 @@ from foundry.model.text.chat import (
 from foundry.model.text.chat_sandbox import ChatTemplateError
 from foundry.model.text.vocab.byte import decode
 
-TEMPLATES = Path(os.environ.get(
-    "FOUNDRY_LLAMA_VOCAB_DIR",
-    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
-)) / "templates"
+TEMPLATES = (
+    Path(
+        os.environ.get(
+            "FOUNDRY_LLAMA_VOCAB_DIR",
+            Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+            / "foundry"
+            / "llama-vocab",
+        )
+    )
+    / "templates"
+)
 
 # llama.cpp's test conversation (tests/test-chat-template.cpp).
 CONVERSATION = [
@@ -51,8 +58,11 @@ CONVERSATION = [
 NO_SYSTEM = CONVERSATION[1:]
 
 TOKENS = ["<unk>", "<s>", "</s>"]
-META = {"tokenizer.ggml.tokens": TOKENS, "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2}
+META = {
+    "tokenizer.ggml.tokens": TOKENS,
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
 
 
 def real(name: str) -> ChatTemplate:
@@ -94,8 +104,12 @@ def test_chatml_builtin_is_llamacpps_chatml() -> None:
 
 
 def test_llama3_and_plain_builtins() -> None:
-    meta = {**META, "tokenizer.ggml.tokens": ["<|begin_of_text|>", "<|eot_id|>"],
-            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+    meta = {
+        **META,
+        "tokenizer.ggml.tokens": ["<|begin_of_text|>", "<|eot_id|>"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
     llama3 = template_for(meta, "llama3")
     assert llama3.render(CONVERSATION[:3], add_generation_prompt=False) == (
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
@@ -127,9 +141,9 @@ def test_a_reply_sent_back_renders_as_the_text_it_was_generated_after(name: str)
         after = prompt_text(t, [*asked, Message("assistant", reply), Message("user", "Spain?")])
         assert after.startswith(generated), (reply, after)
     # A reply written without the space still reads "Assistant: ..." in the transcript.
-    assert not plain or t.render([*asked, Message("assistant", "Paris.")],
-                                 add_generation_prompt=False) == (
-        "User: What is the capital of France?\nAssistant: Paris.\n")
+    assert not plain or t.render(
+        [*asked, Message("assistant", "Paris.")], add_generation_prompt=False
+    ) == ("User: What is the capital of France?\nAssistant: Paris.\n")
 
 
 def test_the_gemma_builtin_refuses_roles_out_of_turn() -> None:
@@ -157,7 +171,8 @@ def test_a_file_without_a_template_gets_the_plain_transcript_whatever_its_vocabu
     assert t.name == "plain" + NO_TEMPLATE
     assert t.stop == ("\nUser:",)
     assert prompt_text(t, [Message("user", "What is the capital of France?")]) == (
-        "User: What is the capital of France?\nAssistant:")
+        "User: What is the capital of France?\nAssistant:"
+    )
     assert template_for(meta, "gemma").stop == ()
     assert template_for(meta, "plain").stop == ("\nUser:",)
 
@@ -265,9 +280,23 @@ def test_foundry_chat_answers_each_turn_with_the_whole_conversation(tmp_path: Pa
     model = make_model(tmp_path / "m.gguf")
     lines = ["Hello there", "And again?"]
     proc = subprocess.run(
-        [sys.executable, "-m", "foundry", "chat", "--model", str(model), "--max-tokens", "12",
-         "--system", "Be brief."],
-        input="\n".join(lines) + "\n", capture_output=True, text=True, env=ENV, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "chat",
+            "--model",
+            str(model),
+            "--max-tokens",
+            "12",
+            "--system",
+            "Be brief.",
+        ],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     history = [Message("system", "Be brief.")]

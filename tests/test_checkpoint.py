@@ -48,9 +48,7 @@ Params = dict[str, npt.NDArray[np.float32]]
 
 def random_tensors(cfg: ModelConfig, seed: int) -> Params:
     rng = np.random.default_rng(seed)
-    return {
-        n: rng.standard_normal(s).astype(np.float32) for n, s in cfg.param_shapes().items()
-    }
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in cfg.param_shapes().items()}
 
 
 def make_state(step: int = 123, seed: int = 0, cfg: ModelConfig = CFG) -> CheckpointState:
@@ -102,8 +100,11 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 def test_round_trip_with_shared_expert_and_fresh_optimizer(tmp_path: Path) -> None:
     cfg = ModelConfig(n_embd=16, n_layer=2, n_head=2, n_head_kv=2, n_ff=8, n_ff_shared=12)
     state = CheckpointState(
-        config=cfg, step=0, params=random_tensors(cfg, 5),
-        optimizer={"m": {}, "v": {}, "step": 0}, data_position=0,
+        config=cfg,
+        step=0,
+        params=random_tensors(cfg, 5),
+        optimizer={"m": {}, "v": {}, "step": 0},
+        data_position=0,
     )
     loaded = load_checkpoint(save_checkpoint(tmp_path / "new" / "dir", state))
     assert_same(state, loaded)
@@ -138,8 +139,11 @@ def test_full_disk_at_fsync_keeps_the_previous_checkpoint(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(CheckpointError, match=r"step-000011\.ckpt.*No space left on device.*"
-                       r"\(free disk space or choose another checkpoint directory\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-000011\.ckpt.*No space left on device.*"
+        r"\(free disk space or choose another checkpoint directory\)$",
+    ):
         save_checkpoint(tmp_path, make_state(step=11, seed=9))
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["step-000010.ckpt"]  # no temp file, no partial file
@@ -325,8 +329,11 @@ def test_negative_step_or_position_and_keep_last_are_checked(tmp_path: Path) -> 
 
 def test_further_tensor_groups_round_trip(tmp_path: Path) -> None:
     """The swarm's shadow weights and outer momentum come back as they were saved."""
-    state = dataclasses.replace(make_state(), extra={"sync_every": 4}, tensors={
-        "shadow": random_tensors(CFG, 7), "outer_m": random_tensors(CFG, 8)})
+    state = dataclasses.replace(
+        make_state(),
+        extra={"sync_every": 4},
+        tensors={"shadow": random_tensors(CFG, 7), "outer_m": random_tensors(CFG, 8)},
+    )
     loaded = load_checkpoint(save_checkpoint(tmp_path, state))
     assert_same(state, loaded)
     assert loaded.extra == {"sync_every": 4}
@@ -385,8 +392,10 @@ def test_header_limits(tmp_path: Path) -> None:
     path = tmp_path / "step-000001.ckpt"
     write_raw(path, b"", b"")
     assert path.stat().st_size == 24 + 32 + 40  # header, hash, padding to 64
-    path.write_bytes(ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0) + hashlib.sha256(
-        ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0)).digest())  # the smallest file: 56 bytes
+    path.write_bytes(
+        ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0)
+        + hashlib.sha256(ckpt.HEADER.pack(ckpt.MAGIC, 1, 0, 0)).digest()
+    )  # the smallest file: 56 bytes
     with pytest.raises(CheckpointError, match="verifies but unusable metadata"):
         load_checkpoint(path)
     verify_checkpoint(path)
@@ -416,8 +425,11 @@ def test_tensors_outside_the_data_or_not_f32_are_refused(tmp_path: Path) -> None
     last = meta["tensors"][-1]
     path = tmp_path / "crafted.ckpt"
     for offset, dtype, problem in (
-        (len(data) - last["nbytes"] + 4, "<f4",
-         f"tensor {last['name']} lies outside the data or is not <f4"),
+        (
+            len(data) - last["nbytes"] + 4,
+            "<f4",
+            f"tensor {last['name']} lies outside the data or is not <f4",
+        ),
         (last["offset"], "<f8", 'dtype\' must be "<f4", got "<f8"'),
     ):
         last["offset"], last["dtype"] = offset, dtype
@@ -433,8 +445,10 @@ def test_errors_name_the_file(tmp_path: Path) -> None:
     foreign = tmp_path / "short.bin"
     foreign.write_bytes(b"abc")  # shorter than the magic and not a prefix of it
     for f in (load_checkpoint, verify_checkpoint):
-        with pytest.raises(CheckpointError, match=re.escape(
-                f"{foreign} is not a Foundry checkpoint (bad magic b'abc')")):
+        with pytest.raises(
+            CheckpointError,
+            match=re.escape(f"{foreign} is not a Foundry checkpoint (bad magic b'abc')"),
+        ):
             f(foreign)
     foreign.write_bytes(b"GGUF\x03\x00\x00\x00\x01" + bytes(100))
     with pytest.raises(CheckpointError, match=re.escape(r"(bad magic b'GGUF\x03\x00\x00\x00')")):
@@ -442,9 +456,13 @@ def test_errors_name_the_file(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, make_state())
     flip_byte(path, 100)
     for f in (load_checkpoint, verify_checkpoint):
-        with pytest.raises(CheckpointError, match=re.escape(
+        with pytest.raises(
+            CheckpointError,
+            match=re.escape(
                 f"{path} is corrupt or truncated (sha256 does not match its content); "
-                "resume from an older checkpoint")):
+                "resume from an older checkpoint"
+            ),
+        ):
             f(path)
     absent = tmp_path / "absent"
     with pytest.raises(CheckpointError, match=re.escape(f"cannot read checkpoint {absent}: ")):
@@ -494,6 +512,7 @@ def test_a_directory_that_cannot_be_synced_is_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The file is already renamed into place: the checkpoint stands, the failure is logged."""
+
     def refuse(directory: Path) -> None:
         raise OSError(errno.EIO, "directory sync refused")
 
@@ -544,70 +563,73 @@ U32 = "[0, 4294967295]"
 DIM = "[0, 16777216]"
 
 
-@pytest.mark.parametrize(("field", "value", "says"), [
-    ("format", DELETE, 'must be "foundry-checkpoint", got null'),
-    ("format", "foundry-ckpt", 'must be "foundry-checkpoint", got "foundry-ckpt"'),
-    ("step", DELETE, "is missing"),
-    ("step", True, f"must be an integer in {U32}, got true"),
-    ("step", 2.0, f"must be an integer in {U32}, got 2.0"),
-    ("step", -1, f"must be in {U32}, got -1"),
-    ("step", 2**32, f"must be in {U32}, got 4294967296"),
-    ("data_position", DELETE, "is missing"),
-    ("data_position", "12", f'must be an integer in {I64}, got "12"'),
-    ("data_position", -1, f"must be in {I64}, got -1"),
-    ("data_position", 2**63, f"must be in {I64}, got 9223372036854775808"),
-    ("optimizer_step", DELETE, "is missing"),
-    ("optimizer_step", None, f"must be an integer in {I64}, got null"),
-    ("optimizer_step", -1, f"must be in {I64}, got -1"),
-    ("optimizer_step", 2**63, f"must be in {I64}, got 9223372036854775808"),
-    ("config", DELETE, "must be a JSON object, got null"),
-    ("config", [1, 2], "must be a JSON object, got [1, 2]"),
-    ("config.n_layers", 2, "is not a ModelConfig field"),
-    ("config.rope_theta", True, "must be a finite number, got true"),
-    ("config.rope_theta", "1e4", 'must be a finite number, got "1e4"'),
-    ("config.rope_theta", None, "must be a finite number, got null"),
-    ("config.rope_theta", float("nan"), "must be a finite number, got NaN"),
-    ("config.norm_eps", float("inf"), "must be a finite number, got Infinity"),
-    ("config.norm_eps", float("-inf"), "must be a finite number, got -Infinity"),
-    ("config.n_ctx", 2**20 + 1, "must be in [0, 1048576], got 1048577"),
-    ("config.n_ctx", -1, "must be in [0, 1048576], got -1"),
-    ("config.n_embd", 2**24 + 1, f"must be in {DIM}, got 16777217"),
-    ("config.n_vocab", -1, f"must be in {DIM}, got -1"),
-    ("config.n_head", 4.0, f"must be an integer in {DIM}, got 4.0"),
-    ("config.n_expert", False, f"must be an integer in {DIM}, got false"),
-    ("extra", DELETE, "must be a JSON object, got null"),
-    ("extra", "x", 'must be a JSON object, got "x"'),
-    ("extra.sync_every", 0, "must be in [1, 4294967295], got 0"),
-    ("extra.sync_every", 2**32, "must be in [1, 4294967295], got 4294967296"),
-    ("extra.sync_every", "4", 'must be an integer in [1, 4294967295], got "4"'),
-    ("extra.outer_steps", -1, f"must be in {U32}, got -1"),
-    ("extra.outer_steps", 2**32, f"must be in {U32}, got 4294967296"),
-    ("extra.outer_steps", None, f"must be an integer in {U32}, got null"),
-    ("extra.compression", 3, "must be a string, got 3"),
-    ("extra.down_compression", None, "must be a string, got null"),
-    ("tensors", DELETE, "must be a list, got null"),
-    ("tensors", {"a": 1}, 'must be a list, got {"a": 1}'),
-    ("tensors", "x" * 100, 'must be a list, got "' + "x" * 79),
-    ("tensors.1", 5, "must be a JSON object, got 5"),
-    ("tensors.1", [0] * 40, "must be a JSON object, got [" + "0, " * 26 + "0"),
-    ("tensors.1.group", DELETE, "must be a string, got null"),
-    ("tensors.1.group", 1, "must be a string, got 1"),
-    ("tensors.1.name", 7, "must be a string, got 7"),
-    ("tensors.1.shape", "16", "must be a list of at most 4 sizes, got '16'"),
-    ("tensors.1.shape", DELETE, "must be a list of at most 4 sizes, got None"),
-    ("tensors.1.shape", [1] * 5, "must be a list of at most 4 sizes, got [1, 1, 1, 1, 1]"),
-    ("tensors.1.dtype", "<f8", 'must be "<f4", got "<f8"'),
-    ("tensors.1.dtype", DELETE, 'must be "<f4", got null'),
-    ("tensors.1.offset", DELETE, "is missing"),
-    ("tensors.1.offset", -1, f"must be in {I64}, got -1"),
-    ("tensors.1.offset", 2**63, f"must be in {I64}, got 9223372036854775808"),
-    ("tensors.1.offset", "0", f'must be an integer in {I64}, got "0"'),
-    ("tensors.1.nbytes", DELETE, "is missing"),
-    ("tensors.1.nbytes", -4, f"must be in {I64}, got -4"),
-    ("tensors.1.nbytes", 2**63, f"must be in {I64}, got 9223372036854775808"),
-    ("tensors.1.nbytes", 60, "is 60, but shape [16] holds 64 bytes of <f4"),
-    ("tensors.1.nbytes", 68, "is 68, but shape [16] holds 64 bytes of <f4"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("format", DELETE, 'must be "foundry-checkpoint", got null'),
+        ("format", "foundry-ckpt", 'must be "foundry-checkpoint", got "foundry-ckpt"'),
+        ("step", DELETE, "is missing"),
+        ("step", True, f"must be an integer in {U32}, got true"),
+        ("step", 2.0, f"must be an integer in {U32}, got 2.0"),
+        ("step", -1, f"must be in {U32}, got -1"),
+        ("step", 2**32, f"must be in {U32}, got 4294967296"),
+        ("data_position", DELETE, "is missing"),
+        ("data_position", "12", f'must be an integer in {I64}, got "12"'),
+        ("data_position", -1, f"must be in {I64}, got -1"),
+        ("data_position", 2**63, f"must be in {I64}, got 9223372036854775808"),
+        ("optimizer_step", DELETE, "is missing"),
+        ("optimizer_step", None, f"must be an integer in {I64}, got null"),
+        ("optimizer_step", -1, f"must be in {I64}, got -1"),
+        ("optimizer_step", 2**63, f"must be in {I64}, got 9223372036854775808"),
+        ("config", DELETE, "must be a JSON object, got null"),
+        ("config", [1, 2], "must be a JSON object, got [1, 2]"),
+        ("config.n_layers", 2, "is not a ModelConfig field"),
+        ("config.rope_theta", True, "must be a finite number, got true"),
+        ("config.rope_theta", "1e4", 'must be a finite number, got "1e4"'),
+        ("config.rope_theta", None, "must be a finite number, got null"),
+        ("config.rope_theta", float("nan"), "must be a finite number, got NaN"),
+        ("config.norm_eps", float("inf"), "must be a finite number, got Infinity"),
+        ("config.norm_eps", float("-inf"), "must be a finite number, got -Infinity"),
+        ("config.n_ctx", 2**20 + 1, "must be in [0, 1048576], got 1048577"),
+        ("config.n_ctx", -1, "must be in [0, 1048576], got -1"),
+        ("config.n_embd", 2**24 + 1, f"must be in {DIM}, got 16777217"),
+        ("config.n_vocab", -1, f"must be in {DIM}, got -1"),
+        ("config.n_head", 4.0, f"must be an integer in {DIM}, got 4.0"),
+        ("config.n_expert", False, f"must be an integer in {DIM}, got false"),
+        ("extra", DELETE, "must be a JSON object, got null"),
+        ("extra", "x", 'must be a JSON object, got "x"'),
+        ("extra.sync_every", 0, "must be in [1, 4294967295], got 0"),
+        ("extra.sync_every", 2**32, "must be in [1, 4294967295], got 4294967296"),
+        ("extra.sync_every", "4", 'must be an integer in [1, 4294967295], got "4"'),
+        ("extra.outer_steps", -1, f"must be in {U32}, got -1"),
+        ("extra.outer_steps", 2**32, f"must be in {U32}, got 4294967296"),
+        ("extra.outer_steps", None, f"must be an integer in {U32}, got null"),
+        ("extra.compression", 3, "must be a string, got 3"),
+        ("extra.down_compression", None, "must be a string, got null"),
+        ("tensors", DELETE, "must be a list, got null"),
+        ("tensors", {"a": 1}, 'must be a list, got {"a": 1}'),
+        ("tensors", "x" * 100, 'must be a list, got "' + "x" * 79),
+        ("tensors.1", 5, "must be a JSON object, got 5"),
+        ("tensors.1", [0] * 40, "must be a JSON object, got [" + "0, " * 26 + "0"),
+        ("tensors.1.group", DELETE, "must be a string, got null"),
+        ("tensors.1.group", 1, "must be a string, got 1"),
+        ("tensors.1.name", 7, "must be a string, got 7"),
+        ("tensors.1.shape", "16", "must be a list of at most 4 sizes, got '16'"),
+        ("tensors.1.shape", DELETE, "must be a list of at most 4 sizes, got None"),
+        ("tensors.1.shape", [1] * 5, "must be a list of at most 4 sizes, got [1, 1, 1, 1, 1]"),
+        ("tensors.1.dtype", "<f8", 'must be "<f4", got "<f8"'),
+        ("tensors.1.dtype", DELETE, 'must be "<f4", got null'),
+        ("tensors.1.offset", DELETE, "is missing"),
+        ("tensors.1.offset", -1, f"must be in {I64}, got -1"),
+        ("tensors.1.offset", 2**63, f"must be in {I64}, got 9223372036854775808"),
+        ("tensors.1.offset", "0", f'must be an integer in {I64}, got "0"'),
+        ("tensors.1.nbytes", DELETE, "is missing"),
+        ("tensors.1.nbytes", -4, f"must be in {I64}, got -4"),
+        ("tensors.1.nbytes", 2**63, f"must be in {I64}, got 9223372036854775808"),
+        ("tensors.1.nbytes", 60, "is 60, but shape [16] holds 64 bytes of <f4"),
+        ("tensors.1.nbytes", 68, "is 68, but shape [16] holds 64 bytes of <f4"),
+    ],
+)
 def test_each_metadata_field_out_of_its_schema_is_refused_naming_it(
     tmp_path: Path, field: str, value: Any, says: str
 ) -> None:
@@ -618,12 +640,15 @@ def test_each_metadata_field_out_of_its_schema_is_refused_naming_it(
     assert refusal(meta) == f"metadata field {name!r} {says}"
 
 
-@pytest.mark.parametrize(("shape", "says"), [
-    ([16, -1], f"'tensors[1].shape[1]' must be in {DIM}, got -1"),
-    ([2**24 + 1], f"'tensors[1].shape[0]' must be in {DIM}, got 16777217"),
-    ([1, 1, 16.0], f"'tensors[1].shape[2]' must be an integer in {DIM}, got 16.0"),
-    ([True], f"'tensors[1].shape[0]' must be an integer in {DIM}, got true"),
-])
+@pytest.mark.parametrize(
+    ("shape", "says"),
+    [
+        ([16, -1], f"'tensors[1].shape[1]' must be in {DIM}, got -1"),
+        ([2**24 + 1], f"'tensors[1].shape[0]' must be in {DIM}, got 16777217"),
+        ([1, 1, 16.0], f"'tensors[1].shape[2]' must be an integer in {DIM}, got 16.0"),
+        ([True], f"'tensors[1].shape[0]' must be an integer in {DIM}, got true"),
+    ],
+)
 def test_each_size_of_a_shape_is_checked(tmp_path: Path, shape: list[Any], says: str) -> None:
     meta = edited(good_metadata(tmp_path), "tensors.1.shape", shape)
     assert refusal(meta) == f"metadata field {says}"
@@ -632,29 +657,48 @@ def test_each_size_of_a_shape_is_checked(tmp_path: Path, shape: list[Any], says:
 def test_metadata_that_is_not_an_object_is_refused() -> None:
     assert refusal([]) == "metadata field '(metadata)' must be a JSON object, got []"
     assert refusal(list(range(40))) == (
-        "metadata field '(metadata)' must be a JSON object, got "
-        + json.dumps(list(range(40)))[:80])
+        "metadata field '(metadata)' must be a JSON object, got " + json.dumps(list(range(40)))[:80]
+    )
     assert refusal(None) == "metadata field '(metadata)' must be a JSON object, got null"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("step", 0), ("step", 2**32 - 1),
-    ("data_position", 0), ("data_position", 2**63 - 1),
-    ("optimizer_step", 0), ("optimizer_step", 2**63 - 1),
-    ("config", {}),
-    ("config.n_ctx", 2**20), ("config.n_ctx", 0), ("config.n_embd", 2**24),
-    ("config.n_ff_shared", 0), ("config.n_vocab", 1),
-    ("config.rope_theta", 10000), ("config.rope_theta", 1.5e308), ("config.rope_theta", -2.5),
-    ("config.norm_eps", 0.0),
-    ("extra", {}), ("extra.lr", "any JSON"), ("extra.schedule", None),
-    ("extra.sync_every", 1), ("extra.sync_every", 2**32 - 1),
-    ("extra.outer_steps", 0), ("extra.outer_steps", 2**32 - 1),
-    ("extra.compression", ""), ("extra.down_compression", "qsgd"),
-    ("tensors", []),
-    ("tensors.1.shape", []), ("tensors.1.shape", [1, 1, 1, 1]),
-    ("tensors.1.offset", 0), ("tensors.1.offset", 2**63 - 1),
-    ("tensors.1.group", "anything"), ("tensors.1.name", ""),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("step", 0),
+        ("step", 2**32 - 1),
+        ("data_position", 0),
+        ("data_position", 2**63 - 1),
+        ("optimizer_step", 0),
+        ("optimizer_step", 2**63 - 1),
+        ("config", {}),
+        ("config.n_ctx", 2**20),
+        ("config.n_ctx", 0),
+        ("config.n_embd", 2**24),
+        ("config.n_ff_shared", 0),
+        ("config.n_vocab", 1),
+        ("config.rope_theta", 10000),
+        ("config.rope_theta", 1.5e308),
+        ("config.rope_theta", -2.5),
+        ("config.norm_eps", 0.0),
+        ("extra", {}),
+        ("extra.lr", "any JSON"),
+        ("extra.schedule", None),
+        ("extra.sync_every", 1),
+        ("extra.sync_every", 2**32 - 1),
+        ("extra.outer_steps", 0),
+        ("extra.outer_steps", 2**32 - 1),
+        ("extra.compression", ""),
+        ("extra.down_compression", "qsgd"),
+        ("tensors", []),
+        ("tensors.1.shape", []),
+        ("tensors.1.shape", [1, 1, 1, 1]),
+        ("tensors.1.offset", 0),
+        ("tensors.1.offset", 2**63 - 1),
+        ("tensors.1.group", "anything"),
+        ("tensors.1.name", ""),
+    ],
+)
 def test_each_metadata_field_at_its_bounds_is_accepted(
     tmp_path: Path, field: str, value: Any
 ) -> None:
@@ -664,10 +708,16 @@ def test_each_metadata_field_at_its_bounds_is_accepted(
     ckpt_meta.validate_metadata(meta)
 
 
-@pytest.mark.parametrize(("shape", "nbytes"), [
-    ([0], 0), ([2**24], 4 * 2**24), ([0, 2**24], 0), ([2**24, 2**24], 4 * 2**48),
-    ([3, 5, 7, 11], 4 * 3 * 5 * 7 * 11),
-])
+@pytest.mark.parametrize(
+    ("shape", "nbytes"),
+    [
+        ([0], 0),
+        ([2**24], 4 * 2**24),
+        ([0, 2**24], 0),
+        ([2**24, 2**24], 4 * 2**48),
+        ([3, 5, 7, 11], 4 * 3 * 5 * 7 * 11),
+    ],
+)
 def test_tensor_sizes_at_their_bounds_are_accepted(
     tmp_path: Path, shape: list[int], nbytes: int
 ) -> None:
@@ -675,8 +725,10 @@ def test_tensor_sizes_at_their_bounds_are_accepted(
     meta["tensors"][0].update(shape=shape, nbytes=nbytes)
     ckpt_meta.validate_metadata(meta)
     meta["tensors"][0]["nbytes"] = nbytes + 4
-    assert refusal(meta) == (f"metadata field 'tensors[0].nbytes' is {nbytes + 4}, but shape "
-                             f"{shape} holds {nbytes} bytes of <f4")
+    assert refusal(meta) == (
+        f"metadata field 'tensors[0].nbytes' is {nbytes + 4}, but shape "
+        f"{shape} holds {nbytes} bytes of <f4"
+    )
 
 
 def test_unusable_metadata_is_refused_at_load_naming_the_file_and_field(tmp_path: Path) -> None:
@@ -689,18 +741,23 @@ def test_unusable_metadata_is_refused_at_load_naming_the_file_and_field(tmp_path
     assert str(exc.value) == (
         f"{path} has a hash that verifies but unusable metadata: metadata field "
         "'extra.sync_every' must be in [1, 4294967295], got 0; the file was edited or written "
-        "by another program: restore it, or resume from another checkpoint")
+        "by another program: restore it, or resume from another checkpoint"
+    )
     assert exc.value.__cause__ is None and exc.value.__suppress_context__
     write_raw(path, b'{"format": "foundry-checkpoint", ', b"")
     with pytest.raises(CheckpointError) as exc:
         load_checkpoint(path)
     assert str(exc.value).startswith(
-        f"{path} has a hash that verifies but unusable metadata: Expecting property name")
-    assert str(exc.value).endswith("; the file was edited or written by another program: "
-                                   "restore it, or resume from another checkpoint")
+        f"{path} has a hash that verifies but unusable metadata: Expecting property name"
+    )
+    assert str(exc.value).endswith(
+        "; the file was edited or written by another program: "
+        "restore it, or resume from another checkpoint"
+    )
 
 
 # ---------------------------------------------------------------------------- pruning, set-aside
+
 
 def damage(path: Path, how: str = "flip") -> bytes:
     """Flip a byte in the middle (or cut the file to 100 bytes, or empty it) and move its mtime
@@ -718,8 +775,10 @@ def damage(path: Path, how: str = "flip") -> bytes:
 
 
 def corrupt_why(path: Path) -> str:
-    return (f"{path} is corrupt or truncated (sha256 does not match its content); "
-            "resume from an older checkpoint")
+    return (
+        f"{path} is corrupt or truncated (sha256 does not match its content); "
+        "resume from an older checkpoint"
+    )
 
 
 def save_steps(d: Path, *steps: int) -> None:
@@ -736,8 +795,11 @@ def test_pruning_counts_only_checkpoints_that_verify(
     with caplog.at_level(logging.WARNING, logger="foundry.model.formats.checkpoint_dir"):
         prune_checkpoints(tmp_path, 2)
     assert sorted(os.listdir(tmp_path)) == [
-        "step-000003.ckpt.damaged", "step-000004.ckpt", "step-000005.ckpt.damaged",
-        "step-000006.ckpt"]
+        "step-000003.ckpt.damaged",
+        "step-000004.ckpt",
+        "step-000005.ckpt.damaged",
+        "step-000006.ckpt",
+    ]
     assert (tmp_path / "step-000005.ckpt.damaged").read_bytes() == bad5
     assert (tmp_path / "step-000003.ckpt.damaged").read_bytes() == bad3
     assert [r.getMessage() for r in caplog.records] == [
@@ -753,10 +815,16 @@ def test_pruning_counts_only_checkpoints_that_verify(
     assert not any(p in ckpt_dir._VERIFIED for p in deleted)  # no memory of files gone
     prune_checkpoints(tmp_path, 1)
     assert sorted(os.listdir(tmp_path)) == [
-        "step-000003.ckpt.damaged", "step-000005.ckpt.damaged", "step-000006.ckpt"]
+        "step-000003.ckpt.damaged",
+        "step-000005.ckpt.damaged",
+        "step-000006.ckpt",
+    ]
     prune_checkpoints(tmp_path, 1)  # nothing more to do
     assert sorted(os.listdir(tmp_path)) == [
-        "step-000003.ckpt.damaged", "step-000005.ckpt.damaged", "step-000006.ckpt"]
+        "step-000003.ckpt.damaged",
+        "step-000005.ckpt.damaged",
+        "step-000006.ckpt",
+    ]
 
 
 def test_pruning_never_deletes_the_file_just_written(tmp_path: Path) -> None:
@@ -815,10 +883,14 @@ def test_a_damaged_file_is_set_aside_under_a_free_name(
         name = "step-000003.ckpt.damaged" + (f".{i}" if i else "")
         assert aside == tmp_path / name
         assert caplog.records[-1].getMessage() == (
-            f"checkpoint {path} does not verify (reason {i}); kept aside as {name}, never counted")
+            f"checkpoint {path} does not verify (reason {i}); kept aside as {name}, never counted"
+        )
         assert path not in ckpt_dir._VERIFIED
     assert sorted(os.listdir(tmp_path)) == [
-        "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1", "step-000003.ckpt.damaged.2"]
+        "step-000003.ckpt.damaged",
+        "step-000003.ckpt.damaged.1",
+        "step-000003.ckpt.damaged.2",
+    ]
     assert [(tmp_path / n).read_bytes() for n in sorted(os.listdir(tmp_path))] == bad
 
 
@@ -830,15 +902,22 @@ def test_set_aside_refuses_when_it_cannot_rename_or_every_name_is_taken(
         set_aside(path, "why")
     assert str(exc.value) == (
         f"checkpoint {path} does not verify (why) and cannot be set aside: [Errno 2] No such "
-        f"file or directory: '{path}' -> '{path}.damaged'")
+        f"file or directory: '{path}' -> '{path}.damaged'"
+    )
     monkeypatch.setattr(ckpt_dir, "_ASIDE_TRIES", 3)
-    for name in ("step-000003.ckpt", "step-000003.ckpt.damaged", "step-000003.ckpt.damaged.1",
-                 "step-000003.ckpt.damaged.2"):
+    for name in (
+        "step-000003.ckpt",
+        "step-000003.ckpt.damaged",
+        "step-000003.ckpt.damaged.1",
+        "step-000003.ckpt.damaged.2",
+    ):
         (tmp_path / name).write_text(name)
     with pytest.raises(CheckpointError) as exc:
         set_aside(path, "why")
-    assert str(exc.value) == (f"checkpoint {path} does not verify (why) and 3 damaged copies of "
-                              "it are kept already; remove some")
+    assert str(exc.value) == (
+        f"checkpoint {path} does not verify (why) and 3 damaged copies of "
+        "it are kept already; remove some"
+    )
     assert path.read_text() == "step-000003.ckpt"
     (tmp_path / "step-000003.ckpt.damaged.2").unlink()
     assert set_aside(path, "why") == tmp_path / "step-000003.ckpt.damaged.2"
@@ -866,6 +945,7 @@ def test_saving_over_a_damaged_checkpoint_of_its_step_sets_it_aside(tmp_path: Pa
 
 # ---------------------------------------------------------------------------- resume, --fresh
 
+
 def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -887,8 +967,12 @@ def test_resume_sets_aside_only_the_damaged_ones_newer_than_the_newest_good_one(
         "step-000004.ckpt.damaged, never counted",
     ]
     assert sorted(os.listdir(tmp_path)) == [
-        "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt", "step-000004.ckpt.damaged",
-        "step-000005.ckpt.damaged"]
+        "step-000001.ckpt",
+        "step-000002.ckpt",
+        "step-000003.ckpt",
+        "step-000004.ckpt.damaged",
+        "step-000005.ckpt.damaged",
+    ]
     assert (tmp_path / "step-000005.ckpt.damaged").read_bytes() == bad5
     assert (tmp_path / "step-000004.ckpt.damaged").read_bytes() == bad4
     assert (tmp_path / "step-000002.ckpt").read_bytes() == bad2  # older: left as it is
@@ -905,14 +989,17 @@ def test_resume_refuses_a_directory_where_nothing_verifies(tmp_path: Path) -> No
         f"{tmp_path / 'step-000002.ckpt'} is truncated (0 bytes); step-000001.ckpt: "
         f"{corrupt_why(tmp_path / 'step-000001.ckpt')}); refusing to start over them from "
         "step 0. Move them away (or restore a good copy), or pass --fresh to set them aside "
-        "and start a new run")
+        "and start a new run"
+    )
     assert sorted(os.listdir(tmp_path)) == ["step-000001.ckpt", "step-000002.ckpt"]
     # Files that failed are forgotten, and so are files that are gone.
     assert not any(p.parent == tmp_path for p in ckpt_dir._VERIFIED)
     with pytest.raises(CheckpointError) as gone:
         ckpt_dir._verified(tmp_path / "step-000009.ckpt")
-    assert str(gone.value) == (f"cannot read checkpoint {tmp_path / 'step-000009.ckpt'}: [Errno 2] "
-                              f"No such file or directory: '{tmp_path / 'step-000009.ckpt'}'")
+    assert str(gone.value) == (
+        f"cannot read checkpoint {tmp_path / 'step-000009.ckpt'}: [Errno 2] "
+        f"No such file or directory: '{tmp_path / 'step-000009.ckpt'}'"
+    )
 
 
 def test_resume_verifies_files_this_process_has_not_seen(tmp_path: Path) -> None:
@@ -934,6 +1021,7 @@ def test_a_checkpoint_whose_stat_fails_after_the_write_stands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It is not remembered as verified (it is read when next needed) and the save succeeds."""
+
     def refuse(path: Path) -> tuple[int, int, int, int]:
         raise OSError(errno.EIO, "stat refused")
 
@@ -948,8 +1036,14 @@ def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert start_fresh(tmp_path / "missing") is None
-    others = ["checkpoints.lock", "notes.txt", "step-000001.ckpt.bak", "step-notes.txt",
-              "xstep-000001.ckpt.damaged", f".step-000004.ckpt.{os.getppid()}.tmp"]
+    others = [
+        "checkpoints.lock",
+        "notes.txt",
+        "step-000001.ckpt.bak",
+        "step-notes.txt",
+        "xstep-000001.ckpt.damaged",
+        f".step-000004.ckpt.{os.getppid()}.tmp",
+    ]
     for name in others:
         (tmp_path / name).write_text(name)
     assert start_fresh(tmp_path) is None  # nothing to move: no folder made
@@ -961,11 +1055,15 @@ def test_fresh_moves_every_checkpoint_file_into_a_new_folder(
         moved = start_fresh(tmp_path)
     assert moved == tmp_path / "previous-1"
     assert sorted(os.listdir(moved)) == [
-        "step-000001.ckpt", "step-000002.ckpt", "step-000003.ckpt.damaged",
-        "step-000003.ckpt.damaged.1"]
+        "step-000001.ckpt",
+        "step-000002.ckpt",
+        "step-000003.ckpt.damaged",
+        "step-000003.ckpt.damaged.1",
+    ]
     assert sorted(os.listdir(tmp_path)) == sorted([*others, "previous-1"])
     assert [r.getMessage() for r in caplog.records] == [
-        f"--fresh: 4 old checkpoint file(s) of {tmp_path} moved to {moved}; starting at step 0"]
+        f"--fresh: 4 old checkpoint file(s) of {tmp_path} moved to {moved}; starting at step 0"
+    ]
     assert not any(p.parent == tmp_path for p in ckpt_dir._VERIFIED)
     assert resume_checkpoint(tmp_path) is None
     save_steps(tmp_path, 1)
@@ -993,21 +1091,28 @@ def test_fresh_refuses_when_it_cannot_move_the_files(
     with pytest.raises(CheckpointError) as exc:
         start_fresh(tmp_path)
     assert str(exc.value) == (
-        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 18] Invalid cross-device link")
+        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 18] Invalid cross-device link"
+    )
     monkeypatch.undo()
 
-    def read_only(self: Path, mode: int = 0o777, parents: bool = False,
-                  exist_ok: bool = False) -> None:
+    def read_only(
+        self: Path, mode: int = 0o777, parents: bool = False, exist_ok: bool = False
+    ) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(CheckpointError) as exc:
         start_fresh(tmp_path)
     assert str(exc.value) == (
-        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 30] Read-only file system")
+        f"cannot set the old checkpoints of {tmp_path} aside: [Errno 30] Read-only file system"
+    )
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == [
-        "previous-1", "previous-2", "previous-3", "step-000001.ckpt"]
+        "previous-1",
+        "previous-2",
+        "previous-3",
+        "step-000001.ckpt",
+    ]
 
 
 def test_check_directory(tmp_path: Path) -> None:
@@ -1018,17 +1123,21 @@ def test_check_directory(tmp_path: Path) -> None:
     afile.write_text("x")
     with pytest.raises(CheckpointRefused) as refused:
         check_directory(afile)
-    assert str(refused.value) == (f"--checkpoint-dir {afile} is not a directory; name a folder "
-                                  "(it is created if missing)")
+    assert str(refused.value) == (
+        f"--checkpoint-dir {afile} is not a directory; name a folder (it is created if missing)"
+    )
     with pytest.raises(CheckpointError) as exc:
         check_directory(afile / "sub")
     assert type(exc.value) is CheckpointError
-    assert str(exc.value) == (f"cannot create --checkpoint-dir {afile / 'sub'}: [Errno 20] Not a "
-                              f"directory: '{afile / 'sub'}'")
+    assert str(exc.value) == (
+        f"cannot create --checkpoint-dir {afile / 'sub'}: [Errno 20] Not a "
+        f"directory: '{afile / 'sub'}'"
+    )
     assert afile.read_text() == "x"
 
 
 # ---------------------------------------------------------------------------- the directory lock
+
 
 def test_one_lock_per_directory_naming_its_holder(tmp_path: Path) -> None:
     """flock locks belong to an open file: a second lock refuses even in the same process."""
@@ -1041,20 +1150,28 @@ def test_one_lock_per_directory_naming_its_holder(tmp_path: Path) -> None:
         second.acquire()
     assert str(exc.value) == (
         f"checkpoint dir {tmp_path} is in use by another writer (pid {os.getpid()}, foundry "
-        "train); stop that one first, or give this run its own --checkpoint-dir")
+        "train); stop that one first, or give this run its own --checkpoint-dir"
+    )
     assert second._fd is None
     first.release()
     first.release()  # twice is fine
     assert second.acquire() is second
     assert (tmp_path / "checkpoints.lock").read_text() == (
-        f"pid {os.getpid()}, foundry coordinator\n")
+        f"pid {os.getpid()}, foundry coordinator\n"
+    )
     second.release()
 
 
-@pytest.mark.parametrize(("content", "shown"), [
-    (None, "pid unknown"), ("", "pid unknown"), ("  \n", "pid unknown"),
-    ("x" * 300, "x" * 200), (b"pid 7, \xff\n", "pid 7, \ufffd"),
-])
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [
+        (None, "pid unknown"),
+        ("", "pid unknown"),
+        ("  \n", "pid unknown"),
+        ("x" * 300, "x" * 200),
+        (b"pid 7, \xff\n", "pid 7, \ufffd"),
+    ],
+)
 def test_a_lock_whose_holder_cannot_be_read_says_so(
     tmp_path: Path, content: str | bytes | None, shown: str
 ) -> None:
@@ -1081,8 +1198,10 @@ def test_a_lock_holds_where_its_file_cannot_be_written(tmp_path: Path) -> None:
 
 
 def test_a_lock_needs_a_directory(tmp_path: Path) -> None:
-    for path, why in ((tmp_path / "missing", "[Errno 2] No such file or directory"),
-                      (tmp_path / "afile", "[Errno 20] Not a directory")):
+    for path, why in (
+        (tmp_path / "missing", "[Errno 2] No such file or directory"),
+        (tmp_path / "afile", "[Errno 20] Not a directory"),
+    ):
         if path.name == "afile":
             path.write_text("x")
         with pytest.raises(CheckpointError) as exc:
@@ -1120,7 +1239,8 @@ def test_a_moment_group_that_is_neither_empty_nor_whole_is_refused(
         load_checkpoint(path)
     assert str(exc.value) == (
         f"{path} has a hash that verifies but unusable metadata: optimizer group {group!r} "
-        f"holds {len(held) - 1} of the {len(held)} tensors (a moment group is empty or whole)")
+        f"holds {len(held) - 1} of the {len(held)} tensors (a moment group is empty or whole)"
+    )
     meta["tensors"] = [t for t in meta["tensors"] if t["group"] != group]
     write_raw(path, json.dumps(meta).encode(), data)
     assert load_checkpoint(path).optimizer[group] == {}  # empty: before the first step
@@ -1153,7 +1273,8 @@ def test_a_failed_write_on_a_disk_that_refuses_the_clean_up_reports_the_first_er
     final = tmp_path / "step-000011.ckpt"
     assert str(exc.value) == (
         f"could not write checkpoint {final}: [Errno 28] No space left on device; the previous "
-        "checkpoints are intact (free disk space or choose another checkpoint directory)")
+        "checkpoints are intact (free disk space or choose another checkpoint directory)"
+    )
     assert sorted(os.listdir(tmp_path)) == [f".{final.name}.{os.getpid()}.tmp", good.name]
     assert latest_checkpoint(tmp_path) == good
 
@@ -1162,6 +1283,7 @@ def test_temp_files_of_writers_that_cannot_be_signalled_are_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another user's writer (os.kill says PermissionError) lives: its temp file stays."""
+
     def kill(pid: int, sig: int) -> None:  # no signal is sent
         assert sig == 0
         if pid == 424242:

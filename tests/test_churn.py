@@ -35,8 +35,9 @@ SEED = int(os.environ.get("FOUNDRY_CHURN_SEED", "1"))
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_swarm_survives_worker_and_coordinator_kills(tmp_path: Path) -> None:
-    rep = churn_swarm.swarm_soak(tmp_path, seconds=30.0, seed=SEED, workers=3, checkpoint_every=10,
-                           kill_every=3.0)
+    rep = churn_swarm.swarm_soak(
+        tmp_path, seconds=30.0, seed=SEED, workers=3, checkpoint_every=10, kill_every=3.0
+    )
     text = f"seed {SEED}\n{rep.summary()}\n" + "\n".join(rep.failures)
     print(text)
     assert rep.worker_kills >= 5 and rep.worker_restarts >= 4, text
@@ -53,8 +54,9 @@ def test_swarm_survives_worker_and_coordinator_kills(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp_pair_survives_worker_kills_during_generation(tmp_path: Path) -> None:
-    rep = churn_tp.tp_soak(tmp_path, seconds=16.0, seed=SEED, clients=3, kill_every=2.0,
-                        out=lambda line: None)
+    rep = churn_tp.tp_soak(
+        tmp_path, seconds=16.0, seed=SEED, clients=3, kill_every=2.0, out=lambda line: None
+    )
     text = f"seed {SEED}\n{rep.summary()}\n" + "\n".join(rep.failures)
     print(text)
     assert rep.kills >= 3 and rep.served_again == rep.restarts == rep.kills, text
@@ -68,7 +70,8 @@ def test_a_round_whose_workers_all_died_is_run_again_at_once(tmp_path: Path) -> 
     """A worker that dies in its first round (no measured speed yet: the round's deadline is
     policy.INITIAL_DEADLINE_S, 120 s) must not keep a worker that joins after it idle."""
     coord, port, admin = live.start_coordinator(
-        tmp_path, "--max-steps", "100000", "--global-batch", "16", "--checkpoint-every", "100000")
+        tmp_path, "--max-steps", "100000", "--global-batch", "16", "--checkpoint-every", "100000"
+    )
     slow = live.start_worker(tmp_path, port, "slow", "--slowdown", "200")
     fresh = None
     try:
@@ -79,8 +82,11 @@ def test_a_round_whose_workers_all_died_is_run_again_at_once(tmp_path: Path) -> 
         fresh = live.start_worker(tmp_path, port, "fresh")
         coord.wait_for(r"worker fresh registered")
         # Well before the dead worker's deadline, which a round waiting it out would reach.
-        wait_for(lambda: live.swarm_status(admin).global_step >= 1, INITIAL_DEADLINE_S / 4,
-                 "a step without the dead worker, before its round's deadline")
+        wait_for(
+            lambda: live.swarm_status(admin).global_step >= 1,
+            INITIAL_DEADLINE_S / 4,
+            "a step without the dead worker, before its round's deadline",
+        )
         assert "every assigned worker left before reporting" in coord.text()
         assert coord.alive() and fresh.alive()
     finally:

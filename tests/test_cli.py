@@ -41,13 +41,18 @@ def test_ctl_says_why_a_run_waits_or_failed() -> None:
     from foundry.commands.ctl import format_state, format_training
 
     one = [pb.Worker(worker_id="w0")]
-    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=2,
-                                          workers=one)) == "WAITING: 1 of 2 workers (min-workers 2)"
-    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=1,
-                                          workers=one)) == "WAITING for START (foundry ctl start)"
-    assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_TRAINING,
-                                          seconds_since_step=2.5)) == \
-        "TRAINING (last step 2.5 s ago)"
+    assert (
+        format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=2, workers=one))
+        == "WAITING: 1 of 2 workers (min-workers 2)"
+    )
+    assert (
+        format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_WAITING, min_workers=1, workers=one))
+        == "WAITING for START (foundry ctl start)"
+    )
+    assert (
+        format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_TRAINING, seconds_since_step=2.5))
+        == "TRAINING (last step 2.5 s ago)"
+    )
     failed = pb.TrainingStatus(state=pb.TRAINING_STATE_FAILED, note="round loop failed: X")
     assert format_state(failed) == "FAILED: round loop failed: X"
     assert "warning" not in format_training(failed)
@@ -56,8 +61,9 @@ def test_ctl_says_why_a_run_waits_or_failed() -> None:
     assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_PAUSED)) == "PAUSED"
 
 
-def _parsers(parser: argparse.ArgumentParser, path: str = "foundry"
-             ) -> list[tuple[str, argparse.ArgumentParser]]:
+def _parsers(
+    parser: argparse.ArgumentParser, path: str = "foundry"
+) -> list[tuple[str, argparse.ArgumentParser]]:
     found = [(path, parser)]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -72,8 +78,13 @@ def test_every_flag_with_a_default_shows_it(capsys: pytest.CaptureFixture[str]) 
     missing = []
     for path, parser in parsers:
         for action in parser._actions:
-            if (not action.option_strings or action.nargs == 0 or action.default is None
-                    or action.default is argparse.SUPPRESS or action.help == argparse.SUPPRESS):
+            if (
+                not action.option_strings
+                or action.nargs == 0
+                or action.default is None
+                or action.default is argparse.SUPPRESS
+                or action.help == argparse.SUPPRESS
+            ):
                 continue
             # The flag's row as --help prints it (argparse wraps lines).
             row = " ".join(parser._get_formatter()._format_action(action).split())
@@ -82,7 +93,6 @@ def test_every_flag_with_a_default_shows_it(capsys: pytest.CaptureFixture[str]) 
     assert missing == []
     init = next(p for path, p in parsers if path == "foundry model init").format_help()
     assert "model size (default: tiny)" in " ".join(init.split())
-
 
 
 def test_no_parser_takes_a_prefix_of_a_flag() -> None:
@@ -101,8 +111,11 @@ def test_every_argument_parser_in_the_tree_refuses_abbreviations() -> None:
     for path in project_files(".py"):
         text = path.read_text(errors="replace")
         for n, line in enumerate(text.splitlines(), start=1):
-            if "ArgumentParser(" in line and "class " not in line and "allow_abbrev=False" \
-                    not in " ".join(text.splitlines()[n - 1:n + 2]):
+            if (
+                "ArgumentParser(" in line
+                and "class " not in line
+                and "allow_abbrev=False" not in " ".join(text.splitlines()[n - 1 : n + 2])
+            ):
                 bare.append(f"{path.relative_to(root)}:{n}")
     assert bare == []
 
@@ -110,22 +123,39 @@ def test_every_argument_parser_in_the_tree_refuses_abbreviations() -> None:
 def test_an_unknown_flag_prints_the_usage_of_its_subcommand() -> None:
     """`foundry up --gpu`: the usage of `foundry up` (whose flags the user is after), not the
     top-level one."""
-    res = subprocess.run([sys.executable, "-m", "foundry", "up", "--gpu"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "foundry", "up", "--gpu"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2
     assert res.stderr.startswith("usage: foundry up "), res.stderr
     assert "foundry up: error: unrecognized arguments: --gpu" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "foundry", "ctl", "status", "--nosuch"],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "foundry", "ctl", "status", "--nosuch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr.startswith("usage: foundry ctl status "), res.stderr
 
 
 def test_up_with_a_missing_model_file_leaves_no_run_folder(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "foundry", "up", "--model",
-                          str(tmp_path / "nosuch.gguf"), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "up",
+            "--model",
+            str(tmp_path / "nosuch.gguf"),
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: --model {tmp_path / 'nosuch.gguf'}: no such file"
     assert not run_dir.exists()
@@ -135,13 +165,30 @@ def test_generate_stats_give_tokens_per_second(tmp_path: Path) -> None:
     from tp_harness import make_model
 
     model = make_model(tmp_path / "model.gguf")
-    res = subprocess.run([sys.executable, "-m", "foundry", "generate", "--model", str(model),
-                          "--prompt", "The ", "--max-tokens", "8", "--stats"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            "The ",
+            "--max-tokens",
+            "8",
+            "--stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
-    m = re.fullmatch(r"8 tokens after a 5-token prompt in ([\d.]+) s \(([\d.]+) tokens/s; "
-                     r"first token ([\d.]+) s, then ([\d.]+) tokens/s\), finished: length\n",
-                     res.stderr)
+    m = re.fullmatch(
+        r"8 tokens after a 5-token prompt in ([\d.]+) s \(([\d.]+) tokens/s; "
+        r"first token ([\d.]+) s, then ([\d.]+) tokens/s\), finished: length\n",
+        res.stderr,
+    )
     assert m is not None, res.stderr
     total, rate, first, decode = map(float, m.groups())
     assert 0 < first < total and rate == pytest.approx(8 / total, rel=0.2) and decode > 0

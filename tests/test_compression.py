@@ -123,13 +123,18 @@ def test_fp16_is_round_to_nearest_even_bit_for_bit() -> None:
     ties = mids.astype(np.float32)
     assert np.array_equal(ties.astype(np.float64), mids)
     rng = np.random.default_rng(0)
-    random_bits = rng.integers(0, 2**32, 500_000, dtype=np.uint64).astype(np.uint32).view(
-        np.float32
+    random_bits = (
+        rng.integers(0, 2**32, 500_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     )
-    x = np.concatenate([
-        finite16, ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(1e9)),
-        random_bits,
-    ])
+    x = np.concatenate(
+        [
+            finite16,
+            ties,
+            np.nextafter(ties, np.float32(0)),
+            np.nextafter(ties, np.float32(1e9)),
+            random_bits,
+        ]
+    )
     x = np.concatenate([x, -x])
     x = x[np.isfinite(x) & (np.abs(x) < 65520)]  # beyond: we saturate, numpy overflows
     np.testing.assert_array_equal(fp32_to_fp16(x), _reference_fp16_bits(x))
@@ -177,9 +182,9 @@ def test_fp16_decode_is_exact_for_every_pattern() -> None:
 @settings(max_examples=80, deadline=None)
 @given(
     hnp.arrays(
-        np.float32, st.integers(1, 300),
-        elements=st.one_of(st.sampled_from([0.0, 1.0, -1.0, 2.5]),
-                           st.floats(-1e6, 1e6, width=32)),
+        np.float32,
+        st.integers(1, 300),
+        elements=st.one_of(st.sampled_from([0.0, 1.0, -1.0, 2.5]), st.floats(-1e6, 1e6, width=32)),
     ),
     st.floats(0.001, 1.0),
 )
@@ -227,8 +232,12 @@ def test_topk_sends_60x_fewer_bytes_at_one_percent() -> None:
 
 
 def _topk_frame(n: int, k: int, counts: list[int], vals: list[float], low: list[int]) -> bytes:
-    return (struct.pack("<I", k) + struct.pack(f"<{len(counts)}I", *counts)
-            + struct.pack(f"<{len(vals)}f", *vals) + struct.pack(f"<{len(low)}H", *low))
+    return (
+        struct.pack("<I", k)
+        + struct.pack(f"<{len(counts)}I", *counts)
+        + struct.pack(f"<{len(vals)}f", *vals)
+        + struct.pack(f"<{len(low)}H", *low)
+    )
 
 
 def test_topk_decode_layout_and_bad_bytes() -> None:
@@ -364,11 +373,11 @@ def test_qsgd_codes_are_packed_lsb_first_at_every_width(encoder: str, levels: in
     for n in (1, 7, 8, 9, 63, 1000):
         v = (rng.standard_normal(n) * 3).astype(np.float32)
         data = bytes(QsgdCodec(levels, 512, seed=1).encode(v))
-        stream = data[8 + 4 * -(-n // 512):]
+        stream = data[8 + 4 * -(-n // 512) :]
         assert len(stream) == -(-n * bits // 8)
         as_bits = [(stream[k // 8] >> (k % 8)) & 1 for k in range(8 * len(stream))]
         codes = [sum(as_bits[i * bits + j] << j for j in range(bits)) for i in range(n)]
-        assert not any(as_bits[n * bits:])  # the padding
+        assert not any(as_bits[n * bits :])  # the padding
         decoded, _ = QsgdCodec().decode(data, n)
         scale = np.repeat([np.abs(v[b : b + 512]).max() for b in range(0, n, 512)], 512)[:n]
         want = [(-1.0 if c & 1 else 1.0) * (c >> 1) for c in codes]
@@ -504,8 +513,7 @@ def test_compressor_sends_what_it_says_and_loses_nothing(codec: Codec) -> None:
         grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
         section, sent = compressor.encode(grads)
         assert len(section) == sum(codec.encoded_size(g.size) for g in grads.values())
-        decoded = deserialize_tensors(section, [g.size for g in grads.values()],
-                                      codec.compression)
+        decoded = deserialize_tensors(section, [g.size for g in grads.values()], codec.compression)
         for (name, g), got in zip(grads.items(), decoded, strict=True):
             np.testing.assert_array_equal(sent[name], got)  # the sender's view is exact
             inputs[name] += g.reshape(-1)
@@ -528,8 +536,9 @@ def test_topk_learns_better_with_error_feedback_than_without() -> None:
     through the sender's Compressor (error feedback), once through the bare codec (what was
     dropped is lost). Feedback on ends about 0.25 nats lower (1.45 against 1.70 over the last
     ten steps, three data seeds); with feedback off, or broken, the two runs are alike."""
-    cfg = ModelConfig(n_ctx=64, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96,
-                      n_expert=4, n_expert_used=2)
+    cfg = ModelConfig(
+        n_ctx=64, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_expert=4, n_expert_used=2
+    )
     text = b"the quick brown fox jumps over the lazy dog; " * 40
     corpus = np.frombuffer(text, np.uint8).astype(np.int64) + N_SPECIAL_TOKENS
     steps, seq, batch = 60, 32, 8
@@ -565,8 +574,12 @@ def test_topk_learns_better_with_error_feedback_than_without() -> None:
 def test_fp16_specials_of_one_sign_decode_exactly(sign: int) -> None:
     """Infinity and NaN patterns of one sign only, alone in their chunk (the decoder fixes them
     up per chunk), and every pattern of that sign."""
-    for patterns in ([sign | 0x7C00], [sign | 0x7E00], [sign | 0x7BFF, sign | 0x7C01],
-                     list(range(sign, sign + 0x8000))):
+    for patterns in (
+        [sign | 0x7C00],
+        [sign | 0x7E00],
+        [sign | 0x7BFF, sign | 0x7C01],
+        list(range(sign, sign + 0x8000)),
+    ):
         h = np.array(patterns, np.uint16)
         want = h.view(np.float16).astype(np.float32)
         np.testing.assert_array_equal(fp16_to_fp32(h).view(np.uint32), want.view(np.uint32))
@@ -607,8 +620,9 @@ def test_topk_functions_give_u32_indices_and_f32_values() -> None:
 
 def test_topk_decode_refuses_two_equal_indices() -> None:
     n = 10
-    with pytest.raises(FdtcProtocolError,
-                       match=r"^TOPK indices are out of range or not strictly ascending$"):
+    with pytest.raises(
+        FdtcProtocolError, match=r"^TOPK indices are out of range or not strictly ascending$"
+    ):
         TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 4]), n)
     out, _ = TopKCodec().decode(_topk_frame(n, 2, [2], [1.0, 2.0], [4, 5]), n)
     assert out[4] == 1.0 and out[5] == 2.0
@@ -675,8 +689,12 @@ def test_fp16_edges_bit_for_bit() -> None:
 def test_fp16_an_infinity_alone_at_the_chunk_edge_decodes(inf: int) -> None:
     """An f16 infinity alone among finite values: its scaled value is exactly +-2**16."""
     out = fp16_to_fp32(np.array([0x3C00, inf, 0x7BFF, 0xFBFF], np.uint16))
-    assert out.tolist() == [1.0, math.copysign(math.inf, 1 if inf == 0x7C00 else -1),
-                            65504.0, -65504.0]
+    assert out.tolist() == [
+        1.0,
+        math.copysign(math.inf, 1 if inf == 0x7C00 else -1),
+        65504.0,
+        -65504.0,
+    ]
 
 
 def test_fp16_to_fp32_takes_any_integer_array_like() -> None:
@@ -725,10 +743,14 @@ def test_no_codec_writes_more_than_the_largest_section_bound(numels: list[int]) 
     its largest parameters (top-k keeping all, QSGD with one norm an element) stays under it."""
     rng = np.random.default_rng(len(numels))
     arrays = [rng.standard_normal(n).astype(np.float32) for n in numels]
-    widest = [get_codec(Compression.NONE), get_codec(Compression.FP16),
-              get_codec(Compression.TOPK, topk_ratio=1.0),
-              get_codec(Compression.QSGD, qsgd_levels=127, qsgd_bucket=1)]
+    widest = [
+        get_codec(Compression.NONE),
+        get_codec(Compression.FP16),
+        get_codec(Compression.TOPK, topk_ratio=1.0),
+        get_codec(Compression.QSGD, qsgd_levels=127, qsgd_bucket=1),
+    ]
     sizes = [len(codec.encode_section(arrays)) for codec in widest]
     assert max(sizes) <= largest_section(numels)
-    assert sizes[2] == sum(get_codec(Compression.TOPK, topk_ratio=1.0).encoded_size(n)
-                           for n in numels)
+    assert sizes[2] == sum(
+        get_codec(Compression.TOPK, topk_ratio=1.0).encoded_size(n) for n in numels
+    )

@@ -268,8 +268,12 @@ def test_held_out_blocks_are_every_twentieth_and_never_trained_on() -> None:
     n = c.n_sequences(seq_len)
     x, y = c.sample_batch(0, n, seq_len, seed=1)
     starts = sorted(
-        next(j for j in range(m) if np.array_equal(c.tokens[j * seq_len : j * seq_len + 8], row)
-             and np.array_equal(c.tokens[j * seq_len + 1 : j * seq_len + 9], target))
+        next(
+            j
+            for j in range(m)
+            if np.array_equal(c.tokens[j * seq_len : j * seq_len + 8], row)
+            and np.array_equal(c.tokens[j * seq_len + 1 : j * seq_len + 9], target)
+        )
         for row, target in zip(x, y, strict=True)
     )
     assert starts == [j for j in range(m) if j % 20]
@@ -326,6 +330,7 @@ def test_training_bytes_are_every_target_that_is_not_held_out() -> None:
     tokens = np.arange(3, 3 + 1 + 21 * 2, dtype=np.int32)
     corpus = Corpus(tokens, source="t", n_documents=1)
     trained = corpus.training_bytes(2)
+
     def text(t: np.ndarray) -> bytes:
         return (t - 3).astype(np.uint8).tobytes()
 
@@ -349,9 +354,7 @@ def test_primed_compressors_see_the_training_text_first(default_corpus: Corpus) 
         primed_bits_per_byte(data, b"")
 
 
-def test_compressors_match_the_command_line_tools(
-    default_corpus: Corpus, tmp_path: Path
-) -> None:
+def test_compressors_match_the_command_line_tools(default_corpus: Corpus, tmp_path: Path) -> None:
     data = default_corpus.held_out_bytes(64)
     primer = default_corpus.training_bytes(64)
     (tmp_path / "primer").write_bytes(primer)
@@ -360,10 +363,12 @@ def test_compressors_match_the_command_line_tools(
     def size(argv: list[str], stdin: bytes) -> int:
         return len(subprocess.run(argv, input=stdin, capture_output=True, check=True).stdout)
 
-    for name, argv in (("gzip -9", ["gzip", "-9", "-n", "-c"]), ("xz -9e", ["xz", "-9e", "-c"]),
-                       ("zstd -19", ["zstd", "-q", "-19", "-c"]),
-                       ("zstd -19 primed", ["zstd", "-q", "-19", "-D", str(tmp_path / "primer"),
-                                            "-c"])):
+    for name, argv in (
+        ("gzip -9", ["gzip", "-9", "-n", "-c"]),
+        ("xz -9e", ["xz", "-9e", "-c"]),
+        ("zstd -19", ["zstd", "-q", "-19", "-c"]),
+        ("zstd -19 primed", ["zstd", "-q", "-19", "-D", str(tmp_path / "primer"), "-c"]),
+    ):
         assert got[name] == size(argv, data) * 8 / len(data), name
     xz = ["xz", "-9e", "-c"]
     primed_xz = size(xz, primer + data) - size(xz, primer)

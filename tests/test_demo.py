@@ -23,8 +23,11 @@ def test_demo_defaults_beat_gzip_on_the_held_out_bytes() -> None:
     opt = StackOptions()
     cfg = preset(opt.preset)
     settings = TrainSettings(
-        global_batch=opt.global_batch, seq_len=opt.seq_len, lr=opt.lr,
-        warmup_steps=opt.warmup_steps, total_steps=opt.steps,
+        global_batch=opt.global_batch,
+        seq_len=opt.seq_len,
+        lr=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        total_steps=opt.steps,
     )
     corpus = load_corpus(None)
     trainer = Trainer(cfg, settings, init_params(cfg, 0))

@@ -50,8 +50,14 @@ def run(*argv: str, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.Co
 
 
 def compose_config(directory: Path) -> subprocess.CompletedProcess[str]:
-    return run(tool("docker-compose"), "-f", str(directory / "docker-compose.yml"),
-               "config", "-q", cwd=directory)
+    return run(
+        tool("docker-compose"),
+        "-f",
+        str(directory / "docker-compose.yml"),
+        "config",
+        "-q",
+        cwd=directory,
+    )
 
 
 def test_compose_file_is_valid() -> None:
@@ -73,8 +79,16 @@ def test_compose_check_fails_on_a_broken_file(tmp_path: Path) -> None:
 def test_compose_tls_override_gives_every_service_its_certificate() -> None:
     """docker-compose.tls.yml: each Foundry service mounts the certificates and names the
     files `foundry certs` writes for its role in FOUNDRY_TLS_* (docs/guide/tls.md)."""
-    got = run(tool("docker-compose"), "-f", "docker-compose.yml", "-f", "docker-compose.tls.yml",
-              "config", "--format", "json")
+    got = run(
+        tool("docker-compose"),
+        "-f",
+        "docker-compose.yml",
+        "-f",
+        "docker-compose.tls.yml",
+        "config",
+        "--format",
+        "json",
+    )
     assert got.returncode == 0, got.stderr
     services = json.loads(got.stdout)["services"]
     for name in ("coordinator", "worker", "tp-leader", "tp-worker", "gateway"):
@@ -87,9 +101,7 @@ def test_compose_tls_override_gives_every_service_its_certificate() -> None:
 
 
 def compose_services() -> dict[str, Any]:
-    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())[
-        "services"
-    ]
+    services: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     return services
 
 
@@ -117,15 +129,24 @@ def test_compose_workers_scale_and_everything_waits_for_health() -> None:
         assert "healthcheck" in services[name], name
         for dependency in services[name].get("depends_on", {}).values():
             assert dependency["condition"] in (
-                "service_healthy", "service_completed_successfully"
+                "service_healthy",
+                "service_completed_successfully",
             ), name
 
 
 def test_compose_gpu_worker_is_a_profile_with_a_device_reservation() -> None:
     """`docker compose up` alone starts no GPU worker; `--profile gpu` adds one that asks
     for one NVIDIA GPU and trains with --device cuda from the image with the gpu extra."""
-    got = run(tool("docker-compose"), "-f", "docker-compose.yml", "--profile", "gpu",
-              "config", "--format", "json")
+    got = run(
+        tool("docker-compose"),
+        "-f",
+        "docker-compose.yml",
+        "--profile",
+        "gpu",
+        "config",
+        "--format",
+        "json",
+    )
     assert got.returncode == 0, got.stderr
     gpu = json.loads(got.stdout)["services"]["worker-gpu"]
     assert gpu["profiles"] == ["gpu"] and "--device=cuda" in gpu["command"]
@@ -180,7 +201,8 @@ def validate(manifests: str, tmp_path: Path) -> list[str]:
     documents = [d for d in yaml.safe_load_all(manifests) if d]
     passed = [line for line in got.stdout.splitlines() if line.startswith("INFO")]
     problems = [
-        line for line in (got.stdout + got.stderr).splitlines()
+        line
+        for line in (got.stdout + got.stderr).splitlines()
         if line.startswith(("ERROR", "WARN", "FATAL"))
     ]
     if got.returncode != 0 and not problems:
@@ -209,10 +231,13 @@ def test_validation_fails_on_a_broken_manifest(k8s_copy: Path, tmp_path: Path) -
     gateway = k8s_copy / "k8s" / "base" / "gateway.yaml"
     text = gateway.read_text()
     assert "            grpc:\n              port: 50051\n" in text
-    gateway.write_text(text.replace(
-        "            grpc:\n              port: 50051\n",
-        "            grpc:\n              port: 50051\n              path: /healthz\n", 1,
-    ))
+    gateway.write_text(
+        text.replace(
+            "            grpc:\n              port: 50051\n",
+            "            grpc:\n              port: 50051\n              path: /healthz\n",
+            1,
+        )
+    )
     problems = validate(kustomize(k8s_copy / "k8s" / "overlays" / "dev"), tmp_path)
     assert any("deployment/gateway" in p and "path" in p for p in problems), problems
 
@@ -225,8 +250,9 @@ def test_validation_fails_on_a_kind_without_a_schema(k8s_copy: Path, tmp_path: P
     )
     kustomization = base / "kustomization.yaml"
     kustomization.write_text(
-        kustomization.read_text().replace("  - grafana.yaml\n", "  - grafana.yaml\n"
-                                          "  - monitor.yaml\n", 1)
+        kustomization.read_text().replace(
+            "  - grafana.yaml\n", "  - grafana.yaml\n  - monitor.yaml\n", 1
+        )
     )
     problems = validate(kustomize(k8s_copy / "k8s" / "overlays" / "mixed-arch"), tmp_path)
     assert any(p.startswith("WARN") and "ServiceMonitor" in p for p in problems), problems
@@ -245,8 +271,7 @@ def test_kustomize_refuses_a_file_outside_the_kustomization(k8s_copy: Path) -> N
     checked with it on), and the files must stay in folders with their own kustomization."""
     kustomization = k8s_copy / "k8s" / "base" / "kustomization.yaml"
     kustomization.write_text(
-        kustomization.read_text()
-        + "configMapGenerator:\n  - name: prometheus-direct\n    files:\n"
+        kustomization.read_text() + "configMapGenerator:\n  - name: prometheus-direct\n    files:\n"
         "      - prometheus.yml=../../services/prometheus/prometheus.yml\n"
     )
     got = run(*kustomize_argv(k8s_copy / "k8s" / "overlays" / "dev"))
@@ -267,7 +292,8 @@ def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str
 def config_map(objects: list[dict[str, Any]], name: str) -> dict[str, str]:
     """The data of the generated ConfigMap ``name`` (kustomize appends a content hash)."""
     found = [
-        obj for obj in objects
+        obj
+        for obj in objects
         if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].startswith(name + "-")
     ]
     assert len(found) == 1, f"{len(found)} ConfigMaps named {name}-HASH"
@@ -333,8 +359,9 @@ def test_kubernetes_placement_and_probes() -> None:
     kinds = {o["metadata"]["name"]: o["kind"] for o in objects if "template" in o.get("spec", {})}
     assert kinds["coordinator"] == "StatefulSet"
     assert kinds["tp-worker"] == "StatefulSet"
-    coordinator = next(o for o in objects
-                       if (o["kind"], o["metadata"]["name"]) == ("StatefulSet", "coordinator"))
+    coordinator = next(
+        o for o in objects if (o["kind"], o["metadata"]["name"]) == ("StatefulSet", "coordinator")
+    )
     assert coordinator["spec"]["volumeClaimTemplates"], "checkpoints need a persistent volume"
     spread = {c["topologyKey"] for c in specs["worker"]["topologySpreadConstraints"]}
     assert spread == {"kubernetes.io/arch", "kubernetes.io/hostname"}
@@ -343,8 +370,9 @@ def test_kubernetes_placement_and_probes() -> None:
             "requiredDuringSchedulingIgnoredDuringExecution"
         ]
         assert all(t["topologyKey"] == "kubernetes.io/hostname" for t in terms)
-        assert [t["labelSelector"]["matchLabels"]["app.kubernetes.io/name"]
-                for t in terms] == others, rank
+        assert [
+            t["labelSelector"]["matchLabels"]["app.kubernetes.io/name"] for t in terms
+        ] == others, rank
     (gateway,) = specs["gateway"]["containers"]
     assert gateway["livenessProbe"]["grpc"]["port"] == 50051
     assert gateway["readinessProbe"]["grpc"]["port"] == 50051
@@ -365,7 +393,9 @@ def test_kubernetes_worker_ranks_are_a_statefulset_with_stable_names() -> None:
     assert workers["spec"]["podManagementPolicy"] == "Parallel"
     assert service["spec"]["clusterIP"] == "None"
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
-        "metrics": 9104, "gate": 7092}
+        "metrics": 9104,
+        "gate": 7092,
+    }
     (worker,) = workers["spec"]["template"]["spec"]["containers"]
     assert "--gate-listen=0.0.0.0:7092" in worker["args"]
     assert {"name": "gate", "containerPort": 7092} in worker["ports"]
@@ -381,15 +411,41 @@ def test_compose_tp_workers_scale_into_a_world(tmp_path: Path) -> None:
     assert "container_name" not in services["tp-worker"]
     assert "--gate-listen=0.0.0.0:7092" in services["tp-worker"]["command"]
     env = {"FOUNDRY_TP_WORLD_SIZE": "4", "FOUNDRY_TP_SHARES": "2,1,1,1", "PATH": "/usr/bin:/bin"}
-    got = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"),
-                          "config", "--format", "json"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120, check=False)
+    got = subprocess.run(
+        [
+            tool("docker-compose"),
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "config",
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert got.returncode == 0, got.stderr
     leader = json.loads(got.stdout)["services"]["tp-leader"]["command"]
     assert "--world-size=4" in leader and "--shares=2,1,1,1" in leader
-    got = subprocess.run([tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"),
-                          "config", "--format", "json"], cwd=ROOT, env={"PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, timeout=120, check=False)
+    got = subprocess.run(
+        [
+            tool("docker-compose"),
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "config",
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     leader = json.loads(got.stdout)["services"]["tp-leader"]["command"]
     assert "--world-size=2" in leader and "--shares=" in leader  # the pair, equal shares
     from foundry.cli import build_parser
@@ -414,9 +470,11 @@ def test_hadolint_fails_on_a_broken_dockerfile(tmp_path: Path) -> None:
     text = (ROOT / "services" / "Dockerfile").read_text()
     broken = tmp_path / "Dockerfile"
     # An unpinned apt-get install without cleaning up, as root: three findings.
-    broken.write_text(text.replace(
-        "USER 10001:10001\n", "USER root\nRUN apt-get update && apt-get install -y curl\n", 1
-    ))
+    broken.write_text(
+        text.replace(
+            "USER 10001:10001\n", "USER root\nRUN apt-get update && apt-get install -y curl\n", 1
+        )
+    )
     got = hadolint(broken)
     assert got.returncode != 0
     assert re.search(r"DL3008|DL3009|DL3015|DL3002", got.stdout), got.stdout

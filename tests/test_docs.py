@@ -23,15 +23,22 @@ from tree import project_files
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
-                *DOCS.rglob("*.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "bench" / "README.md",
+        *DOCS.rglob("*.md"),
+    ]
+)
 PASTED = [ROOT / "README.md", DOCS / "guide" / "quickstart.md", DOCS / "guide" / "train.md"]
 GUIDE_MAX_LINES = 500
 
 # Lines of those blocks that a test does not run, and why.
 NOT_RUN = {
-    "python3 -m venv .venv && .venv/bin/pip install -e . && . .venv/bin/activate":
-        "step 1 itself: installs the package (CI's own setup does the same in .ci/run)",
+    "python3 -m venv .venv && .venv/bin/pip install -e . && . .venv/bin/activate": (
+        "step 1 itself: installs the package (CI's own setup does the same in .ci/run)"
+    ),
     ". .venv/bin/activate": "step 1's activation",
 }
 
@@ -66,8 +73,10 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_slugs_are_githubs() -> None:
-    assert slug("Decoding with the C kernels (`bench/performance/engine.py`)") == \
-        "decoding-with-the-c-kernels-benchperformanceenginepy"
+    assert (
+        slug("Decoding with the C kernels (`bench/performance/engine.py`)")
+        == "decoding-with-the-c-kernels-benchperformanceenginepy"
+    )
     assert slug("TLS, tokens and limits") == "tls-tokens-and-limits"
     assert slug("What `foundry up` does") == "what-foundry-up-does"
 
@@ -98,14 +107,22 @@ def test_the_link_check_finds_a_dead_link_and_a_missing_section(tmp_path: Path) 
 
 
 def test_guide_pages_are_short() -> None:
-    long = {p.name: n for p in (DOCS / "guide").glob("*.md")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > GUIDE_MAX_LINES}
+    long = {
+        p.name: n
+        for p in (DOCS / "guide").glob("*.md")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > GUIDE_MAX_LINES
+    }
     assert not long, f"guide pages over {GUIDE_MAX_LINES} lines: {long}"
 
 
 def test_the_cli_reference_is_current() -> None:
-    got = subprocess.run([sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+    got = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "cli_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert got.returncode == 0, got.stderr
 
 
@@ -141,18 +158,30 @@ def test_every_pasted_command_parses_as_written(page: Path) -> None:
 
 
 def test_the_one_machine_swarm_of_the_guide_trains_as_written(tmp_path: Path) -> None:
-    block = next(body for lang, body in FENCE.findall((DOCS / "guide" / "train.md").read_text())
-                 if lang == "bash" and "127.0.0.1:17070" in body)
+    block = next(
+        body
+        for lang, body in FENCE.findall((DOCS / "guide" / "train.md").read_text())
+        if lang == "bash" and "127.0.0.1:17070" in body
+    )
     lines = [shlex.split(line) for line in block.splitlines() if line.strip()]
-    assert [argv[:2] for argv in lines] == [["foundry", "coordinator"], ["foundry", "worker"],
-                                            ["foundry", "worker"]]
+    assert [argv[:2] for argv in lines] == [
+        ["foundry", "coordinator"],
+        ["foundry", "worker"],
+        ["foundry", "worker"],
+    ]
     procs = []
     try:
         for i, argv in enumerate(lines):
             with (tmp_path / f"{i}.log").open("wb") as log:  # the child keeps its own copy
-                procs.append(subprocess.Popen([sys.executable, "-m", "foundry", *argv[1:]],
-                                              cwd=tmp_path, stdout=log,
-                                              stderr=subprocess.STDOUT, env=ENV))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "foundry", *argv[1:]],
+                        cwd=tmp_path,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=ENV,
+                    )
+                )
         for worker in procs[1:]:
             assert worker.wait(timeout=240) == 0  # a worker ends when training is done
         coordinator = (tmp_path / "0.log").read_text()
@@ -160,18 +189,32 @@ def test_the_one_machine_swarm_of_the_guide_trains_as_written(tmp_path: Path) ->
         assert "too few for words" in coordinator  # 20 steps: it says what to change
         assert any((tmp_path / "runs" / "try" / "checkpoints").iterdir())
         # The page's export into the same run, through a gateway, as written.
-        block = next(body for lang, body in FENCE.findall(
-            (DOCS / "guide" / "train.md").read_text()) if lang == "bash"
-            and "--coordinator-admin 127.0.0.1:17071" in body)
+        block = next(
+            body
+            for lang, body in FENCE.findall((DOCS / "guide" / "train.md").read_text())
+            if lang == "bash" and "--coordinator-admin 127.0.0.1:17071" in body
+        )
         gateway, export = [shlex.split(line) for line in block.splitlines() if line.strip()]
         assert gateway[:2] == ["foundry", "gateway"] and export[:2] == ["foundry", "ctl"]
         with (tmp_path / "gateway.log").open("wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "foundry", *gateway[1:]],
-                                          cwd=tmp_path, stdout=log,
-                                          stderr=subprocess.STDOUT, env=ENV))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "foundry", *gateway[1:]],
+                    cwd=tmp_path,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=ENV,
+                )
+            )
         for _ in range(60):  # the gateway takes a few seconds to listen
-            got = subprocess.run([sys.executable, "-m", "foundry", *export[1:]], cwd=tmp_path,
-                                 capture_output=True, text=True, env=ENV, timeout=120)
+            got = subprocess.run(
+                [sys.executable, "-m", "foundry", *export[1:]],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                env=ENV,
+                timeout=120,
+            )
             if got.returncode == 0 or "unavailable" not in got.stderr.lower():
                 break
             time.sleep(1)
@@ -187,16 +230,32 @@ def test_the_one_machine_swarm_of_the_guide_trains_as_written(tmp_path: Path) ->
 
 def test_every_python_snippet_of_the_docs_names_only_what_it_defines(tmp_path: Path) -> None:
     """A reader pastes these: each one compiles, and ruff finds no undefined name in it."""
-    snippets = [(page, body) for page in PAGES
-                for lang, body in FENCE.findall(page.read_text(encoding="utf-8"))
-                if lang == "python"]
+    snippets = [
+        (page, body)
+        for page in PAGES
+        for lang, body in FENCE.findall(page.read_text(encoding="utf-8"))
+        if lang == "python"
+    ]
     assert snippets
     for n, (page, body) in enumerate(snippets):
         compile(body, f"{page.name} snippet", "exec")
         (tmp_path / f"snippet_{n}.py").write_text(body)
-    got = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated",
-                          "--select", "F821,F822,F823", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    got = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--isolated",
+            "--select",
+            "F821,F822,F823",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert got.returncode == 0, got.stdout + got.stderr
 
 
@@ -205,11 +264,16 @@ def test_the_readme_names_what_the_ci_script_installs() -> None:
     PyPI downloads beyond the test extras) is named there, and so is the demo model's size."""
     script = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()
-    apt = [w for line in re.findall(r"apt-get install [^\n]*", script)
-           for w in line.split()[2:] if not w.startswith("-")]
+    apt = [
+        w
+        for line in re.findall(r"apt-get install [^\n]*", script)
+        for w in line.split()[2:]
+        if not w.startswith("-")
+    ]
     npm = re.findall(r"npm install [^\n]*?(@[\w/-]+)@", script)
     pypi = re.findall(r"^(\w[\w-]*)==", script.split("LLAMA_SDIST=")[1], re.M) + re.findall(
-        r"pip install --quiet ([\w-]+)$", script, re.M)
+        r"pip install --quiet ([\w-]+)$", script, re.M
+    )
     assert set(apt) == {"prometheus", "iproute2", "openssl"} and npm and pypi
     for name in [*apt, *npm, "llama-cpp-python", *pypi]:
         assert f"`{name}`" in readme, name
@@ -244,9 +308,12 @@ def test_the_pre_commit_hooks_run_what_the_ci_script_lints() -> None:
     hooks = [h["entry"] for repo in config["repos"] for h in repo["hooks"]]
     script = (ROOT / ".ci" / "run").read_text()
     lints = script.split('log "lint (ruff) and types (mypy)"')[1].split("log ")[0]
-    ci = [re.sub(r'"\$VENV(/bin/\w+)"', r".venv\1", line.strip()) for line in lints.splitlines()
-          if line.strip()]
-    assert hooks == ci and len(ci) == 2, (hooks, ci)
+    ci = [
+        re.sub(r'"\$VENV(/bin/\w+)"', r".venv\1", line.strip())
+        for line in lints.splitlines()
+        if line.strip()
+    ]
+    assert hooks == ci and len(ci) == 4, (hooks, ci)
 
 
 def test_compose_md_names_every_variable_the_compose_files_read() -> None:
@@ -263,8 +330,11 @@ def test_serve_md_quotes_the_lines_the_ranks_print() -> None:
     """The guide's start and pairing lines are the code's (a reader waits for them)."""
     page = (DOCS / "guide" / "serve.md").read_text(encoding="utf-8")
     src = "".join(p.read_text() for p in (ROOT / "src" / "foundry").rglob("*.py"))
-    lines = re.findall(r"`((?:tp-leader listening|tp-worker ready|worker HOST:PORT "
-                       r"paired|paired with the leader)[^`]*)`", page)
+    lines = re.findall(
+        r"`((?:tp-leader listening|tp-worker ready|worker HOST:PORT "
+        r"paired|paired with the leader)[^`]*)`",
+        page,
+    )
     assert len(lines) == 4, lines
     for quoted in lines:
         head = re.split(r"HOST|model\.gguf|tcp", quoted.replace("worker HOST:PORT ", ""))[0]

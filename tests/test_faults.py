@@ -55,8 +55,15 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
     mount = read_only_dir if disk == "read-only" else full_dir
     with mount(tmp_path / "ckpt"):
         coord, port, admin_port = coordinator(
-            tmp_path, "--max-steps", "100000", "--checkpoint-every", "2",
-            "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+            tmp_path,
+            "--max-steps",
+            "100000",
+            "--checkpoint-every",
+            "2",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
         )
         w = worker(tmp_path, port, "w0")
         try:
@@ -74,8 +81,9 @@ def test_a_checkpoint_that_cannot_be_written_is_retried_while_training_goes_on(
             finally:
                 link.close()
             assert st.state is fdtc.SwarmState.TRAINING and not detail.failed
-            assert detail.note.startswith("checkpoints failing since step 2: could not write "
-                                          "checkpoint"), detail.note
+            assert detail.note.startswith(
+                "checkpoints failing since step 2: could not write checkpoint"
+            ), detail.note
             got = admin(admin_port, fdtc.Checkpoint())
             assert isinstance(got, fdtc.ControlAck) and not got.ok
             assert got.message.startswith("could not write checkpoint"), got.message
@@ -103,23 +111,38 @@ def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
     cfg = preset("tiny")
     params = init_params(cfg, 0)
     zeros = {k: np.zeros_like(v) for k, v in params.items()}
-    step0 = save_checkpoint(tmp_path / "step0", CheckpointState(
-        config=cfg, step=0, params=params, optimizer={"step": 0, "m": zeros, "v": zeros},
-        data_position=0, extra={"sync_every": 1},
-    )).read_bytes()
+    step0 = save_checkpoint(
+        tmp_path / "step0",
+        CheckpointState(
+            config=cfg,
+            step=0,
+            params=params,
+            optimizer={"step": 0, "m": zeros, "v": zeros},
+            data_position=0,
+            extra={"sync_every": 1},
+        ),
+    ).read_bytes()
     (tmp_path / "ckpt").mkdir()
     with pinned_file(tmp_path / "ckpt" / "step-000000.ckpt", step0):
         coord, port, admin_port = coordinator(
             tmp_path, "--max-steps", "100000", "--checkpoint-every", "1"
         )
         gateway = Service(
-            ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin",
-             f"127.0.0.1:{admin_port}", "--tp-frontend", f"127.0.0.1:{free_port()}"],
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator-admin",
+                f"127.0.0.1:{admin_port}",
+                "--tp-frontend",
+                f"127.0.0.1:{free_port()}",
+            ],
             tmp_path / "gateway.log",
         )
         target = "127.0.0.1:" + gateway.wait_for(r"grpc 127\.0\.0\.1:(\d+)").group(1)
-        watch = Service(["ctl", "watch", "--gateway", target, "--interval", "0.1"],
-                        tmp_path / "watch.log")
+        watch = Service(
+            ["ctl", "watch", "--gateway", target, "--interval", "0.1"], tmp_path / "watch.log"
+        )
         link = AdminLink("127.0.0.1", admin_port)
         w: Service | None = None
         try:
@@ -137,13 +160,19 @@ def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
             with pytest.raises(StackError, match=r"the coordinator failed \(round loop failed"):
                 link.request(fdtc.Checkpoint())
             assert watch.proc.wait(timeout=30) == 1, watch.text()[-2000:]
-            assert re.search(r"training: FAILED: round loop failed: OSError: \[Errno 16\] "
-                             r"Device or resource busy", watch.text()), watch.text()[-2000:]
+            assert re.search(
+                r"training: FAILED: round loop failed: OSError: \[Errno 16\] "
+                r"Device or resource busy",
+                watch.text(),
+            ), watch.text()[-2000:]
             assert coord.proc.wait(timeout=30) == 1
             # Its health turned NOT_SERVING with the cause (probed every second, so at least
             # once while it told the failure).
-            assert re.search(r"coordinator is not serving \(the coordinator failed: round loop "
-                             r"failed: OSError", gateway.text()), gateway.text()[-2000:]
+            assert re.search(
+                r"coordinator is not serving \(the coordinator failed: round loop "
+                r"failed: OSError",
+                gateway.text(),
+            ), gateway.text()[-2000:]
             with Service(["ctl", "status", "--gateway", target], tmp_path / "status.log") as ctl:
                 assert ctl.proc.wait(timeout=30) == 1
             assert "training: unavailable (UNAVAILABLE: coordinator admin link" in ctl.text()
@@ -159,7 +188,8 @@ def test_a_task_that_fails_ends_the_coordinator_with_status_1_and_its_cause(
     lines = coord.text().strip().splitlines()
     assert re.fullmatch(
         r"error: coordinator round loop failed: OSError: \[Errno 16\] Device or resource "
-        r"busy: '.*step-000000\.ckpt'", lines[-1]
+        r"busy: '.*step-000000\.ckpt'",
+        lines[-1],
     ), lines[-5:]
     # The checkpoint of the step was written before the prune failed: nothing is lost.
     found = latest_checkpoint(tmp_path / "ckpt")
@@ -171,7 +201,11 @@ def test_a_stop_writes_a_checkpoint_of_the_last_completed_step(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     coord, port, admin_port = coordinator(
-        tmp_path, "--max-steps", "100000", "--checkpoint-every", "100000",
+        tmp_path,
+        "--max-steps",
+        "100000",
+        "--checkpoint-every",
+        "100000",
     )
     w = worker(tmp_path, port, "w0")
     try:
@@ -195,6 +229,7 @@ def test_exports_never_overwrite_other_files_nor_leave_the_export_dir(tmp_path: 
     notes.write_text("my notes\n")
     outside = tmp_path.parent / f"outside-{os.getpid()}.gguf"
     try:
+
         def export(path: Path) -> fdtc.ControlAck:
             got = admin(admin_port, fdtc.Export(path=str(path)), timeout_s=60)
             assert isinstance(got, fdtc.ControlAck)
@@ -268,10 +303,20 @@ def test_a_worker_dropped_right_after_each_registration_backs_off(tmp_path: Path
                     if not data:
                         break
                     dec.feed(data)
-                conn.sendall(fdtc.encode(fdtc.RegisterAck(
-                    accepted=True, assigned_shard=0, total_shards=1, batch_size=4,
-                    accumulation_steps=1, compression=fdtc.Compression.NONE, topk_ratio=0.0,
-                    global_step=0)))
+                conn.sendall(
+                    fdtc.encode(
+                        fdtc.RegisterAck(
+                            accepted=True,
+                            assigned_shard=0,
+                            total_shards=1,
+                            batch_size=4,
+                            accumulation_steps=1,
+                            compression=fdtc.Compression.NONE,
+                            topk_ratio=0.0,
+                            global_step=0,
+                        )
+                    )
+                )
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
@@ -288,5 +333,8 @@ def test_a_worker_dropped_right_after_each_registration_backs_off(tmp_path: Path
     assert 2 <= len(dials) <= 5, (dials, log[-2000:])
     gaps = [b - a for a, b in itertools.pairwise(dials)]
     assert gaps == sorted(gaps), gaps
-    assert re.search(r"lost the coordinator: .*; reconnecting in \d+\.\ds \(the link held "
-                     r"0\.\ds\)", log)
+    assert re.search(
+        r"lost the coordinator: .*; reconnecting in \d+\.\ds \(the link held "
+        r"0\.\ds\)",
+        log,
+    )

@@ -110,12 +110,17 @@ def z(n: int) -> str:
 GOLDEN: list[tuple[Message, bytes]] = [
     (
         Register(
-            worker_id="w1", protocol_version=1, profile=HardwareProfile.RPI4_4G, num_cores=4,
-            memory_mb=3800, suggested_batch_size=4,
+            worker_id="w1",
+            protocol_version=1,
+            profile=HardwareProfile.RPI4_4G,
+            num_cores=4,
+            memory_mb=3800,
+            suggested_batch_size=4,
         ),
         hexb(
             "43544446 01 55000000",  # magic "CTDF" LE, REGISTER, 85
-            "7731", z(62),  # worker_id "w1"
+            "7731",
+            z(62),  # worker_id "w1"
             "01",  # protocol_version
             "02000000",  # profile RPI4_4G (4-byte enum)
             "04000000",  # num_cores
@@ -125,12 +130,22 @@ GOLDEN: list[tuple[Message, bytes]] = [
     ),
     (
         RegisterAck(
-            accepted=True, assigned_shard=1, total_shards=3, batch_size=8, accumulation_steps=4,
-            compression=Compression.TOPK, topk_ratio=0.01, global_step=1000,
+            accepted=True,
+            assigned_shard=1,
+            total_shards=3,
+            batch_size=8,
+            accumulation_steps=4,
+            compression=Compression.TOPK,
+            topk_ratio=0.01,
+            global_step=1000,
         ),
         hexb(
             "43544446 02 1d000000",  # REGISTER_ACK, 29
-            "01", "01000000", "03000000", "08000000", "04000000",
+            "01",
+            "01000000",
+            "03000000",
+            "08000000",
+            "04000000",
             "02000000",  # compression TOPK
             "0ad7233c",  # topk_ratio 0.01 (f32 0x3c23d70a)
             "e8030000",  # global_step 1000
@@ -141,8 +156,11 @@ GOLDEN: list[tuple[Message, bytes]] = [
         Heartbeat(worker_id="pi-01", local_step=7, current_loss=2.5, samples_per_sec=0.5),
         hexb(
             "43544446 10 4c000000",  # HEARTBEAT, 76
-            "70692d3031", z(59),  # "pi-01"
-            "07000000", "00002040", "0000003f",  # 7, 2.5, 0.5
+            "70692d3031",
+            z(59),  # "pi-01"
+            "07000000",
+            "00002040",
+            "0000003f",  # 7, 2.5, 0.5
         ),
     ),
     (HeartbeatAck(258), hexb("43544446 11 04000000", "02010000")),
@@ -153,30 +171,50 @@ GOLDEN: list[tuple[Message, bytes]] = [
     ),
     (
         WeightsMeta(
-            global_step=5, learning_rate=0.5,
+            global_step=5,
+            learning_rate=0.5,
             tensors=(TensorMeta("a", (2, 3), DType.F32), TensorMeta("b", (), DType.F16)),
         ),
         hexb(
             "43544446 22 26010000",  # WEIGHTS_META, 12 + 2 * 141 = 294
-            "02000000", "05000000", "0000003f",  # num_tensors, global_step, learning_rate
-            "61", z(63),  # name "a"
+            "02000000",
+            "05000000",
+            "0000003f",  # num_tensors, global_step, learning_rate
+            "61",
+            z(63),  # name "a"
             "02000000",  # ndim
-            "0200000000000000", "0300000000000000", z(48),  # shape[8]
+            "0200000000000000",
+            "0300000000000000",
+            z(48),  # shape[8]
             "0600000000000000",  # numel
             "00",  # dtype F32
-            "62", z(63), "00000000", z(64), "0100000000000000", "01",  # "b", scalar, F16
+            "62",
+            z(63),
+            "00000000",
+            z(64),
+            "0100000000000000",
+            "01",  # "b", scalar, F16
         ),
     ),
     (
         Gradients(
-            worker_id="w", local_step=3, num_tensors=1, compression=Compression.NONE,
-            uncompressed_size=8, data=hexb("0000003f 0000803e"),
+            worker_id="w",
+            local_step=3,
+            num_tensors=1,
+            compression=Compression.NONE,
+            uncompressed_size=8,
+            data=hexb("0000003f 0000803e"),
         ),
         hexb(
             "43544446 30 58000000",  # GRADIENTS, 80 + 8
-            "77", z(63),  # "w"
-            "03000000", "01000000", "00000000", "08000000",
-            "0000003f", "0000803e",  # data: f32 0.5, 0.25
+            "77",
+            z(63),  # "w"
+            "03000000",
+            "01000000",
+            "00000000",
+            "08000000",
+            "0000003f",
+            "0000803e",  # data: f32 0.5, 0.25
         ),
     ),
     (GradientsAck(9, accepted=False), hexb("43544446 31 05000000", "09000000", "00")),
@@ -189,41 +227,82 @@ GOLDEN: list[tuple[Message, bytes]] = [
     (StatusReq(), hexb("43544446 50 00000000")),
     (
         Status(
-            worker_id="w", local_step=10, samples_processed=640, current_loss=1.5, avg_loss=2.0,
-            samples_per_sec=100.0, memory_used_mb=512, is_training=True,
+            worker_id="w",
+            local_step=10,
+            samples_processed=640,
+            current_loss=1.5,
+            avg_loss=2.0,
+            samples_per_sec=100.0,
+            memory_used_mb=512,
+            is_training=True,
         ),
         hexb(
             "43544446 51 5d000000",  # STATUS, 93
-            "77", z(63),
-            "0a000000", "80020000",  # local_step 10, samples_processed 640
-            "0000c03f", "00000040", "0000c842",  # 1.5, 2.0, 100.0
+            "77",
+            z(63),
+            "0a000000",
+            "80020000",  # local_step 10, samples_processed 640
+            "0000c03f",
+            "00000040",
+            "0000c842",  # 1.5, 2.0, 100.0
             "0002000000000000",  # memory_used_mb 512 (u64)
             "01",  # is_training
         ),
     ),
     (
         Assign(
-            global_step=2, sample_offset=2**32 + 1, batch_size=4, accumulation_steps=3,
-            assigned_shard=0, total_shards=2, seq_len=64, n_samples=10,
+            global_step=2,
+            sample_offset=2**32 + 1,
+            batch_size=4,
+            accumulation_steps=3,
+            assigned_shard=0,
+            total_shards=2,
+            seq_len=64,
+            n_samples=10,
         ),
         hexb(
             "43544446 60 24000000",  # ASSIGN, 36
-            "02000000", "0100000001000000",  # global_step, sample_offset (u64)
-            "04000000", "03000000", "00000000", "02000000", "40000000",
+            "02000000",
+            "0100000001000000",  # global_step, sample_offset (u64)
+            "04000000",
+            "03000000",
+            "00000000",
+            "02000000",
+            "40000000",
             "0a000000",  # n_samples
         ),
     ),
     (
         ModelConfigMsg(
-            n_vocab=259, n_ctx=256, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128,
-            n_expert=4, n_expert_used=2, n_ff_shared=0, rope_theta=10000.0, norm_eps=1e-5,
+            n_vocab=259,
+            n_ctx=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_head_kv=2,
+            n_ff=128,
+            n_expert=4,
+            n_expert_used=2,
+            n_ff_shared=0,
+            rope_theta=10000.0,
+            norm_eps=1e-5,
             aux_loss_coef=0.01,
         ),
         hexb(
             "43544446 61 34000000",  # MODEL_CONFIG, 52
-            "03010000", "00010000", "40000000", "02000000", "04000000", "02000000",
-            "80000000", "04000000", "02000000", "00000000",
-            "00401c46", "acc52737", "0ad7233c",  # 10000.0, 1e-5, 0.01
+            "03010000",
+            "00010000",
+            "40000000",
+            "02000000",
+            "04000000",
+            "02000000",
+            "80000000",
+            "04000000",
+            "02000000",
+            "00000000",
+            "00401c46",
+            "acc52737",
+            "0ad7233c",  # 10000.0, 1e-5, 0.01
         ),
     ),
     (
@@ -235,37 +314,74 @@ GOLDEN: list[tuple[Message, bytes]] = [
         ),
     ),
     (
-        BaseModel(file_bytes=253113024, sha256=bytes(range(32)), architecture="gemma3",
-                  trainer=1, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, lora_targets=5),
+        BaseModel(
+            file_bytes=253113024,
+            sha256=bytes(range(32)),
+            architecture="gemma3",
+            trainer=1,
+            lora_rank=8,
+            lora_alpha=16.0,
+            lora_dropout=0.0,
+            lora_targets=5,
+        ),
         hexb(
             "43544446 6d 49000000",  # BASE_MODEL, 73
             "c032160f00000000",  # file_bytes 253,113,024 = 0x0f1632c0
             "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
-            "67656d6d6133", z(10),  # "gemma3" in char[16]
-            "01", "08000000", "00008041", "00000000",  # trainer, rank 8, alpha 16.0, dropout 0
+            "67656d6d6133",
+            z(10),  # "gemma3" in char[16]
+            "01",
+            "08000000",
+            "00008041",
+            "00000000",  # trainer, rank 8, alpha 16.0, dropout 0
             "05000000",  # targets attn_q | attn_v
         ),
     ),
     (
         SwarmStatus(
-            global_step=3, max_steps=100, state=SwarmState.TRAINING, train_loss=2.0,
-            val_loss=2.5, samples_per_sec=8.0, learning_rate=0.5, samples_total=96,
+            global_step=3,
+            max_steps=100,
+            state=SwarmState.TRAINING,
+            train_loss=2.0,
+            val_loss=2.5,
+            samples_per_sec=8.0,
+            learning_rate=0.5,
+            samples_total=96,
             rows=(
                 SwarmStatusRow(
-                    worker_id="pi", profile=HardwareProfile.RPI3, state=WorkerState.IDLE,
-                    batch_size=1, accumulation_steps=8, samples_per_sec=1.0, loss=2.0,
-                    local_step=3, seconds_since_heartbeat=0.25,
+                    worker_id="pi",
+                    profile=HardwareProfile.RPI3,
+                    state=WorkerState.IDLE,
+                    batch_size=1,
+                    accumulation_steps=8,
+                    samples_per_sec=1.0,
+                    loss=2.0,
+                    local_step=3,
+                    seconds_since_heartbeat=0.25,
                 ),
             ),
         ),
         hexb(
             "43544446 63 82000000",  # SWARM_STATUS, 37 + 93
-            "03000000", "64000000", "01",  # global_step, max_steps, state TRAINING (u8)
-            "00000040", "00002040", "00000041", "0000003f",  # 2.0, 2.5, 8.0, 0.5
-            "6000000000000000", "01000000",  # samples_total 96, n_rows 1
-            "7069", z(62),  # "pi"
-            "00000000", "02",  # profile RPI3 (u32), state IDLE (u8)
-            "01000000", "08000000", "0000803f", "00000040", "03000000", "0000803e",
+            "03000000",
+            "64000000",
+            "01",  # global_step, max_steps, state TRAINING (u8)
+            "00000040",
+            "00002040",
+            "00000041",
+            "0000003f",  # 2.0, 2.5, 8.0, 0.5
+            "6000000000000000",
+            "01000000",  # samples_total 96, n_rows 1
+            "7069",
+            z(62),  # "pi"
+            "00000000",
+            "02",  # profile RPI3 (u32), state IDLE (u8)
+            "01000000",
+            "08000000",
+            "0000803f",
+            "00000040",
+            "03000000",
+            "0000803e",
         ),
     ),
     (
@@ -282,57 +398,101 @@ GOLDEN: list[tuple[Message, bytes]] = [
     ),
     (
         TrainPlan(
-            sync_every=16, digest_every=10, down_compression=Compression.FP16, lr=0.5,
-            warmup_steps=20, total_steps=100, min_lr_ratio=0.5, weight_decay=0.25,
+            sync_every=16,
+            digest_every=10,
+            down_compression=Compression.FP16,
+            lr=0.5,
+            warmup_steps=20,
+            total_steps=100,
+            min_lr_ratio=0.5,
+            weight_decay=0.25,
             grad_clip=1.0,
         ),
         hexb(
             "43544446 66 28000000",  # TRAIN_PLAN, 40
-            "10000000", "0a000000", "01000000",  # sync_every 16, digest_every 10, FP16 (u32)
-            "0000003f", "14000000", "64000000",  # lr 0.5, warmup 20, total 100
-            "0000003f", "0000803e", "0000803f", "00000000",  # 0.5, 0.25, 1.0, flags 0
+            "10000000",
+            "0a000000",
+            "01000000",  # sync_every 16, digest_every 10, FP16 (u32)
+            "0000003f",
+            "14000000",
+            "64000000",  # lr 0.5, warmup 20, total 100
+            "0000003f",
+            "0000803e",
+            "0000803f",
+            "00000000",  # 0.5, 0.25, 1.0, flags 0
         ),
     ),
     (
-        Update(global_step=5, base_step=4, compression=Compression.NONE, num_tensors=1,
-               uncompressed_size=8, data=hexb("0000803f", "000000c0")),
+        Update(
+            global_step=5,
+            base_step=4,
+            compression=Compression.NONE,
+            num_tensors=1,
+            uncompressed_size=8,
+            data=hexb("0000803f", "000000c0"),
+        ),
         hexb(
             "43544446 67 20000000",  # UPDATE, 24 + 8
-            "05000000", "04000000", "00000000", "01000000",  # step 5 from 4, NONE, 1 tensor
+            "05000000",
+            "04000000",
+            "00000000",
+            "01000000",  # step 5 from 4, NONE, 1 tensor
             "0800000000000000",  # uncompressed_size u64
-            "0000803f", "000000c0",  # +1.0, -2.0
+            "0000803f",
+            "000000c0",  # +1.0, -2.0
         ),
     ),
     (
         WeightsDigest(global_step=10, digest=bytes(range(32))),
         hexb(
             "43544446 68 24000000",  # WEIGHTS_DIGEST, 36
-            "0a000000", "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
+            "0a000000",
+            "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f",
         ),
     ),
     (
-        LocalAssign(global_step=32, sample_offset=2048, samples_per_step=8, inner_steps=16,
-                    micro_batch=8, seq_len=64),
+        LocalAssign(
+            global_step=32,
+            sample_offset=2048,
+            samples_per_step=8,
+            inner_steps=16,
+            micro_batch=8,
+            seq_len=64,
+        ),
         hexb(
             "43544446 69 1c000000",  # LOCAL_ASSIGN, 28
-            "20000000", "0008000000000000",  # step 32, offset 2048 (u64)
-            "08000000", "10000000", "08000000", "40000000",  # 8 per step, 16 steps, 8, 64
+            "20000000",
+            "0008000000000000",  # step 32, offset 2048 (u64)
+            "08000000",
+            "10000000",
+            "08000000",
+            "40000000",  # 8 per step, 16 steps, 8, 64
         ),
     ),
     (SwarmDetailReq(), hexb("43544446 6a 00000000")),
     (
         SwarmDetail(
-            min_workers=2, seconds_since_step=1.5, failed=True, note="ckpt",
-            first_val_loss=2.5, first_val_step=7,
+            min_workers=2,
+            seconds_since_step=1.5,
+            failed=True,
+            note="ckpt",
+            first_val_loss=2.5,
+            first_val_step=7,
             rows=(SwarmDetailRow(inner_steps=16, bytes_up=1024, bytes_down=4096),),
         ),
         hexb(
             "43544446 6b 29010000",  # SWARM_DETAIL, 277 + 20
-            "02000000", "0000c03f", "01",  # min_workers 2, seconds_since_step 1.5, failed
-            "636b7074", z(252),  # note "ckpt", char[256]
-            "00002040", "07000000",  # first_val_loss 2.5 at step 7
+            "02000000",
+            "0000c03f",
+            "01",  # min_workers 2, seconds_since_step 1.5, failed
+            "636b7074",
+            z(252),  # note "ckpt", char[256]
+            "00002040",
+            "07000000",  # first_val_loss 2.5 at step 7
             "01000000",  # n_rows 1
-            "10000000", "0004000000000000", "0010000000000000",  # 16 steps, 1024 up, 4096 down
+            "10000000",
+            "0004000000000000",
+            "0010000000000000",  # 16 steps, 1024 up, 4096 down
         ),
     ),
     (
@@ -366,8 +526,17 @@ def test_struct_sizes() -> None:
     assert Export.LAYOUT.size == 257
     assert SwarmDetail.HEAD.size == 277
     assert SwarmDetailRow.LAYOUT.size == 20
-    for cls in (Deregister, WeightsReq, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
-                StatusReq):
+    for cls in (
+        Deregister,
+        WeightsReq,
+        Start,
+        Sync,
+        Checkpoint,
+        Shutdown,
+        Pause,
+        Resume,
+        StatusReq,
+    ):
         assert cls.LAYOUT.size == 0
 
 
@@ -598,8 +767,12 @@ def test_decode_one_frame_rejects_incomplete_and_trailing() -> None:
 
 def _register(**kw: object) -> Register:
     base: dict[str, object] = dict(
-        worker_id="w", protocol_version=1, profile=HardwareProfile.SERVER, num_cores=1,
-        memory_mb=1, suggested_batch_size=1,
+        worker_id="w",
+        protocol_version=1,
+        profile=HardwareProfile.SERVER,
+        num_cores=1,
+        memory_mb=1,
+        suggested_batch_size=1,
     )
     base.update(kw)
     return Register(**base)  # type: ignore[arg-type]
@@ -743,22 +916,42 @@ _f32 = st.floats(width=32, allow_nan=False)
 _messages = st.one_of(
     st.builds(Heartbeat, _utf8_63, _u32, _f32, _f32),
     st.builds(
-        Register, _utf8_63, st.integers(0, 255), st.sampled_from(HardwareProfile), _u32,
-        st.integers(0, 2**64 - 1), _u32,
+        Register,
+        _utf8_63,
+        st.integers(0, 255),
+        st.sampled_from(HardwareProfile),
+        _u32,
+        st.integers(0, 2**64 - 1),
+        _u32,
     ),
     st.builds(
-        Status, _utf8_63, _u32, _u32, _f32, _f32, _f32, st.integers(0, 2**64 - 1),
+        Status,
+        _utf8_63,
+        _u32,
+        _u32,
+        _f32,
+        _f32,
+        _f32,
+        st.integers(0, 2**64 - 1),
         st.booleans(),
     ),
     st.builds(
-        Gradients, _utf8_63, _u32, _u32, st.sampled_from(Compression), _u32,
+        Gradients,
+        _utf8_63,
+        _u32,
+        _u32,
+        st.sampled_from(Compression),
+        _u32,
         st.binary(max_size=64),
     ),
     st.builds(
-        WeightsMeta, _u32, _f32,
+        WeightsMeta,
+        _u32,
+        _f32,
         st.lists(
             st.builds(
-                TensorMeta, _utf8_63,
+                TensorMeta,
+                _utf8_63,
                 st.lists(st.integers(0, 2**8), max_size=8).map(tuple),
                 st.sampled_from(DType),
             ),
@@ -787,8 +980,9 @@ _fixed: dict[int, int] = {cls.TYPE: cls.LAYOUT.size for cls in MESSAGE_TYPES.val
 def _frames(draw: st.DrawFn) -> bytes:
     code = draw(_codes)
     size = _fixed.get(code, 0) if code in list(MsgType) else 0
-    payload = draw(st.binary(min_size=size, max_size=size) if draw(st.booleans())
-                   else st.binary(max_size=300))
+    payload = draw(
+        st.binary(min_size=size, max_size=size) if draw(st.booleans()) else st.binary(max_size=300)
+    )
     length = len(payload) if draw(st.integers(0, 3)) else draw(st.integers(0, 2**32 - 1))
     magic = 0x46445443 if draw(st.integers(0, 7)) else draw(st.integers(0, 2**32 - 1))
     return struct.pack("<IBI", magic, code, length) + payload
@@ -927,8 +1121,14 @@ def test_exports_file_types_are_the_gguf_writers_in_order() -> None:
 
 def _row(worker_id: str, step: int) -> SwarmStatusRow:
     return SwarmStatusRow(
-        worker_id=worker_id, profile=HardwareProfile.RPI3, state=WorkerState.IDLE, batch_size=1,
-        accumulation_steps=8, samples_per_sec=1.0, loss=2.0, local_step=step,
+        worker_id=worker_id,
+        profile=HardwareProfile.RPI3,
+        state=WorkerState.IDLE,
+        batch_size=1,
+        accumulation_steps=8,
+        samples_per_sec=1.0,
+        loss=2.0,
+        local_step=step,
         seconds_since_heartbeat=0.25,
     )
 
@@ -936,8 +1136,15 @@ def _row(worker_id: str, step: int) -> SwarmStatusRow:
 def test_rows_and_tensors_are_stored_as_tuples_and_decode_in_order() -> None:
     rows = [_row("a", 1), _row("b", 2), _row("c", 3)]
     status = SwarmStatus(
-        global_step=3, max_steps=100, state=SwarmState.TRAINING, train_loss=2.0, val_loss=2.5,
-        samples_per_sec=8.0, learning_rate=0.5, samples_total=96, rows=rows,  # type: ignore[arg-type]
+        global_step=3,
+        max_steps=100,
+        state=SwarmState.TRAINING,
+        train_loss=2.0,
+        val_loss=2.5,
+        samples_per_sec=8.0,
+        learning_rate=0.5,
+        samples_total=96,
+        rows=rows,  # type: ignore[arg-type]
     )
     assert status.rows == tuple(rows)
     assert decode(encode(status)) == status
@@ -985,16 +1192,18 @@ def test_tensor_meta_bounds_exact() -> None:
     assert str(exc.value) == "shape of 't' -1 is outside 0..18446744073709551615"
     with pytest.raises(LocalProtocolError) as exc:
         TensorMeta("x" * 64, (1,))
-    assert str(exc.value) == ("name is 64 bytes of UTF-8; char[64] holds at most 63 plus the "
-                              "terminating NUL")
+    assert str(exc.value) == (
+        "name is 64 bytes of UTF-8; char[64] holds at most 63 plus the terminating NUL"
+    )
     frame = encode(WeightsMeta(global_step=0, learning_rate=0.0, tensors=(TensorMeta("t", ()),)))
     bad = _replace(frame, 12, b"x" * 64)  # the tensor name loses its NUL
     d = FdtcDecoder()
     d.feed(bad)
     with pytest.raises(FdtcProtocolError) as err:
         d.next_event()
-    assert str(err.value) == ("bad WEIGHTS_META payload: tensor name (char[64]) is not "
-                              "NUL-terminated")
+    assert str(err.value) == (
+        "bad WEIGHTS_META payload: tensor name (char[64]) is not NUL-terminated"
+    )
     assert err.value.error_code == ErrorCode.BAD_FRAME
 
 
@@ -1018,8 +1227,13 @@ def test_over_the_limit_codes() -> None:
 
 
 def test_layout_kinds_at_their_bounds_exact() -> None:
-    for kind, lo, hi in ((U8, 0, 255), (U16, 0, 65535), (U32, 0, 2**32 - 1), (U64, 0, 2**64 - 1),
-                         (I32, -(2**31), 2**31 - 1)):
+    for kind, lo, hi in (
+        (U8, 0, 255),
+        (U16, 0, 65535),
+        (U32, 0, 2**32 - 1),
+        (U64, 0, 2**64 - 1),
+        (I32, -(2**31), 2**31 - 1),
+    ):
         assert kind.check("f", lo) == lo and kind.check("f", hi) == hi
         for bad in (lo - 1, hi + 1):
             with pytest.raises(LocalProtocolError) as exc:
@@ -1030,8 +1244,10 @@ def test_layout_kinds_at_their_bounds_exact() -> None:
         assert str(exc.value) == "f must be an integer, got 1.0"
     with pytest.raises(LocalProtocolError) as exc:
         Str(4).check("s", "\udc80")
-    assert str(exc.value) == ("s is not encodable as UTF-8: 'utf-8' codec can't encode character "
-                              "'\\udc80' in position 0: surrogates not allowed")
+    assert str(exc.value) == (
+        "s is not encodable as UTF-8: 'utf-8' codec can't encode character "
+        "'\\udc80' in position 0: surrogates not allowed"
+    )
     with pytest.raises(LocalProtocolError) as exc:
         Bytes(2).check("b", "ab")
     assert str(exc.value) == "b must be bytes, got 'ab'"
@@ -1068,15 +1284,19 @@ def test_weights_and_dataset_order_exact() -> None:
     coord.receive(MsgType.DATASET)
     with pytest.raises(FdtcProtocolError) as exc:
         coord.receive(MsgType.DATASET)
-    assert str(exc.value) == ("a second DATASET: the link announced its data already; REGISTER "
-                              "is next")
+    assert str(exc.value) == (
+        "a second DATASET: the link announced its data already; REGISTER is next"
+    )
     assert exc.value.error_code == ErrorCode.NOT_REGISTERED
     with pytest.raises(ValueError) as info:
         Lifecycle(Role.WORKER, link=Link.WORKER)
     assert str(info.value) == "only the coordinator serves more than one link, not worker"
     ported = Lifecycle(Role.COORDINATOR, link=Link.ADMIN)
-    assert (ported.role, ported.link, ported.state) == (Role.COORDINATOR, Link.ADMIN,
-                                                        LinkState.CONNECTED)
+    assert (ported.role, ported.link, ported.state) == (
+        Role.COORDINATOR,
+        Link.ADMIN,
+        LinkState.CONNECTED,
+    )
 
 
 def test_profile_table_of_protocol_md() -> None:
@@ -1087,8 +1307,11 @@ def test_profile_table_of_protocol_md() -> None:
         10: ("UNKNOWN", 2, 4), 0xFFFFFFFF: ("UNKNOWN", 2, 4),  # unknown codes: as UNKNOWN
     }  # fmt: skip
     for code, row in table.items():
-        assert (profile_name(code), profile_batch_size(code),
-                profile_accumulation_steps(code)) == row
+        assert (
+            profile_name(code),
+            profile_batch_size(code),
+            profile_accumulation_steps(code),
+        ) == row
 
 
 def test_train_plan_flags_bits() -> None:
@@ -1099,8 +1322,9 @@ def test_train_plan_flags_bits() -> None:
     for levels in (-1, 128, 255, 256):  # docs/protocol.md: 0 (the default) or 1..127
         with pytest.raises(LocalProtocolError) as exc:
             train_plan_flags(overlap=True, qsgd_levels=levels)
-        assert str(exc.value) == (f"qsgd_levels {levels} does not fit TRAIN_PLAN's flags (0, "
-                                  "the default, or 1..127)")
+        assert str(exc.value) == (
+            f"qsgd_levels {levels} does not fit TRAIN_PLAN's flags (0, the default, or 1..127)"
+        )
 
 
 def test_check_tensors_against_the_model() -> None:

@@ -215,12 +215,27 @@ def test_seed_only_worker_gets_the_control_messages() -> None:
 # Each side's script, in its own order. A step is taken when the side's own table allows it
 # (and, for the worker's DEREGISTER, once it has seen SHUTDOWN, as the service does).
 COORD_SCRIPT: tuple[Message, ...] = (
-    _ack(), _model_config(), _meta(), _weights(), Assign(0, 0, 4, 1, 0, 1, 64, 4),
-    Pause(), GradientsAck(1, True), StatusReq(), _meta(), _weights(), Shutdown(),
+    _ack(),
+    _model_config(),
+    _meta(),
+    _weights(),
+    Assign(0, 0, 4, 1, 0, 1, 64, 4),
+    Pause(),
+    GradientsAck(1, True),
+    StatusReq(),
+    _meta(),
+    _weights(),
+    Shutdown(),
 )
 WORKER_SCRIPT: tuple[Message, ...] = (
-    Dataset(1, bytes(32)), _register(), WeightsReq(), Heartbeat("w1", 0, 1.0, 0.0),
-    _gradients(), Heartbeat("w1", 0, 1.0, 0.0), _gradients(), Deregister(),
+    Dataset(1, bytes(32)),
+    _register(),
+    WeightsReq(),
+    Heartbeat("w1", 0, 1.0, 0.0),
+    _gradients(),
+    Heartbeat("w1", 0, 1.0, 0.0),
+    _gradients(),
+    Deregister(),
 )
 
 
@@ -239,8 +254,9 @@ def test_crossing_directions_never_break_the_tables(data: st.DataObject) -> None
     in_flight: dict[Role, list[bytes]] = {Role.COORDINATOR: [], Role.WORKER: []}  # towards role
     peer = {Role.COORDINATOR: Role.WORKER, Role.WORKER: Role.COORDINATOR}
     for _ in range(200):
-        moves = [("send", r) for r, script in sides.items()
-                 if script and _may_send(conns[r], script[0])]
+        moves = [
+            ("send", r) for r, script in sides.items() if script and _may_send(conns[r], script[0])
+        ]
         moves += [("deliver", r) for r, q in in_flight.items() if q]
         if not moves:
             break
@@ -281,7 +297,8 @@ def test_the_seed_only_sequence_of_protocol_md() -> None:
     worker, coord = FdtcConnection(Role.WORKER), FdtcConnection(Role.COORDINATOR)
     pass_bytes(worker.send(_register()), coord)
     assert [type(m) for m in pass_bytes(coord.send(_ack(), Shutdown()), worker)] == [
-        RegisterAck, Shutdown,
+        RegisterAck,
+        Shutdown,
     ]
     assert worker.state is LinkState.STOPPING
 
@@ -394,9 +411,11 @@ def test_lifecycle_tables_are_the_documented_ones() -> None:
     assert dict(TABLES[Role.COORDINATOR]) == coordinator
     swap = {Direction.RECEIVED: Direction.SENT, Direction.SENT: Direction.RECEIVED}
     # The admin link: its own rows and the ERROR either side may send before anything else.
-    admin = {k: v for k, v in coordinator.items()
-             if LinkState.ADMIN in (k[0], v)
-             or (k[0] is LinkState.CONNECTED and k[2] is MsgType.ERROR)}
+    admin = {
+        k: v
+        for k, v in coordinator.items()
+        if LinkState.ADMIN in (k[0], v) or (k[0] is LinkState.CONNECTED and k[2] is MsgType.ERROR)
+    }
     worker = {k: v for k, v in coordinator.items() if LinkState.ADMIN not in (k[0], v)}
     assert len(admin) == 8 + 9 + 4 + 2 and len(worker) == len(coordinator) - 8 - 9 - 4
     assert dict(fdtc_lifecycle._LINK_TABLES[Link.ADMIN]) == admin
@@ -405,17 +424,25 @@ def test_lifecycle_tables_are_the_documented_ones() -> None:
     assert dict(TABLES[Role.WORKER]) == {(s, swap[d], m): to for (s, d, m), to in worker.items()}
     assert dict(TABLES[Role.ADMIN]) == {(s, swap[d], m): to for (s, d, m), to in admin.items()}
     assert {
-        MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
-        MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
+        MsgType.START,
+        MsgType.PAUSE,
+        MsgType.RESUME,
+        MsgType.CHECKPOINT,
+        MsgType.SHUTDOWN,
+        MsgType.STATUS_REQ,
+        MsgType.EXPORT,
+        MsgType.SWARM_DETAIL_REQ,
     } == ADMIN_REQUESTS
 
 
 def test_errors_stay_raised_with_their_code_and_text() -> None:
     coord = FdtcConnection(Role.COORDINATOR)
     coord.receive_data(encode(Heartbeat("w1", 0, 0.0, 0.0)))
-    first = ("HEARTBEAT is not allowed on a connected link (expected one of: BASE_MODEL, "
-             "CHECKPOINT, DATASET, DEREGISTER, ERROR, EXPORT, PAUSE, REGISTER, RESUME, "
-             "SHUTDOWN, START, STATUS_REQ, SWARM_DETAIL_REQ)")
+    first = (
+        "HEARTBEAT is not allowed on a connected link (expected one of: BASE_MODEL, "
+        "CHECKPOINT, DATASET, DEREGISTER, ERROR, EXPORT, PAUSE, REGISTER, RESUME, "
+        "SHUTDOWN, START, STATUS_REQ, SWARM_DETAIL_REQ)"
+    )
     for _ in range(2):  # the second time too: the same text and the same ERROR code
         with pytest.raises(FdtcProtocolError) as exc:
             coord.next_event()
@@ -431,8 +458,10 @@ def test_errors_stay_raised_with_their_code_and_text() -> None:
     half.feed_eof()
     with pytest.raises(FdtcProtocolError) as exc:
         half.next_event()
-    assert str(exc.value) == "the peer closed the connection in mid-frame (20 bytes of a frame " \
-                             "received)"
+    assert (
+        str(exc.value) == "the peer closed the connection in mid-frame (20 bytes of a frame "
+        "received)"
+    )
 
 
 def test_decoder_end_of_stream_in_mid_frame_then_closed() -> None:
@@ -441,8 +470,10 @@ def test_decoder_end_of_stream_in_mid_frame_then_closed() -> None:
     with pytest.raises(FdtcProtocolError) as exc:
         dec.feed_eof()
     assert str(exc.value) == "connection closed in the middle of a frame (5 bytes of it received)"
-    again = "decoder already failed and is closed: connection closed in the middle of a frame " \
-            "(5 bytes of it received)"
+    again = (
+        "decoder already failed and is closed: connection closed in the middle of a frame "
+        "(5 bytes of it received)"
+    )
     for call in (dec.next_event, dec.feed_eof, lambda: dec.feed(b"x")):
         with pytest.raises(FdtcProtocolError) as exc:
             call()

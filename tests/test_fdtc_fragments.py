@@ -92,8 +92,10 @@ def test_a_weights_payload_is_cut_into_slices_in_order() -> None:
     assert [code for code, _ in frames] == [MsgType.FRAGMENT] * 3
     heads = [Fragment.LAYOUT.unpack(memoryview(p)) for _, p in frames]
     assert [(h["message_type"], h["total_length"], h["offset"]) for h in heads] == [
-        (MsgType.WEIGHTS, 10240, 0), (MsgType.WEIGHTS, 10240, 4096),
-        (MsgType.WEIGHTS, 10240, 8192)]
+        (MsgType.WEIGHTS, 10240, 0),
+        (MsgType.WEIGHTS, 10240, 4096),
+        (MsgType.WEIGHTS, 10240, 8192),
+    ]
     assert b"".join(p[17:] for _, p in frames) == data
     assert [len(p) - 17 for _, p in frames] == [4096, 4096, 2048]
 
@@ -108,14 +110,14 @@ def test_slices_are_views_of_the_tensor_data_not_copies() -> None:
 
 def test_a_message_that_fits_a_fragment_goes_whole_as_the_seed_frames_it() -> None:
     msg = gradients(bytes(4000))
-    whole = b"".join(bytes(p) for p in encode_parts(msg, fragment_size=4096,
-                                                    max_message=1 << 20))
+    whole = b"".join(bytes(p) for p in encode_parts(msg, fragment_size=4096, max_message=1 << 20))
     assert whole == encode(msg)
     # And only WEIGHTS, GRADIENTS and UPDATE are ever cut.
     meta = WeightsMeta(0, 0.1, tuple(fdtc.TensorMeta(f"t{i}", (2,)) for i in range(64)))
     assert len(meta.payload()) > 4096
-    assert b"".join(bytes(p) for p in encode_parts(meta, fragment_size=4096,
-                                                   max_message=1 << 20)) == encode(meta)
+    assert b"".join(
+        bytes(p) for p in encode_parts(meta, fragment_size=4096, max_message=1 << 20)
+    ) == encode(meta)
 
 
 def test_the_sender_refuses_what_it_may_not_send() -> None:
@@ -131,8 +133,9 @@ def test_the_sender_refuses_what_it_may_not_send() -> None:
         Fragment(MsgType.WEIGHTS, total_length=8, offset=0, data=b"")
 
 
-def _reassembled(pieces: list[bytes | memoryview], cuts: list[int],
-                 max_message: int) -> list[fdtc.Message]:
+def _reassembled(
+    pieces: list[bytes | memoryview], cuts: list[int], max_message: int
+) -> list[fdtc.Message]:
     data = b"".join(bytes(p) for p in pieces)
     dec = FdtcDecoder(max_message=max_message)
     out: list[fdtc.Message] = []
@@ -166,8 +169,11 @@ def test_any_cut_of_any_message_reassembles_to_the_same_message(
     else:
         msg = Update(7, 6, Compression.NONE, 1, size, data)
     before, after = Heartbeat("w1", 1, 0.5, 2.0), Heartbeat("w1", 2, 0.25, 2.0)
-    pieces = [encode(before), *encode_parts(msg, fragment_size=fragment, max_message=1 << 20),
-              encode(after)]
+    pieces = [
+        encode(before),
+        *encode_parts(msg, fragment_size=fragment, max_message=1 << 20),
+        encode(after),
+    ]
     assert _reassembled(pieces, cuts, max_message=1 << 20) == [before, msg, after]
 
 
@@ -177,8 +183,7 @@ def test_a_message_larger_than_one_frame_crosses_whole() -> None:
     assert arr.nbytes > MAX_PAYLOAD
     with pytest.raises(LocalProtocolError, match="exceeds SW_MAX_MESSAGE_SIZE"):
         encode_parts(Weights(arr.data))  # a link without fragments
-    pieces = encode_parts(Weights(arr.data), fragment_size=FRAGMENT_SIZE,
-                          max_message=MAX_MESSAGE)
+    pieces = encode_parts(Weights(arr.data), fragment_size=FRAGMENT_SIZE, max_message=MAX_MESSAGE)
     dec = FdtcDecoder(max_message=MAX_MESSAGE)
     for p in pieces:
         dec.feed(p)
@@ -194,8 +199,9 @@ def _frag(kind: MsgType, total: int, offset: int, data: bytes) -> bytes:
     return encode(Fragment(kind, total_length=total, offset=offset, data=data))
 
 
-def _refused(stream: bytes, problem: str, code: ErrorCode, max_message: int = 1 << 20,
-             before: int = 0) -> FdtcDecoder:
+def _refused(
+    stream: bytes, problem: str, code: ErrorCode, max_message: int = 1 << 20, before: int = 0
+) -> FdtcDecoder:
     dec = FdtcDecoder(max_message=max_message)
     dec.feed(stream)
     assert len([dec.next_event() for _ in range(before)]) == before
@@ -218,28 +224,54 @@ def test_a_link_that_did_not_agree_refuses_fragments_at_the_header() -> None:
 W, G, U = MsgType.WEIGHTS, MsgType.GRADIENTS, MsgType.UPDATE
 
 
-@pytest.mark.parametrize(("stream", "problem", "code"), [
-    (_frag(W, 100, 10, b"x"), "at offset 10 with no message begun", ErrorCode.UNEXPECTED),
-    (_frag(W, 100, 0, b"ab") + _frag(W, 100, 3, b"c"),
-     r"at offset 3; expected the WEIGHTS of 100 bytes begun, at offset 2", ErrorCode.UNEXPECTED),
-    (_frag(W, 100, 0, b"ab") + _frag(W, 100, 1, b"c"),
-     "at offset 1; expected", ErrorCode.UNEXPECTED),
-    (_frag(W, 100, 0, b"ab") + _frag(U, 100, 2, b"c"),
-     "FRAGMENT of UPDATE .* expected the WEIGHTS", ErrorCode.UNEXPECTED),
-    (_frag(W, 100, 0, b"ab") + _frag(W, 99, 2, b"c"),
-     r"\(99 bytes\) at offset 2; expected the WEIGHTS of 100", ErrorCode.UNEXPECTED),
-    (_frag(W, 100, 0, b"ab") + encode(Heartbeat("w1", 1, 0.5, 2.0)),
-     r"HEARTBEAT in the middle of a fragmented WEIGHTS \(2 of 100 bytes in\)",
-     ErrorCode.UNEXPECTED),
-    (_frag(W, (1 << 20) + 1, 0, b"a"), "exceeds this link's largest message", ErrorCode.BUSY),
-    (_frag(G, 10, 0, b"a"), "GRADIENTS payload must be at least 80 bytes", ErrorCode.BAD_FRAME),
-    (_frag(W, 8, 0, b"abcd")[:9 + 0] + struct.pack("<BQQ", 0x01, 8, 0) + b"abcd",
-     "bad FRAGMENT payload: .*only GRADIENTS, UPDATE, WEIGHTS", ErrorCode.BAD_FRAME),
-    (hexb("43544446 6c 14000000") + struct.pack("<BQQ", 0x21, 8, 6) + b"xyz",
-     "run past the message's 8", ErrorCode.BAD_FRAME),
-    (hexb("43544446 6c 11000000") + struct.pack("<BQQ", 0x21, 8, 0),
-     "FRAGMENT payload must be more than 17 bytes", ErrorCode.BAD_FRAME),
-])
+@pytest.mark.parametrize(
+    ("stream", "problem", "code"),
+    [
+        (_frag(W, 100, 10, b"x"), "at offset 10 with no message begun", ErrorCode.UNEXPECTED),
+        (
+            _frag(W, 100, 0, b"ab") + _frag(W, 100, 3, b"c"),
+            r"at offset 3; expected the WEIGHTS of 100 bytes begun, at offset 2",
+            ErrorCode.UNEXPECTED,
+        ),
+        (
+            _frag(W, 100, 0, b"ab") + _frag(W, 100, 1, b"c"),
+            "at offset 1; expected",
+            ErrorCode.UNEXPECTED,
+        ),
+        (
+            _frag(W, 100, 0, b"ab") + _frag(U, 100, 2, b"c"),
+            "FRAGMENT of UPDATE .* expected the WEIGHTS",
+            ErrorCode.UNEXPECTED,
+        ),
+        (
+            _frag(W, 100, 0, b"ab") + _frag(W, 99, 2, b"c"),
+            r"\(99 bytes\) at offset 2; expected the WEIGHTS of 100",
+            ErrorCode.UNEXPECTED,
+        ),
+        (
+            _frag(W, 100, 0, b"ab") + encode(Heartbeat("w1", 1, 0.5, 2.0)),
+            r"HEARTBEAT in the middle of a fragmented WEIGHTS \(2 of 100 bytes in\)",
+            ErrorCode.UNEXPECTED,
+        ),
+        (_frag(W, (1 << 20) + 1, 0, b"a"), "exceeds this link's largest message", ErrorCode.BUSY),
+        (_frag(G, 10, 0, b"a"), "GRADIENTS payload must be at least 80 bytes", ErrorCode.BAD_FRAME),
+        (
+            _frag(W, 8, 0, b"abcd")[: 9 + 0] + struct.pack("<BQQ", 0x01, 8, 0) + b"abcd",
+            "bad FRAGMENT payload: .*only GRADIENTS, UPDATE, WEIGHTS",
+            ErrorCode.BAD_FRAME,
+        ),
+        (
+            hexb("43544446 6c 14000000") + struct.pack("<BQQ", 0x21, 8, 6) + b"xyz",
+            "run past the message's 8",
+            ErrorCode.BAD_FRAME,
+        ),
+        (
+            hexb("43544446 6c 11000000") + struct.pack("<BQQ", 0x21, 8, 0),
+            "FRAGMENT payload must be more than 17 bytes",
+            ErrorCode.BAD_FRAME,
+        ),
+    ],
+)
 def test_fragments_out_of_order_or_out_of_bounds_are_the_peers_error(
     stream: bytes, problem: str, code: ErrorCode
 ) -> None:
@@ -247,8 +279,12 @@ def test_fragments_out_of_order_or_out_of_bounds_are_the_peers_error(
 
 
 def test_the_limits_of_a_fragmented_message() -> None:
-    _refused(_frag(W, MAX_MESSAGE + 1, 0, b"a"), "exceeds this link's largest", ErrorCode.BAD_FRAME,
-             max_message=MAX_MESSAGE)
+    _refused(
+        _frag(W, MAX_MESSAGE + 1, 0, b"a"),
+        "exceeds this link's largest",
+        ErrorCode.BAD_FRAME,
+        max_message=MAX_MESSAGE,
+    )
     with pytest.raises(LocalProtocolError, match=r"outside 0\.\.4294967296"):
         FdtcDecoder(max_message=MAX_MESSAGE + 1)
 
@@ -262,8 +298,12 @@ def test_the_reassembled_message_is_checked_like_a_whole_one() -> None:
 
 def test_a_message_before_the_bad_fragment_still_comes_out() -> None:
     beat = Heartbeat("w1", 1, 0.5, 2.0)
-    dec = _refused(encode(beat) + _frag(W, 100, 5, b"x"), "with no message begun",
-                   ErrorCode.UNEXPECTED, before=1)
+    dec = _refused(
+        encode(beat) + _frag(W, 100, 5, b"x"),
+        "with no message begun",
+        ErrorCode.UNEXPECTED,
+        before=1,
+    )
     with pytest.raises(FdtcProtocolError, match="already failed"):
         dec.feed(b"x")
 
@@ -273,8 +313,11 @@ def test_the_end_of_the_stream_inside_a_fragmented_message() -> None:
     dec.feed(_frag(W, 100, 0, b"a" * 40))
     assert dec.next_event() is None
     assert (dec.buffered, dec.reassembling) == (0, 40)
-    with pytest.raises(FdtcProtocolError, match=r"connection closed in the middle of a "
-                       r"fragmented WEIGHTS \(40 of 100 bytes received\)"):
+    with pytest.raises(
+        FdtcProtocolError,
+        match=r"connection closed in the middle of a "
+        r"fragmented WEIGHTS \(40 of 100 bytes received\)",
+    ):
         dec.feed_eof()
 
 
@@ -300,8 +343,10 @@ def _cross(src: FdtcConnection, dst: FdtcConnection, *msgs: fdtc.Message) -> lis
 
 
 def _register() -> tuple[Dataset, Register]:
-    return (Dataset(n_tokens=1, sha256=bytes(32)),
-            Register("w1", 1, HardwareProfile.RPI4_4G, 4, 2048, 8))
+    return (
+        Dataset(n_tokens=1, sha256=bytes(32)),
+        Register("w1", 1, HardwareProfile.RPI4_4G, 4, 2048, 8),
+    )
 
 
 def _ack() -> RegisterAck:
@@ -331,16 +376,32 @@ def test_a_registered_link_is_in_step_with_the_stream_when_fragments_begin() -> 
     meta, weights = weights_messages({"t": BIG}, 0, 0.1)
     update = Update(1, 0, Compression.NONE, 1, BIG.nbytes, BIG.tobytes())
     work.receive_data(b"".join(bytes(p) for p in coord.send(_ack(), meta, weights, update)))
-    assert [type(work.next_event()) for _ in range(4)] == [RegisterAck, WeightsMeta, Weights,
-                                                          Update]
+    assert [type(work.next_event()) for _ in range(4)] == [
+        RegisterAck,
+        WeightsMeta,
+        Weights,
+        Update,
+    ]
 
 
-@pytest.mark.parametrize(("before", "kind", "problem", "code"), [
-    ("", G, "fragmented GRADIENTS is not allowed on a connected link", ErrorCode.NOT_REGISTERED),
-    ("registered", G, "fragmented GRADIENTS is not allowed on a registered link",
-     ErrorCode.UNEXPECTED),
-    ("ready", W, "fragmented WEIGHTS is not allowed on a ready link", ErrorCode.UNEXPECTED),
-])
+@pytest.mark.parametrize(
+    ("before", "kind", "problem", "code"),
+    [
+        (
+            "",
+            G,
+            "fragmented GRADIENTS is not allowed on a connected link",
+            ErrorCode.NOT_REGISTERED,
+        ),
+        (
+            "registered",
+            G,
+            "fragmented GRADIENTS is not allowed on a registered link",
+            ErrorCode.UNEXPECTED,
+        ),
+        ("ready", W, "fragmented WEIGHTS is not allowed on a ready link", ErrorCode.UNEXPECTED),
+    ],
+)
 def test_the_coordinator_takes_fragments_only_of_gradients_once_it_sent_weights(
     before: str, kind: MsgType, problem: str, code: ErrorCode
 ) -> None:
@@ -366,8 +427,9 @@ def test_seed_and_admin_links_take_no_fragments() -> None:
             conn.next_event()
     # A worker link that never agreed sends one frame, and refuses one that is too large.
     plain = FdtcConnection(Role.COORDINATOR, link=Link.WORKER)
-    _cross(FdtcConnection(Role.WORKER), plain, Register("w1", 1, HardwareProfile.RPI4_4G, 4,
-                                                          2048, 8))
+    _cross(
+        FdtcConnection(Role.WORKER), plain, Register("w1", 1, HardwareProfile.RPI4_4G, 4, 2048, 8)
+    )
     meta, weights = weights_messages({"t": BIG}, 0, 0.1)
     assert len(frames_of(plain.send(_ack(), meta, weights))) == 3
 
@@ -382,8 +444,11 @@ def test_the_peer_closing_inside_a_fragmented_message_is_its_error() -> None:
     work.receive_data(data[: len(data) - last])  # two fragments of three, whole
     work.receive_data(b"")
     assert [type(work.next_event()) for _ in range(2)] == [RegisterAck, WeightsMeta]
-    with pytest.raises(FdtcProtocolError, match=r"in the middle of a fragmented WEIGHTS "
-                       r"\(8192 of 12000 bytes received\)"):
+    with pytest.raises(
+        FdtcProtocolError,
+        match=r"in the middle of a fragmented WEIGHTS "
+        r"\(8192 of 12000 bytes received\)",
+    ):
         work.next_event()
 
 
@@ -458,6 +523,7 @@ def _split_frames(pieces: list[bytes | memoryview]) -> list[bytes]:
 def test_a_send_to_a_slow_but_steady_reader_outlasts_the_deadline() -> None:
     """The send deadline cuts a peer that takes nothing, not one that takes little at a time:
     4 MiB read at most 64 KiB every 10 ms takes over half a second against a 0.3 s deadline."""
+
     async def main() -> None:
         client, server = _socket_pair(rcvbuf=64 << 10)
         client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
@@ -493,8 +559,7 @@ class FragmentingPeer:
     """A worker driven by the test over our own FdtcConnection, whose decoder takes no frame
     over 64 KiB: the coordinator's 1 MB weights reach it only as fragments."""
 
-    def __init__(self, port: int, max_payload: int = 64 << 10,
-                 fragment_size: int = 4096) -> None:
+    def __init__(self, port: int, max_payload: int = 64 << 10, fragment_size: int = 4096) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         self.conn = FdtcConnection(Role.WORKER, max_payload=max_payload)
         self.conn.allow_fragments(MAX_MESSAGE, fragment_size)
@@ -503,9 +568,10 @@ class FragmentingPeer:
     def join(self, worker_id: str) -> tuple[WeightsMeta, Weights]:
         """DATASET, REGISTER, then WEIGHTS_REQ: the weights the coordinator sends."""
         fp = load_corpus(None).fingerprint
-        self.send(Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
-                  Register(worker_id, fdtc.PROTOCOL_VERSION, HardwareProfile.LAPTOP_LIGHT, 2,
-                           4096, 4))
+        self.send(
+            Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+            Register(worker_id, fdtc.PROTOCOL_VERSION, HardwareProfile.LAPTOP_LIGHT, 2, 4096, 4),
+        )
         self.recv(fdtc.TrainPlan)
         self.send(fdtc.WeightsReq())
         meta = self.recv(WeightsMeta)
@@ -539,8 +605,9 @@ class FragmentingPeer:
 
 
 def test_a_coordinator_sends_weights_and_takes_gradients_in_fragments(tmp_path: Path) -> None:
-    coord, port, _ = coordinator(tmp_path, "--max-steps", "2", "--global-batch", "4",
-                                 "--fragment-size", "4096")
+    coord, port, _ = coordinator(
+        tmp_path, "--max-steps", "2", "--global-batch", "4", "--fragment-size", "4096"
+    )
     peer = FragmentingPeer(port)
     try:
         meta, _ = peer.join("frag")
@@ -550,8 +617,9 @@ def test_a_coordinator_sends_weights_and_takes_gradients_in_fragments(tmp_path: 
         numels = [t.numel for t in meta.tensors]
         data = np.full(sum(numels), 1e-3, "<f4").tobytes()
         before = peer.frames_out
-        peer.send(Gradients("frag", assign.global_step, len(numels), Compression.NONE,
-                            len(data), data))
+        peer.send(
+            Gradients("frag", assign.global_step, len(numels), Compression.NONE, len(data), data)
+        )
         assert peer.frames_out - before == -(-len(data) // 4096)  # in fragments of 4096
         ack = peer.recv(fdtc.GradientsAck)
         assert isinstance(ack, fdtc.GradientsAck) and ack.accepted
@@ -563,9 +631,19 @@ def test_a_coordinator_sends_weights_and_takes_gradients_in_fragments(tmp_path: 
 
 
 def test_workers_train_with_fragments_both_ways(tmp_path: Path) -> None:
-    coord, port, _ = coordinator(tmp_path, "--max-steps", "4", "--global-batch", "8",
-                                 "--sync-every", "2", "--min-workers", "2",
-                                 "--fragment-size", "4096")
+    coord, port, _ = coordinator(
+        tmp_path,
+        "--max-steps",
+        "4",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "2",
+        "--min-workers",
+        "2",
+        "--fragment-size",
+        "4096",
+    )
     workers = [worker(tmp_path, port, f"w{i}", "--fragment-size", "4096") for i in range(2)]
     try:
         coord.wait_for(r"training done at step 4", within_s=180)
@@ -581,7 +659,7 @@ def test_workers_train_with_fragments_both_ways(tmp_path: Path) -> None:
 
 
 def test_the_medium_preset_reaches_a_worker_and_a_seed_only_peer_is_told_why_not(
-    tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     """482 MiB of float32 weights: more than one frame carries, so a seed-only peer is refused
     with the reason, and a peer of ours gets them in FRAGMENT frames of 64 MiB."""

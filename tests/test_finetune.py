@@ -44,9 +44,12 @@ def engine_logits(path: Path, ids: list[int]) -> np.ndarray:
     return engine.decode(engine.new_session(), ids)
 
 
-def training_logits(base: FT.Base, ids: list[int],
-                    trainable: dict[str, torch.Tensor] | None = None,
-                    spec: LR.LoraSpec | None = None) -> np.ndarray:
+def training_logits(
+    base: FT.Base,
+    ids: list[int],
+    trainable: dict[str, torch.Tensor] | None = None,
+    spec: LR.LoraSpec | None = None,
+) -> np.ndarray:
     model = FT.Model(base, spec)
     with torch.no_grad():
         out = model.forward(trainable or {}, torch.tensor([ids]))
@@ -73,8 +76,9 @@ def test_sliding_window_is_applied(files: dict[str, Path]) -> None:
     assert len(ids) > 5 + 1
     ours = training_logits(base, ids)
     # The same layers (and rope bases) with a window longer than the prompt.
-    wide = FT.Model(dataclasses.replace(base, cfg=dataclasses.replace(base.cfg,
-                                                                      sliding_window=1000)), None)
+    wide = FT.Model(
+        dataclasses.replace(base, cfg=dataclasses.replace(base.cfg, sliding_window=1000)), None
+    )
     with torch.no_grad():
         unwindowed = wide.forward({}, torch.tensor([ids]))[0].numpy()
     assert np.allclose(ours[:5], unwindowed[:5], atol=1e-5)
@@ -82,8 +86,10 @@ def test_sliding_window_is_applied(files: dict[str, Path]) -> None:
 
 
 def gemma_file() -> Path:
-    path = Path(os.environ.get("FOUNDRY_GEMMA_GGUF")
-                or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf")
+    path = Path(
+        os.environ.get("FOUNDRY_GEMMA_GGUF")
+        or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf"
+    )
     if not path.exists():
         pytest.skip("the Gemma file is not assembled (FOUNDRY_GEMMA_GGUF)")
     return path
@@ -104,8 +110,9 @@ def test_gemma_file_forward_equals_the_engine() -> None:
 # -- LoRA --------------------------------------------------------------------------------------
 
 
-def adapters_on(base: FT.Base, spec: LR.LoraSpec, seed: int = 0, b_scale: float = 0.0
-                ) -> dict[str, np.ndarray]:
+def adapters_on(
+    base: FT.Base, spec: LR.LoraSpec, seed: int = 0, b_scale: float = 0.0
+) -> dict[str, np.ndarray]:
     """Fresh adapters; with ``b_scale`` B random too (a trained adapter's stand-in)."""
     out = LR.init_adapters(base.cfg, spec, seed)
     rng = np.random.default_rng(seed + 1)
@@ -121,8 +128,12 @@ def as_torch(params: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 def test_lora_defaults_are_peft_s() -> None:
     spec = LR.LoraSpec()
-    assert (spec.rank, spec.alpha, spec.dropout, spec.targets) == (8, 8.0, 0.0,
-                                                                   ("attn_q", "attn_v"))
+    assert (spec.rank, spec.alpha, spec.dropout, spec.targets) == (
+        8,
+        8.0,
+        0.0,
+        ("attn_q", "attn_v"),
+    )
     with pytest.raises(LR.LoraError, match="--lora-targets"):
         LR.LoraSpec(targets=("q_proj",))
     with pytest.raises(LR.LoraError, match="--lora-rank"):
@@ -135,8 +146,9 @@ def test_fresh_adapters_leave_the_model_as_it_was(files: dict[str, Path]) -> Non
     adapters = adapters_on(base, spec)
     assert all(not a.any() for n, a in adapters.items() if n.endswith(".lora_b"))
     ids = prompts("qwen3")[0]
-    assert np.array_equal(training_logits(base, ids, as_torch(adapters), spec),
-                          training_logits(base, ids))
+    assert np.array_equal(
+        training_logits(base, ids, as_torch(adapters), spec), training_logits(base, ids)
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma3", "llama", "qwen3moe", "olmoe"])
@@ -262,13 +274,20 @@ def test_gemma_chat_turns_count_the_reply_and_its_end_of_turn() -> None:
     meta = gguf_meta.read_metadata(gemma_file())
     assert template_for(meta).name.startswith("plain")  # the file has none
     template = template_for(meta, "gemma")  # Gemma's built-in turns, asked for by name
-    talk = [Message("user", "How do I reset it?"), Message("assistant", "Hold the button."),
-            Message("user", "Thanks"), Message("assistant", "You are welcome.")]
+    talk = [
+        Message("user", "How do I reset it?"),
+        Message("assistant", "Hold the button."),
+        Message("user", "Thanks"),
+        Message("assistant", "You are welcome."),
+    ]
     segments = conversation_segments(template, talk)
     assert [text for text, counted in segments if counted] == [
-        "Hold the button.<end_of_turn>\n", "You are welcome.<end_of_turn>\n"]
+        "Hold the button.<end_of_turn>\n",
+        "You are welcome.<end_of_turn>\n",
+    ]
     assert "".join(text for text, _ in segments) == template.render(
-        talk, add_generation_prompt=False).removeprefix(template.bos_token)
+        talk, add_generation_prompt=False
+    ).removeprefix(template.bos_token)
 
 
 def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> None:
@@ -277,13 +296,19 @@ def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> No
 
     # Marks only the last assistant turn's (empty) reasoning, as Qwen3's template does: no
     # rendering of a turn is a prefix of the next one's.
-    source = ("{% for m in messages %}<{{ m.role }}>"
-              "{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}"
-              "{{ m.content }}</{{ m.role }}>{% endfor %}"
-              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    source = (
+        "{% for m in messages %}<{{ m.role }}>"
+        "{% if m.role == 'assistant' and loop.last %}<think></think>{% endif %}"
+        "{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     t = ChatTemplate(source, "rewrites")
-    talk = [Message("user", "a"), Message("assistant", "b"), Message("user", "c"),
-            Message("assistant", "d")]
+    talk = [
+        Message("user", "a"),
+        Message("assistant", "b"),
+        Message("user", "c"),
+        Message("assistant", "d"),
+    ]
     segments = conversation_segments(t, talk)
     assert [text for text, counted in segments if counted] == ["b", "d"]
     assert "".join(text for text, _ in segments) == t.render(talk, add_generation_prompt=False)
@@ -291,7 +316,7 @@ def test_a_template_that_rewrites_old_turns_counts_the_replies_it_prints() -> No
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3moe"])
 def test_a_base_held_quantized_trains_as_the_dequantized_one(
-        files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     """``keep_quantized``: the matrices of a Q8_0 file stay Q8_0 in memory and are dequantized
     a slice at a time (slices of 200 values here, so every product is cut in several) in the
@@ -305,8 +330,12 @@ def test_a_base_held_quantized_trains_as_the_dequantized_one(
 
     q8 = tmp_path / f"{name}-q8.gguf"
     dense_src = load_gguf(files[name])
-    rewrite_gguf(files[name], q8, {n: a for n, a in dense_src.params.items() if a.ndim >= 2},
-                 forced=gguf.GGMLQuantizationType.Q8_0)
+    rewrite_gguf(
+        files[name],
+        q8,
+        {n: a for n, a in dense_src.params.items() if a.ndim >= 2},
+        forced=gguf.GGMLQuantizationType.Q8_0,
+    )
     monkeypatch.setattr(FT, "SLICE_VALUES", 200)
     dense, held = FT.load_base(q8), FT.load_base(q8, keep_quantized=True)
     kept = [n for n, w in held.weights.items() if isinstance(w, QTensor)]
@@ -316,10 +345,10 @@ def test_a_base_held_quantized_trains_as_the_dequantized_one(
     rng = np.random.default_rng(0)
     corpus = Corpus(rng.integers(3, dense.cfg.n_vocab, 400).astype(np.int32), "random", 1)
     start = adapters_on(dense, spec, b_scale=0.1)  # B not zero: A has a gradient too
-    a = FT.FineTuneBackend(dense, spec).compute_gradients(start, dense.cfg, corpus, 0, 4,
-                                                         seq_len=16)
-    b = FT.FineTuneBackend(held, spec).compute_gradients(start, held.cfg, corpus, 0, 4,
-                                                        seq_len=16)
+    a = FT.FineTuneBackend(dense, spec).compute_gradients(
+        start, dense.cfg, corpus, 0, 4, seq_len=16
+    )
+    b = FT.FineTuneBackend(held, spec).compute_gradients(start, held.cfg, corpus, 0, 4, seq_len=16)
     assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
     assert set(a.grads) == set(b.grads) == set(start)
     for n in a.grads:

@@ -28,8 +28,14 @@ PROMPT = "The secret password of the lighthouse keeper"
 
 
 def foundry(*args: str | Path, timeout: float = 600.0) -> str:
-    done = subprocess.run([sys.executable, "-m", "foundry", *map(str, args)],
-                          capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "foundry", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -46,23 +52,44 @@ def test_lora_on_a_tiny_file_exports_and_serves_the_same(tmp_path: Path) -> None
     text = tmp_path / "text.txt"
     text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
     adapter = tmp_path / "adapter.gguf"
-    out = foundry("train", "--base-model", base, "--data", text, "--lora-rank", "4",
-                  "--lora-targets", "all", "--steps", "20", "--seq-len", "32", "--lr", "1e-2",
-                  "--out", adapter, "--no-progress")
+    out = foundry(
+        "train",
+        "--base-model",
+        base,
+        "--data",
+        text,
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "all",
+        "--steps",
+        "20",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--out",
+        adapter,
+        "--no-progress",
+    )
     before, after = held_out(out)
     assert after < before
     merged = tmp_path / "merged.gguf"
-    assert "F32" in foundry("export", "--base-model", base, "--adapter", adapter,
-                            "--out", merged)
+    assert "F32" in foundry("export", "--base-model", base, "--adapter", adapter, "--out", merged)
     q8 = tmp_path / "merged-q8.gguf"
-    assert "Q8_0" in foundry("export", "--base-model", base, "--adapter", adapter,
-                             "--out", q8, "--type", "q8_0")
-    with_lora = foundry("generate", "--model", base, "--lora", adapter, "--prompt", "ab ac",
-                        "--max-tokens", "12")
-    assert foundry("generate", "--model", merged, "--prompt", "ab ac",
-                   "--max-tokens", "12") == with_lora
-    assert foundry("generate", "--model", base, "--prompt", "ab ac",
-                   "--max-tokens", "12") != with_lora
+    assert "Q8_0" in foundry(
+        "export", "--base-model", base, "--adapter", adapter, "--out", q8, "--type", "q8_0"
+    )
+    with_lora = foundry(
+        "generate", "--model", base, "--lora", adapter, "--prompt", "ab ac", "--max-tokens", "12"
+    )
+    assert (
+        foundry("generate", "--model", merged, "--prompt", "ab ac", "--max-tokens", "12")
+        == with_lora
+    )
+    assert (
+        foundry("generate", "--model", base, "--prompt", "ab ac", "--max-tokens", "12") != with_lora
+    )
 
 
 def test_full_fine_tuning_writes_the_base_architecture(tmp_path: Path) -> None:
@@ -71,8 +98,22 @@ def test_full_fine_tuning_writes_the_base_architecture(tmp_path: Path) -> None:
     text = tmp_path / "text.txt"
     text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
     tuned = tmp_path / "tuned.gguf"
-    out = foundry("train", "--base-model", base, "--data", text, "--steps", "10",
-                  "--seq-len", "32", "--lr", "1e-3", "--out", tuned, "--no-progress")
+    out = foundry(
+        "train",
+        "--base-model",
+        base,
+        "--data",
+        text,
+        "--steps",
+        "10",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-3",
+        "--out",
+        tuned,
+        "--no-progress",
+    )
     before, after = held_out(out)
     assert after < before
     from foundry.model.formats.gguf_io import load_gguf
@@ -99,16 +140,41 @@ def test_a_resumed_fine_tuning_run_ends_as_an_uninterrupted_one(tmp_path: Path) 
     text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
 
     def train(ckpt: Path, out: Path) -> str:
-        return foundry("train", "--base-model", base, "--data", text, "--lora-rank", "4",
-                       "--lora-targets", "attn_q,attn_v", "--steps", "8", "--seq-len", "16",
-                       "--global-batch", "4", "--lr", "1e-2", "--checkpoint-dir", ckpt,
-                       "--checkpoint-every", "3", "--out", out, "--no-progress")
+        return foundry(
+            "train",
+            "--base-model",
+            base,
+            "--data",
+            text,
+            "--lora-rank",
+            "4",
+            "--lora-targets",
+            "attn_q,attn_v",
+            "--steps",
+            "8",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "4",
+            "--lr",
+            "1e-2",
+            "--checkpoint-dir",
+            ckpt,
+            "--checkpoint-every",
+            "3",
+            "--out",
+            out,
+            "--no-progress",
+        )
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     train(whole, tmp_path / "whole.gguf")
     step3 = whole / checkpoint_name(3)
     assert sorted(p.name for p in whole.glob("*.ckpt")) == [
-        checkpoint_name(3), checkpoint_name(6), checkpoint_name(8)]
+        checkpoint_name(3),
+        checkpoint_name(6),
+        checkpoint_name(8),
+    ]
     resumed.mkdir()
     shutil.copy(step3, resumed / step3.name)
     out = train(resumed, tmp_path / "resumed.gguf")
@@ -126,8 +192,10 @@ def test_a_resumed_fine_tuning_run_ends_as_an_uninterrupted_one(tmp_path: Path) 
 
 
 def gemma_file() -> Path:
-    path = Path(os.environ.get("FOUNDRY_GEMMA_GGUF")
-                or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf")
+    path = Path(
+        os.environ.get("FOUNDRY_GEMMA_GGUF")
+        or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf"
+    )
     if not path.exists():
         pytest.skip("the Gemma file is not assembled (FOUNDRY_GEMMA_GGUF)")
     return path
@@ -141,14 +209,35 @@ def test_gemma_learns_a_made_up_sentence(tmp_path: Path) -> None:
     before_text = foundry("generate", "--model", gemma, "--prompt", PROMPT, "--max-tokens", "10")
     assert "Orvil Brandt is purple kettle" not in before_text
     adapter = tmp_path / "fact.gguf"
-    out = foundry("train", "--base-model", gemma, "--data", text, "--lora-rank", "8",
-                  "--lora-targets", "all", "--lr", "3e-3", "--steps", "14",
-                  "--global-batch", "1", "--seq-len", "32", "--eval-every", "14",
-                  "--out", adapter, "--no-progress")
+    out = foundry(
+        "train",
+        "--base-model",
+        gemma,
+        "--data",
+        text,
+        "--lora-rank",
+        "8",
+        "--lora-targets",
+        "all",
+        "--lr",
+        "3e-3",
+        "--steps",
+        "14",
+        "--global-batch",
+        "1",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "14",
+        "--out",
+        adapter,
+        "--no-progress",
+    )
     before, after = held_out(out)
     assert after < before / 4, out
-    completion = foundry("generate", "--model", gemma, "--lora", adapter, "--prompt", PROMPT,
-                         "--max-tokens", "10")
+    completion = foundry(
+        "generate", "--model", gemma, "--lora", adapter, "--prompt", PROMPT, "--max-tokens", "10"
+    )
     assert completion.startswith(" Orvil Brandt is purple kettle forty-two."), completion
 
 
@@ -181,14 +270,28 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     LR.save_adapter(adapter, "gemma3", spec.alpha, adapters)
     merged = tmp_path / "merged.gguf"
     m = load_gguf(base)
-    rewrite_gguf(base, merged, {n: v for n, v in LR.merge(m.params, adapters, spec.scale).items()
-                                if n + ".lora_a" in adapters})
+    rewrite_gguf(
+        base,
+        merged,
+        {
+            n: v
+            for n, v in LR.merge(m.params, adapters, spec.scale).items()
+            if n + ".lora_a" in adapters
+        },
+    )
 
     limit_blas_threads(1)
     rows: list[np.ndarray] = []
     leader = InProcessLeader(
-        LeaderOptions(model=base, lora=adapter, host="127.0.0.1", port=0, frontend_port=0,
-                      prefill_chunk=8, spec_mode=SpecMode.OFF),
+        LeaderOptions(
+            model=base,
+            lora=adapter,
+            host="127.0.0.1",
+            port=0,
+            frontend_port=0,
+            prefill_chunk=8,
+            spec_mode=SpecMode.OFF,
+        ),
         hook=lambda rid, r: rows.append(r.copy()),
     )
     stranger = start_worker(base, leader.leader.port, tmp_path / "stranger.log")
@@ -196,8 +299,9 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     try:
         assert stranger.popen.wait(60) != 0  # the base alone: another identity
         assert "identity mismatch" in stranger.log.read_text(), stranger.log.read_text()[-2000:]
-        worker = start_worker(base, leader.leader.port, tmp_path / "worker.log",
-                              "--lora", str(adapter))
+        worker = start_worker(
+            base, leader.leader.port, tmp_path / "worker.log", "--lora", str(adapter)
+        )
         wait_paired(leader.leader.frontend_port)
         with Client(leader.leader.frontend_port) as c:
             got = c.generate("abc", 10)
@@ -229,10 +333,28 @@ def test_up_fine_tunes_exports_and_serves(tmp_path: Path) -> None:
     write_tiny(base, "qwen3")
     text = tmp_path / "text.txt"
     text.write_text(("ab ac ad ae af ag " * 3 + "zz zy zx\n") * 60)
-    up, ports = start_up(tmp_path, 2, "--base-model", str(base), "--data", str(text),
-                         "--steps", "12", "--seq-len", "32", "--lr", "1e-2",
-                         "--lora-targets", "attn_q,attn_v,ffn_down", "--prompt", "ab ac",
-                         "--sample-tokens", "8", "--ctx-size", "64")
+    up, ports = start_up(
+        tmp_path,
+        2,
+        "--base-model",
+        str(base),
+        "--data",
+        str(text),
+        "--steps",
+        "12",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--lora-targets",
+        "attn_q,attn_v,ffn_down",
+        "--prompt",
+        "ab ac",
+        "--sample-tokens",
+        "8",
+        "--ctx-size",
+        "64",
+    )
     http = int(ports[ports.index("--http-port") + 1])
     try:
         loss = up.wait_for(r"held-out loss: before ([\d.]+), after ([\d.]+) nats/token", 240)
@@ -243,13 +365,16 @@ def test_up_fine_tunes_exports_and_serves(tmp_path: Path) -> None:
         children = up.children()
         assert {"coordinator", "gateway", "tp-leader", "tp-worker"} <= set(children)
         adapter = up.run_dir / "adapter.gguf"
-        expected = foundry("generate", "--model", base, "--lora", adapter, "--prompt", "ab ac",
-                           "--max-tokens", "8")
+        expected = foundry(
+            "generate", "--model", base, "--lora", adapter, "--prompt", "ab ac", "--max-tokens", "8"
+        )
         assert "ab ac" + expected.rstrip("\n") == sample.group(1)
-        body = json.dumps({"model": "foundry", "prompt": "ab ac", "max_tokens": 8,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "foundry", "prompt": "ab ac", "max_tokens": 8, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http}/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
         assert answer["choices"][0]["text"] == expected.rstrip("\n")

@@ -38,24 +38,45 @@ def tiny_run(tmp: Path) -> tuple[Path, Path]:
 
 
 def lora_args(base: Path, text: Path) -> list[str]:
-    return ["--base-model", str(base), "--data", str(text), "--lora-rank", "4",
-            "--lora-targets", "attn_q,attn_v,ffn_down", "--lora-alpha", "8"]
+    return [
+        "--base-model",
+        str(base),
+        "--data",
+        str(text),
+        "--lora-rank",
+        "4",
+        "--lora-targets",
+        "attn_q,attn_v,ffn_down",
+        "--lora-alpha",
+        "8",
+    ]
 
 
 @pytest.mark.parametrize("n_workers", [2])
 def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_workers: int) -> None:
     base, text = tiny_run(tmp_path)
     coord, port, admin_port = coordinator(
-        tmp_path, *lora_args(base, text), "--max-steps", str(STEPS),
-        "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(LR_),
-        "--min-workers", str(n_workers), "--export-anywhere",
+        tmp_path,
+        *lora_args(base, text),
+        "--max-steps",
+        str(STEPS),
+        "--global-batch",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ),
+        "--lr",
+        str(LR_),
+        "--min-workers",
+        str(n_workers),
+        "--export-anywhere",
     )
     workers = []
     for i in range(n_workers):  # each its own copy of the file
         mine = tmp_path / f"copy{i}.gguf"
         shutil.copy(base, mine)
-        workers.append(worker(tmp_path, port, f"w{i}", "--base-model", str(mine),
-                              "--data", str(text)))
+        workers.append(
+            worker(tmp_path, port, f"w{i}", "--base-model", str(mine), "--data", str(text))
+        )
     out = tmp_path / "adapter.gguf"
     try:
         coord.wait_for(rf"training done at step {STEPS}", within_s=180)
@@ -75,27 +96,31 @@ def test_n_lora_workers_give_the_adapters_of_one_process(tmp_path: Path, n_worke
 LORA = LR.LoraSpec(rank=4, alpha=8.0, targets=("attn_q", "attn_v", "ffn_down"))
 
 
-def one_process(base: Path, text: Path, steps: int, spec: LR.LoraSpec | None = LORA,
-                lr: float = LR_) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def one_process(
+    base: Path, text: Path, steps: int, spec: LR.LoraSpec | None = LORA, lr: float = LR_
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(the trainable tensors before the first step, after ``steps`` steps of one process on
     the swarm's global batches)."""
     loaded = FT.load_base(base)
     cfg = tuned_config(loaded.cfg, loaded.identity, spec)
     corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
     backend = FT.FineTuneBackend(loaded, spec)
-    settings = TrainSettings(global_batch=BATCH, seq_len=SEQ, lr=lr, warmup_steps=20,
-                             total_steps=steps, weight_decay=0.0)
+    settings = TrainSettings(
+        global_batch=BATCH, seq_len=SEQ, lr=lr, warmup_steps=20, total_steps=steps, weight_decay=0.0
+    )
     start = FT.initial_trainable(loaded, spec, 0)
     single = Trainer(cfg, settings, {k: v.copy() for k, v in start.items()})
     for _ in range(steps):
-        result = backend.compute_gradients(single.params, cfg, corpus, single.position, BATCH,
-                                           seq_len=SEQ)
+        result = backend.compute_gradients(
+            single.params, cfg, corpus, single.position, BATCH, seq_len=SEQ
+        )
         single.apply(result.grads)
     return start, single.params
 
 
-def assert_one_process(base: Path, text: Path, adapters: dict[str, np.ndarray],
-                       steps: int = STEPS) -> None:
+def assert_one_process(
+    base: Path, text: Path, adapters: dict[str, np.ndarray], steps: int = STEPS
+) -> None:
     """``adapters`` equal those one process trains in ``steps`` steps of the same batches."""
     _, single = one_process(base, text, steps)
     assert set(adapters) == set(single)
@@ -114,12 +139,26 @@ def test_two_workers_fine_tune_every_tensor_as_one_process(tmp_path: Path) -> No
     base, text = tiny_run(tmp_path)
     steps, lr = 4, 1e-3
     coord, port, _ = coordinator(
-        tmp_path, "--base-model", str(base), "--data", str(text), "--max-steps", str(steps),
-        "--global-batch", str(BATCH), "--seq-len", str(SEQ), "--lr", str(lr),
-        "--min-workers", "2",
+        tmp_path,
+        "--base-model",
+        str(base),
+        "--data",
+        str(text),
+        "--max-steps",
+        str(steps),
+        "--global-batch",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ),
+        "--lr",
+        str(lr),
+        "--min-workers",
+        "2",
     )
-    workers = [worker(tmp_path, port, f"w{i}", "--base-model", str(base), "--data", str(text))
-               for i in range(2)]
+    workers = [
+        worker(tmp_path, port, f"w{i}", "--base-model", str(base), "--data", str(text))
+        for i in range(2)
+    ]
     try:
         coord.wait_for(rf"training done at step {steps}", within_s=180)
         assert "from 1 workers" not in coord.text()
@@ -150,9 +189,20 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
     # Far more steps than the first checkpoint's 5: the run must still be going when it is
     # killed (with 10, a fast machine wrote step 10's checkpoint, the last, before the kill).
     steps = 30
-    args = (*lora_args(base, text), "--max-steps", str(steps), "--global-batch", str(BATCH),
-            "--seq-len", str(SEQ), "--lr", str(LR_), "--checkpoint-every", "5",
-            "--export-anywhere")
+    args = (
+        *lora_args(base, text),
+        "--max-steps",
+        str(steps),
+        "--global-batch",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ),
+        "--lr",
+        str(LR_),
+        "--checkpoint-every",
+        "5",
+        "--export-anywhere",
+    )
     coord, port, admin_port = coordinator(tmp_path, *args)
     w = worker(tmp_path, port, "w0", "--base-model", str(base), "--data", str(text))
     out = tmp_path / "adapter.gguf"
@@ -163,8 +213,16 @@ def test_a_restarted_coordinator_resumes_the_adapters(tmp_path: Path) -> None:
         assert isinstance(saved.config, TunedConfig) and saved.step >= 5
         assert set(saved.params) == {n for n, _ in saved.config.trainable}
         coord = Service(
-            ["coordinator", "--listen", f"127.0.0.1:{port}", "--admin-listen",
-             f"127.0.0.1:{admin_port}", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
+            [
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--admin-listen",
+                f"127.0.0.1:{admin_port}",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                *args,
+            ],
             tmp_path / "coordinator2.log",
         )
         assert saved.step < steps
@@ -185,8 +243,9 @@ def test_registrations_a_fine_tuning_swarm_refuses(tmp_path: Path) -> None:
     coord, port, _ = coordinator(tmp_path, *lora_args(base, text), "--max-steps", "1000")
     workers = []
     try:
-        stranger = worker(tmp_path, port, "stranger", "--base-model", str(other),
-                          "--data", str(text))
+        stranger = worker(
+            tmp_path, port, "stranger", "--base-model", str(other), "--data", str(text)
+        )
         workers.append(stranger)
         assert stranger.proc.wait(timeout=120) != 0
         assert "differs from the swarm's" in stranger.text(), stranger.text()[-2000:]
@@ -208,11 +267,21 @@ def test_base_model_refusals_name_the_reason() -> None:
     from foundry.swarm.worker_port import base_model_msg, base_model_refusal
 
     t = TINY["qwen3"]
-    base_cfg = ArchConfig(architecture="qwen3", n_vocab=t.n_vocab, n_embd=t.n_embd,
-                          n_layer=t.n_layer, n_head=t.n_head, n_head_kv=t.n_head_kv,
-                          n_ff=t.n_ff, n_expert=0, n_expert_used=0, key_length=t.head_dim)
-    cfg = tuned_config(base_cfg, FileIdentity(1000, "ab" * 32),
-                       LR.LoraSpec(rank=4, targets=("attn_q", "attn_v")))
+    base_cfg = ArchConfig(
+        architecture="qwen3",
+        n_vocab=t.n_vocab,
+        n_embd=t.n_embd,
+        n_layer=t.n_layer,
+        n_head=t.n_head,
+        n_head_kv=t.n_head_kv,
+        n_ff=t.n_ff,
+        n_expert=0,
+        n_expert_used=0,
+        key_length=t.head_dim,
+    )
+    cfg = tuned_config(
+        base_cfg, FileIdentity(1000, "ab" * 32), LR.LoraSpec(rank=4, targets=("attn_q", "attn_v"))
+    )
     mine = base_model_msg(cfg)
     assert (mine.lora_rank, mine.lora_targets) == (4, targets_mask(("attn_q", "attn_v"))) == (4, 5)
     assert base_model_refusal(cfg, mine) is None

@@ -50,7 +50,7 @@ FRAMES: list[Frame] = [
 
 def test_header_is_13_bytes_little_endian() -> None:
     assert HEADER_SIZE == 13
-    assert encode(Cancel(0x01020304)) == bytes.fromhex("46444645" "02" "04030201" "00000000")
+    assert encode(Cancel(0x01020304)) == bytes.fromhex("46444645020403020100000000")
 
 
 def test_generate_golden_bytes() -> None:
@@ -69,16 +69,31 @@ def test_generate_golden_bytes() -> None:
         + bytes.fromhex("0100")
         + b"x"
     )
-    assert got == bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", 37) + payload
+    assert got == bytes.fromhex("464446450101000000") + struct.pack("<I", 37) + payload
     assert len(payload) == 37
 
 
 def test_chat_generate_golden_bytes() -> None:
-    got = encode(Generate(2, "", 16, top_k=40, logprobs=True, top_logprobs=2,
-                          messages=(("user", "hi"), ("assistant", "yo"))))
+    got = encode(
+        Generate(
+            2,
+            "",
+            16,
+            top_k=40,
+            logprobs=True,
+            top_logprobs=2,
+            messages=(("user", "hi"), ("assistant", "yo")),
+        )
+    )
     messages = (
-        bytes.fromhex("04") + b"user" + bytes.fromhex("02000000") + b"hi"
-        + bytes.fromhex("09") + b"assistant" + bytes.fromhex("02000000") + b"yo"
+        bytes.fromhex("04")
+        + b"user"
+        + bytes.fromhex("02000000")
+        + b"hi"
+        + bytes.fromhex("09")
+        + b"assistant"
+        + bytes.fromhex("02000000")
+        + b"yo"
     )
     payload = (
         bytes.fromhex("10000000")  # max_tokens 16
@@ -93,37 +108,40 @@ def test_chat_generate_golden_bytes() -> None:
         + messages
     )
     assert len(messages) == 27 and len(payload) == 59
-    assert got == bytes.fromhex("46444645" "01" "02000000" "3b000000") + payload
+    assert got == bytes.fromhex("4644464501020000003b000000") + payload
 
 
 def test_logprobs_golden_bytes() -> None:
     got = encode(Logprobs(5, 104, -0.5, b"h", ((104, -0.5, b"h"), (7, -2.0, b""))))
     payload = (
-        bytes.fromhex("68000000" "000000bf" "0100") + b"h"  # token 104, -0.5f, 1 byte
+        bytes.fromhex("68000000000000bf0100")
+        + b"h"  # token 104, -0.5f, 1 byte
         + bytes.fromhex("02")  # two alternatives
-        + bytes.fromhex("68000000" "000000bf" "0100") + b"h"
-        + bytes.fromhex("07000000" "000000c0" "0000")  # token 7, -2.0f, no bytes
+        + bytes.fromhex("68000000000000bf0100")
+        + b"h"
+        + bytes.fromhex("07000000000000c00000")  # token 7, -2.0f, no bytes
     )
     assert len(payload) == 33
-    assert got == bytes.fromhex("46444645" "08" "05000000" "21000000") + payload
+    assert got == bytes.fromhex("46444645080500000021000000") + payload
 
 
 @pytest.mark.parametrize(
     ("payload", "words"),
     [
-        (bytes(26) + bytes.fromhex("0000" "00000000"), None),  # the smallest valid GENERATE
-        (bytes(24) + bytes.fromhex("04" "00" "0000" "00000000"), "unknown bits"),
-        (bytes(24) + bytes.fromhex("02" "00" "0000" "00000000"), "no message"),
-        (bytes(24) + bytes.fromhex("02" "00" "0000" "05000000" "00" "00000000"), "role"),
-        (bytes(24) + bytes.fromhex("02" "00" "0000" "06000000" "01") + b"u"
-         + bytes.fromhex("09000000"), "content"),
-        (bytes(24) + bytes.fromhex("00" "15" "0000" "00000000"), "top_logprobs"),
+        (bytes(26) + bytes.fromhex("000000000000"), None),  # the smallest valid GENERATE
+        (bytes(24) + bytes.fromhex("0400000000000000"), "unknown bits"),
+        (bytes(24) + bytes.fromhex("0200000000000000"), "no message"),
+        (bytes(24) + bytes.fromhex("02000000050000000000000000"), "role"),
+        (
+            bytes(24) + bytes.fromhex("020000000600000001") + b"u" + bytes.fromhex("09000000"),
+            "content",
+        ),
+        (bytes(24) + bytes.fromhex("0015000000000000"), "top_logprobs"),
     ],
 )
 def test_generate_flags_and_messages_are_checked(payload: bytes, words: str | None) -> None:
     dec = FrontendDecoder()
-    dec.feed(bytes.fromhex("46444645" "01" "01000000") + struct.pack("<I", len(payload))
-             + payload)
+    dec.feed(bytes.fromhex("464446450101000000") + struct.pack("<I", len(payload)) + payload)
     if words is None:
         assert dec.next_event() == Generate(1, "", 0, top_p=0.0)
         return
@@ -133,15 +151,14 @@ def test_generate_flags_and_messages_are_checked(payload: bytes, words: str | No
 
 def test_logprobs_payload_is_checked() -> None:
     for payload, words in [
-        (bytes.fromhex("68000000" "000000bf" "0500") + b"h", "bytes run past"),
-        (bytes.fromhex("68000000" "000000bf" "0000"), "count"),
-        (bytes.fromhex("68000000" "000000bf" "0000" "15"), "alternatives"),
-        (bytes.fromhex("68000000" "000000bf" "0000" "01"), "entry"),
-        (bytes.fromhex("68000000" "000000bf" "0000" "00" "00"), "trailing"),
+        (bytes.fromhex("68000000000000bf0500") + b"h", "bytes run past"),
+        (bytes.fromhex("68000000000000bf0000"), "count"),
+        (bytes.fromhex("68000000000000bf000015"), "alternatives"),
+        (bytes.fromhex("68000000000000bf000001"), "entry"),
+        (bytes.fromhex("68000000000000bf00000000"), "trailing"),
     ]:
         dec = FrontendDecoder()
-        dec.feed(bytes.fromhex("46444645" "08" "01000000") + struct.pack("<I", len(payload))
-                 + payload)
+        dec.feed(bytes.fromhex("464446450801000000") + struct.pack("<I", len(payload)) + payload)
         with pytest.raises(FrontendProtocolError, match=words):
             dec.next_event()
 
@@ -184,8 +201,9 @@ GOLDEN: list[tuple[Frame, str]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("frame", "golden"), GOLDEN,
-                         ids=[f"{f.TYPE.name}-{i}" for i, (f, _) in enumerate(GOLDEN)])
+@pytest.mark.parametrize(
+    ("frame", "golden"), GOLDEN, ids=[f"{f.TYPE.name}-{i}" for i, (f, _) in enumerate(GOLDEN)]
+)
 def test_frame_golden_bytes(frame: Frame, golden: str) -> None:
     raw = bytes.fromhex(golden)
     assert encode(frame) == raw
@@ -251,8 +269,8 @@ def test_round_trip_whole_and_byte_by_byte(frame: Frame) -> None:
 def test_bad_magic_type_and_length_fail_after_the_header() -> None:
     for header, words in [
         (b"XXXX" + bytes(9), "magic"),
-        (bytes.fromhex("46444645" "7f") + bytes(8), "unknown frame type"),
-        (bytes.fromhex("46444645" "01" "00000000" "ffffffff"), "limit"),
+        (bytes.fromhex("464446457f") + bytes(8), "unknown frame type"),
+        (bytes.fromhex("464446450100000000ffffffff"), "limit"),
     ]:
         dec = FrontendDecoder()
         dec.feed(header)
@@ -288,12 +306,32 @@ def test_any_bytes_give_frames_or_a_protocol_error(data: bytes) -> None:
 # tests: one built at import is checked before a mutation test run chooses its mutant)
 
 
-def _generate_payload(prompt: bytes = b"", stops: bytes = b"", n_stop: int = 0, flags: int = 0,
-                      top_logprobs: int = 0, prompt_len: int | None = None) -> bytes:
+def _generate_payload(
+    prompt: bytes = b"",
+    stops: bytes = b"",
+    n_stop: int = 0,
+    flags: int = 0,
+    top_logprobs: int = 0,
+    prompt_len: int | None = None,
+) -> bytes:
     """A GENERATE payload from docs/protocol.md's layout: max_tokens 9, temperature 0.5, top_p
     0.25, seed 3, top_k 0, flags, top_logprobs, n_stop, prompt_len, the prompt field, ``stops``."""
-    return (struct.pack("<IffQIBBHI", 9, 0.5, 0.25, 3, 0, flags, top_logprobs, n_stop,
-                        len(prompt) if prompt_len is None else prompt_len) + prompt + stops)
+    return (
+        struct.pack(
+            "<IffQIBBHI",
+            9,
+            0.5,
+            0.25,
+            3,
+            0,
+            flags,
+            top_logprobs,
+            n_stop,
+            len(prompt) if prompt_len is None else prompt_len,
+        )
+        + prompt
+        + stops
+    )
 
 
 def _decode_one(ftype: int, payload: bytes) -> Frame | None:
@@ -318,43 +356,65 @@ GENERATE_REFUSED: list[tuple[bytes, str]] = [
     (_generate_payload()[:31], "GENERATE payload of 31 bytes is too short"),
     (_generate_payload(flags=0x04), "GENERATE flags 0x04 set unknown bits"),
     (_generate_payload(flags=0x80), "GENERATE flags 0x80 set unknown bits"),
-    (_generate_payload(n_stop=17, stops=_stop(b"x") * 17),
-     "GENERATE lists 17 stop strings (max 16)"),
+    (
+        _generate_payload(n_stop=17, stops=_stop(b"x") * 17),
+        "GENERATE lists 17 stop strings (max 16)",
+    ),
     (_generate_payload(b"hi", prompt_len=3), "GENERATE prompt runs past the payload"),
     (_generate_payload(b"\xff"), f"prompt is not valid UTF-8: {BAD_UTF8}"),
     (_generate_payload(n_stop=1), "GENERATE stop list runs past the payload"),
     (_generate_payload(n_stop=1, stops=b"\x01"), "GENERATE stop list runs past the payload"),
-    (_generate_payload(n_stop=1, stops=b"\x00\x00"),
-     "GENERATE stop string empty or past the payload"),
-    (_generate_payload(n_stop=1, stops=b"\x02\x00x"),
-     "GENERATE stop string empty or past the payload"),
-    (_generate_payload(n_stop=2, stops=_stop(b"x")),
-     "GENERATE stop list runs past the payload"),
-    (_generate_payload(n_stop=1, stops=_stop(b"\xff")),
-     f"stop string is not valid UTF-8: {BAD_UTF8}"),
+    (
+        _generate_payload(n_stop=1, stops=b"\x00\x00"),
+        "GENERATE stop string empty or past the payload",
+    ),
+    (
+        _generate_payload(n_stop=1, stops=b"\x02\x00x"),
+        "GENERATE stop string empty or past the payload",
+    ),
+    (_generate_payload(n_stop=2, stops=_stop(b"x")), "GENERATE stop list runs past the payload"),
+    (
+        _generate_payload(n_stop=1, stops=_stop(b"\xff")),
+        f"stop string is not valid UTF-8: {BAD_UTF8}",
+    ),
     (_generate_payload(n_stop=1, stops=_stop(b"x") + b"\x00"), "GENERATE has 1 trailing bytes"),
     (_generate_payload(b"hi") + b"abc", "GENERATE has 3 trailing bytes"),
     (_generate_payload(top_logprobs=21), "GENERATE: top_logprobs must be in [0, 20], got 21"),
     (_generate_payload(flags=CHAT), "a CHAT GENERATE carries no message"),
-    (_generate_payload(b"\x00\x00\x00\x00\x00", flags=CHAT),
-     "GENERATE message role empty or past the prompt field"),
-    (_generate_payload(b"\x02u\x00\x00\x00\x00", flags=CHAT),
-     "GENERATE message role empty or past the prompt field"),
-    (_generate_payload(b"\x01u\x00\x00\x00", flags=CHAT),
-     "GENERATE message role empty or past the prompt field"),
-    (_generate_payload(b"\x01u\x01\x00\x00\x00", flags=CHAT),
-     "GENERATE message content runs past the prompt field"),
-    (_generate_payload(b"\x01u\x00\x00\x00\x00\x01", flags=CHAT),
-     "GENERATE message role empty or past the prompt field"),
-    (_generate_payload(b"\x01\xff\x00\x00\x00\x00", flags=CHAT),
-     f"message role is not valid UTF-8: {BAD_UTF8}"),
-    (_generate_payload(b"\x01u\x01\x00\x00\x00\xff", flags=CHAT),
-     f"message content is not valid UTF-8: {BAD_UTF8}"),
+    (
+        _generate_payload(b"\x00\x00\x00\x00\x00", flags=CHAT),
+        "GENERATE message role empty or past the prompt field",
+    ),
+    (
+        _generate_payload(b"\x02u\x00\x00\x00\x00", flags=CHAT),
+        "GENERATE message role empty or past the prompt field",
+    ),
+    (
+        _generate_payload(b"\x01u\x00\x00\x00", flags=CHAT),
+        "GENERATE message role empty or past the prompt field",
+    ),
+    (
+        _generate_payload(b"\x01u\x01\x00\x00\x00", flags=CHAT),
+        "GENERATE message content runs past the prompt field",
+    ),
+    (
+        _generate_payload(b"\x01u\x00\x00\x00\x00\x01", flags=CHAT),
+        "GENERATE message role empty or past the prompt field",
+    ),
+    (
+        _generate_payload(b"\x01\xff\x00\x00\x00\x00", flags=CHAT),
+        f"message role is not valid UTF-8: {BAD_UTF8}",
+    ),
+    (
+        _generate_payload(b"\x01u\x01\x00\x00\x00\xff", flags=CHAT),
+        f"message content is not valid UTF-8: {BAD_UTF8}",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("payload", "message"), GENERATE_REFUSED,
-                         ids=[m[:40] for _, m in GENERATE_REFUSED])
+@pytest.mark.parametrize(
+    ("payload", "message"), GENERATE_REFUSED, ids=[m[:40] for _, m in GENERATE_REFUSED]
+)
 def test_generate_malformed_fields_exact(payload: bytes, message: str) -> None:
     assert _refused(0x01, payload) == message
 
@@ -362,8 +422,7 @@ def test_generate_malformed_fields_exact(payload: bytes, message: str) -> None:
 def test_generate_fields_at_their_limits_decode() -> None:
     sixteen = (*(f"s{i}" for i in range(15)), "x")  # the last one byte, ending the payload
     stops = b"".join(_stop(s.encode()) for s in sixteen)
-    got = _decode_one(0x01, _generate_payload(b"hi", stops, n_stop=16, flags=0x01,
-                                              top_logprobs=20))
+    got = _decode_one(0x01, _generate_payload(b"hi", stops, n_stop=16, flags=0x01, top_logprobs=20))
     assert got == Generate(5, "hi", 9, 0.5, 0.25, 3, sixteen, logprobs=True, top_logprobs=20)
     # the prompt field exactly to the payload's end; a message with empty content ending it
     got = _decode_one(0x01, _generate_payload(b"\x01u\x00\x00\x00\x00", flags=CHAT))
@@ -388,11 +447,17 @@ def test_generate_is_checked_when_built() -> None:
         assert Generate(1, "p", 1, top_logprobs=n).top_logprobs == n
     refused("top_logprobs must be in [0, 20], got 21", 1, "p", 1, top_logprobs=21)
     refused("top_logprobs -1 is outside 0..255", 1, "p", 1, top_logprobs=-1)  # the u8 first
-    refused("a GENERATE carries a prompt or messages, not both", 1, "p", 1,
-            messages=(("user", "x"),))
+    refused(
+        "a GENERATE carries a prompt or messages, not both", 1, "p", 1, messages=(("user", "x"),)
+    )
     refused("a message role must be 1..255 bytes, got ''", 1, "", 1, messages=(("", "x"),))
-    refused(f"a message role must be 1..255 bytes, got {'é' * 128!r}", 1, "", 1,
-            messages=(("é" * 128, "x"),))  # 256 bytes of UTF-8
+    refused(
+        f"a message role must be 1..255 bytes, got {'é' * 128!r}",
+        1,
+        "",
+        1,
+        messages=(("é" * 128, "x"),),
+    )  # 256 bytes of UTF-8
     for rid in (0, 0xFFFF_FFFF):
         assert Cancel(rid).request_id == rid
     for rid in (-1, 1 << 32):
@@ -422,8 +487,10 @@ def test_logprobs_limits_exact() -> None:
     entry = bytes.fromhex("68000000 000000bf 0000")
     for payload, message in [
         (entry[:9], "LOGPROBS entry runs past the payload"),
-        (bytes.fromhex("68000000 000000bf 0200") + b"h", "LOGPROBS token bytes run past the "
-         "payload"),
+        (
+            bytes.fromhex("68000000 000000bf 0200") + b"h",
+            "LOGPROBS token bytes run past the payload",
+        ),
         (entry, "LOGPROBS ends before its alternative count"),
         (entry + b"\x15" + entry * 21, "LOGPROBS lists 21 alternatives (max 20)"),
         (entry + b"\x02" + entry, "LOGPROBS entry runs past the payload"),
@@ -431,7 +498,8 @@ def test_logprobs_limits_exact() -> None:
     ]:
         assert _refused(0x08, payload) == message
     assert _decode_one(0x08, entry + b"\x14" + entry * 20) == Logprobs(
-        5, 0x68, -0.5, b"", ((0x68, -0.5, b""),) * 20)
+        5, 0x68, -0.5, b"", ((0x68, -0.5, b""),) * 20
+    )
 
 
 def test_fixed_and_text_frames_exact() -> None:
@@ -442,16 +510,26 @@ def test_fixed_and_text_frames_exact() -> None:
         (0x04, bytes(14), "DONE payload must be 13 bytes, got 14"),
         (0x07, bytes(57), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 57"),
         (0x07, bytes(58), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 58"),
-        (0x07, bytes(59) + bytes(7), "STATUS payload must be 58 + 1 + 8 x its rank count "
-         "bytes, got 66"),
-        (0x07, bytes(58) + b"\x01" + bytes.fromhex("00 02 0100 00000000"),
-         "STATUS rank 0: connected must be 0 or 1"),
+        (
+            0x07,
+            bytes(59) + bytes(7),
+            "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 66",
+        ),
+        (
+            0x07,
+            bytes(58) + b"\x01" + bytes.fromhex("00 02 0100 00000000"),
+            "STATUS rank 0: connected must be 0 or 1",
+        ),
         (0x03, bytes(7), "TOKEN payload of 7 bytes is too short"),
         (0x05, bytes(3), "ERROR payload of 3 bytes is too short"),
         (0x03, bytes(8) + b"\xff", f"TOKEN text is not valid UTF-8: {BAD_UTF8}"),
         (0x05, bytes(4) + b"\xff", f"ERROR message is not valid UTF-8: {BAD_UTF8}"),
-        (0x04, b"\x05" + bytes(12), "DONE: reason 5 is not a DoneReason (0 MAX_TOKENS, 1 EOS, "
-         "2 STOP_STRING, 3 CANCELLED, 4 CONTEXT_FULL)"),
+        (
+            0x04,
+            b"\x05" + bytes(12),
+            "DONE: reason 5 is not a DoneReason (0 MAX_TOKENS, 1 EOS, "
+            "2 STOP_STRING, 3 CANCELLED, 4 CONTEXT_FULL)",
+        ),
         (0x07, b"\x02" + bytes(58), "STATUS: worker_connected must be a bool (0 or 1), got 2"),
     ]:
         assert _refused(ftype, payload) == message
@@ -460,8 +538,10 @@ def test_fixed_and_text_frames_exact() -> None:
     for header, message in [
         (b"XXXX" + bytes(9), "bad magic 0x58585858, expected 0x45464446 (FDFE)"),
         (bytes.fromhex("46444645 09") + bytes(8), "unknown frame type 0x09"),
-        (bytes.fromhex("46444645 01 00000000 01001000"),
-         "GENERATE declares 1048577 payload bytes, the limit is 1048576"),
+        (
+            bytes.fromhex("46444645 01 00000000 01001000"),
+            "GENERATE declares 1048577 payload bytes, the limit is 1048576",
+        ),
     ]:
         dec = FrontendDecoder()
         dec.feed(header)
@@ -485,8 +565,13 @@ def test_fields_are_stored_in_their_normal_form() -> None:
     """A numpy integer becomes an int, alternatives a tuple of (int, f32 value, bytes)."""
     cancel = Cancel(np.uint32(7))  # type: ignore[arg-type]
     assert cancel.request_id == 7 and type(cancel.request_id) is int
-    frame = Logprobs(1, np.int32(5), 0.5, bytearray(b"h"),  # type: ignore[arg-type]
-                     [(np.int32(6), 1 / 3, bytearray(b"x"))])  # type: ignore[arg-type]
+    frame = Logprobs(
+        1,
+        np.int32(5),
+        0.5,
+        bytearray(b"h"),  # type: ignore[arg-type]
+        [(np.int32(6), 1 / 3, bytearray(b"x"))],
+    )  # type: ignore[arg-type]
     assert type(frame.token) is int and frame.token == 5
     assert frame.top == ((6, 0.33333334, b"x"),) and type(frame.top[0][0]) is int
     assert frame.token_bytes == b"h"

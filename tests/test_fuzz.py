@@ -40,7 +40,10 @@ def test_every_native_port_takes_10000_bad_frames_without_a_crash_or_hang(
     text = f"seed {seed}\n" + "\n".join(lines)
     print(text)
     assert [p.port for p in report.ports] == [
-        "coordinator-workers", "coordinator-admin", "tp-leader-workers", "tp-leader-frontend",
+        "coordinator-workers",
+        "coordinator-admin",
+        "tp-leader-workers",
+        "tp-leader-frontend",
     ], text
     for p in report.ports:
         assert p.fuzz_frames - p.refused_unread >= FRAMES_PER_PORT, text

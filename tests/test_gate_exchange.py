@@ -366,7 +366,9 @@ def test_two_processes_bit_identical(kind: str) -> None:
 
 
 def mesh(
-    world: int, small_buffers: bool = False, timeout_s: float = 2.0,
+    world: int,
+    small_buffers: bool = False,
+    timeout_s: float = 2.0,
     peer_tls: PeerContexts | None = None,
 ) -> list[MeshGateExchange]:
     """A world of ``world`` ranks in this process, a loopback connection between every two
@@ -378,16 +380,20 @@ def mesh(
             if peer_tls is not None:
                 a, b = tls_pair(a, b, peer_tls)
             socks[i][j], socks[j][i] = a, b
-    return [MeshGateExchange(socks[r], rank=r, world=world, n_embd=N_EMBD, timeout_s=timeout_s)
-            for r in range(world)]
+    return [
+        MeshGateExchange(socks[r], rank=r, world=world, n_embd=N_EMBD, timeout_s=timeout_s)
+        for r in range(world)
+    ]
 
 
-def tls_pair(accepted: socket.socket, dialed: socket.socket,
-             peer_tls: PeerContexts) -> tuple[socket.socket, socket.socket]:
+def tls_pair(
+    accepted: socket.socket, dialed: socket.socket, peer_tls: PeerContexts
+) -> tuple[socket.socket, socket.socket]:
     """Both ends of a connection after the TLS handshake, each side on its own thread."""
     server: list[socket.socket] = []
-    t = threading.Thread(target=lambda: server.append(
-        wrap_blocking(peer_tls.accept, accepted, server_side=True)))
+    t = threading.Thread(
+        target=lambda: server.append(wrap_blocking(peer_tls.accept, accepted, server_side=True))
+    )
     t.start()
     client = wrap_blocking(peer_tls.dial, dialed, server_side=False)
     t.join(10)
@@ -399,8 +405,9 @@ def tls_pair(accepted: socket.socket, dialed: socket.socket,
 def peer_tls(tmp_path_factory: pytest.TempPathFactory) -> PeerContexts:
     d = tmp_path_factory.mktemp("certs")
     make_certs(d)
-    contexts = peer_contexts_for(TlsFiles(d / "tp-worker.pem", d / "tp-worker-key.pem",
-                                          d / "ca.pem"))
+    contexts = peer_contexts_for(
+        TlsFiles(d / "tp-worker.pem", d / "tp-worker-key.pem", d / "ca.pem")
+    )
     assert contexts is not None
     return contexts
 
@@ -424,24 +431,27 @@ def run_world(fns: list[Callable[[], Any]]) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize(("world", "tls"), [(3, False), (4, False), (3, True)],
-                         ids=["3", "4", "3-tls"])
-def test_mesh_sums_in_rank_order_on_every_rank(world: int, tls: bool,
-                                               request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    ("world", "tls"), [(3, False), (4, False), (3, True)], ids=["3", "4", "3-tls"]
+)
+def test_mesh_sums_in_rank_order_on_every_rank(
+    world: int, tls: bool, request: pytest.FixtureRequest
+) -> None:
     """Every rank gets ((p0 + p1) + p2) + ... bit for bit, the rows of a decode gate and of a
     4 MiB prefill partial through small socket buffers alike, over TCP and over TLS."""
     rng = np.random.default_rng(world)
     contexts = request.getfixturevalue("peer_tls") if tls else None
     gates = mesh(world, small_buffers=True, peer_tls=contexts)
     if tls:
-        assert all(isinstance(ch.sock, ssl.SSLSocket) for g in gates
-                   for ch in g._channels.values())
+        assert all(isinstance(ch.sock, ssl.SSLSocket) for g in gates for ch in g._channels.values())
     shapes = [(1, N_EMBD), (1024, N_EMBD), (3, N_EMBD)]
-    parts = [[rng.standard_normal(shape).astype(np.float32) for shape in shapes]
-             for _ in range(world)]
+    parts = [
+        [rng.standard_normal(shape).astype(np.float32) for shape in shapes] for _ in range(world)
+    ]
     try:
-        got = run_world([lambda g=g, p=p: gates_schedule(g, p)
-                         for g, p in zip(gates, parts, strict=True)])
+        got = run_world(
+            [lambda g=g, p=p: gates_schedule(g, p) for g, p in zip(gates, parts, strict=True)]
+        )
     finally:
         for g in gates:
             g.close()
@@ -462,11 +472,13 @@ def test_mesh_sums_in_rank_order_on_every_rank(world: int, tls: bool,
 def test_mesh_desync_and_a_dead_rank_are_named() -> None:
     gates = mesh(3, timeout_s=0.5)
     one = np.ones((1, N_EMBD), np.float32)
-    results = run_world([
-        lambda: gates[0].exchange(0, Gate.ATTN, one),
-        lambda: gates[1].exchange(0, Gate.ATTN, one),
-        lambda: gates[2].exchange(0, Gate.FFN, one),
-    ])
+    results = run_world(
+        [
+            lambda: gates[0].exchange(0, Gate.ATTN, one),
+            lambda: gates[1].exchange(0, Gate.ATTN, one),
+            lambda: gates[2].exchange(0, Gate.FFN, one),
+        ]
+    )
     assert isinstance(results[0], GateError)
     assert "rank 2: gate desync: expected layer 0 gate ATTN" in str(results[0])
     for g in gates:

@@ -125,7 +125,8 @@ async def stack(
     port = await gateway.start()
     if channel_credentials is not None:
         channel = grpc.aio.secure_channel(
-            f"127.0.0.1:{port}", channel_credentials,
+            f"127.0.0.1:{port}",
+            channel_credentials,
             options=[("grpc.ssl_target_name_override", "localhost")],
         )
     else:
@@ -164,7 +165,8 @@ def assert_same(
     reason = inference_pb2.FinishReason.Name(done.reason)
     assert reason == f"FINISH_REASON_{direct.end.reason.name}"
     assert (done.prompt_tokens, done.generated_tokens) == (
-        direct.end.prompt_tokens, direct.end.generated_tokens
+        direct.end.prompt_tokens,
+        direct.end.generated_tokens,
     )
 
 
@@ -176,19 +178,23 @@ def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> Non
 
     async def main() -> None:
         async with stack(pair.frontend) as s:
-            for metadata, wording in [((), "requires a bearer token"),
-                                      ((("authorization", "Bearer nope"),), "not accepted"),
-                                      ((("authorization", f"Basic {TOKEN}"),), "requires")]:
+            for metadata, wording in [
+                ((), "requires a bearer token"),
+                ((("authorization", "Bearer nope"),), "not accepted"),
+                ((("authorization", f"Basic {TOKEN}"),), "requires"),
+            ]:
                 await expect_code(
                     s.inference().GetPairStatus(
                         inference_pb2.GetPairStatusRequest(), metadata=metadata, timeout=5
                     ),
-                    grpc.StatusCode.UNAUTHENTICATED, wording,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    wording,
                 )
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     async for _ in s.inference().Generate(
                         inference_pb2.GenerateRequest(prompt="x", max_tokens=2),
-                        metadata=metadata, timeout=5,
+                        metadata=metadata,
+                        timeout=5,
                     ):
                         pass
                 assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -213,12 +219,14 @@ def test_every_call_but_health_and_reflection_needs_the_token(pair: Pair) -> Non
             assert await health_of(s.channel, "") == SERVING  # no token
 
             pair_method = "foundry.v1.InferenceService/GetPairStatus"
-            refused = s.count("foundry_gateway_requests_total", method=pair_method,
-                              code="UNAUTHENTICATED")
+            refused = s.count(
+                "foundry_gateway_requests_total", method=pair_method, code="UNAUTHENTICATED"
+            )
             ok = s.count("foundry_gateway_requests_total", method=pair_method, code="OK")
             assert (refused, ok) == (3, 1)
-            assert s.count("foundry_gateway_request_duration_seconds_count",
-                           method=pair_method) == 4
+            assert (
+                s.count("foundry_gateway_request_duration_seconds_count", method=pair_method) == 4
+            )
 
     run(main)
 
@@ -251,10 +259,29 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
         missing("the openssl command is not installed; it makes the test certificate")
     cert, key = tmp / "cert.pem", tmp / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=30,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
     )
     return cert, key
 
@@ -277,7 +304,8 @@ def test_tls_with_the_ca_works_and_plaintext_does_not(pair: Pair, tmp_path: Path
                         health_pb2.HealthCheckRequest(), timeout=2
                     )
                 assert exc.value.code() in (
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
 
     run(main)
@@ -295,13 +323,18 @@ def test_get_pair_status_is_the_leaders_status(model: Path, pair: Pair) -> None:
             direct = await asyncio.to_thread(pair.status)
             assert before.worker_connected and before.shared_memory
             assert (before.n_layer, before.n_embd, before.n_vocab, before.ctx_size) == (
-                MODEL_CFG.n_layer, MODEL_CFG.n_embd, MODEL_CFG.n_vocab, MODEL_CFG.n_ctx
+                MODEL_CFG.n_layer,
+                MODEL_CFG.n_embd,
+                MODEL_CFG.n_vocab,
+                MODEL_CFG.n_ctx,
             )
             assert before.model_bytes == model.stat().st_size
             assert before.model_id == direct.model_id != 0
             assert before.active_sessions == 0
             assert [(r.rank, r.share, r.connected) for r in before.ranks] == [
-                (0, 1, True), (1, 1, True)]
+                (0, 1, True),
+                (1, 1, True),
+            ]
             await generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=7), timeout=10)
             after = await s.inference().GetPairStatus(
                 inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
@@ -326,14 +359,21 @@ def test_generate_streams_what_the_pair_generates(pair: Pair) -> None:
             streamed = 0
             for request, direct in [
                 (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=24), greedy),
-                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=24, stop=[stop]),
-                 stopped),
+                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=24, stop=[stop]), stopped),
                 # The sampled text depends on every field: each reached the leader.
-                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.7,
-                                               top_p=0.9, seed=3), sampled),
+                (
+                    inference_pb2.GenerateRequest(
+                        prompt=PROMPT, max_tokens=40, temperature=0.7, top_p=0.9, seed=3
+                    ),
+                    sampled,
+                ),
                 # An unset top_p is 1: no filtering.
-                (inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0.9,
-                                               seed=4), unset_top_p),
+                (
+                    inference_pb2.GenerateRequest(
+                        prompt=PROMPT, max_tokens=16, temperature=0.9, seed=4
+                    ),
+                    unset_top_p,
+                ),
             ]:
                 tokens, done = await generate(s, request, timeout=10)
                 assert_same(tokens, done, direct)
@@ -372,8 +412,11 @@ def test_a_stream_that_falls_behind_sends_the_backlog_in_fewer_messages(
                     done = event.done
                 if len(sizes) <= stalls:
                     ahead = base + len(tokens) + 4
-                    wait_for(lambda ahead=ahead: pair.status().tokens_generated >= ahead, 30,
-                             "the pair to decode four tokens past the reader")
+                    wait_for(
+                        lambda ahead=ahead: pair.status().tokens_generated >= ahead,
+                        30,
+                        "the pair to decode four tokens past the reader",
+                    )
             assert done is not None
             assert_same(tokens, done, direct)
             assert max(sizes) > 1 and len(sizes) < n, sizes
@@ -400,8 +443,7 @@ def test_cancelling_generate_stops_decoding_on_the_pair(pair: Pair) -> None:
             call.cancel()
             status = await asyncio.to_thread(pair.wait_cancelled, before)
             assert status.tokens_generated - tokens_before < LONG[1]
-            assert s.count("foundry_gateway_requests_total", method=GENERATE,
-                           code="CANCELLED") == 1
+            assert s.count("foundry_gateway_requests_total", method=GENERATE, code="CANCELLED") == 1
 
     run(main)
 
@@ -415,7 +457,8 @@ def test_a_deadline_mid_stream_ends_the_generation_on_the_pair(pair: Pair) -> No
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 async for _ in s.inference().Generate(
                     inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]),
-                    metadata=AUTH, timeout=0.3,
+                    metadata=AUTH,
+                    timeout=0.3,
                 ):
                     got += 1
             # The code says why it ended: the 0.3 s deadline, not the end of the generation.
@@ -423,8 +466,10 @@ def test_a_deadline_mid_stream_ends_the_generation_on_the_pair(pair: Pair) -> No
             assert got > 0
             status = await asyncio.to_thread(pair.wait_cancelled, before)
             assert status.tokens_generated - tokens_before < LONG[1]
-            assert s.count("foundry_gateway_requests_total", method=GENERATE,
-                           code="DEADLINE_EXCEEDED") == 1
+            assert (
+                s.count("foundry_gateway_requests_total", method=GENERATE, code="DEADLINE_EXCEEDED")
+                == 1
+            )
 
     run(main)
 
@@ -447,8 +492,11 @@ def test_deadlines_hold_against_a_stalled_leader(pair: Pair) -> None:
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
                 await expect_code(
-                    generate(s, inference_pb2.GenerateRequest(prompt=LONG[0],
-                                                              max_tokens=LONG[1]), timeout=0.3),
+                    generate(
+                        s,
+                        inference_pb2.GenerateRequest(prompt=LONG[0], max_tokens=LONG[1]),
+                        timeout=0.3,
+                    ),
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                 )
                 await wait_health(s.channel, INFERENCE_SERVICE, NOT_SERVING)
@@ -510,9 +558,11 @@ def test_the_leaders_refusals_map_to_status_codes(pair: Pair) -> None:
     async def main() -> None:
         async with stack(pair.frontend) as s:
             details = await expect_code(
-                generate(s, inference_pb2.GenerateRequest(prompt="x" * 1100, max_tokens=4),
-                         timeout=10),
-                grpc.StatusCode.INVALID_ARGUMENT, "longer than the context of 1024",
+                generate(
+                    s, inference_pb2.GenerateRequest(prompt="x" * 1100, max_tokens=4), timeout=10
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "longer than the context of 1024",
             )
             assert "the TP leader refused the request" in details
             assert await asyncio.to_thread(pair.requests, "bad_request") == refused_before + 1
@@ -546,17 +596,21 @@ def test_an_unreachable_coordinator_is_unavailable_with_a_hint(pair: Pair) -> No
             for rpc, request in [
                 (training.GetTrainingStatus, training_pb2.GetTrainingStatusRequest()),
                 (training.PauseTraining, training_pb2.PauseTrainingRequest()),
-                (model_pb2_grpc.ModelServiceStub(s.channel).ExportModel,
-                 model_pb2.ExportModelRequest()),
+                (
+                    model_pb2_grpc.ModelServiceStub(s.channel).ExportModel,
+                    model_pb2.ExportModelRequest(),
+                ),
             ]:
                 await expect_code(
                     rpc(request, metadata=AUTH, timeout=5),
-                    grpc.StatusCode.UNAVAILABLE, f"--admin-listen 127.0.0.1:{s.coordinator_port}",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"--admin-listen 127.0.0.1:{s.coordinator_port}",
                 )
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 async for _ in training.WatchTrainingStatus(
                     training_pb2.WatchTrainingStatusRequest(interval_seconds=0.01),
-                    metadata=AUTH, timeout=5,
+                    metadata=AUTH,
+                    timeout=5,
                 ):
                     pass
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -572,12 +626,16 @@ def test_faults_of_the_leader_itself_are_internal() -> None:
         port = await leader.start()
         try:
             async with stack(port) as s:
-                for prompt, wording in [("!internal", "see the tp-leader log"),
-                                        ("!garbage", "same foundry version")]:
+                for prompt, wording in [
+                    ("!internal", "see the tp-leader log"),
+                    ("!garbage", "same foundry version"),
+                ]:
                     await expect_code(
-                        generate(s, inference_pb2.GenerateRequest(prompt=prompt, max_tokens=4),
-                                 timeout=5),
-                        grpc.StatusCode.INTERNAL, wording,
+                        generate(
+                            s, inference_pb2.GenerateRequest(prompt=prompt, max_tokens=4), timeout=5
+                        ),
+                        grpc.StatusCode.INTERNAL,
+                        wording,
                     )
                 tokens, _ = await generate(
                     s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=5
@@ -613,7 +671,8 @@ def test_a_killed_worker_turns_inference_unavailable_until_it_is_back(pair: Pair
             # Refused at once for the reason, not left to its 10 s deadline (DEADLINE_EXCEEDED).
             await expect_code(
                 generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=10),
-                grpc.StatusCode.UNAVAILABLE, "not connected",
+                grpc.StatusCode.UNAVAILABLE,
+                "not connected",
             )
             status = await s.inference().GetPairStatus(
                 inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
@@ -654,11 +713,13 @@ def test_a_killed_leader_breaks_the_link_and_a_new_one_is_used(pair: Pair) -> No
                 s.inference().GetPairStatus(
                     inference_pb2.GetPairStatusRequest(), metadata=AUTH, timeout=5
                 ),
-                grpc.StatusCode.UNAVAILABLE, f"--frontend-listen 127.0.0.1:{pair.frontend}",
+                grpc.StatusCode.UNAVAILABLE,
+                f"--frontend-listen 127.0.0.1:{pair.frontend}",
             )
             await expect_code(
                 generate(s, inference_pb2.GenerateRequest(prompt="hi", max_tokens=4), timeout=10),
-                grpc.StatusCode.UNAVAILABLE, "unreachable",
+                grpc.StatusCode.UNAVAILABLE,
+                "unreachable",
             )
 
             await asyncio.to_thread(pair.restart_leader)
@@ -738,20 +799,38 @@ def test_ctl_generate_through_gateway_and_pair_prints_what_foundry_generate_prin
     decoding on), greedy text compared byte for byte with one process. The model's text is
     varied (random weights: bytes of every kind, invalid UTF-8 included, so the streamed
     pieces must join exactly as the one process joins them); one prompt runs to EOS."""
-    with running_pair(model, tmp_path, flags=()) as p, Service(
-        ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin", f"127.0.0.1:{free_port()}",
-         "--tp-frontend", f"127.0.0.1:{p.frontend}"],
-        tmp_path / "gateway.log",
-    ) as gateway:
+    with (
+        running_pair(model, tmp_path, flags=()) as p,
+        Service(
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator-admin",
+                f"127.0.0.1:{free_port()}",
+                "--tp-frontend",
+                f"127.0.0.1:{p.frontend}",
+            ],
+            tmp_path / "gateway.log",
+        ) as gateway,
+    ):
         target = f"127.0.0.1:{gateway.wait_for(GATEWAY_LINE).group(1)}"
-        for prompt, n, finish in [("Hello from the gateway", 80, "max_tokens"),
-                                  ("abc", LONG[1], "eos")]:
+        for prompt, n, finish in [
+            ("Hello from the gateway", 80, "max_tokens"),
+            ("abc", LONG[1], "eos"),
+        ]:
             settings = ["--prompt", prompt, "--max-tokens", str(n), "--temperature", "0"]
-            through = subprocess.Popen(_ctl(target, None, "generate", *settings, "--stats"),
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+            through = subprocess.Popen(
+                _ctl(target, None, "generate", *settings, "--stats"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=ENV,
+            )
             one = subprocess.Popen(
                 [sys.executable, "-m", "foundry", "generate", "--model", str(model), *settings],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=ENV,
             )
             out, err = through.communicate(timeout=60)
             want, one_err = one.communicate(timeout=60)

@@ -26,16 +26,33 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 GATEWAY_LISTENING = r"gateway listening: grpc 127\.0\.0\.1:(\d+).*metrics :(\d+)"
 # A training run small enough to finish in a few seconds on one core.
-TINY_RUN = ("--preset", "tiny", "--max-steps", "3", "--global-batch", "2", "--seq-len", "16",
-            "--checkpoint-every", "1000", "--warmup-steps", "1")
+TINY_RUN = (
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "3",
+    "--global-batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--checkpoint-every",
+    "1000",
+    "--warmup-steps",
+    "1",
+)
 
 
 async def start_coordinator(tmp: Path, admin_port: int = 0) -> tuple[procs.Service, int, int]:
     """A coordinator waiting for START; returns it, its worker port and its admin port.
     procs.coordinator asks for admin port 0; argparse keeps the last of a repeated flag."""
     return await asyncio.to_thread(
-        procs.coordinator, tmp, "--admin-listen", f"127.0.0.1:{admin_port}", "--wait-for-start",
-        *TINY_RUN, name=f"coordinator-{time.monotonic_ns()}",
+        procs.coordinator,
+        tmp,
+        "--admin-listen",
+        f"127.0.0.1:{admin_port}",
+        "--wait-for-start",
+        *TINY_RUN,
+        name=f"coordinator-{time.monotonic_ns()}",
     )
 
 
@@ -49,10 +66,14 @@ async def exit_code(service: procs.Service, within_s: float = 20.0) -> int:
 async def gateway_for(admin_port: int) -> AsyncIterator[tuple[Gateway, grpc.aio.Channel]]:
     gateway = Gateway(
         GatewayOptions(
-            listen_host="127.0.0.1", listen_port=0,
-            coordinator_host="127.0.0.1", coordinator_port=admin_port,
-            frontend_host="127.0.0.1", frontend_port=free_port(),
-            probe_interval_s=0.2, grace_s=0.5,
+            listen_host="127.0.0.1",
+            listen_port=0,
+            coordinator_host="127.0.0.1",
+            coordinator_port=admin_port,
+            frontend_host="127.0.0.1",
+            frontend_port=free_port(),
+            probe_interval_s=0.2,
+            grace_s=0.5,
         )
     )
     port = await gateway.start()
@@ -84,7 +105,8 @@ def test_health_follows_the_coordinator(tmp_path: Path) -> None:
             stub = training_pb2_grpc.TrainingServiceStub(channel)
             await expect_code(
                 stub.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(), timeout=5),
-                grpc.StatusCode.UNAVAILABLE, f"--admin-listen 127.0.0.1:{admin_port}",
+                grpc.StatusCode.UNAVAILABLE,
+                f"--admin-listen 127.0.0.1:{admin_port}",
             )
             coordinator, _, _ = await start_coordinator(tmp_path, admin_port)
             try:
@@ -124,7 +146,8 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 assert Path(ex.path) == out and out.stat().st_size > 0
                 await expect_code(
                     m.ExportModel(model_pb2.ExportModelRequest(path="x" * 300), timeout=5),
-                    grpc.StatusCode.INVALID_ARGUMENT, "path",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "path",
                 )
 
                 started = await t.StartTraining(training_pb2.StartTrainingRequest(), timeout=5)
@@ -137,9 +160,11 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 # A worker joins the paused run, so it is listed before any round runs.
                 joined = procs.worker(tmp_path, worker_port, "w1")
                 deadline = time.monotonic() + 60
-                while not (listed := list((await t.ListWorkers(
-                    training_pb2.ListWorkersRequest(), timeout=5
-                )).workers)):
+                while not (
+                    listed := list(
+                        (await t.ListWorkers(training_pb2.ListWorkersRequest(), timeout=5)).workers
+                    )
+                ):
                     assert time.monotonic() < deadline, joined.text()[-3000:]
                     await asyncio.sleep(0.1)
                 assert [w.worker_id for w in listed] == ["w1"]
@@ -168,11 +193,13 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
 
                 await expect_code(
                     t.PauseTraining(training_pb2.PauseTrainingRequest(), timeout=5),
-                    grpc.StatusCode.FAILED_PRECONDITION, "training is done",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "training is done",
                 )
                 await expect_code(
                     t.StartTraining(training_pb2.StartTrainingRequest(), timeout=5),
-                    grpc.StatusCode.FAILED_PRECONDITION, "done",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "done",
                 )
 
                 bye = await t.ShutdownTraining(training_pb2.ShutdownTrainingRequest(), timeout=30)
@@ -180,7 +207,8 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
                 assert await exit_code(coordinator) == 0
                 await expect_code(
                     t.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(), timeout=5),
-                    grpc.StatusCode.UNAVAILABLE, "--admin-listen",
+                    grpc.StatusCode.UNAVAILABLE,
+                    "--admin-listen",
                 )
         finally:
             if joined is not None:
@@ -192,9 +220,17 @@ def test_every_training_and_model_call_against_a_real_coordinator(tmp_path: Path
 
 async def _ctl(gateway: str, token: Path, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "foundry", "ctl", *args, "--gateway", gateway,
-        "--token-file", str(token),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "foundry",
+        "ctl",
+        *args,
+        "--gateway",
+        gateway,
+        "--token-file",
+        str(token),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
@@ -208,9 +244,21 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
     async def main() -> None:
         coordinator, _, admin_port = await start_coordinator(tmp_path)
         gateway = procs.Service(
-            ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin", f"127.0.0.1:{admin_port}",
-             "--tp-frontend", f"127.0.0.1:{free_port()}", "--token-file", str(token),
-             "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator-admin",
+                f"127.0.0.1:{admin_port}",
+                "--tp-frontend",
+                f"127.0.0.1:{free_port()}",
+                "--token-file",
+                str(token),
+                "--metrics-port",
+                "0",
+                "--metrics-host",
+                "127.0.0.1",
+            ],
             tmp_path / "gateway.log",
         )
         try:
@@ -223,16 +271,21 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
             assert "no workers registered" in out
             assert "pair: not started yet; it starts after training" in out
             assert "no tensor-parallel pair at" in out and "not reached since" in out
-            for action, wording in [("start", "step 0: training"), ("pause", "paused"),
-                                    ("resume", "training"), ("checkpoint", "checkpoint at step 0"),
-                                    ("workers", "no workers registered")]:
+            for action, wording in [
+                ("start", "step 0: training"),
+                ("pause", "paused"),
+                ("resume", "training"),
+                ("checkpoint", "checkpoint at step 0"),
+                ("workers", "no workers registered"),
+            ]:
                 code, out, err = await _ctl(target, token, action)
                 assert code == 0 and wording in out, (action, out, err)
             code, out, err = await _ctl(target, token, "export", "--path", str(tmp_path / "m.gguf"))
             assert code == 0 and f"exported step 0 to {tmp_path / 'm.gguf'}" in out, out + err
             q8 = tmp_path / "q8.gguf"
-            code, out, err = await _ctl(target, token, "export", "--path", str(q8),
-                                        "--type", "q8_0")
+            code, out, err = await _ctl(
+                target, token, "export", "--path", str(q8), "--type", "q8_0"
+            )
             assert code == 0 and f"exported step 0 to {q8}" in out, out + err
             # Q8_0: 34 bytes a block of 32 weights, against 128 in f32.
             assert q8.stat().st_size < 0.4 * (tmp_path / "m.gguf").stat().st_size
@@ -242,8 +295,10 @@ def test_gateway_and_ctl_processes(tmp_path: Path) -> None:
 
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
                 text = r.read().decode()
-            assert ('foundry_gateway_requests_total{code="OK",'
-                    'method="foundry.v1.TrainingService/StartTraining"} 1.0') in text
+            assert (
+                'foundry_gateway_requests_total{code="OK",'
+                'method="foundry.v1.TrainingService/StartTraining"} 1.0'
+            ) in text
 
             code, out, err = await _ctl(target, token, "shutdown")
             assert code == 0 and "shut down at step 0" in out, out + err

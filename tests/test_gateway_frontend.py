@@ -101,8 +101,13 @@ class Pair:
         the last of a repeated flag, so the ports given here win."""
         old = self.leader
         self.leader = start_leader(
-            self.model, self._log("leader"), *self.flags,
-            "--listen", f"127.0.0.1:{old.port}", "--frontend-listen", f"127.0.0.1:{old.frontend}",
+            self.model,
+            self._log("leader"),
+            *self.flags,
+            "--listen",
+            f"127.0.0.1:{old.port}",
+            "--frontend-listen",
+            f"127.0.0.1:{old.frontend}",
         )
         wait_paired(self.frontend)
 
@@ -119,13 +124,19 @@ class Pair:
             return c.status()
 
     def generate(
-        self, prompt: str, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-        seed: int = 0, stop: tuple[str, ...] = (),
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: tuple[str, ...] = (),
     ) -> Result:
         """A generation on a connection of its own, straight to the leader."""
         with Client(self.frontend) as c:
-            return c.generate(prompt, max_tokens, temperature=temperature, top_p=top_p,
-                              seed=seed, stop=stop)
+            return c.generate(
+                prompt, max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+            )
 
     def requests(self, outcome: str) -> float:
         """The leader's ``foundry_tp_requests_total{outcome=...}`` (counts since its start)."""
@@ -231,8 +242,20 @@ class StandInLeader:
     def status(self) -> fw.Status:
         self.statuses_sent += 1
         return fw.Status(
-            0, True, False, 0, self.statuses_sent, 2, 64, 259, 256, 4096, 0xC0FFEE, 0.0,
-            len(self.requests), 2,
+            0,
+            True,
+            False,
+            0,
+            self.statuses_sent,
+            2,
+            64,
+            259,
+            256,
+            4096,
+            0xC0FFEE,
+            0.0,
+            len(self.requests),
+            2,
         )
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -320,9 +343,9 @@ async def stand_in_and_client(
         await leader.stop()
 
 
-async def collect(client: FrontendClient, prompt: str, n: int, **kw: object) -> tuple[
-    list[fw.Token], fw.Done
-]:
+async def collect(
+    client: FrontendClient, prompt: str, n: int, **kw: object
+) -> tuple[list[fw.Token], fw.Done]:
     tokens: list[fw.Token] = []
     async with client.generate(prompt, n, **kw) as gen:  # type: ignore[arg-type]
         async for event in gen:
@@ -423,7 +446,8 @@ def test_concurrent_generations_are_demultiplexed(pair: Pair) -> None:
                     (t.token, t.position, t.text) for t in b_tokens
                 ]
                 assert (a_done.reason, a_done.generated_tokens) == (
-                    b_done.reason, b_done.generated_tokens
+                    b_done.reason,
+                    b_done.generated_tokens,
                 )
             # Eight different ids were in use at once: the leader refuses an id in use.
             assert len({done.request_id for _, done in together}) == 8
@@ -500,8 +524,9 @@ def test_a_dropped_link_fails_pending_requests_and_reconnects(pair: Pair) -> Non
             for task in tasks:
                 with pytest.raises(BackendUnavailable, match="broke"):
                     await task
-            with pytest.raises(BackendUnavailable, match=f"--frontend-listen 127.0.0.1:"
-                                                         f"{pair.frontend}"):
+            with pytest.raises(
+                BackendUnavailable, match=f"--frontend-listen 127.0.0.1:{pair.frontend}"
+            ):
                 await client.status(2.0)
             await asyncio.to_thread(pair.restart_leader)
             tokens, done = await collect(client, "again", 4)
@@ -585,6 +610,7 @@ def test_a_batch_takes_what_is_ready_and_an_error_waits_behind_its_tokens() -> N
 def test_token_gaps_spread_a_batchs_wait_over_its_tokens() -> None:
     """Inter-token latency as the load bench counts it: a batch of k tokens taken t after the
     previous batch of tokens is k gaps of t / k; logprobs and Done count no token."""
+
     def tok(i: int) -> fw.Token:
         return fw.Token(1, i, i, "x")
 

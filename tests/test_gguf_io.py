@@ -21,8 +21,17 @@ Params = dict[str, npt.NDArray[np.float32]]
 
 CFG = ModelConfig(n_ctx=64, n_embd=32, n_layer=2, n_head=4, n_head_kv=2, n_ff=48, n_expert=4)
 CFG_SHARED = ModelConfig(
-    n_ctx=64, n_embd=32, n_layer=1, n_head=4, n_head_kv=4, n_ff=24, n_expert=2,
-    n_expert_used=1, n_ff_shared=40, rope_theta=500000.0, norm_eps=1e-6,
+    n_ctx=64,
+    n_embd=32,
+    n_layer=1,
+    n_head=4,
+    n_head_kv=4,
+    n_ff=24,
+    n_expert=2,
+    n_expert_used=1,
+    n_ff_shared=40,
+    rope_theta=500000.0,
+    norm_eps=1e-6,
 )
 
 
@@ -330,8 +339,9 @@ def test_wrong_shape(f32_file: tuple[Path, Params], tmp_path: Path) -> None:
     wrong = np.zeros((4, 48, 31), dtype=np.float32)
     rewrite(f32_file[0], bad, replace_tensor=("blk.0.ffn_up_exps.weight", wrong))
     with pytest.raises(
-        GGUFError, match=r"'blk\.0\.ffn_up_exps\.weight' has shape \(4, 48, 31\), expected "
-        r"\(4, 48, 32\)"
+        GGUFError,
+        match=r"'blk\.0\.ffn_up_exps\.weight' has shape \(4, 48, 31\), expected "
+        r"\(4, 48, 32\)",
     ):
         load_gguf(bad)
 

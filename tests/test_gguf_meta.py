@@ -24,16 +24,29 @@ def _string(s: str) -> bytes:
 
 # Hand-assembled: magic, version 3, 0 tensors, 5 keys; each key: name, u32 type, value.
 GOLDEN = (
-    b"GGUF" + struct.pack("<IQQ", 3, 0, 5)
-    + _string("general.architecture") + struct.pack("<I", 8) + _string("llama")
-    + _string("llama.block_count") + struct.pack("<II", 4, 2)
-    + _string("llama.rope.freq_base") + struct.pack("<I", 6) + struct.pack("<f", 1e-5)
-    + _string("tokenizer.ggml.add_bos_token") + struct.pack("<IB", 7, 1)
-    + _string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + _string("é")
+    b"GGUF"
+    + struct.pack("<IQQ", 3, 0, 5)
+    + _string("general.architecture")
+    + struct.pack("<I", 8)
+    + _string("llama")
+    + _string("llama.block_count")
+    + struct.pack("<II", 4, 2)
+    + _string("llama.rope.freq_base")
+    + struct.pack("<I", 6)
+    + struct.pack("<f", 1e-5)
+    + _string("tokenizer.ggml.add_bos_token")
+    + struct.pack("<IB", 7, 1)
+    + _string("tokenizer.ggml.tokens")
+    + struct.pack("<IIQ", 9, 8, 2)
+    + _string("a")
+    + _string("é")
 )
 GOLDEN_VALUES = {
-    "general.architecture": "llama", "llama.block_count": 2, "llama.rope.freq_base": 1e-5,
-    "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.tokens": ["a", "é"],
+    "general.architecture": "llama",
+    "llama.block_count": 2,
+    "llama.rope.freq_base": 1e-5,
+    "tokenizer.ggml.add_bos_token": True,
+    "tokenizer.ggml.tokens": ["a", "é"],
 }
 
 
@@ -63,12 +76,15 @@ def test_a_written_file_reads_as_the_gguf_package_reads_it(tmp_path: Path) -> No
     assert load_tokenizer(meta).encode(text) == own_tokenizer().encode(text)
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b"GGML" + GOLDEN[4:], "not a GGUF file"),
-    (b"GGUF" + struct.pack("<I", 1) + GOLDEN[8:], "GGUF version 1"),
-    (GOLDEN[:-3], "the header ends early"),
-    (GOLDEN[:24] + struct.pack("<Q", 1 << 40) + GOLDEN[32:], "a count of"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"GGML" + GOLDEN[4:], "not a GGUF file"),
+        (b"GGUF" + struct.pack("<I", 1) + GOLDEN[8:], "GGUF version 1"),
+        (GOLDEN[:-3], "the header ends early"),
+        (GOLDEN[:24] + struct.pack("<Q", 1 << 40) + GOLDEN[32:], "a count of"),
+    ],
+)
 def test_bad_headers_are_refused_naming_what_is_wrong(
     tmp_path: Path, data: bytes, message: str
 ) -> None:

@@ -100,7 +100,9 @@ def test_other_machines_by_cores_and_memory(cores: int, memory_mb: int, expected
 
 def test_cgroup_v2_limits_make_a_container_small(tmp_path: Path) -> None:
     root = fake_root(
-        tmp_path, mem_kb=64 * GIB_KB, cpu="AMD EPYC 7763 64-Core Processor",
+        tmp_path,
+        mem_kb=64 * GIB_KB,
+        cpu="AMD EPYC 7763 64-Core Processor",
         files={
             "sys/fs/cgroup/memory.max": "4294967296\n",  # 4 GiB
             "sys/fs/cgroup/cpu.max": "150000 100000\n",  # 1.5 CPUs -> 2
@@ -113,14 +115,16 @@ def test_cgroup_v2_limits_make_a_container_small(tmp_path: Path) -> None:
 
 def test_cgroup_without_limits_and_v1(tmp_path: Path) -> None:
     unlimited = fake_root(
-        tmp_path, mem_kb=32 * GIB_KB,
+        tmp_path,
+        mem_kb=32 * GIB_KB,
         files={"sys/fs/cgroup/memory.max": "max\n", "sys/fs/cgroup/cpu.max": "max 100000\n"},
     )
     assert detect_profile(unlimited, cpu_count=16).profile is P.DESKTOP_HEAVY
     v1 = tmp_path / "v1"
     v1.mkdir()
     root = fake_root(
-        v1, mem_kb=32 * GIB_KB,
+        v1,
+        mem_kb=32 * GIB_KB,
         files={
             "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # none
             "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "400000\n",
@@ -131,8 +135,13 @@ def test_cgroup_without_limits_and_v1(tmp_path: Path) -> None:
     assert (info.cores, info.memory_mb, info.profile) == (4, 32 * GIB, P.LAPTOP_MID)
     no_quota = tmp_path / "noquota"
     no_quota.mkdir()
-    root = fake_root(no_quota, files={"sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
-                                      "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"})
+    root = fake_root(
+        no_quota,
+        files={
+            "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n",
+        },
+    )
     assert detect_profile(root, cpu_count=16).cores == 16
 
 

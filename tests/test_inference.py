@@ -25,8 +25,16 @@ CONFIGS = {
     # Splits in two: the single-process engine evaluates both rank halves.
     "tiny": ModelConfig(),
     # n_head_kv = 1: both halves compute and cache the one kv head, the query heads are split.
-    "single-kv-shared": ModelConfig(n_embd=32, n_head=4, n_head_kv=1, n_ff=48, n_expert=3,
-                                       n_expert_used=2, n_ff_shared=40, n_ctx=64),
+    "single-kv-shared": ModelConfig(
+        n_embd=32,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=48,
+        n_expert=3,
+        n_expert_used=2,
+        n_ff_shared=40,
+        n_ctx=64,
+    ),
 }
 
 
@@ -78,8 +86,11 @@ def test_block_decode_equals_token_by_token(name: str, mode: ExpertSplit) -> Non
     single = one_by_one(engine, engine.new_session(), tokens)
     s = engine.new_session()
     blocks = np.concatenate(
-        [engine.decode(s, tokens[:20]), engine.decode(s, tokens[20:21]),
-         engine.decode(s, tokens[21:])]
+        [
+            engine.decode(s, tokens[:20]),
+            engine.decode(s, tokens[20:21]),
+            engine.decode(s, tokens[21:]),
+        ]
     )
     np.testing.assert_allclose(blocks, single, rtol=0, atol=ATOL)
 
@@ -143,8 +154,10 @@ def test_forward_rows_of_several_sessions_equals_them_alone(name: str) -> None:
     ref = engine.new_session()
     one_by_one(engine, ref, prefixes[2] + blocks[2])
     np.testing.assert_allclose(
-        one_by_one(engine, sessions[2], follow), one_by_one(engine, ref, follow),
-        rtol=0, atol=ATOL,
+        one_by_one(engine, sessions[2], follow),
+        one_by_one(engine, ref, follow),
+        rtol=0,
+        atol=ATOL,
     )
 
 
@@ -155,8 +168,9 @@ def test_a_float16_cache_rounds_k_and_v_and_nothing_else() -> None:
     cfg, params = make("single-kv-shared")
     half, full = Engine(cfg, params, kv_cache=KVCache.F16), Engine(cfg, params)
     assert full.kv_cache is KVCache.F32  # the default for float32 matrices, F16 for blocks:
-    stored = {k: quant.quantize(v, QType.Q8_0) if k == "output.weight" else v
-              for k, v in params.items()}
+    stored = {
+        k: quant.quantize(v, QType.Q8_0) if k == "output.weight" else v for k, v in params.items()
+    }
     assert Engine(cfg, stored).kv_cache is KVCache.F16  # type: ignore[arg-type]
     sh, sf = half.new_session(), full.new_session()
     assert sh.k[0][0].dtype == np.float16 and sh.v[0][0].dtype == np.float16

@@ -34,10 +34,24 @@ from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 STEPS = 10  # one-token steps after the prompt (past gemma3's window of 5)
-EVEN = {"q": QType.Q8_0, "k": QType.Q8_0, "v": QType.Q8_0, "output": QType.Q5_0,
-        "gate": QType.Q4_0, "up": QType.Q4_0, "down": QType.Q8_0}
-ODD = {"q": QType.Q4_0, "k": QType.Q5_0, "v": QType.F16, "output": QType.Q4_1,
-       "gate": QType.Q8_0, "up": QType.Q5_1, "down": QType.Q4_0}
+EVEN = {
+    "q": QType.Q8_0,
+    "k": QType.Q8_0,
+    "v": QType.Q8_0,
+    "output": QType.Q5_0,
+    "gate": QType.Q4_0,
+    "up": QType.Q4_0,
+    "down": QType.Q8_0,
+}
+ODD = {
+    "q": QType.Q4_0,
+    "k": QType.Q5_0,
+    "v": QType.F16,
+    "output": QType.Q4_1,
+    "gate": QType.Q8_0,
+    "up": QType.Q5_1,
+    "down": QType.Q4_0,
+}
 
 
 def stored(path: Path) -> tuple[Any, dict[str, Param]]:
@@ -229,8 +243,9 @@ def test_routed_experts_in_the_step_equal_the_single_operations(
 ) -> None:
     """Our own MoE file, its experts stored blocks: each layer's routed experts run in the
     step (``_routed_in_c``), one process and the pair, the same bits as the single path."""
-    cfg = ModelConfig(n_ctx=64, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64,
-                      n_expert=4, n_expert_used=2)
+    cfg = ModelConfig(
+        n_ctx=64, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, n_expert=4, n_expert_used=2
+    )
     path = tmp_path / "moe.gguf"
     save_gguf(path, cfg, init_params(cfg, seed=3), dtype=dtype)  # type: ignore[arg-type]
     params = load_gguf_stored(path).params
@@ -248,8 +263,7 @@ def test_routed_experts_in_the_step_equal_the_single_operations(
 
     ref = greedy(False)
     assert same_bits(greedy(True), ref)
-    ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2)
-             for r in range(2)]
+    ranks = [Engine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2) for r in range(2)]
     ex = _Exchange()
     sessions = [e.new_session() for e in ranks]
     with ThreadPoolExecutor(1) as pool:
@@ -289,10 +303,14 @@ def _c_parse(function: str) -> tuple[str, list[str]]:
     return fmt.strip("()"), [n.split("->")[-1].split("[")[0] for n in names]
 
 
-@pytest.mark.parametrize(("cls", "function"), [
-    (quant.StepMat, "parse_mat"), (quant.StepPart, "parse_part"),
-    (quant.StepLayer, "py_step_plan"),
-])
+@pytest.mark.parametrize(
+    ("cls", "function"),
+    [
+        (quant.StepMat, "parse_mat"),
+        (quant.StepPart, "parse_part"),
+        (quant.StepLayer, "py_step_plan"),
+    ],
+)
 def test_step_plan_fields_follow_py_step_c(cls: type, function: str) -> None:
     """Each field of the plan sits where py_step.c reads it, as the kind it reads."""
     fmt, c_names = _c_parse(function)

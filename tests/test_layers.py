@@ -75,8 +75,12 @@ def module_name(path: Path) -> str:
 def _is_module(dotted: str) -> bool:
     """A Python module, a package, or a C extension (built in place, or its source)."""
     path = SRC.parent / dotted.replace(".", "/")
-    return (path.with_suffix(".py").exists() or path.is_dir() or path.with_suffix(".c").exists()
-            or any(path.parent.glob(f"{path.name}.*.so")))
+    return (
+        path.with_suffix(".py").exists()
+        or path.is_dir()
+        or path.with_suffix(".c").exists()
+        or any(path.parent.glob(f"{path.name}.*.so"))
+    )
 
 
 def imports_in(module: str, text: str, *, is_package: bool = False) -> list[tuple[int, str]]:
@@ -148,8 +152,10 @@ def _model_arrow(inside: dict[str, int], module: str, line: int, target: str) ->
     if inside[dst] < inside[src]:
         return []
     way = "sideways" if inside[dst] == inside[src] else "up"
-    return [f"{module}:{line}: model.{src} (layer {inside[src]}) imports {target} "
-            f"(layer {inside[dst]}): an arrow {way}"]
+    return [
+        f"{module}:{line}: model.{src} (layer {inside[src]}) imports {target} "
+        f"(layer {inside[dst]}): an arrow {way}"
+    ]
 
 
 def tree_sources() -> dict[str, tuple[str, bool]]:
@@ -181,7 +187,9 @@ def test_the_walk_catches_arrows_against_the_table() -> None:
         "    from foundry import swarm\n"  # up
     )
     assert [m for _, m in imports_in("foundry.model.infer.probe", probe)] == [
-        "foundry.model.nn.layers", "foundry.wire.fdtc", "foundry.swarm",
+        "foundry.model.nn.layers",
+        "foundry.wire.fdtc",
+        "foundry.swarm",
     ]
     found = violations({"foundry.model.infer.probe": (probe, False)})
     assert len(found) == 2 and all("an arrow up" in v for v in found)
@@ -210,7 +218,8 @@ def test_model_subpackages_point_down_and_never_sideways() -> None:
     found = violations({"foundry.model.infer.probe": (across, False)})
     assert len(found) == 1 and "an arrow sideways" in found[0]
     assert violations({"foundry.model.nope.probe": (down, False)}) == [
-        "foundry.model.nope.probe:1: model.nope is not in the table of model's subpackages"]
+        "foundry.model.nope.probe:1: model.nope is not in the table of model's subpackages"
+    ]
     on_disk = {p.name for p in (SRC / "model").iterdir() if (p / "__init__.py").exists()}
     on_disk |= {p.stem for p in (SRC / "model").glob("*.py") if p.stem != "__init__"}
     assert on_disk <= set(inside), f"not in the table: {sorted(on_disk - set(inside))}"
@@ -264,18 +273,34 @@ def unnamed_modules(modules: list[str], rows: list[tuple[set[str], set[str]]]) -
 
 def test_the_package_table_names_every_module() -> None:
     modules = sorted(
-        module_name(p) for p in SRC.rglob("*.py")
+        module_name(p)
+        for p in SRC.rglob("*.py")
         if p.name != "__init__.py" and not module_name(p).startswith("foundry.api.")
     )
     assert len(modules) > 50
     missing = unnamed_modules(modules, package_rows())
     assert missing == [], f"not in the package table of {DOC.name}: {missing}"
-    probe = [({"foundry.wire.fdtc_lifecycle", "foundry.wire.fdtc_connection",
-               "foundry.commands.*", "foundry.compression"}, {"qsgd"})]
-    assert unnamed_modules(["foundry.wire.fdtc_connection", "foundry.commands.up",
-                            "foundry.compression.qsgd", "foundry.compression.topk",
-                            "foundry.wire.nope"], probe) == [
-        "foundry.compression.topk", "foundry.wire.nope"]
+    probe = [
+        (
+            {
+                "foundry.wire.fdtc_lifecycle",
+                "foundry.wire.fdtc_connection",
+                "foundry.commands.*",
+                "foundry.compression",
+            },
+            {"qsgd"},
+        )
+    ]
+    assert unnamed_modules(
+        [
+            "foundry.wire.fdtc_connection",
+            "foundry.commands.up",
+            "foundry.compression.qsgd",
+            "foundry.compression.topk",
+            "foundry.wire.nope",
+        ],
+        probe,
+    ) == ["foundry.compression.topk", "foundry.wire.nope"]
 
 
 def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
@@ -286,7 +311,8 @@ def import_cycles(sources: dict[str, tuple[str, bool]]) -> list[list[str]]:
     graph: dict[str, set[str]] = {}
     for module, (text, is_package) in sources.items():
         graph[module] = {
-            target for _, target in imports_in(module, text, is_package=is_package)
+            target
+            for _, target in imports_in(module, text, is_package=is_package)
             if target in sources and target != module
         }
     cycles: set[tuple[str, ...]] = set()
@@ -312,8 +338,10 @@ def test_no_import_circles() -> None:
 def test_the_circle_search_finds_a_circle_through_type_checking() -> None:
     probe = {
         "foundry.tp.a": ("from foundry.tp.b import B\n", False),
-        "foundry.tp.b": ("from typing import TYPE_CHECKING\n"
-                         "if TYPE_CHECKING:\n    from foundry.tp.c import C\n", False),
+        "foundry.tp.b": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from foundry.tp.c import C\n",
+            False,
+        ),
         "foundry.tp.c": ("def f() -> None:\n    from foundry.tp.a import A\n", False),
         "foundry.tp.d": ("from foundry.tp.a import A\n", False),
     }

@@ -35,8 +35,16 @@ TRICKLE_S = 0.25
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, int, int]]:
     tmp = tmp_path_factory.mktemp("swarm")
-    svc, port, admin = coordinator(tmp, "--wait-for-start", "--frame-deadline", str(DEADLINE),
-                                   "--max-connections", "2", "--admin-max-connections", "1")
+    svc, port, admin = coordinator(
+        tmp,
+        "--wait-for-start",
+        "--frame-deadline",
+        str(DEADLINE),
+        "--max-connections",
+        "2",
+        "--admin-max-connections",
+        "1",
+    )
     try:
         yield svc, port, admin
     finally:
@@ -47,8 +55,14 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, i
 def leader(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LeaderProc, Path]]:
     logs = tmp_path_factory.mktemp("tp")
     model = make_model(logs / "model.gguf")
-    lead = start_leader(model, logs / "leader.log", "--frame-deadline", str(DEADLINE),
-                        "--frontend-max-connections", "1")
+    lead = start_leader(
+        model,
+        logs / "leader.log",
+        "--frame-deadline",
+        str(DEADLINE),
+        "--frontend-max-connections",
+        "1",
+    )
     try:
         yield lead, model
     finally:
@@ -78,8 +92,9 @@ def trickle(port: int, frame: bytes) -> tuple[int, float]:
 
 
 def wait_for_line(text: Service | Log, pattern: str, within_s: float = 10.0) -> None:
-    wait_for(lambda: re.search(pattern, text.text()), within_s,
-             f"/{pattern}/ in:\n{text.text()[-3000:]}")
+    wait_for(
+        lambda: re.search(pattern, text.text()), within_s, f"/{pattern}/ in:\n{text.text()[-3000:]}"
+    )
 
 
 class Log:
@@ -134,8 +149,7 @@ def served(port: int, request: bytes, within_s: float = 10.0) -> bytes:
             except ConnectionResetError:
                 return b""
 
-    return wait_for(answer, within_s, "an answer: the service serves no one any more",
-                    poll_s=0.1)
+    return wait_for(answer, within_s, "an answer: the service serves no one any more", poll_s=0.1)
 
 
 # -- the frame deadline --------------------------------------------------------------------
@@ -146,21 +160,34 @@ def test_trickling_peers_are_cut_at_the_frame_deadline(
 ) -> None:
     coord, port, admin = swarm
     lead, _ = leader
-    register = fdtc.encode(fdtc.Register(worker_id="slow", protocol_version=1,
-                                         profile=fdtc.HardwareProfile.RPI3, num_cores=1,
-                                         memory_mb=512, suggested_batch_size=1))
+    register = fdtc.encode(
+        fdtc.Register(
+            worker_id="slow",
+            protocol_version=1,
+            profile=fdtc.HardwareProfile.RPI3,
+            num_cores=1,
+            memory_mb=512,
+            suggested_batch_size=1,
+        )
+    )
     late = r"began a frame and did not finish it within 0\.5 s \(frame deadline\)"
     assert_cut(coord, port, register, r"worker link: {peer} " + late)
-    assert_cut(coord, admin, fdtc.encode(fdtc.Export(path="x" * 40)),
-               r"admin link: {peer} " + late)
+    assert_cut(coord, admin, fdtc.encode(fdtc.Export(path="x" * 40)), r"admin link: {peer} " + late)
     log = Log(lead)
-    assert_cut(log, lead.frontend, fw.encode(fw.Generate(1, "a prompt", 8)),
-               r"frontend link: {peer} " + late)
+    assert_cut(
+        log,
+        lead.frontend,
+        fw.encode(fw.Generate(1, "a prompt", 8)),
+        r"frontend link: {peer} " + late,
+    )
     # The worker port: a control connection's hello, and a gate connection's first frame.
-    assert_cut(log, lead.port, b"DTPH" + bytes(164),
-               r"bring-up with {peer} failed: .*" + late)
-    assert_cut(log, lead.port, encode(CommandAck(status=0, seq=7)),
-               r"bring-up with {peer} failed: .*" + late)
+    assert_cut(log, lead.port, b"DTPH" + bytes(164), r"bring-up with {peer} failed: .*" + late)
+    assert_cut(
+        log,
+        lead.port,
+        encode(CommandAck(status=0, seq=7)),
+        r"bring-up with {peer} failed: .*" + late,
+    )
     # Still serving.
     decoder = fdtc.FdtcDecoder()
     decoder.feed(served(admin, fdtc.encode(fdtc.StatusReq())))
@@ -181,14 +208,23 @@ def test_connections_over_the_limit_are_refused_and_service_goes_on(
     cases = [
         (coord, "worker link", port, 2, "--max-connections", fdtc.encode(fdtc.StatusReq())),
         (coord, "admin link", admin, 1, "--admin-max-connections", fdtc.encode(fdtc.StatusReq())),
-        (log, "frontend link", lead.frontend, 1, "--frontend-max-connections",
-         fw.encode(fw.StatusReq(0))),
+        (
+            log,
+            "frontend link",
+            lead.frontend,
+            1,
+            "--frontend-max-connections",
+            fw.encode(fw.StatusReq(0)),
+        ),
     ]
     for text, link, p, limit, flag, request in cases:
         held = hold(p, limit)
         local = refused_over_limit(p)
-        wait_for_line(text, rf"{link}: refused 127\.0\.0\.1:{local}: the link has its limit of "
-                       rf"{limit} open connections \({flag}\)")
+        wait_for_line(
+            text,
+            rf"{link}: refused 127\.0\.0\.1:{local}: the link has its limit of "
+            rf"{limit} open connections \({flag}\)",
+        )
         for s in held:
             s.close()
         assert served(p, request)  # a REGISTER_ACK refusal, a SWARM_STATUS, a STATUS
@@ -196,8 +232,11 @@ def test_connections_over_the_limit_are_refused_and_service_goes_on(
     # The TP worker port: four connections in their bring-up at most, then one pair.
     held = hold(lead.port, 4)
     local = refused_over_limit(lead.port)
-    wait_for_line(log, rf"worker port: refused 127\.0\.0\.1:{local}: 4 connections are in their "
-                  r"bring-up already")
+    wait_for_line(
+        log,
+        rf"worker port: refused 127\.0\.0\.1:{local}: 4 connections are in their "
+        r"bring-up already",
+    )
     for s in held:
         s.close()
     worker = start_worker(model, lead.port, tmp_path / "tp-worker.log")

@@ -216,8 +216,10 @@ def test_load_balance_loss_per_sequence_is_linear_in_the_batch() -> None:
     probs = r.dirichlet(np.ones(e), size=3 * t)  # three sequences of four tokens
     top = np.argsort(-probs, axis=1)[:, :2]
     whole, dprobs = L.load_balance_loss(probs, top, seq_len=t)
-    parts = [L.load_balance_loss(probs[i * t : (i + 1) * t], top[i * t : (i + 1) * t])[0]
-             for i in range(3)]
+    parts = [
+        L.load_balance_loss(probs[i * t : (i + 1) * t], top[i * t : (i + 1) * t])[0]
+        for i in range(3)
+    ]
     assert whole == pytest.approx(np.mean(parts))
 
     def f() -> float:
@@ -244,8 +246,16 @@ def test_cross_entropy() -> None:
 @pytest.mark.parametrize("n_ff_shared", [0, 6])
 def test_whole_model_gradients(n_ff_shared: int) -> None:
     cfg = ModelConfig(
-        n_vocab=37, n_ctx=16, n_embd=16, n_layer=2, n_head=4, n_head_kv=2, n_ff=8, n_expert=4,
-        n_expert_used=2, n_ff_shared=n_ff_shared,
+        n_vocab=37,
+        n_ctx=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=8,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_shared=n_ff_shared,
     )
     r = rng(12)
     params = {
@@ -271,12 +281,14 @@ def test_whole_model_gradients(n_ff_shared: int) -> None:
                 p[t, c] = old - EPS
                 down = f()
                 p[t, c] = old
-                assert grads[name][t, c] == pytest.approx((up - down) / (2 * EPS), rel=1e-5,
-                                                          abs=1e-9)
+                assert grads[name][t, c] == pytest.approx(
+                    (up - down) / (2 * EPS), rel=1e-5, abs=1e-9
+                )
             unused = np.setdiff1d(np.arange(37), used)
             assert not grads[name][unused].any()
             continue
         analytic = grads[name]
         picks, numeric = numgrad(f, p, max_entries=8, seed=len(name))
-        np.testing.assert_allclose(analytic.reshape(-1)[picks], numeric, rtol=1e-5, atol=1e-9,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            analytic.reshape(-1)[picks], numeric, rtol=1e-5, atol=1e-9, err_msg=name
+        )

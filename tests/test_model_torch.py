@@ -24,7 +24,10 @@ def rel_err(ours: np.ndarray, ref: torch.Tensor) -> float:
 
 
 def torch_loss(
-    P: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor, targets: torch.Tensor,
+    P: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
     coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, t = tokens.shape
@@ -34,8 +37,10 @@ def torch_loss(
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w
 
     freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
-    turn = torch.polar(torch.ones(t, dh // 2, dtype=torch.float64),
-                       torch.outer(torch.arange(t, dtype=torch.float64), freqs))
+    turn = torch.polar(
+        torch.ones(t, dh // 2, dtype=torch.float64),
+        torch.outer(torch.arange(t, dtype=torch.float64), freqs),
+    )
     turn = turn.to(torch.complex64)[:, None, :]  # (T, 1, Dh/2)
 
     def rope(x: torch.Tensor) -> torch.Tensor:  # (B, T, heads, Dh), pairs (x0, x1), (x2, x3)
@@ -64,8 +69,9 @@ def torch_loss(
         y = torch.zeros_like(m)
         for e in range(cfg.n_expert):
             act = torch.nn.functional.silu(m @ P[p + "ffn_gate_exps.weight"][e].T)
-            out = (act * (m @ P[p + "ffn_up_exps.weight"][e].T)) @ P[
-                p + "ffn_down_exps.weight"][e].T
+            out = (act * (m @ P[p + "ffn_up_exps.weight"][e].T)) @ P[p + "ffn_down_exps.weight"][
+                e
+            ].T
             y = y + gate[..., e : e + 1] * out
         if cfg.n_ff_shared:
             act = torch.nn.functional.silu(m @ P[p + "ffn_gate_shexp.weight"].T)
@@ -85,8 +91,18 @@ def torch_loss(
     "cfg",
     [
         ModelConfig(n_layer=2),
-        ModelConfig(n_vocab=101, n_embd=48, n_layer=3, n_head=6, n_head_kv=3, n_ff=40,
-                    n_expert=5, n_expert_used=3, n_ff_shared=24, rope_theta=500.0),
+        ModelConfig(
+            n_vocab=101,
+            n_embd=48,
+            n_layer=3,
+            n_head=6,
+            n_head_kv=3,
+            n_ff=40,
+            n_expert=5,
+            n_expert_used=3,
+            n_ff_shared=24,
+            rope_theta=500.0,
+        ),
         ModelConfig(n_embd=32, n_head=4, n_head_kv=1, n_ff=64, n_expert=4, n_expert_used=1),
     ],
     ids=["tiny", "shared-expert", "multi-query-top1"],
@@ -96,7 +112,8 @@ def test_forward_and_backward_match_autograd(cfg: ModelConfig) -> None:
     params = T.init_params(cfg, seed=1)
     for name, p in params.items():  # larger weights than init: routing and attention not flat
         p += np.float32(0.2 if name.endswith("norm.weight") else 0.05) * rng.standard_normal(
-            p.shape, dtype=np.float32)
+            p.shape, dtype=np.float32
+        )
     tokens = rng.integers(0, cfg.n_vocab, (3, 24))
     targets = rng.integers(0, cfg.n_vocab, (3, 24))
     coef = 0.1

@@ -19,8 +19,9 @@ TARGET_LOSS = 0.5
 
 
 def test_loss_falls_on_a_periodic_corpus() -> None:
-    cfg = ModelConfig(n_ctx=64, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96,
-                      n_expert=4, n_expert_used=2)
+    cfg = ModelConfig(
+        n_ctx=64, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_expert=4, n_expert_used=2
+    )
     text = b"the quick brown fox jumps over the lazy dog; " * 40
     corpus = np.frombuffer(text, np.uint8).astype(np.int64) + N_SPECIAL_TOKENS
     params = T.init_params(cfg, seed=0)

@@ -60,8 +60,10 @@ def tool(name: str) -> str:
     """The path of a Prometheus binary: fail under CI when missing, skip otherwise."""
     path = shutil.which(name)
     if path is None:
-        reason = (f"`{name}` is not installed (apt-get install prometheus; .ci/run does); the "
-                  "dashboards cannot be checked against a real Prometheus")
+        reason = (
+            f"`{name}` is not installed (apt-get install prometheus; .ci/run does); the "
+            "dashboards cannot be checked against a real Prometheus"
+        )
         missing(reason)
     return path
 
@@ -150,8 +152,9 @@ def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
     rendered = tmp_path / "prometheus.yml"
     rendered.write_text(render({job: [f"127.0.0.1:{9100 + i}"] for i, job in enumerate(JOBS)}, 1))
     for config in (COMPOSE_PROMETHEUS, rendered):
-        done = subprocess.run([promtool, "check", "config", str(config)],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "SUCCESS" in done.stdout + done.stderr
 
@@ -200,7 +203,8 @@ def test_a_trace_cut_short_still_loads_and_merging_keeps_threads_apart(tmp_path:
     assert names["w0"] == 7 and names["w1"] != 7
     spans = [e for e in merged if e["ph"] == "X"]
     assert [(e["ts"], e["dur"], e["tid"]) for e in spans] == [
-        (1_000, 500, 7), (1_100, 300, names["w1"])
+        (1_000, 500, 7),
+        (1_100, 300, names["w1"]),
     ]
     second.close()
 
@@ -212,8 +216,14 @@ def test_timeline_files_merge_and_the_late_worker_is_named(tmp_path: Path) -> No
     the other worker's compute must not be able to take longer than the slow one's total.)
     """
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "6", "--min-workers", "2", "--no-rebalance",
-        "--timeline", str(tmp_path / "coordinator.json"),
+        tmp_path,
+        "--max-steps",
+        "6",
+        "--min-workers",
+        "2",
+        "--no-rebalance",
+        "--timeline",
+        str(tmp_path / "coordinator.json"),
     )
     workers = [
         worker(tmp_path, port, "w0", "--timeline", str(tmp_path / "w0.json")),
@@ -227,14 +237,25 @@ def test_timeline_files_merge_and_the_late_worker_is_named(tmp_path: Path) -> No
         for w in workers:
             w.stop()
         coord.stop()
-    assert re.search(r"(?:INFO|WARNING) foundry\.coordinator: step \d+ is waiting for w1: ",
-                     coord.text())
+    assert re.search(
+        r"(?:INFO|WARNING) foundry\.coordinator: step \d+ is waiting for w1: ", coord.text()
+    )
     out = tmp_path / "all.json"
     done = subprocess.run(
-        [sys.executable, "-m", "foundry", "timeline", "merge",
-         *(str(tmp_path / f) for f in ("coordinator.json", "w0.json", "w1.json")),
-         "--out", str(out)],
-        capture_output=True, text=True, env=ENV, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "timeline",
+            "merge",
+            *(str(tmp_path / f) for f in ("coordinator.json", "w0.json", "w1.json")),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert "6 apply" in done.stdout and "12 compute" in done.stdout, done.stdout
@@ -263,9 +284,15 @@ class Prometheus:
         for _ in range(3):  # the free port can be taken between the probe and the bind
             self.port = free_port()
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                stdout=self.log, stderr=subprocess.STDOUT,
+                [
+                    binary,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--log.level=warn",
+                ],
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
             )
             if self._ready(within_s=30):
                 return
@@ -333,32 +360,69 @@ def metrics_port(svc: Service, pattern: str) -> tuple[re.Match[str], int]:
 def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
     prometheus_bin, promtool = tool("prometheus"), tool("promtool")
     model = tmp_path / "tiny.gguf"
-    subprocess.run([sys.executable, "-m", "foundry", "model", "init", "--preset", "tiny",
-                    "--out", str(model)], check=True, env=ENV, timeout=60, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "foundry", "model", "init", "--preset", "tiny", "--out", str(model)],
+        check=True,
+        env=ENV,
+        timeout=60,
+        capture_output=True,
+    )
     metrics = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
     services: list[Service] = []
     prometheus: Prometheus | None = None
     channel: grpc.Channel | None = None
     try:
         coord, port, admin = coordinator(
-            tmp_path, "--max-steps", "1000", "--min-workers", "2", "--wait-for-start",
-            "--checkpoint-every", "20", *metrics,
+            tmp_path,
+            "--max-steps",
+            "1000",
+            "--min-workers",
+            "2",
+            "--wait-for-start",
+            "--checkpoint-every",
+            "20",
+            *metrics,
         )
         services.append(coord)
-        leader = Service(["tp-leader", "--model", str(model), "--listen", "127.0.0.1:0",
-                          "--frontend-listen", "127.0.0.1:0", *metrics], tmp_path / "leader.log")
+        leader = Service(
+            [
+                "tp-leader",
+                "--model",
+                str(model),
+                "--listen",
+                "127.0.0.1:0",
+                "--frontend-listen",
+                "127.0.0.1:0",
+                *metrics,
+            ],
+            tmp_path / "leader.log",
+        )
         services.append(leader)
-        workers = [worker(tmp_path, port, "w0", *metrics),
-                   worker(tmp_path, port, "w1", "--slowdown", "2", *metrics)]
+        workers = [
+            worker(tmp_path, port, "w0", *metrics),
+            worker(tmp_path, port, "w1", "--slowdown", "2", *metrics),
+        ]
         services += workers
         lm, leader_metrics = metrics_port(
             leader, r"tp-leader listening: workers 127\.0\.0\.1:(\d+), frontend 127\.0\.0\.1:(\d+)"
         )
-        tp_worker = Service(["tp-worker", "--model", str(model), "--leader",
-                             f"127.0.0.1:{lm.group(1)}", *metrics], tmp_path / "tp-worker.log")
-        gateway = Service(["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin",
-                           f"127.0.0.1:{admin}", "--tp-frontend", f"127.0.0.1:{lm.group(2)}",
-                           *metrics], tmp_path / "gateway.log")
+        tp_worker = Service(
+            ["tp-worker", "--model", str(model), "--leader", f"127.0.0.1:{lm.group(1)}", *metrics],
+            tmp_path / "tp-worker.log",
+        )
+        gateway = Service(
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--coordinator-admin",
+                f"127.0.0.1:{admin}",
+                "--tp-frontend",
+                f"127.0.0.1:{lm.group(2)}",
+                *metrics,
+            ],
+            tmp_path / "gateway.log",
+        )
         services += [tp_worker, gateway]
         gm, gateway_metrics = metrics_port(gateway, r"gateway listening: grpc 127\.0\.0\.1:(\d+)")
         targets = {
@@ -369,9 +433,9 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
             "gateway": [gateway_metrics],
         }
         config = tmp_path / "prometheus.yml"
-        config.write_text(render(
-            {job: [f"127.0.0.1:{p}" for p in ports] for job, ports in targets.items()}, 1.0
-        ))
+        config.write_text(
+            render({job: [f"127.0.0.1:{p}" for p in ports] for job, ports in targets.items()}, 1.0)
+        )
         prometheus = Prometheus(prometheus_bin, config, tmp_path)
         prometheus.wait_until("count(up == 1) == 6", within_s=30)
         leader.wait_for("paired")
@@ -383,7 +447,9 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
         training.StartTraining(training_pb2.StartTrainingRequest(), timeout=10)
         for i in range(4):  # while the swarm trains: greedy ones draft speculatively
             request = inference_pb2.GenerateRequest(
-                prompt="The quick brown fox", max_tokens=24, temperature=0.8 if i == 3 else 0.0,
+                prompt="The quick brown fox",
+                max_tokens=24,
+                temperature=0.8 if i == 3 else 0.0,
                 seed=i,
             )
             events = list(inference.Generate(request, timeout=60))
@@ -394,11 +460,13 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
         gaps = 'foundry_gateway_inter_token_latency_seconds_count{endpoint="generate"}'
         for i in range(8):
             text = http_get(f"http://127.0.0.1:{gateway_metrics}/metrics")
-            if any(line.startswith(gaps) and float(line.split()[-1]) > 0
-                   for line in text.splitlines()):
+            if any(
+                line.startswith(gaps) and float(line.split()[-1]) > 0 for line in text.splitlines()
+            ):
                 break
-            request = inference_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=96,
-                                                    temperature=0.8, seed=10 + i)
+            request = inference_pb2.GenerateRequest(
+                prompt="Once upon a time", max_tokens=96, temperature=0.8, seed=10 + i
+            )
             assert list(inference.Generate(request, timeout=60))[-1].HasField("done")
         else:
             pytest.fail("eight generations of 96 tokens reached the gateway in one batch each")
@@ -435,8 +503,13 @@ def test_every_dashboard_panel_has_data_on_a_live_stack(tmp_path: Path) -> None:
         for job, ports in targets.items():
             for p in ports:
                 text = http_get(f"http://127.0.0.1:{p}/metrics")
-                lint = subprocess.run([promtool, "check", "metrics"], input=text,
-                                      capture_output=True, text=True, timeout=30)
+                lint = subprocess.run(
+                    [promtool, "check", "metrics"],
+                    input=text,
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 assert lint.returncode == 0, f"{job}: {lint.stdout}{lint.stderr}"
                 series = [line for line in text.splitlines() if not line.startswith("#")]
                 assert not [s for s in series if "_created" in s.partition(" ")[0]], job

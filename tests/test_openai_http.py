@@ -66,17 +66,24 @@ class Server:
     clients: list[openai.OpenAI] = field(default_factory=list)  # closed at the end
 
     def client(self, token: str = TOKEN) -> openai.OpenAI:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token,
-                          max_retries=0, timeout=60)
+        c = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token, max_retries=0, timeout=60
+        )
         self.clients.append(c)  # kept until closed: never left to the collector, open
         return c
 
-    def raw(self, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def raw(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
-            conn.request(method, path, body,
-                         {"Authorization": f"Bearer {TOKEN}", **(headers or {})})
+            conn.request(
+                method, path, body, {"Authorization": f"Bearer {TOKEN}", **(headers or {})}
+            )
             r = conn.getresponse()
             return r.status, dict(r.getheaders()), r.read()
         finally:
@@ -98,14 +105,31 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     logs = tmp_path_factory.mktemp("http")
     (logs / "token").write_text(TOKEN + "\n")
-    with running_pair(model, logs, (*PAIR_FLAGS, "--chat-template", "gemma")) as pair, Service(
-        ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-         "--http-max-active", str(MAX_ACTIVE), "--http-queue", str(QUEUE),
-         "--token-file", str(logs / "token"), "--metrics-port", "0",
-         "--coordinator-admin", f"127.0.0.1:{free_port()}",
-         "--tp-frontend", f"127.0.0.1:{pair.frontend}"],
-        logs / "gateway.log",
-    ) as gateway:
+    with (
+        running_pair(model, logs, (*PAIR_FLAGS, "--chat-template", "gemma")) as pair,
+        Service(
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+                "--http-max-active",
+                str(MAX_ACTIVE),
+                "--http-queue",
+                str(QUEUE),
+                "--token-file",
+                str(logs / "token"),
+                "--metrics-port",
+                "0",
+                "--coordinator-admin",
+                f"127.0.0.1:{free_port()}",
+                "--tp-frontend",
+                f"127.0.0.1:{pair.frontend}",
+            ],
+            logs / "gateway.log",
+        ) as gateway,
+    ):
         port = int(gateway.wait_for(HTTP_LINE).group(1))
         metrics = int(gateway.wait_for(METRICS_LINE).group(1))
         server = Server(pair, gateway, port, metrics)
@@ -136,12 +160,18 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
 
 def test_chat_is_the_rendered_conversation_greedily(server: Server, model: Path) -> None:
     c = server.client()
-    rendered = prompt_text(ChatTemplate(BUILTINS["gemma"], "gemma"),
-                           [Message(m["role"], m["content"]) for m in CONVERSATION])
+    rendered = prompt_text(
+        ChatTemplate(BUILTINS["gemma"], "gemma"),
+        [Message(m["role"], m["content"]) for m in CONVERSATION],
+    )
     assert rendered == "<start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\n"
     tokens, text = greedy(model, rendered, 24)
-    chat = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
-                                     max_tokens=24, temperature=0)
+    chat = c.chat.completions.create(
+        model="foundry",
+        messages=CONVERSATION,  # type: ignore[arg-type]
+        max_tokens=24,
+        temperature=0,
+    )
     assert chat.choices[0].message.content == text
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].finish_reason == ("stop" if tokens[-1] == EOS_ID else "length")
@@ -155,20 +185,33 @@ def test_chat_is_the_rendered_conversation_greedily(server: Server, model: Path)
 
 def test_streams_join_to_the_whole_answer(server: Server, model: Path) -> None:
     c = server.client()
-    whole = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
-                                      max_tokens=40, temperature=0)
-    chunks = list(c.chat.completions.create(
-        model="foundry", messages=CONVERSATION, max_tokens=40, temperature=0,  # type: ignore[arg-type]
-        stream=True, stream_options={"include_usage": True},
-    ))
+    whole = c.chat.completions.create(
+        model="foundry",
+        messages=CONVERSATION,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+    )
+    chunks = list(
+        c.chat.completions.create(
+            model="foundry",
+            messages=CONVERSATION,
+            max_tokens=40,
+            temperature=0,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == whole.choices[0].message.content
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
-    pieces = list(c.completions.create(model="foundry", prompt="Once upon", max_tokens=30,
-                                       temperature=0, stream=True))
+    pieces = list(
+        c.completions.create(
+            model="foundry", prompt="Once upon", max_tokens=30, temperature=0, stream=True
+        )
+    )
     _, want = greedy(model, "Once upon", 30)
     assert "".join(p.choices[0].text for p in pieces) == want
 
@@ -177,8 +220,9 @@ def test_logprobs_are_the_models(server: Server, model: Path) -> None:
     prompt = "Logprobs, please"
     ref = reference_greedy(model, prompt, 6, PREFILL_CHUNK)
     c = server.client()
-    done = c.completions.create(model="foundry", prompt=prompt, max_tokens=6, temperature=0,
-                                logprobs=3)
+    done = c.completions.create(
+        model="foundry", prompt=prompt, max_tokens=6, temperature=0, logprobs=3
+    )
     lp = done.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     n = len(lp.token_logprobs)
@@ -192,8 +236,14 @@ def test_logprobs_are_the_models(server: Server, model: Path) -> None:
         assert 1 <= len(lp.top_logprobs[i]) <= 3
         for v in lp.top_logprobs[i].values():
             assert np.min(np.abs(top3 - v)) < 1e-4
-    chat = c.chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
-                                     max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    chat = c.chat.completions.create(
+        model="foundry",
+        messages=CONVERSATION,  # type: ignore[arg-type]
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs
     assert content is not None and content.content is not None
     raw = b"".join(bytes(e.bytes or []) for e in content.content)
@@ -224,8 +274,9 @@ def test_stop_strings_across_token_boundaries(server: Server, model: Path) -> No
     _, full = greedy(model, LONG[0], 80)  # runs to max_tokens: no EOS
     # Three characters: at least three tokens of the byte vocabulary (one byte each).
     stop = full[10:13]
-    r = server.client().completions.create(model="foundry", prompt=LONG[0],
-                                           max_tokens=80, temperature=0, stop=[stop, "\x00zz"])
+    r = server.client().completions.create(
+        model="foundry", prompt=LONG[0], max_tokens=80, temperature=0, stop=[stop, "\x00zz"]
+    )
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -237,28 +288,50 @@ def test_ctl_and_grpc_send_the_same_conversation(server: Server, tmp_path: Path)
     token = tmp_path / "token"
     token.write_text(TOKEN)
     ctl = subprocess.run(
-        [sys.executable, "-m", "foundry", "ctl", "--gateway", f"127.0.0.1:{grpc_port}",
-         "--token-file", str(token), "generate", "--max-tokens", "16",
-         *(f"--message={m['role']}:{m['content']}" for m in CONVERSATION)],
-        capture_output=True, env=ENV, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "ctl",
+            "--gateway",
+            f"127.0.0.1:{grpc_port}",
+            "--token-file",
+            str(token),
+            "generate",
+            "--max-tokens",
+            "16",
+            *(f"--message={m['role']}:{m['content']}" for m in CONVERSATION),
+        ],
+        capture_output=True,
+        env=ENV,
+        timeout=60,
     )
     assert ctl.returncode == 0, ctl.stderr
-    chat = server.client().chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
-                                                   max_tokens=16, temperature=0)
+    chat = server.client().chat.completions.create(
+        model="foundry",
+        messages=CONVERSATION,  # type: ignore[arg-type]
+        max_tokens=16,
+        temperature=0,
+    )
     content = chat.choices[0].message.content
     assert content is not None
     assert ctl.stdout == content.encode() + b"\n"
 
 
-@pytest.mark.parametrize(("value", "want"), [
-    (f"Bearer   {TOKEN}", "accepted"),  # spaces before the token belong to no token
-    (f"bearer {TOKEN}", "accepted"),  # the scheme is case-insensitive
-    (f"Bearer  {TOKEN}x", "wrong"),
-    ("Bearer   ", "missing"),  # spaces only: no token at all
-    (f"Basic {TOKEN}", "missing"),
-], ids=["spaces-before", "scheme-case", "wrong", "spaces-only", "basic"])
-def test_both_doors_answer_the_same_to_one_authorization_value(server: Server, value: str,
-                                                               want: str) -> None:
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        (f"Bearer   {TOKEN}", "accepted"),  # spaces before the token belong to no token
+        (f"bearer {TOKEN}", "accepted"),  # the scheme is case-insensitive
+        (f"Bearer  {TOKEN}x", "wrong"),
+        ("Bearer   ", "missing"),  # spaces only: no token at all
+        (f"Basic {TOKEN}", "missing"),
+    ],
+    ids=["spaces-before", "scheme-case", "wrong", "spaces-only", "basic"],
+)
+def test_both_doors_answer_the_same_to_one_authorization_value(
+    server: Server, value: str, want: str
+) -> None:
     """The gRPC interceptor and the HTTP routes read the header with one function
     (``auth.check_bearer``): a token with spaces around it (RFC 6750: a b64token holds none)
     is accepted or refused alike."""
@@ -266,8 +339,10 @@ def test_both_doors_answer_the_same_to_one_authorization_value(server: Server, v
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         try:
             inference_pb2_grpc.InferenceServiceStub(channel).GetPairStatus(
-                inference_pb2.GetPairStatusRequest(), metadata=(("authorization", value),),
-                timeout=10)
+                inference_pb2.GetPairStatusRequest(),
+                metadata=(("authorization", value),),
+                timeout=10,
+            )
             by_grpc = "accepted"
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
@@ -303,25 +378,63 @@ BIG = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
         ("/v1/completions", b'{"prompt": "x", "top_p": 0}', {}, 400, "top_p"),
         ("/v1/completions", b'{"prompt": "x", "n": 2}', {}, 400, "n"),
         ("/v1/completions", b'{"prompt": "x", "stop": [""]}', {}, 400, "stop"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "king", "content": "x"}]}', {}, 400,
-         "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "king", "content": "x"}]}',
+            {},
+            400,
+            "messages.0.role",
+        ),
         ("/v1/chat/completions", b'{"messages": []}', {}, 400, "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"max_completion_tokens": 0}', {}, 400, "max_completion_tokens"),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2}', {"Authorization": ""}, 401,
-         None),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
-         {"Authorization": "Bearer nope"}, 401, None),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2, "frequency_penalty": 1, '
-         b'"user": "me"}', {}, 200, None),  # unknown and unserved fields are ignored
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+            {},
+            400,
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 2}', {"Authorization": ""}, 401, None),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "max_tokens": 2}',
+            {"Authorization": "Bearer nope"},
+            401,
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "max_tokens": 2, "frequency_penalty": 1, "user": "me"}',
+            {},
+            200,
+            None,
+        ),  # unknown and unserved fields are ignored
         ("/v1/nothing", b"{}", {}, 404, None),
     ],
-    ids=["malformed-json", "10MB", "invalid-utf8", "prompt-type", "temperature-type",
-         "negative-max-tokens", "top-p-range", "n", "empty-stop", "role", "no-messages",
-         "max-completion-tokens", "no-token", "wrong-token", "unknown-fields", "path"],
+    ids=[
+        "malformed-json",
+        "10MB",
+        "invalid-utf8",
+        "prompt-type",
+        "temperature-type",
+        "negative-max-tokens",
+        "top-p-range",
+        "n",
+        "empty-stop",
+        "role",
+        "no-messages",
+        "max-completion-tokens",
+        "no-token",
+        "wrong-token",
+        "unknown-fields",
+        "path",
+    ],
 )
 def test_bad_requests_get_their_status_and_the_gateway_serves_on(
-    server: Server, path: str, body: bytes, headers: dict[str, str], status: int,
+    server: Server,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
     param: str | None,
 ) -> None:
     got, _, answer = server.raw("POST", path, body, headers)
@@ -339,24 +452,29 @@ def test_bad_requests_get_their_status_and_the_gateway_serves_on(
 def test_a_conversation_the_template_refuses_is_a_400(server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="alternate") as exc:
         server.client().chat.completions.create(
-            model="foundry", max_tokens=4,
-            messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+            model="foundry",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+        )
     assert exc.value.status_code == 400
     assert server.raw("GET", "/health")[0] == 200
 
 
 def test_a_prompt_past_the_context_is_a_400(server: Server) -> None:
-    status, _, body = server.raw("POST", "/v1/completions",
-                                 json.dumps({"prompt": "x" * (MODEL_CFG.n_ctx + 5)}).encode())
+    status, _, body = server.raw(
+        "POST", "/v1/completions", json.dumps({"prompt": "x" * (MODEL_CFG.n_ctx + 5)}).encode()
+    )
     assert status == 400 and b"context" in body
 
 
 def _open_stream(port: int, body: dict[str, Any]) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-              + data)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -372,8 +490,9 @@ def _wait_cancelled(server: Server, before: float, within_s: float) -> float:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_cancels_its_generation(server: Server, stream: bool) -> None:
     before = server.pair.requests("cancelled")
-    s = _open_stream(server.port, {"prompt": LONG[0], "max_tokens": LONG[1], "temperature": 0,
-                                   "stream": stream})
+    s = _open_stream(
+        server.port, {"prompt": LONG[0], "max_tokens": LONG[1], "temperature": 0, "stream": stream}
+    )
     if stream:
         assert s.recv(4096).startswith(b"HTTP/1.1 200")  # the stream has begun
     else:
@@ -387,13 +506,15 @@ def test_a_client_that_disconnects_cancels_its_generation(server: Server, stream
 
 def test_a_client_that_stops_reading_does_not_stop_the_others(server: Server) -> None:
     before = server.pair.requests("cancelled")
-    stalled = _open_stream(server.port, {"prompt": LONG[0], "max_tokens": LONG[1],
-                                         "temperature": 0, "stream": True})
+    stalled = _open_stream(
+        server.port, {"prompt": LONG[0], "max_tokens": LONG[1], "temperature": 0, "stream": True}
+    )
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
         assert stalled.recv(64).startswith(b"HTTP/1.1 200")  # then it reads no more
-        r = server.client().completions.create(model="foundry", prompt="meanwhile",
-                                               max_tokens=8, temperature=0)
+        r = server.client().completions.create(
+            model="foundry", prompt="meanwhile", max_tokens=8, temperature=0
+        )
         assert r.choices[0].finish_reason in ("length", "stop")
     finally:
         stalled.close()
@@ -406,9 +527,11 @@ def test_32_concurrent_streams_complete_or_get_429(server: Server) -> None:
 
     def one(i: int) -> None:
         try:
-            chunks = list(server.client().completions.create(
-                model="foundry", prompt=f"client {i}", max_tokens=30, temperature=0,
-                stream=True))
+            chunks = list(
+                server.client().completions.create(
+                    model="foundry", prompt=f"client {i}", max_tokens=30, temperature=0, stream=True
+                )
+            )
             outcome = chunks[-1].choices[0].finish_reason or "none"
         except openai.RateLimitError as exc:
             assert exc.response.headers["retry-after"] == "1"
@@ -416,8 +539,9 @@ def test_32_concurrent_streams_complete_or_get_429(server: Server) -> None:
         with lock:
             results.append(outcome)
 
-    before = server.metric('foundry_gateway_http_requests_total{endpoint="completions",'
-                           'status="429"}')
+    before = server.metric(
+        'foundry_gateway_http_requests_total{endpoint="completions",status="429"}'
+    )
     threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
@@ -426,8 +550,9 @@ def test_32_concurrent_streams_complete_or_get_429(server: Server) -> None:
     assert not any(t.is_alive() for t in threads), "a client hangs"
     assert len(results) == 32 and set(results) <= {"length", "stop", "429"}, results
     assert results.count("429") <= 32 - MAX_ACTIVE  # the first MAX_ACTIVE always get in
-    after = server.metric('foundry_gateway_http_requests_total{endpoint="completions",'
-                          'status="429"}')
+    after = server.metric(
+        'foundry_gateway_http_requests_total{endpoint="completions",status="429"}'
+    )
     assert after - before == results.count("429")
     assert server.metric("foundry_gateway_http_queue_depth_requests") == 0
 
@@ -435,20 +560,33 @@ def test_32_concurrent_streams_complete_or_get_429(server: Server) -> None:
 def test_metrics_by_endpoint_and_status(server: Server) -> None:
     name = 'foundry_gateway_http_requests_total{endpoint="chat",status="200"}'
     before = server.metric(name)
-    ttft = server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
-                         '{endpoint="chat"}')
+    ttft = server.metric('foundry_gateway_http_time_to_first_token_seconds_count{endpoint="chat"}')
     itl = 'foundry_gateway_inter_token_latency_seconds_count{endpoint="chat"}'
     gaps = server.metric(itl)
-    server.client().chat.completions.create(model="foundry", messages=CONVERSATION,  # type: ignore[arg-type]
-                                            max_tokens=4, temperature=0)
+    server.client().chat.completions.create(
+        model="foundry",
+        messages=CONVERSATION,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+    )
     assert server.metric(name) == before + 1
-    assert server.metric('foundry_gateway_http_time_to_first_token_seconds_count'
-                         '{endpoint="chat"}') == ttft + 1
+    assert (
+        server.metric('foundry_gateway_http_time_to_first_token_seconds_count{endpoint="chat"}')
+        == ttft + 1
+    )
     assert server.metric(itl) - gaps <= 4 - 1
     gaps = server.metric(itl)
-    streamed = list(server.client().chat.completions.create(
-        model="foundry", messages=CONVERSATION, max_tokens=12, temperature=0.8, seed=1,  # type: ignore[arg-type]
-        stream=True, stream_options={"include_usage": True}))
+    streamed = list(
+        server.client().chat.completions.create(
+            model="foundry",
+            messages=CONVERSATION,
+            max_tokens=12,
+            temperature=0.8,
+            seed=1,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     generated = streamed[-1].usage.completion_tokens  # type: ignore[union-attr]
     # Every token after the first batch is one gap (sampled: one token a step, so the first
     # batch cannot hold all 12); the first batch holds at least one.
@@ -523,34 +661,58 @@ def test_fair_queue_forgets_a_waiter_that_leaves() -> None:
 
 def test_https_with_the_gateways_certificate(server: Server, tmp_path: Path) -> None:
     certs = tmp_path / "certs"
-    made = subprocess.run([sys.executable, "-m", "foundry", "certs", "--out", str(certs)],
-                          capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [sys.executable, "-m", "foundry", "certs", "--out", str(certs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0, made.stderr
     with Service(
-        ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-         "--tls-cert", str(certs / "gateway.pem"), "--tls-key", str(certs / "gateway-key.pem"),
-         "--coordinator-admin", f"127.0.0.1:{free_port()}",
-         "--tp-frontend", f"127.0.0.1:{server.pair.frontend}"],
+        [
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--tls-cert",
+            str(certs / "gateway.pem"),
+            "--tls-key",
+            str(certs / "gateway-key.pem"),
+            "--coordinator-admin",
+            f"127.0.0.1:{free_port()}",
+            "--tp-frontend",
+            f"127.0.0.1:{server.pair.frontend}",
+        ],
         tmp_path / "gateway.log",
     ) as gateway:
         port = int(gateway.wait_for(HTTP_LINE).group(1))
         with openai.OpenAI(
-            base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+            base_url=f"https://127.0.0.1:{port}/v1",
+            api_key="none",
+            max_retries=0,
             http_client=openai.DefaultHttpxClient(
-                verify=ssl.create_default_context(cafile=str(certs / "ca.pem"))),
+                verify=ssl.create_default_context(cafile=str(certs / "ca.pem"))
+            ),
         ) as trusted:
-            r = trusted.completions.create(model="foundry", prompt="secure", max_tokens=4,
-                                           temperature=0)
-        want = server.client().completions.create(model="foundry", prompt="secure",
-                                                  max_tokens=4, temperature=0)
+            r = trusted.completions.create(
+                model="foundry", prompt="secure", max_tokens=4, temperature=0
+            )
+        want = server.client().completions.create(
+            model="foundry", prompt="secure", max_tokens=4, temperature=0
+        )
         assert r.choices[0].text == want.choices[0].text
         with pytest.raises(openai.APIConnectionError):  # plain HTTP on the TLS port
-            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                          max_retries=0).models.list()
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+            ).models.list()
         raw = socket.create_connection(("127.0.0.1", port), timeout=10)
-        with ssl.create_default_context().wrap_socket(  # a client that does not trust the CA
-            raw, server_hostname="127.0.0.1", do_handshake_on_connect=False
-        ) as untrusting, pytest.raises(ssl.SSLCertVerificationError):
+        with (
+            ssl.create_default_context().wrap_socket(  # a client that does not trust the CA
+                raw, server_hostname="127.0.0.1", do_handshake_on_connect=False
+            ) as untrusting,
+            pytest.raises(ssl.SSLCertVerificationError),
+        ):
             untrusting.do_handshake()
 
 
@@ -561,4 +723,4 @@ def test_a_text_chunk_is_its_whole_rendering(chat: bool) -> None:
     for piece in ["", "plain", 'quote " and \\ backslash', "é😀\n\t\x00", marker]:
         whole = sse(render._envelope([render._choice(piece, None)], True))
         assert render.chunk(piece, []) == whole
-        assert json.loads(whole[len(b"data: "):])["model"] == f'model "{marker}"'
+        assert json.loads(whole[len(b"data: ") :])["model"] == f'model "{marker}"'

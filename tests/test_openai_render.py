@@ -73,17 +73,20 @@ def test_stop_and_usage_fields() -> None:
     assert completion().prompt_text() == "hi"
     parts = ChatCompletionRequest.model_validate_json(
         '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, '
-        '{"type": "text", "text": "b"}]}, {"role": "assistant"}]}')
+        '{"type": "text", "text": "b"}]}, {"role": "assistant"}]}'
+    )
     assert [m.text() for m in parts.messages] == ["ab", ""]
 
 
-def _events(*tokens: tuple[str, bytes], reason: DoneReason = DoneReason.MAX_TOKENS,
-            logprobs: bool = False) -> list[Any]:
+def _events(
+    *tokens: tuple[str, bytes], reason: DoneReason = DoneReason.MAX_TOKENS, logprobs: bool = False
+) -> list[Any]:
     out: list[Any] = []
     for i, (text, raw) in enumerate(tokens):
         if logprobs:
-            out.append(Logprobs(1, i, -0.5 * (i + 1), raw, ((i, -0.5 * (i + 1), raw),
-                                                            (99, -3.0, b"z"))))
+            out.append(
+                Logprobs(1, i, -0.5 * (i + 1), raw, ((i, -0.5 * (i + 1), raw), (99, -3.0, b"z")))
+            )
         out.append(Token(1, i, 10 + i, text))
     out.append(Done(1, reason, 4, len(tokens), 0.1))
     return out
@@ -91,14 +94,20 @@ def _events(*tokens: tuple[str, bytes], reason: DoneReason = DoneReason.MAX_TOKE
 
 def _decode(chunk: bytes) -> dict[str, Any]:
     assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
-    parsed: dict[str, Any] = json.loads(chunk[len(b"data: "):])
+    parsed: dict[str, Any] = json.loads(chunk[len(b"data: ") :])
     return parsed
 
 
-@pytest.mark.parametrize(("reason", "finish"), [
-    (DoneReason.MAX_TOKENS, "length"), (DoneReason.CONTEXT_FULL, "length"),
-    (DoneReason.EOS, "stop"), (DoneReason.STOP_STRING, "stop"), (DoneReason.CANCELLED, "stop"),
-])
+@pytest.mark.parametrize(
+    ("reason", "finish"),
+    [
+        (DoneReason.MAX_TOKENS, "length"),
+        (DoneReason.CONTEXT_FULL, "length"),
+        (DoneReason.EOS, "stop"),
+        (DoneReason.STOP_STRING, "stop"),
+        (DoneReason.CANCELLED, "stop"),
+    ],
+)
 def test_whole_responses(reason: DoneReason, finish: str) -> None:
     for is_chat in (True, False):
         out = _Output(chat=is_chat)
@@ -118,25 +127,37 @@ def test_whole_responses(reason: DoneReason, finish: str) -> None:
 def test_a_streams_chunks() -> None:
     render = _Render(True, "id-2", "m", include_usage=True, logprobs=False)
     opening = _decode(render.opening())
-    assert opening["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None}]
+    assert opening["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
     assert opening["object"] == "chat.completion.chunk"
     chunk = _decode(render.chunk("Hi", []))
-    assert chunk["choices"] == [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None,
-                                 "finish_reason": None}]
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+    ]
     out = _Output(chat=True)
     out.take(_events(("Hi", b"Hi"), reason=DoneReason.EOS))
     closing, usage_chunk = render.closing(out).split(b"\n\n")[:2]
     assert _decode(closing + b"\n\n")["choices"] == [
-        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    ]
     tail = _decode(usage_chunk + b"\n\n")
     assert tail["choices"] == [] and tail["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+        "prompt_tokens": 4,
+        "completion_tokens": 1,
+        "total_tokens": 5,
+    }
     plain = _Render(False, "id-3", "m", include_usage=False, logprobs=False)
     assert plain.opening() == b""
     (closing,) = [c for c in plain.closing(out).split(b"\n\n") if c]
     assert _decode(closing + b"\n\n")["choices"] == [
-        {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+    ]
     assert SSE_DONE == b"data: [DONE]\n\n"
     assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
 
@@ -146,23 +167,39 @@ def test_legacy_logprobs_offsets_continue_across_chunks() -> None:
     out = _Output(chat=False)
     first, lps = out.take(_events(("ab", b"ab"), ("é", "é".encode()), logprobs=True)[:4])
     one = _decode(render.chunk(first, lps))["choices"][0]["logprobs"]
-    assert one == {"tokens": ["ab", "é"], "token_logprobs": [-0.5, -1.0],
-                   "top_logprobs": [{"ab": -0.5, "z": -3.0}, {"é": -1.0, "z": -3.0}],
-                   "text_offset": [0, 2]}
+    assert one == {
+        "tokens": ["ab", "é"],
+        "token_logprobs": [-0.5, -1.0],
+        "top_logprobs": [{"ab": -0.5, "z": -3.0}, {"é": -1.0, "z": -3.0}],
+        "text_offset": [0, 2],
+    }
     piece, lps = out.take([Logprobs(1, 7, -2.0, b"cd", ()), Token(1, 7, 12, "cd")])
     two = _decode(render.chunk(piece, lps))["choices"][0]["logprobs"]
     assert two["text_offset"] == [3] and two["top_logprobs"] == [{}]
-    assert legacy_logprobs([], 5) == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                      "text_offset": []}
+    assert legacy_logprobs([], 5) == {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
 
 
 def test_chat_logprobs_carry_bytes() -> None:
     lp = Logprobs(1, 3, -0.25, b"\xc3", ((3, -0.25, b"\xc3"), (4, -2.0, b"a")))
-    assert chat_logprobs([lp]) == {"content": [{
-        "token": "\ufffd", "logprob": -0.25, "bytes": [0xC3],
-        "top_logprobs": [{"token": "\ufffd", "logprob": -0.25, "bytes": [0xC3]},
-                         {"token": "a", "logprob": -2.0, "bytes": [0x61]}]}],
-        "refusal": None}
+    assert chat_logprobs([lp]) == {
+        "content": [
+            {
+                "token": "\ufffd",
+                "logprob": -0.25,
+                "bytes": [0xC3],
+                "top_logprobs": [
+                    {"token": "\ufffd", "logprob": -0.25, "bytes": [0xC3]},
+                    {"token": "a", "logprob": -2.0, "bytes": [0x61]},
+                ],
+            }
+        ],
+        "refusal": None,
+    }
 
 
 def test_the_pairs_errors_as_http_statuses() -> None:
@@ -183,7 +220,8 @@ def test_the_pairs_errors_as_http_statuses() -> None:
         assert err.body["error"]["message"] == exc.message
     assert http_error(BackendUnavailable("x")).headers == {"Retry-After": "1"}
     assert http_error(BackendFailed("x", grpc.StatusCode.RESOURCE_EXHAUSTED)).headers == {
-        "Retry-After": "1"}
+        "Retry-After": "1"
+    }
     assert http_error(InvalidRequest("x")).headers is None
 
 
@@ -192,8 +230,7 @@ def test_a_chunk_of_each_endpoint_and_its_logprobs() -> None:
     chunk = _decode(plain.chunk("x", []))
     assert set(chunk) == {"id", "object", "created", "model", "choices"}
     assert isinstance(chunk["created"], int) and chunk["object"] == "text_completion"
-    assert chunk["choices"] == [{"index": 0, "text": "x", "logprobs": None,
-                                 "finish_reason": None}]
+    assert chunk["choices"] == [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]
     lp = Logprobs(1, 3, -0.25, b"x", ((3, -0.25, b"x"),))
     with_lps = _Render(True, "id-6", "m", include_usage=False, logprobs=True)
     c = _decode(with_lps.chunk("x", [lp]))
@@ -226,23 +263,40 @@ def test_offsets_over_three_chunks_and_the_whole_answers_logprobs() -> None:
     chat_out = _Output(chat=True)
     chat_out.take(_events(("a", b"a"), logprobs=True)[:2])
     chat_out.take(_events(("b", b"b"), logprobs=True))
-    assert [e["token"] for e in chat_render.whole(chat_out)["choices"][0]["logprobs"][
-        "content"]] == ["a", "b"]
+    assert [
+        e["token"] for e in chat_render.whole(chat_out)["choices"][0]["logprobs"]["content"]
+    ] == ["a", "b"]
     closing = _decode(chat_render.closing(chat_out))
     assert closing["object"] == "chat.completion.chunk"
     tail = _Render(True, "id-10", "m", include_usage=True, logprobs=False).closing(chat_out)
     assert [_decode(p + b"\n\n")["object"] for p in tail.split(b"\n\n") if p] == [
-        "chat.completion.chunk"] * 2
+        "chat.completion.chunk"
+    ] * 2
 
 
 def test_error_bodies_are_openais() -> None:
     err = HttpError(404, "no such model", code="model_not_found")
     assert str(err) == "no such model" and err.status == 404
-    assert err.body == {"error": {"message": "no such model", "type": "invalid_request_error",
-                                  "param": None, "code": "model_not_found"}}
-    assert HttpError(400, "bad", param="top_p").body == error_body(
-        "bad", "invalid_request_error", "top_p") == {"error": {
-            "message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}}
+    assert err.body == {
+        "error": {
+            "message": "no such model",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    }
+    assert (
+        HttpError(400, "bad", param="top_p").body
+        == error_body("bad", "invalid_request_error", "top_p")
+        == {
+            "error": {
+                "message": "bad",
+                "type": "invalid_request_error",
+                "param": "top_p",
+                "code": None,
+            }
+        }
+    )
 
 
 def test_the_fair_queues_counts() -> None:
@@ -306,8 +360,9 @@ def _asgi_stream(chunks: list[bytes], leave_after: int | None) -> tuple[list[Any
         def on_close() -> None:
             state["closed"] += 1
 
-        await EventStream(body(), on_close)({"type": "http", "asgi": {"spec_version": "2.4"}},
-                                            receive, send)
+        await EventStream(body(), on_close)(
+            {"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send
+        )
         at_return.update(state)  # before the loop's shutdown would close the generator
 
     asyncio.run(main())

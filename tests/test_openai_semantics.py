@@ -58,9 +58,12 @@ def ref(tiny: Path) -> Reference:
 
 @pytest.fixture(scope="module")
 def s(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with served(tiny, tmp_path_factory.mktemp("served"), None,  # the file's: N_CTX
-                gateway_flags=("--http-max-active", str(MAX_ACTIVE),
-                               "--http-queue", str(QUEUE))) as stack:
+    with served(
+        tiny,
+        tmp_path_factory.mktemp("served"),
+        None,  # the file's: N_CTX
+        gateway_flags=("--http-max-active", str(MAX_ACTIVE), "--http-queue", str(QUEUE)),
+    ) as stack:
         yield stack
 
 
@@ -71,13 +74,16 @@ def test_a_chat_ends_at_its_end_of_turn_token(s: Served, ref: Reference) -> None
     want = ref.greedy(QUESTION, 40)
     eot = ref.tokenizer.encode("<|eot_id|>", parse_special=True)[-1:]
     assert want[-1:] == eot and eot[0] != ref.tokenizer.eos_id  # not the file's EOS
-    for reply in (s.whole(QUESTION, max_tokens=40, temperature=0),
-                  s.streamed(QUESTION, max_tokens=40, temperature=0,
-                             stream_options={"include_usage": True})):
+    for reply in (
+        s.whole(QUESTION, max_tokens=40, temperature=0),
+        s.streamed(QUESTION, max_tokens=40, temperature=0, stream_options={"include_usage": True}),
+    ):
         assert (reply.text, reply.finish_reason) == (ANSWER, "stop")
-        assert reply.usage == {"prompt_tokens": len(ref.prompt_ids(QUESTION)),
-                               "completion_tokens": len(want),
-                               "total_tokens": len(ref.prompt_ids(QUESTION)) + len(want)}
+        assert reply.usage == {
+            "prompt_tokens": len(ref.prompt_ids(QUESTION)),
+            "completion_tokens": len(want),
+            "total_tokens": len(ref.prompt_ids(QUESTION)) + len(want),
+        }
     grpc = s.grpc_generate(QUESTION, 40)
     assert (grpc.token_ids, grpc.text, grpc.finish_reason) == (want, ANSWER, "FINISH_REASON_EOS")
 
@@ -90,8 +96,9 @@ def test_a_chats_turn_markers_are_its_special_tokens(s: Served, ref: Reference) 
     assert start[0] == ref.tokenizer.bos_id and len(start) == 2 and start[1] in ids
     text = prompt_text(ref.template, [Message(r, c) for r, c in QUESTION.messages])
     assert len(ref.tokenizer.encode(text, parse_special=False)) > len(ids) + 20
-    status, _, body = s.post("/v1/chat/completions", {**QUESTION.body(), "max_tokens": 1,
-                                                      "temperature": 0})
+    status, _, body = s.post(
+        "/v1/chat/completions", {**QUESTION.body(), "max_tokens": 1, "temperature": 0}
+    )
     assert status == 200
     assert json.loads(body)["usage"]["prompt_tokens"] == len(ids)
 
@@ -111,7 +118,7 @@ def test_length_at_a_full_context(s: Served, ref: Reference) -> None:
     words = " ".join(f"w{i}" for i in range(N_CTX))
     ids = ref.tokenizer.encode(words)
     # A prompt that leaves six places in the context; far more tokens asked for.
-    prompt = ref.tokenizer.decode(ids[1:N_CTX - 6])
+    prompt = ref.tokenizer.decode(ids[1 : N_CTX - 6])
     chat = Chat(prompt=prompt)
     n_prompt = len(ref.prompt_ids(chat))
     assert N_CTX - 10 < n_prompt < N_CTX
@@ -119,9 +126,10 @@ def test_length_at_a_full_context(s: Served, ref: Reference) -> None:
     # Every place of the context holds a token, and the last token is predicted from the
     # last place (it is not stored: nothing would read it), as one process generates.
     assert n_prompt + len(want) == N_CTX + 1
-    for reply in (s.whole(chat, max_tokens=100, temperature=0),
-                  s.streamed(chat, max_tokens=100, temperature=0,
-                             stream_options={"include_usage": True})):
+    for reply in (
+        s.whole(chat, max_tokens=100, temperature=0),
+        s.streamed(chat, max_tokens=100, temperature=0, stream_options={"include_usage": True}),
+    ):
         assert reply.finish_reason == "length"
         assert reply.usage is not None
         assert reply.usage["prompt_tokens"] + reply.usage["completion_tokens"] == N_CTX + 1
@@ -140,7 +148,8 @@ def _prompt_of(ref: Reference, n: int) -> Chat:
 
 
 def test_a_prompt_of_the_whole_context_gets_one_token_and_one_more_is_refused(
-    s: Served, ref: Reference,
+    s: Served,
+    ref: Reference,
 ) -> None:
     """The limit and one past it: a prompt that fills the context is answered with the one
     token its last row predicts; a longer one is OpenAI's 400, naming the context."""
@@ -148,8 +157,9 @@ def test_a_prompt_of_the_whole_context_gets_one_token_and_one_more_is_refused(
     assert full.usage is not None
     assert (full.usage["prompt_tokens"], full.usage["completion_tokens"]) == (N_CTX, 1)
     assert full.finish_reason == "length"
-    status, _, body = s.post("/v1/completions", {**_prompt_of(ref, N_CTX + 1).body(),
-                                                 "max_tokens": 5})
+    status, _, body = s.post(
+        "/v1/completions", {**_prompt_of(ref, N_CTX + 1).body(), "max_tokens": 5}
+    )
     assert status == 400, body
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and f"context of {N_CTX}" in error["message"]
@@ -158,17 +168,21 @@ def test_a_prompt_of_the_whole_context_gets_one_token_and_one_more_is_refused(
 
 @pytest.mark.parametrize("as_list", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_as_a_string_and_as_a_list(s: Served, ref: Reference, as_list: bool,
-                                        stream: bool) -> None:
+def test_stop_as_a_string_and_as_a_list(
+    s: Served, ref: Reference, as_list: bool, stream: bool
+) -> None:
     want = ref.greedy(STORY, 12)
     full = ref.text(want)
     pieces = [ref.text(want[:i]) for i in range(len(want) + 1)]
     # A stop string that begins inside one token and ends inside a later one.
     cut = len(pieces[4]) - 1
-    stop = full[cut:len(pieces[6]) - 1]
+    stop = full[cut : len(pieces[6]) - 1]
     assert stop and full.index(stop) == cut
-    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0,
-                          "stop": ["\x00never", stop] if as_list else stop}
+    kw: dict[str, Any] = {
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": ["\x00never", stop] if as_list else stop,
+    }
     reply = s.streamed(STORY, **kw) if stream else s.whole(STORY, **kw)
     assert (reply.text, reply.finish_reason) == (full[:cut], "stop")
 
@@ -182,26 +196,34 @@ def test_max_completion_tokens_wins_over_max_tokens(s: Served) -> None:
     a = s.whole(QUESTION, max_tokens=5, max_completion_tokens=3, temperature=0)
     b = s.whole(QUESTION, max_tokens=3, max_completion_tokens=5, temperature=0)
     assert a.usage is not None and b.usage is not None
-    assert (a.usage["completion_tokens"], a.finish_reason, a.text) == (3, "length",
-                                                                       "The capital is")
-    assert (b.usage["completion_tokens"], b.finish_reason, b.text) == (5, "length",
-                                                                       "The capital is Paris.")
+    assert (a.usage["completion_tokens"], a.finish_reason, a.text) == (
+        3,
+        "length",
+        "The capital is",
+    )
+    assert (b.usage["completion_tokens"], b.finish_reason, b.text) == (
+        5,
+        "length",
+        "The capital is Paris.",
+    )
 
 
 @pytest.mark.parametrize("count", [0, 2])
-def test_legacy_logprobs_and_text_offset_across_chunks(s: Served, ref: Reference,
-                                                       count: int) -> None:
+def test_legacy_logprobs_and_text_offset_across_chunks(
+    s: Served, ref: Reference, count: int
+) -> None:
     want = ref.greedy(STORY, 10)
     whole = s.whole(STORY, max_tokens=10, temperature=0, logprobs=count)
     lp = json.loads(whole.raw)["choices"][0]["logprobs"]
     assert lp is not None, "logprobs: 0 asks for the chosen tokens' logprobs"
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 10
-    assert lp["tokens"] == [ref.tokenizer.token_bytes(t).decode(errors="replace")
-                            for t in want]
+    assert lp["tokens"] == [ref.tokenizer.token_bytes(t).decode(errors="replace") for t in want]
     assert all(len(top) <= count for top in lp["top_logprobs"])
     if count:
-        assert all(max(top.values()) == pytest.approx(v, abs=1e-5)
-                   for top, v in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True))
+        assert all(
+            max(top.values()) == pytest.approx(v, abs=1e-5)
+            for top, v in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True)
+        )
     offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(10)]
     assert lp["text_offset"] == offsets
     streamed = s.streamed(STORY, max_tokens=10, temperature=0, logprobs=count)
@@ -218,9 +240,15 @@ def test_legacy_logprobs_and_text_offset_across_chunks(s: Served, ref: Reference
 
 
 def test_sse_framing_read_as_bytes(s: Served) -> None:
-    raw = s.stream_bytes("/v1/chat/completions", {**QUESTION.body(), "max_tokens": 40,
-                                                  "temperature": 0,
-                                                  "stream_options": {"include_usage": True}})
+    raw = s.stream_bytes(
+        "/v1/chat/completions",
+        {
+            **QUESTION.body(),
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        },
+    )
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     assert lines[0] == b"HTTP/1.1 200 OK"
@@ -232,33 +260,53 @@ def test_sse_framing_read_as_bytes(s: Served) -> None:
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
     assert {e["model"] for e in events} == {MODEL_NAME}
     first, *middle, closing, tail = events
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]
+    assert first["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
     assert "".join(e["choices"][0]["delta"]["content"] for e in middle) == ANSWER
     assert all(e["choices"][0]["finish_reason"] is None for e in middle)
-    assert closing["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
-                                   "finish_reason": "stop"}]
+    assert closing["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    ]
     assert tail["choices"] == [] and set(tail["usage"]) == {
-        "prompt_tokens", "completion_tokens", "total_tokens"}
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+    }
     assert "usage" not in first and "usage" not in closing
-    plain = sse_events(s.stream_bytes("/v1/completions", {
-        **STORY.body(), "max_tokens": 3, "temperature": 0}).partition(b"\r\n\r\n")[2])
+    plain = sse_events(
+        s.stream_bytes(
+            "/v1/completions", {**STORY.body(), "max_tokens": 3, "temperature": 0}
+        ).partition(b"\r\n\r\n")[2]
+    )
     assert all("usage" not in e for e in plain)  # only when asked for
     assert plain[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_an_unknown_model_is_openais_404(s: Served) -> None:
-    for path, body in (("/v1/chat/completions", QUESTION.body()),
-                       ("/v1/completions", STORY.body())):
-        status, _, raw = s.request("POST", path, json.dumps(
-            {**body, "model": "gpt-4o", "max_tokens": 2}).encode())
+    for path, body in (
+        ("/v1/chat/completions", QUESTION.body()),
+        ("/v1/completions", STORY.body()),
+    ):
+        status, _, raw = s.request(
+            "POST", path, json.dumps({**body, "model": "gpt-4o", "max_tokens": 2}).encode()
+        )
         assert status == 404
         error = json.loads(raw)["error"]
         assert (error["type"], error["code"], error["param"]) == (
-            "invalid_request_error", "model_not_found", None)
+            "invalid_request_error",
+            "model_not_found",
+            None,
+        )
         assert "gpt-4o" in error["message"]
-    status, _, raw = s.request("POST", "/v1/completions", json.dumps(
-        {**STORY.body(), "max_tokens": 2}).encode())  # no model named: served
+    status, _, raw = s.request(
+        "POST", "/v1/completions", json.dumps({**STORY.body(), "max_tokens": 2}).encode()
+    )  # no model named: served
     assert status == 200
     s.wait_idle()
 
@@ -269,24 +317,33 @@ def test_an_unknown_model_is_openais_404(s: Served) -> None:
 def _send(port: int, path: str, body: dict[str, Any], version: str = "HTTP/1.1") -> socket.socket:
     data = json.dumps({"model": MODEL_NAME, **body}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(f"POST {path} {version}\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} {version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
 def _capacity(s: Served) -> list[int]:
     """Statuses of MAX_ACTIVE + QUEUE requests at once (all admitted while every place is
     free), then one more past them (429)."""
-    socks = [_send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 60,
-                                              "temperature": 0, "stream": True})
-             for _ in range(MAX_ACTIVE)]
+    socks = [
+        _send(
+            s.http,
+            "/v1/completions",
+            {**STORY.body(), "max_tokens": 60, "temperature": 0, "stream": True},
+        )
+        for _ in range(MAX_ACTIVE)
+    ]
     try:
         for sock in socks:  # both run: their streams have begun
             assert sock.recv(12) == b"HTTP/1.1 200"
         statuses = []
-        waiting = [_send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 1,
-                                                    "temperature": 0})
-                   for _ in range(QUEUE)]
+        waiting = [
+            _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 1, "temperature": 0})
+            for _ in range(QUEUE)
+        ]
         socks += waiting
         _wait_metric(s, "foundry_gateway_http_queue_depth_requests", QUEUE)
         status, _, _ = s.post("/v1/completions", {**STORY.body(), "max_tokens": 1})
@@ -313,10 +370,14 @@ def _failures(s: Served, ref: Reference) -> None:
     assert s.post("/v1/completions", {**STORY.body(), "model": "x"})[0] == 404
     # Disconnects: before the first token, mid-stream, waiting for a whole answer (the pair
     # must hear of each: wait_idle asks it for no session left).
-    for body, wait_for in (({"stream": True}, b""), ({"stream": True}, b"HTTP/1.1 200"),
-                           ({"stream": False}, b"")):
-        sock = _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": 200,
-                                                 "temperature": 0, **body})
+    for body, wait_for in (
+        ({"stream": True}, b""),
+        ({"stream": True}, b"HTTP/1.1 200"),
+        ({"stream": False}, b""),
+    ):
+        sock = _send(
+            s.http, "/v1/completions", {**STORY.body(), "max_tokens": 200, "temperature": 0, **body}
+        )
         if wait_for:
             assert sock.recv(len(wait_for)) == wait_for
         else:
@@ -327,9 +388,14 @@ def _failures(s: Served, ref: Reference) -> None:
         sock.close()
         s.wait_idle()
     # A disconnect while queued: every place taken by a long stream, one more waits, leaves.
-    running = [_send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": N_CTX,
-                                                 "temperature": 0, "stream": True})
-               for _ in range(MAX_ACTIVE)]
+    running = [
+        _send(
+            s.http,
+            "/v1/completions",
+            {**STORY.body(), "max_tokens": N_CTX, "temperature": 0, "stream": True},
+        )
+        for _ in range(MAX_ACTIVE)
+    ]
     try:
         for sock in running:
             assert sock.recv(12) == b"HTTP/1.1 200"
@@ -350,8 +416,7 @@ def _wait_metric(s: Served, name: str, value: float, within_s: float = 30.0) -> 
         time.sleep(0.01)
 
 
-def test_every_place_in_the_queue_comes_back_after_each_failure(s: Served,
-                                                                ref: Reference) -> None:
+def test_every_place_in_the_queue_comes_back_after_each_failure(s: Served, ref: Reference) -> None:
     """More failures of each kind than the queue has places (MAX_ACTIVE + QUEUE = 4): a place
     kept by any of them would leave the gateway answering 429 for good."""
     for _ in range(MAX_ACTIVE + QUEUE + 1):
@@ -363,8 +428,12 @@ def test_every_place_in_the_queue_comes_back_after_each_failure(s: Served,
 def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_and_done(s: Served) -> None:
     """The response has begun (200): the failure is an error event in the stream, then
     ``[DONE]``; the place comes back, and the pair serves again once the worker returns."""
-    sock = _send(s.http, "/v1/completions", {**STORY.body(), "max_tokens": N_CTX,
-                                             "temperature": 0, "stream": True}, "HTTP/1.0")
+    sock = _send(
+        s.http,
+        "/v1/completions",
+        {**STORY.body(), "max_tokens": N_CTX, "temperature": 0, "stream": True},
+        "HTTP/1.0",
+    )
     try:
         raw = sock.recv(12)
         assert raw == b"HTTP/1.1 200"
@@ -436,10 +505,12 @@ def test_gemma_chats_through_the_plain_transcript_and_says_so(
     want = ref.greedy(Chat(prompt=rendered), 24)
     full = ref.text(want)
     assert "\nUser:" in full, full  # the base model writes the next turn itself
-    answer = full[:full.index("\nUser:")]
+    answer = full[: full.index("\nUser:")]
     assert "Paris" in answer
-    for reply in (s.whole(QUESTION, max_tokens=24, temperature=0),
-                  s.streamed(QUESTION, max_tokens=24, temperature=0)):
+    for reply in (
+        s.whole(QUESTION, max_tokens=24, temperature=0),
+        s.streamed(QUESTION, max_tokens=24, temperature=0),
+    ):
         assert (reply.text, reply.finish_reason) == (answer, "stop")
     done = s.whole(Chat(prompt=rendered), max_tokens=24, temperature=0)
     assert done.text == full  # a completion of the same text is not cut
@@ -456,8 +527,9 @@ def test_gemma_chats_next_turn_continues_the_kept_session_past_the_reply(
     assert s.pair.leader.metrics is not None
     first = s.whole(QUESTION, max_tokens=6, temperature=0)
     assert first.text.startswith(" ") and first.usage["completion_tokens"] == 6, first
-    follow = Chat(messages=(*QUESTION.messages, ("assistant", first.text),
-                            ("user", "And of Spain?")))
+    follow = Chat(
+        messages=(*QUESTION.messages, ("assistant", first.text), ("user", "And of Spain?"))
+    )
     reused = "foundry_tp_prompt_tokens_reused_total"
     before = metric(s.pair.leader.metrics, reused)
     second = s.whole(follow, max_tokens=4, temperature=0)
@@ -474,10 +546,12 @@ def test_gemma_usage_and_stop_list(gemma: tuple[Served, Reference]) -> None:
     full = ref.text(want)
     reply = s.whole(chat, max_tokens=8, temperature=0)
     assert (reply.text, reply.finish_reason) == (full, "length")
-    assert reply.usage == {"prompt_tokens": len(ref.prompt_ids(chat)),
-                           "completion_tokens": 8,
-                           "total_tokens": len(ref.prompt_ids(chat)) + 8}
+    assert reply.usage == {
+        "prompt_tokens": len(ref.prompt_ids(chat)),
+        "completion_tokens": 8,
+        "total_tokens": len(ref.prompt_ids(chat)) + 8,
+    }
     word = full.split()[1]
     stopped = s.streamed(chat, max_tokens=8, temperature=0, stop=["\x00", word])
-    assert (stopped.text, stopped.finish_reason) == (full[:full.index(word)], "stop")
+    assert (stopped.text, stopped.finish_reason) == (full[: full.index(word)], "stop")
     s.wait_idle()

@@ -44,7 +44,7 @@ def awkward_gradients(rng: np.random.Generator, shape: tuple[int, ...]) -> F32:
     g = rng.standard_normal(shape, dtype=np.float32)
     flat = g.reshape(-1)
     specials = np.array([0.0, -0.0, 1e-40, -3e-42, 1e-30, 3e18, -3e18], np.float32)
-    flat[:: 5] = specials[rng.integers(0, len(specials), flat[::5].shape)]
+    flat[::5] = specials[rng.integers(0, len(specials), flat[::5].shape)]
     return g
 
 
@@ -118,7 +118,10 @@ def test_adamw_matches_torch_with_decay_on_matrices_only(stepper: str) -> None:
             {"params": [t for k, t in ref.items() if params[k].ndim >= 2], "weight_decay": wd},
             {"params": [t for k, t in ref.items() if params[k].ndim < 2], "weight_decay": 0.0},
         ],
-        lr=1.0, betas=betas, eps=eps, foreach=False,
+        lr=1.0,
+        betas=betas,
+        eps=eps,
+        foreach=False,
     )
     rng = np.random.default_rng(1)
     for step in range(12):
@@ -132,8 +135,9 @@ def test_adamw_matches_torch_with_decay_on_matrices_only(stepper: str) -> None:
         ref_opt.step()
         for k, p in params.items():
             assert p.dtype == np.float32
-            np.testing.assert_allclose(p, ref[k].detach().numpy(), rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{k} step {step}")
+            np.testing.assert_allclose(
+                p, ref[k].detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{k} step {step}"
+            )
     assert opt.state_dict()["step"] == 12
 
 
@@ -149,8 +153,10 @@ def test_zero_gradient_decays_matrices_but_not_norms(stepper: str) -> None:
 
 def test_state_dict_round_trip_resumes_exactly() -> None:
     rng = np.random.default_rng(2)
-    grads = [{k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in make_params().items()}
-             for _ in range(6)]
+    grads = [
+        {k: rng.standard_normal(v.shape, dtype=np.float32) for k, v in make_params().items()}
+        for _ in range(6)
+    ]
     a = make_params()
     opt_a = AdamW(a)
     for g in grads:
@@ -162,11 +168,13 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
         opt_b.step(b, g, lr=1e-2)
     saved = opt_b.state_dict()
     resumed = AdamW(b)
-    resumed.load_state_dict({
-        "step": saved["step"],
-        "m": {k: v.copy() for k, v in saved["m"].items()},
-        "v": {k: v.copy() for k, v in saved["v"].items()},
-    })
+    resumed.load_state_dict(
+        {
+            "step": saved["step"],
+            "m": {k: v.copy() for k, v in saved["m"].items()},
+            "v": {k: v.copy() for k, v in saved["v"].items()},
+        }
+    )
     for g in grads[3:]:
         resumed.step(b, g, lr=1e-2)
     for k in a:

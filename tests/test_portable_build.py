@@ -49,15 +49,30 @@ def test_the_kernels_link_and_run_without_their_x86_paths(tmp_path: Path) -> Non
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.fail("no C compiler: the extension itself needs one (setup.py)")
-    sources = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("py_")
-                     and p.name != "module.c")
+    sources = sorted(
+        p for p in CSRC.glob("*.c") if not p.name.startswith("py_") and p.name != "module.c"
+    )
     main = tmp_path / "main.c"
     main.write_text(MAIN)
     exe = tmp_path / "portable"
     build = subprocess.run(
-        [cc, "-DFOUNDRY_PORTABLE", "-O1", "-std=c11", "-D_GNU_SOURCE", f"-I{CSRC}",
-         *map(str, sources), str(main), "-lm", "-pthread", "-o", str(exe)],
-        capture_output=True, text=True, timeout=300,
+        [
+            cc,
+            "-DFOUNDRY_PORTABLE",
+            "-O1",
+            "-std=c11",
+            "-D_GNU_SOURCE",
+            f"-I{CSRC}",
+            *map(str, sources),
+            str(main),
+            "-lm",
+            "-pthread",
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

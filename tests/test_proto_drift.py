@@ -28,7 +28,9 @@ def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
     out = tmp_path / "api"
     subprocess.run(
         [sys.executable, str(PROTO / "generate.py"), "--out", str(out)],
-        check=True, capture_output=True, timeout=120,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     fresh, committed = _files(out), _files(API)
     hint = "run `.venv/bin/python proto/generate.py` and commit src/foundry/api"
@@ -60,7 +62,9 @@ def _buf() -> list[str] | None:
         try:
             probe = subprocess.run(
                 ["npx", "--no-install", "buf", "--version"],
-                cwd=REPO, capture_output=True, timeout=60,
+                cwd=REPO,
+                capture_output=True,
+                timeout=60,
             )
         except subprocess.TimeoutExpired:
             return None
@@ -77,7 +81,5 @@ def test_buf_lint() -> None:
             "no buf binary: install one with `npm install --no-save @bufbuild/buf` in the "
             "repository (or put buf on PATH) to lint proto/"
         )
-    result = subprocess.run(
-        [*buf, "lint"], cwd=PROTO, capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([*buf, "lint"], cwd=PROTO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -186,25 +186,44 @@ def test_split_rules_on_published_shapes() -> None:
     """What each rank holds: KV groups split unevenly (qwen3: 3 kv heads), a single kv head
     replicated with the query heads split (qwen3moe, gemma3), whole-vector QK-norm's Q and K
     rows replicated (olmoe), dense FFNs by whole blocks of intermediate rows."""
+
     def cfg(name: str) -> ArchConfig:
         t = TINY[name]
-        return ArchConfig(architecture=t.arch, n_vocab=t.n_vocab, n_embd=t.n_embd,
-                          n_layer=t.n_layer, n_head=t.n_head, n_head_kv=t.n_head_kv,
-                          n_ff=t.n_ff, n_expert=t.n_expert, n_expert_used=t.n_expert_used,
-                          key_length=t.head_dim, tied_output=t.tied)
+        return ArchConfig(
+            architecture=t.arch,
+            n_vocab=t.n_vocab,
+            n_embd=t.n_embd,
+            n_layer=t.n_layer,
+            n_head=t.n_head,
+            n_head_kv=t.n_head_kv,
+            n_ff=t.n_ff,
+            n_expert=t.n_expert,
+            n_expert_used=t.n_expert_used,
+            key_length=t.head_dim,
+            tied_output=t.tied,
+        )
 
     q3 = [rank_layout(cfg("qwen3"), r, 2) for r in range(2)]
     assert [(lay.kv_heads, lay.heads) for lay in q3] == [((0, 2), (0, 6)), ((2, 3), (6, 9))]
     gm = [rank_layout(cfg("gemma3"), r, 2) for r in range(2)]
     assert [(lay.kv_heads, lay.heads, lay.ff) for lay in gm] == [
-        ((0, 1), (0, 2), (0, 64)), ((0, 1), (2, 4), (64, 96))]
+        ((0, 1), (0, 2), (0, 64)),
+        ((0, 1), (2, 4), (64, 96)),
+    ]
     ol = [rank_layout(cfg("olmoe"), r, 2) for r in range(2)]
     assert [(lay.q_rows, lay.k_rows, lay.heads, lay.kv_heads) for lay in ol] == [
-        ((0, 4), (0, 4), (0, 2), (0, 2)), ((0, 4), (0, 4), (2, 4), (2, 4))]
+        ((0, 4), (0, 4), (0, 2), (0, 2)),
+        ((0, 4), (0, 4), (2, 4), (2, 4)),
+    ]
 
 
-def _rewrite(src: Path, dst: Path, *, set_keys: dict[str, tuple[object, gguf.GGUFValueType]]
-             | None = None, arch: str | None = None) -> None:
+def _rewrite(
+    src: Path,
+    dst: Path,
+    *,
+    set_keys: dict[str, tuple[object, gguf.GGUFValueType]] | None = None,
+    arch: str | None = None,
+) -> None:
     """A copy of a tiny file with some metadata changed (the tensors as they are)."""
     r = gguf.GGUFReader(src)
     name = arch or str(r.fields["general.architecture"].contents())
@@ -229,17 +248,22 @@ def _rewrite(src: Path, dst: Path, *, set_keys: dict[str, tuple[object, gguf.GGU
     w.close()
 
 
-def test_unsupported_files_are_refused_in_one_line(files: dict[str, Path],
-                                                    tmp_path: Path) -> None:
+def test_unsupported_files_are_refused_in_one_line(files: dict[str, Path], tmp_path: Path) -> None:
     u32 = gguf.GGUFValueType.UINT32
     cases: list[tuple[dict[str, tuple[object, gguf.GGUFValueType]], str | None, str]] = [
         ({}, "phi3", r"architecture 'phi3' is not supported \(Foundry runs gemma3, llama"),
         ({"qwen3.context_length": (2**31, u32)}, None, None),  # loads: nothing is sized by it
         ({"qwen3.embedding_length": (2**31, u32)}, None, r"n_embd = 2147483648, above 65536"),
-        ({"tokenizer.ggml.bos_token_id": (289, u32)}, None,
-         r"bos_token_id is 289, outside the vocabulary \[0, 289\)"),
-        ({"qwen3.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)}, None,
-         r"qwen3\.rope\.scaling\.type = 'yarn' is not supported"),
+        (
+            {"tokenizer.ggml.bos_token_id": (289, u32)},
+            None,
+            r"bos_token_id is 289, outside the vocabulary \[0, 289\)",
+        ),
+        (
+            {"qwen3.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)},
+            None,
+            r"qwen3\.rope\.scaling\.type = 'yarn' is not supported",
+        ),
     ]  # type: ignore[list-item]
     for i, (keys, arch, message) in enumerate(cases):
         bad = tmp_path / f"bad{i}.gguf"
@@ -273,16 +297,24 @@ def test_stored_types_stay_stored(files: dict[str, Path]) -> None:
 # gemma3's tiny file: one kv head replicated, a tied head split by vocabulary, sliding window;
 # qwen3's: 9 query heads over 3 kv heads, split 6 + 3.
 @pytest.mark.parametrize("name", ["gemma3", "qwen3"])
-def test_pair_processes_equal_one_process(files: dict[str, Path], name: str,
-                                          tmp_path: Path) -> None:
+def test_pair_processes_equal_one_process(
+    files: dict[str, Path], name: str, tmp_path: Path
+) -> None:
     """The leader here, the worker a process: every logits row of a greedy run equals one
     process's bit for bit (the prompt through the file's own tokenizer)."""
     model = files[name]
     limit_blas_threads(1)
     rows: list[F32] = []
     leader = InProcessLeader(
-        LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
-                      prefill_chunk=8, spec_mode=SpecMode.OFF, hash_check=True),
+        LeaderOptions(
+            model=model,
+            host="127.0.0.1",
+            port=0,
+            frontend_port=0,
+            prefill_chunk=8,
+            spec_mode=SpecMode.OFF,
+            hash_check=True,
+        ),
         hook=lambda rid, r: rows.append(r.copy()),
     )
     worker = start_worker(model, leader.leader.port, tmp_path / "worker.log")
@@ -311,14 +343,25 @@ def test_file_hash_matches_references(files: dict[str, Path]) -> None:
 
 
 def test_up_serves_a_published_file_on_the_pair_without_training(
-        files: dict[str, Path], tmp_path: Path) -> None:
+    files: dict[str, Path], tmp_path: Path
+) -> None:
     """`foundry up --model FILE`: gateway, tp-leader and tp-worker on the file, no coordinator
     and no workers; the sample is the file's greedy text; `ctl generate` answers; Ctrl+C ends
     all three."""
     from test_up import ENV, running, start_up, wait_gone
 
-    up, ports = start_up(tmp_path, 1, "--model", str(files["gemma3"]), "--prompt", "abc",
-                         "--sample-tokens", "8", "--ctx-size", "64")
+    up, ports = start_up(
+        tmp_path,
+        1,
+        "--model",
+        str(files["gemma3"]),
+        "--prompt",
+        "abc",
+        "--sample-tokens",
+        "8",
+        "--ctx-size",
+        "64",
+    )
     gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
     try:
         up.wait_for(r"serving .*gemma3\.gguf on the tensor-parallel pair", 60)
@@ -327,9 +370,24 @@ def test_up_serves_a_published_file_on_the_pair_without_training(
         children = up.children()
         assert set(children) == {"gateway", "tp-leader", "tp-worker"}
         out = subprocess.run(
-            [sys.executable, "-m", "foundry", "ctl", "--gateway", gateway, "generate",
-             "--prompt", "abc", "--max-tokens", "8"],
-            capture_output=True, text=True, timeout=60, env=ENV)
+            [
+                sys.executable,
+                "-m",
+                "foundry",
+                "ctl",
+                "--gateway",
+                gateway,
+                "generate",
+                "--prompt",
+                "abc",
+                "--max-tokens",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
+        )
         assert out.returncode == 0, out.stderr
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(timeout=30) == 0, up.text()

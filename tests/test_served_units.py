@@ -23,16 +23,21 @@ ADD_BOS = "tokenizer.ggml.add_bos_token"
 
 def _meta(name: str, **keys: Any) -> dict[str, Any]:
     """A vocabulary's metadata without its own ``add_bos_token``, then ``keys``."""
-    meta = {k: v for k, v in read_metadata(vocab_path(f"ggml-vocab-{name}.gguf")).items()
-            if k != ADD_BOS}
+    meta = {
+        k: v
+        for k, v in read_metadata(vocab_path(f"ggml-vocab-{name}.gguf")).items()
+        if k != ADD_BOS
+    }
     meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
     return meta
 
 
-@pytest.mark.parametrize(("vocab", "default"), [("llama-bpe", True), ("gpt-2", False),
-                                                ("llama-spm", True)])
-def test_the_files_add_bos_token_overrides_the_vocabularys_default(vocab: str,
-                                                                   default: bool) -> None:
+@pytest.mark.parametrize(
+    ("vocab", "default"), [("llama-bpe", True), ("gpt-2", False), ("llama-spm", True)]
+)
+def test_the_files_add_bos_token_overrides_the_vocabularys_default(
+    vocab: str, default: bool
+) -> None:
     """llama.cpp reads ``tokenizer.ggml.add_bos_token`` over the default of the vocabulary's
     type and pre-tokenizer (Llama 3 adds BOS, GPT-2 does not)."""
     plain = load_tokenizer(_meta(vocab))
@@ -60,13 +65,14 @@ def test_templates_render_with_lstrip_blocks() -> None:
     """transformers renders with ``trim_blocks`` and ``lstrip_blocks``: the spaces before a
     block tag on its line are not output (templates indent their tags), nor the newline
     after one; a template file's last newline is dropped (``keep_trailing_newline`` off)."""
-    source = ("{% for m in messages %}\n"
-              "    {% if m.role == 'user' %}\n"
-              "[{{ m.content }}]\n"
-              "    {% endif %}\n"
-              "{% endfor %}")
-    text = ChatTemplate(source, "indented").render([Message("user", "a"),
-                                                    Message("user", "b")])
+    source = (
+        "{% for m in messages %}\n"
+        "    {% if m.role == 'user' %}\n"
+        "[{{ m.content }}]\n"
+        "    {% endif %}\n"
+        "{% endfor %}"
+    )
+    text = ChatTemplate(source, "indented").render([Message("user", "a"), Message("user", "b")])
     assert text == "[a]\n[b]\n"
     trimmed = ChatTemplate("{% if true %}\nx{% endif %}y\n", "trimmed")
     assert trimmed.render([]) == "xy"
@@ -84,8 +90,11 @@ def test_a_fragmented_message_of_exactly_the_links_limit_crosses() -> None:
     assert list(dec.events()) == [msg]
 
 
-META = {"tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "x"],
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+META = {
+    "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "x"],
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
 SPECIALS = "{{ bos_token }}|{{ eos_token }}"
 
 
@@ -95,8 +104,11 @@ def test_every_way_to_choose_a_template_names_it_and_gives_it_the_files_bos_and_
     jinja = tmp_path / "mine.jinja"
     jinja.write_text(SPECIALS + "|é", encoding="utf-8")
     chosen = [
-        (template_for({**META, "tokenizer.chat_template": SPECIALS}),
-         "the file's tokenizer.chat_template", "<s>|</s>"),
+        (
+            template_for({**META, "tokenizer.chat_template": SPECIALS}),
+            "the file's tokenizer.chat_template",
+            "<s>|</s>",
+        ),
         (template_for(META, "plain"), "plain", None),
         (template_for(META, str(jinja)), str(jinja), "<s>|</s>|é"),
         (template_for(META), "plain" + NO_TEMPLATE, None),
@@ -108,11 +120,14 @@ def test_every_way_to_choose_a_template_names_it_and_gives_it_the_files_bos_and_
             assert t.render([]) == rendered
 
 
-@pytest.mark.parametrize("meta", [
-    {**META, "tokenizer.ggml.bos_token_id": 4, "tokenizer.ggml.eos_token_id": -1},
-    {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2},
-    {**META, "tokenizer.ggml.bos_token_id": "1", "tokenizer.ggml.eos_token_id": None},
-])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {**META, "tokenizer.ggml.bos_token_id": 4, "tokenizer.ggml.eos_token_id": -1},
+        {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2},
+        {**META, "tokenizer.ggml.bos_token_id": "1", "tokenizer.ggml.eos_token_id": None},
+    ],
+)
 def test_a_special_token_the_file_does_not_have_is_empty_text(meta: dict[str, Any]) -> None:
     t = template_for(meta)
     assert (t.bos_token, t.eos_token) == ("", "")

@@ -34,35 +34,68 @@ def slow_pair(tag: str, rate: str | None = RATE) -> Iterator[tuple[str, str]]:
             _run("ip", "netns", "add", ns)
             made.append(ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "-n", a, "link", "add", "v0", "type", "veth", "peer", "name", "v1",
-             "netns", b)
+        _run("ip", "-n", a, "link", "add", "v0", "type", "veth", "peer", "name", "v1", "netns", b)
         for ns, dev, addr in ((a, "v0", "10.78.0.1/24"), (b, "v1", "10.78.0.2/24")):
             _run("ip", "-n", ns, "addr", "add", addr, "dev", dev)
             _run("ip", "-n", ns, "link", "set", dev, "up")
             if rate is not None:
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-                     "tbf", "rate", rate, "burst", "32kb", "latency", "400ms")
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "32kb",
+                    "latency",
+                    "400ms",
+                )
         yield a, b
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-needs_netns = needs(IS_ROOT and bool(shutil.which("ip")) and bool(shutil.which("tc")),
-                    NEEDS_NETNS)
+needs_netns = needs(IS_ROOT and bool(shutil.which("ip")) and bool(shutil.which("tc")), NEEDS_NETNS)
 
 
 @needs_netns
 def test_a_worker_receiving_weights_over_a_slow_link_is_not_dropped(tmp_path: Path) -> None:
     with slow_pair("hb") as (cns, wns):
         coord = Service(
-            ["coordinator", "--listen", "10.78.0.1:7070", "--admin-listen", "127.0.0.1:0",
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-steps", "3",
-             "--global-batch", "4", "--compression", "qsgd", "--validate-every", "100"],
-            tmp_path / "coordinator.log", netns=cns,
+            [
+                "coordinator",
+                "--listen",
+                "10.78.0.1:7070",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--max-steps",
+                "3",
+                "--global-batch",
+                "4",
+                "--compression",
+                "qsgd",
+                "--validate-every",
+                "100",
+            ],
+            tmp_path / "coordinator.log",
+            netns=cns,
         )
-        w = Service(["worker", "--coordinator", "10.78.0.1:7070", "--worker-id", "w0"],
-                    tmp_path / "w0.log", netns=wns)
+        w = Service(
+            ["worker", "--coordinator", "10.78.0.1:7070", "--worker-id", "w0"],
+            tmp_path / "w0.log",
+            netns=wns,
+        )
         try:
             coord.wait_for(r"worker w0 registered", within_s=60)
             coord.wait_for(r"training done at step 3", within_s=120)
@@ -83,12 +116,32 @@ def test_a_worker_notices_a_vanished_coordinator_host_and_rejoins_when_it_is_bac
     wait on that link for TCP's 15 minutes of retransmissions."""
     with slow_pair("gone", rate=None) as (cns, wns):
         coord = Service(
-            ["coordinator", "--listen", "10.78.0.1:7070", "--admin-listen", "127.0.0.1:0",
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--wait-for-start"],
-            tmp_path / "coordinator.log", netns=cns,
+            [
+                "coordinator",
+                "--listen",
+                "10.78.0.1:7070",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--wait-for-start",
+            ],
+            tmp_path / "coordinator.log",
+            netns=cns,
         )
-        w = Service(["worker", "--coordinator", "10.78.0.1:7070", "--worker-id", "w0",
-                     "--link-timeout", "3"], tmp_path / "w0.log", netns=wns)
+        w = Service(
+            [
+                "worker",
+                "--coordinator",
+                "10.78.0.1:7070",
+                "--worker-id",
+                "w0",
+                "--link-timeout",
+                "3",
+            ],
+            tmp_path / "w0.log",
+            netns=wns,
+        )
         try:
             coord.wait_for(r"worker w0 registered", within_s=60)
             w.wait_for(r"registered as w0", within_s=30)
@@ -96,10 +149,12 @@ def test_a_worker_notices_a_vanished_coordinator_host_and_rejoins_when_it_is_bac
             # The kernel's watch ends the link with ETIMEDOUT, or with the soft error it saw
             # meanwhile (EHOSTUNREACH once the neighbour entry failed; ENETUNREACH where the
             # kernel drops the routes of a link without carrier).
-            lost = w.wait_for(r"lost the coordinator: the link to \S+ failed: .*; reconnecting",
-                              within_s=20)
-            assert re.search("timed out|No route to host|Network is unreachable",
-                             lost.group(0)), lost.group(0)
+            lost = w.wait_for(
+                r"lost the coordinator: the link to \S+ failed: .*; reconnecting", within_s=20
+            )
+            assert re.search("timed out|No route to host|Network is unreachable", lost.group(0)), (
+                lost.group(0)
+            )
             _run("ip", "-n", cns, "link", "set", "v0", "up")
             w.wait_for(r"registered as w0", within_s=60, after=lost.end())
             assert w.alive(), w.text()[-3000:]

@@ -32,8 +32,19 @@ def train(tmp: Path, compression: str) -> tuple[float, float]:
     run = tmp / compression
     run.mkdir()
     coord, port, _ = coordinator(
-        run, "--max-steps", str(ROUNDS), "--compression", compression, "--min-workers", "2",
-        "--checkpoint-every", "1000", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+        run,
+        "--max-steps",
+        str(ROUNDS),
+        "--compression",
+        compression,
+        "--min-workers",
+        "2",
+        "--checkpoint-every",
+        "1000",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
     )
     metrics_port = int(coord.wait_for(r"metrics :(\d+)").group(1))
     workers = [worker(run, port, f"w{i}") for i in range(2)]
@@ -99,23 +110,44 @@ def test_qsgd_levels_reach_both_directions(tmp_path: Path, down_levels: int | No
     them by their own headers and trains on)."""
     down = [] if down_levels is None else ["--down-qsgd-levels", str(down_levels)]
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "4", "--global-batch", "4", "--compression", "qsgd",
-        "--qsgd-levels", "7", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-        "--validate-every", "100", *down,
+        tmp_path,
+        "--max-steps",
+        "4",
+        "--global-batch",
+        "4",
+        "--compression",
+        "qsgd",
+        "--qsgd-levels",
+        "7",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--validate-every",
+        "100",
+        *down,
     )
     w = worker(tmp_path, port, "w0")
     try:
         metrics = int(coord.wait_for(r"coordinator listening.*metrics :(\d+)").group(1))
         coord.wait_for(r"training done at step 4", within_s=120)
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read()
-        line = next(x for x in text.decode().splitlines() if x.startswith(
-            'foundry_swarm_gradient_bytes_total{compression="qsgd",direction="received"}'))
+        line = next(
+            x
+            for x in text.decode().splitlines()
+            if x.startswith(
+                'foundry_swarm_gradient_bytes_total{compression="qsgd",direction="received"}'
+            )
+        )
         received = int(float(line.split()[-1]))
         numels = [math.prod(s) for s in preset("tiny").param_shapes().values()]
         one = sum(_qsgd_size(n, DEFAULT_QSGD_BUCKET, 7) for n in numels)
         assert received == 4 * one, (received, one)  # four rounds, every one 4-bit
-        line = next(x for x in text.decode().splitlines() if x.startswith(
-            'foundry_swarm_update_bytes_total{compression="qsgd"}'))
+        line = next(
+            x
+            for x in text.decode().splitlines()
+            if x.startswith('foundry_swarm_update_bytes_total{compression="qsgd"}')
+        )
         sent = int(float(line.split()[-1]))
         one_down = sum(_qsgd_size(n, DEFAULT_QSGD_BUCKET, down_levels or 7) for n in numels)
         assert sent > 0 and sent % one_down == 0, (sent, one_down)  # every UPDATE at its levels

@@ -66,9 +66,14 @@ def register(link: Link, worker_id: str) -> None:
     fp = load_corpus(None).fingerprint
     link.send(
         fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
-        fdtc.Register(worker_id=worker_id, protocol_version=fdtc.PROTOCOL_VERSION,
-                      profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2, memory_mb=4096,
-                      suggested_batch_size=4),
+        fdtc.Register(
+            worker_id=worker_id,
+            protocol_version=fdtc.PROTOCOL_VERSION,
+            profile=fdtc.HardwareProfile.LAPTOP_LIGHT,
+            num_cores=2,
+            memory_mb=4096,
+            suggested_batch_size=4,
+        ),
     )
 
 
@@ -87,8 +92,9 @@ class Held:
         w = link.recv_until(fdtc.Weights)
         assert isinstance(w, fdtc.Weights)
         flat = np.frombuffer(w.data, "<f4").copy()
-        self.params = dict(zip(self.names, np.split(flat, np.cumsum(self.numels)[:-1]),
-                               strict=True))
+        self.params = dict(
+            zip(self.names, np.split(flat, np.cumsum(self.numels)[:-1]), strict=True)
+        )
         self.step = meta.global_step
 
     def add(self, update: fdtc.Update) -> None:
@@ -104,16 +110,33 @@ class Held:
     def gradients(self, step: int) -> fdtc.Gradients:
         """A made-up gradient (every element 1e-3) for the round of ``step``."""
         data = b"".join(np.full(n, 1e-3, "<f4").tobytes() for n in self.numels)
-        return fdtc.Gradients(worker_id="probe", local_step=step, num_tensors=len(self.numels),
-                              compression=fdtc.Compression.NONE, uncompressed_size=len(data),
-                              data=data)
+        return fdtc.Gradients(
+            worker_id="probe",
+            local_step=step,
+            num_tensors=len(self.numels),
+            compression=fdtc.Compression.NONE,
+            uncompressed_size=len(data),
+            data=data,
+        )
 
 
 def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> None:
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "16", "--global-batch", "8", "--sync-every", "4",
-        "--checkpoint-every", "8", "--min-workers", "2", "--compression", "fp16",
-        "--validate-every", "4",
+        tmp_path,
+        "--max-steps",
+        "16",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "4",
+        "--checkpoint-every",
+        "8",
+        "--min-workers",
+        "2",
+        "--compression",
+        "fp16",
+        "--validate-every",
+        "4",
     )
     workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
     try:
@@ -143,9 +166,15 @@ def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> N
     # position; one with another --sync-every refuses it with the reason.
     cfg = preset("tiny")
     opts = CoordinatorOptions(
-        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
-        checkpoint_dir=tmp_path / "ckpt", cfg=cfg,
-        settings=TrainSettings(global_batch=8, total_steps=16), max_steps=32, sync_every=4,
+        host="127.0.0.1",
+        port=0,
+        admin_host="127.0.0.1",
+        admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt",
+        cfg=cfg,
+        settings=TrainSettings(global_batch=8, total_steps=16),
+        max_steps=32,
+        sync_every=4,
     )
     resumed = Coordinator(opts, load_corpus(None))
     assert resumed.step == 16 and resumed.trainer.position == planned
@@ -154,9 +183,7 @@ def test_local_steps_train_and_checkpoint_what_resumes_them(tmp_path: Path) -> N
         assert np.array_equal(resumed.outer.m[name], m)
         assert np.array_equal(resumed.shadow.params[name], state.tensors["shadow"][name])
     with pytest.raises(SystemExit, match="--sync-every 4"):
-        Coordinator(
-            CoordinatorOptions(**{**opts.__dict__, "sync_every": 1}), load_corpus(None)
-        )
+        Coordinator(CoordinatorOptions(**{**opts.__dict__, "sync_every": 1}), load_corpus(None))
 
 
 def test_seed_only_peer_is_refused_in_local_step_mode(tmp_path: Path) -> None:
@@ -182,7 +209,13 @@ def test_updates_follow_the_weights_and_a_wrong_digest_gets_full_weights(
     tmp_path: Path,
 ) -> None:
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "100", "--global-batch", "4", "--digest-every", "2",
+        tmp_path,
+        "--max-steps",
+        "100",
+        "--global-batch",
+        "4",
+        "--digest-every",
+        "2",
     )
     link = Link(port)
     try:
@@ -225,8 +258,18 @@ def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> 
     """--overlap: after a round closes, its worker gets the next LOCAL_ASSIGN first and the
     round's UPDATE after it; the last round has no next one; the shadow stays exact."""
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "16", "--global-batch", "4", "--sync-every", "4",
-        "--overlap", "--digest-every", "4", "--compression", "none",
+        tmp_path,
+        "--max-steps",
+        "16",
+        "--global-batch",
+        "4",
+        "--sync-every",
+        "4",
+        "--overlap",
+        "--digest-every",
+        "4",
+        "--compression",
+        "none",
     )
     link = Link(port)
     try:
@@ -251,10 +294,14 @@ def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> 
                 seen.append(f"assign {msg.global_step}")
                 link.send(held.gradients(msg.global_step))
         assert seen == [
-            "full 0", "assign 0",
-            "assign 4", "update 0->4",
-            "assign 8", "update 4->8",
-            "assign 12", "update 8->12",
+            "full 0",
+            "assign 0",
+            "assign 4",
+            "update 0->4",
+            "assign 8",
+            "update 4->8",
+            "assign 12",
+            "update 8->12",
             "update 12->16",
         ], seen
         assert "holds other weights" not in coord.text()  # every digest matched
@@ -265,8 +312,20 @@ def test_overlap_sends_the_next_assignment_before_the_update(tmp_path: Path) -> 
 
 def test_overlapped_local_steps_train_with_real_workers(tmp_path: Path) -> None:
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "24", "--global-batch", "8", "--sync-every", "4",
-        "--overlap", "--min-workers", "2", "--compression", "qsgd", "--validate-every", "4",
+        tmp_path,
+        "--max-steps",
+        "24",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "4",
+        "--overlap",
+        "--min-workers",
+        "2",
+        "--compression",
+        "qsgd",
+        "--validate-every",
+        "4",
     )
     workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
     try:
@@ -291,12 +350,20 @@ def test_status_counts_each_workers_inner_steps_and_bytes(tmp_path: Path) -> Non
     from foundry.up.clients import AdminLink
 
     coord, port, admin_port = coordinator(
-        tmp_path, "--max-steps", "100000", "--global-batch", "8", "--sync-every", "4",
-        "--checkpoint-every", "100000",
+        tmp_path,
+        "--max-steps",
+        "100000",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "4",
+        "--checkpoint-every",
+        "100000",
     )
     w = worker(tmp_path, port, "w0")
     link = AdminLink("127.0.0.1", admin_port)
     try:
+
         def after_two_rounds() -> tuple[Any, Any] | None:
             st, detail = link.status()
             return (st, detail) if st.global_step >= 8 and st.rows else None
@@ -321,8 +388,20 @@ def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
     """kill -9 of a worker while rounds are opened ahead: it is dropped from the round it was
     given in advance, and the other worker trains on to the end."""
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "400", "--global-batch", "8", "--sync-every", "4",
-        "--overlap", "--min-workers", "1", "--compression", "fp16", "--validate-every", "100",
+        tmp_path,
+        "--max-steps",
+        "400",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "4",
+        "--overlap",
+        "--min-workers",
+        "1",
+        "--compression",
+        "fp16",
+        "--validate-every",
+        "100",
     )
     a = worker(tmp_path, port, "w0")
     b = worker(tmp_path, port, "w1")
@@ -333,7 +412,7 @@ def test_overlapped_rounds_survive_a_killed_worker(tmp_path: Path) -> None:
         coord.wait_for(r"training done at step 400", within_s=180)
         log = coord.text()
         assert "step 400: loss" in log
-        after = log[log.index("dropped worker w1"):]
+        after = log[log.index("dropped worker w1") :]
         assert re.search(r"step \d+: loss [\d.]+, \d+ samples from 1 workers", after), after[-2000:]
         a.wait_for(r"training done at step 400; exiting", within_s=20)
     finally:
@@ -349,20 +428,39 @@ def test_a_worker_that_stops_reading_does_not_hold_up_the_others_assignments(
     time: a registered worker that takes none of its 13.7 MB of weights (it only sends
     heartbeats) does not keep the next worker from its weights and ASSIGN."""
     coord, port, _ = coordinator(
-        tmp_path, "--preset", "small", "--max-steps", "4", "--global-batch", "8",
-        "--min-workers", "2", "--compression", "none",
+        tmp_path,
+        "--preset",
+        "small",
+        "--max-steps",
+        "4",
+        "--global-batch",
+        "8",
+        "--min-workers",
+        "2",
+        "--compression",
+        "none",
     )
     stuck = socket.socket()
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.settimeout(20)
     stuck.connect(("127.0.0.1", port))
     fp = load_corpus(None).fingerprint
-    stuck.sendall(b"".join(fdtc.encode(m) for m in (
-        fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
-        fdtc.Register(worker_id="a-stuck", protocol_version=fdtc.PROTOCOL_VERSION,
-                      profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2,
-                      memory_mb=4096, suggested_batch_size=4),
-    )))
+    stuck.sendall(
+        b"".join(
+            fdtc.encode(m)
+            for m in (
+                fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
+                fdtc.Register(
+                    worker_id="a-stuck",
+                    protocol_version=fdtc.PROTOCOL_VERSION,
+                    profile=fdtc.HardwareProfile.LAPTOP_LIGHT,
+                    num_cores=2,
+                    memory_mb=4096,
+                    suggested_batch_size=4,
+                ),
+            )
+        )
+    )
     link = Link(port)
     try:
         coord.wait_for(r"a-stuck", within_s=20)

@@ -116,9 +116,7 @@ def test_weighted_mean_equals_global_mean() -> None:
 
 def _parts(shares: dict[str, int]) -> dict[str, list[np.ndarray]]:
     rng = np.random.default_rng(len(shares))
-    return {
-        w: [rng.standard_normal(s).astype(np.float32) for s in ((5, 3), (7,))] for w in shares
-    }
+    return {w: [rng.standard_normal(s).astype(np.float32) for s in ((5, 3), (7,))] for w in shares}
 
 
 def test_gradient_sum_is_the_weighted_mean_in_id_order_whatever_the_arrival_order() -> None:
@@ -179,9 +177,7 @@ def test_liveness_timeout_follows_a_seed_peers_own_cadence() -> None:
     # A seed-only peer: the generous default until an interval was seen ...
     assert liveness_timeout(extended=False, heartbeat_intervals=[], **common) == 30.0
     # ... then four of its longest recent intervals, never below the fast rule.
-    assert liveness_timeout(
-        extended=False, heartbeat_intervals=[5.0, 4.8], **common
-    ) == 20.0
+    assert liveness_timeout(extended=False, heartbeat_intervals=[5.0, 4.8], **common) == 20.0
     assert liveness_timeout(extended=False, heartbeat_intervals=[10.0], **common) == 40.0
     assert liveness_timeout(extended=False, heartbeat_intervals=[0.1], **common) == 2.5
     assert not is_dead(100.0, 81.0, 20.0) and is_dead(100.0, 79.0, 20.0)
@@ -198,8 +194,9 @@ def test_round_tracker_counts_reports_and_refuses_stale_ones() -> None:
     assert t.report("a", 7, g, samples=6, loss=2.0, now=1.6) is Report.STALE  # twice
     assert t.first_report_at == 1.5 and t.missing() == ["b"]
     # a seed-only peer (assigned_only=False) counts for the samples it brings
-    assert t.report("seed", 7, g, samples=4, loss=1.0, now=2.0, assigned_only=False) \
-        is Report.ACCEPTED
+    assert (
+        t.report("seed", 7, g, samples=4, loss=1.0, now=2.0, assigned_only=False) is Report.ACCEPTED
+    )
     assert t.reported["seed"] == 4
     assert t.decide(5.0) is RoundDecision.WAIT  # b still owes its share
     assert t.decide(10.0) is RoundDecision.CLOSE  # deadline, 10 of 12 samples >= quorum
@@ -279,24 +276,39 @@ def test_deadline_and_quorum_edges() -> None:
     # The time a worker's rounds took beyond computing (its transfers, measured) counts: a
     # round of 256 samples at 37/s (7 s) whose update and gradient take 8 s on the link ends
     # at 2.5 x 15 s, not at 2.5 x 7 s, when the gradients are still on the wire.
-    assert round_deadline(0.0, {"a": 256, "b": 256}, {"a": 37.0, "b": 37.0},
-                          overheads={"a": 8.0}) == pytest.approx(2.5 * (256 / 37 + 8.0))
+    assert round_deadline(
+        0.0, {"a": 256, "b": 256}, {"a": 37.0, "b": 37.0}, overheads={"a": 8.0}
+    ) == pytest.approx(2.5 * (256 / 37 + 8.0))
     assert round_deadline(0.0, {"a": 256}, {"a": 37.0}, overheads={}) == pytest.approx(
-        2.5 * 256 / 37)
+        2.5 * 256 / 37
+    )
     # A rate below 1/s is a measured rate, not a missing one.
-    assert round_deadline(0.0, {"a": 1}, {"a": 0.5}, factor=2.0, floor_s=0.0,
-                          initial_s=99.0) == 4.0
+    assert round_deadline(0.0, {"a": 1}, {"a": 0.5}, factor=2.0, floor_s=0.0, initial_s=99.0) == 4.0
     # At the deadline, quorum counts an unplanned reporter's samples on both sides: 6 of
     # 4 + 4 + 2 reaches 0.6, not 0.7.
     assigned = {"a": 4, "b": 4}
-    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
-                          reported={"a": 4, "seed": 2}, quorum=0.6) is RoundDecision.CLOSE
-    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
-                          reported={"a": 4, "seed": 2}, quorum=0.7) is RoundDecision.ABANDON
-    assert round_decision(now=10.0, deadline=10.0, assigned=assigned,
-                          reported={"seed": 2}, quorum=0.1) is RoundDecision.CLOSE
-    assert round_decision(now=10.0, deadline=10.0, assigned={"a": 1, "b": 9},
-                          reported={"a": 1}, quorum=0.1) is RoundDecision.CLOSE
+    assert (
+        round_decision(
+            now=10.0, deadline=10.0, assigned=assigned, reported={"a": 4, "seed": 2}, quorum=0.6
+        )
+        is RoundDecision.CLOSE
+    )
+    assert (
+        round_decision(
+            now=10.0, deadline=10.0, assigned=assigned, reported={"a": 4, "seed": 2}, quorum=0.7
+        )
+        is RoundDecision.ABANDON
+    )
+    assert (
+        round_decision(now=10.0, deadline=10.0, assigned=assigned, reported={"seed": 2}, quorum=0.1)
+        is RoundDecision.CLOSE
+    )
+    assert (
+        round_decision(
+            now=10.0, deadline=10.0, assigned={"a": 1, "b": 9}, reported={"a": 1}, quorum=0.1
+        )
+        is RoundDecision.CLOSE
+    )
 
 
 def test_round_tracker_keeps_what_it_is_given() -> None:
@@ -318,10 +330,13 @@ CPU_STEP = (0.020, 1 / 100)  # ~95 samples/s alone
 ROUND_EXCHANGE = 0.1
 
 
-def swarm_rate(costs: dict[str, tuple[float, float]],
-               batches: Callable[[int, dict[str, float]], dict[str, int]],
-               rounds: int = 12, overheads: dict[str, float] | None = None,
-               measure_overheads: bool = True) -> float:
+def swarm_rate(
+    costs: dict[str, tuple[float, float]],
+    batches: Callable[[int, dict[str, float]], dict[str, int]],
+    rounds: int = 12,
+    overheads: dict[str, float] | None = None,
+    measure_overheads: bool = True,
+) -> float:
     """samples/s of simulated local-step rounds (G 64, H 8) planned as the coordinator plans
     them (``LocalRounds.plan``), each worker reporting samples / compute seconds as its rate;
     ``overheads`` are each worker's seconds of a round beyond its compute (the coordinator
@@ -341,7 +356,8 @@ def swarm_rate(costs: dict[str, tuple[float, float]],
             if measure_overheads:
                 seen[w] = over[w]
         rate = sum(per_step[w] * steps[w] for w in costs) / (
-            max(compute[w] + over[w] for w in costs) + ROUND_EXCHANGE)
+            max(compute[w] + over[w] for w in costs) + ROUND_EXCHANGE
+        )
     return rate
 
 
@@ -360,14 +376,17 @@ def test_local_batches_split_the_fast_by_rate_and_give_the_slow_the_equal_share(
 
 
 def test_a_gpu_beside_cpu_workers_keeps_its_pace_and_theirs_adds_on_top() -> None:
-    alone = {w: swarm_rate({w: c}, local_batches) for w, c in
-             [("gpu", GPU_STEP), ("cpu", CPU_STEP)]}
+    alone = {
+        w: swarm_rate({w: c}, local_batches) for w, c in [("gpu", GPU_STEP), ("cpu", CPU_STEP)]
+    }
     mixed = {"gpu": GPU_STEP, **{f"c{i}": CPU_STEP for i in range(4)}}
     total = alone["gpu"] + 4 * alone["cpu"]
+
     # The equal split the coordinator used before: the GPU's batch shrinks to 13 and its
     # rounds carry a fifth of its samples for the same fixed costs (the device measured 0.24).
     def equal(g: int, r: dict[str, float]) -> dict[str, int]:
         return allocate_samples(g, dict.fromkeys(r, 1.0))
+
     assert swarm_rate(mixed, equal) < 0.4 * total
     assert swarm_rate(mixed, local_batches) >= 0.9 * total
 
@@ -377,12 +396,12 @@ def test_cpu_workers_whose_one_step_outlasts_the_gpus_round_take_fewer_samples()
     # share (13 samples, 0.45 s), even of half of it, outlasts the GPU's whole round (0.12 s
     # of compute). It fills SLOW_FILL of the GPU's round with fewer samples instead.
     slow_cpu = (0.020, 1 / 30)
-    alone = {w: swarm_rate({w: c}, local_batches) for w, c in
-             [("gpu", GPU_STEP), ("cpu", slow_cpu)]}
+    alone = {
+        w: swarm_rate({w: c}, local_batches) for w, c in [("gpu", GPU_STEP), ("cpu", slow_cpu)]
+    }
     mixed = {"gpu": GPU_STEP, **{f"c{i}": slow_cpu for i in range(4)}}
     assert swarm_rate(mixed, local_batches) >= 0.9 * (alone["gpu"] + 4 * alone["cpu"])
-    rates = {"gpu": 64 / (0.010 + 64 / 12000), **{f"c{i}": 2 / (0.020 + 2 / 30)
-                                                    for i in range(4)}}
+    rates = {"gpu": 64 / (0.010 + 64 / 12000), **{f"c{i}": 2 / (0.020 + 2 / 30) for i in range(4)}}
     per_step = local_batches(64, rates)
     slow = slow_workers(rates)
     assert slow == {"c0", "c1", "c2", "c3"}
@@ -407,8 +426,9 @@ def test_slow_workers_leave_room_for_their_larger_round_overhead() -> None:
     assert blind < gpu_alone < seen
     rates = {"gpu": 2048.0, "cpu": 100.0}
     plain = fill_local_round({"gpu": 64, "cpu": 13}, rates, {"gpu": 8, "cpu": 2}, 8, {"cpu"})
-    short = fill_local_round({"gpu": 64, "cpu": 13}, rates, {"gpu": 8, "cpu": 2}, 8, {"cpu"},
-                             {"gpu": 0.01, "cpu": 0.05})
+    short = fill_local_round(
+        {"gpu": 64, "cpu": 13}, rates, {"gpu": 8, "cpu": 2}, 8, {"cpu"}, {"gpu": 0.01, "cpu": 0.05}
+    )
     assert plain == {"gpu": 64, "cpu": 10} and short == {"gpu": 64, "cpu": 8}
 
 

@@ -53,9 +53,14 @@ def _register(peer: Peer, worker_id: str) -> None:
     fp = load_corpus(None).fingerprint
     peer.send(
         fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
-        fdtc.Register(worker_id=worker_id, protocol_version=fdtc.PROTOCOL_VERSION,
-                      profile=fdtc.HardwareProfile.LAPTOP_LIGHT, num_cores=2, memory_mb=4096,
-                      suggested_batch_size=4),
+        fdtc.Register(
+            worker_id=worker_id,
+            protocol_version=fdtc.PROTOCOL_VERSION,
+            profile=fdtc.HardwareProfile.LAPTOP_LIGHT,
+            num_cores=2,
+            memory_mb=4096,
+            suggested_batch_size=4,
+        ),
     )
     for expected in (fdtc.RegisterAck, fdtc.ModelConfigMsg, fdtc.TrainPlan):
         assert isinstance(peer.recv(), expected)
@@ -66,11 +71,19 @@ def test_messages_out_of_order_get_the_connections_error_code(tmp_path: Path) ->
     coord, port, admin_port = coordinator(tmp_path, "--max-steps", "1000", "--wait-for-start")
     try:
         cases: list[tuple[int, list[fdtc.Message], ErrorCode, str]] = [
-            (port, [fdtc.Heartbeat("w", 0, 0.0, 0.0)], ErrorCode.NOT_REGISTERED,
-             "HEARTBEAT is not allowed on a connected link"),
+            (
+                port,
+                [fdtc.Heartbeat("w", 0, 0.0, 0.0)],
+                ErrorCode.NOT_REGISTERED,
+                "HEARTBEAT is not allowed on a connected link",
+            ),
             (port, [fdtc.StatusReq()], ErrorCode.NOT_REGISTERED, "STATUS_REQ is not allowed"),
-            (admin_port, [fdtc.Register("w", 1, fdtc.HardwareProfile.SERVER, 1, 1, 1)],
-             ErrorCode.UNEXPECTED, "REGISTER is not allowed"),
+            (
+                admin_port,
+                [fdtc.Register("w", 1, fdtc.HardwareProfile.SERVER, 1, 1, 1)],
+                ErrorCode.UNEXPECTED,
+                "REGISTER is not allowed",
+            ),
         ]
         for target, msgs, code, text in cases:
             peer = Peer(target)
@@ -105,8 +118,9 @@ def test_gradients_whose_uncompressed_size_does_not_fit_the_model_are_refused(
         data = b"".join(np.zeros(n, "<f4").tobytes() for n in numels)
 
         def gradients(uncompressed_size: int) -> fdtc.Gradients:
-            return fdtc.Gradients("sizes", 7, len(numels), fdtc.Compression.NONE,
-                                  uncompressed_size, data)
+            return fdtc.Gradients(
+                "sizes", 7, len(numels), fdtc.Compression.NONE, uncompressed_size, data
+            )
 
         # The right size for a step no round runs: taken, acknowledged as stale.
         peer.send(gradients(4 * sum(numels)))
@@ -143,18 +157,36 @@ def test_an_update_whose_uncompressed_size_does_not_fit_is_answered_by_the_worke
         peer.send(
             fdtc.RegisterAck(True, 0, 1, 4, 1, fdtc.Compression.NONE, 0.0, 0),
             model_config_msg(cfg),
-            fdtc.TrainPlan(sync_every=1, digest_every=0, down_compression=fdtc.Compression.NONE,
-                           lr=1e-3, warmup_steps=0, total_steps=10, min_lr_ratio=0.1,
-                           weight_decay=0.0, grad_clip=1.0),
+            fdtc.TrainPlan(
+                sync_every=1,
+                digest_every=0,
+                down_compression=fdtc.Compression.NONE,
+                lr=1e-3,
+                warmup_steps=0,
+                total_steps=10,
+                min_lr_ratio=0.1,
+                weight_decay=0.0,
+                grad_clip=1.0,
+            ),
         )
         while not isinstance(msg := peer.recv(), fdtc.WeightsReq):
             assert msg is not None
-        peer.send(*fdtc.weights_messages(
-            {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, 0, 1e-3))
+        peer.send(
+            *fdtc.weights_messages(
+                {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, 0, 1e-3
+            )
+        )
         data = b"".join(np.zeros(n, "<f4").tobytes() for n in numels)
-        peer.send(fdtc.Update(global_step=1, base_step=0, compression=fdtc.Compression.NONE,
-                              num_tensors=len(numels), uncompressed_size=4 * sum(numels) - 4,
-                              data=data))
+        peer.send(
+            fdtc.Update(
+                global_step=1,
+                base_step=0,
+                compression=fdtc.Compression.NONE,
+                num_tensors=len(numels),
+                uncompressed_size=4 * sum(numels) - 4,
+                data=data,
+            )
+        )
         err = peer.answer_then_close()  # heartbeats before it are skipped
         assert err.error_code == ErrorCode.MODEL_MISMATCH
         assert f"UPDATE says uncompressed_size {4 * sum(numels) - 4}" in err.message

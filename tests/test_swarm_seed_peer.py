@@ -233,8 +233,11 @@ def test_seed_worker_waits_for_start_and_gets_the_whole_lifecycle(tmp_path: Path
             # Idle long past our workers' 2.5 s timeout: nothing on the link but two more
             # heartbeats, 5 s apart (the peer's own cadence), then RESUME.
             before = w.heartbeats_sent
-            wait_for(lambda: w.heartbeats_sent >= before + 2, 6 * w.heartbeat_every_s,
-                     "two heartbeats while paused")
+            wait_for(
+                lambda: w.heartbeats_sent >= before + 2,
+                6 * w.heartbeat_every_s,
+                "two heartbeats while paused",
+            )
             quiet_heartbeats = w.heartbeats_sent - before
             admin_request(admin_port, RESUME)
 

@@ -60,8 +60,17 @@ LR = 3e-3
 def test_n_workers_give_the_weights_of_one_process(tmp_path: Path, n_workers: int) -> None:
     steps, batch = 20, 12
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", str(steps), "--global-batch", str(batch),
-        "--checkpoint-every", "100", "--min-workers", str(n_workers), "--lr", str(LR),
+        tmp_path,
+        "--max-steps",
+        str(steps),
+        "--global-batch",
+        str(batch),
+        "--checkpoint-every",
+        "100",
+        "--min-workers",
+        str(n_workers),
+        "--lr",
+        str(LR),
     )
     workers = [worker(tmp_path, port, f"w{i}") for i in range(n_workers)]
     try:
@@ -84,9 +93,7 @@ def test_n_workers_give_the_weights_of_one_process(tmp_path: Path, n_workers: in
     for _ in range(steps):
         single.train_step(corpus)
     assert swarm.data_position == single.position
-    worst = max(
-        float(np.max(np.abs(swarm.params[k] - single.params[k]))) for k in single.params
-    )
+    worst = max(float(np.max(np.abs(swarm.params[k] - single.params[k]))) for k in single.params)
     assert worst <= 1e-6, f"max abs weight difference {worst:.3g} after {steps} steps"
 
 
@@ -109,7 +116,8 @@ def test_killed_worker_is_dropped_and_training_goes_on(tmp_path: Path) -> None:
         st = wait_step(admin_port, before + 5, 30)
         assert [r.worker_id for r in st.rows] == ["alive"]
         assert re.search(r"dropped worker doomed \((?!heartbeat timeout)", coord.text()), (
-            coord.text()[-2000:])
+            coord.text()[-2000:]
+        )
         steps = [status(admin_port).global_step for _ in range(5)]
         assert steps == sorted(steps), "the global step went back"
         assert a.alive() and coord.alive(), "no other process may restart or die"
@@ -130,8 +138,16 @@ def test_coordinator_restart_resumes_and_workers_reconnect(tmp_path: Path) -> No
         assert saved.step >= 10
         # same ports again, so the worker finds it by itself
         coord = Service(
-            ["coordinator", "--listen", f"127.0.0.1:{port}", "--admin-listen",
-             f"127.0.0.1:{admin_port}", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
+            [
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--admin-listen",
+                f"127.0.0.1:{admin_port}",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                *args,
+            ],
             tmp_path / "coordinator2.log",
         )
         coord.wait_for(rf"resumed from .* at step {saved.step}")
@@ -169,14 +185,20 @@ def test_silent_worker_is_dropped_at_its_heartbeat_timeout(tmp_path: Path) -> No
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(
                 fdtc.encode(fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)))
-                + fdtc.encode(fdtc.Register("mute", fdtc.PROTOCOL_VERSION,
-                                            fdtc.HardwareProfile.LAPTOP_MID, 4, 8000, 8))
+                + fdtc.encode(
+                    fdtc.Register(
+                        "mute", fdtc.PROTOCOL_VERSION, fdtc.HardwareProfile.LAPTOP_MID, 4, 8000, 8
+                    )
+                )
             )
             t0 = time.monotonic()
             wait_for(lambda: status(admin_port).rows, 10, "the worker listed")
             # Dropped for its silence: not before the timeout, and for that reason.
-            wait_for(lambda: not status(admin_port).rows, 10 * HEARTBEAT_TIMEOUT_S,
-                     "the silent worker dropped")
+            wait_for(
+                lambda: not status(admin_port).rows,
+                10 * HEARTBEAT_TIMEOUT_S,
+                "the silent worker dropped",
+            )
             assert time.monotonic() - t0 >= HEARTBEAT_TIMEOUT_S
         assert "dropped worker mute (heartbeat timeout)" in coord.text()
     finally:
@@ -219,8 +241,15 @@ def test_rounds_abandoned_again_and_again_show_in_status(tmp_path: Path) -> None
     dropped) re-runs its step at each deadline; status carries a note that says so, rather
     than a bare TRAINING."""
     coord, port, admin_port = coordinator(
-        tmp_path, "--max-steps", "50", "--global-batch", "4", "--lr", "1e30",
-        "--warmup-steps", "1",
+        tmp_path,
+        "--max-steps",
+        "50",
+        "--global-batch",
+        "4",
+        "--lr",
+        "1e30",
+        "--warmup-steps",
+        "1",
     )
     w = worker(tmp_path, port, "w0")
     try:
@@ -260,9 +289,14 @@ def test_copies_of_the_master_state_wait_for_the_step_under_way(tmp_path: Path) 
     from foundry.swarm.coordinator import Coordinator, CoordinatorOptions
 
     opts = CoordinatorOptions(
-        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
-        checkpoint_dir=tmp_path / "ckpt", cfg=preset("tiny"),
-        settings=TrainSettings(global_batch=8, total_steps=4), max_steps=4,
+        host="127.0.0.1",
+        port=0,
+        admin_host="127.0.0.1",
+        admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt",
+        cfg=preset("tiny"),
+        settings=TrainSettings(global_batch=8, total_steps=4),
+        max_steps=4,
     )
     coord = Coordinator(opts, load_corpus(None))
     name = next(iter(coord.trainer.params))
@@ -291,8 +325,9 @@ def test_copies_of_the_master_state_wait_for_the_step_under_way(tmp_path: Path) 
 def test_admin_shutdown_while_training_ends_on_a_checkpointed_last_step(tmp_path: Path) -> None:
     """SHUTDOWN from the admin link while two workers train: training ends after the round
     under way, and the final checkpoint is the step the acknowledgement names."""
-    coord, port, admin_port = coordinator(tmp_path, "--max-steps", "100000",
-                                          "--checkpoint-every", "1000")
+    coord, port, admin_port = coordinator(
+        tmp_path, "--max-steps", "100000", "--checkpoint-every", "1000"
+    )
     workers = [worker(tmp_path, port, f"w{i}") for i in range(2)]
     try:
         wait_step(admin_port, 3, within_s=60)
@@ -324,9 +359,15 @@ def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
 
     magic = b"\x43\x54\x44\x46"
     opts = CoordinatorOptions(
-        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0,
-        checkpoint_dir=tmp_path / "ckpt", cfg=preset("tiny"),
-        settings=TrainSettings(global_batch=8, total_steps=4), max_steps=4, autostart=False,
+        host="127.0.0.1",
+        port=0,
+        admin_host="127.0.0.1",
+        admin_port=0,
+        checkpoint_dir=tmp_path / "ckpt",
+        cfg=preset("tiny"),
+        settings=TrainSettings(global_batch=8, total_steps=4),
+        max_steps=4,
+        autostart=False,
     )
 
     def frame(msg_type: int, payload: bytes = b"") -> bytes:
@@ -345,7 +386,7 @@ def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
             buf += data
             while len(buf) >= 9 and len(buf) >= 9 + struct.unpack_from("<I", buf, 5)[0]:
                 seen.append(buf[4])
-                buf = buf[9 + struct.unpack_from("<I", buf, 5)[0]:]
+                buf = buf[9 + struct.unpack_from("<I", buf, 5)[0] :]
         return seen
 
     async def scenario() -> tuple[list[int], list[int]]:
@@ -374,14 +415,24 @@ def test_a_seed_only_peer_asking_for_weights_during_a_step_gets_them_after_it(
 
 
 @pytest.mark.parametrize("codec", ["fp16", "qsgd"])
-def test_a_non_finite_gradient_is_not_sent_through_a_lossy_codec(tmp_path: Path,
-                                                                 codec: str) -> None:
+def test_a_non_finite_gradient_is_not_sent_through_a_lossy_codec(
+    tmp_path: Path, codec: str
+) -> None:
     """QSGD cannot encode NaN (its task used to die without a word) and FP16's residual would
     carry it into every later upload: the worker says so, does not send it, starts its
     residuals again, and stays connected; the rounds are re-run as for a dropped gradient."""
     coord, port, _ = coordinator(
-        tmp_path, "--max-steps", "50", "--global-batch", "4", "--lr", "1e30",
-        "--warmup-steps", "1", "--compression", codec,
+        tmp_path,
+        "--max-steps",
+        "50",
+        "--global-batch",
+        "4",
+        "--lr",
+        "1e30",
+        "--warmup-steps",
+        "1",
+        "--compression",
+        codec,
     )
     w = worker(tmp_path, port, "w0")
     try:

@@ -22,8 +22,10 @@ from foundry.wire.fdtc import Compression
 
 def _params(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"a": rng.standard_normal((4, 300)).astype(np.float32),
-            "b": rng.standard_normal(70).astype(np.float32)}
+    return {
+        "a": rng.standard_normal((4, 300)).astype(np.float32),
+        "b": rng.standard_normal(70).astype(np.float32),
+    }
 
 
 @pytest.mark.parametrize("compression", list(Compression))
@@ -68,8 +70,7 @@ def test_outer_nesterov_matches_the_formula() -> None:
     before = p["w"].copy()
     opt.step(p, g2)  # m = 0.9 g1 + g2
     m = 0.9 * np.array([0.2, 0.4]) + np.array([-0.1, 0.0])
-    np.testing.assert_allclose(p["w"], before - 0.5 * (np.array([-0.1, 0.0]) + 0.9 * m),
-                               rtol=1e-6)
+    np.testing.assert_allclose(p["w"], before - 0.5 * (np.array([-0.1, 0.0]) + 0.9 * m), rtol=1e-6)
     plain = {"w": np.array([1.0], np.float32)}
     OuterNesterov(plain, lr=1.0, momentum=0.0).step(plain, {"w": np.array([0.25], np.float32)})
     assert plain["w"][0] == 0.75  # lr 1, no momentum: the average of the workers' weights
@@ -78,7 +79,10 @@ def test_outer_nesterov_matches_the_formula() -> None:
 def test_local_round_is_a_time_budget() -> None:
     batch = {"fast": 8, "slow": 8, "mid": 8}
     assert plan_local_round(batch, {"fast": 0.0, "slow": 1.0, "mid": 2.0}, 16) == {
-        "fast": 16, "slow": 16, "mid": 16}  # not all measured: everyone runs H
+        "fast": 16,
+        "slow": 16,
+        "mid": 16,
+    }  # not all measured: everyone runs H
     plan = plan_local_round(batch, {"fast": 30.0, "slow": 10.0, "mid": 20.0}, 12)
     assert plan == {"fast": 12, "slow": 4, "mid": 8}
     assert plan_local_round({"a": 8, "b": 8}, {"a": 100.0, "b": 1.0}, 4) == {"a": 4, "b": 1}
@@ -96,11 +100,12 @@ def test_each_workers_samples_per_step_fill_the_budget() -> None:
     assert fill == {"fast": 32, "slow": 28}  # 3 x 28 / 21.3 = 3.94 s: within 2 %
     assert all(fill[w] * steps[w] / rates[w] <= 4.0 * 1.02 for w in batch)
     # Bounded: a worker 100x slower keeps its one step at half the batch, not 0.3 samples.
-    assert fill_local_round({"a": 8, "b": 8}, {"a": 100.0, "b": 1.0},
-                            {"a": 4, "b": 1}, 4) == {"a": 8, "b": 4}
+    assert fill_local_round({"a": 8, "b": 8}, {"a": 100.0, "b": 1.0}, {"a": 4, "b": 1}, 4) == {
+        "a": 8,
+        "b": 4,
+    }
     # Equal machines whose rates jitter keep equal batches.
-    assert fill_local_round(batch, {"fast": 64.0, "slow": 62.0},
-                            {"fast": 8, "slow": 8}, 8) == batch
+    assert fill_local_round(batch, {"fast": 64.0, "slow": 62.0}, {"fast": 8, "slow": 8}, 8) == batch
     # A batch that does not split evenly (16 over 3: 6, 5, 5) is no difference of speed, and
     # --no-rebalance gives every rate as 1.0: everyone runs H steps of its batch.
     uneven = {"a": 6, "b": 5, "c": 5}
@@ -118,20 +123,32 @@ def test_slow_workers_round_their_steps_down_and_fill_a_share_of_the_budget() ->
     # 0.25 s holds exactly 2 of the CPU's 13-sample steps (1.0 of which rounds to 2, too)
     assert plan_local_round(batch, rates, 8, slow={"cpu"}) == {"gpu": 8, "cpu": 2}
     assert plan_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, 8) == {"gpu": 8, "cpu": 2}
-    assert plan_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, 8,
-                            slow={"cpu"}) == {"gpu": 8, "cpu": 1}  # 1.73 fit: down, fuller
-    fill = fill_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, {"gpu": 8, "cpu": 1}, 8,
-                            slow={"cpu"})
+    assert plan_local_round(batch, {"gpu": 2048.0, "cpu": 90.0}, 8, slow={"cpu"}) == {
+        "gpu": 8,
+        "cpu": 1,
+    }  # 1.73 fit: down, fuller
+    fill = fill_local_round(
+        batch, {"gpu": 2048.0, "cpu": 90.0}, {"gpu": 8, "cpu": 1}, 8, slow={"cpu"}
+    )
     assert fill == {"gpu": 64, "cpu": 19}  # floor(0.85 x 0.25 s x 90/s)
     # One step of even half its batch outlasts the round: it goes below half.
-    fill = fill_local_round(batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 1}, 8,
-                            slow={"cpu"})
+    fill = fill_local_round(
+        batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 1}, 8, slow={"cpu"}
+    )
     assert fill["cpu"] == 4 and SLOW_FILL * 0.25 >= 4 / 20.0  # not ceil(13 / 2) = 7
     # With two steps it keeps half its batch at least, and at least one sample always.
-    assert fill_local_round(batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 2}, 8,
-                            slow={"cpu"})["cpu"] == 7
-    assert fill_local_round(batch, {"gpu": 2048.0, "cpu": 1.0}, {"gpu": 8, "cpu": 1}, 8,
-                            slow={"cpu"})["cpu"] == 1
+    assert (
+        fill_local_round(
+            batch, {"gpu": 2048.0, "cpu": 20.0}, {"gpu": 8, "cpu": 2}, 8, slow={"cpu"}
+        )["cpu"]
+        == 7
+    )
+    assert (
+        fill_local_round(batch, {"gpu": 2048.0, "cpu": 1.0}, {"gpu": 8, "cpu": 1}, 8, slow={"cpu"})[
+            "cpu"
+        ]
+        == 1
+    )
 
 
 def test_a_digest_follows_each_update_that_crosses_a_multiple() -> None:

@@ -32,8 +32,9 @@ from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
 COUNTS = (1, 2, 3)
-CFG = ModelConfig(n_ctx=96, n_embd=128, n_layer=2, n_head=8, n_head_kv=4, n_ff=128,
-                  n_expert=4, n_expert_used=2)
+CFG = ModelConfig(
+    n_ctx=96, n_embd=128, n_layer=2, n_head=8, n_head_kv=4, n_ff=128, n_expert=4, n_expert_used=2
+)
 
 pytestmark = pytest.mark.skipif(quant.KERNELS == "numpy", reason="needs the C kernels")
 
@@ -67,8 +68,11 @@ def assert_same_bits(runs: list[list[F32]]) -> None:
             assert a.tobytes() == b.tobytes()
 
 
-PATHS = {"avx512-vnni": ["best", "avx2", "portable"], "avx2+vnni": ["best", "avx2", "portable"],
-         "avx2": ["best", "portable"]}.get(quant.KERNELS, ["best"])
+PATHS = {
+    "avx512-vnni": ["best", "avx2", "portable"],
+    "avx2+vnni": ["best", "avx2", "portable"],
+    "avx2": ["best", "portable"],
+}.get(quant.KERNELS, ["best"])
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -110,13 +114,24 @@ def test_a_product_cut_wrongly_is_seen() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("window", [0, 7, 90])
-@pytest.mark.parametrize(("n_kv", "dh", "pos", "n", "n_head"), [
-    (4, 32, 5, 20, 8), (2, 64, 130, 1, 8), (1, 256, 99, 1, 8), (2, 40, 70, 1, 8),
-    (1, 64, 4100, 1, 2),  # past SPLIT_POSITIONS with fewer heads than threads: attend_split
-])
+@pytest.mark.parametrize(
+    ("n_kv", "dh", "pos", "n", "n_head"),
+    [
+        (4, 32, 5, 20, 8),
+        (2, 64, 130, 1, 8),
+        (1, 256, 99, 1, 8),
+        (2, 40, 70, 1, 8),
+        (1, 64, 4100, 1, 2),  # past SPLIT_POSITIONS with fewer heads than threads: attend_split
+    ],
+)
 def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
-    dtype: type[np.floating[np.float16] | np.floating[np.float32]], window: int, n_kv: int,
-    dh: int, pos: int, n: int, n_head: int,
+    dtype: type[np.floating[np.float16] | np.floating[np.float32]],
+    window: int,
+    n_kv: int,
+    dh: int,
+    pos: int,
+    n: int,
+    n_head: int,
 ) -> None:
     """A block's rows each over their own window; one row with more threads than kv heads
     (a task per fewer query heads), and over a long cache with more threads than heads
@@ -225,8 +240,10 @@ def test_the_pair_at_any_thread_count_equals_one_process_at_one(
     params = load_gguf_stored(own_files["q8_0"]).params
     quant.set_threads(1)
     ref = decode_run(Engine(CFG, params), PROMPT, 6)
-    ranks = [Engine(CFG, rank_weights(CFG, params, r, 2), rank=r, world=2, threads=threads)
-             for r in range(2)]
+    ranks = [
+        Engine(CFG, rank_weights(CFG, params, r, 2), rank=r, world=2, threads=threads)
+        for r in range(2)
+    ]
     ex = _Exchange()
     sessions = [e.new_session() for e in ranks]
     with ThreadPoolExecutor(1) as pool:
@@ -259,8 +276,10 @@ def test_the_gemma_pair_at_two_threads_equals_one_process_at_one() -> None:
     prompt = [2, 818, 5279, 529, 7001, 563, 496, 1729, 1003]
     quant.set_threads(1)
     ref = decode_run(Engine(m.cfg, m.params, ctx_size=64), prompt, 3)
-    ranks = [Engine(m.cfg, rank_weights(m.cfg, m.params, r, 2), rank=r, world=2, ctx_size=64,
-                    threads=2) for r in range(2)]
+    ranks = [
+        Engine(m.cfg, rank_weights(m.cfg, m.params, r, 2), rank=r, world=2, ctx_size=64, threads=2)
+        for r in range(2)
+    ]
     ex = _Exchange()
     sessions = [e.new_session() for e in ranks]
     with ThreadPoolExecutor(1) as pool:
@@ -281,9 +300,9 @@ def test_the_count_is_checked() -> None:
         quant.set_threads(0)
 
 
-def test_the_default_is_the_physical_cores_among_the_allowed(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
+def test_the_default_is_the_physical_cores_among_the_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four allowed CPUs, two hyperthreads of each of two cores: two threads; a quota of one
     CPU: one; topology unknown: the four."""
     from foundry import hardware
@@ -306,16 +325,22 @@ def test_up_divides_the_threads_between_the_processes_that_compute() -> None:
 
     opt = StackOptions(workers=3, threads=16)
     ports = StackPorts.of(opt)
-    argv = {s.name: s.argv for s in [*training_services(opt, ports, None),
-                                     *serving_services(opt, ports, Path("m.gguf"))]}
+    argv = {
+        s.name: s.argv
+        for s in [
+            *training_services(opt, ports, None),
+            *serving_services(opt, ports, Path("m.gguf")),
+        ]
+    }
     for name in ("worker-0", "worker-1", "worker-2"):
         assert argv[name][argv[name].index("--threads") + 1] == "5"
     for name in ("tp-leader", "tp-worker"):
         assert argv[name][argv[name].index("--threads") + 1] == "8"
     assert "--threads" not in argv["coordinator"]
     none = StackOptions(workers=3)
-    assert all("--threads" not in s.argv
-               for s in training_services(none, StackPorts.of(none), None))
+    assert all(
+        "--threads" not in s.argv for s in training_services(none, StackPorts.of(none), None)
+    )
 
 
 def test_generate_prints_the_same_text_at_any_thread_count(own_files: dict[str, Path]) -> None:
@@ -323,9 +348,28 @@ def test_generate_prints_the_same_text_at_any_thread_count(own_files: dict[str, 
     import sys
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    outs = [subprocess.run(
-        [sys.executable, "-m", "foundry", "generate", "--model", str(own_files["q4_0"]),
-         "--prompt", "The ", "--max-tokens", "24", "--threads", str(n)],
-        capture_output=True, text=True, timeout=120, env=env, check=True).stdout
-        for n in (1, 2, 3)]
+    outs = [
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "foundry",
+                "generate",
+                "--model",
+                str(own_files["q4_0"]),
+                "--prompt",
+                "The ",
+                "--max-tokens",
+                "24",
+                "--threads",
+                str(n),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=True,
+        ).stdout
+        for n in (1, 2, 3)
+    ]
     assert outs[0] and outs[0] == outs[1] == outs[2]

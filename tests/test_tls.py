@@ -97,32 +97,45 @@ def poke(port: int, ctx: ssl.SSLContext | None, first_bytes: bytes) -> int:
     return local
 
 
-def assert_refused(log: Service | Proc, link: str, certs: Certs, port: int,
-                   first_bytes: bytes) -> None:
+def assert_refused(
+    log: Service | Proc, link: str, certs: Certs, port: int, first_bytes: bytes
+) -> None:
     for name, ctx in bad_peers(certs).items():
         local = poke(port, ctx, first_bytes)
         peer = f"127.0.0.1:{local}"
-        wait_for_line(log, rf"{link}: refused {re.escape(peer)} in the TLS handshake: "
-                      rf"{REASONS[name]}")
+        wait_for_line(
+            log,
+            rf"{link}: refused {re.escape(peer)} in the TLS handshake: "
+            rf"{REASONS[name]}",
+        )
         mentions = [line for line in log.text().splitlines() if peer in line]
         assert len(mentions) == 1, f"{name}: the protocol saw the peer's bytes: {mentions}"
 
 
 def wait_for_line(proc: Service | Proc, pattern: str, within_s: float = 15.0) -> None:
-    wait_for(lambda: re.search(pattern, proc.text()), within_s,
-             f"/{pattern}/ in:\n{proc.text()[-3000:]}")
+    wait_for(
+        lambda: re.search(pattern, proc.text()), within_s, f"/{pattern}/ in:\n{proc.text()[-3000:]}"
+    )
 
 
 # -- the swarm -----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def swarm(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    tuple[Service, int, int]
-]:
+def swarm(
+    certs: Certs, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Service, int, int]]:
     tmp = tmp_path_factory.mktemp("swarm")
-    svc, port, admin = coordinator(tmp, "--max-steps", str(STEPS), "--global-batch", "8",
-                                   "--seq-len", "32", *certs.flags("coordinator"))
+    svc, port, admin = coordinator(
+        tmp,
+        "--max-steps",
+        str(STEPS),
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "32",
+        *certs.flags("coordinator"),
+    )
     try:
         yield svc, port, admin
     finally:
@@ -134,9 +147,16 @@ def test_swarm_trains_over_mutual_tls_and_refuses_bad_peers(
 ) -> None:
     coord, port, admin = swarm
     assert "(mutual tls)" in coord.text()
-    register = fdtc.encode(fdtc.Register(worker_id="intruder", protocol_version=1,
-                                         profile=fdtc.HardwareProfile.SERVER, num_cores=2,
-                                         memory_mb=1024, suggested_batch_size=4))
+    register = fdtc.encode(
+        fdtc.Register(
+            worker_id="intruder",
+            protocol_version=1,
+            profile=fdtc.HardwareProfile.SERVER,
+            num_cores=2,
+            memory_mb=1024,
+            suggested_batch_size=4,
+        )
+    )
     assert_refused(coord, "worker link", certs, port, register)
     assert_refused(coord, "admin link", certs, admin, fdtc.encode(fdtc.StatusReq()))
     # A health probe (connect, close) is not a refusal worth a warning.
@@ -150,10 +170,16 @@ def test_swarm_trains_over_mutual_tls_and_refuses_bad_peers(
 
     # A worker configured by the environment alone (FOUNDRY_TLS_*) trains to the end.
     d = certs.dir
-    env = {"FOUNDRY_TLS_CERT": str(d / "worker.pem"), "FOUNDRY_TLS_KEY": str(d / "worker-key.pem"),
-           "FOUNDRY_TLS_CA": str(d / "ca.pem")}
-    worker = Service(["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", "w-tls"],
-                     tmp_path / "worker.log", env=env)
+    env = {
+        "FOUNDRY_TLS_CERT": str(d / "worker.pem"),
+        "FOUNDRY_TLS_KEY": str(d / "worker-key.pem"),
+        "FOUNDRY_TLS_CA": str(d / "ca.pem"),
+    }
+    worker = Service(
+        ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", "w-tls"],
+        tmp_path / "worker.log",
+        env=env,
+    )
     try:
         assert worker.proc.wait(timeout=60) == 0, worker.text()
     finally:
@@ -175,12 +201,17 @@ def test_a_plaintext_worker_of_a_tls_coordinator_is_told_to_use_tls(
     swarm: tuple[Service, int, int], tmp_path: Path
 ) -> None:
     _, port, _ = swarm
-    worker = Service(["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", "plain"],
-                     tmp_path / "worker.log")
+    worker = Service(
+        ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id", "plain"],
+        tmp_path / "worker.log",
+    )
     try:
-        wait_for_line(worker, r"ended the link before accepting this worker: .*a coordinator "
-                      r"started with --tls-cert closes a plaintext worker's link at once: if it "
-                      r"runs TLS, give this worker --tls-cert, --tls-key and --tls-ca")
+        wait_for_line(
+            worker,
+            r"ended the link before accepting this worker: .*a coordinator "
+            r"started with --tls-cert closes a plaintext worker's link at once: if it "
+            r"runs TLS, give this worker --tls-cert, --tls-key and --tls-ca",
+        )
     finally:
         worker.stop()
 
@@ -197,8 +228,13 @@ class Pair:
 
     def start_worker(self, certs: Certs) -> None:
         if self.worker is None:
-            self.worker = start_tp_worker(self.model, self.leader.port, self.logs / "worker.log",
-                                          "--no-shm", *certs.flags("tp-worker"))
+            self.worker = start_tp_worker(
+                self.model,
+                self.leader.port,
+                self.logs / "worker.log",
+                "--no-shm",
+                *certs.flags("tp-worker"),
+            )
 
     def wait_paired(self, certs: Certs) -> None:
         with Client(self.leader.frontend, tls=certs.client()) as c:
@@ -222,8 +258,7 @@ def pair(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pai
 def test_tp_pair_over_mutual_tls_and_refuses_bad_peers(pair: Pair, certs: Certs) -> None:
     leader = pair.leader.proc
     assert_refused(leader, "worker port", certs, pair.leader.port, b"DTPH" + bytes(164))
-    assert_refused(leader, "frontend link", certs, pair.leader.frontend,
-                   fw.encode(fw.StatusReq(0)))
+    assert_refused(leader, "frontend link", certs, pair.leader.frontend, fw.encode(fw.StatusReq(0)))
 
     pair.start_worker(certs)
     pair.wait_paired(certs)
@@ -242,19 +277,31 @@ def test_gateway_reaches_both_backends_over_mutual_tls(
     pair.start_worker(certs)
     pair.wait_paired(certs)
     gateway = Service(
-        ["gateway", "--listen", "127.0.0.1:0", "--coordinator-admin", f"127.0.0.1:{admin}",
-         "--tp-frontend", f"127.0.0.1:{pair.leader.frontend}",
-         *certs.flags("gateway", prefix="backend-tls")],
+        [
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--coordinator-admin",
+            f"127.0.0.1:{admin}",
+            "--tp-frontend",
+            f"127.0.0.1:{pair.leader.frontend}",
+            *certs.flags("gateway", prefix="backend-tls"),
+        ],
         tmp_path / "gateway.log",
     )
     try:
         m = gateway.wait_for(r"gateway listening: grpc 127\.0\.0\.1:(\d+).*\(backend tls\)")
         target = f"127.0.0.1:{m.group(1)}"
-        for action, expect in ((["status"], "DONE"),
-                               (["generate", "--prompt", PROMPT, "--max-tokens", "8", "--stats"],
-                                "8 tokens")):
-            run = subprocess.run([sys.executable, "-m", "foundry", "ctl", "--gateway", target,
-                                  *action], capture_output=True, text=True, timeout=60)
+        for action, expect in (
+            (["status"], "DONE"),
+            (["generate", "--prompt", PROMPT, "--max-tokens", "8", "--stats"], "8 tokens"),
+        ):
+            run = subprocess.run(
+                [sys.executable, "-m", "foundry", "ctl", "--gateway", target, *action],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert run.returncode == 0, run.stdout + run.stderr + gateway.text()
             assert expect in run.stdout + run.stderr, run.stdout + run.stderr
     finally:
@@ -303,8 +350,9 @@ def test_tcp_gates_over_tls_sum_like_plain_tcp(certs: Certs) -> None:
         assert np.array_equal(sums[0][i], want) and np.array_equal(sums[1][i], want)
 
 
-async def echo_round_trip(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext,
-                          server_name: str) -> bytes:
+async def echo_round_trip(
+    server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, server_name: str
+) -> bytes:
     """One echo through a TLS Listener; raises what the client's handshake raises."""
 
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -312,8 +360,9 @@ async def echo_round_trip(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext
         await writer.drain()
         writer.close()
 
-    listener = Listener("test link", echo, log=logging.getLogger("test"), tls=server_ctx,
-                        max_connections=4)
+    listener = Listener(
+        "test link", echo, log=logging.getLogger("test"), tls=server_ctx, max_connections=4
+    )
     srv = await listener.start("127.0.0.1", 0)
     try:
         reader, writer = await asyncio.open_connection(
@@ -336,8 +385,7 @@ async def echo_round_trip(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext
 def test_clients_check_the_server_name(certs: Certs) -> None:
     """The coordinator's certificate passes for its own names only: hostname checking is on."""
     d = certs.dir
-    server_ctx = tls.server_context(d / "coordinator.pem", d / "coordinator-key.pem",
-                                    d / "ca.pem")
+    server_ctx = tls.server_context(d / "coordinator.pem", d / "coordinator-key.pem", d / "ca.pem")
     for name in ("coordinator", "localhost", "127.0.0.1", "coordinator.foundry.svc"):
         assert asyncio.run(echo_round_trip(server_ctx, certs.client("worker"), name)) == b"ping"
     with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
@@ -352,8 +400,9 @@ def test_certs_writes_a_ca_and_one_pair_per_role(certs: Certs) -> None:
     assert (d / "ca-key.pem").stat().st_mode & 0o777 == 0o600
     # A client certificate cannot serve: its purpose (clientAuth) is checked by the client.
     as_server = tls.server_context(d / "worker.pem", d / "worker-key.pem", d / "ca.pem")
-    with pytest.raises(ssl.SSLCertVerificationError,
-                       match="unsuitable certificate purpose") as refused:
+    with pytest.raises(
+        ssl.SSLCertVerificationError, match="unsuitable certificate purpose"
+    ) as refused:
         asyncio.run(echo_round_trip(as_server, certs.client("tp-worker"), "127.0.0.1"))
     assert "is not made for this end of the link" in tls.refusal_reason(refused.value)
     with pytest.raises(tls.TlsConfigError, match="--tls-cert and --tls-key"):

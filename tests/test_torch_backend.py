@@ -54,8 +54,9 @@ def test_the_module_reads_the_numpy_parameter_table() -> None:
     params = init_params(cfg, 0)
     dev = TM.to_device(params, "cpu")
     assert list(dev) == list(cfg.param_shapes())
-    assert all(tuple(t.shape) == s for t, s in zip(dev.values(), cfg.param_shapes().values(),
-                                                   strict=True))
+    assert all(
+        tuple(t.shape) == s for t, s in zip(dev.values(), cfg.param_shapes().values(), strict=True)
+    )
     assert all(t.dtype == torch.float32 for t in dev.values())
     back = TM.to_numpy(dev)
     assert all(np.array_equal(back[k], params[k]) for k in params)
@@ -87,10 +88,12 @@ def test_backend_gradients_and_local_rounds_match_numpy() -> None:
     corpus = load_corpus(None)
     backend = select("torch-cpu")
     assert isinstance(backend, TorchBackend) and backend.name == "torch:cpu"
-    want = NUMPY.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
-                                   aux_loss_coef=0.01)
-    got = backend.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
-                                    aux_loss_coef=0.01)
+    want = NUMPY.compute_gradients(
+        params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2, aux_loss_coef=0.01
+    )
+    got = backend.compute_gradients(
+        params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2, aux_loss_coef=0.01
+    )
     assert abs(got.loss - want.loss) <= 1e-5 * want.loss and got.n_samples == 6
     assert list(got.grads) == list(want.grads)
     for name, g in want.grads.items():
@@ -100,9 +103,17 @@ def test_backend_gradients_and_local_rounds_match_numpy() -> None:
     # Two rounds of three inner steps: the moments carry over on both sides.
     inner_np, inner_t = NUMPY.make_inner(params, 0.01), backend.make_inner(params, 0.01)
     for r in range(2):
-        kw = dict(lr_at=lambda s: lr_schedule(s, 3e-3, 2, 100), grad_clip=1.0,
-                  global_step=3 * r, sample_offset=12 * r, samples_per_step=4, steps=3,
-                  micro_batch=4, seq_len=32, aux_loss_coef=0.01)
+        kw = dict(
+            lr_at=lambda s: lr_schedule(s, 3e-3, 2, 100),
+            grad_clip=1.0,
+            global_step=3 * r,
+            sample_offset=12 * r,
+            samples_per_step=4,
+            steps=3,
+            micro_batch=4,
+            seq_len=32,
+            aux_loss_coef=0.01,
+        )
         a = NUMPY.local_steps(params, inner_np, cfg, corpus, **kw)  # type: ignore[arg-type]
         b = backend.local_steps(params, inner_t, cfg, corpus, **kw)  # type: ignore[arg-type]
         assert b.n_samples == a.n_samples == 12
@@ -117,13 +128,25 @@ def test_backend_gradients_and_local_rounds_match_numpy() -> None:
     got_val = backend.evaluate_loss(params, cfg, corpus, 32, max_batches=3, batch_size=4)
     assert want_val > 0 and abs(got_val - want_val) <= 1e-5 * want_val
     with pytest.raises(Stopped, match="after 0 of 3"):
-        backend.local_steps(params, inner_t, cfg, corpus, lr_at=lambda s: 1e-3, grad_clip=1.0,
-                            global_step=0, sample_offset=0, samples_per_step=4, steps=3,
-                            micro_batch=4, seq_len=32, aux_loss_coef=0.01, stop=lambda: True)
+        backend.local_steps(
+            params,
+            inner_t,
+            cfg,
+            corpus,
+            lr_at=lambda s: 1e-3,
+            grad_clip=1.0,
+            global_step=0,
+            sample_offset=0,
+            samples_per_step=4,
+            steps=3,
+            micro_batch=4,
+            seq_len=32,
+            aux_loss_coef=0.01,
+            stop=lambda: True,
+        )
 
 
-def test_rounds_through_reused_host_buffers_give_the_same_bits_and_keep_the_last_result(
-) -> None:
+def test_rounds_through_reused_host_buffers_give_the_same_bits_and_keep_the_last_result() -> None:
     cfg, corpus = preset("tiny"), load_corpus(None)
     params = init_params(cfg, 3)
     plain, buffered = TorchBackend("cpu"), TorchBackend("cpu", host_buffers=True)
@@ -131,8 +154,17 @@ def test_rounds_through_reused_host_buffers_give_the_same_bits_and_keep_the_last
     views: list[dict[str, np.ndarray]] = []  # the buffered results as returned
     copies: list[dict[str, np.ndarray]] = []  # and as they were when returned
     for r in range(3):
-        kw = dict(lr_at=lambda s: 1e-3, grad_clip=1.0, global_step=2 * r, sample_offset=8 * r,
-                  samples_per_step=4, steps=2, micro_batch=4, seq_len=32, aux_loss_coef=0.01)
+        kw = dict(
+            lr_at=lambda s: 1e-3,
+            grad_clip=1.0,
+            global_step=2 * r,
+            sample_offset=8 * r,
+            samples_per_step=4,
+            steps=2,
+            micro_batch=4,
+            seq_len=32,
+            aux_loss_coef=0.01,
+        )
         want = plain.local_steps(params, inner_p, cfg, corpus, **kw)  # type: ignore[arg-type]
         got = buffered.local_steps(params, inner_b, cfg, corpus, **kw)  # type: ignore[arg-type]
         assert set(buffered.last_phases) == {"down", "steps", "up"}
@@ -144,10 +176,12 @@ def test_rounds_through_reused_host_buffers_give_the_same_bits_and_keep_the_last
     # the third round's result went into the first one's buffer: "until the call after next"
     assert all(np.array_equal(views[0][k], copies[2][k]) for k in params)
     assert not all(np.array_equal(copies[0][k], copies[2][k]) for k in params)
-    g = buffered.compute_gradients(params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4,
-                                   aux_loss_coef=0.01)
-    want_g = plain.compute_gradients(params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4,
-                                     aux_loss_coef=0.01)
+    g = buffered.compute_gradients(
+        params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4, aux_loss_coef=0.01
+    )
+    want_g = plain.compute_gradients(
+        params, cfg, corpus, 0, 4, seq_len=32, micro_batch=4, aux_loss_coef=0.01
+    )
     assert all(np.array_equal(g.grads[k], want_g.grads[k]) for k in params)
 
 
@@ -172,8 +206,10 @@ def test_a_torch_pair_exchanges_float32_partials_and_joins_to_the_whole(
 ) -> None:
     cfg = SHARED
     params = sharp(cfg, 9)
-    ranks = [TorchEngine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2,
-                         device="cpu") for r in range(2)]
+    ranks = [
+        TorchEngine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2, device="cpu")
+        for r in range(2)
+    ]
     sessions = [e.new_session() for e in ranks]
     barrier = threading.Barrier(2, timeout=30)
     box: dict[tuple[int, Gate, int], np.ndarray] = {}
@@ -189,6 +225,7 @@ def test_a_torch_pair_exchanges_float32_partials_and_joins_to_the_whole(
             total = box[(layer, gate, 0)] + box[(layer, gate, 1)]
             barrier.wait()
             return total
+
         return f
 
     out: list[np.ndarray | None] = [None, None]
@@ -228,7 +265,11 @@ def test_device_cuda_without_a_gpu_says_how_to_get_one() -> None:
     assert select("auto") is NUMPY and select("cpu") is NUMPY
     proc = subprocess.run(
         [sys.executable, "-m", "foundry", "train", "--device", "cuda", "--steps", "1"],
-        capture_output=True, text=True, timeout=120, check=False)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2 and "pip install 'foundry[gpu]'" in proc.stderr
 
 
@@ -240,8 +281,9 @@ def test_the_torch_trainer_resumes_from_its_own_state() -> None:
     for _ in range(2):
         straight.train_step(corpus)
     resumed = make_trainer(backend, cfg, settings, init_params(cfg, 0))
-    resumed.load(straight.host_params(), straight.optimizer_state(), straight.step,
-                 straight.position)
+    resumed.load(
+        straight.host_params(), straight.optimizer_state(), straight.step, straight.position
+    )
     state = resumed.optimizer_state()
     assert state["step"] == 2 and any(float(np.abs(m).max()) > 0 for m in state["m"].values())
     a, b = straight.train_step(corpus), resumed.train_step(corpus)
@@ -259,14 +301,53 @@ def test_the_torch_trainer_resumes_from_its_own_state() -> None:
 def test_train_and_generate_take_the_device_flag(tmp_path: Path) -> None:
     out = tmp_path / "m.gguf"
     train = subprocess.run(
-        [sys.executable, "-m", "foundry", "train", "--preset", "tiny", "--device", "torch-cpu",
-         "--no-progress", "--sample-every", "0", "--global-batch", "4", "--seq-len", "32",
-         "--steps", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=True)
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "torch-cpu",
+            "--no-progress",
+            "--sample-every",
+            "0",
+            "--global-batch",
+            "4",
+            "--seq-len",
+            "32",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert "on torch:cpu" in train.stdout and "step 2: loss" in train.stdout
-    gen = subprocess.run([sys.executable, "-m", "foundry", "generate", "--model", str(out),
-                          "--prompt", "The ", "--max-tokens", "12", "--device", "torch-cpu"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "foundry",
+            "generate",
+            "--model",
+            str(out),
+            "--prompt",
+            "The ",
+            "--max-tokens",
+            "12",
+            "--device",
+            "torch-cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     from foundry.model.formats.gguf_io import load_gguf_stored
     from foundry.model.text.vocab.byte import decode
 
@@ -276,11 +357,25 @@ def test_train_and_generate_take_the_device_flag(tmp_path: Path) -> None:
 
 
 def test_a_torch_worker_and_a_numpy_worker_train_one_swarm(tmp_path: Path) -> None:
-    coord, port, _ = coordinator(tmp_path, "--max-steps", "8", "--global-batch", "8",
-                                 "--sync-every", "2", "--min-workers", "2",
-                                 "--validate-every", "4", "--validate-device", "torch-cpu")
-    workers = [worker(tmp_path, port, "gpu", "--device", "torch-cpu"),
-               worker(tmp_path, port, "cpu")]
+    coord, port, _ = coordinator(
+        tmp_path,
+        "--max-steps",
+        "8",
+        "--global-batch",
+        "8",
+        "--sync-every",
+        "2",
+        "--min-workers",
+        "2",
+        "--validate-every",
+        "4",
+        "--validate-device",
+        "torch-cpu",
+    )
+    workers = [
+        worker(tmp_path, port, "gpu", "--device", "torch-cpu"),
+        worker(tmp_path, port, "cpu"),
+    ]
     try:
         coord.wait_for(r"training done at step 8", within_s=240)
         log = coord.text()
@@ -310,8 +405,9 @@ def test_a_torch_leader_pairs_with_a_numpy_worker_and_decodes_the_same_text(
 
     model = make_model(tmp_path / "model.gguf")
     prompt = "A pair of one GPU rank and one CPU rank."
-    leader = start_leader(model, tmp_path / "leader.log", "--prefill-chunk", "16",
-                          "--device", "torch-cpu")
+    leader = start_leader(
+        model, tmp_path / "leader.log", "--prefill-chunk", "16", "--device", "torch-cpu"
+    )
     rank1 = start_worker(model, leader.port, tmp_path / "worker.log")
     try:
         wait_paired(leader.frontend)

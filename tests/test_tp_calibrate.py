@@ -48,13 +48,17 @@ def test_shares_follow_the_speeds_and_snap_to_a_split_the_model_takes() -> None:
     assert speed_shares([7, 7]) == (1, 1)
     shares, why = choose_shares(CFG, SPLIT, speeds=[100, 300, 100])
     assert shares == (13, 38, 13)
-    assert why == ("shares 13,38,13 from speeds rank 0 100 (20%), rank 1 300 (60%), rank 2 "
-                   "100 (20%) multiply-adds/us; kv heads 1,2,1; vocabulary rows 53,154,52")
+    assert why == (
+        "shares 13,38,13 from speeds rank 0 100 (20%), rank 1 300 (60%), rank 2 "
+        "100 (20%) multiply-adds/us; kv heads 1,2,1; vocabulary rows 53,154,52"
+    )
     # 98% on rank 0 would leave ranks 1 and 2 without a kv head: the nearest that works.
     shares, why = choose_shares(CFG, SPLIT, speeds=[1000, 10, 10])
     assert shares == (2, 1, 1) and check_splittable(CFG, 3, SPLIT, shares) == shares
-    assert "(cannot split the model by shares 63,1,1: a rank would hold none of its 4 kv heads;" \
+    assert (
+        "(cannot split the model by shares 63,1,1: a rank would hold none of its 4 kv heads;"
         " the nearest shares that work are 2,1,1: snapped to the nearest that works)" in why
+    )
     shares, why = choose_shares(CFG, SPLIT, stated=[4, 1, 1])
     assert shares == (2, 1, 1) and why.startswith("shares 2,1,1 from the ranks' --share 4,1,1 (")
     # A file stored in blocks of 32: 3,5 would cut every expert's 128 intermediate columns
@@ -66,8 +70,10 @@ def test_shares_follow_the_speeds_and_snap_to_a_split_the_model_takes() -> None:
     assert misaligned(tiny, SPLIT, (1, 3), blocks) is None
     shares, why = choose_shares(tiny, SPLIT, speeds=[3, 5], blocks=blocks)
     assert shares == (1, 3) and misaligned(tiny, SPLIT, shares, blocks) is None
-    assert ("(shares 3,5 would cut blk.0.ffn_down_exps.weight (128 columns) inside its blocks "
-            "of 32: snapped to the nearest that works)") in why
+    assert (
+        "(shares 3,5 would cut blk.0.ffn_down_exps.weight (128 columns) inside its blocks "
+        "of 32: snapped to the nearest that works)"
+    ) in why
     assert choose_shares(tiny, SPLIT, speeds=[3, 5])[0] == (3, 5)  # float32: no blocks
     # The bench preset in Q4_K_M's types, one rank of four at a third of the others' speed:
     # 8 blocks of 256 expert rows go 3,2,2,1 (equal shares would give the slow rank 2).

@@ -218,8 +218,16 @@ def test_commands_that_do_not_fit_are_refused_before_any_gate() -> None:
 
 # -- the hello -------------------------------------------------------------------------------
 
-IDENTITY = Identity(gguf_bytes=123_456, model_id=0xABCD, n_layer=2, n_embd=64, n_vocab=259,
-                    quant_bits=32, ctx_size=256, gates_per_token=4)
+IDENTITY = Identity(
+    gguf_bytes=123_456,
+    model_id=0xABCD,
+    n_layer=2,
+    n_embd=64,
+    n_vocab=259,
+    quant_bits=32,
+    ctx_size=256,
+    gates_per_token=4,
+)
 
 
 def handshake_both(leader: Hello, worker: Hello) -> tuple[BaseException | None, ...]:
@@ -244,8 +252,9 @@ def handshake_both(leader: Hello, worker: Hello) -> tuple[BaseException | None, 
 
 
 def test_matching_hellos_pass() -> None:
-    assert handshake_both(Hello(role=Role.LEADER, identity=IDENTITY),
-                          Hello(role=Role.WORKER, identity=IDENTITY)) == (None, None)
+    assert handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY), Hello(role=Role.WORKER, identity=IDENTITY)
+    ) == (None, None)
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Identity)])
@@ -253,8 +262,10 @@ def test_each_identity_field_mismatch_aborts_both_ranks_naming_it(name: str) -> 
     value = getattr(IDENTITY, name)
     other = (value[0] + 1, *value[1:]) if isinstance(value, tuple) else value + 1
     worker_identity = dataclasses.replace(IDENTITY, **{name: other})
-    errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY),
-                            Hello(role=Role.WORKER, identity=worker_identity))
+    errors = handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY),
+        Hello(role=Role.WORKER, identity=worker_identity),
+    )
     for exc in errors:
         assert isinstance(exc, IdentityMismatch), exc
         assert f"identity mismatch on {name}: leader has" in str(exc)
@@ -263,22 +274,30 @@ def test_each_identity_field_mismatch_aborts_both_ranks_naming_it(name: str) -> 
 
 def test_expert_split_mismatch_aborts_both_ranks_naming_it() -> None:
     split = DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
-    errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
-                            Hello(role=Role.WORKER, identity=IDENTITY))
+    errors = handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
+        Hello(role=Role.WORKER, identity=IDENTITY),
+    )
     for exc in errors:
         assert isinstance(exc, IdentityMismatch), exc
-        assert str(exc) == ("execution mode mismatch on expert_split: leader has intermediate, "
-                            "worker has experts; start both ranks with the same --expert-split")
-    assert handshake_both(Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
-                          Hello(role=Role.WORKER, identity=IDENTITY, execution_mode=split)) == (
-        None, None)
+        assert str(exc) == (
+            "execution mode mismatch on expert_split: leader has intermediate, "
+            "worker has experts; start both ranks with the same --expert-split"
+        )
+    assert handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=split),
+        Hello(role=Role.WORKER, identity=IDENTITY, execution_mode=split),
+    ) == (None, None)
 
 
 def test_role_and_version_mismatches_abort() -> None:
-    errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY),
-                            Hello(role=Role.LEADER, identity=IDENTITY))
+    errors = handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY), Hello(role=Role.LEADER, identity=IDENTITY)
+    )
     assert all(isinstance(e, IdentityMismatch) and "both ranks say" in str(e) for e in errors)
-    errors = handshake_both(Hello(role=Role.LEADER, identity=IDENTITY),
-                            Hello(role=Role.WORKER, identity=IDENTITY, version=3))
+    errors = handshake_both(
+        Hello(role=Role.LEADER, identity=IDENTITY),
+        Hello(role=Role.WORKER, identity=IDENTITY, version=3),
+    )
     assert isinstance(errors[0], VersionMismatch) and "version 3" in str(errors[0])
     assert isinstance(errors[1], VersionMismatch)

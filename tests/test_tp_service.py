@@ -86,8 +86,15 @@ def test_pair_logits_equal_one_process(model: Path, tmp_path: Path, dtype: FileD
     limit_blas_threads(1)
     rows: list[np.ndarray] = []
     leader = InProcessLeader(
-        LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
-                      prefill_chunk=CHUNK, spec_mode=SpecMode.OFF, hash_check=True),
+        LeaderOptions(
+            model=model,
+            host="127.0.0.1",
+            port=0,
+            frontend_port=0,
+            prefill_chunk=CHUNK,
+            spec_mode=SpecMode.OFF,
+            hash_check=True,
+        ),
         hook=lambda rid, r: rows.append(r.copy()),
     )
     worker = start_worker(model, leader.leader.port, tmp_path / "worker.log")
@@ -126,11 +133,14 @@ def test_greedy_text_over_the_frontend_equals_one_process(model: Path, pair: Lea
 
 def test_concurrent_sessions_equal_the_same_sessions_alone(pair: LeaderProc) -> None:
     prompts = [f"Request {i}: " + "abc " * i + "the end." for i in range(8)]
-    kinds = [{"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": i}
-             for i in range(8)]
+    kinds = [
+        {"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": i} for i in range(8)
+    ]
     with Client(pair.frontend) as c:
-        alone = [c.generate(p, 40, request_id=100 + i, **k)
-                 for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))]
+        alone = [
+            c.generate(p, 40, request_id=100 + i, **k)
+            for i, (p, k) in enumerate(zip(prompts, kinds, strict=True))
+        ]
         for i, (p, k) in enumerate(zip(prompts, kinds, strict=True)):
             c.send(fw.Generate(i + 1, p, 40, **k))  # type: ignore[arg-type]
         together = c.wait(list(range(1, 9)))
@@ -170,11 +180,13 @@ def test_identity_mismatch_aborts_both_then_a_correct_worker_pairs(
     try:
         wrong = start_worker(other, leader.port, tmp_path / "wrong.log")
         assert wrong.popen.wait(30) == 2  # no retry can fix it
-        message = re.search(r"identity mismatch on model_id: leader has \d+, worker has \d+",
-                            wrong.text())
+        message = re.search(
+            r"identity mismatch on model_id: leader has \d+, worker has \d+", wrong.text()
+        )
         assert message is not None, wrong.text()
-        wait_for(lambda: message.group(0) in leader.proc.text(), 10,
-                 "the leader to name the same field")
+        wait_for(
+            lambda: message.group(0) in leader.proc.text(), 10, "the leader to name the same field"
+        )
         right = start_worker(model, leader.port, tmp_path / "right.log")
         wait_paired(leader.frontend)
         with Client(leader.frontend) as c:
@@ -191,19 +203,29 @@ def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exac
     field and both values), a worker in the same split pairs and decodes the single process's
     tokens in that split."""
     other = next(m for m in ExpertSplit if m is not DEFAULT_EXPERT_SPLIT)
-    leader = start_leader(model, tmp_path / "leader.log", "--expert-split", other.value,
-                          "--prefill-chunk", str(CHUNK), "--hash-check")
+    leader = start_leader(
+        model,
+        tmp_path / "leader.log",
+        "--expert-split",
+        other.value,
+        "--prefill-chunk",
+        str(CHUNK),
+        "--hash-check",
+    )
     right = None
     try:
         wrong = start_worker(model, leader.port, tmp_path / "wrong.log")
         assert wrong.popen.wait(30) == 2  # no retry can fix it
-        expected = (f"execution mode mismatch on expert_split: leader has {other.value}, "
-                    f"worker has {DEFAULT_EXPERT_SPLIT.value}; start both ranks with the same "
-                    "--expert-split")
+        expected = (
+            f"execution mode mismatch on expert_split: leader has {other.value}, "
+            f"worker has {DEFAULT_EXPERT_SPLIT.value}; start both ranks with the same "
+            "--expert-split"
+        )
         assert expected in wrong.text(), wrong.text()
         wait_for(lambda: expected in leader.proc.text(), 10, "the leader to name the same field")
-        right = start_worker(model, leader.port, tmp_path / "right.log",
-                             "--expert-split", other.value)
+        right = start_worker(
+            model, leader.port, tmp_path / "right.log", "--expert-split", other.value
+        )
         wait_paired(leader.frontend)
         with Client(leader.frontend) as c:
             got = c.generate(PROMPT, 40)
@@ -222,8 +244,9 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
 ) -> None:
     """kill -9 (over shared memory and over TCP) and SIGSTOP of the worker mid-generation."""
     model = make_model(tmp_path / "long.gguf", ModelConfig(n_ctx=1024))
-    leader = start_leader(model, tmp_path / "leader.log", "--spec-mode", "off",
-                          "--gate-timeout", str(GATE_S))
+    leader = start_leader(
+        model, tmp_path / "leader.log", "--spec-mode", "off", "--gate-timeout", str(GATE_S)
+    )
     workers = []
     try:
         with Client(leader.frontend) as c:
@@ -231,8 +254,9 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
             assert isinstance(r.end, fw.Error) and r.end.code == fw.ErrorCode.UNAVAILABLE
             assert "not connected" in r.end.message
             measured = {}
-            for i, (how, flags) in enumerate([("kill9-shm", ()), ("kill9-tcp", ("--no-shm",)),
-                                              ("stall-shm", ())]):
+            for i, (how, flags) in enumerate(
+                [("kill9-shm", ()), ("kill9-tcp", ("--no-shm",)), ("stall-shm", ())]
+            ):
                 worker = start_worker(model, leader.port, tmp_path / f"{how}.log", *flags)
                 workers.append(worker)
                 st = wait_paired(leader.frontend)
@@ -243,8 +267,9 @@ def test_worker_death_fails_requests_fast_and_the_pair_comes_back(
                     assert c.pump(time.monotonic() + 10)
                     assert c.results[rid].end is None, c.results[rid].end
                 t0 = time.monotonic()
-                worker.popen.send_signal(signal.SIGKILL if how.startswith("kill") else
-                                         signal.SIGSTOP)
+                worker.popen.send_signal(
+                    signal.SIGKILL if how.startswith("kill") else signal.SIGSTOP
+                )
                 (res,) = c.wait([rid], timeout=10 * GATE_S)
                 measured[how] = res.end_time - t0
                 assert isinstance(res.end, fw.Error), res.end
@@ -299,8 +324,9 @@ def test_kept_sessions_are_bounded_and_the_least_recently_used_goes(tmp_path: Pa
     """--keep-sessions 2: a third finished generation evicts the first on both ranks (the
     lockstep hash covers every session and position), and only kept sessions are reused."""
     model = make_model(tmp_path / "m.gguf")
-    leader = start_leader(model, tmp_path / "leader.log", "--keep-sessions", "2",
-                          "--spec-mode", "off", "--hash-check")
+    leader = start_leader(
+        model, tmp_path / "leader.log", "--keep-sessions", "2", "--spec-mode", "off", "--hash-check"
+    )
     worker = start_worker(model, leader.port, tmp_path / "worker.log")
     first, second, third = "First conversation: ", "Second conversation: ", "Third one: "
     try:
@@ -334,8 +360,15 @@ def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
     """A kept session and a generation cut off by kill -9 of the worker are re-synced on the
     next pair; retrying the request and continuing the conversation then reuse them, exactly."""
     model = make_model(tmp_path / "m.gguf", ModelConfig(n_ctx=1024))
-    leader = start_leader(model, tmp_path / "leader.log", "--hash-check", "--spec-mode", "off",
-                          "--prefill-chunk", str(CHUNK))
+    leader = start_leader(
+        model,
+        tmp_path / "leader.log",
+        "--hash-check",
+        "--spec-mode",
+        "off",
+        "--prefill-chunk",
+        str(CHUNK),
+    )
     workers = [start_worker(model, leader.port, tmp_path / "first.log")]
     kept = "A finished generation stays open: "
     cut = "This generation is cut off when the worker dies: "
@@ -354,8 +387,11 @@ def test_sessions_are_resynced_from_their_history_when_the_worker_returns(
         wait_paired(leader.frontend, connected=False, timeout=5)
         workers.append(start_worker(model, leader.port, tmp_path / "second.log"))
         wait_paired(leader.frontend)
-        wait_for(lambda: metric(m, "foundry_tp_sessions_resynced_total") >= 2, 30,
-                 "two sessions re-synced")
+        wait_for(
+            lambda: metric(m, "foundry_tp_sessions_resynced_total") >= 2,
+            30,
+            "two sessions re-synced",
+        )
         assert "re-syncing 2 sessions" in leader.proc.text()
         before = metric(m, "foundry_tp_prompt_tokens_reused_total")
         with Client(leader.frontend) as c:
@@ -380,8 +416,9 @@ def test_a_request_during_a_resync_goes_first_and_the_resync_resumes(tmp_path: P
     """A long history re-syncs one token per checkpoint; a request sent meanwhile pauses it at
     a checkpoint, is served, and the re-sync then finishes with both ranks in lockstep."""
     model = make_model(tmp_path / "m.gguf", ModelConfig(n_ctx=1024))
-    leader = start_leader(model, tmp_path / "leader.log", "--hash-check", "--spec-mode", "off",
-                          "--prefill-chunk", "1")
+    leader = start_leader(
+        model, tmp_path / "leader.log", "--hash-check", "--spec-mode", "off", "--prefill-chunk", "1"
+    )
     workers = [start_worker(model, leader.port, tmp_path / "first.log")]
     try:
         assert leader.metrics is not None
@@ -398,13 +435,17 @@ def test_a_request_during_a_resync_goes_first_and_the_resync_resumes(tmp_path: P
         # The re-sync has run a chunk through the new pair (gates moved), so the request
         # below meets it past its first checkpoint, not before it began.
         metrics = leader.metrics
-        wait_for(lambda: metric(metrics, gates) > before, 60, "the re-sync's first gates",
-                 poll_s=0.01)
+        wait_for(
+            lambda: metric(metrics, gates) > before, 60, "the re-sync's first gates", poll_s=0.01
+        )
         with Client(leader.frontend) as c:
             served = c.generate("hi", 5, request_id=2)
         assert served.tokens == reference_greedy(model, "hi", 5, 1).tokens
-        wait_for(lambda: metric(metrics, "foundry_tp_sessions_resynced_total") >= 1, 60,
-                 "the session re-synced")
+        wait_for(
+            lambda: metric(metrics, "foundry_tp_sessions_resynced_total") >= 1,
+            60,
+            "the session re-synced",
+        )
         text = leader.proc.text()
         paused = re.search(r"re-sync paused at position (\d+) of (\d+)", text)
         assert paused is not None, text
@@ -421,10 +462,16 @@ def test_cancel_at_a_sync_checkpoint_leaves_both_ranks_at_one_position(
     tmp_path: Path,
 ) -> None:
     model = make_model(tmp_path / "m.gguf", ModelConfig(n_ctx=1024))
-    leader = start_leader(model, tmp_path / "leader.log", "--prefill-chunk", "2",
-                          "--hash-check")
-    worker = start_worker(model, leader.port, tmp_path / "worker.log", "--metrics-port", "0",
-                          "--metrics-host", "127.0.0.1")
+    leader = start_leader(model, tmp_path / "leader.log", "--prefill-chunk", "2", "--hash-check")
+    worker = start_worker(
+        model,
+        leader.port,
+        tmp_path / "worker.log",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+    )
     try:
         wait_paired(leader.frontend)
         metrics = leader.metrics
@@ -434,17 +481,27 @@ def test_cancel_at_a_sync_checkpoint_leaves_both_ranks_at_one_position(
         with Client(leader.frontend) as c:
             c.send(fw.Generate(1, "long prompt " * 80, 10))
             # Cancel once the prefill is under way (its first chunk's gates moved).
-            wait_for(lambda: metric(metrics, gates) > before, 30, "the prefill's first gates",
-                     poll_s=0.01)
+            wait_for(
+                lambda: metric(metrics, gates) > before,
+                30,
+                "the prefill's first gates",
+                poll_s=0.01,
+            )
             c.send(fw.Cancel(1))
             (r,) = c.wait([1])
             assert isinstance(r.end, fw.Done) and r.end.reason is fw.DoneReason.CANCELLED
             assert r.end.generated_tokens == 0 and not r.tokens
             assert isinstance(c.generate("hi", 3, request_id=2).end, fw.Done)  # still serving
-        lead = wait_for(lambda: re.search(r"prefill cancelled at position (\d+) of (\d+)",
-                                          leader.proc.text()), 10, "the leader's cancel line")
-        work = wait_for(lambda: re.search(r"sync of session \d+ cancelled at (\d+) of (\d+)",
-                                          worker.text()), 10, "the worker's cancel line")
+        lead = wait_for(
+            lambda: re.search(r"prefill cancelled at position (\d+) of (\d+)", leader.proc.text()),
+            10,
+            "the leader's cancel line",
+        )
+        work = wait_for(
+            lambda: re.search(r"sync of session \d+ cancelled at (\d+) of (\d+)", worker.text()),
+            10,
+            "the worker's cancel line",
+        )
         assert lead is not None and work is not None, (leader.proc.text(), worker.text())
         assert lead.groups() == work.groups()
         # Stopped before the end of the prompt (0 when the cancel beat the first chunk).
@@ -507,8 +564,15 @@ def test_a_worker_that_sends_garbage_after_the_hello_is_dropped(
     worker = None
     try:
         ctl = socket.create_connection(("127.0.0.1", leader.port), timeout=5)
-        ctl.sendall(encode(Hello(role=Role.WORKER, identity=identity,
-                                 execution_mode=execution_mode(DEFAULT_EXPERT_SPLIT))))
+        ctl.sendall(
+            encode(
+                Hello(
+                    role=Role.WORKER,
+                    identity=identity,
+                    execution_mode=execution_mode(DEFAULT_EXPERT_SPLIT),
+                )
+            )
+        )
         decoder = TpDecoder(expect_hello=True)
         frames: list[object] = []
         while len(frames) < 2:

@@ -50,8 +50,15 @@ def pair(
     model: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[LeaderProc, str]]:
     mode: str = request.param
-    leader = start_leader(model, tmp_path / "leader.log", "--spec-mode", mode,
-                          "--hash-check", "--prefill-chunk", str(CHUNK))
+    leader = start_leader(
+        model,
+        tmp_path / "leader.log",
+        "--spec-mode",
+        mode,
+        "--hash-check",
+        "--prefill-chunk",
+        str(CHUNK),
+    )
     worker: Proc = start_worker(model, leader.port, tmp_path / "worker.log")
     try:
         wait_paired(leader.frontend)

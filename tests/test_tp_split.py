@@ -46,8 +46,17 @@ F32 = npt.NDArray[np.float32]
 
 CONFIGS = {
     "tiny-odd-vocab": ModelConfig(),  # n_vocab 259: rank 0 gets 130 rows, rank 1 129
-    "shared-odd-experts": ModelConfig(n_vocab=97, n_embd=48, n_layer=3, n_head=6, n_head_kv=2,
-                                      n_ff=40, n_expert=5, n_expert_used=2, n_ff_shared=25),
+    "shared-odd-experts": ModelConfig(
+        n_vocab=97,
+        n_embd=48,
+        n_layer=3,
+        n_head=6,
+        n_head_kv=2,
+        n_ff=40,
+        n_expert=5,
+        n_expert_used=2,
+        n_ff_shared=25,
+    ),
     # 9 query heads over 3 kv heads: rank 0 holds two kv groups (6 heads), rank 1 one (3).
     "odd-kv-groups": ModelConfig(n_vocab=101, n_embd=36, n_head=9, n_head_kv=3, n_ff=40),
     # One kv head: K and V replicated, the query heads split.
@@ -96,11 +105,18 @@ MODES = list(ExpertSplit)
 class Pair:
     """Rank 0 on the calling thread, ranks 1 .. N-1 on helper threads, in lockstep."""
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, F32],
-                 mode: ExpertSplit = ExpertSplit.EXPERTS, world: int = 2,
-                 shares: tuple[int, ...] | None = None) -> None:
-        self.ranks = [Engine(cfg, rank_weights(cfg, params, r, world, mode, shares), rank=r,
-                             world=world) for r in range(world)]
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict[str, F32],
+        mode: ExpertSplit = ExpertSplit.EXPERTS,
+        world: int = 2,
+        shares: tuple[int, ...] | None = None,
+    ) -> None:
+        self.ranks = [
+            Engine(cfg, rank_weights(cfg, params, r, world, mode, shares), rank=r, world=world)
+            for r in range(world)
+        ]
         assert all(e.expert_split is mode for e in self.ranks)
         self.exchange = PairExchange(world)
         self.pool = ThreadPoolExecutor(world - 1)
@@ -109,11 +125,16 @@ class Pair:
         return tuple(e.new_session() for e in self.ranks)
 
     def forward_rows(self, rows: Sequence[tuple[tuple[Session, ...], Sequence[int]]]) -> F32:
-        jobs = [self.pool.submit(e.forward_rows, [(s[r], toks) for s, toks in rows],
-                                 self.exchange.for_rank(r))
-                for r, e in enumerate(self.ranks) if r]
-        first = self.ranks[0].forward_rows([(s[0], toks) for s, toks in rows],
-                                           self.exchange.for_rank(0))
+        jobs = [
+            self.pool.submit(
+                e.forward_rows, [(s[r], toks) for s, toks in rows], self.exchange.for_rank(r)
+            )
+            for r, e in enumerate(self.ranks)
+            if r
+        ]
+        first = self.ranks[0].forward_rows(
+            [(s[0], toks) for s, toks in rows], self.exchange.for_rank(0)
+        )
         return np.concatenate([first, *(j.result(timeout=60) for j in jobs)], axis=1)
 
 
@@ -153,7 +174,8 @@ def test_rank_parts_rebuild_the_whole(name: str, mode: ExpertSplit) -> None:
         assert all(np.shares_memory(p[name_], full) == view for p in parts), name_
         assert all(p[name_].flags.c_contiguous for p in parts), name_
         if rule.kind is SplitKind.REPLICATED or (
-                cfg.n_head_kv == 1 and rule.unit in (Unit.KV_HEAD, Unit.K_ROWS)):
+            cfg.n_head_kv == 1 and rule.unit in (Unit.KV_HEAD, Unit.K_ROWS)
+        ):
             assert all(np.array_equal(p[name_], full) for p in parts)  # replicated K/V too
             continue
         axis = {SplitKind.COLUMN: 1, SplitKind.EXPERT_ROW: 1, SplitKind.EXPERT_COLUMN: 2}.get(
@@ -197,10 +219,14 @@ def test_block_ranges() -> None:
 def test_uneven_attention_splits() -> None:
     odd = CONFIGS["odd-kv-groups"]
     assert [(lay.kv_heads, lay.heads) for lay in (rank_layout(odd, r, 2) for r in range(2))] == [
-        ((0, 2), (0, 6)), ((2, 3), (6, 9))]
+        ((0, 2), (0, 6)),
+        ((2, 3), (6, 9)),
+    ]
     one = CONFIGS["one-kv-head"]
     assert [(lay.kv_heads, lay.heads) for lay in (rank_layout(one, r, 2) for r in range(2))] == [
-        ((0, 1), (0, 3)), ((0, 1), (3, 6))]
+        ((0, 1), (0, 3)),
+        ((0, 1), (3, 6)),
+    ]
     shapes = [shard_shapes(one, r, 2) for r in range(2)]
     assert shapes[0]["blk.0.attn_k.weight"] == shapes[1]["blk.0.attn_k.weight"] == (8, 48)
     assert shapes[0]["blk.0.attn_q.weight"] == shapes[1]["blk.0.attn_q.weight"] == (24, 48)
@@ -304,16 +330,21 @@ def test_quantized_parts_are_cut_on_whole_blocks_only() -> None:
     odd = ModelConfig(n_embd=96, n_head=6, n_head_kv=2)
     q96 = quantize(rng.standard_normal((96, 96)).astype(np.float32), QType.Q8_0)
     for r, cols in enumerate(("[0, 48)", "[48, 96)")):
-        with pytest.raises(SplitError, match=(
-            rf"cannot split blk\.0\.attn_output\.weight \(Q8_0, blocks of 32 values\) for rank "
-            rf"{r} of 2: its columns \{cols[:-1]}\) of 96 do not start and end on a block")):
+        with pytest.raises(
+            SplitError,
+            match=(
+                rf"cannot split blk\.0\.attn_output\.weight \(Q8_0, blocks of 32 values\) for rank "
+                rf"{r} of 2: its columns \{cols[:-1]}\) of 96 do not start and end on a block"
+            ),
+        ):
             shard_part("blk.0.attn_output.weight", q96, rank_layout(odd, r, 2))
     # The experts' intermediate cut of ffn_down_exps (its last axis of n_ff = 96) likewise.
     ff = ModelConfig(n_ff=96)
     down = quantize(rng.standard_normal((4, 64, 96)).astype(np.float32), QType.Q8_0)
     with pytest.raises(SplitError, match=r"columns \[0, 48\) of 96"):
-        shard_part("blk.0.ffn_down_exps.weight", down,
-                   rank_layout(ff, 0, 2, ExpertSplit.INTERMEDIATE))
+        shard_part(
+            "blk.0.ffn_down_exps.weight", down, rank_layout(ff, 0, 2, ExpertSplit.INTERMEDIATE)
+        )
 
 
 def test_world_and_rank_out_of_range_are_refused() -> None:
@@ -333,7 +364,8 @@ def test_equal_shares_give_the_plain_blocks() -> None:
     for n in range(40):
         for world in range(1, 9):
             assert [share_range(n, r, (1,) * world) for r in range(world)] == [
-                block_range(n, r, world) for r in range(world)]
+                block_range(n, r, world) for r in range(world)
+            ]
     # Largest remainder: 10 units by 2,1,1 are 5, 2.5, 2.5: the earlier rank takes the tie.
     assert share_blocks(10, (2, 1, 1)) == [5, 3, 2]
     assert share_blocks(7, (3, 1)) == [5, 2]
@@ -353,19 +385,34 @@ def test_two_equal_ranks_are_cut_as_before_shares() -> None:
 def test_shares_the_model_cannot_take_are_refused_with_the_nearest_that_works() -> None:
     cfg = ModelConfig(n_head=4, n_head_kv=4)  # 4 kv heads over 3 ranks
     assert [rank_layout(cfg, r, 3).kv_heads for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
-    with pytest.raises(SplitError, match=(
+    with pytest.raises(
+        SplitError,
+        match=(
             r"^cannot split the model by shares 4,1,1: a rank would hold none of its 4 kv "
-            r"heads; the nearest shares that work are 2,1,1$")):
+            r"heads; the nearest shares that work are 2,1,1$"
+        ),
+    ):
         rank_layout(cfg, 0, 3, shares=(4, 1, 1))
     assert [rank_layout(cfg, r, 3, shares=(2, 1, 1)).kv_heads for r in range(3)] == [
-        (0, 2), (2, 3), (3, 4)]
-    with pytest.raises(SplitError, match=(
+        (0, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    with pytest.raises(
+        SplitError,
+        match=(
             r"^cannot split the model over 5 ranks: it has 4 query heads and every rank needs "
-            r"at least one; the nearest world size that works is 4$")):
+            r"at least one; the nearest world size that works is 4$"
+        ),
+    ):
         rank_layout(ModelConfig(n_head_kv=1), 0, 5)
-    with pytest.raises(SplitError, match=(
+    with pytest.raises(
+        SplitError,
+        match=(
             r"^cannot split the model over 3 ranks: it has 2 kv heads and every rank needs "
-            r"at least one; the nearest world size that works is 2$")):
+            r"at least one; the nearest world size that works is 2$"
+        ),
+    ):
         rank_layout(ModelConfig(), 0, 3)
     with pytest.raises(SplitError, match=r"2 shares given for a world of 3 ranks"):
         rank_layout(cfg, 0, 3, shares=(1, 1))
@@ -381,10 +428,20 @@ NWORLDS = [
     ("kv4", 3, (2, 1, 1)),  # uneven: 3 ranks on 4 kv heads
     ("kv4", 3, None),
 ]
-CONFIGS["shared-one-kv"] = ModelConfig(n_vocab=97, n_embd=48, n_layer=2, n_head=6, n_head_kv=1,
-                                       n_ff=40, n_expert=6, n_expert_used=2, n_ff_shared=25)
-CONFIGS["kv4"] = ModelConfig(n_vocab=89, n_embd=64, n_head=4, n_head_kv=4, n_ff=40, n_expert=5,
-                             n_expert_used=2)
+CONFIGS["shared-one-kv"] = ModelConfig(
+    n_vocab=97,
+    n_embd=48,
+    n_layer=2,
+    n_head=6,
+    n_head_kv=1,
+    n_ff=40,
+    n_expert=6,
+    n_expert_used=2,
+    n_ff_shared=25,
+)
+CONFIGS["kv4"] = ModelConfig(
+    n_vocab=89, n_embd=64, n_head=4, n_head_kv=4, n_ff=40, n_expert=5, n_expert_used=2
+)
 
 
 @pytest.mark.parametrize("mode", MODES)

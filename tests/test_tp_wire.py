@@ -90,18 +90,22 @@ HELLO_GOLDEN = bytes.fromhex(
     "00000000"  # gate_slot_start 0
     "01000000"  # gate_slot_step 1
     "10000000"  # gates_per_token 16
-    "ffff000000000000" "0000000000000000" "0000000000000000" "0000000000000000"  # slot mask
+    "ffff000000000000"
+    "0000000000000000"
+    "0000000000000000"
+    "0000000000000000"  # slot mask
     "000102030405060708090a0b0c0d0e0f"  # host id
-    "736c61622d31" + "00" * 58  # shm name "slab-1", NUL-padded to 64
-    + "6c6c616d61" + "00" * 11  # architecture "llama", NUL-padded to 16
+    "736c61622d31"
+    + "00" * 58  # shm name "slab-1", NUL-padded to 64
+    + "6c6c616d61"
+    + "00" * 11  # architecture "llama", NUL-padded to 16
 )
 
 # header: magic "DTP4" | type u8 | flags u8 | reserved u16 | session_id u64 | seq u64 | length u32
 GOLDEN: list[tuple[tp.ControlFrame, str]] = [
     (
         Sync(session_id=1, tokens=(1, 258, -1)),
-        "44545034 01 00 0000 0100000000000000 0000000000000000 0c000000"
-        " 01000000 02010000 ffffffff",
+        "44545034 01 00 0000 0100000000000000 0000000000000000 0c000000 01000000 02010000 ffffffff",
     ),
     (
         Eval(session_id=9, seq=3, token=5),
@@ -122,13 +126,11 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
     ),
     (
         Logits.from_array(np.array([1.0, -2.0], dtype=np.float32), session_id=1),
-        "44545034 0a 00 0000 0100000000000000 0000000000000000 0c000000"
-        " 02000000 0000803f 000000c0",
+        "44545034 0a 00 0000 0100000000000000 0000000000000000 0c000000 02000000 0000803f 000000c0",
     ),
     (
         Verify(session_id=1, flags=tp.DS4_TP_VERIFY_HEAD_SPLIT, drafts=(10, 11)),
-        "44545034 0b 00 0000 0100000000000000 0000000000000000 0c000000"
-        " 01000000 0a000000 0b000000",
+        "44545034 0b 00 0000 0100000000000000 0000000000000000 0c000000 01000000 0a000000 0b000000",
     ),
     (
         VerifyCommit(mode=VerifyCommitMode.COMMIT_PREFIX, token_count=3),
@@ -163,8 +165,12 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 02000000 64000000 2c010000 01",
     ),
     (
-        World(peers=(WorldPeer(1, 7100, bytes(10) + b"\xff\xff\x7f\x00\x00\x01", 0x0102),
-                     WorldPeer(2, 7101, bytes(10) + b"\xff\xff\x7f\x00\x00\x02", 0xABCD))),
+        World(
+            peers=(
+                WorldPeer(1, 7100, bytes(10) + b"\xff\xff\x7f\x00\x00\x01", 0x0102),
+                WorldPeer(2, 7101, bytes(10) + b"\xff\xff\x7f\x00\x00\x02", 0xABCD),
+            )
+        ),
         "44545034 20 00 0000 0000000000000000 0000000000000000 38000000"
         " 0100 bc1b 00000000000000000000ffff7f000001 0201000000000000"
         " 0200 bd1b 00000000000000000000ffff7f000002 cdab000000000000",
@@ -217,7 +223,9 @@ WORLD_EXT_GOLDEN = bytes.fromhex(
     "0000"  # rank 0: the leader
     "0000"  # gate_port 0
     "0000"  # shares_from 0: the list below
-    "0200" "0100" "0100" + "0000" * 13  # shares 2,1,1, then zeros to 16
+    "0200"
+    "0100"
+    "0100" + "0000" * 13  # shares 2,1,1, then zeros to 16
 )
 
 
@@ -226,19 +234,27 @@ def test_world_hello_golden_bytes_and_round_trip() -> None:
     it; the plain pair sends none."""
     assert tp.WORLD_EXT.size == 40 and tp.HELLO_WORLD_SIZE == 224
     leader = dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(2, 1, 1)))
-    golden = (HELLO_GOLDEN[:6] + bytes.fromhex("e000") + HELLO_GOLDEN[8:9] + b"\x03"
-              + HELLO_GOLDEN[10:] + WORLD_EXT_GOLDEN)
+    golden = (
+        HELLO_GOLDEN[:6]
+        + bytes.fromhex("e000")
+        + HELLO_GOLDEN[8:9]
+        + b"\x03"
+        + HELLO_GOLDEN[10:]
+        + WORLD_EXT_GOLDEN
+    )
     assert encode(leader) == golden
     assert decode_all(golden, expect_hello=True) == [leader]
-    worker = Hello(role=Role.WORKER, identity=IDENTITY, world=WorldInfo(
-        world_size=3, shares=(2, 1, 1), rank=2, gate_port=7100))
+    worker = Hello(
+        role=Role.WORKER,
+        identity=IDENTITY,
+        world=WorldInfo(world_size=3, shares=(2, 1, 1), rank=2, gate_port=7100),
+    )
     wire = encode(worker)
     assert len(wire) == 224 and wire[9] == tp.HELLO_WORLD
     assert wire[184:192] == bytes.fromhex("0300 0200 bc1b 0000")
     assert decode_all(wire, expect_hello=True) == [worker]
     # The flag and the size must agree.
-    for bad in (HELLO_GOLDEN[:9] + b"\x03" + HELLO_GOLDEN[10:],
-                golden[:9] + b"\x01" + golden[10:]):
+    for bad in (HELLO_GOLDEN[:9] + b"\x03" + HELLO_GOLDEN[10:], golden[:9] + b"\x01" + golden[10:]):
         with pytest.raises(TpProtocolError, match="world flag is"):
             decode_all(bad, expect_hello=True)
     with pytest.raises(TpProtocolError, match="shares_from is 5, not 0"):
@@ -257,7 +273,8 @@ PENDING_EXT_GOLDEN = bytes.fromhex(
     "0200"  # rank 2 asked for
     "bc1b"  # gate_port 7100
     "0100"  # shares_from 1: by speed (--shares auto), the shares still to be chosen
-    + "0000" * 16  # shares: all 0 until chosen
+    + "0000"
+    * 16  # shares: all 0 until chosen
 )
 WEIGHT_EXT_GOLDEN = bytes.fromhex(
     "0000"  # share 0: no --share given
@@ -270,26 +287,38 @@ def test_weight_hello_golden_bytes_and_round_trip() -> None:
     """A worker answering a world whose shares are still to be chosen: the world extension with
     shares_from set and no shares, then its weight (flag bit 2, hello_size 232)."""
     assert tp.WEIGHT_EXT.size == 8 and tp.HELLO_WEIGHT_SIZE == 232
-    worker = Hello(role=Role.WORKER, identity=IDENTITY,
-                   world=WorldInfo(world_size=3, shares=(), rank=2, gate_port=7100,
-                                   shares_from=tp.SharesFrom.SPEED),
-                   weight=tp.RankWeight(speed=10000))
+    worker = Hello(
+        role=Role.WORKER,
+        identity=IDENTITY,
+        world=WorldInfo(
+            world_size=3, shares=(), rank=2, gate_port=7100, shares_from=tp.SharesFrom.SPEED
+        ),
+        weight=tp.RankWeight(speed=10000),
+    )
     wire = encode(worker)
     assert len(wire) == 232 and wire[6:8] == bytes.fromhex("e800")
     assert wire[9] == tp.HELLO_WORLD | tp.HELLO_WEIGHT
     assert wire[184:] == PENDING_EXT_GOLDEN + WEIGHT_EXT_GOLDEN
     assert decode_all(wire, expect_hello=True) == [worker]
-    ranks = dataclasses.replace(worker, world=dataclasses.replace(
-        worker.world, shares_from=tp.SharesFrom.SHARE), weight=tp.RankWeight(share=3))
+    ranks = dataclasses.replace(
+        worker,
+        world=dataclasses.replace(worker.world, shares_from=tp.SharesFrom.SHARE),
+        weight=tp.RankWeight(share=3),
+    )
     assert encode(ranks)[190:192] == b"\x02\x00" and encode(ranks)[224:] == bytes.fromhex(
-        "0300 0000 00000000")
+        "0300 0000 00000000"
+    )
     # The leader's pending world carries no weight; a weight needs a pending world.
-    leader = dataclasses.replace(LEADER_HELLO, world=dataclasses.replace(
-        worker.world, rank=0, gate_port=0))
+    leader = dataclasses.replace(
+        LEADER_HELLO, world=dataclasses.replace(worker.world, rank=0, gate_port=0)
+    )
     assert len(encode(leader)) == 224
     with pytest.raises(LocalProtocolError, match="still to be chosen"):
-        dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(1, 1, 1)),
-                            weight=tp.RankWeight(speed=1))
+        dataclasses.replace(
+            LEADER_HELLO,
+            world=WorldInfo(world_size=3, shares=(1, 1, 1)),
+            weight=tp.RankWeight(speed=1),
+        )
     with pytest.raises(LocalProtocolError, match="must be empty"):
         WorldInfo(world_size=3, shares=(1, 1, 1), shares_from=tp.SharesFrom.SPEED)
     with pytest.raises(TpProtocolError, match="shares to be chosen are not all 0"):
@@ -303,8 +332,10 @@ def test_weight_hello_golden_bytes_and_round_trip() -> None:
     # Both sides state the same pending world: no mismatch; a decided one differs from it.
     tp.check_hello(leader, worker)
     with pytest.raises(IdentityMismatch, match="shares: leader has 2,1,1, worker has auto"):
-        tp.check_hello(dataclasses.replace(LEADER_HELLO, world=WorldInfo(
-            world_size=3, shares=(2, 1, 1))), worker)
+        tp.check_hello(
+            dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(2, 1, 1))),
+            worker,
+        )
 
 
 def test_the_plain_pair_sends_no_world_extension() -> None:
@@ -325,15 +356,23 @@ def test_world_mismatches_name_the_field_leader_first() -> None:
     for worker_world, message in [
         (None, "world mismatch on world_size: leader has 3, worker has 2"),
         (WorldInfo(world_size=4, shares=(1, 1, 1, 1)), "world_size: leader has 3, worker has 4"),
-        (WorldInfo(world_size=3, shares=(2, 1, 1)),
-         "world mismatch on shares: leader has 1,1,1, worker has 2,1,1"),
+        (
+            WorldInfo(world_size=3, shares=(2, 1, 1)),
+            "world mismatch on shares: leader has 1,1,1, worker has 2,1,1",
+        ),
     ]:
         worker = Hello(role=Role.WORKER, identity=IDENTITY, world=worker_world)
         for mine, peer in ((leader, worker), (worker, leader)):
             with pytest.raises(IdentityMismatch, match=message):
                 tp.check_hello(mine, peer)
-    tp.check_hello(leader, Hello(role=Role.WORKER, identity=IDENTITY,
-                                 world=dataclasses.replace(three, rank=2, gate_port=9)))
+    tp.check_hello(
+        leader,
+        Hello(
+            role=Role.WORKER,
+            identity=IDENTITY,
+            world=dataclasses.replace(three, rank=2, gate_port=9),
+        ),
+    )
 
 
 def test_world_frame_lists_ranks_in_order() -> None:
@@ -343,8 +382,10 @@ def test_world_frame_lists_ranks_in_order() -> None:
     with pytest.raises(LocalProtocolError, match=r"ranks 1 \.\. N-1"):
         World(peers=(WorldPeer(1, 1, host, 0),))  # a pair has no WORLD
     with pytest.raises(TpProtocolError, match=r"WORLD: World\.peers"):
-        decode_all(header(FrameType.WORLD, 28) + bytes.fromhex(
-            "0100 0100 00000000000000000000000000000000 0000000000000000"))
+        decode_all(
+            header(FrameType.WORLD, 28)
+            + bytes.fromhex("0100 0100 00000000000000000000000000000000 0000000000000000")
+        )
     with pytest.raises(TpProtocolError, match="WORLD payload must be 0 \\+ a multiple of 28"):
         decode_all(header(FrameType.WORLD, 27) + bytes(27))
 
@@ -568,8 +609,9 @@ def test_check_hello_roles_versions_identity() -> None:
         check_hello(LEADER_HELLO, LEADER_HELLO)
     with pytest.raises(VersionMismatch, match="version 2, the peer speaks version 3"):
         check_hello(LEADER_HELLO, dataclasses.replace(worker, version=3))
-    with pytest.raises(IdentityMismatch, match="architecture mismatch: this rank runs 'llama', "
-                                               "the peer 'gemma3'"):
+    with pytest.raises(
+        IdentityMismatch, match="architecture mismatch: this rank runs 'llama', the peer 'gemma3'"
+    ):
         check_hello(LEADER_HELLO, dataclasses.replace(worker, architecture="gemma3"))
     with pytest.raises(LocalProtocolError, match=r"Hello\.architecture"):
         dataclasses.replace(worker, architecture="Gemma 3")
@@ -581,10 +623,17 @@ def test_check_hello_roles_versions_identity() -> None:
 
 
 def test_execution_mode_mismatch_names_the_field_and_both_values() -> None:
-    worker = Hello(role=Role.WORKER, identity=IDENTITY, host_id=HOST, shm_offered=True,
-                   execution_mode=tp.DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT)
-    expected = ("execution mode mismatch on expert_split: leader has experts, worker has "
-                "intermediate; start both ranks with the same --expert-split")
+    worker = Hello(
+        role=Role.WORKER,
+        identity=IDENTITY,
+        host_id=HOST,
+        shm_offered=True,
+        execution_mode=tp.DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT,
+    )
+    expected = (
+        "execution mode mismatch on expert_split: leader has experts, worker has "
+        "intermediate; start both ranks with the same --expert-split"
+    )
     for mine, peer in ((LEADER_HELLO, worker), (worker, LEADER_HELLO)):
         with pytest.raises(IdentityMismatch) as info:
             check_hello(mine, peer)
@@ -784,8 +833,9 @@ def _logits_header_accepted(limit: int, rows: int, half: int) -> bool:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    n_vocab=st.one_of(st.sampled_from([259, 32_000, 32_001, 128_256, 151_936, 262_144]),
-                      st.integers(2, 300_000)),
+    n_vocab=st.one_of(
+        st.sampled_from([259, 32_000, 32_001, 128_256, 151_936, 262_144]), st.integers(2, 300_000)
+    ),
     ctx_size=st.sampled_from([256, 2048, 8192, 32_768]),
     max_sessions=st.integers(1, 64),
     drafts=st.integers(0, tp.DS4_TP_BATCH_MAX_ROWS - 1),
@@ -859,8 +909,9 @@ RANGES: list[tuple[str, str, int, int, Any]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("owner", "name", "lo", "hi", "build"), RANGES,
-                         ids=[f"{o}.{n}" for o, n, *_ in RANGES])
+@pytest.mark.parametrize(
+    ("owner", "name", "lo", "hi", "build"), RANGES, ids=[f"{o}.{n}" for o, n, *_ in RANGES]
+)
 def test_range_checks_at_their_bounds(owner: str, name: str, lo: int, hi: int, build: Any) -> None:
     """Each bound is accepted and stored, one past it is refused, naming the record, the field,
     the range and the value; a bool is no integer."""
@@ -889,20 +940,25 @@ def test_execution_mode_range_and_bits() -> None:
         )
     with pytest.raises(LocalProtocolError) as info:
         hello(_U16)
-    assert str(info.value) == ("Hello.execution_mode 0xffff has bits this implementation does not "
-                               "run (supported: 0x1)")
+    assert str(info.value) == (
+        "Hello.execution_mode 0xffff has bits this implementation does not run (supported: 0x1)"
+    )
 
 
 def test_hello_fields_are_checked_with_exact_messages() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"architecture": "x" * 17},
-         "Hello.architecture 'xxxxxxxxxxxxxxxxx' is not 1-16 characters of [a-z0-9_-]"),
+        (
+            {"architecture": "x" * 17},
+            "Hello.architecture 'xxxxxxxxxxxxxxxxx' is not 1-16 characters of [a-z0-9_-]",
+        ),
         ({"role": 0}, "Hello.role must be a Role, got 0"),
         ({"host_id": b"short"}, "Hello.host_id must be 16 bytes, got 5"),
         ({"shm_name": "x"}, "Hello.shm_name is set but shm_offered is False"),
-        ({"shm_name": "a/b", "shm_offered": True},
-         "Hello.shm_name 'a/b' is not a bare file name of at most 63 characters from "
-         "[A-Za-z0-9._-]"),
+        (
+            {"shm_name": "a/b", "shm_offered": True},
+            "Hello.shm_name 'a/b' is not a bare file name of at most 63 characters from "
+            "[A-Za-z0-9._-]",
+        ),
     ]
     for changes, message in cases:
         with pytest.raises(LocalProtocolError) as info:
@@ -910,8 +966,10 @@ def test_hello_fields_are_checked_with_exact_messages() -> None:
         assert str(info.value) == message
     longest = Hello(role=Role.WORKER, identity=IDENTITY, architecture="a" * 16)
     assert longest.architecture == "a" * 16
-    assert Hello(role=Role.LEADER, identity=IDENTITY, shm_offered=True,
-                 shm_name="s" * 63).shm_name == "s" * 63
+    assert (
+        Hello(role=Role.LEADER, identity=IDENTITY, shm_offered=True, shm_name="s" * 63).shm_name
+        == "s" * 63
+    )
     with pytest.raises(LocalProtocolError, match="not a bare file name"):
         Hello(role=Role.LEADER, identity=IDENTITY, shm_offered=True, shm_name="s" * 64)
     with pytest.raises(LocalProtocolError) as info:
@@ -997,26 +1055,43 @@ def test_payload_size_rules_of_every_frame() -> None:
 
 def test_payload_length_messages_exact() -> None:
     for data, message in [
-        (header(FrameType.LOGITS, 8) + bytes.fromhex("02000000 0000803f"),
-         "LOGITS says 2 floats but its payload is 8 bytes (expected 12)"),
-        (header(FrameType.MIXED_BATCH, 12) + bytes.fromhex("01000000 01000000 00000000"),
-         "MIXED_BATCH says 1 prompt tokens and 1 items, which is 28 bytes, but its payload is "
-         "12 bytes"),
+        (
+            header(FrameType.LOGITS, 8) + bytes.fromhex("02000000 0000803f"),
+            "LOGITS says 2 floats but its payload is 8 bytes (expected 12)",
+        ),
+        (
+            header(FrameType.MIXED_BATCH, 12) + bytes.fromhex("01000000 01000000 00000000"),
+            "MIXED_BATCH says 1 prompt tokens and 1 items, which is 28 bytes, but its payload is "
+            "12 bytes",
+        ),
         (header(FrameType.EVAL, 5), "EVAL payload must be exactly 4 bytes, got 5"),
         (header(FrameType.SYNC, 6), "SYNC payload must be 0 + a multiple of 4 bytes, got 6"),
-        (header(FrameType.EVAL, 4, flags=1, reserved=2),
-         "EVAL: header flags 0x1 / reserved 2 must be 0 in protocol version 2"),
+        (
+            header(FrameType.EVAL, 4, flags=1, reserved=2),
+            "EVAL: header flags 0x1 / reserved 2 must be 0 in protocol version 2",
+        ),
         (header(99, 0), "unknown frame type 99"),
-        (header(FrameType.SYNC_CHECKPOINT, 13) + bytes(12) + b"\x02",
-         "SYNC_CHECKPOINT: requested must be 0 or 1, got 2"),
-        (header(FrameType.EVAL_BATCH, 16) + bytes.fromhex("0300000000000000 00000000 01000000"),
-         "batch item for session 3: nonzero reserved word"),
-        (b"XXXX" + bytes(24), "bad frame magic 0x58585858 (expected 0x34505444, 'DTP4'): the "
-         "stream is out of step or the peer does not speak the TP protocol"),
-        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 184) + bytes(20),
-         "unexpected hello after the handshake"),
-        (header(FrameType.VERIFY, 8) + bytes.fromhex("08000000 01000000"),
-         "VERIFY: Verify.flags has unknown bits 0x8"),
+        (
+            header(FrameType.SYNC_CHECKPOINT, 13) + bytes(12) + b"\x02",
+            "SYNC_CHECKPOINT: requested must be 0 or 1, got 2",
+        ),
+        (
+            header(FrameType.EVAL_BATCH, 16) + bytes.fromhex("0300000000000000 00000000 01000000"),
+            "batch item for session 3: nonzero reserved word",
+        ),
+        (
+            b"XXXX" + bytes(24),
+            "bad frame magic 0x58585858 (expected 0x34505444, 'DTP4'): the "
+            "stream is out of step or the peer does not speak the TP protocol",
+        ),
+        (
+            tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 184) + bytes(20),
+            "unexpected hello after the handshake",
+        ),
+        (
+            header(FrameType.VERIFY, 8) + bytes.fromhex("08000000 01000000"),
+            "VERIFY: Verify.flags has unknown bits 0x8",
+        ),
     ]:
         decoder = TpDecoder()
         decoder.feed(data)
@@ -1025,21 +1100,32 @@ def test_payload_length_messages_exact() -> None:
         assert str(info.value) == message
     # MIXED_BATCH: the payload at its stated size decodes, with the prompt before the items.
     data = header(FrameType.MIXED_BATCH, 28) + bytes.fromhex(
-        "01000000 01000000 05000000 0700000000000000 09000000 00000000")
+        "01000000 01000000 05000000 0700000000000000 09000000 00000000"
+    )
     assert decode_all(data) == [MixedBatch(prompt=(5,), items=(BatchItem(7, 9),))]
 
 
 def test_hello_prefix_messages_exact() -> None:
     for data, kind, message in [
         (encode(Stop()), TpProtocolError, "expected the peer's hello first, got a control frame"),
-        (b"GET / HT", TpProtocolError, "bad hello magic 0x20544547 (expected 0x48505444, "
-         "'DTPH'): the peer does not speak the TP protocol"),
-        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 1, 184), VersionMismatch,
-         "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
-         "run the same foundry release on both ranks"),
-        (tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185), TpProtocolError,
-         "hello of version 2 must be 184 bytes (224 with the world extension, 232 with the "
-         "weight too), the peer says 185"),
+        (
+            b"GET / HT",
+            TpProtocolError,
+            "bad hello magic 0x20544547 (expected 0x48505444, "
+            "'DTPH'): the peer does not speak the TP protocol",
+        ),
+        (
+            tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 1, 184),
+            VersionMismatch,
+            "TP protocol version mismatch: this rank speaks version 2, the peer speaks version 1; "
+            "run the same foundry release on both ranks",
+        ),
+        (
+            tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185),
+            TpProtocolError,
+            "hello of version 2 must be 184 bytes (224 with the world extension, 232 with the "
+            "weight too), the peer says 185",
+        ),
     ]:
         decoder = TpDecoder(expect_hello=True)
         decoder.feed(data)
@@ -1055,10 +1141,18 @@ def test_hello_prefix_messages_exact() -> None:
 def test_hello_fields_round_trip() -> None:
     """Every identity and hello field travels in its own place, both ways (a hello built here,
     with values that differ from the defaults)."""
-    ident = _identity(gate_slot_start=3, gate_slot_step=2, gates_per_token=5,
-                      gate_slot_mask=(1, 2, 3, _U64))
-    hello = Hello(role=Role.WORKER, identity=ident, host_id=HOST, shm_offered=True,
-                  shm_name="slab-X", execution_mode=1, architecture="gemma3")
+    ident = _identity(
+        gate_slot_start=3, gate_slot_step=2, gates_per_token=5, gate_slot_mask=(1, 2, 3, _U64)
+    )
+    hello = Hello(
+        role=Role.WORKER,
+        identity=ident,
+        host_id=HOST,
+        shm_offered=True,
+        shm_name="slab-X",
+        execution_mode=1,
+        architecture="gemma3",
+    )
     data = encode(hello)
     assert data[8:12] == bytes.fromhex("01 01 0100")  # role worker, flags: shm, mode 1
     assert data[44:56] == bytes.fromhex("03000000 02000000 05000000")  # start, step, per token
@@ -1074,15 +1168,21 @@ def test_hello_fields_round_trip() -> None:
 def test_hello_field_errors_exact() -> None:
     data = bytearray(encode(Hello(role=Role.LEADER, identity=IDENTITY)))
     for offset, value, message in [
-        (10, b"\x02\x00", "hello: execution mode 0x2 has bits this implementation does not run "
-         "(supported: 0x1: 1 = experts cut by their intermediate size)"),
+        (
+            10,
+            b"\x02\x00",
+            "hello: execution mode 0x2 has bits this implementation does not run "
+            "(supported: 0x1: 1 = experts cut by their intermediate size)",
+        ),
         (9, b"\x08", "hello: unknown flags 0x8"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
-        (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of "
-         "[a-z0-9_-]"),
-        (168, b"\xc3\xa9", "hello: Hello.architecture '\ufffd\ufffdama' is not 1-16 characters "
-         "of [a-z0-9_-]"),  # not ASCII: each byte replaced, refused like any other
+        (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of [a-z0-9_-]"),
+        (
+            168,
+            b"\xc3\xa9",
+            "hello: Hello.architecture '\ufffd\ufffdama' is not 1-16 characters of [a-z0-9_-]",
+        ),  # not ASCII: each byte replaced, refused like any other
     ]:
         bad = bytearray(data)
         bad[offset : offset + len(value)] = value
@@ -1095,8 +1195,10 @@ def test_hello_field_errors_exact() -> None:
 
 def test_identity_and_role_messages_exact_from_both_sides() -> None:
     worker_ident = _identity(ctx_size=512)
-    expected = ("identity mismatch on ctx_size: leader has 256, worker has 512; start both "
-                "ranks with the same context size")
+    expected = (
+        "identity mismatch on ctx_size: leader has 256, worker has 512; start both "
+        "ranks with the same context size"
+    )
     leader = Hello(role=Role.LEADER, identity=_identity())
     worker = Hello(role=Role.WORKER, identity=worker_ident)
     for mine, peer in ((leader, worker), (worker, leader)):
@@ -1108,15 +1210,19 @@ def test_identity_and_role_messages_exact_from_both_sides() -> None:
     assert str(info.value) == expected
     with pytest.raises(IdentityMismatch) as info:
         check_identity(_identity(), _identity(gate_slot_step=2))
-    assert str(info.value) == ("identity mismatch on gate_slot_step: leader has 1, worker has 2; "
-                               "both ranks must load the same GGUF file with the same foundry "
-                               "release")
+    assert str(info.value) == (
+        "identity mismatch on gate_slot_step: leader has 1, worker has 2; "
+        "both ranks must load the same GGUF file with the same foundry "
+        "release"
+    )
     for role, other in ((Role.LEADER, "worker"), (Role.WORKER, "leader")):
         one = Hello(role=role, identity=_identity())
         with pytest.raises(IdentityMismatch) as info:
             check_hello(one, one)
-        assert str(info.value) == (f"role mismatch: both ranks say they are the {role.name.lower()}"
-                                   f"; start exactly one rank as the {other}")
+        assert str(info.value) == (
+            f"role mismatch: both ranks say they are the {role.name.lower()}"
+            f"; start exactly one rank as the {other}"
+        )
 
 
 def test_slab_header_mismatch_names_each_field() -> None:

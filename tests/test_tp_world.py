@@ -62,11 +62,20 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class World:
     """The leader in this process (its logits rows collected), the workers as processes."""
 
-    def __init__(self, model: Path, tmp: Path, world: int, shares: tuple[int, ...] | None,
-                 split: ExpertSplit, ranks: list[int | None], prefill_chunk: int = CHUNK,
-                 worker_args: list[list[str]] | None = None,
-                 tls: ssl.SSLContext | None = None,
-                 worker_tls: Sequence[Sequence[str]] = (), **leader: Any) -> None:
+    def __init__(
+        self,
+        model: Path,
+        tmp: Path,
+        world: int,
+        shares: tuple[int, ...] | None,
+        split: ExpertSplit,
+        ranks: list[int | None],
+        prefill_chunk: int = CHUNK,
+        worker_args: list[list[str]] | None = None,
+        tls: ssl.SSLContext | None = None,
+        worker_tls: Sequence[Sequence[str]] = (),
+        **leader: Any,
+    ) -> None:
         """``tls``: the leader's server context; ``worker_tls``: each worker's --tls-* flags;
         ``worker_args``: each worker's other flags; ``leader``: more LeaderOptions."""
         limit_blas_threads(1)
@@ -74,23 +83,45 @@ class World:
         self.model, self.tmp, self.split = model, tmp, split
         self.worker_args = worker_args or [[] for _ in ranks]
         self.leader = InProcessLeader(
-            LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0,
-                          prefill_chunk=prefill_chunk, spec_mode=SpecMode.OFF, hash_check=True,
-                          world_size=world, shares=shares, expert_split=split,
-                          gate_timeout_s=3.0, control_timeout_s=3.0, tls=tls, **leader),
+            LeaderOptions(
+                model=model,
+                host="127.0.0.1",
+                port=0,
+                frontend_port=0,
+                prefill_chunk=prefill_chunk,
+                spec_mode=SpecMode.OFF,
+                hash_check=True,
+                world_size=world,
+                shares=shares,
+                expert_split=split,
+                gate_timeout_s=3.0,
+                control_timeout_s=3.0,
+                tls=tls,
+                **leader,
+            ),
             hook=lambda rid, r: self.rows.append(r.copy()),
         )
-        self.workers = [self.start(rank, i, *(worker_tls[i] if worker_tls else ()))
-                        for i, rank in enumerate(ranks)]
+        self.workers = [
+            self.start(rank, i, *(worker_tls[i] if worker_tls else ()))
+            for i, rank in enumerate(ranks)
+        ]
 
     def start(self, rank: int | None, i: int, *more: str) -> Proc:
-        extra = ["--gate-listen", "127.0.0.1:0", "--expert-split", self.split.value,
-                 "--gate-timeout", "3", *more, *(self.worker_args[i] if i < len(
-                     self.worker_args) else [])]
+        extra = [
+            "--gate-listen",
+            "127.0.0.1:0",
+            "--expert-split",
+            self.split.value,
+            "--gate-timeout",
+            "3",
+            *more,
+            *(self.worker_args[i] if i < len(self.worker_args) else []),
+        ]
         if rank is not None:
             extra += ["--rank", str(rank)]
-        return start_worker(self.model, self.leader.leader.port, self.tmp / f"worker{i}.log",
-                            *extra)
+        return start_worker(
+            self.model, self.leader.leader.port, self.tmp / f"worker{i}.log", *extra
+        )
 
     @property
     def frontend(self) -> int:
@@ -121,11 +152,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("world", "shares", "split", "ranks"), CASES,
-                         ids=["2", "2-shares-3,1", "3", "3-shares-2,1,1", "4"])
+@pytest.mark.parametrize(
+    ("world", "shares", "split", "ranks"),
+    CASES,
+    ids=["2", "2-shares-3,1", "3", "3-shares-2,1,1", "4"],
+)
 def test_world_equals_one_process_standing_for_it(
-    model: Path, tmp_path: Path, worlds: list[World], world: int,
-    shares: tuple[int, ...] | None, split: ExpertSplit, ranks: list[int | None],
+    model: Path,
+    tmp_path: Path,
+    worlds: list[World],
+    world: int,
+    shares: tuple[int, ...] | None,
+    split: ExpertSplit,
+    ranks: list[int | None],
 ) -> None:
     w = World(model, tmp_path, world, shares, split, ranks)
     worlds.append(w)
@@ -144,7 +183,8 @@ def test_world_equals_one_process_standing_for_it(
         ranks = c.status().ranks
     norm = norm_shares(world, shares)
     assert [(r.rank, r.share, r.connected) for r in ranks] == [
-        (r, norm[r], True) for r in range(world)]
+        (r, norm[r], True) for r in range(world)
+    ]
     assert ranks[0].gate_wait_us == 0 and all(r.gate_wait_us > 0 for r in ranks[1:])
     if world > 2:
         # Another grouping of the same sums (the pair's) differs in the last bits.
@@ -170,8 +210,11 @@ def test_a_killed_rank_is_waited_for_and_the_world_resynced(
     w.workers[1] = w.start(None, 9)  # a new process, no --rank: it gets the free one, 2
     wait_paired(w.frontend)
     metrics = w.leader.leader.metrics
-    wait_for(lambda: metrics.sessions_resynced._value.get() >= 1, 30,
-             what="the kept session re-synced on the new world")
+    wait_for(
+        lambda: metrics.sessions_resynced._value.get() >= 1,
+        30,
+        what="the kept session re-synced on the new world",
+    )
     follow = PROMPT + " And again."
     with Client(w.frontend) as c:
         again = c.generate(follow, TOKENS)
@@ -203,8 +246,10 @@ def test_a_cancel_stops_every_rank_at_one_checkpoint(
         assert isinstance(r.end, fw.Done) and r.end.reason is fw.DoneReason.CANCELLED
         assert isinstance(c.generate("hi", 3, request_id=2).end, fw.Done)  # still serving
     pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
-    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
-             for p in w.workers]
+    found = [
+        wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+        for p in w.workers
+    ]
     assert found[0].groups() == found[1].groups()
     assert 0 <= int(found[0].group(1)) < int(found[0].group(2))
     assert metrics.hash_checks.labels("mismatch")._value.get() == 0
@@ -230,8 +275,10 @@ def test_a_worker_asking_to_stop_stops_every_rank_at_one_checkpoint(
     assert isinstance(r.end, fw.Done | fw.Error)
     assert w.workers[1].exit_code(timeout=30) == 0
     pattern = r"sync of session \d+ cancelled at (\d+) of (\d+)"
-    found = [wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
-             for p in w.workers]
+    found = [
+        wait_for(lambda p=p: re.search(pattern, p.text()), 10, "a worker's cancel line")
+        for p in w.workers
+    ]
     assert found[0].groups() == found[1].groups()
     wait_paired(w.frontend, connected=False)
     w.workers[1] = w.start(2, 9)  # back for the fixture's clean stop
@@ -249,8 +296,16 @@ def test_a_world_over_mutual_tls_equals_one_process(
     leader, the gate link between the two workers): the logits are the one process's bits."""
     d = certs.dir
     leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem", d / "ca.pem")
-    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], tls=leader_tls,
-              worker_tls=[certs.flags("tp-worker")] * 2)
+    w = World(
+        model,
+        tmp_path,
+        3,
+        None,
+        ExpertSplit.INTERMEDIATE,
+        [1, 2],
+        tls=leader_tls,
+        worker_tls=[certs.flags("tp-worker")] * 2,
+    )
     worlds.append(w)
     wait_paired(w.frontend, tls=certs.client())
     with Client(w.frontend, tls=certs.client()) as c:
@@ -274,20 +329,43 @@ def test_a_worker_of_another_ca_is_refused_on_the_gate_links(
     the world never forms (each attempt is bounded; every worker dials again)."""
     d, o = certs.dir, certs.other
     leader_tls = tls.server_context(d / "tp-leader.pem", d / "tp-leader-key.pem")
-    foreign = ["--tls-cert", str(o / "tp-worker.pem"), "--tls-key", str(o / "tp-worker-key.pem"),
-               "--tls-ca", str(d / "ca.pem")]
-    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], tls=leader_tls,
-              worker_tls=[foreign, certs.flags("tp-worker")])
+    foreign = [
+        "--tls-cert",
+        str(o / "tp-worker.pem"),
+        "--tls-key",
+        str(o / "tp-worker-key.pem"),
+        "--tls-ca",
+        str(d / "ca.pem"),
+    ]
+    w = World(
+        model,
+        tmp_path,
+        3,
+        None,
+        ExpertSplit.INTERMEDIATE,
+        [1, 2],
+        tls=leader_tls,
+        worker_tls=[foreign, certs.flags("tp-worker")],
+    )
     worlds.append(w)
-    line = (r"WARNING .*the gate link to rank 1 at 127\.0\.0\.1:\d+ failed in the TLS "
-            r"handshake: CERTIFICATE_VERIFY_FAILED, the peer's certificate is not signed by "
-            r"this side's --tls-ca: .*")
-    refused = wait_for(lambda: re.search(line, w.workers[1].text()), 30,
-                       "rank 2 refusing rank 1's certificate")
+    line = (
+        r"WARNING .*the gate link to rank 1 at 127\.0\.0\.1:\d+ failed in the TLS "
+        r"handshake: CERTIFICATE_VERIFY_FAILED, the peer's certificate is not signed by "
+        r"this side's --tls-ca: .*"
+    )
+    refused = wait_for(
+        lambda: re.search(line, w.workers[1].text()), 30, "rank 2 refusing rank 1's certificate"
+    )
     assert "\n" not in refused.group(0)
-    wait_for(lambda: re.search(r"gate link: refused 127\.0\.0\.1:\d+ in the TLS handshake: "
-                               r"TLSV1_ALERT_UNKNOWN_CA", w.workers[0].text()), 10,
-             "rank 1 told that rank 2 does not trust its certificate")
+    wait_for(
+        lambda: re.search(
+            r"gate link: refused 127\.0\.0\.1:\d+ in the TLS handshake: "
+            r"TLSV1_ALERT_UNKNOWN_CA",
+            w.workers[0].text(),
+        ),
+        10,
+        "rank 1 told that rank 2 does not trust its certificate",
+    )
     assert not wait_paired(w.frontend, connected=False, tls=certs.client()).worker_connected
     assert "gates to ranks" not in w.workers[0].text() + w.workers[1].text()
     for p in w.workers:  # they would dial on after the leader's stop
@@ -296,27 +374,51 @@ def test_a_worker_of_another_ca_is_refused_on_the_gate_links(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "foundry", *args], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "foundry", *args], capture_output=True, text=True, timeout=60
+    )
 
 
-def test_a_world_the_model_cannot_take_is_refused_in_one_line(
-    model: Path, tmp_path: Path
-) -> None:
+def test_a_world_the_model_cannot_take_is_refused_in_one_line(model: Path, tmp_path: Path) -> None:
     tiny = make_model(tmp_path / "tiny.gguf", ModelConfig(n_ctx=256))  # 2 kv heads
-    out = _cli("tp-leader", "--model", str(tiny), "--world-size", "3", "--expert-split",
-               "experts", "--listen", "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0")
+    out = _cli(
+        "tp-leader",
+        "--model",
+        str(tiny),
+        "--world-size",
+        "3",
+        "--expert-split",
+        "experts",
+        "--listen",
+        "127.0.0.1:0",
+        "--frontend-listen",
+        "127.0.0.1:0",
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: cannot split the model over 3 ranks: it has 2 kv heads and every rank needs "
-        "at least one; the nearest world size that works is 2"]
-    out = _cli("tp-leader", "--model", str(model), "--world-size", "3", "--shares", "4,1,1",
-               "--expert-split", "experts", "--listen", "127.0.0.1:0",
-               "--frontend-listen", "127.0.0.1:0")
+        "at least one; the nearest world size that works is 2"
+    ]
+    out = _cli(
+        "tp-leader",
+        "--model",
+        str(model),
+        "--world-size",
+        "3",
+        "--shares",
+        "4,1,1",
+        "--expert-split",
+        "experts",
+        "--listen",
+        "127.0.0.1:0",
+        "--frontend-listen",
+        "127.0.0.1:0",
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: cannot split the model by shares 4,1,1: a rank would hold none of its 4 kv "
-        "heads; the nearest shares that work are 2,1,1"]
+        "heads; the nearest shares that work are 2,1,1"
+    ]
 
 
 def test_a_rank_the_world_has_no_place_for_is_refused_in_one_line(
@@ -328,7 +430,8 @@ def test_a_rank_the_world_has_no_place_for_is_refused_in_one_line(
     assert stray.exit_code(timeout=30) == 2
     errors = [line for line in stray.text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and errors[0].endswith(
-        "--rank 5 does not exist in the leader's world of 3 ranks (ranks 1 .. 2 are workers)")
+        "--rank 5 does not exist in the leader's world of 3 ranks (ranks 1 .. 2 are workers)"
+    )
 
 
 def _shares_of(w: World) -> tuple[int, ...]:
@@ -339,26 +442,56 @@ def _shares_of(w: World) -> tuple[int, ...]:
 CHOSEN = [
     # --shares auto, every speed stated: 100, 300, 100 is 20%, 60%, 20% of 64, so 13, 38, 13;
     # the 4 kv heads go 1, 2, 1.
-    (3, SharesFrom.SPEED, {"speed": 100}, [["--speed", "300"], ["--speed", "100"]],
-     (13, 38, 13), "speeds rank 0 100 (20%), rank 1 300 (60%), rank 2 100 (20%)"),
+    (
+        3,
+        SharesFrom.SPEED,
+        {"speed": 100},
+        [["--speed", "300"], ["--speed", "100"]],
+        (13, 38, 13),
+        "speeds rank 0 100 (20%), rank 1 300 (60%), rank 2 100 (20%)",
+    ),
     # --shares ranks: the leader's --share 2, the workers' 1 and none (1).
-    (3, SharesFrom.SHARE, {"share": 2}, [["--share", "1"], []], (2, 1, 1),
-     "the ranks' --share 2,1,1"),
+    (
+        3,
+        SharesFrom.SHARE,
+        {"share": 2},
+        [["--share", "1"], []],
+        (2, 1, 1),
+        "the ranks' --share 2,1,1",
+    ),
     # --shares auto, measured by each rank's calibration: whatever it chose, the world holds it.
     (2, SharesFrom.SPEED, {}, [[]], None, "multiply-adds/us"),
 ]
 
 
-@pytest.mark.parametrize(("world", "shares_from", "leader", "worker_args", "chosen", "why"),
-                         CHOSEN, ids=["auto-stated", "ranks", "auto-measured"])
+@pytest.mark.parametrize(
+    ("world", "shares_from", "leader", "worker_args", "chosen", "why"),
+    CHOSEN,
+    ids=["auto-stated", "ranks", "auto-measured"],
+)
 def test_shares_chosen_at_pairing_follow_the_ranks_and_equal_one_process(
-    model: Path, tmp_path: Path, worlds: list[World], world: int, shares_from: SharesFrom,
-    leader: dict[str, int], worker_args: list[list[str]], chosen: tuple[int, ...] | None,
+    model: Path,
+    tmp_path: Path,
+    worlds: list[World],
+    world: int,
+    shares_from: SharesFrom,
+    leader: dict[str, int],
+    worker_args: list[list[str]],
+    chosen: tuple[int, ...] | None,
     why: str,
 ) -> None:
     split = ExpertSplit.INTERMEDIATE
-    w = World(model, tmp_path, world, None, split, list(range(1, world)),
-              worker_args=worker_args, shares_from=shares_from, **leader)
+    w = World(
+        model,
+        tmp_path,
+        world,
+        None,
+        split,
+        list(range(1, world)),
+        worker_args=worker_args,
+        shares_from=shares_from,
+        **leader,
+    )
     worlds.append(w)
     wait_paired(w.frontend)
     got_shares = _shares_of(w)
@@ -384,16 +517,24 @@ def test_shares_chosen_at_pairing_follow_the_ranks_and_equal_one_process(
 def test_a_share_that_conflicts_with_the_leaders_is_refused_in_one_line(
     model: Path, tmp_path: Path, worlds: list[World]
 ) -> None:
-    for i, (shares_from, shares, expected) in enumerate([
-        (SharesFrom.LIST, (2, 1, 1),
-         "--share 3 conflicts with the leader's shares 2,1,1, which give rank 1 1: the "
-         "leader's list wins; drop --share, or start the leader with --shares ranks"),
-        (SharesFrom.SPEED, None,
-         "--share 3 conflicts with the leader's --shares auto, which gives every rank the "
-         "share of its measured speed; drop --share, or start the leader with --shares ranks"),
-    ]):
-        w = World(model, tmp_path, 3, shares, ExpertSplit.INTERMEDIATE, [],
-                  shares_from=shares_from)
+    for i, (shares_from, shares, expected) in enumerate(
+        [
+            (
+                SharesFrom.LIST,
+                (2, 1, 1),
+                "--share 3 conflicts with the leader's shares 2,1,1, which give rank 1 1: the "
+                "leader's list wins; drop --share, or start the leader with --shares ranks",
+            ),
+            (
+                SharesFrom.SPEED,
+                None,
+                "--share 3 conflicts with the leader's --shares auto, which gives every rank the "
+                "share of its measured speed; drop --share, or start the leader with "
+                "--shares ranks",
+            ),
+        ]
+    ):
+        w = World(model, tmp_path, 3, shares, ExpertSplit.INTERMEDIATE, [], shares_from=shares_from)
         worlds.append(w)
         stray = w.start(1, i, "--share", "3")
         assert stray.exit_code(timeout=30) == 2
@@ -402,14 +543,27 @@ def test_a_share_that_conflicts_with_the_leaders_is_refused_in_one_line(
 
 
 def test_share_flags_that_do_not_go_together_are_refused_in_one_line(model: Path) -> None:
-    base = ["tp-leader", "--model", str(model), "--world-size", "3", "--listen", "127.0.0.1:0",
-            "--frontend-listen", "127.0.0.1:0"]
+    base = [
+        "tp-leader",
+        "--model",
+        str(model),
+        "--world-size",
+        "3",
+        "--listen",
+        "127.0.0.1:0",
+        "--frontend-listen",
+        "127.0.0.1:0",
+    ]
     for extra, line in [
-        (["--shares", "2,1,1", "--share", "2"],
-         "error: the leader's --share goes with --shares ranks (each rank states its own); "
-         "with a list, rank 0's share is its first entry"),
-        (["--speed", "100"],
-         "error: --speed goes with --shares auto (it states the speed that would be measured)"),
+        (
+            ["--shares", "2,1,1", "--share", "2"],
+            "error: the leader's --share goes with --shares ranks (each rank states its own); "
+            "with a list, rank 0's share is its first entry",
+        ),
+        (
+            ["--speed", "100"],
+            "error: --speed goes with --shares auto (it states the speed that would be measured)",
+        ),
     ]:
         out = _cli(*base, *extra)
         assert out.returncode == 2
@@ -430,4 +584,5 @@ def test_a_worker_without_its_certificate_is_told_in_one_line(
     errors = [line for line in lone.text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and errors[0].endswith(
         "the leader's world of 3 ranks runs TLS, and the gate links between its workers are "
-        "mutual TLS: give this worker --tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")
+        "mutual TLS: give this worker --tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)"
+    )

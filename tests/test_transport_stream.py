@@ -32,8 +32,11 @@ def test_a_send_after_the_peer_reset_is_stream_closed_not_an_asyncio_error() -> 
         peer.transport.abort()  # RST
         with pytest.raises(StreamClosed):
             for _ in range(200):  # the reset lands within a few writes
-                await stream.send(fdtc.Heartbeat(worker_id="w", local_step=0, current_loss=0.0,
-                                                 samples_per_sec=0.0))
+                await stream.send(
+                    fdtc.Heartbeat(
+                        worker_id="w", local_step=0, current_loss=0.0, samples_per_sec=0.0
+                    )
+                )
                 await asyncio.sleep(0.01)
         await stream.close()
         server.close()
@@ -82,8 +85,10 @@ def test_unsent_counts_what_the_kernel_has_not_sent_until_the_peer_reads_it() ->
     asyncio.run(main())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_KEEPIDLE and "
-                    "TCP_USER_TIMEOUT are Linux's options")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="TCP_KEEPIDLE and TCP_USER_TIMEOUT are Linux's options",
+)
 @pytest.mark.parametrize("dead_after_s", [None, 3.0])
 def test_both_ends_of_a_link_are_watched_by_the_kernel(dead_after_s: float | None) -> None:
     """Keepalive after half the time idle, three probes in the other half, and sent bytes
@@ -91,11 +96,13 @@ def test_both_ends_of_a_link_are_watched_by_the_kernel(dead_after_s: float | Non
     on the accepting end (the default)."""
 
     def options(sock: socket.socket) -> tuple[int, int, int, int, int]:
-        return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
-                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
-                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
-                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
-                sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+        return (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        )
 
     async def main() -> None:
         accepted: asyncio.Queue[FdtcStream] = asyncio.Queue()

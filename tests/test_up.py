@@ -55,8 +55,12 @@ def test_default_ports_meet_the_other_commands_defaults() -> None:
     assert (ports.coordinator, ports.gateway, ports.tp_leader) == (7070, 50051, 7090)
     assert (ports.admin, ports.tp_frontend) == (7071, 7091)
     # The metrics port plan of services/prometheus/prometheus.yml.
-    assert (ports.coordinator_metrics, ports.tp_leader_metrics, ports.gateway_metrics,
-            ports.tp_worker_metrics) == (9100, 9102, 9103, 9104)
+    assert (
+        ports.coordinator_metrics,
+        ports.tp_leader_metrics,
+        ports.gateway_metrics,
+        ports.tp_worker_metrics,
+    ) == (9100, 9102, 9103, 9104)
     assert ports.worker_metrics == (9110, 9111)
     assert ports.prometheus == 9090
 
@@ -90,8 +94,12 @@ def test_a_taken_port_names_the_flag_that_moves_it() -> None:
             check_ports_free(ports, "127.0.0.1")
     text = str(caught.value)
     assert f"port {taken} (gateway http)" in text and "move it with --http-port" in text
-    help_text = subprocess.run([sys.executable, "-m", "foundry", "up", "--help"],
-                               capture_output=True, text=True, timeout=60).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "foundry", "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     flags = set(re.findall(r"--[a-z-]+-port\b", help_text))
     assert flags == set(PORT_FLAGS)
     for flag in PORT_FLAGS:
@@ -185,13 +193,27 @@ def test_prometheus_config_scrapes_every_service() -> None:
 def test_a_waiting_run_says_how_many_workers_it_misses() -> None:
     def st(state: fdtc.SwarmState, rows: int) -> fdtc.SwarmStatus:
         row = fdtc.SwarmStatusRow(
-            worker_id="w", profile=fdtc.HardwareProfile.SERVER, state=fdtc.WorkerState.IDLE,
-            batch_size=1, accumulation_steps=1, samples_per_sec=0.0, loss=0.0, local_step=0,
+            worker_id="w",
+            profile=fdtc.HardwareProfile.SERVER,
+            state=fdtc.WorkerState.IDLE,
+            batch_size=1,
+            accumulation_steps=1,
+            samples_per_sec=0.0,
+            loss=0.0,
+            local_step=0,
             seconds_since_heartbeat=0.0,
         )
-        return fdtc.SwarmStatus(global_step=3, max_steps=9, state=state, train_loss=1.0,
-                                val_loss=1.0, samples_per_sec=0.0, learning_rate=0.0,
-                                samples_total=0, rows=(row,) * rows)
+        return fdtc.SwarmStatus(
+            global_step=3,
+            max_steps=9,
+            state=state,
+            train_loss=1.0,
+            val_loss=1.0,
+            samples_per_sec=0.0,
+            learning_rate=0.0,
+            samples_total=0,
+            rows=(row,) * rows,
+        )
 
     assert waiting_note(st(fdtc.SwarmState.WAITING, 1), 2) == "waiting for 1 of 2 worker(s)"
     assert waiting_note(st(fdtc.SwarmState.TRAINING, 1), 2) is None
@@ -200,16 +222,35 @@ def test_a_waiting_run_says_how_many_workers_it_misses() -> None:
 
 def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
     row = fdtc.SwarmStatusRow(
-        worker_id="w0", profile=fdtc.HardwareProfile.SERVER, state=fdtc.WorkerState.IDLE,
-        batch_size=4, accumulation_steps=2, samples_per_sec=10.0, loss=2.0, local_step=3,
+        worker_id="w0",
+        profile=fdtc.HardwareProfile.SERVER,
+        state=fdtc.WorkerState.IDLE,
+        batch_size=4,
+        accumulation_steps=2,
+        samples_per_sec=10.0,
+        loss=2.0,
+        local_step=3,
         seconds_since_heartbeat=0.1,
     )
-    st = fdtc.SwarmStatus(global_step=3, max_steps=9, state=fdtc.SwarmState.TRAINING,
-                          train_loss=1.0, val_loss=1.0, samples_per_sec=0.0, learning_rate=0.0,
-                          samples_total=0, rows=(row,))
+    st = fdtc.SwarmStatus(
+        global_step=3,
+        max_steps=9,
+        state=fdtc.SwarmState.TRAINING,
+        train_loss=1.0,
+        val_loss=1.0,
+        samples_per_sec=0.0,
+        learning_rate=0.0,
+        samples_total=0,
+        rows=(row,),
+    )
     more = fdtc.SwarmDetailRow(inner_steps=3, bytes_up=2_500_000, bytes_down=7_000_000)
-    failed = fdtc.SwarmDetail(min_workers=1, seconds_since_step=0.5, failed=True,
-                              note="round loop failed: OSError: x", rows=(more,))
+    failed = fdtc.SwarmDetail(
+        min_workers=1,
+        seconds_since_step=0.5,
+        failed=True,
+        note="round loop failed: OSError: x",
+        rows=(more,),
+    )
     out = io.StringIO()
     view = LiveView(out, 9, tty=False, workers=1)
     view.update(st, failed)
@@ -219,9 +260,17 @@ def test_the_live_view_tells_a_failure_once_and_the_workers_traffic() -> None:
 
 
 def _status(step: int) -> fdtc.SwarmStatus:
-    return fdtc.SwarmStatus(global_step=step, max_steps=3000, state=fdtc.SwarmState.TRAINING,
-                            train_loss=1.0, val_loss=1.0, samples_per_sec=5.0,
-                            learning_rate=0.0, samples_total=0, rows=())
+    return fdtc.SwarmStatus(
+        global_step=step,
+        max_steps=3000,
+        state=fdtc.SwarmState.TRAINING,
+        train_loss=1.0,
+        val_loss=1.0,
+        samples_per_sec=5.0,
+        learning_rate=0.0,
+        samples_total=0,
+        rows=(),
+    )
 
 
 def test_the_live_view_draws_on_a_terminal_that_reports_no_size() -> None:
@@ -233,8 +282,9 @@ def test_the_live_view_draws_on_a_terminal_that_reports_no_size() -> None:
     try:
         out = os.fdopen(slave, "w", closefd=False)
         view = LiveView(out, 3000, tty=True, workers=0)
-        detail = fdtc.SwarmDetail(min_workers=0, seconds_since_step=0.1, failed=False, note="",
-                                  rows=())
+        detail = fdtc.SwarmDetail(
+            min_workers=0, seconds_since_step=0.1, failed=False, note="", rows=()
+        )
         view.update(_status(2000), detail)
         time.sleep(0.2)
         view.update(_status(2001), detail)
@@ -257,11 +307,13 @@ def test_the_live_view_draws_on_a_terminal_that_reports_no_size() -> None:
 def test_a_resumed_runs_summary_says_where_it_resumed() -> None:
     fresh = TrainingSummary(steps=30, first_loss=5.5, first_loss_step=1, last_loss=1.0744)
     assert fresh.loss_text() == "loss 5.5000 -> 1.0744"
-    resumed = TrainingSummary(steps=30, first_loss=1.0717, first_loss_step=25, last_loss=1.0744,
-                              start_step=24)
+    resumed = TrainingSummary(
+        steps=30, first_loss=1.0717, first_loss_step=25, last_loss=1.0744, start_step=24
+    )
     text = resumed.loss_text()
-    assert text == ("resumed at step 24, 6 steps this run: loss 1.0717 after step 25, 1.0744 "
-                    "at the end")
+    assert text == (
+        "resumed at step 24, 6 steps this run: loss 1.0717 after step 25, 1.0744 at the end"
+    )
     assert "->" not in text
 
 
@@ -276,10 +328,17 @@ def test_training_samples_come_from_the_first_kept_checkpoint_past_each_multiple
     params = init_params(cfg)
 
     def write(step: int) -> None:
-        save_checkpoint(tmp_path, CheckpointState(
-            config=cfg, step=step, params=params, optimizer=AdamW(params).state_dict(),
-            data_position=0,
-        ), keep_last=10)
+        save_checkpoint(
+            tmp_path,
+            CheckpointState(
+                config=cfg,
+                step=step,
+                params=params,
+                optimizer=AdamW(params).state_dict(),
+                data_position=0,
+            ),
+            keep_last=10,
+        )
 
     samples = CheckpointSamples(tmp_path, "The ", every=3)
     assert samples.poll() is None  # nothing written yet
@@ -311,14 +370,28 @@ def free_layout(workers: int) -> list[str]:
     rng = random.Random()
     for _ in range(50):
         base, gateway, metrics = (rng.randrange(20000, 32000, 100) for _ in range(3))
-        opt = StackOptions(workers=workers, base_port=base, gateway_port=gateway,
-                           http_port=gateway + 1, metrics_port=metrics, prometheus=False)
+        opt = StackOptions(
+            workers=workers,
+            base_port=base,
+            gateway_port=gateway,
+            http_port=gateway + 1,
+            metrics_port=metrics,
+            prometheus=False,
+        )
         try:
             check_ports_free(StackPorts.of(opt), "127.0.0.1")
         except StackError:
             continue
-        return ["--base-port", str(base), "--gateway-port", str(gateway),
-                "--http-port", str(gateway + 1), "--metrics-port", str(metrics)]
+        return [
+            "--base-port",
+            str(base),
+            "--gateway-port",
+            str(gateway),
+            "--http-port",
+            str(gateway + 1),
+            "--metrics-port",
+            str(metrics),
+        ]
     raise AssertionError("no free port layout found")
 
 
@@ -330,9 +403,20 @@ class Up:
         self.out = tmp / "up.out"
         self._file = self.out.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "foundry", "up", "--run-dir", str(self.run_dir),
-             "--no-prometheus", *args],
-            stdout=self._file, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "foundry",
+                "up",
+                "--run-dir",
+                str(self.run_dir),
+                "--no-prometheus",
+                *args,
+            ],
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            start_new_session=True,
         )
 
     def text(self) -> str:
@@ -408,8 +492,11 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
     up, ports = start_up(tmp_path, 2, "--steps", "30")
     gateway = f"127.0.0.1:{ports[ports.index('--gateway-port') + 1]}"
     try:
-        done = up.wait_for(r"training done at step 30: loss ([\d.]+) -> ([\d.]+), held-out "
-                           r"([\d.]+) bits/byte: \d+% (?:below|above) gzip -9", 90)
+        done = up.wait_for(
+            r"training done at step 30: loss ([\d.]+) -> ([\d.]+), held-out "
+            r"([\d.]+) bits/byte: \d+% (?:below|above) gzip -9",
+            90,
+        )
         assert float(done.group(2)) < float(done.group(1)), "loss did not go down"
         # Samples while training, from the checkpoints (every tenth of the run): each from the
         # first kept checkpoint at or after a multiple of 3, the last one the final weights.
@@ -417,18 +504,22 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
         assert len(steps) >= 2 and steps == sorted(set(steps)), up.text()
         assert steps[-1] == 30, up.text()
         up.wait_for(r"the model beats .*; it does not beat .*xz -9e primed", 10)
-        sample = up.wait_for(r"sample \(temperature 0\.7, top-p 0\.9, seed 0, 64 tokens\): '(.*)'",
-                             60)
+        sample = up.wait_for(
+            r"sample \(temperature 0\.7, top-p 0\.9, seed 0, 64 tokens\): '(.*)'", 60
+        )
         assert sample.group(1).startswith("The ")
         # foundry as the user's shell can run it: the venv's script when it is not on PATH
-        foundry = "foundry" if shutil.which("foundry") else str(Path(sys.executable).parent
-                                                                   / "foundry")
-        up.wait_for(rf"ready in \d+ s: `{re.escape(foundry)} ctl --gateway {gateway} status`",
-                    10)
+        foundry = (
+            "foundry" if shutil.which("foundry") else str(Path(sys.executable).parent / "foundry")
+        )
+        up.wait_for(rf"ready in \d+ s: `{re.escape(foundry)} ctl --gateway {gateway} status`", 10)
 
         status = subprocess.run(
             [sys.executable, "-m", "foundry", "ctl", "--gateway", gateway, "status"],
-            capture_output=True, text=True, timeout=60, env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
         )
         assert status.returncode == 0, status.stderr
         assert "training: DONE  step 30/30" in status.stdout
@@ -436,7 +527,12 @@ def test_up_trains_serves_answers_ctl_and_stops_clean(tmp_path: Path) -> None:
 
         children = up.children()
         assert set(children) == {
-            "coordinator", "gateway", "worker-0", "worker-1", "tp-leader", "tp-worker"
+            "coordinator",
+            "gateway",
+            "worker-0",
+            "worker-1",
+            "tp-leader",
+            "tp-worker",
         }
         assert all(running(children[n]) for n in ("coordinator", "gateway", "tp-leader"))
         up.proc.send_signal(signal.SIGINT)
@@ -454,14 +550,23 @@ def test_a_resumed_up_says_from_which_step(tmp_path: Path) -> None:
     cfg = preset("tiny")
     params = init_params(cfg)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    save_checkpoint(tmp_path / "run" / "checkpoints", CheckpointState(
-        config=cfg, step=7, params=params, optimizer=AdamW(params).state_dict(),
-        data_position=7 * 16,
-    ))
+    save_checkpoint(
+        tmp_path / "run" / "checkpoints",
+        CheckpointState(
+            config=cfg,
+            step=7,
+            params=params,
+            optimizer=AdamW(params).state_dict(),
+            data_position=7 * 16,
+        ),
+    )
     up = Up(tmp_path, "--workers", "1", "--steps", "100000", *free_layout(1))
     try:
-        up.wait_for(r"resuming from step 7 \(the newest checkpoint in \S+; --fresh starts at "
-                    r"step 0\)", 90)
+        up.wait_for(
+            r"resuming from step 7 \(the newest checkpoint in \S+; --fresh starts at "
+            r"step 0\)",
+            90,
+        )
         up.proc.send_signal(signal.SIGINT)
         up.proc.wait(timeout=30)
     finally:
@@ -499,9 +604,21 @@ def test_one_stack_per_run_dir_and_dead_services_come_back(tmp_path: Path) -> No
         sentinel.write_text("the first stack's\n")
 
         second = subprocess.run(
-            [sys.executable, "-m", "foundry", "up", "--run-dir", str(up.run_dir), "--fresh",
-             "--no-prometheus", *free_layout(1)],
-            capture_output=True, text=True, timeout=60, env=ENV,
+            [
+                sys.executable,
+                "-m",
+                "foundry",
+                "up",
+                "--run-dir",
+                str(up.run_dir),
+                "--fresh",
+                "--no-prometheus",
+                *free_layout(1),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=ENV,
         )
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"in use by another `foundry up` (pid {up.proc.pid})" in second.stderr
@@ -562,7 +679,9 @@ def test_a_service_that_keeps_failing_is_left_down_with_the_command_to_start_it(
                 assert up.children()["worker-0"] != pid
         m = up.wait_for(
             r"worker-0 failed 5 times within 60 s \(last exit -9\); not restarting it "
-            r"\(log (\S+)\)\. To start it by hand: (.+)\n", 30)
+            r"\(log (\S+)\)\. To start it by hand: (.+)\n",
+            30,
+        )
         log = Path(m.group(1))
         assert log == up.run_dir / "logs" / "worker-0.log"
         assert "worker-0 failed 5 times within 60 s" in log.read_text()
@@ -579,8 +698,9 @@ def test_a_service_that_keeps_failing_is_left_down_with_the_command_to_start_it(
         registered = registrations()
         by_hand = subprocess.Popen(["bash", "-c", m.group(2)], start_new_session=True)
         deadline = time.monotonic() + 60
-        while registrations() == registered or \
-                not re.search(r"metrics :\d+", log.read_text()[before:]):
+        while registrations() == registered or not re.search(
+            r"metrics :\d+", log.read_text()[before:]
+        ):
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         up.proc.send_signal(signal.SIGINT)

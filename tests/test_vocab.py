@@ -53,14 +53,26 @@ from foundry.model.text.vocab.pretokenizers import (
 from foundry.model.text.vocab.tokens import Attr, read_vocabulary
 
 REFS = json.loads((Path(__file__).parent / "refs" / "tokenizer_ids.json").read_text())
-VOCAB_DIR = Path(os.environ.get(
-    "FOUNDRY_LLAMA_VOCAB_DIR",
-    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
-))
+VOCAB_DIR = Path(
+    os.environ.get(
+        "FOUNDRY_LLAMA_VOCAB_DIR",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
+    )
+)
 GEMMA = "gemma-3-270m"
 # llama.cpp's own test pairs for the vocabularies we support (more run in the JSON cases).
-INP_OUT = ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "phi-3", "gemma-4", "starcoder",
-           "refact", "command-r", "mpt"]
+INP_OUT = [
+    "llama-spm",
+    "llama-bpe",
+    "qwen2",
+    "gpt-2",
+    "phi-3",
+    "gemma-4",
+    "starcoder",
+    "refact",
+    "command-r",
+    "mpt",
+]
 
 
 def _vocab_path(name: str) -> Path:
@@ -91,16 +103,24 @@ def _tokenizer(name: str) -> Tokenizer:
     return load_tokenizer(_meta(name))
 
 
-def _tiny_vocab(tokens: list[str], types: list[int], scores: list[float] | None = None,
-                **extra: Any) -> dict[str, Any]:
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.scores": scores or [0.0] * len(tokens), **extra}
+def _tiny_vocab(
+    tokens: list[str], types: list[int], scores: list[float] | None = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores or [0.0] * len(tokens),
+        **extra,
+    }
 
 
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
-OWN = _tiny_vocab(["<unk>", "<s>", "</s>", *BYTES], [2, 3, 3, *[6] * 256],
-                  **{"tokenizer.ggml.add_space_prefix": False})
+OWN = _tiny_vocab(
+    ["<unk>", "<s>", "</s>", *BYTES],
+    [2, 3, 3, *[6] * 256],
+    **{"tokenizer.ggml.add_space_prefix": False},
+)
 
 
 @functools.cache
@@ -165,8 +185,11 @@ def test_byte_level_maps_bytes_to_gpt2_characters() -> None:
 
 
 def test_special_splitter_longest_first_strip_and_parse_special() -> None:
-    specials = [(7, "<|ab|>", False, False, True), (5, "<a>", True, True, False),
-                (6, "<|a", False, False, False)]
+    specials = [
+        (7, "<|ab|>", False, False, True),
+        (5, "<a>", True, True, False),
+        (6, "<|a", False, False, False),
+    ]
     split = SpecialSplitter(specials).split
     # user-defined ("always") tokens are cut out even with parse_special off
     assert split("x <a>y<|ab|> z", False) == ["x", 5, "y<|ab|> z"]
@@ -178,11 +201,14 @@ def test_special_splitter_longest_first_strip_and_parse_special() -> None:
     assert split("xy  \t<a>", False) == ["xy", 5]
     assert split("<a>z ", False) == [5, "z "]
     assert split("<a> <a>", False) == [5, 5]
-    assert SpecialSplitter([(9, "<u>", True, False, False), (8, "<c>", False, True, False)]
-                           ).matches("a<u> <c>", True) == [(1, 4, 9, True), (5, 8, 8, False)]
+    assert SpecialSplitter(
+        [(9, "<u>", True, False, False), (8, "<c>", False, True, False)]
+    ).matches("a<u> <c>", True) == [(1, 4, 9, True), (5, 8, 8, False)]
     assert split("<|ab|>x <a>", True) == [7, "x", 5]
     assert SpecialSplitter(specials).matches("x <a>y<|ab|>", True) == [
-        (2, 5, 5, True), (6, 12, 7, False)]
+        (2, 5, 5, True),
+        (6, 12, 7, False),
+    ]
 
 
 def test_spm_merges_the_best_scored_pair_first_then_falls_back_to_bytes() -> None:
@@ -239,8 +265,9 @@ def test_byte_model_is_one_token_a_byte() -> None:
 
 
 def test_pieces_by_token_type() -> None:
-    meta = _tiny_vocab(["<unk>", "<s>", "\u2581hi", "<0x41>", "<user>", "unused"],
-                       [2, 3, 1, 6, 4, 5])
+    meta = _tiny_vocab(
+        ["<unk>", "<s>", "\u2581hi", "<0x41>", "<user>", "unused"], [2, 3, 1, 6, 4, 5]
+    )
     pieces = PieceDecoder(read_vocabulary(meta), spm_piece)
     assert [pieces.piece(i) for i in range(6)] == [b"", b"", b" hi", b"A", b"<user>", b""]
     with pytest.raises(TokenizerError, match="token 6 is outside the vocabulary"):
@@ -269,7 +296,12 @@ def test_own_vocabulary_is_data_encode(text: str, add_special: bool) -> None:
     assert ids == [int(t) for t in byte.encode(text, bos=add_special)]
     assert tok.decode(ids) == byte.decode(ids)
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (
-        259, 1, 2, frozenset({2}), True)
+        259,
+        1,
+        2,
+        frozenset({2}),
+        True,
+    )
 
 
 @settings(deadline=None)
@@ -307,10 +339,12 @@ def test_own_vocabulary_parses_specials_only_when_asked() -> None:
 def test_the_byte_vocabulary_is_the_llama_model_with_exactly_its_259_tokens() -> None:
     assert is_byte_vocabulary(OWN)
     tokens = OWN["tokenizer.ggml.tokens"]
-    for other in ({**OWN, "tokenizer.ggml.model": "gpt2"},
-                  {**OWN, "tokenizer.ggml.tokens": [*tokens, "<0x100>"]},
-                  {**OWN, "tokenizer.ggml.tokens": [*tokens[:-1], "<unused>"]},
-                  {**OWN, "tokenizer.ggml.tokens": [tokens[1], tokens[0], *tokens[2:]]}):
+    for other in (
+        {**OWN, "tokenizer.ggml.model": "gpt2"},
+        {**OWN, "tokenizer.ggml.tokens": [*tokens, "<0x100>"]},
+        {**OWN, "tokenizer.ggml.tokens": [*tokens[:-1], "<unused>"]},
+        {**OWN, "tokenizer.ggml.tokens": [tokens[1], tokens[0], *tokens[2:]]},
+    ):
         assert not is_byte_vocabulary(other)
     # its spaces are the byte 0x20, not SentencePiece's escaped space
     assert load_tokenizer(OWN).encode("a b") == [1, 0x61 + 3, 0x20 + 3, 0x62 + 3]
@@ -325,8 +359,12 @@ def test_unknown_tokenizer_model_is_refused_in_one_line() -> None:
 
 
 def test_unknown_pre_tokenizer_is_refused_naming_it() -> None:
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm",
-            "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "deepseek-llm",
+        "tokenizer.ggml.tokens": ["a"],
+        "tokenizer.ggml.merges": [],
+    }
     with pytest.raises(TokenizerError, match=r"\.pre 'deepseek-llm' is not supported") as err:
         load_tokenizer(meta)
     assert "\n" not in str(err.value) and "llama-bpe" in str(err.value)
@@ -334,8 +372,10 @@ def test_unknown_pre_tokenizer_is_refused_naming_it() -> None:
 
 def test_a_vocabulary_without_the_optional_keys_has_llama_cpps_defaults() -> None:
     # SentencePiece: BOS 1, EOS 2, BOS added, a space before the text; no token_type: normal
-    meta = {"tokenizer.ggml.model": "llama",
-            "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581a", "a", "\u2581"]}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581a", "a", "\u2581"],
+    }
     tok = load_tokenizer(meta)
     assert (tok.bos_id, tok.eos_id, tok.eog_ids) == (1, 2, frozenset({2}))
     assert tok.encode("a") == [1, 3] and tok.encode("a", add_special=False) == [3]
@@ -349,39 +389,53 @@ def test_a_vocabulary_without_the_optional_keys_has_llama_cpps_defaults() -> Non
     empty = load_tokenizer({**meta, "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "", "a"]})
     assert empty.vocab.texts[3:] == ["[EMPTY_3]", "a"] and "" not in empty.vocab.ids
     # byte-level BPE without tokenizer.ggml.pre: llama.cpp's "default" pre-tokenizer
-    bpe = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
-           "tokenizer.ggml.merges": []}
+    bpe = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a"],
+        "tokenizer.ggml.merges": [],
+    }
     assert load_tokenizer(bpe).vocab.pre == "default"
 
 
-@pytest.mark.parametrize(("key", "value", "error"), [
-    ("tokens", [], r"^metadata key 'tokenizer\.ggml\.tokens' is missing or empty$"),
-    ("tokens", ["a", 1], r"'tokenizer\.ggml\.tokens'"),
-    ("scores", [0.0], r"'tokenizer\.ggml\.scores' has 1 entries, the vocabulary 3"),
-    ("token_type", [1, 1], r"'tokenizer\.ggml\.token_type' has 2 entries, the vocabulary 3"),
-])
-def test_a_malformed_vocabulary_is_refused_naming_its_key(key: str, value: Any,
-                                                          error: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("tokens", [], r"^metadata key 'tokenizer\.ggml\.tokens' is missing or empty$"),
+        ("tokens", ["a", 1], r"'tokenizer\.ggml\.tokens'"),
+        ("scores", [0.0], r"'tokenizer\.ggml\.scores' has 1 entries, the vocabulary 3"),
+        ("token_type", [1, 1], r"'tokenizer\.ggml\.token_type' has 2 entries, the vocabulary 3"),
+    ],
+)
+def test_a_malformed_vocabulary_is_refused_naming_its_key(key: str, value: Any, error: str) -> None:
     meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b", "c"]}
     with pytest.raises(TokenizerError, match=error):
         load_tokenizer({**meta, f"tokenizer.ggml.{key}": value})
 
 
-@pytest.mark.parametrize(("texts", "eog"), [
-    (("<|end|>", "<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
-    (("<|end|>", "<|flush|>", "<|calls|>"), {"<|flush|>", "<|calls|>"}),  # solar-open
-    (("<|end|>", "<|return|>"), {"<|end|>", "<|return|>"}),
-    (("<|end|>", "<|call|>"), {"<|end|>", "<|call|>"}),
-    (("<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
-])
-def test_harmonys_end_ends_no_generation_beside_return_and_call(texts: tuple[str, ...],
-                                                                  eog: set[str]) -> None:
+@pytest.mark.parametrize(
+    ("texts", "eog"),
+    [
+        (("<|end|>", "<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
+        (("<|end|>", "<|flush|>", "<|calls|>"), {"<|flush|>", "<|calls|>"}),  # solar-open
+        (("<|end|>", "<|return|>"), {"<|end|>", "<|return|>"}),
+        (("<|end|>", "<|call|>"), {"<|end|>", "<|call|>"}),
+        (("<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),
+    ],
+)
+def test_harmonys_end_ends_no_generation_beside_return_and_call(
+    texts: tuple[str, ...], eog: set[str]
+) -> None:
     # llama.cpp (o200k_harmony, gpt-oss): with <|return|> or <|flush|> and <|call|> or
     # <|calls|> ending generations, <|end|> does not and is rendered; <|channel|> always is
     tokens = [*texts, "<|channel|>", "a"]
-    tok = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-                          "tokenizer.ggml.merges": [],
-                          "tokenizer.ggml.token_type": [3] * (len(tokens) - 1) + [1]})
+    tok = load_tokenizer(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.token_type": [3] * (len(tokens) - 1) + [1],
+        }
+    )
     assert {tokens[i] for i in tok.eog_ids} == eog
     rendered = [t for t in tokens[:-1] if t not in eog]
     assert tok.decode([tok.vocab.ids[t] for t in tokens]) == "".join(rendered) + "a"
@@ -390,19 +444,29 @@ def test_harmonys_end_ends_no_generation_beside_return_and_call(texts: tuple[str
 
 def test_end_of_generation_exceptions_of_llama_cpp() -> None:
     # PLaMo 2: with <|plamo:eos|> as EOS, </s> is plain text
-    plamo = load_tokenizer({"tokenizer.ggml.model": "llama",
-                            "tokenizer.ggml.tokens": ["<unk>", "</s>", "<|plamo:eos|>", "a"],
-                            "tokenizer.ggml.token_type": [2, 3, 3, 1],
-                            "tokenizer.ggml.eos_token_id": 2})
+    plamo = load_tokenizer(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": ["<unk>", "</s>", "<|plamo:eos|>", "a"],
+            "tokenizer.ggml.token_type": [2, 3, 3, 1],
+            "tokenizer.ggml.eos_token_id": 2,
+        }
+    )
     assert plamo.eog_ids == {2} and plamo.vocab.attrs[1] == Attr.NORMAL
 
 
 def test_fim_tokens_found_by_text_are_control_and_their_pad_repo_sep_end_generation() -> None:
     # llama.cpp's auto-detection, for every id the file does not set (here the EOT is set)
     tokens = ["a", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<e>"]
-    tok = load_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
-                          "tokenizer.ggml.merges": [], "tokenizer.ggml.token_type": [1] + [4] * 5,
-                          "tokenizer.ggml.eot_token_id": 5})
+    tok = load_tokenizer(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.token_type": [1] + [4] * 5,
+            "tokenizer.ggml.eot_token_id": 5,
+        }
+    )
     assert tok.eog_ids == {2, 3, 4, 5}
     assert tok.vocab.special["fim_pre"] == 1 and tok.vocab.attrs[1] & Attr.CONTROL
     # control, so no longer cut out of plain text the way a user-defined token is
@@ -411,16 +475,20 @@ def test_fim_tokens_found_by_text_are_control_and_their_pad_repo_sep_end_generat
 
 @pytest.mark.parametrize("key", ["general.name", "tokenizer.ggml.pre"])
 def test_a_name_of_another_type_is_refused_naming_its_key(key: str) -> None:
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"],
-            "tokenizer.ggml.merges": []}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a"],
+        "tokenizer.ggml.merges": [],
+    }
     with pytest.raises(TokenizerError, match=f"^metadata key '{re.escape(key)}' is .*a string$"):
         load_tokenizer({**meta, key: 3})
 
 
 def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> None:
     # llama.cpp matches "phi-3" or "phi3" in the lower-cased general.name
-    meta = _tiny_vocab(["<unk>", "<s>", "</s>", "<|end|>", "\u2581x", "x", "\u2581"],
-                       [2, 3, 3, 3, 1, 1, 1])
+    meta = _tiny_vocab(
+        ["<unk>", "<s>", "</s>", "<|end|>", "\u2581x", "x", "\u2581"], [2, 3, 3, 3, 1, 1, 1]
+    )
     for name in ("Phi-3 mini", "phi3"):
         tok = load_tokenizer({**meta, "general.name": name})
         assert tok.encode("<|end|> x", add_special=False, parse_special=True) == [3, 4]
@@ -431,8 +499,11 @@ def test_phi_3_by_either_spelling_of_its_name_strips_after_its_specials() -> Non
 def test_special_ids_default_by_model_and_an_id_outside_the_vocabulary_is_ignored() -> None:
     # llama.cpp: byte-level BPE has BOS = EOS = 11 (kept only inside the vocabulary), Gemma 4
     # none; a file's id counts when it is in [0, n); one that is no integer is refused
-    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": [],
-            "tokenizer.ggml.tokens": [chr(97 + i) for i in range(12)]}
+    base = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": [chr(97 + i) for i in range(12)],
+    }
     tok = load_tokenizer(base)
     assert (tok.bos_id, tok.eos_id, tok.eog_ids, tok.add_bos) == (11, 11, frozenset({11}), False)
     small = load_tokenizer({**base, "tokenizer.ggml.tokens": base["tokenizer.ggml.tokens"][:11]})
@@ -442,9 +513,14 @@ def test_special_ids_default_by_model_and_an_id_outside_the_vocabulary_is_ignore
     for bad, error in ((-(2**63) - 1, "outside"), (2**64 + 1, "outside"), ("2", "an integer")):
         with pytest.raises(TokenizerError, match=f"'tokenizer\\.ggml\\.eos_token_id' is .*{error}"):
             load_tokenizer({**base, "tokenizer.ggml.eos_token_id": bad})
-    gemma4 = load_tokenizer({**base, "tokenizer.ggml.model": "gemma4",
-                             "tokenizer.ggml.add_bos_token": False,
-                             "tokenizer.ggml.bos_token_id": 1})
+    gemma4 = load_tokenizer(
+        {
+            **base,
+            "tokenizer.ggml.model": "gemma4",
+            "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.ggml.bos_token_id": 1,
+        }
+    )
     assert (gemma4.eos_id, gemma4.add_bos) == (None, True)  # llama.cpp always adds Gemma 4's BOS
 
 
@@ -455,12 +531,19 @@ def test_a_flag_of_another_type_is_refused_naming_its_key() -> None:
 
 def test_framing_without_its_bos_or_eos_token_is_refused() -> None:
     # a gpt2 vocabulary smaller than its default BOS / EOS id (11) has neither
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
-            "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["a", "b"],
+        "tokenizer.ggml.merges": [],
+    }
     assert load_tokenizer(meta).encode("ab") == [0, 1]
     for flag in ("bos", "eos"):
-        with pytest.raises(TokenizerError, match=f"^tokenizer\\.ggml\\.add_{flag}_token is set "
-                                                 f"but there is no {flag.upper()} token$"):
+        with pytest.raises(
+            TokenizerError,
+            match=f"^tokenizer\\.ggml\\.add_{flag}_token is set "
+            f"but there is no {flag.upper()} token$",
+        ):
             load_tokenizer({**meta, f"tokenizer.ggml.add_{flag}_token": True})
 
 
@@ -474,17 +557,22 @@ def test_add_eos_token_ends_the_ids_with_eos() -> None:
 def test_a_file_is_read_for_its_tokenizer_and_named_when_refused() -> None:
     path = _vocab_path("gpt-2")
     assert load_tokenizer_file(path).encode("Hello world") == _tokenizer("gpt-2").encode(
-        "Hello world")
+        "Hello world"
+    )
     bert = VOCAB_DIR / "ggml-vocab-bert-bge.gguf"  # WordPiece: not supported
     with pytest.raises(TokenizerError, match=f"^{bert}: tokenizer\\.ggml\\.model 'bert'"):
         load_tokenizer_file(bert)
 
 
 def test_gpt2_without_merges_is_refused() -> None:
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
-            "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(TokenizerError,
-                       match=r"^metadata key 'tokenizer\.ggml\.merges' is missing$"):
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["a"],
+    }
+    with pytest.raises(
+        TokenizerError, match=r"^metadata key 'tokenizer\.ggml\.merges' is missing$"
+    ):
         load_tokenizer(meta)
 
 
@@ -496,8 +584,11 @@ def test_ids_and_pieces_match_llama_cpp_on_our_corpus(name: str) -> None:
     ref = REFS["vocabs"][name]
     tok = _tokenizer(name)
     corpus = REFS["corpus"]
-    wrong = [(corpus[i], add, parse) for i, add, parse, ids in ref["cases"]
-             if tok.encode(corpus[i], add_special=add, parse_special=parse) != ids]
+    wrong = [
+        (corpus[i], add, parse)
+        for i, add, parse, ids in ref["cases"]
+        if tok.encode(corpus[i], add_special=add, parse_special=parse) != ids
+    ]
     assert wrong == []
     assert {t: tok.token_bytes(int(t)).hex() for t in ref["pieces"]} == ref["pieces"]
     assert (tok.n_vocab, tok.bos_id, tok.eos_id) == (ref["n_vocab"], ref["bos"], ref["eos"])
@@ -562,8 +653,9 @@ def test_a_byte_level_token_outside_gpt2s_table_decodes_as_its_own_text() -> Non
 def test_lone_surrogates_are_encoded_as_data_encode_does() -> None:
     text = "a\ud800b"
     assert _own().encode(text) == [int(t) for t in byte.encode(text)]
-    assert _tokenizer("gpt-2").encode(text, add_special=False) == \
-        _tokenizer("gpt-2").encode("a?b", add_special=False)
+    assert _tokenizer("gpt-2").encode(text, add_special=False) == _tokenizer("gpt-2").encode(
+        "a?b", add_special=False
+    )
 
 
 def test_the_leaders_text_stream_decodes_with_the_files_tokenizer() -> None:
@@ -587,8 +679,7 @@ def test_generation_stops_at_any_end_of_generation_id_of_the_file() -> None:
     from foundry.model.nn import transformer
     from foundry.model.spec.config import ModelConfig
 
-    cfg = ModelConfig(n_ctx=64, n_embd=32, n_layer=1, n_head=4, n_head_kv=2, n_ff=48,
-                      n_expert=2)
+    cfg = ModelConfig(n_ctx=64, n_embd=32, n_layer=1, n_head=4, n_head_kv=2, n_ff=48, n_expert=2)
     params = transformer.init_params(cfg, seed=3)
     free = list(generate_tokens(Engine(cfg, params), "ab", 6))
     assert len(free) == 6

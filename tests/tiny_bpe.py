@@ -26,10 +26,12 @@ from procs import missing
 
 from foundry.model.formats.gguf_meta import read_metadata
 
-VOCAB_DIR = Path(os.environ.get(
-    "FOUNDRY_LLAMA_VOCAB_DIR",
-    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
-))
+VOCAB_DIR = Path(
+    os.environ.get(
+        "FOUNDRY_LLAMA_VOCAB_DIR",
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foundry" / "llama-vocab",
+    )
+)
 VOCAB_FILE = "ggml-vocab-llama-bpe.gguf"
 TEMPLATE_FILE = "templates/meta-llama-Llama-3.1-8B-Instruct.jinja"
 
@@ -51,8 +53,10 @@ QT = gguf.GGMLQuantizationType
 def vocab_path(name: str) -> Path:
     path = VOCAB_DIR / name
     if not path.exists():
-        missing(f"{path} is missing: .ci/run fetches llama.cpp's vocab files (or set "
-                "FOUNDRY_LLAMA_VOCAB_DIR to a llama.cpp models/ folder)")
+        missing(
+            f"{path} is missing: .ci/run fetches llama.cpp's vocab files (or set "
+            "FOUNDRY_LLAMA_VOCAB_DIR to a llama.cpp models/ folder)"
+        )
     return path
 
 
@@ -91,8 +95,9 @@ def write_tiny_bpe(path: Path, seed: int = 7) -> Path:
     w.add_chat_template(template)
 
     def q8(name: str, value: np.ndarray) -> None:
-        w.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), QT.Q8_0),
-                     raw_dtype=QT.Q8_0)
+        w.add_tensor(
+            name, gguf.quants.quantize(value.astype(np.float32), QT.Q8_0), raw_dtype=QT.Q8_0
+        )
 
     def rand(shape: tuple[int, ...], scale: float) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

@@ -17,8 +17,14 @@ class Certs:
 
     def flags(self, role: str, *, prefix: str = "tls") -> list[str]:
         d = self.dir
-        return [f"--{prefix}-cert", str(d / f"{role}.pem"), f"--{prefix}-key",
-                str(d / f"{role}-key.pem"), f"--{prefix}-ca", str(d / "ca.pem")]
+        return [
+            f"--{prefix}-cert",
+            str(d / f"{role}.pem"),
+            f"--{prefix}-key",
+            str(d / f"{role}-key.pem"),
+            f"--{prefix}-ca",
+            str(d / "ca.pem"),
+        ]
 
     def client(self, role: str = "gateway") -> ssl.SSLContext:
         d = self.dir

@@ -46,9 +46,7 @@ LEADER_LINE = re.compile(
 CFG = ModelConfig(n_ctx=256)  # the tiny preset: 2 layers, n_embd 64, 4 experts
 
 
-def make_model(
-    path: Path, cfg: ModelConfig = CFG, seed: int = 0, dtype: FileDType = "f32"
-) -> Path:
+def make_model(path: Path, cfg: ModelConfig = CFG, seed: int = 0, dtype: FileDType = "f32") -> Path:
     """A random model, perturbed beyond its init so routing and attention vary per token,
     stored as ``dtype``."""
     rng = np.random.default_rng(seed + 100)
@@ -72,7 +70,11 @@ class Reference:
 
 
 def reference_greedy(
-    model: Path, prompt: str, n: int, chunk: int, expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
+    model: Path,
+    prompt: str,
+    n: int,
+    chunk: int,
+    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT,
     shares: tuple[int, ...] | None = None,
 ) -> Reference:
     """``shares``: the world the one process stands for (default the pair), which fixes the
@@ -135,7 +137,9 @@ class Proc:
 def spawn(args: Sequence[str], log: Path, stdout: bool = False) -> Proc:
     with log.open("ab") as err:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "foundry", *args], env=_env(), stderr=err,
+            [sys.executable, "-m", "foundry", *args],
+            env=_env(),
+            stderr=err,
             stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
         )
     return Proc(popen, log)
@@ -169,17 +173,44 @@ class LeaderProc:
 
 
 def start_leader(model: Path, log: Path, *extra: str) -> LeaderProc:
-    proc = spawn(["tp-leader", "--model", str(model), "--listen", "127.0.0.1:0",
-                  "--frontend-listen", "127.0.0.1:0", "--metrics-port", "0",
-                  "--metrics-host", "127.0.0.1", *extra], log, stdout=True)
+    proc = spawn(
+        [
+            "tp-leader",
+            "--model",
+            str(model),
+            "--listen",
+            "127.0.0.1:0",
+            "--frontend-listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            *extra,
+        ],
+        log,
+        stdout=True,
+    )
     m = read_line(proc, LEADER_LINE)
-    return LeaderProc(proc, int(m.group(2)), int(m.group(4)),
-                      int(m.group(5)) if m.group(5) else None)
+    return LeaderProc(
+        proc, int(m.group(2)), int(m.group(4)), int(m.group(5)) if m.group(5) else None
+    )
 
 
 def start_worker(model: Path, port: int, log: Path, *extra: str) -> Proc:
-    return spawn(["tp-worker", "--model", str(model), "--leader", f"127.0.0.1:{port}",
-                  "--retry-max", "0.2", *extra], log)
+    return spawn(
+        [
+            "tp-worker",
+            "--model",
+            str(model),
+            "--leader",
+            f"127.0.0.1:{port}",
+            "--retry-max",
+            "0.2",
+            *extra,
+        ],
+        log,
+    )
 
 
 def metric(port: int, name: str) -> float:
@@ -213,8 +244,7 @@ class Result:
 class Client:
     """A blocking client of the leader's frontend link (many requests on one connection)."""
 
-    def __init__(self, port: int, timeout: float = 30.0, tls: ssl.SSLContext | None = None
-                 ) -> None:
+    def __init__(self, port: int, timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         if tls is not None:  # a leader started with --tls-cert
             self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
@@ -285,8 +315,12 @@ class Client:
         return self.statuses[-1]
 
 
-def wait_paired(frontend: int, connected: bool = True, timeout: float = STARTUP_S,
-                tls: ssl.SSLContext | None = None) -> fw.Status:
+def wait_paired(
+    frontend: int,
+    connected: bool = True,
+    timeout: float = STARTUP_S,
+    tls: ssl.SSLContext | None = None,
+) -> fw.Status:
     deadline = time.monotonic() + timeout
     with Client(frontend, tls=tls) as c:
         while True:
@@ -334,4 +368,3 @@ class InProcessLeader:
         self.leader.request_stop()
         self._thread.join(20)
         assert not self._thread.is_alive(), "the in-process leader did not stop"
-

@@ -13,7 +13,10 @@ def project_files(*suffixes: str) -> list[Path]:
     """Tracked files and untracked ones that .gitignore does not exclude, with these suffixes."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=ROOT, capture_output=True, check=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
     ).stdout.decode()
     paths = (ROOT / name for name in out.split("\0") if name)
     return sorted(p for p in paths if p.suffix in suffixes and p.is_file())

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def c_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "*.c", "*.h"], cwd=ROOT, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        ["git", "ls-files", "*.c", "*.h"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return [line for line in out.stdout.splitlines() if line]
 
 
@@ -34,19 +35,22 @@ def clang_format() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true",
-                    help="change nothing; exit 1 if a file is not formatted")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if a file is not formatted"
+    )
     args = ap.parse_args()
     files = c_files()
     mode = ["--dry-run", "--Werror"] if args.check else ["-i"]
-    run = subprocess.run([clang_format(), *mode, *files], cwd=ROOT, capture_output=True,
-                         text=True)
+    run = subprocess.run([clang_format(), *mode, *files], cwd=ROOT, capture_output=True, text=True)
     if run.returncode != 0:
-        bad = sorted({line.split(":")[0] for line in run.stderr.splitlines()
-                      if ": error:" in line})
-        print(f"not formatted (python tools/clang_format.py rewrites them): {', '.join(bad)}"
-              if bad else run.stderr[-2000:], file=sys.stderr)
+        bad = sorted({line.split(":")[0] for line in run.stderr.splitlines() if ": error:" in line})
+        print(
+            f"not formatted (python tools/clang_format.py rewrites them): {', '.join(bad)}"
+            if bad
+            else run.stderr[-2000:],
+            file=sys.stderr,
+        )
         return 1
     return 0
 

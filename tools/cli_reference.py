@@ -25,8 +25,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> list[str]:
-    out = [f"{'#' * min(len(path) + 1, 4)} `{' '.join(path)}`\n", "```text",
-           parser.format_help().rstrip(), "```\n"]
+    out = [
+        f"{'#' * min(len(path) + 1, 4)} `{' '.join(path)}`\n",
+        "```text",
+        parser.format_help().rstrip(),
+        "```\n",
+    ]
     for name, sub in _subparsers(parser).items():
         out += _walk(sub, (*path, name))
     return out

@@ -144,10 +144,14 @@ int main(int argc, char **argv) { /* in out threads...: the outputs at each coun
 BUILDS = {  # name: (compiler and flags, how to run)
     "x86-64 portable C": (["gcc"], []),
     "arm64 NEON": (["aarch64-linux-gnu-gcc", "-static"], ["qemu-aarch64-static"]),
-    "arm64 NEON sdot": (["aarch64-linux-gnu-gcc", "-static", "-march=armv8.2-a+dotprod"],
-                        ["qemu-aarch64-static", "-cpu", "max"]),
-    "armv7 NEON": (["arm-linux-gnueabihf-gcc", "-static", "-mfpu=neon-vfpv4",
-                    "-mfloat-abi=hard"], ["qemu-arm-static"]),
+    "arm64 NEON sdot": (
+        ["aarch64-linux-gnu-gcc", "-static", "-march=armv8.2-a+dotprod"],
+        ["qemu-aarch64-static", "-cpu", "max"],
+    ),
+    "armv7 NEON": (
+        ["arm-linux-gnueabihf-gcc", "-static", "-mfpu=neon-vfpv4", "-mfloat-abi=hard"],
+        ["qemu-arm-static"],
+    ),
 }
 K = 512  # values a weight row
 # (rows, inputs) of the products. At 4 threads 301 rows are 7 tasks of 48 rows, the last of 13
@@ -159,10 +163,17 @@ PRODUCTS = ((301, 1), (301, 9), (99, 130))
 ATTENTION = (
     ("one row, 2 kv heads: cut by query heads", 1, 8, 2, 64, 130, 0, np.float32),
     ("one row, 2 kv heads, float16 cache", 1, 8, 2, 64, 130, 0, np.float16),
-    ("one row over 4101 positions, 2 heads: cut by positions", 1, 2, 1, 64, 4100, 0,
-     np.float16),
-    ("one row, window of 4100 at 4200, 2 heads: cut by positions", 1, 2, 1, 64, 4200, 4100,
-     np.float32),
+    ("one row over 4101 positions, 2 heads: cut by positions", 1, 2, 1, 64, 4100, 0, np.float16),
+    (
+        "one row, window of 4100 at 4200, 2 heads: cut by positions",
+        1,
+        2,
+        1,
+        64,
+        4200,
+        4100,
+        np.float32,
+    ),
     ("5 rows, window 7: a task per row and kv head", 5, 8, 4, 32, 20, 7, np.float32),
 )
 RUN_S = 600  # the most one build's run of one input may take under emulation
@@ -175,23 +186,35 @@ def thread_counts(text: str) -> tuple[int, ...]:
     except ValueError:
         counts = ()
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"thread counts are whole numbers >= 1 like 1,4, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"thread counts are whole numbers >= 1 like 1,4, got {text!r}"
+        )
     return counts
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=thread_counts, default=(1,), metavar="N,N,...",
-                        help="the thread counts each build runs every input at, each count's "
-                             "outputs compared with this machine's at 1 thread (default: 1)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--threads",
+        type=thread_counts,
+        default=(1,),
+        metavar="N,N,...",
+        help="the thread counts each build runs every input at, each count's "
+        "outputs compared with this machine's at 1 thread (default: 1)",
+    )
     counts: tuple[int, ...] = parser.parse_args().threads
-    missing = sorted({t for cc, run in BUILDS.values() for t in cc[:1] + run[:1]
-                      if shutil.which(t) is None})
+    missing = sorted(
+        {t for cc, run in BUILDS.values() for t in cc[:1] + run[:1] if shutil.which(t) is None}
+    )
     if missing:
-        print(f"cross_arch.py: {', '.join(missing)} not found: install the packages --help "
-              "names", file=sys.stderr)
+        print(
+            f"cross_arch.py: {', '.join(missing)} not found: install the packages --help names",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="foundry-cross-") as tmp:
         return check(Path(tmp), counts)
@@ -202,30 +225,53 @@ def check(tmp: Path, counts: tuple[int, ...]) -> int:
     wrote this machine's bits."""
     main_c = tmp / "main.c"
     main_c.write_text(MAIN)
-    sources = [str(p) for p in sorted(CSRC.glob("*.c"))  # but the Python interface
-               if p.name != "module.c" and not p.name.startswith("py_")]
+    sources = [
+        str(p)
+        for p in sorted(CSRC.glob("*.c"))  # but the Python interface
+        if p.name != "module.c" and not p.name.startswith("py_")
+    ]
     exes = {}
     for name, (cc, run) in BUILDS.items():
         exe = tmp / name.replace(" ", "-")
-        if subprocess.run([*cc, *FLAGS, "-I", str(CSRC), "-o", str(exe), str(main_c), *sources,
-                           "-lm", "-pthread"], timeout=RUN_S).returncode != 0:
+        if (
+            subprocess.run(
+                [
+                    *cc,
+                    *FLAGS,
+                    "-I",
+                    str(CSRC),
+                    "-o",
+                    str(exe),
+                    str(main_c),
+                    *sources,
+                    "-lm",
+                    "-pthread",
+                ],
+                timeout=RUN_S,
+            ).returncode
+            != 0
+        ):
             print(f"FAIL: the {name} build did not compile (the compiler's messages above)")
             return 1
         exes[name] = [*run, str(exe)]
     quant.set_threads(1)
-    print(f"this machine ({quant.KERNELS}) at 1 thread against each build at "
-          f"{', '.join(map(str, counts))} threads")
+    print(
+        f"this machine ({quant.KERNELS}) at 1 thread against each build at "
+        f"{', '.join(map(str, counts))} threads"
+    )
     rng = np.random.default_rng(7)
     ok = True
     for qtype in SUPPORTED:
         for n_out, n in PRODUCTS:
             w = stored(qtype, n_out, rng)
             x = rng.standard_normal((n, K), dtype=np.float32)
-            (tmp / "in").write_bytes(np.array([int(qtype), K, n_out, n], np.int32).tobytes()
-                                     + w.data.tobytes() + x.tobytes())
+            (tmp / "in").write_bytes(
+                np.array([int(qtype), K, n_out, n], np.int32).tobytes()
+                + w.data.tobytes()
+                + x.tobytes()
+            )
             here = quant.linear(x, w).tobytes()
-            ok = same_bits(f"{qtype.name:<5} {n_out} rows x {n:>3}", exes, tmp, here,
-                           counts) and ok
+            ok = same_bits(f"{qtype.name:<5} {n_out} rows x {n:>3}", exes, tmp, here, counts) and ok
     ok = attention(exes, tmp, rng, counts) and ok
     ok = decode_ops(exes, tmp, rng, counts) and ok
     print("PASS" if ok else "FAIL")
@@ -247,8 +293,9 @@ def stored(qtype: QType, n_out: int, rng: np.random.Generator) -> quant.QTensor:
     return quant.QTensor(qtype, (n_out, K), data.reshape(n_out, -1))
 
 
-def attention(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
-              counts: tuple[int, ...]) -> bool:
+def attention(
+    exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator, counts: tuple[int, ...]
+) -> bool:
     """attend_rows, the pool's attention, on every build against this machine's module."""
     ok = True
     for what, rows, n_head, n_kv, dh, pos, window, dtype in ATTENTION:
@@ -257,15 +304,19 @@ def attention(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
         half = int(dtype == np.float16)
         (tmp / "in").write_bytes(
             np.array([-2, rows, n_head, n_kv, dh, pos, window, half], np.int32).tobytes()
-            + q.tobytes() + kc.tobytes() + vc.tobytes())
+            + q.tobytes()
+            + kc.tobytes()
+            + vc.tobytes()
+        )
         out = np.empty_like(q)
         quant.attend_rows(q, kc, vc, pos, window, out)
         ok = same_bits(f"attention, {what}", exes, tmp, out.tobytes(), counts) and ok
     return ok
 
 
-def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
-               counts: tuple[int, ...]) -> bool:
+def decode_ops(
+    exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator, counts: tuple[int, ...]
+) -> bool:
     """RMSNorm, the rotations (adjacent pairs and NEOX), the router, SiLU x up, GELU x up and
     attention (the decode step's operations besides the products) on every build against this
     machine's module."""
@@ -280,33 +331,53 @@ def decode_ops(exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator,
     kc, vc = (rng.standard_normal((n_pos, n_kv, dh), dtype=np.float32) for _ in range(2))
     (tmp / "in").write_bytes(
         np.array([-1, n, d, heads, n_kv, dh, n_expert, k, f, n_pos], np.int32).tobytes()
-        + b"".join(a.tobytes() for a in (x, w, cos, sin, qk, w_router, gu, q, kc, vc,
-                                         gelu_table())))
+        + b"".join(a.tobytes() for a in (x, w, cos, sin, qk, w_router, gu, q, kc, vc, gelu_table()))
+    )
     att = np.empty_like(q)
     quant.attend(q, kc, vc, n_pos, att)
     weights, top = quant.route(x, w_router, k)
-    here = b"".join(a.tobytes() for a in (
-        quant.rmsnorm(x, w, 1e-5), quant.rope(qk, cos, sin), quant.rope(qk, cos, sin, neox=True),
-        weights, top, quant.swiglu(gu), quant.geglu(gu), att))
-    return same_bits("decode operations (RMSNorm, rotations, router, SiLU and GELU x up, "
-                     "attention)", exes, tmp, here, counts)
+    here = b"".join(
+        a.tobytes()
+        for a in (
+            quant.rmsnorm(x, w, 1e-5),
+            quant.rope(qk, cos, sin),
+            quant.rope(qk, cos, sin, neox=True),
+            weights,
+            top,
+            quant.swiglu(gu),
+            quant.geglu(gu),
+            att,
+        )
+    )
+    return same_bits(
+        "decode operations (RMSNorm, rotations, router, SiLU and GELU x up, attention)",
+        exes,
+        tmp,
+        here,
+        counts,
+    )
 
 
-def same_bits(what: str, exes: dict[str, list[str]], tmp: Path, here: bytes,
-              counts: tuple[int, ...]) -> bool:
+def same_bits(
+    what: str, exes: dict[str, list[str]], tmp: Path, here: bytes, counts: tuple[int, ...]
+) -> bool:
     """Run every build on ``tmp/in`` at each thread count; one line on whether each count of
     each build wrote ``here``'s bytes."""
     verdicts, ok = [], True
     for name, argv in exes.items():
-        subprocess.run([*argv, str(tmp / "in"), str(tmp / "out"), *map(str, counts)],
-                       check=True, timeout=RUN_S)
+        subprocess.run(
+            [*argv, str(tmp / "in"), str(tmp / "out"), *map(str, counts)], check=True, timeout=RUN_S
+        )
         out = (tmp / "out").read_bytes()
         size = len(here)
         differ = [c for i, c in enumerate(counts) if out[i * size : (i + 1) * size] != here]
         if len(out) != size * len(counts):
             differ = list(counts)
-        verdicts.append(f"{name}: same bits" if not differ else
-                        f"{name}: DIFFERENT at {', '.join(map(str, differ))} threads")
+        verdicts.append(
+            f"{name}: same bits"
+            if not differ
+            else f"{name}: DIFFERENT at {', '.join(map(str, differ))} threads"
+        )
         ok = ok and not differ
     print(f"{what}: " + ", ".join(verdicts))
     return ok

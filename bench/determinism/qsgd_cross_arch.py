@@ -54,8 +54,10 @@ int main(int argc, char **argv) { /* in: n d s seed, values; out: scales codes d
 """
 BUILDS = {
     "arm64": (["aarch64-linux-gnu-gcc"], ["qemu-aarch64-static"]),
-    "armv7": (["arm-linux-gnueabihf-gcc", "-mfpu=neon-vfpv4", "-mfloat-abi=hard"],
-              ["qemu-arm-static"]),
+    "armv7": (
+        ["arm-linux-gnueabihf-gcc", "-mfpu=neon-vfpv4", "-mfloat-abi=hard"],
+        ["qemu-arm-static"],
+    ),
 }
 CASES = [(100_003, 512, 7), (5000, 64, 127), (7777, 100, 3), (1000, 512, 1), (2049, 512, 31)]
 
@@ -63,8 +65,10 @@ CASES = [(100_003, 512, 7), (5000, 64, 127), (7777, 100, 3), (1000, 512, 1), (20
 def program() -> str:
     """The coder's C (its encode and decode loops, not the Python interface) with a main."""
     text = SOURCE.read_text()
-    coder = text[text.index("static uint64_t splitmix64"):text.index("static PyObject *py_encode")]
-    decoder = text[text.index("static int decode_all("):text.index("static PyObject *py_decode")]
+    coder = text[
+        text.index("static uint64_t splitmix64") : text.index("static PyObject *py_encode")
+    ]
+    decoder = text[text.index("static int decode_all(") : text.index("static PyObject *py_decode")]
     return HEAD + coder + decoder + MAIN
 
 
@@ -80,8 +84,11 @@ def expected(v: np.ndarray, d: int, s: int, seed: int) -> bytes:
 
 
 def main() -> int:
-    argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args()
     if qsgd._qsgd is None:
         print("the C coder is not built here (pip install -e . with a C compiler)")
         return 2
@@ -92,18 +99,32 @@ def main() -> int:
         (work / "q.c").write_text(program())
         for name, (cc, qemu) in BUILDS.items():
             exe = work / f"q-{name}"
-            subprocess.run([*cc, "-O3", "-ffp-contract=off", "-fno-trapping-math", "-static",
-                            str(work / "q.c"), "-o", str(exe), "-lm"], check=True)
+            subprocess.run(
+                [
+                    *cc,
+                    "-O3",
+                    "-ffp-contract=off",
+                    "-fno-trapping-math",
+                    "-static",
+                    str(work / "q.c"),
+                    "-o",
+                    str(exe),
+                    "-lm",
+                ],
+                check=True,
+            )
             same = True
             for n, d, s in CASES:
                 v = (rng.standard_normal(n) * rng.uniform(0.01, 3, n)).astype(np.float32)
                 v[:5] = [0.0, -0.0, 1e-40, -3e38, 5e-39]
                 seed = 12345 + n
                 (work / "in.bin").write_bytes(struct.pack("<4q", n, d, s, seed) + v.tobytes())
-                run = subprocess.run([*qemu, str(exe), str(work / "in.bin"),
-                                      str(work / "out.bin")], check=False)
+                run = subprocess.run(
+                    [*qemu, str(exe), str(work / "in.bin"), str(work / "out.bin")], check=False
+                )
                 ok = run.returncode == 0 and (work / "out.bin").read_bytes() == expected(
-                    v, d, s, seed)
+                    v, d, s, seed
+                )
                 print(f"{name}: n {n}, bucket {d}, s {s}: {'same' if ok else 'DIFFERENT'}")
                 same &= ok
             print(f"{name}: {'PASS' if same else 'FAIL'}")

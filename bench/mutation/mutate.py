@@ -50,42 +50,73 @@ class Target:
 
 
 TARGETS = (
-    Target("wire", ("src/foundry/wire/*",),
-           ("tests/test_fdtc.py", "tests/test_fdtc_connection.py", "tests/test_frontend_wire.py",
-            "tests/test_tp_wire.py")),
-    Target("compression", ("src/foundry/compression/*",),
-           ("tests/test_compression.py",)),
+    Target(
+        "wire",
+        ("src/foundry/wire/*",),
+        (
+            "tests/test_fdtc.py",
+            "tests/test_fdtc_connection.py",
+            "tests/test_frontend_wire.py",
+            "tests/test_tp_wire.py",
+        ),
+    ),
+    Target("compression", ("src/foundry/compression/*",), ("tests/test_compression.py",)),
     # os.kill(pid, 0) probes whether a temp file's writer lives; a mutated signal or pid sends a
     # real signal to the test process or its group, which ends the mutation run itself.
-    Target("checkpoint", ("src/foundry/model/formats/checkpoint*.py",),
-           ("tests/test_checkpoint.py",), keep_lines=(r"os\.kill\(",)),
-    Target("policy", ("src/foundry/swarm/policy.py",),
-           ("tests/test_swarm_policy.py",)),
-    Target("tp_split", ("src/foundry/model/shard.py",),
-           ("tests/test_tp_split.py",)),
+    Target(
+        "checkpoint",
+        ("src/foundry/model/formats/checkpoint*.py",),
+        ("tests/test_checkpoint.py",),
+        keep_lines=(r"os\.kill\(",),
+    ),
+    Target("policy", ("src/foundry/swarm/policy.py",), ("tests/test_swarm_policy.py",)),
+    Target("tp_split", ("src/foundry/model/shard.py",), ("tests/test_tp_split.py",)),
     # The served path. mutmut sees the code that tests run in their own process: the
     # templates' and tokenizers' own tests (llama.cpp's references), and of the gateway the
     # request models, the fair queue, the renderer and the event stream. The pair and the
     # gateway run as processes in tests/test_openai_semantics.py and test_served_matrix.py,
     # which import the unmutated tree: mutants reached only there are listed as such, and
     # bench/mutation/mutate_served.py applies mutations to the code those processes run.
-    Target("chat", ("src/foundry/model/text/chat*.py",),
-           ("tests/test_chat.py", "tests/test_served_units.py")),
+    Target(
+        "chat",
+        ("src/foundry/model/text/chat*.py",),
+        ("tests/test_chat.py", "tests/test_served_units.py"),
+    ),
     # The tokenizer tests keep each file's tokenizer (and the BPE model its words' ids): a
     # mutant of the code that builds them, or of a word already seen, would run no code. The
     # byte vocabulary's encode / decode have their own tests in test_data.py.
-    Target("vocab", ("src/foundry/model/text/vocab/*",),
-           ("tests/test_vocab.py", "tests/test_served_units.py",
-            *(f"tests/test_data.py::{t}" for t in (
-                "test_encode_is_bytes_plus_three_with_bos", "test_round_trip",
-                "test_round_trip_non_ascii",
-                "test_decode_replaces_invalid_bytes_and_rejects_unknown_ids"))),
-           isolation="forkserver"),
-    Target("gateway", ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
-           ("tests/test_openai_render.py", "tests/test_openai_http.py",
-            "tests/test_openai_semantics.py")),
-    Target("frontend", ("src/foundry/tp/frontend_server.py",),
-           ("tests/test_tp_service.py", "tests/test_openai_semantics.py")),
+    Target(
+        "vocab",
+        ("src/foundry/model/text/vocab/*",),
+        (
+            "tests/test_vocab.py",
+            "tests/test_served_units.py",
+            *(
+                f"tests/test_data.py::{t}"
+                for t in (
+                    "test_encode_is_bytes_plus_three_with_bos",
+                    "test_round_trip",
+                    "test_round_trip_non_ascii",
+                    "test_decode_replaces_invalid_bytes_and_rejects_unknown_ids",
+                )
+            ),
+        ),
+        isolation="forkserver",
+    ),
+    Target(
+        "gateway",
+        ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
+        (
+            "tests/test_openai_render.py",
+            "tests/test_openai_http.py",
+            "tests/test_openai_semantics.py",
+        ),
+    ),
+    Target(
+        "frontend",
+        ("src/foundry/tp/frontend_server.py",),
+        ("tests/test_tp_service.py", "tests/test_openai_semantics.py"),
+    ),
 )
 BY_NAME = {t.name: t for t in TARGETS}
 
@@ -95,8 +126,10 @@ RESULT = re.compile(r"^\s*(\S+__mutmut_\d+): (\w[\w ]*)$")
 
 def pyproject_for(target: Target) -> str:
     """The tree's pyproject.toml with a [tool.mutmut] table for ``target``."""
+
     def toml_list(items: tuple[str, ...]) -> str:
         return "[" + ", ".join("'" + i + "'" for i in items) + "]"  # TOML literal strings
+
     return (ROOT / "pyproject.toml").read_text() + (
         "\n[tool.mutmut]\n"
         'source_paths = ["src"]\n'
@@ -125,9 +158,14 @@ def run_target(target: Target, workdir: Path, time_limit_s: float, jobs: int) ->
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OPENBLAS_NUM_THREADS"] = "1"
     mutmut = Path(sys.executable).with_name("mutmut")
-    proc = subprocess.Popen([str(mutmut), "run", "--max-children", str(jobs)], cwd=workdir,
-                            env=env, stdout=(workdir / "run.log").open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(mutmut), "run", "--max-children", str(jobs)],
+        cwd=workdir,
+        env=env,
+        stdout=(workdir / "run.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         proc.wait(timeout=time_limit_s)
         return True
@@ -145,8 +183,14 @@ def results(workdir: Path) -> dict[str, str]:
     """Mutant name -> status (killed, survived, timeout, not checked, no tests, ...)."""
     mutmut = Path(sys.executable).with_name("mutmut")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=workdir, env=env,
-                         capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        [str(mutmut), "results", "--all", "true"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     found: dict[str, str] = {}
     for line in out.splitlines():
         m = RESULT.match(line)
@@ -166,10 +210,18 @@ def listed_survivors() -> dict[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("targets", nargs="*", default=[],
-                        help="targets to run (default: all): " + ", ".join(BY_NAME))
-    parser.add_argument("--time-limit", type=float, default=1200.0,
-                        help="seconds per target; unchecked mutants are reported (default 1200)")
+    parser.add_argument(
+        "targets",
+        nargs="*",
+        default=[],
+        help="targets to run (default: all): " + ", ".join(BY_NAME),
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=1200.0,
+        help="seconds per target; unchecked mutants are reported (default 1200)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="mutants checked at once (default 1)")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mutation")
     args = parser.parse_args()
@@ -189,16 +241,23 @@ def main() -> int:
         counts: dict[str, int] = {}
         for s in status.values():
             counts[s] = counts.get(s, 0) + 1
-        ours = {n: s for n, s in status.items()
-                if any(n.startswith(p) for p in module_prefixes(target))}
+        ours = {
+            n: s for n, s in status.items() if any(n.startswith(p) for p in module_prefixes(target))
+        }
         survivors = sorted(n for n, s in ours.items() if s == "survived")
         unlisted = [n for n in survivors if n not in listed]
         # A listed survivor that is now killed (or, after a full run, no longer generated).
-        stale = sorted(n for n in listed if any(n.startswith(p) for p in module_prefixes(target))
-                       and (ours.get(n) == "killed" or (finished and n not in ours)))
-        print(f"{target.name}: {len(ours)} mutants in {took:.0f} s"
-              f"{'' if finished else ' (time limit: stopped)'}; "
-              + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        stale = sorted(
+            n
+            for n in listed
+            if any(n.startswith(p) for p in module_prefixes(target))
+            and (ours.get(n) == "killed" or (finished and n not in ours))
+        )
+        print(
+            f"{target.name}: {len(ours)} mutants in {took:.0f} s"
+            f"{'' if finished else ' (time limit: stopped)'}; "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        )
         for n in unlisted:
             print(f"  survived, not in {SURVIVORS.name}: {n}")
         for n in stale:

@@ -43,86 +43,187 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("begin-keeps-its-place", "src/foundry/gateway/openai/routes.py",
-             "            generation.close()\n            self.queue.release()\n            raise",
-             "            generation.close()\n            raise",
-             (SEMANTICS, "-k", "every_place")),
-    Mutation("no-on-close", "src/foundry/gateway/openai/routes.py",
-             "            self.on_close()", "            pass", (SEMANTICS, "-k", "never_began")),
-    Mutation("eos-only", "src/foundry/tp/engine_tokens.py",
-             "if token in req.tokenizer.eog_ids:", "if token == req.tokenizer.eos_id:",
-             (SEMANTICS, "-k", "end_of_turn")),
-    Mutation("markers-as-text", "src/foundry/model/text/chat.py",
-             "return tokenizer.encode(text, parse_special=True, plain_map=back or None)",
-             "return tokenizer.encode(text, parse_special=False, plain_map=back or None)",
-             (SEMANTICS, "-k", "turn_markers")),
-    Mutation("max-tokens-wins", "src/foundry/gateway/openai/protocol.py",
-             "return self.max_completion_tokens if self.max_completion_tokens is not None else (\n"
-             "            self.max_tokens)",
-             "return self.max_tokens if self.max_tokens is not None else (\n"
-             "            self.max_completion_tokens)",
-             (SEMANTICS, "-k", "max_completion")),
-    Mutation("no-done", "src/foundry/gateway/openai/routes.py", "            yield SSE_DONE\n", "",
-             (SEMANTICS, "-k", "sse_framing")),
-    Mutation("add-bos-key", "src/foundry/model/text/vocab/tokens.py",
-             '_flag(meta, "add_bos_token", add_bos)', '_flag(meta, "add_bos", add_bos)',
-             (UNITS, "-k", "add_bos")),
-    Mutation("smollm-swapped", "src/foundry/model/text/vocab/pretokenizers.py",
-             '("\\\\p{N}", _GPT2)', '(_GPT2, "\\\\p{N}")', (UNITS, "-k", "smollm")),
-    Mutation("no-lstrip-blocks", "src/foundry/model/text/chat_sandbox.py",
-             "trim_blocks=True, lstrip_blocks=True", "trim_blocks=True, lstrip_blocks=False",
-             (UNITS, "-k", "lstrip")),
+    Mutation(
+        "begin-keeps-its-place",
+        "src/foundry/gateway/openai/routes.py",
+        "            generation.close()\n            self.queue.release()\n            raise",
+        "            generation.close()\n            raise",
+        (SEMANTICS, "-k", "every_place"),
+    ),
+    Mutation(
+        "no-on-close",
+        "src/foundry/gateway/openai/routes.py",
+        "            self.on_close()",
+        "            pass",
+        (SEMANTICS, "-k", "never_began"),
+    ),
+    Mutation(
+        "eos-only",
+        "src/foundry/tp/engine_tokens.py",
+        "if token in req.tokenizer.eog_ids:",
+        "if token == req.tokenizer.eos_id:",
+        (SEMANTICS, "-k", "end_of_turn"),
+    ),
+    Mutation(
+        "markers-as-text",
+        "src/foundry/model/text/chat.py",
+        "return tokenizer.encode(text, parse_special=True, plain_map=back or None)",
+        "return tokenizer.encode(text, parse_special=False, plain_map=back or None)",
+        (SEMANTICS, "-k", "turn_markers"),
+    ),
+    Mutation(
+        "max-tokens-wins",
+        "src/foundry/gateway/openai/protocol.py",
+        "        if self.max_completion_tokens is not None:\n"
+        "            return self.max_completion_tokens\n"
+        "        return self.max_tokens",
+        "        if self.max_tokens is not None:\n"
+        "            return self.max_tokens\n"
+        "        return self.max_completion_tokens",
+        (SEMANTICS, "-k", "max_completion"),
+    ),
+    Mutation(
+        "no-done",
+        "src/foundry/gateway/openai/routes.py",
+        "            yield SSE_DONE\n",
+        "",
+        (SEMANTICS, "-k", "sse_framing"),
+    ),
+    Mutation(
+        "add-bos-key",
+        "src/foundry/model/text/vocab/tokens.py",
+        '_flag(meta, "add_bos_token", add_bos)',
+        '_flag(meta, "add_bos", add_bos)',
+        (UNITS, "-k", "add_bos"),
+    ),
+    Mutation(
+        "smollm-swapped",
+        "src/foundry/model/text/vocab/pretokenizers.py",
+        '("\\\\p{N}", _GPT2)',
+        '(_GPT2, "\\\\p{N}")',
+        (UNITS, "-k", "smollm"),
+    ),
+    Mutation(
+        "no-lstrip-blocks",
+        "src/foundry/model/text/chat_sandbox.py",
+        "        trim_blocks=True,\n        lstrip_blocks=True,",
+        "        trim_blocks=True,\n        lstrip_blocks=False,",
+        (UNITS, "-k", "lstrip"),
+    ),
     # The chat sandbox's template environment is built at import, before mutmut picks a mutant
     # (bench/mutation/survivors.txt): its settings are mutated here instead.
-    Mutation("no-trim-blocks", "src/foundry/model/text/chat_sandbox.py",
-             "trim_blocks=True, lstrip_blocks=True", "trim_blocks=False, lstrip_blocks=True",
-             (UNITS, "-k", "lstrip")),
-    Mutation("trailing-newline-kept", "src/foundry/model/text/chat_sandbox.py",
-             "keep_trailing_newline=False", "keep_trailing_newline=True",
-             (UNITS, "-k", "lstrip")),
-    Mutation("no-tojson", "src/foundry/model/text/chat_sandbox.py",
-             'env.filters["tojson"] = _tojson', 'env.filters["XXtojsonXX"] = _tojson', (UNITS,)),
-    Mutation("no-raise-exception", "src/foundry/model/text/chat_sandbox.py",
-             'env.globals["raise_exception"] = _raise_exception',
-             'env.globals["XXraise_exceptionXX"] = _raise_exception', (CHAT,)),
-    Mutation("no-strftime-now", "src/foundry/model/text/chat_sandbox.py",
-             'env.globals["strftime_now"] = _strftime_now',
-             'env.globals["XXstrftime_nowXX"] = _strftime_now', (CHAT,)),
-    Mutation("no-loopcontrols", "src/foundry/model/text/chat_sandbox.py",
-             "extensions=[jinja2.ext.loopcontrols, _GenerationBlock]",
-             "extensions=[_GenerationBlock]", (CHAT,)),
-    Mutation("no-generation-block", "src/foundry/model/text/chat_sandbox.py",
-             "extensions=[jinja2.ext.loopcontrols, _GenerationBlock]",
-             "extensions=[jinja2.ext.loopcontrols]", (CHAT,)),
-    Mutation("fragment-limit", "src/foundry/wire/fdtc/codec.py",
-             "            if total > self._max_message:",
-             "            if total >= self._max_message:", (UNITS, "-k", "fragmented")),
-    Mutation("no-template-stop", "src/foundry/tp/frontend_server.py",
-             "self.template.stop if g.messages else ()", "()",
-             (SEMANTICS, "-k", "plain_transcript")),
-    Mutation("any-model", "src/foundry/gateway/openai/routes.py",
-             "        if model is not None and model != self.opt.model_name:", "        if False:",
-             (SEMANTICS, "-k", "unknown_model")),
-    Mutation("prompt-limit", "src/foundry/tp/frontend_server.py",
-             "if len(prompt) > self.ctx_size:", "if len(prompt) >= self.ctx_size:",
-             (SEMANTICS, "-k", "whole_context")),
-    Mutation("prompt-limit-plus-one", "src/foundry/tp/frontend_server.py",
-             "if len(prompt) > self.ctx_size:", "if len(prompt) > self.ctx_size + 1:",
-             (SEMANTICS, "-k", "whole_context")),
-    Mutation("context-full-late", "src/foundry/tp/engine_tokens.py",
-             "elif pos >= req.session.ctx_size:", "elif pos > req.session.ctx_size:",
-             (SEMANTICS, "-k", "full_context")),
-    Mutation("usage-in-every-chunk", "src/foundry/gateway/openai/render.py",
-             "        if self.include_usage:\n            tail = self._envelope([], True)",
-             "        if True:\n            tail = self._envelope([], True)",
-             (SEMANTICS, "-k", "sse_framing")),
-    Mutation("offset-from-zero", "src/foundry/gateway/openai/render.py",
-             "        logprobs = self._logprobs(lps, self._offset)",
-             "        logprobs = self._logprobs(lps, 0)", (SEMANTICS, "-k", "text_offset")),
-    Mutation("legacy-logprobs-0-dropped", "src/foundry/gateway/openai/routes.py",
-             "            req.stop_strings(), logprobs=req.logprobs is not None,",
-             "            req.stop_strings(), logprobs=bool(req.logprobs),",
-             (SEMANTICS, "-k", "logprobs")),
+    Mutation(
+        "no-trim-blocks",
+        "src/foundry/model/text/chat_sandbox.py",
+        "        trim_blocks=True,\n        lstrip_blocks=True,",
+        "        trim_blocks=False,\n        lstrip_blocks=True,",
+        (UNITS, "-k", "lstrip"),
+    ),
+    Mutation(
+        "trailing-newline-kept",
+        "src/foundry/model/text/chat_sandbox.py",
+        "keep_trailing_newline=False",
+        "keep_trailing_newline=True",
+        (UNITS, "-k", "lstrip"),
+    ),
+    Mutation(
+        "no-tojson",
+        "src/foundry/model/text/chat_sandbox.py",
+        'env.filters["tojson"] = _tojson',
+        'env.filters["XXtojsonXX"] = _tojson',
+        (UNITS,),
+    ),
+    Mutation(
+        "no-raise-exception",
+        "src/foundry/model/text/chat_sandbox.py",
+        'env.globals["raise_exception"] = _raise_exception',
+        'env.globals["XXraise_exceptionXX"] = _raise_exception',
+        (CHAT,),
+    ),
+    Mutation(
+        "no-strftime-now",
+        "src/foundry/model/text/chat_sandbox.py",
+        'env.globals["strftime_now"] = _strftime_now',
+        'env.globals["XXstrftime_nowXX"] = _strftime_now',
+        (CHAT,),
+    ),
+    Mutation(
+        "no-loopcontrols",
+        "src/foundry/model/text/chat_sandbox.py",
+        "extensions=[jinja2.ext.loopcontrols, _GenerationBlock]",
+        "extensions=[_GenerationBlock]",
+        (CHAT,),
+    ),
+    Mutation(
+        "no-generation-block",
+        "src/foundry/model/text/chat_sandbox.py",
+        "extensions=[jinja2.ext.loopcontrols, _GenerationBlock]",
+        "extensions=[jinja2.ext.loopcontrols]",
+        (CHAT,),
+    ),
+    Mutation(
+        "fragment-limit",
+        "src/foundry/wire/fdtc/codec.py",
+        "            if total > self._max_message:",
+        "            if total >= self._max_message:",
+        (UNITS, "-k", "fragmented"),
+    ),
+    Mutation(
+        "no-template-stop",
+        "src/foundry/tp/frontend_server.py",
+        "self.template.stop if g.messages else ()",
+        "()",
+        (SEMANTICS, "-k", "plain_transcript"),
+    ),
+    Mutation(
+        "any-model",
+        "src/foundry/gateway/openai/routes.py",
+        "        if model is not None and model != self.opt.model_name:",
+        "        if False:",
+        (SEMANTICS, "-k", "unknown_model"),
+    ),
+    Mutation(
+        "prompt-limit",
+        "src/foundry/tp/frontend_server.py",
+        "if len(prompt) > self.ctx_size:",
+        "if len(prompt) >= self.ctx_size:",
+        (SEMANTICS, "-k", "whole_context"),
+    ),
+    Mutation(
+        "prompt-limit-plus-one",
+        "src/foundry/tp/frontend_server.py",
+        "if len(prompt) > self.ctx_size:",
+        "if len(prompt) > self.ctx_size + 1:",
+        (SEMANTICS, "-k", "whole_context"),
+    ),
+    Mutation(
+        "context-full-late",
+        "src/foundry/tp/engine_tokens.py",
+        "elif pos >= req.session.ctx_size:",
+        "elif pos > req.session.ctx_size:",
+        (SEMANTICS, "-k", "full_context"),
+    ),
+    Mutation(
+        "usage-in-every-chunk",
+        "src/foundry/gateway/openai/render.py",
+        "        if self.include_usage:\n            tail = self._envelope([], True)",
+        "        if True:\n            tail = self._envelope([], True)",
+        (SEMANTICS, "-k", "sse_framing"),
+    ),
+    Mutation(
+        "offset-from-zero",
+        "src/foundry/gateway/openai/render.py",
+        "        logprobs = self._logprobs(lps, self._offset)",
+        "        logprobs = self._logprobs(lps, 0)",
+        (SEMANTICS, "-k", "text_offset"),
+    ),
+    Mutation(
+        "legacy-logprobs-0-dropped",
+        "src/foundry/gateway/openai/routes.py",
+        "            req.stop_strings(),\n            logprobs=req.logprobs is not None,",
+        "            req.stop_strings(),\n            logprobs=bool(req.logprobs),",
+        (SEMANTICS, "-k", "logprobs"),
+    ),
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 
@@ -142,9 +243,14 @@ def run_tests(workdir: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[
     """(passed, pytest's last line)."""
     env = {**os.environ, "PYTHONPATH": str(workdir / "src"), "OPENBLAS_NUM_THREADS": "1"}
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
-                              "no:cacheprovider", *tests], cwd=workdir, env=env,
-                             capture_output=True, text=True, timeout=timeout_s)
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return False, f"timed out after {timeout_s:.0f} s"
     lines = res.stdout.strip().splitlines()
@@ -153,16 +259,20 @@ def run_tests(workdir: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("mutations", nargs="*", default=[],
-                        help="mutations to apply (default: all): " + ", ".join(BY_NAME))
+    parser.add_argument(
+        "mutations",
+        nargs="*",
+        default=[],
+        help="mutations to apply (default: all): " + ", ".join(BY_NAME),
+    )
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "mutation-served")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds per test run at most (default 600)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per test run at most (default 600)"
+    )
     args = parser.parse_args()
     unknown = [n for n in args.mutations if n not in BY_NAME]
     if unknown:
-        parser.error(f"unknown mutation {', '.join(unknown)}; the mutations: "
-                     f"{', '.join(BY_NAME)}")
+        parser.error(f"unknown mutation {', '.join(unknown)}; the mutations: {', '.join(BY_NAME)}")
     chosen = [BY_NAME[n] for n in args.mutations] or list(MUTATIONS)
     prepare(args.workdir)
     tests = sorted({t for m in chosen for t in m.tests if t.startswith("tests/")})
@@ -184,8 +294,11 @@ def main() -> int:
             passed, last = run_tests(args.workdir, m.tests, args.timeout)
         finally:
             path.write_text(source)
-        print(f"{m.name:28s} {'SURVIVED' if passed else 'killed'} in "
-              f"{time.monotonic() - t0:.0f} s ({last})", flush=True)
+        print(
+            f"{m.name:28s} {'SURVIVED' if passed else 'killed'} in "
+            f"{time.monotonic() - t0:.0f} s ({last})",
+            flush=True,
+        )
         bad += passed
     return 1 if bad else 0
 

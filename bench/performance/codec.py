@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     copy_s = harness.best_of(args.repeats * 2, x.copy)
     copy_mb_s = x.nbytes / MB / copy_s
     print(f"gradient: {args.numel} f32 ({x.nbytes / MB:.1f} MB); numpy copy {copy_mb_s:,.0f} MB/s")
-    print(f"{'codec':<12} {'wire bytes':>12} {'x smaller':>9} {'encode ms':>10} "
-          f"{'decode ms':>10} {'MB/s':>8} {'vs copy':>8}")
+    print(
+        f"{'codec':<12} {'wire bytes':>12} {'x smaller':>9} {'encode ms':>10} "
+        f"{'decode ms':>10} {'MB/s':>8} {'vs copy':>8}"
+    )
     results: dict[str, dict[str, Any]] = {}
     for comp in Compression:
         codec = get_codec(comp, topk_ratio=args.topk_ratio, seed=args.seed)
@@ -85,25 +87,37 @@ def main(argv: list[str] | None = None) -> int:
         r["reduction"] = x.nbytes / r["bytes"]
         r["vs_copy"] = r["mb_s"] / copy_mb_s
         results[comp.name] = r
-        print(f"{comp.name:<12} {r['bytes']:>12,} {r['reduction']:>9.1f} "
-              f"{r['encode_s'] * 1e3:>10.1f} {r['decode_s'] * 1e3:>10.1f} "
-              f"{r['mb_s']:>8,.0f} {r['vs_copy']:>8.3f}")
+        print(
+            f"{comp.name:<12} {r['bytes']:>12,} {r['reduction']:>9.1f} "
+            f"{r['encode_s'] * 1e3:>10.1f} {r['decode_s'] * 1e3:>10.1f} "
+            f"{r['mb_s']:>8,.0f} {r['vs_copy']:>8.3f}"
+        )
 
     checks = [
-        (f"{name} encode+decode >= {MIN_THROUGHPUT_MB_S:.0f} MB/s ({r['mb_s']:,.0f})",
-         r["mb_s"] >= MIN_THROUGHPUT_MB_S) for name, r in results.items()
+        (
+            f"{name} encode+decode >= {MIN_THROUGHPUT_MB_S:.0f} MB/s ({r['mb_s']:,.0f})",
+            r["mb_s"] >= MIN_THROUGHPUT_MB_S,
+        )
+        for name, r in results.items()
     ]
     fp16 = results["FP16"]["mb_s"]
-    checks.append((f"FP16 encode+decode >= {MIN_FP16_MB_S:.0f} MB/s ({fp16:,.0f})",
-                   fp16 >= MIN_FP16_MB_S))
+    checks.append(
+        (f"FP16 encode+decode >= {MIN_FP16_MB_S:.0f} MB/s ({fp16:,.0f})", fp16 >= MIN_FP16_MB_S)
+    )
     reduction = results["NONE"]["bytes"] / results["TOPK"]["bytes"]
-    checks.append((f"TOPK at {args.topk_ratio:g} >= {MIN_TOPK_REDUCTION:.0f}x fewer bytes than "
-                   f"NONE ({reduction:.1f}x)", reduction >= MIN_TOPK_REDUCTION))
+    checks.append(
+        (
+            f"TOPK at {args.topk_ratio:g} >= {MIN_TOPK_REDUCTION:.0f}x fewer bytes than "
+            f"NONE ({reduction:.1f}x)",
+            reduction >= MIN_TOPK_REDUCTION,
+        )
+    )
     for label, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {label}")
     ok = all(ok for _, ok in checks)
-    harness.emit("codec", {"numel": args.numel, "copy_mb_s": copy_mb_s, "codecs": results}, ok,
-                 args.json)
+    harness.emit(
+        "codec", {"numel": args.numel, "copy_mb_s": copy_mb_s, "codecs": results}, ok, args.json
+    )
     return 0 if ok else 1
 
 

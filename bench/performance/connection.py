@@ -30,8 +30,9 @@ from foundry.wire import fdtc
 from foundry.wire.fdtc_connection import FdtcConnection
 from foundry.wire.fdtc_lifecycle import Link, Role
 
-REGISTER = fdtc.encode(fdtc.Register("w", fdtc.PROTOCOL_VERSION, fdtc.HardwareProfile.SERVER,
-                                     4, 1024, 8))
+REGISTER = fdtc.encode(
+    fdtc.Register("w", fdtc.PROTOCOL_VERSION, fdtc.HardwareProfile.SERVER, 4, 1024, 8)
+)
 
 
 def bare(frames: bytes, reply: fdtc.Message, n: int) -> float:
@@ -62,8 +63,9 @@ def connection(frames: bytes, reply: fdtc.Message, n: int, *, weights: bool) -> 
     return time.perf_counter() - t
 
 
-def compare(name: str, frames: bytes, reply: fdtc.Message, n: int, repeats: int,
-            weights: bool) -> float:
+def compare(
+    name: str, frames: bytes, reply: fdtc.Message, n: int, repeats: int, weights: bool
+) -> float:
     runs: dict[str, list[float]] = {"bare": [], "conn": []}
     timed: dict[str, Callable[[], float]] = {
         "bare": lambda: bare(frames, reply, n),
@@ -73,8 +75,10 @@ def compare(name: str, frames: bytes, reply: fdtc.Message, n: int, repeats: int,
         for key, run in timed.items():
             runs[key].append(run())
     b, c = (harness.median(runs[k]) / n * 1e6 for k in ("bare", "conn"))
-    print(f"{name:<28} bare codec {b:8.2f} us   FdtcConnection {c:8.2f} us   "
-          f"{harness.ratio(c, b):5.2f}x")
+    print(
+        f"{name:<28} bare codec {b:8.2f} us   FdtcConnection {c:8.2f} us   "
+        f"{harness.ratio(c, b):5.2f}x"
+    )
     return harness.ratio(c, b)
 
 
@@ -86,13 +90,26 @@ def main() -> int:
     harness.add_json_flag(ap)
     args = ap.parse_args()
     n = args.messages
-    small = compare("HEARTBEAT in, ACK out", fdtc.encode(fdtc.Heartbeat("w", 1, 0.5, 10.0)) * n,
-                    fdtc.HeartbeatAck(1), n, args.repeats, weights=False)
-    grads = fdtc.Gradients("w", 1, 1, fdtc.Compression.NONE, 4 * args.floats,
-                           bytes(4 * args.floats))
+    small = compare(
+        "HEARTBEAT in, ACK out",
+        fdtc.encode(fdtc.Heartbeat("w", 1, 0.5, 10.0)) * n,
+        fdtc.HeartbeatAck(1),
+        n,
+        args.repeats,
+        weights=False,
+    )
+    grads = fdtc.Gradients(
+        "w", 1, 1, fdtc.Compression.NONE, 4 * args.floats, bytes(4 * args.floats)
+    )
     m = max(1, n // 100)
-    big = compare(f"GRADIENTS ({args.floats} f32) in", fdtc.encode(grads) * m,
-                  fdtc.GradientsAck(1, True), m, args.repeats, weights=True)
+    big = compare(
+        f"GRADIENTS ({args.floats} f32) in",
+        fdtc.encode(grads) * m,
+        fdtc.GradientsAck(1, True),
+        m,
+        args.repeats,
+        weights=True,
+    )
     ok = small <= 1.5
     print(f"small messages: {small:.2f}x the bare codec [{'PASS' if ok else 'FAIL'} <= 1.5x]")
     harness.emit("connection", {"small_ratio": small, "gradients_ratio": big}, ok, args.json)

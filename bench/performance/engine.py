@@ -159,8 +159,11 @@ def bench_training(cfg: ModelConfig, batch: int, seq: int, reps: int) -> bool:
     P = {k: torch.tensor(v, requires_grad=True) for k, v in T.init_params(cfg, seed=0).items()}
     decay = [t for t in P.values() if t.ndim >= 2]
     keep = [t for t in P.values() if t.ndim < 2]
-    topt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": keep, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+    topt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": keep, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+    )
     ttok, ttgt = torch.tensor(tokens), torch.tensor(targets)
 
     def torch_step() -> None:
@@ -173,8 +176,10 @@ def bench_training(cfg: ModelConfig, batch: int, seq: int, reps: int) -> bool:
     ours, ref = batch / t["numpy"], batch / t["torch"]
     ratio = ours / ref
     verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
-    print(f"training  {cfg.n_params() / 1e6:.2f}M params, batch {batch} x {seq} tokens, "
-          f"1 thread, median of {reps}")
+    print(
+        f"training  {cfg.n_params() / 1e6:.2f}M params, batch {batch} x {seq} tokens, "
+        f"1 thread, median of {reps}"
+    )
     print(f"  numpy  {ours:8.2f} samples/s  ({t['numpy'] * 1e3:7.1f} ms/step)")
     print(f"  torch  {ref:8.2f} samples/s  ({t['torch'] * 1e3:7.1f} ms/step)")
     print(f"  ratio  {ratio:.2f}x of torch eager (target >= {TARGET_RATIO}x): {verdict}")
@@ -202,8 +207,9 @@ def kv_bytes(cfg: ModelConfig, pos: int) -> int:
     return 4 * cfg.n_layer * 2 * (pos + 1) * cfg.n_embd_kv  # K and V up to this position
 
 
-def write_models(cfg: ModelConfig, types: list[str], folder: Path,
-                 llama_cpp: Path | None) -> dict[str, Path]:
+def write_models(
+    cfg: ModelConfig, types: list[str], folder: Path, llama_cpp: Path | None
+) -> dict[str, Path]:
     """The f32 model (seeded init, written once) and each other type: exported by Foundry
     (``save_gguf``), or by ``llama-quantize`` from llama.cpp's build folder when given (f16 is
     always ours; ``q4_k_m`` needs llama.cpp)."""
@@ -219,8 +225,17 @@ def write_models(cfg: ModelConfig, types: list[str], folder: Path,
             save_gguf(path, cfg, params, dtype=t)  # type: ignore[arg-type]
             how = "save_gguf"
         elif llama_cpp is not None:
-            subprocess.run([str(llama_cpp / "llama-quantize"), str(paths["f32"]), str(path),
-                            t.upper(), str(os.cpu_count() or 1)], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    str(llama_cpp / "llama-quantize"),
+                    str(paths["f32"]),
+                    str(path),
+                    t.upper(),
+                    str(os.cpu_count() or 1),
+                ],
+                check=True,
+                capture_output=True,
+            )
             how = "llama-quantize"
         else:
             raise SystemExit(f"--types {t} needs --llama-cpp (Foundry does not write {t})")
@@ -239,8 +254,9 @@ def rss_of(path: Path | None) -> tuple[float, float]:
         "f = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
         "print(int(f['VmRSS'].split()[0]), int(f['VmHWM'].split()[0]))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(path or "")], check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path or "")], check=True, capture_output=True, text=True
+    ).stdout.split()
     return int(out[0]) * 1024 / 1e9, int(out[1]) * 1024 / 1e9
 
 
@@ -253,9 +269,28 @@ def llama_bench(llama_cpp: Path, path: Path, depth: int, n: int) -> float:
     exe = str(llama_cpp / "llama-bench")
     help_text = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
     depth_args = ["-d", str(depth)] if "--n-depth" in help_text else []
-    out = subprocess.run([exe, "-m", str(path), "-t", "1", "-p", "0", "-n", str(n), "-r", "1",
-                          *depth_args, *LLAMA_BENCH_ARGS, "-o", "json"], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            exe,
+            "-m",
+            str(path),
+            "-t",
+            "1",
+            "-p",
+            "0",
+            "-n",
+            str(n),
+            "-r",
+            "1",
+            *depth_args,
+            *LLAMA_BENCH_ARGS,
+            "-o",
+            "json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -287,8 +322,16 @@ class ProductClock:
         vars(inference)["linear"] = self._linear
 
 
-def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: int,
-                 folder: Path, llama_cpp: Path | None, rounds: int, split: bool = False) -> bool:
+def bench_decode(
+    cfg: ModelConfig,
+    types: list[str],
+    prompt_len: int,
+    n_tokens: int,
+    folder: Path,
+    llama_cpp: Path | None,
+    rounds: int,
+    split: bool = False,
+) -> bool:
     """Decode tokens/s of each stored type against f32 in the same run (tokens interleaved
     across the types, ``rounds`` times), with llama.cpp on the same files when given."""
     print(f"decode    {cfg.n_params() / 1e6:.0f}M params, kernels: {quant.KERNELS}, 1 thread")
@@ -306,8 +349,10 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
     clocks = {t: ProductClock() for t in engines}
     for _ in range(rounds):
         sessions = {t: e.new_session() for t, e in engines.items()}
-        last = {t: int(np.argmax(e.decode(sessions[t], prompt, last_only=True)[-1]))
-                for t, e in engines.items()}
+        last = {
+            t: int(np.argmax(e.decode(sessions[t], prompt, last_only=True)[-1]))
+            for t, e in engines.items()
+        }
         round_times: dict[str, list[float]] = {t: [] for t in engines}
         for _ in range(n_tokens):
             for t, e in engines.items():
@@ -328,8 +373,10 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
     base = harness.median(ours["f32"])
     ok = True
     kv = kv_bytes(cfg, prompt_len + n_tokens // 2)
-    print(f"  {'type':<8}{'file GB':>8}{'RSS GB':>8}{'tokens/s':>10}{'ms/token':>10}"
-          f"{'x f32':>7}{'MB/token':>10}{'GB/s':>7}   target")
+    print(
+        f"  {'type':<8}{'file GB':>8}{'RSS GB':>8}{'tokens/s':>10}{'ms/token':>10}"
+        f"{'x f32':>7}{'MB/token':>10}{'GB/s':>7}   target"
+    )
     for t in engines:
         rate = harness.median(ours[t])
         ratio = rate / base
@@ -337,18 +384,25 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
         mb = (read[t] + kv) / 1e6
         passed, verdict = judge(ratio, DECODE_TARGETS.get(t))
         ok = ok and passed
-        print(f"  {t:<8}{paths[t].stat().st_size / 1e9:>8.3f}{rss:>8.3f}{rate:>10.2f}"
-              f"{1e3 / rate:>10.2f}{ratio:>6.2f}x{mb:>10.0f}{mb * rate / 1e3:>7.1f}   {verdict}")
-        print(f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
-              f"{harness.median(times[t]) * 1e3:.2f} ms; per round: "
-              + ", ".join(f"{r:.2f}" for r in ours[t]) + ")")
+        print(
+            f"  {t:<8}{paths[t].stat().st_size / 1e9:>8.3f}{rss:>8.3f}{rate:>10.2f}"
+            f"{1e3 / rate:>10.2f}{ratio:>6.2f}x{mb:>10.0f}{mb * rate / 1e3:>7.1f}   {verdict}"
+        )
+        print(
+            f"  {'':<8}(peak RSS {peak:.3f} GB; median step "
+            f"{harness.median(times[t]) * 1e3:.2f} ms; per round: "
+            + ", ".join(f"{r:.2f}" for r in ours[t])
+            + ")"
+        )
     if split:
         print("  a token as products and the engine's own work (means over every token):")
         for t in engines:
             total, products = sum(times[t]) / len(times[t]), clocks[t].seconds / len(times[t])
             own = total - products
-            print(f"  {t:<8} {total * 1e3:7.2f} ms = products {products * 1e3:6.2f} "
-                  f"({read[t] / products / 1e9:.1f} GB/s) + own work {own * 1e3:.2f}")
+            print(
+                f"  {t:<8} {total * 1e3:7.2f} ms = products {products * 1e3:6.2f} "
+                f"({read[t] / products / 1e9:.1f} GB/s) + own work {own * 1e3:.2f}"
+            )
     base_rss, _ = rss_of(None)
     print(f"  RSS of a process that only imports the engine: {base_rss:.3f} GB")
     if llama_cpp is not None:
@@ -357,10 +411,12 @@ def bench_decode(cfg: ModelConfig, types: list[str], prompt_len: int, n_tokens: 
             ratio = harness.median_ratio(ours[t], rates)
             passed, verdict = judge(ratio, LLAMA_TARGETS.get(t))
             ok = ok and passed
-            print(f"  {t:<8} llama.cpp {harness.median(rates):8.2f} tokens/s, Foundry "
-                  f"{harness.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict} (per round: "
-                  + ", ".join(f"{a / b:.2f}x" for a, b in zip(ours[t], rates, strict=True))
-                  + ")")
+            print(
+                f"  {t:<8} llama.cpp {harness.median(rates):8.2f} tokens/s, Foundry "
+                f"{harness.median(ours[t]):8.2f}: {ratio:.2f}x  {verdict} (per round: "
+                + ", ".join(f"{a / b:.2f}x" for a, b in zip(ours[t], rates, strict=True))
+                + ")"
+            )
     return ok
 
 
@@ -391,23 +447,32 @@ class OwnTime:
         vars(inference).update(self._saved)
 
 
-def print_profile(threads: int, tokens: int, in_c: float,
-                  profiled: dict[str, list[int]]) -> None:
+def print_profile(threads: int, tokens: int, in_c: float, profiled: dict[str, list[int]]) -> None:
     """Where a decoded token's time went at ``threads`` (``--profile``): the C step's phases
     (csrc/kernels.h, PROF_*) in microseconds a token, and pool calls a token."""
     us = {k: ns / tokens / 1e3 for k, (ns, _) in profiled.items()}
     calls = {k: c / tokens for k, (_, c) in profiled.items()}
     phases = us["qkv"] + us["attention"] + us["out"] + us["ffn"]
-    print(f"  {threads:>2} threads, a token: {in_c / tokens * 1e6:.0f} us in C; the layers "
-          f"{us['layer']:.0f} us = Q/K/V {us['qkv']:.0f} + attention {us['attention']:.0f} + "
-          f"output {us['out']:.0f} + FFN {us['ffn']:.0f} + norms and sums "
-          f"{us['layer'] - phases:.0f}; pool calls {calls['pool']:.1f} taking "
-          f"{us['pool']:.0f} us, of which the join waits {us['join']:.0f}; products "
-          f"run alone {calls['alone']:.1f} taking {us['alone']:.0f} us", flush=True)
+    print(
+        f"  {threads:>2} threads, a token: {in_c / tokens * 1e6:.0f} us in C; the layers "
+        f"{us['layer']:.0f} us = Q/K/V {us['qkv']:.0f} + attention {us['attention']:.0f} + "
+        f"output {us['out']:.0f} + FFN {us['ffn']:.0f} + norms and sums "
+        f"{us['layer'] - phases:.0f}; pool calls {calls['pool']:.1f} taking "
+        f"{us['pool']:.0f} us, of which the join waits {us['join']:.0f}; products "
+        f"run alone {calls['alone']:.1f} taking {us['alone']:.0f} us",
+        flush=True,
+    )
 
 
-def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
-               cores: str | None, threads: list[int], profile: bool = False) -> bool:
+def bench_file(
+    path: Path,
+    llama_cpp: Path | None,
+    rounds: int,
+    prompt_len: int,
+    cores: str | None,
+    threads: list[int],
+    profile: bool = False,
+) -> bool:
     """A file in the engine: a prompt as one block and 64 decoded tokens at each thread count,
     against llama-bench on the same file with as many threads (module docstring, 3.)."""
     from kernels import llama_bench_prompt_and_decode  # bench/performance/kernels.py
@@ -420,9 +485,12 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
     engine = Engine(m.cfg, m.params)
     del m
     n_gen = 64
-    print(f"{path.name} in the engine: kernels {quant.KERNELS}; a {prompt_len}-token prompt as "
-          f"one block, then {n_gen} tokens; threads {', '.join(map(str, threads))}; one "
-          f"client", flush=True)
+    print(
+        f"{path.name} in the engine: kernels {quant.KERNELS}; a {prompt_len}-token prompt as "
+        f"one block, then {n_gen} tokens; threads {', '.join(map(str, threads))}; one "
+        f"client",
+        flush=True,
+    )
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, engine.cfg.n_vocab, prompt_len)]
     engine.decode(engine.new_session(prompt_len + 1), prompt[:32])  # weights paged in
@@ -453,26 +521,38 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
             dec = n_gen / (time.perf_counter() - t0)
             ours["prompt"].append(pre)
             ours["decode"].append(dec)
-            line = (f"  {n:>2} threads, round {r + 1}: Foundry prompt {pre:8.1f} tokens/s, "
-                    f"decode {dec:7.2f}")
+            line = (
+                f"  {n:>2} threads, round {r + 1}: Foundry prompt {pre:8.1f} tokens/s, "
+                f"decode {dec:7.2f}"
+            )
             if llama_cpp is not None:
-                pp, tg = llama_bench_prompt_and_decode(llama_cpp, path, prompt_len, cores,
-                                                        depth=prompt_len, threads=n,
-                                                        extra=tuple(LLAMA_BENCH_ARGS))
+                pp, tg = llama_bench_prompt_and_decode(
+                    llama_cpp,
+                    path,
+                    prompt_len,
+                    cores,
+                    depth=prompt_len,
+                    threads=n,
+                    extra=tuple(LLAMA_BENCH_ARGS),
+                )
                 theirs["prompt"].append(pp)
                 theirs["decode"].append(tg)
                 ratios["prompt"].append(pre / pp)
                 ratios["decode"].append(dec / tg)
-                line += (f"; llama.cpp prompt {pp:8.1f}, decode {tg:7.2f}: {pre / pp:.2f}x "
-                         f"prompt, {dec / tg:.2f}x decode")
+                line += (
+                    f"; llama.cpp prompt {pp:8.1f}, decode {tg:7.2f}: {pre / pp:.2f}x "
+                    f"prompt, {dec / tg:.2f}x decode"
+                )
             print(line, flush=True)
         if profile:
             print_profile(n, rounds * n_gen, own.in_c, profiled)
         token_s = rounds * n_gen / sum(n_gen / d for d in ours["decode"])
         python_us = (rounds * n_gen / token_s - own.in_c) / (rounds * n_gen) * 1e6
         rows.append((n, ours, theirs, ratios, python_us))
-    print(f"  {'threads':>7} {'prompt':>9} {'llama.cpp':>9} {'ratio':>6}   {'decode':>8} "
-          f"{'llama.cpp':>9} {'ratio':>6}   {'outside C/token':>15}")
+    print(
+        f"  {'threads':>7} {'prompt':>9} {'llama.cpp':>9} {'ratio':>6}   {'decode':>8} "
+        f"{'llama.cpp':>9} {'ratio':>6}   {'outside C/token':>15}"
+    )
     for n, ours, theirs, ratios, python_us in rows:
         med = {k: harness.median(v) for k, v in ours.items()}
         line = f"  {n:>7} {med['prompt']:>9.1f} "
@@ -480,13 +560,16 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
             dec_r, pre_r = harness.median(ratios["decode"]), harness.median(ratios["prompt"])
             passed = dec_r >= 1.0 and pre_r >= 0.7
             ok = ok and passed
-            line += (f"{harness.median(theirs['prompt']):>9.1f} {pre_r:>5.2f}x   "
-                     f"{med['decode']:>8.2f} {harness.median(theirs['decode']):>9.2f} "
-                     f"{dec_r:>5.2f}x   {python_us:>9.0f} us   "
-                     f"{'PASS' if passed else 'FAIL'} (decode >= 1.0x, prompt >= 0.7x)")
+            line += (
+                f"{harness.median(theirs['prompt']):>9.1f} {pre_r:>5.2f}x   "
+                f"{med['decode']:>8.2f} {harness.median(theirs['decode']):>9.2f} "
+                f"{dec_r:>5.2f}x   {python_us:>9.0f} us   "
+                f"{'PASS' if passed else 'FAIL'} (decode >= 1.0x, prompt >= 0.7x)"
+            )
         else:
-            line += (f"{'':>9} {'':>6}   {med['decode']:>8.2f} {'':>9} {'':>6}   "
-                     f"{python_us:>9.0f} us")
+            line += (
+                f"{'':>9} {'':>6}   {med['decode']:>8.2f} {'':>9} {'':>6}   {python_us:>9.0f} us"
+            )
         print(line, flush=True)
     quant.set_threads(1)
     return ok
@@ -495,43 +578,80 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt_len: int,
 def main() -> None:
     ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small settings (a few seconds)")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="leave malloc as it is instead of retain_freed_memory()")
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave malloc as it is instead of retain_freed_memory()",
+    )
     ap.add_argument("--decode-only", action="store_true", help="skip the training benchmark")
-    ap.add_argument("--types", default="f16,q8_0,q4_0",
-                    help="stored types to decode against f32 (q4_k_m needs --llama-cpp)")
+    ap.add_argument(
+        "--types",
+        default="f16,q8_0,q4_0",
+        help="stored types to decode against f32 (q4_k_m needs --llama-cpp)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="decode rounds per type (default 3)")
-    ap.add_argument("--model-dir", type=Path, default=Path("/tmp"),
-                    help="where the model files are written once and reused (default /tmp)")
-    ap.add_argument("--llama-cpp", type=Path, default=None,
-                    help="llama.cpp build folder with llama-quantize and llama-bench: quantize "
-                         "with llama-quantize and measure llama.cpp on the same files")
-    ap.add_argument("--llama-bench-args", default="",
-                    help="more arguments for llama-bench, e.g. '--repack 0' (a VM whose CPU "
-                         "flags promise more than it runs: llama.cpp's repacked kernels died "
-                         "there with SIGILL)")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp"),
+        help="where the model files are written once and reused (default /tmp)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="llama.cpp build folder with llama-quantize and llama-bench: quantize "
+        "with llama-quantize and measure llama.cpp on the same files",
+    )
+    ap.add_argument(
+        "--llama-bench-args",
+        default="",
+        help="more arguments for llama-bench, e.g. '--repack 0' (a VM whose CPU "
+        "flags promise more than it runs: llama.cpp's repacked kernels died "
+        "there with SIGILL)",
+    )
     ap.add_argument("--cores", default=None, help="pin to these cores (e.g. 2)")
-    ap.add_argument("--split", action="store_true",
-                    help="also time the products apart from the engine's own work")
-    ap.add_argument("--gguf", type=Path, action="append", default=[],
-                    help="a file (published, or any GGUF the engine reads): its prompt and "
-                    "decode against llama.cpp (3.); repeat for several")
-    ap.add_argument("--bench-files", default=None, metavar="TYPES",
-                    help="with --gguf's measurement: also the bench preset written as these "
-                    "types (e.g. q4_k_m,q8_0; q4_k_m needs --llama-cpp) into --model-dir")
-    ap.add_argument("--threads", default="1", metavar="N,N,...",
-                    help="thread counts of the --gguf measurement, each against llama-bench "
-                    "-t N (default 1)")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the products apart from the engine's own work",
+    )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        action="append",
+        default=[],
+        help="a file (published, or any GGUF the engine reads): its prompt and "
+        "decode against llama.cpp (3.); repeat for several",
+    )
+    ap.add_argument(
+        "--bench-files",
+        default=None,
+        metavar="TYPES",
+        help="with --gguf's measurement: also the bench preset written as these "
+        "types (e.g. q4_k_m,q8_0; q4_k_m needs --llama-cpp) into --model-dir",
+    )
+    ap.add_argument(
+        "--threads",
+        default="1",
+        metavar="N,N,...",
+        help="thread counts of the --gguf measurement, each against llama-bench -t N (default 1)",
+    )
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens with --gguf")
-    ap.add_argument("--profile", action="store_true",
-                    help="with --gguf: where a decoded token's time goes in the C step at each "
-                    "thread count (its phases, pool calls and their joins; two clock reads a "
-                    "phase, so decode is timed slightly slower)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --gguf: where a decoded token's time goes in the C step at each "
+        "thread count (its phases, pool calls and their joins; two clock reads a "
+        "phase, so decode is timed slightly slower)",
+    )
     args = ap.parse_args()
     LLAMA_BENCH_ARGS.extend(args.llama_bench_args.split())
     retained = not args.default_malloc and retain_freed_memory()
-    print(f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
-          f"(process-wide, applies to numpy and torch alike)")
+    print(
+        f"malloc: freed memory {'retained' if retained else 'returned to the OS (default)'} "
+        f"(process-wide, applies to numpy and torch alike)"
+    )
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     files = list(args.gguf)
@@ -541,16 +661,34 @@ def main() -> None:
         files += [written[t] for t in types]
     if files:
         threads = [int(n) for n in args.threads.split(",")]
-        results = [bench_file(f, args.llama_cpp, args.rounds, args.prompt, args.cores, threads,
-                              args.profile) for f in files]
+        results = [
+            bench_file(
+                f, args.llama_cpp, args.rounds, args.prompt, args.cores, threads, args.profile
+            )
+            for f in files
+        ]
         raise SystemExit(0 if all(results) else 1)
     ok = True
     if not args.decode_only:
-        ok = (bench_training(preset("tiny"), batch=4, seq=64, reps=5) if args.quick
-              else bench_training(preset("small"), batch=8, seq=128, reps=15))
+        ok = (
+            bench_training(preset("tiny"), batch=4, seq=64, reps=5)
+            if args.quick
+            else bench_training(preset("small"), batch=8, seq=128, reps=15)
+        )
     cfg, prompt, n = (preset("small"), 16, 16) if args.quick else (preset("bench"), 64, 64)
-    ok = bench_decode(cfg, args.types.split(","), prompt, n, args.model_dir, args.llama_cpp,
-                      args.rounds, args.split) and ok
+    ok = (
+        bench_decode(
+            cfg,
+            args.types.split(","),
+            prompt,
+            n,
+            args.model_dir,
+            args.llama_cpp,
+            args.rounds,
+            args.split,
+        )
+        and ok
+    )
     raise SystemExit(0 if ok else 1)
 
 

@@ -62,11 +62,17 @@ def write_base(path: Path, n_vocab: int, n_embd: int, n_layer: int, n_ff: int) -
     n_head, n_head_kv = n_embd // dh, n_embd // dh // 2
     w = gguf.GGUFWriter(path, a)
     w.add_name("bench-qwen3")
-    for key, value in (("context_length", 512), ("embedding_length", n_embd),
-                       ("block_count", n_layer), ("feed_forward_length", n_ff),
-                       ("attention.head_count", n_head), ("attention.head_count_kv", n_head_kv),
-                       ("attention.key_length", dh), ("attention.value_length", dh),
-                       ("rope.dimension_count", dh)):
+    for key, value in (
+        ("context_length", 512),
+        ("embedding_length", n_embd),
+        ("block_count", n_layer),
+        ("feed_forward_length", n_ff),
+        ("attention.head_count", n_head),
+        ("attention.head_count_kv", n_head_kv),
+        ("attention.key_length", dh),
+        ("attention.value_length", dh),
+        ("rope.dimension_count", dh),
+    ):
         w.add_uint32(f"{a}.{key}", value)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32(f"{a}.rope.freq_base", 1e6)
@@ -102,16 +108,16 @@ def write_base(path: Path, n_vocab: int, n_embd: int, n_layer: int, n_ff: int) -
     for layer in range(n_layer):
         b = f"blk.{layer}."
         tensor(b + "attn_norm.weight", (d,), 0.05, 1.0)
-        tensor(b + "attn_q.weight", (q, d), d ** -0.5)
-        tensor(b + "attn_k.weight", (kv, d), d ** -0.5)
-        tensor(b + "attn_v.weight", (kv, d), d ** -0.5)
+        tensor(b + "attn_q.weight", (q, d), d**-0.5)
+        tensor(b + "attn_k.weight", (kv, d), d**-0.5)
+        tensor(b + "attn_v.weight", (kv, d), d**-0.5)
         tensor(b + "attn_q_norm.weight", (dh,), 0.05, 1.0)
         tensor(b + "attn_k_norm.weight", (dh,), 0.05, 1.0)
-        tensor(b + "attn_output.weight", (d, q), q ** -0.5)
+        tensor(b + "attn_output.weight", (d, q), q**-0.5)
         tensor(b + "ffn_norm.weight", (d,), 0.05, 1.0)
-        tensor(b + "ffn_gate.weight", (n_ff, d), d ** -0.5)
-        tensor(b + "ffn_up.weight", (n_ff, d), d ** -0.5)
-        tensor(b + "ffn_down.weight", (d, n_ff), n_ff ** -0.5)
+        tensor(b + "ffn_gate.weight", (n_ff, d), d**-0.5)
+        tensor(b + "ffn_up.weight", (n_ff, d), d**-0.5)
+        tensor(b + "ffn_down.weight", (d, n_ff), n_ff**-0.5)
     tensor("output_norm.weight", (d,), 0.05, 1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -152,15 +158,25 @@ def compute_alone(base: Path, text: Path, args: argparse.Namespace) -> dict[int,
         times = []
         for i in range(args.alone_rounds + 1):
             t = time.perf_counter()
-            backend.compute_gradients(params, loaded.cfg, corpus, i * count, count,
-                                      seq_len=args.seq_len)
+            backend.compute_gradients(
+                params, loaded.cfg, corpus, i * count, count, seq_len=args.seq_len
+            )
             times.append(time.perf_counter() - t)
         out[count] = harness.median(times[1:]) / count
     return out
 
 
-def swarm(args: argparse.Namespace, work: Path, name: str, workers: int, steps: int,
-          base: Path, text: Path, lora: bool, extra: str = "") -> Result:
+def swarm(
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    workers: int,
+    steps: int,
+    base: Path,
+    text: Path,
+    lora: bool,
+    extra: str = "",
+) -> Result:
     a = argparse.Namespace(**vars(args))
     a.workers, a.max_steps, a.steps, a.stop_at_target = workers, steps, steps, False
     a.validate_every, a.slowdown, a.timeline = steps, 1.0, True
@@ -169,12 +185,14 @@ def swarm(args: argparse.Namespace, work: Path, name: str, workers: int, steps: 
     if lora:
         coordinator += ["--lora-rank", str(args.lora_rank), "--lora-targets", "attn_q,attn_v"]
     net = Network(workers + 1, args.rate, args.ip, args.tc)
-    never = Baseline(samples_per_s=float("nan"), target=float("-inf"),
-                     seconds_to_target=float("nan"), curve=[])
+    never = Baseline(
+        samples_per_s=float("nan"), target=float("-inf"), seconds_to_target=float("nan"), curve=[]
+    )
     try:
         net.up()
-        return run_config(net, work / re.sub(r"[^\w.]+", "-", name).strip("-"), a, never, name,
-                          coordinator)
+        return run_config(
+            net, work / re.sub(r"[^\w.]+", "-", name).strip("-"), a, never, name, coordinator
+        )
     finally:
         net.down()
 
@@ -196,12 +214,21 @@ def main() -> int:
     ap.add_argument("--full-steps", type=int, default=5, help="steps of the full swarm")
     ap.add_argument("--text-chars", type=int, default=100_000)
     ap.add_argument("--config-timeout", type=float, default=240.0)
-    ap.add_argument("--coordinator-args", action="append", default=None, metavar="ARGS",
-                    help="more coordinator arguments for the LoRA swarms (e.g. \"--compression "
-                    "fp16\"); repeated, each runs its own pair of LoRA swarms (default: none)")
+    ap.add_argument(
+        "--coordinator-args",
+        action="append",
+        default=None,
+        metavar="ARGS",
+        help='more coordinator arguments for the LoRA swarms (e.g. "--compression '
+        'fp16"); repeated, each runs its own pair of LoRA swarms (default: none)',
+    )
     ap.add_argument("--no-full", action="store_true", help="skip the full fine-tuning swarm")
-    ap.add_argument("--alone-rounds", type=int, default=3,
-                    help="gradients timed alone at each slice size before the swarms (0: none)")
+    ap.add_argument(
+        "--alone-rounds",
+        type=int,
+        default=3,
+        help="gradients timed alone at each slice size before the swarms (0: none)",
+    )
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
@@ -210,32 +237,54 @@ def main() -> int:
     base, text = work / "base.gguf", work / "docs.txt"
     n = write_base(base, args.vocab, args.n_embd, args.n_layer, args.n_ff)
     bundled_text(text, args.text_chars)
-    print(f"base: qwen3 {args.n_embd} wide, {args.n_layer} layers, vocab {args.vocab}: "
-          f"{n:,} parameters ({4 * n / 1e6:.1f} MB f32); batch {args.global_batch}x"
-          f"{args.seq_len}, LoRA r={args.lora_rank} on attn_q,attn_v; ports at {args.rate}; "
-          f"one thread a process", flush=True)
+    print(
+        f"base: qwen3 {args.n_embd} wide, {args.n_layer} layers, vocab {args.vocab}: "
+        f"{n:,} parameters ({4 * n / 1e6:.1f} MB f32); batch {args.global_batch}x"
+        f"{args.seq_len}, LoRA r={args.lora_rank} on attn_q,attn_v; ports at {args.rate}; "
+        f"one thread a process",
+        flush=True,
+    )
     if args.alone_rounds > 0:
         alone = compute_alone(base, text, args)
-        print("compute alone, one thread, ms per sample of a LoRA gradient: " + ", ".join(
-            f"{n} samples {1000 * s:.1f}" for n, s in sorted(alone.items(), reverse=True)),
-              flush=True)
+        print(
+            "compute alone, one thread, ms per sample of a LoRA gradient: "
+            + ", ".join(
+                f"{n} samples {1000 * s:.1f}" for n, s in sorted(alone.items(), reverse=True)
+            ),
+            flush=True,
+        )
     variants = args.coordinator_args or [""]
     runs, ratios = [], []
     for extra in variants:
         tag = f" [{extra}]" if extra else ""
         one = swarm(args, work, f"lora x1{tag}", 1, args.steps, base, text, True, extra)
-        many = swarm(args, work, f"lora x{args.workers}{tag}", args.workers, args.steps, base,
-                     text, True, extra)
+        many = swarm(
+            args,
+            work,
+            f"lora x{args.workers}{tag}",
+            args.workers,
+            args.steps,
+            base,
+            text,
+            True,
+            extra,
+        )
         runs += [one, many]
-        ratios.append(f"lora x{args.workers} / lora x1{tag}: "
-                      f"{many.samples_per_s / one.samples_per_s:.2f}x samples/s")
+        ratios.append(
+            f"lora x{args.workers} / lora x1{tag}: "
+            f"{many.samples_per_s / one.samples_per_s:.2f}x samples/s"
+        )
     if not args.no_full:
         runs.append(swarm(args, work, "full x1", 1, args.full_steps, base, text, False))
-    print(f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14} "
-          f"{'held-out':>9}  note")
+    print(
+        f"{'swarm':<10} {'samples/s':>10} {'MB up/round':>12} {'MB down/round':>14} "
+        f"{'held-out':>9}  note"
+    )
     for r in runs:
-        print(f"{r.name:<10} {r.samples_per_s:10.2f} {mb(r.up_per_step):>12} "
-              f"{mb(r.down_per_step):>14} {r.last_val:9.4f}  {r.note}")
+        print(
+            f"{r.name:<10} {r.samples_per_s:10.2f} {mb(r.up_per_step):>12} "
+            f"{mb(r.down_per_step):>14} {r.last_val:9.4f}  {r.note}"
+        )
         print(f"{'':<10} {r.phases}")
     for line in ratios:
         print(f"{line} ({args.workers} workers, one thread each, {args.rate} ports)")

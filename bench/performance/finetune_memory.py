@@ -57,11 +57,18 @@ def measure(args: argparse.Namespace, quantized: bool) -> dict[str, float]:
     loss = 0.0
     for i in range(args.steps + 1):
         t = time.perf_counter()
-        loss = backend.compute_gradients(params, base.cfg, corpus, i * args.batch, args.batch,
-                                         seq_len=args.seq_len).loss
+        loss = backend.compute_gradients(
+            params, base.cfg, corpus, i * args.batch, args.batch, seq_len=args.seq_len
+        ).loss
         times.append(time.perf_counter() - t)
-    return {"held_mb": base.nbytes() / 1e6, "start_mb": before, "loaded_mb": loaded,
-            "peak_mb": peak_mb(), "step_s": harness.median(times[1:]), "loss": loss}
+    return {
+        "held_mb": base.nbytes() / 1e6,
+        "start_mb": before,
+        "loaded_mb": loaded,
+        "peak_mb": peak_mb(),
+        "step_s": harness.median(times[1:]),
+        "loss": loss,
+    }
 
 
 def main() -> int:
@@ -80,23 +87,35 @@ def main() -> int:
         return 0
     rows = {}
     for mode in MODES:
-        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", mode],
-                              capture_output=True, text=True, timeout=3600,
-                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        done = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--one", mode],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+        )
         if done.returncode != 0:
             print(f"{mode}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1
         rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{args.model.name}: LoRA r={args.lora_rank} on {args.lora_targets}, batch "
-          f"{args.batch}x{args.seq_len}, {args.threads} thread(s), median of {args.steps} steps")
-    print(f"{'base held as':<14} {'weights MB':>10} {'peak MB after load':>19} "
-          f"{'peak MB after steps':>20} {'s/step':>8} {'loss':>8}")
+    print(
+        f"{args.model.name}: LoRA r={args.lora_rank} on {args.lora_targets}, batch "
+        f"{args.batch}x{args.seq_len}, {args.threads} thread(s), median of {args.steps} steps"
+    )
+    print(
+        f"{'base held as':<14} {'weights MB':>10} {'peak MB after load':>19} "
+        f"{'peak MB after steps':>20} {'s/step':>8} {'loss':>8}"
+    )
     for mode, r in rows.items():
-        print(f"{mode:<14} {r['held_mb']:10.0f} {r['loaded_mb']:19.0f} {r['peak_mb']:20.0f} "
-              f"{r['step_s']:8.2f} {r['loss']:8.4f}")
+        print(
+            f"{mode:<14} {r['held_mb']:10.0f} {r['loaded_mb']:19.0f} {r['peak_mb']:20.0f} "
+            f"{r['step_s']:8.2f} {r['loss']:8.4f}"
+        )
     f, q = rows["float32"], rows["quantized"]
-    print(f"quantized / float32: weights {q['held_mb'] / f['held_mb']:.2f}x, peak "
-          f"{q['peak_mb'] / f['peak_mb']:.2f}x, step time {q['step_s'] / f['step_s']:.2f}x")
+    print(
+        f"quantized / float32: weights {q['held_mb'] / f['held_mb']:.2f}x, peak "
+        f"{q['peak_mb'] / f['peak_mb']:.2f}x, step time {q['step_s'] / f['step_s']:.2f}x"
+    )
     return 0
 
 

@@ -66,8 +66,10 @@ def main() -> int:
             load, check = harness.median(loads), harness.median(checks)
             size = path.stat().st_size / 1e6
             share = harness.ratio(check, load)
-            print(f"{t:5s} {size:8.0f} MB: load {load:.3f} s (check included), check alone "
-                  f"{check:.3f} s = {share:.1%} of the load")
+            print(
+                f"{t:5s} {size:8.0f} MB: load {load:.3f} s (check included), check alone "
+                f"{check:.3f} s = {share:.1%} of the load"
+            )
             results[t] = {"mb": size, "load_s": load, "check_s": check, "check_share": share}
             path.unlink()
     harness.emit("finite_check", results, None, args.json)

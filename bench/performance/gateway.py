@@ -102,7 +102,10 @@ class Services:
         log = (self.workdir / f"{name}.log").open("w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "foundry", *args],
-            stdout=subprocess.PIPE if read_stdout else log, stderr=log, text=True, env=env,
+            stdout=subprocess.PIPE if read_stdout else log,
+            stderr=log,
+            text=True,
+            env=env,
         )
         self.procs[name] = proc
         return proc
@@ -208,8 +211,14 @@ async def http_tokens(http: openai.DefaultAsyncHttpxClient, base: str, tokens: i
     n = messages = 0
     t0 = time.perf_counter()
     first = 0.0
-    body = {"model": "foundry", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "foundry",
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with http.stream("POST", f"{base}/completions", json=body, timeout=600) as response:
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
@@ -243,7 +252,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(
-    args: argparse.Namespace, frontend_port: int, gateway: str, http: str,
+    args: argparse.Namespace,
+    frontend_port: int,
+    gateway: str,
+    http: str,
     pids: dict[str, int],
 ) -> dict[str, float]:
     client = FrontendClient("127.0.0.1", frontend_port)
@@ -268,7 +280,7 @@ async def measure(
         for i in range(args.rounds):
             rate = {}
             order = sorted(paths)
-            for name in order[i % len(order):] + order[: i % len(order)]:
+            for name in order[i % len(order) :] + order[: i % len(order)]:
                 before = meters[name].snapshot()
                 t0 = time.perf_counter()
                 n, sent, first = await paths[name]()
@@ -283,13 +295,14 @@ async def measure(
                 ratios[name].append(rate[name] / rate["direct"])
         training = training_pb2_grpc.TrainingServiceStub(channel)
         training_status = await latencies(
-            lambda: training.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(),
-                                               timeout=30),
-            args.callers, args.calls,
+            lambda: training.GetTrainingStatus(training_pb2.GetTrainingStatusRequest(), timeout=30),
+            args.callers,
+            args.calls,
         )
         pair_status = await latencies(
             lambda: stub.GetPairStatus(inference_pb2.GetPairStatusRequest(), timeout=30),
-            args.callers, args.calls,
+            args.callers,
+            args.calls,
         )
     finally:
         await web.aclose()
@@ -325,31 +338,39 @@ def model_label(args: argparse.Namespace) -> str:
 
 
 def report(args: argparse.Namespace, results: dict[str, float]) -> None:
-    print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy, "
-          f"{model_label(args)}:")
+    print(f"generate, {args.rounds} x {args.tokens} tokens per path, greedy, {model_label(args)}:")
     print(f"  direct frontend link  {results['direct_tokens_per_s']:8.1f} tokens/s")
     print(f"  through the gateway   {results['gateway_tokens_per_s']:8.1f} tokens/s")
     print(f"  through HTTP          {results['http_tokens_per_s']:8.1f} tokens/s")
     for key, label in (("ratio", "gRPC"), ("http_ratio", "HTTP")):
         good = results[key] >= TARGET_RATIO
-        print(f"  {label} ratio, median of {args.rounds} rounds {results[key]:6.3f}  "
-              f"(target >= {TARGET_RATIO}) {'PASS' if good else 'FAIL'}; rounds "
-              f"{results[key + '_min']:.2f} to {results[key + '_max']:.2f}")
-    print(f"  time to first token, median: direct {results['direct_ttft_ms']:.2f} ms, gRPC "
-          f"{results['gateway_ttft_ms']:.2f} ms, HTTP {results['http_ttft_ms']:.2f} ms")
-    print(f"  tokens per gRPC message through the gateway, mean "
-          f"{results['gateway_tokens_per_message']:.2f}; per HTTP chunk "
-          f"{results['http_tokens_per_chunk']:.2f}")
+        print(
+            f"  {label} ratio, median of {args.rounds} rounds {results[key]:6.3f}  "
+            f"(target >= {TARGET_RATIO}) {'PASS' if good else 'FAIL'}; rounds "
+            f"{results[key + '_min']:.2f} to {results[key + '_max']:.2f}"
+        )
+    print(
+        f"  time to first token, median: direct {results['direct_ttft_ms']:.2f} ms, gRPC "
+        f"{results['gateway_ttft_ms']:.2f} ms, HTTP {results['http_ttft_ms']:.2f} ms"
+    )
+    print(
+        f"  tokens per gRPC message through the gateway, mean "
+        f"{results['gateway_tokens_per_message']:.2f}; per HTTP chunk "
+        f"{results['http_tokens_per_chunk']:.2f}"
+    )
     print("  CPU ms per token       leader  worker  gateway  client")
     for name in ("direct", "gateway", "http"):
-        cells = "".join(f"{results[f'{name}_cpu_ms_per_token_{p}']:8.3f}"
-                        for p in ("tp-leader", "tp-worker", "gateway", "client"))
+        cells = "".join(
+            f"{results[f'{name}_cpu_ms_per_token_{p}']:8.3f}"
+            for p in ("tp-leader", "tp-worker", "gateway", "client")
+        )
         print(f"    {name:<20}{cells}")
     print(f"{args.callers} concurrent callers x {args.calls} calls each:")
-    for name, label in (("training_status", "GetTrainingStatus"),
-                        ("pair_status", "GetPairStatus")):
-        print(f"  {label:<18} p50 {results[f'{name}_p50_ms']:7.2f} ms   "
-              f"p99 {results[f'{name}_p99_ms']:7.2f} ms")
+    for name, label in (("training_status", "GetTrainingStatus"), ("pair_status", "GetPairStatus")):
+        print(
+            f"  {label:<18} p50 {results[f'{name}_p50_ms']:7.2f} ms   "
+            f"p99 {results[f'{name}_p99_ms']:7.2f} ms"
+        )
 
 
 def main() -> int:
@@ -358,11 +379,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="generations per path")
     parser.add_argument("--callers", type=int, default=50, help="concurrent status callers")
     parser.add_argument("--calls", type=int, default=20, help="status calls per caller")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                        help="model preset to perturb and serve, and the coordinator's "
-                             "(default tiny; see above)")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="GGUF to serve instead of the perturbed preset")
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="model preset to perturb and serve, and the coordinator's (default tiny; see above)",
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, help="GGUF to serve instead of the perturbed preset"
+    )
     harness.add_json_flag(parser)
     args = parser.parse_args()
 
@@ -374,30 +399,66 @@ def main() -> int:
         services = Services(workdir)
         try:
             leader = services.spawn(
-                "tp-leader", "tp-leader", "--model", str(model), "--listen", "127.0.0.1:0",
-                "--frontend-listen", "127.0.0.1:0", read_stdout=True,
+                "tp-leader",
+                "tp-leader",
+                "--model",
+                str(model),
+                "--listen",
+                "127.0.0.1:0",
+                "--frontend-listen",
+                "127.0.0.1:0",
+                read_stdout=True,
             )
             bound = services.wait_line(leader, LEADER_LINE)
             frontend_port = int(bound.group(4))
-            services.spawn("tp-worker", "tp-worker", "--model", str(model),
-                           "--leader", f"127.0.0.1:{bound.group(2)}")
+            services.spawn(
+                "tp-worker",
+                "tp-worker",
+                "--model",
+                str(model),
+                "--leader",
+                f"127.0.0.1:{bound.group(2)}",
+            )
             coordinator = services.spawn(
-                "coordinator", "coordinator", "--listen", "127.0.0.1:0",
-                "--admin-listen", "127.0.0.1:0", "--checkpoint-dir", str(workdir / "ckpt"),
-                "--preset", args.preset, "--wait-for-start", read_stdout=True,
+                "coordinator",
+                "coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--checkpoint-dir",
+                str(workdir / "ckpt"),
+                "--preset",
+                args.preset,
+                "--wait-for-start",
+                read_stdout=True,
             )
             admin = services.wait_line(coordinator, COORDINATOR_LINE)
             gateway = services.spawn(
-                "gateway", "gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-                "--coordinator-admin", f"127.0.0.1:{admin.group(4)}",
-                "--tp-frontend", f"127.0.0.1:{frontend_port}", read_stdout=True,
+                "gateway",
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+                "--coordinator-admin",
+                f"127.0.0.1:{admin.group(4)}",
+                "--tp-frontend",
+                f"127.0.0.1:{frontend_port}",
+                read_stdout=True,
             )
             listening = services.wait_line(gateway, GATEWAY_LINE)
-            pids = {name: services.procs[name].pid for name in ("tp-leader", "tp-worker",
-                                                                 "gateway")}
+            pids = {
+                name: services.procs[name].pid for name in ("tp-leader", "tp-worker", "gateway")
+            }
             results = asyncio.run(
-                measure(args, frontend_port, f"127.0.0.1:{listening.group(2)}",
-                        f"127.0.0.1:{listening.group(4)}", pids)
+                measure(
+                    args,
+                    frontend_port,
+                    f"127.0.0.1:{listening.group(2)}",
+                    f"127.0.0.1:{listening.group(4)}",
+                    pids,
+                )
             )
         finally:
             services.stop()

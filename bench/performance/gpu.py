@@ -112,8 +112,13 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
     params = TM.to_device(init_params(cfg, 0), DEVICE[0], requires_grad=True)
     opt = adamw(params, 0.01, torch.device(DEVICE[0]), lr=1e-3)
     loss_fn = torch.compile(TM.loss) if compiled else TM.loss
-    batches = [tuple(torch.from_numpy(a.astype(np.int64)).to(DEVICE[0])
-                     for a in corpus.sample_batch(i * b, b, t)) for i in range(4)]
+    batches = [
+        tuple(
+            torch.from_numpy(a.astype(np.int64)).to(DEVICE[0])
+            for a in corpus.sample_batch(i * b, b, t)
+        )
+        for i in range(4)
+    ]
     k = [0]
 
     def step() -> None:
@@ -129,8 +134,9 @@ def plain_loop(name: str, bf16: bool, compiled: bool, steps: int) -> float:
     return b / timed(step, 3 if compiled else 2, steps)
 
 
-def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool = True
-                ) -> tuple[float, float, dict[str, float]]:
+def worker_path(
+    name: str, bf16: bool, h: int, rounds: int, host_buffers: bool = True
+) -> tuple[float, float, dict[str, float]]:
     """samples/s of (a local round of h steps, a --sync-every 1 gradient); the process keeps
     freed memory as a worker's does (``retain_freed_memory``: on a VM whose memory grows as
     it is touched, a fresh 1.7 GB host buffer a round costs its page faults every round)."""
@@ -139,25 +145,39 @@ def worker_path(name: str, bf16: bool, h: int, rounds: int, host_buffers: bool =
     b, t = SHAPES[name]
     corpus = load_corpus(None)
     start = init_params(cfg, 0)
-    backend: Any = (TorchBackend(DEVICE[0], bf16=bf16, host_buffers=host_buffers)
-                    if DEVICE[0] != "numpy" else NUMPY)
+    backend: Any = (
+        TorchBackend(DEVICE[0], bf16=bf16, host_buffers=host_buffers)
+        if DEVICE[0] != "numpy"
+        else NUMPY
+    )
     inner = backend.make_inner(start, 0.01)
     r = [0]
 
     def round_() -> None:
-        backend.local_steps(start, inner, cfg, corpus,
-                            lr_at=lambda s: lr_schedule(s, 1e-3, 10, 1000), grad_clip=1.0,
-                            global_step=r[0] * h, sample_offset=r[0] * h * b,
-                            samples_per_step=b, steps=h, micro_batch=b, seq_len=t,
-                            aux_loss_coef=0.01)
+        backend.local_steps(
+            start,
+            inner,
+            cfg,
+            corpus,
+            lr_at=lambda s: lr_schedule(s, 1e-3, 10, 1000),
+            grad_clip=1.0,
+            global_step=r[0] * h,
+            sample_offset=r[0] * h * b,
+            samples_per_step=b,
+            steps=h,
+            micro_batch=b,
+            seq_len=t,
+            aux_loss_coef=0.01,
+        )
         r[0] += 1
 
     local = h * b / timed(round_, 1, rounds)
     phases = dict(getattr(backend, "last_phases", {}))
 
     def grad() -> None:
-        backend.compute_gradients(start, cfg, corpus, r[0] * b, b, seq_len=t, micro_batch=b,
-                                  aux_loss_coef=0.01)
+        backend.compute_gradients(
+            start, cfg, corpus, r[0] * b, b, seq_len=t, micro_batch=b, aux_loss_coef=0.01
+        )
         r[0] += 1
 
     return local, b / timed(grad, 1, rounds), phases
@@ -169,9 +189,11 @@ def section_train_cpu(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     blas = limit_blas_threads(args.threads)
-    say(f"## train on the CPU: samples/s, {args.threads} threads (torch "
+    say(
+        f"## train on the CPU: samples/s, {args.threads} threads (torch "
         f"{torch.get_num_threads()}, BLAS {blas}); worker path (H={args.hs[0]} local round, "
-        "and H=1) vs the plain torch loop")
+        "and H=1) vs the plain torch loop"
+    )
     for name, shape in (s.split("=") for s in args.cpu_shapes.split(",")):
         b, t = (int(v) for v in shape.split("x"))
         SHAPES[name] = (b, t)
@@ -182,10 +204,12 @@ def section_train_cpu(args: argparse.Namespace) -> None:
         DEVICE[0] = "numpy"
         np_local, np_grad, _ = worker_path(name, False, args.hs[0], args.rounds, False)
         DEVICE[0] = "cpu"
-        say(f"{name}: plain torch {eager:8.2f}; worker torch {local:8.2f} ({local / eager:.2f}x "
+        say(
+            f"{name}: plain torch {eager:8.2f}; worker torch {local:8.2f} ({local / eager:.2f}x "
             f"[{'PASS' if local >= 0.9 * eager else 'FAIL'} >= 0.9], H=1 {grad:8.2f}, "
             f"{grad / eager:.2f}x); worker numpy {np_local:8.2f} ({np_local / eager:.2f}x, "
-            f"H=1 {np_grad:8.2f})")
+            f"H=1 {np_grad:8.2f})"
+        )
 
 
 def section_train(args: argparse.Namespace) -> None:
@@ -208,32 +232,41 @@ def section_train(args: argparse.Namespace) -> None:
                     comp = plain_loop(name, False, True, args.steps)
                 except Exception as exc:  # report and go on
                     say(f"{name} f32: torch.compile failed: {type(exc).__name__}: {exc}"[:300])
-            say(f"{name} {kind}: plain eager {eager:8.1f}"
-                + (f"  plain compiled {comp:8.1f}" if comp else ""))
+            say(
+                f"{name} {kind}: plain eager {eager:8.1f}"
+                + (f"  plain compiled {comp:8.1f}" if comp else "")
+            )
             for h in args.hs:
                 for buffers in args.host_buffers:
                     local, grad, ph = worker_path(name, bf16, h, args.rounds, buffers == "on")
-                    line = (f"{name} {kind}: worker H={h:<3d} host buffers {buffers:3s} "
-                            f"{local:8.1f}  ->  {local / eager:.2f}x eager "
-                            f"[{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]")
+                    line = (
+                        f"{name} {kind}: worker H={h:<3d} host buffers {buffers:3s} "
+                        f"{local:8.1f}  ->  {local / eager:.2f}x eager "
+                        f"[{'PASS' if local >= 0.8 * eager else 'FAIL'} >= 0.8]"
+                    )
                     if comp:
-                        line += (f", {local / comp:.2f}x compiled "
-                                 f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]")
-                    say(line + f"   (worker H=1: {grad:8.1f}, {grad / eager:.2f}x eager; "
-                        "last round: " + ", ".join(f"{k} {v:.3f} s" for k, v in ph.items())
-                        + ")")
+                        line += (
+                            f", {local / comp:.2f}x compiled "
+                            f"[{'PASS' if local >= 0.8 * comp else 'FAIL'} >= 0.8]"
+                        )
+                    say(
+                        line + f"   (worker H=1: {grad:8.1f}, {grad / eager:.2f}x eager; "
+                        "last round: " + ", ".join(f"{k} {v:.3f} s" for k, v in ph.items()) + ")"
+                    )
             torch.cuda.empty_cache()
 
 
 # --- decode --------------------------------------------------------------------------------
 
 
-def engine_rates(path: Path, graphs: bool, n_decode: int, compiled: bool = False
-                 ) -> tuple[float, float]:
+def engine_rates(
+    path: Path, graphs: bool, n_decode: int, compiled: bool = False
+) -> tuple[float, float]:
     """(decode tokens/s at batch 1, prefill tokens/s of 512 tokens) of TorchEngine."""
     loaded = load_gguf_stored(path)
-    engine = TorchEngine(loaded.cfg, loaded.params, device="cuda", graphs=graphs,
-                         compile_step=compiled)
+    engine = TorchEngine(
+        loaded.cfg, loaded.params, device="cuda", graphs=graphs, compile_step=compiled
+    )
     prompt = list(np.random.default_rng(0).integers(3, 259, 512))
 
     def prefill() -> None:
@@ -253,9 +286,13 @@ def engine_rates(path: Path, graphs: bool, n_decode: int, compiled: bool = False
 
 
 def llama_rates(binary: str, path: Path) -> tuple[float, float] | None:
-    out = subprocess.run([binary, "-m", str(path), "-p", "512", "-n", "128", "-ngl", "99",
-                          "-o", "json"], capture_output=True, text=True, timeout=300,
-                         check=False)
+    out = subprocess.run(
+        [binary, "-m", str(path), "-p", "512", "-n", "128", "-ngl", "99", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if out.returncode != 0:
         say(f"llama-bench failed on {path.name}: {out.stderr[-300:]}")
         return None
@@ -268,8 +305,10 @@ def llama_rates(binary: str, path: Path) -> tuple[float, float] | None:
 def section_decode(args: argparse.Namespace, work: Path) -> None:
     cfg = preset("bench")
     params = init_params(cfg, 0)
-    say(f"## decode: bench preset ({cfg.n_params() / 1e6:.0f}M), batch 1, tokens/s; "
-        "weights dequantized to bf16 at load")
+    say(
+        f"## decode: bench preset ({cfg.n_params() / 1e6:.0f}M), batch 1, tokens/s; "
+        "weights dequantized to bf16 at load"
+    )
     for dtype in args.dtypes:
         path = work / f"bench-{dtype}.gguf"
         save_gguf(path, cfg, params, dtype=dtype)
@@ -278,8 +317,10 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
         eager, _ = engine_rates(path, False, args.decode_tokens // 2)
         torch.cuda.empty_cache()
         graphed = plain
-        line = (f"{dtype:5s} ours: decode {plain:7.0f} (graphs) {eager:7.0f} (eager: launch "
-                f"overhead {1e3 / eager - 1e3 / plain:.2f} ms of {1e3 / eager:.2f} ms/token)")
+        line = (
+            f"{dtype:5s} ours: decode {plain:7.0f} (graphs) {eager:7.0f} (eager: launch "
+            f"overhead {1e3 / eager - 1e3 / plain:.2f} ms of {1e3 / eager:.2f} ms/token)"
+        )
         if args.compile_decode:
             try:
                 graphed, _ = engine_rates(path, True, args.decode_tokens, compiled=True)
@@ -290,9 +331,11 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
         line += f"  prefill-512 {pre:8.0f}"
         ref = llama_rates(args.llama_bench, path) if args.llama_bench else None
         if ref:
-            line += (f"  | llama.cpp decode {ref[0]:7.0f} prefill {ref[1]:8.0f}  ->  decode "
-                     f"{graphed / ref[0]:.2f}x [{'PASS' if graphed >= 0.5 * ref[0] else 'FAIL'}"
-                     f" >= 0.5], prefill {pre / ref[1]:.2f}x")
+            line += (
+                f"  | llama.cpp decode {ref[0]:7.0f} prefill {ref[1]:8.0f}  ->  decode "
+                f"{graphed / ref[0]:.2f}x [{'PASS' if graphed >= 0.5 * ref[0] else 'FAIL'}"
+                f" >= 0.5], prefill {pre / ref[1]:.2f}x"
+            )
         say(line)
         path.unlink()
 
@@ -300,8 +343,7 @@ def section_decode(args: argparse.Namespace, work: Path) -> None:
 # --- mixed ---------------------------------------------------------------------------------
 
 
-def swarm_rate(work: Path, workers: list[tuple[list[str], str]], args: argparse.Namespace
-               ) -> float:
+def swarm_rate(work: Path, workers: list[tuple[list[str], str]], args: argparse.Namespace) -> float:
     """samples/s of a coordinator with these workers (their extra flags, and the cores
     ``--mixed-pin`` keeps them on), steady state; with ``--mixed-timelines`` every process
     writes its timeline and the phases are printed."""
@@ -310,24 +352,65 @@ def swarm_rate(work: Path, workers: list[tuple[list[str], str]], args: argparse.
     work.mkdir(parents=True)
     total = args.mixed_warmup + args.mixed_rounds
     h = args.mixed_sync_every
-    trace = (lambda name: ["--timeline", str(work / f"{name}.trace.json")]
-             ) if args.mixed_timelines else (lambda name: [])
+    trace = (
+        (lambda name: ["--timeline", str(work / f"{name}.trace.json")])
+        if args.mixed_timelines
+        else (lambda name: [])
+    )
     pin = (lambda cores: ["taskset", "-c", cores]) if args.mixed_pin else (lambda cores: [])
-    coord = Service("coordinator", [
-        "coordinator", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-        "--checkpoint-dir", str(work / "ckpt"), "--preset", "small",
-        "--global-batch", str(args.mixed_batch), "--seq-len", "64",
-        "--sync-every", str(h), "--max-steps", str(h * (total + 50)),
-        "--checkpoint-every", "100000", "--validate-every", "100000",
-        "--min-workers", str(len(workers)), *args.mixed_coordinator_args.split(),
-        *trace("coordinator")], work / "coordinator.log", prefix=pin("0-1"))
+    coord = Service(
+        "coordinator",
+        [
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--preset",
+            "small",
+            "--global-batch",
+            str(args.mixed_batch),
+            "--seq-len",
+            "64",
+            "--sync-every",
+            str(h),
+            "--max-steps",
+            str(h * (total + 50)),
+            "--checkpoint-every",
+            "100000",
+            "--validate-every",
+            "100000",
+            "--min-workers",
+            str(len(workers)),
+            *args.mixed_coordinator_args.split(),
+            *trace("coordinator"),
+        ],
+        work / "coordinator.log",
+        prefix=pin("0-1"),
+    )
     m = coord.wait_for(r"workers 127\.0\.0\.1:(\d+), admin 127\.0\.0\.1:(\d+)")
     port, admin = int(m.group(1)), int(m.group(2))
-    procs = [Service(f"w{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--worker-id",
-                               f"w{i}", *extra, *trace(f"w{i}")], work / f"w{i}.log",
-                     prefix=pin(cores))
-             for i, (extra, cores) in enumerate(workers)]
+    procs = [
+        Service(
+            f"w{i}",
+            [
+                "worker",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--worker-id",
+                f"w{i}",
+                *extra,
+                *trace(f"w{i}"),
+            ],
+            work / f"w{i}.log",
+            prefix=pin(cores),
+        )
+        for i, (extra, cores) in enumerate(workers)
+    ]
     try:
+
         def wait_step(step: int) -> tuple[float, int]:
             end = time.monotonic() + 300
             while time.monotonic() < end:
@@ -360,28 +443,40 @@ def say_phases(work: Path, from_step: int) -> None:
             if e.get("ph") == "X" and step >= from_step:
                 spans.setdefault(e["name"], []).append((step, e["dur"] / 1000, e["args"]))
         name = path.name.removesuffix(".trace.json")
-        say(f"  {name}: " + ", ".join(
-            f"{n} {float(np.median([d for _, d, _ in v])):.0f} ms x{len(v)}"
-            for n, v in sorted(spans.items())))
+        say(
+            f"  {name}: "
+            + ", ".join(
+                f"{n} {float(np.median([d for _, d, _ in v])):.0f} ms x{len(v)}"
+                for n, v in sorted(spans.items())
+            )
+        )
         if name == "coordinator":
             samples = {step: a.get("samples") for step, _, a in spans.get("apply", [])}
-            say("    rounds (step: ms, samples, outcome): " + ", ".join(
-                f"{step}: {d:.0f}, {samples.get(step)}, {a.get('outcome')}"
-                for step, d, a in spans.get("round", [])))
+            say(
+                "    rounds (step: ms, samples, outcome): "
+                + ", ".join(
+                    f"{step}: {d:.0f}, {samples.get(step)}, {a.get('outcome')}"
+                    for step, d, a in spans.get("round", [])
+                )
+            )
 
 
 def section_mixed(args: argparse.Namespace, work: Path) -> None:
     gpu, cpu = args.mixed_fast_args.split(), args.mixed_slow_args.split()
-    say(f"## mixed swarm: small preset, --sync-every {args.mixed_sync_every}, global batch "
+    say(
+        f"## mixed swarm: small preset, --sync-every {args.mixed_sync_every}, global batch "
         f"{args.mixed_batch}x64, 1 GPU + {args.cpu_workers} CPU workers (one core each); "
-        f"coordinator {args.mixed_coordinator_args or '(defaults)'}")
+        f"coordinator {args.mixed_coordinator_args or '(defaults)'}"
+    )
     # --mixed-pin: the coordinator on cores 0-1, the GPU worker on 2-5, CPU worker i on 8 + i,
     # in the standalone runs as in the mix (one host standing in for separate machines).
     fast = (gpu, "2-5")
     slow = [(cpu, str(8 + i)) for i in range(args.cpu_workers)]
     if args.mixed_pin and (os.cpu_count() or 1) < 8 + args.cpu_workers:
-        raise SystemExit(f"--mixed-pin needs {8 + args.cpu_workers} cores (cores 8.. for the "
-                         f"CPU workers); this machine has {os.cpu_count()}")
+        raise SystemExit(
+            f"--mixed-pin needs {8 + args.cpu_workers} cores (cores 8.. for the "
+            f"CPU workers); this machine has {os.cpu_count()}"
+        )
     ratios = []
     for r in range(args.mixed_repeats):
         # Each repeat measures its own standalone rates next to its mix: the GPU's rate moves
@@ -393,12 +488,16 @@ def section_mixed(args: argparse.Namespace, work: Path) -> None:
         total = g + args.cpu_workers * c
         ratios.append(mixed / total)
         verdict = "PASS" if mixed >= 0.9 * total else "FAIL"
-        say(f"standalone: GPU {g:.1f}, CPU {c:.1f} samples/s; sum {total:.1f}; mixed "
-            f"{mixed:.1f} ->  {mixed / total:.2f} of the sum [{verdict} >= 0.9]")
+        say(
+            f"standalone: GPU {g:.1f}, CPU {c:.1f} samples/s; sum {total:.1f}; mixed "
+            f"{mixed:.1f} ->  {mixed / total:.2f} of the sum [{verdict} >= 0.9]"
+        )
     if len(ratios) > 1:
         med = harness.median(ratios)
-        say(f"mixed of the sum over {len(ratios)} repeats: {' '.join(f'{x:.2f}' for x in ratios)}"
-            f"; median {med:.2f} [{'PASS' if med >= 0.9 else 'FAIL'} >= 0.9]")
+        say(
+            f"mixed of the sum over {len(ratios)} repeats: {' '.join(f'{x:.2f}' for x in ratios)}"
+            f"; median {med:.2f} [{'PASS' if med >= 0.9 else 'FAIL'} >= 0.9]"
+        )
 
 
 def section_parity(args: argparse.Namespace) -> None:
@@ -412,8 +511,10 @@ def section_parity(args: argparse.Namespace) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    say(f"## parity on {dev} (TF32 off): loss <= 1e-5 rel, gradients <= 1e-4 of the largest, "
-        "greedy tokens equal")
+    say(
+        f"## parity on {dev} (TF32 off): loss <= 1e-5 rel, gradients <= 1e-4 of the largest, "
+        "greedy tokens equal"
+    )
 
     def rel_max(a: np.ndarray, b: np.ndarray) -> float:
         return float(np.abs(a - b).max() / np.abs(b).max())
@@ -421,61 +522,92 @@ def section_parity(args: argparse.Namespace) -> None:
     def check(what: str, ok: bool, detail: str) -> None:
         say(f"{what}: {detail} [{'PASS' if ok else 'FAIL'}]")
 
-    for label, cfg in [("tiny", preset("tiny")),
-                       ("shared-expert", ModelConfig(n_ff_shared=32, n_expert=4,
-                                                     n_expert_used=2))]:
-        params = {k: p if k.endswith("norm.weight") else p * np.float32(20)
-                  for k, p in init_params(cfg, 1).items()}  # sharp routing, clear winners
+    for label, cfg in [
+        ("tiny", preset("tiny")),
+        ("shared-expert", ModelConfig(n_ff_shared=32, n_expert=4, n_expert_used=2)),
+    ]:
+        params = {
+            k: p if k.endswith("norm.weight") else p * np.float32(20)
+            for k, p in init_params(cfg, 1).items()
+        }  # sharp routing, clear winners
         rng = np.random.default_rng(7)
         tokens = rng.integers(0, cfg.n_vocab, (3, 24))
         targets = rng.integers(0, cfg.n_vocab, (3, 24))
         loss, _, grads = loss_and_grads(params, cfg, tokens, targets, aux_loss_coef=0.05)
         w = TM.to_device(params, dev, requires_grad=True)
-        total, _, _ = TM.loss(w, cfg, torch.from_numpy(tokens).to(dev),
-                              torch.from_numpy(targets).to(dev), 0.05)
+        total, _, _ = TM.loss(
+            w, cfg, torch.from_numpy(tokens).to(dev), torch.from_numpy(targets).to(dev), 0.05
+        )
         torch.autograd.backward(total)
         lr = abs(float(total.detach().cpu()) - loss) / abs(loss)
-        gr = max(rel_max(w[k].grad.detach().cpu().numpy(), g)  # type: ignore[union-attr]
-                 for k, g in grads.items())
+        gr = max(
+            rel_max(w[k].grad.detach().cpu().numpy(), g)  # type: ignore[union-attr]
+            for k, g in grads.items()
+        )
         check(f"{label} loss", lr <= 1e-5, f"rel {lr:.2e}")
         check(f"{label} gradients", gr <= 1e-4, f"max rel {gr:.2e}")
         want = list(generate_tokens(Engine(cfg, params), "Hello wor", 40))
-        got = list(generate_tokens(TorchEngine(cfg, params, device=dev, dtype="f32"),
-                                   "Hello wor", 40))
+        got = list(
+            generate_tokens(TorchEngine(cfg, params, device=dev, dtype="f32"), "Hello wor", 40)
+        )
         same = sum(a == b for a, b in zip(got, want, strict=False))
-        check(f"{label} greedy", got == want and len(set(want)) > 5,
-              f"{same}/{len(want)} tokens equal, {len(set(want))} distinct")
+        check(
+            f"{label} greedy",
+            got == want and len(set(want)) > 5,
+            f"{same}/{len(want)} tokens equal, {len(set(want))} distinct",
+        )
     cfg = preset("tiny")
     params = init_params(cfg, 3)
     corpus = load_corpus(None)
     backend = TorchBackend(dev)
-    a = NUMPY.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
-                                aux_loss_coef=0.01)
-    b = backend.compute_gradients(params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2,
-                                  aux_loss_coef=0.01)
+    a = NUMPY.compute_gradients(
+        params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2, aux_loss_coef=0.01
+    )
+    b = backend.compute_gradients(
+        params, cfg, corpus, 5, 6, seq_len=32, micro_batch=2, aux_loss_coef=0.01
+    )
     lr = abs(b.loss - a.loss) / a.loss
     gr = max(rel_max(b.grads[k], g) for k, g in a.grads.items())
-    check("backend compute_gradients", lr <= 1e-5 and gr <= 1e-4,
-          f"loss rel {lr:.2e}, gradients max rel {gr:.2e}")
+    check(
+        "backend compute_gradients",
+        lr <= 1e-5 and gr <= 1e-4,
+        f"loss rel {lr:.2e}, gradients max rel {gr:.2e}",
+    )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--only", nargs="*", default=["train", "decode", "mixed"])
     ap.add_argument("--presets", nargs="*", default=["small", "bench", "medium"])
-    ap.add_argument("--hs", type=int, nargs="*", default=[4, 16],
-                    help="inner steps of the timed local rounds (--sync-every H)")
+    ap.add_argument(
+        "--hs",
+        type=int,
+        nargs="*",
+        default=[4, 16],
+        help="inner steps of the timed local rounds (--sync-every H)",
+    )
     ap.add_argument("--kinds", nargs="*", default=["f32", "bf16"])
-    ap.add_argument("--host-buffers", nargs="*", default=["on"], choices=["on", "off"],
-                    help="the worker path through reused page-locked buffers (on, the "
-                    "default) or pageable copies (off); both to compare")
+    ap.add_argument(
+        "--host-buffers",
+        nargs="*",
+        default=["on"],
+        choices=["on", "off"],
+        help="the worker path through reused page-locked buffers (on, the "
+        "default) or pageable copies (off); both to compare",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="timed local rounds")
     ap.add_argument("--steps", type=int, default=6, help="timed steps of the plain loops")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--decode-tokens", type=int, default=256)
-    ap.add_argument("--compile-decode", action="store_true",
-                    help="also time the torch.compile'd one-token step in its graph")
+    ap.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="also time the torch.compile'd one-token step in its graph",
+    )
     ap.add_argument("--dtypes", nargs="*", default=["f32", "f16", "q8_0"])
     ap.add_argument("--llama-bench", default=None, help="a CUDA build's llama-bench")
     ap.add_argument("--cpu-workers", type=int, default=4)
@@ -483,45 +615,75 @@ def main() -> int:
     ap.add_argument("--mixed-warmup", type=int, default=1, help="rounds before measuring")
     ap.add_argument("--mixed-rounds", type=int, default=3, help="measured rounds")
     ap.add_argument("--mixed-sync-every", type=int, default=8)
-    ap.add_argument("--mixed-coordinator-args", default="",
-                    help="more coordinator flags for the mixed swarms, e.g. '--overlap'")
-    ap.add_argument("--mixed-fast-args", default="--device cuda",
-                    help="the fast worker's flags")
-    ap.add_argument("--mixed-slow-args", default="",
-                    help="each CPU worker's flags ('--slowdown 20' and a numpy fast worker "
-                    "reproduce the mix without a GPU)")
-    ap.add_argument("--mixed-repeats", type=int, default=1,
-                    help="standalone GPU, standalone CPU and the mix, this many times in turn")
-    ap.add_argument("--mixed-pin", action="store_true",
-                    help="each process of the mixed swarms on cores of its own (taskset)")
-    ap.add_argument("--mixed-timelines", action="store_true",
-                    help="print each process's median phase times")
+    ap.add_argument(
+        "--mixed-coordinator-args",
+        default="",
+        help="more coordinator flags for the mixed swarms, e.g. '--overlap'",
+    )
+    ap.add_argument("--mixed-fast-args", default="--device cuda", help="the fast worker's flags")
+    ap.add_argument(
+        "--mixed-slow-args",
+        default="",
+        help="each CPU worker's flags ('--slowdown 20' and a numpy fast worker "
+        "reproduce the mix without a GPU)",
+    )
+    ap.add_argument(
+        "--mixed-repeats",
+        type=int,
+        default=1,
+        help="standalone GPU, standalone CPU and the mix, this many times in turn",
+    )
+    ap.add_argument(
+        "--mixed-pin",
+        action="store_true",
+        help="each process of the mixed swarms on cores of its own (taskset)",
+    )
+    ap.add_argument(
+        "--mixed-timelines", action="store_true", help="print each process's median phase times"
+    )
     ap.add_argument("--parity-device", default="cuda", help="parity: cuda or cpu")
-    ap.add_argument("--train-device", default="cuda", choices=["cuda", "cpu"],
-                    help="train: on the GPU (default) or on the CPU with --threads")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="--train-device cpu: threads of torch and BLAS (default: all)")
-    ap.add_argument("--cpu-shapes", default="small=16x128,bench=4x128",
-                    help="--train-device cpu: preset=BATCHxSEQ of each timed preset")
+    ap.add_argument(
+        "--train-device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="train: on the GPU (default) or on the CPU with --threads",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="--train-device cpu: threads of torch and BLAS (default: all)",
+    )
+    ap.add_argument(
+        "--cpu-shapes",
+        default="small=16x128,bench=4x128",
+        help="--train-device cpu: preset=BATCHxSEQ of each timed preset",
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the lines here")
     args = ap.parse_args()
     if args.out:
         OUT.append(args.out)
-    cpu_only = ((args.only == ["parity"] and args.parity_device == "cpu")
-                or (args.only == ["train"] and args.train_device == "cpu")
-                or (args.only == ["mixed"] and "cuda" not in args.mixed_fast_args))
+    cpu_only = (
+        (args.only == ["parity"] and args.parity_device == "cpu")
+        or (args.only == ["train"] and args.train_device == "cpu")
+        or (args.only == ["mixed"] and "cuda" not in args.mixed_fast_args)
+    )
     if not cpu_only and not torch.cuda.is_available():
         raise SystemExit("bench/performance/gpu.py needs a CUDA GPU")
-    say(f"# {torch.cuda.get_device_name() if not cpu_only else 'CPU'}, "
-        f"torch {torch.__version__}, {os.cpu_count()} cores")
+    say(
+        f"# {torch.cuda.get_device_name() if not cpu_only else 'CPU'}, "
+        f"torch {torch.__version__}, {os.cpu_count()} cores"
+    )
     with tempfile.TemporaryDirectory(prefix="foundry-gpu-") as tmp:
         work = Path(tmp)
         for name in args.only:
             try:
-                {"train": lambda: section_train(args),
-                 "decode": lambda: section_decode(args, work),
-                 "mixed": lambda: section_mixed(args, work),
-                 "parity": lambda: section_parity(args)}[name]()
+                {
+                    "train": lambda: section_train(args),
+                    "decode": lambda: section_decode(args, work),
+                    "mixed": lambda: section_mixed(args, work),
+                    "parity": lambda: section_parity(args),
+                }[name]()
             except Exception as exc:  # a section's failure is a result too
                 say(f"{name} failed: {type(exc).__name__}: {exc}"[:500])
     return 0 if not any(re.search(r"\bFAIL\b|failed", x) for x in LINES) else 1

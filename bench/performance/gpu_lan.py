@@ -51,39 +51,67 @@ from lan import Baseline, Network, Result, mb, run_config
 from foundry.model.spec.config import preset
 
 
-def run(args: argparse.Namespace, work: Path, name: str, workers: int, rate: str,
-        target: float, max_steps: int) -> Result:
+def run(
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    workers: int,
+    rate: str,
+    target: float,
+    max_steps: int,
+) -> Result:
     a = copy.copy(args)
     a.workers, a.max_steps, a.stop_at_target = workers, max_steps, True
-    base = Baseline(samples_per_s=float("nan"), target=target, seconds_to_target=float("nan"),
-                    curve=[])
+    base = Baseline(
+        samples_per_s=float("nan"), target=target, seconds_to_target=float("nan"), curve=[]
+    )
     net = Network(workers + 1, rate, args.ip, args.tc)
     folder = work / name.replace(" ", "-")
     try:
         net.up()
-        return run_config(net, folder, a, base, name,
-                          ["--sync-every", str(args.sync_every),
-                           "--validate-device", args.validate_device,
-                           *args.coordinator_args])
+        return run_config(
+            net,
+            folder,
+            a,
+            base,
+            name,
+            [
+                "--sync-every",
+                str(args.sync_every),
+                "--validate-device",
+                args.validate_device,
+                *args.coordinator_args,
+            ],
+        )
     finally:
         net.down()
         if args.keep_logs and (folder / "coordinator.log").exists():
             args.keep_logs.mkdir(parents=True, exist_ok=True)
-            shutil.copy(folder / "coordinator.log",
-                        args.keep_logs / f"{folder.name}-coordinator.log")
+            shutil.copy(
+                folder / "coordinator.log", args.keep_logs / f"{folder.name}-coordinator.log"
+            )
 
 
 def show(r: Result, alone: Result, args: argparse.Namespace) -> None:
     tt = "-" if r.seconds_to_target is None else f"{r.seconds_to_target:.1f} s"
-    ratio = ("" if r.seconds_to_target is None or not alone.seconds_to_target else
-             f" ({alone.seconds_to_target / r.seconds_to_target:.2f}x sooner than alone)")
+    ratio = (
+        ""
+        if r.seconds_to_target is None or not alone.seconds_to_target
+        else f" ({alone.seconds_to_target / r.seconds_to_target:.2f}x sooner than alone)"
+    )
     h = args.sync_every
-    traffic = ("" if math.isnan(r.up_per_step) else
-               f"; per round (H={h}) up {mb(r.up_per_step * h)} MB, down "
-               f"{mb(r.down_per_step * h)} MB through the coordinator's port")
+    traffic = (
+        ""
+        if math.isnan(r.up_per_step)
+        else f"; per round (H={h}) up {mb(r.up_per_step * h)} MB, down "
+        f"{mb(r.down_per_step * h)} MB through the coordinator's port"
+    )
     curve = " ".join(f"{s}:{loss:.3f}" for s, _, loss in r.curve)
-    print(f"{r.name}: {r.samples_per_s:.1f} samples/s, to target {tt}{ratio}{traffic}"
-          f"{'; ' + r.note if r.note else ''}", flush=True)
+    print(
+        f"{r.name}: {r.samples_per_s:.1f} samples/s, to target {tt}{ratio}{traffic}"
+        f"{'; ' + r.note if r.note else ''}",
+        flush=True,
+    )
     print(f"  validation by step: {curve}", flush=True)
 
 
@@ -92,8 +120,11 @@ def interrupted(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rate", default="1gbit", help="the pair's ports (tc syntax)")
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--global-batch", type=int, default=32)
@@ -101,21 +132,37 @@ def main() -> int:
     ap.add_argument("--sync-every", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-steps", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=64,
-                    help="alone's steps; its validation loss there is the target")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=64,
+        help="alone's steps; its validation loss there is the target",
+    )
     ap.add_argument("--max-steps", type=int, default=0, help="a pair's cap (default 2x)")
     ap.add_argument("--validate-every", type=int, default=16)
     ap.add_argument("--worker-args", type=shlex.split, default=["--device", "cuda"])
-    ap.add_argument("--validate-device", default=None,
-                    help="the coordinator's --validate-device (default: the workers' --device; "
-                    "numpy validates a 126M model in minutes, a GPU in seconds)")
-    ap.add_argument("--config-timeout", type=float, default=150.0,
-                    help="seconds each swarm may run")
+    ap.add_argument(
+        "--validate-device",
+        default=None,
+        help="the coordinator's --validate-device (default: the workers' --device; "
+        "numpy validates a 126M model in minutes, a GPU in seconds)",
+    )
+    ap.add_argument(
+        "--config-timeout", type=float, default=150.0, help="seconds each swarm may run"
+    )
     ap.add_argument("--no-loopback-pair", action="store_true")
-    ap.add_argument("--coordinator-args", type=shlex.split, default=[],
-                    help="more coordinator flags for every swarm, e.g. '--compression qsgd'")
-    ap.add_argument("--keep-logs", type=Path, default=None,
-                    help="copy each swarm's coordinator log into this folder")
+    ap.add_argument(
+        "--coordinator-args",
+        type=shlex.split,
+        default=[],
+        help="more coordinator flags for every swarm, e.g. '--compression qsgd'",
+    )
+    ap.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="copy each swarm's coordinator log into this folder",
+    )
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
@@ -128,11 +175,14 @@ def main() -> int:
     cap = max(args.max_steps or 2 * args.steps, args.steps)
     cfg = preset(args.preset)
     dense = 4 * sum(math.prod(s) for s in cfg.param_shapes().values())
-    print(f"# gpu lan: preset {args.preset} (dense f32 weights {dense / 1e6:.1f} MB), global "
-          f"batch {args.global_batch}x{args.seq_len}, --sync-every {args.sync_every}, workers "
-          f"{shlex.join(args.worker_args)}, coordinator "
-          f"{shlex.join(args.coordinator_args) or '(defaults)'}, validation on "
-          f"{args.validate_device}, {os.cpu_count()} cores", flush=True)
+    print(
+        f"# gpu lan: preset {args.preset} (dense f32 weights {dense / 1e6:.1f} MB), global "
+        f"batch {args.global_batch}x{args.seq_len}, --sync-every {args.sync_every}, workers "
+        f"{shlex.join(args.worker_args)}, coordinator "
+        f"{shlex.join(args.coordinator_args) or '(defaults)'}, validation on "
+        f"{args.validate_device}, {os.cpu_count()} cores",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="foundry-gpulan-") as tmp:
         work = Path(tmp)
         alone = run(args, work, "alone", 1, "loopback", -math.inf, args.steps)
@@ -141,8 +191,9 @@ def main() -> int:
             return 1
         target = alone.curve[-1][2]
         alone.seconds_to_target = alone.curve[-1][1]
-        print(f"target: alone's validation loss {target:.4f} at step {alone.curve[-1][0]}",
-              flush=True)
+        print(
+            f"target: alone's validation loss {target:.4f} at step {alone.curve[-1][0]}", flush=True
+        )
         show(alone, alone, args)
         pair: Result | None = None
         try:
@@ -153,10 +204,17 @@ def main() -> int:
         if not args.no_loopback_pair:
             loop = run(args, work, "pair loopback", 2, "loopback", target, cap)
             show(loop, alone, args)
-            print(f"GPU shared: the pair on loopback trains {loop.samples_per_s:.1f} samples/s "
-                  f"= {loop.samples_per_s / alone.samples_per_s:.2f}x alone (two hosts: up to "
-                  "2x)" + ("" if pair is None else f"; the link leaves "
-                  f"{pair.samples_per_s / loop.samples_per_s:.2f}x of that"), flush=True)
+            print(
+                f"GPU shared: the pair on loopback trains {loop.samples_per_s:.1f} samples/s "
+                f"= {loop.samples_per_s / alone.samples_per_s:.2f}x alone (two hosts: up to "
+                "2x)"
+                + (
+                    ""
+                    if pair is None
+                    else f"; the link leaves {pair.samples_per_s / loop.samples_per_s:.2f}x of that"
+                ),
+                flush=True,
+            )
     return 0
 
 

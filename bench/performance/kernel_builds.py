@@ -51,8 +51,13 @@ from foundry.model.nn import transformer as T
 from foundry.model.spec.config import preset
 
 # ggml type code, values and bytes per block
-TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_K": (12, 256, 144), "Q6_K": (14, 256, 210),
-         "F16": (1, 1, 2)}
+TYPES = {
+    "Q8_0": (8, 32, 34),
+    "Q4_0": (2, 32, 18),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+    "F16": (1, 1, 2),
+}
 K = 1024
 
 
@@ -90,13 +95,19 @@ def in_huge_pages(a: np.ndarray) -> np.ndarray:
     buf.madvise(mmap.MADV_HUGEPAGE)
     whole = np.frombuffer(buf, np.uint8)
     start = -whole.ctypes.data % HUGE_PAGE
-    out = whole[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = whole[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
 
-def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: int,
-             huge_pages: bool, inputs: int) -> None:
+def products(
+    builds: dict[str, ModuleType],
+    types: list[str],
+    rows: int,
+    reps: int,
+    huge_pages: bool,
+    inputs: int,
+) -> None:
     rng = np.random.default_rng(0)
     w = {t: weights(t, rows, rng) for t in types}
     if huge_pages:
@@ -114,17 +125,27 @@ def products(builds: dict[str, ModuleType], types: list[str], rows: int, reps: i
                 best[b, t] = min(best[b, t], time.perf_counter() - t0)
                 out[b, t] = y.copy()
     for b in builds:  # a block of inputs in multiply-adds a second, one in weights streamed
-        print(f"{b}: " + ", ".join(
-            f"{t} {inputs * rows * K / best[b, t] / 1e9:.2f} GMAC/s" if inputs > 1 else
-            f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s" for t in kinds))
+        print(
+            f"{b}: "
+            + ", ".join(
+                f"{t} {inputs * rows * K / best[b, t] / 1e9:.2f} GMAC/s"
+                if inputs > 1
+                else f"{t} {w[t].nbytes / best[b, t] / 1e9:.1f} GB/s"
+                for t in kinds
+            )
+        )
     first = next(iter(builds))
     for b in list(builds)[1:]:  # its speed against the first build's (above 1: faster)
-        print(f"{b} against {first}: " + ", ".join(
-            f"{t} {harness.ratio(best[first, t], best[b, t]):.3f}x" for t in kinds))
-    differ = [t for t in kinds if any(not np.array_equal(out[b, t], out[first, t])
-                                      for b in builds)]
-    print("the same bits from every build" if not differ else
-          f"builds give different bits for {', '.join(differ)}")
+        print(
+            f"{b} against {first}: "
+            + ", ".join(f"{t} {harness.ratio(best[first, t], best[b, t]):.3f}x" for t in kinds)
+        )
+    differ = [t for t in kinds if any(not np.array_equal(out[b, t], out[first, t]) for b in builds)]
+    print(
+        "the same bits from every build"
+        if not differ
+        else f"builds give different bits for {', '.join(differ)}"
+    )
     del w
     f32 = {"f32": rng.standard_normal((rows, K), dtype=np.float32)}
     if huge_pages:
@@ -186,15 +207,17 @@ def main() -> None:
     ap.add_argument("--decode", default=None, help="also decode these types (f16,q8_0,q4_0)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp"))
-    ap.add_argument("--huge-pages", action="store_true",
-                    help="also run each product from a copy of its weights in huge pages")
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="also run each product from a copy of its weights in huge pages",
+    )
     args = ap.parse_args()
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
     builds = {name: load(path) for name, path in (b.split("=", 1) for b in args.builds)}
     if args.rows > 0:
-        products(builds, args.types.split(","), args.rows, args.reps, args.huge_pages,
-                 args.inputs)
+        products(builds, args.types.split(","), args.rows, args.reps, args.huge_pages, args.inputs)
     if args.decode:
         decode(builds, args.decode.split(","), args.tokens, args.model_dir)
 

@@ -50,8 +50,16 @@ from foundry.model.kernels.quant import QType
 from foundry.model.nn import transformer as T
 from foundry.model.spec.config import preset
 
-TYPES = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1, QType.Q4_K,
-         QType.Q6_K)
+TYPES = (
+    QType.F16,
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q5_0,
+    QType.Q4_1,
+    QType.Q5_1,
+    QType.Q4_K,
+    QType.Q6_K,
+)
 
 
 def stored(w: np.ndarray, qtype: QType) -> quant.QTensor:
@@ -91,25 +99,48 @@ def file_weights(path: Path) -> tuple[list[tuple[str, quant.QTensor]], tuple[str
     return layers, (name, head[name])
 
 
-def llama_bench_prompt_and_decode(llama_cpp: Path, path: Path, prompt: int,
-                                  cores: str | None, depth: int = 0, threads: int = 1,
-                                  extra: tuple[str, ...] = ()) -> tuple[float, float]:
+def llama_bench_prompt_and_decode(
+    llama_cpp: Path,
+    path: Path,
+    prompt: int,
+    cores: str | None,
+    depth: int = 0,
+    threads: int = 1,
+    extra: tuple[str, ...] = (),
+) -> tuple[float, float]:
     """llama.cpp's tokens/s of a ``prompt``-token prompt and of 64 tokens decoded after
     ``depth`` tokens of context (``-d``: the attention the decoded tokens pay), on
     ``threads`` threads (``-t``)."""
     pin = ["taskset", "-c", cores] if cores else []
-    base = [*pin, str(llama_cpp / "llama-bench"), "-m", str(path), "-t", str(threads), "-r",
-            "1", *extra, "-o", "json"]
+    base = [
+        *pin,
+        str(llama_cpp / "llama-bench"),
+        "-m",
+        str(path),
+        "-t",
+        str(threads),
+        "-r",
+        "1",
+        *extra,
+        "-o",
+        "json",
+    ]
     runs = [["-p", str(prompt), "-n", "0"], ["-p", "0", "-n", "64", "-d", str(depth)]]
-    rows = [row for args in runs for row in json.loads(subprocess.run(
-        [*base, *args], check=True, capture_output=True, text=True).stdout)]
+    rows = [
+        row
+        for args in runs
+        for row in json.loads(
+            subprocess.run([*base, *args], check=True, capture_output=True, text=True).stdout
+        )
+    ]
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] == 64)
     return float(pp), float(tg)
 
 
-def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
-               cores: str | None) -> bool:
+def bench_file(
+    path: Path, llama_cpp: Path | None, rounds: int, prompt: int, cores: str | None
+) -> bool:
     """Our products of a file's tensors against llama.cpp's whole token and prompt (module
     docstring), ``rounds`` interleaved rounds; True when the medians meet the targets."""
     layers, (head_name, head) = file_weights(path)
@@ -117,11 +148,15 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
     by_type: dict[str, int] = defaultdict(int)
     for _, w in [*layers, (head_name, head)]:
         by_type[w.qtype.name] += w.nbytes
-    print(f"{path.name}: {len(layers)} layer tensors and the head ({head_name}, "
-          f"{head.qtype.name}); kernels {quant.KERNELS}, 1 thread; bytes per type: "
-          + ", ".join(f"{t} {b / 1e6:.1f} MB" for t, b in sorted(by_type.items())))
-    inputs = {w.shape[1]: rng.standard_normal((prompt, w.shape[1]), dtype=np.float32)
-              for _, w in [*layers, (head_name, head)]}
+    print(
+        f"{path.name}: {len(layers)} layer tensors and the head ({head_name}, "
+        f"{head.qtype.name}); kernels {quant.KERNELS}, 1 thread; bytes per type: "
+        + ", ".join(f"{t} {b / 1e6:.1f} MB" for t, b in sorted(by_type.items()))
+    )
+    inputs = {
+        w.shape[1]: rng.standard_normal((prompt, w.shape[1]), dtype=np.float32)
+        for _, w in [*layers, (head_name, head)]
+    }
     ratios: dict[str, list[float]] = {"decode": [], "prompt": []}
     for r in range(rounds):
         per_type: dict[str, float] = defaultdict(float)
@@ -134,25 +169,31 @@ def bench_file(path: Path, llama_cpp: Path | None, rounds: int, prompt: int,
             quant.linear(inputs[w.shape[1]], w)
         quant.linear(inputs[head.shape[1]][:1], head)
         prefill = time.perf_counter() - t0
-        line = (f"  round {r + 1}: products of a token {decode * 1e3:7.2f} ms, of a "
-                f"{prompt}-token prompt {prefill:6.2f} s ({prompt / prefill:6.1f} tokens/s); GB/s "
-                + ", ".join(f"{t} {by_type[t] / s / 1e9:.1f}" for t, s in sorted(per_type.items())))
+        line = (
+            f"  round {r + 1}: products of a token {decode * 1e3:7.2f} ms, of a "
+            f"{prompt}-token prompt {prefill:6.2f} s ({prompt / prefill:6.1f} tokens/s); GB/s "
+            + ", ".join(f"{t} {by_type[t] / s / 1e9:.1f}" for t, s in sorted(per_type.items()))
+        )
         if llama_cpp is not None:
             pp, tg = llama_bench_prompt_and_decode(llama_cpp, path, prompt, cores)
             ratios["decode"].append((1 / tg) / decode)
             ratios["prompt"].append((prompt / pp) / prefill)
-            line += (f"\n           llama.cpp {tg:6.2f} tokens/s decode ({1e3 / tg:7.2f} ms, "
-                     f"{sum(by_type.values()) * tg / 1e9:.1f} GB/s of these tensors), {pp:6.1f} "
-                     f"tokens/s prompt: ratio {ratios['decode'][-1]:.2f}x decode, "
-                     f"{ratios['prompt'][-1]:.2f}x prompt")
+            line += (
+                f"\n           llama.cpp {tg:6.2f} tokens/s decode ({1e3 / tg:7.2f} ms, "
+                f"{sum(by_type.values()) * tg / 1e9:.1f} GB/s of these tensors), {pp:6.1f} "
+                f"tokens/s prompt: ratio {ratios['decode'][-1]:.2f}x decode, "
+                f"{ratios['prompt'][-1]:.2f}x prompt"
+            )
         print(line, flush=True)
     if llama_cpp is None:
         return True
     dec, pre = harness.median(ratios["decode"]), harness.median(ratios["prompt"])
     ok = dec >= 1.0 and pre >= 0.5
-    print(f"  median over {rounds} rounds, our products against llama.cpp's whole run: decode "
-          f"{dec:.2f}x (target >= 1.0x), prompt {pre:.2f}x (target >= 0.5x): "
-          f"{'PASS' if ok else 'FAIL'}")
+    print(
+        f"  median over {rounds} rounds, our products against llama.cpp's whole run: decode "
+        f"{dec:.2f}x (target >= 1.0x), prompt {pre:.2f}x (target >= 0.5x): "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
     return ok
 
 
@@ -161,29 +202,45 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="float32 size of the matrix, MB")
     ap.add_argument("--k", type=int, default=1024, help="row length")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--path", default="best", choices=["best", "avx2", "portable"],
-                    help="kernel path: the best this CPU has, AVX2 without VNNI, portable C")
-    ap.add_argument("--gguf", type=Path, default=None,
-                    help="time the products of this file's tensors instead (docstring)")
-    ap.add_argument("--llama-cpp", type=Path, default=None,
-                    help="llama.cpp build folder with llama-bench (with --gguf)")
+    ap.add_argument(
+        "--path",
+        default="best",
+        choices=["best", "avx2", "portable"],
+        help="kernel path: the best this CPU has, AVX2 without VNNI, portable C",
+    )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="time the products of this file's tensors instead (docstring)",
+    )
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="llama.cpp build folder with llama-bench (with --gguf)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds with --gguf (default 3)")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens with --gguf")
-    ap.add_argument("--cores", default=None,
-                    help="pin this process and llama-bench to these cores (e.g. 1)")
+    ap.add_argument(
+        "--cores", default=None, help="pin this process and llama-bench to these cores (e.g. 1)"
+    )
     args = ap.parse_args()
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     if args.path != "best" and quant._kernels is not None:
         quant._kernels.use(args.path)
     if args.gguf is not None:
-        sys.exit(0 if bench_file(args.gguf, args.llama_cpp, args.rounds, args.prompt,
-                                 args.cores) else 1)
+        sys.exit(
+            0 if bench_file(args.gguf, args.llama_cpp, args.rounds, args.prompt, args.cores) else 1
+        )
     rows = args.mb * 1_000_000 // (4 * args.k)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((rows, args.k), dtype=np.float32)
-    print(f"kernels: {quant.KERNELS} (path {args.path}); "
-          f"matrix {rows} x {args.k}, 1 thread, best of {args.reps}")
+    print(
+        f"kernels: {quant.KERNELS} (path {args.path}); "
+        f"matrix {rows} x {args.k}, 1 thread, best of {args.reps}"
+    )
     for n in (1, 64):
         x = rng.standard_normal((n, args.k), dtype=np.float32)
         base = best_of(args.reps, lambda x=x, w=w: x @ w.T)
@@ -191,22 +248,29 @@ def main() -> None:
         for qtype in TYPES:
             q = stored(w, qtype)
             t = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
-            print(f"  {n} row(s): {qtype.name:<5}     {q.nbytes / t / 1e9:6.1f} GB/s "
-                  f"{rows * args.k * n / t / 1e9:6.1f} GMAC/s ({t * 1e3:.2f} ms, "
-                  f"{base / t:.2f}x f32's time)")
+            print(
+                f"  {n} row(s): {qtype.name:<5}     {q.nbytes / t / 1e9:6.1f} GB/s "
+                f"{rows * args.k * n / t / 1e9:6.1f} GMAC/s ({t * 1e3:.2f} ms, "
+                f"{base / t:.2f}x f32's time)"
+            )
     del w
     cfg = preset("small")
     params = T.init_params(cfg, seed=0)
     for dtype in ("f32", "q8_0"):
-        held = {n: p if storage_type(dtype, n, p.shape) == QType.F32  # type: ignore[arg-type]
-                else quant.quantize(p, storage_type(dtype, n, p.shape))  # type: ignore[arg-type]
-                for n, p in params.items()}
+        held = {
+            n: p
+            if storage_type(dtype, n, p.shape) == QType.F32  # type: ignore[arg-type]
+            else quant.quantize(p, storage_type(dtype, n, p.shape))  # type: ignore[arg-type]
+            for n, p in params.items()
+        }
         engine = Engine(cfg, held)
         s = engine.new_session()
         engine.decode(s, list(range(3, 19)))
         t = best_of(50, lambda e=engine, s=s: e.decode(s, [5]))
-        print(f"engine overhead: small preset ({cfg.n_layer} layers, {len(engine.parts)} parts) "
-              f"{dtype}: {t * 1e3:.2f} ms per token")
+        print(
+            f"engine overhead: small preset ({cfg.n_layer} layers, {len(engine.parts)} parts) "
+            f"{dtype}: {t * 1e3:.2f} ms per token"
+        )
 
 
 if __name__ == "__main__":

@@ -131,8 +131,23 @@ class Network:
         # Burst: 10 ms at the rate, and never below a 64 KiB GSO segment (veth sends those).
         bits = parse_rate(self.rate)
         burst = max(bits // 8 // 100, 96 * 1024)
-        self._run(self.tc, "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                  self.rate, "burst", str(burst), "latency", "20ms")
+        self._run(
+            self.tc,
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            self.rate,
+            "burst",
+            str(burst),
+            "latency",
+            "20ms",
+        )
 
     def up(self) -> None:
         if not self.shaped:
@@ -144,8 +159,21 @@ class Network:
             host = self.ns(i)
             self._add_ns(host)
             port = f"p{i}"
-            self._run(self.ip, "-n", host, "link", "add", "eth0", "type", "veth", "peer",
-                      "name", port, "netns", self.switch)
+            self._run(
+                self.ip,
+                "-n",
+                host,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
             self._run(self.ip, "-n", self.switch, "link", "set", port, "master", "br0")
             self._run(self.ip, "-n", self.switch, "link", "set", port, "up")
             self._run(self.ip, "-n", host, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
@@ -166,8 +194,7 @@ class Network:
         """(bytes host i sent, bytes host i received), from its switch port's counters."""
         if not self.shaped:
             return 0, 0
-        out = json.loads(self._run(self.ip, "-n", self.switch, "-s", "-j", "link", "show",
-                                   f"p{i}"))
+        out = json.loads(self._run(self.ip, "-n", self.switch, "-s", "-j", "link", "show", f"p{i}"))
         stats = out[0]["stats64"]
         # The switch port receives what the host sends, and sends what the host receives.
         return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
@@ -204,9 +231,13 @@ def one_process(args: argparse.Namespace) -> Baseline:
     coordinator validates beside its rounds, so neither side's time includes validation."""
     retain_freed_memory()
     cfg = preset(args.preset)
-    settings = TrainSettings(global_batch=args.global_batch, seq_len=args.seq_len,
-                             total_steps=args.steps, warmup_steps=args.warmup_steps,
-                             lr=args.lr)
+    settings = TrainSettings(
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        total_steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        lr=args.lr,
+    )
     trainer = Trainer(cfg, settings, init_params(cfg, 0))
     corpus = load_corpus(None)
     curve = []
@@ -219,24 +250,25 @@ def one_process(args: argparse.Namespace) -> Baseline:
         if step == WARM_STEPS:
             warm_t = trained
         if step % args.validate_every == 0 or step == args.steps:
-            curve.append((step, trained, evaluate_loss(trainer.params, cfg, corpus,
-                                                       args.seq_len)))
+            curve.append((step, trained, evaluate_loss(trainer.params, cfg, corpus, args.seq_len)))
     target = curve[-1][2]
     first = next(t for _, t, loss in curve if loss <= target)
     rate = (args.steps - WARM_STEPS) * args.global_batch / (trained - warm_t)
     return Baseline(rate, target, first, curve)
 
 
-def train_alone(preset_name: str, samples: int, seq_len: int, steps: int,
-                slowdown: float, start: float) -> float:
+def train_alone(
+    preset_name: str, samples: int, seq_len: int, steps: int, slowdown: float, start: float
+) -> float:
     """Samples/s of ``steps`` training steps of ``samples`` sequences (``Trainer.train_step``,
     as one process trains), after one warm step; ``slowdown`` sleeps as a slowed worker does.
     The steps begin at ``start`` (time.time()), so processes started one after the other run
     together."""
     retain_freed_memory()  # as a worker and one process do: not a page fault per 4 KiB a step
     cfg = preset(preset_name)
-    trainer = Trainer(cfg, TrainSettings(global_batch=samples, seq_len=seq_len),
-                      init_params(cfg, 0))
+    trainer = Trainer(
+        cfg, TrainSettings(global_batch=samples, seq_len=seq_len), init_params(cfg, 0)
+    )
     corpus = load_corpus(None)
     time.sleep(max(0.0, start - time.time()))
     t0, fastest = 0.0, float("inf")
@@ -257,9 +289,20 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, list[float]]:
     shares = [args.global_batch // n + (1 if i < args.global_batch % n else 0) for i in range(n)]
     start = time.time() + 8.0  # after every process has imported and built its model
     with mp.get_context("spawn").Pool(n) as pool:
-        jobs = [pool.apply_async(train_alone, (args.preset, b, args.seq_len, CEILING_STEPS,
-                                               args.slowdown if i == 1 else 1.0, start))
-                for i, b in enumerate(shares)]
+        jobs = [
+            pool.apply_async(
+                train_alone,
+                (
+                    args.preset,
+                    b,
+                    args.seq_len,
+                    CEILING_STEPS,
+                    args.slowdown if i == 1 else 1.0,
+                    start,
+                ),
+            )
+            for i, b in enumerate(shares)
+        ]
         rates = [j.get(timeout=600) for j in jobs]
     return sum(rates), rates
 
@@ -310,7 +353,11 @@ def follow(log: Path) -> Iterator[str]:
 
 
 def run_config(
-    net: Network, work: Path, args: argparse.Namespace, base: Baseline, name: str,
+    net: Network,
+    work: Path,
+    args: argparse.Namespace,
+    base: Baseline,
+    name: str,
     extra: list[str],
 ) -> Result:
     work.mkdir(parents=True)
@@ -318,16 +365,40 @@ def run_config(
     listen = f"{net.addr(0)}:{PORT if net.shaped else 0}"
     coord = Service(
         "coordinator",
-        ["coordinator", "--listen", listen,
-         "--admin-listen", "127.0.0.1:0", "--checkpoint-dir", str(work / "ckpt"),
-         "--preset", args.preset, "--global-batch", str(args.global_batch),
-         "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
-         "--schedule-steps", str(args.steps),
-         "--warmup-steps", str(args.warmup_steps), "--lr", str(args.lr),
-         "--checkpoint-every", "100000", "--min-workers", str(args.workers),
-         "--validate-every", str(args.validate_every), *trace(work, "coordinator", args),
-         *extra],
-        work / "coordinator.log", prefix=net.prefix_argv(0), new_session=True,
+        [
+            "coordinator",
+            "--listen",
+            listen,
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--preset",
+            args.preset,
+            "--global-batch",
+            str(args.global_batch),
+            "--seq-len",
+            str(args.seq_len),
+            "--max-steps",
+            str(args.max_steps),
+            "--schedule-steps",
+            str(args.steps),
+            "--warmup-steps",
+            str(args.warmup_steps),
+            "--lr",
+            str(args.lr),
+            "--checkpoint-every",
+            "100000",
+            "--min-workers",
+            str(args.workers),
+            "--validate-every",
+            str(args.validate_every),
+            *trace(work, "coordinator", args),
+            *extra,
+        ],
+        work / "coordinator.log",
+        prefix=net.prefix_argv(0),
+        new_session=True,
     )
     procs = [coord]
     try:
@@ -345,13 +416,25 @@ def run_config(
                 time.sleep(0.05)
         for i in range(1, args.workers + 1):
             slowdown = args.slowdown if i == 1 else 1.0
-            procs.append(Service(
-                f"w{i}",
-                ["worker", "--coordinator", f"{net.addr(0)}:{port}", "--worker-id", f"w{i}",
-                 "--slowdown", str(slowdown), *trace(work, f"w{i}", args),
-                 *getattr(args, "worker_args", [])],
-                work / f"w{i}.log", prefix=net.prefix_argv(i), new_session=True,
-            ))
+            procs.append(
+                Service(
+                    f"w{i}",
+                    [
+                        "worker",
+                        "--coordinator",
+                        f"{net.addr(0)}:{port}",
+                        "--worker-id",
+                        f"w{i}",
+                        "--slowdown",
+                        str(slowdown),
+                        *trace(work, f"w{i}", args),
+                        *getattr(args, "worker_args", []),
+                    ],
+                    work / f"w{i}.log",
+                    prefix=net.prefix_argv(i),
+                    new_session=True,
+                )
+            )
         registered: set[str] = set()
         t_start: float | None = None
         warm: tuple[int, float, int, tuple[int, int]] | None = None  # step, time, samples, bytes
@@ -392,8 +475,11 @@ def run_config(
                 if loss <= base.target and res.seconds_to_target is None:
                     res.seconds_to_target = at
                 measured = warm is not None and last is not None and last[0] > warm[0]
-                if res.seconds_to_target is not None and measured and (
-                        args.stop_at_target or int(m.group(1)) >= args.steps):
+                if (
+                    res.seconds_to_target is not None
+                    and measured
+                    and (args.stop_at_target or int(m.group(1)) >= args.steps)
+                ):
                     break
             if "training done" in line:
                 break
@@ -408,8 +494,12 @@ def run_config(
                 res.up_per_step = (last[3][1] - warm[3][1]) / steps
                 res.down_per_step = (last[3][0] - warm[3][0]) / steps
             if args.timeline:
-                res.phases = (phases(work, warm[0], last[0]) + "\n" + " " * 25
-                              + critical_path(work, warm[0], last[0]))
+                res.phases = (
+                    phases(work, warm[0], last[0])
+                    + "\n"
+                    + " " * 25
+                    + critical_path(work, warm[0], last[0])
+                )
         return res
     finally:
         for p in reversed(procs):
@@ -433,43 +523,71 @@ def mb(x: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rate", type=rates_arg, default=["1gbit"],
-                    help="every port's rate both ways (tc syntax: 1gbit, 100mbit), or loopback;\n"
-                    "comma-separated rates run one after the other")
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument(
+        "--rate",
+        type=rates_arg,
+        default=["1gbit"],
+        help="every port's rate both ways (tc syntax: 1gbit, 100mbit), or loopback;\n"
+        "comma-separated rates run one after the other",
+    )
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=60,
-                    help="one process's steps; its validation loss there is the target")
-    ap.add_argument("--max-steps", type=int, default=0,
-                    help="a configuration that has not reached the target stops here\n"
-                    "(default 2 x --steps)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="one process's steps; its validation loss there is the target",
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="a configuration that has not reached the target stops here\n(default 2 x --steps)",
+    )
     ap.add_argument("--validate-every", type=int, default=10)
-    ap.add_argument("--slowdown", type=float, default=1.0,
-                    help="make worker 1 this many times slower (heterogeneity: after each\n"
-                    "assignment it sleeps N - 1 times its fastest compute per sample); the\n"
-                    "notes then give samples/s as a share of the summed standalone rates")
-    ap.add_argument("--config", dest="configs", type=parse_config, action="append",
-                    metavar="NAME=ARGS",
-                    help="a configuration: extra coordinator arguments (repeatable), at every\n"
-                    "rate or, with a RATE: prefix, at that one only; default:\n"
-                    + "\n".join(DEFAULT_CONFIGS))
-    ap.add_argument("--config-timeout", type=float, default=300.0,
-                    help="seconds a configuration may run")
+    ap.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="make worker 1 this many times slower (heterogeneity: after each\n"
+        "assignment it sleeps N - 1 times its fastest compute per sample); the\n"
+        "notes then give samples/s as a share of the summed standalone rates",
+    )
+    ap.add_argument(
+        "--config",
+        dest="configs",
+        type=parse_config,
+        action="append",
+        metavar="NAME=ARGS",
+        help="a configuration: extra coordinator arguments (repeatable), at every\n"
+        "rate or, with a RATE: prefix, at that one only; default:\n" + "\n".join(DEFAULT_CONFIGS),
+    )
+    ap.add_argument(
+        "--config-timeout", type=float, default=300.0, help="seconds a configuration may run"
+    )
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
-    ap.add_argument("--stop-at-target", action="store_true",
-                    help="stop a configuration once it reaches the target (saves time; its\n"
-                    "validation loss at equal tokens is then not measured)")
-    ap.add_argument("--timeline", action="store_true",
-                    help="every process writes a --timeline trace; each configuration then\n"
-                         "prints the milliseconds per step of every phase of its rounds")
-    ap.add_argument("--keep-logs", type=Path, default=None,
-                    help="copy every process's log into this folder")
+    ap.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="stop a configuration once it reaches the target (saves time; its\n"
+        "validation loss at equal tokens is then not measured)",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="every process writes a --timeline trace; each configuration then\n"
+        "prints the milliseconds per step of every phase of its rounds",
+    )
+    ap.add_argument(
+        "--keep-logs", type=Path, default=None, help="copy every process's log into this folder"
+    )
     args = ap.parse_args()
     args.max_steps = max(args.max_steps or 2 * args.steps, args.steps)
     configs = args.configs or [parse_config(c) for c in DEFAULT_CONFIGS]
@@ -481,29 +599,44 @@ def main() -> int:
     cores = os.cpu_count() or 1
     cfg = preset(args.preset)
     dense = 4 * sum(math.prod(s) for s in cfg.param_shapes().values())
-    print(f"# lan bench: {args.workers} workers, ports {','.join(args.rate)}, preset "
-          f"{args.preset}, global batch {args.global_batch}x{args.seq_len}, {cores} cores, "
-          f"dense f32 weights {dense / 1e6:.2f} MB", flush=True)
+    print(
+        f"# lan bench: {args.workers} workers, ports {','.join(args.rate)}, preset "
+        f"{args.preset}, global batch {args.global_batch}x{args.seq_len}, {cores} cores, "
+        f"dense f32 weights {dense / 1e6:.2f} MB",
+        flush=True,
+    )
     base = one_process(args)
-    print(f"one process: {base.samples_per_s:.1f} samples/s; validation loss {base.target:.4f} "
-          f"after {args.steps} steps = the target, reached in {base.seconds_to_target:.1f} s",
-          flush=True)
-    print("  validation by step: " + " ".join(f"{st}:{loss:.3f}" for st, _, loss in base.curve),
-          flush=True)
+    print(
+        f"one process: {base.samples_per_s:.1f} samples/s; validation loss {base.target:.4f} "
+        f"after {args.steps} steps = the target, reached in {base.seconds_to_target:.1f} s",
+        flush=True,
+    )
+    print(
+        "  validation by step: " + " ".join(f"{st}:{loss:.3f}" for st, _, loss in base.curve),
+        flush=True,
+    )
     ceiling, each = compute_ceiling(args)
     note = ""
     if args.slowdown > 1.0:
-        note = (f", {ceiling / standalone_rate(base, args):.2f} of the summed standalone rates "
-                "(worker 1 slowed)")
-    print(f"compute ceiling: {args.workers} processes at once, no network, each its share of "
-          f"the batch: {ceiling:.1f} samples/s ({' + '.join(f'{r:.1f}' for r in each)}) = "
-          f"{ceiling / base.samples_per_s:.2f}x one process{note}", flush=True)
+        note = (
+            f", {ceiling / standalone_rate(base, args):.2f} of the summed standalone rates "
+            "(worker 1 slowed)"
+        )
+    print(
+        f"compute ceiling: {args.workers} processes at once, no network, each its share of "
+        f"the batch: {ceiling:.1f} samples/s ({' + '.join(f'{r:.1f}' for r in each)}) = "
+        f"{ceiling / base.samples_per_s:.2f}x one process{note}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="foundry-lan-") as tmp:
         for rate in args.rate:
             net = Network(args.workers + 1, rate, args.ip, args.tc)
             print(f"## ports {rate}", flush=True)
-            print(f"{'configuration':24s} {'samples/s':>9s} {'ratio':>6s} {'to target':>9s} "
-                  f"{'sooner':>6s} {'MB/step up':>10s} {'down':>9s}  notes", flush=True)
+            print(
+                f"{'configuration':24s} {'samples/s':>9s} {'ratio':>6s} {'to target':>9s} "
+                f"{'sooner':>6s} {'MB/step up':>10s} {'down':>9s}  notes",
+                flush=True,
+            )
             try:
                 net.up()
                 for c in configs:
@@ -513,9 +646,12 @@ def main() -> int:
                     r = run_config(net, work, args, base, c.name, c.args)
                     print_result(r, base, args)
                     if args.keep_logs:
-                        shutil.copytree(work, args.keep_logs / f"{rate}-{c.name}",
-                                        ignore=shutil.ignore_patterns("ckpt"),
-                                        dirs_exist_ok=True)
+                        shutil.copytree(
+                            work,
+                            args.keep_logs / f"{rate}-{c.name}",
+                            ignore=shutil.ignore_patterns("ckpt"),
+                            dirs_exist_ok=True,
+                        )
             except KeyboardInterrupt:
                 print("interrupted; cleaning up", file=sys.stderr)
                 return 130
@@ -532,19 +668,27 @@ def standalone_rate(base: Baseline, args: argparse.Namespace) -> float:
 
 def print_result(r: Result, base: Baseline, args: argparse.Namespace) -> None:
     tt = "-" if r.seconds_to_target is None else f"{r.seconds_to_target:.1f}s"
-    note = r.note or ("" if r.seconds_to_target is not None else
-                      f"target not reached by step {r.steps}")
-    note += (f"; at equal tokens (step <= {base.curve[-1][0]}) validation {r.val_at_steps:.4f}"
-             f" = {r.val_at_steps / base.target:.3f}x the target")
+    note = r.note or (
+        "" if r.seconds_to_target is not None else f"target not reached by step {r.steps}"
+    )
+    note += (
+        f"; at equal tokens (step <= {base.curve[-1][0]}) validation {r.val_at_steps:.4f}"
+        f" = {r.val_at_steps / base.target:.3f}x the target"
+    )
     speed = ratio(r.samples_per_s, base.samples_per_s)
     sooner = ratio(r.seconds_to_target, base.seconds_to_target, True)
     if args.slowdown > 1.0:
         standalone = standalone_rate(base, args)
-        note += (f"; {r.samples_per_s / standalone:.2f} of the summed standalone rates "
-                 f"({standalone:.1f} samples/s, worker 1 {args.slowdown:g}x slower)")
+        note += (
+            f"; {r.samples_per_s / standalone:.2f} of the summed standalone rates "
+            f"({standalone:.1f} samples/s, worker 1 {args.slowdown:g}x slower)"
+        )
     curve = " ".join(f"{step}:{loss:.3f}" for step, _, loss in r.curve)
-    print(f"{r.name:24s} {r.samples_per_s:9.1f} {speed} {tt:>9s} {sooner}"
-          f" {mb(r.up_per_step):>10s} {mb(r.down_per_step):>9s}  {note}", flush=True)
+    print(
+        f"{r.name:24s} {r.samples_per_s:9.1f} {speed} {tt:>9s} {sooner}"
+        f" {mb(r.up_per_step):>10s} {mb(r.down_per_step):>9s}  {note}",
+        flush=True,
+    )
     print(f"{'':24s} validation by step: {curve}", flush=True)
     if r.phases:
         print(f"{'':24s} {r.phases}", flush=True)

@@ -46,20 +46,32 @@ def main() -> int:
     corpus = load_corpus(None)
     params = init_params(cfg, 0)
     n = sum(p.size for p in params.values())
-    res = compute_gradients(params, cfg, corpus, 0, args.samples, seq_len=args.seq_len,
-                            micro_batch=8, aux_loss_coef=0.01)
+    res = compute_gradients(
+        params,
+        cfg,
+        corpus,
+        0,
+        args.samples,
+        seq_len=args.seq_len,
+        micro_batch=8,
+        aux_loss_coef=0.01,
+    )
     grads = res.grads
     print(f"# {args.preset}: {n / 1e6:.2f} M parameters; best of {args.reps}, interleaved")
 
     trainers = {}
     for name in ("c", "numpy"):
         optim._optim = built if name == "c" else None
-        trainer = Trainer(cfg, TrainSettings(global_batch=args.samples, seq_len=args.seq_len),
-                          {k: v.copy() for k, v in params.items()})
+        trainer = Trainer(
+            cfg,
+            TrainSettings(global_batch=args.samples, seq_len=args.seq_len),
+            {k: v.copy() for k, v in params.items()},
+        )
         trainer.optimizer.step(trainer.params, grads, 1e-3)
         trainers[name] = trainer
-    same = all(trainers["c"].params[k].tobytes() == trainers["numpy"].params[k].tobytes()
-               for k in params)
+    same = all(
+        trainers["c"].params[k].tobytes() == trainers["numpy"].params[k].tobytes() for k in params
+    )
     times: dict[str, float] = {}
     train: dict[str, float] = {}
     for _ in range(2):
@@ -81,14 +93,29 @@ def main() -> int:
     optim._optim = built
     adamw_ratio = harness.ratio(times["numpy"], times["c"])
     step_ratio = harness.ratio(train["numpy"], train["c"])
-    print(f"AdamW step: C {times['c'] * 1e3:.1f} ms, numpy {times['numpy'] * 1e3:.1f} ms: "
-          f"{adamw_ratio:.2f}x; same bits: {'yes' if same else 'NO'}")
-    print(f"training step of {args.samples} sequences: C {train['c'] * 1e3:.1f} ms, numpy "
-          f"{train['numpy'] * 1e3:.1f} ms: {step_ratio:.2f}x")
-    harness.emit("optim", {"preset": args.preset, "adamw_c_s": times["c"],
-                           "adamw_numpy_s": times["numpy"], "adamw_ratio": adamw_ratio,
-                           "step_c_s": train["c"], "step_numpy_s": train["numpy"],
-                           "step_ratio": step_ratio, "same_bits": same}, same, args.json)
+    print(
+        f"AdamW step: C {times['c'] * 1e3:.1f} ms, numpy {times['numpy'] * 1e3:.1f} ms: "
+        f"{adamw_ratio:.2f}x; same bits: {'yes' if same else 'NO'}"
+    )
+    print(
+        f"training step of {args.samples} sequences: C {train['c'] * 1e3:.1f} ms, numpy "
+        f"{train['numpy'] * 1e3:.1f} ms: {step_ratio:.2f}x"
+    )
+    harness.emit(
+        "optim",
+        {
+            "preset": args.preset,
+            "adamw_c_s": times["c"],
+            "adamw_numpy_s": times["numpy"],
+            "adamw_ratio": adamw_ratio,
+            "step_c_s": train["c"],
+            "step_numpy_s": train["numpy"],
+            "step_ratio": step_ratio,
+            "same_bits": same,
+        },
+        same,
+        args.json,
+    )
     return 0 if same else 1
 
 

@@ -74,8 +74,9 @@ def measure(tree: Path, code: str) -> float:
     line is the figure."""
     path = os.pathsep.join(p for p in (str(tree / "src"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
     if out.returncode != 0:
         raise SystemExit(f"{tree}: exit {out.returncode}\n{out.stderr[-3000:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -83,8 +84,12 @@ def measure(tree: Path, code: str) -> float:
 
 def main() -> int:
     ap = harness.parser(__doc__.splitlines()[0])
-    ap.add_argument("--before", type=Path, required=True,
-                    help="the other tree (a checkout with its extensions built)")
+    ap.add_argument(
+        "--before",
+        type=Path,
+        required=True,
+        help="the other tree (a checkout with its extensions built)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--preset", default="small", help="model of both measurements (small)")
     ap.add_argument("--workers", type=int, default=2)
@@ -100,22 +105,30 @@ def main() -> int:
         if not (tree / "src" / "foundry").is_dir():
             raise SystemExit(f"--{name}: {tree} has no src/foundry")
     figures: dict[str, dict[str, list[float]]] = {
-        what: {name: [] for name in trees} for what in ("swarm samples/s", "decode tokens/s")}
+        what: {name: [] for name in trees} for what in ("swarm samples/s", "decode tokens/s")
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name in order:
                 work = Path(tmp) / f"{name}-{r}"
-                swarm_code = SWARM.format(bench=str(HERE), preset=args.preset,
-                                          batch=args.global_batch, steps=args.steps,
-                                          warmup=args.warmup, work=str(work),
-                                          workers=args.workers)
+                swarm_code = SWARM.format(
+                    bench=str(HERE),
+                    preset=args.preset,
+                    batch=args.global_batch,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    work=str(work),
+                    workers=args.workers,
+                )
                 s = measure(trees[name], swarm_code)
                 d = measure(trees[name], DECODE.format(preset=args.preset, tokens=args.tokens))
                 figures["swarm samples/s"][name].append(s)
                 figures["decode tokens/s"][name].append(d)
-                print(f"round {r + 1} {name:>6}: swarm {s:8.1f} samples/s, decode {d:7.2f} "
-                      f"tokens/s", flush=True)
+                print(
+                    f"round {r + 1} {name:>6}: swarm {s:8.1f} samples/s, decode {d:7.2f} tokens/s",
+                    flush=True,
+                )
     ok = True
     results: dict[str, dict[str, float]] = {}
     for what, by_tree in figures.items():
@@ -125,9 +138,11 @@ def main() -> int:
         same = ratio >= noise
         results[what] = {**med, "ratio": ratio, "noise": noise}
         ok &= same
-        print(f"{what}: before {med['before']:.2f}, after {med['after']:.2f} (medians of "
-              f"{args.rounds}): after / before {ratio:.3f}; the rounds' spread reaches "
-              f"{noise:.3f} of a median: {'no slower beyond noise' if same else 'SLOWER'}")
+        print(
+            f"{what}: before {med['before']:.2f}, after {med['after']:.2f} (medians of "
+            f"{args.rounds}): after / before {ratio:.3f}; the rounds' spread reaches "
+            f"{noise:.3f} of a median: {'no slower beyond noise' if same else 'SLOWER'}"
+        )
     harness.emit("refactor", results, ok, args.json)
     return 0 if ok else 1
 

@@ -36,8 +36,19 @@ from foundry.obs.timeline import load_events
 # Spans of each service's trace, in the order a synchronous round runs them.
 COORDINATOR_PHASES = ("round", "assign", "wait", "apply", "decode", "optimizer", "encode")
 WORKER_PHASES = ("wait", "update", "compute", "compress", "send")
-PATH = ("down", "update", "assign", "compute", "encode", "upload", "decode", "close",
-        "optimizer", "encode-update", "next")
+PATH = (
+    "down",
+    "update",
+    "assign",
+    "compute",
+    "encode",
+    "upload",
+    "decode",
+    "close",
+    "optimizer",
+    "encode-update",
+    "next",
+)
 
 Span = dict[str, Any]
 
@@ -75,8 +86,10 @@ def phases(work: Path, first: int, last: int) -> str:
     the coordinator's (``decode`` summed over the workers), and the workers' averaged."""
     coordinator, workers = load(work)
     sums: dict[tuple[str, str], float] = {}
-    for service, spans in [("coordinator", coordinator), *(("worker", s) for s in
-                                                             workers.values())]:
+    for service, spans in [
+        ("coordinator", coordinator),
+        *(("worker", s) for s in workers.values()),
+    ]:
         for e in spans:
             step = e.get("args", {}).get("step")
             if isinstance(step, int) and first <= step < last:
@@ -85,11 +98,14 @@ def phases(work: Path, first: int, last: int) -> str:
     span = max(1, last - first)
 
     def row(service: str, names: tuple[str, ...], div: int) -> str:
-        return " ".join(f"{n} {sums.get((service, n), 0.0) / span / max(1, div):.1f}"
-                        for n in names)
+        return " ".join(
+            f"{n} {sums.get((service, n), 0.0) / span / max(1, div):.1f}" for n in names
+        )
 
-    return (f"ms per step: coordinator {row('coordinator', COORDINATOR_PHASES, 1)}; "
-            f"each worker {row('worker', WORKER_PHASES, len(workers))}")
+    return (
+        f"ms per step: coordinator {row('coordinator', COORDINATOR_PHASES, 1)}; "
+        f"each worker {row('worker', WORKER_PHASES, len(workers))}"
+    )
 
 
 def critical_paths(work: Path, first: int, last: int) -> list[dict[str, float]]:
@@ -98,11 +114,16 @@ def critical_paths(work: Path, first: int, last: int) -> list[dict[str, float]]:
     coordinator, workers = load(work)
 
     def by_step(spans: list[Span], name: str, **match: str) -> dict[int, Span]:
-        return {e["args"]["step"]: e for e in spans if e["name"] == name
-                and all(e["args"].get(k) == v for k, v in match.items())}
+        return {
+            e["args"]["step"]: e
+            for e in spans
+            if e["name"] == name and all(e["args"].get(k) == v for k, v in match.items())
+        }
 
-    rounds = sorted((e for e in coordinator if e["name"] == "round"
-                     and e["args"].get("outcome") == "close"), key=lambda e: e["ts"])
+    rounds = sorted(
+        (e for e in coordinator if e["name"] == "round" and e["args"].get("outcome") == "close"),
+        key=lambda e: e["ts"],
+    )
     waits = by_step(coordinator, "wait")
     optimizer, encode = by_step(coordinator, "optimizer"), by_step(coordinator, "encode")
     out = []
@@ -118,9 +139,20 @@ def critical_paths(work: Path, first: int, last: int) -> list[dict[str, float]]:
             continue
         update, compute, compress = pieces
         assert update is not None and compute is not None and compress is not None
-        marks = [rnd["ts"], update["ts"], _end(update), compute["ts"], _end(compute),
-                 _end(compress), decode["ts"], _end(decode), optimizer[step]["ts"],
-                 _end(optimizer[step]), _end(encode[step]), nxt["ts"]]
+        marks = [
+            rnd["ts"],
+            update["ts"],
+            _end(update),
+            compute["ts"],
+            _end(compute),
+            _end(compress),
+            decode["ts"],
+            _end(decode),
+            optimizer[step]["ts"],
+            _end(optimizer[step]),
+            _end(encode[step]),
+            nxt["ts"],
+        ]
         path = {n: (b - a) / 1000 for n, a, b in zip(PATH, marks[:-1], marks[1:], strict=True)}
         path["round"] = (nxt["ts"] - rnd["ts"]) / 1000
         out.append(path)
@@ -133,5 +165,8 @@ def critical_path(work: Path, first: int, last: int) -> str:
     if not paths:
         return "critical path: no complete round in the traces"
     med = {k: harness.median(p[k] for p in paths) for k in (*PATH, "round")}
-    return (f"critical path, median ms of {len(paths)} rounds: "
-            + " ".join(f"{k} {med[k]:.1f}" for k in PATH) + f" = round {med['round']:.1f}")
+    return (
+        f"critical path, median ms of {len(paths)} rounds: "
+        + " ".join(f"{k} {med[k]:.1f}" for k in PATH)
+        + f" = round {med['round']:.1f}"
+    )

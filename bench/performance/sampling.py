@@ -42,28 +42,36 @@ def main() -> int:
     args = ap.parse_args()
     results: dict[str, object] = {"rows": args.rows, "threads": args.threads}
     ok = True
-    print(f"{args.rows} rows a batch, temperature 0.8; ms a batch, median of {args.rounds} "
-          f"rounds; pool of {args.threads} threads")
+    print(
+        f"{args.rows} rows a batch, temperature 0.8; ms a batch, median of {args.rounds} "
+        f"rounds; pool of {args.threads} threads"
+    )
     print(" vocabulary  top_p   serial   pooled  serial/pooled")
     with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
         for vocab in (int(v) for v in args.vocab.split(",")):
-            logits = (3 * np.random.default_rng(vocab).standard_normal(
-                (args.rows, vocab))).astype(np.float32)
+            logits = (3 * np.random.default_rng(vocab).standard_normal((args.rows, vocab))).astype(
+                np.float32
+            )
             for top_p in (1.0, 0.95):
                 batch = draws(logits, top_p)
                 serial, pooled = [], []
                 for _ in range(args.rounds):
                     serial.append(harness.timed(lambda: sample_rows(batch)))  # noqa: B023
                     pooled.append(harness.timed(lambda: sample_rows(batch, pool)))  # noqa: B023
-                same = (sample_rows(draws(logits, top_p))
-                        == sample_rows(draws(logits, top_p), pool))
+                same = sample_rows(draws(logits, top_p)) == sample_rows(draws(logits, top_p), pool)
                 ok = ok and same
                 ms_s, ms_p = 1e3 * harness.median(serial), 1e3 * harness.median(pooled)
                 r = harness.median_ratio(serial, pooled)
-                print(f" {vocab:10d} {top_p:6.2f} {ms_s:8.2f} {ms_p:8.2f} {r:10.2f}x"
-                      + ("" if same else "  TOKENS DIFFER"))
-                results[f"{vocab}_top_p_{top_p}"] = {"serial_ms": ms_s, "pooled_ms": ms_p,
-                                                     "ratio": r, "same_tokens": same}
+                print(
+                    f" {vocab:10d} {top_p:6.2f} {ms_s:8.2f} {ms_p:8.2f} {r:10.2f}x"
+                    + ("" if same else "  TOKENS DIFFER")
+                )
+                results[f"{vocab}_top_p_{top_p}"] = {
+                    "serial_ms": ms_s,
+                    "pooled_ms": ms_p,
+                    "ratio": r,
+                    "same_tokens": same,
+                }
     harness.emit("sampling", results, ok, args.json)
     return 0 if ok else 1
 

@@ -58,15 +58,33 @@ import harness
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 
-LEADER_LINE = re.compile(r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+), "
-                         r"metrics :(\d+)")
+LEADER_LINE = re.compile(
+    r"tp-leader listening: workers (\S+):(\d+), frontend (\S+):(\d+), "
+    r"metrics :(\d+)"
+)
 REUSED = "foundry_tp_prompt_tokens_reused_total"
 GATEWAY_LINE = re.compile(r"gateway listening: grpc (\S+):(\d+), http (\S+):(\d+)")
 STARTUP_S = 300.0
 LOAD_TARGET = 0.8
 REUSE_TARGET = 1.2
-TOPICS = ["rivers", "engines", "gardens", "bridges", "stars", "markets", "forests", "bells",
-          "ships", "mountains", "clocks", "libraries", "storms", "harbours", "kitchens", "roads"]
+TOPICS = [
+    "rivers",
+    "engines",
+    "gardens",
+    "bridges",
+    "stars",
+    "markets",
+    "forests",
+    "bells",
+    "ships",
+    "mountains",
+    "clocks",
+    "libraries",
+    "storms",
+    "harbours",
+    "kitchens",
+    "roads",
+]
 
 
 def free_port() -> int:
@@ -82,26 +100,65 @@ class Stack:
         self.workdir = workdir
         self.procs: list[subprocess.Popen[str]] = []
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        leader = self._spawn("leader", env, "tp-leader", "--model", str(model),
-                             "--listen", "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0",
-                             "--metrics-port", "0", *rank_args, *extra, stdout=True)
+        leader = self._spawn(
+            "leader",
+            env,
+            "tp-leader",
+            "--model",
+            str(model),
+            "--listen",
+            "127.0.0.1:0",
+            "--frontend-listen",
+            "127.0.0.1:0",
+            "--metrics-port",
+            "0",
+            *rank_args,
+            *extra,
+            stdout=True,
+        )
         m = self._line(leader, LEADER_LINE)
         self.leader_metrics = f"http://127.0.0.1:{m.group(5)}/metrics"
-        self._spawn("worker", env, "tp-worker", "--model", str(model),
-                    "--leader", f"127.0.0.1:{m.group(2)}", "--metrics-port", "0", *rank_args)
-        gateway = self._spawn("gateway", env, "gateway", "--listen", "127.0.0.1:0",
-                              "--http-listen", f"127.0.0.1:{free_port()}",
-                              "--tp-frontend", f"127.0.0.1:{m.group(4)}", "--metrics-port", "0",
-                              stdout=True)
+        self._spawn(
+            "worker",
+            env,
+            "tp-worker",
+            "--model",
+            str(model),
+            "--leader",
+            f"127.0.0.1:{m.group(2)}",
+            "--metrics-port",
+            "0",
+            *rank_args,
+        )
+        gateway = self._spawn(
+            "gateway",
+            env,
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            f"127.0.0.1:{free_port()}",
+            "--tp-frontend",
+            f"127.0.0.1:{m.group(4)}",
+            "--metrics-port",
+            "0",
+            stdout=True,
+        )
         g = self._line(gateway, GATEWAY_LINE)
         self.grpc = f"127.0.0.1:{g.group(2)}"
         self.http = f"http://127.0.0.1:{g.group(4)}"
 
-    def _spawn(self, name: str, env: dict[str, str], *args: str,
-               stdout: bool = False) -> subprocess.Popen[str]:
+    def _spawn(
+        self, name: str, env: dict[str, str], *args: str, stdout: bool = False
+    ) -> subprocess.Popen[str]:
         log = (self.workdir / f"{name}.log").open("w")
-        proc = subprocess.Popen([sys.executable, "-m", "foundry", *args], env=env, text=True,
-                                stdout=subprocess.PIPE if stdout else log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "foundry", *args],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE if stdout else log,
+            stderr=log,
+        )
         self.procs.append(proc)
         return proc
 
@@ -145,11 +202,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def one_stream(stub: inference_pb2_grpc.InferenceServiceStub, prompt: str, tokens: int,
-                     seed: int) -> tuple[int, float, list[float], float]:
+async def one_stream(
+    stub: inference_pb2_grpc.InferenceServiceStub, prompt: str, tokens: int, seed: int
+) -> tuple[int, float, list[float], float]:
     """(tokens, TTFT, inter-token gaps, finish time) of one streamed generation."""
-    request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=tokens, temperature=0.8,
-                                            seed=seed)
+    request = inference_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=tokens, temperature=0.8, seed=seed
+    )
     t0 = time.perf_counter()
     last = first = 0.0
     gaps: list[float] = []
@@ -173,28 +232,39 @@ async def load(grpc_address: str, clients: int, tokens: int) -> dict[str, float]
     async with grpc.aio.insecure_channel(grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         await one_stream(stub, "Warm up: ", 4, 0)
-        prompts = [f"Write a long story about {TOPICS[i % len(TOPICS)]} and the people who "
-                   f"lived beside them, told by visitor number {i}." for i in range(clients)]
+        prompts = [
+            f"Write a long story about {TOPICS[i % len(TOPICS)]} and the people who "
+            f"lived beside them, told by visitor number {i}."
+            for i in range(clients)
+        ]
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(stub, p, tokens, 1 + i)
-                                      for i, p in enumerate(prompts)))
+        runs = await asyncio.gather(
+            *(one_stream(stub, p, tokens, 1 + i) for i, p in enumerate(prompts))
+        )
     n = sum(r[0] for r in runs)
     wall = max(r[3] for r in runs) - t0
     ttft = [r[1] for r in runs]
     gaps = [g for r in runs for g in r[2]]
-    return {"clients": clients, "tokens": n, "tokens_per_s": n / wall,
-            "ttft_p50_ms": 1e3 * harness.median(ttft),
-            "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * harness.median(gaps),
-            "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}
+    return {
+        "clients": clients,
+        "tokens": n,
+        "tokens_per_s": n / wall,
+        "ttft_p50_ms": 1e3 * harness.median(ttft),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+        "itl_p50_ms": 1e3 * harness.median(gaps),
+        "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
+    }
 
 
 def leader_counter(url: str, name: str) -> float:
     """A counter of the leader's /metrics (summed over its labels)."""
     with urllib.request.urlopen(url, timeout=10) as r:
         lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith(name) and line[len(name)] in " {")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(name) and line[len(name)] in " {"
+    )
 
 
 @dataclass
@@ -212,13 +282,26 @@ def chat_turns(stack: Stack, turns: int) -> list[Turn]:
     out = []
     http = stack.http
     for turn in range(turns):
-        messages.append({"role": "user", "content": f"Turn {turn:02d}: tell me one more fact "
-                                                    f"about {TOPICS[turn % len(TOPICS)]}."})
-        body = json.dumps({"model": "foundry", "messages": messages, "max_tokens": 16,
-                           "temperature": 0.0, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(f"{http}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
+        messages.append(
+            {
+                "role": "user",
+                "content": f"Turn {turn:02d}: tell me one more fact "
+                f"about {TOPICS[turn % len(TOPICS)]}.",
+            }
+        )
+        body = json.dumps(
+            {
+                "model": "foundry",
+                "messages": messages,
+                "max_tokens": 16,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{http}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         reused = leader_counter(stack.leader_metrics, REUSED)
         t0 = time.perf_counter()
         first = 0.0
@@ -227,8 +310,10 @@ def chat_turns(stack: Stack, turns: int) -> list[Turn]:
         try:
             r = urllib.request.urlopen(req, timeout=600)
         except urllib.error.HTTPError as exc:
-            raise SystemExit(f"turn {turn + 1}: HTTP {exc.code}: {exc.read()[:300]!r} (a "
-                             "conversation past the context? give the ranks --ctx-size)") from None
+            raise SystemExit(
+                f"turn {turn + 1}: HTTP {exc.code}: {exc.read()[:300]!r} (a "
+                "conversation past the context? give the ranks --ctx-size)"
+            ) from None
         with r:
             for raw in r:
                 line = raw.decode().strip()
@@ -248,12 +333,27 @@ def chat_turns(stack: Stack, turns: int) -> list[Turn]:
     return out
 
 
-def llama_batched(binary: str, model: Path, threads: int, tokens: int,
-                  clients: list[int]) -> dict[int, float]:
+def llama_batched(
+    binary: str, model: Path, threads: int, tokens: int, clients: list[int]
+) -> dict[int, float]:
     """S_TG (aggregate generation tokens/s) of llama-batched-bench for each client count."""
-    cmd = [binary, "-m", str(model), "-t", str(threads), "-tb", str(threads), "-npp", "32",
-           "-ntg", str(tokens), "-npl", ",".join(map(str, clients)), "-c",
-           str(max(clients) * (32 + tokens) + 64)]
+    cmd = [
+        binary,
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-npp",
+        "32",
+        "-ntg",
+        str(tokens),
+        "-npl",
+        ",".join(map(str, clients)),
+        "-c",
+        str(max(clients) * (32 + tokens) + 64),
+    ]
     text = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout
     rates: dict[int, float] = {}
     for line in text.splitlines():
@@ -271,8 +371,9 @@ def main() -> int:
     ap.add_argument("--rank-args", default="", help="extra flags for both ranks")
     ap.add_argument("--llama-batched-bench", help="llama.cpp's llama-batched-bench binary")
     ap.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--turns", type=int, default=10, help="chat turns of the reuse check (0: "
-                                                           "skip it)")
+    ap.add_argument(
+        "--turns", type=int, default=10, help="chat turns of the reuse check (0: skip it)"
+    )
     harness.add_json_flag(ap)
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -287,8 +388,9 @@ def main() -> int:
             rows = []
             for n in clients:
                 rows.append(asyncio.run(load(stack.grpc, n, args.tokens)))
-                print(f"  measured {n} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s",
-                      flush=True)
+                print(
+                    f"  measured {n} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True
+                )
             reuse = chat_turns(stack, args.turns) if args.turns else []
         finally:
             stack.stop()
@@ -301,44 +403,62 @@ def main() -> int:
                 cold = chat_turns(stack, args.turns)
             finally:
                 stack.stop()
-    base = (llama_batched(args.llama_batched_bench, args.model, args.llama_threads, args.tokens,
-                          clients) if args.llama_batched_bench else {})
-    print(f"{args.model.name}, ranks {args.rank_args or '(default flags)'}, {args.tokens} tokens "
-          "a stream, gRPC through the gateway:")
+    base = (
+        llama_batched(
+            args.llama_batched_bench, args.model, args.llama_threads, args.tokens, clients
+        )
+        if args.llama_batched_bench
+        else {}
+    )
+    print(
+        f"{args.model.name}, ranks {args.rank_args or '(default flags)'}, {args.tokens} tokens "
+        "a stream, gRPC through the gateway:"
+    )
     print(" clients  tokens/s  llama.cpp  ratio  TTFT p50/p99 ms  ITL p50/p99 ms")
     for row in rows:
         n = int(row["clients"])
         ratio = harness.ratio(row["tokens_per_s"], base[n]) if n in base else float("nan")
         row["llama_tokens_per_s"] = base.get(n, float("nan"))
         row["ratio"] = ratio
-        print(f" {n:7d} {row['tokens_per_s']:9.1f} {base.get(n, float('nan')):10.1f} "
-              f"{ratio:6.2f}  {row['ttft_p50_ms']:7.0f}/{row['ttft_p99_ms']:<7.0f} "
-              f"{row['itl_p50_ms']:7.1f}/{row['itl_p99_ms']:.1f}")
+        print(
+            f" {n:7d} {row['tokens_per_s']:9.1f} {base.get(n, float('nan')):10.1f} "
+            f"{ratio:6.2f}  {row['ttft_p50_ms']:7.0f}/{row['ttft_p99_ms']:<7.0f} "
+            f"{row['itl_p50_ms']:7.1f}/{row['itl_p99_ms']:.1f}"
+        )
         if n == 16 and n in base and ratio < LOAD_TARGET:
             ok = False
             print(f"   FAIL: 16 clients at {ratio:.2f}x llama-batched-bench (target {LOAD_TARGET})")
     results["load"] = rows
     if reuse:
         growth, cold_growth = reuse[-1].ttft / reuse[0].ttft, cold[-1].ttft / cold[0].ttft
-        print(f"prompt reuse, {args.turns} turns: TTFT turn 1 {1e3 * reuse[0].ttft:.0f} ms, turn "
-              f"{args.turns} {1e3 * reuse[-1].ttft:.0f} ms ({growth:.2f}x); without kept sessions "
-              f"{1e3 * cold[0].ttft:.0f} -> {1e3 * cold[-1].ttft:.0f} ms ({cold_growth:.2f}x)")
-        print(" turn  prompt tokens  evaluated  TTFT ms  | without kept sessions: evaluated  "
-              "TTFT ms")
+        print(
+            f"prompt reuse, {args.turns} turns: TTFT turn 1 {1e3 * reuse[0].ttft:.0f} ms, turn "
+            f"{args.turns} {1e3 * reuse[-1].ttft:.0f} ms ({growth:.2f}x); without kept sessions "
+            f"{1e3 * cold[0].ttft:.0f} -> {1e3 * cold[-1].ttft:.0f} ms ({cold_growth:.2f}x)"
+        )
+        print(
+            " turn  prompt tokens  evaluated  TTFT ms  | without kept sessions: evaluated  TTFT ms"
+        )
         for i, (t, c) in enumerate(zip(reuse, cold, strict=True), start=1):
-            print(f" {i:4d} {t.prompt_tokens:14d} {t.evaluated:10d} {1e3 * t.ttft:8.0f}  | "
-                  f"{c.evaluated:35d} {1e3 * c.ttft:8.0f}")
+            print(
+                f" {i:4d} {t.prompt_tokens:14d} {t.evaluated:10d} {1e3 * t.ttft:8.0f}  | "
+                f"{c.evaluated:35d} {1e3 * c.ttft:8.0f}"
+            )
         if any(t.replaced for t in reuse):
-            print("   note: replies held U+FFFD (bytes that are not UTF-8, as a random model "
-                  "writes): sent back, they are other tokens, and are evaluated again")
+            print(
+                "   note: replies held U+FFFD (bytes that are not UTF-8, as a random model "
+                "writes): sent back, they are other tokens, and are evaluated again"
+            )
         results["reuse_ttft_ms"] = [1e3 * t.ttft for t in reuse]
         results["reuse_evaluated_tokens"] = [t.evaluated for t in reuse]
         results["cold_ttft_ms"] = [1e3 * t.ttft for t in cold]
         results["cold_evaluated_tokens"] = [t.evaluated for t in cold]
         if growth > REUSE_TARGET:
             ok = False
-            print(f"   FAIL: the last turn's TTFT is {growth:.2f}x the first's (target "
-                  f"{REUSE_TARGET})")
+            print(
+                f"   FAIL: the last turn's TTFT is {growth:.2f}x the first's (target "
+                f"{REUSE_TARGET})"
+            )
     harness.emit("serve_load", results, ok, args.json)
     return 0 if ok else 1
 

@@ -94,22 +94,37 @@ def main() -> int:
                 c.send(args.reps)
             for i, c in enumerate(conns):
                 both[i].append(c.recv())
-            print(f"  round {r + 1}: alone " + " / ".join(f"{a[-1]:.1f}" for a in alone)
-                  + " GB/s, together " + " / ".join(f"{b[-1]:.1f}" for b in both))
+            print(
+                f"  round {r + 1}: alone "
+                + " / ".join(f"{a[-1]:.1f}" for a in alone)
+                + " GB/s, together "
+                + " / ".join(f"{b[-1]:.1f}" for b in both)
+            )
         for i, core in enumerate(pair):
             a, b = harness.median(alone[i]), harness.median(both[i])
-            print(f"core {core}: alone {a:.1f} GB/s, both at once {b:.1f} GB/s: "
-                  f"{harness.ratio(b, a):.2f}x")
+            print(
+                f"core {core}: alone {a:.1f} GB/s, both at once {b:.1f} GB/s: "
+                f"{harness.ratio(b, a):.2f}x"
+            )
         total_alone = sum(harness.median(a) for a in alone)
         total_both = sum(harness.median(b) for b in both)
-        print(f"both cores together stream {total_both:.1f} GB/s, "
-              f"{harness.ratio(total_both, total_alone):.2f}x "
-              f"the sum of each alone ({total_alone:.1f})")
-        harness.emit("stream_pair", {"cores": pair[:2], "mb": args.mb,
-                                     "alone_gb_s": [harness.median(a) for a in alone],
-                                     "both_gb_s": [harness.median(b) for b in both],
-                                     "ratio": harness.ratio(total_both, total_alone)},
-                     None, args.json)
+        print(
+            f"both cores together stream {total_both:.1f} GB/s, "
+            f"{harness.ratio(total_both, total_alone):.2f}x "
+            f"the sum of each alone ({total_alone:.1f})"
+        )
+        harness.emit(
+            "stream_pair",
+            {
+                "cores": pair[:2],
+                "mb": args.mb,
+                "alone_gb_s": [harness.median(a) for a in alone],
+                "both_gb_s": [harness.median(b) for b in both],
+                "ratio": harness.ratio(total_both, total_alone),
+            },
+            None,
+            args.json,
+        )
     finally:
         for c in conns:
             c.send(None)

@@ -52,8 +52,9 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: Gemma 3)")
     ap.add_argument("--tokens", type=int, default=4000, help="length of the text in tokens")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--llama-cpp", type=Path, default=None,
-                    help="llama.cpp's build bin folder (llama-tokenize)")
+    ap.add_argument(
+        "--llama-cpp", type=Path, default=None, help="llama.cpp's build bin folder (llama-tokenize)"
+    )
     args = ap.parse_args()
 
     from foundry.model.formats.gguf_meta import read_metadata
@@ -80,8 +81,10 @@ def main() -> int:
         read_s, build_s = min(read_s, t1 - t0), min(build_s, t2 - t1)
         encode_s = min(encode_s, t4 - t3)
     print(f"{model.name}: {tok.n_vocab} tokens in the vocabulary")
-    print(f"read header {read_s:.3f} s, build tokenizer {build_s:.3f} s, "
-          f"encode {len(ids)} tokens ({len(text)} characters) {encode_s:.3f} s")
+    print(
+        f"read header {read_s:.3f} s, build tokenizer {build_s:.3f} s, "
+        f"encode {len(ids)} tokens ({len(text)} characters) {encode_s:.3f} s"
+    )
     if args.llama_cpp is None:
         return 0
     if args.model is None:
@@ -94,12 +97,24 @@ def main() -> int:
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             out = subprocess.run(
-                [str(args.llama_cpp / "llama-tokenize"), "-m", str(model), "-f", f.name,
-                 "--ids", "--log-disable"], check=True, capture_output=True, text=True)
+                [
+                    str(args.llama_cpp / "llama-tokenize"),
+                    "-m",
+                    str(model),
+                    "-f",
+                    f.name,
+                    "--ids",
+                    "--log-disable",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             best = min(best, time.perf_counter() - t0)
             theirs = ast.literal_eval(out.stdout.strip().splitlines()[-1])
-    print(f"llama-tokenize (whole process) {best:.3f} s; ids "
-          f"{'equal' if theirs == ids else 'DIFFER'}")
+    print(
+        f"llama-tokenize (whole process) {best:.3f} s; ids {'equal' if theirs == ids else 'DIFFER'}"
+    )
     ours = read_s + build_s + encode_s
     print(f"ours read + build + encode {ours:.3f} s: {ours / best:.2f}x llama-tokenize's time")
     return 0 if theirs == ids else 1

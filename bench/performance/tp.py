@@ -114,9 +114,18 @@ REPETITIVE = "for i in range(10):\n    print(i)\n" * 6
 RAW_ITERS, RAW_WARMUP = 3000, 300
 
 
-def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tokens: list[int],
-               one_rate: float, core_b: int | None, tmp: Path, link: Link,
-               n_layer: int) -> dict[str, object]:
+def bench_link(
+    model: Path,
+    mode: ExpertSplit,
+    prompt: str,
+    tokens: int,
+    one_tokens: list[int],
+    one_rate: float,
+    core_b: int | None,
+    tmp: Path,
+    link: Link,
+    n_layer: int,
+) -> dict[str, object]:
     """The pair over TCP across the shaped link: this process (leader and frontend client) in
     the leader's namespace, the worker in its own."""
     tag = f"[{mode.value}]"
@@ -124,13 +133,30 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:
         enter_netns(f"/var/run/netns/{link.names[0]}")
-        leader = InProcessLeader(with_timeouts(LeaderOptions(
-            model=model, host=f"{LINK_SUBNET}.1", port=0, frontend_port=0,
-            spec_mode=SpecMode.OFF, expert_split=mode)))
+        leader = InProcessLeader(
+            with_timeouts(
+                LeaderOptions(
+                    model=model,
+                    host=f"{LINK_SUBNET}.1",
+                    port=0,
+                    frontend_port=0,
+                    spec_mode=SpecMode.OFF,
+                    expert_split=mode,
+                )
+            )
+        )
         lead = leader.leader
         joins = JoinTimer(lead)
-        worker = WorkerProc(model, lead.port, core_b, False, tmp / f"link-{mode.value}.npy", mode,
-                            netns=link.names[1], host=f"{LINK_SUBNET}.1")
+        worker = WorkerProc(
+            model,
+            lead.port,
+            core_b,
+            False,
+            tmp / f"link-{mode.value}.npy",
+            mode,
+            netns=link.names[1],
+            host=f"{LINK_SUBNET}.1",
+        )
         try:
             wait_paired(lead, shm=False)
             generate(lead.frontend_port, prompt, 4)  # warm-up
@@ -152,11 +178,18 @@ def bench_link(model: Path, mode: ExpertSplit, prompt: str, tokens: int, one_tok
     pairs = aligned(gates, worker_gates, n_trace, len(gates) - n_trace)
     spent["link_exchange_ms"] = exchange_ms(tag, "link", pairs, len(got) - 1, n_layer)
     passed = speedup >= LINK_TARGET and same
-    print(f"{tag} pair, TCP over a {link.rate} tbf-shaped veth between two namespaces: "
-          f"{link_rate:.2f} tokens/s  speed-up {speedup:.2f}x (target >= {LINK_TARGET}x) "
-          f"{'PASS' if passed else 'FAIL'}{'' if same else '  (tokens differ from one process!)'}")
-    return {"pair_link_tokens_per_s": link_rate, "speedup_link": speedup,
-            "same_tokens_link": same, "link_pass": passed, **spent}
+    print(
+        f"{tag} pair, TCP over a {link.rate} tbf-shaped veth between two namespaces: "
+        f"{link_rate:.2f} tokens/s  speed-up {speedup:.2f}x (target >= {LINK_TARGET}x) "
+        f"{'PASS' if passed else 'FAIL'}{'' if same else '  (tokens differ from one process!)'}"
+    )
+    return {
+        "pair_link_tokens_per_s": link_rate,
+        "speedup_link": speedup,
+        "same_tokens_link": same,
+        "link_pass": passed,
+        **spent,
+    }
 
 
 def percentiles_us(values: list[float]) -> tuple[float, float]:
@@ -180,8 +213,9 @@ def raw_pingpong(nbytes: int, core: int | None) -> list[float]:
     """Seconds of a symmetric exchange of nbytes over plain blocking sockets, per iteration."""
     ctx = mp.get_context("spawn")
     with socket.create_server(("127.0.0.1", 0)) as server:
-        child = ctx.Process(target=raw_child,
-                            args=(server.getsockname()[1], nbytes, core, RAW_ITERS + RAW_WARMUP))
+        child = ctx.Process(
+            target=raw_child, args=(server.getsockname()[1], nbytes, core, RAW_ITERS + RAW_WARMUP)
+        )
         child.start()
         sock, _ = server.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -209,30 +243,54 @@ class ModeRun:
     tcp: GatePairs
 
 
-def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: list[int],
-               tokens: int, core_b: int | None, tmp: Path, link: Link | None,
-               eog: frozenset[int], spec: bool = True) -> ModeRun:
+def bench_mode(
+    mode: ExpertSplit,
+    model: Path,
+    cfg: ModelConfig,
+    prompt_ids: list[int],
+    tokens: int,
+    core_b: int | None,
+    tmp: Path,
+    link: Link | None,
+    eog: frozenset[int],
+    spec: bool = True,
+) -> ModeRun:
     """One process, then the pair over shared memory (bytes, speculative decoding), then over
     TCP, all with the experts cut by ``mode``."""
     tag = f"[{mode.value}]"
     one_tokens, one_rate, bal = single_process(model, prompt_ids, tokens, mode, eog)
     heads = [v for k, v in sorted(bal.items()) if k.startswith("head")]
-    print(f"{tag} one process: {len(one_tokens)} tokens, a step {bal['step_ms']:.2f} ms of "
-          f"which the output head {sum(heads):.2f} ms (its vocabulary halves "
-          f"{' / '.join(f'{h:.2f}' for h in heads)} ms)")
+    print(
+        f"{tag} one process: {len(one_tokens)} tokens, a step {bal['step_ms']:.2f} ms of "
+        f"which the output head {sum(heads):.2f} ms (its vocabulary halves "
+        f"{' / '.join(f'{h:.2f}' for h in heads)} ms)"
+    )
     if len(one_tokens) < tokens:
         print(f"{tag}   (an end-of-generation token after {len(one_tokens)} tokens)")
     tokens = len(one_tokens)
-    print(f"{tag} one process: {one_rate:.2f} tokens/s; each half's work alone "
-          f"{bal['half0_tokens_per_s']:.2f} / {bal['half1_tokens_per_s']:.2f} tokens/s, "
-          f"balance bound {bal['bound']:.2f}x (the faster half waits "
-          f"{bal['idle_share']:.0%} of the split work)")
-    results: dict[str, object] = {"one_process_tokens_per_s": one_rate,
-                                  **{f"balance_{k}": v for k, v in bal.items()}}
+    print(
+        f"{tag} one process: {one_rate:.2f} tokens/s; each half's work alone "
+        f"{bal['half0_tokens_per_s']:.2f} / {bal['half1_tokens_per_s']:.2f} tokens/s, "
+        f"balance bound {bal['bound']:.2f}x (the faster half waits "
+        f"{bal['idle_share']:.0%} of the split work)"
+    )
+    results: dict[str, object] = {
+        "one_process_tokens_per_s": one_rate,
+        **{f"balance_{k}": v for k, v in bal.items()},
+    }
     ok = True
-    leader = InProcessLeader(with_timeouts(LeaderOptions(
-        model=model, host="127.0.0.1", port=0, frontend_port=0, spec_mode=SpecMode.OFF,
-        expert_split=mode)))
+    leader = InProcessLeader(
+        with_timeouts(
+            LeaderOptions(
+                model=model,
+                host="127.0.0.1",
+                port=0,
+                frontend_port=0,
+                spec_mode=SpecMode.OFF,
+                expert_split=mode,
+            )
+        )
+    )
     lead = leader.leader
     joins = JoinTimer(lead)
     worker = WorkerProc(model, lead.port, core_b, True, tmp / f"shm-{mode.value}.npy", mode)
@@ -248,12 +306,15 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         same = pair_tokens == one_tokens
         passed = speedup >= SPEEDUP_TARGET and same
         ok = ok and passed
-        print(f"{tag} pair, shared-memory gates: {pair_rate:.2f} tokens/s  speed-up "
-              f"{speedup:.2f}x (target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
-              f"{'' if same else '  (tokens differ from one process!)'}")
+        print(
+            f"{tag} pair, shared-memory gates: {pair_rate:.2f} tokens/s  speed-up "
+            f"{speedup:.2f}x (target >= {SPEEDUP_TARGET}x) {'PASS' if passed else 'FAIL'}"
+            f"{'' if same else '  (tokens differ from one process!)'}"
+        )
         results.update(pair_tokens_per_s=pair_rate, speedup=speedup, same_tokens=same)
-        results.update(where(tag, "shm", pair_rate, shm_gates, joins.times, tokens - 1,
-                             cfg.n_layer))
+        results.update(
+            where(tag, "shm", pair_rate, shm_gates, joins.times, tokens - 1, cfg.n_layer)
+        )
 
         # Bytes per decoded token (the prefill's are excluded: one SYNC, then tokens - 1
         # EVALs for tokens tokens; count the EVAL steps).
@@ -268,18 +329,25 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         v1 = cfg.n_vocab - (cfg.n_vocab + 1) // 2
         formula_logits = 28 + 4 + 4 * v1
         formula_eval = 28 + 4
-        print(f"{tag} bytes per decoded token, each rank sends: gates {gate_per_token:.0f} "
-              f"(formula 2 x {cfg.n_layer} x (20 + 4 x {cfg.n_embd}) = {formula_gate}); "
-              f"leader control sent {per['control_sent'] / tokens:.0f} per token "
-              f"(EVAL {formula_eval}, plus the SYNC, its checkpoint and SESSION_* once); "
-              f"worker LOGITS {per['control_received'] / tokens:.0f} per token "
-              f"(formula {formula_logits})")
+        print(
+            f"{tag} bytes per decoded token, each rank sends: gates {gate_per_token:.0f} "
+            f"(formula 2 x {cfg.n_layer} x (20 + 4 x {cfg.n_embd}) = {formula_gate}); "
+            f"leader control sent {per['control_sent'] / tokens:.0f} per token "
+            f"(EVAL {formula_eval}, plus the SYNC, its checkpoint and SESSION_* once); "
+            f"worker LOGITS {per['control_received'] / tokens:.0f} per token "
+            f"(formula {formula_logits})"
+        )
         bytes_ok = abs(gate_per_token - formula_gate) <= 0.01 * formula_gate
         ok = ok and bytes_ok
-        print(f"{tag}   gate bytes match the formula: {'PASS' if bytes_ok else 'FAIL'}; "
-              f"{len(shm_gates)} gates timed ({decode_gates} decode gates + the prefill's)")
-        results.update(gate_bytes_per_token=gate_per_token, formula_gate_bytes=formula_gate,
-                       logits_bytes_per_token=per["control_received"] / tokens)
+        print(
+            f"{tag}   gate bytes match the formula: {'PASS' if bytes_ok else 'FAIL'}; "
+            f"{len(shm_gates)} gates timed ({decode_gates} decode gates + the prefill's)"
+        )
+        results.update(
+            gate_bytes_per_token=gate_per_token,
+            formula_gate_bytes=formula_gate,
+            logits_bytes_per_token=per["control_received"] / tokens,
+        )
 
         # Speculative decoding on repetitive text (skipped with --no-spec).
         if spec:
@@ -293,14 +361,22 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
             drafted, accepted = lead.drafted - drafted0, lead.accepted - accepted0
             spec_ok = spec_tokens == plain_tokens and spec_speedup > 1.0
             ok = ok and spec_ok
-            differ = next((i for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens,
-                                                             strict=False)) if a != b), None)
-            print(f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
-                  f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
-                  f"{accepted} of {drafted} drafts accepted, same tokens as plain greedy decoding "
-                  f"of the same prompt: {spec_tokens == plain_tokens}"
-                  f"{'' if differ is None else f' (first differs at token {differ})'} "
-                  f"{'PASS' if spec_ok else 'FAIL'}")
+            differ = next(
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(spec_tokens, plain_tokens, strict=False))
+                    if a != b
+                ),
+                None,
+            )
+            print(
+                f"{tag} speculative (full-prefix) on repetitive text: {rate(spec_times):.2f} "
+                f"against {rate(plain_times):.2f} tokens/s, speed-up {spec_speedup:.2f}x, "
+                f"{accepted} of {drafted} drafts accepted, same tokens as plain greedy decoding "
+                f"of the same prompt: {spec_tokens == plain_tokens}"
+                f"{'' if differ is None else f' (first differs at token {differ})'} "
+                f"{'PASS' if spec_ok else 'FAIL'}"
+            )
             results.update(spec_speedup=spec_speedup, spec_drafted=drafted, spec_accepted=accepted)
     finally:
         shm_worker = worker.stop()
@@ -315,13 +391,19 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
         tcp_tokens, times = generate(lead.frontend_port, PROMPT, tokens)
         tcp_gates = lead.gate_latencies()[n_trace:]
         tcp_rate = rate(times)
-        results.update(where(tag, "tcp", tcp_rate, tcp_gates, joins.times, len(tcp_tokens) - 1,
-                             cfg.n_layer))
-        print(f"{tag} pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up "
-              f"{tcp_rate / one_rate:.2f}x"
-              f"{'' if tcp_tokens == one_tokens else '  (tokens differ from one process!)'}")
-        results.update(pair_tcp_tokens_per_s=tcp_rate, speedup_tcp=tcp_rate / one_rate,
-                       same_tokens_tcp=tcp_tokens == one_tokens)
+        results.update(
+            where(tag, "tcp", tcp_rate, tcp_gates, joins.times, len(tcp_tokens) - 1, cfg.n_layer)
+        )
+        print(
+            f"{tag} pair, TCP gates: {tcp_rate:.2f} tokens/s  speed-up "
+            f"{tcp_rate / one_rate:.2f}x"
+            f"{'' if tcp_tokens == one_tokens else '  (tokens differ from one process!)'}"
+        )
+        results.update(
+            pair_tcp_tokens_per_s=tcp_rate,
+            speedup_tcp=tcp_rate / one_rate,
+            same_tokens_tcp=tcp_tokens == one_tokens,
+        )
     finally:
         # The leader first: a TCP worker blocked reading its link sees the SIGTERM only once
         # the link closes (it was killed, and its gate times lost, the other way round).
@@ -331,8 +413,9 @@ def bench_mode(mode: ExpertSplit, model: Path, cfg: ModelConfig, prompt_ids: lis
     results["shm_exchange_ms"] = exchange_ms(tag, "shm", shm_pairs, tokens - 1, cfg.n_layer)
     results["tcp_exchange_ms"] = exchange_ms(tag, "tcp", tcp_pairs, tokens - 1, cfg.n_layer)
     if link is not None:
-        shaped = bench_link(model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link,
-                            cfg.n_layer)
+        shaped = bench_link(
+            model, mode, PROMPT, tokens, one_tokens, one_rate, core_b, tmp, link, cfg.n_layer
+        )
         ok = ok and bool(shaped["link_pass"])
         results.update(shaped)
     return ModeRun(mode, results, ok, shm_pairs, tcp_pairs)
@@ -342,25 +425,50 @@ def main() -> int:
     parser = harness.parser(__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bench", choices=["bench", "small"])
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="use this GGUF instead (a published file: its tokenizer encodes the "
-                             "prompt; a dense model runs once, its experts unsplit)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="both ranks' gate and control timeouts (on a busy machine)")
-    parser.add_argument("--no-spec", action="store_true",
-                        help="skip the speculative-decoding measurement")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="use this GGUF instead (a published file: its tokenizer encodes the "
+        "prompt; a dense model runs once, its experts unsplit)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="both ranks' gate and control timeouts (on a busy machine)",
+    )
+    parser.add_argument(
+        "--no-spec", action="store_true", help="skip the speculative-decoding measurement"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--expert-split", default="both",
-                        choices=["both", *(m.value for m in ExpertSplit)],
-                        help="the expert split(s) to measure, one after the other (default both)")
+    parser.add_argument(
+        "--expert-split",
+        default="both",
+        choices=["both", *(m.value for m in ExpertSplit)],
+        help="the expert split(s) to measure, one after the other (default both)",
+    )
     harness.add_json_flag(parser)
-    parser.add_argument("--type", default="f32", choices=FILE_DTYPES,
-                        help="store the built model as this type (default f32)")
-    parser.add_argument("--link", default=None, metavar="RATE",
-                        help="also run the pair across two namespaces shaped to RATE, e.g. "
-                             "1gbit (needs root, ip and tc)")
-    parser.add_argument("--burst-ms", type=float, default=10.0,
-                        help="the shaped link's tbf burst, in ms at the rate (default 10)")
+    parser.add_argument(
+        "--type",
+        default="f32",
+        choices=FILE_DTYPES,
+        help="store the built model as this type (default f32)",
+    )
+    parser.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="also run the pair across two namespaces shaped to RATE, e.g. "
+        "1gbit (needs root, ip and tc)",
+    )
+    parser.add_argument(
+        "--burst-ms",
+        type=float,
+        default=10.0,
+        help="the shaped link's tbf burst, in ms at the rate (default 10)",
+    )
     parser.add_argument("--ip", default="ip", help="the ip command (iproute2)")
     parser.add_argument("--tc", default="tc", help="the tc command (iproute2)")
     args = parser.parse_args()
@@ -371,14 +479,18 @@ def main() -> int:
     pair_cores = cores()
     core_a, core_b = (pair_cores[0], pair_cores[1]) if pair_cores else (None, None)
     pin(core_a)
-    model = args.model or Path(
-        f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}-{args.type}.gguf")
-    built = (build_model(PRESETS[args.preset], model, args.seed, args.type)
-             if args.model is None else 0.0)
+    model = args.model or Path(f"/tmp/foundry-bench-tp-{args.preset}-{args.seed}-{args.type}.gguf")
+    built = (
+        build_model(PRESETS[args.preset], model, args.seed, args.type)
+        if args.model is None
+        else 0.0
+    )
     link = Link(args.link, args.ip, args.tc, args.burst_ms) if args.link else None
     cfg = load_gguf(model, select=lambda n, v: None).cfg
-    print(f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
-          f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}")
+    print(
+        f"model {model} ({model.stat().st_size / 1e9:.2f} GB; built in {built:.1f} s), "
+        f"{f'cores {core_a} and {core_b}' if pair_cores else 'not pinned'}"
+    )
     tokenizer = load_tokenizer_file(model)  # the leader's too
     prompt_ids = tokenizer.encode(PROMPT)
     modes = list(ExpertSplit) if args.expert_split == "both" else [ExpertSplit(args.expert_split)]
@@ -386,30 +498,49 @@ def main() -> int:
         modes = modes[:1]  # a dense model: no experts to split, one run
 
     tmp = Path(tempfile.mkdtemp(prefix="foundry-bench-tp-"))
-    runs = [bench_mode(mode, model, cfg, prompt_ids, args.tokens, core_b, tmp, link,
-                       tokenizer.eog_ids, spec=not args.no_spec)
-            for mode in modes]
+    runs = [
+        bench_mode(
+            mode,
+            model,
+            cfg,
+            prompt_ids,
+            args.tokens,
+            core_b,
+            tmp,
+            link,
+            tokenizer.eog_ids,
+            spec=not args.no_spec,
+        )
+        for mode in modes
+    ]
     ok = all(run.ok for run in runs)
-    results: dict[str, object] = {"preset": args.preset, "type": args.type,
-                                  **{run.mode.value: run.results for run in runs}}
+    results: dict[str, object] = {
+        "preset": args.preset,
+        "type": args.type,
+        **{run.mode.value: run.results for run in runs},
+    }
 
     raw = raw_pingpong(GATE_HEADER_SIZE + 4 * cfg.n_embd, core_b)
     raw50, raw99 = percentiles_us(raw)
     n_decode = 2 * cfg.n_layer * (args.tokens - 1)  # the decode steps' gates, the last ones
-    print(f"gate exchange of {GATE_HEADER_SIZE + 4 * cfg.n_embd} bytes, us: p50, p99, p50 "
-          f"against raw. 'leader' is the leader's time in the gate, waiting for the slower rank "
-          f"included; 'exchange' is the shorter of the two ranks' times for the same gate: the "
-          f"rank that arrived last waits for nobody, so that is the exchange itself.")
+    print(
+        f"gate exchange of {GATE_HEADER_SIZE + 4 * cfg.n_embd} bytes, us: p50, p99, p50 "
+        f"against raw. 'leader' is the leader's time in the gate, waiting for the slower rank "
+        f"included; 'exchange' is the shorter of the two ranks' times for the same gate: the "
+        f"rank that arrived last waits for nobody, so that is the exchange itself."
+    )
     print(f"  raw socket ping-pong                    {raw50:8.1f} {raw99:8.1f}")
     for run in runs:
         for name, pairs in (("shm", run.shm), ("tcp", run.tcp)):
             decode = pairs[-n_decode:]
             wrong = [i for i, ((g, _), (wg, _)) in enumerate(decode) if g is not wg]
             if decode and (len(decode) < n_decode or wrong):  # (none: the worker's were lost)
-                print(f"  {run.mode.value} {name}: the ranks' gate traces are not aligned "
-                      f"({len(decode)} pairs for {n_decode} decode gates, the first of "
-                      f"{len(wrong)} differing at {wrong[0] if wrong else None}); "
-                      f"no gate times for it")
+                print(
+                    f"  {run.mode.value} {name}: the ranks' gate traces are not aligned "
+                    f"({len(decode)} pairs for {n_decode} decode gates, the first of "
+                    f"{len(wrong)} differing at {wrong[0] if wrong else None}); "
+                    f"no gate times for it"
+                )
                 ok = False
                 continue
             for label, pick in (("all", None), ("ATTN", Gate.ATTN), ("FFN", Gate.FFN)):
@@ -420,8 +551,9 @@ def main() -> int:
                 if label == "all" and name == "tcp":
                     passed = ex50 / raw50 <= GATE_TARGET
                     ok = ok and passed
-                    verdict = (f"  {'PASS' if passed else 'FAIL'} "
-                               f"(target: exchange <= {GATE_TARGET:g}x)")
+                    verdict = (
+                        f"  {'PASS' if passed else 'FAIL'} (target: exchange <= {GATE_TARGET:g}x)"
+                    )
                 where = f"{run.mode.value:<12} {name} {label:<4}"
                 print(f"  {where} leader   {lead50:8.1f} {lead99:8.1f} {lead50 / raw50:6.2f}x")
                 print(f"  {where} exchange {ex50:8.1f} {ex99:8.1f} {ex50 / raw50:6.2f}x{verdict}")
@@ -433,16 +565,21 @@ def main() -> int:
     shutil.rmtree(tmp, ignore_errors=True)
 
     print("decode tokens/s, greedy, speculative decoding off:")
-    print(f"  {'expert split':<14}{'one process':>12}{'pair shm':>10}{'pair tcp':>10}"
-          f"{'speed-up':>10}{'bound':>8}{f'tcp {args.link}' if link else '':>12}")
+    print(
+        f"  {'expert split':<14}{'one process':>12}{'pair shm':>10}{'pair tcp':>10}"
+        f"{'speed-up':>10}{'bound':>8}{f'tcp {args.link}' if link else '':>12}"
+    )
     for run in runs:
         r = {k: v for k, v in run.results.items() if isinstance(v, float)}
         shaped = f"{r['pair_link_tokens_per_s']:>12.2f}" if link else ""
-        print(f"  {run.mode.value:<14}{r['one_process_tokens_per_s']:>12.2f}"
-              f"{r['pair_tokens_per_s']:>10.2f}{r['pair_tcp_tokens_per_s']:>10.2f}"
-              f"{max(r['speedup'], r['speedup_tcp']):>9.2f}x{r['balance_bound']:>7.2f}x{shaped}")
-    results.update(raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok,
-                   seconds=time.monotonic() - started)
+        print(
+            f"  {run.mode.value:<14}{r['one_process_tokens_per_s']:>12.2f}"
+            f"{r['pair_tokens_per_s']:>10.2f}{r['pair_tcp_tokens_per_s']:>10.2f}"
+            f"{max(r['speedup'], r['speedup_tcp']):>9.2f}x{r['balance_bound']:>7.2f}x{shaped}"
+        )
+    results.update(
+        raw_p50_us=raw50, raw_p99_us=raw99, pass_all=ok, seconds=time.monotonic() - started
+    )
     print(f"took {time.monotonic() - started:.0f} s; overall {'PASS' if ok else 'FAIL'}")
     harness.emit("tp", results, ok, args.json)
     return 0 if ok else 1

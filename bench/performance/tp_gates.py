@@ -110,9 +110,7 @@ def spin(us: float) -> None:
         pass
 
 
-def rank1(
-    port: int, shm_name: str, core: int | None, iters: int, warmup: int, blocks: int
-) -> None:
+def rank1(port: int, shm_name: str, core: int | None, iters: int, warmup: int, blocks: int) -> None:
     pin(core)
     raw = socket.create_connection(("127.0.0.1", port))
     gate_sock = socket.create_connection(("127.0.0.1", port))
@@ -133,9 +131,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3000, help="timed exchanges per block")
     parser.add_argument("--warmup", type=int, default=300, help="untimed exchanges per block")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks")
-    parser.add_argument("--arrive-last-us", type=float, default=0.0, metavar="N",
-                        help="rank 0 works N us before each exchange, so it always arrives "
-                        "last (default 0: lockstep)")
+    parser.add_argument(
+        "--arrive-last-us",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="rank 0 works N us before each exchange, so it always arrives "
+        "last (default 0: lockstep)",
+    )
     harness.add_json_flag(parser)
     args = parser.parse_args()
 
@@ -166,8 +169,7 @@ def main() -> int:
         "shm": slab,
     }
     try:
-        times = run_rank(0, raw, gates, args.iters, args.warmup, args.blocks,
-                         args.arrive_last_us)
+        times = run_rank(0, raw, gates, args.iters, args.warmup, args.blocks, args.arrive_last_us)
     finally:
         raw.close()
         for g in gates.values():
@@ -180,8 +182,10 @@ def main() -> int:
     print(f"tp gate exchange, 2 processes on loopback ({where}), "
           f"{args.blocks} x {args.iters} timed exchanges per row, times in us")  # fmt: skip
     if args.arrive_last_us:
-        print(f"rank 0 arrives last ({args.arrive_last_us:g} us of work before each exchange): "
-              "its times are an exchange's own cost, nothing waited for")
+        print(
+            f"rank 0 arrives last ({args.arrive_last_us:g} us of work before each exchange): "
+            "its times are an exchange's own cost, nothing waited for"
+        )
     print(f"{'gate':>7} {'transport':>9} {'p50':>8} {'p99':>8} {'p50/raw':>8}")
     ok = True
     results: dict[str, dict[str, float]] = {}
@@ -197,12 +201,19 @@ def main() -> int:
                 ok = ok and passed
                 verdict = f"  {'PASS' if passed else 'FAIL'} (target <= {TARGET_RATIO:g}x)"
             print(f"{size:>7} {name:>9} {p50:8.1f} {p99:8.1f} {ratio:7.2f}x{verdict}")
-            results[f"{size}_{name}"] = {"p50_us": float(p50), "p99_us": float(p99),
-                                         "ratio": float(ratio)}
+            results[f"{size}_{name}"] = {
+                "p50_us": float(p50),
+                "p99_us": float(p99),
+                "ratio": float(ratio),
+            }
     print(f"child exit code {child.exitcode}; took {time.monotonic() - started:.1f} s")
     ok = ok and child.exitcode == 0
-    harness.emit("tp_gates", {"cores": pair[:2], "arrive_last_us": args.arrive_last_us,
-                              **results}, ok, args.json)
+    harness.emit(
+        "tp_gates",
+        {"cores": pair[:2], "arrive_last_us": args.arrive_last_us, **results},
+        ok,
+        args.json,
+    )
     return 0 if ok else 1
 
 

@@ -43,8 +43,21 @@ class Link:
             self.made.append(name)
             self._run(self.ip, "-n", name, "link", "set", "lo", "up")
         lead, work = self.names
-        self._run(self.ip, "-n", lead, "link", "add", "eth0", "type", "veth", "peer", "name",
-                  "eth0", "netns", work)
+        self._run(
+            self.ip,
+            "-n",
+            lead,
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            work,
+        )
         bits = {"k": 10**3, "m": 10**6, "g": 10**9}[self.rate.rstrip("bit")[-1]]
         rate_bps = int(self.rate.rstrip("bit")[:-1]) * bits
         # Burst: burst_ms at the rate (10 ms by default), and never below a 64 KiB GSO segment
@@ -53,11 +66,27 @@ class Link:
         # does with 10 ms at 1gbit (1.25 MB); 1 ms (125 KB) paces it at the rate, as a wire.
         burst = max(int(rate_bps / 8 * self.burst_ms / 1000), 96 * 1024)
         for i, name in enumerate(self.names):
-            self._run(self.ip, "-n", name, "addr", "add", f"{LINK_SUBNET}.{i + 1}/24", "dev",
-                      "eth0")
+            self._run(
+                self.ip, "-n", name, "addr", "add", f"{LINK_SUBNET}.{i + 1}/24", "dev", "eth0"
+            )
             self._run(self.ip, "-n", name, "link", "set", "eth0", "up")
-            self._run(self.tc, "-n", name, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                      self.rate, "burst", str(burst), "latency", "20ms")
+            self._run(
+                self.tc,
+                "-n",
+                name,
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                str(burst),
+                "latency",
+                "20ms",
+            )
 
     def down(self) -> None:
         for name in reversed(self.made):

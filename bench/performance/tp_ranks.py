@@ -80,38 +80,59 @@ class JoinTimer:
         commands.join = timed  # type: ignore[method-assign]
 
 
-def where(tag: str, label: str, pair_rate: float, gates: list[tuple[Gate, float]],
-          joins: list[float], steps: int, n_layer: int) -> dict[str, float]:
+def where(
+    tag: str,
+    label: str,
+    pair_rate: float,
+    gates: list[tuple[Gate, float]],
+    joins: list[float],
+    steps: int,
+    n_layer: int,
+) -> dict[str, float]:
     """Where a decoded token's time goes on the leader, ms per token: in the 2 x n_layer gates
     (the exchange and the wait for the slower rank), waiting for the worker's logits half, and
     the rest (the leader's own half of the layers and of the head, sampling, the frontend)."""
     step = 1e3 / pair_rate
-    decode_gates = gates[-2 * n_layer * steps:] if steps else []
+    decode_gates = gates[-2 * n_layer * steps :] if steps else []
     gate_ms = sum(t for _, t in decode_gates) * 1e3 / max(steps, 1)
     logits_ms = sum(joins[-steps:]) * 1e3 / max(steps, 1) if steps else 0.0
     rest = step - gate_ms - logits_ms
-    print(f"{tag} {label}: per token {step:.2f} ms = gates {gate_ms:.2f} + waiting for the "
-          f"worker's logits half {logits_ms:.2f} + the leader's own work {rest:.2f}")
-    return {f"{label}_step_ms": step, f"{label}_gates_ms": gate_ms,
-            f"{label}_logits_wait_ms": logits_ms}
+    print(
+        f"{tag} {label}: per token {step:.2f} ms = gates {gate_ms:.2f} + waiting for the "
+        f"worker's logits half {logits_ms:.2f} + the leader's own work {rest:.2f}"
+    )
+    return {
+        f"{label}_step_ms": step,
+        f"{label}_gates_ms": gate_ms,
+        f"{label}_logits_wait_ms": logits_ms,
+    }
 
 
 def exchange_ms(tag: str, label: str, pairs: GatePairs, steps: int, n_layer: int) -> float:
     """Of the gates' time per token, the exchange itself, ms: each gate's shorter time of the
     two ranks (the rank that arrives last waits for nobody), summed over a token's gates."""
-    decode = pairs[-2 * n_layer * steps:] if steps else []
+    decode = pairs[-2 * n_layer * steps :] if steps else []
     if len(decode) < 2 * n_layer * steps:
         print(f"{tag} {label}: the worker's gate times were lost, no exchange figure")
         return float("nan")
     ms = sum(min(lt, wt) for (_, lt), (_, wt) in decode) * 1e3 / steps
-    print(f"{tag} {label}: of the gates, the exchange itself {ms:.2f} ms per token "
-          f"({2 * n_layer} gates; the rest is waiting for the slower rank)")
+    print(
+        f"{tag} {label}: of the gates, the exchange itself {ms:.2f} ms per token "
+        f"({2 * n_layer} gates; the rest is waiting for the slower rank)"
+    )
     return ms
 
 
 def worker_main(
-    model: str, port: int, core: int | None, shm: bool, trace: str, mode: str,
-    netns: str | None = None, host: str = "127.0.0.1", timeouts: dict[str, Any] | None = None,
+    model: str,
+    port: int,
+    core: int | None,
+    shm: bool,
+    trace: str,
+    mode: str,
+    netns: str | None = None,
+    host: str = "127.0.0.1",
+    timeouts: dict[str, Any] | None = None,
 ) -> None:
     """The worker rank (a spawned process): pinned, one BLAS thread, in network namespace
     ``netns`` if given; on SIGTERM it stops and saves its gate times (gate, seconds) to
@@ -121,8 +142,14 @@ def worker_main(
         enter_netns(f"/var/run/netns/{netns}")
     limit_blas_threads(1)
     times: list[tuple[int, float]] = []
-    options = WorkerOptions(model=Path(model), leader_host=host, leader_port=port, shm=shm,
-                            retry_max_s=0.2, expert_split=ExpertSplit(mode))
+    options = WorkerOptions(
+        model=Path(model),
+        leader_host=host,
+        leader_port=port,
+        shm=shm,
+        retry_max_s=0.2,
+        expert_split=ExpertSplit(mode),
+    )
     worker = Worker(dataclasses.replace(options, **(timeouts or {})))
     record = worker._on_gate
 
@@ -137,8 +164,17 @@ def worker_main(
 
 
 class WorkerProc:
-    def __init__(self, model: Path, port: int, core: int | None, shm: bool, trace: Path,
-                 mode: ExpertSplit, netns: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        core: int | None,
+        shm: bool,
+        trace: Path,
+        mode: ExpertSplit,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.trace = trace
         self.proc = mp.get_context("spawn").Process(
             target=worker_main,
@@ -180,8 +216,9 @@ def generate(port: int, prompt: str, n: int) -> tuple[list[int], list[float]]:
                     return tokens, times
 
 
-def aligned(leader: list[tuple[Gate, float]], worker: list[tuple[Gate, float]], first: int,
-            count: int) -> GatePairs:
+def aligned(
+    leader: list[tuple[Gate, float]], worker: list[tuple[Gate, float]], first: int, count: int
+) -> GatePairs:
     """Both ranks' times of the leader's gates ``first`` .. ``first + count - 1``. The worker's
     trace covers its whole pair and ends with the leader's (the last gate of the run), so it
     is the tail of the leader's (whose length at pairing time would race with a re-synced

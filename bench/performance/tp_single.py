@@ -105,11 +105,13 @@ class Balance:
 
         def timed(part_gate: Callable[..., Any]) -> Callable[..., Any]:
             """A part's share of a gate (engine._attention or _ffn: layer, part j, ...), timed."""
+
             def call(layer: int, j: int, *args: Any) -> Any:
                 t0 = time.perf_counter()
                 out = part_gate(layer, j, *args)
                 self._record(j, time.perf_counter() - t0)
                 return out
+
             return call
 
         engine._attention = timed(engine._attention)  # type: ignore[method-assign]
@@ -122,7 +124,7 @@ class Balance:
 
     def summary(self, steps: list[float]) -> dict[str, float]:
         """Medians over the decode steps (each ``steps[i]`` seconds, one token)."""
-        per_gate = np.asarray(self.gates[-len(steps) * 2 * self.n_layer:])  # (gates, parts)
+        per_gate = np.asarray(self.gates[-len(steps) * 2 * self.n_layer :])  # (gates, parts)
         per_token = per_gate.reshape(len(steps), -1, per_gate.shape[1])  # (tokens, gates, parts)
         elapsed = np.asarray(steps)  # (tokens,)
         split = per_token.sum(axis=(1, 2))  # (tokens,)

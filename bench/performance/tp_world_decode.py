@@ -79,8 +79,13 @@ BLOCK_VALUES = {QType.Q4_K: 256, QType.Q6_K: 256, QType.Q4_0: 32, QType.Q8_0: 32
 
 def q4_k_m_type(name: str, cols: int) -> QType | None:
     """The stored type of a matrix in the synthetic Q4_K_M-typed file (None: float32)."""
-    want = (QType.Q6_K if name == "output.weight" or ".attn_v." in name or ".ffn_down" in name
-            else QType.Q4_0 if ".attn_output." in name else QType.Q4_K)
+    want = (
+        QType.Q6_K
+        if name == "output.weight" or ".attn_v." in name or ".ffn_down" in name
+        else QType.Q4_0
+        if ".attn_output." in name
+        else QType.Q4_K
+    )
     for qtype in (want, QType.Q8_0):
         if cols % BLOCK_VALUES[qtype] == 0:
             return qtype
@@ -91,7 +96,7 @@ def synthetic(qtype: QType, shape: tuple[int, ...], rng: np.random.Generator) ->
     data = rng.integers(0, 256, size=(*shape[:-1], row_bytes(qtype, shape[-1])), dtype=np.uint8)
     blocks = data.reshape(-1, BLOCK_BYTES[qtype])
     for offset, value in SCALES[qtype]:
-        blocks[:, offset:offset + 2] = np.array([value], np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = np.array([value], np.float16).view(np.uint8)
     return QTensor(qtype, shape, data)
 
 
@@ -99,8 +104,7 @@ def write_model(cfg: ModelConfig, path: Path) -> None:
     rng = np.random.default_rng(0)
     params: dict[str, Param] = {}
     for name, shape in cfg.param_shapes().items():
-        qtype = None if len(shape) == 1 or "ffn_gate_inp" in name else q4_k_m_type(
-            name, shape[-1])
+        qtype = None if len(shape) == 1 or "ffn_gate_inp" in name else q4_k_m_type(name, shape[-1])
         if qtype is not None:
             params[name] = synthetic(qtype, shape, rng)
         elif len(shape) == 1:
@@ -113,9 +117,21 @@ def write_model(cfg: ModelConfig, path: Path) -> None:
 def one_process(model: Path, threads: int, tokens: int) -> dict[str, object]:
     """The baseline, in a child process of its own (``--one``): JSON on stdout."""
     out = subprocess.run(
-        [sys.executable, __file__, "--one", str(model), "--threads", str(threads),
-         "--tokens", str(tokens)], capture_output=True, text=True, timeout=STARTUP_S,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores(0, threads)))
+        [
+            sys.executable,
+            __file__,
+            "--one",
+            str(model),
+            "--threads",
+            str(threads),
+            "--tokens",
+            str(tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_S,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores(0, threads)),
+    )
     if out.returncode:
         raise SystemExit(f"the one process failed:\n{out.stderr}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -149,28 +165,63 @@ class World:
     """A leader and N-1 workers as processes; ``threads[r]`` kernel threads for rank r, pinned
     to cores of their own."""
 
-    def __init__(self, model: Path, threads: Sequence[int], work: Path, timeout: float,
-                 *leader_args: str) -> None:
+    def __init__(
+        self, model: Path, threads: Sequence[int], work: Path, timeout: float, *leader_args: str
+    ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [work / f"rank{r}.log" for r in range(len(threads))]
         starts = [sum(threads[:r]) for r in range(len(threads))]
         common = ["--model", str(model), "--gate-timeout", str(timeout)]
-        self._spawn(0, ["tp-leader", *common, "--world-size", str(len(threads)), "--listen",
-                        "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0", "--spec-mode", "off",
-                        "--threads", str(threads[0]), *leader_args], cores(0, threads[0]))
+        self._spawn(
+            0,
+            [
+                "tp-leader",
+                *common,
+                "--world-size",
+                str(len(threads)),
+                "--listen",
+                "127.0.0.1:0",
+                "--frontend-listen",
+                "127.0.0.1:0",
+                "--spec-mode",
+                "off",
+                "--threads",
+                str(threads[0]),
+                *leader_args,
+            ],
+            cores(0, threads[0]),
+        )
         m = self._wait(LEADER_LINE, 0)
         port, self.frontend = int(m.group(1)), int(m.group(2))
         for r in range(1, len(threads)):
-            self._spawn(r, ["tp-worker", *common, "--leader", f"127.0.0.1:{port}", "--rank",
-                            str(r), "--threads", str(threads[r]), "--gate-listen",
-                            "127.0.0.1:0"], cores(starts[r], threads[r]))
+            self._spawn(
+                r,
+                [
+                    "tp-worker",
+                    *common,
+                    "--leader",
+                    f"127.0.0.1:{port}",
+                    "--rank",
+                    str(r),
+                    "--threads",
+                    str(threads[r]),
+                    "--gate-listen",
+                    "127.0.0.1:0",
+                ],
+                cores(starts[r], threads[r]),
+            )
         self._paired()
 
     def _spawn(self, r: int, args: list[str], pinned: set[int]) -> None:
         with open(self.logs[r], "wb") as log:
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "foundry", *args], stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=lambda: os.sched_setaffinity(0, pinned)))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "foundry", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=lambda: os.sched_setaffinity(0, pinned),
+                )
+            )
 
     def text(self, r: int) -> str:
         return self.logs[r].read_text(errors="replace")
@@ -215,14 +266,19 @@ class World:
                 p.kill()
 
 
-def measure(model: Path, threads: Sequence[int], work: Path, timeout: float, tokens: int,
-            *leader_args: str) -> dict[str, object]:
+def measure(
+    model: Path, threads: Sequence[int], work: Path, timeout: float, tokens: int, *leader_args: str
+) -> dict[str, object]:
     world = World(model, threads, work, timeout, *leader_args)
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
-        return {"tokens": out, "tokens_per_s": rate, "shares": list(world.shares),
-                "chosen": chosen.group(1) if chosen else None}
+        return {
+            "tokens": out,
+            "tokens_per_s": rate,
+            "shares": list(world.shares),
+            "chosen": chosen.group(1) if chosen else None,
+        }
     finally:
         world.close()
 
@@ -235,8 +291,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=16, help="the host's threads, divided")
     ap.add_argument("--worlds", default="2,4,8", help="world sizes besides one process")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--slowed", type=int, default=4,
-                    help="the world with one rank slowed, equal shares against auto (0: skip)")
+    ap.add_argument(
+        "--slowed",
+        type=int,
+        default=4,
+        help="the world with one rank slowed, equal shares against auto (0: skip)",
+    )
     ap.add_argument("--timeout", type=float, default=30.0, help="the ranks' gate timeout")
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
     harness.add_json_flag(ap)
@@ -253,8 +313,10 @@ def main() -> int:
             write_model(preset(a.preset), model)
             print(f"wrote {model} in {time.perf_counter() - t0:.1f} s")
     worlds = [int(w) for w in a.worlds.split(",") if w]
-    print(f"{model.name}, {a.threads} threads on one host divided between the ranks, "
-          f"{a.tokens} tokens greedy, 1 client")
+    print(
+        f"{model.name}, {a.threads} threads on one host divided between the ranks, "
+        f"{a.tokens} tokens greedy, 1 client"
+    )
     base = one_process(model, a.threads, a.tokens)
     rate0 = float(str(base["tokens_per_s"]))
     results: dict[str, object] = {"threads": a.threads, "clients": 1, "one_process": base}
@@ -268,8 +330,10 @@ def main() -> int:
             m = measure(model, [each] * n, work, a.timeout, a.tokens)
             results[f"world_{n}"] = m
             rate = float(str(m["tokens_per_s"]))
-            print(f"{n:>5} {each:>12} {rate:>9.2f} {rate / rate0:>7.2f} "
-                  f"{'yes' if m['tokens'] == base['tokens'] else 'no':>11}")
+            print(
+                f"{n:>5} {each:>12} {rate:>9.2f} {rate / rate0:>7.2f} "
+                f"{'yes' if m['tokens'] == base['tokens'] else 'no':>11}"
+            )
         if a.slowed:
             n, each = a.slowed, max(1, a.threads // a.slowed)
             threads = [each] * (n - 1) + [1]
@@ -280,10 +344,12 @@ def main() -> int:
                 runs[label] = measure(model, threads, work, a.timeout, a.tokens, *extra)
             eq, auto = (float(str(runs[k]["tokens_per_s"])) for k in ("equal", "auto"))
             results["slowed"] = {"threads": threads, **runs}
-            print(f"one rank slowed: {n} ranks of {','.join(map(str, threads))} threads; equal "
-                  f"shares {eq:.2f} tokens/s, --shares auto {auto:.2f} tokens/s (shares "
-                  f"{runs['auto']['chosen']}): auto {auto / eq:.2f}x equal; same tokens "
-                  f"{'yes' if runs['auto']['tokens'] == runs['equal']['tokens'] else 'no'}")
+            print(
+                f"one rank slowed: {n} ranks of {','.join(map(str, threads))} threads; equal "
+                f"shares {eq:.2f} tokens/s, --shares auto {auto:.2f} tokens/s (shares "
+                f"{runs['auto']['chosen']}): auto {auto / eq:.2f}x equal; same tokens "
+                f"{'yes' if runs['auto']['tokens'] == runs['equal']['tokens'] else 'no'}"
+            )
     harness.emit("tp_world_decode", results, None, a.json)
     return 0
 

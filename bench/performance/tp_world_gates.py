@@ -88,8 +88,9 @@ def _pairs(world: int) -> list[dict[int, socket.socket]]:
     return socks
 
 
-def _transfer(sends: list[tuple[socket.socket, memoryview]],
-              recvs: list[tuple[socket.socket, memoryview]]) -> None:
+def _transfer(
+    sends: list[tuple[socket.socket, memoryview]], recvs: list[tuple[socket.socket, memoryview]]
+) -> None:
     """Send and receive all of these buffers at once, one poll loop (no deadlock on any size)."""
     out = [[s, v, 0] for s, v in sends]
     into = [[s, v, 0] for s, v in recvs]
@@ -100,7 +101,7 @@ def _transfer(sends: list[tuple[socket.socket, memoryview]],
         for o in out:
             if o[2] < len(o[1]):
                 try:
-                    n = o[0].send(o[1][o[2]:])
+                    n = o[0].send(o[1][o[2] :])
                 except BlockingIOError:
                     n = 0
                 o[2] += n
@@ -108,7 +109,7 @@ def _transfer(sends: list[tuple[socket.socket, memoryview]],
         for i in into:
             if i[2] < len(i[1]):
                 try:
-                    n = i[0].recv_into(i[1][i[2]:])
+                    n = i[0].recv_into(i[1][i[2] :])
                 except BlockingIOError:
                     n = -1
                 if n == 0:
@@ -122,19 +123,22 @@ def _transfer(sends: list[tuple[socket.socket, memoryview]],
             select.select(rl, wl, [], 1.0)
 
 
-def _tls_links(socks: dict[int, socket.socket], rank: int, world: int,
-               certs: Path) -> dict[int, socket.socket]:
+def _tls_links(
+    socks: dict[int, socket.socket], rank: int, world: int, certs: Path
+) -> dict[int, socket.socket]:
     """Copies of ``socks`` under mutual TLS, the lower rank of each two accepting. Every rank
     takes its handshakes in one global order of the pairs, so none waits on another's."""
-    ctx = peer_contexts_for(TlsFiles(certs / "tp-worker.pem", certs / "tp-worker-key.pem",
-                                     certs / "ca.pem"))
+    ctx = peer_contexts_for(
+        TlsFiles(certs / "tp-worker.pem", certs / "tp-worker-key.pem", certs / "ca.pem")
+    )
     assert ctx is not None
     out: dict[int, socket.socket] = {}
     for i, j in itertools.combinations(range(world), 2):
         if rank in (i, j):
             peer = j if rank == i else i
-            out[peer] = wrap_blocking(ctx.accept if rank == i else ctx.dial, socks[peer].dup(),
-                                      server_side=rank == i)
+            out[peer] = wrap_blocking(
+                ctx.accept if rank == i else ctx.dial, socks[peer].dup(), server_side=rank == i
+            )
     return out
 
 
@@ -164,11 +168,11 @@ class Star:
             _transfer([(self.socks[0], memoryview(flat).cast("B"))], [])
             _transfer([], [(self.socks[0], memoryview(total).cast("B"))])
             return total
-        _transfer([], [(self.socks[r], memoryview(self.bufs[r]).cast("B"))
-                       for r in range(1, self.world)])
+        _transfer(
+            [], [(self.socks[r], memoryview(self.bufs[r]).cast("B")) for r in range(1, self.world)]
+        )
         total = _rank_order_sum([flat, *(self.bufs[r] for r in range(1, self.world))])
-        _transfer([(self.socks[r], memoryview(total).cast("B")) for r in range(1, self.world)],
-                  [])
+        _transfer([(self.socks[r], memoryview(total).cast("B")) for r in range(1, self.world)], [])
         return total
 
 
@@ -183,8 +187,10 @@ class Ring:
         self.bufs[r][:] = mine.reshape(-1)
         for k in range(n - 1):
             send, take = (r - k) % n, (r - k - 1) % n
-            _transfer([(self.next, memoryview(self.bufs[send]).cast("B"))],
-                      [(self.prev, memoryview(self.bufs[take]).cast("B"))])
+            _transfer(
+                [(self.next, memoryview(self.bufs[send]).cast("B"))],
+                [(self.prev, memoryview(self.bufs[take]).cast("B"))],
+            )
         return _rank_order_sum(self.bufs)
 
 
@@ -198,14 +204,21 @@ def _schedule(gates: int, block: int, kinds: tuple[str, ...]) -> list[str]:
 
 def _parts(rank: int, rows: int, n_embd: int) -> list[np.ndarray]:
     rng = np.random.default_rng(rank)
-    return [np.ascontiguousarray(rng.standard_normal((rows, n_embd)), np.float32)
-            for _ in range(8)]
+    return [np.ascontiguousarray(rng.standard_normal((rows, n_embd)), np.float32) for _ in range(8)]
 
 
-def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, socket.socket],
-              rows: int, n_embd: int, gates: int, block: int,
-              tls_socks: dict[int, socket.socket] | None, certs: Path | None
-              ) -> dict[str, list[float]]:
+def _run_rank(
+    conn: Connection | None,
+    rank: int,
+    world: int,
+    socks: dict[int, socket.socket],
+    rows: int,
+    n_embd: int,
+    gates: int,
+    block: int,
+    tls_socks: dict[int, socket.socket] | None,
+    certs: Path | None,
+) -> dict[str, list[float]]:
     size = rows * n_embd
     mesh = _gate({r: s.dup() for r, s in socks.items()}, rank, world, n_embd)
     secure = None
@@ -217,8 +230,10 @@ def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, s
     parts = _parts(rank, rows, n_embd)
     # Every rank's partials are known from their seeds: the rank-order sums to check against.
     everyone = [_parts(r, rows, n_embd) for r in range(world)]
-    expected = [_rank_order_sum([everyone[r][j].reshape(-1) for r in range(world)])
-                for j in range(len(parts))]
+    expected = [
+        _rank_order_sum([everyone[r][j].reshape(-1) for r in range(world)])
+        for j in range(len(parts))
+    ]
     for i, kind in enumerate(_schedule(gates, block, kinds)):
         mine = parts[i % len(parts)]
         t0 = time.perf_counter()
@@ -233,24 +248,42 @@ def _run_rank(conn: Connection | None, rank: int, world: int, socks: dict[int, s
             total = ring.exchange(mine)
         times[kind].append(time.perf_counter() - t0)
         if not np.array_equal(np.asarray(total).reshape(-1), expected[i % len(parts)]):
-            raise AssertionError(f"rank {rank}: the {kind} sum of gate {i} is not the "
-                                 "rank-order sum")
+            raise AssertionError(
+                f"rank {rank}: the {kind} sum of gate {i} is not the rank-order sum"
+            )
     if conn is not None:
         conn.send(times)
     return times
 
 
-def _child(conn: Connection, rank: int, world: int, socks: dict[int, socket.socket],
-           rows: int, n_embd: int, gates: int, block: int,
-           tls_socks: dict[int, socket.socket] | None, certs: Path | None) -> None:
+def _child(
+    conn: Connection,
+    rank: int,
+    world: int,
+    socks: dict[int, socket.socket],
+    rows: int,
+    n_embd: int,
+    gates: int,
+    block: int,
+    tls_socks: dict[int, socket.socket] | None,
+    certs: Path | None,
+) -> None:
     _run_rank(conn, rank, world, socks, rows, n_embd, gates, block, tls_socks, certs)
 
 
 GATE_PORT = 7190
 
 
-def _netns_rank(conn: Connection, net: Network, rank: int, world: int, rows: int, n_embd: int,
-                gates: int, block: int) -> None:
+def _netns_rank(
+    conn: Connection,
+    net: Network,
+    rank: int,
+    world: int,
+    rows: int,
+    n_embd: int,
+    gates: int,
+    block: int,
+) -> None:
     """A rank in its own namespace: listen, say so, dial the ranks below once told to, take
     the ranks above (each connection's first byte is its rank), then run the gates."""
     enter_netns(f"/var/run/netns/{net.ns(rank)}")
@@ -272,8 +305,9 @@ def _netns_rank(conn: Connection, net: Network, rank: int, world: int, rows: int
     _run_rank(conn, rank, world, socks, rows, n_embd, gates, block, None, None)
 
 
-def measure_netns(net: Network, world: int, rows: int, n_embd: int, gates: int,
-                  block: int) -> dict[str, float]:
+def measure_netns(
+    net: Network, world: int, rows: int, n_embd: int, gates: int, block: int
+) -> dict[str, float]:
     """:func:`measure` with every rank in its namespace across the shaped link."""
     ctx = mp.get_context("fork")
     ranks = []
@@ -302,24 +336,41 @@ def pace(net: Network, burst: int) -> None:
     ports += [(net.switch, f"p{i}") for i in range(net.hosts)]
     for ns, dev in ports:
         net._run(net.ip, "-n", ns, "link", "set", dev, "gso_max_size", "1500")
-        net._run(net.tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                 net.rate, "burst", str(burst), "latency", "20ms")
+        net._run(
+            net.tc,
+            "-n",
+            ns,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            net.rate,
+            "burst",
+            str(burst),
+            "latency",
+            "20ms",
+        )
 
 
-def measure(world: int, rows: int, n_embd: int, gates: int, block: int,
-            certs: Path | None = None) -> dict[str, float]:
+def measure(
+    world: int, rows: int, n_embd: int, gates: int, block: int, certs: Path | None = None
+) -> dict[str, float]:
     socks = _pairs(world)
     tls_socks = _pairs(world) if certs is not None else [None] * world
     ctx = mp.get_context("fork")
     children = []
     for r in range(1, world):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(b, r, world, socks[r], rows, n_embd, gates, block,
-                                             tls_socks[r], certs))
+        p = ctx.Process(
+            target=_child,
+            args=(b, r, world, socks[r], rows, n_embd, gates, block, tls_socks[r], certs),
+        )
         p.start()
         children.append((p, a))
-    times = _run_rank(None, 0, world, socks[0], rows, n_embd, gates, block, tls_socks[0],
-                      certs)
+    times = _run_rank(None, 0, world, socks[0], rows, n_embd, gates, block, tls_socks[0], certs)
     for p, a in children:
         a.recv()
         p.join(30)
@@ -336,19 +387,33 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--gates", type=int, default=400, help="gates per kind (default 400)")
     ap.add_argument("--block", type=int, default=50, help="gates per block of one kind")
-    ap.add_argument("--tcp-spin-us", type=float, default=None,
-                    help="the TCP gates' spin before they sleep in poll (default: the "
-                    "services' own, transport.gates.TCP_SPIN_S)")
-    ap.add_argument("--rate", default="loopback",
-                    help="shape every rank's port to this rate in namespaces (tc syntax, e.g. "
-                    "1gbit; default loopback: no namespaces)")
-    ap.add_argument("--burst-bytes", type=int, default=None,
-                    help="with --rate: one-frame segments and this tbf burst on every port, "
-                    "so small partials are paced (default: lan.Network's burst)")
+    ap.add_argument(
+        "--tcp-spin-us",
+        type=float,
+        default=None,
+        help="the TCP gates' spin before they sleep in poll (default: the "
+        "services' own, transport.gates.TCP_SPIN_S)",
+    )
+    ap.add_argument(
+        "--rate",
+        default="loopback",
+        help="shape every rank's port to this rate in namespaces (tc syntax, e.g. "
+        "1gbit; default loopback: no namespaces)",
+    )
+    ap.add_argument(
+        "--burst-bytes",
+        type=int,
+        default=None,
+        help="with --rate: one-frame segments and this tbf burst on every port, "
+        "so small partials are paced (default: lan.Network's burst)",
+    )
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
-    ap.add_argument("--tls", action="store_true",
-                    help="also all-to-all (the pair: its gate) over mutual TLS, interleaved")
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="also all-to-all (the pair: its gate) over mutual TLS, interleaved",
+    )
     harness.add_json_flag(ap)
     a = ap.parse_args()
     if a.tls and a.rate != "loopback":
@@ -368,12 +433,17 @@ def _run(a: argparse.Namespace, certs: Path | None) -> int:
     worlds = [int(w) for w in a.worlds.split(",")]
     partial = a.rows * a.n_embd * 4
     net = Network(max([2, *worlds]), a.rate, a.ip, a.tc)
-    where = ("loopback" if not net.shaped else
-             f"each rank in a namespace, every port tbf-shaped to {a.rate}"
-             + (f", burst {a.burst_bytes} bytes, 1500-byte segments" if a.burst_bytes else ""))
-    print(f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
-          f"{a.gates} gates a kind, rank 0's p50 in us; {where}, 1 thread a rank, "
-          f"{len(worlds) + 1} world sizes")
+    where = (
+        "loopback"
+        if not net.shaped
+        else f"each rank in a namespace, every port tbf-shaped to {a.rate}"
+        + (f", burst {a.burst_bytes} bytes, 1500-byte segments" if a.burst_bytes else "")
+    )
+    print(
+        f"gate of {a.rows} x {a.n_embd} float32 ({partial} bytes a partial), "
+        f"{a.gates} gates a kind, rank 0's p50 in us; {where}, 1 thread a rank, "
+        f"{len(worlds) + 1} world sizes"
+    )
 
     def run(world: int) -> dict[str, float]:
         if net.shaped:
@@ -389,16 +459,28 @@ def _run(a: argparse.Namespace, certs: Path | None) -> int:
         net.down()
 
 
-def report(a: argparse.Namespace, worlds: list[int], partial: int,
-           run: Callable[[int], dict[str, float]], certs: Path | None) -> int:
+def report(
+    a: argparse.Namespace,
+    worlds: list[int],
+    partial: int,
+    run: Callable[[int], dict[str, float]],
+    certs: Path | None,
+) -> int:
     pair = run(2)
     base = pair["all-to-all"]
-    results: dict[str, object] = {"threads_per_rank": 1, "clients": 0, "partial_bytes": partial,
-                                  "pair_p50_us": base, "rate": a.rate,
-                                  "burst_bytes": a.burst_bytes}
+    results: dict[str, object] = {
+        "threads_per_rank": 1,
+        "clients": 0,
+        "partial_bytes": partial,
+        "pair_p50_us": base,
+        "rate": a.rate,
+        "burst_bytes": a.burst_bytes,
+    }
     tls_head = f" {'tls':>9} {'tls/plain':>9}" if certs else ""
-    print(f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
-          f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}{tls_head}")
+    print(
+        f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
+        f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}{tls_head}"
+    )
 
     def tls_cells(m: dict[str, float]) -> str:
         if not certs:
@@ -407,15 +489,19 @@ def report(a: argparse.Namespace, worlds: list[int], partial: int,
 
     if certs:
         results["pair_tls_p50_us"] = pair[TLS_KIND]
-    print(f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
-          f"{partial + 20:>17}{tls_cells(pair)}")
+    print(
+        f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
+        f"{partial + 20:>17}{tls_cells(pair)}"
+    )
     for w in worlds:
         m = run(w)
         results[f"world_{w}_p50_us"] = m
-        print(f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
-              f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "
-              f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}"
-              f"{tls_cells(m)}")
+        print(
+            f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
+            f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "
+            f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}"
+            f"{tls_cells(m)}"
+        )
     harness.emit("tp_world_gates", results, None, a.json)
     return 0
 

@@ -39,8 +39,9 @@ from foundry.model.nn import transformer as T
 from foundry.model.spec.config import ModelConfig
 
 # 8 layers, 8 experts of 512 x 512: 50M routed-expert weights, 4 kv heads (2, 3, 4 ranks).
-CFG = ModelConfig(n_embd=512, n_layer=8, n_head=8, n_head_kv=4, n_ff=512,
-                  n_expert=8, n_expert_used=2, n_ctx=256)
+CFG = ModelConfig(
+    n_embd=512, n_layer=8, n_head=8, n_head_kv=4, n_ff=512, n_expert=8, n_expert_used=2, n_ctx=256
+)
 LEADER = re.compile(r"tp-leader listening: workers [\d.]+:(\d+)")
 PROBE = """
 import sys, numpy
@@ -62,8 +63,9 @@ def rss_kib(pid: int) -> int:
 
 
 def probe(model: Path, what: str) -> int:
-    got = subprocess.run([sys.executable, "-c", PROBE, str(model), what],
-                         capture_output=True, text=True, timeout=600)
+    got = subprocess.run(
+        [sys.executable, "-c", PROBE, str(model), what], capture_output=True, text=True, timeout=600
+    )
     if got.returncode:
         raise SystemExit(f"the {what} probe failed: {got.stderr}")
     out = got.stdout
@@ -74,10 +76,27 @@ def world_rss(model: Path, world: int, logs: Path) -> list[int]:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     foundry = [sys.executable, "-m", "foundry"]
     leader = subprocess.Popen(
-        [*foundry, "tp-leader", "--model", str(model), "--world-size", str(world), "--listen",
-         "127.0.0.1:0", "--frontend-listen", "127.0.0.1:0", "--ctx-size", "256",
-         "--expert-split", "experts"],
-        stdout=subprocess.PIPE, stderr=(logs / f"leader{world}.log").open("w"), env=env, text=True)
+        [
+            *foundry,
+            "tp-leader",
+            "--model",
+            str(model),
+            "--world-size",
+            str(world),
+            "--listen",
+            "127.0.0.1:0",
+            "--frontend-listen",
+            "127.0.0.1:0",
+            "--ctx-size",
+            "256",
+            "--expert-split",
+            "experts",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=(logs / f"leader{world}.log").open("w"),
+        env=env,
+        text=True,
+    )
     workers: list[subprocess.Popen[bytes]] = []
     try:
         assert leader.stdout is not None
@@ -87,15 +106,34 @@ def world_rss(model: Path, world: int, logs: Path) -> list[int]:
             log = (logs / f"leader{world}.log").read_text()
             raise SystemExit(f"the leader did not start: {log}")
         for r in range(1, world):
-            workers.append(subprocess.Popen(
-                [*foundry, "tp-worker", "--model", str(model), "--leader",
-                 f"127.0.0.1:{port.group(1)}", "--rank", str(r), "--ctx-size", "256",
-                 "--gate-listen", "127.0.0.1:0", "--expert-split", "experts"],
-                stdout=subprocess.DEVNULL, stderr=(logs / f"worker{world}-{r}.log").open("w"),
-                env=env))
+            workers.append(
+                subprocess.Popen(
+                    [
+                        *foundry,
+                        "tp-worker",
+                        "--model",
+                        str(model),
+                        "--leader",
+                        f"127.0.0.1:{port.group(1)}",
+                        "--rank",
+                        str(r),
+                        "--ctx-size",
+                        "256",
+                        "--gate-listen",
+                        "127.0.0.1:0",
+                        "--expert-split",
+                        "experts",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=(logs / f"worker{world}-{r}.log").open("w"),
+                    env=env,
+                )
+            )
         deadline = time.monotonic() + 300
-        while not all("paired with the leader" in (logs / f"worker{world}-{r}.log").read_text()
-                      for r in range(1, world)):
+        while not all(
+            "paired with the leader" in (logs / f"worker{world}-{r}.log").read_text()
+            for r in range(1, world)
+        ):
             if time.monotonic() > deadline:
                 raise SystemExit(f"the world of {world} did not form; logs in {logs}")
             time.sleep(0.2)
@@ -134,19 +172,24 @@ def main() -> int:
         size = model.stat().st_size
         bare = probe(model, "bare")
         whole = probe(model, "whole")
-        print(f"model {model.name}: {size / 2**20:.1f} MiB on disk; VmRSS in MiB (1 BLAS thread, "
-              f"ctx 256, one process each)")
+        print(
+            f"model {model.name}: {size / 2**20:.1f} MiB on disk; VmRSS in MiB (1 BLAS thread, "
+            f"ctx 256, one process each)"
+        )
         print(f"{'process':<22} {'VmRSS':>8} {'above bare':>11} {'/ one process':>14}")
         print(f"{'bare (header only)':<22} {bare / 1024:>8.1f} {'':>11} {'':>14}")
-        print(f"{'one process':<22} {whole / 1024:>8.1f} {(whole - bare) / 1024:>11.1f} "
-              f"{1.0:>14.2f}")
+        print(
+            f"{'one process':<22} {whole / 1024:>8.1f} {(whole - bare) / 1024:>11.1f} {1.0:>14.2f}"
+        )
         results.update(model_mib=size / 2**20, bare_kib=bare, one_process_kib=whole)
         for w in (int(x) for x in a.worlds.split(",")):
             ranks = world_rss(model, w, logs)
             results[f"world_{w}_kib"] = ranks
             for r, kib in enumerate(ranks):
-                print(f"{f'world {w} rank {r}':<22} {kib / 1024:>8.1f} "
-                      f"{(kib - bare) / 1024:>11.1f} {(kib - bare) / (whole - bare):>14.2f}")
+                print(
+                    f"{f'world {w} rank {r}':<22} {kib / 1024:>8.1f} "
+                    f"{(kib - bare) / 1024:>11.1f} {(kib - bare) / (whole - bare):>14.2f}"
+                )
     harness.emit("tp_world_memory", results, None, a.json)
     return 0
 

@@ -38,19 +38,53 @@ PROMPTS = (
 
 
 def foundry(model: Path, prompt: str, tokens: int, lora: Path | None) -> str:
-    argv = [sys.executable, "-m", "foundry", "generate", "--model", str(model), "--prompt",
-            prompt, "--max-tokens", str(tokens)]
+    argv = [
+        sys.executable,
+        "-m",
+        "foundry",
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(tokens),
+    ]
     if lora is not None:
         argv += ["--lora", str(lora)]
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
     return done.stdout.rstrip("\n")
 
 
-def llama(binary: Path, model: Path, prompt: str, tokens: int, lora: Path | None,
-          threads: int, extra: list[str], batch: int | None = None) -> str:
-    argv = [str(binary), "-m", str(model), "-p", prompt, "-n", str(tokens), "--temp", "0",
-            "-no-cnv", "-c", "512", "-t", str(threads), "--no-warmup", "--no-display-prompt",
-            *extra]
+def llama(
+    binary: Path,
+    model: Path,
+    prompt: str,
+    tokens: int,
+    lora: Path | None,
+    threads: int,
+    extra: list[str],
+    batch: int | None = None,
+) -> str:
+    argv = [
+        str(binary),
+        "-m",
+        str(model),
+        "-p",
+        prompt,
+        "-n",
+        str(tokens),
+        "--temp",
+        "0",
+        "-no-cnv",
+        "-c",
+        "512",
+        "-t",
+        str(threads),
+        "--no-warmup",
+        "--no-display-prompt",
+        *extra,
+    ]
     if lora is not None:
         argv += ["--lora", str(lora)]
     if batch is not None:
@@ -65,14 +99,23 @@ def main() -> int:
     ap = harness.parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="the base GGUF file")
     ap.add_argument("--lora", type=Path, required=True, help="the adapter GGUF file")
-    ap.add_argument("--merged", type=Path, action="append", default=[],
-                    help="a merged file (repeat for several)")
+    ap.add_argument(
+        "--merged",
+        type=Path,
+        action="append",
+        default=[],
+        help="a merged file (repeat for several)",
+    )
     ap.add_argument("--llama-completion", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-args", type=shlex.split, default=[],
-                    help="more flags for llama-completion (e.g. -nr where its repacked or AMX "
-                    "buffers fail on the machine)")
+    ap.add_argument(
+        "--llama-args",
+        type=shlex.split,
+        default=[],
+        help="more flags for llama-completion (e.g. -nr where its repacked or AMX "
+        "buffers fail on the machine)",
+    )
     args = ap.parse_args()
     equal = total = 0
     runs: list[tuple[str, Path, Path | None]] = [("base + adapter", args.model, args.lora)]
@@ -80,22 +123,49 @@ def main() -> int:
     for name, model, lora in runs:
         for prompt in PROMPTS:
             ours = foundry(model, prompt, args.tokens, lora)
-            theirs = llama(args.llama_completion, model, prompt, args.tokens, lora, args.threads,
-                           args.llama_args)
+            theirs = llama(
+                args.llama_completion,
+                model,
+                prompt,
+                args.tokens,
+                lora,
+                args.threads,
+                args.llama_args,
+            )
             same = ours == theirs
             equal += same
             total += 1
-            print(f"{name} | {prompt!r}\n  foundry:   {ours!r}\n  llama.cpp: {theirs!r}\n"
-                  f"  {'equal' if same else 'DIFFERENT'}", flush=True)
+            print(
+                f"{name} | {prompt!r}\n  foundry:   {ours!r}\n  llama.cpp: {theirs!r}\n"
+                f"  {'equal' if same else 'DIFFERENT'}",
+                flush=True,
+            )
     self_equal = 0
     for prompt in PROMPTS:
-        batched = llama(args.llama_completion, args.model, prompt, args.tokens, None,
-                        args.threads, args.llama_args)
-        one = llama(args.llama_completion, args.model, prompt, args.tokens, None, args.threads,
-                    args.llama_args, batch=1)
+        batched = llama(
+            args.llama_completion,
+            args.model,
+            prompt,
+            args.tokens,
+            None,
+            args.threads,
+            args.llama_args,
+        )
+        one = llama(
+            args.llama_completion,
+            args.model,
+            prompt,
+            args.tokens,
+            None,
+            args.threads,
+            args.llama_args,
+            batch=1,
+        )
         self_equal += batched == one
-    print(f"equal greedy texts: {equal} of {total} ({args.tokens} tokens); llama.cpp against "
-          f"itself on the base (prompt as one batch vs -b 1): {self_equal} of {len(PROMPTS)}")
+    print(
+        f"equal greedy texts: {equal} of {total} ({args.tokens} tokens); llama.cpp against "
+        f"itself on the base (prompt as one batch vs -b 1): {self_equal} of {len(PROMPTS)}"
+    )
     return 0
 
 

@@ -63,9 +63,11 @@ def main() -> int:
             ok = ok and passed
             verdict = f"  (target: {TARGET} identical) {'PASS' if passed else 'FAIL'}"
         where = "identical" if first is None else f"first differs at token {first}"
-        print(f"{path.name}: {where} ({same} of {len(ref)} the same); logits up to there: "
-              f"largest difference {diff.max():.4f}, {rel.max():.2%} of the row's largest "
-              f"logit{verdict}")
+        print(
+            f"{path.name}: {where} ({same} of {len(ref)} the same); logits up to there: "
+            f"largest difference {diff.max():.4f}, {rel.max():.2%} of the row's largest "
+            f"logit{verdict}"
+        )
         print(f"  {decode(got)!r}")
     return 0 if ok else 1
 

@@ -37,9 +37,11 @@ WRITERS = {"q4_K": (kquants.quantize_q4_k, 144), "q6_K": (kquants.quantize_q6_k,
 def reference(lib: ctypes.CDLL, name: str, x: np.ndarray, block: int) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32).reshape(-1)
     out = np.zeros(x.size // 256 * block, np.uint8)
-    getattr(lib, f"quantize_row_{name}_ref")(x.ctypes.data_as(ctypes.c_void_p),
-                                             out.ctypes.data_as(ctypes.c_void_p),
-                                             ctypes.c_int64(x.size))
+    getattr(lib, f"quantize_row_{name}_ref")(
+        x.ctypes.data_as(ctypes.c_void_p),
+        out.ctypes.data_as(ctypes.c_void_p),
+        ctypes.c_int64(x.size),
+    )
     return out
 
 

@@ -69,17 +69,27 @@ def parse_config(text: str) -> Config:
     if not sep or not name or not 3 <= len(parts) <= 6:
         raise argparse.ArgumentTypeError(f"{text!r}: want {CONFIG_FORM}")
     try:
-        return Config(name, int(parts[0]), float(parts[1]), float(parts[2]),
-                      int(parts[3]) if len(parts) > 3 and parts[3] else 0,
-                      float(parts[4]) if len(parts) > 4 and parts[4] else 0.0,
-                      int(parts[5]) if len(parts) > 5 else 0)
+        return Config(
+            name,
+            int(parts[0]),
+            float(parts[1]),
+            float(parts[2]),
+            int(parts[3]) if len(parts) > 3 and parts[3] else 0,
+            float(parts[4]) if len(parts) > 4 and parts[4] else 0.0,
+            int(parts[5]) if len(parts) > 5 else 0,
+        )
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def settings_of(args: argparse.Namespace, batch: int, lr: float) -> TrainSettings:
-    return TrainSettings(global_batch=batch, seq_len=args.seq_len, total_steps=args.steps,
-                         warmup_steps=args.warmup_steps, lr=lr)
+    return TrainSettings(
+        global_batch=batch,
+        seq_len=args.seq_len,
+        total_steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        lr=lr,
+    )
 
 
 def one_process(args: argparse.Namespace) -> Outcome:
@@ -109,11 +119,19 @@ def stale_sync(args: argparse.Namespace, delay: int) -> Outcome:
     t0 = time.perf_counter()
     behind = [{k: v.copy() for k, v in trainer.params.items()}]  # oldest first
     for step in range(1, args.max_steps + 1):
-        result = compute_gradients(behind[0], cfg, corpus, trainer.position, s.global_batch,
-                                   seq_len=s.seq_len, micro_batch=8,
-                                   aux_loss_coef=s.aux_loss_coef, data_seed=s.data_seed)
+        result = compute_gradients(
+            behind[0],
+            cfg,
+            corpus,
+            trainer.position,
+            s.global_batch,
+            seq_len=s.seq_len,
+            micro_batch=8,
+            aux_loss_coef=s.aux_loss_coef,
+            data_seed=s.data_seed,
+        )
         trainer.apply(result.grads)
-        behind = [*behind, {k: v.copy() for k, v in trainer.params.items()}][-(delay + 1):]
+        behind = [*behind, {k: v.copy() for k, v in trainer.params.items()}][-(delay + 1) :]
         if step % args.validate_every == 0:
             loss = evaluate_loss(trainer.params, cfg, corpus, args.seq_len, VALIDATION_BATCHES)
             out.curve.append((step * args.global_batch, loss))
@@ -130,9 +148,13 @@ def local_training(args: argparse.Namespace, c: Config) -> Outcome:
     # The schedule counts global steps of one process's batch: a bigger global batch covers
     # the same tokens in fewer steps, so its schedule is that much shorter.
     scale = args.global_batch / batch
-    schedule = sync.InnerSchedule(s.lr, max(1, round(s.warmup_steps * scale)),
-                                  max(1, round(s.total_steps * scale)), s.min_lr_ratio,
-                                  s.grad_clip)
+    schedule = sync.InnerSchedule(
+        s.lr,
+        max(1, round(s.warmup_steps * scale)),
+        max(1, round(s.total_steps * scale)),
+        s.min_lr_ratio,
+        s.grad_clip,
+    )
     out = Outcome(c.name)
     t0 = time.perf_counter()
     warm = Trainer(cfg, s, init_params(cfg, 0))
@@ -157,9 +179,19 @@ def local_training(args: argparse.Namespace, c: Config) -> Outcome:
         parts = []
         for w in ids:
             res = sync.local_steps(
-                params, inner[w], cfg, corpus, schedule, global_step=step,
-                sample_offset=offsets[w], samples_per_step=per_step[w], steps=h,
-                micro_batch=8, seq_len=s.seq_len, aux_loss_coef=s.aux_loss_coef)
+                params,
+                inner[w],
+                cfg,
+                corpus,
+                schedule,
+                global_step=step,
+                sample_offset=offsets[w],
+                samples_per_step=per_step[w],
+                steps=h,
+                micro_batch=8,
+                seq_len=s.seq_len,
+                aux_loss_coef=s.aux_loss_coef,
+            )
             parts.append((res.n_samples, [res.grads[k] for k in params]))
         mean = policy.weighted_mean(parts)
         outer.step(params, dict(zip(params, mean, strict=True)))
@@ -191,26 +223,52 @@ def to_target(curve: list[tuple[int, float]], target: float) -> int | None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=128,
-                    help="one process's steps (the schedule's length); its validation loss "
-                    "there is the target")
-    ap.add_argument("--max-steps", type=int, default=0,
-                    help="tokens to train, in one process's steps (default 2 x --steps)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=128,
+        help="one process's steps (the schedule's length); its validation loss there is the target",
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="tokens to train, in one process's steps (default 2 x --steps)",
+    )
     ap.add_argument("--validate-every", type=int, default=8, help="in one process's steps")
-    ap.add_argument("--config", dest="configs", type=parse_config, action="append",
-                    default=[], metavar=CONFIG_FORM)
-    ap.add_argument("--stale-sync", type=int, action="append", default=[], metavar="D",
-                    help="also synchronous training with gradients D steps stale (repeatable)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="configurations run at once, one process each")
+    ap.add_argument(
+        "--config",
+        dest="configs",
+        type=parse_config,
+        action="append",
+        default=[],
+        metavar=CONFIG_FORM,
+    )
+    ap.add_argument(
+        "--stale-sync",
+        type=int,
+        action="append",
+        default=[],
+        metavar="D",
+        help="also synchronous training with gradients D steps stale (repeatable)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="configurations run at once, one process each",
+    )
     args = ap.parse_args()
     args.max_steps = max(args.max_steps or 2 * args.steps, args.steps)
     if args.workers < 1 or args.jobs < 1:
@@ -219,11 +277,13 @@ def main() -> int:
         ap.error("give at least one --config or --stale-sync")
     if any(d < 1 for d in args.stale_sync):
         ap.error("--stale-sync takes a delay of 1 step or more")
-    print(f"# local-step quality: {args.workers} simulated workers, preset {args.preset}, "
-          f"global batch {args.global_batch}x{args.seq_len}, target = one process's "
-          f"validation after {args.steps} steps; "
-          f"{len(args.configs) + len(args.stale_sync)} configurations, {args.jobs} at a time",
-          flush=True)
+    print(
+        f"# local-step quality: {args.workers} simulated workers, preset {args.preset}, "
+        f"global batch {args.global_batch}x{args.seq_len}, target = one process's "
+        f"validation after {args.steps} steps; "
+        f"{len(args.configs) + len(args.stale_sync)} configurations, {args.jobs} at a time",
+        flush=True,
+    )
     jobs: list[tuple[argparse.Namespace, Config | int | None]] = [(args, None)]
     jobs += [(args, c) for c in args.configs]
     jobs += [(args, d) for d in args.stale_sync]
@@ -233,18 +293,25 @@ def main() -> int:
     equal = args.steps * args.global_batch
     target = at_tokens(base.curve, equal)
     base_n = to_target(base.curve, target) or equal
-    print(f"one process: validation {target:.4f} after {args.steps} steps ({equal} samples) "
-          f"= the target; {base.seconds:.0f} s for {args.max_steps} steps", flush=True)
-    print(f"{'configuration':22s} {'at equal tokens':>15s} {'vs target':>9s} "
-          f"{'tokens to target':>16s} {'ideal sooner':>12s}  validation by samples")
+    print(
+        f"one process: validation {target:.4f} after {args.steps} steps ({equal} samples) "
+        f"= the target; {base.seconds:.0f} s for {args.max_steps} steps",
+        flush=True,
+    )
+    print(
+        f"{'configuration':22s} {'at equal tokens':>15s} {'vs target':>9s} "
+        f"{'tokens to target':>16s} {'ideal sooner':>12s}  validation by samples"
+    )
     for o in outcomes[1:]:
         v = at_tokens(o.curve, equal)
         n = to_target(o.curve, target)
         tokens = "-" if n is None else f"{n / base_n:.2f}x"
         sooner = "-" if n is None else f"{args.workers * base_n / n:.2f}x"
         curve = " ".join(f"{n_}:{loss:.3f}" for n_, loss in o.curve)
-        print(f"{o.name:22s} {v:15.4f} {v / target:8.3f}x {tokens:>16s} {sooner:>12s}  {curve}",
-              flush=True)
+        print(
+            f"{o.name:22s} {v:15.4f} {v / target:8.3f}x {tokens:>16s} {sooner:>12s}  {curve}",
+            flush=True,
+        )
     return 0
 
 

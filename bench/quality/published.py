@@ -48,8 +48,9 @@ def llama_model(path: str, n_ctx: int) -> Any:
     sys.modules.setdefault("diskcache", types.SimpleNamespace(Cache=object))  # type: ignore[arg-type]
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=path, logits_all=True, n_threads=1, n_threads_batch=1,
-                           n_ctx=n_ctx, verbose=False)
+    return llama_cpp.Llama(
+        model_path=path, logits_all=True, n_threads=1, n_threads_batch=1, n_ctx=n_ctx, verbose=False
+    )
 
 
 def llama_stepwise(llm: Any, ids: list[int], follow: list[int]) -> list[np.ndarray]:
@@ -115,25 +116,33 @@ def main() -> None:
             d = float(np.abs(a - b).max())
             worst_abs = max(worst_abs, d)
             worst_rel = max(worst_rel, d / float(np.abs(b).max()))
-        first = next((i for i, (x, y) in enumerate(zip(out_o, out_t, strict=True)) if x != y),
-                     None)
+        first = next((i for i, (x, y) in enumerate(zip(out_o, out_t, strict=True)) if x != y), None)
         same += first is None
         step_rows = llama_stepwise(llm, ids, out_t)
         step_out = [int(np.argmax(r)) for r in step_rows[len(ids) - 1 : -1]]
-        self_first = next((i for i, (x, y) in enumerate(zip(step_out, out_t, strict=True))
-                           if x != y), None)
+        self_first = next(
+            (i for i, (x, y) in enumerate(zip(step_out, out_t, strict=True)) if x != y), None
+        )
         self_same += self_first is None
         for a, b in zip(step_rows, theirs_rows, strict=True):
             self_rel = max(self_rel, float(np.abs(a - b).max()) / float(np.abs(b).max()))
-        print(f"{text!r}: greedy {'identical' if first is None else f'differs at {first}'}"
-              f" over {args.tokens} tokens; llama.cpp token by token against its batch: "
-              f"{'identical' if self_first is None else f'differs at {self_first}'}")
-    print(f"greedy identical on {same}/{len(PROMPTS)} prompts (llama.cpp against itself: "
-          f"{self_same}/{len(PROMPTS)})")
-    print(f"logits: max |ours - llama.cpp| {worst_abs:.4f}, relative to the row's largest "
-          f"{worst_rel:.2e} (llama.cpp token by token against its batch: {self_rel:.2e})")
-    print(f"decode tokens/s: foundry {n_decoded / t_ours:.1f}, llama.cpp "
-          f"{n_decoded / t_theirs:.1f}, ratio {t_theirs / t_ours:.2f}x")
+        print(
+            f"{text!r}: greedy {'identical' if first is None else f'differs at {first}'}"
+            f" over {args.tokens} tokens; llama.cpp token by token against its batch: "
+            f"{'identical' if self_first is None else f'differs at {self_first}'}"
+        )
+    print(
+        f"greedy identical on {same}/{len(PROMPTS)} prompts (llama.cpp against itself: "
+        f"{self_same}/{len(PROMPTS)})"
+    )
+    print(
+        f"logits: max |ours - llama.cpp| {worst_abs:.4f}, relative to the row's largest "
+        f"{worst_rel:.2e} (llama.cpp token by token against its batch: {self_rel:.2e})"
+    )
+    print(
+        f"decode tokens/s: foundry {n_decoded / t_ours:.1f}, llama.cpp "
+        f"{n_decoded / t_theirs:.1f}, ratio {t_theirs / t_ours:.2f}x"
+    )
 
     text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
     ids = llm.tokenize(text.encode(), add_bos=False, special=False)[: args.ppl_tokens]
@@ -152,9 +161,11 @@ def main() -> None:
         nll_o += log_softmax_nll(ours, targets)
         count += len(targets)
     ppl_o, ppl_t = float(np.exp(nll_o / count)), float(np.exp(nll_t / count))
-    print(f"perplexity over {count} scored tokens ({len(ids)} tokens in windows of "
-          f"{args.window}): foundry {ppl_o:.4f}, llama.cpp {ppl_t:.4f}, "
-          f"difference {100 * (ppl_o / ppl_t - 1):+.3f} %")
+    print(
+        f"perplexity over {count} scored tokens ({len(ids)} tokens in windows of "
+        f"{args.window}): foundry {ppl_o:.4f}, llama.cpp {ppl_t:.4f}, "
+        f"difference {100 * (ppl_o / ppl_t - 1):+.3f} %"
+    )
 
 
 if __name__ == "__main__":

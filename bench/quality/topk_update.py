@@ -55,16 +55,24 @@ def train(mode: str, rounds: int) -> float:
     for _ in range(rounds):
         lr = trainer.learning_rate()
         grads = [
-            compute_gradients(trainer.params, cfg, corpus, trainer.position + w * share, share,
-                              seq_len=settings.seq_len, micro_batch=8,
-                              aux_loss_coef=settings.aux_loss_coef).grads
+            compute_gradients(
+                trainer.params,
+                cfg,
+                corpus,
+                trainer.position + w * share,
+                share,
+                seq_len=settings.seq_len,
+                micro_batch=8,
+                aux_loss_coef=settings.aux_loss_coef,
+            ).grads
             for w in range(WORKERS)
         ]
         if mode == "none":
             trainer.apply({k: sum(g[k] for g in grads) / WORKERS for k in grads[0]})
         elif mode == "topk-gradient":
-            trainer.apply({k: sum(sent(w, k, g[k]) for w, g in enumerate(grads)) / WORKERS
-                           for k in grads[0]})
+            trainer.apply(
+                {k: sum(sent(w, k, g[k]) for w, g in enumerate(grads)) / WORKERS for k in grads[0]}
+            )
         else:
             total = {k: np.zeros_like(p) for k, p in trainer.params.items()}
             for w, g in enumerate(grads):
@@ -88,8 +96,11 @@ def main() -> int:
     for mode in MODES:
         losses[mode] = train(mode, args.rounds)
         ratio = losses[mode] / losses["none"]
-        print(f"{mode:14s} validation loss {losses[mode]:.4f}  {ratio:5.3f}x none"
-              f"{'' if mode == 'none' else '   (target <= 1.02x)'}", flush=True)
+        print(
+            f"{mode:14s} validation loss {losses[mode]:.4f}  {ratio:5.3f}x none"
+            f"{'' if mode == 'none' else '   (target <= 1.02x)'}",
+            flush=True,
+        )
     return 0
 
 

@@ -69,8 +69,11 @@ from churn_tp import tp_soak
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--seconds", type=float, default=60.0, help="swarm churn (default 60)")
     ap.add_argument("--tp-seconds", type=float, default=30.0, help="TP churn (default 30)")
     ap.add_argument("--seed", type=int, default=1)
@@ -86,8 +89,14 @@ def main() -> int:
         results: dict[str, object] = {}
         ok = True
         if args.seconds > 0:
-            s = swarm_soak(work / "swarm", args.seconds, args.seed, args.workers,
-                           args.checkpoint_every, args.kill_every)
+            s = swarm_soak(
+                work / "swarm",
+                args.seconds,
+                args.seed,
+                args.workers,
+                args.checkpoint_every,
+                args.kill_every,
+            )
             print(s.summary())
             for f in s.failures:
                 print(f"  {f}")

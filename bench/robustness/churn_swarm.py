@@ -48,15 +48,24 @@ DROP_WITHIN_S = 1.0
 
 STEP_LINE = re.compile(
     r"^(\S+ \S+) INFO foundry\.coordinator: step (\d+): loss \S+, (\d+) samples from (\d+) "
-    r"workers in ([\d.]+)s", re.M)
-DEADLINE_LINE = re.compile(r"^(\S+ \S+) WARNING foundry\.coordinator: step (\d+) "
-                           r"(closed at its deadline|abandoned)", re.M)
+    r"workers in ([\d.]+)s",
+    re.M,
+)
+DEADLINE_LINE = re.compile(
+    r"^(\S+ \S+) WARNING foundry\.coordinator: step (\d+) "
+    r"(closed at its deadline|abandoned)",
+    re.M,
+)
 DROP_LINE = re.compile(r"^(\S+ \S+) WARNING foundry\.coordinator: dropped worker (\S+) ", re.M)
-REGISTER_LINE = re.compile(r"^(\S+ \S+) INFO foundry\.coordinator: worker (\S+) registered from",
-                           re.M)
+REGISTER_LINE = re.compile(
+    r"^(\S+ \S+) INFO foundry\.coordinator: worker (\S+) registered from", re.M
+)
 RESUMED_LINE = re.compile(r"resumed from \S+ at step (\d+)")
-EMPTIED_LINE = re.compile(r"^(\S+ \S+) INFO foundry\.coordinator: step \d+: every assigned "
-                          r"worker left before reporting", re.M)
+EMPTIED_LINE = re.compile(
+    r"^(\S+ \S+) INFO foundry\.coordinator: step \d+: every assigned "
+    r"worker left before reporting",
+    re.M,
+)
 
 
 def log_time(stamp: str) -> float:
@@ -155,8 +164,18 @@ class CheckpointWatch:
 
 
 def coordinator_args(checkpoint_every: int) -> list[str]:
-    return ["--max-steps", str(MAX_STEPS), "--global-batch", str(GLOBAL_BATCH), "--lr", str(LR),
-            "--seq-len", str(SEQ_LEN), "--checkpoint-every", str(checkpoint_every)]
+    return [
+        "--max-steps",
+        str(MAX_STEPS),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--lr",
+        str(LR),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--checkpoint-every",
+        str(checkpoint_every),
+    ]
 
 
 def timeline_of(work: Path, name: str) -> Path:
@@ -179,8 +198,7 @@ def round_waits(path: Path, until: float) -> list[tuple[int, str, float]]:
             # a closed round's span also covers the update (and validation, checkpoint):
             # it decided when its "apply" began
             decided = next((t for t in applies if start <= t <= end), end)
-        out.append((int(e["args"]["step"]), str(e["args"].get("outcome")),
-                    (decided - start) / 1e6))
+        out.append((int(e["args"]["step"]), str(e["args"].get("outcome")), (decided - start) / 1e6))
     return out
 
 
@@ -189,16 +207,23 @@ def rounds_of(log: str) -> dict[int, tuple[int, float, float]]:
     return {int(m[2]): (int(m[3]), float(m[5]), log_time(m[1])) for m in STEP_LINE.finditer(log)}
 
 
-def swarm_soak(work: Path, seconds: float, seed: int, workers: int = 3,
-               checkpoint_every: int = 10, kill_every: float = 3.0,
-               out: live.Printer = print) -> SwarmReport:
+def swarm_soak(
+    work: Path,
+    seconds: float,
+    seed: int,
+    workers: int = 3,
+    checkpoint_every: int = 10,
+    kill_every: float = 3.0,
+    out: live.Printer = print,
+) -> SwarmReport:
     rep = SwarmReport(workers=workers, checkpoint_every=checkpoint_every)
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
     args = [*coordinator_args(checkpoint_every), "--min-workers", "1"]
     watch = CheckpointWatch(work / "ckpt", rep)
     coord, wport, aport = live.start_coordinator(
-        work, *args, "--timeline", str(timeline_of(work, "coordinator-1")), name="coordinator-1")
+        work, *args, "--timeline", str(timeline_of(work, "coordinator-1")), name="coordinator-1"
+    )
     logs = [coord]
     procs: dict[str, live.Service] = {}
     generation = dict.fromkeys((f"w{i}" for i in range(workers)), 0)
@@ -220,8 +245,7 @@ def swarm_soak(work: Path, seconds: float, seed: int, workers: int = 3,
             for wid, at in list(down.items()):
                 if now >= at:
                     generation[wid] += 1
-                    procs[wid] = live.start_worker(work, wport, wid,
-                                                   log=f"{wid}-{generation[wid]}")
+                    procs[wid] = live.start_worker(work, wport, wid, log=f"{wid}-{generation[wid]}")
                     rep.worker_restarts += 1
                     del down[wid]
             if not restarted and now >= restart_at:
@@ -234,24 +258,32 @@ def swarm_soak(work: Path, seconds: float, seed: int, workers: int = 3,
                 rep.last_step_before_restart = max(logged, default=0)
                 time.sleep(rng.uniform(0.2, 1.0))
                 coord, _, _ = live.start_coordinator(
-                    work, *args, "--timeline", str(timeline_of(work, "coordinator-2")),
-                    name="coordinator-2", port=wport, admin_port=aport)
+                    work,
+                    *args,
+                    "--timeline",
+                    str(timeline_of(work, "coordinator-2")),
+                    name="coordinator-2",
+                    port=wport,
+                    admin_port=aport,
+                )
                 logs.append(coord)
                 rep.coordinator_restarts += 1
                 m = RESUMED_LINE.search(coord.text())
                 rep.resumed_step = int(m[1]) if m else 0
                 rep.steps_lost = rep.last_step_before_restart - rep.resumed_step
-                rep.samples_lost = sum(n for s, (n, _, _) in logged.items()
-                                       if s > rep.resumed_step)
+                rep.samples_lost = sum(n for s, (n, _, _) in logged.items() if s > rep.resumed_step)
                 if rep.resumed_step != rep.newest_checkpoint_at_kill:
-                    rep.failures.append(f"resumed at step {rep.resumed_step}, the newest "
-                                        f"checkpoint was {rep.newest_checkpoint_at_kill}")
+                    rep.failures.append(
+                        f"resumed at step {rep.resumed_step}, the newest "
+                        f"checkpoint was {rep.newest_checkpoint_at_kill}"
+                    )
                 if rep.steps_lost > checkpoint_every:
-                    rep.failures.append(f"{rep.steps_lost} steps lost at the restart, more "
-                                        f"than the checkpoint interval {checkpoint_every}")
+                    rep.failures.append(
+                        f"{rep.steps_lost} steps lost at the restart, more "
+                        f"than the checkpoint interval {checkpoint_every}"
+                    )
                 if last_step - rep.resumed_step > checkpoint_every:
-                    rep.failures.append(f"step went back from {last_step} to "
-                                        f"{rep.resumed_step}")
+                    rep.failures.append(f"step went back from {last_step} to {rep.resumed_step}")
                 last_step, rows = rep.resumed_step, set()
                 continue
             if now >= next_kill:
@@ -286,8 +318,9 @@ def swarm_soak(work: Path, seconds: float, seed: int, workers: int = 3,
             time.sleep(0.1)
         rep.seconds = time.monotonic() - t0
         churn_end = time.time()
-        rep.never_killed = [f"{w} (pid {procs[w].pid})" for w in procs if generation[w] == 0
-                            and w not in down]
+        rep.never_killed = [
+            f"{w} (pid {procs[w].pid})" for w in procs if generation[w] == 0 and w not in down
+        ]
     finally:
         for svc in procs.values():
             svc.stop()
@@ -311,26 +344,36 @@ def swarm_soak(work: Path, seconds: float, seed: int, workers: int = 3,
     corpus = load_corpus(None)
     rep.val_loss = evaluate_loss(state.params, state.config, corpus, SEQ_LEN, EVAL_BATCHES)
     rep.baseline_steps = max(1, round(rep.samples / GLOBAL_BATCH))
-    out(f"churn done at step {state.step} ({rep.samples} samples); baseline without churn: "
-        f"{rep.baseline_steps} steps")
+    out(
+        f"churn done at step {state.step} ({rep.samples} samples); baseline without churn: "
+        f"{rep.baseline_steps} steps"
+    )
     t1 = time.monotonic()
     steps = sorted({rep.baseline_steps, state.step})
     base = baseline(work / "baseline", steps, workers)
     rep.baseline_seconds = time.monotonic() - t1
     rep.baseline_val_loss, rep.baseline_val_loss_final = (
         evaluate_loss(base[s].params, base[s].config, corpus, SEQ_LEN, EVAL_BATCHES)
-        for s in (rep.baseline_steps, state.step))
+        for s in (rep.baseline_steps, state.step)
+    )
     rep.loss_gap = loss_gap(rep.val_loss, rep.baseline_val_loss, rep.baseline_val_loss_final)
     if not rep.loss_gap <= LOSS_TOLERANCE:  # below the range is no progress lost
-        rep.failures.append(f"final validation loss {rep.val_loss:.4f} is "
-                            f"{100 * rep.loss_gap:+.2f}% above the range without churn "
-                            f"[{rep.baseline_val_loss:.4f}, {rep.baseline_val_loss_final:.4f}] "
-                            f"(tolerance {100 * LOSS_TOLERANCE:g}%)")
+        rep.failures.append(
+            f"final validation loss {rep.val_loss:.4f} is "
+            f"{100 * rep.loss_gap:+.2f}% above the range without churn "
+            f"[{rep.baseline_val_loss:.4f}, {rep.baseline_val_loss_final:.4f}] "
+            f"(tolerance {100 * LOSS_TOLERANCE:g}%)"
+        )
     return rep
 
 
-def check_rounds(rep: SwarmReport, work: Path, logs: list[live.Service],
-                 kills: list[tuple[str, float, bool]], until: float) -> None:
+def check_rounds(
+    rep: SwarmReport,
+    work: Path,
+    logs: list[live.Service],
+    kills: list[tuple[str, float, bool]],
+    until: float,
+) -> None:
     """Rounds decided within the smallest deadline; killed workers were dropped at once.
     Rounds and membership changes are counted up to ``until`` (wall clock: the end of the
     churn, before the harness stops the workers)."""
@@ -341,9 +384,11 @@ def check_rounds(rep: SwarmReport, work: Path, logs: list[live.Service],
             rep.rounds += 1
             rep.longest_round_s = max(rep.longest_round_s, secs)
             if secs > limit:
-                rep.failures.append(f"{svc.name}: a round of step {step} ({outcome}) waited "
-                                    f"{secs:.2f} s, more than the {policy.DEADLINE_FLOOR_S:g} s "
-                                    f"floor of any deadline plus {ROUND_SLACK_S:g} s")
+                rep.failures.append(
+                    f"{svc.name}: a round of step {step} ({outcome}) waited "
+                    f"{secs:.2f} s, more than the {policy.DEADLINE_FLOOR_S:g} s "
+                    f"floor of any deadline plus {ROUND_SLACK_S:g} s"
+                )
         text = svc.text()
         for m in DEADLINE_LINE.finditer(text):
             if log_time(m[1]) > until:
@@ -362,15 +407,18 @@ def check_rounds(rep: SwarmReport, work: Path, logs: list[live.Service],
         rep.drops += sum(t <= until for t, _ in found)
         drops += found
     if rep.rounds_at_deadline or rep.rounds_abandoned > rep.rounds_emptied:
-        rep.failures.append(f"{rep.rounds_at_deadline} rounds closed at their deadline and "
-                            f"{rep.rounds_abandoned - rep.rounds_emptied} were abandoned there")
+        rep.failures.append(
+            f"{rep.rounds_at_deadline} rounds closed at their deadline and "
+            f"{rep.rounds_abandoned - rep.rounds_emptied} were abandoned there"
+        )
     for wid, at, registered in kills:
         if not registered:
             continue  # killed before it registered, or while the coordinator was down
         after = [t - at for t, w in drops if w == wid and t >= at - 0.01]
         if not after or min(after) > DROP_WITHIN_S:
-            rep.failures.append(f"worker {wid} killed at {at:.3f} was not dropped within "
-                                f"{DROP_WITHIN_S:g} s")
+            rep.failures.append(
+                f"worker {wid} killed at {at:.3f} was not dropped within {DROP_WITHIN_S:g} s"
+            )
         else:
             rep.longest_drop_s = max(rep.longest_drop_s, min(after))
 
@@ -402,8 +450,13 @@ def baseline(work: Path, steps: list[int], workers: int) -> dict[int, Checkpoint
     every = math.gcd(*steps)
     # the checkpoints from steps[0] on, and those written before the harness stops it
     keep = (steps[-1] - steps[0]) // every + 1 + BASELINE_OVERRUN_STEPS
-    args = [*coordinator_args(every), "--min-workers", str(workers),
-            "--keep-checkpoints", str(keep)]
+    args = [
+        *coordinator_args(every),
+        "--min-workers",
+        str(workers),
+        "--keep-checkpoints",
+        str(keep),
+    ]
     coord, wport, _ = live.start_coordinator(work, *args)
     procs = [live.start_worker(work, wport, f"w{i}") for i in range(workers)]
     try:

@@ -74,8 +74,14 @@ def serves_again(port: int, refs: dict[str, list[int]], deadline: float) -> bool
     return False
 
 
-def tp_soak(work: Path, seconds: float, seed: int, clients: int = 3, kill_every: float = 3.0,
-            out: live.Printer = print) -> TpReport:
+def tp_soak(
+    work: Path,
+    seconds: float,
+    seed: int,
+    clients: int = 3,
+    kill_every: float = 3.0,
+    out: live.Printer = print,
+) -> TpReport:
     rep = TpReport(clients=clients)
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
@@ -98,8 +104,10 @@ def tp_soak(work: Path, seconds: float, seed: int, clients: int = 3, kill_every:
                     rep.wrong_text += 1
                     rep.failures.append(f"{prompt!r}: {got.tokens} is not {ref[:n]}")
             elif isinstance(got.end, fw.Error):
-                if got.end.code == fw.ErrorCode.UNAVAILABLE and \
-                        "tensor-parallel worker" in got.end.message:
+                if (
+                    got.end.code == fw.ErrorCode.UNAVAILABLE
+                    and "tensor-parallel worker" in got.end.message
+                ):
                     rep.failed_unavailable += 1
                 else:
                     rep.other_errors.append(f"{got.end.code}: {got.end.message}")
@@ -108,8 +116,7 @@ def tp_soak(work: Path, seconds: float, seed: int, clients: int = 3, kill_every:
                 rep.failures.append("the leader closed a frontend connection")
             else:
                 rep.hung += 1
-                rep.failures.append(f"{prompt!r}: no DONE or ERROR within "
-                                    f"{REQUEST_TIMEOUT_S:g} s")
+                rep.failures.append(f"{prompt!r}: no DONE or ERROR within {REQUEST_TIMEOUT_S:g} s")
 
     def client(i: int) -> None:
         crng = random.Random(f"{seed}-{i}")
@@ -156,15 +163,17 @@ def tp_soak(work: Path, seconds: float, seed: int, clients: int = 3, kill_every:
             rep.kills += 1
             time.sleep(rng.uniform(0.2, 1.5))
             t_restart = time.monotonic()
-            worker = live.start_tp_worker(work, model, tport, *(("--no-shm",) * (rep.kills % 2)),
-                                          log=f"tp-worker-{rep.kills}")
+            worker = live.start_tp_worker(
+                work, model, tport, *(("--no-shm",) * (rep.kills % 2)), log=f"tp-worker-{rep.kills}"
+            )
             rep.restarts += 1
             if serves_again(fport, refs, t_restart + PAIR_WITHIN_S):
                 rep.served_again += 1
                 rep.longest_repair_s = max(rep.longest_repair_s, time.monotonic() - t_restart)
             else:
-                rep.failures.append(f"the pair did not serve within {PAIR_WITHIN_S:g} s of "
-                                    f"restart {rep.restarts}")
+                rep.failures.append(
+                    f"the pair did not serve within {PAIR_WITHIN_S:g} s of restart {rep.restarts}"
+                )
         rep.seconds = time.monotonic() - t0
     finally:
         stop.set()

@@ -93,8 +93,12 @@ PROMPT = "Fuzzing never stops the pair."
 PROMPT_TOKENS = 12
 # Concurrent connections per port. The leader takes at most 4 bring-ups at once and closes
 # more unread, so its worker port gets fewer.
-LANES = {"coordinator-workers": 8, "coordinator-admin": 8, "tp-leader-workers": 3,
-         "tp-leader-frontend": 8}
+LANES = {
+    "coordinator-workers": 8,
+    "coordinator-admin": 8,
+    "tp-leader-workers": 3,
+    "tp-leader-frontend": 8,
+}
 # The frame deadline the services are started with, where they take --frame-deadline: a
 # stream left open inside a frame must be cut off within it (plus --hang-after).
 FRAME_DEADLINE_S = 2.0
@@ -102,9 +106,11 @@ FRAME_DEADLINE_S = 2.0
 TP_BRINGUP_DEADLINE_S = 10.0
 # Log lines of a service closing a connection unread: the leader's bring-up slots are full,
 # or a link is at its connection limit.
-REFUSED_UNREAD = re.compile(r"too many connections in their handshake"
-                            r"|connections are in their bring-up already"
-                            r"|refused \S+: the link has its limit of")
+REFUSED_UNREAD = re.compile(
+    r"too many connections in their handshake"
+    r"|connections are in their bring-up already"
+    r"|refused \S+: the link has its limit of"
+)
 # A well-behaved peer must see progress within this after each batch.
 HEALTH_TIMEOUT_S = 60.0
 
@@ -146,19 +152,38 @@ def start_stack(work: Path) -> Stack:
     started: list[live.Service] = []
     try:
         coord, wport, aport = live.start_coordinator(
-            work, "--max-steps", "100000000", "--global-batch", "8",
-            "--checkpoint-every", "100000000", *(short if coord_deadline else []))
+            work,
+            "--max-steps",
+            "100000000",
+            "--global-batch",
+            "8",
+            "--checkpoint-every",
+            "100000000",
+            *(short if coord_deadline else []),
+        )
         started.append(coord)
         good = live.start_worker(work, wport, GOOD_WORKER)
         started.append(good)
-        leader, tport, fport = live.start_leader(work, model,
-                                                 *(short if leader_deadline else []))
+        leader, tport, fport = live.start_leader(work, model, *(short if leader_deadline else []))
         started.append(leader)
         tpw = live.start_tp_worker(work, model, tport)
         started.append(tpw)
         live.wait_paired(fport)
-        stack = Stack(work, coord, good, leader, tpw, wport, aport, tport, fport, model,
-                      reference, coord_deadline, leader_deadline)
+        stack = Stack(
+            work,
+            coord,
+            good,
+            leader,
+            tpw,
+            wport,
+            aport,
+            tport,
+            fport,
+            model,
+            reference,
+            coord_deadline,
+            leader_deadline,
+        )
         stack.last_step = wait_training(stack, 0)
         return stack
     except BaseException:
@@ -175,9 +200,11 @@ def wait_training(stack: Stack, after: int) -> int:
         if st.global_step > after and any(r.worker_id == GOOD_WORKER for r in st.rows):
             return st.global_step
         if time.monotonic() > deadline:
-            raise live.ServiceError(f"training did not pass step {after} within "
-                                    f"{HEALTH_TIMEOUT_S:g} s (now {st.global_step}, workers "
-                                    f"{[r.worker_id for r in st.rows]})")
+            raise live.ServiceError(
+                f"training did not pass step {after} within "
+                f"{HEALTH_TIMEOUT_S:g} s (now {st.global_step}, workers "
+                f"{[r.worker_id for r in st.rows]})"
+            )
         time.sleep(0.05)
 
 
@@ -185,8 +212,9 @@ def check_pair(stack: Stack) -> None:
     with live.FrontendClient(stack.frontend_port) as c:
         got = c.generate(PROMPT, PROMPT_TOKENS, HEALTH_TIMEOUT_S)
     if not isinstance(got.end, fw.Done) or got.tokens != stack.reference:
-        raise live.ServiceError(f"generation after fuzzing: {got.end}, tokens {got.tokens}, "
-                                f"expected {stack.reference}")
+        raise live.ServiceError(
+            f"generation after fuzzing: {got.end}, tokens {got.tokens}, expected {stack.reference}"
+        )
 
 
 def health(stack: Stack, target: Target) -> None:
@@ -199,8 +227,16 @@ def health(stack: Stack, target: Target) -> None:
         check_pair(stack)
 
 
-async def fuzz_port(stack: Stack, target: Target, frames: int, seconds: float, seed: int,
-                    hang_s: float, batches: int, refused: Callable[[], int]) -> PortStats:
+async def fuzz_port(
+    stack: Stack,
+    target: Target,
+    frames: int,
+    seconds: float,
+    seed: int,
+    hang_s: float,
+    batches: int,
+    refused: Callable[[], int],
+) -> PortStats:
     """Fuzz one port until ``frames`` fuzz frames reached its parser (``refused``: how many
     connections the service closed unread so far) or ``seconds`` passed."""
     lanes = LANES[target.name]
@@ -219,9 +255,16 @@ async def fuzz_port(stack: Stack, target: Target, frames: int, seconds: float, s
     done = asyncio.Event()
     held = None
     if target.frame_deadline_s is not None:
-        held = asyncio.create_task(held_lane(
-            target, random.Random(f"{seed}-{target.name}-held"), stats,
-            target.frame_deadline_s, hang_s, done))
+        held = asyncio.create_task(
+            held_lane(
+                target,
+                random.Random(f"{seed}-{target.name}-held"),
+                stats,
+                target.frame_deadline_s,
+                hang_s,
+                done,
+            )
+        )
     while stats.fuzz_frames - stats.refused_unread < frames and time.monotonic() < stop_at:
         until = stats.fuzz_frames + min(batch, frames - stats.fuzz_frames + stats.refused_unread)
         await asyncio.gather(*(lane(r, until) for r in rngs))
@@ -258,15 +301,24 @@ class Report:
 
     def summary(self) -> str:
         frames = sum(p.fuzz_frames for p in self.ports)
-        return (f"fuzz: {frames:,} frames on {len(self.ports)} ports in {self.seconds:.0f} s, "
-                f"hangs {sum(p.hangs for p in self.ports)}, crashes "
-                f"{max((p.crashes for p in self.ports), default=0)}, unhandled exceptions "
-                f"{len(self.unhandled)}: {'PASS' if self.ok else 'FAIL'}")
+        return (
+            f"fuzz: {frames:,} frames on {len(self.ports)} ports in {self.seconds:.0f} s, "
+            f"hangs {sum(p.hangs for p in self.ports)}, crashes "
+            f"{max((p.crashes for p in self.ports), default=0)}, unhandled exceptions "
+            f"{len(self.unhandled)}: {'PASS' if self.ok else 'FAIL'}"
+        )
 
 
-def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: float = 5.0,
-        batches: int = 10, ports: list[str] | None = None, out: live.Printer = print,
-        ) -> Report:
+def run(
+    work: Path,
+    frames_per_port: int,
+    seed: int,
+    seconds: float,
+    hang_s: float = 5.0,
+    batches: int = 10,
+    ports: list[str] | None = None,
+    out: live.Printer = print,
+) -> Report:
     """Start the services in ``work``, fuzz each port, stop everything; the results."""
     t0 = time.monotonic()
     stack = start_stack(work)
@@ -282,8 +334,12 @@ def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: flo
             TpWorkerPortTarget(stack.tp_port, identity),
             FrontendTarget(stack.frontend_port),
         ]
-        deadlines = [stack.coordinator_deadline_s, stack.coordinator_deadline_s,
-                     TP_BRINGUP_DEADLINE_S, stack.leader_deadline_s]
+        deadlines = [
+            stack.coordinator_deadline_s,
+            stack.coordinator_deadline_s,
+            TP_BRINGUP_DEADLINE_S,
+            stack.leader_deadline_s,
+        ]
         for target, deadline in zip(targets, deadlines, strict=True):
             target.frame_deadline_s = deadline
         results = []
@@ -297,10 +353,10 @@ def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: flo
             def refused(service: live.Service = service, before: int = before) -> int:
                 return len(REFUSED_UNREAD.findall(service.text())) - before
 
-            stats = asyncio.run(fuzz_port(stack, target, frames_per_port, seconds, seed,
-                                          hang_s, batches, refused))
-            now = [f"{s.name}: {line}" for s in stack.services() for line in
-                   s.internal_errors()]
+            stats = asyncio.run(
+                fuzz_port(stack, target, frames_per_port, seconds, seed, hang_s, batches, refused)
+            )
+            now = [f"{s.name}: {line}" for s in stack.services() for line in s.internal_errors()]
             stats.internal_errors = len(now) - len(unhandled)
             unhandled = now
             results.append(stats)
@@ -322,27 +378,50 @@ def run(work: Path, frames_per_port: int, seed: int, seconds: float, hang_s: flo
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--frames-per-port", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--seconds", type=float, default=120.0,
-                    help="time limit per port (default 120)")
-    ap.add_argument("--hang-after", type=float, default=5.0,
-                    help="seconds a connection may stay open past what it is owed (default 5)")
-    ap.add_argument("--batches", type=int, default=10,
-                    help="health checks per port, one after each batch (default 10)")
-    ap.add_argument("--ports", nargs="*", default=None,
-                    help="only these ports (coordinator-workers, coordinator-admin, "
-                         "tp-leader-workers, tp-leader-frontend)")
+    ap.add_argument(
+        "--seconds", type=float, default=120.0, help="time limit per port (default 120)"
+    )
+    ap.add_argument(
+        "--hang-after",
+        type=float,
+        default=5.0,
+        help="seconds a connection may stay open past what it is owed (default 5)",
+    )
+    ap.add_argument(
+        "--batches",
+        type=int,
+        default=10,
+        help="health checks per port, one after each batch (default 10)",
+    )
+    ap.add_argument(
+        "--ports",
+        nargs="*",
+        default=None,
+        help="only these ports (coordinator-workers, coordinator-admin, "
+        "tp-leader-workers, tp-leader-frontend)",
+    )
     ap.add_argument("--work", type=Path, default=None, help="keep logs here (default: temp)")
     harness.add_json_flag(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="foundry-fuzz-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        report = run(work, args.frames_per_port, args.seed, args.seconds, args.hang_after,
-                     args.batches, args.ports)
+        report = run(
+            work,
+            args.frames_per_port,
+            args.seed,
+            args.seconds,
+            args.hang_after,
+            args.batches,
+            args.ports,
+        )
     harness.emit("fuzz", asdict(report), report.ok, args.json)
     return 0 if report.ok else 1
 

@@ -46,24 +46,33 @@ class PortStats:
 
     @property
     def ok(self) -> bool:
-        return not (self.hangs or self.crashes or self.internal_errors or self.health_failures
-                    or self.connect_failures or self.garbled_answers)
+        return not (
+            self.hangs
+            or self.crashes
+            or self.internal_errors
+            or self.health_failures
+            or self.connect_failures
+            or self.garbled_answers
+        )
 
     def line(self) -> str:
-        return (f"{self.port:20s} frames {self.fuzz_frames:7d} (+{self.valid_frames} valid)  "
-                f"connections {self.connections:6d}  errors answered {self.errors_answered:6d}"
-                f"  closes {self.closed_by_service + self.closed_after_eof + self.resets:6d}"
-                f" (awaiting {self.awaiting}, cut off at the frame deadline "
-                f"{self.deadline_closes}/{self.held})  probes {self.probes_answered:5d}  "
-                f"hangs {self.hangs}  crashes {self.crashes}  unhandled {self.internal_errors}"
-                f"{f'  refused unread {self.refused_unread}' if self.refused_unread else ''}"
-                f"  health {self.health_checks - len(self.health_failures)}/"
-                f"{self.health_checks}  {self.seconds:5.1f} s "
-                f"({self.fuzz_frames / max(self.seconds, 1e-9):,.0f} frames/s)")
+        return (
+            f"{self.port:20s} frames {self.fuzz_frames:7d} (+{self.valid_frames} valid)  "
+            f"connections {self.connections:6d}  errors answered {self.errors_answered:6d}"
+            f"  closes {self.closed_by_service + self.closed_after_eof + self.resets:6d}"
+            f" (awaiting {self.awaiting}, cut off at the frame deadline "
+            f"{self.deadline_closes}/{self.held})  probes {self.probes_answered:5d}  "
+            f"hangs {self.hangs}  crashes {self.crashes}  unhandled {self.internal_errors}"
+            f"{f'  refused unread {self.refused_unread}' if self.refused_unread else ''}"
+            f"  health {self.health_checks - len(self.health_failures)}/"
+            f"{self.health_checks}  {self.seconds:5.1f} s "
+            f"({self.fuzz_frames / max(self.seconds, 1e-9):,.0f} frames/s)"
+        )
 
 
-async def drive(target: Target, plan: Plan, stats: PortStats, hang_s: float,
-                hold: bool = False) -> None:
+async def drive(
+    target: Target, plan: Plan, stats: PortStats, hang_s: float, hold: bool = False
+) -> None:
     """One connection: send the plan's bytes, then wait for what the service owes.
 
     ``hold``: a stream that ends inside a frame is left open (the service's frame deadline
@@ -71,7 +80,8 @@ async def drive(target: Target, plan: Plan, stats: PortStats, hang_s: float,
     """
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(live.HOST, target.port), hang_s)
+            asyncio.open_connection(live.HOST, target.port), hang_s
+        )
     except (OSError, TimeoutError):
         stats.connect_failures += 1
         return
@@ -96,7 +106,8 @@ async def drive(target: Target, plan: Plan, stats: PortStats, hang_s: float,
         if len(stats.hang_samples) < 10:
             stats.hang_samples.append(
                 f"{why}: {plan.ending.value} {plan.kinds} answers {answers.answers}/"
-                f"{plan.answers} eof_sent {eof_sent}: {plan.data[:96].hex()}")
+                f"{plan.answers} eof_sent {eof_sent}: {plan.data[:96].hex()}"
+            )
 
     holding = False
     try:
@@ -117,15 +128,18 @@ async def drive(target: Target, plan: Plan, stats: PortStats, hang_s: float,
         if plan.ending is Ending.OPEN and plan.answers == 0:
             deadline = time.monotonic() + OPEN_WINDOW_S
         while True:
-            if plan.ending is Ending.OPEN and not eof_sent and (
-                plan.answers and answers.answers >= plan.answers
+            if (
+                plan.ending is Ending.OPEN
+                and not eof_sent
+                and (plan.answers and answers.answers >= plan.answers)
             ):
                 stats.probes_answered += 1
                 end_ours()
                 deadline = time.monotonic() + hang_s
             try:
-                data = await asyncio.wait_for(reader.read(1 << 16),
-                                              max(0.0, deadline - time.monotonic()))
+                data = await asyncio.wait_for(
+                    reader.read(1 << 16), max(0.0, deadline - time.monotonic())
+                )
             except TimeoutError:
                 if plan.ending is Ending.OPEN and plan.answers == 0 and not eof_sent:
                     end_ours()
@@ -152,8 +166,14 @@ async def drive(target: Target, plan: Plan, stats: PortStats, hang_s: float,
         writer.transport.abort()
 
 
-async def held_lane(target: Target, rng: random.Random, stats: PortStats, deadline_s: float,
-                    hang_s: float, done: asyncio.Event) -> None:
+async def held_lane(
+    target: Target,
+    rng: random.Random,
+    stats: PortStats,
+    deadline_s: float,
+    hang_s: float,
+    done: asyncio.Event,
+) -> None:
     """Streams that stop inside a frame and stay open: the service must cut each one off by
     its frame deadline (``deadline_s``)."""
     while not done.is_set():

@@ -32,21 +32,53 @@ class Framing:
     types: tuple[int, ...]
 
 
-FDTC = Framing(fdtc.HEADER_SIZE, fdtc.MAGIC.to_bytes(4, "little"), 4, 5, "<I",
-               fdtc.MAX_PAYLOAD, tuple(int(t) for t in fdtc.MsgType))
-FRONTEND = Framing(fw.HEADER_SIZE, fw.MAGIC.to_bytes(4, "little"), 4, 9, "<I", fw.MAX_PAYLOAD,
-                   tuple(int(t) for t in fw.FrameType))
-TP_FRAME = Framing(tp.FRAME_HEADER_SIZE, tp.TP_FRAME_MAGIC.to_bytes(4, "little"), 4, 24, "<I",
-                   tp.TP_MAX_PAYLOAD, tuple(int(t) for t in tp.FrameType))
+FDTC = Framing(
+    fdtc.HEADER_SIZE,
+    fdtc.MAGIC.to_bytes(4, "little"),
+    4,
+    5,
+    "<I",
+    fdtc.MAX_PAYLOAD,
+    tuple(int(t) for t in fdtc.MsgType),
+)
+FRONTEND = Framing(
+    fw.HEADER_SIZE,
+    fw.MAGIC.to_bytes(4, "little"),
+    4,
+    9,
+    "<I",
+    fw.MAX_PAYLOAD,
+    tuple(int(t) for t in fw.FrameType),
+)
+TP_FRAME = Framing(
+    tp.FRAME_HEADER_SIZE,
+    tp.TP_FRAME_MAGIC.to_bytes(4, "little"),
+    4,
+    24,
+    "<I",
+    tp.TP_MAX_PAYLOAD,
+    tuple(int(t) for t in tp.FrameType),
+)
 # The hello has no type or length: its role byte and hello_size field stand in for them.
-TP_HELLO = Framing(tp.HELLO_SIZE, tp.TP_HELLO_MAGIC.to_bytes(4, "little"), 8, 6, "<H", 0xFFFF,
-                   (0, 1))
+TP_HELLO = Framing(
+    tp.HELLO_SIZE, tp.TP_HELLO_MAGIC.to_bytes(4, "little"), 8, 6, "<H", 0xFFFF, (0, 1)
+)
 MAGICS = (fdtc.MAGIC, fw.MAGIC, tp.TP_FRAME_MAGIC, tp.TP_HELLO_MAGIC, tp.TP_SLAB_MAGIC)
 
 # kind -> weight. "valid" sends the codec's frame unchanged.
 MUTATIONS = {
-    "valid": 12, "bitflip": 12, "header-bitflip": 8, "insert": 7, "delete": 7, "length": 11,
-    "type": 10, "magic": 6, "payload-noise": 6, "truncate": 8, "oversize": 5, "random": 5,
+    "valid": 12,
+    "bitflip": 12,
+    "header-bitflip": 8,
+    "insert": 7,
+    "delete": 7,
+    "length": 11,
+    "type": 10,
+    "magic": 6,
+    "payload-noise": 6,
+    "truncate": 8,
+    "oversize": 5,
+    "random": 5,
     "random-header": 3,
 }
 # The share of frames left valid when more frames follow them on their connection.
@@ -77,14 +109,23 @@ def mutate(raw: bytes, f: Framing, rng: random.Random, lead: bool = False) -> tu
         size = struct.calcsize(f.length_fmt)
         (cur,) = struct.unpack_from(f.length_fmt, b, f.length_at)
         top = (1 << (8 * size)) - 1
-        new = rng.choice([cur + rng.randint(-8, 8), 0, f.max_length, f.max_length + 1,
-                          rng.randrange(top + 1), top])
+        new = rng.choice(
+            [
+                cur + rng.randint(-8, 8),
+                0,
+                f.max_length,
+                f.max_length + 1,
+                rng.randrange(top + 1),
+                top,
+            ]
+        )
         struct.pack_into(f.length_fmt, b, f.length_at, new & top)
     elif kind == "type":
         b[f.type_at] = rng.choice(f.types) if rng.random() < 0.6 else rng.randrange(256)
     elif kind == "magic":
-        b[0:4] = rng.choice([*(m.to_bytes(4, "little") for m in MAGICS), rng.randbytes(4),
-                             bytes(4), f.magic[::-1]])
+        b[0:4] = rng.choice(
+            [*(m.to_bytes(4, "little") for m in MAGICS), rng.randbytes(4), bytes(4), f.magic[::-1]]
+        )
     elif kind == "payload-noise":
         b[f.header :] = rng.randbytes(max(0, len(b) - f.header))
     elif kind == "truncate":
@@ -92,8 +133,9 @@ def mutate(raw: bytes, f: Framing, rng: random.Random, lead: bool = False) -> tu
     elif kind == "oversize":
         size = struct.calcsize(f.length_fmt)
         top = (1 << (8 * size)) - 1
-        struct.pack_into(f.length_fmt, b, f.length_at,
-                         min(top, f.max_length + 1 + rng.randrange(1 << 20)))
+        struct.pack_into(
+            f.length_fmt, b, f.length_at, min(top, f.max_length + 1 + rng.randrange(1 << 20))
+        )
         b = b[: f.header] + rng.randbytes(rng.randint(0, 16))
     elif kind == "random":
         b = bytearray(rng.randbytes(rng.randint(1, 300)))
@@ -132,88 +174,164 @@ class FdtcFrames:
         prof = r.choice(list(fdtc.HardwareProfile))
         comp = r.choice(list(fdtc.Compression))
         row = fdtc.SwarmStatusRow(
-            worker_id=self.worker_id(r), profile=prof, state=r.choice(list(fdtc.WorkerState)),
-            batch_size=r.randrange(64), accumulation_steps=r.randrange(8),
-            samples_per_sec=_f32(r), loss=_f32(r), local_step=step,
+            worker_id=self.worker_id(r),
+            profile=prof,
+            state=r.choice(list(fdtc.WorkerState)),
+            batch_size=r.randrange(64),
+            accumulation_steps=r.randrange(8),
+            samples_per_sec=_f32(r),
+            loss=_f32(r),
+            local_step=step,
             seconds_since_heartbeat=_f32(r),
         )
         build: dict[str, Callable[[], fdtc.Message]] = {
-            "REGISTER": lambda: fdtc.Register(self.worker_id(r), fdtc.PROTOCOL_VERSION, prof,
-                                              r.randrange(1, 64), r.randrange(1 << 40),
-                                              r.randrange(64)),
+            "REGISTER": lambda: fdtc.Register(
+                self.worker_id(r),
+                fdtc.PROTOCOL_VERSION,
+                prof,
+                r.randrange(1, 64),
+                r.randrange(1 << 40),
+                r.randrange(64),
+            ),
             "REGISTER_ACK": lambda: fdtc.RegisterAck(
-                accepted=r.random() < 0.5, assigned_shard=r.randrange(8), total_shards=8,
-                batch_size=r.randrange(64), accumulation_steps=r.randrange(8),
-                compression=comp, topk_ratio=r.random(), global_step=step),
+                accepted=r.random() < 0.5,
+                assigned_shard=r.randrange(8),
+                total_shards=8,
+                batch_size=r.randrange(64),
+                accumulation_steps=r.randrange(8),
+                compression=comp,
+                topk_ratio=r.random(),
+                global_step=step,
+            ),
             "DEREGISTER": fdtc.Deregister,
             "HEARTBEAT": lambda: fdtc.Heartbeat(self.worker_id(r), step, _f32(r), _f32(r)),
             "HEARTBEAT_ACK": lambda: fdtc.HeartbeatAck(step),
             "WEIGHTS_REQ": fdtc.WeightsReq,
             "WEIGHTS": lambda: fdtc.Weights(r.randbytes(r.randrange(0, 64, 4))),
             "WEIGHTS_META": lambda: fdtc.WeightsMeta(
-                global_step=step, learning_rate=r.random(),
-                tensors=tuple(fdtc.TensorMeta(f"blk.{i}.attn_q.weight", (r.randrange(1, 9),
-                                                                         r.randrange(1, 9)))
-                              for i in range(r.randrange(3)))),
+                global_step=step,
+                learning_rate=r.random(),
+                tensors=tuple(
+                    fdtc.TensorMeta(
+                        f"blk.{i}.attn_q.weight", (r.randrange(1, 9), r.randrange(1, 9))
+                    )
+                    for i in range(r.randrange(3))
+                ),
+            ),
             # A step no round will have for a long while: a fuzz gradient is acknowledged as
             # stale and never joins a round of the real worker.
             "GRADIENTS": lambda: fdtc.Gradients(
-                self.worker_id(r), (1 << 32) - 1 - r.randrange(1 << 20),
-                r.choice([self.n_tensors, r.randrange(64)]), comp,
+                self.worker_id(r),
+                (1 << 32) - 1 - r.randrange(1 << 20),
+                r.choice([self.n_tensors, r.randrange(64)]),
+                comp,
                 r.choice([self.uncompressed_size, r.randrange(1 << 20)]),
-                r.randbytes(r.randrange(0, 96))),
+                r.randbytes(r.randrange(0, 96)),
+            ),
             "GRADIENTS_ACK": lambda: fdtc.GradientsAck(step, r.random() < 0.5),
-            "START": fdtc.Start, "SYNC": fdtc.Sync, "CHECKPOINT": fdtc.Checkpoint,
-            "SHUTDOWN": fdtc.Shutdown, "PAUSE": fdtc.Pause, "RESUME": fdtc.Resume,
+            "START": fdtc.Start,
+            "SYNC": fdtc.Sync,
+            "CHECKPOINT": fdtc.Checkpoint,
+            "SHUTDOWN": fdtc.Shutdown,
+            "PAUSE": fdtc.Pause,
+            "RESUME": fdtc.Resume,
             "STATUS_REQ": fdtc.StatusReq,
-            "STATUS": lambda: fdtc.Status(self.worker_id(r), step, r.randrange(1 << 32),
-                                          _f32(r), _f32(r), _f32(r), r.randrange(1 << 20),
-                                          r.random() < 0.5),
+            "STATUS": lambda: fdtc.Status(
+                self.worker_id(r),
+                step,
+                r.randrange(1 << 32),
+                _f32(r),
+                _f32(r),
+                _f32(r),
+                r.randrange(1 << 20),
+                r.random() < 0.5,
+            ),
             "ASSIGN": lambda: fdtc.Assign(
-                global_step=step, sample_offset=r.randrange(1 << 32), batch_size=8,
-                accumulation_steps=8, assigned_shard=0, total_shards=1, seq_len=64,
-                n_samples=r.randrange(1, 64)),
+                global_step=step,
+                sample_offset=r.randrange(1 << 32),
+                batch_size=8,
+                accumulation_steps=8,
+                assigned_shard=0,
+                total_shards=1,
+                seq_len=64,
+                n_samples=r.randrange(1, 64),
+            ),
             "MODEL_CONFIG": lambda: model_config_msg(self.cfg, r.random()),
-            "DATASET": lambda: self.dataset if r.random() < 0.5 else fdtc.Dataset(
-                n_tokens=r.randrange(1 << 32), sha256=r.randbytes(32)),
+            "DATASET": lambda: (
+                self.dataset
+                if r.random() < 0.5
+                else fdtc.Dataset(n_tokens=r.randrange(1 << 32), sha256=r.randbytes(32))
+            ),
             "SWARM_STATUS": lambda: fdtc.SwarmStatus(
-                global_step=step, max_steps=step, state=r.choice(list(fdtc.SwarmState)),
-                train_loss=_f32(r), val_loss=_f32(r), samples_per_sec=_f32(r),
-                learning_rate=r.random(), samples_total=r.randrange(1 << 32),
-                rows=(row,) * r.randrange(3)),
-            "CONTROL_ACK": lambda: fdtc.ControlAck(r.choice(list(fdtc.MsgType)),
-                                                   r.random() < 0.5, step, random_word(r)),
+                global_step=step,
+                max_steps=step,
+                state=r.choice(list(fdtc.SwarmState)),
+                train_loss=_f32(r),
+                val_loss=_f32(r),
+                samples_per_sec=_f32(r),
+                learning_rate=r.random(),
+                samples_total=r.randrange(1 << 32),
+                rows=(row,) * r.randrange(3),
+            ),
+            "CONTROL_ACK": lambda: fdtc.ControlAck(
+                r.choice(list(fdtc.MsgType)), r.random() < 0.5, step, random_word(r)
+            ),
             "EXPORT": lambda: fdtc.Export(random_word(r)),
             "TRAIN_PLAN": lambda: fdtc.TrainPlan(
-                sync_every=r.randrange(1, 64), digest_every=r.randrange(16), down_compression=comp,
-                lr=_f32(r), warmup_steps=r.randrange(100), total_steps=r.randrange(1 << 20),
-                min_lr_ratio=_f32(r), weight_decay=_f32(r), grad_clip=_f32(r)),
+                sync_every=r.randrange(1, 64),
+                digest_every=r.randrange(16),
+                down_compression=comp,
+                lr=_f32(r),
+                warmup_steps=r.randrange(100),
+                total_steps=r.randrange(1 << 20),
+                min_lr_ratio=_f32(r),
+                weight_decay=_f32(r),
+                grad_clip=_f32(r),
+            ),
             "UPDATE": lambda: fdtc.Update(
-                global_step=step, base_step=r.randrange(1 << 32), compression=comp,
+                global_step=step,
+                base_step=r.randrange(1 << 32),
+                compression=comp,
                 num_tensors=r.choice([self.n_tensors, r.randrange(64)]),
-                uncompressed_size=r.randrange(1 << 40), data=r.randbytes(r.randrange(0, 96))),
+                uncompressed_size=r.randrange(1 << 40),
+                data=r.randbytes(r.randrange(0, 96)),
+            ),
             "WEIGHTS_DIGEST": lambda: fdtc.WeightsDigest(step, r.randbytes(32)),
             "LOCAL_ASSIGN": lambda: fdtc.LocalAssign(
-                global_step=step, sample_offset=r.randrange(1 << 32),
-                samples_per_step=r.randrange(1, 64), inner_steps=r.randrange(1, 64),
-                micro_batch=8, seq_len=64),
+                global_step=step,
+                sample_offset=r.randrange(1 << 32),
+                samples_per_step=r.randrange(1, 64),
+                inner_steps=r.randrange(1, 64),
+                micro_batch=8,
+                seq_len=64,
+            ),
             "SWARM_DETAIL_REQ": fdtc.SwarmDetailReq,
             "SWARM_DETAIL": lambda: fdtc.SwarmDetail(
-                min_workers=r.randrange(8), seconds_since_step=_f32(r),
-                failed=r.random() < 0.5, note=random_word(r),
+                min_workers=r.randrange(8),
+                seconds_since_step=_f32(r),
+                failed=r.random() < 0.5,
+                note=random_word(r),
                 rows=(fdtc.SwarmDetailRow(step, r.randrange(1 << 40), r.randrange(1 << 40)),)
-                * r.randrange(3)),
+                * r.randrange(3),
+            ),
             # Refused at the header on every link that did not send DATASET (only those get
             # FRAGMENT frames here: WorkerPortTarget.allowed_frame).
             "FRAGMENT": lambda: fdtc.Fragment(
                 r.choice([fdtc.MsgType.WEIGHTS, fdtc.MsgType.UPDATE]),
-                total_length=r.randrange(24, 1 << 40), offset=0,
-                data=r.randbytes(r.randrange(1, 64))),
+                total_length=r.randrange(24, 1 << 40),
+                offset=0,
+                data=r.randbytes(r.randrange(1, 64)),
+            ),
             "BASE_MODEL": lambda: fdtc.BaseModel(
-                file_bytes=r.randrange(1 << 40), sha256=r.randbytes(32),
+                file_bytes=r.randrange(1 << 40),
+                sha256=r.randbytes(32),
                 architecture=r.choice(["llama", "qwen3", "gemma3", "x"]),
-                trainer=r.randrange(2), lora_rank=r.choice([0, 8]), lora_alpha=_f32(r),
-                lora_dropout=r.random(), lora_targets=r.randrange(128)),
+                trainer=r.randrange(2),
+                lora_rank=r.choice([0, 8]),
+                lora_alpha=_f32(r),
+                lora_dropout=r.random(),
+                lora_targets=r.randrange(128),
+            ),
             "ERROR": lambda: fdtc.Error(r.randrange(1, 12), random_word(r)),
         }
         return build[name]()

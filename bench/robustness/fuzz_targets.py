@@ -110,10 +110,24 @@ class FdtcAnswers(Answers):
             self.garbled = True
 
 
-WORKER_MESSAGES = (fdtc.Heartbeat, fdtc.WeightsReq, fdtc.Gradients, fdtc.WeightsDigest, fdtc.Status,
-                   fdtc.Error)
-ADMIN_REQUESTS = (fdtc.Start, fdtc.Pause, fdtc.Resume, fdtc.Checkpoint, fdtc.Shutdown,
-                  fdtc.StatusReq, fdtc.Export, fdtc.SwarmDetailReq)
+WORKER_MESSAGES = (
+    fdtc.Heartbeat,
+    fdtc.WeightsReq,
+    fdtc.Gradients,
+    fdtc.WeightsDigest,
+    fdtc.Status,
+    fdtc.Error,
+)
+ADMIN_REQUESTS = (
+    fdtc.Start,
+    fdtc.Pause,
+    fdtc.Resume,
+    fdtc.Checkpoint,
+    fdtc.Shutdown,
+    fdtc.StatusReq,
+    fdtc.Export,
+    fdtc.SwarmDetailReq,
+)
 
 
 class FdtcTarget(Target):
@@ -155,8 +169,9 @@ class FdtcTarget(Target):
         for i in range(n):
             for _attempt in range(10):
                 name = rng.choices(self.names, self.weights)[0]
-                kind, raw = mutate(fdtc.encode(self.frames.make(name, rng)), FDTC, rng,
-                                   lead=i < n - 1)
+                kind, raw = mutate(
+                    fdtc.encode(self.frames.make(name, rng)), FDTC, rng, lead=i < n - 1
+                )
                 v_end, v_msgs = fdtc_verdict(data + raw)
                 if self.allowed(v_msgs) and self.allowed_frame(msgs, raw):
                     break
@@ -185,9 +200,20 @@ class WorkerPortTarget(FdtcTarget):
 
     def __init__(self, port: int, frames: FdtcFrames) -> None:
         # What a worker sends weighs more; every other type is still tried.
-        super().__init__(port, frames, {"REGISTER": 6, "DATASET": 4, "HEARTBEAT": 8,
-                                        "GRADIENTS": 8, "STATUS": 6, "ERROR": 3,
-                                        "DEREGISTER": 2, "WEIGHTS_REQ": 1})
+        super().__init__(
+            port,
+            frames,
+            {
+                "REGISTER": 6,
+                "DATASET": 4,
+                "HEARTBEAT": 8,
+                "GRADIENTS": 8,
+                "STATUS": 6,
+                "ERROR": 3,
+                "DEREGISTER": 2,
+                "WEIGHTS_REQ": 1,
+            },
+        )
         self.fingerprint = (frames.dataset.n_tokens, frames.dataset.sha256)
 
     def prefix(self, rng: random.Random) -> list[fdtc.Message]:
@@ -224,8 +250,11 @@ class WorkerPortTarget(FdtcTarget):
         if i == len(msgs):
             return -1
         reg = msgs[i]
-        if not isinstance(reg, fdtc.Register) or reg.protocol_version != fdtc.PROTOCOL_VERSION \
-                or not reg.worker_id:
+        if (
+            not isinstance(reg, fdtc.Register)
+            or reg.protocol_version != fdtc.PROTOCOL_VERSION
+            or not reg.worker_id
+        ):
             return None
         return i + 1
 
@@ -241,11 +270,15 @@ class WorkerPortTarget(FdtcTarget):
         weights_asked = False
         for m in msgs[at:]:
             weights_asked |= isinstance(m, fdtc.WeightsReq)
-            if not isinstance(m, WORKER_MESSAGES) or (
-                isinstance(m, fdtc.Gradients | fdtc.WeightsDigest) and not weights_asked
-            ) or (isinstance(m, fdtc.Gradients) and (
-                m.num_tensors, m.uncompressed_size
-            ) != (self.frames.n_tensors, self.frames.uncompressed_size)):
+            if (
+                not isinstance(m, WORKER_MESSAGES)
+                or (isinstance(m, fdtc.Gradients | fdtc.WeightsDigest) and not weights_asked)
+                or (
+                    isinstance(m, fdtc.Gradients)
+                    and (m.num_tensors, m.uncompressed_size)
+                    != (self.frames.n_tensors, self.frames.uncompressed_size)
+                )
+            ):
                 return False
         return True
 
@@ -267,14 +300,26 @@ class AdminPortTarget(FdtcTarget):
     name = "coordinator-admin"
 
     def __init__(self, port: int, frames: FdtcFrames) -> None:
-        super().__init__(port, frames, {"STATUS_REQ": 8, "START": 3, "RESUME": 3, "PAUSE": 2,
-                                        "CHECKPOINT": 2, "SHUTDOWN": 2, "EXPORT": 3})
+        super().__init__(
+            port,
+            frames,
+            {
+                "STATUS_REQ": 8,
+                "START": 3,
+                "RESUME": 3,
+                "PAUSE": 2,
+                "CHECKPOINT": 2,
+                "SHUTDOWN": 2,
+                "EXPORT": 3,
+            },
+        )
 
     def allowed(self, msgs: list[fdtc.Message]) -> bool:
         # A valid SHUTDOWN, PAUSE, CHECKPOINT or EXPORT is obeyed, by design (the admin link
         # is the operator's): the harness does not send one whole.
-        return not any(isinstance(m, fdtc.Shutdown | fdtc.Pause | fdtc.Checkpoint | fdtc.Export)
-                       for m in msgs)
+        return not any(
+            isinstance(m, fdtc.Shutdown | fdtc.Pause | fdtc.Checkpoint | fdtc.Export) for m in msgs
+        )
 
     def link_open(self, msgs: list[fdtc.Message]) -> bool:
         return all(isinstance(m, ADMIN_REQUESTS) for m in msgs)
@@ -313,29 +358,54 @@ class FrontendAnswers(Answers):
 class FrontendTarget(Target):
     name = "tp-leader-frontend"
     NAMES: ClassVar[list[str]] = [t.name for t in fw.FrameType]
-    WEIGHTS: ClassVar[list[int]] = [{"GENERATE": 6, "CANCEL": 3, "STATUS_REQ": 4}.get(n, 1)
-                                    for n in NAMES]
+    WEIGHTS: ClassVar[list[int]] = [
+        {"GENERATE": 6, "CANCEL": 3, "STATUS_REQ": 4}.get(n, 1) for n in NAMES
+    ]
 
     def make(self, name: str, rng: random.Random) -> fw.Frame:
         r = rng
         rid = r.randrange(PROBE_ID)
         build: dict[str, Callable[[], fw.Frame]] = {
             "GENERATE": lambda: fw.Generate(
-                rid, random_word(r), r.randint(1, 8), temperature=r.choice([0.0, 0.7]),
-                top_p=r.choice([1.0, 0.9]), seed=r.randrange(1 << 64),
-                top_k=r.choice([0, 40]), logprobs=r.random() < 0.5,
-                stop=tuple(random_word(r) for _ in range(r.randrange(3)))),
+                rid,
+                random_word(r),
+                r.randint(1, 8),
+                temperature=r.choice([0.0, 0.7]),
+                top_p=r.choice([1.0, 0.9]),
+                seed=r.randrange(1 << 64),
+                top_k=r.choice([0, 40]),
+                logprobs=r.random() < 0.5,
+                stop=tuple(random_word(r) for _ in range(r.randrange(3))),
+            ),
             "CANCEL": lambda: fw.Cancel(rid),
             "TOKEN": lambda: fw.Token(rid, r.randrange(259), r.randrange(256), random_word(r)),
             "DONE": lambda: fw.Done(rid, r.choice(list(fw.DoneReason)), 3, 4, 0.5),
             "ERROR": lambda: fw.Error(rid, r.randrange(1, 5), random_word(r)),
             "STATUS_REQ": lambda: fw.StatusReq(rid),
             "STATUS": lambda: fw.Status(
-                rid, True, True, 1, 2, 2, 64, 259, 256, 1000, 7, 0.5, 9, r.randrange(1, 65),
-                tuple(fw.RankStatus(i, 1, True, r.randrange(1 << 20)) for i in range(2))),
+                rid,
+                True,
+                True,
+                1,
+                2,
+                2,
+                64,
+                259,
+                256,
+                1000,
+                7,
+                0.5,
+                9,
+                r.randrange(1, 65),
+                tuple(fw.RankStatus(i, 1, True, r.randrange(1 << 20)) for i in range(2)),
+            ),
             "LOGPROBS": lambda: fw.Logprobs(
-                rid, r.randrange(259), -0.5, r.randbytes(r.randrange(4)),
-                tuple((r.randrange(259), -1.5, r.randbytes(2)) for _ in range(r.randrange(3)))),
+                rid,
+                r.randrange(259),
+                -0.5,
+                r.randbytes(r.randrange(4)),
+                tuple((r.randrange(259), -1.5, r.randbytes(2)) for _ in range(r.randrange(3))),
+            ),
         }
         return build[name]()
 
@@ -369,8 +439,14 @@ class FrontendTarget(Target):
                 break
         if ending is Ending.OPEN:
             data += fw.encode(fw.StatusReq(PROBE_ID))
-        return Plan(data, len(kinds), int(ending is Ending.OPEN), ending,
-                    1 if ending is Ending.OPEN else 0, kinds)
+        return Plan(
+            data,
+            len(kinds),
+            int(ending is Ending.OPEN),
+            ending,
+            1 if ending is Ending.OPEN else 0,
+            kinds,
+        )
 
     def reader(self) -> Answers:
         return FrontendAnswers()
@@ -398,19 +474,33 @@ class TpWorkerPortTarget(Target):
         choice = r.choices(["hello", "gate", "frame"], [5, 2, 4])[0]
         if choice == "hello":
             if r.random() < 0.4:
-                ident = tp.Identity(**{**asdict(ident), "n_layer": r.randrange(1, 64),
-                                       "model_id": r.randrange(1 << 32)})
+                ident = tp.Identity(
+                    **{
+                        **asdict(ident),
+                        "n_layer": r.randrange(1, 64),
+                        "model_id": r.randrange(1 << 32),
+                    }
+                )
             role = r.choice([tp.Role.WORKER, tp.Role.LEADER])
             shm = r.random() < 0.5
-            hello = tp.Hello(role=role, identity=ident, host_id=r.randbytes(16),
-                             shm_offered=shm, shm_name=r.choice(["", "fz-slab"]) if shm else "")
+            hello = tp.Hello(
+                role=role,
+                identity=ident,
+                host_id=r.randbytes(16),
+                shm_offered=shm,
+                shm_name=r.choice(["", "fz-slab"]) if shm else "",
+            )
             return "HELLO", tp.encode(hello), TP_HELLO
         if choice == "gate":
-            return "GATE_OPENER", tp.encode(tp.CommandAck(status=0, seq=r.randrange(1 << 64))), \
-                TP_FRAME
+            return (
+                "GATE_OPENER",
+                tp.encode(tp.CommandAck(status=0, seq=r.randrange(1 << 64))),
+                TP_FRAME,
+            )
         ftype = r.choice(list(tp.FRAME_CLASSES))
-        items = tuple(tp.BatchItem(r.randrange(1, 9), r.randrange(259))
-                      for _ in range(r.randrange(3)))
+        items = tuple(
+            tp.BatchItem(r.randrange(1, 9), r.randrange(259)) for _ in range(r.randrange(3))
+        )
         toks = tuple(r.randrange(259) for _ in range(r.randrange(1, 9)))
         build: dict[tp.FrameType, Callable[[], tp.Frame]] = {
             tp.FrameType.SYNC: lambda: tp.Sync(session_id=1, tokens=toks),
@@ -422,20 +512,27 @@ class TpWorkerPortTarget(Target):
             tp.FrameType.LOGITS: lambda: tp.Logits(values=r.randbytes(4 * r.randrange(5))),
             tp.FrameType.VERIFY: lambda: tp.Verify(session_id=1, drafts=toks[:8]),
             tp.FrameType.VERIFY_COMMIT: lambda: tp.VerifyCommit(
-                session_id=1, mode=r.choice(list(tp.VerifyCommitMode)), token_count=1),
+                session_id=1, mode=r.choice(list(tp.VerifyCommitMode)), token_count=1
+            ),
             tp.FrameType.SESSION_CREATE: lambda: tp.SessionCreate(session_id=1, ctx_size=256),
             tp.FrameType.SESSION_DESTROY: lambda: tp.SessionDestroy(session_id=1),
             tp.FrameType.EVAL_BATCH: lambda: tp.EvalBatch(items=items),
-            tp.FrameType.MIXED_BATCH: lambda: tp.MixedBatch(session_id=1, prompt=toks,
-                                                            items=items),
+            tp.FrameType.MIXED_BATCH: lambda: tp.MixedBatch(session_id=1, prompt=toks, items=items),
             tp.FrameType.COMMAND_ACK: lambda: tp.CommandAck(status=r.randrange(3)),
             tp.FrameType.SYNC_CHECKPOINT: lambda: tp.SyncCheckpoint(
-                point=4, current=0, total=8, requested=r.random() < 0.5),
-            tp.FrameType.WORLD: lambda: tp.World(peers=tuple(
-                tp.WorldPeer(rank=i, gate_port=r.randrange(1, 1 << 16),
-                             host=bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]),
-                             token=r.randrange(1 << 64))
-                for i in range(1, r.randrange(3, 6)))),
+                point=4, current=0, total=8, requested=r.random() < 0.5
+            ),
+            tp.FrameType.WORLD: lambda: tp.World(
+                peers=tuple(
+                    tp.WorldPeer(
+                        rank=i,
+                        gate_port=r.randrange(1, 1 << 16),
+                        host=bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]),
+                        token=r.randrange(1 << 64),
+                    )
+                    for i in range(1, r.randrange(3, 6))
+                )
+            ),
         }
         return ftype.name, tp.encode(build[ftype]()), TP_FRAME
 

@@ -60,8 +60,9 @@ class FoundryParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def chosen_parser(parser: argparse.ArgumentParser,
-                  args: argparse.Namespace) -> argparse.ArgumentParser:
+def chosen_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
     """The parser of the (sub)command ``args`` chose, e.g. `foundry ctl status`'s: the one whose
     usage an error about its flags should print."""
     while True:

@@ -50,18 +50,20 @@ GIB_MB = 1024  # memory is counted in MiB ("memory_mb" on the wire)
 # micro-batch is what memory allows, and accumulation makes up the rest, so small devices run
 # small batches and accumulate more. The coordinator re-balances by measured samples/s later.
 # profile: (micro-batch, accumulation steps), and samples per round in the comment.
-PROFILE_TABLE: Mapping[HardwareProfile, tuple[int, int]] = MappingProxyType({
-    HardwareProfile.RPI3: (1, 8),  # 8
-    HardwareProfile.RPI4_2G: (2, 8),  # 16
-    HardwareProfile.RPI4_4G: (4, 4),  # 16
-    HardwareProfile.RPI4_8G: (8, 2),  # 16
-    HardwareProfile.LAPTOP_LIGHT: (8, 4),  # 32
-    HardwareProfile.LAPTOP_MID: (16, 4),  # 64
-    HardwareProfile.DESKTOP_MID: (32, 4),  # 128
-    HardwareProfile.DESKTOP_HEAVY: (64, 4),  # 256
-    HardwareProfile.SERVER: (128, 4),  # 512
-    HardwareProfile.UNKNOWN: (2, 4),  # 8: as careful as a Pi 3 until measured
-})
+PROFILE_TABLE: Mapping[HardwareProfile, tuple[int, int]] = MappingProxyType(
+    {
+        HardwareProfile.RPI3: (1, 8),  # 8
+        HardwareProfile.RPI4_2G: (2, 8),  # 16
+        HardwareProfile.RPI4_4G: (4, 4),  # 16
+        HardwareProfile.RPI4_8G: (8, 2),  # 16
+        HardwareProfile.LAPTOP_LIGHT: (8, 4),  # 32
+        HardwareProfile.LAPTOP_MID: (16, 4),  # 64
+        HardwareProfile.DESKTOP_MID: (32, 4),  # 128
+        HardwareProfile.DESKTOP_HEAVY: (64, 4),  # 256
+        HardwareProfile.SERVER: (128, 4),  # 512
+        HardwareProfile.UNKNOWN: (2, 4),  # 8: as careful as a Pi 3 until measured
+    }
+)
 
 
 def _known(profile: int) -> HardwareProfile:
@@ -94,10 +96,14 @@ PI_MEMORY_CLASSES: tuple[tuple[HardwareProfile, int], ...] = (
     (HardwareProfile.RPI4_2G, 3 * GIB_MB),
     (HardwareProfile.RPI4_4G, 6 * GIB_MB),
 )
-_PI_PROFILES = frozenset({
-    HardwareProfile.RPI3, HardwareProfile.RPI4_2G, HardwareProfile.RPI4_4G,
-    HardwareProfile.RPI4_8G,
-})
+_PI_PROFILES = frozenset(
+    {
+        HardwareProfile.RPI3,
+        HardwareProfile.RPI4_2G,
+        HardwareProfile.RPI4_4G,
+        HardwareProfile.RPI4_8G,
+    }
+)
 _PI_GENERATION = re.compile(r"Raspberry Pi (?:Compute Module )?(\d)")
 # cgroup "no limit" is a huge number (v1: 2**63 rounded down to a page); anything above this
 # is not a limit a machine could have.

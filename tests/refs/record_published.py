@@ -39,11 +39,18 @@ GEMMA_PROMPTS = [
 GEMMA_TOP = 64  # logits kept of each recorded row: llama.cpp's largest ones, by id
 
 
-def run(model: str, ids: list[int], n_new: int, n_ctx: int) -> tuple[np.ndarray, list[int],
-                                                                        np.ndarray]:
+def run(
+    model: str, ids: list[int], n_new: int, n_ctx: int
+) -> tuple[np.ndarray, list[int], np.ndarray]:
     """(prompt rows' logits, greedy ids, each generated step's logits)."""
-    llm = llama_cpp.Llama(model_path=model, logits_all=True, n_threads=1, n_threads_batch=1,
-                          n_ctx=n_ctx, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=model,
+        logits_all=True,
+        n_threads=1,
+        n_threads_batch=1,
+        n_ctx=n_ctx,
+        verbose=False,
+    )
     llm.eval(ids)
     rows = np.array(llm.scores[: len(ids)], dtype=np.float32)
     out: list[int] = []
@@ -76,8 +83,7 @@ def tiny() -> dict[str, Any]:
 
 def gemma(path: str) -> dict[str, Any]:
     sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    llm = llama_cpp.Llama(model_path=path, n_threads=1, n_ctx=64, vocab_only=True,
-                          verbose=False)
+    llm = llama_cpp.Llama(model_path=path, n_threads=1, n_ctx=64, vocab_only=True, verbose=False)
     cases = []
     for text in GEMMA_PROMPTS:
         ids = llm.tokenize(text.encode(), add_bos=True, special=False)
@@ -85,8 +91,7 @@ def gemma(path: str) -> dict[str, Any]:
         kept = []
         for r in (0, len(ids) - 1):
             top = np.argsort(-rows[r], kind="stable")[:GEMMA_TOP]
-            kept.append({"row": r, "ids": top.tolist(),
-                         "logits": rows[r][top].round(4).tolist()})
+            kept.append({"row": r, "ids": top.tolist(), "logits": rows[r][top].round(4).tolist()})
         cases.append({"text": text, "prompt": ids, "greedy": out, "rows": kept})
         print(text, out)
     return {"sha256": sha, "cases": cases}

@@ -129,10 +129,54 @@ def record(path: Path) -> dict[str, object]:
 
 
 FUZZ_PIECES = [
-    " ", "  ", "\n", "\t", "\r\n", "a", "Z", "é", "ß", "日", "🎉", "👨\u200d👩\u200d👧", "1", "23",
-    "456", "'s", "'T", "'ll", "!", "?", ".", ",", "$", "+", "<", ">", "|", "_", "\u00a0", "\u3000",
-    "\u200b", "\u0301", "й", "α", "<s>", "</s>", "<|im_start|>", "<|endoftext|>",
-    "<start_of_turn>", "<end_of_turn>", "▁", "hello", "World", "don't", "\x85", "\x1c", "½", "٣",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "\r\n",
+    "a",
+    "Z",
+    "é",
+    "ß",
+    "日",
+    "🎉",
+    "👨\u200d👩\u200d👧",
+    "1",
+    "23",
+    "456",
+    "'s",
+    "'T",
+    "'ll",
+    "!",
+    "?",
+    ".",
+    ",",
+    "$",
+    "+",
+    "<",
+    ">",
+    "|",
+    "_",
+    "\u00a0",
+    "\u3000",
+    "\u200b",
+    "\u0301",
+    "й",
+    "α",
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "<|endoftext|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "▁",
+    "hello",
+    "World",
+    "don't",
+    "\x85",
+    "\x1c",
+    "½",
+    "٣",
 ]
 
 
@@ -178,8 +222,9 @@ def main() -> None:
     vocabs = {name: record(args.vocab_dir / f) for name, f in VOCAB_FILES.items()}
     vocabs[GEMMA] = record(args.gemma)
     doc = {"llama_cpp_python": "0.3.36", "corpus": CORPUS, "vocabs": vocabs}
-    args.out.write_text(json.dumps(doc, ensure_ascii=True, indent=None, separators=(",", ":"))
-                        + "\n")
+    args.out.write_text(
+        json.dumps(doc, ensure_ascii=True, indent=None, separators=(",", ":")) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ DEFAULT_HOSTS = "localhost,127.0.0.1,::1"
 DEFAULT_NAMESPACES = ("foundry", "foundry-dev")  # the namespaces of k8s/overlays
 
 
-
 @dataclass(frozen=True)
 class Role:
     name: str
@@ -70,23 +69,38 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "A CA already in --out is reused. See docs/guide/tls.md.",
     )
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write")
-    p.add_argument("--hosts", default=DEFAULT_HOSTS, metavar="H1,H2,...",
-                   help="DNS names and IP addresses added to every server certificate, besides "
-                   f"the service's own name (default {DEFAULT_HOSTS}); add the names or "
-                   "addresses clients dial on other machines")
-    p.add_argument("--namespace", action="append", default=None, metavar="NS",
-                   help="Kubernetes namespace whose service DNS names (NAME.NS.svc, ...) go in "
-                   f"the server certificates; repeat for more (default: "
-                   f"{', '.join(DEFAULT_NAMESPACES)})")
-    p.add_argument("--days", type=positive_int, default=365,
-                   help="validity of the certificates in days (default 365; the CA gets 10x)")
+    p.add_argument(
+        "--hosts",
+        default=DEFAULT_HOSTS,
+        metavar="H1,H2,...",
+        help="DNS names and IP addresses added to every server certificate, besides "
+        f"the service's own name (default {DEFAULT_HOSTS}); add the names or "
+        "addresses clients dial on other machines",
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=None,
+        metavar="NS",
+        help="Kubernetes namespace whose service DNS names (NAME.NS.svc, ...) go in "
+        f"the server certificates; repeat for more (default: "
+        f"{', '.join(DEFAULT_NAMESPACES)})",
+    )
+    p.add_argument(
+        "--days",
+        type=positive_int,
+        default=365,
+        help="validity of the certificates in days (default 365; the CA gets 10x)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("cryptography") is None:
-        print("error: `foundry certs` needs the `cryptography` package: "
-              "pip install cryptography", file=sys.stderr)
+        print(
+            "error: `foundry certs` needs the `cryptography` package: pip install cryptography",
+            file=sys.stderr,
+        )
         return 2
     if args.days < 1:
         print("error: --days must be >= 1", file=sys.stderr)
@@ -105,12 +119,18 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{'reused' if reused else 'made'} the CA {out / 'ca.pem'}; certificates for "
-          f"{', '.join(r.name for r in ROLES)} in {out} (valid {args.days} days)")
-    print(f"server names: each service's own, its Kubernetes names in {', '.join(namespaces)}, "
-          f"and {', '.join(hosts) or 'nothing else'}")
-    print(f"e.g. foundry coordinator --tls-cert {out}/coordinator.pem "
-          f"--tls-key {out}/coordinator-key.pem --tls-ca {out}/ca.pem")
+    print(
+        f"{'reused' if reused else 'made'} the CA {out / 'ca.pem'}; certificates for "
+        f"{', '.join(r.name for r in ROLES)} in {out} (valid {args.days} days)"
+    )
+    print(
+        f"server names: each service's own, its Kubernetes names in {', '.join(namespaces)}, "
+        f"and {', '.join(hosts) or 'nothing else'}"
+    )
+    print(
+        f"e.g. foundry coordinator --tls-cert {out}/coordinator.pem "
+        f"--tls-key {out}/coordinator-key.pem --tls-ca {out}/ca.pem"
+    )
     return 0
 
 
@@ -132,14 +152,17 @@ def _ca(out: Path, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certific
     if cert_path.exists() and key_path.exists():
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise ValueError(f"{key_path} is not an ECDSA key; remove the old CA or use "
-                             "another --out")
+            raise ValueError(
+                f"{key_path} is not an ECDSA key; remove the old CA or use another --out"
+            )
         return key, x509.load_pem_x509_certificate(cert_path.read_bytes()), True
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "foundry"),
-        x509.NameAttribute(NameOID.COMMON_NAME, "foundry development CA"),
-    ])
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "foundry"),
+            x509.NameAttribute(NameOID.COMMON_NAME, "foundry development CA"),
+        ]
+    )
     now = _now()
     public = key.public_key()
     cert = (
@@ -153,9 +176,15 @@ def _ca(out: Path, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certific
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -186,10 +215,14 @@ def _leaf(
     )
     builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "foundry"),
-            x509.NameAttribute(NameOID.COMMON_NAME, role.name),
-        ]))
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "foundry"),
+                    x509.NameAttribute(NameOID.COMMON_NAME, role.name),
+                ]
+            )
+        )
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -198,15 +231,20 @@ def _leaf(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, key_cert_sign=False, crl_sign=False,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                       critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,

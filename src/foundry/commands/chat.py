@@ -25,21 +25,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "End with Ctrl+D (or an empty line).",
     )
     c.add_argument("--model", type=Path, required=True, help="GGUF model file")
-    c.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                   help="a built-in (gemma, chatml, llama3, plain) or a Jinja file (default: "
-                   "the file's tokenizer.chat_template, else plain: a file without one is "
-                   "taken for a base model)")
-    c.add_argument("--chat-content-specials", action="store_true",
-                   help="parse special-token texts in what you type as the special tokens "
-                   "(llama.cpp's way); by default they stay text")
+    c.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="a built-in (gemma, chatml, llama3, plain) or a Jinja file (default: "
+        "the file's tokenizer.chat_template, else plain: a file without one is "
+        "taken for a base model)",
+    )
+    c.add_argument(
+        "--chat-content-specials",
+        action="store_true",
+        help="parse special-token texts in what you type as the special tokens "
+        "(llama.cpp's way); by default they stay text",
+    )
     c.add_argument("--system", default=None, metavar="TEXT", help="a system message first")
-    c.add_argument("--max-tokens", type=positive_int, default=256,
-                   help="tokens per reply at most (default 256)")
-    c.add_argument("--temperature", type=nonneg_float, default=0.0,
-                   help="0 = greedy (default 0)")
+    c.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=256,
+        help="tokens per reply at most (default 256)",
+    )
+    c.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default 0)")
     c.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default 1)")
-    c.add_argument("--top-k", type=nonneg_int, default=0,
-                   help="sample among the K most probable tokens (default 0: all)")
+    c.add_argument(
+        "--top-k",
+        type=nonneg_int,
+        default=0,
+        help="sample among the K most probable tokens (default 0: all)",
+    )
     c.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
     add_threads_flag(c, training=False)
     c.set_defaults(func=run_chat)
@@ -79,19 +93,28 @@ def run_chat(args: argparse.Namespace) -> int:
         try:
             # The template's turn markers are the model's special tokens; what was typed is
             # text (unless --chat-content-specials).
-            tokens = chat_prompt(template, tokenizer, history,
-                                 content_specials=args.chat_content_specials)
+            tokens = chat_prompt(
+                template, tokenizer, history, content_specials=args.chat_content_specials
+            )
             session = engine.new_session()
             if len(tokens) >= session.ctx_size:
-                print(f"error: the conversation is {len(tokens)} tokens, the context "
-                      f"{session.ctx_size}; start a new one", file=sys.stderr)
+                print(
+                    f"error: the conversation is {len(tokens)} tokens, the context "
+                    f"{session.ctx_size}; start a new one",
+                    file=sys.stderr,
+                )
                 return 1
             logits = engine.decode(session, tokens, last_only=True)[-1]
             text = TextStream(stop, tokenizer.stream_decoder())
             reply: list[str] = []
             for n in range(1, args.max_tokens + 1):
-                token = sample(logits, args.temperature, args.top_p,
-                               rng if args.temperature > 0 else None, args.top_k)
+                token = sample(
+                    logits,
+                    args.temperature,
+                    args.top_p,
+                    rng if args.temperature > 0 else None,
+                    args.top_k,
+                )
                 last = token in tokenizer.eog_ids or n == args.max_tokens or session.free == 0
                 piece, hit = text.push(token, final=last)
                 reply.append(piece)

@@ -68,19 +68,34 @@ def add_tls_flags(
     if server:
         cert_help = f"serve TLS on {links} with this PEM certificate (chain)"
         key_help = f"the PEM private key of {flag}-cert"
-        ca_help = ("require client certificates signed by this PEM CA: mutual TLS (without "
-                   "it clients are not authenticated)")
+        ca_help = (
+            "require client certificates signed by this PEM CA: mutual TLS (without "
+            "it clients are not authenticated)"
+        )
     else:
         cert_help = f"present this PEM client certificate on {links} (mutual TLS)"
         key_help = f"the PEM private key of {flag}-cert"
-        ca_help = ("verify the server's certificate, and its name against the dialed host, "
-                   "with this PEM CA (default: the system's trust store)")
-    group.add_argument(f"{flag}-cert", type=Path, default=None, metavar="FILE",
-                       help=f"{cert_help} (env {tls.ENV_CERT})")
-    group.add_argument(f"{flag}-key", type=Path, default=None, metavar="FILE",
-                       help=f"{key_help} (env {tls.ENV_KEY})")
-    group.add_argument(f"{flag}-ca", type=Path, default=None, metavar="FILE",
-                       help=f"{ca_help} (env {tls.ENV_CA})")
+        ca_help = (
+            "verify the server's certificate, and its name against the dialed host, "
+            "with this PEM CA (default: the system's trust store)"
+        )
+    group.add_argument(
+        f"{flag}-cert",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"{cert_help} (env {tls.ENV_CERT})",
+    )
+    group.add_argument(
+        f"{flag}-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"{key_help} (env {tls.ENV_KEY})",
+    )
+    group.add_argument(
+        f"{flag}-ca", type=Path, default=None, metavar="FILE", help=f"{ca_help} (env {tls.ENV_CA})"
+    )
 
 
 def tls_context(
@@ -115,17 +130,33 @@ def tls_note(ctx: ssl.SSLContext) -> str:
 def add_schedule_flags(parser: argparse.ArgumentParser) -> None:
     """The batch and learning-rate schedule, the same for `foundry train` and the coordinator
     (defaults filled by :func:`resolve_schedule`: from scratch, or fine-tuning)."""
-    parser.add_argument("--global-batch", type=positive_int, default=None,
-                        help=f"samples per step (default {recipe.GLOBAL_BATCH}; fine-tuning "
-                        f"{recipe.FT_GLOBAL_BATCH})")
-    parser.add_argument("--seq-len", type=positive_int, default=None,
-                        help=f"tokens per sample (default {recipe.SEQ_LEN}; fine-tuning "
-                        f"{recipe.FT_SEQ_LEN})")
-    parser.add_argument("--lr", type=positive_float, default=None,
-                        help=f"peak learning rate (default {recipe.LR:g}; fine-tuning "
-                        f"{recipe.FT_LR_LORA:g} with LoRA, {recipe.FT_LR_FULL:g} without)")
-    parser.add_argument("--warmup-steps", type=nonneg_int, default=None, metavar="N",
-                        help="linear warm-up (default: a fiftieth of the run, 20 to 60)")
+    parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=None,
+        help=f"samples per step (default {recipe.GLOBAL_BATCH}; fine-tuning "
+        f"{recipe.FT_GLOBAL_BATCH})",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help=f"tokens per sample (default {recipe.SEQ_LEN}; fine-tuning {recipe.FT_SEQ_LEN})",
+    )
+    parser.add_argument(
+        "--lr",
+        type=positive_float,
+        default=None,
+        help=f"peak learning rate (default {recipe.LR:g}; fine-tuning "
+        f"{recipe.FT_LR_LORA:g} with LoRA, {recipe.FT_LR_FULL:g} without)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=nonneg_int,
+        default=None,
+        metavar="N",
+        help="linear warm-up (default: a fiftieth of the run, 20 to 60)",
+    )
 
 
 def resolve_schedule(args: argparse.Namespace) -> None:
@@ -143,47 +174,76 @@ def resolve_schedule(args: argparse.Namespace) -> None:
 
 def add_finetune_flags(parser: argparse.ArgumentParser) -> None:
     """``--base-model`` and LoRA's flags (PEFT's names and defaults; docs/guide/finetune.md)."""
-    parser.add_argument("--base-model", type=Path, default=None, metavar="FILE.gguf",
-                        help="fine-tune this published GGUF model (llama, qwen2, qwen3, "
-                        "qwen3moe, gemma3, olmoe) instead of training Foundry's own from "
-                        "scratch; --data is the text to learn")
-    parser.add_argument("--lora-rank", type=positive_int, default=None, metavar="R",
-                        help="train LoRA adapters of rank R beside the frozen base (PEFT's r; "
-                        "8 is usual); without it every tensor trains (full fine-tuning)")
-    parser.add_argument("--lora-alpha", type=positive_float, default=lora.DEFAULT_ALPHA,
-                        help="LoRA's alpha: the adapters are scaled by alpha / rank (PEFT's "
-                        f"lora_alpha, default {lora.DEFAULT_ALPHA:g})")
-    parser.add_argument("--lora-dropout", type=float, default=0.0,
-                        help="dropout on the adapters' input while training (PEFT's "
-                        "lora_dropout, default 0)")
-    parser.add_argument("--lora-targets", default=",".join(lora.DEFAULT_TARGETS),
-                        metavar="NAMES",
-                        help="the projections that get adapters, comma-separated from "
-                        f"{', '.join(lora.TARGETS)}, or 'all' (PEFT's target_modules; default "
-                        f"{','.join(lora.DEFAULT_TARGETS)})")
+    parser.add_argument(
+        "--base-model",
+        type=Path,
+        default=None,
+        metavar="FILE.gguf",
+        help="fine-tune this published GGUF model (llama, qwen2, qwen3, "
+        "qwen3moe, gemma3, olmoe) instead of training Foundry's own from "
+        "scratch; --data is the text to learn",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="train LoRA adapters of rank R beside the frozen base (PEFT's r; "
+        "8 is usual); without it every tensor trains (full fine-tuning)",
+    )
+    parser.add_argument(
+        "--lora-alpha",
+        type=positive_float,
+        default=lora.DEFAULT_ALPHA,
+        help="LoRA's alpha: the adapters are scaled by alpha / rank (PEFT's "
+        f"lora_alpha, default {lora.DEFAULT_ALPHA:g})",
+    )
+    parser.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=0.0,
+        help="dropout on the adapters' input while training (PEFT's lora_dropout, default 0)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(lora.DEFAULT_TARGETS),
+        metavar="NAMES",
+        help="the projections that get adapters, comma-separated from "
+        f"{', '.join(lora.TARGETS)}, or 'all' (PEFT's target_modules; default "
+        f"{','.join(lora.DEFAULT_TARGETS)})",
+    )
     add_keep_quantized_flag(parser)
 
 
 def add_keep_quantized_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep-quantized", action="store_true",
-                        help="with --base-model: hold the frozen base's matrices in the file's "
-                        "types (about the file's size of memory instead of 4 bytes a "
-                        "parameter), dequantized a slice at a time in every forward and "
-                        "backward (slower steps; docs/guide/finetune.md)")
+    parser.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="with --base-model: hold the frozen base's matrices in the file's "
+        "types (about the file's size of memory instead of 4 bytes a "
+        "parameter), dequantized a slice at a time in every forward and "
+        "backward (slower steps; docs/guide/finetune.md)",
+    )
 
 
 def lora_spec(args: argparse.Namespace) -> lora.LoraSpec | None:
     """The LoRA settings of the flags, or None for full fine-tuning (LoraError if bad)."""
     if args.lora_rank is None:
         return None
-    return lora.LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha,
-                         targets=lora.parse_targets(args.lora_targets),
-                         dropout=args.lora_dropout)
+    return lora.LoraSpec(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha,
+        targets=lora.parse_targets(args.lora_targets),
+        dropout=args.lora_dropout,
+    )
 
 
 def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, links: str) -> None:
     parser.add_argument(
-        "--frame-deadline", type=positive_seconds, default=default, metavar="S",
+        "--frame-deadline",
+        type=positive_seconds,
+        default=default,
+        metavar="S",
         help=f"a peer on {links} that began a frame must finish it within S seconds, and take "
         f"one we send within S seconds, or it is cut off (default {default:g})",
     )
@@ -191,7 +251,10 @@ def add_frame_deadline_flag(parser: argparse.ArgumentParser, default: float, lin
 
 def add_fragment_size_flag(parser: argparse.ArgumentParser, messages: str) -> None:
     parser.add_argument(
-        "--fragment-size", type=fragment_size, default=FRAGMENT_SIZE, metavar="BYTES",
+        "--fragment-size",
+        type=fragment_size,
+        default=FRAGMENT_SIZE,
+        metavar="BYTES",
         help=f"send {messages} larger than BYTES as FRAGMENT frames of BYTES each (a model "
         "over 256 MiB in float32 needs them; each frame then has the frame deadline to "
         f"itself; {MIN_FRAGMENT}-{MAX_FRAGMENT}, default {FRAGMENT_SIZE} = 64 MiB)",
@@ -272,13 +335,20 @@ def port_number(text: str) -> int:
 
 def add_threads_flag(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--threads N``: the CPU threads this process computes on (docs/quantization.md)."""
-    also = (", BLAS's (numpy) and PyTorch's CPU threads" if training
-            else " and PyTorch's CPU threads (--device torch-cpu)")
+    also = (
+        ", BLAS's (numpy) and PyTorch's CPU threads"
+        if training
+        else " and PyTorch's CPU threads (--device torch-cpu)"
+    )
     parser.add_argument(
-        "--threads", type=positive_int, default=None, metavar="N",
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help=f"CPU threads to compute on: the C kernels' products and attention{also} "
         "(default: the cores this process may use, or the physical cores among them where "
-        "fewer; the results do not depend on it)")
+        "fewer; the results do not depend on it)",
+    )
 
 
 def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool = False) -> int:
@@ -307,15 +377,24 @@ def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool
 
 def add_device_flags(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--device`` (and ``--bf16`` where the process trains): see docs/gpu.md."""
-    auto = ("cuda when PyTorch sees a GPU, else PyTorch on all the CPU's threads where it is "
-            "installed, else cpu" if training else "cuda when PyTorch sees a GPU, else cpu")
+    auto = (
+        "cuda when PyTorch sees a GPU, else PyTorch on all the CPU's threads where it is "
+        "installed, else cpu"
+        if training
+        else "cuda when PyTorch sees a GPU, else cpu"
+    )
     parser.add_argument(
-        "--device", default="cpu", choices=DEVICES,
+        "--device",
+        default="cpu",
+        choices=DEVICES,
         help="where to compute: cpu (the numpy engine, default), cuda (PyTorch on the GPU; "
         f"pip install 'foundry[gpu]'), auto ({auto}), "
-        "torch-cpu (the PyTorch path on the CPU, for tests)")
+        "torch-cpu (the PyTorch path on the CPU, for tests)",
+    )
     if training:
         parser.add_argument(
-            "--bf16", action="store_true",
+            "--bf16",
+            action="store_true",
             help="with a PyTorch device, run the products under bf16 autocast (weights, "
-            "optimizer and the wire stay float32; default off)")
+            "optimizer and the wire stay float32; default off)",
+        )

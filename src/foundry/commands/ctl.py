@@ -51,17 +51,41 @@ def _connection_flags(parser: argparse.ArgumentParser, *, on_action: bool) -> No
         return argparse.SUPPRESS if on_action else value
 
     group = parser.add_argument_group("connection")
-    group.add_argument("--gateway", type=host_port, default=default(DEFAULT_GATEWAY),
-                       metavar="HOST:PORT", help="the gateway (default 127.0.0.1:50051)")
-    group.add_argument("--token-file", type=Path, default=default(None), metavar="FILE",
-                       help="send the bearer token in FILE (the gateway's --token-file)")
-    group.add_argument("--tls-ca", type=Path, default=default(None), metavar="FILE",
-                       help="use TLS, trusting the PEM certificate(s) in FILE")
-    group.add_argument("--tls-server-name", default=default(None), metavar="NAME",
-                       help="the name the gateway's certificate is for, if not the --gateway host")
-    group.add_argument("--timeout", type=positive_seconds, default=default(None), metavar="S",
-                       help=f"deadline of the call (default {DEFAULT_TIMEOUT_S:g} s; "
-                       f"{GENERATE_TIMEOUT_S:g} s for generate, none for watch)")
+    group.add_argument(
+        "--gateway",
+        type=host_port,
+        default=default(DEFAULT_GATEWAY),
+        metavar="HOST:PORT",
+        help="the gateway (default 127.0.0.1:50051)",
+    )
+    group.add_argument(
+        "--token-file",
+        type=Path,
+        default=default(None),
+        metavar="FILE",
+        help="send the bearer token in FILE (the gateway's --token-file)",
+    )
+    group.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=default(None),
+        metavar="FILE",
+        help="use TLS, trusting the PEM certificate(s) in FILE",
+    )
+    group.add_argument(
+        "--tls-server-name",
+        default=default(None),
+        metavar="NAME",
+        help="the name the gateway's certificate is for, if not the --gateway host",
+    )
+    group.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=default(None),
+        metavar="S",
+        help=f"deadline of the call (default {DEFAULT_TIMEOUT_S:g} s; "
+        f"{GENERATE_TIMEOUT_S:g} s for generate, none for watch)",
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -82,42 +106,94 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     action("status", "the training run, its workers and the inference pair", cmd_status)
     w = action("watch", "training progress, redrawn as it changes (Ctrl+C ends)", cmd_watch)
-    w.add_argument("--interval", type=positive_seconds, default=1.0, metavar="S",
-                   help="seconds between updates (default 1)")
-    w.add_argument("--count", type=positive_int, default=None, metavar="N",
-                   help="stop after N updates (default: until training is done)")
+    w.add_argument(
+        "--interval",
+        type=positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds between updates (default 1)",
+    )
+    w.add_argument(
+        "--count",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="stop after N updates (default: until training is done)",
+    )
     action("workers", "the registered workers", cmd_workers)
     action("start", "start training (a coordinator run with --wait-for-start)", cmd_start)
     action("pause", "pause training after the current round", cmd_pause)
     action("resume", "resume paused training", cmd_resume)
     action("checkpoint", "write a checkpoint now", cmd_checkpoint)
-    action("shutdown", "end training: final checkpoint, workers stop, coordinator exits",
-           cmd_shutdown)
+    action(
+        "shutdown", "end training: final checkpoint, workers stop, coordinator exits", cmd_shutdown
+    )
     e = action("export", "write the current weights as a GGUF model file", cmd_export)
-    e.add_argument("--path", default="", metavar="P",
-                   help="file on the coordinator's machine (default CHECKPOINT_DIR/model.gguf)")
-    e.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
-                   help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
+    e.add_argument(
+        "--path",
+        default="",
+        metavar="P",
+        help="file on the coordinator's machine (default CHECKPOINT_DIR/model.gguf)",
+    )
+    e.add_argument(
+        "--type",
+        "--dtype",
+        dest="dtype",
+        default="f32",
+        choices=FILE_DTYPES,
+        help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)",
+    )
     g = action("generate", "generate text on the tensor-parallel pair, streamed", cmd_generate)
     text = g.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the text to continue")
-    text.add_argument("--message", action="append", type=chat_message, metavar="ROLE:TEXT",
-                      help="a turn of a conversation (repeat it: --message 'system:Be brief.' "
-                      "--message 'user:Hello'); the pair replies as the assistant, through the "
-                      "model's chat template")
-    g.add_argument("--max-tokens", type=positive_int, default=64, metavar="N",
-                   help="tokens to generate at most (default 64)")
-    g.add_argument("--temperature", type=nonneg_float, default=0.0, metavar="T",
-                   help="0 is greedy and deterministic (default 0)")
-    g.add_argument("--top-p", type=fraction, default=None, metavar="P",
-                   help="nucleus sampling threshold in (0, 1] (default: off)")
-    g.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
-                   help="sample among the K most probable tokens only (default 0: all)")
+    text.add_argument(
+        "--message",
+        action="append",
+        type=chat_message,
+        metavar="ROLE:TEXT",
+        help="a turn of a conversation (repeat it: --message 'system:Be brief.' "
+        "--message 'user:Hello'); the pair replies as the assistant, through the "
+        "model's chat template",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="tokens to generate at most (default 64)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=nonneg_float,
+        default=0.0,
+        metavar="T",
+        help="0 is greedy and deterministic (default 0)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=fraction,
+        default=None,
+        metavar="P",
+        help="nucleus sampling threshold in (0, 1] (default: off)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=nonneg_int,
+        default=0,
+        metavar="K",
+        help="sample among the K most probable tokens only (default 0: all)",
+    )
     g.add_argument("--seed", type=nonneg_int, default=0, help="sampler seed (default 0)")
-    g.add_argument("--stop", nargs="+", default=[], metavar="S",
-                   help="stop once the text reaches any of these strings")
-    g.add_argument("--stats", action="store_true",
-                   help="print tokens, time and why it ended to stderr")
+    g.add_argument(
+        "--stop",
+        nargs="+",
+        default=[],
+        metavar="S",
+        help="stop once the text reaches any of these strings",
+    )
+    g.add_argument(
+        "--stats", action="store_true", help="print tokens, time and why it ended to stderr"
+    )
 
 
 def chat_message(value: str) -> tuple[str, str]:
@@ -218,8 +294,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     rows = [list(header), *(list(r) for r in rows)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in rows
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
     )
 
 
@@ -236,8 +311,20 @@ def format_workers(workers: Sequence[Any]) -> str:
     if not workers:
         return "no workers registered"
     return table(
-        ["worker", "profile", "state", "batch", "accum", "samples/s", "loss", "step",
-         "inner steps", "bytes up", "bytes down", "heartbeat"],
+        [
+            "worker",
+            "profile",
+            "state",
+            "batch",
+            "accum",
+            "samples/s",
+            "loss",
+            "step",
+            "inner steps",
+            "bytes up",
+            "bytes down",
+            "heartbeat",
+        ],
         (
             [
                 w.worker_id,
@@ -268,8 +355,10 @@ def format_state(status: Any) -> str:
     if status.state == training_pb2.TRAINING_STATE_WAITING:
         have = len(status.workers)
         if have < status.min_workers:
-            return f"WAITING: {have} of {status.min_workers} workers (min-workers " \
+            return (
+                f"WAITING: {have} of {status.min_workers} workers (min-workers "
                 f"{status.min_workers})"
+            )
         return "WAITING for START (foundry ctl start)"
     if status.state == training_pb2.TRAINING_STATE_TRAINING:
         return f"TRAINING (last step {status.seconds_since_step:.1f} s ago)"
@@ -295,8 +384,11 @@ def format_training(status: Any) -> str:
 def format_pair(pair: Any) -> str:
     world = len(pair.ranks)
     if world > 2:
-        rank = (f"all {world} ranks connected" if pair.worker_connected
-                else f"world of {world} ranks DISCONNECTED")
+        rank = (
+            f"all {world} ranks connected"
+            if pair.worker_connected
+            else f"world of {world} ranks DISCONNECTED"
+        )
     else:
         rank = "worker rank connected" if pair.worker_connected else "worker rank DISCONNECTED"
     link = "shared memory" if pair.shared_memory else "tcp"
@@ -313,8 +405,7 @@ def format_pair(pair: Any) -> str:
         role = "leader" if r.rank == 0 else "worker"
         state = "" if r.connected else "  DISCONNECTED"
         wait = "" if r.rank == 0 else f"  gate wait {1e6 * r.gate_wait_seconds:.0f} us"
-        text += (f"\n      rank {r.rank} ({role})  share {r.share}/{total}"
-                 f"{wait}{state}")
+        text += f"\n      rank {r.rank} ({role})  share {r.share}/{total}{wait}{state}"
     return text
 
 
@@ -332,13 +423,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             got = training.GetTrainingStatus(
                 training_pb2.GetTrainingStatusRequest(),
-                metadata=conn.metadata, timeout=conn.unary_timeout(),
+                metadata=conn.metadata,
+                timeout=conn.unary_timeout(),
             )
             print(format_training(got.status))
             failed = got.status.state == training_pb2.TRAINING_STATE_FAILED
-            training_on = got.status.state in (training_pb2.TRAINING_STATE_WAITING,
-                                               training_pb2.TRAINING_STATE_TRAINING,
-                                               training_pb2.TRAINING_STATE_PAUSED)
+            training_on = got.status.state in (
+                training_pb2.TRAINING_STATE_WAITING,
+                training_pb2.TRAINING_STATE_TRAINING,
+                training_pb2.TRAINING_STATE_PAUSED,
+            )
         except grpc.RpcError as exc:
             failed = True
             print(f"training: unavailable ({describe_rpc_error(exc, args)})")
@@ -347,14 +441,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             pair = inference.GetPairStatus(
                 inference_pb2.GetPairStatusRequest(),
-                metadata=conn.metadata, timeout=conn.unary_timeout(),
+                metadata=conn.metadata,
+                timeout=conn.unary_timeout(),
             )
             print(format_pair(pair))
         except grpc.RpcError as exc:
             if training_on and pair_not_started(exc):
                 # As designed: the pair serves the trained model, so it starts after training.
-                print(f"pair: not started yet; it starts after training "
-                      f"({describe_rpc_error(exc, args)})")
+                print(
+                    f"pair: not started yet; it starts after training "
+                    f"({describe_rpc_error(exc, args)})"
+                )
             else:
                 failed = True
                 print(f"pair: unavailable ({describe_rpc_error(exc, args)})")
@@ -381,7 +478,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
     redraw = out.isatty()
     call = conn.stub(training_pb2_grpc.TrainingServiceStub).WatchTrainingStatus(
         training_pb2.WatchTrainingStatusRequest(interval_seconds=args.interval),
-        metadata=conn.metadata, timeout=conn.timeout,
+        metadata=conn.metadata,
+        timeout=conn.timeout,
     )
     failed = False
     try:
@@ -453,7 +551,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         got = conn.stub(model_pb2_grpc.ModelServiceStub).ExportModel(
             model_pb2.ExportModelRequest(path=args.path, type=args.dtype),
-            metadata=conn.metadata, timeout=conn.unary_timeout(),
+            metadata=conn.metadata,
+            timeout=conn.unary_timeout(),
         )
     finally:
         conn.close()

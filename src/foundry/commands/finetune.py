@@ -31,8 +31,9 @@ def torch_device(device: str) -> str:
     from foundry.model.nn.device import INSTALL_HINT, torch_available
 
     if not torch_available():
-        raise SetupError(f"fine-tuning (--base-model) needs PyTorch, which is not installed: "
-                         f"{INSTALL_HINT}")
+        raise SetupError(
+            f"fine-tuning (--base-model) needs PyTorch, which is not installed: {INSTALL_HINT}"
+        )
     import torch
 
     if device in ("cuda", "auto") and torch.cuda.is_available():
@@ -70,14 +71,15 @@ def open_base(args: argparse.Namespace, *, data: bool = True) -> Tuning:
     except LoraError as exc:
         raise SetupError(str(exc)) from None
     if data and args.data is None:
-        raise SetupError("--base-model needs --data: the text (a file or folder) or chat "
-                         "data (.jsonl) to fine-tune on")
+        raise SetupError(
+            "--base-model needs --data: the text (a file or folder) or chat "
+            "data (.jsonl) to fine-tune on"
+        )
     # `foundry train` and workers compute on --device; the coordinator validates on
     # --validate-device
     device = torch_device(getattr(args, "device", None) or args.validate_device)
     try:
-        base = load_base(args.base_model, device,
-                         keep_quantized=args.keep_quantized)
+        base = load_base(args.base_model, device, keep_quantized=args.keep_quantized)
         if spec is not None:
             target_tensors(base.cfg, spec.targets)
         tokenizer = load_tokenizer(base.metadata)
@@ -95,18 +97,25 @@ def describe(t: Tuning, n_trainable: int) -> str:
     from foundry.model.spec.arch import spec as arch_spec
 
     total = sum(math.prod(w.shape) for w in t.base.weights.values())
-    how = ("full fine-tuning" if t.spec is None else
-           f"LoRA r={t.spec.rank} alpha={t.spec.alpha:g} on {','.join(t.spec.targets)}")
-    return (f"{t.base.path.name} ({arch_spec(t.base.cfg).name}, {total:,} parameters), {how}: "
-            f"{n_trainable:,} trainable")
+    how = (
+        "full fine-tuning"
+        if t.spec is None
+        else f"LoRA r={t.spec.rank} alpha={t.spec.alpha:g} on {','.join(t.spec.targets)}"
+    )
+    return (
+        f"{t.base.path.name} ({arch_spec(t.base.cfg).name}, {total:,} parameters), {how}: "
+        f"{n_trainable:,} trainable"
+    )
 
 
 def loss_line(before: float, after: float, resumed_at: int = 0) -> str:
     """Held-out loss before and after; ``resumed_at``: this run began at that step's
     checkpoint, so "before" is that step's."""
     when = f"at step {resumed_at} (resumed)" if resumed_at else "before"
-    return (f"held-out loss: {when} {before:.4f}, after {after:.4f} nats/token "
-            f"(perplexity {math.exp(before):.2f} -> {math.exp(after):.2f})")
+    return (
+        f"held-out loss: {when} {before:.4f}, after {after:.4f} nats/token "
+        f"(perplexity {math.exp(before):.2f} -> {math.exp(after):.2f})"
+    )
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -146,10 +155,15 @@ def run_finetune(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     settings = TuneSettings(
-        global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
         total_steps=args.steps,
-        warmup_steps=(min(recipe.warmup_steps(args.steps), args.steps // 10)
-                      if args.warmup_steps is None else args.warmup_steps),
+        warmup_steps=(
+            min(recipe.warmup_steps(args.steps), args.steps // 10)
+            if args.warmup_steps is None
+            else args.warmup_steps
+        ),
     )
     from foundry.commands.common import use_threads
 
@@ -169,14 +183,22 @@ def run_finetune(args: argparse.Namespace) -> int:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     print(f"fine-tuning {describe(t, n_trainable)}")
-    print(f"on {corpus.source}: {len(corpus):,} tokens, {args.steps} steps of "
-          f"{args.global_batch}x{args.seq_len}, on {backend.name}, {threads} threads", flush=True)
+    print(
+        f"on {corpus.source}: {len(corpus):,} tokens, {args.steps} steps of "
+        f"{args.global_batch}x{args.seq_len}, on {backend.name}, {threads} threads",
+        flush=True,
+    )
     eval_every = args.eval_every or recipe.validate_every(args.steps)
     resumed_at = tuner.step
     before = val = tuner.evaluate_loss(corpus, args.seq_len)
     print(f"step {resumed_at}: held-out loss {val:.4f} nats/token", flush=True)
-    bar = tqdm(total=args.steps, initial=tuner.step, unit="step", disable=args.no_progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=args.steps,
+        initial=tuner.step,
+        unit="step",
+        disable=args.no_progress,
+        dynamic_ncols=True,
+    )
     t0, first = time.perf_counter(), tuner.position
     try:  # a checkpoint the disk refuses ends the run with the reason
         try:
@@ -184,15 +206,20 @@ def run_finetune(args: argparse.Namespace) -> int:
                 result = tuner.train_step(corpus)
                 rate = (tuner.position - first) / (time.perf_counter() - t0)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", val=f"{val:.3f}",
-                                samples_s=f"{rate:.2f}")
+                bar.set_postfix(
+                    loss=f"{result.loss:.3f}", val=f"{val:.3f}", samples_s=f"{rate:.2f}"
+                )
                 if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
-                    print(f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
-                          flush=True)
+                    print(
+                        f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
+                        flush=True,
+                    )
                 if tuner.step % eval_every == 0 or tuner.step == args.steps:
                     val = tuner.evaluate_loss(corpus, args.seq_len)
-                    bar.write(f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
-                              f"{val:.4f} nats/token")
+                    bar.write(
+                        f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
+                        f"{val:.4f} nats/token"
+                    )
                 checkpoints.due(tuner)
         except KeyboardInterrupt:
             bar.close()
@@ -225,12 +252,21 @@ def write_result(t: Tuning, trainable: dict[str, Any], out: Any) -> None:
 
     base = t.base.path
     if t.spec is not None:
-        save_adapter(out, arch_spec(t.base.cfg).name, t.spec.alpha, trainable,
-                     str(t.base.metadata.get("general.name", "")))
-        print(f"wrote {out} (LoRA adapter, {sum(a.nbytes for a in trainable.values()):,} "
-              f"bytes of float32); try: foundry generate --model {base} --lora {out} "
-              "--prompt '...'")
+        save_adapter(
+            out,
+            arch_spec(t.base.cfg).name,
+            t.spec.alpha,
+            trainable,
+            str(t.base.metadata.get("general.name", "")),
+        )
+        print(
+            f"wrote {out} (LoRA adapter, {sum(a.nbytes for a in trainable.values()):,} "
+            f"bytes of float32); try: foundry generate --model {base} --lora {out} "
+            "--prompt '...'"
+        )
         return
     types = rewrite_gguf(base, out, trainable)
-    print(f"wrote {out} ({len(types)} tensors written, the base's types where Foundry writes "
-          f"them, else Q8_0); try: foundry generate --model {out} --prompt '...'")
+    print(
+        f"wrote {out} ({len(types)} tensors written, the base's types where Foundry writes "
+        f"them, else Q8_0); try: foundry generate --model {out} --prompt '...'"
+    )

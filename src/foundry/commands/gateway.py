@@ -30,46 +30,107 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Training calls go to the coordinator's admin link, inference calls to the TP "
         "leader's frontend link. Port 0 picks a free port; the bound port is printed.",
     )
-    g.add_argument("--listen", type=host_port, default=("0.0.0.0", 50051), metavar="HOST:PORT",
-                   help="where gRPC clients connect (default 0.0.0.0:50051)")
-    g.add_argument("--http-listen", type=host_port, default=None, metavar="HOST:PORT",
-                   help="also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, "
-                   "/v1/completions, /v1/models, /health; same token and TLS as gRPC); "
-                   "default: off")
-    g.add_argument("--http-max-active", type=positive_int, default=16, metavar="N",
-                   help="HTTP generations sent to the pair at once (default 16, the leader's "
-                   "--max-sessions default)")
-    g.add_argument("--http-queue", type=nonneg_int, default=64, metavar="N",
-                   help="HTTP generations waiting at most, beyond --http-max-active; past it "
-                   "429 with Retry-After (default 64)")
-    g.add_argument("--http-header-timeout", type=positive_seconds,
-                   default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
-                   help="close an HTTP connection whose request headers are not in within S "
-                   f"seconds (default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    g.add_argument("--http-max-connections", type=positive_int,
-                   default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                   help="HTTP connections open at once; past it 503 and closed (default "
-                   f"{DEFAULT_MAX_CONNECTIONS})")
-    g.add_argument("--model-name", default="foundry", metavar="NAME",
-                   help="the model's id in /v1/models and in responses (default foundry)")
-    g.add_argument("--coordinator-admin", type=host_port, default=("127.0.0.1", 7071),
-                   metavar="HOST:PORT",
-                   help="the coordinator's --admin-listen address (default 127.0.0.1:7071)")
-    g.add_argument("--tp-frontend", type=host_port, default=("127.0.0.1", 7091),
-                   metavar="HOST:PORT",
-                   help="the TP leader's --frontend-listen address (default 127.0.0.1:7091)")
-    g.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
-                   help="serve gRPC over TLS with this PEM certificate (chain); needs --tls-key. "
-                   "(The links to the backends have their own --backend-tls-* flags.)")
-    g.add_argument("--tls-key", type=Path, default=None, metavar="FILE",
-                   help="the PEM private key of --tls-cert")
-    g.add_argument("--token-file", type=Path, default=None, metavar="FILE",
-                   help="require 'authorization: Bearer <token>' on every call but health and "
-                   "reflection; the token is this file's one line")
-    g.add_argument("--grace", type=nonneg_float, default=5.0, metavar="S",
-                   help="seconds calls in flight get to finish on shutdown (default 5)")
-    add_tls_flags(g, server=False, prefix="backend-tls",
-                  links="the coordinator admin and TP frontend links")
+    g.add_argument(
+        "--listen",
+        type=host_port,
+        default=("0.0.0.0", 50051),
+        metavar="HOST:PORT",
+        help="where gRPC clients connect (default 0.0.0.0:50051)",
+    )
+    g.add_argument(
+        "--http-listen",
+        type=host_port,
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health; same token and TLS as gRPC); "
+        "default: off",
+    )
+    g.add_argument(
+        "--http-max-active",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="HTTP generations sent to the pair at once (default 16, the leader's "
+        "--max-sessions default)",
+    )
+    g.add_argument(
+        "--http-queue",
+        type=nonneg_int,
+        default=64,
+        metavar="N",
+        help="HTTP generations waiting at most, beyond --http-max-active; past it "
+        "429 with Retry-After (default 64)",
+    )
+    g.add_argument(
+        "--http-header-timeout",
+        type=positive_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="S",
+        help="close an HTTP connection whose request headers are not in within S "
+        f"seconds (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="HTTP connections open at once; past it 503 and closed (default "
+        f"{DEFAULT_MAX_CONNECTIONS})",
+    )
+    g.add_argument(
+        "--model-name",
+        default="foundry",
+        metavar="NAME",
+        help="the model's id in /v1/models and in responses (default foundry)",
+    )
+    g.add_argument(
+        "--coordinator-admin",
+        type=host_port,
+        default=("127.0.0.1", 7071),
+        metavar="HOST:PORT",
+        help="the coordinator's --admin-listen address (default 127.0.0.1:7071)",
+    )
+    g.add_argument(
+        "--tp-frontend",
+        type=host_port,
+        default=("127.0.0.1", 7091),
+        metavar="HOST:PORT",
+        help="the TP leader's --frontend-listen address (default 127.0.0.1:7091)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="serve gRPC over TLS with this PEM certificate (chain); needs --tls-key. "
+        "(The links to the backends have their own --backend-tls-* flags.)",
+    )
+    g.add_argument(
+        "--tls-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the PEM private key of --tls-cert",
+    )
+    g.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health and "
+        "reflection; the token is this file's one line",
+    )
+    g.add_argument(
+        "--grace",
+        type=nonneg_float,
+        default=5.0,
+        metavar="S",
+        help="seconds calls in flight get to finish on shutdown (default 5)",
+    )
+    add_tls_flags(
+        g, server=False, prefix="backend-tls", links="the coordinator admin and TP frontend links"
+    )
     add_metrics_flag(g)
     g.set_defaults(func=run_gateway)
 

@@ -38,8 +38,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
     init.add_argument("--out", type=Path, required=True, help="GGUF file to write")
     init.add_argument("--seed", type=nonneg_int, default=0, help="init seed (default 0)")
-    init.add_argument("--type", "--dtype", dest="dtype", default="f32", choices=FILE_DTYPES,
-                      help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)")
+    init.add_argument(
+        "--type",
+        "--dtype",
+        dest="dtype",
+        default="f32",
+        choices=FILE_DTYPES,
+        help="tensor type: f32, f16, or quantized q8_0 / q4_0 (default f32)",
+    )
     init.set_defaults(func=run_init)
 
     t = sub.add_parser(
@@ -49,35 +55,73 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a progress bar, validation loss and checkpoints; optionally write a GGUF at the end.",
     )
     t.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    t.add_argument("--steps", type=positive_int, default=None,
-                   help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus; "
-                   f"fine-tuning {recipe.FT_STEPS})")
+    t.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help=f"optimizer steps (default {recipe.STEPS}: words on the default corpus; "
+        f"fine-tuning {recipe.FT_STEPS})",
+    )
     add_schedule_flags(t)
     add_finetune_flags(t)
-    t.add_argument("--micro-batch", type=positive_int, default=None,
-                   help="samples per forward pass (default: the whole batch)")
-    t.add_argument("--data", type=Path, default=None,
-                   help="text file or folder (default: Python's bundled documentation)")
-    t.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="write checkpoints here and resume from the newest one that verifies")
-    t.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="steps between checkpoints")
-    t.add_argument("--fresh", action="store_true",
-                   help="start at step 0: move the checkpoints of --checkpoint-dir into a "
-                   "previous-N folder in it (nothing is deleted)")
-    t.add_argument("--eval-every", type=positive_int, default=None, metavar="N",
-                   help="steps between validation runs (default: a twentieth of --steps, 25 "
-                   "to 150)")
-    t.add_argument("--sample-every", type=nonneg_int, default=None, metavar="N",
-                   help="print a greedy sample of --prompt every N steps (default: at each "
-                   "validation run; 0: never)")
+    t.add_argument(
+        "--micro-batch",
+        type=positive_int,
+        default=None,
+        help="samples per forward pass (default: the whole batch)",
+    )
+    t.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="text file or folder (default: Python's bundled documentation)",
+    )
+    t.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="write checkpoints here and resume from the newest one that verifies",
+    )
+    t.add_argument(
+        "--checkpoint-every", type=positive_int, default=50, help="steps between checkpoints"
+    )
+    t.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start at step 0: move the checkpoints of --checkpoint-dir into a "
+        "previous-N folder in it (nothing is deleted)",
+    )
+    t.add_argument(
+        "--eval-every",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="steps between validation runs (default: a twentieth of --steps, 25 to 150)",
+    )
+    t.add_argument(
+        "--sample-every",
+        type=nonneg_int,
+        default=None,
+        metavar="N",
+        help="print a greedy sample of --prompt every N steps (default: at each "
+        "validation run; 0: never)",
+    )
     t.add_argument("--prompt", default="The ", help="prompt of those samples (default 'The ')")
-    t.add_argument("--sample-tokens", type=positive_int, default=48, metavar="N",
-                   help="tokens of each sample (default 48)")
-    t.add_argument("--out", type=Path, default=None,
-                   help="write the trained model as GGUF (fine-tuning with --lora-rank: the "
-                   "LoRA adapter file, which llama.cpp's --lora and `foundry generate --lora` "
-                   "load beside the base)")
+    t.add_argument(
+        "--sample-tokens",
+        type=positive_int,
+        default=48,
+        metavar="N",
+        help="tokens of each sample (default 48)",
+    )
+    t.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the trained model as GGUF (fine-tuning with --lora-rank: the "
+        "LoRA adapter file, which llama.cpp's --lora and `foundry generate --lora` "
+        "load beside the base)",
+    )
     t.add_argument("--seed", type=nonneg_int, default=0, help="weight init seed (default 0)")
     t.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
     add_device_flags(t, training=True)
@@ -92,26 +136,43 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--model", type=Path, required=True, help="GGUF model file")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-tokens", type=positive_int, default=64,
-                   help="tokens to generate (default 64)")
+    g.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="tokens to generate (default 64)"
+    )
     g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling mass (default 1)")
     g.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed (default 0)")
-    g.add_argument("--ctx-size", type=positive_int, default=None, metavar="N",
-                   help="context in tokens: KV cache and rope tables are sized by it "
-                        "(default: the file's, at most 4096)")
-    g.add_argument("--lora", type=Path, default=None, metavar="ADAPTER.gguf",
-                   help="apply this LoRA adapter (from `foundry train --base-model ... "
-                   "--lora-rank R --out ADAPTER.gguf`) to --model at load")
+    g.add_argument(
+        "--ctx-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="context in tokens: KV cache and rope tables are sized by it "
+        "(default: the file's, at most 4096)",
+    )
+    g.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        metavar="ADAPTER.gguf",
+        help="apply this LoRA adapter (from `foundry train --base-model ... "
+        "--lora-rank R --out ADAPTER.gguf`) to --model at load",
+    )
     add_device_flags(g, training=False)
     add_threads_flag(g, training=False)
-    g.add_argument("--compile", action="store_true",
-                   help="with --device cuda, torch.compile the one-token step before it is "
-                   "captured in a CUDA graph: faster decoding after a compilation of some "
-                   "seconds (docs/gpu.md; default off)")
-    g.add_argument("--stats", action="store_true",
-                   help="print tokens, time, tokens/s and why it ended to stderr (as "
-                   "`foundry ctl generate --stats`)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --device cuda, torch.compile the one-token step before it is "
+        "captured in a CUDA graph: faster decoding after a compilation of some "
+        "seconds (docs/gpu.md; default off)",
+    )
+    g.add_argument(
+        "--stats",
+        action="store_true",
+        help="print tokens, time, tokens/s and why it ended to stderr (as "
+        "`foundry ctl generate --stats`)",
+    )
     g.set_defaults(func=run_generate)
 
 
@@ -200,9 +261,12 @@ def _train(args: argparse.Namespace) -> int:
     retain_freed_memory()
     cfg = preset(args.preset)
     settings = TrainSettings(
-        global_batch=args.global_batch, seq_len=args.seq_len, lr=args.lr,
-        warmup_steps=(recipe.warmup_steps(args.steps) if args.warmup_steps is None
-                      else args.warmup_steps),
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=(
+            recipe.warmup_steps(args.steps) if args.warmup_steps is None else args.warmup_steps
+        ),
         total_steps=args.steps,
     )
     if args.eval_every is None:
@@ -211,8 +275,11 @@ def _train(args: argparse.Namespace) -> int:
     if note:
         print(note)
     backend = compute.select(args.device, bf16=args.bf16, training=True)
-    threads = use_threads(args, blas=backend is compute.NUMPY,
-                          torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto")
+    threads = use_threads(
+        args,
+        blas=backend is compute.NUMPY,
+        torch_cpu=backend.name.startswith("torch:cpu") and args.device == "auto",
+    )
     print(f"training on {backend.name}, {threads} threads", flush=True)
     trainer = compute.make_trainer(backend, cfg, settings, init_params(cfg, args.seed))
     checkpoints = Checkpoints(args, cfg)
@@ -223,11 +290,14 @@ def _train(args: argparse.Namespace) -> int:
 
     held_out = corpus.held_out_bytes(args.seq_len)
     yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
-        held_out, corpus.training_bytes(args.seq_len))
+        held_out, corpus.training_bytes(args.seq_len)
+    )
     sample_every = args.eval_every if args.sample_every is None else args.sample_every
-    print(f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
-          f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}"
-          + ("" if backend is compute.NUMPY else f", on {backend.name}"))
+    print(
+        f"training {args.preset} ({cfg.n_params():,} parameters) on {corpus.source}: "
+        f"{len(corpus):,} tokens, {args.steps} steps of {args.global_batch}x{args.seq_len}"
+        + ("" if backend is compute.NUMPY else f", on {backend.name}")
+    )
     print(held_out_line(len(held_out), yardstick))
 
     def validation(val: float) -> str:
@@ -236,8 +306,14 @@ def _train(args: argparse.Namespace) -> int:
     val = trainer.evaluate_loss(corpus, args.seq_len)
     print(f"step {trainer.step}: {validation(val)}")
     sized = terminal_columns(sys.stderr) > 0  # tqdm's bar goes to stderr
-    bar = tqdm(total=args.steps, initial=trainer.step, unit="step", disable=args.no_progress,
-               dynamic_ncols=sized, ncols=None if sized else FALLBACK_COLUMNS)
+    bar = tqdm(
+        total=args.steps,
+        initial=trainer.step,
+        unit="step",
+        disable=args.no_progress,
+        dynamic_ncols=sized,
+        ncols=None if sized else FALLBACK_COLUMNS,
+    )
     t0 = time.perf_counter()
     samples = 0
     try:
@@ -246,11 +322,16 @@ def _train(args: argparse.Namespace) -> int:
             samples += result.n_samples
             rate = samples / (time.perf_counter() - t0)
             bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", val_bpb=f"{bits_per_byte(val):.3f}",
-                            samples_s=f"{rate:.1f}")
+            bar.set_postfix(
+                loss=f"{result.loss:.3f}",
+                val_bpb=f"{bits_per_byte(val):.3f}",
+                samples_s=f"{rate:.1f}",
+            )
             if args.no_progress and trainer.step % 10 == 0:
-                print(f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
-                      flush=True)
+                print(
+                    f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
+                    flush=True,
+                )
             last = trainer.step == args.steps
             if trainer.step % args.eval_every == 0 or last:
                 val = trainer.evaluate_loss(corpus, args.seq_len)
@@ -297,9 +378,14 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = make_engine(loaded.cfg, params, device=args.device,
-                             ctx_size=args.ctx_size, compile_step=args.compile,
-                             threads=use_threads(args))
+        engine = make_engine(
+            loaded.cfg,
+            params,
+            device=args.device,
+            ctx_size=args.ctx_size,
+            compile_step=args.compile,
+            threads=use_threads(args),
+        )
     except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -310,9 +396,15 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     times: list[float] = []  # when each token came
     try:
-        for token in generate_tokens(engine, args.prompt, args.max_tokens,
-                                     temperature=args.temperature, top_p=args.top_p,
-                                     seed=args.seed, tokenizer=tokenizer):
+        for token in generate_tokens(
+            engine,
+            args.prompt,
+            args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            tokenizer=tokenizer,
+        ):
             times.append(time.perf_counter())
             sys.stdout.write(text.feed(token))
             sys.stdout.flush()
@@ -322,8 +414,10 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write(text.flush() + "\n")
     sys.stdout.flush()
     if args.stats:
-        print(generate_stats(len(tokenizer.encode(args.prompt)), t0, times, args.max_tokens),
-              file=sys.stderr)
+        print(
+            generate_stats(len(tokenizer.encode(args.prompt)), t0, times, args.max_tokens),
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -335,6 +429,9 @@ def generate_stats(prompt_tokens: int, t0: float, times: list[float], max_tokens
     head = f"{n} tokens after a {prompt_tokens}-token prompt in {total:.3f} s"
     if n:
         rate = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None
-        head += (f" ({n / total:.1f} tokens/s; first token {times[0] - t0:.3f} s"
-                 + (f", then {rate:.1f} tokens/s" if rate is not None else "") + ")")
+        head += (
+            f" ({n / total:.1f} tokens/s; first token {times[0] - t0:.3f} s"
+            + (f", then {rate:.1f} tokens/s" if rate is not None else "")
+            + ")"
+        )
     return f"{head}, finished: {'length' if n == max_tokens else 'stop'}"

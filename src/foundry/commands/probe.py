@@ -24,11 +24,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "whole). Exit 1 otherwise, with the reason on stderr.",
     )
     p.add_argument("address", type=host_port, metavar="HOST:PORT")
-    p.add_argument("--grpc", nargs="?", const="", default=None, metavar="SERVICE",
-                   help="ask grpc.health.v1.Health/Check for SERVICE (e.g. "
-                   "foundry.v1.InferenceService; empty: the server as a whole)")
-    p.add_argument("--timeout", type=positive_seconds, default=3.0, metavar="S",
-                   help="give up after this many seconds (default 3)")
+    p.add_argument(
+        "--grpc",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SERVICE",
+        help="ask grpc.health.v1.Health/Check for SERVICE (e.g. "
+        "foundry.v1.InferenceService; empty: the server as a whole)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        default=3.0,
+        metavar="S",
+        help="give up after this many seconds (default 3)",
+    )
     p.set_defaults(func=run)
 
 

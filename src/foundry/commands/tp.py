@@ -35,41 +35,81 @@ log = logging.getLogger("foundry")
 
 
 def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
-    p.add_argument("--model", type=Path, required=True, metavar="FILE.gguf",
-                   help="the model; both ranks must load the same file")
-    p.add_argument("--lora", type=Path, default=None, metavar="ADAPTER.gguf",
-                   help="merge this LoRA adapter into the model at load (`foundry train "
-                   "--base-model ... --lora-rank R --out ADAPTER.gguf`); both ranks must load "
-                   "the same one")
-    p.add_argument("--ctx-size", type=positive_int, default=None,
-                   help="positions per session: KV cache and rope tables are sized by it (default: "
-                   "the model's context length, at most 4096); "
-                   "both ranks must agree")
-    p.add_argument("--no-shm", action="store_true",
-                   help="never use the shared-memory gate slab, even on one host (gates go "
-                   "over TCP)")
-    p.add_argument("--gate-timeout", type=positive_seconds, default=1.0, metavar="S",
-                   help="a peer silent this long in a gate or a command is lost (default 1)")
-    p.add_argument("--blas-threads", type=positive_int, default=1, metavar="N",
-                   help="BLAS threads of this rank (default 1: one core per rank, and the "
-                   "pair's logits stay bit-identical to one process)")
-    p.add_argument("--expert-split", default=DEFAULT_EXPERT_SPLIT.value,
-                   choices=[m.value for m in ExpertSplit],
-                   help="how the routed experts are cut: 'experts' (each rank holds half of "
-                   "the experts whole) or 'intermediate' (each rank holds half of every "
-                   f"expert's intermediate size); both ranks must agree (default "
-                   f"{DEFAULT_EXPERT_SPLIT.value})")
-    add_frame_deadline_flag(p, 30.0, "the control link" + (" and the frontend link" if leader
-                                                            else ""))
-    p.add_argument("--share", type=_share, default=None, metavar="W",
-                   help="this rank's share of the model, an integer weight, taken when the "
-                   "leader runs --shares ranks; otherwise the leader's shares win: a worker's "
-                   "--share that differs from its rank's is refused, and the leader's goes "
-                   "only with --shares ranks")
-    p.add_argument("--speed", type=_share_speed, default=None, metavar="S",
-                   help="with the leader's --shares auto: state this speed (multiply-adds per "
-                   "microsecond) instead of measuring it, for a machine whose calibration "
-                   "misleads, and for tests")
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        metavar="FILE.gguf",
+        help="the model; both ranks must load the same file",
+    )
+    p.add_argument(
+        "--lora",
+        type=Path,
+        default=None,
+        metavar="ADAPTER.gguf",
+        help="merge this LoRA adapter into the model at load (`foundry train "
+        "--base-model ... --lora-rank R --out ADAPTER.gguf`); both ranks must load "
+        "the same one",
+    )
+    p.add_argument(
+        "--ctx-size",
+        type=positive_int,
+        default=None,
+        help="positions per session: KV cache and rope tables are sized by it (default: "
+        "the model's context length, at most 4096); "
+        "both ranks must agree",
+    )
+    p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="never use the shared-memory gate slab, even on one host (gates go over TCP)",
+    )
+    p.add_argument(
+        "--gate-timeout",
+        type=positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="a peer silent this long in a gate or a command is lost (default 1)",
+    )
+    p.add_argument(
+        "--blas-threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="BLAS threads of this rank (default 1: one core per rank, and the "
+        "pair's logits stay bit-identical to one process)",
+    )
+    p.add_argument(
+        "--expert-split",
+        default=DEFAULT_EXPERT_SPLIT.value,
+        choices=[m.value for m in ExpertSplit],
+        help="how the routed experts are cut: 'experts' (each rank holds half of "
+        "the experts whole) or 'intermediate' (each rank holds half of every "
+        f"expert's intermediate size); both ranks must agree (default "
+        f"{DEFAULT_EXPERT_SPLIT.value})",
+    )
+    add_frame_deadline_flag(
+        p, 30.0, "the control link" + (" and the frontend link" if leader else "")
+    )
+    p.add_argument(
+        "--share",
+        type=_share,
+        default=None,
+        metavar="W",
+        help="this rank's share of the model, an integer weight, taken when the "
+        "leader runs --shares ranks; otherwise the leader's shares win: a worker's "
+        "--share that differs from its rank's is refused, and the leader's goes "
+        "only with --shares ranks",
+    )
+    p.add_argument(
+        "--speed",
+        type=_share_speed,
+        default=None,
+        metavar="S",
+        help="with the leader's --shares auto: state this speed (multiply-adds per "
+        "microsecond) instead of measuring it, for a machine whose calibration "
+        "misleads, and for tests",
+    )
     add_metrics_flag(p)
 
 
@@ -100,7 +140,8 @@ def _shares(text: str) -> tuple[int, ...] | str | None:
         raise argparse.ArgumentTypeError(
             f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), or 'auto' "
             f"or 'ranks', got "
-            f"{text!r}") from None
+            f"{text!r}"
+        ) from None
     if any(s < 1 for s in shares):
         raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
     return shares
@@ -115,54 +156,117 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "a free port; the bound ports are printed on one line.",
     )
     _add_rank_flags(lead, leader=True)
-    lead.add_argument("--listen", type=host_port, default=("0.0.0.0", 7090),
-                      metavar="HOST:PORT", help="where the worker connects (default 0.0.0.0:7090)")
-    lead.add_argument("--frontend-listen", type=host_port, default=("127.0.0.1", 7091),
-                      metavar="HOST:PORT",
-                      help="the frontend link for the gateway (default 127.0.0.1:7091)")
-    lead.add_argument("--world-size", type=positive_int, default=2, metavar="N",
-                      help="ranks in all, this one included (default 2: the pair); each of the "
-                      "N-1 workers dials --listen (docs/tp.md, N ranks)")
-    lead.add_argument("--shares", type=_shares, default=None, metavar="W0,W1,...",
-                      help="each rank's share of the model, rank 0 first, as integer weights "
-                      "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
-                      "machine takes the smaller one (default, or empty: equal); 'auto': "
-                      "chosen at pairing from each rank's measured speed; 'ranks': each "
-                      "rank's own --share (docs/tp.md, Shares by speed)")
-    lead.add_argument("--max-sessions", type=positive_int, default=16,
-                      help="generations decoded at once (default 16)")
-    lead.add_argument("--keep-sessions", type=nonneg_int, default=8, metavar="N",
-                      help="finished generations whose KV cache stays open for a prompt that "
-                      "continues them (the next turn of a conversation); also how many "
-                      "sessions are re-synced from their history when a worker pairs again "
-                      "(default 8; 0: none)")
-    lead.add_argument("--queue", type=nonneg_int, default=64,
-                      help="generations waiting beyond those; more are OVERLOADED (default 64)")
-    lead.add_argument("--prefill-chunk", type=positive_int, default=64, metavar="TOKENS",
-                      help="prompt tokens per prefill step; cancellation is checked between "
-                      "chunks (default 64)")
-    lead.add_argument("--spec-mode", default=SpecMode.FULL_PREFIX.value,
-                      choices=[m.value for m in SpecMode],
-                      help="speculative decoding of greedy requests: off, full-prefix (keep the "
-                      "accepted prefix) or rollback (rewind and replay it); default full-prefix")
-    lead.add_argument("--max-draft", type=nonneg_int, default=MAX_DRAFT,
-                      help=f"draft tokens per verify block (default {MAX_DRAFT})")
-    lead.add_argument("--chat-template", default=None, metavar="NAME|FILE",
-                      help="how chat messages become the prompt: a built-in (gemma, chatml, "
-                      "llama3, plain) or a Jinja file (default: the model file's "
-                      "tokenizer.chat_template, else plain: a file without one is taken for a "
-                      "base model)")
-    lead.add_argument("--chat-content-specials", action="store_true",
-                      help="parse special-token texts (<start_of_turn>, <|im_start|>) in "
-                      "messages' content as the special tokens (llama.cpp's way); by default "
-                      "they stay text, so a user cannot forge a turn")
-    lead.add_argument("--max-messages", type=positive_int, default=4096, metavar="N",
-                      help="a chat request's most messages (default 4096)")
-    lead.add_argument("--hash-check", action="store_true",
-                      help="debug: after every step both ranks compare a hash of their state")
-    lead.add_argument("--frontend-max-connections", type=positive_int, default=64, metavar="N",
-                      help="open connections on --frontend-listen at most; more are refused "
-                      "(default 64). --listen takes one pair (and 4 connections in bring-up)")
+    lead.add_argument(
+        "--listen",
+        type=host_port,
+        default=("0.0.0.0", 7090),
+        metavar="HOST:PORT",
+        help="where the worker connects (default 0.0.0.0:7090)",
+    )
+    lead.add_argument(
+        "--frontend-listen",
+        type=host_port,
+        default=("127.0.0.1", 7091),
+        metavar="HOST:PORT",
+        help="the frontend link for the gateway (default 127.0.0.1:7091)",
+    )
+    lead.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="ranks in all, this one included (default 2: the pair); each of the "
+        "N-1 workers dials --listen (docs/tp.md, N ranks)",
+    )
+    lead.add_argument(
+        "--shares",
+        type=_shares,
+        default=None,
+        metavar="W0,W1,...",
+        help="each rank's share of the model, rank 0 first, as integer weights "
+        "(2,1,1: rank 0 holds half, ranks 1 and 2 a quarter each); a slow "
+        "machine takes the smaller one (default, or empty: equal); 'auto': "
+        "chosen at pairing from each rank's measured speed; 'ranks': each "
+        "rank's own --share (docs/tp.md, Shares by speed)",
+    )
+    lead.add_argument(
+        "--max-sessions",
+        type=positive_int,
+        default=16,
+        help="generations decoded at once (default 16)",
+    )
+    lead.add_argument(
+        "--keep-sessions",
+        type=nonneg_int,
+        default=8,
+        metavar="N",
+        help="finished generations whose KV cache stays open for a prompt that "
+        "continues them (the next turn of a conversation); also how many "
+        "sessions are re-synced from their history when a worker pairs again "
+        "(default 8; 0: none)",
+    )
+    lead.add_argument(
+        "--queue",
+        type=nonneg_int,
+        default=64,
+        help="generations waiting beyond those; more are OVERLOADED (default 64)",
+    )
+    lead.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=64,
+        metavar="TOKENS",
+        help="prompt tokens per prefill step; cancellation is checked between chunks (default 64)",
+    )
+    lead.add_argument(
+        "--spec-mode",
+        default=SpecMode.FULL_PREFIX.value,
+        choices=[m.value for m in SpecMode],
+        help="speculative decoding of greedy requests: off, full-prefix (keep the "
+        "accepted prefix) or rollback (rewind and replay it); default full-prefix",
+    )
+    lead.add_argument(
+        "--max-draft",
+        type=nonneg_int,
+        default=MAX_DRAFT,
+        help=f"draft tokens per verify block (default {MAX_DRAFT})",
+    )
+    lead.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME|FILE",
+        help="how chat messages become the prompt: a built-in (gemma, chatml, "
+        "llama3, plain) or a Jinja file (default: the model file's "
+        "tokenizer.chat_template, else plain: a file without one is taken for a "
+        "base model)",
+    )
+    lead.add_argument(
+        "--chat-content-specials",
+        action="store_true",
+        help="parse special-token texts (<start_of_turn>, <|im_start|>) in "
+        "messages' content as the special tokens (llama.cpp's way); by default "
+        "they stay text, so a user cannot forge a turn",
+    )
+    lead.add_argument(
+        "--max-messages",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="a chat request's most messages (default 4096)",
+    )
+    lead.add_argument(
+        "--hash-check",
+        action="store_true",
+        help="debug: after every step both ranks compare a hash of their state",
+    )
+    lead.add_argument(
+        "--frontend-max-connections",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="open connections on --frontend-listen at most; more are refused "
+        "(default 64). --listen takes one pair (and 4 connections in bring-up)",
+    )
     add_device_flags(lead, training=False)
     add_threads_flag(lead, training=False)
     add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
@@ -176,22 +280,45 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "disagree on the model.",
     )
     _add_rank_flags(work, leader=False)
-    work.add_argument("--leader", type=host_port, default=("127.0.0.1", 7090),
-                      metavar="HOST:PORT", help="the leader's --listen address")
-    work.add_argument("--retry-max", type=positive_seconds, default=2.0, metavar="S",
-                      help="longest pause between dial attempts (default 2)")
-    work.add_argument("--rank", type=positive_int, default=None, metavar="R",
-                      help="the rank to serve as, 1 .. N-1 of the leader's --world-size "
-                      "(default: the next free one; after a loss, the one held before)")
-    work.add_argument("--gate-listen", type=host_port, default=("0.0.0.0", 0),
-                      metavar="HOST:PORT",
-                      help="in a world of more than 2 ranks: where the ranks above this one "
-                      "connect their gates (default 0.0.0.0 and any free port; the leader "
-                      "tells them the address it sees this worker at)")
+    work.add_argument(
+        "--leader",
+        type=host_port,
+        default=("127.0.0.1", 7090),
+        metavar="HOST:PORT",
+        help="the leader's --listen address",
+    )
+    work.add_argument(
+        "--retry-max",
+        type=positive_seconds,
+        default=2.0,
+        metavar="S",
+        help="longest pause between dial attempts (default 2)",
+    )
+    work.add_argument(
+        "--rank",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="the rank to serve as, 1 .. N-1 of the leader's --world-size "
+        "(default: the next free one; after a loss, the one held before)",
+    )
+    work.add_argument(
+        "--gate-listen",
+        type=host_port,
+        default=("0.0.0.0", 0),
+        metavar="HOST:PORT",
+        help="in a world of more than 2 ranks: where the ranks above this one "
+        "connect their gates (default 0.0.0.0 and any free port; the leader "
+        "tells them the address it sees this worker at)",
+    )
     add_device_flags(work, training=False)
     add_threads_flag(work, training=False)
-    add_tls_flags(work, server=False, links="the connections to the leader and, in a world "
-                  "of more than 2 ranks, to the other workers")
+    add_tls_flags(
+        work,
+        server=False,
+        links="the connections to the leader and, in a world "
+        "of more than 2 ranks, to the other workers",
+    )
     work.set_defaults(func=run_worker)
 
 
@@ -246,7 +373,8 @@ def run_leader(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             shares=args.shares if isinstance(args.shares, tuple) else None,
             shares_from={"auto": SharesFrom.SPEED, "ranks": SharesFrom.SHARE}.get(
-                args.shares if isinstance(args.shares, str) else "", SharesFrom.LIST),
+                args.shares if isinstance(args.shares, str) else "", SharesFrom.LIST
+            ),
             share=args.share,
             speed=args.speed,
         )
@@ -263,7 +391,8 @@ def run_leader(args: argparse.Namespace) -> int:
             f"tp-leader listening: workers {options.host}:{leader.port}, "
             f"frontend {options.frontend_host}:{leader.frontend_port}"
             + (f", metrics :{metrics.port}" if metrics else "")
-            + f", {threads} threads" + (tls_note(tls) if tls else ""),
+            + f", {threads} threads"
+            + (tls_note(tls) if tls else ""),
             flush=True,
         )
         loop = asyncio.get_running_loop()
@@ -322,12 +451,17 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     worker.metrics.threads.set(threads)
     metrics = start_metrics(args, worker.metrics.registry)
-    ready = (f"tp-worker ready: rank {options.rank} of {args.model}" if options.rank
-             else f"tp-worker ready: the next free rank of {args.model}")
+    ready = (
+        f"tp-worker ready: rank {options.rank} of {args.model}"
+        if options.rank
+        else f"tp-worker ready: the next free rank of {args.model}"
+    )
     print(
         f"{ready}, leader {options.leader_host}:"
-        f"{options.leader_port}" + (f", metrics :{metrics.port}" if metrics else "")
-        + f", {threads} threads" + (" (tls)" if tls else ""),
+        f"{options.leader_port}"
+        + (f", metrics :{metrics.port}" if metrics else "")
+        + f", {threads} threads"
+        + (" (tls)" if tls else ""),
         flush=True,
     )
     for sig in (signal.SIGINT, signal.SIGTERM):

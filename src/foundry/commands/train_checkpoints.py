@@ -78,10 +78,16 @@ class Checkpoints:
         """A checkpoint of this step, unless it has one already."""
         if self.directory is None or trainer.step == self._saved:
             return
-        path = save_checkpoint(self.directory, CheckpointState(
-            config=self.cfg, step=trainer.step, params=trainer.host_params(),
-            optimizer=trainer.optimizer_state(), data_position=trainer.position,
-        ))
+        path = save_checkpoint(
+            self.directory,
+            CheckpointState(
+                config=self.cfg,
+                step=trainer.step,
+                params=trainer.host_params(),
+                optimizer=trainer.optimizer_state(),
+                data_position=trainer.position,
+            ),
+        )
         self._saved = trainer.step
         log.info("checkpoint %s", path)
 
@@ -93,7 +99,11 @@ class Checkpoints:
     def resume_hint(self) -> str:
         """What `foundry train` says after Ctrl+C: how to go on from where it stopped."""
         if self.directory is None:
-            return ("nothing was saved (no --checkpoint-dir); add --checkpoint-dir DIR to be "
-                    "able to resume after a stop")
-        return (f"checkpoint written to {self.directory}: run the same command again to "
-                "resume from this step (--fresh starts at step 0)")
+            return (
+                "nothing was saved (no --checkpoint-dir); add --checkpoint-dir DIR to be "
+                "able to resume after a stop"
+            )
+        return (
+            f"checkpoint written to {self.directory}: run the same command again to "
+            "resume from this step (--fresh starts at step 0)"
+        )

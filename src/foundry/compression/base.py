@@ -162,9 +162,5 @@ def deserialize_tensors(
         out.append(array)
         pos += used
     if pos != len(view):
-        raise FdtcProtocolError(
-            f"{len(view) - pos} bytes left over after {len(numels)} tensors"
-        )
+        raise FdtcProtocolError(f"{len(view) - pos} bytes left over after {len(numels)} tensors")
     return out
-
-

@@ -161,16 +161,13 @@ class QsgdCodec(Codec):
     def encode(self, x: npt.ArrayLike) -> bytearray:
         return self.encode_decoded(x, decoded=False)[0]
 
-    def encode_decoded(
-        self, x: npt.ArrayLike, decoded: bool = True
-    ) -> tuple[bytearray, F32Array]:
+    def encode_decoded(self, x: npt.ArrayLike, decoded: bool = True) -> tuple[bytearray, F32Array]:
         """The encoding and (``decoded``) what it decodes to, bit for bit as ``decode`` gives
         it; with the C encoder both come from one pass (empty when not asked for)."""
         flat = flat_f32(x)
         if _qsgd is None:
             data = self._encode_numpy(flat)
-            return data, (self.decode(data, flat.size)[0] if decoded
-                          else np.zeros(0, np.float32))
+            return data, (self.decode(data, flat.size)[0] if decoded else np.zeros(0, np.float32))
         n, d = flat.size, self.bucket
         n_buckets = -(-n // d)
         buf = bytearray(self.encoded_size(n))
@@ -178,10 +175,15 @@ class QsgdCodec(Codec):
         pos = _QSGD_HEAD.size + 4 * n_buckets
         out = np.empty(n if decoded else 0, np.float32)
         try:
-            _qsgd.encode(np.ascontiguousarray(flat, "<f4").data, d, self.levels,
-                         int(self.rng.integers(1 << 63)),
-                         memoryview(buf)[_QSGD_HEAD.size:pos], memoryview(buf)[pos:],
-                         out.data if decoded else None)
+            _qsgd.encode(
+                np.ascontiguousarray(flat, "<f4").data,
+                d,
+                self.levels,
+                int(self.rng.integers(1 << 63)),
+                memoryview(buf)[_QSGD_HEAD.size : pos],
+                memoryview(buf)[pos:],
+                out.data if decoded else None,
+            )
         except ValueError as exc:
             raise LocalProtocolError(str(exc)) from None
         return buf, out

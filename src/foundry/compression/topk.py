@@ -41,9 +41,7 @@ def topk_size(numel: int, k: int) -> int:
     return 4 + 4 * -(-numel // TOPK_BLOCK) + 6 * k
 
 
-def topk_compress(
-    values: npt.ArrayLike, k: int
-) -> tuple[npt.NDArray[np.uint32], F32Array]:
+def topk_compress(values: npt.ArrayLike, k: int) -> tuple[npt.NDArray[np.uint32], F32Array]:
     """sw_topk_compress: indices (ascending) and values of the k largest magnitudes.
 
     Exactly the k largest |x| are kept; where several elements tie with the k-th largest
@@ -65,15 +63,11 @@ def topk_compress(
         kth = np.partition(mag, n - k)[n - k]  # the k-th largest magnitude
         above = np.flatnonzero(mag > kth)
         ties = np.flatnonzero(mag == kth)[: k - above.size]
-        idx = np.union1d(above, ties).astype(np.uint32) if ties.size else above.astype(
-            np.uint32
-        )
+        idx = np.union1d(above, ties).astype(np.uint32) if ties.size else above.astype(np.uint32)
     return idx, x[idx]
 
 
-def topk_decompress(
-    indices: npt.ArrayLike, values: npt.ArrayLike, n: int
-) -> F32Array:
+def topk_decompress(indices: npt.ArrayLike, values: npt.ArrayLike, n: int) -> F32Array:
     """sw_topk_decompress: a zero tensor of n elements with ``values`` at ``indices``."""
     idx = np.asarray(indices).reshape(-1)
     vals = flat_f32(values)

@@ -91,9 +91,7 @@ class AdminClient:
         """One request, its one answer (an ERROR answer is raised as BackendFailed)."""
         return (await self._request(msg, timeout_s, 1))[0]
 
-    async def _request(
-        self, msg: fdtc.Message, timeout_s: float, count: int
-    ) -> list[fdtc.Message]:
+    async def _request(self, msg: fdtc.Message, timeout_s: float, count: int) -> list[fdtc.Message]:
         """One request and its ``count`` answers; an ERROR in their place is raised as
         BackendFailed."""
         try:

@@ -22,22 +22,25 @@ class FairQueue:
 
     def __init__(self, max_active: int, max_waiting: int) -> None:
         if max_active < 1 or max_waiting < 0:
-            raise ValueError(f"max_active must be >= 1 and max_waiting >= 0, got "
-                             f"{max_active} and {max_waiting}")
+            raise ValueError(
+                f"max_active must be >= 1 and max_waiting >= 0, got {max_active} and {max_waiting}"
+            )
         self.max_active = max_active
         self.max_waiting = max_waiting
         self.active = 0
         self.waiting = 0
         self._queues: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = (
-            collections.OrderedDict())
+            collections.OrderedDict()
+        )
 
     async def acquire(self, key: str) -> None:
         if self.active < self.max_active and not self.waiting:
             self.active += 1
             return
         if self.waiting >= self.max_waiting:
-            raise QueueFull(f"{self.active} requests run and {self.waiting} wait, the most "
-                            f"this gateway queues")
+            raise QueueFull(
+                f"{self.active} requests run and {self.waiting} wait, the most this gateway queues"
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queues.setdefault(key, collections.deque()).append(fut)
         self.waiting += 1

@@ -45,9 +45,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         method = handler_call_details.method.lstrip("/")
         if not handler.request_streaming and handler.request_deserializer is not None:
-            handler = handler._replace(
-                request_deserializer=_tolerant(handler.request_deserializer)
-            )
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.request_streaming and handler.response_streaming:
             return handler._replace(stream_stream=self._streaming(method, handler.stream_stream))
         if handler.request_streaming:
@@ -106,9 +104,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self._metrics.requests.labels(method=method, code=code.name).inc()
-        self._metrics.request_duration.labels(method=method).observe(
-            time.perf_counter() - started
-        )
+        self._metrics.request_duration.labels(method=method).observe(time.perf_counter() - started)
 
 
 class Undecodable:
@@ -128,9 +124,7 @@ def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-async def _refuse_undecodable(
-    request: Any, context: grpc.aio.ServicerContext, method: str
-) -> None:
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(request, Undecodable):
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,

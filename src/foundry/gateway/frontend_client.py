@@ -98,6 +98,7 @@ class TokenGaps:
         last, self._last = self._last, now
         return [] if last is None else [(now - last) / k] * k
 
+
 # The leader's ERROR codes as gRPC status codes; an unknown code is the leader's fault.
 ERROR_STATUS: dict[int, grpc.StatusCode] = {
     ErrorCode.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
@@ -286,13 +287,25 @@ class FrontendClient:
         """A generation of ``prompt``, or of a reply to ``messages`` (role, content) rendered
         by the leader's chat template; see ``wire.frontend.Generate`` for the fields."""
         try:
-            request = Generate(0, prompt, max_tokens, temperature, top_p, seed, stop,
-                               top_k=top_k, logprobs=logprobs, top_logprobs=top_logprobs,
-                               messages=messages)
+            request = Generate(
+                0,
+                prompt,
+                max_tokens,
+                temperature,
+                top_p,
+                seed,
+                stop,
+                top_k=top_k,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                messages=messages,
+            )
             longest = max((len(s.encode("utf-8")) for s in stop), default=0)
             if longest > MAX_STOP_BYTES:
-                raise InvalidRequest(f"a stop string of {longest} bytes is longer than the "
-                                     f"{MAX_STOP_BYTES} the frontend link carries")
+                raise InvalidRequest(
+                    f"a stop string of {longest} bytes is longer than the "
+                    f"{MAX_STOP_BYTES} the frontend link carries"
+                )
             size = len(request.payload())
         except (LocalProtocolError, ValueError) as exc:  # ValueError: a lone surrogate
             raise InvalidRequest(str(exc)) from None
@@ -328,10 +341,12 @@ class FrontendClient:
             return
         if link.pending:
             log.warning("failing %d generation(s) in flight: %s", len(link.pending), why)
-        link.fail(BackendUnavailable(
-            f"the TP leader at {self.address} stopped making progress ({why}); the generation "
-            "was failed, retry once the pair is back"
-        ))
+        link.fail(
+            BackendUnavailable(
+                f"the TP leader at {self.address} stopped making progress ({why}); the generation "
+                "was failed, retry once the pair is back"
+            )
+        )
         if link.reader_task is not None:
             link.reader_task.cancel()
 
@@ -375,9 +390,13 @@ class FrontendClient:
                 ) from None
             self._ever_connected = True
             link = _Link(writer)
-            stream: AsyncStream[Frame] = AsyncStream(reader, writer, FrontendDecoder(),
-                                                     frame_deadline_s=FRAME_DEADLINE_S,
-                                                     read_chunk=READ_CHUNK)
+            stream: AsyncStream[Frame] = AsyncStream(
+                reader,
+                writer,
+                FrontendDecoder(),
+                frame_deadline_s=FRAME_DEADLINE_S,
+                read_chunk=READ_CHUNK,
+            )
             link.reader_task = asyncio.create_task(self._read_loop(link, stream))
             self._link = link
             log.info("frontend link to %s open", self.address)

@@ -119,7 +119,9 @@ class HealthProbe:
             else:
                 log.warning(
                     "%s is not serving (%s): %s NOT_SERVING",
-                    backend.name, reason, ", ".join(backend.services),
+                    backend.name,
+                    reason,
+                    ", ".join(backend.services),
                 )
             self._up[backend.name] = up
             for service in backend.services:
@@ -134,8 +136,10 @@ class HealthProbe:
             silent = self._silent[backend.name]
             reason = f"no answer within {self.timeout_s:g} s"
             if silent >= STALL_PROBES and backend.on_stall is not None:
-                backend.on_stall(f"{backend.name} answered none of the last {silent} probes "
-                                 f"({reason} each): it is stopped, hung or cut off")
+                backend.on_stall(
+                    f"{backend.name} answered none of the last {silent} probes "
+                    f"({reason} each): it is stopped, hung or cut off"
+                )
             return reason
         except GatewayError as exc:
             reason = exc.message

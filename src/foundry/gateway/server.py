@@ -83,17 +83,23 @@ class Gateway:
             raise ValueError("TLS needs both a certificate and its key")
         self.opt = options
         self.metrics = metrics or GatewayMetrics()
-        self.admin = AdminClient(options.coordinator_host, options.coordinator_port,
-                                 ssl=options.backend_tls)
-        self.frontend = FrontendClient(options.frontend_host, options.frontend_port,
-                                       ssl=options.backend_tls)
+        self.admin = AdminClient(
+            options.coordinator_host, options.coordinator_port, ssl=options.backend_tls
+        )
+        self.frontend = FrontendClient(
+            options.frontend_host, options.frontend_port, ssl=options.backend_tls
+        )
         self.health = health.aio.HealthServicer()
         self.probe = HealthProbe(
             self.health,
             [
                 Backend("coordinator", (TRAINING_SERVICE, MODEL_SERVICE), self._probe_admin),
-                Backend("tp_leader", (INFERENCE_SERVICE,), self._probe_frontend,
-                        on_stall=self.frontend.fail_inflight),
+                Backend(
+                    "tp_leader",
+                    (INFERENCE_SERVICE,),
+                    self._probe_frontend,
+                    on_stall=self.frontend.fail_inflight,
+                ),
             ],
             self.metrics,
             interval_s=options.probe_interval_s,
@@ -104,9 +110,7 @@ class Gateway:
             interceptors.append(TokenAuthInterceptor(options.token))
         # No SO_REUSEPORT: a second gateway on the same port must fail to start, not silently
         # share the port with the first.
-        self.server = grpc.aio.server(
-            interceptors=interceptors, options=[("grpc.so_reuseport", 0)]
-        )
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         # The generated registration functions carry no annotations (grpcio-tools makes none).
         training_pb2_grpc.add_TrainingServiceServicer_to_server(  # type: ignore[no-untyped-call]
             TrainingServicer(self.admin), self.server
@@ -115,9 +119,8 @@ class Gateway:
             ModelServicer(self.admin), self.server
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            InferenceServicer(self.frontend, self.metrics,
-                              lambda: self.probe.current("tp_leader")),
-            self.server
+            InferenceServicer(self.frontend, self.metrics, lambda: self.probe.current("tp_leader")),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -126,11 +129,21 @@ class Gateway:
         self.http: HttpServer | None = None
         if options.http_host is not None:
             self.http = HttpServer(
-                HttpOptions(options.http_host, options.http_port, options.model_name,
-                            options.http_max_active, options.http_queue, options.token,
-                            options.tls_cert, options.tls_key, options.grace_s,
-                            options.http_header_timeout_s, options.http_max_connections),
-                self.frontend, self.metrics,
+                HttpOptions(
+                    options.http_host,
+                    options.http_port,
+                    options.model_name,
+                    options.http_max_active,
+                    options.http_queue,
+                    options.token,
+                    options.tls_cert,
+                    options.tls_key,
+                    options.grace_s,
+                    options.http_header_timeout_s,
+                    options.http_max_connections,
+                ),
+                self.frontend,
+                self.metrics,
             )
         self.port = 0
         self.http_port = 0
@@ -186,4 +199,3 @@ class Gateway:
         if not status.worker_connected:
             return "the TP leader reports its worker rank not connected"
         return None
-

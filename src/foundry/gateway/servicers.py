@@ -76,8 +76,9 @@ def training_status_pb(
     return training_pb2.TrainingStatus(
         global_step=status.global_step,
         max_steps=status.max_steps,
-        state=(training_pb2.TRAINING_STATE_FAILED if detail.failed
-               else _training_state(status.state)),
+        state=(
+            training_pb2.TRAINING_STATE_FAILED if detail.failed else _training_state(status.state)
+        ),
         train_loss=status.train_loss,
         validation_loss=status.val_loss,
         samples_per_second=status.samples_per_sec,
@@ -127,9 +128,15 @@ def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusRespon
         ctx_size=status.ctx_size,
         model_bytes=status.model_bytes,
         model_id=status.model_id,
-        ranks=[inference_pb2.RankStatus(rank=r.rank, share=r.share, connected=r.connected,
-                                        gate_wait_seconds=r.gate_wait_us / 1e6)
-               for r in status.ranks],
+        ranks=[
+            inference_pb2.RankStatus(
+                rank=r.rank,
+                share=r.share,
+                connected=r.connected,
+                gate_wait_seconds=r.gate_wait_us / 1e6,
+            )
+            for r in status.ranks
+        ],
     )
 
 
@@ -217,9 +224,7 @@ class TrainingServicer:
         self, request: training_pb2.ResumeTrainingRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.ResumeTrainingResponse:
         ack = await self._control(fdtc.Resume(), context)
-        return training_pb2.ResumeTrainingResponse(
-            global_step=ack.global_step, message=ack.message
-        )
+        return training_pb2.ResumeTrainingResponse(global_step=ack.global_step, message=ack.message)
 
     async def CreateCheckpoint(
         self, request: training_pb2.CreateCheckpointRequest, context: grpc.aio.ServicerContext
@@ -278,8 +283,7 @@ class ModelServicer:
         name = request.type.lower() or "f32"
         types = {t.name.lower(): t for t in fdtc.FileType}
         if name not in types:
-            raise InvalidRequest(f"unknown export type {request.type!r}; one of "
-                                 f"{', '.join(types)}")
+            raise InvalidRequest(f"unknown export type {request.type!r}; one of {', '.join(types)}")
         try:
             export = fdtc.Export(request.path, types[name])
         except LocalProtocolError as exc:
@@ -314,8 +318,14 @@ class InferenceServicer:
                 "retry once it is back (`foundry ctl status` shows it)"
             )
         generation = self.client.generate(
-            request.prompt, max_tokens, temperature, top_p, request.seed, stop,
-            top_k=request.top_k, messages=messages,
+            request.prompt,
+            max_tokens,
+            temperature,
+            top_p,
+            request.seed,
+            stop,
+            top_k=request.top_k,
+            messages=messages,
         )
         # Leaving this block early (the call cancelled or past its deadline) sends CANCEL.
         async with generation:

@@ -218,12 +218,13 @@ def norm_shares(world: int, shares: Sequence[int] | None = None) -> Shares:
         return (1,) * world
     out = tuple(shares)
     if len(out) != world:
-        raise SplitError(f"{len(out)} shares given for a world of {world} ranks; give one "
-                         "per rank, rank 0 first")
-    if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SHARE
-           for s in out):
-        raise SplitError(f"shares must be integers in [1, {MAX_SHARE}], got "
-                         f"{','.join(map(str, out))}")
+        raise SplitError(
+            f"{len(out)} shares given for a world of {world} ranks; give one per rank, rank 0 first"
+        )
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SHARE for s in out):
+        raise SplitError(
+            f"shares must be integers in [1, {MAX_SHARE}], got {','.join(map(str, out))}"
+        )
     g = math.gcd(*out)
     return tuple(s // g for s in out)
 
@@ -289,9 +290,7 @@ def _short(cfg: ModelConfig, expert_split: ExpertSplit, shares: Shares) -> tuple
     return None
 
 
-def nearest_shares(
-    cfg: ModelConfig, expert_split: ExpertSplit, shares: Sequence[int]
-) -> Shares:
+def nearest_shares(cfg: ModelConfig, expert_split: ExpertSplit, shares: Sequence[int]) -> Shares:
     """Shares close to ``shares`` that the model can take (``shares`` themselves when it can):
     each short unit handed out as one to every rank and the rest by the wanted shares, that
     allocation the new shares."""
@@ -329,11 +328,12 @@ def check_splittable(
         return norm
     what, n = short
     if n < world:
-        fits = [w for w in range(world - 1, 0, -1)
-                if _short(cfg, expert_split, (1,) * w) is None]
+        fits = [w for w in range(world - 1, 0, -1) if _short(cfg, expert_split, (1,) * w) is None]
         nearest = f"the nearest world size that works is {fits[0]}" if fits else "none works"
-        raise SplitError(f"cannot split the model over {world} ranks: it has {n} {what} and "
-                         f"every rank needs at least one; {nearest}")
+        raise SplitError(
+            f"cannot split the model over {world} ranks: it has {n} {what} and "
+            f"every rank needs at least one; {nearest}"
+        )
     near = nearest_shares(cfg, expert_split, norm)
     raise SplitError(
         f"cannot split the model by shares {','.join(map(str, norm))}: a rank would hold none "
@@ -420,9 +420,12 @@ def attention_split(
         kv = (0, cfg.n_head_kv)
         heads = share_range(cfg.n_head, rank, norm)
     full = spec(cfg).qk_norm is QKNorm.FULL
-    return {"heads": heads, "kv_heads": kv,
-            "q_rows": (0, cfg.n_head) if full else heads,
-            "k_rows": (0, cfg.n_head_kv) if full else kv}
+    return {
+        "heads": heads,
+        "kv_heads": kv,
+        "q_rows": (0, cfg.n_head) if full else heads,
+        "k_rows": (0, cfg.n_head_kv) if full else kv,
+    }
 
 
 def rank_layout(
@@ -444,10 +447,15 @@ def rank_layout(
         return share_range(n, rank, norm)
 
     return RankLayout(
-        rank=rank, world=world, shares=norm, **attention_split(cfg, rank, world, norm),
+        rank=rank,
+        world=world,
+        shares=norm,
+        **attention_split(cfg, rank, world, norm),
         ff=aligned_range(cfg.n_ff, rank, world, norm) if dense else (0, 0),
         experts=(0, cfg.n_expert) if by_ff else cut(cfg.n_expert),
-        shared_ff=cut(cfg.n_ff_shared), vocab=cut(cfg.n_vocab), head_dim=cfg.head_dim,
+        shared_ff=cut(cfg.n_ff_shared),
+        vocab=cut(cfg.n_vocab),
+        head_dim=cfg.head_dim,
         expert_ff=(0, 0) if dense else cut(cfg.n_ff) if by_ff else (0, cfg.n_ff),
         expert_split=expert_split,
     )
@@ -465,8 +473,9 @@ def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
     return tuple(index)
 
 
-def _cuts(layout: RankLayout, cfg: ModelConfig
-          ) -> Iterator[tuple[str, tuple[int, ...], tuple[slice, ...]]]:
+def _cuts(
+    layout: RankLayout, cfg: ModelConfig
+) -> Iterator[tuple[str, tuple[int, ...], tuple[slice, ...]]]:
     """Every parameter of ``cfg`` in param_shapes() order, its full shape and the layout's
     index into it: the one loop over a rank's cuts."""
     for name, shape in cfg.param_shapes().items():
@@ -475,19 +484,24 @@ def _cuts(layout: RankLayout, cfg: ModelConfig
 
 def layout_shapes(cfg: ModelConfig, layout: RankLayout) -> dict[str, tuple[int, ...]]:
     """Shapes of the layout's parameters, in param_shapes() order."""
-    return {name: tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
-            for name, shape, index in _cuts(layout, cfg)}
+    return {
+        name: tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+        for name, shape, index in _cuts(layout, cfg)
+    }
 
 
-def shard_shapes(cfg: ModelConfig, rank: int, world: int,
-                 expert_split: ExpertSplit = ExpertSplit.EXPERTS,
-                 shares: Sequence[int] | None = None) -> dict[str, tuple[int, ...]]:
+def shard_shapes(
+    cfg: ModelConfig,
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
+) -> dict[str, tuple[int, ...]]:
     """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
     return layout_shapes(cfg, rank_layout(cfg, rank, world, expert_split, shares))
 
 
-def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout
-               ) -> range | None:
+def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout) -> range | None:
     """The layout's columns of a tensor stored in blocks of ``block`` values when they do not
     start and end on a block boundary (None when they do)."""
     cols = range(*shard_slice(name, len(shape), layout)[-1].indices(shape[-1]))
@@ -526,9 +540,14 @@ def layout_params(
     return out
 
 
-def shard_params(cfg: ModelConfig, params: Mapping[str, Param], rank: int, world: int,
-                 expert_split: ExpertSplit = ExpertSplit.EXPERTS,
-                 shares: Sequence[int] | None = None) -> dict[str, Param]:
+def shard_params(
+    cfg: ModelConfig,
+    params: Mapping[str, Param],
+    rank: int,
+    world: int,
+    expert_split: ExpertSplit = ExpertSplit.EXPERTS,
+    shares: Sequence[int] | None = None,
+) -> dict[str, Param]:
     """Rank's part of every parameter (:func:`shard_part`)."""
     return layout_params(cfg, params, rank_layout(cfg, rank, world, expert_split, shares))
 

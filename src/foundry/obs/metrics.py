@@ -31,7 +31,20 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometh
 ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Gate exchanges and per-token times: tens of microseconds to a second.
 FAST_BUCKETS = (
-    2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
 )
 
 
@@ -57,9 +70,7 @@ SWARM_DROP_REASONS = ("disconnected", "heartbeat_timeout", "replaced", "deregist
 class SwarmMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.workers = Gauge(
-            "foundry_swarm_workers", "Workers by state.", ["state"], registry=r
-        )
+        self.workers = Gauge("foundry_swarm_workers", "Workers by state.", ["state"], registry=r)
         self.global_step = Gauge("foundry_swarm_global_step", "Global training step.", registry=r)
         self.train_loss = Gauge(
             "foundry_swarm_train_loss", "Mean cross-entropy of the last round.", registry=r
@@ -202,7 +213,8 @@ class WorkerMetrics:
         )
         self.reconnects = Counter(
             "foundry_worker_reconnects_total",
-            "Connections to the coordinator opened again after a first one.", registry=r
+            "Connections to the coordinator opened again after a first one.",
+            registry=r,
         )
         self.gradient_bytes = Counter(
             "foundry_worker_gradient_bytes_total", "Gradient bytes sent.", registry=r
@@ -214,7 +226,8 @@ class WorkerMetrics:
             registry=r,
         )
         self.threads = Gauge(
-            "foundry_worker_threads", "CPU threads this worker computes on (--threads).",
+            "foundry_worker_threads",
+            "CPU threads this worker computes on (--threads).",
             registry=r,
         )
         self.inner_steps = Counter(
@@ -237,15 +250,44 @@ class WorkerMetrics:
 
 # A gateway call: a status read (a millisecond) to a long generation or export (minutes).
 CALL_BUCKETS = (
-    5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0, 120.0, 300.0,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 
 
 # The gap between two tokens of a stream: a fraction of a millisecond (tokens that arrive
 # together) to seconds (a stream behind a long prompt's prefill).
 ITL_BUCKETS = (
-    2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 
 
@@ -369,8 +411,9 @@ class RankLabel(Collector):
         for family in self.source.collect():
             out = Metric(family.name, family.documentation, family.type, family.unit)
             for s in family.samples:
-                out.add_sample(s.name, {**s.labels, "rank": self.rank}, s.value, s.timestamp,
-                               s.exemplar)
+                out.add_sample(
+                    s.name, {**s.labels, "rank": self.rank}, s.value, s.timestamp, s.exemplar
+                )
             yield out
 
 
@@ -421,8 +464,7 @@ class TpMetrics:
         )
         self.kept_sessions = Gauge(
             "foundry_tp_kept_sessions",
-            "Sessions of finished generations kept open for prompts that continue them "
-            "(leader).",
+            "Sessions of finished generations kept open for prompts that continue them (leader).",
             registry=r,
         )
         self.prompt_tokens_reused = Counter(

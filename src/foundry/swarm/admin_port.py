@@ -34,26 +34,34 @@ SHUTDOWN_WAIT_S = 30.0
 
 
 class AdminPort:
-    def __init__(self, core: SwarmCore, downlink: Downlink, records: Records,
-                 runner: RoundRunner) -> None:
+    def __init__(
+        self, core: SwarmCore, downlink: Downlink, records: Records, runner: RoundRunner
+    ) -> None:
         self.core = core
         self.downlink = downlink
         self.records = records
         self.runner = runner
         self.streams: set[FdtcStream] = set()  # open admin links
 
-    async def serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.ADMIN,
-                            frame_deadline_s=self.core.opt.frame_deadline_s)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = FdtcStream(
+            reader,
+            writer,
+            role=Role.COORDINATOR,
+            link=Link.ADMIN,
+            frame_deadline_s=self.core.opt.frame_deadline_s,
+        )
         self.streams.add(stream)
         try:
             while True:
                 msg = await stream.recv()
                 if isinstance(msg, fdtc.Error):  # the client gives up: nothing to answer
-                    log.info("admin link: %s reports error %d: %s; closed", stream.peer,
-                             msg.error_code, msg.message)
+                    log.info(
+                        "admin link: %s reports error %d: %s; closed",
+                        stream.peer,
+                        msg.error_code,
+                        msg.message,
+                    )
                     return
                 await stream.send(*await self._admin_answer(msg))
         except ProtocolError as exc:
@@ -86,8 +94,9 @@ class AdminPort:
             return self.swarm_status()
         if isinstance(msg, fdtc.Export):
             try:
-                path = await self.records.export(Path(msg.path) if msg.path else None,
-                                                 msg.file_type)
+                path = await self.records.export(
+                    Path(msg.path) if msg.path else None, msg.file_type
+                )
             except (ExportRefused, GGUFError, OSError, ValueError) as exc:
                 log.warning("export refused or failed: %s", exc)
                 return self._ack(msg, False, f"export failed: {exc}")
@@ -130,8 +139,12 @@ class AdminPort:
             await self.runner.finish()
         asyncio.get_running_loop().call_later(0.2, self.core.request_stop)
         if not self.core.done.is_set():  # the stop checkpoints whatever step it ends at
-            return self._ack(msg, True, f"stopping at step {self.core.step}: the round under way "
-                                        f"did not end within {SHUTDOWN_WAIT_S:.0f} s")
+            return self._ack(
+                msg,
+                True,
+                f"stopping at step {self.core.step}: the round under way "
+                f"did not end within {SHUTDOWN_WAIT_S:.0f} s",
+            )
         return self._ack(msg, True, f"shut down at step {self.core.step}")
 
     def _release_paused_peers(self) -> None:
@@ -189,16 +202,20 @@ class AdminPort:
             min_workers=self.core.opt.min_workers,
             seconds_since_step=time.monotonic() - self.core.stepped_at,
             failed=self.core.failure is not None,
-            note=clip(self.core.failure or "; ".join(
-                w for w in (self.records.checkpoint_warning, self.runner.round_warning) if w)),
+            note=clip(
+                self.core.failure
+                or "; ".join(
+                    w for w in (self.records.checkpoint_warning, self.runner.round_warning) if w
+                )
+            ),
             first_val_loss=self.core.first_val_loss,
             first_val_step=self.core.first_val_step,
             rows=tuple(
                 fdtc.SwarmDetailRow(
-                    inner_steps=min(m.steps_done, 0xFFFF_FFFF), bytes_up=m.bytes_up,
+                    inner_steps=min(m.steps_done, 0xFFFF_FFFF),
+                    bytes_up=m.bytes_up,
                     bytes_down=m.bytes_down,
                 )
                 for m in sorted(self.core.members.values(), key=lambda m: m.worker_id)
             ),
         )
-

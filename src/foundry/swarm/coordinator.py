@@ -79,10 +79,24 @@ from foundry.transport.tasks import cancel_and_wait
 from foundry.wire import fdtc
 
 __all__ = [
-    "HEARTBEAT_TIMEOUT_S", "LATE_FACTOR", "LATE_MIN_WAIT_S", "MAX_ADMIN_CONNECTIONS",
-    "MAX_WORKER_CONNECTIONS", "REGISTER_TIMEOUT_S", "ROUNDS_BEFORE_STALL_NOTE",
-    "SEED_HEARTBEAT_TIMEOUT_S", "SHUTDOWN_WAIT_S", "VALIDATE_EVERY", "Coordinator",
-    "CoordinatorOptions", "ExportRefused", "Member", "Round", "SwarmState", "clip", "late_after",
+    "HEARTBEAT_TIMEOUT_S",
+    "LATE_FACTOR",
+    "LATE_MIN_WAIT_S",
+    "MAX_ADMIN_CONNECTIONS",
+    "MAX_WORKER_CONNECTIONS",
+    "REGISTER_TIMEOUT_S",
+    "ROUNDS_BEFORE_STALL_NOTE",
+    "SEED_HEARTBEAT_TIMEOUT_S",
+    "SHUTDOWN_WAIT_S",
+    "VALIDATE_EVERY",
+    "Coordinator",
+    "CoordinatorOptions",
+    "ExportRefused",
+    "Member",
+    "Round",
+    "SwarmState",
+    "clip",
+    "late_after",
 ]
 
 log = logging.getLogger("foundry.coordinator")
@@ -119,11 +133,17 @@ class Coordinator(SwarmCore):
     async def start(self) -> None:
         """Bind both listeners; ``bound_port`` / ``bound_admin_port`` give the real ports."""
         o = self.opt
-        workers = Listener("worker link", self.workers.serve, log=log, tls=o.tls,
-                           max_connections=o.max_connections)
-        admin = Listener("admin link", self.admin.serve, log=log, tls=o.tls,
-                         max_connections=o.admin_max_connections,
-                         limit_flag="--admin-max-connections")
+        workers = Listener(
+            "worker link", self.workers.serve, log=log, tls=o.tls, max_connections=o.max_connections
+        )
+        admin = Listener(
+            "admin link",
+            self.admin.serve,
+            log=log,
+            tls=o.tls,
+            max_connections=o.admin_max_connections,
+            limit_flag="--admin-max-connections",
+        )
         worker_srv = await workers.start(o.host, o.port)
         admin_srv = await admin.start(o.admin_host, o.admin_port)
         self._servers = [worker_srv, admin_srv]

@@ -184,8 +184,9 @@ class Round(policy.RoundTracker):
     every change, the wall clock of its start for the timeline, and the training steps each
     report carries (counted to its worker when the round's step is applied)."""
 
-    def __init__(self, step: int, shares: dict[str, int], *, started: float, deadline: float,
-                 quorum: float) -> None:
+    def __init__(
+        self, step: int, shares: dict[str, int], *, started: float, deadline: float, quorum: float
+    ) -> None:
         super().__init__(step, shares, started=started, deadline=deadline, quorum=quorum)
         self.changed = asyncio.Event()
         self.started_us = now_us()
@@ -200,8 +201,15 @@ class SwarmCore:
     """The coordinator's shared state. The parts (worker port, admin port, downlink, rounds,
     records) each hold this object and change it only on the asyncio loop."""
 
-    def __init__(self, options: CoordinatorOptions, corpus: Corpus, timeline: Timeline | None,
-                 trainer: Trainer, outer: sync.OuterNesterov, outer_steps: int) -> None:
+    def __init__(
+        self,
+        options: CoordinatorOptions,
+        corpus: Corpus,
+        timeline: Timeline | None,
+        trainer: Trainer,
+        outer: sync.OuterNesterov,
+        outer_steps: int,
+    ) -> None:
         self.opt = options
         self.corpus = corpus
         self.metrics = SwarmMetrics()

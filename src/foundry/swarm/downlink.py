@@ -45,10 +45,15 @@ class Downlink:
         self.core = core
         options = core.opt
         self.shadow = sync.Shadow(shadow)
-        down_levels = (options.qsgd_levels if options.down_qsgd_levels is None
-                       else options.down_qsgd_levels)
-        self._down_codec: Codec = get_codec(options.downlink, topk_ratio=options.topk_ratio,
-                                            qsgd_levels=down_levels, seed=options.seed)
+        down_levels = (
+            options.qsgd_levels if options.down_qsgd_levels is None else options.down_qsgd_levels
+        )
+        self._down_codec: Codec = get_codec(
+            options.downlink,
+            topk_ratio=options.topk_ratio,
+            qsgd_levels=down_levels,
+            seed=options.seed,
+        )
         self.update: fdtc.Update | None = None  # the last step's UPDATE, for every worker
         self._digests: dict[int, bytes] = {}  # step -> digest of the shadow, recent ones
         self._weights_cache: tuple[int, fdtc.WeightsMeta, fdtc.Weights] | None = None
@@ -66,8 +71,11 @@ class Downlink:
             try:
                 self._down_codec.set_random_state(state)
             except LocalProtocolError as exc:  # a run goes on; only its draws start afresh
-                log.warning("the checkpoint's downlink random state is unusable (%s): the "
-                            "UPDATEs' rounding draws start afresh", exc)
+                log.warning(
+                    "the checkpoint's downlink random state is unusable (%s): the "
+                    "UPDATEs' rounding draws start afresh",
+                    exc,
+                )
 
     async def send_to(self, m: Member, *msgs: fdtc.Message) -> None:
         m.sending += 1
@@ -134,8 +142,12 @@ class Downlink:
         if m.weights_step == self.core.step:
             return
         update = self.update
-        if m.extended and update is not None and m.weights_step == update.base_step \
-                and update.global_step == self.core.step:
+        if (
+            m.extended
+            and update is not None
+            and m.weights_step == update.base_step
+            and update.global_step == self.core.step
+        ):
             await self.send_to(m, update)
             m.weights_step = update.global_step
             self.count_down(m, len(update.data))
@@ -151,8 +163,12 @@ class Downlink:
         c = self.core
         data = self.shadow.update(c.trainer.params, self._down_codec)
         self.update = fdtc.Update(
-            global_step=c.step, base_step=base, compression=c.opt.downlink,
-            num_tensors=len(c.shapes), uncompressed_size=4 * sum(c.numels), data=data,
+            global_step=c.step,
+            base_step=base,
+            compression=c.opt.downlink,
+            num_tensors=len(c.shapes),
+            uncompressed_size=4 * sum(c.numels),
+            data=data,
         )
         if sync.digest_due(base, c.step, c.opt.digest_every):
             self._digests[c.step] = self.shadow.digest()
@@ -166,7 +182,9 @@ class Downlink:
             self.core.metrics.digest_mismatches.inc()
             log.warning(
                 "worker %s holds other weights than expected at step %d; it gets full "
-                "weights with its next assignment", m.worker_id, msg.global_step,
+                "weights with its next assignment",
+                m.worker_id,
+                msg.global_step,
             )
             m.weights_step = -1
 
@@ -198,8 +216,9 @@ class Downlink:
         t0 = time.monotonic()
         while True:
             sent = m.stream.bytes_out - before
-            if task.done() and (task.cancelled() or task.exception() is not None
-                                or m.stream.writer.is_closing()):
+            if task.done() and (
+                task.cancelled() or task.exception() is not None or m.stream.writer.is_closing()
+            ):
                 return
             if task.done() and m.stream.unsent() <= STAGGER_BELOW:
                 elapsed = time.monotonic() - t0
@@ -208,8 +227,9 @@ class Downlink:
                 return
             # Until a send has shown the port's rate, a fixed allowance (which a send that
             # completes within it then measures).
-            budget = (sent / self._port_rate * STAGGER_SLACK if self._port_rate
-                      else STAGGER_UNMEASURED_S)
+            budget = (
+                sent / self._port_rate * STAGGER_SLACK if self._port_rate else STAGGER_UNMEASURED_S
+            )
             if time.monotonic() - t0 >= max(STAGGER_MIN_S, budget):
                 return
             await asyncio.sleep(STAGGER_POLL_S)

@@ -18,8 +18,9 @@ _SHARED = tuple(
 
 
 def model_config_msg(cfg: ModelConfig, aux_loss_coef: float = 0.0) -> ModelConfigMsg:
-    return ModelConfigMsg(**{name: getattr(cfg, name) for name in _SHARED},
-                          aux_loss_coef=aux_loss_coef)
+    return ModelConfigMsg(
+        **{name: getattr(cfg, name) for name in _SHARED}, aux_loss_coef=aux_loss_coef
+    )
 
 
 def config_of(msg: ModelConfigMsg) -> ModelConfig:

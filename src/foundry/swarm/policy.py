@@ -75,8 +75,9 @@ def allocate_samples(global_batch: int, rates: Mapping[str, float]) -> dict[str,
     return dict(zip(ids, shares, strict=True))
 
 
-def local_batches(global_batch: int, rates: Mapping[str, float],
-                  tolerance: float = 0.05) -> dict[str, int]:
+def local_batches(
+    global_batch: int, rates: Mapping[str, float], tolerance: float = 0.05
+) -> dict[str, int]:
     """Samples per inner step of each worker in a local-step round (``--sync-every H``).
 
     A worker's inner step costs a fixed part (a whole AdamW step over every parameter, the
@@ -218,7 +219,8 @@ def weighted_mean(
 
 
 def _add_weighted(
-    acc: list[npt.NDArray[np.float32]] | None, weight: float,
+    acc: list[npt.NDArray[np.float32]] | None,
+    weight: float,
     tensors: Sequence[npt.NDArray[np.float32]],
 ) -> list[npt.NDArray[np.float32]]:
     """``acc + weight * tensors`` in place (the first term when ``acc`` is None)."""
@@ -311,7 +313,12 @@ class RoundTracker:
     """
 
     def __init__(
-        self, step: int, shares: Mapping[str, int], *, started: float, deadline: float,
+        self,
+        step: int,
+        shares: Mapping[str, int],
+        *,
+        started: float,
+        deadline: float,
         quorum: float = DEFAULT_QUORUM,
     ) -> None:
         self.step = step
@@ -336,8 +343,15 @@ class RoundTracker:
         return not (assigned_only and worker_id not in self.shares)
 
     def report(
-        self, worker_id: str, step: int, tensors: Sequence[npt.NDArray[np.float32]], *,
-        samples: int, loss: float, now: float, assigned_only: bool = True,
+        self,
+        worker_id: str,
+        step: int,
+        tensors: Sequence[npt.NDArray[np.float32]],
+        *,
+        samples: int,
+        loss: float,
+        now: float,
+        assigned_only: bool = True,
     ) -> Report:
         if not self.accepts(worker_id, step, assigned_only=assigned_only):
             return Report.STALE
@@ -366,7 +380,10 @@ class RoundTracker:
         """``round_decision`` on what arrived; a deserted round is abandoned at once rather
         than at its deadline (up to INITIAL_DEADLINE_S for workers never measured)."""
         decision = round_decision(
-            now=now, deadline=self.deadline, assigned=self.shares, reported=self.reported,
+            now=now,
+            deadline=self.deadline,
+            assigned=self.shares,
+            reported=self.reported,
             quorum=self.quorum,
         )
         if decision is RoundDecision.WAIT and self.deserted():

@@ -78,11 +78,16 @@ def load_or_init(opt: CoordinatorOptions) -> Start:
         trainer.step = state.step
         trainer.position = state.data_position
         log.info("resumed from %s at step %d", ckpt, trainer.step)
-        return Start(trainer, state.tensors, int(state.extra.get("outer_steps", 0)),
-                     state.extra.get("downlink_rng"))  # a string: the schema checked it
+        return Start(
+            trainer,
+            state.tensors,
+            int(state.extra.get("outer_steps", 0)),
+            state.extra.get("downlink_rng"),
+        )  # a string: the schema checked it
     if opt.start_params is not None:
-        return Start(Trainer(opt.cfg, opt.settings,
-                             {k: v.copy() for k, v in opt.start_params.items()}))
+        return Start(
+            Trainer(opt.cfg, opt.settings, {k: v.copy() for k, v in opt.start_params.items()})
+        )
     if opt.init_gguf is not None:
         loaded = load_gguf(opt.init_gguf)
         if loaded.cfg != opt.cfg:
@@ -114,8 +119,9 @@ class Records:
         await self.core.applied.wait()
         params = {k: v.copy() for k, v in self.core.trainer.params.items()}
         self.validation_step = self.core.step
-        self._validation = self.core.spawn(self._run_validation(self.core.step, params),
-                                           "validation")
+        self._validation = self.core.spawn(
+            self._run_validation(self.core.step, params), "validation"
+        )
 
     async def validated(self) -> None:
         """Until the validation under way (if any) is done."""
@@ -128,8 +134,9 @@ class Records:
     async def _run_validation(self, step: int, params: Params) -> None:
         c = self.core
         seq_len = c.opt.settings.seq_len
-        loss = await asyncio.to_thread(c.opt.validation_backend.evaluate_loss, params, c.opt.cfg,
-                                       c.corpus, seq_len)
+        loss = await asyncio.to_thread(
+            c.opt.validation_backend.evaluate_loss, params, c.opt.cfg, c.corpus, seq_len
+        )
         if math.isnan(c.first_val_loss):
             c.first_val_loss, c.first_val_step = loss, step
         if isinstance(c.opt.cfg, TunedConfig):  # tokens of the base's vocabulary, not bytes
@@ -143,8 +150,12 @@ class Records:
             )
         self.core.val_loss = loss
         self.core.metrics.validation_loss.set(loss)
-        log.info("step %d: validation loss %.4f, %s", step, loss,
-                 against_compressors(bits_per_byte(loss), self._yardstick))
+        log.info(
+            "step %d: validation loss %.4f, %s",
+            step,
+            loss,
+            against_compressors(bits_per_byte(loss), self._yardstick),
+        )
 
     async def checkpoint_or_warn(self) -> None:
         """A periodic checkpoint that fails (full or read-only disk) does not stop training:
@@ -157,8 +168,9 @@ class Records:
             if not self.checkpoint_failed:
                 self.checkpoint_warning = f"checkpoints failing since step {self.core.step}: {exc}"
             self.checkpoint_failed = True
-            log.warning("step %d: %s; training goes on, retrying after the next step",
-                        self.core.step, exc)
+            log.warning(
+                "step %d: %s; training goes on, retrying after the next step", self.core.step, exc
+            )
         else:
             self.checkpoint_failed = False
             self.checkpoint_warning = ""
@@ -173,22 +185,31 @@ class Records:
             step=self.core.step,
             params={k: v.copy() for k, v in self.core.trainer.params.items()},
             # Copies too: the next step changes the moments while the file is written.
-            optimizer={"step": opt_state["step"],
-                       "m": {k: v.copy() for k, v in opt_state["m"].items()},
-                       "v": {k: v.copy() for k, v in opt_state["v"].items()}},
+            optimizer={
+                "step": opt_state["step"],
+                "m": {k: v.copy() for k, v in opt_state["m"].items()},
+                "v": {k: v.copy() for k, v in opt_state["v"].items()},
+            },
             data_position=self.core.trainer.position,
-            extra={"compression": Compression(self.core.opt.compression).name.lower(),
-                   "down_compression": Compression(self.core.opt.downlink).name.lower(),
-                   "sync_every": self.core.opt.sync_every, "outer_steps": self.core.outer_steps,
-                   **self.downlink.random_state()},
+            extra={
+                "compression": Compression(self.core.opt.compression).name.lower(),
+                "down_compression": Compression(self.core.opt.downlink).name.lower(),
+                "sync_every": self.core.opt.sync_every,
+                "outer_steps": self.core.outer_steps,
+                **self.downlink.random_state(),
+            },
             tensors={
                 "shadow": {k: v.copy() for k, v in self.downlink.shadow.params.items()},
-                **({"outer_m": {k: v.copy() for k, v in self.core.outer.m.items()}}
-                   if self.core.opt.sync_every > 1 else {}),
+                **(
+                    {"outer_m": {k: v.copy() for k, v in self.core.outer.m.items()}}
+                    if self.core.opt.sync_every > 1
+                    else {}
+                ),
             },
         )
-        path = await asyncio.to_thread(save_checkpoint, self.core.opt.checkpoint_dir, state,
-                                       self.core.opt.keep_checkpoints)
+        path = await asyncio.to_thread(
+            save_checkpoint, self.core.opt.checkpoint_dir, state, self.core.opt.keep_checkpoints
+        )
         self.core.metrics.checkpoints.inc()
         self.core.checkpoint_step = state.step
         self.core.metrics.checkpoint_duration.observe(time.monotonic() - t0)
@@ -232,8 +253,12 @@ class Records:
             await asyncio.to_thread(export_tuned, target, cfg, self.core.opt.base_model, params)
         else:
             await asyncio.to_thread(save_gguf, target, cfg, params, dtype)
-        log.info("exported step %d to %s%s", step, target,
-                 "" if file_type is FileType.F32 else f" ({dtype})")
+        log.info(
+            "exported step %d to %s%s",
+            step,
+            target,
+            "" if file_type is FileType.F32 else f" ({dtype})",
+        )
         return target
 
 

@@ -77,14 +77,19 @@ class RoundRunner:
         while not self.core.stopping.is_set():
             if self.core.state is not SwarmState.DONE and (
                 self.core.finish_requested
-                or (self.core.state is SwarmState.TRAINING
-                    and self.core.step >= self.core.opt.max_steps)
+                or (
+                    self.core.state is SwarmState.TRAINING
+                    and self.core.step >= self.core.opt.max_steps
+                )
             ):
                 await self.finish()
                 continue
             if self.core.training_on():
-                if (isinstance(self.core.opt.cfg, TunedConfig) and self.core.step == 0
-                        and self.records.validation_step < 0):
+                if (
+                    isinstance(self.core.opt.cfg, TunedConfig)
+                    and self.core.step == 0
+                    and self.records.validation_step < 0
+                ):
                     await self.records.validate()  # the base's held-out loss: the "before"
                 await self.downlink.announce_start()
                 if self.active_for_round():
@@ -94,8 +99,12 @@ class RoundRunner:
             # is opened until that changes, so no round waits on nobody.
             missing = self.core.missing_workers() if self.core.state is SwarmState.TRAINING else 0
             if missing and missing != self._told_missing:
-                log.info("waiting for %d more worker(s): %d registered, --min-workers %d",
-                         missing, len(self.core.members), self.core.opt.min_workers)
+                log.info(
+                    "waiting for %d more worker(s): %d registered, --min-workers %d",
+                    missing,
+                    len(self.core.members),
+                    self.core.opt.min_workers,
+                )
             self._told_missing = missing
             self.core.wake.clear()
             await self.core.wake.wait()
@@ -129,9 +138,14 @@ class RoundRunner:
         expected.update({m.worker_id: m.seed_share for m in members if not m.extended})
         now = time.monotonic()
         rnd = Round(
-            step, expected, started=now, quorum=c.opt.quorum,
+            step,
+            expected,
+            started=now,
+            quorum=c.opt.quorum,
             deadline=policy.round_deadline(
-                now, expected, {m.worker_id: m.rate for m in members},
+                now,
+                expected,
+                {m.worker_id: m.rate for m in members},
                 overheads={m.worker_id: m.overhead_s for m in members},
             ),
         )
@@ -148,8 +162,9 @@ class RoundRunner:
             sends.append((m, rounds.assignment(m, step, offsets[m.worker_id], plan, ids)))
         # The longest expected compute first (unmeasured ones before all): the sends go out
         # one at a time, and the round ends with its last report.
-        sends.sort(key=lambda s: -(shares[s[0].worker_id] / s[0].rate) if s[0].rate > 0
-                   else -math.inf)
+        sends.sort(
+            key=lambda s: -(shares[s[0].worker_id] / s[0].rate) if s[0].rate > 0 else -math.inf
+        )
         c.update_member_gauges()
         start_us = now_us()
         for res in await self.downlink.send_staggered(sends):
@@ -169,7 +184,8 @@ class RoundRunner:
                 # nothing more can arrive for it, and workers that joined since wait idle until
                 # the next round; it runs again now rather than at the deadline.
                 log.info(
-                    "step %d: %s before reporting; it runs again%s", self.step_of(rnd),
+                    "step %d: %s before reporting; it runs again%s",
+                    self.step_of(rnd),
                     "paused" if paused else "every assigned worker left",
                     " after RESUME" if paused else "",
                 )
@@ -191,7 +207,9 @@ class RoundRunner:
         self.core.round = None
         if rnd.first_report_at is not None:
             self.core.timeline.span(
-                "wait", rnd.wall_us(rnd.first_report_at), step=rnd.step,
+                "wait",
+                rnd.wall_us(rnd.first_report_at),
+                step=rnd.step,
                 last=max(rnd.report_at, key=rnd.report_at.__getitem__),
                 missing=rnd.missing(),
             )
@@ -201,7 +219,8 @@ class RoundRunner:
         if decision is policy.RoundDecision.CLOSE:
             if late:
                 log.warning(
-                    "step %d closed at its deadline without %s", self.step_of(rnd),
+                    "step %d closed at its deadline without %s",
+                    self.step_of(rnd),
                     ", ".join(late),
                 )
             self.core.metrics.rounds.labels(outcome="closed").inc()
@@ -212,7 +231,9 @@ class RoundRunner:
             if rnd.shares or rnd.reported:
                 log.warning(
                     "step %d abandoned: %d of %d samples reported by the deadline; re-running",
-                    self.step_of(rnd), sum(rnd.reported.values()), sum(rnd.shares.values()),
+                    self.step_of(rnd),
+                    sum(rnd.reported.values()),
+                    sum(rnd.shares.values()),
                 )
                 self._abandoned_in_a_row += 1
                 if self._abandoned_in_a_row >= ROUNDS_BEFORE_STALL_NOTE:
@@ -227,7 +248,10 @@ class RoundRunner:
             self._abandoned_in_a_row = 0
             self.round_warning = ""
         self.core.timeline.span(
-            "round", rnd.started_us, step=rnd.step, outcome=decision.name.lower(),
+            "round",
+            rnd.started_us,
+            step=rnd.step,
+            outcome=decision.name.lower(),
             workers=len(rnd.reported),
         )
 
@@ -238,17 +262,25 @@ class RoundRunner:
             level,
             "step %d is waiting for %s: %.2fs after the first report; the median report "
             "came %.2fs into the round",
-            self.step_of(rnd), ", ".join(rnd.missing()),
-            time.monotonic() - rnd.first_report_at, median,
+            self.step_of(rnd),
+            ", ".join(rnd.missing()),
+            time.monotonic() - rnd.first_report_at,
+            median,
         )
 
     def _overlaps(self, rnd: Round) -> bool:
         """Whether the round after ``rnd`` opens before ``rnd``'s optimizer step (--overlap)."""
         nxt = rnd.step + self.local.advance(rnd.step)
         o = self.core.opt
-        return (o.overlap and o.local_at(rnd.step) and o.local_at(nxt)
-                and nxt < o.max_steps and self.core.training_on()
-                and not self.core.stopping.is_set() and not self.core.finish_requested)
+        return (
+            o.overlap
+            and o.local_at(rnd.step)
+            and o.local_at(nxt)
+            and nxt < o.max_steps
+            and self.core.training_on()
+            and not self.core.stopping.is_set()
+            and not self.core.finish_requested
+        )
 
     async def _close_round(self, rnd: Round) -> None:
         t0 = time.monotonic()
@@ -263,9 +295,9 @@ class RoundRunner:
                 self.core.trainer.position + sum(rnd.planned.values()),
             )
         mean = rnd.gradients.mean()
-        grads: Params = {name: t.reshape(shape) for (name, shape), t in zip(
-            self.core.shapes, mean, strict=True
-        )}
+        grads: Params = {
+            name: t.reshape(shape) for (name, shape), t in zip(self.core.shapes, mean, strict=True)
+        }
         n_samples = sum(rnd.reported.values())
         losses = [(rnd.reported[w], loss) for w, loss in rnd.losses.items() if np.isfinite(loss)]
         lr = self.core.trainer.learning_rate()
@@ -286,8 +318,9 @@ class RoundRunner:
         if self._ahead is not None:
             # This round's UPDATE to every worker of the round already running.
             ahead = [m for m in self.core.members.values() if m.worker_id in self._ahead.planned]
-            results = await asyncio.gather(*(self.downlink.bring_up_to_date(m) for m in ahead),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self.downlink.bring_up_to_date(m) for m in ahead), return_exceptions=True
+            )
             for res in results:
                 if isinstance(res, BaseException):
                     log.info("could not send an update: %s", res)
@@ -309,7 +342,11 @@ class RoundRunner:
         await self.downlink.broadcast(fdtc.Sync())
         log.info(
             "step %d: loss %.4f, %d samples from %d workers in %.2fs (%.1f samples/s)",
-            self.core.step, self.core.train_loss, n_samples, len(rnd.reported), elapsed,
+            self.core.step,
+            self.core.train_loss,
+            n_samples,
+            len(rnd.reported),
+            elapsed,
             self.core.last_rate,
         )
         self.core.metrics.step_bytes.labels(direction="up").set(round_bytes[0])
@@ -335,8 +372,10 @@ class RoundRunner:
         """The end of training, from the round loop only (so no step is applied meanwhile):
         validate and checkpoint the last step, DONE, every worker's final UPDATE, SHUTDOWN."""
         if self.core.state is SwarmState.DONE:
-            log.info("training done at step %d (resumed at its last checkpoint); nothing left "
-                     "to train", self.core.step)
+            log.info(
+                "training done at step %d (resumed at its last checkpoint); nothing left to train",
+                self.core.step,
+            )
             self.core.done.set()
             return
         if self.records.validation_step != self.core.step:
@@ -373,6 +412,7 @@ def late_stages(started: float, report_times: list[float]) -> list[tuple[int, fl
     late_at = late_after(started, report_times)
     if late_at is None:
         return []
-    return [(logging.INFO, late_at),
-            (logging.WARNING, max(late_at, min(report_times) + LATE_WARNING_S))]
-
+    return [
+        (logging.INFO, late_at),
+        (logging.WARNING, max(late_at, min(report_times) + LATE_WARNING_S)),
+    ]

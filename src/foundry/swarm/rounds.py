@@ -37,8 +37,9 @@ class RoundPolicy(Protocol):
         """The shares of the round that starts at ``step`` among ``members`` (ours only)."""
         ...
 
-    def assignment(self, m: Member, step: int, offset: int, plan: RoundPlan,
-                   ids: list[str]) -> fdtc.Assign | fdtc.LocalAssign:
+    def assignment(
+        self, m: Member, step: int, offset: int, plan: RoundPlan, ids: list[str]
+    ) -> fdtc.Assign | fdtc.LocalAssign:
         """What ``m`` is sent: its share of ``plan`` from sample ``offset``; ``ids``: the
         workers of the round, sorted (shards)."""
         ...
@@ -61,8 +62,9 @@ class SyncRounds:
         shares = policy.allocate_samples(opt.settings.global_batch, rates)
         return RoundPlan({w: n for w, n in shares.items() if n > 0})
 
-    def assignment(self, m: Member, step: int, offset: int, plan: RoundPlan,
-                   ids: list[str]) -> fdtc.Assign:
+    def assignment(
+        self, m: Member, step: int, offset: int, plan: RoundPlan, ids: list[str]
+    ) -> fdtc.Assign:
         share = plan.shares[m.worker_id]
         return fdtc.Assign(
             global_step=step,
@@ -101,8 +103,9 @@ class LocalRounds:
         per_step = sync.fill_local_round(per_step, rates, steps, h, slow, overheads)
         return RoundPlan({w: per_step[w] * steps[w] for w in per_step}, per_step, steps)
 
-    def assignment(self, m: Member, step: int, offset: int, plan: RoundPlan,
-                   ids: list[str]) -> fdtc.LocalAssign:
+    def assignment(
+        self, m: Member, step: int, offset: int, plan: RoundPlan, ids: list[str]
+    ) -> fdtc.LocalAssign:
         steps = plan.steps[m.worker_id]
         m.inner_steps += steps
         self.core.metrics.inner_steps.observe(steps)

@@ -71,8 +71,9 @@ class Shadow:
 
     def update(self, master: Mapping[str, F32], codec: Codec) -> bytes | memoryview:
         """The data section of an UPDATE taking workers towards ``master``; applied here too."""
-        deltas = [np.subtract(master[k], self.params[k], dtype=np.float32).reshape(-1)
-                  for k in self.names]
+        deltas = [
+            np.subtract(master[k], self.params[k], dtype=np.float32).reshape(-1) for k in self.names
+        ]
         if not codec.lossy:  # NONE decodes to exactly these values
             add_update(self.params, self.names, deltas)
             return codec.encode_section(deltas)
@@ -85,8 +86,12 @@ class Shadow:
 
     def residual_norm(self, master: Mapping[str, F32]) -> float:
         """||master - shadow||: what the workers still lack (0 with a lossless downlink)."""
-        return math.sqrt(sum(float(np.sum((master[k] - self.params[k]) ** 2, dtype=np.float64))
-                             for k in self.names))
+        return math.sqrt(
+            sum(
+                float(np.sum((master[k] - self.params[k]) ** 2, dtype=np.float64))
+                for k in self.names
+            )
+        )
 
 
 class OuterNesterov:
@@ -96,8 +101,12 @@ class OuterNesterov:
     (start weights minus the workers' weights), so lr 1 with mu 0 is plain averaging.
     """
 
-    def __init__(self, params: Mapping[str, F32], lr: float = DEFAULT_OUTER_LR,
-                 momentum: float = DEFAULT_OUTER_MOMENTUM) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, F32],
+        lr: float = DEFAULT_OUTER_LR,
+        momentum: float = DEFAULT_OUTER_MOMENTUM,
+    ) -> None:
         if lr <= 0 or not 0.0 <= momentum < 1.0:
             raise ValueError(f"need outer lr > 0 and momentum in [0, 1), got {lr}, {momentum}")
         self.lr = lr
@@ -140,19 +149,41 @@ def all_finite(tensors: Iterable[F32]) -> bool:
 
 
 def local_steps(
-    start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, schedule: InnerSchedule, *,
-    global_step: int, sample_offset: int, samples_per_step: int, steps: int, micro_batch: int,
-    seq_len: int, aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+    start: Params,
+    inner: AdamW,
+    cfg: ModelConfig,
+    corpus: Corpus,
+    schedule: InnerSchedule,
+    *,
+    global_step: int,
+    sample_offset: int,
+    samples_per_step: int,
+    steps: int,
+    micro_batch: int,
+    seq_len: int,
+    aux_loss_coef: float,
+    stop: Callable[[], bool] | None = None,
 ) -> GradientResult:
     """``steps`` inner AdamW steps from ``start`` (left unchanged) on consecutive global
     samples, on the numpy engine (``backend.NumpyBackend.local_steps``; a worker calls its own
     backend's): the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
     """
     return NUMPY.local_steps(
-        start, inner, cfg, corpus, lr_at=schedule.lr_at, grad_clip=schedule.grad_clip,
-        global_step=global_step, sample_offset=sample_offset,
-        samples_per_step=samples_per_step, steps=steps, micro_batch=micro_batch,
-        seq_len=seq_len, aux_loss_coef=aux_loss_coef, stop=stop)
+        start,
+        inner,
+        cfg,
+        corpus,
+        lr_at=schedule.lr_at,
+        grad_clip=schedule.grad_clip,
+        global_step=global_step,
+        sample_offset=sample_offset,
+        samples_per_step=samples_per_step,
+        steps=steps,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        aux_loss_coef=aux_loss_coef,
+        stop=stop,
+    )
 
 
 # A worker whose steps fill the round's budget to within this share keeps its batch.
@@ -164,7 +195,9 @@ SLOW_FILL = 0.85
 
 
 def plan_local_round(
-    batch: Mapping[str, int], rates: Mapping[str, float], sync_every: int,
+    batch: Mapping[str, int],
+    rates: Mapping[str, float],
+    sync_every: int,
     slow: Collection[str] = (),
 ) -> dict[str, int]:
     """Inner steps per worker for one round: a time budget, not a step count (DyLU).
@@ -181,13 +214,21 @@ def plan_local_round(
     budget = _round_budget(batch, rates, sync_every)
     if budget is None:
         return dict.fromkeys(batch, sync_every)
-    return {w: max(1, min(sync_every, math.floor(budget / (batch[w] / rates[w])
-                                                 + (0.0 if w in slow else 0.5))))
-            for w in batch}
+    return {
+        w: max(
+            1,
+            min(
+                sync_every, math.floor(budget / (batch[w] / rates[w]) + (0.0 if w in slow else 0.5))
+            ),
+        )
+        for w in batch
+    }
 
 
 def _round_budget(
-    batch: Mapping[str, int], rates: Mapping[str, float], sync_every: int,
+    batch: Mapping[str, int],
+    rates: Mapping[str, float],
+    sync_every: int,
 ) -> float | None:
     """Seconds of a local round: ``sync_every`` steps of the fastest worker; None when the
     round is H steps of each worker's batch (not every worker measured, or equal machines)."""
@@ -206,8 +247,12 @@ def equal_machines(rates: Mapping[str, float], among: Mapping[str, int]) -> bool
 
 
 def fill_local_round(
-    batch: Mapping[str, int], rates: Mapping[str, float], steps: Mapping[str, int],
-    sync_every: int, slow: Collection[str] = (), overheads: Mapping[str, float] | None = None,
+    batch: Mapping[str, int],
+    rates: Mapping[str, float],
+    steps: Mapping[str, int],
+    sync_every: int,
+    slow: Collection[str] = (),
+    overheads: Mapping[str, float] | None = None,
 ) -> dict[str, int]:
     """Samples per inner step that make each worker's ``steps`` fill the round's budget.
 
@@ -237,8 +282,9 @@ def fill_local_round(
             out[w] = min(2 * b, max(least, math.floor(fit)))
             continue
         fit = budget * rates[w] / steps[w]
-        out[w] = b if abs(fit - b) <= FILL_TOLERANCE * b else min(2 * b, max(-(-b // 2),
-                                                                          round(fit)))
+        out[w] = (
+            b if abs(fit - b) <= FILL_TOLERANCE * b else min(2 * b, max(-(-b // 2), round(fit)))
+        )
     return out
 
 

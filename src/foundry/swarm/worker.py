@@ -72,9 +72,13 @@ class Worker(WorkerCore):
         connected_before = False  # the first connection is not a reconnect
         while True:
             try:
-                stream = await FdtcStream.connect(self.opt.host, self.opt.port, ssl=self.opt.tls,
-                                                  role=Role.WORKER,
-                                                  dead_after_s=self.opt.link_timeout_s)
+                stream = await FdtcStream.connect(
+                    self.opt.host,
+                    self.opt.port,
+                    ssl=self.opt.tls,
+                    role=Role.WORKER,
+                    dead_after_s=self.opt.link_timeout_s,
+                )
                 # The coordinator speaks the extensions too (it must, to send MODEL_CONFIG):
                 # messages larger than one frame go as FRAGMENT both ways.
                 assert stream.connection is not None
@@ -89,7 +93,10 @@ class Worker(WorkerCore):
                 delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self.rng)
                 log.info(
                     "coordinator %s:%d unreachable (%s); retrying in %.1fs",
-                    self.opt.host, self.opt.port, exc, delay,
+                    self.opt.host,
+                    self.opt.port,
+                    exc,
+                    delay,
                 )
                 await asyncio.sleep(delay)
                 continue
@@ -130,8 +137,12 @@ class Worker(WorkerCore):
                 held = time.monotonic() - connected_at
                 attempt = attempt + 1 if held < STABLE_LINK_S else 0
                 delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self.rng)
-                log.warning("lost the coordinator: %s; reconnecting in %.1fs (the link held "
-                            "%.1fs)", why, delay, held)
+                log.warning(
+                    "lost the coordinator: %s; reconnecting in %.1fs (the link held %.1fs)",
+                    why,
+                    delay,
+                    held,
+                )
                 await asyncio.sleep(delay)
                 continue
             # Ended before this worker was accepted: a refusal that will most likely repeat
@@ -139,17 +150,31 @@ class Worker(WorkerCore):
             # an unreachable coordinator, and say why each time.
             attempt += 1
             if self.opt.max_attempts and attempt >= self.opt.max_attempts:
-                log.error("the coordinator %s:%d ended the link before accepting this worker: "
-                          "%s", self.opt.host, self.opt.port, why)
+                log.error(
+                    "the coordinator %s:%d ended the link before accepting this worker: %s",
+                    self.opt.host,
+                    self.opt.port,
+                    why,
+                )
                 return 1
             delay = backoff_delay(attempt, cap_s=self.opt.backoff_cap_s, rng=self.rng)
-            hint = (" (with TLS, the coordinator closes the link of a worker whose certificate "
-                    "its --tls-ca did not sign; its log says why)" if self.opt.tls else
-                    " (a coordinator started with --tls-cert closes a plaintext worker's link "
-                    "at once: if it runs TLS, give this worker --tls-cert, --tls-key and "
-                    "--tls-ca, docs/guide/tls.md)")
-            log.warning("the coordinator %s:%d ended the link before accepting this worker: "
-                        "%s%s; retrying in %.1fs", self.opt.host, self.opt.port, why, hint, delay)
+            hint = (
+                " (with TLS, the coordinator closes the link of a worker whose certificate "
+                "its --tls-ca did not sign; its log says why)"
+                if self.opt.tls
+                else " (a coordinator started with --tls-cert closes a plaintext worker's link "
+                "at once: if it runs TLS, give this worker --tls-cert, --tls-key and "
+                "--tls-ca, docs/guide/tls.md)"
+            )
+            log.warning(
+                "the coordinator %s:%d ended the link before accepting this worker: "
+                "%s%s; retrying in %.1fs",
+                self.opt.host,
+                self.opt.port,
+                why,
+                hint,
+                delay,
+            )
             await asyncio.sleep(delay)
 
     async def _session(self, stream: FdtcStream) -> bool:
@@ -161,9 +186,18 @@ class Worker(WorkerCore):
         base = self.opt.base
         await stream.send(
             fdtc.Dataset(n_tokens=fp.n_tokens, sha256=bytes.fromhex(fp.sha256)),
-            *([] if base is None else [fdtc.BaseModel(
-                file_bytes=base.identity.size, sha256=base.identity.digest,
-                architecture=base.architecture, trainer=int(base.loaded is not None))]),
+            *(
+                []
+                if base is None
+                else [
+                    fdtc.BaseModel(
+                        file_bytes=base.identity.size,
+                        sha256=base.identity.digest,
+                        architecture=base.architecture,
+                        trainer=int(base.loaded is not None),
+                    )
+                ]
+            ),
             fdtc.Register(
                 worker_id=self.opt.worker_id,
                 protocol_version=fdtc.PROTOCOL_VERSION,
@@ -199,10 +233,12 @@ class Worker(WorkerCore):
                 joined.add(msg.TYPE)
             assert self.plan is not None
             self.compute.make_uplink(self.plan)
-            log.info("training plan: %s up, %s down, sync every %d",
-                     self.compression.name.lower(),
-                     Compression(self.plan.down_compression).name.lower(),
-                     self.plan.sync_every)
+            log.info(
+                "training plan: %s up, %s down, sync every %d",
+                self.compression.name.lower(),
+                Compression(self.plan.down_compression).name.lower(),
+                self.plan.sync_every,
+            )
             await stream.send(fdtc.WeightsReq())
             heartbeat = asyncio.ensure_future(self._heartbeats(stream))
             while True:
@@ -217,7 +253,8 @@ class Worker(WorkerCore):
         assert stream.connection is not None and self.cfg is not None
         stream.connection.allow_fragments(
             largest_message(math.prod(s) for s in self.cfg.param_shapes().values()),
-            self.opt.fragment_size)
+            self.opt.fragment_size,
+        )
 
     def _on_base_model(self, msg: fdtc.BaseModel) -> None:
         """The coordinator's BASE_MODEL: what trains on this worker's base (it checked the
@@ -226,15 +263,22 @@ class Worker(WorkerCore):
 
         base = self.opt.base
         if base is None or base.loaded is None:
-            raise fdtc.FdtcProtocolError("BASE_MODEL to a worker without a base model",
-                                         ErrorCode.MODEL_MISMATCH)
+            raise fdtc.FdtcProtocolError(
+                "BASE_MODEL to a worker without a base model", ErrorCode.MODEL_MISMATCH
+            )
         try:
-            spec = None if not msg.lora_rank else LoraSpec(
-                msg.lora_rank, msg.lora_alpha, targets_of(msg.lora_targets), msg.lora_dropout)
+            spec = (
+                None
+                if not msg.lora_rank
+                else LoraSpec(
+                    msg.lora_rank, msg.lora_alpha, targets_of(msg.lora_targets), msg.lora_dropout
+                )
+            )
             cfg = tuned_config(base.cfg, base.identity, spec)
         except (LoraError, ValueError) as exc:
-            raise fdtc.FdtcProtocolError(f"BASE_MODEL asks for what this base cannot train: "
-                                         f"{exc}", ErrorCode.MODEL_MISMATCH) from None
+            raise fdtc.FdtcProtocolError(
+                f"BASE_MODEL asks for what this base cannot train: {exc}", ErrorCode.MODEL_MISMATCH
+            ) from None
         if cfg != self.cfg:
             from foundry.model.train.finetune import FineTuneBackend
 
@@ -251,13 +295,17 @@ class Worker(WorkerCore):
                 if isinstance(err, fdtc.Error):
                     reason, code = err.message, err.error_code
             raise Refused(code, reason)
-        if ack.global_step != self.global_step and (self.inner is not None or
-                                                    self.uplink is not None):
+        if ack.global_step != self.global_step and (
+            self.inner is not None or self.uplink is not None
+        ):
             # A coordinator restarted from a checkpoint, or one that trained on without us:
             # the inner moments and the upload's residuals were built on other weights.
-            log.info("the coordinator is at step %d, this worker was at %d: its inner "
-                     "optimizer and error-feedback residuals start again from zero",
-                     ack.global_step, self.global_step)
+            log.info(
+                "the coordinator is at step %d, this worker was at %d: its inner "
+                "optimizer and error-feedback residuals start again from zero",
+                ack.global_step,
+                self.global_step,
+            )
             self.inner = None
             if self.uplink is not None:
                 self.uplink.reset()
@@ -267,7 +315,10 @@ class Worker(WorkerCore):
         self.topk_ratio = ack.topk_ratio
         log.info(
             "registered as %s (shard %d/%d, micro-batch %d) at step %d",
-            self.opt.worker_id, ack.assigned_shard, ack.total_shards, ack.batch_size,
+            self.opt.worker_id,
+            ack.assigned_shard,
+            ack.total_shards,
+            ack.batch_size,
             ack.global_step,
         )
 
@@ -318,8 +369,9 @@ class Worker(WorkerCore):
         # An assignment for weights not held yet (an UPDATE was refused and full weights are
         # on their way) waits for them.
         pending = self._pending
-        if pending is not None and (pending.global_step == self.weights_step
-                                    or self.starts_ahead(pending)):
+        if pending is not None and (
+            pending.global_step == self.weights_step or self.starts_ahead(pending)
+        ):
             self._pending = None
             await self.compute.start(stream, pending)
         return False

@@ -61,7 +61,8 @@ class Compute:
     async def _in_work_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """``fn`` in the worker's compute thread, after any job still running there."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._work, lambda: fn(*args, **kwargs))
+            self._work, lambda: fn(*args, **kwargs)
+        )
 
     async def start(self, stream: FdtcStream, assign: fdtc.Assign | fdtc.LocalAssign) -> None:
         core = self.core
@@ -78,8 +79,10 @@ class Compute:
         core = self.core
         key = (core.compression, core.topk_ratio, plan.qsgd_levels)
         if core.uplink is None or key != self._uplink_key:
-            params: dict[str, float | int] = {"topk_ratio": core.topk_ratio,
-                                              "seed": core.rng.randrange(2**31)}
+            params: dict[str, float | int] = {
+                "topk_ratio": core.topk_ratio,
+                "seed": core.rng.randrange(2**31),
+            }
             if plan.qsgd_levels:
                 params["qsgd_levels"] = plan.qsgd_levels
             core.uplink = Compressor(get_codec(core.compression, **params))
@@ -95,14 +98,24 @@ class Compute:
         backend = core.backend
         if core.inner is None:
             core.inner = backend.make_inner(start, plan.weight_decay)
-        schedule = sync.InnerSchedule(plan.lr, plan.warmup_steps, plan.total_steps,
-                                      plan.min_lr_ratio, plan.grad_clip)
+        schedule = sync.InnerSchedule(
+            plan.lr, plan.warmup_steps, plan.total_steps, plan.min_lr_ratio, plan.grad_clip
+        )
         return backend.local_steps(
-            start, core.inner, core.cfg, core.corpus, lr_at=schedule.lr_at,
-            grad_clip=schedule.grad_clip, global_step=assign.global_step,
-            sample_offset=assign.sample_offset, samples_per_step=assign.samples_per_step,
-            steps=assign.inner_steps, micro_batch=assign.micro_batch, seq_len=assign.seq_len,
-            aux_loss_coef=core.aux_loss_coef, stop=stop,
+            start,
+            core.inner,
+            core.cfg,
+            core.corpus,
+            lr_at=schedule.lr_at,
+            grad_clip=schedule.grad_clip,
+            global_step=assign.global_step,
+            sample_offset=assign.sample_offset,
+            samples_per_step=assign.samples_per_step,
+            steps=assign.inner_steps,
+            micro_batch=assign.micro_batch,
+            seq_len=assign.seq_len,
+            aux_loss_coef=core.aux_loss_coef,
+            stop=stop,
         )
 
     async def _compute_and_send(
@@ -121,7 +134,8 @@ class Compute:
                 start = core.round_start(assign)
                 gen = self._generation
                 result = await self._in_work_thread(
-                    self._local_steps, start, assign, lambda: self._generation != gen)
+                    self._local_steps, start, assign, lambda: self._generation != gen
+                )
                 # Before the upload: the next LOCAL_ASSIGN may follow its ack at once.
                 core.unmerged = (assign.global_step, result.grads)
                 core.inner_steps_done += assign.inner_steps
@@ -160,8 +174,11 @@ class Compute:
         start_us = now_us()
         data = await self._in_work_thread(self._encode, result.grads)
         if data is None:
-            log.warning("step %d: this worker's gradient holds NaN or inf; not sent, and the "
-                        "error-feedback residuals start again from zero", step)
+            log.warning(
+                "step %d: this worker's gradient holds NaN or inf; not sent, and the "
+                "error-feedback residuals start again from zero",
+                step,
+            )
             return
         core.metrics.phase_duration.labels(phase="compress").observe(time.monotonic() - t1)
         core.timeline.span("compress", start_us, step=step, bytes=len(data))

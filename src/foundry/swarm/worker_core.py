@@ -94,7 +94,9 @@ def hardware_for(profile_name: str | None) -> HardwareInfo:
     for p in fdtc.HardwareProfile:
         if profile_name.lower() in (fdtc.profile_name(p).lower(), p.name.lower()):
             return HardwareInfo(
-                profile=p, cores=detected.cores, memory_mb=detected.memory_mb,
+                profile=p,
+                cores=detected.cores,
+                memory_mb=detected.memory_mb,
                 description=f"forced profile {fdtc.profile_name(p)}",
             )
     names = ", ".join(p.name.lower() for p in fdtc.HardwareProfile)
@@ -147,8 +149,10 @@ class WorkerCore:
         shapes = self.cfg.param_shapes()
         names = [t.name for t in meta.tensors]
         got = [tuple(t.shape) for t in meta.tensors]
-        if names != list(shapes) or got != [tuple(s) for s in shapes.values()] or any(
-            t.dtype is not fdtc.DType.F32 for t in meta.tensors
+        if (
+            names != list(shapes)
+            or got != [tuple(s) for s in shapes.values()]
+            or any(t.dtype is not fdtc.DType.F32 for t in meta.tensors)
         ):
             raise Refused(
                 int(ErrorCode.MODEL_MISMATCH),
@@ -176,18 +180,23 @@ class WorkerCore:
         if self.params is not None:  # its sizes, on receipt, whatever step it is for
             update.check_tensors([t.size for t in self.params.values()])
         if self.params is None or update.base_step != self.weights_step:
-            log.info("UPDATE for step %d while holding step %d; asking for full weights",
-                     update.base_step, self.weights_step)
+            log.info(
+                "UPDATE for step %d while holding step %d; asking for full weights",
+                update.base_step,
+                self.weights_step,
+            )
             self.weights_step = -1
             await stream.send(fdtc.WeightsReq())
             return
         params = self.params
         names = list(params)
         start_us = now_us()
-        tensors = deserialize_tensors(update.data, [params[k].size for k in names],
-                                      Compression(update.compression))
-        self.params = {k: params[k] + t.reshape(params[k].shape)
-                       for k, t in zip(names, tensors, strict=True)}
+        tensors = deserialize_tensors(
+            update.data, [params[k].size for k in names], Compression(update.compression)
+        )
+        self.params = {
+            k: params[k] + t.reshape(params[k].shape) for k, t in zip(names, tensors, strict=True)
+        }
         self.timeline.span("update", start_us, step=update.global_step, bytes=len(update.data))
         self.weights_step = self.global_step = update.global_step
         if self.unmerged is not None and update.base_step >= self.unmerged[0]:
@@ -200,8 +209,11 @@ class WorkerCore:
     def starts_ahead(self, assign: fdtc.Assign | fdtc.LocalAssign) -> bool:
         """A LOCAL_ASSIGN sent before the UPDATE of the round this worker just trained
         (--overlap): it holds that round's start weights, and its own result is at hand."""
-        return (isinstance(assign, fdtc.LocalAssign) and self.unmerged is not None
-                and self.unmerged[0] == self.weights_step < assign.global_step)
+        return (
+            isinstance(assign, fdtc.LocalAssign)
+            and self.unmerged is not None
+            and self.unmerged[0] == self.weights_step < assign.global_step
+        )
 
     def round_start(self, assign: fdtc.LocalAssign) -> Params:
         """The weights a local-step round starts from: the held ones, or ahead of the UPDATE
@@ -212,8 +224,12 @@ class WorkerCore:
             return self.params
         assert self.unmerged is not None
         if not self.trained_ahead:
-            log.info("step %d starts from this worker's own weights of step %d, ahead of "
-                     "that round's UPDATE (--overlap)", assign.global_step, self.unmerged[0])
+            log.info(
+                "step %d starts from this worker's own weights of step %d, ahead of "
+                "that round's UPDATE (--overlap)",
+                assign.global_step,
+                self.unmerged[0],
+            )
             self.trained_ahead = True
         pseudo = self.unmerged[1]
         return {k: np.subtract(p, pseudo[k]) for k, p in self.params.items()}

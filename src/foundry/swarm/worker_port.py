@@ -47,12 +47,15 @@ class WorkerPort:
         self.core = core
         self.downlink = downlink
 
-    async def serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        stream = FdtcStream(reader, writer, role=Role.COORDINATOR, link=Link.WORKER,
-                            frame_deadline_s=self.core.opt.frame_deadline_s,
-                            budget=self.core.receive_budget)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = FdtcStream(
+            reader,
+            writer,
+            role=Role.COORDINATOR,
+            link=Link.WORKER,
+            frame_deadline_s=self.core.opt.frame_deadline_s,
+            budget=self.core.receive_budget,
+        )
         member: Member | None = None
         try:
             member = await self._handshake(stream)
@@ -93,8 +96,9 @@ class WorkerPort:
                 extended = True
                 # A peer of ours: messages larger than one frame go as FRAGMENT both ways.
                 assert stream.connection is not None
-                stream.connection.allow_fragments(self.core.message_limit,
-                                                  self.core.opt.fragment_size)
+                stream.connection.allow_fragments(
+                    self.core.message_limit, self.core.opt.fragment_size
+                )
                 mine = self.core.corpus.fingerprint
                 if (event.n_tokens, event.sha256.hex()) != (mine.n_tokens, mine.sha256):
                     reason = (
@@ -105,13 +109,16 @@ class WorkerPort:
                     )
                     cfg = self.core.opt.cfg
                     if isinstance(cfg, TunedConfig):  # its tokens are the base's
-                        reason += (f" (this swarm fine-tunes a {cfg.architecture} base: start "
-                                   "the worker with --base-model and its copy of that file)")
+                        reason += (
+                            f" (this swarm fine-tunes a {cfg.architecture} base: start "
+                            "the worker with --base-model and its copy of that file)"
+                        )
                     await self._refuse(stream, ErrorCode.DATA_MISMATCH, reason)
                     return None
             else:  # ERROR or DEREGISTER: the peer leaves before it joined
-                log.info("%s left before registering (%s)", stream.peer,
-                         fdtc.msg_type_name(event.TYPE))
+                log.info(
+                    "%s left before registering (%s)", stream.peer, fdtc.msg_type_name(event.TYPE)
+                )
                 return None
         if msg.protocol_version != fdtc.PROTOCOL_VERSION:
             reason = (
@@ -182,15 +189,21 @@ class WorkerPort:
         msgs: list[fdtc.Message] = [ack]
         if extended:
             msgs.append(
-                base_model_msg(tuned) if tuned is not None else
-                model_config_msg(self.core.opt.cfg, self.core.opt.settings.aux_loss_coef)
+                base_model_msg(tuned)
+                if tuned is not None
+                else model_config_msg(self.core.opt.cfg, self.core.opt.settings.aux_loss_coef)
             )
             msgs.append(self._train_plan())
         await stream.send(*msgs)
         log.info(
             "worker %s registered from %s (%s, %d cores, %d MB, micro-batch %d)%s",
-            member.worker_id, stream.peer, fdtc.profile_name(profile), member.cores,
-            member.memory_mb, member.micro_batch, "" if extended else " [seed protocol only]",
+            member.worker_id,
+            stream.peer,
+            fdtc.profile_name(profile),
+            member.cores,
+            member.memory_mb,
+            member.micro_batch,
+            "" if extended else " [seed protocol only]",
         )
         self.core.update_member_gauges()
         self.core.wake.set()
@@ -199,13 +212,19 @@ class WorkerPort:
     def _train_plan(self) -> fdtc.TrainPlan:
         s = self.core.opt.settings
         return fdtc.TrainPlan(
-            sync_every=self.core.opt.sync_every, digest_every=self.core.opt.digest_every,
-            down_compression=self.core.opt.downlink, lr=s.lr, warmup_steps=s.warmup_steps,
-            total_steps=s.total_steps, min_lr_ratio=s.min_lr_ratio,
-            weight_decay=s.weight_decay, grad_clip=s.grad_clip,
+            sync_every=self.core.opt.sync_every,
+            digest_every=self.core.opt.digest_every,
+            down_compression=self.core.opt.downlink,
+            lr=s.lr,
+            warmup_steps=s.warmup_steps,
+            total_steps=s.total_steps,
+            min_lr_ratio=s.min_lr_ratio,
+            weight_decay=s.weight_decay,
+            grad_clip=s.grad_clip,
             flags=fdtc.train_plan_flags(  # the default levels travel as 0
                 overlap=self.core.opt.overlap,
-                qsgd_levels=0 if self.core.opt.qsgd_levels == DEFAULT_QSGD_LEVELS
+                qsgd_levels=0
+                if self.core.opt.qsgd_levels == DEFAULT_QSGD_LEVELS
                 else self.core.opt.qsgd_levels,
             ),
         )
@@ -213,8 +232,13 @@ class WorkerPort:
     async def _refuse(self, stream: FdtcStream, code: ErrorCode, reason: str) -> None:
         log.warning("refusing %s: %s", stream.peer, reason)
         refuse = fdtc.RegisterAck(
-            accepted=False, assigned_shard=0, total_shards=0, batch_size=0,
-            accumulation_steps=0, compression=self.core.opt.compression, topk_ratio=0.0,
+            accepted=False,
+            assigned_shard=0,
+            total_shards=0,
+            batch_size=0,
+            accumulation_steps=0,
+            compression=self.core.opt.compression,
+            topk_ratio=0.0,
             global_step=self.core.step,
         )
         with contextlib.suppress(ConnectionError, OSError, RuntimeError):
@@ -289,13 +313,16 @@ class WorkerPort:
         self.core.round_bytes[0] += len(msg.data)
         rnd = self.core.round
         # An extended worker only reports what it was assigned.
-        fresh = rnd is not None and rnd.accepts(m.worker_id, msg.local_step,
-                                                assigned_only=m.extended)
+        fresh = rnd is not None and rnd.accepts(
+            m.worker_id, msg.local_step, assigned_only=m.extended
+        )
         msg.check_tensors(self.core.numels)
         if not fresh or rnd is None:
             log.info(
                 "stale gradient from %s for step %d (now at %d); dropped",
-                m.worker_id, msg.local_step, self.core.step,
+                m.worker_id,
+                msg.local_step,
+                self.core.step,
             )
             await self.downlink.send_to(m, fdtc.GradientsAck(self.core.step, accepted=False))
             return
@@ -303,29 +330,42 @@ class WorkerPort:
             # In a thread: the loop goes on feeding the other workers' sockets meanwhile.
             start_us = now_us()
             tensors, finite = await asyncio.to_thread(self._decode_gradients, msg)
-            self.core.timeline.span("decode", start_us, step=msg.local_step,
-                                    worker=m.worker_id, bytes=len(msg.data))
+            self.core.timeline.span(
+                "decode", start_us, step=msg.local_step, worker=m.worker_id, bytes=len(msg.data)
+            )
         except (ValueError, ProtocolError) as exc:
             raise fdtc.FdtcProtocolError(f"undecodable gradient data: {exc}") from exc
         if not finite:
             log.warning("gradient from %s holds NaN/inf; dropped", m.worker_id)
             await self.downlink.send_to(m, fdtc.GradientsAck(self.core.step, accepted=False))
             return
-        if self.core.round is not rnd or not rnd.accepts(m.worker_id, msg.local_step,
-                                                    assigned_only=m.extended):
-            log.info("gradient from %s for step %d came as its round ended; dropped",
-                     m.worker_id, msg.local_step)
+        if self.core.round is not rnd or not rnd.accepts(
+            m.worker_id, msg.local_step, assigned_only=m.extended
+        ):
+            log.info(
+                "gradient from %s for step %d came as its round ended; dropped",
+                m.worker_id,
+                msg.local_step,
+            )
             await self.downlink.send_to(m, fdtc.GradientsAck(self.core.step, accepted=False))
             return
         now = time.monotonic()
-        rnd.report(m.worker_id, msg.local_step, tensors, samples=m.seed_share, loss=m.loss,
-                   now=now, assigned_only=m.extended)
+        rnd.report(
+            m.worker_id,
+            msg.local_step,
+            tensors,
+            samples=m.seed_share,
+            loss=m.loss,
+            now=now,
+            assigned_only=m.extended,
+        )
         rnd.steps[m.worker_id] = m.assigned_steps if m.extended else 1
         if m.extended and m.heard_rate > 0:
             # This round's heartbeat came just before: its rate is this compute's.
             compute = rnd.reported[m.worker_id] / m.heard_rate
-            m.overhead_s = policy.update_rate(m.overhead_s or None,
-                                              max(1e-6, now - rnd.started - compute))
+            m.overhead_s = policy.update_rate(
+                m.overhead_s or None, max(1e-6, now - rnd.started - compute)
+            )
         if not m.extended:
             # Its throughput as the round sees it (weights pull included), for the deadline.
             elapsed = now - rnd.started
@@ -380,9 +420,13 @@ class WorkerPort:
 def base_model_msg(cfg: TunedConfig) -> fdtc.BaseModel:
     """The coordinator's BASE_MODEL: its base file and what trains."""
     return fdtc.BaseModel(
-        file_bytes=cfg.base_bytes, sha256=bytes.fromhex(cfg.base_sha256),
-        architecture=cfg.architecture, trainer=1, lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        file_bytes=cfg.base_bytes,
+        sha256=bytes.fromhex(cfg.base_sha256),
+        architecture=cfg.architecture,
+        trainer=1,
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
         lora_targets=targets_mask(cfg.lora_targets),
     )
 
@@ -394,20 +438,28 @@ def base_model_refusal(tuned: TunedConfig | None, offered: fdtc.BaseModel | None
     if tuned is None:
         if offered is None:
             return None
-        return (f"this swarm trains Foundry's own model from scratch; the worker offers the "
-                f"base model {offered.architecture} ({offered.sha256.hex()[:12]}): start it "
-                "without --base-model")
+        return (
+            f"this swarm trains Foundry's own model from scratch; the worker offers the "
+            f"base model {offered.architecture} ({offered.sha256.hex()[:12]}): start it "
+            "without --base-model"
+        )
     if offered is None:
-        return (f"this swarm fine-tunes a {tuned.architecture} base ({tuned.base_bytes:,} "
-                f"bytes, sha256 {tuned.base_sha256[:12]}); start the worker with "
-                "--base-model and its copy of that file")
+        return (
+            f"this swarm fine-tunes a {tuned.architecture} base ({tuned.base_bytes:,} "
+            f"bytes, sha256 {tuned.base_sha256[:12]}); start the worker with "
+            "--base-model and its copy of that file"
+        )
     if (offered.file_bytes, offered.sha256.hex()) != (tuned.base_bytes, tuned.base_sha256):
-        return (f"the worker's base model ({offered.architecture}, {offered.file_bytes:,} "
-                f"bytes, sha256 {offered.sha256.hex()[:12]}) differs from the swarm's "
-                f"({tuned.architecture}, {tuned.base_bytes:,} bytes, sha256 "
-                f"{tuned.base_sha256[:12]}); give it a copy of the coordinator's --base-model")
+        return (
+            f"the worker's base model ({offered.architecture}, {offered.file_bytes:,} "
+            f"bytes, sha256 {offered.sha256.hex()[:12]}) differs from the swarm's "
+            f"({tuned.architecture}, {tuned.base_bytes:,} bytes, sha256 "
+            f"{tuned.base_sha256[:12]}); give it a copy of the coordinator's --base-model"
+        )
     if not offered.trainer:
-        return (f"the worker cannot train {tuned.architecture}: PyTorch is not installed there "
-                "(the numpy engine's backward covers Foundry's own model only); "
-                "pip install 'foundry[gpu]' on it")
+        return (
+            f"the worker cannot train {tuned.architecture}: PyTorch is not installed there "
+            "(the numpy engine's backward covers Foundry's own model only); "
+            "pip install 'foundry[gpu]' on it"
+        )
     return None

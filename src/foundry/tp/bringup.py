@@ -172,8 +172,9 @@ class BringUp:
         with self._claim_lock:
             for rank, m in list(self._members.items()):
                 if not m.alive():
-                    log.warning("rank %d hung up while waiting for the world; its rank is free",
-                                rank)
+                    log.warning(
+                        "rank %d hung up while waiting for the world; its rank is free", rank
+                    )
                     del self._members[rank]
                     self._held.discard(rank)
                     m.close()
@@ -200,13 +201,18 @@ class BringUp:
                     time.sleep(0.1)
                 continue
             if not self._handshake_slots.acquire(blocking=False):
-                log.warning("worker port: refused %s:%d: %d connections are in their "
-                            "bring-up already, the limit (a pair needs two)", addr[0], addr[1],
-                            MAX_HANDSHAKES)
+                log.warning(
+                    "worker port: refused %s:%d: %d connections are in their "
+                    "bring-up already, the limit (a pair needs two)",
+                    addr[0],
+                    addr[1],
+                    MAX_HANDSHAKES,
+                )
                 sock.close()
                 continue
-            threading.Thread(target=self._greet, args=(sock, addr), name="tp-handshake",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._greet, args=(sock, addr), name="tp-handshake", daemon=True
+            ).start()
 
     def _greet(self, sock: socket.socket, addr: tuple[str, int]) -> None:
         peer = f"{addr[0]}:{addr[1]}"
@@ -226,8 +232,11 @@ class BringUp:
             elif head == b"DTP4":
                 self._gate_connection(sock, head, peer, frame_deadline)
             else:
-                log.warning("connection from %s is not a TP worker (first bytes %s); closed",
-                            peer, head.hex())
+                log.warning(
+                    "connection from %s is not a TP worker (first bytes %s); closed",
+                    peer,
+                    head.hex(),
+                )
                 sock.close()
         except (OSError, LinkError, TpProtocolError) as exc:
             log.warning("bring-up with %s failed: %s", peer, exc)
@@ -240,14 +249,18 @@ class BringUp:
         """The TLS handshake of a new connection; None (logged, closed) if it fails."""
         assert self.options.tls is not None
         try:
-            return tls_mod.wrap_blocking(self.options.tls, sock, server_side=True,
-                                         timeout_s=self.options.handshake_timeout_s)
+            return tls_mod.wrap_blocking(
+                self.options.tls, sock, server_side=True, timeout_s=self.options.handshake_timeout_s
+            )
         except (OSError, TimeoutError) as exc:
             if tls_mod.closed_early(exc):
                 log.debug("worker port: %s closed the connection in the TLS handshake", peer)
             else:
-                log.warning("worker port: refused %s in the TLS handshake: %s", peer,
-                            tls_mod.refusal_reason(exc))
+                log.warning(
+                    "worker port: refused %s in the TLS handshake: %s",
+                    peer,
+                    tls_mod.refusal_reason(exc),
+                )
                 self.metrics.failures.labels("handshake").inc()
             return None
 
@@ -259,32 +272,49 @@ class BringUp:
         frame = decoder.next_event()
         waiter = self._gate_waiters.get(frame.seq) if isinstance(frame, CommandAck) else None
         if waiter is None:
-            log.warning("connection from %s opened a gate link with no pairing token of a "
-                        "worker in bring-up; closed", peer)
+            log.warning(
+                "connection from %s opened a gate link with no pairing token of a "
+                "worker in bring-up; closed",
+                peer,
+            )
             sock.close()
             return
         waiter.put(sock)
 
     def _control_handshake(self, sock: socket.socket, head: bytes) -> None:
         o = self.options
-        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
-                           initial=head, frame_deadline_s=o.frame_deadline_s)
+        link = ControlLink(
+            sock,
+            timeout_s=o.handshake_timeout_s,
+            expect_hello=True,
+            initial=head,
+            frame_deadline_s=o.frame_deadline_s,
+        )
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
         with self._claim_lock:
-            world = (WorldInfo(world_size=self.world, shares=(),
-                               shares_from=self.options.shares_from) if self.pending
-                     else world_info(self.world, self.shares))
+            world = (
+                WorldInfo(world_size=self.world, shares=(), shares_from=self.options.shares_from)
+                if self.pending
+                else world_info(self.world, self.shares)
+            )
         slab: ShmGateExchange | None = None
         if o.shm and self.world == 2:  # the slab is the pair's
             try:
-                slab = ShmGateExchange.create(n_embd=self.identity.n_embd, rank=0,
-                                              timeout_s=o.gate_timeout_s)
+                slab = ShmGateExchange.create(
+                    n_embd=self.identity.n_embd, rank=0, timeout_s=o.gate_timeout_s
+                )
             except OSError as exc:
                 log.warning("no shared-memory slab (%s); gates go over TCP", exc)
-        hello = Hello(role=Role.LEADER, identity=self.identity, host_id=local_host_id(),
-                      shm_offered=slab is not None, shm_name=slab.name if slab else "",
-                      execution_mode=self.execution_mode, architecture=self.architecture,
-                      world=world)
+        hello = Hello(
+            role=Role.LEADER,
+            identity=self.identity,
+            host_id=local_host_id(),
+            shm_offered=slab is not None,
+            shm_name=slab.name if slab else "",
+            execution_mode=self.execution_mode,
+            architecture=self.architecture,
+            world=world,
+        )
         gate: GateExchange | None = None
         gsock: socket.socket | None = None
         rank = 0
@@ -292,11 +322,11 @@ class BringUp:
         token = secrets.randbits(64) or 1
         try:
             try:
-                peer = exchange_hellos(link, hello, logits_rows(o.max_sessions),
-                                       self.vocab_block)
+                peer = exchange_hellos(link, hello, logits_rows(o.max_sessions), self.vocab_block)
             except WorldMismatch as exc:
-                log.info("worker %s learns the world from the hello and dials again (%s)",
-                         link.peer, exc)
+                log.info(
+                    "worker %s learns the world from the hello and dials again (%s)", link.peer, exc
+                )
                 return
             except (IdentityMismatch, VersionMismatch) as exc:
                 log.error("worker %s refused: %s", link.peer, exc)
@@ -316,8 +346,9 @@ class BringUp:
                 return
             waiter: queue.Queue[socket.socket] = queue.Queue()
             self._gate_waiters[token] = waiter
-            link.send(CommandAck(status=ACK_ACCEPTED, seq=token,
-                                 session_id=0 if world is None else rank))
+            link.send(
+                CommandAck(status=ACK_ACCEPTED, seq=token, session_id=0 if world is None else rank)
+            )
             # The worker loads its slices now (unless it holds them from before), then opens
             # its gate link.
             wait_s = LOAD_TIMEOUT_S
@@ -327,13 +358,20 @@ class BringUp:
             else:
                 gsock = self._await_gate(link, waiter, wait_s)
                 if self.world == 2:
-                    gate, gsock = TcpGateExchange(gsock, rank=0, n_embd=self.identity.n_embd,
-                                                  timeout_s=o.gate_timeout_s), None
+                    gate, gsock = (
+                        TcpGateExchange(
+                            gsock, rank=0, n_embd=self.identity.n_embd, timeout_s=o.gate_timeout_s
+                        ),
+                        None,
+                    )
             ack = link.expect(FrameType.COMMAND_ACK, "the worker's data plane")
             assert isinstance(ack, CommandAck)
             if ack.status != ACK_ACCEPTED:
-                why = ("it could not map the shared-memory slab and dials again over TCP"
-                       if ack.status == ACK_SHM_FAILED else f"status {ack.status}")
+                why = (
+                    "it could not map the shared-memory slab and dials again over TCP"
+                    if ack.status == ACK_SHM_FAILED
+                    else f"status {ack.status}"
+                )
                 raise LinkError(f"worker {link.peer} could not set up its gates: {why}")
             link.deadline = None
             if self.world == 2:
@@ -344,8 +382,9 @@ class BringUp:
                 self._on_pair(Pair([link], gate, transport, self.shares))
             else:
                 assert gsock is not None and peer.world is not None
-                member = Member(rank, link, gsock, _host_bytes(link.sock.getpeername()[0]),
-                                peer.world.gate_port)
+                member = Member(
+                    rank, link, gsock, _host_bytes(link.sock.getpeername()[0]), peer.world.gate_port
+                )
                 gsock = None
                 self._join(member)
             formed = True
@@ -369,8 +408,7 @@ class BringUp:
         one it asks for, else the first without one), tell it the rank (ACK_NOTED) and let it
         dial again; with the last weight, choose the shares."""
         if peer.weight is None or peer.world is None:
-            raise TpProtocolError("the worker's hello states no weight for the shares to be "
-                                  "chosen")
+            raise TpProtocolError("the worker's hello states no weight for the shares to be chosen")
         asked = peer.world.rank
         with self._claim_lock:
             free = [r for r in range(1, self.world) if r not in self._weights]
@@ -386,9 +424,15 @@ class BringUp:
             return
         link.send(CommandAck(status=ACK_NOTED, session_id=rank))
         if fresh:  # once a weight, not at every dial of a worker waiting for the others
-            log.info("worker %s is rank %d: share %s, speed %s (%d of %d workers stated)",
-                     link.peer, rank, peer.weight.share or "-", peer.weight.speed or "-",
-                     stated, self.world - 1)
+            log.info(
+                "worker %s is rank %d: share %s, speed %s (%d of %d workers stated)",
+                link.peer,
+                rank,
+                peer.weight.share or "-",
+                peer.weight.speed or "-",
+                stated,
+                self.world - 1,
+            )
         if complete:
             self._choose()
 
@@ -402,11 +446,19 @@ class BringUp:
             weights = [self._weights[r] for r in range(1, self.world)]
         if o.shares_from is SharesFrom.SPEED:
             mine = rank_speed(o.speed)
-            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
-                                        speeds=[mine, *(max(1, w.speed) for w in weights)])
+            shares, why = choose_shares(
+                self.cfg,
+                o.expert_split,
+                blocks=self.blocks,
+                speeds=[mine, *(max(1, w.speed) for w in weights)],
+            )
         else:
-            shares, why = choose_shares(self.cfg, o.expert_split, blocks=self.blocks,
-                                        stated=[o.share or 1, *(w.share or 1 for w in weights)])
+            shares, why = choose_shares(
+                self.cfg,
+                o.expert_split,
+                blocks=self.blocks,
+                stated=[o.share or 1, *(w.share or 1 for w in weights)],
+            )
         with self._claim_lock:
             self.shares = shares
             self.vocab_block = largest_worker_block(self.cfg, shares)
@@ -415,8 +467,9 @@ class BringUp:
         log.info("the world of %d ranks: %s", self.world, why)
 
     @staticmethod
-    def _await_gate(link: ControlLink, waiter: queue.Queue[socket.socket],
-                    wait_s: float) -> socket.socket:
+    def _await_gate(
+        link: ControlLink, waiter: queue.Queue[socket.socket], wait_s: float
+    ) -> socket.socket:
         """The worker's gate connection, once it has loaded its slices: up to ``wait_s``, but
         a worker that hangs up meanwhile (its load failed) is given up at once."""
         deadline = time.monotonic() + wait_s
@@ -428,11 +481,11 @@ class BringUp:
             except queue.Empty:
                 pass
             if poller.poll(0):
-                raise LinkError(f"worker {link.peer} hung up before opening its gate "
-                                "connection (see its log)")
+                raise LinkError(
+                    f"worker {link.peer} hung up before opening its gate connection (see its log)"
+                )
             if time.monotonic() >= deadline:
-                raise LinkError(f"worker {link.peer} opened no gate connection within "
-                                f"{wait_s:g} s")
+                raise LinkError(f"worker {link.peer} opened no gate connection within {wait_s:g} s")
 
     def _join(self, member: Member) -> None:
         """A world's worker is up to its gate link: wait for the others, or, the last one,
@@ -440,8 +493,13 @@ class BringUp:
         with self._claim_lock:
             self._members[member.rank] = member
             if len(self._members) < self.world - 1:
-                log.info("rank %d of %d is in (%d of %d workers)", member.rank, self.world,
-                         len(self._members), self.world - 1)
+                log.info(
+                    "rank %d of %d is in (%d of %d workers)",
+                    member.rank,
+                    self.world,
+                    len(self._members),
+                    self.world - 1,
+                )
                 return
             members, self._members = [self._members[r] for r in sorted(self._members)], {}
         self._form_world(members)
@@ -450,8 +508,7 @@ class BringUp:
         """Send every worker the WORLD table, wait for each one's gate connections to the
         others, and hand the world on; any failure closes every member (they dial again)."""
         o = self.options
-        peers = tuple(WorldPeer(m.rank, m.gate_port, m.host, secrets.randbits(64))
-                      for m in members)
+        peers = tuple(WorldPeer(m.rank, m.gate_port, m.host, secrets.randbits(64)) for m in members)
         gate: MeshGateExchange | None = None
         try:
             frame = World(peers=peers)
@@ -462,11 +519,17 @@ class BringUp:
                 ack = m.link.expect(FrameType.COMMAND_ACK, "the worker's gates to the others")
                 assert isinstance(ack, CommandAck)
                 if ack.status != ACK_ACCEPTED:
-                    raise LinkError(f"rank {m.rank} could not connect its gates to the other "
-                                    f"workers (status {ack.status})")
-            gate = MeshGateExchange({m.rank: m.gate_sock for m in members}, rank=0,
-                                    world=self.world, n_embd=self.identity.n_embd,
-                                    timeout_s=o.gate_timeout_s)
+                    raise LinkError(
+                        f"rank {m.rank} could not connect its gates to the other "
+                        f"workers (status {ack.status})"
+                    )
+            gate = MeshGateExchange(
+                {m.rank: m.gate_sock for m in members},
+                rank=0,
+                world=self.world,
+                n_embd=self.identity.n_embd,
+                timeout_s=o.gate_timeout_s,
+            )
             for m in members:
                 m.link.deadline = None
                 m.link.set_timeout(o.control_timeout_s)
@@ -474,8 +537,11 @@ class BringUp:
                 self._formed = {m.rank for m in members}
             self._on_pair(Pair([m.link for m in members], gate, GateTransport.TCP, self.shares))
         except (OSError, LinkError, TpProtocolError) as exc:
-            log.warning("forming the world of %d ranks failed: %s; every worker dials again",
-                        self.world, exc)
+            log.warning(
+                "forming the world of %d ranks failed: %s; every worker dials again",
+                self.world,
+                exc,
+            )
             self.metrics.failures.labels("handshake").inc()
             if gate is not None:
                 gate.close()

@@ -101,8 +101,13 @@ def rank_speed(stated: int | None) -> int:
     if stated is not None:
         return stated
     measured = measure_speed()
-    log.info("this rank's speed: %d multiply-adds/us at %d threads (%d products in %.0f ms)",
-             measured.speed, measured.threads, measured.repeats, 1e3 * measured.seconds)
+    log.info(
+        "this rank's speed: %d multiply-adds/us at %d threads (%d products in %.0f ms)",
+        measured.speed,
+        measured.threads,
+        measured.repeats,
+        1e3 * measured.seconds,
+    )
     return measured.speed
 
 
@@ -112,12 +117,12 @@ def speed_shares(speeds: Sequence[int]) -> Shares:
     if not speeds or any(s < 1 for s in speeds):
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
     total = sum(speeds)
-    return norm_shares(len(speeds), [max(1, round(SPEED_RESOLUTION * s / total))
-                                     for s in speeds])
+    return norm_shares(len(speeds), [max(1, round(SPEED_RESOLUTION * s / total)) for s in speeds])
 
 
-def misaligned(cfg: ModelConfig, split: ExpertSplit, shares: Shares,
-               blocks: Mapping[str, int]) -> tuple[str, int, int] | None:
+def misaligned(
+    cfg: ModelConfig, split: ExpertSplit, shares: Shares, blocks: Mapping[str, int]
+) -> tuple[str, int, int] | None:
     """The first stored tensor (``blocks``: its name and block size) that some rank's column
     cut under ``shares`` would split inside a block: (name, columns, block), or None."""
     shapes = cfg.param_shapes()
@@ -140,8 +145,7 @@ def fill(n: int, weights: Sequence[int]) -> list[int]:
     return sizes
 
 
-def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares,
-         blocks: Mapping[str, int]) -> Shares:
+def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares, blocks: Mapping[str, int]) -> Shares:
     """The nearest shares to ``wanted`` the model takes: every rank at least one of each unit
     (``shard.nearest_shares``) and every column cut of a stored tensor on its blocks (such a
     tensor's blocks handed out by the wanted shares, :func:`fill`, that allocation the new
@@ -158,9 +162,14 @@ def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares,
     return norm_shares(len(wanted))
 
 
-def choose_shares(cfg: ModelConfig, split: ExpertSplit, *, speeds: Sequence[int] | None = None,
-                  stated: Sequence[int] | None = None,
-                  blocks: Mapping[str, int] | None = None) -> tuple[Shares, str]:
+def choose_shares(
+    cfg: ModelConfig,
+    split: ExpertSplit,
+    *,
+    speeds: Sequence[int] | None = None,
+    stated: Sequence[int] | None = None,
+    blocks: Mapping[str, int] | None = None,
+) -> tuple[Shares, str]:
     """The world's shares from every rank's speed or every rank's stated share (rank 0 first),
     snapped to the nearest the model takes (:func:`snap`; ``blocks``: the block size of each
     tensor stored in blocks), and one line saying what was chosen and why (the leader logs
@@ -170,9 +179,11 @@ def choose_shares(cfg: ModelConfig, split: ExpertSplit, *, speeds: Sequence[int]
     if speeds is not None:
         wanted = speed_shares(speeds)
         total = sum(speeds)
-        basis = "speeds " + ", ".join(
-            f"rank {r} {s} ({100 * s / total:.0f}%)" for r, s in enumerate(speeds)
-        ) + " multiply-adds/us"
+        basis = (
+            "speeds "
+            + ", ".join(f"rank {r} {s} ({100 * s / total:.0f}%)" for r, s in enumerate(speeds))
+            + " multiply-adds/us"
+        )
     else:
         assert stated is not None
         wanted = norm_shares(len(stated), stated)
@@ -183,12 +194,15 @@ def choose_shares(cfg: ModelConfig, split: ExpertSplit, *, speeds: Sequence[int]
         try:
             check_splittable(cfg, len(wanted), split, wanted)
             name, cols, block = misaligned(cfg, split, wanted, blocks) or ("", 0, 0)
-            why = (f"shares {','.join(map(str, wanted))} would cut {name} ({cols} columns) "
-                   f"inside its blocks of {block}")
+            why = (
+                f"shares {','.join(map(str, wanted))} would cut {name} ({cols} columns) "
+                f"inside its blocks of {block}"
+            )
         except SplitError as exc:
             why = str(exc)
         basis += f" ({why}: snapped to the nearest that works)"
     kv = share_blocks(cfg.n_head_kv, shares) if cfg.n_head_kv >= len(shares) else None
     held = ("" if kv is None else f"; kv heads {','.join(map(str, kv))}") + (
-        f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}")
+        f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}"
+    )
     return shares, f"shares {','.join(map(str, shares))} from {basis}{held}"

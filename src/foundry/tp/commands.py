@@ -44,7 +44,6 @@ class PairLost(Exception):
     """The watcher saw the worker hang up."""
 
 
-
 class SessionRefused(Exception):
     """A session could not be opened (no memory on a rank); the pair itself is fine."""
 
@@ -57,8 +56,14 @@ class PairCommands:
     """The leader's side of every command (see the module docstring); ``links`` are the
     workers' control links, rank 1 first, while a pair exists."""
 
-    def __init__(self, state: RankState, worker_vocab: list[int], world: int,
-                 metrics: TpMetrics, prefill_chunk: int) -> None:
+    def __init__(
+        self,
+        state: RankState,
+        worker_vocab: list[int],
+        world: int,
+        metrics: TpMetrics,
+        prefill_chunk: int,
+    ) -> None:
         self.state = state
         self.worker_vocab = worker_vocab  # each worker's vocabulary block: its LOGITS per row
         self.world = world
@@ -93,14 +98,18 @@ class PairCommands:
         def meet(current: int, total: int) -> int | None:
             end = min(current + chunk, total)
             stop = cancelled()
-            mine = SyncCheckpoint(session_id=sid, point=end, current=current, total=total,
-                                  requested=stop)
+            mine = SyncCheckpoint(
+                session_id=sid, point=end, current=current, total=total, requested=stop
+            )
             self.send_all(mine)
             for link in self.links:
                 theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the worker's checkpoint")
                 assert isinstance(theirs, SyncCheckpoint)
                 if (theirs.session_id, theirs.point, theirs.current, theirs.total) != (
-                    sid, end, current, total
+                    sid,
+                    end,
+                    current,
+                    total,
                 ):
                     raise LinkError(
                         f"the worker met checkpoint {theirs.current}->{theirs.point}/"
@@ -114,8 +123,9 @@ class PairCommands:
 
         return meet
 
-    def run(self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *,
-                 here: bool = True) -> F32 | None:
+    def run(
+        self, frame: ControlFrame, checkpoint: Checkpoint | None = None, *, here: bool = True
+    ) -> F32 | None:
         """One command on both ranks (``lockstep.COMMANDS``): send it to the worker, run the
         same RankState call here (unless done already, ``here=False``), collect the worker's
         reply. The full logits rows when the command returned rows, else None."""
@@ -125,12 +135,15 @@ class PairCommands:
         if command.reply is Reply.COMMAND_ACK:
             refused, opened = [], []
             for rank, link in enumerate(self.links, start=1):
-                ack = link.expect(FrameType.COMMAND_ACK,
-                                  f"the worker's {frame.TYPE.name} {frame.session_id}")
+                ack = link.expect(
+                    FrameType.COMMAND_ACK, f"the worker's {frame.TYPE.name} {frame.session_id}"
+                )
                 assert isinstance(ack, CommandAck)
                 if ack.session_id != frame.session_id:
-                    raise LinkError(f"rank {rank} acknowledged session {ack.session_id}, "
-                                    f"expected {frame.session_id}; the ranks are out of step")
+                    raise LinkError(
+                        f"rank {rank} acknowledged session {ack.session_id}, "
+                        f"expected {frame.session_id}; the ranks are out of step"
+                    )
                 if ack.status != ACK_ACCEPTED:
                     refused.append(f"rank {rank} (status {ack.status})")
                 else:
@@ -140,8 +153,7 @@ class PairCommands:
                     # Those that opened it close it again: every rank's table stays the same.
                     for link in opened:
                         link.send(SessionDestroy(session_id=frame.session_id))
-                raise SessionRefused(f"{', '.join(refused)} could not open a session; see its "
-                                     "log")
+                raise SessionRefused(f"{', '.join(refused)} could not open a session; see its log")
         if command.reply is Reply.LOGITS and rows is not None:
             return self.join(rows)
         return None
@@ -156,17 +168,21 @@ class PairCommands:
         """Our logits rows joined with every worker's block of the same rows, rank order."""
         rows = mine.shape[0]
         blocks = [mine]
-        for rank, (link, width) in enumerate(zip(self.links, self.worker_vocab, strict=True),
-                                             start=1):
+        for rank, (link, width) in enumerate(
+            zip(self.links, self.worker_vocab, strict=True), start=1
+        ):
             frame = link.expect(FrameType.LOGITS, "the worker's half of the logits")
             assert isinstance(frame, Logits)
             if frame.seq != self.state.step:
-                raise LinkError(f"rank {rank} sent the logits of step {frame.seq}, this rank is "
-                                f"at step {self.state.step}; the ranks are out of step")
+                raise LinkError(
+                    f"rank {rank} sent the logits of step {frame.seq}, this rank is "
+                    f"at step {self.state.step}; the ranks are out of step"
+                )
             block = frame.array()
             if block.size != rows * width:
-                raise LinkError(f"rank {rank} sent {block.size} logits, expected {rows} rows of "
-                                f"{width}")
+                raise LinkError(
+                    f"rank {rank} sent {block.size} logits, expected {rows} rows of {width}"
+                )
             blocks.append(block.reshape(rows, width))
         return np.concatenate(blocks, axis=1)
 

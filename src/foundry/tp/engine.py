@@ -72,7 +72,6 @@ IDLE_WAIT_S = 0.05
 GATE_TRACE = 1 << 16
 
 
-
 class LeaderEngine(EngineTokens):
     """The engine thread's side of the leader (see tp/leader.py, "Scheduling")."""
 
@@ -129,11 +128,22 @@ class LeaderEngine(EngineTokens):
         """The rank-0 engine over ``model``'s slices, its session table, and the commands to
         the workers (each one's vocabulary block, rank 1 first: the LOGITS it returns)."""
         self.shares = model.weights.shares
-        engine = make_engine(self.cfg, model.weights, rank=0, world=self.world,
-                             ctx_size=self.identity.ctx_size, device=self.options.device)
+        engine = make_engine(
+            self.cfg,
+            model.weights,
+            rank=0,
+            world=self.world,
+            ctx_size=self.identity.ctx_size,
+            device=self.options.device,
+        )
         self.state = RankState(engine, self.identity.ctx_size)
-        self.commands = PairCommands(self.state, share_blocks(self.cfg.n_vocab, self.shares)[1:],
-                                     self.world, self.metrics, self.options.prefill_chunk)
+        self.commands = PairCommands(
+            self.state,
+            share_blocks(self.cfg.n_vocab, self.shares)[1:],
+            self.world,
+            self.metrics,
+            self.options.prefill_chunk,
+        )
         self._kept = dict(self.state.kept)
 
     def _reshape(self, shares: Shares) -> None:
@@ -161,8 +171,9 @@ class LeaderEngine(EngineTokens):
             wait_us = 0
             if gate is not None and rank and gate.gates_done:
                 wait_us = round(1e6 * gate.peer_wait_s[rank] / gate.gates_done)
-            out.append(fw.RankStatus(rank, share, rank == 0 or gate is not None,
-                                     min(wait_us, 0xFFFFFFFF)))
+            out.append(
+                fw.RankStatus(rank, share, rank == 0 or gate is not None, min(wait_us, 0xFFFFFFFF))
+            )
         return out
 
     def gate_latencies(self) -> list[tuple[Gate, float]]:
@@ -214,12 +225,18 @@ class LeaderEngine(EngineTokens):
         if self.world == 2:
             log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
         else:
-            log.info("world of %d ranks formed (%s): gates all-to-all over %s", self.world,
-                     ", ".join(f"rank {r} {link.peer}" for r, link in
-                               enumerate(pair.links, start=1)), pair.transport.value)
+            log.info(
+                "world of %d ranks formed (%s): gates all-to-all over %s",
+                self.world,
+                ", ".join(f"rank {r} {link.peer}" for r, link in enumerate(pair.links, start=1)),
+                pair.transport.value,
+            )
         if self.sched.resync:
-            log.info("re-syncing %d sessions (%d tokens) from their history while idle",
-                     len(self.sched.resync), sum(len(h.tokens) for h in self.sched.resync))
+            log.info(
+                "re-syncing %d sessions (%d tokens) from their history while idle",
+                len(self.sched.resync),
+                sum(len(h.tokens) for h in self.sched.resync),
+            )
 
     def _drop_stale_requests(self) -> None:
         """While no pair exists, requests that reached the inbox were failed by the loop."""
@@ -231,8 +248,11 @@ class LeaderEngine(EngineTokens):
 
     def _worker_hung_up(self, pair: Pair, rank: int) -> None:
         """Watcher thread: fail the requests now; the engine thread tears the pair down."""
-        pair.lost = ("the worker closed the control connection" if self.world == 2
-                     else f"rank {rank} closed its control connection")
+        pair.lost = (
+            "the worker closed the control connection"
+            if self.world == 2
+            else f"rank {rank} closed its control connection"
+        )
         self.worker_connected = False
         message = f"tensor-parallel worker lost: {pair.lost}; the leader waits for it to reconnect"
         self._fail_inflight(message)
@@ -336,8 +356,7 @@ class LeaderEngine(EngineTokens):
                 try:
                     sid = self._open_session()
                 except SessionRefused as exc:
-                    self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL,
-                                             str(exc)))
+                    self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL, str(exc)))
                     continue
             req.sid, req.session = sid, self.state.sessions[sid]
             self.sched.prefills.append(req)
@@ -348,9 +367,13 @@ class LeaderEngine(EngineTokens):
         full = self.commands.run(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
         if full is None:
             assert req.session is not None
-            log.info("request %d: prefill cancelled at position %d of %d; both ranks stopped "
-                     "at the same checkpoint", req.frame.request_id, req.session.pos,
-                     len(req.prompt))
+            log.info(
+                "request %d: prefill cancelled at position %d of %d; both ranks stopped "
+                "at the same checkpoint",
+                req.frame.request_id,
+                req.session.pos,
+                len(req.prompt),
+            )
             if self.options.hash_check:  # compare the positions before the session goes
                 self.commands.hash_check()
             self._finish(req, fw.DoneReason.CANCELLED)
@@ -363,9 +386,13 @@ class LeaderEngine(EngineTokens):
         assert s is not None
         end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
         chunk = prefill.prompt[s.pos : end]
-        full = self.commands.rows(MixedBatch(session_id=prefill.sid, prompt=tuple(chunk),
-                                            items=tuple(BatchItem(r.sid, r.next_token)
-                                                        for r in decoding)))
+        full = self.commands.rows(
+            MixedBatch(
+                session_id=prefill.sid,
+                prompt=tuple(chunk),
+                items=tuple(BatchItem(r.sid, r.next_token) for r in decoding),
+            )
+        )
         # Rows: the chunk's last, then one for each decoding request.
         if end < len(prefill.prompt):
             self._sample(decoding, list(full[1:]))
@@ -374,8 +401,9 @@ class LeaderEngine(EngineTokens):
             self._sample([*decoding, prefill], [*full[1:], full[0]])
 
     def _eval(self, req: Request) -> None:
-        full = self.commands.rows(Eval(session_id=req.sid, seq=self.state.step + 1,
-                                       token=req.next_token))
+        full = self.commands.rows(
+            Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token)
+        )
         self._sample([req], [full[0]])
 
     def _eval_batch(self, decoding: list[Request]) -> None:
@@ -385,8 +413,14 @@ class LeaderEngine(EngineTokens):
     def _drafts(self, req: Request) -> list[int]:
         """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
         assert req.session is not None
-        return drafts_for(self.spec_mode, self.options.max_draft, req.session, req.frame,
-                          req.next_token, req.generated)
+        return drafts_for(
+            self.spec_mode,
+            self.options.max_draft,
+            req.session,
+            req.frame,
+            req.next_token,
+            req.generated,
+        )
 
     def _verify(self, req: Request, drafts: list[int]) -> None:
         """Verify a drafted block for a greedy request, commit what was accepted."""
@@ -404,8 +438,9 @@ class LeaderEngine(EngineTokens):
             return
         accepted = accepted_drafts(drafts, verified)
         plan = commit_plan(mode, len(drafts), accepted)
-        self.commands.run(VerifyCommit(session_id=req.sid, mode=plan.mode,
-                                       token_count=plan.token_count))
+        self.commands.run(
+            VerifyCommit(session_id=req.sid, mode=plan.mode, token_count=plan.token_count)
+        )
         self.drafted += len(drafts)
         self.accepted += accepted
         m = self.metrics

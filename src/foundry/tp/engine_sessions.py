@@ -94,16 +94,24 @@ class EngineSessions:
             try:
                 history.sid = self._open_session()
             except SessionRefused as exc:
-                log.warning("a remembered session of %d tokens was not re-synced: %s",
-                            len(history.tokens), exc)
+                log.warning(
+                    "a remembered session of %d tokens was not re-synced: %s",
+                    len(history.tokens),
+                    exc,
+                )
                 self.sched.resync.popleft()
                 return
         sid, tokens = history.sid, history.tokens
-        rows = self.commands.run(Sync(session_id=sid, tokens=tuple(tokens)),
-                             self.commands.checkpoint(sid, self._resync_yields))
+        rows = self.commands.run(
+            Sync(session_id=sid, tokens=tuple(tokens)),
+            self.commands.checkpoint(sid, self._resync_yields),
+        )
         if rows is None:
-            log.info("re-sync paused at position %d of %d: a request goes first",
-                     self.state.sessions[sid].pos, len(tokens))
+            log.info(
+                "re-sync paused at position %d of %d: a request goes first",
+                self.state.sessions[sid].pos,
+                len(tokens),
+            )
             return
         if self.options.hash_check:
             self.commands.hash_check()
@@ -111,8 +119,11 @@ class EngineSessions:
         self._keep_or_destroy(sid)
         self._count_sessions()
         self.metrics.sessions_resynced.inc()
-        log.info("session re-synced from its history: %d tokens (%d more to re-sync)",
-                 len(tokens), len(self.sched.resync))
+        log.info(
+            "session re-synced from its history: %d tokens (%d more to re-sync)",
+            len(tokens),
+            len(self.sched.resync),
+        )
 
     def _resync_yields(self) -> bool:
         return self._stopping.is_set() or not self._inbox.empty()

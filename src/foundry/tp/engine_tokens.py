@@ -41,9 +41,18 @@ class EngineTokens(EngineSessions):
         """Each request's next token from its row of ``rows`` (in order), then accepted in
         order. Drawn one after another: ``sample_rows`` can draw wide rows on a pool of
         threads, which bench/performance/sampling.py has not yet shown to pay (docs/tp.md)."""
-        picks = sample_rows([(row, r.frame.temperature, r.frame.top_p,
-                              r.rng if r.frame.temperature > 0 else None, r.frame.top_k)
-                             for r, row in zip(reqs, rows, strict=True)])
+        picks = sample_rows(
+            [
+                (
+                    row,
+                    r.frame.temperature,
+                    r.frame.top_p,
+                    r.rng if r.frame.temperature > 0 else None,
+                    r.frame.top_k,
+                )
+                for r, row in zip(reqs, rows, strict=True)
+            ]
+        )
         for i, (req, pick) in enumerate(zip(reqs, picks, strict=True)):
             assert req.session is not None
             self._hook(req, rows[i][None])
@@ -57,9 +66,11 @@ class EngineTokens(EngineSessions):
         ranks (never kept: its KV cache may hold the same NaN or infinity)."""
         assert req.session is not None
         model = self.options.model.name
-        message = (f"model {model} gave logits that cannot be sampled at position "
-                   f"{req.session.pos} ({exc}); its weights overflow on this input. This "
-                   "request failed; the pair serves on")
+        message = (
+            f"model {model} gave logits that cannot be sampled at position "
+            f"{req.session.pos} ({exc}); its weights overflow on this input. This "
+            "request failed; the pair serves on"
+        )
         log.warning("request %d: %s", req.frame.request_id, message)
         self._post(req, fw.Error(req.frame.request_id, fw.ErrorCode.INTERNAL, message))
         self.sched.remove(req)
@@ -73,10 +84,16 @@ class EngineTokens(EngineSessions):
         assert req.session is not None
         if req.frame.logprobs:
             lp = logprobs(row, token, req.frame.top_logprobs)
-            self._post(req, fw.Logprobs(
-                req.frame.request_id, token, lp.logprob, req.tokenizer.token_bytes(token),
-                tuple((t, v, req.tokenizer.token_bytes(t)) for t, v in lp.top),
-            ))
+            self._post(
+                req,
+                fw.Logprobs(
+                    req.frame.request_id,
+                    token,
+                    lp.logprob,
+                    req.tokenizer.token_bytes(token),
+                    tuple((t, v, req.tokenizer.token_bytes(t)) for t, v in lp.top),
+                ),
+            )
         req.generated += 1
         req.step_tokens += 1
         self.tokens_generated += 1
@@ -98,8 +115,9 @@ class EngineTokens(EngineSessions):
         return True
 
     def _done(self, req: Request, reason: fw.DoneReason) -> fw.Done:
-        return fw.Done(req.frame.request_id, reason, len(req.prompt), req.generated,
-                       time.monotonic() - req.t0)
+        return fw.Done(
+            req.frame.request_id, reason, len(req.prompt), req.generated, time.monotonic() - req.t0
+        )
 
     def _finish(self, req: Request, reason: fw.DoneReason) -> None:
         self._post(req, self._done(req, reason))

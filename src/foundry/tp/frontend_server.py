@@ -79,9 +79,13 @@ class Conn:
         self.writer.write(fw.encode(frame))
         backlog = self.writer.transport.get_write_buffer_size()
         if backlog > MAX_CLIENT_BACKLOG:
-            log.warning("frontend link: closing %s: it does not read what it asked for (%d "
-                        "bytes wait to be sent, the limit is %d)", self.peer, backlog,
-                        MAX_CLIENT_BACKLOG)
+            log.warning(
+                "frontend link: closing %s: it does not read what it asked for (%d "
+                "bytes wait to be sent, the limit is %d)",
+                self.peer,
+                backlog,
+                MAX_CLIENT_BACKLOG,
+            )
             self.closed = True
             self.writer.transport.abort()
 
@@ -91,7 +95,11 @@ class Request:
     engine thread; everything below them belongs to the engine thread."""
 
     def __init__(
-        self, conn: Conn, frame: fw.Generate, prompt: list[int], tokenizer: Tokenizer,
+        self,
+        conn: Conn,
+        frame: fw.Generate,
+        prompt: list[int],
+        tokenizer: Tokenizer,
         template_stop: tuple[str, ...] = (),
     ) -> None:
         self.conn = conn
@@ -144,7 +152,8 @@ class FrontendServer:
         self.requests_served = 0
         self.preparing = 0  # requests whose prompt the pool renders and tokenizes
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            PREPARE_THREADS, thread_name_prefix="prompt")
+            PREPARE_THREADS, thread_name_prefix="prompt"
+        )
 
     def shutdown(self) -> None:
         """Stop the prompt pool (the requests it still holds are dropped)."""
@@ -155,11 +164,12 @@ class FrontendServer:
             conn.closed = True
             conn.writer.close()
 
-    async def serve(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         stream: AsyncStream[fw.Frame] = AsyncStream(
-            reader, writer, fw.FrontendDecoder(), frame_deadline_s=self.options.frame_deadline_s,
+            reader,
+            writer,
+            fw.FrontendDecoder(),
+            frame_deadline_s=self.options.frame_deadline_s,
             read_chunk=65536,
         )
         conn = Conn(writer, stream.peer)
@@ -194,10 +204,18 @@ class FrontendServer:
         elif isinstance(frame, fw.StatusReq):
             conn.write(self._status(frame.request_id))
         else:
-            log.warning("frontend client %s sent %s, which only the leader sends; closing",
-                        conn.peer, frame.TYPE.name)
-            conn.write(fw.Error(frame.request_id, fw.ErrorCode.BAD_REQUEST,
-                                f"unexpected {frame.TYPE.name} from a client"))
+            log.warning(
+                "frontend client %s sent %s, which only the leader sends; closing",
+                conn.peer,
+                frame.TYPE.name,
+            )
+            conn.write(
+                fw.Error(
+                    frame.request_id,
+                    fw.ErrorCode.BAD_REQUEST,
+                    f"unexpected {frame.TYPE.name} from a client",
+                )
+            )
             return False
         return True
 
@@ -214,13 +232,18 @@ class FrontendServer:
         if g.max_tokens < 1:
             return self._refuse(conn, rid, bad, f"max_tokens must be >= 1, got {g.max_tokens}")
         if not 0.0 <= g.temperature <= 100.0:
-            return self._refuse(conn, rid, bad, f"temperature must be in [0, 100], got "
-                                                f"{g.temperature}")
+            return self._refuse(
+                conn, rid, bad, f"temperature must be in [0, 100], got {g.temperature}"
+            )
         if not 0.0 < g.top_p <= 1.0:
             return self._refuse(conn, rid, bad, f"top_p must be in (0, 1], got {g.top_p}")
         if len(g.messages) > o.max_messages:
-            return self._refuse(conn, rid, bad, f"the conversation has {len(g.messages)} "
-                                                f"messages, more than {o.max_messages}")
+            return self._refuse(
+                conn,
+                rid,
+                bad,
+                f"the conversation has {len(g.messages)} messages, more than {o.max_messages}",
+            )
         if not g.messages and len(g.prompt) <= INLINE_PROMPT_CHARS:
             # No template to run and a few microseconds of tokenizing: at once, so requests
             # sent together reach the engine together (and batch) as they always did.
@@ -229,8 +252,12 @@ class FrontendServer:
                 return self._refuse(conn, rid, bad, prompt)
             return self._admit(conn, g, prompt, False)
         if self.preparing >= PREPARE_QUEUE:
-            return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
-                                f"{self.preparing} prompts wait to be rendered and tokenized")
+            return self._refuse(
+                conn,
+                rid,
+                fw.ErrorCode.OVERLOADED,
+                f"{self.preparing} prompts wait to be rendered and tokenized",
+            )
         conn.preparing[rid] = False  # the id is taken while its prompt is prepared
         self.preparing += 1
         future = asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, g)
@@ -242,18 +269,24 @@ class FrontendServer:
         try:
             if not g.messages:
                 if len(g.prompt) > max_chars:
-                    return (f"the prompt is {len(g.prompt)} characters, more than the context "
-                            f"of {self.ctx_size} tokens can hold")
+                    return (
+                        f"the prompt is {len(g.prompt)} characters, more than the context "
+                        f"of {self.ctx_size} tokens can hold"
+                    )
                 return self.tokenizer.encode(g.prompt)
-            return chat_prompt(self.template, self.tokenizer,
-                               [Message(r, c) for r, c in g.messages],
-                               content_specials=self.options.chat_content_specials,
-                               max_chars=max_chars)
+            return chat_prompt(
+                self.template,
+                self.tokenizer,
+                [Message(r, c) for r, c in g.messages],
+                content_specials=self.options.chat_content_specials,
+                max_chars=max_chars,
+            )
         except ChatTemplateError as exc:
             return str(exc)
 
-    def _prepared(self, conn: Conn, g: fw.Generate,
-                  future: asyncio.Future[list[int] | str]) -> None:
+    def _prepared(
+        self, conn: Conn, g: fw.Generate, future: asyncio.Future[list[int] | str]
+    ) -> None:
         """The pool's answer, back on the loop: admit the request or refuse it."""
         self.preparing -= 1
         rid = g.request_id
@@ -261,10 +294,10 @@ class FrontendServer:
         if conn.closed or future.cancelled():
             return
         if (exc := future.exception()) is not None:
-            log.error("frontend link: preparing request %d of %s failed: %r", rid, conn.peer,
-                      exc)
-            return self._refuse(conn, rid, fw.ErrorCode.INTERNAL, f"the prompt could not be "
-                                                                 f"prepared: {exc!r}")
+            log.error("frontend link: preparing request %d of %s failed: %r", rid, conn.peer, exc)
+            return self._refuse(
+                conn, rid, fw.ErrorCode.INTERNAL, f"the prompt could not be prepared: {exc!r}"
+            )
         prompt = future.result()
         if isinstance(prompt, str):
             return self._refuse(conn, rid, fw.ErrorCode.BAD_REQUEST, prompt)
@@ -275,21 +308,30 @@ class FrontendServer:
         rid = g.request_id
         bad = fw.ErrorCode.BAD_REQUEST
         if len(prompt) > self.ctx_size:
-            return self._refuse(conn, rid, bad, f"the prompt is {len(prompt)} tokens, longer "
-                                                f"than the context of {self.ctx_size}")
+            return self._refuse(
+                conn,
+                rid,
+                bad,
+                f"the prompt is {len(prompt)} tokens, longer than the context of {self.ctx_size}",
+            )
         if self._stopping.is_set():
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the leader is shutting down")
+            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE, "the leader is shutting down")
         if not self._paired():
-            return self._refuse(conn, rid, fw.ErrorCode.UNAVAILABLE,
-                                "the tensor-parallel worker is not connected; the leader waits "
-                                "for it to reconnect")
+            return self._refuse(
+                conn,
+                rid,
+                fw.ErrorCode.UNAVAILABLE,
+                "the tensor-parallel worker is not connected; the leader waits for it to reconnect",
+            )
         if self.inflight >= o.max_sessions + o.queue_size:
-            return self._refuse(conn, rid, fw.ErrorCode.OVERLOADED,
-                                f"{self.inflight} generations in flight ({o.max_sessions} "
-                                f"running and {o.queue_size} waiting at most)")
-        req = Request(conn, g, prompt, self.tokenizer,
-                      self.template.stop if g.messages else ())
+            return self._refuse(
+                conn,
+                rid,
+                fw.ErrorCode.OVERLOADED,
+                f"{self.inflight} generations in flight ({o.max_sessions} "
+                f"running and {o.queue_size} waiting at most)",
+            )
+        req = Request(conn, g, prompt, self.tokenizer, self.template.stop if g.messages else ())
         req.cancelled = cancelled
         conn.requests[rid] = req
         self.inflight += 1

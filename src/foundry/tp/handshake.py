@@ -83,7 +83,6 @@ LOAD_TIMEOUT_S = 600.0
 DEFAULT_EXPERT_SPLIT = ExpertSplit.INTERMEDIATE
 
 
-
 @dataclass(frozen=True)
 class RankModel:
     """One rank's half of a model file, with the identity its hello states."""
@@ -140,8 +139,9 @@ def largest_worker_block(cfg: ModelConfig, shares: Shares) -> int:
     return max(share_blocks(cfg.n_vocab, shares)[1:])
 
 
-def header_model(path: Path, ctx_size: int | None, lora: Path | None = None
-                 ) -> tuple[ModelConfig, Identity]:
+def header_model(
+    path: Path, ctx_size: int | None, lora: Path | None = None
+) -> tuple[ModelConfig, Identity]:
     """A model file's config and hello identity (with ``lora``, the adapter's too), from its
     header alone (no weights read)."""
     cfg = load_gguf(path, select=lambda name, view: None).cfg
@@ -151,8 +151,7 @@ def header_model(path: Path, ctx_size: int | None, lora: Path | None = None
     return cfg, identity_for(path, cfg, ctx, lora)
 
 
-def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None = None
-                 ) -> Identity:
+def identity_for(path: Path, cfg: ModelConfig, ctx_size: int, lora: Path | None = None) -> Identity:
     """The hello identity of a model file: its size and hash, shape, weight bits (see
     :func:`quant_bits`), context, and the gate schedule (every layer fires ATTN then FFN: 2
     gates per layer and token). With a LoRA adapter the model id is the file's XOR the
@@ -175,8 +174,10 @@ def check_replicated(path: Path) -> None:
     """Read the tensors every rank holds whatever its rank (embeddings, norms, routers) and
     check them (a damaged file is refused with the tensor's name, ``GGUFError``), keeping
     nothing: what a worker can check before the leader tells it its rank."""
-    load_gguf_stored(path, select=lambda name, view: view if rule_for(name).kind is
-                     SplitKind.REPLICATED else None)
+    load_gguf_stored(
+        path,
+        select=lambda name, view: view if rule_for(name).kind is SplitKind.REPLICATED else None,
+    )
 
 
 def load_rank(

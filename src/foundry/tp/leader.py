@@ -105,13 +105,24 @@ class Leader:
         self.options = options
         # Rank 0's slices: the engine holds them (and replaces them once for shares chosen at
         # pairing), so no reference is kept here.
-        model = model or load_rank(options.model, 0, options.ctx_size, options.expert_split,
-                                   options.world_size, options.shares, options.lora)
+        model = model or load_rank(
+            options.model,
+            0,
+            options.ctx_size,
+            options.expert_split,
+            options.world_size,
+            options.shares,
+            options.lora,
+        )
         if (model.weights.world, model.weights.shares) != (
-                options.world_size, norm_shares(options.world_size, options.shares)):
-            raise ValueError(f"the leader's slices are for rank 0 of {model.weights.world} "
-                             f"with shares {model.weights.shares}, not of the options' "
-                             f"{options.world_size}")
+            options.world_size,
+            norm_shares(options.world_size, options.shares),
+        ):
+            raise ValueError(
+                f"the leader's slices are for rank 0 of {model.weights.world} "
+                f"with shares {model.weights.shares}, not of the options' "
+                f"{options.world_size}"
+            )
         self.identity = model.identity
         self.cfg = model.cfg
         metadata = read_metadata(options.model)
@@ -130,27 +141,42 @@ class Leader:
         self._threads: list[threading.Thread] = []
         # The engine thread: scheduler, the pair's commands, sampling.
         self.engine = LeaderEngine(
-            options, model, self.metrics, logits_hook, self._stopping,
+            options,
+            model,
+            self.metrics,
+            logits_hook,
+            self._stopping,
             deliver=lambda batch: self._call_on_loop(self._frontend_server.deliver, batch),
-            fail_inflight=lambda why: self._call_on_loop(self._frontend_server.fail_inflight,
-                                                         why),
+            fail_inflight=lambda why: self._call_on_loop(self._frontend_server.fail_inflight, why),
             release=lambda: self._bringup.release(),
             on_crash=self.request_stop,
         )
         # The asyncio loop: the frontend link.
         self._frontend_server = FrontendServer(
-            options, self.identity.ctx_size, self.metrics, self._stopping,
-            lambda: self.engine.worker_connected, self.status, self.engine.submit,
+            options,
+            self.identity.ctx_size,
+            self.metrics,
+            self._stopping,
+            lambda: self.engine.worker_connected,
+            self.status,
+            self.engine.submit,
             self.tokenizer,
             self.chat_template,
         )
         # The acceptor and handshake threads: the worker port.
-        self._bringup = BringUp(options, self.identity, model.execution_mode, self.metrics,
-                                self._stopping, self.engine.new_pair,
-                                architecture=model.architecture, cfg=self.cfg,
-                                blocks={name: p.block for name, p in
-                                        model.weights.params.items()
-                                        if isinstance(p, QTensor)})
+        self._bringup = BringUp(
+            options,
+            self.identity,
+            model.execution_mode,
+            self.metrics,
+            self._stopping,
+            self.engine.new_pair,
+            architecture=model.architecture,
+            cfg=self.cfg,
+            blocks={
+                name: p.block for name, p in model.weights.params.items() if isinstance(p, QTensor)
+            },
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -160,13 +186,20 @@ class Leader:
         self._stopped = asyncio.Event()
         self._bringup.start()
         self.port = self._bringup.port
-        frontend = Listener("frontend link", self._frontend_server.serve, log=log, tls=o.tls,
-                            max_connections=o.frontend_max_connections,
-                            limit_flag="--frontend-max-connections")
+        frontend = Listener(
+            "frontend link",
+            self._frontend_server.serve,
+            log=log,
+            tls=o.tls,
+            max_connections=o.frontend_max_connections,
+            limit_flag="--frontend-max-connections",
+        )
         self._frontend = await frontend.start(o.frontend_host, o.frontend_port)
         self.frontend_port = frontend.port
-        for target, name in ((self._bringup.accept_loop, "tp-acceptor"),
-                             (self.engine.run, "tp-engine")):
+        for target, name in (
+            (self._bringup.accept_loop, "tp-acceptor"),
+            (self.engine.run, "tp-engine"),
+        ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)

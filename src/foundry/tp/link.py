@@ -39,8 +39,12 @@ class ControlLink(BlockingStream[Frame]):
         frame_deadline_s: float = DEFAULT_FRAME_DEADLINE_S,
     ) -> None:
         super().__init__(
-            sock, TpDecoder(max_payload, expect_hello=expect_hello), timeout_s=timeout_s,
-            frame_deadline_s=frame_deadline_s, name="control link", initial=initial,
+            sock,
+            TpDecoder(max_payload, expect_hello=expect_hello),
+            timeout_s=timeout_s,
+            frame_deadline_s=frame_deadline_s,
+            name="control link",
+            initial=initial,
         )
 
     def send(self, frame: Frame) -> None:
@@ -69,8 +73,10 @@ def recv_exact(
     got = 0
 
     def late() -> LinkError:
-        return LinkError(f"the peer began a frame and did not finish it within {deadline_s:g} s "
-                         f"(frame deadline); {got} of {n} more bytes came; closed")
+        return LinkError(
+            f"the peer began a frame and did not finish it within {deadline_s:g} s "
+            f"(frame deadline); {got} of {n} more bytes came; closed"
+        )
 
     while got < n:
         if deadline is not None:

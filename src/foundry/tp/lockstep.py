@@ -104,8 +104,11 @@ class TracingExchange:
     def __call__(self, layer: int, gate: Gate, partial: F32) -> F32:
         t0 = time.perf_counter()
         total = self.transport.exchange(layer, gate, partial)
-        self.on_gate(gate, time.perf_counter() - t0,
-                     (GATE_HEADER_SIZE + partial.nbytes) * (self.transport.world - 1))
+        self.on_gate(
+            gate,
+            time.perf_counter() - t0,
+            (GATE_HEADER_SIZE + partial.nbytes) * (self.transport.world - 1),
+        )
         self.last_sum = total
         return total
 
@@ -291,8 +294,9 @@ class RankState:
             rows.append((s, [token]))
         return rows
 
-    def _forward(self, rows: Sequence[tuple[Session, Sequence[int]]], *,
-                 last_only: bool = False) -> F32:
+    def _forward(
+        self, rows: Sequence[tuple[Session, Sequence[int]]], *, last_only: bool = False
+    ) -> F32:
         if self.exchange is None:
             raise LockstepError("no pair: the gate exchange is not connected")
         return self.engine.forward_rows(rows, self.exchange, last_only=last_only)

@@ -88,8 +88,11 @@ class LeaderOptions:
         if self.shares_from is not SharesFrom.LIST and self.shares is not None:
             raise ValueError("give --shares a list or 'auto' or 'ranks', not both")
         if self.share is not None and self.shares_from is not SharesFrom.SHARE:
-            raise ValueError("the leader's --share goes with --shares ranks (each rank states "
-                             "its own); with a list, rank 0's share is its first entry")
+            raise ValueError(
+                "the leader's --share goes with --shares ranks (each rank states "
+                "its own); with a list, rank 0's share is its first entry"
+            )
         if self.speed is not None and self.shares_from is not SharesFrom.SPEED:
-            raise ValueError("--speed goes with --shares auto (it states the speed that "
-                             "would be measured)")
+            raise ValueError(
+                "--speed goes with --shares auto (it states the speed that would be measured)"
+            )

@@ -83,8 +83,9 @@ class Member:
     """A worker of a world of N > 2 ranks, brought up as far as its gate link to the leader,
     waiting for the other ranks."""
 
-    def __init__(self, rank: int, link: ControlLink, gate_sock: socket.socket, host: bytes,
-                 gate_port: int) -> None:
+    def __init__(
+        self, rank: int, link: ControlLink, gate_sock: socket.socket, host: bytes, gate_port: int
+    ) -> None:
         self.rank = rank
         self.link = link
         self.gate_sock = gate_sock
@@ -94,8 +95,7 @@ class Member:
     def alive(self) -> bool:
         """False once the worker hung up (nothing it may send while waiting is read here)."""
         poller = select.poll()
-        poller.register(self.link.sock.fileno(),
-                        select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        poller.register(self.link.sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         return not poller.poll(0)
 
     def close(self) -> None:

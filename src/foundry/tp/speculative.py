@@ -108,8 +108,14 @@ def draft_limit(max_draft: int, free: int, max_tokens: int, generated: int) -> i
     return min(max_draft, free - 1, max_tokens - generated - 1)
 
 
-def drafts_for(mode: SpecMode, max_draft: int, session: SessionPositions, frame: fw.Generate,
-               next_token: int, generated: int) -> list[int]:
+def drafts_for(
+    mode: SpecMode,
+    max_draft: int,
+    session: SessionPositions,
+    frame: fw.Generate,
+    next_token: int,
+    generated: int,
+) -> list[int]:
     """The drafter's guess at the tokens after a request's ``next_token`` ([]: none, as for
     a request that samples, or with speculation off)."""
     if mode is SpecMode.OFF or frame.temperature != 0.0:

@@ -180,16 +180,34 @@ class Worker(WorkerPair):
         file unless held already) and an engine over them."""
         w = self.model.weights if self.model is not None else None
         if w is None or (w.rank, w.world, w.shares) != (rank, world, shares):
-            log.info("loading rank %d of %d (shares %s) of %s", rank, world,
-                     ",".join(map(str, shares)), self.options.model)
+            log.info(
+                "loading rank %d of %d (shares %s) of %s",
+                rank,
+                world,
+                ",".join(map(str, shares)),
+                self.options.model,
+            )
             self._state = self.model = None  # the old slices go before the new ones come in
-            self.model = load_rank(self.options.model, rank, self.options.ctx_size,
-                                   self.options.expert_split, world, shares, self.options.lora)
+            self.model = load_rank(
+                self.options.model,
+                rank,
+                self.options.ctx_size,
+                self.options.expert_split,
+                world,
+                shares,
+                self.options.lora,
+            )
         if self._state is None:
             assert self.model is not None
             weights = self.model.weights
-            engine = make_engine(self.cfg, weights, rank=weights.rank, world=weights.world,
-                                 ctx_size=self.identity.ctx_size, device=self.options.device)
+            engine = make_engine(
+                self.cfg,
+                weights,
+                rank=weights.rank,
+                world=weights.world,
+                ctx_size=self.identity.ctx_size,
+                device=self.options.device,
+            )
             self._state = RankState(engine, self.identity.ctx_size)
             self._kept = dict(self._state.kept)
         self.rank = rank
@@ -211,20 +229,32 @@ class Worker(WorkerPair):
             try:
                 link, gate, transport = self._connect()
             except WorldMismatch as exc:
-                log.info("the leader runs another world than this hello said (%s); dialing "
-                         "again with it", exc)
+                log.info(
+                    "the leader runs another world than this hello said (%s); dialing "
+                    "again with it",
+                    exc,
+                )
                 mismatches = []
                 continue
             except (IdentityMismatch, VersionMismatch) as exc:
                 self.metrics.failures.labels("identity").inc()
                 mismatches = [*mismatches, str(exc)] if str(exc) in mismatches else [str(exc)]
                 if len(mismatches) >= MISMATCH_REPEATS:
-                    log.error("the leader at %s:%d refused this worker: %s", o.leader_host,
-                              o.leader_port, exc)
+                    log.error(
+                        "the leader at %s:%d refused this worker: %s",
+                        o.leader_host,
+                        o.leader_port,
+                        exc,
+                    )
                     return EXIT_MISMATCH
-                log.error("the peer at %s:%d does not match this worker: %s; dialing again "
-                          "(giving up after %d such answers in a row)", o.leader_host,
-                          o.leader_port, exc, MISMATCH_REPEATS)
+                log.error(
+                    "the peer at %s:%d does not match this worker: %s; dialing again "
+                    "(giving up after %d such answers in a row)",
+                    o.leader_host,
+                    o.leader_port,
+                    exc,
+                    MISMATCH_REPEATS,
+                )
             except RankRefused as exc:
                 log.error("%s", exc)
                 return EXIT_MISMATCH
@@ -233,16 +263,22 @@ class Worker(WorkerPair):
                 return EXIT_MISMATCH
             except _Noted:
                 if self._noted != noted_told:  # said once a rank, not at every dial
-                    log.info("the leader keeps this worker's weight under rank %d until every "
-                             "worker has stated its own; dialing again", self._noted)
+                    log.info(
+                        "the leader keeps this worker's weight under rank %d until every "
+                        "worker has stated its own; dialing again",
+                        self._noted,
+                    )
                     noted_told = self._noted
                 mismatches = []
                 self._stop.wait(NOTED_RETRY_S)
                 continue
             except _Busy:
-                log.warning("the leader at %s:%d already has a worker%s; dialing again",
-                            o.leader_host, o.leader_port,
-                            f" of rank {o.rank}" if o.rank else " of every rank")
+                log.warning(
+                    "the leader at %s:%d already has a worker%s; dialing again",
+                    o.leader_host,
+                    o.leader_port,
+                    f" of rank {o.rank}" if o.rank else " of every rank",
+                )
                 self.metrics.failures.labels("busy").inc()
                 mismatches = []
             except PAIR_FAILURES as exc:
@@ -251,8 +287,13 @@ class Worker(WorkerPair):
                 # and then (the delay is capped at retry_max_s, so the log stays readable).
                 level = logging.INFO if attempt < 3 else logging.WARNING
                 if attempt < 3 or attempt % 30 == 0:
-                    log.log(level, "cannot reach the leader at %s:%d (%s); dialing again",
-                            o.leader_host, o.leader_port, exc)
+                    log.log(
+                        level,
+                        "cannot reach the leader at %s:%d (%s); dialing again",
+                        o.leader_host,
+                        o.leader_port,
+                        exc,
+                    )
             else:
                 attempt = 0
                 mismatches = []
@@ -267,8 +308,12 @@ class Worker(WorkerPair):
     def _connect(self) -> tuple[ControlLink, GateExchange, GateTransport]:
         o = self.options
         sock = self._dial()
-        link = ControlLink(sock, timeout_s=o.handshake_timeout_s, expect_hello=True,
-                           frame_deadline_s=o.frame_deadline_s)
+        link = ControlLink(
+            sock,
+            timeout_s=o.handshake_timeout_s,
+            expect_hello=True,
+            frame_deadline_s=o.frame_deadline_s,
+        )
         link.deadline = time.monotonic() + 2 * o.handshake_timeout_s
         gate: GateExchange | None = None
         gsock: socket.socket | None = None
@@ -276,8 +321,11 @@ class Worker(WorkerPair):
             mine = self._hello()
             # The worker receives no LOGITS: the leader's frames bound its decoder.
             peer = exchange_hellos(link, mine, max_rows=1, on_peer=self._learn_world)
-            world, shares = (2, (1, 1)) if peer.world is None else (
-                peer.world.world_size, world_shares(peer.world))
+            world, shares = (
+                (2, (1, 1))
+                if peer.world is None
+                else (peer.world.world_size, world_shares(peer.world))
+            )
             transport = negotiate_gate_transport(mine, peer)
             ack = link.expect(FrameType.COMMAND_ACK, "the leader's answer to the hello")
             assert isinstance(ack, CommandAck)
@@ -296,12 +344,15 @@ class Worker(WorkerPair):
                 raise RankRefused(
                     f"--share {o.share} conflicts with the leader's shares "
                     f"{','.join(map(str, shares))}, which give rank {rank} {shares[rank]}: the "
-                    "leader's list wins; drop --share, or start the leader with --shares ranks")
+                    "leader's list wins; drop --share, or start the leader with --shares ranks"
+                )
             self._load(rank, world, shares)
             if transport is GateTransport.SHM:
                 try:
                     gate = ShmGateExchange.attach(
-                        peer.shm_name, n_embd=self.identity.n_embd, rank=1,
+                        peer.shm_name,
+                        n_embd=self.identity.n_embd,
+                        rank=1,
                         timeout_s=o.gate_timeout_s,
                     )
                 except GateError:
@@ -316,16 +367,28 @@ class Worker(WorkerPair):
                     gsock.close()
                     raise
                 if world == 2:
-                    gate, gsock = TcpGateExchange(gsock, rank=1, n_embd=self.identity.n_embd,
-                                                  timeout_s=o.gate_timeout_s), None
+                    gate, gsock = (
+                        TcpGateExchange(
+                            gsock, rank=1, n_embd=self.identity.n_embd, timeout_s=o.gate_timeout_s
+                        ),
+                        None,
+                    )
             link.send(CommandAck(status=ACK_ACCEPTED))
             if world > 2:
                 assert gsock is not None
                 assert self._gate_listener is not None
-                gate = connect_mesh(link, gsock, self._gate_listener, rank=rank, world=world,
-                                    n_embd=self.identity.n_embd, peer_tls=o.peer_tls,
-                                    handshake_timeout_s=o.handshake_timeout_s,
-                                    gate_timeout_s=o.gate_timeout_s, stop=self._stop)
+                gate = connect_mesh(
+                    link,
+                    gsock,
+                    self._gate_listener,
+                    rank=rank,
+                    world=world,
+                    n_embd=self.identity.n_embd,
+                    peer_tls=o.peer_tls,
+                    handshake_timeout_s=o.handshake_timeout_s,
+                    gate_timeout_s=o.gate_timeout_s,
+                    stop=self._stop,
+                )
                 gsock = None
             link.deadline = None
             link.set_timeout(o.control_timeout_s)
@@ -350,15 +413,28 @@ class Worker(WorkerPair):
             held = self.model is not None and self.model.weights.world == n
             asked = self.options.rank or self._noted or (self.rank if held else 0)
             port = self._listen_gates()[1] if n > 2 else 0
-            world = WorldInfo(world_size=n, shares=seen.shares, rank=asked, gate_port=port,
-                              shares_from=seen.shares_from)
+            world = WorldInfo(
+                world_size=n,
+                shares=seen.shares,
+                rank=asked,
+                gate_port=port,
+                shares_from=seen.shares_from,
+            )
             if seen.pending:
-                weight = RankWeight(share=self.options.share or 0, speed=self._my_speed()
-                                    if seen.shares_from is SharesFrom.SPEED else 0)
-        return Hello(role=Role.WORKER, identity=self.identity, host_id=local_host_id(),
-                     shm_offered=self._offer_shm and (world is None or world.world_size == 2),
-                     execution_mode=execution_mode(self.options.expert_split),
-                     architecture=arch_spec(self.cfg).name, world=world, weight=weight)
+                weight = RankWeight(
+                    share=self.options.share or 0,
+                    speed=self._my_speed() if seen.shares_from is SharesFrom.SPEED else 0,
+                )
+        return Hello(
+            role=Role.WORKER,
+            identity=self.identity,
+            host_id=local_host_id(),
+            shm_offered=self._offer_shm and (world is None or world.world_size == 2),
+            execution_mode=execution_mode(self.options.expert_split),
+            architecture=arch_spec(self.cfg).name,
+            world=world,
+            weight=weight,
+        )
 
     def _my_speed(self) -> int:
         """This rank's speed for the leader's --shares auto: --speed, else measured once."""
@@ -372,17 +448,26 @@ class Worker(WorkerPair):
         self._world_seen = leader.world
         n = 2 if leader.world is None else leader.world.world_size
         if self.options.rank is not None and not 1 <= self.options.rank < n:
-            raise RankRefused(f"--rank {self.options.rank} does not exist in the leader's "
-                              f"world of {n} ranks (ranks 1 .. {n - 1} are workers)")
-        if (self.options.share is not None and leader.world is not None
-                and leader.world.shares_from is SharesFrom.SPEED):
-            raise RankRefused(f"--share {self.options.share} conflicts with the leader's "
-                              "--shares auto, which gives every rank the share of its measured "
-                              "speed; drop --share, or start the leader with --shares ranks")
+            raise RankRefused(
+                f"--rank {self.options.rank} does not exist in the leader's "
+                f"world of {n} ranks (ranks 1 .. {n - 1} are workers)"
+            )
+        if (
+            self.options.share is not None
+            and leader.world is not None
+            and leader.world.shares_from is SharesFrom.SPEED
+        ):
+            raise RankRefused(
+                f"--share {self.options.share} conflicts with the leader's "
+                "--shares auto, which gives every rank the share of its measured "
+                "speed; drop --share, or start the leader with --shares ranks"
+            )
         if n > 2 and self.options.tls is not None and self.options.peer_tls is None:
-            raise RankRefused(f"the leader's world of {n} ranks runs TLS, and the gate links "
-                              "between its workers are mutual TLS: give this worker "
-                              "--tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)")
+            raise RankRefused(
+                f"the leader's world of {n} ranks runs TLS, and the gate links "
+                "between its workers are mutual TLS: give this worker "
+                "--tls-cert, --tls-key and --tls-ca (docs/guide/tls.md)"
+            )
 
     def _listen_gates(self) -> tuple[str, int]:
         """The socket the ranks above this one dial for their gates (bound once)."""
@@ -399,5 +484,10 @@ class Worker(WorkerPair):
         sock = socket.create_connection((o.leader_host, o.leader_port), o.handshake_timeout_s)
         if o.tls is None:
             return sock
-        return wrap_blocking(o.tls, sock, server_side=False, server_hostname=o.leader_host,
-                             timeout_s=o.handshake_timeout_s)
+        return wrap_blocking(
+            o.tls,
+            sock,
+            server_side=False,
+            server_hostname=o.leader_host,
+            timeout_s=o.handshake_timeout_s,
+        )

@@ -28,10 +28,19 @@ from foundry.wire.tp import (
 log = logging.getLogger("foundry.tp.worker")
 
 
-def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket.socket, *,
-                 rank: int, world: int, n_embd: int, peer_tls: PeerContexts | None,
-                 handshake_timeout_s: float, gate_timeout_s: float,
-                 stop: threading.Event) -> MeshGateExchange:
+def connect_mesh(
+    link: ControlLink,
+    leader_sock: socket.socket,
+    listener: socket.socket,
+    *,
+    rank: int,
+    world: int,
+    n_embd: int,
+    peer_tls: PeerContexts | None,
+    handshake_timeout_s: float,
+    gate_timeout_s: float,
+    stop: threading.Event,
+) -> MeshGateExchange:
     """The gates of a world of N > 2 ranks: wait for the WORLD frame, dial every worker
     below this rank, take the connections of every one above (on ``listener``), then tell the
     leader."""
@@ -43,14 +52,17 @@ def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket
     socks: dict[int, socket.socket] = {0: leader_sock}
     try:
         for peer in frame.peers[: rank - 1]:
-            host = str(ipaddress.IPv6Address(peer.host).ipv4_mapped or
-                       ipaddress.IPv6Address(peer.host))
+            host = str(
+                ipaddress.IPv6Address(peer.host).ipv4_mapped or ipaddress.IPv6Address(peer.host)
+            )
             raw = socket.create_connection((host, peer.gate_port), handshake_timeout_s)
             try:
                 s = _gate_tls(peer_tls, raw, dialed=True, timeout_s=handshake_timeout_s)
             except (OSError, TimeoutError) as exc:
-                why = (f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
-                       f"failed in the TLS handshake: {refusal_reason(exc)}")
+                why = (
+                    f"the gate link to rank {peer.rank} at {host}:{peer.gate_port} "
+                    f"failed in the TLS handshake: {refusal_reason(exc)}"
+                )
                 log.warning("%s", why)
                 raise LinkError(why) from None
             socks[peer.rank] = s
@@ -60,8 +72,10 @@ def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(rank + 1, world)) - set(socks))
-                raise LinkError(f"ranks {missing} did not connect their gates within "
-                                f"{2 * handshake_timeout_s:g} s")
+                raise LinkError(
+                    f"ranks {missing} did not connect their gates within "
+                    f"{2 * handshake_timeout_s:g} s"
+                )
             if stop.is_set():
                 raise LinkError("stopping before the world formed")
             listener.settimeout(min(left, 0.25))
@@ -70,12 +84,15 @@ def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket
             except TimeoutError:
                 continue
             try:
-                s = _gate_tls(peer_tls, raw, dialed=False,
-                              timeout_s=min(left, handshake_timeout_s))
+                s = _gate_tls(peer_tls, raw, dialed=False, timeout_s=min(left, handshake_timeout_s))
             except (OSError, TimeoutError) as exc:
                 if not closed_early(exc):
-                    log.warning("gate link: refused %s:%d in the TLS handshake: %s",
-                                addr[0], addr[1], refusal_reason(exc))
+                    log.warning(
+                        "gate link: refused %s:%d in the TLS handshake: %s",
+                        addr[0],
+                        addr[1],
+                        refusal_reason(exc),
+                    )
                 continue
             try:
                 decoder = TpDecoder()
@@ -85,16 +102,26 @@ def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket
                 log.warning("a gate connection failed its first frame: %s", exc)
                 s.close()
                 continue
-            if (not isinstance(hi, CommandAck) or hi.seq != me.token
-                    or not rank < hi.session_id < world or hi.session_id in socks):
+            if (
+                not isinstance(hi, CommandAck)
+                or hi.seq != me.token
+                or not rank < hi.session_id < world
+                or hi.session_id in socks
+            ):
                 log.warning("a gate connection presented no token of this world; closed")
                 s.close()
                 continue
             socks[hi.session_id] = s
-        gate = MeshGateExchange(socks, rank=rank, world=world, n_embd=n_embd,
-                                timeout_s=gate_timeout_s)
-        log.info("rank %d of %d: gates to ranks %s up%s", rank, world,
-                 ", ".join(map(str, sorted(socks))), " (tls)" if peer_tls else "")
+        gate = MeshGateExchange(
+            socks, rank=rank, world=world, n_embd=n_embd, timeout_s=gate_timeout_s
+        )
+        log.info(
+            "rank %d of %d: gates to ranks %s up%s",
+            rank,
+            world,
+            ", ".join(map(str, sorted(socks))),
+            " (tls)" if peer_tls else "",
+        )
     except BaseException:
         for s in socks.values():
             s.close()
@@ -103,12 +130,17 @@ def connect_mesh(link: ControlLink, leader_sock: socket.socket, listener: socket
     return gate
 
 
-def _gate_tls(peer_tls: PeerContexts | None, sock: socket.socket, *, dialed: bool,
-              timeout_s: float) -> socket.socket:
+def _gate_tls(
+    peer_tls: PeerContexts | None, sock: socket.socket, *, dialed: bool, timeout_s: float
+) -> socket.socket:
     """``sock``, a gate link to another worker, under mutual TLS when the world runs TLS:
     the client side where this worker dialed, the server side where it accepted. Raises
     what ``wrap_blocking`` raises (``sock`` is closed then)."""
     if peer_tls is None:
         return sock
-    return wrap_blocking(peer_tls.dial if dialed else peer_tls.accept, sock, server_side=not dialed,
-                         timeout_s=timeout_s)
+    return wrap_blocking(
+        peer_tls.dial if dialed else peer_tls.accept,
+        sock,
+        server_side=not dialed,
+        timeout_s=timeout_s,
+    )

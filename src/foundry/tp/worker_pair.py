@@ -119,27 +119,40 @@ class WorkerPair:
         def meet(current: int, total: int) -> int | None:
             theirs = link.expect(FrameType.SYNC_CHECKPOINT, "the leader's sync checkpoint")
             assert isinstance(theirs, SyncCheckpoint)
-            if (theirs.session_id, theirs.current, theirs.total) != (sync.session_id, current,
-                                                                    total):
+            if (theirs.session_id, theirs.current, theirs.total) != (
+                sync.session_id,
+                current,
+                total,
+            ):
                 raise LockstepError(
                     f"sync checkpoint of session {theirs.session_id} at {theirs.current}/"
                     f"{theirs.total}; this rank is at {current}/{total} of session "
                     f"{sync.session_id}"
                 )
             mine = self._stop.is_set()
-            link.send(SyncCheckpoint(session_id=sync.session_id, point=theirs.point,
-                                     current=current, total=total, requested=mine))
+            link.send(
+                SyncCheckpoint(
+                    session_id=sync.session_id,
+                    point=theirs.point,
+                    current=current,
+                    total=total,
+                    requested=mine,
+                )
+            )
             stop = theirs.requested or mine
             if self.state.engine.world > 2:  # every rank goes by the leader's verdict
                 verdict = link.expect(FrameType.SYNC_CHECKPOINT, "the leader's verdict")
                 assert isinstance(verdict, SyncCheckpoint)
                 if verdict.point != theirs.point or (mine and not verdict.requested):
-                    raise LockstepError(f"the leader's verdict at {verdict.current}/"
-                                        f"{verdict.total} disagrees with its checkpoint")
+                    raise LockstepError(
+                        f"the leader's verdict at {verdict.current}/"
+                        f"{verdict.total} disagrees with its checkpoint"
+                    )
                 stop = verdict.requested
             if stop:
-                log.info("sync of session %d cancelled at %d of %d", sync.session_id, current,
-                         total)
+                log.info(
+                    "sync of session %d cancelled at %d of %d", sync.session_id, current, total
+                )
                 return None
             return theirs.point
 
@@ -152,8 +165,13 @@ class WorkerPair:
             self.metrics.hash_checks.labels("match").inc()
             return
         self.metrics.hash_checks.labels("mismatch").inc()
-        log.error("lockstep hash mismatch: leader step %d hash %#018x, worker step %d hash %#018x",
-                  theirs.seq, theirs.value, self.state.step, value)
+        log.error(
+            "lockstep hash mismatch: leader step %d hash %#018x, worker step %d hash %#018x",
+            theirs.seq,
+            theirs.value,
+            self.state.step,
+            value,
+        )
 
     def _on_gate(self, gate: Gate, seconds: float, nbytes: int) -> None:
         self.metrics.record_gate(seconds, nbytes)

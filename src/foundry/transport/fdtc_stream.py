@@ -63,13 +63,16 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
         budget: ReceiveBudget | None = None,
     ) -> None:
         self.connection = (
-            None if role is None
+            None
+            if role is None
             else FdtcConnection(role, link=link, max_payload=max_payload, budget=budget)
         )
-        decoder = (FdtcDecoder(max_payload, budget=budget) if self.connection is None
-                   else self.connection)
-        super().__init__(reader, writer, decoder, frame_deadline_s=frame_deadline_s,
-                         dead_after_s=dead_after_s)
+        decoder = (
+            FdtcDecoder(max_payload, budget=budget) if self.connection is None else self.connection
+        )
+        super().__init__(
+            reader, writer, decoder, frame_deadline_s=frame_deadline_s, dead_after_s=dead_after_s
+        )
 
     @classmethod
     async def connect(
@@ -100,12 +103,15 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
         if conn is None:
             pieces = [part for msg in messages for part in encode_parts(msg)]
         else:
-            answer = conn.their_error is not None and conn.state is not LinkState.CLOSED and all(
-                m.TYPE is MsgType.ERROR for m in messages
+            answer = (
+                conn.their_error is not None
+                and conn.state is not LinkState.CLOSED
+                and all(m.TYPE is MsgType.ERROR for m in messages)
             )
             if conn.over and not answer:
-                raise StreamClosed(f"the link to {self.peer} is over: "
-                                   f"{conn.their_error or 'closed'}")
+                raise StreamClosed(
+                    f"the link to {self.peer} is over: {conn.their_error or 'closed'}"
+                )
             pieces = conn.send(*messages)
         return await self.send_pieces(coalesce(pieces))
 
@@ -115,8 +121,9 @@ class FdtcStream(AsyncStream[Message | ConnectionClosed]):
         order, MODEL_MISMATCH for sizes that do not fit), BAD_FRAME for anything else."""
         code = exc.error_code if isinstance(exc, FdtcProtocolError) else ErrorCode.BAD_FRAME
         text = str(exc).encode("utf-8")[: MAX_PATH - 1].decode("utf-8", errors="ignore")
-        with contextlib.suppress(ConnectionError, OSError, RuntimeError, TimeoutError,
-                                 ProtocolError):
+        with contextlib.suppress(
+            ConnectionError, OSError, RuntimeError, TimeoutError, ProtocolError
+        ):
             async with asyncio.timeout(timeout_s):
                 await self.send(Error(int(code), text))
 

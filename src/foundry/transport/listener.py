@@ -72,7 +72,10 @@ class Listener:
         if self.open_connections >= self.max_connections:
             self.log.warning(
                 "%s: refused %s: the link has its limit of %d open connections (%s)",
-                self.link, peer, self.max_connections, self.limit_flag,
+                self.link,
+                peer,
+                self.max_connections,
+                self.limit_flag,
             )
             writer.transport.abort()
             return
@@ -98,10 +101,13 @@ class Listener:
         except (OSError, TimeoutError) as exc:
             writer.transport.abort()
             if tls_mod.closed_early(exc):
-                self.log.debug("%s: %s closed the connection in the TLS handshake", self.link,
-                               peer)
+                self.log.debug("%s: %s closed the connection in the TLS handshake", self.link, peer)
                 return False
-            self.log.warning("%s: refused %s in the TLS handshake: %s", self.link, peer,
-                             tls_mod.refusal_reason(exc))
+            self.log.warning(
+                "%s: refused %s in the TLS handshake: %s",
+                self.link,
+                peer,
+                tls_mod.refusal_reason(exc),
+            )
             return False
         return True

@@ -149,8 +149,7 @@ def watch_liveness(sock: socket.socket, dead_after_s: float) -> None:
 
 
 def _late(peer: str, deadline_s: float) -> str:
-    return (f"{peer} began a frame and did not finish it within {deadline_s:g} s "
-            "(frame deadline)")
+    return f"{peer} began a frame and did not finish it within {deadline_s:g} s (frame deadline)"
 
 
 class AsyncStream(Generic[E]):
@@ -396,8 +395,9 @@ class BlockingStream(Generic[E]):
             if self.deadline is not None:
                 left = self.deadline - now
                 if left <= 0:
-                    raise LinkError(f"{self.name} to {self.peer}: {waiting_for} did not arrive "
-                                    "in time")
+                    raise LinkError(
+                        f"{self.name} to {self.peer}: {waiting_for} did not arrive in time"
+                    )
                 timeout = min(timeout, left)
             self._settimeout(timeout)
             try:

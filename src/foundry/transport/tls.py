@@ -56,8 +56,7 @@ _HINTS = {
     "UNSUPPORTED_PROTOCOL": "the peer offers no TLS version of 1.2 or later",
     "PEER_DID_NOT_RETURN_A_CERTIFICATE": "the peer sent no client certificate "
     "(give it --tls-cert and --tls-key)",
-    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate is not signed by this side's "
-    "--tls-ca",
+    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate is not signed by this side's --tls-ca",
     "TLSV1_ALERT_UNKNOWN_CA": "the peer does not trust this side's certificate "
     "(check the peer's --tls-ca)",
     "SSLV3_ALERT_BAD_CERTIFICATE": "the peer rejected this side's certificate "
@@ -200,9 +199,11 @@ def refusal_reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         hint = _HINTS["CERTIFICATE_VERIFY_FAILED"]
         if exc.verify_code == X509_V_ERR_INVALID_PURPOSE:
-            hint = ("the peer's certificate is not made for this end of the link (a client "
-                    "certificate where a server's is due, or the other way round: make it "
-                    "again with `foundry certs`)")
+            hint = (
+                "the peer's certificate is not made for this end of the link (a client "
+                "certificate where a server's is due, or the other way round: make it "
+                "again with `foundry certs`)"
+            )
         return f"CERTIFICATE_VERIFY_FAILED, {hint}: {exc.verify_message}"
     if isinstance(exc, ssl.SSLError):
         reason: str = exc.reason or type(exc).__name__

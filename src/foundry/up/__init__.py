@@ -30,4 +30,3 @@ Where each part lives:
 - ``clients``: the coordinator's admin link (blocking FDTC) and the gateway generation (gRPC);
 - ``pipeline``: ``run_stack``, the steps above in order.
 """
-

@@ -44,8 +44,13 @@ class AdminLink:
     def _exchange(self, msg: fdtc.Message, count: int, timeout_s: float) -> list[fdtc.Message]:
         if self._stream is None:
             sock = socket.create_connection(self.address, timeout=timeout_s)
-            self._stream = BlockingStream(sock, fdtc.FdtcDecoder(), timeout_s=timeout_s,
-                                          frame_deadline_s=timeout_s, name="admin link")
+            self._stream = BlockingStream(
+                sock,
+                fdtc.FdtcDecoder(),
+                timeout_s=timeout_s,
+                frame_deadline_s=timeout_s,
+                name="admin link",
+            )
         self._stream.set_timeout(timeout_s)
         self._stream.send_pieces(fdtc.encode_parts(msg))
         got = [self._stream.recv(f"the answer to {msg.TYPE.name}")]
@@ -56,8 +61,11 @@ class AdminLink:
     def status(self) -> tuple[fdtc.SwarmStatus, fdtc.SwarmDetail]:
         """SWARM_STATUS and SWARM_DETAIL, taken together (SWARM_DETAIL_REQ)."""
         status, detail = self.requests(fdtc.SwarmDetailReq(), 2)
-        if not isinstance(status, fdtc.SwarmStatus) or not isinstance(detail, fdtc.SwarmDetail) \
-                or detail.n_rows != status.n_rows:
+        if (
+            not isinstance(status, fdtc.SwarmStatus)
+            or not isinstance(detail, fdtc.SwarmDetail)
+            or detail.n_rows != status.n_rows
+        ):
             raise StackError(
                 f"the coordinator answered SWARM_DETAIL_REQ with {status!r}, {detail!r}"
             )
@@ -100,7 +108,10 @@ def generate(
         stub = stub_class(channel)
         while True:
             request = inference_pb2.GenerateRequest(
-                prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
                 seed=seed,
             )
             try:

@@ -70,8 +70,7 @@ class CheckpointSamples:
         wherever a poll landed."""
         # The final weights need not fall on a multiple: ``last`` takes anything newer.
         first = self._sampled + 1 if last else self._due
-        found = [(step, path) for step, path in list_checkpoints(self.directory)
-                 if step >= first]
+        found = [(step, path) for step, path in list_checkpoints(self.directory) if step >= first]
         for _, path in reversed(found) if last else found:
             try:
                 state = load_checkpoint(path)
@@ -87,7 +86,6 @@ class CheckpointSamples:
         return None
 
 
-
 def foundry_command() -> str:
     """How to run `foundry` from the user's shell: ``foundry`` when that is this one on PATH,
     else the path of this environment's script (a venv not activated)."""
@@ -99,7 +97,10 @@ def foundry_command() -> str:
 
 
 def watch_training(
-    stack: Stack, admin: AdminLink, view: LiveView, summary: TrainingSummary,
+    stack: Stack,
+    admin: AdminLink,
+    view: LiveView,
+    summary: TrainingSummary,
     samples: CheckpointSamples,
 ) -> fdtc.SwarmStatus:
     t0 = time.monotonic()
@@ -149,8 +150,10 @@ def check_model_file(path: Path) -> None:
     except OSError as exc:
         raise StackError(f"--model {path}: cannot read it ({exc.strerror})") from None
     if head != GGUF_MAGIC_BYTES:
-        raise StackError(f"--model {path} is not a GGUF file (it starts with {head!r}); "
-                         "pass a .gguf model file (docs/models.md)")
+        raise StackError(
+            f"--model {path} is not a GGUF file (it starts with {head!r}); "
+            "pass a .gguf model file (docs/models.md)"
+        )
 
 
 def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
@@ -175,9 +178,7 @@ def run_stack(opt: StackOptions, out: TextIO = sys.stdout) -> int:
         lock.release()
 
 
-def _run_locked(
-    opt: StackOptions, ports: StackPorts, prometheus: str | None, out: TextIO
-) -> int:
+def _run_locked(opt: StackOptions, ports: StackPorts, prometheus: str | None, out: TextIO) -> int:
     run = opt.run_dir
     if opt.fresh:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
@@ -197,8 +198,7 @@ def _run_locked(
 
     stack = Stack(run, out)
     tty = out.isatty()
-    view = LiveView(out, opt.steps, tty, workers=opt.workers,
-                    per_token=opt.base_model is not None)
+    view = LiveView(out, opt.steps, tty, workers=opt.workers, per_token=opt.base_model is not None)
     admin = AdminLink("127.0.0.1", ports.admin)
     t_start = time.monotonic()
     code = 0
@@ -208,14 +208,16 @@ def _run_locked(
             if opt.model is not None:
                 return _serve_file(opt, ports, stack, token, token_file, t_start, opt.model)
             if opt.base_model is not None:
-                return _fine_tune(opt, ports, stack, admin, view, prometheus, token,
-                                  token_file, t_start)
+                return _fine_tune(
+                    opt, ports, stack, admin, view, prometheus, token, token_file, t_start
+                )
             # The yardstick first (xz primed with the training text takes a few seconds): the
             # live view must be watching from the first step, or the run looks resumed.
             corpus = load_corpus(None)
             held_out = corpus.held_out_bytes(opt.seq_len)
             yardstick = compressor_bits_per_byte(held_out) | primed_bits_per_byte(
-                held_out, corpus.training_bytes(opt.seq_len))
+                held_out, corpus.training_bytes(opt.seq_len)
+            )
             first = [stack.start(s) for s in training_services(opt, ports, token_file)]
             if prometheus is not None:
                 (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
@@ -224,21 +226,32 @@ def _run_locked(
             stack.say(
                 f"started coordinator {addr(opt.host, ports.coordinator)}, gateway "
                 f"{addr(opt.host, ports.gateway)}, {opt.workers} worker(s)"
-                + (f", prometheus http://{addr(local_host(opt.host), ports.prometheus or 0)}"
-                   if prometheus else ", no prometheus (not installed or --no-prometheus)")
+                + (
+                    f", prometheus http://{addr(local_host(opt.host), ports.prometheus or 0)}"
+                    if prometheus
+                    else ", no prometheus (not installed or --no-prometheus)"
+                )
             )
-            stack.say(f"training {opt.preset} for {opt.steps} steps of {opt.global_batch}x"
-                      f"{opt.seq_len} on the bundled corpus; a greedy sample every "
-                      f"{opt.sample_interval} steps")
+            stack.say(
+                f"training {opt.preset} for {opt.steps} steps of {opt.global_batch}x"
+                f"{opt.seq_len} on the bundled corpus; a greedy sample every "
+                f"{opt.sample_interval} steps"
+            )
             stack.say(held_out_line(len(held_out), yardstick))
             if resumes_at:
-                stack.say(f"resuming from step {resumes_at} (the newest checkpoint in "
-                          f"{run / 'checkpoints'}; --fresh starts at step 0)")
+                stack.say(
+                    f"resuming from step {resumes_at} (the newest checkpoint in "
+                    f"{run / 'checkpoints'}; --fresh starts at step 0)"
+                )
             summary = TrainingSummary(start_step=resumes_at)
             try:
-                watch_training(stack, admin, view, summary,
-                               CheckpointSamples(run / "checkpoints", opt.prompt,
-                                                 opt.sample_interval))
+                watch_training(
+                    stack,
+                    admin,
+                    view,
+                    summary,
+                    CheckpointSamples(run / "checkpoints", opt.prompt, opt.sample_interval),
+                )
             finally:
                 view.close()
             if summary.polls == 1:
@@ -262,11 +275,21 @@ def _run_locked(
             target = addr("127.0.0.1", ports.gateway)
             # Sampled, not greedy: a small model's greedy text falls into a loop ('and
             # "__getitem__()" and "__getitem__()" and ...'); the same seed gives the same text.
-            text = generate(target, opt.prompt, opt.sample_tokens, token, stack.check_stop,
-                            temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P, seed=0)
-            stack.say(f"sample (temperature {SAMPLE_TEMPERATURE:g}, top-p {SAMPLE_TOP_P:g}, "
-                      f"seed 0, {opt.sample_tokens} tokens): "
-                      f"{printable(opt.prompt + text)!r}")
+            text = generate(
+                target,
+                opt.prompt,
+                opt.sample_tokens,
+                token,
+                stack.check_stop,
+                temperature=SAMPLE_TEMPERATURE,
+                top_p=SAMPLE_TOP_P,
+                seed=0,
+            )
+            stack.say(
+                f"sample (temperature {SAMPLE_TEMPERATURE:g}, top-p {SAMPLE_TOP_P:g}, "
+                f"seed 0, {opt.sample_tokens} tokens): "
+                f"{printable(opt.prompt + text)!r}"
+            )
             gateway = addr(local_host(opt.host), ports.gateway)
             ctl = f"{foundry_command()} ctl --gateway {gateway}" + (
                 f" --token-file {token_file}" if token_file else ""
@@ -294,8 +317,15 @@ def _run_locked(
     return code
 
 
-def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str | None,
-                token_file: Path | None, t_start: float, model: Path) -> int:
+def _serve_file(
+    opt: StackOptions,
+    ports: StackPorts,
+    stack: Stack,
+    token: str | None,
+    token_file: Path | None,
+    t_start: float,
+    model: Path,
+) -> int:
     """`foundry up --model FILE`: the gateway and the pair on a published file, no training.
     Runs inside ``_run_locked``'s signal handling; a StopRequested or StackError propagates
     to it."""
@@ -309,23 +339,37 @@ def _serve_file(opt: StackOptions, ports: StackPorts, stack: Stack, token: str |
     first = [stack.start(gateway_service(opt, ports, token_file))]
     first += [stack.start(s) for s in serving_services(opt, ports, model)]
     stack.wait_ready(first)
-    stack.say(f"serving {model} on the tensor-parallel pair, gateway "
-              f"{addr(opt.host, ports.gateway)} (no training)")
-    text = generate(addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token,
-                    stack.check_stop)
+    stack.say(
+        f"serving {model} on the tensor-parallel pair, gateway "
+        f"{addr(opt.host, ports.gateway)} (no training)"
+    )
+    text = generate(
+        addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token, stack.check_stop
+    )
     stack.say(f"sample (greedy, {opt.sample_tokens} tokens): {printable(opt.prompt + text)!r}")
     ctl = f"{foundry_command()} ctl --gateway {addr(local_host(opt.host), ports.gateway)}" + (
-        f" --token-file {token_file}" if token_file else "")
-    stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`; "
-              "Ctrl+C stops everything")
+        f" --token-file {token_file}" if token_file else ""
+    )
+    stack.say(
+        f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`; "
+        "Ctrl+C stops everything"
+    )
     while True:
         stack.supervise(training=False)
         time.sleep(POLL_S)
 
 
-def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminLink,
-               view: LiveView, prometheus: str | None, token: str | None,
-               token_file: Path | None, t_start: float) -> int:
+def _fine_tune(
+    opt: StackOptions,
+    ports: StackPorts,
+    stack: Stack,
+    admin: AdminLink,
+    view: LiveView,
+    prometheus: str | None,
+    token: str | None,
+    token_file: Path | None,
+    t_start: float,
+) -> int:
     """`foundry up --base-model FILE --data PATH`: the coordinator and workers fine-tune the
     file with LoRA, the coordinator exports the adapter, the pair serves the base with it
     behind the gateway. Runs inside ``_run_locked``'s signal handling."""
@@ -343,36 +387,50 @@ def _fine_tune(opt: StackOptions, ports: StackPorts, stack: Stack, admin: AdminL
         (run / "prometheus.yml").write_text(prometheus_config(ports, opt.host))
         first.append(stack.start(prometheus_service(opt, ports, prometheus)))
     stack.wait_ready(first)
-    stack.say(f"fine-tuning {opt.base_model} on {opt.data} with LoRA r={opt.lora_rank} "
-              f"alpha={opt.lora_alpha:g} on {opt.lora_targets}: {opt.steps} steps of "
-              f"{opt.global_batch}x{opt.seq_len}, {opt.workers} worker(s); only the adapters "
-              "travel")
+    stack.say(
+        f"fine-tuning {opt.base_model} on {opt.data} with LoRA r={opt.lora_rank} "
+        f"alpha={opt.lora_alpha:g} on {opt.lora_targets}: {opt.steps} steps of "
+        f"{opt.global_batch}x{opt.seq_len}, {opt.workers} worker(s); only the adapters "
+        "travel"
+    )
     summary = TrainingSummary()
     try:
-        watch_training(stack, admin, view, summary,
-                       CheckpointSamples(run / "checkpoints", opt.prompt, opt.sample_interval))
+        watch_training(
+            stack,
+            admin,
+            view,
+            summary,
+            CheckpointSamples(run / "checkpoints", opt.prompt, opt.sample_interval),
+        )
     finally:
         view.close()
-    stack.say(f"training done at step {summary.steps}: {summary.loss_text()} "
-              f"({summary.seconds:.0f} s)")
+    stack.say(
+        f"training done at step {summary.steps}: {summary.loss_text()} ({summary.seconds:.0f} s)"
+    )
     before = f" (step {summary.first_val_step})" if summary.first_val_step else ""
-    stack.say(f"held-out loss: before{before} {summary.first_val_loss:.4f}, after "
-              f"{summary.val_loss:.4f} nats/token (perplexity "
-              f"{math.exp(summary.first_val_loss):.2f} -> {math.exp(summary.val_loss):.2f})")
+    stack.say(
+        f"held-out loss: before{before} {summary.first_val_loss:.4f}, after "
+        f"{summary.val_loss:.4f} nats/token (perplexity "
+        f"{math.exp(summary.first_val_loss):.2f} -> {math.exp(summary.val_loss):.2f})"
+    )
     adapter = admin.export(_short_path(run / "adapter.gguf"))
     admin.close()
     stack.say(f"exported the adapter {adapter}")
     pair = [stack.start(s) for s in serving_services(opt, ports, opt.base_model, adapter)]
     stack.wait_ready(pair)
-    text = generate(addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token,
-                    stack.check_stop)
+    text = generate(
+        addr("127.0.0.1", ports.gateway), opt.prompt, opt.sample_tokens, token, stack.check_stop
+    )
     stack.say(f"sample (greedy, {opt.sample_tokens} tokens): {printable(opt.prompt + text)!r}")
     gateway = addr(local_host(opt.host), ports.gateway)
     ctl = f"{foundry_command()} ctl --gateway {gateway}" + (
-        f" --token-file {token_file}" if token_file else "")
-    stack.say(f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`, "
-              f"OpenAI-compatible API on http://{addr(local_host(opt.host), ports.http)}/v1; "
-              "Ctrl+C stops everything")
+        f" --token-file {token_file}" if token_file else ""
+    )
+    stack.say(
+        f"ready in {time.monotonic() - t_start:.0f} s: `{ctl} generate --prompt TEXT`, "
+        f"OpenAI-compatible API on http://{addr(local_host(opt.host), ports.http)}/v1; "
+        "Ctrl+C stops everything"
+    )
     while True:
         stack.supervise(training=False)
         time.sleep(POLL_S)

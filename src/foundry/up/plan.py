@@ -65,19 +65,21 @@ class StackOptions:
         if self.sample_every is not None and self.sample_every < 1:
             raise StackError(f"--sample-every must be at least 1, got {self.sample_every}")
         if self.base_model is not None and (self.data is None or self.model is not None):
-            raise StackError("--base-model needs --data (the text to fine-tune on) and "
-                             "excludes --model")
+            raise StackError(
+                "--base-model needs --data (the text to fine-tune on) and excludes --model"
+            )
         if self.threads is not None and self.threads < 1:
             raise StackError(f"--threads must be at least 1, got {self.threads}")
         if self.ctx_size is not None and self.ctx_size < 1:
             raise StackError(f"--ctx-size must be at least 1, got {self.ctx_size}")
         if self.seq_len < 1 or self.lr <= 0:
-            raise StackError(f"--seq-len and --lr must be positive, got {self.seq_len}, "
-                             f"{self.lr}")
+            raise StackError(f"--seq-len and --lr must be positive, got {self.seq_len}, {self.lr}")
         for name, port in (
-            ("--base-port", self.base_port), ("--gateway-port", self.gateway_port),
+            ("--base-port", self.base_port),
+            ("--gateway-port", self.gateway_port),
             ("--http-port", self.http_port),
-            ("--metrics-port", self.metrics_port), ("--prometheus-port", self.prometheus_port),
+            ("--metrics-port", self.metrics_port),
+            ("--prometheus-port", self.prometheus_port),
         ):
             if not 1 <= port <= 65535 - PORT_SPAN:
                 raise StackError(f"{name} {port} is out of range 1-{65535 - PORT_SPAN}")
@@ -177,9 +179,15 @@ class StackPorts:
     def of(cls, opt: StackOptions) -> StackPorts:
         b, m = opt.base_port, opt.metrics_port
         return cls(
-            coordinator=b, admin=b + 1, tp_leader=b + 20, tp_frontend=b + 21,
-            gateway=opt.gateway_port, http=opt.http_port,
-            coordinator_metrics=m, tp_leader_metrics=m + 2, gateway_metrics=m + 3,
+            coordinator=b,
+            admin=b + 1,
+            tp_leader=b + 20,
+            tp_frontend=b + 21,
+            gateway=opt.gateway_port,
+            http=opt.http_port,
+            coordinator_metrics=m,
+            tp_leader_metrics=m + 2,
+            gateway_metrics=m + 3,
             tp_worker_metrics=m + 4,
             worker_metrics=tuple(m + 10 + i for i in range(opt.workers)),
             prometheus=opt.prometheus_port if opt.prometheus else None,
@@ -188,9 +196,12 @@ class StackPorts:
     def named(self) -> list[tuple[str, int]]:
         """Every port with what it is for, in the order they are checked."""
         out = [
-            ("coordinator workers", self.coordinator), ("coordinator admin", self.admin),
-            ("tp-leader", self.tp_leader), ("tp-leader frontend", self.tp_frontend),
-            ("gateway", self.gateway), ("gateway http", self.http),
+            ("coordinator workers", self.coordinator),
+            ("coordinator admin", self.admin),
+            ("tp-leader", self.tp_leader),
+            ("tp-leader frontend", self.tp_frontend),
+            ("gateway", self.gateway),
+            ("gateway http", self.http),
             ("coordinator metrics", self.coordinator_metrics),
             ("tp-leader metrics", self.tp_leader_metrics),
             ("gateway metrics", self.gateway_metrics),
@@ -230,12 +241,23 @@ def gateway_service(opt: StackOptions, ports: StackPorts, token_file: Path | Non
     admin port and the pair's frontend."""
     return ServiceSpec(
         "gateway",
-        (*FOUNDRY, "gateway", "--listen", addr(opt.host, ports.gateway),
-         "--http-listen", addr(opt.host, ports.http),
-         "--coordinator-admin", addr("127.0.0.1", ports.admin),
-         "--tp-frontend", addr("127.0.0.1", ports.tp_frontend),
-         *(("--token-file", str(token_file)) if token_file else ()),
-         "--metrics-port", str(ports.gateway_metrics), "--metrics-host", opt.host),
+        (
+            *FOUNDRY,
+            "gateway",
+            "--listen",
+            addr(opt.host, ports.gateway),
+            "--http-listen",
+            addr(opt.host, ports.http),
+            "--coordinator-admin",
+            addr("127.0.0.1", ports.admin),
+            "--tp-frontend",
+            addr("127.0.0.1", ports.tp_frontend),
+            *(("--token-file", str(token_file)) if token_file else ()),
+            "--metrics-port",
+            str(ports.gateway_metrics),
+            "--metrics-host",
+            opt.host,
+        ),
         r"gateway listening:",
     )
 
@@ -251,20 +273,49 @@ def training_services(
     data: tuple[str, ...] = ()
     if opt.base_model is not None:
         data = ("--base-model", str(opt.base_model), "--data", str(opt.data))
-        model = (*data, "--lora-rank", str(opt.lora_rank), "--lora-alpha", str(opt.lora_alpha),
-                 "--lora-targets", opt.lora_targets)
+        model = (
+            *data,
+            "--lora-rank",
+            str(opt.lora_rank),
+            "--lora-alpha",
+            str(opt.lora_alpha),
+            "--lora-targets",
+            opt.lora_targets,
+        )
     coordinator = ServiceSpec(
         "coordinator",
-        (*FOUNDRY, "coordinator", "--listen", addr(h, ports.coordinator),
-         "--admin-listen", addr("127.0.0.1", ports.admin),
-         "--checkpoint-dir", str(run / "checkpoints"), "--export-dir", str(run),
-         *model,
-         "--max-steps", str(opt.steps), "--min-workers", str(opt.workers),
-         "--global-batch", str(opt.global_batch), "--seq-len", str(opt.seq_len),
-         "--lr", str(opt.lr), "--warmup-steps", str(opt.warmup_steps),
-         "--validate-every", str(opt.validate_every),
-         "--checkpoint-every", str(opt.checkpoint_interval),
-         "--metrics-port", str(ports.coordinator_metrics), *metrics),
+        (
+            *FOUNDRY,
+            "coordinator",
+            "--listen",
+            addr(h, ports.coordinator),
+            "--admin-listen",
+            addr("127.0.0.1", ports.admin),
+            "--checkpoint-dir",
+            str(run / "checkpoints"),
+            "--export-dir",
+            str(run),
+            *model,
+            "--max-steps",
+            str(opt.steps),
+            "--min-workers",
+            str(opt.workers),
+            "--global-batch",
+            str(opt.global_batch),
+            "--seq-len",
+            str(opt.seq_len),
+            "--lr",
+            str(opt.lr),
+            "--warmup-steps",
+            str(opt.warmup_steps),
+            "--validate-every",
+            str(opt.validate_every),
+            "--checkpoint-every",
+            str(opt.checkpoint_interval),
+            "--metrics-port",
+            str(ports.coordinator_metrics),
+            *metrics,
+        ),
         r"coordinator listening:",
         stop_stage=1,
     )
@@ -272,9 +323,19 @@ def training_services(
     workers = [
         ServiceSpec(
             f"worker-{i}",
-            (*FOUNDRY, "worker", "--coordinator", addr("127.0.0.1", ports.coordinator),
-             "--worker-id", f"worker-{i}", *data, "--metrics-port", str(port), *metrics,
-             *thread_share(opt.threads, opt.workers)),
+            (
+                *FOUNDRY,
+                "worker",
+                "--coordinator",
+                addr("127.0.0.1", ports.coordinator),
+                "--worker-id",
+                f"worker-{i}",
+                *data,
+                "--metrics-port",
+                str(port),
+                *metrics,
+                *thread_share(opt.threads, opt.workers),
+            ),
             r"metrics :\d+",
             critical=False,
         )
@@ -283,8 +344,9 @@ def training_services(
     return [coordinator, gateway, *workers]
 
 
-def serving_services(opt: StackOptions, ports: StackPorts, model: Path,
-                     lora: Path | None = None) -> list[ServiceSpec]:
+def serving_services(
+    opt: StackOptions, ports: StackPorts, model: Path, lora: Path | None = None
+) -> list[ServiceSpec]:
     """The tensor-parallel pair on the exported model (or the file --model names; or the
     base with the fine-tuned adapter)."""
     metrics = ("--metrics-host", opt.host)
@@ -294,17 +356,38 @@ def serving_services(opt: StackOptions, ports: StackPorts, model: Path,
     return [
         ServiceSpec(
             "tp-leader",
-            (*FOUNDRY, "tp-leader", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
-             "--listen", addr("127.0.0.1", ports.tp_leader),
-             "--frontend-listen", addr("127.0.0.1", ports.tp_frontend),
-             "--metrics-port", str(ports.tp_leader_metrics), *metrics),
+            (
+                *FOUNDRY,
+                "tp-leader",
+                "--model",
+                str(model),
+                *ctx,
+                *thread_share(opt.threads, 2),
+                "--listen",
+                addr("127.0.0.1", ports.tp_leader),
+                "--frontend-listen",
+                addr("127.0.0.1", ports.tp_frontend),
+                "--metrics-port",
+                str(ports.tp_leader_metrics),
+                *metrics,
+            ),
             r"tp-leader listening:",
         ),
         ServiceSpec(
             "tp-worker",
-            (*FOUNDRY, "tp-worker", "--model", str(model), *ctx, *thread_share(opt.threads, 2),
-             "--leader", addr("127.0.0.1", ports.tp_leader),
-             "--metrics-port", str(ports.tp_worker_metrics), *metrics),
+            (
+                *FOUNDRY,
+                "tp-worker",
+                "--model",
+                str(model),
+                *ctx,
+                *thread_share(opt.threads, 2),
+                "--leader",
+                addr("127.0.0.1", ports.tp_leader),
+                "--metrics-port",
+                str(ports.tp_worker_metrics),
+                *metrics,
+            ),
             r"tp-worker ready:",
         ),
     ]
@@ -321,13 +404,15 @@ def prometheus_config(ports: StackPorts, host: str) -> str:
     def at(*targets: int) -> list[str]:
         return [addr(target_host, p) for p in targets]
 
-    return render({
-        "coordinator": at(ports.coordinator_metrics),
-        "worker": at(*ports.worker_metrics),
-        "tp-leader": at(ports.tp_leader_metrics),
-        "tp-worker": at(ports.tp_worker_metrics),
-        "gateway": at(ports.gateway_metrics),
-    })
+    return render(
+        {
+            "coordinator": at(ports.coordinator_metrics),
+            "worker": at(*ports.worker_metrics),
+            "tp-leader": at(ports.tp_leader_metrics),
+            "tp-worker": at(ports.tp_worker_metrics),
+            "gateway": at(ports.gateway_metrics),
+        }
+    )
 
 
 def prometheus_service(opt: StackOptions, ports: StackPorts, binary: str) -> ServiceSpec:
@@ -335,9 +420,12 @@ def prometheus_service(opt: StackOptions, ports: StackPorts, binary: str) -> Ser
     run = opt.run_dir
     return ServiceSpec(
         "prometheus",
-        (binary, f"--config.file={run / 'prometheus.yml'}",
-         f"--storage.tsdb.path={run / 'prometheus'}",
-         f"--web.listen-address={addr(opt.host, ports.prometheus)}"),
+        (
+            binary,
+            f"--config.file={run / 'prometheus.yml'}",
+            f"--storage.tsdb.path={run / 'prometheus'}",
+            f"--web.listen-address={addr(opt.host, ports.prometheus)}",
+        ),
         r"Server is ready to receive web requests",
         critical=False,
     )

@@ -100,8 +100,7 @@ def check_ports_free(ports: StackPorts, host: str) -> None:
 
 
 # Every flag of `foundry up` that moves a port, in its --help order.
-PORT_FLAGS = ("--base-port", "--gateway-port", "--http-port", "--metrics-port",
-              "--prometheus-port")
+PORT_FLAGS = ("--base-port", "--gateway-port", "--http-port", "--metrics-port", "--prometheus-port")
 
 
 def port_flag(name: str) -> str:
@@ -350,8 +349,9 @@ class Stack:
         """The shell command that starts ``child`` as this stack did: in the same folder, with
         the same environment changes, command line and log."""
         changes = [f"-u {k}" for k in sorted(os.environ) if k not in self.env]
-        changes += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())
-                    if os.environ.get(k) != v]
+        changes += [
+            f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()) if os.environ.get(k) != v
+        ]
         env = f"env {' '.join(changes)} " if changes else ""
         return (
             f"cd {shlex.quote(os.getcwd())} && {env}{shlex.join(child.spec.argv)} "

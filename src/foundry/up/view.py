@@ -72,9 +72,11 @@ class TrainingSummary:
         (its first loss is of a model trained before, so first -> last is no trend)."""
         first, last = num(self.first_loss, ".4f"), num(self.last_loss, ".4f")
         if self.start_step > 0:
-            return (f"resumed at step {self.start_step}, {self.steps - self.start_step} steps "
-                    f"this run: loss {first} after step {self.first_loss_step}, {last} at the "
-                    "end")
+            return (
+                f"resumed at step {self.start_step}, {self.steps - self.start_step} steps "
+                f"this run: loss {first} after step {self.first_loss_step}, {last} at the "
+                "end"
+            )
         return f"loss {first} -> {last}"
 
 
@@ -130,9 +132,18 @@ class LiveView:
         sized = terminal_columns(self.out) > 0
         ncols = None if sized else FALLBACK_COLUMNS
         if not self.bars:
-            self.bars.append(tqdm(total=st.max_steps, initial=st.global_step, unit="step",
-                                  desc="training", file=self.out, dynamic_ncols=sized,
-                                  ncols=ncols, leave=True))
+            self.bars.append(
+                tqdm(
+                    total=st.max_steps,
+                    initial=st.global_step,
+                    unit="step",
+                    desc="training",
+                    file=self.out,
+                    dynamic_ncols=sized,
+                    ncols=ncols,
+                    leave=True,
+                )
+            )
         bar = self.bars[0]
         bar.set_description_str(waiting or "training", refresh=False)
         bar.n = st.global_step
@@ -142,11 +153,20 @@ class LiveView:
             refresh=False,
         )
         while len(self.bars) < 1 + len(st.rows):
-            self.bars.append(tqdm(total=0, position=len(self.bars), bar_format="{desc}",
-                                  file=self.out, ncols=ncols, leave=False))
+            self.bars.append(
+                tqdm(
+                    total=0,
+                    position=len(self.bars),
+                    bar_format="{desc}",
+                    file=self.out,
+                    ncols=ncols,
+                    leave=False,
+                )
+            )
         for i, row_bar in enumerate(self.bars[1:]):
-            text = (worker_line(st.rows[i], detail.rows[i]) if i < len(st.rows)
-                    else "  (worker gone)")
+            text = (
+                worker_line(st.rows[i], detail.rows[i]) if i < len(st.rows) else "  (worker gone)"
+            )
             row_bar.set_description_str(text, refresh=True)
         bar.refresh()
 

@@ -68,8 +68,14 @@ class ConnectionClosed:
 
 
 class FdtcConnection:
-    def __init__(self, role: Role, *, link: Link | None = None,
-                 max_payload: int = MAX_PAYLOAD, budget: ReceiveBudget | None = None) -> None:
+    def __init__(
+        self,
+        role: Role,
+        *,
+        link: Link | None = None,
+        max_payload: int = MAX_PAYLOAD,
+        budget: ReceiveBudget | None = None,
+    ) -> None:
         self.role = role
         self._decoder = FdtcDecoder(max_payload, budget=budget)
         self._decoder.admit = self._admit
@@ -96,8 +102,8 @@ class FdtcConnection:
             raise FdtcProtocolError(
                 f"{what} {msg_type.name} is not allowed on a {state.value} link (refused at "
                 f"its header: {length} bytes)",
-                ErrorCode.NOT_REGISTERED if state is LinkState.CONNECTED
-                else ErrorCode.UNEXPECTED)
+                ErrorCode.NOT_REGISTERED if state is LinkState.CONNECTED else ErrorCode.UNEXPECTED,
+            )
 
     @property
     def state(self) -> LinkState:
@@ -162,8 +168,7 @@ class FdtcConnection:
                     f"({self._decoder.buffered} bytes of a frame received)"
                 )
             if self._eof and (begun := self._decoder.unfinished()) is not None:
-                raise FdtcProtocolError(f"the peer closed the connection in the middle of "
-                                        f"{begun}")
+                raise FdtcProtocolError(f"the peer closed the connection in the middle of {begun}")
         except FdtcProtocolError as exc:
             self._error = exc
             raise
@@ -182,8 +187,9 @@ class FdtcConnection:
                     f"({self._error}); send ERROR and close"
                 )
             try:
-                parts = encode_parts(msg, fragment_size=self._fragment_size,
-                                     max_message=self._decoder.max_message)
+                parts = encode_parts(
+                    msg, fragment_size=self._fragment_size, max_message=self._decoder.max_message
+                )
                 self._lifecycle.send(msg)
             except LocalProtocolError:
                 self._lifecycle.close()

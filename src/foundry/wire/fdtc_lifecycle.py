@@ -110,10 +110,18 @@ class Direction(Enum):
     SENT = "sent"  # by the side that owns the table
 
 
-ADMIN_REQUESTS = frozenset({
-    MsgType.START, MsgType.PAUSE, MsgType.RESUME, MsgType.CHECKPOINT, MsgType.SHUTDOWN,
-    MsgType.STATUS_REQ, MsgType.EXPORT, MsgType.SWARM_DETAIL_REQ,
-})
+ADMIN_REQUESTS = frozenset(
+    {
+        MsgType.START,
+        MsgType.PAUSE,
+        MsgType.RESUME,
+        MsgType.CHECKPOINT,
+        MsgType.SHUTDOWN,
+        MsgType.STATUS_REQ,
+        MsgType.EXPORT,
+        MsgType.SWARM_DETAIL_REQ,
+    }
+)
 
 _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
 
@@ -121,18 +129,31 @@ _Table = dict[tuple[LinkState, Direction, MsgType], LinkState]
 # send it at any time. Neither changes the state.
 _WORKER_ANYTIME = (MsgType.HEARTBEAT, MsgType.STATUS, MsgType.WEIGHTS_REQ, MsgType.ERROR)
 _COORD_ANYTIME = (
-    MsgType.REGISTER_ACK, MsgType.MODEL_CONFIG, MsgType.BASE_MODEL, MsgType.TRAIN_PLAN,
+    MsgType.REGISTER_ACK,
+    MsgType.MODEL_CONFIG,
+    MsgType.BASE_MODEL,
+    MsgType.TRAIN_PLAN,
     MsgType.HEARTBEAT_ACK,
     MsgType.STATUS_REQ,
-    MsgType.WEIGHTS_META, MsgType.START, MsgType.SYNC, MsgType.CHECKPOINT, MsgType.PAUSE,
-    MsgType.RESUME, MsgType.ERROR,
+    MsgType.WEIGHTS_META,
+    MsgType.START,
+    MsgType.SYNC,
+    MsgType.CHECKPOINT,
+    MsgType.PAUSE,
+    MsgType.RESUME,
+    MsgType.ERROR,
 )
 _COORD_STOPPING = (MsgType.GRADIENTS_ACK, MsgType.HEARTBEAT_ACK, MsgType.SHUTDOWN, MsgType.ERROR)
 _ADMIN_REPLIES = (MsgType.CONTROL_ACK, MsgType.SWARM_STATUS, MsgType.SWARM_DETAIL, MsgType.ERROR)
 
 
-def _add(t: _Table, state: LinkState, direction: Direction, types: Iterable[MsgType],
-         to: LinkState | None = None) -> None:
+def _add(
+    t: _Table,
+    state: LinkState,
+    direction: Direction,
+    types: Iterable[MsgType],
+    to: LinkState | None = None,
+) -> None:
     for msg_type in types:
         t[state, direction, msg_type] = state if to is None else to
 
@@ -156,8 +177,11 @@ def _coordinator() -> _Table:
     # Holding weights: rounds of ASSIGN / GRADIENTS / GRADIENTS_ACK and new weights.
     add(S.READY, Rx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
     add(S.READY, Rx, (M.DEREGISTER,), S.CLOSED)
-    add(S.READY, Tx, (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.LOCAL_ASSIGN, M.UPDATE,
-                      M.GRADIENTS_ACK))
+    add(
+        S.READY,
+        Tx,
+        (*_COORD_ANYTIME, M.WEIGHTS, M.ASSIGN, M.LOCAL_ASSIGN, M.UPDATE, M.GRADIENTS_ACK),
+    )
     add(S.READY, Tx, (M.SHUTDOWN,), S.STOPPING)
     # Training is over; what was in flight still lands.
     add(S.STOPPING, Rx, (*_WORKER_ANYTIME, M.GRADIENTS, M.WEIGHTS_DIGEST))
@@ -169,8 +193,9 @@ def _coordinator() -> _Table:
     return t
 
 
-def _one_link(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
-              admin: bool) -> _Table:
+def _one_link(
+    t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *, admin: bool
+) -> _Table:
     """The entries of one link: the worker link's, or the admin link's and the ERROR either
     side may send before anything else was said."""
     return {
@@ -181,24 +206,25 @@ def _one_link(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
     }
 
 
-def _mirror(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *,
-            admin: bool) -> _Table:
+def _mirror(t: Mapping[tuple[LinkState, Direction, MsgType], LinkState], *, admin: bool) -> _Table:
     """The peer's table: one link of the coordinator's with the directions swapped. What one
     side may send in a state the other may receive in it, since the byte stream keeps order;
     and a state is entered on the same message on both sides (sent by one, received by the
     other)."""
     swap = {Direction.RECEIVED: Direction.SENT, Direction.SENT: Direction.RECEIVED}
-    return {(state, swap[direction], msg_type): to
-            for (state, direction, msg_type), to in _one_link(t, admin=admin).items()}
+    return {
+        (state, swap[direction], msg_type): to
+        for (state, direction, msg_type), to in _one_link(t, admin=admin).items()
+    }
 
 
 _COORDINATOR = _coordinator()
-TABLES: Mapping[Role, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] = (
-    MappingProxyType({
+TABLES: Mapping[Role, Mapping[tuple[LinkState, Direction, MsgType], LinkState]] = MappingProxyType(
+    {
         Role.COORDINATOR: MappingProxyType(_COORDINATOR),
         Role.WORKER: MappingProxyType(_mirror(_COORDINATOR, admin=False)),
         Role.ADMIN: MappingProxyType(_mirror(_COORDINATOR, admin=True)),
-    })
+    }
 )
 TRANSITIONS = TABLES[Role.COORDINATOR]
 # The coordinator's table cut to the link a port serves.
@@ -253,8 +279,8 @@ class Lifecycle:
             state = self._table[self.state, Direction.RECEIVED, msg_type]
         except KeyError:
             expected = self.allowed(Direction.RECEIVED)
-            code = ErrorCode.NOT_REGISTERED if MsgType.REGISTER in expected else (
-                ErrorCode.UNEXPECTED
+            code = (
+                ErrorCode.NOT_REGISTERED if MsgType.REGISTER in expected else (ErrorCode.UNEXPECTED)
             )
             allowed = ", ".join(sorted(m.name for m in expected))
             raise FdtcProtocolError(

@@ -183,7 +183,8 @@ class FrameDecoder(ABC, Generic[E]):
             raise self._busy_error(
                 f"{what} of {n} bytes does not fit: {self.budget.held} of the "
                 f"{self.budget.limit} bytes this side receives into at once are in use by "
-                "other peers; try again later")
+                "other peers; try again later"
+            )
         return n
 
     def unreserve(self, n: int) -> None:

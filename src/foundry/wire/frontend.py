@@ -142,8 +142,13 @@ class Generate(_Frame):
 
     TYPE: ClassVar[FrameType] = FrameType.GENERATE
     LAYOUT: ClassVar[_Layout] = _Layout(
-        ("max_tokens", U32), ("temperature", F32), ("top_p", F32), ("seed", U64),
-        ("top_k", U32), ("flags", U8), ("top_logprobs", U8),
+        ("max_tokens", U32),
+        ("temperature", F32),
+        ("top_p", F32),
+        ("seed", U64),
+        ("top_k", U32),
+        ("flags", U8),
+        ("top_logprobs", U8),
     )
     _COUNTS: ClassVar[_Layout] = _Layout(("n_stop", U16), ("prompt_len", U32))
     prompt: str
@@ -159,8 +164,10 @@ class Generate(_Frame):
 
     @property
     def flags(self) -> int:
-        return int((GenerateFlags.LOGPROBS if self.logprobs else 0)
-                   | (GenerateFlags.CHAT if self.messages else 0))
+        return int(
+            (GenerateFlags.LOGPROBS if self.logprobs else 0)
+            | (GenerateFlags.CHAT if self.messages else 0)
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -192,7 +199,9 @@ class Generate(_Frame):
     def payload(self) -> bytes:
         prompt = self._prompt_bytes()
         parts = [
-            self.LAYOUT.pack_obj(self), self._COUNTS.pack((len(self.stop), len(prompt))), prompt,
+            self.LAYOUT.pack_obj(self),
+            self._COUNTS.pack((len(self.stop), len(prompt))),
+            prompt,
         ]
         for s in self.stop:
             raw = s.encode("utf-8")
@@ -234,8 +243,14 @@ class Generate(_Frame):
             pos += n
         if pos != len(p):
             raise FrontendProtocolError(f"GENERATE has {len(p) - pos} trailing bytes")
-        return cls(request_id, prompt, stop=tuple(stops), messages=messages,
-                   logprobs=bool(flags & GenerateFlags.LOGPROBS), **fixed)
+        return cls(
+            request_id,
+            prompt,
+            stop=tuple(stops),
+            messages=messages,
+            logprobs=bool(flags & GenerateFlags.LOGPROBS),
+            **fixed,
+        )
 
 
 def _parse_messages(raw: memoryview) -> tuple[tuple[str, str], ...]:
@@ -294,8 +309,9 @@ class Logprobs(_Frame):
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.top) > MAX_TOP_LOGPROBS:
-            raise LocalProtocolError(f"at most {MAX_TOP_LOGPROBS} alternatives, got "
-                                     f"{len(self.top)}")
+            raise LocalProtocolError(
+                f"at most {MAX_TOP_LOGPROBS} alternatives, got {len(self.top)}"
+            )
         # Stored as they travel (f32), so that a frame equals its decoded copy.
         chosen, *top = (
             (I32.check("token", t), F32.check("logprob", lp), bytes(raw))
@@ -308,8 +324,11 @@ class Logprobs(_Frame):
         object.__setattr__(self, "top", tuple(top))
 
     def payload(self) -> bytes:
-        parts = [_ALTERNATIVE.pack(self.token, self.logprob, len(self.token_bytes)),
-                 self.token_bytes, _U8.pack(len(self.top))]
+        parts = [
+            _ALTERNATIVE.pack(self.token, self.logprob, len(self.token_bytes)),
+            self.token_bytes,
+            _U8.pack(len(self.top)),
+        ]
         for token, logprob, raw in self.top:
             parts += [_ALTERNATIVE.pack(token, logprob, len(raw)), raw]
         return b"".join(parts)
@@ -349,7 +368,9 @@ def _logprob_entry(p: memoryview, pos: int) -> tuple[tuple[int, float, bytes], i
 class Done(_Frame):
     TYPE: ClassVar[FrameType] = FrameType.DONE
     LAYOUT: ClassVar[_Layout] = _Layout(
-        ("reason", Enum("B", DoneReason)), ("prompt_tokens", U32), ("generated_tokens", U32),
+        ("reason", Enum("B", DoneReason)),
+        ("prompt_tokens", U32),
+        ("generated_tokens", U32),
         ("seconds", F32),
     )
     reason: DoneReason
@@ -400,10 +421,19 @@ class Status(_Frame):
 
     TYPE: ClassVar[FrameType] = FrameType.STATUS
     LAYOUT: ClassVar[_Layout] = _Layout(
-        ("worker_connected", BOOL), ("shared_memory", BOOL), ("active_sessions", U32),
-        ("tokens_generated", U64), ("n_layer", U32), ("n_embd", U32), ("n_vocab", U32),
-        ("ctx_size", U32), ("model_bytes", U64), ("model_id", U32), ("spec_acceptance", F32),
-        ("requests_served", U64), ("threads", U32),
+        ("worker_connected", BOOL),
+        ("shared_memory", BOOL),
+        ("active_sessions", U32),
+        ("tokens_generated", U64),
+        ("n_layer", U32),
+        ("n_embd", U32),
+        ("n_vocab", U32),
+        ("ctx_size", U32),
+        ("model_bytes", U64),
+        ("model_id", U32),
+        ("spec_acceptance", F32),
+        ("requests_served", U64),
+        ("threads", U32),
     )
     worker_connected: bool
     shared_memory: bool
@@ -428,7 +458,8 @@ class Status(_Frame):
 
     def payload(self) -> bytes:
         tail = [_U8.pack(len(self.ranks))] + [
-            _RANK.pack(r.rank, r.connected, r.share, r.gate_wait_us) for r in self.ranks]
+            _RANK.pack(r.rank, r.connected, r.share, r.gate_wait_us) for r in self.ranks
+        ]
         return self.LAYOUT.pack_obj(self) + b"".join(tail)
 
     @classmethod

@@ -32,8 +32,22 @@ import numpy as np
 from foundry.wire.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
-    "BOOL", "F32", "I32", "U8", "U16", "U32", "U64",
-    "Bool", "Bytes", "Enum", "Float32", "Int", "Kind", "Layout", "Str", "UInt",
+    "BOOL",
+    "F32",
+    "I32",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+    "Bool",
+    "Bytes",
+    "Enum",
+    "Float32",
+    "Int",
+    "Kind",
+    "Layout",
+    "Str",
+    "UInt",
 ]
 
 _U8_MAX = 0xFF

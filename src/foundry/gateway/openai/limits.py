@@ -31,19 +31,29 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 # to spare, well under a process's usual 1024-descriptor limit with the gRPC side beside it.
 DEFAULT_MAX_CONNECTIONS = 512
 
-_REFUSED_BODY = (b'{"error": {"message": "too many connections to this server; retry later", '
-                 b'"type": "overloaded"}}')
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\nretry-after: 1\r\ncontent-length: "
-            + str(len(_REFUSED_BODY)).encode() + b"\r\n\r\n" + _REFUSED_BODY)
+_REFUSED_BODY = (
+    b'{"error": {"message": "too many connections to this server; retry later", '
+    b'"type": "overloaded"}}'
+)
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\nretry-after: 1\r\ncontent-length: "
+    + str(len(_REFUSED_BODY)).encode()
+    + b"\r\n\r\n"
+    + _REFUSED_BODY
+)
 
 
-def limited_h11(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[H11Protocol]:
+def limited_h11(
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these limits (pass it as ``uvicorn.Config(http=...)``)."""
     if header_timeout_s <= 0 or max_connections < 1:
-        raise ValueError(f"HTTP limits must be positive, got a header timeout of "
-                         f"{header_timeout_s} s and {max_connections} connections")
+        raise ValueError(
+            f"HTTP limits must be positive, got a header timeout of "
+            f"{header_timeout_s} s and {max_connections} connections"
+        )
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -53,8 +63,12 @@ def limited_h11(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
             if len(self.connections) > max_connections:
-                log.warning("HTTP: refusing a connection from %s: %d open, the limit is %d",
-                            self.client, len(self.connections) - 1, max_connections)
+                log.warning(
+                    "HTTP: refusing a connection from %s: %d open, the limit is %d",
+                    self.client,
+                    len(self.connections) - 1,
+                    max_connections,
+                )
                 self.transport.write(_REFUSED)
                 self.transport.close()
                 return

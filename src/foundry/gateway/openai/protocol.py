@@ -89,8 +89,9 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else (
-            self.max_tokens)
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -108,12 +109,17 @@ class CompletionRequest(_Sampling):
 
 # -- responses (plain dicts: built once per token on the hot path, so no model objects) -----
 
-def error_body(message: str, kind: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error JSON."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

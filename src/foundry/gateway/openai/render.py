@@ -25,8 +25,9 @@ _FINISH = {
 
 
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + (
-        b"\n\n")
+    return (
+        b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + (b"\n\n")
+    )
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -63,13 +64,21 @@ def _token_text(raw: bytes) -> str:
 
 
 def chat_logprobs(lps: list[Logprobs]) -> dict[str, Any]:
-    return {"content": [
-        {"token": _token_text(lp.token_bytes), "logprob": lp.logprob,
-         "bytes": list(lp.token_bytes),
-         "top_logprobs": [{"token": _token_text(raw), "logprob": v, "bytes": list(raw)}
-                          for _, v, raw in lp.top]}
-        for lp in lps
-    ], "refusal": None}
+    return {
+        "content": [
+            {
+                "token": _token_text(lp.token_bytes),
+                "logprob": lp.logprob,
+                "bytes": list(lp.token_bytes),
+                "top_logprobs": [
+                    {"token": _token_text(raw), "logprob": v, "bytes": list(raw)}
+                    for _, v, raw in lp.top
+                ],
+            }
+            for lp in lps
+        ],
+        "refusal": None,
+    }
 
 
 def legacy_logprobs(lps: list[Logprobs], offset: int) -> dict[str, Any]:
@@ -79,9 +88,12 @@ def legacy_logprobs(lps: list[Logprobs], offset: int) -> dict[str, Any]:
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_token_text(raw): v for _, v, raw in lp.top} for lp in lps],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_token_text(raw): v for _, v, raw in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 @dataclass
@@ -98,10 +110,18 @@ class _Render:
     _around: tuple[bytes, bytes] | None = None  # a text chunk's bytes before and after the text
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else (
-            "text_completion")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
+            else ("text_completion")
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _logprobs(self, lps: list[Logprobs], offset: int) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -111,13 +131,28 @@ class _Render:
     def opening(self) -> bytes:
         if not self.chat:
             return b""
-        return sse(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}], True))
+        return sse(
+            self._envelope(
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                True,
+            )
+        )
 
     def _choice(self, piece: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         if self.chat:
-            return {"index": 0, "delta": {"content": piece}, "logprobs": logprobs,
-                    "finish_reason": None}
+            return {
+                "index": 0,
+                "delta": {"content": piece},
+                "logprobs": logprobs,
+                "finish_reason": None,
+            }
         return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": None}
 
     def chunk(self, piece: str, lps: list[Logprobs]) -> bytes:
@@ -130,7 +165,8 @@ class _Render:
         if self._around is None:
             marker = "\u2063piece\u2063"
             head, _, tail = sse(self._envelope([self._choice(marker, None)], True)).rpartition(
-                json.dumps(marker, ensure_ascii=False).encode())
+                json.dumps(marker, ensure_ascii=False).encode()
+            )
             self._around = (head, tail)
         head, tail = self._around
         return head + json.dumps(piece, ensure_ascii=False).encode() + tail
@@ -156,8 +192,12 @@ class _Render:
         logprobs = self._logprobs(out.logprobs, 0)
         finish = _FINISH[done.reason]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         body = self._envelope([choice], False)

@@ -67,9 +67,15 @@ CLIENT_GONE = 499
 class HttpError(Exception):
     """A request answered with ``status`` and OpenAI's error JSON."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body = error_body(message, kind, param, code)
@@ -92,11 +98,13 @@ def http_error(exc: GatewayError) -> HttpError:
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return HttpError(504, exc.message, "timeout_error")
     if exc.code == grpc.StatusCode.UNAVAILABLE:
-        return HttpError(503, exc.message, "service_unavailable",
-                         headers={"Retry-After": str(RETRY_AFTER_S)})
+        return HttpError(
+            503, exc.message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return HttpError(429, exc.message, "rate_limit_error",
-                         headers={"Retry-After": str(RETRY_AFTER_S)})
+        return HttpError(
+            429, exc.message, "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     return HttpError(500, exc.message, "server_error")
 
 
@@ -168,8 +176,9 @@ class HttpOptions:
 class OpenAIApi:
     """The routes, over one frontend client."""
 
-    def __init__(self, options: HttpOptions, client: FrontendClient,
-                 metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, options: HttpOptions, client: FrontendClient, metrics: GatewayMetrics
+    ) -> None:
         self.opt = options
         self.client = client
         self.metrics = metrics
@@ -179,13 +188,20 @@ class OpenAIApi:
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
-                Route("/v1/chat/completions", self._endpoint("chat", self.chat_completions),
-                      methods=["POST"]),
-                Route("/v1/completions", self._endpoint("completions", self.completions),
-                      methods=["POST"]),
+                Route(
+                    "/v1/chat/completions",
+                    self._endpoint("chat", self.chat_completions),
+                    methods=["POST"],
+                ),
+                Route(
+                    "/v1/completions",
+                    self._endpoint("completions", self.completions),
+                    methods=["POST"],
+                ),
                 Route("/v1/models", self._endpoint("models", self.models), methods=["GET"]),
-                Route("/health", self._endpoint("health", self.health, public=True),
-                      methods=["GET"]),
+                Route(
+                    "/health", self._endpoint("health", self.health, public=True), methods=["GET"]
+                ),
             ],
             exception_handlers={HTTPException: self._http_exception},
         )
@@ -197,8 +213,9 @@ class OpenAIApi:
         headers = dict(exc.headers) if exc.headers else None
         return HttpError(exc.status_code, str(exc.detail), headers=headers).response()
 
-    def _endpoint(self, name: str, handler: Callable[[Request], Awaitable[Response]],
-                  public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    def _endpoint(
+        self, name: str, handler: Callable[[Request], Awaitable[Response]], public: bool = False
+    ) -> Callable[[Request], Awaitable[Response]]:
         """A route: the token check, errors as OpenAI's JSON, the request counted."""
 
         async def route(request: Request) -> Response:
@@ -215,8 +232,9 @@ class OpenAIApi:
                 response = http_error(exc).response()
             except Exception:
                 log.exception("HTTP %s failed", name)
-                response = HttpError(500, "internal error in the gateway; see its log",
-                                     "server_error").response()
+                response = HttpError(
+                    500, "internal error in the gateway; see its log", "server_error"
+                ).response()
             if not isinstance(response, EventStream):  # a stream counts itself when it ends
                 self.metrics.http_requests.labels(name, str(response.status_code)).inc()
             return response
@@ -229,11 +247,18 @@ class OpenAIApi:
             return
         refusal = check_bearer(request.headers.get("authorization"), token)
         if refusal is Refusal.MISSING:
-            raise HttpError(401, "this gateway requires a bearer token: send 'Authorization: "
-                            "Bearer <token>' (the openai client's api_key)", code="missing_api_key")
+            raise HttpError(
+                401,
+                "this gateway requires a bearer token: send 'Authorization: "
+                "Bearer <token>' (the openai client's api_key)",
+                code="missing_api_key",
+            )
         if refusal is Refusal.WRONG:
-            raise HttpError(401, "the bearer token was not accepted; use the token of the "
-                            "gateway's --token-file", code="invalid_api_key")
+            raise HttpError(
+                401,
+                "the bearer token was not accepted; use the token of the gateway's --token-file",
+                code="invalid_api_key",
+            )
 
     async def _body(self, request: Request, model: type[M]) -> M:
         declared = request.headers.get("content-length")
@@ -241,15 +266,19 @@ class OpenAIApi:
             if not declared.isdigit():
                 raise HttpError(400, f"Content-Length {declared!r} is not a number")
             if int(declared) > MAX_BODY_BYTES:
-                raise HttpError(413, f"the body of {declared} bytes is larger than the "
-                                f"{MAX_BODY_BYTES} this gateway reads")
+                raise HttpError(
+                    413,
+                    f"the body of {declared} bytes is larger than the "
+                    f"{MAX_BODY_BYTES} this gateway reads",
+                )
         chunks = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
-                raise HttpError(413, f"the body is larger than the {MAX_BODY_BYTES} bytes this "
-                                "gateway reads")
+                raise HttpError(
+                    413, f"the body is larger than the {MAX_BODY_BYTES} bytes this gateway reads"
+                )
             chunks.append(chunk)
         try:
             return model.model_validate_json(b"".join(chunks))
@@ -283,9 +312,12 @@ class OpenAIApi:
         try:
             await self.queue.acquire(request.client.host if request.client else "")
         except QueueFull as exc:
-            raise HttpError(429, f"too many requests: {exc}; retry in {RETRY_AFTER_S} s",
-                            "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
-                            ) from None
+            raise HttpError(
+                429,
+                f"too many requests: {exc}; retry in {RETRY_AFTER_S} s",
+                "rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
 
     async def _begin(self, request: Request, generation: Generation) -> list[Event]:
         """Queue, send the GENERATE, await the first events (admitted: the caller releases)."""
@@ -298,8 +330,9 @@ class OpenAIApi:
             self.queue.release()
             raise
 
-    async def _generate(self, request: Request, name: str, generation: Generation,
-                        stream: bool, render: _Render) -> Response:
+    async def _generate(
+        self, request: Request, name: str, generation: Generation, stream: bool, render: _Render
+    ) -> Response:
         t0 = time.monotonic()
         first = await self._unless_gone(request, self._begin(request, generation))
         ttft = time.monotonic() - t0
@@ -316,15 +349,23 @@ class OpenAIApi:
         self._rate(name, out, t0, ttft)
         return JSONResponse(render.whole(out))
 
-    async def _collect(self, name: str, generation: Generation, first: list[Event],
-                       out: _Output) -> None:
+    async def _collect(
+        self, name: str, generation: Generation, first: list[Event], out: _Output
+    ) -> None:
         out.take(first)
         while events := await generation.batch(MAX_TOKENS_PER_CHUNK):
             self.metrics.observe_gaps(name, generation.gaps)
             out.take(events)
 
-    async def _stream(self, lease: _Lease, first: list[Event], out: _Output, render: _Render,
-                      t0: float, ttft: float) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        lease: _Lease,
+        first: list[Event],
+        out: _Output,
+        render: _Render,
+        t0: float,
+        ttft: float,
+    ) -> AsyncIterator[bytes]:
         try:
             yield render.opening()
             events = first
@@ -365,9 +406,12 @@ class OpenAIApi:
         """A request for a model this gateway does not serve gets OpenAI's 404 (no answer from
         another model); one that names none is served."""
         if model is not None and model != self.opt.model_name:
-            raise HttpError(404, f"The model `{model}` does not exist or you do not have "
-                            f"access to it; this gateway serves `{self.opt.model_name}`",
-                            code="model_not_found")
+            raise HttpError(
+                404,
+                f"The model `{model}` does not exist or you do not have "
+                f"access to it; this gateway serves `{self.opt.model_name}`",
+                code="model_not_found",
+            )
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._body(request, ChatCompletionRequest)
@@ -376,34 +420,68 @@ class OpenAIApi:
         if top and not req.logprobs:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         generation = self._generation(
-            req.token_limit(), req.temperature, req.top_p, req.top_k, req.seed,
-            req.stop_strings(), logprobs=req.logprobs, top_logprobs=top,
+            req.token_limit(),
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            req.seed,
+            req.stop_strings(),
+            logprobs=req.logprobs,
+            top_logprobs=top,
             messages=tuple((m.role, m.text()) for m in req.messages),
         )
-        render = _Render(True, self._id("chatcmpl"), self.opt.model_name, req.include_usage(),
-                         req.logprobs)
+        render = _Render(
+            True, self._id("chatcmpl"), self.opt.model_name, req.include_usage(), req.logprobs
+        )
         return await self._generate(request, "chat", generation, req.stream, render)
 
     async def completions(self, request: Request) -> Response:
         req = await self._body(request, CompletionRequest)
         self._served(req.model)
         generation = self._generation(
-            req.token_limit(), req.temperature, req.top_p, req.top_k, req.seed,
-            req.stop_strings(), logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0, prompt=req.prompt_text(),
+            req.token_limit(),
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            req.seed,
+            req.stop_strings(),
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+            prompt=req.prompt_text(),
         )
-        render = _Render(False, self._id("cmpl"), self.opt.model_name, req.include_usage(),
-                         req.logprobs is not None)
+        render = _Render(
+            False,
+            self._id("cmpl"),
+            self.opt.model_name,
+            req.include_usage(),
+            req.logprobs is not None,
+        )
         return await self._generate(request, "completions", generation, req.stream, render)
 
-    def _generation(self, max_tokens: int | None, temperature: float, top_p: float,
-                    top_k: int, seed: int | None, stop: tuple[str, ...], *, logprobs: bool,
-                    top_logprobs: int, prompt: str = "",
-                    messages: tuple[tuple[str, str], ...] = ()) -> Generation:
+    def _generation(
+        self,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None,
+        stop: tuple[str, ...],
+        *,
+        logprobs: bool,
+        top_logprobs: int,
+        prompt: str = "",
+        messages: tuple[tuple[str, str], ...] = (),
+    ) -> Generation:
         return self.client.generate(
-            prompt, UNLIMITED_TOKENS if max_tokens is None else max_tokens, temperature,
-            top_p, secrets.randbits(64) if seed is None else seed % (1 << 64), stop,
-            top_k=max(top_k, 0), logprobs=logprobs, top_logprobs=top_logprobs,
+            prompt,
+            UNLIMITED_TOKENS if max_tokens is None else max_tokens,
+            temperature,
+            top_p,
+            secrets.randbits(64) if seed is None else seed % (1 << 64),
+            stop,
+            top_k=max(top_k, 0),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             messages=messages,
         )
 
@@ -411,10 +489,19 @@ class OpenAIApi:
         return f"{prefix}-{secrets.token_hex(12)}"
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.opt.model_name, "object": "model", "created": self.created,
-             "owned_by": "foundry"},
-        ]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.opt.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "foundry",
+                    },
+                ],
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         try:
@@ -422,8 +509,10 @@ class OpenAIApi:
         except GatewayError as exc:
             return JSONResponse({"status": "unavailable", "detail": exc.message}, 503)
         if not status.worker_connected:
-            return JSONResponse({"status": "unavailable",
-                                 "detail": "the TP leader's worker rank is not connected"}, 503)
+            return JSONResponse(
+                {"status": "unavailable", "detail": "the TP leader's worker rank is not connected"},
+                503,
+            )
         return JSONResponse({"status": "ok"})
 
 

@@ -36,8 +36,10 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen for HTTP on {host}:{port} ({exc.strerror or exc}); is "
-                      "another process using the port?") from None
+        raise OSError(
+            f"cannot listen for HTTP on {host}:{port} ({exc.strerror or exc}); is "
+            "another process using the port?"
+        ) from None
     sock.setblocking(False)
     return sock
 
@@ -45,8 +47,9 @@ def _bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The OpenAI-compatible API on its own listener (``--http-listen``)."""
 
-    def __init__(self, options: HttpOptions, client: FrontendClient,
-                 metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, options: HttpOptions, client: FrontendClient, metrics: GatewayMetrics
+    ) -> None:
         if (options.tls_cert is None) != (options.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key")
         self.opt = options
@@ -59,9 +62,13 @@ class HttpServer:
         sock = _bind(self.opt.host, self.opt.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.api.app, http=limited_h11(self.opt.header_timeout_s, self.opt.max_connections),
-            lifespan="off", log_level="warning", access_log=False,
-            ssl_certfile=self.opt.tls_cert, ssl_keyfile=self.opt.tls_key,
+            self.api.app,
+            http=limited_h11(self.opt.header_timeout_s, self.opt.max_connections),
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=self.opt.tls_cert,
+            ssl_keyfile=self.opt.tls_key,
             timeout_graceful_shutdown=max(1, round(self.opt.grace_s)),
         )
         self._server = _Server(config)

@@ -119,7 +119,9 @@ def _file_tensors(state: CheckpointState) -> list[tuple[str, str, F32Array]]:
     if clash:
         raise CheckpointError(f"tensor groups {clash} are reserved")
     groups: list[tuple[str, Mapping[str, Any]]] = [
-        ("params", params), ("m", opt["m"]), ("v", opt["v"]),
+        ("params", params),
+        ("m", opt["m"]),
+        ("v", opt["v"]),
         *sorted(state.tensors.items()),
     ]
     out = []
@@ -203,8 +205,14 @@ def encode_checkpoint(state: CheckpointState) -> EncodedCheckpoint:
     offset = 0
     for group, name, arr in tensors:
         index.append(
-            {"group": group, "name": name, "shape": list(arr.shape), "dtype": "<f4",
-             "offset": offset, "nbytes": arr.nbytes}
+            {
+                "group": group,
+                "name": name,
+                "shape": list(arr.shape),
+                "dtype": "<f4",
+                "offset": offset,
+                "nbytes": arr.nbytes,
+            }
         )
         offset += arr.nbytes + _pad(arr.nbytes)
     return EncodedCheckpoint(_metadata(state, index), tensors)
@@ -295,9 +303,7 @@ def load_checkpoint(path: str | Path) -> CheckpointState:
             if t["dtype"] != "<f4" or start + 4 * count > len(body):
                 raise ValueError(f"tensor {t['name']} lies outside the data or is not <f4")
             arr = np.frombuffer(buf, dtype="<f4", count=count, offset=start).reshape(shape)
-            groups.setdefault(str(t["group"]), {})[t["name"]] = arr.astype(
-                np.float32, copy=False
-            )
+            groups.setdefault(str(t["group"]), {})[t["name"]] = arr.astype(np.float32, copy=False)
         state = CheckpointState(
             config=cfg,
             step=int(meta["step"]),

@@ -184,11 +184,17 @@ def set_aside(path: str | Path, why: str) -> Path:
                 f"checkpoint {p} does not verify ({why}) and cannot be set aside: {exc}"
             ) from exc
         _VERIFIED.pop(p, None)
-        log.warning("checkpoint %s does not verify (%s); kept aside as %s, never counted",
-                    p, why, aside.name)
+        log.warning(
+            "checkpoint %s does not verify (%s); kept aside as %s, never counted",
+            p,
+            why,
+            aside.name,
+        )
         return aside
-    raise CheckpointError(f"checkpoint {p} does not verify ({why}) and {_ASIDE_TRIES} damaged "
-                          "copies of it are kept already; remove some")
+    raise CheckpointError(
+        f"checkpoint {p} does not verify ({why}) and {_ASIDE_TRIES} damaged "
+        "copies of it are kept already; remove some"
+    )
 
 
 def _verify_or_set_aside(path: Path) -> bool:
@@ -263,8 +269,11 @@ def start_fresh(directory: str | Path) -> Path | None:
     d = Path(directory)
     if not d.is_dir():
         return None
-    olds = [p for p in d.iterdir()
-            if _NAME_RE.match(p.name) or (p.name.startswith("step-") and DAMAGED_SUFFIX in p.name)]
+    olds = [
+        p
+        for p in d.iterdir()
+        if _NAME_RE.match(p.name) or (p.name.startswith("step-") and DAMAGED_SUFFIX in p.name)
+    ]
     if not olds:
         return None
     for i in range(1, _ASIDE_TRIES):
@@ -284,8 +293,12 @@ def start_fresh(directory: str | Path) -> Path | None:
             _VERIFIED.pop(p, None)
     except OSError as exc:
         raise CheckpointError(f"cannot set the old checkpoints of {d} aside: {exc}") from exc
-    log.warning("--fresh: %d old checkpoint file(s) of %s moved to %s; starting at step 0",
-                len(olds), d, target)
+    log.warning(
+        "--fresh: %d old checkpoint file(s) of %s moved to %s; starting at step 0",
+        len(olds),
+        d,
+        target,
+    )
     return target
 
 
@@ -294,8 +307,9 @@ def check_directory(directory: str | Path) -> Path:
     not at the first checkpoint) when it is a file or cannot be created."""
     d = Path(directory)
     if d.exists() and not d.is_dir():
-        raise CheckpointRefused(f"--checkpoint-dir {d} is not a directory; name a folder (it is "
-                              "created if missing)")
+        raise CheckpointRefused(
+            f"--checkpoint-dir {d} is not a directory; name a folder (it is created if missing)"
+        )
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

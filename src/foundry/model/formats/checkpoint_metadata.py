@@ -58,8 +58,9 @@ def validate_metadata(meta: Any) -> None:
     reads it; raises MetadataError naming the first field that does not fit."""
     top = _object(meta, "(metadata)")
     if top.get("format") != "foundry-checkpoint":
-        raise MetadataError("format",
-                            f"must be \"foundry-checkpoint\", got {json.dumps(top.get('format'))}")
+        raise MetadataError(
+            "format", f'must be "foundry-checkpoint", got {json.dumps(top.get("format"))}'
+        )
     _int(top, "step", "step", 0, MAX_STEP)
     _int(top, "data_position", "data_position", 0, 2**63 - 1)
     _int(top, "optimizer_step", "optimizer_step", 0, 2**63 - 1)
@@ -69,10 +70,14 @@ def validate_metadata(meta: Any) -> None:
         if key not in known:
             raise MetadataError(f"config.{key}", "is not a ModelConfig field")
         if known[key].type in ("float", float):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    value == value and abs(value) != float("inf")):
-                raise MetadataError(f"config.{key}",
-                                    f"must be a finite number, got {json.dumps(value)}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (value == value and abs(value) != float("inf"))
+            ):
+                raise MetadataError(
+                    f"config.{key}", f"must be a finite number, got {json.dumps(value)}"
+                )
         else:
             _int(config, key, f"config.{key}", 0, MAX_CTX if key == "n_ctx" else MAX_DIM)
     if "tuning" in top:
@@ -92,22 +97,28 @@ def validate_metadata(meta: Any) -> None:
         entry = _object(t, where)
         for key in ("group", "name"):
             if not isinstance(entry.get(key), str):
-                raise MetadataError(f"{where}.{key}",
-                                    f"must be a string, got {json.dumps(entry.get(key))}")
+                raise MetadataError(
+                    f"{where}.{key}", f"must be a string, got {json.dumps(entry.get(key))}"
+                )
         shape = entry.get("shape")
         if not isinstance(shape, list) or len(shape) > 4:
-            raise MetadataError(f"{where}.shape",
-                                f"must be a list of at most 4 sizes, got {shape!r}")
+            raise MetadataError(
+                f"{where}.shape", f"must be a list of at most 4 sizes, got {shape!r}"
+            )
         for j, size in enumerate(shape):
             _int({"size": size}, "size", f"{where}.shape[{j}]", 0, MAX_DIM)
         if entry.get("dtype") != "<f4":
-            raise MetadataError(f"{where}.dtype",
-                                f"must be \"<f4\", got {json.dumps(entry.get('dtype'))}")
+            raise MetadataError(
+                f"{where}.dtype", f'must be "<f4", got {json.dumps(entry.get("dtype"))}'
+            )
         _int(entry, "offset", f"{where}.offset", 0, 2**63 - 1)
         nbytes = _int(entry, "nbytes", f"{where}.nbytes", 0, 2**63 - 1)
         if nbytes != 4 * int(np.prod(shape, dtype=np.int64)):
-            raise MetadataError(f"{where}.nbytes", f"is {nbytes}, but shape {shape} holds "
-                       f"{4 * int(np.prod(shape, dtype=np.int64))} bytes of <f4")
+            raise MetadataError(
+                f"{where}.nbytes",
+                f"is {nbytes}, but shape {shape} holds "
+                f"{4 * int(np.prod(shape, dtype=np.int64))} bytes of <f4",
+            )
 
 
 _TUNING_STRS = ("architecture", "base_sha256")
@@ -116,9 +127,12 @@ _TUNING_NUMS = ("lora_alpha", "lora_dropout")
 
 def tuning_metadata(cfg: TunedConfig) -> dict[str, Any]:
     return {
-        "architecture": cfg.architecture, "base_bytes": cfg.base_bytes,
-        "base_sha256": cfg.base_sha256, "lora_rank": cfg.lora_rank,
-        "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+        "architecture": cfg.architecture,
+        "base_bytes": cfg.base_bytes,
+        "base_sha256": cfg.base_sha256,
+        "lora_rank": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
         "lora_targets": list(cfg.lora_targets),
         "trainable": [[name, list(shape)] for name, shape in cfg.trainable],
     }
@@ -127,16 +141,21 @@ def tuning_metadata(cfg: TunedConfig) -> dict[str, Any]:
 def _validate_tuning(tuning: Mapping[str, Any]) -> None:
     for key in _TUNING_STRS:
         if not isinstance(tuning.get(key), str):
-            raise MetadataError(f"tuning.{key}",
-                                f"must be a string, got {json.dumps(tuning.get(key))}")
+            raise MetadataError(
+                f"tuning.{key}", f"must be a string, got {json.dumps(tuning.get(key))}"
+            )
     _int(tuning, "base_bytes", "tuning.base_bytes", 0, 2**63 - 1)
     _int(tuning, "lora_rank", "tuning.lora_rank", 0, MAX_DIM)
     for key in _TUNING_NUMS:
         value = tuning.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                value == value and abs(value) != float("inf")):
-            raise MetadataError(f"tuning.{key}",
-                                f"must be a finite number, got {json.dumps(value)}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value == value and abs(value) != float("inf"))
+        ):
+            raise MetadataError(
+                f"tuning.{key}", f"must be a finite number, got {json.dumps(value)}"
+            )
     targets = tuning.get("lora_targets")
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise MetadataError("tuning.lora_targets", "must be a list of strings")
@@ -144,8 +163,13 @@ def _validate_tuning(tuning: Mapping[str, Any]) -> None:
     if not isinstance(table, list) or not table:
         raise MetadataError("tuning.trainable", "must be a non-empty list")
     for i, row in enumerate(table):
-        if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)
-                and isinstance(row[1], list) and len(row[1]) <= 4):
+        if not (
+            isinstance(row, list)
+            and len(row) == 2
+            and isinstance(row[0], str)
+            and isinstance(row[1], list)
+            and len(row[1]) <= 4
+        ):
             raise MetadataError(f"tuning.trainable[{i}]", "must be [name, shape]")
         for j, size in enumerate(row[1]):
             _int({"size": size}, "size", f"tuning.trainable[{i}][1][{j}]", 0, MAX_DIM)
@@ -158,10 +182,15 @@ def metadata_config(meta: Mapping[str, Any]) -> ModelConfig:
     if tuning is None:
         return ModelConfig(**meta["config"])
     return TunedConfig(
-        **meta["config"], architecture=tuning["architecture"], base_bytes=tuning["base_bytes"],
-        base_sha256=tuning["base_sha256"], lora_rank=tuning["lora_rank"],
-        lora_alpha=float(tuning["lora_alpha"]), lora_dropout=float(tuning["lora_dropout"]),
+        **meta["config"],
+        architecture=tuning["architecture"],
+        base_bytes=tuning["base_bytes"],
+        base_sha256=tuning["base_sha256"],
+        lora_rank=tuning["lora_rank"],
+        lora_alpha=float(tuning["lora_alpha"]),
+        lora_dropout=float(tuning["lora_dropout"]),
         lora_targets=tuple(tuning["lora_targets"]),
-        trainable=tuple((name, tuple(int(d) for d in shape))
-                        for name, shape in tuning["trainable"]),
+        trainable=tuple(
+            (name, tuple(int(d) for d in shape)) for name, shape in tuning["trainable"]
+        ),
     )

@@ -95,8 +95,9 @@ def _check_storable(cfg: ModelConfig, params: Mapping[str, quant.Param], dtype: 
         qtype = storage_type(dtype, pname, shape)
         why = finite.overflow(value, qtype)
         if why is not None:
-            raise GGUFError(f"cannot write tensor {pname!r} as {qtype.name}: {why}; nothing "
-                            "was written")
+            raise GGUFError(
+                f"cannot write tensor {pname!r} as {qtype.name}: {why}; nothing was written"
+            )
 
 
 def fsync_dir(directory: Path) -> None:
@@ -192,7 +193,6 @@ def _metadata(reader: _Reader) -> dict[str, Any]:
     return dict(reader.fields)
 
 
-
 def _tied(cfg: ModelConfig, names: set[str], path: Path) -> ModelConfig:
     """The config with ``tied_output`` set when the file has no output head (token_embd is),
     and ``rope_freqs`` when a llama file has per-pair rope factors (Llama 3's scaling)."""
@@ -246,9 +246,7 @@ def load_gguf(path: str | Path, select: Selector | None = None) -> LoadedModel[F
     return LoadedModel(cfg, {n: quant.dequantize(p) for n, p in params.items()}, meta)
 
 
-def load_gguf_stored(
-    path: str | Path, select: Selector | None = None
-) -> LoadedModel[quant.Param]:
+def load_gguf_stored(path: str | Path, select: Selector | None = None) -> LoadedModel[quant.Param]:
     """As :func:`load_gguf`, but every tensor stored in another type than F32 stays in it (a
     QTensor; norms and routers are always float32): a model in about its file's size of memory,
     for the inference engine."""
@@ -284,8 +282,9 @@ def _load(
         stored = quant.from_stored(t.tensor_type, t.data)
         view = stored if select is None else select(tname, stored)
         if view is not None:
-            params[tname] = _own_copy(view, keep_quantized and not keeps_f32(tname, shape),
-                                      reader.release_view)
+            params[tname] = _own_copy(
+                view, keep_quantized and not keeps_f32(tname, shape), reader.release_view
+            )
             why = finite.nonfinite(params[tname])
             if why is not None:
                 raise GGUFError(
@@ -299,8 +298,9 @@ def _load(
 COPY_CHUNK_BYTES = 16 << 20
 
 
-def _own_copy(view: quant.Param, keep_quantized: bool,
-              release: Callable[[npt.NDArray[Any]], None]) -> quant.Param:
+def _own_copy(
+    view: quant.Param, keep_quantized: bool, release: Callable[[npt.NDArray[Any]], None]
+) -> quant.Param:
     """A tensor read off the memory-mapped file into memory of its own. A tensor kept as it
     is stored is copied in slices of rows of about COPY_CHUNK_BYTES, each slice's pages
     unmapped (``release``) once copied: a large one (Gemma's 178 MB embedding) is then never
@@ -368,8 +368,9 @@ class _Reader:
             n = math.prod(shape)
             values, size = gguf.GGML_QUANT_SIZES[qtype]
             if not shape or shape[-1] % values:
-                raise ValueError(f"tensor {name!r} of shape {shape} is not whole {qtype.name} "
-                                 "blocks")
+                raise ValueError(
+                    f"tensor {name!r} of shape {shape} is not whole {qtype.name} blocks"
+                )
             nbytes = n // values * size
             if at + nbytes > self.mm.size:
                 raise ValueError(f"tensor {name!r} ends past the end of the file")

@@ -45,9 +45,17 @@ MAX_ITEMS = 1 << 28
 MAX_ARRAY_ELEMENTS = 1 << 24
 # GGUFValueType -> numpy dtype of its scalar (STRING 8, ARRAY 9 handled apart; BOOL 7).
 _SCALARS: dict[int, np.dtype[Any]] = {
-    0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"),
-    4: np.dtype("<u4"), 5: np.dtype("<i4"), 6: np.dtype("<f4"), 7: np.dtype("<u1"),
-    10: np.dtype("<u8"), 11: np.dtype("<i8"), 12: np.dtype("<f8"),
+    0: np.dtype("<u1"),
+    1: np.dtype("<i1"),
+    2: np.dtype("<u2"),
+    3: np.dtype("<i2"),
+    4: np.dtype("<u4"),
+    5: np.dtype("<i4"),
+    6: np.dtype("<f4"),
+    7: np.dtype("<u1"),
+    10: np.dtype("<u8"),
+    11: np.dtype("<i8"),
+    12: np.dtype("<f8"),
 }
 _BOOL, _STRING, _ARRAY, _F32 = 7, 8, 9, 6
 _U32 = struct.Struct("<I")
@@ -130,15 +138,18 @@ class _Reader:
             return self.string()
         if vtype == _ARRAY:
             if depth >= MAX_NESTING:
-                raise GGUFMetaError(f"{self.path}: arrays nested more than {MAX_NESTING} deep "
-                                    "in the header")
+                raise GGUFMetaError(
+                    f"{self.path}: arrays nested more than {MAX_NESTING} deep in the header"
+                )
             etype = self.u32()
-            n = self.count(8 if etype == _STRING else 12 if etype == _ARRAY
-                           else self._dtype(etype).itemsize)
+            n = self.count(
+                8 if etype == _STRING else 12 if etype == _ARRAY else self._dtype(etype).itemsize
+            )
             self.elements += n
             if self.elements > MAX_ARRAY_ELEMENTS:
-                raise GGUFMetaError(f"{self.path}: the header's arrays hold more than "
-                                    f"{MAX_ARRAY_ELEMENTS} elements")
+                raise GGUFMetaError(
+                    f"{self.path}: the header's arrays hold more than {MAX_ARRAY_ELEMENTS} elements"
+                )
             if etype == _STRING:
                 return self.strings(n)
             if etype == _ARRAY:
@@ -251,15 +262,26 @@ def _keys(r: _Reader, n_kv: int) -> dict[str, Any]:
 
 def shown(value: Any) -> str:
     """A metadata value as an error message names it: short, with its kind."""
-    kind = ("a bool" if isinstance(value, bool) else "an integer" if isinstance(value, int)
-            else "a float" if isinstance(value, float) else "a string" if isinstance(value, str)
-            else f"an array of {len(value)}" if isinstance(value, list) else type(value).__name__)
+    kind = (
+        "a bool"
+        if isinstance(value, bool)
+        else "an integer"
+        if isinstance(value, int)
+        else "a float"
+        if isinstance(value, float)
+        else "a string"
+        if isinstance(value, str)
+        else f"an array of {len(value)}"
+        if isinstance(value, list)
+        else type(value).__name__
+    )
     text = repr(value)
     return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
 
 
-def expect_int(key: str, value: Any, lo: int, hi: int,
-               error: type[ValueError] = GGUFMetaError) -> int:
+def expect_int(
+    key: str, value: Any, lo: int, hi: int, error: type[ValueError] = GGUFMetaError
+) -> int:
     """``value`` of metadata key ``key`` as an integer in [lo, hi] (a bool or float is not one)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"metadata key {key!r} is {shown(value)}, expected an integer")
@@ -268,8 +290,9 @@ def expect_int(key: str, value: Any, lo: int, hi: int,
     return value
 
 
-def expect_number(key: str, value: Any, lo: float, hi: float,
-                  error: type[ValueError] = GGUFMetaError) -> float:
+def expect_number(
+    key: str, value: Any, lo: float, hi: float, error: type[ValueError] = GGUFMetaError
+) -> float:
     """``value`` as a finite number in [lo, hi] (NaN and inf refused alike)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise error(f"metadata key {key!r} is {shown(value)}, expected a number")
@@ -295,13 +318,15 @@ def expect_str(key: str, value: Any, error: type[ValueError] = GGUFMetaError) ->
 _ELEMENTS: dict[type, str] = {str: "strings", int: "integers", float: "numbers"}
 
 
-def expect_list(key: str, value: Any, element: type,
-                error: type[ValueError] = GGUFMetaError) -> list[Any]:
+def expect_list(
+    key: str, value: Any, element: type, error: type[ValueError] = GGUFMetaError
+) -> list[Any]:
     """``value`` as an array whose every element is ``element`` (``float``: any finite
     number; ``int``: an integer, no bool)."""
     if not isinstance(value, list):
-        raise error(f"metadata key {key!r} is {shown(value)}, expected an array of "
-                    f"{_ELEMENTS[element]}")
+        raise error(
+            f"metadata key {key!r} is {shown(value)}, expected an array of {_ELEMENTS[element]}"
+        )
     if element is float:
         ok = all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
         ok = ok and all(map(math.isfinite, value))
@@ -310,10 +335,22 @@ def expect_list(key: str, value: Any, element: type,
     else:
         ok = all(isinstance(v, element) for v in value)
     if not ok:
-        bad = next((i for i, v in enumerate(value) if not (
-            type(v) is int if element is int else isinstance(v, int | float) and not
-            isinstance(v, bool) and math.isfinite(v) if element is float
-            else isinstance(v, element))), 0)
-        raise error(f"metadata key {key!r}: element {bad} is {shown(value[bad])}, expected "
-                    f"an array of {_ELEMENTS[element]}")
+        bad = next(
+            (
+                i
+                for i, v in enumerate(value)
+                if not (
+                    type(v) is int
+                    if element is int
+                    else isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                    if element is float
+                    else isinstance(v, element)
+                )
+            ),
+            0,
+        )
+        raise error(
+            f"metadata key {key!r}: element {bad} is {shown(value[bad])}, expected "
+            f"an array of {_ELEMENTS[element]}"
+        )
     return value

@@ -67,7 +67,10 @@ F32Array = npt.NDArray[np.float32]
 TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(N_BYTE_TOKENS)))
 _T = gguf.TokenType
 TOKEN_TYPES: tuple[int, ...] = (
-    int(_T.UNKNOWN), int(_T.CONTROL), int(_T.CONTROL), *(int(_T.BYTE),) * N_BYTE_TOKENS
+    int(_T.UNKNOWN),
+    int(_T.CONTROL),
+    int(_T.CONTROL),
+    *(int(_T.BYTE),) * N_BYTE_TOKENS,
 )
 assert len(TOKENS) == VOCAB_SIZE and (UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2)
 
@@ -140,24 +143,36 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
             raise GGUFError(f"{path}: {full} is {value!r}, expected a whole number >= 0")
         return kind(value)
 
-    for key in ("rope.scaling.type", "final_logit_softcapping", "expert_gating_func",
-                "expert_weights_scale", "attention.sliding_window_pattern"):
+    for key in (
+        "rope.scaling.type",
+        "final_logit_softcapping",
+        "expert_gating_func",
+        "expert_weights_scale",
+        "attention.sliding_window_pattern",
+    ):
         value = meta.get(f"{a}.{key}")
-        if value not in (None, "none", 0, 0.0) and not (
-                key == "expert_gating_func" and value == 1) and not (
-                key == "expert_weights_scale" and value == 1.0):
+        if (
+            value not in (None, "none", 0, 0.0)
+            and not (key == "expert_gating_func" and value == 1)
+            and not (key == "expert_weights_scale" and value == 1.0)
+        ):
             raise GGUFError(f"{path}: {a}.{key} = {value!r} is not supported")
     try:
-        tokens = expect_list("tokenizer.ggml.tokens",
-                             _require(meta, "tokenizer.ggml.tokens", path), str, GGUFError)
+        tokens = expect_list(
+            "tokenizer.ggml.tokens", _require(meta, "tokenizer.ggml.tokens", path), str, GGUFError
+        )
     except GGUFError as exc:
         raise GGUFError(f"{path}: {exc}") from None
     n_tokens = len(tokens)
     n_vocab = num("vocab_size", n_tokens)
     if n_vocab != n_tokens:
         raise GGUFError(f"{path}: {a}.vocab_size is {n_vocab} but there are {n_tokens} tokens")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"):
+    for key in (
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+    ):
         tid = meta.get(key)
         if tid is not None and not (isinstance(tid, int) and 0 <= tid < n_vocab):
             raise GGUFError(f"{path}: {key} is {tid!r}, outside the vocabulary [0, {n_vocab})")
@@ -175,19 +190,26 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
         "n_ff_shared": num("expert_shared_feed_forward_length", 0),
     }
     values["n_head_kv"] = num("attention.head_count_kv", values["n_head"])
-    values["n_ff"] = (num("expert_feed_forward_length") if spec.name == "qwen3moe"
-                      else num("feed_forward_length"))
+    values["n_ff"] = (
+        num("expert_feed_forward_length") if spec.name == "qwen3moe" else num("feed_forward_length")
+    )
     for field_name, value in values.items():
         top = LIMITS.get(field_name)
         if top is not None and value > top:
             raise GGUFError(f"{path}: metadata states {field_name} = {value}, above {top}")
-    ours = (a == "llama" and n_expert > 0 and tuple(tokens) == TOKENS
-            and meta.get("tokenizer.ggml.model") == "llama")
+    ours = (
+        a == "llama"
+        and n_expert > 0
+        and tuple(tokens) == TOKENS
+        and meta.get("tokenizer.ggml.model") == "llama"
+    )
     key_length = num("attention.key_length", 0)
     value_length = num("attention.value_length", key_length)
     if value_length != key_length:
-        raise GGUFError(f"{path}: {a}.attention.value_length {value_length} differs from "
-                        f"key_length {key_length} (not supported)")
+        raise GGUFError(
+            f"{path}: {a}.attention.value_length {value_length} differs from "
+            f"key_length {key_length} (not supported)"
+        )
     try:
         if ours and key_length in (0, values["n_embd"] // max(values["n_head"], 1)):
             cfg: ModelConfig = ModelConfig(**values)
@@ -207,4 +229,3 @@ def config_from_metadata(meta: Mapping[str, Any], path: Path) -> ModelConfig:
             "(partial rotary embedding is not supported)"
         )
     return cfg
-

@@ -21,15 +21,26 @@ from foundry.model.kernels import finite, quant
 _QT = gguf.GGMLQuantizationType
 
 WRITABLE: tuple[gguf.GGMLQuantizationType, ...] = (
-    _QT.F32, _QT.F16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1, _QT.Q4_K, _QT.Q6_K)
+    _QT.F32,
+    _QT.F16,
+    _QT.Q8_0,
+    _QT.Q4_0,
+    _QT.Q4_1,
+    _QT.Q5_0,
+    _QT.Q5_1,
+    _QT.Q4_K,
+    _QT.Q6_K,
+)
 """The storage types Foundry writes (``quant.quantize``); a tensor stored in another (Q5_K,
 Q2_K, Q3_K, the i-quants) is written as :data:`FALLBACK` when it is replaced."""
 FALLBACK = _QT.Q8_0
 
 
-def replacement_type(stored: gguf.GGMLQuantizationType, shape: tuple[int, ...],
-                     forced: gguf.GGMLQuantizationType | None = None
-                     ) -> gguf.GGMLQuantizationType:
+def replacement_type(
+    stored: gguf.GGMLQuantizationType,
+    shape: tuple[int, ...],
+    forced: gguf.GGMLQuantizationType | None = None,
+) -> gguf.GGMLQuantizationType:
     """The type a replaced tensor is written in: ``forced``, else the one it had where Foundry
     writes it, else Q8_0; F16 where a row is not whole blocks of the chosen type; vectors F32."""
     if len(shape) == 1:
@@ -40,8 +51,12 @@ def replacement_type(stored: gguf.GGMLQuantizationType, shape: tuple[int, ...],
     return qtype
 
 
-def rewrite_gguf(src: str | Path, dst: str | Path, replaced: Mapping[str, F32Array],
-                 forced: gguf.GGMLQuantizationType | None = None) -> dict[str, str]:
+def rewrite_gguf(
+    src: str | Path,
+    dst: str | Path,
+    replaced: Mapping[str, F32Array],
+    forced: gguf.GGMLQuantizationType | None = None,
+) -> dict[str, str]:
     """Write ``dst`` as a copy of the GGUF file ``src`` (its key/value pairs byte for byte, its
     tensors in order) with the float32 tensors of ``replaced`` in place of the file's own,
     each stored as :func:`replacement_type` says (atomically: temp file + rename). Returns
@@ -64,15 +79,19 @@ def rewrite_gguf(src: str | Path, dst: str | Path, replaced: Mapping[str, F32Arr
             if t.name in replaced:
                 value = np.ascontiguousarray(replaced[t.name], np.float32)
                 if value.shape != tuple(reversed(t.dims)):
-                    raise GGUFError(f"tensor {t.name!r} is {value.shape} in {src}, "
-                                    f"{tuple(reversed(t.dims))} given")
+                    raise GGUFError(
+                        f"tensor {t.name!r} is {value.shape} in {src}, "
+                        f"{tuple(reversed(t.dims))} given"
+                    )
                 qtype = replacement_type(qtype, value.shape, forced)
                 why = finite.overflow(value, qtype)
                 if why is not None:
                     raise GGUFError(f"cannot write tensor {t.name!r} as {qtype.name}: {why}")
                 data: bytes | tuple[int, int] = (
-                    value.tobytes() if qtype == _QT.F32 else quant.quantize(value, qtype).data
-                    .tobytes())
+                    value.tobytes()
+                    if qtype == _QT.F32
+                    else quant.quantize(value, qtype).data.tobytes()
+                )
                 written[t.name] = qtype.name
             else:
                 data = (t.offset, t.offset + n // values * size)

@@ -46,7 +46,14 @@ from foundry.model.spec.config import ModelConfig
 F32 = npt.NDArray[np.float32]
 
 TARGETS: tuple[str, ...] = (
-    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
 """The projections an adapter may sit beside, by their GGUF names."""
 DEFAULT_TARGETS: tuple[str, ...] = ("attn_q", "attn_v")  # PEFT's q_proj, v_proj
 DEFAULT_RANK = 8  # PEFT's r
@@ -79,8 +86,10 @@ class LoraSpec:
             raise LoraError(f"--lora-dropout must lie in [0, 1), got {self.dropout}")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise LoraError(f"--lora-targets {','.join(self.targets)!r}: name each once, from "
-                            f"{', '.join(TARGETS)}")
+            raise LoraError(
+                f"--lora-targets {','.join(self.targets)!r}: name each once, from "
+                f"{', '.join(TARGETS)}"
+            )
 
     @property
     def scale(self) -> float:
@@ -119,7 +128,8 @@ def target_tensors(cfg: ModelConfig, targets: Sequence[str]) -> list[str]:
                 arch = cfg.architecture if isinstance(cfg, ArchConfig) else "llama"
                 raise LoraError(
                     f"{arch} has no {t} (its FFN is routed experts, which stay frozen); "
-                    f"choose --lora-targets among the attention projections")
+                    f"choose --lora-targets among the attention projections"
+                )
             out.append(name)
     return out
 
@@ -155,8 +165,9 @@ def delta(adapters: Mapping[str, F32], base: str, scale: float) -> F32:
     return (scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
 
-def merge(params: Mapping[str, Param], adapters: Mapping[str, F32], scale: float
-          ) -> dict[str, Param]:
+def merge(
+    params: Mapping[str, Param], adapters: Mapping[str, F32], scale: float
+) -> dict[str, Param]:
     """The base with W + scale B A for every adapted tensor (float32); others as they are."""
     bases = sorted({base_of(n) for n in adapters})
     out = dict(params)
@@ -166,8 +177,10 @@ def merge(params: Mapping[str, Param], adapters: Mapping[str, F32], scale: float
         w = dequantize(params[base])
         d = delta(adapters, base, scale)
         if d.shape != w.shape:
-            raise LoraError(f"the adapter of {base!r} is {d.shape}, the model's tensor "
-                            f"{w.shape}: it was trained on another model")
+            raise LoraError(
+                f"the adapter of {base!r} is {d.shape}, the model's tensor "
+                f"{w.shape}: it was trained on another model"
+            )
         out[base] = (w.astype(np.float32) + d).astype(np.float32)
     return out
 
@@ -193,8 +206,13 @@ class Adapter:
         return self.alpha / self.rank
 
 
-def save_adapter(path: str | Path, architecture: str, alpha: float, tensors: Mapping[str, F32],
-                 base_name: str = "") -> None:
+def save_adapter(
+    path: str | Path,
+    architecture: str,
+    alpha: float,
+    tensors: Mapping[str, F32],
+    base_name: str = "",
+) -> None:
     """Write the adapter GGUF llama.cpp's ``--lora`` loads (atomically: temp file + rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -234,7 +252,8 @@ def load_adapter(path: str | Path) -> Adapter:
                 raise LoraError(
                     f"{path} is not a LoRA adapter (general.type "
                     f"{meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r});"
-                    " pass the adapter file `foundry train --base-model ... --lora-rank` wrote")
+                    " pass the adapter file `foundry train --base-model ... --lora-rank` wrote"
+                )
             tensors = {t.name: _read_tensor(buf, t, path) for t in layout.tensors}
     except OSError as exc:
         raise LoraError(f"cannot read adapter {path}: {exc}") from None
@@ -258,19 +277,27 @@ def load_adapter(path: str | Path) -> Adapter:
             raise LoraError(f"{path}: {base!r}'s lora_a and lora_b disagree on the rank")
     if len(ranks) != 1:
         raise LoraError(f"{path}: the adapters have ranks {sorted(ranks)}; Foundry reads one")
-    return Adapter(str(meta.get("general.architecture", "")), float(alpha), tensors,
-                   str(meta.get("general.name", "")))
+    return Adapter(
+        str(meta.get("general.architecture", "")),
+        float(alpha),
+        tensors,
+        str(meta.get("general.name", "")),
+    )
 
 
 def _read_tensor(buf: Any, t: gguf_meta.TensorInfo, path: Path) -> F32:
     shape = tuple(reversed(t.dims))
     n = math.prod(shape)
-    kinds = {int(gguf.GGMLQuantizationType.F32): np.float32,
-             int(gguf.GGMLQuantizationType.F16): np.float16}
+    kinds = {
+        int(gguf.GGMLQuantizationType.F32): np.float32,
+        int(gguf.GGMLQuantizationType.F16): np.float16,
+    }
     dtype = kinds.get(t.ggml_type)
     if dtype is None:
-        raise LoraError(f"{path}: adapter tensor {t.name!r} has ggml type {t.ggml_type}; "
-                        "Foundry reads F32 and F16 adapters")
+        raise LoraError(
+            f"{path}: adapter tensor {t.name!r} has ggml type {t.ggml_type}; "
+            "Foundry reads F32 and F16 adapters"
+        )
     at = t.offset
     size = n * np.dtype(dtype).itemsize
     if at + size > len(buf):
@@ -278,8 +305,9 @@ def _read_tensor(buf: Any, t: gguf_meta.TensorInfo, path: Path) -> F32:
     return np.frombuffer(buf, dtype, n, at).astype(np.float32).reshape(shape)
 
 
-def apply_adapter(cfg: ModelConfig, params: Mapping[str, Param], adapter: Adapter,
-                  source: str) -> dict[str, Param]:
+def apply_adapter(
+    cfg: ModelConfig, params: Mapping[str, Param], adapter: Adapter, source: str
+) -> dict[str, Param]:
     """The model's tensors with the adapter merged in, for serving ``--lora FILE`` (the
     adapted tensors become float32; the rest are held as they are). The adapter must be for
     this architecture and these shapes."""
@@ -292,8 +320,9 @@ def check_architecture(cfg: ModelConfig, adapter: Adapter, source: str) -> None:
     tensors fit ``cfg``'s."""
     arch = cfg.architecture if isinstance(cfg, ArchConfig) else "llama"
     if adapter.architecture != arch:
-        raise LoraError(f"{source} is an adapter for {adapter.architecture!r}, the model is "
-                        f"{arch!r}")
+        raise LoraError(
+            f"{source} is an adapter for {adapter.architecture!r}, the model is {arch!r}"
+        )
     shapes = cfg.param_shapes()
     for name in adapter.tensors:
         base = base_of(name)
@@ -301,5 +330,7 @@ def check_architecture(cfg: ModelConfig, adapter: Adapter, source: str) -> None:
             raise LoraError(f"{source} adapts {base!r}, which the model does not have")
         a, b = (adapter.tensors[n] for n in adapter_names(base))
         if (b.shape[0], a.shape[1]) != shapes[base]:
-            raise LoraError(f"{source}'s adapter of {base!r} is ({b.shape[0]}, {a.shape[1]}), "
-                            f"the model's tensor {shapes[base]}: it was trained on another model")
+            raise LoraError(
+                f"{source}'s adapter of {base!r} is ({b.shape[0]}, {a.shape[1]}), "
+                f"the model's tensor {shapes[base]}: it was trained on another model"
+            )

@@ -31,8 +31,9 @@ def check_output(path: Path, *, force: bool, flag: str = "--out") -> None:
         with resolved.open("rb") as f:
             head = f.read(len(GGUF_MAGIC))
     except OSError as exc:
-        raise OutputRefused(f"{flag} {path} exists and cannot be read ({exc}); not "
-                            "overwriting it") from None
+        raise OutputRefused(
+            f"{flag} {path} exists and cannot be read ({exc}); not overwriting it"
+        ) from None
     if head != GGUF_MAGIC:
         raise OutputRefused(
             f"{flag} {path} exists and is not a GGUF file (it starts with {head!r}); not "

@@ -98,20 +98,33 @@ class TunedConfig(ModelConfig):
         return dict(self.trainable)
 
     def describe(self) -> str:
-        how = "full fine-tuning" if self.spec is None else (
-            f"LoRA r={self.lora_rank} alpha={self.lora_alpha:g} on "
-            f"{','.join(self.lora_targets)}")
+        how = (
+            "full fine-tuning"
+            if self.spec is None
+            else (
+                f"LoRA r={self.lora_rank} alpha={self.lora_alpha:g} on "
+                f"{','.join(self.lora_targets)}"
+            )
+        )
         return f"{self.architecture} base ({self.base_sha256[:12]}), {how}"
 
 
-def tuned_config(base_cfg: ModelConfig, identity: FileIdentity,
-                 spec: LR.LoraSpec | None) -> TunedConfig:
+def tuned_config(
+    base_cfg: ModelConfig, identity: FileIdentity, spec: LR.LoraSpec | None
+) -> TunedConfig:
     shapes = trainable_shapes(base_cfg, spec)
     return TunedConfig(
-        n_vocab=base_cfg.n_vocab, n_ctx=base_cfg.n_ctx, n_embd=base_cfg.n_embd,
-        n_layer=base_cfg.n_layer, n_head=base_cfg.n_head, n_head_kv=base_cfg.n_head_kv,
-        n_ff=base_cfg.n_ff, n_expert=base_cfg.n_expert, n_expert_used=base_cfg.n_expert_used,
-        architecture=architecture_of(base_cfg), base_bytes=identity.size,
+        n_vocab=base_cfg.n_vocab,
+        n_ctx=base_cfg.n_ctx,
+        n_embd=base_cfg.n_embd,
+        n_layer=base_cfg.n_layer,
+        n_head=base_cfg.n_head,
+        n_head_kv=base_cfg.n_head_kv,
+        n_ff=base_cfg.n_ff,
+        n_expert=base_cfg.n_expert,
+        n_expert_used=base_cfg.n_expert_used,
+        architecture=architecture_of(base_cfg),
+        base_bytes=identity.size,
         base_sha256=identity.sha256,
         lora_rank=0 if spec is None else spec.rank,
         lora_alpha=0.0 if spec is None else spec.alpha,

@@ -35,19 +35,35 @@ class InferenceEngine(Protocol):
 
     def new_session(self, ctx_size: int | None = None) -> Any: ...
 
-    def decode(self, session: Any, tokens: Sequence[int],
-               exchange: Callable[[int, Gate, F32], F32] | None = None, *,
-               last_only: bool = False) -> F32: ...
+    def decode(
+        self,
+        session: Any,
+        tokens: Sequence[int],
+        exchange: Callable[[int, Gate, F32], F32] | None = None,
+        *,
+        last_only: bool = False,
+    ) -> F32: ...
 
-    def forward_rows(self, rows: Sequence[tuple[Any, Sequence[int]]],
-                     exchange: Callable[[int, Gate, F32], F32] | None = None, *,
-                     last_only: bool = False) -> F32: ...
+    def forward_rows(
+        self,
+        rows: Sequence[tuple[Any, Sequence[int]]],
+        exchange: Callable[[int, Gate, F32], F32] | None = None,
+        *,
+        last_only: bool = False,
+    ) -> F32: ...
 
 
 def make_engine(
-    cfg: ModelConfig, weights: Mapping[str, Param] | RankWeights, rank: int = 0, world: int = 1,
-    expert_split: ExpertSplit | None = None, *, device: str = "cpu",
-    ctx_size: int | None = None, compile_step: bool = False, threads: int | None = None,
+    cfg: ModelConfig,
+    weights: Mapping[str, Param] | RankWeights,
+    rank: int = 0,
+    world: int = 1,
+    expert_split: ExpertSplit | None = None,
+    *,
+    device: str = "cpu",
+    ctx_size: int | None = None,
+    compile_step: bool = False,
+    threads: int | None = None,
 ) -> InferenceEngine:
     """The engine ``--device`` names (``nn.device.DEVICES``): numpy for ``cpu``, PyTorch for
     ``cuda`` and ``torch-cpu``; ``auto`` takes the GPU when PyTorch sees one. A missing PyTorch
@@ -59,17 +75,26 @@ def make_engine(
     intra-op threads; None leaves each as it is)."""
     target = resolve(device)
     if target is None:
-        return Engine(cfg, weights, rank, world, expert_split, ctx_size=ctx_size,
-                      threads=threads)
+        return Engine(cfg, weights, rank, world, expert_split, ctx_size=ctx_size, threads=threads)
     if type(cfg) is not ModelConfig:
-        raise DeviceError(f"--device {device}: the PyTorch engine runs Foundry's own model "
-                           f"files; this one is {getattr(cfg, 'architecture', type(cfg).__name__)}"
-                           f" (use --device cpu)")
+        raise DeviceError(
+            f"--device {device}: the PyTorch engine runs Foundry's own model "
+            f"files; this one is {getattr(cfg, 'architecture', type(cfg).__name__)}"
+            f" (use --device cpu)"
+        )
     from foundry.model.infer.torch_engine import TorchEngine
 
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    return TorchEngine(cfg, weights, rank, world, expert_split, device=target,
-                       ctx_size=ctx_size, compile_step=compile_step)
+    return TorchEngine(
+        cfg,
+        weights,
+        rank,
+        world,
+        expert_split,
+        device=target,
+        ctx_size=ctx_size,
+        compile_step=compile_step,
+    )

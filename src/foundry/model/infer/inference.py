@@ -116,6 +116,7 @@ F32 = npt.NDArray[np.float32]
 GateExchange = Callable[[int, Gate, F32], F32]
 """(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
 
+
 class KVCache(Enum):
     """The type a session's K and V cache rows are stored in (``Engine(kv_cache=...)``)."""
 
@@ -142,7 +143,11 @@ class Session(SessionPositions):
     """
 
     def __init__(
-        self, engine_id: int, ctx_size: int, kv_heads: Sequence[tuple[int, int]], cfg: ModelConfig,
+        self,
+        engine_id: int,
+        ctx_size: int,
+        kv_heads: Sequence[tuple[int, int]],
+        cfg: ModelConfig,
         kv_cache: KVCache = KVCache.F16,
     ):
         self.id = next(_session_ids)
@@ -214,7 +219,8 @@ class Engine:
             if world > 1 and shares is not None and weights.shares != self.shares:
                 raise ValueError(
                     f"weights are cut by shares {weights.shares}, the engine was given "
-                    f"{self.shares}")
+                    f"{self.shares}"
+                )
             self.shares = weights.shares if world > 1 else self.shares
             if expert_split not in (None, weights.expert_split):
                 raise ValueError(
@@ -229,8 +235,11 @@ class Engine:
         self.fused: list[dict[str, Param]] = [fuse(cfg, part) for part in self.parts]
         # Each expert's matrices as views, made once (indexing a QTensor builds one).
         self._experts: list[dict[str, list[Param]]] = [
-            {name: [t[e] for e in range(t.shape[0])]
-             for name, t in [*part.params.items(), *fused.items()] if t.ndim == 3}
+            {
+                name: [t[e] for e in range(t.shape[0])]
+                for name, t in [*part.params.items(), *fused.items()]
+                if t.ndim == 3
+            }
             for part, fused in zip(self.parts, self.fused, strict=True)
         ]
         self.replicated = self.parts[0].params  # embeddings, norms and routers
@@ -244,53 +253,95 @@ class Engine:
         self._bases = [rope_base(cfg, i) for i in range(cfg.n_layer)]
         self._rope: dict[float, tuple[F32, F32]] = {}
         self._rope_tables(self.ctx_size)
-        self._layers = [[part_layer(cfg, self.arch, part, fused, experts, i)
-                         for i in range(cfg.n_layer)]
-                        for part, fused, experts in zip(self.parts, self.fused, self._experts,
-                                                        strict=True)]
+        self._layers = [
+            [part_layer(cfg, self.arch, part, fused, experts, i) for i in range(cfg.n_layer)]
+            for part, fused, experts in zip(self.parts, self.fused, self._experts, strict=True)
+        ]
         self._dense = [
-            DenseLayer(*(self.dense.get(f"blk.{i}.{n}.weight") for n in (
-                "attn_norm", "ffn_norm", "ffn_gate_inp", "attn_q_norm", "attn_k_norm",
-                "post_attention_norm", "post_ffw_norm")))  # type: ignore[arg-type]
+            DenseLayer(
+                *(  # type: ignore[arg-type]
+                    self.dense.get(f"blk.{i}.{n}.weight")
+                    for n in (
+                        "attn_norm",
+                        "ffn_norm",
+                        "ffn_gate_inp",
+                        "attn_q_norm",
+                        "attn_k_norm",
+                        "post_attention_norm",
+                        "post_ffw_norm",
+                    )
+                )
+            )
             for i in range(cfg.n_layer)
         ]
-        self._window = [cfg.sliding_window if is_swa(cfg, i) else 0  # type: ignore[attr-defined]
-                        for i in range(cfg.n_layer)]
+        self._window = [
+            cfg.sliding_window if is_swa(cfg, i) else 0  # type: ignore[attr-defined]
+            for i in range(cfg.n_layer)
+        ]
         # The output head of each part: its block of output.weight, or of token_embd's rows
         # when the output is tied (a view: the table is held once).
         self._head: list[Param] = [
             _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
-            if is_tied(cfg) else part.params["output.weight"] for part in self.parts
+            if is_tied(cfg)
+            else part.params["output.weight"]
+            for part in self.parts
         ]
         # A world-1 engine's parts' heads are consecutive row blocks of one stored matrix
         # (views of it: holding it costs nothing): one product over all of them gives each
         # row's bits (the kernels' rows are their own dot products) without joining the
         # blocks' logits (1 MB a token for Gemma).
-        whole = None if isinstance(weights, RankWeights) or len(self.parts) < 2 else (
-            self.replicated["token_embd.weight"] if is_tied(cfg) else weights["output.weight"])
-        self._head_all = whole if isinstance(whole, QTensor) and whole.ndim == 2 and all(
-            isinstance(h, QTensor) and np.may_share_memory(h.data, whole.data)
-            for h in self._head) else None
+        whole = (
+            None
+            if isinstance(weights, RankWeights) or len(self.parts) < 2
+            else (
+                self.replicated["token_embd.weight"] if is_tied(cfg) else weights["output.weight"]
+            )
+        )
+        self._head_all = (
+            whole
+            if isinstance(whole, QTensor)
+            and whole.ndim == 2
+            and all(
+                isinstance(h, QTensor) and np.may_share_memory(h.data, whole.data)
+                for h in self._head
+            )
+            else None
+        )
         # One token's layer in one C call where the layer's matrices are stored blocks
         # (``step_plan.layer_plan``); ``step_in_c`` False runs every step through the single
         # operations.
-        routed = [routed_in_c(cfg, self.arch, self.dense, self._layers, i)
-                  for i in range(cfg.n_layer)]
+        routed = [
+            routed_in_c(cfg, self.arch, self.dense, self._layers, i) for i in range(cfg.n_layer)
+        ]
         self._plans: list[StepPlan | None] = [
-            layer_plan(cfg, self.arch, self.kv_cache is KVCache.F16, self._window[i],
-                       self._dense[i], self.parts, self._layers, i, routed[i])
-            for i in range(cfg.n_layer)]
-        self._whole = [plan is not None and (routed[i] or all(
-            p[i].dense is not None for p in self._layers)) for i, plan in enumerate(self._plans)]
+            layer_plan(
+                cfg,
+                self.arch,
+                self.kv_cache is KVCache.F16,
+                self._window[i],
+                self._dense[i],
+                self.parts,
+                self._layers,
+                i,
+                routed[i],
+            )
+            for i in range(cfg.n_layer)
+        ]
+        self._whole = [
+            plan is not None and (routed[i] or all(p[i].dense is not None for p in self._layers))
+            for i, plan in enumerate(self._plans)
+        ]
         self.step_in_c = any(plan is not None for plan in self._plans)
         self._all_whole: tuple[StepPlan, ...] | None = (
-            tuple(self._plans) if all(self._whole) else None)
+            tuple(self._plans) if all(self._whole) else None
+        )
 
     def _rope_tables(self, n_pos: int) -> None:
         for base in set(self._bases):
             if base not in self._rope or self._rope[base][0].shape[0] < n_pos:
-                self._rope[base] = rope_tables(n_pos, self.cfg.head_dim, base,
-                                               self.dense.get("rope_freqs.weight"))
+                self._rope[base] = rope_tables(
+                    n_pos, self.cfg.head_dim, base, self.dense.get("rope_freqs.weight")
+                )
 
     @property
     def layers_in_c(self) -> int:
@@ -307,12 +358,17 @@ class Engine:
         if ctx <= 0:
             raise ValueError(f"ctx_size must be positive, got {ctx}")
         self._rope_tables(ctx)
-        return Session(self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg,
-                       self.kv_cache)
+        return Session(
+            self.id, ctx, [p.layout.kv_heads for p in self.parts], self.cfg, self.kv_cache
+        )
 
     def decode(
-        self, session: Session, tokens: Sequence[int], exchange: GateExchange | None = None,
-        *, last_only: bool = False,
+        self,
+        session: Session,
+        tokens: Sequence[int],
+        exchange: GateExchange | None = None,
+        *,
+        last_only: bool = False,
     ) -> F32:
         """Run tokens (a block, or one) for one session: logits (len(tokens), n_vocab_out), or
         with ``last_only`` the last token's (1, n_vocab_out)."""
@@ -348,11 +404,18 @@ class Engine:
         session = rows[0][0]
         layers = self._dense
         if step and exchange is None and self._all_whole is not None:  # all in one call
-            step_layers(self._all_whole, x, session.pos, session.k, session.v,
-                        tuple(self._rope[base] for base in self._bases))
+            step_layers(
+                self._all_whole,
+                x,
+                session.pos,
+                session.k,
+                session.v,
+                tuple(self._rope[base] for base in self._bases),
+            )
             layers = []
-        tables = {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()} if layers \
-            else {}  # (n, Dh/2)
+        tables = (
+            {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()} if layers else {}
+        )  # (n, Dh/2)
         for i, dense in enumerate(layers):
             cos, sin = tables[self._bases[i]]
             plan = self._plans[i] if step else None
@@ -364,8 +427,9 @@ class Engine:
                     continue
             h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
             if plan is not None:
-                partial = _sum([step_attn(plan, j, h, session.pos, kc[j], vc[j], *full)
-                                for j in parts])
+                partial = _sum(
+                    [step_attn(plan, j, h, session.pos, kc[j], vc[j], *full) for j in parts]
+                )
             else:
                 partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
             a = self._exchange(exchange, i, Gate.ATTN, partial)
@@ -385,9 +449,12 @@ class Engine:
         if self._head_all is not None:
             logits = linear(hf if last is None else hf[last], self._head_all)  # (n, V_out)
         else:
-            head = [linear(hf, w)[last] if isinstance(w, np.ndarray) and last is not None
-                    else linear(hf if last is None else hf[last], w)
-                    for w in self._head]  # (n or sessions, V_part)
+            head = [
+                linear(hf, w)[last]
+                if isinstance(w, np.ndarray) and last is not None
+                else linear(hf if last is None else hf[last], w)
+                for w in self._head
+            ]  # (n or sessions, V_part)
             logits = head[0] if len(head) == 1 else np.concatenate(head, axis=1)  # (n, V_out)
         for session, tokens in rows:
             session.tokens.extend(int(t) for t in tokens)
@@ -426,8 +493,8 @@ class Engine:
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
             end = session.pos + b - a
-            kc[session.pos:end] = k[a:b]
-            vc[session.pos:end] = v[a:b]
+            kc[session.pos : end] = k[a:b]
+            vc[session.pos : end] = v[a:b]
             # each row as one-row decoding computes it (batch invariance), over its window
             attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
@@ -472,16 +539,19 @@ class Engine:
         edges = bounds.tolist()
         for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
             if lo < hi:
-                ys[lo:hi] = _swiglu(xs[lo:hi], None if lw.gate_up is None else lw.gate_up[e],
-                                    lw.gate[e], lw.up[e], lw.down[e])  # (M_e, D)
+                ys[lo:hi] = _swiglu(
+                    xs[lo:hi],
+                    None if lw.gate_up is None else lw.gate_up[e],
+                    lw.gate[e],
+                    lw.up[e],
+                    lw.down[e],
+                )  # (M_e, D)
         y = combine_experts(ys, weights, order)  # (n, D)
         if lw.shared is not None:
             y += _swiglu(h, *lw.shared)  # (n, D)
         return y
 
-    def _exchange(
-        self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32
-    ) -> F32:
+    def _exchange(self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32) -> F32:
         if exchange is None:
             return partial
         total = np.asarray(exchange(layer, gate, np.ascontiguousarray(partial)))
@@ -507,26 +577,35 @@ def _row_block(w: Param, block: tuple[int, int]) -> Param:
     return QTensor(w.qtype, (block[1] - block[0], w.shape[1]), w.data[block[0] : block[1]])
 
 
-def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param,
-         act: Act) -> F32:
+def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param, act: Act) -> F32:
     """A dense FFN: down(act(gate x) * up x), SwiGLU or GeGLU."""
     if act is Act.SILU:
         return _swiglu(x, gate_up, w_gate, w_up, w_down)
-    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
-        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    gu = (
+        linear(x, gate_up)
+        if gate_up is not None
+        else np.concatenate([linear(x, w_gate), linear(x, w_up)], axis=1)
+    )  # (N, 2F)
     return linear(geglu(gu), w_down)  # (N, D)
 
 
 def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
     """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
     gate and up where ``step_plan.fuse`` stacked them (``gate_up``), else one each."""
-    gu = linear(x, gate_up) if gate_up is not None else np.concatenate(
-        [linear(x, w_gate), linear(x, w_up)], axis=1)  # (N, 2F)
+    gu = (
+        linear(x, gate_up)
+        if gate_up is not None
+        else np.concatenate([linear(x, w_gate), linear(x, w_up)], axis=1)
+    )  # (N, 2F)
     return linear(swiglu(gu), w_down)  # (N, D)
 
 
 def _cut(
-    cfg: ModelConfig, weights: Mapping[str, Param], rank: int, world: int, mode: ExpertSplit,
+    cfg: ModelConfig,
+    weights: Mapping[str, Param],
+    rank: int,
+    world: int,
+    mode: ExpertSplit,
     shares: Shares,
 ) -> tuple[RankWeights, ...]:
     """The parts an engine holds: rank's own, or for one process every part of the world it

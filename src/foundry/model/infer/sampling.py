@@ -62,8 +62,7 @@ def probabilities(logits: npt.ArrayLike, temperature: float, top: float | None =
     return p
 
 
-def _check(logits: npt.NDArray[np.floating], temperature: float, top_p: float,
-           top_k: int) -> float:
+def _check(logits: npt.NDArray[np.floating], temperature: float, top_p: float, top_k: int) -> float:
     """The largest logit, once the settings and the row are known to give a token."""
     if logits.ndim != 1 or logits.size == 0:
         raise SamplingError(f"logits must be a non-empty vector, got shape {logits.shape}")
@@ -217,6 +216,7 @@ def logprobs(logits: npt.ArrayLike, token: int, top: int = 0) -> TokenLogprobs:
     log_total = zmax + float(np.log(np.exp(z - zmax).sum()))  # logsumexp, one pass
     best = top_indices(z, min(top, z.size)) if top else np.zeros(0, np.int64)
     return TokenLogprobs(
-        token, float(z[token]) - log_total,
+        token,
+        float(z[token]) - log_total,
         tuple((int(i), float(z[i]) - log_total) for i in best),
     )

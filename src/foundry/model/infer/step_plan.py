@@ -80,8 +80,14 @@ class DenseLayer:
     post_ffn: F32 | None
 
 
-def part_layer(cfg: ModelConfig, arch: Arch, part: RankWeights, fused: Mapping[str, Param],
-               experts: Mapping[str, list[Param]], layer: int) -> PartLayer:
+def part_layer(
+    cfg: ModelConfig,
+    arch: Arch,
+    part: RankWeights,
+    fused: Mapping[str, Param],
+    experts: Mapping[str, list[Param]],
+    layer: int,
+) -> PartLayer:
     """What ``part`` holds of layer ``layer`` (``fused``: its stacked tensors, ``fuse``;
     ``experts``: each expert's matrices as views)."""
     w = part.params
@@ -90,17 +96,30 @@ def part_layer(cfg: ModelConfig, arch: Arch, part: RankWeights, fused: Mapping[s
     layout = part.layout
     shared = dense = None
     if cfg.n_ff_shared:
-        shared = (fused.get(p + "gate_up_shexp"), w[p + "ffn_gate_shexp.weight"],
-                  w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+        shared = (
+            fused.get(p + "gate_up_shexp"),
+            w[p + "ffn_gate_shexp.weight"],
+            w[p + "ffn_up_shexp.weight"],
+            w[p + "ffn_down_shexp.weight"],
+        )
     if cfg.n_expert == 0:
-        dense = (fused.get(p + "ffn_gate_up"), w[p + "ffn_gate.weight"],
-                 w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        dense = (
+            fused.get(p + "ffn_gate_up"),
+            w[p + "ffn_gate.weight"],
+            w[p + "ffn_up.weight"],
+            w[p + "ffn_down.weight"],
+        )
     bias = None
     if arch.qkv_bias:
         bias = tuple(dequantize(w[p + f"attn_{t}.bias"]) for t in "qkv")
     q0, k0 = layout.q_rows[0], layout.k_rows[0]
     return PartLayer(
-        qkv=fused.get(p + "qkv"), q=q, k=k, v=v, n_q=q.shape[0], n_k=k.shape[0],
+        qkv=fused.get(p + "qkv"),
+        q=q,
+        k=k,
+        v=v,
+        n_q=q.shape[0],
+        n_k=k.shape[0],
         bias=bias,  # type: ignore[arg-type]
         q_keep=(layout.heads[0] - q0, layout.heads[1] - q0),
         k_keep=(layout.kv_heads[0] - k0, layout.kv_heads[1] - k0),
@@ -108,8 +127,10 @@ def part_layer(cfg: ModelConfig, arch: Arch, part: RankWeights, fused: Mapping[s
         first_expert=layout.experts[0],
         gate=experts.get(p + "ffn_gate_exps.weight", []),
         up=experts.get(p + "ffn_up_exps.weight", []),
-        down=experts.get(p + "ffn_down_exps.weight", []), gate_up=experts.get(p + "gate_up"),
-        shared=shared, dense=dense,
+        down=experts.get(p + "ffn_down_exps.weight", []),
+        gate_up=experts.get(p + "gate_up"),
+        shared=shared,
+        dense=dense,
     )
 
 
@@ -131,7 +152,8 @@ def fuse(cfg: ModelConfig, part: RankWeights) -> dict[str, Param]:
             groups.append(("ffn_gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"]))
         if cfg.n_ff_shared:
             groups.append(
-                ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]))
+                ("gate_up_shexp", [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
+            )
         for key, names in groups:
             ts = [params[n] for n in names]
             if not _one_type(*ts):
@@ -166,22 +188,34 @@ def _one_type(*ps: Param) -> bool:
     return all(isinstance(p, QTensor) and p.qtype == first.qtype for p in ps)
 
 
-def routed_in_c(cfg: ModelConfig, arch: Arch, dense: Mapping[str, F32],
-                layers: list[list[PartLayer]], layer: int) -> bool:
+def routed_in_c(
+    cfg: ModelConfig,
+    arch: Arch,
+    dense: Mapping[str, F32],
+    layers: list[list[PartLayer]],
+    layer: int,
+) -> bool:
     """Whether layer ``layer``'s routed experts run in the one-token step: every expert
     matrix of every part stored blocks (C-contiguous), the top-k weights renormalised
     (``route``), no shared expert."""
-    if dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None or cfg.n_ff_shared \
-            or not arch.renorm_experts or arch.act is not Act.SILU:
+    if (
+        dense.get(f"blk.{layer}.ffn_gate_inp.weight") is None
+        or cfg.n_ff_shared
+        or not arch.renorm_experts
+        or arch.act is not Act.SILU
+    ):
         return False
-    mats = [t for held in layers for t in (
-        *(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)]
-    return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous
-               for t in mats)
+    mats = [
+        t
+        for held in layers
+        for t in (*(held[layer].gate_up or [*held[layer].gate, *held[layer].up]), *held[layer].down)
+    ]
+    return all(isinstance(t, QTensor) and t.ndim == 2 and t.data.flags.c_contiguous for t in mats)
 
 
-def same_kv(parts: Sequence[RankWeights], layers: list[list[PartLayer]], layer: int,
-            j: int) -> bool:
+def same_kv(
+    parts: Sequence[RankWeights], layers: list[list[PartLayer]], layer: int, j: int
+) -> bool:
     """Whether part j computes the K and V rows of part j - 1 from the same bytes, into
     the cache row they share (``Session``: parts of the same kv heads share one array)."""
     a, b = parts[j - 1].layout, parts[j].layout
@@ -192,16 +226,27 @@ def same_kv(parts: Sequence[RankWeights], layers: list[list[PartLayer]], layer: 
     if la.bias is not None and lb.bias is not None:
         pairs += [(la.bias[1], lb.bias[1]), (la.bias[2], lb.bias[2])]
     return all(
-        isinstance(x, QTensor) == isinstance(y, QTensor) and x.shape == y.shape
-        and np.array_equal(x.data if isinstance(x, QTensor) else x,
-                           y.data if isinstance(y, QTensor) else y)
+        isinstance(x, QTensor) == isinstance(y, QTensor)
+        and x.shape == y.shape
+        and np.array_equal(
+            x.data if isinstance(x, QTensor) else x, y.data if isinstance(y, QTensor) else y
+        )
         and (not isinstance(x, QTensor) or x.qtype == y.qtype)  # type: ignore[union-attr]
-        for x, y in pairs)
+        for x, y in pairs
+    )
 
 
-def layer_plan(cfg: ModelConfig, arch: Arch, half: bool, window: int, dense: DenseLayer,
-               parts: Sequence[RankWeights], layers: list[list[PartLayer]], layer: int,
-               routed: bool) -> StepPlan | None:
+def layer_plan(
+    cfg: ModelConfig,
+    arch: Arch,
+    half: bool,
+    window: int,
+    dense: DenseLayer,
+    parts: Sequence[RankWeights],
+    layers: list[list[PartLayer]],
+    layer: int,
+    routed: bool,
+) -> StepPlan | None:
     """Layer ``layer``'s one-token step for ``quant.step_plan``: each part's attention
     (and its dense FFN, where every FFN matrix is stored blocks, or its routed experts
     where ``routed`` (``routed_in_c``)), or None where the layer
@@ -219,15 +264,23 @@ def layer_plan(cfg: ModelConfig, arch: Arch, half: bool, window: int, dense: Den
         attn: list[Param] = [lw.q, lw.k, lw.v, lw.attn_output]
         ffn = [] if lw.dense is None else [t for t in lw.dense if t is not None]
         if not all(isinstance(t, QTensor) for t in attn) or (
-                ffn and not all(isinstance(t, QTensor) for t in ffn)):
+            ffn and not all(isinstance(t, QTensor) for t in ffn)
+        ):
             return None
         experts: tuple[StepExpert, ...] = ()
         if routed:
             experts = tuple(
-                (tuple(step_mat(t) for t in (  # type: ignore[arg-type]
-                    [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]])),
-                 step_mat(lw.down[e]))  # type: ignore[arg-type]
-                for e in range(len(lw.gate)))
+                (
+                    tuple(
+                        step_mat(t)  # type: ignore[arg-type]
+                        for t in (
+                            [lw.gate_up[e]] if lw.gate_up is not None else [lw.gate[e], lw.up[e]]
+                        )
+                    ),
+                    step_mat(lw.down[e]),  # type: ignore[arg-type]
+                )
+                for e in range(len(lw.gate))
+            )
         skip = j > 0 and same_kv(parts, layers, layer, j)
         qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
         gate_up: list[Param] = []
@@ -238,26 +291,50 @@ def layer_plan(cfg: ModelConfig, arch: Arch, half: bool, window: int, dense: Den
             down = step_mat(down_w)  # type: ignore[arg-type]
         n_kv = parts[j].layout.kv_heads[1] - parts[j].layout.kv_heads[0]
         bias_q, bias_k, bias_v = lw.bias or (None, None, None)
-        steps.append(StepPart(
-            qkv=tuple(step_mat(t) for t in qkv),  # type: ignore[arg-type]
-            out=step_mat(lw.attn_output),  # type: ignore[arg-type]
-            gate_up=tuple(step_mat(t) for t in gate_up),  # type: ignore[arg-type]
-            down=down, n_q=lw.n_q, n_k=lw.n_k, n_v=lw.v.shape[0], n_kv=n_kv,
-            n_ff=down.k if down else 0,
-            q_keep_first=lw.q_keep[0], q_keep_end=lw.q_keep[1],
-            k_keep_first=lw.k_keep[0], k_keep_end=lw.k_keep[1], skip_kv=int(skip),
-            bias_q=address(bias_q), bias_k=address(bias_k), bias_v=address(bias_v),
-            q_norm=address(dense.q_norm), k_norm=address(dense.k_norm),
-            first_exp=lw.first_expert, experts=experts,
-        ))
+        steps.append(
+            StepPart(
+                qkv=tuple(step_mat(t) for t in qkv),  # type: ignore[arg-type]
+                out=step_mat(lw.attn_output),  # type: ignore[arg-type]
+                gate_up=tuple(step_mat(t) for t in gate_up),  # type: ignore[arg-type]
+                down=down,
+                n_q=lw.n_q,
+                n_k=lw.n_k,
+                n_v=lw.v.shape[0],
+                n_kv=n_kv,
+                n_ff=down.k if down else 0,
+                q_keep_first=lw.q_keep[0],
+                q_keep_end=lw.q_keep[1],
+                k_keep_first=lw.k_keep[0],
+                k_keep_end=lw.k_keep[1],
+                skip_kv=int(skip),
+                bias_q=address(bias_q),
+                bias_k=address(bias_k),
+                bias_v=address(bias_v),
+                q_norm=address(dense.q_norm),
+                k_norm=address(dense.k_norm),
+                first_exp=lw.first_expert,
+                experts=experts,
+            )
+        )
     qk = {QKNorm.NONE: 0, QKNorm.HEAD: 1, QKNorm.FULL: 2}[arch.qk_norm]
-    return step_plan(StepLayer(
-        d=cfg.n_embd, dh=cfg.head_dim, half=int(half),
-        neox=int(arch.rope is Rope.NEOX), qk_norm=qk, window=window,
-        gelu=int(arch.act is Act.GELU), eps=cfg.norm_eps,
-        attn_norm=address(dense.attn_norm), ffn_norm=address(dense.ffn_norm),
-        post_attn=address(dense.post_attn), post_ffn=address(dense.post_ffn),
-        gelu_table=address(gelu_table()), router=address(dense.router if routed else None),
-        n_expert=cfg.n_expert if routed else 0, n_used=cfg.n_expert_used if routed else 0,
-        parts=tuple(steps),
-    ))
+    return step_plan(
+        StepLayer(
+            d=cfg.n_embd,
+            dh=cfg.head_dim,
+            half=int(half),
+            neox=int(arch.rope is Rope.NEOX),
+            qk_norm=qk,
+            window=window,
+            gelu=int(arch.act is Act.GELU),
+            eps=cfg.norm_eps,
+            attn_norm=address(dense.attn_norm),
+            ffn_norm=address(dense.ffn_norm),
+            post_attn=address(dense.post_attn),
+            post_ffn=address(dense.post_ffn),
+            gelu_table=address(gelu_table()),
+            router=address(dense.router if routed else None),
+            n_expert=cfg.n_expert if routed else 0,
+            n_used=cfg.n_expert_used if routed else 0,
+            parts=tuple(steps),
+        )
+    )

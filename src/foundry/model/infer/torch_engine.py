@@ -103,8 +103,10 @@ class TorchEngine:
         self.dtype = DTYPES[dtype or ("bf16" if self.device.type == "cuda" else "f32")]
         if isinstance(weights, RankWeights):
             if (weights.cfg, weights.rank, weights.world) != (cfg, rank, world):
-                raise ValueError(f"weights are for rank {weights.rank} of {weights.world}, "
-                                 f"engine is rank {rank} of {world}")
+                raise ValueError(
+                    f"weights are for rank {weights.rank} of {weights.world}, "
+                    f"engine is rank {rank} of {world}"
+                )
             part = weights
         else:
             part = rank_weights(cfg, weights, rank, world, expert_split or ExpertSplit.EXPERTS)
@@ -117,8 +119,9 @@ class TorchEngine:
         self.w: dict[str, torch.Tensor] = {}
         for name, p in part.params.items():  # one tensor at a time: host memory stays small
             dense = name.endswith(("norm.weight", "ffn_gate_inp.weight", "token_embd.weight"))
-            t = TM.host_tensor(dequantize(p)).to(self.device, torch.float32 if dense
-                                                  else self.dtype)
+            t = TM.host_tensor(dequantize(p)).to(
+                self.device, torch.float32 if dense else self.dtype
+            )
             self.w[name] = t
         for i in range(cfg.n_layer):  # Q, K, V rows stacked: one product
             b = f"blk.{i}."
@@ -145,12 +148,23 @@ class TorchEngine:
             self._cos, self._sin = TM.rope_tables(ctx, self.cfg, self.device)
         return TorchSession(self, ctx)
 
-    def decode(self, session: TorchSession, tokens: Sequence[int],
-               exchange: GateExchange | None = None, *, last_only: bool = False) -> F32:
+    def decode(
+        self,
+        session: TorchSession,
+        tokens: Sequence[int],
+        exchange: GateExchange | None = None,
+        *,
+        last_only: bool = False,
+    ) -> F32:
         return self.forward_rows([(session, tokens)], exchange, last_only=last_only)
 
-    def forward_rows(self, rows: Sequence[tuple[TorchSession, Sequence[int]]],
-                     exchange: GateExchange | None = None, *, last_only: bool = False) -> F32:
+    def forward_rows(
+        self,
+        rows: Sequence[tuple[TorchSession, Sequence[int]]],
+        exchange: GateExchange | None = None,
+        *,
+        last_only: bool = False,
+    ) -> F32:
         """One pass over a block of tokens for each listed session: logits (n, n_vocab_out),
         or with ``last_only`` each session's last row (the numpy engine's ``last_only``;
         here the rows are picked after the whole block's head)."""
@@ -162,9 +176,17 @@ class TorchEngine:
             logits = self._replay(session, int(ids[0]), int(pos[0]))
         else:
             with torch.no_grad():
-                logits = self._forward(
-                    torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device),
-                    [s for s, _ in rows], spans, exchange).cpu().numpy()
+                logits = (
+                    self._forward(
+                        torch.from_numpy(ids).to(self.device),
+                        torch.from_numpy(pos).to(self.device),
+                        [s for s, _ in rows],
+                        spans,
+                        exchange,
+                    )
+                    .cpu()
+                    .numpy()
+                )
         if last_only:
             logits = logits[[b - 1 for _, b in spans]]
         for session, tokens in rows:
@@ -174,9 +196,15 @@ class TorchEngine:
 
     # --- the forward ----------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, sessions: list[TorchSession],
-                 spans: list[tuple[int, int]], exchange: GateExchange | None,
-                 whole_cache: bool = False) -> torch.Tensor:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        sessions: list[TorchSession],
+        spans: list[tuple[int, int]],
+        exchange: GateExchange | None,
+        whole_cache: bool = False,
+    ) -> torch.Tensor:
         """Logits (n, V_out) float32 of rows ids/pos (n,); writes the sessions' caches.
         ``whole_cache``: one row attends to the whole cache through a mask (graph capture:
         shapes may not depend on the position)."""
@@ -203,8 +231,9 @@ class TorchEngine:
         hf = TM.rmsnorm(x, w["output_norm.weight"], cfg.norm_eps).to(self.dtype)  # (n, D)
         return (hf @ w["output.weight"].T).float()  # (n, V_out)
 
-    def _attend(self, q: torch.Tensor, s: TorchSession, layer: int, pos: torch.Tensor,
-                whole_cache: bool) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, s: TorchSession, layer: int, pos: torch.Tensor, whole_cache: bool
+    ) -> torch.Tensor:
         """Rows q (t, Hq, Dh) at positions pos (t,) against the session's cache."""
         if whole_cache:
             keys = torch.arange(s.ctx_size, device=q.device)
@@ -218,8 +247,12 @@ class TorchEngine:
                 keys = torch.arange(end, device=q.device)
                 mask = keys[None, :] <= pos[:, None]  # (t, S)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
-            enable_gqa=q.shape[1] != kc.shape[1])  # (Hq, t, Dh)
+            q.transpose(0, 1),
+            kc.transpose(0, 1),
+            vc.transpose(0, 1),
+            attn_mask=mask,
+            enable_gqa=q.shape[1] != kc.shape[1],
+        )  # (Hq, t, Dh)
         return o.transpose(0, 1)
 
     def _ffn(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -229,25 +262,35 @@ class TorchEngine:
         weights, top, _ = TM.router(h, w[b + "ffn_gate_inp.weight"], cfg.n_expert_used)
         mix = torch.zeros(h.shape[0], cfg.n_expert, device=h.device)  # (n, E)
         mix.scatter_(1, top, weights)
-        mix = mix[:, self.first_expert:self.first_expert + self.n_local]  # (n, E_part)
+        mix = mix[:, self.first_expert : self.first_expert + self.n_local]  # (n, E_part)
         hx = h.to(self.dtype)
         g = torch.matmul(hx, w[b + "ffn_gate_exps.weight"].transpose(1, 2))  # (E_part, n, F)
         u = torch.matmul(hx, w[b + "ffn_up_exps.weight"].transpose(1, 2))  # (E_part, n, F)
         ys = torch.bmm(F.silu(g) * u, w[b + "ffn_down_exps.weight"].transpose(1, 2))
         y = torch.einsum("ne,end->nd", mix, ys.float())  # (n, D)
         if cfg.n_ff_shared:
-            y = y + TM.swiglu(hx, w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"],
-                              w[b + "ffn_down_shexp.weight"]).float()
+            y = (
+                y
+                + TM.swiglu(
+                    hx,
+                    w[b + "ffn_gate_shexp.weight"],
+                    w[b + "ffn_up_shexp.weight"],
+                    w[b + "ffn_down_shexp.weight"],
+                ).float()
+            )
         return y
 
-    def _exchange(self, exchange: GateExchange | None, layer: int, gate: Gate,
-                  partial: torch.Tensor) -> torch.Tensor:
+    def _exchange(
+        self, exchange: GateExchange | None, layer: int, gate: Gate, partial: torch.Tensor
+    ) -> torch.Tensor:
         if exchange is None:
             return partial
         total = np.asarray(exchange(layer, gate, np.ascontiguousarray(partial.cpu().numpy())))
         if total.shape != tuple(partial.shape) or total.dtype != np.float32:
-            raise ValueError(f"gate exchange of layer {layer} {gate.name} returned "
-                             f"{total.dtype}{total.shape}, expected float32{tuple(partial.shape)}")
+            raise ValueError(
+                f"gate exchange of layer {layer} {gate.name} returned "
+                f"{total.dtype}{total.shape}, expected float32{tuple(partial.shape)}"
+            )
         return torch.from_numpy(total).to(self.device)
 
     # --- CUDA graphs ----------------------------------------------------------------------
@@ -280,6 +323,7 @@ class TorchEngine:
             logits = step(ids, pos, session)
         return _Graph(graph, ids, pos, logits)
 
-    def _one_token(self, ids: torch.Tensor, pos: torch.Tensor, session: TorchSession
-                   ) -> torch.Tensor:
+    def _one_token(
+        self, ids: torch.Tensor, pos: torch.Tensor, session: TorchSession
+    ) -> torch.Tensor:
         return self._forward(ids, pos, [session], [(0, 1)], None, whole_cache=True)

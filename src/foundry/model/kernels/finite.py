@@ -71,8 +71,9 @@ def nonfinite(p: quant.Param) -> str | None:
     n_blocks = data.size // block_bytes
     for offset in TYPES[p.qtype].scale_offsets:
         # The f16 field at ``offset`` of every block, read in place (a strided view).
-        bits = np.ndarray((n_blocks,), dtype="<u2", buffer=data, offset=offset,
-                          strides=(block_bytes,))
+        bits = np.ndarray(
+            (n_blocks,), dtype="<u2", buffer=data, offset=offset, strides=(block_bytes,)
+        )
         if _f16_bits_nonfinite(bits):
             return f"NaN or infinity in a {p.qtype.name} block scale"
     return None
@@ -96,6 +97,8 @@ def overflow(a: np.ndarray, qtype: QType) -> str | None:
         return "it holds NaN or infinity"
     limit = TYPES[qtype].storable_max if qtype in TYPES else None
     if limit is not None and big > limit:
-        return (f"its largest magnitude {big:.6g} overflows {qtype.name} (at most {limit:.6g}); "
-                "export as f32, or train with a smaller learning rate")
+        return (
+            f"its largest magnitude {big:.6g} overflows {qtype.name} (at most {limit:.6g}); "
+            "export as f32, or train with a smaller learning rate"
+        )
     return None

@@ -45,8 +45,9 @@ def _f16(v: F32) -> tuple[npt.NDArray[np.float16], F32]:
 # -- Q4_K ------------------------------------------------------------------------------------
 
 
-def _make_qkx2(x: F32, weights: F32, nmax: int, rmin: float, rdelta: float, nstep: int
-               ) -> tuple[F32, F32, npt.NDArray[np.int64]]:
+def _make_qkx2(
+    x: F32, weights: F32, nmax: int, rmin: float, rdelta: float, nstep: int
+) -> tuple[F32, F32, npt.NDArray[np.int64]]:
     """make_qkx2_quants (use_mad false) of each row of x (rows, n): (scale, the_min, L)."""
     rows, n = x.shape
     mn = x[:, 0].copy()
@@ -145,8 +146,9 @@ def quantize_q4_k(values: npt.ArrayLike) -> U8:
     dm = dmin[:, None] * m
     nz = dj != 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        again = np.clip(nearest_int((x + dm[:, :, None]) / np.where(nz, dj, f32(1))[:, :, None]),
-                        0, 15)
+        again = np.clip(
+            nearest_int((x + dm[:, :, None]) / np.where(nz, dj, f32(1))[:, :, None]), 0, 15
+        )
     L = np.where(nz[:, :, None], again, L).reshape(nb, 4, 2, 32)  # (nb, 64-groups, half, 32)
     qs = (L[:, :, 0, :] | (L[:, :, 1, :] << 4)).reshape(nb, 128)
     out = np.empty((nb, 144), np.uint8)
@@ -236,8 +238,12 @@ def quantize_q6_k(values: npt.ArrayLike) -> U8:
     ql = np.empty((nb, 2, 64), np.int64)
     ql[:, :, 0:32] = (L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4)
     ql[:, :, 32:64] = (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)
-    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
-          | ((L[:, :, 3] >> 4) << 6))  # (nb, 2, 32)
+    qh = (
+        (L[:, :, 0] >> 4)
+        | ((L[:, :, 1] >> 4) << 2)
+        | ((L[:, :, 2] >> 4) << 4)
+        | ((L[:, :, 3] >> 4) << 6)
+    )  # (nb, 2, 32)
     out = np.zeros((nb, 210), np.uint8)
     out[:, 0:128] = (ql.reshape(nb, 128) & 0xFF).astype(np.uint8)
     out[:, 128:192] = (qh.reshape(nb, 64) & 0xFF).astype(np.uint8)

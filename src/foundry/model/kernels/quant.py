@@ -141,8 +141,9 @@ class QTensor:
 
     def dequantize(self) -> F32:
         """The float32 values (for checks and for the reference engine; never on the hot path)."""
-        return _dequantize_rows(self.qtype, self.data.reshape(-1, self.data.shape[-1]),
-                                self.shape[-1]).reshape(self.shape)
+        return _dequantize_rows(
+            self.qtype, self.data.reshape(-1, self.data.shape[-1]), self.shape[-1]
+        ).reshape(self.shape)
 
     def rows(self, ids: npt.NDArray[np.int64]) -> F32:
         """Rows ``ids`` of a 2-d tensor as float32 (the embedding lookup)."""
@@ -242,8 +243,9 @@ def attend(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], n_pos: int, out: F3
     _kernels.attend(q, k, v, int(half), n_pos, q.shape[0], k.shape[1], q.shape[1], out)
 
 
-def attend_rows(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], pos: int, window: int,
-                out: F32) -> None:
+def attend_rows(
+    q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], pos: int, window: int, out: F32
+) -> None:
     """Rows q (n, heads, Dh) of one sequence at positions pos, pos + 1, ...: row t attends to
     positions [0, pos + t] of the cache k, v (ctx, kv heads, Dh), only the last ``window`` of
     them where window > 0; out (n, heads, Dh) written. Each row is ``attend``'s, bit for bit;
@@ -258,8 +260,9 @@ def attend_rows(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], pos: int, wind
     half = k.dtype == np.float16
     if (v.dtype == np.float16) != half or k.dtype not in (np.float16, np.float32):
         raise QuantError(f"attend takes a float32 or float16 cache, got {k.dtype} and {v.dtype}")
-    _kernels.attend_rows(q, k, v, int(half), pos, window, n, q.shape[1], k.shape[1], q.shape[2],
-                         out)
+    _kernels.attend_rows(
+        q, k, v, int(half), pos, window, n, q.shape[1], k.shape[1], q.shape[2], out
+    )
 
 
 def set_threads(n: int) -> None:
@@ -310,7 +313,8 @@ def rope(x: F32, cos: F32, sin: F32, neox: bool = False) -> F32:
         inter = x.reshape(n, heads, 2, dh // 2).transpose(0, 1, 3, 2).reshape(n, heads, dh)
         y = rope_forward(np.ascontiguousarray(inter), cos, sin)
         return np.ascontiguousarray(
-            y.reshape(n, heads, dh // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, dh))
+            y.reshape(n, heads, dh // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, dh)
+        )
     x = np.ascontiguousarray(x)  # a block's Q and K columns are a strided view of its product
     out = np.empty_like(x)
     _kernels.rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], int(neox), out)
@@ -374,12 +378,12 @@ def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:
     return w[ids] if isinstance(w, np.ndarray) else w.rows(ids)
 
 
-
 # The one-token step of a layer in one call (``csrc/step.c``): inference.Engine describes each
 # layer once (``step_plan``, addresses of weights the engine keeps alive) and runs a token's
 # layer, or one part's gate, through the same C routines as the operations above, in their
 # order, so the bits are theirs. Without the C module there is no plan: the engine's path of
 # single operations runs instead.
+
 
 def has_step() -> bool:
     """Whether ``step_plan`` can describe layers here (the C module is built and in use)."""
@@ -483,24 +487,44 @@ def step_plan(layer: StepLayer) -> StepPlan:
     return _kernels.step_plan(layer)
 
 
-def step_layer(plan: StepPlan, x: F32, pos: int, k: tuple[npt.NDArray[Any], ...],
-               v: tuple[npt.NDArray[Any], ...], cos: F32, sin: F32) -> None:
+def step_layer(
+    plan: StepPlan,
+    x: F32,
+    pos: int,
+    k: tuple[npt.NDArray[Any], ...],
+    v: tuple[npt.NDArray[Any], ...],
+    cos: F32,
+    sin: F32,
+) -> None:
     """x (1, D) += the layer at position pos, every part in turn (their caches k, v)."""
     assert _kernels is not None
     _kernels.step_layer(plan, x, pos, k, v, cos, sin)
 
 
-def step_layers(plans: tuple[StepPlan, ...], x: F32, pos: int,
-                k: Sequence[Sequence[npt.NDArray[Any]]], v: Sequence[Sequence[npt.NDArray[Any]]],
-                tables: tuple[tuple[F32, F32], ...]) -> None:
+def step_layers(
+    plans: tuple[StepPlan, ...],
+    x: F32,
+    pos: int,
+    k: Sequence[Sequence[npt.NDArray[Any]]],
+    v: Sequence[Sequence[npt.NDArray[Any]]],
+    tables: tuple[tuple[F32, F32], ...],
+) -> None:
     """``step_layer`` of each plan in turn (layer i: caches k[i], v[i], rope tables[i]), in
     one call."""
     assert _kernels is not None
     _kernels.step_layers(plans, x, pos, k, v, tables)
 
 
-def step_attn(plan: StepPlan, j: int, h: F32, pos: int, k: npt.NDArray[Any],
-              v: npt.NDArray[Any], cos: F32, sin: F32) -> F32:
+def step_attn(
+    plan: StepPlan,
+    j: int,
+    h: F32,
+    pos: int,
+    k: npt.NDArray[Any],
+    v: npt.NDArray[Any],
+    cos: F32,
+    sin: F32,
+) -> F32:
     """Part j's ATTN partial (1, D) of the normed row h (1, D) at position pos."""
     assert _kernels is not None
     out = np.empty_like(h)

@@ -43,8 +43,9 @@ def resolve(device: str, *, training: bool = False) -> str | None:
     if not torch_available():
         if device == "auto":
             return None
-        raise DeviceError(f"--device {device} needs PyTorch, which is not installed: "
-                          f"{INSTALL_HINT}")
+        raise DeviceError(
+            f"--device {device} needs PyTorch, which is not installed: {INSTALL_HINT}"
+        )
     import torch
 
     if device == "torch-cpu":
@@ -59,4 +60,5 @@ def resolve(device: str, *, training: bool = False) -> str | None:
         return "cpu" if training else None
     raise DeviceError(
         f"--device cuda: PyTorch {torch.__version__} sees no CUDA GPU (a CPU-only build, "
-        f"or no driver); install a CUDA build ({INSTALL_HINT}) or use --device cpu")
+        f"or no driver); install a CUDA build ({INSTALL_HINT}) or use --device cpu"
+    )

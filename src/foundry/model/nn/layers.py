@@ -96,9 +96,7 @@ def causal_mask(n_group: int, t: int, s: int, offset: int) -> npt.NDArray[np.boo
     return np.arange(s)[None, :] > qpos[:, None]  # (G*T, S)
 
 
-def attention_forward(
-    q: F32, k: F32, v: F32, offset: int = 0
-) -> tuple[F32, AttentionCache]:
+def attention_forward(q: F32, k: F32, v: F32, offset: int = 0) -> tuple[F32, AttentionCache]:
     """softmax(q k^T / sqrt(Dh), causal) v with query head h reading kv head h // G.
 
     q (B, T, H, Dh) at positions offset .. offset+T-1; k, v (B, S, Hkv, Dh) at positions
@@ -166,9 +164,7 @@ class SwiGLUCache:
     w_down: F32  # (D, F)
 
 
-def swiglu_forward(
-    x: F32, w_gate: F32, w_up: F32, w_down: F32
-) -> tuple[F32, SwiGLUCache]:
+def swiglu_forward(x: F32, w_gate: F32, w_up: F32, w_down: F32) -> tuple[F32, SwiGLUCache]:
     """down(silu(gate x) * up x): x (N, D) -> (N, D)."""
     g = x @ w_gate.T  # (N, F)
     u = x @ w_up.T  # (N, F)
@@ -356,15 +352,25 @@ def experts_backward(dy: F32, cache: ExpertsCache) -> tuple[F32, F32, F32, F32, 
     dweights = np.zeros(n * k, dy.dtype)  # (N*K,)
     dweights[c.order] = np.einsum("md,md->m", dys, c.ys)  # (M,) <dy, unweighted output>
     dys *= c.weights.ravel()[c.order][:, None]  # (M, D) gradient of each unweighted output
-    dw_gate, dw_up, dw_down = (np.zeros_like(c.w_gate), np.zeros_like(c.w_up),
-                               np.zeros_like(c.w_down))
+    dw_gate, dw_up, dw_down = (
+        np.zeros_like(c.w_gate),
+        np.zeros_like(c.w_up),
+        np.zeros_like(c.w_down),
+    )
     dxs = np.empty_like(c.xs)  # (M, D)
     for e in range(c.w_gate.shape[0]):
         lo, hi = c.bounds[e], c.bounds[e + 1]
         if lo < hi:
             dxs[lo:hi], dw_gate[e], dw_up[e], dw_down[e] = swiglu_grads(
-                dys[lo:hi], c.xs[lo:hi], c.g[lo:hi], c.u[lo:hi], c.a[lo:hi], c.sig[lo:hi],
-                c.w_gate[e], c.w_up[e], c.w_down[e],
+                dys[lo:hi],
+                c.xs[lo:hi],
+                c.g[lo:hi],
+                c.u[lo:hi],
+                c.a[lo:hi],
+                c.sig[lo:hi],
+                c.w_gate[e],
+                c.w_up[e],
+                c.w_down[e],
             )
     slots = np.zeros((n * k, d), dy.dtype)  # (N*K, D) back in (token, slot) order
     slots[c.order] = dxs  # (M, D)
@@ -455,8 +461,11 @@ def gelu_table() -> F32:
     if _GELU is None:
         x = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
         with np.errstate(invalid="ignore", over="ignore"):
-            inner = np.float32(0.7978845608028654) * x * (np.float32(1.0)
-                                                          + np.float32(0.044715) * x * x)
+            inner = (
+                np.float32(0.7978845608028654)
+                * x
+                * (np.float32(1.0) + np.float32(0.044715) * x * x)
+            )
             y = np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
         _GELU = np.nan_to_num(y.astype(np.float16).astype(np.float32), nan=0.0)
     return _GELU

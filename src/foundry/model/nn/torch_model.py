@@ -38,8 +38,12 @@ from foundry.model.spec.config import ModelConfig
 Tensors = dict[str, torch.Tensor]
 
 
-def to_device(params: Mapping[str, npt.NDArray[np.float32]], device: torch.device | str,
-              *, requires_grad: bool = False) -> Tensors:
+def to_device(
+    params: Mapping[str, npt.NDArray[np.float32]],
+    device: torch.device | str,
+    *,
+    requires_grad: bool = False,
+) -> Tensors:
     """The numpy parameters as float32 tensors on ``device`` (copies), in the same order."""
     out: Tensors = {}
     for name, p in params.items():
@@ -60,8 +64,9 @@ def to_numpy(tensors: Mapping[str, torch.Tensor]) -> dict[str, npt.NDArray[np.fl
     return {name: t.detach().to("cpu", torch.float32).numpy() for name, t in tensors.items()}
 
 
-def rope_tables(n_pos: int, cfg: ModelConfig, device: torch.device | str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    n_pos: int, cfg: ModelConfig, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (n_pos, Dh/2), computed in float64 as layers.rope_tables does."""
     cos, sin = L.rope_tables(n_pos, cfg.head_dim, cfg.rope_theta)
     return torch.from_numpy(cos).to(device), torch.from_numpy(sin).to(device)
@@ -86,14 +91,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal grouped-query attention: q (B, T, H, Dh), k, v (B, T, Hkv, Dh) -> (B, T, H, Dh)."""
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, heads, T, Dh)
-        is_causal=True, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),  # (B, heads, T, Dh)
+        is_causal=True,
+        enable_gqa=q.shape[2] != k.shape[2],
     )  # (B, H, T, Dh)
     return o.transpose(1, 2)  # (B, T, H, Dh)
 
 
-def router(x: torch.Tensor, w_router: torch.Tensor, k: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router(
+    x: torch.Tensor, w_router: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights (N, K), top (N, K), probs (N, E)): softmax over all experts in float32, the
     top K kept and renormalised to sum 1."""
     probs = torch.softmax((x @ w_router.T).float(), dim=-1)  # (N, E)
@@ -101,8 +110,14 @@ def router(x: torch.Tensor, w_router: torch.Tensor, k: int
     return top_p / top_p.sum(-1, keepdim=True), top, probs
 
 
-def experts(x: torch.Tensor, weights: torch.Tensor, top: torch.Tensor, w_gate: torch.Tensor,
-            w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    top: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
     """sum_j weights[n, j] * expert_{top[n, j]}(x[n]) with one batched product per matrix.
 
     x (N, D), weights/top (N, K), w_gate/w_up (E, F, D), w_down (E, D, F) -> (N, D).
@@ -128,14 +143,16 @@ def experts(x: torch.Tensor, weights: torch.Tensor, top: torch.Tensor, w_gate: t
     return torch.zeros(n, x.shape[1], device=x.device, dtype=ys.dtype).index_add_(0, token, ys)
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
-           ) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
     """down(silu(gate x) * up x): x (N, D) -> (N, D)."""
     return (F.silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
-def load_balance_loss(probs: torch.Tensor, top: torch.Tensor, n_expert: int, seq_len: int
-                      ) -> torch.Tensor:
+def load_balance_loss(
+    probs: torch.Tensor, top: torch.Tensor, n_expert: int, seq_len: int
+) -> torch.Tensor:
     """layers.load_balance_loss per sequence, averaged: E * sum_e f_e P_e, f without grad."""
     n, k = top.shape
     g = n // seq_len
@@ -146,8 +163,9 @@ def load_balance_loss(probs: torch.Tensor, top: torch.Tensor, n_expert: int, seq
     return n_expert * (f * p_mean).sum(1).mean()
 
 
-def forward(params: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor
-            ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+def forward(
+    params: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Logits (B, T, V) of tokens (B, T), and each layer's router (probs (N, E), top (N, K))."""
     b, t = tokens.shape
     n, d, h, hkv, dh = b * t, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -164,12 +182,21 @@ def forward(params: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens: torch.
         x = x + o @ params[p + "attn_output.weight"].T  # (N, D)
         h2 = rmsnorm(x, params[p + "ffn_norm.weight"], cfg.norm_eps)  # (N, D)
         weights, top, probs = router(h2, params[p + "ffn_gate_inp.weight"], cfg.n_expert_used)
-        y = experts(h2, weights, top, params[p + "ffn_gate_exps.weight"],
-                    params[p + "ffn_up_exps.weight"], params[p + "ffn_down_exps.weight"])
+        y = experts(
+            h2,
+            weights,
+            top,
+            params[p + "ffn_gate_exps.weight"],
+            params[p + "ffn_up_exps.weight"],
+            params[p + "ffn_down_exps.weight"],
+        )
         if cfg.n_ff_shared:
-            y = y + swiglu(h2, params[p + "ffn_gate_shexp.weight"],
-                           params[p + "ffn_up_shexp.weight"],
-                           params[p + "ffn_down_shexp.weight"])  # (N, D)
+            y = y + swiglu(
+                h2,
+                params[p + "ffn_gate_shexp.weight"],
+                params[p + "ffn_up_shexp.weight"],
+                params[p + "ffn_down_shexp.weight"],
+            )  # (N, D)
         x = x + y  # (N, D)
         routers.append((probs, top))
     hf = rmsnorm(x, params["output_norm.weight"], cfg.norm_eps)  # (N, D)
@@ -177,9 +204,13 @@ def forward(params: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens: torch.
     return logits.reshape(b, t, -1), routers
 
 
-def loss(params: Mapping[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor,
-         targets: torch.Tensor, aux_loss_coef: float = 0.01
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loss(
+    params: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    aux_loss_coef: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, ce, aux) as transformer.loss_and_grads defines them: mean cross-entropy plus
     aux_loss_coef times the per-sequence balancing loss averaged over the layers."""
     logits, routers = forward(params, cfg, tokens)  # (B, T, V)

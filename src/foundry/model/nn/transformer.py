@@ -142,8 +142,9 @@ def backward(
     g: Params = {}
     dl = dlogits.reshape(n, -1)  # (N, V)
     g["output.weight"] = dl.T @ cache.hf  # (V, D)
-    dx, g["output_norm.weight"] = L.rmsnorm_backward(dl @ params["output.weight"],
-                                                     cache.out_norm)  # (N, D)
+    dx, g["output_norm.weight"] = L.rmsnorm_backward(
+        dl @ params["output.weight"], cache.out_norm
+    )  # (N, D)
     for i in reversed(range(cfg.n_layer)):
         p = f"blk.{i}."
         c = cache.layers[i]

@@ -82,10 +82,25 @@ ARCHS: dict[str, Arch] = {
         Arch("qwen2", Ffn.DENSE, rope=Rope.NEOX, qkv_bias=True),
         Arch("qwen3", Ffn.DENSE, rope=Rope.NEOX, qk_norm=QKNorm.HEAD),
         Arch("qwen3moe", Ffn.MOE, rope=Rope.NEOX, qk_norm=QKNorm.HEAD),
-        Arch("gemma3", Ffn.DENSE, act=Act.GELU, rope=Rope.NEOX, qk_norm=QKNorm.HEAD,
-             post_norms=True, embed_scale=True, sliding_window=True, swa_pattern=6),
-        Arch("olmoe", Ffn.MOE, rope=Rope.NEOX, qk_norm=QKNorm.FULL, renorm_experts=False,
-             tied_ok=False),
+        Arch(
+            "gemma3",
+            Ffn.DENSE,
+            act=Act.GELU,
+            rope=Rope.NEOX,
+            qk_norm=QKNorm.HEAD,
+            post_norms=True,
+            embed_scale=True,
+            sliding_window=True,
+            swa_pattern=6,
+        ),
+        Arch(
+            "olmoe",
+            Ffn.MOE,
+            rope=Rope.NEOX,
+            qk_norm=QKNorm.FULL,
+            renorm_experts=False,
+            tied_ok=False,
+        ),
     )
 }
 """Every architecture Foundry runs, by ``general.architecture``."""
@@ -94,10 +109,19 @@ ARCHS: dict[str, Arch] = {
 # taken on trust). Generous for any model a CPU can hold; the tensors' own shapes are checked
 # against the config afterwards.
 LIMITS: dict[str, int] = {
-    "n_vocab": 1 << 22, "n_embd": 1 << 16, "n_layer": 1 << 10, "n_head": 1 << 10,
-    "n_head_kv": 1 << 10, "n_ff": 1 << 18, "n_expert": 1 << 12, "n_expert_used": 1 << 12,
-    "n_ff_shared": 1 << 18, "key_length": 1 << 12, "sliding_window": 1 << 24,
-    "swa_pattern": 1 << 10, "n_ctx": 1 << 31,
+    "n_vocab": 1 << 22,
+    "n_embd": 1 << 16,
+    "n_layer": 1 << 10,
+    "n_head": 1 << 10,
+    "n_head_kv": 1 << 10,
+    "n_ff": 1 << 18,
+    "n_expert": 1 << 12,
+    "n_expert_used": 1 << 12,
+    "n_ff_shared": 1 << 18,
+    "key_length": 1 << 12,
+    "sliding_window": 1 << 24,
+    "swa_pattern": 1 << 10,
+    "n_ctx": 1 << 31,
 }
 DEFAULT_CTX_CAP = 4096
 """The context a run gets when --ctx-size is not given: the file's, at most this (as llama.cpp's
@@ -137,16 +161,19 @@ class ArchConfig(ModelConfig):
             raise ConfigError(f"head_dim {self.head_dim} must be even for rotary embedding")
         if self.n_head % self.n_head_kv:
             raise ConfigError(
-                f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+                f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}"
+            )
         if (self.n_expert == 0) != (self.n_expert_used == 0):
             raise ConfigError("expert_count and expert_used_count must both be 0 or both set")
         if self.n_expert_used > self.n_expert:
             raise ConfigError(
-                f"n_expert_used {self.n_expert_used} exceeds n_expert {self.n_expert}")
+                f"n_expert_used {self.n_expert_used} exceeds n_expert {self.n_expert}"
+            )
         spec = ARCHS[self.architecture]
         if spec.ffn is Ffn.DENSE and self.n_expert:
-            raise ConfigError(f"{self.architecture} has no experts, the file states "
-                              f"{self.n_expert}")
+            raise ConfigError(
+                f"{self.architecture} has no experts, the file states {self.n_expert}"
+            )
         if spec.ffn is Ffn.MOE and not self.n_expert:
             raise ConfigError(f"{self.architecture} needs expert_count")
         if self.n_ff_shared and not spec.shared_expert:
@@ -233,8 +260,9 @@ def rope_base(cfg: ModelConfig, layer: int) -> float:
     return cfg.rope_theta
 
 
-def rope_tables(n_pos: int, head_dim: int, base: float,
-                factors: F32 | None = None) -> tuple[F32, F32]:
+def rope_tables(
+    n_pos: int, head_dim: int, base: float, factors: F32 | None = None
+) -> tuple[F32, F32]:
     """cos and sin (n_pos, Dh/2) as ggml computes them (``ggml_rope_cache_init``): the angle
     of pair i starts at the position and is multiplied by base^(-2/Dh) once per pair, in
     float32, so the rounding is ggml's; ``factors`` (a file's ``rope_freqs``) divide pair i's
@@ -249,4 +277,3 @@ def rope_tables(n_pos: int, head_dim: int, base: float,
         sin[:, i] = np.sin(angle)
         theta = theta * scale
     return cos, sin
-

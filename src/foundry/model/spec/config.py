@@ -104,18 +104,36 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     # The local demo: small enough for a laptop, big enough to learn some text.
     "small": ModelConfig(
-        n_ctx=256, n_embd=128, n_layer=4, n_head=8, n_head_kv=4, n_ff=256, n_expert=8,
+        n_ctx=256,
+        n_embd=128,
+        n_layer=4,
+        n_head=8,
+        n_head_kv=4,
+        n_ff=256,
+        n_expert=8,
         n_expert_used=2,
     ),
     # A model worth a GPU (docs/gpu.md): 126M parameters, 23M of them active per token;
     # 0.5 GB of f32 weights. A GPU worker trains it; a CPU worker can join but is slow.
     "medium": ModelConfig(
-        n_ctx=512, n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=768, n_expert=8,
+        n_ctx=512,
+        n_embd=768,
+        n_layer=8,
+        n_head=12,
+        n_head_kv=4,
+        n_ff=768,
+        n_expert=8,
         n_expert_used=2,
     ),
     # Benchmarks: ~1.7 GB of f32 weights, so decode is bound by memory bandwidth.
     "bench": ModelConfig(
-        n_ctx=512, n_embd=1024, n_layer=8, n_head=16, n_head_kv=8, n_ff=2048, n_expert=8,
+        n_ctx=512,
+        n_embd=1024,
+        n_layer=8,
+        n_head=16,
+        n_head_kv=8,
+        n_ff=2048,
+        n_expert=8,
         n_expert_used=2,
     ),
 }

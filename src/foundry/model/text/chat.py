@@ -57,8 +57,15 @@ class Message:
 class ChatTemplate:
     """One compiled template and the special-token texts it may print."""
 
-    def __init__(self, source: str, name: str, bos_token: str = "", eos_token: str = "",
-                 stop: tuple[str, ...] = (), limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        source: str,
+        name: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        stop: tuple[str, ...] = (),
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
         self.source = source
         self.name = name
         # Text that ends a reply in this format, for templates whose turns end without a token.
@@ -77,7 +84,8 @@ class ChatTemplate:
             for piece in self._template.generate(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
             ):
                 total += len(piece)
                 budget.chars(total, "a rendered conversation")
@@ -92,7 +100,7 @@ def prompt_text(template: ChatTemplate, messages: Sequence[Message]) -> str:
     """The text to encode (with the tokenizer's own BOS) for a reply to ``messages``."""
     text = template.render(messages, add_generation_prompt=True)
     if template.bos_token and text.startswith(template.bos_token):
-        text = text[len(template.bos_token):]
+        text = text[len(template.bos_token) :]
     return text
 
 
@@ -101,8 +109,14 @@ def prompt_text(template: ChatTemplate, messages: Sequence[Message]) -> str:
 _PRIVATE_USE = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
 
 
-def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,
-                content_specials: bool = False, max_chars: int | None = None) -> list[int]:
+def chat_prompt(
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    *,
+    content_specials: bool = False,
+    max_chars: int | None = None,
+) -> list[int]:
     """The token ids of the prompt for a reply to ``messages``: rendered by ``template``,
     the template's own special-token texts parsed as the special tokens they are, the
     messages' content as text (unless ``content_specials``).
@@ -123,8 +137,11 @@ def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence
     stand_in: dict[str, str] = {}  # original first character -> its stand-in
     defused: list[Message] = []
     for m in messages:
-        spans = [(start, tid) for start, _, tid, always in
-                 tokenizer.specials.matches(m.content, True) if not always]
+        spans = [
+            (start, tid)
+            for start, _, tid, always in tokenizer.specials.matches(m.content, True)
+            if not always
+        ]
         if not spans:
             defused.append(m)
             continue
@@ -134,8 +151,10 @@ def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence
             if first not in stand_in:
                 spare = next(spares, None)
                 if spare is None:
-                    raise ChatTemplateError("the conversation uses every private-use character; "
-                                            "its special-token texts cannot be kept as text")
+                    raise ChatTemplateError(
+                        "the conversation uses every private-use character; "
+                        "its special-token texts cannot be kept as text"
+                    )
                 stand_in[first] = spare
             chars[start] = stand_in[first]
         defused.append(Message(m.role, "".join(chars)))
@@ -147,8 +166,10 @@ def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence
 
 def _check_rendered(template: ChatTemplate, text: str, max_chars: int | None) -> None:
     if max_chars is not None and len(text) > max_chars:
-        raise ChatTemplateError(f"the conversation renders to {len(text)} characters with "
-                                f"{template.name}, more than the {max_chars} a prompt may have")
+        raise ChatTemplateError(
+            f"the conversation renders to {len(text)} characters with "
+            f"{template.name}, more than the {max_chars} a prompt may have"
+        )
 
 
 # -- built-in templates ------------------------------------------------------------------
@@ -221,8 +242,7 @@ def _special_text(metadata: Mapping[str, Any], key: str) -> str:
 
 
 def _builtin(name: str, bos: str, eos: str, why: str = "") -> ChatTemplate:
-    return ChatTemplate(BUILTINS[name], name + why, bos, eos,
-                        PLAIN_STOP if name == "plain" else ())
+    return ChatTemplate(BUILTINS[name], name + why, bos, eos, PLAIN_STOP if name == "plain" else ())
 
 
 def template_for(metadata: Mapping[str, Any], override: str | None = None) -> ChatTemplate:
@@ -246,9 +266,9 @@ def template_for(metadata: Mapping[str, Any], override: str | None = None) -> Ch
         return ChatTemplate(text, str(path), bos, eos)
     source = metadata.get("tokenizer.chat_template")
     if source is not None and not isinstance(source, str):
-        raise ChatTemplateError(f"metadata key 'tokenizer.chat_template' is {shown(source)}, "
-                                "expected a string")
+        raise ChatTemplateError(
+            f"metadata key 'tokenizer.chat_template' is {shown(source)}, expected a string"
+        )
     if source:
         return ChatTemplate(source, "the file's tokenizer.chat_template", bos, eos)
     return _builtin("plain", bos, eos, NO_TEMPLATE)
-

@@ -54,7 +54,6 @@ class ChatTemplateError(ValueError):
     goes past a limit while rendering it (one line, naming the template)."""
 
 
-
 @dataclass(frozen=True)
 class Limits:
     """What one rendering may spend. The defaults are far above what published templates
@@ -89,8 +88,9 @@ class _Budget:
     def step(self) -> None:
         self.steps += 1
         if self.steps > self.limits.max_steps:
-            raise self.fail(f"it ran more than {self.limits.max_steps} steps (loop iterations "
-                            "and calls)")
+            raise self.fail(
+                f"it ran more than {self.limits.max_steps} steps (loop iterations and calls)"
+            )
         if not self.steps & 1023 and time.monotonic() > self.deadline:
             raise self.fail(f"it rendered for more than {self.limits.max_seconds:g} s")
 
@@ -104,8 +104,7 @@ class _Budget:
 
     def integer(self, bits: int, what: str) -> None:
         if bits > self.limits.max_int_bits:
-            raise self.fail(f"{what} of about {bits} bits, more than "
-                            f"{self.limits.max_int_bits}")
+            raise self.fail(f"{what} of about {bits} bits, more than {self.limits.max_int_bits}")
 
 
 _current = threading.local()
@@ -137,8 +136,9 @@ def _check_format(b: _Budget, fmt: Any, what: str) -> None:
     """A format string (``%``, ``str.format``, the ``format`` filter, ``strftime``) may not
     ask for a width near ``max_chars`` (only the format: the values it formats are data)."""
     if isinstance(fmt, str) and _WIDTH.search(fmt):
-        raise b.fail(f"{what} was given a format with a width of more than "
-                     f"{b.limits.max_chars} characters")
+        raise b.fail(
+            f"{what} was given a format with a width of more than {b.limits.max_chars} characters"
+        )
 
 
 # A width in a format (after "%" and its flags, or after ":" in a replacement field, or a
@@ -150,8 +150,9 @@ def _lines(text: str) -> int:
     return text.count("\n") + 1
 
 
-def _check_text_op(b: _Budget, name: str, subject: Any, args: Sequence[Any],
-                   kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+def _check_text_op(
+    b: _Budget, name: str, subject: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[Any, ...]:
     """The output size of the string operations that multiply their input, checked before
     they run; returns ``(subject, *args)`` to run them with (a join's iterable made a list, so
     that it can be counted)."""
@@ -170,8 +171,9 @@ def _check_text_op(b: _Budget, name: str, subject: Any, args: Sequence[Any],
         b.chars(len(seq) * _size(sep) + sum(_size(x) for x in seq), "a join")
     elif name == "indent" and isinstance(subject, str):
         width = kwargs.get("width", args[0] if args else 4)
-        b.chars(len(subject) + _lines(subject) * (_size(width) or abs(int(width or 0))),
-                "an indent")
+        b.chars(
+            len(subject) + _lines(subject) * (_size(width) or abs(int(width or 0))), "an indent"
+        )
     return (subject, *args)
 
 
@@ -203,17 +205,20 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     b = _budget()
     if indent is not None and not 0 <= int(indent) <= b.limits.max_indent:
         raise b.fail(f"tojson's indent {indent} is outside 0..{b.limits.max_indent}")
     if separators is not None and sum(_size(s) for s in separators) > 2 * b.limits.max_indent:
-        raise b.fail("tojson's separators are longer than "
-                     f"{2 * b.limits.max_indent} characters")
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+        raise b.fail(f"tojson's separators are longer than {2 * b.limits.max_indent} characters")
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _binop(b: _Budget, op: str, left: Any, right: Any) -> None:
@@ -221,8 +226,7 @@ def _binop(b: _Budget, op: str, left: Any, right: Any) -> None:
     if op == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, str | list | tuple) and isinstance(n, int):
-                (b.chars if isinstance(seq, str) else b.items)(len(seq) * max(0, n),
-                                                               "a repetition")
+                (b.chars if isinstance(seq, str) else b.items)(len(seq) * max(0, n), "a repetition")
         b.integer(_int_bits(left) + _int_bits(right), "a product")
     elif op == "**":
         if _int_bits(left) and _int_bits(right) and right > 0 and abs(left) > 1:
@@ -256,12 +260,12 @@ class _BudgetedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     code_generator_class = _BudgetedCodeGenerator
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
-    def _parse(self, source: str, name: str | None,
-               filename: str | None) -> jinja2.nodes.Template:
+    def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(jinja2.nodes.For):
-            loop.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("counted"),
-                                          [loop.iter], [], None, None)
+            loop.iter = jinja2.nodes.Call(
+                jinja2.nodes.EnvironmentAttribute("counted"), [loop.iter], [], None, None
+            )
         return tree
 
     counted = staticmethod(_counted)
@@ -273,15 +277,17 @@ class _BudgetedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         b.chars(sum(map(len, texts)), "a string")
         return "".join(texts)
 
-    def call_binop(self, context: jinja2.runtime.Context, operator_: str, left: Any,
-                   right: Any) -> Any:
+    def call_binop(
+        self, context: jinja2.runtime.Context, operator_: str, left: Any, right: Any
+    ) -> Any:
         b = _budget()
         b.step()
         _binop(b, operator_, left, right)
         return super().call_binop(context, operator_, left, right)
 
-    def call(__self, __context: jinja2.runtime.Context, __obj: Any,
-             *args: Any, **kwargs: Any) -> Any:
+    def call(
+        __self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         b = _budget()
         b.step()
         name = getattr(__obj, "__name__", "")
@@ -300,8 +306,9 @@ class _BudgetedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         try:
             if b.depth > b.limits.max_depth:
                 raise b.fail(f"calls nested more than {b.limits.max_depth} deep")
-            return _checked(b, super().call(__context, __obj, *args, **kwargs),
-                            f"{name or 'a call'}()'s result")
+            return _checked(
+                b, super().call(__context, __obj, *args, **kwargs), f"{name or 'a call'}()'s result"
+            )
         finally:
             b.depth -= 1
 
@@ -323,9 +330,12 @@ def _budgeted_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
     def budgeted(*args: Any, **kwargs: Any) -> Any:
         b = _budget()
         b.step()
-        passed = [a for a in args if isinstance(a, jinja2.runtime.Context | jinja2.Environment
-                                                 | jinja2.nodes.EvalContext)]
-        values = args[len(passed):]
+        passed = [
+            a
+            for a in args
+            if isinstance(a, jinja2.runtime.Context | jinja2.Environment | jinja2.nodes.EvalContext)
+        ]
+        values = args[len(passed) :]
         _check_args(b, [*values, *kwargs.values()], f"the {name} filter")
         if name == "format" and values:
             _check_format(b, values[0], "the format filter")
@@ -345,13 +355,15 @@ class _GenerationBlock(jinja2.ext.Extension):
     def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
         next(parser.stream)
         body: list[jinja2.nodes.Node] = parser.parse_statements(
-            ("name:endgeneration",), drop_needle=True)
+            ("name:endgeneration",), drop_needle=True
+        )
         return body
 
 
 def _environment() -> _BudgetedEnvironment:
     env = _BudgetedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
         keep_trailing_newline=False,
     )
@@ -375,16 +387,19 @@ def compile_template(source: str, name: str) -> jinja2.Template:
     """``source`` compiled in the sandbox; ChatTemplateError (naming the template ``name``)
     for one too long or that does not compile."""
     if len(source) > MAX_TEMPLATE_CHARS:
-        raise ChatTemplateError(f"chat template {name!r} is {len(source)} characters, "
-                                f"more than {MAX_TEMPLATE_CHARS}")
+        raise ChatTemplateError(
+            f"chat template {name!r} is {len(source)} characters, more than {MAX_TEMPLATE_CHARS}"
+        )
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"chat template {name!r} does not compile: "
-                                f"{_one_line(exc)}") from None
+        raise ChatTemplateError(
+            f"chat template {name!r} does not compile: {_one_line(exc)}"
+        ) from None
     except Exception as exc:  # RecursionError, SyntaxError, MemoryError of a bad source
-        raise ChatTemplateError(f"chat template {name!r} does not compile: "
-                                f"{type(exc).__name__}: {_one_line(exc)}") from None
+        raise ChatTemplateError(
+            f"chat template {name!r} does not compile: {type(exc).__name__}: {_one_line(exc)}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -399,16 +414,20 @@ def rendering(limits: Limits, name: str) -> Iterator[_Budget]:
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"chat template {name!r} failed: "
-                                f"{_one_line(exc)}") from None
+        raise ChatTemplateError(f"chat template {name!r} failed: {_one_line(exc)}") from None
     except RecursionError:
         raise budget.fail("it recursed too deep") from None
     except MemoryError:
         raise budget.fail("it ran out of memory") from None
     except Exception as exc:  # a template is a program from a file: any Python error
-        hint = (" (templates have no loader: {% include %}, {% import %} and "
-                "{% extends %} cannot be used)" if "no loader" in str(exc) else "")
-        raise ChatTemplateError(f"chat template {name!r} failed: "
-                                f"{type(exc).__name__}: {_one_line(exc)}{hint}") from None
+        hint = (
+            " (templates have no loader: {% include %}, {% import %} and "
+            "{% extends %} cannot be used)"
+            if "no loader" in str(exc)
+            else ""
+        )
+        raise ChatTemplateError(
+            f"chat template {name!r} failed: {type(exc).__name__}: {_one_line(exc)}{hint}"
+        ) from None
     finally:
         _current.budget = outer

@@ -134,8 +134,13 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
 class Corpus:
     """A token stream with its fingerprint, validation split and global sample order."""
 
-    def __init__(self, tokens: TokenArray, source: str, n_documents: int,
-                 counted: npt.NDArray[np.bool_] | None = None) -> None:
+    def __init__(
+        self,
+        tokens: TokenArray,
+        source: str,
+        n_documents: int,
+        counted: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
         if tokens.ndim != 1 or len(tokens) == 0:
             raise DataError(f"corpus from {source} has no tokens")
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32)
@@ -192,8 +197,7 @@ class Corpus:
         chunk: TokenArray = self.tokens[window]
         return chunk
 
-    def _pair(self, blocks: npt.NDArray[np.int64], seq_len: int
-              ) -> tuple[TokenArray, TokenArray]:
+    def _pair(self, blocks: npt.NDArray[np.int64], seq_len: int) -> tuple[TokenArray, TokenArray]:
         """Inputs and targets (count, seq_len) of blocks; targets that carry no loss are
         NOT_COUNTED."""
         chunk = self._blocks(blocks, seq_len)  # (count, seq_len + 1)
@@ -214,9 +218,9 @@ class Corpus:
         order (specials dropped), for a compressor primed with what the model saw."""
         m = self.n_blocks(seq_len)
         keep = np.zeros(len(self.tokens), dtype=bool)
-        keep[1:m * seq_len + 1] = True
+        keep[1 : m * seq_len + 1] = True
         for j in range(0, m, HOLDOUT_EVERY):
-            keep[j * seq_len + 1:j * seq_len + seq_len + 1] = False
+            keep[j * seq_len + 1 : j * seq_len + seq_len + 1] = False
         return token_bytes(self.tokens[keep])
 
     def _permutation(self, n: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
@@ -315,10 +319,14 @@ def _xz(data: bytes) -> bytes:
 def _zstd(data: bytes, dictionary: bytes | None) -> bytes:
     import zstandard
 
-    d = (zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-         if dictionary is not None else None)
-    z = zstandard.ZstdCompressor(level=19, dict_data=d, write_checksum=True,
-                                 write_content_size=False, write_dict_id=False)
+    d = (
+        zstandard.ZstdCompressionDict(dictionary, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        if dictionary is not None
+        else None
+    )
+    z = zstandard.ZstdCompressor(
+        level=19, dict_data=d, write_checksum=True, write_content_size=False, write_dict_id=False
+    )
     stream = z.compressobj()  # size unknown up front, as the CLI reading a pipe: same bytes
     return stream.compress(data) + stream.flush()
 
@@ -388,4 +396,3 @@ def read_documents(path: str | Path) -> list[str]:
     if not any(documents):
         raise DataError(f"corpus {p} is empty; {hint}")
     return documents
-

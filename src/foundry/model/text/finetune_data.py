@@ -32,8 +32,9 @@ from foundry.model.text.vocab import Tokenizer
 ROLES = ("system", "user", "assistant")
 
 
-def load_tuning_corpus(path: str | Path, tokenizer: Tokenizer,
-                       template: ChatTemplate | None = None) -> Corpus:
+def load_tuning_corpus(
+    path: str | Path, tokenizer: Tokenizer, template: ChatTemplate | None = None
+) -> Corpus:
     """The corpus of ``path``: chat when it is a ``.jsonl`` file (``template`` required),
     plain text otherwise."""
     p = Path(path)
@@ -45,8 +46,11 @@ def load_tuning_corpus(path: str | Path, tokenizer: Tokenizer,
 
 
 def text_corpus(documents: Sequence[str], tokenizer: Tokenizer, source: str) -> Corpus:
-    parts = [np.asarray([*tokenizer.encode(doc, add_special=True), tokenizer.eos_id], np.int32)
-             for doc in documents if doc]
+    parts = [
+        np.asarray([*tokenizer.encode(doc, add_special=True), tokenizer.eos_id], np.int32)
+        for doc in documents
+        if doc
+    ]
     if not parts:
         raise DataError(f"{source} holds no text")
     return Corpus(np.concatenate(parts), source=source, n_documents=len(parts))
@@ -59,22 +63,24 @@ def _messages(line: str, where: str) -> list[Message]:
         raise DataError(f"{where}: not JSON ({exc.msg})") from None
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise DataError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, '
-                        "...]}")
+        raise DataError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
     out = []
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ROLES
-                and isinstance(m.get("content"), str)):
-            raise DataError(f"{where}: message {i} needs a role ({', '.join(ROLES)}) and a "
-                            "string content")
+        if not (
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: message {i} needs a role ({', '.join(ROLES)}) and a string content"
+            )
         out.append(Message(m["role"], m["content"]))
     if not any(m.role == "assistant" for m in out):
         raise DataError(f"{where}: the conversation has no assistant message to learn")
     return out
 
 
-def conversation_segments(template: ChatTemplate, messages: Sequence[Message]
-                          ) -> list[tuple[str, bool]]:
+def conversation_segments(
+    template: ChatTemplate, messages: Sequence[Message]
+) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, counted) pieces, in order: the assistant
     turns' own text counted, the rest not.
 
@@ -91,17 +97,19 @@ def conversation_segments(template: ChatTemplate, messages: Sequence[Message]
             continue
         prompt = template.render(messages[:k], add_generation_prompt=True)
         upto = template.render(messages[: k + 1], add_generation_prompt=False)
-        if not (upto.startswith(prompt) and prompt.startswith(upto[:done])
-                and whole.startswith(upto)):
+        if not (
+            upto.startswith(prompt) and prompt.startswith(upto[:done]) and whole.startswith(upto)
+        ):
             return _found_segments(template, whole, messages)
-        segments += [(prompt[done:], False), (upto[len(prompt):], True)]
+        segments += [(prompt[done:], False), (upto[len(prompt) :], True)]
         done = len(upto)
     segments.append((whole[done:], False))
     return _without_bos(template, segments)
 
 
-def _found_segments(template: ChatTemplate, whole: str, messages: Sequence[Message]
-                    ) -> list[tuple[str, bool]]:
+def _found_segments(
+    template: ChatTemplate, whole: str, messages: Sequence[Message]
+) -> list[tuple[str, bool]]:
     segments: list[tuple[str, bool]] = []
     done = 0
     for m in messages:
@@ -110,20 +118,23 @@ def _found_segments(template: ChatTemplate, whole: str, messages: Sequence[Messa
             continue
         at = whole.find(content, done)
         if at < 0:
-            raise ChatTemplateError(f"chat template {template.name!r} does not print an "
-                                    "assistant message's content as it is")
+            raise ChatTemplateError(
+                f"chat template {template.name!r} does not print an "
+                "assistant message's content as it is"
+            )
         segments += [(whole[done:at], False), (content, True)]
         done = at + len(content)
     segments.append((whole[done:], False))
     return _without_bos(template, segments)
 
 
-def _without_bos(template: ChatTemplate, segments: list[tuple[str, bool]]
-                 ) -> list[tuple[str, bool]]:
+def _without_bos(
+    template: ChatTemplate, segments: list[tuple[str, bool]]
+) -> list[tuple[str, bool]]:
     """The segments without empty ones, and without the BOS text a template prints (the
     tokenizer adds its own BOS)."""
     if template.bos_token and segments and segments[0][0].startswith(template.bos_token):
-        segments[0] = (segments[0][0][len(template.bos_token):], segments[0][1])
+        segments[0] = (segments[0][0][len(template.bos_token) :], segments[0][1])
     return [(text, counted) for text, counted in segments if text]
 
 
@@ -152,5 +163,9 @@ def chat_corpus(path: Path, tokenizer: Tokenizer, template: ChatTemplate) -> Cor
         raise DataError(f"{path} holds no conversations")
     if not any(counted):
         raise DataError(f"{path}: no assistant tokens to learn")
-    return Corpus(np.asarray(tokens, np.int32), source=str(path), n_documents=n,
-                  counted=np.asarray(counted, bool))
+    return Corpus(
+        np.asarray(tokens, np.int32),
+        source=str(path),
+        n_documents=n,
+        counted=np.asarray(counted, bool),
+    )

@@ -28,30 +28,57 @@ from foundry.model.train.training import (
     evaluate_loss,
 )
 
-__all__ = ["NUMPY", "Backend", "NumpyBackend", "StepTrainer", "Stopped", "make_trainer",
-           "select"]
+__all__ = ["NUMPY", "Backend", "NumpyBackend", "StepTrainer", "Stopped", "make_trainer", "select"]
 
 
 class Backend(Protocol):
     name: str  # "numpy", or "torch:<device>"
 
     def compute_gradients(
-        self, params: Params, cfg: ModelConfig, corpus: Corpus, start: int, count: int, *,
-        seq_len: int, micro_batch: int, aux_loss_coef: float, data_seed: int = 0,
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        aux_loss_coef: float,
+        data_seed: int = 0,
     ) -> GradientResult: ...
 
     def make_inner(self, params: Params, weight_decay: float) -> Any:
         """The inner optimizer of local rounds, kept by the caller across them."""
 
     def local_steps(
-        self, start: Params, inner: Any, cfg: ModelConfig, corpus: Corpus, *,
-        lr_at: Callable[[int], float], grad_clip: float, global_step: int, sample_offset: int,
-        samples_per_step: int, steps: int, micro_batch: int, seq_len: int,
-        aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+        self,
+        start: Params,
+        inner: Any,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        *,
+        lr_at: Callable[[int], float],
+        grad_clip: float,
+        global_step: int,
+        sample_offset: int,
+        samples_per_step: int,
+        steps: int,
+        micro_batch: int,
+        seq_len: int,
+        aux_loss_coef: float,
+        stop: Callable[[], bool] | None = None,
     ) -> GradientResult: ...
 
-    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
-                      max_batches: int | None = None, batch_size: int = 8) -> float:
+    def evaluate_loss(
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        seq_len: int,
+        max_batches: int | None = None,
+        batch_size: int = 8,
+    ) -> float:
         """``training.evaluate_loss`` of ``params`` computed here (the coordinator's
         ``--validate-device``)."""
 
@@ -62,25 +89,61 @@ class NumpyBackend:
     name = "numpy"
 
     def compute_gradients(
-        self, params: Params, cfg: ModelConfig, corpus: Corpus, start: int, count: int, *,
-        seq_len: int, micro_batch: int, aux_loss_coef: float, data_seed: int = 0,
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        aux_loss_coef: float,
+        data_seed: int = 0,
     ) -> GradientResult:
-        return compute_gradients(params, cfg, corpus, start, count, seq_len=seq_len,
-                                 micro_batch=micro_batch, aux_loss_coef=aux_loss_coef,
-                                 data_seed=data_seed)
+        return compute_gradients(
+            params,
+            cfg,
+            corpus,
+            start,
+            count,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            aux_loss_coef=aux_loss_coef,
+            data_seed=data_seed,
+        )
 
     def make_inner(self, params: Params, weight_decay: float) -> AdamW:
         return AdamW(params, weight_decay=weight_decay)
 
-    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
-                      max_batches: int | None = None, batch_size: int = 8) -> float:
+    def evaluate_loss(
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        seq_len: int,
+        max_batches: int | None = None,
+        batch_size: int = 8,
+    ) -> float:
         return evaluate_loss(params, cfg, corpus, seq_len, max_batches, batch_size)
 
     def local_steps(
-        self, start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, *,
-        lr_at: Callable[[int], float], grad_clip: float, global_step: int, sample_offset: int,
-        samples_per_step: int, steps: int, micro_batch: int, seq_len: int,
-        aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+        self,
+        start: Params,
+        inner: AdamW,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        *,
+        lr_at: Callable[[int], float],
+        grad_clip: float,
+        global_step: int,
+        sample_offset: int,
+        samples_per_step: int,
+        steps: int,
+        micro_batch: int,
+        seq_len: int,
+        aux_loss_coef: float,
+        stop: Callable[[], bool] | None = None,
     ) -> GradientResult:
         """``steps`` inner AdamW steps from ``start`` (left unchanged) on consecutive global
         samples; the pseudo-gradient ``start - end``, weighted as ``steps * samples_per_step``.
@@ -95,8 +158,14 @@ class NumpyBackend:
             if stop is not None and stop():
                 raise Stopped(f"stopped after {k} of {steps} inner steps")
             res = compute_gradients(
-                local, cfg, corpus, sample_offset + k * b, b,
-                seq_len=seq_len, micro_batch=micro_batch, aux_loss_coef=aux_loss_coef,
+                local,
+                cfg,
+                corpus,
+                sample_offset + k * b,
+                b,
+                seq_len=seq_len,
+                micro_batch=micro_batch,
+                aux_loss_coef=aux_loss_coef,
             )
             clip_grad_norm(res.grads, grad_clip)
             inner.step(local, res.grads, lr_at(global_step + k))
@@ -123,12 +192,14 @@ class StepTrainer(Protocol):
 
     def load(self, params: Params, state: AdamWState, step: int, position: int) -> None: ...
 
-    def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
-                      batch_size: int = 8) -> float: ...
+    def evaluate_loss(
+        self, corpus: Corpus, seq_len: int, max_batches: int | None = None, batch_size: int = 8
+    ) -> float: ...
 
 
-def make_trainer(backend: Backend, cfg: ModelConfig, settings: TrainSettings, params: Params
-                 ) -> StepTrainer:
+def make_trainer(
+    backend: Backend, cfg: ModelConfig, settings: TrainSettings, params: Params
+) -> StepTrainer:
     """The single-process trainer of ``backend``: weights and moments where it computes."""
     if isinstance(backend, NumpyBackend):
         return Trainer(cfg, settings, params)

@@ -93,12 +93,15 @@ class Base:
 
     def nbytes(self) -> int:
         """The memory the base's weights take as held."""
-        return sum(w.nbytes if isinstance(w, QTensor) else w.numel() * w.element_size()
-                   for w in self.weights.values())
+        return sum(
+            w.nbytes if isinstance(w, QTensor) else w.numel() * w.element_size()
+            for w in self.weights.values()
+        )
 
 
-def load_base(path: str | Path, device: str | torch.device = "cpu", *,
-              keep_quantized: bool = False) -> Base:
+def load_base(
+    path: str | Path, device: str | torch.device = "cpu", *, keep_quantized: bool = False
+) -> Base:
     """The file's weights as frozen float32 tensors on ``device``, its metadata and identity.
     ``keep_quantized``: every matrix stored in another type than F32 stays in it (norms and
     vectors become float32 as before): about the file's size in memory instead of 4 bytes a
@@ -115,8 +118,9 @@ def load_base(path: str | Path, device: str | torch.device = "cpu", *,
         if keep_quantized and isinstance(stored, QTensor) and stored.ndim >= 2:
             weights[name] = stored
         else:
-            weights[name] = torch.from_numpy(np.ascontiguousarray(
-                dequantize(stored), np.float32)).to(dev)
+            weights[name] = torch.from_numpy(
+                np.ascontiguousarray(dequantize(stored), np.float32)
+            ).to(dev)
     return Base(p, loaded.cfg, weights, loaded.metadata, file_identity(p), dev)
 
 
@@ -211,8 +215,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) ->
         d = i[:, None] - i[None, :]  # (T, T) query - key
         mask = (d >= 0) & (d < window)  # (T, T) True: attended
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, heads, T, Dh)
-        attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),  # (B, heads, T, Dh)
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=q.shape[2] != k.shape[2],
     )  # (B, H, T, Dh)
     return o.transpose(1, 2)  # (B, T, H, Dh)
 
@@ -229,8 +237,9 @@ def gelu(g: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         bits = g.detach().to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
         looked = table[bits]
-        looked = torch.where(g <= -10.0, torch.zeros_like(looked),
-                             torch.where(g >= 10.0, g.detach(), looked))
+        looked = torch.where(
+            g <= -10.0, torch.zeros_like(looked), torch.where(g >= 10.0, g.detach(), looked)
+        )
     smooth = F.gelu(g, approximate="tanh")
     return smooth + (looked - smooth).detach()
 
@@ -247,17 +256,26 @@ class Model:
     def tables(self, n_pos: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
         have = self._rope.get(base)
         if have is None or have[0].shape[0] < n_pos:
-            factors = (self.base.tensor("rope_freqs.weight")
-                       if "rope_freqs.weight" in self.base.weights else None)
+            factors = (
+                self.base.tensor("rope_freqs.weight")
+                if "rope_freqs.weight" in self.base.weights
+                else None
+            )
             cos, sin = arch_rope_tables(
-                n_pos, self.base.cfg.head_dim, base,
-                None if factors is None else factors.cpu().numpy())
-            have = self._rope[base] = (torch.from_numpy(cos).to(self.base.device),
-                                       torch.from_numpy(sin).to(self.base.device))
+                n_pos,
+                self.base.cfg.head_dim,
+                base,
+                None if factors is None else factors.cpu().numpy(),
+            )
+            have = self._rope[base] = (
+                torch.from_numpy(cos).to(self.base.device),
+                torch.from_numpy(sin).to(self.base.device),
+            )
         return have[0][:n_pos], have[1][:n_pos]
 
-    def forward(self, trainable: Mapping[str, torch.Tensor], tokens: torch.Tensor,
-                *, train: bool = False) -> torch.Tensor:
+    def forward(
+        self, trainable: Mapping[str, torch.Tensor], tokens: torch.Tensor, *, train: bool = False
+    ) -> torch.Tensor:
         """Logits (B, T, V) of tokens (B, T)."""
         cfg, spec, base = self.base.cfg, self.spec, self.base.weights
         a = arch_spec(cfg)
@@ -347,17 +365,26 @@ class Model:
             y = y.index_add(0, rows, ye * top_p[rows, slot][:, None])
         if cfg.n_ff_shared:
             g = matmul_t(h, w(p + "ffn_gate_shexp.weight"))
-            y = y + matmul_t(F.silu(g) * matmul_t(h, w(p + "ffn_up_shexp.weight")),
-                             w(p + "ffn_down_shexp.weight"))
+            y = y + matmul_t(
+                F.silu(g) * matmul_t(h, w(p + "ffn_up_shexp.weight")),
+                w(p + "ffn_down_shexp.weight"),
+            )
         return y
 
-    def loss_sum(self, trainable: Mapping[str, torch.Tensor], tokens: torch.Tensor,
-                 targets: torch.Tensor, *, train: bool = False) -> tuple[torch.Tensor, int]:
+    def loss_sum(
+        self,
+        trainable: Mapping[str, torch.Tensor],
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        train: bool = False,
+    ) -> tuple[torch.Tensor, int]:
         """(summed cross-entropy over the targets that count, how many count)."""
         logits = self.forward(trainable, tokens, train=train)  # (B, T, V)
         flat = targets.reshape(-1)
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat,
-                              ignore_index=IGNORE, reduction="sum")
+        nll = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=IGNORE, reduction="sum"
+        )
         return nll, int((flat != IGNORE).sum())
 
 
@@ -365,15 +392,20 @@ class Model:
 
 
 def _device_params(params: Params, device: torch.device, grad: bool) -> Tensors:
-    return {n: torch.from_numpy(np.array(a, np.float32)).to(device).requires_grad_(grad)
-            for n, a in params.items()}
+    return {
+        n: torch.from_numpy(np.array(a, np.float32)).to(device).requires_grad_(grad)
+        for n, a in params.items()
+    }
 
 
-def _batch(corpus: Corpus, start: int, count: int, seq_len: int, seed: int,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    corpus: Corpus, start: int, count: int, seq_len: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     tok, tgt = corpus.sample_batch(start, count, seq_len, seed=seed)
-    return (torch.from_numpy(tok.astype(np.int64)).to(device),
-            torch.from_numpy(tgt.astype(np.int64)).to(device))
+    return (
+        torch.from_numpy(tok.astype(np.int64)).to(device),
+        torch.from_numpy(tgt.astype(np.int64)).to(device),
+    )
 
 
 class FineTuneBackend:
@@ -384,8 +416,9 @@ class FineTuneBackend:
     ``count * seq_len`` (a token that carries no loss counts as zero), so the mean over the
     global batch is the sample-weighted mean of the workers' slices, whatever the mask."""
 
-    def __init__(self, base: Base, spec: LR.LoraSpec | None, *, micro_batch: int = 8,
-                 dropout_seed: int = 0) -> None:
+    def __init__(
+        self, base: Base, spec: LR.LoraSpec | None, *, micro_batch: int = 8, dropout_seed: int = 0
+    ) -> None:
         self.base = base
         self.spec = spec
         self.model = Model(base, spec)
@@ -394,8 +427,16 @@ class FineTuneBackend:
         self.name = f"torch:{base.device.type}"
         self.last_phases: dict[str, float] = {}
 
-    def accumulate(self, trainable: Tensors, corpus: Corpus, start: int, count: int, *,
-                   seq_len: int, data_seed: int = 0) -> float:
+    def accumulate(
+        self,
+        trainable: Tensors,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        data_seed: int = 0,
+    ) -> float:
         """Backward of the slice's loss into ``trainable``'s .grad; the loss."""
         total = 0.0
         step = max(1, self.micro_batch)
@@ -411,8 +452,17 @@ class FineTuneBackend:
         return total
 
     def compute_gradients(
-        self, params: Params, cfg: ModelConfig, corpus: Corpus, start: int, count: int, *,
-        seq_len: int, micro_batch: int = 0, aux_loss_coef: float = 0.0, data_seed: int = 0,
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        micro_batch: int = 0,
+        aux_loss_coef: float = 0.0,
+        data_seed: int = 0,
     ) -> GradientResult:
         """The mean gradient of the trainable ``params`` over global samples
         [start, start + count), float32 numpy by name."""
@@ -421,8 +471,10 @@ class FineTuneBackend:
         t0 = time.perf_counter()
         dev = _device_params(params, self.base.device, True)
         loss = self.accumulate(dev, corpus, start, count, seq_len=seq_len, data_seed=data_seed)
-        grads = {n: (t.grad if t.grad is not None else torch.zeros_like(t)).cpu().numpy()
-                 for n, t in dev.items()}
+        grads = {
+            n: (t.grad if t.grad is not None else torch.zeros_like(t)).cpu().numpy()
+            for n, t in dev.items()
+        }
         self.last_phases = {"steps": time.perf_counter() - t0}
         return GradientResult(grads, count, loss, 0.0)
 
@@ -430,10 +482,22 @@ class FineTuneBackend:
         return AdamW(params, weight_decay=weight_decay)
 
     def local_steps(
-        self, start: Params, inner: AdamW, cfg: ModelConfig, corpus: Corpus, *,
-        lr_at: Callable[[int], float], grad_clip: float, global_step: int, sample_offset: int,
-        samples_per_step: int, steps: int, micro_batch: int, seq_len: int,
-        aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+        self,
+        start: Params,
+        inner: AdamW,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        *,
+        lr_at: Callable[[int], float],
+        grad_clip: float,
+        global_step: int,
+        sample_offset: int,
+        samples_per_step: int,
+        steps: int,
+        micro_batch: int,
+        seq_len: int,
+        aux_loss_coef: float,
+        stop: Callable[[], bool] | None = None,
     ) -> GradientResult:
         """``backend.NumpyBackend.local_steps`` over the trainable tensors: inner AdamW steps
         from ``start``, the pseudo-gradient ``start - end`` back."""
@@ -443,22 +507,41 @@ class FineTuneBackend:
         for k in range(steps):
             if stop is not None and stop():
                 raise Stopped(f"stopped after {k} of {steps} inner steps")
-            res = self.compute_gradients(local, cfg, corpus, sample_offset + k * b, b,
-                                         seq_len=seq_len)
+            res = self.compute_gradients(
+                local, cfg, corpus, sample_offset + k * b, b, seq_len=seq_len
+            )
             clip_grad_norm(res.grads, grad_clip)
             inner.step(local, res.grads, lr_at(global_step + k))
             loss += res.loss
-        return GradientResult({k: start[k] - local[k] for k in start}, steps * b, loss / steps,
-                              0.0)
+        return GradientResult({k: start[k] - local[k] for k in start}, steps * b, loss / steps, 0.0)
 
-    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
-                      max_batches: int | None = None, batch_size: int = 8) -> float:
-        return evaluate(self.model, _device_params(params, self.base.device, False), corpus,
-                        seq_len, max_batches, batch_size)
+    def evaluate_loss(
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        seq_len: int,
+        max_batches: int | None = None,
+        batch_size: int = 8,
+    ) -> float:
+        return evaluate(
+            self.model,
+            _device_params(params, self.base.device, False),
+            corpus,
+            seq_len,
+            max_batches,
+            batch_size,
+        )
 
 
-def evaluate(model: Model, trainable: Mapping[str, torch.Tensor], corpus: Corpus, seq_len: int,
-             max_batches: int | None = None, batch_size: int = 8) -> float:
+def evaluate(
+    model: Model,
+    trainable: Mapping[str, torch.Tensor],
+    corpus: Corpus,
+    seq_len: int,
+    max_batches: int | None = None,
+    batch_size: int = 8,
+) -> float:
     """Mean cross-entropy in nats per counted token of the held-out blocks."""
     total, n = 0.0, 0
     with torch.no_grad():
@@ -493,8 +576,7 @@ class FineTuner:
         self.backend = backend
         self.settings = settings
         self.params = _device_params(trainable, backend.base.device, True)
-        self.optimizer = adamw(self.params, settings.weight_decay, backend.base.device,
-                               settings.lr)
+        self.optimizer = adamw(self.params, settings.weight_decay, backend.base.device, settings.lr)
         self.step = 0
         self.position = 0
 
@@ -505,8 +587,14 @@ class FineTuner:
     def train_step(self, corpus: Corpus) -> GradientResult:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.backend.accumulate(self.params, corpus, self.position, s.global_batch,
-                                       seq_len=s.seq_len, data_seed=s.data_seed)
+        loss = self.backend.accumulate(
+            self.params,
+            corpus,
+            self.position,
+            s.global_batch,
+            seq_len=s.seq_len,
+            data_seed=s.data_seed,
+        )
         torch.nn.utils.clip_grad_norm_(list(self.params.values()), s.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
@@ -515,10 +603,10 @@ class FineTuner:
         self.position += s.global_batch
         return GradientResult({}, s.global_batch, loss, 0.0)
 
-    def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
-                      batch_size: int = 8) -> float:
-        return evaluate(self.backend.model, self.params, corpus, seq_len, max_batches,
-                        batch_size)
+    def evaluate_loss(
+        self, corpus: Corpus, seq_len: int, max_batches: int | None = None, batch_size: int = 8
+    ) -> float:
+        return evaluate(self.backend.model, self.params, corpus, seq_len, max_batches, batch_size)
 
     def host_params(self) -> Params:
         return {n: t.detach().cpu().numpy().copy() for n, t in self.params.items()}

@@ -44,8 +44,9 @@ def _in_place(p: F32, g: F32, m: F32, v: F32) -> bool:
     return (
         all(a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned for a in arrays)
         and all(a.flags.writeable for a in (p, m, v))
-        and not any(np.may_share_memory(a, b) for i, a in enumerate(arrays)
-                    for b in arrays[i + 1:])
+        and not any(
+            np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[i + 1 :]
+        )
     )
 
 
@@ -91,8 +92,9 @@ class AdamW:
             raise KeyError(f"gradients and optimizer state differ in parameters: {missing[:5]}")
         for name, p in params.items():  # before anything changes
             if grads[name].shape != p.shape:
-                raise ValueError(f"gradient {name} has shape {grads[name].shape}, "
-                                 f"expected {p.shape}")
+                raise ValueError(
+                    f"gradient {name} has shape {grads[name].shape}, expected {p.shape}"
+                )
         self.step_count += 1
         t = self.step_count
         b1, b2 = np.float32(self.beta1), np.float32(self.beta2)
@@ -106,8 +108,9 @@ class AdamW:
             g, m, v = grads[name], self.m[name], self.v[name]
             decay = bool(self.weight_decay) and decays(p)
             if _optim is not None and _in_place(p, g, m, v):
-                _optim.adamw(p, g, m, v, decay, shrink, b1, omb1, b2, omb2, bc2_sqrt, eps,
-                             step_size)
+                _optim.adamw(
+                    p, g, m, v, decay, shrink, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size
+                )
                 continue
             # Every intermediate goes to one scratch buffer: no temporary arrays per tensor.
             if scratch is None:

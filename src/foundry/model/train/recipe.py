@@ -44,5 +44,7 @@ def short_run_note(steps: int, default_data: bool) -> str | None:
     """What to change when a run on the default corpus is too short to give words."""
     if not default_data or steps >= STEPS:
         return None
-    return (f"note: {steps} steps are too few for words on the default corpus (the greedy "
-            f"samples stay 'the the the ...'); --steps {STEPS} (the default) gives words")
+    return (
+        f"note: {steps} steps are too few for words on the default corpus (the greedy "
+        f"samples stay 'the the the ...'); --steps {STEPS} (the default) gives words"
+    )

@@ -37,8 +37,7 @@ from foundry.model.train.training import GradientResult, Params, Stopped, TrainS
 F32 = npt.NDArray[np.float32]
 
 
-def host_copy(tensors: Mapping[str, torch.Tensor],
-              buffer: torch.Tensor | None = None) -> Params:
+def host_copy(tensors: Mapping[str, torch.Tensor], buffer: torch.Tensor | None = None) -> Params:
     """Tensors to float32 numpy arrays through one flat buffer: one device-to-host transfer
     (and one synchronisation) instead of one per tensor; the arrays are views of it.
     ``buffer``, a flat float32 host tensor at least that long (page-locked: ``TorchBackend``'s),
@@ -53,7 +52,7 @@ def host_copy(tensors: Mapping[str, torch.Tensor],
     at = 0
     for n in names:
         size = tensors[n].numel()
-        out[n] = flat[at:at + size].reshape(tuple(tensors[n].shape))
+        out[n] = flat[at : at + size].reshape(tuple(tensors[n].shape))
         at += size
     return out
 
@@ -80,8 +79,14 @@ class TorchBackend:
     seconds of the last call's ``down`` (weights to the device), ``steps`` and ``up``.
     """
 
-    def __init__(self, device: str = "cuda", *, bf16: bool = False, max_micro_batch: int = 256,
-                 host_buffers: bool | None = None):
+    def __init__(
+        self,
+        device: str = "cuda",
+        *,
+        bf16: bool = False,
+        max_micro_batch: int = 256,
+        host_buffers: bool | None = None,
+    ):
         self.device = torch.device(device)
         self.bf16 = bf16
         self.max_micro_batch = max_micro_batch
@@ -98,13 +103,15 @@ class TorchBackend:
             return None
         self._turn ^= 1
         if len(self._buffers) < 2 or self._buffers[self._turn].numel() < numel:
-            self._buffers = [torch.empty(numel, dtype=torch.float32,
-                                         pin_memory=self.device.type == "cuda")
-                             for _ in range(2)]
+            self._buffers = [
+                torch.empty(numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+                for _ in range(2)
+            ]
         return self._buffers[self._turn]
 
-    def _load(self, dst: Mapping[str, torch.Tensor], src: Params,
-              buffer: torch.Tensor | None) -> None:
+    def _load(
+        self, dst: Mapping[str, torch.Tensor], src: Params, buffer: torch.Tensor | None
+    ) -> None:
         """Each device tensor of ``dst`` set to ``src``'s array of its name; through
         ``buffer`` when there is one."""
         with torch.no_grad():
@@ -116,8 +123,8 @@ class TorchBackend:
             at = 0
             for name, t in dst.items():
                 n = t.numel()
-                np.copyto(host[at:at + n].reshape(tuple(t.shape)), src[name])
-                t.copy_(buffer[at:at + n].view(t.shape), non_blocking=True)
+                np.copyto(host[at : at + n].reshape(tuple(t.shape)), src[name])
+                t.copy_(buffer[at : at + n].view(t.shape), non_blocking=True)
                 at += n
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # before the buffer is written again
@@ -129,19 +136,32 @@ class TorchBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def batches(self, corpus: Corpus, start: int, count: int, seq_len: int, data_seed: int
-                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, corpus: Corpus, start: int, count: int, seq_len: int, data_seed: int
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(n, tokens, targets) of global samples [start, start + count) on the device."""
         step = max(1, self.max_micro_batch)
         for off in range(0, count, step):
             n = min(step, count - off)
             tok, tgt = corpus.sample_batch(start + off, n, seq_len, seed=data_seed)
-            yield (n, torch.from_numpy(tok.astype(np.int64)).to(self.device, non_blocking=True),
-                   torch.from_numpy(tgt.astype(np.int64)).to(self.device, non_blocking=True))
+            yield (
+                n,
+                torch.from_numpy(tok.astype(np.int64)).to(self.device, non_blocking=True),
+                torch.from_numpy(tgt.astype(np.int64)).to(self.device, non_blocking=True),
+            )
 
-    def accumulate(self, params: Mapping[str, torch.Tensor], cfg: ModelConfig, corpus: Corpus,
-                   start: int, count: int, *, seq_len: int, aux_loss_coef: float,
-                   data_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(
+        self,
+        params: Mapping[str, torch.Tensor],
+        cfg: ModelConfig,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        aux_loss_coef: float,
+        data_seed: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Backward of the mean loss over the samples into ``params``' .grad (added to what
         is there); returns the summed (ce, aux) times samples, still on the device."""
         ce_sum = torch.zeros((), device=self.device)
@@ -157,8 +177,17 @@ class TorchBackend:
     # --- Backend ---------------------------------------------------------------------------
 
     def compute_gradients(
-        self, params: Params, cfg: ModelConfig, corpus: Corpus, start: int, count: int, *,
-        seq_len: int, micro_batch: int, aux_loss_coef: float, data_seed: int = 0,
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        start: int,
+        count: int,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        aux_loss_coef: float,
+        data_seed: int = 0,
     ) -> GradientResult:
         """``training.compute_gradients`` on the device: the weights go down, the gradient
         comes back in one transfer."""
@@ -167,30 +196,60 @@ class TorchBackend:
         t0 = time.perf_counter()
         dev = TM.to_device(params, self.device, requires_grad=True)
         t1 = time.perf_counter()
-        ce, aux = self.accumulate(dev, cfg, corpus, start, count, seq_len=seq_len,
-                                  aux_loss_coef=aux_loss_coef, data_seed=data_seed)
+        ce, aux = self.accumulate(
+            dev,
+            cfg,
+            corpus,
+            start,
+            count,
+            seq_len=seq_len,
+            aux_loss_coef=aux_loss_coef,
+            data_seed=data_seed,
+        )
         loss, aux_loss = float(ce) / count, float(aux) / count  # waits for the device
         t2 = time.perf_counter()
-        grads = host_copy({k: _grad(t) for k, t in dev.items()},
-                          self._buffer(sum(t.numel() for t in dev.values())))
+        grads = host_copy(
+            {k: _grad(t) for k, t in dev.items()},
+            self._buffer(sum(t.numel() for t in dev.values())),
+        )
         self.last_phases = {"down": t1 - t0, "steps": t2 - t1, "up": time.perf_counter() - t2}
         return GradientResult(grads, count, loss, aux_loss)
 
-    def evaluate_loss(self, params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
-                      max_batches: int | None = None, batch_size: int = 8) -> float:
+    def evaluate_loss(
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        seq_len: int,
+        max_batches: int | None = None,
+        batch_size: int = 8,
+    ) -> float:
         """``training.evaluate_loss`` of host ``params`` on this device."""
-        return _evaluate(self, TM.to_device(params, self.device), cfg, corpus, seq_len,
-                         max_batches, batch_size)
+        return _evaluate(
+            self, TM.to_device(params, self.device), cfg, corpus, seq_len, max_batches, batch_size
+        )
 
     def make_inner(self, params: Params, weight_decay: float) -> TorchInner:
         dev = TM.to_device(params, self.device, requires_grad=True)
         return TorchInner(dev, adamw(dev, weight_decay, self.device))
 
     def local_steps(
-        self, start: Params, inner: TorchInner, cfg: ModelConfig, corpus: Corpus, *,
-        lr_at: Callable[[int], float], grad_clip: float, global_step: int, sample_offset: int,
-        samples_per_step: int, steps: int, micro_batch: int, seq_len: int,
-        aux_loss_coef: float, stop: Callable[[], bool] | None = None,
+        self,
+        start: Params,
+        inner: TorchInner,
+        cfg: ModelConfig,
+        corpus: Corpus,
+        *,
+        lr_at: Callable[[int], float],
+        grad_clip: float,
+        global_step: int,
+        sample_offset: int,
+        samples_per_step: int,
+        steps: int,
+        micro_batch: int,
+        seq_len: int,
+        aux_loss_coef: float,
+        stop: Callable[[], bool] | None = None,
     ) -> GradientResult:
         """``NumpyBackend.local_steps`` on the device: the start weights go down once, the
         pseudo-gradient ``start - end`` comes back once."""
@@ -208,8 +267,15 @@ class TorchBackend:
             if stop is not None and stop():
                 raise Stopped(f"stopped after {k} of {steps} inner steps")
             inner.optimizer.zero_grad(set_to_none=True)
-            c, a = self.accumulate(p, cfg, corpus, sample_offset + k * b, b, seq_len=seq_len,
-                                   aux_loss_coef=aux_loss_coef)
+            c, a = self.accumulate(
+                p,
+                cfg,
+                corpus,
+                sample_offset + k * b,
+                b,
+                seq_len=seq_len,
+                aux_loss_coef=aux_loss_coef,
+            )
             torch.nn.utils.clip_grad_norm_(list(p.values()), grad_clip)
             for group in inner.optimizer.param_groups:
                 group["lr"] = lr_at(global_step + k)
@@ -229,16 +295,20 @@ def _grad(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def adamw(params: Mapping[str, torch.Tensor], weight_decay: float, device: torch.device,
-          lr: float = 1e-3) -> torch.optim.AdamW:
+def adamw(
+    params: Mapping[str, torch.Tensor], weight_decay: float, device: torch.device, lr: float = 1e-3
+) -> torch.optim.AdamW:
     """torch's AdamW as ``optim.AdamW`` is set: decay on matrices only, betas (0.9, 0.95),
     eps 1e-8; fused on CUDA."""
     decayed = [t for t in params.values() if t.ndim >= 2]  # as optim.decays
     plain = [t for t in params.values() if t.ndim < 2]
-    groups = [{"params": decayed, "weight_decay": weight_decay},
-              {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=device.type == "cuda")
+    groups = [
+        {"params": decayed, "weight_decay": weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+    )
 
 
 @dataclass
@@ -259,10 +329,10 @@ class TorchTrainer:
         self.optimizer = adamw(self.params, self.settings.weight_decay, self.backend.device)
 
     @classmethod
-    def from_numpy(cls, cfg: ModelConfig, settings: TrainSettings, backend: TorchBackend,
-                   params: Params) -> TorchTrainer:
-        return cls(cfg, settings, backend,
-                   TM.to_device(params, backend.device, requires_grad=True))
+    def from_numpy(
+        cls, cfg: ModelConfig, settings: TrainSettings, backend: TorchBackend, params: Params
+    ) -> TorchTrainer:
+        return cls(cfg, settings, backend, TM.to_device(params, backend.device, requires_grad=True))
 
     def learning_rate(self) -> float:
         s = self.settings
@@ -273,10 +343,16 @@ class TorchTrainer:
         empty (they never leave the device here); its loss is the batch's."""
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        ce, aux = self.backend.accumulate(self.params, self.cfg, corpus, self.position,
-                                          s.global_batch, seq_len=s.seq_len,
-                                          aux_loss_coef=s.aux_loss_coef,
-                                          data_seed=s.data_seed)
+        ce, aux = self.backend.accumulate(
+            self.params,
+            self.cfg,
+            corpus,
+            self.position,
+            s.global_batch,
+            seq_len=s.seq_len,
+            aux_loss_coef=s.aux_loss_coef,
+            data_seed=s.data_seed,
+        )
         torch.nn.utils.clip_grad_norm_(list(self.params.values()), s.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate()
@@ -297,15 +373,24 @@ class TorchTrainer:
         load_adamw(self.params, self.optimizer, params, state)
         self.step, self.position = step, position
 
-    def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
-                      batch_size: int = 8) -> float:
+    def evaluate_loss(
+        self, corpus: Corpus, seq_len: int, max_batches: int | None = None, batch_size: int = 8
+    ) -> float:
         """``training.evaluate_loss`` on the device (nats per byte of the held-out text)."""
-        return _evaluate(self.backend, self.params, self.cfg, corpus, seq_len, max_batches,
-                         batch_size)
+        return _evaluate(
+            self.backend, self.params, self.cfg, corpus, seq_len, max_batches, batch_size
+        )
 
 
-def _evaluate(backend: TorchBackend, params: Mapping[str, torch.Tensor], cfg: ModelConfig,
-              corpus: Corpus, seq_len: int, max_batches: int | None, batch_size: int) -> float:
+def _evaluate(
+    backend: TorchBackend,
+    params: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    corpus: Corpus,
+    seq_len: int,
+    max_batches: int | None,
+    batch_size: int,
+) -> float:
     total = torch.zeros((), dtype=torch.float64, device=backend.device)
     n = 0
     with torch.no_grad():
@@ -315,15 +400,15 @@ def _evaluate(backend: TorchBackend, params: Mapping[str, torch.Tensor], cfg: Mo
             with backend.autocast():
                 logits, _ = TM.forward(params, cfg, t)
             nll = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none"
+            )
             is_byte = y.reshape(-1) >= N_SPECIAL_TOKENS
             total += nll[is_byte].double().sum()
             n += int(is_byte.sum())
     return float(total) / n if n else float("nan")
 
 
-def adamw_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer
-                ) -> AdamWState:
+def adamw_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> AdamWState:
     """torch AdamW's moments of ``params`` as ``optim.AdamW.state_dict`` holds them (what a
     checkpoint stores; zeros before a step)."""
     m: dict[str, F32] = {}
@@ -338,8 +423,12 @@ def adamw_state(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optim
     return {"step": step, "m": m, "v": v}
 
 
-def load_adamw(params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-               values: Params, state: AdamWState) -> None:
+def load_adamw(
+    params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    values: Params,
+    state: AdamWState,
+) -> None:
     """``params`` set to a checkpoint's ``values`` and torch AdamW's moments to its ``state``
     (``adamw_state``'s inverse)."""
     with torch.no_grad():

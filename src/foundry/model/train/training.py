@@ -84,9 +84,7 @@ def compute_gradients(
     for off in range(0, count, micro_batch):
         n = min(micro_batch, count - off)
         tokens, targets = corpus.sample_batch(start + off, n, seq_len, seed=data_seed)
-        _, stats, grads = loss_and_grads(
-            params, cfg, tokens, targets, aux_loss_coef=aux_loss_coef
-        )
+        _, stats, grads = loss_and_grads(params, cfg, tokens, targets, aux_loss_coef=aux_loss_coef)
         w = np.float32(n / count)
         if total is None:
             total = {k: w * g for k, g in grads.items()}
@@ -141,8 +139,9 @@ class Trainer:
         self.optimizer.load_state_dict(state)
         self.step, self.position = step, position
 
-    def evaluate_loss(self, corpus: Corpus, seq_len: int, max_batches: int | None = None,
-                      batch_size: int = 8) -> float:
+    def evaluate_loss(
+        self, corpus: Corpus, seq_len: int, max_batches: int | None = None, batch_size: int = 8
+    ) -> float:
         return evaluate_loss(self.params, self.cfg, corpus, seq_len, max_batches, batch_size)
 
     def train_step(self, corpus: Corpus, micro_batch: int | None = None) -> GradientResult:
@@ -164,8 +163,12 @@ class Trainer:
 
 
 def evaluate_loss(
-    params: Params, cfg: ModelConfig, corpus: Corpus, seq_len: int,
-    max_batches: int | None = None, batch_size: int = 8,
+    params: Params,
+    cfg: ModelConfig,
+    corpus: Corpus,
+    seq_len: int,
+    max_batches: int | None = None,
+    batch_size: int = 8,
 ) -> float:
     """Mean cross-entropy, in nats, of the byte targets of the held-out blocks (the same
     batches every call; all of ``Corpus.validation_blocks`` unless ``max_batches`` stops
@@ -194,8 +197,7 @@ def against_compressors(bpb: float, yardstick: Mapping[str, float]) -> str:
     bytes) achieves: ``"1.912 bits/byte: 41% below gzip -9 (3.252), 33% above xz -9e primed
     (1.434)"``."""
     parts = [
-        f"{abs(100 * (1 - bpb / ref)):.0f}% {'below' if bpb < ref else 'above'} {name} "
-        f"({ref:.3f})"
+        f"{abs(100 * (1 - bpb / ref)):.0f}% {'below' if bpb < ref else 'above'} {name} ({ref:.3f})"
         for name, ref in yardstick.items()
     ]
     return f"{bpb:.3f} bits/byte: " + ", ".join(parts)
@@ -209,7 +211,8 @@ def beaten_line(bpb: float, yardstick: Mapping[str, float]) -> str:
         return "the model beats every compressor here: " + ", ".join(beats)
     return (
         ("the model beats " + ", ".join(beats) if beats else "the model beats none of them")
-        + "; it does not beat " + ", ".join(not_beaten)
+        + "; it does not beat "
+        + ", ".join(not_beaten)
         + " (on the default corpus `foundry up --long` narrows the gap; beyond its steps the "
         "model overfits)"
     )

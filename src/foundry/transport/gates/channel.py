@@ -62,8 +62,10 @@ class GateChannel:
         except OSError as exc:
             raise self._failed(exc, tag) from None
         if n == 0:
-            raise GateError(f"{self.peer} closed the gate connection during {_describe(tag)} "
-                            f"(received {got} of {total} bytes)")
+            raise GateError(
+                f"{self.peer} closed the gate connection during {_describe(tag)} "
+                f"(received {got} of {total} bytes)"
+            )
         return n
 
     def buffered(self) -> bool:
@@ -86,8 +88,9 @@ class GateChannel:
         return GateError(f"gate connection to {self.peer} failed during {_describe(tag)}: {why}")
 
 
-def poll_channels(poller: select.poll, wants: Sequence[tuple[GateChannel, bool, bool]],
-                  left_s: float) -> None:
+def poll_channels(
+    poller: select.poll, wants: Sequence[tuple[GateChannel, bool, bool]], left_s: float
+) -> None:
     """Sleep until one of ``wants`` (channel, still sending, still receiving) can move, or
     ``left_s`` pass; at once when TLS already holds bytes for a channel that receives."""
     if any(receiving and ch.buffered() for ch, _, receiving in wants):

@@ -48,11 +48,14 @@ class MeshGateExchange(GateExchange):
         timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
         first_seq: int = 1,
     ) -> None:
-        super().__init__(rank=rank, n_embd=n_embd, timeout_s=timeout_s, first_seq=first_seq,
-                         world=world)
+        super().__init__(
+            rank=rank, n_embd=n_embd, timeout_s=timeout_s, first_seq=first_seq, world=world
+        )
         if set(socks) != set(range(world)) - {rank}:
-            raise ValueError(f"rank {rank} of {world} needs a socket to every other rank, got "
-                             f"ranks {sorted(socks)}")
+            raise ValueError(
+                f"rank {rank} of {world} needs a socket to every other rank, got "
+                f"ranks {sorted(socks)}"
+            )
         self._channels = {r: GateChannel(s, f"rank {r}") for r, s in sorted(socks.items())}
         self._tags = {r: bytearray(GATE_HEADER_SIZE) for r in self._channels}
         self._bufs = {r: np.empty(0, dtype=_F32) for r in self._channels}
@@ -108,8 +111,14 @@ class MeshGateExchange(GateExchange):
         exc = self._desync(tag, peer_tag)
         return GateError(f"rank {peer}: {exc}")
 
-    def _wait(self, last_progress: float, tag: bytes, sent: dict[int, int],
-              got: dict[int, int], total: int) -> None:
+    def _wait(
+        self,
+        last_progress: float,
+        tag: bytes,
+        sent: dict[int, int],
+        got: dict[int, int],
+        total: int,
+    ) -> None:
         left = last_progress + self.timeout_s - time.monotonic()
         if left <= 0:
             behind = [r for r in self._channels if got[r] < total]

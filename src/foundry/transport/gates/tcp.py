@@ -1,5 +1,4 @@
-"""The full-duplex TCP data plane of a pair, plain or over TLS (:class:`TcpGateExchange`).
-"""
+"""The full-duplex TCP data plane of a pair, plain or over TLS (:class:`TcpGateExchange`)."""
 
 from __future__ import annotations
 

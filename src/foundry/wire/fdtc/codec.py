@@ -65,11 +65,39 @@ from foundry.wire.framing import (
 # ---------------------------------------------------------------------------- registry
 
 _CLASSES: tuple[type[Message], ...] = (
-    Register, RegisterAck, Deregister, Heartbeat, HeartbeatAck, WeightsReq, Weights,
-    WeightsMeta, Gradients, GradientsAck, Start, Sync, Checkpoint, Shutdown, Pause, Resume,
-    StatusReq, Status, Assign, ModelConfigMsg, Dataset, SwarmStatus, ControlAck, Export,
-    TrainPlan, Update, WeightsDigest, LocalAssign, SwarmDetailReq, SwarmDetail, Fragment,
-    BaseModel, Error,
+    Register,
+    RegisterAck,
+    Deregister,
+    Heartbeat,
+    HeartbeatAck,
+    WeightsReq,
+    Weights,
+    WeightsMeta,
+    Gradients,
+    GradientsAck,
+    Start,
+    Sync,
+    Checkpoint,
+    Shutdown,
+    Pause,
+    Resume,
+    StatusReq,
+    Status,
+    Assign,
+    ModelConfigMsg,
+    Dataset,
+    SwarmStatus,
+    ControlAck,
+    Export,
+    TrainPlan,
+    Update,
+    WeightsDigest,
+    LocalAssign,
+    SwarmDetailReq,
+    SwarmDetail,
+    Fragment,
+    BaseModel,
+    Error,
 )
 MESSAGE_TYPES: Mapping[MsgType, type[Message]] = MappingProxyType(
     {cls.TYPE: cls for cls in _CLASSES}
@@ -110,11 +138,13 @@ def encode_parts(
     if fragment_size is not None and msg.TYPE in FRAGMENTABLE and length > fragment_size:
         if not 0 < fragment_size <= MAX_PAYLOAD - Fragment.LAYOUT.size:
             raise LocalProtocolError(
-                f"fragment_size {fragment_size} is outside 1..{MAX_PAYLOAD - Fragment.LAYOUT.size}")
+                f"fragment_size {fragment_size} is outside 1..{MAX_PAYLOAD - Fragment.LAYOUT.size}"
+            )
         if length > max_message:
             raise LocalProtocolError(
                 f"{msg.TYPE.name} payload of {length} bytes exceeds this link's largest "
-                f"message ({max_message} bytes)")
+                f"message ({max_message} bytes)"
+            )
         return _fragment_frames(msg.TYPE, parts, length, fragment_size)
     if length > MAX_PAYLOAD:
         raise LocalProtocolError(
@@ -134,8 +164,10 @@ def _fragment_frames(
     part, pos = 0, 0  # where the next fragment's bytes begin: views[part][pos:]
     for offset in range(0, length, size):
         n = min(size, length - offset)
-        out += [HEADER.pack(MAGIC, MsgType.FRAGMENT, Fragment.LAYOUT.size + n),
-                Fragment.LAYOUT.pack((msg_type, length, offset))]
+        out += [
+            HEADER.pack(MAGIC, MsgType.FRAGMENT, Fragment.LAYOUT.size + n),
+            Fragment.LAYOUT.pack((msg_type, length, offset)),
+        ]
         while n:
             take = min(n, len(views[part]) - pos)
             if take:
@@ -185,8 +217,13 @@ class FdtcDecoder(FrameDecoder[Message]):
     many bytes of it are held.
     """
 
-    def __init__(self, max_payload: int = MAX_PAYLOAD, *, max_message: int = 0,
-                 budget: ReceiveBudget | None = None) -> None:
+    def __init__(
+        self,
+        max_payload: int = MAX_PAYLOAD,
+        *,
+        max_message: int = 0,
+        budget: ReceiveBudget | None = None,
+    ) -> None:
         if not 0 <= max_payload <= MAX_PAYLOAD:
             raise LocalProtocolError(f"max_payload {max_payload} is outside 0..{MAX_PAYLOAD}")
         super().__init__(budget)
@@ -238,12 +275,16 @@ class FdtcDecoder(FrameDecoder[Message]):
         if cls is Fragment and not self._max_message:
             raise FdtcProtocolError(
                 "FRAGMENT on a link that takes none (only a peer that speaks the extensions, "
-                "once registered, may send them)", ErrorCode.UNEXPECTED)
+                "once registered, may send them)",
+                ErrorCode.UNEXPECTED,
+            )
         if cls is not Fragment and len(self._whole):
             raise FdtcProtocolError(
                 f"{cls.TYPE.name} in the middle of a fragmented {self._whole_type.name} "
                 f"({self._held} of {len(self._whole)} bytes in): a message's fragments come "
-                "back to back", ErrorCode.UNEXPECTED)
+                "back to back",
+                ErrorCode.UNEXPECTED,
+            )
         cls.check_length(length)
         if cls is not Fragment and length >= MAPPED_PAYLOAD and self.admit is not None:
             self.admit(cls.TYPE, length, False)
@@ -269,23 +310,27 @@ class FdtcDecoder(FrameDecoder[Message]):
             if f.offset:
                 raise FdtcProtocolError(
                     f"FRAGMENT of {kind} at offset {f.offset} with no message begun: a "
-                    "message's first fragment has offset 0", ErrorCode.UNEXPECTED)
+                    "message's first fragment has offset 0",
+                    ErrorCode.UNEXPECTED,
+                )
             if total > self._max_message:
                 raise FdtcProtocolError(
                     f"fragmented {kind} of {total} bytes exceeds this link's largest message "
                     f"({self._max_message} bytes)",
-                    ErrorCode.BUSY if total <= MAX_MESSAGE else ErrorCode.BAD_FRAME)
+                    ErrorCode.BUSY if total <= MAX_MESSAGE else ErrorCode.BAD_FRAME,
+                )
             MESSAGE_TYPES[f.message_type].check_length(total)
             if self.admit is not None:
                 self.admit(f.message_type, total, True)
             self._whole_taken = self.reserve(total, f"a fragmented {kind}")
             self._whole, self._whole_type, self._held = payload_buffer(total), f.message_type, 0
-        elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole),
-                                                   self._held):
+        elif (f.message_type, total, f.offset) != (self._whole_type, len(self._whole), self._held):
             raise FdtcProtocolError(
                 f"FRAGMENT of {kind} ({total} bytes) at offset {f.offset}; expected the "
                 f"{self._whole_type.name} of {len(self._whole)} bytes begun, at offset "
-                f"{self._held}", ErrorCode.UNEXPECTED)
+                f"{self._held}",
+                ErrorCode.UNEXPECTED,
+            )
         n = len(f.data)
         self._whole[self._held : self._held + n] = f.data
         self._held += n
@@ -306,8 +351,10 @@ class FdtcDecoder(FrameDecoder[Message]):
         if (frame := super().unfinished()) is not None:
             return frame
         if len(self._whole):
-            return (f"a fragmented {self._whole_type.name} ({self._held} of "
-                    f"{len(self._whole)} bytes received)")
+            return (
+                f"a fragmented {self._whole_type.name} ({self._held} of "
+                f"{len(self._whole)} bytes received)"
+            )
         return None
 
     def _eof_error(self, message: str) -> FdtcProtocolError:

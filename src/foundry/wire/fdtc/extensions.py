@@ -67,8 +67,16 @@ class Assign(Message):
 
 
 _MODEL_INTS = (
-    "n_vocab", "n_ctx", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_expert",
-    "n_expert_used", "n_ff_shared",
+    "n_vocab",
+    "n_ctx",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_head_kv",
+    "n_ff",
+    "n_expert",
+    "n_expert_used",
+    "n_ff_shared",
 )
 _MODEL_FLOATS = ("rope_theta", "norm_eps")
 
@@ -134,8 +142,13 @@ class BaseModel(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.BASE_MODEL
     LAYOUT: ClassVar[_Layout] = _Layout(
-        ("file_bytes", U64), ("sha256", _Bytes(32)), ("architecture", _Str(MAX_ARCH)),
-        ("trainer", U8), ("lora_rank", U32), ("lora_alpha", F32), ("lora_dropout", F32),
+        ("file_bytes", U64),
+        ("sha256", _Bytes(32)),
+        ("architecture", _Str(MAX_ARCH)),
+        ("trainer", U8),
+        ("lora_rank", U32),
+        ("lora_alpha", F32),
+        ("lora_dropout", F32),
         ("lora_targets", U32),
     )
     file_bytes: int
@@ -281,8 +294,9 @@ class Export(Message):
     the path written."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT
-    LAYOUT: ClassVar[_Layout] = _Layout(("path", _Str(MAX_PATH)),
-                                        ("file_type", _Enum("B", FileType)))
+    LAYOUT: ClassVar[_Layout] = _Layout(
+        ("path", _Str(MAX_PATH)), ("file_type", _Enum("B", FileType))
+    )
     path: str = ""
     file_type: FileType = FileType.F32
 
@@ -337,8 +351,10 @@ MAX_QSGD_LEVELS = 127
 
 def train_plan_flags(*, overlap: bool, qsgd_levels: int) -> int:
     if not 0 <= qsgd_levels <= MAX_QSGD_LEVELS:
-        raise LocalProtocolError(f"qsgd_levels {qsgd_levels} does not fit TRAIN_PLAN's flags "
-                                 f"(0, the default, or 1..{MAX_QSGD_LEVELS})")
+        raise LocalProtocolError(
+            f"qsgd_levels {qsgd_levels} does not fit TRAIN_PLAN's flags "
+            f"(0, the default, or 1..{MAX_QSGD_LEVELS})"
+        )
     return (TRAIN_PLAN_OVERLAP if overlap else 0) | qsgd_levels << 8
 
 
@@ -490,13 +506,15 @@ class Fragment(Message):
         if self.message_type not in FRAGMENTABLE:
             names = ", ".join(sorted(t.name for t in FRAGMENTABLE))
             raise LocalProtocolError(
-                f"FRAGMENT carries {self.message_type.name}; only {names} are fragmented")
+                f"FRAGMENT carries {self.message_type.name}; only {names} are fragmented"
+            )
         if not self.data:
             raise LocalProtocolError("FRAGMENT with no data")
         if self.offset + len(self.data) > self.total_length:
             raise LocalProtocolError(
                 f"FRAGMENT bytes {self.offset}..{self.offset + len(self.data)} run past the "
-                f"message's {self.total_length}")
+                f"message's {self.total_length}"
+            )
 
     def payload_parts(self) -> tuple[bytes | memoryview, ...]:
         return (self.LAYOUT.pack_obj(self), self.data)
@@ -505,9 +523,9 @@ class Fragment(Message):
     def check_length(cls, length: int) -> None:
         if length <= cls.LAYOUT.size:
             raise FdtcProtocolError(
-                f"FRAGMENT payload must be more than {cls.LAYOUT.size} bytes, header says "
-                f"{length}")
+                f"FRAGMENT payload must be more than {cls.LAYOUT.size} bytes, header says {length}"
+            )
 
     @classmethod
     def from_payload(cls, payload: memoryview) -> Self:
-        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size:])
+        return cls(**cls.LAYOUT.unpack(payload), data=payload[cls.LAYOUT.size :])

@@ -142,14 +142,13 @@ class WeightsMeta(Message):
                 f"WEIGHTS_META says num_tensors {head['num_tensors']} but carries {count}"
             )
         tensors = tuple(
-            TensorMeta.unpack(payload, cls.HEAD.size + i * _TENSOR_META.size)
-            for i in range(count)
+            TensorMeta.unpack(payload, cls.HEAD.size + i * _TENSOR_META.size) for i in range(count)
         )
         return cls(
-            global_step=head["global_step"], learning_rate=head["learning_rate"],
+            global_step=head["global_step"],
+            learning_rate=head["learning_rate"],
             tensors=tensors,
         )
-
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,6 @@ class Weights(Message):
     @classmethod
     def from_payload(cls, payload: memoryview) -> Self:
         return cls(payload)
-
 
 
 # ---------------------------------------------------------------------------- weights

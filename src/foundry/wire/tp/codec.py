@@ -144,10 +144,12 @@ class TpDecoder(FrameDecoder[Frame]):
         if version != TP_PROTOCOL_VERSION:
             raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
         if size not in (HELLO_SIZE, HELLO_WORLD_SIZE, HELLO_WEIGHT_SIZE):
-            raise TpProtocolError(f"hello of version {version} must be {HELLO_SIZE} bytes "
-                                  f"({HELLO_WORLD_SIZE} with the world extension, "
-                                  f"{HELLO_WEIGHT_SIZE} with the weight too), the peer "
-                                  f"says {size}")
+            raise TpProtocolError(
+                f"hello of version {version} must be {HELLO_SIZE} bytes "
+                f"({HELLO_WORLD_SIZE} with the world extension, "
+                f"{HELLO_WEIGHT_SIZE} with the weight too), the peer "
+                f"says {size}"
+            )
         return int(size)
 
     def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:

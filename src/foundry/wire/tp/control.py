@@ -478,8 +478,10 @@ class World(_Frame):
         super().__post_init__()
         object.__setattr__(self, "peers", tuple(self.peers))
         ranks = [p.rank for p in self.peers if isinstance(p, WorldPeer)]
-        if len(ranks) != len(self.peers) or ranks != list(range(1, len(ranks) + 1)) or not (
-            2 <= len(ranks) < TP_MAX_WORLD
+        if (
+            len(ranks) != len(self.peers)
+            or ranks != list(range(1, len(ranks) + 1))
+            or not (2 <= len(ranks) < TP_MAX_WORLD)
         ):
             raise LocalProtocolError(
                 f"World.peers must list ranks 1 .. N-1 in order, 3 <= N <= {TP_MAX_WORLD}; got "
@@ -487,8 +489,7 @@ class World(_Frame):
             )
 
     def _tail(self) -> bytes:
-        return b"".join(WORLD_ENTRY.pack(p.rank, p.gate_port, p.host, p.token)
-                        for p in self.peers)
+        return b"".join(WORLD_ENTRY.pack(p.rank, p.gate_port, p.host, p.token) for p in self.peers)
 
     @classmethod
     def _parse_tail(cls, buf: Readable, offset: int, length: int) -> dict[str, Any]:

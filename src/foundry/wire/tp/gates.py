@@ -69,8 +69,7 @@ class GateHeader:
 
     def describe(self) -> str:
         return (
-            f"layer {self.layer} gate {self.gate.name} seq {self.seq} "
-            f"({self.rows} x {self.n_embd})"
+            f"layer {self.layer} gate {self.gate.name} seq {self.seq} ({self.rows} x {self.n_embd})"
         )
 
 

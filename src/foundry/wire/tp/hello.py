@@ -140,9 +140,7 @@ _HELLO_ROLE = struct.Struct("<BBH")
 # gguf_bytes u64, model_id .. gates_per_token 9 x u32, gate_slot_mask 4 x u64 (packed: the C
 # struct in memory has 4 bytes of padding before the mask, the wire does not).
 IDENTITY = struct.Struct(f"<Q9I{DS4_TP_GATE_MASK_WORDS}Q")
-HELLO = struct.Struct(
-    f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s"
-)
+HELLO = struct.Struct(f"<IHHBBH{IDENTITY.format[1:]}{HOST_ID_BYTES}s{SHM_NAME_BYTES}s{ARCH_BYTES}s")
 HELLO_SIZE = HELLO.size
 # The world extension: world_size u16, rank u16, gate_port u16, shares_from u16, shares 16 x u16.
 WORLD_EXT = struct.Struct(f"<HHHH{MAX_WORLD}H")
@@ -186,18 +184,20 @@ class WorldInfo:
         _check_range("WorldInfo", "rank", self.rank, 0, self.world_size - 1)
         _check_range("WorldInfo", "gate_port", self.gate_port, 0, _U16)
         if not isinstance(self.shares_from, SharesFrom):
-            raise LocalProtocolError(f"WorldInfo.shares_from must be a SharesFrom, got "
-                                     f"{self.shares_from!r}")
+            raise LocalProtocolError(
+                f"WorldInfo.shares_from must be a SharesFrom, got {self.shares_from!r}"
+            )
         object.__setattr__(self, "shares", tuple(self.shares))
         if self.pending:
             if self.shares:
-                raise LocalProtocolError("WorldInfo.shares must be empty while they are still "
-                                         f"to be chosen (shares_from {self.shares_from.name})")
+                raise LocalProtocolError(
+                    "WorldInfo.shares must be empty while they are still "
+                    f"to be chosen (shares_from {self.shares_from.name})"
+                )
             return
         if len(self.shares) != self.world_size:
             raise LocalProtocolError(
-                f"WorldInfo.shares holds {len(self.shares)} shares for a world of "
-                f"{self.world_size}"
+                f"WorldInfo.shares holds {len(self.shares)} shares for a world of {self.world_size}"
             )
         for share in self.shares:
             _check_range("WorldInfo", "shares", share, 1, MAX_SHARE)
@@ -209,24 +209,33 @@ class WorldInfo:
 
     def encode(self) -> bytes:
         shares = self.shares + (0,) * (MAX_WORLD - len(self.shares))
-        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, self.shares_from,
-                              *shares)
+        return WORLD_EXT.pack(self.world_size, self.rank, self.gate_port, self.shares_from, *shares)
 
     @classmethod
     def decode(cls, buf: Readable, offset: int = 0) -> WorldInfo:
         world, rank, port, shares_from, *shares = WORLD_EXT.unpack_from(buf, offset)
         if shares_from not in SharesFrom.__members__.values():
-            raise TpProtocolError(f"hello: world extension shares_from is {shares_from}, not "
-                                  "0 (the list), 1 (speed) or 2 (each rank's share)")
+            raise TpProtocolError(
+                f"hello: world extension shares_from is {shares_from}, not "
+                "0 (the list), 1 (speed) or 2 (each rank's share)"
+            )
         if not 2 <= world <= MAX_WORLD:
             raise TpProtocolError(f"hello: world size {world} outside [2, {MAX_WORLD}]")
         kept = 0 if shares_from else world
         if any(shares[kept:]):
-            raise TpProtocolError(f"hello: shares beyond the world of {world} are not 0"
-                                  if kept else "hello: shares to be chosen are not all 0")
+            raise TpProtocolError(
+                f"hello: shares beyond the world of {world} are not 0"
+                if kept
+                else "hello: shares to be chosen are not all 0"
+            )
         try:
-            return cls(world_size=world, rank=rank, gate_port=port,
-                       shares=tuple(shares[:kept]), shares_from=SharesFrom(shares_from))
+            return cls(
+                world_size=world,
+                rank=rank,
+                gate_port=port,
+                shares=tuple(shares[:kept]),
+                shares_from=SharesFrom(shares_from),
+            )
         except LocalProtocolError as exc:
             raise TpProtocolError(f"hello: {exc}") from None
 
@@ -291,12 +300,12 @@ class Hello:
         if self.weight is not None and not isinstance(self.weight, RankWeight):
             raise LocalProtocolError(f"Hello.weight must be a RankWeight, got {self.weight!r}")
         if self.weight is not None and (self.world is None or not self.world.pending):
-            raise LocalProtocolError("Hello.weight goes only with a world whose shares are "
-                                     "still to be chosen")
+            raise LocalProtocolError(
+                "Hello.weight goes only with a world whose shares are still to be chosen"
+            )
         if not ARCH_PATTERN.fullmatch(self.architecture):
             raise LocalProtocolError(
-                f"Hello.architecture {self.architecture!r} is not 1-16 characters of "
-                "[a-z0-9_-]"
+                f"Hello.architecture {self.architecture!r} is not 1-16 characters of [a-z0-9_-]"
             )
         _check_range("Hello", "execution_mode", self.execution_mode, 0, _U16)
         if self.execution_mode & ~EXECUTION_MODE_BITS:
@@ -452,8 +461,11 @@ def _version_message(mine: int, peer: int) -> str:
 
 def _encode_hello(h: Hello) -> bytes:
     i = h.identity
-    flags = ((HELLO_SHM_OFFERED if h.shm_offered else 0) | (HELLO_WORLD if h.world else 0)
-             | (HELLO_WEIGHT if h.weight else 0))
+    flags = (
+        (HELLO_SHM_OFFERED if h.shm_offered else 0)
+        | (HELLO_WORLD if h.world else 0)
+        | (HELLO_WEIGHT if h.weight else 0)
+    )
     base = HELLO.pack(
         TP_HELLO_MAGIC, h.version, h.size, h.role, flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
@@ -474,8 +486,13 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
         raise TpProtocolError(f"hello: unknown flags {flags:#x}")
     if flags & HELLO_WEIGHT and not flags & HELLO_WORLD:
         raise TpProtocolError("hello: the weight flag is set without the world flag")
-    want = (HELLO_SIZE if not flags & HELLO_WORLD else
-            HELLO_WEIGHT_SIZE if flags & HELLO_WEIGHT else HELLO_WORLD_SIZE)
+    want = (
+        HELLO_SIZE
+        if not flags & HELLO_WORLD
+        else HELLO_WEIGHT_SIZE
+        if flags & HELLO_WEIGHT
+        else HELLO_WORLD_SIZE
+    )
     if size != want:
         raise TpProtocolError(
             f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} and the "
@@ -484,8 +501,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             f"extension, {HELLO_WEIGHT_SIZE} with the weight after it)"
         )
     world = WorldInfo.decode(buf, offset + HELLO_SIZE) if flags & HELLO_WORLD else None
-    weight = (RankWeight.decode(buf, offset + HELLO_WORLD_SIZE) if flags & HELLO_WEIGHT
-              else None)
+    weight = RankWeight.decode(buf, offset + HELLO_WORLD_SIZE) if flags & HELLO_WEIGHT else None
     if mode & ~EXECUTION_MODE_BITS:
         raise TpProtocolError(
             f"hello: execution mode {mode:#x} has bits this implementation does not run "

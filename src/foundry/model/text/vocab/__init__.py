@@ -17,6 +17,11 @@ from foundry.model.text.vocab.tokenizer import (
 )
 
 __all__ = [
-    "StreamDecoder", "Tokenizer", "TokenizerError", "is_byte_vocabulary", "load_tokenizer",
-    "load_tokenizer_file", "own_tokenizer",
+    "StreamDecoder",
+    "Tokenizer",
+    "TokenizerError",
+    "is_byte_vocabulary",
+    "load_tokenizer",
+    "load_tokenizer_file",
+    "own_tokenizer",
 ]

@@ -43,7 +43,8 @@ def token_bytes(tokens: npt.ArrayLike) -> bytes:
     bad = (arr < 0) | (arr >= VOCAB_SIZE)
     if bad.any():
         raise TokenizerError(
-            f"token {int(arr[bad][0])} is outside the byte vocabulary [0, {VOCAB_SIZE})")
+            f"token {int(arr[bad][0])} is outside the byte vocabulary [0, {VOCAB_SIZE})"
+        )
     return (arr[arr >= N_SPECIAL_TOKENS] - N_SPECIAL_TOKENS).astype(np.uint8).tobytes()
 
 

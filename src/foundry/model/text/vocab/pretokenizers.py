@@ -31,8 +31,17 @@ from typing import Any
 
 # Unicode White_Space, the table llama.cpp's \s uses (unicode-data.cpp).
 WHITESPACE = (
-    *range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
-    0x2028, 0x2029, 0x202F, 0x205F, 0x3000,
+    *range(0x09, 0x0E),
+    0x20,
+    0x85,
+    0xA0,
+    0x1680,
+    *range(0x2000, 0x200B),
+    0x2028,
+    0x2029,
+    0x202F,
+    0x205F,
+    0x3000,
 )
 
 
@@ -137,11 +146,19 @@ _SPECS = {
 }
 _FAMILIES = {
     "default": ("default",),
-    "llama3": ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-               "midm-2.0", "lfm2", "jina-v5-nano"),
+    "llama3": (
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+    ),
     "qwen2": ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2"),
-    "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-               "minerva-7b"),
+    "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
     "gpt-2": ("gpt-2", "phi-2", "mpt", "olmo", "exaone4", "trillion", "granite-docling"),
     "gemma4": ("gemma4",),
 }
@@ -207,8 +224,10 @@ class ByteLevel:
 
     def split(self, text: str) -> list[str]:
         table = bytes_to_unicode()
-        return ["".join([table[b] for b in piece.encode("utf-8")])
-                for piece in self._splitter.split(text)]
+        return [
+            "".join([table[b] for b in piece.encode("utf-8")])
+            for piece in self._splitter.split(text)
+        ]
 
 
 class WholeText:
@@ -247,8 +266,11 @@ class SpecialSplitter:
             for ch in text:
                 node = node.setdefault(ch, {})
             node.setdefault("", []).append(rank)  # "" is no character: the ranks ending here
-        self._first = re.compile("[" + "".join(sorted(re.escape(c) for c in self._trie)) + "]"
-                                 ) if self._trie else None
+        self._first = (
+            re.compile("[" + "".join(sorted(re.escape(c) for c in self._trie)) + "]")
+            if self._trie
+            else None
+        )
 
     def _occurrences(self, text: str) -> dict[int, list[int]]:
         """Rank -> the start of every occurrence of that token in ``text``, ascending."""
@@ -270,8 +292,10 @@ class SpecialSplitter:
     def matches(self, text: str, parse_special: bool) -> list[tuple[int, int, int, bool]]:
         """The tokens cut out of ``text``: (start, end, id, always), by start; the whitespace a
         token strips is outside its span."""
-        return [(p, p + len(self._specials[r][1]), self._specials[r][0], self._specials[r][2])
-                for p, r in self._take(text, parse_special)[0]]
+        return [
+            (p, p + len(self._specials[r][1]), self._specials[r][0], self._specials[r][2])
+            for p, r in self._take(text, parse_special)[0]
+        ]
 
     def _take(self, text: str, parse_special: bool) -> tuple[list[tuple[int, int]], bytearray]:
         """The occurrences taken, (start, rank) by start, and the characters they occupy

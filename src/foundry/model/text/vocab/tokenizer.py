@@ -106,7 +106,11 @@ class Tokenizer:
         self.decoder = decoder
 
     def encode(
-        self, text: str, *, add_special: bool = True, parse_special: bool = False,
+        self,
+        text: str,
+        *,
+        add_special: bool = True,
+        parse_special: bool = False,
         plain_map: Mapping[int, str] | None = None,
     ) -> list[int]:
         """Token ids of ``text``, as llama.cpp's ``llama_tokenize(text, add_special,
@@ -161,8 +165,12 @@ def _valid(text: str) -> str:
 def is_byte_vocabulary(meta: Mapping[str, Any]) -> bool:
     """Foundry's own vocabulary (docs/decisions.md, D2): ``llama`` with exactly its 259 tokens."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    return (meta.get("tokenizer.ggml.model") == "llama" and tokens is not None
-            and len(tokens) == len(BYTE_VOCABULARY) and tuple(tokens) == BYTE_VOCABULARY)
+    return (
+        meta.get("tokenizer.ggml.model") == "llama"
+        and tokens is not None
+        and len(tokens) == len(BYTE_VOCABULARY)
+        and tuple(tokens) == BYTE_VOCABULARY
+    )
 
 
 def load_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
@@ -173,31 +181,46 @@ def load_tokenizer(metadata: Mapping[str, Any]) -> Tokenizer:
     """
     vocab = read_vocabulary(metadata)
     if is_byte_vocabulary(metadata):
-        return Tokenizer(vocab, Identity(), WholeText(), ByteModel(),
-                         PieceDecoder(vocab, spm_piece))
+        return Tokenizer(
+            vocab, Identity(), WholeText(), ByteModel(), PieceDecoder(vocab, spm_piece)
+        )
     if vocab.kind == "spm":
-        return Tokenizer(vocab, SpaceEscape(vocab.add_space_prefix), WholeText(),
-                         SpmModel(vocab.ids, vocab.scores, vocab.byte_ids()),
-                         PieceDecoder(vocab, spm_piece))
+        return Tokenizer(
+            vocab,
+            SpaceEscape(vocab.add_space_prefix),
+            WholeText(),
+            SpmModel(vocab.ids, vocab.scores, vocab.byte_ids()),
+            PieceDecoder(vocab, spm_piece),
+        )
     spec = PRE_TOKENIZERS[vocab.pre]
     if spec.spm_style:
-        return Tokenizer(vocab, SpaceEscape(False), RegexSplitter(spec.patterns),
-                         BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges, vocab.byte_ids()),
-                         PieceDecoder(vocab, spm_piece))
-    return Tokenizer(vocab, Identity(), ByteLevel(spec.patterns),
-                     BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges),
-                     PieceDecoder(vocab, byte_level_piece))
+        return Tokenizer(
+            vocab,
+            SpaceEscape(False),
+            RegexSplitter(spec.patterns),
+            BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges, vocab.byte_ids()),
+            PieceDecoder(vocab, spm_piece),
+        )
+    return Tokenizer(
+        vocab,
+        Identity(),
+        ByteLevel(spec.patterns),
+        BpeModel(vocab.ids, vocab.ranks, spec.ignore_merges),
+        PieceDecoder(vocab, byte_level_piece),
+    )
 
 
 @functools.cache
 def own_tokenizer() -> Tokenizer:
     """The byte vocabulary every Foundry-trained file carries (what gguf_io writes)."""
-    return load_tokenizer({
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": list(BYTE_VOCABULARY),
-        "tokenizer.ggml.token_type": [2, 3, 3, *[6] * N_BYTE_TOKENS],
-        "tokenizer.ggml.add_space_prefix": False,
-    })
+    return load_tokenizer(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": list(BYTE_VOCABULARY),
+            "tokenizer.ggml.token_type": [2, 3, 3, *[6] * N_BYTE_TOKENS],
+            "tokenizer.ggml.add_space_prefix": False,
+        }
+    )
 
 
 def load_tokenizer_file(path: str | Path) -> Tokenizer:

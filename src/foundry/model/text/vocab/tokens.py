@@ -48,32 +48,88 @@ class Attr(enum.IntFlag):
 
 # tokenizer.ggml.token_type value (llama_token_type) -> attribute bits.
 TYPE_ATTR = {
-    0: Attr.UNDEFINED, 1: Attr.NORMAL, 2: Attr.UNKNOWN, 3: Attr.CONTROL,
-    4: Attr.USER_DEFINED, 5: Attr.UNUSED, 6: Attr.BYTE,
+    0: Attr.UNDEFINED,
+    1: Attr.NORMAL,
+    2: Attr.UNKNOWN,
+    3: Attr.CONTROL,
+    4: Attr.USER_DEFINED,
+    5: Attr.UNUSED,
+    6: Attr.BYTE,
 }
 
 # Texts llama.cpp recognises (llama-vocab.cpp); the first match sets the id when the file has none.
 EOT_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<｜end▁of▁sentence｜>",
+    "<end_of_utterance>",
 )
 EOM_TEXTS = ("<|eom_id|>",)
 FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
 }
 EOG_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
 )
 # gpt-oss: always rendered, never control.
 ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
@@ -81,13 +137,23 @@ ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>
 _KEY = "tokenizer.ggml."
 # Special id name -> its key(s); later keys of a name override earlier ones, as in llama.cpp.
 _SPECIAL_KEYS = (
-    ("bos", "bos_token_id"), ("eos", "eos_token_id"), ("eot", "eot_token_id"),
-    ("eom", "eom_token_id"), ("unk", "unknown_token_id"), ("sep", "seperator_token_id"),
-    ("pad", "padding_token_id"), ("mask", "mask_token_id"), ("fim_pre", "fim_pre_token_id"),
-    ("fim_suf", "fim_suf_token_id"), ("fim_mid", "fim_mid_token_id"),
-    ("fim_pad", "fim_pad_token_id"), ("fim_rep", "fim_rep_token_id"),
-    ("fim_sep", "fim_sep_token_id"), ("fim_pre", "prefix_token_id"),
-    ("fim_suf", "suffix_token_id"), ("fim_mid", "middle_token_id"),
+    ("bos", "bos_token_id"),
+    ("eos", "eos_token_id"),
+    ("eot", "eot_token_id"),
+    ("eom", "eom_token_id"),
+    ("unk", "unknown_token_id"),
+    ("sep", "seperator_token_id"),
+    ("pad", "padding_token_id"),
+    ("mask", "mask_token_id"),
+    ("fim_pre", "fim_pre_token_id"),
+    ("fim_suf", "fim_suf_token_id"),
+    ("fim_mid", "fim_mid_token_id"),
+    ("fim_pad", "fim_pad_token_id"),
+    ("fim_rep", "fim_rep_token_id"),
+    ("fim_sep", "fim_sep_token_id"),
+    ("fim_pre", "prefix_token_id"),
+    ("fim_suf", "suffix_token_id"),
+    ("fim_mid", "middle_token_id"),
 )
 MODELS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe"}
 
@@ -124,15 +190,15 @@ class Vocabulary:
         return sorted(found, key=lambda i: (-len(self.texts[i].encode("utf-8")), i))
 
 
-def _array(meta: Mapping[str, Any], key: str, n: int | None,
-           element: type) -> Sequence[Any] | None:
+def _array(meta: Mapping[str, Any], key: str, n: int | None, element: type) -> Sequence[Any] | None:
     value = meta.get(_KEY + key)
     if value is None:
         return None
     value = expect_list(_KEY + key, value, element, TokenizerError)
     if n is not None and len(value) < n:
-        raise TokenizerError(f"metadata key {_KEY + key!r} has {len(value)} entries, "
-                             f"the vocabulary {n}")
+        raise TokenizerError(
+            f"metadata key {_KEY + key!r} has {len(value)} entries, the vocabulary {n}"
+        )
     return value
 
 
@@ -202,8 +268,10 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     for name, key in _SPECIAL_KEYS:
         value = meta.get(_KEY + key)
         # An id outside the vocabulary is ignored (llama.cpp); one that is no integer is an error.
-        if value is not None and 0 <= expect_int(_KEY + key, value, -(2**63), 2**64,
-                                                 TokenizerError) < n:
+        if (
+            value is not None
+            and 0 <= expect_int(_KEY + key, value, -(2**63), 2**64, TokenizerError) < n
+        ):
             special[name] = value
     add_bos = _flag(meta, "add_bos_token", add_bos)
     add_eos = _flag(meta, "add_eos_token", add_eos)
@@ -248,8 +316,17 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
         attrs[ids["</s>"]] = int(Attr.NORMAL)
 
     vocab = Vocabulary(
-        kind=kind, pre=pre, texts=texts, scores=scores, attrs=attrs, ids=ids, special=special,
-        add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix, ranks=ranks,
+        kind=kind,
+        pre=pre,
+        texts=texts,
+        scores=scores,
+        attrs=attrs,
+        ids=ids,
+        special=special,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        add_space_prefix=add_space_prefix,
+        ranks=ranks,
         eog_ids=frozenset(eog),
     )
     name = meta.get("general.name", "")
@@ -257,9 +334,16 @@ def read_vocabulary(meta: Mapping[str, Any]) -> Vocabulary:
     if "phi-3" in name or "phi3" in name:
         for token in vocab.special_order():
             attrs[token] |= int(Attr.RSTRIP)
-        for text, on in (("</s>", True), ("<unk>", False), ("<s>", False),
-                         ("<|endoftext|>", False)):
+        for text, on in (
+            ("</s>", True),
+            ("<unk>", False),
+            ("<s>", False),
+            ("<|endoftext|>", False),
+        ):
             if text in ids:
-                attrs[ids[text]] = (attrs[ids[text]] | int(Attr.RSTRIP) if on
-                                    else attrs[ids[text]] & ~int(Attr.RSTRIP))
+                attrs[ids[text]] = (
+                    attrs[ids[text]] | int(Attr.RSTRIP)
+                    if on
+                    else attrs[ids[text]] & ~int(Attr.RSTRIP)
+                )
     return vocab
