@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
 import gguf
 import harness
 import numpy as np
-from lan import Baseline, Network, Result, mb, run_config
+from lan_net import Network
+from lan_swarm import Baseline, Result, mb, run_config
 
 
 def write_base(path: Path, n_vocab: int, n_embd: int, n_layer: int, n_ff: int) -> int:
@@ -232,7 +233,7 @@ def main() -> int:
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
     args = ap.parse_args()
-    args.preset = "tiny"  # unused with --base-model; lan.run_config passes one
+    args.preset = "tiny"  # unused with --base-model; lan_swarm.run_config passes one
     work = Path(tempfile.mkdtemp(prefix="ftlan-"))
     base, text = work / "base.gguf", work / "docs.txt"
     n = write_base(base, args.vocab, args.n_embd, args.n_layer, args.n_ff)

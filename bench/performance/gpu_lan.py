@@ -45,8 +45,10 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live
 
-from lan import Baseline, Network, Result, mb, run_config
+from lan_net import Network
+from lan_swarm import Baseline, Result, mb, run_config
 
 from foundry.model.spec.config import preset
 

@@ -38,22 +38,16 @@ and its libraries on ``LD_LIBRARY_PATH``. Every process gets one BLAS thread.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os
-import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -62,8 +56,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
 import harness
-from live import Service
-from round_phases import critical_path, phases
+from lan_net import Network, rates_arg
+from lan_swarm import WARM_STEPS, Baseline, Result, mb, run_config
 
 from foundry.model.nn.transformer import init_params
 from foundry.model.spec.config import preset
@@ -71,158 +65,12 @@ from foundry.model.text.data import load_corpus
 from foundry.model.train.training import Trainer, TrainSettings, evaluate_loss
 from foundry.runtime import retain_freed_memory
 
-SUBNET = "10.77.0"
-PORT = 7070
-# Rounds before samples/s is measured: registration, first weights, first allocations.
-WARM_STEPS = 3
 CEILING_STEPS = 6  # steps of each process in the compute ceiling
 DEFAULT_CONFIGS = (
     "sync-none=--compression none",
     "sync-topk=--compression topk",
     "local-h16-fp16=--sync-every 16 --compression fp16",
 )
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-_STEP = re.compile(r"coordinator: step (\d+): loss [-\d.naif]+, (\d+) samples")
-_VAL = re.compile(r"coordinator: step (\d+): validation loss ([-\d.naif]+)")
-_REGISTERED = re.compile(r"coordinator: worker (\S+) registered")
-
-
-def log_time(line: str) -> float | None:
-    m = _LOG_TIME.match(line)
-    if m is None:
-        return None
-    return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-class Network:
-    """A star of namespaces behind one bridge, each port shaped both ways; or loopback."""
-
-    def __init__(self, hosts: int, rate: str, ip: str, tc: str) -> None:
-        self.hosts = hosts
-        self.rate = rate
-        self.ip = ip
-        self.tc = tc
-        self.prefix = f"fl{os.getpid()}"
-        self.switch = f"{self.prefix}-sw"
-        self.made: list[str] = []
-
-    @property
-    def shaped(self) -> bool:
-        return self.rate != "loopback"
-
-    def ns(self, i: int) -> str:
-        return f"{self.prefix}-h{i}"
-
-    def addr(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}" if self.shaped else "127.0.0.1"
-
-    def _run(self, *argv: str) -> str:
-        res = subprocess.run(argv, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{shlex.join(argv)} failed: {res.stderr.strip()}")
-        return res.stdout
-
-    def _add_ns(self, name: str) -> None:
-        self._run(self.ip, "netns", "add", name)
-        self.made.append(name)
-        self._run(self.ip, "-n", name, "link", "set", "lo", "up")
-
-    def _shape(self, ns: str, dev: str) -> None:
-        # Burst: 10 ms at the rate, and never below a 64 KiB GSO segment (veth sends those).
-        bits = parse_rate(self.rate)
-        burst = max(bits // 8 // 100, 96 * 1024)
-        self._run(
-            self.tc,
-            "-n",
-            ns,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            self.rate,
-            "burst",
-            str(burst),
-            "latency",
-            "20ms",
-        )
-
-    def up(self) -> None:
-        if not self.shaped:
-            return
-        self._add_ns(self.switch)
-        self._run(self.ip, "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        self._run(self.ip, "-n", self.switch, "link", "set", "br0", "up")
-        for i in range(self.hosts):
-            host = self.ns(i)
-            self._add_ns(host)
-            port = f"p{i}"
-            self._run(
-                self.ip,
-                "-n",
-                host,
-                "link",
-                "add",
-                "eth0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                port,
-                "netns",
-                self.switch,
-            )
-            self._run(self.ip, "-n", self.switch, "link", "set", port, "master", "br0")
-            self._run(self.ip, "-n", self.switch, "link", "set", port, "up")
-            self._run(self.ip, "-n", host, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
-            self._run(self.ip, "-n", host, "link", "set", "eth0", "up")
-            self._shape(host, "eth0")  # what host i sends
-            self._shape(self.switch, port)  # what host i receives
-
-    def down(self) -> None:
-        for name in reversed(self.made):
-            with contextlib.suppress(RuntimeError):
-                self._run(self.ip, "netns", "del", name)
-        self.made.clear()
-
-    def prefix_argv(self, i: int) -> list[str]:
-        return [self.ip, "netns", "exec", self.ns(i)] if self.shaped else []
-
-    def port_bytes(self, i: int) -> tuple[int, int]:
-        """(bytes host i sent, bytes host i received), from its switch port's counters."""
-        if not self.shaped:
-            return 0, 0
-        out = json.loads(self._run(self.ip, "-n", self.switch, "-s", "-j", "link", "show", f"p{i}"))
-        stats = out[0]["stats64"]
-        # The switch port receives what the host sends, and sends what the host receives.
-        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
-
-
-def parse_rate(rate: str) -> int:
-    """Bits per second of a tc rate such as ``1gbit`` or ``100mbit``."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.lower())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"rate {rate!r}: use e.g. 1gbit, 100mbit or loopback")
-    scale = {None: 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)]
-    return int(float(m.group(1)) * scale)
-
-
-def rates_arg(text: str) -> list[str]:
-    rates = [r.strip() for r in text.split(",") if r.strip()]
-    for r in rates:
-        if r != "loopback":
-            parse_rate(r)
-    return rates
-
-
-@dataclass
-class Baseline:
-    samples_per_s: float
-    target: float
-    seconds_to_target: float
-    curve: list[tuple[int, float, float]]  # (step, seconds, validation loss)
 
 
 def one_process(args: argparse.Namespace) -> Baseline:
@@ -307,21 +155,6 @@ def compute_ceiling(args: argparse.Namespace) -> tuple[float, list[float]]:
     return sum(rates), rates
 
 
-@dataclass
-class Result:
-    name: str
-    samples_per_s: float = float("nan")
-    seconds_to_target: float | None = None
-    steps: int = 0
-    last_val: float = float("nan")
-    val_at_steps: float = float("nan")  # validation at --steps (equal tokens), or the last before
-    up_per_step: float = float("nan")  # bytes into the coordinator per step
-    down_per_step: float = float("nan")
-    curve: list[tuple[int, float, float]] = field(default_factory=list)
-    note: str = ""
-    phases: str = ""  # where a round goes (--timeline)
-
-
 @dataclass(frozen=True)
 class Config:
     name: str
@@ -337,188 +170,11 @@ def parse_config(text: str) -> Config:
     return Config(name, shlex.split(rest), rate or None)
 
 
-def follow(log: Path) -> Iterator[str]:
-    """Lines of ``log`` as they are written (an empty string when there is nothing new)."""
-    with log.open("r", errors="replace") as f:
-        buf = ""
-        while True:
-            chunk = f.readline()
-            if not chunk:
-                yield ""
-                continue
-            buf += chunk
-            if buf.endswith("\n"):
-                yield buf
-                buf = ""
-
-
-def run_config(
-    net: Network,
-    work: Path,
-    args: argparse.Namespace,
-    base: Baseline,
-    name: str,
-    extra: list[str],
-) -> Result:
-    work.mkdir(parents=True)
-    res = Result(name)
-    listen = f"{net.addr(0)}:{PORT if net.shaped else 0}"
-    coord = Service(
-        "coordinator",
-        [
-            "coordinator",
-            "--listen",
-            listen,
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--checkpoint-dir",
-            str(work / "ckpt"),
-            "--preset",
-            args.preset,
-            "--global-batch",
-            str(args.global_batch),
-            "--seq-len",
-            str(args.seq_len),
-            "--max-steps",
-            str(args.max_steps),
-            "--schedule-steps",
-            str(args.steps),
-            "--warmup-steps",
-            str(args.warmup_steps),
-            "--lr",
-            str(args.lr),
-            "--checkpoint-every",
-            "100000",
-            "--min-workers",
-            str(args.workers),
-            "--validate-every",
-            str(args.validate_every),
-            *trace(work, "coordinator", args),
-            *extra,
-        ],
-        work / "coordinator.log",
-        prefix=net.prefix_argv(0),
-        new_session=True,
-    )
-    procs = [coord]
-    try:
-        lines = follow(coord.log)
-        port = None
-        end = time.monotonic() + 60
-        while port is None:
-            line = next(lines)
-            m = re.search(r"workers \S+:(\d+),", line)
-            if m:
-                port = int(m.group(1))
-            elif not coord.alive() or time.monotonic() > end:
-                raise RuntimeError(f"coordinator did not start: {coord.log.read_text()[-2000:]}")
-            elif not line:
-                time.sleep(0.05)
-        for i in range(1, args.workers + 1):
-            slowdown = args.slowdown if i == 1 else 1.0
-            procs.append(
-                Service(
-                    f"w{i}",
-                    [
-                        "worker",
-                        "--coordinator",
-                        f"{net.addr(0)}:{port}",
-                        "--worker-id",
-                        f"w{i}",
-                        "--slowdown",
-                        str(slowdown),
-                        *trace(work, f"w{i}", args),
-                        *getattr(args, "worker_args", []),
-                    ],
-                    work / f"w{i}.log",
-                    prefix=net.prefix_argv(i),
-                    new_session=True,
-                )
-            )
-        registered: set[str] = set()
-        t_start: float | None = None
-        warm: tuple[int, float, int, tuple[int, int]] | None = None  # step, time, samples, bytes
-        last: tuple[int, float, int, tuple[int, int]] | None = None
-        samples = 0
-        step_at: dict[int, float] = {}  # step -> log time of its line
-        deadline = time.monotonic() + args.config_timeout
-        while time.monotonic() < deadline:
-            line = next(lines)
-            if not line:
-                if not coord.alive():
-                    res.note = "coordinator exited: " + coord.log.read_text()[-600:].strip()
-                    break
-                time.sleep(0.02)
-                continue
-            t = log_time(line)
-            if (m := _REGISTERED.search(line)) and t is not None:
-                registered.add(m.group(1))
-                if len(registered) >= args.workers and t_start is None:
-                    t_start = t
-            elif (m := _STEP.search(line)) and t is not None:
-                step = int(m.group(1))
-                step_at[step] = t
-                samples += int(m.group(2))
-                point = (step, t, samples, net.port_bytes(0))
-                if warm is None and step >= WARM_STEPS:
-                    warm = point
-                last = point
-                res.steps = step
-            elif (m := _VAL.search(line)) and t is not None and t_start is not None:
-                loss = float(m.group(2))
-                # The time of the step it validates: validation runs beside the rounds.
-                at = step_at.get(int(m.group(1)), t) - t_start
-                res.curve.append((int(m.group(1)), at, loss))
-                res.last_val = loss
-                if int(m.group(1)) <= args.steps:
-                    res.val_at_steps = loss  # the last validation within equal tokens
-                if loss <= base.target and res.seconds_to_target is None:
-                    res.seconds_to_target = at
-                measured = warm is not None and last is not None and last[0] > warm[0]
-                if (
-                    res.seconds_to_target is not None
-                    and measured
-                    and (args.stop_at_target or int(m.group(1)) >= args.steps)
-                ):
-                    break
-            if "training done" in line:
-                break
-        else:
-            res.note = f"stopped after {args.config_timeout:.0f} s"
-        if warm is not None and last is not None and last[0] > warm[0]:
-            dt_s = last[1] - warm[1]
-            res.samples_per_s = (last[2] - warm[2]) / dt_s if dt_s > 0 else float("nan")
-            steps = last[0] - warm[0]
-            if net.shaped:  # loopback has no port of its own to count
-                # Up: what the coordinator received (gradients); down: what it sent.
-                res.up_per_step = (last[3][1] - warm[3][1]) / steps
-                res.down_per_step = (last[3][0] - warm[3][0]) / steps
-            if args.timeline:
-                res.phases = (
-                    phases(work, warm[0], last[0])
-                    + "\n"
-                    + " " * 25
-                    + critical_path(work, warm[0], last[0])
-                )
-        return res
-    finally:
-        for p in reversed(procs):
-            p.stop()
-
-
-def trace(work: Path, name: str, args: argparse.Namespace) -> list[str]:
-    return ["--timeline", str(work / f"{name}.trace.json")] if args.timeline else []
-
-
 def ratio(x: float | None, base: float, invert: bool = False) -> str:
     """``x`` against the baseline as a table cell (``invert``: a time, where less is better)."""
     if x is None or x != x or x <= 0:
         return "   -  "
     return f"{(harness.ratio(base, x) if invert else harness.ratio(x, base)):5.2f}x"
-
-
-def mb(x: float) -> str:
-    return "-" if x != x else f"{x / 1e6:9.3f}"
 
 
 def main() -> int:

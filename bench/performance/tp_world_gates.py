@@ -27,11 +27,11 @@ time for a 4 KiB decode partial.
 
 ``--rate 1gbit`` (as root, with ``ip`` and ``tc``; ``--ip``/``--tc`` or ``FOUNDRY_IP``/
 ``FOUNDRY_TC`` name them) puts each rank in a network namespace of its own behind one bridge,
-every port shaped both ways by ``tc tbf`` to the rate (``lan.Network``, as the swarm's LAN
+every port shaped both ways by ``tc tbf`` to the rate (``lan_net.Network``, as the swarm's LAN
 bench), so every gate crosses a shaped link as it would between machines: each rank is a
 process that enters its namespace, listens on its address, dials the ranks below it and takes
 the connections of the ranks above; the pair's baseline crosses the same link. Without it,
-loopback in one namespace. tbf lets a burst pass at the veth's speed (``lan.Network``: 10 ms
+loopback in one namespace. tbf lets a burst pass at the veth's speed (``lan_net.Network``: 10 ms
 at the rate, at least 96 KiB for the veth's 64 KiB segments), so a decode partial of a few KB
 would cross unpaced; ``--burst-bytes`` (3028 in the device command: two frames) caps the
 segments at one frame (``gso_max_size 1500``) and shapes every port with that burst, so each
@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
-from lan import Network
+from lan_net import Network
 from tp import enter_netns
 
 from foundry.cli import main as cli_main
@@ -405,7 +405,7 @@ def main() -> int:
         type=int,
         default=None,
         help="with --rate: one-frame segments and this tbf burst on every port, "
-        "so small partials are paced (default: lan.Network's burst)",
+        "so small partials are paced (default: lan_net.Network's burst)",
     )
     ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
     ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
