@@ -195,6 +195,9 @@ class Ring:
 
 
 def _schedule(gates: int, block: int, kinds: tuple[str, ...]) -> list[str]:
+    """Each kind ``gates`` times, in blocks of ``block`` (at most ``gates``, so every kind
+    gets its share however few the gates)."""
+    block = max(1, min(block, gates))
     out: list[str] = []
     while len(out) < len(kinds) * gates:
         for kind in kinds:
