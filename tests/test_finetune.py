@@ -22,7 +22,8 @@ torch = pytest.importorskip("torch")
 
 from foundry.model.formats import lora as LR  # noqa: E402
 from foundry.model.formats.gguf_io import load_gguf  # noqa: E402
-from foundry.model.infer.inference import Engine, KVCache  # noqa: E402
+from foundry.model.infer.inference import Engine  # noqa: E402
+from foundry.model.infer.kv_cache import KVCache  # noqa: E402
 from foundry.model.train import finetune as FT  # noqa: E402
 
 REL_TOL = 2e-4

@@ -22,7 +22,8 @@ import pytest
 
 from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, save_gguf, values_by_type
 from foundry.model.formats.gguf_model import storage_type
-from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.kernels.types import TYPES

@@ -24,7 +24,8 @@ import pytest
 from test_quant import KQUANTS, QUANTIZABLE, perturbed, stored
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.infer.inference import Engine, Gate, KVCache
+from foundry.model.infer.inference import Engine, Gate
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.shard import ExpertSplit, rank_weights

@@ -20,7 +20,8 @@ from procs import coordinator, worker
 from foundry.model.formats.gguf_io import save_gguf
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.generate import generate_tokens
-from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.infer.torch_engine import TorchEngine
 from foundry.model.nn import torch_model as TM
 from foundry.model.nn.device import DeviceError

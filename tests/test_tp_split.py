@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model.infer.inference import Engine, Gate, GateExchange, Session
+from foundry.model.infer.inference import Engine, Gate, GateExchange
+from foundry.model.infer.kv_cache import Session
 from foundry.model.kernels.quant import QTensor, QType, quantize
 from foundry.model.nn import transformer as T
 from foundry.model.shard import (

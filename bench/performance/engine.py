@@ -21,10 +21,10 @@
    that loads the file (against the file size), and PASS/FAIL for the targets: f16 >= 1.8x,
    Q8_0 >= 2.5x, Q4_0 >= 3.5x f32. With ``--llama-cpp``, ``llama-bench -t 1`` decodes the same
    files between the rounds (after as many tokens of context as ours); target Q8_0 >= 0.9x.
-   ``--split`` also times every matrix product of the engine (``inference.linear``, two clock
-   reads a call) and prints each type's token as its products and the engine's own work
-   (attention, norms, router, the expert loop, Python): what a type's smaller weights can
-   speed up, and what they cannot.
+   ``--split`` also times every matrix product of the engine (``inference.linear`` and
+   ``parts.linear``, two clock reads a call) and prints each type's token as its products and
+   the engine's own work (attention, norms, router, the expert loop, Python): what a type's
+   smaller weights can speed up, and what they cannot.
 
 3. ``--gguf FILE`` (a published file, e.g. Gemma 3 270M Q4_K_M): the engine's prompt of
    ``--prompt`` random tokens as one block (prefill) and 64 tokens decoded after it, against
@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
 from foundry.model.formats.gguf_model import FILE_DTYPES
-from foundry.model.infer import inference
+from foundry.model.infer import inference, parts
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.nn import transformer as T
@@ -71,6 +71,8 @@ from foundry.model.train.optim import AdamW, clip_grad_norm
 from foundry.runtime import retain_freed_memory
 
 TARGET_RATIO = 0.7
+# The modules whose ``linear`` the engine calls for its products (the parts' dense FFN too).
+ENGINE_MODULES = (inference, parts)
 # Decode tokens/s of each stored type over f32's, same run (issue 16's targets), and over
 # llama.cpp's on the same file.
 DECODE_TARGETS = {"f16": 1.8, "q8_0": 2.5, "q4_0": 3.5}
@@ -316,10 +318,12 @@ class ProductClock:
         return y
 
     def __enter__(self) -> None:
-        vars(inference)["linear"] = self._timed  # the engine's module-level name
+        for module in ENGINE_MODULES:
+            vars(module)["linear"] = self._timed  # the engine's module-level name
 
     def __exit__(self, *exc: object) -> None:
-        vars(inference)["linear"] = self._linear
+        for module in ENGINE_MODULES:
+            vars(module)["linear"] = self._linear
 
 
 def bench_decode(
@@ -427,8 +431,13 @@ class OwnTime:
 
     def __init__(self) -> None:
         self.in_c = 0.0
-        self._names = ("step_layers", "step_layer", "step_attn", "step_ffn", "linear")
-        self._saved = {n: vars(inference)[n] for n in self._names}
+        self._names = {
+            inference: ("step_layers", "step_layer", "step_attn", "step_ffn", "linear"),
+            parts: ("linear",),
+        }
+        self._saved = {
+            (module, n): vars(module)[n] for module, names in self._names.items() for n in names
+        }
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -440,11 +449,12 @@ class OwnTime:
         return timed
 
     def __enter__(self) -> None:
-        for n, fn in self._saved.items():
-            vars(inference)[n] = self._timed(fn)
+        for (module, n), fn in self._saved.items():
+            vars(module)[n] = self._timed(fn)
 
     def __exit__(self, *exc: object) -> None:
-        vars(inference).update(self._saved)
+        for (module, n), fn in self._saved.items():
+            vars(module)[n] = fn
 
 
 def print_profile(threads: int, tokens: int, in_c: float, profiled: dict[str, list[int]]) -> None:

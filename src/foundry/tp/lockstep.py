@@ -56,7 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.engines import InferenceEngine
-from foundry.model.infer.inference import Session
+from foundry.model.infer.kv_cache import Session
 from foundry.model.shard import Gate
 from foundry.tp.policy import common_prefix
 from foundry.transport.gates import GateError
