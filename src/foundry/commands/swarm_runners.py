@@ -49,7 +49,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     if args.base_model is not None:
         from foundry.commands.finetune import SetupError, open_base
         from foundry.model.formats.tuning import tuned_config
-        from foundry.model.train.finetune import FineTuneBackend, initial_trainable
+        from foundry.model.train.finetune import initial_trainable
+        from foundry.model.train.finetune_backend import FineTuneBackend
 
         try:
             tuning = open_base(args)
