@@ -31,7 +31,8 @@ from foundry.model.infer.kv_cache import KVCache, Session
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import Param, QTensor, QType, dequantize, quantize
 from foundry.model.nn.transformer import init_params
-from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]

@@ -29,7 +29,8 @@ from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.kernels.types import TYPES
 from foundry.model.nn import transformer as T
 from foundry.model.nn.layers import attention_forward, rope_tables
-from foundry.model.shard import ExpertSplit, SplitError, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import identity_for, load_rank
 

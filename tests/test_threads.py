@@ -28,7 +28,8 @@ from foundry.model.infer.inference import Engine, Gate
 from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
-from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]

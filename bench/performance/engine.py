@@ -65,7 +65,7 @@ from foundry.model.infer import inference, parts
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.nn import transformer as T
-from foundry.model.shard import SplitKind, rule_for
+from foundry.model.shard.table import SplitKind, rule_for
 from foundry.model.spec.config import ModelConfig, preset
 from foundry.model.train.optim import AdamW, clip_grad_norm
 from foundry.runtime import retain_freed_memory

@@ -1,6 +1,6 @@
 """KV-cache inference over independent sessions, one code path for one process and TP ranks.
 
-An ``Engine`` evaluates a list of *parts*, each a ``shard.RankWeights``:
+An ``Engine`` evaluates a list of *parts*, each a ``shard.slices.RankWeights``:
 
 - a tensor-parallel rank (world N) holds one part, its own slice (by the world's shares);
 - a single process (world 1) holds every part of the split it stands for (``shares``: the two
@@ -86,12 +86,9 @@ from foundry.model.kernels.quant import (
     step_layer,
     step_layers,
 )
-from foundry.model.shard import (
-    ExpertSplit,
-    Gate,
-    RankWeights,
-    norm_shares,
-)
+from foundry.model.shard.shares import norm_shares
+from foundry.model.shard.slices import RankWeights
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.arch import (
     QKNorm,
     Rope,

@@ -11,14 +11,9 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.kernels.quant import Param, QTensor, geglu, linear, swiglu
-from foundry.model.shard import (
-    ExpertSplit,
-    RankWeights,
-    Shares,
-    SplitError,
-    check_splittable,
-    rank_weights,
-)
+from foundry.model.shard.shares import Shares, check_splittable
+from foundry.model.shard.slices import RankWeights, rank_weights
+from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.arch import Act
 from foundry.model.spec.config import ModelConfig
 
