@@ -38,7 +38,7 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_ctl_says_why_a_run_waits_or_failed() -> None:
     from foundry.api.v1 import training_pb2 as pb
-    from foundry.commands.ctl import format_state, format_training
+    from foundry.commands.ctl_format import format_state, format_training
 
     one = [pb.Worker(worker_id="w0")]
     assert (

@@ -22,8 +22,10 @@ torch = pytest.importorskip("torch")
 
 from foundry.model.formats import lora as LR  # noqa: E402
 from foundry.model.formats.gguf_io import load_gguf  # noqa: E402
-from foundry.model.infer.inference import Engine, KVCache  # noqa: E402
+from foundry.model.infer.inference import Engine  # noqa: E402
+from foundry.model.infer.kv_cache import KVCache  # noqa: E402
 from foundry.model.train import finetune as FT  # noqa: E402
+from foundry.model.train import finetune_backend as FB  # noqa: E402
 
 REL_TOL = 2e-4
 
@@ -189,7 +191,7 @@ def test_only_the_adapters_train(files: dict[str, Path]) -> None:
 
     base = FT.load_base(files["llama"])
     spec = LR.LoraSpec(rank=2)
-    backend = FT.FineTuneBackend(base, spec)
+    backend = FB.FineTuneBackend(base, spec)
     rng = np.random.default_rng(0)
     corpus = Corpus(rng.integers(3, base.cfg.n_vocab, 400).astype(np.int32), "random", 1)
     before = {n: t.clone() for n, t in base.weights.items()}
@@ -199,7 +201,7 @@ def test_only_the_adapters_train(files: dict[str, Path]) -> None:
     # B is zero, so A's gradient is zero; B's is not
     assert all(not g.any() for n, g in result.grads.items() if n.endswith(".lora_a"))
     assert all(g.any() for n, g in result.grads.items() if n.endswith(".lora_b"))
-    tuner = FT.FineTuner(backend, FT.TuneSettings(4, 16, 1e-2, 3), start)
+    tuner = FB.FineTuner(backend, FB.TuneSettings(4, 16, 1e-2, 3), start)
     for _ in range(3):
         tuner.train_step(corpus)
     trained = tuner.host_params()
@@ -345,10 +347,10 @@ def test_a_base_held_quantized_trains_as_the_dequantized_one(
     rng = np.random.default_rng(0)
     corpus = Corpus(rng.integers(3, dense.cfg.n_vocab, 400).astype(np.int32), "random", 1)
     start = adapters_on(dense, spec, b_scale=0.1)  # B not zero: A has a gradient too
-    a = FT.FineTuneBackend(dense, spec).compute_gradients(
+    a = FB.FineTuneBackend(dense, spec).compute_gradients(
         start, dense.cfg, corpus, 0, 4, seq_len=16
     )
-    b = FT.FineTuneBackend(held, spec).compute_gradients(start, held.cfg, corpus, 0, 4, seq_len=16)
+    b = FB.FineTuneBackend(held, spec).compute_gradients(start, held.cfg, corpus, 0, 4, seq_len=16)
     assert abs(a.loss - b.loss) <= 1e-6 * abs(a.loss)
     assert set(a.grads) == set(b.grads) == set(start)
     for n in a.grads:

@@ -23,6 +23,7 @@ from foundry.model.formats.tuning import tuned_config
 from foundry.model.text.finetune_data import load_tuning_corpus
 from foundry.model.text.vocab import load_tokenizer
 from foundry.model.train import finetune as FT
+from foundry.model.train import finetune_backend as FB
 from foundry.model.train.training import Trainer, TrainSettings
 from foundry.wire import fdtc
 
@@ -104,7 +105,7 @@ def one_process(
     loaded = FT.load_base(base)
     cfg = tuned_config(loaded.cfg, loaded.identity, spec)
     corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
-    backend = FT.FineTuneBackend(loaded, spec)
+    backend = FB.FineTuneBackend(loaded, spec)
     settings = TrainSettings(
         global_batch=BATCH, seq_len=SEQ, lr=lr, warmup_steps=20, total_steps=steps, weight_decay=0.0
     )

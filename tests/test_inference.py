@@ -12,11 +12,12 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model.infer.inference import Engine, Gate, KVCache, Session
+from foundry.model.infer.inference import Engine, Gate
+from foundry.model.infer.kv_cache import KVCache, Session
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QType
 from foundry.model.nn import transformer as T
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 ATOL = 1e-5

@@ -16,6 +16,7 @@ import typing
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -24,12 +25,14 @@ import pytest
 from published import TINY, prompts, write_tiny
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.infer import inference
-from foundry.model.infer.inference import Engine, Gate, KVCache, Session
+from foundry.model.infer import inference, parts
+from foundry.model.infer.inference import Engine, Gate
+from foundry.model.infer.kv_cache import KVCache, Session
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import Param, QTensor, QType, dequantize, quantize
 from foundry.model.nn.transformer import init_params
-from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
@@ -126,9 +129,21 @@ def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
     return moved
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "rope", "attend_rows", "linear", "geglu"])
+@pytest.mark.parametrize(
+    ("module", "op"),
+    [
+        (inference, "rmsnorm"),
+        (inference, "rope"),
+        (inference, "attend_rows"),
+        (inference, "linear"),
+        (parts, "geglu"),  # the dense FFN's, in the parts' arithmetic
+    ],
+)
 def test_a_moved_operation_is_seen(
-    models: dict[str, tuple[Any, dict[str, Param]]], op: str, monkeypatch: pytest.MonkeyPatch
+    models: dict[str, tuple[Any, dict[str, Param]]],
+    module: ModuleType,
+    op: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cfg, params = models["gemma3"]
     engine = Engine(cfg, params)
@@ -138,7 +153,7 @@ def test_a_moved_operation_is_seen(
     session = engine.new_session()
     first = [engine.decode(session, prompts("gemma3")[0])]
     # the prompt ran unchanged; now one value of one call of the next (one-row) pass moves
-    monkeypatch.setattr(inference, op, nudge(getattr(inference, op), [1, 0]))
+    monkeypatch.setattr(module, op, nudge(getattr(module, op), [1, 0]))
     out = [*first, engine.decode(session, [int(np.argmax(first[-1][-1]))])]
     for _ in range(STEPS - 1):
         out.append(engine.decode(session, [int(np.argmax(out[-1][-1]))]))

@@ -200,7 +200,7 @@ def test_the_walk_catches_arrows_against_the_table() -> None:
         "foundry.wire.probe:1: wire may import only ['model.shard'] of model, "
         "not foundry.model.spec.config"
     ]
-    allowed = "from foundry.model.shard import Gate\n"
+    allowed = "from foundry.model.shard.table import Gate\n"
     assert violations({"foundry.wire.probe": (allowed, False)}) == []
 
 

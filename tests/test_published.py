@@ -31,8 +31,9 @@ from tp_harness import Client, InProcessLeader, start_worker, wait_paired
 
 from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.formats.gguf_model import GGUFError
-from foundry.model.infer.inference import Engine, Gate, GateExchange, KVCache, Session
-from foundry.model.shard import rank_layout, rank_weights
+from foundry.model.infer.inference import Engine, Gate, GateExchange
+from foundry.model.infer.kv_cache import KVCache, Session
+from foundry.model.shard.slices import rank_layout, rank_weights
 from foundry.model.spec.arch import ArchConfig
 from foundry.model.text.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads

@@ -112,7 +112,7 @@ def test_n_ranks_on_the_gemma_file_equal_one_process_standing_for_them(world: in
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from foundry.model.shard import Gate
+    from foundry.model.shard.table import Gate
     from foundry.tp.handshake import load_rank
 
     path = gemma_file()

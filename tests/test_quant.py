@@ -22,13 +22,15 @@ import pytest
 
 from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, save_gguf, values_by_type
 from foundry.model.formats.gguf_model import storage_type
-from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.kernels.types import TYPES
 from foundry.model.nn import transformer as T
 from foundry.model.nn.layers import attention_forward, rope_tables
-from foundry.model.shard import ExpertSplit, SplitError, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import identity_for, load_rank
 

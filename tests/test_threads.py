@@ -24,10 +24,12 @@ import pytest
 from test_quant import KQUANTS, QUANTIZABLE, perturbed, stored
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
-from foundry.model.infer.inference import Engine, Gate, KVCache
+from foundry.model.infer.inference import Engine, Gate
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
-from foundry.model.shard import ExpertSplit, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]

@@ -20,12 +20,14 @@ from procs import coordinator, worker
 from foundry.model.formats.gguf_io import save_gguf
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.generate import generate_tokens
-from foundry.model.infer.inference import Engine, KVCache
+from foundry.model.infer.inference import Engine
+from foundry.model.infer.kv_cache import KVCache
 from foundry.model.infer.torch_engine import TorchEngine
 from foundry.model.nn import torch_model as TM
 from foundry.model.nn.device import DeviceError
 from foundry.model.nn.transformer import init_params, loss_and_grads
-from foundry.model.shard import ExpertSplit, Gate, rank_weights
+from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.config import ModelConfig, preset
 from foundry.model.text.data import load_corpus
 from foundry.model.train.backend import NUMPY, Stopped, make_trainer, select

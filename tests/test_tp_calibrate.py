@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from foundry.model.kernels.quant import set_threads, threads
-from foundry.model.shard import ExpertSplit, check_splittable
+from foundry.model.shard.shares import check_splittable
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.calibrate import (
     CAL_COLS,

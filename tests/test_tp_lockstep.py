@@ -22,7 +22,7 @@ import pytest
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels.quant import Param, QType, quantize
 from foundry.model.nn import transformer as T
-from foundry.model.shard import rank_weights
+from foundry.model.shard.slices import rank_weights
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import exchange_hellos
 from foundry.tp.link import ControlLink

@@ -33,7 +33,7 @@ from tp_harness import (
 
 from foundry.model.formats.gguf_io import load_gguf
 from foundry.model.formats.gguf_model import FileDType
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads

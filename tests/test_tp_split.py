@@ -19,26 +19,26 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from foundry.model.infer.inference import Engine, Gate, GateExchange, Session
+from foundry.model.infer.inference import Engine, Gate, GateExchange
+from foundry.model.infer.kv_cache import Session
 from foundry.model.kernels.quant import QTensor, QType, quantize
 from foundry.model.nn import transformer as T
-from foundry.model.shard import (
+from foundry.model.shard.shares import block_range, norm_shares, share_blocks, share_range
+from foundry.model.shard.slices import (
+    rank_layout,
+    rank_weights,
+    shard_params,
+    shard_part,
+    shard_shapes,
+)
+from foundry.model.shard.table import (
     SPLIT_TABLE,
     SPLIT_TABLES,
     ExpertSplit,
     SplitError,
     SplitKind,
     Unit,
-    block_range,
-    norm_shares,
-    rank_layout,
-    rank_weights,
     rule_for,
-    shard_params,
-    shard_part,
-    shard_shapes,
-    share_blocks,
-    share_range,
 )
 from foundry.model.spec.config import ModelConfig
 

@@ -38,7 +38,8 @@ from tp_harness import (
     wait_paired,
 )
 
-from foundry.model.shard import ExpertSplit, norm_shares
+from foundry.model.shard.shares import norm_shares
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions

@@ -31,7 +31,7 @@ from foundry.model.formats.gguf_model import FileDType
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.sampling import sample
 from foundry.model.nn import transformer as T
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import encode
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT

@@ -70,7 +70,7 @@ TARGETS = (
         keep_lines=(r"os\.kill\(",),
     ),
     Target("policy", ("src/foundry/swarm/policy.py",), ("tests/test_swarm_policy.py",)),
-    Target("tp_split", ("src/foundry/model/shard.py",), ("tests/test_tp_split.py",)),
+    Target("tp_split", ("src/foundry/model/shard/*",), ("tests/test_tp_split.py",)),
     # The served path. mutmut sees the code that tests run in their own process: the
     # templates' and tokenizers' own tests (llama.cpp's references), and of the gateway the
     # request models, the fair queue, the renderer and the event stream. The pair and the

@@ -21,10 +21,10 @@
    that loads the file (against the file size), and PASS/FAIL for the targets: f16 >= 1.8x,
    Q8_0 >= 2.5x, Q4_0 >= 3.5x f32. With ``--llama-cpp``, ``llama-bench -t 1`` decodes the same
    files between the rounds (after as many tokens of context as ours); target Q8_0 >= 0.9x.
-   ``--split`` also times every matrix product of the engine (``inference.linear``, two clock
-   reads a call) and prints each type's token as its products and the engine's own work
-   (attention, norms, router, the expert loop, Python): what a type's smaller weights can
-   speed up, and what they cannot.
+   ``--split`` also times every matrix product of the engine (``inference.linear`` and
+   ``parts.linear``, two clock reads a call) and prints each type's token as its products and
+   the engine's own work (attention, norms, router, the expert loop, Python): what a type's
+   smaller weights can speed up, and what they cannot.
 
 3. ``--gguf FILE`` (a published file, e.g. Gemma 3 270M Q4_K_M): the engine's prompt of
    ``--prompt`` random tokens as one block (prefill) and 64 tokens decoded after it, against
@@ -58,7 +58,7 @@ from engine_decode import LLAMA_BENCH_ARGS, bench_decode, write_models
 from engine_train import bench_training
 
 from foundry.model.formats.gguf_io import load_gguf_stored
-from foundry.model.infer import inference
+from foundry.model.infer import inference, parts
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.spec.config import preset
@@ -72,8 +72,13 @@ class OwnTime:
 
     def __init__(self) -> None:
         self.in_c = 0.0
-        self._names = ("step_layers", "step_layer", "step_attn", "step_ffn", "linear")
-        self._saved = {n: vars(inference)[n] for n in self._names}
+        self._names = {
+            inference: ("step_layers", "step_layer", "step_attn", "step_ffn", "linear"),
+            parts: ("linear",),
+        }
+        self._saved = {
+            (module, n): vars(module)[n] for module, names in self._names.items() for n in names
+        }
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -85,11 +90,12 @@ class OwnTime:
         return timed
 
     def __enter__(self) -> None:
-        for n, fn in self._saved.items():
-            vars(inference)[n] = self._timed(fn)
+        for (module, n), fn in self._saved.items():
+            vars(module)[n] = self._timed(fn)
 
     def __exit__(self, *exc: object) -> None:
-        vars(inference).update(self._saved)
+        for (module, n), fn in self._saved.items():
+            vars(module)[n] = fn
 
 
 def print_profile(threads: int, tokens: int, in_c: float, profiled: dict[str, list[int]]) -> None:

@@ -16,12 +16,15 @@ import numpy as np
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
 from foundry.model.formats.gguf_model import FILE_DTYPES
-from foundry.model.infer import inference
+from foundry.model.infer import inference, parts
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.nn import transformer as T
-from foundry.model.shard import SplitKind, rule_for
+from foundry.model.shard.table import SplitKind, rule_for
 from foundry.model.spec.config import ModelConfig
+
+# The modules whose ``linear`` the engine calls for its products (the parts' dense FFN too).
+ENGINE_MODULES = (inference, parts)
 
 # Decode tokens/s of each stored type over f32's, same run (issue 16's targets), and over
 # llama.cpp's on the same file.
@@ -159,10 +162,12 @@ class ProductClock:
         return y
 
     def __enter__(self) -> None:
-        vars(inference)["linear"] = self._timed  # the engine's module-level name
+        for module in ENGINE_MODULES:
+            vars(module)["linear"] = self._timed  # the engine's module-level name
 
     def __exit__(self, *exc: object) -> None:
-        vars(inference)["linear"] = self._linear
+        for module in ENGINE_MODULES:
+            vars(module)["linear"] = self._linear
 
 
 def bench_decode(

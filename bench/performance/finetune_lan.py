@@ -147,11 +147,12 @@ def compute_alone(base: Path, text: Path, args: argparse.Namespace) -> dict[int,
     from foundry.model.text.finetune_data import load_tuning_corpus
     from foundry.model.text.vocab import load_tokenizer
     from foundry.model.train import finetune as FT
+    from foundry.model.train import finetune_backend as FB
 
     torch.set_num_threads(1)
     loaded = FT.load_base(base)
     spec = LR.LoraSpec(rank=args.lora_rank, targets=("attn_q", "attn_v"))
-    backend = FT.FineTuneBackend(loaded, spec)
+    backend = FB.FineTuneBackend(loaded, spec)
     corpus = load_tuning_corpus(text, load_tokenizer(loaded.metadata))
     params = FT.initial_trainable(loaded, spec)
     out = {}

@@ -38,6 +38,7 @@ def measure(args: argparse.Namespace, quantized: bool) -> dict[str, float]:
     from foundry.model.formats import lora as LR
     from foundry.model.text.data import Corpus
     from foundry.model.train import finetune as FT
+    from foundry.model.train import finetune_backend as FB
 
     torch.set_num_threads(args.threads)
 
@@ -48,7 +49,7 @@ def measure(args: argparse.Namespace, quantized: bool) -> dict[str, float]:
     base = FT.load_base(args.model, "cpu", keep_quantized=quantized)
     loaded = peak_mb()
     spec = LR.LoraSpec(rank=args.lora_rank, targets=LR.parse_targets(args.lora_targets))
-    backend = FT.FineTuneBackend(base, spec, micro_batch=args.batch)
+    backend = FB.FineTuneBackend(base, spec, micro_batch=args.batch)
     rng = np.random.default_rng(0)
     n = args.batch * (args.seq_len + 1) * (args.steps + 1) * 2
     corpus = Corpus(rng.integers(3, base.cfg.n_vocab, n).astype(np.int32), "random", 1)

@@ -98,7 +98,7 @@ from tp_single import build_model, single_process
 
 from foundry.model.formats.gguf_io import load_gguf
 from foundry.model.formats.gguf_model import FILE_DTYPES
-from foundry.model.shard import ExpertSplit, Gate
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.config import PRESETS, ModelConfig
 from foundry.model.text.vocab import load_tokenizer_file
 from foundry.tp.blas import limit_blas_threads

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness
 import numpy as np
 
-from foundry.model.shard import Gate
+from foundry.model.shard.table import Gate
 from foundry.transport.gates import GateExchange, ShmGateExchange, TcpGateExchange
 
 N_EMBD = 1024

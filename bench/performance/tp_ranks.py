@@ -19,7 +19,7 @@ import numpy as np
 from tp_gates import pin
 from tp_link import enter_netns
 
-from foundry.model.shard import ExpertSplit, Gate
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import Leader, LeaderOptions
 from foundry.tp.worker import Worker, WorkerOptions

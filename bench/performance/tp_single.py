@@ -17,7 +17,7 @@ from foundry.model.formats.gguf_model import FileDType
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.sampling import sample
 from foundry.model.kernels.quant import linear
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 
 

@@ -66,7 +66,7 @@ from lan_net import Network
 from tp import enter_netns
 
 from foundry.cli import main as cli_main
-from foundry.model.shard import Gate
+from foundry.model.shard.table import Gate
 from foundry.transport import gates
 from foundry.transport.gates import GateExchange, MeshGateExchange, TcpGateExchange
 from foundry.transport.tls import TlsFiles, peer_contexts_for, wrap_blocking

@@ -141,12 +141,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     from foundry.model.formats.checkpoint import CheckpointError
     from foundry.model.formats.tuning import tuned_config
     from foundry.model.text.data import DataError
-    from foundry.model.train.finetune import (
-        FineTuneBackend,
-        FineTuner,
-        TuneSettings,
-        initial_trainable,
-    )
+    from foundry.model.train.finetune import initial_trainable
+    from foundry.model.train.finetune_backend import FineTuneBackend, FineTuner, TuneSettings
 
     corpus = t.corpus
     try:

@@ -26,7 +26,7 @@ from foundry.commands.common import (
     tls_note,
     use_threads,
 )
-from foundry.model.shard import ExpertSplit
+from foundry.model.shard.table import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.speculative import MAX_DRAFT, SpecMode
 from foundry.wire.tp import SharesFrom
@@ -114,7 +114,7 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
 
 
 def _share(text: str) -> int:
-    from foundry.model.shard import MAX_SHARE
+    from foundry.model.shard.shares import MAX_SHARE
 
     value = positive_int(text)
     if value > MAX_SHARE:
@@ -332,7 +332,7 @@ def _limit_threads(n: int) -> int | None:
 
 def run_leader(args: argparse.Namespace) -> int:
     from foundry.model.formats.gguf_model import GGUFError
-    from foundry.model.shard import SplitError
+    from foundry.model.shard.table import SplitError
     from foundry.tp.leader import Leader, LeaderOptions
     from foundry.transport.tls import TlsConfigError
 
@@ -411,7 +411,7 @@ def run_leader(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     from foundry.model.formats.gguf_model import GGUFError
-    from foundry.model.shard import SplitError
+    from foundry.model.shard.table import SplitError
     from foundry.tp.worker import Worker, WorkerOptions
     from foundry.transport.tls import TlsConfigError
 

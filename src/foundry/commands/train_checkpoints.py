@@ -4,9 +4,9 @@ coordinator writes (``model.formats.checkpoint``), resumed by running the same c
 
 A trainer here is anything with ``step``, ``position``, ``host_params()``,
 ``optimizer_state()`` and ``load(params, optimizer, step, position)``: ``training.Trainer``,
-``torch_backend.TorchTrainer`` and, fine-tuning, ``finetune.FineTuner``, whose tensors are the
-trainable ones (the adapters, or every tensor) and whose config names the base file's identity,
-so a checkpoint of another base file or other LoRA settings is refused.
+``torch_backend.TorchTrainer`` and, fine-tuning, ``finetune_backend.FineTuner``, whose tensors
+are the trainable ones (the adapters, or every tensor) and whose config names the base file's
+identity, so a checkpoint of another base file or other LoRA settings is refused.
 """
 
 from __future__ import annotations

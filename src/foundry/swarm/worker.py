@@ -280,7 +280,7 @@ class Worker(WorkerCore):
                 f"BASE_MODEL asks for what this base cannot train: {exc}", ErrorCode.MODEL_MISMATCH
             ) from None
         if cfg != self.cfg:
-            from foundry.model.train.finetune import FineTuneBackend
+            from foundry.model.train.finetune_backend import FineTuneBackend
 
             self.backend = FineTuneBackend(base.loaded, spec)
             self.cfg = cfg

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from foundry.model.shard import norm_shares
+from foundry.model.shard.shares import norm_shares
 from foundry.model.spec.config import ModelConfig
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.calibrate import choose_shares, rank_speed

@@ -23,17 +23,15 @@ import numpy as np
 
 from foundry.model.kernels.quant import QTensor, QType, linear, row_bytes
 from foundry.model.kernels.quant import threads as kernel_threads
-from foundry.model.shard import (
-    ExpertSplit,
+from foundry.model.shard.shares import (
     Shares,
-    SplitError,
     check_splittable,
     nearest_shares,
     norm_shares,
-    off_blocks,
-    rank_layout,
     share_blocks,
 )
+from foundry.model.shard.slices import off_blocks, rank_layout
+from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 
 log = logging.getLogger("foundry.tp.calibrate")
@@ -113,7 +111,7 @@ def rank_speed(stated: int | None) -> int:
 
 def speed_shares(speeds: Sequence[int]) -> Shares:
     """Shares in proportion to ``speeds`` (rank 0 first) at :data:`SPEED_RESOLUTION`, each at
-    least 1, reduced by their gcd; the model may not take them (``shard.nearest_shares``)."""
+    least 1, reduced by their gcd; the model may not take them (``shard.shares.nearest_shares``)."""
     if not speeds or any(s < 1 for s in speeds):
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
     total = sum(speeds)
@@ -147,7 +145,7 @@ def fill(n: int, weights: Sequence[int]) -> list[int]:
 
 def snap(cfg: ModelConfig, split: ExpertSplit, wanted: Shares, blocks: Mapping[str, int]) -> Shares:
     """The nearest shares to ``wanted`` the model takes: every rank at least one of each unit
-    (``shard.nearest_shares``) and every column cut of a stored tensor on its blocks (such a
+    (``shard.shares.nearest_shares``) and every column cut of a stored tensor on its blocks (such a
     tensor's blocks handed out by the wanted shares, :func:`fill`, that allocation the new
     shares); equal shares when that does not settle (the leader holds those: they work)."""
     shares = nearest_shares(cfg, split, wanted)

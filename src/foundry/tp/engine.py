@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.sampling import SamplingError, sample
-from foundry.model.shard import Gate, Shares, share_blocks
+from foundry.model.shard.shares import Shares, share_blocks
+from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.commands import (
     PAIR_FAILURES,

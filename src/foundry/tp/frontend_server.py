@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from foundry.model.infer.inference import Session
+from foundry.model.infer.kv_cache import Session
 from foundry.model.infer.sampling import make_rng
 from foundry.model.text.chat import ChatTemplate, Message, chat_prompt
 from foundry.model.text.chat_sandbox import ChatTemplateError

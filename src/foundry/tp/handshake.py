@@ -42,17 +42,9 @@ from foundry.model.formats.lora import Adapter, base_of, check_architecture, loa
 from foundry.model.infer.sessions import default_ctx
 from foundry.model.kernels.quant import Param, QType
 from foundry.model.kernels.types import TYPES
-from foundry.model.shard import (
-    ExpertSplit,
-    RankWeights,
-    Shares,
-    SplitKind,
-    norm_shares,
-    rank_layout,
-    rule_for,
-    shard_part,
-    share_blocks,
-)
+from foundry.model.shard.shares import Shares, norm_shares, share_blocks
+from foundry.model.shard.slices import RankWeights, rank_layout, shard_part
+from foundry.model.shard.table import ExpertSplit, SplitKind, rule_for
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.link import ControlLink, LinkError

@@ -72,7 +72,8 @@ from collections.abc import Callable
 from foundry.model.formats.gguf_meta import read_metadata
 from foundry.model.kernels.quant import QTensor
 from foundry.model.kernels.quant import threads as kernel_threads
-from foundry.model.shard import Gate, norm_shares
+from foundry.model.shard.shares import norm_shares
+from foundry.model.shard.table import Gate
 from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
 from foundry.obs.metrics import TpMetrics

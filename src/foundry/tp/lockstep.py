@@ -56,8 +56,8 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.engines import InferenceEngine
-from foundry.model.infer.inference import Session
-from foundry.model.shard import Gate
+from foundry.model.infer.kv_cache import Session
+from foundry.model.shard.table import Gate
 from foundry.tp.policy import common_prefix
 from foundry.transport.gates import GateError
 from foundry.wire.tp import (

@@ -7,7 +7,8 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from foundry.model.shard import MAX_WORLD, ExpertSplit
+from foundry.model.shard.shares import MAX_WORLD
+from foundry.model.shard.table import ExpertSplit
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S
 from foundry.tp.speculative import MAX_DRAFT, SpecMode

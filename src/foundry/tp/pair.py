@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from foundry.model.shard import Shares
+from foundry.model.shard.shares import Shares
 from foundry.tp.link import ControlLink
 from foundry.transport.gates import GateExchange
 from foundry.wire.tp import GateTransport

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.infer.engines import make_engine
-from foundry.model.shard import MAX_WORLD, ExpertSplit, Shares, SplitError
+from foundry.model.shard.shares import MAX_WORLD, Shares
+from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.calibrate import rank_speed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from foundry.model.shard import Gate
+from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import ACK_ACCEPTED
 from foundry.tp.link import ControlLink, LinkError

@@ -15,7 +15,8 @@ import numpy.typing as npt
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels.quant import Param
 from foundry.model.nn.device import DeviceError, resolve
-from foundry.model.shard import ExpertSplit, Gate, RankWeights
+from foundry.model.shard.slices import RankWeights
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]

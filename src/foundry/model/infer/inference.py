@@ -1,6 +1,6 @@
 """KV-cache inference over independent sessions, one code path for one process and TP ranks.
 
-An ``Engine`` evaluates a list of *parts*, each a ``shard.RankWeights``:
+An ``Engine`` evaluates a list of *parts*, each a ``shard.slices.RankWeights``:
 
 - a tensor-parallel rank (world N) holds one part, its own slice (by the world's shares);
 - a single process (world 1) holds every part of the split it stands for (``shares``: the two
@@ -53,13 +53,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from enum import Enum
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.infer.sessions import SessionPositions, check_rows, default_ctx
+from foundry.model.infer.kv_cache import KVCache, Session
+from foundry.model.infer.parts import cut_parts, glu, row_block, sum_partials, swiglu_ffn
+from foundry.model.infer.sessions import check_rows, default_ctx
 from foundry.model.infer.step_plan import (
     DenseLayer,
     fuse,
@@ -76,7 +76,6 @@ from foundry.model.kernels.quant import (
     combine_experts,
     dequantize,
     embed,
-    geglu,
     linear,
     rmsnorm,
     rope,
@@ -86,20 +85,11 @@ from foundry.model.kernels.quant import (
     step_ffn,
     step_layer,
     step_layers,
-    swiglu,
 )
-from foundry.model.shard import (
-    ExpertSplit,
-    Gate,
-    RankWeights,
-    Shares,
-    SplitError,
-    check_splittable,
-    norm_shares,
-    rank_weights,
-)
+from foundry.model.shard.shares import norm_shares
+from foundry.model.shard.slices import RankWeights
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.arch import (
-    Act,
     QKNorm,
     Rope,
     is_swa,
@@ -117,54 +107,7 @@ GateExchange = Callable[[int, Gate, F32], F32]
 """(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
 
 
-class KVCache(Enum):
-    """The type a session's K and V cache rows are stored in (``Engine(kv_cache=...)``)."""
-
-    F16 = "f16"  # llama.cpp's default (-ctk f16 -ctv f16): half the memory, its rounding
-    F32 = "f32"  # exact: what the training forward computes (tests, our own references)
-
-    @property
-    def dtype(self) -> type[np.floating[Any]]:
-        return np.float16 if self is KVCache.F16 else np.float32
-
-
-_session_ids = itertools.count(1)
 _engine_ids = itertools.count(1)
-
-
-class Session(SessionPositions):
-    """One sequence being decoded: the K/V caches of the engine's kv heads, position, history.
-
-    Create it with ``Engine.new_session``; ``k[layer][part]`` and ``v[layer][part]`` are
-    (ctx_size, kv heads of the part, head_dim), position p in row p. Parts that cache the same
-    kv heads (a single kv head, replicated: both halves of a world-1 engine compute it from the
-    same rows, to the same bits) share one array, so the cache is held once. The arrays are of
-    the engine's ``KVCache`` type (rows written as float32 are rounded to it, to nearest).
-    """
-
-    def __init__(
-        self,
-        engine_id: int,
-        ctx_size: int,
-        kv_heads: Sequence[tuple[int, int]],
-        cfg: ModelConfig,
-        kv_cache: KVCache = KVCache.F16,
-    ):
-        self.id = next(_session_ids)
-        self.engine_id = engine_id
-        self.ctx_size = ctx_size
-        self.pos = 0
-        self.tokens: list[int] = []
-
-        def caches() -> list[npt.NDArray[Any]]:
-            held: dict[tuple[int, int], npt.NDArray[Any]] = {}
-            for r in kv_heads:
-                if r not in held:
-                    held[r] = np.zeros((ctx_size, r[1] - r[0], cfg.head_dim), kv_cache.dtype)
-            return [held[r] for r in kv_heads]
-
-        self.k: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
-        self.v: list[list[npt.NDArray[Any]]] = [caches() for _ in range(cfg.n_layer)]
 
 
 class Engine:
@@ -231,7 +174,7 @@ class Engine:
             self.parts: tuple[RankWeights, ...] = (weights,)
         else:
             mode = self.expert_split = expert_split or ExpertSplit.EXPERTS
-            self.parts = _cut(cfg, weights, rank, world, mode, self.shares)
+            self.parts = cut_parts(cfg, weights, rank, world, mode, self.shares)
         self.fused: list[dict[str, Param]] = [fuse(cfg, part) for part in self.parts]
         # Each expert's matrices as views, made once (indexing a QTensor builds one).
         self._experts: list[dict[str, list[Param]]] = [
@@ -281,7 +224,7 @@ class Engine:
         # The output head of each part: its block of output.weight, or of token_embd's rows
         # when the output is tied (a view: the table is held once).
         self._head: list[Param] = [
-            _row_block(self.replicated["token_embd.weight"], part.layout.vocab)
+            row_block(self.replicated["token_embd.weight"], part.layout.vocab)
             if is_tied(cfg)
             else part.params["output.weight"]
             for part in self.parts
@@ -427,21 +370,23 @@ class Engine:
                     continue
             h = rmsnorm(x, dense.attn_norm, cfg.norm_eps)  # (n, D)
             if plan is not None:
-                partial = _sum(
+                partial = sum_partials(
                     [step_attn(plan, j, h, session.pos, kc[j], vc[j], *full) for j in parts]
                 )
             else:
-                partial = _sum([self._attention(i, j, h, rows, spans, cos, sin) for j in parts])
+                partial = sum_partials(
+                    [self._attention(i, j, h, rows, spans, cos, sin) for j in parts]
+                )
             a = self._exchange(exchange, i, Gate.ATTN, partial)
             x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
             if plan is not None and self._whole[i]:  # routed or dense, in C
-                partial = _sum([step_ffn(plan, j, h) for j in parts])
+                partial = sum_partials([step_ffn(plan, j, h) for j in parts])
             else:
                 weights, top = _NO_ROUTE
                 if dense.router is not None:
                     weights, top = self._route(h, dense.router)  # (n, K) each
-                partial = _sum([self._ffn(i, j, h, weights, top) for j in parts])
+                partial = sum_partials([self._ffn(i, j, h, weights, top) for j in parts])
             f = self._exchange(exchange, i, Gate.FFN, partial)
             x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
@@ -532,14 +477,14 @@ class Engine:
         evaluates every assignment on that block."""
         lw = self._layers[j][layer]
         if lw.dense is not None:
-            return _glu(h, *lw.dense, self.arch.act)
+            return glu(h, *lw.dense, self.arch.act)
         order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
         xs = h[order // top.shape[1]]  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
         edges = bounds.tolist()
         for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
             if lo < hi:
-                ys[lo:hi] = _swiglu(
+                ys[lo:hi] = swiglu_ffn(
                     xs[lo:hi],
                     None if lw.gate_up is None else lw.gate_up[e],
                     lw.gate[e],
@@ -548,7 +493,7 @@ class Engine:
                 )  # (M_e, D)
         y = combine_experts(ys, weights, order)  # (n, D)
         if lw.shared is not None:
-            y += _swiglu(h, *lw.shared)  # (n, D)
+            y += swiglu_ffn(h, *lw.shared)  # (n, D)
         return y
 
     def _exchange(self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32) -> F32:
@@ -568,63 +513,3 @@ def _is_dense(name: str) -> bool:
 
 
 _NO_ROUTE = (np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int64))
-
-
-def _row_block(w: Param, block: tuple[int, int]) -> Param:
-    """Rows [start, stop) of a 2-d tensor, a view (a tied head's vocabulary block)."""
-    if isinstance(w, np.ndarray):
-        return w[block[0] : block[1]]
-    return QTensor(w.qtype, (block[1] - block[0], w.shape[1]), w.data[block[0] : block[1]])
-
-
-def _glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param, act: Act) -> F32:
-    """A dense FFN: down(act(gate x) * up x), SwiGLU or GeGLU."""
-    if act is Act.SILU:
-        return _swiglu(x, gate_up, w_gate, w_up, w_down)
-    gu = (
-        linear(x, gate_up)
-        if gate_up is not None
-        else np.concatenate([linear(x, w_gate), linear(x, w_up)], axis=1)
-    )  # (N, 2F)
-    return linear(geglu(gu), w_down)  # (N, D)
-
-
-def _swiglu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
-    """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
-    gate and up where ``step_plan.fuse`` stacked them (``gate_up``), else one each."""
-    gu = (
-        linear(x, gate_up)
-        if gate_up is not None
-        else np.concatenate([linear(x, w_gate), linear(x, w_up)], axis=1)
-    )  # (N, 2F)
-    return linear(swiglu(gu), w_down)  # (N, D)
-
-
-def _cut(
-    cfg: ModelConfig,
-    weights: Mapping[str, Param],
-    rank: int,
-    world: int,
-    mode: ExpertSplit,
-    shares: Shares,
-) -> tuple[RankWeights, ...]:
-    """The parts an engine holds: rank's own, or for one process every part of the world it
-    stands for (one part with everything when the model cannot be cut so: a shape
-    check_splittable refuses, or stored blocks the cut would split)."""
-    if world == 1:
-        n = len(shares)
-        try:
-            check_splittable(cfg, n, mode, shares)
-            return tuple(rank_weights(cfg, weights, r, n, mode, shares) for r in range(n))
-        except SplitError:
-            pass
-        return (rank_weights(cfg, weights, rank, world, mode),)
-    return (rank_weights(cfg, weights, rank, world, mode, shares),)
-
-
-def _sum(partials: list[F32]) -> F32:
-    """Partials added in rank order, as the ranks' exchange adds them."""
-    total = partials[0]
-    for p in partials[1:]:
-        total = total + p
-    return total

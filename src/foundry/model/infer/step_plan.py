@@ -34,7 +34,7 @@ from foundry.model.kernels.quant import (
     step_plan,
 )
 from foundry.model.nn.layers import gelu_table
-from foundry.model.shard import RankWeights
+from foundry.model.shard.slices import RankWeights
 from foundry.model.spec.arch import Act, Arch, QKNorm, Rope
 from foundry.model.spec.config import ModelConfig
 

@@ -4,7 +4,7 @@
 The surface is the numpy engine's: ``new_session``, ``decode``, ``forward_rows(rows,
 exchange)`` returning float32 numpy logits (n, n_vocab_out), ``world``, ``rank``, ``cfg``; the
 sessions have ``pos``, ``tokens``, ``free``, ``ctx_size`` and ``rewind``. A rank of a pair holds
-its ``shard.RankWeights`` and hands each gate's (n, n_embd) partial to the ``GateExchange``
+its ``shard.slices.RankWeights`` and hands each gate's (n, n_embd) partial to the ``GateExchange``
 as float32 numpy, so the pair's gates go through host memory or TCP as they do between numpy
 ranks; a GPU rank pairs with a GPU rank or a CPU rank alike.
 
@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from foundry.model.infer.sessions import SessionPositions, check_rows, default_ctx
 from foundry.model.kernels.quant import Param, dequantize
 from foundry.model.nn import torch_model as TM
-from foundry.model.shard import ExpertSplit, Gate, RankWeights, rank_weights
+from foundry.model.shard.slices import RankWeights, rank_weights
+from foundry.model.shard.table import ExpertSplit, Gate
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]

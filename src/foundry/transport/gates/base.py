@@ -20,7 +20,7 @@ from typing import Self
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.shard import Gate
+from foundry.model.shard.table import Gate
 from foundry.wire.tp import (
     GATE_HEADER,
     GATE_HEADER_SIZE,
@@ -137,7 +137,7 @@ class GateExchange(abc.ABC):
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> npt.NDArray[np.float32]:
         """``partial`` (rows, n_embd) or (n_embd,) float32 plus the peer's; same shape back.
 
-        ``gate`` is a :class:`~foundry.model.shard.Gate` or any int enum with its values.
+        ``gate`` is a :class:`~foundry.model.shard.table.Gate` or any int enum with its values.
         """
         if partial.dtype != _F32 or partial.ndim not in (1, 2) or partial.shape[-1] != self.n_embd:
             raise ValueError(

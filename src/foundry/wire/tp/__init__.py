@@ -38,7 +38,7 @@ frames), ``codec`` (encoder, frame bounds, decoder), ``gates`` (gate header, sla
 use the names here.
 """
 
-from foundry.model.shard import Gate
+from foundry.model.shard.table import Gate
 from foundry.wire.errors import IdentityMismatch, TpProtocolError, VersionMismatch
 from foundry.wire.tp.codec import TpDecoder, encode, encode_parts, logits_rows, max_payload_for
 from foundry.wire.tp.control import (

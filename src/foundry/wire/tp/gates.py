@@ -8,7 +8,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from foundry.model.shard import Gate  # the model's sync points, tagged on the data plane
+from foundry.model.shard.table import Gate  # the model's sync points, tagged on the data plane
 from foundry.wire.errors import LocalProtocolError, TpProtocolError
 from foundry.wire.tp.hello import (
     _U16,

@@ -13,7 +13,7 @@ import re
 import struct
 from dataclasses import dataclass, fields
 
-from foundry.model.shard import MAX_SHARE, MAX_WORLD
+from foundry.model.shard.shares import MAX_SHARE, MAX_WORLD
 from foundry.wire.errors import (
     IdentityMismatch,
     LocalProtocolError,
@@ -165,7 +165,7 @@ class WorldInfo:
     """The hello's world extension (``HELLO_WORLD``): what a world of N ranks agrees on beyond
     the pair. ``rank``: the leader 0; a worker the rank it asks for, 0 for the next free one.
     ``gate_port``: a worker's port for gate connections from higher ranks (N > 2), else 0.
-    ``shares``: one per rank, rank 0 first (``model.shard.norm_shares``); empty while
+    ``shares``: one per rank, rank 0 first (``model.shard.shares.norm_shares``); empty while
     ``shares_from`` says they are still to be chosen."""
 
     world_size: int
