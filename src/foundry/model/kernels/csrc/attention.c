@@ -563,9 +563,20 @@ static int attend_many_task(void *ctx, int i) {
 
 int attend_many(const attend_item *items, int count, int half, int n_pos, int dh) {
     if (count < 1 || count > MAX_ATTEND_ITEMS) return -1;
-    int kv = 0;
-    for (int i = 0; i < count; i++) kv += items[i].n_kv;
+    int kv = 0, heads = 0;
+    for (int i = 0; i < count; i++) {
+        kv += items[i].n_kv;
+        heads += items[i].n_head;
+    }
     const int threads = pool_threads();
+    if (n_pos >= SPLIT_POSITIONS && threads > heads) { /* a long window, few heads */
+        for (int i = 0; i < count; i++) {
+            const attend_item *a = &items[i];
+            if (attend_split(a->q, a->k, a->v, half, n_pos, a->n_head, a->n_kv, dh, a->out) < 0)
+                return -1;
+        }
+        return 0;
+    }
     /* tasks a kv head's query heads split into: enough for every thread to have one */
     const int per_group = kv >= threads ? 1 : (threads + kv - 1) / kv;
     int first[MAX_ATTEND_ITEMS + 1];
@@ -583,17 +594,10 @@ int attend_rows(const float *q, const void *k, const void *v, int half, int pos,
     if (rows == 1) {
         const int n_pos = pos + 1, first = window && n_pos > window ? n_pos - window : 0;
         const size_t at = (size_t)first * n_kv * dh * (half ? 2 : 4);
-        const void *kf = (const uint8_t *)k + at, *vf = (const uint8_t *)v + at;
-        if (n_pos - first >= SPLIT_POSITIONS && pool_threads() > n_head)
-            return attend_split(q, kf, vf, half, n_pos - first, n_head, n_kv, dh, out);
-        const attend_item item = {q, kf, vf, n_head, n_kv, out};
+        const attend_item item = {
+            q, (const uint8_t *)k + at, (const uint8_t *)v + at, n_head, n_kv, out};
         return attend_many(&item, 1, half, n_pos - first, dh);
     }
     attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
     return pool_run(attend_task, &job, rows * n_kv);
-}
-
-int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-                int n_kv, int dh, float *out) {
-    return attend_rows(q, k, v, half, n_pos - 1, 0, 1, n_head, n_kv, dh, out);
 }

@@ -406,16 +406,15 @@ void attend(const float *q, const void *k, const void *v, int half, int n_pos, i
  * heads: k and v at its first head, q and out at its first query head). */
 void attend_strided(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
                     int n_kv, int dh, size_t stride, float *p, float *out);
-/* attend on the pool (attend_rows with one row); room of its own. */
+/* Floats of room attend needs. */
 size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
-int attend_pool(const float *q, const void *k, const void *v, int half, int n_pos, int n_head,
-                int n_kv, int dh, float *out);
 /* One query row's attention for several blocks of heads in one pool call (the parts of a
  * layer's split): item i is attend over n_pos positions of its cache (k, v at its first
  * position; n_kv heads of dh values a position), its q and out (n_head x dh). A task per kv
  * head and its query heads while the kv heads are as many as the threads, else per fewer
- * query heads: each head's operations are attend's for that head alone, so the bits do not
- * depend on the split. */
+ * query heads; over a window of SPLIT_POSITIONS or more with fewer heads in all than threads,
+ * each item split by positions and by value columns instead (attend_split). Each head's
+ * operations are attend's for that head alone, so the bits do not depend on the split. */
 typedef struct {
     const float *q;
     const void *k, *v;
@@ -425,8 +424,7 @@ typedef struct {
 int attend_many(const attend_item *items, int count, int half, int n_pos, int dh);
 /* Rows of one sequence at positions pos, pos + 1, ...: row t against positions 0 .. pos + t
  * of the cache (the last `window` of them where window > 0), each (row, kv head) a task; one
- * row as attend_many, or over a long window (SPLIT_POSITIONS) with fewer heads than threads,
- * split by positions and by value columns instead (attend_split). */
+ * row as attend_many. */
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out);
 

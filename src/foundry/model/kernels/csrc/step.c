@@ -94,14 +94,25 @@ static int attn_rows(const step_layer *l, int j, const float *h, int pos, void *
     return 0;
 }
 
+/* The attention at pos of `count` blocks of heads over the layer's window (attend_many in one
+ * pool call): each item's k and v given at position 0 of its cache, moved here to the window's
+ * first position. */
+static int attend_window(const step_layer *l, attend_item *items, int count, int pos) {
+    const size_t size = l->half ? 2 : 4;
+    const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
+    for (int j = 0; j < count; j++) {
+        const size_t at = (size_t)first * items[j].n_kv * l->dh * size;
+        items[j].k = (const uint8_t *)items[j].k + at;
+        items[j].v = (const uint8_t *)items[j].v + at;
+    }
+    return attend_many(items, count, l->half, n_pos - first, l->dh);
+}
+
 /* o (heads x dh) = the attention of q's heads at pos over the window (``attend``). */
 static int attn_heads(const step_layer *l, int n_kv, int heads, const float *q, int pos,
                       const void *kc, const void *vc, float *o) {
-    const size_t stride = (size_t)n_kv * l->dh, size = l->half ? 2 : 4;
-    const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
-    return attend_pool(q, (const uint8_t *)kc + (size_t)first * stride * size,
-                       (const uint8_t *)vc + (size_t)first * stride * size, l->half, n_pos - first,
-                       heads, n_kv, l->dh, o);
+    attend_item item = {q, kc, vc, heads, n_kv, o};
+    return attend_window(l, &item, 1, pos);
 }
 
 static int heads_of(const step_part *p) {
@@ -111,17 +122,12 @@ static int heads_of(const step_part *p) {
 /* Every part's attention (attn_heads of each) in one pool call: part j's q[j] into o[j]. */
 static int attn_heads_parts(const step_layer *l, float *const *q, int pos, void *const *kc,
                             void *const *vc, float *const *o) {
-    const size_t size = l->half ? 2 : 4;
-    const int n_pos = pos + 1, first = l->window && n_pos > l->window ? n_pos - l->window : 0;
     attend_item items[STEP_MAX_PARTS];
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
-        const size_t at = (size_t)first * p->n_kv * l->dh * size;
-        items[j] = (attend_item){
-            q[j], (const uint8_t *)kc[j] + at, (const uint8_t *)vc[j] + at, heads_of(p), p->n_kv,
-            o[j]};
+        items[j] = (attend_item){q[j], kc[j], vc[j], heads_of(p), p->n_kv, o[j]};
     }
-    return attend_many(items, l->n_parts, l->half, n_pos - first, l->dh);
+    return attend_window(l, items, l->n_parts, pos);
 }
 
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
