@@ -32,6 +32,9 @@
    tokens of context as ours, so both pay the same attention) on the same file, rounds
    interleaved, each round printed. Targets (issue 26): decode >= 1.0x llama.cpp, prompt >= 0.5x.
    ``bench/performance/kernels.py --gguf`` times the same file's products alone.
+   ``--bench-files q4_k_m,q8_0`` adds the bench preset in those types, ``--llama-3b`` a
+   Llama-3.2-3B-shaped file of random weights in Q4_K_M (``random_gguf.py`` beside this
+   script: gguf's writer in f16, then ``llama-quantize``), both written into ``--model-dir``.
 
 Both run after ``runtime.retain_freed_memory()`` (as a training process should), which
 spares numpy and torch alike the page faults of re-mapping each step's activations;
@@ -56,6 +59,7 @@ import harness
 import numpy as np
 from engine_decode import LLAMA_BENCH_ARGS, bench_decode, write_models
 from engine_train import bench_training
+from random_gguf import llama_3b_q4_k_m
 
 from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.infer import inference, parts
@@ -288,6 +292,13 @@ def main() -> None:
         metavar="N,N,...",
         help="thread counts of the --gguf measurement, each against llama-bench -t N (default 1)",
     )
+    ap.add_argument(
+        "--llama-3b",
+        action="store_true",
+        help="with --gguf's measurement: also a Llama-3.2-3B-shaped file of random "
+        "weights in Q4_K_M (gguf's writer, then llama-quantize; needs --llama-cpp), "
+        "written into --model-dir once (about 2 GB)",
+    )
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens with --gguf")
     ap.add_argument(
         "--profile",
@@ -310,6 +321,10 @@ def main() -> None:
         types = args.bench_files.split(",")
         written = write_models(preset("bench"), types, args.model_dir, args.llama_cpp)
         files += [written[t] for t in types]
+    if args.llama_3b:
+        if args.llama_cpp is None:
+            raise SystemExit("--llama-3b needs --llama-cpp (llama-quantize writes the Q4_K_M file)")
+        files.append(llama_3b_q4_k_m(args.model_dir, args.llama_cpp))
     if files:
         threads = [int(n) for n in args.threads.split(",")]
         results = [

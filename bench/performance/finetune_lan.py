@@ -48,83 +48,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
 
-import gguf
 import harness
-import numpy as np
 from lan_net import Network
 from lan_swarm import Baseline, Result, mb, run_config
+from random_gguf import Shape, write_dense
 
 
 def write_base(path: Path, n_vocab: int, n_embd: int, n_layer: int, n_ff: int) -> int:
     """A random qwen3-architecture file: QK-norm, 2 query heads per kv head, tied output, a
     SentencePiece vocabulary of the 256 byte tokens and plain pieces. Returns its parameters."""
-    rng = np.random.default_rng(0)
-    a, dh = "qwen3", 64
-    n_head, n_head_kv = n_embd // dh, n_embd // dh // 2
-    w = gguf.GGUFWriter(path, a)
-    w.add_name("bench-qwen3")
-    for key, value in (
-        ("context_length", 512),
-        ("embedding_length", n_embd),
-        ("block_count", n_layer),
-        ("feed_forward_length", n_ff),
-        ("attention.head_count", n_head),
-        ("attention.head_count_kv", n_head_kv),
-        ("attention.key_length", dh),
-        ("attention.value_length", dh),
-        ("rope.dimension_count", dh),
-    ):
-        w.add_uint32(f"{a}.{key}", value)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(f"{a}.rope.freq_base", 1e6)
-    tt = gguf.TokenType
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
-    types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL), *[int(tt.BYTE)] * 256]
-    letters = "etaoinshrdlucmfwypvbgkqjxz"
-    i = 0
-    while len(tokens) < n_vocab:
-        piece = "\u2581" + letters[i % 26] + letters[(i // 26) % 26]
-        if i >= 26 * 26:
-            piece += letters[(i // 676) % 26]
-        tokens.append(piece)
-        types.append(int(tt.NORMAL))
-        i += 1
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(j) for j in range(n_vocab - 259)])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    total = 0
-
-    def tensor(name: str, shape: tuple[int, ...], scale: float, center: float = 0.0) -> None:
-        nonlocal total
-        w.add_tensor(name, (center + rng.standard_normal(shape) * scale).astype(np.float32))
-        total += int(np.prod(shape))
-
-    d, q, kv = n_embd, n_head * dh, n_head_kv * dh
-    tensor("token_embd.weight", (n_vocab, d), 0.02)
-    for layer in range(n_layer):
-        b = f"blk.{layer}."
-        tensor(b + "attn_norm.weight", (d,), 0.05, 1.0)
-        tensor(b + "attn_q.weight", (q, d), d**-0.5)
-        tensor(b + "attn_k.weight", (kv, d), d**-0.5)
-        tensor(b + "attn_v.weight", (kv, d), d**-0.5)
-        tensor(b + "attn_q_norm.weight", (dh,), 0.05, 1.0)
-        tensor(b + "attn_k_norm.weight", (dh,), 0.05, 1.0)
-        tensor(b + "attn_output.weight", (d, q), q**-0.5)
-        tensor(b + "ffn_norm.weight", (d,), 0.05, 1.0)
-        tensor(b + "ffn_gate.weight", (n_ff, d), d**-0.5)
-        tensor(b + "ffn_up.weight", (n_ff, d), d**-0.5)
-        tensor(b + "ffn_down.weight", (d, n_ff), n_ff**-0.5)
-    tensor("output_norm.weight", (d,), 0.05, 1.0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return total
+    dh = 64
+    shape = Shape("qwen3", n_vocab, n_embd, n_layer, n_ff, n_embd // dh, n_embd // dh // 2, dh)
+    return write_dense(path, shape)
 
 
 def bundled_text(path: Path, size: int) -> None:

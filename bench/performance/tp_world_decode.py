@@ -52,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
+from kernels import llama_bench_prompt_and_decode
+from random_gguf import llama_3b_q4_k_m
 from tp import generate
 
 from foundry.model.formats.gguf_io import save_gguf
@@ -298,6 +300,19 @@ def main() -> int:
         help="the world with one rank slowed, equal shares against auto (0: skip)",
     )
     ap.add_argument("--timeout", type=float, default=30.0, help="the ranks' gate timeout")
+    ap.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="llama.cpp's build folder: llama-bench decodes the same file with all "
+        "--threads, and with each world's threads a rank, in the same run",
+    )
+    ap.add_argument(
+        "--llama-3b",
+        action="store_true",
+        help="the model: a Llama-3.2-3B-shaped file of random weights in Q4_K_M, "
+        "written into --model-dir once (needs --llama-cpp)",
+    )
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
     harness.add_json_flag(ap)
     a = ap.parse_args()
@@ -305,6 +320,10 @@ def main() -> int:
         run_one(a.one, a.threads, a.tokens)
         return 0
     model = a.model
+    if a.llama_3b:
+        if a.llama_cpp is None:
+            raise SystemExit("--llama-3b needs --llama-cpp (llama-quantize writes the file)")
+        model = llama_3b_q4_k_m(a.model_dir, a.llama_cpp)
     if model is None:
         model = a.model_dir / f"foundry-world-{a.preset}-q4_k_m-synthetic.gguf"
         if not model.exists():
@@ -322,6 +341,17 @@ def main() -> int:
     results: dict[str, object] = {"threads": a.threads, "clients": 1, "one_process": base}
     print(f"{'ranks':>5} {'threads each':>12} {'tokens/s':>9} {'x one':>7} {'same tokens':>11}")
     print(f"{1:>5} {a.threads:>12} {rate0:>9.2f} {1.0:>7.2f} {'':>11}")
+    if a.llama_cpp is not None:
+        theirs = {
+            t: llama_bench_prompt_and_decode(a.llama_cpp, model, 16, None, 16, t)[1]
+            for t in sorted({a.threads, *(max(1, a.threads // n) for n in worlds)})
+        }
+        results["llama_cpp_decode"] = theirs
+        print(
+            "llama.cpp (llama-bench -n 64 -d 16, same file): "
+            + ", ".join(f"-t {t}: {r:.2f} tokens/s" for t, r in theirs.items())
+            + f"; one process {rate0 / theirs[a.threads]:.2f}x llama.cpp -t {a.threads}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         for n in worlds:
             each = max(1, a.threads // n)
@@ -333,6 +363,11 @@ def main() -> int:
             print(
                 f"{n:>5} {each:>12} {rate:>9.2f} {rate / rate0:>7.2f} "
                 f"{'yes' if m['tokens'] == base['tokens'] else 'no':>11}"
+                + (
+                    f"  {rate / theirs[a.threads]:.2f}x llama.cpp -t {a.threads}"
+                    if a.llama_cpp is not None
+                    else ""
+                )
             )
         if a.slowed:
             n, each = a.slowed, max(1, a.threads // a.slowed)
