@@ -54,7 +54,11 @@ TARGETS = (
         "wire",
         ("src/foundry/wire/*",),
         (
-            "tests/test_fdtc.py",
+            "tests/test_fdtc_golden.py",
+            "tests/test_fdtc_decoder.py",
+            "tests/test_fdtc_encoding.py",
+            "tests/test_fdtc_lifecycle.py",
+            "tests/test_fdtc_bounds.py",
             "tests/test_fdtc_connection.py",
             "tests/test_frontend_wire.py",
             "tests/test_tp_wire.py",
