@@ -70,7 +70,14 @@ TARGETS = (
     Target(
         "checkpoint",
         ("src/foundry/model/formats/checkpoint*.py",),
-        ("tests/test_checkpoint.py",),
+        (
+            "tests/test_checkpoint_file.py",
+            "tests/test_checkpoint_writes.py",
+            "tests/test_checkpoint_metadata.py",
+            "tests/test_checkpoint_retention.py",
+            "tests/test_checkpoint_resume.py",
+            "tests/test_checkpoint_lock.py",
+        ),
         keep_lines=(r"os\.kill\(",),
     ),
     Target("policy", ("src/foundry/swarm/policy.py",), ("tests/test_swarm_policy.py",)),
