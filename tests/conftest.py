@@ -7,9 +7,11 @@ with the code. Both are off for every property test; pytest-timeout still bounds
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gateway_pair import MODEL_CFG, Pair, running_pair
 from hypothesis import HealthCheck, settings
 from tp_harness import make_model
 
@@ -17,6 +19,21 @@ settings.register_profile("foundry", deadline=None, suppress_health_check=[Healt
 settings.load_profile("foundry")
 
 
+# A tiny model of the default shape, for tests of hostile files and requests
+# (test_hostile_models.py, test_hostile_peers.py).
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("plain") / "model.gguf")
+
+
+# The gateway's tests (test_gateway_*.py): a model for the pair, and a running pair (a file that
+# defines its own ``model`` or ``pair`` fixture uses that one).
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "model.gguf", MODEL_CFG)
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    with running_pair(model, tmp_path_factory.mktemp("pair")) as p:
+        yield p

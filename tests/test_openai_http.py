@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API, driven by the official ``openai`` package and by raw HTTP,
 against a real gateway process in front of a real tensor-parallel pair (both ranks processes,
-tests/test_gateway_frontend.py's ``running_pair``), on loopback.
+tests/gateway_pair.py's ``running_pair``), on loopback.
 
 The model is one of our byte-vocabulary models, whose own template would be the built-in
 ``plain`` one; the leader runs with ``--chat-template gemma`` here, so that the flag and a
@@ -28,8 +28,7 @@ import grpc
 import numpy as np
 import openai
 import pytest
-from procs import ENV, Service
-from test_gateway_frontend import (
+from gateway_pair import (
     LONG,
     MODEL_CFG,
     PAIR_FLAGS,
@@ -38,6 +37,7 @@ from test_gateway_frontend import (
     free_port,
     running_pair,
 )
+from procs import ENV, Service
 from tp_harness import make_model, metric, reference_greedy
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc
