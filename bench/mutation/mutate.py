@@ -67,7 +67,17 @@ TARGETS = (
             "tests/test_tp_wire_bounds.py",
         ),
     ),
-    Target("compression", ("src/foundry/compression/*",), ("tests/test_compression.py",)),
+    Target(
+        "compression",
+        ("src/foundry/compression/*",),
+        (
+            "tests/test_compression_sections.py",
+            "tests/test_compression_fp16.py",
+            "tests/test_compression_topk.py",
+            "tests/test_compression_qsgd.py",
+            "tests/test_compression_error_feedback.py",
+        ),
+    ),
     # os.kill(pid, 0) probes whether a temp file's writer lives; a mutated signal or pid sends a
     # real signal to the test process or its group, which ends the mutation run itself.
     Target(
