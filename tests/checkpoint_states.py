@@ -18,7 +18,6 @@ from foundry.model.formats.checkpoint_dir import save_checkpoint
 from foundry.model.spec.config import ModelConfig
 
 CFG = ModelConfig(n_ctx=32, n_embd=16, n_layer=1, n_head=2, n_head_kv=1, n_ff=24, n_expert=3)
-
 Params = dict[str, npt.NDArray[np.float32]]
 
 

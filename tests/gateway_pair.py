@@ -48,9 +48,7 @@ PAIR_FLAGS = ("--max-sessions", "4", "--queue", "4", "--spec-mode", "off")
 
 # Greedy on make_model(MODEL_CFG) this prompt meets no EOS: it runs to max_tokens.
 LONG = ("long", 1000)
-
 PREFILL_CHUNK = 64  # the leader's default --prefill-chunk
-
 PROMPT = "The gateway multiplexes every generation on one link."
 
 

@@ -21,11 +21,8 @@ from foundry.gateway.server import Gateway, GatewayOptions
 from foundry.wire import frontend as fw
 
 TOKEN = "s3cret-token"
-
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
-
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 

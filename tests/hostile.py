@@ -28,7 +28,6 @@ from foundry.model.nn import transformer as T
 from foundry.model.spec.config import ModelConfig
 
 GATEWAY_LINE = r"gateway listening: grpc 127\.0\.0\.1:(\d+)"
-
 F32 = np.float32
 
 

@@ -12,9 +12,7 @@ from foundry.model.nn import transformer as T
 from foundry.model.spec.config import ModelConfig
 
 F32 = npt.NDArray[np.float32]
-
 KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
-
 QUANTIZABLE = (QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
 
 

@@ -40,9 +40,7 @@ def edited(meta: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
 
 
 I64 = "[0, 9223372036854775807]"
-
 U32 = "[0, 4294967295]"
-
 DIM = "[0, 16777216]"
 
 

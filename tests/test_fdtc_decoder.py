@@ -231,9 +231,7 @@ def test_decode_one_frame_rejects_incomplete_and_trailing() -> None:
 _utf8_63 = st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"])).filter(
     lambda s: len(s.encode()) <= 63
 )
-
 _u32 = st.integers(0, 2**32 - 1)
-
 _f32 = st.floats(width=32, allow_nan=False)
 
 _messages = st.one_of(
@@ -295,9 +293,7 @@ def test_round_trip_property(msg: Message) -> None:
 
 
 _MAX = 400  # a small per-decoder limit, so random lengths hit it often
-
 _codes = st.sampled_from([int(t) for t in MsgType] + [0x00, 0x7F, 0xFE])
-
 _fixed: dict[int, int] = {cls.TYPE: cls.LAYOUT.size for cls in MESSAGE_TYPES.values()}
 
 

@@ -131,11 +131,8 @@ def test_nonfinite_logits_fail_the_request_and_the_pair_serves_on(
 
 # (tensor, file type, element or block to poison, the bytes written there)
 NAN_F32 = np.array([np.nan], dtype="<f4").tobytes()
-
 INF_F32 = np.array([-np.inf], dtype="<f4").tobytes()
-
 INF_F16 = np.array([np.inf], dtype="<f2").tobytes()
-
 NAN_F16 = np.array([np.nan], dtype="<f2").tobytes()
 
 

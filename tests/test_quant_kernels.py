@@ -109,7 +109,6 @@ SIMD_PATHS = {"avx512-vnni": ["avx2+vnni", "avx2"], "avx2+vnni": ["avx2"]}.get(q
 # Shapes of every path's edges: groups of four rows and a remainder; whole chunks of 16 blocks,
 # a part chunk and an odd last block (23 and 33 blocks of 32: the 32-blocks' types only).
 SHAPES = [(1, 256), (7, 512), (9, 1024)]
-
 ODD_SHAPES = [(5, 736), (6, 1056)]
 
 

@@ -120,7 +120,6 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 0200 bd1b 00000000000000000000ffff7f000002 cdab000000000000",
     ),
 ]
-
 FRAMES = [frame for frame, _ in GOLDEN]
 
 

@@ -126,7 +126,6 @@ PENDING_EXT_GOLDEN = bytes.fromhex(
     + "0000"
     * 16  # shares: all 0 until chosen
 )
-
 WEIGHT_EXT_GOLDEN = bytes.fromhex(
     "0000"  # share 0: no --share given
     "0000"  # reserved

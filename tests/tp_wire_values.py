@@ -21,9 +21,7 @@ IDENTITY = Identity(
     gates_per_token=16,
     gate_slot_mask=(0xFFFF, 0, 0, 0),
 )
-
 HOST = bytes(range(16))
-
 LEADER_HELLO = Hello(
     role=Role.LEADER, identity=IDENTITY, host_id=HOST, shm_offered=True, shm_name="slab-1"
 )
