@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gateway_pair import MODEL_CFG, Pair, running_pair
+from gateway_pair import MODEL_CFG, PAIR_FLAGS, Pair, free_port, running_pair
 from hypothesis import HealthCheck, settings
+from openai_server import HTTP_LINE, MAX_ACTIVE, METRICS_LINE, QUEUE, TOKEN, Server
+from procs import Service
 from tp_harness import make_model
 
 settings.register_profile("foundry", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,8 +28,8 @@ def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("plain") / "model.gguf")
 
 
-# The gateway's tests (test_gateway_*.py): a model for the pair, and a running pair (a file that
-# defines its own ``model`` or ``pair`` fixture uses that one).
+# The gateway's tests (test_gateway_*.py, test_openai_http_*.py): a model for the pair, and a
+# running pair (a file that defines its own ``model`` or ``pair`` fixture uses that one).
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "model.gguf", MODEL_CFG)
@@ -37,3 +39,45 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pair(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     with running_pair(model, tmp_path_factory.mktemp("pair")) as p:
         yield p
+
+
+# The HTTP API's tests (test_openai_http_*.py): the gateway process with its HTTP API in front
+# of a pair of the ``model`` above (tests/openai_server.py).
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("http")
+    (logs / "token").write_text(TOKEN + "\n")
+    with (
+        running_pair(model, logs, (*PAIR_FLAGS, "--chat-template", "gemma")) as pair,
+        Service(
+            [
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+                "--http-max-active",
+                str(MAX_ACTIVE),
+                "--http-queue",
+                str(QUEUE),
+                "--token-file",
+                str(logs / "token"),
+                "--metrics-port",
+                "0",
+                "--coordinator-admin",
+                f"127.0.0.1:{free_port()}",
+                "--tp-frontend",
+                f"127.0.0.1:{pair.frontend}",
+            ],
+            logs / "gateway.log",
+        ) as gateway,
+    ):
+        port = int(gateway.wait_for(HTTP_LINE).group(1))
+        metrics = int(gateway.wait_for(METRICS_LINE).group(1))
+        server = Server(pair, gateway, port, metrics)
+        try:
+            yield server
+        finally:
+            for c in server.clients:
+                c.close()
+        assert "Traceback" not in gateway.text(), gateway.text()[-3000:]

@@ -132,7 +132,10 @@ TARGETS = (
         ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
         (
             "tests/test_openai_render.py",
-            "tests/test_openai_http.py",
+            "tests/test_openai_http_client.py",
+            "tests/test_openai_http_raw.py",
+            "tests/test_openai_http_tls.py",
+            "tests/test_openai_http_units.py",
             "tests/test_openai_semantics.py",
         ),
     ),
