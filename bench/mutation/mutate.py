@@ -113,7 +113,10 @@ TARGETS = (
         "vocab",
         ("src/foundry/model/text/vocab/*",),
         (
-            "tests/test_vocab.py",
+            "tests/test_vocab_pipeline.py",
+            "tests/test_vocab_own.py",
+            "tests/test_vocab_metadata.py",
+            "tests/test_vocab_llama_cpp.py",
             "tests/test_served_units.py",
             *(
                 f"tests/test_data.py::{t}"
