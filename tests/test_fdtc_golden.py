@@ -84,7 +84,7 @@ def test_struct_sizes() -> None:
 
 def test_golden_covers_every_type_and_registry_is_complete() -> None:
     # FRAGMENT is never a message of its own on a stream (the decoder reassembles what it
-    # carries): its golden bytes are in test_fdtc_fragments.py.
+    # carries): its golden bytes are in test_fdtc_fragments_codec.py.
     assert {msg.TYPE for msg in MESSAGES} == set(MsgType) - {MsgType.FRAGMENT}
     assert set(MESSAGE_TYPES) == set(MsgType)
     for code, cls in MESSAGE_TYPES.items():
