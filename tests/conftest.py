@@ -22,7 +22,7 @@ settings.load_profile("foundry")
 
 
 # A tiny model of the default shape, for tests of hostile files and requests
-# (test_hostile_models.py, test_hostile_peers.py).
+# (test_hostile_models.py, test_hostile_peers.py) and of the pair (test_tp_service_*.py).
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("plain") / "model.gguf")

@@ -145,7 +145,12 @@ TARGETS = (
     Target(
         "frontend",
         ("src/foundry/tp/frontend_server.py",),
-        ("tests/test_tp_service.py", "tests/test_openai_semantics.py"),
+        (
+            "tests/test_tp_service_pair.py",
+            "tests/test_tp_service_failures.py",
+            "tests/test_tp_service_sessions.py",
+            "tests/test_openai_semantics.py",
+        ),
     ),
 )
 BY_NAME = {t.name: t for t in TARGETS}
