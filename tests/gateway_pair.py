@@ -43,7 +43,7 @@ MODEL_CFG = ModelConfig(n_ctx=1024)
 
 # Four generations decode and four wait: a ninth at once is OVERLOADED. Speculative decoding
 # off: greedy text then decodes at a steady pace (a draft block can be 3x faster), so LONG
-# always outlives a 0.3 s deadline. tests/test_gateway.py checks the default flags too.
+# always outlives a 0.3 s deadline. tests/test_gateway_ctl.py checks the default flags too.
 PAIR_FLAGS = ("--max-sessions", "4", "--queue", "4", "--spec-mode", "off")
 
 # Greedy on make_model(MODEL_CFG) this prompt meets no EOS: it runs to max_tokens.
