@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+from gateway_pair import Pair, free_port
 from procs import Service
-from test_gateway_frontend import Pair, free_port
 from tp_harness import metric, start_leader, start_worker, wait_paired
 
 from foundry.api.v1 import inference_pb2, inference_pb2_grpc

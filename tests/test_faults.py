@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gateway_pair import free_port
 from procs import (
     IS_ROOT,
     NEEDS_ROOT,
@@ -27,7 +28,6 @@ from procs import (
     read_only_dir,
     worker,
 )
-from test_gateway_frontend import free_port
 from test_swarm_service import admin, status, wait_step
 
 from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint

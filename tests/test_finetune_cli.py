@@ -327,7 +327,7 @@ def test_up_fine_tunes_exports_and_serves(tmp_path: Path) -> None:
     import signal
     import urllib.request
 
-    from test_up import running, start_up, wait_gone
+    from up_stack import running, start_up, wait_gone
 
     base = tmp_path / "qwen3.gguf"
     write_tiny(base, "qwen3")

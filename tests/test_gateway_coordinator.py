@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 import procs
+from gateway_pair import expect_code, free_port, run, wait_health
 from grpc_health.v1 import health_pb2
-from test_gateway_frontend import expect_code, free_port, run, wait_health
 
 from foundry.api.v1 import model_pb2, model_pb2_grpc, training_pb2, training_pb2_grpc
 from foundry.gateway.server import Gateway, GatewayOptions

@@ -349,7 +349,7 @@ def test_up_serves_a_published_file_on_the_pair_without_training(
     """`foundry up --model FILE`: gateway, tp-leader and tp-worker on the file, no coordinator
     and no workers; the sample is the file's greedy text; `ctl generate` answers; Ctrl+C ends
     all three."""
-    from test_up import ENV, running, start_up, wait_gone
+    from up_stack import ENV, running, start_up, wait_gone
 
     up, ports = start_up(
         tmp_path,

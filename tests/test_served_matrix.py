@@ -145,7 +145,7 @@ def test_up_serves_the_gemma_file_to_its_first_answer(tmp_path: Path) -> None:
     """`foundry up --model FILE` on the published file, as a new user runs it: the greedy
     sample (speculative decoding on, a verify block of 262,144-token rows), then a chat over
     HTTP whose reply is the transcript's, the one-process engine's."""
-    from test_up import running, start_up, wait_gone
+    from up_stack import running, start_up, wait_gone
 
     path = gemma_file()
     up, ports = start_up(

@@ -79,7 +79,7 @@ def test_templates_render_with_lstrip_blocks() -> None:
 
 
 def test_a_fragmented_message_of_exactly_the_links_limit_crosses() -> None:
-    """The limit itself is allowed; one byte more is refused (test_fdtc_fragments.py)."""
+    """The limit itself is allowed; one byte more is refused (test_fdtc_fragments_codec.py)."""
     limit = 1 << 16
     msg = Weights(bytes(range(256)) * (limit // 256))
     pieces = encode_parts(msg, fragment_size=4096, max_message=limit)

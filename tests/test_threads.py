@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
-from test_quant import KQUANTS, QUANTIZABLE, perturbed, stored
+from quant_weights import KQUANTS, QUANTIZABLE, perturbed, stored
 
 from foundry.model.formats.gguf_io import load_gguf_stored, save_gguf
 from foundry.model.infer.inference import Engine, Gate
@@ -83,7 +83,7 @@ PATHS = {
 def test_products_are_the_same_bits_at_any_thread_count(
     path: str, qtype: QType, rows: int, n: int
 ) -> None:
-    """On every SIMD path here; each path's bits are the portable C's (test_quant)."""
+    """On every SIMD path here; each path's bits are the portable C's (test_quant_kernels)."""
     rng = np.random.default_rng(rows + n)
     k = 512
     w = stored(rng.standard_normal((rows, k)).astype(np.float32), qtype)

@@ -8,7 +8,7 @@ with a certificate of another CA and a peer without a client certificate are ref
 TLS handshake: the server logs the refusal with the peer's address and its reason, and no
 line of the protocol above (the peer's bytes never reach it); good peers are served after.
 
-The gateway's own gRPC side (TLS and the token) is tested in tests/test_gateway.py, e.g.
+The gateway's own gRPC side (TLS and the token) is tested in tests/test_gateway_auth.py, e.g.
 ``test_every_call_but_health_and_reflection_needs_the_token``.
 """
 

@@ -54,19 +54,43 @@ TARGETS = (
         "wire",
         ("src/foundry/wire/*",),
         (
-            "tests/test_fdtc.py",
+            "tests/test_fdtc_golden.py",
+            "tests/test_fdtc_decoder.py",
+            "tests/test_fdtc_encoding.py",
+            "tests/test_fdtc_lifecycle.py",
+            "tests/test_fdtc_bounds.py",
             "tests/test_fdtc_connection.py",
             "tests/test_frontend_wire.py",
-            "tests/test_tp_wire.py",
+            "tests/test_tp_wire_hello.py",
+            "tests/test_tp_wire_frames.py",
+            "tests/test_tp_wire_gates.py",
+            "tests/test_tp_wire_bounds.py",
         ),
     ),
-    Target("compression", ("src/foundry/compression/*",), ("tests/test_compression.py",)),
+    Target(
+        "compression",
+        ("src/foundry/compression/*",),
+        (
+            "tests/test_compression_sections.py",
+            "tests/test_compression_fp16.py",
+            "tests/test_compression_topk.py",
+            "tests/test_compression_qsgd.py",
+            "tests/test_compression_error_feedback.py",
+        ),
+    ),
     # os.kill(pid, 0) probes whether a temp file's writer lives; a mutated signal or pid sends a
     # real signal to the test process or its group, which ends the mutation run itself.
     Target(
         "checkpoint",
         ("src/foundry/model/formats/checkpoint*.py",),
-        ("tests/test_checkpoint.py",),
+        (
+            "tests/test_checkpoint_file.py",
+            "tests/test_checkpoint_writes.py",
+            "tests/test_checkpoint_metadata.py",
+            "tests/test_checkpoint_retention.py",
+            "tests/test_checkpoint_resume.py",
+            "tests/test_checkpoint_lock.py",
+        ),
         keep_lines=(r"os\.kill\(",),
     ),
     Target("policy", ("src/foundry/swarm/policy.py",), ("tests/test_swarm_policy.py",)),
@@ -89,7 +113,10 @@ TARGETS = (
         "vocab",
         ("src/foundry/model/text/vocab/*",),
         (
-            "tests/test_vocab.py",
+            "tests/test_vocab_pipeline.py",
+            "tests/test_vocab_own.py",
+            "tests/test_vocab_metadata.py",
+            "tests/test_vocab_llama_cpp.py",
             "tests/test_served_units.py",
             *(
                 f"tests/test_data.py::{t}"
@@ -108,14 +135,22 @@ TARGETS = (
         ("src/foundry/gateway/openai/*", "src/foundry/gateway/admission.py"),
         (
             "tests/test_openai_render.py",
-            "tests/test_openai_http.py",
+            "tests/test_openai_http_client.py",
+            "tests/test_openai_http_raw.py",
+            "tests/test_openai_http_tls.py",
+            "tests/test_openai_http_units.py",
             "tests/test_openai_semantics.py",
         ),
     ),
     Target(
         "frontend",
         ("src/foundry/tp/frontend_server.py",),
-        ("tests/test_tp_service.py", "tests/test_openai_semantics.py"),
+        (
+            "tests/test_tp_service_pair.py",
+            "tests/test_tp_service_failures.py",
+            "tests/test_tp_service_sessions.py",
+            "tests/test_openai_semantics.py",
+        ),
     ),
 )
 BY_NAME = {t.name: t for t in TARGETS}

@@ -233,7 +233,7 @@ class WorkerPortTarget(FdtcTarget):
         # A link that sent DATASET takes FRAGMENT frames past their header (the decoder
         # refuses them at the header elsewhere, as fdtc_verdict does): a slice there is
         # judged by its payload, and one of GRADIENTS waits for the rest of its message once
-        # the link holds weights. Those are tested in test_fdtc_fragments.py.
+        # the link holds weights. Those are tested in test_fdtc_fragments_connection.py.
         extended = bool(msgs) and isinstance(msgs[0], fdtc.Dataset)
         return not (extended and len(raw) > 4 and raw[4] == fdtc.MsgType.FRAGMENT)
 

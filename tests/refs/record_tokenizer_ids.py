@@ -1,4 +1,5 @@
-"""Records llama.cpp's token ids and pieces for tests/test_vocab.py (tokenizer_ids.json).
+"""Records llama.cpp's token ids and pieces for tests/test_vocab_llama_cpp.py
+(tokenizer_ids.json).
 
 For each vocabulary file, every text of CORPUS is tokenized by llama.cpp with add_special and
 parse_special each on and off (``Llama.tokenize(text, add_bos=add_special, special=...)``), and

@@ -4,7 +4,7 @@ largest magnitude it holds when written).
 
 Block sizes are the ``gguf`` package's (``GGML_QUANT_SIZES``, ggml's own numbers); to and from
 float are ``quant.dequantize`` / ``quant.quantize`` and the dot products ``csrc/`` (its
-``type_block`` holds the same sizes, checked by ``tests/test_quant.py``).
+``type_block`` holds the same sizes, checked by ``tests/test_quant_kernels.py``).
 """
 
 from __future__ import annotations

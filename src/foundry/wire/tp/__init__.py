@@ -30,8 +30,8 @@ bad input raises :class:`TpProtocolError` and leaves the decoder failed for good
 closes the connection and re-handshakes.
 
 Every layout is little-endian and packed (``struct`` formats start with ``<``); every struct's
-size is asserted in ``tests/test_tp_wire.py``. ``docs/protocol.md`` (tensor-parallel part)
-documents every byte.
+size is asserted in ``tests/test_tp_wire_frames.py``. ``docs/protocol.md`` (tensor-parallel
+part) documents every byte.
 
 The package, by job: ``hello`` (constants, identity, hello), ``control`` (the control
 frames), ``codec`` (encoder, frame bounds, decoder), ``gates`` (gate header, slab). Importers
