@@ -15,8 +15,18 @@ slowed, under equal shares against the shares its calibration chooses (``--share
    ``--shares auto`` (each rank's calibration measured at pairing): tokens/s of auto over
    equal, and the shares the leader chose (from its log).
 
-On one host the ranks share its memory bus: this is the cost of the split on one machine, not
-a projection to N machines (docs/benchmarks.md says which figure is which).
+4. **N machines, projected** (``--gate-us N:US,...`` with ``--llama-cpp``): each rank's slice
+   of a world of N timed alone on its T/N cores, one rank after the other (its layers, its
+   head block, each gate handing back its own partial: the rank's work without a peer), plus
+   2 x n_layer gates a token at US microseconds each, the exchange of N ranks measured on a
+   shaped link (``tp_world_gates.py --rate 1gbit --n-embd``), against ``llama-bench -t T/N``:
+   one machine's llama.cpp against N such machines.
+
+On one host the ranks share its memory bus: 2. is the cost of the split on one machine, 4. a
+projection to N machines from measured parts (docs/benchmarks.md says which figure is which).
+``--llama-3b`` takes a Llama-3.2-3B-shaped file of random weights (``random_gguf.py``), and
+``--llama-cpp`` adds llama.cpp's decode of the same file with all the threads and with each
+world's threads a rank.
 
 The model: ``--model FILE``, or by default a file of ``--preset``'s shapes in Q4_K_M's types
 (Q4_K, Q6_K for the output head, attn_v and ffn_down; attn_output in Q4_0, a 32-value block,
@@ -27,7 +37,7 @@ writers takes longer than a device command may run), written to ``--model-dir`` 
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/tp_world_decode.py [--model FILE]
         [--preset bench] [--threads 16] [--worlds 2,4,8] [--tokens 32] [--slowed 4]
-        [--timeout S] [--json PATH]
+        [--timeout S] [--llama-3b] [--llama-cpp BUILD/bin [--gate-us 2:US,4:US]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -116,8 +126,11 @@ def write_model(cfg: ModelConfig, path: Path) -> None:
     save_gguf(path, cfg, params)
 
 
-def one_process(model: Path, threads: int, tokens: int) -> dict[str, object]:
-    """The baseline, in a child process of its own (``--one``): JSON on stdout."""
+def one_process(
+    model: Path, threads: int, tokens: int, part: tuple[int, int] | None = None, first: int = 0
+) -> dict[str, object]:
+    """The baseline, in a child process of its own (``--one``) pinned to ``threads`` cores
+    from ``first``: JSON on stdout. With ``part`` (rank, world), that rank's slice alone."""
     out = subprocess.run(
         [
             sys.executable,
@@ -128,15 +141,53 @@ def one_process(model: Path, threads: int, tokens: int) -> dict[str, object]:
             str(threads),
             "--tokens",
             str(tokens),
+            *(["--slice", f"{part[0]}/{part[1]}"] if part is not None else []),
         ],
         capture_output=True,
         text=True,
         timeout=STARTUP_S,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores(0, threads)),
+        preexec_fn=lambda: os.sched_setaffinity(0, cores(first, threads)),
     )
     if out.returncode:
         raise SystemExit(f"the one process failed:\n{out.stderr}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run_slice(model: Path, threads: int, tokens: int, rank: int, world: int) -> None:
+    """Rank ``rank`` of ``world``'s slice alone: its layers and its gates' partials with no
+    peer (each gate returns the rank's own partial), greedy over its block of the vocabulary.
+    The values are not the model's; the work per token is the rank's."""
+    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.infer.inference import Engine
+
+    m = load_gguf_stored(model)
+    engine = Engine(m.cfg, m.params, rank=rank, world=world, threads=threads)
+    del m
+
+    def alone(layer: int, gate: object, partial: np.ndarray) -> np.ndarray:
+        return partial
+
+    s = engine.new_session()
+    last = int(np.argmax(engine.decode(s, [1, 2, 3, 4], exchange=alone)[-1]))
+    t0 = time.perf_counter()
+    for _ in range(tokens - 1):
+        last = int(np.argmax(engine.decode(s, [last], exchange=alone)[-1]))
+    print(json.dumps({"tokens_per_s": (tokens - 1) / (time.perf_counter() - t0)}))
+
+
+def project(
+    model: Path, threads: int, tokens: int, world: int, gate_us: float, n_layer: int
+) -> tuple[list[float], float]:
+    """N machines projected from measured parts: each rank's slice timed alone on its share
+    of the cores (one after the other, so no two share the memory bus), plus 2 gates a layer
+    at ``gate_us`` each (the exchange measured on a shaped link: ``tp_world_gates.py``)."""
+    each = max(1, threads // world)
+    alone = [
+        float(str(one_process(model, each, tokens, (r, world), r * each)["tokens_per_s"]))
+        for r in range(world)
+    ]
+    token_s = max(1 / t for t in alone) + 2 * n_layer * gate_us * 1e-6
+    return alone, 1 / token_s
 
 
 def run_one(model: Path, threads: int, tokens: int) -> None:
@@ -313,12 +364,28 @@ def main() -> int:
         help="the model: a Llama-3.2-3B-shaped file of random weights in Q4_K_M, "
         "written into --model-dir once (needs --llama-cpp)",
     )
+    ap.add_argument(
+        "--gate-us",
+        default="",
+        metavar="N:US,...",
+        help="project N machines (needs --llama-cpp): each rank's slice timed alone, plus "
+        "2 gates a layer at US microseconds each, the exchange of N ranks measured on a "
+        "shaped link (tp_world_gates.py --rate), e.g. 2:210,4:900",
+    )
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--slice", default=None, help=argparse.SUPPRESS)
     harness.add_json_flag(ap)
     a = ap.parse_args()
     if a.one is not None:
-        run_one(a.one, a.threads, a.tokens)
+        if a.slice is not None:
+            rank, world = (int(v) for v in a.slice.split("/"))
+            run_slice(a.one, a.threads, a.tokens, rank, world)
+        else:
+            run_one(a.one, a.threads, a.tokens)
         return 0
+    gate_us = {int(n): float(us) for n, us in (kv.split(":") for kv in a.gate_us.split(",") if kv)}
+    if gate_us and a.llama_cpp is None:
+        raise SystemExit("--gate-us projects against llama.cpp: it needs --llama-cpp")
     model = a.model
     if a.llama_3b:
         if a.llama_cpp is None:
@@ -344,7 +411,7 @@ def main() -> int:
     if a.llama_cpp is not None:
         theirs = {
             t: llama_bench_prompt_and_decode(a.llama_cpp, model, 16, None, 16, t)[1]
-            for t in sorted({a.threads, *(max(1, a.threads // n) for n in worlds)})
+            for t in sorted({a.threads, *(max(1, a.threads // n) for n in [*worlds, *gate_us])})
         }
         results["llama_cpp_decode"] = theirs
         print(
@@ -368,6 +435,23 @@ def main() -> int:
                     if a.llama_cpp is not None
                     else ""
                 )
+            )
+        if gate_us:
+            meta = read_metadata(model)
+            n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
+            print(
+                f"N machines, projected: each rank's slice alone on its threads, plus 2 x "
+                f"{n_layer} gates a token at the shaped link's time, against llama.cpp with "
+                f"one rank's threads"
+            )
+        for n, us in gate_us.items():
+            each = max(1, a.threads // n)
+            alone, rate = project(model, a.threads, a.tokens, n, us, n_layer)
+            results[f"projected_{n}"] = {"slices": alone, "gate_us": us, "tokens_per_s": rate}
+            slices = ", ".join(f"{v:.2f}" for v in alone)
+            print(
+                f"  {n} machines of {each} threads: slices alone {slices} tokens/s, gates "
+                f"{us:g} us: {rate:.2f} tokens/s, {rate / theirs[each]:.2f}x llama.cpp -t {each}"
             )
         if a.slowed:
             n, each = a.slowed, max(1, a.threads // a.slowed)
