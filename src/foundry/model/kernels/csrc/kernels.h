@@ -50,7 +50,8 @@
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
  * q32.c (Q8_0, Q4_0, Q5_0: the input's quantization, the portable and AVX2 products, the
  * dispatch), q32_512.c (their AVX-512 kernels), q1.c (Q4_1, Q5_1), q32.h (what those three
- * share), kquants.c (Q4_K, Q5_K, Q6_K), attention.c, decode.c (the decode step's other
+ * share), kquants.c (Q4_K, Q5_K, Q6_K), attention.c (one row's attention), attention_pool.c
+ * (rows and heads of it on the pool), decode.c (the decode step's other
  * operations), step.c (the one-token step), pool.c (the threads), and the Python interface:
  * module.c (the module, the instruction set, the threads), py_ops.c (the products and the
  * decode operations), py_step.c (the one-token step), py_kernels.h (what they share). This
@@ -397,8 +398,12 @@ uint64_t prof_clock(void);
 
 /* attention.c */
 float score_portable(const float *q, const float *k, int dh);
+void add_scaled_portable(float *o, float c, const float *v, int dh); /* o += c v */
+void f16_row_portable(const uint16_t *h, int n, float *out);         /* float16 -> float32 */
 #if defined(FOUNDRY_X86)
 float score_avx2(const float *q, const float *k, int dh);
+void add_scaled_avx2(float *o, float c, const float *v, int dh);
+void f16_row_avx2(const uint16_t *h, int n, float *out);
 #endif
 void attend(const float *q, const void *k, const void *v, int half, int n_pos, int n_head, int n_kv,
             int dh, float *p, float *out);
@@ -408,6 +413,8 @@ void attend_strided(const float *q, const void *k, const void *v, int half, int 
                     int n_kv, int dh, size_t stride, float *p, float *out);
 /* Floats of room attend needs. */
 size_t attend_room(int n_pos, int n_head, int n_kv, int dh);
+
+/* attention_pool.c */
 /* One query row's attention for several blocks of heads in one pool call (the parts of a
  * layer's split): item i is attend over n_pos positions of its cache (k, v at its first
  * position; n_kv heads of dh values a position), its q and out (n_head x dh). A task per kv
