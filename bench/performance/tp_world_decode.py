@@ -8,8 +8,9 @@ slowed, under equal shares against the shares its calibration chooses (``--share
 2. **worlds of N** (``--worlds 2,4,8``): ``foundry tp-leader --world-size N`` and N-1
    ``foundry tp-worker`` processes on 127.0.0.1, each rank ``--threads T/N`` pinned to its own
    T/N cores (``sched_setaffinity``), gates all-to-all over TCP (the slab for N = 2),
-   speculative decoding off. Decode tokens/s (the first token's time, the prompt's, left out)
-   over the one process's, and whether the tokens equal its.
+   speculative decoding off (``--spare K``: T/N - K threads a rank on its T/N cores, the rest
+   left to the rank's other threads). Decode tokens/s (the first token's time, the prompt's,
+   left out) over the one process's, and whether the tokens equal its.
 3. **one rank slowed** (``--slowed N``, 0 to skip): a world of N whose last rank runs on one
    core and one thread while the others keep T/N; once with equal shares, once with
    ``--shares auto`` (each rank's calibration measured at pairing): tokens/s of auto over
@@ -216,14 +217,21 @@ def cores(first: int, n: int) -> set[int]:
 
 class World:
     """A leader and N-1 workers as processes; ``threads[r]`` kernel threads for rank r, pinned
-    to cores of their own."""
+    to ``pin[r]`` cores of their own (default: as many as its threads)."""
 
     def __init__(
-        self, model: Path, threads: Sequence[int], work: Path, timeout: float, *leader_args: str
+        self,
+        model: Path,
+        threads: Sequence[int],
+        work: Path,
+        timeout: float,
+        *leader_args: str,
+        pin: Sequence[int] | None = None,
     ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [work / f"rank{r}.log" for r in range(len(threads))]
-        starts = [sum(threads[:r]) for r in range(len(threads))]
+        pin = threads if pin is None else pin
+        starts = [sum(pin[:r]) for r in range(len(threads))]
         common = ["--model", str(model), "--gate-timeout", str(timeout)]
         self._spawn(
             0,
@@ -242,7 +250,7 @@ class World:
                 str(threads[0]),
                 *leader_args,
             ],
-            cores(0, threads[0]),
+            cores(0, pin[0]),
         )
         m = self._wait(LEADER_LINE, 0)
         port, self.frontend = int(m.group(1)), int(m.group(2))
@@ -261,7 +269,7 @@ class World:
                     "--gate-listen",
                     "127.0.0.1:0",
                 ],
-                cores(starts[r], threads[r]),
+                cores(starts[r], pin[r]),
             )
         self._paired()
 
@@ -320,9 +328,15 @@ class World:
 
 
 def measure(
-    model: Path, threads: Sequence[int], work: Path, timeout: float, tokens: int, *leader_args: str
+    model: Path,
+    threads: Sequence[int],
+    work: Path,
+    timeout: float,
+    tokens: int,
+    *leader_args: str,
+    pin: Sequence[int] | None = None,
 ) -> dict[str, object]:
-    world = World(model, threads, work, timeout, *leader_args)
+    world = World(model, threads, work, timeout, *leader_args, pin=pin)
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
@@ -351,6 +365,13 @@ def main() -> int:
         help="the world with one rank slowed, equal shares against auto (0: skip)",
     )
     ap.add_argument("--timeout", type=float, default=30.0, help="the ranks' gate timeout")
+    ap.add_argument(
+        "--spare",
+        type=int,
+        default=0,
+        help="cores of its share each rank leaves to its other threads: a rank of a world "
+        "of N runs THREADS/N - SPARE kernel threads pinned to THREADS/N cores (default 0)",
+    )
     ap.add_argument(
         "--llama-cpp",
         type=Path,
@@ -402,6 +423,7 @@ def main() -> int:
     print(
         f"{model.name}, {a.threads} threads on one host divided between the ranks, "
         f"{a.tokens} tokens greedy, 1 client"
+        + (f"; each rank leaves {a.spare} of its cores spare" if a.spare else "")
     )
     base = one_process(model, a.threads, a.tokens)
     rate0 = float(str(base["tokens_per_s"]))
@@ -421,10 +443,11 @@ def main() -> int:
         )
     with tempfile.TemporaryDirectory() as tmp:
         for n in worlds:
-            each = max(1, a.threads // n)
+            cores_each = max(1, a.threads // n)
+            each = max(1, cores_each - a.spare)
             work = Path(tmp) / f"world{n}"
             work.mkdir()
-            m = measure(model, [each] * n, work, a.timeout, a.tokens)
+            m = measure(model, [each] * n, work, a.timeout, a.tokens, pin=[cores_each] * n)
             results[f"world_{n}"] = m
             rate = float(str(m["tokens_per_s"]))
             print(
