@@ -201,34 +201,6 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
  * one maddubs, one madd by the two chunks' scales and one addition for 64 values; the
  * super-block's sixteen int32 lanes (chunk 2j's eight, then 2j + 1's) are folded to eight by one
  * exact addition at its end, then kq_tile_avx2_t's float operations. */
-AVX512 INLINE __m512i kq_pair_512(const int type, const uint8_t *blk, int j) {
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    if (type == T_Q6_K) { /* chunks 2j, 2j + 1: n = j / 2, cc = 2 (j mod 2) and + 1 */
-        const int n = j / 2, hi_nibble = j & 1;
-        const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * n));
-        const __m512i lo = _mm512_and_si512(hi_nibble ? _mm512_srli_epi16(ql, 4) : ql, m4);
-        const __m512i qh =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
-        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * hi_nibble)),
-                                              _mm256_set1_epi16((short)(4 * hi_nibble + 2)), 1);
-        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(3));
-        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-    }
-    const int five = type == T_Q5_K;
-    const __m512i qs = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * j)));
-    const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(qs, sh), m4);
-    if (five) {
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        const __m512i hs = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
-                                              _mm256_set1_epi16((short)(2 * j + 1)), 1);
-        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(qh, hs), _mm512_set1_epi8(1));
-        v = _mm512_or_si512(v, _mm512_slli_epi16(bit, 4));
-    }
-    return v;
-}
-
 /* The scales of chunks 2j, 2j + 1 as int16 for madd: Q4_K, Q5_K sc[2j] x 16 | sc[2j + 1] x 16;
  * Q6_K per 8 int16 (4 int32 lanes) its sub-blocks' sc[4j], sc[4j + 1], sc[4j + 2], sc[4j + 3]. */
 AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *scv, __m128i *mins) {

@@ -19,14 +19,25 @@
 
 #if defined(FOUNDRY_X86)
 
-#define KB_R 2 /* rows of a register tile */
+#ifndef KB_R
+#define KB_R 4 /* rows of a register tile */
+#endif
+#ifndef KB_P
 #define KB_P 2 /* pairs of inputs of a register tile */
+#endif
 
-/* One super-block of a row, unpacked (576 bytes). */
+/* A chunk's 32 values (and an input's) in the block's order: their eight groups of four (the
+ * lanes of dot_k_portable) as 0, 4, 1, 5, 2, 6, 3, 7, so that Q6_K's two sub-blocks alternate
+ * and a chunk's scales are one 64-bit pattern; the float sums keep that order until
+ * kq_block_t's end, which puts them back (KB_BACK) before the halving. */
+#define KB_ORDER _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)
+#define KB_BACK  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+
+/* One super-block of a row, unpacked (384 bytes). */
 typedef struct {
-    int8_t w[QK_K];     /* chunk c at 32c: Q4_K, Q5_K as unsigned 0..15, 0..31; Q6_K q - 32 */
-    int16_t sc[8][16];  /* chunk c's scales as kq_scales_avx2 gives them, for vpdpwssd */
-    int32_t start[8];   /* the lanes' start: 0, or Q6_K's -128 sum_c sc_c (the four weights) */
+    int8_t w[QK_K];   /* chunk c at 32c: Q4_K, Q5_K as unsigned 0..15, 0..31; Q6_K q - 32 */
+    int64_t sc[8];    /* chunk c's scales as int16 for vpdpwssd, lanes 0 and 1 of KB_ORDER */
+    int32_t start[8]; /* the lanes' start: 0, or Q6_K's -128 sum_c sc_c (the four weights) */
     float d, pad[7];
 } kq_sb;
 
@@ -42,17 +53,19 @@ typedef struct {
 
 static size_t kq_room_parts(int k, char *base, kq_room *room) {
     const size_t nsb = (size_t)(k / QK_K);
-    const size_t sizes[6] = {(size_t)K_TILE * k, (K_TILE / 2) * nsb * 16 * sizeof(float),
-                             nsb * 4 * K_TILE * 2 * sizeof(int16_t), nsb * K_TILE * sizeof(float),
-                             KB_R * nsb * sizeof(kq_sb), KB_R * K_TILE * sizeof(float)};
+    const size_t sizes[6] = {(size_t)K_TILE * k,
+                             (K_TILE / 2) * nsb * 16 * sizeof(float),
+                             nsb * 4 * K_TILE * 2 * sizeof(int16_t),
+                             nsb * K_TILE * sizeof(float),
+                             KB_R * nsb * sizeof(kq_sb),
+                             KB_R * K_TILE * sizeof(float)};
     void *at[6];
     size_t off = 0;
     for (int i = 0; i < 6; i++) {
         at[i] = base + off;
         off += (sizes[i] + 63) / 64 * 64;
     }
-    if (room != NULL)
-        *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5]};
+    if (room != NULL) *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5]};
     return off;
 }
 
@@ -61,7 +74,8 @@ size_t kq_block_room(int k) {
 }
 
 /* Inputs 0 .. tn - 1 (tn even) of `in` from t on, into the room's layout. */
-AVX512 static void kq_lay_inputs(const int q6, const mm_input *in, int t, int tn, const kq_room *x) {
+AVX512 static void kq_lay_inputs(const int q6, const mm_input *in, int t, int tn,
+                                 const kq_room *x) {
     const int k = in->k, nsb = k / QK_K;
     const __m256i flip = _mm256_set1_epi8(q6 ? (char)0x80 : 0);
     for (int p = 0; p < tn / 2; p++)
@@ -69,10 +83,12 @@ AVX512 static void kq_lay_inputs(const int q6, const mm_input *in, int t, int tn
             for (int h = 0; h < 2; h++) {
                 const int8_t *src = in->xq + (size_t)(t + 2 * p + h) * k + (size_t)b * QK_K;
                 int8_t *dst = x->xi + ((size_t)p * nsb + b) * 8 * 64 + 32 * h;
-                for (int c = 0; c < 8; c++)
+                for (int c = 0; c < 8; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 32 * c));
                     _mm256_storeu_si256(
                         (__m256i *)(dst + 64 * c),
-                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(src + 32 * c)), flip));
+                        _mm256_permutevar8x32_epi32(_mm256_xor_si256(v, flip), KB_ORDER));
+                }
             }
             float *dv = x->dxv + ((size_t)p * nsb + b) * 16;
             for (int i = 0; i < 16; i++) dv[i] = in->xd[(size_t)(t + 2 * p + i / 8) * nsb + b];
@@ -99,24 +115,44 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, int bytes, 
     for (int q = 0; q < K_TILE / 16; q++) am[q] = _mm512_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = row + (size_t)b * bytes;
-        __m256i scv[8];
-        __m128i mins;
-        kq_scales_avx2(type, blk, scv, &mins);
-        const __m256i qh5 = type == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16))
-                                           : _mm256_setzero_si256();
-        __m256i start = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {
-            __m256i v = kq_chunk_avx2(type, blk, c, qh5);
-            if (q6) {
-                v = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
-                const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
-                start = _mm256_add_epi32(start, _mm256_madd_epi16(pairs, scv[c]));
+        __m128i mins = _mm_setzero_si128();
+        __m128i sc[4]; /* chunks 2i, 2i + 1: sc[2c] twice, sc[2c + 1] twice, as int16 */
+        if (q6) {
+            for (int h = 0; h < 2; h++) {
+                const __m128i s16 =
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h)));
+                sc[2 * h] = _mm_unpacklo_epi16(s16, s16);
+                sc[2 * h + 1] = _mm_unpackhi_epi16(s16, s16);
             }
-            _mm256_store_si256((__m256i *)(u[b].w + 32 * c), v);
-            _mm256_store_si256((__m256i *)u[b].sc[c], scv[c]);
+        } else {
+            const __m128i both = kq_scales_mins_u8(blk); /* scales 0-7, then mins 0-7 */
+            const __m128i s16 = _mm_cvtepu8_epi16(both);
+            const __m128i lo = _mm_unpacklo_epi16(s16, s16), hi = _mm_unpackhi_epi16(s16, s16);
+            sc[0] = _mm_unpacklo_epi32(lo, lo);
+            sc[1] = _mm_unpackhi_epi32(lo, lo);
+            sc[2] = _mm_unpacklo_epi32(hi, hi);
+            sc[3] = _mm_unpackhi_epi32(hi, hi);
+            mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
         }
+        for (int i = 0; i < 4; i++) _mm_store_si128((__m128i *)(u[b].sc + 2 * i), sc[i]);
+        __m512i start = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            __m512i v = kq_pair_512(type, blk, j);
+            v = _mm512_permutexvar_epi32(
+                _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), v);
+            if (q6) {
+                v = _mm512_sub_epi8(v, _mm512_set1_epi8(32));
+                const __m512i sv = _mm512_inserti64x4(_mm512_set1_epi64(u[b].sc[2 * j]),
+                                                      _mm256_set1_epi64x(u[b].sc[2 * j + 1]), 1);
+                const __m512i pairs = _mm512_maddubs_epi16(_mm512_set1_epi8(1), v);
+                start = _mm512_add_epi32(start, _mm512_madd_epi16(pairs, sv));
+            }
+            _mm512_store_si512((void *)(u[b].w + 64 * j), v);
+        }
+        const __m256i s8 =
+            _mm256_add_epi32(_mm512_castsi512_si256(start), _mm512_extracti64x4_epi64(start, 1));
         _mm256_store_si256((__m256i *)u[b].start,
-                           _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(start, 7)));
+                           _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s8, 7)));
         u[b].d = f16c(blk + KQ_D(type));
         if (q6) continue;
         const float dmin = f16c(blk + 2);
@@ -159,7 +195,7 @@ AVX512 INLINE void kq_block_sb(const int q6, const int R, const int P, const kq_
             const kq_sb *s = u + (size_t)r * nsb + b;
             const __m512i wv =
                 _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)(s->w + 32 * c)));
-            const __m512i sv = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)s->sc[c]));
+            const __m512i sv = _mm512_set1_epi64(s->sc[c]);
             for (int j = 0; j < P; j++) {
                 const __m512i pr =
                     q6 ? _mm512_maddubs_epi16(xv[j], wv) : _mm512_maddubs_epi16(wv, xv[j]);
@@ -196,11 +232,13 @@ AVX512 INLINE void kq_block_t(const int q6, const int R, const int P, const kq_s
     for (int r = 0; r < R; r++)
         for (int j = 0; j < P; j++) {
             const int i = r * P + j, t = 2 * (p + j);
-            const float lo =
-                finish16_avx2(_mm512_castps512_ps256(a0[i]), _mm512_castps512_ps256(a1[i]));
-            const float hi = finish16_avx2(kq_high(a0[i]), kq_high(a1[i]));
-            y[(size_t)t * ldy + r] = lo - amin[r * K_TILE + t];
-            y[(size_t)(t + 1) * ldy + r] = hi - amin[r * K_TILE + t + 1];
+            const __m256 lo = _mm256_add_ps(_mm512_castps512_ps256(a0[i]),
+                                            _mm512_castps512_ps256(a1[i])); /* finish16_avx2 */
+            const __m256 hi = _mm256_add_ps(kq_high(a0[i]), kq_high(a1[i]));
+            y[(size_t)t * ldy + r] =
+                finish8_avx2(_mm256_permutevar8x32_ps(lo, KB_BACK)) - amin[r * K_TILE + t];
+            y[(size_t)(t + 1) * ldy + r] =
+                finish8_avx2(_mm256_permutevar8x32_ps(hi, KB_BACK)) - amin[r * K_TILE + t + 1];
         }
 }
 
@@ -230,12 +268,13 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
     kq_room x;
     kq_room_parts(k, mem, &x);
     kq_lay_inputs(q6, in, t, tn, &x);
-    for (int r = r0; r < n_out; r += KB_R) {
-        const int R = n_out - r < KB_R ? n_out - r : KB_R;
+    for (int r = r0; r < n_out;) {
+        const int R = n_out - r < KB_R ? 1 : KB_R; /* the last rows one at a time */
         for (int i = 0; i < R; i++)
             kq_unpack_row(type, w + (size_t)(r + i) * row_bytes, bytes, nsb, tn, &x,
                           x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
         kq_block_rows(type, R, x.u, nsb, &x, tn / 2, x.amin, y + (size_t)t * ldy + r, ldy);
+        r += R;
     }
 }
 #endif
