@@ -107,14 +107,18 @@ AVX512 static void kq_lay_inputs(const int q6, const mm_input *in, int t, int tn
 /* Row `row` unpacked into u (nsb super-blocks), and for Q4_K, Q5_K the minimums' part of each
  * input of the tile: amin_t = amin_t + (dmin dx_t) M_t super-block by super-block, M_t the exact
  * sum of m_c s32_c (four vpdpwssd of the minimums' pairs against sixteen inputs' pairs of chunk
- * sums), as kq_sums_block's amin. */
-AVX512 static void kq_unpack_row(const int type, const uint8_t *row, int bytes, int nsb, int tn,
-                                 const kq_room *x, kq_sb *u, float *amin) {
+ * sums), as kq_sums_block's amin. The row `ahead` (or NULL) is prefetched as it goes: the
+ * matrix's one pass from memory is here. */
+AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8_t *ahead,
+                                 int bytes, int nsb, const kq_room *x, kq_sb *u, float *amin) {
     const int q6 = type == T_Q6_K;
     __m512 am[K_TILE / 16];
     for (int q = 0; q < K_TILE / 16; q++) am[q] = _mm512_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = row + (size_t)b * bytes;
+        if (ahead != NULL) /* the row unpacked KB_R rows later */
+            for (int o = 0; o < bytes; o += 64)
+                _mm_prefetch((const char *)(ahead + (size_t)b * bytes + o), _MM_HINT_T0);
         __m128i mins = _mm_setzero_si128();
         __m128i sc[4]; /* chunks 2i, 2i + 1: sc[2c] twice, sc[2c + 1] twice, as int16 */
         if (q6) {
@@ -161,7 +165,7 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, int bytes, 
         mp[1] = _mm512_set1_epi32(_mm_extract_epi32(mins, 1));
         mp[2] = _mm512_set1_epi32(_mm_extract_epi32(mins, 2));
         mp[3] = _mm512_set1_epi32(_mm_extract_epi32(mins, 3));
-        for (int q = 0; q < (tn + 15) / 16; q++) {
+        for (int q = 0; q < K_TILE / 16; q++) { /* past tn: zeros */
             __m512i m = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++)
                 m = _mm512_dpwssd_epi32(
@@ -271,8 +275,9 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
     for (int r = r0; r < n_out;) {
         const int R = n_out - r < KB_R ? 1 : KB_R; /* the last rows one at a time */
         for (int i = 0; i < R; i++)
-            kq_unpack_row(type, w + (size_t)(r + i) * row_bytes, bytes, nsb, tn, &x,
-                          x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
+            kq_unpack_row(type, w + (size_t)(r + i) * row_bytes,
+                          r + i + KB_R < n_out ? w + (size_t)(r + i + KB_R) * row_bytes : NULL,
+                          bytes, nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
         kq_block_rows(type, R, x.u, nsb, &x, tn / 2, x.amin, y + (size_t)t * ldy + r, ldy);
         r += R;
     }
