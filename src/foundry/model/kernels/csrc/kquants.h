@@ -17,7 +17,7 @@
 #if defined(FOUNDRY_X86)
 /* Inputs of a tile from which the AVX-512 block (kquants_512.c) takes them, in pairs: fewer pay
  * more to unpack each row than they save. */
-#define KQ_BLOCK_MIN 8
+#define KQ_BLOCK_MIN 6
 
 /* Bytes of room (64-aligned) that kq_block_512 takes for a product of k values a row. */
 size_t kq_block_room(int k);

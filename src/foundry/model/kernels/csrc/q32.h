@@ -18,7 +18,7 @@
 #endif
 #define QT_ROWS 4
 /* Inputs from which Q4_0 on AVX-512 unpacks a tile's rows once (block_q4_512) */
-#define Q4_BLOCK_MIN 8
+#define Q4_BLOCK_MIN 4
 
 /* One block of weights as 32 int8 values and its float scale. */
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
