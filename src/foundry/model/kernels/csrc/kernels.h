@@ -44,7 +44,7 @@
  * A block of inputs (prefill) is matrix-matrix over the stored blocks: the inputs in tiles that
  * stay in L2 while every row of the matrix passes over them (each weight block read once per
  * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four
- * on AVX2; on AVX-512 each row unpacked once per tile, 4 rows by 2 pairs of inputs a register
+ * on AVX2; on AVX-512 each row unpacked once per tile, 4 rows by 3 pairs of inputs a register
  * tile: kquants_512.c).
  * Each (row, input) output is still the one definition above, so a row of a block has the bits
  * of that row decoded alone, on every path and machine.

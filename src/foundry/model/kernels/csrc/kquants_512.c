@@ -23,7 +23,7 @@
 #define KB_R 4 /* rows of a register tile */
 #endif
 #ifndef KB_P
-#define KB_P 2 /* pairs of inputs of a register tile */
+#define KB_P 3 /* pairs of inputs of a register tile */
 #endif
 
 /* A chunk's 32 values (and an input's) in the block's order: their eight groups of four (the
