@@ -86,14 +86,15 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 
 /* The K-quants on x86: a tile of R rows (lane_bytes apart) against T inputs (R x T <= 4:
  * decode takes four rows of one input, a prefill block one row of four inputs, which then share
- * each chunk of weights as it is unpacked), each exactly dot_k_portable's operations. A chunk's
- * 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63), maddubs against the
- * input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128); Q6_K takes off 32 x
- * the input's pair sums (``x32p``, per input; still within int16), which makes them the sums of
- * (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3 sc[2c], 4-7 sc[2c + 1]) sums
- * each two pairs times the scale: exactly sc x lane l, into the super-block's int32 L. The
- * minimums: M = the exact sum of m_c x s32_c by one madd of the eight mins and the input's
- * eight chunk sums as int16 (``s32h``, at most 32 x 128). */
+ * each chunk of weights as it is unpacked; on AVX-512 only what kquants_512.c's block leaves: a
+ * tile's odd last input, and blocks of fewer than KQ_BLOCK_MIN), each exactly dot_k_portable's
+ * operations. A chunk's 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63),
+ * maddubs against the input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128);
+ * Q6_K takes off 32 x the input's pair sums (``x32p``, per input; still within int16), which
+ * makes them the sums of (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3
+ * sc[2c], 4-7 sc[2c + 1]) sums each two pairs times the scale: exactly sc x lane l, into the
+ * super-block's int32 L. The minimums: M = the exact sum of m_c x s32_c by one madd of the
+ * eight mins and the input's eight chunk sums as int16 (``s32h``, at most 32 x 128). */
 
 #define KT 4 /* R x T, the outputs of one tile */
 
