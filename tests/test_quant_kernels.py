@@ -138,6 +138,25 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
     assert all(np.array_equal(r, results[0]) for r in results[1:])
 
 
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType) -> None:
+    """A block of 75 inputs by 5 rows of 3 super-blocks: a whole tile of 64 inputs and one of
+    11 (AVX-512: a tile of four rows and a row alone, by three pairs of inputs and one, and the
+    odd input alone), and 5 inputs (fewer than a block unpacks its rows for)."""
+    rng = np.random.default_rng(9)
+    w = stored(rng.standard_normal((5, 768), dtype=np.float32), qtype)
+    x = rng.standard_normal((75, 768), dtype=np.float32)
+    assert quant._kernels is not None
+    results = []
+    try:
+        for path in ["best", *SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            results.append(np.concatenate([quant.linear(x, w), quant.linear(x[:5], w)]))
+    finally:
+        quant._kernels.use("best")
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+
+
 @pytest.mark.parametrize("qtype", INT8_PATH)
 def test_inputs_round_half_to_even_on_every_path(qtype: QType) -> None:
     # a block whose largest value is 127 has the scale 1, so its halves are exact ties: llama.cpp's

@@ -2,15 +2,18 @@
 against numpy's float32 product, one thread, one run.
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py [--mb 256] [--k 1024]
-        [--path best|avx2|portable]
+        [--rows R] [--block 64] [--types Q4_K,Q6_K] [--threads 1] [--path best|avx2|portable]
     OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py --gguf FILE [--llama-cpp BUILD/bin]
         [--rounds 3] [--prompt 512] [--cores 1]
 
 A (rows, k) weight matrix of about ``--mb`` MB in float32 (a large L3 holds a few hundred MB:
 give more to measure streaming from DRAM), stored as each type, multiplied by one float32 row
-(decode) and by 64 rows (a prefill block; GMAC/s: multiply-adds a second), best of a few
-repetitions. Also the engine's overhead: ms per decoded token of the ``small`` preset, whose
-weights fit in cache, so what it measures is the Python and numpy work around the products.
+(decode) and by ``--block`` rows (64: a prefill block; GMAC/s: multiply-adds a second), best of
+a few repetitions; ``--rows`` gives the matrix's rows exactly (a model's shape: ``--rows 8192
+--k 3072 --block 512`` is Llama 3.2 3B's FFN up against a 512-token prompt), ``--types`` only
+those types, ``--threads`` the kernels' threads (numpy's product stays on one). Also the
+engine's overhead: ms per decoded token of the ``small`` preset, whose weights fit in cache, so
+what it measures is the Python and numpy work around the products.
 
 ``--gguf FILE`` times the products of a published file's own tensors (every 2-d weight of every
 layer, and the output head: ``output.weight``, else the tied ``token_embd.weight``), the way a
@@ -201,6 +204,10 @@ def main() -> None:
     ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256, help="float32 size of the matrix, MB")
     ap.add_argument("--k", type=int, default=1024, help="row length")
+    ap.add_argument("--rows", type=int, default=None, help="rows of the matrix (default: --mb)")
+    ap.add_argument("--block", type=int, default=64, help="inputs of the prefill block")
+    ap.add_argument("--types", default=None, help="only these types, e.g. Q4_K,Q6_K")
+    ap.add_argument("--threads", type=int, default=1, help="the kernels' threads")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument(
         "--path",
@@ -234,18 +241,21 @@ def main() -> None:
         sys.exit(
             0 if bench_file(args.gguf, args.llama_cpp, args.rounds, args.prompt, args.cores) else 1
         )
-    rows = args.mb * 1_000_000 // (4 * args.k)
+    rows = args.rows or args.mb * 1_000_000 // (4 * args.k)
+    by_name = {q.name: q for q in QType}
+    types = [by_name[t] for t in args.types.split(",")] if args.types else TYPES
+    quant.set_threads(args.threads)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((rows, args.k), dtype=np.float32)
     print(
         f"kernels: {quant.KERNELS} (path {args.path}); "
-        f"matrix {rows} x {args.k}, 1 thread, best of {args.reps}"
+        f"matrix {rows} x {args.k}, {args.threads} thread(s), best of {args.reps}"
     )
-    for n in (1, 64):
+    for n in (1, args.block):
         x = rng.standard_normal((n, args.k), dtype=np.float32)
         base = best_of(args.reps, lambda x=x, w=w: x @ w.T)
         print(f"  {n} row(s): f32 numpy {w.nbytes / base / 1e9:6.1f} GB/s ({base * 1e3:.2f} ms)")
-        for qtype in TYPES:
+        for qtype in types:
             q = stored(w, qtype)
             t = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
             print(

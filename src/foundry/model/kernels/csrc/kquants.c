@@ -1,6 +1,6 @@
 /* The K-quants: Q4_K, Q5_K, Q6_K on super-blocks of 256 (theory in kernels.h). */
 
-#include "kernels.h"
+#include "kquants.h"
 
 /* ---- the K-quants' integer dot product: exact per super-block ---------------------------- */
 
@@ -17,9 +17,7 @@ static void quantize_input_k(const float *x, int k, int8_t *q, float *d, int32_t
 
 /* A super-block's scales as integers: sc[16] (for chunk c of 32 values, lanes 0-3 take
  * sc[2c] and lanes 4-7 sc[2c + 1]: the two sub-blocks of 16 of Q6_K, the same scale twice for
- * Q4_K and Q5_K) and m[8] (the minimum of each chunk; 0 for Q6_K). The float16 d is at byte
- * KQ_D of the block, dmin (Q4_K, Q5_K) at byte 2. */
-#define KQ_D(type) ((type) == T_Q6_K ? 208 : 0)
+ * Q4_K and Q5_K) and m[8] (the minimum of each chunk; 0 for Q6_K). */
 static inline void kq_scales(int type, const uint8_t *blk, int32_t *sc, int32_t *m) {
     if (type == T_Q6_K) {
         for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(blk + 192))[i];
@@ -86,66 +84,17 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 #if defined(FOUNDRY_X86)
 #define KQ_AHEAD 4 /* super-blocks prefetched ahead */
 
-/* A Q4_K or Q5_K super-block's twelve bytes of 6-bit scales and mins, as ggml unpacks them:
- * the eight scales in bytes 0-7, the eight mins in bytes 8-15. */
-AVX2 INLINE __m128i kq_scales_mins_u8(const uint8_t *blk) {
-    uint32_t u[4];
-    memcpy(u, blk + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    const uint32_t m03 = u[1] & 0x3f3f3f3fu;
-    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    u[2] = m03;
-    u[0] &= 0x3f3f3f3fu;
-    return _mm_loadu_si128((const __m128i *)u);
-}
-
 /* The K-quants on x86: a tile of R rows (lane_bytes apart) against T inputs (R x T <= 4:
  * decode takes four rows of one input, a prefill block one row of four inputs, which then share
- * each chunk of weights as it is unpacked), each exactly dot_k_portable's operations. A chunk's
- * 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63), maddubs against the
- * input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128); Q6_K takes off 32 x
- * the input's pair sums (``x32p``, per input; still within int16), which makes them the sums of
- * (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3 sc[2c], 4-7 sc[2c + 1]) sums
- * each two pairs times the scale: exactly sc x lane l, into the super-block's int32 L. The
- * minimums: M = the exact sum of m_c x s32_c by one madd of the eight mins and the input's
- * eight chunk sums as int16 (``s32h``, at most 32 x 128). */
-AVX2 INLINE void kq_scales_avx2(const int type, const uint8_t *blk, __m256i *scv, __m128i *mins) {
-    if (type == T_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        for (int c = 0; c < 8; c++)
-            scv[c] = _mm256_blend_epi32(_mm256_set1_epi16(sc[2 * c]),
-                                        _mm256_set1_epi16(sc[2 * c + 1]), 0xF0);
-        *mins = _mm_setzero_si128();
-        return;
-    }
-    const __m128i both = kq_scales_mins_u8(blk); /* scales 0-7, then mins 0-7 */
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(both));
-    for (int c = 0; c < 8; c++) /* int16 c of each half to all of it */
-        scv[c] =
-            _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * c + 1) + 2 * c)));
-    *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
-}
-
-AVX2 INLINE __m256i kq_chunk_avx2(const int type, const uint8_t *blk, int c, __m256i qh5) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    if (type == T_Q6_K) {
-        const int n = c / 4, cc = c % 4;
-        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + (cc & 1 ? 32 : 0)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-        const __m256i lo =
-            cc < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * cc), _mm256_set1_epi8(3));
-        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    }
-    const int five = type == T_Q5_K;
-    const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * (c / 2)));
-    __m256i v = c & 1 ? _mm256_and_si256(_mm256_srli_epi16(qs, 4), m4) : _mm256_and_si256(qs, m4);
-    if (five) {
-        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh5, c), _mm256_set1_epi8(1));
-        v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
-    }
-    return v;
-}
+ * each chunk of weights as it is unpacked; on AVX-512 only what kquants_512.c's block leaves: a
+ * tile's odd last input, and blocks of fewer than KQ_BLOCK_MIN), each exactly dot_k_portable's
+ * operations. A chunk's 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63),
+ * maddubs against the input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128);
+ * Q6_K takes off 32 x the input's pair sums (``x32p``, per input; still within int16), which
+ * makes them the sums of (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3
+ * sc[2c], 4-7 sc[2c + 1]) sums each two pairs times the scale: exactly sc x lane l, into the
+ * super-block's int32 L. The minimums: M = the exact sum of m_c x s32_c by one madd of the
+ * eight mins and the input's eight chunk sums as int16 (``s32h``, at most 32 x 128). */
 
 #define KT 4 /* R x T, the outputs of one tile */
 
@@ -253,34 +202,6 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
  * one maddubs, one madd by the two chunks' scales and one addition for 64 values; the
  * super-block's sixteen int32 lanes (chunk 2j's eight, then 2j + 1's) are folded to eight by one
  * exact addition at its end, then kq_tile_avx2_t's float operations. */
-AVX512 INLINE __m512i kq_pair_512(const int type, const uint8_t *blk, int j) {
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    if (type == T_Q6_K) { /* chunks 2j, 2j + 1: n = j / 2, cc = 2 (j mod 2) and + 1 */
-        const int n = j / 2, hi_nibble = j & 1;
-        const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * n));
-        const __m512i lo = _mm512_and_si512(hi_nibble ? _mm512_srli_epi16(ql, 4) : ql, m4);
-        const __m512i qh =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
-        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * hi_nibble)),
-                                              _mm256_set1_epi16((short)(4 * hi_nibble + 2)), 1);
-        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(qh, sh), _mm512_set1_epi8(3));
-        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
-    }
-    const int five = type == T_Q5_K;
-    const __m512i qs = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256((const __m256i *)(blk + (five ? 48 : 16) + 32 * j)));
-    const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    __m512i v = _mm512_and_si512(_mm512_srlv_epi16(qs, sh), m4);
-    if (five) {
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        const __m512i hs = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
-                                              _mm256_set1_epi16((short)(2 * j + 1)), 1);
-        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(qh, hs), _mm512_set1_epi8(1));
-        v = _mm512_or_si512(v, _mm512_slli_epi16(bit, 4));
-    }
-    return v;
-}
-
 /* The scales of chunks 2j, 2j + 1 as int16 for madd: Q4_K, Q5_K sc[2j] x 16 | sc[2j + 1] x 16;
  * Q6_K per 8 int16 (4 int32 lanes) its sub-blocks' sc[4j], sc[4j + 1], sc[4j + 2], sc[4j + 3]. */
 AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *scv, __m128i *mins) {
@@ -372,10 +293,6 @@ KQ_TILES(AVX2, kq_tile_avx2, kq_tile_avx2_t)
 #undef KQ_CASE
 #endif
 
-/* Inputs per tile of a prefill block: their int8 values (and Q6_K's pair sums) stay in L2
- * while every row of the matrix passes over them, so each weight block is read once per tile. */
-#define K_TILE 64
-
 /* Inputs t0 .. t1 - 1 of a K-quant product: int8 blocks of 256 (ggml's Q8_K), the exact sums
  * of each 32 values (and as int16), and Q6_K's pair sums times 32. */
 void fill_k(const mm_input *in, const float *x, int t0, int t1) {
@@ -403,6 +320,11 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         void (*tile)(int, int, int, const uint8_t *, size_t, int, int, int, const int8_t *,
                      const float *, const int16_t *, const int16_t *, float *, size_t, size_t) =
             use_512 ? kq_tile_512 : kq_tile_avx2;
+        void *room = NULL;
+        if (use_512 && n >= KQ_BLOCK_MIN) {
+            room = aligned_alloc(64, kq_block_room(k));
+            if (room == NULL) return -1;
+        }
         int r0 = 0;
         if (n == 1) { /* four rows a time, row j of each quarter: four sequential streams */
             const int quarter = n_out / 4;
@@ -413,8 +335,13 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         }
         for (int t0 = 0; t0 < n; t0 += K_TILE) {
             const int tn = n - t0 < K_TILE ? n - t0 : K_TILE;
+            int t1 = t0; /* the inputs from t1 on by the tiles below */
+            if (room != NULL && tn >= KQ_BLOCK_MIN) {
+                kq_block_512(type, w, row_bytes, r0, n_out, k, in, t0, tn & ~1, y, ldy, room);
+                t1 = t0 + (tn & ~1);
+            }
             for (int r = r0; r < n_out; r++)
-                for (int t = t0; t < t0 + tn; t += KT) {
+                for (int t = t1; t < t0 + tn; t += KT) {
                     const int nt = t0 + tn - t < KT ? t0 + tn - t : KT;
                     tile(type, 1, nt, w + (size_t)r * row_bytes, 0, bytes, nsb, k,
                          xq + (size_t)t * k, xd + (size_t)t * nsb, s32h + (size_t)t * (k / QK),
@@ -422,6 +349,7 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
                          0, ldy);
                 }
         }
+        free(room);
         return 0;
     }
 #endif

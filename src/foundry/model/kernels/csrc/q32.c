@@ -383,6 +383,9 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     if (use_512 && type == T_Q8_0 && n > 1) { /* a block of inputs: tiles of rows x inputs */
         if (block_q8_512(w, row_bytes, n_out / QT_ROWS, k, xq, xd, corr, n, ldy, y) < 0) return -1;
         r = QT_ROWS * (n_out / QT_ROWS);
+    } else if (use_512 && type == T_Q4_0 && n >= Q4_BLOCK_MIN) { /* the same, rows unpacked */
+        if (block_q4_512(w, row_bytes, n_out / QT_ROWS, k, in, n, ldy, y) < 0) return -1;
+        r = QT_ROWS * (n_out / QT_ROWS);
     } else if (use_avx2) { /* groups of four rows, kept in cache while the inputs pass over them */
         const int8_t *x4 = in->x4;
         const int32_t *corr4 = in->corr4;

@@ -11,11 +11,14 @@
  * matrix passes over a tile while it stays in L2, so each weight block is read once per tile. */
 #define Q_TILE 64
 
-/* Rows of the matrix per AVX-512 step (rows_q_512) and per prefill tile (block_q8_512). */
+/* Rows of the matrix per AVX-512 step (rows_q_512) and per prefill tile (block_q8_512,
+ * block_q4_512). */
 #ifndef ROWS
 #define ROWS 4
 #endif
 #define QT_ROWS 4
+/* Inputs from which Q4_0 on AVX-512 unpacks a tile's rows once (block_q4_512) */
+#define Q4_BLOCK_MIN 4
 
 /* One block of weights as 32 int8 values and its float scale. */
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
@@ -98,6 +101,8 @@ AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane
                        const int8_t *xq, const float *xd, const int32_t *corr, int nb, float *y);
 AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes, const int8_t *xq,
                         const int8_t *x4, const float *xd, const int32_t *corr4, int nb, float *y);
+AVX512 int block_q4_512(const uint8_t *w, size_t row_bytes, int groups, int k, const mm_input *in,
+                        int n, size_t ldy, float *y);
 AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, const int8_t *xq,
                         const float *xd, const int32_t *corr, int n, size_t ldy, float *y);
 void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4);

@@ -290,6 +290,111 @@ AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, c
     return 0;
 }
 
+/* A prefill block of Q4_0 on AVX-512: rows_q4_512's operations for QT_ROWS rows against two
+ * inputs a step. The rows are unpacked once per tile (``wq``: each four blocks' low nibbles,
+ * then high nibbles, as rows_q4_512 makes them; ``dw``: their float16 scales as floats, lanes
+ * 4m .. 4m + 3 block m's), so per (row, input) and four blocks there remain the scale products
+ * d_w * d_x (one multiplication of the two vectors: block_scales_512's rounding), the two dpbusd
+ * onto minus the input's sums, the conversion, the multiplication and the addition. */
+AVX512 INLINE void tile_q4_512_t(const int T, const uint8_t *wq, const float *dw, int quads, int k,
+                                 const int8_t *x4, const float *xd, const int32_t *corr4, int nb,
+                                 float *acc_out) {
+    __m512 acc[QT_ROWS][2];
+    for (int i = 0; i < QT_ROWS; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_ps();
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int b = 0; b < quads; b += 4) {
+        __m512i x1[2], x2[2], ncv[2];
+        __m512 dx[2];
+        for (int t = 0; t < T; t++) {
+            const int8_t *xg = x4 + (size_t)t * k + (size_t)b * QK;
+            x1[t] = _mm512_loadu_si512((const void *)xg);
+            x2[t] = _mm512_loadu_si512((const void *)(xg + 64));
+            ncv[t] = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_loadu_si512((const void *)(corr4 + (size_t)t * (k / 8) + b * 4)));
+            dx[t] = _mm512_permutexvar_ps(
+                idx, _mm512_castps128_ps512(_mm_loadu_ps(xd + (size_t)t * nb + b)));
+        }
+        for (int i = 0; i < QT_ROWS; i++) {
+            const size_t g = (size_t)i * (quads / 4) + b / 4;
+            const __m512i lo = _mm512_load_si512((const void *)(wq + g * 128));
+            const __m512i hi = _mm512_load_si512((const void *)(wq + g * 128 + 64));
+            const __m512 dwv = _mm512_load_ps(dw + g * 16);
+            for (int t = 0; t < T; t++) {
+                const __m512i sv =
+                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ncv[t], lo, x1[t]), hi, x2[t]);
+                const __m512 dv = _mm512_mul_ps(dwv, dx[t]);
+                acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sv)));
+            }
+        }
+    }
+    for (int i = 0; i < QT_ROWS; i++)
+        for (int t = 0; t < T; t++) _mm512_storeu_ps(acc_out + (i * 2 + t) * LANES_Q, acc[i][t]);
+}
+
+/* y (n, n_out) for a block of inputs, Q4_0 rows 0 .. 4 * groups - 1, on tile_q4_512_t, the
+ * blocks past the last whole four by add_blocks: returns -1 when out of memory. */
+AVX512 int block_q4_512(const uint8_t *w, size_t row_bytes, int groups, int k, const mm_input *in,
+                        int n, size_t ldy, float *y) {
+    const int nb = k / QK, quads = nb & ~3, bsize = 18;
+    uint8_t *wq = aligned_alloc(64, (size_t)QT_ROWS * quads * QK + 64);
+    float *dw = aligned_alloc(64, (size_t)QT_ROWS * quads * 4 * sizeof(float) + 64);
+    if (wq == NULL || dw == NULL) {
+        free(wq);
+        free(dw);
+        return -1;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int t0 = 0; t0 < n; t0 += Q_TILE)
+        for (int gr = 0; gr < groups; gr++) {
+            for (int i = 0; i < QT_ROWS; i++) /* the group's rows unpacked */
+                for (int b = 0; b < quads; b += 4) {
+                    const uint8_t *p =
+                        w + (size_t)(QT_ROWS * gr + i) * row_bytes + (size_t)b * bsize;
+                    const size_t g = (size_t)i * (quads / 4) + b / 4;
+                    __m512i q = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 2)));
+                    float d[4];
+                    for (int m = 0; m < 4; m++) {
+                        q = _mm512_mask_broadcast_i32x4(
+                            q, (__mmask16)(0xF << (4 * m)),
+                            _mm_loadu_si128((const __m128i *)(p + m * bsize + 2)));
+                        d[m] = f16c(p + m * bsize);
+                    }
+                    _mm512_store_si512((void *)(wq + g * 128), _mm512_and_si512(q, m4));
+                    _mm512_store_si512((void *)(wq + g * 128 + 64),
+                                       _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+                    _mm512_store_ps(dw + g * 16, _mm512_permutexvar_ps(
+                                                     idx, _mm512_castps128_ps512(_mm_loadu_ps(d))));
+                }
+            const int t_end = n - t0 < Q_TILE ? n : t0 + Q_TILE;
+            for (int t = t0; t < t_end;) {
+                const int T = t_end - t < 2 ? 1 : 2;
+                float lanes[QT_ROWS * 2 * LANES_Q];
+                if (T == 2)
+                    tile_q4_512_t(2, wq, dw, quads, k, in->x4 + (size_t)t * k,
+                                  in->xd + (size_t)t * nb, in->corr4 + (size_t)t * (k / 8), nb,
+                                  lanes);
+                else
+                    tile_q4_512_t(1, wq, dw, quads, k, in->x4 + (size_t)t * k,
+                                  in->xd + (size_t)t * nb, in->corr4 + (size_t)t * (k / 8), nb,
+                                  lanes);
+                for (int i = 0; i < QT_ROWS; i++)
+                    for (int u = 0; u < T; u++) {
+                        const int r = QT_ROWS * gr + i;
+                        y[(size_t)(t + u) * ldy + r] = add_blocks(
+                            T_Q4_0, lanes + (i * 2 + u) * LANES_Q, w + (size_t)r * row_bytes, bsize,
+                            in->xq + (size_t)(t + u) * k, in->xd + (size_t)(t + u) * nb, quads, nb);
+                    }
+                t += T;
+            }
+        }
+    free(wq);
+    free(dw);
+    return 0;
+}
+
 /* rows_q4_512's input order, from the int8 input (k values) and corr (8 x its sums of 4). */
 void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4) {
     const int quads = k / QK / 4;
