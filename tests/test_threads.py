@@ -158,6 +158,54 @@ def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
     assert rows.tobytes() == runs[0][0].tobytes()
 
 
+def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count() -> None:
+    """RMSNorm, the rotation, SiLU x up, GeGLU, the router, the experts' combination, the sums
+    and the cache writes of a prompt's block, cut into one-row tasks: at every count the bits
+    of each row computed alone (the cache rows: numpy's float16 rounding, NaN included)."""
+    rng = np.random.default_rng(5)
+    n, d, heads, dh, k = 37, 96, 3, 32, 2
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    cos, sin = (rng.standard_normal((n, dh // 2)).astype(np.float32) for _ in range(2))
+    gu = rng.standard_normal((n, 2 * d)).astype(np.float32)
+    router = rng.standard_normal((5, d)).astype(np.float32)
+    y = rng.standard_normal((n, 4 * heads * dh)).astype(np.float32) * 3e4  # some overflow f16
+    y[3, heads * dh + 1] = np.nan
+    ys = rng.standard_normal((n * k, d)).astype(np.float32)
+    order = rng.permutation(n * k)[: n * k - 5]  # 5 assignments held by another part
+
+    def ops(rows: slice) -> list[F32]:
+        r = x[rows]
+        weights, top = quant.route(r, router, k)
+        kv = [np.empty((r.shape[0], heads, dh), t) for t in (np.float16, np.float32)]
+        for c in kv:
+            quant.store_rows(y[rows], heads * dh, c)
+        picked = np.flatnonzero(np.isin(order // k, np.arange(n)[rows]))
+        local = order[picked] - (rows.start or 0) * k
+        return [
+            quant.rmsnorm(r, w, 1e-5),
+            quant.rope(r.reshape(-1, heads, dh), cos[rows], sin[rows], neox=False),
+            quant.rope(r.reshape(-1, heads, dh), cos[rows], sin[rows], neox=True),
+            quant.swiglu(gu[rows]),
+            quant.geglu(gu[rows]),
+            weights,
+            top.astype(np.float32),
+            quant.combine_experts(ys[picked], weights * 0 + 0.5, local),
+            quant.add(r, ys[rows]),
+            *(c.view(np.uint8).astype(np.float32) for c in kv),
+        ]
+
+    runs = at_counts(lambda: ops(slice(0, n)))
+    assert_same_bits(runs)
+    quant.set_threads(1)
+    single = [ops(slice(t, t + 1)) for t in range(n)]
+    alone = [np.concatenate(parts) for parts in zip(*single, strict=True)]
+    assert_same_bits([runs[0], alone])
+    with np.errstate(over="ignore", invalid="ignore"):  # numpy's rounding, to inf past 65504
+        half = y[:, heads * dh : 2 * heads * dh].astype(np.float16)
+    assert runs[0][-2].tobytes() == half.view(np.uint8).astype(np.float32).tobytes()
+
+
 def decode_run(engine: Engine, prompt: list[int], steps: int) -> list[F32]:
     """The prompt's logits as one block, then greedy tokens one at a time."""
     session = engine.new_session()

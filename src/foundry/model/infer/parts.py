@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.kernels.quant import Param, QTensor, geglu, linear, swiglu
+from foundry.model.kernels.quant import Param, QTensor, add, geglu, linear, swiglu
 from foundry.model.shard.shares import Shares, check_splittable
 from foundry.model.shard.slices import RankWeights, rank_weights
 from foundry.model.shard.table import ExpertSplit, SplitError
@@ -73,8 +73,11 @@ def cut_parts(
 
 
 def sum_partials(partials: list[F32]) -> F32:
-    """Partials added in rank order, as the ranks' exchange adds them."""
-    total = partials[0]
-    for p in partials[1:]:
-        total = total + p
+    """Partials added in rank order, as the ranks' exchange adds them (a new array where there
+    are several)."""
+    if len(partials) == 1:
+        return partials[0]
+    total = add(partials[0], partials[1])
+    for p in partials[2:]:
+        add(total, p, total)
     return total

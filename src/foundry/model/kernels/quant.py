@@ -267,7 +267,8 @@ def attend_rows(
 
 def set_threads(n: int) -> None:
     """Run the kernels on ``n`` threads (this one included) from now on, process-wide: the
-    products split by rows, attention by heads. The results are the same bits at any ``n``
+    products split by rows, attention by heads, a block's other operations by rows. The
+    results are the same bits at any ``n``
     (csrc/pool.c says why). Without the C module, nothing to do."""
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
@@ -292,6 +293,8 @@ def profile(on: bool) -> dict[str, tuple[int, int]]:
 # The rest of a decode step in the C module, each row in one fixed order of operations (the
 # products' rule: a row's bits depend neither on the other rows nor on the path or machine);
 # without the module, the training layers' numpy. Arguments float32 (top int64), C-contiguous.
+# A block of rows (a prompt's) is cut into tasks of whole rows on the kernels' threads
+# (csrc/decode.c, ``on_rows``): the same bits at any thread count.
 
 
 def rmsnorm(x: F32, w: F32, eps: float) -> F32:
@@ -371,6 +374,38 @@ def combine_experts(ys: F32, weights: F32, order: I64) -> F32:
     out = np.empty((n, ys.shape[1]), np.float32)
     _kernels.combine(ys, weights, np.ascontiguousarray(order), n, k, ys.shape[1], out)
     return out
+
+
+def add(a: F32, b: F32, out: F32 | None = None) -> F32:
+    """a + b of two (N, D) float32 arrays, written to ``out`` where given (it may be ``a``: the
+    residual's x += y); in the C module a block's rows on the kernels' threads."""
+    arrays = (a, b) if out is None else (a, b, out)
+    if _kernels is None or a.ndim != 2 or not all(_c_f32(t, a.shape) for t in arrays):
+        return np.add(a, b, out=out)
+    out = np.empty_like(a) if out is None else out
+    _kernels.add(a, b, a.shape[0], a.shape[1], out)
+    return out
+
+
+def store_rows(y: F32, col: int, cache: npt.NDArray[Any]) -> None:
+    """Columns col .. col + d - 1 of the rows y (N, width) into cache (N, kv heads, Dh), d its
+    heads' values: a block's K or V rows into its cache rows, float16 (rounded as numpy's
+    astype, to nearest even) or float32; in the C module on the kernels' threads."""
+    n, d = cache.shape[0], int(np.prod(cache.shape[1:]))
+    half = cache.dtype == np.float16
+    if (
+        _kernels is None
+        or not _c_f32(y, (n, y.shape[-1]))
+        or not cache.flags.c_contiguous
+        or cache.dtype not in (np.float16, np.float32)
+    ):
+        cache[...] = y[:, col : col + d].reshape(cache.shape)
+        return
+    _kernels.store_rows(y, col, y.shape[1], n, d, int(half), cache)
+
+
+def _c_f32(a: npt.NDArray[Any], shape: tuple[int, ...]) -> bool:
+    return a.dtype == np.float32 and a.shape == shape and bool(a.flags.c_contiguous)
 
 
 def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:

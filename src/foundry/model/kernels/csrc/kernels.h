@@ -158,6 +158,18 @@ static inline uint16_t f16_bits(float x) {
     return sign | (uint16_t)((((u >> 23) - 112u) << 10) | ((u >> 13) & 0x3FFu));
 }
 
+/* float32 to the float16 bits numpy's astype(float16) gives: round to nearest even (f16_bits),
+ * and a NaN as numpy keeps it (its payload's top ten bits, at least 1, the sign). */
+static inline uint16_t half_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        const uint32_t payload = (u & 0x7FFFFFu) >> 13;
+        return (uint16_t)(((u >> 16) & 0x8000u) | 0x7C00u | (payload ? payload : 1u));
+    }
+    return f16_bits(x);
+}
+
 int type_block(int type, int *values, int *bytes);
 void dequant_row(int type, const uint8_t *w, int k, float *y);
 
@@ -352,6 +364,7 @@ int pool_run(pool_task task, void *ctx, int n_tasks);
 int pool_threads(void);            /* the threads a call runs on, the caller included */
 int pool_set_threads(int n);       /* 0, or -1 when a thread could not be started */
 void pool_split_below(long bytes); /* products of less work run on the caller alone */
+long pool_split_work(void);        /* that bound (64 KiB unless changed) */
 
 /* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
  * the rows are few): each output element is one thread's matmul_rows, so the bits do not
@@ -441,6 +454,8 @@ int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_
                int64_t *bounds);
 void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k, int d,
              float *out);
+void add_rows(const float *a, const float *b, int n, int d, float *out); /* out may be a */
+void store_rows(const float *x, size_t ld, int n, int d, int half, void *out);
 
 /* step.c: one token through a layer (inference.Engine's one-row step), described once */
 typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `type` */

@@ -205,6 +205,10 @@ static long small_work = 64L * 1024;
 void pool_split_below(long bytes) {
     small_work = bytes < 0 ? 0 : bytes;
 }
+
+long pool_split_work(void) {
+    return small_work;
+}
 /* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
  * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
 #define ROW_ALIGN 16

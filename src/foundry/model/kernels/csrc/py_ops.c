@@ -315,6 +315,43 @@ static PyObject *py_combine(PyObject *self, PyObject *args) {
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);
 }
 
+PyDoc_STRVAR(add_doc, "add(a, b, n, d, out): out (n, d) = a + b, float32; out may be a.");
+
+static PyObject *py_add(PyObject *self, PyObject *args) {
+    int n, d;
+    Py_buffer a, b, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*iiw*", &a, &b, &n, &d, &out)) return NULL;
+    const Py_ssize_t size = (Py_ssize_t)n * d * 4;
+    if (n < 0 || d < 1 || !fits("a", &a, size) || !fits("b", &b, size) || !fits("out", &out, size))
+        RELEASE_AND_RETURN(NULL, &a, &b, &out);
+    Py_BEGIN_ALLOW_THREADS add_rows(a.buf, b.buf, n, d, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &a, &b, &out);
+}
+
+PyDoc_STRVAR(store_rows_doc,
+             "store_rows(x, col, ld, n, d, half, out): columns col .. col + d - 1 of the n rows "
+             "of ld float32 values x into n consecutive rows of out (a cache's), float16 where "
+             "half is 1.");
+
+static PyObject *py_store_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t col, ld;
+    int n, d, half;
+    Py_buffer x, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nniiiw*", &x, &col, &ld, &n, &d, &half, &out)) return NULL;
+    if (n < 0 || d < 1 || col < 0 || col + d > ld || (half != 0 && half != 1)) {
+        PyErr_Format(PyExc_ValueError, "store_rows: columns %zd .. %zd of rows of %zd values", col,
+                     col + d - 1, ld);
+        RELEASE_AND_RETURN(NULL, &x, &out);
+    }
+    if (!fits("x", &x, (Py_ssize_t)n * ld * 4) ||
+        !fits("out", &out, (Py_ssize_t)n * d * (half ? 2 : 4)))
+        RELEASE_AND_RETURN(NULL, &x, &out);
+    Py_BEGIN_ALLOW_THREADS store_rows((const float *)x.buf + col, (size_t)ld, n, d, half, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &out);
+}
+
 PyMethodDef ops_methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -327,5 +364,7 @@ PyMethodDef ops_methods[] = {
     {"route", py_route, METH_VARARGS, route_doc},
     {"assign", py_assign, METH_VARARGS, assign_doc},
     {"combine", py_combine, METH_VARARGS, combine_doc},
+    {"add", py_add, METH_VARARGS, add_doc},
+    {"store_rows", py_store_rows, METH_VARARGS, store_rows_doc},
     {NULL, NULL, 0, NULL},
 };
