@@ -159,8 +159,8 @@ def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
 
 
 def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count() -> None:
-    """RMSNorm, the rotation, SiLU x up, GeGLU, the router, the experts' combination, the sums
-    and the cache writes of a prompt's block, cut into one-row tasks: at every count the bits
+    """RMSNorm, the rotation, SiLU x up, GeGLU, the router, the experts' inputs and their
+    combination, the sums and the cache writes of a prompt's block, cut into one-row tasks: at every count the bits
     of each row computed alone (the cache rows: numpy's float16 rounding, NaN included)."""
     rng = np.random.default_rng(5)
     n, d, heads, dh, k = 37, 96, 3, 32, 2
@@ -192,6 +192,7 @@ def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count() -> None
             top.astype(np.float32),
             quant.combine_experts(ys[picked], weights * 0 + 0.5, local),
             quant.add(r, ys[rows]),
+            quant.take_rows(ys, order[rows]),
             *(c.view(np.uint8).astype(np.float32) for c in kv),
         ]
 

@@ -2,6 +2,7 @@
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/prefill.py [--gguf FILE]
         [--model-dir /tmp/pfmodels] [--prompt 512] [--threads 1,2] [--rounds 5]
+        [--pooled linear,attend_rows]
 
 The file (``--gguf``, else the bench preset exported by Foundry as Q8_0 into ``--model-dir``,
 written once) runs a ``--prompt``-token block in the engine (``Engine.decode(...,
@@ -12,7 +13,7 @@ same run on the same (shared, noisy) machine; medians printed.
 At the first count each operation the engine calls is timed (two clock reads a call, wrapped
 around the names ``inference`` and ``parts`` import from ``quant``): those the C module splits
 over the pool (the products, attention, and the row operations: norms, rotation, routing,
-SiLU x up, the experts' combination, the KV-cache writes, the sums) and the rest, the
+SiLU x up, the experts' inputs and combination, the KV-cache writes, the sums) and the rest, the
 engine's own numpy and Python. At every count above 1 the pool's counters
 (``quant.profile``: PROF_POOL, csrc/kernels.h) say how much of the prefill ran inside pool
 calls; what is left ran on one thread: the serial fraction that caps the scaling (Amdahl).
@@ -55,6 +56,7 @@ OPS = {
         "combine_experts",
         "embed",
         "store_rows",
+        "take_rows",
         "add",
     ),
     parts: ("linear", "swiglu", "geglu", "add"),
@@ -62,7 +64,7 @@ OPS = {
 """The operations timed at the first count (a name a module does not import is skipped)."""
 
 POOLED = {"linear", "attend_rows", "rmsnorm", "rope", "route", "combine_experts", "swiglu"}
-POOLED |= {"geglu", "store_rows", "add"}
+POOLED |= {"geglu", "store_rows", "take_rows", "add"}
 """Those the C module splits over the pool when a block of rows calls them."""
 
 
@@ -113,7 +115,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--threads", default="1,2", metavar="N,N,...")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--pooled",
+        default=",".join(sorted(POOLED)),
+        metavar="NAME,...",
+        help="the operations that run on the pool (default: this tree's; the engine before "
+        "its row operations went to the pool: linear,attend_rows)",
+    )
     args = ap.parse_args()
+    pooled_ops = set(args.pooled.split(","))
     retain_freed_memory()
     path = args.gguf or write_models(preset("bench"), ["q8_0"], args.model_dir, None)["q8_0"]
     m = load_gguf_stored(path)
@@ -150,10 +160,10 @@ def main() -> None:
     )
     med = {k: harness.median([o.get(k, 0.0) for o in ops]) for k in names}
     rest = base - sum(med.values())
-    pooled = sum(v for k, v in med.items() if k in POOLED)
+    pooled = sum(v for k, v in med.items() if k in pooled_ops)
     print(f"  {counts[0]} thread(s), a prefill {base * 1e3:.1f} ms (median; operations timed):")
     for k in names:
-        where = "pool" if k in POOLED else "serial"
+        where = "pool" if k in pooled_ops else "serial"
         print(f"    {k:<16} {med[k] * 1e3:8.1f} ms {med[k] / base:6.1%}  {where}")
     print(f"    {'the rest':<16} {rest * 1e3:8.1f} ms {rest / base:6.1%}  serial (numpy, Python)")
     print(

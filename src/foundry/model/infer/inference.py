@@ -87,6 +87,7 @@ from foundry.model.kernels.quant import (
     step_layer,
     step_layers,
     store_rows,
+    take_rows,
 )
 from foundry.model.shard.shares import norm_shares
 from foundry.model.shard.slices import RankWeights
@@ -483,17 +484,18 @@ class Engine:
         if lw.dense is not None:
             return glu(h, *lw.dense, self.arch.act)
         order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
-        xs = h[order // top.shape[1]]  # (M, D)
+        xs = take_rows(h, order // top.shape[1])  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
         edges = bounds.tolist()
         for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
             if lo < hi:
-                ys[lo:hi] = swiglu_ffn(
+                swiglu_ffn(
                     xs[lo:hi],
                     None if lw.gate_up is None else lw.gate_up[e],
                     lw.gate[e],
                     lw.up[e],
                     lw.down[e],
+                    ys[lo:hi],
                 )  # (M_e, D)
         y = combine_experts(ys, weights, order)  # (n, D)
         if lw.shared is not None:

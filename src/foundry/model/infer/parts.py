@@ -39,15 +39,23 @@ def glu(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param
     return linear(geglu(gu), w_down)  # (N, D)
 
 
-def swiglu_ffn(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down: Param) -> F32:
+def swiglu_ffn(
+    x: F32,
+    gate_up: Param | None,
+    w_gate: Param,
+    w_up: Param,
+    w_down: Param,
+    out: F32 | None = None,
+) -> F32:
     """down(silu(gate x) * up x) for x (N, D), on float32 or stored weights: one product for
-    gate and up where ``step_plan.fuse`` stacked them (``gate_up``), else one each."""
+    gate and up where ``step_plan.fuse`` stacked them (``gate_up``), else one each; written to
+    ``out`` (N, D) where given."""
     gu = (
         linear(x, gate_up)
         if gate_up is not None
         else np.concatenate([linear(x, w_gate), linear(x, w_up)], axis=1)
     )  # (N, 2F)
-    return linear(swiglu(gu), w_down)  # (N, D)
+    return linear(swiglu(gu), w_down, out)  # (N, D)
 
 
 def cut_parts(

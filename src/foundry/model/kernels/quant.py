@@ -210,19 +210,25 @@ def _dequantize_rows(qtype: QType, data: U8, k: int) -> F32:
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 
-def linear(x: F32, w: Param) -> F32:
-    """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise."""
+def linear(x: F32, w: Param, out: F32 | None = None) -> F32:
+    """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise; written
+    to ``out`` (N, out) where given (the kernels write a C-contiguous one in place)."""
     if isinstance(w, np.ndarray):
-        return x @ w.T  # (N, out)
-    if w.ndim != 2:
+        y = x @ w.T  # (N, out)
+    elif w.ndim != 2:
         raise QuantError(f"linear takes a 2-d weight, got {w.qtype.name}{w.shape}")
-    n_out, k = w.shape
-    if _kernels is None:
-        return x @ w.dequantize().T  # (N, out)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    y = np.empty((x.shape[0], n_out), np.float32)  # (N, out)
-    _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
-    return y
+    elif _kernels is None:
+        y = x @ w.dequantize().T  # (N, out)
+    else:
+        n_out, k = w.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = (x.shape[0], n_out)
+        y = out if out is not None and _c_f32(out, shape) else np.empty(shape, np.float32)
+        _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
+    if out is None or y is out:
+        return y
+    out[...] = y
+    return out
 
 
 def attend(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], n_pos: int, out: F32) -> None:
@@ -402,6 +408,15 @@ def store_rows(y: F32, col: int, cache: npt.NDArray[Any]) -> None:
         cache[...] = y[:, col : col + d].reshape(cache.shape)
         return
     _kernels.store_rows(y, col, y.shape[1], n, d, int(half), cache)
+
+
+def take_rows(x: F32, idx: I64) -> F32:
+    """Rows ``idx`` of x (N, D): (M, D), as ``x[idx]``; in the C module on the kernels' threads."""
+    if _kernels is None or not _c_f32(x, x.shape) or x.ndim != 2:
+        return x[idx]
+    out = np.empty((idx.shape[0], x.shape[1]), np.float32)
+    _kernels.take_rows(x, x.shape[0], np.ascontiguousarray(idx, np.int64), x.shape[1], out)
+    return out
 
 
 def _c_f32(a: npt.NDArray[Any], shape: tuple[int, ...]) -> bool:

@@ -285,3 +285,14 @@ void store_rows(const float *x, size_t ld, int n, int d, int half, void *out) {
     rows_job j = {.run = store_run, .x = x, .ld = ld, .out = out, .d = d, .half = half};
     on_rows(&j, n, (size_t)d);
 }
+
+/* out (m, d) = rows idx[0 .. m - 1] of x (the inputs of an expert's assignments, grouped). */
+static void take_run(const rows_job *j, int r0, int r1) {
+    const size_t d = (size_t)j->d;
+    for (int r = r0; r < r1; r++) memcpy(j->out + (size_t)r * d, j->x + j->slot[r] * d, d * 4);
+}
+
+void take_rows(const float *x, const int64_t *idx, int m, int d, float *out) {
+    rows_job j = {.run = take_run, .x = x, .slot = idx, .out = out, .d = d};
+    on_rows(&j, m, (size_t)d);
+}

@@ -456,6 +456,7 @@ void combine(const float *ys, const float *weights, const int64_t *slot, int n, 
              float *out);
 void add_rows(const float *a, const float *b, int n, int d, float *out); /* out may be a */
 void store_rows(const float *x, size_t ld, int n, int d, int half, void *out);
+void take_rows(const float *x, const int64_t *idx, int m, int d, float *out);
 
 /* step.c: one token through a layer (inference.Engine's one-row step), described once */
 typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `type` */

@@ -352,6 +352,29 @@ static PyObject *py_store_rows(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &out);
 }
 
+PyDoc_STRVAR(take_rows_doc, "take_rows(x, rows, idx, d, out): out (m, d) = rows idx (m, int64, "
+                            "each < rows) of x (rows, d), float32.");
+
+static PyObject *py_take_rows(PyObject *self, PyObject *args) {
+    int rows, d;
+    Py_buffer x, idx, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iy*iw*", &x, &rows, &idx, &d, &out)) return NULL;
+    const Py_ssize_t m = idx.len / 8;
+    if (rows < 0 || d < 1 || idx.len % 8 || m > INT32_MAX ||
+        !fits("x", &x, (Py_ssize_t)rows * d * 4) || !fits("out", &out, m * d * 4))
+        RELEASE_AND_RETURN(NULL, &x, &idx, &out);
+    const int64_t *at = idx.buf;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_Format(PyExc_ValueError, "take_rows: idx[%zd] = %lld is not a row of %d", i,
+                         (long long)at[i], rows);
+            RELEASE_AND_RETURN(NULL, &x, &idx, &out);
+        }
+    Py_BEGIN_ALLOW_THREADS take_rows(x.buf, at, (int)m, d, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &idx, &out);
+}
+
 PyMethodDef ops_methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
@@ -366,5 +389,6 @@ PyMethodDef ops_methods[] = {
     {"combine", py_combine, METH_VARARGS, combine_doc},
     {"add", py_add, METH_VARARGS, add_doc},
     {"store_rows", py_store_rows, METH_VARARGS, store_rows_doc},
+    {"take_rows", py_take_rows, METH_VARARGS, take_rows_doc},
     {NULL, NULL, 0, NULL},
 };
