@@ -158,10 +158,13 @@ def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
     assert rows.tobytes() == runs[0][0].tobytes()
 
 
-def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count() -> None:
+def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """RMSNorm, the rotation, SiLU x up, GeGLU, the router, the experts' inputs and their
-    combination, the sums and the cache writes of a prompt's block, cut into one-row tasks: at every count the bits
-    of each row computed alone (the cache rows: numpy's float16 rounding, NaN included)."""
+    combination, the sums and the cache writes of a prompt's block, cut into one-row tasks: at
+    every count the bits of each row computed alone (the cache rows: numpy's float16
+    rounding, NaN included); the sums, rows and cache writes also those of the numpy path."""
     rng = np.random.default_rng(5)
     n, d, heads, dh, k = 37, 96, 3, 32, 2
     x = rng.standard_normal((n, d)).astype(np.float32)
@@ -205,6 +208,11 @@ def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count() -> None
     with np.errstate(over="ignore", invalid="ignore"):  # numpy's rounding, to inf past 65504
         half = y[:, heads * dh : 2 * heads * dh].astype(np.float16)
     assert runs[0][-2].tobytes() == half.view(np.uint8).astype(np.float32).tobytes()
+    monkeypatch.setattr(quant, "_kernels", None)  # numpy's: the same sums, rows and cache
+    with np.errstate(over="ignore", invalid="ignore"):
+        numpy_ops = ops(slice(0, n))
+    for i in (8, 9, 10, 11):
+        assert numpy_ops[i].tobytes() == runs[0][i].tobytes()
 
 
 def decode_run(engine: Engine, prompt: list[int], steps: int) -> list[F32]:
