@@ -174,6 +174,7 @@ def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count(
     router = rng.standard_normal((5, d)).astype(np.float32)
     y = rng.standard_normal((n, 4 * heads * dh)).astype(np.float32) * 3e4  # some overflow f16
     y[3, heads * dh + 1] = np.nan
+    y[5, heads * dh : 2 * heads * dh] *= 1e-9  # float16's subnormals and zeros
     ys = rng.standard_normal((n * k, d)).astype(np.float32)
     order = rng.permutation(n * k)[: n * k - 5]  # 5 assignments held by another part
 
@@ -208,6 +209,12 @@ def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count(
     with np.errstate(over="ignore", invalid="ignore"):  # numpy's rounding, to inf past 65504
         half = y[:, heads * dh : 2 * heads * dh].astype(np.float16)
     assert runs[0][-2].tobytes() == half.view(np.uint8).astype(np.float32).tobytes()
+    quant._kernels.use("portable")  # type: ignore[union-attr]
+    try:
+        portable = ops(slice(0, n))
+    finally:
+        quant._kernels.use("best")  # type: ignore[union-attr]
+    assert_same_bits([runs[0], portable])
     monkeypatch.setattr(quant, "_kernels", None)  # numpy's: the same sums, rows and cache
     with np.errstate(over="ignore", invalid="ignore"):
         numpy_ops = ops(slice(0, n))

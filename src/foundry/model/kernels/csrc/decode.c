@@ -266,18 +266,42 @@ void add_rows(const float *a, const float *b, int n, int d, float *out) {
     on_rows(&j, n, (size_t)d);
 }
 
+/* A row's d values as float16 bits (half_bits); on x86 eight at a time by F16C's vcvtps2ph,
+ * rounding to nearest even (the same bits: f16_bits' definition), a group holding a NaN by
+ * half_bits (numpy's payload, where the instruction would set the quiet bit). */
+static void half_row_portable(const float *x, size_t d, uint16_t *o) {
+    for (size_t i = 0; i < d; i++) o[i] = half_bits(x[i]);
+}
+
+#if defined(FOUNDRY_X86)
+AVX2 static void half_row_avx2(const float *x, size_t d, uint16_t *o) {
+    size_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)))
+            half_row_portable(x + i, 8, o + i);
+        else
+            _mm_storeu_si128((__m128i *)(o + i),
+                             _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    half_row_portable(x + i, d - i, o + i);
+}
+#endif
+
 /* Rows of d float32 values, ld apart (a column block of a product), into n consecutive rows of
  * a cache: float16 where half (half_bits: numpy's astype), else copied. */
 static void store_run(const rows_job *j, int r0, int r1) {
     const size_t d = (size_t)j->d;
+    void (*half_row)(const float *, size_t, uint16_t *) = half_row_portable;
+#if defined(FOUNDRY_X86)
+    if (use_avx2) half_row = half_row_avx2;
+#endif
     for (int r = r0; r < r1; r++) {
         const float *x = j->x + (size_t)r * j->ld;
-        if (j->half) {
-            uint16_t *o = (uint16_t *)j->out + (size_t)r * d;
-            for (size_t i = 0; i < d; i++) o[i] = half_bits(x[i]);
-        } else {
+        if (j->half)
+            half_row(x, d, (uint16_t *)j->out + (size_t)r * d);
+        else
             memcpy(j->out + (size_t)r * d, x, d * sizeof(float));
-        }
     }
 }
 
