@@ -99,6 +99,30 @@ def test_products_are_the_same_bits_at_any_thread_count(
     assert alone.tobytes() == runs[0][0].tobytes()
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q5_0, QType.F16])
+def test_a_blocks_groups_are_each_groups_own_product_at_any_thread_count(qtype: QType) -> None:
+    """A prompt's experts (linear_groups): groups of 1 to 70 rows, each times its own matrix,
+    in shared pool calls, give each group's rows the bits of its own product at every count."""
+    rng = np.random.default_rng(6)
+    k, n_out, sizes = 256, 96, [3, 1, 70, 17, 9]
+    ws = [stored(rng.standard_normal((n_out, k)).astype(np.float32), qtype) for _ in sizes]
+    x = rng.standard_normal((sum(sizes) + 4, k)).astype(np.float32)
+    edges = np.cumsum([2, *sizes]).tolist()  # rows 0, 1 and the last 2 in no group
+    groups = [(lo, hi, w) for lo, hi, w in zip(edges[:-1], edges[1:], ws, strict=True)]
+
+    def grouped() -> list[F32]:
+        out = np.zeros((x.shape[0], n_out), np.float32)
+        return [quant.linear_groups(x, groups, out)]
+
+    runs = at_counts(grouped)
+    assert_same_bits(runs)
+    quant.set_threads(1)
+    alone = np.zeros((x.shape[0], n_out), np.float32)
+    for lo, hi, w in groups:
+        alone[lo:hi] = quant.linear(x[lo:hi], w)
+    assert alone.tobytes() == runs[0][0].tobytes()
+
+
 def test_a_product_cut_wrongly_is_seen() -> None:
     """Rows of a product computed from an input moved by a rounding step of its int8 values:
     the comparison sees it."""

@@ -59,12 +59,12 @@ OPS = {
         "take_rows",
         "add",
     ),
-    parts: ("linear", "swiglu", "geglu", "add"),
+    parts: ("linear", "linear_groups", "swiglu", "geglu", "add"),
 }
 """The operations timed at the first count (a name a module does not import is skipped)."""
 
 POOLED = {"linear", "attend_rows", "rmsnorm", "rope", "route", "combine_experts", "swiglu"}
-POOLED |= {"geglu", "store_rows", "take_rows", "add"}
+POOLED |= {"linear_groups", "geglu", "store_rows", "take_rows", "add"}
 """Those the C module splits over the pool when a block of rows calls them."""
 
 

@@ -58,7 +58,14 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.kv_cache import KVCache, Session
-from foundry.model.infer.parts import cut_parts, glu, row_block, sum_partials, swiglu_ffn
+from foundry.model.infer.parts import (
+    cut_parts,
+    experts_swiglu,
+    glu,
+    row_block,
+    sum_partials,
+    swiglu_ffn,
+)
 from foundry.model.infer.sessions import check_rows, default_ctx
 from foundry.model.infer.step_plan import (
     DenseLayer,
@@ -486,17 +493,10 @@ class Engine:
         order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
         xs = take_rows(h, order // top.shape[1])  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
-        edges = bounds.tolist()
-        for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
-            if lo < hi:
-                swiglu_ffn(
-                    xs[lo:hi],
-                    None if lw.gate_up is None else lw.gate_up[e],
-                    lw.gate[e],
-                    lw.up[e],
-                    lw.down[e],
-                    ys[lo:hi],
-                )  # (M_e, D)
+        groups = [(lo, hi, e) for e, (lo, hi) in enumerate(itertools.pairwise(bounds.tolist()))]
+        groups = [g for g in groups if g[0] < g[1]]  # the experts with assignments
+        if groups:
+            experts_swiglu(xs, groups, lw.gate_up, lw.gate, lw.up, lw.down, ys)  # (M, D)
         y = combine_experts(ys, weights, order)  # (n, D)
         if lw.shared is not None:
             add(y, swiglu_ffn(h, *lw.shared), y)  # (n, D)

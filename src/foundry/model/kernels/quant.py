@@ -213,12 +213,10 @@ def _dequantize_rows(qtype: QType, data: U8, k: int) -> F32:
 def linear(x: F32, w: Param, out: F32 | None = None) -> F32:
     """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise; written
     to ``out`` (N, out) where given (the kernels write a C-contiguous one in place)."""
-    if isinstance(w, np.ndarray):
-        y = x @ w.T  # (N, out)
-    elif w.ndim != 2:
+    if not isinstance(w, np.ndarray) and w.ndim != 2:
         raise QuantError(f"linear takes a 2-d weight, got {w.qtype.name}{w.shape}")
-    elif _kernels is None:
-        y = x @ w.dequantize().T  # (N, out)
+    if isinstance(w, np.ndarray) or _kernels is None:
+        y = x @ dequantize(w).T  # (N, out)
     else:
         n_out, k = w.shape
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -228,6 +226,22 @@ def linear(x: F32, w: Param, out: F32 | None = None) -> F32:
     if out is None or y is out:
         return y
     out[...] = y
+    return out
+
+
+def linear_groups(x: F32, groups: Sequence[tuple[int, int, Param]], out: F32) -> F32:
+    """Rows lo .. hi - 1 of x (N, in) times each group's w (out, in) into the same rows of out
+    (N, out): a prompt's experts, each on the rows of its assignments. Each group's rows get
+    ``linear``'s bits; in the C module every group of stored blocks shares the same two pool
+    calls (the inputs prepared, the rows' products), so the threads balance over all of them."""
+    stored = [(lo, hi, w) for lo, hi, w in groups if isinstance(w, QTensor) and w.ndim == 2]
+    if _kernels is None or len(stored) < len(groups) or len(groups) > 256 or out.ndim != 2:
+        for lo, hi, w in groups:
+            linear(x[lo:hi], w, out[lo:hi])
+        return out
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    calls = tuple((int(w.qtype), w.data, lo, hi) for lo, hi, w in stored)
+    _kernels.matmul_groups(x, x.shape[0], x.shape[1], calls, out.shape[1], out)
     return out
 
 
@@ -398,16 +412,10 @@ def store_rows(y: F32, col: int, cache: npt.NDArray[Any]) -> None:
     heads' values: a block's K or V rows into its cache rows, float16 (rounded as numpy's
     astype, to nearest even) or float32; in the C module on the kernels' threads."""
     n, d = cache.shape[0], int(np.prod(cache.shape[1:]))
-    half = cache.dtype == np.float16
-    if (
-        _kernels is None
-        or not _c_f32(y, (n, y.shape[-1]))
-        or not cache.flags.c_contiguous
-        or cache.dtype not in (np.float16, np.float32)
-    ):
+    if _kernels is None or not _c_f32(y, (n, y.shape[-1])) or not cache.flags.c_contiguous:
         cache[...] = y[:, col : col + d].reshape(cache.shape)
         return
-    _kernels.store_rows(y, col, y.shape[1], n, d, int(half), cache)
+    _kernels.store_rows(y, col, y.shape[1], n, d, int(cache.dtype == np.float16), cache)
 
 
 def take_rows(x: F32, idx: I64) -> F32:

@@ -383,6 +383,18 @@ typedef struct {
 } mm_item;
 int matmul_many(const mm_item *items, int count);
 
+/* A block of inputs x (n, k) in groups of consecutive rows t0 .. t1 - 1, each group times its
+ * own matrix of n_out rows (a prompt's experts: the rows of each expert's assignments), into
+ * the same rows of y (n, n_out): every group's inputs prepared in one pool call, every group's
+ * row tasks in another (each task the one-thread code, as matmul: the bits of one matmul per
+ * group). Groups hold at least one row. Returns 0, or -1 when out of memory. */
+typedef struct {
+    int type, t0, t1;
+    size_t row_bytes;
+    const uint8_t *w;
+} mm_group;
+int matmul_groups(const mm_group *groups, int count, int n_out, int k, const float *x, float *y);
+
 /* Where a decoded token's time goes (bench/performance/engine.py --profile): off unless
  * prof_on; counted by the thread that calls the pool (one Python thread at a time). */
 enum {

@@ -61,6 +61,63 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(matmul_groups_doc,
+             "matmul_groups(x, n, k, groups, n_out, y): rows t0 .. t1 - 1 of x (n, k) times each "
+             "group's matrix into the same rows of y (n, n_out); groups a tuple of (type, w, t0, "
+             "t1), w n_out rows of k values of ggml type `type`, t0 < t1, the groups' rows apart. "
+             "Every group in the same pool calls.");
+
+#define MAX_GROUPS MAX_EXPERTS
+
+static PyObject *py_matmul_groups(PyObject *self, PyObject *args) {
+    Py_ssize_t n, k, n_out;
+    PyObject *groups;
+    Py_buffer x, y, w[MAX_GROUPS];
+    mm_group g[MAX_GROUPS];
+    int count = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnO!nw*", &x, &n, &k, &PyTuple_Type, &groups, &n_out, &y))
+        return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || n_out < 1 || n > INT32_MAX || n_out > INT32_MAX || x.len != n * k * 4 ||
+        y.len != n * n_out * 4 || PyTuple_GET_SIZE(groups) > MAX_GROUPS) {
+        PyErr_Format(PyExc_ValueError,
+                     "matmul_groups: x %zd and y %zd bytes for %zd rows of %zd and %zd, %zd "
+                     "groups (at most %d)",
+                     x.len, y.len, n, k, n_out, PyTuple_GET_SIZE(groups), MAX_GROUPS);
+        goto done;
+    }
+    for (; count < PyTuple_GET_SIZE(groups); count++) {
+        mm_group *m = &g[count];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(groups, count), "iy*ii", &m->type, &w[count], &m->t0,
+                              &m->t1))
+            goto done;
+        m->w = w[count].buf;
+        if (check_shape(m->type, n_out, k, w[count].len, &m->row_bytes) < 0) {
+            count++;
+            goto done;
+        }
+        if (m->t0 < 0 || m->t1 <= m->t0 || m->t1 > n || (count && m->t0 < g[count - 1].t1)) {
+            PyErr_Format(PyExc_ValueError, "matmul_groups: group %d holds rows %d .. %d of %zd",
+                         count, m->t0, m->t1 - 1, n);
+            count++;
+            goto done;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = matmul_groups(g, count, (int)n_out, (int)k, x.buf, y.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < count; i++) PyBuffer_Release(&w[i]);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return result;
+}
+
 PyDoc_STRVAR(attend_doc,
              "attend(q, k, v, half, n_pos, n_head, n_kv, dh, out): one query row (n_head, dh) "
              "against positions 0 .. n_pos - 1 of a cache k, v (ctx, n_kv, dh), float16 where "
@@ -377,6 +434,7 @@ static PyObject *py_take_rows(PyObject *self, PyObject *args) {
 
 PyMethodDef ops_methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"matmul_groups", py_matmul_groups, METH_VARARGS, matmul_groups_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"attend_rows", py_attend_rows, METH_VARARGS, attend_rows_doc},
