@@ -99,6 +99,30 @@ def test_products_are_the_same_bits_at_any_thread_count(
     assert alone.tobytes() == runs[0][0].tobytes()
 
 
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q5_0, QType.F16])
+def test_a_blocks_groups_are_each_groups_own_product_at_any_thread_count(qtype: QType) -> None:
+    """A prompt's experts (linear_groups): groups of 1 to 70 rows, each times its own matrix,
+    in shared pool calls, give each group's rows the bits of its own product at every count."""
+    rng = np.random.default_rng(6)
+    k, n_out, sizes = 256, 96, [3, 1, 70, 17, 9]
+    ws = [stored(rng.standard_normal((n_out, k)).astype(np.float32), qtype) for _ in sizes]
+    x = rng.standard_normal((sum(sizes) + 4, k)).astype(np.float32)
+    edges = np.cumsum([2, *sizes]).tolist()  # rows 0, 1 and the last 2 in no group
+    groups = [(lo, hi, w) for lo, hi, w in zip(edges[:-1], edges[1:], ws, strict=True)]
+
+    def grouped() -> list[F32]:
+        out = np.zeros((x.shape[0], n_out), np.float32)
+        return [quant.linear_groups(x, groups, out)]
+
+    runs = at_counts(grouped)
+    assert_same_bits(runs)
+    quant.set_threads(1)
+    alone = np.zeros((x.shape[0], n_out), np.float32)
+    for lo, hi, w in groups:
+        alone[lo:hi] = quant.linear(x[lo:hi], w)
+    assert alone.tobytes() == runs[0][0].tobytes()
+
+
 def test_a_product_cut_wrongly_is_seen() -> None:
     """Rows of a product computed from an input moved by a rounding step of its int8 values:
     the comparison sees it."""
@@ -156,6 +180,70 @@ def test_attention_of_a_block_is_each_rows_own_at_any_thread_count(
         first = max(0, n_pos - window) if window else 0
         quant.attend(q[t], kc[first:], vc[first:], n_pos - first, rows[t])
     assert rows.tobytes() == runs[0][0].tobytes()
+
+
+def test_a_blocks_row_operations_are_each_rows_own_at_any_thread_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RMSNorm, the rotation, SiLU x up, GeGLU, the router, the experts' inputs and their
+    combination, the sums and the cache writes of a prompt's block, cut into one-row tasks: at
+    every count the bits of each row computed alone (the cache rows: numpy's float16
+    rounding, NaN included); the sums, rows and cache writes also those of the numpy path."""
+    rng = np.random.default_rng(5)
+    n, d, heads, dh, k = 37, 96, 3, 32, 2
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    cos, sin = (rng.standard_normal((n, dh // 2)).astype(np.float32) for _ in range(2))
+    gu = rng.standard_normal((n, 2 * d)).astype(np.float32)
+    router = rng.standard_normal((5, d)).astype(np.float32)
+    y = rng.standard_normal((n, 4 * heads * dh)).astype(np.float32) * 3e4  # some overflow f16
+    y[3, heads * dh + 1] = np.nan
+    y[5, heads * dh : 2 * heads * dh] *= 1e-9  # float16's subnormals and zeros
+    ys = rng.standard_normal((n * k, d)).astype(np.float32)
+    order = rng.permutation(n * k)[: n * k - 5]  # 5 assignments held by another part
+
+    def ops(rows: slice) -> list[F32]:
+        r = x[rows]
+        weights, top = quant.route(r, router, k)
+        kv = [np.empty((r.shape[0], heads, dh), t) for t in (np.float16, np.float32)]
+        for c in kv:
+            quant.store_rows(y[rows], heads * dh, c)
+        picked = np.flatnonzero(np.isin(order // k, np.arange(n)[rows]))
+        local = order[picked] - (rows.start or 0) * k
+        return [
+            quant.rmsnorm(r, w, 1e-5),
+            quant.rope(r.reshape(-1, heads, dh), cos[rows], sin[rows], neox=False),
+            quant.rope(r.reshape(-1, heads, dh), cos[rows], sin[rows], neox=True),
+            quant.swiglu(gu[rows]),
+            quant.geglu(gu[rows]),
+            weights,
+            top.astype(np.float32),
+            quant.combine_experts(ys[picked], weights * 0 + 0.5, local),
+            quant.add(r, ys[rows]),
+            quant.take_rows(ys, order[rows]),
+            *(c.view(np.uint8).astype(np.float32) for c in kv),
+        ]
+
+    runs = at_counts(lambda: ops(slice(0, n)))
+    assert_same_bits(runs)
+    quant.set_threads(1)
+    single = [ops(slice(t, t + 1)) for t in range(n)]
+    alone = [np.concatenate(parts) for parts in zip(*single, strict=True)]
+    assert_same_bits([runs[0], alone])
+    with np.errstate(over="ignore", invalid="ignore"):  # numpy's rounding, to inf past 65504
+        half = y[:, heads * dh : 2 * heads * dh].astype(np.float16)
+    assert runs[0][-2].tobytes() == half.view(np.uint8).astype(np.float32).tobytes()
+    quant._kernels.use("portable")  # type: ignore[union-attr]
+    try:
+        portable = ops(slice(0, n))
+    finally:
+        quant._kernels.use("best")  # type: ignore[union-attr]
+    assert_same_bits([runs[0], portable])
+    monkeypatch.setattr(quant, "_kernels", None)  # numpy's: the same sums, rows and cache
+    with np.errstate(over="ignore", invalid="ignore"):
+        numpy_ops = ops(slice(0, n))
+    for i in (8, 9, 10, 11):
+        assert numpy_ops[i].tobytes() == runs[0][i].tobytes()
 
 
 def decode_run(engine: Engine, prompt: list[int], steps: int) -> list[F32]:

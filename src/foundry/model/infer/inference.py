@@ -58,7 +58,14 @@ import numpy as np
 import numpy.typing as npt
 
 from foundry.model.infer.kv_cache import KVCache, Session
-from foundry.model.infer.parts import cut_parts, glu, row_block, sum_partials, swiglu_ffn
+from foundry.model.infer.parts import (
+    cut_parts,
+    experts_swiglu,
+    glu,
+    row_block,
+    sum_partials,
+    swiglu_ffn,
+)
 from foundry.model.infer.sessions import check_rows, default_ctx
 from foundry.model.infer.step_plan import (
     DenseLayer,
@@ -71,6 +78,7 @@ from foundry.model.kernels.quant import (
     Param,
     QTensor,
     StepPlan,
+    add,
     assign_experts,
     attend_rows,
     combine_experts,
@@ -85,6 +93,8 @@ from foundry.model.kernels.quant import (
     step_ffn,
     step_layer,
     step_layers,
+    store_rows,
+    take_rows,
 )
 from foundry.model.shard.shares import norm_shares
 from foundry.model.shard.slices import RankWeights
@@ -378,7 +388,7 @@ class Engine:
                     [self._attention(i, j, h, rows, spans, cos, sin) for j in parts]
                 )
             a = self._exchange(exchange, i, Gate.ATTN, partial)
-            x += a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps)
+            add(x, a if dense.post_attn is None else rmsnorm(a, dense.post_attn, cfg.norm_eps), x)
             h = rmsnorm(x, dense.ffn_norm, cfg.norm_eps)  # (n, D)
             if plan is not None and self._whole[i]:  # routed or dense, in C
                 partial = sum_partials([step_ffn(plan, j, h) for j in parts])
@@ -388,7 +398,7 @@ class Engine:
                     weights, top = self._route(h, dense.router)  # (n, K) each
                 partial = sum_partials([self._ffn(i, j, h, weights, top) for j in parts])
             f = self._exchange(exchange, i, Gate.FFN, partial)
-            x += f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps)
+            add(x, f if dense.post_ffn is None else rmsnorm(f, dense.post_ffn, cfg.norm_eps), x)
         hf = rmsnorm(x, rp["output_norm.weight"], cfg.norm_eps)  # (n, D)
         last = [b - 1 for _, b in spans] if last_only else None
         if self._head_all is not None:
@@ -428,18 +438,20 @@ class Engine:
             qr, kr, vr = linear(h, lw.q), linear(h, lw.k), linear(h, lw.v)
         if lw.bias is not None:
             qr, kr, vr = qr + lw.bias[0], kr + lw.bias[1], vr + lw.bias[2]
+        # V goes to the cache as the product gave it: its columns of the stacked rows
+        v_rows, v_col = (y, nq + nk) if lw.qkv is not None and lw.bias is None else (vr, 0)
         q = self._qk(qr, self._dense[layer].q_norm, lw.q_keep, n, dh)  # (n, H_part, Dh)
         k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
         neox = self.arch.rope is Rope.NEOX
         q, k = rope(q, cos, sin, neox), rope(k, cos, sin, neox)
-        v = np.ascontiguousarray(vr).reshape(n, -1, dh)  # (n, Hkv_part, Dh)
+        k_rows = k.reshape(n, -1)  # (n, Hkv_part * Dh)
         window = self._window[layer]
         o = np.empty_like(q)  # (n, H_part, Dh)
         for (session, _), (a, b) in zip(rows, spans, strict=True):
             kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
             end = session.pos + b - a
-            kc[session.pos : end] = k[a:b]
-            vc[session.pos : end] = v[a:b]
+            store_rows(k_rows[a:b], 0, kc[session.pos : end])
+            store_rows(v_rows[a:b], v_col, vc[session.pos : end])
             # each row as one-row decoding computes it (batch invariance), over its window
             attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
@@ -479,21 +491,15 @@ class Engine:
         if lw.dense is not None:
             return glu(h, *lw.dense, self.arch.act)
         order, bounds = assign_experts(top, lw.first_expert, len(lw.gate))  # (M,), (E_part + 1,)
-        xs = h[order // top.shape[1]]  # (M, D)
+        xs = take_rows(h, order // top.shape[1])  # (M, D)
         ys = np.empty_like(xs)  # (M, D) unweighted expert outputs
-        edges = bounds.tolist()
-        for e, (lo, hi) in enumerate(itertools.pairwise(edges)):
-            if lo < hi:
-                ys[lo:hi] = swiglu_ffn(
-                    xs[lo:hi],
-                    None if lw.gate_up is None else lw.gate_up[e],
-                    lw.gate[e],
-                    lw.up[e],
-                    lw.down[e],
-                )  # (M_e, D)
+        groups = [(lo, hi, e) for e, (lo, hi) in enumerate(itertools.pairwise(bounds.tolist()))]
+        groups = [g for g in groups if g[0] < g[1]]  # the experts with assignments
+        if groups:
+            experts_swiglu(xs, groups, lw.gate_up, lw.gate, lw.up, lw.down, ys)  # (M, D)
         y = combine_experts(ys, weights, order)  # (n, D)
         if lw.shared is not None:
-            y += swiglu_ffn(h, *lw.shared)  # (n, D)
+            add(y, swiglu_ffn(h, *lw.shared), y)  # (n, D)
         return y
 
     def _exchange(self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32) -> F32:

@@ -1,7 +1,7 @@
 """The arithmetic of an engine's parts (``inference.Engine``): the weights cut into the parts
 one engine holds (``cut_parts``), a part's rows of a tied head (``row_block``), a dense FFN on
-a part's slice (``glu``, ``swiglu_ffn``), and the parts' partials added in rank order as the
-ranks' exchange adds them (``sum_partials``)."""
+a part's slice (``glu``, ``swiglu_ffn``), a block's routed experts (``experts_swiglu``), and
+the parts' partials added in rank order as the ranks' exchange adds them (``sum_partials``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.kernels.quant import Param, QTensor, geglu, linear, swiglu
+from foundry.model.kernels.quant import (
+    Param,
+    QTensor,
+    add,
+    geglu,
+    linear,
+    linear_groups,
+    swiglu,
+)
 from foundry.model.shard.shares import Shares, check_splittable
 from foundry.model.shard.slices import RankWeights, rank_weights
 from foundry.model.shard.table import ExpertSplit, SplitError
@@ -50,6 +58,38 @@ def swiglu_ffn(x: F32, gate_up: Param | None, w_gate: Param, w_up: Param, w_down
     return linear(swiglu(gu), w_down)  # (N, D)
 
 
+def experts_swiglu(
+    xs: F32,
+    groups: list[tuple[int, int, int]],
+    gate_up: list[Param] | None,
+    gate: list[Param],
+    up: list[Param],
+    down: list[Param],
+    out: F32,
+) -> F32:
+    """``swiglu_ffn`` of each routed expert e on its rows lo .. hi - 1 of xs (M, D), for each
+    (lo, hi, e) of ``groups``, into those rows of out (M, D): every expert's products in the
+    same pool calls (``linear_groups``) and SiLU x up over all rows at once, each row the bits
+    of its expert's ``swiglu_ffn``."""
+    if gate_up is not None:
+        n_gu = gate_up[groups[0][2]].shape[0]
+        gu = linear_groups(xs, [(lo, hi, gate_up[e]) for lo, hi, e in groups], _rows(xs, n_gu))
+    else:
+        n_ff = gate[groups[0][2]].shape[0]
+        gu = np.concatenate(
+            [
+                linear_groups(xs, [(lo, hi, m[e]) for lo, hi, e in groups], _rows(xs, n_ff))
+                for m in (gate, up)
+            ],
+            axis=1,
+        )  # (M, 2F)
+    return linear_groups(swiglu(gu), [(lo, hi, down[e]) for lo, hi, e in groups], out)
+
+
+def _rows(x: F32, width: int) -> F32:
+    return np.empty((x.shape[0], width), np.float32)
+
+
 def cut_parts(
     cfg: ModelConfig,
     weights: Mapping[str, Param],
@@ -73,8 +113,11 @@ def cut_parts(
 
 
 def sum_partials(partials: list[F32]) -> F32:
-    """Partials added in rank order, as the ranks' exchange adds them."""
-    total = partials[0]
-    for p in partials[1:]:
-        total = total + p
+    """Partials added in rank order, as the ranks' exchange adds them (a new array where there
+    are several)."""
+    if len(partials) == 1:
+        return partials[0]
+    total = add(partials[0], partials[1])
+    for p in partials[2:]:
+        add(total, p, total)
     return total

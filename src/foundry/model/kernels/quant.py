@@ -210,19 +210,39 @@ def _dequantize_rows(qtype: QType, data: U8, k: int) -> F32:
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 
-def linear(x: F32, w: Param) -> F32:
-    """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise."""
-    if isinstance(w, np.ndarray):
-        return x @ w.T  # (N, out)
-    if w.ndim != 2:
+def linear(x: F32, w: Param, out: F32 | None = None) -> F32:
+    """x (N, in) @ w.T for w (out, in): numpy for float32, the block kernels otherwise; written
+    to ``out`` (N, out) where given (the kernels write a C-contiguous one in place)."""
+    if not isinstance(w, np.ndarray) and w.ndim != 2:
         raise QuantError(f"linear takes a 2-d weight, got {w.qtype.name}{w.shape}")
-    n_out, k = w.shape
-    if _kernels is None:
-        return x @ w.dequantize().T  # (N, out)
+    if isinstance(w, np.ndarray) or _kernels is None:
+        y = x @ dequantize(w).T  # (N, out)
+    else:
+        n_out, k = w.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        shape = (x.shape[0], n_out)
+        y = out if out is not None and _c_f32(out, shape) else np.empty(shape, np.float32)
+        _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
+    if out is None or y is out:
+        return y
+    out[...] = y
+    return out
+
+
+def linear_groups(x: F32, groups: Sequence[tuple[int, int, Param]], out: F32) -> F32:
+    """Rows lo .. hi - 1 of x (N, in) times each group's w (out, in) into the same rows of out
+    (N, out): a prompt's experts, each on the rows of its assignments. Each group's rows get
+    ``linear``'s bits; in the C module every group of stored blocks shares the same two pool
+    calls (the inputs prepared, the rows' products), so the threads balance over all of them."""
+    stored = [(lo, hi, w) for lo, hi, w in groups if isinstance(w, QTensor) and w.ndim == 2]
+    if _kernels is None or len(stored) < len(groups) or len(groups) > 256 or out.ndim != 2:
+        for lo, hi, w in groups:
+            linear(x[lo:hi], w, out[lo:hi])
+        return out
     x = np.ascontiguousarray(x, dtype=np.float32)
-    y = np.empty((x.shape[0], n_out), np.float32)  # (N, out)
-    _kernels.matmul(int(w.qtype), w.data, n_out, k, x, x.shape[0], y)
-    return y
+    calls = tuple((int(w.qtype), w.data, lo, hi) for lo, hi, w in stored)
+    _kernels.matmul_groups(x, x.shape[0], x.shape[1], calls, out.shape[1], out)
+    return out
 
 
 def attend(q: F32, k: npt.NDArray[Any], v: npt.NDArray[Any], n_pos: int, out: F32) -> None:
@@ -267,7 +287,8 @@ def attend_rows(
 
 def set_threads(n: int) -> None:
     """Run the kernels on ``n`` threads (this one included) from now on, process-wide: the
-    products split by rows, attention by heads. The results are the same bits at any ``n``
+    products split by rows, attention by heads, a block's other operations by rows. The
+    results are the same bits at any ``n``
     (csrc/pool.c says why). Without the C module, nothing to do."""
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
@@ -292,6 +313,8 @@ def profile(on: bool) -> dict[str, tuple[int, int]]:
 # The rest of a decode step in the C module, each row in one fixed order of operations (the
 # products' rule: a row's bits depend neither on the other rows nor on the path or machine);
 # without the module, the training layers' numpy. Arguments float32 (top int64), C-contiguous.
+# A block of rows (a prompt's) is cut into tasks of whole rows on the kernels' threads
+# (csrc/decode.c, ``on_rows``): the same bits at any thread count.
 
 
 def rmsnorm(x: F32, w: F32, eps: float) -> F32:
@@ -371,6 +394,41 @@ def combine_experts(ys: F32, weights: F32, order: I64) -> F32:
     out = np.empty((n, ys.shape[1]), np.float32)
     _kernels.combine(ys, weights, np.ascontiguousarray(order), n, k, ys.shape[1], out)
     return out
+
+
+def add(a: F32, b: F32, out: F32 | None = None) -> F32:
+    """a + b of two (N, D) float32 arrays, written to ``out`` where given (it may be ``a``: the
+    residual's x += y); in the C module a block's rows on the kernels' threads."""
+    arrays = (a, b) if out is None else (a, b, out)
+    if _kernels is None or a.ndim != 2 or not all(_c_f32(t, a.shape) for t in arrays):
+        return np.add(a, b, out=out)
+    out = np.empty_like(a) if out is None else out
+    _kernels.add(a, b, a.shape[0], a.shape[1], out)
+    return out
+
+
+def store_rows(y: F32, col: int, cache: npt.NDArray[Any]) -> None:
+    """Columns col .. col + d - 1 of the rows y (N, width) into cache (N, kv heads, Dh), d its
+    heads' values: a block's K or V rows into its cache rows, float16 (rounded as numpy's
+    astype, to nearest even) or float32; in the C module on the kernels' threads."""
+    n, d = cache.shape[0], int(np.prod(cache.shape[1:]))
+    if _kernels is None or not _c_f32(y, (n, y.shape[-1])) or not cache.flags.c_contiguous:
+        cache[...] = y[:, col : col + d].reshape(cache.shape)
+        return
+    _kernels.store_rows(y, col, y.shape[1], n, d, int(cache.dtype == np.float16), cache)
+
+
+def take_rows(x: F32, idx: I64) -> F32:
+    """Rows ``idx`` of x (N, D): (M, D), as ``x[idx]``; in the C module on the kernels' threads."""
+    if _kernels is None or not _c_f32(x, x.shape) or x.ndim != 2:
+        return x[idx]
+    out = np.empty((idx.shape[0], x.shape[1]), np.float32)
+    _kernels.take_rows(x, x.shape[0], np.ascontiguousarray(idx, np.int64), x.shape[1], out)
+    return out
+
+
+def _c_f32(a: npt.NDArray[Any], shape: tuple[int, ...]) -> bool:
+    return a.dtype == np.float32 and a.shape == shape and bool(a.flags.c_contiguous)
 
 
 def embed(w: Param, ids: npt.NDArray[np.int64]) -> F32:

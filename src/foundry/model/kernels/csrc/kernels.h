@@ -162,6 +162,18 @@ static inline uint16_t f16_bits(float x) {
     return sign | (uint16_t)((((u >> 23) - 112u) << 10) | ((u >> 13) & 0x3FFu));
 }
 
+/* float32 to the float16 bits numpy's astype(float16) gives: round to nearest even (f16_bits),
+ * and a NaN as numpy keeps it (its payload's top ten bits, at least 1, the sign). */
+static inline uint16_t half_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        const uint32_t payload = (u & 0x7FFFFFu) >> 13;
+        return (uint16_t)(((u >> 16) & 0x8000u) | 0x7C00u | (payload ? payload : 1u));
+    }
+    return f16_bits(x);
+}
+
 int type_block(int type, int *values, int *bytes);
 void dequant_row(int type, const uint8_t *w, int k, float *y);
 
@@ -356,6 +368,7 @@ int pool_run(pool_task task, void *ctx, int n_tasks);
 int pool_threads(void);            /* the threads a call runs on, the caller included */
 int pool_set_threads(int n);       /* 0, or -1 when a thread could not be started */
 void pool_split_below(long bytes); /* products of less work run on the caller alone */
+long pool_split_work(void);        /* that bound (64 KiB unless changed) */
 
 /* y (n, n_out) = x (n, k) . W (n_out, k)^T on the pool, split by whole rows (and by inputs when
  * the rows are few): each output element is one thread's matmul_rows, so the bits do not
@@ -373,6 +386,18 @@ typedef struct {
     float *y;
 } mm_item;
 int matmul_many(const mm_item *items, int count);
+
+/* A block of inputs x (n, k) in groups of consecutive rows t0 .. t1 - 1, each group times its
+ * own matrix of n_out rows (a prompt's experts: the rows of each expert's assignments), into
+ * the same rows of y (n, n_out): every group's inputs prepared in one pool call, every group's
+ * row tasks in another (each task the one-thread code, as matmul: the bits of one matmul per
+ * group). Groups hold at least one row. Returns 0, or -1 when out of memory. */
+typedef struct {
+    int type, t0, t1;
+    size_t row_bytes;
+    const uint8_t *w;
+} mm_group;
+int matmul_groups(const mm_group *groups, int count, int n_out, int k, const float *x, float *y);
 
 /* Where a decoded token's time goes (bench/performance/engine.py --profile): off unless
  * prof_on; counted by the thread that calls the pool (one Python thread at a time). */
@@ -451,6 +476,9 @@ int64_t assign(const int64_t *top, int64_t m, int64_t first, int n_local, int64_
                int64_t *bounds);
 void combine(const float *ys, const float *weights, const int64_t *slot, int n, int k, int d,
              float *out);
+void add_rows(const float *a, const float *b, int n, int d, float *out); /* out may be a */
+void store_rows(const float *x, size_t ld, int n, int d, int half, void *out);
+void take_rows(const float *x, const int64_t *idx, int m, int d, float *out);
 
 /* step.c: one token through a layer (inference.Engine's one-row step), described once */
 typedef struct { /* a matrix of stored blocks: rows of k values of ggml type `type` */

@@ -212,6 +212,10 @@ static long small_work = 64L * 1024;
 void pool_split_below(long bytes) {
     small_work = bytes < 0 ? 0 : bytes;
 }
+
+long pool_split_work(void) {
+    return small_work;
+}
 /* Rows per task: a multiple of every path's row group (4 or 8 rows), enough for a task to
  * stream its weights at full speed; about two tasks a thread, so a slower core takes fewer. */
 #define ROW_ALIGN 16
@@ -440,6 +444,82 @@ int matmul_many(const mm_item *items, int count) {
 done:
     for (int i = 0; i < prepared; i++) mm_free(&in[i]);
     free(in);
+    free(first);
+    free(rows);
+    return rc;
+}
+
+/* ---- a block of inputs in groups, each times its own matrix, in one pool call ------------- */
+
+typedef struct {
+    const mm_group *g;
+    mm_input *in; /* each group's prepared inputs */
+    const float *x;
+    float *y;
+    int n_out, k, count;
+    const int *fill_first, *first; /* each group's first fill and product task; [count]: all */
+    const int *rows;               /* rows per product task of each group */
+} groups_job;
+
+static int group_of(const int *first, int i) {
+    int g = 0;
+    while (first[g + 1] <= i) g++;
+    return g;
+}
+
+static int groups_fill_task(void *ctx, int i) {
+    const groups_job *j = ctx;
+    const int g = group_of(j->fill_first, i), n = j->g[g].t1 - j->g[g].t0;
+    const int t0 = (i - j->fill_first[g]) * FILL_TOKENS;
+    mm_fill(&j->in[g], j->x + (size_t)j->g[g].t0 * j->k, t0,
+            t0 + FILL_TOKENS < n ? t0 + FILL_TOKENS : n);
+    return 0;
+}
+
+static int groups_task(void *ctx, int i) {
+    const groups_job *j = ctx;
+    const int g = group_of(j->first, i);
+    const mm_group *m = &j->g[g];
+    const int r0 = (i - j->first[g]) * j->rows[g];
+    const int rows = j->n_out - r0 < j->rows[g] ? j->n_out - r0 : j->rows[g];
+    return matmul_part(m->type, m->w + (size_t)r0 * m->row_bytes, m->row_bytes, rows, j->k,
+                       j->x + (size_t)m->t0 * j->k, &j->in[g], m->t1 - m->t0,
+                       j->y + (size_t)m->t0 * j->n_out + r0, (size_t)j->n_out);
+}
+
+int matmul_groups(const mm_group *groups, int count, int n_out, int k, const float *x, float *y) {
+    const int threads = pool_threads();
+    if (threads == 1 || count < 2) { /* each group as its own product */
+        for (int i = 0; i < count; i++) {
+            const mm_group *m = &groups[i];
+            if (matmul(m->type, m->w, m->row_bytes, n_out, k, x + (size_t)m->t0 * k, m->t1 - m->t0,
+                       y + (size_t)m->t0 * n_out) < 0)
+                return -1;
+        }
+        return 0;
+    }
+    mm_input *in = calloc((size_t)count, sizeof *in);
+    int *fill_first = malloc(((size_t)count + 1) * sizeof(int));
+    int *first = malloc(((size_t)count + 1) * sizeof(int));
+    int *rows = malloc((size_t)count * sizeof(int));
+    int rc = -1, prepared = 0;
+    if (in == NULL || fill_first == NULL || first == NULL || rows == NULL) goto done;
+    fill_first[0] = first[0] = 0;
+    for (int i = 0; i < count; i++, prepared++) {
+        const mm_group *m = &groups[i];
+        const int n = m->t1 - m->t0;
+        if (mm_alloc(m->type, k, n, &in[i]) < 0) goto done;
+        fill_first[i + 1] = fill_first[i] + (n + FILL_TOKENS - 1) / FILL_TOKENS;
+        rows[i] = task_rows(n_out, m->row_bytes, n, threads);
+        first[i + 1] = first[i] + (n_out + rows[i] - 1) / rows[i];
+    }
+    groups_job job = {groups, in, x, y, n_out, k, count, fill_first, first, rows};
+    rc = pool_run(groups_fill_task, &job, fill_first[count]);
+    if (rc == 0) rc = pool_run(groups_task, &job, first[count]);
+done:
+    for (int i = 0; i < prepared; i++) mm_free(&in[i]);
+    free(in);
+    free(fill_first);
     free(first);
     free(rows);
     return rc;

@@ -61,6 +61,63 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(matmul_groups_doc,
+             "matmul_groups(x, n, k, groups, n_out, y): rows t0 .. t1 - 1 of x (n, k) times each "
+             "group's matrix into the same rows of y (n, n_out); groups a tuple of (type, w, t0, "
+             "t1), w n_out rows of k values of ggml type `type`, t0 < t1, the groups' rows apart. "
+             "Every group in the same pool calls.");
+
+#define MAX_GROUPS MAX_EXPERTS
+
+static PyObject *py_matmul_groups(PyObject *self, PyObject *args) {
+    Py_ssize_t n, k, n_out;
+    PyObject *groups;
+    Py_buffer x, y, w[MAX_GROUPS];
+    mm_group g[MAX_GROUPS];
+    int count = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnO!nw*", &x, &n, &k, &PyTuple_Type, &groups, &n_out, &y))
+        return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || n_out < 1 || n > INT32_MAX || n_out > INT32_MAX || x.len != n * k * 4 ||
+        y.len != n * n_out * 4 || PyTuple_GET_SIZE(groups) > MAX_GROUPS) {
+        PyErr_Format(PyExc_ValueError,
+                     "matmul_groups: x %zd and y %zd bytes for %zd rows of %zd and %zd, %zd "
+                     "groups (at most %d)",
+                     x.len, y.len, n, k, n_out, PyTuple_GET_SIZE(groups), MAX_GROUPS);
+        goto done;
+    }
+    for (; count < PyTuple_GET_SIZE(groups); count++) {
+        mm_group *m = &g[count];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(groups, count), "iy*ii", &m->type, &w[count], &m->t0,
+                              &m->t1))
+            goto done;
+        m->w = w[count].buf;
+        if (check_shape(m->type, n_out, k, w[count].len, &m->row_bytes) < 0) {
+            count++;
+            goto done;
+        }
+        if (m->t0 < 0 || m->t1 <= m->t0 || m->t1 > n || (count && m->t0 < g[count - 1].t1)) {
+            PyErr_Format(PyExc_ValueError, "matmul_groups: group %d holds rows %d .. %d of %zd",
+                         count, m->t0, m->t1 - 1, n);
+            count++;
+            goto done;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = matmul_groups(g, count, (int)n_out, (int)k, x.buf, y.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < count; i++) PyBuffer_Release(&w[i]);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&y);
+    return result;
+}
+
 PyDoc_STRVAR(attend_doc,
              "attend(q, k, v, half, n_pos, n_head, n_kv, dh, out): one query row (n_head, dh) "
              "against positions 0 .. n_pos - 1 of a cache k, v (ctx, n_kv, dh), float16 where "
@@ -315,8 +372,69 @@ static PyObject *py_combine(PyObject *self, PyObject *args) {
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &ys, &weights, &order, &out);
 }
 
+PyDoc_STRVAR(add_doc, "add(a, b, n, d, out): out (n, d) = a + b, float32; out may be a.");
+
+static PyObject *py_add(PyObject *self, PyObject *args) {
+    int n, d;
+    Py_buffer a, b, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*iiw*", &a, &b, &n, &d, &out)) return NULL;
+    const Py_ssize_t size = (Py_ssize_t)n * d * 4;
+    if (n < 0 || d < 1 || !fits("a", &a, size) || !fits("b", &b, size) || !fits("out", &out, size))
+        RELEASE_AND_RETURN(NULL, &a, &b, &out);
+    Py_BEGIN_ALLOW_THREADS add_rows(a.buf, b.buf, n, d, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &a, &b, &out);
+}
+
+PyDoc_STRVAR(store_rows_doc,
+             "store_rows(x, col, ld, n, d, half, out): columns col .. col + d - 1 of the n rows "
+             "of ld float32 values x into n consecutive rows of out (a cache's), float16 where "
+             "half is 1.");
+
+static PyObject *py_store_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t col, ld;
+    int n, d, half;
+    Py_buffer x, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nniiiw*", &x, &col, &ld, &n, &d, &half, &out)) return NULL;
+    if (n < 0 || d < 1 || col < 0 || col + d > ld || (half != 0 && half != 1)) {
+        PyErr_Format(PyExc_ValueError, "store_rows: columns %zd .. %zd of rows of %zd values", col,
+                     col + d - 1, ld);
+        RELEASE_AND_RETURN(NULL, &x, &out);
+    }
+    if (!fits("x", &x, (Py_ssize_t)n * ld * 4) ||
+        !fits("out", &out, (Py_ssize_t)n * d * (half ? 2 : 4)))
+        RELEASE_AND_RETURN(NULL, &x, &out);
+    Py_BEGIN_ALLOW_THREADS store_rows((const float *)x.buf + col, (size_t)ld, n, d, half, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &out);
+}
+
+PyDoc_STRVAR(take_rows_doc, "take_rows(x, rows, idx, d, out): out (m, d) = rows idx (m, int64, "
+                            "each < rows) of x (rows, d), float32.");
+
+static PyObject *py_take_rows(PyObject *self, PyObject *args) {
+    int rows, d;
+    Py_buffer x, idx, out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iy*iw*", &x, &rows, &idx, &d, &out)) return NULL;
+    const Py_ssize_t m = idx.len / 8;
+    if (rows < 0 || d < 1 || idx.len % 8 || m > INT32_MAX ||
+        !fits("x", &x, (Py_ssize_t)rows * d * 4) || !fits("out", &out, m * d * 4))
+        RELEASE_AND_RETURN(NULL, &x, &idx, &out);
+    const int64_t *at = idx.buf;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (at[i] < 0 || at[i] >= rows) {
+            PyErr_Format(PyExc_ValueError, "take_rows: idx[%zd] = %lld is not a row of %d", i,
+                         (long long)at[i], rows);
+            RELEASE_AND_RETURN(NULL, &x, &idx, &out);
+        }
+    Py_BEGIN_ALLOW_THREADS take_rows(x.buf, at, (int)m, d, out.buf);
+    Py_END_ALLOW_THREADS RELEASE_AND_RETURN(Py_NewRef(Py_None), &x, &idx, &out);
+}
+
 PyMethodDef ops_methods[] = {
     {"matmul", py_matmul, METH_VARARGS, matmul_doc},
+    {"matmul_groups", py_matmul_groups, METH_VARARGS, matmul_groups_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"attend_rows", py_attend_rows, METH_VARARGS, attend_rows_doc},
@@ -327,5 +445,8 @@ PyMethodDef ops_methods[] = {
     {"route", py_route, METH_VARARGS, route_doc},
     {"assign", py_assign, METH_VARARGS, assign_doc},
     {"combine", py_combine, METH_VARARGS, combine_doc},
+    {"add", py_add, METH_VARARGS, add_doc},
+    {"store_rows", py_store_rows, METH_VARARGS, store_rows_doc},
+    {"take_rows", py_take_rows, METH_VARARGS, take_rows_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -17,18 +17,6 @@ static int products(const step_mat *m, int n_mats, const float *x, float *y) {
     return 0;
 }
 
-/* float32 to the float16 bits numpy's astype(float16) gives: round to nearest even (f16_bits),
- * and a NaN as numpy keeps it (its payload's top ten bits, at least 1, the sign). */
-static inline uint16_t half_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-        const uint32_t payload = (u & 0x7FFFFFu) >> 13;
-        return (uint16_t)(((u >> 16) & 0x8000u) | 0x7C00u | (payload ? payload : 1u));
-    }
-    return f16_bits(x);
-}
-
 /* ---- one part's ATTN partial ---------------------------------------------------------------- */
 
 /* Room for one part's Q, K and V rows (floats): the products, the norms' outputs, K turned. */
