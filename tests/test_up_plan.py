@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from foundry.cli import build_parser
 from foundry.model.formats.checkpoint import CheckpointState
 from foundry.model.formats.checkpoint_dir import checkpoint_name, save_checkpoint
 from foundry.model.nn.transformer import init_params
@@ -123,6 +124,25 @@ def test_command_lines_wire_the_services_together(tmp_path: Path) -> None:
     assert rank1.argv[rank1.argv.index("--leader") + 1] == "127.0.0.1:7090"
     token_gateway = training_services(opt, ports, tmp_path / "token")[1]
     assert "--token-file" in token_gateway.argv
+
+
+def test_keep_quantized_reaches_every_process_holding_the_base_and_needs_one(
+    tmp_path: Path,
+) -> None:
+    base, data = tmp_path / "base.gguf", tmp_path / "text.txt"
+    opt = StackOptions(workers=3, run_dir=tmp_path, base_model=base, data=data, keep_quantized=True)
+    coordinator, _, *workers = training_services(opt, StackPorts.of(opt), None)
+    # the coordinator holds the base too (it validates on it)
+    assert all("--keep-quantized" in p.argv for p in (coordinator, *workers))
+    for p in (coordinator, workers[0]):  # the commands' own parsers take the lines
+        assert build_parser().parse_args(list(p.argv[3:])).keep_quantized is True
+    plain = StackOptions(workers=3, run_dir=tmp_path, base_model=base, data=data)
+    assert not any(
+        "--keep-quantized" in w.argv
+        for w in training_services(plain, StackPorts.of(plain), None)[2:]
+    )
+    with pytest.raises(StackError, match=r"--keep-quantized .* needs --base-model"):
+        StackOptions(keep_quantized=True)
 
 
 def test_checkpoint_interval_is_a_flag_with_a_bounded_default(tmp_path: Path) -> None:

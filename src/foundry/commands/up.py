@@ -6,7 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from foundry.commands.common import port_number, positive_float, positive_int
+from foundry.commands.common import (
+    add_keep_quantized_flag,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from foundry.model.spec.config import PRESETS
 from foundry.model.train import recipe
 from foundry.up.pipeline import run_stack
@@ -210,6 +215,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="NAMES",
         help=f"with --base-model: the projections with adapters (default {d.lora_targets})",
     )
+    add_keep_quantized_flag(u)
     u.add_argument(
         "--threads",
         type=positive_int,
@@ -257,6 +263,7 @@ def run_up(args: argparse.Namespace) -> int:
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_targets=args.lora_targets,
+            keep_quantized=args.keep_quantized,
             threads=args.threads or default_threads(),
         )
         return run_stack(options)

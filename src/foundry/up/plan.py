@@ -50,6 +50,7 @@ class StackOptions:
     lora_rank: int = 8
     lora_alpha: float = 8.0
     lora_targets: str = "attn_q,attn_v"
+    keep_quantized: bool = False  # the workers hold the base in the file's types
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -68,6 +69,8 @@ class StackOptions:
             raise StackError(
                 "--base-model needs --data (the text to fine-tune on) and excludes --model"
             )
+        if self.keep_quantized and self.base_model is None:
+            raise StackError("--keep-quantized holds a fine-tuned base: it needs --base-model")
         if self.threads is not None and self.threads < 1:
             raise StackError(f"--threads must be at least 1, got {self.threads}")
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -281,6 +284,7 @@ def training_services(
             str(opt.lora_alpha),
             "--lora-targets",
             opt.lora_targets,
+            *(("--keep-quantized",) if opt.keep_quantized else ()),
         )
     coordinator = ServiceSpec(
         "coordinator",
@@ -331,6 +335,7 @@ def training_services(
                 "--worker-id",
                 f"worker-{i}",
                 *data,
+                *(("--keep-quantized",) if opt.keep_quantized else ()),
                 "--metrics-port",
                 str(port),
                 *metrics,
