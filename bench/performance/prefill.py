@@ -25,7 +25,6 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads OpenBLAS
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -109,7 +108,7 @@ def prefill(engine: Engine, prompt: list[int]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--gguf", type=Path, default=None, help="the file (default: bench Q8_0)")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/pfmodels"))
     ap.add_argument("--prompt", type=int, default=512)
