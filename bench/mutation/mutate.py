@@ -115,7 +115,11 @@ TARGETS = (
     Target(
         "frontend",
         ("src/foundry/tp/frontend_server.py",),
-        ("tests/test_tp_service.py", "tests/test_openai_semantics.py"),
+        (
+            "tests/test_tp_service.py",
+            "tests/test_openai_semantics.py",
+            "tests/test_frontend_refusals.py",
+        ),
     ),
 )
 BY_NAME = {t.name: t for t in TARGETS}
