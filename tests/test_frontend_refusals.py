@@ -34,11 +34,16 @@ LONG = 1000  # tokens: a generation still running when the test acts on it
 FRAME_DEADLINE_S = 0.5
 BAD = fw.ErrorCode.BAD_REQUEST
 WAIT_S = 20.0  # bounds every wait (a loaded two-core machine); no test needs it
+# Far above a loaded machine's scheduling delay: the pair is lost only when a test kills the
+# worker (its closed connection is seen at once; the engine's gate then waits this long).
+GATE_S = 3.0
 
 
 @dataclass
 class Served:
     leader: InProcessLeader
+    model: Path
+    logs: Path
     worker: Proc
     first_status: fw.Status  # before any request
 
@@ -50,10 +55,22 @@ class Served:
         """The leader's requests counter for ``outcome`` (a Done reason or an error code)."""
         return float(self.leader.leader.metrics.requests.labels(outcome)._value.get())
 
+    def restart_worker(self) -> None:
+        self.worker, _ = pair_worker(self.leader, self.model, self.logs)
+
+
+def pair_worker(leader: InProcessLeader, model: Path, logs: Path) -> tuple[Proc, fw.Status]:
+    """A worker process for ``leader``, and the STATUS that shows them paired."""
+    worker = start_worker(
+        model, leader.leader.port, logs / "worker.log", "--gate-timeout", str(GATE_S)
+    )
+    return worker, wait_paired(leader.leader.frontend_port)
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One running and one waiting generation at most; two messages a conversation."""
+    """One running and one waiting generation at most; two messages a conversation. The tests
+    run in any order (mutmut runs those that reach a mutant): each leaves the pair serving."""
     tmp = tmp_path_factory.mktemp("frontend")
     model = make_model(tmp / "model.gguf", ModelConfig(n_ctx=CTX))
     limit_blas_threads(1)
@@ -68,15 +85,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             max_messages=2,
             spec_mode=SpecMode.OFF,
             frame_deadline_s=FRAME_DEADLINE_S,
+            gate_timeout_s=GATE_S,
+            shm=False,  # gates over TCP: a blocked read, no spinning on two shared cores
         )
     )
-    worker = start_worker(model, leader.leader.port, tmp / "worker.log")
     try:
-        first = wait_paired(leader.leader.frontend_port)
-        yield Served(leader, worker, first)
+        worker, first = pair_worker(leader, model, tmp)
+        s = Served(leader, model, tmp, worker, first)
+        yield s
     finally:
         leader.stop()
-        worker.stop()
+    s.worker.stop()
 
 
 class Link:
@@ -205,6 +224,7 @@ def test_each_bad_field_is_refused_with_its_id_code_and_message(served: Served) 
 def test_each_limit_itself_is_served(served: Served) -> None:
     """max_tokens 1, temperature 100, top_p 1, max_messages messages and a prompt of the whole
     context: each served (one at a time: the pair runs one and queues one)."""
+    ends: list[fw.Done] = []
     with Link(served.port) as link:
         for frame in [
             fw.Generate(21, "hi", 1),
@@ -217,7 +237,8 @@ def test_each_limit_itself_is_served(served: Served) -> None:
             (end,) = link.ends(frame.request_id)
             assert isinstance(end, fw.Done), end
             assert end.generated_tokens == 1 and len(link.tokens(frame.request_id)) == 1
-        assert end.reason is fw.DoneReason.CONTEXT_FULL and end.prompt_tokens == CTX
+            ends.append(end)
+    assert ends[-1].reason is fw.DoneReason.CONTEXT_FULL and ends[-1].prompt_tokens == CTX
 
 
 def test_a_chat_is_its_rendered_prompt(served: Served) -> None:
@@ -405,7 +426,7 @@ def test_a_frame_begun_and_not_finished_closes_the_connection(served: Served) ->
         assert link.frames == []
 
 
-# -- the worker's loss (last: the pair stays broken) ----------------------------------------
+# -- the worker's loss ---------------------------------------------------------------------
 
 
 def test_the_workers_loss_fails_what_runs_and_refuses_what_comes(served: Served) -> None:
@@ -429,3 +450,5 @@ def test_the_workers_loss_fails_what_runs_and_refuses_what_comes(served: Served)
             103,
             "the tensor-parallel worker is not connected; the leader waits for it to reconnect",
         )
+    # A worker again: the pair serves the tests that follow.
+    served.restart_worker()
