@@ -178,6 +178,52 @@ def idle(link: Link) -> None:
     wait_for(lambda: link.status().active_sessions == 0, WAIT_S, "no session running")
 
 
+OVERLOAD = "generations in flight (1 running and 1 waiting at most)"
+
+
+def test_admission_at_each_limit_and_one_past(served: Served) -> None:
+    """First in the file: mutmut gives the fixture's construction of the front end to the
+    test that builds it, so this one checks what starts at zero. Two generations in flight
+    (one running, one waiting) are admitted and the next is refused, again once they ended;
+    PREPARE_QUEUE conversations wait for the pool and the next is refused, and so is a plain
+    prompt too long to tokenize on the loop, while one of INLINE_PROMPT_CHARS is tokenized at
+    once (and refused for the context)."""
+    assert served.first_status.requests_served == 0
+    with Link(served.port) as link:
+        idle(link)
+        before = link.status().requests_served
+        for a in (61, 64):
+            b, c = a + 1, a + 2
+            link.send(
+                fw.Generate(a, "hi", LONG), fw.Generate(b, "hi", LONG), fw.Generate(c, "hi", 1)
+            )
+            (third,) = link.ends(c)
+            assert third == refused(fw.ErrorCode.OVERLOADED, c, f"2 {OVERLOAD}")
+            link.first_token(a)
+            link.send(fw.Cancel(a), fw.Cancel(b))
+            assert all(isinstance(e, fw.Done) for e in link.ends(a, b))
+        assert link.status().requests_served == before + 4
+
+        chats = [chat(1000 + i, "a") for i in range(PREPARE_QUEUE)]
+        inline = fw.Generate(2000, "x" * INLINE_PROMPT_CHARS, 1)
+        pooled = fw.Generate(2001, "x" * (INLINE_PROMPT_CHARS + 1), 1)
+        one_more = chat(2002, "a")
+        queue_full = f"{PREPARE_QUEUE} prompts wait to be rendered and tokenized"
+        link.send(*chats, inline, pooled, one_more)
+        ends = link.ends(*(f.request_id for f in [*chats, inline, pooled, one_more]))
+    too_long = f"the prompt is {INLINE_PROMPT_CHARS + 1} tokens, longer than the context of {CTX}"
+    assert ends[-3:] == [
+        refused(BAD, 2000, too_long),
+        refused(fw.ErrorCode.OVERLOADED, 2001, queue_full),
+        refused(fw.ErrorCode.OVERLOADED, 2002, queue_full),
+    ]
+    # Each queued conversation was served, or refused for the generations in flight.
+    for end in ends[:PREPARE_QUEUE]:
+        assert isinstance(end, fw.Done) or (
+            end.code == fw.ErrorCode.OVERLOADED and end.message.endswith(OVERLOAD)
+        ), end
+
+
 # -- refusals ------------------------------------------------------------------------------
 
 
@@ -260,6 +306,53 @@ def test_a_chat_is_its_rendered_prompt(served: Served) -> None:
     assert [t.position for t in chat_tokens] == list(range(len(ids), len(ids) + 8))
 
 
+def test_a_short_prompt_past_a_small_context_is_refused_at_once(served: Served) -> None:
+    """With --ctx-size 8 a plain prompt short enough to tokenize on the loop may still hold
+    more characters than the context could (8 x MAX_CHARS_PER_TOKEN); no worker needed."""
+    leader = InProcessLeader(
+        LeaderOptions(model=served.model, host="127.0.0.1", port=0, frontend_port=0, ctx_size=8)
+    )
+    try:
+        n = 8 * MAX_CHARS_PER_TOKEN + 1
+        with Link(leader.leader.frontend_port) as link:
+            link.send(fw.Generate(33, "x" * n, 1))
+            assert link.ends(33) == [
+                refused(
+                    BAD,
+                    33,
+                    f"the prompt is {n} characters, more than the context of 8 tokens can hold",
+                )
+            ]
+    finally:
+        leader.stop()
+
+
+def test_a_chat_reply_holds_back_its_templates_stop_and_a_plain_reply_does_not(
+    served: Served,
+) -> None:
+    """The plain transcript's turn ends at "\\nUser:": a chat reply's newline is held until
+    the next token shows it is not that; a plain prompt's reply has no such stop. Sampled
+    replies, the first seed whose reply has a newline before its last token."""
+    tokenizer = served.leader.leader.tokenizer
+
+    def newline_text(frame: fw.Generate) -> str | None:
+        with Link(served.port) as link:
+            link.send(frame)
+            link.ends(frame.request_id)
+        tokens = link.tokens(frame.request_id)[:-1]
+        return next((t.text for t in tokens if tokenizer.token_bytes(t.token) == b"\n"), None)
+
+    def as_chat(seed: int) -> fw.Generate:
+        return fw.Generate(34, "", 400, temperature=1.0, seed=seed, messages=(("user", "a"),))
+
+    def as_text(seed: int) -> fw.Generate:
+        return fw.Generate(35, "a", 400, temperature=1.0, seed=seed)
+
+    for request, held in ((as_chat, ""), (as_text, "\n")):
+        texts = (newline_text(request(seed)) for seed in range(1, 21))
+        assert next((t for t in texts if t is not None), None) == held, request
+
+
 def test_an_id_in_use_on_the_connection_is_refused(served: Served) -> None:
     with Link(served.port) as link:
         # 41 running, 42 a chat whose prompt the pool prepares when its twin comes.
@@ -297,51 +390,50 @@ def test_a_cancel_while_the_prompt_is_prepared_ends_it_before_any_token(served: 
 # -- admission limits ----------------------------------------------------------------------
 
 
-def overload_message(n: int) -> str:
-    return f"{n} generations in flight (1 running and 1 waiting at most)"
-
-
-def test_generations_past_the_limit_are_refused_and_ended_ones_free_their_place(
-    served: Served,
-) -> None:
-    with Link(served.port) as link:
-        idle(link)
-        before = link.status().requests_served
-        for round_ in range(2):
-            a, b, c = 61 + 3 * round_, 62 + 3 * round_, 63 + 3 * round_
-            link.send(
-                fw.Generate(a, "hi", LONG), fw.Generate(b, "hi", LONG), fw.Generate(c, "hi", 1)
-            )
-            (third,) = link.ends(c)
-            assert third == refused(fw.ErrorCode.OVERLOADED, c, overload_message(2))
-            link.first_token(a)
-            link.send(fw.Cancel(a), fw.Cancel(b))
-            assert all(isinstance(e, fw.Done) for e in link.ends(a, b))
-        assert link.status().requests_served == before + 4
-
-
 def test_a_client_that_goes_away_frees_its_places(served: Served) -> None:
+    """Its generation is cancelled and counted once; the one waiting on another connection
+    gets every token (the engine's DONE for the gone one comes in the same batch)."""
     cancelled = served.count("cancelled")
-    with Link(served.port) as gone:
-        gone.send(fw.Generate(71, "hi", LONG), fw.Generate(72, "hi", LONG))
-        gone.first_token(71)
-    wait_for(lambda: served.count("cancelled") == cancelled + 2, WAIT_S, "both cancelled")
     with Link(served.port) as link:
+        with Link(served.port) as gone:
+            gone.send(fw.Generate(71, "hi", LONG))
+            gone.first_token(71)
+            link.send(fw.Generate(74, "hi", 8))  # waits for the running one
+        (end,) = link.ends(74)
+        assert isinstance(end, fw.Done) and end.generated_tokens == 8, end
+        assert [t.position for t in link.tokens(74)] == list(range(3, 11))
+        wait_for(lambda: served.count("cancelled") == cancelled + 1, WAIT_S, "71 cancelled")
         idle(link)
         link.send(
             fw.Generate(71, "hi", LONG), fw.Generate(72, "hi", LONG), fw.Generate(73, "hi", 1)
         )
         (third,) = link.ends(73)
-        assert third == refused(fw.ErrorCode.OVERLOADED, 73, overload_message(2))
+        assert third == refused(fw.ErrorCode.OVERLOADED, 73, f"2 {OVERLOAD}")
         link.send(fw.Cancel(71), fw.Cancel(72))
         assert all(isinstance(e, fw.Done) for e in link.ends(71, 72))
     # Counted once each: by the front end when the client left, not again at the engine's DONE.
-    assert served.count("cancelled") == cancelled + 4
+    assert served.count("cancelled") == cancelled + 3
+
+
+def test_a_client_that_leaves_while_its_prompt_is_prepared_leaves_nothing_running(
+    served: Served,
+) -> None:
+    with Link(served.port) as gone:
+        gone.send(chat(75, "a", max_tokens=LONG))
+    with Link(served.port) as link:
+        idle(link)
+        link.send(
+            fw.Generate(76, "hi", LONG), fw.Generate(77, "hi", LONG), fw.Generate(78, "hi", 1)
+        )
+        (third,) = link.ends(78)
+        assert third == refused(fw.ErrorCode.OVERLOADED, 78, f"2 {OVERLOAD}")
+        link.send(fw.Cancel(76), fw.Cancel(77))
+        assert all(isinstance(e, fw.Done) for e in link.ends(76, 77))
 
 
 def test_requests_served_counts_each_done_once(served: Served) -> None:
-    assert served.first_status.requests_served == 0
     max_tokens = served.count("max_tokens")
+    timed = token_timings(served)
     with Link(served.port) as link:
         before = link.status().requests_served
         for rid in (81, 82):
@@ -349,35 +441,13 @@ def test_requests_served_counts_each_done_once(served: Served) -> None:
             link.ends(rid)
         assert link.status().requests_served == before + 2
     assert served.count("max_tokens") == max_tokens + 2
+    assert token_timings(served) == timed + 4  # one per token generated
 
 
-def test_prompts_past_the_prepare_queue_are_refused(served: Served) -> None:
-    """PREPARE_QUEUE conversations wait for the pool; the next one, and a plain prompt too long
-    to tokenize on the loop, are refused; a plain prompt of INLINE_PROMPT_CHARS is not
-    queued (tokenized at once, and refused for the context)."""
-    chats = [chat(1000 + i, "a") for i in range(PREPARE_QUEUE)]
-    inline = fw.Generate(2000, "x" * INLINE_PROMPT_CHARS, 1)
-    pooled = fw.Generate(2001, "x" * (INLINE_PROMPT_CHARS + 1), 1)
-    one_more = chat(2002, "a")
-    queue_full = f"{PREPARE_QUEUE} prompts wait to be rendered and tokenized"
-    with Link(served.port) as link:
-        link.send(*chats, inline, pooled, one_more)
-        ends = link.ends(*(f.request_id for f in [*chats, inline, pooled, one_more]))
-    assert ends[-3:] == [
-        refused(
-            BAD,
-            2000,
-            f"the prompt is {INLINE_PROMPT_CHARS + 1} tokens, longer than the context of {CTX}",
-        ),
-        refused(fw.ErrorCode.OVERLOADED, 2001, queue_full),
-        refused(fw.ErrorCode.OVERLOADED, 2002, queue_full),
-    ]
-    # Each queued conversation was served, or refused for the generations in flight.
-    for end in ends[:PREPARE_QUEUE]:
-        assert isinstance(end, fw.Done) or (
-            end.code == fw.ErrorCode.OVERLOADED
-            and end.message.endswith("generations in flight (1 running and 1 waiting at most)")
-        ), end
+def token_timings(served: Served) -> float:
+    """How many tokens the leader's time-per-token histogram holds."""
+    samples = served.leader.leader.metrics.token_duration.collect()[0].samples
+    return next(x.value for x in samples if x.name.endswith("_count"))
 
 
 def test_seeded_sampling_is_repeatable(served: Served) -> None:
