@@ -306,9 +306,10 @@ def test_a_chat_is_its_rendered_prompt(served: Served) -> None:
     assert [t.position for t in chat_tokens] == list(range(len(ids), len(ids) + 8))
 
 
-def test_a_short_prompt_past_a_small_context_is_refused_at_once(served: Served) -> None:
+def test_a_small_context_and_a_stopping_leader_refuse_at_once(served: Served) -> None:
     """With --ctx-size 8 a plain prompt short enough to tokenize on the loop may still hold
-    more characters than the context could (8 x MAX_CHARS_PER_TOKEN); no worker needed."""
+    more characters than the context could (8 x MAX_CHARS_PER_TOKEN); once the leader stops,
+    a request is refused as such (before the missing worker is named). No worker needed."""
     leader = InProcessLeader(
         LeaderOptions(model=served.model, host="127.0.0.1", port=0, frontend_port=0, ctx_size=8)
     )
@@ -322,6 +323,13 @@ def test_a_short_prompt_past_a_small_context_is_refused_at_once(served: Served) 
                     33,
                     f"the prompt is {n} characters, more than the context of 8 tokens can hold",
                 )
+            ]
+            # What request_stop sets first, alone: the loop serves on until the leader closes,
+            # so the window between a stop and the connections' close is held open.
+            leader.leader._stopping.set()
+            link.send(fw.Generate(34, "hi", 1))
+            assert link.ends(34) == [
+                refused(fw.ErrorCode.UNAVAILABLE, 34, "the leader is shutting down")
             ]
     finally:
         leader.stop()
@@ -446,8 +454,8 @@ def test_requests_served_counts_each_done_once(served: Served) -> None:
 
 def token_timings(served: Served) -> float:
     """How many tokens the leader's time-per-token histogram holds."""
-    samples = served.leader.leader.metrics.token_duration.collect()[0].samples
-    return next(x.value for x in samples if x.name.endswith("_count"))
+    (metric,) = served.leader.leader.metrics.token_duration.collect()
+    return float(next(x.value for x in metric.samples if x.name.endswith("_count")))
 
 
 def test_seeded_sampling_is_repeatable(served: Served) -> None:
