@@ -308,14 +308,27 @@ def test_a_chat_is_its_rendered_prompt(served: Served) -> None:
 
 def test_a_small_context_and_a_stopping_leader_refuse_at_once(served: Served) -> None:
     """With --ctx-size 8 a plain prompt short enough to tokenize on the loop may still hold
-    more characters than the context could (8 x MAX_CHARS_PER_TOKEN); once the leader stops,
-    a request is refused as such (before the missing worker is named). No worker needed."""
+    more characters than the context could (8 x MAX_CHARS_PER_TOKEN); with
+    --chat-content-specials a message's "<s>" is the BOS token (the refusal counts the
+    tokens); once the leader stops, a request is refused as such (before the missing worker is
+    named). No worker needed."""
     leader = InProcessLeader(
-        LeaderOptions(model=served.model, host="127.0.0.1", port=0, frontend_port=0, ctx_size=8)
+        LeaderOptions(
+            model=served.model,
+            host="127.0.0.1",
+            port=0,
+            frontend_port=0,
+            ctx_size=8,
+            chat_content_specials=True,
+        )
     )
+    lead = leader.leader
+    content = [Message("user", "<s></s><s>")]
+    specials = len(chat_prompt(lead.chat_template, lead.tokenizer, content, content_specials=True))
+    assert specials < len(chat_prompt(lead.chat_template, lead.tokenizer, content))
     try:
         n = 8 * MAX_CHARS_PER_TOKEN + 1
-        with Link(leader.leader.frontend_port) as link:
+        with Link(lead.frontend_port) as link:
             link.send(fw.Generate(33, "x" * n, 1))
             assert link.ends(33) == [
                 refused(
@@ -324,9 +337,13 @@ def test_a_small_context_and_a_stopping_leader_refuse_at_once(served: Served) ->
                     f"the prompt is {n} characters, more than the context of 8 tokens can hold",
                 )
             ]
+            link.send(chat(35, "<s></s><s>"))
+            assert link.ends(35) == [
+                refused(BAD, 35, f"the prompt is {specials} tokens, longer than the context of 8")
+            ]
             # What request_stop sets first, alone: the loop serves on until the leader closes,
             # so the window between a stop and the connections' close is held open.
-            leader.leader._stopping.set()
+            lead._stopping.set()
             link.send(fw.Generate(34, "hi", 1))
             assert link.ends(34) == [
                 refused(fw.ErrorCode.UNAVAILABLE, 34, "the leader is shutting down")
