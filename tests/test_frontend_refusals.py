@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from procs import wait_for
+from tiny_bpe import write_tiny_bpe
 from tp_harness import InProcessLeader, Proc, make_model, start_worker, wait_paired
 
 from foundry.model.spec.config import ModelConfig
@@ -376,6 +377,29 @@ def test_a_chat_reply_holds_back_its_templates_stop_and_a_plain_reply_does_not(
     for request, held in ((as_chat, ""), (as_text, "\n")):
         texts = (newline_text(request(seed)) for seed in range(1, 21))
         assert next((t for t in texts if t is not None), None) == held, request
+
+
+def test_token_text_is_decoded_with_the_models_own_vocabulary(tmp_path: Path) -> None:
+    """A model of another vocabulary than Foundry's bytes (tests/tiny_bpe.py: Llama 3's BPE, a
+    planted answer after a blank line): each TOKEN's text is its piece of that vocabulary."""
+    model = write_tiny_bpe(tmp_path / "tiny-llama3.gguf")
+    leader = InProcessLeader(
+        LeaderOptions(
+            model=model, host="127.0.0.1", port=0, frontend_port=0, spec_mode=SpecMode.OFF
+        )
+    )
+    worker: Proc | None = None
+    try:
+        worker, _ = pair_worker(leader, model, tmp_path)
+        with Link(leader.leader.frontend_port) as link:
+            link.send(fw.Generate(36, "Hi\n\n", 16))
+            (end,) = link.ends(36)
+        assert isinstance(end, fw.Done) and end.reason is fw.DoneReason.EOS, end
+        assert [t.text for t in link.tokens(36)] == ["The", " capital", " is", " Paris", ".", ""]
+    finally:
+        leader.stop()
+        if worker is not None:
+            worker.stop()
 
 
 def test_an_id_in_use_on_the_connection_is_refused(served: Served) -> None:
