@@ -254,6 +254,7 @@ def test_each_bad_field_is_refused_with_its_id_code_and_message(served: Served) 
             "tokens can hold",
         ),
     ]
+    counted = served.count("bad_request")
     with Link(served.port) as link:
         link.send(*(frame for frame, _ in cases))
         got = link.ends(*(frame.request_id for frame, _ in cases))
@@ -266,6 +267,7 @@ def test_each_bad_field_is_refused_with_its_id_code_and_message(served: Served) 
         assert err.message.startswith("the conversation renders to "), err.message
         assert err.message.endswith(f"more than the {max_chars} a prompt may have"), err.message
         assert link.tokens(20) == []
+    assert served.count("bad_request") == counted + len(cases) + 1  # each counted by its code
 
 
 def test_each_limit_itself_is_served(served: Served) -> None:
