@@ -1,11 +1,14 @@
 """The leader's front end (tp/frontend_server.py) as a client sees it, frame by frame: each
-refusal's code, request id and message; the admission limits at the limit and one past it;
-cancels, a client that goes away, bad bytes, a stalled frame and the loss of the worker.
+refusal's request id, code, message and counter; the admission limits at the limit and one
+past it; cancels, a client that goes away, bad bytes, a stalled frame, a stopping leader, the
+loss of the worker, a chat's template stop and TOKEN text in the model's own vocabulary.
 
 The leader runs in this process (``InProcessLeader``: its own event loop on a thread), so that
 the ``frontend`` target of bench/mutation/mutate.py sees the code these tests run (a leader
 process imports the installed tree); its worker is a process, and every client speaks raw
-frames over a real socket. One pair serves the whole module; the worker's loss comes last.
+frames over a real socket. One pair serves the module and the tests run in any order (the
+worker's loss pairs a new worker); two tests start a leader of their own (a small context,
+another vocabulary).
 """
 
 from __future__ import annotations
