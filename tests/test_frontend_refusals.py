@@ -445,8 +445,9 @@ def test_a_cancel_while_the_prompt_is_prepared_ends_it_before_any_token(served: 
 
 
 def test_a_client_that_goes_away_frees_its_places(served: Served) -> None:
-    """Its generation is cancelled and counted once; the one waiting on another connection
-    gets every token (the engine's DONE for the gone one comes in the same batch)."""
+    """Its generations are cancelled and counted once and their places freed; the one waiting
+    on another connection gets every token (the engine's DONE for the gone one comes in the
+    same batch)."""
     cancelled = served.count("cancelled")
     with Link(served.port) as link:
         with Link(served.port) as gone:
@@ -457,6 +458,11 @@ def test_a_client_that_goes_away_frees_its_places(served: Served) -> None:
         assert isinstance(end, fw.Done) and end.generated_tokens == 8, end
         assert [t.position for t in link.tokens(74)] == list(range(3, 11))
         wait_for(lambda: served.count("cancelled") == cancelled + 1, WAIT_S, "71 cancelled")
+        # A client that leaves with one running and one waiting: both cancelled.
+        with Link(served.port) as gone:
+            gone.send(fw.Generate(75, "hi", LONG), fw.Generate(76, "hi", LONG))
+            gone.first_token(75)
+        wait_for(lambda: served.count("cancelled") == cancelled + 3, WAIT_S, "75, 76 cancelled")
         idle(link)
         link.send(
             fw.Generate(71, "hi", LONG), fw.Generate(72, "hi", LONG), fw.Generate(73, "hi", 1)
@@ -466,7 +472,7 @@ def test_a_client_that_goes_away_frees_its_places(served: Served) -> None:
         link.send(fw.Cancel(71), fw.Cancel(72))
         assert all(isinstance(e, fw.Done) for e in link.ends(71, 72))
     # Counted once each: by the front end when the client left, not again at the engine's DONE.
-    assert served.count("cancelled") == cancelled + 3
+    assert served.count("cancelled") == cancelled + 5
 
 
 def test_a_client_that_leaves_while_its_prompt_is_prepared_leaves_nothing_running(
