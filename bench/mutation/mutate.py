@@ -142,6 +142,8 @@ TARGETS = (
             "tests/test_openai_semantics.py",
         ),
     ),
+    # The leader's front end: the pair's processes run the installed tree, so mutmut sees what
+    # runs in the test process; test_frontend_refusals.py runs the leader there.
     Target(
         "frontend",
         ("src/foundry/tp/frontend_server.py",),
@@ -150,6 +152,7 @@ TARGETS = (
             "tests/test_tp_service_failures.py",
             "tests/test_tp_service_sessions.py",
             "tests/test_openai_semantics.py",
+            "tests/test_frontend_refusals.py",
         ),
     ),
 )
