@@ -93,13 +93,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             shm=False,  # gates over TCP: a blocked read, no spinning on two shared cores
         )
     )
+    s: Served | None = None
     try:
         worker, first = pair_worker(leader, model, tmp)
         s = Served(leader, model, tmp, worker, first)
         yield s
     finally:
         leader.stop()
-    s.worker.stop()
+        if s is not None:
+            s.worker.stop()
 
 
 class Link:
