@@ -296,10 +296,16 @@ class RawPeer:
             Register(self.worker_id, PROTOCOL_VERSION, HardwareProfile.LAPTOP_LIGHT, 2, 4096, 4),
         )
         self._thread.start()
-        self.send(WeightsReq())
+        # A WEIGHTS_REQ that lands while the coordinator applies a step is answered with the
+        # peer's next assignment; the rounds here wait on peers that never answer theirs, so
+        # ask again now and then, as a peer may, rather than wait those rounds out.
         deadline = time.monotonic() + 60
+        asked = 0.0
         while self.meta is None and self.closed_at is None:
             assert time.monotonic() < deadline, f"{self.worker_id}: no weights in 60 s"
+            if time.monotonic() - asked > 2.0:
+                self.send(WeightsReq())
+                asked = time.monotonic()
             time.sleep(0.05)
         return self
 
