@@ -203,7 +203,7 @@ def main() -> int:
             show(pair, alone, args)
         except RuntimeError as exc:  # no namespaces here (not root, no ip/tc): say so, go on
             print(f"pair {args.rate} failed: {exc}"[:600], flush=True)
-        if not args.no_loopback_pair:
+        if not args.no_loopback_pair and args.rate != "loopback":  # else that was the pair above
             loop = run(args, work, "pair loopback", 2, "loopback", target, cap)
             show(loop, alone, args)
             print(
