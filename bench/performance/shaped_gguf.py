@@ -15,11 +15,14 @@ published layout on the rebuilt file (docs/benchmarks.md, "Gemma-3-270M-shaped")
 
 The values are random and valid for their type: F32 norms (``*norm*``) near 1, other F32, F16
 and BF16 small normal values; a block type's quants random bytes, its f16 scales (d, and
-dmin or m where it has one: :data:`BLOCKS`, from ggml-common.h's block structs) small, finite
-and positive, so that the weights it holds are of order 0.01-0.1 (``tests/test_shaped_gguf.py``
-dequantizes each with the gguf package). A type not in :data:`BLOCKS` (the i-quants, MXFP4,
-the integer types) is refused in one line. The tables are read with the project's GGUF reader
-(``gguf_meta.read_layout``, which reads a header alone); the data is written a chunk at a time.
+dmin or m where it has one: :data:`BLOCKS`, from ggml-common.h's block structs) small and
+finite (d and dmin positive, Q4_1's and Q5_1's added m negative: the weights centre on zero),
+so that the weights it holds are of order 0.01-0.1 (``tests/test_shaped_gguf.py``
+dequantizes each with the gguf package). A type not in :data:`BLOCKS` (the i-quants, the
+ternary and FP4 types, the integer types) is refused in one line. The tables are read with the
+project's GGUF reader (``gguf_meta.read_layout``: it reads a head alone, where the ``gguf``
+package's reader wants the tensors' bytes, and Gemma's 262,144-token vocabulary in well under a
+second); the data is generated and written a chunk at a time.
 """
 
 from __future__ import annotations
@@ -77,8 +80,6 @@ BLOCKS: dict[QT, Block] = {
     QT.Q5_K: Block(((0, 1e-4), (2, 1.5e-3))),
     # ql[128], qh[64], scales[16] int8, d: w = d sc (q - 32), q 0..63
     QT.Q6_K: Block(((208, 1.2e-4),), (192, 208, 2)),
-    QT.TQ1_0: Block(((52, 0.03),)),  # qs[48], qh[4] (base-3 digits), d: w = d t, t -1..1
-    QT.TQ2_0: Block(((64, 0.03),)),  # qs[64], d: w = d (q - 1), q 0..3
 }
 """Every block type ``fill`` writes."""
 PLAIN: tuple[QT, ...] = (QT.F32, QT.F16, QT.BF16)
@@ -155,7 +156,7 @@ def random_blocks(rng: np.random.Generator, qtype: QT, n: int) -> U8:
         np.right_shift(q, shift, out=q)
         np.maximum(q, -127, out=q)
     for offset, value in spec.scales:
-        d = (rng.uniform(0.75 * value, 1.25 * value, n)).astype("<f2")
+        d = (rng.uniform(0.75, 1.25, n) * value).astype("<f2")
         blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(n, 2)
     return blocks
 
