@@ -4,6 +4,7 @@ reduce-scatter then allgather, each chunk summed in rank order.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import select
 import socket
@@ -174,11 +175,14 @@ class MeshGateExchange(GateExchange):
                         if got[r] == total_in[r]:
                             self.peer_wait_s[r] += time.perf_counter() - t0
                 except GateError as exc:
-                    # A rank that gave up on a silent one closes on us: name that one too.
+                    # A rank that gave up on an out-of-step or silent one closes on us: name
+                    # the out-of-step one if its header is here already, else the silent ones.
                     silent = [q for q in got if q != r and got[q] < step1_in[q]]
-                    if silent:
-                        raise GateError(f"{exc}; still {_waiting_for(silent)}") from None
-                    raise
+                    if not silent:
+                        raise
+                    raise self._desync_among(tag, silent, got) or GateError(
+                        f"{exc}; still {_waiting_for(silent)}"
+                    ) from None
             if not reduced and all(got[r] >= step1_in[r] for r in got):
                 between()
                 reduced = progress = True
@@ -193,6 +197,18 @@ class MeshGateExchange(GateExchange):
                 behind = [r for r in got if got[r] < step1_in[r]]
                 behind = behind or [r for r in got if got[r] < total_in[r]]
                 self._wait(last_progress, tag, sent, limit, got, total_in, behind)
+
+    def _desync_among(self, tag: bytes, ranks: list[int], got: dict[int, int]) -> GateError | None:
+        """The desync of the first of ``ranks`` whose header, read now as far as it has come,
+        differs from ``tag``; None when none does (yet)."""
+        for q in ranks:
+            if got[q] < GATE_HEADER_SIZE:
+                with contextlib.suppress(GateError):
+                    head = [memoryview(self._tags[q])[got[q] :]]
+                    got[q] += self._channels[q].recv(head, tag, got[q], GATE_HEADER_SIZE)
+            if got[q] >= GATE_HEADER_SIZE and self._tags[q] != tag:
+                return self._desync_from(q, tag, bytes(self._tags[q]))
+        return None
 
     def _desync_from(self, peer: int, tag: bytes, peer_tag: bytes) -> GateError:
         exc = self._desync(tag, peer_tag)
