@@ -11,7 +11,6 @@ import gc
 import multiprocessing as mp
 import os
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,17 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 from procs import wait_for
-from tls_certs import make_certs
 
 from foundry.transport.gates import (
     GateError,
     GateExchange,
-    MeshGateExchange,
     ShmGateExchange,
     TcpGateExchange,
     local_host_id,
 )
-from foundry.transport.tls import PeerContexts, TlsFiles, peer_contexts_for, wrap_blocking
 from foundry.wire.tp import (
     Gate,
     GateHeader,
@@ -360,145 +356,3 @@ def test_two_processes_bit_identical(kind: str) -> None:
         assert proc.exitcode == 0
     for a, b, x, y in zip(mine, theirs, p0, p1, strict=True):
         assert same_bits(a, b) and same_bits(a, x + y)
-
-
-# -- N ranks: all-to-all over TCP ---------------------------------------------------------------
-
-
-def mesh(
-    world: int,
-    small_buffers: bool = False,
-    timeout_s: float = 2.0,
-    peer_tls: PeerContexts | None = None,
-) -> list[MeshGateExchange]:
-    """A world of ``world`` ranks in this process, a loopback connection between every two
-    (under mutual TLS with ``peer_tls``, the lower rank accepting, as the workers do)."""
-    socks: list[dict[int, socket.socket]] = [{} for _ in range(world)]
-    for i in range(world):
-        for j in range(i + 1, world):
-            a, b = tcp_pair(small_buffers)
-            if peer_tls is not None:
-                a, b = tls_pair(a, b, peer_tls)
-            socks[i][j], socks[j][i] = a, b
-    return [
-        MeshGateExchange(socks[r], rank=r, world=world, n_embd=N_EMBD, timeout_s=timeout_s)
-        for r in range(world)
-    ]
-
-
-def tls_pair(
-    accepted: socket.socket, dialed: socket.socket, peer_tls: PeerContexts
-) -> tuple[socket.socket, socket.socket]:
-    """Both ends of a connection after the TLS handshake, each side on its own thread."""
-    server: list[socket.socket] = []
-    t = threading.Thread(
-        target=lambda: server.append(wrap_blocking(peer_tls.accept, accepted, server_side=True))
-    )
-    t.start()
-    client = wrap_blocking(peer_tls.dial, dialed, server_side=False)
-    t.join(10)
-    assert server, "the accepting side's handshake failed"
-    return server[0], client
-
-
-@pytest.fixture(scope="module")
-def peer_tls(tmp_path_factory: pytest.TempPathFactory) -> PeerContexts:
-    d = tmp_path_factory.mktemp("certs")
-    make_certs(d)
-    contexts = peer_contexts_for(
-        TlsFiles(d / "tp-worker.pem", d / "tp-worker-key.pem", d / "ca.pem")
-    )
-    assert contexts is not None
-    return contexts
-
-
-def run_world(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run one function per rank on its own thread; each one's result or exception."""
-    out: list[Any] = [None] * len(fns)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except Exception as exc:  # handed back to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads)
-    return out
-
-
-@pytest.mark.parametrize(
-    ("world", "tls"), [(3, False), (4, False), (3, True)], ids=["3", "4", "3-tls"]
-)
-def test_mesh_sums_in_rank_order_on_every_rank(
-    world: int, tls: bool, request: pytest.FixtureRequest
-) -> None:
-    """Every rank gets ((p0 + p1) + p2) + ... bit for bit, the rows of a decode gate and of a
-    4 MiB prefill partial through small socket buffers alike, over TCP and over TLS."""
-    rng = np.random.default_rng(world)
-    contexts = request.getfixturevalue("peer_tls") if tls else None
-    gates = mesh(world, small_buffers=True, peer_tls=contexts)
-    if tls:
-        assert all(isinstance(ch.sock, ssl.SSLSocket) for g in gates for ch in g._channels.values())
-    shapes = [(1, N_EMBD), (1024, N_EMBD), (3, N_EMBD)]
-    parts = [
-        [rng.standard_normal(shape).astype(np.float32) for shape in shapes] for _ in range(world)
-    ]
-    try:
-        got = run_world(
-            [lambda g=g, p=p: gates_schedule(g, p) for g, p in zip(gates, parts, strict=True)]
-        )
-    finally:
-        for g in gates:
-            g.close()
-    for k in range(len(shapes)):
-        expected = parts[0][k] + parts[1][k]
-        for r in range(2, world):
-            expected = expected + parts[r][k]
-        for r in range(world):
-            assert same_bits(got[r][k], expected), (r, k)
-    # Another order gives other bits somewhere (so the check above can fail).
-    k = 1
-    other = parts[world - 1][k] + parts[world - 2][k]
-    for r in range(world - 3, -1, -1):
-        other = other + parts[r][k]
-    assert not same_bits(other, got[0][k])
-
-
-def test_mesh_desync_and_a_dead_rank_are_named() -> None:
-    gates = mesh(3, timeout_s=0.5)
-    one = np.ones((1, N_EMBD), np.float32)
-    results = run_world(
-        [
-            lambda: gates[0].exchange(0, Gate.ATTN, one),
-            lambda: gates[1].exchange(0, Gate.ATTN, one),
-            lambda: gates[2].exchange(0, Gate.FFN, one),
-        ]
-    )
-    assert isinstance(results[0], GateError)
-    assert "rank 2: gate desync: expected layer 0 gate ATTN" in str(results[0])
-    for g in gates:
-        g.close()
-    gates = mesh(3, timeout_s=0.5)
-    gates[2].close()  # rank 2 dies: both others fail at once, naming it
-    t0 = time.monotonic()
-    results = run_world([lambda g=g: g.exchange(0, Gate.ATTN, one) for g in gates[:2]])
-    assert time.monotonic() - t0 < 0.45
-    for res in results:
-        assert isinstance(res, GateError) and "rank 2" in str(res)
-    gates = mesh(3, timeout_s=0.3)
-    results = run_world([lambda g=g: g.exchange(0, Gate.ATTN, one) for g in gates[:2]])
-    for res in results:  # rank 2 alive and silent: a stall naming it
-        assert isinstance(res, GateError) and "waiting for rank 2" in str(res), res
-    for g in gates:
-        g.close()
-
-
-def test_mesh_needs_a_socket_to_every_other_rank() -> None:
-    a, b = tcp_pair()
-    with a, b, pytest.raises(ValueError, match=r"to every other rank, got ranks \[1\]"):
-        MeshGateExchange({1: a}, rank=0, world=3, n_embd=N_EMBD)

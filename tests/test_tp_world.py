@@ -1,5 +1,5 @@
 """Worlds of N ranks as processes: one `foundry tp-leader --world-size N` and N-1
-`foundry tp-worker` on 127.0.0.1, the gates all-to-all over TCP.
+`foundry tp-worker` on 127.0.0.1, the gates over TCP (reduce-scatter + allgather).
 
 Each world's tokens and full logits rows equal one process standing for the same split
 (``Engine(shares=...)``, its partials added in rank order) bit for bit, with equal and uneven

@@ -7,7 +7,7 @@ slowed, under equal shares against the shares its calibration chooses (``--share
    end-of-generation token as the leader does: the baseline.
 2. **worlds of N** (``--worlds 2,4,8``): ``foundry tp-leader --world-size N`` and N-1
    ``foundry tp-worker`` processes on 127.0.0.1, each rank ``--threads T/N`` pinned to its own
-   T/N cores (``sched_setaffinity``), gates all-to-all over TCP (the slab for N = 2),
+   T/N cores (``sched_setaffinity``), gates over TCP (chunked, the services'; the slab for N = 2),
    speculative decoding off (``--spare K``: T/N - K threads a rank on its T/N cores, the rest
    left to the rank's other threads). Decode tokens/s (the first token's time, the prompt's,
    left out) over the one process's, and whether the tokens equal its.

@@ -1,12 +1,18 @@
-"""The gate of a world of N ranks: all-to-all against a star and a ring, measured in one run.
+"""The gate of a world of N ranks: chunked (the services'), all-to-all, a star and a ring, measured
+in one run.
 
 N processes on loopback (rank 0 this process), a TCP connection between every two. Each rank
 holds a partial of ``rows`` x n_embd float32 and every rank must end with the N partials added
 in rank order, ``((p0 + p1) + p2) + ...``, bit for bit the same (checked after every gate).
-Three ways to get there, interleaved in blocks so that drift of the machine hits them alike:
+Four ways to get there, interleaved in blocks so that drift of the machine hits them alike:
 
-- **all-to-all** (what the services run, ``transport.gates.MeshGateExchange``): each rank
-  sends its partial to every other and reads theirs, one poll loop; one hop. Each rank sends
+- **chunked** (what the services run, ``transport.gates.MeshGateExchange``): reduce-scatter
+  then allgather in rank order. The n_embd columns are cut into N chunks, rank r owning chunk
+  r; each rank sends chunk c of its partial to rank c, adds the N pieces of its own chunk in
+  rank order (the same bits as adding whole partials), and sends that sum to every other rank;
+  one poll loop, two hops. Each rank sends and receives 2(N-1)/N partials a gate.
+- **all-to-all** (what the services ran before, ``AllToAll`` here: the same poll loop, one
+  step): each rank sends its partial to every other and reads theirs; one hop. Each rank sends
   and receives (N-1) partials a gate.
 - **star**: each worker sends its partial to rank 0, which adds the N in rank order and sends
   the sum back; two hops. A worker sends and receives one partial, rank 0 (N-1) each way.
@@ -16,11 +22,11 @@ Three ways to get there, interleaved in blocks so that drift of the machine hits
   order that depends on the rank: not bit-identical.)
 
 Baseline: the pair's gate (N = 2, ``TcpGateExchange``) in the same run, on the same cores;
-the table gives each N's p50 per gate over it, and star and ring over all-to-all. With
-``--tls``, a fourth kind, **all-to-all over TLS**: the same exchange on a second set of
+the table gives each N's p50 per gate over it, and chunked, star and ring over all-to-all. With
+``--tls``, a fifth kind, **chunked over TLS**: the services' exchange on a second set of
 connections under mutual TLS (certificates from ``foundry certs``, made for the run; the
 lower rank accepts, as a world's workers do), interleaved with the others, and its p50 over
-plain all-to-all (the pair: ``TcpGateExchange`` over TLS against plain). On one host
+plain chunked (the pair: ``TcpGateExchange`` over TLS against plain). On one host
 the ranks share its cores (2 of them here, shared with others), so loopback shows the cost of
 the extra hops and system calls, not a network's: a hop on a 1 Gb/s LAN adds ~60 us of wire
 time for a 4 KiB decode partial.
@@ -69,10 +75,11 @@ from foundry.cli import main as cli_main
 from foundry.model.shard.table import Gate
 from foundry.transport import gates
 from foundry.transport.gates import GateExchange, MeshGateExchange, TcpGateExchange
+from foundry.transport.gates.mesh import chunk_bounds
 from foundry.transport.tls import TlsFiles, peer_contexts_for, wrap_blocking
 
-KINDS = ("all-to-all", "star", "ring")
-TLS_KIND = "all-to-all tls"
+KINDS = ("all-to-all", "chunked", "star", "ring")
+TLS_KIND = "chunked tls"
 
 
 def _pairs(world: int) -> list[dict[int, socket.socket]]:
@@ -142,11 +149,28 @@ def _tls_links(
     return out
 
 
-def _gate(socks: dict[int, socket.socket], rank: int, world: int, n_embd: int) -> GateExchange:
-    """The services' exchange over ``socks``: the pair's own gate at N = 2, else all-to-all."""
+class AllToAll(MeshGateExchange):
+    """The services' world gate before chunking: the same poll loop (``MeshGateExchange._move``)
+    in one step, header + the whole partial to every peer, then the N partials added in rank
+    order."""
+
+    def _sum(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
+        peers = {p: np.empty_like(mine) for p in self._channels}
+        outs = {p: [memoryview(tag), mine.data.cast("B")] for p in self._channels}
+        ins = {p: [memoryview(self._tags[p]), peers[p].data.cast("B")] for p in self._channels}
+        self._move(tag, outs, ins, lambda: None)
+        return _rank_order_sum([mine if r == self.rank else peers[r] for r in range(self.world)])
+
+
+def _gate(
+    socks: dict[int, socket.socket], rank: int, world: int, n_embd: int, kind: str = "chunked"
+) -> GateExchange:
+    """An exchange over ``socks``: the pair's own gate at N = 2 (what the services run there),
+    else ``kind`` (chunked: the services' ``MeshGateExchange``)."""
     if world == 2:
         return TcpGateExchange(socks[1 - rank], rank=rank, n_embd=n_embd, timeout_s=30.0)
-    return MeshGateExchange(socks, rank=rank, world=world, n_embd=n_embd, timeout_s=30.0)
+    cls = AllToAll if kind == "all-to-all" else MeshGateExchange
+    return cls(socks, rank=rank, world=world, n_embd=n_embd, timeout_s=30.0)
 
 
 def _rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
@@ -223,10 +247,14 @@ def _run_rank(
     certs: Path | None,
 ) -> dict[str, list[float]]:
     size = rows * n_embd
-    mesh = _gate({r: s.dup() for r, s in socks.items()}, rank, world, n_embd)
+    mesh = {
+        k: _gate({r: s.dup() for r, s in socks.items()}, rank, world, n_embd, k)
+        for k in ("all-to-all", "chunked")
+    }
     secure = None
     if tls_socks is not None and certs is not None:
-        secure = _gate(_tls_links(tls_socks, rank, world, certs), rank, world, n_embd)
+        tls_links = _tls_links(tls_socks, rank, world, certs)
+        secure = _gate(tls_links, rank, world, n_embd)
     kinds = KINDS if secure is None else (*KINDS, TLS_KIND)
     star, ring = Star(socks, rank, world, size), Ring(socks, rank, world, size)
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -240,8 +268,8 @@ def _run_rank(
     for i, kind in enumerate(_schedule(gates, block, kinds)):
         mine = parts[i % len(parts)]
         t0 = time.perf_counter()
-        if kind == "all-to-all":
-            total = mesh.exchange(i % 65536, Gate.ATTN, mine)
+        if kind in mesh:
+            total = mesh[kind].exchange(i % 65536, Gate.ATTN, mine)
         elif kind == TLS_KIND:
             assert secure is not None
             total = secure.exchange(i % 65536, Gate.ATTN, mine)
@@ -462,6 +490,14 @@ def _run(a: argparse.Namespace, certs: Path | None) -> int:
         net.down()
 
 
+def chunked_bytes_out(world: int, rows: int, n_embd: int) -> int:
+    """Rank 0's bytes a chunked gate: to each peer p a header, chunk p of its partial and the
+    sum of chunk 0."""
+    bounds = chunk_bounds(n_embd, world)
+    own = bounds[0][1] - bounds[0][0]
+    return sum(20 + 4 * rows * (b - a + own) for a, b in bounds[1:])
+
+
 def report(
     a: argparse.Namespace,
     worlds: list[int],
@@ -481,29 +517,35 @@ def report(
     }
     tls_head = f" {'tls':>9} {'tls/plain':>9}" if certs else ""
     print(
-        f"{'N':>3} {'all-to-all':>11} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
-        f"{'star/a2a':>9} {'ring/a2a':>9} {'bytes out rank 0':>17}{tls_head}"
+        f"{'N':>3} {'all-to-all':>11} {'chunked':>9} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
+        f"{'chunk/a2a':>9} {'star/a2a':>9} {'ring/a2a':>9} {'a2a bytes':>10} "
+        f"{'chunk bytes':>11}{tls_head}"
     )
 
-    def tls_cells(m: dict[str, float]) -> str:
+    def tls_cells(m: dict[str, float], plain: str) -> str:
         if not certs:
             return ""
-        return f" {m[TLS_KIND]:>9.1f} {m[TLS_KIND] / m['all-to-all']:>9.2f}"
+        return f" {m[TLS_KIND]:>9.1f} {m[TLS_KIND] / m[plain]:>9.2f}"
 
     if certs:
         results["pair_tls_p50_us"] = pair[TLS_KIND]
     print(
-        f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} "
-        f"{partial + 20:>17}{tls_cells(pair)}"
+        f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} {'':>9} "
+        f"{partial + 20:>10} {partial + 20:>11}{tls_cells(pair, 'all-to-all')}"
     )
     for w in worlds:
         m = run(w)
+        a2a = m["all-to-all"]
         results[f"world_{w}_p50_us"] = m
+        results[f"world_{w}_bytes_out_rank0"] = {
+            "all-to-all": (w - 1) * (partial + 20),
+            "chunked": chunked_bytes_out(w, a.rows, a.n_embd),
+        }
         print(
-            f"{w:>3} {m['all-to-all']:>11.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
-            f"{m['all-to-all'] / base:>9.2f} {m['star'] / m['all-to-all']:>9.2f} "
-            f"{m['ring'] / m['all-to-all']:>9.2f} {(w - 1) * (partial + 20):>17}"
-            f"{tls_cells(m)}"
+            f"{w:>3} {a2a:>11.1f} {m['chunked']:>9.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
+            f"{a2a / base:>9.2f} {m['chunked'] / a2a:>9.2f} {m['star'] / a2a:>9.2f} "
+            f"{m['ring'] / a2a:>9.2f} {(w - 1) * (partial + 20):>10} "
+            f"{chunked_bytes_out(w, a.rows, a.n_embd):>11}{tls_cells(m, 'chunked')}"
         )
     harness.emit("tp_world_gates", results, None, a.json)
     return 0

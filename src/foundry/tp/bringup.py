@@ -19,7 +19,7 @@ closed, and dials again asking for it. With the last weight the leader chooses t
 A world of N > 2 ranks: each worker brought up this far waits as a :class:`Member` until every
 rank has one; the handshake thread of the last sends each worker the WORLD frame (every
 worker's gate port and token), waits for each one's ACK (its gate connections to the other
-workers are up) and hands the world to ``on_pair`` with the leader's all-to-all gate
+workers are up) and hands the world to ``on_pair`` with the leader's world gate
 (``transport.gates.MeshGateExchange``). A member whose worker hung up while waiting gives its
 rank back when another worker asks for it.
 """

@@ -227,7 +227,7 @@ class LeaderEngine(EngineTokens):
             log.info("worker %s paired: gates over %s", pair.link.peer, pair.transport.value)
         else:
             log.info(
-                "world of %d ranks formed (%s): gates all-to-all over %s",
+                "world of %d ranks formed (%s): gates reduce-scatter + allgather over %s",
                 self.world,
                 ", ".join(f"rank {r} {link.peer}" for r, link in enumerate(pair.links, start=1)),
                 pair.transport.value,

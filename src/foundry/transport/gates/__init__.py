@@ -25,10 +25,11 @@ Three transports:
   calls) the same loop uses ``send`` and ``recv_into`` one buffer at a time; the bytes inside
   TLS are the same. One socket's non-blocking moves, plain or TLS, are ``channel``'s
   :class:`~foundry.transport.gates.channel.GateChannel`, which both TCP exchanges drive.
-- :class:`MeshGateExchange`: a world of N > 2 ranks, all-to-all: a TCP connection (plain or
-  TLS) to every other rank; per gate the rank writes header + partial to each and reads each
-  one's, one poll loop over all of them, then sums in rank order (one hop; docs/protocol.md,
-  N ranks, has the choice against a star and a ring).
+- :class:`MeshGateExchange`: a world of N > 2 ranks: a TCP connection (plain or TLS) to every
+  other rank; per gate, reduce-scatter then allgather: the columns cut into N chunks, the rank
+  sends each peer its chunk of its partial, sums its own chunk's N pieces in rank order and
+  sends that sum to every peer, one poll loop over all of them (two hops, 2(N-1)/N partials
+  out; docs/tp.md, "Which exchange", has the choice against all-to-all, a star and a ring).
 - :class:`ShmGateExchange`: a slab file in ``/dev/shm`` mapped by both ranks on one host (see
   ``SlabLayout`` for the layout and the seqlock rule). A plain file + ``mmap`` rather than
   ``multiprocessing.shared_memory``: before Python 3.13 the attaching process registers the

@@ -1,12 +1,15 @@
-"""The all-to-all data plane of a world of N ranks over TCP, plain or TLS
-(:class:`MeshGateExchange`).
+"""The data plane of a world of N ranks over TCP, plain or TLS (:class:`MeshGateExchange`):
+reduce-scatter then allgather, each chunk summed in rank order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import select
 import socket
 import time
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +21,6 @@ from foundry.transport.gates.base import (
     GateError,
     GateExchange,
     _describe,
-    _tail,
 )
 from foundry.transport.gates.channel import GateChannel, poll_channels
 from foundry.wire.tp import (
@@ -26,16 +28,45 @@ from foundry.wire.tp import (
 )
 
 
-class MeshGateExchange(GateExchange):
-    """All-to-all for a world of N ranks over TCP: one connected socket to every other rank
-    (``socks``, by rank; plain or TLS, each a
-    :class:`~foundry.transport.gates.channel.GateChannel`), which this object then owns.
+def chunk_bounds(n_embd: int, world: int) -> list[tuple[int, int]]:
+    """Rank r's columns of a partial, ``[r n_embd // N, (r+1) n_embd // N)``: N contiguous
+    chunks that differ by at most one column (empty ones when n_embd < N), the same on every
+    rank for every gate."""
+    cuts = [r * n_embd // world for r in range(world + 1)]
+    return list(itertools.pairwise(cuts))
 
-    Per gate the rank writes header (20 bytes) + partial to every peer while reading every
-    peer's, one non-blocking poll loop over all the sockets (so no multi-MiB prefill partial
-    can deadlock on clamped socket buffers), and returns the N partials added in rank order,
-    its own in its place. Every peer's tag must equal its own; no byte moving on any socket
-    for ``timeout_s`` is a stall; EOF or an error on any is a GateError naming that rank.
+
+def _span(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The bytes ``[start, stop)`` of the concatenated ``views``, as buffers for
+    sendmsg/recvmsg; empty views left out, so the first buffer is the same for a given
+    ``start`` whatever ``stop`` is past the end of the view that ``start`` lies in."""
+    out: list[memoryview] = []
+    at = 0
+    for v in views:
+        lo, hi = max(start - at, 0), min(stop - at, len(v))
+        if lo < hi:
+            out.append(v[lo:hi])
+        at += len(v)
+    return out
+
+
+class MeshGateExchange(GateExchange):
+    """A world of N ranks over TCP: one connected socket to every other rank (``socks``, by
+    rank; plain or TLS, each a :class:`~foundry.transport.gates.channel.GateChannel`), which
+    this object then owns.
+
+    The partial's columns are cut into N chunks (:func:`chunk_bounds`); rank r owns chunk r.
+    Per gate, on the connection to every peer p, the rank writes header (20 bytes) + chunk p of
+    its partial (reduce-scatter), and once every peer's chunk r is in, adds the N pieces of
+    chunk r in rank order, ``((p0 + p1) + p2) + ...``, its own in its place, and writes that
+    sum after them (allgather); it reads from p header + p's piece of chunk r + p's sum of
+    chunk p. Every element is added in the same order as the whole partials would be, so every
+    rank holds the same bits as all-to-all would give. Each rank sends 2(N-1)/N partials a gate
+    instead of N-1. One non-blocking poll loop over all the sockets moves every byte (so no
+    multi-MiB prefill partial can deadlock on clamped socket buffers: every receive is posted
+    from the start, and the sums wait only on the pieces, which wait on nothing). Every peer's
+    tag must equal its own; no byte moving on any socket for ``timeout_s`` is a stall; EOF or
+    an error on any is a GateError naming that rank.
     """
 
     def __init__(
@@ -58,7 +89,8 @@ class MeshGateExchange(GateExchange):
             )
         self._channels = {r: GateChannel(s, f"rank {r}") for r, s in sorted(socks.items())}
         self._tags = {r: bytearray(GATE_HEADER_SIZE) for r in self._channels}
-        self._bufs = {r: np.empty(0, dtype=_F32) for r in self._channels}
+        self._bounds = chunk_bounds(n_embd, world)
+        self._staging: dict[tuple[str, int], np.ndarray] = {}
         self._poller = select.poll()
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
@@ -66,46 +98,117 @@ class MeshGateExchange(GateExchange):
 
     def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
         rows = mine.shape[0]
-        peers: dict[int, np.ndarray] = {}
-        for r in self._channels:
-            if self._bufs[r].size < mine.size:
-                self._bufs[r] = np.empty(mine.size, dtype=_F32)
-            peers[r] = self._bufs[r][: mine.size].reshape(rows, self.n_embd)
-        out = (memoryview(tag), mine.data.cast("B"))
-        total = GATE_HEADER_SIZE + mine.nbytes
+        out = np.empty((rows, self.n_embd), dtype=_F32)
+        cols = {r: (mine[:, a:b], out[:, a:b]) for r, (a, b) in enumerate(self._bounds)}
+        # The bytes move from and to views of ``mine`` and ``out`` where one row makes a chunk
+        # contiguous (a decode gate), else through reused buffers, copied in and out here.
+        sent = {p: self._land(cols[p][0], "out", p) for p in self._channels}  # my chunk p
+        total = self._land(cols[self.rank][1], "total", self.rank)  # my chunk's sum
+        pieces = {p: self._buffer("piece", p, *total.shape) for p in self._channels}
+        sums = {p: self._land(cols[p][1], "sum", p) for p in self._channels}
+        outs, ins = {}, {}
+        for p in self._channels:
+            if sent[p] is not cols[p][0]:
+                np.copyto(sent[p], cols[p][0])
+            outs[p] = [memoryview(tag), _bytes(sent[p]), _bytes(total)]
+            ins[p] = [memoryview(self._tags[p]), _bytes(pieces[p]), _bytes(sums[p])]
+
+        def reduce() -> None:
+            # My chunk summed in rank order, as one process standing for this split adds.
+            parts = [cols[r][0] if r == self.rank else pieces[r] for r in range(self.world)]
+            np.add(parts[0], parts[1], out=total)
+            for q in parts[2:]:
+                np.add(total, q, out=total)
+
+        self._move(tag, outs, ins, reduce)
+        for r, arr in [(self.rank, total), *sums.items()]:
+            if arr is not cols[r][1]:
+                cols[r][1][...] = arr
+        return out
+
+    def _buffer(self, job: str, peer: int, rows: int, width: int) -> np.ndarray:
+        """A reused contiguous (rows, width) array for ``job`` with ``peer``."""
+        buf = self._staging.get((job, peer))
+        if buf is None or buf.size < rows * width:
+            buf = self._staging[(job, peer)] = np.empty(rows * width, dtype=_F32)
+        return buf[: rows * width].reshape(rows, width)
+
+    def _land(self, view: np.ndarray, job: str, peer: int) -> np.ndarray:
+        """``view`` itself where its bytes are contiguous, else a reused buffer of its shape
+        for ``job`` with ``peer``."""
+        return view if view.flags.c_contiguous else self._buffer(job, peer, *view.shape)
+
+    def _move(
+        self,
+        tag: bytes,
+        outs: dict[int, list[memoryview]],
+        ins: dict[int, list[memoryview]],
+        between: Callable[[], None],
+    ) -> None:
+        """Write ``outs[p]`` to and read ``ins[p]`` from every peer p, one poll loop. The first
+        two buffers of each are step 1 (header, piece); the rest of the writes wait until every
+        peer's step 1 is in and ``between`` has run. ``ins[p][0]`` is ``self._tags[p]``."""
+        step1_out = {p: len(v[0]) + len(v[1]) for p, v in outs.items()}
+        step1_in = {p: len(v[0]) + len(v[1]) for p, v in ins.items()}
+        total_out = {p: sum(map(len, v)) for p, v in outs.items()}
+        total_in = {p: sum(map(len, v)) for p, v in ins.items()}
+        limit = dict(step1_out)
         sent = dict.fromkeys(self._channels, 0)
         got = dict.fromkeys(self._channels, 0)
+        reduced = False
         t0 = time.perf_counter()
         last_progress = time.monotonic()
         while True:
             progress = False
             for r, ch in self._channels.items():
-                if sent[r] < total:
-                    n = ch.send(_tail(out, sent[r]), tag)
-                    sent[r] += n
-                    progress = progress or n > 0
-                if got[r] < total:
-                    into = (memoryview(self._tags[r]), peers[r].data.cast("B"))
-                    n = ch.recv(_tail(into, got[r]), tag, got[r], total)
-                    if got[r] < GATE_HEADER_SIZE <= got[r] + n and self._tags[r] != tag:
-                        raise self._desync_from(r, tag, bytes(self._tags[r]))
-                    got[r] += n
-                    progress = progress or n > 0
-                    if got[r] == total:
-                        self.peer_wait_s[r] += time.perf_counter() - t0
-            if all(v == total for v in sent.values()) and all(v == total for v in got.values()):
-                break
+                try:
+                    if sent[r] < limit[r]:
+                        n = ch.send(_span(outs[r], sent[r], limit[r]), tag)
+                        sent[r] += n
+                        progress = progress or n > 0
+                    if got[r] < total_in[r]:
+                        n = ch.recv(_span(ins[r], got[r], total_in[r]), tag, got[r], total_in[r])
+                        if got[r] < GATE_HEADER_SIZE <= got[r] + n and self._tags[r] != tag:
+                            raise self._desync_from(r, tag, bytes(self._tags[r]))
+                        got[r] += n
+                        progress = progress or n > 0
+                        if got[r] == total_in[r]:
+                            self.peer_wait_s[r] += time.perf_counter() - t0
+                except GateError as exc:
+                    # A rank that gave up on an out-of-step or silent one closes on us: name
+                    # the out-of-step one if its header is here already, else the silent ones.
+                    silent = [q for q in got if q != r and got[q] < step1_in[q]]
+                    if not silent:
+                        raise
+                    raise self._desync_among(tag, silent, got) or GateError(
+                        f"{exc}; still {_waiting_for(silent)}"
+                    ) from None
+            if not reduced and all(got[r] >= step1_in[r] for r in got):
+                between()
+                reduced = progress = True
+                limit = total_out
+            if sent == total_out and got == total_in:
+                return
             now = time.monotonic()
             if progress:
                 last_progress = now
             elif now - last_progress > TCP_SPIN_S:
-                self._wait(last_progress, tag, sent, got, total)
-        # The sum in rank order, as one process standing for this split adds its parts.
-        parts = [mine if r == self.rank else peers[r] for r in range(self.world)]
-        acc: npt.NDArray[np.float32] = parts[0] + parts[1]
-        for p in parts[2:]:
-            np.add(acc, p, out=acc)
-        return acc
+                # A rank whose piece is missing holds everyone up; else those whose sum is.
+                behind = [r for r in got if got[r] < step1_in[r]]
+                behind = behind or [r for r in got if got[r] < total_in[r]]
+                self._wait(last_progress, tag, sent, limit, got, total_in, behind)
+
+    def _desync_among(self, tag: bytes, ranks: list[int], got: dict[int, int]) -> GateError | None:
+        """The desync of the first of ``ranks`` whose header, read now as far as it has come,
+        differs from ``tag``; None when none does (yet)."""
+        for q in ranks:
+            if got[q] < GATE_HEADER_SIZE:
+                with contextlib.suppress(GateError):
+                    head = [memoryview(self._tags[q])[got[q] :]]
+                    got[q] += self._channels[q].recv(head, tag, got[q], GATE_HEADER_SIZE)
+            if got[q] >= GATE_HEADER_SIZE and self._tags[q] != tag:
+                return self._desync_from(q, tag, bytes(self._tags[q]))
+        return None
 
     def _desync_from(self, peer: int, tag: bytes, peer_tag: bytes) -> GateError:
         exc = self._desync(tag, peer_tag)
@@ -116,20 +219,30 @@ class MeshGateExchange(GateExchange):
         last_progress: float,
         tag: bytes,
         sent: dict[int, int],
+        limit: dict[int, int],
         got: dict[int, int],
-        total: int,
+        total_in: dict[int, int],
+        behind: list[int],
     ) -> None:
         left = last_progress + self.timeout_s - time.monotonic()
         if left <= 0:
-            behind = [r for r in self._channels if got[r] < total]
             raise GateError(
                 f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
-                f"(waiting for rank{'s' if len(behind) > 1 else ''} "
-                f"{', '.join(map(str, behind))})"
+                f"({_waiting_for(behind)})"
             )
-        wants = [(ch, sent[r] < total, got[r] < total) for r, ch in self._channels.items()]
+        wants = [(ch, sent[r] < limit[r], got[r] < total_in[r]) for r, ch in self._channels.items()]
         poll_channels(self._poller, wants, left)
 
     def _release(self) -> None:
         for ch in self._channels.values():
             ch.close()
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    """The bytes of contiguous ``a`` (an empty chunk, n_embd < N: none; memoryview refuses
+    to cast a shape with a zero)."""
+    return a.data.cast("B") if a.size else memoryview(b"")
+
+
+def _waiting_for(ranks: list[int]) -> str:
+    return f"waiting for rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
