@@ -285,6 +285,48 @@ def attend_rows(
     )
 
 
+def store_attend(
+    q: F32,
+    k_rows: F32,
+    v_rows: F32,
+    v_col: int,
+    caches: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any], int, int]],
+    window: int,
+    out: F32,
+) -> None:
+    """One layer's attention for a batch of sequences, each (k, v, pos, rows) of ``caches``
+    taking the next ``rows`` rows of q (n, heads, Dh): its K rows (k_rows's) and V rows (columns
+    v_col .. of v_rows's) stored in its caches at pos, pos + 1, ... as :func:`store_rows` does,
+    then each row's attention as :func:`attend_rows` computes it for that sequence (the same
+    bits); in the C module in one call, every row's kv heads tasks of one pool call, where a loop
+    over the sequences made three calls each and a pool call of a few tasks."""
+    if _kernels is None:
+        row = 0
+        for k, v, pos, n in caches:
+            store_rows(k_rows[row : row + n], 0, k[pos : pos + n])
+            store_rows(v_rows[row : row + n], v_col, v[pos : pos + n])
+            attend_rows(q[row : row + n], k, v, pos, window, out[row : row + n])
+            row += n
+        return
+    width = k_rows.shape[1]
+    heads, dh = q.shape[1], q.shape[2]
+    _kernels.store_attend(
+        q,
+        k_rows,
+        0,
+        width,
+        v_rows,
+        v_col,
+        v_rows.shape[1],
+        caches,
+        window,
+        heads,
+        width // dh,
+        dh,
+        out,
+    )
+
+
 def set_threads(n: int) -> None:
     """Run the kernels on ``n`` threads (this one included) from now on, process-wide: the
     products split by rows, attention by heads, a block's other operations by rows. The
