@@ -43,7 +43,8 @@ def case(
     q = rng.standard_normal((n, n_head, dh)).astype(np.float32)
     qkv = rng.standard_normal((n, (n_head + 2 * n_kv) * dh)).astype(np.float32) * 4
     qkv[0, n_head * dh + 1] = 1 + 2**-11  # a float16 tie: to even (1.0), as numpy rounds
-    ks, vs = [], []
+    ks: list[npt.NDArray[Any]] = []
+    vs: list[npt.NDArray[Any]] = []
     for pos, rows in blocks:
         for caches in (ks, vs):
             c = np.zeros((pos + rows + 3, n_kv, dh), dtype)

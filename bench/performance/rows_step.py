@@ -21,7 +21,7 @@ One session's step runs whole in C (``step_layers``) either way: R = 1 is the re
 batch is weighed against, not a comparison. Medians of the rounds are printed, the step's time,
 tokens/s (R per step) and, per round, the ratio of the two ways. ``--profile`` also times the
 calls that write the caches and attend (the name ``inference`` imports, either way) and prints
-their share of the step.
+their share of the step and their time a call (a layer's part, all sessions).
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ from foundry.model.infer import inference
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.kv_cache import Session
 from foundry.model.kernels import quant
+from foundry.model.kernels.quant import Cache
 from foundry.model.spec.config import preset
 from foundry.runtime import retain_freed_memory
 
 F32 = npt.NDArray[np.float32]
-Caches = Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any], int, int]]
 
 
 def per_session(
-    q: F32, k_rows: F32, v_rows: F32, v_col: int, caches: Caches, window: int, out: F32
+    q: F32, k_rows: F32, v_rows: F32, v_col: int, caches: Sequence[Cache], window: int, out: F32
 ) -> None:
     """``Engine._attention``'s loop before ``store_attend``, the same bits."""
     row = 0
@@ -78,12 +78,14 @@ class Timed:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls = 0
 
     def wrap(self, fn: Callable[..., None]) -> Callable[..., None]:
         def timed(*args: Any) -> None:
             t0 = time.perf_counter()
             fn(*args)
             self.seconds += time.perf_counter() - t0
+            self.calls += 1
 
         return timed
 
@@ -132,6 +134,7 @@ def main() -> None:
     token = 5
     walls: dict[tuple[int, int, str], list[float]] = {}
     shares: dict[tuple[int, int, str], list[float]] = {}
+    per_call: dict[tuple[int, int, str], list[float]] = {}
     saved = vars(inference)["store_attend"]
     try:
         for _ in range(args.rounds):
@@ -144,6 +147,9 @@ def main() -> None:
                         wall = step(engine, batches[r], token, args.steps)
                         walls.setdefault((n, r, way), []).append(wall)
                         shares.setdefault((n, r, way), []).append(timer.seconds / args.steps / wall)
+                        per_call.setdefault((n, r, way), []).append(
+                            timer.seconds / max(timer.calls, 1)
+                        )
     finally:
         vars(inference)["store_attend"] = saved
     results: dict[str, Any] = {}
@@ -155,7 +161,10 @@ def main() -> None:
                 wall = harness.median(series)
                 line += f"  {way} {wall * 1e3:7.2f} ms ({r / wall:7.1f} tokens/s"
                 if args.profile:
+                    call = harness.median(per_call[(n, r, way)])
                     line += f", attention {harness.median(shares[(n, r, way)]):5.1%}"
+                    line += f", {call * 1e6:5.0f} us a layer's part"
+                    results[f"{way}_attention_us_t{n}_r{r}"] = round(call * 1e6, 1)
                 line += ")"
                 results[f"{way}_ms_t{n}_r{r}"] = round(wall * 1e3, 3)
             ratio = harness.median_ratio(old, new)
