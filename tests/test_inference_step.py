@@ -122,7 +122,7 @@ def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
         out = fn(*args)
         calls[1] += 1
         if calls[1] == calls[0]:
-            target = args[-1] if out is None else out  # attend_rows writes its last argument
+            target = args[-1] if out is None else out  # store_attend writes its last argument
             target *= np.float32(1 + 2**-8)
         return out
 
@@ -134,7 +134,7 @@ def nudge(fn: Callable[..., Any], calls: list[int]) -> Callable[..., Any]:
     [
         (inference, "rmsnorm"),
         (inference, "rope"),
-        (inference, "attend_rows"),
+        (inference, "store_attend"),
         (inference, "linear"),
         (parts, "geglu"),  # the dense FFN's, in the parts' arithmetic
     ],

@@ -48,6 +48,7 @@ OPS = {
     inference: (
         "linear",
         "attend_rows",
+        "store_attend",
         "rmsnorm",
         "rope",
         "route",
@@ -63,7 +64,7 @@ OPS = {
 """The operations timed at the first count (a name a module does not import is skipped)."""
 
 POOLED = {"linear", "attend_rows", "rmsnorm", "rope", "route", "combine_experts", "swiglu"}
-POOLED |= {"linear_groups", "geglu", "store_rows", "take_rows", "add"}
+POOLED |= {"linear_groups", "geglu", "store_rows", "take_rows", "add", "store_attend"}
 """Those the C module splits over the pool when a block of rows calls them."""
 
 

@@ -41,7 +41,8 @@ the file's, at most ``arch.DEFAULT_CTX_CAP``), never by the file's number alone.
 
 ``forward_rows`` runs a block of tokens for each of several sessions in one pass: every
 projection, norm and expert works on all rows stacked; the router's product and attention run
-row by row (each row against its session's cache up to its own position), so that a row of a
+row by row (each row against its session's cache up to its own position; a layer's cache writes
+and attention of all sessions in one C call, ``quant.store_attend``), so that a row of a
 block gets the bits one-row decoding gives it, whatever the block (with the block kernels, which
 are batch-invariant too: speculative decoding's output is then plain greedy decoding's).
 Caches are written during the pass, but positions advance only when the whole pass succeeded,
@@ -80,7 +81,6 @@ from foundry.model.kernels.quant import (
     StepPlan,
     add,
     assign_experts,
-    attend_rows,
     combine_experts,
     dequantize,
     embed,
@@ -93,7 +93,7 @@ from foundry.model.kernels.quant import (
     step_ffn,
     step_layer,
     step_layers,
-    store_rows,
+    store_attend,
     take_rows,
 )
 from foundry.model.shard.shares import norm_shares
@@ -444,16 +444,15 @@ class Engine:
         k = self._qk(kr, self._dense[layer].k_norm, lw.k_keep, n, dh)  # (n, Hkv_part, Dh)
         neox = self.arch.rope is Rope.NEOX
         q, k = rope(q, cos, sin, neox), rope(k, cos, sin, neox)
-        k_rows = k.reshape(n, -1)  # (n, Hkv_part * Dh)
-        window = self._window[layer]
         o = np.empty_like(q)  # (n, H_part, Dh)
-        for (session, _), (a, b) in zip(rows, spans, strict=True):
-            kc, vc = session.k[layer][j], session.v[layer][j]  # (ctx, Hkv_part, Dh) each
-            end = session.pos + b - a
-            store_rows(k_rows[a:b], 0, kc[session.pos : end])
-            store_rows(v_rows[a:b], v_col, vc[session.pos : end])
-            # each row as one-row decoding computes it (batch invariance), over its window
-            attend_rows(q[a:b], kc, vc, session.pos, window, o[a:b])  # (b - a, H_part, Dh)
+        # Every session's K and V rows into its caches (ctx, Hkv_part, Dh), then each row's
+        # attention over its window as one-row decoding computes it (batch invariance): one
+        # call, the sessions' rows and kv heads the tasks of one pool call.
+        caches = [
+            (s.k[layer][j], s.v[layer][j], s.pos, b - a)
+            for (s, _), (a, b) in zip(rows, spans, strict=True)
+        ]
+        store_attend(q, k.reshape(n, -1), v_rows, v_col, caches, self._window[layer], o)
         return linear(o.reshape(n, -1), lw.attn_output)  # (n, D)
 
     def _qk(self, y: F32, norm: F32 | None, keep: tuple[int, int], n: int, dh: int) -> F32:

@@ -48,6 +48,8 @@ F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 QType = gguf.GGMLQuantizationType
+Cache = tuple[npt.NDArray[Any], npt.NDArray[Any], int, int]
+"""A sequence's K and V caches (ctx, kv heads, Dh), its position and its rows in a batch."""
 
 _kernels: ModuleType | None
 try:
@@ -283,6 +285,27 @@ def attend_rows(
     _kernels.attend_rows(
         q, k, v, int(half), pos, window, n, q.shape[1], k.shape[1], q.shape[2], out
     )
+
+
+def store_attend(
+    q: F32, k_rows: F32, v_rows: F32, v_col: int, caches: Sequence[Cache], window: int, out: F32
+) -> None:
+    """One layer's attention for a batch of sequences, each (k, v, pos, rows) of ``caches``
+    taking the next ``rows`` rows of q (n, heads, Dh): its K rows (k_rows's) and V rows
+    (columns v_col .. of v_rows's) into its caches at pos, pos + 1, ... as :func:`store_rows`
+    writes them, then each row's attention as :func:`attend_rows` computes it (the same bits);
+    in the C module one call, every row's kv heads the tasks of one pool call."""
+    if _kernels is None:
+        row = 0
+        for k, v, pos, n in caches:
+            store_rows(k_rows[row : row + n], 0, k[pos : pos + n])
+            store_rows(v_rows[row : row + n], v_col, v[pos : pos + n])
+            attend_rows(q[row : row + n], k, v, pos, window, out[row : row + n])
+            row += n
+        return
+    ld, (heads, dh) = k_rows.shape[1], q.shape[1:]
+    args = (v_rows, v_col, v_rows.shape[1], caches, window, heads, ld // dh, dh, out)
+    _kernels.store_attend(q, k_rows, 0, ld, *args)
 
 
 def set_threads(n: int) -> None:

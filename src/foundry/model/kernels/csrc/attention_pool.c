@@ -250,3 +250,70 @@ int attend_rows(const float *q, const void *k, const void *v, int half, int pos,
     attend_job job = {q, k, v, half, pos, window, n_head / n_kv, n_kv, dh, out};
     return pool_run(attend_task, &job, rows * n_kv);
 }
+
+/* ---- a batch of sequences: their rows stored, then every row's attention in one pool call -- */
+
+typedef struct {
+    const float *q;
+    const attend_seq *seqs;
+    const int *seq_of; /* each row's sequence */
+    int half, window, n_head, n_kv, dh, per;
+    float *out;
+} seqs_job;
+
+/* Task i: row r = i / (n_kv per), kv head g, its c-th block of query heads: attend_task's
+ * operations for those heads (attend_strided over the row's window), so each head's bits are
+ * one-row decoding's whatever the batch and the split. */
+static int seqs_task(void *ctx, int i) {
+    const seqs_job *j = ctx;
+    const int r = i / (j->n_kv * j->per), g = i / j->per % j->n_kv, c = i % j->per;
+    const attend_seq *s = &j->seqs[j->seq_of[r]];
+    const int n_pos = s->pos + r - s->row + 1,
+              first = j->window && n_pos > j->window ? n_pos - j->window : 0;
+    const int group = j->n_head / j->n_kv, chunk = (group + j->per - 1) / j->per;
+    const int h0 = g * group + c * chunk,
+              h1 = h0 + chunk < (g + 1) * group ? h0 + chunk : (g + 1) * group;
+    if (h0 >= h1) return 0;
+    const size_t stride = (size_t)j->n_kv * j->dh,
+                 at = ((size_t)first * stride + (size_t)g * j->dh) * (j->half ? 2 : 4),
+                 row = ((size_t)r * j->n_head + h0) * j->dh;
+    float *p = malloc(attend_room(n_pos - first, h1 - h0, 1, j->dh) * sizeof(float));
+    if (p == NULL) return -1;
+    attend_strided(j->q + row, (const uint8_t *)s->k + at, (const uint8_t *)s->v + at, j->half,
+                   n_pos - first, h1 - h0, 1, j->dh, stride, p, j->out + row);
+    free(p);
+    return 0;
+}
+
+int store_attend(const float *q, const float *kx, size_t k_ld, const float *vx, size_t v_ld,
+                 const attend_seq *seqs, int count, int half, int window, int n_head, int n_kv,
+                 int dh, float *out) {
+    const int width = n_kv * dh;
+    const size_t at = (size_t)width * (half ? 2 : 4);
+    int n = 0;
+    /* Every sequence's rows in its caches first (on the caller where they are few: a decode
+     * step's are one row each), so that no task reads a position another task writes. */
+    for (int i = 0; i < count; i++) {
+        const attend_seq *s = &seqs[i];
+        store_rows(kx + (size_t)s->row * k_ld, k_ld, s->rows, width, half,
+                   (uint8_t *)s->k + (size_t)s->pos * at);
+        store_rows(vx + (size_t)s->row * v_ld, v_ld, s->rows, width, half,
+                   (uint8_t *)s->v + (size_t)s->pos * at);
+        n += s->rows;
+    }
+    if (count == 1) /* one sequence: attend_rows' split (a long window's by positions) */
+        return attend_rows(q, seqs->k, seqs->v, half, seqs->pos, window, seqs->rows, n_head, n_kv,
+                           dh, out);
+    int *seq_of = malloc((size_t)n * sizeof(int));
+    if (seq_of == NULL) return -1;
+    for (int i = 0; i < count; i++)
+        for (int t = 0; t < seqs[i].rows; t++) seq_of[seqs[i].row + t] = i;
+    /* blocks a kv head's query heads split into: enough tasks for every thread to have one */
+    const int threads = pool_threads(), group = n_head / n_kv, base = n * n_kv;
+    int per = base >= threads ? 1 : (threads + base - 1) / base;
+    per = per < group ? per : group;
+    seqs_job job = {q, seqs, seq_of, half, window, n_head, n_kv, dh, per, out};
+    const int rc = pool_run(seqs_task, &job, base * per);
+    free(seq_of);
+    return rc;
+}

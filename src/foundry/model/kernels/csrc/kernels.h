@@ -462,6 +462,19 @@ int attend_many(const attend_item *items, int count, int half, int n_pos, int dh
  * row as attend_many. */
 int attend_rows(const float *q, const void *k, const void *v, int half, int pos, int window,
                 int rows, int n_head, int n_kv, int dh, float *out);
+/* A batch's rows of several sequences, each with its own caches (ctx, n_kv, dh, float16 where
+ * half) at its position; its rows are row .. row + rows - 1 of the batch. */
+typedef struct {
+    void *k, *v;
+    int pos, row, rows;
+} attend_seq;
+/* For one layer's heads: each sequence's K and V rows (n_kv x dh values of the batch's rows, k_ld
+ * and v_ld floats apart) stored at its positions as store_rows stores them, then each row's
+ * attention as attend_rows computes it for its sequence; a task per (row, kv head, block of its
+ * query heads) over every sequence, in one pool call. 0, or -1 out of memory. */
+int store_attend(const float *q, const float *kx, size_t k_ld, const float *vx, size_t v_ld,
+                 const attend_seq *seqs, int count, int half, int window, int n_head, int n_kv,
+                 int dh, float *out);
 
 /* decode.c */
 #define MAX_EXPERTS 256

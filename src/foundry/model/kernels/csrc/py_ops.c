@@ -220,6 +220,107 @@ static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
     RELEASE_AND_RETURN(Py_NewRef(Py_None), &q, &k, &v, &out);
 }
 
+PyDoc_STRVAR(store_attend_doc,
+             "store_attend(q, kx, k_col, k_ld, vx, v_col, v_ld, seqs, window, n_head, n_kv, dh, "
+             "out): a batch's rows q (n, n_head, dh) of several sequences, seqs a sequence of "
+             "(k, v, pos, rows), the sequences' rows in order: columns k_col .. k_col + n_kv dh "
+             "- 1 of kx's rows (k_ld float32 values) and v_col .. of vx's stored in each "
+             "sequence's caches k, v (ctx, n_kv, dh; all float16 or all float32, C-contiguous) "
+             "at pos, pos + 1, ... as store_rows stores them, then each row's attention as "
+             "attend_rows computes it for its sequence; out (n, n_head, dh) written. On the "
+             "kernels' pool, one call for the batch.");
+
+/* A cache of store_attend: a C-contiguous (ctx, n_kv, dh) array of float16 ('e') or float32
+ * ('f') values, with room for positions up to `end`; its type in *half (the first cache's
+ * decides, the others must match). */
+static int seq_cache(PyObject *obj, Py_buffer *b, int n_kv, int dh, Py_ssize_t end, int *half) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    f += (*f == '<' || *f == '=' || *f == '@');
+    const int is_half = f[0] == 'e' && f[1] == 0, is_f32 = f[0] == 'f' && f[1] == 0;
+    if ((!is_half && !is_f32) || (*half >= 0 && is_half != *half) || b->ndim != 3 ||
+        b->shape[1] != n_kv || b->shape[2] != dh || b->shape[0] < end) {
+        PyErr_Format(PyExc_ValueError,
+                     "store_attend: a cache must be (ctx >= %zd, %d, %d) of float16 or float32, "
+                     "the same type for every sequence; got format %s with %d dimensions",
+                     end, n_kv, dh, b->format ? b->format : "B", b->ndim);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    *half = is_half;
+    return 0;
+}
+
+static PyObject *py_store_attend(PyObject *self, PyObject *args) {
+    Py_ssize_t k_col, k_ld, v_col, v_ld;
+    int window, n_head, n_kv, dh;
+    Py_buffer q, kx, vx, out;
+    PyObject *seqs_obj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nny*nnOiiiiw*", &q, &kx, &k_col, &k_ld, &vx, &v_col, &v_ld,
+                          &seqs_obj, &window, &n_head, &n_kv, &dh, &out))
+        return NULL;
+    PyObject *seqs = PySequence_Fast(seqs_obj, "store_attend: seqs must be a sequence");
+    if (seqs == NULL) RELEASE_AND_RETURN(NULL, &q, &kx, &vx, &out);
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seqs), width = (Py_ssize_t)n_kv * dh;
+    attend_seq *items = calloc(count > 0 ? (size_t)count : 1, sizeof(attend_seq));
+    Py_buffer *bufs = calloc(count > 0 ? 2 * (size_t)count : 1, sizeof(Py_buffer));
+    Py_ssize_t held = 0, n = 0;
+    PyObject *result = NULL;
+    if (items == NULL || bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (count < 1 || count > INT32_MAX || window < 0 || n_head < 1 || n_kv < 1 || dh < 1 ||
+        n_head % n_kv || k_col < 0 || k_col + width > k_ld || v_col < 0 || v_col + width > v_ld) {
+        PyErr_Format(PyExc_ValueError,
+                     "store_attend: %zd sequences, %d heads of %d over %d kv heads, K columns "
+                     "%zd of rows of %zd, V columns %zd of rows of %zd",
+                     count, n_head, dh, n_kv, k_col, k_ld, v_col, v_ld);
+        goto done;
+    }
+    int half = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seqs, i);
+        PyObject *k, *v;
+        Py_ssize_t pos, rows;
+        if (!PyTuple_Check(t) || !PyArg_ParseTuple(t, "OOnn", &k, &v, &pos, &rows)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "store_attend: each seq is (k, v, pos, rows)");
+            goto done;
+        }
+        if (pos < 0 || rows < 1 || pos + rows > INT32_MAX || n + rows > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "store_attend: sequence %zd has %zd rows at %zd", i,
+                         rows, pos);
+            goto done;
+        }
+        if (seq_cache(k, &bufs[held], n_kv, dh, pos + rows, &half) < 0) goto done;
+        held++;
+        if (seq_cache(v, &bufs[held], n_kv, dh, pos + rows, &half) < 0) goto done;
+        held++;
+        items[i] =
+            (attend_seq){bufs[held - 2].buf, bufs[held - 1].buf, (int)pos, (int)n, (int)rows};
+        n += rows;
+    }
+    const Py_ssize_t row = (Py_ssize_t)n_head * dh * 4;
+    if (!fits("q", &q, n * row) || !fits("out", &out, n * row) || !fits("kx", &kx, n * k_ld * 4) ||
+        !fits("vx", &vx, n * v_ld * 4))
+        goto done;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = store_attend(q.buf, (const float *)kx.buf + k_col, (size_t)k_ld,
+                                             (const float *)vx.buf + v_col, (size_t)v_ld, items,
+                                             (int)count, half, window, n_head, n_kv, dh, out.buf);
+    Py_END_ALLOW_THREADS if (rc < 0) PyErr_NoMemory();
+    else result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&bufs[i]);
+    free(bufs);
+    free(items);
+    Py_DECREF(seqs);
+    RELEASE_AND_RETURN(result, &q, &kx, &vx, &out);
+}
+
 PyDoc_STRVAR(rmsnorm_doc, "rmsnorm(x, w, n, d, eps, out): out (n, d) = x / rms(x) * w, float32.");
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -438,6 +539,7 @@ PyMethodDef ops_methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"attend_rows", py_attend_rows, METH_VARARGS, attend_rows_doc},
+    {"store_attend", py_store_attend, METH_VARARGS, store_attend_doc},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, rmsnorm_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},
