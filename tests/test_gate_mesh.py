@@ -123,13 +123,7 @@ def test_mesh_sums_in_rank_order_on_every_rank(
     parts = [
         [rng.standard_normal(shape).astype(np.float32) for shape in shapes] for _ in range(world)
     ]
-    try:
-        got = run_world(
-            [lambda g=g, p=p: gates_schedule(g, p) for g, p in zip(gates, parts, strict=True)]
-        )
-    finally:
-        for g in gates:
-            g.close()
+    got = schedule_world(gates, parts)
     for k in range(len(shapes)):
         expected = parts[0][k] + parts[1][k]
         for r in range(2, world):
@@ -179,6 +173,17 @@ def test_mesh_needs_a_socket_to_every_other_rank() -> None:
         MeshGateExchange({1: a}, rank=0, world=3, n_embd=N_EMBD)
 
 
+def schedule_world(gates: list[MeshGateExchange], parts: list[list[np.ndarray]]) -> list[Any]:
+    """Each rank's gates_schedule over its parts, the ranks on threads; the gates closed after."""
+    try:
+        return run_world(
+            [lambda g=g, p=p: gates_schedule(g, p) for g, p in zip(gates, parts, strict=True)]
+        )
+    finally:
+        for g in gates:
+            g.close()
+
+
 def rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
     acc = parts[0] + parts[1]
     for p in parts[2:]:
@@ -210,13 +215,7 @@ def test_chunked_sum_is_the_rank_order_sum(world: int, n_embd: int, unix: bool) 
     gates = mesh(world, small_buffers=True, n_embd=n_embd, unix=unix)
     shapes = [(1, n_embd), (4 * 2**20 // (4 * n_embd) + 1, n_embd), (3, n_embd), (n_embd,)]
     parts = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(world)]
-    try:
-        got = run_world(
-            [lambda g=g, p=p: gates_schedule(g, p) for g, p in zip(gates, parts, strict=True)]
-        )
-    finally:
-        for g in gates:
-            g.close()
+    got = schedule_world(gates, parts)
     assert parts[0][1].nbytes >= 4 * 2**20
     for k in range(len(shapes)):
         expected = rank_order_sum([parts[r][k] for r in range(world)])

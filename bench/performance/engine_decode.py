@@ -21,7 +21,8 @@ from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
 from foundry.model.nn import transformer as T
 from foundry.model.shard.table import SplitKind, rule_for
-from foundry.model.spec.config import ModelConfig
+from foundry.model.spec.config import ModelConfig, preset
+from foundry.runtime import retain_freed_memory
 
 # The modules whose ``linear`` the engine calls for its products (the parts' dense FFN too).
 ENGINE_MODULES = (inference, parts)
@@ -266,3 +267,13 @@ def bench_decode(
                 + ")"
             )
     return ok
+
+
+def bench_engine(gguf: Path | None, model_dir: Path) -> tuple[Engine, Path]:
+    """An engine on ``gguf``, else on the bench preset as Q8_0 (Foundry's export, written once
+    into ``model_dir``), and its file; freed memory kept for the next pass
+    (``retain_freed_memory``)."""
+    retain_freed_memory()
+    path = gguf or write_models(preset("bench"), ["q8_0"], model_dir, None)["q8_0"]
+    m = load_gguf_stored(path)
+    return Engine(m.cfg, m.params), path

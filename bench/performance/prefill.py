@@ -35,14 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
-from engine_decode import write_models
+from engine_decode import bench_engine
 
-from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.infer import inference, parts
 from foundry.model.infer.inference import Engine
 from foundry.model.kernels import quant
-from foundry.model.spec.config import preset
-from foundry.runtime import retain_freed_memory
 
 OPS = {
     inference: (
@@ -124,11 +121,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     pooled_ops = set(args.pooled.split(","))
-    retain_freed_memory()
-    path = args.gguf or write_models(preset("bench"), ["q8_0"], args.model_dir, None)["q8_0"]
-    m = load_gguf_stored(path)
-    engine = Engine(m.cfg, m.params)
-    del m
+    engine, path = bench_engine(args.gguf, args.model_dir)
     counts = [int(n) for n in args.threads.split(",")]
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, engine.cfg.n_vocab, args.prompt)]
     print(

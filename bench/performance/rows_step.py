@@ -41,16 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness
 import numpy as np
 import numpy.typing as npt
-from engine_decode import write_models
+from engine_decode import bench_engine
 
-from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.infer import inference
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.kv_cache import Session
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import Cache
-from foundry.model.spec.config import preset
-from foundry.runtime import retain_freed_memory
 
 F32 = npt.NDArray[np.float32]
 
@@ -110,11 +107,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="time the attention calls too")
     harness.add_json_flag(ap)
     args = ap.parse_args()
-    retain_freed_memory()
-    path = args.gguf or write_models(preset("bench"), ["q8_0"], args.model_dir, None)["q8_0"]
-    m = load_gguf_stored(path)
-    engine = Engine(m.cfg, m.params)
-    del m
+    engine, path = bench_engine(args.gguf, args.model_dir)
     counts = [int(n) for n in args.threads.split(",")]
     sizes = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(1)
