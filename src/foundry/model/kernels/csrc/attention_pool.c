@@ -187,6 +187,24 @@ typedef struct {
     int half, n_pos, dh, per_group;
 } many_attend_job;
 
+/* One row's attention for block c of the `per` blocks kv head g's query heads split into
+ * (per at most the group): attend_strided over n_pos positions of k and v, which begin at the
+ * row's first position, so each head's bits are one-row decoding's whatever the split. */
+static int attend_head_block(const float *q, const void *k, const void *v, int half, int n_pos,
+                             int n_head, int n_kv, int dh, int g, int c, int per, float *out) {
+    const int group = n_head / n_kv, chunk = (group + per - 1) / per;
+    const int h0 = g * group + c * chunk;
+    const int h1 = h0 + chunk < (g + 1) * group ? h0 + chunk : (g + 1) * group;
+    if (h0 >= h1) return 0;
+    const size_t at = (size_t)g * dh * (half ? 2 : 4);
+    float *p = malloc(attend_room(n_pos, h1 - h0, 1, dh) * sizeof(float));
+    if (p == NULL) return -1;
+    attend_strided(q + (size_t)h0 * dh, (const uint8_t *)k + at, (const uint8_t *)v + at, half,
+                   n_pos, h1 - h0, 1, dh, (size_t)n_kv * dh, p, out + (size_t)h0 * dh);
+    free(p);
+    return 0;
+}
+
 static int attend_many_task(void *ctx, int i) {
     const many_attend_job *j = ctx;
     int it = 0;
@@ -194,18 +212,8 @@ static int attend_many_task(void *ctx, int i) {
     const attend_item *a = &j->items[it];
     const int group = a->n_head / a->n_kv, local = i - j->first[it];
     const int per = j->per_group < group ? j->per_group : group;
-    const int chunk = (group + per - 1) / per, g = local / per;
-    const int h0 = g * group + (local % per) * chunk;
-    const int h1 = h0 + chunk < (g + 1) * group ? h0 + chunk : (g + 1) * group;
-    if (h0 >= h1) return 0;
-    const size_t at = (size_t)g * j->dh * (j->half ? 2 : 4);
-    float *p = malloc(attend_room(j->n_pos, h1 - h0, 1, j->dh) * sizeof(float));
-    if (p == NULL) return -1;
-    attend_strided(a->q + (size_t)h0 * j->dh, (const uint8_t *)a->k + at,
-                   (const uint8_t *)a->v + at, j->half, j->n_pos, h1 - h0, 1, j->dh,
-                   (size_t)a->n_kv * j->dh, p, a->out + (size_t)h0 * j->dh);
-    free(p);
-    return 0;
+    return attend_head_block(a->q, a->k, a->v, j->half, j->n_pos, a->n_head, a->n_kv, j->dh,
+                             local / per, local % per, per, a->out);
 }
 
 #define MAX_ATTEND_ITEMS STEP_MAX_PARTS
@@ -261,28 +269,19 @@ typedef struct {
     float *out;
 } seqs_job;
 
-/* Task i: row r = i / (n_kv per), kv head g, its c-th block of query heads: attend_task's
- * operations for those heads (attend_strided over the row's window), so each head's bits are
- * one-row decoding's whatever the batch and the split. */
+/* Task i: row r = i / (n_kv per), kv head g, its c-th block of query heads, over the row's
+ * window of its sequence's caches. */
 static int seqs_task(void *ctx, int i) {
     const seqs_job *j = ctx;
     const int r = i / (j->n_kv * j->per), g = i / j->per % j->n_kv, c = i % j->per;
     const attend_seq *s = &j->seqs[j->seq_of[r]];
     const int n_pos = s->pos + r - s->row + 1,
               first = j->window && n_pos > j->window ? n_pos - j->window : 0;
-    const int group = j->n_head / j->n_kv, chunk = (group + j->per - 1) / j->per;
-    const int h0 = g * group + c * chunk,
-              h1 = h0 + chunk < (g + 1) * group ? h0 + chunk : (g + 1) * group;
-    if (h0 >= h1) return 0;
-    const size_t stride = (size_t)j->n_kv * j->dh,
-                 at = ((size_t)first * stride + (size_t)g * j->dh) * (j->half ? 2 : 4),
-                 row = ((size_t)r * j->n_head + h0) * j->dh;
-    float *p = malloc(attend_room(n_pos - first, h1 - h0, 1, j->dh) * sizeof(float));
-    if (p == NULL) return -1;
-    attend_strided(j->q + row, (const uint8_t *)s->k + at, (const uint8_t *)s->v + at, j->half,
-                   n_pos - first, h1 - h0, 1, j->dh, stride, p, j->out + row);
-    free(p);
-    return 0;
+    const size_t at = (size_t)first * j->n_kv * j->dh * (j->half ? 2 : 4),
+                 row = (size_t)r * j->n_head * j->dh;
+    return attend_head_block(j->q + row, (const uint8_t *)s->k + at, (const uint8_t *)s->v + at,
+                             j->half, n_pos - first, j->n_head, j->n_kv, j->dh, g, c, j->per,
+                             j->out + row);
 }
 
 int store_attend(const float *q, const float *kx, size_t k_ld, const float *vx, size_t v_ld,
