@@ -109,7 +109,8 @@ typedef struct {
 
 /* The exact sums of the eight int32 lanes of each of v[0 .. 3], as four int32. */
 AVX2 INLINE __m128i kq_hsum4(const __m256i *v) {
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i h =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
@@ -133,7 +134,8 @@ AVX2 INLINE void kq_sums_block(kq_sums *s, const int type, const int R, const in
             if (type != T_Q6_K) {
                 dmin[i] = f16c(blk + 2);
                 m8[i] = _mm256_castsi128_si256(_mm_madd_epi16(
-                    mins[r], _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b))));
+                    mins[r],
+                    _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b))));
             }
         }
     }

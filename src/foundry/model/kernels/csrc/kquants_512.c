@@ -21,7 +21,7 @@
 #if defined(FOUNDRY_X86)
 
 #ifndef KB_R
-#define KB_R 8 /* rows of a register tile */
+#define KB_R 6 /* rows of a register tile */
 #endif
 #define KB_G 16 /* inputs of a register tile: one int32 lane each */
 
@@ -153,9 +153,8 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8
 /* R rows (u, nsb super-blocks each) by input group g, into y (its inputs 16 g .. 16 g + live
  * - 1 of the tile): dot_k_portable's float operations, sixteen outputs a register, less the
  * rows' minimums' part. */
-AVX512 INLINE void kq_block_t(const int q6, const int R, const kq_sb *u, int nsb,
-                              const kq_room *x, int g, int live, const float *amin, float *y,
-                              size_t ldy) {
+AVX512 INLINE void kq_block_t(const int q6, const int R, const kq_sb *u, int nsb, const kq_room *x,
+                              int g, int live, const float *amin, float *y, size_t ldy) {
     const int ns = q6 ? 16 : 8, nq = q6 ? 4 : 8; /* sub-blocks, registers per sub-block */
     __m512 acc[KB_R];
 #pragma GCC unroll 8
