@@ -141,8 +141,8 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType) -> None:
     """A block of 75 inputs by 5 rows of 3 super-blocks: a whole tile of 64 inputs and one of
-    11 (AVX-512: a tile of four rows and a row alone, by three pairs of inputs and one, and the
-    odd input alone), and 5 inputs (fewer than a block unpacks its rows for)."""
+    11 (AVX-512 VNNI: four groups of 16 inputs, then a part group of 11 with zeros in its other
+    lanes; 5 rows: the last rows alone), and 5 inputs (fewer than a block unpacks its rows for)."""
     rng = np.random.default_rng(9)
     w = stored(rng.standard_normal((5, 768), dtype=np.float32), qtype)
     x = rng.standard_normal((75, 768), dtype=np.float32)
