@@ -13,6 +13,12 @@ rows differ by up to 0.44 (measured on these rows: 0.31-0.44 on the last, of log
 which is as close as llama.cpp's own two paths are to each other on this model (the prompt as
 one batch against token by token: `bench/quality/published.py`, docs/models.md). The test allows
 0.6.
+
+Greedy tokens are compared with llama.cpp's fed back one by one (teacher forcing), so that one
+step cannot carry the rest away: each step's best token must be llama.cpp's, or else a near tie
+within that measured spread (llama.cpp's token at most ``TIE`` below the best), at most once a
+prompt. Case 0's fourth step is one: the two best tokens 0.27 apart under the eight-lane K-quant
+sum, 0.10 the other way under the one-int32-a-super-block sum (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from foundry.model.spec.arch import ArchConfig
 
 REFS = json.loads((Path(__file__).parent / "refs" / "gemma3_270m.json").read_text())
 ABS_TOL = 0.6
+TIE = 0.44  # the largest difference measured between llama.cpp's own two paths on these logits
 
 
 def gemma_file() -> Path:
@@ -84,12 +91,16 @@ def test_greedy_and_logits_equal_llama_cpp(engine: Engine, case: int) -> None:
         got = logits[row["row"]][row["ids"]]
         err = float(np.abs(got - np.array(row["logits"], dtype=np.float32)).max())
         assert err <= ABS_TOL, (row["row"], err)
-    out: list[int] = []
+    ties: list[tuple[int, float]] = []
     last = logits[-1]
-    for _ in range(len(ref["greedy"])):
-        out.append(int(np.argmax(last)))
-        last = engine.decode(session, [out[-1]])[-1]
-    assert out == ref["greedy"], ref["text"]
+    for step, token in enumerate(ref["greedy"]):
+        best = int(np.argmax(last))
+        if best != token:
+            gap = float(last[best] - last[token])
+            assert gap <= TIE, (ref["text"], step, best, token, gap)
+            ties.append((step, gap))
+        last = engine.decode(session, [token])[-1]
+    assert len(ties) <= 1, (ref["text"], ties)
 
 
 def test_a_prompt_multiplies_the_head_by_its_last_row_alone(engine: Engine) -> None:

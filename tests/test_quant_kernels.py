@@ -141,8 +141,8 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType) -> None:
     """A block of 75 inputs by 5 rows of 3 super-blocks: a whole tile of 64 inputs and one of
-    11 (AVX-512: a tile of four rows and a row alone, by three pairs of inputs and one, and the
-    odd input alone), and 5 inputs (fewer than a block unpacks its rows for)."""
+    11 (AVX-512 VNNI: four groups of 16 inputs, then a part group of 11 with zeros in its other
+    lanes; 5 rows: the last rows alone), and 5 inputs (fewer than a block unpacks its rows for)."""
     rng = np.random.default_rng(9)
     w = stored(rng.standard_normal((5, 768), dtype=np.float32), qtype)
     x = rng.standard_normal((75, 768), dtype=np.float32)
@@ -275,3 +275,91 @@ def test_the_c_kernels_read_the_type_table_block_sizes(qtype: QType) -> None:
     kernels.dequantize(int(qtype), good, 3, k, out)
     with pytest.raises(ValueError, match="need"):
         kernels.dequantize(int(qtype), good.reshape(-1)[1:], 3, k, out)
+
+
+def kquant_ints(w: QTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K or Q6_K tensor's integers: values (rows, super-blocks, 256) as the products take
+    them (Q4_K 0..15, Q6_K q - 32), each value's sub-block scale, the chunks' minimums (rows,
+    super-blocks, 8; Q6_K zeros), and d, dmin as float32 (rows, super-blocks)."""
+    rows, nsb = w.shape[0], w.shape[1] // 256
+    blk = w.data.reshape(rows, nsb, -1).astype(np.int64)
+    f16 = w.data.reshape(rows, nsb, -1)
+    if w.qtype == QType.Q6_K:
+        ql, qh = blk[..., :128], blk[..., 128:192]
+        sc = f16[..., 192:208].view(np.int8).astype(np.int64)
+        q = np.zeros((rows, nsb, 256), dtype=np.int64)
+        for c in range(8):
+            n, cc = c // 4, c % 4
+            low = ql[..., 64 * n + (32 if cc & 1 else 0) :][..., :32]
+            low = low & 15 if cc < 2 else low >> 4
+            q[..., 32 * c : 32 * c + 32] = (
+                low | ((qh[..., 32 * n : 32 * n + 32] >> 2 * cc) & 3) << 4
+            ) - 32
+        d = f16[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+        return q, np.repeat(sc, 16, axis=-1), np.zeros((rows, nsb, 8), np.int64), d, d * 0
+    s = blk[..., 4:16]
+    scale = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | (s[..., 0:4] >> 6) << 4], -1)
+    mins = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], -1)
+    qs = blk[..., 16:144].reshape(rows, nsb, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, nsb, 256)
+    dd = f16[..., 0:4].copy().view(np.float16).astype(np.float32)
+    return q, np.repeat(scale, 32, axis=-1), mins, dd[..., 0], dd[..., 1]
+
+
+def k_definition(x: F32, w: QTensor) -> tuple[F32, int]:
+    """The K-quant product as kernels.h defines it, in numpy float32 scalars: per super-block
+    the exact int32 L (and M), then acc + (d * dx) * float(L), acc_min + (dmin * dx) * float(M);
+    acc - acc_min. Also the largest |L| seen."""
+    q, sc, mins, d, dmin = kquant_ints(w)
+    xq, xd = int8_blocks(x, 256)  # (n, nsb, 256), (n, nsb, 1)
+    xi = xq.astype(np.int64)
+    s32 = xi.reshape(x.shape[0], -1, 8, 32).sum(-1)  # (n, nsb, 8)
+    L = np.einsum("rbv,tbv->trb", q * sc, xi)  # (n, rows, nsb), exact
+    M = np.einsum("rbc,tbc->trb", mins, s32)
+    assert np.abs(L).max() < 2**31
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for t in range(x.shape[0]):
+        for r in range(w.shape[0]):
+            acc, acc_min = np.float32(0), np.float32(0)
+            for b in range(q.shape[1]):
+                dx = xd[t, b, 0]
+                acc = acc + (d[r, b] * dx) * np.float32(L[t, r, b])
+                acc_min = acc_min + (dmin[r, b] * dx) * np.float32(M[t, r, b])
+            out[t, r] = acc - acc_min
+    return out, int(np.abs(L).max())
+
+
+def large_sums(qtype: QType, rows: int, k: int) -> QTensor:
+    """Super-blocks whose values and scales sit near their largest, so that against inputs of
+    one sign a super-block's exact L is above 2^24 (float32 rounds it)."""
+    rng = np.random.default_rng(11)
+    w = stored(np.zeros((rows, k), dtype=np.float32), qtype)
+    blk = w.data.reshape(rows, k // 256, -1)
+    if qtype == QType.Q6_K:
+        blk[..., :192] = rng.integers(0xEE, 0x100, blk[..., :192].shape)  # q 62, 63 (less 32)
+        blk[..., 192:208] = rng.integers(100, 128, blk[..., 192:208].shape)  # int8 scales
+    else:
+        blk[..., 4:16] = rng.integers(0xF0, 0x100, blk[..., 4:16].shape)  # scales, mins 48..63
+        blk[..., 16:] = rng.integers(0xDD, 0x100, blk[..., 16:].shape)  # values 13..15
+    return w
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+def test_k_quant_products_equal_the_definition_where_l_rounds(qtype: QType) -> None:
+    """Rows of exact super-block sums above 2^24 (Q4_K about 2^24.3, Q6_K 2^25.9), whose
+    conversion to float32 rounds: every path, decode and blocks of 16, 17, 33 and 75 inputs
+    (whole and part groups of 16, a tile of 64 and the rest), equals the definition in numpy
+    bit for bit, and so each other."""
+    rng = np.random.default_rng(12)
+    w = large_sums(qtype, 7, 768)
+    x = (0.9 + 0.1 * rng.random((75, 768))).astype(np.float32)
+    want, largest = k_definition(x, w)
+    assert largest > 2**24
+    assert quant._kernels is not None
+    try:
+        for path in ["best", *SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            for n in (1, 16, 17, 33, 75):
+                np.testing.assert_array_equal(quant.linear(x[:n], w), want[:n], err_msg=path)
+    finally:
+        quant._kernels.use("best")

@@ -22,12 +22,14 @@
  *   (d_w * d_x) * lane_j into accumulator 4 (block mod 4) + j: half the float work per block,
  *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
  * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one float32 scale
- *   per super-block, as ggml's Q8_K: quantize_block256). Each 32 values of a super-block give
- *   the same eight exact int32 lanes (weights as int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), times
- * the sub-block's integer scale, summed over the super-block in int32; the super-block adds (d *
- * d_x) * lane_j into accumulator 8 (super-block mod 2) + j of sixteen, and (dmin * d_x) * M (M: the
- * exact sum of each sub-block's minimum times its input sum) into one more float, subtracted after
- *   the halving (dot_k_portable).
+ *   per super-block, as ggml's Q8_K: quantize_block256). A super-block's products (weights as
+ *   int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), each sub-block's (Q4_K, Q5_K 32 values, Q6_K 16)
+ *   times its integer scale, are summed exactly into ONE int32 L (|L| < 2^25 for Q4_K, 2^26 Q5_K,
+ *   2^28 Q6_K), and the minimums' M = the exact sum of each sub-block's minimum times its input
+ *   sum; then, super-block after super-block, acc = acc + (d * d_x) * (float)L and acc_min =
+ *   acc_min + (dmin * d_x) * (float)M, the result acc - acc_min (dot_k_portable). The integer
+ *   sums are exact in any order, so each path sums them as suits it (the prompt's block 16
+ *   inputs a register, one vpdpbusd per 64 products); (float)L may round, the same on all.
  * - Q4_1 and Q5_1 (a minimum per block): x as ggml's Q8_1: as for Q8_0, with s_b = S_b * d (S_b
  *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; the
  *   unsigned values (0..15, 0..31) give the same eight exact lanes, added as (d_w * d_x) * lane_j
@@ -44,7 +46,7 @@
  * A block of inputs (prefill) is matrix-matrix over the stored blocks: the inputs in tiles that
  * stay in L2 while every row of the matrix passes over them (each weight block read once per
  * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four
- * on AVX2; on AVX-512 each row unpacked once per tile, 4 rows by 3 pairs of inputs a register
+ * on AVX2; on AVX-512 VNNI each row unpacked once per tile, 6 rows by 16 inputs a register
  * tile: kquants_512.c).
  * Each (row, input) output is still the one definition above, so a row of a block has the bits
  * of that row decoded alone, on every path and machine.

@@ -53,32 +53,33 @@ static void kq_chunk(int type, const uint8_t *blk, int c, int8_t *q) {
     }
 }
 
-/* A super-block b adds (d * xd_b) * L[l] into accumulator 8 (b mod 2) + l of sixteen, L[l] the
- * exact sum over its chunks of sc * (lane l of the chunk's int8 products); the minimums add
- * (dmin * xd_b) * M into one more float, M = sum over chunks of m_c * (the chunk's input sum),
- * which comes off at the end: finish(acc) - acc_min. */
+/* The one definition (kernels.h): super-block b's exact int32 L = the sum over its chunks of
+ * sc x (the int8 products of each sub-block: Q4_K, Q5_K 32 values, Q6_K 16), and for Q4_K, Q5_K
+ * M = the sum over chunks of m_c x (the chunk's input sum); then in float, b by b,
+ * acc = acc + (d xd_b) L and acc_min = acc_min + (dmin xd_b) M; the result acc - acc_min.
+ * Bounds (|x| <= 127): Q4_K |L| <= 256 x 15 x 63 x 127 < 2^25, Q5_K 256 x 31 x 63 x 127 < 2^26,
+ * Q6_K 256 x 32 x 128 x 127 < 2^28, M <= 8 x 63 x 32 x 127 < 2^21: every int32 sum is exact, in
+ * any order; (float)L may round (above 2^24), the same on every path. */
 static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
                             const float *xd, const int32_t *s32, int nsb) {
-    float acc[LANES_Q] = {0}, acc_min = 0.0f;
+    float acc = 0.0f, acc_min = 0.0f;
     int8_t q[QK];
     int32_t sc[16], m[8], s[8];
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = w + (size_t)b * bsize;
         const float d = f16(blk + KQ_D(type)), dmin = type == T_Q6_K ? 0.0f : f16(blk + 2);
         kq_scales(type, blk, sc, m);
-        int32_t L[8] = {0}, M = 0;
+        int32_t L = 0, M = 0;
         for (int c = 0; c < 8; c++) {
             kq_chunk(type, blk, c, q);
             idot_lanes(q, xq + b * QK_K + c * QK, s);
-            for (int l = 0; l < 8; l++) L[l] += sc[2 * c + l / 4] * s[l];
+            for (int l = 0; l < 8; l++) L += sc[2 * c + l / 4] * s[l];
             M += m[c] * s32[b * 8 + c];
         }
-        float *a = acc + 8 * (b & 1);
-        const float f = d * xd[b];
-        for (int l = 0; l < 8; l++) a[l] = a[l] + f * (float)L[l];
+        acc = acc + (d * xd[b]) * (float)L;
         acc_min = acc_min + (dmin * xd[b]) * (float)M;
     }
-    return finish(acc, LANES_Q) - acc_min;
+    return acc - acc_min;
 }
 
 #if defined(FOUNDRY_X86)
@@ -86,71 +87,73 @@ static float dot_k_portable(int type, const uint8_t *w, int bsize, const int8_t 
 
 /* The K-quants on x86: a tile of R rows (lane_bytes apart) against T inputs (R x T <= 4:
  * decode takes four rows of one input, a prefill block one row of four inputs, which then share
- * each chunk of weights as it is unpacked; on AVX-512 only what kquants_512.c's block leaves: a
- * tile's odd last input, and blocks of fewer than KQ_BLOCK_MIN), each exactly dot_k_portable's
- * operations. A chunk's 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its stored 0..63),
- * maddubs against the input's int8 values gives exact int16 pair sums (at most 2 x 63 x 128);
- * Q6_K takes off 32 x the input's pair sums (``x32p``, per input; still within int16), which
- * makes them the sums of (q - 32) x; madd by the chunk's scale as int16 (Q6_K: lanes 0-3
- * sc[2c], 4-7 sc[2c + 1]) sums each two pairs times the scale: exactly sc x lane l, into the
- * super-block's int32 L. The minimums: M = the exact sum of m_c x s32_c by one madd of the
- * eight mins and the input's eight chunk sums as int16 (``s32h``, at most 32 x 128). */
+ * each chunk of weights as it is unpacked; on AVX-512 VNNI only what kquants_512.c's block
+ * leaves: the last few inputs of a tile, and blocks of fewer than KQ_BLOCK_MIN), each exactly
+ * dot_k_portable's operations. A chunk's 32 values unsigned (Q4_K 0..15, Q5_K 0..31, Q6_K its
+ * stored 0..63), maddubs against the input's int8 values gives exact int16 pair sums (at most
+ * 2 x 63 x 128); Q6_K takes off 32 x the input's pair sums (``x32p``, per input; still within
+ * int16), which makes them the sums of (q - 32) x; madd by the chunk's scale as int16 (Q6_K:
+ * lanes 0-3 sc[2c], 4-7 sc[2c + 1]) sums each two pairs times the scale, into eight exact int32
+ * lanes that are added into the super-block's one L at its end. The minimums: M = the exact sum
+ * of m_c x s32_c by one madd of the eight mins and the input's eight chunk sums as int16
+ * (``s32h``, at most 32 x 128). */
 
 #define KT 4 /* R x T, the outputs of one tile */
 
-/* A tile's running sums, one each of its R x T outputs (output i = r T + t): super-blocks
- * alternate between the float sums a0 and a1, and amin takes the minimums' part (Q4_K, Q5_K).
- * The AVX2 and AVX-512 tiles share them and the float operations that end a super-block. */
+/* A tile's running sums: output i = r T + t in float i of acc (and of amin, the minimums'
+ * part: Q4_K, Q5_K). The AVX2 and AVX-512 tiles share them and the float operations that end
+ * a super-block, four outputs a register. */
 typedef struct {
-    __m256 a0[KT], a1[KT];
-    float amin[KT];
+    __m128 acc, amin;
 } kq_sums;
 
-AVX2 INLINE void kq_sums_zero(kq_sums *s, const int n) {
-    for (int i = 0; i < n; i++) {
-        s->a0[i] = s->a1[i] = _mm256_setzero_ps();
-        s->amin[i] = 0.0f;
-    }
+/* The exact sums of the eight int32 lanes of each of v[0 .. 3], as four int32. */
+AVX2 INLINE __m128i kq_hsum4(const __m256i *v) {
+    const __m256i h =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* Super-block b of each of the R rows done: output i's exact int32 lanes L8[i] times d x dx
- * into a0 or a1, and for Q4_K and Q5_K the exact M = sum of m_c x s32_c (one madd of the eight
- * mins and the input's chunk sums) times dmin x dx taken into amin. */
+/* Super-block b of each of the R rows done: output i's exact int32 lanes L8[i] summed into its
+ * L, times d x dx into acc, and for Q4_K and Q5_K the exact M = sum of m_c x s32_c (one madd of
+ * the eight mins and the input's chunk sums) times dmin x dx into amin. */
 AVX2 INLINE void kq_sums_block(kq_sums *s, const int type, const int R, const int T, const int b,
                                const uint8_t *w, size_t lane_bytes, int bsize, int nsb, int k,
                                const float *xd, const int16_t *s32h, const __m256i *L8,
                                const __m128i *mins) {
+    float d[KT] = {0}, dmin[KT] = {0}, dx[KT] = {0};
+    __m256i l8[KT], m8[KT];
+    for (int i = 0; i < KT; i++) l8[i] = m8[i] = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) {
         const uint8_t *blk = w + r * lane_bytes + (size_t)b * bsize;
-        const float d = f16c(blk + KQ_D(type));
-        const float dmin = type == T_Q6_K ? 0.0f : f16c(blk + 2);
         for (int t = 0; t < T; t++) {
             const int i = r * T + t;
-            const float dx = xd[(size_t)t * nsb + b];
-            const __m256 v = _mm256_mul_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(L8[i]));
-            if (b & 1)
-                s->a1[i] = _mm256_add_ps(s->a1[i], v);
-            else
-                s->a0[i] = _mm256_add_ps(s->a0[i], v);
+            d[i] = f16c(blk + KQ_D(type));
+            dx[i] = xd[(size_t)t * nsb + b];
+            l8[i] = L8[i];
             if (type != T_Q6_K) {
-                const __m128i mm = _mm_madd_epi16(
+                dmin[i] = f16c(blk + 2);
+                m8[i] = _mm256_castsi128_si256(_mm_madd_epi16(
                     mins[r],
-                    _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b)));
-                const __m128i m2 = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0x4E));
-                const int32_t M = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xB1)));
-                s->amin[i] = s->amin[i] + (dmin * dx) * (float)M;
+                    _mm_loadu_si128((const __m128i *)(s32h + (size_t)t * (k / QK) + 8 * b))));
             }
         }
+    }
+    const __m128 vdx = _mm_loadu_ps(dx);
+    const __m128 f = _mm_mul_ps(_mm_loadu_ps(d), vdx);
+    s->acc = _mm_add_ps(s->acc, _mm_mul_ps(f, _mm_cvtepi32_ps(kq_hsum4(l8))));
+    if (type != T_Q6_K) {
+        const __m128 fm = _mm_mul_ps(_mm_loadu_ps(dmin), vdx);
+        s->amin = _mm_add_ps(s->amin, _mm_mul_ps(fm, _mm_cvtepi32_ps(kq_hsum4(m8))));
     }
 }
 
 AVX2 INLINE void kq_sums_store(const kq_sums *s, const int R, const int T, float *y, size_t y_row,
                                size_t y_in) {
+    float out[KT];
+    _mm_storeu_ps(out, _mm_sub_ps(s->acc, s->amin));
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {
-            const int i = r * T + t;
-            y[r * y_row + t * y_in] = finish16_avx2(s->a0[i], s->a1[i]) - s->amin[i];
-        }
+        for (int t = 0; t < T; t++) y[r * y_row + t * y_in] = out[r * T + t];
 }
 
 /* The weights KQ_AHEAD super-blocks past blk, into the cache before they are needed. */
@@ -163,8 +166,7 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
                                 size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
                                 const float *xd, const int16_t *s32h, const int16_t *x32p, float *y,
                                 size_t y_row, size_t y_in) {
-    kq_sums s;
-    kq_sums_zero(&s, R * T);
+    kq_sums s = {_mm_setzero_ps(), _mm_setzero_ps()};
     for (int b = 0; b < nsb; b++) {
         __m256i scv[KT][8], L[KT];
         __m128i mins[KT];
@@ -201,7 +203,7 @@ AVX2 INLINE void kq_tile_avx2_t(const int type, const int R, const int T, const 
 /* The same tiles on AVX-512 (BW): two chunks of a super-block per register, so each step is
  * one maddubs, one madd by the two chunks' scales and one addition for 64 values; the
  * super-block's sixteen int32 lanes (chunk 2j's eight, then 2j + 1's) are folded to eight by one
- * exact addition at its end, then kq_tile_avx2_t's float operations. */
+ * exact addition at its end, then kq_tile_avx2_t's sums. */
 /* The scales of chunks 2j, 2j + 1 as int16 for madd: Q4_K, Q5_K sc[2j] x 16 | sc[2j + 1] x 16;
  * Q6_K per 8 int16 (4 int32 lanes) its sub-blocks' sc[4j], sc[4j + 1], sc[4j + 2], sc[4j + 3]. */
 AVX512 INLINE void kq_scales_512(const int type, const uint8_t *blk, __m512i *scv, __m128i *mins) {
@@ -229,8 +231,7 @@ AVX512 INLINE void kq_tile_512_t(const int type, const int R, const int T, const
                                  size_t lane_bytes, int bsize, int nsb, int k, const int8_t *xq,
                                  const float *xd, const int16_t *s32h, const int16_t *x32p,
                                  float *y, size_t y_row, size_t y_in) {
-    kq_sums s;
-    kq_sums_zero(&s, R * T);
+    kq_sums s = {_mm_setzero_ps(), _mm_setzero_ps()};
     for (int b = 0; b < nsb; b++) {
         __m512i scv[KT][4], L[KT];
         __m128i mins[KT];
@@ -335,10 +336,13 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         }
         for (int t0 = 0; t0 < n; t0 += K_TILE) {
             const int tn = n - t0 < K_TILE ? n - t0 : K_TILE;
-            int t1 = t0; /* the inputs from t1 on by the tiles below */
-            if (room != NULL && tn >= KQ_BLOCK_MIN) {
-                kq_block_512(type, w, row_bytes, r0, n_out, k, in, t0, tn & ~1, y, ldy, room);
-                t1 = t0 + (tn & ~1);
+            /* the block's groups of 16 inputs, the last a part one of KQ_BLOCK_MIN or more;
+             * the inputs from t1 on by the tiles below */
+            const int tb = tn % 16 >= KQ_BLOCK_MIN ? tn : tn & ~15;
+            int t1 = t0;
+            if (room != NULL && tb > 0) {
+                kq_block_512(type, w, row_bytes, r0, n_out, k, in, t0, tb, y, ldy, room);
+                t1 = t0 + tb;
             }
             for (int r = r0; r < n_out; r++)
                 for (int t = t1; t < t0 + tn; t += KT) {

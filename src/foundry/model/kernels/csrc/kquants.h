@@ -15,14 +15,14 @@
 #define K_TILE 64
 
 #if defined(FOUNDRY_X86)
-/* Inputs of a tile from which the AVX-512 block (kquants_512.c) takes them, in pairs: fewer pay
- * more to unpack each row than they save. */
+/* Inputs from which the AVX-512 block (kquants_512.c) takes a part group of 16 (zeros in the
+ * lanes past them): fewer pay more for the lanes they leave idle than the tiles do. */
 #define KQ_BLOCK_MIN 6
 
 /* Bytes of room (64-aligned) that kq_block_512 takes for a product of k values a row. */
 size_t kq_block_room(int k);
-/* Rows r0 .. n_out - 1 by the tn inputs (tn even, at most K_TILE) from input t: y's rows t ..
- * t + tn - 1. */
+/* Rows r0 .. n_out - 1 by the tn inputs (at most K_TILE) from input t: y's rows t .. t + tn
+ * - 1. */
 void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_out, int k,
                   const mm_input *in, int t, int tn, float *y, size_t ldy, void *room);
 
