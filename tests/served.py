@@ -109,6 +109,11 @@ class Reference:
         """The tokens a greedy generation of at most ``n`` gives, its end-of-turn included."""
         return list(self._greedy(tuple(self.prompt_ids(ask)), n))
 
+    def stops(self, tokens: Sequence[int], stop: Sequence[str]) -> bool:
+        """Whether the leader's stream of ``tokens`` completes one of ``stop``."""
+        stream = TextStream(stop, self.tokenizer.stream_decoder())
+        return any(stream.push(t, final=i == len(tokens) - 1)[1] for i, t in enumerate(tokens))
+
     def text(self, tokens: Sequence[int], stop: Sequence[str] = ()) -> str:
         """The text the leader streams for ``tokens`` (its stream decoder, its stop strings)."""
         stream = TextStream(stop, self.tokenizer.stream_decoder())
