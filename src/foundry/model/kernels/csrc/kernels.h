@@ -233,6 +233,7 @@ static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 /* ---- the SIMD paths and their dispatch --------------------------------------------------- */
 
 extern int use_avx2, use_vnni, use_512; /* the x86 paths chosen at import (module.c) */
+extern int use_amx; /* the K-quants' prefill block on AMX tiles (kquants_512.c), with use_512 */
 
 #if defined(FOUNDRY_X86)
 #define AVX2 __attribute__((target("avx2,f16c")))
@@ -245,6 +246,10 @@ AVX2 INLINE float f16c(const uint8_t *p) {
 
 #define VNNI   __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+/* AVX512 with AMX's tiles and int8 products: only where use_amx (module.c asked the kernel for
+ * the tiles' state), so the module still loads on CPUs without AMX. */
+#define AMX                                                                                        \
+    __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 /* finish(acc, 8) of eight lanes in one register: the same additions in the same order (lane
  * j + lane j + 4, then + 2, + 1). */

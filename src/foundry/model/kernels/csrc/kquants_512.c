@@ -23,7 +23,8 @@
 #ifndef KB_R
 #define KB_R 6 /* rows of a register tile */
 #endif
-#define KB_G 16 /* inputs of a register tile: one int32 lane each */
+#define KB_G  16 /* inputs of a register tile: one int32 lane each */
+#define KB_RA 16 /* rows of an AMX tile (and the most rows unpacked at once) */
 
 /* One super-block of a row, unpacked (384 bytes). */
 typedef struct {
@@ -32,7 +33,7 @@ typedef struct {
     float d, pad[15];
 } kq_sb;
 
-/* The room of one block: its inputs laid out, and KB_R rows unpacked. */
+/* The room of one block: its inputs laid out, KB_RA rows unpacked, and AMX's sums. */
 typedef struct {
     int8_t *xi;   /* group g, super-block b, register q: 64 bytes at ((g nsb + b) 64 + q) 64 */
     float *dxv;   /* group g, super-block b: the 16 inputs' dx at (g nsb + b) 16 */
@@ -41,24 +42,26 @@ typedef struct {
     float *dxt;   /* super-block b, input t at b K_TILE + t */
     kq_sb *u;     /* row r's super-blocks at r nsb */
     float *amin;  /* row r, input t at r K_TILE + t: the minimums' part of the sum */
+    int32_t *c;   /* AMX: sub-block s's sums, row r, input i at (s 16 + r) 16 + i */
 } kq_room;
 
 static size_t kq_room_parts(int k, char *base, kq_room *room) {
     const size_t nsb = (size_t)(k / QK_K);
-    const size_t sizes[7] = {(size_t)K_TILE * k,
+    const size_t sizes[8] = {(size_t)K_TILE * k,
                              K_TILE * nsb * sizeof(float),
                              K_TILE * nsb * 16 * sizeof(int32_t),
                              nsb * 4 * K_TILE * 2 * sizeof(int16_t),
                              nsb * K_TILE * sizeof(float),
-                             KB_R * nsb * sizeof(kq_sb),
-                             KB_R * K_TILE * sizeof(float)};
-    void *at[7];
+                             KB_RA * nsb * sizeof(kq_sb),
+                             KB_RA * K_TILE * sizeof(float),
+                             16 * KB_RA * KB_G * sizeof(int32_t)};
+    void *at[8];
     size_t off = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 8; i++) {
         at[i] = base + off;
         off += (sizes[i] + 63) / 64 * 64;
     }
-    if (room != NULL) *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6]};
+    if (room != NULL) *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]};
     return off;
 }
 
@@ -113,7 +116,7 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8
     for (int q = 0; q < K_TILE / 16; q++) am[q] = _mm512_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = row + (size_t)b * bytes;
-        if (ahead != NULL) /* the row unpacked KB_R rows later */
+        if (ahead != NULL) /* the row unpacked a tile of rows later */
             for (int o = 0; o < bytes; o += 64)
                 _mm_prefetch((const char *)(ahead + (size_t)b * bytes + o), _MM_HINT_T0);
         __m128i mins = _mm_setzero_si128();
@@ -148,6 +151,20 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8
         }
     }
     for (int q = 0; q < K_TILE / 16; q++) _mm512_storeu_ps(amin + 16 * q, am[q]);
+}
+
+/* A super-block's float step of dot_k_portable for sixteen inputs: acc + (d dx) (float)L. */
+AVX512 INLINE __m512 kq_float_step(__m512 acc, float d, __m512 dv, __m512i L) {
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(d), dv);
+    return _mm512_add_ps(acc, _mm512_mul_ps(f, _mm512_cvtepi32_ps(L)));
+}
+
+/* A row's sums of group g less its minimums' part (amin: the row's), into its column of y. */
+AVX512 INLINE void kq_store_out(__m512 acc, const float *amin, int g, int live, float *y,
+                                size_t ldy) {
+    float out[KB_G];
+    _mm512_storeu_ps(out, _mm512_sub_ps(acc, _mm512_loadu_ps(amin + KB_G * g)));
+    for (int i = 0; i < live; i++) y[(size_t)(KB_G * g + i) * ldy] = out[i];
 }
 
 /* R rows (u, nsb super-blocks each) by input group g, into y (its inputs 16 g .. 16 g + live
@@ -189,16 +206,9 @@ AVX512 INLINE void kq_block_t(const int q6, const int R, const kq_sb *u, int nsb
         }
         const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const __m512 f = _mm512_mul_ps(_mm512_set1_ps(ub[(size_t)r * nsb].d), dv);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(f, _mm512_cvtepi32_ps(L[r])));
-        }
+        for (int r = 0; r < R; r++) acc[r] = kq_float_step(acc[r], ub[(size_t)r * nsb].d, dv, L[r]);
     }
-    for (int r = 0; r < R; r++) {
-        float out[KB_G];
-        _mm512_storeu_ps(out, _mm512_sub_ps(acc[r], _mm512_loadu_ps(amin + r * K_TILE + KB_G * g)));
-        for (int i = 0; i < live; i++) y[(size_t)(KB_G * g + i) * ldy + r] = out[i];
-    }
+    for (int r = 0; r < R; r++) kq_store_out(acc[r], amin + r * K_TILE, g, live, y + r, ldy);
 }
 
 AVX512 static void kq_block_rows(const int type, const int R, const kq_sb *u, int nsb,
@@ -217,6 +227,79 @@ AVX512 static void kq_block_rows(const int type, const int R, const kq_sb *u, in
     }
 }
 
+/* The tiles' shapes (ldtilecfg's 64 bytes): C 0-3 16 rows x 16 int32; A 4 and 6, 16 rows x
+ * a sub-block's bytes (Q4_K, Q5_K 32, Q6_K 16); B 5 and 7, a quarter as many rows x 64 bytes. */
+typedef struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kq_tilecfg;
+
+/* Sub-block s of KB_RA rows (row 0 at a, stride astride) by the group (xb), in tile C, stored at
+ * c: from zero, one tdpbusd of the rows' unsigned bytes (A) against the inputs' (B). */
+#define KA_SUB(C, A, B, s)                                                                         \
+    do {                                                                                           \
+        _tile_zero(C);                                                                             \
+        _tile_loadd(A, a + sw * (s), astride);                                                     \
+        _tile_loadd(B, xb + 16 * sw * (s), 64);                                                    \
+        _tile_dpbusd(C, A, B);                                                                     \
+        _tile_stored(C, x->c + (size_t)(s) * KB_RA * KB_G, 64);                                    \
+    } while (0)
+
+/* KB_RA rows (u, nsb super-blocks each) by input group g on AMX, into y as kq_block_t: a
+ * sub-block's sums of the rows by the group (C's row r: row r's 16 inputs, kq_block_t's S[r])
+ * by one tdpbusd, then per row the same exact L and float step. */
+AMX static void kq_block_amx_g(const int q6, const kq_sb *u, int nsb, const kq_room *x, int g,
+                               int live, const float *amin, float *y, size_t ldy) {
+    const int ns = q6 ? 16 : 8, sw = q6 ? 16 : 32; /* sub-blocks, a sub-block's bytes */
+    const size_t astride = (size_t)nsb * sizeof(kq_sb);
+    __m512 acc[KB_RA];
+    for (int r = 0; r < KB_RA; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nsb; b++) {
+        const size_t gb = (size_t)g * nsb + b;
+        const int8_t *xb = x->xi + gb * 64 * 64;
+        const uint8_t *a = u[b].w;
+        for (int s = 0; s < ns; s += 4) {
+            KA_SUB(0, 4, 5, s);
+            KA_SUB(1, 6, 7, s + 1);
+            KA_SUB(2, 4, 5, s + 2);
+            KA_SUB(3, 6, 7, s + 3);
+        }
+        const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
+        for (int r = 0; r < KB_RA; r++) {
+            const kq_sb *ub = u + (size_t)r * nsb + b;
+            __m512i L = _mm512_setzero_si512();
+            for (int s = 0; s < ns; s++) {
+                __m512i S =
+                    _mm512_load_si512((const void *)(x->c + ((size_t)s * KB_RA + r) * KB_G));
+                if (q6)
+                    S = _mm512_add_epi32(
+                        S, _mm512_load_si512((const void *)(x->x32 + (gb * 16 + s) * KB_G)));
+                L = _mm512_add_epi32(L, _mm512_mullo_epi32(S, _mm512_set1_epi32(ub->sc[s])));
+            }
+            acc[r] = kq_float_step(acc[r], ub->d, dv, L);
+        }
+    }
+    for (int r = 0; r < KB_RA; r++) kq_store_out(acc[r], amin + r * K_TILE, g, live, y + r, ldy);
+}
+#undef KA_SUB
+
+AMX static void kq_block_amx(const int type, const kq_sb *u, int nsb, const kq_room *x, int tn,
+                             const float *amin, float *y, size_t ldy) {
+    const int q6 = type == T_Q6_K;
+    kq_tilecfg cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = i < 4 || i % 2 == 1 ? 64 : (q6 ? 16 : 32);
+        cfg.rows[i] = i < 4 || i % 2 == 0 ? 16 : (q6 ? 4 : 8);
+    }
+    _tile_loadconfig(&cfg); /* this thread's tiles, each call */
+    for (int g = 0; g < (tn + KB_G - 1) / KB_G; g++) {
+        const int live = tn - KB_G * g < KB_G ? tn - KB_G * g : KB_G;
+        kq_block_amx_g(q6, u, nsb, x, g, live, amin, y, ldy);
+    }
+    _tile_release();
+}
+
 void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_out, int k,
                   const mm_input *in, int t, int tn, float *y, size_t ldy, void *mem) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
@@ -225,12 +308,17 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
     kq_room_parts(k, mem, &x);
     kq_lay_inputs(q6, in, t, tn, &x);
     for (int r = r0; r < n_out;) {
-        const int R = n_out - r < KB_R ? 1 : KB_R; /* the last rows one at a time */
+        /* AMX: KB_RA rows a tile; the register tiles: KB_R rows, the last rows one at a time */
+        const int amx = use_amx && n_out - r >= KB_RA;
+        const int R = amx ? KB_RA : n_out - r < KB_R ? 1 : KB_R;
         for (int i = 0; i < R; i++)
             kq_unpack_row(type, w + (size_t)(r + i) * row_bytes,
-                          r + i + KB_R < n_out ? w + (size_t)(r + i + KB_R) * row_bytes : NULL,
-                          bytes, nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
-        kq_block_rows(type, R, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+                          r + i + R < n_out ? w + (size_t)(r + i + R) * row_bytes : NULL, bytes,
+                          nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
+        if (amx)
+            kq_block_amx(type, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+        else
+            kq_block_rows(type, R, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
         r += R;
     }
 }
