@@ -42,7 +42,7 @@ typedef struct {
     float *dxt;   /* super-block b, input t at b K_TILE + t */
     kq_sb *u;     /* row r's super-blocks at r nsb */
     float *amin;  /* row r, input t at r K_TILE + t: the minimums' part of the sum */
-    int32_t *c;   /* AMX: sub-block s's sums, row r, input i at (s 16 + r) 16 + i */
+    int32_t *c;   /* AMX: two super-blocks' sums (kq_amx_sums) */
 } kq_room;
 
 static size_t kq_room_parts(int k, char *base, kq_room *room) {
@@ -54,7 +54,7 @@ static size_t kq_room_parts(int k, char *base, kq_room *room) {
                              nsb * K_TILE * sizeof(float),
                              KB_RA * nsb * sizeof(kq_sb),
                              KB_RA * K_TILE * sizeof(float),
-                             16 * KB_RA * KB_G * sizeof(int32_t)};
+                             2 * 16 * KB_RA * KB_G * sizeof(int32_t)};
     void *at[8];
     size_t off = 0;
     for (int i = 0; i < 8; i++) {
@@ -243,35 +243,49 @@ typedef struct {
         _tile_loadd(A, a + sw * (s), astride);                                                     \
         _tile_loadd(B, xb + 16 * sw * (s), 64);                                                    \
         _tile_dpbusd(C, A, B);                                                                     \
-        _tile_stored(C, x->c + (size_t)(s) * KB_RA * KB_G, 64);                                    \
+        _tile_stored(C, c + (size_t)(s) * KB_RA * KB_G, 64);                                       \
     } while (0)
+
+/* Super-block b's sub-block sums of KB_RA rows (u) by the group (xb) into c: sub-block s, row r,
+ * input i at (s KB_RA + r) KB_G + i. */
+AMX INLINE void kq_amx_sums(const int q6, const kq_sb *u, int b, int nsb, const int8_t *xb,
+                            int32_t *c) {
+    const int ns = q6 ? 16 : 8, sw = q6 ? 16 : 32; /* sub-blocks, a sub-block's bytes */
+    const size_t astride = (size_t)nsb * sizeof(kq_sb);
+    const uint8_t *a = u[b].w;
+    for (int s = 0; s < ns; s += 4) {
+        KA_SUB(0, 4, 5, s);
+        KA_SUB(1, 6, 7, s + 1);
+        KA_SUB(2, 4, 5, s + 2);
+        KA_SUB(3, 6, 7, s + 3);
+    }
+}
+#undef KA_SUB
 
 /* KB_RA rows (u, nsb super-blocks each) by input group g on AMX, into y as kq_block_t: a
  * sub-block's sums of the rows by the group (C's row r: row r's 16 inputs, kq_block_t's S[r])
- * by one tdpbusd, then per row the same exact L and float step. */
+ * by one tdpbusd, then per row the same exact L and float step. The tiles of super-block b + 1
+ * go while b's sums are scaled (two buffers of sums). */
 AMX static void kq_block_amx_g(const int q6, const kq_sb *u, int nsb, const kq_room *x, int g,
                                int live, const float *amin, float *y, size_t ldy) {
-    const int ns = q6 ? 16 : 8, sw = q6 ? 16 : 32; /* sub-blocks, a sub-block's bytes */
-    const size_t astride = (size_t)nsb * sizeof(kq_sb);
+    const int ns = q6 ? 16 : 8;
+    const size_t half = (size_t)16 * KB_RA * KB_G;
+    const int8_t *xg = x->xi + (size_t)g * nsb * 64 * 64;
     __m512 acc[KB_RA];
     for (int r = 0; r < KB_RA; r++) acc[r] = _mm512_setzero_ps();
+    kq_amx_sums(q6, u, 0, nsb, xg, x->c);
     for (int b = 0; b < nsb; b++) {
         const size_t gb = (size_t)g * nsb + b;
-        const int8_t *xb = x->xi + gb * 64 * 64;
-        const uint8_t *a = u[b].w;
-        for (int s = 0; s < ns; s += 4) {
-            KA_SUB(0, 4, 5, s);
-            KA_SUB(1, 6, 7, s + 1);
-            KA_SUB(2, 4, 5, s + 2);
-            KA_SUB(3, 6, 7, s + 3);
-        }
+        const int32_t *c = x->c + (b & 1) * half;
+        if (b + 1 < nsb)
+            kq_amx_sums(q6, u, b + 1, nsb, xg + (size_t)(b + 1) * 64 * 64,
+                        x->c + ((b + 1) & 1) * half);
         const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
         for (int r = 0; r < KB_RA; r++) {
             const kq_sb *ub = u + (size_t)r * nsb + b;
             __m512i L = _mm512_setzero_si512();
             for (int s = 0; s < ns; s++) {
-                __m512i S =
-                    _mm512_load_si512((const void *)(x->c + ((size_t)s * KB_RA + r) * KB_G));
+                __m512i S = _mm512_load_si512((const void *)(c + ((size_t)s * KB_RA + r) * KB_G));
                 if (q6)
                     S = _mm512_add_epi32(
                         S, _mm512_load_si512((const void *)(x->x32 + (gb * 16 + s) * KB_G)));
@@ -282,7 +296,6 @@ AMX static void kq_block_amx_g(const int q6, const kq_sb *u, int nsb, const kq_r
     }
     for (int r = 0; r < KB_RA; r++) kq_store_out(acc[r], amin + r * K_TILE, g, live, y + r, ldy);
 }
-#undef KA_SUB
 
 AMX static void kq_block_amx(const int type, const kq_sb *u, int nsb, const kq_room *x, int tn,
                              const float *amin, float *y, size_t ldy) {
