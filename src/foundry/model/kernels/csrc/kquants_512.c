@@ -42,26 +42,29 @@ typedef struct {
     float *dxt;   /* super-block b, input t at b K_TILE + t */
     kq_sb *u;     /* row r's super-blocks at r nsb */
     float *amin;  /* row r, input t at r K_TILE + t: the minimums' part of the sum */
+    uint8_t *av;  /* AMX: row r, super-block b: its planes at (r nsb + b) 512 (kq_amx_weights) */
     int32_t *c;   /* AMX: two super-blocks' sums (kq_amx_sums) */
 } kq_room;
 
 static size_t kq_room_parts(int k, char *base, kq_room *room) {
     const size_t nsb = (size_t)(k / QK_K);
-    const size_t sizes[8] = {(size_t)K_TILE * k,
+    const size_t sizes[9] = {(size_t)K_TILE * k,
                              K_TILE * nsb * sizeof(float),
                              K_TILE * nsb * 16 * sizeof(int32_t),
                              nsb * 4 * K_TILE * 2 * sizeof(int16_t),
                              nsb * K_TILE * sizeof(float),
                              KB_RA * nsb * sizeof(kq_sb),
                              KB_RA * K_TILE * sizeof(float),
-                             2 * 16 * KB_RA * KB_G * sizeof(int32_t)};
-    void *at[8];
+                             KB_RA * nsb * 512,
+                             2 * 512 * sizeof(int32_t)};
+    void *at[9];
     size_t off = 0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         at[i] = base + off;
         off += (sizes[i] + 63) / 64 * 64;
     }
-    if (room != NULL) *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]};
+    if (room != NULL)
+        *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], at[8]};
     return off;
 }
 
@@ -227,88 +230,99 @@ AVX512 static void kq_block_rows(const int type, const int R, const kq_sb *u, in
     }
 }
 
-/* The tiles' shapes (ldtilecfg's 64 bytes): C 0-3 16 rows x 16 int32; A 4 and 6, 16 rows x
- * a sub-block's bytes (Q4_K, Q5_K 32, Q6_K 16); B 5 and 7, a quarter as many rows x 64 bytes. */
+/* Row r's AMX weights (av, KB_RA rows): each super-block's values times their sub-block's
+ * scale, v = sc w (Q6_K: sc (w - 32); |v| <= 4096, int16), as two planes of 256 bytes: its low
+ * bytes (unsigned), then v >> 8 (signed, -16 .. 16), so v = lo + 256 hi exactly. */
+AVX512 static void kq_amx_weights(const int q6, const kq_sb *u, int nsb, uint8_t *av) {
+    for (int b = 0; b < nsb; b++, av += 512)
+        for (int j = 0; j < 8; j++) { /* values 32 j .. 32 j + 31: sub-block j (Q6_K 2j, 2j+1) */
+            const int32_t *sc = u[b].sc;
+            const __m512i scv = q6 ? _mm512_inserti64x4(_mm512_set1_epi16((short)sc[2 * j]),
+                                                        _mm256_set1_epi16((short)sc[2 * j + 1]), 1)
+                                   : _mm512_set1_epi16((short)sc[j]);
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i *)(u[b].w + 32 * j)));
+            if (q6) w = _mm512_sub_epi16(w, _mm512_set1_epi16(32));
+            const __m512i v = _mm512_mullo_epi16(w, scv);
+            _mm256_store_si256((__m256i *)(av + 32 * j), _mm512_cvtepi16_epi8(v));
+            _mm256_store_si256((__m256i *)(av + 256 + 32 * j),
+                               _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        }
+}
+
+/* The tiles' shapes (ldtilecfg's 64 bytes): all eight 16 rows x 64 bytes. */
 typedef struct {
     uint8_t palette, start, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } kq_tilecfg;
 
-/* Sub-block s of KB_RA rows (row 0 at a, stride astride) by the group (xb), in tile C, stored at
- * c: from zero, one tdpbusd of the rows' unsigned bytes (A) against the inputs' (B). */
-#define KA_SUB(C, A, B, s)                                                                         \
+/* A super-block's exact sums of KB_RA rows (their planes at a, astride apart) by a group of
+ * inputs (xb: its 64 registers, the B layout of 16 rows a 64 values), in tiles CL (the low
+ * planes, tdpbusd) and CH (the high ones, tdpbssd) from zero, stored at c: input i of row r at
+ * 16 r + i, the high sums 256 on. */
+#define KA_SB(CL, CH)                                                                              \
     do {                                                                                           \
-        _tile_zero(C);                                                                             \
-        _tile_loadd(A, a + sw * (s), astride);                                                     \
-        _tile_loadd(B, xb + 16 * sw * (s), 64);                                                    \
-        _tile_dpbusd(C, A, B);                                                                     \
-        _tile_stored(C, c + (size_t)(s) * KB_RA * KB_G, 64);                                       \
+        _tile_zero(CL);                                                                            \
+        _tile_zero(CH);                                                                            \
+        for (int kc = 0; kc < 4; kc++) {                                                           \
+            _tile_loadd(4, a + 64 * kc, astride);                                                  \
+            _tile_loadd(5, a + 256 + 64 * kc, astride);                                            \
+            _tile_loadd(6, xb + 1024 * kc, 64);                                                    \
+            _tile_dpbusd(CL, 4, 6);                                                                \
+            _tile_dpbssd(CH, 5, 6);                                                                \
+        }                                                                                          \
+        _tile_stored(CL, c, 64);                                                                   \
+        _tile_stored(CH, c + 256, 64);                                                             \
     } while (0)
 
-/* Super-block b's sub-block sums of KB_RA rows (u) by the group (xb) into c: sub-block s, row r,
- * input i at (s KB_RA + r) KB_G + i. */
-AMX INLINE void kq_amx_sums(const int q6, const kq_sb *u, int b, int nsb, const int8_t *xb,
-                            int32_t *c) {
-    const int ns = q6 ? 16 : 8, sw = q6 ? 16 : 32; /* sub-blocks, a sub-block's bytes */
-    const size_t astride = (size_t)nsb * sizeof(kq_sb);
-    const uint8_t *a = u[b].w;
-    for (int s = 0; s < ns; s += 4) {
-        KA_SUB(0, 4, 5, s);
-        KA_SUB(1, 6, 7, s + 1);
-        KA_SUB(2, 4, 5, s + 2);
-        KA_SUB(3, 6, 7, s + 3);
-    }
+AMX INLINE void kq_amx_sums(const uint8_t *a, size_t astride, const int8_t *xb, int32_t *c,
+                            int odd) {
+    if (odd)
+        KA_SB(2, 3);
+    else
+        KA_SB(0, 1);
 }
-#undef KA_SUB
+#undef KA_SB
 
-/* KB_RA rows (u, nsb super-blocks each) by input group g on AMX, into y as kq_block_t: a
- * sub-block's sums of the rows by the group (C's row r: row r's 16 inputs, kq_block_t's S[r])
- * by one tdpbusd, then per row the same exact L and float step. The tiles of super-block b + 1
- * go while b's sums are scaled (two buffers of sums). */
-AMX static void kq_block_amx_g(const int q6, const kq_sb *u, int nsb, const kq_room *x, int g,
+/* KB_RA rows (u, and their planes av; nsb super-blocks each) by input group g on AMX, into y
+ * as kq_block_t: a super-block's L of all the rows by the group at once (row r's, input i: low
+ * sum + 256 x high sum, exact), then per row kq_block_t's float step. The tiles of super-block
+ * b + 1 go while b's sums are read (two buffers). */
+AMX static void kq_block_amx_g(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int g,
                                int live, const float *amin, float *y, size_t ldy) {
-    const int ns = q6 ? 16 : 8;
-    const size_t half = (size_t)16 * KB_RA * KB_G;
+    const size_t astride = (size_t)nsb * 512;
     const int8_t *xg = x->xi + (size_t)g * nsb * 64 * 64;
     __m512 acc[KB_RA];
     for (int r = 0; r < KB_RA; r++) acc[r] = _mm512_setzero_ps();
-    kq_amx_sums(q6, u, 0, nsb, xg, x->c);
+    kq_amx_sums(av, astride, xg, x->c, 0);
     for (int b = 0; b < nsb; b++) {
         const size_t gb = (size_t)g * nsb + b;
-        const int32_t *c = x->c + (b & 1) * half;
+        const int32_t *c = x->c + (b & 1) * 512;
         if (b + 1 < nsb)
-            kq_amx_sums(q6, u, b + 1, nsb, xg + (size_t)(b + 1) * 64 * 64,
-                        x->c + ((b + 1) & 1) * half);
+            kq_amx_sums(av + (size_t)(b + 1) * 512, astride, xg + (size_t)(b + 1) * 64 * 64,
+                        x->c + ((b + 1) & 1) * 512, (b + 1) & 1);
         const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
         for (int r = 0; r < KB_RA; r++) {
-            const kq_sb *ub = u + (size_t)r * nsb + b;
-            __m512i L = _mm512_setzero_si512();
-            for (int s = 0; s < ns; s++) {
-                __m512i S = _mm512_load_si512((const void *)(c + ((size_t)s * KB_RA + r) * KB_G));
-                if (q6)
-                    S = _mm512_add_epi32(
-                        S, _mm512_load_si512((const void *)(x->x32 + (gb * 16 + s) * KB_G)));
-                L = _mm512_add_epi32(L, _mm512_mullo_epi32(S, _mm512_set1_epi32(ub->sc[s])));
-            }
-            acc[r] = kq_float_step(acc[r], ub->d, dv, L);
+            const __m512i lo = _mm512_load_si512((const void *)(c + 16 * r));
+            const __m512i hi = _mm512_load_si512((const void *)(c + 256 + 16 * r));
+            const __m512i L = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+            acc[r] = kq_float_step(acc[r], u[(size_t)r * nsb + b].d, dv, L);
         }
     }
     for (int r = 0; r < KB_RA; r++) kq_store_out(acc[r], amin + r * K_TILE, g, live, y + r, ldy);
 }
 
-AMX static void kq_block_amx(const int type, const kq_sb *u, int nsb, const kq_room *x, int tn,
+AMX static void kq_block_amx(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int tn,
                              const float *amin, float *y, size_t ldy) {
-    const int q6 = type == T_Q6_K;
     kq_tilecfg cfg = {.palette = 1};
     for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = i < 4 || i % 2 == 1 ? 64 : (q6 ? 16 : 32);
-        cfg.rows[i] = i < 4 || i % 2 == 0 ? 16 : (q6 ? 4 : 8);
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
     }
     _tile_loadconfig(&cfg); /* this thread's tiles, each call */
     for (int g = 0; g < (tn + KB_G - 1) / KB_G; g++) {
         const int live = tn - KB_G * g < KB_G ? tn - KB_G * g : KB_G;
-        kq_block_amx_g(q6, u, nsb, x, g, live, amin, y, ldy);
+        kq_block_amx_g(u, av, nsb, x, g, live, amin, y, ldy);
     }
     _tile_release();
 }
@@ -328,10 +342,13 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
             kq_unpack_row(type, w + (size_t)(r + i) * row_bytes,
                           r + i + R < n_out ? w + (size_t)(r + i + R) * row_bytes : NULL, bytes,
                           nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
-        if (amx)
-            kq_block_amx(type, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
-        else
+        if (amx) {
+            for (int i = 0; i < R; i++)
+                kq_amx_weights(q6, x.u + (size_t)i * nsb, nsb, x.av + (size_t)i * nsb * 512);
+            kq_block_amx(x.u, x.av, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+        } else {
             kq_block_rows(type, R, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+        }
         r += R;
     }
 }
