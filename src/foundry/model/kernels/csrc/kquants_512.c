@@ -1,4 +1,5 @@
-/* The K-quants' prefill block on AVX-512 VNNI (theory in kernels.h, the tiles in kquants.c).
+/* The K-quants' prefill block on AVX-512 VNNI and AMX (theory in kernels.h, the tiles in
+ * kquants.c).
  *
  * A tile of inputs (K_TILE) is laid out once for the block, in groups of KB_G = 16: for each
  * super-block, 64 registers, register q holding values 4q .. 4q + 3 of each of the group's
@@ -14,7 +15,15 @@
  *
  * Q6_K's weights are its stored 0..63 (q + 32): a sub-block's sums start at -32 x the input's
  * sum over its 16 values (laid out with the inputs), so that each ends at exactly the sum of
- * (q - 32) x. */
+ * (q - 32) x.
+ *
+ * With AMX (use_amx) rows go 16 at a time (KB_RA; the rest as above): each row's values times
+ * their sub-block's scale, v = sc w (Q6_K sc (w - 32)), as two byte planes (kq_amx_weights),
+ * the rows' planes are A tiles (16 rows x 64 values), a group's registers of a super-block the
+ * B tiles as they are laid out (16 rows x 64 bytes: values 4q .. 4q + 3 of 16 inputs), and
+ * the super-block's L of 16 rows x 16 inputs is tdpbusd (low planes) + 256 tdpbssd (high
+ * planes), exact; then the same float step. The tiles' state is each call's own (ldtilecfg,
+ * tilerelease), so any thread of the pool runs it. */
 
 #include "kquants.h"
 
