@@ -104,7 +104,11 @@ def test_products_against_float64(qtype: QType, n: int) -> None:
 
 
 # The x86 paths below the best one this CPU has (each is checked against the portable C).
-SIMD_PATHS = {"avx512-vnni": ["avx2+vnni", "avx2"], "avx2+vnni": ["avx2"]}.get(quant.KERNELS, [])
+SIMD_PATHS = {
+    "avx512-vnni+amx": ["avx512-vnni", "avx2+vnni", "avx2"],
+    "avx512-vnni": ["avx2+vnni", "avx2"],
+    "avx2+vnni": ["avx2"],
+}.get(quant.KERNELS, [])
 
 # Shapes of every path's edges: groups of four rows and a remainder; whole chunks of 16 blocks,
 # a part chunk and an odd last block (23 and 33 blocks of 32: the 32-blocks' types only).
@@ -139,19 +143,23 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
 
 
 @pytest.mark.parametrize("qtype", KQUANTS)
-def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType) -> None:
-    """A block of 75 inputs by 5 rows of 3 super-blocks: a whole tile of 64 inputs and one of
-    11 (AVX-512 VNNI: four groups of 16 inputs, then a part group of 11 with zeros in its other
-    lanes; 5 rows: the last rows alone), and 5 inputs (fewer than a block unpacks its rows for)."""
+@pytest.mark.parametrize("rows", [5, 16, 17, 33])
+def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType, rows: int) -> None:
+    """Blocks of 5, 16, 17, 32, 33 and 75 inputs by rows of 3 super-blocks: whole and part
+    groups of 16 inputs (AVX-512 VNNI: zeros in a part group's other lanes), a whole tile of 64
+    inputs and one of 11, 5 inputs (fewer than a block unpacks its rows for); 5 rows (the last
+    rows alone), 16 (one AMX tile of rows), 17 and 33 (tiles of 16 and rows left over)."""
     rng = np.random.default_rng(9)
-    w = stored(rng.standard_normal((5, 768), dtype=np.float32), qtype)
+    w = stored(rng.standard_normal((rows, 768), dtype=np.float32), qtype)
     x = rng.standard_normal((75, 768), dtype=np.float32)
     assert quant._kernels is not None
     results = []
     try:
         for path in ["best", *SIMD_PATHS, "portable"]:
             quant._kernels.use(path)
-            results.append(np.concatenate([quant.linear(x, w), quant.linear(x[:5], w)]))
+            results.append(
+                np.concatenate([quant.linear(x[:n], w) for n in (5, 16, 17, 32, 33, 75)])
+            )
     finally:
         quant._kernels.use("best")
     assert all(np.array_equal(r, results[0]) for r in results[1:])
@@ -348,10 +356,10 @@ def large_sums(qtype: QType, rows: int, k: int) -> QTensor:
 def test_k_quant_products_equal_the_definition_where_l_rounds(qtype: QType) -> None:
     """Rows of exact super-block sums above 2^24 (Q4_K about 2^24.3, Q6_K 2^25.9), whose
     conversion to float32 rounds: every path, decode and blocks of 16, 17, 33 and 75 inputs
-    (whole and part groups of 16, a tile of 64 and the rest), equals the definition in numpy
-    bit for bit, and so each other."""
+    (whole and part groups of 16, a tile of 64 and the rest) by 17 rows (an AMX tile of 16 and
+    one left over), equals the definition in numpy bit for bit, and so each other."""
     rng = np.random.default_rng(12)
-    w = large_sums(qtype, 7, 768)
+    w = large_sums(qtype, 17, 768)
     x = (0.9 + 0.1 * rng.random((75, 768))).astype(np.float32)
     want, largest = k_definition(x, w)
     assert largest > 2**24

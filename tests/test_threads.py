@@ -71,6 +71,7 @@ def assert_same_bits(runs: list[list[F32]]) -> None:
 
 
 PATHS = {
+    "avx512-vnni+amx": ["best", "avx512-vnni", "avx2", "portable"],
     "avx512-vnni": ["best", "avx2", "portable"],
     "avx2+vnni": ["best", "avx2", "portable"],
     "avx2": ["best", "portable"],

@@ -3,6 +3,7 @@ against numpy's float32 product, one thread, one run.
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py [--mb 256] [--k 1024]
         [--rows R] [--block 64] [--types Q4_K,Q6_K] [--threads 1] [--path best|avx2|portable]
+        [--against avx512-vnni]
     OPENBLAS_NUM_THREADS=1 python bench/performance/kernels.py --gguf FILE [--llama-cpp BUILD/bin]
         [--rounds 3] [--prompt 512] [--cores 1]
 
@@ -11,7 +12,8 @@ give more to measure streaming from DRAM), stored as each type, multiplied by on
 (decode) and by ``--block`` rows (64: a prefill block; GMAC/s: multiply-adds a second), best of
 a few repetitions; ``--rows`` gives the matrix's rows exactly (a model's shape: ``--rows 8192
 --k 3072 --block 512`` is Llama 3.2 3B's FFN up against a 512-token prompt), ``--types`` only
-those types, ``--threads`` the kernels' threads (numpy's product stays on one). Also the
+those types, ``--threads`` the kernels' threads (numpy's product stays on one), ``--against``
+each product also on that path (kernel paths: ``quant._kernels.use``), its time over ours. Also the
 engine's overhead: ms per decoded token of the ``small`` preset, whose weights fit in cache, so
 what it measures is the Python and numpy work around the products.
 
@@ -209,12 +211,15 @@ def main() -> None:
     ap.add_argument("--types", default=None, help="only these types, e.g. Q4_K,Q6_K")
     ap.add_argument("--threads", type=int, default=1, help="the kernels' threads")
     ap.add_argument("--reps", type=int, default=5)
+    paths = ["best", "avx512-vnni+amx", "avx512-vnni", "avx2+vnni", "avx2", "portable"]
     ap.add_argument(
         "--path",
         default="best",
-        choices=["best", "avx2", "portable"],
-        help="kernel path: the best this CPU has, AVX2 without VNNI, portable C",
+        choices=paths,
+        help="kernel path: the best this CPU has, AVX-512 VNNI with or without AMX, AVX2 with "
+        "or without VNNI, portable C",
     )
+    ap.add_argument("--against", default=None, choices=paths, help="also time this path")
     ap.add_argument(
         "--gguf",
         type=Path,
@@ -258,10 +263,16 @@ def main() -> None:
         for qtype in types:
             q = stored(w, qtype)
             t = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
+            against = ""
+            if args.against is not None and quant._kernels is not None:
+                quant._kernels.use(args.against)
+                ta = best_of(args.reps, lambda x=x, q=q: quant.linear(x, q))
+                quant._kernels.use(args.path)
+                against = f", {ta / t:.2f}x {args.against}'s time ({ta * 1e3:.2f} ms)"
             print(
                 f"  {n} row(s): {qtype.name:<5}     {q.nbytes / t / 1e9:6.1f} GB/s "
                 f"{rows * args.k * n / t / 1e9:6.1f} GMAC/s ({t * 1e3:.2f} ms, "
-                f"{base / t:.2f}x f32's time)"
+                f"{base / t:.2f}x f32's time{against})"
             )
     del w
     cfg = preset("small")

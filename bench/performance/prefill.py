@@ -2,7 +2,7 @@
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/prefill.py [--gguf FILE]
         [--model-dir /tmp/pfmodels] [--prompt 512] [--threads 1,2] [--rounds 5]
-        [--pooled linear,attend_rows]
+        [--pooled linear,attend_rows] [--against avx512-vnni]
 
 The file (``--gguf``, else the bench preset exported by Foundry as Q8_0 into ``--model-dir``,
 written once) runs a ``--prompt``-token block in the engine (``Engine.decode(...,
@@ -17,6 +17,8 @@ SiLU x up, the experts' inputs and combination, the KV-cache writes, the sums) a
 engine's own numpy and Python. At every count above 1 the pool's counters
 (``quant.profile``: PROF_POOL, csrc/kernels.h) say how much of the prefill ran inside pool
 calls; what is left ran on one thread: the serial fraction that caps the scaling (Amdahl).
+``--against PATH``: each round also one prefill at each count on that kernel path
+(``quant._kernels.use``), its median time over ours.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def main() -> None:
         help="the operations that run on the pool (default: this tree's; the engine before "
         "its row operations went to the pool: linear,attend_rows)",
     )
+    ap.add_argument("--against", default=None, help="also time this kernel path, e.g. avx512-vnni")
     args = ap.parse_args()
     pooled_ops = set(args.pooled.split(","))
     engine, path = bench_engine(args.gguf, args.model_dir)
@@ -134,6 +137,7 @@ def main() -> None:
     walls: dict[int, list[float]] = {n: [] for n in counts}
     ops: list[dict[str, float]] = []
     in_pool: dict[int, list[float]] = {n: [] for n in counts}
+    against: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(args.rounds):
         for n in counts:
             quant.set_threads(n)
@@ -147,6 +151,10 @@ def main() -> None:
             if n != counts[0]:
                 walls[n].append(wall)
             in_pool[n].append(pool_ns / 1e9 / wall)
+            if args.against is not None and quant._kernels is not None:
+                quant._kernels.use(args.against)
+                against[n].append(prefill(engine, prompt))
+                quant._kernels.use("best")
     base = harness.median(walls[counts[0]])
     names = sorted(
         {k for o in ops for k in o}, key=lambda k: -harness.median([o.get(k, 0.0) for o in ops])
@@ -179,6 +187,12 @@ def main() -> None:
             + (f"{share:.1%}, outside {1 - share:.1%}" if n > 1 else "(not counted on one thread)"),
             flush=True,
         )
+        if against[n]:
+            other = harness.median(against[n])
+            print(
+                f"      {args.against}: {other * 1e3:7.1f} ms, {other / wall:.2f}x its time",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

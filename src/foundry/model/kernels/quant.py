@@ -58,8 +58,9 @@ except ImportError:  # built without a C compiler: the numpy fallback below
     _kernels = None
 
 KERNELS: str = _kernels.isa() if _kernels is not None else "numpy"
-"""The path products take here: "avx512-vnni", "avx2+vnni", "avx2", "neon", "neon-dotprod",
-"portable" (C) or "numpy" (no extension)."""
+"""The path products take here: "avx512-vnni+amx" (the K-quants' prefill block on AMX tiles),
+"avx512-vnni", "avx2+vnni", "avx2", "neon", "neon-dotprod", "portable" (C) or "numpy" (no
+extension)."""
 
 
 class QuantError(ValueError):

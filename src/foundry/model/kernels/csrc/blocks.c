@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 float f16_table[65536];
-int use_avx2 = 0, use_vnni = 0, use_512 = 0;
+int use_avx2 = 0, use_vnni = 0, use_512 = 0, use_amx = 0;
 
 float f16_bits_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

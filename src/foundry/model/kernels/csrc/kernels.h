@@ -47,20 +47,21 @@
  * stay in L2 while every row of the matrix passes over them (each weight block read once per
  * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four
  * on AVX2; on AVX-512 VNNI each row unpacked once per tile, 6 rows by 16 inputs a register
- * tile: kquants_512.c).
+ * tile; with AMX 16 rows by 16 inputs a tile product, each super-block's scaled values as two
+ * byte planes, v = lo + 256 hi, so its L is eight tile products, exact: kquants_512.c).
  * Each (row, input) output is still the one definition above, so a row of a block has the bits
  * of that row decoded alone, on every path and machine.
  *
  * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
  * q32.c (Q8_0, Q4_0, Q5_0: the input's quantization, the portable and AVX2 products, the
  * dispatch), q32_512.c (their AVX-512 kernels), q1.c (Q4_1, Q5_1), q32.h (what those three
- * share), kquants.c (Q4_K, Q5_K, Q6_K), kquants_512.c (their AVX-512 prefill block), kquants.h
- * (what those two share), attention.c (one row's attention), attention_pool.c (rows and heads
- * of it on the pool), decode.c (the decode step's other
- * operations), step.c (the one-token step), pool.c (the threads), and the Python interface:
- * module.c (the module, the instruction set, the threads), py_ops.c (the products and the
- * decode operations), py_step.c (the one-token step), py_kernels.h (what they share). This
- * header holds what they all share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
+ * share), kquants.c (Q4_K, Q5_K, Q6_K), kquants_512.c (their AVX-512 and AMX prefill block),
+ * kquants.h (what those two share), attention.c (one row's attention), attention_pool.c (rows and
+ * heads of it on the pool), decode.c (the decode step's other operations), step.c (the one-token
+ * step), pool.c (the threads), and the Python interface: module.c (the module, the instruction set,
+ * the threads), py_ops.c (the products and the decode operations), py_step.c (the one-token step),
+ * py_kernels.h (what they share). This header holds what they all share: the SIMD helpers and the
+ * dispatch (use_avx2 ..., matmul).
  */
 
 #ifndef FOUNDRY_KERNELS_H
@@ -233,6 +234,7 @@ static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 /* ---- the SIMD paths and their dispatch --------------------------------------------------- */
 
 extern int use_avx2, use_vnni, use_512; /* the x86 paths chosen at import (module.c) */
+extern int use_amx; /* the K-quants' prefill block on AMX tiles (kquants_512.c), with use_512 */
 
 #if defined(FOUNDRY_X86)
 #define AVX2 __attribute__((target("avx2,f16c")))
@@ -245,6 +247,10 @@ AVX2 INLINE float f16c(const uint8_t *p) {
 
 #define VNNI   __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 #define AVX512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+/* AVX512 with AMX's tiles and int8 products: only where use_amx (module.c asked the kernel for
+ * the tiles' state), so the module still loads on CPUs without AMX. */
+#define AMX                                                                                        \
+    __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 /* finish(acc, 8) of eight lanes in one register: the same additions in the same order (lane
  * j + lane j + 4, then + 2, + 1). */

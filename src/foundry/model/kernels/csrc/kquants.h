@@ -22,7 +22,7 @@
 /* Bytes of room (64-aligned) that kq_block_512 takes for a product of k values a row. */
 size_t kq_block_room(int k);
 /* Rows r0 .. n_out - 1 by the tn inputs (at most K_TILE) from input t: y's rows t .. t + tn
- * - 1. */
+ * - 1 (on AMX's tiles where use_amx). */
 void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_out, int k,
                   const mm_input *in, int t, int tn, float *y, size_t ldy, void *room);
 

@@ -1,4 +1,5 @@
-/* The K-quants' prefill block on AVX-512 VNNI (theory in kernels.h, the tiles in kquants.c).
+/* The K-quants' prefill block on AVX-512 VNNI and AMX (theory in kernels.h, the tiles in
+ * kquants.c).
  *
  * A tile of inputs (K_TILE) is laid out once for the block, in groups of KB_G = 16: for each
  * super-block, 64 registers, register q holding values 4q .. 4q + 3 of each of the group's
@@ -14,7 +15,15 @@
  *
  * Q6_K's weights are its stored 0..63 (q + 32): a sub-block's sums start at -32 x the input's
  * sum over its 16 values (laid out with the inputs), so that each ends at exactly the sum of
- * (q - 32) x. */
+ * (q - 32) x.
+ *
+ * With AMX (use_amx) rows go 16 at a time (KB_RA; the rest as above): each row's values times
+ * their sub-block's scale, v = sc w (Q6_K sc (w - 32)), as two byte planes (kq_amx_weights),
+ * the rows' planes are A tiles (16 rows x 64 values), a group's registers of a super-block the
+ * B tiles as they are laid out (16 rows x 64 bytes: values 4q .. 4q + 3 of 16 inputs), and
+ * the super-block's L of 16 rows x 16 inputs is tdpbusd (low planes) + 256 tdpbssd (high
+ * planes), exact; then the same float step. The tiles' state is each call's own (ldtilecfg,
+ * tilerelease), so any thread of the pool runs it. */
 
 #include "kquants.h"
 
@@ -23,7 +32,8 @@
 #ifndef KB_R
 #define KB_R 6 /* rows of a register tile */
 #endif
-#define KB_G 16 /* inputs of a register tile: one int32 lane each */
+#define KB_G  16 /* inputs of a register tile: one int32 lane each */
+#define KB_RA 16 /* rows of an AMX tile (and the most rows unpacked at once) */
 
 /* One super-block of a row, unpacked (384 bytes). */
 typedef struct {
@@ -32,7 +42,7 @@ typedef struct {
     float d, pad[15];
 } kq_sb;
 
-/* The room of one block: its inputs laid out, and KB_R rows unpacked. */
+/* The room of one block: its inputs laid out, KB_RA rows unpacked, and AMX's sums. */
 typedef struct {
     int8_t *xi;   /* group g, super-block b, register q: 64 bytes at ((g nsb + b) 64 + q) 64 */
     float *dxv;   /* group g, super-block b: the 16 inputs' dx at (g nsb + b) 16 */
@@ -41,24 +51,29 @@ typedef struct {
     float *dxt;   /* super-block b, input t at b K_TILE + t */
     kq_sb *u;     /* row r's super-blocks at r nsb */
     float *amin;  /* row r, input t at r K_TILE + t: the minimums' part of the sum */
+    uint8_t *av;  /* AMX: row r, super-block b: its planes at (r nsb + b) 512 (kq_amx_weights) */
+    int32_t *c;   /* AMX: two super-blocks' sums (kq_amx_sums) */
 } kq_room;
 
 static size_t kq_room_parts(int k, char *base, kq_room *room) {
     const size_t nsb = (size_t)(k / QK_K);
-    const size_t sizes[7] = {(size_t)K_TILE * k,
+    const size_t sizes[9] = {(size_t)K_TILE * k,
                              K_TILE * nsb * sizeof(float),
                              K_TILE * nsb * 16 * sizeof(int32_t),
                              nsb * 4 * K_TILE * 2 * sizeof(int16_t),
                              nsb * K_TILE * sizeof(float),
-                             KB_R * nsb * sizeof(kq_sb),
-                             KB_R * K_TILE * sizeof(float)};
-    void *at[7];
+                             KB_RA * nsb * sizeof(kq_sb),
+                             KB_RA * K_TILE * sizeof(float),
+                             KB_RA * nsb * 512,
+                             2 * 512 * sizeof(int32_t)};
+    void *at[9];
     size_t off = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 9; i++) {
         at[i] = base + off;
         off += (sizes[i] + 63) / 64 * 64;
     }
-    if (room != NULL) *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6]};
+    if (room != NULL)
+        *room = (kq_room){at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], at[8]};
     return off;
 }
 
@@ -113,7 +128,7 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8
     for (int q = 0; q < K_TILE / 16; q++) am[q] = _mm512_setzero_ps();
     for (int b = 0; b < nsb; b++) {
         const uint8_t *blk = row + (size_t)b * bytes;
-        if (ahead != NULL) /* the row unpacked KB_R rows later */
+        if (ahead != NULL) /* the row unpacked a tile of rows later */
             for (int o = 0; o < bytes; o += 64)
                 _mm_prefetch((const char *)(ahead + (size_t)b * bytes + o), _MM_HINT_T0);
         __m128i mins = _mm_setzero_si128();
@@ -148,6 +163,52 @@ AVX512 static void kq_unpack_row(const int type, const uint8_t *row, const uint8
         }
     }
     for (int q = 0; q < K_TILE / 16; q++) _mm512_storeu_ps(amin + 16 * q, am[q]);
+}
+
+/* A super-block's float step of dot_k_portable for sixteen inputs: acc + (d dx) (float)L. */
+AVX512 INLINE __m512 kq_float_step(__m512 acc, float d, __m512 dv, __m512i L) {
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(d), dv);
+    return _mm512_add_ps(acc, _mm512_mul_ps(f, _mm512_cvtepi32_ps(L)));
+}
+
+/* A row's sums of group g less its minimums' part (amin: the row's), into its column of y. */
+AVX512 INLINE void kq_store_out(__m512 acc, const float *amin, int g, int live, float *y,
+                                size_t ldy) {
+    float out[KB_G];
+    _mm512_storeu_ps(out, _mm512_sub_ps(acc, _mm512_loadu_ps(amin + KB_G * g)));
+    for (int i = 0; i < live; i++) y[(size_t)(KB_G * g + i) * ldy] = out[i];
+}
+
+/* The outputs of sixteen rows (acc[r]: row r's sixteen inputs of group g, less amin's row r)
+ * into y (row 0's column) transposed in registers, so that each input's sixteen rows are one
+ * store (kq_store_out's values). */
+AVX512 INLINE void kq_store_16x16(const __m512 *acc, const float *amin, int g, int live, float *y,
+                                  size_t ldy) {
+    __m512 a[16], t[16], v[16];
+    for (int r = 0; r < 16; r++)
+        a[r] = _mm512_sub_ps(acc[r], _mm512_loadu_ps(amin + r * K_TILE + KB_G * g));
+    for (int j = 0; j < 8; j++) { /* lane-wise: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+        t[2 * j] = _mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]);
+        t[2 * j + 1] = _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]);
+    }
+    for (int q = 0; q < 4;
+         q++) /* a[4q + j]: rows 4q .. 4q + 3 of columns j, j + 4, j + 8, j + 12 */
+        for (int h = 0; h < 2; h++) {
+            const __m512d lo = _mm512_castps_pd(t[4 * q + h]),
+                          hi = _mm512_castps_pd(t[4 * q + h + 2]);
+            a[4 * q + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+            a[4 * q + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+        }
+    for (int h = 0; h < 2; h++) /* v[8h + j]: columns j, j + 8; v[8h + 4 + j]: j + 4, j + 12 */
+        for (int j = 0; j < 4; j++) {
+            v[8 * h + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0x88);
+            v[8 * h + 4 + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0xdd);
+        }
+    for (int m = 0; m < 8; m++) { /* column m and m + 8: input m's rows 0 .. 15 */
+        t[m] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0x88);
+        t[m + 8] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0xdd);
+    }
+    for (int i = 0; i < live; i++) _mm512_storeu_ps(y + (size_t)(KB_G * g + i) * ldy, t[i]);
 }
 
 /* R rows (u, nsb super-blocks each) by input group g, into y (its inputs 16 g .. 16 g + live
@@ -189,16 +250,9 @@ AVX512 INLINE void kq_block_t(const int q6, const int R, const kq_sb *u, int nsb
         }
         const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const __m512 f = _mm512_mul_ps(_mm512_set1_ps(ub[(size_t)r * nsb].d), dv);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(f, _mm512_cvtepi32_ps(L[r])));
-        }
+        for (int r = 0; r < R; r++) acc[r] = kq_float_step(acc[r], ub[(size_t)r * nsb].d, dv, L[r]);
     }
-    for (int r = 0; r < R; r++) {
-        float out[KB_G];
-        _mm512_storeu_ps(out, _mm512_sub_ps(acc[r], _mm512_loadu_ps(amin + r * K_TILE + KB_G * g)));
-        for (int i = 0; i < live; i++) y[(size_t)(KB_G * g + i) * ldy + r] = out[i];
-    }
+    for (int r = 0; r < R; r++) kq_store_out(acc[r], amin + r * K_TILE, g, live, y + r, ldy);
 }
 
 AVX512 static void kq_block_rows(const int type, const int R, const kq_sb *u, int nsb,
@@ -217,6 +271,103 @@ AVX512 static void kq_block_rows(const int type, const int R, const kq_sb *u, in
     }
 }
 
+/* Row r's AMX weights (av, KB_RA rows): each super-block's values times their sub-block's
+ * scale, v = sc w (Q6_K: sc (w - 32); |v| <= 4096, int16), as two planes of 256 bytes: its low
+ * bytes (unsigned), then v >> 8 (signed, -16 .. 16), so v = lo + 256 hi exactly. */
+AVX512 static void kq_amx_weights(const int q6, const kq_sb *u, int nsb, uint8_t *av) {
+    for (int b = 0; b < nsb; b++, av += 512)
+        for (int j = 0; j < 8; j++) { /* values 32 j .. 32 j + 31: sub-block j (Q6_K 2j, 2j+1) */
+            const int32_t *sc = u[b].sc;
+            const __m512i scv = q6 ? _mm512_inserti64x4(_mm512_set1_epi16((short)sc[2 * j]),
+                                                        _mm256_set1_epi16((short)sc[2 * j + 1]), 1)
+                                   : _mm512_set1_epi16((short)sc[j]);
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i *)(u[b].w + 32 * j)));
+            if (q6) w = _mm512_sub_epi16(w, _mm512_set1_epi16(32));
+            const __m512i v = _mm512_mullo_epi16(w, scv);
+            _mm256_store_si256((__m256i *)(av + 32 * j), _mm512_cvtepi16_epi8(v));
+            _mm256_store_si256((__m256i *)(av + 256 + 32 * j),
+                               _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        }
+}
+
+/* The tiles' shapes (ldtilecfg's 64 bytes): all eight 16 rows x 64 bytes. */
+typedef struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kq_tilecfg;
+
+/* A super-block's exact sums of KB_RA rows (their planes at a, astride apart) by a group of
+ * inputs (xb: its 64 registers, the B layout of 16 rows a 64 values), in tiles CL (the low
+ * planes, tdpbusd) and CH (the high ones, tdpbssd) from zero, stored at c: input i of row r at
+ * 16 r + i, the high sums 256 on. */
+#define KA_SB(CL, CH)                                                                              \
+    do {                                                                                           \
+        _tile_zero(CL);                                                                            \
+        _tile_zero(CH);                                                                            \
+        for (int kc = 0; kc < 4; kc++) {                                                           \
+            _tile_loadd(4, a + 64 * kc, astride);                                                  \
+            _tile_loadd(5, a + 256 + 64 * kc, astride);                                            \
+            _tile_loadd(6, xb + 1024 * kc, 64);                                                    \
+            _tile_dpbusd(CL, 4, 6);                                                                \
+            _tile_dpbssd(CH, 5, 6);                                                                \
+        }                                                                                          \
+        _tile_stored(CL, c, 64);                                                                   \
+        _tile_stored(CH, c + 256, 64);                                                             \
+    } while (0)
+
+AMX INLINE void kq_amx_sums(const uint8_t *a, size_t astride, const int8_t *xb, int32_t *c,
+                            int odd) {
+    if (odd)
+        KA_SB(2, 3);
+    else
+        KA_SB(0, 1);
+}
+#undef KA_SB
+
+/* KB_RA rows (u, and their planes av; nsb super-blocks each) by input group g on AMX, into y
+ * as kq_block_t: a super-block's L of all the rows by the group at once (row r's, input i: low
+ * sum + 256 x high sum, exact), then per row kq_block_t's float step. The tiles of super-block
+ * b + 1 go while b's sums are read (two buffers). */
+AMX static void kq_block_amx_g(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int g,
+                               int live, const float *amin, float *y, size_t ldy) {
+    const size_t astride = (size_t)nsb * 512;
+    const int8_t *xg = x->xi + (size_t)g * nsb * 64 * 64;
+    __m512 acc[KB_RA];
+    for (int r = 0; r < KB_RA; r++) acc[r] = _mm512_setzero_ps();
+    kq_amx_sums(av, astride, xg, x->c, 0);
+    for (int b = 0; b < nsb; b++) {
+        const size_t gb = (size_t)g * nsb + b;
+        const int32_t *c = x->c + (b & 1) * 512;
+        if (b + 1 < nsb)
+            kq_amx_sums(av + (size_t)(b + 1) * 512, astride, xg + (size_t)(b + 1) * 64 * 64,
+                        x->c + ((b + 1) & 1) * 512, (b + 1) & 1);
+        const __m512 dv = _mm512_load_ps(x->dxv + gb * KB_G);
+        for (int r = 0; r < KB_RA; r++) {
+            const __m512i lo = _mm512_load_si512((const void *)(c + 16 * r));
+            const __m512i hi = _mm512_load_si512((const void *)(c + 256 + 16 * r));
+            const __m512i L = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+            acc[r] = kq_float_step(acc[r], u[(size_t)r * nsb + b].d, dv, L);
+        }
+    }
+    kq_store_16x16(acc, amin, g, live, y, ldy);
+}
+
+AMX static void kq_block_amx(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int tn,
+                             const float *amin, float *y, size_t ldy) {
+    kq_tilecfg cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg); /* this thread's tiles, each call */
+    for (int g = 0; g < (tn + KB_G - 1) / KB_G; g++) {
+        const int live = tn - KB_G * g < KB_G ? tn - KB_G * g : KB_G;
+        kq_block_amx_g(u, av, nsb, x, g, live, amin, y, ldy);
+    }
+    _tile_release();
+}
+
 void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_out, int k,
                   const mm_input *in, int t, int tn, float *y, size_t ldy, void *mem) {
     const int bytes = type == T_Q4_K ? 144 : type == T_Q5_K ? 176 : 210;
@@ -225,12 +376,20 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
     kq_room_parts(k, mem, &x);
     kq_lay_inputs(q6, in, t, tn, &x);
     for (int r = r0; r < n_out;) {
-        const int R = n_out - r < KB_R ? 1 : KB_R; /* the last rows one at a time */
+        /* AMX: KB_RA rows a tile; the register tiles: KB_R rows, the last rows one at a time */
+        const int amx = use_amx && n_out - r >= KB_RA;
+        const int R = amx ? KB_RA : n_out - r < KB_R ? 1 : KB_R;
         for (int i = 0; i < R; i++)
             kq_unpack_row(type, w + (size_t)(r + i) * row_bytes,
-                          r + i + KB_R < n_out ? w + (size_t)(r + i + KB_R) * row_bytes : NULL,
-                          bytes, nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
-        kq_block_rows(type, R, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+                          r + i + R < n_out ? w + (size_t)(r + i + R) * row_bytes : NULL, bytes,
+                          nsb, &x, x.u + (size_t)i * nsb, x.amin + (size_t)i * K_TILE);
+        if (amx) {
+            for (int i = 0; i < R; i++)
+                kq_amx_weights(q6, x.u + (size_t)i * nsb, nsb, x.av + (size_t)i * nsb * 512);
+            kq_block_amx(x.u, x.av, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+        } else {
+            kq_block_rows(type, R, x.u, nsb, &x, tn, x.amin, y + (size_t)t * ldy + r, ldy);
+        }
         r += R;
     }
 }

@@ -5,11 +5,33 @@
 #include "py_kernels.h"
 
 #if defined(FOUNDRY_X86)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* AMX's tiles usable by this process: cpuid says amx-tile and amx-int8 (leaf 7, edx bits 24
+ * and 25), and Linux grants the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA: once, for every thread of the process). Asked once, at import. */
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return 0;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+static int amx_ok;
+
 static void detect_x86(int simd) {
     use_avx2 = simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     use_vnni =
         use_avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     use_512 = use_vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    use_amx = use_512 && amx_ok;
 }
 #endif
 
@@ -17,7 +39,8 @@ static PyObject *py_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
 #if defined(FOUNDRY_X86)
-    return PyUnicode_FromString(use_512    ? "avx512-vnni"
+    return PyUnicode_FromString(use_amx    ? "avx512-vnni+amx"
+                                : use_512  ? "avx512-vnni"
                                 : use_vnni ? "avx2+vnni"
                                 : use_avx2 ? "avx2"
                                            : "portable");
@@ -40,11 +63,18 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
     } else if (strcmp(name, "avx2") == 0 || strcmp(name, "best") == 0) {
         detect_x86(1);
         if (!use_avx2) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX2 and F16C");
-        if (strcmp(name, "avx2") == 0) use_vnni = use_512 = 0;
+        if (strcmp(name, "avx2") == 0) use_vnni = use_512 = use_amx = 0;
     } else if (strcmp(name, "avx2+vnni") == 0) {
         detect_x86(1);
         if (!use_vnni) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX-512 VNNI");
-        use_512 = 0;
+        use_512 = use_amx = 0;
+    } else if (strcmp(name, "avx512-vnni") == 0) {
+        detect_x86(1);
+        if (!use_512) return PyErr_Format(PyExc_ValueError, "this CPU has no AVX-512 VNNI");
+        use_amx = 0;
+    } else if (strcmp(name, "avx512-vnni+amx") == 0) {
+        detect_x86(1);
+        if (!use_amx) return PyErr_Format(PyExc_ValueError, "AMX's int8 tiles are not usable here");
     } else {
         return PyErr_Format(PyExc_ValueError, "unknown kernel path %s", name);
     }
@@ -117,7 +147,8 @@ static PyMethodDef methods[] = {
      "one thread (default 65536; tests set 0 to split tiny ones)."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here."},
     {"use", py_use, METH_O,
-     "use(path): 'best' (the default), 'avx2' (without VNNI) or 'portable' C (tests)."},
+     "use(path): 'best' (the default), 'avx512-vnni' (without AMX), 'avx2+vnni', 'avx2' "
+     "(without VNNI) or 'portable' C (tests); 'avx512-vnni+amx' where AMX is usable."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -137,6 +168,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     kernels_init();
 #if defined(FOUNDRY_X86)
     __builtin_cpu_init();
+    amx_ok = amx_usable();
     detect_x86(1);
 #endif
     PyObject *m = PyModule_Create(&module);
