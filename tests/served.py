@@ -111,19 +111,23 @@ class Reference:
 
     def stops(self, tokens: Sequence[int], stop: Sequence[str]) -> bool:
         """Whether the leader's stream of ``tokens`` completes one of ``stop``."""
-        stream = TextStream(stop, self.tokenizer.stream_decoder())
-        return any(stream.push(t, final=i == len(tokens) - 1)[1] for i, t in enumerate(tokens))
+        return self._stream(tokens, stop)[1]
 
     def text(self, tokens: Sequence[int], stop: Sequence[str] = ()) -> str:
         """The text the leader streams for ``tokens`` (its stream decoder, its stop strings)."""
+        return self._stream(tokens, stop)[0]
+
+    def _stream(self, tokens: Sequence[int], stop: Sequence[str]) -> tuple[str, bool]:
+        """The leader's stream of ``tokens``: the text it sends, and whether a stop string
+        ended it."""
         stream = TextStream(stop, self.tokenizer.stream_decoder())
         out = []
         for i, t in enumerate(tokens):
             piece, hit = stream.push(t, final=i == len(tokens) - 1)
             out.append(piece)
             if hit:
-                break
-        return "".join(out)
+                return "".join(out), True
+        return "".join(out), False
 
 
 @dataclass

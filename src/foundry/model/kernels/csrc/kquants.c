@@ -336,9 +336,9 @@ int matmul_k(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, con
         }
         for (int t0 = 0; t0 < n; t0 += K_TILE) {
             const int tn = n - t0 < K_TILE ? n - t0 : K_TILE;
-            /* the block's groups of 16 inputs, the last a part one of KQ_BLOCK_MIN or more;
+            /* the block's groups of KB_G inputs, the last a part one of KQ_BLOCK_MIN or more;
              * the inputs from t1 on by the tiles below */
-            const int tb = tn % 16 >= KQ_BLOCK_MIN ? tn : tn & ~15;
+            const int tb = tn % KB_G >= KQ_BLOCK_MIN ? tn : tn - tn % KB_G;
             int t1 = t0;
             if (room != NULL && tb > 0) {
                 kq_block_512(type, w, row_bytes, r0, n_out, k, in, t0, tb, y, ldy, room);

@@ -15,8 +15,10 @@
 #define K_TILE 64
 
 #if defined(FOUNDRY_X86)
-/* Inputs from which the AVX-512 block (kquants_512.c) takes a part group of 16 (zeros in the
- * lanes past them): fewer pay more for the lanes they leave idle than the tiles do. */
+/* Inputs of a group of the AVX-512 block (kquants_512.c): one int32 lane each of a register. */
+#define KB_G 16
+/* Inputs from which the block takes a part group of KB_G (zeros in the lanes past them):
+ * fewer pay more for the lanes they leave idle than the tiles do. */
 #define KQ_BLOCK_MIN 6
 
 /* Bytes of room (64-aligned) that kq_block_512 takes for a product of k values a row. */

@@ -32,7 +32,6 @@
 #ifndef KB_R
 #define KB_R 6 /* rows of a register tile */
 #endif
-#define KB_G  16 /* inputs of a register tile: one int32 lane each */
 #define KB_RA 16 /* rows of an AMX tile (and the most rows unpacked at once) */
 
 /* One super-block of a row, unpacked (384 bytes). */
