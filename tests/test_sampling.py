@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +9,6 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from foundry.model.infer.sampling import (
-    PARALLEL_MIN_VOCAB,
     SamplingError,
     kept_tokens,
     logprobs,
@@ -21,6 +18,7 @@ from foundry.model.infer.sampling import (
     sample_rows,
     top_indices,
 )
+from foundry.model.kernels import quant
 
 logit_vectors = arrays(
     np.float32,
@@ -35,10 +33,11 @@ def test_greedy_takes_the_first_maximum() -> None:
     assert sample(np.array([-np.inf, -3.0, -np.inf]), temperature=0.0) == 1
 
 
-def test_rows_drawn_on_a_pool_give_each_rows_own_token_and_error() -> None:
-    """A batch's rows on threads: each the token ``sample`` gives it alone (its own rng), a
-    broken row its SamplingError in its place, the others unharmed; in float32 and float64."""
-    logits = 3 * np.random.default_rng(3).standard_normal((6, PARALLEL_MIN_VOCAB))
+def test_rows_drawn_together_give_each_rows_own_token_and_error() -> None:
+    """A step's rows in one call (on the kernels' threads): each the token ``sample`` gives it
+    alone (its own rng), a broken row its SamplingError in its place, the others unharmed; in
+    float32 and float64, at one thread and at four."""
+    logits = 3 * np.random.default_rng(3).standard_normal((6, 20_000))
     logits[4, 7] = np.nan
     settings_of = [
         (0.8, 1.0, 0),
@@ -53,21 +52,25 @@ def test_rows_drawn_on_a_pool_give_each_rows_own_token_and_error() -> None:
         return [str(x) if isinstance(x, SamplingError) else x for x in picks]
 
     for rows in (logits.astype(np.float32), logits):
-        draws = [
-            (row, t, p, make_rng(i), k)
-            for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True))
-        ]
         alone: list[int | str] = []
-        for row, t, p, rng, k in draws:
+        for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True)):
             try:
-                alone.append(sample(row, t, p, rng, k))
+                alone.append(sample(row, t, p, make_rng(i), k))
             except SamplingError as exc:
                 alone.append(str(exc))
-        draws = [(row, t, p, make_rng(i), k) for i, (row, t, p, _, k) in enumerate(draws)]
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            pooled = sample_rows(draws, pool)
-        assert text(pooled) == alone
-        assert isinstance(pooled[4], SamplingError) and "NaN" in str(pooled[4])
+        for threads in (1, 4):
+            quant.set_threads(threads)
+            try:
+                together = sample_rows(
+                    [
+                        (row, t, p, make_rng(i), k)
+                        for i, (row, (t, p, k)) in enumerate(zip(rows, settings_of, strict=True))
+                    ]
+                )
+            finally:
+                quant.set_threads(1)
+            assert text(together) == alone
+            assert isinstance(together[4], SamplingError) and "NaN" in str(together[4])
 
 
 def test_greedy_draws_nothing_from_the_rng() -> None:
@@ -257,3 +260,43 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
         logprobs(logits, 5)
     with pytest.raises(SamplingError, match="top_k"):
         sample(logits, 1.0, rng=make_rng(0), top_k=-1)
+
+
+C_PATHS = ["portable", "avx2", "best"]
+
+
+@pytest.mark.skipif(quant._kernels is None, reason="needs the C kernels")
+def test_the_c_draw_is_the_same_on_every_path_and_walks_the_kept_tokens_in_order() -> None:
+    """The C sampler (sample.c) directly, with chosen uniforms: u = 0 takes the first kept token
+    (the most probable, the lower id among equals) and u just under 1 the last kept one; every
+    u gives a token of the kept set; the portable C and the SIMD paths agree on every token."""
+    kernels = quant._kernels
+    assert kernels is not None
+    rng = np.random.default_rng(11)
+    # Few distinct values: ties everywhere; top_p values that put no cut on a rounding boundary.
+    rows = [rng.choice([-3.0, -1.0, 0.0, 0.5, 2.0], 700).astype(np.float32) for _ in range(4)]
+    rows[3][::3] = -np.inf
+    settings_of = [(0.7, 1.0, 0), (1.3, 0.61, 0), (1.0, 1.0, 25), (0.9, 0.83, 40), (2.0, 0.33, 0)]
+    us = [0.0, 0.25, 0.5, 0.75, 1.0 - 2.0**-53]
+    for row in rows:
+        for temperature, top_p, top_k in settings_of:
+            p = probabilities(row, temperature)
+            kept = reference_kept(p, top_p, top_k)
+            order = [t for t in reference_order(p) if t in kept]
+            picks = {}
+            for path in C_PATHS:
+                kernels.use(path)
+                try:
+                    args = np.array([[temperature, top_p, u, top_k] for u in us], np.float64)
+                    out = np.empty(len(us), np.int64)
+                    kernels.sample_rows([row] * len(us), args, out)
+                finally:
+                    kernels.use("best")
+                picks[path] = out.tolist()
+            assert picks["portable"] == picks["avx2"] == picks["best"]
+            got = picks["best"]
+            assert set(got) <= kept
+            if top_k or top_p < 1.0:  # a cut: walked most probable first
+                assert got[0] == order[0] and got[-1] == order[-1]
+            else:  # uncut: walked in id order over the nonzero tokens
+                assert got[0] == min(kept) and got[-1] == max(kept)

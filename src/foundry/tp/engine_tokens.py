@@ -38,9 +38,8 @@ class EngineTokens(EngineSessions):
             self.logits_hook(req.frame.request_id, rows)
 
     def _sample(self, reqs: list[Request], rows: list[F32]) -> None:
-        """Each request's next token from its row of ``rows`` (in order), then accepted in
-        order. Drawn one after another: ``sample_rows`` can draw wide rows on a pool of
-        threads, which bench/performance/sampling.py has not yet shown to pay (docs/tp.md)."""
+        """Each request's next token from its row of ``rows`` (in order; ``sample_rows``
+        draws the rows on the kernels' threads), then accepted in order."""
         picks = sample_rows(
             [
                 (

@@ -1,43 +1,45 @@
 """Choosing the next token from logits: greedy, temperature, top-k and nucleus (top-p)
 sampling, and the log-probabilities a client may ask for.
 
-No step sorts the whole row: vocabularies reach 262 144 tokens, and a sort of that row per
-token would cost more than the model's output head. Every step is O(V) (one softmax, one
-``argpartition`` or one bucketing pass) plus a sort of the tokens kept:
+The draw is the C kernels' (``kernels/csrc/sample.c`` defines it): the rows of a step in one
+call, a row a task on the kernels' thread pool, so a batch of 262,144-token rows (Gemma 3's
+vocabulary) is drawn on every core the process was given, not one row after another in
+Python. No step sorts the whole row; each is O(V) passes plus a sort of the tokens kept:
 
-- top-k: ``argpartition`` finds the k most probable tokens;
-- top-p: the smallest set of most probable tokens whose probability reaches ``top_p`` is
-  found by bucketing the row by binary exponent (one pass), taking the most probable buckets
-  until their mass reaches ``top_p``, and sorting only the tokens in them (``_nucleus``);
+- probabilities: e = exp((z - max) / temperature) in float32 (``exp_f``: the same bits on
+  every machine), their sums in float64 in a fixed order;
+- top-k: a heap of the k most probable;
+- top-p: the smallest set of most probable tokens whose probability reaches ``top_p``, found
+  by bucketing the row by binary exponent (one pass), taking the most probable buckets until
+  their mass reaches ``top_p``, and sorting only the tokens in them;
 - neither: the whole row is kept, in token-id order (no order is needed to draw from it).
 
-Deterministic for a seed: :func:`sample` draws exactly one uniform number from the generator
-per sampled token (none when greedy), and turns it into a token by inverting the cumulative
-distribution over the kept tokens in a fixed order: probability descending, ties by token id,
-when the row was cut (top-k or top-p), token id when it was not. Ties at the cut are broken by
-token id too (the lower id is kept), so the kept set does not depend on how ``argpartition``
-orders equal values. Two processes with the same logits and the same seed therefore produce
-the same tokens, which is what lets a TP pair or a replayed session agree on a generation.
+Deterministic for a seed: :func:`sample_rows` draws exactly one uniform number from each
+row's generator per sampled token (none when greedy), and turns it into a token by inverting
+the cumulative distribution over the kept tokens in a fixed order: probability descending,
+ties by token id, when the row was cut (top-k or top-p), token id when it was not. Ties at the
+cut are broken by token id too (the lower id is kept). Every float operation is fixed, so two
+processes with the same logits and the same seed produce the same tokens on any machine and
+thread count, which is what lets the tensor-parallel ranks or a replayed session agree on a
+generation. A build without the C kernels draws the same distribution in numpy
+(``probabilities``, ``kept_tokens``: float64, ``argpartition``), in other roundings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from foundry.model.kernels.quant import _kernels
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
 # OpenAI's API allows 0..20 alternatives per position (top_logprobs).
 MAX_TOP_LOGPROBS = 20
-# Rows at least this wide are drawn on a pool's threads by ``sample_rows`` (numpy lets go of
-# the GIL inside each pass over a row): a 262,144-token row takes milliseconds, a byte
-# vocabulary's a few microseconds, less than handing it to a thread.
-PARALLEL_MIN_VOCAB = 16384
 
 
 class SamplingError(ValueError):
@@ -62,22 +64,13 @@ def probabilities(logits: npt.ArrayLike, temperature: float, top: float | None =
     return p
 
 
-def _check(logits: npt.NDArray[np.floating], temperature: float, top_p: float, top_k: int) -> float:
-    """The largest logit, once the settings and the row are known to give a token."""
-    if logits.ndim != 1 or logits.size == 0:
-        raise SamplingError(f"logits must be a non-empty vector, got shape {logits.shape}")
+def _check_settings(temperature: float, top_p: float, top_k: int) -> None:
     if not temperature >= 0.0:
         raise SamplingError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise SamplingError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise SamplingError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
-    top = float(logits.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
-    if top != top or top == np.inf:
-        raise SamplingError("logits contain NaN or +inf; the model output is broken")
-    if top == -np.inf:
-        raise SamplingError("every logit is -inf; no token can be sampled")
-    return top
 
 
 def top_indices(values: F64, m: int) -> I64:
@@ -127,7 +120,8 @@ def _nucleus(p: F64, top_p: float) -> I64:
     bucket = (1 - exponent).astype(np.intp)  # 0: p == 1, then halving ranges
     bucket[p == 0] = bucket.max() + 1  # zero probabilities are never candidates
     mass = np.cumsum(np.bincount(bucket, weights=p))  # (B,) mass of buckets 0..b
-    last = int(np.searchsorted(mass, top_p, side="left"))
+    # At most the last bucket: rounding may leave the whole row's mass just under top_p.
+    last = min(int(np.searchsorted(mass, top_p, side="left")), mass.size - 1)
     for b in range(last, mass.size):
         cand = np.flatnonzero((bucket <= b) & (p > 0))
         idx = cand[np.lexsort((cand, -p[cand]))]  # probability descending, ties by id
@@ -156,42 +150,80 @@ def sample(
     most probable (0: all), then to the smallest set of most probable tokens whose probability
     sums to at least ``top_p`` of what is left (never empty).
     """
-    z = np.asarray(logits)
-    if z.dtype != np.float32:  # float32 rows (the engines') are compared and ranked as they
-        z = z.astype(np.float64)  # are: float64 holds each exactly, in the same order
-    top = _check(z, temperature, top_p, top_k)
+    pick = sample_rows([(np.asarray(logits), temperature, top_p, rng, top_k)])[0]
+    if isinstance(pick, SamplingError):
+        raise pick
+    return pick
+
+
+# One row's draw: (logits, temperature, top_p, rng, top_k), ``sample``'s arguments.
+Draw = tuple[npt.NDArray[np.floating], float, float, np.random.Generator | None, int]
+
+# What the kernels' sampler returns for a row that cannot give a token.
+_ROW_ERRORS = {
+    -1: "logits contain NaN or +inf; the model output is broken",
+    -2: "every logit is -inf; no token can be sampled",
+}
+
+
+def sample_rows(draws: Sequence[Draw]) -> list[int | SamplingError]:
+    """``sample`` of each draw, in order: its token, or the SamplingError it raised.
+
+    With the C kernels, the rows of one width are one call: a row a task on the kernels'
+    thread pool (``sample.c``, the GIL let go), each row's token the same whatever the thread
+    count or the rows beside it. Each sampled row draws its one uniform from its own ``rng``
+    first, in order. Without them (a build without a C compiler), the numpy code above draws
+    the same distribution row by row, in other roundings.
+    """
+    picks: list[int | SamplingError] = [SamplingError("not drawn")] * len(draws)
+    ready: dict[int, list[tuple[int, npt.NDArray[np.float32], tuple[float, float, float, int]]]]
+    ready = {}
+    for i, (logits, temperature, top_p, rng, top_k) in enumerate(draws):
+        try:
+            _check_settings(temperature, top_p, top_k)
+            row = np.ascontiguousarray(logits, dtype=np.float32)
+            if row.ndim != 1 or row.size == 0:
+                raise SamplingError(f"logits must be a non-empty vector, got shape {row.shape}")
+            if temperature > 0.0 and rng is None:
+                raise SamplingError("sampling with temperature > 0 needs an rng (see make_rng)")
+        except SamplingError as exc:
+            picks[i] = exc
+            continue
+        u = rng.random() if rng is not None and temperature > 0.0 else 0.0
+        ready.setdefault(row.size, []).append((i, row, (temperature, top_p, u, top_k)))
+    for rows in ready.values():
+        if _kernels is None:
+            for i, row, (temperature, top_p, u, top_k) in rows:
+                picks[i] = _draw_numpy(row, temperature, top_p, u, top_k)
+            continue
+        settings = np.array([a for _, _, a in rows], dtype=np.float64)  # (R, 4)
+        out = np.empty(len(rows), dtype=np.int64)
+        _kernels.sample_rows([row for _, row, _ in rows], settings, out)
+        for (i, _, _), token in zip(rows, out.tolist(), strict=True):
+            if token == -3:
+                raise MemoryError("no memory for a row's probabilities while sampling")
+            picks[i] = SamplingError(_ROW_ERRORS[token]) if token < 0 else token
+    return picks
+
+
+def _draw_numpy(
+    row: npt.NDArray[np.float32], temperature: float, top_p: float, u: float, top_k: int
+) -> int | SamplingError:
+    """One row's token by numpy (no C kernels), ``u`` its uniform."""
+    top = float(row.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
+    if top != top or top == np.inf:
+        return SamplingError(_ROW_ERRORS[-1])
+    if top == -np.inf:
+        return SamplingError(_ROW_ERRORS[-2])
     if temperature == 0.0:
-        return int(np.argmax(z))
-    if rng is None:
-        raise SamplingError("sampling with temperature > 0 needs an rng (see make_rng)")
-    p = probabilities(z, temperature, top)  # (V,)
+        return int(np.argmax(row))
+    p = probabilities(row, temperature, top)  # (V,)
     kept = kept_tokens(p, top_p, top_k)  # (K,)
     # Uncut (kept_tokens' whole row, in token-id order): p itself, no gather.
     whole = top_p >= 1.0 and kept.size == p.size
     cum = np.cumsum(p if whole else p[kept])  # (K,)
-    u = rng.random() * cum[-1]
-    pick = min(int(np.searchsorted(cum, u, side="right")), kept.size - 1)
+    pick = min(int(np.searchsorted(cum, u * cum[-1], side="right")), kept.size - 1)
     return pick if whole else int(kept[pick])
-
-
-# One row's draw: (logits, temperature, top_p, rng, top_k), ``sample``'s arguments.
-Draw = tuple[npt.NDArray[np.float32], float, float, np.random.Generator | None, int]
-
-
-def sample_rows(draws: Sequence[Draw], pool: Executor | None = None) -> list[int | SamplingError]:
-    """``sample`` of each draw, in order: its token, or the SamplingError it raised. With a
-    ``pool``, rows of at least ``PARALLEL_MIN_VOCAB`` tokens run on its threads; each row's
-    token is the same as alone (each draw has its own rng, the tokens of different requests)."""
-
-    def one(draw: Draw) -> int | SamplingError:
-        try:
-            return sample(*draw)
-        except SamplingError as exc:
-            return exc
-
-    if pool is None or len(draws) < 2 or draws[0][0].size < PARALLEL_MIN_VOCAB:
-        return [one(d) for d in draws]
-    return list(pool.map(one, draws))
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@
  * share), kquants.c (Q4_K, Q5_K, Q6_K), kquants_512.c (their AVX-512 and AMX prefill block),
  * kquants.h (what those two share), attention.c (one row's attention), attention_pool.c (rows and
  * heads of it on the pool), decode.c (the decode step's other operations), step.c (the one-token
- * step), pool.c (the threads), and the Python interface: module.c (the module, the instruction set,
- * the threads), py_ops.c (the products and the decode operations), py_step.c (the one-token step),
- * py_kernels.h (what they share). This header holds what they all share: the SIMD helpers and the
+ * step), pool.c (the threads), sample.c (the next token from rows of logits), and the Python
+ * interface: module.c (the module, the instruction set, the threads), py_ops.c (the products and
+ * the decode operations), py_step.c (the one-token step), py_sample.c (sampling), py_kernels.h
+ * (what they share). This header holds what they all share: the SIMD helpers and the
  * dispatch (use_avx2 ..., matmul).
  */
 
@@ -548,6 +549,17 @@ int step_ffn(const step_layer *l, int j, const float *h, float *out,
              float *room); /* dense or routed */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room);
+
+/* sample.c: the next token of rows of logits (sampling.py's definition) */
+typedef struct {
+    double temperature, top_p, u; /* u: the draw's uniform in [0, 1), unused when greedy */
+    int64_t top_k;                /* 0: no limit */
+} sample_args;
+
+enum { SAMPLE_BROKEN = -1, SAMPLE_ALL_MASKED = -2, SAMPLE_NO_MEMORY = -3 };
+
+int64_t sample_row(const float *z, int64_t v, const sample_args *a); /* a token, or SAMPLE_* */
+void sample_rows(const float *const *z, int rows, int64_t v, const sample_args *args, int64_t *out);
 
 #pragma GCC visibility pop
 #endif

@@ -173,7 +173,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddFunctions(m, ops_methods) < 0 || PyModule_AddFunctions(m, step_methods) < 0) {
+    if (PyModule_AddFunctions(m, ops_methods) < 0 || PyModule_AddFunctions(m, step_methods) < 0 ||
+        PyModule_AddFunctions(m, sample_methods) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,5 @@
-/* What the Python interface's files share (module.c, py_ops.c, py_step.c): each family of
- * bindings is its own method table, added to the module by PyInit__kernels (module.c). */
+/* What the Python interface's files share (module.c, py_ops.c, py_step.c, py_sample.c): each family
+ * of bindings is its own method table, added to the module by PyInit__kernels (module.c). */
 
 #ifndef FOUNDRY_PY_KERNELS_H
 #define FOUNDRY_PY_KERNELS_H
@@ -9,8 +9,9 @@
 
 #include "kernels.h"
 
-extern PyMethodDef ops_methods[];  /* py_ops.c: the products and the decode operations */
-extern PyMethodDef step_methods[]; /* py_step.c: the one-token step */
+extern PyMethodDef ops_methods[];    /* py_ops.c: the products and the decode operations */
+extern PyMethodDef step_methods[];   /* py_step.c: the one-token step */
+extern PyMethodDef sample_methods[]; /* py_sample.c: the next token of rows of logits */
 
 /* A buffer of one call of the decode operations below: it must hold exactly `need` bytes. */
 static inline int fits(const char *what, const Py_buffer *b, Py_ssize_t need) {
