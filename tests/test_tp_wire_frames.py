@@ -185,6 +185,33 @@ def test_logits_array_view() -> None:
     np.testing.assert_array_equal(frame.array(), half)
 
 
+def test_a_payload_received_into_its_room_is_the_frame_fed() -> None:
+    """A reader may receive a payload straight into the decoder's buffer (``room``, then
+    ``filled``): the frame is the one ``feed`` gives, the next frame follows, and claiming
+    more bytes than the room holds is refused."""
+    half = np.arange(300_000, dtype=np.float32)  # 1.2 MB: a payload in a buffer of its own
+    stream = encode(Logits.from_array(half, seq=4)) + encode(Stop())
+    decoder = TpDecoder(max_payload=1 << 22)
+    assert decoder.room() is None  # between frames
+    decoder.feed(stream[:100])  # the header and the payload's first bytes
+    pos = 100
+    while (room := decoder.room()) is not None:
+        n = min(len(room), 70_001)
+        room[:n] = stream[pos : pos + n]
+        decoder.filled(n)
+        pos += n
+    decoder.feed(stream[pos:])
+    frame = decoder.next_event()
+    assert isinstance(frame, Logits) and frame.seq == 4
+    np.testing.assert_array_equal(frame.array(), half)
+    assert decoder.next_event() == Stop()
+    decoder.feed(stream[:40])
+    room = decoder.room()
+    assert room is not None
+    with pytest.raises(ValueError, match="left"):
+        decoder.filled(len(room) + 1)
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

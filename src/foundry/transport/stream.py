@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from foundry.wire.framing import FrameDecoder
+
 __all__ = [
     "JOIN_BELOW",
     "LINK_DEAD_AFTER_S",
@@ -401,7 +403,10 @@ class BlockingStream(Generic[E]):
                 timeout = min(timeout, left)
             self._settimeout(timeout)
             try:
-                data = self.sock.recv(READ_CHUNK)
+                got = self._recv_into_payload()
+                if got:
+                    continue
+                data = self.sock.recv(READ_CHUNK) if got is None else b""
             except TimeoutError:
                 if begun is not None and time.monotonic() - begun >= self.frame_deadline_s:
                     raise self._frame_late(waiting_for) from None
@@ -423,6 +428,22 @@ class BlockingStream(Generic[E]):
                 )
             self.bytes_received += len(data)
             self.decoder.feed(data)
+
+    def _recv_into_payload(self) -> int | None:
+        """The next bytes of a large payload received straight into its buffer (the bytes
+        received, 0 when the peer closed): a LOGITS block or a tensor is written once, where
+        it stays, not read in chunks and copied. None when no such payload is arriving."""
+        decoder = self.decoder
+        if not isinstance(decoder, FrameDecoder):
+            return None
+        room = decoder.room()
+        if room is None or len(room) < READ_CHUNK:
+            return None
+        n = self.sock.recv_into(room)
+        if n:
+            self.bytes_received += n
+            decoder.filled(n)
+        return n
 
     def _frame_late(self, waiting_for: str) -> LinkError:
         return LinkError(

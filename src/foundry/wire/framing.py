@@ -163,16 +163,40 @@ class FrameDecoder(ABC, Generic[E]):
                     self._filled += take
                     pos += take
                 if self._in_payload and self._filled == self._length:
-                    payload = self._payload.toreadonly()
-                    self._head, self._in_payload = bytearray(), False
-                    self._payload, self._filled = NO_PAYLOAD, 0
-                    self.unreserve(self._taken)
-                    self._taken = 0
-                    if (event := self._finish(payload)) is not None:
-                        self._ready.append(event)
+                    self._complete()
         except RemoteProtocolError as exc:
             self._error = exc
             self.release()
+
+    def room(self) -> memoryview | None:
+        """The part of the payload now arriving that is not filled yet, for a reader to
+        receive straight into (then ``filled``): a large payload is written once, where it
+        stays, instead of in chunks copied from the reader's buffers. None between payloads
+        or after bad input."""
+        if self._error is not None or not self._in_payload:
+            return None
+        return self._payload[self._filled : self._length]
+
+    def filled(self, n: int) -> None:
+        """``n`` bytes were received into ``room()``."""
+        if not self._in_payload or not 0 <= n <= self._length - self._filled:
+            raise ValueError(f"filled({n}): the payload has {self._length - self._filled} left")
+        self._filled += n
+        if self._filled == self._length:
+            try:
+                self._complete()
+            except RemoteProtocolError as exc:
+                self._error = exc
+                self.release()
+
+    def _complete(self) -> None:
+        payload = self._payload.toreadonly()
+        self._head, self._in_payload = bytearray(), False
+        self._payload, self._filled = NO_PAYLOAD, 0
+        self.unreserve(self._taken)
+        self._taken = 0
+        if (event := self._finish(payload)) is not None:
+            self._ready.append(event)
 
     def reserve(self, n: int, what: str) -> int:
         """Take ``n`` bytes of the budget for a buffer about to be made (0 when the buffer
