@@ -2,9 +2,13 @@
  *
  * Theory of operation. One pool per process, of pool_threads() threads: the caller of
  * pool_run and pool_threads() - 1 workers started once (pool_set_threads, from the engine's
- * thread count). A call publishes its task list and bumps the generation; every thread then
- * takes task numbers from one shared counter until none is left, and the caller returns when
- * every worker has reported the generation done. Between calls a worker spins on the
+ * thread count). A call publishes its task list in a new ticket (generation, task count, next
+ * task number: one 64-bit atomic); every thread then takes task numbers from the ticket until
+ * none is left, and the caller returns when every task is done. A worker that comes late (its
+ * core taken by another thread or the hypervisor, or woken after the others took every task)
+ * finds none left and is not waited for: a call costs the tasks' time, not the slowest
+ * thread's wake-up, which on a host with as many busy threads as cores cost a small file's
+ * decode 5x at 16 threads. Between calls a worker spins on the
  * generation for SPIN_NS (a decode step's products come microseconds apart, and a futex wake
  * costs tens of them), yielding its core every 256 polls to any thread that waits for one,
  * then sleeps on a condition variable until the next call.
@@ -15,10 +19,14 @@
  * how many threads share the tasks, changes no bit. Only the split into tasks is fixed by the
  * shape; the order in which threads take them is not, and need not be.
  *
- * Memory ordering: the caller writes the task list, then increments `generation` with release
- * order; a worker that reads the new generation with acquire order sees the list. Each thread's
- * writes to its outputs happen before its release increment of `finished`, which the caller
- * reads with acquire order before returning, so the outputs are visible to the caller.
+ * Memory ordering: the caller writes the task list, then stores the new ticket with release
+ * order; a thread whose fetch-and-add on the ticket reads that generation (acquire) sees the
+ * list, which stays until the call returns, and the call does not return before every task of
+ * it is done. A fetch-and-add that lands on a later call's ticket takes that call's task, with
+ * that call's list. Each task's writes to its outputs happen before its release increment of
+ * `done`, which the caller reads with acquire order before returning, so the outputs are
+ * visible to the caller. The task number field never overflows: each thread overshoots the
+ * task count at most once a call (MAX_TASKS leaves room for every thread).
  *
  * One call at a time: a second caller (another Python thread, or a task that calls a product)
  * finds the pool busy and runs its tasks alone, in the same split: the same bits.
@@ -45,20 +53,25 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Each counter on a cache line of its own: the workers poll `generation` while the tasks take
- * numbers from `next` and report to `finished`; sharing a line, every task's write would take
- * the line from every polling core. */
+/* Each counter on a cache line of its own: the workers poll the ticket's generation while the
+ * tasks take numbers from it and report to `done`; sharing a line, every task's write would
+ * take the line from every polling core. */
 #define LINE 64
+/* The ticket's fields: generation (bits 40-63), the call's task count (20-39), the next task
+ * number (0-19). */
+#define GEN_SHIFT   40
+#define COUNT_SHIFT 20
+#define FIELD_MASK  ((1u << COUNT_SHIFT) - 1)
+#define MAX_TASKS   ((int)FIELD_MASK - MAX_THREADS) /* more run on the caller alone */
+
 static struct {
-    _Alignas(LINE) atomic_uint generation;
-    _Alignas(LINE) atomic_int next;     /* the next task number to take */
-    _Alignas(LINE) atomic_int finished; /* workers done with the current generation */
+    _Alignas(LINE) _Atomic uint64_t ticket;
+    _Alignas(LINE) atomic_int done; /* tasks of the current call finished */
     _Alignas(LINE) atomic_int failed;
     atomic_int busy; /* a call in progress */
     atomic_int stop;
     pool_task task;
     void *ctx;
-    int n_tasks;
     int n_threads;        /* workers + the caller */
     pthread_mutex_t lock; /* guards sleeping workers' wait and the wake-up */
     pthread_cond_t wake;
@@ -80,26 +93,32 @@ static long now_ns(void) {
     return (long)t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Tasks taken from the shared counter until none is left. */
-static void take_tasks(void) {
+static inline uint64_t generation(void) {
+    return atomic_load_explicit(&pool.ticket, memory_order_acquire) >> GEN_SHIFT;
+}
+
+/* Tasks taken from the ticket until none is left; *gen: the generation last drawn from. */
+static void take_tasks(uint64_t *gen) {
     for (;;) {
-        const int i = atomic_fetch_add_explicit(&pool.next, 1, memory_order_relaxed);
-        if (i >= pool.n_tasks) return;
-        if (pool.task(pool.ctx, i) < 0)
+        const uint64_t t = atomic_fetch_add_explicit(&pool.ticket, 1, memory_order_acq_rel);
+        *gen = t >> GEN_SHIFT;
+        if ((int)(t & FIELD_MASK) >= (int)((t >> COUNT_SHIFT) & FIELD_MASK)) return;
+        if (pool.task(pool.ctx, (int)(t & FIELD_MASK)) < 0)
             atomic_store_explicit(&pool.failed, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
     }
 }
 
 static void *worker(void *arg) {
     /* the generation when it was started (not read here: a call may already have begun) */
-    unsigned seen = (unsigned)(uintptr_t)arg;
+    uint64_t seen = (uint64_t)(uintptr_t)arg;
     for (;;) {
-        unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        uint64_t g = generation();
         if (g == seen && !atomic_load_explicit(&pool.stop, memory_order_acquire)) {
             const long until = now_ns() + SPIN_NS;
             for (int spins = 0; g == seen; spins++) {
                 cpu_relax();
-                g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+                g = generation();
                 if (atomic_load_explicit(&pool.stop, memory_order_acquire)) break;
                 if ((spins & 255) != 255) continue;
                 /* a thread of this process that lost its core to a spinning worker (the engine
@@ -109,8 +128,7 @@ static void *worker(void *arg) {
                 sched_yield();
                 if (now_ns() > until) {
                     pthread_mutex_lock(&pool.lock);
-                    while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) ==
-                               seen &&
+                    while ((g = generation()) == seen &&
                            !atomic_load_explicit(&pool.stop, memory_order_acquire))
                         pthread_cond_wait(&pool.wake, &pool.lock);
                     pthread_mutex_unlock(&pool.lock);
@@ -119,9 +137,7 @@ static void *worker(void *arg) {
             }
         }
         if (atomic_load_explicit(&pool.stop, memory_order_acquire)) return NULL;
-        seen = g;
-        take_tasks();
-        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+        take_tasks(&seen);
     }
 }
 
@@ -150,7 +166,7 @@ int pool_set_threads(int n) {
     int rc = 0;
     if (n != pool.n_threads) {
         stop_workers();
-        const unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        const uint64_t g = generation();
         for (int i = 0; i < n - 1; i++) {
             if (pthread_create(&pool.threads[i], NULL, worker, (void *)(uintptr_t)g) != 0) {
                 rc = -1;
@@ -165,7 +181,7 @@ int pool_set_threads(int n) {
 
 int pool_run(pool_task task, void *ctx, int n_tasks) {
     int expected = 0;
-    if (pool.n_threads == 1 || n_tasks < 2 ||
+    if (pool.n_threads == 1 || n_tasks < 2 || n_tasks > MAX_TASKS ||
         !atomic_compare_exchange_strong(&pool.busy, &expected, 1)) {
         for (int i = 0; i < n_tasks; i++) /* alone: the same tasks, in order */
             if (task(ctx, i) < 0) return -1;
@@ -174,21 +190,20 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
     PROF_START(t0);
     pool.task = task;
     pool.ctx = ctx;
-    pool.n_tasks = n_tasks;
-    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
     atomic_store_explicit(&pool.failed, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
-    const int workers = pool.n_threads - 1;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    const uint64_t gen = (generation() + 1) & ((1u << (64 - GEN_SHIFT)) - 1);
     pthread_mutex_lock(&pool.lock); /* a sleeping worker waits under the lock: none is missed */
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    atomic_store_explicit(&pool.ticket, gen << GEN_SHIFT | (uint64_t)n_tasks << COUNT_SHIFT,
+                          memory_order_release);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    take_tasks();
+    uint64_t drawn;
+    take_tasks(&drawn);
     PROF_START(t1);
-    /* the workers still at their last tasks (or not yet woken: on a machine with more
-     * runnable threads than cores, give them the core now and then) */
-    for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < workers;
-         spins++) {
+    /* the tasks other threads still run (on a machine with more runnable threads than cores,
+     * give them the core now and then) */
+    for (int spins = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < n_tasks; spins++) {
         cpu_relax();
         if ((spins & 1023) == 0) sched_yield();
     }
