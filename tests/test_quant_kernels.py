@@ -11,13 +11,14 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 import pytest
-from quant_weights import F32, KQUANTS, QUANTIZABLE, stored
+from quant_weights import F32, KQUANTS, QUANTIZABLE, random_blocks, stored
 
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.kernels.types import TYPES
 
 INT8_PATH = (QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q4_1, QType.Q5_1)  # int8 blocks of 32
+Q32 = (QType.Q8_0, QType.Q4_0, QType.Q5_0)  # one exact int32 sum a block
 
 
 def int8_blocks(x: F32, block: int = 32) -> tuple[F32, F32]:
@@ -142,16 +143,18 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
     assert all(np.array_equal(r, results[0]) for r in results[1:])
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize(("qtype", "k"), [(t, 768) for t in KQUANTS] + [(t, 736) for t in Q32])
 @pytest.mark.parametrize("rows", [5, 16, 17, 33])
-def test_k_quant_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType, rows: int) -> None:
-    """Blocks of 5, 16, 17, 32, 33 and 75 inputs by rows of 3 super-blocks: whole and part
-    groups of 16 inputs (AVX-512 VNNI: zeros in a part group's other lanes), a whole tile of 64
+def test_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType, k: int, rows: int) -> None:
+    """Blocks of 5, 16, 17, 32, 33 and 75 inputs by rows of 3 super-blocks (the K-quants) or
+    23 blocks of 32 (Q8_0, Q4_0, Q5_0: not a whole number of four): whole and part groups of 16
+    inputs (AVX-512 VNNI: the K-quants with zeros in a part group's other lanes; the 32-blocks
+    take whole groups, the rest of the inputs the small tiles and the rows), a whole tile of 64
     inputs and one of 11, 5 inputs (fewer than a block unpacks its rows for); 5 rows (the last
     rows alone), 16 (one AMX tile of rows), 17 and 33 (tiles of 16 and rows left over)."""
     rng = np.random.default_rng(9)
-    w = stored(rng.standard_normal((rows, 768), dtype=np.float32), qtype)
-    x = rng.standard_normal((75, 768), dtype=np.float32)
+    w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
+    x = rng.standard_normal((75, k), dtype=np.float32)
     assert quant._kernels is not None
     results = []
     try:
@@ -368,6 +371,57 @@ def test_k_quant_products_equal_the_definition_where_l_rounds(qtype: QType) -> N
         for path in ["best", *SIMD_PATHS, "portable"]:
             quant._kernels.use(path)
             for n in (1, 16, 17, 33, 75):
+                np.testing.assert_array_equal(quant.linear(x[:n], w), want[:n], err_msg=path)
+    finally:
+        quant._kernels.use("best")
+
+
+def q32_ints(w: QTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0, Q4_0 or Q5_0 tensor's integers as the products take them (rows, blocks, 32):
+    Q8_0 its int8, Q4_0 the nibble - 8, Q5_0 the five bits - 16; and d as float32."""
+    rows, nb = w.shape[0], w.shape[1] // 32
+    blk = w.data.reshape(rows, nb, -1)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if w.qtype == QType.Q8_0:
+        return blk[..., 2:34].view(np.int8).astype(np.int64), d
+    if w.qtype == QType.Q4_0:
+        qs = blk[..., 2:18].astype(np.int64)
+        return np.concatenate([qs & 15, qs >> 4], -1) - 8, d
+    qh = blk[..., 2:6].copy().view(np.uint32).astype(np.int64)  # (rows, nb, 1): bit v, value v
+    qs = blk[..., 6:22].astype(np.int64)
+    return (np.concatenate([qs & 15, qs >> 4], -1) | ((qh >> np.arange(32)) & 1) << 4) - 16, d
+
+
+def q32_definition(x: F32, w: QTensor) -> F32:
+    """The Q8_0, Q4_0, Q5_0 product as kernels.h defines it, in numpy float32: per block the
+    exact sum S_b of the int8 products, then acc = acc + (d_w * d_x) * float(S_b), block after
+    block."""
+    q, dw = q32_ints(w)
+    xq, xd = int8_blocks(x)
+    dx = xd[..., 0].astype(np.float16).astype(np.float32)  # ggml's Q8_0 keeps it as float16
+    S = np.einsum("rbv,tbv->trb", q, xq.astype(np.int64))  # (n, rows, blocks), exact
+    assert np.abs(S).max() < 2**24  # float(S) exact
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for b in range(q.shape[1]):  # every (input, row) at once, block by block
+        out = out + (dw[None, :, b] * dx[:, b, None]) * S[:, :, b].astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("qtype", Q32)
+@pytest.mark.parametrize(("rows", "k"), [(17, 736), (33, 1024)])
+def test_32_block_products_equal_the_definition(qtype: QType, rows: int, k: int) -> None:
+    """Random blocks (every stored value, Q8_0's -128 too) by rows of 23 and 32 blocks: every
+    path, decode and blocks of 4, 16, 17, 33 and 75 inputs, equals the definition in numpy bit
+    for bit (and so each other)."""
+    rng = np.random.default_rng(13)
+    w = random_blocks(qtype, rows, k, seed=14)
+    x = rng.standard_normal((75, k), dtype=np.float32)
+    want = q32_definition(x, w)
+    assert quant._kernels is not None
+    try:
+        for path in ["best", *SIMD_PATHS, "portable"]:
+            quant._kernels.use(path)
+            for n in (1, 4, 16, 17, 33, 75):
                 np.testing.assert_array_equal(quant.linear(x[:n], w), want[:n], err_msg=path)
     finally:
         quant._kernels.use("best")

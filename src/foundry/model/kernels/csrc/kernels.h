@@ -13,14 +13,16 @@
  *
  * - Q8_0, Q4_0 and Q5_0 (the bandwidth-bound cases): x is quantized once per call to int8 blocks of
  *   32 as llama.cpp's x86 build does (q = round(x * (127 / max|x|)) to nearest even, d =
- *   max|x| / 127 kept as float16: q32.c's quantize_block32). A block's
- *   products are summed exactly in eight int32 lanes, lane j holding values 4j .. 4j + 3 (what
- *   AVX2's maddubs + madd, AVX-512 VNNI's dpbusd and NEON's sdot all give); the block then
- *   adds (d_w * d_x) * lane_j into float accumulator 8 (block mod 2) + j of sixteen, finished
- *   by halving like the float path. Q4_0 folds a block's eight lanes to four first (lane j +
- *   lane j + 4: values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j, still exact) and adds
- *   (d_w * d_x) * lane_j into accumulator 4 (block mod 4) + j: half the float work per block,
- *   which is most of Q4_0's time (its AVX-512 kernel takes four blocks per register).
+ *   max|x| / 127 kept as float16: q32.c's quantize_block32). A block's products (weights as
+ *   int8: Q8_0 its values, Q4_0 the nibble - 8, Q5_0 the five bits - 16) are summed exactly into
+ *   ONE int32 S_b (|S_b| <= 32 x 128 x 127 < 2^24, so (float)S_b is exact too); then, block
+ *   after block, acc = acc + (d_w * d_x) * (float)S_b, the result acc (q32.h's add_blocks):
+ *   ggml's scalar reference for Q8_0 and Q5_0 (sumf += sumi * (d_w * d_y)) where its compiler
+ *   does not fuse the multiply-add; for Q4_0 ggml multiplies sumi * d_w first, then * d_y,
+ *   which rounds differently (docs/quantization.md). The integer sums are exact in any order, so
+ *   each path sums the lanes of its instructions (AVX2's maddubs + madd, VNNI's dpbusd, NEON's
+ *   sdot) by a tree as suits it, several blocks, rows or inputs at once, and then runs each
+ *   output's float steps in block order, several outputs a register.
  * - Q4_K, Q5_K and Q6_K: x is quantized once per call to int8 blocks of 256 (one float32 scale
  *   per super-block, as ggml's Q8_K: quantize_block256). A super-block's products (weights as
  *   int8: Q4_K 0..15, Q5_K 0..31, Q6_K q - 32), each sub-block's (Q4_K, Q5_K 32 values, Q6_K 16)
@@ -31,10 +33,11 @@
  *   sums are exact in any order, so each path sums them as suits it (the prompt's block 16
  *   inputs a register, one vpdpbusd per 64 products); (float)L may round, the same on all.
  * - Q4_1 and Q5_1 (a minimum per block): x as ggml's Q8_1: as for Q8_0, with s_b = S_b * d (S_b
- *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; the
- *   unsigned values (0..15, 0..31) give the same eight exact lanes, added as (d_w * d_x) * lane_j
- *   into accumulator 8 (block mod 2) + j of sixteen, and m_w * s_b into one more float,
- *   added after the halving (dot_q1_portable).
+ *   the exact sum of the block's int8 values, d its float32 scale) kept as float16; a block's
+ *   products (unsigned values 0..15, 0..31) summed exactly in eight int32 lanes, lane j holding
+ *   values 4j .. 4j + 3 (idot_lanes), added as (d_w * d_x) * lane_j into float accumulator
+ *   8 (block mod 2) + j of sixteen, finished by halving like the float path, and m_w * s_b
+ *   into one more float, added after the halving (dot_q1_portable).
  * - F16: the weight row is turned into float32 (exact), then multiplied with x in float32:
  *   element i adds w * x into lane (i mod 32) of 32 accumulators, finished by halving
  *   (lane j += lane j + 16, then + 8, + 4, + 2, + 1).
@@ -48,21 +51,24 @@
  * tile), the rows' unpacked chunks shared by several inputs in registers (the K-quants: four
  * on AVX2; on AVX-512 VNNI each row unpacked once per tile, 6 rows by 16 inputs a register
  * tile; with AMX 16 rows by 16 inputs a tile product, each super-block's scaled values as two
- * byte planes, v = lo + 256 hi, so its L is eight tile products, exact: kquants_512.c).
+ * byte planes, v = lo + 256 hi, so its L is eight tile products, exact: kquants_512.c; Q8_0,
+ * Q4_0 and Q5_0 on AVX-512 VNNI: whole groups of 16 inputs, each row unpacked once per tile,
+ * 4 rows by 16 inputs a register tile, a block's S_b of 16 inputs 8 vpdpbusd; with AMX 16 rows
+ * by 16 inputs, a block's S_b one tdpbusd: q32_block.c).
  * Each (row, input) output is still the one definition above, so a row of a block has the bits
  * of that row decoded alone, on every path and machine.
  *
- * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path),
- * q32.c (Q8_0, Q4_0, Q5_0: the input's quantization, the portable and AVX2 products, the
- * dispatch), q32_512.c (their AVX-512 kernels), q1.c (Q4_1, Q5_1), q32.h (what those three
- * share), kquants.c (Q4_K, Q5_K, Q6_K), kquants_512.c (their AVX-512 and AMX prefill block),
- * kquants.h (what those two share), attention.c (one row's attention), attention_pool.c (rows and
- * heads of it on the pool), decode.c (the decode step's other operations), step.c (the one-token
- * step), pool.c (the threads), sample.c (the next token from rows of logits), and the Python
- * interface: module.c (the module, the instruction set, the threads), py_ops.c (the products and
- * the decode operations), py_step.c (the one-token step), py_sample.c (sampling), py_kernels.h
- * (what they share). This header holds what they all share: the SIMD helpers and the
- * dispatch (use_avx2 ..., matmul).
+ * The files: blocks.c (layouts, float16, dequantization), float.c (F16 and the float path), q32.c
+ * (Q8_0, Q4_0, Q5_0: the input's quantization, the portable and AVX2 products, the dispatch),
+ * q32_512.c (their AVX-512 kernels), q32_block.c (their AVX-512 and AMX prefill block of 16 inputs
+ * a register), q1.c (Q4_1, Q5_1), q32.h (what those four share), kquants.c (Q4_K, Q5_K, Q6_K),
+ * kquants_512.c (their AVX-512 and AMX prefill block), kquants.h (what those two share),
+ * attention.c (one row's attention), attention_pool.c (rows and heads of it on the pool), decode.c
+ * (the decode step's other operations), step.c (the one-token step), pool.c (the threads),
+ * sample.c (the next token from rows of logits), and the Python interface: module.c (the module,
+ * the instruction set, the threads), py_ops.c (the products and the decode operations), py_step.c
+ * (the one-token step), py_sample.c (sampling), py_kernels.h (what they share). This header holds
+ * what they all share: the SIMD helpers and the dispatch (use_avx2 ..., matmul).
  */
 
 #ifndef FOUNDRY_KERNELS_H
@@ -104,7 +110,7 @@ enum {
 #define QK      32  /* values per block of the 32-blocks */
 #define QK_K    256 /* values per super-block of the K-quants */
 #define LANES_F 32
-#define LANES_Q 16 /* 2 block parities x 8 int32 lanes */
+#define LANES_Q 16 /* Q4_1, Q5_1: 2 block parities x 8 int32 lanes */
 
 /* Functions shared between the files stay inside the module (not exported by its .so). */
 #pragma GCC visibility push(hidden)
@@ -232,6 +238,15 @@ static inline void idot_lanes(const int8_t *a, const int8_t *b, int32_t *s) {
 #endif
 }
 
+/* The exact sum of one block's 32 products, |S| <= 32 x 128 x 127 < 2^24 (so (float)S is
+ * exact too): the eight lanes above added as integers, exact in any order, so NEON's lanes
+ * give the same S as every other path by construction. */
+static inline int32_t idot_sum(const int8_t *a, const int8_t *b) {
+    int32_t s[8];
+    idot_lanes(a, b, s);
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 /* ---- the SIMD paths and their dispatch --------------------------------------------------- */
 
 extern int use_avx2, use_vnni, use_512; /* the x86 paths chosen at import (module.c) */
@@ -264,6 +279,35 @@ AVX2 INLINE float finish8_avx2(__m256 v8) {
 /* finish(acc, 16) of acc = a0 (lanes 0-7), a1 (lanes 8-15): lane j + lane j + 8 first. */
 AVX2 INLINE float finish16_avx2(__m256 a0, __m256 a1) {
     return finish8_avx2(_mm256_add_ps(a0, a1));
+}
+
+/* Sixteen rows' outputs of sixteen inputs (a[r]: row r's, input i in lane i; a is overwritten)
+ * into y transposed in registers, so that each input's sixteen rows are one store: input i's at
+ * y + i ldy, for the first `live` inputs (the prefill blocks' AMX tiles). */
+AVX512 INLINE void store_16x16_512(__m512 *a, int live, float *y, size_t ldy) {
+    __m512 t[16], v[16];
+    for (int j = 0; j < 8; j++) { /* lane-wise: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+        t[2 * j] = _mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]);
+        t[2 * j + 1] = _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]);
+    }
+    for (int q = 0; q < 4;
+         q++) /* a[4q + j]: rows 4q .. 4q + 3 of columns j, j + 4, j + 8, j + 12 */
+        for (int h = 0; h < 2; h++) {
+            const __m512d lo = _mm512_castps_pd(t[4 * q + h]),
+                          hi = _mm512_castps_pd(t[4 * q + h + 2]);
+            a[4 * q + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+            a[4 * q + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+        }
+    for (int h = 0; h < 2; h++) /* v[8h + j]: columns j, j + 8; v[8h + 4 + j]: j + 4, j + 12 */
+        for (int j = 0; j < 4; j++) {
+            v[8 * h + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0x88);
+            v[8 * h + 4 + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0xdd);
+        }
+    for (int m = 0; m < 8; m++) { /* column m and m + 8: input m's rows 0 .. 15 */
+        t[m] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0x88);
+        t[m + 8] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0xdd);
+    }
+    for (int i = 0; i < live; i++) _mm512_storeu_ps(y + (size_t)i * ldy, t[i]);
 }
 #endif
 
@@ -328,8 +372,9 @@ typedef struct {
 } mm_input;
 
 /* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
- * than they save) */
+ * than they save): of those that the AVX-512 block's whole groups of QB_G leave */
 #define Q5_WIDEN 8
+#define QB_G     16
 
 int mm_alloc(int type, int k, int n, mm_input *in);               /* 0, or -1 when out of memory */
 void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */

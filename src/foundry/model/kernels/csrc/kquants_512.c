@@ -179,35 +179,13 @@ AVX512 INLINE void kq_store_out(__m512 acc, const float *amin, int g, int live, 
 }
 
 /* The outputs of sixteen rows (acc[r]: row r's sixteen inputs of group g, less amin's row r)
- * into y (row 0's column) transposed in registers, so that each input's sixteen rows are one
- * store (kq_store_out's values). */
+ * into y (row 0's column) by store_16x16_512 (kq_store_out's values). */
 AVX512 INLINE void kq_store_16x16(const __m512 *acc, const float *amin, int g, int live, float *y,
                                   size_t ldy) {
-    __m512 a[16], t[16], v[16];
+    __m512 a[16];
     for (int r = 0; r < 16; r++)
         a[r] = _mm512_sub_ps(acc[r], _mm512_loadu_ps(amin + r * K_TILE + KB_G * g));
-    for (int j = 0; j < 8; j++) { /* lane-wise: [a0 b0 a1 b1], [a2 b2 a3 b3] */
-        t[2 * j] = _mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]);
-        t[2 * j + 1] = _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]);
-    }
-    for (int q = 0; q < 4;
-         q++) /* a[4q + j]: rows 4q .. 4q + 3 of columns j, j + 4, j + 8, j + 12 */
-        for (int h = 0; h < 2; h++) {
-            const __m512d lo = _mm512_castps_pd(t[4 * q + h]),
-                          hi = _mm512_castps_pd(t[4 * q + h + 2]);
-            a[4 * q + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
-            a[4 * q + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
-        }
-    for (int h = 0; h < 2; h++) /* v[8h + j]: columns j, j + 8; v[8h + 4 + j]: j + 4, j + 12 */
-        for (int j = 0; j < 4; j++) {
-            v[8 * h + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0x88);
-            v[8 * h + 4 + j] = _mm512_shuffle_f32x4(a[8 * h + j], a[8 * h + 4 + j], 0xdd);
-        }
-    for (int m = 0; m < 8; m++) { /* column m and m + 8: input m's rows 0 .. 15 */
-        t[m] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0x88);
-        t[m + 8] = _mm512_shuffle_f32x4(v[m], v[8 + m], 0xdd);
-    }
-    for (int i = 0; i < live; i++) _mm512_storeu_ps(y + (size_t)(KB_G * g + i) * ldy, t[i]);
+    store_16x16_512(a, live, y + (size_t)KB_G * g * ldy, ldy);
 }
 
 /* R rows (u, nsb super-blocks each) by input group g, into y (its inputs 16 g .. 16 g + live

@@ -4,7 +4,7 @@
 
 /* y = sum over blocks of d_w (d_x q.x) + m_w (d_x S): the input quantized to int8 blocks of 32
  * as for Q8_0, S its exact sum per block; the weights' values unsigned (Q4_1 0..15, Q5_1
- * 0..31). A block's products give add_block's eight exact int32 lanes, added as (d_w * d_x) *
+ * 0..31). A block's products give eight exact int32 lanes (idot_lanes), added as (d_w * d_x) *
  * lane_j into accumulator 8 (block mod 2) + j; the minimums add (m_w * d_x) * S into one more
  * float, which comes onto the halved lanes at the end: finish(acc) + acc_min. */
 static inline void unpack_block_min(int type, const uint8_t *blk, int8_t *q) {

@@ -102,8 +102,7 @@ void quantize_input(const float *x, int k, int bs, int8_t *q, float *d) {
 
 static float dot_q_portable(int type, const uint8_t *w, int bsize, const int8_t *xq,
                             const float *xd, int nb) {
-    float acc[LANES_Q] = {0};
-    return add_blocks(type, acc, w, bsize, xq, xd, 0, nb);
+    return add_blocks(type, 0.0f, w, bsize, xq, xd, 0, nb);
 }
 
 #if defined(FOUNDRY_X86)
@@ -118,115 +117,68 @@ AVX2 INLINE __m256i load_block_avx2(int type, const uint8_t *blk) {
     return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
 }
 
-/* The int8 dot product, AVX2 (maddubs + madd) or AVX-512 VNNI (dpbusd): the same eight exact
- * int32 lanes, so the same bits; two accumulators, one per block parity. */
-#define DOT_Q_X86(NAME, TARGET, LOAD, LANES8)                                                      \
+/* One row, AVX2 (maddubs + madd) or AVX-512 VNNI on 256 bits (dpbusd): four blocks a step, each
+ * block's eight exact int32 lanes (the same on both), the four blocks' sums by one tree
+ * (hsum8x4_avx2), their four scale products d_w * d_x by one multiplication, then add_blocks'
+ * float steps in block order (chain4_avx2); the last blocks by add_blocks. */
+#define DOT_Q_X86(NAME, TARGET, LANES8)                                                            \
     TARGET static float NAME(int type, const uint8_t *w, int bsize, const int8_t *xq,              \
                              const float *xd, int nb) {                                            \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;                                            \
+        float acc = 0.0f;                                                                          \
         int b = 0;                                                                                 \
-        for (; b + 2 <= nb; b += 2) {                                                              \
+        for (; b + 4 <= nb; b += 4) {                                                              \
             const uint8_t *p = w + (size_t)b * bsize;                                              \
-            const __m256i w0 = LOAD(type, p), w1 = LOAD(type, p + bsize);                          \
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));                 \
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));           \
-            const __m256i s0 = LANES8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));         \
-            const __m256i s1 = LANES8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));         \
-            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);                                     \
-            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);                         \
-            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));                 \
-            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));                 \
+            __m256i s[4];                                                                          \
+            for (int m = 0; m < 4; m++) {                                                          \
+                const __m256i wv = load_block_avx2(type, p + m * bsize);                           \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));       \
+                s[m] = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));                 \
+            }                                                                                      \
+            const __m128i S = hsum8x4_avx2(s[0], s[1], s[2], s[3]);                                \
+            const __m128 d = _mm_mul_ps(f16x4(p, p + bsize, p + 2 * bsize, p + 3 * bsize),         \
+                                        _mm_loadu_ps(xd + b));                                     \
+            acc = chain4_avx2(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(S)));                             \
         }                                                                                          \
-        float acc[LANES_Q];                                                                        \
-        _mm256_storeu_ps(acc, acc0);                                                               \
-        _mm256_storeu_ps(acc + 8, acc1);                                                           \
         return add_blocks(type, acc, w, bsize, xq, xd, b, nb);                                     \
     }
 
-DOT_Q_X86(dot_q_avx2, AVX2, load_block_avx2, lanes8_avx2)
+DOT_Q_X86(dot_q_avx2, AVX2, lanes8_avx2)
 
 VNNI INLINE __m256i lanes8_vnni(__m256i u, __m256i v) {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 }
-VNNI INLINE __m256i load_block_vnni(int type, const uint8_t *blk) {
-    return load_block_avx2(type, blk);
-}
-DOT_Q_X86(dot_q_vnni, VNNI, load_block_vnni, lanes8_vnni)
-
-/* Q4_0, AVX2 or VNNI on 256 bits: a block's eight exact lanes folded to add_block's four (lane
- * j + lane j + 4), into four accumulators of four floats by block mod 4. */
-#define DOT_Q4_X86(NAME, TARGET, LANES8)                                                           \
-    TARGET static float NAME(const uint8_t *w, int bsize, const int8_t *xq, const float *xd,       \
-                             int nb) {                                                             \
-        __m128 acc[4];                                                                             \
-        for (int m = 0; m < 4; m++) acc[m] = _mm_setzero_ps();                                     \
-        int b = 0;                                                                                 \
-        for (; b + 4 <= nb; b += 4)                                                                \
-            for (int m = 0; m < 4; m++) {                                                          \
-                const uint8_t *p = w + (size_t)(b + m) * bsize;                                    \
-                const __m256i wv = load_block_avx2(T_Q4_0, p);                                     \
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (b + m) * QK));       \
-                const __m256i s8 = LANES8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));     \
-                const __m128i s4 =                                                                 \
-                    _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));    \
-                acc[m] = _mm_add_ps(                                                               \
-                    acc[m], _mm_mul_ps(_mm_set1_ps(f16c(p) * xd[b + m]), _mm_cvtepi32_ps(s4)));    \
-            }                                                                                      \
-        float lanes[LANES_Q];                                                                      \
-        for (int m = 0; m < 4; m++) _mm_storeu_ps(lanes + 4 * m, acc[m]);                          \
-        return add_blocks(T_Q4_0, lanes, w, bsize, xq, xd, b, nb);                                 \
-    }
-DOT_Q4_X86(dot_q4_avx2, AVX2, lanes8_avx2)
-DOT_Q4_X86(dot_q4_vnni, VNNI, lanes8_vnni)
+DOT_Q_X86(dot_q_vnni, VNNI, lanes8_vnni)
 
 /* AVX2 without AVX-512 (most desktops and laptops: AMD before Zen 4, Intel's client cores): the
  * int8 types four rows at a time, the rows j of each quarter of the matrix (four sequential
- * streams, as rows_q_512_t), sharing the input's loads; each row's operations are exactly
- * dot_q_avx2's (Q8_0, Q5_0) or add_block's for Q4_0, and the sixteen lanes are halved in
- * registers (finish16_avx2). Each lane prefetches its own rows PREFETCH2 ahead. */
+ * streams, as rows_q_512_t), sharing the input's loads; a step is one block of the four rows:
+ * their exact sums S_b by one tree (hsum8x4_avx2), the four scale products, and each row's
+ * float step, four rows a register (the same operations as add_blocks, row by row). Each lane
+ * prefetches its own rows PREFETCH2 ahead. */
 #define ROWS2 4
 #ifndef PREFETCH2
 #define PREFETCH2 4 /* rows ahead */
 #endif
 
-/* The four rows' outputs from their lanes: blocks from ``from`` on (an odd last block, or Q4_0's
- * last one to three) added one at a time as dot_q_portable does, then halved. */
-AVX2 INLINE void finish_rows_avx2(int type, const __m256 *a0, const __m256 *a1, const uint8_t *w,
-                                  size_t lane_bytes, int bsize, const int8_t *xq, const float *xd,
-                                  int from, int nb, float *y) {
-    for (int i = 0; i < ROWS2; i++) {
-        if (from == nb) {
-            y[i] = finish16_avx2(a0[i], a1[i]);
-            continue;
-        }
-        float lanes[LANES_Q];
-        _mm256_storeu_ps(lanes, a0[i]);
-        _mm256_storeu_ps(lanes + 8, a1[i]);
-        y[i] = add_blocks(type, lanes, w + i * lane_bytes, bsize, xq, xd, from, nb);
-    }
-}
-
 AVX2 INLINE void rows_q_avx2_t(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
                                int bsize, const int8_t *xq, const float *xd, int nb, float *y) {
-    __m256 a0[ROWS2], a1[ROWS2];
-    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
-    const int pairs = nb & ~1;
-    for (int b = 0; b < pairs; b += 2) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+    __m128 acc = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const uint8_t *p = w + (size_t)b * bsize;
+        __m256i s[ROWS2];
         for (int i = 0; i < ROWS2; i++) {
-            const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
-            _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
-            const __m256i w0 = load_block_avx2(type, p), w1 = load_block_avx2(type, p + bsize);
-            const __m256i s0 = lanes8_avx2(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
-            const __m256i s1 = lanes8_avx2(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
-            const __m256 d0 = _mm256_set1_ps(f16c(p) * xd[b]);
-            const __m256 d1 = _mm256_set1_ps(f16c(p + bsize) * xd[b + 1]);
-            a0[i] = _mm256_add_ps(a0[i], _mm256_mul_ps(d0, _mm256_cvtepi32_ps(s0)));
-            a1[i] = _mm256_add_ps(a1[i], _mm256_mul_ps(d1, _mm256_cvtepi32_ps(s1)));
+            const uint8_t *pi = p + i * lane_bytes;
+            _mm_prefetch((const char *)(pi + PREFETCH2 * row_bytes), _MM_HINT_T0);
+            const __m256i wv = load_block_avx2(type, pi);
+            s[i] = lanes8_avx2(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
         }
+        const __m128i S = hsum8x4_avx2(s[0], s[1], s[2], s[3]);
+        const __m128 dw = f16x4(p, p + lane_bytes, p + 2 * lane_bytes, p + 3 * lane_bytes);
+        const __m128 d = _mm_mul_ps(dw, _mm_set1_ps(xd[b]));
+        acc = _mm_add_ps(acc, _mm_mul_ps(d, _mm_cvtepi32_ps(S)));
     }
-    finish_rows_avx2(type, a0, a1, w, lane_bytes, bsize, xq, xd, pairs, nb, y);
+    _mm_storeu_ps(y, acc);
 }
 
 AVX2 static void rows_q_avx2(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes,
@@ -237,36 +189,34 @@ AVX2 static void rows_q_avx2(int type, const uint8_t *w, size_t row_bytes, size_
         rows_q_avx2_t(T_Q5_0, w, row_bytes, lane_bytes, bsize, xq, xd, nb, y);
 }
 
-/* Q4_0, four rows and two blocks per register: the two blocks' low nibbles (values 0-15, as
- * unsigned bytes) against the input's values 0-15 of each, their high nibbles (16-31) against
- * values 16-31, the two maddubs' int16 pairs added (at most 4 x 15 x 127: exact) and summed by
- * madd into four int32 lanes per block, which are add_block's folded lanes j + j + 4 less 8 x
- * the input's sums (``corr4``, from q4_layout, whose ``x4`` order this reads: per four blocks
- * their values 0-15, then 16-31). Blocks 4g and 4g + 1 go to lanes 0-7 (accumulators 0-7),
- * 4g + 2 and 4g + 3 to lanes 8-15. */
+/* Q4_0, four rows and four blocks a step, each pair of blocks one register: the two blocks' low
+ * nibbles (values 0-15, as unsigned bytes) against the input's values 0-15 of each, their high
+ * nibbles (16-31) against values 16-31, the two maddubs' int16 pairs added (at most 4 x 15 x 127:
+ * exact) and summed by madd into four int32 lanes per block, less 8 x the input's sums
+ * (``corr4``, from q4_layout, whose ``x4`` order this reads: per four blocks their values 0-15,
+ * then 16-31). The four rows' registers of a pair of blocks give, by one tree, each block's S_b
+ * of the four rows; the scale products of each row's four blocks are turned to each block's
+ * four rows (a 4 x 4 transposition), and the float steps go block by block, four rows a
+ * register. */
 AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_bytes,
                               const int8_t *xq, const int8_t *x4, const float *xd,
                               const int32_t *corr4, int nb, float *y) {
     const int bsize = 18;
-    __m256 a0[ROWS2], a1[ROWS2];
-    for (int i = 0; i < ROWS2; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    __m128 acc = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i ones = _mm256_set1_epi16(1);
     const int quads = nb & ~3;
     for (int b = 0; b < quads; b += 4) {
         const int8_t *xg = x4 + (size_t)b * QK;
-        const __m256i cv0 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b));
-        const __m256i cv1 = _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b + 8));
+        const __m128 xd4 = _mm_loadu_ps(xd + b);
+        const __m256i cv[2] = {_mm256_loadu_si256((const __m256i *)(corr4 + 4 * b)),
+                               _mm256_loadu_si256((const __m256i *)(corr4 + 4 * b + 8))};
+        __m128 d[4]; /* d[i]: row i's four blocks, then d[m]: block m's four rows */
+        __m256i sv[2][ROWS2];
         for (int i = 0; i < ROWS2; i++) {
             const uint8_t *p = w + i * lane_bytes + (size_t)b * bsize;
             _mm_prefetch((const char *)(p + PREFETCH2 * row_bytes), _MM_HINT_T0);
-            /* the four blocks' scale products, then each pair's [d x 4 | d' x 4] */
-            __m128i h = _mm_cvtsi32_si128(rd16(p));
-            h = _mm_insert_epi16(h, rd16(p + bsize), 1);
-            h = _mm_insert_epi16(h, rd16(p + 2 * bsize), 2);
-            h = _mm_insert_epi16(h, rd16(p + 3 * bsize), 3);
-            const __m256 d4 =
-                _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(xd + b)));
+            d[i] = _mm_mul_ps(f16x4(p, p + bsize, p + 2 * bsize, p + 3 * bsize), xd4);
             for (int half = 0; half < 2; half++) {
                 const uint8_t *ph = p + 2 * half * bsize;
                 const __m256i q = _mm256_loadu2_m128i((const __m128i *)(ph + bsize + 2),
@@ -277,35 +227,32 @@ AVX2 static void rows_q4_avx2(const uint8_t *w, size_t row_bytes, size_t lane_by
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 const __m256i p16 =
                     _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-                const __m256i sv = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), half ? cv1 : cv0);
-                const __m256 dv = _mm256_permutevar8x32_ps(
-                    d4, _mm256_add_epi32(_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0),
-                                         _mm256_set1_epi32(2 * half)));
-                const __m256 t = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sv));
-                if (half)
-                    a1[i] = _mm256_add_ps(a1[i], t);
-                else
-                    a0[i] = _mm256_add_ps(a0[i], t);
+                sv[half][i] = _mm256_sub_epi32(_mm256_madd_epi16(p16, ones), cv[half]);
             }
         }
+        _MM_TRANSPOSE4_PS(d[0], d[1], d[2], d[3]);
+        for (int half = 0; half < 2; half++) {
+            /* half h of the result: block b + 2 half + h of the four rows */
+            const __m256i S = hsum4_avx2(sv[half][0], sv[half][1], sv[half][2], sv[half][3]);
+            const __m256 f = _mm256_cvtepi32_ps(S);
+            acc = _mm_add_ps(acc, _mm_mul_ps(d[2 * half], _mm256_castps256_ps128(f)));
+            acc = _mm_add_ps(acc, _mm_mul_ps(d[2 * half + 1], _mm256_extractf128_ps(f, 1)));
+        }
     }
-    finish_rows_avx2(T_Q4_0, a0, a1, w, lane_bytes, bsize, xq, xd, quads, nb, y);
+    float out[ROWS2];
+    _mm_storeu_ps(out, acc);
+    for (int i = 0; i < ROWS2; i++)
+        y[i] = add_blocks(T_Q4_0, out[i], w + i * lane_bytes, bsize, xq, xd, quads, nb);
 }
 
 #endif
 
 static float dot_q(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
-                   const int32_t *corr, int nb) {
+                   int nb) {
 #if defined(FOUNDRY_X86)
-    if (use_512 && type != T_Q4_0) return dot_q_512(type, w, bsize, xq, xd, corr, nb);
-    if (use_vnni)
-        return type == T_Q4_0 ? dot_q4_vnni(w, bsize, xq, xd, nb)
-                              : dot_q_vnni(type, w, bsize, xq, xd, nb);
-    if (use_avx2)
-        return type == T_Q4_0 ? dot_q4_avx2(w, bsize, xq, xd, nb)
-                              : dot_q_avx2(type, w, bsize, xq, xd, nb);
+    if (use_vnni) return dot_q_vnni(type, w, bsize, xq, xd, nb);
+    if (use_avx2) return dot_q_avx2(type, w, bsize, xq, xd, nb);
 #endif
-    (void)corr;
     return dot_q_portable(type, w, bsize, xq, xd, nb);
 }
 
@@ -354,6 +301,18 @@ void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
 
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
                int n, float *y, size_t ldy) {
+#if defined(FOUNDRY_X86)
+    if (use_512 && n >= QB_G) {
+        /* whole groups of QB_G inputs by the block (q32_block.c: each row unpacked once per
+         * tile, whatever the type), the rest by the paths below */
+        const int whole = n - n % QB_G;
+        if (q32_block_512(type, w, row_bytes, n_out, k, in, whole, y, ldy) < 0) return -1;
+        if (whole == n) return 0;
+        const mm_input rest = mm_from(in, whole);
+        return matmul_q32(type, w, row_bytes, n_out, k, &rest, n - whole, y + (size_t)whole * ldy,
+                          ldy);
+    }
+#endif
     if (type == T_Q5_0 && in->type == T_Q8_0) {
         /* A block of inputs (mm_alloc: Q5_WIDEN or more): the Q5_0 weights unpacked once into
          * Q8_0 blocks (the same scale, the values v - 16 as int8) and multiplied as Q8_0, whose
@@ -416,8 +375,7 @@ int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, c
     for (int t0 = 0; t0 < n; t0 += Q_TILE)
         for (int rr = r; rr < n_out; rr++)
             for (int t = t0; t < n && t < t0 + Q_TILE; t++)
-                y[(size_t)t * ldy + rr] =
-                    dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k, xd + (size_t)t * nb,
-                          corr + (size_t)t * (k / 4), nb);
+                y[(size_t)t * ldy + rr] = dot_q(type, w + rr * row_bytes, bytes, xq + (size_t)t * k,
+                                                xd + (size_t)t * nb, nb);
     return 0;
 }

@@ -40,31 +40,20 @@ static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     return f16(blk);
 }
 
-static inline void add_block(int type, float *acc, int b, float d, const int32_t *s) {
-    if (type == T_Q4_0) { /* four lanes: lane j holds values 4j .. 4j + 3 and 16 + 4j .. 19 + 4j */
-        float *a = acc + 4 * (b & 3);
-        for (int j = 0; j < 4; j++) a[j] = a[j] + d * (float)(s[j] + s[j + 4]);
-        return;
-    }
-    float *a = acc + 8 * (b & 1);
-    for (int j = 0; j < 8; j++) a[j] = a[j] + d * (float)s[j];
-}
-
-/* Blocks from .. nb - 1 of a row added into its sixteen float lanes, then the lanes halved:
- * the whole dot product from 0, the SIMD paths' last blocks from where they stop. Always
+/* The one definition (kernels.h): blocks from .. nb - 1 of a row, each block's exact int32 sum
+ * S_b = sum of w_i x_i, then acc = acc + (d_w * d_x) * (float)S_b block after block; the
+ * whole dot product from 0 (acc 0), the SIMD paths' last blocks from where they stop. Always
  * inlined, so in a SIMD path it is compiled with that path's (VEX) encoding: called as a
  * function of plain SSE with the 512-bit registers' upper halves dirty (gcc 13 left out the
  * vzeroupper), every row paid Intel's transition penalty (AVX-512 Q8_0 at 4 GB/s, not 13). */
-INLINE float add_blocks(int type, float *acc, const uint8_t *w, int bsize, const int8_t *xq,
+INLINE float add_blocks(int type, float acc, const uint8_t *w, int bsize, const int8_t *xq,
                         const float *xd, int from, int nb) {
     int8_t q[QK];
-    int32_t s[8];
     for (int b = from; b < nb; b++) {
         const float dw = unpack_block(type, w + (size_t)b * bsize, q);
-        idot_lanes(q, xq + b * QK, s);
-        add_block(type, acc, b, dw * xd[b], s);
+        acc = acc + (dw * xd[b]) * (float)idot_sum(q, xq + b * QK);
     }
-    return finish(acc, LANES_Q);
+    return acc;
 }
 
 #if defined(FOUNDRY_X86)
@@ -95,8 +84,43 @@ AVX2 INLINE __m256i lanes8_avx2(__m256i u, __m256i v) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
 }
 
-AVX512 float dot_q_512(int type, const uint8_t *w, int bsize, const int8_t *xq, const float *xd,
-                       const int32_t *corr, int nb);
+/* The block sums of the x86 paths. Integer additions are exact in any order, so the lanes of
+ * several blocks (or rows, or inputs) are summed by one tree of unpacks and additions, and the
+ * sums land in the order that the float step reads them. hsum4_avx2: for each 128-bit half h,
+ * lane i of the result = the sum of a_i's four int32 lanes of half h. */
+AVX2 INLINE __m256i hsum4_avx2(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    /* per half: a0 (0 + 2), a1 (0 + 2), a0 (1 + 3), a1 (1 + 3) */
+    const __m256i u01 =
+        _mm256_add_epi32(_mm256_unpacklo_epi32(a0, a1), _mm256_unpackhi_epi32(a0, a1));
+    const __m256i u23 =
+        _mm256_add_epi32(_mm256_unpacklo_epi32(a2, a3), _mm256_unpackhi_epi32(a2, a3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(u01, u23), _mm256_unpackhi_epi64(u01, u23));
+}
+
+/* The sums of four registers of eight int32 lanes each (four blocks, or four rows' block). */
+AVX2 INLINE __m128i hsum8x4_avx2(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    const __m256i h = hsum4_avx2(a0, a1, a2, a3);
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* acc + p0 + p1 + p2 + p3, in that order: four blocks of one output's float chain. */
+AVX2 INLINE float chain4_avx2(float acc, __m128 p) {
+    acc = acc + _mm_cvtss_f32(p);
+    acc = acc + _mm_cvtss_f32(_mm_movehdup_ps(p));
+    acc = acc + _mm_cvtss_f32(_mm_movehl_ps(p, p));
+    return acc + _mm_cvtss_f32(_mm_shuffle_ps(p, p, 3));
+}
+
+/* The float16 scales at p0 .. p3 as four floats (F16C: exact). */
+AVX2 INLINE __m128 f16x4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
+                         const uint8_t *p3) {
+    __m128i h = _mm_cvtsi32_si128(rd16(p0));
+    h = _mm_insert_epi16(h, rd16(p1), 1);
+    h = _mm_insert_epi16(h, rd16(p2), 2);
+    h = _mm_insert_epi16(h, rd16(p3), 3);
+    return _mm_cvtph_ps(h);
+}
+
 AVX512 void rows_q_512(int type, const uint8_t *w, size_t row_bytes, size_t lane_bytes, int bsize,
                        const int8_t *xq, const float *xd, const int32_t *corr, int nb, float *y);
 AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes, const int8_t *xq,
@@ -105,6 +129,10 @@ AVX512 int block_q4_512(const uint8_t *w, size_t row_bytes, int groups, int k, c
                         int n, size_t ldy, float *y);
 AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, const int8_t *xq,
                         const float *xd, const int32_t *corr, int n, size_t ldy, float *y);
+/* Rows 0 .. n_out - 1 by inputs 0 .. n - 1 (n a multiple of QB_G) in groups of QB_G inputs a
+ * register (q32_block.c): 0, or -1 when out of memory. */
+AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
+                         const mm_input *in, int n, float *y, size_t ldy);
 void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4);
 AVX512 void prepare_input_512(const float *x, int k, int shift, int8_t *q, float *d, int32_t *corr);
 #endif
