@@ -116,6 +116,12 @@ SIMD_PATHS = {
 SHAPES = [(1, 256), (7, 512), (9, 1024)]
 ODD_SHAPES = [(5, 736), (6, 1056)]
 
+# Inputs of a block: every part group of 1 to 15 inputs after 0, 1 and 2 whole groups of 16
+# (the AVX-512 blocks take a part group from a threshold on, zeros in its other lanes, and
+# leave the smaller ones to the small tiles), whole groups of 16 and 32, and a tile of 64 with
+# 11 after it.
+BLOCK_INPUTS = [16 * whole + part for whole in range(3) for part in range(1, 16)] + [16, 32, 75]
+
 
 @pytest.mark.parametrize(
     ("qtype", "rows", "k"),
@@ -146,12 +152,12 @@ def test_simd_paths_equal_portable_c_bit_for_bit(qtype: QType, rows: int, k: int
 @pytest.mark.parametrize(("qtype", "k"), [(t, 768) for t in KQUANTS] + [(t, 736) for t in Q32])
 @pytest.mark.parametrize("rows", [5, 16, 17, 33])
 def test_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType, k: int, rows: int) -> None:
-    """Blocks of 5, 16, 17, 32, 33 and 75 inputs by rows of 3 super-blocks (the K-quants) or
-    23 blocks of 32 (Q8_0, Q4_0, Q5_0: not a whole number of four): whole and part groups of 16
-    inputs (AVX-512 VNNI: the K-quants with zeros in a part group's other lanes; the 32-blocks
-    take whole groups, the rest of the inputs the small tiles and the rows), a whole tile of 64
-    inputs and one of 11, 5 inputs (fewer than a block unpacks its rows for); 5 rows (the last
-    rows alone), 16 (one AMX tile of rows), 17 and 33 (tiles of 16 and rows left over)."""
+    """Blocks of BLOCK_INPUTS inputs by rows of 3 super-blocks (the K-quants) or 23 blocks of 32
+    (Q8_0, Q4_0, Q5_0: not a whole number of four): whole groups of 16 inputs and part groups
+    of every size after them (AVX-512 VNNI: a part group of KQ_BLOCK_MIN or QB_PART_MIN inputs
+    or more with zeros in its other lanes, fewer by the small tiles and the rows), a whole tile
+    of 64 inputs and one of 11; 5 rows (the last rows alone), 16 (one AMX tile of rows), 17 and
+    33 (tiles of 16 and rows left over)."""
     rng = np.random.default_rng(9)
     w = stored(rng.standard_normal((rows, k), dtype=np.float32), qtype)
     x = rng.standard_normal((75, k), dtype=np.float32)
@@ -160,9 +166,7 @@ def test_prefill_blocks_equal_portable_c_bit_for_bit(qtype: QType, k: int, rows:
     try:
         for path in ["best", *SIMD_PATHS, "portable"]:
             quant._kernels.use(path)
-            results.append(
-                np.concatenate([quant.linear(x[:n], w) for n in (5, 16, 17, 32, 33, 75)])
-            )
+            results.append(np.concatenate([quant.linear(x[:n], w) for n in BLOCK_INPUTS]))
     finally:
         quant._kernels.use("best")
     assert all(np.array_equal(r, results[0]) for r in results[1:])
@@ -410,9 +414,10 @@ def q32_definition(x: F32, w: QTensor) -> F32:
 @pytest.mark.parametrize("qtype", Q32)
 @pytest.mark.parametrize(("rows", "k"), [(17, 736), (33, 1024)])
 def test_32_block_products_equal_the_definition(qtype: QType, rows: int, k: int) -> None:
-    """Random blocks (every stored value, Q8_0's -128 too) by rows of 23 and 32 blocks: every
-    path, decode and blocks of 4, 16, 17, 33 and 75 inputs, equals the definition in numpy bit
-    for bit (and so each other)."""
+    """Random blocks (every stored value, Q8_0's -128 too) by rows of 23 and 32 blocks (17 and 33
+    rows: an AMX tile of 16 rows and rows left over): every path, decode and blocks of
+    BLOCK_INPUTS inputs (part groups of every size after 0, 1 and 2 whole groups), equals the
+    definition in numpy bit for bit (and so each other)."""
     rng = np.random.default_rng(13)
     w = random_blocks(qtype, rows, k, seed=14)
     x = rng.standard_normal((75, k), dtype=np.float32)
@@ -421,7 +426,9 @@ def test_32_block_products_equal_the_definition(qtype: QType, rows: int, k: int)
     try:
         for path in ["best", *SIMD_PATHS, "portable"]:
             quant._kernels.use(path)
-            for n in (1, 4, 16, 17, 33, 75):
-                np.testing.assert_array_equal(quant.linear(x[:n], w), want[:n], err_msg=path)
+            for n in (1, *BLOCK_INPUTS):
+                np.testing.assert_array_equal(
+                    quant.linear(x[:n], w), want[:n], err_msg=f"{path}, {n} inputs"
+                )
     finally:
         quant._kernels.use("best")

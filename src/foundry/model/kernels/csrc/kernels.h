@@ -371,10 +371,20 @@ typedef struct {
     int16_t *s32h, *x32p; /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
 } mm_input;
 
+/* Inputs a group of the 32-blocks' AVX-512 block (q32_block.c): one int32 lane each of a
+ * register. The block takes a product's whole groups and a last part group of QB_PART_MIN or
+ * more (zeros in the lanes past it; fewer pay more for the idle lanes than the 4-row tiles of
+ * q32_512.c take for them): qb_inputs(n) of its n inputs, the rest go to those tiles. */
+#define QB_G 16
+#ifndef QB_PART_MIN
+#define QB_PART_MIN 6
+#endif
+static inline int qb_inputs(int n) {
+    return n % QB_G >= QB_PART_MIN ? n : n - n % QB_G;
+}
 /* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
- * than they save): of those that the AVX-512 block's whole groups of QB_G leave */
+ * than they save): of those that the AVX-512 block leaves (n - qb_inputs(n)) */
 #define Q5_WIDEN 8
-#define QB_G     16
 
 int mm_alloc(int type, int k, int n, mm_input *in);               /* 0, or -1 when out of memory */
 void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */

@@ -129,8 +129,8 @@ AVX512 int block_q4_512(const uint8_t *w, size_t row_bytes, int groups, int k, c
                         int n, size_t ldy, float *y);
 AVX512 int block_q8_512(const uint8_t *w, size_t row_bytes, int groups, int k, const int8_t *xq,
                         const float *xd, const int32_t *corr, int n, size_t ldy, float *y);
-/* Rows 0 .. n_out - 1 by inputs 0 .. n - 1 (n a multiple of QB_G) in groups of QB_G inputs a
- * register (q32_block.c): 0, or -1 when out of memory. */
+/* Rows 0 .. n_out - 1 by inputs 0 .. n - 1 in groups of QB_G inputs a register, the last
+ * group a part one where QB_G does not divide n (q32_block.c): 0, or -1 when out of memory. */
 AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
                          const mm_input *in, int n, float *y, size_t ldy);
 void q4_layout(const int8_t *xq, const int32_t *corr, int k, int8_t *x4, int32_t *corr4);

@@ -1,7 +1,10 @@
 /* The 32-blocks' prefill block on AVX-512 VNNI (Q8_0, Q4_0, Q5_0; theory in kernels.h): the
  * K-quants' block of kquants_512.c for blocks of 32.
  *
- * A tile of inputs (Q_TILE) is laid out once for the block, in groups of QB_G = 16: for each
+ * A tile of inputs (Q_TILE) is laid out once for the block, in groups of QB_G = 16, the last
+ * group of a product a part one where 16 does not divide its inputs (q32.c gives the block
+ * those of QB_PART_MIN or more: qb_inputs; the lanes past its inputs zeros, their outputs not
+ * stored, so a batch of 6 to 15 decode rows takes the block too): for each
  * block of 32 values, 8 registers, register q holding values 4q .. 4q + 3 of each of the
  * group's inputs (input i in int32 lane i), with the group's scales d_x and minus the weights'
  * offset times each input's sum over the block (Q8_0 128, Q4_0 8, Q5_0 16). Each row of the
@@ -55,29 +58,39 @@ static size_t qb_room_parts(int k, char *base, qb_room *room) {
     return off;
 }
 
-/* Inputs t .. t + tn - 1 of `in` (tn a multiple of QB_G) into the room's layout: each register
- * one gather of the sixteen inputs' four values, their exact sums by vpdpbusd against ones. */
+/* The inputs of group g of a tile of tn: QB_G, or fewer in a last part group. */
+static inline int qb_live(int tn, int g) {
+    return tn - QB_G * g < QB_G ? tn - QB_G * g : QB_G;
+}
+
+/* Inputs t .. t + tn - 1 of `in` into the room's layout: each register one gather of the
+ * sixteen inputs' four values, their exact sums by vpdpbusd against ones; a last part group's
+ * lanes past tn zeros (values, sums and d_x: their S_b and outputs 0, never stored). */
 AVX512 static void qb_lay_inputs(int shift, const mm_input *in, int t, int tn, const qb_room *x) {
     const int k = in->k, nb = k / QK;
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i at_x = _mm512_mullo_epi32(lane, _mm512_set1_epi32(k));
     const __m512i at_d = _mm512_mullo_epi32(lane, _mm512_set1_epi32(nb));
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int g = 0; g < tn / QB_G; g++) {
+    for (int g = 0; g < (tn + QB_G - 1) / QB_G; g++) {
+        const int live = qb_live(tn, g);
+        const __mmask16 m = (__mmask16)((1u << live) - 1); /* the lanes of live inputs */
         const int8_t *xg = in->xq + (size_t)(t + QB_G * g) * k;
         const float *dg = in->xd + (size_t)(t + QB_G * g) * nb;
         for (int b = 0; b < nb; b++) {
             const size_t gb = (size_t)g * nb + b;
             __m512i sum = _mm512_setzero_si512();
             for (int q = 0; q < QK / 4; q++) {
-                const __m512i v = _mm512_i32gather_epi32(at_x, xg + b * QK + 4 * q, 1);
+                const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at_x,
+                                                              xg + b * QK + 4 * q, 1);
                 _mm512_store_si512((void *)(x->xi + (gb * 8 + q) * 64), v);
                 sum = _mm512_dpbusd_epi32(sum, ones, v);
             }
             _mm512_store_si512(
                 (void *)(x->cx + gb * QB_G),
                 _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, (unsigned)shift)));
-            _mm512_store_ps(x->dxv + gb * QB_G, _mm512_i32gather_ps(at_d, dg + b, 4));
+            _mm512_store_ps(x->dxv + gb * QB_G,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, at_d, dg + b, 4));
         }
     }
 }
@@ -104,10 +117,10 @@ AVX512 static void qb_unpack_row(const int type, const uint8_t *row, int nb, uin
     }
 }
 
-/* R rows (u, dw: nb blocks each) by input group g, into y (its inputs 16 g .. 16 g + 15 of the
- * tile, row 0's column): add_blocks' operations, sixteen outputs a register. */
+/* R rows (u, dw: nb blocks each) by input group g, into y (its inputs 16 g .. 16 g + live - 1
+ * of the tile, row 0's column): add_blocks' operations, sixteen outputs a register. */
 AVX512 INLINE void qb_block_t(const int R, const uint8_t *u, const float *dw, int nb,
-                              const qb_room *x, int g, float *y, size_t ldy) {
+                              const qb_room *x, int g, int live, float *y, size_t ldy) {
     __m512 acc[QB_R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -138,7 +151,7 @@ AVX512 INLINE void qb_block_t(const int R, const uint8_t *u, const float *dw, in
     for (int r = 0; r < R; r++) {
         float out[QB_G];
         _mm512_storeu_ps(out, acc[r]);
-        for (int i = 0; i < QB_G; i++) y[(size_t)(QB_G * g + i) * ldy + r] = out[i];
+        for (int i = 0; i < live; i++) y[(size_t)(QB_G * g + i) * ldy + r] = out[i];
     }
 }
 
@@ -177,7 +190,7 @@ AMX INLINE void qb_amx_sums(const uint8_t *a, size_t astride, const int8_t *xb, 
  * per row qb_block_t's float step; the outputs transposed in registers (store_16x16_512). The
  * tile product of block b + 1 goes while b's sums are read (two buffers). */
 AMX static void qb_block_amx_g(const uint8_t *u, const float *dw, int nb, const qb_room *x, int g,
-                               float *y, size_t ldy) {
+                               int live, float *y, size_t ldy) {
     const size_t astride = (size_t)nb * QK;
     const int8_t *xg = x->xi + (size_t)g * nb * 8 * 64;
     __m512 acc[QB_RA];
@@ -197,7 +210,7 @@ AMX static void qb_block_amx_g(const uint8_t *u, const float *dw, int nb, const 
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(d, _mm512_cvtepi32_ps(S)));
         }
     }
-    store_16x16_512(acc, QB_G, y + (size_t)QB_G * g * ldy, ldy);
+    store_16x16_512(acc, live, y + (size_t)QB_G * g * ldy, ldy);
 }
 
 AMX static void qb_block_amx(const uint8_t *u, const float *dw, int nb, const qb_room *x, int tn,
@@ -208,7 +221,8 @@ AMX static void qb_block_amx(const uint8_t *u, const float *dw, int nb, const qb
     cfg.colsb[2] = QK;
     cfg.rows[3] = QK / 4;
     _tile_loadconfig(&cfg); /* this thread's tiles, each call */
-    for (int g = 0; g < tn / QB_G; g++) qb_block_amx_g(u, dw, nb, x, g, y, ldy);
+    for (int g = 0; g < (tn + QB_G - 1) / QB_G; g++)
+        qb_block_amx_g(u, dw, nb, x, g, qb_live(tn, g), y, ldy);
     _tile_release();
 }
 
@@ -221,7 +235,7 @@ AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out
     qb_room x;
     qb_room_parts(k, mem, &x);
     for (int t0 = 0; t0 < n; t0 += Q_TILE) {
-        const int tn = n - t0 < Q_TILE ? n - t0 : Q_TILE; /* a multiple of QB_G */
+        const int tn = n - t0 < Q_TILE ? n - t0 : Q_TILE; /* the last group a part one or not */
         qb_lay_inputs(shift, in, t0, tn, &x);
         for (int r = 0; r < n_out;) {
             /* AMX: QB_RA rows a tile; the register tiles: QB_R rows, the last rows one at a time */
@@ -235,12 +249,13 @@ AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out
                 r += R;
                 continue;
             }
-            for (int g = 0; g < tn / QB_G; g++) {
+            for (int g = 0; g < (tn + QB_G - 1) / QB_G; g++) {
+                const int live = qb_live(tn, g);
                 float *yg = y + (size_t)t0 * ldy + r;
                 if (R == QB_R)
-                    qb_block_t(QB_R, x.u, x.dw, nb, &x, g, yg, ldy);
+                    qb_block_t(QB_R, x.u, x.dw, nb, &x, g, live, yg, ldy);
                 else
-                    qb_block_t(1, x.u, x.dw, nb, &x, g, yg, ldy);
+                    qb_block_t(1, x.u, x.dw, nb, &x, g, live, yg, ldy);
             }
             r += R;
         }
