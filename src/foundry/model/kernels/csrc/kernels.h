@@ -52,9 +52,10 @@
  * on AVX2; on AVX-512 VNNI each row unpacked once per tile, 6 rows by 16 inputs a register
  * tile; with AMX 16 rows by 16 inputs a tile product, each super-block's scaled values as two
  * byte planes, v = lo + 256 hi, so its L is eight tile products, exact: kquants_512.c; Q8_0,
- * Q4_0 and Q5_0 on AVX-512 VNNI: whole groups of 16 inputs, each row unpacked once per tile,
- * 4 rows by 16 inputs a register tile, a block's S_b of 16 inputs 8 vpdpbusd; with AMX 16 rows
- * by 16 inputs, a block's S_b one tdpbusd: q32_block.c).
+ * Q4_0 and Q5_0 on AVX-512 VNNI: groups of 16 inputs, the last a part one where it holds
+ * QB_PART_MIN inputs or more (zeros in its other lanes; fewer go to small tiles), each row
+ * unpacked once per tile, 4 rows by 16 inputs a register tile, a block's S_b of 16 inputs 8
+ * vpdpbusd; with AMX 16 rows by 16 inputs, a block's S_b one tdpbusd: q32_block.c).
  * Each (row, input) output is still the one definition above, so a row of a block has the bits
  * of that row decoded alone, on every path and machine.
  *
@@ -373,17 +374,21 @@ typedef struct {
 
 /* Inputs a group of the 32-blocks' AVX-512 block (q32_block.c): one int32 lane each of a
  * register. The block takes a product's whole groups and a last part group of QB_PART_MIN or
- * more (zeros in the lanes past it; fewer pay more for the idle lanes than the 4-row tiles of
- * q32_512.c take for them): qb_inputs(n) of its n inputs, the rest go to those tiles. */
+ * more inputs (Q4_0: QB_PART_MIN_Q4), zeros in the lanes past them: qb_inputs(type, n) of its n
+ * inputs, the rest go to the small tiles of q32_512.c, which are faster for fewer (measured on
+ * the VM: docs/quantization.md). */
 #define QB_G 16
 #ifndef QB_PART_MIN
 #define QB_PART_MIN 6
 #endif
-static inline int qb_inputs(int n) {
-    return n % QB_G >= QB_PART_MIN ? n : n - n % QB_G;
+#ifndef QB_PART_MIN_Q4
+#define QB_PART_MIN_Q4 9 /* Q4_0's tiles unpack each row once too (block_q4_512) */
+#endif
+static inline int qb_inputs(int type, int n) {
+    return n % QB_G >= (type == T_Q4_0 ? QB_PART_MIN_Q4 : QB_PART_MIN) ? n : n - n % QB_G;
 }
 /* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
- * than they save): of those that the AVX-512 block leaves (n - qb_inputs(n)) */
+ * than they save): of those that the AVX-512 block leaves (n - qb_inputs(T_Q5_0, n)) */
 #define Q5_WIDEN 8
 
 int mm_alloc(int type, int k, int n, mm_input *in);               /* 0, or -1 when out of memory */

@@ -302,11 +302,11 @@ void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
                int n, float *y, size_t ldy) {
 #if defined(FOUNDRY_X86)
-    if (use_512 && qb_inputs(n) > 0) {
+    if (use_512 && qb_inputs(type, n) > 0) {
         /* groups of QB_G inputs by the block, the last a part one of QB_PART_MIN or more
          * (q32_block.c: each row unpacked once per tile, whatever the type), the rest by the
          * paths below */
-        const int blocked = qb_inputs(n);
+        const int blocked = qb_inputs(type, n);
         if (q32_block_512(type, w, row_bytes, n_out, k, in, blocked, y, ldy) < 0) return -1;
         if (blocked == n) return 0;
         const mm_input rest = mm_from(in, blocked);

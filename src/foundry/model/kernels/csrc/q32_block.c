@@ -1,13 +1,14 @@
 /* The 32-blocks' prefill block on AVX-512 VNNI (Q8_0, Q4_0, Q5_0; theory in kernels.h): the
  * K-quants' block of kquants_512.c for blocks of 32.
  *
- * A tile of inputs (Q_TILE) is laid out once for the block, in groups of QB_G = 16, the last
- * group of a product a part one where 16 does not divide its inputs (q32.c gives the block
- * those of QB_PART_MIN or more: qb_inputs; the lanes past its inputs zeros, their outputs not
- * stored, so a batch of 6 to 15 decode rows takes the block too): for each
+ * A tile of inputs (Q_TILE) is laid out once for the block, in groups of QB_G = 16: for each
  * block of 32 values, 8 registers, register q holding values 4q .. 4q + 3 of each of the
  * group's inputs (input i in int32 lane i), with the group's scales d_x and minus the weights'
- * offset times each input's sum over the block (Q8_0 128, Q4_0 8, Q5_0 16). Each row of the
+ * offset times each input's sum over the block (Q8_0 128, Q4_0 8, Q5_0 16). The last group of
+ * a product may be a part one (q32.c gives the block a part group of QB_PART_MIN inputs or
+ * more, Q4_0 QB_PART_MIN_Q4: qb_inputs): its lanes past the inputs are zeros (values, sums,
+ * d_x), their outputs not stored, so a batch of 6 to 15 decode rows (Q4_0 9 to 15) takes the
+ * block too. Each row of the
  * matrix is unpacked once per tile into unsigned bytes (Q8_0 w + 128 by the sign bit, Q4_0 its
  * stored nibbles 0..15, Q5_0 its five bits 0..31) and its float16 scales as floats. Then a tile
  * of QB_R rows by one group keeps, per row, one register of the block's sums (int32 lane i:
