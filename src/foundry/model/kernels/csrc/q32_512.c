@@ -206,7 +206,8 @@ AVX512 void rows_q4_512(const uint8_t *w, size_t row_bytes, size_t lane_bytes, c
 }
 
 /* A small prefill block on AVX-512, Q8_0 (and Q5_0 widened to it), for the inputs that
- * q32_block.c's groups of 16 leave: R = 4 rows against T <= 4 inputs, each (row, input) add_blocks'
+ * q32_block.c's block leaves (fewer than QB_PART_MIN after its groups of 16; qb_inputs): R = 4
+ * rows against T <= 4 inputs, each (row, input) add_blocks'
  * operations. The rows' weights are turned unsigned once per tile (``wu``: w + 128 by the sign
  * bit, 32 bytes a block) with their float16 scales as floats, each four times (``dw``: block b's
  * at 16 b, row i's in lanes 4i .. 4i + 3), and the inputs' scales block-major (``dx``: block
