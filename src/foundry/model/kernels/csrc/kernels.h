@@ -372,25 +372,6 @@ typedef struct {
     int16_t *s32h, *x32p; /* K-quants: the same as int16; Q6_K: n x k / 2 pair sums x 32 */
 } mm_input;
 
-/* Inputs a group of the 32-blocks' AVX-512 block (q32_block.c): one int32 lane each of a
- * register. The block takes a product's whole groups and a last part group of QB_PART_MIN or
- * more inputs (Q4_0: QB_PART_MIN_Q4), zeros in the lanes past them: qb_inputs(type, n) of its n
- * inputs, the rest go to the small tiles of q32_512.c, which are faster for fewer (measured on
- * the VM: docs/quantization.md). */
-#define QB_G 16
-#ifndef QB_PART_MIN
-#define QB_PART_MIN 6
-#endif
-#ifndef QB_PART_MIN_Q4
-#define QB_PART_MIN_Q4 9 /* Q4_0's tiles unpack each row once too (block_q4_512) */
-#endif
-static inline int qb_inputs(int type, int n) {
-    return n % QB_G >= (type == T_Q4_0 ? QB_PART_MIN_Q4 : QB_PART_MIN) ? n : n - n % QB_G;
-}
-/* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
- * than they save): of those that the AVX-512 block leaves (n - qb_inputs(T_Q5_0, n)) */
-#define Q5_WIDEN 8
-
 int mm_alloc(int type, int k, int n, mm_input *in);               /* 0, or -1 when out of memory */
 void mm_fill(const mm_input *in, const float *x, int t0, int t1); /* inputs t0 .. t1 - 1 */
 mm_input mm_from(const mm_input *in, int t0);                     /* the inputs from t0 on */
@@ -398,6 +379,7 @@ void mm_free(mm_input *in);
 void fill_q32(const mm_input *in, const float *x, int t0, int t1); /* q32.c */
 void fill_q1(const mm_input *in, const float *x, int t0, int t1);  /* q1.c */
 void fill_k(const mm_input *in, const float *x, int t0, int t1);   /* kquants.c */
+int q32_input_type(int type, int n); /* q32.c: mm_input.type (Q5_0 widened for a block) */
 
 /* y (n, ldy): columns 0 .. n_out - 1 of each of its n rows written (the caller's rows of a wider
  * product start at y + their first row; ldy is the whole product's row length), from the

@@ -258,8 +258,7 @@ int mm_alloc(int type, int k, int n, mm_input *in) {
     case T_Q8_0:
     case T_Q4_0:
     case T_Q5_0:
-        if (type == T_Q5_0 && (use_512 ? n - qb_inputs(type, n) : n) >= Q5_WIDEN)
-            in->type = T_Q8_0; /* widened: as Q8_0 */
+        in->type = q32_input_type(type, n);
         ok = (in->xq = malloc(values)) && (in->xd = malloc(values / QK * sizeof(float))) &&
              (in->corr = malloc(values / 4 * sizeof(int32_t)));
 #if defined(FOUNDRY_X86)

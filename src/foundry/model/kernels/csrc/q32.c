@@ -299,6 +299,11 @@ void fill_q32(const mm_input *in, const float *x, int t0, int t1) {
     }
 }
 
+int q32_input_type(int type, int n) {
+    const int rest = use_512 ? n - qb_inputs(type, n) : n;     /* the inputs the block leaves */
+    return type == T_Q5_0 && rest >= Q5_WIDEN ? T_Q8_0 : type; /* widened: as Q8_0 */
+}
+
 int matmul_q32(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const mm_input *in,
                int n, float *y, size_t ldy) {
 #if defined(FOUNDRY_X86)

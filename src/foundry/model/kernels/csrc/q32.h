@@ -20,6 +20,25 @@
 /* Inputs from which Q4_0 on AVX-512 unpacks a tile's rows once (block_q4_512) */
 #define Q4_BLOCK_MIN 4
 
+/* The AVX-512 block of q32_block.c takes of n inputs its groups of QB_G (one int32 lane each of
+ * a register), the last a part one of QB_PART_MIN inputs or more (Q4_0 QB_PART_MIN_Q4):
+ * qb_inputs; fewer are faster by the small tiles of q32_512.c (measured on the VM:
+ * docs/quantization.md). */
+#define QB_G 16
+#ifndef QB_PART_MIN
+#define QB_PART_MIN 6
+#endif
+#ifndef QB_PART_MIN_Q4
+#define QB_PART_MIN_Q4 9 /* Q4_0's small tiles unpack each row once too (block_q4_512) */
+#endif
+static inline int qb_inputs(int type, int n) {
+    return n % QB_G >= (type == T_Q4_0 ? QB_PART_MIN_Q4 : QB_PART_MIN) ? n : n - n % QB_G;
+}
+
+/* Inputs from which a block of Q5_0 products unpacks its weights once (fewer pay more to unpack
+ * than they save): of those that the AVX-512 block leaves */
+#define Q5_WIDEN 8
+
 /* One block of weights as 32 int8 values and its float scale. */
 static inline float unpack_block(int type, const uint8_t *blk, int8_t *q) {
     if (type == T_Q8_0) {
