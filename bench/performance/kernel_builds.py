@@ -6,6 +6,8 @@
         [--tokens 48] [--model-dir /tmp]]
     python bench/performance/kernel_builds.py NAME=PATH.so ... --gguf FILE
         --tensors token_embd.weight:131072,blk.0.ffn_gate.weight [--inputs 1,4,16]
+    python bench/performance/kernel_builds.py NAME=PATH.so ... --gguf FILE
+        --batch 4,8,15 [--steps 8]
 
 Each ``PATH.so`` is a build of ``foundry.model.kernels._kernels`` (e.g. one with
 ``CFLAGS=-DPREFETCH=0 python setup.py build_ext --inplace --force``, copied aside, or the
@@ -32,6 +34,11 @@ interleaved, so a busy machine slows them alike:
    after the other for ``--tokens`` tokens after a 64-token prompt, with f32 (numpy) between
    them as the baseline; medians, and each type's ratio to f32 as
    ``bench/performance/engine.py`` gives it.
+4. With ``--batch`` and ``--gguf``: ms per decode step of R sessions at once (each R of
+   ``--batch``; ``Engine.forward_rows``, one row a session, as a server batches concurrent
+   clients) of the file, each build's engine after the other's for ``--steps`` steps after a
+   16-token prompt each (the same prompts, greedy tokens); medians, each build's speed against
+   the first's, and whether every build chose the same tokens.
 """
 
 from __future__ import annotations
@@ -272,6 +279,48 @@ def decode(builds: dict[str, ModuleType], types: list[str], tokens: int, folder:
         print(f"  {b}: {t:<5} {ms * 1e3:7.2f} ms/token, {harness.ratio(base, ms):.2f}x f32")
 
 
+def batch(builds: dict[str, ModuleType], path: Path, sizes: list[int], steps: int) -> None:
+    engines = {}
+    for b, module in builds.items():  # each build's own engine: a step plan is its module's
+        quant._kernels = module
+        m = load_gguf_stored(path)
+        engines[b] = Engine(m.cfg, m.params, ctx_size=16 + steps + 1)
+        del m
+    first = next(iter(builds))
+    vocab = engines[first].cfg.n_vocab
+    rng = np.random.default_rng(3)
+    print(f"decode steps of R sessions, {path.name}, median of {steps} steps:")
+    for r in sizes:
+        prompts = [[int(t) for t in rng.integers(3, vocab, 16)] for _ in range(r)]
+        sessions, tokens = {}, {}
+        times: dict[str, list[float]] = {b: [] for b in builds}
+        for b in builds:
+            quant._kernels = builds[b]
+            sessions[b] = [engines[b].new_session() for _ in range(r)]
+            logits = engines[b].forward_rows(
+                list(zip(sessions[b], prompts, strict=True)), last_only=True
+            )
+            tokens[b] = [int(t) for t in np.argmax(logits, axis=1)]
+        same = True
+        for _ in range(steps):
+            for b in builds:
+                quant._kernels = builds[b]
+                t0 = time.perf_counter()
+                logits = engines[b].forward_rows(
+                    [(s, [t]) for s, t in zip(sessions[b], tokens[b], strict=True)]
+                )
+                times[b].append(time.perf_counter() - t0)
+                tokens[b] = [int(t) for t in np.argmax(logits, axis=1)]
+            same = same and all(tokens[b] == tokens[first] for b in builds)
+        for b in builds:
+            ms = harness.median(times[b])
+            print(
+                f"  R {r:2d}: {b}: {ms * 1e3:8.2f} ms a step, {r / ms:7.1f} tokens/s, "
+                f"{harness.ratio(harness.median(times[first]), ms):.3f}x {first}"
+            )
+        print(f"  R {r:2d}: {'the same' if same else 'DIFFERENT'} tokens from every build")
+
+
 def main() -> None:
     ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("builds", nargs="+", help="NAME=PATH of each build of the kernels")
@@ -291,6 +340,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="tokens of the --prefill prompt")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the --prefill prompt")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--batch", default=None, help="decode steps of R sessions of --gguf: 4,8,15")
+    ap.add_argument("--steps", type=int, default=8, help="steps of each --batch size")
     ap.add_argument(
         "--huge-pages",
         action="store_true",
@@ -307,7 +358,7 @@ def main() -> None:
             module.use(args.path)
     inputs = [int(n) for n in args.inputs.split(",")]
     if args.gguf is not None:
-        w = file_matrices(args.gguf, args.tensors)
+        w = file_matrices(args.gguf, args.tensors) if args.tensors else {}
     elif args.rows > 0:
         w = random_matrices(
             args.types.split(","), args.rows, args.k, args.huge_pages, np.random.default_rng(0)
@@ -322,6 +373,10 @@ def main() -> None:
         decode(builds, args.decode.split(","), args.tokens, args.model_dir)
     if args.prefill:
         prefill(builds, args.prefill.split(","), args.prompt, args.rounds, args.model_dir)
+    if args.batch:
+        if args.gguf is None:
+            raise SystemExit("--batch needs --gguf")
+        batch(builds, args.gguf, [int(r) for r in args.batch.split(",")], args.steps)
 
 
 if __name__ == "__main__":
