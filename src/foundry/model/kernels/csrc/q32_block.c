@@ -8,15 +8,14 @@
  * a product may be a part one (q32.c gives the block a part group of QB_PART_MIN inputs or
  * more, Q4_0 QB_PART_MIN_Q4: qb_inputs): its lanes past the inputs are zeros (values, sums,
  * d_x), their outputs not stored, so a batch of 6 to 15 decode rows (Q4_0 9 to 15) takes the
- * block too. Each row of the
- * matrix is unpacked once per tile into unsigned bytes (Q8_0 w + 128 by the sign bit, Q4_0 its
- * stored nibbles 0..15, Q5_0 its five bits 0..31) and its float16 scales as floats. Then a tile
- * of QB_R rows by one group keeps, per row, one register of the block's sums (int32 lane i:
- * input i), starting at the group's minus offset x sums, and one of the float sums: per four
- * values one vpdpbusd of the row's four bytes (broadcast) against the group's register, 64
- * products, so the block's exact S_b of sixteen inputs is 8 vpdpbusd; then per block one
- * conversion, the scale products d_w * d_x of the sixteen inputs, one multiplication and one
- * addition: add_blocks' operations, sixteen outputs a register.
+ * block too. Each row of the matrix is unpacked once per tile into unsigned bytes (Q8_0 w + 128
+ * by the sign bit, Q4_0 its stored nibbles 0..15, Q5_0 its five bits 0..31) and its float16
+ * scales as floats. Then a tile of QB_R rows by one group keeps, per row, one register of the
+ * block's sums (int32 lane i: input i), starting at the group's minus offset x sums, and one of
+ * the float sums: per four values one vpdpbusd of the row's four bytes (broadcast) against the
+ * group's register, 64 products, so the block's exact S_b of sixteen inputs is 8 vpdpbusd;
+ * then per block one conversion, the scale products d_w * d_x of the sixteen inputs, one
+ * multiplication and one addition: add_blocks' operations, sixteen outputs a register.
  *
  * With AMX (use_amx) rows go 16 at a time (QB_RA; the rest as above): the rows' unpacked values
  * of a block are the A tile (16 rows x 32 bytes, nb x 32 apart), the group's 8 registers of it
