@@ -14,7 +14,7 @@ tests/test_threads.py does). Each build runs on the same random inputs: the prod
 supported type (one input and blocks of inputs, rows enough for several tasks a thread), the
 pool's attention (one row cut by query heads, one over a window of more than 4096 positions
 cut by positions and value columns, a block of rows), then the decode step's other operations
-(RMSNorm, rotation, router, SiLU x up, attention).
+(RMSNorm, rotation, router, SiLU x up, attention), and the sampler's tokens (``sample.c``).
 """
 
 from __future__ import annotations
@@ -105,13 +105,35 @@ static int attention(FILE *f, FILE *o) {
     return 0;
 }
 
-/* One input: -1 the decode operations, -2 attention, else a product: type k n_out n, the
- * weights, x; out: y */
+/* in: -3 rows vocab, then the rows' logits and their draws (temperature, top_p, u, top_k as
+ * four doubles a row); out: sample_rows' tokens */
+static int sampling(FILE *f, FILE *o) {
+    int h[2];
+    if (fread(h, 4, 2, f) != 2) return 3;
+    const int rows = h[0], v = h[1];
+    float *z = floats(f, (size_t)rows * v);
+    double *a = bytes_of(f, 32 * (size_t)rows);
+    const float **zr = malloc(sizeof *zr * (size_t)rows);
+    sample_args *sa = malloc(sizeof *sa * (size_t)rows);
+    int64_t *out = malloc(8 * (size_t)rows);
+    if (!z || !a || !zr || !sa || !out) return 4;
+    for (int r = 0; r < rows; r++) {
+        zr[r] = z + (size_t)r * v;
+        sa[r] = (sample_args){a[4 * r], a[4 * r + 1], a[4 * r + 2], (int64_t)a[4 * r + 3]};
+    }
+    sample_rows(zr, rows, v, sa, out);
+    fwrite(out, 8, (size_t)rows, o);
+    return 0;
+}
+
+/* One input: -1 the decode operations, -2 attention, -3 sampling, else a product: type k n_out
+ * n, the weights, x; out: y */
 static int run(FILE *f, FILE *o) {
     int hdr[4], values, bytes;
     if (fread(hdr, 4, 1, f) != 1) return 1;
     if (hdr[0] == -1) return decode_ops(f, o);
     if (hdr[0] == -2) return attention(f, o);
+    if (hdr[0] == -3) return sampling(f, o);
     if (fread(hdr + 1, 4, 3, f) != 3) return 1;
     type_block(hdr[0], &values, &bytes);
     size_t rb = (size_t)(hdr[1] / values) * bytes, nx = (size_t)hdr[3] * hdr[1];
@@ -274,6 +296,7 @@ def check(tmp: Path, counts: tuple[int, ...]) -> int:
             ok = same_bits(f"{qtype.name:<5} {n_out} rows x {n:>3}", exes, tmp, here, counts) and ok
     ok = attention(exes, tmp, rng, counts) and ok
     ok = decode_ops(exes, tmp, rng, counts) and ok
+    ok = sampling(exes, tmp, rng, counts) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -355,6 +378,34 @@ def decode_ops(
         tmp,
         here,
         counts,
+    )
+
+
+# sample_rows' cases: (temperature, top_p, top_k), each drawn at several uniforms
+DRAWS = ((0.0, 1.0, 0), (0.8, 1.0, 0), (1.1, 0.9, 0), (0.7, 1.0, 40), (1.3, 0.5, 20))
+SAMPLE_VOCAB = 40_001  # not a multiple of the sampler's blocks of 64
+
+
+def sampling(
+    exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator, counts: tuple[int, ...]
+) -> bool:
+    """sample_rows (the next token of each row: greedy, temperature, top-p, top-k) on every
+    build against this machine's module, so the pair's ranks and a replay draw the same tokens
+    on any machine: rows with masked (-inf) logits among them, each draw at five uniforms."""
+    us = (0.0, 0.25, 0.5, 0.9, 1.0 - 2.0**-53)
+    draws = [(t, p, u, k) for t, p, k in DRAWS for u in us]
+    z = (3 * rng.standard_normal((len(draws), SAMPLE_VOCAB))).astype(np.float32)
+    z[::3, ::7] = -np.inf
+    args = np.array(draws, np.float64)
+    (tmp / "in").write_bytes(
+        np.array([-3, len(draws), SAMPLE_VOCAB], np.int32).tobytes() + z.tobytes() + args.tobytes()
+    )
+    kernels = quant._kernels
+    assert kernels is not None
+    here = np.empty(len(draws), np.int64)
+    kernels.sample_rows(list(z), args, here)
+    return same_bits(
+        f"sampling, {len(draws)} rows of {SAMPLE_VOCAB} tokens", exes, tmp, here.tobytes(), counts
     )
 
 
