@@ -94,11 +94,9 @@ static int64_t last_nonzero(const float *e, int64_t from, int64_t to) {
     return -1;
 }
 
-/* the uncut draw over blocks (see 4.) */
-static int64_t draw_row(const float *e, const double *bsum, int64_t v, double u) {
+/* the uncut draw over blocks (see 4.), total the row's mass (the blocks' added in order) */
+static int64_t draw_row(const float *e, const double *bsum, int64_t v, double total, double u) {
     const int64_t nb = (v + BLOCK - 1) / BLOCK;
-    double total = 0.0;
-    for (int64_t b = 0; b < nb; b++) total = total + bsum[b];
     const double target = u * total;
     double acc = 0.0;
     for (int64_t b = 0; b < nb; b++) {
@@ -117,7 +115,7 @@ static int64_t draw_row(const float *e, const double *bsum, int64_t v, double u)
     return last_nonzero(e, 0, v);
 }
 
-/* top_p alone (see 3.): the kept tokens into kept, their count returned (-1: no memory) */
+/* top_p alone (see 3.): the kept tokens into kept, their count returned */
 static int64_t nucleus(const float *e, int64_t v, double need, cand *kept) {
     double mass[256] = {0};
     for (int64_t i = 0; i < v; i++) {
@@ -144,6 +142,25 @@ static int64_t nucleus(const float *e, int64_t v, double need, cand *kept) {
         if (all >= need) return m;
     }
     return 0;
+}
+
+/* top_k (see 3.): the limit most probable nonzero tokens into kept, by a heap (the worst at
+ * its root), then in the draw's order */
+static void keep_top_k(const float *e, int64_t v, int64_t limit, cand *kept) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < v; i++) {
+        if (!(e[i] > 0.0f)) continue;
+        const cand c = {e[i], i};
+        if (n < limit) {
+            kept[n++] = c;
+            if (n == limit)
+                for (int64_t j = n / 2 - 1; j >= 0; j--) sift_down(kept, n, j);
+        } else if (before(c, kept[0])) {
+            kept[0] = c;
+            sift_down(kept, n, 0);
+        }
+    }
+    qsort(kept, (size_t)n, sizeof *kept, cmp_cand);
 }
 
 /* 1.'s pass: the largest logit, and whether any is NaN or +inf (a maximum is exact in any order;
@@ -267,41 +284,25 @@ int64_t sample_row(const float *z, int64_t v, const sample_args *a) {
     const double inv = 1.0 / a->temperature;
     const int64_t nonzero = row_probs(z, v, top, inv < FLT_MAX ? (float)inv : FLT_MAX, e, bsum);
     const int64_t limit = a->top_k == 0 || a->top_k > nonzero ? nonzero : a->top_k;
-    int64_t token;
-    if (limit == nonzero && a->top_p >= 1.0) {
-        token = draw_row(e, bsum, v, a->u);
-    } else {
-        cand *kept = malloc((size_t)(limit < nonzero ? limit : nonzero) * sizeof *kept);
-        if (kept == NULL) return SAMPLE_NO_MEMORY;
-        int64_t n;
-        if (limit < nonzero) {
-            n = 0;
-            for (int64_t i = 0; i < v; i++) {
-                if (!(e[i] > 0.0f)) continue;
-                const cand c = {e[i], i};
-                if (n < limit) {
-                    kept[n++] = c;
-                    if (n == limit)
-                        for (int64_t j = n / 2 - 1; j >= 0; j--) sift_down(kept, n, j);
-                } else if (before(c, kept[0])) {
-                    kept[0] = c;
-                    sift_down(kept, n, 0);
-                }
-            }
-            qsort(kept, (size_t)n, sizeof *kept, cmp_cand);
-            if (a->top_p < 1.0) {
-                double mass = 0.0;
-                for (int64_t i = 0; i < n; i++) mass = mass + (double)kept[i].e;
-                n = reach(kept, n, a->top_p * mass);
-            }
-        } else {
-            double s = 0.0;
-            for (int64_t b = 0; b < nb; b++) s = s + bsum[b];
-            n = nucleus(e, v, a->top_p * s, kept);
+    double mass = 0.0; /* the row's, the blocks' added in order */
+    for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
+    if (limit == nonzero && a->top_p >= 1.0) return draw_row(e, bsum, v, mass, a->u);
+    cand *kept = malloc((size_t)limit * sizeof *kept);
+    if (kept == NULL) return SAMPLE_NO_MEMORY;
+    int64_t n;
+    if (limit < nonzero) {
+        keep_top_k(e, v, limit, kept);
+        n = limit;
+        if (a->top_p < 1.0) {
+            double kept_mass = 0.0;
+            for (int64_t i = 0; i < n; i++) kept_mass = kept_mass + (double)kept[i].e;
+            n = reach(kept, n, a->top_p * kept_mass);
         }
-        token = draw_kept(kept, n, a->u);
-        free(kept);
+    } else {
+        n = nucleus(e, v, a->top_p * mass, kept);
     }
+    const int64_t token = draw_kept(kept, n, a->u);
+    free(kept);
     return token;
 }
 
