@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,8 @@ from hypothesis.extra.numpy import arrays
 
 from foundry.model.infer.sampling import (
     SamplingError,
+    combine_tops,
+    greedy_tops,
     kept_tokens,
     logprobs,
     make_rng,
@@ -31,6 +35,44 @@ def test_greedy_takes_the_first_maximum() -> None:
     assert sample(np.array([0.1, 2.0, -1.0, 2.0]), temperature=0.0) == 1
     assert sample(np.array([5.0]), temperature=0.0) == 0
     assert sample(np.array([-np.inf, -3.0, -np.inf]), temperature=0.0) == 1
+
+
+# Rows with the values that decide a greedy pick: ties, -0 and +0, -inf, NaN and +inf.
+special_rows = arrays(
+    np.float32,
+    st.tuples(st.integers(1, 6), st.integers(2, 60)),
+    elements=st.one_of(
+        st.sampled_from([0.0, -0.0, 1.0, 3.0, -np.inf]),
+        st.floats(-5, 5, width=32),
+        st.sampled_from([np.nan, np.inf]),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=special_rows, cuts=st.lists(st.integers(1, 59), max_size=4), kernels=st.booleans())
+def test_row_tops_of_vocabulary_blocks_combine_to_the_greedy_token_of_the_row(
+    rows: np.ndarray, cuts: list[int], kernels: bool
+) -> None:
+    """A row cut into vocabulary blocks (a tensor-parallel rank's each), each reduced to its
+    greedy_tops (by the C kernels, or numpy without them) and combined in order, gives what
+    sample(row, 0) gives the whole row: the first maximum, or the same error (NaN or +inf
+    anywhere; -inf everywhere)."""
+    edges = sorted({0, rows.shape[1], *(c for c in cuts if c < rows.shape[1])})
+    blocks = []
+    with pytest.MonkeyPatch.context() as mp:
+        if not kernels:
+            mp.setattr("foundry.model.infer.sampling._kernels", None)
+        for lo, hi in itertools.pairwise(edges):
+            values, tokens = greedy_tops(rows[:, lo:hi])
+            blocks.append((values, [t + lo if t >= 0 else t for t in tokens]))
+    picks = combine_tops(blocks)
+    for row, pick in zip(rows, picks, strict=True):
+        try:
+            want: int | str = sample(row, 0.0)
+        except SamplingError as exc:
+            want = str(exc)
+        assert (str(pick) if isinstance(pick, SamplingError) else pick) == want
 
 
 def test_rows_drawn_together_give_each_rows_own_token_and_error() -> None:

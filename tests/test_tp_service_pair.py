@@ -102,11 +102,30 @@ def test_pair_logits_equal_one_process(model: Path, tmp_path: Path, dtype: FileD
 
 
 def test_greedy_text_over_the_frontend_equals_one_process(model: Path, pair: LeaderProc) -> None:
+    """Greedy passes ask the worker for its rows' greedy picks (ROW_TOPS), not its logits: the
+    same tokens as one process, by speculative VERIFY blocks and the prompt's SYNC alike; a
+    request with logprobs still gets the full rows."""
+    assert pair.metrics is not None
     ref = reference_greedy(model, PROMPT, 64, CHUNK)
+
+    def replies() -> tuple[float, float]:
+        assert pair.metrics is not None
+        name = "foundry_tp_row_replies_total"
+        return metric(pair.metrics, name + '{kind="row_tops"}'), metric(
+            pair.metrics, name + '{kind="logits"}'
+        )
+
+    tops0, logits0 = replies()
     with Client(pair.frontend) as c:
         got = c.generate(PROMPT, 64)
         st = c.status()
+        tops1, logits1 = replies()
+        with_logprobs = c.generate(PROMPT, 8, request_id=2, logprobs=True, top_logprobs=2)
+    tops2, logits2 = replies()
     assert got.tokens == ref.tokens and got.text == decode(ref.tokens)
+    assert tops1 - tops0 >= 1 and logits1 == logits0  # every pass of it by its rows' tops
+    assert with_logprobs.tokens == ref.tokens[:8]
+    assert logits2 - logits1 >= 1 and tops2 == tops1
     n_prompt = len(PROMPT) + 1
     assert got.positions == list(range(n_prompt, n_prompt + 64))
     assert st.worker_connected and st.shared_memory and st.requests_served >= 1

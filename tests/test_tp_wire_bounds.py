@@ -121,6 +121,8 @@ def test_every_logits_reply_of_the_pair_fits_the_bound(
     assert _logits_header_accepted(limit, drafts + 1, half)  # a VERIFY block
     assert _logits_header_accepted(limit, min(batch, max_sessions), half)  # EVAL_BATCH
     assert _logits_header_accepted(limit, rows, half)
+    tops = tp.encode(tp.RowTops(values=(0.0,) * rows, tokens=(0,) * rows))  # the greedy reply
+    assert decode_all(tops, max_payload=limit)[0].TYPE is FrameType.ROW_TOPS
     largest_logits = 4 + 4 * rows * half
     assert limit >= largest_logits
     if limit == largest_logits:
@@ -307,7 +309,7 @@ def test_payload_size_rules_of_every_frame() -> None:
         "HASH": (8, 0), "LOGITS": (4, 4), "VERIFY": (4, 4), "VERIFY_COMMIT": (8, 0),
         "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
         "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
-        "WORLD": (0, 28),
+        "WORLD": (0, 28), "ROW_TOPS": (4, 8),
     }  # fmt: skip
 
 
@@ -326,7 +328,16 @@ def test_payload_length_messages_exact() -> None:
         (header(FrameType.SYNC, 6), "SYNC payload must be 0 + a multiple of 4 bytes, got 6"),
         (
             header(FrameType.EVAL, 4, flags=1, reserved=2),
-            "EVAL: header flags 0x1 / reserved 2 must be 0 in protocol version 2",
+            "EVAL: header flags 0x1 / reserved 2 must be 0 or 0x1 (ROW_TOPS) / 0 in protocol "
+            "version 2",
+        ),
+        (
+            header(FrameType.STOP, 0, flags=1),
+            "STOP: header flags 0x1 / reserved 0 must be 0 in protocol version 2",
+        ),
+        (
+            header(FrameType.ROW_TOPS, 12) + bytes.fromhex("02000000 0000803f 07000000"),
+            "ROW_TOPS says 2 rows but its payload is 12 bytes (expected 20)",
         ),
         (header(99, 0), "unknown frame type 99"),
         (

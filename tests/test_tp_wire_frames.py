@@ -30,6 +30,7 @@ from foundry.wire.tp import (
     MixedBatch,
     Rewind,
     Role,
+    RowTops,
     SessionCreate,
     SessionDestroy,
     Stop,
@@ -119,6 +120,35 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 0100 bc1b 00000000000000000000ffff7f000001 0201000000000000"
         " 0200 bd1b 00000000000000000000ffff7f000002 cdab000000000000",
     ),
+    (
+        RowTops(session_id=1, seq=4, values=(1.5, 0.0, 0.0), tokens=(7, -1, -2)),
+        "44545034 21 00 0000 0100000000000000 0400000000000000 1c000000 03000000"
+        " 0000c03f 07000000 00000000 ffffffff 00000000 feffffff",
+    ),
+]
+# The header flag ROW_TOPS (0x01) on the commands answered with logits rows.
+ROW_TOPS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
+    (
+        Eval(session_id=9, seq=3, token=5, row_tops=True),
+        "44545034 02 01 0000 0900000000000000 0300000000000000 04000000 05000000",
+    ),
+    (
+        EvalBatch(items=(BatchItem(5, 65),), row_tops=True),
+        "44545034 0f 01 0000 0000000000000000 0000000000000000 10000000"
+        " 0500000000000000 41000000 00000000",
+    ),
+    (
+        Sync(session_id=1, tokens=(1,), row_tops=True),
+        "44545034 01 01 0000 0100000000000000 0000000000000000 04000000 01000000",
+    ),
+    (
+        Verify(session_id=1, drafts=(10,), row_tops=True),
+        "44545034 0b 01 0000 0100000000000000 0000000000000000 08000000 00000000 0a000000",
+    ),
+    (
+        MixedBatch(session_id=7, prompt=(1,), items=(), row_tops=True),
+        "44545034 10 01 0000 0700000000000000 0000000000000000 0c000000 01000000 00000000 01000000",
+    ),
 ]
 FRAMES = [frame for frame, _ in GOLDEN]
 
@@ -143,6 +173,7 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
         "RDMA_POSTED": 20, "GLM_MTP": 21, "SYNC_CHECKPOINT": 22, "DSPARK_DRAFT": 23,
         "SPEC_RESTORE": 24,
         "WORLD": 32,  # Foundry's extension for N ranks, clear of the seed's numbers
+        "ROW_TOPS": 33,  # Foundry's extension: a worker's rows' greedy tops
     }  # fmt: skip
     assert {t.name: t.value for t in FrameType} == seed
     assert {f.TYPE for f in FRAMES} == set(tp.FRAME_CLASSES)
@@ -152,6 +183,28 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
 def test_frame_golden_bytes(frame: tp.ControlFrame, golden: str) -> None:
     assert encode(frame) == bytes.fromhex(golden)
     assert decode_all(bytes.fromhex(golden)) == [frame]
+
+
+@pytest.mark.parametrize(
+    ("frame", "golden"), ROW_TOPS_GOLDEN, ids=[f.TYPE.name for f, _ in ROW_TOPS_GOLDEN]
+)
+def test_row_tops_flag_golden_bytes(frame: tp.ControlFrame, golden: str) -> None:
+    assert frame.ROWS_REPLY and frame.row_tops
+    assert encode(frame) == bytes.fromhex(golden)
+    assert decode_all(bytes.fromhex(golden)) == [frame]
+
+
+def test_row_tops_flag_only_on_commands_answered_with_rows() -> None:
+    assert {t for t, c in tp.FRAME_CLASSES.items() if c.ROWS_REPLY} == {
+        FrameType.SYNC, FrameType.EVAL, FrameType.VERIFY, FrameType.EVAL_BATCH,
+        FrameType.MIXED_BATCH,
+    }  # fmt: skip
+    with pytest.raises(LocalProtocolError, match="row_tops"):
+        Stop(row_tops=True)
+    with pytest.raises(LocalProtocolError, match="row_tops"):
+        RowTops(values=(1.0,), tokens=(0,), row_tops=True)
+    with pytest.raises(LocalProtocolError, match="1 values and 2 tokens"):
+        RowTops(values=(1.0,), tokens=(0, 1))
 
 
 def test_decoder_whole_then_byte_by_byte_then_trailing() -> None:
@@ -217,7 +270,9 @@ def test_a_payload_received_into_its_room_is_the_frame_fed() -> None:
     [
         (b"XXXX" + bytes(24), "bad frame magic"),
         (header(99, 0), "unknown frame type 99"),
-        (header(FrameType.EVAL, 4, flags=1), "flags"),
+        (header(FrameType.EVAL, 4, flags=2), "flags 0x2"),
+        (header(FrameType.STOP, 0, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
+        (header(FrameType.LOGITS, 4, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
         (header(FrameType.EVAL, 4, reserved=2), "reserved"),
         (header(FrameType.EVAL, 5), "EVAL payload must be exactly 4 bytes, got 5"),
         (header(FrameType.STOP, 1), "STOP payload must be exactly 0"),
@@ -257,6 +312,10 @@ def test_reserved_seed_frame_types_are_errors(code: FrameType) -> None:
         (header(FrameType.EVAL_BATCH, 16) + bytes(12) + b"\x01\x00\x00\x00", "reserved"),
         (header(FrameType.VERIFY, 4) + bytes(4), "1..8 rows"),
         (header(FrameType.VERIFY, 8) + bytes.fromhex("08000000 01000000"), "unknown bits"),
+        (header(FrameType.ROW_TOPS, 12) + bytes.fromhex("02000000 0000803f 07000000"),
+         "says 2 rows"),
+        (header(FrameType.ROW_TOPS, 12) + bytes.fromhex("01000000 00000000 fdffffff"),
+         "tokens"),
     ],
 )  # fmt: skip
 def test_bad_payload_rejected(data: bytes, message: str) -> None:

@@ -11,12 +11,13 @@ turns; llama.cpp's ``llama-batched-bench`` on the same file in the same run as t
    processes (``--rank-args`` goes to both ranks, e.g. their thread counts), then for each
    client count N: N gRPC streams at once (``InferenceService.Generate``), each a different
    prompt of about 32 tokens and ``--tokens`` tokens, sampled at temperature 0.8 with a seed per
-   client (so no stream ends at the first end-of-text). Aggregate tokens/s is every stream's
-   tokens over the wall time from the first request to the last token (the prompts' prefill
-   included); its generation rate is the tokens that arrive after every stream has its first
-   one, over the time from then to the last token (the prompts done, as llama-batched-bench's
-   S_TG); time to first token (TTFT) is per stream from its request; inter-token latency (ITL)
-   is the gap between a stream's consecutive tokens (a message of k tokens counts k gaps of its
+   client (so no stream ends at the first end-of-text; ``--temperature 0`` makes it greedy).
+   Aggregate tokens/s is every stream's tokens over the wall time from the first request to
+   the last token (the prompts' prefill included); its generation rate is the tokens that
+   arrive after every stream has its first one, over the time from then to the last token
+   (the prompts done, as llama-batched-bench's S_TG); time to first token (TTFT) is per
+   stream from its request; inter-token latency (ITL) is the gap between a stream's
+   consecutive tokens (a message of k tokens counts k gaps of its
    gap / k). p50 and p99 of each.
 2. **Baseline.** With ``--llama-batched-bench``, llama.cpp runs the same file with
    ``-t --llama-threads -npp 32 -ntg TOKENS -npl N`` for the same client counts. Each of the two
@@ -208,12 +209,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_stream(
-    stub: inference_pb2_grpc.InferenceServiceStub, prompt: str, tokens: int, seed: int
+    stub: inference_pb2_grpc.InferenceServiceStub,
+    prompt: str,
+    tokens: int,
+    seed: int,
+    temperature: float = 0.8,
 ) -> tuple[int, float, list[float], float, list[tuple[float, int]]]:
     """(tokens, TTFT, inter-token gaps, finish time, (arrival, tokens) of each message) of one
     streamed generation."""
     request = inference_pb2.GenerateRequest(
-        prompt=prompt, max_tokens=tokens, temperature=0.8, seed=seed
+        prompt=prompt, max_tokens=tokens, temperature=temperature, seed=seed
     )
     t0 = time.perf_counter()
     last = first = 0.0
@@ -236,7 +241,9 @@ async def one_stream(
     return n, first, gaps, last, arrivals
 
 
-async def load(grpc_address: str, clients: int, tokens: int) -> dict[str, float]:
+async def load(
+    grpc_address: str, clients: int, tokens: int, temperature: float = 0.8
+) -> dict[str, float]:
     async with grpc.aio.insecure_channel(grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         await one_stream(stub, "Warm up: ", 4, 0)
@@ -247,7 +254,7 @@ async def load(grpc_address: str, clients: int, tokens: int) -> dict[str, float]
         ]
         t0 = time.perf_counter()
         runs = await asyncio.gather(
-            *(one_stream(stub, p, tokens, 1 + i) for i, p in enumerate(prompts))
+            *(one_stream(stub, p, tokens, 1 + i, temperature) for i, p in enumerate(prompts))
         )
     n = sum(r[0] for r in runs)
     end = max(r[3] for r in runs)
@@ -398,11 +405,23 @@ def main() -> int:
     ap.add_argument(
         "--turns", type=int, default=10, help="chat turns of the reuse check (0: skip it)"
     )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="the load's sampling temperature (default 0.8; 0: greedy, the workers then send "
+        "their rows' greedy picks instead of their logits, and one client decodes "
+        "speculatively)",
+    )
     harness.add_json_flag(ap)
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     rank_args = shlex.split(args.rank_args)
-    results: dict[str, object] = {"model": str(args.model), "rank_args": args.rank_args}
+    results: dict[str, object] = {
+        "model": str(args.model),
+        "rank_args": args.rank_args,
+        "temperature": args.temperature,
+    }
     ok = True
     with tempfile.TemporaryDirectory(prefix="foundry-serve-load-") as tmp:
         work = Path(tmp)
@@ -411,7 +430,7 @@ def main() -> int:
             stack.wait_ready()
             rows = []
             for n in clients:
-                rows.append(asyncio.run(load(stack.grpc, n, args.tokens)))
+                rows.append(asyncio.run(load(stack.grpc, n, args.tokens, args.temperature)))
                 print(
                     f"  measured {n} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True
                 )
@@ -441,7 +460,7 @@ def main() -> int:
     )
     print(
         f"{args.model.name}, ranks {args.rank_args or '(default flags)'}, {args.tokens} tokens "
-        "a stream, gRPC through the gateway:"
+        f"a stream at temperature {args.temperature:g}, gRPC through the gateway:"
     )
     print(
         "          whole run (prompts included)   generation (S_TG)\n"

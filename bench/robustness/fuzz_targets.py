@@ -533,6 +533,10 @@ class TpWorkerPortTarget(Target):
                     for i in range(1, r.randrange(3, 6))
                 )
             ),
+            tp.FrameType.ROW_TOPS: lambda: tp.RowTops(
+                values=tuple(r.uniform(-9, 9) for _ in toks),
+                tokens=tuple(r.randrange(-2, 259) for _ in toks),
+            ),
         }
         return ftype.name, tp.encode(build[ftype]()), TP_FRAME
 

@@ -261,6 +261,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="debug: after every step both ranks compare a hash of their state",
     )
     lead.add_argument(
+        "--no-row-tops",
+        dest="row_tops",
+        action="store_false",
+        help="greedy passes ship the workers' logits too, instead of each row's greedy pick "
+        "(ROW_TOPS, docs/protocol.md); the same tokens, for comparison",
+    )
+    lead.add_argument(
         "--frontend-max-connections",
         type=positive_int,
         default=64,
@@ -363,6 +370,7 @@ def run_leader(args: argparse.Namespace) -> int:
             spec_mode=SpecMode(args.spec_mode),
             max_draft=args.max_draft,
             hash_check=args.hash_check,
+            row_tops=args.row_tops,
             shm=not args.no_shm,
             gate_timeout_s=args.gate_timeout,
             control_timeout_s=args.gate_timeout,

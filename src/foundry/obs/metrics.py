@@ -456,6 +456,13 @@ class TpMetrics:
             ["direction"],
             registry=r,
         )
+        self.row_replies = Counter(
+            "foundry_tp_row_replies_total",
+            "Commands answered with logits rows, by what the workers sent: logits (their "
+            "blocks of the rows) or row_tops (each row's greedy pick; leader).",
+            ["kind"],
+            registry=r,
+        )
         self.active_sessions = Gauge(
             "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
         )
@@ -519,6 +526,8 @@ class TpMetrics:
         for direction in ("sent", "received"):
             self.gate_bytes.labels(direction)
             self.control_bytes.labels(direction)
+        for kind in ("logits", "row_tops"):
+            self.row_replies.labels(kind)
         for phase in ("prefill", "decode"):
             self.tokens.labels(phase)
         for outcome in TP_OUTCOMES:

@@ -3,8 +3,9 @@
 ``PairCommands.run`` sends a command (``lockstep.COMMANDS``) to the workers, runs the same
 ``RankState`` call here and collects the workers' replies: the acknowledgements (a session
 refused by one rank is closed again on those that opened it), the workers' blocks of the
-logits joined to the leader's, the prefill checkpoints every rank agrees on, and the debug
-state hash.
+logits joined to the leader's (or, for a command sent with ``row_tops``, their rows' greedy
+tops combined with the leader's: ``picks``), the prefill checkpoints every rank agrees on, and
+the debug state hash.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.infer.sampling import SamplingError, Tops, combine_tops, greedy_tops
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import ACK_ACCEPTED
 from foundry.tp.link import ControlLink, LinkError
@@ -27,6 +29,7 @@ from foundry.wire.tp import (
     FrameType,
     Hash,
     Logits,
+    RowTops,
     SessionCreate,
     SessionDestroy,
     Stop,
@@ -129,6 +132,47 @@ class PairCommands:
         """One command on both ranks (``lockstep.COMMANDS``): send it to the worker, run the
         same RankState call here (unless done already, ``here=False``), collect the worker's
         reply. The full logits rows when the command returned rows, else None."""
+        assert not frame.row_tops, "a command sent with row_tops is run by picks()"
+        rows = self._command(frame, checkpoint, here)
+        if rows is None:
+            return None
+        self.metrics.row_replies.labels("logits").inc()
+        return self.join(rows)
+
+    def picks(
+        self, frame: ControlFrame, checkpoint: Checkpoint | None = None
+    ) -> list[int | SamplingError] | None:
+        """``run`` of a command sent with ``row_tops`` (every row drawn greedily and read by
+        nothing else): each row's greedy token, or the SamplingError of a row that cannot
+        give one, from the leader's own block and the workers' ROW_TOPS, none of the
+        workers' logits shipped. None when a SYNC was cancelled."""
+        assert frame.row_tops, "picks() runs a command sent with row_tops"
+        rows = self._command(frame, checkpoint, True)
+        if rows is None:
+            return None
+        self.metrics.row_replies.labels("row_tops").inc()
+        blocks: list[Tops] = [greedy_tops(rows)]
+        offset = rows.shape[1]
+        for rank, (link, width) in enumerate(
+            zip(self.links, self.worker_vocab, strict=True), start=1
+        ):
+            tops = self._reply(rank, link, FrameType.ROW_TOPS, "the worker's row tops")
+            assert isinstance(tops, RowTops)
+            if len(tops.tokens) != rows.shape[0] or max(tops.tokens, default=0) >= width:
+                raise LinkError(
+                    f"rank {rank} sent the tops of {len(tops.tokens)} rows (largest index "
+                    f"{max(tops.tokens, default=0)}), expected {rows.shape[0]} rows of its "
+                    f"{width} tokens"
+                )
+            blocks.append((tops.values, [t + offset if t >= 0 else t for t in tops.tokens]))
+            offset += width
+        return combine_tops(blocks)
+
+    def _command(
+        self, frame: ControlFrame, checkpoint: Checkpoint | None, here: bool
+    ) -> F32 | None:
+        """Send ``frame`` to every worker, run it here, take the acknowledgements; this
+        rank's logits rows when the command returns rows (their reply still to be read)."""
         command = COMMANDS[frame.TYPE]
         self.send_all(frame)
         rows = command.run(self.state, frame, checkpoint) if here else None
@@ -154,15 +198,24 @@ class PairCommands:
                     for link in opened:
                         link.send(SessionDestroy(session_id=frame.session_id))
                 raise SessionRefused(f"{', '.join(refused)} could not open a session; see its log")
-        if command.reply is Reply.LOGITS and rows is not None:
-            return self.join(rows)
-        return None
+        return rows if command.reply is Reply.LOGITS else None
 
     def rows(self, frame: ControlFrame) -> F32:
         """``run`` of a command that always returns rows."""
         rows = self.run(frame)
         assert rows is not None
         return rows
+
+    def _reply(self, rank: int, link: ControlLink, ftype: FrameType, what: str) -> Logits | RowTops:
+        """A worker's LOGITS or ROW_TOPS of this step."""
+        frame = link.expect(ftype, what)
+        assert isinstance(frame, Logits | RowTops)
+        if frame.seq != self.state.step:
+            raise LinkError(
+                f"rank {rank} sent the {ftype.name} of step {frame.seq}, this rank is "
+                f"at step {self.state.step}; the ranks are out of step"
+            )
+        return frame
 
     def join(self, mine: F32) -> F32:
         """Our logits rows joined with every worker's block of the same rows, rank order."""
@@ -171,13 +224,8 @@ class PairCommands:
         for rank, (link, width) in enumerate(
             zip(self.links, self.worker_vocab, strict=True), start=1
         ):
-            frame = link.expect(FrameType.LOGITS, "the worker's half of the logits")
+            frame = self._reply(rank, link, FrameType.LOGITS, "the worker's half of the logits")
             assert isinstance(frame, Logits)
-            if frame.seq != self.state.step:
-                raise LinkError(
-                    f"rank {rank} sent the logits of step {frame.seq}, this rank is "
-                    f"at step {self.state.step}; the ranks are out of step"
-                )
             block = frame.array()
             if block.size != rows * width:
                 raise LinkError(

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from foundry.model.infer.engines import make_engine
-from foundry.model.infer.sampling import SamplingError, sample
+from foundry.model.infer.sampling import SamplingError, combine_tops, greedy_tops
 from foundry.model.shard.shares import Shares, share_blocks
 from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
@@ -365,8 +365,8 @@ class LeaderEngine(EngineTokens):
 
     def _prefill_alone(self, req: Request) -> None:
         meet = self.commands.checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
-        full = self.commands.run(Sync(session_id=req.sid, tokens=tuple(req.prompt)), meet)
-        if full is None:
+        drawn = self._command(Sync(session_id=req.sid, tokens=tuple(req.prompt)), [req], meet)
+        if drawn is None:
             assert req.session is not None
             log.info(
                 "request %d: prefill cancelled at position %d of %d; both ranks stopped "
@@ -380,36 +380,41 @@ class LeaderEngine(EngineTokens):
             self._finish(req, fw.DoneReason.CANCELLED)
             return
         self.sched.prefilled(req)
-        self._sample([req], [full[0]])
+        self._take([req], drawn, [0])
 
     def _mixed(self, prefill: Request, decoding: list[Request]) -> None:
         s = prefill.session
         assert s is not None
         end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
         chunk = prefill.prompt[s.pos : end]
-        full = self.commands.rows(
-            MixedBatch(
-                session_id=prefill.sid,
-                prompt=tuple(chunk),
-                items=tuple(BatchItem(r.sid, r.next_token) for r in decoding),
-            )
+        frame = MixedBatch(
+            session_id=prefill.sid,
+            prompt=tuple(chunk),
+            items=tuple(BatchItem(r.sid, r.next_token) for r in decoding),
         )
         # Rows: the chunk's last, then one for each decoding request.
+        later = list(range(1, len(decoding) + 1))
         if end < len(prefill.prompt):
-            self._sample(decoding, list(full[1:]))
+            drawn = self._command(frame, decoding)
+            assert drawn is not None
+            self._take(decoding, drawn, later)
         else:
+            drawn = self._command(frame, [*decoding, prefill])
+            assert drawn is not None
             self.sched.prefilled(prefill)
-            self._sample([*decoding, prefill], [*full[1:], full[0]])
+            self._take([*decoding, prefill], drawn, [*later, 0])
 
     def _eval(self, req: Request) -> None:
-        full = self.commands.rows(
-            Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token)
-        )
-        self._sample([req], [full[0]])
+        frame = Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token)
+        drawn = self._command(frame, [req])
+        assert drawn is not None
+        self._take([req], drawn, [0])
 
     def _eval_batch(self, decoding: list[Request]) -> None:
         items = tuple(BatchItem(r.sid, r.next_token) for r in decoding)
-        self._sample(decoding, list(self.commands.rows(EvalBatch(items=items))))
+        drawn = self._command(EvalBatch(items=items), decoding)
+        assert drawn is not None
+        self._take(decoding, drawn, range(len(decoding)))
 
     def _drafts(self, req: Request) -> list[int]:
         """The drafter's guess at the tokens after a greedy request's next one ([]: none)."""
@@ -430,13 +435,19 @@ class LeaderEngine(EngineTokens):
         mode = self.spec_mode
         block = [req.next_token, *drafts]
         pos0 = s.pos
-        full = self.commands.rows(Verify(session_id=req.sid, drafts=tuple(block)))
-        self._hook(req, full)
-        try:
-            verified = [sample(row, 0.0) for row in full]
-        except SamplingError as exc:  # the uncommitted block goes with the session
-            self._broken_logits(req, exc)
+        drawn = self._command(Verify(session_id=req.sid, drafts=tuple(block)), [req])
+        assert drawn is not None
+        if drawn.rows is not None:
+            self._hook(req, drawn.rows)
+            picks = combine_tops([greedy_tops(drawn.rows)])
+        else:
+            assert drawn.picks is not None
+            picks = drawn.picks
+        broken = next((p for p in picks if isinstance(p, SamplingError)), None)
+        if broken is not None:  # the uncommitted block goes with the session
+            self._broken_logits(req, broken)
             return
+        verified = [p for p in picks if not isinstance(p, SamplingError)]
         accepted = accepted_drafts(drafts, verified)
         plan = commit_plan(mode, len(drafts), accepted)
         self.commands.run(
@@ -450,7 +461,8 @@ class LeaderEngine(EngineTokens):
         m.spec_commits.labels(plan.mode.name.lower()).inc()
         new = [*drafts[:accepted], verified[accepted]]
         for i, token in enumerate(new):
-            if not self._accept(req, token, pos0 + 1 + i, full[i]):
+            row = None if drawn.rows is None else drawn.rows[i]
+            if not self._accept(req, token, pos0 + 1 + i, row):
                 break
 
     def _account(self, touched: list[Request], seconds: float) -> None:

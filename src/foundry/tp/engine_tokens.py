@@ -6,9 +6,11 @@ the clients gathered in a step and delivered once. Built on the sessions of ever
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -16,13 +18,24 @@ import numpy.typing as npt
 from foundry.model.infer.sampling import SamplingError, logprobs, sample_rows
 from foundry.tp.engine_sessions import EngineSessions
 from foundry.tp.frontend_server import Request
+from foundry.tp.lockstep import Checkpoint
 from foundry.wire import frontend as fw
+from foundry.wire.tp import ControlFrame
 
 log = logging.getLogger("foundry.tp.leader")
 
 F32 = npt.NDArray[np.float32]
 # (request id, the full logits rows the leader sampled from in one step): a debug hook.
 LogitsHook = Callable[[int, F32], None]
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """What a command's rows gave the leader: the full logits rows, or (sent with
+    ``row_tops``) each row's greedy token already."""
+
+    rows: F32 | None = None
+    picks: list[int | SamplingError] | None = None
 
 
 class EngineTokens(EngineSessions):
@@ -36,6 +49,42 @@ class EngineTokens(EngineSessions):
     def _hook(self, req: Request, rows: F32) -> None:
         if self.logits_hook is not None:
             self.logits_hook(req.frame.request_id, rows)
+
+    def _greedy(self, reqs: Sequence[Request]) -> bool:
+        """Whether each of ``reqs`` takes its row's greedy token and nothing else reads the
+        row (no logprobs, no logits hook; ``--no-row-tops`` not given): their command is then
+        sent with ``row_tops``."""
+        return (
+            self.options.row_tops
+            and self.logits_hook is None
+            and all(r.frame.temperature == 0.0 and not r.frame.logprobs for r in reqs)
+        )
+
+    def _command(
+        self, frame: ControlFrame, reqs: Sequence[Request], checkpoint: Checkpoint | None = None
+    ) -> Drawn | None:
+        """Run a command whose rows ``reqs`` draw from: with ``row_tops`` when every one of
+        them is greedy (``_greedy``; the workers send their rows' tops, not their logits),
+        else for the full rows. None when a SYNC was cancelled."""
+        if self._greedy(reqs):
+            picks = self.commands.picks(dataclasses.replace(frame, row_tops=True), checkpoint)
+            return None if picks is None else Drawn(picks=picks)
+        rows = self.commands.run(frame, checkpoint)
+        return None if rows is None else Drawn(rows=rows)
+
+    def _take(self, reqs: Sequence[Request], drawn: Drawn, rows_of: Sequence[int]) -> None:
+        """Each request's next token from row ``rows_of[i]`` of what its command gave."""
+        if drawn.rows is not None:
+            self._sample(list(reqs), [drawn.rows[i] for i in rows_of])
+            return
+        assert drawn.picks is not None
+        for req, i in zip(reqs, rows_of, strict=True):
+            pick = drawn.picks[i]
+            assert req.session is not None
+            if isinstance(pick, SamplingError):
+                self._broken_logits(req, pick)
+            else:
+                self._accept(req, pick, req.session.pos, None)
 
     def _sample(self, reqs: list[Request], rows: list[F32]) -> None:
         """Each request's next token from its row of ``rows`` (in order; ``sample_rows``
@@ -77,11 +126,13 @@ class EngineTokens(EngineSessions):
             self._destroy(req.sid)
         self._count_sessions()
 
-    def _accept(self, req: Request, token: int, pos: int, row: F32) -> bool:
+    def _accept(self, req: Request, token: int, pos: int, row: F32 | None) -> bool:
         """Emit one generated token at position ``pos`` (``row``: the logits it was chosen
-        from); False when the request ended."""
+        from, None where the workers sent their rows' tops: no logprobs were asked for);
+        False when the request ended."""
         assert req.session is not None
         if req.frame.logprobs:
+            assert row is not None, "a request with logprobs is drawn from its full row"
             lp = logprobs(row, token, req.frame.top_logprobs)
             self._post(
                 req,

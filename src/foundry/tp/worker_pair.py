@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from foundry.model.infer.sampling import greedy_tops
 from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import ACK_ACCEPTED
@@ -30,6 +31,7 @@ from foundry.wire.tp import (
     GateTransport,
     Hash,
     Logits,
+    RowTops,
     Stop,
     Sync,
     SyncCheckpoint,
@@ -111,6 +113,16 @@ class WorkerPair:
             rows, status = None, 1
         if command.reply is Reply.COMMAND_ACK:
             link.send(CommandAck(session_id=frame.session_id, status=status))
+        elif command.reply is Reply.LOGITS and rows is not None and frame.row_tops:
+            values, tokens = greedy_tops(rows)  # this rank's block of each row, greedily
+            link.send(
+                RowTops(
+                    values=tuple(values),
+                    tokens=tuple(tokens),
+                    session_id=frame.session_id,
+                    seq=st.step,
+                )
+            )
         elif command.reply is Reply.LOGITS and rows is not None:
             link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
         self.metrics.active_sessions.set(len(st.sessions))

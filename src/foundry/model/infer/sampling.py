@@ -160,9 +160,10 @@ def sample(
 Draw = tuple[npt.NDArray[np.floating], float, float, np.random.Generator | None, int]
 
 # What the kernels' sampler returns for a row that cannot give a token.
+BROKEN, ALL_MASKED = -1, -2
 _ROW_ERRORS = {
-    -1: "logits contain NaN or +inf; the model output is broken",
-    -2: "every logit is -inf; no token can be sampled",
+    BROKEN: "logits contain NaN or +inf; the model output is broken",
+    ALL_MASKED: "every logit is -inf; no token can be sampled",
 }
 
 
@@ -206,17 +207,70 @@ def sample_rows(draws: Sequence[Draw]) -> list[int | SamplingError]:
     return picks
 
 
+def greedy_tops(rows: npt.NDArray[np.floating]) -> tuple[list[float], list[int]]:
+    """Each row's greedy pick over a block of the vocabulary: its largest logit and the index
+    of its first occurrence, or (0.0, ``BROKEN``) where the row holds a NaN or +inf and
+    (0.0, ``ALL_MASKED``) where every logit is -inf. What :func:`combine_tops` takes from
+    each block of a row split by vocabulary (a tensor-parallel worker's part of the head)."""
+    block = np.ascontiguousarray(rows, dtype=np.float32)  # (R, V)
+    if block.ndim != 2 or block.shape[1] == 0:
+        raise SamplingError(f"rows must be a non-empty 2-d block, got shape {block.shape}")
+    if _kernels is not None:
+        settings = np.zeros((block.shape[0], 4), dtype=np.float64)  # temperature 0: greedy
+        settings[:, 1] = 1.0  # top_p
+        out = np.empty(block.shape[0], dtype=np.int64)
+        _kernels.sample_rows(list(block), settings, out)
+        tokens = out.tolist()
+    else:
+        tokens = [_greedy_numpy(row) for row in block]
+    values = [float(row[t]) if t >= 0 else 0.0 for row, t in zip(block, tokens, strict=True)]
+    return values, tokens
+
+
+# A block's greedy_tops: (values, indices), a row each.
+Tops = tuple[Sequence[float], Sequence[int]]
+
+
+def combine_tops(blocks: Sequence[Tops]) -> list[int | SamplingError]:
+    """The greedy token of each whole row from its blocks' :func:`greedy_tops`, the blocks in
+    vocabulary order with their indices made the row's own: the first block that holds the
+    row's largest logit gives its first occurrence, exactly what :func:`sample` at temperature
+    0 picks from the whole row. A NaN or +inf in any block fails the row, as does a row -inf
+    everywhere."""
+    picks: list[int | SamplingError] = []
+    for r in range(len(blocks[0][1])):
+        best, value, broken = ALL_MASKED, 0.0, False
+        for values, tokens in blocks:
+            token = tokens[r]
+            if token == BROKEN:
+                broken = True
+            elif token >= 0 and (best < 0 or values[r] > value):
+                best, value = token, values[r]
+        code = BROKEN if broken else best
+        picks.append(SamplingError(_ROW_ERRORS[code]) if code < 0 else code)
+    return picks
+
+
+def _greedy_numpy(row: npt.NDArray[np.float32]) -> int:
+    """A row's first index of its largest logit, or BROKEN / ALL_MASKED (no C kernels)."""
+    top = float(row.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
+    if top != top or top == np.inf:
+        return BROKEN
+    if top == -np.inf:
+        return ALL_MASKED
+    return int(np.argmax(row))
+
+
 def _draw_numpy(
     row: npt.NDArray[np.float32], temperature: float, top_p: float, u: float, top_k: int
 ) -> int | SamplingError:
     """One row's token by numpy (no C kernels), ``u`` its uniform."""
-    top = float(row.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
-    if top != top or top == np.inf:
-        return SamplingError(_ROW_ERRORS[-1])
-    if top == -np.inf:
-        return SamplingError(_ROW_ERRORS[-2])
+    first = _greedy_numpy(row)
+    if first < 0:
+        return SamplingError(_ROW_ERRORS[first])
     if temperature == 0.0:
-        return int(np.argmax(row))
+        return first
+    top = float(row[first])
     p = probabilities(row, temperature, top)  # (V,)
     kept = kept_tokens(p, top_p, top_k)  # (K,)
     # Uncut (kept_tokens' whole row, in token-id order): p itself, no gather.

@@ -8,8 +8,10 @@ from foundry.wire.framing import FrameDecoder
 from foundry.wire.tp.control import (
     BATCH_ITEM,
     FRAME_CLASSES,
+    FRAME_FLAG_ROW_TOPS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    ROW_TOP,
     UNSUPPORTED_FRAME_TYPES,
     WORLD_ENTRY,
     Frame,
@@ -44,7 +46,7 @@ def encode_parts(frame: Frame) -> list[bytes | memoryview]:
     parts = frame._payload_parts()
     length = sum(len(p) for p in parts)
     header = FRAME_HEADER.pack(
-        TP_FRAME_MAGIC, frame.TYPE, 0, 0, frame.session_id, frame.seq, length
+        TP_FRAME_MAGIC, frame.TYPE, frame.header_flags, 0, frame.session_id, frame.seq, length
     )
     return [header, *parts]
 
@@ -77,6 +79,7 @@ def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None =
     return max(
         4 * identity.ctx_size,  # SYNC of a full context
         4 + 4 * max_rows * block,  # LOGITS: rows of the larger half (of the largest block)
+        4 + ROW_TOP.size * max_rows,  # ROW_TOPS
         WORLD_ENTRY.size * (TP_MAX_WORLD - 1),  # WORLD
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
@@ -100,8 +103,8 @@ class TpDecoder(FrameDecoder[Frame]):
         self.max_payload = max_payload
         self._hello_next = expect_hello
         self._hello_prefix = b""
-        # (type, session_id, seq) of a header already validated, awaiting its payload.
-        self._header: tuple[FrameType, int, int] = (FrameType.STOP, 0, 0)
+        # (type, session_id, seq, flags) of a header already validated, awaiting its payload.
+        self._header: tuple[FrameType, int, int, int] = (FrameType.STOP, 0, 0, 0)
 
     def _header_size(self) -> int:
         return HELLO_PREFIX.size if self._hello_next else FRAME_HEADER_SIZE
@@ -111,8 +114,8 @@ class TpDecoder(FrameDecoder[Frame]):
             size = self._check_hello_prefix(header)
             self._hello_prefix = header
             return size - HELLO_PREFIX.size
-        ftype, session_id, seq, length = self._parse_header(header)
-        self._header = (ftype, session_id, seq)
+        ftype, session_id, seq, flags, length = self._parse_header(header)
+        self._header = (ftype, session_id, seq, flags)
         return length
 
     def _finish(self, payload: memoryview) -> Frame:
@@ -120,10 +123,10 @@ class TpDecoder(FrameDecoder[Frame]):
             hello = _decode_hello(self._hello_prefix + bytes(payload), 0)
             self._hello_next = False
             return hello
-        ftype, session_id, seq = self._header
+        ftype, session_id, seq, flags = self._header
         try:
             return FRAME_CLASSES[ftype]._parse(  # type: ignore[return-value]
-                payload, 0, len(payload), session_id=session_id, seq=seq
+                payload, 0, len(payload), session_id=session_id, seq=seq, row_tops=bool(flags)
             )
         except LocalProtocolError as exc:
             raise TpProtocolError(f"{ftype.name}: {exc}") from None
@@ -152,7 +155,7 @@ class TpDecoder(FrameDecoder[Frame]):
             )
         return int(size)
 
-    def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int]:
+    def _parse_header(self, header: bytes) -> tuple[FrameType, int, int, int, int]:
         magic, code, flags, reserved, session_id, seq, length = FRAME_HEADER.unpack(header)
         if magic == TP_HELLO_MAGIC:
             raise TpProtocolError("unexpected hello after the handshake")
@@ -169,9 +172,12 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"frame type {ftype.name} ({code}) is not supported: "
                 f"{UNSUPPORTED_FRAME_TYPES[ftype]}"
             )
-        if flags or reserved:
+        cls = FRAME_CLASSES[ftype]
+        allowed = FRAME_FLAG_ROW_TOPS if cls.ROWS_REPLY else 0
+        if flags & ~allowed or reserved:
+            rule = "must be 0" if not allowed else "must be 0 or 0x1 (ROW_TOPS) / 0"
             raise TpProtocolError(
-                f"{ftype.name}: header flags {flags:#x} / reserved {reserved} must be 0 "
+                f"{ftype.name}: header flags {flags:#x} / reserved {reserved} {rule} "
                 f"in protocol version {TP_PROTOCOL_VERSION}"
             )
         if length > self.max_payload:
@@ -179,10 +185,9 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"{ftype.name} payload of {length} bytes exceeds the limit of "
                 f"{self.max_payload} bytes"
             )
-        cls = FRAME_CLASSES[ftype]
         base, unit = cls.PAYLOAD_BASE, cls.PAYLOAD_UNIT
         legal = length >= base and (length - base) % unit == 0 if unit else length == base
         if not legal:
             rule = f"{base} + a multiple of {unit}" if unit else f"exactly {base}"
             raise TpProtocolError(f"{ftype.name} payload must be {rule} bytes, got {length}")
-        return ftype, session_id, seq, length
+        return ftype, session_id, seq, flags, length

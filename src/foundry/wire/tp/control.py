@@ -62,6 +62,7 @@ class FrameType(enum.IntEnum):
     DSPARK_DRAFT = 23
     SPEC_RESTORE = 24
     WORLD = 32  # Foundry's extension: the table of a world's workers (N > 2)
+    ROW_TOPS = 33  # Foundry's extension: each row's best token of a worker's block (greedy)
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -88,6 +89,15 @@ class VerifyCommitMode(enum.IntEnum):
 
 # magic u32, type u8, flags u8, reserved u16, session_id u64, seq u64, length u32
 FRAME_HEADER = struct.Struct("<IBBHQQI")
+# The header's flags (Foundry's extension; the seed's are 0). ROW_TOPS on a command whose reply
+# is logits rows: every row is drawn greedily and nothing else reads it, so each worker sends
+# its rows' best tokens (ROW_TOPS) instead of its block of the logits (LOGITS).
+FRAME_FLAG_ROW_TOPS = 0x01
+# ROW_TOPS row: value f32 (the block's largest logit), token i32 (the global id of its first
+# occurrence; -1 a NaN or +inf in the block, -2 every logit of the block -inf)
+ROW_TOP = struct.Struct("<fi")
+ROW_TOP_BROKEN = -1
+ROW_TOP_ALL_MASKED = -2
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 # ds4_tp_batch_item: session_id u64, token i32, reserved u32
 BATCH_ITEM = struct.Struct("<QiI")
@@ -112,7 +122,8 @@ class _Frame:
     """Fields every control frame carries in its header, and its payload's fixed part.
 
     ``session_id`` names the inference session a command applies to (0 where none does);
-    ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH).
+    ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH);
+    ``row_tops`` asks the workers for ROW_TOPS instead of LOGITS (the header's flags).
     ``LAYOUT`` declares the payload's fixed part (``foundry.wire.layout``, the FDTC codec's
     form): its fields are validated when the frame is built, packed, and unpacked. A frame
     with a variable part after it (tokens, items, a LOGITS half) adds ``_tail`` and
@@ -125,9 +136,11 @@ class _Frame:
     LAYOUT: ClassVar[_Layout] = _Layout()
     PAYLOAD_BASE: ClassVar[int] = 0
     PAYLOAD_UNIT: ClassVar[int] = 0
+    ROWS_REPLY: ClassVar[bool] = False  # a command the worker answers with logits rows
 
     session_id: int = 0
     seq: int = 0
+    row_tops: bool = False  # the header's FRAME_FLAG_ROW_TOPS (only where ROWS_REPLY)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,7 +151,16 @@ class _Frame:
         owner = type(self).__name__
         _check_range(owner, "session_id", self.session_id, 0, _U64)
         _check_range(owner, "seq", self.seq, 0, _U64)
+        if self.row_tops and not self.ROWS_REPLY:
+            raise LocalProtocolError(
+                f"{owner}: row_tops (header flag {FRAME_FLAG_ROW_TOPS:#x}) is only for a "
+                "command answered with logits rows"
+            )
         self.LAYOUT.normalise(self)
+
+    @property
+    def header_flags(self) -> int:
+        return FRAME_FLAG_ROW_TOPS if self.row_tops else 0
 
     def _tail(self) -> bytes:
         return b""
@@ -152,7 +174,7 @@ class _Frame:
         return {}
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
         size = cls.LAYOUT.size
         fixed = cls.LAYOUT.unpack(memoryview(buf), offset)
         return cls(**fixed, **cls._parse_tail(buf, offset + size, length - size), **header)
@@ -163,6 +185,7 @@ class Sync(_Frame):
     """Prefill: bring the session's context to exactly ``tokens`` (int32 array)."""
 
     TYPE = FrameType.SYNC
+    ROWS_REPLY = True
     PAYLOAD_UNIT = 4
     tokens: tuple[int, ...] = ()
 
@@ -184,6 +207,7 @@ class Eval(_Frame):
     """Decode one token (the header's ``seq`` numbers the step)."""
 
     TYPE = FrameType.EVAL
+    ROWS_REPLY = True
     LAYOUT = _Layout(("token", I32))
     token: int
 
@@ -255,7 +279,7 @@ class Logits(_Frame):
         return _U32S.pack(len(self.values) // 4), self.values
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
         # count u32 then the floats: the view of the payload is the frame's, no tail copied
         (count,) = _U32S.unpack_from(buf, offset)
         if 4 + 4 * count != length:
@@ -271,6 +295,7 @@ class Verify(_Frame):
     """Speculative decoding: verify the block ``drafts`` (1..8 rows) with ``flags``."""
 
     TYPE = FrameType.VERIFY
+    ROWS_REPLY = True
     LAYOUT = _Layout(("flags", U32))
     PAYLOAD_UNIT = 4
     drafts: tuple[int, ...] = ()
@@ -361,6 +386,7 @@ class EvalBatch(_Frame):
     """One decode step for several sessions: one token each (``ds4_tp_batch_item`` array)."""
 
     TYPE = FrameType.EVAL_BATCH
+    ROWS_REPLY = True
     PAYLOAD_UNIT = BATCH_ITEM.size
     items: tuple[BatchItem, ...] = ()
 
@@ -383,6 +409,7 @@ class MixedBatch(_Frame):
     ``items``. Payload: prompt_count u32, item_count u32, the prompt (int32), the items."""
 
     TYPE = FrameType.MIXED_BATCH
+    ROWS_REPLY = True
     PAYLOAD_BASE = 8
     PAYLOAD_UNIT = 4
     prompt: tuple[int, ...] = ()
@@ -400,7 +427,7 @@ class MixedBatch(_Frame):
         return counts + _pack_tokens(self.prompt) + _pack_items(self.items)
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
         # The counts come first and are no fields of the frame: no fixed part to declare.
         n_prompt, n_items = _U32X2.unpack_from(buf, offset)
         if 8 + 4 * n_prompt + BATCH_ITEM.size * n_items != length:
@@ -436,11 +463,53 @@ class SyncCheckpoint(_Frame):
     requested: bool = False
 
     @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: int) -> Self:
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
         requested = memoryview(buf)[offset + cls.LAYOUT.size - 1]
         if requested > 1:
             raise TpProtocolError(f"SYNC_CHECKPOINT: requested must be 0 or 1, got {requested}")
         return super()._parse(buf, offset, length, **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowTops(_Frame):
+    """A worker's answer to a command sent with ``row_tops``: for each row, in order, the
+    largest logit of its vocabulary block and the global id of its first occurrence, or
+    ``ROW_TOP_BROKEN`` / ``ROW_TOP_ALL_MASKED`` (value 0) where the block cannot give one. The
+    leader takes the first of the blocks' best in rank order: the greedy token of the whole
+    row. Payload: count u32, then count x (value f32, token i32)."""
+
+    TYPE = FrameType.ROW_TOPS
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = ROW_TOP.size
+    values: tuple[float, ...] = ()
+    tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "values", tuple(float(v) for v in self.values))
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        if len(self.values) != len(self.tokens):
+            raise LocalProtocolError(
+                f"RowTops has {len(self.values)} values and {len(self.tokens)} tokens"
+            )
+        for token in self.tokens:
+            _check_range("RowTops", "tokens", token, ROW_TOP_ALL_MASKED, _I32_MAX)
+
+    def _tail(self) -> bytes:
+        rows = zip(self.values, self.tokens, strict=True)
+        return _U32S.pack(len(self.tokens)) + b"".join(ROW_TOP.pack(v, t) for v, t in rows)
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
+        (count,) = _U32S.unpack_from(buf, offset)
+        if 4 + ROW_TOP.size * count != length:
+            raise TpProtocolError(
+                f"ROW_TOPS says {count} rows but its payload is {length} bytes "
+                f"(expected {4 + ROW_TOP.size * count})"
+            )
+        data = memoryview(buf)[offset + 4 : offset + length]
+        rows = list(ROW_TOP.iter_unpack(data))
+        return cls(values=tuple(v for v, _ in rows), tokens=tuple(t for _, t in rows), **header)
 
 
 # WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
@@ -500,7 +569,7 @@ class World(_Frame):
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
-    | World
+    | World | RowTops
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -509,7 +578,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
-        World,
+        World, RowTops,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.
