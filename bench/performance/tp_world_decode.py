@@ -23,6 +23,12 @@ slowed, under equal shares against the shares its calibration chooses (``--share
    shaped link (``tp_world_gates.py --rate 1gbit --n-embd``), against ``llama-bench -t T/N``:
    one machine's llama.cpp against N such machines.
 
+With ``--rate 1gbit`` (as root; ``--ip``/``--tc`` or ``FOUNDRY_IP``/``FOUNDRY_TC`` name the
+tools) each rank of 2. and 3. runs in a network namespace of its own behind one bridge, its port
+tbf-shaped both ways (``lan_net.Network``; ``--burst-bytes`` paces it in one-frame segments as
+``tp_world_gates.py`` does), so every gate crosses a shaped port; the one process and the
+slices of 4. need no network.
+
 On one host the ranks share its memory bus: 2. is the cost of the split on one machine, 4. a
 projection to N machines from measured parts (docs/benchmarks.md says which figure is which).
 ``--llama-3b`` takes a Llama-3.2-3B-shaped file of random weights (``random_gguf.py``), and
@@ -38,7 +44,8 @@ writers takes longer than a device command may run), written to ``--model-dir`` 
 
     OPENBLAS_NUM_THREADS=1 python bench/performance/tp_world_decode.py [--model FILE]
         [--preset bench] [--threads 16] [--worlds 2,4,8] [--tokens 32] [--slowed 4]
-        [--timeout S] [--llama-3b] [--llama-cpp BUILD/bin [--gate-us 2:US,4:US]] [--json PATH]
+        [--timeout S] [--llama-3b] [--llama-cpp BUILD/bin [--gate-us 2:US,4:US]]
+        [--rate 1gbit [--burst-bytes 3028]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import json
+import multiprocessing
 import re
 import signal
 import socket
@@ -58,14 +66,18 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
 from kernels import llama_bench_prompt_and_decode
+from lan_net import Network
 from random_gguf import llama_3b_q4_k_m
 from tp import generate
+from tp_link import enter_netns
+from tp_world_gates import pace
 
 from foundry.model.formats.gguf_io import save_gguf
 from foundry.model.formats.gguf_meta import read_metadata
@@ -215,9 +227,47 @@ def cores(first: int, n: int) -> set[int]:
     return {have[(first + i) % len(have)] for i in range(n)}
 
 
+def in_netns(ns: str | None, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` from inside the network namespace ``ns`` (a forked child that enters it),
+    or here when ``ns`` is None."""
+    if ns is None:
+        return fn(*args)
+    ctx = multiprocessing.get_context("fork")
+    out: Any = ctx.Queue()
+
+    def child() -> None:
+        enter_netns(f"/var/run/netns/{ns}")
+        try:
+            out.put((True, fn(*args)))
+        except BaseException as exc:  # handed to the parent, which raises
+            out.put((False, repr(exc)))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    ok, value = out.get(timeout=STARTUP_S)
+    proc.join(30)
+    if not ok:
+        raise SystemExit(f"in namespace {ns}: {value}")
+    return value
+
+
+def world_status(frontend: int) -> tuple[bool, tuple[int, ...]]:
+    """(whether the world formed, each rank's share) from the leader's STATUS."""
+    with socket.create_connection(("127.0.0.1", frontend), timeout=30) as s:
+        s.sendall(fw.encode(fw.StatusReq(0)))
+        decoder = fw.FrontendDecoder()
+        while (frame := decoder.next_event()) is None:
+            decoder.feed(s.recv(65536))
+    if isinstance(frame, fw.Status) and frame.worker_connected:
+        return True, tuple(r.share for r in frame.ranks)
+    return False, ()
+
+
 class World:
     """A leader and N-1 workers as processes; ``threads[r]`` kernel threads for rank r, pinned
-    to ``pin[r]`` cores of their own (default: as many as its threads)."""
+    to ``pin[r]`` cores of their own (default: as many as its threads). With a shaped ``net``
+    each rank runs in namespace r behind its tbf-shaped port (``lan_net.Network``), and the
+    client reaches the leader's frontend from inside the leader's namespace."""
 
     def __init__(
         self,
@@ -227,9 +277,11 @@ class World:
         timeout: float,
         *leader_args: str,
         pin: Sequence[int] | None = None,
+        net: Network | None = None,
     ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [work / f"rank{r}.log" for r in range(len(threads))]
+        self.net = net if net is not None and net.shaped else None
         pin = threads if pin is None else pin
         starts = [sum(pin[:r]) for r in range(len(threads))]
         common = ["--model", str(model), "--gate-timeout", str(timeout)]
@@ -241,7 +293,7 @@ class World:
                 "--world-size",
                 str(len(threads)),
                 "--listen",
-                "127.0.0.1:0",
+                f"{self._addr(0)}:0",
                 "--frontend-listen",
                 "127.0.0.1:0",
                 "--spec-mode",
@@ -261,23 +313,30 @@ class World:
                     "tp-worker",
                     *common,
                     "--leader",
-                    f"127.0.0.1:{port}",
+                    f"{self._addr(0)}:{port}",
                     "--rank",
                     str(r),
                     "--threads",
                     str(threads[r]),
                     "--gate-listen",
-                    "127.0.0.1:0",
+                    f"{self._addr(r)}:0",
                 ],
                 cores(starts[r], pin[r]),
             )
         self._paired()
 
+    def _addr(self, r: int) -> str:
+        return "127.0.0.1" if self.net is None else self.net.addr(r)
+
+    def _ns(self) -> str | None:
+        return None if self.net is None else self.net.ns(0)
+
     def _spawn(self, r: int, args: list[str], pinned: set[int]) -> None:
+        prefix = [] if self.net is None else self.net.prefix_argv(r)
         with open(self.logs[r], "wb") as log:
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "foundry", *args],
+                    [*prefix, sys.executable, "-m", "foundry", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     preexec_fn=lambda: os.sched_setaffinity(0, pinned),
@@ -303,19 +362,15 @@ class World:
             for r, p in enumerate(self.procs):
                 if p.poll() is not None:
                     raise SystemExit(f"rank {r} exited:\n{self.text(r)[-2000:]}")
-            with socket.create_connection(("127.0.0.1", self.frontend), timeout=30) as s:
-                s.sendall(fw.encode(fw.StatusReq(0)))
-                decoder = fw.FrontendDecoder()
-                while (frame := decoder.next_event()) is None:
-                    decoder.feed(s.recv(65536))
-            if isinstance(frame, fw.Status) and frame.worker_connected:
-                self.shares = tuple(r.share for r in frame.ranks)
+            formed, shares = in_netns(self._ns(), world_status, self.frontend)
+            if formed:
+                self.shares = shares
                 return
             time.sleep(0.2)
         raise SystemExit(f"the world did not form within {STARTUP_S:g} s")
 
     def decode(self, tokens: int) -> tuple[list[int], float]:
-        out, times = generate(self.frontend, PROMPT, tokens)
+        out, times = in_netns(self._ns(), generate, self.frontend, PROMPT, tokens)
         return out, (len(times) - 1) / (times[-1] - times[0])
 
     def close(self) -> None:
@@ -335,8 +390,9 @@ def measure(
     tokens: int,
     *leader_args: str,
     pin: Sequence[int] | None = None,
+    net: Network | None = None,
 ) -> dict[str, object]:
-    world = World(model, threads, work, timeout, *leader_args, pin=pin)
+    world = World(model, threads, work, timeout, *leader_args, pin=pin, net=net)
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
@@ -393,6 +449,22 @@ def main() -> int:
         "2 gates a layer at US microseconds each, the exchange of N ranks measured on a "
         "shaped link (tp_world_gates.py --rate), e.g. 2:210,4:900",
     )
+    ap.add_argument(
+        "--rate",
+        default="loopback",
+        help="(as root) each rank of the worlds in a network namespace of its own behind a "
+        "port tbf-shaped to this rate (tc syntax, e.g. 1gbit; default loopback: no "
+        "namespaces)",
+    )
+    ap.add_argument(
+        "--burst-bytes",
+        type=int,
+        default=None,
+        help="with --rate: one-frame segments and this tbf burst on every port "
+        "(tp_world_gates.py's --burst-bytes; default lan_net.Network's burst)",
+    )
+    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
+    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--slice", default=None, help=argparse.SUPPRESS)
     harness.add_json_flag(ap)
@@ -420,14 +492,44 @@ def main() -> int:
             write_model(preset(a.preset), model)
             print(f"wrote {model} in {time.perf_counter() - t0:.1f} s")
     worlds = [int(w) for w in a.worlds.split(",") if w]
+    net = Network(max([2, *worlds, a.slowed]), a.rate, a.ip, a.tc)
     print(
         f"{model.name}, {a.threads} threads on one host divided between the ranks, "
         f"{a.tokens} tokens greedy, 1 client"
         + (f"; each rank leaves {a.spare} of its cores spare" if a.spare else "")
+        + (
+            f"; the worlds' ranks each in a namespace, every port tbf-shaped to {a.rate}"
+            + (f", burst {a.burst_bytes} bytes" if a.burst_bytes else "")
+            if net.shaped
+            else "; the worlds on loopback"
+        )
     )
+    net.up()
+    try:
+        if net.shaped and a.burst_bytes:
+            pace(net, a.burst_bytes)
+        return run_worlds(a, model, worlds, gate_us, net)
+    finally:
+        net.down()
+
+
+def run_worlds(
+    a: argparse.Namespace,
+    model: Path,
+    worlds: list[int],
+    gate_us: dict[int, float],
+    net: Network,
+) -> int:
+    """The baseline, the worlds, the projection and the slowed world (main's measurements)."""
     base = one_process(model, a.threads, a.tokens)
     rate0 = float(str(base["tokens_per_s"]))
-    results: dict[str, object] = {"threads": a.threads, "clients": 1, "one_process": base}
+    results: dict[str, object] = {
+        "threads": a.threads,
+        "clients": 1,
+        "network": a.rate,
+        "burst_bytes": a.burst_bytes,
+        "one_process": base,
+    }
     print(f"{'ranks':>5} {'threads each':>12} {'tokens/s':>9} {'x one':>7} {'same tokens':>11}")
     print(f"{1:>5} {a.threads:>12} {rate0:>9.2f} {1.0:>7.2f} {'':>11}")
     if a.llama_cpp is not None:
@@ -447,7 +549,7 @@ def main() -> int:
             each = max(1, cores_each - a.spare)
             work = Path(tmp) / f"world{n}"
             work.mkdir()
-            m = measure(model, [each] * n, work, a.timeout, a.tokens, pin=[cores_each] * n)
+            m = measure(model, [each] * n, work, a.timeout, a.tokens, pin=[cores_each] * n, net=net)
             results[f"world_{n}"] = m
             rate = float(str(m["tokens_per_s"]))
             print(
@@ -483,7 +585,7 @@ def main() -> int:
             for label, extra in (("equal", ()), ("auto", ("--shares", "auto"))):
                 work = Path(tmp) / f"slowed-{label}"
                 work.mkdir()
-                runs[label] = measure(model, threads, work, a.timeout, a.tokens, *extra)
+                runs[label] = measure(model, threads, work, a.timeout, a.tokens, *extra, net=net)
             eq, auto = (float(str(runs[k]["tokens_per_s"])) for k in ("equal", "auto"))
             results["slowed"] = {"threads": threads, **runs}
             print(
