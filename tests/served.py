@@ -32,6 +32,7 @@ from foundry.api.v1 import inference_pb2, inference_pb2_grpc
 from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.formats.gguf_meta import read_metadata
 from foundry.model.infer.inference import Engine
+from foundry.model.infer.sampling import make_rng, sample
 from foundry.model.text.chat import ChatTemplate, Message, chat_prompt, template_for
 from foundry.model.text.vocab import Tokenizer
 from foundry.model.text.vocab.tokenizer import load_tokenizer
@@ -86,15 +87,20 @@ class Reference:
         return self.tokenizer.encode(ask.prompt)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 (one Reference per module)
-    def _greedy(self, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
+    def _generate(
+        self, ids: tuple[int, ...], n: int, temperature: float = 0.0, seed: int = 0
+    ) -> tuple[int, ...]:
         s = self.engine.new_session()
+        rng = make_rng(seed)  # the leader's generator of a request with this seed
         row = None
         for start in range(0, len(ids), PREFILL_CHUNK):
             row = self.engine.decode(s, list(ids[start : start + PREFILL_CHUNK]))[-1]
         assert row is not None
         out: list[int] = []
         while True:
-            out.append(int(np.argmax(row)))
+            out.append(
+                int(np.argmax(row)) if temperature == 0 else sample(row, temperature, rng=rng)
+            )
             # A full context ends it too: the last token is sampled from the last position's
             # row and is never evaluated itself (as in foundry.model.infer.generate).
             if (
@@ -107,7 +113,12 @@ class Reference:
 
     def greedy(self, ask: Chat, n: int) -> list[int]:
         """The tokens a greedy generation of at most ``n`` gives, its end-of-turn included."""
-        return list(self._greedy(tuple(self.prompt_ids(ask)), n))
+        return list(self._generate(tuple(self.prompt_ids(ask)), n))
+
+    def sampled(self, ask: Chat, n: int, temperature: float, seed: int) -> list[int]:
+        """The tokens a generation sampled at ``temperature`` with ``seed`` gives (top_p 1,
+        top_k 0), as ``greedy``."""
+        return list(self._generate(tuple(self.prompt_ids(ask)), n, temperature, seed))
 
     def stops(self, tokens: Sequence[int], stop: Sequence[str]) -> bool:
         """Whether the leader's stream of ``tokens`` completes one of ``stop``."""

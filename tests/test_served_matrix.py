@@ -11,9 +11,10 @@ and a real gateway (tests/served.py), on two vocabulary families:
 
 Greedy answers equal the one-process engine's token for token (gRPC gives the ids; HTTP the
 text the leader's stream decoder makes of them, and the usage). Sampled answers are text of
-the requested length, and the same seed gives the same text on every transport and at every
-level of concurrency. The pair starts once per file and speculative-decoding mode; requests
-are a few tokens each.
+the requested length, the same seed gives the same text on every transport and at every
+level of concurrency, and over gRPC the ids are the one-process engine's sampled with that seed
+(the pair draws them in the ranks' vocabulary blocks: ROW_DRAWS, no logits shipped). The pair
+starts once per file and speculative-decoding mode; requests are a few tokens each.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import pytest
 from served import Chat, Reference, Reply, Served, served
 from test_published_gemma import gemma_file
 from tiny_bpe import N_CTX, write_tiny_bpe
+from tp_harness import metric
 
 GEMMA_CTX = 512
 MAX_TOKENS = 5
+TEMPERATURE = 0.9  # of the sampled requests
 ASKS = (
     Chat(prompt="The capital of France is"),
     Chat(messages=(("user", "What is the capital of France?"),)),
@@ -85,7 +88,7 @@ _SAMPLED: dict[tuple[str, int, int], str] = {}
 
 
 def ask(s: Served, transport: str, chat: Chat, sampled: bool, seed: int) -> Reply:
-    temperature = 0.9 if sampled else 0.0
+    temperature = TEMPERATURE if sampled else 0.0
     if transport == "grpc":
         reply = s.grpc_generate(chat, MAX_TOKENS, temperature=temperature, seed=seed)
         reply.finish_reason = FINISH[str(reply.finish_reason)]
@@ -131,6 +134,8 @@ def test_many_clients_get_the_engines_answers(
             if reply.token_ids is not None:
                 ids = reply.token_ids
                 assert len(ids) == n
+                # the one process's draw with the request's seed; a stop string ends it early
+                assert ids == reference.sampled(chat, MAX_TOKENS, TEMPERATURE, i)[:n], (i, chat)
                 assert reply.text == reference.text(ids, stop)
                 ended = ids[-1] in reference.tokenizer.eog_ids or reference.stops(ids, stop)
                 assert reply.finish_reason == ("stop" if ended else "length"), ids
@@ -144,6 +149,10 @@ def test_many_clients_get_the_engines_answers(
         assert n == len(want)
         eog = want[-1] in reference.tokenizer.eog_ids
         assert reply.finish_reason == ("stop" if eog else "length")
+    kind = "row_draws" if sampled else "row_tops"  # no logits shipped for these rows
+    leader = stack.pair.leader.metrics
+    assert leader is not None
+    assert metric(leader, f'foundry_tp_row_replies_total{{kind="{kind}"}}') > 0
     stack.wait_idle()
 
 

@@ -5,6 +5,9 @@ range checked at its bounds, exact messages.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,7 @@ from foundry.wire import tp
 from foundry.wire.errors import LocalProtocolError
 from foundry.wire.tp import (
     BatchItem,
+    DrawRow,
     Eval,
     EvalBatch,
     FrameType,
@@ -34,7 +38,10 @@ from foundry.wire.tp import (
     Hello,
     Logits,
     MixedBatch,
+    PickRow,
     Role,
+    RowDraw,
+    RowPicks,
     SlabLayout,
     Stop,
     Sync,
@@ -85,6 +92,16 @@ def test_logits_rows_cover_a_verify_block_and_every_session() -> None:
         tp.max_payload_for(IDENTITY, 0)
 
 
+@functools.cache
+def _largest_draw_frames(rows: int) -> tuple[bytes, bytes]:
+    """The largest ROW_DRAW and ROW_PICKS of ``rows`` rows: every row drawn, and every row of
+    the picks cut to ``TP_MAX_DRAW_TOP_K`` with all its candidates."""
+    draw = RowDraw(rows=(DrawRow(1, tp.TP_MAX_DRAW_TOP_K, 3.0, 1.25, 2.0, 0.5, 7),) * rows)
+    candidates = tuple((1.0 / (i + 1), i) for i in range(tp.TP_MAX_DRAW_TOP_K))
+    picks = RowPicks(rows=(PickRow(tp.PICK_TOP_K, 0, 0.5, candidates),) * rows)
+    return encode(draw), encode(picks)
+
+
 def _logits_header_accepted(limit: int, rows: int, half: int) -> bool:
     """Whether a decoder bounded by ``limit`` takes the header of a LOGITS frame of ``rows``
     rows of ``half`` floats (the header alone is checked before any payload byte is kept)."""
@@ -123,6 +140,11 @@ def test_every_logits_reply_of_the_pair_fits_the_bound(
     assert _logits_header_accepted(limit, rows, half)
     tops = tp.encode(tp.RowTops(values=(0.0,) * rows, tokens=(0,) * rows))  # the greedy reply
     assert decode_all(tops, max_payload=limit)[0].TYPE is FrameType.ROW_TOPS
+    draw, picks = _largest_draw_frames(rows)  # the sampled rows' exchange, at its largest
+    assert decode_all(draw, max_payload=limit)[0].TYPE is FrameType.ROW_DRAW
+    (got,) = decode_all(picks, max_payload=limit)
+    assert isinstance(got, RowPicks) and len(got.rows) == rows
+    assert all(len(row.candidates) == tp.TP_MAX_DRAW_TOP_K for row in got.rows)
     largest_logits = 4 + 4 * rows * half
     assert limit >= largest_logits
     if limit == largest_logits:
@@ -166,6 +188,12 @@ RANGES: list[tuple[str, str, int, int, Any]] = [
     ("GateHeader", "rows", 0, _U32, lambda v: GateHeader(1, Gate.ATTN, 1, v, 1)),
     ("GateHeader", "n_embd", 0, _U32, lambda v: GateHeader(1, Gate.ATTN, 1, 1, v)),
     ("SlabLayout", "n_embd", 1, _U32, lambda v: SlabLayout(v)),
+    ("DrawRow", "mode", 0, 1, lambda v: DrawRow(v, 0, 0.0, 1.0, 0.0, 0.0, 0)),
+    ("DrawRow", "top_k", 0, tp.TP_MAX_DRAW_TOP_K, lambda v: DrawRow(1, v, 0.0, 1.0, 0.0, 0.0, 0)),
+    ("DrawRow", "nonzero", 0, _U32, lambda v: DrawRow(1, 0, 0.0, 1.0, 0.0, 0.0, v)),
+    ("PickRow", "kind", tp.PICK_NONE, tp.PICK_TOP_K, lambda v: PickRow(v, 0, 0.0)),
+    ("PickRow", "index", 0, _I32_MAX, lambda v: PickRow(tp.PICK_TOKEN, v, 0.0)),
+    ("PickRow", "index", _I32_MIN, _I32_MAX, lambda v: PickRow(tp.PICK_LEADER_WALK, v, 0.0)),
 ]  # fmt: skip
 
 
@@ -301,6 +329,56 @@ def test_logits_from_array_and_whole_floats() -> None:
     assert str(info.value) == "Logits.values must be whole float32s, got 5 bytes"
 
 
+def test_draw_and_pick_rows_exact() -> None:
+    """The float fields of DrawRow and PickRow at their bounds, with exact messages; top, inv
+    and the candidates' e are kept as the float32 the wire carries."""
+    row = DrawRow(1, 0, 0.1, 1 / 0.7, 0.25, 0.0, 0)
+    assert (row.top, row.inv) == (struct.unpack("<ff", struct.pack("<ff", 0.1, 1 / 0.7)))
+    assert DrawRow(0, 0, 0, 0, 0, 0, 0) == DrawRow(0, 0, 0.0, 0.0, 0.0, 0.0, 0)  # no draw: zeros
+    assert DrawRow(0, 0, math.nan, math.inf, 0.0, 0.0, 0).mode == 0  # unread on a row of mode 0
+    assert DrawRow(1, 0, 0.0, 1.0, 0.0, math.nextafter(1.0, 0.0), 0).u < 1.0
+    cases: list[tuple[Any, str]] = [
+        (lambda: DrawRow(1, 0, 0.0, 1.0, 0.0, 1.0, 0), "DrawRow.u must be in [0, 1), got 1.0"),
+        (lambda: DrawRow(1, 0, 0.0, 1.0, 0.0, -0.1, 0), "DrawRow.u must be in [0, 1), got -0.1"),
+        (lambda: DrawRow(0, 0, 0.0, 0.0, 0.0, math.nan, 0), "DrawRow.u must be in [0, 1), got nan"),
+        (lambda: DrawRow(1, 0, 0.0, 1.0, -1.0, 0.0, 0),
+         "DrawRow.acc must be finite and >= 0, got -1.0"),
+        (lambda: DrawRow(0, 0, 0.0, 0.0, math.inf, 0.0, 0),
+         "DrawRow.acc must be finite and >= 0, got inf"),
+        (lambda: DrawRow(1, 0, 0.0, 0.0, 0.0, 0.0, 0),
+         "DrawRow.inv must be finite and > 0 on a drawn row (mode 1), got 0.0"),
+        (lambda: DrawRow(1, 0, 0.0, 1e-50, 0.0, 0.0, 0),  # 0 as a float32
+         "DrawRow.inv must be finite and > 0 on a drawn row (mode 1), got 0.0"),
+        (lambda: DrawRow(1, 0, 0.0, math.inf, 0.0, 0.0, 0),
+         "DrawRow.inv must be finite and > 0 on a drawn row (mode 1), got inf"),
+        (lambda: DrawRow(1, 0, -math.inf, 1.0, 0.0, 0.0, 0),
+         "DrawRow.top must be finite on a drawn row (mode 1), got -inf"),
+        (lambda: DrawRow(1, 0, 1e39, 1.0, 0.0, 0.0, 0), "DrawRow.top 1e+39 does not fit a float32"),
+        (lambda: DrawRow(1, 0, 0.0, True, 0.0, 0.0, 0),
+         "DrawRow.inv must be a real number, got True"),
+        (lambda: RowDraw(rows=(0,)), "RowDraw.rows must hold DrawRow, got 0"),
+        (lambda: PickRow(tp.PICK_LEADER_WALK, 0, math.nan),
+         "PickRow.target must be finite, got nan"),
+        (lambda: PickRow(tp.PICK_TOKEN, 1, 0.0, ((0.5, 1),)),
+         "PickRow of kind 1 (PICK_TOKEN) has 1 candidates: only a PICK_TOP_K (4) row has them"),
+        (lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, 1),) * 257),
+         "PickRow.candidates holds 257 > 256 candidates"),
+        (lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ([0.5, 1],)),
+         "PickRow.candidates must hold (e, index) pairs, got [0.5, 1]"),
+        (lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, -1),)),
+         f"PickRow.candidates must be an integer in [0, {_I32_MAX}], got -1"),
+        (lambda: RowPicks(rows=(0,)), "RowPicks.rows must hold PickRow, got 0"),
+    ]  # fmt: skip
+    for build, message in cases:
+        with pytest.raises(LocalProtocolError) as info:
+            build()
+        assert str(info.value) == message
+    full = PickRow(tp.PICK_TOP_K, 0, 0.0, [(0.1, i) for i in range(tp.TP_MAX_DRAW_TOP_K)])
+    assert isinstance(full.candidates, tuple) and len(full.candidates) == 256
+    assert full.candidates[0] == (struct.unpack("<f", struct.pack("<f", 0.1))[0], 0)
+    assert PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, _I32_MAX),)).candidates == ((0.5, _I32_MAX),)
+
+
 def test_payload_size_rules_of_every_frame() -> None:
     """PAYLOAD_BASE + k * PAYLOAD_UNIT per type (set when the classes are made, at import)."""
     rules = {t.name: (cls.PAYLOAD_BASE, cls.PAYLOAD_UNIT) for t, cls in tp.FRAME_CLASSES.items()}
@@ -309,7 +387,7 @@ def test_payload_size_rules_of_every_frame() -> None:
         "HASH": (8, 0), "LOGITS": (4, 4), "VERIFY": (4, 4), "VERIFY_COMMIT": (8, 0),
         "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
         "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
-        "WORLD": (0, 28), "ROW_TOPS": (4, 8),
+        "WORLD": (0, 28), "ROW_TOPS": (4, 8), "ROW_DRAW": (4, 40), "ROW_PICKS": (4, 8),
     }  # fmt: skip
 
 
@@ -328,8 +406,66 @@ def test_payload_length_messages_exact() -> None:
         (header(FrameType.SYNC, 6), "SYNC payload must be 0 + a multiple of 4 bytes, got 6"),
         (
             header(FrameType.EVAL, 4, flags=1, reserved=2),
-            "EVAL: header flags 0x1 / reserved 2 must be 0 or 0x1 (ROW_TOPS) / 0 in protocol "
-            "version 2",
+            "EVAL: header flags 0x1 / reserved 2 must be 0, 0x1 (ROW_TOPS) or 0x3 "
+            "(ROW_TOPS | ROW_DRAWS) / 0 in protocol version 2",
+        ),
+        (
+            header(FrameType.EVAL, 4, flags=2),
+            "EVAL: header flags 0x2: ROW_DRAWS (0x2) needs ROW_TOPS (0x1); the flags must be 0, "
+            "0x1 or 0x3",
+        ),
+        (
+            header(FrameType.STOP, 0, flags=3),
+            "STOP: header flags 0x3 / reserved 0 must be 0 in protocol version 2",
+        ),
+        (
+            header(FrameType.ROW_DRAW, 44) + bytes.fromhex("02000000") + bytes(40),
+            "ROW_DRAW says 2 rows but its payload is 44 bytes (expected 84)",
+        ),
+        (
+            header(FrameType.ROW_DRAW, 44)
+            + struct.pack("<I", 1)
+            + tp.DRAW_ROW.pack(0, 0, 0.0, 0.0, 0.0, 0.0, 0, 5),
+            "ROW_DRAW row 0: nonzero reserved word",
+        ),
+        (
+            header(FrameType.ROW_DRAW, 44)
+            + struct.pack("<I", 1)
+            + tp.DRAW_ROW.pack(1, 0, 0.0, 1.0, 0.0, 1.0, 0, 0),
+            "ROW_DRAW: DrawRow.u must be in [0, 1), got 1.0",
+        ),
+        (
+            header(FrameType.ROW_PICKS, 28) + bytes.fromhex("02000000") + bytes(24),
+            "ROW_PICKS says 2 rows, which is 52 bytes before their candidates, but its payload "
+            "is 28 bytes",
+        ),
+        (
+            header(FrameType.ROW_PICKS, 36)
+            + struct.pack("<I", 1)
+            + tp.PICK_ROW.pack(tp.PICK_TOP_K, 0, 0.0, 2, 0)
+            + tp.PICK_CANDIDATE.pack(0.5, 1),
+            "ROW_PICKS says 1 rows and 2 candidates, which is 44 bytes, but its payload is 36 "
+            "bytes",
+        ),
+        (
+            header(FrameType.ROW_PICKS, 28)
+            + struct.pack("<I", 1)
+            + tp.PICK_ROW.pack(tp.PICK_TOKEN, 0, 0.0, 0, 9),
+            "ROW_PICKS row 0: nonzero reserved word",
+        ),
+        (
+            header(FrameType.ROW_PICKS, 28)
+            + struct.pack("<I", 1)
+            + tp.PICK_ROW.pack(7, 0, 0.0, 0, 0),
+            "ROW_PICKS: PickRow.kind must be an integer in [0, 4], got 7",
+        ),
+        (
+            header(FrameType.ROW_PICKS, 36)
+            + struct.pack("<I", 1)
+            + tp.PICK_ROW.pack(tp.PICK_LEADER_LAST, 0, 0.0, 1, 0)
+            + tp.PICK_CANDIDATE.pack(0.5, 1),
+            "ROW_PICKS: PickRow of kind 3 (PICK_LEADER_LAST) has 1 candidates: only a "
+            "PICK_TOP_K (4) row has them",
         ),
         (
             header(FrameType.STOP, 0, flags=1),

@@ -5,6 +5,9 @@ payloads, payload limits, and any bytes giving frames or a clean error.
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from foundry.wire.errors import LocalProtocolError
 from foundry.wire.tp import (
     BatchItem,
     CommandAck,
+    DrawRow,
     Eval,
     EvalBatch,
     FrameType,
@@ -28,8 +32,11 @@ from foundry.wire.tp import (
     Invalidate,
     Logits,
     MixedBatch,
+    PickRow,
     Rewind,
     Role,
+    RowDraw,
+    RowPicks,
     RowTops,
     SessionCreate,
     SessionDestroy,
@@ -125,6 +132,32 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         "44545034 21 00 0000 0100000000000000 0400000000000000 1c000000 03000000"
         " 0000c03f 07000000 00000000 ffffffff 00000000 feffffff",
     ),
+    (
+        RowDraw(
+            session_id=1,
+            seq=4,
+            rows=(DrawRow(1, 40, 2.5, 1.25, 3.0, 0.5, 100), DrawRow(0, 0, 0.0, 0.0, 0.0, 0.0, 0)),
+        ),
+        "44545034 22 00 0000 0100000000000000 0400000000000000 54000000 02000000"
+        " 01000000 28000000 00002040 0000a03f 0000000000000840 000000000000e03f 64000000 00000000"
+        " 00000000 00000000 00000000 00000000 0000000000000000 0000000000000000 00000000 00000000",
+    ),
+    (
+        RowPicks(
+            session_id=1,
+            seq=4,
+            rows=(
+                PickRow(tp.PICK_TOKEN, 17, 0.0),
+                PickRow(tp.PICK_LEADER_WALK, 0, 1.75),
+                PickRow(tp.PICK_TOP_K, 0, 0.75, ((0.5, 3), (0.25, 9))),
+            ),
+        ),
+        "44545034 23 00 0000 0100000000000000 0400000000000000 5c000000 03000000"
+        " 01000000 11000000 0000000000000000 00000000 00000000"
+        " 02000000 00000000 000000000000fc3f 00000000 00000000"
+        " 04000000 00000000 000000000000e83f 02000000 00000000"
+        " 0000003f 03000000 0000803e 09000000",
+    ),
 ]
 # The header flag ROW_TOPS (0x01) on the commands answered with logits rows.
 ROW_TOPS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
@@ -150,6 +183,14 @@ ROW_TOPS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         "44545034 10 01 0000 0700000000000000 0000000000000000 0c000000 01000000 00000000 01000000",
     ),
 ]
+# The header flags ROW_TOPS | ROW_DRAWS (0x03): the worker's ROW_TOPS, then ROW_DRAW / ROW_PICKS.
+ROW_DRAWS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
+    (
+        EvalBatch(items=(BatchItem(5, 65),), row_tops=True, row_draws=True),
+        "44545034 0f 03 0000 0000000000000000 0000000000000000 10000000"
+        " 0500000000000000 41000000 00000000",
+    ),
+]
 FRAMES = [frame for frame, _ in GOLDEN]
 
 
@@ -159,6 +200,9 @@ def test_struct_sizes() -> None:
     assert tp.FRAME_HEADER_SIZE == 28
     assert tp.BATCH_ITEM.size == 16
     assert tp.GATE_HEADER_SIZE == 20
+    assert tp.DRAW_ROW.size == 40
+    assert tp.PICK_ROW.size == 24
+    assert tp.PICK_CANDIDATE.size == 8
     assert tp.SLAB_HEADER.size == 64
     assert tp.SLOT_HEADER.size == 64
     assert tp.TP_FRAME_MAGIC.to_bytes(4, "little") == b"DTP4"
@@ -174,6 +218,8 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
         "SPEC_RESTORE": 24,
         "WORLD": 32,  # Foundry's extension for N ranks, clear of the seed's numbers
         "ROW_TOPS": 33,  # Foundry's extension: a worker's rows' greedy tops
+        "ROW_DRAW": 34,  # Foundry's extension: the leader's draw of the sampled rows
+        "ROW_PICKS": 35,  # Foundry's extension: a worker's answer to it
     }  # fmt: skip
     assert {t.name: t.value for t in FrameType} == seed
     assert {f.TYPE for f in FRAMES} == set(tp.FRAME_CLASSES)
@@ -194,6 +240,16 @@ def test_row_tops_flag_golden_bytes(frame: tp.ControlFrame, golden: str) -> None
     assert decode_all(bytes.fromhex(golden)) == [frame]
 
 
+@pytest.mark.parametrize(
+    ("frame", "golden"), ROW_DRAWS_GOLDEN, ids=[f.TYPE.name for f, _ in ROW_DRAWS_GOLDEN]
+)
+def test_row_draws_flag_golden_bytes(frame: tp.ControlFrame, golden: str) -> None:
+    assert frame.ROWS_REPLY and frame.row_tops and frame.row_draws
+    assert frame.header_flags == tp.FRAME_FLAG_ROW_TOPS | tp.FRAME_FLAG_ROW_DRAWS == 0x03
+    assert encode(frame) == bytes.fromhex(golden)
+    assert decode_all(bytes.fromhex(golden)) == [frame]
+
+
 def test_row_tops_flag_only_on_commands_answered_with_rows() -> None:
     assert {t for t, c in tp.FRAME_CLASSES.items() if c.ROWS_REPLY} == {
         FrameType.SYNC, FrameType.EVAL, FrameType.VERIFY, FrameType.EVAL_BATCH,
@@ -205,6 +261,23 @@ def test_row_tops_flag_only_on_commands_answered_with_rows() -> None:
         RowTops(values=(1.0,), tokens=(0,), row_tops=True)
     with pytest.raises(LocalProtocolError, match="1 values and 2 tokens"):
         RowTops(values=(1.0,), tokens=(0, 1))
+
+
+def test_row_draws_flag_only_with_row_tops_on_commands_answered_with_rows() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        Eval(token=1, row_draws=True)
+    assert str(info.value) == "Eval: row_draws (header flag 0x2) needs row_tops (header flag 0x1)"
+    with pytest.raises(LocalProtocolError) as info:
+        Stop(row_draws=True)
+    assert str(info.value) == (
+        "Stop: row_draws (header flag 0x2) is only for a command answered with logits rows"
+    )
+    with pytest.raises(LocalProtocolError, match="row_tops"):
+        RowDraw(row_tops=True, row_draws=True)
+    with pytest.raises(LocalProtocolError, match="row_draws"):
+        RowPicks(row_draws=True)
+    assert Eval(token=1, row_tops=True).header_flags == tp.FRAME_FLAG_ROW_TOPS
+    assert Eval(token=1).header_flags == 0
 
 
 def test_decoder_whole_then_byte_by_byte_then_trailing() -> None:
@@ -271,6 +344,14 @@ def test_a_payload_received_into_its_room_is_the_frame_fed() -> None:
         (b"XXXX" + bytes(24), "bad frame magic"),
         (header(99, 0), "unknown frame type 99"),
         (header(FrameType.EVAL, 4, flags=2), "flags 0x2"),
+        (header(FrameType.EVAL, 4, flags=2), "ROW_DRAWS \\(0x2\\) needs ROW_TOPS \\(0x1\\)"),
+        (header(FrameType.EVAL, 4, flags=4), "flags 0x4 / reserved 0 must be 0, 0x1"),
+        (header(FrameType.EVAL_BATCH, 16, flags=7), "flags 0x7"),
+        (header(FrameType.STOP, 0, flags=3), "flags 0x3 / reserved 0 must be 0 in"),
+        (header(FrameType.ROW_DRAW, 4, flags=3), "flags 0x3 / reserved 0 must be 0 in"),
+        (header(FrameType.ROW_PICKS, 4, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
+        (header(FrameType.ROW_DRAW, 8), "ROW_DRAW payload must be 4 \\+ a multiple of 40"),
+        (header(FrameType.ROW_PICKS, 6), "ROW_PICKS payload must be 4 \\+ a multiple of 8"),
         (header(FrameType.STOP, 0, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
         (header(FrameType.LOGITS, 4, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
         (header(FrameType.EVAL, 4, reserved=2), "reserved"),
@@ -301,6 +382,27 @@ def test_reserved_seed_frame_types_are_errors(code: FrameType) -> None:
         decoder.next_event()
 
 
+def draw_payload(*rows: tuple[Any, ...]) -> bytes:
+    """A ROW_DRAW frame of ``rows``, each (mode, top_k, top, inv, acc, u, nonzero, reserved)."""
+    payload = tp.DRAW_ROW.size * len(rows)
+    return (
+        header(FrameType.ROW_DRAW, 4 + payload)
+        + struct.pack("<I", len(rows))
+        + b"".join(tp.DRAW_ROW.pack(*row) for row in rows)
+    )
+
+
+def picks_payload(rows: list[tuple[int, int, float, int, int]], candidates: int) -> bytes:
+    """A ROW_PICKS frame of ``rows``, each (kind, index, target, n, reserved), then
+    ``candidates`` candidates (e 0.5, index 1)."""
+    body = struct.pack("<I", len(rows)) + b"".join(tp.PICK_ROW.pack(*row) for row in rows)
+    body += tp.PICK_CANDIDATE.pack(0.5, 1) * candidates
+    return header(FrameType.ROW_PICKS, len(body)) + body
+
+
+DRAWN = (1, 0, 0.0, 1.0, 0.0, 0.5, 1, 0)  # a valid drawn row of a ROW_DRAW
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -316,6 +418,35 @@ def test_reserved_seed_frame_types_are_errors(code: FrameType) -> None:
          "says 2 rows"),
         (header(FrameType.ROW_TOPS, 12) + bytes.fromhex("01000000 00000000 fdffffff"),
          "tokens"),
+        (header(FrameType.ROW_DRAW, 44) + bytes.fromhex("02000000") + bytes(40), "says 2 rows"),
+        (draw_payload(DRAWN, (*DRAWN[:-1], 1)), "ROW_DRAW row 1: nonzero reserved word"),
+        (draw_payload((2, *DRAWN[1:])), "DrawRow.mode"),
+        (draw_payload((1, 257, *DRAWN[2:])), "DrawRow.top_k"),
+        (draw_payload((1, 0, math.inf, *DRAWN[3:])), "DrawRow.top"),
+        (draw_payload((1, 0, 0.0, 0.0, *DRAWN[4:])), "DrawRow.inv"),
+        (draw_payload((1, 0, 0.0, math.nan, *DRAWN[4:])), "DrawRow.inv"),
+        (draw_payload((*DRAWN[:4], -1.0, *DRAWN[5:])), "DrawRow.acc"),
+        (draw_payload((*DRAWN[:4], math.inf, *DRAWN[5:])), "DrawRow.acc"),
+        (draw_payload((*DRAWN[:5], 1.0, *DRAWN[6:])), "DrawRow.u"),
+        (draw_payload((*DRAWN[:5], -0.5, *DRAWN[6:])), "DrawRow.u"),
+        (draw_payload((*DRAWN[:5], math.nan, *DRAWN[6:])), "DrawRow.u"),
+        (header(FrameType.ROW_PICKS, 28) + bytes.fromhex("02000000") + bytes(24),
+         "says 2 rows, which is 52 bytes"),
+        (picks_payload([(4, 0, 0.0, 2, 0)], 1), "1 rows and 2 candidates"),
+        (picks_payload([(4, 0, 0.0, 1, 0)], 2), "1 rows and 1 candidates"),
+        (picks_payload([(1, 3, 0.0, 0, 0), (0, 0, 0.0, 0, 7)], 0),
+         "ROW_PICKS row 1: nonzero reserved word"),
+        (picks_payload([(5, 0, 0.0, 0, 0)], 0), "PickRow.kind"),
+        (picks_payload([(-1, 0, 0.0, 0, 0)], 0), "PickRow.kind"),
+        (picks_payload([(1, 0, 0.0, 1, 0)], 1), "kind 1 \\(PICK_TOKEN\\) has 1 candidates"),
+        (picks_payload([(2, 0, 0.0, 2, 0)], 2), "PICK_LEADER_WALK\\) has 2 candidates"),
+        (picks_payload([(4, 0, 0.0, 257, 0)], 257), "257 > 256 candidates"),
+        (picks_payload([(1, -1, 0.0, 0, 0)], 0), "PickRow.index"),
+        (picks_payload([(2, 0, math.nan, 0, 0)], 0), "PickRow.target"),
+        (picks_payload([(2, 0, math.inf, 0, 0)], 0), "PickRow.target"),
+        (header(FrameType.ROW_PICKS, 44) + struct.pack("<I", 1) + tp.PICK_ROW.pack(4, 0, 0.0, 2, 0)
+         + tp.PICK_CANDIDATE.pack(0.5, 1) + tp.PICK_CANDIDATE.pack(0.5, -1),
+         "PickRow.candidates"),
     ],
 )  # fmt: skip
 def test_bad_payload_rejected(data: bytes, message: str) -> None:
@@ -327,8 +458,13 @@ def test_bad_payload_rejected(data: bytes, message: str) -> None:
 
 def test_max_payload_is_enforced_from_the_identity() -> None:
     limit = tp.max_payload_for(IDENTITY, tp.logits_rows(16))
-    # the largest frames of this model: a MIXED_BATCH of a full context and all items
-    assert limit == 8 + 4 * 256 + 16 * tp.TP_MAX_BATCH_ITEMS
+    # the largest frame of this small model: a ROW_DRAW of every batch item (the worker's
+    # bound too, whatever its max_rows), above a ROW_PICKS of 16 rows cut to the largest
+    # top_k and a MIXED_BATCH of a full context and all items
+    assert limit == 4 + 40 * tp.TP_MAX_BATCH_ITEMS
+    assert tp.max_payload_for(IDENTITY, 1) == limit
+    assert limit > 4 + 16 * (24 + 8 * tp.TP_MAX_DRAW_TOP_K)
+    assert limit > 8 + 4 * 256 + 16 * tp.TP_MAX_BATCH_ITEMS
     big = Sync(tokens=tuple(range(256)))
     assert decode_all(encode(big), max_payload=limit) == [big]
     decoder = TpDecoder(limit)
@@ -373,6 +509,14 @@ def test_payload_limit_and_limit_plus_one(limit: int) -> None:
         lambda: Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=2),
         lambda: Hello(role=Role.LEADER, identity=IDENTITY, execution_mode=-1),
         lambda: GateHeader(1 << 16, Gate.ATTN, 0, 1, 1),
+        lambda: DrawRow(2, 0, 0.0, 1.0, 0.0, 0.0, 0),
+        lambda: DrawRow(1, 0, 0.0, 1e39, 0.0, 0.0, 0),
+        lambda: DrawRow(1, 0, 0.0, 1.0, 0.0, 0.0, -1),
+        lambda: DrawRow(0, 0, 0.0, 0.0, "1", 0.0, 0),
+        lambda: RowDraw(rows=((1, 0, 0.0, 1.0, 0.0, 0.0, 0),)),
+        lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5,),)),
+        lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, 1 << 31),)),
+        lambda: RowPicks(rows=((1, 0, 0.0),)),
     ],
 )
 def test_frames_validate_their_fields(build: object) -> None:
@@ -398,6 +542,17 @@ frame_st = st.one_of(
                              max_size=3).map(tuple)),
     st.builds(SyncCheckpoint, point=st.integers(0, 2**32 - 1), current=st.integers(0, 9),
               total=st.integers(0, 9), requested=st.booleans()),
+    st.builds(RowDraw, seq=st.integers(0, 2**64 - 1), rows=st.lists(st.builds(
+        DrawRow, st.integers(0, 1), st.integers(0, tp.TP_MAX_DRAW_TOP_K),
+        st.floats(-(2.0**100), 2.0**100, width=32), st.floats(2.0**-10, 2.0**10, width=32),
+        st.floats(0, 1e6), st.floats(0, 1, exclude_max=True), st.integers(0, 2**32 - 1),
+    ), max_size=4).map(tuple)),
+    st.builds(RowPicks, seq=st.integers(0, 9), rows=st.lists(st.one_of(
+        st.builds(PickRow, st.integers(0, 3), st.integers(0, 2**31 - 1), st.floats(-1e9, 1e9)),
+        st.builds(PickRow, st.just(tp.PICK_TOP_K), st.integers(0, 9), st.floats(0, 1),
+                  st.lists(st.tuples(st.floats(0, 1, width=32), st.integers(0, 2**31 - 1)),
+                           max_size=6).map(tuple)),
+    ), max_size=4).map(tuple)),
     st.sampled_from([Stop(), Invalidate(session_id=3), SessionDestroy(session_id=4),
                      SessionCreate(ctx_size=7), CommandAck(status=2)]),
 )  # fmt: skip

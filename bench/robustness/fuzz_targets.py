@@ -537,6 +537,28 @@ class TpWorkerPortTarget(Target):
                 values=tuple(r.uniform(-9, 9) for _ in toks),
                 tokens=tuple(r.randrange(-2, 259) for _ in toks),
             ),
+            tp.FrameType.ROW_DRAW: lambda: tp.RowDraw(
+                rows=tuple(
+                    tp.DrawRow(
+                        1,
+                        r.randrange(41),
+                        r.uniform(-9, 9),
+                        1.25,
+                        r.uniform(0, 99),
+                        r.random(),
+                        r.randrange(259),
+                    )
+                    for _ in toks
+                )
+            ),
+            tp.FrameType.ROW_PICKS: lambda: tp.RowPicks(
+                rows=tuple(
+                    tp.PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, r.randrange(259)),))
+                    if r.random() < 0.3
+                    else tp.PickRow(tp.PICK_TOKEN, r.randrange(259), r.uniform(0, 9))
+                    for _ in toks
+                )
+            ),
         }
         return ftype.name, tp.encode(build[ftype]()), TP_FRAME
 

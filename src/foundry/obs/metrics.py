@@ -459,7 +459,8 @@ class TpMetrics:
         self.row_replies = Counter(
             "foundry_tp_row_replies_total",
             "Commands answered with logits rows, by what the workers sent: logits (their "
-            "blocks of the rows) or row_tops (each row's greedy pick; leader).",
+            "blocks of the rows), row_tops (each row's greedy pick) or row_draws (their part "
+            "of each sampled row's draw too; leader).",
             ["kind"],
             registry=r,
         )
@@ -526,7 +527,7 @@ class TpMetrics:
         for direction in ("sent", "received"):
             self.gate_bytes.labels(direction)
             self.control_bytes.labels(direction)
-        for kind in ("logits", "row_tops"):
+        for kind in ("logits", "row_tops", "row_draws"):
             self.row_replies.labels(kind)
         for phase in ("prefill", "decode"):
             self.tokens.labels(phase)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.infer.block_draw import BlockRows, DrawArgs, Pick, inverse_temperature
 from foundry.model.infer.sampling import SamplingError, Tops, combine_tops, greedy_tops
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.handshake import ACK_ACCEPTED
@@ -26,9 +27,12 @@ from foundry.transport.gates import GateError
 from foundry.wire.tp import (
     CommandAck,
     ControlFrame,
+    DrawRow,
     FrameType,
     Hash,
     Logits,
+    RowDraw,
+    RowPicks,
     RowTops,
     SessionCreate,
     SessionDestroy,
@@ -38,6 +42,8 @@ from foundry.wire.tp import (
 )
 
 F32 = npt.NDArray[np.float32]
+# A sampled row's draw: (temperature, top_k, its uniform).
+Draw = tuple[float, int, float]
 
 # Pair failures end one pair, never the leader.
 PAIR_FAILURES = (GateError, LinkError, TpProtocolError, LockstepError)
@@ -140,17 +146,22 @@ class PairCommands:
         return self.join(rows)
 
     def picks(
-        self, frame: ControlFrame, checkpoint: Checkpoint | None = None
+        self,
+        frame: ControlFrame,
+        checkpoint: Checkpoint | None = None,
+        draws: Sequence[Draw | None] = (),
     ) -> list[int | SamplingError] | None:
-        """``run`` of a command sent with ``row_tops`` (every row drawn greedily and read by
-        nothing else): each row's greedy token, or the SamplingError of a row that cannot
-        give one, from the leader's own block and the workers' ROW_TOPS, none of the
-        workers' logits shipped. None when a SYNC was cancelled."""
+        """``run`` of a command sent with ``row_tops`` (every row greedy, or with
+        ``row_draws`` drawn in its blocks, and read by nothing else): each row's token, or
+        the SamplingError of a row that cannot give one, none of the workers' logits shipped.
+        ``draws[i]``: row i's (temperature, top_k, uniform) where it is sampled (ROW_DRAWS:
+        the pair only), None (or past the end) where it is greedy or unused. None when a
+        SYNC was cancelled."""
         assert frame.row_tops, "picks() runs a command sent with row_tops"
         rows = self._command(frame, checkpoint, True)
         if rows is None:
             return None
-        self.metrics.row_replies.labels("row_tops").inc()
+        self.metrics.row_replies.labels("row_draws" if frame.row_draws else "row_tops").inc()
         blocks: list[Tops] = [greedy_tops(rows)]
         offset = rows.shape[1]
         for rank, (link, width) in enumerate(
@@ -166,7 +177,56 @@ class PairCommands:
                 )
             blocks.append((tops.values, [t + offset if t >= 0 else t for t in tops.tokens]))
             offset += width
-        return combine_tops(blocks)
+        picks = combine_tops(blocks)
+        if frame.row_draws:
+            self._draw(rows, blocks, picks, draws)
+        return picks
+
+    def _draw(
+        self,
+        rows: F32,
+        blocks: list[Tops],
+        picks: list[int | SamplingError],
+        draws: Sequence[Draw | None],
+    ) -> None:
+        """The sampled rows of a ROW_DRAWS command drawn with the worker (block_draw): their
+        tokens in place of ``picks``' greedy ones."""
+        assert len(self.links) == 1, "ROW_DRAWS is the pair's"
+        args = []
+        for i, pick in enumerate(picks):
+            draw = draws[i] if i < len(draws) else None
+            if draw is None or isinstance(pick, SamplingError):
+                args.append(DrawArgs(False))
+                continue
+            top = max(values[i] for values, tokens in blocks if tokens[i] >= 0)
+            temperature, top_k, u = draw
+            args.append(DrawArgs(True, top_k, top, inverse_temperature(temperature), u=u))
+        mine = BlockRows(rows)
+        args = mine.leader_pass(args)
+        link = self.links[0]
+        link.send(
+            RowDraw(
+                rows=tuple(
+                    DrawRow(int(a.draw), a.top_k, a.top, a.inv, a.acc, a.u, a.nonzero) for a in args
+                ),
+                seq=self.state.step,
+            )
+        )
+        frame = self._reply(1, link, FrameType.ROW_PICKS, "the worker's picks")
+        assert isinstance(frame, RowPicks)
+        width = self.worker_vocab[0]
+        bad = [
+            p for p in frame.rows if p.index >= width or any(j >= width for _, j in p.candidates)
+        ]
+        if len(frame.rows) != len(args) or bad:
+            raise LinkError(
+                f"the worker sent {len(frame.rows)} picks (indices up to its {width} tokens "
+                f"expected), for {len(args)} rows; the ranks are out of step"
+            )
+        theirs = [Pick(p.kind, p.index, p.target, p.candidates) for p in frame.rows]
+        for i, token in enumerate(mine.finish(args, theirs, rows.shape[1])):
+            if args[i].draw:
+                picks[i] = token
 
     def _command(
         self, frame: ControlFrame, checkpoint: Checkpoint | None, here: bool
@@ -206,10 +266,12 @@ class PairCommands:
         assert rows is not None
         return rows
 
-    def _reply(self, rank: int, link: ControlLink, ftype: FrameType, what: str) -> Logits | RowTops:
-        """A worker's LOGITS or ROW_TOPS of this step."""
+    def _reply(
+        self, rank: int, link: ControlLink, ftype: FrameType, what: str
+    ) -> Logits | RowTops | RowPicks:
+        """A worker's LOGITS, ROW_TOPS or ROW_PICKS of this step."""
         frame = link.expect(ftype, what)
-        assert isinstance(frame, Logits | RowTops)
+        assert isinstance(frame, Logits | RowTops | RowPicks)
         if frame.seq != self.state.step:
             raise LinkError(
                 f"rank {rank} sent the {ftype.name} of step {frame.seq}, this rank is "

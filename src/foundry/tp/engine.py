@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from foundry.model.infer.block_draw import BLOCK
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.sampling import SamplingError, combine_tops, greedy_tops
 from foundry.model.shard.shares import Shares, share_blocks
@@ -138,13 +139,13 @@ class LeaderEngine(EngineTokens):
             device=self.options.device,
         )
         self.state = RankState(engine, self.identity.ctx_size)
+        blocks = share_blocks(self.cfg.n_vocab, self.shares)
         self.commands = PairCommands(
-            self.state,
-            share_blocks(self.cfg.n_vocab, self.shares)[1:],
-            self.world,
-            self.metrics,
-            self.options.prefill_chunk,
+            self.state, blocks[1:], self.world, self.metrics, self.options.prefill_chunk
         )
+        # Sampled rows drawn in their blocks (ROW_DRAWS): the pair, its worker's block starting
+        # on a block of the draw's masses.
+        self.draws_split = self.world == 2 and blocks[0] % BLOCK == 0
         self._kept = dict(self.state.kept)
 
     def _reshape(self, shares: Shares) -> None:
@@ -365,7 +366,8 @@ class LeaderEngine(EngineTokens):
 
     def _prefill_alone(self, req: Request) -> None:
         meet = self.commands.checkpoint(req.sid, lambda: req.gone or self._stopping.is_set())
-        drawn = self._command(Sync(session_id=req.sid, tokens=tuple(req.prompt)), [req], meet)
+        sync = Sync(session_id=req.sid, tokens=tuple(req.prompt))
+        drawn = self._command(sync, [req], [0], meet)
         if drawn is None:
             assert req.session is not None
             log.info(
@@ -395,24 +397,24 @@ class LeaderEngine(EngineTokens):
         # Rows: the chunk's last, then one for each decoding request.
         later = list(range(1, len(decoding) + 1))
         if end < len(prefill.prompt):
-            drawn = self._command(frame, decoding)
+            drawn = self._command(frame, decoding, later)
             assert drawn is not None
             self._take(decoding, drawn, later)
         else:
-            drawn = self._command(frame, [*decoding, prefill])
+            drawn = self._command(frame, [*decoding, prefill], [*later, 0])
             assert drawn is not None
             self.sched.prefilled(prefill)
             self._take([*decoding, prefill], drawn, [*later, 0])
 
     def _eval(self, req: Request) -> None:
         frame = Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token)
-        drawn = self._command(frame, [req])
+        drawn = self._command(frame, [req], [0])
         assert drawn is not None
         self._take([req], drawn, [0])
 
     def _eval_batch(self, decoding: list[Request]) -> None:
         items = tuple(BatchItem(r.sid, r.next_token) for r in decoding)
-        drawn = self._command(EvalBatch(items=items), decoding)
+        drawn = self._command(EvalBatch(items=items), decoding, range(len(decoding)))
         assert drawn is not None
         self._take(decoding, drawn, range(len(decoding)))
 
@@ -435,7 +437,8 @@ class LeaderEngine(EngineTokens):
         mode = self.spec_mode
         block = [req.next_token, *drafts]
         pos0 = s.pos
-        drawn = self._command(Verify(session_id=req.sid, drafts=tuple(block)), [req])
+        frame = Verify(session_id=req.sid, drafts=tuple(block))
+        drawn = self._command(frame, [req], [0])  # greedy: row_tops, or the full rows
         assert drawn is not None
         if drawn.rows is not None:
             self._hook(req, drawn.rows)

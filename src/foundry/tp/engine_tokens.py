@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from foundry.model.infer.block_draw import MAX_TOP_K
 from foundry.model.infer.sampling import SamplingError, logprobs, sample_rows
+from foundry.tp.commands import Draw
 from foundry.tp.engine_sessions import EngineSessions
 from foundry.tp.frontend_server import Request
 from foundry.tp.lockstep import Checkpoint
@@ -42,6 +44,7 @@ class EngineTokens(EngineSessions):
     """Sampling and delivery over the sessions (``LeaderEngine`` sets what it reads)."""
 
     logits_hook: LogitsHook | None
+    draws_split: bool
     tokens_generated: int
     _outbox: list[tuple[Request, fw.Frame]]
     _deliver: Callable[[list[tuple[Request, fw.Frame]]], None]
@@ -60,14 +63,44 @@ class EngineTokens(EngineSessions):
             and all(r.frame.temperature == 0.0 and not r.frame.logprobs for r in reqs)
         )
 
+    def _drawable(self, reqs: Sequence[Request]) -> bool:
+        """Whether the sampled rows of ``reqs`` can be drawn in their blocks (ROW_DRAWS): the
+        pair's worker block starts on a block of the masses, no request asks for logprobs or
+        cuts by top_p, none cuts to more than MAX_TOP_K, no logits hook."""
+        return (
+            self.options.row_tops
+            and self.draws_split
+            and self.logits_hook is None
+            and all(
+                not r.frame.logprobs and r.frame.top_p >= 1.0 and r.frame.top_k <= MAX_TOP_K
+                for r in reqs
+            )
+        )
+
     def _command(
-        self, frame: ControlFrame, reqs: Sequence[Request], checkpoint: Checkpoint | None = None
+        self,
+        frame: ControlFrame,
+        reqs: Sequence[Request],
+        rows_of: Sequence[int],
+        checkpoint: Checkpoint | None = None,
     ) -> Drawn | None:
-        """Run a command whose rows ``reqs`` draw from: with ``row_tops`` when every one of
-        them is greedy (``_greedy``; the workers send their rows' tops, not their logits),
-        else for the full rows. None when a SYNC was cancelled."""
+        """Run a command whose rows ``reqs`` draw from (request i from row ``rows_of[i]``):
+        with ``row_tops`` when every one of them is greedy (``_greedy``; the workers send
+        their rows' tops, not their logits), with ``row_draws`` too when the sampled ones can
+        be drawn in their blocks (``_drawable``: each row's token then comes back drawn), else
+        for the full rows. None when a SYNC was cancelled."""
         if self._greedy(reqs):
             picks = self.commands.picks(dataclasses.replace(frame, row_tops=True), checkpoint)
+            return None if picks is None else Drawn(picks=picks)
+        if self._drawable(reqs):
+            draws: list[Draw | None] = [None] * (max(rows_of, default=-1) + 1)
+            for req, i in zip(reqs, rows_of, strict=True):
+                t = req.frame.temperature
+                if t > 0.0:
+                    draws[i] = (t, req.frame.top_k, req.rng.random())
+            picks = self.commands.picks(
+                dataclasses.replace(frame, row_tops=True, row_draws=True), checkpoint, draws
+            )
             return None if picks is None else Drawn(picks=picks)
         rows = self.commands.run(frame, checkpoint)
         return None if rows is None else Drawn(rows=rows)

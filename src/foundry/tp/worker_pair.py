@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
+
+from foundry.model.infer.block_draw import BlockRows, DrawArgs
 from foundry.model.infer.sampling import greedy_tops
 from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
@@ -31,6 +34,9 @@ from foundry.wire.tp import (
     GateTransport,
     Hash,
     Logits,
+    PickRow,
+    RowDraw,
+    RowPicks,
     RowTops,
     Stop,
     Sync,
@@ -123,9 +129,32 @@ class WorkerPair:
                     seq=st.step,
                 )
             )
+            if frame.row_draws:
+                self._draw(link, rows)
         elif command.reply is Reply.LOGITS and rows is not None:
             link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
         self.metrics.active_sessions.set(len(st.sessions))
+
+    def _draw(self, link: ControlLink, rows: np.ndarray) -> None:
+        """A ROW_DRAWS command's sampled rows: the leader's ROW_DRAW in, this block's part of
+        each row's draw (block_draw) out as ROW_PICKS."""
+        draw = link.expect(FrameType.ROW_DRAW, "the leader's row draws")
+        assert isinstance(draw, RowDraw)
+        if draw.seq != self.state.step or len(draw.rows) != rows.shape[0]:
+            raise LockstepError(
+                f"ROW_DRAW of step {draw.seq} for {len(draw.rows)} rows; this rank is at step "
+                f"{self.state.step} with {rows.shape[0]} rows"
+            )
+        args = [
+            DrawArgs(bool(r.mode), r.top_k, r.top, r.inv, r.acc, r.u, r.nonzero) for r in draw.rows
+        ]
+        picks = BlockRows(rows).worker_tail(args)
+        link.send(
+            RowPicks(
+                rows=tuple(PickRow(p.kind, p.index, p.target, p.candidates) for p in picks),
+                seq=self.state.step,
+            )
+        )
 
     def _checkpoint(self, link: ControlLink, sync: Sync) -> Checkpoint:
         def meet(current: int, total: int) -> int | None:

@@ -7,11 +7,16 @@ from foundry.wire.errors import LocalProtocolError, TpProtocolError, VersionMism
 from foundry.wire.framing import FrameDecoder
 from foundry.wire.tp.control import (
     BATCH_ITEM,
+    DRAW_ROW,
     FRAME_CLASSES,
+    FRAME_FLAG_ROW_DRAWS,
     FRAME_FLAG_ROW_TOPS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    PICK_CANDIDATE,
+    PICK_ROW,
     ROW_TOP,
+    TP_MAX_DRAW_TOP_K,
     UNSUPPORTED_FRAME_TYPES,
     WORLD_ENTRY,
     Frame,
@@ -80,6 +85,9 @@ def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None =
         4 * identity.ctx_size,  # SYNC of a full context
         4 + 4 * max_rows * block,  # LOGITS: rows of the larger half (of the largest block)
         4 + ROW_TOP.size * max_rows,  # ROW_TOPS
+        4 + DRAW_ROW.size * TP_MAX_BATCH_ITEMS,  # ROW_DRAW of every row (the worker's bound too)
+        # ROW_PICKS: every row cut to the largest top_k, each with all its candidates
+        4 + max_rows * (PICK_ROW.size + PICK_CANDIDATE.size * TP_MAX_DRAW_TOP_K),
         WORLD_ENTRY.size * (TP_MAX_WORLD - 1),  # WORLD
         8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
@@ -126,7 +134,13 @@ class TpDecoder(FrameDecoder[Frame]):
         ftype, session_id, seq, flags = self._header
         try:
             return FRAME_CLASSES[ftype]._parse(  # type: ignore[return-value]
-                payload, 0, len(payload), session_id=session_id, seq=seq, row_tops=bool(flags)
+                payload,
+                0,
+                len(payload),
+                session_id=session_id,
+                seq=seq,
+                row_tops=bool(flags & FRAME_FLAG_ROW_TOPS),
+                row_draws=bool(flags & FRAME_FLAG_ROW_DRAWS),
             )
         except LocalProtocolError as exc:
             raise TpProtocolError(f"{ftype.name}: {exc}") from None
@@ -173,12 +187,22 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"{UNSUPPORTED_FRAME_TYPES[ftype]}"
             )
         cls = FRAME_CLASSES[ftype]
-        allowed = FRAME_FLAG_ROW_TOPS if cls.ROWS_REPLY else 0
+        allowed = FRAME_FLAG_ROW_TOPS | FRAME_FLAG_ROW_DRAWS if cls.ROWS_REPLY else 0
         if flags & ~allowed or reserved:
-            rule = "must be 0" if not allowed else "must be 0 or 0x1 (ROW_TOPS) / 0"
+            rule = (
+                "must be 0"
+                if not allowed
+                else "must be 0, 0x1 (ROW_TOPS) or 0x3 (ROW_TOPS | ROW_DRAWS) / 0"
+            )
             raise TpProtocolError(
                 f"{ftype.name}: header flags {flags:#x} / reserved {reserved} {rule} "
                 f"in protocol version {TP_PROTOCOL_VERSION}"
+            )
+        if flags & FRAME_FLAG_ROW_DRAWS and not flags & FRAME_FLAG_ROW_TOPS:
+            raise TpProtocolError(
+                f"{ftype.name}: header flags {flags:#x}: ROW_DRAWS "
+                f"({FRAME_FLAG_ROW_DRAWS:#x}) needs ROW_TOPS ({FRAME_FLAG_ROW_TOPS:#x}); the "
+                "flags must be 0, 0x1 or 0x3"
             )
         if length > self.max_payload:
             raise TpProtocolError(

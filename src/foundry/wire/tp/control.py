@@ -6,6 +6,8 @@ batch items, a LOGITS half) written next to it."""
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -18,6 +20,7 @@ from foundry.wire.tp.hello import (
     _I32_MAX,
     _I32_MIN,
     _U16,
+    _U32,
     _U64,
     DS4_TP_BATCH_MAX_ROWS,
     DS4_TP_VERIFY_FLAGS,
@@ -63,6 +66,8 @@ class FrameType(enum.IntEnum):
     SPEC_RESTORE = 24
     WORLD = 32  # Foundry's extension: the table of a world's workers (N > 2)
     ROW_TOPS = 33  # Foundry's extension: each row's best token of a worker's block (greedy)
+    ROW_DRAW = 34  # Foundry's extension: what the workers need to draw the step's sampled rows
+    ROW_PICKS = 35  # Foundry's extension: a worker's part of each drawn row
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -93,16 +98,52 @@ FRAME_HEADER = struct.Struct("<IBBHQQI")
 # is logits rows: every row is drawn greedily and nothing else reads it, so each worker sends
 # its rows' best tokens (ROW_TOPS) instead of its block of the logits (LOGITS).
 FRAME_FLAG_ROW_TOPS = 0x01
+# ROW_DRAWS, only with ROW_TOPS: after its ROW_TOPS the worker waits for the leader's ROW_DRAW
+# and answers ROW_PICKS, the exchange that draws the step's sampled rows without shipping the
+# logits (the header's flags are then 0x03).
+FRAME_FLAG_ROW_DRAWS = 0x02
 # ROW_TOPS row: value f32 (the block's largest logit), token i32 (the global id of its first
 # occurrence; -1 a NaN or +inf in the block, -2 every logit of the block -inf)
 ROW_TOP = struct.Struct("<fi")
 ROW_TOP_BROKEN = -1
 ROW_TOP_ALL_MASKED = -2
+# The largest top_k a row drawn by ROW_DRAW / ROW_PICKS may have: a worker sends at most this
+# many candidates of a row cut to top_k (8 bytes each); the leader ships logits for larger ones.
+TP_MAX_DRAW_TOP_K = 256
+# ROW_DRAW row: mode u32, top_k u32, top f32, inv f32, acc f64, u f64, nonzero u32, reserved u32
+DRAW_ROW = struct.Struct("<IIffddII")
+# ROW_PICKS row: kind i32, index i32, target f64, n u32 (candidates that follow), reserved u32
+PICK_ROW = struct.Struct("<iidII")
+# ROW_PICKS candidate, after every row: e f32, index i32 (in the worker's vocabulary block)
+PICK_CANDIDATE = struct.Struct("<fi")
+# ROW_PICKS kinds: where the row's token is.
+PICK_NONE = 0  # a row of mode 0: no draw
+PICK_TOKEN = 1  # the worker's token: ``index`` in its vocabulary block
+PICK_LEADER_WALK = 2  # in the leader's blocks: the leader walks them to ``target``
+PICK_LEADER_LAST = 3  # rounding left the walk short, none here nonzero: the leader's last token
+PICK_TOP_K = 4  # the row is cut to top_k: the worker's most probable candidates follow
+_PICK_NAMES = ("PICK_NONE", "PICK_TOKEN", "PICK_LEADER_WALK", "PICK_LEADER_LAST", "PICK_TOP_K")
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 # ds4_tp_batch_item: session_id u64, token i32, reserved u32
 BATCH_ITEM = struct.Struct("<QiI")
 _U32S = struct.Struct("<I")
 _U32X2 = struct.Struct("<II")
+_F32 = struct.Struct("<f")
+
+
+def _real(owner: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise LocalProtocolError(f"{owner}.{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _f32(owner: str, name: str, value: object) -> float:
+    """``value`` rounded to float32, as the wire carries it."""
+    real = _real(owner, name, value)
+    try:
+        return float(_F32.unpack(_F32.pack(real))[0])
+    except OverflowError:
+        raise LocalProtocolError(f"{owner}.{name} {real!r} does not fit a float32") from None
 
 
 def _pack_tokens(tokens: tuple[int, ...]) -> bytes:
@@ -123,7 +164,8 @@ class _Frame:
 
     ``session_id`` names the inference session a command applies to (0 where none does);
     ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH);
-    ``row_tops`` asks the workers for ROW_TOPS instead of LOGITS (the header's flags).
+    ``row_tops`` asks the workers for ROW_TOPS instead of LOGITS, ``row_draws`` (only with
+    ``row_tops``) then for the ROW_DRAW / ROW_PICKS exchange (the header's flags).
     ``LAYOUT`` declares the payload's fixed part (``foundry.wire.layout``, the FDTC codec's
     form): its fields are validated when the frame is built, packed, and unpacked. A frame
     with a variable part after it (tokens, items, a LOGITS half) adds ``_tail`` and
@@ -141,6 +183,7 @@ class _Frame:
     session_id: int = 0
     seq: int = 0
     row_tops: bool = False  # the header's FRAME_FLAG_ROW_TOPS (only where ROWS_REPLY)
+    row_draws: bool = False  # the header's FRAME_FLAG_ROW_DRAWS (only with row_tops)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -151,16 +194,25 @@ class _Frame:
         owner = type(self).__name__
         _check_range(owner, "session_id", self.session_id, 0, _U64)
         _check_range(owner, "seq", self.seq, 0, _U64)
-        if self.row_tops and not self.ROWS_REPLY:
+        for name, flag in (("row_tops", FRAME_FLAG_ROW_TOPS), ("row_draws", FRAME_FLAG_ROW_DRAWS)):
+            if getattr(self, name) and not self.ROWS_REPLY:
+                raise LocalProtocolError(
+                    f"{owner}: {name} (header flag {flag:#x}) is only for a command answered "
+                    "with logits rows"
+                )
+        if self.row_draws and not self.row_tops:
             raise LocalProtocolError(
-                f"{owner}: row_tops (header flag {FRAME_FLAG_ROW_TOPS:#x}) is only for a "
-                "command answered with logits rows"
+                f"{owner}: row_draws (header flag {FRAME_FLAG_ROW_DRAWS:#x}) needs row_tops "
+                f"(header flag {FRAME_FLAG_ROW_TOPS:#x})"
             )
         self.LAYOUT.normalise(self)
 
     @property
     def header_flags(self) -> int:
-        return FRAME_FLAG_ROW_TOPS if self.row_tops else 0
+        """The header's flags byte: ``FRAME_FLAG_ROW_TOPS`` and ``FRAME_FLAG_ROW_DRAWS``."""
+        return (FRAME_FLAG_ROW_TOPS if self.row_tops else 0) | (
+            FRAME_FLAG_ROW_DRAWS if self.row_draws else 0
+        )
 
     def _tail(self) -> bytes:
         return b""
@@ -512,6 +564,188 @@ class RowTops(_Frame):
         return cls(values=tuple(v for v, _ in rows), tokens=tuple(t for _, t in rows), **header)
 
 
+@dataclass(frozen=True)
+class DrawRow:
+    """One row of a ROW_DRAW, in the order the rows of the step come. ``mode`` 0: no draw for
+    this row (the other fields may be 0); 1: draw it. ``top_k`` the row's cut (0 keeps every
+    token; at most ``TP_MAX_DRAW_TOP_K``); ``top`` the row's largest logit over every block;
+    ``inv`` 1/temperature rounded to float32 (> 0); ``acc`` the leader's mass, its blocks'
+    masses added in order; ``u`` the row's uniform, in [0, 1); ``nonzero`` how many of the
+    leader's tokens have probability > 0. ``top`` and ``inv`` are kept rounded to float32, as
+    the wire carries them."""
+
+    mode: int
+    top_k: int
+    top: float
+    inv: float
+    acc: float
+    u: float
+    nonzero: int
+
+    def __post_init__(self) -> None:
+        _check_range("DrawRow", "mode", self.mode, 0, 1)
+        _check_range("DrawRow", "top_k", self.top_k, 0, TP_MAX_DRAW_TOP_K)
+        _check_range("DrawRow", "nonzero", self.nonzero, 0, _U32)
+        top = _f32("DrawRow", "top", self.top)
+        inv = _f32("DrawRow", "inv", self.inv)
+        acc = _real("DrawRow", "acc", self.acc)
+        u = _real("DrawRow", "u", self.u)
+        if not 0.0 <= u < 1.0:
+            raise LocalProtocolError(f"DrawRow.u must be in [0, 1), got {u!r}")
+        if not (math.isfinite(acc) and acc >= 0.0):
+            raise LocalProtocolError(f"DrawRow.acc must be finite and >= 0, got {acc!r}")
+        if self.mode == 1 and not (math.isfinite(inv) and inv > 0.0):
+            raise LocalProtocolError(
+                f"DrawRow.inv must be finite and > 0 on a drawn row (mode 1), got {inv!r}"
+            )
+        if self.mode == 1 and not math.isfinite(top):
+            raise LocalProtocolError(
+                f"DrawRow.top must be finite on a drawn row (mode 1), got {top!r}"
+            )
+        for name, value in (("top", top), ("inv", inv), ("acc", acc), ("u", u)):
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowDraw(_Frame):
+    """The leader's ROW_DRAW, after the workers' ROW_TOPS of a command sent with ``row_draws``
+    (seq the step): one :class:`DrawRow` for each row of the step, in order; each worker
+    answers with ROW_PICKS. Payload: count u32, then count x 40-byte rows (``DRAW_ROW``)."""
+
+    TYPE = FrameType.ROW_DRAW
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = DRAW_ROW.size
+    rows: tuple[DrawRow, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, DrawRow):
+                raise LocalProtocolError(f"RowDraw.rows must hold DrawRow, got {row!r}")
+
+    def _tail(self) -> bytes:
+        rows = (
+            DRAW_ROW.pack(r.mode, r.top_k, r.top, r.inv, r.acc, r.u, r.nonzero, 0)
+            for r in self.rows
+        )
+        return _U32S.pack(len(self.rows)) + b"".join(rows)
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
+        (count,) = _U32S.unpack_from(buf, offset)
+        if 4 + DRAW_ROW.size * count != length:
+            raise TpProtocolError(
+                f"ROW_DRAW says {count} rows but its payload is {length} bytes "
+                f"(expected {4 + DRAW_ROW.size * count})"
+            )
+        rows = []
+        data = memoryview(buf)[offset + 4 : offset + length]
+        for i, (*fields, reserved) in enumerate(DRAW_ROW.iter_unpack(data)):
+            if reserved:
+                raise TpProtocolError(f"ROW_DRAW row {i}: nonzero reserved word")
+            rows.append(DrawRow(*fields))
+        return cls(rows=tuple(rows), **header)
+
+
+@dataclass(frozen=True)
+class PickRow:
+    """A worker's answer for one row of a ROW_DRAW: ``kind`` says where the row's token is
+    (``PICK_NONE`` .. ``PICK_TOP_K``). ``PICK_TOKEN``: the worker's, ``index`` in its
+    vocabulary block; ``PICK_LEADER_WALK``: in the leader's blocks, reached by walking them to
+    ``target``; ``PICK_LEADER_LAST``: the leader's last nonzero token; ``PICK_TOP_K``: the row
+    is cut to top_k and ``candidates`` are the worker's most probable, (e, index in its block)
+    each, e kept rounded to float32. Only a ``PICK_TOP_K`` row has candidates, at most
+    ``TP_MAX_DRAW_TOP_K``."""
+
+    kind: int
+    index: int
+    target: float
+    candidates: tuple[tuple[float, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_range("PickRow", "kind", self.kind, PICK_NONE, PICK_TOP_K)
+        _check_range(
+            "PickRow", "index", self.index, 0 if self.kind == PICK_TOKEN else _I32_MIN, _I32_MAX
+        )
+        target = _real("PickRow", "target", self.target)
+        if not math.isfinite(target):
+            raise LocalProtocolError(f"PickRow.target must be finite, got {target!r}")
+        object.__setattr__(self, "target", target)
+        candidates = tuple(self.candidates)
+        if candidates and self.kind != PICK_TOP_K:
+            raise LocalProtocolError(
+                f"PickRow of kind {self.kind} ({_PICK_NAMES[self.kind]}) has {len(candidates)} "
+                f"candidates: only a PICK_TOP_K ({PICK_TOP_K}) row has them"
+            )
+        if len(candidates) > TP_MAX_DRAW_TOP_K:
+            raise LocalProtocolError(
+                f"PickRow.candidates holds {len(candidates)} > {TP_MAX_DRAW_TOP_K} candidates"
+            )
+        kept = []
+        for candidate in candidates:
+            if not isinstance(candidate, tuple) or len(candidate) != 2:
+                raise LocalProtocolError(
+                    f"PickRow.candidates must hold (e, index) pairs, got {candidate!r}"
+                )
+            e, index = candidate
+            _check_range("PickRow", "candidates", index, 0, _I32_MAX)
+            kept.append((_f32("PickRow", "candidates", e), index))
+        object.__setattr__(self, "candidates", tuple(kept))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowPicks(_Frame):
+    """A worker's answer to a ROW_DRAW (seq the step): one :class:`PickRow` for each of its
+    rows, in order. Payload: count u32, then count x 24-byte rows (``PICK_ROW``), then the
+    candidates of every row in row order, 8 bytes each (``PICK_CANDIDATE``)."""
+
+    TYPE = FrameType.ROW_PICKS
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = PICK_CANDIDATE.size  # a row is 24 bytes: 3 units
+    rows: tuple[PickRow, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, PickRow):
+                raise LocalProtocolError(f"RowPicks.rows must hold PickRow, got {row!r}")
+
+    def _tail(self) -> bytes:
+        heads = (PICK_ROW.pack(r.kind, r.index, r.target, len(r.candidates), 0) for r in self.rows)
+        candidates = (PICK_CANDIDATE.pack(e, i) for r in self.rows for e, i in r.candidates)
+        return _U32S.pack(len(self.rows)) + b"".join(heads) + b"".join(candidates)
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
+        (count,) = _U32S.unpack_from(buf, offset)
+        fixed = 4 + PICK_ROW.size * count
+        if fixed > length:
+            raise TpProtocolError(
+                f"ROW_PICKS says {count} rows, which is {fixed} bytes before their candidates, "
+                f"but its payload is {length} bytes"
+            )
+        heads = list(PICK_ROW.iter_unpack(memoryview(buf)[offset + 4 : offset + fixed]))
+        for i, (*_, reserved) in enumerate(heads):
+            if reserved:
+                raise TpProtocolError(f"ROW_PICKS row {i}: nonzero reserved word")
+        n_total = sum(n for _, _, _, n, _ in heads)
+        if fixed + PICK_CANDIDATE.size * n_total != length:
+            raise TpProtocolError(
+                f"ROW_PICKS says {count} rows and {n_total} candidates, which is "
+                f"{fixed + PICK_CANDIDATE.size * n_total} bytes, but its payload is {length} bytes"
+            )
+        data = memoryview(buf)[offset + fixed : offset + length]
+        candidates = list(PICK_CANDIDATE.iter_unpack(data))
+        rows: list[PickRow] = []
+        start = 0
+        for kind, index, target, n, _ in heads:
+            rows.append(PickRow(kind, index, target, tuple(candidates[start : start + n])))
+            start += n
+        return cls(rows=tuple(rows), **header)
+
+
 # WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
 WORLD_ENTRY = struct.Struct("<HH16sQ")
 
@@ -569,7 +803,7 @@ class World(_Frame):
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
-    | World | RowTops
+    | World | RowTops | RowDraw | RowPicks
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -578,7 +812,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
-        World, RowTops,
+        World, RowTops, RowDraw, RowPicks,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.

@@ -1,4 +1,4 @@
-/* The Python interface of sample.c: sample_rows(rows, args, out). */
+/* The Python interface of sample.c: sample_rows(rows, args, out) and sample_parts(...). */
 
 #include "py_kernels.h"
 
@@ -57,7 +57,62 @@ done:
     return result;
 }
 
+static const char sample_parts_doc[] =
+    "sample_parts(z, e, bsum, args, out, cand_e, cand_id): a rank's part of the draw of rows cut "
+    "into vocabulary blocks (sample.c, A row in blocks), a row a task on the pool. z: R x V "
+    "float32 logits of this rank's block; e: R x V float32 and bsum: R x ceil(V / 64) float64, "
+    "the probabilities and block masses (written by PART_PASS and PART_TAIL, read by the other "
+    "modes); args: R x 8 float64 (mode, top, inv, acc, u, target, top_k, nonzero); out: R x 7 "
+    "float64 (nonzero, last, mass, kind, index, target, n); cand_e: R x K float32 and cand_id: "
+    "R x K int64, each row's top-k candidates.";
+
+static PyObject *py_sample_parts(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer z, e, bsum, a, out, ce, cid;
+    if (!PyArg_ParseTuple(args, "y*w*w*y*w*w*w*", &z, &e, &bsum, &a, &out, &ce, &cid)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t rows = a.len / (Py_ssize_t)(PART_ARGS * sizeof(double));
+    const Py_ssize_t v = rows > 0 ? z.len / rows / (Py_ssize_t)sizeof(float) : 0;
+    const Py_ssize_t nb = (v + 63) / 64;
+    const Py_ssize_t k = rows > 0 ? ce.len / rows / (Py_ssize_t)sizeof(float) : 0;
+    if (rows == 0 || v == 0 || a.len != rows * PART_ARGS * (Py_ssize_t)sizeof(double) ||
+        z.len != rows * v * (Py_ssize_t)sizeof(float)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sample_parts: z must hold R rows of V float32 and args R x 8 float64");
+        goto done;
+    }
+    if (!fits("e", &e, rows * v * (Py_ssize_t)sizeof(float)) ||
+        !fits("bsum", &bsum, rows * nb * (Py_ssize_t)sizeof(double)) ||
+        !fits("out", &out, rows * PART_OUTS * (Py_ssize_t)sizeof(double)) ||
+        !fits("cand_id", &cid, rows * k * (Py_ssize_t)sizeof(int64_t)))
+        goto done;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        const double top_k = ((const double *)a.buf)[i * PART_ARGS + ARG_TOP_K];
+        if (top_k < 0 || top_k > (double)k) {
+            PyErr_Format(PyExc_ValueError,
+                         "sample_parts: row %zd's top_k exceeds the %zd "
+                         "candidates cand_e holds a row",
+                         i, k);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS sample_parts(z.buf, (int)rows, (int64_t)v, e.buf, bsum.buf, a.buf,
+                                        out.buf, (int64_t)k, ce.buf, cid.buf);
+    Py_END_ALLOW_THREADS result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&z);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&bsum);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&ce);
+    PyBuffer_Release(&cid);
+    return result;
+}
+
 PyMethodDef sample_methods[] = {
     {"sample_rows", py_sample_rows, METH_VARARGS, sample_rows_doc},
+    {"sample_parts", py_sample_parts, METH_VARARGS, sample_parts_doc},
     {NULL, NULL, 0, NULL},
 };

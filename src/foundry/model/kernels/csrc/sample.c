@@ -94,11 +94,12 @@ static int64_t last_nonzero(const float *e, int64_t from, int64_t to) {
     return -1;
 }
 
-/* the uncut draw over blocks (see 4.), total the row's mass (the blocks' added in order) */
-static int64_t draw_row(const float *e, const double *bsum, int64_t v, double total, double u) {
+/* The first token of e[0, v) at which the running mass, starting from acc, exceeds target: the
+ * blocks walked first (bsum), then the values of the block where it does; where rounding leaves
+ * that block's walk short, its last nonzero token. -1 when no block takes it past target. */
+static int64_t walk_blocks(const float *e, const double *bsum, int64_t v, double acc,
+                           double target) {
     const int64_t nb = (v + BLOCK - 1) / BLOCK;
-    const double target = u * total;
-    double acc = 0.0;
     for (int64_t b = 0; b < nb; b++) {
         if (acc + bsum[b] > target) {
             const int64_t end = (b + 1) * BLOCK < v ? (b + 1) * BLOCK : v;
@@ -112,7 +113,13 @@ static int64_t draw_row(const float *e, const double *bsum, int64_t v, double to
         }
         acc = acc + bsum[b];
     }
-    return last_nonzero(e, 0, v);
+    return -1;
+}
+
+/* the uncut draw over blocks (see 4.), total the row's mass (the blocks' added in order) */
+static int64_t draw_row(const float *e, const double *bsum, int64_t v, double total, double u) {
+    const int64_t t = walk_blocks(e, bsum, v, 0.0, u * total);
+    return t >= 0 ? t : last_nonzero(e, 0, v);
 }
 
 /* top_p alone (see 3.): the kept tokens into kept, their count returned */
@@ -254,6 +261,12 @@ static void *scratch(size_t bytes) {
     return buf;
 }
 
+/* 1 / T rounded to float, at most FLT_MAX (2.) */
+static float inv_of(double temperature) {
+    const double inv = 1.0 / temperature;
+    return inv < FLT_MAX ? (float)inv : FLT_MAX;
+}
+
 int64_t sample_row(const float *z, int64_t v, const sample_args *a) {
     float (*row_max)(const float *, int64_t, int *) = row_max_portable;
     int64_t (*row_probs)(const float *, int64_t, float, float, float *, double *) =
@@ -281,8 +294,7 @@ int64_t sample_row(const float *z, int64_t v, const sample_args *a) {
     if (room == NULL) return SAMPLE_NO_MEMORY;
     float *e = (float *)room;
     double *bsum = (double *)(room + e_bytes);
-    const double inv = 1.0 / a->temperature;
-    const int64_t nonzero = row_probs(z, v, top, inv < FLT_MAX ? (float)inv : FLT_MAX, e, bsum);
+    const int64_t nonzero = row_probs(z, v, top, inv_of(a->temperature), e, bsum);
     const int64_t limit = a->top_k == 0 || a->top_k > nonzero ? nonzero : a->top_k;
     double mass = 0.0; /* the row's, the blocks' added in order */
     for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
@@ -323,4 +335,120 @@ void sample_rows(const float *const *z, int rows, int64_t v, const sample_args *
                  int64_t *out) {
     rows_job job = {z, v, args, out};
     pool_run(rows_task, &job, rows);
+}
+
+/* A row in blocks. A tensor-parallel pair holds a row of logits as blocks of the vocabulary,
+ * the leader's first; each block starts on a multiple of BLOCK, so each rank's block masses
+ * are those of the whole row. The ranks draw what sample_row draws from the whole row:
+ *
+ * - every block's largest logit and its first index (sample_rows at temperature 0) give the
+ *   row's top, or its error, to every rank;
+ * - PART_PASS (the leader): e and the block masses of its block with that top (2.), their
+ *   count above 0, its last nonzero token, and mass = the masses added in order: the mass of
+ *   the row before the worker's block;
+ * - PART_TAIL (the worker): the same with acc = the leader's mass, so mass is the row's (the
+ *   same additions in the same order), and nonzero + ARG_NONZERO (the leader's count) the
+ *   row's. Then 3. and 4.: a row cut to top_k gives its block's min(top_k, nonzero) best
+ *   (KIND_TOP_K; the leader merges them with its own, which are the row's best among its
+ *   block's, and draws over the top_k best of both); an uncut row's target = u x mass lies in
+ *   the leader's block when the leader's mass exceeds it (KIND_LEADER_WALK, the blocks'
+ *   running mass only grows), else the walk goes on through the worker's blocks from the
+ *   leader's mass (KIND_TOKEN), and where rounding leaves the whole row short, the row's last
+ *   nonzero token: the worker's, else the leader's (KIND_LEADER_LAST);
+ * - PART_WALK, PART_LAST, PART_TOP_K (the leader, on the e of its PART_PASS): the walk of its
+ *   blocks to a target, its last nonzero token, its min(top_k, nonzero) best. */
+typedef struct {
+    const float *z;
+    int64_t v, k;
+    float *e;
+    double *bsum;
+    const double *args;
+    double *out;
+    float *cand_e;
+    int64_t *cand_id;
+} parts_job;
+
+/* the block's best min(k, nonzero) into cand_e / cand_id, in the draw's order; their count,
+ * or SAMPLE_NO_MEMORY */
+static int64_t block_top_k(const float *e, int64_t v, int64_t k, int64_t nonzero, float *cand_e,
+                           int64_t *cand_id) {
+    const int64_t m = k < nonzero ? k : nonzero;
+    if (m == 0) return 0;
+    cand *kept = malloc((size_t)m * sizeof *kept);
+    if (kept == NULL) return SAMPLE_NO_MEMORY;
+    keep_top_k(e, v, m, kept);
+    for (int64_t i = 0; i < m; i++) {
+        cand_e[i] = kept[i].e;
+        cand_id[i] = kept[i].id;
+    }
+    free(kept);
+    return m;
+}
+
+static int parts_task(void *ctx, int i) {
+    const parts_job *j = ctx;
+    const int64_t v = j->v, nb = (v + BLOCK - 1) / BLOCK;
+    const double *a = j->args + (int64_t)i * PART_ARGS;
+    double *o = j->out + (int64_t)i * PART_OUTS;
+    float *e = j->e + (int64_t)i * v;
+    double *bsum = j->bsum + (int64_t)i * nb;
+    float *ce = j->cand_e + (int64_t)i * j->k;
+    int64_t *cid = j->cand_id + (int64_t)i * j->k;
+    const int mode = (int)a[ARG_MODE];
+    const int64_t top_k = (int64_t)a[ARG_TOP_K];
+    o[OUT_KIND] = KIND_NONE;
+    o[OUT_N] = 0;
+    if (mode == PART_PASS || mode == PART_TAIL) {
+        int64_t (*row_probs)(const float *, int64_t, float, float, float *, double *) =
+            row_probs_portable;
+#if defined(FOUNDRY_X86)
+        if (use_512)
+            row_probs = row_probs_512;
+        else if (use_avx2)
+            row_probs = row_probs_avx2;
+#endif
+        const int64_t nonzero =
+            row_probs(j->z + (int64_t)i * v, v, (float)a[ARG_TOP], (float)a[ARG_INV], e, bsum);
+        double mass = a[ARG_ACC];
+        for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
+        const int64_t last = last_nonzero(e, 0, v);
+        o[OUT_NONZERO] = (double)nonzero;
+        o[OUT_LAST] = (double)last;
+        o[OUT_MASS] = mass;
+        if (mode == PART_PASS) return 0;
+        const int64_t all = nonzero + (int64_t)a[ARG_NONZERO];
+        if (top_k != 0 && top_k < all) {
+            const int64_t n = block_top_k(e, v, top_k, nonzero, ce, cid);
+            o[OUT_KIND] = n < 0 ? (double)n : KIND_TOP_K;
+            o[OUT_N] = n < 0 ? 0 : (double)n;
+            return 0;
+        }
+        const double target = a[ARG_U] * mass;
+        o[OUT_TARGET] = target;
+        if (a[ARG_ACC] > target) {
+            o[OUT_KIND] = KIND_LEADER_WALK;
+            return 0;
+        }
+        const int64_t t = walk_blocks(e, bsum, v, a[ARG_ACC], target);
+        o[OUT_KIND] = t >= 0 || last >= 0 ? KIND_TOKEN : KIND_LEADER_LAST;
+        o[OUT_INDEX] = (double)(t >= 0 ? t : last);
+    } else if (mode == PART_WALK) {
+        const int64_t t = walk_blocks(e, bsum, v, 0.0, a[ARG_TARGET]);
+        o[OUT_KIND] = KIND_TOKEN;
+        o[OUT_INDEX] = (double)(t >= 0 ? t : last_nonzero(e, 0, v));
+    } else if (mode == PART_LAST) {
+        o[OUT_KIND] = KIND_TOKEN;
+        o[OUT_INDEX] = (double)last_nonzero(e, 0, v);
+    } else if (mode == PART_TOP_K) {
+        const int64_t n = block_top_k(e, v, top_k, (int64_t)a[ARG_NONZERO], ce, cid);
+        o[OUT_KIND] = n < 0 ? (double)n : KIND_TOP_K;
+        o[OUT_N] = n < 0 ? 0 : (double)n;
+    }
+    return 0;
+}
+
+void sample_parts(const float *z, int rows, int64_t v, float *e, double *bsum, const double *args,
+                  double *out, int64_t k, float *cand_e, int64_t *cand_id) {
+    parts_job job = {z, v, k, e, bsum, args, out, cand_e, cand_id};
+    pool_run(parts_task, &job, rows);
 }
