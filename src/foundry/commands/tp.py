@@ -264,8 +264,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--no-row-tops",
         dest="row_tops",
         action="store_false",
-        help="greedy passes ship the workers' logits too, instead of each row's greedy pick "
-        "(ROW_TOPS, docs/protocol.md); the same tokens, for comparison",
+        help="every pass ships the workers' logits, instead of each greedy row's pick (ROW_TOPS) "
+        "and each sampled row's draw in its blocks (ROW_DRAWS, docs/protocol.md); the same "
+        "tokens, for comparison",
     )
     lead.add_argument(
         "--frontend-max-connections",

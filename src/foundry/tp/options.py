@@ -39,8 +39,9 @@ class LeaderOptions:
     spec_mode: SpecMode = SpecMode.FULL_PREFIX
     max_draft: int = MAX_DRAFT
     hash_check: bool = False
-    # Greedy passes ask the workers for their rows' greedy picks (ROW_TOPS), not their logits;
-    # off (--no-row-tops): every pass ships the logits, as before ROW_TOPS (for comparison).
+    # Passes ask the workers for their rows' greedy picks (ROW_TOPS) and sampled draws
+    # (ROW_DRAWS), not their logits; off (--no-row-tops): every pass ships the logits (for
+    # comparison).
     row_tops: bool = True
     shm: bool = True
     gate_timeout_s: float = DEFAULT_GATE_TIMEOUT_S
