@@ -126,14 +126,36 @@ static int sampling(FILE *f, FILE *o) {
     return 0;
 }
 
-/* One input: -1 the decode operations, -2 attention, -3 sampling, else a product: type k n_out
- * n, the weights, x; out: y */
+/* in: -4 rows vocab k, the rows' logits of a block, then each row's sample_parts arguments
+ * (PART_ARGS doubles); out: sample_parts' results (PART_OUTS doubles a row), then the rows'
+ * candidates (k float32, then k int64, a row) */
+static int parts(FILE *f, FILE *o) {
+    int h[3];
+    if (fread(h, 4, 3, f) != 3) return 3;
+    const int rows = h[0], v = h[1], k = h[2];
+    float *z = floats(f, (size_t)rows * v);
+    double *a = bytes_of(f, 8 * PART_ARGS * (size_t)rows);
+    float *e = malloc(4 * (size_t)rows * v), *ce = calloc((size_t)rows * k, 4);
+    double *bsum = malloc(8 * (size_t)rows * ((v + 63) / 64));
+    double *out = calloc((size_t)rows * PART_OUTS, 8);
+    int64_t *cid = calloc((size_t)rows * k, 8);
+    if (!z || !a || !e || !ce || !bsum || !out || !cid) return 4;
+    sample_parts(z, rows, v, e, bsum, a, out, k, ce, cid);
+    fwrite(out, 8, (size_t)rows * PART_OUTS, o);
+    fwrite(ce, 4, (size_t)rows * k, o);
+    fwrite(cid, 8, (size_t)rows * k, o);
+    return 0;
+}
+
+/* One input: -1 the decode operations, -2 attention, -3 sampling, -4 a block's parts of the
+ * draw, else a product: type k n_out n, the weights, x; out: y */
 static int run(FILE *f, FILE *o) {
     int hdr[4], values, bytes;
     if (fread(hdr, 4, 1, f) != 1) return 1;
     if (hdr[0] == -1) return decode_ops(f, o);
     if (hdr[0] == -2) return attention(f, o);
     if (hdr[0] == -3) return sampling(f, o);
+    if (hdr[0] == -4) return parts(f, o);
     if (fread(hdr + 1, 4, 3, f) != 3) return 1;
     type_block(hdr[0], &values, &bytes);
     size_t rb = (size_t)(hdr[1] / values) * bytes, nx = (size_t)hdr[3] * hdr[1];
@@ -297,6 +319,7 @@ def check(tmp: Path, counts: tuple[int, ...]) -> int:
     ok = attention(exes, tmp, rng, counts) and ok
     ok = decode_ops(exes, tmp, rng, counts) and ok
     ok = sampling(exes, tmp, rng, counts) and ok
+    ok = parts(exes, tmp, rng, counts) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -406,6 +429,46 @@ def sampling(
     kernels.sample_rows(list(z), args, here)
     return same_bits(
         f"sampling, {len(draws)} rows of {SAMPLE_VOCAB} tokens", exes, tmp, here.tobytes(), counts
+    )
+
+
+def parts(
+    exes: dict[str, list[str]], tmp: Path, rng: np.random.Generator, counts: tuple[int, ...]
+) -> bool:
+    """sample_parts (a rank's part of the draw of rows held in vocabulary blocks: the pair's
+    ROW_DRAWS) on every build against this machine's module, so a leader and a worker of
+    different machines draw the one process's tokens: the leader's pass and the worker's tail
+    (uncut rows walked from several masses, rows cut to top_k), masked logits among them."""
+    k = 64
+    rows = []
+    for temperature, top_k in ((0.8, 0), (1.3, 40), (0.5, 0), (1.0, 64)):
+        for acc in (0.0, 10.0, 3000.0):
+            for u in (0.0, 0.5, 1.0 - 2.0**-53):
+                rows.append((1, 0.0, 1.0 / temperature, acc, u, 0.0, top_k, 500))  # PART_TAIL
+        rows.append((0, 0.0, 1.0 / temperature, 0.0, 0.0, 0.0, 0, 0))  # PART_PASS
+    args = np.array(rows, np.float64)
+    z = (3 * rng.standard_normal((len(rows), SAMPLE_VOCAB))).astype(np.float32)
+    z[::3, ::7] = -np.inf
+    args[:, 1] = z.max(axis=1)  # the row's top
+    args[:, 2] = args[:, 2].astype(np.float32)  # inv as the leader rounds it
+    (tmp / "in").write_bytes(
+        np.array([-4, len(rows), SAMPLE_VOCAB, k], np.int32).tobytes()
+        + z.tobytes()
+        + args.tobytes()
+    )
+    kernels = quant._kernels
+    assert kernels is not None
+    out = np.zeros((len(rows), 7), np.float64)
+    ce, cid = np.zeros((len(rows), k), np.float32), np.zeros((len(rows), k), np.int64)
+    e = np.empty((len(rows), SAMPLE_VOCAB), np.float32)
+    bsum = np.empty((len(rows), (SAMPLE_VOCAB + 63) // 64), np.float64)
+    kernels.sample_parts(z, e, bsum, args, out, ce, cid)
+    return same_bits(
+        f"a block's parts of the draw, {len(rows)} rows of {SAMPLE_VOCAB} tokens",
+        exes,
+        tmp,
+        out.tobytes() + ce.tobytes() + cid.tobytes(),
+        counts,
     )
 
 
