@@ -125,3 +125,23 @@ def test_without_the_c_kernels_the_parts_are_numpys_and_draw_the_same_tokens_her
             mp.setattr("foundry.model.infer.block_draw._kernels", None)
             with_numpy = in_blocks(z, 3 * BLOCK, 0.9, top_k, us)
         assert with_numpy == with_c
+
+
+def test_the_leader_refuses_a_pick_that_does_not_answer_its_row() -> None:
+    """A worker's ROW_PICKS row must answer the draw it was given: the leader checks it before
+    finishing the row (a pick it cannot use would otherwise end the engine thread)."""
+    from foundry.tp.commands import _pick_fits
+    from foundry.wire.tp import PICK_LEADER_WALK, PICK_NONE, PICK_TOKEN, PICK_TOP_K, PickRow
+
+    drawn, cut, idle = DrawArgs(True, 0, 1.0, 1.0), DrawArgs(True, 2, 1.0, 1.0), DrawArgs(False)
+    assert _pick_fits(idle, PickRow(PICK_NONE, 0, 0.0), 100)
+    assert not _pick_fits(idle, PickRow(PICK_TOKEN, 3, 0.0), 100)
+    assert _pick_fits(drawn, PickRow(PICK_TOKEN, 99, 0.0), 100)
+    assert not _pick_fits(drawn, PickRow(PICK_TOKEN, 100, 0.0), 100)  # past its block
+    assert not _pick_fits(drawn, PickRow(PICK_NONE, 0, 0.0), 100)
+    assert _pick_fits(drawn, PickRow(PICK_LEADER_WALK, 0, 5.0), 100)
+    assert not _pick_fits(drawn, PickRow(PICK_TOP_K, 0, 0.0, ((0.5, 1),)), 100)  # uncut row
+    assert _pick_fits(cut, PickRow(PICK_TOP_K, 0, 0.0, ((0.5, 1), (0.25, 7))), 100)
+    assert not _pick_fits(cut, PickRow(PICK_TOP_K, 0, 0.0, ((0.5, 1),) * 3), 100)  # > top_k
+    assert not _pick_fits(cut, PickRow(PICK_TOP_K, 0, 0.0, ((0.5, 100),)), 100)
+    assert draw_kept([], 2, 0.5) == -1  # nothing to draw from: the caller's error

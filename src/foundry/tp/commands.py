@@ -25,12 +25,18 @@ from foundry.tp.link import ControlLink, LinkError
 from foundry.tp.lockstep import COMMANDS, Checkpoint, LockstepError, RankState, Reply, failure_kind
 from foundry.transport.gates import GateError
 from foundry.wire.tp import (
+    PICK_LEADER_LAST,
+    PICK_LEADER_WALK,
+    PICK_NONE,
+    PICK_TOKEN,
+    PICK_TOP_K,
     CommandAck,
     ControlFrame,
     DrawRow,
     FrameType,
     Hash,
     Logits,
+    PickRow,
     RowDraw,
     RowPicks,
     RowTops,
@@ -215,16 +221,21 @@ class PairCommands:
         frame = self._reply(1, link, FrameType.ROW_PICKS, "the worker's picks")
         assert isinstance(frame, RowPicks)
         width = self.worker_vocab[0]
-        bad = [
-            p for p in frame.rows if p.index >= width or any(j >= width for _, j in p.candidates)
-        ]
-        if len(frame.rows) != len(args) or bad:
+        if len(frame.rows) != len(args) or not all(
+            _pick_fits(a, p, width) for a, p in zip(args, frame.rows, strict=False)
+        ):
             raise LinkError(
-                f"the worker sent {len(frame.rows)} picks (indices up to its {width} tokens "
-                f"expected), for {len(args)} rows; the ranks are out of step"
+                f"the worker sent {len(frame.rows)} picks for {len(args)} rows, or a pick that "
+                f"does not answer its row's draw (indices below its {width} tokens, a kind "
+                "the row can have); the ranks are out of step"
             )
         theirs = [Pick(p.kind, p.index, p.target, p.candidates) for p in frame.rows]
         for i, token in enumerate(mine.finish(args, theirs, rows.shape[1])):
+            if args[i].draw and token < 0:
+                raise LinkError(
+                    f"row {i}'s draw gave no token from the worker's pick {frame.rows[i]}; "
+                    "the ranks are out of step"
+                )
             if args[i].draw:
                 picks[i] = token
 
@@ -310,6 +321,23 @@ class PairCommands:
                     f"{who} step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
                 )
         self.metrics.hash_checks.labels("match").inc()
+
+
+def _pick_fits(row: DrawArgs, pick: PickRow, width: int) -> bool:
+    """Whether a worker's pick can answer the row's draw: none for a row not drawn; for a
+    drawn one its token inside its block, the leader's walk or last token, or (a row cut to
+    top_k) at most top_k candidates inside its block."""
+    if not row.draw:
+        return pick.kind == PICK_NONE
+    if pick.kind == PICK_TOKEN:
+        return pick.index < width
+    if pick.kind == PICK_TOP_K:
+        return (
+            row.top_k > 0
+            and len(pick.candidates) <= row.top_k
+            and all(j < width for _, j in pick.candidates)
+        )
+    return pick.kind in (PICK_LEADER_WALK, PICK_LEADER_LAST)
 
 
 def stop_links(links: list[ControlLink]) -> None:

@@ -132,8 +132,8 @@ class BlockRows:
         return picks
 
     def finish(self, rows: Sequence[DrawArgs], picks: Sequence[Pick], offset: int) -> list[int]:
-        """The leader's part 4: each drawn row's token (-1 for a row not drawn), ``offset`` the
-        worker's block's first token id."""
+        """The leader's part 4: each drawn row's token (-1 for a row not drawn, or one whose
+        pick gave no token), ``offset`` the worker's block's first token id."""
         args = np.zeros((len(rows), _ARGS), np.float64)
         for i, (r, p) in enumerate(zip(rows, picks, strict=True)):
             mode = {KIND_LEADER_WALK: PART_WALK, KIND_LEADER_LAST: PART_LAST}.get(p.kind)
@@ -163,6 +163,8 @@ def draw_kept(candidates: Sequence[tuple[float, int]], k: int, u: float) -> int:
     ordered by probability, ties by the lower id; the first whose running mass exceeds
     u x their mass (float64, in that order)."""
     kept = sorted(candidates, key=lambda c: (-c[0], c[1]))[:k]
+    if not kept:
+        return -1  # no candidate: not a row cut to top_k (the caller's error)
     total = 0.0
     for e, _ in kept:
         total = total + e
