@@ -156,6 +156,31 @@ def test_many_clients_get_the_engines_answers(
     stack.wait_idle()
 
 
+def test_greedy_and_sampled_rows_of_one_batch_each_get_the_engines_tokens(
+    reference: Reference, no_spec_stack: Served
+) -> None:
+    """Eight streams at once, every other one sampled: a batch's greedy rows take their
+    tops and its sampled rows their draws in the same ROW_DRAWS command, each the one
+    process's tokens."""
+
+    def one(i: int) -> Reply:
+        temperature = TEMPERATURE if i % 2 else 0.0
+        return no_spec_stack.grpc_generate(ASKS[i % 4], MAX_TOKENS, temperature, seed=i)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(one, range(8)))
+    for i, reply in enumerate(replies):
+        ids = reply.token_ids
+        assert ids is not None
+        chat = ASKS[i % 4]
+        if i % 2:
+            want = reference.sampled(chat, MAX_TOKENS, TEMPERATURE, i)[: len(ids)]
+        else:
+            want = reference.greedy(chat, MAX_TOKENS)
+        assert ids == want, (i, chat)
+    no_spec_stack.wait_idle()
+
+
 def test_up_serves_the_gemma_file_to_its_first_answer(tmp_path: Path) -> None:
     """`foundry up --model FILE` on the published file, as a new user runs it: the greedy
     sample (speculative decoding on, a verify block of 262,144-token rows), then a chat over
