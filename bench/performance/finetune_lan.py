@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: harness
 
 import harness
-from lan_net import Network
+from lan_net import Network, add_tool_flags
 from lan_swarm import Baseline, Result, mb, run_config
 from random_gguf import Shape, write_dense
 
@@ -166,8 +166,7 @@ def main() -> int:
         default=3,
         help="gradients timed alone at each slice size before the swarms (0: none)",
     )
-    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
-    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
+    add_tool_flags(ap)
     args = ap.parse_args()
     args.preset = "tiny"  # unused with --base-model; lan_swarm.run_config passes one
     work = Path(tempfile.mkdtemp(prefix="ftlan-"))

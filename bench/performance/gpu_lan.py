@@ -47,7 +47,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live
 
-from lan_net import Network
+from lan_net import Network, add_tool_flags
 from lan_swarm import Baseline, Result, mb, run_config
 
 from foundry.model.spec.config import preset
@@ -165,8 +165,7 @@ def main() -> int:
         default=None,
         help="copy each swarm's coordinator log into this folder",
     )
-    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
-    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
+    add_tool_flags(ap)
     args = ap.parse_args()
     if args.validate_device is None:
         w = args.worker_args

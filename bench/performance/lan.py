@@ -56,7 +56,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: live, harness
 
 import harness
-from lan_net import Network, rates_arg
+from lan_net import Network, add_tool_flags, rates_arg
 from lan_swarm import WARM_STEPS, Baseline, Result, mb, run_config
 
 from foundry.model.nn.transformer import init_params
@@ -227,8 +227,7 @@ def main() -> int:
     ap.add_argument(
         "--config-timeout", type=float, default=300.0, help="seconds a configuration may run"
     )
-    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
-    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
+    add_tool_flags(ap)
     ap.add_argument(
         "--stop-at-target",
         action="store_true",

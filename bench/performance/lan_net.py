@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 
 SUBNET = "10.77.0"
@@ -50,13 +51,15 @@ class Network:
     def _shape(self, ns: str, dev: str) -> None:
         # Burst: 10 ms at the rate, and never below a 64 KiB GSO segment (veth sends those).
         bits = parse_rate(self.rate)
-        burst = max(bits // 8 // 100, 96 * 1024)
+        self._tbf("add", ns, dev, max(bits // 8 // 100, 96 * 1024))
+
+    def _tbf(self, verb: str, ns: str, dev: str, burst: int) -> None:
         self._run(
             self.tc,
             "-n",
             ns,
             "qdisc",
-            "add",
+            verb,
             "dev",
             dev,
             "root",
@@ -68,6 +71,15 @@ class Network:
             "latency",
             "20ms",
         )
+
+    def pace(self, burst: int) -> None:
+        """Every port in frames of one MTU, shaped with a burst of ``burst`` bytes (so a
+        few-KB message is paced at the rate, not sent in one burst)."""
+        ports = [(self.ns(i), "eth0") for i in range(self.hosts)]
+        ports += [(self.switch, f"p{i}") for i in range(self.hosts)]
+        for ns, dev in ports:
+            self._run(self.ip, "-n", ns, "link", "set", dev, "gso_max_size", "1500")
+            self._tbf("replace", ns, dev, burst)
 
     def up(self) -> None:
         if not self.shaped:
@@ -118,6 +130,32 @@ class Network:
         stats = out[0]["stats64"]
         # The switch port receives what the host sends, and sends what the host receives.
         return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
+
+
+def add_tool_flags(ap: argparse.ArgumentParser) -> None:
+    """``--ip`` and ``--tc``: iproute2's commands (default ``FOUNDRY_IP`` / ``FOUNDRY_TC``, else
+    the ones on PATH)."""
+    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP") or shutil.which("ip") or "ip")
+    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC") or shutil.which("tc") or "tc")
+
+
+def add_shaped_flags(ap: argparse.ArgumentParser) -> None:
+    """``--rate`` (default loopback: no namespaces), ``--burst-bytes`` and the tool flags of a
+    script that puts each rank in a namespace of its own behind a shaped port."""
+    ap.add_argument(
+        "--rate",
+        default="loopback",
+        help="(as root) each rank in a network namespace of its own behind a port tbf-shaped "
+        "to this rate (tc syntax, e.g. 1gbit; default loopback: no namespaces)",
+    )
+    ap.add_argument(
+        "--burst-bytes",
+        type=int,
+        default=None,
+        help="with --rate: one-frame segments and this tbf burst on every port, so small "
+        "messages are paced (Network.pace; default: Network's burst)",
+    )
+    add_tool_flags(ap)
 
 
 def parse_rate(rate: str) -> int:

@@ -73,11 +73,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness
 import numpy as np
 from kernels import llama_bench_prompt_and_decode
-from lan_net import Network
+from lan_net import Network, add_shaped_flags
 from random_gguf import llama_3b_q4_k_m
 from tp import generate
 from tp_link import enter_netns
-from tp_world_gates import pace
 
 from foundry.model.formats.gguf_io import save_gguf
 from foundry.model.formats.gguf_meta import read_metadata
@@ -449,22 +448,7 @@ def main() -> int:
         "2 gates a layer at US microseconds each, the exchange of N ranks measured on a "
         "shaped link (tp_world_gates.py --rate), e.g. 2:210,4:900",
     )
-    ap.add_argument(
-        "--rate",
-        default="loopback",
-        help="(as root) each rank of the worlds in a network namespace of its own behind a "
-        "port tbf-shaped to this rate (tc syntax, e.g. 1gbit; default loopback: no "
-        "namespaces)",
-    )
-    ap.add_argument(
-        "--burst-bytes",
-        type=int,
-        default=None,
-        help="with --rate: one-frame segments and this tbf burst on every port "
-        "(tp_world_gates.py's --burst-bytes; default lan_net.Network's burst)",
-    )
-    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
-    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
+    add_shaped_flags(ap)
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--slice", default=None, help=argparse.SUPPRESS)
     harness.add_json_flag(ap)
@@ -507,7 +491,7 @@ def main() -> int:
     net.up()
     try:
         if net.shaped and a.burst_bytes:
-            pace(net, a.burst_bytes)
+            net.pace(a.burst_bytes)
         return run_worlds(a, model, worlds, gate_us, net)
     finally:
         net.down()

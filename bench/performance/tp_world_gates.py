@@ -54,7 +54,6 @@ import argparse
 import contextlib
 import itertools
 import multiprocessing as mp
-import os
 import select
 import socket
 import sys
@@ -68,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness
 import numpy as np
-from lan_net import Network
+from lan_net import Network, add_shaped_flags
 from tp import enter_netns
 
 from foundry.cli import main as cli_main
@@ -361,31 +360,6 @@ def measure_netns(
     return {k: harness.median(v) * 1e6 for k, v in times.items() if v}
 
 
-def pace(net: Network, burst: int) -> None:
-    """Every port of ``net`` in frames of one MTU, shaped with a burst of ``burst`` bytes."""
-    ports = [(net.ns(i), "eth0") for i in range(net.hosts)]
-    ports += [(net.switch, f"p{i}") for i in range(net.hosts)]
-    for ns, dev in ports:
-        net._run(net.ip, "-n", ns, "link", "set", dev, "gso_max_size", "1500")
-        net._run(
-            net.tc,
-            "-n",
-            ns,
-            "qdisc",
-            "replace",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            net.rate,
-            "burst",
-            str(burst),
-            "latency",
-            "20ms",
-        )
-
-
 def measure(
     world: int, rows: int, n_embd: int, gates: int, block: int, certs: Path | None = None
 ) -> dict[str, float]:
@@ -425,21 +399,7 @@ def main() -> int:
         help="the TCP gates' spin before they sleep in poll (default: the "
         "services' own, transport.gates.TCP_SPIN_S)",
     )
-    ap.add_argument(
-        "--rate",
-        default="loopback",
-        help="shape every rank's port to this rate in namespaces (tc syntax, e.g. "
-        "1gbit; default loopback: no namespaces)",
-    )
-    ap.add_argument(
-        "--burst-bytes",
-        type=int,
-        default=None,
-        help="with --rate: one-frame segments and this tbf burst on every port, "
-        "so small partials are paced (default: lan_net.Network's burst)",
-    )
-    ap.add_argument("--ip", default=os.environ.get("FOUNDRY_IP", "ip"))
-    ap.add_argument("--tc", default=os.environ.get("FOUNDRY_TC", "tc"))
+    add_shaped_flags(ap)
     ap.add_argument(
         "--tls",
         action="store_true",
@@ -484,7 +444,7 @@ def _run(a: argparse.Namespace, certs: Path | None) -> int:
     net.up()
     try:
         if net.shaped and a.burst_bytes:
-            pace(net, a.burst_bytes)
+            net.pace(a.burst_bytes)
         return report(a, worlds, partial, run, certs)
     finally:
         net.down()

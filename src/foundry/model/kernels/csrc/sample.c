@@ -261,6 +261,17 @@ static void *scratch(size_t bytes) {
     return buf;
 }
 
+typedef int64_t (*probs_pass)(const float *, int64_t, float, float, float *, double *);
+
+/* 2.'s pass as this machine runs it */
+static probs_pass row_probs_here(void) {
+#if defined(FOUNDRY_X86)
+    if (use_512) return row_probs_512;
+    if (use_avx2) return row_probs_avx2;
+#endif
+    return row_probs_portable;
+}
+
 /* 1 / T rounded to float, at most FLT_MAX (2.) */
 static float inv_of(double temperature) {
     const double inv = 1.0 / temperature;
@@ -269,16 +280,11 @@ static float inv_of(double temperature) {
 
 int64_t sample_row(const float *z, int64_t v, const sample_args *a) {
     float (*row_max)(const float *, int64_t, int *) = row_max_portable;
-    int64_t (*row_probs)(const float *, int64_t, float, float, float *, double *) =
-        row_probs_portable;
 #if defined(FOUNDRY_X86)
-    if (use_512) {
+    if (use_512)
         row_max = row_max_512;
-        row_probs = row_probs_512;
-    } else if (use_avx2) {
+    else if (use_avx2)
         row_max = row_max_avx2;
-        row_probs = row_probs_avx2;
-    }
 #endif
     int broken = 0;
     const float top = row_max(z, v, &broken);
@@ -294,7 +300,7 @@ int64_t sample_row(const float *z, int64_t v, const sample_args *a) {
     if (room == NULL) return SAMPLE_NO_MEMORY;
     float *e = (float *)room;
     double *bsum = (double *)(room + e_bytes);
-    const int64_t nonzero = row_probs(z, v, top, inv_of(a->temperature), e, bsum);
+    const int64_t nonzero = row_probs_here()(z, v, top, inv_of(a->temperature), e, bsum);
     const int64_t limit = a->top_k == 0 || a->top_k > nonzero ? nonzero : a->top_k;
     double mass = 0.0; /* the row's, the blocks' added in order */
     for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
@@ -399,16 +405,8 @@ static int parts_task(void *ctx, int i) {
     o[OUT_KIND] = KIND_NONE;
     o[OUT_N] = 0;
     if (mode == PART_PASS || mode == PART_TAIL) {
-        int64_t (*row_probs)(const float *, int64_t, float, float, float *, double *) =
-            row_probs_portable;
-#if defined(FOUNDRY_X86)
-        if (use_512)
-            row_probs = row_probs_512;
-        else if (use_avx2)
-            row_probs = row_probs_avx2;
-#endif
-        const int64_t nonzero =
-            row_probs(j->z + (int64_t)i * v, v, (float)a[ARG_TOP], (float)a[ARG_INV], e, bsum);
+        const int64_t nonzero = row_probs_here()(j->z + (int64_t)i * v, v, (float)a[ARG_TOP],
+                                                 (float)a[ARG_INV], e, bsum);
         double mass = a[ARG_ACC];
         for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
         const int64_t last = last_nonzero(e, 0, v);
