@@ -251,26 +251,30 @@ def combine_tops(blocks: Sequence[Tops]) -> list[int | SamplingError]:
     return picks
 
 
-def _greedy_numpy(row: npt.NDArray[np.float32]) -> int:
-    """A row's first index of its largest logit, or BROKEN / ALL_MASKED (no C kernels)."""
-    top = float(row.max())  # NaN if any is NaN, else +inf if any is +inf (one pass)
+def _row_error(top: float) -> int | None:
+    """BROKEN or ALL_MASKED for a row whose largest logit is ``top`` (NaN if any is NaN, else
+    +inf if any is +inf: numpy's max), None for a row that can give a token."""
     if top != top or top == np.inf:
         return BROKEN
-    if top == -np.inf:
-        return ALL_MASKED
-    return int(np.argmax(row))
+    return ALL_MASKED if top == -np.inf else None
+
+
+def _greedy_numpy(row: npt.NDArray[np.float32]) -> int:
+    """A row's first index of its largest logit, or BROKEN / ALL_MASKED (no C kernels)."""
+    error = _row_error(float(row.max()))
+    return int(np.argmax(row)) if error is None else error
 
 
 def _draw_numpy(
     row: npt.NDArray[np.float32], temperature: float, top_p: float, u: float, top_k: int
 ) -> int | SamplingError:
     """One row's token by numpy (no C kernels), ``u`` its uniform."""
-    first = _greedy_numpy(row)
-    if first < 0:
-        return SamplingError(_ROW_ERRORS[first])
+    top = float(row.max())  # one pass
+    error = _row_error(top)
+    if error is not None:
+        return SamplingError(_ROW_ERRORS[error])
     if temperature == 0.0:
-        return first
-    top = float(row[first])
+        return int(np.argmax(row))
     p = probabilities(row, temperature, top)  # (V,)
     kept = kept_tokens(p, top_p, top_k)  # (K,)
     # Uncut (kept_tokens' whole row, in token-id order): p itself, no gather.
