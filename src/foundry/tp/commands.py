@@ -271,12 +271,6 @@ class PairCommands:
                 raise SessionRefused(f"{', '.join(refused)} could not open a session; see its log")
         return rows if command.reply is Reply.LOGITS else None
 
-    def rows(self, frame: ControlFrame) -> F32:
-        """``run`` of a command that always returns rows."""
-        rows = self.run(frame)
-        assert rows is not None
-        return rows
-
     def _reply(
         self, rank: int, link: ControlLink, ftype: FrameType, what: str
     ) -> Logits | RowTops | RowPicks:
