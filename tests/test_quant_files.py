@@ -25,7 +25,7 @@ from foundry.model.kernels.types import TYPES
 from foundry.model.shard.slices import rank_weights
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
-from foundry.tp.handshake import identity_for, load_rank
+from foundry.tp.handshake import expert_split_for, identity_for, load_rank
 
 CFG = ModelConfig(n_ctx=64)
 
@@ -158,9 +158,39 @@ def test_a_cut_across_a_block_is_refused_naming_the_tensor(tmp_path: Path) -> No
     params = load_gguf_stored(path).params
     with pytest.raises(SplitError, match=r"blk\.0\.attn_output\.weight \(Q8_0, blocks of 32"):
         rank_weights(cfg, params, 0, 2)
-    with pytest.raises(SplitError, match=r"attn_output\.weight \(Q8_0, blocks of 32 values\)"):
+    with pytest.raises(SplitError) as err:  # every rank's cut checked before any loads
         load_rank(path, 1, expert_split=ExpertSplit.EXPERTS)
+    assert str(err.value) == (
+        "cannot split blk.0.attn_output.weight (96 columns, stored in blocks of 32) over 2 "
+        "ranks with shares 1,1: a rank's columns would start or end inside a block; use a "
+        "file of another quantization type, or f16/f32"
+    )
     assert len(Engine(cfg, params).parts) == 1
+
+
+def test_auto_expert_split_follows_the_files_blocks(tmp_path: Path) -> None:
+    """'auto' cuts every expert in halves where the halves are whole blocks (128 rows of
+    Q8_0, or float32), and whole experts where they are not (96 rows: 48 a rank); a world
+    whose cut falls inside a block is refused before anything loads, naming what fits."""
+    odd = ModelConfig(n_ctx=64, n_ff=96)
+    cases = [(CFG, "q8_0", ExpertSplit.INTERMEDIATE), (odd, "f32", ExpertSplit.INTERMEDIATE)]
+    cases.append((odd, "q8_0", ExpertSplit.EXPERTS))
+    for i, (cfg, dtype, want) in enumerate(cases):
+        path = tmp_path / f"m{i}.gguf"
+        save_gguf(path, cfg, perturbed(cfg), dtype=dtype)  # type: ignore[arg-type]
+        split, why = expert_split_for(path)
+        assert split is want, why
+        load_rank(path, 1, expert_split=split)  # the pick loads
+    assert why == (
+        "intermediate would cut blk.0.ffn_down_exps.weight (96 columns) inside its blocks of 32"
+    )
+    with pytest.raises(SplitError) as err:
+        load_rank(path, 0, expert_split=ExpertSplit.INTERMEDIATE)
+    assert str(err.value) == (
+        "cannot split blk.0.ffn_down_exps.weight (96 columns, stored in blocks of 32) over 2 "
+        "ranks with shares 1,1: a rank's columns would start or end inside a block; "
+        "--expert-split experts fits, or use a file of another quantization type, or f16/f32"
+    )
 
 
 def test_intermediate_split_cuts_down_projections_on_blocks(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from procs import wait_for
+from quant_weights import perturbed
 from tp_harness import (
     Client,
     make_model,
@@ -27,7 +28,7 @@ from tp_harness import (
 )
 from tp_service_prompt import CHUNK, PROMPT
 
-from foundry.model.formats.gguf_io import load_gguf
+from foundry.model.formats.gguf_io import load_gguf, save_gguf
 from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
@@ -44,6 +45,34 @@ def model(plain_model: Path) -> Path:
 # --gate-timeout of the worker-death test: far enough above a loaded machine's scheduling delay
 # that a dead worker's closed links are told apart from a stalled worker's deadline.
 GATE_S = 3.0
+
+
+def test_auto_expert_split_takes_whole_experts_where_halves_would_cut_a_block(
+    tmp_path: Path,
+) -> None:
+    """A Q8_0 file whose experts' 96 intermediate rows halve into 48, inside its blocks of 32:
+    the leader left at 'auto' cuts whole experts and says why, a worker left at 'auto' follows
+    it, and the pair decodes one process's tokens in that split."""
+    cfg = ModelConfig(n_ctx=256, n_ff=96)
+    path = tmp_path / "q8.gguf"
+    save_gguf(path, cfg, perturbed(cfg), dtype="q8_0")
+    leader = start_leader(path, tmp_path / "leader.log", "--prefill-chunk", str(CHUNK))
+    worker = None
+    try:
+        worker = start_worker(path, leader.port, tmp_path / "worker.log")
+        wait_paired(leader.frontend)
+        with Client(leader.frontend) as c:
+            got = c.generate(PROMPT, 24)
+        want = reference_greedy(path, PROMPT, 24, CHUNK, ExpertSplit.EXPERTS)
+        assert got.tokens == want.tokens
+        assert (
+            "expert split: experts (intermediate would cut blk.0.ffn_down_exps.weight "
+            "(96 columns) inside its blocks of 32)" in leader.proc.text()
+        ), leader.proc.text()
+    finally:
+        assert leader.proc.stop() == 0, leader.proc.text()
+        if worker is not None:
+            assert worker.exit_code() == 0, worker.text()
 
 
 def test_identity_mismatch_aborts_both_then_a_correct_worker_pairs(
@@ -74,9 +103,9 @@ def test_identity_mismatch_aborts_both_then_a_correct_worker_pairs(
 def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exactly(
     model: Path, tmp_path: Path
 ) -> None:
-    """A leader in the non-default expert split: a default worker is refused (both name the
-    field and both values), a worker in the same split pairs and decodes the single process's
-    tokens in that split."""
+    """A leader in the non-default expert split: a worker told the default split is refused
+    (both name the field and both values); a worker left at 'auto' takes the leader's split,
+    pairs and decodes the single process's tokens in that split."""
     other = next(m for m in ExpertSplit if m is not DEFAULT_EXPERT_SPLIT)
     leader = start_leader(
         model,
@@ -89,7 +118,9 @@ def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exac
     )
     right = None
     try:
-        wrong = start_worker(model, leader.port, tmp_path / "wrong.log")
+        wrong = start_worker(
+            model, leader.port, tmp_path / "wrong.log", "--expert-split", DEFAULT_EXPERT_SPLIT.value
+        )
         assert wrong.popen.wait(30) == 2  # no retry can fix it
         expected = (
             f"execution mode mismatch on expert_split: leader has {other.value}, "
@@ -98,9 +129,7 @@ def test_expert_split_mismatch_aborts_then_the_same_split_pairs_and_decodes_exac
         )
         assert expected in wrong.text(), wrong.text()
         wait_for(lambda: expected in leader.proc.text(), 10, "the leader to name the same field")
-        right = start_worker(
-            model, leader.port, tmp_path / "right.log", "--expert-split", other.value
-        )
+        right = start_worker(model, leader.port, tmp_path / "right.log")  # auto
         wait_paired(leader.frontend)
         with Client(leader.frontend) as c:
             got = c.generate(PROMPT, 40)

@@ -25,6 +25,7 @@ from foundry.model.kernels.quant import QTensor, QType, quantize
 from foundry.model.nn import transformer as T
 from foundry.model.shard.shares import block_range, norm_shares, share_blocks, share_range
 from foundry.model.shard.slices import (
+    pick_expert_split,
     rank_layout,
     rank_weights,
     shard_params,
@@ -230,6 +231,29 @@ def test_uneven_attention_splits() -> None:
     shapes = [shard_shapes(one, r, 2) for r in range(2)]
     assert shapes[0]["blk.0.attn_k.weight"] == shapes[1]["blk.0.attn_k.weight"] == (8, 48)
     assert shapes[0]["blk.0.attn_q.weight"] == shapes[1]["blk.0.attn_q.weight"] == (24, 48)
+
+
+def test_auto_expert_split_takes_whole_experts_where_blocks_of_every_expert_do_not_fit() -> None:
+    blocks = {"blk.0.ffn_down_exps.weight": 32, "blk.1.ffn_down_exps.weight": 32}
+    moe = ModelConfig(n_ff=128, n_head_kv=4)
+    assert pick_expert_split(moe, (1, 1), blocks)[0] is ExpertSplit.INTERMEDIATE  # 64 a rank
+    assert pick_expert_split(moe, (1, 1, 1, 1), blocks) == (  # 32 a rank
+        ExpertSplit.INTERMEDIATE,
+        "each rank holds a block of every expert",
+    )
+    assert pick_expert_split(moe, (3, 1), blocks) == (  # 96 and 32
+        ExpertSplit.INTERMEDIATE,
+        "each rank holds a block of every expert",
+    )
+    assert pick_expert_split(moe, (1, 1, 1), {})[0] is ExpertSplit.EXPERTS  # 128 / 3
+    assert pick_expert_split(moe, (1, 1, 1), {})[1] == (
+        "cannot split the experts' intermediate dimension over 3 ranks: n_ff=128 is not "
+        "divisible by 3 (each rank must hold an equal block of every expert)"
+    )
+    assert pick_expert_split(moe, (5, 3), blocks) == (  # 80 and 48
+        ExpertSplit.EXPERTS,
+        "intermediate would cut blk.0.ffn_down_exps.weight (128 columns) inside its blocks of 32",
+    )
 
 
 def test_odd_intermediate_size_is_refused_for_the_intermediate_split() -> None:

@@ -34,6 +34,8 @@ from foundry.wire.tp import SharesFrom
 
 log = logging.getLogger("foundry")
 
+AUTO = "auto"  # --expert-split auto: the leader picks (handshake.expert_split_for), workers follow
+
 
 def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     p.add_argument(
@@ -82,12 +84,18 @@ def _add_rank_flags(p: argparse.ArgumentParser, *, leader: bool) -> None:
     )
     p.add_argument(
         "--expert-split",
-        default=DEFAULT_EXPERT_SPLIT.value,
-        choices=[m.value for m in ExpertSplit],
-        help="how the routed experts are cut: 'experts' (each rank holds half of "
-        "the experts whole) or 'intermediate' (each rank holds half of every "
-        f"expert's intermediate size); both ranks must agree (default "
-        f"{DEFAULT_EXPERT_SPLIT.value})",
+        default=AUTO,
+        choices=[AUTO, *(m.value for m in ExpertSplit)],
+        help="how the routed experts are cut: 'experts' (each rank holds a block of "
+        "the experts whole) or 'intermediate' (each rank holds a block of every "
+        "expert's intermediate size); every rank runs the same (the hello checks it). "
+        + (
+            f"'auto' (default): '{DEFAULT_EXPERT_SPLIT.value}' where the file takes it for "
+            "the world (every rank's cut on whole blocks of its stored tensors), else "
+            "'experts'; the log says which and why"
+            if leader
+            else "'auto' (default): the leader's"
+        ),
     )
     add_frame_deadline_flag(
         p, 30.0, "the control link" + (" and the frontend link" if leader else "")
@@ -339,6 +347,17 @@ def _limit_threads(n: int) -> int | None:
     return limit_blas_threads(n)
 
 
+def _leader_split(args: argparse.Namespace) -> tuple[ExpertSplit, str]:
+    """--expert-split, 'auto' resolved for the file and the world, and why ('' when given or
+    the model has no routed experts)."""
+    from foundry.tp.handshake import expert_split_for
+
+    if args.expert_split != AUTO:
+        return ExpertSplit(args.expert_split), ""
+    shares = args.shares if isinstance(args.shares, tuple) else None
+    return expert_split_for(args.model, args.world_size, shares)
+
+
 def run_leader(args: argparse.Namespace) -> int:
     from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.shard.table import SplitError
@@ -356,6 +375,7 @@ def run_leader(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        split, why = _leader_split(args)
         options = LeaderOptions(
             model=args.model,
             lora=args.lora,
@@ -375,7 +395,7 @@ def run_leader(args: argparse.Namespace) -> int:
             shm=not args.no_shm,
             gate_timeout_s=args.gate_timeout,
             control_timeout_s=args.gate_timeout,
-            expert_split=ExpertSplit(args.expert_split),
+            expert_split=split,
             device=args.device,
             tls=tls,
             frontend_max_connections=args.frontend_max_connections,
@@ -395,6 +415,8 @@ def run_leader(args: argparse.Namespace) -> int:
     except (GGUFError, SplitError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if why:  # said once the leader stands, so that a refusal stays one line
+        log.info("expert split: %s (%s)", split.value, why)
 
     async def main() -> int:
         await leader.start()
@@ -447,7 +469,7 @@ def run_worker(args: argparse.Namespace) -> int:
         gate_timeout_s=args.gate_timeout,
         control_timeout_s=args.gate_timeout,
         retry_max_s=args.retry_max,
-        expert_split=ExpertSplit(args.expert_split),
+        expert_split=None if args.expert_split == AUTO else ExpertSplit(args.expert_split),
         device=args.device,
         tls=tls,
         peer_tls=peer_tls,

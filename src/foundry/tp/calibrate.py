@@ -30,7 +30,7 @@ from foundry.model.shard.shares import (
     norm_shares,
     share_blocks,
 )
-from foundry.model.shard.slices import off_blocks, rank_layout
+from foundry.model.shard.slices import misaligned
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 
@@ -116,20 +116,6 @@ def speed_shares(speeds: Sequence[int]) -> Shares:
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
     total = sum(speeds)
     return norm_shares(len(speeds), [max(1, round(SPEED_RESOLUTION * s / total)) for s in speeds])
-
-
-def misaligned(
-    cfg: ModelConfig, split: ExpertSplit, shares: Shares, blocks: Mapping[str, int]
-) -> tuple[str, int, int] | None:
-    """The first stored tensor (``blocks``: its name and block size) that some rank's column
-    cut under ``shares`` would split inside a block: (name, columns, block), or None."""
-    shapes = cfg.param_shapes()
-    for rank in range(len(shares)):
-        layout = rank_layout(cfg, rank, len(shares), split, shares)
-        for name, block in blocks.items():
-            if off_blocks(name, shapes[name], block, layout) is not None:
-                return name, shapes[name][-1], block
-    return None
 
 
 def fill(n: int, weights: Sequence[int]) -> list[int]:

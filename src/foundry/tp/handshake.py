@@ -37,13 +37,25 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, model_id, values_by_type
+from foundry.model.formats.gguf_io import (
+    block_sizes,
+    load_gguf,
+    load_gguf_stored,
+    model_id,
+    values_by_type,
+)
 from foundry.model.formats.lora import Adapter, base_of, check_architecture, load_adapter, merge
 from foundry.model.infer.sessions import default_ctx
 from foundry.model.kernels.quant import Param, QType
 from foundry.model.kernels.types import TYPES
 from foundry.model.shard.shares import Shares, norm_shares, share_blocks
-from foundry.model.shard.slices import RankWeights, rank_layout, shard_part
+from foundry.model.shard.slices import (
+    RankWeights,
+    check_cuts,
+    pick_expert_split,
+    rank_layout,
+    shard_part,
+)
 from foundry.model.shard.table import ExpertSplit, SplitKind, rule_for
 from foundry.model.spec.arch import spec as arch_spec
 from foundry.model.spec.config import ModelConfig
@@ -99,6 +111,13 @@ def execution_mode(expert_split: ExpertSplit) -> int:
     if expert_split is ExpertSplit.INTERMEDIATE:
         return DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT
     return 0
+
+
+def split_of_mode(mode: int) -> ExpertSplit:
+    """The expert split a hello's execution mode bits state (:func:`execution_mode`'s inverse)."""
+    if mode & DS4_TP_MODE_EXPERT_INTERMEDIATE_SPLIT:
+        return ExpertSplit.INTERMEDIATE
+    return ExpertSplit.EXPERTS
 
 
 def quant_bits(values_by_type: Mapping[QType, int]) -> int:
@@ -193,6 +212,10 @@ def load_rank(
         adapter = load_adapter(lora)
         check_architecture(cfg, adapter, str(lora))
     adapted = set() if adapter is None else {base_of(n) for n in adapter.tensors}
+    # Every rank's cuts, not only this one's: a world the file cannot take is refused before
+    # any rank loads (adapted tensors are merged into float32 first, so they have no blocks).
+    blocks = {n: b for n, b in block_sizes(path).items() if n not in adapted}
+    check_cuts(cfg, expert_split, layout.shares, blocks)
 
     def select(name: str, view: Param) -> Param:
         if adapter is not None and name in adapted:
@@ -209,6 +232,15 @@ def load_rank(
         weights=RankWeights(cfg, layout, loaded.params),
         identity=identity_for(path, cfg, ctx, lora),
     )
+
+
+def expert_split_for(
+    path: Path, world: int = WORLD, shares: Sequence[int] | None = None
+) -> tuple[ExpertSplit, str]:
+    """``--expert-split auto`` for this file and world (``shard.slices.pick_expert_split``):
+    the split and why, for the log."""
+    cfg = load_gguf(path, select=lambda name, view: None).cfg
+    return pick_expert_split(cfg, norm_shares(world, shares), block_sizes(path))
 
 
 def exchange_hellos(

@@ -51,8 +51,10 @@ from foundry.tp.handshake import (
     check_replicated,
     exchange_hellos,
     execution_mode,
+    expert_split_for,
     header_model,
     load_rank,
+    split_of_mode,
     world_shares,
 )
 from foundry.tp.link import DEFAULT_FRAME_DEADLINE_S, ControlLink, LinkError
@@ -111,7 +113,8 @@ class WorkerOptions:
     control_timeout_s: float = 1.0
     handshake_timeout_s: float = 5.0
     retry_max_s: float = 2.0
-    expert_split: ExpertSplit = DEFAULT_EXPERT_SPLIT  # must equal the leader's (the hello checks)
+    # Must equal the leader's (the hello checks); None (--expert-split auto): the leader's.
+    expert_split: ExpertSplit | None = DEFAULT_EXPERT_SPLIT
     device: str = "cpu"  # --device: numpy here, or PyTorch on a GPU (model.infer.engines)
     lora: Path | None = None  # a LoRA adapter merged at load (every rank loads the same)
     tls: ssl.SSLContext | None = None  # dial the leader over TLS (control and gate connections)
@@ -166,6 +169,10 @@ class Worker(WorkerPair):
         self.metrics = metrics or TpMetrics(rank=self.rank)
         self._state: RankState | None = None
         self._kept = {"prefill": 0, "decode": 0}
+        # --expert-split auto (None): the leader's, from its last hello; before any hello,
+        # what the leader's auto picks for the pair (expert_split_for), worked out once.
+        self._leader_split: ExpertSplit | None = None
+        self._pair_split: ExpertSplit | None = None
         if model is not None:
             self._load(model.weights.rank, model.weights.world, model.weights.shares)
         self._gate_listener: socket.socket | None = None
@@ -176,16 +183,36 @@ class Worker(WorkerPair):
         self._stop = threading.Event()
         self.pairs_formed = 0
 
+    @property
+    def expert_split(self) -> ExpertSplit:
+        """The split this rank cuts by: --expert-split, else (auto) the leader's."""
+        if self.options.expert_split is not None:
+            return self.options.expert_split
+        if self._leader_split is not None:
+            return self._leader_split
+        if self.model is not None:
+            return self.model.weights.expert_split
+        if self._pair_split is None:
+            self._pair_split = expert_split_for(self.options.model)[0]
+        return self._pair_split
+
     def _load(self, rank: int, world: int, shares: Shares) -> None:
         """Hold rank's slices of a world of ``world`` ranks holding ``shares`` (read from the
         file unless held already) and an engine over them."""
         w = self.model.weights if self.model is not None else None
-        if w is None or (w.rank, w.world, w.shares) != (rank, world, shares):
+        split = self.expert_split
+        if w is None or (w.rank, w.world, w.shares, w.expert_split) != (
+            rank,
+            world,
+            shares,
+            split,
+        ):
             log.info(
-                "loading rank %d of %d (shares %s) of %s",
+                "loading rank %d of %d (shares %s, expert split %s) of %s",
                 rank,
                 world,
                 ",".join(map(str, shares)),
+                split.value,
                 self.options.model,
             )
             self._state = self.model = None  # the old slices go before the new ones come in
@@ -193,7 +220,7 @@ class Worker(WorkerPair):
                 self.options.model,
                 rank,
                 self.options.ctx_size,
-                self.options.expert_split,
+                split,
                 world,
                 shares,
                 self.options.lora,
@@ -431,7 +458,7 @@ class Worker(WorkerPair):
             identity=self.identity,
             host_id=local_host_id(),
             shm_offered=self._offer_shm and (world is None or world.world_size == 2),
-            execution_mode=execution_mode(self.options.expert_split),
+            execution_mode=execution_mode(self.expert_split),
             architecture=arch_spec(self.cfg).name,
             world=world,
             weight=weight,
@@ -448,6 +475,14 @@ class Worker(WorkerPair):
         --rank it has no place for."""
         self._world_seen = leader.world
         n = 2 if leader.world is None else leader.world.world_size
+        if self.options.expert_split is None:
+            sent = self.expert_split
+            self._leader_split = split_of_mode(leader.execution_mode)
+            if self._leader_split is not sent:
+                raise WorldMismatch(
+                    f"the leader cuts the experts by {self._leader_split.value}, this hello "
+                    f"said {sent.value} (--expert-split auto takes the leader's)"
+                )
         if self.options.rank is not None and not 1 <= self.options.rank < n:
             raise RankRefused(
                 f"--rank {self.options.rank} does not exist in the leader's "

@@ -327,6 +327,17 @@ def values_by_type(path: str | Path) -> dict[gguf.GGMLQuantizationType, int]:
     return out
 
 
+def block_sizes(path: str | Path) -> dict[str, int]:
+    """The values a block holds of every tensor a stored load keeps in blocks of more than one
+    value (header only): a rank's column cut must fall on them (``shard.slices.misaligned``)."""
+    out: dict[str, int] = {}
+    for t in _open_reader(Path(path)).tensors:
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        if block > 1 and not keeps_f32(t.name, t.shape):
+            out[t.name] = block
+    return out
+
+
 def model_id(path: str | Path) -> int:
     """The u32 a TP hello compares: the first 4 bytes (little-endian) of the file's sha256."""
     h = hashlib.sha256()

@@ -55,5 +55,7 @@ block of rows.
 Weights kept in their stored type (``quant.QTensor``) are cut the same way, along whole blocks:
 a cut of the last axis (the COLUMN and EXPERT_COLUMN kinds, where the rank reads part of each
 row) must fall on a block boundary of the tensor's type, else :class:`SplitError` names the
-tensor and its block size. Cuts of the other axes take whole rows and never split a block.
+tensor and its block size (``slices.check_cuts`` checks every rank's cuts against the file's
+blocks at once; ``slices.pick_expert_split`` picks the expert split whose cuts fit). Cuts of
+the other axes take whole rows and never split a block.
 """

@@ -189,6 +189,78 @@ def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout
     return cols if cols.start % block or cols.stop % block else None
 
 
+def misaligned(
+    cfg: ModelConfig, split: ExpertSplit, shares: Shares, blocks: Mapping[str, int]
+) -> tuple[str, int, int] | None:
+    """The first stored tensor (``blocks``: its name and block size) that some rank's column
+    cut under ``shares`` would split inside a block: (name, columns, block), or None."""
+    shapes = cfg.param_shapes()
+    for rank in range(len(shares)):
+        layout = rank_layout(cfg, rank, len(shares), split, shares)
+        for name, block in blocks.items():
+            if name in shapes and off_blocks(name, shapes[name], block, layout) is not None:
+                return name, shapes[name][-1], block
+    return None
+
+
+def check_cuts(
+    cfg: ModelConfig, split: ExpertSplit, shares: Shares, blocks: Mapping[str, int]
+) -> None:
+    """SplitError, in one line, when some rank's column cut under ``shares`` falls inside a
+    block of a tensor the file stores in blocks (``blocks``), naming the tensor, the other
+    expert split when that one fits, and the nearest world size of equal shares that works."""
+    bad = misaligned(cfg, split, shares, blocks)
+    if bad is None:
+        return
+    name, cols, block = bad
+    world = len(shares)
+    other = ExpertSplit.EXPERTS if split is ExpertSplit.INTERMEDIATE else ExpertSplit.INTERMEDIATE
+    sizes = [w for w in range(world - 1, 1, -1) if _fits(cfg, split, (1,) * w, blocks)]
+    if cfg.n_expert and _fits(cfg, other, shares, blocks):
+        hint = f"--expert-split {other.value} fits, or "
+    elif sizes:
+        hint = f"the nearest world size that works is {sizes[0]}, or "
+    else:
+        hint = ""
+    raise SplitError(
+        f"cannot split {name} ({cols} columns, stored in blocks of {block}) over {world} ranks "
+        f"with shares {','.join(map(str, shares))}: a rank's columns would start or end inside "
+        f"a block; {hint}use a file of another quantization type, or f16/f32"
+    )
+
+
+def _fits(cfg: ModelConfig, split: ExpertSplit, shares: Shares, blocks: Mapping[str, int]) -> bool:
+    try:
+        check_splittable(cfg, len(shares), split, shares)
+    except SplitError:
+        return False
+    return misaligned(cfg, split, shares, blocks) is None
+
+
+def pick_expert_split(
+    cfg: ModelConfig, shares: Shares, blocks: Mapping[str, int]
+) -> tuple[ExpertSplit, str]:
+    """``--expert-split auto``: ``INTERMEDIATE`` (every token costs every rank the same work)
+    where the model takes it under ``shares`` with every column cut on whole blocks of the
+    file (``blocks``), else ``EXPERTS``; and why, in words for the log ('' for a model without
+    routed experts, which either split cuts alike). Where whole experts do not fit either, their
+    load names what does not (kv heads, experts, a block no split moves)."""
+    if cfg.n_expert == 0:
+        return ExpertSplit.INTERMEDIATE, ""
+    try:
+        check_splittable(cfg, len(shares), ExpertSplit.INTERMEDIATE, shares)
+    except SplitError as exc:
+        why = str(exc).split(";")[0]  # the reason, without the advice
+    else:
+        bad = misaligned(cfg, ExpertSplit.INTERMEDIATE, shares, blocks)
+        if bad is None:
+            return ExpertSplit.INTERMEDIATE, "each rank holds a block of every expert"
+        name, cols, block = bad
+        why = f"intermediate would cut {name} ({cols} columns) inside its blocks of {block}"
+    # Whole experts; where they do not fit either, their load names what no split changes.
+    return ExpertSplit.EXPERTS, why
+
+
 def shard_part(name: str, value: Param, layout: RankLayout) -> Param:
     """The layout's part of one parameter, C-contiguous: a view where the cut allows it (rows,
     experts, replicated), a copy for column cuts and for the intermediate cuts of the experts
