@@ -185,8 +185,8 @@ class _Exchange:
 def test_the_pair_equals_one_process_with_the_step(
     models: dict[str, tuple[Any, dict[str, Param]]], name: str
 ) -> None:
-    """Each rank runs its part's gates through the step's ATTN and FFN calls with the
-    exchange between them; one process runs whole layers: the same bits."""
+    """Each rank runs its slice's layers in one step call, each gate's partial exchanged
+    through the call's hook; one process runs whole layers: the same bits."""
     cfg, params = models[name]
     single = Engine(cfg, params)
     assert len(single.parts) == 2 and single.layers_in_c == cfg.n_layer
@@ -208,6 +208,37 @@ def test_the_pair_equals_one_process_with_the_step(
             token = int(np.argmax(ref[-1]))
             ref, got = single.decode(s_one, [token]), pair([token])
             assert ref.tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_an_exchange_that_fails_inside_the_step_leaves_the_session_as_it_was(
+    models: dict[str, tuple[Any, dict[str, Param]]], name: str
+) -> None:
+    """The one-call step's hook raises what the exchange raised (here at layer 1's FFN gate);
+    the session's position is unchanged, and the next step (an exchange that gives the totals
+    back) equals one process that never failed, bit for bit."""
+    cfg, params = models[name]
+    ref, engine = Engine(cfg, params), Engine(cfg, params)
+    assert engine.layers_in_c == cfg.n_layer
+    s_ref, s = ref.new_session(), engine.new_session()
+    ref.decode(s_ref, prompts(name)[1])
+    engine.decode(s, prompts(name)[1])
+    seen: list[tuple[int, Gate]] = []
+
+    def failing(layer: int, gate: Gate, total: F32) -> F32:
+        seen.append((layer, gate))
+        if (layer, gate) == (1, Gate.FFN):
+            raise ConnectionError("the peer is gone")
+        return total
+
+    with pytest.raises(ConnectionError, match="the peer is gone"):
+        engine.decode(s, [5], failing)
+    assert seen == [(0, Gate.ATTN), (0, Gate.FFN), (1, Gate.ATTN), (1, Gate.FFN)]
+    assert s.pos == s_ref.pos
+    for token in (5, 7):
+        want = ref.decode(s_ref, [token])
+        got = engine.decode(s, [token], lambda layer, gate, total: total)
+        assert want.tobytes() == got.tobytes()
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2"])

@@ -288,6 +288,7 @@ class Engine:
         self._all_whole: tuple[StepPlan, ...] | None = (
             tuple(self._plans) if all(self._whole) else None
         )
+        self._gate_buf = np.zeros((1, cfg.n_embd), dtype=np.float32)  # a step's gate (_gate_hook)
 
     def _rope_tables(self, n_pos: int) -> None:
         for base in set(self._bases):
@@ -356,7 +357,7 @@ class Engine:
         step = len(ids) == 1 and self.step_in_c  # one token: each layer's step in C
         session = rows[0][0]
         layers = self._dense
-        if step and exchange is None and self._all_whole is not None:  # all in one call
+        if step and self._all_whole is not None:  # all in one call, a rank's gates too
             step_layers(
                 self._all_whole,
                 x,
@@ -364,6 +365,7 @@ class Engine:
                 session.k,
                 session.v,
                 tuple(self._rope[base] for base in self._bases),
+                None if exchange is None else self._gate_hook(exchange),
             )
             layers = []
         tables = (
@@ -501,6 +503,16 @@ class Engine:
             add(y, swiglu_ffn(h, *lw.shared), y)  # (n, D)
         return y
 
+    def _gate_hook(self, exchange: GateExchange) -> tuple[Callable[[int, int], None], F32]:
+        """What ``step_layers`` calls at each gate of a one-token step: the partial in a buffer,
+        exchanged for the world's total in place (``_exchange``, as the layer loop does)."""
+        buf = self._gate_buf
+
+        def hook(layer: int, gate: int) -> None:
+            np.copyto(buf, self._exchange(exchange, layer, _GATES[gate], buf))
+
+        return hook, buf
+
     def _exchange(self, exchange: GateExchange | None, layer: int, gate: Gate, partial: F32) -> F32:
         if exchange is None:
             return partial
@@ -511,6 +523,9 @@ class Engine:
                 f"expected float32{partial.shape}"
             )
         return total
+
+
+_GATES = (Gate.ATTN, Gate.FFN)  # by the index step_layers' hook is called with
 
 
 def _is_dense(name: str) -> bool:

@@ -21,7 +21,7 @@ when a row is not a multiple of 256.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple, NewType
@@ -590,11 +590,17 @@ def step_layers(
     k: Sequence[Sequence[npt.NDArray[Any]]],
     v: Sequence[Sequence[npt.NDArray[Any]]],
     tables: tuple[tuple[F32, F32], ...],
+    gate: tuple[Callable[[int, int], None], F32] | None = None,
 ) -> None:
     """``step_layer`` of each plan in turn (layer i: caches k[i], v[i], rope tables[i]), in
-    one call."""
+    one call. ``gate``, for a rank of a world: (hook, buffer of shape (1, D)); at each gate the
+    rank's partial is put in the buffer and ``hook(layer, gate)`` replaces it in place with the
+    world's total (an exception it raises ends the call)."""
     assert _kernels is not None
-    _kernels.step_layers(plans, x, pos, k, v, tables)
+    if gate is None:
+        _kernels.step_layers(plans, x, pos, k, v, tables)
+    else:
+        _kernels.step_layers(plans, x, pos, k, v, tables, *gate)
 
 
 def step_attn(

@@ -589,8 +589,15 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
               const float *cos, const float *sin, float *out, float *room);
 int step_ffn(const step_layer *l, int j, const float *h, float *out,
              float *room); /* dense or routed */
+/* A rank's gate: replaces the partial sum (d) of gate 0 (attention) or 1 (FFN) in place with
+ * the world's total; 0, or -1 when the exchange failed (step_whole then returns STEP_EXCHANGE). */
+typedef struct {
+    int (*fn)(void *ctx, int gate, float *sum);
+    void *ctx;
+} step_exchange;
+enum { STEP_EXCHANGE = -2 };
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
-               const float *cos, const float *sin, float *room);
+               const float *cos, const float *sin, float *room, const step_exchange *xch);
 
 /* sample.c: the next token of rows of logits (sampling.py's definition) */
 typedef struct {

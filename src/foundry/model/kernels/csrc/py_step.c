@@ -204,11 +204,32 @@ static float *step_alloc(const step_layer *l, int pos) {
     return room;
 }
 
+/* A rank's gates through Python: the partial copied into `gate` (d floats, the Python side's
+ * array), hook(layer, gate_index) called with the GIL taken (it exchanges the array for the
+ * world's total in place), the total copied back. */
+typedef struct {
+    PyObject *hook;
+    float *gate;
+    int d, layer;
+} py_gate;
+
+static int py_gate_exchange(void *ctx, int gate, float *sum) {
+    const py_gate *g = ctx;
+    memcpy(g->gate, sum, (size_t)g->d * sizeof(float));
+    PyGILState_STATE held = PyGILState_Ensure();
+    PyObject *r = PyObject_CallFunction(g->hook, "ii", g->layer, gate);
+    Py_XDECREF(r);
+    PyGILState_Release(held);
+    if (r == NULL) return -1; /* its exception stays set on this thread */
+    memcpy(sum, g->gate, (size_t)g->d * sizeof(float));
+    return 0;
+}
+
 /* x += the layer of plan `capsule` at pos, its parts' caches the items of the sequences kt, vt
- * and its rope tables cos_o, sin_o: step_whole with the buffers checked. 0, or -1 with an
- * exception set. */
+ * and its rope tables cos_o, sin_o: step_whole with the buffers checked; with `gate` (a rank of
+ * a world), each gate's partial exchanged through it. 0, or -1 with an exception set. */
 static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyObject *vt,
-                     PyObject *cos_o, PyObject *sin_o) {
+                     PyObject *cos_o, PyObject *sin_o, py_gate *gate) {
     const step_layer *l = plan_of(capsule);
     if (l == NULL) return -1;
     Py_buffer k[STEP_MAX_PARTS], v[STEP_MAX_PARTS], cos, sin;
@@ -248,9 +269,14 @@ static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyO
         kc[j] = k[j].buf;
         vc[j] = v[j].buf;
     }
-    Py_BEGIN_ALLOW_THREADS rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room);
+    const step_exchange xch = {py_gate_exchange, gate};
+    Py_BEGIN_ALLOW_THREADS rc =
+        step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room, gate ? &xch : NULL);
     Py_END_ALLOW_THREADS free(room);
-    if (rc < 0) PyErr_NoMemory();
+    if (rc == STEP_EXCHANGE)
+        rc = -1; /* the hook's exception is set */
+    else if (rc < 0)
+        PyErr_NoMemory();
 done:
     for (int j = 0; j < held; j++) {
         PyBuffer_Release(&k[j]);
@@ -275,25 +301,40 @@ static PyObject *py_step_layer(PyObject *self, PyObject *args) {
     Py_buffer x;
     (void)self;
     if (!PyArg_ParseTuple(args, "Ow*iOOOO", &capsule, &x, &pos, &kt, &vt, &cos, &sin)) return NULL;
-    const int rc = run_layer(capsule, &x, pos, kt, vt, cos, sin);
+    const int rc = run_layer(capsule, &x, pos, kt, vt, cos, sin, NULL);
     PyBuffer_Release(&x);
     return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 PyDoc_STRVAR(step_layers_doc,
-             "step_layers(plans, x, pos, k_caches, v_caches, tables): step_layer for each plan "
-             "in turn, layer i with k_caches[i], v_caches[i] and tables[i] = (cos, sin).");
+             "step_layers(plans, x, pos, k_caches, v_caches, tables, hook=None, gate=None): "
+             "step_layer for each plan in turn, layer i with k_caches[i], v_caches[i] and "
+             "tables[i] = (cos, sin). With hook (a rank of a world), each gate's partial is "
+             "copied into gate (d float32), hook(layer, gate_index) called to replace it with "
+             "the world's total in place, and the total used; the GIL is let go between gates.");
 
 static PyObject *py_step_layers(PyObject *self, PyObject *args) {
-    PyObject *plans, *ks, *vs, *tables;
+    PyObject *plans, *ks, *vs, *tables, *hook = Py_None;
     int pos;
-    Py_buffer x;
+    Py_buffer x, gate_buf = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!w*iOOO!", &PyTuple_Type, &plans, &x, &pos, &ks, &vs,
-                          &PyTuple_Type, &tables))
+    if (!PyArg_ParseTuple(args, "O!w*iOOO!|Ow*", &PyTuple_Type, &plans, &x, &pos, &ks, &vs,
+                          &PyTuple_Type, &tables, &hook, &gate_buf))
         return NULL;
     PyObject *kf = PySequence_Fast(ks, "step_layers: caches as a sequence"), *vf = NULL;
+    py_gate gate = {hook, gate_buf.buf, 0, 0};
     int rc = -1;
+    if (hook != Py_None) {
+        if (!PyCallable_Check(hook) || gate_buf.buf == NULL) {
+            PyErr_SetString(PyExc_TypeError, "step_layers: a callable hook and its gate buffer");
+            goto done;
+        }
+        if (PyTuple_GET_SIZE(plans) > 0) {
+            const step_layer *l0 = plan_of(PyTuple_GET_ITEM(plans, 0));
+            if (l0 == NULL || !fits("gate", &gate_buf, (Py_ssize_t)l0->d * 4)) goto done;
+            gate.d = l0->d;
+        }
+    }
     if (kf == NULL || (vf = PySequence_Fast(vs, "step_layers: caches as a sequence")) == NULL)
         goto done;
     const Py_ssize_t n = PyTuple_GET_SIZE(plans);
@@ -310,14 +351,16 @@ static PyObject *py_step_layers(PyObject *self, PyObject *args) {
             rc = -1;
             break;
         }
+        gate.layer = (int)i;
         rc = run_layer(PyTuple_GET_ITEM(plans, i), &x, pos, PySequence_Fast_GET_ITEM(kf, i),
                        PySequence_Fast_GET_ITEM(vf, i), PyTuple_GET_ITEM(t, 0),
-                       PyTuple_GET_ITEM(t, 1));
+                       PyTuple_GET_ITEM(t, 1), hook != Py_None ? &gate : NULL);
     }
 done:
     Py_XDECREF(kf);
     Py_XDECREF(vf);
     PyBuffer_Release(&x);
+    if (gate_buf.obj != NULL) PyBuffer_Release(&gate_buf);
     return rc < 0 ? NULL : Py_NewRef(Py_None);
 }
 

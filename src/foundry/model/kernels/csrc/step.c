@@ -331,9 +331,11 @@ static int out_parts(const step_layer *l, float *const *os, float *const *outs) 
     return matmul_many(list, l->n_parts);
 }
 
-/* x (d) += the layer: forward_rows' loop body for one row. */
+/* x (d) += the layer: forward_rows' loop body for one row. With xch, each gate's sum of this
+ * process's parts is exchanged for the world's total before the post-norm and the residual
+ * add (a rank of a world: its one part); without, the parts' sum is the total. */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
-               const float *cos, const float *sin, float *room) {
+               const float *cos, const float *sin, float *room, const step_exchange *xch) {
     const int d = l->d;
     float *h = room, *part = h + d, *sum = part + d, *normed = sum + d, *rest = normed + d;
     PROF_START(layer);
@@ -403,6 +405,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             }
             PROF_STOP(phase, PROF_FFN);
         }
+        if (xch != NULL && xch->fn(xch->ctx, gate, sum) < 0) return STEP_EXCHANGE;
         const float *post = gate ? l->post_ffn : l->post_attn, *add = sum;
         if (post != NULL) {
             rmsnorm(sum, post, 1, d, l->eps, normed);
