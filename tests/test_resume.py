@@ -132,6 +132,8 @@ def test_ctrl_c_in_foundry_train_says_how_to_resume(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert proc.returncode == 130
     assert re.search(
         rf"interrupted at step (\d+); checkpoint written to {re.escape(str(ckpt))}: "
@@ -254,3 +256,36 @@ def test_local_step_coordinator_resumes_where_it_stopped(tmp_path: Path) -> None
     resumed = probed_local_steps(resumed_run, 8)
     assert "resumed from" in (resumed_run / "coordinator.log").read_text()
     assert_same_state(resumed, straight)
+
+
+def test_ctrl_c_is_taken_at_the_end_of_a_step_and_twice_at_once() -> None:
+    """The first SIGINT only asks the loop to stop (``check`` raises at the step's end, so
+    no finalizer that happens to run can swallow it); a second raises at once; the handler
+    before is back afterwards."""
+    import os
+
+    from foundry.commands.train_checkpoints import StepInterrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    with StepInterrupt() as ctrl_c:
+        ctrl_c.check()  # nothing asked yet
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs at the next bytecode boundaries
+            if ctrl_c.requested:
+                break
+        assert ctrl_c.requested
+        try:
+            ctrl_c.check()
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("check did not raise after a Ctrl+C")
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("a second Ctrl+C did not stop at once")
+    assert signal.getsignal(signal.SIGINT) is before

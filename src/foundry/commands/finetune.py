@@ -137,7 +137,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     assert t.corpus is not None
     from tqdm import tqdm
 
-    from foundry.commands.train_checkpoints import Checkpoints
+    from foundry.commands.train_checkpoints import Checkpoints, StepInterrupt
     from foundry.model.formats.checkpoint import CheckpointError
     from foundry.model.formats.tuning import tuned_config
     from foundry.model.text.data import DataError
@@ -198,25 +198,27 @@ def run_finetune(args: argparse.Namespace) -> int:
     t0, first = time.perf_counter(), tuner.position
     try:  # a checkpoint the disk refuses ends the run with the reason
         try:
-            while tuner.step < args.steps:
-                result = tuner.train_step(corpus)
-                rate = (tuner.position - first) / (time.perf_counter() - t0)
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{result.loss:.3f}", val=f"{val:.3f}", samples_s=f"{rate:.2f}"
-                )
-                if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
-                    print(
-                        f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
-                        flush=True,
+            with StepInterrupt() as ctrl_c:
+                while tuner.step < args.steps:
+                    result = tuner.train_step(corpus)
+                    rate = (tuner.position - first) / (time.perf_counter() - t0)
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{result.loss:.3f}", val=f"{val:.3f}", samples_s=f"{rate:.2f}"
                     )
-                if tuner.step % eval_every == 0 or tuner.step == args.steps:
-                    val = tuner.evaluate_loss(corpus, args.seq_len)
-                    bar.write(
-                        f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
-                        f"{val:.4f} nats/token"
-                    )
-                checkpoints.due(tuner)
+                    if args.no_progress and (tuner.step % 10 == 0 or tuner.step == 1):
+                        print(
+                            f"step {tuner.step}: loss {result.loss:.4f} ({rate:.2f} samples/s)",
+                            flush=True,
+                        )
+                    if tuner.step % eval_every == 0 or tuner.step == args.steps:
+                        val = tuner.evaluate_loss(corpus, args.seq_len)
+                        bar.write(
+                            f"step {tuner.step}: loss {result.loss:.4f}, held-out loss "
+                            f"{val:.4f} nats/token"
+                        )
+                    checkpoints.due(tuner)
+                    ctrl_c.check()
         except KeyboardInterrupt:
             bar.close()
             checkpoints.save(tuner)

@@ -220,7 +220,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from foundry.commands.train_checkpoints import Checkpoints
+    from foundry.commands.train_checkpoints import Checkpoints, StepInterrupt
     from foundry.model.formats.gguf_io import save_gguf
     from foundry.model.infer.generate import greedy_text, printable
     from foundry.model.nn.transformer import init_params
@@ -317,29 +317,31 @@ def _train(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     samples = 0
     try:
-        while trainer.step < args.steps:
-            result = trainer.train_step(corpus, args.micro_batch)
-            samples += result.n_samples
-            rate = samples / (time.perf_counter() - t0)
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{result.loss:.3f}",
-                val_bpb=f"{bits_per_byte(val):.3f}",
-                samples_s=f"{rate:.1f}",
-            )
-            if args.no_progress and trainer.step % 10 == 0:
-                print(
-                    f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
-                    flush=True,
+        with StepInterrupt() as ctrl_c:
+            while trainer.step < args.steps:
+                result = trainer.train_step(corpus, args.micro_batch)
+                samples += result.n_samples
+                rate = samples / (time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{result.loss:.3f}",
+                    val_bpb=f"{bits_per_byte(val):.3f}",
+                    samples_s=f"{rate:.1f}",
                 )
-            last = trainer.step == args.steps
-            if trainer.step % args.eval_every == 0 or last:
-                val = trainer.evaluate_loss(corpus, args.seq_len)
-                bar.write(f"step {trainer.step}: loss {result.loss:.4f}, {validation(val)}")
-            if sample_every > 0 and (trainer.step % sample_every == 0 or last):
-                text = greedy_text(cfg, trainer.host_params(), args.prompt, args.sample_tokens)
-                bar.write(f"step {trainer.step}: sample {printable(args.prompt + text)!r}")
-            checkpoints.due(trainer)
+                if args.no_progress and trainer.step % 10 == 0:
+                    print(
+                        f"step {trainer.step}: loss {result.loss:.4f} ({rate:.1f} samples/s)",
+                        flush=True,
+                    )
+                last = trainer.step == args.steps
+                if trainer.step % args.eval_every == 0 or last:
+                    val = trainer.evaluate_loss(corpus, args.seq_len)
+                    bar.write(f"step {trainer.step}: loss {result.loss:.4f}, {validation(val)}")
+                if sample_every > 0 and (trainer.step % sample_every == 0 or last):
+                    text = greedy_text(cfg, trainer.host_params(), args.prompt, args.sample_tokens)
+                    bar.write(f"step {trainer.step}: sample {printable(args.prompt + text)!r}")
+                checkpoints.due(trainer)
+                ctrl_c.check()
     except KeyboardInterrupt:
         bar.close()
         checkpoints.save(trainer)

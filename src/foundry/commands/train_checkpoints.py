@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
+import threading
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Protocol
 
 from foundry.model.formats.checkpoint import CheckpointState, load_checkpoint
@@ -107,3 +111,44 @@ class Checkpoints:
             f"checkpoint written to {self.directory}: run the same command again to "
             "resume from this step (--fresh starts at step 0)"
         )
+
+
+class StepInterrupt:
+    """Ctrl+C (SIGINT) in a training loop, taken at a step's end: the first asks the loop to
+    stop there (``check`` then raises KeyboardInterrupt, which the loop's handler turns into a
+    checkpoint and the resume hint), a second raises KeyboardInterrupt at once, as Python's
+    default does. Python's default alone raised it wherever the main thread was, and where that
+    was a finalizer (``__del__``, a weakref callback) Python prints it as ignored and goes on:
+    the run kept training. Outside the main thread it changes nothing."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: object = None
+        self._installed = False
+
+    def __enter__(self) -> StepInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._old)  # type: ignore[arg-type]
+            self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("stopping after this step (Ctrl+C again stops now)", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        """KeyboardInterrupt when a Ctrl+C came during the step that just ended."""
+        if self.requested:
+            raise KeyboardInterrupt
