@@ -2,9 +2,10 @@
 
 ``foundry.model.kernels._kernels`` computes matrix-vector products over GGUF weight blocks in place;
 ``foundry.compression._qsgd`` is QSGD's encoder in one pass; ``foundry.model.kernels._optim`` is
-AdamW's step in one pass. All are optional: where no C compiler is found the build goes on
+AdamW's step in one pass; ``foundry.transport.gates._gates`` moves a tensor-parallel gate's bytes
+over plain TCP sockets without the interpreter in the loop. All are optional: where no C compiler is found the build goes on
 without them and ``foundry.model.kernels.quant``, ``foundry.compression.qsgd`` and
-``foundry.model.train.optim`` fall back to numpy (docs/quantization.md, docs/protocol.md and
+``foundry.model.train.optim`` fall back to numpy (the gates to their Python poll loops) (docs/quantization.md, docs/protocol.md and
 docs/architecture.md say what that costs).
 """
 
@@ -40,6 +41,12 @@ setup(
             ["src/foundry/model/kernels/_optim.c"],
             # sqrtf of a second moment (never negative) sets no errno: this lets it vectorise.
             extra_compile_args=[*FLAGS, "-fno-math-errno"],
+            optional=True,
+        ),
+        Extension(
+            "foundry.transport.gates._gates",
+            ["src/foundry/transport/gates/_gates.c"],
+            extra_compile_args=FLAGS,
             optional=True,
         ),
         Extension(

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from procs import wait_for
+from procs import missing, wait_for
 
 from foundry.transport.gates import (
     GateError,
@@ -62,12 +62,15 @@ def tcp_pair(small_buffers: bool = False) -> tuple[socket.socket, socket.socket]
 def exchanges(
     kind: str, *, timeout_s: float = 1.0, first_seq: tuple[int, int] = (1, 1), small: bool = False
 ) -> Iterator[tuple[GateExchange, GateExchange]]:
-    if kind == "tcp":
+    if kind.startswith("tcp"):
         a, b = tcp_pair(small)
-        pair: tuple[GateExchange, GateExchange] = (
+        tcp = (
             TcpGateExchange(a, rank=0, n_embd=N_EMBD, timeout_s=timeout_s, first_seq=first_seq[0]),
             TcpGateExchange(b, rank=1, n_embd=N_EMBD, timeout_s=timeout_s, first_seq=first_seq[1]),
         )
+        for g in tcp:
+            loop_in(g, kind)
+        pair: tuple[GateExchange, GateExchange] = tcp
     else:
         leader = ShmGateExchange.create(
             n_embd=N_EMBD, timeout_s=timeout_s, first_seq=first_seq[0], checksum=kind == "shm-crc"
@@ -112,7 +115,17 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 # "shm-crc": the checksummed slab that weakly ordered machines (arm64, armv7) use.
-KINDS = ["tcp", "shm", "shm-crc"]
+# "tcp": the loop in C where plain sockets let it (``_gates.c``), "tcp-python": the Python loop
+# it stands for, which TLS sockets take.
+KINDS = ["tcp", "tcp-python", "shm", "shm-crc"]
+
+
+def loop_in(g: TcpGateExchange, kind: str) -> None:
+    """Make ``g`` move its bytes as ``kind`` says; "tcp" needs the C module (built by .ci/run)."""
+    if kind == "tcp-python":
+        g.native = False
+    elif not g.native:
+        missing("the C gate loop (foundry.transport.gates._gates) is not built")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -142,7 +155,7 @@ def test_4mib_prefill_partial_with_small_socket_buffers(kind: str) -> None:
         )
         assert errors == [None, None]
         # the buffers really were small: far below one partial
-        if kind == "tcp":
+        if kind.startswith("tcp"):
             assert isinstance(g0, TcpGateExchange)
             assert g0._channel.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < 64 * 1024
         # and the link keeps working after a big gate (a decode gate follows a prefill)
@@ -220,20 +233,24 @@ def test_a_failed_rank_makes_its_peer_fail_fast(kind: str) -> None:
             g0.exchange(0, Gate.ATTN, x)
 
 
-def test_tcp_peer_closing_mid_gate_raises_at_once() -> None:
+@pytest.mark.parametrize("kind", ["tcp", "tcp-python"])
+def test_tcp_peer_closing_mid_gate_raises_at_once(kind: str) -> None:
     a, b = tcp_pair()
     x = np.ones((4, N_EMBD), dtype=np.float32)
     with TcpGateExchange(a, rank=0, n_embd=N_EMBD, timeout_s=30.0) as g0, b:
+        loop_in(g0, kind)
         b.sendall(GateHeader(0, Gate.ATTN, 1, 4, N_EMBD).encode() + bytes(1000))
         b.close()
         with pytest.raises(GateError, match=r"peer closed .* \(received 1020 of 16404 bytes\)"):
             g0.exchange(0, Gate.ATTN, x)
 
 
-def test_tcp_garbage_tag_is_reported() -> None:
+@pytest.mark.parametrize("kind", ["tcp", "tcp-python"])
+def test_tcp_garbage_tag_is_reported(kind: str) -> None:
     a, b = tcp_pair()
     x = np.ones(N_EMBD, dtype=np.float32)
     with TcpGateExchange(a, rank=0, n_embd=N_EMBD) as g0, b:
+        loop_in(g0, kind)
         b.sendall(b"\xff" * 20)
         with pytest.raises(GateError, match="peer sent garbage"):
             g0.exchange(0, Gate.ATTN, x)
@@ -303,10 +320,11 @@ def test_negotiation_on_this_host_picks_the_slab() -> None:
 
 
 def _rank1_process(conn: Connection, kind: str, where: str | int, parts: list[np.ndarray]) -> None:
-    if kind == "tcp":
+    if kind.startswith("tcp"):
         assert isinstance(where, int)
         sock = socket.create_connection(("127.0.0.1", where))
         g: GateExchange = TcpGateExchange(sock, rank=1, n_embd=N_EMBD)
+        loop_in(g, kind)
     else:
         assert isinstance(where, str)
         g = ShmGateExchange.attach(where, n_embd=N_EMBD)
@@ -325,7 +343,7 @@ def test_two_processes_bit_identical(kind: str) -> None:
     parent, child = ctx.Pipe()
     with contextlib.ExitStack() as stack:
         stack.enter_context(parent)
-        if kind == "tcp":
+        if kind.startswith("tcp"):
             server = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
             where: str | int = server.getsockname()[1]
         else:
@@ -337,12 +355,14 @@ def test_two_processes_bit_identical(kind: str) -> None:
         proc.start()
         child.close()
         try:
-            if kind == "tcp":
+            if kind.startswith("tcp"):
                 server.settimeout(20)
                 sock, _ = server.accept()
-                g: GateExchange = stack.enter_context(
+                tcp = stack.enter_context(
                     TcpGateExchange(sock, rank=0, n_embd=N_EMBD, timeout_s=20.0)
                 )
+                loop_in(tcp, kind)
+                g: GateExchange = tcp
             else:
                 g = slab
             mine = gates_schedule(g, p0)

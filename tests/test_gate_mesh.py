@@ -11,15 +11,16 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from procs import missing
 from test_gate_exchange import N_EMBD, gates_schedule, same_bits, tcp_pair
 from tls_certs import make_certs
 
-from foundry.transport.gates import GateError, MeshGateExchange
+from foundry.transport.gates import GateError, MeshGateExchange, channel
 from foundry.transport.gates.mesh import chunk_bounds
 from foundry.transport.tls import PeerContexts, TlsFiles, peer_contexts_for, wrap_blocking
 from foundry.wire.tp import GATE_HEADER, GATE_HEADER_SIZE, Gate
@@ -45,6 +46,20 @@ def links(
     return socks
 
 
+@pytest.fixture(params=["c", "python"], autouse=True)
+def loop(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs twice: the plain sockets' loop in C (``_gates.c``; .ci/run builds
+    it) and in Python, which TLS sockets always take."""
+    if request.param == "c" and channel.native is None:
+        missing("the C gate loop (foundry.transport.gates._gates) is not built")
+    LOOP[0] = request.param
+    yield request.param
+    LOOP[0] = "c"
+
+
+LOOP = ["c"]  # the running test's loop, which mesh() gives its exchanges
+
+
 def mesh(
     world: int,
     small_buffers: bool = False,
@@ -53,12 +68,22 @@ def mesh(
     n_embd: int = N_EMBD,
     unix: bool = False,
 ) -> list[MeshGateExchange]:
-    """A world of ``world`` ranks in this process over :func:`links`."""
+    """A world of ``world`` ranks in this process over :func:`links`, moving bytes in the
+    running test's loop."""
     socks = links(world, small_buffers, peer_tls, unix)
-    return [
+    gates = [
         MeshGateExchange(socks[r], rank=r, world=world, n_embd=n_embd, timeout_s=timeout_s)
         for r in range(world)
     ]
+    assert all(g.native == (peer_tls is None) for g in gates)
+    return in_loop(gates)
+
+
+def in_loop(gates: list[MeshGateExchange]) -> list[MeshGateExchange]:
+    """``gates`` set to move their bytes in the running test's loop."""
+    for g in gates:
+        g.native = LOOP[0] == "c" and g.native
+    return gates
 
 
 def tls_pair(
@@ -240,7 +265,9 @@ def test_a_rank_played_by_hand_sees_the_documented_frames() -> None:
     rank-order sum. At the next gate it closes its connection to rank 0 after the pieces:
     rank 0's error names rank 2 and the gate, and rank 1, which has everything, goes on."""
     socks = links(3)
-    gates = [MeshGateExchange(socks[r], rank=r, world=3, n_embd=4, timeout_s=2.0) for r in (0, 1)]
+    gates = in_loop(
+        [MeshGateExchange(socks[r], rank=r, world=3, n_embd=4, timeout_s=2.0) for r in (0, 1)]
+    )
     p = [np.array([[1, 2, 3, 4]], np.float32) * 10**r for r in range(3)]
     expected = rank_order_sum(p)
     heard: dict[int, bytes] = {}

@@ -1,5 +1,5 @@
 """The gate of a world of N ranks: chunked (the services'), all-to-all, a star and a ring, measured
-in one run.
+in one run; and the services' gates with their loop in C against the same loop in Python.
 
 N processes on loopback (rank 0 this process), a TCP connection between every two. Each rank
 holds a partial of ``rows`` x n_embd float32 and every rank must end with the N partials added
@@ -10,7 +10,11 @@ Four ways to get there, interleaved in blocks so that drift of the machine hits 
   then allgather in rank order. The n_embd columns are cut into N chunks, rank r owning chunk
   r; each rank sends chunk c of its partial to rank c, adds the N pieces of its own chunk in
   rank order (the same bits as adding whole partials), and sends that sum to every other rank;
-  one poll loop, two hops. Each rank sends and receives 2(N-1)/N partials a gate.
+  one poll loop, two hops. Each rank sends and receives 2(N-1)/N partials a gate. On plain
+  sockets that loop runs in C (``transport/gates/_gates.c``, the GIL released).
+- **chunked in Python**: the same exchange with the loop in Python (``native = False``: what
+  TLS sockets run, and what plain ones ran before the C loop); at N = 2 the pair's gate in
+  Python. Its p50 over chunked's is what the C loop saves a gate.
 - **all-to-all** (what the services ran before, ``AllToAll`` here: the same poll loop, one
   step): each rank sends its partial to every other and reads theirs; one hop. Each rank sends
   and receives (N-1) partials a gate.
@@ -77,7 +81,8 @@ from foundry.transport.gates import GateExchange, MeshGateExchange, TcpGateExcha
 from foundry.transport.gates.mesh import chunk_bounds
 from foundry.transport.tls import TlsFiles, peer_contexts_for, wrap_blocking
 
-KINDS = ("all-to-all", "chunked", "star", "ring")
+KINDS = ("all-to-all", "chunked", "chunked-python", "star", "ring")
+PY_KIND = "chunked-python"
 TLS_KIND = "chunked tls"
 
 
@@ -165,11 +170,17 @@ def _gate(
     socks: dict[int, socket.socket], rank: int, world: int, n_embd: int, kind: str = "chunked"
 ) -> GateExchange:
     """An exchange over ``socks``: the pair's own gate at N = 2 (what the services run there),
-    else ``kind`` (chunked: the services' ``MeshGateExchange``)."""
+    else ``kind`` (chunked: the services' ``MeshGateExchange``); PY_KIND with its loop in
+    Python."""
+    g: TcpGateExchange | MeshGateExchange
     if world == 2:
-        return TcpGateExchange(socks[1 - rank], rank=rank, n_embd=n_embd, timeout_s=30.0)
-    cls = AllToAll if kind == "all-to-all" else MeshGateExchange
-    return cls(socks, rank=rank, world=world, n_embd=n_embd, timeout_s=30.0)
+        g = TcpGateExchange(socks[1 - rank], rank=rank, n_embd=n_embd, timeout_s=30.0)
+    else:
+        cls = AllToAll if kind == "all-to-all" else MeshGateExchange
+        g = cls(socks, rank=rank, world=world, n_embd=n_embd, timeout_s=30.0)
+    if kind == PY_KIND:
+        g.native = False
+    return g
 
 
 def _rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
@@ -248,7 +259,7 @@ def _run_rank(
     size = rows * n_embd
     mesh = {
         k: _gate({r: s.dup() for r, s in socks.items()}, rank, world, n_embd, k)
-        for k in ("all-to-all", "chunked")
+        for k in ("all-to-all", "chunked", PY_KIND)
     }
     secure = None
     if tls_socks is not None and certs is not None:
@@ -475,11 +486,12 @@ def report(
         "rate": a.rate,
         "burst_bytes": a.burst_bytes,
     }
+    results["pair_python_p50_us"] = pair[PY_KIND]
     tls_head = f" {'tls':>9} {'tls/plain':>9}" if certs else ""
     print(
         f"{'N':>3} {'all-to-all':>11} {'chunked':>9} {'star':>9} {'ring':>9} {'a2a/pair':>9} "
         f"{'chunk/a2a':>9} {'star/a2a':>9} {'ring/a2a':>9} {'a2a bytes':>10} "
-        f"{'chunk bytes':>11}{tls_head}"
+        f"{'chunk bytes':>11} {'in Python':>9} {'C/Python':>8}{tls_head}"
     )
 
     def tls_cells(m: dict[str, float], plain: str) -> str:
@@ -491,7 +503,8 @@ def report(
         results["pair_tls_p50_us"] = pair[TLS_KIND]
     print(
         f"{2:>3} {base:>11.1f} {'':>9} {'':>9} {'':>9} {1.0:>9.2f} {'':>9} {'':>9} {'':>9} "
-        f"{partial + 20:>10} {partial + 20:>11}{tls_cells(pair, 'all-to-all')}"
+        f"{partial + 20:>10} {partial + 20:>11} {pair[PY_KIND]:>9.1f} "
+        f"{base / pair[PY_KIND]:>8.2f}{tls_cells(pair, 'all-to-all')}"
     )
     for w in worlds:
         m = run(w)
@@ -505,7 +518,8 @@ def report(
             f"{w:>3} {a2a:>11.1f} {m['chunked']:>9.1f} {m['star']:>9.1f} {m['ring']:>9.1f} "
             f"{a2a / base:>9.2f} {m['chunked'] / a2a:>9.2f} {m['star'] / a2a:>9.2f} "
             f"{m['ring'] / a2a:>9.2f} {(w - 1) * (partial + 20):>10} "
-            f"{chunked_bytes_out(w, a.rows, a.n_embd):>11}{tls_cells(m, 'chunked')}"
+            f"{chunked_bytes_out(w, a.rows, a.n_embd):>11} {m[PY_KIND]:>9.1f} "
+            f"{m['chunked'] / m[PY_KIND]:>8.2f}{tls_cells(m, 'chunked')}"
         )
     harness.emit("tp_world_gates", results, None, a.json)
     return 0

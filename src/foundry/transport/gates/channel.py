@@ -1,17 +1,32 @@
 """One connected gate socket, plain TCP or TLS, as the TCP exchanges' poll loops drive it
 (:class:`GateChannel`, :func:`poll_channels`): the pair's :class:`TcpGateExchange` has one, a
 world's :class:`MeshGateExchange` one per other rank.
+
+On plain sockets the exchanges hand the whole gate to ``native`` (``_gates.c``: the same bytes
+and checks, the loop in C with the GIL released) where that module was built; over TLS, or
+without it, the loops here and in ``tcp`` and ``mesh`` move them.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket
 import ssl
 from collections.abc import Sequence
+from types import ModuleType
 
 from foundry.transport.gates.base import TLS_SEND_CHUNK, GateError, _describe
+
+native: ModuleType | None
+try:
+    from foundry.transport.gates import _gates as native  # type: ignore[attr-defined, no-redef]
+except ImportError:  # built without a C compiler (setup.py): the Python loops
+    native = None
+
+# What a native move ended with (``_gates.c``).
+GATE_OK, GATE_CLOSED, GATE_FAILED, GATE_DESYNC, GATE_STALLED = range(5)
 
 
 class GateChannel:
@@ -62,11 +77,25 @@ class GateChannel:
         except OSError as exc:
             raise self._failed(exc, tag) from None
         if n == 0:
-            raise GateError(
-                f"{self.peer} closed the gate connection during {_describe(tag)} "
-                f"(received {got} of {total} bytes)"
-            )
+            raise self.closed(tag, got, total)
         return n
+
+    @property
+    def native_fd(self) -> int | None:
+        """The descriptor ``native`` drives: a plain socket's where the module was built, else
+        None (the Python loops)."""
+        return self.sock.fileno() if self._tls is None and native is not None else None
+
+    def closed(self, tag: bytes, got: int, total: int) -> GateError:
+        """The peer closed the connection after ``got`` of the gate's ``total`` bytes in."""
+        return GateError(
+            f"{self.peer} closed the gate connection during {_describe(tag)} "
+            f"(received {got} of {total} bytes)"
+        )
+
+    def failed(self, code: int, tag: bytes) -> GateError:
+        """The socket failed with errno ``code`` (a native move's)."""
+        return self._failed(OSError(code, os.strerror(code)), tag)
 
     def buffered(self) -> bool:
         """Decrypted bytes wait inside TLS, not on the socket, where poll() cannot see them."""

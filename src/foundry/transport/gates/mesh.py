@@ -22,7 +22,15 @@ from foundry.transport.gates.base import (
     GateExchange,
     _describe,
 )
-from foundry.transport.gates.channel import GateChannel, poll_channels
+from foundry.transport.gates.channel import (
+    GATE_CLOSED,
+    GATE_DESYNC,
+    GATE_FAILED,
+    GATE_OK,
+    GateChannel,
+    native,
+    poll_channels,
+)
 from foundry.wire.tp import (
     GATE_HEADER_SIZE,
 )
@@ -66,7 +74,9 @@ class MeshGateExchange(GateExchange):
     multi-MiB prefill partial can deadlock on clamped socket buffers: every receive is posted
     from the start, and the sums wait only on the pieces, which wait on nothing). Every peer's
     tag must equal its own; no byte moving on any socket for ``timeout_s`` is a stall; EOF or
-    an error on any is a GateError naming that rank.
+    an error on any is a GateError naming that rank. Where every socket is plain, that loop
+    runs in C (``channel.native``: the same bytes, sums and errors) unless ``native`` is set
+    False (the benchmarks compare the two).
     """
 
     def __init__(
@@ -92,6 +102,9 @@ class MeshGateExchange(GateExchange):
         self._bounds = chunk_bounds(n_embd, world)
         self._staging: dict[tuple[str, int], np.ndarray] = {}
         self._poller = select.poll()
+        fds = [-1 if r == rank else self._channels[r].native_fd for r in range(world)]
+        self._fds = None if None in fds else fds
+        self.native = self._fds is not None
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
         raise NotImplementedError("a world sums in _sum")
@@ -99,6 +112,8 @@ class MeshGateExchange(GateExchange):
     def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
         rows = mine.shape[0]
         out = np.empty((rows, self.n_embd), dtype=_F32)
+        if self.native:
+            return self._sum_native(tag, mine, out)
         cols = {r: (mine[:, a:b], out[:, a:b]) for r, (a, b) in enumerate(self._bounds)}
         # The bytes move from and to views of ``mine`` and ``out`` where one row makes a chunk
         # contiguous (a decode gate), else through reused buffers, copied in and out here.
@@ -125,6 +140,62 @@ class MeshGateExchange(GateExchange):
             if arr is not cols[r][1]:
                 cols[r][1][...] = arr
         return out
+
+    def _sum_native(self, tag: bytes, mine: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """:meth:`_sum`'s loop in C (``_gates.mesh_sum``), the same bytes, sums and errors."""
+        assert native is not None and self._fds is not None
+        peers = list(self._channels)  # rank order, as mesh_sum gives its values
+        code, i, err, got, _, done = native.mesh_sum(
+            self._fds,
+            self.rank,
+            tag,
+            mine,
+            mine.shape[0],
+            out,
+            [self._tags[p] for p in peers],
+            self.timeout_s,
+            TCP_SPIN_S,
+        )
+        if code == GATE_OK:
+            for p, s in zip(peers, done, strict=True):
+                self.peer_wait_s[p] += s
+            return out
+        rows, (a, b) = mine.shape[0], self._bounds[self.rank]
+        step1_in = {p: GATE_HEADER_SIZE + 4 * rows * (b - a) for p in peers}
+        total_in = {p: step1_in[p] + 4 * rows * (hi - lo) for p, (lo, hi) in self._chunks(peers)}
+        got_by = dict(zip(peers, got, strict=True))
+        if code == GATE_DESYNC:
+            raise self._desync_from(peers[i], tag, bytes(self._tags[peers[i]]))
+        if code in (GATE_CLOSED, GATE_FAILED):
+            ch = self._channels[peers[i]]
+            exc = (
+                ch.closed(tag, got_by[peers[i]], total_in[peers[i]])
+                if code == GATE_CLOSED
+                else ch.failed(err, tag)
+            )
+            raise self._after_failure(peers[i], exc, tag, got_by, step1_in)
+        behind = [r for r in peers if got_by[r] < step1_in[r]]
+        behind = behind or [r for r in peers if got_by[r] < total_in[r]]
+        raise GateError(
+            f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
+            f"({_waiting_for(behind)})"
+        )
+
+    def _chunks(self, peers: list[int]) -> list[tuple[int, tuple[int, int]]]:
+        return [(p, self._bounds[p]) for p in peers]
+
+    def _after_failure(
+        self, r: int, exc: GateError, tag: bytes, got: dict[int, int], step1_in: dict[int, int]
+    ) -> GateError:
+        """The error to raise when the connection to rank ``r`` failed with ``exc``: a rank
+        that gave up on an out-of-step or silent one closes on us, so name the out-of-step one
+        if its header is here already, else the silent ones."""
+        silent = [q for q in got if q != r and got[q] < step1_in[q]]
+        if not silent:
+            return exc
+        return self._desync_among(tag, silent, got) or GateError(
+            f"{exc}; still {_waiting_for(silent)}"
+        )
 
     def _buffer(self, job: str, peer: int, rows: int, width: int) -> np.ndarray:
         """A reused contiguous (rows, width) array for ``job`` with ``peer``."""
@@ -175,14 +246,7 @@ class MeshGateExchange(GateExchange):
                         if got[r] == total_in[r]:
                             self.peer_wait_s[r] += time.perf_counter() - t0
                 except GateError as exc:
-                    # A rank that gave up on an out-of-step or silent one closes on us: name
-                    # the out-of-step one if its header is here already, else the silent ones.
-                    silent = [q for q in got if q != r and got[q] < step1_in[q]]
-                    if not silent:
-                        raise
-                    raise self._desync_among(tag, silent, got) or GateError(
-                        f"{exc}; still {_waiting_for(silent)}"
-                    ) from None
+                    raise self._after_failure(r, exc, tag, got, step1_in) from None
             if not reduced and all(got[r] >= step1_in[r] for r in got):
                 between()
                 reduced = progress = True

@@ -1,0 +1,403 @@
+/* The TCP gates' byte mover in C: what tcp.py's and mesh.py's poll loops do, for plain TCP
+ * sockets, without the interpreter in the loop and with the GIL released throughout.
+ *
+ * A gate is small (a decode partial of a 3B model is 12 KiB) and the wire is quick, so in the
+ * Python loops the interpreter's own time (a send and a receive call per peer per turn, the
+ * lists of buffers they take, the bookkeeping between) was a large part of a gate: about as
+ * much as the wire's at N = 4 on a 1 Gb/s port (docs/benchmarks.md, "Worlds of N ranks"). The
+ * bytes on the wire are the same; so are the checks (every peer's header against this rank's,
+ * no byte moving for timeout_s is a stall, EOF or an error names the peer). Python keeps the
+ * messages: these functions return what happened and where, and tcp.py and mesh.py raise the
+ * GateError they raised before.
+ *
+ * - swap: the pair (tcp.py): write header + partial, read the peer's header + partial, one
+ *   loop, full duplex.
+ * - mesh_sum: a world of N (mesh.py): reduce-scatter, then allgather. To every peer p: header,
+ *   chunk p of the partial, then (once every peer's piece of this rank's chunk r is in) the sum
+ *   of chunk r; from every peer p: its header, its piece of chunk r, its sum of chunk p. Chunk
+ *   r is summed in rank order, ((p0 + p1) + p2) + ..., its own piece in its place.
+ *
+ * TLS sockets stay in Python (an ssl.SSLSocket's bytes are not the socket's). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+/* What a move ended with (mesh.py and tcp.py read them by these values). */
+enum { GATE_OK = 0, GATE_CLOSED = 1, GATE_FAILED = 2, GATE_DESYNC = 3, GATE_STALLED = 4 };
+
+#define SEGS 3 /* buffers a direction of a peer: header, piece, sum */
+
+typedef struct {
+    int fd;
+    struct iovec out[SEGS], in[SEGS];
+    size_t out_step1, out_total, in_step1, in_total; /* bytes: step 1 (header, piece), all */
+    size_t sent, got;
+    const uint8_t *tag; /* the header this rank sends, which the peer's must equal */
+    uint8_t *peer_tag;  /* where the peer's header lands (in[0]) */
+    double done_s;      /* seconds from the start until every byte from this peer was in */
+} peer_io;
+
+typedef struct {
+    int code, peer, err; /* peer: an index into the peers; err: errno of GATE_FAILED */
+} move_result;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The bytes [from, to) of the buffers iov[0 .. SEGS - 1] as iovecs in dst; their count. */
+static int span(const struct iovec *iov, size_t from, size_t to, struct iovec *dst) {
+    int n = 0;
+    size_t at = 0;
+    for (int i = 0; i < SEGS; i++) {
+        size_t lo = from > at ? from - at : 0,
+               hi = to - at < iov[i].iov_len ? to - at : iov[i].iov_len;
+        if (to > at && lo < hi) {
+            dst[n].iov_base = (uint8_t *)iov[i].iov_base + lo;
+            dst[n].iov_len = hi - lo;
+            n++;
+        }
+        at += iov[i].iov_len;
+    }
+    return n;
+}
+
+/* Moves every peer's bytes: each peer's out up to out_step1, then (after `between` has run,
+ * once every peer's in_step1 bytes are in) the rest; every peer's in to in_total. Spins on
+ * the non-blocking sockets for spin_s without progress, then sleeps in poll(). */
+static move_result move(peer_io *peers, int n, double timeout_s, double spin_s,
+                        void (*between)(void *), void *ctx, struct pollfd *pfd) {
+    const double t0 = now_s();
+    double last = t0;
+    int stepped = between == NULL;
+    struct iovec iov[SEGS];
+    for (;;) {
+        int progress = 0, all_step1 = 1, done = 1;
+        for (int i = 0; i < n; i++) {
+            peer_io *p = &peers[i];
+            const size_t limit = stepped ? p->out_total : p->out_step1;
+            if (p->sent < limit) {
+                struct msghdr m = {0};
+                m.msg_iov = iov;
+                m.msg_iovlen = (size_t)span(p->out, p->sent, limit, iov);
+                const ssize_t k = sendmsg(p->fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                    return (move_result){GATE_FAILED, i, errno};
+                }
+                if (k > 0) {
+                    p->sent += (size_t)k;
+                    progress = 1;
+                }
+            }
+            if (p->got < p->in_total) {
+                struct msghdr m = {0};
+                m.msg_iov = iov;
+                m.msg_iovlen = (size_t)span(p->in, p->got, p->in_total, iov);
+                const ssize_t k = recvmsg(p->fd, &m, MSG_DONTWAIT);
+                if (k == 0) {
+                    return (move_result){GATE_CLOSED, i, 0};
+                }
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+                    return (move_result){GATE_FAILED, i, errno};
+                }
+                if (k > 0) {
+                    const size_t head = p->in[0].iov_len;
+                    if (p->got < head && head <= p->got + (size_t)k &&
+                        memcmp(p->peer_tag, p->tag, head) != 0) {
+                        p->got += (size_t)k;
+                        return (move_result){GATE_DESYNC, i, 0};
+                    }
+                    p->got += (size_t)k;
+                    progress = 1;
+                    if (p->got == p->in_total) p->done_s = now_s() - t0;
+                }
+            }
+            all_step1 &= p->got >= p->in_step1;
+            done &= p->sent == p->out_total && p->got == p->in_total;
+        }
+        if (!stepped && all_step1) {
+            between(ctx);
+            stepped = progress = 1;
+            done = 0;
+        }
+        if (done) return (move_result){GATE_OK, -1, 0};
+        const double t = now_s();
+        if (progress) {
+            last = t;
+            continue;
+        }
+        if (t - last <= spin_s) continue;
+        const double left = last + timeout_s - t;
+        if (left <= 0) {
+            return (move_result){GATE_STALLED, -1, 0};
+        }
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            const size_t limit = stepped ? peers[i].out_total : peers[i].out_step1;
+            const short ev = (short)((peers[i].sent < limit ? POLLOUT : 0) |
+                                     (peers[i].got < peers[i].in_total ? POLLIN : 0));
+            if (ev) {
+                pfd[m].fd = peers[i].fd, pfd[m].events = ev, pfd[m].revents = 0;
+                m++;
+            }
+        }
+        poll(pfd, (nfds_t)m, (int)(left * 1000) + 1);
+    }
+}
+
+static void set_iov(struct iovec *v, const void *base, size_t len) {
+    v->iov_base = (void *)base;
+    v->iov_len = len;
+}
+
+/* What the loops return to Python: (code, peer index, errno, and a value a peer: bytes in,
+ * bytes out, seconds until every byte from it was in). */
+static PyObject *result(move_result r, const peer_io *peers, int n) {
+    PyObject *got = PyTuple_New(n), *sent = PyTuple_New(n), *done = PyTuple_New(n);
+    if (got == NULL || sent == NULL || done == NULL) {
+        Py_XDECREF(got);
+        Py_XDECREF(sent);
+        Py_XDECREF(done);
+        return NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        PyTuple_SET_ITEM(got, i, PyLong_FromSize_t(peers[i].got));
+        PyTuple_SET_ITEM(sent, i, PyLong_FromSize_t(peers[i].sent));
+        PyTuple_SET_ITEM(done, i, PyFloat_FromDouble(peers[i].done_s));
+    }
+    return Py_BuildValue("(iiiNNN)", r.code, r.peer, r.err, got, sent, done);
+}
+
+static const char swap_doc[] =
+    "swap(fd, tag, mine, peer_tag, peer, timeout_s, spin_s)\n"
+    "    -> (code, peer, errno, got, sent, done)\n"
+    "\n"
+    "The pair's gate on a connected non-blocking TCP socket: send tag + mine, receive the\n"
+    "peer's header into peer_tag and its partial into peer (writable, len(mine) bytes). code\n"
+    "0 done, 1 the peer closed, 2 a socket error (errno), 3 the peer's header differs from tag\n"
+    "(in peer_tag), 4 no byte moved for timeout_s; got and sent: bytes in from and out to the\n"
+    "peer, done: seconds until every byte from it was in; a tuple of one value each.";
+
+static PyObject *py_swap(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer tag, mine, peer_tag, peer;
+    double timeout_s, spin_s;
+    if (!PyArg_ParseTuple(args, "iy*y*w*w*dd", &fd, &tag, &mine, &peer_tag, &peer, &timeout_s,
+                          &spin_s))
+        return NULL;
+    PyObject *out = NULL;
+    if (peer_tag.len != tag.len || peer.len != mine.len) {
+        PyErr_SetString(PyExc_ValueError, "swap: the peer's buffers must match tag and mine");
+        goto done;
+    }
+    peer_io p = {0};
+    p.fd = fd;
+    p.tag = tag.buf, p.peer_tag = peer_tag.buf;
+    set_iov(&p.out[0], tag.buf, (size_t)tag.len);
+    set_iov(&p.out[1], mine.buf, (size_t)mine.len);
+    set_iov(&p.in[0], peer_tag.buf, (size_t)tag.len);
+    set_iov(&p.in[1], peer.buf, (size_t)mine.len);
+    p.out_step1 = p.out_total = p.in_step1 = p.in_total = (size_t)(tag.len + mine.len);
+    struct pollfd pfd[1];
+    move_result r;
+    Py_BEGIN_ALLOW_THREADS r = move(&p, 1, timeout_s, spin_s, NULL, NULL, pfd);
+    Py_END_ALLOW_THREADS out = result(r, &p, 1);
+done:
+    PyBuffer_Release(&tag);
+    PyBuffer_Release(&mine);
+    PyBuffer_Release(&peer_tag);
+    PyBuffer_Release(&peer);
+    return out;
+}
+
+/* mesh_sum's state between the two steps. */
+typedef struct {
+    int world, rank, rows, width; /* width: this rank's chunk's columns */
+    const float *own;             /* this rank's piece of its chunk (rows x width) */
+    float *const *pieces;         /* by rank (own's slot unused): the peers' pieces */
+    float *total;                 /* the chunk's sum (rows x width) */
+} mesh_ctx;
+
+static void mesh_reduce(void *arg) {
+    const mesh_ctx *c = arg;
+    const size_t m = (size_t)c->rows * (size_t)c->width;
+    const float *p0 = c->rank == 0 ? c->own : c->pieces[0];
+    const float *p1 = c->rank == 1 ? c->own : c->pieces[1];
+    for (size_t i = 0; i < m; i++) c->total[i] = p0[i] + p1[i];
+    for (int r = 2; r < c->world; r++) {
+        const float *q = r == c->rank ? c->own : c->pieces[r];
+        for (size_t i = 0; i < m; i++) c->total[i] += q[i];
+    }
+}
+
+/* Columns [a, b) of rows x n float32 at x into dst (rows x (b - a)), or back (to_x). */
+static void columns(float *x, int rows, int n, int a, int b, float *dst, int to_x) {
+    const size_t w = (size_t)(b - a);
+    for (int t = 0; t < rows; t++) {
+        float *row = x + (size_t)t * (size_t)n + a;
+        if (to_x)
+            memcpy(row, dst + (size_t)t * w, w * sizeof(float));
+        else
+            memcpy(dst + (size_t)t * w, row, w * sizeof(float));
+    }
+}
+
+static const char mesh_sum_doc[] =
+    "mesh_sum(fds, rank, tag, mine, rows, out, peer_tags, timeout_s, spin_s)\n"
+    "    -> (code, peer, errno, got, sent, done)\n"
+    "\n"
+    "A world's gate on connected non-blocking TCP sockets: fds by rank (this rank's entry\n"
+    "ignored), mine and out float32 (rows, n_embd), C-contiguous; peer_tags a writable header-\n"
+    "sized buffer for each other rank, in rank order. Reduce-scatter then allgather over the N\n"
+    "chunks [r n_embd // N, (r + 1) n_embd // N); out gets the world's sum. code, peer (an index\n"
+    "into the other ranks, in rank order), errno, got, sent and done as swap's, a value per\n"
+    "other rank.";
+
+static PyObject *py_mesh_sum(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *fds, *tags_seq;
+    int rank, rows;
+    Py_buffer tag, mine, out;
+    double timeout_s, spin_s;
+    if (!PyArg_ParseTuple(args, "Oiy*y*iw*Odd", &fds, &rank, &tag, &mine, &rows, &out, &tags_seq,
+                          &timeout_s, &spin_s))
+        return NULL;
+    PyObject *ret = NULL, *fast_fds = NULL, *fast_tags = NULL;
+    Py_buffer *tags = NULL;
+    int n_tags = 0, world = 0, *fd = NULL;
+    float *mem = NULL, **pieces = NULL;
+    peer_io *peers = NULL;
+    struct pollfd *pfd = NULL;
+    const size_t head = (size_t)tag.len;
+    fast_fds = PySequence_Fast(fds, "fds must be a sequence");
+    fast_tags = PySequence_Fast(tags_seq, "peer_tags must be a sequence");
+    if (fast_fds == NULL || fast_tags == NULL) goto done;
+    world = (int)PySequence_Fast_GET_SIZE(fast_fds);
+    if (world < 2 || rank < 0 || rank >= world || rows <= 0 || mine.len != out.len ||
+        mine.len % ((Py_ssize_t)rows * 4) != 0 ||
+        PySequence_Fast_GET_SIZE(fast_tags) != world - 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "mesh_sum: fds, rank, rows, buffers or peer_tags do not agree");
+        goto done;
+    }
+    const int n = (int)(mine.len / ((Py_ssize_t)rows * 4)); /* n_embd */
+    /* Chunk bounds, and room: one row needs only the peers' pieces (the chunks of mine and out
+     * are contiguous); several need each chunk gathered (sent: mine's, sums: the peers' sums,
+     * chunk c at rows * c's first column). */
+    const int a = rank * n / world, b = (rank + 1) * n / world;
+    const size_t cells = (size_t)rows * (size_t)(b - a), whole = (size_t)rows * (size_t)n;
+    const int gather = rows > 1;
+    const size_t room = (size_t)(world - 1) * cells + (gather ? cells + 2 * whole : 0);
+    tags = calloc((size_t)world, sizeof(Py_buffer));
+    peers = calloc((size_t)world, sizeof(peer_io));
+    pfd = calloc((size_t)world, sizeof(struct pollfd));
+    fd = calloc((size_t)world, sizeof(int));
+    pieces = calloc((size_t)world, sizeof(float *));
+    mem = malloc((room ? room : 1) * sizeof(float));
+    if (tags == NULL || peers == NULL || pfd == NULL || fd == NULL || pieces == NULL ||
+        mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int r = 0; r < world; r++) {
+        fd[r] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast_fds, r));
+        if (fd[r] == -1 && PyErr_Occurred()) goto done;
+    }
+    for (; n_tags < world - 1; n_tags++) {
+        Py_buffer *t = &tags[n_tags];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast_tags, n_tags), t, PyBUF_WRITABLE) < 0)
+            goto done;
+        if ((size_t)t->len != head) {
+            n_tags++;
+            PyErr_SetString(PyExc_ValueError, "mesh_sum: a peer_tags buffer is not a header");
+            goto done;
+        }
+    }
+    float *at = mem;
+    float *const x = mine.buf, *const y = out.buf;
+    float *total = y + a, *own = x + a, *sent = x, *sums = y;
+    if (gather) {
+        total = at, at += cells;
+        sent = at, at += whole;
+        sums = at, at += whole;
+        own = sent + (size_t)rows * (size_t)a;
+        columns(x, rows, n, a, b, own, 0);
+    }
+    for (int r = 0, i = 0; r < world; r++) {
+        if (r == rank) continue;
+        const int c0 = r * n / world, c1 = (r + 1) * n / world;
+        const size_t pc = (size_t)rows * (size_t)(c1 - c0);
+        float *piece = gather ? sent + (size_t)rows * (size_t)c0 : x + c0;
+        float *sum = gather ? sums + (size_t)rows * (size_t)c0 : y + c0;
+        if (gather) columns(x, rows, n, c0, c1, piece, 0);
+        pieces[r] = at, at += cells;
+        peer_io *p = &peers[i];
+        p->fd = fd[r];
+        p->tag = tag.buf, p->peer_tag = tags[i].buf;
+        set_iov(&p->out[0], tag.buf, head);
+        set_iov(&p->out[1], piece, pc * 4);
+        set_iov(&p->out[2], total, cells * 4);
+        set_iov(&p->in[0], tags[i].buf, head);
+        set_iov(&p->in[1], pieces[r], cells * 4);
+        set_iov(&p->in[2], sum, pc * 4);
+        p->out_step1 = head + pc * 4, p->out_total = p->out_step1 + cells * 4;
+        p->in_step1 = head + cells * 4, p->in_total = p->in_step1 + pc * 4;
+        i++;
+    }
+    mesh_ctx ctx = {world, rank, rows, b - a, own, pieces, total};
+    move_result res;
+    Py_BEGIN_ALLOW_THREADS res = move(peers, world - 1, timeout_s, spin_s, mesh_reduce, &ctx, pfd);
+    if (res.code == GATE_OK && gather) {
+        columns(y, rows, n, a, b, total, 1);
+        for (int q = 0; q < world; q++)
+            if (q != rank) {
+                const int c0 = q * n / world, c1 = (q + 1) * n / world;
+                columns(y, rows, n, c0, c1, sums + (size_t)rows * (size_t)c0, 1);
+            }
+    }
+    Py_END_ALLOW_THREADS ret = result(res, peers, world - 1);
+done:
+    for (int t = 0; t < n_tags; t++) PyBuffer_Release(&tags[t]);
+    free(tags);
+    free(peers);
+    free(pfd);
+    free(fd);
+    free(pieces);
+    free(mem);
+    Py_XDECREF(fast_fds);
+    Py_XDECREF(fast_tags);
+    PyBuffer_Release(&tag);
+    PyBuffer_Release(&mine);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyMethodDef methods[] = {
+    {"swap", py_swap, METH_VARARGS, swap_doc},
+    {"mesh_sum", py_mesh_sum, METH_VARARGS, mesh_sum_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "_gates",
+    "The TCP gates' byte mover for plain sockets (transport/gates/_gates.c).",
+    -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__gates(void) {
+    return PyModule_Create(&module);
+}
