@@ -41,6 +41,7 @@ from tp_harness import (
 from foundry.model.shard.shares import norm_shares
 from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
+from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
@@ -378,6 +379,34 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "foundry", *args], capture_output=True, text=True, timeout=60
     )
+
+
+def test_foundry_generate_stands_for_a_world_given_its_shares(
+    model: Path, tmp_path: Path, worlds: list[World]
+) -> None:
+    """`foundry generate --shares 2,1,1` is one process standing for that world: its text is
+    the world's greedy tokens (the prompt in one block on both sides), and --stats says what
+    it stood for; shares the model cannot take are refused in one line."""
+    w = World(model, tmp_path, 3, (2, 1, 1), ExpertSplit.INTERMEDIATE, [1, 2], prefill_chunk=256)
+    worlds.append(w)
+    wait_paired(w.frontend)
+    with Client(w.frontend) as c:
+        got = c.generate(PROMPT, TOKENS)
+    ref = reference_greedy(model, PROMPT, TOKENS, 256, ExpertSplit.INTERMEDIATE, (2, 1, 1))
+    assert got.tokens == ref.tokens
+    common = ["generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", str(TOKENS)]
+    out = _cli(*common, "--shares", "2,1,1", "--expert-split", "intermediate", "--stats")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == decode(got.tokens) + "\n"
+    assert out.stderr.splitlines()[0] == (
+        "standing for a world of 3 ranks, shares 2,1,1, expert split intermediate"
+    )
+    refused = _cli(*common, "--shares", "4,1,1", "--expert-split", "experts")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "error: cannot split the model by shares 4,1,1: a rank would hold none of its 4 kv "
+        "heads; the nearest shares that work are 2,1,1"
+    ]
 
 
 def test_a_world_the_model_cannot_take_is_refused_in_one_line(model: Path, tmp_path: Path) -> None:

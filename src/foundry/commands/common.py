@@ -333,6 +333,23 @@ def port_number(text: str) -> int:
     return whole_in(text, 0, 65535)
 
 
+def integer_shares(text: str, also: str = "") -> tuple[int, ...] | None:
+    """``--shares W0,W1,...``: positive integer weights, rank 0 first; empty: None (equal).
+    ``also``: what else the flag takes, for the message."""
+    if not text:
+        return None  # equal shares (an empty value, as a deployment's unset variable gives)
+    try:
+        shares = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1){also}, got "
+            f"{text!r}"
+        ) from None
+    if any(s < 1 for s in shares):
+        raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
+    return shares
+
+
 def add_threads_flag(parser: argparse.ArgumentParser, *, training: bool) -> None:
     """``--threads N``: the CPU threads this process computes on (docs/quantization.md)."""
     also = (

@@ -14,6 +14,7 @@ from foundry.commands.common import (
     add_schedule_flags,
     add_threads_flag,
     fraction,
+    integer_shares,
     nonneg_float,
     nonneg_int,
     positive_int,
@@ -21,6 +22,7 @@ from foundry.commands.common import (
     use_threads,
 )
 from foundry.model.formats.gguf_model import FILE_DTYPES
+from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import PRESETS
 from foundry.model.train import recipe
 
@@ -160,6 +162,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_device_flags(g, training=False)
     add_threads_flag(g, training=False)
+    g.add_argument(
+        "--shares",
+        type=integer_shares,
+        default=None,
+        metavar="W0,W1,...",
+        help="evaluate the model cut as a tensor-parallel world of that many ranks with these "
+        "shares is (`foundry tp-leader --world-size N --shares ...`: each rank's slice in "
+        "turn, the partials added in rank order), so the tokens and logits are that world's "
+        "bit for bit (default 1,1: the pair's; --device cpu)",
+    )
+    g.add_argument(
+        "--expert-split",
+        default="auto",
+        choices=["auto", *(m.value for m in ExpertSplit)],
+        help="how the routed experts are cut, as `foundry tp-leader --expert-split` (default "
+        "auto: what a leader with --shares picks for this file, so a MoE file's tokens are "
+        "that world's)",
+    )
     g.add_argument(
         "--compile",
         action="store_true",
@@ -358,13 +378,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import load_gguf_stored
+    from foundry.model.formats.gguf_io import block_sizes, load_gguf_stored
     from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.formats.lora import LoraError, apply_adapter, load_adapter
     from foundry.model.infer.engines import make_engine
     from foundry.model.infer.generate import generate_tokens
     from foundry.model.infer.sampling import SamplingError
     from foundry.model.nn.device import DeviceError
+    from foundry.model.shard.shares import check_splittable, norm_shares
+    from foundry.model.shard.slices import check_cuts, pick_expert_split
+    from foundry.model.shard.table import SplitError
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
 
     try:
@@ -379,14 +402,38 @@ def run_generate(args: argparse.Namespace) -> int:
     except TokenizerError as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
+    shares = norm_shares(len(args.shares or (1, 1)), args.shares)
+    blocks = block_sizes(args.model)
+    split, why = (
+        pick_expert_split(loaded.cfg, shares, blocks)
+        if args.expert_split == "auto"
+        else (ExpertSplit(args.expert_split), "")
+    )
+    if args.shares is not None:  # the world named must exist (without them: the pair, if any)
+        try:
+            check_splittable(loaded.cfg, len(shares), split, shares)
+            check_cuts(loaded.cfg, split, shares, blocks)
+        except SplitError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.stats and args.shares is not None:
+        print(
+            f"standing for a world of {len(shares)} ranks, shares "
+            f"{','.join(map(str, shares))}"
+            + (f", expert split {split.value}" if loaded.cfg.n_expert else "")
+            + (f" ({why})" if why else ""),
+            file=sys.stderr,
+        )
     try:
         engine = make_engine(
             loaded.cfg,
             params,
+            expert_split=split,
             device=args.device,
             ctx_size=args.ctx_size,
             compile_step=args.compile,
             threads=use_threads(args),
+            shares=args.shares,
         )
     except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)

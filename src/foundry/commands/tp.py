@@ -17,6 +17,7 @@ from foundry.commands.common import (
     add_threads_flag,
     add_tls_flags,
     host_port,
+    integer_shares,
     nonneg_int,
     peer_tls_contexts,
     positive_int,
@@ -139,21 +140,9 @@ def _share_speed(text: str) -> int:
 
 
 def _shares(text: str) -> tuple[int, ...] | str | None:
-    if not text:
-        return None  # equal shares (an empty value, as a deployment's unset variable gives)
     if text in ("auto", "ranks"):
         return text
-    try:
-        shares = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--shares takes positive integers, one per rank, rank 0 first (2,1,1), or 'auto' "
-            f"or 'ranks', got "
-            f"{text!r}"
-        ) from None
-    if any(s < 1 for s in shares):
-        raise argparse.ArgumentTypeError(f"every share must be >= 1, got {text!r}")
-    return shares
+    return integer_shares(text, ", or 'auto' or 'ranks'")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -65,6 +65,7 @@ def make_engine(
     ctx_size: int | None = None,
     compile_step: bool = False,
     threads: int | None = None,
+    shares: Sequence[int] | None = None,
 ) -> InferenceEngine:
     """The engine ``--device`` names (``nn.device.DEVICES``): numpy for ``cpu``, PyTorch for
     ``cuda`` and ``torch-cpu``; ``auto`` takes the GPU when PyTorch sees one. A missing PyTorch
@@ -73,10 +74,25 @@ def make_engine(
     on numpy). ``ctx_size``: the KV cache and rope tables (default: the file's, capped).
     ``compile_step``: the PyTorch engine compiles its one-token step (ignored by numpy).
     ``threads``: the CPU threads the engine computes on (the kernels' pool, or PyTorch's
-    intra-op threads; None leaves each as it is)."""
+    intra-op threads; None leaves each as it is). ``shares``: the world a single numpy process
+    stands for (``Engine``; None: the pair's halves); PyTorch's engine stands for none."""
     target = resolve(device)
     if target is None:
-        return Engine(cfg, weights, rank, world, expert_split, ctx_size=ctx_size, threads=threads)
+        return Engine(
+            cfg,
+            weights,
+            rank,
+            world,
+            expert_split,
+            ctx_size=ctx_size,
+            threads=threads,
+            shares=shares,
+        )
+    if shares is not None:
+        raise DeviceError(
+            f"--shares: the PyTorch engine (--device {device}) evaluates the "
+            "whole model; use --device cpu"
+        )
     if type(cfg) is not ModelConfig:
         raise DeviceError(
             f"--device {device}: the PyTorch engine runs Foundry's own model "
