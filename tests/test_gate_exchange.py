@@ -42,19 +42,23 @@ N_EMBD = 1024
 SMALL_BUFFER = 4096  # the kernel doubles it and clamps it at its minimum: a few KiB
 
 
-def tcp_pair(small_buffers: bool = False) -> tuple[socket.socket, socket.socket]:
+def tcp_pair(
+    small_buffers: bool = False, size: int = SMALL_BUFFER
+) -> tuple[socket.socket, socket.socket]:
+    """A connected loopback pair; with ``small_buffers`` each side's buffers clamped to
+    ``size``."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if small_buffers:
             for s in (server, client):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
         client.connect(server.getsockname())
         accepted, _ = server.accept()
     if small_buffers:
         for s in (accepted, client):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
     return accepted, client
 
 

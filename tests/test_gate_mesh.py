@@ -28,6 +28,15 @@ from foundry.wire.tp import GATE_HEADER, GATE_HEADER_SIZE, Gate
 # -- N ranks over TCP --------------------------------------------------------------------------
 
 
+# The clamp of a world's sockets under small_buffers: 64x below a 4 MiB prefill partial, so a
+# "send all, then receive" loop would still deadlock. Not the pair's 4 KiB: with it, five ranks
+# whose C loops (the GIL released) ran at once on two loaded cores crawled on loopback in about
+# 1 run of 60 (a gate still moving bytes after 60 s; none in 100 runs at 64 KiB, nor of the
+# Python loop at 4 KiB, which the GIL runs one rank at a time). A socket's default buffers are
+# far larger.
+MESH_BUFFER = 64 * 1024
+
+
 def links(
     world: int,
     small_buffers: bool = False,
@@ -39,7 +48,7 @@ def links(
     socks: list[dict[int, socket.socket]] = [{} for _ in range(world)]
     for i in range(world):
         for j in range(i + 1, world):
-            a, b = socket.socketpair() if unix else tcp_pair(small_buffers)
+            a, b = socket.socketpair() if unix else tcp_pair(small_buffers, MESH_BUFFER)
             if peer_tls is not None:
                 a, b = tls_pair(a, b, peer_tls)
             socks[i][j], socks[j][i] = a, b
