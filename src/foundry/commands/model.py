@@ -378,12 +378,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from foundry.model.formats.gguf_io import block_sizes, load_gguf_stored
+    from foundry.model.formats.gguf_io import load_gguf_stored
     from foundry.model.formats.gguf_model import GGUFError
     from foundry.model.formats.lora import LoraError, apply_adapter, load_adapter
     from foundry.model.infer.engines import make_engine
     from foundry.model.infer.generate import generate_tokens
     from foundry.model.infer.sampling import SamplingError
+    from foundry.model.kernels.quant import QTensor
     from foundry.model.nn.device import DeviceError
     from foundry.model.shard.shares import check_splittable, norm_shares
     from foundry.model.shard.slices import check_cuts, pick_expert_split
@@ -403,7 +404,11 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
     shares = norm_shares(len(args.shares or (1, 1)), args.shares)
-    blocks = block_sizes(args.model)
+    # The file's block sizes (``gguf_io.block_sizes`` reads them from the header again): the
+    # tensors the load kept in blocks of more than one value.
+    blocks = {
+        name: p.block for name, p in loaded.params.items() if isinstance(p, QTensor) and p.block > 1
+    }
     split, why = (
         pick_expert_split(loaded.cfg, shares, blocks)
         if args.expert_split == "auto"

@@ -162,7 +162,9 @@ class MeshGateExchange(GateExchange):
             return out
         rows, (a, b) = mine.shape[0], self._bounds[self.rank]
         step1_in = {p: GATE_HEADER_SIZE + 4 * rows * (b - a) for p in peers}
-        total_in = {p: step1_in[p] + 4 * rows * (hi - lo) for p, (lo, hi) in self._chunks(peers)}
+        total_in = {
+            p: step1_in[p] + 4 * rows * (self._bounds[p][1] - self._bounds[p][0]) for p in peers
+        }
         got_by = dict(zip(peers, got, strict=True))
         if code == GATE_DESYNC:
             raise self._desync_from(peers[i], tag, bytes(self._tags[peers[i]]))
@@ -174,15 +176,19 @@ class MeshGateExchange(GateExchange):
                 else ch.failed(err, tag)
             )
             raise self._after_failure(peers[i], exc, tag, got_by, step1_in)
-        behind = [r for r in peers if got_by[r] < step1_in[r]]
-        behind = behind or [r for r in peers if got_by[r] < total_in[r]]
-        raise GateError(
+        raise self._stalled(tag, got_by, step1_in, total_in)
+
+    def _stalled(
+        self, tag: bytes, got: dict[int, int], step1_in: dict[int, int], total_in: dict[int, int]
+    ) -> GateError:
+        """No byte moved for ``timeout_s``: a rank whose piece is missing holds everyone up;
+        else those whose sum is."""
+        behind = [r for r in got if got[r] < step1_in[r]]
+        behind = behind or [r for r in got if got[r] < total_in[r]]
+        return GateError(
             f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
             f"({_waiting_for(behind)})"
         )
-
-    def _chunks(self, peers: list[int]) -> list[tuple[int, tuple[int, int]]]:
-        return [(p, self._bounds[p]) for p in peers]
 
     def _after_failure(
         self, r: int, exc: GateError, tag: bytes, got: dict[int, int], step1_in: dict[int, int]
@@ -257,10 +263,7 @@ class MeshGateExchange(GateExchange):
             if progress:
                 last_progress = now
             elif now - last_progress > TCP_SPIN_S:
-                # A rank whose piece is missing holds everyone up; else those whose sum is.
-                behind = [r for r in got if got[r] < step1_in[r]]
-                behind = behind or [r for r in got if got[r] < total_in[r]]
-                self._wait(last_progress, tag, sent, limit, got, total_in, behind)
+                self._wait(last_progress, tag, sent, limit, got, step1_in, total_in)
 
     def _desync_among(self, tag: bytes, ranks: list[int], got: dict[int, int]) -> GateError | None:
         """The desync of the first of ``ranks`` whose header, read now as far as it has come,
@@ -285,15 +288,12 @@ class MeshGateExchange(GateExchange):
         sent: dict[int, int],
         limit: dict[int, int],
         got: dict[int, int],
+        step1_in: dict[int, int],
         total_in: dict[int, int],
-        behind: list[int],
     ) -> None:
         left = last_progress + self.timeout_s - time.monotonic()
         if left <= 0:
-            raise GateError(
-                f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
-                f"({_waiting_for(behind)})"
-            )
+            raise self._stalled(tag, got, step1_in, total_in)
         wants = [(ch, sent[r] < limit[r], got[r] < total_in[r]) for r, ch in self._channels.items()]
         poll_channels(self._poller, wants, left)
 
