@@ -149,23 +149,63 @@ def test_a_block_gives_the_bits_of_one_row_decoding(
     np.testing.assert_array_equal(blocks, rows)
 
 
-def test_a_cut_across_a_block_is_refused_naming_the_tensor(tmp_path: Path) -> None:
-    """Three heads per rank of 16 values: attn_output's half is 48 columns, not whole blocks
-    of 32. The pair refuses the file; one process holds the model in one part instead."""
+def test_kv_heads_whose_columns_cut_a_block_are_handed_out_in_groups(tmp_path: Path) -> None:
+    """Three heads of 16 values a kv head: a rank's 48 attn_output columns would not be whole
+    blocks of 32. Cut by hand so, the part is refused naming the tensor; the pair instead
+    hands the kv heads out in groups that fill whole blocks (both to rank 0 here), rank 1
+    holds no heads, and one process standing for that pair decodes the whole model's tokens
+    with logits close to it (the FFN and vocabulary still cut; a zero attention partial)."""
     cfg = ModelConfig(n_ctx=32, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
     path = tmp_path / "m.gguf"
     save_gguf(path, cfg, perturbed(cfg), dtype="q8_0")
     params = load_gguf_stored(path).params
     with pytest.raises(SplitError, match=r"blk\.0\.attn_output\.weight \(Q8_0, blocks of 32"):
         rank_weights(cfg, params, 0, 2)
-    with pytest.raises(SplitError) as err:  # every rank's cut checked before any loads
-        load_rank(path, 1, expert_split=ExpertSplit.EXPERTS)
-    assert str(err.value) == (
-        "cannot split blk.0.attn_output.weight (96 columns, stored in blocks of 32) over 2 "
-        "ranks with shares 1,1: a rank's columns would start or end inside a block; use a "
-        "file of another quantization type, or f16/f32"
-    )
-    assert len(Engine(cfg, params).parts) == 1
+    held = [load_rank(path, r, expert_split=ExpertSplit.EXPERTS).weights.layout for r in (0, 1)]
+    assert [(lay.heads, lay.kv_heads) for lay in held] == [((0, 6), (0, 2)), ((6, 6), (2, 2))]
+    pair, whole = Engine(cfg, params), Engine(cfg, params, shares=(1,))
+    assert [p.layout.heads for p in pair.parts] == [(0, 6), (6, 6)] and len(whole.parts) == 1
+    assert pair.layers_in_c == cfg.n_layer  # the part without heads in the C step too
+    a, b = pair.new_session(), whole.new_session()
+    x, y = pair.decode(a, list(range(10, 30))), whole.decode(b, list(range(10, 30)))
+    for t in range(8):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+        assert int(x[-1].argmax()) == int(y[-1].argmax())
+        x, y = pair.decode(a, [40 + t]), whole.decode(b, [40 + t])
+
+
+def test_a_rank_without_heads_loads_and_decodes_k_quants(tmp_path: Path) -> None:
+    """Two query heads of 32 a kv head: 64 attn_output columns of Q4_K's 256. The pair puts
+    all 4 kv heads on rank 0; rank 1's Q, K and V rows (Q4_K, and Q6_K for V, whose block
+    scale sits at byte 208) and output columns are empty slices, which load and check, and
+    one process standing for the pair decodes as the whole model does."""
+    cfg = ModelConfig(
+        n_ctx=32, n_embd=256, n_layer=1, n_head=8, n_head_kv=4, n_ff=256, n_expert=2,
+        n_expert_used=1,
+    )  # fmt: skip
+    params: dict[str, quant.Param] = dict(perturbed(cfg))
+    kinds = {"attn_q": QType.Q4_K, "attn_k": QType.Q4_K, "attn_v": QType.Q6_K}
+    kinds["attn_output"] = QType.Q4_K
+    for name, shape in cfg.param_shapes().items():
+        kind = next((q for key, q in kinds.items() if f".{key}." in name), None)
+        if kind is not None:
+            blocks = random_blocks(kind, shape[0], shape[1], seed=len(name))
+            params[name] = blocks
+    path = tmp_path / "kquant.gguf"
+    save_gguf(path, cfg, params)
+    held = [load_rank(path, r, expert_split=ExpertSplit.EXPERTS).weights for r in (0, 1)]
+    assert [w.layout.heads for w in held] == [(0, 8), (8, 8)]
+    assert held[1].params["blk.0.attn_v.weight"].shape == (0, 256)
+    assert held[1].params["blk.0.attn_output.weight"].shape == (256, 0)
+    stored_model = load_gguf_stored(path)
+    pair = Engine(cfg, stored_model.params)
+    whole = Engine(cfg, stored_model.params, shares=(1,))
+    assert len(pair.parts) == 2 and pair.layers_in_c == whole.layers_in_c == 1
+    a, b = pair.new_session(), whole.new_session()
+    x, y = pair.decode(a, [5, 17, 200, 33]), whole.decode(b, [5, 17, 200, 33])
+    for _ in range(4):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+        x, y = pair.decode(a, [int(x[-1].argmax())]), whole.decode(b, [int(y[-1].argmax())])
 
 
 def test_auto_expert_split_follows_the_files_blocks(tmp_path: Path) -> None:

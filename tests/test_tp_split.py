@@ -11,6 +11,7 @@ uneven shares) run the same way against a single process standing for the same s
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from foundry.model.kernels.quant import QTensor, QType, quantize
 from foundry.model.nn import transformer as T
 from foundry.model.shard.shares import block_range, norm_shares, share_blocks, share_range
 from foundry.model.shard.slices import (
+    check_cuts,
+    kv_group_of,
     pick_expert_split,
     rank_layout,
     rank_weights,
@@ -231,6 +234,48 @@ def test_uneven_attention_splits() -> None:
     shapes = [shard_shapes(one, r, 2) for r in range(2)]
     assert shapes[0]["blk.0.attn_k.weight"] == shapes[1]["blk.0.attn_k.weight"] == (8, 48)
     assert shapes[0]["blk.0.attn_q.weight"] == shapes[1]["blk.0.attn_q.weight"] == (24, 48)
+
+
+def test_kv_heads_go_in_groups_that_fill_whole_blocks_and_the_ffn_makes_up_for_them() -> None:
+    """Llama-3.2-3B's shapes in Q4_K (3 query heads of 128 a kv head: 384 attn_output columns,
+    1.5 blocks of 256). 4 ranks cut kv heads one by one as before (2 each: whole blocks); 8
+    ranks hand them out 2 at a time, so ranks 4-7 hold no heads and more FFN rows instead
+    (each rank's attention and FFN weights near its share); the cut is no longer refused."""
+    from foundry.model.spec.arch import ArchConfig
+
+    cfg = ArchConfig(
+        n_vocab=128256,
+        n_embd=3072,
+        n_layer=2,
+        n_head=24,
+        n_head_kv=8,
+        n_ff=8192,
+        n_expert=0,
+        n_expert_used=0,
+        key_length=128,
+    )
+    blocks = {
+        f"blk.{i}.{n}.weight": 256
+        for i in range(2)
+        for n in ("attn_q", "attn_output", "ffn_gate", "ffn_down")
+    }
+    assert kv_group_of(cfg, (1,) * 4, blocks) == 1 and kv_group_of(cfg, (1,) * 8, blocks) == 2
+    assert kv_group_of(cfg, (1,) * 8, {}) == 1  # float32: any cut is whole
+    four = [rank_layout(cfg, r, 4, ExpertSplit.INTERMEDIATE) for r in range(4)]
+    assert [(lay.kv_heads, lay.ff) for lay in four] == [
+        ((2 * r, 2 * r + 2), (2048 * r, 2048 * r + 2048)) for r in range(4)
+    ]
+    eight = [rank_layout(cfg, r, 8, ExpertSplit.INTERMEDIATE, None, 2) for r in range(8)]
+    assert [lay.kv_heads for lay in eight] == [(0, 2), (2, 4), (4, 6), (6, 8)] + [(8, 8)] * 4
+    assert [lay.heads for lay in eight][4:] == [(24, 24)] * 4
+    assert [lay.ff[1] - lay.ff[0] for lay in eight] == [768] * 4 + [1280] * 4
+    assert eight[-1].ff[1] == 8192 and all(a.ff[1] == b.ff[0] for a, b in itertools.pairwise(eight))
+    check_cuts(cfg, ExpertSplit.INTERMEDIATE, (1,) * 8, blocks)  # no longer refused
+    per_rank = [  # a layer's weights a rank holds, in millions
+        (2 * 128 * 3072 * ((h[1] - h[0]) + (k[1] - k[0])) + 3 * 3072 * (f[1] - f[0])) / 1e6
+        for h, k, f in ((lay.heads, lay.kv_heads, lay.ff) for lay in eight)
+    ]
+    assert max(per_rank) / (sum(per_rank) / 8) < 1.07  # equal shares held to within 7 %
 
 
 def test_auto_expert_split_takes_whole_experts_where_blocks_of_every_expert_do_not_fit() -> None:

@@ -43,6 +43,7 @@ from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
+from foundry.tp.handshake import load_rank
 from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.transport import tls
@@ -192,6 +193,30 @@ def test_world_equals_one_process_standing_for_it(
         # Another grouping of the same sums (the pair's) differs in the last bits.
         pair = reference_greedy(model, PROMPT, TOKENS, CHUNK, split)
         assert not np.array_equal(np.concatenate(pair.logits), one)
+
+
+def test_ranks_without_heads_serve_and_equal_one_process(
+    tmp_path: Path, worlds: list[World]
+) -> None:
+    """A Q8_0 file whose kv heads' attn_output columns (3 heads of 16: 48) are not whole
+    blocks of 32: a world of 4 hands its 4 kv heads out 2 at a time, so ranks 2 and 3 hold
+    no heads (a zero attention partial, experts and vocabulary rows as before), and the
+    world's tokens and logits still equal one process standing for it bit for bit."""
+    cfg = ModelConfig(n_ctx=256, n_embd=192, n_head=12, n_head_kv=4, n_ff=96)
+    model = make_model(tmp_path / "grouped.gguf", cfg, dtype="q8_0")
+    w = World(model, tmp_path, 4, None, ExpertSplit.EXPERTS, [None, None, None])
+    worlds.append(w)
+    wait_paired(w.frontend)
+    with Client(w.frontend) as c:
+        got = c.generate(PROMPT, TOKENS)
+    assert isinstance(got.end, fw.Done) and got.end.reason is fw.DoneReason.MAX_TOKENS
+    ref = reference_greedy(model, PROMPT, TOKENS, CHUNK, ExpertSplit.EXPERTS, (1, 1, 1, 1))
+    assert got.tokens == ref.tokens
+    ours, one = np.concatenate(w.rows), np.concatenate(ref.logits)
+    assert ours.shape == one.shape == (TOKENS, cfg.n_vocab)
+    assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
+    held = [load_rank(model, r, None, ExpertSplit.EXPERTS, 4).weights.layout for r in range(4)]
+    assert [lay.heads for lay in held] == [(0, 6), (6, 12), (12, 12), (12, 12)]
 
 
 def test_a_killed_rank_is_waited_for_and_the_world_resynced(

@@ -21,7 +21,8 @@ slowed, under equal shares against the shares its calibration chooses (``--share
    head block, each gate handing back its own partial: the rank's work without a peer), plus
    2 x n_layer gates a token at US microseconds each, the exchange of N ranks measured on a
    shaped link (``tp_world_gates.py --rate 1gbit --n-embd``), against ``llama-bench -t T/N``:
-   one machine's llama.cpp against N such machines.
+   one machine's llama.cpp against N such machines. ``--slice-rounds K`` times each slice K
+   times, the ranks interleaved, and projects from each rank's median.
 
 With ``--rate 1gbit`` (as root; ``--ip``/``--tc`` or ``FOUNDRY_IP``/``FOUNDRY_TC`` name the
 tools) each rank of 2. and 3. runs in a network namespace of its own behind one bridge, its port
@@ -188,18 +189,29 @@ def run_slice(model: Path, threads: int, tokens: int, rank: int, world: int) -> 
 
 
 def project(
-    model: Path, threads: int, tokens: int, world: int, gate_us: float, n_layer: int
-) -> tuple[list[float], float]:
+    model: Path,
+    threads: int,
+    tokens: int,
+    world: int,
+    gate_us: float,
+    n_layer: int,
+    rounds: int = 1,
+) -> tuple[list[float], float, list[list[float]]]:
     """N machines projected from measured parts: each rank's slice timed alone on its share
     of the cores (one after the other, so no two share the memory bus), plus 2 gates a layer
-    at ``gate_us`` each (the exchange measured on a shaped link: ``tp_world_gates.py``)."""
+    at ``gate_us`` each (the exchange measured on a shaped link: ``tp_world_gates.py``).
+    ``rounds``: every rank's slice timed that many times, the ranks interleaved (rank 0, 1,
+    ..., then again), each rank's median taken. Returns the medians, the projected tokens/s
+    and every round's figures."""
     each = max(1, threads // world)
-    alone = [
-        float(str(one_process(model, each, tokens, (r, world), r * each)["tokens_per_s"]))
-        for r in range(world)
-    ]
+    runs: list[list[float]] = [[] for _ in range(world)]
+    for _ in range(rounds):
+        for r in range(world):
+            out = one_process(model, each, tokens, (r, world), r * each)
+            runs[r].append(float(str(out["tokens_per_s"])))
+    alone = [float(np.median(v)) for v in runs]
     token_s = max(1 / t for t in alone) + 2 * n_layer * gate_us * 1e-6
-    return alone, 1 / token_s
+    return alone, 1 / token_s, runs
 
 
 def run_one(model: Path, threads: int, tokens: int) -> None:
@@ -448,6 +460,13 @@ def main() -> int:
         "2 gates a layer at US microseconds each, the exchange of N ranks measured on a "
         "shaped link (tp_world_gates.py --rate), e.g. 2:210,4:900",
     )
+    ap.add_argument(
+        "--slice-rounds",
+        type=int,
+        default=1,
+        help="with --gate-us: time each rank's slice this many times, the ranks interleaved, "
+        "and project from each rank's median (default 1)",
+    )
     add_shaped_flags(ap)
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--slice", default=None, help=argparse.SUPPRESS)
@@ -555,9 +574,22 @@ def run_worlds(
             )
         for n, us in gate_us.items():
             each = max(1, a.threads // n)
-            alone, rate = project(model, a.threads, a.tokens, n, us, n_layer)
-            results[f"projected_{n}"] = {"slices": alone, "gate_us": us, "tokens_per_s": rate}
+            alone, rate, rounds = project(
+                model, a.threads, a.tokens, n, us, n_layer, a.slice_rounds
+            )
+            results[f"projected_{n}"] = {
+                "slices": alone,
+                "slice_rounds": rounds,
+                "gate_us": us,
+                "tokens_per_s": rate,
+            }
             slices = ", ".join(f"{v:.2f}" for v in alone)
+            if a.slice_rounds > 1:
+                every = "; ".join(
+                    f"rank {r}: " + ", ".join(f"{v:.2f}" for v in got)
+                    for r, got in enumerate(rounds)
+                )
+                print(f"  {n} machines, each slice's {a.slice_rounds} rounds: {every}")
             print(
                 f"  {n} machines of {each} threads: slices alone {slices} tokens/s, gates "
                 f"{us:g} us: {rate:.2f} tokens/s, {rate / theirs[each]:.2f}x llama.cpp -t {each}"

@@ -48,10 +48,11 @@ from foundry.model.formats.lora import Adapter, base_of, check_architecture, loa
 from foundry.model.infer.sessions import default_ctx
 from foundry.model.kernels.quant import Param, QType
 from foundry.model.kernels.types import TYPES
-from foundry.model.shard.shares import Shares, norm_shares, share_blocks
+from foundry.model.shard.shares import Shares, check_splittable, norm_shares, share_blocks
 from foundry.model.shard.slices import (
     RankWeights,
     check_cuts,
+    kv_group_of,
     pick_expert_split,
     rank_layout,
     shard_part,
@@ -206,7 +207,7 @@ def load_rank(
     adapts before they are cut (those become float32)."""
     header = load_gguf(path, select=lambda name, view: None)
     cfg = header.cfg
-    layout = rank_layout(cfg, rank, world, expert_split, shares)
+    norm = check_splittable(cfg, world, expert_split, shares)
     adapter = None
     if lora is not None:
         adapter = load_adapter(lora)
@@ -215,7 +216,8 @@ def load_rank(
     # Every rank's cuts, not only this one's: a world the file cannot take is refused before
     # any rank loads (adapted tensors are merged into float32 first, so they have no blocks).
     blocks = {n: b for n, b in block_sizes(path).items() if n not in adapted}
-    check_cuts(cfg, expert_split, layout.shares, blocks)
+    check_cuts(cfg, expert_split, norm, blocks)
+    layout = rank_layout(cfg, rank, world, expert_split, norm, kv_group_of(cfg, norm, blocks))
 
     def select(name: str, view: Param) -> Param:
         if adapter is not None and name in adapted:

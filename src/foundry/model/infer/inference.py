@@ -428,9 +428,12 @@ class Engine:
         cos: F32,
         sin: F32,
     ) -> F32:
-        """Part j's ATTN partial (n, D): its heads' attention through its attn_output columns."""
+        """Part j's ATTN partial (n, D): its heads' attention through its attn_output columns
+        (zero for a part without heads: ``shard.slices.kv_group_for``)."""
         lw = self._layers[j][layer]
         n, dh = h.shape[0], self.cfg.head_dim
+        if lw.q_keep[0] == lw.q_keep[1]:
+            return np.zeros((n, self.cfg.n_embd), np.float32)
         nq, nk = lw.n_q, lw.n_k
         if lw.qkv is not None:  # one product for Q, K and V (rows stacked; each row's result
             # is the same as alone)

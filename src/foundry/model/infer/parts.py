@@ -20,7 +20,7 @@ from foundry.model.kernels.quant import (
     swiglu,
 )
 from foundry.model.shard.shares import Shares, check_splittable
-from foundry.model.shard.slices import RankWeights, rank_weights
+from foundry.model.shard.slices import RankWeights, kv_group_of, rank_weights
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.arch import Act
 from foundry.model.spec.config import ModelConfig
@@ -101,15 +101,19 @@ def cut_parts(
     """The parts an engine holds: rank's own, or for one process every part of the world it
     stands for (one part with everything when the model cannot be cut so: a shape
     check_splittable refuses, or stored blocks the cut would split)."""
+    blocks = {n: p.block for n, p in weights.items() if isinstance(p, QTensor) and p.block > 1}
     if world == 1:
         n = len(shares)
         try:
-            check_splittable(cfg, n, mode, shares)
-            return tuple(rank_weights(cfg, weights, r, n, mode, shares) for r in range(n))
+            norm = check_splittable(cfg, n, mode, shares)
+            group = kv_group_of(cfg, norm, blocks)
+            return tuple(rank_weights(cfg, weights, r, n, mode, norm, group) for r in range(n))
         except SplitError:
             pass
         return (rank_weights(cfg, weights, rank, world, mode),)
-    return (rank_weights(cfg, weights, rank, world, mode, shares),)
+    norm = check_splittable(cfg, world, mode, shares)
+    group = kv_group_of(cfg, norm, blocks)
+    return (rank_weights(cfg, weights, rank, world, mode, norm, group),)
 
 
 def sum_partials(partials: list[F32]) -> F32:

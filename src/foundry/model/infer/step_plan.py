@@ -281,8 +281,17 @@ def layer_plan(
                 )
                 for e in range(len(lw.gate))
             )
-        skip = j > 0 and same_kv(parts, layers, layer, j)
-        qkv = [lw.q] if skip else [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
+        heads = lw.q_keep[1] > lw.q_keep[0]  # a part without heads gives a zero partial
+        skip = heads and j > 0 and same_kv(parts, layers, layer, j)
+        qkv = (
+            []
+            if not heads
+            else [lw.q]
+            if skip
+            else [lw.qkv]
+            if lw.qkv is not None
+            else [lw.q, lw.k, lw.v]
+        )
         gate_up: list[Param] = []
         down: StepMat | None = None
         if lw.dense is not None:
@@ -294,12 +303,12 @@ def layer_plan(
         steps.append(
             StepPart(
                 qkv=tuple(step_mat(t) for t in qkv),  # type: ignore[arg-type]
-                out=step_mat(lw.attn_output),  # type: ignore[arg-type]
+                out=step_mat(lw.attn_output) if heads else None,  # type: ignore[arg-type]
                 gate_up=tuple(step_mat(t) for t in gate_up),  # type: ignore[arg-type]
                 down=down,
-                n_q=lw.n_q,
-                n_k=lw.n_k,
-                n_v=lw.v.shape[0],
+                n_q=lw.n_q if heads else 0,
+                n_k=lw.n_k if heads else 0,
+                n_v=lw.v.shape[0] if heads else 0,
                 n_kv=n_kv,
                 n_ff=down.k if down else 0,
                 q_keep_first=lw.q_keep[0],

@@ -69,6 +69,8 @@ def nonfinite(p: quant.Param) -> str | None:
         return None
     block_bytes = TYPES[p.qtype].block_bytes
     n_blocks = data.size // block_bytes
+    if n_blocks == 0:  # no values (a rank's slice of none: a rank without heads)
+        return None
     for offset in TYPES[p.qtype].scale_offsets:
         # The f16 field at ``offset`` of every block, read in place (a strided view).
         bits = np.ndarray(

@@ -497,12 +497,14 @@ class StepPart(NamedTuple):
     ``parse_part``).
 
     ``down`` is None where the part has no dense FFN (``gate_up`` empty); ``n_ff`` is then 0.
+    ``out`` is None, ``qkv`` empty and the heads' counts 0 for a part without heads (a rank
+    beyond the kv heads' groups, ``shard.slices.kv_group_for``): its attention partial is zero.
     ``experts`` (the part's routed experts, the first of them expert ``first_exp``) is read
     where the layer has a router (``StepLayer.router``), and is empty otherwise.
     """
 
     qkv: tuple[StepMat, ...]
-    out: StepMat
+    out: StepMat | None
     gate_up: tuple[StepMat, ...]
     down: StepMat | None
     n_q: int

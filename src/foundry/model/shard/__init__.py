@@ -47,8 +47,11 @@ What each rank computes with its slice, per layer:
 Embeddings and norms are replicated. Query head h reads kv head h // (n_head / n_head_kv), so a
 rank owning a contiguous block of whole kv heads owns exactly the query heads reading them
 (:func:`attention_split`: uneven blocks for an odd count of kv heads; K and V replicated, query
-heads split, when there are fewer kv heads than ranks). A dense FFN is cut by its intermediate
-rows (gate/up rows, down columns), on block boundaries (:func:`aligned_range`). A tied output
+heads split, when there are fewer kv heads than ranks; kv heads handed out in groups where the
+file's blocks would cut attn_output inside a block, :func:`kv_group_for`, so a rank may hold no
+heads). A dense FFN is cut by its intermediate rows (gate/up rows, down columns), in the largest
+block (256, 32) that divides them; where a rank holds no heads, each rank's FFN rows make up
+what its attention leaves of its share. A tied output
 head (no ``output.weight``) is the replicated ``token_embd``, each rank reading its vocabulary
 block of rows.
 

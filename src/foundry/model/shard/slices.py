@@ -15,6 +15,7 @@ from foundry.model.shard.shares import (
     align_unit,
     check_splittable,
     norm_shares,
+    share_blocks,
     share_range,
 )
 from foundry.model.shard.table import AXIS, ExpertSplit, SplitError, SplitKind, Unit, rule_for
@@ -68,24 +69,21 @@ class RankLayout:
 _HEAD_UNITS = (Unit.HEAD, Unit.KV_HEAD, Unit.Q_ROWS, Unit.K_ROWS)
 
 
-def aligned_range(
-    n: int, rank: int, world: int, shares: Sequence[int] | None = None
-) -> tuple[int, int]:
-    """``share_range`` of n rows counted in the largest block (256, 32, else 1) that divides n,
-    so a column cut of a stored matrix falls on its blocks (a dense FFN's down projection)."""
-    unit = align_unit(n)
-    start, stop = share_range(n // unit, rank, norm_shares(world, shares))
-    return start * unit, stop * unit
-
-
 def attention_split(
-    cfg: ModelConfig, rank: int, world: int, shares: Sequence[int] | None = None
+    cfg: ModelConfig,
+    rank: int,
+    world: int,
+    shares: Sequence[int] | None = None,
+    kv_group: int = 1,
 ) -> dict[str, tuple[int, int]]:
     """Which heads rank ``rank`` of ``world`` attends for, caches, and computes Q/K rows of.
 
     - KV groups split: when there are at least ``world`` kv heads, the rank owns a contiguous
       block of kv heads (uneven when the count is odd or the shares are: 3 over 2 gives 2 and
-      1) with the query heads that read them.
+      1) with the query heads that read them. ``kv_group`` > 1 (:func:`kv_group_for`: the
+      file's blocks would cut attn_output inside a block) hands the kv heads out in groups of
+      that many, so a rank may hold none (its attention partial is zero; it holds FFN rows
+      and vocabulary rows).
     - A single kv head and several ranks: K and V are replicated (each rank computes and
       caches the kv head), the query heads are split. (More kv heads than one but fewer than
       the ranks: refused by :func:`check_splittable`.)
@@ -95,7 +93,8 @@ def attention_split(
     group = cfg.n_head // cfg.n_head_kv
     norm = norm_shares(world, shares)
     if cfg.n_head_kv >= world:
-        kv = share_range(cfg.n_head_kv, rank, norm)
+        units = share_range(cfg.n_head_kv // kv_group, rank, norm)
+        kv = (units[0] * kv_group, units[1] * kv_group)
         heads = (kv[0] * group, kv[1] * group)
     else:
         kv = (0, cfg.n_head_kv)
@@ -109,15 +108,60 @@ def attention_split(
     }
 
 
+def kv_group_for(cfg: ModelConfig, shares: Sequence[int], attn_block: int) -> int:
+    """How many kv heads one unit of the attention cut holds for a file that stores
+    attn_output in blocks of ``attn_block`` values: 1 where every rank's block of whole kv
+    heads starts and ends on a block of its columns; else the fewest kv heads whose columns
+    fill whole blocks (a Llama-3.2-3B in Q4_K: 3 query heads of 128 a kv head, 384 columns,
+    so 2 kv heads a unit and 4 units, over 8 ranks: ranks 4-7 hold no heads), 1 where none
+    does (the cut is then refused by :func:`check_cuts`)."""
+    world, n_kv = len(shares), cfg.n_head_kv
+    if attn_block <= 1 or n_kv == 1 or n_kv < world:
+        return 1
+    cols = cfg.n_head // n_kv * cfg.head_dim  # attn_output columns of one kv head
+    if all(share_range(n_kv, r, shares)[0] * cols % attn_block == 0 for r in range(1, world)):
+        return 1
+    return next((g for g in range(2, n_kv + 1) if n_kv % g == 0 and g * cols % attn_block == 0), 1)
+
+
+def kv_group_of(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int]) -> int:
+    """:func:`kv_group_for` of a file whose tensors are stored in ``blocks`` (name: values a
+    block; a float tensor absent or 1)."""
+    attn = [b for name, b in blocks.items() if name.endswith("attn_output.weight")]
+    return kv_group_for(cfg, shares, max(attn, default=1))
+
+
+def _ff_weights(cfg: ModelConfig, world: int, norm: Shares, kv_group: int) -> Sequence[int]:
+    """The dense FFN's cut: ``norm`` itself, unless some rank holds no heads (``kv_group``):
+    then each rank's FFN rows make up what its attention leaves of its share of a layer's
+    weights (weights counted per row of the FFN; at least one row each)."""
+    splits = [attention_split(cfg, r, world, norm, kv_group) for r in range(world)]
+    if cfg.n_expert or all(s["heads"][1] > s["heads"][0] for s in splits):
+        return norm
+    row = 3 * cfg.n_embd  # gate and up rows, a down column
+    attn = [  # Q and output rows a query head, K and V rows a kv head
+        2 * cfg.head_dim * cfg.n_embd * ((h[1] - h[0]) + (kv[1] - kv[0]))
+        for h, kv in ((s["heads"], s["kv_heads"]) for s in splits)
+    ]
+    total = sum(attn) + cfg.n_ff * row
+    want = [
+        max(1, round((total * s / sum(norm) - a) / row)) for s, a in zip(norm, attn, strict=True)
+    ]
+    unit = align_unit(cfg.n_ff)
+    return want if min(share_blocks(cfg.n_ff // unit, want)) >= 1 else norm
+
+
 def rank_layout(
     cfg: ModelConfig,
     rank: int,
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
     shares: Sequence[int] | None = None,
+    kv_group: int = 1,
 ) -> RankLayout:
     """Rank's blocks of every unit in a world of ``world`` ranks holding ``shares`` (None:
-    equal); SplitError when the model cannot be cut so (:func:`check_splittable`)."""
+    equal), its kv heads in groups of ``kv_group`` (:func:`kv_group_for`); SplitError when the
+    model cannot be cut so (:func:`check_splittable`)."""
     norm = check_splittable(cfg, world, expert_split, shares)
     if not 0 <= rank < world:
         raise SplitError(f"rank must lie in [0, {world}), got {rank}")
@@ -127,12 +171,17 @@ def rank_layout(
     def cut(n: int) -> tuple[int, int]:
         return share_range(n, rank, norm)
 
+    ff = (0, 0)
+    if dense:
+        unit = align_unit(cfg.n_ff)
+        start, stop = share_range(cfg.n_ff // unit, rank, _ff_weights(cfg, world, norm, kv_group))
+        ff = (start * unit, stop * unit)
     return RankLayout(
         rank=rank,
         world=world,
         shares=norm,
-        **attention_split(cfg, rank, world, norm),
-        ff=aligned_range(cfg.n_ff, rank, world, norm) if dense else (0, 0),
+        **attention_split(cfg, rank, world, norm, kv_group),
+        ff=ff,
         experts=(0, cfg.n_expert) if by_ff else cut(cfg.n_expert),
         shared_ff=cut(cfg.n_ff_shared),
         vocab=cut(cfg.n_vocab),
@@ -177,9 +226,10 @@ def shard_shapes(
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
     shares: Sequence[int] | None = None,
+    kv_group: int = 1,
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of rank's parameters, in param_shapes() order (to load only a rank's part)."""
-    return layout_shapes(cfg, rank_layout(cfg, rank, world, expert_split, shares))
+    return layout_shapes(cfg, rank_layout(cfg, rank, world, expert_split, shares, kv_group))
 
 
 def off_blocks(name: str, shape: tuple[int, ...], block: int, layout: RankLayout) -> range | None:
@@ -195,8 +245,9 @@ def misaligned(
     """The first stored tensor (``blocks``: its name and block size) that some rank's column
     cut under ``shares`` would split inside a block: (name, columns, block), or None."""
     shapes = cfg.param_shapes()
+    group = kv_group_of(cfg, shares, blocks)
     for rank in range(len(shares)):
-        layout = rank_layout(cfg, rank, len(shares), split, shares)
+        layout = rank_layout(cfg, rank, len(shares), split, shares, group)
         for name, block in blocks.items():
             if name in shapes and off_blocks(name, shapes[name], block, layout) is not None:
                 return name, shapes[name][-1], block
@@ -300,9 +351,11 @@ def shard_params(
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
     shares: Sequence[int] | None = None,
+    kv_group: int = 1,
 ) -> dict[str, Param]:
     """Rank's part of every parameter (:func:`shard_part`)."""
-    return layout_params(cfg, params, rank_layout(cfg, rank, world, expert_split, shares))
+    layout = rank_layout(cfg, rank, world, expert_split, shares, kv_group)
+    return layout_params(cfg, params, layout)
 
 
 @dataclass(frozen=True)
@@ -350,7 +403,9 @@ def rank_weights(
     world: int,
     expert_split: ExpertSplit = ExpertSplit.EXPERTS,
     shares: Sequence[int] | None = None,
+    kv_group: int = 1,
 ) -> RankWeights:
-    """Cut the full ``params`` for rank ``rank`` of ``world`` ranks holding ``shares``."""
-    layout = rank_layout(cfg, rank, world, expert_split, shares)
+    """Cut the full ``params`` for rank ``rank`` of ``world`` ranks holding ``shares``, kv
+    heads in groups of ``kv_group`` (:func:`kv_group_of`)."""
+    layout = rank_layout(cfg, rank, world, expert_split, shares, kv_group)
     return RankWeights(cfg, layout, layout_params(cfg, params, layout))

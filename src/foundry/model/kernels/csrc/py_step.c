@@ -72,9 +72,14 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
                           &p->k_keep[1], &p->skip_kv, &bias[0], &bias[1], &bias[2], &q_norm,
                           &k_norm, &p->first_exp, &experts))
         return 0;
-    if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) || !parse_mat(out, &p->out) ||
+    /* A part without heads (a rank beyond the kv heads' groups: slices.kv_group_for) gives no
+     * Q, K or V matrices and None for its output: its attention partial is zero. */
+    const int no_heads = p->q_keep[1] == p->q_keep[0];
+    if (!parse_mats(qkv, p->qkv, 3, &p->n_qkv) ||
         !parse_mats(gate_up, p->gate_up, 2, &p->n_gate_up))
         return 0;
+    if (no_heads && out != Py_None) return step_fail("an output matrix for a part without heads");
+    if (!no_heads && !parse_mat(out, &p->out)) return 0;
     if (l->router != NULL) {
         if (p->n_gate_up > 0) return step_fail("a dense FFN beside routed experts");
         if (!parse_experts(experts, l, p)) return 0;
@@ -85,16 +90,20 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
     p->q_norm = (const float *)(uintptr_t)q_norm;
     p->k_norm = (const float *)(uintptr_t)k_norm;
     const int dh = l->dh, heads = p->q_keep[1] - p->q_keep[0];
-    if (p->n_q % dh || p->n_k % dh || p->n_v != p->n_kv * dh || p->n_kv < 1 || p->q_keep[0] < 0 ||
-        heads < 1 || p->q_keep[1] * dh > p->n_q || p->k_keep[0] < 0 ||
-        p->k_keep[1] - p->k_keep[0] != p->n_kv || p->k_keep[1] * dh > p->n_k || heads % p->n_kv ||
-        (p->skip_kv != 0 && p->skip_kv != 1))
+    if (no_heads) {
+        if (p->n_qkv || p->n_q || p->n_k || p->n_v || p->n_kv || p->q_keep[0] < 0 ||
+            p->k_keep[0] != p->k_keep[1] || p->skip_kv)
+            return step_fail("a part without heads given Q, K or V rows");
+    } else if (p->n_q % dh || p->n_k % dh || p->n_v != p->n_kv * dh || p->n_kv < 1 ||
+               p->q_keep[0] < 0 || heads < 1 || p->q_keep[1] * dh > p->n_q || p->k_keep[0] < 0 ||
+               p->k_keep[1] - p->k_keep[0] != p->n_kv || p->k_keep[1] * dh > p->n_k ||
+               heads % p->n_kv || (p->skip_kv != 0 && p->skip_kv != 1))
         return step_fail("heads that do not fit the Q, K and V rows");
-    if (rows_of(p->qkv, p->n_qkv) != p->n_q + (p->skip_kv ? 0 : p->n_k + p->n_v))
+    else if (rows_of(p->qkv, p->n_qkv) != p->n_q + (p->skip_kv ? 0 : p->n_k + p->n_v))
         return step_fail("Q, K and V matrices that do not give their rows");
     for (int i = 0; i < p->n_qkv; i++)
         if (p->qkv[i].k != l->d) return step_fail("a QKV matrix not of the model's width");
-    if (p->out.rows != l->d || p->out.k != heads * dh)
+    if (!no_heads && (p->out.rows != l->d || p->out.k != heads * dh))
         return step_fail("an output matrix not of the heads' width");
     if (p->n_gate_up > 0) {
         if (p->n_ff < 1 || rows_of(p->gate_up, p->n_gate_up) != 2 * p->n_ff ||
@@ -108,7 +117,7 @@ static int parse_part(PyObject *o, const step_layer *l, step_part *p) {
 }
 
 static void free_layer(step_layer *l) {
-    for (int j = 0; j < 2; j++) free(l->parts[j].experts);
+    for (int j = 0; j < STEP_MAX_PARTS; j++) free(l->parts[j].experts);
     free(l);
 }
 
@@ -178,7 +187,8 @@ static const step_layer *plan_of(PyObject *capsule) {
 static int check_cache(const step_layer *l, int j, const Py_buffer *k, const Py_buffer *v,
                        int pos) {
     const Py_ssize_t row = (Py_ssize_t)l->parts[j].n_kv * l->dh * (l->half ? 2 : 4);
-    if (pos < 0 || k->len != v->len || k->len % row || k->len / row <= pos) {
+    if (row == 0 && pos >= 0 && k->len == 0 && v->len == 0) return 1; /* a part without heads */
+    if (pos < 0 || row == 0 || k->len != v->len || k->len % row || k->len / row <= pos) {
         PyErr_Format(PyExc_ValueError,
                      "step: caches of %zd and %zd bytes have no position %d "
                      "of %zd-byte rows",

@@ -111,16 +111,21 @@ static int heads_of(const step_part *p) {
 static int attn_heads_parts(const step_layer *l, float *const *q, int pos, void *const *kc,
                             void *const *vc, float *const *o) {
     attend_item items[STEP_MAX_PARTS];
+    int n = 0;
     for (int j = 0; j < l->n_parts; j++) {
         const step_part *p = &l->parts[j];
-        items[j] = (attend_item){q[j], kc[j], vc[j], heads_of(p), p->n_kv, o[j]};
+        if (heads_of(p)) items[n++] = (attend_item){q[j], kc[j], vc[j], heads_of(p), p->n_kv, o[j]};
     }
-    return attend_window(l, items, l->n_parts, pos);
+    return n ? attend_window(l, items, n, pos) : 0;
 }
 
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room) {
     const step_part *p = &l->parts[j];
+    if (!heads_of(p)) { /* a part without heads: its partial is zero */
+        memset(out, 0, (size_t)l->d * sizeof *out);
+        return 0;
+    }
     const size_t hd = (size_t)heads_of(p) * l->dh;
     float *q = room, *o = q + hd, *rest = o + hd;
     if (attn_rows(l, j, h, pos, kc, vc, cos, sin, q, rest, 0) < 0) return -1;
@@ -324,11 +329,15 @@ static int qkv_parts(const step_layer *l, const float *h, float *const *ys) {
 /* Every part's output product in one pool call: part j's of os[j] into outs[j]. */
 static int out_parts(const step_layer *l, float *const *os, float *const *outs) {
     mm_item list[2];
+    int n = 0;
     for (int j = 0; j < l->n_parts; j++) {
         const step_mat *w = &l->parts[j].out;
-        list[j] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, os[j], outs[j]};
+        if (heads_of(&l->parts[j]))
+            list[n++] = (mm_item){w->type, w->rows, w->k, w->row_bytes, w->w, os[j], outs[j]};
+        else /* a part without heads: its partial is zero */
+            memset(outs[j], 0, (size_t)l->d * sizeof *outs[j]);
     }
-    return matmul_many(list, l->n_parts);
+    return n ? matmul_many(list, n) : 0;
 }
 
 /* x (d) += the layer: forward_rows' loop body for one row. With xch, each gate's sum of this
@@ -375,7 +384,9 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             PROF_STOP(phase, PROF_QKV);
             PROF_START(attn);
             for (int j = 0; j < l->n_parts; j++)
-                if (attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0) return -1;
+                if (heads_of(&l->parts[j]) &&
+                    attn_rows(l, j, h, pos, kc[j], vc[j], cos, sin, q[j], ys[j], 1) < 0)
+                    return -1;
             if (attn_heads_parts(l, q, pos, kc, vc, o) < 0) return -1;
             PROF_STOP(attn, PROF_ATTN);
             PROF_START(out);
