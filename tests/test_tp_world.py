@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 from procs import wait_for
@@ -38,6 +39,8 @@ from tp_harness import (
     wait_paired,
 )
 
+from foundry.model.formats.gguf_model import TOKEN_TYPES
+from foundry.model.formats.gguf_model import TOKENS as VOCAB
 from foundry.model.shard.shares import norm_shares
 from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
@@ -51,6 +54,7 @@ from foundry.transport.gates import MeshGateExchange
 from foundry.wire import frontend as fw
 from foundry.wire.tp import SharesFrom
 
+QT = gguf.GGMLQuantizationType
 PROMPT = "Every rank adds the partials in rank order."
 CHUNK = 16
 TOKENS = 12
@@ -217,6 +221,88 @@ def test_ranks_without_heads_serve_and_equal_one_process(
     assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
     held = [load_rank(model, r, None, ExpertSplit.EXPERTS, 4).weights.layout for r in range(4)]
     assert [lay.heads for lay in held] == [(0, 6), (6, 12), (12, 12), (12, 12)]
+
+
+def _dense_q8_model(path: Path) -> Path:
+    """A dense llama file in Q8_0 whose kv heads cut attn_output inside its blocks: 12 query
+    heads of 16 over 4 kv heads (48 columns a kv head, blocks of 32), 12 blocks of 32 FFN rows,
+    our byte vocabulary (the prompt's ids are then the reference's)."""
+    rng = np.random.default_rng(7)
+    d, heads, kv, dh, ff, vocab = 192, 12, 4, 16, 384, len(VOCAB)
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in (
+        ("context_length", 256),
+        ("embedding_length", d),
+        ("block_count", 2),
+        ("feed_forward_length", ff),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv),
+        ("rope.dimension_count", dh),
+    ):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(VOCAB))
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(list(TOKEN_TYPES))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_space_prefix(False)
+
+    def matrix(name: str, rows: int, cols: int, scale: float) -> None:
+        value = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(value, QT.Q8_0), raw_dtype=QT.Q8_0)
+
+    def ones(name: str) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, d, 0.5)
+    for i in range(2):
+        b = f"blk.{i}."
+        ones(b + "attn_norm.weight")
+        matrix(b + "attn_q.weight", heads * dh, d, 0.3)
+        matrix(b + "attn_k.weight", kv * dh, d, 0.3)
+        matrix(b + "attn_v.weight", kv * dh, d, 0.3)
+        matrix(b + "attn_output.weight", d, heads * dh, 0.2)
+        ones(b + "ffn_norm.weight")
+        matrix(b + "ffn_gate.weight", ff, d, 0.3)
+        matrix(b + "ffn_up.weight", ff, d, 0.3)
+        matrix(b + "ffn_down.weight", d, ff, 0.2)
+    ones("output_norm.weight")
+    matrix("output.weight", vocab, d, 0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_dense_world_with_ranks_without_heads_evens_out_and_equals_one_process(
+    tmp_path: Path, worlds: list[World]
+) -> None:
+    """The dense file above over 4 ranks: kv heads 2 at a time to ranks 0 and 1, none to 2
+    and 3, which take more FFN rows (64, 64, 128, 128) and vocabulary rows (1, 1, 129, 128:
+    the leader's LOGITS bound follows); greedy tokens and logits equal one process
+    standing for the world bit for bit."""
+    model = _dense_q8_model(tmp_path / "dense.gguf")
+    held = [load_rank(model, r, None, ExpertSplit.INTERMEDIATE, 4).weights.layout for r in range(4)]
+    assert [(lay.heads, lay.ff, lay.vocab) for lay in held] == [
+        ((0, 6), (0, 64), (0, 1)),
+        ((6, 12), (64, 128), (1, 2)),
+        ((12, 12), (128, 256), (2, 131)),
+        ((12, 12), (256, 384), (131, 259)),
+    ]
+    w = World(model, tmp_path, 4, None, ExpertSplit.INTERMEDIATE, [None, None, None])
+    worlds.append(w)
+    wait_paired(w.frontend)
+    with Client(w.frontend) as c:
+        got = c.generate(PROMPT, TOKENS)
+    assert isinstance(got.end, fw.Done) and got.end.reason is fw.DoneReason.MAX_TOKENS, got.end
+    ref = reference_greedy(model, PROMPT, TOKENS, CHUNK, ExpertSplit.INTERMEDIATE, (1, 1, 1, 1))
+    assert got.tokens == ref.tokens
+    ours, one = np.concatenate(w.rows), np.concatenate(ref.logits)
+    assert ours.shape == one.shape == (TOKENS, len(VOCAB))
+    assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
 
 
 def test_a_killed_rank_is_waited_for_and_the_world_resynced(

@@ -45,6 +45,7 @@ class RankLayout:
     q_rows: tuple[int, int] = (0, 0)  # heads whose Q rows the rank computes
     k_rows: tuple[int, int] = (0, 0)  # kv heads whose K rows the rank computes
     ff: tuple[int, int] = (0, 0)  # dense FFN intermediate rows
+    kv_group: int = 1  # kv heads a unit of the attention cut (kv_group_for)
 
     def units(self, unit: Unit) -> tuple[int, int]:
         return {
@@ -135,20 +136,61 @@ def _ff_weights(cfg: ModelConfig, world: int, norm: Shares, kv_group: int) -> Se
     """The dense FFN's cut: ``norm`` itself, unless some rank holds no heads (``kv_group``):
     then each rank's FFN rows make up what its attention leaves of its share of a layer's
     weights (weights counted per row of the FFN; at least one row each)."""
-    splits = [attention_split(cfg, r, world, norm, kv_group) for r in range(world)]
-    if cfg.n_expert or all(s["heads"][1] > s["heads"][0] for s in splits):
+    if not _heads_less(cfg, norm, kv_group):
         return norm
     row = 3 * cfg.n_embd  # gate and up rows, a down column
-    attn = [  # Q and output rows a query head, K and V rows a kv head
-        2 * cfg.head_dim * cfg.n_embd * ((h[1] - h[0]) + (kv[1] - kv[0]))
-        for h, kv in ((s["heads"], s["kv_heads"]) for s in splits)
-    ]
+    attn = _attention_weights(cfg, norm, kv_group)
     total = sum(attn) + cfg.n_ff * row
     want = [
         max(1, round((total * s / sum(norm) - a) / row)) for s, a in zip(norm, attn, strict=True)
     ]
     unit = align_unit(cfg.n_ff)
     return want if min(share_blocks(cfg.n_ff // unit, want)) >= 1 else norm
+
+
+def _attention_weights(cfg: ModelConfig, norm: Shares, kv_group: int) -> list[int]:
+    """Each rank's attention weights of a layer: Q and output rows a query head, K and V rows
+    a kv head."""
+    splits = [attention_split(cfg, r, len(norm), norm, kv_group) for r in range(len(norm))]
+    return [
+        2 * cfg.head_dim * cfg.n_embd * ((h[1] - h[0]) + (kv[1] - kv[0]))
+        for h, kv in ((s["heads"], s["kv_heads"]) for s in splits)
+    ]
+
+
+def _heads_less(cfg: ModelConfig, norm: Shares, kv_group: int) -> bool:
+    """Whether some rank of a dense model holds no heads (what the FFN and vocabulary cuts
+    then make up for)."""
+    world = len(norm)
+    return cfg.n_expert == 0 and any(
+        h[0] == h[1]
+        for h in (attention_split(cfg, r, world, norm, kv_group)["heads"] for r in range(world))
+    )
+
+
+def vocab_blocks(cfg: ModelConfig, shares: Sequence[int], kv_group: int = 1) -> list[int]:
+    """Each rank's vocabulary rows, rank 0 first: by ``shares``; where some rank holds no
+    heads, each rank's rows make up what its layers (its attention and its FFN rows, which go
+    in whole blocks) leave of its share of a token's weights: the head's rows are a row cut,
+    free of blocks, so they even out what the blocks cannot (at least one row each)."""
+    world = len(shares)
+    norm = norm_shares(world, shares)
+    plain = share_blocks(cfg.n_vocab, norm)
+    if not _heads_less(cfg, norm, kv_group):
+        return plain
+    unit = align_unit(cfg.n_ff)
+    ff = share_blocks(cfg.n_ff // unit, _ff_weights(cfg, world, norm, kv_group))
+    layers = [
+        cfg.n_layer * (a + 3 * cfg.n_embd * f * unit)
+        for a, f in zip(_attention_weights(cfg, norm, kv_group), ff, strict=True)
+    ]
+    total = sum(layers) + cfg.n_vocab * cfg.n_embd
+    want = [
+        max(1, round((total * s / sum(norm) - w) / cfg.n_embd))
+        for s, w in zip(norm, layers, strict=True)
+    ]
+    rows = share_blocks(cfg.n_vocab, want)
+    return rows if min(rows) >= 1 else plain
 
 
 def rank_layout(
@@ -184,11 +226,18 @@ def rank_layout(
         ff=ff,
         experts=(0, cfg.n_expert) if by_ff else cut(cfg.n_expert),
         shared_ff=cut(cfg.n_ff_shared),
-        vocab=cut(cfg.n_vocab),
+        vocab=_block(vocab_blocks(cfg, norm, kv_group), rank),
         head_dim=cfg.head_dim,
         expert_ff=(0, 0) if dense else cut(cfg.n_ff) if by_ff else (0, cfg.n_ff),
         expert_split=expert_split,
+        kv_group=kv_group,
     )
+
+
+def _block(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """Rank's [start, stop) of units handed out in ``sizes``."""
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
 
 
 def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
