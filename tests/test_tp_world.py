@@ -277,20 +277,19 @@ def _dense_q8_model(path: Path) -> Path:
     return path
 
 
-def test_a_dense_world_with_ranks_without_heads_evens_out_and_equals_one_process(
+def test_a_dense_world_with_ranks_without_heads_equals_one_process(
     tmp_path: Path, worlds: list[World]
 ) -> None:
     """The dense file above over 4 ranks: kv heads 2 at a time to ranks 0 and 1, none to 2
-    and 3, which take more FFN rows (64, 64, 128, 128) and vocabulary rows (1, 1, 129, 128:
-    the leader's LOGITS bound follows); greedy tokens and logits equal one process
-    standing for the world bit for bit."""
+    and 3, which hold their shares of the FFN rows and the vocabulary as the others do; greedy
+    tokens and logits equal one process standing for the world bit for bit."""
     model = _dense_q8_model(tmp_path / "dense.gguf")
     held = [load_rank(model, r, None, ExpertSplit.INTERMEDIATE, 4).weights.layout for r in range(4)]
     assert [(lay.heads, lay.ff, lay.vocab) for lay in held] == [
-        ((0, 6), (0, 64), (0, 1)),
-        ((6, 12), (64, 128), (1, 2)),
-        ((12, 12), (128, 256), (2, 131)),
-        ((12, 12), (256, 384), (131, 259)),
+        ((0, 6), (0, 96), (0, 65)),
+        ((6, 12), (96, 192), (65, 130)),
+        ((12, 12), (192, 288), (130, 195)),
+        ((12, 12), (288, 384), (195, 259)),
     ]
     w = World(model, tmp_path, 4, None, ExpertSplit.INTERMEDIATE, [None, None, None])
     worlds.append(w)

@@ -137,9 +137,7 @@ class BringUp:
         self.choice: str | None = None  # what was chosen and why, once chosen
         # The largest vocabulary block a worker returns (the LOGITS bound); the pair's half
         # when the model is not known here.
-        self.vocab_block = (
-            None if cfg is None else largest_worker_block(cfg, self.shares, self.blocks)
-        )
+        self.vocab_block = None if cfg is None else largest_worker_block(cfg, self.shares)
         self._listener: socket.socket | None = None
         self._claim_lock = threading.Lock()
         self._held: set[int] = set()  # ranks claimed by a worker in bring-up or in the world
@@ -463,7 +461,7 @@ class BringUp:
             )
         with self._claim_lock:
             self.shares = shares
-            self.vocab_block = largest_worker_block(self.cfg, shares, self.blocks)
+            self.vocab_block = largest_worker_block(self.cfg, shares)
             self.choice = why
             self.pending = False
         log.info("the world of %d ranks: %s", self.world, why)

@@ -30,7 +30,7 @@ from foundry.model.shard.shares import (
     norm_shares,
     share_blocks,
 )
-from foundry.model.shard.slices import kv_group_of, misaligned, vocab_blocks
+from foundry.model.shard.slices import misaligned
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 
@@ -187,7 +187,6 @@ def choose_shares(
         basis += f" ({why}: snapped to the nearest that works)"
     kv = share_blocks(cfg.n_head_kv, shares) if cfg.n_head_kv >= len(shares) else None
     held = ("" if kv is None else f"; kv heads {','.join(map(str, kv))}") + (
-        f"; vocabulary rows "
-        f"{','.join(map(str, vocab_blocks(cfg, shares, kv_group_of(cfg, shares, blocks))))}"
+        f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}"
     )
     return shares, f"shares {','.join(map(str, shares))} from {basis}{held}"

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 from foundry.model.infer.block_draw import BLOCK
 from foundry.model.infer.engines import make_engine
 from foundry.model.infer.sampling import SamplingError, combine_tops, greedy_tops
-from foundry.model.shard.shares import Shares
-from foundry.model.shard.slices import vocab_blocks
+from foundry.model.shard.shares import Shares, share_blocks
 from foundry.model.shard.table import Gate
 from foundry.obs.metrics import TpMetrics
 from foundry.tp.commands import (
@@ -140,7 +139,7 @@ class LeaderEngine(EngineTokens):
             device=self.options.device,
         )
         self.state = RankState(engine, self.identity.ctx_size)
-        blocks = vocab_blocks(self.cfg, self.shares, model.weights.layout.kv_group)
+        blocks = share_blocks(self.cfg.n_vocab, self.shares)
         self.commands = PairCommands(
             self.state, blocks[1:], self.world, self.metrics, self.options.prefill_chunk
         )

@@ -48,7 +48,7 @@ from foundry.model.formats.lora import Adapter, base_of, check_architecture, loa
 from foundry.model.infer.sessions import default_ctx
 from foundry.model.kernels.quant import Param, QType
 from foundry.model.kernels.types import TYPES
-from foundry.model.shard.shares import Shares, check_splittable, norm_shares
+from foundry.model.shard.shares import Shares, check_splittable, norm_shares, share_blocks
 from foundry.model.shard.slices import (
     RankWeights,
     check_cuts,
@@ -56,7 +56,6 @@ from foundry.model.shard.slices import (
     pick_expert_split,
     rank_layout,
     shard_part,
-    vocab_blocks,
 )
 from foundry.model.shard.table import ExpertSplit, SplitKind, rule_for
 from foundry.model.spec.arch import spec as arch_spec
@@ -147,12 +146,9 @@ def world_shares(world: WorldInfo | None) -> Shares:
     return (1, 1) if world is None else world.shares
 
 
-def largest_worker_block(
-    cfg: ModelConfig, shares: Shares, blocks: Mapping[str, int] | None = None
-) -> int:
-    """The most vocabulary rows one worker returns in a LOGITS row (the leader's bound), for
-    a file whose tensors are stored in ``blocks`` (``shard.slices.vocab_blocks``)."""
-    return max(vocab_blocks(cfg, shares, kv_group_of(cfg, shares, blocks or {}))[1:])
+def largest_worker_block(cfg: ModelConfig, shares: Shares) -> int:
+    """The most vocabulary rows one worker returns in a LOGITS row (the leader's bound)."""
+    return max(share_blocks(cfg.n_vocab, shares)[1:])
 
 
 def header_model(

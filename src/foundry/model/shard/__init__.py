@@ -50,9 +50,7 @@ rank owning a contiguous block of whole kv heads owns exactly the query heads re
 heads split, when there are fewer kv heads than ranks; kv heads handed out in groups where the
 file's blocks would cut attn_output inside a block, :func:`kv_group_for`, so a rank may hold no
 heads). A dense FFN is cut by its intermediate rows (gate/up rows, down columns), in the largest
-block (256, 32) that divides them; where a rank holds no heads, each rank's FFN rows make up
-what its attention leaves of its share of a layer, and its vocabulary rows what its layers
-leave of its share of a token (:func:`vocab_blocks`). A tied output
+block (256, 32) that divides them. A tied output
 head (no ``output.weight``) is the replicated ``token_embd``, each rank reading its vocabulary
 block of rows.
 

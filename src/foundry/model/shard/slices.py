@@ -15,7 +15,6 @@ from foundry.model.shard.shares import (
     align_unit,
     check_splittable,
     norm_shares,
-    share_blocks,
     share_range,
 )
 from foundry.model.shard.table import AXIS, ExpertSplit, SplitError, SplitKind, Unit, rule_for
@@ -45,7 +44,6 @@ class RankLayout:
     q_rows: tuple[int, int] = (0, 0)  # heads whose Q rows the rank computes
     k_rows: tuple[int, int] = (0, 0)  # kv heads whose K rows the rank computes
     ff: tuple[int, int] = (0, 0)  # dense FFN intermediate rows
-    kv_group: int = 1  # kv heads a unit of the attention cut (kv_group_for)
 
     def units(self, unit: Unit) -> tuple[int, int]:
         return {
@@ -83,8 +81,10 @@ def attention_split(
       block of kv heads (uneven when the count is odd or the shares are: 3 over 2 gives 2 and
       1) with the query heads that read them. ``kv_group`` > 1 (:func:`kv_group_for`: the
       file's blocks would cut attn_output inside a block) hands the kv heads out in groups of
-      that many, so a rank may hold none (its attention partial is zero; it holds FFN rows
-      and vocabulary rows).
+      that many, so a rank may hold none: its attention partial is zero, its FFN rows and
+      vocabulary rows those of its share as ever. (Giving it more of those instead would not
+      help: the gates end every attention and every FFN, so the ranks with heads set the
+      attention's time, the ranks with the most FFN rows the FFN's.)
     - A single kv head and several ranks: K and V are replicated (each rank computes and
       caches the kv head), the query heads are split. (More kv heads than one but fewer than
       the ranks: refused by :func:`check_splittable`.)
@@ -132,67 +132,6 @@ def kv_group_of(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, in
     return kv_group_for(cfg, shares, max(attn, default=1))
 
 
-def _ff_weights(cfg: ModelConfig, world: int, norm: Shares, kv_group: int) -> Sequence[int]:
-    """The dense FFN's cut: ``norm`` itself, unless some rank holds no heads (``kv_group``):
-    then each rank's FFN rows make up what its attention leaves of its share of a layer's
-    weights (weights counted per row of the FFN; at least one row each)."""
-    if not _heads_less(cfg, norm, kv_group):
-        return norm
-    row = 3 * cfg.n_embd  # gate and up rows, a down column
-    attn = _attention_weights(cfg, norm, kv_group)
-    total = sum(attn) + cfg.n_ff * row
-    want = [
-        max(1, round((total * s / sum(norm) - a) / row)) for s, a in zip(norm, attn, strict=True)
-    ]
-    unit = align_unit(cfg.n_ff)
-    return want if min(share_blocks(cfg.n_ff // unit, want)) >= 1 else norm
-
-
-def _attention_weights(cfg: ModelConfig, norm: Shares, kv_group: int) -> list[int]:
-    """Each rank's attention weights of a layer: Q and output rows a query head, K and V rows
-    a kv head."""
-    splits = [attention_split(cfg, r, len(norm), norm, kv_group) for r in range(len(norm))]
-    return [
-        2 * cfg.head_dim * cfg.n_embd * ((h[1] - h[0]) + (kv[1] - kv[0]))
-        for h, kv in ((s["heads"], s["kv_heads"]) for s in splits)
-    ]
-
-
-def _heads_less(cfg: ModelConfig, norm: Shares, kv_group: int) -> bool:
-    """Whether some rank of a dense model holds no heads (what the FFN and vocabulary cuts
-    then make up for)."""
-    world = len(norm)
-    return cfg.n_expert == 0 and any(
-        h[0] == h[1]
-        for h in (attention_split(cfg, r, world, norm, kv_group)["heads"] for r in range(world))
-    )
-
-
-def vocab_blocks(cfg: ModelConfig, shares: Sequence[int], kv_group: int = 1) -> list[int]:
-    """Each rank's vocabulary rows, rank 0 first: by ``shares``; where some rank holds no
-    heads, each rank's rows make up what its layers (its attention and its FFN rows, which go
-    in whole blocks) leave of its share of a token's weights: the head's rows are a row cut,
-    free of blocks, so they even out what the blocks cannot (at least one row each)."""
-    world = len(shares)
-    norm = norm_shares(world, shares)
-    plain = share_blocks(cfg.n_vocab, norm)
-    if not _heads_less(cfg, norm, kv_group):
-        return plain
-    unit = align_unit(cfg.n_ff)
-    ff = share_blocks(cfg.n_ff // unit, _ff_weights(cfg, world, norm, kv_group))
-    layers = [
-        cfg.n_layer * (a + 3 * cfg.n_embd * f * unit)
-        for a, f in zip(_attention_weights(cfg, norm, kv_group), ff, strict=True)
-    ]
-    total = sum(layers) + cfg.n_vocab * cfg.n_embd
-    want = [
-        max(1, round((total * s / sum(norm) - w) / cfg.n_embd))
-        for s, w in zip(norm, layers, strict=True)
-    ]
-    rows = share_blocks(cfg.n_vocab, want)
-    return rows if min(rows) >= 1 else plain
-
-
 def rank_layout(
     cfg: ModelConfig,
     rank: int,
@@ -214,9 +153,9 @@ def rank_layout(
         return share_range(n, rank, norm)
 
     ff = (0, 0)
-    if dense:
+    if dense:  # in the largest block (256, 32, else 1) dividing n_ff: whole stored blocks
         unit = align_unit(cfg.n_ff)
-        start, stop = share_range(cfg.n_ff // unit, rank, _ff_weights(cfg, world, norm, kv_group))
+        start, stop = share_range(cfg.n_ff // unit, rank, norm)
         ff = (start * unit, stop * unit)
     return RankLayout(
         rank=rank,
@@ -226,18 +165,11 @@ def rank_layout(
         ff=ff,
         experts=(0, cfg.n_expert) if by_ff else cut(cfg.n_expert),
         shared_ff=cut(cfg.n_ff_shared),
-        vocab=_block(vocab_blocks(cfg, norm, kv_group), rank),
+        vocab=cut(cfg.n_vocab),
         head_dim=cfg.head_dim,
         expert_ff=(0, 0) if dense else cut(cfg.n_ff) if by_ff else (0, cfg.n_ff),
         expert_split=expert_split,
-        kv_group=kv_group,
     )
-
-
-def _block(sizes: Sequence[int], rank: int) -> tuple[int, int]:
-    """Rank's [start, stop) of units handed out in ``sizes``."""
-    start = sum(sizes[:rank])
-    return start, start + sizes[rank]
 
 
 def shard_slice(name: str, ndim: int, layout: RankLayout) -> tuple[slice, ...]:
