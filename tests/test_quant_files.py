@@ -197,6 +197,7 @@ def test_a_rank_without_heads_loads_and_decodes_k_quants(tmp_path: Path) -> None
     assert [w.layout.heads for w in held] == [(0, 8), (8, 8)]
     assert held[1].params["blk.0.attn_v.weight"].shape == (0, 256)
     assert held[1].params["blk.0.attn_output.weight"].shape == (256, 0)
+    assert held[1].params["blk.0.attn_output.weight"].dequantize().shape == (256, 0)
     stored_model = load_gguf_stored(path)
     pair = Engine(cfg, stored_model.params)
     whole = Engine(cfg, stored_model.params, shares=(1,))

@@ -202,16 +202,21 @@ def test_greedy_decode_gives_the_numpy_engines_tokens(cfg: ModelConfig) -> None:
     assert s2.pos == 2 and s2.tokens == [1, 50]
 
 
-@pytest.mark.parametrize("mode", list(ExpertSplit))
+@pytest.mark.parametrize(
+    ("mode", "kv_group"),
+    [*((m, 1) for m in ExpertSplit), (ExpertSplit.EXPERTS, 2)],
+    ids=["experts", "intermediate", "rank-1-without-heads"],
+)
 def test_a_torch_pair_exchanges_float32_partials_and_joins_to_the_whole(
-    mode: ExpertSplit,
+    mode: ExpertSplit, kv_group: int
 ) -> None:
+    """kv_group 2 (the 2 kv heads in one group, as a file's blocks may ask): rank 1 holds no
+    heads, its attention partial zero."""
     cfg = SHARED
     params = sharp(cfg, 9)
-    ranks = [
-        TorchEngine(cfg, rank_weights(cfg, params, r, 2, mode), rank=r, world=2, device="cpu")
-        for r in range(2)
-    ]
+    parts = [rank_weights(cfg, params, r, 2, mode, None, kv_group) for r in range(2)]
+    assert (parts[1].layout.heads[1] - parts[1].layout.heads[0] == 0) == (kv_group == 2)
+    ranks = [TorchEngine(cfg, parts[r], rank=r, world=2, device="cpu") for r in range(2)]
     sessions = [e.new_session() for e in ranks]
     barrier = threading.Barrier(2, timeout=30)
     box: dict[tuple[int, Gate, int], np.ndarray] = {}

@@ -144,6 +144,8 @@ class QTensor:
 
     def dequantize(self) -> F32:
         """The float32 values (for checks and for the reference engine; never on the hot path)."""
+        if self.data.size == 0:  # no values (a rank's slice of none: a rank without heads)
+            return np.zeros(self.shape, np.float32)
         return _dequantize_rows(
             self.qtype, self.data.reshape(-1, self.data.shape[-1]), self.shape[-1]
         ).reshape(self.shape)
