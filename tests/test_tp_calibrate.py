@@ -43,6 +43,17 @@ def test_the_calibration_computes_the_same_bits_at_any_thread_count() -> None:
     assert speed.speed == round(speed.repeats * CAL_ROWS * CAL_COLS / (speed.seconds * 1e6))
 
 
+def test_the_log_names_the_kv_heads_as_the_blocks_group_them() -> None:
+    """3 query heads of 16 a kv head are 48 attn_output columns, not whole blocks of 32: the
+    4 kv heads go out 2 at a time, and the chosen shares' line says so (ranks 2 and 3 none)."""
+    cfg = ModelConfig(n_ctx=256, n_embd=192, n_head=12, n_head_kv=4, n_ff=96)
+    blocks = {f"blk.{i}.attn_output.weight": 32 for i in range(cfg.n_layer)}
+    shares, why = choose_shares(cfg, ExpertSplit.EXPERTS, stated=[1, 1, 1, 1], blocks=blocks)
+    assert shares == (1, 1, 1, 1) and "; kv heads 2,2,0,0; vocabulary rows" in why
+    _, plain = choose_shares(cfg, ExpertSplit.EXPERTS, stated=[1, 1, 1, 1])  # float32
+    assert "; kv heads 1,1,1,1; vocabulary rows" in plain
+
+
 def test_shares_follow_the_speeds_and_snap_to_a_split_the_model_takes() -> None:
     assert speed_shares([200, 100, 100]) == (2, 1, 1)
     assert speed_shares([100, 300, 100]) == (13, 38, 13)  # 64 x 20%, 60%, 20%

@@ -30,7 +30,7 @@ from foundry.model.shard.shares import (
     norm_shares,
     share_blocks,
 )
-from foundry.model.shard.slices import misaligned
+from foundry.model.shard.slices import kv_group_of, misaligned
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 
@@ -185,7 +185,10 @@ def choose_shares(
         except SplitError as exc:
             why = str(exc)
         basis += f" ({why}: snapped to the nearest that works)"
-    kv = share_blocks(cfg.n_head_kv, shares) if cfg.n_head_kv >= len(shares) else None
+    kv = None
+    if cfg.n_head_kv >= len(shares):  # kv heads cut, in groups where the blocks ask for them
+        group = kv_group_of(cfg, shares, blocks)
+        kv = [group * n for n in share_blocks(cfg.n_head_kv // group, shares)]
     held = ("" if kv is None else f"; kv heads {','.join(map(str, kv))}") + (
         f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}"
     )
