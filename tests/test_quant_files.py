@@ -15,17 +15,23 @@ import numpy as np
 import pytest
 from quant_weights import KQUANTS, perturbed, random_blocks
 
-from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored, save_gguf, values_by_type
+from foundry.model.formats.gguf_io import (
+    block_sizes,
+    load_gguf,
+    load_gguf_stored,
+    save_gguf,
+    values_by_type,
+)
 from foundry.model.formats.gguf_model import storage_type
 from foundry.model.infer.inference import Engine
 from foundry.model.infer.kv_cache import KVCache
 from foundry.model.kernels import quant
 from foundry.model.kernels.quant import QTensor, QType
 from foundry.model.kernels.types import TYPES
-from foundry.model.shard.slices import rank_weights
+from foundry.model.shard.slices import heads_note, rank_weights
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
-from foundry.tp.handshake import expert_split_for, heads_held, identity_for, load_rank
+from foundry.tp.handshake import expert_split_for, identity_for, load_rank
 
 CFG = ModelConfig(n_ctx=64)
 
@@ -163,13 +169,13 @@ def test_kv_heads_whose_columns_cut_a_block_are_handed_out_in_groups(tmp_path: P
         rank_weights(cfg, params, 0, 2)
     held = [load_rank(path, r, expert_split=ExpertSplit.EXPERTS).weights.layout for r in (0, 1)]
     assert [(lay.heads, lay.kv_heads) for lay in held] == [((0, 6), (0, 2)), ((6, 6), (2, 2))]
-    assert heads_held(path, 2) == (  # what the leader logs
+    assert heads_note(cfg, (1, 1), block_sizes(path)) == (  # what the leader logs
         "kv heads 2 at a time (a kv head's 48 columns of attn_output would cut its blocks of "
         "32); rank 1 holds no heads"
     )
     whole_blocks = tmp_path / "whole.gguf"  # 2 heads of 16 a kv head: 32 columns, a block
     save_gguf(whole_blocks, ModelConfig(n_ctx=32), perturbed(ModelConfig(n_ctx=32)), dtype="q8_0")
-    assert heads_held(whole_blocks, 2) == ""
+    assert heads_note(ModelConfig(n_ctx=32), (1, 1), block_sizes(whole_blocks)) == ""
     pair, whole = Engine(cfg, params), Engine(cfg, params, shares=(1,))
     assert [p.layout.heads for p in pair.parts] == [(0, 6), (6, 6)] and len(whole.parts) == 1
     assert pair.layers_in_c == cfg.n_layer  # the part without heads in the C step too

@@ -15,6 +15,7 @@ and 4 ranks.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import ssl
@@ -200,7 +201,7 @@ def test_world_equals_one_process_standing_for_it(
 
 
 def test_ranks_without_heads_serve_and_equal_one_process(
-    tmp_path: Path, worlds: list[World]
+    tmp_path: Path, worlds: list[World], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Q8_0 file whose kv heads' attn_output columns (3 heads of 16: 48) are not whole
     blocks of 32: a world of 4 hands its 4 kv heads out 2 at a time, so ranks 2 and 3 hold
@@ -208,8 +209,13 @@ def test_ranks_without_heads_serve_and_equal_one_process(
     world's tokens and logits still equal one process standing for it bit for bit."""
     cfg = ModelConfig(n_ctx=256, n_embd=192, n_head=12, n_head_kv=4, n_ff=96)
     model = make_model(tmp_path / "grouped.gguf", cfg, dtype="q8_0")
-    w = World(model, tmp_path, 4, None, ExpertSplit.EXPERTS, [None, None, None])
+    with caplog.at_level(logging.INFO, logger="foundry.tp.leader"):
+        w = World(model, tmp_path, 4, None, ExpertSplit.EXPERTS, [None, None, None])
     worlds.append(w)
+    assert (
+        "attention: kv heads 2 at a time (a kv head's 48 columns of attn_output would cut its "
+        "blocks of 32); ranks 2,3 hold no heads"
+    ) in caplog.text
     wait_paired(w.frontend)
     with Client(w.frontend) as c:
         got = c.generate(PROMPT, TOKENS)

@@ -29,7 +29,7 @@ from foundry.commands.common import (
 )
 from foundry.model.shard.table import ExpertSplit
 from foundry.runtime import retain_freed_memory
-from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, heads_held
+from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT
 from foundry.tp.speculative import MAX_DRAFT, SpecMode
 from foundry.wire.tp import SharesFrom
 
@@ -406,9 +406,6 @@ def run_leader(args: argparse.Namespace) -> int:
         return 2
     if why:  # said once the leader stands, so that a refusal stays one line
         log.info("expert split: %s (%s)", split.value, why)
-    held = heads_held(args.model, args.world_size, options.shares)
-    if held:
-        log.info("attention: %s", held)
 
     async def main() -> int:
         await leader.start()

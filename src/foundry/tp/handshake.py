@@ -51,7 +51,6 @@ from foundry.model.kernels.types import TYPES
 from foundry.model.shard.shares import Shares, check_splittable, norm_shares, share_blocks
 from foundry.model.shard.slices import (
     RankWeights,
-    attention_split,
     check_cuts,
     kv_group_of,
     pick_expert_split,
@@ -244,33 +243,6 @@ def expert_split_for(
     the split and why, for the log."""
     cfg = load_gguf(path, select=lambda name, view: None).cfg
     return pick_expert_split(cfg, norm_shares(world, shares), block_sizes(path))
-
-
-def heads_held(path: Path, world: int, shares: Sequence[int] | None = None) -> str:
-    """'' where a world of ``world`` ranks holding ``shares`` cuts the file's kv heads one at
-    a time; else, in words for the log, the groups its blocks ask for and the ranks they leave
-    without heads (``shard.slices.kv_group_for``)."""
-    cfg = load_gguf(path, select=lambda name, view: None).cfg
-    norm = norm_shares(world, shares)
-    blocks = block_sizes(path)
-    group = kv_group_of(cfg, norm, blocks)
-    if group == 1:
-        return ""
-    cols = cfg.n_head // cfg.n_head_kv * cfg.head_dim
-    block = max(b for n, b in blocks.items() if n.endswith("attn_output.weight"))
-    heads = [attention_split(cfg, r, world, norm, group)["heads"] for r in range(world)]
-    none = [str(r) for r, (a, b) in enumerate(heads) if a == b]
-    held = (
-        "every rank holds some"
-        if not none
-        else f"rank {none[0]} holds no heads"
-        if len(none) == 1
-        else f"ranks {','.join(none)} hold no heads"
-    )
-    return (
-        f"kv heads {group} at a time (a kv head's {cols} columns of attn_output would cut its "
-        f"blocks of {block}); {held}"
-    )
 
 
 def exchange_hellos(

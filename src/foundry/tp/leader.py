@@ -73,6 +73,7 @@ from foundry.model.formats.gguf_meta import read_metadata
 from foundry.model.kernels.quant import QTensor
 from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard.shares import norm_shares
+from foundry.model.shard.slices import heads_note
 from foundry.model.shard.table import Gate
 from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
@@ -165,6 +166,9 @@ class Leader:
             self.chat_template,
         )
         # The acceptor and handshake threads: the worker port.
+        blocks = {
+            name: p.block for name, p in model.weights.params.items() if isinstance(p, QTensor)
+        }
         self._bringup = BringUp(
             options,
             self.identity,
@@ -174,10 +178,11 @@ class Leader:
             self.engine.new_pair,
             architecture=model.architecture,
             cfg=self.cfg,
-            blocks={
-                name: p.block for name, p in model.weights.params.items() if isinstance(p, QTensor)
-            },
+            blocks=blocks,
         )
+        held = heads_note(self.cfg, model.weights.shares, blocks)
+        if held:  # the world's kv heads go in groups: which ranks hold none
+            log.info("attention: %s", held)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -132,6 +132,31 @@ def kv_group_of(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, in
     return kv_group_for(cfg, shares, max(attn, default=1))
 
 
+def heads_note(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int]) -> str:
+    """'' where a world holding ``shares`` cuts the kv heads of a file stored in ``blocks`` one
+    at a time; else, in words for the log, the groups the blocks ask for and the ranks they
+    leave without heads (:func:`kv_group_of`)."""
+    world, norm = len(shares), norm_shares(len(shares), shares)
+    group = kv_group_of(cfg, norm, blocks)
+    if group == 1:
+        return ""
+    cols = cfg.n_head // cfg.n_head_kv * cfg.head_dim
+    block = max(b for n, b in blocks.items() if n.endswith("attn_output.weight"))
+    heads = [attention_split(cfg, r, world, norm, group)["heads"] for r in range(world)]
+    none = [str(r) for r, (a, b) in enumerate(heads) if a == b]
+    held = (
+        "every rank holds some"
+        if not none
+        else f"rank {none[0]} holds no heads"
+        if len(none) == 1
+        else f"ranks {','.join(none)} hold no heads"
+    )
+    return (
+        f"kv heads {group} at a time (a kv head's {cols} columns of attn_output would cut its "
+        f"blocks of {block}); {held}"
+    )
+
+
 def rank_layout(
     cfg: ModelConfig,
     rank: int,
