@@ -384,10 +384,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from foundry.model.infer.engines import make_engine
     from foundry.model.infer.generate import generate_tokens
     from foundry.model.infer.sampling import SamplingError
-    from foundry.model.kernels.quant import QTensor
     from foundry.model.nn.device import DeviceError
     from foundry.model.shard.shares import check_splittable, norm_shares
-    from foundry.model.shard.slices import check_cuts, pick_expert_split
+    from foundry.model.shard.slices import check_cuts, pick_expert_split, stored_blocks
     from foundry.model.shard.table import SplitError
     from foundry.model.text.vocab import TokenizerError, load_tokenizer
 
@@ -404,11 +403,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 2
     shares = norm_shares(len(args.shares or (1, 1)), args.shares)
-    # The file's block sizes (``gguf_io.block_sizes`` reads them from the header again): the
-    # tensors the load kept in blocks of more than one value.
-    blocks = {
-        name: p.block for name, p in loaded.params.items() if isinstance(p, QTensor) and p.block > 1
-    }
+    blocks = stored_blocks(loaded.params)  # not the header again (gguf_io.block_sizes)
     split, why = (
         pick_expert_split(loaded.cfg, shares, blocks)
         if args.expert_split == "auto"

@@ -30,7 +30,7 @@ from foundry.model.shard.shares import (
     norm_shares,
     share_blocks,
 )
-from foundry.model.shard.slices import kv_group_of, misaligned
+from foundry.model.shard.slices import attention_split, kv_group_of, misaligned
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.config import ModelConfig
 
@@ -188,7 +188,8 @@ def choose_shares(
     kv = None
     if cfg.n_head_kv >= len(shares):  # kv heads cut, in groups where the blocks ask for them
         group = kv_group_of(cfg, shares, blocks)
-        kv = [group * n for n in share_blocks(cfg.n_head_kv // group, shares)]
+        cuts = (attention_split(cfg, r, len(shares), shares, group) for r in range(len(shares)))
+        kv = [b - a for a, b in (c["kv_heads"] for c in cuts)]
     held = ("" if kv is None else f"; kv heads {','.join(map(str, kv))}") + (
         f"; vocabulary rows {','.join(map(str, share_blocks(cfg.n_vocab, shares)))}"
     )

@@ -70,10 +70,9 @@ import threading
 from collections.abc import Callable
 
 from foundry.model.formats.gguf_meta import read_metadata
-from foundry.model.kernels.quant import QTensor
 from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard.shares import norm_shares
-from foundry.model.shard.slices import heads_note
+from foundry.model.shard.slices import heads_note, stored_blocks
 from foundry.model.shard.table import Gate
 from foundry.model.text.chat import template_for
 from foundry.model.text.vocab import load_tokenizer
@@ -166,9 +165,7 @@ class Leader:
             self.chat_template,
         )
         # The acceptor and handshake threads: the worker port.
-        blocks = {
-            name: p.block for name, p in model.weights.params.items() if isinstance(p, QTensor)
-        }
+        blocks = stored_blocks(model.weights.params)
         self._bringup = BringUp(
             options,
             self.identity,

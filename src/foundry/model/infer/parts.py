@@ -20,7 +20,7 @@ from foundry.model.kernels.quant import (
     swiglu,
 )
 from foundry.model.shard.shares import Shares, check_splittable
-from foundry.model.shard.slices import RankWeights, kv_group_of, rank_weights
+from foundry.model.shard.slices import RankWeights, kv_group_of, rank_weights, stored_blocks
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.arch import Act
 from foundry.model.spec.config import ModelConfig
@@ -101,7 +101,7 @@ def cut_parts(
     """The parts an engine holds: rank's own, or for one process every part of the world it
     stands for (one part with everything when the model cannot be cut so: a shape
     check_splittable refuses, or stored blocks the cut would split)."""
-    blocks = {n: p.block for n, p in weights.items() if isinstance(p, QTensor) and p.block > 1}
+    blocks = stored_blocks(weights)
     if world == 1:
         n = len(shares)
         try:

@@ -283,15 +283,11 @@ def layer_plan(
             )
         heads = lw.q_keep[1] > lw.q_keep[0]  # a part without heads gives a zero partial
         skip = heads and j > 0 and same_kv(parts, layers, layer, j)
-        qkv = (
-            []
-            if not heads
-            else [lw.q]
-            if skip
-            else [lw.qkv]
-            if lw.qkv is not None
-            else [lw.q, lw.k, lw.v]
-        )
+        qkv: list[Param] = []  # none for a part without heads
+        if skip:
+            qkv = [lw.q]
+        elif heads:
+            qkv = [lw.qkv] if lw.qkv is not None else [lw.q, lw.k, lw.v]
         gate_up: list[Param] = []
         down: StepMat | None = None
         if lw.dense is not None:

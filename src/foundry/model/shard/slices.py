@@ -109,6 +109,22 @@ def attention_split(
     }
 
 
+def stored_blocks(params: Mapping[str, Param]) -> dict[str, int]:
+    """The block size of every parameter kept in blocks of more than one value: what
+    ``gguf_io.block_sizes`` reads from a file's header, from the loaded tensors instead."""
+    return {n: p.block for n, p in params.items() if isinstance(p, QTensor) and p.block > 1}
+
+
+def _kv_cols(cfg: ModelConfig) -> int:
+    """attn_output columns of one kv head: its query heads' values."""
+    return cfg.n_head // cfg.n_head_kv * cfg.head_dim
+
+
+def _attn_block(blocks: Mapping[str, int]) -> int:
+    """attn_output's block size in a file stored in ``blocks`` (1: float)."""
+    return max((b for n, b in blocks.items() if n.endswith("attn_output.weight")), default=1)
+
+
 def kv_group_for(cfg: ModelConfig, shares: Sequence[int], attn_block: int) -> int:
     """How many kv heads one unit of the attention cut holds for a file that stores
     attn_output in blocks of ``attn_block`` values: 1 where every rank's block of whole kv
@@ -119,7 +135,7 @@ def kv_group_for(cfg: ModelConfig, shares: Sequence[int], attn_block: int) -> in
     world, n_kv = len(shares), cfg.n_head_kv
     if attn_block <= 1 or n_kv == 1 or n_kv < world:
         return 1
-    cols = cfg.n_head // n_kv * cfg.head_dim  # attn_output columns of one kv head
+    cols = _kv_cols(cfg)
     if all(share_range(n_kv, r, shares)[0] * cols % attn_block == 0 for r in range(1, world)):
         return 1
     return next((g for g in range(2, n_kv + 1) if n_kv % g == 0 and g * cols % attn_block == 0), 1)
@@ -128,8 +144,7 @@ def kv_group_for(cfg: ModelConfig, shares: Sequence[int], attn_block: int) -> in
 def kv_group_of(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int]) -> int:
     """:func:`kv_group_for` of a file whose tensors are stored in ``blocks`` (name: values a
     block; a float tensor absent or 1)."""
-    attn = [b for name, b in blocks.items() if name.endswith("attn_output.weight")]
-    return kv_group_for(cfg, shares, max(attn, default=1))
+    return kv_group_for(cfg, shares, _attn_block(blocks))
 
 
 def heads_note(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int]) -> str:
@@ -140,8 +155,6 @@ def heads_note(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int
     group = kv_group_of(cfg, norm, blocks)
     if group == 1:
         return ""
-    cols = cfg.n_head // cfg.n_head_kv * cfg.head_dim
-    block = max(b for n, b in blocks.items() if n.endswith("attn_output.weight"))
     heads = [attention_split(cfg, r, world, norm, group)["heads"] for r in range(world)]
     none = [str(r) for r, (a, b) in enumerate(heads) if a == b]
     held = (
@@ -152,8 +165,8 @@ def heads_note(cfg: ModelConfig, shares: Sequence[int], blocks: Mapping[str, int
         else f"ranks {','.join(none)} hold no heads"
     )
     return (
-        f"kv heads {group} at a time (a kv head's {cols} columns of attn_output would cut its "
-        f"blocks of {block}); {held}"
+        f"kv heads {group} at a time (a kv head's {_kv_cols(cfg)} columns of attn_output would "
+        f"cut its blocks of {_attn_block(blocks)}); {held}"
     )
 
 
