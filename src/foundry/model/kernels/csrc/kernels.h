@@ -585,6 +585,11 @@ typedef struct {
 
 size_t step_room(const step_layer *l, int n_pos);
 int step_gelu16(const float *table);
+/* 1 where geglu's rows may look ``table`` up in its float16 copy (step_gelu16, the same bits) */
+int gelu16_for(const float *table);
+#if defined(FOUNDRY_X86)
+void geglu16_avx2(const float *gu, int f, float *out); /* one row, the float16 copy (AVX2) */
+#endif
 int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, void *vc,
               const float *cos, const float *sin, float *out, float *room);
 int step_ffn(const step_layer *l, int j, const float *h, float *out,

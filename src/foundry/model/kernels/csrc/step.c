@@ -5,6 +5,8 @@
 
 #include "kernels.h"
 
+#include <stdatomic.h>
+
 /* ---- helpers ------------------------------------------------------------------------------ */
 
 /* y (rows) = m . x over the matrices of a product, each filling its rows in turn (a stacked
@@ -165,7 +167,7 @@ int step_gelu16(const float *table) {
 #if defined(FOUNDRY_X86)
 /* geglu (decode.c) with the float16 bits of g by F16C (round to nearest even: f16_bits, and a
  * NaN's bits, whichever, look up 0) and the table's float16 value converted exactly. */
-AVX2 static void geglu16_avx2(const float *gu, int f, float *out) {
+AVX2 void geglu16_avx2(const float *gu, int f, float *out) {
     const float *g = gu, *u = gu + f;
     for (int i = 0; i < f; i++) {
         const float x = g[i];
@@ -175,6 +177,18 @@ AVX2 static void geglu16_avx2(const float *gu, int f, float *out) {
     }
 }
 #endif
+
+/* The table geglu's rows last found equal to the float16 copy (step_gelu16), so that a block's
+ * rows take geglu16_avx2 too without checking its 65,536 values at every call: the engine
+ * passes the process's one table (layers.gelu_table, built once and kept). */
+static const float *_Atomic gelu16_table;
+
+int gelu16_for(const float *table) {
+    if (atomic_load_explicit(&gelu16_table, memory_order_acquire) == table) return 1;
+    if (!step_gelu16(table)) return 0;
+    atomic_store_explicit(&gelu16_table, table, memory_order_release);
+    return 1;
+}
 
 static void geglu_row(const step_layer *l, const float *gu, int f, float *out) {
 #if defined(FOUNDRY_X86)
