@@ -330,19 +330,27 @@ AMX static void kq_block_amx_g(const kq_sb *u, const uint8_t *av, int nsb, const
     kq_store_16x16(acc, amin, g, live, y, ldy);
 }
 
-AMX static void kq_block_amx(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int tn,
-                             const float *amin, float *y, size_t ldy) {
+/* This thread's tiles in kq_tilecfg's shapes, for one kq_block_512 call (once a call, not
+ * once a tile of rows), and given back at its end. */
+AMX static void kq_amx_begin(void) {
     kq_tilecfg cfg = {.palette = 1};
     for (int i = 0; i < 8; i++) {
         cfg.colsb[i] = 64;
         cfg.rows[i] = 16;
     }
-    _tile_loadconfig(&cfg); /* this thread's tiles, each call */
+    _tile_loadconfig(&cfg);
+}
+
+AMX static void kq_amx_end(void) {
+    _tile_release();
+}
+
+AMX static void kq_block_amx(const kq_sb *u, const uint8_t *av, int nsb, const kq_room *x, int tn,
+                             const float *amin, float *y, size_t ldy) {
     for (int g = 0; g < (tn + KB_G - 1) / KB_G; g++) {
         const int live = tn - KB_G * g < KB_G ? tn - KB_G * g : KB_G;
         kq_block_amx_g(u, av, nsb, x, g, live, amin, y, ldy);
     }
-    _tile_release();
 }
 
 void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_out, int k,
@@ -352,6 +360,8 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
     kq_room x;
     kq_room_parts(k, mem, &x);
     kq_lay_inputs(q6, in, t, tn, &x);
+    const int tiles = use_amx && n_out - r0 >= KB_RA;
+    if (tiles) kq_amx_begin();
     for (int r = r0; r < n_out;) {
         /* AMX: KB_RA rows a tile; the register tiles: KB_R rows, the last rows one at a time */
         const int amx = use_amx && n_out - r >= KB_RA;
@@ -369,5 +379,6 @@ void kq_block_512(int type, const uint8_t *w, size_t row_bytes, int r0, int n_ou
         }
         r += R;
     }
+    if (tiles) kq_amx_end();
 }
 #endif

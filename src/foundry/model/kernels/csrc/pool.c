@@ -342,19 +342,30 @@ typedef struct {
     const float *x;
     const mm_input *in;
     float *y;
+    int fills;         /* the call's first tasks prepare the inputs, FILL_TOKENS each */
+    atomic_int filled; /* of them done */
 } matmul_job;
 
 #define FILL_TOKENS 8 /* inputs per task of the preparation */
 
-static int fill_task(void *ctx, int i) {
-    const matmul_job *j = ctx;
-    const int t0 = i * FILL_TOKENS, t1 = t0 + FILL_TOKENS < j->n ? t0 + FILL_TOKENS : j->n;
-    mm_fill(j->in, j->x, t0, t1);
-    return 0;
-}
-
+/* Task i < fills prepares its inputs; a product task waits until every input is prepared.
+ * The fills are the call's first task numbers, which threads take before any product's (the
+ * ticket hands numbers out in order, and a caller alone runs them in order), so a thread that
+ * waits waits only for fills that other threads are running: one pool call instead of two. */
 static int matmul_task(void *ctx, int i) {
-    const matmul_job *j = ctx;
+    matmul_job *j = ctx;
+    if (i < j->fills) {
+        const int t0 = i * FILL_TOKENS, t1 = t0 + FILL_TOKENS < j->n ? t0 + FILL_TOKENS : j->n;
+        mm_fill(j->in, j->x, t0, t1);
+        atomic_fetch_add_explicit(&j->filled, 1, memory_order_release);
+        return 0;
+    }
+    i -= j->fills;
+    for (int spins = 1; atomic_load_explicit(&j->filled, memory_order_acquire) < j->fills;
+         spins++) {
+        cpu_relax();
+        if ((spins & 1023) == 0) sched_yield();
+    }
     const int r0 = (i % j->row_tasks) * j->rows, t0 = (i / j->row_tasks) * j->tokens;
     const int rows = j->n_out - r0 < j->rows ? j->n_out - r0 : j->rows;
     const int tokens = j->n - t0 < j->tokens ? j->n - t0 : j->tokens;
@@ -369,7 +380,7 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
     mm_input in;
     if (mm_alloc(type, k, n, &in) < 0) return -1;
     const int threads = pool_threads();
-    matmul_job job = {type, n_out, k, n, n_out, n, 1, row_bytes, w, x, &in, y};
+    matmul_job job = {type, n_out, k, n, n_out, n, 1, row_bytes, w, x, &in, y, 0, 0};
     if (threads == 1 || n_out < 2 * ROW_ALIGN ||
         (double)row_bytes * n_out * n < (double)small_work) {
         PROF_START(t0);
@@ -379,8 +390,8 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
         if (threads > 1) PROF_STOP(t0, PROF_ALONE);
         return rc;
     }
-    if (n >= 2 * FILL_TOKENS) /* the inputs' preparation split too (a prompt's) */
-        pool_run(fill_task, &job, (n + FILL_TOKENS - 1) / FILL_TOKENS);
+    if (n >= 2 * FILL_TOKENS) /* the inputs' preparation split too, in the same call */
+        job.fills = (n + FILL_TOKENS - 1) / FILL_TOKENS;
     else
         mm_fill(&in, x, 0, n);
     const int rows = task_rows(n_out, row_bytes, n, threads);
@@ -397,7 +408,7 @@ int matmul(int type, const uint8_t *w, size_t row_bytes, int n_out, int k, const
     job.rows = rows;
     job.tokens = tokens;
     job.row_tasks = row_tasks;
-    const int rc = pool_run(matmul_task, &job, row_tasks * token_tasks);
+    const int rc = pool_run(matmul_task, &job, job.fills + row_tasks * token_tasks);
     mm_free(&in);
     return rc;
 }

@@ -21,8 +21,8 @@
  * of a block are the A tile (16 rows x 32 bytes, nb x 32 apart), the group's 8 registers of it
  * the B tile as they are laid out (8 rows x 64 bytes), and one tdpbusd gives the block's sums
  * of 16 rows by 16 inputs, exact, onto which the group's minus offset x sums come; then the same
- * float step. The tiles' state is each call's own (ldtilecfg, tilerelease), so any thread of
- * the pool runs it. */
+ * float step. The tiles' state is each call's own (ldtilecfg at its start, tilerelease at its
+ * end), so any thread of the pool runs it. */
 
 #include "q32.h"
 
@@ -213,17 +213,26 @@ AMX static void qb_block_amx_g(const uint8_t *u, const float *dw, int nb, const 
     store_16x16_512(acc, live, y + (size_t)QB_G * g * ldy, ldy);
 }
 
-AMX static void qb_block_amx(const uint8_t *u, const float *dw, int nb, const qb_room *x, int tn,
-                             float *y, size_t ldy) {
+/* This thread's tiles in qb_tilecfg's shapes for one q32_block_512 call, given back at its
+ * end: once a call, not once a tile of 16 rows (the pair cost about a microsecond, as much as
+ * a tile's products; the device's figures in docs/benchmarks.md). */
+AMX static void qb_amx_begin(void) {
     qb_tilecfg cfg = {.palette = 1};
     cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[3] = 64;
     cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;
     cfg.colsb[2] = QK;
     cfg.rows[3] = QK / 4;
-    _tile_loadconfig(&cfg); /* this thread's tiles, each call */
+    _tile_loadconfig(&cfg);
+}
+
+AMX static void qb_amx_end(void) {
+    _tile_release();
+}
+
+AMX static void qb_block_amx(const uint8_t *u, const float *dw, int nb, const qb_room *x, int tn,
+                             float *y, size_t ldy) {
     for (int g = 0; g < (tn + QB_G - 1) / QB_G; g++)
         qb_block_amx_g(u, dw, nb, x, g, qb_live(tn, g), y, ldy);
-    _tile_release();
 }
 
 AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out, int k,
@@ -234,6 +243,8 @@ AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out
     if (mem == NULL) return -1;
     qb_room x;
     qb_room_parts(k, mem, &x);
+    const int tiles = use_amx && n_out >= QB_RA; /* AMX takes the first rows' tiles */
+    if (tiles) qb_amx_begin();
     for (int t0 = 0; t0 < n; t0 += Q_TILE) {
         const int tn = n - t0 < Q_TILE ? n - t0 : Q_TILE; /* the last group a part one or not */
         qb_lay_inputs(shift, in, t0, tn, &x);
@@ -260,6 +271,7 @@ AVX512 int q32_block_512(int type, const uint8_t *w, size_t row_bytes, int n_out
             r += R;
         }
     }
+    if (tiles) qb_amx_end();
     free(mem);
     return 0;
 }
