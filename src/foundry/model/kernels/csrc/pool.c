@@ -179,6 +179,16 @@ int pool_set_threads(int n) {
     return rc;
 }
 
+/* Until *count reaches target (acquire: what was written before each increment is seen),
+ * polling; on a machine with more runnable threads than cores the core goes to them now and
+ * then. */
+static void wait_count(atomic_int *count, int target) {
+    for (int spins = 1; atomic_load_explicit(count, memory_order_acquire) < target; spins++) {
+        cpu_relax();
+        if ((spins & 1023) == 0) sched_yield();
+    }
+}
+
 int pool_run(pool_task task, void *ctx, int n_tasks) {
     int expected = 0;
     if (pool.n_threads == 1 || n_tasks < 2 || n_tasks > MAX_TASKS ||
@@ -201,12 +211,7 @@ int pool_run(pool_task task, void *ctx, int n_tasks) {
     uint64_t drawn;
     take_tasks(&drawn);
     PROF_START(t1);
-    /* the tasks other threads still run (on a machine with more runnable threads than cores,
-     * give them the core now and then) */
-    for (int spins = 1; atomic_load_explicit(&pool.done, memory_order_acquire) < n_tasks; spins++) {
-        cpu_relax();
-        if ((spins & 1023) == 0) sched_yield();
-    }
+    wait_count(&pool.done, n_tasks); /* the tasks other threads still run */
     const int failed = atomic_load_explicit(&pool.failed, memory_order_relaxed);
     atomic_store_explicit(&pool.busy, 0, memory_order_release);
     PROF_STOP(t1, PROF_JOIN);
@@ -361,11 +366,7 @@ static int matmul_task(void *ctx, int i) {
         return 0;
     }
     i -= j->fills;
-    for (int spins = 1; atomic_load_explicit(&j->filled, memory_order_acquire) < j->fills;
-         spins++) {
-        cpu_relax();
-        if ((spins & 1023) == 0) sched_yield();
-    }
+    wait_count(&j->filled, j->fills);
     const int r0 = (i % j->row_tasks) * j->rows, t0 = (i / j->row_tasks) * j->tokens;
     const int rows = j->n_out - r0 < j->rows ? j->n_out - r0 : j->rows;
     const int tokens = j->n - t0 < j->tokens ? j->n - t0 : j->tokens;
