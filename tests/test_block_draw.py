@@ -33,18 +33,27 @@ def whole(row: np.ndarray, temperature: float, top_k: int, u: float) -> int:
 
 
 def in_blocks(
-    rows: np.ndarray, cut: int, temperature: float, top_k: int, us: list[float]
+    rows: np.ndarray,
+    cut: int,
+    temperature: float,
+    top_k: int,
+    us: list[float],
+    *,
+    early: bool = False,
 ) -> list[int]:
     """The exchange of the pair, in this process: the leader holds [0, cut), the worker the
-    rest; each step as the ranks run it."""
+    rest; each step as the ranks run it. ``early``: the worker's pass before the leader's
+    mass is known (ROW_MASS), then its finish from that mass; else its whole tail after."""
     lead, work = BlockRows(rows[:, :cut]), BlockRows(rows[:, cut:])
     (lv, lt), (wv, wt) = greedy_tops(rows[:, :cut]), greedy_tops(rows[:, cut:])
     args = []
     for i, u in enumerate(us):
         tops = [v for v, t in ((lv[i], lt[i]), (wv[i], wt[i])) if t >= 0]
         args.append(DrawArgs(True, top_k, max(tops), inverse_temperature(temperature), u=u))
+    if early:
+        work.worker_pass(args)
     args = lead.leader_pass(args)
-    picks = work.worker_tail(args)
+    picks = work.worker_finish(args) if early else work.worker_tail(args)
     return lead.finish(args, picks, cut)
 
 
@@ -78,9 +87,9 @@ def test_rows_drawn_in_blocks_equal_the_whole_rows_draw(
     z[rng.random((rows, v)) < masked] = -np.inf
     z[:, rng.integers(0, v)] = 5.0  # every row has a finite logit
     us = rng.random(rows).tolist()
-    got = in_blocks(z, cut, temperature, top_k, us)
     want = [whole(z[i], temperature, top_k, us[i]) for i in range(rows)]
-    assert got == want
+    assert in_blocks(z, cut, temperature, top_k, us) == want
+    assert in_blocks(z, cut, temperature, top_k, us, early=True) == want
 
 
 def test_a_gemma_sized_row_in_two_halves() -> None:
@@ -88,8 +97,9 @@ def test_a_gemma_sized_row_in_two_halves() -> None:
     z = (rng.standard_normal((3, 262_144)) * 4).astype(np.float32)
     for temperature, top_k in ((0.8, 0), (0.8, 40), (1.5, 1)):
         us = rng.random(3).tolist()
-        got = in_blocks(z, 131_072, temperature, top_k, us)
-        assert got == [whole(z[i], temperature, top_k, us[i]) for i in range(3)]
+        want = [whole(z[i], temperature, top_k, us[i]) for i in range(3)]
+        assert in_blocks(z, 131_072, temperature, top_k, us) == want
+        assert in_blocks(z, 131_072, temperature, top_k, us, early=True) == want
 
 
 def test_u_at_the_ends_and_a_block_all_masked() -> None:
@@ -99,8 +109,9 @@ def test_u_at_the_ends_and_a_block_all_masked() -> None:
     z[2, : 2 * BLOCK] = -np.inf  # the leader's holds nothing: its mass 0, u 0 is the worker's
     for u in (0.0, 0.999999999, 0.5):
         for top_k in (0, 2):
-            got = in_blocks(z, 2 * BLOCK, 0.7, top_k, [u, u, u])
-            assert got == [whole(z[i], 0.7, top_k, u) for i in range(3)]
+            want = [whole(z[i], 0.7, top_k, u) for i in range(3)]
+            assert in_blocks(z, 2 * BLOCK, 0.7, top_k, [u, u, u]) == want
+            assert in_blocks(z, 2 * BLOCK, 0.7, top_k, [u, u, u], early=True) == want
 
 
 def test_the_wire_carries_as_many_candidates_as_a_rank_sends() -> None:
@@ -124,7 +135,8 @@ def test_without_the_c_kernels_the_parts_are_numpys_and_draw_the_same_tokens_her
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("foundry.model.infer.block_draw._kernels", None)
             with_numpy = in_blocks(z, 3 * BLOCK, 0.9, top_k, us)
-        assert with_numpy == with_c
+            with_numpy_early = in_blocks(z, 3 * BLOCK, 0.9, top_k, us, early=True)
+        assert with_numpy == with_numpy_early == with_c
 
 
 def test_the_leader_refuses_a_pick_that_does_not_answer_its_row() -> None:

@@ -388,6 +388,7 @@ def test_payload_size_rules_of_every_frame() -> None:
         "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
         "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
         "WORLD": (0, 28), "ROW_TOPS": (4, 8), "ROW_DRAW": (4, 40), "ROW_PICKS": (4, 8),
+        "ROW_MASS": (4, 16),
     }  # fmt: skip
 
 
@@ -406,13 +407,19 @@ def test_payload_length_messages_exact() -> None:
         (header(FrameType.SYNC, 6), "SYNC payload must be 0 + a multiple of 4 bytes, got 6"),
         (
             header(FrameType.EVAL, 4, flags=1, reserved=2),
-            "EVAL: header flags 0x1 / reserved 2 must be 0, 0x1 (ROW_TOPS) or 0x3 "
-            "(ROW_TOPS | ROW_DRAWS) / 0 in protocol version 2",
+            "EVAL: header flags 0x1 / reserved 2 must be 0, 0x1 (ROW_TOPS), 0x3 "
+            "(ROW_TOPS | ROW_DRAWS) or 0x7 (ROW_TOPS | ROW_DRAWS | ROW_MASS) / 0 in protocol "
+            "version 2",
         ),
         (
             header(FrameType.EVAL, 4, flags=2),
             "EVAL: header flags 0x2: ROW_DRAWS (0x2) needs ROW_TOPS (0x1); the flags must be 0, "
-            "0x1 or 0x3",
+            "0x1, 0x3 or 0x7",
+        ),
+        (
+            header(FrameType.EVAL, 4, flags=5),
+            "EVAL: header flags 0x5: ROW_MASS (0x4) needs ROW_DRAWS (0x2); the flags must be 0, "
+            "0x1, 0x3 or 0x7",
         ),
         (
             header(FrameType.STOP, 0, flags=3),

@@ -31,11 +31,13 @@ from foundry.wire.tp import (
     Identity,
     Invalidate,
     Logits,
+    MassRow,
     MixedBatch,
     PickRow,
     Rewind,
     Role,
     RowDraw,
+    RowMass,
     RowPicks,
     RowTops,
     SessionCreate,
@@ -158,6 +160,11 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 04000000 00000000 000000000000e83f 02000000 00000000"
         " 0000003f 03000000 0000803e 09000000",
     ),
+    (
+        RowMass(session_id=1, seq=4, rows=(MassRow(3.0, 100), MassRow(0.0, 0))),
+        "44545034 24 00 0000 0100000000000000 0400000000000000 24000000 02000000"
+        " 0000000000000840 64000000 00000000 0000000000000000 00000000 00000000",
+    ),
 ]
 # The header flag ROW_TOPS (0x01) on the commands answered with logits rows.
 ROW_TOPS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
@@ -191,6 +198,20 @@ ROW_DRAWS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 0500000000000000 41000000 00000000",
     ),
 ]
+# ROW_TOPS | ROW_DRAWS | ROW_MASS (0x07): ROW_DRAW before the leader's pass, ROW_MASS after it.
+ROW_MASS_GOLDEN: list[tuple[tp.ControlFrame, str]] = [
+    (
+        EvalBatch(items=(BatchItem(5, 65),), row_tops=True, row_draws=True, row_mass=True),
+        "44545034 0f 07 0000 0000000000000000 0000000000000000 10000000"
+        " 0500000000000000 41000000 00000000",
+    ),
+    (
+        MixedBatch(
+            session_id=7, prompt=(1,), items=(), row_tops=True, row_draws=True, row_mass=True
+        ),
+        "44545034 10 07 0000 0700000000000000 0000000000000000 0c000000 01000000 00000000 01000000",
+    ),
+]
 FRAMES = [frame for frame, _ in GOLDEN]
 
 
@@ -220,6 +241,7 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
         "ROW_TOPS": 33,  # Foundry's extension: a worker's rows' greedy tops
         "ROW_DRAW": 34,  # Foundry's extension: the leader's draw of the sampled rows
         "ROW_PICKS": 35,  # Foundry's extension: a worker's answer to it
+        "ROW_MASS": 36,  # Foundry's extension: the leader's mass, after its own pass
     }  # fmt: skip
     assert {t.name: t.value for t in FrameType} == seed
     assert {f.TYPE for f in FRAMES} == set(tp.FRAME_CLASSES)
@@ -248,6 +270,26 @@ def test_row_draws_flag_golden_bytes(frame: tp.ControlFrame, golden: str) -> Non
     assert frame.header_flags == tp.FRAME_FLAG_ROW_TOPS | tp.FRAME_FLAG_ROW_DRAWS == 0x03
     assert encode(frame) == bytes.fromhex(golden)
     assert decode_all(bytes.fromhex(golden)) == [frame]
+
+
+@pytest.mark.parametrize(
+    ("frame", "golden"), ROW_MASS_GOLDEN, ids=[f.TYPE.name for f, _ in ROW_MASS_GOLDEN]
+)
+def test_row_mass_flag_golden_bytes(frame: tp.ControlFrame, golden: str) -> None:
+    assert frame.ROWS_REPLY and frame.row_tops and frame.row_draws and frame.row_mass
+    flags = tp.FRAME_FLAG_ROW_TOPS | tp.FRAME_FLAG_ROW_DRAWS | tp.FRAME_FLAG_ROW_MASS
+    assert frame.header_flags == flags == 0x07
+    assert encode(frame) == bytes.fromhex(golden)
+    assert decode_all(bytes.fromhex(golden)) == [frame]
+
+
+def test_row_mass_flag_only_with_row_draws() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        Eval(token=1, row_tops=True, row_mass=True)
+    assert str(info.value) == "Eval: row_mass (header flag 0x4) needs row_draws (header flag 0x2)"
+    with pytest.raises(LocalProtocolError) as info:
+        RowMass(row_mass=True)
+    assert "is only for a command answered with logits rows" in str(info.value)
 
 
 def test_row_tops_flag_only_on_commands_answered_with_rows() -> None:
@@ -345,8 +387,12 @@ def test_a_payload_received_into_its_room_is_the_frame_fed() -> None:
         (header(99, 0), "unknown frame type 99"),
         (header(FrameType.EVAL, 4, flags=2), "flags 0x2"),
         (header(FrameType.EVAL, 4, flags=2), "ROW_DRAWS \\(0x2\\) needs ROW_TOPS \\(0x1\\)"),
-        (header(FrameType.EVAL, 4, flags=4), "flags 0x4 / reserved 0 must be 0, 0x1"),
-        (header(FrameType.EVAL_BATCH, 16, flags=7), "flags 0x7"),
+        (header(FrameType.EVAL, 4, flags=4), "ROW_MASS \\(0x4\\) needs ROW_DRAWS \\(0x2\\)"),
+        (header(FrameType.EVAL, 4, flags=5), "ROW_MASS \\(0x4\\) needs ROW_DRAWS \\(0x2\\)"),
+        (header(FrameType.EVAL_BATCH, 16, flags=6), "ROW_DRAWS \\(0x2\\) needs ROW_TOPS"),
+        (header(FrameType.EVAL_BATCH, 16, flags=15), "flags 0xf / reserved 0 must be 0, 0x1"),
+        (header(FrameType.ROW_MASS, 4, flags=7), "flags 0x7 / reserved 0 must be 0 in"),
+        (header(FrameType.ROW_MASS, 12), "ROW_MASS payload must be 4 \\+ a multiple of 16"),
         (header(FrameType.STOP, 0, flags=3), "flags 0x3 / reserved 0 must be 0 in"),
         (header(FrameType.ROW_DRAW, 4, flags=3), "flags 0x3 / reserved 0 must be 0 in"),
         (header(FrameType.ROW_PICKS, 4, flags=1), "flags 0x1 / reserved 0 must be 0 in"),
@@ -403,6 +449,12 @@ def picks_payload(rows: list[tuple[int, int, float, int, int]], candidates: int)
 DRAWN = (1, 0, 0.0, 1.0, 0.0, 0.5, 1, 0)  # a valid drawn row of a ROW_DRAW
 
 
+def mass_payload(*rows: tuple[Any, ...]) -> bytes:
+    """A ROW_MASS frame of ``rows``, each (acc, nonzero, reserved)."""
+    body = struct.pack("<I", len(rows)) + b"".join(tp.MASS_ROW.pack(*row) for row in rows)
+    return header(FrameType.ROW_MASS, len(body)) + body
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -437,6 +489,11 @@ DRAWN = (1, 0, 0.0, 1.0, 0.0, 0.5, 1, 0)  # a valid drawn row of a ROW_DRAW
         (picks_payload([(1, 3, 0.0, 0, 0), (0, 0, 0.0, 0, 7)], 0),
          "ROW_PICKS row 1: nonzero reserved word"),
         (picks_payload([(5, 0, 0.0, 0, 0)], 0), "PickRow.kind"),
+        (header(FrameType.ROW_MASS, 20) + bytes.fromhex("02000000") + bytes(16), "says 2 rows"),
+        (mass_payload((1.0, 3, 0), (2.0, 4, 9)), "ROW_MASS row 1: nonzero reserved word"),
+        (mass_payload((-1.0, 3, 0)), "MassRow.acc"),
+        (mass_payload((math.nan, 3, 0)), "MassRow.acc"),
+        (mass_payload((math.inf, 3, 0)), "MassRow.acc"),
         (picks_payload([(-1, 0, 0.0, 0, 0)], 0), "PickRow.kind"),
         (picks_payload([(1, 0, 0.0, 1, 0)], 1), "kind 1 \\(PICK_TOKEN\\) has 1 candidates"),
         (picks_payload([(2, 0, 0.0, 2, 0)], 2), "PICK_LEADER_WALK\\) has 2 candidates"),
@@ -517,6 +574,10 @@ def test_payload_limit_and_limit_plus_one(limit: int) -> None:
         lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5,),)),
         lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, 1 << 31),)),
         lambda: RowPicks(rows=((1, 0, 0.0),)),
+        lambda: MassRow(-0.5, 1),
+        lambda: MassRow(1.0, -1),
+        lambda: MassRow(1.0, 1 << 32),
+        lambda: RowMass(rows=((1.0, 2),)),
     ],
 )
 def test_frames_validate_their_fields(build: object) -> None:
@@ -547,6 +608,8 @@ frame_st = st.one_of(
         st.floats(-(2.0**100), 2.0**100, width=32), st.floats(2.0**-10, 2.0**10, width=32),
         st.floats(0, 1e6), st.floats(0, 1, exclude_max=True), st.integers(0, 2**32 - 1),
     ), max_size=4).map(tuple)),
+    st.builds(RowMass, seq=st.integers(0, 2**64 - 1), rows=st.lists(st.builds(
+        MassRow, st.floats(0, 1e300), st.integers(0, 2**32 - 1)), max_size=4).map(tuple)),
     st.builds(RowPicks, seq=st.integers(0, 9), rows=st.lists(st.one_of(
         st.builds(PickRow, st.integers(0, 3), st.integers(0, 2**31 - 1), st.floats(-1e9, 1e9)),
         st.builds(PickRow, st.just(tp.PICK_TOP_K), st.integers(0, 9), st.floats(0, 1),

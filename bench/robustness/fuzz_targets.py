@@ -551,6 +551,9 @@ class TpWorkerPortTarget(Target):
                     for _ in toks
                 )
             ),
+            tp.FrameType.ROW_MASS: lambda: tp.RowMass(
+                rows=tuple(tp.MassRow(r.uniform(0, 99), r.randrange(259)) for _ in toks)
+            ),
             tp.FrameType.ROW_PICKS: lambda: tp.RowPicks(
                 rows=tuple(
                     tp.PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, r.randrange(259)),))

@@ -36,8 +36,10 @@ from foundry.wire.tp import (
     FrameType,
     Hash,
     Logits,
+    MassRow,
     PickRow,
     RowDraw,
+    RowMass,
     RowPicks,
     RowTops,
     SessionCreate,
@@ -185,7 +187,7 @@ class PairCommands:
             offset += width
         picks = combine_tops(blocks)
         if frame.row_draws:
-            self._draw(rows, blocks, picks, draws)
+            self._draw(rows, blocks, picks, draws, frame.row_mass)
         return picks
 
     def _draw(
@@ -194,9 +196,12 @@ class PairCommands:
         blocks: list[Tops],
         picks: list[int | SamplingError],
         draws: Sequence[Draw | None],
+        row_mass: bool,
     ) -> None:
         """The sampled rows of a ROW_DRAWS command drawn with the worker (block_draw): their
-        tokens in place of ``picks``' greedy ones."""
+        tokens in place of ``picks``' greedy ones. With ``row_mass`` (the engine's way) the
+        ROW_DRAW goes before this rank's pass, its mass and count after it in ROW_MASS: the
+        worker runs its pass meanwhile."""
         assert len(self.links) == 1, "ROW_DRAWS is the pair's"
         args = []
         for i, pick in enumerate(picks):
@@ -207,17 +212,14 @@ class PairCommands:
             top = max(values[i] for values, tokens in blocks if tokens[i] >= 0)
             temperature, top_k, u = draw
             args.append(DrawArgs(True, top_k, top, inverse_temperature(temperature), u=u))
-        mine = BlockRows(rows)
-        args = mine.leader_pass(args)
-        link = self.links[0]
-        link.send(
-            RowDraw(
-                rows=tuple(
-                    DrawRow(int(a.draw), a.top_k, a.top, a.inv, a.acc, a.u, a.nonzero) for a in args
-                ),
-                seq=self.state.step,
-            )
-        )
+        mine, link, seq = BlockRows(rows), self.links[0], self.state.step
+        if row_mass:
+            link.send(RowDraw(rows=tuple(_draw_row(a) for a in args), seq=seq))
+            args = mine.leader_pass(args)
+            link.send(RowMass(rows=tuple(MassRow(a.acc, a.nonzero) for a in args), seq=seq))
+        else:
+            args = mine.leader_pass(args)
+            link.send(RowDraw(rows=tuple(_draw_row(a) for a in args), seq=seq))
         frame = self._reply(1, link, FrameType.ROW_PICKS, "the worker's picks")
         assert isinstance(frame, RowPicks)
         width = self.worker_vocab[0]
@@ -315,6 +317,11 @@ class PairCommands:
                     f"{who} step {theirs.seq} hash {theirs.value:#018x}; the ranks diverged"
                 )
         self.metrics.hash_checks.labels("match").inc()
+
+
+def _draw_row(row: DrawArgs) -> DrawRow:
+    """A row's ROW_DRAW entry (its acc and nonzero 0 before the leader's pass)."""
+    return DrawRow(int(row.draw), row.top_k, row.top, row.inv, row.acc, row.u, row.nonzero)
 
 
 def _pick_fits(row: DrawArgs, pick: PickRow, width: int) -> bool:

@@ -99,7 +99,9 @@ class EngineTokens(EngineSessions):
                 if t > 0.0:
                     draws[i] = (t, req.frame.top_k, req.rng.random())
             picks = self.commands.picks(
-                dataclasses.replace(frame, row_tops=True, row_draws=True), checkpoint, draws
+                dataclasses.replace(frame, row_tops=True, row_draws=True, row_mass=True),
+                checkpoint,
+                draws,
             )
             return None if picks is None else Drawn(picks=picks)
         rows = self.commands.run(frame, checkpoint)

@@ -6,6 +6,7 @@ dials again."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -36,6 +37,7 @@ from foundry.wire.tp import (
     Logits,
     PickRow,
     RowDraw,
+    RowMass,
     RowPicks,
     RowTops,
     Stop,
@@ -130,31 +132,53 @@ class WorkerPair:
                 )
             )
             if frame.row_draws:
-                self._draw(link, rows)
+                self._draw(link, rows, frame.row_mass)
         elif command.reply is Reply.LOGITS and rows is not None:
             link.send(Logits.from_array(rows, session_id=frame.session_id, seq=st.step))
         self.metrics.active_sessions.set(len(st.sessions))
 
-    def _draw(self, link: ControlLink, rows: np.ndarray) -> None:
+    def _draw(self, link: ControlLink, rows: np.ndarray, row_mass: bool) -> None:
         """A ROW_DRAWS command's sampled rows: the leader's ROW_DRAW in, this block's part of
-        each row's draw (block_draw) out as ROW_PICKS."""
+        each row's draw (block_draw) out as ROW_PICKS. With ``row_mass`` this block's pass
+        runs on the ROW_DRAW (acc and nonzero 0) while the leader runs its own, and the draw
+        finishes on the leader's ROW_MASS."""
         draw = link.expect(FrameType.ROW_DRAW, "the leader's row draws")
         assert isinstance(draw, RowDraw)
-        if draw.seq != self.state.step or len(draw.rows) != rows.shape[0]:
-            raise LockstepError(
-                f"ROW_DRAW of step {draw.seq} for {len(draw.rows)} rows; this rank is at step "
-                f"{self.state.step} with {rows.shape[0]} rows"
-            )
+        self._check_step("ROW_DRAW", draw.seq, len(draw.rows), rows.shape[0])
         args = [
             DrawArgs(bool(r.mode), r.top_k, r.top, r.inv, r.acc, r.u, r.nonzero) for r in draw.rows
         ]
-        picks = BlockRows(rows).worker_tail(args)
+        block = BlockRows(rows)
+        if row_mass:
+            if any(r.acc or r.nonzero for r in draw.rows):
+                raise LockstepError(
+                    "a ROW_DRAW sent with ROW_MASS carries a row's acc or nonzero; they come "
+                    "in ROW_MASS"
+                )
+            block.worker_pass(args)
+            mass = link.expect(FrameType.ROW_MASS, "the leader's row masses")
+            assert isinstance(mass, RowMass)
+            self._check_step("ROW_MASS", mass.seq, len(mass.rows), rows.shape[0])
+            args = [
+                dataclasses.replace(a, acc=m.acc, nonzero=m.nonzero) if a.draw else a
+                for a, m in zip(args, mass.rows, strict=True)
+            ]
+            picks = block.worker_finish(args)
+        else:
+            picks = block.worker_tail(args)
         link.send(
             RowPicks(
                 rows=tuple(PickRow(p.kind, p.index, p.target, p.candidates) for p in picks),
                 seq=self.state.step,
             )
         )
+
+    def _check_step(self, what: str, seq: int, count: int, rows: int) -> None:
+        if seq != self.state.step or count != rows:
+            raise LockstepError(
+                f"{what} of step {seq} for {count} rows; this rank is at step "
+                f"{self.state.step} with {rows} rows"
+            )
 
     def _checkpoint(self, link: ControlLink, sync: Sync) -> Checkpoint:
         def meet(current: int, total: int) -> int | None:

@@ -13,7 +13,12 @@ starts on a multiple of :data:`BLOCK`):
 3. the worker's :meth:`BlockRows.worker_tail`: the same for its block, continuing the leader's
    mass, then the draw: a :class:`Pick` each row (``ROW_PICKS``): its token, or where the
    leader finds it (its own blocks' walk to a target, its last nonzero token), or for a row cut
-   to ``top_k``, the worker's best candidates;
+   to ``top_k``, the worker's best candidates. With the leader's mass sent apart (``ROW_MASS``:
+   the leader sends the row's top first, its mass after its pass) the worker runs its pass
+   (:meth:`BlockRows.worker_pass`) while the leader runs its own, and
+   :meth:`BlockRows.worker_finish` continues from the leader's mass when it comes: the same
+   additions in the same order, so the same picks, with the two passes at once instead of one
+   after the other;
 4. the leader's :meth:`BlockRows.finish`: each row's token, exactly ``sample_rows``'s on the
    whole row (the same float operations in the same order).
 
@@ -41,6 +46,7 @@ MAX_TOP_K = 256  # the most candidates a rank sends for a row cut to top_k
 
 # sample.c's modes and kinds (kernels.h).
 PART_SKIP, PART_PASS, PART_TAIL, PART_WALK, PART_LAST, PART_TOP_K = -1, 0, 1, 2, 3, 4
+PART_FINISH = 5
 KIND_NONE, KIND_TOKEN, KIND_LEADER_WALK, KIND_LEADER_LAST, KIND_TOP_K = 0, 1, 2, 3, 4
 _NO_MEMORY = -3
 _ARGS, _OUTS = 8, 7  # PART_ARGS, PART_OUTS
@@ -115,10 +121,26 @@ class BlockRows:
 
     def worker_tail(self, rows: Sequence[DrawArgs]) -> list[Pick]:
         """The worker's part 3: each row's pick from its block."""
+        return self._worker_picks(rows, PART_TAIL)
+
+    def worker_pass(self, rows: Sequence[DrawArgs]) -> None:
+        """Part 3's pass alone, before the leader's mass is known (``acc`` and ``nonzero`` of
+        ``rows`` are not read): this block's probabilities with each drawn row's top."""
+        args = np.zeros((len(rows), _ARGS), np.float64)
+        for i, r in enumerate(rows):
+            args[i, :3] = (PART_PASS if r.draw else PART_SKIP), r.top, r.inv
+        self._run(args)
+
+    def worker_finish(self, rows: Sequence[DrawArgs]) -> list[Pick]:
+        """Part 3 after :meth:`worker_pass` of the same rows (their top and inv), with the
+        leader's mass and count now in ``rows``: the picks ``worker_tail`` gives."""
+        return self._worker_picks(rows, PART_FINISH)
+
+    def _worker_picks(self, rows: Sequence[DrawArgs], mode: int) -> list[Pick]:
         args = np.zeros((len(rows), _ARGS), np.float64)
         for i, r in enumerate(rows):
             if r.draw:
-                args[i] = (PART_TAIL, r.top, r.inv, r.acc, r.u, 0.0, r.top_k, r.nonzero)
+                args[i] = (mode, r.top, r.inv, r.acc, r.u, 0.0, r.top_k, r.nonzero)
             else:
                 args[i, 0] = PART_SKIP
         self._run(args)
@@ -184,16 +206,17 @@ def _parts_numpy(rows: BlockRows, args: F64) -> None:
         mode, o = int(a[0]), rows.out[i]
         o[3], o[6] = KIND_NONE, 0
         e, bsum = rows.e[i], rows.bsum[i]
-        if mode in (PART_PASS, PART_TAIL):
-            with np.errstate(under="ignore", over="ignore"):
-                e[:] = np.exp((rows.z[i] - np.float32(a[1])) * np.float32(a[2]))
-            pad = np.zeros(len(bsum) * BLOCK, np.float64)
-            pad[:v] = e
-            bsum[:] = pad.reshape(-1, BLOCK // 8, 8).sum(axis=1).sum(axis=1)
-            nonzero = int(np.count_nonzero(e > 0))
+        if mode in (PART_PASS, PART_TAIL, PART_FINISH):
+            if mode != PART_FINISH:
+                with np.errstate(under="ignore", over="ignore"):
+                    e[:] = np.exp((rows.z[i] - np.float32(a[1])) * np.float32(a[2]))
+                pad = np.zeros(len(bsum) * BLOCK, np.float64)
+                pad[:v] = e
+                bsum[:] = pad.reshape(-1, BLOCK // 8, 8).sum(axis=1).sum(axis=1)
+                o[0], o[1] = np.count_nonzero(e > 0), _last_nonzero(e, 0, v)
+            nonzero, last = int(o[0]), int(o[1])
             mass = float(np.cumsum(np.r_[a[3], bsum])[-1])
-            last = _last_nonzero(e, 0, v)
-            o[0], o[1], o[2] = nonzero, last, mass
+            o[2] = mass
             if mode == PART_PASS:
                 continue
             if a[6] and a[6] < nonzero + a[7]:

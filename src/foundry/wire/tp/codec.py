@@ -10,9 +10,11 @@ from foundry.wire.tp.control import (
     DRAW_ROW,
     FRAME_CLASSES,
     FRAME_FLAG_ROW_DRAWS,
+    FRAME_FLAG_ROW_MASS,
     FRAME_FLAG_ROW_TOPS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
+    MASS_ROW,
     PICK_CANDIDATE,
     PICK_ROW,
     ROW_TOP,
@@ -86,6 +88,7 @@ def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None =
         4 + 4 * max_rows * block,  # LOGITS: rows of the larger half (of the largest block)
         4 + ROW_TOP.size * max_rows,  # ROW_TOPS
         4 + DRAW_ROW.size * TP_MAX_BATCH_ITEMS,  # ROW_DRAW of every row (the worker's bound too)
+        4 + MASS_ROW.size * TP_MAX_BATCH_ITEMS,  # ROW_MASS of every row
         # ROW_PICKS: every row cut to the largest top_k, each with all its candidates
         4 + max_rows * (PICK_ROW.size + PICK_CANDIDATE.size * TP_MAX_DRAW_TOP_K),
         WORLD_ENTRY.size * (TP_MAX_WORLD - 1),  # WORLD
@@ -141,6 +144,7 @@ class TpDecoder(FrameDecoder[Frame]):
                 seq=seq,
                 row_tops=bool(flags & FRAME_FLAG_ROW_TOPS),
                 row_draws=bool(flags & FRAME_FLAG_ROW_DRAWS),
+                row_mass=bool(flags & FRAME_FLAG_ROW_MASS),
             )
         except LocalProtocolError as exc:
             raise TpProtocolError(f"{ftype.name}: {exc}") from None
@@ -187,23 +191,28 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"{UNSUPPORTED_FRAME_TYPES[ftype]}"
             )
         cls = FRAME_CLASSES[ftype]
-        allowed = FRAME_FLAG_ROW_TOPS | FRAME_FLAG_ROW_DRAWS if cls.ROWS_REPLY else 0
+        row_flags = FRAME_FLAG_ROW_TOPS | FRAME_FLAG_ROW_DRAWS | FRAME_FLAG_ROW_MASS
+        allowed = row_flags if cls.ROWS_REPLY else 0
         if flags & ~allowed or reserved:
             rule = (
                 "must be 0"
                 if not allowed
-                else "must be 0, 0x1 (ROW_TOPS) or 0x3 (ROW_TOPS | ROW_DRAWS) / 0"
+                else "must be 0, 0x1 (ROW_TOPS), 0x3 (ROW_TOPS | ROW_DRAWS) or 0x7 (ROW_TOPS | "
+                "ROW_DRAWS | ROW_MASS) / 0"
             )
             raise TpProtocolError(
                 f"{ftype.name}: header flags {flags:#x} / reserved {reserved} {rule} "
                 f"in protocol version {TP_PROTOCOL_VERSION}"
             )
-        if flags & FRAME_FLAG_ROW_DRAWS and not flags & FRAME_FLAG_ROW_TOPS:
-            raise TpProtocolError(
-                f"{ftype.name}: header flags {flags:#x}: ROW_DRAWS "
-                f"({FRAME_FLAG_ROW_DRAWS:#x}) needs ROW_TOPS ({FRAME_FLAG_ROW_TOPS:#x}); the "
-                "flags must be 0, 0x1 or 0x3"
-            )
+        for flag, name, needed, needed_name in (
+            (FRAME_FLAG_ROW_DRAWS, "ROW_DRAWS", FRAME_FLAG_ROW_TOPS, "ROW_TOPS"),
+            (FRAME_FLAG_ROW_MASS, "ROW_MASS", FRAME_FLAG_ROW_DRAWS, "ROW_DRAWS"),
+        ):
+            if flags & flag and not flags & needed:
+                raise TpProtocolError(
+                    f"{ftype.name}: header flags {flags:#x}: {name} ({flag:#x}) needs "
+                    f"{needed_name} ({needed:#x}); the flags must be 0, 0x1, 0x3 or 0x7"
+                )
         if length > self.max_payload:
             raise TpProtocolError(
                 f"{ftype.name} payload of {length} bytes exceeds the limit of "

@@ -68,6 +68,7 @@ class FrameType(enum.IntEnum):
     ROW_TOPS = 33  # Foundry's extension: each row's best token of a worker's block (greedy)
     ROW_DRAW = 34  # Foundry's extension: what the workers need to draw the step's sampled rows
     ROW_PICKS = 35  # Foundry's extension: a worker's part of each drawn row
+    ROW_MASS = 36  # Foundry's extension: the leader's mass of each drawn row, after ROW_DRAW
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -102,6 +103,10 @@ FRAME_FLAG_ROW_TOPS = 0x01
 # and answers ROW_PICKS, the exchange that draws the step's sampled rows without shipping the
 # logits (the header's flags are then 0x03).
 FRAME_FLAG_ROW_DRAWS = 0x02
+# ROW_MASS, only with ROW_DRAWS: the leader sends ROW_DRAW as soon as it knows each row's top,
+# with acc and nonzero 0, and their values in ROW_MASS after its own pass, so that the worker
+# runs its pass meanwhile (the header's flags are then 0x07).
+FRAME_FLAG_ROW_MASS = 0x04
 # ROW_TOPS row: value f32 (the block's largest logit), token i32 (the global id of its first
 # occurrence; -1 a NaN or +inf in the block, -2 every logit of the block -inf)
 ROW_TOP = struct.Struct("<fi")
@@ -112,6 +117,8 @@ ROW_TOP_ALL_MASKED = -2
 TP_MAX_DRAW_TOP_K = 256
 # ROW_DRAW row: mode u32, top_k u32, top f32, inv f32, acc f64, u f64, nonzero u32, reserved u32
 DRAW_ROW = struct.Struct("<IIffddII")
+# ROW_MASS row: acc f64 (the leader's mass), nonzero u32 (its tokens above 0), reserved u32
+MASS_ROW = struct.Struct("<dII")
 # ROW_PICKS row: kind i32, index i32, target f64, n u32 (candidates that follow), reserved u32
 PICK_ROW = struct.Struct("<iidII")
 # ROW_PICKS candidate, after every row: e f32, index i32 (in the worker's vocabulary block)
@@ -165,7 +172,8 @@ class _Frame:
     ``session_id`` names the inference session a command applies to (0 where none does);
     ``seq`` is the leader's command sequence number, echoed where the seed has one (EVAL, HASH);
     ``row_tops`` asks the workers for ROW_TOPS instead of LOGITS, ``row_draws`` (only with
-    ``row_tops``) then for the ROW_DRAW / ROW_PICKS exchange (the header's flags).
+    ``row_tops``) then for the ROW_DRAW / ROW_PICKS exchange, ``row_mass`` (only with
+    ``row_draws``) for ROW_MASS between them (the header's flags).
     ``LAYOUT`` declares the payload's fixed part (``foundry.wire.layout``, the FDTC codec's
     form): its fields are validated when the frame is built, packed, and unpacked. A frame
     with a variable part after it (tokens, items, a LOGITS half) adds ``_tail`` and
@@ -184,6 +192,7 @@ class _Frame:
     seq: int = 0
     row_tops: bool = False  # the header's FRAME_FLAG_ROW_TOPS (only where ROWS_REPLY)
     row_draws: bool = False  # the header's FRAME_FLAG_ROW_DRAWS (only with row_tops)
+    row_mass: bool = False  # the header's FRAME_FLAG_ROW_MASS (only with row_draws)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -194,24 +203,33 @@ class _Frame:
         owner = type(self).__name__
         _check_range(owner, "session_id", self.session_id, 0, _U64)
         _check_range(owner, "seq", self.seq, 0, _U64)
-        for name, flag in (("row_tops", FRAME_FLAG_ROW_TOPS), ("row_draws", FRAME_FLAG_ROW_DRAWS)):
+        flags = (
+            ("row_tops", FRAME_FLAG_ROW_TOPS),
+            ("row_draws", FRAME_FLAG_ROW_DRAWS),
+            ("row_mass", FRAME_FLAG_ROW_MASS),
+        )
+        for name, flag in flags:
             if getattr(self, name) and not self.ROWS_REPLY:
                 raise LocalProtocolError(
                     f"{owner}: {name} (header flag {flag:#x}) is only for a command answered "
                     "with logits rows"
                 )
-        if self.row_draws and not self.row_tops:
-            raise LocalProtocolError(
-                f"{owner}: row_draws (header flag {FRAME_FLAG_ROW_DRAWS:#x}) needs row_tops "
-                f"(header flag {FRAME_FLAG_ROW_TOPS:#x})"
-            )
+        for (name, flag), (needed, needed_flag) in zip(flags[1:], flags, strict=False):
+            if getattr(self, name) and not getattr(self, needed):
+                raise LocalProtocolError(
+                    f"{owner}: {name} (header flag {flag:#x}) needs {needed} "
+                    f"(header flag {needed_flag:#x})"
+                )
         self.LAYOUT.normalise(self)
 
     @property
     def header_flags(self) -> int:
-        """The header's flags byte: ``FRAME_FLAG_ROW_TOPS`` and ``FRAME_FLAG_ROW_DRAWS``."""
-        return (FRAME_FLAG_ROW_TOPS if self.row_tops else 0) | (
-            FRAME_FLAG_ROW_DRAWS if self.row_draws else 0
+        """The header's flags byte: ``FRAME_FLAG_ROW_TOPS``, ``FRAME_FLAG_ROW_DRAWS`` and
+        ``FRAME_FLAG_ROW_MASS``."""
+        return (
+            (FRAME_FLAG_ROW_TOPS if self.row_tops else 0)
+            | (FRAME_FLAG_ROW_DRAWS if self.row_draws else 0)
+            | (FRAME_FLAG_ROW_MASS if self.row_mass else 0)
         )
 
     def _tail(self) -> bytes:
@@ -746,6 +764,63 @@ class RowPicks(_Frame):
         return cls(rows=tuple(rows), **header)
 
 
+@dataclass(frozen=True)
+class MassRow:
+    """One row of a ROW_MASS, in the order of the step's rows: what a ROW_DRAW sent with
+    ``row_mass`` left 0, ``acc`` the leader's mass and ``nonzero`` its count of tokens of
+    probability > 0 (both 0 on a row of mode 0)."""
+
+    acc: float
+    nonzero: int
+
+    def __post_init__(self) -> None:
+        _check_range("MassRow", "nonzero", self.nonzero, 0, _U32)
+        acc = _real("MassRow", "acc", self.acc)
+        if not (math.isfinite(acc) and acc >= 0.0):
+            raise LocalProtocolError(f"MassRow.acc must be finite and >= 0, got {acc!r}")
+        object.__setattr__(self, "acc", acc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowMass(_Frame):
+    """The leader's ROW_MASS after its own pass, following the ROW_DRAW of a command sent with
+    ``row_mass`` (seq the step): one :class:`MassRow` for each row of the ROW_DRAW, in order;
+    each worker then answers with ROW_PICKS. Payload: count u32, then count x 16-byte rows
+    (``MASS_ROW``)."""
+
+    TYPE = FrameType.ROW_MASS
+    PAYLOAD_BASE = 4
+    PAYLOAD_UNIT = MASS_ROW.size
+    rows: tuple[MassRow, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "rows", tuple(self.rows))
+        for row in self.rows:
+            if not isinstance(row, MassRow):
+                raise LocalProtocolError(f"RowMass.rows must hold MassRow, got {row!r}")
+
+    def _tail(self) -> bytes:
+        rows = (MASS_ROW.pack(r.acc, r.nonzero, 0) for r in self.rows)
+        return _U32S.pack(len(self.rows)) + b"".join(rows)
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
+        (count,) = _U32S.unpack_from(buf, offset)
+        if 4 + MASS_ROW.size * count != length:
+            raise TpProtocolError(
+                f"ROW_MASS says {count} rows but its payload is {length} bytes "
+                f"(expected {4 + MASS_ROW.size * count})"
+            )
+        rows = []
+        data = memoryview(buf)[offset + 4 : offset + length]
+        for i, (acc, nonzero, reserved) in enumerate(MASS_ROW.iter_unpack(data)):
+            if reserved:
+                raise TpProtocolError(f"ROW_MASS row {i}: nonzero reserved word")
+            rows.append(MassRow(acc, nonzero))
+        return cls(rows=tuple(rows), **header)
+
+
 # WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
 WORLD_ENTRY = struct.Struct("<HH16sQ")
 
@@ -803,7 +878,7 @@ class World(_Frame):
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
-    | World | RowTops | RowDraw | RowPicks
+    | World | RowTops | RowDraw | RowPicks | RowMass
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -812,7 +887,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
-        World, RowTops, RowDraw, RowPicks,
+        World, RowTops, RowDraw, RowPicks, RowMass,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.

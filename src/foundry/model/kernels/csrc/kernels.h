@@ -618,7 +618,15 @@ void sample_rows(const float *const *z, int rows, int64_t v, const sample_args *
 /* The same draw with the row cut into vocabulary blocks held by different ranks (sample.c,
  * "A row in blocks"): what each block's rank computes, a row a task on the pool. Each row's
  * parameters are PART_ARGS float64 (part_arg), its results PART_OUTS float64 (part_out). */
-enum { PART_SKIP = -1, PART_PASS = 0, PART_TAIL = 1, PART_WALK = 2, PART_LAST = 3, PART_TOP_K = 4 };
+enum {
+    PART_SKIP = -1,
+    PART_PASS = 0,
+    PART_TAIL = 1,
+    PART_WALK = 2,
+    PART_LAST = 3,
+    PART_TOP_K = 4,
+    PART_FINISH = 5
+};
 enum { ARG_MODE, ARG_TOP, ARG_INV, ARG_ACC, ARG_U, ARG_TARGET, ARG_TOP_K, ARG_NONZERO, PART_ARGS };
 enum { OUT_NONZERO, OUT_LAST, OUT_MASS, OUT_KIND, OUT_INDEX, OUT_TARGET, OUT_N, PART_OUTS };
 enum { KIND_NONE = 0, KIND_TOKEN = 1, KIND_LEADER_WALK = 2, KIND_LEADER_LAST = 3, KIND_TOP_K = 4 };

@@ -62,7 +62,8 @@ static const char sample_parts_doc[] =
     "into vocabulary blocks (sample.c, A row in blocks), a row a task on the pool. z: R x V "
     "float32 logits of this rank's block; e: R x V float32 and bsum: R x ceil(V / 64) float64, "
     "the probabilities and block masses (written by PART_PASS and PART_TAIL, read by the other "
-    "modes); args: R x 8 float64 (mode, top, inv, acc, u, target, top_k, nonzero); out: R x 7 "
+    "modes; PART_FINISH also reads back the nonzero and last of its row's PART_PASS in out); args: "
+    "R x 8 float64 (mode, top, inv, acc, u, target, top_k, nonzero); out: R x 7 "
     "float64 (nonzero, last, mass, kind, index, target, n); cand_e: R x K float32 and cand_id: "
     "R x K int64, each row's top-k candidates.";
 

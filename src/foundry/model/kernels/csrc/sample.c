@@ -384,6 +384,9 @@ void sample_rows(const float *const *z, int rows, int64_t v, const sample_args *
  *   running mass only grows), else the walk goes on through the worker's blocks from the
  *   leader's mass (KIND_TOKEN), and where rounding leaves the whole row short, the row's last
  *   nonzero token: the worker's, else the leader's (KIND_LEADER_LAST);
+ * - PART_FINISH (the worker, after a PART_PASS of its block with the row's top while the
+ *   leader ran its own): PART_TAIL on that pass's e, block masses, count and last token (its
+ *   outputs, read back), so the same additions in the same order without a second pass;
  * - PART_WALK, PART_LAST, PART_TOP_K (the leader, on the e of its PART_PASS): the walk of its
  *   blocks to a target, its last nonzero token, its min(top_k, nonzero) best. */
 typedef struct {
@@ -427,14 +430,15 @@ static int parts_task(void *ctx, int i) {
     const int64_t top_k = (int64_t)a[ARG_TOP_K];
     o[OUT_KIND] = KIND_NONE;
     o[OUT_N] = 0;
-    if (mode == PART_PASS || mode == PART_TAIL) {
-        const int64_t nonzero = row_probs_here()(j->z + (int64_t)i * v, v, (float)a[ARG_TOP],
-                                                 (float)a[ARG_INV], e, bsum);
+    if (mode == PART_PASS || mode == PART_TAIL || mode == PART_FINISH) {
+        if (mode != PART_FINISH) {
+            o[OUT_NONZERO] = (double)row_probs_here()(j->z + (int64_t)i * v, v, (float)a[ARG_TOP],
+                                                      (float)a[ARG_INV], e, bsum);
+            o[OUT_LAST] = (double)last_nonzero(e, 0, v);
+        }
+        const int64_t nonzero = (int64_t)o[OUT_NONZERO], last = (int64_t)o[OUT_LAST];
         double mass = a[ARG_ACC];
         for (int64_t b = 0; b < nb; b++) mass = mass + bsum[b];
-        const int64_t last = last_nonzero(e, 0, v);
-        o[OUT_NONZERO] = (double)nonzero;
-        o[OUT_LAST] = (double)last;
         o[OUT_MASS] = mass;
         if (mode == PART_PASS) return 0;
         const int64_t all = nonzero + (int64_t)a[ARG_NONZERO];
