@@ -107,10 +107,11 @@ def chunks(size: int) -> Callable[[int, int], int | None]:
 def test_commands_match_one_process_bit_for_bit(qtype: QType | None) -> None:
     pair = Pair(qtype)
     ref = Engine(CFG, pair.params)
-    a, b = ref.new_session(), ref.new_session()
+    a, b, c, d = (ref.new_session() for _ in range(4))
     prompt_a, prompt_b = list(range(10, 31)), list(range(40, 49))
-    pair.both(lambda st: st.create(1, CFG.n_ctx))
-    pair.both(lambda st: st.create(2, CFG.n_ctx))
+    prompt_c, prompt_d = list(range(60, 66)), list(range(70, 81))
+    for sid in (1, 2, 3, 4):
+        pair.both(lambda st, sid=sid: st.create(sid, CFG.n_ctx))
 
     # SYNC in chunks of 8 against the same chunks in one process.
     got = pair.joined(lambda st: st.sync(1, prompt_a, chunks(8)))  # type: ignore[arg-type,return-value]
@@ -120,15 +121,26 @@ def test_commands_match_one_process_bit_for_bit(qtype: QType | None) -> None:
     assert np.array_equal(got, want) and pair.hashes_agree()
 
     # MIXED_BATCH: a prefill chunk of session 2 with one token of session 1.
-    got = pair.joined(lambda st: st.mixed(2, prompt_b, [(1, 7)]))
+    got = pair.joined(lambda st: st.mixed([(2, prompt_b)], [(1, 7)]))
     want = ref.forward_rows([(b, prompt_b), (a, [7])])[len(prompt_b) - 1 :]
     assert np.array_equal(got, want) and pair.hashes_agree()
+
+    # MIXED_PREFILLS: chunks of sessions 3 and 4 with one token of sessions 1 and 2; each
+    # chunk's last row, then the items' rows.
+    got = pair.joined(lambda st: st.mixed([(3, prompt_c), (4, prompt_d)], [(1, 8), (2, 9)]))
+    block = [(c, prompt_c), (d, prompt_d), (a, [8]), (b, [9])]
+    want = ref.forward_rows(block, last_only=True)
+    assert np.array_equal(got, want) and pair.hashes_agree()
+    if qtype is not None:  # the kernels' rows are their own dot products: as in passes alone
+        alone = Engine(CFG, pair.params)
+        for prompt, row in ((prompt_c, 0), (prompt_d, 1)):
+            assert np.array_equal(alone.forward_rows([(alone.new_session(), prompt)])[-1], got[row])
 
     # EVAL_BATCH of both sessions.
     got = pair.joined(lambda st: st.eval_batch([(2, 5), (1, 6)]))
     want = ref.forward_rows([(b, [5]), (a, [6])])
     assert np.array_equal(got, want) and pair.hashes_agree()
-    assert [s.pos for s in (a, b)] == [pair.ranks[0].sessions[i].pos for i in (1, 2)]
+    assert [s.pos for s in (a, b, c, d)] == [pair.ranks[0].sessions[i].pos for i in (1, 2, 3, 4)]
 
 
 @pytest.mark.parametrize("mode", list(VerifyCommitMode))
@@ -208,7 +220,11 @@ def test_commands_that_do_not_fit_are_refused_before_any_gate() -> None:
     with pytest.raises(LockstepError, match="listed twice"):
         st.eval_batch([(2, 1), (2, 2)])
     with pytest.raises(LockstepError, match="listed twice"):
-        st.mixed(2, [3, 4], [(2, 1)])
+        st.mixed([(2, [3, 4])], [(2, 1)])
+    with pytest.raises(LockstepError, match="listed twice"):
+        st.mixed([(2, [3]), (2, [4])], [])
+    with pytest.raises(LockstepError, match="mixed prefill of 9 tokens with 8 positions free"):
+        st.mixed([(2, list(range(9)))], [])
     st.verify(1, [5, 6])
     with pytest.raises(LockstepError, match="awaiting its commit"):
         st.eval_batch([(1, 7)])

@@ -156,6 +156,7 @@ def test_the_kept_session_picked_holds_the_prompt_prefix_it_reuses(
 def test_plan_pass() -> None:
     assert plan_pass(0, 0, 0) is Pass.IDLE
     assert plan_pass(1, 0, 0) is Pass.PREFILL
+    assert plan_pass(3, 0, 0) is Pass.MIXED  # prompts that arrive together: one pass
     assert plan_pass(2, 3, 0) is Pass.MIXED  # decoding never stalls behind a prompt
     assert plan_pass(0, 1, 0) is Pass.EVAL
     assert plan_pass(0, 1, 4) is Pass.VERIFY

@@ -148,8 +148,11 @@ def test_concurrent_sessions_equal_the_same_sessions_alone(pair: LeaderProc) -> 
         together = c.wait(list(range(1, 9)))
     for a, b in zip(alone, together, strict=True):
         assert isinstance(b.end, fw.Done) and a.tokens == b.tokens and a.text == b.text
-    # They really ran together: the last request's first token came before the first's last.
+    # They really ran together: the last request's first token came before the first's last,
+    # and prompts that waited together were evaluated in one pass (MIXED_PREFILLS).
     assert together[-1].token_times[0] < together[0].token_times[-1]
+    assert pair.metrics is not None
+    assert metric(pair.metrics, 'foundry_tp_passes_total{kind="mixed_prefills"}') >= 1
 
 
 def test_stop_strings_and_bad_requests(model: Path, pair: LeaderProc) -> None:

@@ -388,7 +388,7 @@ def test_payload_size_rules_of_every_frame() -> None:
         "SESSION_CREATE": (4, 0), "SESSION_DESTROY": (0, 0), "EVAL_BATCH": (0, 16),
         "MIXED_BATCH": (8, 4), "COMMAND_ACK": (4, 0), "SYNC_CHECKPOINT": (13, 0),
         "WORLD": (0, 28), "ROW_TOPS": (4, 8), "ROW_DRAW": (4, 40), "ROW_PICKS": (4, 8),
-        "ROW_MASS": (4, 16),
+        "ROW_MASS": (4, 16), "MIXED_PREFILLS": (8, 4),
     }  # fmt: skip
 
 

@@ -33,7 +33,9 @@ from foundry.wire.tp import (
     Logits,
     MassRow,
     MixedBatch,
+    MixedPrefills,
     PickRow,
+    Prefill,
     Rewind,
     Role,
     RowDraw,
@@ -161,6 +163,12 @@ GOLDEN: list[tuple[tp.ControlFrame, str]] = [
         " 0000003f 03000000 0000803e 09000000",
     ),
     (
+        MixedPrefills(prefills=(Prefill(3, (1, 2)), Prefill(4, (5,))), items=(BatchItem(7, 9),)),
+        "44545034 25 00 0000 0000000000000000 0000000000000000 44000000 02000000 01000000"
+        " 0300000000000000 02000000 00000000 0400000000000000 01000000 00000000"
+        " 01000000 02000000 05000000 0700000000000000 09000000 00000000",
+    ),
+    (
         RowMass(session_id=1, seq=4, rows=(MassRow(3.0, 100), MassRow(0.0, 0))),
         "44545034 24 00 0000 0100000000000000 0400000000000000 24000000 02000000"
         " 0000000000000840 64000000 00000000 0000000000000000 00000000 00000000",
@@ -242,6 +250,7 @@ def test_every_seed_frame_type_has_its_seed_number() -> None:
         "ROW_DRAW": 34,  # Foundry's extension: the leader's draw of the sampled rows
         "ROW_PICKS": 35,  # Foundry's extension: a worker's answer to it
         "ROW_MASS": 36,  # Foundry's extension: the leader's mass, after its own pass
+        "MIXED_PREFILLS": 37,  # Foundry's extension: MIXED_BATCH with several prompts
     }  # fmt: skip
     assert {t.name: t.value for t in FrameType} == seed
     assert {f.TYPE for f in FRAMES} == set(tp.FRAME_CLASSES)
@@ -295,7 +304,7 @@ def test_row_mass_flag_only_with_row_draws() -> None:
 def test_row_tops_flag_only_on_commands_answered_with_rows() -> None:
     assert {t for t, c in tp.FRAME_CLASSES.items() if c.ROWS_REPLY} == {
         FrameType.SYNC, FrameType.EVAL, FrameType.VERIFY, FrameType.EVAL_BATCH,
-        FrameType.MIXED_BATCH,
+        FrameType.MIXED_BATCH, FrameType.MIXED_PREFILLS,
     }  # fmt: skip
     with pytest.raises(LocalProtocolError, match="row_tops"):
         Stop(row_tops=True)
@@ -490,6 +499,19 @@ def mass_payload(*rows: tuple[Any, ...]) -> bytes:
          "ROW_PICKS row 1: nonzero reserved word"),
         (picks_payload([(5, 0, 0.0, 0, 0)], 0), "PickRow.kind"),
         (header(FrameType.ROW_MASS, 20) + bytes.fromhex("02000000") + bytes(16), "says 2 rows"),
+        (header(FrameType.MIXED_PREFILLS, 12) + bytes.fromhex("01000000 00000000 00000000"),
+         "says 1 prefills and 0 items, which is at least 24 bytes"),
+        (header(FrameType.MIXED_PREFILLS, 28)
+         + bytes.fromhex("01000000 00000000 0300000000000000 02000000 00000000 07000000"),
+         "1 prefills of 2 tokens and 0 items, which is 32 bytes"),
+        (header(FrameType.MIXED_PREFILLS, 28)
+         + bytes.fromhex("01000000 00000000 0300000000000000 01000000 01000000 07000000"),
+         "prefill of session 3: nonzero reserved word"),
+        (header(FrameType.MIXED_PREFILLS, 24)
+         + bytes.fromhex("01000000 00000000 0300000000000000 00000000 00000000"),
+         "Prefill of session 3 has no tokens"),
+        (header(FrameType.MIXED_PREFILLS, 8) + bytes.fromhex("00000000 00000000"),
+         "MixedPrefills has no prefill"),
         (mass_payload((1.0, 3, 0), (2.0, 4, 9)), "ROW_MASS row 1: nonzero reserved word"),
         (mass_payload((-1.0, 3, 0)), "MassRow.acc"),
         (mass_payload((math.nan, 3, 0)), "MassRow.acc"),
@@ -574,6 +596,14 @@ def test_payload_limit_and_limit_plus_one(limit: int) -> None:
         lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5,),)),
         lambda: PickRow(tp.PICK_TOP_K, 0, 0.0, ((0.5, 1 << 31),)),
         lambda: RowPicks(rows=((1, 0, 0.0),)),
+        lambda: Prefill(1, ()),
+        lambda: Prefill(-1, (1,)),
+        lambda: Prefill(1, (1 << 31,)),
+        lambda: MixedPrefills(prefills=()),
+        lambda: MixedPrefills(prefills=((1, (2,)),)),
+        lambda: MixedPrefills(
+            prefills=(Prefill(1, (2,)),), items=(BatchItem(2, 3),) * tp.TP_MAX_BATCH_ITEMS
+        ),
         lambda: MassRow(-0.5, 1),
         lambda: MassRow(1.0, -1),
         lambda: MassRow(1.0, 1 << 32),
@@ -608,6 +638,13 @@ frame_st = st.one_of(
         st.floats(-(2.0**100), 2.0**100, width=32), st.floats(2.0**-10, 2.0**10, width=32),
         st.floats(0, 1e6), st.floats(0, 1, exclude_max=True), st.integers(0, 2**32 - 1),
     ), max_size=4).map(tuple)),
+    st.builds(MixedPrefills, prefills=st.lists(st.builds(
+        Prefill, st.integers(0, 2**64 - 1),
+        st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=6).map(tuple)),
+        min_size=1, max_size=4).map(tuple),
+        items=st.lists(st.builds(BatchItem, st.integers(0, 9), st.integers(0, 9)),
+                       max_size=3).map(tuple),
+        row_tops=st.booleans()),
     st.builds(RowMass, seq=st.integers(0, 2**64 - 1), rows=st.lists(st.builds(
         MassRow, st.floats(0, 1e300), st.integers(0, 2**32 - 1)), max_size=4).map(tuple)),
     st.builds(RowPicks, seq=st.integers(0, 9), rows=st.lists(st.one_of(

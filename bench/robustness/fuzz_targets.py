@@ -518,6 +518,9 @@ class TpWorkerPortTarget(Target):
             tp.FrameType.SESSION_DESTROY: lambda: tp.SessionDestroy(session_id=1),
             tp.FrameType.EVAL_BATCH: lambda: tp.EvalBatch(items=items),
             tp.FrameType.MIXED_BATCH: lambda: tp.MixedBatch(session_id=1, prompt=toks, items=items),
+            tp.FrameType.MIXED_PREFILLS: lambda: tp.MixedPrefills(
+                prefills=(tp.Prefill(2, toks), tp.Prefill(3, toks[:1])), items=items
+            ),
             tp.FrameType.COMMAND_ACK: lambda: tp.CommandAck(status=r.randrange(3)),
             tp.FrameType.SYNC_CHECKPOINT: lambda: tp.SyncCheckpoint(
                 point=4, current=0, total=8, requested=r.random() < 0.5

@@ -217,6 +217,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="prompt tokens per prefill step; cancellation is checked between chunks (default 64)",
     )
     lead.add_argument(
+        "--prefill-batch",
+        type=positive_int,
+        default=256,
+        metavar="TOKENS",
+        help="prompt tokens one pass evaluates at most: the next chunks of as many waiting "
+        "prompts as fit, beside one token of every decoding session (default 256)",
+    )
+    lead.add_argument(
         "--spec-mode",
         default=SpecMode.FULL_PREFIX.value,
         choices=[m.value for m in SpecMode],
@@ -377,6 +385,7 @@ def run_leader(args: argparse.Namespace) -> int:
             queue_size=args.queue,
             keep_sessions=args.keep_sessions,
             prefill_chunk=args.prefill_chunk,
+            prefill_batch=args.prefill_batch,
             spec_mode=SpecMode(args.spec_mode),
             max_draft=args.max_draft,
             hash_check=args.hash_check,

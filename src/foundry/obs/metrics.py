@@ -464,6 +464,14 @@ class TpMetrics:
             ["kind"],
             registry=r,
         )
+        self.passes = Counter(
+            "foundry_tp_passes_total",
+            "Model passes, by command: sync (a prompt alone), mixed_batch (a prompt's chunk and "
+            "the decoding sessions), mixed_prefills (chunks of several prompts and the decoding "
+            "sessions), eval, eval_batch, verify (leader).",
+            ["kind"],
+            registry=r,
+        )
         self.active_sessions = Gauge(
             "foundry_tp_active_sessions", "Sessions open on this rank.", registry=r
         )

@@ -58,6 +58,8 @@ from foundry.wire.tp import (
     EvalBatch,
     GateTransport,
     MixedBatch,
+    MixedPrefills,
+    Prefill,
     Sync,
     Verify,
     VerifyCommit,
@@ -333,9 +335,7 @@ class LeaderEngine(EngineTokens):
         drafts = self._drafts(spec) if spec is not None else []
         kind = self.sched.next_pass(len(drafts))
         if kind is Pass.MIXED:
-            prefill = self.sched.prefills[0]
-            self._mixed(prefill, decoding)
-            return [*decoding, prefill]
+            return self._mixed(decoding)
         if kind is Pass.PREFILL:
             prefill = self.sched.prefills[0]
             self._prefill_alone(prefill)
@@ -384,27 +384,48 @@ class LeaderEngine(EngineTokens):
         self.sched.prefilled(req)
         self._take([req], drawn, [0])
 
-    def _mixed(self, prefill: Request, decoding: list[Request]) -> None:
-        s = prefill.session
-        assert s is not None
-        end = min(s.pos + self.options.prefill_chunk, len(prefill.prompt))
-        chunk = prefill.prompt[s.pos : end]
-        frame = MixedBatch(
-            session_id=prefill.sid,
-            prompt=tuple(chunk),
-            items=tuple(BatchItem(r.sid, r.next_token) for r in decoding),
-        )
-        # Rows: the chunk's last, then one for each decoding request.
-        later = list(range(1, len(decoding) + 1))
-        if end < len(prefill.prompt):
-            drawn = self._command(frame, decoding, later)
-            assert drawn is not None
-            self._take(decoding, drawn, later)
+    def _mixed(self, decoding: list[Request]) -> list[Request]:
+        """The next chunk of the waiting prompts that fit ``--prefill-batch`` (MIXED_BATCH for
+        one, MIXED_PREFILLS for several) with one token of every decoding request; the
+        requests it touched."""
+        chunks = self._prefill_chunks()
+        items = tuple(BatchItem(r.sid, r.next_token) for r in decoding)
+        frame: MixedBatch | MixedPrefills
+        if len(chunks) == 1:
+            req, start, end = chunks[0]
+            frame = MixedBatch(session_id=req.sid, prompt=tuple(req.prompt[start:end]), items=items)
         else:
-            drawn = self._command(frame, [*decoding, prefill], [*later, 0])
-            assert drawn is not None
-            self.sched.prefilled(prefill)
-            self._take([*decoding, prefill], drawn, [*later, 0])
+            prefills = tuple(Prefill(r.sid, tuple(r.prompt[a:b])) for r, a, b in chunks)
+            frame = MixedPrefills(prefills=prefills, items=items)
+        # Rows: each chunk's last, then one for each decoding request. A prompt whose last
+        # chunk this is takes its first token from its row.
+        done = [(req, i) for i, (req, _, end) in enumerate(chunks) if end == len(req.prompt)]
+        reqs = [*decoding, *(req for req, _ in done)]
+        rows_of = [*range(len(chunks), len(chunks) + len(decoding)), *(i for _, i in done)]
+        drawn = self._command(frame, reqs, rows_of)
+        assert drawn is not None
+        for req, _ in done:
+            self.sched.prefilled(req)
+        self._take(reqs, drawn, rows_of)
+        return [*decoding, *(req for req, _, _ in chunks)]
+
+    def _prefill_chunks(self) -> list[tuple[Request, int, int]]:
+        """The waiting prompts' next chunks for one pass, (request, start, end) each, oldest
+        first: each prompt in chunks of ``--prefill-chunk`` from where its session stands (the
+        same chunks alone or beside others), as many prompts as fit ``--prefill-batch``
+        tokens in all (the first always; a context at most, what a frame may carry)."""
+        budget = min(self.options.prefill_batch, self.identity.ctx_size)
+        chunks: list[tuple[Request, int, int]] = []
+        used = 0
+        for req in self.sched.prefills:
+            assert req.session is not None
+            start = req.session.pos
+            end = min(start + self.options.prefill_chunk, len(req.prompt))
+            if chunks and used + end - start > budget:
+                break
+            chunks.append((req, start, end))
+            used += end - start
+        return chunks
 
     def _eval(self, req: Request) -> None:
         frame = Eval(session_id=req.sid, seq=self.state.step + 1, token=req.next_token)

@@ -89,6 +89,7 @@ class EngineTokens(EngineSessions):
         their rows' tops, not their logits), with ``row_draws`` too when the sampled ones can
         be drawn in their blocks (``_drawable``: each row's token then comes back drawn), else
         for the full rows. None when a SYNC was cancelled."""
+        self.metrics.passes.labels(frame.TYPE.name.lower()).inc()
         if self._greedy(reqs):
             picks = self.commands.picks(dataclasses.replace(frame, row_tops=True), checkpoint)
             return None if picks is None else Drawn(picks=picks)

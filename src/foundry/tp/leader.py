@@ -31,10 +31,12 @@ Scheduling (one step of the engine thread)
    prefix, and only the rest of the prompt is evaluated. Otherwise SESSION_CREATE, acknowledged
    by the worker.
 3. One model pass (``policy.plan_pass``, a pure function of the queue lengths and the drafts):
-   - a prefill with no session decoding: SYNC, in chunks of ``prefill_chunk`` tokens with a
+   - one prefill with no session decoding: SYNC, in chunks of ``prefill_chunk`` tokens with a
      SYNC_CHECKPOINT before each, where a cancellation is agreed by both ranks;
-   - a prefill while sessions decode: MIXED_BATCH, the next chunk of the prompt plus one token
-     for every decoding session, so decoding never stalls behind a long prompt;
+   - prefills while sessions decode, or several with none decoding: the next chunk of as many
+     waiting prompts as fit ``prefill_batch`` tokens plus one token for every decoding session
+     (MIXED_BATCH for one prompt, MIXED_PREFILLS for several), so decoding never stalls behind
+     a long prompt and prompts that arrive together are evaluated together;
    - one decoding session, greedy, speculative decoding on, and the drafter has a guess:
      VERIFY of the block (its token plus up to 7 drafts) then VERIFY_COMMIT;
    - otherwise EVAL (one session) or EVAL_BATCH (one token for every decoding session).

@@ -20,6 +20,8 @@ SYNC               bring the context to exactly ``tokens``:    the last row, or 
 EVAL / EVAL_BATCH  one token for each listed session           one row per session
 MIXED_BATCH        a prefill chunk for one session, appended,  the chunk's last row, then
                    plus one token for each listed session      one row per session
+MIXED_PREFILLS     MIXED_BATCH with a chunk of each of         each chunk's last row, then
+                   several sessions                            one row per session
 VERIFY             a block: seed token + drafts                one row per block row
 VERIFY_COMMIT      how the block ends (full, prefix, replay)   -
 REWIND             forget positions >= pos                     -
@@ -190,26 +192,35 @@ class RankState:
     def eval_batch(self, items: Sequence[tuple[int, int]]) -> F32:
         if not items:
             raise LockstepError("EVAL_BATCH with no items")
-        rows = self._decode_rows(items, exclude=None)
+        rows = self._decode_rows(items, exclude=set())
         self.step += 1
         logits = self._forward(rows)
         self.kept["decode"] += len(rows)
         return logits
 
-    def mixed(self, sid: int, prompt: Sequence[int], items: Sequence[tuple[int, int]]) -> F32:
-        s = self._idle_session(sid)
-        if not prompt or len(prompt) > s.free:
-            raise LockstepError(
-                f"session {sid}: MIXED_BATCH prefill of {len(prompt)} tokens with "
-                f"{s.free} positions free"
-            )
-        self._check_tokens(sid, prompt)
-        rows = [(s, prompt), *self._decode_rows(items, exclude=sid)]
+    def mixed(
+        self, prefills: Sequence[tuple[int, Sequence[int]]], items: Sequence[tuple[int, int]]
+    ) -> F32:
+        """MIXED_BATCH (one prefill) and MIXED_PREFILLS: each prefill's chunk appended to its
+        session, one token for each item, in one pass."""
+        rows: list[tuple[Session, Sequence[int]]] = []
+        for sid, prompt in prefills:
+            s = self._idle_session(sid)
+            if any(r[0] is s for r in rows):
+                raise LockstepError(f"session {sid} listed twice in one batch")
+            if not prompt or len(prompt) > s.free:
+                raise LockstepError(
+                    f"session {sid}: mixed prefill of {len(prompt)} tokens with "
+                    f"{s.free} positions free"
+                )
+            self._check_tokens(sid, prompt)
+            rows.append((s, prompt))
+        rows += self._decode_rows(items, exclude={sid for sid, _ in prefills})
         self.step += 1
-        # Each session's last row: the chunk's last, then the one row of each item.
-        logits = self._forward(rows, last_only=True)  # (1 + n, V)
-        self.kept["prefill"] += len(prompt)
-        self.kept["decode"] += len(rows) - 1
+        # Each session's last row: each chunk's last, then the one row of each item.
+        logits = self._forward(rows, last_only=True)  # (prefills + items, V)
+        self.kept["prefill"] += sum(len(prompt) for _, prompt in prefills)
+        self.kept["decode"] += len(items)
         return logits
 
     def verify(self, sid: int, block: Sequence[int]) -> F32:
@@ -279,10 +290,10 @@ class RankState:
             raise LockstepError(f"session {sid}: a token id outside [0, {n_vocab})")
 
     def _decode_rows(
-        self, items: Sequence[tuple[int, int]], exclude: int | None
+        self, items: Sequence[tuple[int, int]], exclude: set[int]
     ) -> list[tuple[Session, list[int]]]:
         rows: list[tuple[Session, list[int]]] = []
-        seen: set[int] = set() if exclude is None else {exclude}
+        seen = set(exclude)
         for sid, token in items:
             if sid in seen:
                 raise LockstepError(f"session {sid} listed twice in one batch")
@@ -344,7 +355,10 @@ COMMANDS: Mapping[FrameType, Command] = MappingProxyType({
     FrameType.EVAL: Command(_eval, Reply.LOGITS),
     FrameType.EVAL_BATCH: Command(lambda st, f, _: st.eval_batch(_items(f.items)), Reply.LOGITS),
     FrameType.MIXED_BATCH: Command(
-        lambda st, f, _: st.mixed(f.session_id, f.prompt, _items(f.items)), Reply.LOGITS),
+        lambda st, f, _: st.mixed([(f.session_id, f.prompt)], _items(f.items)), Reply.LOGITS),
+    FrameType.MIXED_PREFILLS: Command(
+        lambda st, f, _: st.mixed([(p.session_id, p.tokens) for p in f.prefills],
+                                  _items(f.items)), Reply.LOGITS),
     FrameType.VERIFY: Command(lambda st, f, _: st.verify(f.session_id, f.drafts), Reply.LOGITS),
     FrameType.VERIFY_COMMIT: Command(
         lambda st, f, _: st.commit(f.session_id, f.mode, f.token_count), Reply.NONE),

@@ -36,6 +36,9 @@ class LeaderOptions:
     # most token histories re-synced after a worker loss (see "Kept sessions"); 0: none.
     keep_sessions: int = 8
     prefill_chunk: int = 64
+    # The most prompt tokens one pass evaluates: the next chunks of as many waiting prompts as
+    # fit (MIXED_PREFILLS), beside one token of every decoding session.
+    prefill_batch: int = 256
     spec_mode: SpecMode = SpecMode.FULL_PREFIX
     max_draft: int = MAX_DRAFT
     hash_check: bool = False
@@ -76,7 +79,7 @@ class LeaderOptions:
     speed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "prefill_chunk"):
+        for name in ("max_sessions", "prefill_chunk", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_size", "keep_sessions"):

@@ -23,8 +23,10 @@ class Pass(enum.Enum):
     """A model pass of the leader's engine (one step, see tp/leader.py "Scheduling")."""
 
     IDLE = "idle"  # nothing to evaluate
-    PREFILL = "prefill"  # SYNC of the first waiting prompt, alone
-    MIXED = "mixed"  # MIXED_BATCH: its next chunk plus one token of every decoding session
+    PREFILL = "prefill"  # SYNC of the one waiting prompt, alone
+    # MIXED_BATCH or MIXED_PREFILLS: the waiting prompts' next chunks (as many as fit a pass)
+    # plus one token of every decoding session
+    MIXED = "mixed"
     VERIFY = "verify"  # VERIFY + VERIFY_COMMIT of the one decoding session's drafted block
     EVAL = "eval"  # EVAL of the one decoding session
     EVAL_BATCH = "eval_batch"  # EVAL_BATCH, one token of every decoding session
@@ -34,9 +36,10 @@ def plan_pass(prefills: int, decoding: int, drafts: int) -> Pass:
     """The next pass, for ``prefills`` prompts waiting to be evaluated and ``decoding``
     sessions; ``drafts`` is how many tokens the drafter proposes for the one decoding session
     (0 when there is more than one, it is not greedy, or speculation is off). A prompt never
-    waits for decoding to end and decoding never stalls behind a long prompt."""
+    waits for decoding to end, decoding never stalls behind a long prompt, and prompts that
+    arrive together are evaluated together."""
     if prefills:
-        return Pass.MIXED if decoding else Pass.PREFILL
+        return Pass.MIXED if decoding or prefills > 1 else Pass.PREFILL
     if not decoding:
         return Pass.IDLE
     if decoding == 1:

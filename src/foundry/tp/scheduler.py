@@ -72,8 +72,8 @@ class Scheduler:
         return plan_pass(len(self.prefills), len(self.decoding), drafts)
 
     def prefilled(self, req: Request) -> None:
-        """``req``'s prompt is evaluated (the first prefill): it decodes from now on."""
-        self.prefills.popleft()
+        """``req``'s prompt is evaluated: it decodes from now on."""
+        self.prefills.remove(req)
         self.decoding.append(req)
 
     def remove(self, req: Request) -> None:

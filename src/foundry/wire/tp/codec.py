@@ -92,7 +92,9 @@ def max_payload_for(identity: Identity, max_rows: int, vocab_block: int | None =
         # ROW_PICKS: every row cut to the largest top_k, each with all its candidates
         4 + max_rows * (PICK_ROW.size + PICK_CANDIDATE.size * TP_MAX_DRAW_TOP_K),
         WORLD_ENTRY.size * (TP_MAX_WORLD - 1),  # WORLD
-        8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,  # MIXED_BATCH
+        # MIXED_BATCH; MIXED_PREFILLS too (its prefills' tokens at most a context in all, its
+        # prefills' 16-byte heads and its items at most TP_MAX_BATCH_ITEMS sessions)
+        8 + 4 * identity.ctx_size + BATCH_ITEM.size * TP_MAX_BATCH_ITEMS,
         4 + 4 * DS4_TP_BATCH_MAX_ROWS,  # VERIFY
         SyncCheckpoint.LAYOUT.size,
     )

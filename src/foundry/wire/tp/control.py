@@ -69,6 +69,7 @@ class FrameType(enum.IntEnum):
     ROW_DRAW = 34  # Foundry's extension: what the workers need to draw the step's sampled rows
     ROW_PICKS = 35  # Foundry's extension: a worker's part of each drawn row
     ROW_MASS = 36  # Foundry's extension: the leader's mass of each drawn row, after ROW_DRAW
+    MIXED_PREFILLS = 37  # Foundry's extension: MIXED_BATCH with a chunk of several prompts
 
 
 _NO_RDMA = "RDMA bring-up; this implementation has no RDMA (the slab is negotiated in the hello)"
@@ -133,6 +134,9 @@ _PICK_NAMES = ("PICK_NONE", "PICK_TOKEN", "PICK_LEADER_WALK", "PICK_LEADER_LAST"
 FRAME_HEADER_SIZE = FRAME_HEADER.size
 # ds4_tp_batch_item: session_id u64, token i32, reserved u32
 BATCH_ITEM = struct.Struct("<QiI")
+# MIXED_PREFILLS prefill: session_id u64, token_count u32 (its tokens follow every prefill's
+# head, in order), reserved u32
+PREFILL_HEAD = struct.Struct("<QII")
 _U32S = struct.Struct("<I")
 _U32X2 = struct.Struct("<II")
 _F32 = struct.Struct("<f")
@@ -511,6 +515,95 @@ class MixedBatch(_Frame):
         return cls(prompt=prompt, items=items, **header)
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """One prompt's chunk of a MIXED_PREFILLS: evaluated for session ``session_id``, appended
+    to what it holds."""
+
+    session_id: int
+    tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_range("Prefill", "session_id", self.session_id, 0, _U64)
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        if not self.tokens:
+            raise LocalProtocolError(f"Prefill of session {self.session_id} has no tokens")
+        _check_tokens("Prefill", "tokens", self.tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrefills(_Frame):
+    """MIXED_BATCH with several prompts: a chunk of each of ``prefills`` (distinct sessions)
+    fused with one decode step for ``items``; the header's session_id is 0. Rows: each
+    prefill's last, in order, then one for each item. Payload: prefill_count u32, item_count
+    u32, the prefills' heads (``PREFILL_HEAD``), their tokens (int32) in order, the items."""
+
+    TYPE = FrameType.MIXED_PREFILLS
+    ROWS_REPLY = True
+    PAYLOAD_BASE = 8
+    PAYLOAD_UNIT = 4
+    prefills: tuple[Prefill, ...] = ()
+    items: tuple[BatchItem, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "prefills", tuple(self.prefills))
+        object.__setattr__(self, "items", tuple(self.items))
+        if not self.prefills:
+            raise LocalProtocolError("MixedPrefills has no prefill")
+        for prefill in self.prefills:
+            if not isinstance(prefill, Prefill):
+                raise LocalProtocolError(
+                    f"MixedPrefills.prefills must hold Prefill, got {prefill!r}"
+                )
+        _check_items("MixedPrefills", self.items)
+        if len(self.prefills) + len(self.items) > TP_MAX_BATCH_ITEMS:
+            raise LocalProtocolError(
+                f"MixedPrefills holds {len(self.prefills)} prefills and {len(self.items)} items, "
+                f"more than {TP_MAX_BATCH_ITEMS} sessions"
+            )
+
+    def _tail(self) -> bytes:
+        heads = (PREFILL_HEAD.pack(p.session_id, len(p.tokens), 0) for p in self.prefills)
+        tokens = (_pack_tokens(p.tokens) for p in self.prefills)
+        return (
+            _U32X2.pack(len(self.prefills), len(self.items))
+            + b"".join(heads)
+            + b"".join(tokens)
+            + _pack_items(self.items)
+        )
+
+    @classmethod
+    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
+        n_prefills, n_items = _U32X2.unpack_from(buf, offset)
+        fixed = 8 + PREFILL_HEAD.size * n_prefills
+        if fixed + BATCH_ITEM.size * n_items > length:
+            raise TpProtocolError(
+                f"MIXED_PREFILLS says {n_prefills} prefills and {n_items} items, which is at "
+                f"least {fixed + BATCH_ITEM.size * n_items} bytes, but its payload is {length} "
+                "bytes"
+            )
+        heads = list(PREFILL_HEAD.iter_unpack(memoryview(buf)[offset + 8 : offset + fixed]))
+        for sid, _, reserved in heads:
+            if reserved:
+                raise TpProtocolError(
+                    f"MIXED_PREFILLS prefill of session {sid}: nonzero reserved word"
+                )
+        n_tokens = sum(count for _, count, _ in heads)
+        if fixed + 4 * n_tokens + BATCH_ITEM.size * n_items != length:
+            raise TpProtocolError(
+                f"MIXED_PREFILLS says {n_prefills} prefills of {n_tokens} tokens and {n_items} "
+                f"items, which is {fixed + 4 * n_tokens + BATCH_ITEM.size * n_items} bytes, but "
+                f"its payload is {length} bytes"
+            )
+        prefills, at = [], offset + fixed
+        for sid, count, _ in heads:
+            prefills.append(Prefill(sid, _unpack_tokens(buf, at, count)))
+            at += 4 * count
+        items = _unpack_items(buf, at, n_items)
+        return cls(prefills=tuple(prefills), items=items, **header)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommandAck(_Frame):
     """The worker's answer to a mirrored command: ``status`` 0 ok, nonzero failed."""
@@ -878,7 +971,7 @@ class World(_Frame):
 ControlFrame = (
     Sync | Eval | Rewind | Invalidate | Stop | Hash | Logits | Verify | VerifyCommit
     | SessionCreate | SessionDestroy | EvalBatch | MixedBatch | CommandAck | SyncCheckpoint
-    | World | RowTops | RowDraw | RowPicks | RowMass
+    | World | RowTops | RowDraw | RowPicks | RowMass | MixedPrefills
 )  # fmt: skip
 Frame = Hello | ControlFrame
 
@@ -887,7 +980,7 @@ FRAME_CLASSES: dict[FrameType, type[_Frame]] = {
     for cls in (
         Sync, Eval, Rewind, Invalidate, Stop, Hash, Logits, Verify, VerifyCommit,
         SessionCreate, SessionDestroy, EvalBatch, MixedBatch, CommandAck, SyncCheckpoint,
-        World, RowTops, RowDraw, RowPicks, RowMass,
+        World, RowTops, RowDraw, RowPicks, RowMass, MixedPrefills,
     )
 }  # fmt: skip
 # Every seed frame type is either implemented or explicitly reserved, never both.
