@@ -6,7 +6,6 @@ dials again."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 
@@ -160,7 +159,7 @@ class WorkerPair:
             assert isinstance(mass, RowMass)
             self._check_step("ROW_MASS", mass.seq, len(mass.rows), rows.shape[0])
             args = [
-                dataclasses.replace(a, acc=m.acc, nonzero=m.nonzero) if a.draw else a
+                DrawArgs(True, a.top_k, a.top, a.inv, m.acc, a.u, m.nonzero) if a.draw else a
                 for a, m in zip(args, mass.rows, strict=True)
             ]
             picks = block.worker_finish(args)

@@ -143,6 +143,8 @@ _F32 = struct.Struct("<f")
 
 
 def _real(owner: str, name: str, value: object) -> float:
+    if type(value) is float:  # the common case, without the ABC's check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise LocalProtocolError(f"{owner}.{name} must be a real number, got {value!r}")
     return float(value)

@@ -79,6 +79,8 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def _check_range(owner: str, name: str, value: int, lo: int, hi: int) -> None:
+    if type(value) is int and lo <= value <= hi:  # the common case (a bool's type is bool)
+        return
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise LocalProtocolError(
             f"{owner}.{name} must be an integer in [{lo}, {hi}], got {value!r}"
