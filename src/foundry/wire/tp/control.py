@@ -5,9 +5,11 @@ batch items, a LOGITS half) written next to it."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import numbers
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -720,45 +722,61 @@ class DrawRow:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowDraw(_Frame):
-    """The leader's ROW_DRAW, after the workers' ROW_TOPS of a command sent with ``row_draws``
-    (seq the step): one :class:`DrawRow` for each row of the step, in order; each worker
-    answers with ROW_PICKS. Payload: count u32, then count x 40-byte rows (``DRAW_ROW``)."""
+class _Rows(_Frame):
+    """A frame of ``rows``, each a fixed struct ``ROW`` ending in a reserved u32 (0), built
+    from and read into ``ROW_TYPE`` (its fields, in the struct's order). Payload: count u32,
+    then count x ``ROW.size`` bytes."""
 
-    TYPE = FrameType.ROW_DRAW
-    PAYLOAD_BASE = 4
-    PAYLOAD_UNIT = DRAW_ROW.size
-    rows: tuple[DrawRow, ...] = ()
+    ROW: ClassVar[struct.Struct]
+    ROW_TYPE: ClassVar[type]
+    _FIELDS: ClassVar[operator.attrgetter[tuple[Any, ...]]]  # the row's fields, in order
+    rows: tuple[Any, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.PAYLOAD_BASE, cls.PAYLOAD_UNIT = 4, cls.ROW.size
+        cls._FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(cls.ROW_TYPE)))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "rows", tuple(self.rows))
+        owner, kind = type(self).__name__, self.ROW_TYPE.__name__
         for row in self.rows:
-            if not isinstance(row, DrawRow):
-                raise LocalProtocolError(f"RowDraw.rows must hold DrawRow, got {row!r}")
+            if not isinstance(row, self.ROW_TYPE):
+                raise LocalProtocolError(f"{owner}.rows must hold {kind}, got {row!r}")
 
     def _tail(self) -> bytes:
-        rows = (
-            DRAW_ROW.pack(r.mode, r.top_k, r.top, r.inv, r.acc, r.u, r.nonzero, 0)
-            for r in self.rows
-        )
+        rows = (self.ROW.pack(*self._FIELDS(r), 0) for r in self.rows)
         return _U32S.pack(len(self.rows)) + b"".join(rows)
 
     @classmethod
     def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
         (count,) = _U32S.unpack_from(buf, offset)
-        if 4 + DRAW_ROW.size * count != length:
+        name = cls.TYPE.name
+        if 4 + cls.ROW.size * count != length:
             raise TpProtocolError(
-                f"ROW_DRAW says {count} rows but its payload is {length} bytes "
-                f"(expected {4 + DRAW_ROW.size * count})"
+                f"{name} says {count} rows but its payload is {length} bytes "
+                f"(expected {4 + cls.ROW.size * count})"
             )
         rows = []
         data = memoryview(buf)[offset + 4 : offset + length]
-        for i, (*fields, reserved) in enumerate(DRAW_ROW.iter_unpack(data)):
+        for i, (*fields, reserved) in enumerate(cls.ROW.iter_unpack(data)):
             if reserved:
-                raise TpProtocolError(f"ROW_DRAW row {i}: nonzero reserved word")
-            rows.append(DrawRow(*fields))
+                raise TpProtocolError(f"{name} row {i}: nonzero reserved word")
+            rows.append(cls.ROW_TYPE(*fields))
         return cls(rows=tuple(rows), **header)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowDraw(_Rows):
+    """The leader's ROW_DRAW, after the workers' ROW_TOPS of a command sent with ``row_draws``
+    (seq the step): one :class:`DrawRow` for each row of the step, in order; each worker
+    answers with ROW_PICKS. Payload: count u32, then count x 40-byte rows (``DRAW_ROW``)."""
+
+    TYPE = FrameType.ROW_DRAW
+    ROW = DRAW_ROW
+    ROW_TYPE = DrawRow
+    rows: tuple[DrawRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -877,43 +895,16 @@ class MassRow:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowMass(_Frame):
+class RowMass(_Rows):
     """The leader's ROW_MASS after its own pass, following the ROW_DRAW of a command sent with
     ``row_mass`` (seq the step): one :class:`MassRow` for each row of the ROW_DRAW, in order;
     each worker then answers with ROW_PICKS. Payload: count u32, then count x 16-byte rows
     (``MASS_ROW``)."""
 
     TYPE = FrameType.ROW_MASS
-    PAYLOAD_BASE = 4
-    PAYLOAD_UNIT = MASS_ROW.size
+    ROW = MASS_ROW
+    ROW_TYPE = MassRow
     rows: tuple[MassRow, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "rows", tuple(self.rows))
-        for row in self.rows:
-            if not isinstance(row, MassRow):
-                raise LocalProtocolError(f"RowMass.rows must hold MassRow, got {row!r}")
-
-    def _tail(self) -> bytes:
-        rows = (MASS_ROW.pack(r.acc, r.nonzero, 0) for r in self.rows)
-        return _U32S.pack(len(self.rows)) + b"".join(rows)
-
-    @classmethod
-    def _parse(cls, buf: Readable, offset: int, length: int, **header: Any) -> Self:
-        (count,) = _U32S.unpack_from(buf, offset)
-        if 4 + MASS_ROW.size * count != length:
-            raise TpProtocolError(
-                f"ROW_MASS says {count} rows but its payload is {length} bytes "
-                f"(expected {4 + MASS_ROW.size * count})"
-            )
-        rows = []
-        data = memoryview(buf)[offset + 4 : offset + length]
-        for i, (acc, nonzero, reserved) in enumerate(MASS_ROW.iter_unpack(data)):
-            if reserved:
-                raise TpProtocolError(f"ROW_MASS row {i}: nonzero reserved word")
-            rows.append(MassRow(acc, nonzero))
-        return cls(rows=tuple(rows), **header)
 
 
 # WORLD entry: rank u16, gate_port u16, host 16 bytes (IPv6; IPv4 mapped), token u64.
