@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 from procs import wait_for
 from quant_weights import perturbed
+from tiny_bpe import write_tiny_bpe
 from tp_harness import (
     Client,
+    InProcessLeader,
     make_model,
     metric,
     reference_greedy,
@@ -32,6 +34,8 @@ from foundry.model.formats.gguf_io import load_gguf, save_gguf
 from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
+from foundry.tp.leader import LeaderOptions
+from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 from foundry.wire.tp import TP_FRAME_MAGIC, CommandAck, Hello, Identity, Role, TpDecoder, encode
 
@@ -291,3 +295,51 @@ def test_a_clean_stop_with_clients_connected_logs_no_traceback(model: Path, tmp_
             c.close()
     text = leader.proc.text()
     assert "Traceback" not in text and " ERROR " not in text, text
+
+
+def test_a_leader_whose_row_draw_breaks_the_row_mass_rules_loses_its_worker_then_pairs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ROW_MASS (flags 0x07) a ROW_DRAW's acc and nonzero are 0 and come in ROW_MASS: a
+    leader that sends them in the ROW_DRAW is out of step, and the real worker drops the pair
+    (naming the rule) instead of drawing from a mass counted twice; a correct leader pairs with
+    it again and its sampled requests are served."""
+    from foundry.tp import commands
+    from foundry.wire.tp import DrawRow
+
+    # A vocabulary whose halves start on a block of the draw's masses (the byte vocabulary's
+    # 259 tokens do not: its sampled rows ship LOGITS).
+    model = write_tiny_bpe(tmp_path / "tiny-llama3.gguf")
+    leader = InProcessLeader(
+        LeaderOptions(
+            model=model,
+            host="127.0.0.1",
+            port=0,
+            frontend_port=0,
+            spec_mode=SpecMode.OFF,
+            gate_timeout_s=GATE_S,
+            shm=False,
+        )
+    )
+    worker = start_worker(model, leader.leader.port, tmp_path / "worker.log")
+    try:
+        wait_paired(leader.leader.frontend_port)
+        sound = commands._draw_row
+        monkeypatch.setattr(
+            commands,
+            "_draw_row",
+            lambda row: DrawRow(int(row.draw), row.top_k, row.top, row.inv, 1.0, row.u, 1),
+        )
+        with Client(leader.leader.frontend_port) as c:
+            r = c.generate("hi", 8, request_id=1, temperature=0.8, seed=3)
+            assert isinstance(r.end, fw.Error) and r.end.code == fw.ErrorCode.UNAVAILABLE, r.end
+            assert "tensor-parallel worker lost" in r.end.message
+            rule = "carries a row's acc or nonzero; they come in ROW_MASS"
+            wait_for(lambda: rule in worker.text(), 10 * GATE_S, "the worker's log naming it")
+            monkeypatch.setattr(commands, "_draw_row", sound)
+            wait_paired(leader.leader.frontend_port)  # the worker dialed again
+            r = c.generate("hi", 8, request_id=2, temperature=0.8, seed=3)
+            assert isinstance(r.end, fw.Done) and len(r.tokens) == 8, r.end
+    finally:
+        leader.stop()
+        worker.stop()
