@@ -11,7 +11,8 @@ import pytest
 
 from foundry.gateway.admission import FairQueue, QueueFull
 from foundry.gateway.openai import sse
-from foundry.gateway.openai.render import _Render
+from foundry.gateway.openai.render import _Output, _Render
+from foundry.wire import frontend as fw
 
 
 def test_fair_queue_takes_clients_in_turn() -> None:
@@ -82,3 +83,23 @@ def test_a_text_chunk_is_its_whole_rendering(chat: bool) -> None:
         whole = sse(render._envelope([render._choice(piece, None)], True))
         assert render.chunk(piece, []) == whole
         assert json.loads(whole[len(b"data: ") :])["model"] == f'model "{marker}"'
+
+
+def test_a_batch_cut_between_a_tokens_logprobs_and_its_text_keeps_them_together() -> None:
+    """The leader sends a token's LOGPROBS, then its TOKEN; a batch of events may end between
+    the two. Each streamed chunk's logprobs are its own text's tokens, so every text_offset
+    counts the text before it: the same offsets as the whole response's."""
+    lp = [fw.Logprobs(1, t, -0.5, f"tok{t} ".encode(), ()) for t in range(3)]
+    tok = [fw.Token(1, t, 10 + t, f"tok{t} ") for t in range(3)]
+    done = fw.Done(1, fw.DoneReason.MAX_TOKENS, 4, 3, 0.1)
+    out = _Output(chat=False)
+    render = _Render(False, "cmpl-1", "m", include_usage=False, logprobs=True)
+    chunks = []
+    for batch in ([lp[0], tok[0], lp[1]], [tok[1], lp[2]], [tok[2], done]):
+        piece, lps = out.take(batch)
+        assert [x.token for x in lps] == [x.token for x in batch if isinstance(x, fw.Token)]
+        chunks.append(json.loads(render.chunk(piece, lps).decode().removeprefix("data: ")))
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    whole = _Render(False, "cmpl-2", "m", include_usage=False, logprobs=True).whole(out)
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"] == [0, 5, 10]
+    assert out.done == done and "".join(out.text) == "tok0 tok1 tok2 "

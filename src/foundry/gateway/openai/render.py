@@ -41,9 +41,17 @@ class _Output:
     text: list[str] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     done: Done | None = None
+    _waiting: list[Logprobs] = field(default_factory=list)  # a token's logprobs, its text due
 
     def take(self, events: list[Event]) -> tuple[str, list[Logprobs]]:
-        """Fold in a batch of events; the text and logprobs they added."""
+        """Fold in a batch of events; the text and logprobs they added. A token's LOGPROBS
+        comes before its TOKEN, so one that ends a batch waits for the next: a chunk's
+        logprobs are then its text's tokens (their offsets count the text before them)."""
+        events = [*self._waiting, *events]
+        last = events[-1] if events else None
+        self._waiting = [last] if isinstance(last, Logprobs) else []
+        if self._waiting:
+            events.pop()
         text: list[str] = []
         lps: list[Logprobs] = []
         for e in events:
