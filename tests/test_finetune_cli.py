@@ -245,7 +245,7 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     """tp-leader and tp-worker with --lora: every logits row of a greedy run equals the merged
     file's one process, bit for bit; a worker without the adapter is refused at the hello."""
     import numpy as np
-    from tp_harness import Client, InProcessLeader, start_worker, wait_paired
+    from tp_harness import Client, InProcessLeader, loopback_options, start_worker, wait_paired
 
     from foundry.model.formats import lora as LR
     from foundry.model.formats.gguf_io import load_gguf, load_gguf_stored
@@ -253,7 +253,6 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     from foundry.model.infer.inference import Engine
     from foundry.model.text.vocab import load_tokenizer
     from foundry.tp.blas import limit_blas_threads
-    from foundry.tp.leader import LeaderOptions
     from foundry.tp.speculative import SpecMode
     from foundry.wire import frontend as fw
 
@@ -283,12 +282,9 @@ def test_the_pair_serves_an_adapter_as_the_merged_file(tmp_path: Path) -> None:
     limit_blas_threads(1)
     rows: list[np.ndarray] = []
     leader = InProcessLeader(
-        LeaderOptions(
-            model=base,
+        loopback_options(
+            base,
             lora=adapter,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
             prefill_chunk=8,
             spec_mode=SpecMode.OFF,
         ),

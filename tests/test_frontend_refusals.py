@@ -23,13 +23,19 @@ from pathlib import Path
 import pytest
 from procs import wait_for
 from tiny_bpe import write_tiny_bpe
-from tp_harness import InProcessLeader, Proc, make_model, start_worker, wait_paired
+from tp_harness import (
+    InProcessLeader,
+    Proc,
+    loopback_options,
+    make_model,
+    start_worker,
+    wait_paired,
+)
 
 from foundry.model.spec.config import ModelConfig
 from foundry.model.text.chat import Message, chat_prompt
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.frontend_server import INLINE_PROMPT_CHARS, MAX_CHARS_PER_TOKEN, PREPARE_QUEUE
-from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 
@@ -79,11 +85,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model = make_model(tmp / "model.gguf", ModelConfig(n_ctx=CTX))
     limit_blas_threads(1)
     leader = InProcessLeader(
-        LeaderOptions(
-            model=model,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
+        loopback_options(
+            model,
             max_sessions=1,
             queue_size=1,
             max_messages=2,
@@ -320,16 +323,7 @@ def test_a_small_context_and_a_stopping_leader_refuse_at_once(served: Served) ->
     --chat-content-specials a message's "<s>" is the BOS token (the refusal counts the
     tokens); once the leader stops, a request is refused as such (before the missing worker is
     named). No worker needed."""
-    leader = InProcessLeader(
-        LeaderOptions(
-            model=served.model,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
-            ctx_size=8,
-            chat_content_specials=True,
-        )
-    )
+    leader = InProcessLeader(loopback_options(served.model, ctx_size=8, chat_content_specials=True))
     lead = leader.leader
     content = [Message("user", "<s></s><s>")]
     specials = len(chat_prompt(lead.chat_template, lead.tokenizer, content, content_specials=True))
@@ -390,11 +384,7 @@ def test_token_text_is_decoded_with_the_models_own_vocabulary(tmp_path: Path) ->
     """A model of another vocabulary than Foundry's bytes (tests/tiny_bpe.py: Llama 3's BPE, a
     planted answer after a blank line): each TOKEN's text is its piece of that vocabulary."""
     model = write_tiny_bpe(tmp_path / "tiny-llama3.gguf")
-    leader = InProcessLeader(
-        LeaderOptions(
-            model=model, host="127.0.0.1", port=0, frontend_port=0, spec_mode=SpecMode.OFF
-        )
-    )
+    leader = InProcessLeader(loopback_options(model, spec_mode=SpecMode.OFF))
     worker: Proc | None = None
     try:
         worker, _ = pair_worker(leader, model, tmp_path)

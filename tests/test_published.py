@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from published import TINY, prompts, write_tiny
-from tp_harness import Client, InProcessLeader, start_worker, wait_paired
+from tp_harness import Client, InProcessLeader, loopback_options, start_worker, wait_paired
 
 from foundry.model.formats.gguf_io import load_gguf_stored
 from foundry.model.formats.gguf_model import GGUFError
@@ -37,7 +37,6 @@ from foundry.model.shard.slices import rank_layout, rank_weights
 from foundry.model.spec.arch import ArchConfig
 from foundry.model.text.vocab import load_tokenizer
 from foundry.tp.blas import limit_blas_threads
-from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 
@@ -307,11 +306,8 @@ def test_pair_processes_equal_one_process(
     limit_blas_threads(1)
     rows: list[F32] = []
     leader = InProcessLeader(
-        LeaderOptions(
-            model=model,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
+        loopback_options(
+            model,
             prefill_chunk=8,
             spec_mode=SpecMode.OFF,
             hash_check=True,

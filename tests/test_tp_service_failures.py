@@ -21,6 +21,7 @@ from tiny_bpe import write_tiny_bpe
 from tp_harness import (
     Client,
     InProcessLeader,
+    loopback_options,
     make_model,
     metric,
     reference_greedy,
@@ -34,7 +35,6 @@ from foundry.model.formats.gguf_io import load_gguf, save_gguf
 from foundry.model.shard.table import ExpertSplit
 from foundry.model.spec.config import ModelConfig
 from foundry.tp.handshake import DEFAULT_EXPERT_SPLIT, execution_mode, identity_for
-from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 from foundry.wire.tp import TP_FRAME_MAGIC, CommandAck, Hello, Identity, Role, TpDecoder, encode
@@ -311,11 +311,8 @@ def test_a_leader_whose_row_draw_breaks_the_row_mass_rules_loses_its_worker_then
     # 259 tokens do not: its sampled rows ship LOGITS).
     model = write_tiny_bpe(tmp_path / "tiny-llama3.gguf")
     leader = InProcessLeader(
-        LeaderOptions(
-            model=model,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
+        loopback_options(
+            model,
             spec_mode=SpecMode.OFF,
             gate_timeout_s=GATE_S,
             shm=False,

@@ -21,6 +21,7 @@ from tp_harness import (
     Client,
     InProcessLeader,
     LeaderProc,
+    loopback_options,
     make_model,
     metric,
     reference_greedy,
@@ -34,7 +35,6 @@ from tp_service_prompt import CHUNK, PROMPT
 from foundry.model.formats.gguf_model import FileDType
 from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
-from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.wire import frontend as fw
 from foundry.wire.tp import TP_FRAME_MAGIC, CommandAck, encode
@@ -69,11 +69,8 @@ def test_pair_logits_equal_one_process(model: Path, tmp_path: Path, dtype: FileD
     limit_blas_threads(1)
     rows: list[np.ndarray] = []
     leader = InProcessLeader(
-        LeaderOptions(
-            model=model,
-            host="127.0.0.1",
-            port=0,
-            frontend_port=0,
+        loopback_options(
+            model,
             prefill_chunk=CHUNK,
             spec_mode=SpecMode.OFF,
             hash_check=True,

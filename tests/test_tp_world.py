@@ -34,6 +34,7 @@ from tp_harness import (
     Client,
     InProcessLeader,
     Proc,
+    loopback_options,
     make_model,
     reference_greedy,
     start_worker,
@@ -48,7 +49,6 @@ from foundry.model.spec.config import ModelConfig
 from foundry.model.text.vocab.byte import decode
 from foundry.tp.blas import limit_blas_threads
 from foundry.tp.handshake import load_rank
-from foundry.tp.leader import LeaderOptions
 from foundry.tp.speculative import SpecMode
 from foundry.transport import tls
 from foundry.transport.gates import MeshGateExchange
@@ -91,11 +91,8 @@ class World:
         self.model, self.tmp, self.split = model, tmp, split
         self.worker_args = worker_args or [[] for _ in ranks]
         self.leader = InProcessLeader(
-            LeaderOptions(
-                model=model,
-                host="127.0.0.1",
-                port=0,
-                frontend_port=0,
+            loopback_options(
+                model,
                 prefill_chunk=prefill_chunk,
                 spec_mode=SpecMode.OFF,
                 hash_check=True,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -333,6 +334,11 @@ def wait_paired(
 
 
 # -- a leader in this process --------------------------------------------------------------
+
+
+def loopback_options(model: Path, **options: Any) -> LeaderOptions:
+    """A leader's options on 127.0.0.1, both ports chosen by the kernel."""
+    return LeaderOptions(model=model, host="127.0.0.1", port=0, frontend_port=0, **options)
 
 
 class InProcessLeader:
