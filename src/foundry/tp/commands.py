@@ -187,7 +187,8 @@ class PairCommands:
             offset += width
         picks = combine_tops(blocks)
         if frame.row_draws:
-            self._draw(rows, blocks, picks, draws, frame.row_mass)
+            assert frame.row_mass, "the leader draws with ROW_MASS (flags 0x07)"
+            self._draw(rows, blocks, picks, draws)
         return picks
 
     def _draw(
@@ -196,12 +197,10 @@ class PairCommands:
         blocks: list[Tops],
         picks: list[int | SamplingError],
         draws: Sequence[Draw | None],
-        row_mass: bool,
     ) -> None:
         """The sampled rows of a ROW_DRAWS command drawn with the worker (block_draw): their
-        tokens in place of ``picks``' greedy ones. With ``row_mass`` (the engine's way) the
-        ROW_DRAW goes before this rank's pass, its mass and count after it in ROW_MASS: the
-        worker runs its pass meanwhile."""
+        tokens in place of ``picks``' greedy ones. The ROW_DRAW goes before this rank's pass,
+        its mass and count after it in ROW_MASS: the worker runs its pass meanwhile."""
         assert len(self.links) == 1, "ROW_DRAWS is the pair's"
         args = []
         for i, pick in enumerate(picks):
@@ -213,13 +212,9 @@ class PairCommands:
             temperature, top_k, u = draw
             args.append(DrawArgs(True, top_k, top, inverse_temperature(temperature), u=u))
         mine, link, seq = BlockRows(rows), self.links[0], self.state.step
-        if row_mass:
-            link.send(RowDraw(rows=tuple(_draw_row(a) for a in args), seq=seq))
-            args = mine.leader_pass(args)
-            link.send(RowMass(rows=tuple(MassRow(a.acc, a.nonzero) for a in args), seq=seq))
-        else:
-            args = mine.leader_pass(args)
-            link.send(RowDraw(rows=tuple(_draw_row(a) for a in args), seq=seq))
+        link.send(RowDraw(rows=tuple(_draw_row(a) for a in args), seq=seq))
+        args = mine.leader_pass(args)
+        link.send(RowMass(rows=tuple(MassRow(a.acc, a.nonzero) for a in args), seq=seq))
         frame = self._reply(1, link, FrameType.ROW_PICKS, "the worker's picks")
         assert isinstance(frame, RowPicks)
         width = self.worker_vocab[0]
@@ -320,8 +315,9 @@ class PairCommands:
 
 
 def _draw_row(row: DrawArgs) -> DrawRow:
-    """A row's ROW_DRAW entry (its acc and nonzero 0 before the leader's pass)."""
-    return DrawRow(int(row.draw), row.top_k, row.top, row.inv, row.acc, row.u, row.nonzero)
+    """A row's ROW_DRAW entry, before the leader's pass: its acc and nonzero follow in
+    ROW_MASS."""
+    return DrawRow(int(row.draw), row.top_k, row.top, row.inv, 0.0, row.u, 0)
 
 
 def _pick_fits(row: DrawArgs, pick: PickRow, width: int) -> bool:

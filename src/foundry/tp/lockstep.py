@@ -204,10 +204,12 @@ class RankState:
         """MIXED_BATCH (one prefill) and MIXED_PREFILLS: each prefill's chunk appended to its
         session, one token for each item, in one pass."""
         rows: list[tuple[Session, Sequence[int]]] = []
+        seen: set[int] = set()
         for sid, prompt in prefills:
-            s = self._idle_session(sid)
-            if any(r[0] is s for r in rows):
+            if sid in seen:
                 raise LockstepError(f"session {sid} listed twice in one batch")
+            seen.add(sid)
+            s = self._idle_session(sid)
             if not prompt or len(prompt) > s.free:
                 raise LockstepError(
                     f"session {sid}: mixed prefill of {len(prompt)} tokens with "
@@ -215,7 +217,7 @@ class RankState:
                 )
             self._check_tokens(sid, prompt)
             rows.append((s, prompt))
-        rows += self._decode_rows(items, exclude={sid for sid, _ in prefills})
+        rows += self._decode_rows(items, exclude=seen)
         self.step += 1
         # Each session's last row: each chunk's last, then the one row of each item.
         logits = self._forward(rows, last_only=True)  # (prefills + items, V)

@@ -9,14 +9,12 @@ from foundry.wire.tp.control import (
     BATCH_ITEM,
     DRAW_ROW,
     FRAME_CLASSES,
-    FRAME_FLAG_ROW_DRAWS,
-    FRAME_FLAG_ROW_MASS,
-    FRAME_FLAG_ROW_TOPS,
     FRAME_HEADER,
     FRAME_HEADER_SIZE,
     MASS_ROW,
     PICK_CANDIDATE,
     PICK_ROW,
+    ROW_FLAGS,
     ROW_TOP,
     TP_MAX_DRAW_TOP_K,
     UNSUPPORTED_FRAME_TYPES,
@@ -144,9 +142,7 @@ class TpDecoder(FrameDecoder[Frame]):
                 len(payload),
                 session_id=session_id,
                 seq=seq,
-                row_tops=bool(flags & FRAME_FLAG_ROW_TOPS),
-                row_draws=bool(flags & FRAME_FLAG_ROW_DRAWS),
-                row_mass=bool(flags & FRAME_FLAG_ROW_MASS),
+                **{name: bool(flags & flag) for name, flag in ROW_FLAGS},
             )
         except LocalProtocolError as exc:
             raise TpProtocolError(f"{ftype.name}: {exc}") from None
@@ -193,8 +189,7 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"{UNSUPPORTED_FRAME_TYPES[ftype]}"
             )
         cls = FRAME_CLASSES[ftype]
-        row_flags = FRAME_FLAG_ROW_TOPS | FRAME_FLAG_ROW_DRAWS | FRAME_FLAG_ROW_MASS
-        allowed = row_flags if cls.ROWS_REPLY else 0
+        allowed = sum(flag for _, flag in ROW_FLAGS) if cls.ROWS_REPLY else 0
         if flags & ~allowed or reserved:
             rule = (
                 "must be 0"
@@ -206,14 +201,11 @@ class TpDecoder(FrameDecoder[Frame]):
                 f"{ftype.name}: header flags {flags:#x} / reserved {reserved} {rule} "
                 f"in protocol version {TP_PROTOCOL_VERSION}"
             )
-        for flag, name, needed, needed_name in (
-            (FRAME_FLAG_ROW_DRAWS, "ROW_DRAWS", FRAME_FLAG_ROW_TOPS, "ROW_TOPS"),
-            (FRAME_FLAG_ROW_MASS, "ROW_MASS", FRAME_FLAG_ROW_DRAWS, "ROW_DRAWS"),
-        ):
-            if flags & flag and not flags & needed:
+        for (name, flag), (needed, needed_flag) in zip(ROW_FLAGS[1:], ROW_FLAGS, strict=False):
+            if flags & flag and not flags & needed_flag:
                 raise TpProtocolError(
-                    f"{ftype.name}: header flags {flags:#x}: {name} ({flag:#x}) needs "
-                    f"{needed_name} ({needed:#x}); the flags must be 0, 0x1, 0x3 or 0x7"
+                    f"{ftype.name}: header flags {flags:#x}: {name.upper()} ({flag:#x}) needs "
+                    f"{needed.upper()} ({needed_flag:#x}); the flags must be 0, 0x1, 0x3 or 0x7"
                 )
         if length > self.max_payload:
             raise TpProtocolError(

@@ -110,6 +110,12 @@ FRAME_FLAG_ROW_DRAWS = 0x02
 # with acc and nonzero 0, and their values in ROW_MASS after its own pass, so that the worker
 # runs its pass meanwhile (the header's flags are then 0x07).
 FRAME_FLAG_ROW_MASS = 0x04
+# The flags, as the frames' fields name them, in order: each needs the one before it.
+ROW_FLAGS = (
+    ("row_tops", FRAME_FLAG_ROW_TOPS),
+    ("row_draws", FRAME_FLAG_ROW_DRAWS),
+    ("row_mass", FRAME_FLAG_ROW_MASS),
+)
 # ROW_TOPS row: value f32 (the block's largest logit), token i32 (the global id of its first
 # occurrence; -1 a NaN or +inf in the block, -2 every logit of the block -inf)
 ROW_TOP = struct.Struct("<fi")
@@ -211,18 +217,13 @@ class _Frame:
         owner = type(self).__name__
         _check_range(owner, "session_id", self.session_id, 0, _U64)
         _check_range(owner, "seq", self.seq, 0, _U64)
-        flags = (
-            ("row_tops", FRAME_FLAG_ROW_TOPS),
-            ("row_draws", FRAME_FLAG_ROW_DRAWS),
-            ("row_mass", FRAME_FLAG_ROW_MASS),
-        )
-        for name, flag in flags:
+        for name, flag in ROW_FLAGS:
             if getattr(self, name) and not self.ROWS_REPLY:
                 raise LocalProtocolError(
                     f"{owner}: {name} (header flag {flag:#x}) is only for a command answered "
                     "with logits rows"
                 )
-        for (name, flag), (needed, needed_flag) in zip(flags[1:], flags, strict=False):
+        for (name, flag), (needed, needed_flag) in zip(ROW_FLAGS[1:], ROW_FLAGS, strict=False):
             if getattr(self, name) and not getattr(self, needed):
                 raise LocalProtocolError(
                     f"{owner}: {name} (header flag {flag:#x}) needs {needed} "
@@ -234,11 +235,7 @@ class _Frame:
     def header_flags(self) -> int:
         """The header's flags byte: ``FRAME_FLAG_ROW_TOPS``, ``FRAME_FLAG_ROW_DRAWS`` and
         ``FRAME_FLAG_ROW_MASS``."""
-        return (
-            (FRAME_FLAG_ROW_TOPS if self.row_tops else 0)
-            | (FRAME_FLAG_ROW_DRAWS if self.row_draws else 0)
-            | (FRAME_FLAG_ROW_MASS if self.row_mass else 0)
-        )
+        return sum(flag for name, flag in ROW_FLAGS if getattr(self, name))
 
     def _tail(self) -> bytes:
         return b""
