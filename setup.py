@@ -32,6 +32,7 @@ setup(
             # py_ops.c and py_step.c
             sorted(str(p) for p in Path("src/foundry/model/kernels/csrc").glob("*.c")),
             depends=["src/foundry/model/kernels/csrc/kernels.h",
+                     "src/foundry/model/kernels/csrc/step_exchange.h",
                      "src/foundry/model/kernels/csrc/py_kernels.h"],
             extra_compile_args=FLAGS,
             optional=True,
@@ -46,6 +47,7 @@ setup(
         Extension(
             "foundry.transport.gates._gates",
             ["src/foundry/transport/gates/_gates.c"],
+            depends=["src/foundry/model/kernels/csrc/step_exchange.h"],
             extra_compile_args=FLAGS,
             optional=True,
         ),

@@ -45,10 +45,11 @@ same hidden state and the same session table.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
@@ -61,7 +62,7 @@ from foundry.model.infer.engines import InferenceEngine
 from foundry.model.infer.kv_cache import Session
 from foundry.model.shard.table import Gate
 from foundry.tp.policy import common_prefix
-from foundry.transport.gates import GateError
+from foundry.transport.gates import GateError, StepGates
 from foundry.wire.tp import (
     DS4_TP_BATCH_MAX_ROWS,
     GATE_HEADER_SIZE,
@@ -89,8 +90,13 @@ class Transport(Protocol):
     """What a gate transport offers (``foundry.transport.gates.GateExchange``)."""
 
     world: int  # the ranks it joins: a gate sends to each of the other world - 1
+    n_embd: int
 
     def exchange(self, layer: int, gate: int, partial: np.ndarray) -> F32: ...
+
+    def step_gates(self, max_gates: int) -> object | None: ...
+
+    def step_done(self) -> StepGates: ...
 
 
 class TracingExchange:
@@ -113,6 +119,27 @@ class TracingExchange:
         )
         self.last_sum = total
         return total
+
+    @contextlib.contextmanager
+    def in_c(self, max_gates: int) -> Iterator[object | None]:
+        """The transport's gates for a C one-token step (``CGates``: a capsule, or None where
+        they go through the call). After the step each of its gates is timed and counted as a
+        call's, and a gate that failed raises its GateError in place of the step's error."""
+        capsule = self.transport.step_gates(max_gates)
+        if capsule is None:
+            yield None
+            return
+        try:
+            yield capsule
+        finally:
+            done = self.transport.step_done()
+            nbytes = (GATE_HEADER_SIZE + 4 * self.transport.n_embd) * (self.transport.world - 1)
+            for i, seconds in enumerate(done.seconds):
+                self.on_gate(Gate(i % 2), seconds, nbytes)  # ATTN, FFN of each layer in turn
+            if done.last is not None:
+                self.last_sum = done.last
+            if done.error is not None:
+                raise done.error
 
 
 class RankState:

@@ -52,8 +52,11 @@ overwritten by its next block).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +118,15 @@ F32 = npt.NDArray[np.float32]
 
 GateExchange = Callable[[int, Gate, F32], F32]
 """(layer, gate, partial (n_rows, n_embd) contiguous float32) -> the sum over all ranks."""
+
+
+@runtime_checkable
+class CGates(Protocol):
+    """A :data:`GateExchange` whose gates the C one-token step can run itself: ``in_c(n)``
+    yields a capsule for ``step_layers`` (a step of up to n gates), or None where the gates go
+    through the call; on leaving, a gate that failed raises its own error."""
+
+    def in_c(self, max_gates: int) -> AbstractContextManager[object | None]: ...
 
 
 _engine_ids = itertools.count(1)
@@ -358,15 +370,16 @@ class Engine:
         session = rows[0][0]
         layers = self._dense
         if step and self._all_whole is not None:  # all in one call, a rank's gates too
-            step_layers(
-                self._all_whole,
-                x,
-                session.pos,
-                session.k,
-                session.v,
-                tuple(self._rope[base] for base in self._bases),
-                None if exchange is None else self._gate_hook(exchange),
-            )
+            with self._step_gates(exchange, 2 * len(self._all_whole)) as gates:
+                step_layers(
+                    self._all_whole,
+                    x,
+                    session.pos,
+                    session.k,
+                    session.v,
+                    tuple(self._rope[base] for base in self._bases),
+                    gates,
+                )
             layers = []
         tables = (
             {base: (c[pos], s_[pos]) for base, (c, s_) in self._rope.items()} if layers else {}
@@ -505,6 +518,24 @@ class Engine:
         if lw.shared is not None:
             add(y, swiglu_ffn(h, *lw.shared), y)  # (n, D)
         return y
+
+    @contextlib.contextmanager
+    def _step_gates(
+        self, exchange: GateExchange | None, gates: int
+    ) -> Iterator[tuple[Callable[[int, int], None], F32] | tuple[object] | None]:
+        """``step_layers``' gate argument for a step of ``gates`` gates: none without an
+        exchange; the capsule of an exchange that runs them in C (:class:`CGates`); else the
+        Python hook (:meth:`_gate_hook`)."""
+        if exchange is None:
+            yield None
+            return
+        offered: object = exchange  # a callable that may also be CGates
+        if isinstance(offered, CGates):
+            with offered.in_c(gates) as capsule:
+                if capsule is not None:
+                    yield (capsule,)
+                    return
+        yield self._gate_hook(exchange)
 
     def _gate_hook(self, exchange: GateExchange) -> tuple[Callable[[int, int], None], F32]:
         """What ``step_layers`` calls at each gate of a one-token step: the partial in a buffer,

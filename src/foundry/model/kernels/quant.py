@@ -594,12 +594,13 @@ def step_layers(
     k: Sequence[Sequence[npt.NDArray[Any]]],
     v: Sequence[Sequence[npt.NDArray[Any]]],
     tables: tuple[tuple[F32, F32], ...],
-    gate: tuple[Callable[[int, int], None], F32] | None = None,
+    gate: tuple[Callable[[int, int], None], F32] | tuple[object] | None = None,
 ) -> None:
     """``step_layer`` of each plan in turn (layer i: caches k[i], v[i], rope tables[i]), in
     one call. ``gate``, for a rank of a world: (hook, buffer of shape (1, D)); at each gate the
     rank's partial is put in the buffer and ``hook(layer, gate)`` replaces it in place with the
-    world's total (an exception it raises ends the call)."""
+    world's total (an exception it raises ends the call). Or (capsule,): a transport's gates in
+    C (``GateExchange.step_gates``), a failed one raising ConnectionError."""
     assert _kernels is not None
     if gate is None:
         _kernels.step_layers(plans, x, pos, k, v, tables)

@@ -57,6 +57,7 @@ from foundry.transport.gates.base import (
     TSO_MACHINES,
     GateError,
     GateExchange,
+    StepGates,
     local_host_id,
 )
 from foundry.transport.gates.mesh import MeshGateExchange
@@ -76,6 +77,7 @@ __all__ = [
     "GateExchange",
     "MeshGateExchange",
     "ShmGateExchange",
+    "StepGates",
     "TcpGateExchange",
     "local_host_id",
 ]

@@ -17,6 +17,11 @@
  *   of chunk r; from every peer p: its header, its piece of chunk r, its sum of chunk p. Chunk
  *   r is summed in rank order, ((p0 + p1) + p2) + ..., its own piece in its place.
  *
+ * - MeshGates: mesh_sum's gates inside the C one-token step (step_exchange.h), no Python at
+ *   any gate: the step posts each chunk of its partial as the chunk's rows are made, so the
+ *   reduce-scatter's pieces go out while the rest of the product is computed; the sums, bytes
+ *   and checks are mesh_sum's.
+ *
  * TLS sockets stay in Python (an ssl.SSLSocket's bytes are not the socket's). */
 
 #define PY_SSIZE_T_CLEAN
@@ -30,6 +35,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+
+#include "../../model/kernels/csrc/step_exchange.h"
 
 /* What a move ended with (mesh.py and tcp.py read them by these values). */
 enum { GATE_OK = 0, GATE_CLOSED = 1, GATE_FAILED = 2, GATE_DESYNC = 3, GATE_STALLED = 4 };
@@ -384,6 +391,276 @@ done:
     return ret;
 }
 
+/* ---- a world's gates inside the one-token step ---------------------------------------------- */
+
+#define HEAD 20 /* the gate header, wire.tp GATE_HEADER "<HBBQII": layer, gate, 0, seq, rows, n */
+
+typedef struct {
+    PyObject_HEAD int world, rank, n; /* n: n_embd */
+    double timeout_s, spin_s;
+    uint64_t seq; /* the next gate's */
+    int *fd;      /* by rank */
+    Py_buffer *tags;
+    int n_tags;
+    peer_io *peers; /* the other ranks, in rank order */
+    struct pollfd *pfd;
+    float *mem, **pieces, *total, *sums; /* pieces by rank; total: this rank's chunk; sums: n */
+    int open;                            /* a gate begun and not yet moved */
+    uint8_t tag[HEAD];
+    double *gate_s, *wait_s; /* this step's: each gate's seconds, each peer's waits */
+    int gates, max_gates, failed;
+    move_result failure;
+    step_exchange xch;
+} MeshGates;
+
+static int mesh_chunk(const MeshGates *m, int c) {
+    return (int)((int64_t)c * m->n / m->world);
+}
+
+static void put_le(uint8_t *at, uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* step_exchange.begin: the gate's header, and every peer's buffers over `partial`. */
+static void mesh_begin(void *ctx, int layer, int gate, const float *partial) {
+    MeshGates *m = ctx;
+    put_le(m->tag, (uint64_t)layer, 2);
+    put_le(m->tag + 2, (uint64_t)gate, 1);
+    put_le(m->tag + 3, 0, 1);
+    put_le(m->tag + 4, m->seq, 8);
+    put_le(m->tag + 12, 1, 4);
+    put_le(m->tag + 16, (uint64_t)m->n, 4);
+    const size_t cells = (size_t)(mesh_chunk(m, m->rank + 1) - mesh_chunk(m, m->rank));
+    for (int r = 0, i = 0; r < m->world; r++) {
+        if (r == m->rank) continue;
+        const int c0 = mesh_chunk(m, r);
+        const size_t pc = (size_t)(mesh_chunk(m, r + 1) - c0);
+        peer_io *p = &m->peers[i];
+        *p = (peer_io){0};
+        p->fd = m->fd[r];
+        p->tag = m->tag, p->peer_tag = m->tags[i].buf;
+        set_iov(&p->out[0], m->tag, HEAD);
+        set_iov(&p->out[1], partial + c0, pc * 4);
+        set_iov(&p->out[2], m->total, cells * 4);
+        set_iov(&p->in[0], m->tags[i].buf, HEAD);
+        set_iov(&p->in[1], m->pieces[r], cells * 4);
+        set_iov(&p->in[2], m->sums + c0, pc * 4);
+        p->out_step1 = HEAD + pc * 4, p->out_total = p->out_step1 + cells * 4;
+        p->in_step1 = HEAD + cells * 4, p->in_total = p->in_step1 + pc * 4;
+        i++;
+    }
+    m->open = 1;
+}
+
+/* step_exchange.post: chunk c of the partial is final; its peer gets header + chunk now, as
+ * far as the socket takes them (move() sends the rest and reports any error). */
+static void mesh_post(void *ctx, int c) {
+    MeshGates *m = ctx;
+    if (!m->open || c == m->rank || c < 0 || c >= m->world) return;
+    peer_io *p = &m->peers[c < m->rank ? c : c - 1];
+    if (p->sent >= p->out_step1) return;
+    struct iovec iov[SEGS];
+    struct msghdr msg = {0};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)span(p->out, p->sent, p->out_step1, iov);
+    const ssize_t k = sendmsg(p->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) p->sent += (size_t)k;
+}
+
+/* step_exchange.fn: mesh_sum's gate for one row from where the posts left it; sum (n) gets
+ * the world's total. 0, or -1 with the failure kept for records(). */
+static int mesh_gate(void *ctx, int layer, int gate, float *sum) {
+    MeshGates *m = ctx;
+    if (m->failed) return -1;
+    if (!m->open) mesh_begin(m, layer, gate, sum);
+    const int a = mesh_chunk(m, m->rank), b = mesh_chunk(m, m->rank + 1);
+    mesh_ctx c = {m->world, m->rank, 1, b - a, sum + a, m->pieces, m->total};
+    const double t0 = now_s();
+    const move_result r =
+        move(m->peers, m->world - 1, m->timeout_s, m->spin_s, mesh_reduce, &c, m->pfd);
+    m->open = 0;
+    if (r.code != GATE_OK) {
+        m->failed = 1;
+        m->failure = r;
+        return -1;
+    }
+    if (m->gates < m->max_gates) m->gate_s[m->gates] = now_s() - t0;
+    m->gates++;
+    for (int i = 0; i < m->world - 1; i++) m->wait_s[i] += m->peers[i].done_s;
+    m->seq++;
+    memcpy(m->sums + a, m->total, (size_t)(b - a) * sizeof(float));
+    memcpy(sum, m->sums, (size_t)m->n * sizeof(float));
+    return 0;
+}
+
+static void mesh_gates_dealloc(MeshGates *m) {
+    for (int t = 0; t < m->n_tags; t++) PyBuffer_Release(&m->tags[t]);
+    free(m->tags);
+    free(m->fd);
+    free(m->peers);
+    free(m->pfd);
+    free(m->mem);
+    free(m->pieces);
+    free(m->gate_s);
+    free(m->wait_s);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyObject *mesh_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    PyObject *fds, *tags_seq;
+    int rank, n;
+    double timeout_s, spin_s;
+    static char *names[] = {"fds", "rank", "n_embd", "peer_tags", "timeout_s", "spin_s", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOdd", names, &fds, &rank, &n, &tags_seq,
+                                     &timeout_s, &spin_s))
+        return NULL;
+    PyObject *fast_fds = PySequence_Fast(fds, "fds must be a sequence"), *fast_tags = NULL;
+    if (fast_fds == NULL) return NULL;
+    fast_tags = PySequence_Fast(tags_seq, "peer_tags must be a sequence");
+    if (fast_tags == NULL) {
+        Py_DECREF(fast_fds);
+        return NULL;
+    }
+    MeshGates *m = (MeshGates *)type->tp_alloc(type, 0);
+    if (m == NULL) goto fail;
+    const int world = (int)PySequence_Fast_GET_SIZE(fast_fds);
+    if (world < 2 || rank < 0 || rank >= world || n <= 0 ||
+        PySequence_Fast_GET_SIZE(fast_tags) != world - 1) {
+        PyErr_SetString(PyExc_ValueError, "MeshGates: fds, rank, n_embd or peer_tags do not agree");
+        goto fail;
+    }
+    m->world = world, m->rank = rank, m->n = n;
+    m->timeout_s = timeout_s, m->spin_s = spin_s;
+    const size_t cells = (size_t)(mesh_chunk(m, rank + 1) - mesh_chunk(m, rank));
+    m->tags = calloc((size_t)world, sizeof(Py_buffer));
+    m->fd = calloc((size_t)world, sizeof(int));
+    m->peers = calloc((size_t)world, sizeof(peer_io));
+    m->pfd = calloc((size_t)world, sizeof(struct pollfd));
+    m->pieces = calloc((size_t)world, sizeof(float *));
+    m->wait_s = calloc((size_t)world, sizeof(double));
+    m->mem = malloc(((size_t)world * cells + (size_t)n + 1) * sizeof(float));
+    if (m->tags == NULL || m->fd == NULL || m->peers == NULL || m->pfd == NULL ||
+        m->pieces == NULL || m->wait_s == NULL || m->mem == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int r = 0; r < world; r++) {
+        m->fd[r] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fast_fds, r));
+        if (m->fd[r] == -1 && PyErr_Occurred()) goto fail;
+    }
+    for (; m->n_tags < world - 1; m->n_tags++) {
+        Py_buffer *t = &m->tags[m->n_tags];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast_tags, m->n_tags), t, PyBUF_WRITABLE) <
+            0)
+            goto fail;
+        if (t->len != HEAD) {
+            m->n_tags++;
+            PyErr_SetString(PyExc_ValueError, "MeshGates: a peer_tags buffer is not a header");
+            goto fail;
+        }
+    }
+    float *at = m->mem;
+    m->total = at, at += cells;
+    for (int r = 0; r < world; r++)
+        if (r != rank) m->pieces[r] = at, at += cells;
+    m->sums = at;
+    m->xch = (step_exchange){mesh_gate, mesh_begin, mesh_post, m, 0, world, rank, n};
+    Py_DECREF(fast_fds);
+    Py_DECREF(fast_tags);
+    return (PyObject *)m;
+fail:
+    Py_XDECREF(m);
+    Py_DECREF(fast_fds);
+    Py_DECREF(fast_tags);
+    return NULL;
+}
+
+static void capsule_release(PyObject *capsule) {
+    Py_XDECREF((PyObject *)PyCapsule_GetContext(capsule));
+}
+
+static PyObject *mesh_gates_start(MeshGates *m, PyObject *args) {
+    unsigned long long seq;
+    int max_gates;
+    if (!PyArg_ParseTuple(args, "Ki", &seq, &max_gates)) return NULL;
+    if (max_gates < 0) {
+        PyErr_SetString(PyExc_ValueError, "MeshGates.start: max_gates < 0");
+        return NULL;
+    }
+    if (max_gates > m->max_gates) {
+        double *g = realloc(m->gate_s, (size_t)max_gates * sizeof(double));
+        if (g == NULL) return PyErr_NoMemory();
+        m->gate_s = g, m->max_gates = max_gates;
+    }
+    m->seq = seq, m->gates = 0, m->failed = 0, m->open = 0;
+    memset(m->wait_s, 0, (size_t)m->world * sizeof(double));
+    PyObject *capsule = PyCapsule_New(&m->xch, STEP_EXCHANGE_CAPSULE, capsule_release);
+    if (capsule == NULL) return NULL;
+    if (PyCapsule_SetContext(capsule, Py_NewRef(m)) < 0) {
+        Py_DECREF(m);
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    return capsule;
+}
+
+static PyObject *mesh_gates_records(MeshGates *m, PyObject *unused) {
+    (void)unused;
+    const int kept = m->gates < m->max_gates ? m->gates : m->max_gates, peers = m->world - 1;
+    PyObject *gates = PyTuple_New(kept), *waits = PyTuple_New(peers), *failure = NULL;
+    if (gates == NULL || waits == NULL) goto fail;
+    for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(gates, i, PyFloat_FromDouble(m->gate_s[i]));
+    for (int i = 0; i < peers; i++) PyTuple_SET_ITEM(waits, i, PyFloat_FromDouble(m->wait_s[i]));
+    if (m->failed) {
+        PyObject *got = PyTuple_New(peers);
+        if (got == NULL) goto fail;
+        for (int i = 0; i < peers; i++)
+            PyTuple_SET_ITEM(got, i, PyLong_FromSize_t(m->peers[i].got));
+        failure = Py_BuildValue("(iiiNy#)", m->failure.code, m->failure.peer, m->failure.err, got,
+                                (const char *)m->tag, (Py_ssize_t)HEAD);
+        if (failure == NULL) goto fail;
+    } else {
+        failure = Py_NewRef(Py_None);
+    }
+    PyObject *last = m->gates && !m->failed
+                         ? PyBytes_FromStringAndSize((const char *)m->sums, (Py_ssize_t)m->n * 4)
+                         : Py_NewRef(Py_None);
+    if (last == NULL) {
+        Py_DECREF(failure);
+        goto fail;
+    }
+    return Py_BuildValue("(KNNNN)", (unsigned long long)m->seq, gates, waits, failure, last);
+fail:
+    Py_XDECREF(gates);
+    Py_XDECREF(waits);
+    return NULL;
+}
+
+static PyMethodDef mesh_gates_methods[] = {
+    {"start", (PyCFunction)mesh_gates_start, METH_VARARGS,
+     "start(seq, max_gates) -> capsule: a step's gates from seq on, up to max_gates of them\n"
+     "timed; the capsule (step_exchange.h) goes to step_layers and keeps this object alive."},
+    {"records", (PyCFunction)mesh_gates_records, METH_NOARGS,
+     "records() -> (next seq, each gate's seconds, each peer's waits in seconds, failure,\n"
+     "last): the step since start. failure None, or (code, peer, errno, got, tag) as\n"
+     "mesh_sum's (peer an index into the other ranks; got bytes in from each; tag the failed\n"
+     "gate's); last the last gate's total (n_embd float32 bytes), None if none or failed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MeshGatesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "foundry.transport.gates._gates.MeshGates",
+    .tp_basicsize = sizeof(MeshGates),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "MeshGates(fds, rank, n_embd, peer_tags, timeout_s, spin_s): mesh_sum's gates of\n"
+              "one row for the C one-token step (step_layers), on connected non-blocking TCP\n"
+              "sockets (fds by rank, this rank's ignored); the peers' headers land in peer_tags\n"
+              "(a writable 20-byte buffer each, in rank order), kept until this object goes.",
+    .tp_new = mesh_gates_new,
+    .tp_dealloc = (destructor)mesh_gates_dealloc,
+    .tp_methods = mesh_gates_methods,
+};
+
 static PyMethodDef methods[] = {
     {"swap", py_swap, METH_VARARGS, swap_doc},
     {"mesh_sum", py_mesh_sum, METH_VARARGS, mesh_sum_doc},
@@ -399,5 +676,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__gates(void) {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&MeshGatesType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    if (PyModule_AddObjectRef(mod, "MeshGates", (PyObject *)&MeshGatesType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import hashlib
 import operator
 import os
@@ -66,6 +67,17 @@ class GateError(ConnectionError):
 
     The exchange object is unusable afterwards; the services re-handshake and re-sync.
     """
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGates:
+    """The gates a C one-token step ran (:meth:`GateExchange.step_done`): each gate's seconds
+    in order (ATTN, FFN, ATTN, ...), the last gate's total (None if no gate completed) and the
+    failure that ended the step, if one did."""
+
+    seconds: tuple[float, ...]
+    last: npt.NDArray[np.float32] | None
+    error: GateError | None
 
 
 def local_host_id() -> bytes:
@@ -144,10 +156,7 @@ class GateExchange(abc.ABC):
                 f"a gate partial is float32 of shape (rows, {self.n_embd}) or ({self.n_embd},), "
                 f"got {partial.dtype} {partial.shape}"
             )
-        if self._closed:
-            raise GateError("gate exchange is closed")
-        if self._failure is not None:
-            raise GateError(f"gate exchange failed earlier ({self._failure}); re-handshake")
+        self._check_usable()
         mine = np.ascontiguousarray(partial).reshape(-1, self.n_embd)
         try:
             tag = GATE_HEADER.pack(
@@ -164,6 +173,24 @@ class GateExchange(abc.ABC):
         self.seq += 1
         self.gates_done += 1
         return total.reshape(partial.shape)
+
+    def step_gates(self, max_gates: int) -> object | None:
+        """A capsule with which the C one-token step (``step_layers``) runs the gates of a step
+        itself, up to ``max_gates`` of them timed, or None where they need Python (this
+        transport). After the step, :meth:`step_done`."""
+        return None
+
+    def step_done(self) -> StepGates:
+        """What the step's gates since :meth:`step_gates` did, ``seq`` and the waits advanced
+        by them; a failed gate's GateError in ``error`` (the exchange is then unusable, as
+        after a failed :meth:`exchange`)."""
+        raise NotImplementedError("no gates run in C on this transport")
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise GateError("gate exchange is closed")
+        if self._failure is not None:
+            raise GateError(f"gate exchange failed earlier ({self._failure}); re-handshake")
 
     def _sum(self, tag: bytes, mine: np.ndarray) -> npt.NDArray[np.float32]:
         """The sum over the ranks of this gate: in a pair ``mine + peer``."""

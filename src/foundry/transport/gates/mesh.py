@@ -20,6 +20,7 @@ from foundry.transport.gates.base import (
     TCP_SPIN_S,
     GateError,
     GateExchange,
+    StepGates,
     _describe,
 )
 from foundry.transport.gates.channel import (
@@ -105,6 +106,48 @@ class MeshGateExchange(GateExchange):
         fds = [-1 if r == rank else self._channels[r].native_fd for r in range(world)]
         self._fds = None if None in fds else fds
         self.native = self._fds is not None
+        # The gates of a C one-token step, the same loop and sums (``_gates.MeshGates``).
+        self._step = (
+            None
+            if self._fds is None or native is None
+            else native.MeshGates(
+                self._fds,
+                rank,
+                n_embd,
+                [self._tags[p] for p in self._channels],
+                timeout_s,
+                TCP_SPIN_S,
+            )
+        )
+        self._step_seq = first_seq
+
+    def step_gates(self, max_gates: int) -> object | None:
+        """The native loop's gates for the C one-token step, where ``native`` is on: the step
+        posts each peer's chunk of a partial as soon as its rows are made (the pieces travel
+        while the rest of the product is computed), then moves the rest as :meth:`_sum`
+        does (the same bytes, sums and checks)."""
+        if self._step is None or not self.native:
+            return None
+        self._check_usable()
+        self._step_seq = self.seq
+        capsule: object = self._step.start(self.seq, max_gates)
+        return capsule
+
+    def step_done(self) -> StepGates:
+        assert self._step is not None
+        seq, seconds, waits, failure, last = self._step.records()
+        self.seq = seq
+        self.gates_done += seq - self._step_seq
+        for p, s in zip(self._channels, waits, strict=True):
+            self.peer_wait_s[p] += s
+        error = None
+        if failure is not None:
+            code, i, err, got, tag = failure
+            error = self._native_failure(code, i, err, got, tag, 1)
+            self._failure = str(error)
+            self._release()
+        total = None if last is None else np.frombuffer(last, dtype=_F32).reshape(1, -1)
+        return StepGates(seconds, total, error)
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
         raise NotImplementedError("a world sums in _sum")
@@ -160,14 +203,22 @@ class MeshGateExchange(GateExchange):
             for p, s in zip(peers, done, strict=True):
                 self.peer_wait_s[p] += s
             return out
-        rows, (a, b) = mine.shape[0], self._bounds[self.rank]
+        raise self._native_failure(code, i, err, got, tag, mine.shape[0])
+
+    def _native_failure(
+        self, code: int, i: int, err: int, got: tuple[int, ...], tag: bytes, rows: int
+    ) -> GateError:
+        """The GateError of a native gate that ended with ``code`` at the other rank of index
+        ``i`` (errno ``err``, ``got`` bytes in from each), as the Python loop raises it."""
+        peers = list(self._channels)
+        a, b = self._bounds[self.rank]
         step1_in = {p: GATE_HEADER_SIZE + 4 * rows * (b - a) for p in peers}
         total_in = {
             p: step1_in[p] + 4 * rows * (self._bounds[p][1] - self._bounds[p][0]) for p in peers
         }
         got_by = dict(zip(peers, got, strict=True))
         if code == GATE_DESYNC:
-            raise self._desync_from(peers[i], tag, bytes(self._tags[peers[i]]))
+            return self._desync_from(peers[i], tag, bytes(self._tags[peers[i]]))
         if code in (GATE_CLOSED, GATE_FAILED):
             ch = self._channels[peers[i]]
             exc = (
@@ -175,8 +226,8 @@ class MeshGateExchange(GateExchange):
                 if code == GATE_CLOSED
                 else ch.failed(err, tag)
             )
-            raise self._after_failure(peers[i], exc, tag, got_by, step1_in)
-        raise self._stalled(tag, got_by, step1_in, total_in)
+            return self._after_failure(peers[i], exc, tag, got_by, step1_in)
+        return self._stalled(tag, got_by, step1_in, total_in)
 
     def _stalled(
         self, tag: bytes, got: dict[int, int], step1_in: dict[int, int], total_in: dict[int, int]

@@ -79,6 +79,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "step_exchange.h"
 
 /* Always inlined: a helper is compiled in its caller's encoding (a SIMD path's VEX), never
  * called as a function of another one (add_blocks' comment says what that cost). */
@@ -594,13 +595,8 @@ int step_attn(const step_layer *l, int j, const float *h, int pos, void *kc, voi
               const float *cos, const float *sin, float *out, float *room);
 int step_ffn(const step_layer *l, int j, const float *h, float *out,
              float *room); /* dense or routed */
-/* A rank's gate: replaces the partial sum (d) of gate 0 (attention) or 1 (FFN) in place with
- * the world's total; 0, or -1 when the exchange failed (step_whole then returns STEP_EXCHANGE). */
-typedef struct {
-    int (*fn)(void *ctx, int gate, float *sum);
-    void *ctx;
-} step_exchange;
-enum { STEP_EXCHANGE = -2 };
+/* x += the layer for the token at pos; with xch (a rank of a world) each gate's partial is
+ * exchanged through it (step_exchange.h) */
 int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *const *vc,
                const float *cos, const float *sin, float *room, const step_exchange *xch);
 

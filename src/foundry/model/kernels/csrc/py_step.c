@@ -220,14 +220,14 @@ static float *step_alloc(const step_layer *l, int pos) {
 typedef struct {
     PyObject *hook;
     float *gate;
-    int d, layer;
+    int d;
 } py_gate;
 
-static int py_gate_exchange(void *ctx, int gate, float *sum) {
+static int py_gate_exchange(void *ctx, int layer, int gate, float *sum) {
     const py_gate *g = ctx;
     memcpy(g->gate, sum, (size_t)g->d * sizeof(float));
     PyGILState_STATE held = PyGILState_Ensure();
-    PyObject *r = PyObject_CallFunction(g->hook, "ii", g->layer, gate);
+    PyObject *r = PyObject_CallFunction(g->hook, "ii", layer, gate);
     Py_XDECREF(r);
     PyGILState_Release(held);
     if (r == NULL) return -1; /* its exception stays set on this thread */
@@ -236,10 +236,10 @@ static int py_gate_exchange(void *ctx, int gate, float *sum) {
 }
 
 /* x += the layer of plan `capsule` at pos, its parts' caches the items of the sequences kt, vt
- * and its rope tables cos_o, sin_o: step_whole with the buffers checked; with `gate` (a rank of
+ * and its rope tables cos_o, sin_o: step_whole with the buffers checked; with `xch` (a rank of
  * a world), each gate's partial exchanged through it. 0, or -1 with an exception set. */
 static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyObject *vt,
-                     PyObject *cos_o, PyObject *sin_o, py_gate *gate) {
+                     PyObject *cos_o, PyObject *sin_o, const step_exchange *xch) {
     const step_layer *l = plan_of(capsule);
     if (l == NULL) return -1;
     Py_buffer k[STEP_MAX_PARTS], v[STEP_MAX_PARTS], cos, sin;
@@ -279,13 +279,13 @@ static int run_layer(PyObject *capsule, Py_buffer *x, int pos, PyObject *kt, PyO
         kc[j] = k[j].buf;
         vc[j] = v[j].buf;
     }
-    const step_exchange xch = {py_gate_exchange, gate};
-    Py_BEGIN_ALLOW_THREADS rc =
-        step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room, gate ? &xch : NULL);
+    Py_BEGIN_ALLOW_THREADS rc = step_whole(l, x->buf, pos, kc, vc, cos.buf, sin.buf, room, xch);
     Py_END_ALLOW_THREADS free(room);
-    if (rc == STEP_EXCHANGE)
-        rc = -1; /* the hook's exception is set */
-    else if (rc < 0)
+    if (rc == STEP_EXCHANGE) {
+        rc = -1; /* a hook's exception is set; a native exchange keeps what failed */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ConnectionError, "step_layers: a gate exchange failed");
+    } else if (rc < 0)
         PyErr_NoMemory();
 done:
     for (int j = 0; j < held; j++) {
@@ -321,7 +321,10 @@ PyDoc_STRVAR(step_layers_doc,
              "step_layer for each plan in turn, layer i with k_caches[i], v_caches[i] and "
              "tables[i] = (cos, sin). With hook (a rank of a world), each gate's partial is "
              "copied into gate (d float32), hook(layer, gate_index) called to replace it with "
-             "the world's total in place, and the total used; the GIL is let go between gates.");
+             "the world's total in place, and the total used; the GIL is let go between gates. "
+             "hook may instead be a capsule named 'foundry.step_exchange' (step_exchange.h; "
+             "gate then unused): the gates run in C, and a failed one raises ConnectionError, "
+             "what failed kept by the capsule's owner.");
 
 static PyObject *py_step_layers(PyObject *self, PyObject *args) {
     PyObject *plans, *ks, *vs, *tables, *hook = Py_None;
@@ -332,9 +335,23 @@ static PyObject *py_step_layers(PyObject *self, PyObject *args) {
                           &PyTuple_Type, &tables, &hook, &gate_buf))
         return NULL;
     PyObject *kf = PySequence_Fast(ks, "step_layers: caches as a sequence"), *vf = NULL;
-    py_gate gate = {hook, gate_buf.buf, 0, 0};
+    py_gate gate = {hook, gate_buf.buf, 0};
+    step_exchange xch = {py_gate_exchange, NULL, NULL, &gate, 0, 0, 0, 0};
     int rc = -1;
-    if (hook != Py_None) {
+    if (PyCapsule_IsValid(hook, STEP_EXCHANGE_CAPSULE)) {
+        xch = *(const step_exchange *)PyCapsule_GetPointer(hook, STEP_EXCHANGE_CAPSULE);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(plans); i++) {
+            const step_layer *l = plan_of(PyTuple_GET_ITEM(plans, i));
+            if (l == NULL) goto done;
+            if (l->d != xch.d) {
+                PyErr_Format(PyExc_ValueError,
+                             "step_layers: the exchange's gates are %d floats, "
+                             "layer %zd's %d",
+                             xch.d, i, l->d);
+                goto done;
+            }
+        }
+    } else if (hook != Py_None) {
         if (!PyCallable_Check(hook) || gate_buf.buf == NULL) {
             PyErr_SetString(PyExc_TypeError, "step_layers: a callable hook and its gate buffer");
             goto done;
@@ -361,10 +378,10 @@ static PyObject *py_step_layers(PyObject *self, PyObject *args) {
             rc = -1;
             break;
         }
-        gate.layer = (int)i;
+        xch.layer = (int)i;
         rc = run_layer(PyTuple_GET_ITEM(plans, i), &x, pos, PySequence_Fast_GET_ITEM(kf, i),
                        PySequence_Fast_GET_ITEM(vf, i), PyTuple_GET_ITEM(t, 0),
-                       PyTuple_GET_ITEM(t, 1), hook != Py_None ? &gate : NULL);
+                       PyTuple_GET_ITEM(t, 1), hook != Py_None ? &xch : NULL);
     }
 done:
     Py_XDECREF(kf);

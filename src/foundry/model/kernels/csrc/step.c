@@ -19,6 +19,58 @@ static int products(const step_mat *m, int n_mats, const float *x, float *y) {
     return 0;
 }
 
+/* ---- a rank's gate products, sent as they are made ------------------------------------------ */
+
+/* The most products the peers' chunks of a gate's product are cut into (each one pool call);
+ * this rank's own chunk is one more, the last. */
+#define POST_PIECES 3
+
+static int posts(const step_exchange *xch) {
+    return xch != NULL && xch->begin != NULL && xch->world > 1;
+}
+
+/* The first row of chunk c of d rows cut into `world` (the exchange's chunks). */
+static int chunk_row(int c, int d, int world) {
+    return (int)((int64_t)c * d / world);
+}
+
+/* y (d floats) = m . x, the partial of gate `gate` (x NULL: zero, a part without heads): with
+ * an exchange that posts (a rank of a world), the peers' chunks first, in the order rank + 1,
+ * ..., rank - 1, each piece posted as soon as its rows are in, then this rank's own chunk; so
+ * the peers' pieces are on the wire while the rest is computed. Every row is its own dot
+ * product, so the bits are the one product's. */
+static int gate_product(int d, const step_mat *m, const float *x, float *y,
+                        const step_exchange *xch, int gate) {
+    if (!posts(xch)) {
+        if (x == NULL) {
+            memset(y, 0, (size_t)d * sizeof *y);
+            return 0;
+        }
+        return matmul(m->type, m->w, m->row_bytes, m->rows, m->k, x, 1, y);
+    }
+    const int world = xch->world, rank = xch->rank, others = world - 1;
+    const int pieces = others < POST_PIECES ? others : POST_PIECES;
+    xch->begin(xch->ctx, xch->layer, gate, y);
+    for (int g = 0, i = 0; g <= pieces; g++) {
+        const int first = i, end = g < pieces ? (g + 1) * others / pieces : world;
+        while (i < end) { /* a run of chunks whose rows are contiguous (up to the last one) */
+            const int c = (rank + 1 + i) % world;
+            int n = 1;
+            while (i + n < end && c + n < world) n++;
+            const int lo = chunk_row(c, d, world), hi = chunk_row(c + n, d, world);
+            if (x == NULL)
+                memset(y + lo, 0, (size_t)(hi - lo) * sizeof *y);
+            else if (hi > lo && matmul(m->type, m->w + (size_t)lo * m->row_bytes, m->row_bytes,
+                                       hi - lo, m->k, x, 1, y + lo) < 0)
+                return -1;
+            i += n;
+        }
+        if (g < pieces)
+            for (int j = first; j < end; j++) xch->post(xch->ctx, (rank + 1 + j) % world);
+    }
+    return 0;
+}
+
 /* ---- one part's ATTN partial ---------------------------------------------------------------- */
 
 /* Room for one part's Q, K and V rows (floats): the products, the norms' outputs, K turned. */
@@ -204,7 +256,7 @@ static void geglu_row(const step_layer *l, const float *gu, int f, float *out) {
 
 /* out (d) = down(act(gate h) * up h): a dense FFN, or one routed expert (SwiGLU). */
 static int glu(const step_layer *l, const step_mat *gate_up, int n_gate_up, const step_mat *down,
-               const float *h, float *out, float *room) {
+               const float *h, float *out, float *room, const step_exchange *xch) {
     const int f = down->k;
     float *gu = room, *a = gu + 2 * (size_t)f;
     if (products(gate_up, n_gate_up, h, gu) < 0) return -1;
@@ -212,7 +264,7 @@ static int glu(const step_layer *l, const step_mat *gate_up, int n_gate_up, cons
         geglu_row(l, gu, f, a);
     else
         swiglu(gu, 1, f, a);
-    return matmul(down->type, down->w, down->row_bytes, down->rows, down->k, a, 1, out);
+    return gate_product(l->d, down, a, out, xch, 1);
 }
 
 /* The routed experts of parts j0 .. j1 - 1 for the row h (Engine._ffn for one row, each part in
@@ -287,7 +339,7 @@ static int routed(const step_layer *l, int j, const float *h, float *out, float 
 int step_ffn(const step_layer *l, int j, const float *h, float *out, float *room) {
     const step_part *p = &l->parts[j];
     if (l->router != NULL) return routed(l, j, h, out, room);
-    return glu(l, p->gate_up, p->n_gate_up, &p->down, h, out, room);
+    return glu(l, p->gate_up, p->n_gate_up, &p->down, h, out, room, NULL);
 }
 
 size_t step_room(const step_layer *l, int n_pos) {
@@ -340,8 +392,14 @@ static int qkv_parts(const step_layer *l, const float *h, float *const *ys) {
     return matmul_many(list, n);
 }
 
-/* Every part's output product in one pool call: part j's of os[j] into outs[j]. */
-static int out_parts(const step_layer *l, float *const *os, float *const *outs) {
+/* Every part's output product in one pool call: part j's of os[j] into outs[j]; a rank's one
+ * part through gate_product (posted as it goes). */
+static int out_parts(const step_layer *l, float *const *os, float *const *outs,
+                     const step_exchange *xch) {
+    if (l->n_parts == 1 && posts(xch)) {
+        const step_part *p = &l->parts[0];
+        return gate_product(l->d, &p->out, heads_of(p) ? os[0] : NULL, outs[0], xch, 0);
+    }
     mm_item list[2];
     int n = 0;
     for (int j = 0; j < l->n_parts; j++) {
@@ -379,7 +437,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (attn_heads(l, 1, (int)(hd / l->dh), q, pos, kc[0], vc[0], o) < 0) return -1;
             PROF_STOP(attn, PROF_ATTN);
             PROF_START(out);
-            if (out_parts(l, os, outs) < 0) return -1;
+            if (out_parts(l, os, outs, NULL) < 0) return -1;
             PROF_STOP(out, PROF_OUT);
             for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
         } else if (!gate && l->n_parts <= 2) { /* every part's Q, K, V in one pool call */
@@ -404,7 +462,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (attn_heads_parts(l, q, pos, kc, vc, o) < 0) return -1;
             PROF_STOP(attn, PROF_ATTN);
             PROF_START(out);
-            if (out_parts(l, o, outs) < 0) return -1;
+            if (out_parts(l, o, outs, xch) < 0) return -1;
             PROF_STOP(out, PROF_OUT);
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
@@ -421,6 +479,10 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             if (l->n_parts == 2) /* _sum: the partials added in rank order */
                 for (int i = 0; i < d; i++) sum[i] = sum[i] + part[i];
             PROF_STOP(phase, PROF_FFN);
+        } else if (l->n_parts == 1 && l->router == NULL) { /* its down product posted */
+            const step_part *p = &l->parts[0];
+            if (glu(l, p->gate_up, p->n_gate_up, &p->down, h, sum, rest, xch) < 0) return -1;
+            PROF_STOP(phase, PROF_FFN);
         } else {
             for (int j = 0; j < l->n_parts; j++) {
                 const int rc = step_ffn(l, j, h, j ? part : sum, rest);
@@ -430,7 +492,7 @@ int step_whole(const step_layer *l, float *x, int pos, void *const *kc, void *co
             }
             PROF_STOP(phase, PROF_FFN);
         }
-        if (xch != NULL && xch->fn(xch->ctx, gate, sum) < 0) return STEP_EXCHANGE;
+        if (xch != NULL && xch->fn(xch->ctx, xch->layer, gate, sum) < 0) return STEP_EXCHANGE;
         const float *post = gate ? l->post_ffn : l->post_attn, *add = sum;
         if (post != NULL) {
             rmsnorm(sum, post, 1, d, l->eps, normed);
