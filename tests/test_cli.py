@@ -61,6 +61,28 @@ def test_ctl_says_why_a_run_waits_or_failed() -> None:
     assert format_state(pb.TrainingStatus(state=pb.TRAINING_STATE_PAUSED)) == "PAUSED"
 
 
+def test_ctl_status_lists_each_ranks_threads() -> None:
+    """The leader's STATUS, as the gateway turns it into GetPairStatus and ``foundry ctl
+    status`` prints it: every rank's threads, none where a rank did not report them."""
+    from foundry.commands.ctl_format import format_pair
+    from foundry.gateway.servicers import pair_status_pb
+    from foundry.wire import frontend as fw
+
+    ranks = (
+        fw.RankStatus(0, 1, True, 0, 2),
+        fw.RankStatus(1, 1, True, 153, 4),
+        fw.RankStatus(2, 1, False, 0, 0),  # out of the world: not reported
+    )
+    status = fw.Status(0, False, False, 0, 0, 2, 64, 259, 256, 1000, 7, 0.0, 0, 2, ranks)
+    pb = pair_status_pb(status)
+    assert [r.threads for r in pb.ranks] == [2, 4, 0]
+    assert format_pair(pb).splitlines()[2:] == [
+        "      rank 0 (leader)  share 1/3  threads 2",
+        "      rank 1 (worker)  share 1/3  threads 4  gate wait 153 us",
+        "      rank 2 (worker)  share 1/3  gate wait 0 us  DISCONNECTED",
+    ]
+
+
 def _parsers(
     parser: argparse.ArgumentParser, path: str = "foundry"
 ) -> list[tuple[str, argparse.ArgumentParser]]:

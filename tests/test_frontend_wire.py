@@ -178,8 +178,8 @@ GOLDEN: list[tuple[Frame, str]] = [
     (Error(9, 2, "retry"), "46444645 05 09000000 09000000" " 02000000 7265747279"),
     (StatusReq(0x0102), "46444645 06 02010000 00000000"),
     (Status(10, True, False, 3, 1000, 2, 64, 259, 256, 123456, 0xDEADBEEF, 0.5, 9, 16,
-            (RankStatus(0, 2, True, 0), RankStatus(1, 1, True, 1234))),
-     "46444645 07 0a000000 4b000000"  # 58 + 1 + 2 x 8 = 75 bytes
+            (RankStatus(0, 2, True, 0, 16), RankStatus(1, 1, True, 1234, 3))),
+     "46444645 07 0a000000 53000000"  # 58 + 1 + 2 x 12 = 83 bytes
      " 01 00"  # worker_connected, shared_memory
      " 03000000"  # active_sessions
      " e803000000000000"  # tokens_generated u64
@@ -189,9 +189,10 @@ GOLDEN: list[tuple[Frame, str]] = [
      " 0000003f"  # spec_acceptance f32 0.5
      " 0900000000000000"  # requests_served u64
      " 10000000"  # threads
-     " 02"  # two ranks: rank u8, connected u8, share u16, gate_wait_us u32
-     " 00 01 0200 00000000"
-     " 01 01 0100 d2040000"),
+     " 02"  # two ranks: rank u8, connected u8, share u16, gate_wait_us u32, threads u16,
+     # reserved u16
+     " 00 01 0200 00000000 1000 0000"
+     " 01 01 0100 d2040000 0300 0000"),
     (Logprobs(5, 104, -0.5, b"h", ((104, -0.5, b"h"), (7, -2.0, b""))),
      "46444645 08 05000000 21000000"  # 33 bytes
      " 68000000 000000bf 0100 68"  # the chosen token: i32 104, f32 -0.5, u16 1, "h"
@@ -508,17 +509,27 @@ def test_fixed_and_text_frames_exact() -> None:
         (0x06, b"\x00", "STATUS_REQ payload must be 0 bytes, got 1"),
         (0x04, bytes(12), "DONE payload must be 13 bytes, got 12"),
         (0x04, bytes(14), "DONE payload must be 13 bytes, got 14"),
-        (0x07, bytes(57), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 57"),
-        (0x07, bytes(58), "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 58"),
+        (0x07, bytes(57), "STATUS payload must be 58 + 1 + 12 x its rank count bytes, got 57"),
+        (0x07, bytes(58), "STATUS payload must be 58 + 1 + 12 x its rank count bytes, got 58"),
         (
             0x07,
             bytes(59) + bytes(7),
-            "STATUS payload must be 58 + 1 + 8 x its rank count bytes, got 66",
+            "STATUS payload must be 58 + 1 + 12 x its rank count bytes, got 66",
+        ),
+        (  # a rank entry of the old 8 bytes
+            0x07,
+            bytes(58) + b"\x01" + bytes.fromhex("00 01 0100 00000000"),
+            "STATUS payload must be 58 + 1 + 12 x its rank count bytes, got 67",
         ),
         (
             0x07,
-            bytes(58) + b"\x01" + bytes.fromhex("00 02 0100 00000000"),
+            bytes(58) + b"\x01" + bytes.fromhex("00 02 0100 00000000 0100 0000"),
             "STATUS rank 0: connected must be 0 or 1",
+        ),
+        (
+            0x07,
+            bytes(58) + b"\x02" + bytes(12) + bytes.fromhex("01 01 0100 00000000 0100 0100"),
+            "STATUS rank 1: reserved is 1, not 0",
         ),
         (0x03, bytes(7), "TOKEN payload of 7 bytes is too short"),
         (0x05, bytes(3), "ERROR payload of 3 bytes is too short"),

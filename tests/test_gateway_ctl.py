@@ -6,6 +6,7 @@ generate` prints. Every piece is a process in that check.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,9 @@ def test_ctl_status_shows_the_pair_and_needs_the_token(pair: Pair, tmp_path: Pat
             code, out, err = await _run(_ctl(s.target, token_file, "status"))
             assert code == 1, "the coordinator is down, so status reports a failure"
             assert "pair: worker rank connected" in out, out + err
-            assert "rank 0 (leader)  share 1/2" in out and "rank 1 (worker)  share 1/2" in out
+            # The leader's threads; the plain pair's worker states none (its hello is plain).
+            assert re.search(r"rank 0 \(leader\)  share 1/2  threads [1-9]\d*\n", out), out
+            assert "rank 1 (worker)  share 1/2  gate wait " in out, out
             assert "training: unavailable" in out and "--admin-listen" in out
             code, out, err = await _run(_ctl(s.target, None, "pause"))
             assert code == 1

@@ -1,5 +1,6 @@
-"""The tensor-parallel wire's hello: golden bytes with its world and weight extensions, the
-identity and execution-mode checks naming the field, the gate transport negotiated.
+"""The tensor-parallel wire's hello: golden bytes with its world, weight and threads
+extensions, the identity and execution-mode checks naming the field, the gate transport
+negotiated.
 """
 
 from __future__ import annotations
@@ -188,6 +189,86 @@ def test_weight_hello_golden_bytes_and_round_trip() -> None:
         )
 
 
+THREADS_EXT_GOLDEN = bytes.fromhex(
+    "0400"  # threads 4
+    "0000"  # reserved
+)
+
+
+def test_threads_hello_golden_bytes_and_round_trip() -> None:
+    """A worker stating the world states its threads too: flag bit 3, 4 bytes after the last
+    extension (hello_size 228 after the world, 236 after the weight); only with the world."""
+    assert tp.THREADS_EXT.size == 4 and tp.HELLO_THREADS == 8
+    assert tp.HELLO_SIZES == (184, 224, 228, 232, 236)
+    world = WorldInfo(world_size=3, shares=(2, 1, 1), rank=2, gate_port=7100)
+    worker = Hello(role=Role.WORKER, identity=IDENTITY, world=world, threads=4)
+    wire = encode(worker)
+    assert len(wire) == 228 and wire[6:8] == bytes.fromhex("e400")
+    assert wire[9] == tp.HELLO_WORLD | tp.HELLO_THREADS == 0x0A
+    assert wire[184:] == bytes.fromhex("0300 0200 bc1b 0000") + WORLD_EXT_GOLDEN[8:] + (
+        THREADS_EXT_GOLDEN
+    )
+    assert decode_all(wire, expect_hello=True) == [worker]
+    assert decode_all(wire, expect_hello=True)[0].threads == 4
+    # 0: a worker that does not know its threads.
+    assert decode_all(encode(dataclasses.replace(worker, threads=0)), expect_hello=True) == [
+        dataclasses.replace(worker, threads=0)
+    ]
+    # After the weight: at 232.
+    weighted = Hello(
+        role=Role.WORKER,
+        identity=IDENTITY,
+        world=WorldInfo(
+            world_size=3, shares=(), rank=2, gate_port=7100, shares_from=tp.SharesFrom.SPEED
+        ),
+        weight=tp.RankWeight(speed=10000),
+        threads=4,
+    )
+    both = encode(weighted)
+    assert len(both) == 236 and both[6:8] == bytes.fromhex("ec00") and both[9] == 0x0E
+    assert both[184:] == PENDING_EXT_GOLDEN + WEIGHT_EXT_GOLDEN + THREADS_EXT_GOLDEN
+    assert decode_all(both, expect_hello=True) == [weighted]
+    # Threads are not compared: ranks on other thread counts form one world.
+    leader = dataclasses.replace(LEADER_HELLO, world=WorldInfo(world_size=3, shares=(2, 1, 1)))
+    tp.check_hello(leader, worker)
+    # Not without the world; a reserved word other than 0; a size that disagrees with the flags.
+    with pytest.raises(LocalProtocolError, match="threads goes only with the world extension"):
+        Hello(role=Role.WORKER, identity=IDENTITY, threads=4)
+    with pytest.raises(LocalProtocolError, match=r"Hello\.threads must be an integer"):
+        dataclasses.replace(worker, threads=1 << 16)
+    for data, message in [
+        (
+            HELLO_GOLDEN[:9] + b"\x09" + HELLO_GOLDEN[10:],
+            "hello: the threads flag is set without the world flag",
+        ),
+        (wire[:226] + b"\x01\x00", "hello: threads extension reserved word is 1, not 0"),
+        (both[:235] + b"\x01", "hello: threads extension reserved word is 256, not 0"),
+    ]:
+        with pytest.raises(TpProtocolError) as info:
+            decode_all(data, expect_hello=True)
+        assert str(info.value) == message
+    with pytest.raises(TpProtocolError) as info:  # the threads flag cleared, the size kept
+        decode_all(wire[:9] + b"\x02" + wire[10:], expect_hello=True)
+    assert str(info.value) == (
+        "hello: the world flag is set, the weight flag clear, the threads flag clear, so the "
+        "hello is 224 bytes, but it says 228 (184 plain, 224 with the world extension, 8 more "
+        "with the weight, 4 more with the threads)"
+    )
+    with pytest.raises(TpProtocolError, match="so the hello is 228 bytes, but it says 224"):
+        decode_all(wire[:6] + bytes.fromhex("e000") + wire[8:224], expect_hello=True)
+    with pytest.raises(TpProtocolError, match="so the hello is 236 bytes, but it says 232"):
+        decode_all(both[:6] + bytes.fromhex("e800") + both[8:232], expect_hello=True)
+    # Fed one byte at a time, and with the next record behind it.
+    decoder = TpDecoder(expect_hello=True)
+    got = []
+    for i in range(len(both)):
+        decoder.feed(both[i : i + 1])
+        if (event := decoder.next_event()) is not None:
+            got.append(event)
+    assert got == [weighted]
+    assert decode_all(wire + encode(Stop()), expect_hello=True) == [worker, Stop()]
+
+
 def test_the_plain_pair_sends_no_world_extension() -> None:
     """Two ranks of equal shares (however written) state no world: the pair's 184 bytes."""
     from foundry.tp.handshake import world_info
@@ -280,7 +361,8 @@ def test_hello_must_come_first_and_versions_must_match() -> None:
     ("offset", "value", "message"),
     [
         (8, b"\x02", "unknown role 2"),
-        (9, b"\x08", "unknown flags"),
+        (9, b"\x10", "unknown flags"),
+        (9, b"\x08", "threads flag is set without the world flag"),
         (10, b"\x02\x00", "execution mode 0x2 has bits this implementation does not run"),
         (11, b"\x01", "execution mode 0x100 has bits"),
         (104, b"../etc/passwd", "not a bare file name"),
@@ -411,7 +493,7 @@ def test_hello_prefix_messages_exact() -> None:
             tp.HELLO_PREFIX.pack(tp.TP_HELLO_MAGIC, 2, 185),
             TpProtocolError,
             "hello of version 2 must be 184 bytes (224 with the world extension, 232 with the "
-            "weight too), the peer says 185",
+            "weight too, 4 more with the threads), the peer says 185",
         ),
     ]:
         decoder = TpDecoder(expect_hello=True)
@@ -461,7 +543,7 @@ def test_hello_field_errors_exact() -> None:
             "hello: execution mode 0x2 has bits this implementation does not run "
             "(supported: 0x1: 1 = experts cut by their intermediate size)",
         ),
-        (9, b"\x08", "hello: unknown flags 0x8"),
+        (9, b"\x10", "hello: unknown flags 0x10"),
         (8, b"\x02", "hello: unknown role 2 (0 leader, 1 worker)"),
         (104, b"\xff", "hello: shm name b'\\xff' is not UTF-8"),
         (168, b"llamaX", "hello: Hello.architecture 'llamaX' is not 1-16 characters of [a-z0-9_-]"),

@@ -3,14 +3,15 @@
 
 Each world's tokens and full logits rows equal one process standing for the same split
 (``Engine(shares=...)``, its partials added in rank order) bit for bit, with equal and uneven
-shares; a rank killed mid-generation is waited for, the world forms again and the sessions are
-re-synced; a world size or shares the model cannot take, and a --rank the world has no place
-for, are refused in one line. Shares chosen at pairing (``--shares auto`` from the ranks'
-speeds, stated with ``--speed`` or measured; ``--shares ranks`` from each rank's ``--share``)
-follow what the ranks stated, and the world equals one process standing for them; a
-``--share`` that conflicts with the leader's shares is refused in one line. The leader runs
-in this process (for its logits), the workers are processes. The file's 4 kv heads take 2, 3
-and 4 ranks.
+shares, and STATUS lists every rank's threads as it was started with; a rank killed
+mid-generation is waited for, the world forms again (the new process's threads in its entry)
+and the sessions are re-synced; a world size or shares the model cannot take, and a --rank the
+world has no place for, are refused in one line. Shares chosen at pairing (``--shares auto``
+from the ranks' speeds, stated with ``--speed`` or measured; ``--shares ranks`` from each
+rank's ``--share``) follow what the ranks stated, and the world equals one process standing for
+them; a ``--share`` that conflicts with the leader's shares is refused in one line. The leader
+runs in this process (for its logits), the workers are processes. The file's 4 kv heads take 2,
+3 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -171,7 +172,16 @@ def test_world_equals_one_process_standing_for_it(
     split: ExpertSplit,
     ranks: list[int | None],
 ) -> None:
-    w = World(model, tmp_path, world, shares, split, ranks)
+    threads = [1 + i % 2 for i in range(len(ranks))]  # each worker's --threads
+    w = World(
+        model,
+        tmp_path,
+        world,
+        shares,
+        split,
+        ranks,
+        worker_args=[["--threads", str(n)] for n in threads],
+    )
     worlds.append(w)
     st = wait_paired(w.frontend)
     assert st.worker_connected and st.shared_memory == (world == 2)  # the slab: pairs only
@@ -185,12 +195,23 @@ def test_world_equals_one_process_standing_for_it(
     assert np.array_equal(ours, one), f"max abs diff {np.abs(ours - one).max():.3g}"
     assert w.leader.leader.metrics.hash_checks.labels("match")._value.get() > 0
     with Client(w.frontend) as c:
-        ranks = c.status().ranks
+        status = c.status()
     norm = norm_shares(world, shares)
-    assert [(r.rank, r.share, r.connected) for r in ranks] == [
+    assert [(r.rank, r.share, r.connected) for r in status.ranks] == [
         (r, norm[r], True) for r in range(world)
     ]
-    assert ranks[0].gate_wait_us == 0 and all(r.gate_wait_us > 0 for r in ranks[1:])
+    assert status.ranks[0].gate_wait_us == 0
+    assert all(r.gate_wait_us > 0 for r in status.ranks[1:])
+    # Each rank's threads: the leader's own, a worker's as its hello stated them; the plain
+    # pair's worker sends the plain hello, so its threads are not reported.
+    assert status.ranks[0].threads == status.threads > 0
+    stated = [r.threads for r in status.ranks[1:]]
+    if world == 2 and shares is None:
+        assert stated == [0]
+    elif None in ranks:  # the ranks went to whichever worker came first
+        assert sorted(stated) == sorted(threads)
+    else:
+        assert stated == [threads[ranks.index(r)] for r in range(1, world)]
     if world > 2:
         # Another grouping of the same sums (the pair's) differs in the last bits.
         pair = reference_greedy(model, PROMPT, TOKENS, CHUNK, split)
@@ -310,20 +331,24 @@ def test_a_dense_world_with_ranks_without_heads_equals_one_process(
 def test_a_killed_rank_is_waited_for_and_the_world_resynced(
     model: Path, tmp_path: Path, worlds: list[World]
 ) -> None:
-    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2])
+    one = ["--threads", "1"]
+    w = World(model, tmp_path, 3, None, ExpertSplit.INTERMEDIATE, [1, 2], worker_args=[one, one])
     worlds.append(w)
-    wait_paired(w.frontend)
+    assert [r.threads for r in wait_paired(w.frontend).ranks[1:]] == [1, 1]
     with Client(w.frontend) as c:
         first = c.generate(PROMPT, TOKENS)
         assert isinstance(first.end, fw.Done)
     victim = w.workers[1]
     victim.stop(signal.SIGKILL)
-    wait_paired(w.frontend, connected=False)
+    # Out of the world, no rank reports threads until its next hello.
+    lost = wait_paired(w.frontend, connected=False)
+    assert [(r.connected, r.threads) for r in lost.ranks[1:]] == [(False, 0), (False, 0)]
     with Client(w.frontend) as c:
         refused = c.generate(PROMPT, 4)
     assert isinstance(refused.end, fw.Error) and refused.end.code == fw.ErrorCode.UNAVAILABLE
-    w.workers[1] = w.start(None, 9)  # a new process, no --rank: it gets the free one, 2
-    wait_paired(w.frontend)
+    # A new process, no --rank: it gets the free one, 2, and its threads replace the old.
+    w.workers[1] = w.start(None, 9, "--threads", "2")
+    assert [r.threads for r in wait_paired(w.frontend).ranks[1:]] == [1, 2]
     metrics = w.leader.leader.metrics
     wait_for(
         lambda: metrics.sessions_resynced._value.get() >= 1,

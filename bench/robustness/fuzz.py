@@ -8,8 +8,9 @@ many short connections, several connections at once:
   after no prefix, a REGISTER, or DATASET + REGISTER;
 - the coordinator's admin port (FDTC; the gateway, ``foundry ctl``): every FDTC type;
 - the TP leader's worker port (TP hello, gate-link opener, control frames; ``foundry
-  tp-worker``): hellos with the right identity, another one, or the leader's role, gate-link
-  openers, and every control frame type;
+  tp-worker``): hellos with the right identity, another one, or the leader's role, plain or
+  with the world's extensions (the weight, the threads), gate-link openers, and every control
+  frame type;
 - the TP leader's frontend port (the gateway): every frontend frame type.
 
 Each fuzz frame is a valid frame of a random type built by the codec (``foundry.wire``) with

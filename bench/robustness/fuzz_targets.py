@@ -397,7 +397,10 @@ class FrontendTarget(Target):
                 0.5,
                 9,
                 r.randrange(1, 65),
-                tuple(fw.RankStatus(i, 1, True, r.randrange(1 << 20)) for i in range(2)),
+                tuple(
+                    fw.RankStatus(i, 1, True, r.randrange(1 << 20), r.randrange(1 << 16))
+                    for i in range(2)
+                ),
             ),
             "LOGPROBS": lambda: fw.Logprobs(
                 rid,
@@ -483,12 +486,16 @@ class TpWorkerPortTarget(Target):
                 )
             role = r.choice([tp.Role.WORKER, tp.Role.LEADER])
             shm = r.random() < 0.5
+            world, weight, threads = self.extensions(r)
             hello = tp.Hello(
                 role=role,
                 identity=ident,
                 host_id=r.randbytes(16),
                 shm_offered=shm,
                 shm_name=r.choice(["", "fz-slab"]) if shm else "",
+                world=world,
+                weight=weight,
+                threads=threads,
             )
             return "HELLO", tp.encode(hello), TP_HELLO
         if choice == "gate":
@@ -567,6 +574,32 @@ class TpWorkerPortTarget(Target):
             ),
         }
         return ftype.name, tp.encode(build[ftype]()), TP_FRAME
+
+    @staticmethod
+    def extensions(
+        r: random.Random,
+    ) -> tuple[tp.WorldInfo | None, tp.RankWeight | None, int | None]:
+        """A hello's extensions, each flag in turn: none (the plain pair's), or a world of 2
+        to 4 ranks (of shares listed or still to be chosen, the weight then), mostly with the
+        threads after it. The pair the fuzzer meets states no world, so it refuses them all."""
+        if r.random() < 0.6:
+            return None, None, None
+        n = r.randrange(2, 5)
+        pending = r.random() < 0.5
+        world = tp.WorldInfo(
+            world_size=n,
+            shares=() if pending else (2,) + (1,) * (n - 1),
+            rank=r.randrange(n),
+            gate_port=r.randrange(1 << 16),
+            shares_from=r.choice([tp.SharesFrom.SPEED, tp.SharesFrom.SHARE])
+            if pending
+            else tp.SharesFrom.LIST,
+        )
+        weight = (
+            tp.RankWeight(share=r.randrange(4), speed=r.randrange(1 << 20)) if pending else None
+        )
+        threads = r.choice([0, 1, r.randrange(1 << 16)]) if r.random() < 0.8 else None
+        return world, weight, threads
 
     def plan(self, rng: random.Random) -> Plan:
         name, raw, framing = self.record(rng)

@@ -133,6 +133,7 @@ def format_pair(pair: Any) -> str:
     for r in pair.ranks:
         role = "leader" if r.rank == 0 else "worker"
         state = "" if r.connected else "  DISCONNECTED"
+        threads = f"  threads {r.threads}" if r.threads else ""
         wait = "" if r.rank == 0 else f"  gate wait {1e6 * r.gate_wait_seconds:.0f} us"
-        text += f"\n      rank {r.rank} ({role})  share {r.share}/{total}{wait}{state}"
+        text += f"\n      rank {r.rank} ({role})  share {r.share}/{total}{threads}{wait}{state}"
     return text

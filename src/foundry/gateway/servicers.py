@@ -134,6 +134,7 @@ def pair_status_pb(status: frontend.Status) -> inference_pb2.GetPairStatusRespon
                 share=r.share,
                 connected=r.connected,
                 gate_wait_seconds=r.gate_wait_us / 1e6,
+                threads=r.threads,
             )
             for r in status.ranks
         ],

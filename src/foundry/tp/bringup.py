@@ -379,11 +379,16 @@ class BringUp:
                 assert gate is not None
                 with self._claim_lock:
                     self._formed = {rank}
-                self._on_pair(Pair([link], gate, transport, self.shares))
+                self._on_pair(Pair([link], gate, transport, self.shares, (peer.threads or 0,)))
             else:
                 assert gsock is not None and peer.world is not None
                 member = Member(
-                    rank, link, gsock, _host_bytes(link.sock.getpeername()[0]), peer.world.gate_port
+                    rank,
+                    link,
+                    gsock,
+                    _host_bytes(link.sock.getpeername()[0]),
+                    peer.world.gate_port,
+                    peer.threads or 0,
                 )
                 gsock = None
                 self._join(member)
@@ -535,7 +540,15 @@ class BringUp:
                 m.link.set_timeout(o.control_timeout_s)
             with self._claim_lock:
                 self._formed = {m.rank for m in members}
-            self._on_pair(Pair([m.link for m in members], gate, GateTransport.TCP, self.shares))
+            self._on_pair(
+                Pair(
+                    [m.link for m in members],
+                    gate,
+                    GateTransport.TCP,
+                    self.shares,
+                    [m.threads for m in members],
+                )
+            )
         except (OSError, LinkError, TpProtocolError) as exc:
             log.warning(
                 "forming the world of %d ranks failed: %s; every worker dials again",

@@ -165,18 +165,24 @@ class LeaderEngine(EngineTokens):
         """A pair formed by the bring-up (handshake thread)."""
         self._new_pairs.put(pair)
 
-    def rank_status(self) -> list[fw.RankStatus]:
-        """Every rank, its share and the mean gate wait for its partial (read from another
-        thread: single reads of the pair's gate counters)."""
-        pair = self._pair
-        gate = pair.gate if pair is not None and self.worker_connected else None
+    def rank_status(self, threads: int) -> list[fw.RankStatus]:
+        """Every rank, its share, the mean gate wait for its partial and its threads (rank 0's
+        ``threads``, a worker's from the hello it formed with; 0 while it is out of the world),
+        read from another thread: single reads of the pair's gate counters."""
+        pair = self._pair if self.worker_connected else None
         out = []
         for rank, share in enumerate(self.shares):
             wait_us = 0
-            if gate is not None and rank and gate.gates_done:
-                wait_us = round(1e6 * gate.peer_wait_s[rank] / gate.gates_done)
+            if pair is not None and rank and pair.gate.gates_done:
+                wait_us = round(1e6 * pair.gate.peer_wait_s[rank] / pair.gate.gates_done)
             out.append(
-                fw.RankStatus(rank, share, rank == 0 or gate is not None, min(wait_us, 0xFFFFFFFF))
+                fw.RankStatus(
+                    rank,
+                    share,
+                    rank == 0 or pair is not None,
+                    min(wait_us, 0xFFFFFFFF),
+                    threads if rank == 0 else pair.threads[rank - 1] if pair is not None else 0,
+                )
             )
         return out
 

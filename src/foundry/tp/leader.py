@@ -266,6 +266,7 @@ class Leader:
 
     def status(self, request_id: int = 0) -> fw.Status:
         i, e = self.identity, self.engine
+        threads = kernel_threads()
         return fw.Status(
             request_id,
             worker_connected=e.worker_connected,
@@ -280,8 +281,8 @@ class Leader:
             model_id=i.model_id,
             spec_acceptance=e.accepted / e.drafted if e.drafted else 0.0,
             requests_served=self._frontend_server.requests_served,
-            threads=kernel_threads(),
-            ranks=tuple(e.rank_status()),
+            threads=threads,
+            ranks=tuple(e.rank_status(threads)),
         )
 
     def _call_on_loop(self, fn: Callable[..., object], *args: object) -> None:

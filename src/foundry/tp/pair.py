@@ -9,7 +9,7 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from foundry.model.shard.shares import Shares
 from foundry.tp.link import ControlLink
@@ -19,7 +19,8 @@ from foundry.wire.tp import GateTransport
 
 class Pair:
     """A formed pair or world: the workers' control links (rank 1 first), the gate exchange,
-    and the watcher's wake-up pipe."""
+    the threads each worker stated in the hello it formed with (rank 1 first; 0: not stated,
+    the plain pair's worker), and the watcher's wake-up pipe."""
 
     def __init__(
         self,
@@ -27,13 +28,17 @@ class Pair:
         gate: GateExchange,
         transport: GateTransport,
         shares: Shares = (1, 1),
+        threads: Sequence[int] = (),
     ) -> None:
         if len(links) != len(shares) - 1:
             raise ValueError(f"{len(links)} worker links for a world of {len(shares)} ranks")
+        if threads and len(threads) != len(links):
+            raise ValueError(f"{len(threads)} workers' threads for {len(links)} worker links")
         self.links = links
         self.gate = gate
         self.transport = transport
         self.shares = shares
+        self.threads = tuple(threads) or (0,) * len(links)
         self.lost: str | None = None  # set by the watcher: a worker hung up
         self._wake_r, self._wake_w = os.pipe()
         self.watcher: threading.Thread | None = None
@@ -81,16 +86,23 @@ class Pair:
 
 class Member:
     """A worker of a world of N > 2 ranks, brought up as far as its gate link to the leader,
-    waiting for the other ranks."""
+    waiting for the other ranks; ``threads``: what its hello stated (0: unknown)."""
 
     def __init__(
-        self, rank: int, link: ControlLink, gate_sock: socket.socket, host: bytes, gate_port: int
+        self,
+        rank: int,
+        link: ControlLink,
+        gate_sock: socket.socket,
+        host: bytes,
+        gate_port: int,
+        threads: int = 0,
     ) -> None:
         self.rank = rank
         self.link = link
         self.gate_sock = gate_sock
         self.host = host
         self.gate_port = gate_port
+        self.threads = threads
 
     def alive(self) -> bool:
         """False once the worker hung up (nothing it may send while waiting is read here)."""

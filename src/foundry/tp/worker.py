@@ -36,6 +36,7 @@ from pathlib import Path
 
 from foundry.model.formats.gguf_model import GGUFError
 from foundry.model.infer.engines import make_engine
+from foundry.model.kernels.quant import threads as kernel_threads
 from foundry.model.shard.shares import MAX_WORLD, Shares
 from foundry.model.shard.table import ExpertSplit, SplitError
 from foundry.model.spec.arch import spec as arch_spec
@@ -432,7 +433,8 @@ class Worker(WorkerPair):
 
     def _hello(self) -> Hello:
         """Our hello: the world extension once the leader's hello has told us the world (the
-        first is plain), asking for ``--rank``, else the rank held last, else any."""
+        first is plain), asking for ``--rank``, else the rank held last, else any; with it the
+        threads this rank computes on (the kernels' pool, as the leader counts its own)."""
         world: WorldInfo | None = None
         weight: RankWeight | None = None
         seen = self._world_seen
@@ -462,6 +464,7 @@ class Worker(WorkerPair):
             architecture=arch_spec(self.cfg).name,
             world=world,
             weight=weight,
+            threads=None if world is None else kernel_threads(),
         )
 
     def _my_speed(self) -> int:

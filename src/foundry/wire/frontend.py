@@ -396,28 +396,33 @@ class StatusReq(_Frame):
 @dataclass(frozen=True)
 class RankStatus:
     """One rank of the pair or world in STATUS: its share of the model, whether it is in the
-    formed world, and the mean time the leader waited for its partial at a gate beyond its own
+    formed world, the mean time the leader waited for its partial at a gate beyond its own
     (microseconds over the gates since the world formed; 0 for the leader itself): the rank
-    that gates everyone shows the largest."""
+    that gates everyone shows the largest; and the CPU threads it computes on (a worker's as
+    its hello stated them; 0: not reported, the plain pair's worker or a rank out of the
+    world)."""
 
     rank: int
     share: int
     connected: bool
     gate_wait_us: int
+    threads: int = 0
 
     def __post_init__(self) -> None:
         U8.check("rank", self.rank)
         U16.check("share", self.share)
         U32.check("gate_wait_us", self.gate_wait_us)
+        U16.check("threads", self.threads)
 
 
-_RANK = struct.Struct("<BBHI")  # rank u8, connected u8, share u16, gate_wait_us u32
+# rank u8, connected u8, share u16, gate_wait_us u32, threads u16, reserved u16 (0)
+_RANK = struct.Struct("<BBHIHH")
 
 
 @dataclass(frozen=True)
 class Status(_Frame):
     """The pair (or world) as the leader sees it; then ``ranks``, one entry per rank (a count
-    u8 and 8 bytes each), rank 0 first."""
+    u8 and 12 bytes each), rank 0 first."""
 
     TYPE: ClassVar[FrameType] = FrameType.STATUS
     LAYOUT: ClassVar[_Layout] = _Layout(
@@ -458,7 +463,8 @@ class Status(_Frame):
 
     def payload(self) -> bytes:
         tail = [_U8.pack(len(self.ranks))] + [
-            _RANK.pack(r.rank, r.connected, r.share, r.gate_wait_us) for r in self.ranks
+            _RANK.pack(r.rank, r.connected, r.share, r.gate_wait_us, r.threads, 0)
+            for r in self.ranks
         ]
         return self.LAYOUT.pack_obj(self) + b"".join(tail)
 
@@ -471,10 +477,12 @@ class Status(_Frame):
                 f"{len(p)}"
             )
         ranks = []
-        for rank, connected, share, wait in _RANK.iter_unpack(p[size + 1 :]):
+        for rank, connected, share, wait, threads, reserved in _RANK.iter_unpack(p[size + 1 :]):
             if connected > 1:
                 raise FrontendProtocolError(f"STATUS rank {rank}: connected must be 0 or 1")
-            ranks.append(RankStatus(rank, share, bool(connected), wait))
+            if reserved:
+                raise FrontendProtocolError(f"STATUS rank {rank}: reserved is {reserved}, not 0")
+            ranks.append(RankStatus(rank, share, bool(connected), wait, threads))
         return cls(request_id, **cls.LAYOUT.unpack(p), ranks=tuple(ranks))
 
 

@@ -117,13 +117,15 @@ class GetPairStatusResponse(_message.Message):
     def __init__(self, worker_connected: _Optional[bool] = ..., shared_memory: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., requests_served: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., ctx_size: _Optional[int] = ..., model_bytes: _Optional[int] = ..., model_id: _Optional[int] = ..., threads: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "share", "connected", "gate_wait_seconds")
+    __slots__ = ("rank", "share", "connected", "gate_wait_seconds", "threads")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     GATE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     share: int
     connected: bool
     gate_wait_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., share: _Optional[int] = ..., connected: _Optional[bool] = ..., gate_wait_seconds: _Optional[float] = ...) -> None: ...
+    threads: int
+    def __init__(self, rank: _Optional[int] = ..., share: _Optional[int] = ..., connected: _Optional[bool] = ..., gate_wait_seconds: _Optional[float] = ..., threads: _Optional[int] = ...) -> None: ...

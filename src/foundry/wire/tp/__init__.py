@@ -8,7 +8,8 @@ Three byte formats live here, none of them touching a socket:
   in a world that is not the plain pair (N > 2 ranks, or unequal shares) 40 more bytes, the
   :class:`WorldInfo` (world size, rank, gate port, shares), flagged ``HELLO_WORLD``; a worker
   answering a world whose shares are still to be chosen 8 more, its :class:`RankWeight`
-  (``--share`` and measured speed), flagged ``HELLO_WEIGHT``;
+  (``--share`` and measured speed), flagged ``HELLO_WEIGHT``; a worker stating the world 4
+  more at the end, its compute threads, flagged ``HELLO_THREADS``;
 - the **control frames** the leader mirrors to the worker (and the worker's replies): a 28-byte
   header, then a payload laid out per type, numbered exactly as ``ds4_tp_frame_type``; each
   frame's fixed part is a ``Layout`` (``foundry.wire.layout``, the form FDTC and the frontend
@@ -134,6 +135,8 @@ from foundry.wire.tp.hello import (
     HELLO_PREFIX,
     HELLO_SHM_OFFERED,
     HELLO_SIZE,
+    HELLO_SIZES,
+    HELLO_THREADS,
     HELLO_WEIGHT,
     HELLO_WEIGHT_SIZE,
     HELLO_WORLD,
@@ -142,6 +145,7 @@ from foundry.wire.tp.hello import (
     IDENTITY,
     SHM_NAME_BYTES,
     SHM_NAME_PATTERN,
+    THREADS_EXT,
     TP_FRAME_MAGIC,
     TP_HELLO_MAGIC,
     TP_MAX_BATCH_ITEMS,
@@ -166,6 +170,7 @@ from foundry.wire.tp.hello import (
     check_identity,
     check_world,
     expert_split_name,
+    hello_size,
     negotiate_gate_transport,
 )
 
@@ -198,6 +203,8 @@ __all__ = [
     "HELLO_PREFIX",
     "HELLO_SHM_OFFERED",
     "HELLO_SIZE",
+    "HELLO_SIZES",
+    "HELLO_THREADS",
     "HELLO_WEIGHT",
     "HELLO_WEIGHT_SIZE",
     "HELLO_WORLD",
@@ -229,6 +236,7 @@ __all__ = [
     "SLOT_CRC_END",
     "SLOT_CRC_START",
     "SLOT_HEADER",
+    "THREADS_EXT",
     "TP_FRAME_MAGIC",
     "TP_HELLO_MAGIC",
     "TP_MAX_BATCH_ITEMS",
@@ -296,6 +304,7 @@ __all__ = [
     "encode",
     "encode_parts",
     "expert_split_name",
+    "hello_size",
     "logits_rows",
     "max_payload_for",
     "negotiate_gate_transport",

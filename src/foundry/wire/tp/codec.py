@@ -27,8 +27,10 @@ from foundry.wire.tp.hello import (
     DS4_TP_BATCH_MAX_ROWS,
     HELLO_PREFIX,
     HELLO_SIZE,
+    HELLO_SIZES,
     HELLO_WEIGHT_SIZE,
     HELLO_WORLD_SIZE,
+    THREADS_EXT,
     TP_FRAME_MAGIC,
     TP_HELLO_MAGIC,
     TP_MAX_BATCH_ITEMS,
@@ -162,12 +164,12 @@ class TpDecoder(FrameDecoder[Frame]):
             )
         if version != TP_PROTOCOL_VERSION:
             raise VersionMismatch(_version_message(TP_PROTOCOL_VERSION, version))
-        if size not in (HELLO_SIZE, HELLO_WORLD_SIZE, HELLO_WEIGHT_SIZE):
+        if size not in HELLO_SIZES:
             raise TpProtocolError(
                 f"hello of version {version} must be {HELLO_SIZE} bytes "
                 f"({HELLO_WORLD_SIZE} with the world extension, "
-                f"{HELLO_WEIGHT_SIZE} with the weight too), the peer "
-                f"says {size}"
+                f"{HELLO_WEIGHT_SIZE} with the weight too, {THREADS_EXT.size} more with the "
+                f"threads), the peer says {size}"
             )
         return int(size)
 

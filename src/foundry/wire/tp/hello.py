@@ -4,7 +4,8 @@ offer, then in a world that is not the plain pair (N > 2 ranks, or unequal share
 more, the :class:`WorldInfo` (world size, rank, gate port, shares or how they are chosen),
 flagged ``HELLO_WORLD``; a worker answering a world whose shares are still to be chosen 8 bytes
 more, the :class:`RankWeight` (its ``--share`` and its measured speed), flagged ``HELLO_WEIGHT``;
-its checks (:func:`check_hello`), and the protocol's constants and limits."""
+a worker stating the world 4 bytes more at the end, its compute threads, flagged
+``HELLO_THREADS``; its checks (:func:`check_hello`), and the protocol's constants and limits."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ DS4_TP_VERIFY_FLAGS = DS4_TP_VERIFY_HEAD_SPLIT | DS4_TP_VERIFY_DSPARK_TP | DS4_T
 HELLO_SHM_OFFERED = 1
 HELLO_WORLD = 2  # the world extension follows the pair's 184 bytes (N ranks, shares)
 HELLO_WEIGHT = 4  # the rank's weight follows the world extension (shares still to be chosen)
-HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD | HELLO_WEIGHT
+HELLO_THREADS = 8  # a worker's compute threads follow the last extension (its STATUS entry)
+HELLO_FLAGS = HELLO_SHM_OFFERED | HELLO_WORLD | HELLO_WEIGHT | HELLO_THREADS
 # The most ranks of a world, and a share's bound (u16): as model.shard, which cuts by them.
 TP_MAX_WORLD = MAX_WORLD
 TP_MAX_SHARE = MAX_SHARE
@@ -150,6 +152,31 @@ HELLO_WORLD_SIZE = HELLO_SIZE + WORLD_EXT.size
 # The weight extension: share u16, reserved u16, speed u32.
 WEIGHT_EXT = struct.Struct("<HHI")
 HELLO_WEIGHT_SIZE = HELLO_WORLD_SIZE + WEIGHT_EXT.size
+# The threads extension, last: threads u16, reserved u16.
+THREADS_EXT = struct.Struct("<HH")
+
+
+def hello_size(flags: int) -> int:
+    """The hello's size its flags call for: the pair's bytes, then each extension flagged, in
+    their order (world, weight, threads)."""
+    return (
+        HELLO_SIZE
+        + (WORLD_EXT.size if flags & HELLO_WORLD else 0)
+        + (WEIGHT_EXT.size if flags & HELLO_WEIGHT else 0)
+        + (THREADS_EXT.size if flags & HELLO_THREADS else 0)
+    )
+
+
+# The extensions that need the world's, in their order after it: flag and name.
+_AFTER_WORLD = ((HELLO_WEIGHT, "weight"), (HELLO_THREADS, "threads"))
+# Every size a hello may state (checked from its first 8 bytes before the rest is read).
+HELLO_SIZES = (
+    HELLO_SIZE,
+    HELLO_WORLD_SIZE,
+    HELLO_WORLD_SIZE + THREADS_EXT.size,
+    HELLO_WEIGHT_SIZE,
+    HELLO_WEIGHT_SIZE + THREADS_EXT.size,
+)
 
 
 class SharesFrom(enum.IntEnum):
@@ -275,7 +302,9 @@ class Hello:
     it created (``shm_name``). ``host_id`` identifies the machine (and container): the slab is
     used only when both ranks offered it and their host ids are equal (see
     :func:`negotiate_gate_transport`). ``execution_mode`` holds the ``DS4_TP_MODE_*`` bits of
-    how this rank's weights are cut; both ranks must state the same.
+    how this rank's weights are cut; both ranks must state the same. ``threads``: the threads
+    a worker computes on, stated in every hello that carries the world (the leader's STATUS
+    lists it); the leader's hello states none, its own being local to it.
     """
 
     role: Role
@@ -288,12 +317,21 @@ class Hello:
     architecture: str = "llama"  # the file's general.architecture
     world: WorldInfo | None = None  # the extension: absent in the plain pair
     weight: RankWeight | None = None  # after the world: shares still to be chosen
+    threads: int | None = None  # last, with the world: a worker's compute threads (0: unknown)
+
+    @property
+    def flags(self) -> int:
+        """The flags byte: the shared-memory offer and the extensions present."""
+        return (
+            (HELLO_SHM_OFFERED if self.shm_offered else 0)
+            | (HELLO_WORLD if self.world is not None else 0)
+            | (HELLO_WEIGHT if self.weight is not None else 0)
+            | (HELLO_THREADS if self.threads is not None else 0)
+        )
 
     @property
     def size(self) -> int:
-        if self.world is None:
-            return HELLO_SIZE
-        return HELLO_WORLD_SIZE if self.weight is None else HELLO_WEIGHT_SIZE
+        return hello_size(self.flags)
 
     def __post_init__(self) -> None:
         _check_range("Hello", "version", self.version, 0, _U16)
@@ -305,6 +343,13 @@ class Hello:
             raise LocalProtocolError(
                 "Hello.weight goes only with a world whose shares are still to be chosen"
             )
+        if self.threads is not None:
+            if self.world is None:
+                raise LocalProtocolError(
+                    "Hello.threads goes only with the world extension (the plain pair's hello "
+                    "has none)"
+                )
+            _check_range("Hello", "threads", self.threads, 0, _U16)
         if not ARCH_PATTERN.fullmatch(self.architecture):
             raise LocalProtocolError(
                 f"Hello.architecture {self.architecture!r} is not 1-16 characters of [a-z0-9_-]"
@@ -463,20 +508,17 @@ def _version_message(mine: int, peer: int) -> str:
 
 def _encode_hello(h: Hello) -> bytes:
     i = h.identity
-    flags = (
-        (HELLO_SHM_OFFERED if h.shm_offered else 0)
-        | (HELLO_WORLD if h.world else 0)
-        | (HELLO_WEIGHT if h.weight else 0)
-    )
     base = HELLO.pack(
-        TP_HELLO_MAGIC, h.version, h.size, h.role, flags, h.execution_mode,
+        TP_HELLO_MAGIC, h.version, h.size, h.role, h.flags, h.execution_mode,
         i.gguf_bytes, i.model_id, i.n_layer, i.n_embd, i.n_vocab, i.quant_bits, i.ctx_size,
         i.gate_slot_start, i.gate_slot_step, i.gates_per_token, *i.gate_slot_mask,
         h.host_id, h.shm_name.encode(), h.architecture.encode(),
     )  # fmt: skip
     if h.world is None:
         return base
-    return base + h.world.encode() + (b"" if h.weight is None else h.weight.encode())
+    weight = b"" if h.weight is None else h.weight.encode()
+    threads = b"" if h.threads is None else THREADS_EXT.pack(h.threads, 0)
+    return base + h.world.encode() + weight + threads
 
 
 def _decode_hello(buf: Readable, offset: int) -> Hello:
@@ -486,24 +528,27 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
         raise TpProtocolError(f"hello: unknown role {role} (0 leader, 1 worker)")
     if flags & ~HELLO_FLAGS:
         raise TpProtocolError(f"hello: unknown flags {flags:#x}")
-    if flags & HELLO_WEIGHT and not flags & HELLO_WORLD:
-        raise TpProtocolError("hello: the weight flag is set without the world flag")
-    want = (
-        HELLO_SIZE
-        if not flags & HELLO_WORLD
-        else HELLO_WEIGHT_SIZE
-        if flags & HELLO_WEIGHT
-        else HELLO_WORLD_SIZE
-    )
+    for flag, name in _AFTER_WORLD:
+        if flags & flag and not flags & HELLO_WORLD:
+            raise TpProtocolError(f"hello: the {name} flag is set without the world flag")
+    want = hello_size(flags)
     if size != want:
+        said = ", ".join(
+            f"the {name} flag {'set' if flags & flag else 'clear'}" for flag, name in _AFTER_WORLD
+        )
         raise TpProtocolError(
-            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'} and the "
-            f"weight flag {'set' if flags & HELLO_WEIGHT else 'clear'}, so the hello is {want} "
-            f"bytes, but it says {size} ({HELLO_SIZE} plain, {HELLO_WORLD_SIZE} with the world "
-            f"extension, {HELLO_WEIGHT_SIZE} with the weight after it)"
+            f"hello: the world flag is {'set' if flags & HELLO_WORLD else 'clear'}, {said}, so "
+            f"the hello is {want} bytes, but it says {size} ({HELLO_SIZE} plain, "
+            f"{HELLO_WORLD_SIZE} with the world extension, {WEIGHT_EXT.size} more with the "
+            f"weight, {THREADS_EXT.size} more with the threads)"
         )
     world = WorldInfo.decode(buf, offset + HELLO_SIZE) if flags & HELLO_WORLD else None
     weight = RankWeight.decode(buf, offset + HELLO_WORLD_SIZE) if flags & HELLO_WEIGHT else None
+    threads: int | None = None
+    if flags & HELLO_THREADS:
+        threads, reserved = THREADS_EXT.unpack_from(buf, offset + size - THREADS_EXT.size)
+        if reserved:
+            raise TpProtocolError(f"hello: threads extension reserved word is {reserved}, not 0")
     if mode & ~EXECUTION_MODE_BITS:
         raise TpProtocolError(
             f"hello: execution mode {mode:#x} has bits this implementation does not run "
@@ -534,6 +579,7 @@ def _decode_hello(buf: Readable, offset: int) -> Hello:
             architecture=raw_arch.decode("ascii", errors="replace"),
             world=world,
             weight=weight,
+            threads=threads,
         )
     except LocalProtocolError as exc:
         raise TpProtocolError(f"hello: {exc}") from None
