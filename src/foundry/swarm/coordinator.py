@@ -105,7 +105,9 @@ log = logging.getLogger("foundry.coordinator")
 STOP_ROUND_S = 30.0
 # After an internal failure the open admin links answer with it this long before the process
 # exits: `foundry up`, the gateway and `foundry ctl watch` learn why, not only that it went.
-FAILED_LINGER_S = 1.5
+# Longer than one whole round of the gateway's health probes (a probe of up to 1 s, then 1 s
+# asleep: gateway.health), so the gateway always asks at least once while it is told.
+FAILED_LINGER_S = 3.0
 
 
 class Coordinator(SwarmCore):
