@@ -112,13 +112,13 @@ class TracingExchange:
     def __call__(self, layer: int, gate: Gate, partial: F32) -> F32:
         t0 = time.perf_counter()
         total = self.transport.exchange(layer, gate, partial)
-        self.on_gate(
-            gate,
-            time.perf_counter() - t0,
-            (GATE_HEADER_SIZE + partial.nbytes) * (self.transport.world - 1),
-        )
+        self.on_gate(gate, time.perf_counter() - t0, self._sent(partial.nbytes))
         self.last_sum = total
         return total
+
+    def _sent(self, partial_bytes: int) -> int:
+        """A gate's bytes to all the other ranks together, for a partial of this size."""
+        return (GATE_HEADER_SIZE + partial_bytes) * (self.transport.world - 1)
 
     @contextlib.contextmanager
     def in_c(self, max_gates: int) -> Iterator[object | None]:
@@ -133,7 +133,7 @@ class TracingExchange:
             yield capsule
         finally:
             done = self.transport.step_done()
-            nbytes = (GATE_HEADER_SIZE + 4 * self.transport.n_embd) * (self.transport.world - 1)
+            nbytes = self._sent(4 * self.transport.n_embd)  # one row a gate
             for i, seconds in enumerate(done.seconds):
                 self.on_gate(Gate(i % 2), seconds, nbytes)  # ATTN, FFN of each layer in turn
             if done.last is not None:

@@ -34,20 +34,14 @@ static int chunk_row(int c, int d, int world) {
     return (int)((int64_t)c * d / world);
 }
 
-/* y (d floats) = m . x, the partial of gate `gate` (x NULL: zero, a part without heads): with
- * an exchange that posts (a rank of a world), the peers' chunks first, in the order rank + 1,
- * ..., rank - 1, each piece posted as soon as its rows are in, then this rank's own chunk; so
- * the peers' pieces are on the wire while the rest is computed. Every row is its own dot
- * product, so the bits are the one product's. */
+/* y (d floats) = m . x, the partial of gate `gate`. With an exchange that posts (a rank of a
+ * world; x NULL there: zero, a part without heads), the peers' chunks first, in the order
+ * rank + 1, ..., rank - 1, each piece posted as soon as its rows are in, then this rank's own
+ * chunk; so the peers' pieces are on the wire while the rest is computed. Every row is its own
+ * dot product, so the bits are the one product's. */
 static int gate_product(int d, const step_mat *m, const float *x, float *y,
                         const step_exchange *xch, int gate) {
-    if (!posts(xch)) {
-        if (x == NULL) {
-            memset(y, 0, (size_t)d * sizeof *y);
-            return 0;
-        }
-        return matmul(m->type, m->w, m->row_bytes, m->rows, m->k, x, 1, y);
-    }
+    if (!posts(xch)) return matmul(m->type, m->w, m->row_bytes, m->rows, m->k, x, 1, y);
     const int world = xch->world, rank = xch->rank, others = world - 1;
     const int pieces = others < POST_PIECES ? others : POST_PIECES;
     xch->begin(xch->ctx, xch->layer, gate, y);
