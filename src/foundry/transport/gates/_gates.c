@@ -20,7 +20,10 @@
  * - MeshGates: mesh_sum's gates inside the C one-token step (step_exchange.h), no Python at
  *   any gate: the step posts each chunk of its partial as the chunk's rows are made, so the
  *   reduce-scatter's pieces go out while the rest of the product is computed; the sums, bytes
- *   and checks are mesh_sum's.
+ *   and checks are mesh_sum's. With whole=1, the pair's gates instead: swap's bytes, the sum
+ *   mine + peer's.
+ * - SlabGates: the pair's shared-memory gates (shm.py's rounds on the slab both ranks map)
+ *   inside the C one-token step, on slabs without checksums (TSO machines).
  *
  * TLS sockets stay in Python (an ssl.SSLSocket's bytes are not the socket's). */
 
@@ -34,6 +37,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sched.h>
 #include <time.h>
 
 #include "../../model/kernels/csrc/step_exchange.h"
@@ -397,6 +401,7 @@ done:
 
 typedef struct {
     PyObject_HEAD int world, rank, n; /* n: n_embd */
+    int whole;                        /* the pair's swap: the whole partial each way */
     double timeout_s, spin_s;
     uint64_t seq; /* the next gate's */
     int *fd;      /* by rank */
@@ -421,15 +426,20 @@ static void put_le(uint8_t *at, uint64_t v, int bytes) {
     for (int i = 0; i < bytes; i++) at[i] = (uint8_t)(v >> (8 * i));
 }
 
+/* One gate's header (wire.tp GATE_HEADER) in tag, for one row of n. */
+static void gate_tag(uint8_t *tag, int layer, int gate, uint64_t seq, int n) {
+    put_le(tag, (uint64_t)layer, 2);
+    put_le(tag + 2, (uint64_t)gate, 1);
+    put_le(tag + 3, 0, 1);
+    put_le(tag + 4, seq, 8);
+    put_le(tag + 12, 1, 4);
+    put_le(tag + 16, (uint64_t)n, 4);
+}
+
 /* step_exchange.begin: the gate's header, and every peer's buffers over `partial`. */
 static void mesh_begin(void *ctx, int layer, int gate, const float *partial) {
     MeshGates *m = ctx;
-    put_le(m->tag, (uint64_t)layer, 2);
-    put_le(m->tag + 2, (uint64_t)gate, 1);
-    put_le(m->tag + 3, 0, 1);
-    put_le(m->tag + 4, m->seq, 8);
-    put_le(m->tag + 12, 1, 4);
-    put_le(m->tag + 16, (uint64_t)m->n, 4);
+    gate_tag(m->tag, layer, gate, m->seq, m->n);
     const size_t cells = (size_t)(mesh_chunk(m, m->rank + 1) - mesh_chunk(m, m->rank));
     for (int r = 0, i = 0; r < m->world; r++) {
         if (r == m->rank) continue;
@@ -467,11 +477,47 @@ static void mesh_post(void *ctx, int c) {
     if (k > 0) p->sent += (size_t)k;
 }
 
+/* A gate's bookkeeping once its bytes moved: its seconds, the peers' waits, the next seq. */
+static void mesh_count(MeshGates *m, double t0) {
+    if (m->gates < m->max_gates) m->gate_s[m->gates] = now_s() - t0;
+    m->gates++;
+    for (int i = 0; i < m->world - 1; i++) m->wait_s[i] += m->peers[i].done_s;
+    m->seq++;
+}
+
+/* The pair's gate (whole): swap's bytes, header + the whole partial each way; sum += the
+ * peer's, which is mine + peer's, the sum tcp.py makes. */
+static int pair_gate(MeshGates *m, int layer, int gate, float *sum) {
+    gate_tag(m->tag, layer, gate, m->seq, m->n);
+    peer_io *p = &m->peers[0];
+    *p = (peer_io){0};
+    p->fd = m->fd[1 - m->rank];
+    p->tag = m->tag, p->peer_tag = m->tags[0].buf;
+    const size_t bytes = (size_t)m->n * sizeof(float);
+    set_iov(&p->out[0], m->tag, HEAD);
+    set_iov(&p->out[1], sum, bytes);
+    set_iov(&p->in[0], m->tags[0].buf, HEAD);
+    set_iov(&p->in[1], m->sums, bytes);
+    p->out_step1 = p->out_total = p->in_step1 = p->in_total = HEAD + bytes;
+    const double t0 = now_s();
+    const move_result r = move(m->peers, 1, m->timeout_s, m->spin_s, NULL, NULL, m->pfd);
+    if (r.code != GATE_OK) {
+        m->failed = 1;
+        m->failure = r;
+        return -1;
+    }
+    mesh_count(m, t0);
+    for (int i = 0; i < m->n; i++) sum[i] += m->sums[i];
+    memcpy(m->sums, sum, bytes); /* records()' last total */
+    return 0;
+}
+
 /* step_exchange.fn: mesh_sum's gate for one row from where the posts left it; sum (n) gets
  * the world's total. 0, or -1 with the failure kept for records(). */
 static int mesh_gate(void *ctx, int layer, int gate, float *sum) {
     MeshGates *m = ctx;
     if (m->failed) return -1;
+    if (m->whole) return pair_gate(m, layer, gate, sum);
     if (!m->open) mesh_begin(m, layer, gate, sum);
     const int a = mesh_chunk(m, m->rank), b = mesh_chunk(m, m->rank + 1);
     mesh_ctx c = {m->world, m->rank, 1, b - a, sum + a, m->pieces, m->total};
@@ -484,10 +530,7 @@ static int mesh_gate(void *ctx, int layer, int gate, float *sum) {
         m->failure = r;
         return -1;
     }
-    if (m->gates < m->max_gates) m->gate_s[m->gates] = now_s() - t0;
-    m->gates++;
-    for (int i = 0; i < m->world - 1; i++) m->wait_s[i] += m->peers[i].done_s;
-    m->seq++;
+    mesh_count(m, t0);
     memcpy(m->sums + a, m->total, (size_t)(b - a) * sizeof(float));
     memcpy(sum, m->sums, (size_t)m->n * sizeof(float));
     return 0;
@@ -508,11 +551,12 @@ static void mesh_gates_dealloc(MeshGates *m) {
 
 static PyObject *mesh_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     PyObject *fds, *tags_seq;
-    int rank, n;
+    int rank, n, whole = 0;
     double timeout_s, spin_s;
-    static char *names[] = {"fds", "rank", "n_embd", "peer_tags", "timeout_s", "spin_s", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOdd", names, &fds, &rank, &n, &tags_seq,
-                                     &timeout_s, &spin_s))
+    static char *names[] = {"fds",       "rank",   "n_embd", "peer_tags",
+                            "timeout_s", "spin_s", "whole",  NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOdd|p", names, &fds, &rank, &n, &tags_seq,
+                                     &timeout_s, &spin_s, &whole))
         return NULL;
     PyObject *fast_fds = PySequence_Fast(fds, "fds must be a sequence"), *fast_tags = NULL;
     if (fast_fds == NULL) return NULL;
@@ -524,12 +568,12 @@ static PyObject *mesh_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw
     MeshGates *m = (MeshGates *)type->tp_alloc(type, 0);
     if (m == NULL) goto fail;
     const int world = (int)PySequence_Fast_GET_SIZE(fast_fds);
-    if (world < 2 || rank < 0 || rank >= world || n <= 0 ||
+    if (world < 2 || rank < 0 || rank >= world || n <= 0 || (whole && world != 2) ||
         PySequence_Fast_GET_SIZE(fast_tags) != world - 1) {
         PyErr_SetString(PyExc_ValueError, "MeshGates: fds, rank, n_embd or peer_tags do not agree");
         goto fail;
     }
-    m->world = world, m->rank = rank, m->n = n;
+    m->world = world, m->rank = rank, m->n = n, m->whole = whole;
     m->timeout_s = timeout_s, m->spin_s = spin_s;
     const size_t cells = (size_t)(mesh_chunk(m, rank + 1) - mesh_chunk(m, rank));
     m->tags = calloc((size_t)world, sizeof(Py_buffer));
@@ -564,7 +608,8 @@ static PyObject *mesh_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw
     for (int r = 0; r < world; r++)
         if (r != rank) m->pieces[r] = at, at += cells;
     m->sums = at;
-    m->xch = (step_exchange){mesh_gate, mesh_begin, mesh_post, m, 0, world, rank, n};
+    m->xch = whole ? (step_exchange){mesh_gate, NULL, NULL, m, 0, world, rank, n}
+                   : (step_exchange){mesh_gate, mesh_begin, mesh_post, m, 0, world, rank, n};
     Py_DECREF(fast_fds);
     Py_DECREF(fast_tags);
     return (PyObject *)m;
@@ -612,12 +657,18 @@ static PyObject *mesh_gates_records(MeshGates *m, PyObject *unused) {
     for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(gates, i, PyFloat_FromDouble(m->gate_s[i]));
     for (int i = 0; i < peers; i++) PyTuple_SET_ITEM(waits, i, PyFloat_FromDouble(m->wait_s[i]));
     if (m->failed) {
-        PyObject *got = PyTuple_New(peers);
-        if (got == NULL) goto fail;
-        for (int i = 0; i < peers; i++)
+        PyObject *got = PyTuple_New(peers), *sent = PyTuple_New(peers);
+        if (got == NULL || sent == NULL) {
+            Py_XDECREF(got);
+            Py_XDECREF(sent);
+            goto fail;
+        }
+        for (int i = 0; i < peers; i++) {
             PyTuple_SET_ITEM(got, i, PyLong_FromSize_t(m->peers[i].got));
-        failure = Py_BuildValue("(iiiNy#)", m->failure.code, m->failure.peer, m->failure.err, got,
-                                (const char *)m->tag, (Py_ssize_t)HEAD);
+            PyTuple_SET_ITEM(sent, i, PyLong_FromSize_t(m->peers[i].sent));
+        }
+        failure = Py_BuildValue("(iiiNNy#)", m->failure.code, m->failure.peer, m->failure.err, got,
+                                sent, (const char *)m->tag, (Py_ssize_t)HEAD);
         if (failure == NULL) goto fail;
     } else {
         failure = Py_NewRef(Py_None);
@@ -642,9 +693,10 @@ static PyMethodDef mesh_gates_methods[] = {
      "timed; the capsule (step_exchange.h) goes to step_layers and keeps this object alive."},
     {"records", (PyCFunction)mesh_gates_records, METH_NOARGS,
      "records() -> (next seq, each gate's seconds, each peer's waits in seconds, failure,\n"
-     "last): the step since start. failure None, or (code, peer, errno, got, tag) as\n"
-     "mesh_sum's (peer an index into the other ranks; got bytes in from each; tag the failed\n"
-     "gate's); last the last gate's total (n_embd float32 bytes), None if none or failed."},
+     "last): the step since start. failure None, or (code, peer, errno, got, sent, tag) as\n"
+     "mesh_sum's (peer an index into the other ranks; got and sent bytes in from and out to\n"
+     "each; tag the failed gate's); last the last gate's total (n_embd float32 bytes), None\n"
+     "if none or failed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -652,13 +704,245 @@ static PyTypeObject MeshGatesType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "foundry.transport.gates._gates.MeshGates",
     .tp_basicsize = sizeof(MeshGates),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "MeshGates(fds, rank, n_embd, peer_tags, timeout_s, spin_s): mesh_sum's gates of\n"
-              "one row for the C one-token step (step_layers), on connected non-blocking TCP\n"
-              "sockets (fds by rank, this rank's ignored); the peers' headers land in peer_tags\n"
-              "(a writable 20-byte buffer each, in rank order), kept until this object goes.",
+    .tp_doc = "MeshGates(fds, rank, n_embd, peer_tags, timeout_s, spin_s, whole=False):\n"
+              "mesh_sum's gates of one row for the C one-token step (step_layers), on connected\n"
+              "non-blocking TCP sockets (fds by rank, this rank's ignored); the peers' headers\n"
+              "land in peer_tags (a writable 20-byte buffer each, in rank order), kept until\n"
+              "this object goes. whole (a pair only): swap's gates instead, the whole partial\n"
+              "each way and the sum mine + the peer's.",
     .tp_new = mesh_gates_new,
     .tp_dealloc = (destructor)mesh_gates_dealloc,
     .tp_methods = mesh_gates_methods,
+};
+
+/* ---- the pair's shared-memory gates inside the one-token step ------------------------------ */
+
+/* shm.py's rounds for gates of one row (a slot holds far more), without Python: this rank's
+ * partial into its slot of the round's parity by the seqlock rule (seq_begin; pub, header and
+ * data; seq_end), then the peer's slot polled until seq_end shows the round and read under
+ * the same rule. The barriers are C11's (release before the data and at seq_end, acquire
+ * after reading), so the rule holds on any machine; slabs with checksums (made off x86) stay
+ * in shm.py, whose readers check them. The offsets come from wire.tp SlabLayout. */
+
+#define SLAB_CLOSED 2          /* wire.tp SLAB_CLOSED: a rank's state word once it left the slab */
+#define STAMP       (8 + HEAD) /* pub u64, then the gate header */
+
+typedef struct {
+    PyObject_HEAD Py_buffer slab; /* the mapped file, held until this object goes */
+    int rank, n;
+    Py_ssize_t slot[4]; /* rank 0 parity 0, rank 0 parity 1, rank 1 parity 0, rank 1 parity 1 */
+    Py_ssize_t stamp_at, data_at, seq_end_at, state_at; /* within a slot; the states' offset */
+    double timeout_s, spin_s, sleep_first_s, sleep_max_s;
+    uint64_t seq, pub;
+    uint8_t tag[HEAD], peer_stamp[STAMP];
+    float *peer; /* the peer's partial, then the gate's total */
+    double *gate_s, wait_s;
+    int gates, max_gates, failed, failure;
+    step_exchange xch;
+} SlabGates;
+
+static uint8_t *slab_slot(const SlabGates *s, int rank) {
+    return (uint8_t *)s->slab.buf + s->slot[2 * rank + (int)(s->pub % 2)];
+}
+
+static void slab_publish(SlabGates *s, const float *mine) {
+    uint8_t *slot = slab_slot(s, s->rank);
+    __atomic_store_n((uint64_t *)slot, s->pub, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    put_le(slot + s->stamp_at, s->pub, 8);
+    memcpy(slot + s->stamp_at + 8, s->tag, HEAD);
+    memcpy(slot + s->data_at, mine, (size_t)s->n * sizeof(float));
+    __atomic_store_n((uint64_t *)(slot + s->seq_end_at), s->pub, __ATOMIC_RELEASE);
+}
+
+/* The peer's round into s->peer: GATE_OK, GATE_DESYNC (its stamp in peer_stamp), GATE_CLOSED
+ * or GATE_STALLED, waiting as shm.py does (spin, then naps doubling up to sleep_max_s). */
+static int slab_collect(SlabGates *s) {
+    const int peer = 1 - s->rank;
+    const uint8_t *slot = slab_slot(s, peer);
+    const uint64_t *begin = (const uint64_t *)slot, *end = (const uint64_t *)(slot + s->seq_end_at);
+    const uint32_t *state = (const uint32_t *)((uint8_t *)s->slab.buf + s->state_at) + peer;
+    uint8_t want[STAMP];
+    put_le(want, s->pub, 8);
+    memcpy(want + 8, s->tag, HEAD);
+    const double t0 = now_s();
+    double nap = s->sleep_first_s;
+    for (unsigned polls = 1;; polls++) {
+        if (__atomic_load_n(end, __ATOMIC_ACQUIRE) == s->pub) {
+            memcpy(s->peer_stamp, slot + s->stamp_at, STAMP);
+            memcpy(s->peer, slot + s->data_at, (size_t)s->n * sizeof(float));
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(begin, __ATOMIC_RELAXED) == s->pub &&
+                __atomic_load_n(end, __ATOMIC_RELAXED) == s->pub)
+                return memcmp(s->peer_stamp, want, STAMP) == 0 ? GATE_OK : GATE_DESYNC;
+        }
+        if (__atomic_load_n(state, __ATOMIC_RELAXED) == SLAB_CLOSED) return GATE_CLOSED;
+        if (polls % 32) continue;
+        const double waited = now_s() - t0;
+        if (waited < s->spin_s) {
+            sched_yield();
+            continue;
+        }
+        if (waited > s->timeout_s) return GATE_STALLED;
+        const struct timespec ts = {0, (long)(nap * 1e9)};
+        nanosleep(&ts, NULL);
+        nap = 2 * nap < s->sleep_max_s ? 2 * nap : s->sleep_max_s;
+    }
+}
+
+/* step_exchange.fn: one round each way; sum += the peer's (mine + peer's, as shm.py sums). */
+static int slab_gate(void *ctx, int layer, int gate, float *sum) {
+    SlabGates *s = ctx;
+    if (s->failed) return -1;
+    gate_tag(s->tag, layer, gate, s->seq, s->n);
+    const double t0 = now_s();
+    slab_publish(s, sum);
+    const int code = slab_collect(s);
+    if (code != GATE_OK) {
+        s->failed = 1;
+        s->failure = code;
+        return -1;
+    }
+    const double dt = now_s() - t0;
+    if (s->gates < s->max_gates) s->gate_s[s->gates] = dt;
+    s->gates++;
+    s->wait_s += dt;
+    s->pub++;
+    s->seq++;
+    for (int i = 0; i < s->n; i++) sum[i] += s->peer[i];
+    memcpy(s->peer, sum, (size_t)s->n * sizeof(float)); /* records()' last total */
+    return 0;
+}
+
+static void slab_gates_dealloc(SlabGates *s) {
+    if (s->slab.obj != NULL) PyBuffer_Release(&s->slab);
+    free(s->peer);
+    free(s->gate_s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *slab_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    Py_buffer slab;
+    int rank, n;
+    Py_ssize_t slot[4], stamp_at, data_at, seq_end_at, state_at;
+    double timeout_s, spin_s, sleep_first_s, sleep_max_s;
+    static char *names[] = {"slab",          "rank",        "n_embd",   "slots",     "stamp_at",
+                            "data_at",       "seq_end_at",  "state_at", "timeout_s", "spin_s",
+                            "sleep_first_s", "sleep_max_s", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*ii(nnnn)nnnndddd", names, &slab, &rank, &n,
+                                     &slot[0], &slot[1], &slot[2], &slot[3], &stamp_at, &data_at,
+                                     &seq_end_at, &state_at, &timeout_s, &spin_s, &sleep_first_s,
+                                     &sleep_max_s))
+        return NULL;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    PyBuffer_Release(&slab);
+    PyErr_SetString(PyExc_NotImplementedError, "SlabGates: the slab's words are little-endian");
+    return NULL;
+#endif
+    int fits = (rank == 0 || rank == 1) && n > 0 && state_at >= 0 && state_at + 8 <= slab.len &&
+               stamp_at >= 0 && stamp_at % 8 == 0 && seq_end_at % 8 == 0;
+    for (int i = 0; i < 4 && fits; i++) {
+        fits = slot[i] >= 0 && slot[i] % 8 == 0 && slot[i] + stamp_at + STAMP <= slab.len &&
+               slot[i] + data_at + (Py_ssize_t)n * 4 <= slab.len && data_at >= stamp_at + STAMP &&
+               seq_end_at >= data_at + (Py_ssize_t)n * 4 && slot[i] + seq_end_at + 8 <= slab.len;
+    }
+    if (!fits || (uintptr_t)slab.buf % 8 != 0) {
+        PyBuffer_Release(&slab);
+        PyErr_SetString(PyExc_ValueError, "SlabGates: the offsets do not fit the slab");
+        return NULL;
+    }
+    SlabGates *s = (SlabGates *)type->tp_alloc(type, 0);
+    if (s == NULL) {
+        PyBuffer_Release(&slab);
+        return NULL;
+    }
+    s->slab = slab;
+    s->rank = rank, s->n = n;
+    memcpy(s->slot, slot, sizeof(slot));
+    s->stamp_at = stamp_at, s->data_at = data_at, s->seq_end_at = seq_end_at;
+    s->state_at = state_at;
+    s->timeout_s = timeout_s, s->spin_s = spin_s;
+    s->sleep_first_s = sleep_first_s, s->sleep_max_s = sleep_max_s;
+    s->peer = malloc((size_t)n * sizeof(float));
+    if (s->peer == NULL) {
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    s->xch = (step_exchange){slab_gate, NULL, NULL, s, 0, 2, rank, n};
+    return (PyObject *)s;
+}
+
+static PyObject *slab_gates_start(SlabGates *s, PyObject *args) {
+    unsigned long long seq, pub;
+    int max_gates;
+    if (!PyArg_ParseTuple(args, "KiK", &seq, &max_gates, &pub)) return NULL;
+    if (max_gates < 0) {
+        PyErr_SetString(PyExc_ValueError, "SlabGates.start: max_gates < 0");
+        return NULL;
+    }
+    if (max_gates > s->max_gates) {
+        double *g = realloc(s->gate_s, (size_t)max_gates * sizeof(double));
+        if (g == NULL) return PyErr_NoMemory();
+        s->gate_s = g, s->max_gates = max_gates;
+    }
+    s->seq = seq, s->pub = pub, s->gates = 0, s->failed = 0, s->wait_s = 0;
+    PyObject *capsule = PyCapsule_New(&s->xch, STEP_EXCHANGE_CAPSULE, capsule_release);
+    if (capsule == NULL) return NULL;
+    if (PyCapsule_SetContext(capsule, Py_NewRef(s)) < 0) {
+        Py_DECREF(s);
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    return capsule;
+}
+
+static PyObject *slab_gates_records(SlabGates *s, PyObject *unused) {
+    (void)unused;
+    const int kept = s->gates < s->max_gates ? s->gates : s->max_gates;
+    PyObject *gates = PyTuple_New(kept);
+    if (gates == NULL) return NULL;
+    for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(gates, i, PyFloat_FromDouble(s->gate_s[i]));
+    PyObject *failure =
+        s->failed ? Py_BuildValue("(iy#y#)", s->failure, (const char *)s->peer_stamp + 8,
+                                  (Py_ssize_t)HEAD, (const char *)s->tag, (Py_ssize_t)HEAD)
+                  : Py_NewRef(Py_None);
+    PyObject *last = s->gates && !s->failed
+                         ? PyBytes_FromStringAndSize((const char *)s->peer, (Py_ssize_t)s->n * 4)
+                         : Py_NewRef(Py_None);
+    if (failure == NULL || last == NULL) {
+        Py_DECREF(gates);
+        Py_XDECREF(failure);
+        Py_XDECREF(last);
+        return NULL;
+    }
+    return Py_BuildValue("(KN(d)NN)", (unsigned long long)s->seq, gates, s->wait_s, failure, last);
+}
+
+static PyMethodDef slab_gates_methods[] = {
+    {"start", (PyCFunction)slab_gates_start, METH_VARARGS,
+     "start(seq, max_gates, pub) -> capsule: a step's gates from seq on, its first round pub,\n"
+     "up to max_gates of them timed; the capsule (step_exchange.h) goes to step_layers and\n"
+     "keeps this object alive. Each gate is one round."},
+    {"records", (PyCFunction)slab_gates_records, METH_NOARGS,
+     "records() -> (next seq, each gate's seconds, (the peer's waits in seconds,), failure,\n"
+     "last): the step since start. failure None, or (code, the peer's header, tag), code 1\n"
+     "the peer closed the slab, 3 the peer's round carried another header (or round), 4 no\n"
+     "round within timeout_s; last the last gate's total (n_embd float32 bytes), None if none\n"
+     "or failed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SlabGatesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "foundry.transport.gates._gates.SlabGates",
+    .tp_basicsize = sizeof(SlabGates),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SlabGates(slab, rank, n_embd, slots, stamp_at, data_at, seq_end_at, state_at,\n"
+              "timeout_s, spin_s, sleep_first_s, sleep_max_s): the pair's gates of one row on\n"
+              "a slab without checksums (shm.py) for the C one-token step; slab the writable\n"
+              "map, slots the four slots' offsets, the others as wire.tp SlabLayout has them.",
+    .tp_new = slab_gates_new,
+    .tp_dealloc = (destructor)slab_gates_dealloc,
+    .tp_methods = slab_gates_methods,
 };
 
 static PyMethodDef methods[] = {
@@ -676,10 +960,11 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__gates(void) {
-    if (PyType_Ready(&MeshGatesType) < 0) return NULL;
+    if (PyType_Ready(&MeshGatesType) < 0 || PyType_Ready(&SlabGatesType) < 0) return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
-    if (PyModule_AddObjectRef(mod, "MeshGates", (PyObject *)&MeshGatesType) < 0) {
+    if (PyModule_AddObjectRef(mod, "MeshGates", (PyObject *)&MeshGatesType) < 0 ||
+        PyModule_AddObjectRef(mod, "SlabGates", (PyObject *)&SlabGatesType) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -15,8 +15,9 @@ import socket
 import struct
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -143,6 +144,7 @@ class GateExchange(abc.ABC):
         # everyone has the largest).
         self.peer_wait_s = [0.0] * world
         self.gates_done = 0
+        self._step_seq = first_seq  # the seq a C step's gates started at (_native_step)
         self._failure: str | None = None
         self._closed = False
 
@@ -185,6 +187,36 @@ class GateExchange(abc.ABC):
         by them; a failed gate's GateError in ``error`` (the exchange is then unusable, as
         after a failed :meth:`exchange`)."""
         raise NotImplementedError("no gates run in C on this transport")
+
+    def _native_step(self, gates: Any, max_gates: int, *more: int) -> object:
+        """The capsule of ``gates`` (a ``_gates`` type: MeshGates, SlabGates) for a step's
+        gates from this exchange's next seq on; ``more``: its ``start``'s further values."""
+        self._check_usable()
+        self._step_seq = self.seq
+        capsule: object = gates.start(self.seq, max_gates, *more)
+        return capsule
+
+    def _native_step_done(
+        self,
+        records: tuple[Any, ...],
+        peers: Sequence[int],
+        failed: Callable[..., GateError],
+    ) -> StepGates:
+        """:meth:`step_done` from a ``_gates`` type's ``records()``: ``seq`` and the waits of
+        ``peers`` (the other ranks, in its order) advanced; a failure becomes ``failed(*it)``,
+        after which the exchange is unusable."""
+        seq, seconds, waits, failure, last = records
+        self.gates_done += seq - self._step_seq
+        self.seq = seq
+        for p, s in zip(peers, waits, strict=True):
+            self.peer_wait_s[p] += s
+        error = None
+        if failure is not None:
+            error = failed(*failure)
+            self._failure = str(error)
+            self._release()
+        total = None if last is None else np.frombuffer(last, dtype=_F32).reshape(1, -1)
+        return StepGates(seconds, total, error)
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -119,7 +119,6 @@ class MeshGateExchange(GateExchange):
                 TCP_SPIN_S,
             )
         )
-        self._step_seq = first_seq
 
     def step_gates(self, max_gates: int) -> object | None:
         """The native loop's gates for the C one-token step, where ``native`` is on: the step
@@ -128,26 +127,17 @@ class MeshGateExchange(GateExchange):
         does (the same bytes, sums and checks)."""
         if self._step is None or not self.native:
             return None
-        self._check_usable()
-        self._step_seq = self.seq
-        capsule: object = self._step.start(self.seq, max_gates)
-        return capsule
+        return self._native_step(self._step, max_gates)
 
     def step_done(self) -> StepGates:
         assert self._step is not None
-        seq, seconds, waits, failure, last = self._step.records()
-        self.seq = seq
-        self.gates_done += seq - self._step_seq
-        for p, s in zip(self._channels, waits, strict=True):
-            self.peer_wait_s[p] += s
-        error = None
-        if failure is not None:
-            code, i, err, got, tag = failure
-            error = self._native_failure(code, i, err, got, tag, 1)
-            self._failure = str(error)
-            self._release()
-        total = None if last is None else np.frombuffer(last, dtype=_F32).reshape(1, -1)
-        return StepGates(seconds, total, error)
+        return self._native_step_done(self._step.records(), list(self._channels), self._failed)
+
+    def _failed(
+        self, code: int, i: int, err: int, got: tuple[int, ...], _: object, tag: bytes
+    ) -> GateError:
+        """A C step's failed gate (one row), as ``records()`` gives it."""
+        return self._native_failure(code, i, err, got, tag, 1)
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
         raise NotImplementedError("a world sums in _sum")

@@ -27,11 +27,13 @@ from foundry.transport.gates.base import (
     SHM_YIELD_POLLS,
     GateError,
     GateExchange,
+    StepGates,
     _describe,
     _needs_checksum,
     _shm_dir,
     _unlink_quietly,
 )
+from foundry.transport.gates.channel import GATE_CLOSED, GATE_DESYNC, native
 from foundry.wire.tp import (
     SHM_NAME_PATTERN,
     SLAB_ATTACHED,
@@ -40,6 +42,7 @@ from foundry.wire.tp import (
     SLAB_STATE_OFFSET,
     SLOT_CRC_END,
     SLOT_CRC_START,
+    SLOT_HEADER,
     SlabLayout,
     TpProtocolError,
 )
@@ -86,6 +89,9 @@ class ShmGateExchange(GateExchange):
     early reads a stale or partial slot whose crc32 cannot match (the crc covers ``pub``, so
     even a complete stale round fails) and retries until the stores have landed. On x86 the
     crc is skipped: it would cost 4 us per 16 KiB on each side of every gate.
+
+    On a slab without checksums the C one-token step runs its gates itself
+    (:meth:`step_gates`: the same rounds in C, with C11 barriers, ``_gates.SlabGates``).
     """
 
     def __init__(
@@ -112,6 +118,25 @@ class ShmGateExchange(GateExchange):
         self._views: _SlabViews | None = _SlabViews(mm, self._layout)
         self._views.state[rank] = SLAB_ATTACHED
         self._scratch = np.empty(0, dtype=_F32)
+        layout = self._layout
+        self._step = (
+            None
+            if checksum or native is None
+            else native.SlabGates(
+                mm,
+                rank,
+                n_embd,
+                tuple(layout.slot_offset(r, p) for r in (0, 1) for p in (0, 1)),
+                SLOT_CRC_START,
+                SLOT_HEADER.size,
+                layout.seq_end_offset(0, 0) - layout.slot_offset(0, 0),
+                SLAB_STATE_OFFSET,
+                timeout_s,
+                SHM_SPIN_S,
+                SHM_SLEEP_FIRST_S,
+                SHM_SLEEP_MAX_S,
+            )
+        )
 
     @property
     def name(self) -> str:
@@ -214,6 +239,34 @@ class ShmGateExchange(GateExchange):
             self._unlink()
         return peer
 
+    def step_gates(self, max_gates: int) -> object | None:
+        """The rounds of a C one-token step's gates in C, on a slab without checksums: the
+        same slots, bytes, sums and checks as :meth:`_swap`'s, one round a gate."""
+        self._check_usable()  # a failed or closed slab says so, though it dropped its SlabGates
+        if self._step is None:
+            return None
+        return self._native_step(self._step, max_gates, self._pub)
+
+    def step_done(self) -> StepGates:
+        assert self._step is not None
+        first = self.seq
+        done = self._native_step_done(self._step.records(), [1 - self.rank], self._failed)
+        self._pub += self.seq - first
+        if self.seq > first and self._unlink is not None and self._unlink.alive:
+            self._unlink()  # the peer has attached, as after _swap's first round
+        return done
+
+    def _failed(self, code: int, peer_tag: bytes, tag: bytes) -> GateError:
+        """A C step's failed gate, as ``records()`` gives it, raised as :meth:`_collect` does."""
+        if code == GATE_DESYNC:
+            return self._desync(tag, peer_tag)
+        if code == GATE_CLOSED:
+            return GateError(f"peer closed the shared-memory slab during {_describe(tag)}")
+        return GateError(
+            f"peer stalled: no partial for {_describe(tag)} within {self.timeout_s:g} s "
+            "on the shared-memory slab"
+        )
+
     def _publish(self, tag: bytes, chunk: np.ndarray) -> None:
         assert self._views is not None
         pub = self._pub
@@ -272,6 +325,7 @@ class ShmGateExchange(GateExchange):
             return
         self._views.state[self.rank] = SLAB_CLOSED
         self._views = None
+        self._step = None  # its hold on the map (a step's capsule may keep it a while longer)
         # The map closes once no numpy view of it is left. One may still live in the traceback
         # of the error being raised; the map is then unmapped when that error is dropped.
         with contextlib.suppress(BufferError):

@@ -14,6 +14,7 @@ from foundry.transport.gates.base import (
     TCP_SPIN_S,
     GateError,
     GateExchange,
+    StepGates,
     _describe,
     _tail,
 )
@@ -37,7 +38,8 @@ class TcpGateExchange(GateExchange):
     Per gate, header (20 bytes) + partial go out while the peer's come in, one poll loop
     driving both directions. Works over any connected stream socket, a TLS socket included
     (:class:`~foundry.transport.gates.channel.GateChannel`); on a plain one the loop runs in C
-    (``channel.native``) unless ``native`` is set False (the benchmarks compare the two).
+    (``channel.native``) unless ``native`` is set False (the benchmarks compare the two), and
+    the C one-token step runs its gates itself (:meth:`step_gates`).
     """
 
     def __init__(
@@ -55,6 +57,40 @@ class TcpGateExchange(GateExchange):
         self._tag_in = bytearray(GATE_HEADER_SIZE)
         self._peer = np.empty(0, dtype=_F32)  # grows to the largest gate seen, then reused
         self.native = self._channel.native_fd is not None
+        fd = self._channel.native_fd
+        # The gates of a C one-token step: the same bytes and sum (``_gates.MeshGates``, whole).
+        self._step = (
+            None
+            if fd is None or native is None
+            else native.MeshGates(
+                [-1 if r == rank else fd for r in (0, 1)],
+                rank,
+                n_embd,
+                [self._tag_in],
+                timeout_s,
+                TCP_SPIN_S,
+                whole=True,
+            )
+        )
+
+    def step_gates(self, max_gates: int) -> object | None:
+        """The native loop's gates for the C one-token step, where ``native`` is on: each
+        gate's bytes, sum and checks as :meth:`_swap_native`'s, without Python between."""
+        if self._step is None or not self.native:
+            return None
+        return self._native_step(self._step, max_gates)
+
+    def step_done(self) -> StepGates:
+        assert self._step is not None
+        return self._native_step_done(self._step.records(), [1 - self.rank], self._failed)
+
+    def _failed(
+        self, code: int, _: int, err: int, got: tuple[int], sent: tuple[int], tag: bytes
+    ) -> GateError:
+        """A C step's failed gate (one row), as ``records()`` gives it."""
+        return self._native_error(
+            code, err, got[0], sent[0], tag, GATE_HEADER_SIZE + 4 * self.n_embd
+        )
 
     def _swap(self, tag: bytes, mine: np.ndarray) -> np.ndarray:
         rows = mine.shape[0]
@@ -100,16 +136,22 @@ class TcpGateExchange(GateExchange):
         code, _, err, (got,), (sent,), _ = native.swap(
             self._channel.native_fd, tag, mine, self._tag_in, peer, self.timeout_s, TCP_SPIN_S
         )
-        total = GATE_HEADER_SIZE + mine.nbytes
         if code == GATE_OK:
             return peer
+        raise self._native_error(code, err, got, sent, tag, GATE_HEADER_SIZE + mine.nbytes)
+
+    def _native_error(
+        self, code: int, err: int, got: int, sent: int, tag: bytes, total: int
+    ) -> GateError:
+        """The GateError of a native gate that ended with ``code`` (not GATE_OK), as the
+        Python loop raises it; ``total`` bytes each way."""
         if code == GATE_DESYNC:
-            raise self._desync(tag, bytes(self._tag_in))
+            return self._desync(tag, bytes(self._tag_in))
         if code == GATE_CLOSED:
-            raise self._channel.closed(tag, got, total)
+            return self._channel.closed(tag, got, total)
         if code == GATE_FAILED:
-            raise self._channel.failed(err, tag)
-        raise GateError(
+            return self._channel.failed(err, tag)
+        return GateError(
             f"peer stalled: no progress for {self.timeout_s:g} s during {_describe(tag)} "
             f"({_counts(sent, got, total)})"
         )
