@@ -624,29 +624,44 @@ static void capsule_release(PyObject *capsule) {
     Py_XDECREF((PyObject *)PyCapsule_GetContext(capsule));
 }
 
-static PyObject *mesh_gates_start(MeshGates *m, PyObject *args) {
-    unsigned long long seq;
-    int max_gates;
-    if (!PyArg_ParseTuple(args, "Ki", &seq, &max_gates)) return NULL;
+/* Room for max_gates gates' seconds in *gate_s (of *room); -1 with an exception if not. */
+static int gate_room(double **gate_s, int *room, int max_gates) {
     if (max_gates < 0) {
-        PyErr_SetString(PyExc_ValueError, "MeshGates.start: max_gates < 0");
-        return NULL;
+        PyErr_SetString(PyExc_ValueError, "start: max_gates < 0");
+        return -1;
     }
-    if (max_gates > m->max_gates) {
-        double *g = realloc(m->gate_s, (size_t)max_gates * sizeof(double));
-        if (g == NULL) return PyErr_NoMemory();
-        m->gate_s = g, m->max_gates = max_gates;
+    if (max_gates > *room) {
+        double *g = realloc(*gate_s, (size_t)max_gates * sizeof(double));
+        if (g == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *gate_s = g, *room = max_gates;
     }
-    m->seq = seq, m->gates = 0, m->failed = 0, m->open = 0;
-    memset(m->wait_s, 0, (size_t)m->world * sizeof(double));
-    PyObject *capsule = PyCapsule_New(&m->xch, STEP_EXCHANGE_CAPSULE, capsule_release);
+    return 0;
+}
+
+/* The capsule step_layers takes: xch, keeping its owner alive while the capsule lives. */
+static PyObject *step_capsule(step_exchange *xch, PyObject *owner) {
+    PyObject *capsule = PyCapsule_New(xch, STEP_EXCHANGE_CAPSULE, capsule_release);
     if (capsule == NULL) return NULL;
-    if (PyCapsule_SetContext(capsule, Py_NewRef(m)) < 0) {
-        Py_DECREF(m);
+    if (PyCapsule_SetContext(capsule, Py_NewRef(owner)) < 0) {
+        Py_DECREF(owner);
         Py_DECREF(capsule);
         return NULL;
     }
     return capsule;
+}
+
+static PyObject *mesh_gates_start(MeshGates *m, PyObject *args) {
+    unsigned long long seq;
+    int max_gates;
+    if (!PyArg_ParseTuple(args, "Ki", &seq, &max_gates) ||
+        gate_room(&m->gate_s, &m->max_gates, max_gates) < 0)
+        return NULL;
+    m->seq = seq, m->gates = 0, m->failed = 0, m->open = 0;
+    memset(m->wait_s, 0, (size_t)m->world * sizeof(double));
+    return step_capsule(&m->xch, (PyObject *)m);
 }
 
 static PyObject *mesh_gates_records(MeshGates *m, PyObject *unused) {
@@ -875,25 +890,11 @@ static PyObject *slab_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw
 static PyObject *slab_gates_start(SlabGates *s, PyObject *args) {
     unsigned long long seq, pub;
     int max_gates;
-    if (!PyArg_ParseTuple(args, "KiK", &seq, &max_gates, &pub)) return NULL;
-    if (max_gates < 0) {
-        PyErr_SetString(PyExc_ValueError, "SlabGates.start: max_gates < 0");
+    if (!PyArg_ParseTuple(args, "KiK", &seq, &max_gates, &pub) ||
+        gate_room(&s->gate_s, &s->max_gates, max_gates) < 0)
         return NULL;
-    }
-    if (max_gates > s->max_gates) {
-        double *g = realloc(s->gate_s, (size_t)max_gates * sizeof(double));
-        if (g == NULL) return PyErr_NoMemory();
-        s->gate_s = g, s->max_gates = max_gates;
-    }
     s->seq = seq, s->pub = pub, s->gates = 0, s->failed = 0, s->wait_s = 0;
-    PyObject *capsule = PyCapsule_New(&s->xch, STEP_EXCHANGE_CAPSULE, capsule_release);
-    if (capsule == NULL) return NULL;
-    if (PyCapsule_SetContext(capsule, Py_NewRef(s)) < 0) {
-        Py_DECREF(s);
-        Py_DECREF(capsule);
-        return NULL;
-    }
-    return capsule;
+    return step_capsule(&s->xch, (PyObject *)s);
 }
 
 static PyObject *slab_gates_records(SlabGates *s, PyObject *unused) {
