@@ -46,7 +46,7 @@ writers takes longer than a device command may run), written to ``--model-dir`` 
     OPENBLAS_NUM_THREADS=1 python bench/performance/tp_world_decode.py [--model FILE]
         [--preset bench] [--threads 16] [--worlds 2,4,8] [--tokens 32] [--slowed 4]
         [--timeout S] [--llama-3b] [--llama-cpp BUILD/bin [--gate-us 2:US,4:US]]
-        [--rate 1gbit [--burst-bytes 3028]] [--json PATH]
+        [--rate 1gbit [--burst-bytes 3028]] [--no-shm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -289,6 +289,7 @@ class World:
         *leader_args: str,
         pin: Sequence[int] | None = None,
         net: Network | None = None,
+        no_shm: bool = False,
     ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = [work / f"rank{r}.log" for r in range(len(threads))]
@@ -296,6 +297,7 @@ class World:
         pin = threads if pin is None else pin
         starts = [sum(pin[:r]) for r in range(len(threads))]
         common = ["--model", str(model), "--gate-timeout", str(timeout)]
+        common += ["--no-shm"] if no_shm else []
         self._spawn(
             0,
             [
@@ -402,8 +404,9 @@ def measure(
     *leader_args: str,
     pin: Sequence[int] | None = None,
     net: Network | None = None,
+    no_shm: bool = False,
 ) -> dict[str, object]:
-    world = World(model, threads, work, timeout, *leader_args, pin=pin, net=net)
+    world = World(model, threads, work, timeout, *leader_args, pin=pin, net=net, no_shm=no_shm)
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
@@ -466,6 +469,12 @@ def main() -> int:
         default=1,
         help="with --gate-us: time each rank's slice this many times, the ranks interleaved, "
         "and project from each rank's median (default 1)",
+    )
+    ap.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="a pair (N = 2) swaps its gates over TCP, as on two machines, instead of the "
+        "shared-memory slab one host gives it (the ranks' --no-shm)",
     )
     add_shaped_flags(ap)
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
@@ -552,7 +561,16 @@ def run_worlds(
             each = max(1, cores_each - a.spare)
             work = Path(tmp) / f"world{n}"
             work.mkdir()
-            m = measure(model, [each] * n, work, a.timeout, a.tokens, pin=[cores_each] * n, net=net)
+            m = measure(
+                model,
+                [each] * n,
+                work,
+                a.timeout,
+                a.tokens,
+                pin=[cores_each] * n,
+                net=net,
+                no_shm=a.no_shm,
+            )
             results[f"world_{n}"] = m
             rate = float(str(m["tokens_per_s"]))
             print(
