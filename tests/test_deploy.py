@@ -428,8 +428,12 @@ def test_compose_tp_workers_scale_into_a_world(tmp_path: Path) -> None:
         check=False,
     )
     assert got.returncode == 0, got.stderr
-    leader = json.loads(got.stdout)["services"]["tp-leader"]["command"]
+    services = json.loads(got.stdout)["services"]
+    leader = services["tp-leader"]["command"]
     assert "--world-size=4" in leader and "--shares=2,1,1,1" in leader
+    # The ranks share the machine's cores four ways, the training workers two ways.
+    assert "--colocated=4" in leader and "--colocated=4" in services["tp-worker"]["command"]
+    assert "--colocated=2" in services["worker"]["command"]
     got = subprocess.run(
         [
             tool("docker-compose"),

@@ -434,6 +434,34 @@ def test_up_divides_the_threads_between_the_processes_that_compute() -> None:
     )
 
 
+def test_colocated_services_divide_the_default_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--colocated K` (the ranks or workers of a Compose project on one machine): without
+    --threads each takes the machine's default divided by K, at least one; --threads wins."""
+    from foundry import hardware
+    from foundry.cli import build_parser
+    from foundry.commands.common import use_threads
+
+    monkeypatch.setattr(hardware, "default_threads", lambda: 16)
+    before = quant.threads()
+    parse = build_parser().parse_args
+    try:
+        for argv, want in (
+            (["tp-worker", "--model", "m.gguf", "--leader", "127.0.0.1:1"], 16),
+            (["tp-worker", "--model", "m.gguf", "--leader", "127.0.0.1:1", "--colocated", "3"], 5),
+            (["tp-leader", "--model", "m.gguf", "--colocated", "4"], 4),
+            (["worker", "--coordinator", "127.0.0.1:1", "--colocated", "32"], 1),
+            (["worker", "--coordinator", "127.0.0.1:1", "--colocated", "3", "--threads", "7"], 7),
+        ):
+            assert use_threads(parse(argv)) == want, argv
+            assert quant.threads() == want
+    finally:
+        quant.set_threads(before)
+    with pytest.raises(SystemExit):
+        parse(["worker", "--coordinator", "127.0.0.1:1", "--colocated", "0"])
+
+
 def test_generate_prints_the_same_text_at_any_thread_count(own_files: dict[str, Path]) -> None:
     import subprocess
     import sys

@@ -350,8 +350,12 @@ def integer_shares(text: str, also: str = "") -> tuple[int, ...] | None:
     return shares
 
 
-def add_threads_flag(parser: argparse.ArgumentParser, *, training: bool) -> None:
-    """``--threads N``: the CPU threads this process computes on (docs/quantization.md)."""
+def add_threads_flag(
+    parser: argparse.ArgumentParser, *, training: bool, colocated: bool = False
+) -> None:
+    """``--threads N``: the CPU threads this process computes on (docs/quantization.md); with
+    ``colocated``, ``--colocated K`` too (a service that may share its machine with K - 1 of
+    its kind)."""
     also = (
         ", BLAS's (numpy) and PyTorch's CPU threads"
         if training
@@ -366,6 +370,16 @@ def add_threads_flag(parser: argparse.ArgumentParser, *, training: bool) -> None
         "(default: the cores this process may use, or the physical cores among them where "
         "fewer; the results do not depend on it)",
     )
+    if colocated:
+        parser.add_argument(
+            "--colocated",
+            type=positive_int,
+            default=1,
+            metavar="K",
+            help="processes computing on this machine's cores, this one included (the "
+            "ranks or workers of a Compose project on one machine): without --threads, "
+            "each takes the default divided by K, at least 1 (default 1)",
+        )
 
 
 def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool = False) -> int:
@@ -375,12 +389,13 @@ def use_threads(args: argparse.Namespace, *, blas: bool = False, torch_cpu: bool
     ``--device auto`` without a GPU); else PyTorch keeps its own (``--device torch-cpu``,
     the tests' path, runs one thread: spinning torch threads on a loaded host cost far more
     than they give); with ``blas``, BLAS's threads, unless the environment fixed them and
-    ``--threads`` did not. Returns the count."""
+    ``--threads`` did not. Without ``--threads``, ``--colocated K`` divides the default by K.
+    Returns the count."""
     from foundry.hardware import default_threads
     from foundry.model.kernels.quant import set_threads
 
     asked = getattr(args, "threads", None)
-    n = asked if asked is not None else default_threads()
+    n = asked if asked is not None else max(1, default_threads() // getattr(args, "colocated", 1))
     set_threads(n)
     torch = sys.modules.get("torch")
     if torch is not None and (asked is not None or torch_cpu):

@@ -340,7 +340,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="write a Chrome trace of this worker's rounds (compute, compress, send, wait)",
     )
     add_device_flags(w, training=True)
-    add_threads_flag(w, training=True)
+    add_threads_flag(w, training=True, colocated=True)
     add_fragment_size_flag(w, "GRADIENTS")
     add_tls_flags(w, server=False, links="the link to the coordinator")
     add_metrics_flag(w)

@@ -282,7 +282,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default 64). --listen takes one pair (and 4 connections in bring-up)",
     )
     add_device_flags(lead, training=False)
-    add_threads_flag(lead, training=False)
+    add_threads_flag(lead, training=False, colocated=True)
     add_tls_flags(lead, server=True, links="--listen and --frontend-listen")
     lead.set_defaults(func=run_leader)
 
@@ -326,7 +326,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "tells them the address it sees this worker at)",
     )
     add_device_flags(work, training=False)
-    add_threads_flag(work, training=False)
+    add_threads_flag(work, training=False, colocated=True)
     add_tls_flags(
         work,
         server=False,
