@@ -399,6 +399,45 @@ done:
 
 #define HEAD 20 /* the gate header, wire.tp GATE_HEADER "<HBBQII": layer, gate, 0, seq, rows, n */
 
+/* A step's gates: how many ran, and the seconds of the first `room` of them (start's
+ * max_gates). MeshGates and SlabGates each keep one. */
+typedef struct {
+    double *seconds;
+    int count, room;
+} gate_log;
+
+/* A new step's log with room for max_gates gates; -1 with an exception if not. */
+static int log_start(gate_log *g, int max_gates) {
+    if (max_gates < 0) {
+        PyErr_SetString(PyExc_ValueError, "start: max_gates < 0");
+        return -1;
+    }
+    if (max_gates > g->room) {
+        double *more = realloc(g->seconds, (size_t)max_gates * sizeof(double));
+        if (more == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        g->seconds = more, g->room = max_gates;
+    }
+    g->count = 0;
+    return 0;
+}
+
+static void log_gate(gate_log *g, double seconds) {
+    if (g->count < g->room) g->seconds[g->count] = seconds;
+    g->count++;
+}
+
+/* The seconds kept, as a tuple (records()' second value). */
+static PyObject *log_seconds(const gate_log *g) {
+    const int kept = g->count < g->room ? g->count : g->room;
+    PyObject *t = PyTuple_New(kept);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(t, i, PyFloat_FromDouble(g->seconds[i]));
+    return t;
+}
+
 typedef struct {
     PyObject_HEAD int world, rank, n; /* n: n_embd */
     int whole;                        /* the pair's swap: the whole partial each way */
@@ -412,8 +451,9 @@ typedef struct {
     float *mem, **pieces, *total, *sums; /* pieces by rank; total: this rank's chunk; sums: n */
     int open;                            /* a gate begun and not yet moved */
     uint8_t tag[HEAD];
-    double *gate_s, *wait_s; /* this step's: each gate's seconds, each peer's waits */
-    int gates, max_gates, failed;
+    gate_log log;   /* this step's gates */
+    double *wait_s; /* this step's waits for each peer */
+    int failed;
     move_result failure;
     step_exchange xch;
 } MeshGates;
@@ -479,8 +519,7 @@ static void mesh_post(void *ctx, int c) {
 
 /* A gate's bookkeeping once its bytes moved: its seconds, the peers' waits, the next seq. */
 static void mesh_count(MeshGates *m, double t0) {
-    if (m->gates < m->max_gates) m->gate_s[m->gates] = now_s() - t0;
-    m->gates++;
+    log_gate(&m->log, now_s() - t0);
     for (int i = 0; i < m->world - 1; i++) m->wait_s[i] += m->peers[i].done_s;
     m->seq++;
 }
@@ -544,7 +583,7 @@ static void mesh_gates_dealloc(MeshGates *m) {
     free(m->pfd);
     free(m->mem);
     free(m->pieces);
-    free(m->gate_s);
+    free(m->log.seconds);
     free(m->wait_s);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -624,23 +663,6 @@ static void capsule_release(PyObject *capsule) {
     Py_XDECREF((PyObject *)PyCapsule_GetContext(capsule));
 }
 
-/* Room for max_gates gates' seconds in *gate_s (of *room); -1 with an exception if not. */
-static int gate_room(double **gate_s, int *room, int max_gates) {
-    if (max_gates < 0) {
-        PyErr_SetString(PyExc_ValueError, "start: max_gates < 0");
-        return -1;
-    }
-    if (max_gates > *room) {
-        double *g = realloc(*gate_s, (size_t)max_gates * sizeof(double));
-        if (g == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        *gate_s = g, *room = max_gates;
-    }
-    return 0;
-}
-
 /* The capsule step_layers takes: xch, keeping its owner alive while the capsule lives. */
 static PyObject *step_capsule(step_exchange *xch, PyObject *owner) {
     PyObject *capsule = PyCapsule_New(xch, STEP_EXCHANGE_CAPSULE, capsule_release);
@@ -656,20 +678,18 @@ static PyObject *step_capsule(step_exchange *xch, PyObject *owner) {
 static PyObject *mesh_gates_start(MeshGates *m, PyObject *args) {
     unsigned long long seq;
     int max_gates;
-    if (!PyArg_ParseTuple(args, "Ki", &seq, &max_gates) ||
-        gate_room(&m->gate_s, &m->max_gates, max_gates) < 0)
+    if (!PyArg_ParseTuple(args, "Ki", &seq, &max_gates) || log_start(&m->log, max_gates) < 0)
         return NULL;
-    m->seq = seq, m->gates = 0, m->failed = 0, m->open = 0;
+    m->seq = seq, m->failed = 0, m->open = 0;
     memset(m->wait_s, 0, (size_t)m->world * sizeof(double));
     return step_capsule(&m->xch, (PyObject *)m);
 }
 
 static PyObject *mesh_gates_records(MeshGates *m, PyObject *unused) {
     (void)unused;
-    const int kept = m->gates < m->max_gates ? m->gates : m->max_gates, peers = m->world - 1;
-    PyObject *gates = PyTuple_New(kept), *waits = PyTuple_New(peers), *failure = NULL;
+    const int peers = m->world - 1;
+    PyObject *gates = log_seconds(&m->log), *waits = PyTuple_New(peers), *failure = NULL;
     if (gates == NULL || waits == NULL) goto fail;
-    for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(gates, i, PyFloat_FromDouble(m->gate_s[i]));
     for (int i = 0; i < peers; i++) PyTuple_SET_ITEM(waits, i, PyFloat_FromDouble(m->wait_s[i]));
     if (m->failed) {
         PyObject *got = PyTuple_New(peers), *sent = PyTuple_New(peers);
@@ -688,7 +708,7 @@ static PyObject *mesh_gates_records(MeshGates *m, PyObject *unused) {
     } else {
         failure = Py_NewRef(Py_None);
     }
-    PyObject *last = m->gates && !m->failed
+    PyObject *last = m->log.count && !m->failed
                          ? PyBytes_FromStringAndSize((const char *)m->sums, (Py_ssize_t)m->n * 4)
                          : Py_NewRef(Py_None);
     if (last == NULL) {
@@ -750,9 +770,10 @@ typedef struct {
     double timeout_s, spin_s, sleep_first_s, sleep_max_s;
     uint64_t seq, pub;
     uint8_t tag[HEAD], peer_stamp[STAMP];
-    float *peer; /* the peer's partial, then the gate's total */
-    double *gate_s, wait_s;
-    int gates, max_gates, failed, failure;
+    float *peer;   /* the peer's partial, then the gate's total */
+    gate_log log;  /* this step's gates */
+    double wait_s; /* this step's waits for the peer */
+    int failed, failure;
     step_exchange xch;
 } SlabGates;
 
@@ -819,8 +840,7 @@ static int slab_gate(void *ctx, int layer, int gate, float *sum) {
         return -1;
     }
     const double dt = now_s() - t0;
-    if (s->gates < s->max_gates) s->gate_s[s->gates] = dt;
-    s->gates++;
+    log_gate(&s->log, dt);
     s->wait_s += dt;
     s->pub++;
     s->seq++;
@@ -832,7 +852,7 @@ static int slab_gate(void *ctx, int layer, int gate, float *sum) {
 static void slab_gates_dealloc(SlabGates *s) {
     if (s->slab.obj != NULL) PyBuffer_Release(&s->slab);
     free(s->peer);
-    free(s->gate_s);
+    free(s->log.seconds);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -890,24 +910,21 @@ static PyObject *slab_gates_new(PyTypeObject *type, PyObject *args, PyObject *kw
 static PyObject *slab_gates_start(SlabGates *s, PyObject *args) {
     unsigned long long seq, pub;
     int max_gates;
-    if (!PyArg_ParseTuple(args, "KiK", &seq, &max_gates, &pub) ||
-        gate_room(&s->gate_s, &s->max_gates, max_gates) < 0)
+    if (!PyArg_ParseTuple(args, "KiK", &seq, &max_gates, &pub) || log_start(&s->log, max_gates) < 0)
         return NULL;
-    s->seq = seq, s->pub = pub, s->gates = 0, s->failed = 0, s->wait_s = 0;
+    s->seq = seq, s->pub = pub, s->failed = 0, s->wait_s = 0;
     return step_capsule(&s->xch, (PyObject *)s);
 }
 
 static PyObject *slab_gates_records(SlabGates *s, PyObject *unused) {
     (void)unused;
-    const int kept = s->gates < s->max_gates ? s->gates : s->max_gates;
-    PyObject *gates = PyTuple_New(kept);
+    PyObject *gates = log_seconds(&s->log);
     if (gates == NULL) return NULL;
-    for (int i = 0; i < kept; i++) PyTuple_SET_ITEM(gates, i, PyFloat_FromDouble(s->gate_s[i]));
     PyObject *failure =
         s->failed ? Py_BuildValue("(iy#y#)", s->failure, (const char *)s->peer_stamp + 8,
                                   (Py_ssize_t)HEAD, (const char *)s->tag, (Py_ssize_t)HEAD)
                   : Py_NewRef(Py_None);
-    PyObject *last = s->gates && !s->failed
+    PyObject *last = s->log.count && !s->failed
                          ? PyBytes_FromStringAndSize((const char *)s->peer, (Py_ssize_t)s->n * 4)
                          : Py_NewRef(Py_None);
     if (failure == NULL || last == NULL) {

@@ -249,10 +249,10 @@ class ShmGateExchange(GateExchange):
 
     def step_done(self) -> StepGates:
         assert self._step is not None
-        first = self.seq
         done = self._native_step_done(self._step.records(), [1 - self.rank], self._failed)
-        self._pub += self.seq - first
-        if self.seq > first and self._unlink is not None and self._unlink.alive:
+        rounds = self.seq - self._step_seq  # one a gate
+        self._pub += rounds
+        if rounds and self._unlink is not None and self._unlink.alive:
             self._unlink()  # the peer has attached, as after _swap's first round
         return done
 
