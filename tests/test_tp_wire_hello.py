@@ -134,18 +134,22 @@ WEIGHT_EXT_GOLDEN = bytes.fromhex(
 )
 
 
+# A worker answering a world whose shares are still to be chosen, with its weight.
+WEIGHT_HELLO = Hello(
+    role=Role.WORKER,
+    identity=IDENTITY,
+    world=WorldInfo(
+        world_size=3, shares=(), rank=2, gate_port=7100, shares_from=tp.SharesFrom.SPEED
+    ),
+    weight=tp.RankWeight(speed=10000),
+)
+
+
 def test_weight_hello_golden_bytes_and_round_trip() -> None:
     """A worker answering a world whose shares are still to be chosen: the world extension with
     shares_from set and no shares, then its weight (flag bit 2, hello_size 232)."""
     assert tp.WEIGHT_EXT.size == 8 and tp.HELLO_WEIGHT_SIZE == 232
-    worker = Hello(
-        role=Role.WORKER,
-        identity=IDENTITY,
-        world=WorldInfo(
-            world_size=3, shares=(), rank=2, gate_port=7100, shares_from=tp.SharesFrom.SPEED
-        ),
-        weight=tp.RankWeight(speed=10000),
-    )
+    worker = WEIGHT_HELLO
     wire = encode(worker)
     assert len(wire) == 232 and wire[6:8] == bytes.fromhex("e800")
     assert wire[9] == tp.HELLO_WORLD | tp.HELLO_WEIGHT
@@ -215,15 +219,7 @@ def test_threads_hello_golden_bytes_and_round_trip() -> None:
         dataclasses.replace(worker, threads=0)
     ]
     # After the weight: at 232.
-    weighted = Hello(
-        role=Role.WORKER,
-        identity=IDENTITY,
-        world=WorldInfo(
-            world_size=3, shares=(), rank=2, gate_port=7100, shares_from=tp.SharesFrom.SPEED
-        ),
-        weight=tp.RankWeight(speed=10000),
-        threads=4,
-    )
+    weighted = dataclasses.replace(WEIGHT_HELLO, threads=4)
     both = encode(weighted)
     assert len(both) == 236 and both[6:8] == bytes.fromhex("ec00") and both[9] == 0x0E
     assert both[184:] == PENDING_EXT_GOLDEN + WEIGHT_EXT_GOLDEN + THREADS_EXT_GOLDEN
