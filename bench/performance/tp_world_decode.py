@@ -262,16 +262,17 @@ def in_netns(ns: str | None, fn: Any, *args: Any) -> Any:
     return value
 
 
-def world_status(frontend: int) -> tuple[bool, tuple[int, ...]]:
-    """(whether the world formed, each rank's share) from the leader's STATUS."""
+def world_status(frontend: int) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+    """(whether the world formed, each rank's share, the mean microseconds the leader waited
+    at a gate for each rank's partial beyond its own) from the leader's STATUS."""
     with socket.create_connection(("127.0.0.1", frontend), timeout=30) as s:
         s.sendall(fw.encode(fw.StatusReq(0)))
         decoder = fw.FrontendDecoder()
         while (frame := decoder.next_event()) is None:
             decoder.feed(s.recv(65536))
     if isinstance(frame, fw.Status) and frame.worker_connected:
-        return True, tuple(r.share for r in frame.ranks)
-    return False, ()
+        return True, tuple(r.share for r in frame.ranks), tuple(r.gate_wait_us for r in frame.ranks)
+    return False, (), ()
 
 
 class World:
@@ -375,7 +376,7 @@ class World:
             for r, p in enumerate(self.procs):
                 if p.poll() is not None:
                     raise SystemExit(f"rank {r} exited:\n{self.text(r)[-2000:]}")
-            formed, shares = in_netns(self._ns(), world_status, self.frontend)
+            formed, shares, _ = in_netns(self._ns(), world_status, self.frontend)
             if formed:
                 self.shares = shares
                 return
@@ -410,10 +411,12 @@ def measure(
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
+        _, _, waits = in_netns(world._ns(), world_status, world.frontend)
         return {
             "tokens": out,
             "tokens_per_s": rate,
             "shares": list(world.shares),
+            "gate_wait_us": list(waits),
             "chosen": chosen.group(1) if chosen else None,
         }
     finally:
@@ -581,6 +584,13 @@ def run_worlds(
                     if a.llama_cpp is not None
                     else ""
                 )
+            )
+            waits = m["gate_wait_us"]
+            assert isinstance(waits, list)
+            print(
+                f"      the leader's mean wait at a gate for "
+                f"{'rank 1' if n == 2 else f'ranks 1-{n - 1}'}'s partials beyond "
+                f"its own: {', '.join(map(str, waits[1:]))} us"
             )
         if gate_us:
             meta = read_metadata(model)
