@@ -524,6 +524,13 @@ static void mesh_count(MeshGates *m, double t0) {
     m->seq++;
 }
 
+/* A pair's total: sum (mine, n floats) += peer, the sum mine + peer's that tcp.py and shm.py
+ * make; then peer holds the total too (records()' last). */
+static void add_peer(float *sum, float *peer, int n) {
+    for (int i = 0; i < n; i++) sum[i] += peer[i];
+    memcpy(peer, sum, (size_t)n * sizeof(float));
+}
+
 /* The pair's gate (whole): swap's bytes, header + the whole partial each way; sum += the
  * peer's, which is mine + peer's, the sum tcp.py makes. */
 static int pair_gate(MeshGates *m, int layer, int gate, float *sum) {
@@ -546,8 +553,7 @@ static int pair_gate(MeshGates *m, int layer, int gate, float *sum) {
         return -1;
     }
     mesh_count(m, t0);
-    for (int i = 0; i < m->n; i++) sum[i] += m->sums[i];
-    memcpy(m->sums, sum, bytes); /* records()' last total */
+    add_peer(sum, m->sums, m->n);
     return 0;
 }
 
@@ -844,8 +850,7 @@ static int slab_gate(void *ctx, int layer, int gate, float *sum) {
     s->wait_s += dt;
     s->pub++;
     s->seq++;
-    for (int i = 0; i < s->n; i++) sum[i] += s->peer[i];
-    memcpy(s->peer, sum, (size_t)s->n * sizeof(float)); /* records()' last total */
+    add_peer(sum, s->peer, s->n);
     return 0;
 }
 

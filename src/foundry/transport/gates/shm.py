@@ -33,7 +33,7 @@ from foundry.transport.gates.base import (
     _shm_dir,
     _unlink_quietly,
 )
-from foundry.transport.gates.channel import GATE_CLOSED, GATE_DESYNC, native
+from foundry.transport.gates.channel import GATE_CLOSED, GATE_DESYNC, GATE_STALLED, native
 from foundry.wire.tp import (
     SHM_NAME_PATTERN,
     SLAB_ATTACHED,
@@ -257,7 +257,8 @@ class ShmGateExchange(GateExchange):
         return done
 
     def _failed(self, code: int, peer_tag: bytes, tag: bytes) -> GateError:
-        """A C step's failed gate, as ``records()`` gives it, raised as :meth:`_collect` does."""
+        """A failed gate's error: a C step's, as ``records()`` gives it, or :meth:`_collect`'s
+        (``peer_tag`` read only for GATE_DESYNC)."""
         if code == GATE_DESYNC:
             return self._desync(tag, peer_tag)
         if code == GATE_CLOSED:
@@ -304,7 +305,7 @@ class ShmGateExchange(GateExchange):
                         raise self._desync(tag, stamp[8:])
                     return
             if state[peer] == SLAB_CLOSED:
-                raise GateError(f"peer closed the shared-memory slab during {_describe(tag)}")
+                raise self._failed(GATE_CLOSED, b"", tag)
             polls += 1
             if polls % SHM_YIELD_POLLS:
                 continue
@@ -313,10 +314,7 @@ class ShmGateExchange(GateExchange):
                 os.sched_yield()
                 continue
             if waited > self.timeout_s:
-                raise GateError(
-                    f"peer stalled: no partial for {_describe(tag)} within {self.timeout_s:g} s "
-                    "on the shared-memory slab"
-                )
+                raise self._failed(GATE_STALLED, b"", tag)
             time.sleep(sleep)
             sleep = min(2 * sleep, SHM_SLEEP_MAX_S)
 
