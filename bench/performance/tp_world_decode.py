@@ -387,6 +387,10 @@ class World:
         out, times = in_netns(self._ns(), generate, self.frontend, PROMPT, tokens)
         return out, (len(times) - 1) / (times[-1] - times[0])
 
+    def gate_waits(self) -> tuple[int, ...]:
+        """Each rank's mean wait at a gate as the leader's STATUS reports it (us)."""
+        return in_netns(self._ns(), world_status, self.frontend)[2]
+
     def close(self) -> None:
         self.procs[0].send_signal(signal.SIGTERM)
         for p in self.procs:
@@ -411,7 +415,7 @@ def measure(
     try:
         out, rate = world.decode(tokens)
         chosen = CHOSEN.search(world.text(0))
-        _, _, waits = in_netns(world._ns(), world_status, world.frontend)
+        waits = world.gate_waits()
         return {
             "tokens": out,
             "tokens_per_s": rate,
